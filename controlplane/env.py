@@ -1,0 +1,115 @@
+"""Typed access to environment variables.
+
+Every setting the control plane reads from the environment goes through these
+helpers, so a bad value fails loudly at start-up instead of misbehaving later.
+`SETTINGS_ENV_VARS` collects every name read, which the README's configuration
+table and the infra manifests are checked against.
+"""
+
+from __future__ import annotations
+
+import os
+from decimal import Decimal, InvalidOperation
+from urllib.parse import parse_qs, unquote, urlparse
+
+SETTINGS_ENV_VARS: set[str] = set()
+
+
+class ImproperlyConfiguredEnv(ValueError):
+    """An environment variable holds a value that cannot be used."""
+
+
+def _raw(name: str) -> str | None:
+    SETTINGS_ENV_VARS.add(name)
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value.strip()
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    value = _raw(name)
+    return default if value is None else value
+
+
+def env_required(name: str) -> str:
+    value = _raw(name)
+    if value is None:
+        raise ImproperlyConfiguredEnv(f"{name} must be set")
+    return value
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    value = _raw(name)
+    if value is None:
+        return default
+    lowered = value.lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ImproperlyConfiguredEnv(f"{name} must be a boolean (1/0, true/false, yes/no, on/off), not {value!r}")
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ImproperlyConfiguredEnv(f"{name} must be an integer, not {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise ImproperlyConfiguredEnv(f"{name} must be at least {minimum}, not {number}")
+    if maximum is not None and number > maximum:
+        raise ImproperlyConfiguredEnv(f"{name} must be at most {maximum}, not {number}")
+    return number
+
+
+def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ImproperlyConfiguredEnv(f"{name} must be a number, not {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise ImproperlyConfiguredEnv(f"{name} must be at least {minimum}, not {number}")
+    return number
+
+
+def env_decimal(name: str, default: str) -> Decimal:
+    value = _raw(name) or default
+    try:
+        return Decimal(value)
+    except InvalidOperation:
+        raise ImproperlyConfiguredEnv(f"{name} must be a decimal number, not {value!r}") from None
+
+
+def env_list(name: str, default: list[str] | None = None) -> list[str]:
+    value = _raw(name)
+    if value is None:
+        return list(default or [])
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def parse_database_url(url: str) -> dict:
+    """Turn `postgresql://user:pass@host:port/name?host=/socket/dir` into Django's DATABASES entry."""
+    parsed = urlparse(url)
+    if parsed.scheme not in {"postgres", "postgresql", "pgsql"}:
+        raise ImproperlyConfiguredEnv(f"DATABASE_URL must be a postgresql:// URL, not {parsed.scheme or url!r}")
+    name = unquote(parsed.path.lstrip("/"))
+    if not name:
+        raise ImproperlyConfiguredEnv("DATABASE_URL must name a database")
+    query = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
+    host = query.pop("host", None) or parsed.hostname or ""
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": name,
+        "USER": unquote(parsed.username or ""),
+        "PASSWORD": unquote(parsed.password or ""),
+        "HOST": host,
+        "PORT": str(parsed.port or ""),
+        "OPTIONS": query,
+    }

@@ -1,0 +1,218 @@
+"""Messages between the GPU agent and the control plane (`/agent/v1/`).
+
+Both sides import this module; it imports nothing but the standard library, so
+the agent ships to GPU machines without Django. Every message is a dataclass
+that validates itself in `__post_init__` and converts to and from plain JSON
+with `to_dict()` / `from_dict()`; unknown keys from a newer peer are ignored.
+
+Flow:
+    POST /agent/v1/register   RegisterRequest  -> RegisterResponse   (join token in the body)
+    POST /agent/v1/heartbeat  Heartbeat        -> HeartbeatResponse  (Authorization: Bearer <node secret>)
+
+The heartbeat answer carries the node's *desired* replicas; the agent reconciles
+them against what it runs and reports each replica's actual state in the next
+heartbeat. A replica absent from `desired` must be drained and stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+
+class ReplicaState(str, enum.Enum):
+    PENDING = "PENDING"  # placed by the control plane, not yet started by the agent
+    STARTING = "STARTING"  # agent launched the engine; weights loading or engine warming up
+    READY = "READY"  # health check passed; serves requests
+    DRAINING = "DRAINING"  # no new requests; in-flight ones finish
+    STOPPED = "STOPPED"
+    FAILED = "FAILED"
+
+
+class NodeState(str, enum.Enum):
+    READY = "READY"
+    CORDONED = "CORDONED"  # keeps its replicas, gets no new ones
+    DRAINING = "DRAINING"  # replicas are moved away
+    OFFLINE = "OFFLINE"  # missed heartbeats
+
+
+class ReplicaAction(str, enum.Enum):
+    RUN = "RUN"
+    DRAIN = "DRAIN"  # stop taking requests, let in-flight ones finish, then stop
+
+
+def _coerce(tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if value is None:
+        return None
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        return [_coerce(inner, item) for item in value]
+    if origin is dict:
+        return dict(value)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+        return _coerce(args[0], value) if len(args) == 1 else value
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return tp.from_dict(value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(value)
+    return value
+
+
+class Message:
+    """JSON conversion shared by every protocol dataclass."""
+
+    def to_dict(self) -> dict[str, Any]:
+        def plain(value: Any) -> Any:
+            if isinstance(value, enum.Enum):
+                return value.value
+            if isinstance(value, Message):
+                return value.to_dict()
+            if isinstance(value, list):
+                return [plain(item) for item in value]
+            if isinstance(value, dict):
+                return {key: plain(item) for key, item in value.items()}
+            return value
+
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__} must be a JSON object")
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in data:
+                kwargs[f.name] = _coerce(hints[f.name], data[f.name])
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:  # a required field is missing
+            raise ValueError(f"{cls.__name__}: {exc}") from None
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(slots=True)
+class RegisterRequest(Message):
+    join_token: str
+    name: str
+    gpu_type: str  # catalogue name: "cpu", "l4", "a10g", "a100-80gb", "h100-80gb", "h200"
+    num_gpus: int
+    gpu_memory_mb: int  # per GPU; for CPU nodes the memory the engine may use for its KV cache
+    num_cpus: int
+    memory_mb: int
+    agent_version: str
+    engine_version: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        _require(bool(self.join_token), "join_token is required")
+        _require(bool(self.name) and len(self.name) <= 128, "name must be 1-128 characters")
+        _require(self.num_gpus >= 0 and self.num_cpus >= 1, "num_gpus must be >= 0 and num_cpus >= 1")
+        _require(self.gpu_memory_mb >= 0 and self.memory_mb > 0, "memory figures must be positive")
+
+
+@dataclass(slots=True)
+class RegisterResponse(Message):
+    node_id: str
+    node_secret: str
+    heartbeat_interval_s: float
+
+
+@dataclass(slots=True)
+class GpuStatus(Message):
+    index: int
+    name: str
+    utilization_percent: float
+    memory_used_mb: int
+    memory_total_mb: int
+    temperature_c: float | None = None
+
+
+@dataclass(slots=True)
+class ReplicaStatus(Message):
+    replica_id: str
+    state: ReplicaState
+    address: str = ""  # http://host:port of the engine's OpenAI server, once it listens
+    pid: int | None = None
+    num_running: int = 0  # requests being decoded (continuous batching)
+    num_waiting: int = 0  # requests queued in the engine
+    kv_cache_usage: float = 0.0  # 0..1
+    tokens_per_s: float = 0.0
+    num_restarts: int = 0
+    failure_reason: str = ""
+    # Cold-start progress the gateway streams to held clients, e.g. "loading weights 40%".
+    progress: str = ""
+    progress_percent: float | None = None
+
+    def __post_init__(self) -> None:
+        _require(bool(self.replica_id), "replica_id is required")
+        _require(0.0 <= self.kv_cache_usage <= 1.0, "kv_cache_usage must be within 0..1")
+        _require(self.num_running >= 0 and self.num_waiting >= 0, "request counts must be >= 0")
+
+
+@dataclass(slots=True)
+class WeightsStatus(Message):
+    source: str  # the endpoint's model_source
+    cache_key: str  # content address in the agent's cache
+    size_bytes: int = 0
+    downloaded_bytes: int = 0
+    complete: bool = False
+    last_used_at: float | None = None  # unix time
+
+
+@dataclass(slots=True)
+class Heartbeat(Message):
+    agent_version: str
+    num_cpus: int
+    memory_mb: int
+    memory_used_mb: int
+    cpu_percent: float = 0.0
+    gpus: list[GpuStatus] = field(default_factory=list)
+    replicas: list[ReplicaStatus] = field(default_factory=list)
+    weights: list[WeightsStatus] = field(default_factory=list)
+    disk_free_mb: int | None = None
+    standby_ready: bool = False  # a pre-imported engine process waits for a model
+
+
+@dataclass(slots=True)
+class ReplicaSpec(Message):
+    """Everything the agent needs to launch (or drain) one replica."""
+
+    replica_id: str
+    endpoint_id: str
+    served_model_name: str
+    model_source: str  # "hf:org/name[@revision]", "s3://bucket/prefix" or an absolute local path
+    action: ReplicaAction = ReplicaAction.RUN
+    quantization: str = "none"  # the endpoint's value; the agent maps it to engine flags per device
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_gpus: int = 1
+    drain_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _require(bool(self.replica_id) and bool(self.served_model_name), "replica_id and served_model_name required")
+        _require(self.max_model_len > 0 and self.max_num_seqs > 0, "max_model_len and max_num_seqs must be > 0")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be within (0, 1]")
+
+
+@dataclass(slots=True)
+class HeartbeatResponse(Message):
+    node_state: NodeState
+    heartbeat_interval_s: float
+    desired: list[ReplicaSpec] = field(default_factory=list)
