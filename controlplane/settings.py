@@ -59,6 +59,7 @@ INSTALLED_APPS = [
     "django.contrib.humanize",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "controlplane",
     "endpoints",
     "billing",
@@ -148,6 +149,10 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Endpoints, API keys, usage, billing and fleet. Inference itself is the OpenAI-compatible /v1 API.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI served from our own static files, never a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # --- Celery ----------------------------------------------------------------------
@@ -177,7 +182,9 @@ CELERY_BEAT_SCHEDULE = {
 # single machine (the embedded default), wrong for a shared fleet.
 ALLOW_LOCAL_MODEL_PATHS = env_bool("INFERPLANE_ALLOW_LOCAL_MODEL_PATHS", DEBUG or env_str("DATABASE_URL") is None)
 API_KEY_CACHE_S = env_float("INFERPLANE_API_KEY_CACHE_S", 5.0, minimum=0)
+AGENT_HEARTBEAT_INTERVAL_S = env_float("INFERPLANE_AGENT_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.2)
 NODE_HEARTBEAT_GRACE_S = env_float("INFERPLANE_NODE_HEARTBEAT_GRACE_S", 30.0, minimum=1)
+REPLICA_DRAIN_TIMEOUT_S = env_float("INFERPLANE_REPLICA_DRAIN_TIMEOUT_S", 120.0, minimum=1)
 REPLICA_START_TIMEOUT_S = env_float("INFERPLANE_REPLICA_START_TIMEOUT_S", 900.0, minimum=5)
 DEFAULT_MONTHLY_SPEND_CAP = env_decimal("INFERPLANE_DEFAULT_SPEND_CAP", "0")
 

@@ -114,6 +114,8 @@ class RegisterRequest(Message):
     agent_version: str
     engine_version: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    # Endpoint `quantization` values this node's engine can run; placement refuses the others.
+    supported_quantizations: list[str] = field(default_factory=lambda: ["none"])
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:

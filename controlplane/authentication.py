@@ -1,0 +1,44 @@
+"""DRF authentication by API key: `Authorization: Bearer ip_…`."""
+
+from rest_framework import authentication, exceptions
+
+from controlplane.models import Membership
+from controlplane.services import find_api_key
+
+
+class ApiKeyAuthentication(authentication.BaseAuthentication):
+    keyword = "Bearer"
+
+    def authenticate(self, request):
+        header = authentication.get_authorization_header(request).decode(errors="replace")
+        if not header:
+            return None
+        keyword, _, plain = header.partition(" ")
+        if keyword != self.keyword or not plain.strip():
+            raise exceptions.AuthenticationFailed("Use 'Authorization: Bearer <API key>'.")
+        api_key = find_api_key(plain.strip())
+        if api_key is None:
+            raise exceptions.AuthenticationFailed("Invalid, expired or revoked API key.")
+        user = api_key.created_by
+        # NOTE: a key acts with its creator's role, so it dies with the creator's membership.
+        if user is None or not user.is_active or not Membership.objects.filter(organization=api_key.organization, user=user).exists():
+            raise exceptions.AuthenticationFailed("The API key's creator is no longer a member of its organisation.")
+        return user, api_key
+
+    def authenticate_header(self, request):
+        return self.keyword
+
+
+try:
+    from drf_spectacular.extensions import OpenApiAuthenticationExtension
+except ImportError:  # pragma: no cover - the schema generator is always installed with the control plane
+    OpenApiAuthenticationExtension = None
+
+if OpenApiAuthenticationExtension is not None:
+
+    class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
+        target_class = "controlplane.authentication.ApiKeyAuthentication"
+        name = "ApiKey"
+
+        def get_security_definition(self, auto_schema):
+            return {"type": "http", "scheme": "bearer", "description": "An API key with the 'manage' scope."}

@@ -1,0 +1,13 @@
+from controlplane.tenancy import memberships_of
+
+
+def organization(request):
+    user = getattr(request, "user", None)
+    if user is None or not user.is_authenticated:
+        return {}
+    membership = getattr(request, "membership", None)
+    return {
+        "current_membership": membership if membership else None,
+        "current_organization": membership.organization if membership else None,
+        "all_memberships": memberships_of(user),
+    }

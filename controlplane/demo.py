@@ -1,0 +1,80 @@
+"""The local demo that `make run` seeds: an organisation, a staff admin, an API key, a join token
+for the local CPU agent and an endpoint serving a tiny model built on this machine.
+
+Its secrets are kept (mode 600) in the data folder so that a second `make run`
+prints the same working login and key instead of minting new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from django.contrib.auth import get_user_model
+from django.db import transaction
+
+from controlplane.models import ApiKey, Organization
+from controlplane.services import SYSTEM, bootstrap_organization, find_api_key
+from endpoints.models import Endpoint
+from endpoints.services import create_endpoint
+from gpu_agent.models import JoinToken
+from gpu_agent.services import create_join_token
+
+DEMO_ORG = "demo"
+DEMO_EMAIL = "admin@inferplane.local"
+DEMO_ENDPOINT = "tiny-chat"
+
+
+@dataclass(slots=True)
+class DemoSecrets:
+    password: str
+    api_key: str
+    join_token: str
+
+
+def build_tiny_model(models_dir: Path) -> Path:
+    path = models_dir / "tiny-llama"
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "gpu_agent", "tiny-model", str(path)], check=True)
+    return path
+
+
+def seed_demo(data_dir: Path) -> DemoSecrets:
+    secrets_file = data_dir / "demo.json"
+    stored = json.loads(secrets_file.read_text()) if secrets_file.exists() else {}
+    User = get_user_model()
+
+    with transaction.atomic():
+        password = stored.get("password") or secrets.token_urlsafe(12)
+        api_key = stored.get("api_key")
+        if not Organization.objects.filter(slug=DEMO_ORG).exists() or not api_key or find_api_key(api_key) is None:
+            _, owner, created = bootstrap_organization(slug=DEMO_ORG, owner_email=DEMO_EMAIL, name="Demo", password=password)
+            api_key = created.plain
+            ApiKey.objects.filter(pk=created.api_key.pk).update(name="demo (make run)")
+        owner = User.objects.get(username=DEMO_EMAIL)
+        if not owner.check_password(password):
+            owner.set_password(password)
+        owner.is_staff = owner.is_superuser = True
+        owner.save()
+
+        join_token = stored.get("join_token")
+        if not join_token or not JoinToken.objects.filter(lookup=join_token.split("_")[1], revoked_at__isnull=True).exists():
+            join_token = create_join_token(SYSTEM, name="local agent (make run)").plain
+
+    model_path = build_tiny_model(data_dir / "models")
+    organization = Organization.objects.get(slug=DEMO_ORG)
+    if not Endpoint.objects.for_org(organization).filter(name=DEMO_ENDPOINT).exists():
+        create_endpoint(
+            SYSTEM, organization, name=DEMO_ENDPOINT, model_source=str(model_path), gpu_type="cpu",
+            min_replicas=1, max_replicas=2, idle_timeout_s=300, target_concurrency=8,
+            max_model_len=1024, max_num_seqs=16, cold_start_timeout_s=300,
+        )
+
+    result = DemoSecrets(password=password, api_key=api_key, join_token=join_token)
+    secrets_file.write_text(json.dumps(asdict(result)))
+    secrets_file.chmod(0o600)
+    return result

@@ -1,0 +1,36 @@
+"""Liveness and readiness probes."""
+
+import asyncio
+
+from asgiref.sync import sync_to_async
+from django.db import connection
+from django.http import JsonResponse
+
+from controlplane.redis_client import get_async_redis
+
+
+async def healthz(request):
+    """The process is alive and serving; checks nothing else, so a database outage restarts no pod."""
+    return JsonResponse({"status": "ok"})
+
+
+def _database_answers() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+
+
+async def readyz(request):
+    """Ready for traffic: the database and Redis both answer."""
+    checks = {}
+    try:
+        await asyncio.wait_for(sync_to_async(_database_answers)(), timeout=2)
+        checks["database"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - any failure means not ready
+        checks["database"] = f"error: {type(exc).__name__}"
+    try:
+        await asyncio.wait_for(get_async_redis().ping(), timeout=2)
+        checks["redis"] = "ok"
+    except Exception as exc:  # noqa: BLE001
+        checks["redis"] = f"error: {type(exc).__name__}"
+    ready = all(value == "ok" for value in checks.values())
+    return JsonResponse({"status": "ok" if ready else "unavailable", "checks": checks}, status=200 if ready else 503)

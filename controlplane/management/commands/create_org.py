@@ -1,0 +1,32 @@
+import json
+
+from django.core.management.base import BaseCommand, CommandError
+from django.core.validators import validate_email, validate_slug
+from django.core.exceptions import ValidationError
+
+from controlplane.services import bootstrap_organization
+
+
+class Command(BaseCommand):
+    help = "Create an organisation, its owner (if new) and a manage+inference API key."
+
+    def add_arguments(self, parser):
+        parser.add_argument("slug")
+        parser.add_argument("--owner", required=True, help="owner's email; the user is created if new")
+        parser.add_argument("--name", help="display name (default: the slug)")
+        parser.add_argument("--password", help="set the owner's password (default: unchanged, or unusable if new)")
+        parser.add_argument("--json", dest="as_json", action="store_true", help='print {"org": …, "owner": …, "api_key": …}')
+
+    def handle(self, *args, slug, owner, name, password, as_json: bool, **options):
+        try:
+            validate_slug(slug)
+            validate_email(owner)
+        except ValidationError as exc:
+            raise CommandError("; ".join(exc.messages)) from None
+        organization, user, created_key = bootstrap_organization(slug=slug, owner_email=owner, name=name, password=password)
+        if as_json:
+            self.stdout.write(json.dumps({"org": organization.slug, "owner": user.email, "api_key": created_key.plain}))
+        else:
+            self.stdout.write(f"Organisation {organization.slug} owned by {user.email}")
+            self.stdout.write(f"API key (shown once): {created_key.plain}")
+

@@ -1,0 +1,134 @@
+"""`make run`: the whole platform on this machine.
+
+Migrates, seeds the demo, then starts and supervises the web server (ASGI),
+one Celery worker, one Celery beat and a GPU agent in CPU mode, each logging to
+`.data/logs/`. Ctrl-C stops them all.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand
+
+from controlplane import embedded
+from controlplane.demo import DEMO_EMAIL, DEMO_ENDPOINT, seed_demo
+
+
+class Command(BaseCommand):
+    help = "Run the web server, Celery worker and beat, and a local CPU GPU agent, with a seeded demo."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default=os.environ.get("INFERPLANE_HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=int(os.environ.get("INFERPLANE_PORT", "8000")))
+        parser.add_argument("--no-agent", action="store_true", help="do not start the local GPU agent")
+
+    def handle(self, *args, host: str, port: int, no_agent: bool, **options):
+        data_dir = embedded.data_dir()
+        logs_dir = data_dir / "logs"
+        logs_dir.mkdir(exist_ok=True)
+        call_command("migrate", interactive=False, verbosity=0)
+        self.stdout.write("Building the demo (tiny model, organisation, admin, key, endpoint)…")
+        demo = seed_demo(data_dir)
+
+        base_url = f"http://{host}:{port}"
+        env = os.environ | {
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+            "DATABASE_URL": settings.DATABASE_URL,
+            "REDIS_URL": settings.REDIS_URL,
+            "INFERPLANE_PUBLIC_URL": os.environ.get("INFERPLANE_PUBLIC_URL", base_url),
+            "PYTHONUNBUFFERED": "1",
+        }
+        python = sys.executable
+        commands = {
+            "web": [python, "-m", "uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port),
+                    "--no-access-log", "--timeout-graceful-shutdown", "30"],
+            "worker": [python, "-m", "celery", "-A", "controlplane", "worker", "--concurrency", "2", "--loglevel", "INFO",
+                       "--without-gossip", "--without-mingle", "-n", "local@%h"],
+            "beat": [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "INFO",
+                     "--schedule", str(data_dir / "celerybeat-schedule")],
+        }
+        if not no_agent:
+            commands["agent"] = [python, "-m", "gpu_agent", "run", "--control-plane", base_url, "--join-token", demo.join_token,
+                                 "--data-dir", str(data_dir / "agent"), "--cpu", "--name", "local-cpu"]
+        children: dict[str, subprocess.Popen] = {}
+        stopping = False
+
+        def stop_all(*_):
+            nonlocal stopping
+            stopping = True
+
+        signal.signal(signal.SIGINT, stop_all)
+        signal.signal(signal.SIGTERM, stop_all)
+        try:
+            for name, command in commands.items():
+                log = open(logs_dir / f"{name}.log", "ab")
+                children[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                if name == "web":
+                    self._wait_for(base_url, children["web"], logs_dir / "web.log")
+            self._print_banner(base_url, demo, logs_dir)
+            while not stopping:
+                for name, child in children.items():
+                    if child.poll() is not None:
+                        self.stderr.write(f"{name} exited with {child.returncode}; see {logs_dir / (name + '.log')}")
+                        stopping = True
+                time.sleep(0.5)
+        finally:
+            self.stdout.write("Stopping…")
+            for child in reversed(list(children.values())):
+                _signal_group(child, signal.SIGTERM)
+            deadline = time.monotonic() + 40
+            for child in children.values():
+                try:
+                    child.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal_group(child, signal.SIGKILL)
+            self.stdout.write("Stopped. PostgreSQL and Redis keep running with your data; `make stop` stops them.")
+
+    def _wait_for(self, base_url: str, child: subprocess.Popen, log: Path) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                raise SystemExit(f"the web server exited; see {log}")
+            try:
+                if httpx.get(f"{base_url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit(f"the web server did not answer in 60 s; see {log}")
+
+    def _print_banner(self, base_url: str, demo, logs_dir: Path) -> None:
+        self.stdout.write(self.style.SUCCESS(f"""
+Inferplane is running.
+
+  Console     {base_url}/            (log in as {DEMO_EMAIL} / {demo.password})
+  API docs    {base_url}/api/docs/
+  API key     {demo.api_key}
+  Logs        {logs_dir}/{{web,worker,beat,agent}}.log
+
+  curl -H "Authorization: Bearer {demo.api_key}" {base_url}/api/v1/endpoints/
+
+  curl {base_url}/v1/chat/completions -H "Authorization: Bearer {demo.api_key}" \\
+       -H "Content-Type: application/json" \\
+       -d '{{"model": "{DEMO_ENDPOINT}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
+
+The demo endpoint '{DEMO_ENDPOINT}' serves a tiny randomly initialised Llama built on this machine
+(its answers are gibberish by design); its replica is READY once the agent has started vLLM.
+Ctrl-C stops everything.
+"""))
+
+
+def _signal_group(child: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(child.pid, sig)
+    except ProcessLookupError:
+        pass

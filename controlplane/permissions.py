@@ -1,0 +1,38 @@
+"""Access rules for the management API."""
+
+from rest_framework import permissions
+
+from controlplane.models import ApiKey, Role, Scope
+from controlplane.tenancy import request_membership
+
+
+class IsOrganizationMember(permissions.BasePermission):
+    """Any member may read; members and above may write; a view may ask for more with `required_role`.
+
+    API keys need the `manage` scope here (an `inference` key only calls /v1).
+    """
+
+    message = "You do not have permission to perform this action."
+
+    def has_permission(self, request, view) -> bool:
+        if not request.user or not request.user.is_authenticated:
+            return False
+        if isinstance(request.auth, ApiKey) and not request.auth.has_scope(Scope.MANAGE):
+            self.message = "This API key lacks the 'manage' scope."
+            return False
+        membership = request_membership(request)
+        if membership is None:
+            return False
+        if request.method in permissions.SAFE_METHODS:
+            needed = getattr(view, "required_read_role", Role.VIEWER)
+        else:
+            needed = getattr(view, "required_role", Role.MEMBER)
+        if not membership.can(needed):
+            self.message = f"This action needs the {needed} role or higher."
+            return False
+        return True
+
+
+class IsStaff(permissions.BasePermission):
+    def has_permission(self, request, view) -> bool:
+        return bool(request.user and request.user.is_authenticated and request.user.is_staff)

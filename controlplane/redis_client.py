@@ -1,0 +1,28 @@
+"""The shared Redis connections: one sync client per process, one async client per event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import redis
+import redis.asyncio
+from django.conf import settings
+
+
+@functools.cache
+def get_redis() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL, decode_responses=True, health_check_interval=30)
+
+
+_async_clients: dict[int, redis.asyncio.Redis] = {}
+
+
+def get_async_redis() -> redis.asyncio.Redis:
+    # NOTE: an asyncio connection pool belongs to the loop that created it.
+    loop_id = id(asyncio.get_running_loop())
+    client = _async_clients.get(loop_id)
+    if client is None:
+        client = redis.asyncio.Redis.from_url(settings.REDIS_URL, decode_responses=True, max_connections=512)
+        _async_clients[loop_id] = client
+    return client

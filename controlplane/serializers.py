@@ -1,0 +1,72 @@
+"""Shapes of the accounts API, and the strictness every API serializer shares."""
+
+from django.utils import timezone
+from rest_framework import serializers
+
+from controlplane.models import ApiKey, AuditEvent, Membership, Organization, Scope
+
+
+class StrictModelSerializer(serializers.ModelSerializer):
+    """Rejects unknown and read-only fields, so a typo is a 400, not a silently ignored setting."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict):
+            errors = {}
+            for name in data:
+                if name not in self.fields:
+                    errors[name] = ["Unknown field."]
+                elif self.fields[name].read_only:
+                    errors[name] = ["This field is read-only."]
+            if errors:
+                raise serializers.ValidationError(errors)
+        return super().to_internal_value(data)
+
+
+class OrganizationSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Organization
+        fields = ["id", "name", "slug", "created_at"]
+        read_only_fields = fields
+
+
+class MembershipSerializer(serializers.ModelSerializer):
+    email = serializers.EmailField(source="user.email", read_only=True)
+
+    class Meta:
+        model = Membership
+        fields = ["id", "email", "role", "created_at"]
+        read_only_fields = ["id", "email", "created_at"]
+
+
+class ApiKeySerializer(StrictModelSerializer):
+    prefix = serializers.CharField(source="display_prefix", read_only=True)
+    scopes = serializers.ListField(
+        child=serializers.ChoiceField(choices=Scope.choices), allow_empty=False, default=[Scope.INFERENCE]
+    )
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "id", "name", "prefix", "scopes", "requests_per_minute", "tokens_per_minute",
+            "expires_at", "revoked_at", "last_used_at", "created_at",
+        ]
+        read_only_fields = ["id", "prefix", "revoked_at", "last_used_at", "created_at"]
+        extra_kwargs = {
+            "requests_per_minute": {"min_value": 1, "max_value": 1_000_000},
+            "tokens_per_minute": {"min_value": 1, "max_value": 1_000_000_000},
+        }
+
+    def validate_expires_at(self, value):
+        if value is not None and value <= timezone.now():
+            raise serializers.ValidationError("Must be in the future.")
+        return value
+
+
+class AuditEventSerializer(serializers.ModelSerializer):
+    actor = serializers.EmailField(source="actor.email", default=None, read_only=True)
+    api_key = serializers.CharField(source="api_key.display_prefix", default=None, read_only=True)
+
+    class Meta:
+        model = AuditEvent
+        fields = ["id", "created_at", "actor", "api_key", "action", "target_type", "target_id", "target_repr", "details", "source_ip"]
+        read_only_fields = fields

@@ -1,0 +1,211 @@
+"""Writes with side effects for accounts, organisations, API keys and the audit log."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.contrib.auth import get_user_model
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from django.utils.text import slugify
+
+from controlplane import tokens
+from controlplane.models import ApiKey, AuditEvent, Membership, Organization, Role, Scope
+
+User = get_user_model()
+
+# last_used_at is written at most this often per key, so hot keys cost no write per call.
+LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+
+@dataclass(slots=True, frozen=True)
+class Actor:
+    """Who performs an action: a signed-in user, an API key (acting for its creator), or the system."""
+
+    user: object | None = None
+    api_key: ApiKey | None = None
+    source_ip: str | None = None
+
+    @classmethod
+    def from_request(cls, request) -> Actor:
+        api_key = request.auth if isinstance(getattr(request, "auth", None), ApiKey) else None
+        user = request.user if getattr(request, "user", None) is not None and request.user.is_authenticated else None
+        return cls(user=user, api_key=api_key, source_ip=client_ip(request))
+
+
+SYSTEM = Actor()
+
+
+def client_ip(request) -> str | None:
+    # NOTE: behind the ingress the client is the first X-Forwarded-For hop, which the
+    # ingress sets; without one REMOTE_ADDR is the client.
+    forwarded = request.META.get("HTTP_X_FORWARDED_FOR", "")
+    candidate = forwarded.split(",")[0].strip() if forwarded else request.META.get("REMOTE_ADDR")
+    return candidate or None
+
+
+def record_audit(actor: Actor, organization, action: str, target=None, **details) -> AuditEvent:
+    return AuditEvent.objects.create(
+        organization=organization,
+        actor=actor.user,
+        api_key=actor.api_key,
+        action=action,
+        target_type=type(target).__name__ if target is not None else "",
+        target_id=str(getattr(target, "pk", "") or ""),
+        target_repr=str(target)[:200] if target is not None else "",
+        details=details,
+        source_ip=actor.source_ip,
+    )
+
+
+def unique_org_slug(name: str) -> str:
+    base = slugify(name)[:50] or "org"
+    slug, counter = base, 1
+    while Organization.objects.filter(slug=slug).exists():
+        counter += 1
+        slug = f"{base}-{counter}"
+    return slug
+
+
+@transaction.atomic
+def create_organization(actor: Actor, *, name: str, owner, slug: str | None = None) -> Organization:
+    organization = Organization.objects.create(name=name, slug=slug or unique_org_slug(name))
+    Membership.objects.create(organization=organization, user=owner, role=Role.OWNER)
+    record_audit(actor, organization, "organization.create", organization, owner=owner.email)
+    return organization
+
+
+@transaction.atomic
+def sign_up_user(*, email: str, password: str, organization_name: str, source_ip: str | None = None):
+    """A new user and their first organisation, which they own: nobody is ever without one."""
+    user = User.objects.create_user(username=email.lower(), email=email.lower(), password=password)
+    organization = create_organization(Actor(user=user, source_ip=source_ip), name=organization_name, owner=user)
+    return user, organization
+
+
+@transaction.atomic
+def add_member(actor: Actor, organization: Organization, *, user, role: str) -> Membership:
+    membership, created = Membership.objects.get_or_create(organization=organization, user=user, defaults={"role": role})
+    if not created and membership.role != role:
+        membership.role = role
+        membership.save(update_fields=["role"])
+    record_audit(actor, organization, "member.add" if created else "member.change_role", membership, role=role)
+    return membership
+
+
+class LastOwnerError(ValueError):
+    pass
+
+
+@transaction.atomic
+def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Membership:
+    _ensure_an_owner_remains(membership, leaving=role != Role.OWNER)
+    membership.role = role
+    membership.save(update_fields=["role"])
+    record_audit(actor, membership.organization, "member.change_role", membership, role=role)
+    return membership
+
+
+@transaction.atomic
+def remove_member(actor: Actor, membership: Membership) -> None:
+    _ensure_an_owner_remains(membership, leaving=True)
+    record_audit(actor, membership.organization, "member.remove", membership, email=membership.user.email)
+    membership.delete()
+
+
+def _ensure_an_owner_remains(membership: Membership, *, leaving: bool) -> None:
+    if not leaving or membership.role != Role.OWNER:
+        return
+    owners = Membership.objects.select_for_update().filter(organization=membership.organization, role=Role.OWNER)
+    if owners.exclude(pk=membership.pk).count() == 0:
+        raise LastOwnerError("An organisation needs at least one owner.")
+
+
+@dataclass(slots=True, frozen=True)
+class CreatedApiKey:
+    api_key: ApiKey
+    plain: str  # the only time the secret exists outside the client
+
+
+def create_api_key(
+    actor: Actor,
+    organization: Organization,
+    *,
+    name: str,
+    scopes: list[str],
+    expires_at: datetime | None = None,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
+) -> CreatedApiKey:
+    for _ in range(3):
+        issued = tokens.issue_token(ApiKey.TOKEN_KIND)
+        try:
+            with transaction.atomic():
+                api_key = ApiKey.objects.create(
+                    organization=organization,
+                    created_by=actor.user,
+                    name=name,
+                    lookup=issued.lookup,
+                    digest=issued.digest,
+                    scopes=sorted(set(scopes)),
+                    expires_at=expires_at,
+                    requests_per_minute=requests_per_minute,
+                    tokens_per_minute=tokens_per_minute,
+                )
+                record_audit(actor, organization, "api_key.create", api_key, scopes=api_key.scopes)
+            return CreatedApiKey(api_key=api_key, plain=issued.plain)
+        except IntegrityError:  # a lookup collision: astronomically rare, try a new one
+            continue
+    raise RuntimeError("could not allocate a unique API key lookup")
+
+
+@transaction.atomic
+def revoke_api_key(actor: Actor, api_key: ApiKey) -> ApiKey:
+    updated = ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    api_key.refresh_from_db()
+    if updated:
+        record_audit(actor, api_key.organization, "api_key.revoke", api_key)
+    return api_key
+
+
+def find_api_key(plain: str) -> ApiKey | None:
+    """The usable key that `plain` names, or None. Marks it used (coarsely)."""
+    lookup = tokens.split_token(plain, ApiKey.TOKEN_KIND)
+    if lookup is None:
+        return None
+    api_key = ApiKey.objects.select_related("organization", "created_by").filter(lookup=lookup).first()
+    if api_key is None or not tokens.token_matches(plain, api_key.digest) or not api_key.is_usable():
+        return None
+    touch_api_key(api_key)
+    return api_key
+
+
+def touch_api_key(api_key: ApiKey) -> None:
+    now = timezone.now()
+    if api_key.last_used_at is None or now - api_key.last_used_at > LAST_USED_RESOLUTION:
+        ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
+        api_key.last_used_at = now
+
+
+def bootstrap_organization(*, slug: str, owner_email: str, name: str | None = None, password: str | None = None):
+    """Operators' and tests' one-shot set-up: org, owner (created if new) and a manage+inference key."""
+    with transaction.atomic():
+        owner, created = User.objects.get_or_create(
+            username=owner_email.lower(), defaults={"email": owner_email.lower()}
+        )
+        if created or password:
+            if password:
+                owner.set_password(password)
+            else:
+                owner.set_unusable_password()
+            owner.save()
+        organization = Organization.objects.filter(slug=slug).first()
+        if organization is None:
+            organization = create_organization(SYSTEM, name=name or slug, owner=owner, slug=slug)
+        elif not Membership.objects.filter(organization=organization, user=owner).exists():
+            add_member(SYSTEM, organization, user=owner, role=Role.OWNER)
+    created_key = create_api_key(
+        Actor(user=owner), organization, name="bootstrap", scopes=[Scope.MANAGE, Scope.INFERENCE]
+    )
+    return organization, owner, created_key

@@ -1,0 +1,40 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.routers import DefaultRouter
+
+from controlplane import api as accounts_api
+from controlplane import health, views
+from endpoints import api as endpoints_api
+
+router = DefaultRouter(trailing_slash=True)
+router.register("endpoints", endpoints_api.EndpointViewSet, basename="endpoint")
+router.register("keys", accounts_api.ApiKeyViewSet, basename="api-key")
+router.register("members", accounts_api.MembershipViewSet, basename="member")
+router.register("audit-log", accounts_api.AuditEventViewSet, basename="audit-event")
+
+api_v1 = [
+    path("organization/", accounts_api.current_organization, name="current-organization"),
+    path("", include(router.urls)),
+]
+
+urlpatterns = [
+    path("healthz", health.healthz, name="healthz"),
+    path("readyz", health.readyz, name="readyz"),
+    path("api/v1/", include(api_v1)),
+    path("agent/v1/", include("gpu_agent.urls")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("", views.home, name="home"),
+    path("signup/", views.signup, name="signup"),
+    path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("password-reset/", auth_views.PasswordResetView.as_view(), name="password_reset"),
+    path("password-reset/done/", auth_views.PasswordResetDoneView.as_view(), name="password_reset_done"),
+    path("reset/<uidb64>/<token>/", auth_views.PasswordResetConfirmView.as_view(), name="password_reset_confirm"),
+    path("reset/done/", auth_views.PasswordResetCompleteView.as_view(), name="password_reset_complete"),
+    path("org/switch/", views.switch_organization, name="switch-organization"),
+    path("console/", include("endpoints.urls")),
+    path("django-admin/", admin.site.urls),
+]

@@ -1,0 +1,53 @@
+"""Management API for endpoints: `/api/v1/endpoints/`."""
+
+from django.db.models import Prefetch
+from drf_spectacular.utils import extend_schema
+from rest_framework import status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from controlplane.api import OrganizationScopedMixin
+from endpoints import services
+from endpoints.models import Endpoint, Replica
+from endpoints.serializers import EndpointDetailSerializer, EndpointEventSerializer, EndpointSerializer
+
+
+class EndpointViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+
+    def get_queryset(self):
+        return Endpoint.objects.for_org(self.organization).prefetch_related(
+            Prefetch("replicas", queryset=Replica.objects.select_related("node"))
+        )
+
+    def get_serializer_class(self):
+        return EndpointSerializer if self.action == "list" else EndpointDetailSerializer
+
+    def perform_create(self, serializer):
+        serializer.instance = services.create_endpoint(self.actor, self.organization, **serializer.validated_data)
+
+    def perform_update(self, serializer):
+        serializer.instance = services.update_endpoint(self.actor, serializer.instance, **serializer.validated_data)
+
+    def perform_destroy(self, endpoint):
+        services.delete_endpoint(self.actor, endpoint)
+
+    def _fresh(self, endpoint):
+        return Response(EndpointDetailSerializer(self.get_queryset().get(pk=endpoint.pk), context=self.get_serializer_context()).data)
+
+    @extend_schema(request=None, responses=EndpointDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def pause(self, request, pk=None):
+        return self._fresh(services.pause_endpoint(self.actor, self.get_object()))
+
+    @extend_schema(request=None, responses=EndpointDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def resume(self, request, pk=None):
+        return self._fresh(services.resume_endpoint(self.actor, self.get_object()))
+
+    @extend_schema(responses=EndpointEventSerializer(many=True))
+    @action(detail=True, methods=["get"])
+    def events(self, request, pk=None):
+        endpoint = self.get_object()
+        page = self.paginate_queryset(endpoint.events.all())
+        return self.get_paginated_response(EndpointEventSerializer(page, many=True).data)

@@ -1,0 +1,150 @@
+"""Endpoints (what a team deployed), their replicas (what runs) and their event log."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.utils import timezone
+
+from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
+from gpu_agent.protocol import ReplicaState
+
+
+class EndpointState(models.TextChoices):
+    PAUSED = "PAUSED", "Paused"
+    SCALED_TO_ZERO = "SCALED_TO_ZERO", "Scaled to zero"
+    STARTING = "STARTING", "Starting"
+    READY = "READY", "Ready"
+    FAILED = "FAILED", "Failed"
+
+
+class EndpointQuerySet(models.QuerySet):
+    def for_org(self, organization):
+        return self.filter(organization=organization, deleted_at__isnull=True)
+
+    def live(self):
+        return self.filter(deleted_at__isnull=True)
+
+
+class Endpoint(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.PROTECT, related_name="endpoints")
+    name = models.SlugField(max_length=63)  # the `model` in /v1 calls
+    model_source = models.CharField(max_length=500)
+    gpu_type = models.CharField(max_length=32, choices=[(name, gpu.label) for name, gpu in GPU_TYPES.items()])
+    quantization = models.CharField(max_length=32, choices=[(name, name) for name in QUANTIZATIONS], default="none")
+    min_replicas = models.PositiveIntegerField(default=0)
+    max_replicas = models.PositiveIntegerField(default=1)
+    idle_timeout_s = models.PositiveIntegerField(default=300)
+    target_concurrency = models.PositiveIntegerField(default=8)
+    max_model_len = models.PositiveIntegerField(default=4096)
+    max_num_seqs = models.PositiveIntegerField(default=64)
+    max_num_batched_tokens = models.PositiveIntegerField(null=True, blank=True)
+    cold_start_timeout_s = models.PositiveIntegerField(default=300)
+    enable_prefix_caching = models.BooleanField(default=True)
+    price_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
+    price_cached_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
+    price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6)
+    # Why the endpoint cannot get what it wants right now ("waiting for capacity: …"); empty when fine.
+    status_message = models.CharField(max_length=300, blank=True)
+    paused_at = models.DateTimeField(null=True, blank=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = EndpointQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["organization", "name"],
+                condition=models.Q(deleted_at__isnull=True),
+                name="endpoint_name_unique_in_org",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def state(self) -> str:
+        """The state a user sees, derived from the replicas (prefetch `replicas` in lists)."""
+        if self.paused_at is not None:
+            return EndpointState.PAUSED
+        states = {replica.state for replica in self.replicas.all()}
+        if ReplicaState.READY in states:
+            return EndpointState.READY
+        if states & {ReplicaState.PENDING, ReplicaState.STARTING}:
+            return EndpointState.STARTING
+        if self.min_replicas > 0 and ReplicaState.FAILED in states:
+            return EndpointState.FAILED
+        return EndpointState.SCALED_TO_ZERO
+
+
+ACTIVE_REPLICA_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING)
+FINAL_REPLICA_STATES = (ReplicaState.STOPPED, ReplicaState.FAILED)
+
+
+class ReplicaQuerySet(models.QuerySet):
+    def active(self):
+        return self.filter(state__in=ACTIVE_REPLICA_STATES)
+
+
+class Replica(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="replicas")
+    node = models.ForeignKey("gpu_agent.Node", on_delete=models.SET_NULL, null=True, blank=True, related_name="replicas")
+    state = models.CharField(max_length=16, choices=[(s.value, s.value.title()) for s in ReplicaState], default=ReplicaState.PENDING)
+    address = models.CharField(max_length=200, blank=True)  # http://host:port, once READY
+    failure_reason = models.TextField(blank=True)
+    # GPU memory this replica holds on its node, for placement (weights plus KV cache).
+    reserved_memory_mb = models.PositiveIntegerField(default=0)
+    num_restarts = models.PositiveIntegerField(default=0)
+    # Latest figures from the agent's heartbeat.
+    num_running = models.PositiveIntegerField(default=0)
+    num_waiting = models.PositiveIntegerField(default=0)
+    kv_cache_usage = models.FloatField(default=0.0)
+    tokens_per_s = models.FloatField(default=0.0)
+    progress = models.CharField(max_length=100, blank=True)
+    progress_percent = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    objects = ReplicaQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["created_at"]
+        indexes = [models.Index(fields=["endpoint", "state"]), models.Index(fields=["node", "state"])]
+
+    def __str__(self) -> str:
+        return f"{self.endpoint.name}/{str(self.id)[:8]}"
+
+
+class EventKind(models.TextChoices):
+    CONFIG = "config", "Configuration"
+    SCALE = "scale", "Scaling decision"
+    REPLICA = "replica", "Replica state"
+    COLD_START = "cold_start", "Cold start"
+    FAILURE = "failure", "Failure"
+    CAPACITY = "capacity", "Capacity"
+
+
+class EndpointEvent(models.Model):
+    """The endpoint's log a user reads: scaling decisions, replica states, cold starts, failures."""
+
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="events")
+    replica = models.ForeignKey(Replica, on_delete=models.SET_NULL, null=True, blank=True, related_name="events")
+    kind = models.CharField(max_length=16, choices=EventKind.choices)
+    message = models.CharField(max_length=300)
+    details = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return self.message

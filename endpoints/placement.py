@@ -1,0 +1,95 @@
+"""Placement: which node runs a new replica.
+
+Best fit by free GPU memory on READY nodes of the endpoint's GPU type whose
+engine supports the endpoint's quantization, preferring nodes that already hold
+the weights and spreading one endpoint's replicas over nodes. Never
+over-commits: a node's reservations never exceed its GPU memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.db.models import Sum
+
+from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
+from gpu_agent.models import Node
+from gpu_agent.protocol import NodeState
+
+# Without a size from an agent's weights cache, assume a small model: the agent
+# reports the real size after its first download and later placements use it.
+DEFAULT_WEIGHTS_MB = 1024
+KV_BYTES_PER_TOKEN = 16 * 1024
+QUANTIZED_WEIGHT_FACTOR = {"fp8": 0.5, "fp8_per_channel": 0.5, "int8": 0.5, "awq": 0.3, "gptq": 0.3}
+
+
+def weights_size_mb(endpoint: Endpoint) -> int:
+    """The largest size any agent reported for this model source, else the default guess."""
+    sizes = [
+        weights.get("size_bytes", 0)
+        for status in Node.objects.exclude(last_status={}).values_list("last_status", flat=True)
+        for weights in status.get("weights", [])
+        if weights.get("source") == endpoint.model_source
+    ]
+    return max(sizes) // (1024 * 1024) if sizes and max(sizes) > 0 else DEFAULT_WEIGHTS_MB
+
+
+def memory_needed_mb(endpoint: Endpoint, weights_mb: int | None = None) -> int:
+    """GPU memory one replica reserves: weights (after quantization) plus a KV-cache estimate."""
+    weights_mb = weights_size_mb(endpoint) if weights_mb is None else weights_mb
+    weights = weights_mb * QUANTIZED_WEIGHT_FACTOR.get(endpoint.quantization, 1.0)
+    kv_cache = endpoint.max_model_len * min(endpoint.max_num_seqs, 32) * KV_BYTES_PER_TOKEN / (1024 * 1024)
+    return int(weights + kv_cache) + 1
+
+
+@dataclass(slots=True, frozen=True)
+class PlacementDecision:
+    node: Node | None
+    reason: str  # why this node, or why none
+
+
+def node_holds_weights(node: Node, source: str) -> bool:
+    return any(w.get("source") == source and w.get("complete") for w in node.last_status.get("weights", []))
+
+
+def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used_mb: dict, replicas_here: dict) -> PlacementDecision:
+    if not candidates:
+        return PlacementDecision(None, f"no READY node of GPU type {endpoint.gpu_type}")
+    supported = [n for n in candidates if endpoint.quantization in n.quantizations]
+    if not supported:
+        return PlacementDecision(None, f"no {endpoint.gpu_type} node supports quantization {endpoint.quantization}")
+    fitting = [n for n in supported if n.total_gpu_memory_mb - used_mb.get(n.pk, 0) >= needed_mb]
+    if not fitting:
+        largest = max(n.total_gpu_memory_mb - used_mb.get(n.pk, 0) for n in supported)
+        return PlacementDecision(None, f"needs {needed_mb} MB of GPU memory, the most free on a {endpoint.gpu_type} node is {largest} MB")
+
+    def preference(node: Node):
+        free_after = node.total_gpu_memory_mb - used_mb.get(node.pk, 0) - needed_mb
+        return (replicas_here.get(node.pk, 0), not node_holds_weights(node, endpoint.model_source), free_after, node.name)
+
+    node = min(fitting, key=preference)
+    return PlacementDecision(node, "best fit")
+
+
+def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
+    """Create a PENDING replica on the best node, or explain why none fits.
+
+    NOTE: nodes are locked while reservations are summed, so two concurrent
+    placements can never both take the same free memory.
+    """
+    needed_mb = memory_needed_mb(endpoint)
+    with transaction.atomic():
+        candidates = list(
+            Node.objects.select_for_update().filter(state=NodeState.READY, gpu_type=endpoint.gpu_type).order_by("pk")
+        )
+        active = Replica.objects.filter(node__in=candidates, state__in=ACTIVE_REPLICA_STATES)
+        used_mb = dict(active.values_list("node").annotate(total=Sum("reserved_memory_mb")))
+        replicas_here = {}
+        for node_id in active.filter(endpoint=endpoint).values_list("node", flat=True):
+            replicas_here[node_id] = replicas_here.get(node_id, 0) + 1
+        decision = choose_node(endpoint, needed_mb, candidates, used_mb, replicas_here)
+        if decision.node is None:
+            return None, decision.reason
+        replica = Replica.objects.create(endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb)
+        return replica, f"placed on {decision.node.name} ({decision.reason}, {needed_mb} MB)"

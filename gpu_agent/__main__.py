@@ -1,0 +1,5 @@
+import sys
+
+from gpu_agent.runtime.cli import main
+
+sys.exit(main())

@@ -1,0 +1,59 @@
+"""The agent API (`/agent/v1/`): JSON in and out, shaped by `gpu_agent.protocol`.
+
+Agents authenticate with a join token once (in the register body) and with
+their node secret afterwards (`Authorization: Bearer nd_…`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from django.http import JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+
+from gpu_agent import protocol, services
+
+
+def _error(status: int, message: str) -> JsonResponse:
+    return JsonResponse({"error": {"message": message}}, status=status)
+
+
+def _parse(request, message_class):
+    try:
+        return message_class.from_dict(json.loads(request.body or b"null"))
+    except (ValueError, TypeError) as exc:
+        raise _BadRequest(str(exc)) from None
+
+
+class _BadRequest(Exception):
+    pass
+
+
+@csrf_exempt
+@require_POST
+def register(request):
+    try:
+        registration = _parse(request, protocol.RegisterRequest)
+        answer = services.register_node(registration)
+    except _BadRequest as exc:
+        return _error(400, f"invalid registration: {exc}")
+    except services.AgentAuthError as exc:
+        return _error(401, str(exc))
+    return JsonResponse(answer.to_dict(), status=201)
+
+
+@csrf_exempt
+@require_POST
+def heartbeat(request):
+    keyword, _, secret = request.headers.get("Authorization", "").partition(" ")
+    try:
+        if keyword != "Bearer":
+            raise services.AgentAuthError("send 'Authorization: Bearer <node secret>'")
+        node = services.authenticate_node(secret.strip())
+        report = _parse(request, protocol.Heartbeat)
+    except services.AgentAuthError as exc:
+        return _error(401, str(exc))
+    except _BadRequest as exc:
+        return _error(400, f"invalid heartbeat: {exc}")
+    return JsonResponse(services.record_heartbeat(node, report).to_dict())

@@ -1,0 +1,80 @@
+"""Command line: `python -m gpu_agent run ...` / `inferplane-agent run ...` and `tiny-model DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inferplane-agent", description="Inferplane GPU agent")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="register with the control plane and run replicas")
+    run.add_argument("--control-plane", required=True, help="control plane base URL, e.g. https://inferplane.example")
+    run.add_argument("--join-token", default=os.environ.get("INFERPLANE_JOIN_TOKEN", ""))
+    run.add_argument("--data-dir", default=os.environ.get("INFERPLANE_AGENT_DATA_DIR", str(Path.home() / ".inferplane-agent")))
+    run.add_argument("--name", default="", help="node name (default: host name)")
+    run.add_argument("--cpu", action="store_true", help="run engines on CPU even if GPUs are present")
+    run.add_argument("--weights-budget-gb", type=float, default=None, help="disk budget of the weights cache")
+    run.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3)")
+    run.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="KV cache per engine on CPU nodes")
+    run.add_argument("--log-level", default=os.environ.get("INFERPLANE_AGENT_LOG_LEVEL", "INFO"))
+
+    tiny = commands.add_parser("tiny-model", help="write a tiny random Llama for tests (no download)")
+    tiny.add_argument("directory")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO").upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "tiny-model":
+        from gpu_agent.runtime.tiny_model import build_tiny_model
+
+        print(build_tiny_model(args.directory))
+        return 0
+
+    from gpu_agent.runtime.agent import Agent, AgentConfig
+
+    if not args.join_token:
+        print("--join-token (or INFERPLANE_JOIN_TOKEN) is required", file=sys.stderr)
+        return 2
+    config = AgentConfig(
+        control_plane_url=args.control_plane,
+        join_token=args.join_token,
+        data_dir=Path(args.data_dir),
+        name=args.name,
+        force_cpu=args.cpu,
+        weights_budget_bytes=int(args.weights_budget_gb * 1e9) if args.weights_budget_gb else None,
+        s3_endpoint_url=args.s3_endpoint_url,
+        cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+    )
+    run_until_signalled(Agent(config))
+    return 0
+
+
+def run_until_signalled(agent) -> None:
+    """Run the agent until SIGTERM or SIGINT; every engine is stopped before this returns."""
+    stop = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        logging.getLogger(__name__).info("received %s: stopping engines", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    agent.run(stop)  # stops every engine before returning
+
+
+if __name__ == "__main__":
+    sys.exit(main())

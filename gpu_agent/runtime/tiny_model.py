@@ -1,0 +1,120 @@
+"""A tiny random-weight Llama with a locally trained tokenizer, for tests and benchmarks.
+
+It builds in seconds with no download, and vLLM's OpenAI server serves it
+(`/v1/completions` and `/v1/chat/completions`). The output is gibberish; what
+matters is that the engine, batching, quantization and the agent around them run
+for real. Everything is seeded, so two builds give the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SEED = 1234
+VOCAB_SIZE = 1024
+HIDDEN_SIZE = 128
+NUM_LAYERS = 2
+NUM_HEADS = 2  # head_dim 64: vLLM CPU attention supports 32, 64, 80, ... not 16
+MAX_POSITION_EMBEDDINGS = 2048
+
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+UNK_TOKEN = "<unk>"
+PAD_TOKEN = "<pad>"
+
+# Llama-2 style, kept to what Jinja in vLLM and transformers both accept.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a an model token engine replica batch cache request stream node gpu cpu memory "
+    "serve scale zero cold warm start stop drain ready failed weights bucket prefix key "
+    "hello world how are you today tell me a story about llamas and inference platforms "
+    "one two three four five six seven eight nine ten quick brown fox jumps over lazy dog"
+).split()
+
+
+def _corpus(num_lines: int = 4000) -> list[str]:
+    rng = random.Random(SEED)
+    lines = []
+    for _ in range(num_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        lines.append(" ".join(words) + rng.choice([".", "?", "!", ","]) + f" {rng.randint(0, 9999)}")
+    return lines
+
+
+def _build_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "unk_token": UNK_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "model_max_length": MAX_POSITION_EMBEDDINGS,
+        "add_bos_token": True,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": UNK_TOKEN, "pad_token": PAD_TOKEN}
+    (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+
+
+def build_tiny_model(directory: str | Path, *, dtype: str = "bfloat16") -> Path:
+    """Write a tiny Llama checkpoint (config, safetensors, tokenizer) into `directory`."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer(path)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    torch.manual_seed(SEED)
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=HIDDEN_SIZE * 4,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_HEADS,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+        eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
+        pad_token_id=tokenizer.token_to_id(PAD_TOKEN),
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+    )
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(str(path), safe_serialization=True)
+    generation = {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+    }
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return path

@@ -1,0 +1,230 @@
+"""Fleet writes: join tokens, node registration, heartbeats, cordon and drain."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from controlplane import tokens
+from controlplane.services import SYSTEM, Actor, record_audit
+from endpoints.models import ACTIVE_REPLICA_STATES, FINAL_REPLICA_STATES, EventKind, Replica
+from endpoints.services import record_event
+from gpu_agent import protocol
+from gpu_agent.models import JoinToken, Node
+from gpu_agent.protocol import NodeState, ReplicaAction, ReplicaState
+
+logger = logging.getLogger(__name__)
+
+
+class AgentAuthError(Exception):
+    """The agent's join token or node secret is not valid."""
+
+
+@dataclass(slots=True, frozen=True)
+class CreatedJoinToken:
+    join_token: JoinToken
+    plain: str
+
+
+def create_join_token(actor: Actor, *, name: str, expires_at: datetime | None = None, max_uses: int | None = None) -> CreatedJoinToken:
+    issued = tokens.issue_token(JoinToken.TOKEN_KIND)
+    with transaction.atomic():
+        join_token = JoinToken.objects.create(
+            name=name, lookup=issued.lookup, digest=issued.digest, created_by=actor.user,
+            expires_at=expires_at, max_uses=max_uses,
+        )
+        record_audit(actor, None, "join_token.create", join_token, max_uses=max_uses)
+    return CreatedJoinToken(join_token=join_token, plain=issued.plain)
+
+
+def revoke_join_token(actor: Actor, join_token: JoinToken) -> None:
+    if JoinToken.objects.filter(pk=join_token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()):
+        record_audit(actor, None, "join_token.revoke", join_token)
+
+
+def register_node(request: protocol.RegisterRequest) -> protocol.RegisterResponse:
+    """Admit a node with a join token; the answer carries its secret, which is stored only as a hash."""
+    lookup = tokens.split_token(request.join_token, JoinToken.TOKEN_KIND)
+    join_token = JoinToken.objects.filter(lookup=lookup).first() if lookup else None
+    if join_token is None or not tokens.token_matches(request.join_token, join_token.digest) or not join_token.is_usable():
+        raise AgentAuthError("invalid, expired, revoked or used-up join token")
+    issued = tokens.issue_token(Node.SECRET_KIND)
+    with transaction.atomic():
+        # NOTE: the use count is claimed with a conditional update so a token with max_uses=1
+        # admits exactly one node even under concurrent registrations.
+        claimed = JoinToken.objects.filter(pk=join_token.pk).filter(
+            Q(max_uses__isnull=True) | Q(num_uses__lt=F("max_uses"))
+        ).update(num_uses=F("num_uses") + 1)
+        if not claimed:
+            raise AgentAuthError("join token is used up")
+        node = Node.objects.create(
+            name=request.name, gpu_type=request.gpu_type, num_gpus=request.num_gpus,
+            gpu_memory_mb=request.gpu_memory_mb, num_cpus=request.num_cpus, memory_mb=request.memory_mb,
+            labels=request.labels, quantizations=list(request.supported_quantizations),
+            agent_version=request.agent_version, engine_version=request.engine_version,
+            secret_lookup=issued.lookup, secret_digest=issued.digest, join_token=join_token,
+            last_heartbeat_at=timezone.now(),
+        )
+        record_audit(SYSTEM, None, "node.register", node, gpu_type=node.gpu_type, num_gpus=node.num_gpus)
+    logger.info("node %s (%s) registered", node.name, node.pk)
+    return protocol.RegisterResponse(
+        node_id=str(node.pk), node_secret=issued.plain, heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S
+    )
+
+
+def authenticate_node(secret: str) -> Node:
+    lookup = tokens.split_token(secret, Node.SECRET_KIND)
+    node = Node.objects.filter(secret_lookup=lookup).first() if lookup else None
+    if node is None or not tokens.token_matches(secret, node.secret_digest):
+        raise AgentAuthError("invalid node secret")
+    return node
+
+
+def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.HeartbeatResponse:
+    """Take the agent's report, move replica states forward, and answer with the desired replicas."""
+    now = timezone.now()
+    status = heartbeat.to_dict()
+    status.pop("replicas", None)
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        came_back = node.state == NodeState.OFFLINE
+        node.last_heartbeat_at = now
+        node.last_status = status
+        node.agent_version = heartbeat.agent_version
+        if came_back:
+            # NOTE: its replicas were failed and replaced while it was gone; they are absent from
+            # `desired` below, so the agent stops them: a returning node is reconciled, not trusted.
+            node.state = NodeState.READY
+        node.save(update_fields=["last_heartbeat_at", "last_status", "agent_version", "state"])
+    if came_back:
+        record_audit(SYSTEM, None, "node.online", node)
+    for report in heartbeat.replicas:
+        apply_replica_report(node, report)
+    return protocol.HeartbeatResponse(
+        node_state=NodeState(node.state),
+        heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S,
+        desired=desired_replicas(node),
+    )
+
+
+def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
+    with transaction.atomic():
+        replica = (
+            Replica.objects.select_for_update().select_related("endpoint").filter(pk=report.replica_id, node=node).first()
+        )
+        if replica is None:
+            return
+        previous = replica.state
+        new_state = _next_state(previous, report.state)
+        now = timezone.now()
+        fields = {
+            "num_running": report.num_running, "num_waiting": report.num_waiting,
+            "kv_cache_usage": report.kv_cache_usage, "tokens_per_s": report.tokens_per_s,
+            "progress": report.progress[:100], "progress_percent": report.progress_percent,
+        }
+        if report.address:
+            fields["address"] = report.address
+        if report.num_restarts > replica.num_restarts:
+            fields["num_restarts"] = report.num_restarts
+            record_event(
+                replica.endpoint, EventKind.FAILURE,
+                f"Replica {str(replica.pk)[:8]} engine crashed and was restarted (restart {report.num_restarts})",
+                replica=replica, reason=report.failure_reason[-500:],
+            )
+        if new_state != previous:
+            fields["state"] = new_state
+            fields["state_changed_at"] = now
+            if new_state == ReplicaState.READY:
+                fields["ready_at"] = now
+            if new_state in FINAL_REPLICA_STATES:
+                fields["stopped_at"] = now
+                fields["num_running"] = fields["num_waiting"] = 0
+            if new_state == ReplicaState.FAILED:
+                fields["failure_reason"] = report.failure_reason[-2000:] or "engine failed"
+        Replica.objects.filter(pk=replica.pk).update(**fields)
+    if new_state != previous:
+        _announce_transition(replica, previous, new_state, report)
+
+
+def _next_state(current: str, reported: ReplicaState) -> str:
+    """The control plane's state after an agent report.
+
+    The control plane owns DRAINING and the final states: an agent saying READY
+    never revives a replica that was told to drain or was already stopped.
+    """
+    if current in FINAL_REPLICA_STATES:
+        return current
+    if reported in (ReplicaState.STOPPED, ReplicaState.FAILED):
+        return reported
+    if current == ReplicaState.DRAINING:
+        return current
+    if reported == ReplicaState.DRAINING:  # the agent drains on its own (e.g. its shutdown)
+        return reported
+    if current == ReplicaState.PENDING and reported in (ReplicaState.STARTING, ReplicaState.READY):
+        return reported
+    if current == ReplicaState.STARTING and reported == ReplicaState.READY:
+        return reported
+    return current
+
+
+def _announce_transition(replica: Replica, previous: str, new_state: str, report: protocol.ReplicaStatus) -> None:
+    short = str(replica.pk)[:8]
+    details = {"from": previous, "to": new_state}
+    if new_state == ReplicaState.READY:
+        seconds = (timezone.now() - replica.created_at).total_seconds()
+        record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} READY after {seconds:.1f} s", replica=replica,
+                     cold_start_s=round(seconds, 3), **details)
+    elif new_state == ReplicaState.FAILED:
+        record_event(replica.endpoint, EventKind.FAILURE, f"Replica {short} failed: {(report.failure_reason or 'engine failed')[-200:]}",
+                     replica=replica, **details)
+        from endpoints.tasks import reconcile_endpoint
+
+        transaction.on_commit(lambda: reconcile_endpoint.delay(str(replica.endpoint_id)))
+    else:
+        record_event(replica.endpoint, EventKind.REPLICA, f"Replica {short} {previous} → {new_state}", replica=replica, **details)
+
+
+def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
+    if node.state == NodeState.OFFLINE:
+        return []
+    replicas = Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).select_related("endpoint")
+    return [replica_spec(replica) for replica in replicas]
+
+
+def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
+    endpoint = replica.endpoint
+    return protocol.ReplicaSpec(
+        replica_id=str(replica.pk),
+        endpoint_id=str(endpoint.pk),
+        served_model_name=endpoint.name,
+        model_source=endpoint.model_source,
+        action=ReplicaAction.DRAIN if replica.state == ReplicaState.DRAINING else ReplicaAction.RUN,
+        quantization=endpoint.quantization,
+        max_model_len=endpoint.max_model_len,
+        max_num_seqs=endpoint.max_num_seqs,
+        max_num_batched_tokens=endpoint.max_num_batched_tokens,
+        enable_prefix_caching=endpoint.enable_prefix_caching,
+        drain_timeout_s=float(settings.REPLICA_DRAIN_TIMEOUT_S),
+    )
+
+
+def set_node_state(actor: Actor, node: Node, state: NodeState) -> Node:
+    """Cordon (no new replicas), drain (move replicas away) or uncordon a node."""
+    from endpoints.services import drain_replica
+
+    Node.objects.filter(pk=node.pk).update(state=state)
+    node.refresh_from_db()
+    record_audit(actor, None, f"node.{state.value.lower()}", node)
+    if state == NodeState.DRAINING:
+        for replica in Replica.objects.filter(node=node, state__in=[ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY]).select_related("endpoint"):
+            drain_replica(replica, reason=f"node {node.name} draining")
+            from endpoints.tasks import reconcile_endpoint
+
+            transaction.on_commit(lambda endpoint_id=str(replica.endpoint_id): reconcile_endpoint.delay(endpoint_id))
+    return node

@@ -1,0 +1,84 @@
+"""Fixtures for the standalone agent runtime. Nothing here touches Django's database."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpu_agent.protocol import ReplicaSpec
+from gpu_agent.runtime.engine import EngineCommand
+
+FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from gpu_agent.runtime.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def make_spec(replica_id: str = "r-1", **overrides) -> ReplicaSpec:
+    values = {
+        "replica_id": replica_id,
+        "endpoint_id": "e-1",
+        "served_model_name": "tiny",
+        "model_source": "/nonexistent",
+        "max_model_len": 512,
+        "max_num_seqs": 32,
+        "drain_timeout_s": 30.0,
+    }
+    values.update(overrides)
+    return ReplicaSpec(**values)
+
+
+def fake_engine_factory(*extra_args: str):
+    """A command factory for Supervisor/Agent that launches tests/agent/fake_engine.py."""
+
+    def factory(spec: ReplicaSpec, model_path: Path, port: int) -> EngineCommand:
+        argv = [sys.executable, str(FAKE_ENGINE), "--port", str(port), "--served-model-name", spec.served_model_name]
+        return EngineCommand(argv=[*argv, *extra_args], port=port)
+
+    return factory
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.1, poll=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if poll is not None:
+            poll()
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step_s)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+def processes_with_marker(replica_id: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if process.environ().get("INFERPLANE_REPLICA_ID") == replica_id and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _clean_redis():
+    """Overrides the project-wide Redis flush: the agent runtime uses no Redis (and no database)."""
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_env(monkeypatch):
+    # A developer's AWS settings must not leak into the S3 tests.
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

@@ -1,0 +1,83 @@
+"""A stand-in for `vllm serve` that starts in milliseconds (supervisor and agent tests).
+
+Serves /health, /metrics (running requests read from --running-file) and
+/v1/completions; spawns a worker child like vLLM's EngineCore so that tests see
+whether the whole process group goes away.
+"""
+
+import argparse
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--port", type=int, required=True)
+parser.add_argument("--served-model-name", default="fake")
+parser.add_argument("--ready-after-s", type=float, default=0.0)
+parser.add_argument("--exit-after-s", type=float, default=None, help="crash (exit 3) after this long")
+parser.add_argument("--running-file", default="", help="file holding the number of running requests")
+parser.add_argument("--ignore-sigterm", action="store_true")
+args, _ = parser.parse_known_args()
+
+started_at = time.monotonic()
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+if args.ignore_sigterm:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    def on_term(*_):
+        worker.terminate()
+        os._exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def running() -> int:
+    try:
+        with open(args.running_file) as handle:
+            return int(handle.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *_):
+        pass
+
+    def _send(self, status, body, content_type="application/json"):
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        ready = time.monotonic() - started_at >= args.ready_after_s
+        if self.path == "/health":
+            self._send(200 if ready else 503, "")
+        elif self.path == "/metrics":
+            text = (
+                f'vllm:num_requests_running{{engine="0"}} {running()}.0\n'
+                'vllm:num_requests_waiting{engine="0"} 0.0\n'
+                'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+                f'vllm:generation_tokens_total{{engine="0"}} {int((time.monotonic() - started_at) * 10)}.0\n'
+            )
+            self._send(200, text, "text/plain")
+        else:
+            self._send(404, "{}")
+
+    def do_POST(self):
+        length = int(self.headers.get("Content-Length", 0))
+        self.rfile.read(length)
+        body = {"model": args.served_model_name, "choices": [{"text": "ok"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        self._send(200, json.dumps(body))
+
+
+if args.exit_after_s is not None:
+    threading.Timer(args.exit_after_s, lambda: os._exit(3)).start()
+http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()

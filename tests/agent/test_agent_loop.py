@@ -1,0 +1,246 @@
+"""The agent's HTTP loop against a tiny fake control plane speaking `gpu_agent.protocol`."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from gpu_agent.protocol import (
+    Heartbeat,
+    HeartbeatResponse,
+    NodeState,
+    RegisterRequest,
+    RegisterResponse,
+    ReplicaAction,
+    ReplicaState,
+)
+from gpu_agent.runtime.agent import Agent, AgentConfig
+from gpu_agent.runtime.supervisor import SupervisorPolicy
+
+from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
+from .test_weights_cache import s3, s3_endpoint, upload_model  # noqa: F401  (fixtures)
+
+
+class FakeControlPlane:
+    """Registers nodes, records heartbeats and answers with whatever `desired` holds."""
+
+    def __init__(self) -> None:
+        self.join_token = "join-123"
+        self.secrets: set[str] = set()
+        self.registrations: list[RegisterRequest] = []
+        self.heartbeats: list[Heartbeat] = []
+        self.desired = []
+        self.num_failures_to_inject = 0
+        self.lock = threading.Lock()
+        plane = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *_):
+                pass
+
+            def reply(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with plane.lock:
+                    if plane.num_failures_to_inject:
+                        plane.num_failures_to_inject -= 1
+                        return self.reply(503, {"error": "busy"})
+                    if self.path == "/agent/v1/register":
+                        request = RegisterRequest.from_dict(body)
+                        if request.join_token != plane.join_token:
+                            return self.reply(401, {"error": "bad join token"})
+                        plane.registrations.append(request)
+                        secret = f"secret-{len(plane.registrations)}"
+                        plane.secrets.add(secret)
+                        answer = RegisterResponse(node_id="node-1", node_secret=secret, heartbeat_interval_s=0.2)
+                        return self.reply(201, answer.to_dict())
+                    if self.path == "/agent/v1/heartbeat":
+                        token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+                        if token not in plane.secrets:
+                            return self.reply(401, {"error": "unknown node"})
+                        plane.heartbeats.append(Heartbeat.from_dict(body))
+                        answer = HeartbeatResponse(
+                            node_state=NodeState.READY, heartbeat_interval_s=0.2, desired=list(plane.desired)
+                        )
+                        return self.reply(200, answer.to_dict())
+                return self.reply(404, {})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def last_states(self) -> dict[str, ReplicaState]:
+        with self.lock:
+            if not self.heartbeats:
+                return {}
+            return {status.replica_id: status.state for status in self.heartbeats[-1].replicas}
+
+    def all_progress(self) -> list[str]:
+        with self.lock:
+            return [status.progress for beat in self.heartbeats for status in beat.replicas if status.progress]
+
+
+@pytest.fixture
+def control_plane():
+    plane = FakeControlPlane()
+    yield plane
+    plane.server.shutdown()
+
+
+@pytest.fixture
+def running_agent(control_plane, tmp_path, s3_endpoint):  # noqa: F811
+    agents = []
+
+    def start(**config):
+        agent = Agent(
+            AgentConfig(
+                control_plane_url=control_plane.url,
+                join_token=control_plane.join_token,
+                data_dir=tmp_path / "agent",
+                force_cpu=True,
+                s3_endpoint_url=s3_endpoint,
+                min_backoff_s=0.05,
+                max_backoff_s=0.2,
+                **config,
+            ),
+            command_factory=fake_engine_factory(),
+            policy=SupervisorPolicy(restart_backoff_s=0.2, stop_timeout_s=2.0),
+        )
+        stop = threading.Event()
+        thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+        thread.start()
+        agents.append((agent, stop, thread))
+        return agent, stop, thread
+
+    yield start
+    for _agent, stop, thread in agents:
+        stop.set()
+        thread.join(timeout=20)
+
+
+def test_registers_then_heartbeats_with_its_node_secret(control_plane, running_agent):
+    agent, stop, thread = running_agent()
+    wait_until(lambda: len(control_plane.heartbeats) >= 2, 10)
+    [registration] = control_plane.registrations
+    assert registration.gpu_type == "cpu" and registration.num_gpus == 0 and registration.num_cpus >= 1
+    assert "fp8_per_channel" in registration.supported_quantizations
+    beat = control_plane.heartbeats[-1]
+    assert beat.memory_mb == registration.memory_mb and 0 < beat.memory_used_mb < beat.memory_mb
+    # A restarted agent is the same node: it re-uses the stored secret instead of registering again.
+    stop.set()
+    thread.join(timeout=10)
+    num_beats = len(control_plane.heartbeats)
+    running_agent()
+    wait_until(lambda: len(control_plane.heartbeats) >= num_beats + 2, 10)
+    assert len(control_plane.registrations) == 1
+
+
+def test_registers_again_when_the_control_plane_forgets_the_node(control_plane, running_agent):
+    running_agent()
+    wait_until(lambda: control_plane.heartbeats, 10)
+    with control_plane.lock:
+        control_plane.secrets.clear()
+    wait_until(lambda: len(control_plane.registrations) == 2, 10)
+    num_beats = len(control_plane.heartbeats)
+    wait_until(lambda: len(control_plane.heartbeats) > num_beats, 10)
+
+
+def test_keeps_retrying_through_control_plane_errors(control_plane, running_agent):
+    control_plane.num_failures_to_inject = 4
+    running_agent()
+    wait_until(lambda: control_plane.heartbeats, 15)
+
+
+def test_starts_desired_replicas_and_reports_them_ready(control_plane, running_agent, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    control_plane.desired = [make_spec("r-a", model_source=str(model))]
+    agent, _stop, _thread = running_agent()
+    wait_until(lambda: control_plane.last_states().get("r-a") == ReplicaState.READY, 15)
+    status = next(s for s in control_plane.heartbeats[-1].replicas if s.replica_id == "r-a")
+    assert status.address.startswith("http://127.0.0.1:") and status.pid
+    assert "starting engine" in control_plane.all_progress()
+
+
+def test_two_replicas_of_one_s3_model_download_once(control_plane, running_agent, s3, s3_endpoint):  # noqa: F811
+    upload_model(s3, "fleet-models", "tiny", num_bytes=4_000_000)
+    source = "s3://fleet-models/tiny"
+    control_plane.desired = [make_spec("r-1", model_source=source), make_spec("r-2", model_source=source)]
+    agent, _stop, _thread = running_agent()
+    wait_until(lambda: set(control_plane.last_states().values()) == {ReplicaState.READY}
+               and len(control_plane.last_states()) == 2, 20)  # fmt: skip
+    assert agent.weights.num_downloads == 1
+    assert agent.supervisor.get("r-1").model_path == agent.supervisor.get("r-2").model_path
+    [weights] = control_plane.heartbeats[-1].weights
+    assert weights.complete and weights.source == source and weights.size_bytes > 4_000_000
+    # A third replica later is a cache hit.
+    control_plane.desired = [*control_plane.desired, make_spec("r-3", model_source=source)]
+    wait_until(lambda: control_plane.last_states().get("r-3") == ReplicaState.READY, 20)
+    assert agent.weights.num_downloads == 1 and agent.weights.num_hits >= 2
+
+
+def test_failed_weight_fetch_is_reported_as_failed(control_plane, running_agent, s3):  # noqa: F811
+    control_plane.desired = [make_spec("r-bad", model_source="s3://no-such-bucket/x")]
+    running_agent()
+    wait_until(lambda: control_plane.last_states().get("r-bad") == ReplicaState.FAILED, 15)
+    status = next(s for s in control_plane.heartbeats[-1].replicas if s.replica_id == "r-bad")
+    assert "fetching weights" in status.failure_reason
+
+
+def test_drains_replicas_reports_stopped_then_forgets_them(control_plane, running_agent, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    control_plane.desired = [make_spec("r-x", model_source=str(model)), make_spec("r-y", model_source=str(model))]
+    agent, _stop, _thread = running_agent()
+    wait_until(lambda: control_plane.last_states() == {"r-x": ReplicaState.READY, "r-y": ReplicaState.READY}, 15)
+    # r-x: explicit DRAIN; r-y: no longer listed at all.
+    control_plane.desired = [make_spec("r-x", model_source=str(model), action=ReplicaAction.DRAIN)]
+    wait_until(lambda: control_plane.last_states() == {"r-x": ReplicaState.STOPPED}, 15)
+    assert processes_with_marker("r-x") == [] and processes_with_marker("r-y") == []
+    assert any(
+        status.replica_id == "r-y" and status.state == ReplicaState.STOPPED
+        for beat in control_plane.heartbeats
+        for status in beat.replicas
+    ), "the control plane must learn r-y's final state before the agent forgets it"
+    control_plane.desired = []
+    wait_until(lambda: control_plane.last_states() == {}, 10)
+
+
+def test_sigterm_stops_the_agent_and_its_engines(control_plane, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    control_plane.desired = [make_spec("r-term", model_source=str(model))]
+    script = textwrap.dedent(
+        f"""
+        from tests.agent.conftest import fake_engine_factory
+        from gpu_agent.runtime.agent import Agent, AgentConfig
+        from gpu_agent.runtime.cli import run_until_signalled
+        config = AgentConfig(control_plane_url={control_plane.url!r}, join_token="join-123",
+                             data_dir={str(tmp_path / "agent")!r}, force_cpu=True)
+        run_until_signalled(Agent(config, command_factory=fake_engine_factory()))
+        """
+    )
+    agent = subprocess.Popen([sys.executable, "-c", script], cwd=os.getcwd())
+    try:
+        wait_until(lambda: control_plane.last_states().get("r-term") == ReplicaState.READY, 20)
+        assert len(processes_with_marker("r-term")) == 2
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=20) == 0
+        assert processes_with_marker("r-term") == []
+    finally:
+        agent.kill()

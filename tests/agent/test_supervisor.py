@@ -1,0 +1,166 @@
+"""Supervisor behaviour against a fake engine that starts in milliseconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy, parse_engine_metrics
+
+from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
+
+FAST = SupervisorPolicy(restart_backoff_s=0.2, max_consecutive_crashes=3, stop_timeout_s=2.0)
+
+
+@pytest.fixture
+def make_supervisor(tmp_path):
+    created = []
+
+    def make(*engine_args, policy=FAST, data_dir=None):
+        supervisor = Supervisor(data_dir or tmp_path / "agent", command_factory=fake_engine_factory(*engine_args), policy=policy)
+        created.append(supervisor)
+        return supervisor
+
+    yield make
+    for supervisor in created:
+        supervisor.shutdown(timeout_s=1)
+
+
+def state_of(supervisor, replica_id):
+    return supervisor.get(replica_id).state
+
+
+def test_replica_becomes_ready_once_health_passes(make_supervisor):
+    supervisor = make_supervisor("--ready-after-s", "0.5")
+    supervisor.start(make_spec("r-ready"), "/models/x")
+    supervisor.poll()
+    assert state_of(supervisor, "r-ready") == ReplicaState.STARTING
+    wait_until(lambda: state_of(supervisor, "r-ready") == ReplicaState.READY, 10, poll=supervisor.poll)
+    status = supervisor.statuses()[0]
+    assert status.address.startswith("http://127.0.0.1:")
+    assert status.pid and psutil.pid_exists(status.pid)
+    supervisor.poll()
+    supervisor.poll()
+    assert supervisor.statuses()[0].kv_cache_usage == 0.25
+
+
+def test_crashed_engine_restarts_with_backoff_then_fails_with_log_tail(make_supervisor):
+    supervisor = make_supervisor("--exit-after-s", "0.3")
+    supervisor.start(make_spec("r-crash"), "/models/x")
+    wait_until(lambda: state_of(supervisor, "r-crash") == ReplicaState.FAILED, 20, poll=supervisor.poll)
+    replica = supervisor.get("r-crash")
+    assert replica.num_restarts == 2  # third crash in a row is final
+    assert "exited with code 3 3 times in a row" in replica.failure_reason
+    assert "==> launch" in replica.failure_reason  # the log tail travels with the reason
+    states = [state for state, _ in replica.state_history]
+    assert states[0] == ReplicaState.STARTING and states[-1] == ReplicaState.FAILED
+    launches = [at for state, at in replica.state_history if state == ReplicaState.STARTING]
+    assert len(launches) >= 1
+    assert processes_with_marker("r-crash") == []
+
+
+def test_drain_waits_for_running_requests_then_stops_every_process(make_supervisor, tmp_path):
+    running_file = tmp_path / "running"
+    running_file.write_text("2")
+    supervisor = make_supervisor("--running-file", str(running_file))
+    supervisor.start(make_spec("r-drain"), "/models/x")
+    wait_until(lambda: state_of(supervisor, "r-drain") == ReplicaState.READY, 10, poll=supervisor.poll)
+    assert len(processes_with_marker("r-drain")) == 2  # the engine and its worker
+    supervisor.drain("r-drain", timeout_s=30)
+    for _ in range(5):
+        supervisor.poll()
+    assert state_of(supervisor, "r-drain") == ReplicaState.DRAINING
+    assert supervisor.statuses()[0].num_running == 2
+    running_file.write_text("0")
+    wait_until(lambda: state_of(supervisor, "r-drain") == ReplicaState.STOPPED, 10, poll=supervisor.poll)
+    assert processes_with_marker("r-drain") == []
+
+
+def test_drain_timeout_and_ignored_sigterm_end_in_sigkill(make_supervisor, tmp_path):
+    running_file = tmp_path / "running"
+    running_file.write_text("5")
+    supervisor = make_supervisor("--running-file", str(running_file), "--ignore-sigterm")
+    supervisor.start(make_spec("r-stubborn"), "/models/x")
+    wait_until(lambda: state_of(supervisor, "r-stubborn") == ReplicaState.READY, 10, poll=supervisor.poll)
+    supervisor.drain("r-stubborn", timeout_s=0.5)
+    wait_until(lambda: state_of(supervisor, "r-stubborn") == ReplicaState.STOPPED, 15, poll=supervisor.poll)
+    assert processes_with_marker("r-stubborn") == []
+
+
+def test_new_supervisor_adopts_healthy_desired_and_kills_the_rest(make_supervisor, tmp_path):
+    data_dir = tmp_path / "agent"
+    first = make_supervisor(data_dir=data_dir)
+    first.start(make_spec("r-keep"), "/models/x")
+    first.start(make_spec("r-gone"), "/models/x")
+    wait_until(
+        lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 10, poll=first.poll
+    )
+    keep_pid = first.get("r-keep").pid
+    first._http.close()  # the old agent vanishes without stopping its children
+    first._replicas.clear()
+
+    second = make_supervisor(data_dir=data_dir)
+    adopted, killed = second.recover({"r-keep": make_spec("r-keep")})
+    assert adopted == ["r-keep"] and killed == ["r-gone"]
+    assert second.get("r-keep").state == ReplicaState.READY and second.get("r-keep").pid == keep_pid
+    wait_until(lambda: processes_with_marker("r-gone") == [], 5)
+    # The adopted engine is supervised like any other: drain stops it without orphans.
+    second.drain("r-keep", timeout_s=5)
+    wait_until(lambda: state_of(second, "r-keep") == ReplicaState.STOPPED, 10, poll=second.poll)
+    assert processes_with_marker("r-keep") == []
+
+
+def test_killed_agent_leaves_no_engine_behind(tmp_path):
+    """PR_SET_PDEATHSIG kills the engine with the agent; the next agent's recover() reaps the rest."""
+    data_dir = tmp_path / "agent"
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.agent.conftest import fake_engine_factory, make_spec
+        from gpu_agent.runtime.supervisor import Supervisor
+        supervisor = Supervisor({str(data_dir)!r}, command_factory=fake_engine_factory())
+        supervisor.start(make_spec("r-orphan"), "/models/x")
+        supervisor.start_monitor(0.1)
+        while supervisor.get("r-orphan").state.value != "READY":
+            time.sleep(0.1)
+        print("ready", flush=True)
+        time.sleep(600)
+        """
+    )
+    agent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout.readline().strip() == "ready"
+        engine_pids = {p.pid for p in processes_with_marker("r-orphan")}
+        assert len(engine_pids) == 2
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        # The engine (direct child) dies with the agent at once.
+        wait_until(lambda: len(processes_with_marker("r-orphan")) <= 1, 5)
+        # Its worker is reaped by the next agent on this data dir.
+        Supervisor(data_dir, command_factory=fake_engine_factory()).recover({})
+        wait_until(lambda: processes_with_marker("r-orphan") == [], 5)
+    finally:
+        agent.kill()
+        for process in processes_with_marker("r-orphan"):
+            process.kill()
+
+
+def test_parses_vllm_prometheus_metrics():
+    text = """# HELP vllm:num_requests_running Number of requests
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.5
+vllm:generation_tokens_total{engine="0",model_name="tiny"} 24.0
+"""
+    metrics = parse_engine_metrics(text)
+    assert (metrics.num_running, metrics.num_waiting, metrics.kv_cache_usage) == (3, 1, 0.5)
+    assert metrics.generation_tokens_total == 24.0

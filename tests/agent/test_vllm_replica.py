@@ -1,0 +1,142 @@
+"""A real `vllm serve` of the tiny model under the supervisor (slow: ~40 s per engine start on CPU).
+
+One module-scoped pair of engines (plain and fp8_per_channel) is shared by the
+tests, which run in file order: serve, adopt, restart after a crash, drain.
+The supervisor is polled from the test's main thread: PR_SET_PDEATHSIG ties an
+engine's life to the thread that forked it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import psutil
+import pytest
+
+from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+
+from .conftest import make_spec, processes_with_marker, wait_until
+
+pytestmark = pytest.mark.vllm
+
+READY_TIMEOUT_S = 300
+
+
+def engine_processes(model_dir) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if str(model_dir) in " ".join(process.info["cmdline"] or []) and process.status() != psutil.STATUS_ZOMBIE:
+            found.append(process)
+    return found
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("agent")
+    policy = SupervisorPolicy(restart_backoff_s=0.5, stop_timeout_s=20)
+    holder = {"supervisor": Supervisor(data_dir, policy=policy), "data_dir": data_dir, "policy": policy}
+    supervisor = holder["supervisor"]
+    supervisor.start(make_spec("r-plain", model_source=str(tiny_model_dir)), tiny_model_dir)
+    supervisor.start(make_spec("r-fp8", model_source=str(tiny_model_dir), quantization="fp8_per_channel"), tiny_model_dir)
+    yield holder
+    holder["supervisor"].shutdown(timeout_s=20)
+    for replica_id in ("r-plain", "r-fp8"):
+        for process in processes_with_marker(replica_id):
+            process.kill()
+
+
+def wait_for_state(supervisor, replica_id, state, timeout_s=READY_TIMEOUT_S):
+    def reached():
+        replica = supervisor.get(replica_id)
+        if replica.state == ReplicaState.FAILED and state != ReplicaState.FAILED:
+            raise AssertionError(f"{replica_id} FAILED: {replica.failure_reason}")
+        return replica.state == state
+
+    wait_until(reached, timeout_s, step_s=0.5, poll=supervisor.poll)
+
+
+def complete(address: str, **extra) -> dict:
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 8, "ignore_eos": True, **extra}
+    response = httpx.post(f"{address}/v1/completions", json=body, timeout=60)
+    response.raise_for_status()
+    return response.json()
+
+
+def test_replica_reaches_ready_and_completion_returns_usage(engines):
+    supervisor = engines["supervisor"]
+    wait_for_state(supervisor, "r-plain", ReplicaState.READY)
+    address = supervisor.get("r-plain").address
+    assert complete(address)["usage"]["completion_tokens"] == 8
+    chat = httpx.post(
+        f"{address}/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=60,
+    )
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] > 0
+    supervisor.poll()
+    supervisor.poll()
+    status = next(s for s in supervisor.statuses() if s.replica_id == "r-plain")
+    assert status.state == ReplicaState.READY and status.num_running == 0 and status.num_waiting == 0
+
+
+def test_fp8_per_channel_replica_serves(engines, tiny_model_dir):
+    supervisor = engines["supervisor"]
+    wait_for_state(supervisor, "r-fp8", ReplicaState.READY)
+    replica = supervisor.get("r-fp8")
+    assert "fp8_per_channel" in replica.command.argv
+    assert complete(replica.address)["usage"]["completion_tokens"] == 8
+    # Free the memory and cores for the remaining tests; no process may survive.
+    supervisor.drain("r-fp8", timeout_s=10)
+    wait_for_state(supervisor, "r-fp8", ReplicaState.STOPPED, timeout_s=60)
+    assert processes_with_marker("r-fp8") == []
+
+
+def test_restarted_agent_adopts_its_healthy_engine(engines):
+    old = engines["supervisor"]
+    pid = old.get("r-plain").pid
+    # The old supervisor vanishes without stopping its engine (an agent upgrade, say).
+    old._replicas.clear()
+    new = Supervisor(engines["data_dir"], policy=engines["policy"])
+    adopted, killed = new.recover({"r-plain": old_spec("r-plain", engines)})
+    engines["supervisor"] = new
+    assert adopted == ["r-plain"] and killed == []
+    replica = new.get("r-plain")
+    assert replica.state == ReplicaState.READY and replica.pid == pid
+    assert complete(replica.address)["usage"]["completion_tokens"] == 8
+
+
+def old_spec(replica_id, engines):
+    import json
+
+    record = json.loads((engines["data_dir"] / "replicas.json").read_text())[replica_id]
+    from gpu_agent.protocol import ReplicaSpec
+
+    return ReplicaSpec.from_dict(record["spec"])
+
+
+def test_killed_engine_is_restarted(engines):
+    supervisor = engines["supervisor"]
+    replica = supervisor.get("r-plain")
+    old_pid = replica.pid
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: supervisor.get("r-plain").state == ReplicaState.STARTING, 30, poll=supervisor.poll)
+    wait_for_state(supervisor, "r-plain", ReplicaState.READY)
+    replica = supervisor.get("r-plain")
+    assert replica.num_restarts == 1 and replica.pid != old_pid
+    states = [state for state, _ in replica.state_history]
+    assert states[-2:] == [ReplicaState.STARTING, ReplicaState.READY]
+    assert "engine exited" in replica.failure_reason
+    assert complete(replica.address)["usage"]["completion_tokens"] == 8
+
+
+def test_drain_and_stop_leave_no_orphan_process(engines, tiny_model_dir):
+    supervisor = engines["supervisor"]
+    assert processes_with_marker("r-plain"), "the engine and its EngineCore carry the replica marker"
+    supervisor.drain("r-plain", timeout_s=30)
+    assert supervisor.get("r-plain").state == ReplicaState.DRAINING
+    wait_for_state(supervisor, "r-plain", ReplicaState.STOPPED, timeout_s=60)
+    assert processes_with_marker("r-plain") == []
+    assert engine_processes(tiny_model_dir) == []

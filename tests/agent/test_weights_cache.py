@@ -1,0 +1,149 @@
+"""Weights cache: S3 through moto's standalone server, LRU eviction, local paths in place."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import boto3
+import pytest
+
+from gpu_agent.runtime.engine import free_port
+from gpu_agent.runtime.weights import ModelSource, WeightsCache
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    return client
+
+
+def upload_model(s3, bucket: str, prefix: str, num_bytes: int = 3_000_000) -> int:
+    s3.create_bucket(Bucket=bucket)
+    files = {
+        "config.json": b'{"model_type": "llama"}',
+        "model.safetensors": os.urandom(num_bytes),
+        "sub/tokenizer.json": b"{}",
+    }
+    for name, body in files.items():
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=body)
+    return sum(len(body) for body in files.values())
+
+
+def test_s3_model_downloads_once_for_two_concurrent_replicas(s3, s3_endpoint, tmp_path):
+    size = upload_model(s3, "models-a", "llama/v1")
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
+    paths, progress = [], []
+    threads = [
+        threading.Thread(
+            target=lambda: paths.append(
+                cache.fetch("s3://models-a/llama/v1", on_progress=lambda done, total: progress.append((done, total)))
+            )
+        )
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert paths[0] == paths[1]
+    assert cache.num_downloads == 1 and cache.num_hits == 1
+    assert (paths[0] / "sub" / "tokenizer.json").read_bytes() == b"{}"
+    assert (paths[0] / "model.safetensors").stat().st_size == 3_000_000
+    assert progress[-1] == (size, size) and progress[0][0] < size
+    # The next start is a cache hit.
+    assert cache.fetch("s3://models-a/llama/v1") == paths[0]
+    assert (cache.num_downloads, cache.num_hits) == (1, 2)
+    [status] = cache.statuses()
+    assert status.complete and status.size_bytes == size and status.source == "s3://models-a/llama/v1"
+    assert list((tmp_path / "weights" / ".tmp").iterdir()) == []
+
+
+def test_changed_objects_get_a_new_cache_key(s3, s3_endpoint, tmp_path):
+    upload_model(s3, "models-b", "m", num_bytes=1000)
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
+    first = cache.fetch("s3://models-b/m")
+    s3.put_object(Bucket="models-b", Key="m/model.safetensors", Body=b"retrained")
+    second = cache.fetch("s3://models-b/m")
+    assert first != second and (second / "model.safetensors").read_bytes() == b"retrained"
+
+
+def test_two_processes_download_once(s3, s3_endpoint, tmp_path):
+    upload_model(s3, "models-c", "m", num_bytes=2_000_000)
+    script = textwrap.dedent(
+        f"""
+        from gpu_agent.runtime.weights import WeightsCache
+        cache = WeightsCache({str(tmp_path / "weights")!r}, s3_endpoint_url={s3_endpoint!r})
+        cache.fetch("s3://models-c/m")
+        print(cache.num_downloads)
+        """
+    )
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    children = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, cwd=os.getcwd())
+        for _ in range(2)
+    ]
+    counts = sorted(int(child.communicate(timeout=60)[0].strip()) for child in children)
+    assert counts == [0, 1]
+
+
+def test_endpoint_url_comes_from_the_environment(s3, s3_endpoint, tmp_path, monkeypatch):
+    upload_model(s3, "models-d", "m", num_bytes=10)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    assert (WeightsCache(tmp_path / "w").fetch("s3://models-d/m") / "config.json").exists()
+
+
+def test_least_recently_used_model_is_evicted_but_never_one_in_use(s3, s3_endpoint, tmp_path):
+    s3.create_bucket(Bucket="models-e")
+    for name in ("one", "two", "three"):
+        s3.put_object(Bucket="models-e", Key=f"{name}/model.safetensors", Body=os.urandom(1000))
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=2500, s3_endpoint_url=s3_endpoint)
+    one = cache.fetch("s3://models-e/one")
+    cache.pin(one)  # a running replica uses it
+    two = cache.fetch("s3://models-e/two")
+    os.utime(tmp_path / "weights" / f"{one.name}.json", (1, 1))  # one is the oldest...
+    three = cache.fetch("s3://models-e/three")
+    assert one.exists(), "a model in use must never be evicted"
+    assert not two.exists() and three.exists()
+    cache.unpin(one)
+    assert cache.evict() == []  # within budget now
+    cache.budget_bytes = 1500
+    assert cache.evict() == [one.name]
+    assert {status.source for status in cache.statuses()} == {"s3://models-e/three"}
+    # An evicted model downloads again when needed.
+    assert cache.fetch("s3://models-e/two").exists() and cache.num_downloads == 4
+
+
+def test_local_paths_are_used_in_place(tmp_path):
+    model = tmp_path / "my-model"
+    model.mkdir()
+    cache = WeightsCache(tmp_path / "weights")
+    assert cache.fetch(str(model)) == model
+    assert cache.statuses() == []
+    with pytest.raises(FileNotFoundError):
+        cache.fetch(str(tmp_path / "missing"))
+
+
+def test_parses_model_sources():
+    assert ModelSource.parse("hf:org/name@abc") == ModelSource("hf", "org/name", "abc")
+    assert ModelSource.parse("hf:org/name").revision == "main"
+    assert ModelSource.parse("s3://bucket/a/b").bucket_and_prefix == ("bucket", "a/b")
+    for bad in ("hf:noslash", "relative/path", "s3://"):
+        with pytest.raises(ValueError):
+            ModelSource.parse(bad)

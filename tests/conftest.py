@@ -1,0 +1,169 @@
+"""Shared fixtures: API clients per role, live processes (ASGI server, Celery worker) on the test database."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from django.conf import settings
+from rest_framework.test import APIClient
+
+from controlplane.models import Role, Scope
+from controlplane.services import Actor, create_api_key
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS_DIR = REPO_ROOT / "tests" / "artifacts"
+
+
+@pytest.fixture(autouse=True)
+def _clean_redis(request):
+    """Each test starts with an empty Redis database (counters, rate limits, broker queues)."""
+    from controlplane.redis_client import get_redis
+
+    get_redis().flushdb()
+    yield
+
+
+@pytest.fixture
+def org():
+    return OrganizationFactory()
+
+
+@pytest.fixture
+def member_client_factory(db):
+    """Make an APIClient authenticated by an API key of a user with the given role in `organization`."""
+
+    def make(organization, role=Role.OWNER, scopes=(Scope.MANAGE, Scope.INFERENCE)):
+        user = UserFactory()
+        MembershipFactory(organization=organization, user=user, role=role)
+        created = create_api_key(Actor(user=user), organization, name=f"{role} key", scopes=list(scopes))
+        client = APIClient()
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {created.plain}")
+        client.user, client.organization, client.plain_key = user, organization, created.plain
+        return client
+
+    return make
+
+
+@pytest.fixture
+def owner_client(org, member_client_factory):
+    return member_client_factory(org, Role.OWNER)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    """Environment that points a child process at the test database (pytest-django renamed it)."""
+    db = settings.DATABASES["default"]
+    host = db["HOST"]
+    url = f"postgresql://{db['USER'] or 'postgres'}@/{db['NAME']}?host={host}" if host.startswith("/") else (
+        f"postgresql://{db['USER']}:{db['PASSWORD']}@{host}:{db['PORT'] or 5432}/{db['NAME']}"
+    )
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": url,
+        "REDIS_URL": settings.REDIS_URL,
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+class ChildProcess:
+    """A child process in its own group, stopped with its whole group."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout_s: float = 10) -> None:
+        if self.process.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.process.wait(5)
+        self._log.close()
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.1, message: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {message}")
+
+
+def start_web_server(tmp_dir: Path, *, name: str = "web", extra_env: dict | None = None) -> tuple[ChildProcess, str]:
+    port = free_port()
+    env = child_env() | (extra_env or {})
+    child = ChildProcess(
+        [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+         "--no-access-log", "--log-level", "warning"],
+        env, tmp_dir / f"{name}.log",
+    )
+    base_url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        if child.process.poll() is not None:
+            raise AssertionError(f"{name} exited early:\n{child.log_tail()}")
+        try:
+            return httpx.get(f"{base_url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, 60, message=f"{name} to answer /healthz")
+    return child, base_url
+
+
+def start_celery_worker(tmp_dir: Path, *, name: str = "worker", extra_env: dict | None = None) -> ChildProcess:
+    env = child_env() | (extra_env or {})
+    return ChildProcess(
+        [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--pool=solo", "--concurrency=1",
+         "--loglevel=INFO", "--without-gossip", "--without-mingle", "-n", f"{name}-{os.getpid()}@%h"],
+        env, tmp_dir / f"{name}.log",
+    )
+
+
+@pytest.fixture
+def live_server_url(transactional_db, tmp_path):
+    """A real ASGI server (uvicorn) in a child process, on the test database."""
+    child, base_url = start_web_server(tmp_path)
+    yield base_url
+    child.stop()
+
+
+@pytest.fixture
+def celery_worker(transactional_db, tmp_path):
+    child = start_celery_worker(tmp_path)
+    yield child
+    child.stop()

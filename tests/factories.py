@@ -1,0 +1,46 @@
+import factory
+from django.contrib.auth import get_user_model
+
+from controlplane.models import Membership, Organization, Role
+from endpoints.catalogue import GPU_TYPES
+from endpoints.models import Endpoint
+
+
+class UserFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = get_user_model()
+        django_get_or_create = ("username",)
+
+    username = factory.Sequence(lambda n: f"user{n}@example.test")
+    email = factory.SelfAttribute("username")
+    password = factory.PostGenerationMethodCall("set_password", "correct horse battery")
+
+
+class OrganizationFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Organization
+
+    name = factory.Sequence(lambda n: f"Org {n}")
+    slug = factory.Sequence(lambda n: f"org-{n}")
+
+
+class MembershipFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Membership
+
+    organization = factory.SubFactory(OrganizationFactory)
+    user = factory.SubFactory(UserFactory)
+    role = Role.MEMBER
+
+
+class EndpointFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Endpoint
+
+    organization = factory.SubFactory(OrganizationFactory)
+    name = factory.Sequence(lambda n: f"model-{n}")
+    model_source = "hf:meta-llama/Llama-3.1-8B-Instruct"
+    gpu_type = "l4"
+    price_input_per_million = factory.LazyAttribute(lambda o: GPU_TYPES[o.gpu_type].price_input_per_million)
+    price_cached_input_per_million = factory.LazyAttribute(lambda o: GPU_TYPES[o.gpu_type].price_cached_input_per_million)
+    price_output_per_million = factory.LazyAttribute(lambda o: GPU_TYPES[o.gpu_type].price_output_per_million)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole suite, on real embedded PostgreSQL and Redis under .data/test (stopped afterwards).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export INFERPLANE_DATA_DIR="${INFERPLANE_DATA_DIR:-$PWD/.data/test}"
+export DJANGO_DEBUG=1
+# Browser tests drive Debian's chromium; install it when missing (never a downloaded browser).
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "warning: could not install chromium" >&2
+fi
+.venv/bin/python -m pytest --create-db -p no:cacheprovider "$@"
+status=$?
+.venv/bin/python -m controlplane.embedded down >/dev/null 2>&1 || true
+# pytest exits 5 when it collected no tests: that is a failure here, never a pass.
+if [ "$status" -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi
+exit "$status"

@@ -1,0 +1,125 @@
+"""The fleet side of the agent protocol, spoken by hand (the real agent process is tested in tests/agent/)."""
+
+import pytest
+from django.test import Client
+
+from controlplane.models import AuditEvent
+from controlplane.services import SYSTEM
+from endpoints.models import EndpointEvent, Replica
+from endpoints.scheduler import reconcile_endpoint
+from gpu_agent.models import JoinToken, Node
+from gpu_agent.protocol import Heartbeat, ReplicaState, ReplicaStatus
+from gpu_agent.services import create_join_token
+from tests.factories import EndpointFactory
+
+pytestmark = pytest.mark.django_db
+
+REGISTRATION = {
+    "name": "gpu-1", "gpu_type": "cpu", "num_gpus": 0, "gpu_memory_mb": 8192, "num_cpus": 2, "memory_mb": 24000,
+    "agent_version": "0.1.0", "supported_quantizations": ["none", "fp8_per_channel"],
+}
+
+
+def register(client, token, **changes):
+    return client.post("/agent/v1/register", REGISTRATION | {"join_token": token} | changes, content_type="application/json")
+
+
+def beat(client, secret, replicas=()):
+    body = Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000, replicas=list(replicas)).to_dict()
+    return client.post("/agent/v1/heartbeat", body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {secret}")
+
+
+@pytest.fixture
+def agent(client):
+    token = create_join_token(SYSTEM, name="test").plain
+    answer = register(client, token).json()
+    return answer
+
+
+def test_a_join_token_admits_a_node_whose_secret_is_stored_hashed(client):
+    created = create_join_token(SYSTEM, name="rack-1", max_uses=1)
+    response = register(client, created.plain)
+    assert response.status_code == 201
+    answer = response.json()
+    node = Node.objects.get(pk=answer["node_id"])
+    assert node.quantizations == ["none", "fp8_per_channel"] and node.state == "READY"
+    assert answer["node_secret"] not in str(Node.objects.values().get(pk=node.pk))
+    # max_uses=1: the token is spent.
+    assert register(client, created.plain, name="gpu-2").status_code == 401
+    assert JoinToken.objects.get(pk=created.join_token.pk).num_uses == 1
+    assert AuditEvent.objects.filter(action="node.register").count() == 1
+
+
+def test_bad_join_tokens_and_node_secrets_are_401(client, agent):
+    assert register(client, "jt_000000000000_nope").status_code == 401
+    assert register(client, "garbage").status_code == 401
+    assert beat(client, "nd_000000000000_nope").status_code == 401
+    assert beat(client, agent["node_secret"] + "x").status_code == 401
+    assert beat(client, agent["node_secret"]).status_code == 200
+
+
+def test_malformed_messages_are_400(client, agent):
+    response = client.post("/agent/v1/register", {"name": "x"}, content_type="application/json")
+    assert response.status_code == 400
+    response = client.post("/agent/v1/heartbeat", "{bad", content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
+    assert response.status_code == 400
+
+
+def test_heartbeat_answers_with_desired_replicas_and_moves_their_state(client, agent, django_capture_on_commit_callbacks):
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny", max_model_len=1024, max_num_seqs=4)
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    assert replica.state == "PENDING" and str(replica.node_id) == agent["node_id"]
+
+    desired = beat(client, agent["node_secret"]).json()["desired"]
+    assert len(desired) == 1
+    spec = desired[0]
+    assert spec["replica_id"] == str(replica.pk) and spec["served_model_name"] == endpoint.name
+    assert (spec["model_source"], spec["max_model_len"], spec["max_num_seqs"], spec["action"]) == ("/models/tiny", 1024, 4, "RUN")
+
+    beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.STARTING, progress="loading weights 40%", progress_percent=40)])
+    replica.refresh_from_db()
+    assert (replica.state, replica.progress) == ("STARTING", "loading weights 40%")
+    beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://127.0.0.1:9000")])
+    replica.refresh_from_db()
+    assert replica.state == "READY" and replica.address == "http://127.0.0.1:9000" and replica.ready_at
+    beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.READY, num_restarts=1, failure_reason="segfault")])
+    messages = list(EndpointEvent.objects.filter(replica=replica).values_list("message", flat=True))
+    assert any("READY after" in m for m in messages)
+    assert any("crashed and was restarted (restart 1)" in m for m in messages)
+
+    # Paused: the replica drains; the agent is told DRAIN, and a READY report cannot revive it.
+    from endpoints.services import pause_endpoint
+
+    pause_endpoint(SYSTEM, endpoint)
+    desired = beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.READY)]).json()["desired"]
+    assert desired[0]["action"] == "DRAIN"
+    replica.refresh_from_db()
+    assert replica.state == "DRAINING"
+    beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.STOPPED)])
+    replica.refresh_from_db()
+    assert replica.state == "STOPPED" and replica.stopped_at
+    assert beat(client, agent["node_secret"]).json()["desired"] == []
+
+
+def test_a_replica_the_agent_reports_failed_is_marked_with_its_reason(client, agent, django_capture_on_commit_callbacks):
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.FAILED, failure_reason="CUDA out of memory")])
+    replica.refresh_from_db()
+    assert replica.state == "FAILED" and "out of memory" in replica.failure_reason
+    assert callbacks, "a failed replica schedules a reconcile that replaces it"
+
+
+def test_an_agent_cannot_report_on_another_nodes_replica(client, agent):
+    other = register(client, create_join_token(SYSTEM, name="x").plain, name="gpu-2").json()
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    intruder = other if str(replica.node_id) == agent["node_id"] else agent
+    beat(client, intruder["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.FAILED)])
+    replica.refresh_from_db()
+    assert replica.state == "PENDING"

@@ -1,0 +1,104 @@
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from controlplane.models import ApiKey, Role
+from controlplane.tokens import hash_token
+
+pytestmark = pytest.mark.django_db
+
+
+def test_secret_is_shown_once_and_only_its_hash_is_stored(owner_client):
+    created = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["inference"]}, format="json")
+    assert created.status_code == 201
+    secret = created.json()["secret"]
+    key_id = created.json()["api_key"]["id"]
+    assert secret.startswith("ip_") and created.json()["api_key"]["prefix"] == secret.rsplit("_", 1)[0]
+
+    assert "secret" not in owner_client.get(f"/api/v1/keys/{key_id}/").json()
+    assert secret not in str(owner_client.get("/api/v1/keys/").json())
+    key = ApiKey.objects.get(pk=key_id)
+    assert key.digest == hash_token(secret)
+    # The plain secret is nowhere in the database.
+    with connection.cursor() as cursor:
+        for table in connection.introspection.table_names():
+            cursor.execute(f'SELECT count(*) FROM "{table}" WHERE CAST("{table}".* AS text) LIKE %s', [f"%{secret}%"])
+            assert cursor.fetchone()[0] == 0, table
+
+
+def test_a_revoked_key_stops_working(owner_client):
+    created = owner_client.post("/api/v1/keys/", {"name": "temp", "scopes": ["manage"]}, format="json").json()
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
+    assert client.get("/api/v1/endpoints/").status_code == 200
+    revoked = owner_client.post(f"/api/v1/keys/{created['api_key']['id']}/revoke/")
+    assert revoked.json()["revoked_at"] is not None
+    assert client.get("/api/v1/endpoints/").status_code == 401
+
+
+def test_an_expired_key_stops_working(owner_client):
+    created = owner_client.post("/api/v1/keys/", {"name": "short", "scopes": ["manage"]}, format="json").json()
+    ApiKey.objects.filter(pk=created["api_key"]["id"]).update(expires_at=timezone.now() - timedelta(seconds=1))
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
+    assert client.get("/api/v1/endpoints/").status_code == 401
+
+
+def test_an_inference_only_key_cannot_manage(owner_client):
+    created = owner_client.post("/api/v1/keys/", {"name": "app", "scopes": ["inference"]}, format="json").json()
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
+    response = client.get("/api/v1/endpoints/")
+    assert response.status_code == 403
+    assert "manage" in response.json()["detail"]
+
+
+def test_use_sets_last_used_at(owner_client):
+    key = ApiKey.objects.get(organization=owner_client.organization)
+    assert key.last_used_at is None
+    owner_client.get("/api/v1/endpoints/")
+    key.refresh_from_db()
+    assert key.last_used_at is not None
+
+
+@pytest.mark.parametrize(
+    "payload, field",
+    [
+        ({"scopes": ["inference"]}, "name"),
+        ({"name": "x", "scopes": ["root"]}, "scopes"),
+        ({"name": "x", "scopes": []}, "scopes"),
+        ({"name": "x", "expires_at": "2001-01-01T00:00:00Z"}, "expires_at"),
+        ({"name": "x", "requests_per_minute": 0}, "requests_per_minute"),
+        ({"name": "x", "lookup": "abc"}, "lookup"),
+    ],
+)
+def test_rejects_invalid_keys(owner_client, payload, field):
+    response = owner_client.post("/api/v1/keys/", payload, format="json")
+    assert response.status_code == 400 and field in response.json()
+    assert ApiKey.objects.count() == 1
+
+
+def test_members_cannot_mint_manage_keys_and_viewers_cannot_mint_any(org, member_client_factory):
+    member = member_client_factory(org, Role.MEMBER)
+    refused = member.post("/api/v1/keys/", {"name": "m", "scopes": ["manage"]}, format="json")
+    assert refused.status_code == 400 and "scopes" in refused.json()
+    assert member.post("/api/v1/keys/", {"name": "i", "scopes": ["inference"]}, format="json").status_code == 201
+    viewer = member_client_factory(org, Role.VIEWER)
+    assert viewer.post("/api/v1/keys/", {"name": "v", "scopes": ["inference"]}, format="json").status_code == 403
+
+
+def test_a_key_dies_with_its_creators_membership(org, member_client_factory):
+    member = member_client_factory(org, Role.ADMIN)
+    assert member.get("/api/v1/endpoints/").status_code == 200
+    org.memberships.filter(user=member.user).delete()
+    assert member.get("/api/v1/endpoints/").status_code == 401
+
+
+def test_garbage_tokens_are_401(db):
+    client = APIClient()
+    for header in ["Bearer nope", "Bearer ip_123_abc", "Basic abc", "Bearer "]:
+        client.credentials(HTTP_AUTHORIZATION=header)
+        assert client.get("/api/v1/endpoints/").status_code == 401, header

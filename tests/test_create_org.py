@@ -1,0 +1,40 @@
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+from rest_framework.test import APIClient
+
+from controlplane.models import ApiKey, Membership, Organization
+
+pytestmark = pytest.mark.django_db
+
+
+def test_create_org_prints_json_with_a_working_manage_and_inference_key(capsys):
+    call_command("create_org", "acme", "--owner", "Ops@Acme.test", "--json")
+    output = json.loads(capsys.readouterr().out)
+    assert output["org"] == "acme" and output["owner"] == "ops@acme.test"
+    organization = Organization.objects.get(slug="acme")
+    assert Membership.objects.get(organization=organization).role == "owner"
+    key = ApiKey.objects.get(organization=organization)
+    assert sorted(key.scopes) == ["inference", "manage"]
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {output['api_key']}")
+    assert client.get("/api/v1/endpoints/").status_code == 200
+
+
+def test_create_org_twice_reuses_org_and_owner_and_issues_a_new_key(capsys):
+    call_command("create_org", "acme", "--owner", "ops@acme.test", "--json")
+    first = json.loads(capsys.readouterr().out)
+    call_command("create_org", "acme", "--owner", "ops@acme.test", "--json")
+    second = json.loads(capsys.readouterr().out)
+    assert first["api_key"] != second["api_key"]
+    assert Organization.objects.filter(slug="acme").count() == 1
+    assert ApiKey.objects.filter(organization__slug="acme").count() == 2
+
+
+def test_create_org_refuses_bad_input():
+    with pytest.raises(CommandError):
+        call_command("create_org", "not a slug", "--owner", "ops@acme.test")
+    with pytest.raises(CommandError):
+        call_command("create_org", "acme", "--owner", "not-an-email")
+    assert not Organization.objects.exists()

@@ -1,0 +1,144 @@
+import pytest
+
+from controlplane.models import AuditEvent, Role
+from endpoints.models import Endpoint, EndpointEvent
+
+pytestmark = pytest.mark.django_db
+
+VALID = {"name": "llama-chat", "model_source": "hf:meta-llama/Llama-3.1-8B-Instruct", "gpu_type": "l4"}
+
+
+def test_creates_lists_retrieves_updates_and_deletes_an_endpoint(owner_client):
+    created = owner_client.post("/api/v1/endpoints/", VALID, format="json")
+    assert created.status_code == 201, created.json()
+    body = created.json()
+    assert body["name"] == "llama-chat"
+    assert body["state"] == "SCALED_TO_ZERO"
+    assert body["replicas"] == []
+    assert body["quantization"] == "none"
+    assert body["price_output_per_million"] == "0.300000"
+
+    listed = owner_client.get("/api/v1/endpoints/").json()
+    assert [e["name"] for e in listed["results"]] == ["llama-chat"]
+
+    endpoint_url = f"/api/v1/endpoints/{body['id']}/"
+    assert owner_client.get(endpoint_url).json()["model_source"] == VALID["model_source"]
+
+    patched = owner_client.patch(endpoint_url, {"max_replicas": 4, "idle_timeout_s": 600}, format="json")
+    assert patched.status_code == 200, patched.json()
+    assert (patched.json()["max_replicas"], patched.json()["idle_timeout_s"]) == (4, 600)
+
+    assert owner_client.delete(endpoint_url).status_code == 204
+    assert owner_client.get(endpoint_url).status_code == 404
+    assert owner_client.get("/api/v1/endpoints/").json()["results"] == []
+    # Soft-deleted: usage and invoices keep their endpoint; the name is free again.
+    assert Endpoint.objects.filter(pk=body["id"], deleted_at__isnull=False).exists()
+    assert owner_client.post("/api/v1/endpoints/", VALID, format="json").status_code == 201
+
+
+def test_pause_and_resume_change_the_state_and_log_events(owner_client):
+    endpoint_id = owner_client.post("/api/v1/endpoints/", VALID, format="json").json()["id"]
+    paused = owner_client.post(f"/api/v1/endpoints/{endpoint_id}/pause/")
+    assert paused.status_code == 200
+    assert paused.json()["state"] == "PAUSED"
+    resumed = owner_client.post(f"/api/v1/endpoints/{endpoint_id}/resume/")
+    assert resumed.json()["state"] == "SCALED_TO_ZERO"
+    messages = list(EndpointEvent.objects.filter(endpoint_id=endpoint_id).values_list("message", flat=True))
+    assert any("paused" in m for m in messages) and any("resumed" in m for m in messages)
+    events = owner_client.get(f"/api/v1/endpoints/{endpoint_id}/events/").json()["results"]
+    assert events[0]["message"] == "Endpoint resumed"
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"name": "Bad Name"}, "name"),
+        ({"name": "-leading-hyphen"}, "name"),
+        ({"name": "x" * 64}, "name"),
+        ({"model_source": "ftp://models/llama"}, "model_source"),
+        ({"model_source": "hf:no-slash"}, "model_source"),
+        ({"model_source": "s3://A_BAD_BUCKET/x"}, "model_source"),
+        ({"model_source": "/models/../etc"}, "model_source"),
+        ({"gpu_type": "tpu-v5"}, "gpu_type"),
+        ({"quantization": "magic"}, "quantization"),
+        ({"gpu_type": "cpu", "quantization": "awq"}, "quantization"),
+        ({"min_replicas": -1}, "min_replicas"),
+        ({"min_replicas": 101}, "min_replicas"),
+        ({"max_replicas": 0}, "max_replicas"),
+        ({"min_replicas": 3, "max_replicas": 2}, "max_replicas"),
+        ({"idle_timeout_s": 29}, "idle_timeout_s"),
+        ({"idle_timeout_s": 86_401}, "idle_timeout_s"),
+        ({"target_concurrency": 0}, "target_concurrency"),
+        ({"max_model_len": 8}, "max_model_len"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "max_num_batched_tokens"),
+        ({"cold_start_timeout_s": 5}, "cold_start_timeout_s"),
+        ({"min_replicas": "two"}, "min_replicas"),
+        ({"surprise": 1}, "surprise"),
+        ({"state": "READY"}, "state"),
+        ({"price_output_per_million": "0"}, "price_output_per_million"),
+    ],
+)
+def test_rejects_each_invalid_spec_with_a_field_error_and_writes_nothing(owner_client, changes, field):
+    response = owner_client.post("/api/v1/endpoints/", VALID | changes, format="json")
+    assert response.status_code == 400, response.json()
+    assert field in response.json(), response.json()
+    assert Endpoint.objects.count() == 0
+    assert not AuditEvent.objects.filter(action="endpoint.create").exists()
+
+
+def test_requires_name_source_and_gpu_type(owner_client):
+    response = owner_client.post("/api/v1/endpoints/", {}, format="json")
+    assert response.status_code == 400
+    assert set(response.json()) == {"name", "model_source", "gpu_type"}
+
+
+def test_rejects_a_duplicate_name_in_the_same_organisation_only(owner_client, member_client_factory):
+    assert owner_client.post("/api/v1/endpoints/", VALID, format="json").status_code == 201
+    duplicate = owner_client.post("/api/v1/endpoints/", VALID, format="json")
+    assert duplicate.status_code == 400 and "name" in duplicate.json()
+    from tests.factories import OrganizationFactory
+
+    other = member_client_factory(OrganizationFactory())
+    assert other.post("/api/v1/endpoints/", VALID, format="json").status_code == 201
+
+
+def test_patch_validates_against_the_stored_spec(owner_client):
+    endpoint = owner_client.post("/api/v1/endpoints/", VALID | {"min_replicas": 0, "max_replicas": 2}, format="json").json()
+    response = owner_client.patch(f"/api/v1/endpoints/{endpoint['id']}/", {"min_replicas": 3}, format="json")
+    assert response.status_code == 400 and "max_replicas" in response.json()
+    assert Endpoint.objects.get(pk=endpoint["id"]).min_replicas == 0
+
+
+def test_local_paths_follow_the_setting(owner_client, settings):
+    settings.ALLOW_LOCAL_MODEL_PATHS = False
+    refused = owner_client.post("/api/v1/endpoints/", VALID | {"model_source": "/models/tiny"}, format="json")
+    assert refused.status_code == 400 and "disabled" in refused.json()["model_source"][0]
+    settings.ALLOW_LOCAL_MODEL_PATHS = True
+    assert owner_client.post("/api/v1/endpoints/", VALID | {"model_source": "/models/tiny"}, format="json").status_code == 201
+
+
+def test_malformed_json_is_a_400(owner_client):
+    response = owner_client.generic("POST", "/api/v1/endpoints/", "{not json", content_type="application/json")
+    assert response.status_code == 400
+
+
+def test_openapi_schema_describes_the_endpoints_api(owner_client):
+    response = owner_client.get("/api/schema/", HTTP_ACCEPT="application/json")
+    assert response.status_code == 200
+    schema = response.json()
+    assert "/api/v1/endpoints/" in schema["paths"]
+    assert "/api/v1/endpoints/{id}/pause/" in schema["paths"]
+
+
+def test_viewers_read_but_cannot_write(org, member_client_factory):
+    owner = member_client_factory(org, Role.OWNER)
+    viewer = member_client_factory(org, Role.VIEWER)
+    endpoint = owner.post("/api/v1/endpoints/", VALID, format="json").json()
+    assert viewer.get(f"/api/v1/endpoints/{endpoint['id']}/").status_code == 200
+    assert viewer.post("/api/v1/endpoints/", VALID | {"name": "other"}, format="json").status_code == 403
+    assert viewer.patch(f"/api/v1/endpoints/{endpoint['id']}/", {"max_replicas": 3}, format="json").status_code == 403
+    assert viewer.post(f"/api/v1/endpoints/{endpoint['id']}/pause/").status_code == 403
+    assert viewer.delete(f"/api/v1/endpoints/{endpoint['id']}/").status_code == 403
+    member = member_client_factory(org, Role.MEMBER)
+    assert member.patch(f"/api/v1/endpoints/{endpoint['id']}/", {"max_replicas": 3}, format="json").status_code == 200

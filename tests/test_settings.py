@@ -1,0 +1,62 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from controlplane.env import ImproperlyConfiguredEnv, env_bool, env_int, env_list, parse_database_url
+from tests.conftest import REPO_ROOT
+
+
+def test_env_helpers_fail_loudly_on_bad_values(monkeypatch):
+    monkeypatch.setenv("X_BOOL", "maybe")
+    with pytest.raises(ImproperlyConfiguredEnv, match="X_BOOL"):
+        env_bool("X_BOOL")
+    monkeypatch.setenv("X_INT", "ten")
+    with pytest.raises(ImproperlyConfiguredEnv, match="X_INT"):
+        env_int("X_INT", 1)
+    monkeypatch.setenv("X_INT", "0")
+    with pytest.raises(ImproperlyConfiguredEnv, match="at least 1"):
+        env_int("X_INT", 1, minimum=1)
+    monkeypatch.setenv("X_LIST", "a, b,,c")
+    assert env_list("X_LIST") == ["a", "b", "c"]
+    with pytest.raises(ImproperlyConfiguredEnv):
+        parse_database_url("mysql://db/x")
+
+
+def test_database_url_parses_sockets_and_tcp():
+    socket_db = parse_database_url("postgresql://postgres@/inferplane?host=/tmp/pg")
+    assert (socket_db["NAME"], socket_db["HOST"], socket_db["USER"]) == ("inferplane", "/tmp/pg", "postgres")
+    tcp = parse_database_url("postgres://u:p%40ss@db.internal:6543/app?sslmode=require")
+    assert (tcp["HOST"], tcp["PORT"], tcp["PASSWORD"], tcp["OPTIONS"]) == ("db.internal", "6543", "p@ss", {"sslmode": "require"})
+
+
+PRODUCTION_ENV = {
+    "DJANGO_DEBUG": "0",
+    "DJANGO_SECRET_KEY": "k3y-" + "x9Q!z" * 12,
+    "ALLOWED_HOSTS": "inferplane.example.com",
+    "CSRF_TRUSTED_ORIGINS": "https://inferplane.example.com",
+    "DATABASE_URL": "postgresql://u:p@db.internal:5432/inferplane",
+    "REDIS_URL": "redis://redis.internal:6379/0",
+}
+
+
+def _manage(args, env):
+    clean = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG", "INFERPLANE_DATA_DIR"}}
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=REPO_ROOT, env=clean | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"},
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_production_settings_pass_check_deploy_without_warnings():
+    result = _manage(["check", "--deploy", "--fail-level", "WARNING"], PRODUCTION_ENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no issues" in result.stdout
+
+
+def test_production_refuses_to_start_without_a_secret_key():
+    env = {k: v for k, v in PRODUCTION_ENV.items() if k != "DJANGO_SECRET_KEY"}
+    result = _manage(["check"], env)
+    assert result.returncode != 0
+    assert "DJANGO_SECRET_KEY must be set" in result.stderr
