@@ -170,6 +170,8 @@ def _next_state(current: str, reported: ReplicaState) -> str:
         return reported
     if current == ReplicaState.STARTING and reported == ReplicaState.READY:
         return reported
+    if current == ReplicaState.READY and reported == ReplicaState.STARTING:  # the engine crashed and is restarting
+        return reported
     return current
 
 

@@ -10,6 +10,7 @@ the agent registers again with its join token.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -55,9 +56,12 @@ class AgentConfig:
     min_backoff_s: float = 1.0
     max_backoff_s: float = 60.0
     cpu_kv_cache_gib: int = engine.DEFAULT_CPU_KV_CACHE_GIB
+    # Leave engines running when the agent exits (agent upgrades): no PR_SET_PDEATHSIG, and the
+    # next agent on this data dir adopts them. Off by default: an exiting agent stops its engines.
+    keep_engines_on_exit: bool = False
 
     def __post_init__(self) -> None:
-        self.data_dir = Path(self.data_dir)
+        self.data_dir = Path(self.data_dir).resolve()
         self.control_plane_url = self.control_plane_url.rstrip("/")
         if not self.name:
             self.name = socket.gethostname()[:128]
@@ -90,28 +94,40 @@ class Agent:
     ) -> None:
         self.config = config
         config.data_dir.mkdir(parents=True, exist_ok=True)
-        self.hardware = hardware.detect_hardware(force_cpu=config.force_cpu, cpu_kv_cache_gib=config.cpu_kv_cache_gib)
+        self.hardware = hardware.detect_hardware(
+            force_cpu=config.force_cpu, cpu_kv_cache_gib=config.cpu_kv_cache_gib
+        )
         self.device = engine.DEVICE_CPU if self.hardware.is_cpu else engine.DEVICE_CUDA
         if command_factory is None and self.device == engine.DEVICE_CPU:
 
             def command_factory(spec, model_path, port):
                 return engine.build_engine_command(
-                    spec, model_path, port=port, device=engine.DEVICE_CPU, cpu_kv_cache_gib=config.cpu_kv_cache_gib
+                    spec,
+                    model_path,
+                    port=port,
+                    device=engine.DEVICE_CPU,
+                    cpu_kv_cache_gib=config.cpu_kv_cache_gib,
                 )
 
+        policy = dataclasses.replace(
+            policy or SupervisorPolicy(), kill_children_on_agent_death=not config.keep_engines_on_exit
+        )
         self.supervisor = Supervisor(
             config.data_dir, device=self.device, command_factory=command_factory, policy=policy
         )
         self.weights = WeightsCache(
-            config.data_dir / "weights", budget_bytes=config.weights_budget_bytes, s3_endpoint_url=config.s3_endpoint_url
+            config.data_dir / "weights",
+            budget_bytes=config.weights_budget_bytes,
+            s3_endpoint_url=config.s3_endpoint_url,
         )
-        self.http = httpx.Client(base_url=config.control_plane_url, timeout=config.request_timeout_s, transport=transport)
+        self.http = httpx.Client(
+            base_url=config.control_plane_url, timeout=config.request_timeout_s, transport=transport
+        )
         self.credentials_path = config.data_dir / "node.json"
         self.node_id: str | None = None
         self.node_secret: str | None = None
         self.heartbeat_interval_s = 5.0
         self.num_heartbeats = 0
-        self.recovered = False
         self._pulls: dict[str, _Pull] = {}
         self._pins: dict[str, Path] = {}  # replica id -> cached model it uses
         self._reported_terminal: set[str] = set()
@@ -207,7 +223,13 @@ class Agent:
         )
 
     def run(self, stop: threading.Event) -> None:
-        """Heartbeat until `stop` is set, then stop every engine."""
+        """Heartbeat until `stop` is set, then stop every engine.
+
+        Engines a previous agent left on this data dir are adopted if healthy (and then
+        drained at the first heartbeat if the control plane no longer wants them); the
+        rest are killed before anything else happens.
+        """
+        self.supervisor.recover()
         self.supervisor.start_monitor()
         failures = 0
         try:
@@ -224,6 +246,10 @@ class Agent:
                     failures += 1
                     delay = self._backoff(failures)
                     logger.warning("heartbeat failed (%s); retrying in %.1fs", exc, delay)
+                except Exception:  # the agent outlives its bugs; the engines keep serving
+                    failures += 1
+                    delay = self._backoff(failures)
+                    logger.exception("heartbeat loop error; retrying in %.1fs", delay)
                 stop.wait(delay)
         finally:
             self.shutdown()
@@ -236,7 +262,10 @@ class Agent:
         with self._lock:
             for pull in self._pulls.values():
                 pull.cancelled = True
-        self.supervisor.shutdown()
+        if self.config.keep_engines_on_exit:
+            self.supervisor.detach()
+        else:
+            self.supervisor.shutdown()
         self.http.close()
 
     # -- reconcile ----------------------------------------------------------------
@@ -244,10 +273,6 @@ class Agent:
     def reconcile(self, desired: list[ReplicaSpec]) -> None:
         """Start missing replicas, drain unwanted ones, forget finished ones the control plane dropped."""
         desired_by_id = {spec.replica_id: spec for spec in desired}
-        if not self.recovered:
-            running = {spec.replica_id: spec for spec in desired if spec.action == ReplicaAction.RUN}
-            self.supervisor.recover(running)
-            self.recovered = True
         known = set(self.supervisor.replica_ids())
         with self._lock:
             pulling = set(self._pulls)
@@ -273,7 +298,9 @@ class Agent:
             for replica_id, pull in list(self._pulls.items()):
                 if pull.done and replica_id not in desired_by_id and replica_id in self._reported_terminal:
                     del self._pulls[replica_id]
-            self._reported_terminal &= set(desired_by_id) | set(self.supervisor.replica_ids()) | set(self._pulls)
+            self._reported_terminal &= (
+                set(desired_by_id) | set(self.supervisor.replica_ids()) | set(self._pulls)
+            )
         for replica_id in self.supervisor.replica_ids():
             replica = self.supervisor.get(replica_id)
             if replica is not None and replica.state in _TERMINAL_STATES:
@@ -284,7 +311,9 @@ class Agent:
         with self._lock:
             self._pulls[spec.replica_id] = pull
         logger.info("replica %s: fetching %s", spec.replica_id, spec.model_source)
-        threading.Thread(target=self._pull_then_start, args=(pull,), name=f"pull-{spec.replica_id}", daemon=True).start()
+        threading.Thread(
+            target=self._pull_then_start, args=(pull,), name=f"pull-{spec.replica_id}", daemon=True
+        ).start()
 
     def _pull_then_start(self, pull: _Pull) -> None:
         spec = pull.spec

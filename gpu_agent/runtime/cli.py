@@ -16,13 +16,25 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="register with the control plane and run replicas")
-    run.add_argument("--control-plane", required=True, help="control plane base URL, e.g. https://inferplane.example")
+    run.add_argument(
+        "--control-plane", required=True, help="control plane base URL, e.g. https://inferplane.example"
+    )
     run.add_argument("--join-token", default=os.environ.get("INFERPLANE_JOIN_TOKEN", ""))
-    run.add_argument("--data-dir", default=os.environ.get("INFERPLANE_AGENT_DATA_DIR", str(Path.home() / ".inferplane-agent")))
+    run.add_argument(
+        "--data-dir",
+        default=os.environ.get("INFERPLANE_AGENT_DATA_DIR", str(Path.home() / ".inferplane-agent")),
+    )
     run.add_argument("--name", default="", help="node name (default: host name)")
     run.add_argument("--cpu", action="store_true", help="run engines on CPU even if GPUs are present")
     run.add_argument("--weights-budget-gb", type=float, default=None, help="disk budget of the weights cache")
-    run.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3)")
+    run.add_argument(
+        "--s3-endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3)"
+    )
+    run.add_argument(
+        "--keep-engines-on-exit",
+        action="store_true",
+        help="leave engines running when the agent exits; the next agent adopts them",
+    )
     run.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="KV cache per engine on CPU nodes")
     run.add_argument("--log-level", default=os.environ.get("INFERPLANE_AGENT_LOG_LEVEL", "INFO"))
 
@@ -58,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         weights_budget_bytes=int(args.weights_budget_gb * 1e9) if args.weights_budget_gb else None,
         s3_endpoint_url=args.s3_endpoint_url,
         cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+        keep_engines_on_exit=args.keep_engines_on_exit,
     )
     run_until_signalled(Agent(config))
     return 0
 
 
 def run_until_signalled(agent) -> None:
-    """Run the agent until SIGTERM or SIGINT; every engine is stopped before this returns."""
+    """Run the agent until SIGTERM or SIGINT; engines are stopped (or detached) before this returns."""
     stop = threading.Event()
 
     def on_signal(signum, _frame) -> None:

@@ -58,7 +58,10 @@ QUANTIZATION_PLANS: dict[str, dict[str, QuantizationPlan]] = {
         "fp8": QuantizationPlan(flags=("--quantization", "fp8_per_channel"), dtype="bfloat16"),
         "fp8_per_channel": QuantizationPlan(flags=("--quantization", "fp8_per_channel"), dtype="bfloat16"),
         "int8": QuantizationPlan(
-            flags=("--quantization", "torchao"), dtype="bfloat16", hf_overrides=_TORCHAO_INT8, requires_module="torchao"
+            flags=("--quantization", "torchao"),
+            dtype="bfloat16",
+            hf_overrides=_TORCHAO_INT8,
+            requires_module="torchao",
         ),
         "awq": QuantizationPlan(flags=("--quantization", "awq"), requires_prequantized_checkpoint=True),
         "gptq": QuantizationPlan(flags=("--quantization", "gptq"), requires_prequantized_checkpoint=True),
@@ -68,8 +71,12 @@ QUANTIZATION_PLANS: dict[str, dict[str, QuantizationPlan]] = {
         "fp8": QuantizationPlan(flags=("--quantization", "fp8")),
         "fp8_per_channel": QuantizationPlan(flags=("--quantization", "fp8_per_channel")),
         "int8": QuantizationPlan(flags=("--quantization", "int8_per_channel_weight_only"), dtype="bfloat16"),
-        "awq": QuantizationPlan(flags=("--quantization", "awq_marlin"), requires_prequantized_checkpoint=True),
-        "gptq": QuantizationPlan(flags=("--quantization", "gptq_marlin"), requires_prequantized_checkpoint=True),
+        "awq": QuantizationPlan(
+            flags=("--quantization", "awq_marlin"), requires_prequantized_checkpoint=True
+        ),
+        "gptq": QuantizationPlan(
+            flags=("--quantization", "gptq_marlin"), requires_prequantized_checkpoint=True
+        ),
     },
 }
 
@@ -96,10 +103,14 @@ def supported_quantizations(device: str) -> frozenset[str]:
 def quantization_plan(device: str, quantization: str) -> QuantizationPlan:
     plans = QUANTIZATION_PLANS[device]
     if quantization not in plans:
-        raise ValueError(f"quantization {quantization!r} is not supported on {device}; supported: {sorted(plans)}")
+        raise ValueError(
+            f"quantization {quantization!r} is not supported on {device}; supported: {sorted(plans)}"
+        )
     plan = plans[quantization]
     if plan.requires_module and importlib.util.find_spec(plan.requires_module) is None:
-        raise ValueError(f"quantization {quantization!r} on {device} needs the {plan.requires_module!r} package")
+        raise ValueError(
+            f"quantization {quantization!r} on {device} needs the {plan.requires_module!r} package"
+        )
     return plan
 
 

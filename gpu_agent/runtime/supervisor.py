@@ -127,7 +127,8 @@ class Supervisor:
         command_factory: CommandFactory | None = None,
         policy: SupervisorPolicy | None = None,
     ) -> None:
-        self.data_dir = Path(data_dir)
+        # NOTE: absolute, because engines carry it as a marker the next agent matches on.
+        self.data_dir = Path(data_dir).resolve()
         self.logs_dir = self.data_dir / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.data_dir / "replicas.json"
@@ -246,7 +247,9 @@ class Supervisor:
                     replica.spec.replica_id, replica.address, now - replica.started_at,
                 )  # fmt: skip
             elif now - replica.started_at > self.policy.startup_timeout_s:
-                logger.warning("replica %s: not healthy after %.0fs", replica.spec.replica_id, now - replica.started_at)
+                logger.warning(
+                    "replica %s: not healthy after %.0fs", replica.spec.replica_id, now - replica.started_at
+                )
                 self._kill_group(replica, signal.SIGKILL)
         elif replica.state == ReplicaState.READY:
             self._scrape(replica)
@@ -266,9 +269,16 @@ class Supervisor:
         spec = replica.spec
         port = engine.free_port()
         command = self.command_factory(spec, replica.model_path, port)
-        env = {**os.environ, **command.env, REPLICA_ENV_MARKER: spec.replica_id, DATA_DIR_ENV_MARKER: str(self.data_dir)}
+        env = {
+            **os.environ,
+            **command.env,
+            REPLICA_ENV_MARKER: spec.replica_id,
+            DATA_DIR_ENV_MARKER: str(self.data_dir),
+        }
         with open(replica.log_path, "ab") as log:
-            log.write(f"\n==> launch {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(command.argv)}\n".encode())
+            log.write(
+                f"\n==> launch {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(command.argv)}\n".encode()
+            )
             log.flush()
             process = subprocess.Popen(
                 command.argv,
@@ -317,17 +327,27 @@ class Supervisor:
         replica.num_consecutive_crashes += 1
         reason = f"engine exited with code {exit_code}"
         if replica.num_consecutive_crashes >= self.policy.max_consecutive_crashes:
-            self._fail(replica, f"{reason} {replica.num_consecutive_crashes} times in a row:\n{self.log_tail(replica)}")
+            self._fail(
+                replica,
+                f"{reason} {replica.num_consecutive_crashes} times in a row:\n{self.log_tail(replica)}",
+            )
             return
         backoff = min(
-            self.policy.restart_backoff_s * 2 ** (replica.num_consecutive_crashes - 1), self.policy.max_restart_backoff_s
+            self.policy.restart_backoff_s * 2 ** (replica.num_consecutive_crashes - 1),
+            self.policy.max_restart_backoff_s,
         )
         replica.num_restarts += 1
         replica.launch_at = time.monotonic() + backoff
         replica.failure_reason = reason
         replica.progress = f"restarting engine in {backoff:.0f}s after a crash"
         replica.set_state(ReplicaState.STARTING)
-        logger.warning("replica %s: %s; restart %d in %.1fs", replica.spec.replica_id, reason, replica.num_restarts, backoff)
+        logger.warning(
+            "replica %s: %s; restart %d in %.1fs",
+            replica.spec.replica_id,
+            reason,
+            replica.num_restarts,
+            backoff,
+        )
         self._save_state()
 
     def _fail(self, replica: ManagedReplica, reason: str) -> None:
@@ -337,7 +357,9 @@ class Supervisor:
         replica.launch_at = 0.0
         replica.failure_reason = reason
         replica.set_state(ReplicaState.FAILED)
-        logger.error("replica %s FAILED: %s", replica.spec.replica_id, reason.splitlines()[0] if reason else "")
+        logger.error(
+            "replica %s FAILED: %s", replica.spec.replica_id, reason.splitlines()[0] if reason else ""
+        )
         self._save_state()
 
     def log_tail(self, replica: ManagedReplica) -> str:
@@ -412,6 +434,13 @@ class Supervisor:
                 if replica.state not in _TERMINAL_STATES:
                     replica.launch_at = 0.0
                     replica.set_state(ReplicaState.STOPPED)
+            self._save_state()
+        self._http.close()
+
+    def detach(self) -> None:
+        """Stop supervising but leave engines running, for the next agent on this data dir to adopt."""
+        self.stop_monitor()
+        with self._lock:
             self._save_state()
         self._http.close()
 
@@ -543,7 +572,10 @@ def _is_replica_process(pid: int, replica_id: str) -> bool:
     """Guards against pid reuse: the pid must still carry the replica's marker."""
     try:
         process = psutil.Process(pid)
-        return process.status() != psutil.STATUS_ZOMBIE and process.environ().get(REPLICA_ENV_MARKER) == replica_id
+        return (
+            process.status() != psutil.STATUS_ZOMBIE
+            and process.environ().get(REPLICA_ENV_MARKER) == replica_id
+        )
     except (psutil.Error, OSError):
         return False
 

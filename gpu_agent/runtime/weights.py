@@ -81,12 +81,17 @@ class WeightsCache:
         *,
         budget_bytes: int | None = None,
         s3_endpoint_url: str | None = None,
+        hf_endpoint: str | None = None,
     ) -> None:
         self.root = Path(root)
         self.budget_bytes = budget_bytes
         self.s3_endpoint_url = (
-            s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+            s3_endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or None
         )
+        self.hf_endpoint = hf_endpoint or os.environ.get("HF_ENDPOINT") or None
         for sub in ("", ".tmp", ".locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.num_downloads = 0
@@ -109,12 +114,23 @@ class WeightsCache:
             if not Path(parsed.location).is_dir():
                 raise FileNotFoundError(f"model directory {parsed.location} does not exist")
             return Path(parsed.location)
-        if parsed.kind == "s3":
-            listing = self._s3_listing(parsed)
-            fingerprint = json.dumps(sorted(listing), separators=(",", ":"))
-        else:
-            listing = []
-            fingerprint = parsed.revision
+        try:
+            if parsed.kind == "s3":
+                listing = self._s3_listing(parsed)
+                fingerprint = json.dumps(sorted(listing), separators=(",", ":"))
+            else:  # a branch moves: key by the commit it points at now
+                listing = self._hf_info(parsed)
+                fingerprint = listing.sha or parsed.revision
+        except Exception:
+            # The store is unreachable: a copy we already hold beats no replica at all.
+            cached = self._newest_cached(source)
+            if cached is None:
+                raise
+            logger.warning("cannot reach %s; using the cached copy %s", source, cached.name, exc_info=True)
+            self._touch(cached.name)
+            with self._mutex:
+                self.num_hits += 1
+            return cached
         key = cache_key(source, fingerprint)
         with self._mutex:
             self._known_sources[key] = source
@@ -135,7 +151,7 @@ class WeightsCache:
                     if parsed.kind == "s3":
                         self._download_s3(parsed, listing, tmp, download, on_progress)
                     else:
-                        self._download_hf(parsed, tmp, download, on_progress)
+                        self._download_hf(parsed, listing, tmp, download, on_progress)
                     if path.exists():  # a stale directory without a manifest
                         shutil.rmtree(path)
                     os.rename(tmp, path)
@@ -238,6 +254,12 @@ class WeightsCache:
     def _touch(self, key: str) -> None:
         os.utime(self._manifest_path(key))
 
+    def _newest_cached(self, source: str) -> Path | None:
+        entries = [entry for entry in self._entries() if entry.get("source") == source]
+        if not entries:
+            return None
+        return self.root / max(entries, key=lambda entry: entry["created_at"])["cache_key"]
+
     def _entries(self) -> list[dict]:
         entries = []
         for manifest_path in self.root.glob("*.json"):
@@ -317,10 +339,17 @@ class WeightsCache:
             if written != size:
                 raise OSError(f"s3://{bucket}/{key}: got {written} bytes, expected {size}")
 
-    def _download_hf(self, parsed, target: Path, download: _Download, on_progress) -> None:
-        from huggingface_hub import HfApi, snapshot_download
+    def _hf_info(self, parsed: ModelSource):
+        from huggingface_hub import HfApi
 
-        info = HfApi().model_info(parsed.location, revision=parsed.revision, files_metadata=True)
+        return HfApi(endpoint=self.hf_endpoint).model_info(
+            parsed.location, revision=parsed.revision, files_metadata=True
+        )
+
+    def _download_hf(self, parsed, listing, target: Path, download: _Download, on_progress) -> None:
+        from huggingface_hub import snapshot_download
+
+        info = listing
         download.size_bytes = sum(sibling.size or 0 for sibling in info.siblings or [])
         stop = threading.Event()
 
@@ -333,14 +362,21 @@ class WeightsCache:
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            snapshot_download(parsed.location, revision=info.sha or parsed.revision, local_dir=str(target))
+            snapshot_download(
+                parsed.location,
+                revision=info.sha or parsed.revision,
+                local_dir=str(target),
+                endpoint=self.hf_endpoint,
+            )
         finally:
             stop.set()
             watcher.join()
         shutil.rmtree(target / ".cache", ignore_errors=True)
         download.downloaded_bytes = _directory_bytes(target)
         if download.size_bytes and download.downloaded_bytes != download.size_bytes:
-            raise OSError(f"hf:{parsed.location}: got {download.downloaded_bytes} bytes, expected {download.size_bytes}")
+            raise OSError(
+                f"hf:{parsed.location}: got {download.downloaded_bytes} bytes, expected {download.size_bytes}"
+            )
         download.size_bytes = download.downloaded_bytes
 
 
@@ -350,7 +386,9 @@ def cache_key(source: str, fingerprint: str) -> str:
 
 
 def _directory_bytes(path: Path) -> int:
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file() and ".cache" not in file.parts)
+    return sum(
+        file.stat().st_size for file in path.rglob("*") if file.is_file() and ".cache" not in file.parts
+    )
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -41,7 +41,14 @@ def fake_engine_factory(*extra_args: str):
     """A command factory for Supervisor/Agent that launches tests/agent/fake_engine.py."""
 
     def factory(spec: ReplicaSpec, model_path: Path, port: int) -> EngineCommand:
-        argv = [sys.executable, str(FAKE_ENGINE), "--port", str(port), "--served-model-name", spec.served_model_name]
+        argv = [
+            sys.executable,
+            str(FAKE_ENGINE),
+            "--port",
+            str(port),
+            "--served-model-name",
+            spec.served_model_name,
+        ]
         return EngineCommand(argv=[*argv, *extra_args], port=port)
 
     return factory
@@ -63,7 +70,10 @@ def processes_with_marker(replica_id: str) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["pid"]):
         try:
-            if process.environ().get("INFERPLANE_REPLICA_ID") == replica_id and process.status() != psutil.STATUS_ZOMBIE:
+            if (
+                process.environ().get("INFERPLANE_REPLICA_ID") == replica_id
+                and process.status() != psutil.STATUS_ZOMBIE
+            ):
                 found.append(process)
         except (psutil.Error, OSError):
             continue

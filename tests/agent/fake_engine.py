@@ -29,9 +29,11 @@ worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"
 if args.ignore_sigterm:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 else:
+
     def on_term(*_):
         worker.terminate()
         os._exit(0)
+
     signal.signal(signal.SIGTERM, on_term)
 
 
@@ -73,8 +75,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         length = int(self.headers.get("Content-Length", 0))
         self.rfile.read(length)
-        body = {"model": args.served_model_name, "choices": [{"text": "ok"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        body = {
+            "model": args.served_model_name,
+            "choices": [{"text": "ok"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
         self._send(200, json.dumps(body))
 
 

@@ -67,7 +67,9 @@ class FakeControlPlane:
                         plane.registrations.append(request)
                         secret = f"secret-{len(plane.registrations)}"
                         plane.secrets.add(secret)
-                        answer = RegisterResponse(node_id="node-1", node_secret=secret, heartbeat_interval_s=0.2)
+                        answer = RegisterResponse(
+                            node_id="node-1", node_secret=secret, heartbeat_interval_s=0.2
+                        )
                         return self.reply(201, answer.to_dict())
                     if self.path == "/agent/v1/heartbeat":
                         token = self.headers.get("Authorization", "").removeprefix("Bearer ")
@@ -92,7 +94,24 @@ class FakeControlPlane:
 
     def all_progress(self) -> list[str]:
         with self.lock:
-            return [status.progress for beat in self.heartbeats for status in beat.replicas if status.progress]
+            return [
+                status.progress for beat in self.heartbeats for status in beat.replicas if status.progress
+            ]
+
+
+def spawn_agent_process(control_plane, data_dir, *, keep_engines_on_exit=False) -> subprocess.Popen:
+    """An agent in its own process (fake engines), stopped by signals like the real CLI."""
+    script = textwrap.dedent(
+        f"""
+        from tests.agent.conftest import fake_engine_factory
+        from gpu_agent.runtime.agent import Agent, AgentConfig
+        from gpu_agent.runtime.cli import run_until_signalled
+        config = AgentConfig(control_plane_url={control_plane.url!r}, join_token={control_plane.join_token!r},
+                             data_dir={str(data_dir)!r}, force_cpu=True, keep_engines_on_exit={keep_engines_on_exit})
+        run_until_signalled(Agent(config, command_factory=fake_engine_factory()))
+        """
+    )
+    return subprocess.Popen([sys.executable, "-c", script], cwd=os.getcwd())
 
 
 @pytest.fixture
@@ -205,9 +224,14 @@ def test_failed_weight_fetch_is_reported_as_failed(control_plane, running_agent,
 def test_drains_replicas_reports_stopped_then_forgets_them(control_plane, running_agent, tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    control_plane.desired = [make_spec("r-x", model_source=str(model)), make_spec("r-y", model_source=str(model))]
+    control_plane.desired = [
+        make_spec("r-x", model_source=str(model)),
+        make_spec("r-y", model_source=str(model)),
+    ]
     agent, _stop, _thread = running_agent()
-    wait_until(lambda: control_plane.last_states() == {"r-x": ReplicaState.READY, "r-y": ReplicaState.READY}, 15)
+    wait_until(
+        lambda: control_plane.last_states() == {"r-x": ReplicaState.READY, "r-y": ReplicaState.READY}, 15
+    )
     # r-x: explicit DRAIN; r-y: no longer listed at all.
     control_plane.desired = [make_spec("r-x", model_source=str(model), action=ReplicaAction.DRAIN)]
     wait_until(lambda: control_plane.last_states() == {"r-x": ReplicaState.STOPPED}, 15)
@@ -225,17 +249,7 @@ def test_sigterm_stops_the_agent_and_its_engines(control_plane, tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     control_plane.desired = [make_spec("r-term", model_source=str(model))]
-    script = textwrap.dedent(
-        f"""
-        from tests.agent.conftest import fake_engine_factory
-        from gpu_agent.runtime.agent import Agent, AgentConfig
-        from gpu_agent.runtime.cli import run_until_signalled
-        config = AgentConfig(control_plane_url={control_plane.url!r}, join_token="join-123",
-                             data_dir={str(tmp_path / "agent")!r}, force_cpu=True)
-        run_until_signalled(Agent(config, command_factory=fake_engine_factory()))
-        """
-    )
-    agent = subprocess.Popen([sys.executable, "-c", script], cwd=os.getcwd())
+    agent = spawn_agent_process(control_plane, tmp_path / "agent")
     try:
         wait_until(lambda: control_plane.last_states().get("r-term") == ReplicaState.READY, 20)
         assert len(processes_with_marker("r-term")) == 2
@@ -244,3 +258,87 @@ def test_sigterm_stops_the_agent_and_its_engines(control_plane, tmp_path):
         assert processes_with_marker("r-term") == []
     finally:
         agent.kill()
+
+
+def test_reports_weight_loading_progress_while_fetching(control_plane, running_agent, tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    model.mkdir()
+    release = threading.Event()
+    agent, _stop, _thread = running_agent()
+
+    def slow_fetch(source, *, on_progress=None):
+        on_progress(40, 100)
+        release.wait(20)
+        return model
+
+    monkeypatch.setattr(agent.weights, "fetch", slow_fetch)
+    control_plane.desired = [make_spec("r-slow", model_source="s3://slow/model")]
+    wait_until(lambda: "loading weights 40%" in control_plane.all_progress(), 10)
+    status = next(s for s in control_plane.heartbeats[-1].replicas if s.replica_id == "r-slow")
+    assert status.state == ReplicaState.STARTING and status.progress_percent == 40.0
+    release.set()
+    wait_until(lambda: control_plane.last_states().get("r-slow") == ReplicaState.READY, 15)
+
+
+def test_next_agent_adopts_engines_a_detached_agent_left_running(control_plane, running_agent, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    control_plane.desired = [
+        make_spec("r-stay", model_source=str(model)),
+        make_spec("r-old", model_source=str(model)),
+    ]
+    first = spawn_agent_process(control_plane, tmp_path / "agent", keep_engines_on_exit=True)
+    try:
+        wait_until(lambda: set(control_plane.last_states().values()) == {ReplicaState.READY}
+                   and len(control_plane.last_states()) == 2, 20)  # fmt: skip
+        pids = {s.replica_id: s.pid for s in control_plane.heartbeats[-1].replicas}
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=20) == 0
+        assert {p.pid for p in processes_with_marker("r-stay")} >= {pids["r-stay"]}, (
+            "engines outlive the agent"
+        )
+        # The control plane meanwhile stopped wanting r-old.
+        control_plane.desired = [make_spec("r-stay", model_source=str(model))]
+        agent, _stop, _thread = running_agent()
+        wait_until(lambda: control_plane.last_states().get("r-old") == ReplicaState.STOPPED, 15)
+        replica = agent.supervisor.get("r-stay")
+        assert (
+            replica.state == ReplicaState.READY
+            and replica.pid == pids["r-stay"]
+            and replica.num_restarts == 0
+        )
+        assert processes_with_marker("r-old") == []
+    finally:
+        first.kill()
+
+
+@pytest.mark.vllm
+def test_cli_agent_serves_a_real_engine_and_sigterm_leaves_no_process(
+    control_plane, tmp_path, tiny_model_dir
+):
+    import httpx
+
+    control_plane.desired = [make_spec("r-cli", model_source=str(tiny_model_dir))]
+    command = [
+        sys.executable, "-m", "gpu_agent", "run",
+        "--control-plane", control_plane.url,
+        "--join-token", control_plane.join_token,
+        "--data-dir", str(tmp_path / "agent"),
+        "--cpu", "--name", "cpu-test-node",
+    ]  # fmt: skip
+    agent = subprocess.Popen(command, cwd=os.getcwd(), stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: control_plane.last_states().get("r-cli") == ReplicaState.READY, 300, step_s=0.5)
+        assert control_plane.registrations[0].name == "cpu-test-node"
+        status = next(s for s in control_plane.heartbeats[-1].replicas if s.replica_id == "r-cli")
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+        answer = httpx.post(f"{status.address}/v1/completions", json=body, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] == 4
+        assert len(processes_with_marker("r-cli")) >= 2  # API server and EngineCore
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=60) == 0
+        assert processes_with_marker("r-cli") == []
+    finally:
+        agent.kill()
+        for process in processes_with_marker("r-cli"):
+            process.kill()

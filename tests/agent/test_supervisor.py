@@ -24,7 +24,9 @@ def make_supervisor(tmp_path):
     created = []
 
     def make(*engine_args, policy=FAST, data_dir=None):
-        supervisor = Supervisor(data_dir or tmp_path / "agent", command_factory=fake_engine_factory(*engine_args), policy=policy)
+        supervisor = Supervisor(
+            data_dir or tmp_path / "agent", command_factory=fake_engine_factory(*engine_args), policy=policy
+        )
         created.append(supervisor)
         return supervisor
 
@@ -99,9 +101,7 @@ def test_new_supervisor_adopts_healthy_desired_and_kills_the_rest(make_superviso
     first = make_supervisor(data_dir=data_dir)
     first.start(make_spec("r-keep"), "/models/x")
     first.start(make_spec("r-gone"), "/models/x")
-    wait_until(
-        lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 10, poll=first.poll
-    )
+    wait_until(lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 10, poll=first.poll)
     keep_pid = first.get("r-keep").pid
     first._http.close()  # the old agent vanishes without stopping its children
     first._replicas.clear()

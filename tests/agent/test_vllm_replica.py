@@ -28,7 +28,10 @@ READY_TIMEOUT_S = 300
 def engine_processes(model_dir) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["pid", "cmdline"]):
-        if str(model_dir) in " ".join(process.info["cmdline"] or []) and process.status() != psutil.STATUS_ZOMBIE:
+        if (
+            str(model_dir) in " ".join(process.info["cmdline"] or [])
+            and process.status() != psutil.STATUS_ZOMBIE
+        ):
             found.append(process)
     return found
 
@@ -40,7 +43,9 @@ def engines(tiny_model_dir, tmp_path_factory):
     holder = {"supervisor": Supervisor(data_dir, policy=policy), "data_dir": data_dir, "policy": policy}
     supervisor = holder["supervisor"]
     supervisor.start(make_spec("r-plain", model_source=str(tiny_model_dir)), tiny_model_dir)
-    supervisor.start(make_spec("r-fp8", model_source=str(tiny_model_dir), quantization="fp8_per_channel"), tiny_model_dir)
+    supervisor.start(
+        make_spec("r-fp8", model_source=str(tiny_model_dir), quantization="fp8_per_channel"), tiny_model_dir
+    )
     yield holder
     holder["supervisor"].shutdown(timeout_s=20)
     for replica_id in ("r-plain", "r-fp8"):

@@ -10,6 +10,7 @@ import threading
 
 import boto3
 import pytest
+from botocore.exceptions import EndpointConnectionError
 
 from gpu_agent.runtime.engine import free_port
 from gpu_agent.runtime.weights import ModelSource, WeightsCache
@@ -53,7 +54,9 @@ def test_s3_model_downloads_once_for_two_concurrent_replicas(s3, s3_endpoint, tm
     threads = [
         threading.Thread(
             target=lambda: paths.append(
-                cache.fetch("s3://models-a/llama/v1", on_progress=lambda done, total: progress.append((done, total)))
+                cache.fetch(
+                    "s3://models-a/llama/v1", on_progress=lambda done, total: progress.append((done, total))
+                )
             )
         )
         for _ in range(2)
@@ -96,7 +99,9 @@ def test_two_processes_download_once(s3, s3_endpoint, tmp_path):
     )
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
     children = [
-        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, cwd=os.getcwd())
+        subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, cwd=os.getcwd()
+        )
         for _ in range(2)
     ]
     counts = sorted(int(child.communicate(timeout=60)[0].strip()) for child in children)
@@ -147,3 +152,12 @@ def test_parses_model_sources():
     for bad in ("hf:noslash", "relative/path", "s3://"):
         with pytest.raises(ValueError):
             ModelSource.parse(bad)
+
+
+def test_cached_copy_serves_when_the_store_is_unreachable(s3, s3_endpoint, tmp_path):
+    upload_model(s3, "models-f", "m", num_bytes=100)
+    path = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint).fetch("s3://models-f/m")
+    offline = WeightsCache(tmp_path / "weights", s3_endpoint_url=f"http://127.0.0.1:{free_port()}")
+    assert offline.fetch("s3://models-f/m") == path
+    with pytest.raises(EndpointConnectionError):
+        offline.fetch("s3://models-f/other")

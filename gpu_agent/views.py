@@ -1,0 +1,107 @@
+"""Fleet console (staff only): nodes, cordon/drain, join tokens, every replica, the audit log."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.contrib import messages
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from controlplane.console import staff_required
+from controlplane.models import AuditEvent
+from controlplane.services import Actor
+from endpoints.models import ACTIVE_REPLICA_STATES, Replica
+from gpu_agent import services
+from gpu_agent.models import JoinToken, Node
+from gpu_agent.protocol import NodeState
+
+NUM_AUDIT_EVENTS_SHOWN = 50
+NODE_ACTIONS = {
+    "cordon": (NodeState.CORDONED, "cordoned: it keeps its replicas and gets no new ones"),
+    "uncordon": (NodeState.READY, "ready for new replicas again"),
+    "drain": (NodeState.DRAINING, "draining: its replicas move to other nodes"),
+}
+
+
+def _fleet_context() -> dict:
+    nodes = list(Node.objects.all())
+    active = Replica.objects.filter(state__in=ACTIVE_REPLICA_STATES).select_related("endpoint__organization", "node")
+    replicas_by_node: dict = {}
+    for replica in active:
+        replicas_by_node.setdefault(replica.node_id, []).append(replica)
+    now = timezone.now()
+    for node in nodes:
+        node.active_replicas = replicas_by_node.get(node.pk, [])
+        status = node.last_status or {}
+        node.gpus = status.get("gpus") or []
+        node.weights = status.get("weights") or []
+        node.cpu_percent = status.get("cpu_percent")
+        node.memory_used_mb = status.get("memory_used_mb")
+        node.heartbeat_age_s = (now - node.last_heartbeat_at).total_seconds() if node.last_heartbeat_at else None
+        node.heartbeat_late = node.heartbeat_age_s is None or node.heartbeat_age_s > 3 * settings.AGENT_HEARTBEAT_INTERVAL_S
+    return {
+        "nodes": nodes,
+        "replicas": Replica.objects.select_related("endpoint__organization", "node").order_by("-state_changed_at")[:100],
+        "num_active_replicas": len(active),
+    }
+
+
+@staff_required
+def fleet(request):
+    return render(request, "gpu_agent/fleet.html", _fleet_context() | {
+        "join_tokens": JoinToken.objects.select_related("created_by")[:50],
+        "audit_events": AuditEvent.objects.select_related("actor", "organization", "api_key")[:NUM_AUDIT_EVENTS_SHOWN],
+        "public_url": settings.PUBLIC_URL,
+    })
+
+
+@staff_required
+def fleet_live(request):
+    """Nodes and replicas alone, polled by htmx."""
+    return render(request, "gpu_agent/_fleet_live.html", _fleet_context())
+
+
+@staff_required
+@require_POST
+def node_state(request, pk):
+    node = get_object_or_404(Node, pk=pk)
+    action = NODE_ACTIONS.get(request.POST.get("action", ""))
+    if action is None:
+        messages.error(request, "Unknown node action.")
+        return redirect("console:fleet")
+    state, description = action
+    services.set_node_state(Actor.from_request(request), node, state)
+    messages.success(request, f"Node {node.name} is {description}.")
+    return redirect("console:fleet")
+
+
+EXPIRY_HOURS = {"1": 1, "24": 24, "168": 168}
+
+
+@staff_required
+@require_POST
+def join_token_create(request):
+    name = request.POST.get("name", "").strip()[:100] or "join token"
+    hours = EXPIRY_HOURS.get(request.POST.get("expires_in_hours", ""), None)
+    max_uses = request.POST.get("max_uses", "").strip()
+    created = services.create_join_token(
+        Actor.from_request(request), name=name,
+        expires_at=timezone.now() + timedelta(hours=hours) if hours else None,
+        max_uses=int(max_uses) if max_uses.isdigit() and int(max_uses) > 0 else None,
+    )
+    # NOTE: the token is rendered in this response only; only its hash is stored.
+    return render(request, "gpu_agent/join_token_created.html", {
+        "join_token": created.join_token, "secret": created.plain, "public_url": settings.PUBLIC_URL,
+    }, status=201)
+
+
+@staff_required
+@require_POST
+def join_token_revoke(request, pk):
+    join_token = get_object_or_404(JoinToken, pk=pk)
+    services.revoke_join_token(Actor.from_request(request), join_token)
+    messages.success(request, f"Join token “{join_token.name}” was revoked; nodes already joined keep running.")
+    return redirect("console:fleet")

