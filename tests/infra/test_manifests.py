@@ -1,0 +1,264 @@
+"""infra/k8s: every overlay renders, validates against the Kubernetes schemas, and runs the platform as designed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.infra.conftest import run_tool, tool
+
+# Validated against the oldest Kubernetes the manifests support (the preStop `sleep` action is on by
+# default from 1.30) and the newest whose schemas kubernetes-validate bundles. Both are offline: the
+# package ships the schemas with their references resolved (`<version>-local-strict`).
+KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
+
+DJANGO_PROCESSES = [
+    ("Deployment", "inferplane-web"),
+    ("Deployment", "inferplane-worker"),
+    ("Deployment", "inferplane-beat"),
+    ("Job", "inferplane-migrate"),
+]
+SECRET_SETTINGS = {
+    "DJANGO_SECRET_KEY",
+    "DATABASE_URL",
+    "REDIS_URL",
+    "STRIPE_SECRET_KEY",
+    "STRIPE_WEBHOOK_SECRET",
+    "EMAIL_HOST_PASSWORD",
+}
+
+
+def _validate(path, version: str) -> subprocess.CompletedProcess:
+    return run_tool(
+        [tool("kubernetes-validate"), "--strict", "--quiet", "--kubernetes-version", version, str(path)]
+    )
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_overlay_validates_strictly_against_the_kubernetes_schemas(rendered, version, tmp_path):
+    manifest = tmp_path / f"{rendered.overlay}.yaml"
+    manifest.write_text(rendered.text)
+    result = _validate(manifest, version)
+    assert result.returncode == 0, (
+        f"{rendered.overlay} on Kubernetes {version}:\n{result.stdout}{result.stderr}"
+    )
+
+
+def test_the_validator_rejects_an_unknown_field(tmp_path):
+    # Proves the strict, offline validation above is really checking something.
+    manifest = tmp_path / "bad.yaml"
+    manifest.write_text(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: [{port: 80}], replicas: 2}\n"
+    )
+    result = _validate(manifest, KUBERNETES_VERSIONS[-1])
+    assert result.returncode != 0
+    assert "replicas" in result.stdout + result.stderr
+
+
+def _pod_spec(resource: dict) -> dict:
+    return resource["spec"]["template"]["spec"]
+
+
+def _environment(rendered, resource: dict) -> tuple[dict[str, str], set[str]]:
+    """The first container's environment: plain values (ConfigMaps resolved), and the names taken from Secrets."""
+    container = _pod_spec(resource)["containers"][0]
+    values, from_secrets = {}, set()
+    for source in container.get("envFrom", []):
+        assert "configMapRef" in source, "Secrets are referenced key by key, so the manifests name each one"
+        values.update(rendered.get("ConfigMap", source["configMapRef"]["name"]).get("data", {}))
+    for variable in container.get("env", []):
+        if "secretKeyRef" in variable.get("valueFrom", {}):
+            from_secrets.add(variable["name"])
+        else:
+            values[variable["name"]] = variable.get("value", "")
+    return values, from_secrets
+
+
+def test_every_setting_reaches_every_django_process(rendered, settings):
+    from controlplane.env import SETTINGS_ENV_VARS
+
+    assert SETTINGS_ENV_VARS, "settings read no environment variables?"
+    for kind, name in DJANGO_PROCESSES:
+        values, from_secrets = _environment(rendered, rendered.get(kind, name))
+        missing = sorted(SETTINGS_ENV_VARS - values.keys() - from_secrets)
+        assert not missing, f"{rendered.overlay} {name} does not set {missing}"
+        assert from_secrets == SECRET_SETTINGS, f"{rendered.overlay} {name}: secrets {sorted(from_secrets)}"
+        assert not SECRET_SETTINGS & values.keys(), f"{rendered.overlay} {name}: a secret sits in a ConfigMap"
+        assert values["DJANGO_DEBUG"] == "0"
+        assert values["INFERPLANE_ALLOW_LOCAL_MODEL_PATHS"] == "0"
+
+
+def test_every_variable_in_the_readme_configuration_table_is_set(rendered):
+    table = (REPO_ROOT / "README.md").read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    first_cells = [row.split("|")[1] for row in table.splitlines() if row.startswith("| `")]
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", " ".join(first_cells)))
+    assert len(documented) > 20
+    values, from_secrets = _environment(rendered, rendered.get("Deployment", "inferplane-web"))
+    assert sorted(documented - values.keys() - from_secrets) == []
+
+
+def test_production_values_pass_check_deploy(rendered):
+    """`manage.py check --deploy` is clean with exactly what the pods get, plus placeholder secrets."""
+    values, _ = _environment(rendered, rendered.get("Deployment", "inferplane-web"))
+    secrets = {
+        "DJANGO_SECRET_KEY": "placeholder-" + "s3cr3t-K3y!" * 6,
+        "DATABASE_URL": "postgresql://inferplane:pw@postgres.internal:5432/inferplane",
+        "REDIS_URL": "redis://redis.internal:6379/0",
+        "STRIPE_SECRET_KEY": "sk_test_placeholder",
+        "STRIPE_WEBHOOK_SECRET": "whsec_placeholder",
+        "EMAIL_HOST_PASSWORD": "placeholder",
+    }
+    # A clean environment: nothing of the test run's own settings leaks into the check.
+    clean = {name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ}
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        cwd=REPO_ROOT,
+        env=clean | values | secrets | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, f"{rendered.overlay}:\n{result.stdout}{result.stderr}"
+    assert "no issues" in result.stdout
+
+
+def test_web_probes_use_healthz_and_readyz(rendered):
+    web = _pod_spec(rendered.get("Deployment", "inferplane-web"))["containers"][0]
+    assert web["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert web["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert web["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert web[probe]["httpGet"]["port"] == "http"
+    assert "--port=8000" in web["command"] and web["command"][:2] == [
+        "uvicorn",
+        "controlplane.asgi:application",
+    ]
+
+
+def test_probes_send_a_host_the_production_settings_accept(rendered, client, settings):
+    # The kubelet would send Host: <pod IP>, which ALLOWED_HOSTS refuses with a 400.
+    values, _ = _environment(rendered, rendered.get("Deployment", "inferplane-web"))
+    settings.ALLOWED_HOSTS = values["ALLOWED_HOSTS"].split(",")
+    settings.SECURE_SSL_REDIRECT = True
+    web = _pod_spec(rendered.get("Deployment", "inferplane-web"))["containers"][0]
+    headers = {header["name"]: header["value"] for header in web["livenessProbe"]["httpGet"]["httpHeaders"]}
+    assert client.get("/healthz", HTTP_HOST=headers["Host"]).status_code == 200
+    assert client.get("/healthz", HTTP_HOST="10.1.2.3:8000").status_code == 400
+
+
+def test_beat_runs_exactly_one_replica_and_never_two_at_once(rendered):
+    beat = rendered.get("Deployment", "inferplane-beat")
+    assert beat["spec"]["replicas"] == 1
+    assert beat["spec"]["strategy"]["type"] == "Recreate"
+    assert not [
+        hpa
+        for hpa in rendered.all("HorizontalPodAutoscaler")
+        if hpa["spec"]["scaleTargetRef"]["name"] == "inferplane-beat"
+    ]
+    assert _pod_spec(beat)["containers"][0]["command"][:3] == ["celery", "--app=controlplane", "beat"]
+
+
+def test_worker_and_migrations_run_the_right_commands(rendered):
+    worker = _pod_spec(rendered.get("Deployment", "inferplane-worker"))["containers"][0]
+    assert worker["command"][:3] == ["celery", "--app=controlplane", "worker"]
+    migrate = _pod_spec(rendered.get("Job", "inferplane-migrate"))["containers"][0]
+    assert migrate["command"] == ["python", "manage.py", "migrate", "--noinput"]
+
+
+def test_web_scales_horizontally_and_survives_node_drains(rendered):
+    web = rendered.get("Deployment", "inferplane-web")
+    assert "replicas" not in web["spec"], "the HorizontalPodAutoscaler owns the web replica count"
+    hpa = rendered.get("HorizontalPodAutoscaler", "inferplane-web")
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "inferplane-web",
+    }
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    budgets = {pdb["metadata"]["name"]: pdb for pdb in rendered.all("PodDisruptionBudget")}
+    assert set(budgets) == {"inferplane-web", "inferplane-worker"}
+    for name, pdb in budgets.items():
+        component = name.removeprefix("inferplane-")
+        assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component
+
+
+def test_every_container_has_requests_limits_and_runs_as_non_root(rendered):
+    for resource in rendered.documents:
+        if resource["kind"] not in {"Deployment", "DaemonSet", "Job"}:
+            continue
+        pod = _pod_spec(resource)
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["automountServiceAccountToken"] is False
+        for container in pod["containers"]:
+            where = f"{rendered.overlay} {resource['metadata']['name']}/{container['name']}"
+            assert {"cpu", "memory"} <= container["resources"]["requests"].keys(), where
+            assert "memory" in container["resources"]["limits"], where
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True, where
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False, where
+            assert container["securityContext"]["capabilities"]["drop"] == ["ALL"], where
+        for container in pod.get("initContainers", []):
+            # The one root container: it only hands the host directories to the agent's user.
+            assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+
+
+def test_the_ingress_terminates_tls_for_its_host_and_routes_everything_to_web(rendered):
+    ingress = rendered.get("Ingress", "inferplane")
+    (rule,) = ingress["spec"]["rules"]
+    (tls,) = ingress["spec"]["tls"]
+    assert tls["hosts"] == [rule["host"]]
+    (path,) = rule["http"]["paths"]
+    assert (path["path"], path["pathType"]) == ("/", "Prefix")
+    assert path["backend"]["service"]["name"] == "inferplane-web"
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    values, _ = _environment(rendered, rendered.get("Deployment", "inferplane-web"))
+    assert rule["host"] in values["ALLOWED_HOSTS"].split(",")
+    assert values["INFERPLANE_PUBLIC_URL"] == f"https://{rule['host']}"
+    assert values["CSRF_TRUSTED_ORIGINS"] == f"https://{rule['host']}"
+
+
+def test_overlays_pin_images_and_their_own_namespace_and_host(rendered_overlays):
+    hosts, namespaces = set(), set()
+    for rendered in rendered_overlays.values():
+        for resource in rendered.documents:
+            if resource["kind"] in {"Deployment", "DaemonSet", "Job"}:
+                for container in _pod_spec(resource)["containers"] + _pod_spec(resource).get(
+                    "initContainers", []
+                ):
+                    image = container["image"]
+                    assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), image
+            if resource["kind"] != "Namespace":
+                namespaces.add((rendered.overlay, resource["metadata"]["namespace"]))
+        hosts.add(rendered.get("Ingress", "inferplane")["spec"]["rules"][0]["host"])
+    assert len(hosts) == len(rendered_overlays)
+    assert len({namespace for _, namespace in namespaces}) == len(rendered_overlays)
+
+
+def test_gpu_agent_runs_on_every_gpu_node_with_its_gpus_cache_and_join_token(rendered):
+    agent = rendered.get("DaemonSet", "inferplane-agent")
+    pod = _pod_spec(agent)
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[:4] == ["python", "-m", "gpu_agent", "run"]
+    assert "--control-plane=$(INFERPLANE_PUBLIC_URL)" in args and "--data-dir=/var/lib/inferplane" in args
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus >= 1 and container["resources"]["requests"]["nvidia.com/gpu"] == gpus
+    env = {variable["name"]: variable for variable in container["env"]}
+    token = env["INFERPLANE_JOIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert token["name"] == "inferplane-agent" and not token.get("optional")
+    for optional in ("HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3"):
+        assert env[optional]["valueFrom"]["secretKeyRef"]["optional"] is True
+    assert env["INFERPLANE_PUBLIC_URL"]["valueFrom"]["configMapKeyRef"]["name"].startswith(
+        "inferplane-config-"
+    )
+    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert volumes[mounts["/var/lib/inferplane"]]["hostPath"]["path"] == "/var/lib/inferplane"
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert pod["terminationGracePeriodSeconds"] > 120, "longer than a replica's drain timeout"
