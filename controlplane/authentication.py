@@ -2,8 +2,7 @@
 
 from rest_framework import authentication, exceptions
 
-from controlplane.models import Membership
-from controlplane.services import find_api_key
+from controlplane.services import authenticate_api_key
 
 
 class ApiKeyAuthentication(authentication.BaseAuthentication):
@@ -16,14 +15,10 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         keyword, _, plain = header.partition(" ")
         if keyword != self.keyword or not plain.strip():
             raise exceptions.AuthenticationFailed("Use 'Authorization: Bearer <API key>'.")
-        api_key = find_api_key(plain.strip())
+        api_key = authenticate_api_key(plain.strip())
         if api_key is None:
             raise exceptions.AuthenticationFailed("Invalid, expired or revoked API key.")
-        user = api_key.created_by
-        # NOTE: a key acts with its creator's role, so it dies with the creator's membership.
-        if user is None or not user.is_active or not Membership.objects.filter(organization=api_key.organization, user=user).exists():
-            raise exceptions.AuthenticationFailed("The API key's creator is no longer a member of its organisation.")
-        return user, api_key
+        return api_key.created_by, api_key
 
     def authenticate_header(self, request):
         return self.keyword

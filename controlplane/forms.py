@@ -1,5 +1,14 @@
+"""Console forms. Where an API serializer holds the rules, the form only renders and shows its errors."""
+
+from datetime import timedelta
+
 from django import forms
 from django.contrib.auth import get_user_model, password_validation
+from django.forms.utils import ErrorDict
+from django.http import QueryDict
+from django.utils import timezone
+
+from controlplane.models import Role, Scope
 
 
 class SignUpForm(forms.Form):
@@ -26,3 +35,69 @@ class SignUpForm(forms.Form):
             except forms.ValidationError as exc:
                 self.add_error("password", exc)
         return cleaned
+
+
+class SerializerBackedForm(forms.Form):
+    """A form that renders fields (labels, widgets, help) while a DRF serializer validates them.
+
+    The rules live once, in the serializer the API uses; the console shows that
+    serializer's errors inline, next to the field they name.
+    """
+
+    def serializer_data(self, post) -> QueryDict:
+        """The posted values of this form's fields only (the CSRF token is no spec field)."""
+        data = QueryDict(mutable=True)
+        for name in self.fields:
+            if name in post:
+                data.setlist(name, post.getlist(name))
+        return data
+
+    # Serializer field names shown on a differently named form field.
+    error_fields: dict[str, str] = {}
+
+    def show_errors(self, errors: dict) -> None:
+        # NOTE: the form's own field validation never runs: the serializer's messages are the only ones.
+        self._errors, self.cleaned_data = ErrorDict(renderer=self.renderer), {}
+        for name, messages in errors.items():
+            name = self.error_fields.get(name, name)
+            for message in messages if isinstance(messages, list) else [messages]:
+                self.add_error(name if name in self.fields else None, str(message))
+
+
+class MemberInviteForm(forms.Form):
+    email = forms.EmailField(label="Email of an existing Inferplane user", widget=forms.EmailInput(attrs={"autocomplete": "off"}))
+    role = forms.ChoiceField(label="Role", choices=Role.choices, initial=Role.MEMBER)
+
+
+class MemberRoleForm(forms.Form):
+    role = forms.ChoiceField(label="Role", choices=Role.choices)
+
+
+EXPIRY_CHOICES = [("", "Never"), ("7", "In 7 days"), ("30", "In 30 days"), ("90", "In 90 days"), ("365", "In a year")]
+
+
+class ApiKeyForm(SerializerBackedForm):
+    """Renders the new-key form; `ApiKeySerializer` validates it."""
+
+    error_fields = {"expires_at": "expires_in_days"}
+
+    name = forms.CharField(label="Name", required=False, help_text="What uses this key, e.g. “staging chatbot”.")
+    scopes = forms.MultipleChoiceField(
+        label="Scopes", choices=Scope.choices, required=False, initial=[Scope.INFERENCE],
+        widget=forms.CheckboxSelectMultiple,
+        help_text="Inference calls /v1 (chat, completions). Manage calls /api/v1 (admins only).",
+    )
+    expires_in_days = forms.ChoiceField(label="Expires", choices=EXPIRY_CHOICES, required=False)
+    requests_per_minute = forms.CharField(
+        label="Requests per minute", required=False, widget=forms.NumberInput(attrs={"placeholder": "platform default"})
+    )
+    tokens_per_minute = forms.CharField(
+        label="Tokens per minute", required=False, widget=forms.NumberInput(attrs={"placeholder": "platform default"})
+    )
+
+    def serializer_data(self, post) -> QueryDict:
+        data = super().serializer_data(post)
+        days = data.pop("expires_in_days", [""])[0]
+        if days.isdigit():
+            data["expires_at"] = (timezone.now() + timedelta(days=int(days))).isoformat()
+        return data

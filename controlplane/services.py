@@ -181,6 +181,22 @@ def find_api_key(plain: str) -> ApiKey | None:
     return api_key
 
 
+def authenticate_api_key(plain: str) -> ApiKey | None:
+    """The key, if it is usable and its creator still belongs to its organisation.
+
+    NOTE: a key acts with its creator's role, so it dies with the creator's membership.
+    """
+    api_key = find_api_key(plain)
+    if api_key is None:
+        return None
+    creator = api_key.created_by
+    if creator is None or not creator.is_active:
+        return None
+    if not Membership.objects.filter(organization_id=api_key.organization_id, user_id=creator.pk).exists():
+        return None
+    return api_key
+
+
 def touch_api_key(api_key: ApiKey) -> None:
     now = timezone.now()
     if api_key.last_used_at is None or now - api_key.last_used_at > LAST_USED_RESOLUTION:

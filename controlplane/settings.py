@@ -173,8 +173,16 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 CELERY_TIMEZONE = "UTC"
 AUTOSCALER_TICK_S = env_float("INFERPLANE_AUTOSCALER_TICK_S", 2.0, minimum=0.2)
+AUTOSCALER_STABLE_WINDOW_S = env_float("INFERPLANE_AUTOSCALER_STABLE_WINDOW_S", 60.0, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "ping-scheduler": {"task": "controlplane.ping", "schedule": 60.0},
+    "billing-rollup-usage": {"task": "billing.rollup_usage", "schedule": 60.0},
+    "billing-push-rollups": {"task": "billing.push_pending_rollups", "schedule": 60.0},
+    "billing-sweep-reservations": {"task": "billing.sweep_expired_reservations", "schedule": 30.0},
+    "billing-spend-alerts": {"task": "billing.check_spend_alerts", "schedule": 60.0},
+    # NOTE: expires keeps a backlog of ticks (a worker was down) from running all at once.
+    "autoscale": {"task": "endpoints.autoscale", "schedule": AUTOSCALER_TICK_S, "options": {"expires": AUTOSCALER_TICK_S * 2}},
+    "sweep-stuck": {"task": "endpoints.sweep_stuck", "schedule": 5.0, "options": {"expires": 10}},
 }
 
 # --- platform behaviour ------------------------------------------------------------
@@ -193,6 +201,17 @@ STRIPE_SECRET_KEY = env_str("STRIPE_SECRET_KEY", "")
 STRIPE_WEBHOOK_SECRET = env_str("STRIPE_WEBHOOK_SECRET", "")
 # Points the official library elsewhere (a local fake in tests); unset means Stripe itself.
 STRIPE_API_BASE = env_str("STRIPE_API_BASE")
+STRIPE_TIMEOUT_S = env_float("STRIPE_TIMEOUT_S", 10.0, minimum=0.1)
+# First retry delay for 5xx, 429 and timeouts from Stripe; it doubles each attempt (with jitter).
+STRIPE_RETRY_BASE_DELAY_S = env_float("STRIPE_RETRY_BASE_DELAY_S", 0.5, minimum=0)
+
+# --- billing -----------------------------------------------------------------------
+# A reservation whose gateway never settled it (a crash) is released after this long.
+BILLING_RESERVATION_TTL_S = env_float("INFERPLANE_RESERVATION_TTL_S", 900.0, minimum=1)
+# An hour's rollup closes (and goes to Stripe) this long after the hour ends; later usage is an adjustment.
+BILLING_ROLLUP_CLOSE_AFTER_S = env_int("INFERPLANE_ROLLUP_CLOSE_AFTER_S", 600, minimum=0)
+# A Stripe push claimed longer ago than this is presumed dead and may be taken over.
+BILLING_CLAIM_TIMEOUT_S = env_float("INFERPLANE_BILLING_CLAIM_TIMEOUT_S", 300.0, minimum=0.1)
 
 # --- email -----------------------------------------------------------------------------
 EMAIL_HOST = env_str("EMAIL_HOST")

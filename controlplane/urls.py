@@ -16,6 +16,7 @@ router.register("audit-log", accounts_api.AuditEventViewSet, basename="audit-eve
 
 api_v1 = [
     path("organization/", accounts_api.current_organization, name="current-organization"),
+    path("", include("billing.urls")),
     path("", include(router.urls)),
 ]
 
@@ -35,6 +36,6 @@ urlpatterns = [
     path("reset/<uidb64>/<token>/", auth_views.PasswordResetConfirmView.as_view(), name="password_reset_confirm"),
     path("reset/done/", auth_views.PasswordResetCompleteView.as_view(), name="password_reset_complete"),
     path("org/switch/", views.switch_organization, name="switch-organization"),
-    path("console/", include("endpoints.urls")),
+    path("console/", include("controlplane.console_urls")),
     path("django-admin/", admin.site.urls),
 ]

@@ -1,47 +1,131 @@
-"""Reconciling an endpoint: bring its active replicas to the desired count."""
+"""Reconciling endpoints: bring each one's replicas to what the autoscaler wants.
+
+Run by the autoscaler tick (Celery beat, every `INFERPLANE_AUTOSCALER_TICK_S`),
+at once when a cold request wakes an endpoint, and after every spec change.
+Safe to run twice or concurrently: an endpoint is reconciled under
+`select_for_update(skip_locked=True)`, so a second runner skips it.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from datetime import timedelta
 
+from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
+from controlplane.redis_client import get_redis
+from endpoints import autoscaler
+from endpoints.gateway import traffic
 from endpoints.models import Endpoint, EventKind, Replica
 from endpoints.placement import place_replica
 from endpoints.services import drain_replica, record_event
-from gpu_agent.protocol import ReplicaState
+from gpu_agent.models import Node
+from gpu_agent.protocol import NodeState, ReplicaState
 
 logger = logging.getLogger(__name__)
 
+SERVING_STATES = [ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY]
+# Surplus replicas drain in this order: not started yet first, serving last.
+DRAIN_ORDER = {ReplicaState.PENDING: 0, ReplicaState.STARTING: 1, ReplicaState.READY: 2}
+TICK_LOCK = "as:tick-lock"
 
-def desired_replicas(endpoint: Endpoint) -> int:
-    if endpoint.paused_at is not None or endpoint.deleted_at is not None:
-        return 0
-    return endpoint.min_replicas
 
-
-def reconcile_endpoint(endpoint_id: str) -> None:
-    """Place missing replicas and drain surplus ones. Safe to run twice or concurrently."""
+def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) -> autoscaler.Decision | None:
+    """Place missing replicas and drain surplus ones."""
+    if load is None:
+        load = autoscaler.read_load([str(endpoint_id)])[str(endpoint_id)]
     with transaction.atomic():
         endpoint = Endpoint.objects.select_for_update(skip_locked=True).filter(pk=endpoint_id).first()
         if endpoint is None:  # gone, or another worker is reconciling it right now
-            return
-        wanted = desired_replicas(endpoint)
-        serving = list(
-            Replica.objects.filter(endpoint=endpoint, state__in=[ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY])
-            .order_by("-created_at")
-        )
+            return None
+        decision = autoscaler.decide(endpoint, load)
+        serving = list(Replica.objects.filter(endpoint=endpoint, state__in=SERVING_STATES).select_related("endpoint"))
         message = ""
-        for _ in range(wanted - len(serving)):
-            replica, reason = place_replica(endpoint)
-            if replica is None:
-                message = f"waiting for capacity: {reason}"
-                break
-            record_event(endpoint, EventKind.SCALE, f"Replica {str(replica.pk)[:8]} {reason}", replica=replica)
-        surplus = serving[: max(0, len(serving) - wanted)]
-        for replica in surplus:
-            drain_replica(replica, reason="scale down")
+        if decision.desired > len(serving):
+            record_event(endpoint, EventKind.SCALE, f"Scale up {len(serving)} → {decision.desired}: {decision.reason}",
+                         desired=decision.desired, current=len(serving))
+            for _ in range(decision.desired - len(serving)):
+                replica, reason = place_replica(endpoint)
+                if replica is None:
+                    message = f"waiting for capacity: {reason}"
+                    break
+                record_event(endpoint, EventKind.SCALE, f"Replica {str(replica.pk)[:8]} {reason}", replica=replica)
+        elif decision.desired < len(serving):
+            record_event(endpoint, EventKind.SCALE, f"Scale down {len(serving)} → {decision.desired}: {decision.reason}",
+                         desired=decision.desired, current=len(serving))
+            surplus = sorted(serving, key=lambda r: (DRAIN_ORDER[r.state], -r.created_at.timestamp()))
+            for replica in surplus[: len(serving) - decision.desired]:
+                drain_replica(replica, reason=decision.reason)
         if endpoint.status_message != message:
             if message:
                 record_event(endpoint, EventKind.CAPACITY, message)
             Endpoint.objects.filter(pk=endpoint.pk).update(status_message=message)
+    return decision
+
+
+def active_endpoint_ids(now: float | None = None) -> list[str]:
+    """Endpoints the tick must look at: with replicas, with a floor, or with recent traffic.
+
+    NOTE: the cost of a tick grows with these, not with every endpoint ever created.
+    """
+    now = now or time.time()
+    with_replicas = Replica.objects.active().values_list("endpoint_id", flat=True).distinct()
+    with_floor = Endpoint.objects.live().filter(min_replicas__gt=0, paused_at__isnull=True).values_list("pk", flat=True)
+    recent = get_redis().zrangebyscore(traffic.RECENT_ENDPOINTS_KEY, now - traffic.RECENT_WINDOW_S, "+inf")
+    ids = {str(pk) for pk in with_replicas} | {str(pk) for pk in with_floor} | set(recent)
+    return sorted(ids)
+
+
+def autoscale_tick() -> int:
+    """One autoscaler pass over the active endpoints; a second beat's overlapping tick does nothing."""
+    redis = get_redis()
+    if not redis.set(TICK_LOCK, "1", nx=True, ex=max(1, int(settings.AUTOSCALER_TICK_S * 5))):
+        return 0
+    try:
+        endpoint_ids = active_endpoint_ids()
+        loads = autoscaler.read_load(endpoint_ids)
+        for endpoint_id in endpoint_ids:
+            try:
+                reconcile_endpoint(endpoint_id, loads[endpoint_id])
+            except Exception:  # noqa: BLE001 - one broken endpoint must not stall the others
+                logger.exception("reconciling endpoint %s failed", endpoint_id)
+        return len(endpoint_ids)
+    finally:
+        redis.delete(TICK_LOCK)
+
+
+def sweep_stuck() -> None:
+    """Nodes silent past the grace period go OFFLINE and their replicas FAILED (and are replaced);
+    replicas STARTING for too long fail with the reason."""
+    now = timezone.now()
+    silent_since = now - timedelta(seconds=settings.NODE_HEARTBEAT_GRACE_S)
+    for node in Node.objects.exclude(state=NodeState.OFFLINE).filter(last_heartbeat_at__lt=silent_since):
+        if not Node.objects.filter(pk=node.pk, last_heartbeat_at__lt=silent_since).exclude(state=NodeState.OFFLINE).update(state=NodeState.OFFLINE):
+            continue  # it beat in the meantime, or another sweeper won
+        logger.warning("node %s went OFFLINE (no heartbeat since %s)", node.name, node.last_heartbeat_at)
+        reason = f"node {node.name} stopped sending heartbeats"
+        for replica in Replica.objects.active().filter(node=node).select_related("endpoint"):
+            fail_replica(replica, reason)
+    started_before = now - timedelta(seconds=settings.REPLICA_START_TIMEOUT_S)
+    for replica in Replica.objects.filter(state__in=[ReplicaState.PENDING, ReplicaState.STARTING], created_at__lt=started_before).select_related("endpoint"):
+        fail_replica(replica, f"did not become READY within {settings.REPLICA_START_TIMEOUT_S:.0f} s")
+    drained_before = now - timedelta(seconds=settings.REPLICA_DRAIN_TIMEOUT_S + settings.NODE_HEARTBEAT_GRACE_S)
+    for replica in Replica.objects.filter(state=ReplicaState.DRAINING, state_changed_at__lt=drained_before).select_related("endpoint"):
+        fail_replica(replica, "its agent never confirmed the drain", final_state=ReplicaState.STOPPED)
+
+
+def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaState.FAILED) -> None:
+    from endpoints.tasks import reconcile_endpoint as reconcile_task
+
+    now = timezone.now()
+    changed = Replica.objects.filter(pk=replica.pk, state=replica.state).update(
+        state=final_state, state_changed_at=now, stopped_at=now, failure_reason=reason if final_state == ReplicaState.FAILED else "",
+        num_running=0, num_waiting=0,
+    )
+    if changed:
+        kind = EventKind.FAILURE if final_state == ReplicaState.FAILED else EventKind.REPLICA
+        record_event(replica.endpoint, kind, f"Replica {str(replica.pk)[:8]} {final_state}: {reason}", replica=replica)
+        transaction.on_commit(lambda: reconcile_task.delay(str(replica.endpoint_id)))

@@ -8,9 +8,17 @@ def reconcile_endpoint(endpoint_id: str) -> None:
     scheduler.reconcile_endpoint(endpoint_id)
 
 
-@shared_task(name="endpoints.reconcile_all", acks_late=True, time_limit=120, soft_time_limit=100)
-def reconcile_all() -> None:
-    from endpoints.models import Endpoint
+@shared_task(name="endpoints.autoscale", acks_late=True, time_limit=30, soft_time_limit=25, ignore_result=True)
+def autoscale() -> None:
+    scheduler.autoscale_tick()
 
-    for endpoint_id in Endpoint.objects.values_list("pk", flat=True):
-        scheduler.reconcile_endpoint(str(endpoint_id))
+
+@shared_task(name="endpoints.sweep_stuck", acks_late=True, time_limit=60, soft_time_limit=50, ignore_result=True)
+def sweep_stuck() -> None:
+    scheduler.sweep_stuck()
+
+
+@shared_task(name="endpoints.wake_endpoint", acks_late=True, time_limit=60, soft_time_limit=50)
+def wake_endpoint(endpoint_id: str) -> None:
+    """A request is waiting for a replica: decide now rather than at the next autoscaler tick."""
+    scheduler.reconcile_endpoint(endpoint_id)

@@ -1,13 +1,284 @@
-"""Console pages for endpoints."""
+"""Console pages for endpoints: dashboard, deploy wizard, endpoint page (live parts, metrics, playground)."""
 
-from django.contrib.auth.decorators import login_required
-from django.shortcuts import render
+from __future__ import annotations
 
-from endpoints.models import Endpoint
+from datetime import UTC, datetime, timedelta
+
+from django.conf import settings
+from django.contrib import messages
+from django.db.models import (
+    Count,
+    DateTimeField,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    Func,
+    Prefetch,
+    Sum,
+    Value,
+)
+from django.db.models.aggregates import Aggregate
+from django.db.models.functions import Cast, Coalesce, Extract
+from django.http import JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from billing.ledger import period_spend, summarize_usage
+from billing.models import UsageRecord
+from billing.periods import period_containing
+from controlplane.console import member_required
+from controlplane.models import Role
+from controlplane.services import Actor
+from endpoints import services
+from endpoints.catalogue import GPU_TYPES
+from endpoints.forms import EndpointForm
+from endpoints.models import FINAL_REPLICA_STATES, Endpoint, Replica
+from endpoints.serializers import EndpointSerializer
+from gpu_agent.models import Node
+
+NUM_EVENTS_SHOWN = 50
+METRIC_WINDOWS_MIN = {60: 60, 360: 300, 1440: 900}  # window (minutes) -> bucket (seconds)
 
 
-@login_required
+def _endpoints(organization):
+    return Endpoint.objects.for_org(organization).prefetch_related(
+        Prefetch("replicas", queryset=Replica.objects.select_related("node"))
+    )
+
+
+def _endpoint_or_404(request, pk):
+    return get_object_or_404(_endpoints(request.organization), pk=pk)
+
+
+# --- dashboard ------------------------------------------------------------------------
+
+
+def _usage_summary(organization) -> dict:
+    """Today's (UTC) requests and tokens, and this billing period's spend, from the usage ledger."""
+    today = timezone.now().astimezone(UTC).date()
+    rows = summarize_usage(organization, group_by="day", start=today, end=today)
+    period = period_containing()
+    return {
+        "requests": sum(row["requests"] for row in rows),
+        "tokens": sum(row["prompt_tokens"] + row["completion_tokens"] for row in rows),
+        "spend_period": period_spend(organization.pk, period),
+        "period": period,
+    }
+
+
+@member_required()
 def dashboard(request):
-    membership = request.membership
-    endpoints = Endpoint.objects.for_org(membership.organization).prefetch_related("replicas") if membership else []
-    return render(request, "endpoints/dashboard.html", {"endpoints": endpoints})
+    return render(request, "endpoints/dashboard.html", {
+        "endpoints": _endpoints(request.organization),
+        "usage": _usage_summary(request.organization),
+        "can_write": request.membership.can(Role.MEMBER),
+    })
+
+
+@member_required()
+def endpoint_list(request):
+    return render(request, "endpoints/endpoint_list.html", {
+        "endpoints": _endpoints(request.organization),
+        "can_write": request.membership.can(Role.MEMBER),
+    })
+
+
+@member_required()
+def endpoints_live(request):
+    """The endpoints table alone, polled by htmx so states change without a reload."""
+    return render(request, "endpoints/_endpoint_table.html", {"endpoints": _endpoints(request.organization)})
+
+
+# --- deploy wizard and edit -------------------------------------------------------------
+
+
+def _wizard(request, form, *, endpoint=None, status=200):
+    ready_nodes = {}
+    for gpu_type in Node.objects.schedulable().values_list("gpu_type", flat=True):
+        ready_nodes[gpu_type] = ready_nodes.get(gpu_type, 0) + 1
+    selected = form["gpu_type"].value()
+    gpus = [{"gpu": gpu, "num_ready_nodes": ready_nodes.get(name, 0), "selected": name == selected}
+            for name, gpu in GPU_TYPES.items()]
+    return render(request, "endpoints/endpoint_form.html", {
+        "form": form, "endpoint": endpoint, "gpus": gpus,
+    }, status=status)
+
+
+def _default_gpu_type() -> str:
+    # A platform with capacity of one kind (a CPU development box) gets that kind pre-selected.
+    return Node.objects.schedulable().values_list("gpu_type", flat=True).first() or "l4"
+
+
+@member_required(write=Role.MEMBER)
+def endpoint_new(request):
+    if request.method != "POST":
+        initial = EndpointForm.initial_for() | {"gpu_type": _default_gpu_type()}
+        return _wizard(request, EndpointForm(initial=initial))
+    form = EndpointForm(request.POST)
+    serializer = EndpointSerializer(data=form.serializer_data(request.POST), context={"organization": request.organization})
+    if not serializer.is_valid():
+        form.show_errors(serializer.errors)
+        return _wizard(request, form, status=400)
+    endpoint = services.create_endpoint(Actor.from_request(request), request.organization, **serializer.validated_data)
+    messages.success(request, f"{endpoint.name} is deployed. It starts on the first request"
+                              + (" and now, for its minimum replicas." if endpoint.min_replicas else "."))
+    return redirect("console:endpoint", pk=endpoint.pk)
+
+
+@member_required(write=Role.MEMBER)
+def endpoint_edit(request, pk):
+    endpoint = _endpoint_or_404(request, pk)
+    if request.method != "POST":
+        return _wizard(request, EndpointForm(initial=EndpointForm.initial_for(endpoint)), endpoint=endpoint)
+    form = EndpointForm(request.POST)
+    serializer = EndpointSerializer(
+        endpoint, data=form.serializer_data(request.POST), context={"organization": request.organization}
+    )
+    if not serializer.is_valid():
+        form.show_errors(serializer.errors)
+        return _wizard(request, form, endpoint=endpoint, status=400)
+    services.update_endpoint(Actor.from_request(request), endpoint, **serializer.validated_data)
+    messages.success(request, "Configuration saved. Replicas pick it up as they restart.")
+    return redirect("console:endpoint", pk=endpoint.pk)
+
+
+@member_required()
+def quantization_field(request):
+    """The quantization select for a GPU type (htmx swaps it in when the GPU type changes)."""
+    form = EndpointForm(initial={"quantization": request.GET.get("quantization", "none")},
+                        gpu_type=request.GET.get("gpu_type"))
+    return render(request, "endpoints/_quantization_field.html", {"field": form["quantization"]})
+
+
+# --- endpoint page --------------------------------------------------------------------------
+
+
+def _live_context(endpoint) -> dict:
+    replicas = list(endpoint.replicas.all())
+    alive = [r for r in replicas if r.state not in FINAL_REPLICA_STATES]
+    ended = sorted((r for r in replicas if r.state in FINAL_REPLICA_STATES), key=lambda r: r.state_changed_at)[-5:]
+    return {
+        "endpoint": endpoint,
+        "replicas": alive + ended[::-1],
+        "num_alive": len(alive),
+        "events": endpoint.events.select_related("replica")[:NUM_EVENTS_SHOWN],
+    }
+
+
+@member_required()
+def endpoint_detail(request, pk):
+    endpoint = _endpoint_or_404(request, pk)
+    return render(request, "endpoints/endpoint_detail.html", _live_context(endpoint) | {
+        "gpu": GPU_TYPES.get(endpoint.gpu_type),
+        "can_write": request.membership.can(Role.MEMBER),
+        "public_url": settings.PUBLIC_URL,
+        "metric_windows": list(METRIC_WINDOWS_MIN),
+    })
+
+
+@member_required()
+def endpoint_live(request, pk):
+    endpoint = _endpoint_or_404(request, pk)
+    return render(request, "endpoints/_endpoint_live.html", _live_context(endpoint))
+
+
+@member_required(write=Role.MEMBER)
+@require_POST
+def endpoint_pause(request, pk):
+    endpoint = services.pause_endpoint(Actor.from_request(request), _endpoint_or_404(request, pk))
+    messages.success(request, f"{endpoint.name} is paused: its replicas drain and calls get 503 until you resume it.")
+    return redirect("console:endpoint", pk=endpoint.pk)
+
+
+@member_required(write=Role.MEMBER)
+@require_POST
+def endpoint_resume(request, pk):
+    endpoint = services.resume_endpoint(Actor.from_request(request), _endpoint_or_404(request, pk))
+    messages.success(request, f"{endpoint.name} is resumed.")
+    return redirect("console:endpoint", pk=endpoint.pk)
+
+
+@member_required(write=Role.MEMBER)
+def endpoint_delete(request, pk):
+    endpoint = _endpoint_or_404(request, pk)
+    if request.method == "POST":
+        if request.POST.get("confirm_name") != endpoint.name:
+            return render(request, "endpoints/endpoint_delete.html",
+                          {"endpoint": endpoint, "error": "Type the endpoint's name exactly to confirm."}, status=400)
+        services.delete_endpoint(Actor.from_request(request), endpoint)
+        messages.success(request, f"{endpoint.name} was deleted. Its usage stays on your invoices.")
+        return redirect("console:endpoints")
+    return render(request, "endpoints/endpoint_delete.html", {"endpoint": endpoint})
+
+
+# --- metrics ----------------------------------------------------------------------------------
+
+
+class Percentile(Aggregate):
+    function = "percentile_cont"
+    template = "%(function)s(%(fraction)s) WITHIN GROUP (ORDER BY %(expressions)s)"
+    output_field = FloatField()
+
+
+class DateBin(Func):
+    """PostgreSQL's date_bin: the start of the fixed-width bucket a timestamp falls in."""
+
+    function = "date_bin"
+    output_field = DateTimeField()
+
+
+EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+
+
+def _usage_by_bucket(endpoint, since: datetime, bucket_s: int) -> dict:
+    """Per-bucket requests, completion tokens and latency percentiles (seconds) from the usage ledger."""
+    latency_s = Extract(ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField()), "epoch")
+    rows = (
+        UsageRecord.objects.filter(organization=endpoint.organization_id, endpoint=endpoint, started_at__gte=since)
+        .annotate(bucket=DateBin(Cast(Value(f"{bucket_s} seconds"), DurationField()), F("started_at"), Value(EPOCH)))
+        .values("bucket")
+        .annotate(
+            requests=Count("pk"),
+            completion_tokens=Coalesce(Sum("completion_tokens"), 0),
+            p50=Percentile(latency_s, fraction=0.5),
+            p95=Percentile(latency_s, fraction=0.95),
+        )
+    )
+    return {row["bucket"]: row for row in rows}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+@member_required()
+def endpoint_metrics(request, pk):
+    """Series for the endpoint page's charts: requests, latency p50/p95, tokens/s and replicas per bucket.
+
+    `?minutes=60|360|1440` (buckets of 1, 5 and 15 minutes). `t` holds bucket starts in Unix
+    seconds; a bucket without requests has zero requests and null latencies.
+    """
+    endpoint = _endpoint_or_404(request, pk)
+    minutes = request.GET.get("minutes", "60")
+    minutes = int(minutes) if minutes.isdigit() and int(minutes) in METRIC_WINDOWS_MIN else 60
+    bucket_s = METRIC_WINDOWS_MIN[minutes]
+    now = timezone.now()
+    num_buckets = minutes * 60 // bucket_s
+    last = EPOCH + timedelta(seconds=(now - EPOCH).total_seconds() // bucket_s * bucket_s)
+    starts = [last - timedelta(seconds=bucket_s * i) for i in reversed(range(num_buckets))]
+    usage = _usage_by_bucket(endpoint, starts[0], bucket_s)
+    lifetimes = list(endpoint.replicas.exclude(stopped_at__lt=starts[0]).values_list("created_at", "stopped_at"))
+
+    series = {"t": [], "requests": [], "p50_ms": [], "p95_ms": [], "tokens_per_s": [], "replicas": []}
+    for start in starts:
+        end = start + timedelta(seconds=bucket_s)
+        row = usage.get(start, {})
+        series["t"].append(int(start.timestamp()))
+        series["requests"].append(row.get("requests", 0))
+        series["p50_ms"].append(_ms(row.get("p50")))
+        series["p95_ms"].append(_ms(row.get("p95")))
+        series["tokens_per_s"].append(round(row.get("completion_tokens", 0) / bucket_s, 3))
+        series["replicas"].append(sum(1 for created, stopped in lifetimes if created < end and (stopped is None or stopped >= start)))
+    return JsonResponse({"minutes": minutes, "bucket_s": bucket_s, "series": series})

@@ -167,3 +167,44 @@ def celery_worker(transactional_db, tmp_path):
     child = start_celery_worker(tmp_path)
     yield child
     child.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with a locally trained tokenizer, built once per session (seconds, no download)."""
+    from gpu_agent.runtime.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def vllm_processes_of(replica_id: str) -> list:
+    """Live processes (engine and its children) started for one replica, found by the agent's env marker."""
+    import psutil
+
+    from gpu_agent.runtime.engine import REPLICA_ENV_MARKER
+
+    found = []
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if process.environ().get(REPLICA_ENV_MARKER) == replica_id and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def start_agent(tmp_dir: Path, control_plane_url: str, join_token: str, *, name: str = "agent") -> ChildProcess:
+    return ChildProcess(
+        [sys.executable, "-m", "gpu_agent", "run", "--control-plane", control_plane_url, "--join-token", join_token,
+         "--data-dir", str(tmp_dir / name), "--cpu", "--name", name],
+        {**os.environ, "PYTHONUNBUFFERED": "1"}, tmp_dir / f"{name}.log",
+    )
+
+
+def start_celery_beat(tmp_dir: Path, *, extra_env: dict | None = None) -> ChildProcess:
+    env = child_env() | (extra_env or {})
+    return ChildProcess(
+        [sys.executable, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO",
+         "--schedule", str(tmp_dir / "celerybeat-schedule")],
+        env, tmp_dir / "beat.log",
+    )

@@ -1,0 +1,39 @@
+"""The web console's pages, mounted at /console/ (namespace `console`)."""
+
+from django.urls import path
+
+from billing import views as billing_views
+from controlplane import views as account_views
+from endpoints import views as endpoint_views
+from gpu_agent import views as fleet_views
+
+app_name = "console"
+
+urlpatterns = [
+    path("", endpoint_views.dashboard, name="dashboard"),
+    path("endpoints/", endpoint_views.endpoint_list, name="endpoints"),
+    path("endpoints/live/", endpoint_views.endpoints_live, name="endpoints-live"),
+    path("endpoints/new/", endpoint_views.endpoint_new, name="endpoint-new"),
+    path("endpoints/quantizations/", endpoint_views.quantization_field, name="endpoint-quantizations"),
+    path("endpoints/<uuid:pk>/", endpoint_views.endpoint_detail, name="endpoint"),
+    path("endpoints/<uuid:pk>/live/", endpoint_views.endpoint_live, name="endpoint-live"),
+    path("endpoints/<uuid:pk>/metrics.json", endpoint_views.endpoint_metrics, name="endpoint-metrics"),
+    path("endpoints/<uuid:pk>/edit/", endpoint_views.endpoint_edit, name="endpoint-edit"),
+    path("endpoints/<uuid:pk>/pause/", endpoint_views.endpoint_pause, name="endpoint-pause"),
+    path("endpoints/<uuid:pk>/resume/", endpoint_views.endpoint_resume, name="endpoint-resume"),
+    path("endpoints/<uuid:pk>/delete/", endpoint_views.endpoint_delete, name="endpoint-delete"),
+    path("keys/", account_views.api_keys, name="keys"),
+    path("keys/<int:pk>/revoke/", account_views.api_key_revoke, name="key-revoke"),
+    path("members/", account_views.members, name="members"),
+    path("members/<int:pk>/role/", account_views.member_role, name="member-role"),
+    path("members/<int:pk>/remove/", account_views.member_remove, name="member-remove"),
+    path("usage/", billing_views.usage, name="usage"),
+    path("billing/", billing_views.billing, name="billing"),
+    path("billing/cap/", billing_views.billing_cap, name="billing-cap"),
+    path("billing/payment-method/", billing_views.payment_method, name="billing-payment-method"),
+    path("fleet/", fleet_views.fleet, name="fleet"),
+    path("fleet/live/", fleet_views.fleet_live, name="fleet-live"),
+    path("fleet/nodes/<uuid:pk>/state/", fleet_views.node_state, name="node-state"),
+    path("fleet/join-tokens/", fleet_views.join_token_create, name="join-token-create"),
+    path("fleet/join-tokens/<int:pk>/revoke/", fleet_views.join_token_revoke, name="join-token-revoke"),
+]

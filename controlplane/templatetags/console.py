@@ -1,0 +1,70 @@
+"""Formatting and navigation helpers for console templates."""
+
+from __future__ import annotations
+
+from decimal import Decimal, InvalidOperation
+
+from django import template
+from django.urls import reverse
+from django.utils.html import format_html
+
+register = template.Library()
+
+
+@register.simple_tag(takes_context=True)
+def navlink(context, url_name: str, label: str, section: str):
+    """A main-navigation link, marked current when the page's URL name starts with `section`."""
+    match = getattr(context.get("request"), "resolver_match", None)
+    current = bool(match and match.namespace == "console" and (match.url_name or "").startswith(section))
+    if current:
+        return format_html('<a href="{}" class="active" aria-current="page">{}</a>', reverse(url_name), label)
+    return format_html('<a href="{}">{}</a>', reverse(url_name), label)
+
+
+@register.filter
+def usd(value) -> str:
+    """Money for people: $1,234.56; amounts under a cent keep enough digits to be non-zero."""
+    if value in (None, ""):
+        return "—"
+    try:
+        amount = Decimal(str(value))
+    except InvalidOperation:
+        return str(value)
+    if amount != 0 and abs(amount) < Decimal("0.01"):
+        return f"${amount:.6f}".rstrip("0")
+    return f"${amount:,.2f}"
+
+
+@register.filter
+def compact(value) -> str:
+    """Large counts in a few characters: 950, 12.3k, 4.5M."""
+    if value in (None, ""):
+        return "0"
+    number = float(value)
+    for limit, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(number) >= limit:
+            return f"{number / limit:.1f}".rstrip("0").rstrip(".") + suffix
+    return f"{int(number):,}"
+
+
+@register.filter
+def percent_of(value, total) -> float:
+    """`value` as a percentage of `total`, clamped to 0–100 (for bar widths)."""
+    try:
+        share = 100.0 * float(value) / float(total)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return 0.0
+    return round(min(max(share, 0.0), 100.0), 1)
+
+
+@register.filter
+def get_item(mapping, key):
+    return mapping.get(key) if hasattr(mapping, "get") else None
+
+
+@register.filter
+def cents(value) -> str:
+    """An amount in a currency's minor unit (as Stripe sends it) as 1,234.56."""
+    if value in (None, ""):
+        return "—"
+    return f"{Decimal(int(value)) / 100:,.2f}"

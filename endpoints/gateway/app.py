@@ -1,0 +1,166 @@
+"""The gateway's ASGI application: `/v1/models`, `/v1/chat/completions`, `/v1/completions`, `/metrics`.
+
+Everything else goes to Django. One request's life:
+
+    authenticate → rate limit → endpoint by `model` → reserve its largest cost →
+    a READY replica (or hold while one cold-starts) → proxy, streaming unchanged →
+    settle the real cost → one usage row, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from datetime import UTC, datetime
+
+import httpx
+
+from endpoints.gateway import auth, directory, errors, limits, metrics, traffic
+from endpoints.gateway.call import InferenceCall
+
+logger = logging.getLogger("inferplane.gateway")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+class Gateway:
+    def __init__(self, fallback):
+        self.fallback = fallback
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        # NOTE: created lazily inside the server's event loop, one per process.
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(connect=3.0, read=600.0, write=30.0, pool=30.0),
+                limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500, keepalive_expiry=30),
+            )
+        return self._client
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path.startswith("/v1/") or path == "/v1":
+                return await self._handle(scope, receive, send)
+            if path == "/metrics":
+                return await _respond(send, 200, metrics.render(), content_type="text/plain; version=0.0.4")
+        return await self.fallback(scope, receive, send)
+
+    async def _lifespan(self, receive, send):
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._client is not None:
+                    await self._client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _handle(self, scope, receive, send):
+        request_id = f"req_{uuid.uuid4().hex}"
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        path, method = scope["path"], scope["method"]
+        try:
+            if path == "/v1/models":
+                if method != "GET":
+                    raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
+                return await self._models(headers, send, request_id)
+            kind = INFERENCE_PATHS.get(path)
+            if kind is None:
+                raise errors.OpenAIError(404, f"Unknown URL {method} {path}.", code="unknown_url")
+            if method != "POST":
+                raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
+            body = await _read_body(receive)
+            caller = await auth.authenticate(headers)
+            payload = parse_payload(body, kind)
+            await limits.admit(caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute)
+            endpoint = await directory.find_endpoint(caller.organization_id, payload["model"])
+            if endpoint is None:
+                raise errors.model_not_found(payload["model"])
+            call = InferenceCall(
+                request_id=request_id, kind=kind, path=path, caller=caller, endpoint=endpoint, payload=payload,
+                client=self.client, receive=receive, send=send, started_at=datetime.now(UTC),
+            )
+            await call.run()
+        except errors.OpenAIError as exc:
+            await _respond(send, exc.status, exc.body(), headers=exc.headers | {"x-request-id": request_id})
+        except Exception:  # noqa: BLE001 - never leak a traceback to a client; log it
+            logger.exception("gateway request %s failed", request_id)
+            failure = errors.OpenAIError(500, "The server had an error processing your request.", type="server_error")
+            await _respond(send, 500, failure.body(), headers={"x-request-id": request_id})
+
+    async def _models(self, headers, send, request_id):
+        caller = await auth.authenticate(headers)
+        models = await directory.list_endpoints(caller.organization_id)
+        data = [{"id": m.name, "object": "model", "created": int(m.created_at), "owned_by": "inferplane"} for m in models]
+        await _respond(send, 200, json.dumps({"object": "list", "data": data}).encode(), headers={"x-request-id": request_id})
+
+
+async def _read_body(receive) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise errors.OpenAIError(413, f"Request body larger than {MAX_BODY_BYTES} bytes.")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _respond(send, status: int, body: bytes, *, content_type: str = "application/json", headers: dict | None = None):
+    raw_headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_payload(body: bytes, kind: str) -> dict:
+    """The request body, checked for what the gateway itself relies on; the engine checks the rest."""
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise errors.invalid_request("We could not parse the JSON body of your request.") from None
+    if not isinstance(payload, dict):
+        raise errors.invalid_request("The request body must be a JSON object.")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.invalid_request("You must provide a model parameter.", param="model")
+    if kind == "chat":
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise errors.invalid_request("'messages' must be a non-empty array of message objects.", param="messages")
+    else:
+        prompt = payload.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
+            raise errors.invalid_request("'prompt' must be a string or a non-empty array.", param="prompt")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = payload.get(name)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise errors.invalid_request(f"'{name}' must be a positive integer.", param=name)
+    if "stream" in payload and not isinstance(payload["stream"], bool):
+        raise errors.invalid_request("'stream' must be a boolean.", param="stream")
+    n = payload.get("n", 1)
+    if not _is_int(n) or not 1 <= n <= 16:
+        raise errors.invalid_request("'n' must be an integer from 1 to 16.", param="n")
+    stream_options = payload.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise errors.invalid_request("'stream_options' must be an object.", param="stream_options")
+    return payload
+
+

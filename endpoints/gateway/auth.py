@@ -1,0 +1,128 @@
+"""Who is calling: an API key (`Authorization: Bearer ip_…`) or a console session.
+
+Key lookups are cached per process for `INFERPLANE_API_KEY_CACHE_S` seconds
+(keyed by the token's hash, never the token), so a revoked key stops working
+within that many seconds while a hot key costs no database query per call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from http.cookies import SimpleCookie
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from endpoints.gateway import errors
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    organization_id: int
+    api_key_id: int | None  # None for a console session (the playground)
+    user_id: int | None
+    can_infer: bool
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+
+    @property
+    def limit_subject(self) -> str:
+        return f"key:{self.api_key_id}" if self.api_key_id is not None else f"user:{self.user_id}"
+
+
+_MISSING = object()
+_key_cache: dict[str, tuple[float, Caller | None]] = {}
+_MAX_CACHE_ENTRIES = 10_000
+
+
+def _lookup_key(plain: str) -> Caller | None:
+    from controlplane.models import Scope
+    from controlplane.services import authenticate_api_key
+
+    api_key = authenticate_api_key(plain)
+    if api_key is None:
+        return None
+    return Caller(
+        organization_id=api_key.organization_id,
+        api_key_id=api_key.pk,
+        user_id=api_key.created_by_id,
+        can_infer=api_key.has_scope(Scope.INFERENCE),
+        requests_per_minute=api_key.requests_per_minute,
+        tokens_per_minute=api_key.tokens_per_minute,
+    )
+
+
+async def caller_from_key(plain: str) -> Caller | None:
+    digest = hashlib.sha256(plain.encode()).hexdigest()
+    now = time.monotonic()
+    cached = _key_cache.get(digest, _MISSING)
+    if cached is not _MISSING and cached[0] > now:
+        return cached[1]
+    caller = await sync_to_async(_lookup_key, thread_sensitive=False)(plain)
+    if len(_key_cache) >= _MAX_CACHE_ENTRIES:
+        _key_cache.clear()
+    _key_cache[digest] = (now + settings.API_KEY_CACHE_S, caller)
+    return caller
+
+
+def _lookup_session(session_key: str) -> Caller | None:
+    from django.contrib.auth import SESSION_KEY, get_user_model
+    from django.contrib.sessions.backends.db import SessionStore
+
+    from controlplane.tenancy import SESSION_KEY as ORG_SESSION_KEY
+    from controlplane.tenancy import memberships_of
+
+    session = SessionStore(session_key=session_key)
+    user_id = session.get(SESSION_KEY)
+    if user_id is None:
+        return None
+    user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
+    if user is None:
+        return None
+    memberships = memberships_of(user)
+    chosen = session.get(ORG_SESSION_KEY)
+    membership = (memberships.filter(organization_id=chosen).first() if chosen else None) or memberships.first()
+    if membership is None:
+        return None
+    return Caller(organization_id=membership.organization_id, api_key_id=None, user_id=user.pk, can_infer=True,
+                  requests_per_minute=None, tokens_per_minute=None)
+
+
+async def caller_from_session(headers: dict[str, str]) -> Caller | None:
+    """A console session may call the gateway (the playground) with the CSRF double-submit token."""
+    from django.middleware.csrf import InvalidTokenFormat, _check_token_format, _does_token_match
+
+    cookies = SimpleCookie()
+    cookies.load(headers.get("cookie", ""))
+    session = cookies.get(settings.SESSION_COOKIE_NAME)
+    csrf_cookie = cookies.get(settings.CSRF_COOKIE_NAME)
+    csrf_header = headers.get("x-csrftoken", "")
+    if session is None or csrf_cookie is None or not csrf_header:
+        return None
+    try:
+        _check_token_format(csrf_header)
+        if not _does_token_match(csrf_header, csrf_cookie.value):
+            return None
+    except InvalidTokenFormat:
+        return None
+    return await sync_to_async(_lookup_session, thread_sensitive=False)(session.value)
+
+
+async def authenticate(headers: dict[str, str]) -> Caller:
+    authorization = headers.get("authorization", "")
+    if authorization:
+        keyword, _, plain = authorization.partition(" ")
+        if keyword.lower() != "bearer" or not plain.strip():
+            raise errors.invalid_api_key("Send 'Authorization: Bearer <API key>'.")
+        caller = await caller_from_key(plain.strip())
+        if caller is None:
+            raise errors.invalid_api_key("Incorrect, expired or revoked API key provided.")
+    else:
+        caller = await caller_from_session(headers)
+        if caller is None:
+            raise errors.invalid_api_key("You didn't provide an API key. Send 'Authorization: Bearer <API key>'.")
+    if not caller.can_infer:
+        raise errors.missing_scope()
+    return caller

@@ -1,0 +1,127 @@
+"""What the gateway needs to know about endpoints and replicas, cached briefly per process.
+
+NOTE: a cached READY list may name a replica that began draining less than
+`REPLICA_CACHE_S` ago. That is safe: a draining replica still finishes every
+request it gets; only the agent's stop waits for them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from decimal import Decimal
+
+from asgiref.sync import sync_to_async
+
+ENDPOINT_CACHE_S = 2.0
+REPLICA_CACHE_S = 0.5
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointInfo:
+    id: str
+    name: str
+    organization_id: int
+    paused: bool
+    max_model_len: int
+    cold_start_timeout_s: int
+    price_input_per_million: Decimal
+    price_cached_input_per_million: Decimal
+    price_output_per_million: Decimal
+    created_at: float
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaInfo:
+    id: str
+    address: str
+
+
+_endpoints: dict[tuple[int, str], tuple[float, EndpointInfo | None]] = {}
+_replicas: dict[str, tuple[float, list[ReplicaInfo]]] = {}
+
+
+def _endpoint_info(endpoint) -> EndpointInfo:
+    return EndpointInfo(
+        id=str(endpoint.pk), name=endpoint.name, organization_id=endpoint.organization_id,
+        paused=endpoint.paused_at is not None, max_model_len=endpoint.max_model_len,
+        cold_start_timeout_s=endpoint.cold_start_timeout_s,
+        price_input_per_million=endpoint.price_input_per_million,
+        price_cached_input_per_million=endpoint.price_cached_input_per_million,
+        price_output_per_million=endpoint.price_output_per_million,
+        created_at=endpoint.created_at.timestamp(),
+    )
+
+
+def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
+    from endpoints.models import Endpoint
+
+    endpoint = Endpoint.objects.live().filter(organization_id=organization_id, name=name).first()
+    return _endpoint_info(endpoint) if endpoint else None
+
+
+async def find_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
+    now = time.monotonic()
+    cached = _endpoints.get((organization_id, name))
+    if cached and cached[0] > now:
+        return cached[1]
+    info = await sync_to_async(_load_endpoint, thread_sensitive=False)(organization_id, name)
+    _endpoints[(organization_id, name)] = (now + ENDPOINT_CACHE_S, info)
+    return info
+
+
+def _load_models(organization_id: int) -> list[EndpointInfo]:
+    from endpoints.models import Endpoint
+
+    return [_endpoint_info(e) for e in Endpoint.objects.live().filter(organization_id=organization_id).order_by("name")]
+
+
+async def list_endpoints(organization_id: int) -> list[EndpointInfo]:
+    return await sync_to_async(_load_models, thread_sensitive=False)(organization_id)
+
+
+def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
+    from endpoints.models import Replica
+    from gpu_agent.protocol import NodeState, ReplicaState
+
+    rows = Replica.objects.filter(
+        endpoint_id=endpoint_id, state=ReplicaState.READY, node__state__in=[NodeState.READY, NodeState.CORDONED]
+    ).exclude(address="").values_list("pk", "address")
+    return [ReplicaInfo(id=str(pk), address=address) for pk, address in rows]
+
+
+async def ready_replicas(endpoint_id: str, *, fresh: bool = False) -> list[ReplicaInfo]:
+    now = time.monotonic()
+    cached = _replicas.get(endpoint_id)
+    if not fresh and cached and cached[0] > now:
+        return cached[1]
+    replicas = await sync_to_async(_load_replicas, thread_sensitive=False)(endpoint_id)
+    _replicas[endpoint_id] = (now + REPLICA_CACHE_S, replicas)
+    return replicas
+
+
+def forget_replica(endpoint_id: str, replica_id: str) -> None:
+    """A replica failed under us: stop routing to it until the next fresh load."""
+    cached = _replicas.get(endpoint_id)
+    if cached:
+        _replicas[endpoint_id] = (cached[0], [r for r in cached[1] if r.id != replica_id])
+
+
+def _load_progress(endpoint_id: str) -> str:
+    from endpoints.models import Endpoint, Replica
+    from gpu_agent.protocol import ReplicaState
+
+    replica = (
+        Replica.objects.filter(endpoint_id=endpoint_id, state__in=[ReplicaState.PENDING, ReplicaState.STARTING])
+        .order_by("-created_at").values("state", "progress").first()
+    )
+    if replica is None:
+        message = Endpoint.objects.filter(pk=endpoint_id).values_list("status_message", flat=True).first()
+        return message or "scheduling"
+    if replica["state"] == ReplicaState.PENDING:
+        return "scheduling"
+    return replica["progress"] or "starting engine"
+
+
+async def cold_start_progress(endpoint_id: str) -> str:
+    return await sync_to_async(_load_progress, thread_sensitive=False)(endpoint_id)

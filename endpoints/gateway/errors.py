@@ -1,0 +1,52 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import json
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return json.dumps({"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}).encode()
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def invalid_api_key(message: str = "Incorrect API key provided.") -> OpenAIError:
+    return OpenAIError(401, message, type="invalid_request_error", code="invalid_api_key")
+
+
+def missing_scope() -> OpenAIError:
+    return OpenAIError(403, "This API key lacks the 'inference' scope.", type="permission_error", code="insufficient_permissions")
+
+
+def model_not_found(name: str) -> OpenAIError:
+    return OpenAIError(404, f"The model '{name}' does not exist or you do not have access to it.", param="model", code="model_not_found")
+
+
+def insufficient_quota(message: str) -> OpenAIError:
+    return OpenAIError(402, message, type="insufficient_quota", code="insufficient_quota")
+
+
+def rate_limited(message: str, retry_after_s: int) -> OpenAIError:
+    return OpenAIError(429, message, type="requests", code="rate_limit_exceeded", headers={"retry-after": str(max(1, retry_after_s))})
+
+
+def no_capacity(message: str, retry_after_s: int = 5) -> OpenAIError:
+    return OpenAIError(503, message, type="server_error", code="no_capacity", headers={"retry-after": str(retry_after_s)})
+
+
+def upstream_failed(message: str = "The model's replica failed; please retry.") -> OpenAIError:
+    return OpenAIError(502, message, type="server_error", code="upstream_error")

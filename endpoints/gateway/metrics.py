@@ -1,0 +1,24 @@
+"""Prometheus metrics of the gateway, served at `/metrics` by every web process."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+requests_total = Counter("inferplane_requests_total", "Inference requests by endpoint and outcome.",
+                         ["endpoint", "status"], registry=REGISTRY)
+request_duration = Histogram("inferplane_request_duration_seconds", "Whole request latency.", ["endpoint"],
+                             buckets=LATENCY_BUCKETS, registry=REGISTRY)
+time_to_first_token = Histogram("inferplane_time_to_first_token_seconds", "Time to the first streamed token.",
+                                ["endpoint"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+tokens_total = Counter("inferplane_tokens_total", "Tokens by endpoint and kind (prompt, cached, completion).",
+                       ["endpoint", "kind"], registry=REGISTRY)
+inflight = Gauge("inferplane_inflight_requests", "Requests being served by this process.", ["endpoint"], registry=REGISTRY)
+waiting = Gauge("inferplane_waiting_requests", "Requests held for a cold start in this process.", ["endpoint"], registry=REGISTRY)
+cold_start = Histogram("inferplane_cold_start_seconds", "Seconds a request waited for a replica.", ["endpoint"],
+                       buckets=(0.5, 1, 2, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600), registry=REGISTRY)
+
+
+def render() -> bytes:
+    return generate_latest(REGISTRY)

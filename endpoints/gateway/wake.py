@@ -1,0 +1,19 @@
+"""Waking an endpoint's autoscaler at once when a request arrives to no READY replica."""
+
+from asgiref.sync import sync_to_async
+
+from controlplane.redis_client import get_async_redis
+
+WAKE_DEDUPE_S = 2
+
+
+def _send_wake(endpoint_id: str) -> None:
+    from endpoints.tasks import wake_endpoint
+
+    wake_endpoint.delay(endpoint_id)
+
+
+async def wake_endpoint(endpoint_id: str) -> None:
+    # NOTE: many held requests of one endpoint send one task per WAKE_DEDUPE_S, not one each.
+    if await get_async_redis().set(f"gw:wake:{endpoint_id}", 1, nx=True, ex=WAKE_DEDUPE_S):
+        await sync_to_async(_send_wake, thread_sensitive=False)(endpoint_id)

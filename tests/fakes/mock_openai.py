@@ -1,0 +1,108 @@
+"""A fast, deterministic OpenAI-compatible upstream, standing in for a vLLM replica where the
+engine itself is not under test (gateway error paths, faults, the overhead benchmark).
+
+    python -m tests.fakes.mock_openai --port 9100 [--token-delay-ms 0] [--fail-after-chunks N]
+
+It speaks what the gateway relies on from vLLM: `/health`, non-streaming answers with
+`usage`, streaming SSE with `stream_options.include_usage` / `continuous_usage_stats`.
+Each completion has `max_tokens` tokens (default 16), one per chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+PROMPT_TOKENS = 7
+
+
+def _usage(completion_tokens: int) -> dict:
+    return {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": completion_tokens,
+            "total_tokens": PROMPT_TOKENS + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+class MockOpenAI:
+    def __init__(self, token_delay_s: float = 0.0, fail_after_chunks: int | None = None):
+        self.token_delay_s = token_delay_s
+        self.fail_after_chunks = fail_after_chunks
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope["path"]
+        if path == "/health":
+            return await self._json(send, 200, {})
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        payload = json.loads(body or b"{}")
+        if payload.get("max_tokens") == 999_999:
+            return await self._json(send, 400, {"error": {"message": "max_tokens too large", "type": "BadRequestError",
+                                                           "param": "max_tokens", "code": 400}})
+        num_tokens = int(payload.get("max_tokens") or payload.get("max_completion_tokens") or 16)
+        chat = path.endswith("/chat/completions")
+        if payload.get("stream"):
+            return await self._stream(send, payload, num_tokens, chat)
+        await asyncio.sleep(self.token_delay_s * num_tokens)
+        text = " ".join(["tok"] * num_tokens)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
+                  else {"index": 0, "text": text, "finish_reason": "length"})
+        return await self._json(send, 200, {
+            "id": "cmpl-mock", "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": payload.get("model"), "choices": [choice], "usage": _usage(num_tokens),
+        })
+
+    async def _stream(self, send, payload, num_tokens, chat):
+        options = payload.get("stream_options") or {}
+        include_usage, continuous = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        base = {"id": "cmpl-mock", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": payload.get("model")}
+        for index in range(num_tokens):
+            if self.fail_after_chunks is not None and index >= self.fail_after_chunks:
+                raise RuntimeError("mock replica crashed mid-stream")  # uvicorn drops the connection
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            choice = {"index": 0, "delta": {"content": "tok "}, "finish_reason": None} if chat else \
+                     {"index": 0, "text": "tok ", "finish_reason": None}
+            chunk = base | {"choices": [choice]}
+            if include_usage and continuous:
+                chunk["usage"] = _usage(index + 1)
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n", "more_body": True})
+        if include_usage:
+            final = base | {"choices": [], "usage": _usage(num_tokens)}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(final).encode() + b"\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _json(self, send, status, data):
+        body = json.dumps(data).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--token-delay-ms", type=float, default=0.0)
+    parser.add_argument("--fail-after-chunks", type=int, default=None)
+    args = parser.parse_args()
+    app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

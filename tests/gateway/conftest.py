@@ -1,0 +1,88 @@
+"""Gateway fixtures: live ASGI servers, mock OpenAI upstreams and endpoints wired to them."""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+import openai
+import pytest
+from django.utils import timezone
+
+from controlplane.models import Role, Scope
+from controlplane.services import Actor, create_api_key
+from endpoints.models import Replica
+from gpu_agent.models import Node
+from gpu_agent.protocol import NodeState, ReplicaState
+from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
+from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
+
+
+@pytest.fixture
+def start_mock_upstream(tmp_path):
+    started: list[ChildProcess] = []
+
+    def start(*, token_delay_ms: float = 0, fail_after_chunks: int | None = None) -> str:
+        port = free_port()
+        args = [sys.executable, "-m", "tests.fakes.mock_openai", "--port", str(port), "--token-delay-ms", str(token_delay_ms)]
+        if fail_after_chunks is not None:
+            args += ["--fail-after-chunks", str(fail_after_chunks)]
+        child = ChildProcess(args, child_env(), tmp_path / f"mock-{port}.log")
+        started.append(child)
+        address = f"http://127.0.0.1:{port}"
+
+        def healthy():
+            try:
+                return httpx.get(f"{address}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 30, message="mock upstream")
+        return address
+
+    yield start
+    for child in started:
+        child.stop()
+
+
+@pytest.fixture
+def gateway(transactional_db, tmp_path):
+    child, base_url = start_web_server(tmp_path, name="gateway")
+    yield base_url
+    child.stop()
+
+
+@pytest.fixture
+def tenant(transactional_db):
+    """An organisation with an owner and an inference+manage key; `.client(base_url)` is an openai client."""
+    organization = OrganizationFactory()
+    user = UserFactory()
+    MembershipFactory(organization=organization, user=user, role=Role.OWNER)
+    created = create_api_key(Actor(user=user), organization, name="test", scopes=[Scope.INFERENCE, Scope.MANAGE])
+
+    class Tenant:
+        org = organization
+        owner = user
+        key = created.plain
+        api_key = created.api_key
+
+        @staticmethod
+        def client(base_url: str, **kwargs) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"{base_url}/v1", api_key=created.plain, max_retries=0, **kwargs)
+
+        @staticmethod
+        def async_client(base_url: str) -> openai.AsyncOpenAI:
+            return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=created.plain, max_retries=0)
+
+    return Tenant
+
+
+def serve_endpoint(organization, *addresses: str, **spec):
+    """An endpoint with one READY replica per upstream address, on a READY node."""
+    node = Node.objects.create(name=f"node-{free_port()}", gpu_type="l4", num_gpus=1, gpu_memory_mb=24_000,
+                               secret_lookup=f"{free_port():012d}", secret_digest="x", state=NodeState.READY,
+                               quantizations=["none"], last_heartbeat_at=timezone.now())
+    endpoint = EndpointFactory(organization=organization, max_model_len=2048, **spec)
+    for address in addresses:
+        Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, address=address, ready_at=timezone.now())
+    return endpoint

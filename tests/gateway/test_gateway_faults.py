@@ -1,0 +1,111 @@
+"""Faults between client, gateway and replica: nothing lost, nothing counted twice."""
+
+import json
+
+import httpx
+import pytest
+
+from billing.models import UsageRecord
+from tests.conftest import free_port, start_web_server, wait_until
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def _stream_request(gateway, key, model, **extra):
+    return httpx.stream("POST", f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                        json={"model": model, "messages": MESSAGES, "stream": True} | extra, timeout=30)
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_one_aborted_row_with_the_tokens_it_received(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=40))
+    received = 0
+    with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=100) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                received += 1
+            if received == 5:
+                break
+    row = wait_until(lambda: UsageRecord.objects.first(), 15, message="the usage row")
+    assert row.status == "client_aborted"
+    # Billed only for what was sent before the disconnect was noticed, never the full 100.
+    assert received <= row.completion_tokens <= received + 3
+    assert row.prompt_tokens == 7
+    assert UsageRecord.objects.count() == 1
+
+
+def test_a_replica_down_before_the_first_byte_is_retried_once_on_another(gateway, tenant, start_mock_upstream):
+    dead = f"http://127.0.0.1:{free_port()}"
+    endpoint = serve_endpoint(tenant.org, dead, start_mock_upstream())
+    client = tenant.client(gateway)
+    for _ in range(6):
+        answer = client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2)
+        assert answer.usage.completion_tokens == 2
+    wait_until(lambda: UsageRecord.objects.count() == 6, 10, message="six rows")
+    assert set(UsageRecord.objects.values_list("status", flat=True)) == {"ok"}
+
+
+def test_a_replica_that_fails_mid_stream_ends_with_an_error_event_and_bills_what_was_sent(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(fail_after_chunks=3))
+    events = []
+    with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=10) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert len([e for e in events if '"choices"' in e]) == 3
+    assert json.loads(events[-1])["error"]["code"] == "upstream_error"
+    row = wait_until(lambda: UsageRecord.objects.first(), 10, message="the usage row")
+    assert (row.status, row.completion_tokens) == ("upstream_error", 3)
+
+
+def test_no_replica_reachable_is_a_502_and_no_usage(gateway, tenant):
+    endpoint = serve_endpoint(tenant.org, f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}")
+    response = httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                          json={"model": endpoint.name, "messages": MESSAGES})
+    assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_error"
+    assert not UsageRecord.objects.exists()
+
+
+def test_ledger_sums_equal_the_usage_clients_saw(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(), start_mock_upstream())
+    client = tenant.client(gateway)
+    seen_prompt = seen_completion = 0
+    for max_tokens in range(1, 13):
+        if max_tokens % 2:
+            answer = client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=max_tokens)
+            seen_prompt += answer.usage.prompt_tokens
+            seen_completion += answer.usage.completion_tokens
+        else:
+            chunks = list(client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=max_tokens,
+                                                         stream=True, stream_options={"include_usage": True}))
+            seen_prompt += chunks[-1].usage.prompt_tokens
+            seen_completion += chunks[-1].usage.completion_tokens
+    wait_until(lambda: UsageRecord.objects.count() == 12, 10, message="12 rows")
+    from django.db.models import Sum
+
+    totals = UsageRecord.objects.aggregate(prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
+    assert (totals["prompt"], totals["completion"]) == (seen_prompt, seen_completion)
+
+
+def test_the_request_limit_is_exact_across_two_gateway_processes(gateway, tenant, start_mock_upstream, tmp_path):
+    from controlplane.models import ApiKey
+
+    ApiKey.objects.filter(pk=tenant.api_key.pk).update(requests_per_minute=5)
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    second, second_url = start_web_server(tmp_path, name="gateway-2")
+    try:
+        statuses, retry_after = [], None
+        for index in range(12):
+            base = gateway if index % 2 else second_url
+            response = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                                  json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 1})
+            statuses.append(response.status_code)
+            if response.status_code == 429:
+                retry_after = int(response.headers["retry-after"])
+                assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        # A minute boundary may fall inside the loop: then at most 10 pass, never more.
+        assert statuses.count(200) in (5, 10) and statuses.count(429) == 12 - statuses.count(200)
+        assert retry_after is not None and 1 <= retry_after <= 61
+    finally:
+        second.stop()

@@ -1,0 +1,153 @@
+"""The official `openai` client against the gateway, with a mock upstream standing in for the engine.
+
+The same paths against a real vLLM replica are in tests/gateway/test_vllm_gateway.py.
+"""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from billing.models import UsageRecord
+from tests.conftest import wait_until
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def test_chat_and_completions_answer_with_usage_and_write_one_usage_row_each(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    client = tenant.client(gateway)
+    chat = client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=5)
+    assert chat.choices[0].message.content == "tok tok tok tok tok"
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (7, 5)
+    completion = client.completions.create(model=endpoint.name, prompt="Once upon", max_tokens=3)
+    assert completion.usage.completion_tokens == 3
+    rows = wait_until(lambda: list(UsageRecord.objects.order_by("started_at")) if UsageRecord.objects.count() == 2 else None, 10,
+                      message="two usage rows")
+    assert [(r.prompt_tokens, r.completion_tokens, r.status) for r in rows] == [(7, 5, "ok"), (7, 3, "ok")]
+    assert rows[0].api_key_id == tenant.api_key.pk and rows[0].endpoint_id == endpoint.pk
+    assert rows[0].replica_id and rows[0].first_token_at and rows[0].cold_start_s == 0
+
+
+def test_models_lists_the_organisations_endpoints_only(gateway, tenant, start_mock_upstream):
+    from tests.factories import EndpointFactory
+
+    mine = serve_endpoint(tenant.org, start_mock_upstream())
+    EndpointFactory(name="someone-elses")
+    assert [m.id for m in tenant.client(gateway).models.list().data] == [mine.name]
+
+
+def test_streams_chunks_and_hides_usage_unless_asked(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    client = tenant.client(gateway)
+    chunks = list(client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=4, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "tok tok tok tok "
+    assert all(c.usage is None for c in chunks)
+    with_usage = list(client.chat.completions.create(
+        model=endpoint.name, messages=MESSAGES, max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in with_usage[:-1])
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 4
+    rows = wait_until(lambda: list(UsageRecord.objects.all()) if UsageRecord.objects.count() == 2 else None, 10, message="rows")
+    assert sorted(r.completion_tokens for r in rows) == [4, 4]
+
+
+def test_the_async_client_streams_concurrently(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=5))
+
+    async def one(client):
+        text = ""
+        async for chunk in await client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=8, stream=True):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+        return text
+
+    async def many():
+        client = tenant.async_client(gateway)
+        return await asyncio.gather(*(one(client) for _ in range(16)))
+
+    assert asyncio.run(many()) == ["tok " * 8] * 16
+    wait_until(lambda: UsageRecord.objects.filter(status="ok").count() == 16, 10, message="16 rows")
+
+
+def test_error_cases_use_openais_shape_and_codes(gateway, tenant, start_mock_upstream, member_client_factory):
+    from tests.factories import OrganizationFactory
+
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    other_org_endpoint = serve_endpoint(OrganizationFactory(), start_mock_upstream(), name="private-model")
+
+    with pytest.raises(openai.AuthenticationError) as bad_key:
+        openai.OpenAI(base_url=f"{gateway}/v1", api_key="ip_000000000000_wrong", max_retries=0).models.list()
+    assert bad_key.value.code == "invalid_api_key"
+
+    from controlplane.services import Actor, create_api_key
+
+    manage_only = create_api_key(Actor(user=tenant.owner), tenant.org, name="m", scopes=["manage"]).plain
+    with pytest.raises(openai.PermissionDeniedError):
+        openai.OpenAI(base_url=f"{gateway}/v1", api_key=manage_only, max_retries=0).chat.completions.create(
+            model=endpoint.name, messages=MESSAGES)
+
+    client = tenant.client(gateway)
+    for name in ("no-such-model", other_org_endpoint.name):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.chat.completions.create(model=name, messages=MESSAGES)
+        assert missing.value.code == "model_not_found"
+        assert name in missing.value.message
+
+    with pytest.raises(openai.BadRequestError) as absurd:
+        client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=10_000_000)
+    assert absurd.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=endpoint.name, messages=[])
+
+    raw = httpx.Client(base_url=gateway, headers={"Authorization": f"Bearer {tenant.key}"})
+    malformed = raw.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert malformed.status_code == 400 and malformed.json()["error"]["type"] == "invalid_request_error"
+    wrong_type = raw.post("/v1/chat/completions", json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": "ten"})
+    assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "max_tokens"
+    assert raw.post("/v1/chat/completions", json={"model": endpoint.name, "messages": MESSAGES, "stream": "yes"}).status_code == 400
+    assert raw.get("/v1/chat/completions").status_code == 405
+    assert raw.post("/v1/embeddings", json={}).json()["error"]["code"] == "unknown_url"
+    assert not UsageRecord.objects.exists()
+
+
+def test_a_revoked_key_stops_working_within_seconds(gateway, tenant, start_mock_upstream):
+    from controlplane.services import Actor, revoke_api_key
+
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    client = tenant.client(gateway)
+    client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=1)
+    revoke_api_key(Actor(user=tenant.owner), tenant.api_key)
+
+    def refused():
+        try:
+            client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=1)
+        except openai.AuthenticationError:
+            return True
+        return False
+
+    wait_until(refused, 10, interval_s=0.5, message="the revoked key to be refused")
+
+
+def test_an_endpoint_without_capacity_answers_503_with_retry_after(gateway, tenant):
+    from tests.factories import EndpointFactory
+
+    endpoint = EndpointFactory(organization=tenant.org, cold_start_timeout_s=10)
+    response = httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                          json={"model": endpoint.name, "messages": MESSAGES}, timeout=30)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_capacity"
+    assert int(response.headers["retry-after"]) > 0
+
+
+def test_metrics_count_requests_and_tokens(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    tenant.client(gateway).chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=3)
+    list(tenant.client(gateway).chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2, stream=True))
+    text = httpx.get(f"{gateway}/metrics").text
+    assert f'inferplane_requests_total{{endpoint="{endpoint.name}",status="ok"}} 2.0' in text
+    assert f'inferplane_tokens_total{{endpoint="{endpoint.name}",kind="completion"}} 5.0' in text
+    assert "inferplane_time_to_first_token_seconds_bucket" in text
