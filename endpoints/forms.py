@@ -15,7 +15,7 @@ def _number(label: str, help_text: str = "", **attrs) -> forms.CharField:
 class EndpointForm(SerializerBackedForm):
     name = forms.CharField(
         label="Endpoint name", required=False,
-        help_text="Clients pass it as `model`. Lowercase letters, digits and hyphens.",
+        help_text="Clients pass it as the model name. Lowercase letters, digits and hyphens.",
         widget=forms.TextInput(attrs={"placeholder": "support-chat", "autocomplete": "off", "spellcheck": "false"}),
     )
     model_source = forms.CharField(

@@ -8,6 +8,8 @@ over-commits: a node's reservations never exceed its GPU memory.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 from django.db import transaction
@@ -17,30 +19,44 @@ from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
 from gpu_agent.models import Node
 from gpu_agent.protocol import NodeState
 
-# Without a size from an agent's weights cache, assume a small model: the agent
-# reports the real size after its first download and later placements use it.
+# Without a size from an agent's weights cache or the model's name, assume a small model; the
+# agent reports the real size after its first download and later placements use it.
 DEFAULT_WEIGHTS_MB = 1024
-KV_BYTES_PER_TOKEN = 16 * 1024
+BYTES_PER_PARAMETER = 2  # bf16 checkpoints
+# KV cache per token scales with the model: about 128 KiB for an 8B Llama with GQA (16 GB of weights).
+KV_BYTES_PER_TOKEN_PER_WEIGHT_BYTE = 8e-6
+# CPU engines get a fixed KV cache (the agent's --cpu-kv-cache-gib, 1 GiB) plus Python and runtime.
+CPU_KV_CACHE_MB = 1024
+CPU_ENGINE_OVERHEAD_MB = 768
 QUANTIZED_WEIGHT_FACTOR = {"fp8": 0.5, "fp8_per_channel": 0.5, "int8": 0.5, "awq": 0.3, "gptq": 0.3}
+PARAMETERS_IN_NAME = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])")
 
 
 def weights_size_mb(endpoint: Endpoint) -> int:
-    """The largest size any agent reported for this model source, else the default guess."""
+    """The largest size any agent reported for this model source; else what its name says (…-8B…); else a guess."""
     sizes = [
         weights.get("size_bytes", 0)
         for status in Node.objects.exclude(last_status={}).values_list("last_status", flat=True)
         for weights in status.get("weights", [])
         if weights.get("source") == endpoint.model_source
     ]
-    return max(sizes) // (1024 * 1024) if sizes and max(sizes) > 0 else DEFAULT_WEIGHTS_MB
+    if sizes and max(sizes) > 0:
+        return max(1, max(sizes) // (1024 * 1024))
+    match = PARAMETERS_IN_NAME.search(endpoint.model_source.rsplit("/", 1)[-1])
+    if match:
+        return int(float(match.group(1)) * 1e9 * BYTES_PER_PARAMETER / (1024 * 1024))
+    return DEFAULT_WEIGHTS_MB
 
 
 def memory_needed_mb(endpoint: Endpoint, weights_mb: int | None = None) -> int:
-    """GPU memory one replica reserves: weights (after quantization) plus a KV-cache estimate."""
+    """Memory one replica reserves on its node: weights (after quantization) plus its KV cache."""
     weights_mb = weights_size_mb(endpoint) if weights_mb is None else weights_mb
     weights = weights_mb * QUANTIZED_WEIGHT_FACTOR.get(endpoint.quantization, 1.0)
-    kv_cache = endpoint.max_model_len * min(endpoint.max_num_seqs, 32) * KV_BYTES_PER_TOKEN / (1024 * 1024)
-    return int(weights + kv_cache) + 1
+    if endpoint.gpu_type == "cpu":
+        return math.ceil(weights + CPU_KV_CACHE_MB + CPU_ENGINE_OVERHEAD_MB)
+    kv_per_token = weights_mb * 1024 * 1024 * KV_BYTES_PER_TOKEN_PER_WEIGHT_BYTE
+    kv_cache = endpoint.max_model_len * min(endpoint.max_num_seqs, 32) * kv_per_token / (1024 * 1024)
+    return math.ceil((weights + kv_cache) * 1.1)  # 10% for activations and the CUDA context
 
 
 @dataclass(slots=True, frozen=True)

@@ -195,7 +195,7 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
 def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
     if node.state == NodeState.OFFLINE:
         return []
-    replicas = Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).select_related("endpoint")
+    replicas = Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).select_related("endpoint", "node")
     return [replica_spec(replica) for replica in replicas]
 
 
@@ -212,8 +212,21 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         max_num_seqs=endpoint.max_num_seqs,
         max_num_batched_tokens=endpoint.max_num_batched_tokens,
         enable_prefix_caching=endpoint.enable_prefix_caching,
+        gpu_memory_utilization=memory_fraction(replica),
         drain_timeout_s=float(settings.REPLICA_DRAIN_TIMEOUT_S),
     )
+
+
+def memory_fraction(replica: Replica) -> float:
+    """The share of a GPU the engine may take: exactly what placement reserved for it.
+
+    NOTE: vLLM fills whatever fraction it is given with KV cache, so handing it its
+    reservation (not the usual 0.9) is what lets replicas share a GPU without over-commit.
+    """
+    node = replica.node
+    if node is None or node.gpu_memory_mb <= 0 or not replica.reserved_memory_mb:
+        return 0.9
+    return round(min(0.95, max(0.05, replica.reserved_memory_mb / node.gpu_memory_mb)), 3)
 
 
 def set_node_state(actor: Actor, node: Node, state: NodeState) -> Node:

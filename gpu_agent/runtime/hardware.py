@@ -83,6 +83,9 @@ def gpu_statuses() -> list[GpuStatus]:
     return statuses
 
 
+CPU_ENGINE_MEMORY_FRACTION = 0.6
+
+
 def detect_hardware(*, force_cpu: bool = False, cpu_kv_cache_gib: int = 1) -> HardwareReport:
     num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     memory_mb = int(psutil.virtual_memory().total // MIB)
@@ -91,7 +94,9 @@ def detect_hardware(*, force_cpu: bool = False, cpu_kv_cache_gib: int = 1) -> Ha
         return HardwareReport(
             gpu_type="cpu",
             num_gpus=0,
-            gpu_memory_mb=cpu_kv_cache_gib * 1024,
+            # NOTE: the "GPU memory" of a CPU node is the RAM its engines may use together;
+            # placement fits replicas (weights + KV cache + engine overhead) into it.
+            gpu_memory_mb=int(memory_mb * CPU_ENGINE_MEMORY_FRACTION),
             num_cpus=num_cpus,
             memory_mb=memory_mb,
         )
