@@ -1,0 +1,82 @@
+"""Placement over many simulated nodes (rows, no processes)."""
+
+import pytest
+from django.db.models import Sum
+from django.utils import timezone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from endpoints.models import Replica
+from endpoints.placement import memory_needed_mb, place_replica
+from gpu_agent.models import Node
+from gpu_agent.protocol import NodeState
+from tests.factories import EndpointFactory, OrganizationFactory
+
+pytestmark = pytest.mark.django_db
+
+_counter = iter(range(10**9))
+
+
+def make_node(gpu_type="l4", memory_mb=24_000, num_gpus=1, state=NodeState.READY, quantizations=("none", "fp8"), **extra):
+    n = next(_counter)
+    return Node.objects.create(name=f"node-{n:05d}", gpu_type=gpu_type, num_gpus=num_gpus, gpu_memory_mb=memory_mb,
+                               secret_lookup=f"{n:012d}", secret_digest="x", state=state, quantizations=list(quantizations),
+                               last_heartbeat_at=timezone.now(), **extra)
+
+
+def test_needs_are_estimated_from_the_model_name_and_quantization():
+    small = EndpointFactory(model_source="hf:org/tiny-model", gpu_type="l4")
+    eight_b = EndpointFactory(model_source="hf:meta-llama/Llama-3.1-8B-Instruct", gpu_type="l4", max_model_len=4096, max_num_seqs=8)
+    fp8 = EndpointFactory(model_source="hf:meta-llama/Llama-3.1-8B-Instruct", gpu_type="l4", quantization="fp8", max_model_len=4096, max_num_seqs=8)
+    assert memory_needed_mb(small) < 3_000
+    assert 15_000 < memory_needed_mb(eight_b) < 24_000
+    assert memory_needed_mb(fp8) < memory_needed_mb(eight_b) * 0.7
+
+
+def test_prefers_spreading_then_nodes_holding_the_weights_then_best_fit():
+    endpoint = EndpointFactory(model_source="hf:org/model-1B", gpu_type="l4", max_replicas=3)
+    roomy = make_node(memory_mb=80_000)
+    snug = make_node(memory_mb=24_000)
+    warm = make_node(memory_mb=24_000, last_status={"weights": [{"source": "hf:org/model-1B", "complete": True}]})
+    first, _ = place_replica(endpoint)
+    assert first.node == warm  # holds the weights
+    second, _ = place_replica(endpoint)
+    assert second.node == snug  # spread first; then best fit leaves the big node free
+    third, _ = place_replica(endpoint)
+    assert third.node == roomy
+
+
+def test_refuses_wrong_gpu_type_cordoned_offline_and_unsupported_quantization_with_a_reason():
+    endpoint = EndpointFactory(gpu_type="h100-80gb", quantization="awq")
+    assert place_replica(endpoint) == (None, "no READY node of GPU type h100-80gb")
+    make_node(gpu_type="h100-80gb", memory_mb=80_000, state=NodeState.CORDONED, quantizations=("none", "awq"))
+    make_node(gpu_type="h100-80gb", memory_mb=80_000, state=NodeState.OFFLINE, quantizations=("none", "awq"))
+    assert place_replica(endpoint)[0] is None
+    make_node(gpu_type="h100-80gb", memory_mb=80_000, quantizations=("none", "fp8"))
+    assert place_replica(endpoint) == (None, "no h100-80gb node supports quantization awq")
+
+
+def test_says_how_much_memory_is_missing():
+    endpoint = EndpointFactory(model_source="hf:org/big-70B", gpu_type="l4")
+    make_node(memory_mb=24_000)
+    replica, reason = place_replica(endpoint)
+    assert replica is None and reason.startswith("needs ") and "the most free on a l4 node is 24000 MB" in reason
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    node_memory=st.lists(st.sampled_from([16_000, 24_000, 40_000, 80_000]), min_size=1, max_size=12),
+    models=st.lists(st.sampled_from(["hf:o/m-1B", "hf:o/m-3B", "hf:o/m-7B", "hf:o/m-13B", "hf:o/unknown"]), min_size=1, max_size=30),
+)
+def test_no_gpu_is_ever_over_committed(node_memory, models):
+    Replica.objects.all().delete()
+    Node.objects.all().delete()
+    organization = OrganizationFactory()
+    nodes = [make_node(memory_mb=memory) for memory in node_memory]
+    for index, source in enumerate(models):
+        endpoint = EndpointFactory(organization=organization, model_source=source, gpu_type="l4", max_replicas=5)
+        for _ in range(1 + index % 3):
+            place_replica(endpoint)
+    for node in nodes:
+        used = Replica.objects.filter(node=node).aggregate(total=Sum("reserved_memory_mb"))["total"] or 0
+        assert used <= node.total_gpu_memory_mb

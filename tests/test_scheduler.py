@@ -1,0 +1,143 @@
+"""Autoscaling decisions, reconciling, the tick lock and the sweeper, on rows (no processes)."""
+
+import time
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from controlplane.redis_client import get_redis
+from endpoints import autoscaler, scheduler
+from endpoints.autoscaler import Load
+from endpoints.models import EndpointEvent, Replica
+from gpu_agent.models import Node
+from gpu_agent.protocol import NodeState, ReplicaState
+from gpu_agent.services import desired_replicas
+from tests.factories import EndpointFactory
+from tests.test_placement import make_node
+
+pytestmark = pytest.mark.django_db
+
+NOW = 1_000_000.0
+
+
+def load(inflight=0, waiting=0, last=None, peak=None):
+    return Load(inflight, waiting, last, peak if peak is not None else inflight + waiting)
+
+
+@pytest.mark.parametrize(
+    "spec, current_load, desired",
+    [
+        ({"min_replicas": 0, "idle_timeout_s": 60}, load(), 0),
+        ({"min_replicas": 0, "idle_timeout_s": 60}, load(last=NOW - 61), 0),
+        ({"min_replicas": 0, "idle_timeout_s": 60}, load(last=NOW - 10), 1),  # recently used: keep one warm
+        ({"min_replicas": 0, "target_concurrency": 4}, load(waiting=1, last=NOW), 1),  # a cold request wakes it
+        ({"min_replicas": 0, "max_replicas": 10, "target_concurrency": 4}, load(inflight=9, waiting=4, last=NOW), 4),
+        ({"min_replicas": 0, "max_replicas": 3, "target_concurrency": 1}, load(inflight=9, last=NOW), 3),  # bounded
+        ({"min_replicas": 2, "max_replicas": 5, "idle_timeout_s": 60}, load(last=NOW - 600), 2),
+        # scale down waits for the stable window's peak
+        ({"min_replicas": 0, "max_replicas": 10, "target_concurrency": 2}, load(inflight=1, last=NOW, peak=8), 4),
+    ],
+)
+def test_decides_replicas_from_load(spec, current_load, desired):
+    endpoint = EndpointFactory(**({"max_replicas": 4} | spec))
+    decision = autoscaler.decide(endpoint, current_load, now=NOW)
+    assert decision.desired == desired, decision.reason
+
+
+def test_paused_endpoints_want_nothing():
+    endpoint = EndpointFactory(min_replicas=2, max_replicas=2, paused_at=timezone.now())
+    assert autoscaler.decide(endpoint, load(inflight=5, last=NOW), now=NOW).desired == 0
+
+
+def test_load_comes_from_the_gateways_redis_state_and_ignores_stale_entries():
+    from endpoints.gateway import traffic
+
+    endpoint = EndpointFactory()
+    redis = get_redis()
+    redis.zadd(traffic.inflight_key(str(endpoint.pk)), {"a": time.time(), "b": time.time(), "ghost": time.time() - 7200})
+    redis.zadd(traffic.waiting_key(str(endpoint.pk)), {"c": time.time()})
+    redis.set(traffic.last_request_key(str(endpoint.pk)), time.time())
+    current = autoscaler.read_load([str(endpoint.pk)])[str(endpoint.pk)]
+    assert (current.num_inflight, current.num_waiting, current.peak_concurrency) == (2, 1, 3)
+
+
+def test_reconcile_scales_up_and_down_and_logs_each_decision():
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=3, target_concurrency=1)
+    make_node(memory_mb=80_000)
+    make_node(memory_mb=80_000)
+    scheduler.reconcile_endpoint(str(endpoint.pk), load(inflight=3, last=time.time()))
+    assert Replica.objects.filter(endpoint=endpoint, state="PENDING").count() == 3
+    Replica.objects.filter(endpoint=endpoint).update(state=ReplicaState.READY)
+    scheduler.reconcile_endpoint(str(endpoint.pk), load(inflight=1, last=time.time()))
+    assert Replica.objects.filter(endpoint=endpoint, state="READY").count() == 1
+    assert Replica.objects.filter(endpoint=endpoint, state="DRAINING").count() == 2
+    messages = list(EndpointEvent.objects.filter(endpoint=endpoint, kind="scale").values_list("message", flat=True))
+    assert any(m.startswith("Scale up 0 → 3") for m in messages) and any(m.startswith("Scale down 3 → 1") for m in messages)
+
+
+def test_without_capacity_the_endpoint_says_why():
+    endpoint = EndpointFactory(gpu_type="a100-80gb", min_replicas=1)
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    endpoint.refresh_from_db()
+    assert endpoint.status_message == "waiting for capacity: no READY node of GPU type a100-80gb"
+    make_node(gpu_type="a100-80gb", memory_mb=80_000)
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    endpoint.refresh_from_db()
+    assert endpoint.status_message == "" and endpoint.replicas.count() == 1
+
+
+def test_a_second_overlapping_tick_does_nothing():
+    EndpointFactory(min_replicas=1)
+    get_redis().set(scheduler.TICK_LOCK, "1", ex=10)
+    assert scheduler.autoscale_tick() == 0
+    assert not Replica.objects.exists()
+    get_redis().delete(scheduler.TICK_LOCK)
+    make_node(memory_mb=80_000)
+    assert scheduler.autoscale_tick() == 1
+    assert Replica.objects.count() == 1
+
+
+def test_the_tick_looks_only_at_active_endpoints():
+    idle = EndpointFactory(min_replicas=0)
+    floored = EndpointFactory(min_replicas=1)
+    busy = EndpointFactory(min_replicas=0)
+    from endpoints.gateway import traffic
+
+    get_redis().zadd(traffic.RECENT_ENDPOINTS_KEY, {str(busy.pk): time.time()})
+    assert set(scheduler.active_endpoint_ids()) == {str(floored.pk), str(busy.pk)}
+    assert str(idle.pk) not in scheduler.active_endpoint_ids()
+
+
+def test_a_silent_node_goes_offline_and_its_replicas_fail_and_are_replaced_elsewhere(settings, django_capture_on_commit_callbacks):
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1)
+    silent = make_node(memory_mb=80_000)
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    replica = Replica.objects.get(endpoint=endpoint)
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.READY)
+    Node.objects.filter(pk=silent.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=31))
+    healthy = make_node(memory_mb=80_000)
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    silent.refresh_from_db()
+    replica.refresh_from_db()
+    assert silent.state == NodeState.OFFLINE
+    assert replica.state == "FAILED" and "stopped sending heartbeats" in replica.failure_reason
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    replacement = Replica.objects.get(endpoint=endpoint, state="PENDING")
+    assert replacement.node == healthy
+    # The node comes back: it is told to run nothing it had, so its stale replica stops.
+    assert desired_replicas(silent) == []
+
+
+def test_a_replica_starting_too_long_fails_with_the_reason(settings, django_capture_on_commit_callbacks):
+    settings.REPLICA_START_TIMEOUT_S = 60
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1)
+    make_node(memory_mb=80_000)
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    Replica.objects.update(state=ReplicaState.STARTING, created_at=timezone.now() - timedelta(seconds=61))
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    replica = Replica.objects.get(endpoint=endpoint)
+    assert replica.state == "FAILED" and replica.failure_reason == "did not become READY within 60 s"
