@@ -162,6 +162,8 @@ def build_engine_command(
     if device == DEVICE_CPU and plan.dtype is None and dtype in ("auto", "bfloat16", "float16", "half"):
         dtype = "float32"
     argv = [
+        # The reaper makes sure vLLM's own children die with the engine or the agent.
+        python, "-m", "gpu_agent.runtime.reaper", "--",
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path),
         "--served-model-name", spec.served_model_name,
@@ -172,6 +174,8 @@ def build_engine_command(
         "--max-num-seqs", str(spec.max_num_seqs),
         "--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching",
         "--disable-uvicorn-access-log",
+        # usage.prompt_tokens_details.cached_tokens: prefix-cache hits are billed at the cached price.
+        "--enable-prompt-tokens-details",
         *plan.flags,
     ]  # fmt: skip
     if spec.max_num_batched_tokens:

@@ -17,7 +17,9 @@ def test_cpu_command_runs_eager_single_process_on_loopback():
     )
     command = build_engine_command(spec, "/models/tiny", port=8123, device="cpu")
     argv = command.argv
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[1:4] == ["-m", "gpu_agent.runtime.reaper", "--"]
+    assert argv[5:7] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert "--enable-prompt-tokens-details" in argv
     assert flag(argv, "--model") == "/models/tiny" and flag(argv, "--served-model-name") == "tiny"
     assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", "8123")
     assert flag(argv, "--max-model-len") == "1024" and flag(argv, "--max-num-seqs") == "8"

@@ -1,0 +1,91 @@
+"""Runs one engine so that nothing of it can outlive the agent.
+
+    python -m gpu_agent.runtime.reaper -- python -m vllm.entrypoints.openai.api_server …
+
+vLLM's API server starts its EngineCore (and workers) as child processes, and
+those keep running for minutes, holding memory, when the API server is killed
+(measured here: still alive 120 s after a SIGKILL). So the agent starts this
+small reaper instead, as the leader of a new process group:
+
+- it asks the kernel for SIGUSR1 when the agent dies (PR_SET_PDEATHSIG) and
+  becomes a child subreaper, so every descendant stays in reach;
+- it runs the engine in its own process group, forwards SIGTERM and SIGINT to
+  it (a graceful stop), and exits with the engine's code;
+- whenever the engine exits, or the agent dies, it SIGKILLs the whole group,
+  itself last.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value, 0, 0, 0)
+    except OSError:  # not Linux: the agent's own cleanup is the only guard
+        pass
+
+
+def _kill_group() -> None:
+    try:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m gpu_agent.runtime.reaper -- COMMAND …", file=sys.stderr)
+        return 2
+    agent_pid = os.getppid()
+    signal.signal(signal.SIGUSR1, lambda *_: _kill_group())
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    if os.getppid() != agent_pid:  # the agent died before the death signal was armed
+        _kill_group()
+    engine = subprocess.Popen(argv)
+
+    def forward(signum, _frame):
+        try:
+            engine.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = engine.wait()
+    # NOTE: the engine is gone; whatever it started (EngineCore, workers) goes with it.
+    _kill_others()
+    return code if code >= 0 else 128 - code
+
+
+def _kill_others() -> None:
+    """SIGKILL every other process of this group, and reap what was re-parented to us."""
+    me, group = os.getpid(), os.getpgrp()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            if os.getpgid(int(entry)) == group:
+                os.kill(int(entry), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,62 @@
+"""The reaper: an engine's whole process tree dies with the engine, or with the agent."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+
+# A stand-in engine that, like vLLM's API server, starts a child that would outlive it.
+ENGINE = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _wait_gone(pids, timeout_s=10):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+def _agent_with_engine(tmp_path):
+    """A fake agent process that starts the reaper (as the supervisor does) and prints the pids."""
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        reaper = subprocess.Popen([sys.executable, "-m", "gpu_agent.runtime.reaper", "--", sys.executable, "-c", {ENGINE!r}],
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
+        grandchild = reaper.stdout.readline().strip()
+        print(reaper.pid, grandchild, flush=True)
+        time.sleep(600)
+    """))
+    agent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    reaper_pid, grandchild_pid = map(int, agent.stdout.readline().split())
+    engine_pid = [c.pid for c in psutil.Process(reaper_pid).children()][0]
+    return agent, reaper_pid, engine_pid, grandchild_pid
+
+
+def test_a_killed_agent_takes_the_engine_and_its_children_along(tmp_path):
+    agent, reaper_pid, engine_pid, grandchild_pid = _agent_with_engine(tmp_path)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    assert _wait_gone([reaper_pid, engine_pid, grandchild_pid]) == []
+
+
+def test_an_engine_that_exits_leaves_no_children_and_a_stop_is_graceful(tmp_path):
+    agent, reaper_pid, engine_pid, grandchild_pid = _agent_with_engine(tmp_path)
+    try:
+        os.kill(engine_pid, signal.SIGKILL)  # the engine crashes; its child would linger
+        assert _wait_gone([engine_pid, grandchild_pid, reaper_pid]) == []
+    finally:
+        agent.kill()
+        agent.wait()
