@@ -60,9 +60,10 @@ class ApiKeyViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.Creat
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        if "manage" in serializer.validated_data["scopes"] and not request_membership(request).can(Role.ADMIN):
-            raise ValidationError({"scopes": ["Only owners and admins may create keys with the 'manage' scope."]})
-        created = services.create_api_key(self.actor, self.organization, **serializer.validated_data)
+        try:
+            created = services.create_api_key(self.actor, self.organization, **serializer.validated_data)
+        except services.NotPermitted as exc:
+            raise ValidationError({exc.field: [str(exc)]}) from None
         # NOTE: the only response that ever contains the secret.
         return Response(
             {"api_key": ApiKeySerializer(created.api_key).data, "secret": created.plain},
@@ -95,9 +96,10 @@ class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.D
         user = get_user_model().objects.filter(email__iexact=data.validated_data["email"]).first()
         if user is None:
             raise ValidationError({"email": ["No user has signed up with this email yet."]})
-        if data.validated_data["role"] == Role.OWNER and not request_membership(request).can(Role.OWNER):
-            raise ValidationError({"role": ["Only owners may add owners."]})
-        membership = services.add_member(self.actor, self.organization, user=user, role=data.validated_data["role"])
+        try:
+            membership = services.add_member(self.actor, self.organization, user=user, role=data.validated_data["role"])
+        except services.NotPermitted as exc:
+            raise ValidationError({exc.field: [str(exc)]}) from None
         return Response(MembershipSerializer(membership).data, status=status.HTTP_201_CREATED)
 
     def partial_update(self, request, pk=None):
@@ -108,14 +110,14 @@ class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.D
         membership = get_object_or_404(self.get_queryset(), pk=pk)
         try:
             membership = services.change_member_role(self.actor, membership, role=data.validated_data["role"])
-        except services.LastOwnerError as exc:
+        except (services.LastOwnerError, services.NotPermitted) as exc:
             raise ValidationError({"role": [str(exc)]}) from None
         return Response(MembershipSerializer(membership).data)
 
     def perform_destroy(self, membership):
         try:
             services.remove_member(self.actor, membership)
-        except services.LastOwnerError as exc:
+        except (services.LastOwnerError, services.NotPermitted) as exc:
             raise ValidationError({"role": [str(exc)]}) from None
 
 

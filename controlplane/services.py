@@ -86,6 +86,8 @@ def sign_up_user(*, email: str, password: str, organization_name: str, source_ip
 
 @transaction.atomic
 def add_member(actor: Actor, organization: Organization, *, user, role: str) -> Membership:
+    existing = Membership.objects.filter(organization=organization, user=user).values_list("role", flat=True).first()
+    ensure_may_touch_owner_role(actor, organization, role, existing or "")
     membership, created = Membership.objects.get_or_create(organization=organization, user=user, defaults={"role": role})
     if not created and membership.role != role:
         membership.role = role
@@ -98,8 +100,33 @@ class LastOwnerError(ValueError):
     pass
 
 
+class NotPermitted(ValueError):
+    """The actor's role does not allow this; `field` names the input at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def actor_role(actor: Actor, organization: Organization) -> str | None:
+    """The acting user's role in the organisation; None for the system (scripts, bootstrap)."""
+    if actor.user is None:
+        return None
+    return Membership.objects.filter(organization=organization, user=actor.user).values_list("role", flat=True).first()
+
+
+def ensure_may_touch_owner_role(actor: Actor, organization: Organization, *roles: str) -> None:
+    """NOTE: only owners grant, take away or remove the owner role."""
+    if Role.OWNER not in roles:
+        return
+    role = actor_role(actor, organization)
+    if actor.user is not None and role != Role.OWNER:
+        raise NotPermitted("role", "Only owners may grant, take away or remove the owner role.")
+
+
 @transaction.atomic
 def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Membership:
+    ensure_may_touch_owner_role(actor, membership.organization, role, membership.role)
     _ensure_an_owner_remains(membership, leaving=role != Role.OWNER)
     membership.role = role
     membership.save(update_fields=["role"])
@@ -109,6 +136,7 @@ def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Me
 
 @transaction.atomic
 def remove_member(actor: Actor, membership: Membership) -> None:
+    ensure_may_touch_owner_role(actor, membership.organization, membership.role)
     _ensure_an_owner_remains(membership, leaving=True)
     record_audit(actor, membership.organization, "member.remove", membership, email=membership.user.email)
     membership.delete()
@@ -138,6 +166,15 @@ def create_api_key(
     requests_per_minute: int | None = None,
     tokens_per_minute: int | None = None,
 ) -> CreatedApiKey:
+    """A new key; its secret is in the answer and nowhere else.
+
+    NOTE: a key acts with its creator's role, and a `manage` key can do what its creator can,
+    so only owners and admins may mint one.
+    """
+    if Scope.MANAGE in scopes and actor.user is not None:
+        role = actor_role(actor, organization)
+        if role not in (Role.OWNER, Role.ADMIN):
+            raise NotPermitted("scopes", "Only owners and admins may create keys with the 'manage' scope.")
     for _ in range(3):
         issued = tokens.issue_token(ApiKey.TOKEN_KIND)
         try:

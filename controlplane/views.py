@@ -61,12 +61,6 @@ def _members_page(request, invite_form, status=200):
     }, status=status)
 
 
-def _may_grant(request, role: str, membership: Membership | None = None) -> bool:
-    # NOTE: the owner role is granted and taken away only by owners (as in the members API).
-    touches_owner = role == Role.OWNER or (membership is not None and membership.role == Role.OWNER)
-    return not touches_owner or request.membership.can(Role.OWNER)
-
-
 @member_required(write=Role.ADMIN)
 def members(request):
     form = MemberInviteForm(request.POST or None)
@@ -75,14 +69,16 @@ def members(request):
         role = form.cleaned_data["role"]
         if user is None:
             form.add_error("email", "No user has signed up with this email yet. Ask them to sign up first.")
-        elif not _may_grant(request, role):
-            form.add_error("role", "Only owners may add owners.")
         elif Membership.objects.filter(organization=request.organization, user=user).exists():
             form.add_error("email", "This user is already a member; change their role in the table.")
         else:
-            services.add_member(services.Actor.from_request(request), request.organization, user=user, role=role)
-            messages.success(request, f"{user.email} joined {request.organization.name} as {Role(role).label.lower()}.")
-            return redirect("console:members")
+            try:
+                services.add_member(services.Actor.from_request(request), request.organization, user=user, role=role)
+            except services.NotPermitted as exc:
+                form.add_error(exc.field, str(exc))
+            else:
+                messages.success(request, f"{user.email} joined {request.organization.name} as {Role(role).label.lower()}.")
+                return redirect("console:members")
         return _members_page(request, form, status=400)
     return _members_page(request, MemberInviteForm())
 
@@ -94,13 +90,11 @@ def member_role(request, pk):
     role = request.POST.get("role", "")
     if role not in Role.values:
         messages.error(request, "Choose one of the listed roles.")
-    elif not _may_grant(request, role, membership):
-        messages.error(request, "Only owners may grant or take away the owner role.")
     else:
         try:
             services.change_member_role(services.Actor.from_request(request), membership, role=role)
             messages.success(request, f"{membership.user.email} is now {Role(role).label.lower()}.")
-        except services.LastOwnerError as exc:
+        except (services.LastOwnerError, services.NotPermitted) as exc:
             messages.error(request, str(exc))
     return redirect("console:members")
 
@@ -109,13 +103,10 @@ def member_role(request, pk):
 @require_POST
 def member_remove(request, pk):
     membership = get_object_or_404(Membership.objects.filter(organization=request.organization).select_related("user"), pk=pk)
-    if not _may_grant(request, membership.role, membership):
-        messages.error(request, "Only owners may remove an owner.")
-        return redirect("console:members")
     try:
         services.remove_member(services.Actor.from_request(request), membership)
         messages.success(request, f"{membership.user.email} was removed from {request.organization.name}.")
-    except services.LastOwnerError as exc:
+    except (services.LastOwnerError, services.NotPermitted) as exc:
         messages.error(request, str(exc))
     return redirect("console:members")
 
@@ -140,10 +131,11 @@ def api_keys(request):
     if not serializer.is_valid():
         form.show_errors(serializer.errors)
         return _keys_page(request, form, status=400)
-    if Scope.MANAGE in serializer.validated_data["scopes"] and not request.membership.can(Role.ADMIN):
-        form.show_errors({"scopes": ["Only owners and admins may create keys with the 'manage' scope."]})
+    try:
+        created = services.create_api_key(services.Actor.from_request(request), request.organization, **serializer.validated_data)
+    except services.NotPermitted as exc:
+        form.show_errors({exc.field: [str(exc)]})
         return _keys_page(request, form, status=400)
-    created = services.create_api_key(services.Actor.from_request(request), request.organization, **serializer.validated_data)
     # NOTE: the secret is rendered in this response only; it is never stored or shown again.
     return render(request, "controlplane/key_created.html", {"api_key": created.api_key, "secret": created.plain}, status=201)
 

@@ -71,6 +71,7 @@ class EndpointEventSerializer(serializers.ModelSerializer):
 
 class EndpointSerializer(StrictModelSerializer):
     state = serializers.CharField(read_only=True)
+    name = serializers.CharField(max_length=63, help_text="Lowercase letters, digits and hyphens; the `model` in /v1 calls.")
     model_source = serializers.CharField(max_length=500, validators=[validate_model_source])
     gpu_type = serializers.ChoiceField(choices=sorted(GPU_TYPES))
     quantization = serializers.ChoiceField(choices=list(QUANTIZATIONS), default="none")
@@ -91,7 +92,7 @@ class EndpointSerializer(StrictModelSerializer):
         ]
         extra_kwargs = {
             name: {"min_value": low, "max_value": high} for name, (low, high) in LIMITS.items()
-        } | {"name": {"validators": []}}
+        }
 
     def validate_name(self, value: str) -> str:
         if not NAME.match(value):

@@ -121,7 +121,7 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
         if replica is None:
             return
         previous = replica.state
-        new_state = _next_state(previous, report.state)
+        new_state = ReplicaState(_next_state(previous, report.state)).value
         now = timezone.now()
         fields = {
             "num_running": report.num_running, "num_waiting": report.num_waiting,

@@ -43,8 +43,12 @@ def member_client_factory(db):
 
     def make(organization, role=Role.OWNER, scopes=(Scope.MANAGE, Scope.INFERENCE)):
         user = UserFactory()
-        MembershipFactory(organization=organization, user=user, role=role)
+        # The key is minted while its creator is an owner, then the role becomes the one asked for:
+        # a key always acts with its creator's current role.
+        membership = MembershipFactory(organization=organization, user=user, role=Role.OWNER)
         created = create_api_key(Actor(user=user), organization, name=f"{role} key", scopes=list(scopes))
+        membership.role = role
+        membership.save(update_fields=["role"])
         client = APIClient()
         client.credentials(HTTP_AUTHORIZATION=f"Bearer {created.plain}")
         client.user, client.organization, client.plain_key = user, organization, created.plain

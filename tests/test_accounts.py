@@ -37,7 +37,9 @@ def test_sign_up_shows_field_errors_and_creates_nothing(client):
 
 
 def test_log_in_and_out(client):
-    get_user_model().objects.create_user("bob@example.test", "bob@example.test", "a long passphrase")
+    from controlplane.services import sign_up_user
+
+    sign_up_user(email="bob@example.test", password="a long passphrase", organization_name="Bob's")
     response = client.post("/login/", {"username": "bob@example.test", "password": "a long passphrase"})
     assert response.status_code == 302
     assert client.get("/console/").status_code == 200

@@ -6,7 +6,9 @@ from decimal import Decimal, InvalidOperation
 
 from django import template
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.html import format_html
+from django.utils.timesince import timesince
 
 register = template.Library()
 
@@ -68,3 +70,13 @@ def cents(value) -> str:
     if value in (None, ""):
         return "—"
     return f"{Decimal(int(value)) / 100:,.2f}"
+
+
+@register.filter
+def ago(moment) -> str:
+    """How long ago, in a few words: "just now", "5 minutes ago"."""
+    if moment is None:
+        return "never"
+    if (timezone.now() - moment).total_seconds() < 60:
+        return "just now"
+    return f"{timesince(moment).split(',')[0]} ago"

@@ -71,6 +71,7 @@ def _lookup_session(session_key: str) -> Caller | None:
     from django.contrib.auth import SESSION_KEY, get_user_model
     from django.contrib.sessions.backends.db import SessionStore
 
+    from controlplane.models import Role
     from controlplane.tenancy import SESSION_KEY as ORG_SESSION_KEY
     from controlplane.tenancy import memberships_of
 
@@ -86,7 +87,9 @@ def _lookup_session(session_key: str) -> Caller | None:
     membership = (memberships.filter(organization_id=chosen).first() if chosen else None) or memberships.first()
     if membership is None:
         return None
-    return Caller(organization_id=membership.organization_id, api_key_id=None, user_id=user.pk, can_infer=True,
+    # NOTE: inference spends money, so a viewer (read-only) may not chat in the playground.
+    return Caller(organization_id=membership.organization_id, api_key_id=None, user_id=user.pk,
+                  can_infer=membership.can(Role.MEMBER),
                   requests_per_minute=None, tokens_per_minute=None)
 
 

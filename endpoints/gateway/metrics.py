@@ -20,5 +20,30 @@ cold_start = Histogram("inferplane_cold_start_seconds", "Seconds a request waite
                        buckets=(0.5, 1, 2, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600), registry=REGISTRY)
 
 
+# Fleet state from the database, refreshed at each scrape (every web pod reports the same values).
+replicas = Gauge("inferplane_replicas", "Replicas by endpoint and state.", ["endpoint", "state"], registry=REGISTRY)
+node_gpu_utilization = Gauge("inferplane_node_gpu_utilization", "GPU utilisation (0-1) per node and GPU.",
+                             ["node", "gpu"], registry=REGISTRY)
+
+
+def refresh_fleet_gauges() -> None:
+    """Read replica counts and GPU use from the database (sync: run it off the event loop)."""
+    from django.db.models import Count
+
+    from endpoints.models import ACTIVE_REPLICA_STATES, Replica
+    from gpu_agent.models import Node
+    from gpu_agent.protocol import NodeState
+
+    replicas.clear()
+    rows = (Replica.objects.filter(state__in=ACTIVE_REPLICA_STATES, endpoint__deleted_at__isnull=True)
+            .values("endpoint__name", "state").annotate(count=Count("id")))
+    for row in rows:
+        replicas.labels(row["endpoint__name"], row["state"]).set(row["count"])
+    node_gpu_utilization.clear()
+    for name, status in Node.objects.exclude(state=NodeState.OFFLINE).values_list("name", "last_status"):
+        for gpu in (status or {}).get("gpus", []):
+            node_gpu_utilization.labels(name, str(gpu.get("index", 0))).set(float(gpu.get("utilization_percent", 0)) / 100)
+
+
 def render() -> bytes:
     return generate_latest(REGISTRY)

@@ -151,3 +151,4 @@ def test_metrics_count_requests_and_tokens(gateway, tenant, start_mock_upstream)
     assert f'inferplane_requests_total{{endpoint="{endpoint.name}",status="ok"}} 2.0' in text
     assert f'inferplane_tokens_total{{endpoint="{endpoint.name}",kind="completion"}} 5.0' in text
     assert "inferplane_time_to_first_token_seconds_bucket" in text
+    assert f'inferplane_replicas{{endpoint="{endpoint.name}",state="READY"}} 1.0' in text

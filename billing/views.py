@@ -1,0 +1,159 @@
+"""Console pages for usage and billing; they read the ledger and billing state, never write it directly."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
+
+import stripe
+from django.conf import settings
+from django.contrib import messages
+from django.db.models import F, Sum
+from django.db.models.functions import TruncDate
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from billing import services, stripe_sync
+from billing.ledger import GROUPINGS, period_spend, summarize_usage
+from billing.models import CreditGrant, Invoice, UsageRecord
+from billing.periods import period_containing
+from billing.serializers import SpendCapSerializer
+from controlplane.console import member_required
+from controlplane.models import Role
+from controlplane.services import Actor
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RANGE_DAYS = 30
+MAX_RANGE_DAYS = 366
+NUM_CHART_SERIES = 8  # the biggest groups get a line each; the rest are summed as "other"
+
+
+def _date_range(request) -> tuple[date, date, list[str]]:
+    today = timezone.now().astimezone(UTC).date()
+    errors = []
+    try:
+        end = date.fromisoformat(request.GET["end"]) if request.GET.get("end") else today
+    except ValueError:
+        end, errors = today, errors + ["The end date is not a date (YYYY-MM-DD)."]
+    try:
+        start = date.fromisoformat(request.GET["start"]) if request.GET.get("start") else end - timedelta(days=DEFAULT_RANGE_DAYS - 1)
+    except ValueError:
+        start, errors = end - timedelta(days=DEFAULT_RANGE_DAYS - 1), errors + ["The start date is not a date (YYYY-MM-DD)."]
+    if start > end:
+        start, end, errors = end, start, errors + ["The start was after the end; they were swapped."]
+    if (end - start).days >= MAX_RANGE_DAYS:
+        start, errors = end - timedelta(days=MAX_RANGE_DAYS - 1), errors + [f"Ranges are at most {MAX_RANGE_DAYS} days."]
+    return start, end, errors
+
+
+def _daily_tokens(organization, *, by: str, start: date, end: date) -> dict:
+    """Tokens per day and per endpoint (or key), shaped for the chart: days plus one series per group."""
+    group = {"endpoint": F("endpoint__name"), "key": F("api_key__name")}[by]
+    since = datetime.combine(start, time.min, tzinfo=UTC)
+    until = since + timedelta(days=(end - start).days + 1)
+    totals = (
+        UsageRecord.objects.filter(organization=organization, finished_at__gte=since, finished_at__lt=until)
+        .annotate(day=TruncDate("finished_at", tzinfo=UTC), group=group)
+        .values("day", "group")
+        .annotate(tokens=Sum(F("prompt_tokens") + F("completion_tokens")))
+    )
+    days = [start + timedelta(days=i) for i in range((end - start).days + 1)]
+    index = {day: i for i, day in enumerate(days)}
+    series: dict[str, list[int]] = {}
+    for row in totals:
+        name = row["group"] or ("(deleted key)" if by == "key" else "(unknown)")
+        series.setdefault(name, [0] * len(days))[index[row["day"]]] += row["tokens"] or 0
+    ranked = sorted(series, key=lambda name: -sum(series[name]))
+    shown = {name: series[name] for name in ranked[:NUM_CHART_SERIES]}
+    if len(ranked) > NUM_CHART_SERIES:
+        shown["other"] = [sum(series[name][i] for name in ranked[NUM_CHART_SERIES:]) for i in range(len(days))]
+    return {"t": [int(datetime.combine(day, time.min, tzinfo=UTC).timestamp()) for day in days],
+            "series": shown}
+
+
+@member_required()
+def usage(request):
+    start, end, errors = _date_range(request)
+    group_by = request.GET.get("group_by", "endpoint")
+    if group_by not in GROUPINGS:
+        group_by = "endpoint"
+    rows = summarize_usage(request.organization, group_by=group_by, start=start, end=end)
+    chart_by = "key" if group_by == "key" else "endpoint"
+    query = f"start={start.isoformat()}&end={end.isoformat()}"
+    return render(request, "billing/usage.html", {
+        "start": start, "end": end, "group_by": group_by, "groupings": GROUPINGS, "errors": errors,
+        "rows": rows,
+        "totals": {
+            name: sum(row[name] for row in rows)
+            for name in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost")
+        },
+        "chart_by": chart_by,
+        "chart": _daily_tokens(request.organization, by=chart_by, start=start, end=end),
+        "csv_url": f"/api/v1/usage/export.csv?{query}",
+        "api_url": f"/api/v1/usage/?group_by={group_by}&{query}",
+    })
+
+
+def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
+    organization = request.organization
+    account = services.get_billing_account(organization.pk)
+    period = period_containing()
+    spend = period_spend(organization.pk, period)
+    now = timezone.now()
+    credits = list(CreditGrant.objects.for_org(organization).order_by("-granted_at"))
+    return render(request, "billing/billing.html", {
+        "account": account,
+        "period": period,
+        "period_last_day": period.end - timedelta(days=1),
+        "spend": spend,
+        "spend_cap": account.spend_cap,
+        "cap_value": cap_value if cap_value is not None else ("" if account.spend_cap is None else f"{account.spend_cap:.2f}"),
+        "cap_errors": cap_errors,
+        "cap_percent": float(100 * spend / account.spend_cap) if account.spend_cap else None,
+        "credits": credits,
+        "credit_remaining": sum((grant.remaining for grant in credits if grant.is_active(now)), start=Decimal(0)),
+        "invoices": Invoice.objects.for_org(organization)[:24],
+        "can_manage": request.membership.can(Role.ADMIN),
+        "payments_configured": stripe_sync.is_configured(),
+    }, status=status)
+
+
+@member_required(write=Role.ADMIN)
+def billing(request):
+    return _billing_page(request)
+
+
+@member_required(write=Role.ADMIN)
+@require_POST
+def billing_cap(request):
+    """The cap form; `SpendCapSerializer` (the API's) validates it, `set_spend_cap` applies it."""
+    raw = request.POST.get("spend_cap", "").strip()
+    serializer = SpendCapSerializer(data={"spend_cap": raw or None})
+    if not serializer.is_valid():
+        return _billing_page(request, cap_errors=serializer.errors["spend_cap"], cap_value=raw, status=400)
+    spend_cap = serializer.validated_data["spend_cap"]
+    services.set_spend_cap(Actor.from_request(request), request.organization, spend_cap=spend_cap)
+    messages.success(request, f"Monthly spend cap set to ${spend_cap:,.2f}." if spend_cap is not None else "Spend cap removed.")
+    return redirect("console:billing")
+
+
+@member_required(write=Role.ADMIN)
+@require_POST
+def payment_method(request):
+    """Off to Stripe's Customer Portal, where a card is added and invoices are paid."""
+    if not stripe_sync.is_configured():
+        messages.error(request, "Card payments are not set up on this installation; ask its operator.")
+        return redirect("console:billing")
+    try:
+        url = stripe_sync.create_portal_link(
+            request.organization.pk, return_url=f"{settings.PUBLIC_URL}{reverse('console:billing')}"
+        )
+    except stripe.StripeError:  # Stripe is down or refused: the page says so rather than a 500
+        logger.exception("could not create a Stripe portal link for organisation %s", request.organization.pk)
+        messages.error(request, "Stripe could not be reached just now; please try again in a minute.")
+        return redirect("console:billing")
+    return redirect(url)

@@ -1,0 +1,225 @@
+"""Every console page in a real browser (Debian's chromium through Playwright) against a live ASGI server.
+
+No engine is needed: endpoints are deployed but stay asleep; usage rows and a node are written to the
+database the way the gateway and an agent would. Each page's screenshot lands in tests/artifacts/screenshots/.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from billing.models import UsageRecord
+from controlplane.models import ApiKey, Role
+from endpoints.models import Endpoint, EndpointEvent, EventKind, Replica
+from gpu_agent.models import Node
+from gpu_agent.protocol import NodeState, ReplicaState
+from tests.console.conftest import screenshot
+from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+PASSWORD = "correct horse battery"
+
+
+def expect(page):
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(page)
+
+
+def sign_up(page, email: str, organization: str) -> None:
+    page.goto("/")
+    screenshot(page, "01-home")
+    page.get_by_role("link", name="Create an account").click()
+    page.get_by_label("Work email").fill(email)
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_label("Organisation name").fill(organization)
+    screenshot(page, "02-signup")
+    page.get_by_role("button", name="Create account").click()
+    expect(page.get_by_role("heading", name="Dashboard")).to_be_visible()
+
+
+def nav(page, name: str) -> None:
+    page.get_by_role("navigation", name="Main").get_by_role("link", name=name, exact=True).click()
+
+
+def log_in(page, email: str) -> None:
+    page.goto("/login/")
+    page.get_by_label("Email").fill(email)
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Log in").click()
+    expect(page.get_by_role("heading", name="Dashboard")).to_be_visible()
+
+
+def record_usage(endpoint: Endpoint, *, minutes_ago: float, prompt: int, completion: int, latency_ms: int) -> None:
+    started_at = timezone.now() - timedelta(minutes=minutes_ago)
+    cost = (prompt * endpoint.price_input_per_million + completion * endpoint.price_output_per_million) / Decimal(1_000_000)
+    UsageRecord.objects.create(
+        request_id=f"browser-{endpoint.pk}-{minutes_ago}", organization=endpoint.organization, endpoint=endpoint,
+        prompt_tokens=prompt, completion_tokens=completion, cost=cost, started_at=started_at,
+        first_token_at=started_at + timedelta(milliseconds=latency_ms // 4),
+        finished_at=started_at + timedelta(milliseconds=latency_ms), status="ok",
+    )
+
+
+def test_a_customer_signs_up_creates_a_key_deploys_and_reads_every_page(page):
+    sign_up(page, "ada@example.test", "Analytical Engines")
+    expect(page.get_by_text("Deploy your first model")).to_be_visible()
+    screenshot(page, "03-dashboard-empty")
+
+    # An API key: the secret is shown once and the copy button puts it on the clipboard.
+    nav(page, "API keys")
+    page.get_by_label("Name").fill("staging chatbot")
+    page.get_by_label("Expires").select_option("90")
+    page.get_by_role("button", name="Create key").click()
+    secret = page.get_by_test_id("new-secret").input_value()
+    assert secret.startswith("ip_")
+    page.get_by_role("button", name="Copy").click()
+    expect(page.get_by_role("button", name="Copied")).to_be_visible()
+    assert page.evaluate("navigator.clipboard.readText()") == secret
+    screenshot(page, "04-key-created")
+    page.get_by_role("link", name="Done, back to keys").click()
+    expect(page.get_by_test_id("key-table")).to_contain_text("staging chatbot")
+    expect(page.get_by_test_id("key-table")).not_to_contain_text(secret)
+    assert ApiKey.objects.get(name="staging chatbot").expires_at is not None
+
+    # The deploy wizard: an invalid spec shows the serializer's errors inline, then a valid one deploys.
+    nav(page, "Endpoints")
+    page.get_by_role("link", name="New endpoint").first.click()
+    page.get_by_label("Endpoint name").fill("Support Chat")
+    page.get_by_label("Model source").fill("github.com/some/model")
+    page.locator("label[for=gpu-cpu]").click()
+    # htmx swaps in the quantizations a CPU engine supports.
+    expect(page.locator("#id_quantization option[value=int8]")).to_have_count(1)
+    expect(page.locator("#id_quantization option[value=awq]")).to_have_count(0)
+    page.get_by_label("Maximum replicas").fill("0")
+    page.get_by_role("button", name="Deploy endpoint").click()
+    expect(page.get_by_test_id("form-errors")).to_be_visible()
+    expect(page.get_by_text("Must start with hf:, s3:// or / (a local path).")).to_be_visible()
+    expect(page.get_by_text("Ensure this value is greater than or equal to 1.")).to_be_visible()
+    screenshot(page, "05-wizard-errors")
+    assert not Endpoint.objects.exists()
+
+    page.get_by_label("Endpoint name").fill("support-chat")
+    page.get_by_label("Model source").fill("hf:meta-llama/Llama-3.1-8B-Instruct")
+    page.locator("label[for=gpu-l4]").click()
+    expect(page.locator("#id_quantization option[value=awq]")).to_have_count(1)
+    page.get_by_label("Quantization").select_option("fp8")
+    page.get_by_label("Maximum replicas").fill("3")
+    page.get_by_label("Idle timeout (seconds)").fill("600")
+    screenshot(page, "06-wizard-filled")
+    page.get_by_role("button", name="Deploy endpoint").click()
+    expect(page.get_by_role("heading", name="support-chat")).to_be_visible()
+    endpoint = Endpoint.objects.get(name="support-chat")
+    assert (endpoint.gpu_type, endpoint.quantization, endpoint.max_replicas, endpoint.idle_timeout_s) == ("l4", "fp8", 3, 600)
+
+    # What a running endpoint looks like: traffic, a READY replica and one cold-starting, events.
+    node = Node.objects.create(name="gpu-l4-a", gpu_type="l4", num_gpus=1, gpu_memory_mb=24000,
+                               secret_lookup="browser-a", secret_digest="x", last_heartbeat_at=timezone.now())
+    Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, num_running=3, tokens_per_s=41.5,
+                           created_at=timezone.now() - timedelta(minutes=50), ready_at=timezone.now() - timedelta(minutes=49))
+    Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING,
+                           progress="downloading weights", progress_percent=64)
+    EndpointEvent.objects.create(endpoint=endpoint, kind=EventKind.SCALE, message="Scaling 1 → 2 replicas: 19 in flight, target 8")
+    EndpointEvent.objects.create(endpoint=endpoint, kind=EventKind.COLD_START, message="Replica 1a2b3c4d READY after 38.2 s")
+    for minute in range(1, 45):
+        for request in range(1 + minute % 4):
+            record_usage(endpoint, minutes_ago=minute + request / 10, prompt=400 + 10 * minute, completion=600 + 40 * request,
+                         latency_ms=700 + 300 * request + 5 * minute)
+    page.reload()
+    expect(page.locator("#endpoint-status")).to_contain_text("Ready")
+    expect(page.get_by_text("downloading weights").first).to_be_visible()
+    expect(page.get_by_test_id("event-log")).to_contain_text("READY after 38.2 s")
+    expect(page.locator("#snippet-python")).to_contain_text('model="support-chat"')
+    expect(page.locator("[data-chart=latency] canvas")).to_have_count(1)
+    screenshot(page, "07-endpoint")
+
+    # The live part follows the database without a reload (htmx polling).
+    Replica.objects.filter(state=ReplicaState.STARTING).update(state=ReplicaState.FAILED, failure_reason="CUDA out of memory")
+    expect(page.get_by_test_id("replica-table")).to_contain_text("Failed", timeout=10_000)
+
+    page.get_by_role("link", name="Edit").click()
+    expect(page.get_by_label("Maximum replicas")).to_have_value("3")
+    page.get_by_role("link", name="Cancel").click()
+
+    nav(page, "Dashboard")
+    expect(page.get_by_test_id("endpoint-table")).to_contain_text("support-chat")
+    expect(page.get_by_test_id("requests-today")).not_to_have_text("0")
+    screenshot(page, "08-dashboard")
+
+    nav(page, "Usage")
+    expect(page.get_by_test_id("usage-table")).to_contain_text("support-chat")
+    expect(page.locator("[data-usage-chart] canvas")).to_have_count(1)
+    screenshot(page, "09-usage")
+
+    nav(page, "Billing")
+    page.get_by_label("Monthly cap (USD)").fill("abc")
+    page.get_by_role("button", name="Save cap").click()
+    expect(page.get_by_text("A valid number is required.")).to_be_visible()
+    page.get_by_label("Monthly cap (USD)").fill("50")
+    page.get_by_role("button", name="Save cap").click()
+    expect(page.get_by_text("Monthly spend cap set to $50.00.")).to_be_visible()
+    expect(page.get_by_test_id("period-spend")).to_contain_text("of $50.00 cap")
+    screenshot(page, "10-billing")
+
+    nav(page, "Members")
+    expect(page.get_by_test_id("member-table")).to_contain_text("ada@example.test")
+    screenshot(page, "11-members")
+
+    page.set_viewport_size({"width": 390, "height": 844})
+    nav(page, "Dashboard")
+    screenshot(page, "12-dashboard-phone")
+    page.goto(f"/console/endpoints/{endpoint.pk}/")
+    screenshot(page, "13-endpoint-phone")
+
+
+def test_staff_cordon_and_drain_a_node(page):
+    organization = OrganizationFactory(name="Platform team")
+    staff = UserFactory(username="ops@example.test", is_staff=True)
+    MembershipFactory(organization=organization, user=staff, role=Role.OWNER)
+    node = Node.objects.create(
+        name="gpu-h100-07", gpu_type="h100-80gb", num_gpus=2, gpu_memory_mb=81559, num_cpus=64, memory_mb=512000,
+        secret_lookup="browser-b", secret_digest="x", last_heartbeat_at=timezone.now(), engine_version="0.11.0",
+        last_status={
+            "gpus": [{"index": i, "name": "NVIDIA H100 80GB HBM3", "utilization_percent": u, "memory_used_mb": m,
+                      "memory_total_mb": 81559, "temperature_c": 58 + i} for i, (u, m) in enumerate([(87, 61000), (12, 9000)])],
+            "cpu_percent": 31.0, "memory_used_mb": 120000, "memory_mb": 512000,
+            "weights": [{"source": "hf:meta-llama/Llama-3.1-70B-Instruct", "cache_key": "k1", "size_bytes": 141_000_000_000,
+                         "downloaded_bytes": 141_000_000_000, "complete": True}],
+        },
+    )
+    replica = Replica.objects.create(endpoint=EndpointFactory(organization=organization, name="big-model"), node=node,
+                                     state=ReplicaState.READY)
+    log_in(page, "ops@example.test")
+    nav(page, "Fleet")
+    card = page.get_by_test_id("node-gpu-h100-07")
+    expect(card).to_contain_text("NVIDIA H100 80GB HBM3")
+    expect(card).to_contain_text("big-model")
+    screenshot(page, "14-fleet")
+
+    card.get_by_role("button", name="Cordon").click()
+    expect(page.get_by_text("Node gpu-h100-07 is cordoned")).to_be_visible()
+    node.refresh_from_db()
+    assert node.state == NodeState.CORDONED
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_test_id("node-gpu-h100-07").get_by_role("button", name="Drain").click()
+    expect(page.get_by_text("Node gpu-h100-07 is draining")).to_be_visible()
+    node.refresh_from_db()
+    replica.refresh_from_db()
+    assert node.state == NodeState.DRAINING and replica.state == ReplicaState.DRAINING
+
+    page.get_by_label("Name").fill("rack 7")
+    page.get_by_role("button", name="Create join token").click()
+    token = page.get_by_test_id("new-secret").input_value()
+    assert re.match(r"^jt_", token)
+    screenshot(page, "15-join-token")
+    page.get_by_role("link", name="Back to the fleet").click()
+    expect(page.get_by_role("heading", name="Audit log")).to_be_visible()
+    expect(page.locator(".events")).to_contain_text("node.draining")
+    screenshot(page, "16-fleet-after")

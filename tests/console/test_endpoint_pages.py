@@ -1,0 +1,210 @@
+"""Dashboard, deploy wizard and endpoint page, through Django's test client."""
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from billing.models import UsageRecord
+from endpoints.models import Endpoint, EndpointEvent, EventKind, Replica
+from gpu_agent.protocol import ReplicaState
+from tests.factories import EndpointFactory
+
+pytestmark = pytest.mark.django_db
+
+VALID_SPEC = {
+    "name": "support-chat", "model_source": "hf:meta-llama/Llama-3.1-8B-Instruct", "gpu_type": "l4",
+    "quantization": "fp8", "min_replicas": "0", "max_replicas": "2", "idle_timeout_s": "300",
+    "target_concurrency": "8", "max_model_len": "4096", "max_num_seqs": "64", "max_num_batched_tokens": "",
+    "cold_start_timeout_s": "300", "enable_prefix_caching": "on",
+}
+
+
+def usage_row(endpoint, *, started_at, prompt=10, completion=20, latency_ms=200, cost="0.000010"):
+    return UsageRecord.objects.create(
+        request_id=f"req-{UsageRecord.objects.count()}-{started_at.timestamp()}", organization=endpoint.organization,
+        endpoint=endpoint, prompt_tokens=prompt, completion_tokens=completion, cost=Decimal(cost),
+        started_at=started_at, first_token_at=started_at + timedelta(milliseconds=50),
+        finished_at=started_at + timedelta(milliseconds=latency_ms), status="ok",
+    )
+
+
+def test_dashboard_shows_endpoints_and_todays_usage(owner):
+    endpoint = EndpointFactory(organization=owner.organization, name="chat-a")
+    usage_row(endpoint, started_at=timezone.now() - timedelta(minutes=1), prompt=100, completion=23, cost="1.25")
+    page = owner.get(reverse("console:dashboard")).content.decode()
+    assert "chat-a" in page
+    assert 'data-testid="requests-today">1<' in page
+    assert 'data-testid="tokens-today">123<' in page
+    assert "$1.25" in page
+    assert 'hx-trigger="every 3s"' in page
+
+
+def test_dashboard_of_a_new_organisation_invites_a_first_deploy(owner):
+    page = owner.get(reverse("console:dashboard")).content.decode()
+    assert "Deploy your first model" in page
+    assert reverse("console:endpoint-new") in page
+
+
+def test_live_endpoint_table_is_a_partial(owner):
+    EndpointFactory(organization=owner.organization, name="chat-b")
+    page = owner.get(reverse("console:endpoints-live")).content.decode()
+    assert "chat-b" in page and "<html" not in page
+
+
+def test_wizard_shows_gpu_memory_and_hourly_cost(owner):
+    page = owner.get(reverse("console:endpoint-new")).content.decode()
+    assert "141 GB" in page and "$5.00/h" in page
+    assert "NVIDIA L4 24 GB" in page
+
+
+def test_wizard_offers_only_quantizations_of_the_gpu_type(owner):
+    page = owner.get(reverse("console:endpoint-quantizations"), {"gpu_type": "cpu"}).content.decode()
+    assert 'value="int8"' in page and 'value="fp8_per_channel"' in page
+    assert 'value="awq"' not in page and 'value="fp8"' not in page
+
+
+def test_wizard_creates_the_endpoint_and_redirects_to_its_page(owner):
+    response = owner.post(reverse("console:endpoint-new"), VALID_SPEC)
+    endpoint = Endpoint.objects.get(organization=owner.organization, name="support-chat")
+    assert response.status_code == 302 and response.url == reverse("console:endpoint", args=[endpoint.pk])
+    assert endpoint.quantization == "fp8" and endpoint.max_replicas == 2 and endpoint.max_num_batched_tokens is None
+    assert endpoint.enable_prefix_caching is True
+    assert endpoint.events.filter(kind=EventKind.CONFIG).exists()
+
+
+def test_wizard_shows_the_serializers_errors_next_to_their_fields(owner):
+    spec = VALID_SPEC | {"name": "Bad Name!", "model_source": "ftp://x", "gpu_type": "cpu", "quantization": "awq",
+                         "min_replicas": "3", "max_replicas": "1", "max_model_len": "abc"}
+    response = owner.post(reverse("console:endpoint-new"), spec)
+    page = response.content.decode()
+    assert response.status_code == 400
+    assert not Endpoint.objects.filter(organization=owner.organization).exists()
+    assert "Use 1-63 lowercase letters" in page
+    assert "Must start with hf:, s3:// or /" in page
+    assert "A valid integer is required." in page
+    assert page.count("has-error") >= 3
+    assert 'value="Bad Name!"' in page  # what the user typed stays in the form
+
+
+def test_wizard_reports_quantization_and_replica_rules(owner):
+    spec = VALID_SPEC | {"gpu_type": "cpu", "quantization": "awq", "min_replicas": "3", "max_replicas": "1"}
+    page = owner.post(reverse("console:endpoint-new"), spec).content.decode()
+    assert "is not available on cpu" in page
+    assert "Must be at least max(1, min_replicas) = 3." in page
+
+
+def test_wizard_refuses_a_duplicate_name(owner):
+    EndpointFactory(organization=owner.organization, name="support-chat")
+    page = owner.post(reverse("console:endpoint-new"), VALID_SPEC).content.decode()
+    assert "already exists in your organisation" in page
+
+
+def test_viewer_cannot_deploy(viewer):
+    assert viewer.post(reverse("console:endpoint-new"), VALID_SPEC).status_code == 403
+    assert not Endpoint.objects.exists()
+    assert "New endpoint" not in viewer.get(reverse("console:endpoints")).content.decode()
+
+
+def test_endpoint_page_shows_state_replicas_events_snippets_and_playground(owner, settings):
+    settings.PUBLIC_URL = "https://api.inferplane.test"
+    endpoint = EndpointFactory(organization=owner.organization, name="chat-c")
+    Replica.objects.create(endpoint=endpoint, state=ReplicaState.STARTING, progress="downloading weights", progress_percent=42)
+    EndpointEvent.objects.create(endpoint=endpoint, kind=EventKind.COLD_START, message="Replica abc READY after 12.5 s")
+    EndpointEvent.objects.create(endpoint=endpoint, kind=EventKind.FAILURE, message="Replica def failed: OOM",
+                                 details={"reason": "CUDA out of memory"})
+    page = owner.get(reverse("console:endpoint", args=[endpoint.pk])).content.decode()
+    assert "Starting" in page and "downloading weights" in page and 'aria-valuenow="42"' in page
+    assert "READY after 12.5 s" in page and "CUDA out of memory" in page
+    assert 'base_url="https://api.inferplane.test/v1"' in page and 'model="chat-c"' in page
+    assert "curl https://api.inferplane.test/v1/chat/completions" in page
+    assert 'data-model="chat-c"' in page and 'data-price-output="0.300000"' in page
+
+
+def test_endpoint_live_partial_updates_state_out_of_band(owner):
+    endpoint = EndpointFactory(organization=owner.organization)
+    Replica.objects.create(endpoint=endpoint, state=ReplicaState.READY)
+    page = owner.get(reverse("console:endpoint-live", args=[endpoint.pk])).content.decode()
+    assert 'hx-swap-oob="true"' in page and "Ready" in page and "<html" not in page
+
+
+def test_metrics_are_per_minute_buckets_from_the_ledger(owner):
+    endpoint = EndpointFactory(organization=owner.organization)
+    now = timezone.now()
+    for latency_ms in (100, 200, 300, 400):
+        usage_row(endpoint, started_at=now - timedelta(minutes=2), latency_ms=latency_ms, completion=60)
+    Replica.objects.create(endpoint=endpoint, state=ReplicaState.READY, created_at=now - timedelta(minutes=30))
+    body = owner.get(reverse("console:endpoint-metrics", args=[endpoint.pk])).json()
+    series = body["series"]
+    assert body["bucket_s"] == 60 and len(series["t"]) == 60
+    assert sum(series["requests"]) == 4
+    busy = series["requests"].index(4)
+    assert series["p50_ms"][busy] == pytest.approx(250, abs=1)
+    assert series["p95_ms"][busy] == pytest.approx(385, abs=1)
+    assert series["tokens_per_s"][busy] == pytest.approx(4.0)
+    assert series["replicas"][-1] == 1 and series["replicas"][0] == 0
+    assert all(value is None for i, value in enumerate(series["p50_ms"]) if i != busy)
+
+
+def test_metrics_windows_use_coarser_buckets(owner):
+    endpoint = EndpointFactory(organization=owner.organization)
+    body = owner.get(reverse("console:endpoint-metrics", args=[endpoint.pk]), {"minutes": "1440"}).json()
+    assert body["bucket_s"] == 900 and len(body["series"]["t"]) == 96
+
+
+def test_edit_goes_through_the_same_validation(owner):
+    endpoint = EndpointFactory(organization=owner.organization, name="chat-d")
+    url = reverse("console:endpoint-edit", args=[endpoint.pk])
+    assert 'value="chat-d"' in owner.get(url).content.decode()
+    response = owner.post(url, VALID_SPEC | {"name": "chat-d", "min_replicas": "3", "max_replicas": "2"})
+    assert response.status_code == 400 and "Must be at least max(1, min_replicas)" in response.content.decode()
+    response = owner.post(url, VALID_SPEC | {"name": "chat-d", "max_replicas": "5"})
+    assert response.status_code == 302
+    endpoint.refresh_from_db()
+    assert endpoint.max_replicas == 5
+
+
+def test_pause_resume_and_delete_with_confirmation(owner):
+    endpoint = EndpointFactory(organization=owner.organization, name="chat-e")
+    owner.post(reverse("console:endpoint-pause", args=[endpoint.pk]))
+    endpoint.refresh_from_db()
+    assert endpoint.paused_at is not None
+    assert "Resume" in owner.get(reverse("console:endpoint", args=[endpoint.pk])).content.decode()
+    owner.post(reverse("console:endpoint-resume", args=[endpoint.pk]))
+    endpoint.refresh_from_db()
+    assert endpoint.paused_at is None
+    delete_url = reverse("console:endpoint-delete", args=[endpoint.pk])
+    assert owner.post(delete_url, {"confirm_name": "wrong"}).status_code == 400
+    assert owner.post(delete_url, {"confirm_name": "chat-e"}).status_code == 302
+    endpoint.refresh_from_db()
+    assert endpoint.deleted_at is not None
+    assert owner.get(reverse("console:endpoint", args=[endpoint.pk])).status_code == 404
+
+
+def test_viewer_cannot_pause_edit_or_delete(viewer):
+    endpoint = EndpointFactory(organization=viewer.organization)
+    assert viewer.post(reverse("console:endpoint-pause", args=[endpoint.pk])).status_code == 403
+    assert viewer.post(reverse("console:endpoint-edit", args=[endpoint.pk]), VALID_SPEC).status_code == 403
+    assert viewer.post(reverse("console:endpoint-delete", args=[endpoint.pk]), {"confirm_name": endpoint.name}).status_code == 403
+    endpoint.refresh_from_db()
+    assert endpoint.paused_at is None and endpoint.deleted_at is None
+    assert viewer.get(reverse("console:endpoint", args=[endpoint.pk])).status_code == 200
+
+
+@pytest.mark.parametrize("name", ["endpoint", "endpoint-live", "endpoint-metrics", "endpoint-edit", "endpoint-delete"])
+def test_another_organisations_endpoint_is_a_404(owner, other_endpoint, name):
+    assert owner.get(reverse(f"console:{name}", args=[other_endpoint.pk])).status_code == 404
+
+
+@pytest.mark.parametrize("name", ["endpoint-pause", "endpoint-resume", "endpoint-delete"])
+def test_writes_to_another_organisations_endpoint_are_404s(owner, other_endpoint, name):
+    assert owner.post(reverse(f"console:{name}", args=[other_endpoint.pk]), {"confirm_name": "theirs"}).status_code == 404
+    other_endpoint.refresh_from_db()
+    assert other_endpoint.paused_at is None and other_endpoint.deleted_at is None
+
+
+def test_console_needs_a_login(client):
+    response = client.get(reverse("console:dashboard"))
+    assert response.status_code == 302 and response.url.startswith(reverse("login"))

@@ -1,0 +1,82 @@
+"""The fleet page (staff only): nodes, cordon/uncordon/drain, join tokens, replicas, audit log."""
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from controlplane.models import AuditEvent, Role
+from endpoints.models import Replica
+from gpu_agent.models import JoinToken, Node
+from gpu_agent.protocol import NodeState, ReplicaState
+from tests.factories import EndpointFactory
+
+pytestmark = pytest.mark.django_db
+
+HEARTBEAT = {
+    "gpus": [{"index": 0, "name": "NVIDIA L4", "utilization_percent": 63, "memory_used_mb": 12000,
+              "memory_total_mb": 24000, "temperature_c": 61}],
+    "cpu_percent": 20.0, "memory_used_mb": 30000, "memory_mb": 64000,
+    "weights": [{"source": "hf:org/model", "cache_key": "abc", "size_bytes": 2_000_000_000,
+                 "downloaded_bytes": 1_000_000_000, "complete": False}],
+}
+
+
+def make_node(name="gpu-1", **fields):
+    return Node.objects.create(name=name, gpu_type="l4", num_gpus=1, gpu_memory_mb=24000, secret_lookup=name,
+                               secret_digest="x", last_status=HEARTBEAT, last_heartbeat_at=timezone.now(), **fields)
+
+
+@pytest.fixture
+def staff(org, console_client_factory):
+    return console_client_factory(org, Role.OWNER, is_staff=True)
+
+
+def test_fleet_shows_nodes_with_bars_replicas_and_weights(staff):
+    node = make_node()
+    Replica.objects.create(endpoint=EndpointFactory(name="on-gpu-1"), node=node, state=ReplicaState.READY)
+    page = staff.get(reverse("console:fleet")).content.decode()
+    assert "gpu-1" in page and "NVIDIA L4" in page
+    assert "width: 63%" in page and "width: 50%" in page  # utilisation and memory bars
+    assert "on-gpu-1" in page
+    assert "hf:org/model" in page and "1.9\xa0GB (50%)" in page  # cached weights, half downloaded
+    assert "heartbeat 0 s ago" in page
+
+
+def test_staff_cordon_uncordon_and_drain_a_node(staff):
+    node = make_node()
+    replica = Replica.objects.create(endpoint=EndpointFactory(), node=node, state=ReplicaState.READY)
+    url = reverse("console:node-state", args=[node.pk])
+    staff.post(url, {"action": "cordon"})
+    node.refresh_from_db()
+    assert node.state == NodeState.CORDONED
+    staff.post(url, {"action": "uncordon"})
+    node.refresh_from_db()
+    assert node.state == NodeState.READY
+    staff.post(url, {"action": "drain"})
+    node.refresh_from_db()
+    replica.refresh_from_db()
+    assert node.state == NodeState.DRAINING and replica.state == ReplicaState.DRAINING
+    assert AuditEvent.objects.filter(action="node.draining").exists()
+
+
+def test_join_token_is_shown_once_and_can_be_revoked(staff):
+    response = staff.post(reverse("console:join-token-create"), {"name": "rack 7", "expires_in_hours": "24", "max_uses": "2"})
+    assert response.status_code == 201
+    secret = response.context["secret"]
+    assert secret.startswith("jt_") and f"--join-token {secret}" in response.content.decode()
+    token = JoinToken.objects.get(name="rack 7")
+    assert token.max_uses == 2 and token.expires_at is not None
+    assert secret not in staff.get(reverse("console:fleet")).content.decode()
+    staff.post(reverse("console:join-token-revoke", args=[token.pk]))
+    token.refresh_from_db()
+    assert token.revoked_at is not None
+
+
+def test_fleet_is_a_404_for_everyone_but_staff(owner):
+    node = make_node()
+    assert owner.get(reverse("console:fleet")).status_code == 404
+    assert owner.post(reverse("console:node-state", args=[node.pk]), {"action": "drain"}).status_code == 404
+    assert owner.post(reverse("console:join-token-create"), {"name": "x"}).status_code == 404
+    node.refresh_from_db()
+    assert node.state == NodeState.READY
+    assert "Fleet" not in owner.get(reverse("console:dashboard")).content.decode()

@@ -1,0 +1,67 @@
+"""The API keys page: create (secret shown once), scopes, expiry, revoke, last used."""
+
+import pytest
+from django.urls import reverse
+
+from controlplane.models import ApiKey, Role, Scope
+from controlplane.services import Actor, create_api_key, find_api_key
+from tests.factories import OrganizationFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def test_creating_a_key_shows_its_secret_once(owner):
+    response = owner.post(reverse("console:keys"), {"name": "ci", "scopes": [Scope.INFERENCE], "expires_in_days": "30"})
+    assert response.status_code == 201
+    secret = response.context["secret"]
+    assert secret in response.content.decode() and "Copy" in response.content.decode()
+    api_key = find_api_key(secret)
+    assert api_key.name == "ci" and api_key.scopes == [Scope.INFERENCE] and api_key.expires_at is not None
+    assert secret not in owner.get(reverse("console:keys")).content.decode()
+
+
+def test_key_list_shows_scopes_expiry_and_last_use(owner):
+    created = create_api_key(Actor(user=owner.user), owner.organization, name="batch job", scopes=[Scope.MANAGE])
+    find_api_key(created.plain)  # marks it used
+    page = owner.get(reverse("console:keys")).content.decode()
+    assert "batch job" in page and created.api_key.display_prefix in page
+    assert "manage" in page and "Never" in page and "just now" in page
+
+
+def test_key_form_errors_are_inline(owner):
+    response = owner.post(reverse("console:keys"), {"name": "", "requests_per_minute": "0"})
+    page = response.content.decode()
+    assert response.status_code == 400
+    assert "This field may not be blank." in page
+    assert "Ensure this value is greater than or equal to 1." in page
+    assert not ApiKey.objects.exists()
+
+
+def test_members_cannot_create_manage_keys(console_client_factory, org):
+    member = console_client_factory(org, Role.MEMBER)
+    response = member.post(reverse("console:keys"), {"name": "ops", "scopes": [Scope.MANAGE]})
+    assert response.status_code == 400 and "Only owners and admins" in response.content.decode()
+
+
+def test_viewer_cannot_create_or_revoke_keys(viewer, org):
+    created = create_api_key(Actor(), org, name="k", scopes=[Scope.INFERENCE])
+    assert viewer.post(reverse("console:keys"), {"name": "x", "scopes": [Scope.INFERENCE]}).status_code == 403
+    assert viewer.post(reverse("console:key-revoke", args=[created.api_key.pk])).status_code == 403
+    created.api_key.refresh_from_db()
+    assert created.api_key.revoked_at is None
+    assert "Create a key" not in viewer.get(reverse("console:keys")).content.decode()
+
+
+def test_revoking_a_key_stops_it(owner):
+    created = create_api_key(Actor(user=owner.user), owner.organization, name="old", scopes=[Scope.INFERENCE])
+    owner.post(reverse("console:key-revoke", args=[created.api_key.pk]))
+    assert find_api_key(created.plain) is None
+    assert "Revoked" in owner.get(reverse("console:keys")).content.decode()
+
+
+def test_another_organisations_key_is_a_404(owner):
+    created = create_api_key(Actor(), OrganizationFactory(), name="theirs", scopes=[Scope.INFERENCE])
+    assert owner.post(reverse("console:key-revoke", args=[created.api_key.pk])).status_code == 404
+    created.api_key.refresh_from_db()
+    assert created.api_key.revoked_at is None
+    assert "theirs" not in owner.get(reverse("console:keys")).content.decode()
