@@ -59,6 +59,9 @@ class AgentConfig:
     # Leave engines running when the agent exits (agent upgrades): no PR_SET_PDEATHSIG, and the
     # next agent on this data dir adopts them. Off by default: an exiting agent stops its engines.
     keep_engines_on_exit: bool = False
+    # Keep a warm standby engine process (vLLM already imported) for fast cold starts.
+    # Off here so library users and tests opt in; the `run` command turns it on.
+    standby: bool = False
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).resolve()
@@ -113,7 +116,12 @@ class Agent:
             policy or SupervisorPolicy(), kill_children_on_agent_death=not config.keep_engines_on_exit
         )
         self.supervisor = Supervisor(
-            config.data_dir, device=self.device, command_factory=command_factory, policy=policy
+            config.data_dir,
+            device=self.device,
+            command_factory=command_factory,
+            policy=policy,
+            standby=config.standby,
+            on_ready=lambda _replica_id: self._wake.set(),
         )
         self.weights = WeightsCache(
             config.data_dir / "weights",
@@ -132,6 +140,9 @@ class Agent:
         self._pins: dict[str, Path] = {}  # replica id -> cached model it uses
         self._reported_terminal: set[str] = set()
         self._lock = threading.Lock()
+        # Set when a replica turns READY: report it now rather than at the next interval,
+        # since a cold request is held until the control plane hears of it.
+        self._wake = threading.Event()
         self._load_credentials()
 
     # -- registration -------------------------------------------------------------
@@ -192,6 +203,7 @@ class Agent:
             replicas=self.replica_statuses(),
             weights=self.weights.statuses(),
             disk_free_mb=usage.disk_free_mb,
+            standby_ready=self.supervisor.standby_ready,
         )
 
     def heartbeat_once(self) -> HeartbeatResponse:
@@ -250,9 +262,16 @@ class Agent:
                     failures += 1
                     delay = self._backoff(failures)
                     logger.exception("heartbeat loop error; retrying in %.1fs", delay)
-                stop.wait(delay)
+                self._sleep(delay, stop)
         finally:
             self.shutdown()
+
+    def _sleep(self, delay_s: float, stop: threading.Event) -> None:
+        """Wait until the next heartbeat is due, `stop` is set, or a replica turned READY."""
+        deadline = time.monotonic() + delay_s
+        while not stop.is_set() and not self._wake.is_set() and time.monotonic() < deadline:
+            stop.wait(min(0.05, max(deadline - time.monotonic(), 0.0)))
+        self._wake.clear()
 
     def _backoff(self, failures: int) -> float:
         ceiling = min(self.config.max_backoff_s, self.config.min_backoff_s * 2 ** (failures - 1))

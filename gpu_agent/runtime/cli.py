@@ -35,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave engines running when the agent exits; the next agent adopts them",
     )
+    run.add_argument(
+        "--no-standby",
+        dest="standby",
+        action="store_false",
+        help="no warm standby engine: every replica starts with a plain `vllm serve` (slower cold starts)",
+    )
     run.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="KV cache per engine on CPU nodes")
     run.add_argument("--log-level", default=os.environ.get("INFERPLANE_AGENT_LOG_LEVEL", "INFO"))
 
@@ -71,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         s3_endpoint_url=args.s3_endpoint_url,
         cpu_kv_cache_gib=args.cpu_kv_cache_gib,
         keep_engines_on_exit=args.keep_engines_on_exit,
+        standby=args.standby,
     )
     run_until_signalled(Agent(config))
     return 0

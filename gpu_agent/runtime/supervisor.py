@@ -12,6 +12,12 @@ NOTE: every engine is started from the monitor thread (or the thread calling
 
 Pids live in `<data-dir>/replicas.json`, so a restarted agent adopts children
 that are healthy and still desired and kills the rest: no orphan engines.
+
+With `standby=True` the supervisor keeps one warm standby process (`standby.py`)
+that has already imported vLLM; `_launch` hands a replica to it instead of
+spawning `vllm serve`, and falls back to the naive launch when there is no ready
+standby or the handoff fails. A new standby is spawned only while no engine is
+starting, so its imports never compete with an engine's start for the CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import psutil
 from gpu_agent.protocol import ReplicaSpec, ReplicaState, ReplicaStatus
 from gpu_agent.runtime import engine
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, EngineCommand
+from gpu_agent.runtime.standby import Standby, server_args
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,11 @@ class SupervisorPolicy:
     health_timeout_s: float = 2.0
     kill_children_on_agent_death: bool = True  # PR_SET_PDEATHSIG on Linux
     num_log_lines_in_reason: int = 20
+    # A used standby is replaced once no engine has been starting for this long.
+    standby_refill_quiet_s: float = 2.0
+    # A replica due while the standby is still importing waits for it (it is ready sooner than a
+    # plain start, which would also compete for the CPU), at most this long after the standby spawned.
+    standby_wait_s: float = 180.0
 
 
 @dataclass(slots=True)
@@ -89,6 +101,8 @@ class ManagedReplica:
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     metrics_scraped_at: float | None = None
     tokens_per_s: float = 0.0
+    from_standby: bool = False  # the running engine is a standby that took this replica
+    avoid_standby: bool = False  # a standby start never got READY: launch naively from now on
 
     def set_state(self, state: ReplicaState) -> None:
         if state != self.state or not self.state_history:
@@ -126,6 +140,8 @@ class Supervisor:
         device: str = engine.DEVICE_CPU,
         command_factory: CommandFactory | None = None,
         policy: SupervisorPolicy | None = None,
+        standby: bool = False,
+        on_ready: Callable[[str], None] | None = None,
     ) -> None:
         # NOTE: absolute, because engines carry it as a marker the next agent matches on.
         self.data_dir = Path(data_dir).resolve()
@@ -135,11 +151,27 @@ class Supervisor:
         self.device = device
         self.policy = policy or SupervisorPolicy()
         self.command_factory = command_factory or self._default_command
+        self.on_ready = on_ready  # called with the replica id when an engine turns READY
         self._replicas: dict[str, ManagedReplica] = {}
         self._lock = threading.RLock()
         self._http = httpx.Client(timeout=self.policy.health_timeout_s)
         self._monitor: threading.Thread | None = None
         self._stop_monitor = threading.Event()
+        self.standby = (
+            Standby(
+                self.data_dir,
+                device=device,
+                preexec_fn=_die_with_parent if self.policy.kill_children_on_agent_death else None,
+            )
+            if standby
+            else None
+        )
+        self._engines_quiet_since = time.monotonic() - self.policy.standby_refill_quiet_s
+
+    @property
+    def standby_ready(self) -> bool:
+        with self._lock:
+            return self.standby is not None and self.standby.ready
 
     def _default_command(self, spec: ReplicaSpec, model_path: Path, port: int) -> EngineCommand:
         return engine.build_engine_command(spec, model_path, port=port, device=self.device)
@@ -195,12 +227,16 @@ class Supervisor:
 
     # -- the loop -------------------------------------------------------------------
 
-    def start_monitor(self, interval_s: float = 1.0) -> None:
+    def start_monitor(self, interval_s: float = 1.0, starting_interval_s: float = 0.1) -> None:
+        """Poll every `interval_s`, and every `starting_interval_s` while an engine starts:
+        the health check that turns STARTING into READY is on a cold request's path."""
         if self._monitor is not None:
             return
 
         def loop() -> None:
-            while not self._stop_monitor.wait(interval_s):
+            while not self._stop_monitor.wait(
+                starting_interval_s if self._any_engine_starting() else interval_s
+            ):
                 try:
                     self.poll()
                 except Exception:
@@ -208,6 +244,14 @@ class Supervisor:
 
         self._monitor = threading.Thread(target=loop, name="supervisor", daemon=True)
         self._monitor.start()
+
+    def _any_engine_starting(self) -> bool:
+        with self._lock:
+            # A launch that is due counts too: the next poll starts it, so it should come soon.
+            return any(
+                replica.state == ReplicaState.STARTING and (replica.pid is not None or replica.launch_at)
+                for replica in self._replicas.values()
+            )
 
     def stop_monitor(self) -> None:
         self._stop_monitor.set()
@@ -224,6 +268,19 @@ class Supervisor:
                 except Exception as exc:  # one bad replica must not stop the others
                     logger.exception("replica %s: step failed", replica.spec.replica_id)
                     self._fail(replica, f"supervisor error: {exc}")
+            if self.standby is not None:
+                self._step_standby(replicas)
+
+    def _step_standby(self, replicas: list[ManagedReplica]) -> None:
+        """Keep one standby: refill it once no engine is starting (imports would slow that start)."""
+        now = time.monotonic()
+        if any(replica.state == ReplicaState.STARTING and replica.pid is not None for replica in replicas):
+            self._engines_quiet_since = now
+        if (
+            self.standby.process is not None
+            or now - self._engines_quiet_since >= self.policy.standby_refill_quiet_s
+        ):
+            self.standby.ensure()
 
     def _step(self, replica: ManagedReplica) -> None:
         now = time.monotonic()
@@ -242,6 +299,8 @@ class Supervisor:
                 replica.set_state(ReplicaState.READY)
                 replica.ready_at = now
                 replica.progress = ""
+                if self.on_ready is not None:
+                    self.on_ready(replica.spec.replica_id)
                 logger.info(
                     "replica %s READY at %s after %.1fs",
                     replica.spec.replica_id, replica.address, now - replica.started_at,
@@ -269,6 +328,15 @@ class Supervisor:
         spec = replica.spec
         port = engine.free_port()
         command = self.command_factory(spec, replica.model_path, port)
+        if (
+            self.standby is not None
+            and not replica.avoid_standby
+            and self.standby.warming
+            and time.monotonic() - self.standby.spawned_at < self.policy.standby_wait_s
+            and server_args(command) is not None
+        ):
+            replica.progress = "starting engine (warm standby)"
+            return  # launch_at stays due: the next poll tries again
         env = {
             **os.environ,
             **command.env,
@@ -276,11 +344,19 @@ class Supervisor:
             DATA_DIR_ENV_MARKER: str(self.data_dir),
         }
         with open(replica.log_path, "ab") as log:
-            log.write(
-                f"\n==> launch {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(command.argv)}\n".encode()
-            )
-            log.flush()
-            process = subprocess.Popen(
+            process = None
+            if self.standby is not None and not replica.avoid_standby and self.standby.can_take(command):
+                log.write(f"\n==> launch {_now()} on the warm standby: {' '.join(command.argv)}\n".encode())
+                log.flush()
+                process = self.standby.hand_off(
+                    spec.replica_id, command, {**command.env, DATA_DIR_ENV_MARKER: str(self.data_dir)},
+                    replica.log_path,
+                )  # fmt: skip
+            if process is None:
+                log.write(f"\n==> launch {_now()}: {' '.join(command.argv)}\n".encode())
+                log.flush()
+            replica.from_standby = process is not None
+            process = process or subprocess.Popen(
                 command.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -300,7 +376,10 @@ class Supervisor:
         replica.metrics_scraped_at = None
         replica.progress = "starting engine"
         replica.set_state(ReplicaState.STARTING)
-        logger.info("replica %s: launched pid %s on port %s", spec.replica_id, process.pid, port)
+        logger.info(
+            "replica %s: launched pid %s on port %s%s",
+            spec.replica_id, process.pid, port, " (warm standby)" if replica.from_standby else "",
+        )  # fmt: skip
         self._save_state()
 
     def _exit_code(self, replica: ManagedReplica) -> int | None:
@@ -326,6 +405,9 @@ class Supervisor:
             return
         replica.num_consecutive_crashes += 1
         reason = f"engine exited with code {exit_code}"
+        if replica.from_standby and replica.ready_at is None:
+            replica.avoid_standby = True  # the handoff itself may be what fails: retry the plain way
+            reason += " (started from the warm standby; retrying with a plain launch)"
         if replica.num_consecutive_crashes >= self.policy.max_consecutive_crashes:
             self._fail(
                 replica,
@@ -417,6 +499,7 @@ class Supervisor:
     def shutdown(self, *, timeout_s: float | None = None) -> None:
         """Stop every engine now (SIGTERM, then SIGKILL after the bound); used on agent exit."""
         self.stop_monitor()
+        self._stop_standby()
         timeout = self.policy.stop_timeout_s if timeout_s is None else timeout_s
         with self._lock:
             running = [replica for replica in self._replicas.values() if replica.pid is not None]
@@ -440,6 +523,7 @@ class Supervisor:
     def detach(self) -> None:
         """Stop supervising but leave engines running, for the next agent on this data dir to adopt."""
         self.stop_monitor()
+        self._stop_standby()  # a waiting standby is nobody's engine: it never outlives the agent
         with self._lock:
             self._save_state()
         self._http.close()
@@ -483,6 +567,8 @@ class Supervisor:
                         self._kill_group(replica, signal.SIGKILL)
             # Whatever else carries our data-dir marker but is not ours now is an orphan.
             owned = {replica.pid for replica in self._replicas.values() if replica.pid}
+            if self.standby is not None and self.standby.pid is not None:
+                owned.add(self.standby.pid)
             for process in replica_processes(None, self.data_dir):
                 try:
                     if process.pid in owned or os.getpgid(process.pid) in owned:
@@ -495,6 +581,11 @@ class Supervisor:
         if killed:
             logger.info("killed replicas left by a previous agent: %s", killed)
         return adopted, killed
+
+    def _stop_standby(self) -> None:
+        with self._lock:
+            if self.standby is not None:
+                self.standby.stop()
 
     def _save_state(self) -> None:
         records = {}
@@ -578,6 +669,10 @@ def _is_replica_process(pid: int, replica_id: str) -> bool:
         )
     except (psutil.Error, OSError):
         return False
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

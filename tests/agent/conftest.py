@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpu_agent.protocol import ReplicaSpec
+from gpu_agent.protocol import ReplicaSpec, ReplicaState
 from gpu_agent.runtime.engine import EngineCommand
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
@@ -64,6 +64,18 @@ def wait_until(predicate, timeout_s: float, step_s: float = 0.1, poll=None):
             return value
         time.sleep(step_s)
     raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+def wait_for_state(supervisor, replica_id: str, state, timeout_s: float = 300, step_s: float = 0.2) -> None:
+    """Poll the supervisor until the replica reaches `state`; a FAILED replica fails at once, with its reason."""
+
+    def reached():
+        replica = supervisor.get(replica_id)
+        if replica.state == ReplicaState.FAILED and state != ReplicaState.FAILED:
+            raise AssertionError(f"{replica_id} FAILED: {replica.failure_reason}")
+        return replica.state == state
+
+    wait_until(reached, timeout_s, step_s=step_s, poll=supervisor.poll)
 
 
 def processes_with_marker(replica_id: str) -> list[psutil.Process]:

@@ -6,7 +6,7 @@ import sys
 
 import psutil
 
-from gpu_agent.runtime.hardware import catalogue_gpu_type, detect_hardware, host_usage
+from gpu_agent.runtime.hardware import CPU_ENGINE_MEMORY_FRACTION, catalogue_gpu_type, detect_hardware, host_usage
 
 
 def test_cpu_mode_reports_real_cpu_count_and_memory(tmp_path):
@@ -14,7 +14,8 @@ def test_cpu_mode_reports_real_cpu_count_and_memory(tmp_path):
     assert report.gpu_type == "cpu" and report.num_gpus == 0 and report.gpus == []
     assert report.num_cpus == len(os.sched_getaffinity(0))
     assert report.memory_mb == psutil.virtual_memory().total // (1024 * 1024)
-    assert report.gpu_memory_mb == 2048  # the KV cache the engine may use
+    # the RAM its engines may use together (placement fits replicas into it)
+    assert report.gpu_memory_mb == int(report.memory_mb * CPU_ENGINE_MEMORY_FRACTION)
     usage = host_usage(str(tmp_path))
     assert 0 < usage.memory_used_mb < report.memory_mb and usage.disk_free_mb > 0
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-MODULES = ["agent", "cli", "engine", "hardware", "supervisor", "tiny_model", "weights"]
+MODULES = ["agent", "cli", "engine", "hardware", "standby", "supervisor", "tiny_model", "weights"]
 
 
 def test_runtime_imports_no_django_and_no_control_plane_app():

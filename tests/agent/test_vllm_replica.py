@@ -18,11 +18,9 @@ import pytest
 from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 
-from .conftest import make_spec, processes_with_marker, wait_until
+from .conftest import make_spec, processes_with_marker, wait_for_state, wait_until
 
 pytestmark = pytest.mark.vllm
-
-READY_TIMEOUT_S = 300
 
 
 def engine_processes(model_dir) -> list[psutil.Process]:
@@ -51,16 +49,6 @@ def engines(tiny_model_dir, tmp_path_factory):
     for replica_id in ("r-plain", "r-fp8"):
         for process in processes_with_marker(replica_id):
             process.kill()
-
-
-def wait_for_state(supervisor, replica_id, state, timeout_s=READY_TIMEOUT_S):
-    def reached():
-        replica = supervisor.get(replica_id)
-        if replica.state == ReplicaState.FAILED and state != ReplicaState.FAILED:
-            raise AssertionError(f"{replica_id} FAILED: {replica.failure_reason}")
-        return replica.state == state
-
-    wait_until(reached, timeout_s, step_s=0.5, poll=supervisor.poll)
 
 
 def complete(address: str, **extra) -> dict:
