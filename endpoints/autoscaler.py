@@ -42,34 +42,65 @@ def samples_key(endpoint_id: str) -> str:
     return f"as:samples:{endpoint_id}"
 
 
+# KEYS: per endpoint, its in-flight, waiting, last-request and samples keys (4 each).
+# ARGV: since (stale cut-off), window start, now, the sample's member prefix ("<now>:"), record (0/1), samples TTL.
+# Returns per endpoint: in flight, waiting, last request time ("" if none), peak concurrency in the window.
+_READ_LOAD = """
+local out = {}
+for i = 1, #KEYS, 4 do
+  local inflight = redis.call('ZCOUNT', KEYS[i], ARGV[1], '+inf')
+  local waiting = redis.call('ZCOUNT', KEYS[i + 1], ARGV[1], '+inf')
+  local last = redis.call('GET', KEYS[i + 2]) or ''
+  local concurrency = inflight + waiting
+  local peak = concurrency
+  for _, sample in ipairs(redis.call('ZRANGEBYSCORE', KEYS[i + 3], ARGV[2], '+inf')) do
+    local value = tonumber(string.match(sample, ':(%d+)$'))
+    if value and value > peak then peak = value end
+  end
+  if ARGV[5] == '1' then
+    redis.call('ZADD', KEYS[i + 3], ARGV[3], ARGV[4] .. concurrency)
+    redis.call('ZREMRANGEBYSCORE', KEYS[i + 3], '-inf', ARGV[2])
+    redis.call('EXPIRE', KEYS[i + 3], ARGV[6])
+  end
+  out[#out + 1] = inflight
+  out[#out + 1] = waiting
+  out[#out + 1] = last
+  out[#out + 1] = peak
+end
+return out
+"""
+# Endpoints per script call: one call never blocks Redis for long.
+READ_LOAD_BATCH = 1000
+_scripts: dict[int, object] = {}
+
+
 def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool = True) -> dict[str, Load]:
-    """Current load of each endpoint, in two Redis round trips; records a sample for the stable window."""
+    """Current load of each endpoint, in one Redis call per thousand; records a sample for the stable window.
+
+    NOTE: the work runs in Redis (a script) because a tick reads hundreds of endpoints: seven
+    pipelined commands each cost the tick far more in the client than in Redis.
+    """
     if not endpoint_ids:
         return {}
     now = now or time.time()
     since = now - traffic.STALE_AFTER_S
     window_start = now - settings.AUTOSCALER_STABLE_WINDOW_S
     redis = get_redis()
-    with redis.pipeline(transaction=False) as pipe:
-        for endpoint_id in endpoint_ids:
-            pipe.zcount(traffic.inflight_key(endpoint_id), since, "+inf")
-            pipe.zcount(traffic.waiting_key(endpoint_id), since, "+inf")
-            pipe.get(traffic.last_request_key(endpoint_id))
-            pipe.zrangebyscore(samples_key(endpoint_id), window_start, "+inf")
-        raw = pipe.execute()
+    script = _scripts.get(id(redis))
+    if script is None:
+        script = _scripts[id(redis)] = redis.register_script(_READ_LOAD)
+    args = [since, window_start, now, f"{now:.3f}:", "1" if record else "0", int(settings.AUTOSCALER_STABLE_WINDOW_S) + 60]
     loads = {}
-    with redis.pipeline(transaction=False) as pipe:
-        for index, endpoint_id in enumerate(endpoint_ids):
-            inflight, waiting, last, samples = raw[4 * index: 4 * index + 4]
-            concurrency = inflight + waiting
-            peak = max([concurrency] + [int(sample.split(":")[1]) for sample in samples])
-            loads[endpoint_id] = Load(inflight, waiting, float(last) if last else None, peak)
-            if record:
-                pipe.zadd(samples_key(endpoint_id), {f"{now:.3f}:{concurrency}": now})
-                pipe.zremrangebyscore(samples_key(endpoint_id), "-inf", window_start)
-                pipe.expire(samples_key(endpoint_id), int(settings.AUTOSCALER_STABLE_WINDOW_S) + 60)
-        if record:
-            pipe.execute()
+    for first in range(0, len(endpoint_ids), READ_LOAD_BATCH):
+        batch = endpoint_ids[first: first + READ_LOAD_BATCH]
+        keys = []
+        for endpoint_id in batch:
+            keys += [traffic.inflight_key(endpoint_id), traffic.waiting_key(endpoint_id),
+                     traffic.last_request_key(endpoint_id), samples_key(endpoint_id)]
+        raw = script(keys=keys, args=args)
+        for index, endpoint_id in enumerate(batch):
+            inflight, waiting, last, peak = raw[4 * index: 4 * index + 4]
+            loads[endpoint_id] = Load(int(inflight), int(waiting), float(last) if last else None, int(peak))
     return loads
 
 

@@ -17,6 +17,7 @@ from django.db.models import Sum
 
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
 from gpu_agent.models import Node
+from gpu_agent.notify import notify_node
 from gpu_agent.protocol import NodeState
 
 # Without a size from an agent's weights cache or the model's name, assume a small model; the
@@ -108,4 +109,5 @@ def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
         if decision.node is None:
             return None, decision.reason
         replica = Replica.objects.create(endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb)
+        notify_node(decision.node.pk)
         return replica, f"placed on {decision.node.name} ({decision.reason}, {needed_mb} MB)"

@@ -8,6 +8,7 @@ from django.utils import timezone
 from controlplane.services import Actor, record_audit
 from endpoints.catalogue import GPU_TYPES
 from endpoints.models import Endpoint, EndpointEvent, EventKind, Replica
+from gpu_agent.notify import notify_node
 from gpu_agent.protocol import ReplicaState
 
 
@@ -95,6 +96,7 @@ def drain_replica(replica: Replica, *, reason: str) -> bool:
             state=ReplicaState.DRAINING, state_changed_at=now
         )
     if changed:
+        notify_node(replica.node_id)
         record_event(replica.endpoint, EventKind.SCALE, f"Draining replica {str(replica.pk)[:8]}: {reason}", replica=replica)
     return bool(changed)
 

@@ -57,3 +57,40 @@ def heartbeat(request):
     except _BadRequest as exc:
         return _error(400, f"invalid heartbeat: {exc}")
     return JsonResponse(services.record_heartbeat(node, report).to_dict())
+
+
+WATCH_TIMEOUT_S = 25.0
+
+
+@csrf_exempt
+async def watch(request):
+    """Long poll: answers `{"changed": true}` as soon as the node's desired replicas change,
+    or `{"changed": false}` after WATCH_TIMEOUT_S. The agent then heartbeats at once."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+
+    from controlplane.redis_client import get_async_redis
+    from gpu_agent.notify import node_channel
+
+    if request.method != "POST":
+        return _error(405, "POST only")
+    keyword, _, secret = request.headers.get("Authorization", "").partition(" ")
+    try:
+        if keyword != "Bearer":
+            raise services.AgentAuthError("send 'Authorization: Bearer <node secret>'")
+        node = await sync_to_async(services.authenticate_node, thread_sensitive=False)(secret.strip())
+    except services.AgentAuthError as exc:
+        return _error(401, str(exc))
+    pubsub = get_async_redis().pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(node_channel(node.pk))
+    try:
+        deadline = asyncio.get_running_loop().time() + WATCH_TIMEOUT_S
+        while (remaining := deadline - asyncio.get_running_loop().time()) > 0:
+            message = await pubsub.get_message(timeout=min(remaining, 1.0))
+            if message is not None:
+                return JsonResponse({"changed": True})
+        return JsonResponse({"changed": False})
+    finally:
+        await pubsub.unsubscribe()
+        await pubsub.aclose()

@@ -17,6 +17,7 @@ from endpoints.models import ACTIVE_REPLICA_STATES, FINAL_REPLICA_STATES, EventK
 from endpoints.services import record_event
 from gpu_agent import protocol
 from gpu_agent.models import JoinToken, Node
+from gpu_agent.notify import notify_endpoint_ready, notify_node
 from gpu_agent.protocol import NodeState, ReplicaAction, ReplicaState
 
 logger = logging.getLogger(__name__)
@@ -179,6 +180,7 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
     short = str(replica.pk)[:8]
     details = {"from": previous, "to": new_state}
     if new_state == ReplicaState.READY:
+        notify_endpoint_ready(replica.endpoint_id)
         seconds = (timezone.now() - replica.created_at).total_seconds()
         record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} READY after {seconds:.1f} s", replica=replica,
                      cold_start_s=round(seconds, 3), **details)
@@ -234,6 +236,7 @@ def set_node_state(actor: Actor, node: Node, state: NodeState) -> Node:
     from endpoints.services import drain_replica
 
     Node.objects.filter(pk=node.pk).update(state=state)
+    notify_node(node.pk)
     node.refresh_from_db()
     record_audit(actor, None, f"node.{state.value.lower()}", node)
     if state == NodeState.DRAINING:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from datetime import UTC, datetime
 
-import httpx
+import aiohttp
+from asgiref.sync import sync_to_async
 
-from endpoints.gateway import auth, directory, errors, limits, metrics, traffic
+from endpoints.gateway import auth, directory, errors, limits, metrics
 from endpoints.gateway.call import InferenceCall
 
 logger = logging.getLogger("inferplane.gateway")
@@ -30,15 +30,17 @@ INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completio
 class Gateway:
     def __init__(self, fallback):
         self.fallback = fallback
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        # NOTE: created lazily inside the server's event loop, one per process.
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(connect=3.0, read=600.0, write=30.0, pool=30.0),
-                limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500, keepalive_expiry=30),
+    def client(self) -> aiohttp.ClientSession:
+        # NOTE: created lazily inside the server's event loop, one per process. aiohttp rather than
+        # httpx: on the hot path it costs about a tenth of the CPU per proxied request
+        # (see bench/bench_gateway.py). `connect` includes waiting for a pooled connection.
+        if self._client is None or self._client.closed:
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=2000, limit_per_host=0, keepalive_timeout=30),
+                timeout=aiohttp.ClientTimeout(total=None, connect=30.0, sock_connect=3.0, sock_read=600.0),
             )
         return self._client
 
@@ -50,6 +52,7 @@ class Gateway:
             if path.startswith("/v1/") or path == "/v1":
                 return await self._handle(scope, receive, send)
             if path == "/metrics":
+                await sync_to_async(metrics.refresh_fleet_gauges, thread_sensitive=False)()
                 return await _respond(send, 200, metrics.render(), content_type="text/plain; version=0.0.4")
         return await self.fallback(scope, receive, send)
 
@@ -60,7 +63,7 @@ class Gateway:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self._client is not None:
-                    await self._client.aclose()
+                    await self._client.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

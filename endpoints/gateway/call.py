@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 
-import httpx
+import aiohttp
 
+from controlplane.redis_client import get_async_redis
 from endpoints.gateway import directory, errors, limits, metrics, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
+from gpu_agent.notify import endpoint_ready_channel
 
 logger = logging.getLogger("inferplane.requests")
 
@@ -23,6 +25,10 @@ REWAKE_EVERY_S = 5.0
 MAX_WAITING_PER_ENDPOINT = 256
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
+
+
+# What a failing replica raises: refused or dropped connections, truncated bodies, timeouts.
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 class ClientGone(Exception):
@@ -59,7 +65,7 @@ class InferenceCall:
     caller: Caller
     endpoint: EndpointInfo
     payload: dict
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     receive: object
     send: object
     started_at: datetime
@@ -73,6 +79,7 @@ class InferenceCall:
     status: str = "ok"
     cold_start_s: float = 0.0
     response_started: bool = False
+    outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     _started_monotonic: float = field(default_factory=time.monotonic)
 
@@ -122,7 +129,9 @@ class InferenceCall:
     async def _acquire_replicas(self) -> list[ReplicaInfo]:
         replicas = await directory.ready_replicas(self.endpoint.id)
         if replicas:
-            await traffic.begin_request(self.endpoint.id, self.request_id, waiting=False)
+            # NOTE: one round trip counts the request in flight and picks its replica (see `_proxy`).
+            index = await traffic.begin_request_and_pick(self.endpoint.id, self.request_id, [r.id for r in replicas])
+            self.outstanding_replica_id = replicas[index].id
             return replicas
         if await traffic.num_waiting(self.endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
             raise errors.no_capacity(f"Too many requests are waiting for '{self.endpoint.name}' to start.", 10)
@@ -138,17 +147,32 @@ class InferenceCall:
 
         held_from = time.monotonic()
         deadline = held_from + self.endpoint.cold_start_timeout_s
-        last_wake = held_from
         await wake_endpoint(self.endpoint.id)
-        last_progress = None
         if self.stream:
             await self._start_stream()
+        # NOTE: the control plane publishes when a replica turns READY; polling remains the fallback.
+        ready_signal = get_async_redis().pubsub(ignore_subscribe_messages=True)
+        await ready_signal.subscribe(endpoint_ready_channel(self.endpoint.id))
+        try:
+            replicas = await self._wait_for_ready(ready_signal, deadline)
+        finally:
+            await ready_signal.unsubscribe()
+            await ready_signal.aclose()
+        self.cold_start_s = time.monotonic() - held_from
+        metrics.cold_start.labels(self.endpoint.name).observe(self.cold_start_s)
+        await traffic.promote_request(self.endpoint.id, self.request_id)
+        return replicas
+
+    async def _wait_for_ready(self, ready_signal, deadline: float) -> list[ReplicaInfo]:
+        from endpoints.gateway.wake import wake_endpoint
+
+        fresh, last_wake, last_progress = False, time.monotonic(), None
         while True:
             if self.disconnected.is_set():
                 raise ClientGone()
-            replicas = await directory.ready_replicas(self.endpoint.id)
+            replicas = await directory.ready_replicas(self.endpoint.id, fresh=fresh)
             if replicas:
-                break
+                return replicas
             now = time.monotonic()
             if now > deadline:
                 raise errors.no_capacity(
@@ -162,11 +186,7 @@ class InferenceCall:
                 if progress != last_progress:
                     await self._send_body(f": {progress}\n\n".encode())
                     last_progress = progress
-            await asyncio.sleep(COLD_START_POLL_S)
-        self.cold_start_s = time.monotonic() - held_from
-        metrics.cold_start.labels(self.endpoint.name).observe(self.cold_start_s)
-        await traffic.promote_request(self.endpoint.id, self.request_id)
-        return replicas
+            fresh = await ready_signal.get_message(timeout=COLD_START_POLL_S) is not None
 
     # --- proxying ----------------------------------------------------------------------------
     async def _proxy(self, replicas: list[ReplicaInfo]) -> None:
@@ -177,7 +197,12 @@ class InferenceCall:
                 candidates = [r for r in await directory.ready_replicas(self.endpoint.id, fresh=True) if r.id not in tried]
             if not candidates:
                 break
-            replica = candidates[await traffic.pick_replica([r.id for r in candidates])]
+            picked = [r for r in candidates if r.id == self.outstanding_replica_id]  # picked when it began
+            if picked:
+                replica = picked[0]
+            else:
+                replica = candidates[await traffic.pick_replica([r.id for r in candidates])]
+                self.outstanding_replica_id = replica.id
             tried.add(replica.id)
             metrics.inflight.labels(self.endpoint.name).inc()
             try:
@@ -186,9 +211,10 @@ class InferenceCall:
             except UpstreamUnavailable as exc:
                 logger.warning("request %s: replica %s unavailable before first byte: %s", self.request_id, replica.id, exc)
                 directory.forget_replica(self.endpoint.id, replica.id)
+                await traffic.release_replica(replica.id)
+                self.outstanding_replica_id = None
             finally:
                 metrics.inflight.labels(self.endpoint.name).dec()
-                await traffic.release_replica(replica.id)
         raise errors.upstream_failed("No replica could take the request; please retry.")
 
     def _upstream_payload(self) -> dict:
@@ -201,19 +227,19 @@ class InferenceCall:
         return payload
 
     async def _forward(self, replica: ReplicaInfo) -> None:
-        request = self.client.build_request(
-            "POST", replica.address.rstrip("/") + self.path, json=self._upstream_payload(),
-            headers={"x-request-id": self.request_id},
+        request = self.client.post(
+            replica.address.rstrip("/") + self.path, data=json.dumps(self._upstream_payload()).encode(),
+            headers={"content-type": "application/json", "x-request-id": self.request_id},
         )
         try:
-            response = await self._unless_disconnected(self.client.send(request, stream=True))
-        except httpx.TransportError as exc:
+            response = await self._unless_disconnected(request)
+        except UPSTREAM_ERRORS as exc:
             raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
         try:
-            if response.status_code >= 500:
-                raise UpstreamUnavailable(f"HTTP {response.status_code}")
-            if response.status_code >= 400:
-                raise _engine_error(response.status_code, await response.aread())
+            if response.status >= 500:
+                raise UpstreamUnavailable(f"HTTP {response.status}")
+            if response.status >= 400:
+                raise _engine_error(response.status, await response.read())
             self.replica = replica
             self.served = True
             if self.stream:
@@ -221,12 +247,17 @@ class InferenceCall:
             else:
                 await self._relay_whole(response)
         finally:
-            await response.aclose()
+            # NOTE: a response read to the end returns its connection to the pool; one left
+            # unread (a client gone mid-stream) closes it, which aborts the engine's request.
+            if response.content.at_eof():
+                response.release()
+            else:
+                response.close()
 
-    async def _relay_whole(self, response: httpx.Response) -> None:
+    async def _relay_whole(self, response: aiohttp.ClientResponse) -> None:
         try:
-            body = await self._unless_disconnected(response.aread())
-        except httpx.TransportError as exc:
+            body = await self._unless_disconnected(response.read())
+        except UPSTREAM_ERRORS as exc:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None
         self._take_usage(json.loads(body).get("usage"))
@@ -237,27 +268,33 @@ class InferenceCall:
         await self.send({"type": "http.response.body", "body": body})
         self.response_started = True
 
-    async def _relay_stream(self, response: httpx.Response) -> None:
+    async def _relay_stream(self, response: aiohttp.ClientResponse) -> None:
         await self._start_stream()
         options = self.payload.get("stream_options") or {}
         wants_usage = bool(options.get("include_usage"))
         wants_continuous = wants_usage and bool(options.get("continuous_usage_stats"))
         buffer = b""
         try:
-            async for chunk in response.aiter_raw():
-                buffer += chunk
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    out, usage = self._transform(event, wants_usage, wants_continuous)
-                    if self.disconnected.is_set():
-                        raise ClientGone()
-                    if out is not None:
-                        await self._send_body(out + b"\n\n")
-                    # NOTE: counted only once sent: an aborted stream pays for what it received.
-                    self._take_usage(usage)
-        except httpx.TransportError as exc:
+            async for chunk in response.content.iter_any():
+                buffer = await self._relay_events(buffer + chunk, wants_usage, wants_continuous)
+        except UPSTREAM_ERRORS as exc:
+            # Every event that arrived before the failure still reaches the client, and is billed.
+            await self._relay_events(buffer + _arrived_before_failure(response), wants_usage, wants_continuous)
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-stream ({type(exc).__name__}).") from None
+
+    async def _relay_events(self, buffer: bytes, wants_usage: bool, wants_continuous: bool) -> bytes:
+        """Sends each complete SSE event in `buffer`; returns the incomplete rest."""
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            out, usage = self._transform(event, wants_usage, wants_continuous)
+            if self.disconnected.is_set():
+                raise ClientGone()
+            if out is not None:
+                await self._send_body(out + b"\n\n")
+            # NOTE: counted only once sent: an aborted stream pays for what it received.
+            self._take_usage(usage)
+        return buffer
 
     def _transform(self, event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
@@ -335,7 +372,8 @@ class InferenceCall:
                 pass
         actual = ledger.cost_of(self.endpoint, self.prompt_tokens, self.cached_tokens, self.completion_tokens) if self.served else Decimal(0)
         try:
-            await traffic.end_request(self.endpoint.id, self.request_id)
+            # NOTE: also releases the replica that served it (or was picked when the client left).
+            await traffic.end_request(self.endpoint.id, self.request_id, release=self.outstanding_replica_id)
             await quota.settle(reservation, actual)
             if self.served:
                 await ledger.arecord_usage(ledger.UsageReport(
@@ -364,6 +402,19 @@ class InferenceCall:
                 self.replica.id if self.replica else "-", outcome, self.prompt_tokens, self.cached_tokens,
                 self.completion_tokens, self.cold_start_s, time.monotonic() - self._started_monotonic,
             )
+
+
+def _arrived_before_failure(response: aiohttp.ClientResponse) -> bytes:
+    """Bytes the replica sent that were not read yet when its connection failed.
+
+    NOTE: once aiohttp's stream holds an error, its public reads raise at once and hide data already
+    received (all of a short stream can arrive with the failure); `_read_nowait` is the one read
+    that skips that check.
+    """
+    try:
+        return response.content._read_nowait(-1)
+    except Exception:  # noqa: BLE001 - an aiohttp without it: nothing more to relay
+        return b""
 
 
 def _engine_error(status: int, body: bytes) -> errors.OpenAIError:

@@ -40,6 +40,7 @@ from gpu_agent.runtime.weights import WeightsCache
 logger = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
+WATCH_TIMEOUT_S = 35.0  # the control plane answers a watch within 25 s
 _TERMINAL_STATES = (ReplicaState.STOPPED, ReplicaState.FAILED)
 
 
@@ -131,6 +132,7 @@ class Agent:
         self.http = httpx.Client(
             base_url=config.control_plane_url, timeout=config.request_timeout_s, transport=transport
         )
+        self._transport = transport
         self.credentials_path = config.data_dir / "node.json"
         self.node_id: str | None = None
         self.node_secret: str | None = None
@@ -243,6 +245,7 @@ class Agent:
         """
         self.supervisor.recover()
         self.supervisor.start_monitor()
+        threading.Thread(target=self._watch_loop, args=(stop,), name="watch", daemon=True).start()
         failures = 0
         try:
             while not stop.is_set():
@@ -265,6 +268,27 @@ class Agent:
                 self._sleep(delay, stop)
         finally:
             self.shutdown()
+
+    def _watch_loop(self, stop: threading.Event) -> None:
+        """Long-poll `/agent/v1/watch` so a new or drained replica is heard of at once, not at the next beat."""
+        failures = 0
+        with httpx.Client(base_url=self.config.control_plane_url, timeout=WATCH_TIMEOUT_S,
+                          transport=self._transport) as client:
+            while not stop.is_set():
+                if not self.node_secret:
+                    stop.wait(0.2)
+                    continue
+                try:
+                    response = client.post("/agent/v1/watch", headers={"Authorization": f"Bearer {self.node_secret}"})
+                    if response.status_code == 404:  # an older control plane: heartbeats alone will do
+                        return
+                    response.raise_for_status()
+                    failures = 0
+                    if response.json().get("changed"):
+                        self._wake.set()
+                except (httpx.HTTPError, ValueError):
+                    failures += 1
+                    stop.wait(self._backoff(failures))
 
     def _sleep(self, delay_s: float, stop: threading.Event) -> None:
         """Wait until the next heartbeat is due, `stop` is set, or a replica turned READY."""
