@@ -57,6 +57,8 @@ class AgentConfig:
     min_backoff_s: float = 1.0
     max_backoff_s: float = 60.0
     cpu_kv_cache_gib: int = engine.DEFAULT_CPU_KV_CACHE_GIB
+    # The address the gateway uses to reach this node's engines (the pod or host IP on a fleet).
+    advertise_host: str = "127.0.0.1"
     # Leave engines running when the agent exits (agent upgrades): no PR_SET_PDEATHSIG, and the
     # next agent on this data dir adopts them. Off by default: an exiting agent stops its engines.
     keep_engines_on_exit: bool = False
@@ -102,14 +104,19 @@ class Agent:
             force_cpu=config.force_cpu, cpu_kv_cache_gib=config.cpu_kv_cache_gib
         )
         self.device = engine.DEVICE_CPU if self.hardware.is_cpu else engine.DEVICE_CUDA
-        if command_factory is None and self.device == engine.DEVICE_CPU:
+        if command_factory is None:
+            # Engines listen on loopback unless the gateway reaches them from other machines:
+            # then on every interface, advertised at the node's own address.
+            bind_host = "127.0.0.1" if config.advertise_host in ("127.0.0.1", "localhost") else "0.0.0.0"
 
             def command_factory(spec, model_path, port):
                 return engine.build_engine_command(
                     spec,
                     model_path,
                     port=port,
-                    device=engine.DEVICE_CPU,
+                    device=self.device,
+                    host=bind_host,
+                    advertise_host=config.advertise_host,
                     cpu_kv_cache_gib=config.cpu_kv_cache_gib,
                 )
 

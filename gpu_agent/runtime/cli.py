@@ -41,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="no warm standby engine: every replica starts with a plain `vllm serve` (slower cold starts)",
     )
+    run.add_argument(
+        "--advertise-host",
+        default=os.environ.get("INFERPLANE_AGENT_ADVERTISE_HOST", "127.0.0.1"),
+        help="address at which the gateway reaches this node's engines (default: loopback, single machine)",
+    )
     run.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="KV cache per engine on CPU nodes")
     run.add_argument("--log-level", default=os.environ.get("INFERPLANE_AGENT_LOG_LEVEL", "INFO"))
 
@@ -76,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         weights_budget_bytes=int(args.weights_budget_gb * 1e9) if args.weights_budget_gb else None,
         s3_endpoint_url=args.s3_endpoint_url,
         cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+        advertise_host=args.advertise_host,
         keep_engines_on_exit=args.keep_engines_on_exit,
         standby=args.standby,
     )

@@ -133,12 +133,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EngineCommand:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # added to the agent's environment
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where the engine listens
     port: int = 0
+    advertise_host: str = ""  # where others reach it (the node's address); defaults to `host`
 
     @property
     def address(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.advertise_host or self.host}:{self.port}"
 
 
 def build_engine_command(
@@ -148,6 +149,7 @@ def build_engine_command(
     port: int,
     device: str = DEVICE_CUDA,
     host: str = "127.0.0.1",
+    advertise_host: str = "",
     python: str = sys.executable,
     cpu_kv_cache_gib: int = DEFAULT_CPU_KV_CACHE_GIB,
 ) -> EngineCommand:
@@ -192,4 +194,4 @@ def build_engine_command(
         argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
         if spec.num_gpus > 1:
             argv += ["--tensor-parallel-size", str(spec.num_gpus)]
-    return EngineCommand(argv=argv, env=env, host=host, port=port)
+    return EngineCommand(argv=argv, env=env, host=host, port=port, advertise_host=advertise_host)

@@ -542,7 +542,8 @@ class Supervisor:
                     continue
                 pid = record.get("pid")
                 spec = ReplicaSpec.from_dict(record["spec"])
-                command = EngineCommand(argv=record.get("argv", []), host=record["host"], port=record["port"])
+                command = EngineCommand(argv=record.get("argv", []), host=record["host"], port=record["port"],
+                                         advertise_host=record.get("advertise_host", ""))
                 replica = ManagedReplica(
                     spec=desired.get(replica_id, spec) if desired else spec,
                     model_path=Path(record["model_path"]),
@@ -595,6 +596,7 @@ class Supervisor:
             records[replica_id] = {
                 "pid": replica.pid,
                 "host": replica.command.host,
+                "advertise_host": replica.command.advertise_host,
                 "port": replica.command.port,
                 "argv": replica.command.argv,
                 "model_path": str(replica.model_path),

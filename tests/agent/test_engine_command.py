@@ -53,3 +53,9 @@ def test_supported_quantizations_accepts_devices_and_catalogue_gpu_types():
     assert {"none", "fp8", "fp8_per_channel"} <= supported_quantizations("cpu")
     assert supported_quantizations("h100-80gb") == supported_quantizations("cuda")
     assert "int8" in supported_quantizations("l4")
+
+
+def test_an_engine_reachable_from_other_machines_listens_everywhere_and_advertises_the_node_address():
+    command = build_engine_command(make_spec(), "/models/tiny", port=8123, device="cpu", host="0.0.0.0", advertise_host="10.1.2.3")
+    assert flag(command.argv, "--host") == "0.0.0.0"
+    assert command.address == "http://10.1.2.3:8123"
