@@ -1,0 +1,287 @@
+"""Billing state: the usage ledger, hourly rollups, spend caps, credits, alerts and the Stripe mirror.
+
+Money is `Decimal` everywhere. Ledger and rollup costs are kept to the nano-dollar (9 places),
+which is also the unit of the Redis counters in `billing.quota`.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.contrib.postgres.indexes import BrinIndex
+from django.db import models
+from django.utils import timezone
+
+MONEY_PLACES = 9
+MONEY_QUANTUM = Decimal(1).scaleb(-MONEY_PLACES)  # one nano-dollar
+
+
+def MoneyField(**kwargs):  # noqa: N802 - reads like a field class
+    return models.DecimalField(max_digits=20, decimal_places=MONEY_PLACES, **kwargs)
+
+
+class UsageStatus(models.TextChoices):
+    OK = "ok", "OK"
+    CLIENT_ABORTED = "client_aborted", "Client aborted"
+    UPSTREAM_ERROR = "upstream_error", "Upstream error"
+
+
+class UsageRecord(models.Model):
+    """One inference request, written exactly once (keyed by the gateway's request id)."""
+
+    request_id = models.CharField(max_length=128)
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.PROTECT, related_name="+")
+    api_key = models.ForeignKey("controlplane.ApiKey", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.PROTECT, related_name="+")
+    replica_id = models.CharField(max_length=64, blank=True)
+    prompt_tokens = models.PositiveIntegerField()
+    cached_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField()
+    # Computed once, at write time, from the endpoint's prices then.
+    cost = MoneyField()
+    started_at = models.DateTimeField()
+    first_token_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField()
+    status = models.CharField(max_length=16, choices=UsageStatus.choices)
+    cold_start_s = models.FloatField(default=0.0)  # measured, never billed
+    # When the row reached the ledger: rollups find late rows by it.
+    recorded_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["request_id"], name="usage_record_unique_request_id")]
+        indexes = [
+            models.Index(fields=["organization", "finished_at"], name="usage_org_finished"),
+            models.Index(fields=["organization", "endpoint", "finished_at"], name="usage_org_endpoint_finished"),
+            models.Index(fields=["api_key", "finished_at"], name="usage_key_finished"),
+            # NOTE: append-only and time-ordered, so a BRIN index finds recent rows for almost nothing.
+            BrinIndex(fields=["recorded_at"], name="usage_recorded_brin"),
+        ]
+
+    def __str__(self) -> str:
+        return self.request_id
+
+
+class RollupKind(models.TextChoices):
+    HOURLY = "hourly", "Hourly total"
+    ADJUSTMENT = "adjustment", "Late usage for a closed hour"
+
+
+class UsageRollupQuerySet(models.QuerySet):
+    def for_org(self, organization):
+        return self.filter(organization=organization)
+
+    def pushable(self):
+        return self.filter(closed_at__isnull=False, pushed_at__isnull=True)
+
+
+class UsageRollup(models.Model):
+    """Usage of one organisation on one endpoint in one hour.
+
+    Sequence 0 is the hour's total while it is open. Once closed it never changes: usage that
+    arrives later for that hour becomes an ADJUSTMENT with the next sequence, visible and pushed
+    on its own. The sum over sequences always equals the ledger.
+    """
+
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.PROTECT, related_name="+")
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.PROTECT, related_name="+")
+    hour_start = models.DateTimeField()
+    sequence = models.PositiveIntegerField(default=0)
+    kind = models.CharField(max_length=16, choices=RollupKind.choices, default=RollupKind.HOURLY)
+    num_requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    cost = MoneyField(default=Decimal(0))
+    computed_at = models.DateTimeField(default=timezone.now)
+    closed_at = models.DateTimeField(null=True, blank=True)
+    # Stripe push: a worker claims the row (push_claimed_at) and marks it pushed when every meter event is in.
+    push_claimed_at = models.DateTimeField(null=True, blank=True)
+    pushed_at = models.DateTimeField(null=True, blank=True)
+    push_error = models.CharField(max_length=300, blank=True)
+
+    objects = UsageRollupQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["hour_start", "sequence"]
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "endpoint", "hour_start", "sequence"], name="rollup_unique_hour_sequence"),
+        ]
+        indexes = [
+            models.Index(fields=["closed_at", "pushed_at"], name="rollup_push_queue"),
+            models.Index(fields=["organization", "hour_start"], name="rollup_org_hour"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.organization_id}/{self.endpoint_id}@{self.hour_start:%Y-%m-%dT%H}#{self.sequence}"
+
+    @property
+    def input_tokens(self) -> int:
+        """Prompt tokens billed at the full input rate."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+class RollupCursor(models.Model):
+    """Where the last rollup run started reading the ledger (a single row)."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    recorded_since = models.DateTimeField(null=True, blank=True)
+    last_run_at = models.DateTimeField(null=True, blank=True)
+
+
+class BillingMode(models.TextChoices):
+    POSTPAID = "postpaid", "Invoiced monthly"
+    PREPAID = "prepaid", "Prepaid credits"
+
+
+class BillingAccount(models.Model):
+    """An organisation's billing settings and its Stripe customer (created when first needed)."""
+
+    organization = models.OneToOneField("controlplane.Organization", on_delete=models.CASCADE, related_name="billing_account")
+    mode = models.CharField(max_length=16, choices=BillingMode.choices, default=BillingMode.POSTPAID)
+    # Monthly hard cap on spend; null means none.
+    spend_cap = MoneyField(null=True, blank=True)
+    stripe_customer_id = models.CharField(max_length=64, blank=True)
+    stripe_subscription_id = models.CharField(max_length=64, blank=True)
+    # How much of the ledger has been drawn from credit grants (see billing.credits).
+    credit_drawn = MoneyField(default=Decimal(0))
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"billing of {self.organization_id}"
+
+    @property
+    def is_prepaid(self) -> bool:
+        return self.mode == BillingMode.PREPAID
+
+
+class ApiKeySpendCap(models.Model):
+    """An optional monthly hard cap for one API key, under the organisation's."""
+
+    api_key = models.OneToOneField("controlplane.ApiKey", on_delete=models.CASCADE, related_name="spend_cap")
+    spend_cap = MoneyField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+
+class CreditGrantQuerySet(models.QuerySet):
+    def for_org(self, organization):
+        return self.filter(organization=organization)
+
+    def active(self, now=None):
+        now = now or timezone.now()
+        return self.filter(granted_at__lte=now).filter(models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=now))
+
+
+class CreditGrant(models.Model):
+    """Prepaid credit: usable from `granted_at` until `expires_at`; unused credit expires with it."""
+
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="credit_grants")
+    amount = MoneyField()
+    consumed = MoneyField(default=Decimal(0))
+    note = models.CharField(max_length=200, blank=True)
+    granted_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True)
+
+    objects = CreditGrantQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["expires_at", "granted_at"]
+        constraints = [models.CheckConstraint(condition=models.Q(consumed__lte=models.F("amount")), name="credit_not_overdrawn")]
+
+    def __str__(self) -> str:
+        return f"{self.amount} for {self.organization_id}"
+
+    @property
+    def remaining(self) -> Decimal:
+        return self.amount - self.consumed
+
+    def is_active(self, now=None) -> bool:
+        now = now or timezone.now()
+        return self.granted_at <= now and (self.expires_at is None or self.expires_at > now)
+
+
+class SpendAlert(models.Model):
+    """A spend alert sent (or being sent) for one threshold of one period: at most one each."""
+
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
+    period_start = models.DateTimeField()
+    threshold_percent = models.PositiveSmallIntegerField()
+    spend = MoneyField()
+    spend_cap = MoneyField()
+    sent_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "period_start", "threshold_percent"], name="one_alert_per_threshold_and_period"),
+        ]
+
+
+class StripeMeter(models.Model):
+    """A Billing Meter (and its metered price) in our Stripe account, created when first needed."""
+
+    event_name = models.CharField(max_length=100, unique=True)
+    stripe_meter_id = models.CharField(max_length=64)
+    stripe_price_id = models.CharField(max_length=64, blank=True)
+
+
+class MeterEventPush(models.Model):
+    """A meter event Stripe accepted: what we pushed, so we never push it twice."""
+
+    rollup = models.ForeignKey(UsageRollup, on_delete=models.PROTECT, related_name="meter_events")
+    event_name = models.CharField(max_length=100)
+    identifier = models.CharField(max_length=100, unique=True)
+    value = models.PositiveBigIntegerField()
+    pushed_at = models.DateTimeField(default=timezone.now)
+
+
+class StripeEvent(models.Model):
+    """A webhook event we processed (idempotency by Stripe's event id)."""
+
+    stripe_event_id = models.CharField(max_length=100, unique=True)
+    type = models.CharField(max_length=100)
+    received_at = models.DateTimeField(default=timezone.now)
+
+
+class InvoiceQuerySet(models.QuerySet):
+    def for_org(self, organization):
+        return self.filter(organization=organization)
+
+
+class Invoice(models.Model):
+    """Our mirror of a Stripe invoice, kept up to date by webhooks."""
+
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="invoices")
+    stripe_invoice_id = models.CharField(max_length=64, unique=True)
+    number = models.CharField(max_length=64, blank=True)
+    status = models.CharField(max_length=32)  # draft, open, paid, uncollectible, void
+    currency = models.CharField(max_length=8, default="usd")
+    # Amounts in the currency's minor unit (cents), as Stripe sends them.
+    amount_due = models.BigIntegerField(default=0)
+    amount_paid = models.BigIntegerField(default=0)
+    period_start = models.DateTimeField(null=True, blank=True)
+    period_end = models.DateTimeField(null=True, blank=True)
+    hosted_invoice_url = models.URLField(max_length=500, blank=True)
+    payment_failed_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    # Stripe's `created` of the newest event applied: an older event never overwrites a newer one.
+    stripe_event_created = models.BigIntegerField(default=0)
+
+    objects = InvoiceQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-period_start", "-id"]
+
+    def __str__(self) -> str:
+        return self.number or self.stripe_invoice_id
+
+
+class InvoiceLine(models.Model):
+    invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="lines")
+    stripe_line_id = models.CharField(max_length=64)
+    description = models.CharField(max_length=500, blank=True)
+    quantity = models.BigIntegerField(null=True, blank=True)
+    amount = models.BigIntegerField(default=0)  # minor unit
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [models.UniqueConstraint(fields=["invoice", "stripe_line_id"], name="invoice_line_unique")]

@@ -374,19 +374,23 @@ class InferenceCall:
         try:
             # NOTE: also releases the replica that served it (or was picked when the client left).
             await traffic.end_request(self.endpoint.id, self.request_id, release=self.outstanding_replica_id)
-            await quota.settle(reservation, actual)
-            if self.served:
-                await ledger.arecord_usage(ledger.UsageReport(
-                    request_id=self.request_id, organization_id=self.caller.organization_id,
-                    api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
-                    replica_id=self.replica.id if self.replica else None,
-                    prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-                    completion_tokens=self.completion_tokens, started_at=self.started_at,
-                    first_token_at=self.first_token_at, finished_at=finished_at, status=self.status,
-                    cold_start_s=round(self.cold_start_s, 3),
-                ))
-                await limits.add_tokens(self.caller.limit_subject, self.caller.tokens_per_minute,
-                                        self.prompt_tokens + self.completion_tokens)
+            # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
+            # between, they are rebuilt from the ledger, which already has this request.
+            try:
+                if self.served:
+                    await ledger.arecord_usage(ledger.UsageReport(
+                        request_id=self.request_id, organization_id=self.caller.organization_id,
+                        api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
+                        replica_id=self.replica.id if self.replica else None,
+                        prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                        completion_tokens=self.completion_tokens, started_at=self.started_at,
+                        first_token_at=self.first_token_at, finished_at=finished_at, status=self.status,
+                        cold_start_s=round(self.cold_start_s, 3),
+                    ))
+                    await limits.add_tokens(self.caller.limit_subject, self.caller.tokens_per_minute,
+                                            self.prompt_tokens + self.completion_tokens)
+            finally:
+                await quota.settle(reservation, actual)
         finally:
             name = self.endpoint.name
             outcome = self.status if self.served else "not_served"

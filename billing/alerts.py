@@ -1,0 +1,82 @@
+"""Spend alerts: an email to owners and admins at 50, 80 and 100% of the monthly cap, once each per period."""
+
+from __future__ import annotations
+
+import logging
+from decimal import Decimal
+
+from django.conf import settings
+from django.core.mail import send_mail
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from billing.ledger import period_spend
+from billing.models import BillingAccount, SpendAlert
+from billing.periods import period_containing
+from controlplane.models import Membership, Role
+
+logger = logging.getLogger(__name__)
+
+THRESHOLDS_PERCENT = (50, 80, 100)
+
+
+def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
+    """Send the alerts the period's spend has crossed and not yet sent. Returns the thresholds sent now."""
+    account = BillingAccount.objects.filter(organization_id=organization_id).select_related("organization").first()
+    if account is None or not account.spend_cap:
+        return []
+    period = period_containing(now)
+    spend = period_spend(organization_id, period)
+    crossed = [t for t in THRESHOLDS_PERCENT if spend * 100 >= account.spend_cap * t]
+    if not crossed:
+        return []
+    sent_now = []
+    for threshold in crossed:
+        # NOTE: the unique row is the claim: whoever inserts it sends; a rerun finds it and skips.
+        try:
+            with transaction.atomic():
+                alert = SpendAlert.objects.create(
+                    organization_id=organization_id, period_start=period.start, threshold_percent=threshold,
+                    spend=spend, spend_cap=account.spend_cap,
+                )
+        except IntegrityError:
+            continue
+        try:
+            _send(account, threshold, spend)
+        except Exception:
+            SpendAlert.objects.filter(pk=alert.pk).delete()  # unclaimed, so the next run tries again
+            raise
+        SpendAlert.objects.filter(pk=alert.pk).update(sent_at=timezone.now())
+        sent_now.append(threshold)
+    return sent_now
+
+
+def _send(account: BillingAccount, threshold: int, spend: Decimal) -> None:
+    organization = account.organization
+    recipients = list(
+        Membership.objects.filter(organization=organization, role__in=[Role.OWNER, Role.ADMIN])
+        .exclude(user__email="").values_list("user__email", flat=True)
+    )
+    if not recipients:
+        return
+    if threshold >= 100:
+        subject = f"{organization.name} reached its monthly spend cap"
+        consequence = "Inference calls are refused (HTTP 402) until the cap is raised or the month ends."
+    else:
+        subject = f"{organization.name} used {threshold}% of its monthly spend cap"
+        consequence = "Calls are refused once the cap is reached."
+    body = (
+        f"Spend this month: ${spend:.2f} of a ${account.spend_cap:.2f} cap.\n{consequence}\n\n"
+        f"Billing settings: {settings.PUBLIC_URL}/console/\n"
+    )
+    send_mail(subject, body, None, recipients)
+
+
+def check_all_spend_alerts() -> int:
+    num_sent = 0
+    for organization_id in BillingAccount.objects.filter(spend_cap__gt=0).values_list("organization_id", flat=True):
+        try:
+            num_sent += len(check_spend_alerts(organization_id))
+        except Exception:
+            logger.exception("spend alerts failed for organisation %s", organization_id)
+    return num_sent

@@ -1,0 +1,140 @@
+"""Usage and billing API: `/api/v1/usage/`, `/api/v1/usage/export.csv`, `/api/v1/billing/`, Stripe webhooks."""
+
+from __future__ import annotations
+
+import csv
+
+from django.conf import settings
+from django.http import HttpResponse
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
+from rest_framework import serializers, status
+from rest_framework.exceptions import ValidationError
+from rest_framework.generics import GenericAPIView
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from billing import ledger, services, stripe_sync
+from billing.models import CreditGrant, Invoice
+from billing.periods import period_containing
+from billing.serializers import (
+    CreditGrantSerializer,
+    InvoiceSerializer,
+    SpendCapSerializer,
+    UsageQuerySerializer,
+    format_money,
+)
+from billing.webhooks import InvalidWebhook, handle_stripe_webhook
+from controlplane.api import OrganizationScopedMixin
+from controlplane.models import ApiKey, Role
+
+
+class UsageView(OrganizationScopedMixin, GenericAPIView):
+    serializer_class = UsageQuerySerializer
+
+    def _results(self, request) -> tuple[str, list[dict]]:
+        query = UsageQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        group_by = query.validated_data["group_by"]
+        rows = ledger.summarize_usage(self.organization, group_by=group_by,
+                                      start=query.validated_data["start"], end=query.validated_data["end"])
+        return group_by, rows
+
+    @extend_schema(parameters=[UsageQuerySerializer], responses=inline_serializer("Usage", {"results": serializers.ListField()}))
+    def get(self, request):
+        _, rows = self._results(request)
+        return Response({"results": [row | {"cost": format_money(row["cost"])} for row in rows]})
+
+
+class UsageExportView(UsageView):
+    @extend_schema(parameters=[UsageQuerySerializer], responses={(200, "text/csv"): OpenApiResponse(description="CSV")})
+    def get(self, request):
+        group_by, rows = self._results(request)
+        response = HttpResponse(content_type="text/csv; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="usage-by-{group_by}.csv"'
+        columns = [group_by, *(["key_name"] if group_by == "key" else []),
+                   "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost"]
+        writer = csv.writer(response)
+        writer.writerow(columns)
+        for row in rows:
+            writer.writerow([format_money(row[c]) if c == "cost" else row[c] for c in columns])
+        return response
+
+
+def billing_overview(organization) -> dict:
+    account = services.get_billing_account(organization.pk)
+    period = period_containing()
+    return {
+        "current_period": {
+            "start": period.start.isoformat(),
+            "end": period.end.isoformat(),
+            "spend": format_money(ledger.period_spend(organization.pk, period)),
+        },
+        "spend_cap": format_money(account.spend_cap) if account.spend_cap is not None else None,
+        "mode": account.mode,
+        "credits": CreditGrantSerializer(CreditGrant.objects.for_org(organization), many=True).data,
+        "invoices": InvoiceSerializer(Invoice.objects.for_org(organization).prefetch_related("lines")[:24], many=True).data,
+    }
+
+
+class BillingView(OrganizationScopedMixin, GenericAPIView):
+    """GET: the period's spend, cap, credits and invoices. PATCH `{"spend_cap": "12.50"}`: owners and admins."""
+
+    serializer_class = SpendCapSerializer
+    required_role = Role.ADMIN
+
+    def get(self, request):
+        return Response(billing_overview(self.organization))
+
+    def patch(self, request):
+        data = SpendCapSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        if "spend_cap" not in data.validated_data:
+            raise ValidationError({"spend_cap": ["This field is required."]})
+        services.set_spend_cap(self.actor, self.organization, spend_cap=data.validated_data["spend_cap"])
+        return Response(billing_overview(self.organization))
+
+
+class KeySpendCapView(OrganizationScopedMixin, GenericAPIView):
+    """PATCH `{"spend_cap": "5.00" | null}`: a monthly cap for one API key (owners and admins)."""
+
+    serializer_class = SpendCapSerializer
+    required_role = Role.ADMIN
+
+    def patch(self, request, key_id: int):
+        api_key = get_object_or_404(ApiKey.objects.for_org(self.organization), pk=key_id)
+        data = SpendCapSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        if "spend_cap" not in data.validated_data:
+            raise ValidationError({"spend_cap": ["This field is required."]})
+        cap = services.set_key_spend_cap(self.actor, api_key, spend_cap=data.validated_data["spend_cap"])
+        return Response({"key": api_key.display_prefix, "spend_cap": format_money(cap.spend_cap) if cap else None})
+
+
+class PortalLinkView(OrganizationScopedMixin, GenericAPIView):
+    """POST: a Stripe Customer Portal link to add a payment method (owners and admins)."""
+
+    required_role = Role.ADMIN
+
+    @extend_schema(request=None, responses=inline_serializer("PortalLink", {"url": serializers.URLField()}))
+    def post(self, request):
+        if not stripe_sync.is_configured():
+            return Response({"detail": "Billing is not configured on this installation."}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        url = stripe_sync.create_portal_link(self.organization.pk, return_url=f"{settings.PUBLIC_URL}/console/")
+        return Response({"url": url})
+
+
+class StripeWebhookView(APIView):
+    """Stripe's calls: verified by the `Stripe-Signature` header, applied once per event id."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(exclude=True)
+    def post(self, request):
+        try:
+            applied = handle_stripe_webhook(request.body, request.headers.get("Stripe-Signature"))
+        except InvalidWebhook as exc:
+            return Response({"detail": f"Invalid webhook: {exc}"}, status=status.HTTP_400_BAD_REQUEST)
+        return Response({"received": True, "duplicate": not applied})

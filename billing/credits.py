@@ -1,0 +1,57 @@
+"""Prepaid credit: grants with an amount and an expiry, drawn down by usage, soonest expiry first."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+
+from django.db import transaction
+from django.utils import timezone
+
+from billing import quota
+from billing.ledger import total_spend
+from billing.models import BillingAccount, CreditGrant
+from billing.services import get_billing_account
+from controlplane.services import Actor, record_audit
+
+
+def grant_credits(actor: Actor, organization, *, amount: Decimal, expires_at: datetime | None = None,
+                  note: str = "", granted_at: datetime | None = None) -> CreditGrant:
+    if amount <= 0:
+        raise ValueError("a credit grant must be positive")
+    with transaction.atomic():
+        grant = CreditGrant.objects.create(
+            organization=organization, amount=amount, expires_at=expires_at, note=note,
+            granted_at=granted_at or timezone.now(),
+        )
+        record_audit(actor, organization, "billing.grant_credits", grant, amount=str(amount),
+                     expires_at=expires_at.isoformat() if expires_at else None)
+    quota.refresh_limits(organization.pk)
+    return grant
+
+
+def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decimal:
+    """Draw the ledger's spend not yet drawn from the active grants, soonest expiry first.
+
+    Idempotent: the account remembers how much of the ledger it has drawn. Spend beyond the
+    credit left is drawn as nothing (the cap made it impossible except for rounding). Returns
+    the amount taken from grants now.
+    """
+    now = now or timezone.now()
+    get_billing_account(organization_id)
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().get(organization_id=organization_id)
+        undrawn = total_spend(organization_id) - account.credit_drawn
+        if undrawn <= 0:
+            return Decimal(0)
+        taken = Decimal(0)
+        for grant in CreditGrant.objects.select_for_update().filter(organization_id=organization_id).active(now):
+            share = min(grant.remaining, undrawn - taken)
+            if share > 0:
+                CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed + share)
+                taken += share
+            if taken >= undrawn:
+                break
+        BillingAccount.objects.filter(pk=account.pk).update(credit_drawn=account.credit_drawn + undrawn)
+    # The Redis figure already counted this spend; it stays right. A new figure comes from the grants.
+    return taken

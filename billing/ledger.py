@@ -1,0 +1,230 @@
+"""The usage ledger: one row per inference request, written exactly once, priced at write time.
+
+The gateway calls `record_usage` (or `arecord_usage`) once per request, also for aborted
+streams. A retry with the same request id writes nothing: the unique constraint on
+`request_id` and `INSERT … ON CONFLICT DO NOTHING` make the write exactly-once, whoever calls.
+Concurrent `arecord_usage` calls share one statement and commit; a caller that holds many
+reports may hand them to `record_usage_batch` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date, datetime, time, timedelta
+from decimal import ROUND_HALF_UP, Decimal
+
+from asgiref.sync import sync_to_async
+from django.db import connection
+from django.db.models import Count, F, Sum
+from django.db.models.functions import Coalesce, TruncDate
+from django.utils import timezone
+
+from billing.models import MONEY_QUANTUM, UsageRecord, UsageStatus
+from billing.periods import Period
+
+PER_MILLION = Decimal("0.000001")
+
+
+@dataclass(slots=True)
+class UsageReport:
+    request_id: str  # unique; the gateway's request id
+    organization_id: int
+    api_key_id: int | None
+    endpoint_id: str  # UUID string
+    replica_id: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    started_at: datetime
+    first_token_at: datetime | None
+    finished_at: datetime
+    status: str  # "ok" | "client_aborted" | "upstream_error"
+    cold_start_s: float = 0.0  # never billed
+
+    def __post_init__(self) -> None:
+        if not self.request_id or len(self.request_id) > 128:
+            raise ValueError("request_id must be 1 to 128 characters")
+        if min(self.prompt_tokens, self.cached_tokens, self.completion_tokens) < 0:
+            raise ValueError("token counts cannot be negative")
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError("cached_tokens cannot exceed prompt_tokens")
+        if self.status not in UsageStatus.values:
+            raise ValueError(f"status must be one of {UsageStatus.values}, not {self.status!r}")
+        if self.finished_at < self.started_at:
+            raise ValueError("finished_at is before started_at")
+        for name in ("started_at", "finished_at", "first_token_at"):
+            moment = getattr(self, name)
+            if moment is not None and timezone.is_naive(moment):
+                raise ValueError(f"{name} must be timezone-aware")
+
+
+class UnknownEndpointError(LookupError):
+    """A report names an endpoint that does not exist in its organisation (its usage is refused;
+    the other reports of the same batch are written all the same)."""
+
+    def __init__(self, refused_ids: list[str], written_ids: set[str]):
+        self.refused_ids = refused_ids
+        self.written_ids = written_ids
+        super().__init__(f"endpoint not found in the organisation for request(s) {refused_ids[:5]}")
+
+
+def cost_of(endpoint, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Decimal:
+    """What a request costs: cached prompt tokens at the cached rate, the rest of the prompt at the
+    input rate, completion tokens at the output rate; rounded half-up to the nano-dollar.
+
+    NOTE: `_INSERT_SQL` computes the same figure in PostgreSQL; a test holds them equal.
+    """
+    uncached = prompt_tokens - cached_tokens
+    raw = (
+        uncached * endpoint.price_input_per_million
+        + cached_tokens * endpoint.price_cached_input_per_million
+        + completion_tokens * endpoint.price_output_per_million
+    ) * PER_MILLION
+    return raw.quantize(MONEY_QUANTUM, rounding=ROUND_HALF_UP)
+
+
+_INSERT_SQL = f"""
+INSERT INTO {UsageRecord._meta.db_table} (
+    request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
+    completion_tokens, cost, started_at, first_token_at, finished_at, status, cold_start_s, recorded_at
+)
+SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_id, ''), r.prompt_tokens,
+       r.cached_tokens, r.completion_tokens,
+       round(((r.prompt_tokens - r.cached_tokens) * e.price_input_per_million
+              + r.cached_tokens * e.price_cached_input_per_million
+              + r.completion_tokens * e.price_output_per_million) * 0.000001, 9),
+       r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now()
+FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::uuid[], %s::text[], %s::integer[], %s::integer[],
+            %s::integer[], %s::timestamptz[], %s::timestamptz[], %s::timestamptz[], %s::text[], %s::float8[])
+     AS r(request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
+          completion_tokens, started_at, first_token_at, finished_at, status, cold_start_s)
+JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
+ON CONFLICT (request_id) DO NOTHING
+RETURNING request_id
+"""
+
+
+def _columns(reports: list[UsageReport]) -> list[list]:
+    return [
+        [r.request_id for r in reports],
+        [r.organization_id for r in reports],
+        [r.api_key_id for r in reports],
+        [str(r.endpoint_id) for r in reports],
+        [r.replica_id for r in reports],
+        [r.prompt_tokens for r in reports],
+        [r.cached_tokens for r in reports],
+        [r.completion_tokens for r in reports],
+        [r.started_at for r in reports],
+        [r.first_token_at for r in reports],
+        [r.finished_at for r in reports],
+        [r.status for r in reports],
+        [float(r.cold_start_s) for r in reports],
+    ]
+
+
+def record_usage_batch(reports: list[UsageReport]) -> set[str]:
+    """Write many reports in one statement; returns the request ids written now (duplicates are skipped).
+
+    Raises UnknownEndpointError when a report's endpoint is not in its organisation.
+    """
+    if not reports:
+        return set()
+    with connection.cursor() as cursor:
+        cursor.execute(_INSERT_SQL, _columns(reports))
+        written = {row[0] for row in cursor.fetchall()}
+    if len(written) < len({r.request_id for r in reports}):
+        _check_endpoints(reports, written)
+    return written
+
+
+def _check_endpoints(reports: list[UsageReport], written: set[str]) -> None:
+    # NOTE: a report skipped because its id exists is fine; one skipped because its endpoint is
+    # not in its organisation would be usage lost silently, so it is an error.
+    skipped = [r for r in reports if r.request_id not in written]
+    existing = set(UsageRecord.objects.filter(request_id__in=[r.request_id for r in skipped]).values_list("request_id", flat=True))
+    lost = [r.request_id for r in skipped if r.request_id not in existing]
+    if lost:
+        raise UnknownEndpointError(lost, written)
+
+
+def record_usage(report: UsageReport) -> bool:
+    """Write one request's usage, exactly once per request id. True if this call wrote it."""
+    return bool(record_usage_batch([report]))
+
+
+async def arecord_usage(report: UsageReport) -> bool:
+    """`record_usage` for async callers: returns once the row is committed. Concurrent calls in
+    one event loop share a statement and a commit (see `billing.usage_writer`)."""
+    from billing.usage_writer import writer_for_this_loop
+
+    return await writer_for_this_loop().write(report)
+
+
+async def arecord_usage_batch(reports: list[UsageReport]) -> set[str]:
+    return await sync_to_async(record_usage_batch)(reports)
+
+
+# --- reading the ledger --------------------------------------------------------------
+
+GROUPINGS = ("endpoint", "day", "key")
+
+
+def _day_bounds(start: date, end: date) -> tuple[datetime, datetime]:
+    tz = timezone.get_current_timezone()
+    return (datetime.combine(start, time.min, tzinfo=tz), datetime.combine(end + timedelta(days=1), time.min, tzinfo=tz))
+
+
+def summarize_usage(organization, *, group_by: str, start: date, end: date) -> list[dict]:
+    """Requests, tokens and cost of `organization` between two dates (inclusive, UTC), grouped."""
+    if group_by not in GROUPINGS:
+        raise ValueError(f"group_by must be one of {GROUPINGS}")
+    since, until = _day_bounds(start, end)
+    rows = UsageRecord.objects.filter(organization=organization, finished_at__gte=since, finished_at__lt=until)
+    if group_by == "endpoint":
+        rows = rows.values("endpoint_id", label=F("endpoint__name")).order_by("label", "endpoint_id")
+    elif group_by == "day":
+        rows = rows.annotate(label=TruncDate("finished_at")).values("label").order_by("label")
+    else:
+        rows = rows.values("api_key_id", label=F("api_key__lookup"), key_name=F("api_key__name")).order_by("label")
+    rows = rows.annotate(
+        requests=Count("id"),
+        sum_prompt=Coalesce(Sum("prompt_tokens"), 0),
+        sum_cached=Coalesce(Sum("cached_tokens"), 0),
+        sum_completion=Coalesce(Sum("completion_tokens"), 0),
+        sum_cost=Coalesce(Sum("cost"), Decimal(0)),
+    )
+    results = []
+    for row in rows:
+        label = row["label"]
+        if group_by == "day":
+            label = label.isoformat()
+        elif group_by == "key" and label is not None:
+            label = f"ip_{label}"
+        item = {group_by: label}
+        if group_by == "key":
+            item["key_name"] = row["key_name"]
+        item |= {
+            "requests": row["requests"],
+            "prompt_tokens": row["sum_prompt"],
+            "cached_tokens": row["sum_cached"],
+            "completion_tokens": row["sum_completion"],
+            "cost": row["sum_cost"],
+        }
+        results.append(item)
+    return results
+
+
+def spend_between(*, organization_id: int, since: datetime, until: datetime, api_key_id: int | None = None) -> Decimal:
+    rows = UsageRecord.objects.filter(organization_id=organization_id, finished_at__gte=since, finished_at__lt=until)
+    if api_key_id is not None:
+        rows = rows.filter(api_key_id=api_key_id)
+    return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
+
+
+def period_spend(organization_id: int, period: Period, *, api_key_id: int | None = None) -> Decimal:
+    """The ledger's spend in a billing period: the truth the Redis counters are rebuilt from."""
+    return spend_between(organization_id=organization_id, since=period.start, until=period.end, api_key_id=api_key_id)
+
+
+def total_spend(organization_id: int) -> Decimal:
+    return UsageRecord.objects.filter(organization_id=organization_id).aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]

@@ -1,0 +1,26 @@
+"""Billing periods: calendar months in UTC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from django.utils import timezone
+
+
+@dataclass(slots=True, frozen=True)
+class Period:
+    start: datetime
+    end: datetime  # exclusive
+
+    @property
+    def key(self) -> str:
+        """A short stable name, used in Redis keys: `202607`."""
+        return f"{self.start:%Y%m}"
+
+
+def period_containing(moment: datetime | None = None) -> Period:
+    moment = (moment or timezone.now()).astimezone(UTC)
+    start = moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+    return Period(start=start, end=end)

@@ -1,0 +1,143 @@
+"""Hourly rollups of the ledger per organisation × endpoint × hour.
+
+A run recomputes, from the ledger itself, every hour that received rows since the previous run
+(so running it twice changes nothing), then closes hours older than the close delay. An open hour
+simply takes its new totals. A closed hour never changes: if late rows arrive for it, the
+difference becomes an ADJUSTMENT rollup with the next sequence, pushed to Stripe on its own.
+One run at a time (a transaction-scoped advisory lock); a run killed midway rolls back whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from billing.models import RollupCursor, RollupKind, UsageRecord, UsageRollup
+
+logger = logging.getLogger(__name__)
+
+ROLLUP_LOCK_ID = 0x1B111_0001
+# Rows are found by recorded_at; a run re-reads this far back so a row whose transaction
+# committed after a run had started is never missed (single-statement inserts take milliseconds).
+RECORDED_AT_MARGIN = timedelta(minutes=5)
+TOTAL_FIELDS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost")
+
+_TABLE = UsageRecord._meta.db_table
+_AGGREGATE_ALL = f"""
+SELECT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start,
+       count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), sum(cost)
+FROM {_TABLE}
+GROUP BY 1, 2, 3
+"""
+_AGGREGATE_DIRTY = f"""
+WITH dirty AS (
+    SELECT DISTINCT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start
+    FROM {_TABLE} WHERE recorded_at >= %s
+)
+SELECT d.organization_id, d.endpoint_id, d.hour_start,
+       count(*), sum(u.prompt_tokens), sum(u.cached_tokens), sum(u.completion_tokens), sum(u.cost)
+FROM dirty d
+JOIN {_TABLE} u ON u.organization_id = d.organization_id AND u.endpoint_id = d.endpoint_id
+     AND u.finished_at >= d.hour_start AND u.finished_at < d.hour_start + interval '1 hour'
+GROUP BY 1, 2, 3
+"""
+
+
+@dataclass(slots=True)
+class RollupResult:
+    num_groups: int = 0
+    num_created: int = 0
+    num_updated: int = 0
+    num_adjustments: int = 0
+    num_closed: int = 0
+    organization_ids: set[int] = field(default_factory=set)
+
+
+def hour_closes_at(hour_start: datetime) -> datetime:
+    return hour_start + timedelta(hours=1) + timedelta(seconds=settings.BILLING_ROLLUP_CLOSE_AFTER_S)
+
+
+def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupResult:
+    """Bring the rollups up to date with the ledger; `full` recomputes every hour ever recorded."""
+    now = now or timezone.now()
+    result = RollupResult()
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [ROLLUP_LOCK_ID])
+            cursor.execute("SELECT now()")
+            started_at = cursor.fetchone()[0]
+        state, _ = RollupCursor.objects.select_for_update().get_or_create(id=1)
+        since = None if full else state.recorded_since
+        with connection.cursor() as cursor:
+            if since is None:
+                cursor.execute(_AGGREGATE_ALL)
+            else:
+                cursor.execute(_AGGREGATE_DIRTY, [since])
+            totals = {
+                (org, endpoint, hour): dict(zip(TOTAL_FIELDS, values, strict=True))
+                for org, endpoint, hour, *values in cursor.fetchall()
+            }
+        result.num_groups = len(totals)
+        if totals:
+            _apply(totals, now, result)
+        result.num_closed = UsageRollup.objects.filter(
+            closed_at__isnull=True,
+            hour_start__lte=now - timedelta(hours=1, seconds=settings.BILLING_ROLLUP_CLOSE_AFTER_S),
+        ).update(closed_at=now)
+        state.recorded_since = started_at - RECORDED_AT_MARGIN
+        state.last_run_at = now
+        state.save()
+    return result
+
+
+def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
+    hours = [hour for _, _, hour in totals]
+    existing: dict[tuple, list[UsageRollup]] = {}
+    candidates = UsageRollup.objects.filter(
+        hour_start__gte=min(hours), hour_start__lte=max(hours),
+        organization_id__in={org for org, _, _ in totals}, endpoint_id__in={endpoint for _, endpoint, _ in totals},
+    ).order_by("sequence")
+    for rollup in candidates:
+        existing.setdefault((rollup.organization_id, rollup.endpoint_id, rollup.hour_start), []).append(rollup)
+
+    to_create, to_update = [], []
+    for group, total in totals.items():
+        org, endpoint, hour = group
+        rollups = existing.get(group)
+        if not rollups:
+            to_create.append(UsageRollup(organization_id=org, endpoint_id=endpoint, hour_start=hour, computed_at=now, **total))
+            result.organization_ids.add(org)
+            continue
+        primary = rollups[0]
+        if primary.closed_at is None:
+            # NOTE: adjustments exist only for closed hours, so an open primary is the hour's only rollup.
+            if any(getattr(primary, name) != value for name, value in total.items()):
+                for name, value in total.items():
+                    setattr(primary, name, value)
+                primary.computed_at = now
+                to_update.append(primary)
+                result.organization_ids.add(org)
+            continue
+        difference = {name: total[name] - sum(getattr(r, name) for r in rollups) for name in TOTAL_FIELDS}
+        if not any(difference.values()):
+            continue
+        if any(value < 0 for value in difference.values()):
+            # The ledger is append-only, so this means someone deleted usage: never bill it backwards silently.
+            logger.error("ledger shrank under closed rollup %s: %s", primary, difference)
+            continue
+        to_create.append(UsageRollup(
+            organization_id=org, endpoint_id=endpoint, hour_start=hour, sequence=rollups[-1].sequence + 1,
+            kind=RollupKind.ADJUSTMENT, computed_at=now, closed_at=now, **difference,
+        ))
+        result.num_adjustments += 1
+        result.organization_ids.add(org)
+
+    UsageRollup.objects.bulk_create(to_create, batch_size=1000)
+    UsageRollup.objects.bulk_update(to_update, [*TOTAL_FIELDS, "computed_at"], batch_size=1000)
+    result.num_created = len(to_create) - result.num_adjustments
+    result.num_updated = len(to_update)

@@ -1,0 +1,91 @@
+"""Shapes of the usage and billing APIs."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+
+from django.utils import timezone
+from rest_framework import serializers
+
+from billing.ledger import GROUPINGS
+from billing.models import BillingAccount, CreditGrant, Invoice, InvoiceLine
+from controlplane.serializers import StrictModelSerializer
+
+MAX_USAGE_RANGE = timedelta(days=366)
+MAX_SPEND_CAP = Decimal("1000000")  # NOTE: keeps the Redis counters exact (see billing.quota)
+
+
+def format_money(amount: Decimal) -> str:
+    """Exact to the nano-dollar, without trailing zeros past the cents: "12.50", "0.000123"."""
+    text = f"{amount.quantize(Decimal('0.000000001')):f}".rstrip("0")
+    whole, _, fraction = text.partition(".")
+    return f"{whole}.{fraction.ljust(2, '0')}"
+
+
+class UsageQuerySerializer(serializers.Serializer):
+    """`?group_by=endpoint|day|key&start=YYYY-MM-DD&end=YYYY-MM-DD` (inclusive, UTC; default: this month)."""
+
+    group_by = serializers.ChoiceField(choices=GROUPINGS, default="endpoint")
+    start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
+    end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
+
+    def validate(self, data):
+        today = timezone.now().date()
+        data.setdefault("end", today)
+        data.setdefault("start", min(today.replace(day=1), data["end"]))
+        if data["start"] > data["end"]:
+            raise serializers.ValidationError({"start": ["Must be on or before end."]})
+        if data["end"] - data["start"] > MAX_USAGE_RANGE:
+            raise serializers.ValidationError({"start": ["The range may span at most 366 days."]})
+        return data
+
+
+class SpendCapSerializer(StrictModelSerializer):
+    spend_cap = serializers.DecimalField(
+        max_digits=12, decimal_places=2, min_value=Decimal(0), max_value=MAX_SPEND_CAP, allow_null=True,
+        help_text="Monthly hard cap in USD; null removes it.",
+    )
+
+    class Meta:
+        model = BillingAccount
+        fields = ["spend_cap"]
+
+
+class CreditGrantSerializer(serializers.ModelSerializer):
+    amount = serializers.SerializerMethodField()
+    remaining = serializers.SerializerMethodField()
+    expired = serializers.SerializerMethodField()
+
+    class Meta:
+        model = CreditGrant
+        fields = ["id", "amount", "remaining", "note", "granted_at", "expires_at", "expired"]
+        read_only_fields = fields
+
+    def get_amount(self, grant) -> str:
+        return format_money(grant.amount)
+
+    def get_remaining(self, grant) -> str:
+        return format_money(grant.remaining if grant.is_active() else Decimal(0))
+
+    def get_expired(self, grant) -> bool:
+        return grant.expires_at is not None and grant.expires_at <= timezone.now()
+
+
+class InvoiceLineSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = InvoiceLine
+        fields = ["description", "quantity", "amount"]
+        read_only_fields = fields
+
+
+class InvoiceSerializer(serializers.ModelSerializer):
+    lines = InvoiceLineSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Invoice
+        fields = [
+            "id", "stripe_invoice_id", "number", "status", "currency", "amount_due", "amount_paid",
+            "period_start", "period_end", "hosted_invoice_url", "payment_failed_at", "lines",
+        ]
+        read_only_fields = fields

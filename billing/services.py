@@ -1,0 +1,69 @@
+"""Writes with side effects for billing settings: accounts, spend caps, billing mode."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.conf import settings
+from django.db import transaction
+
+from billing import quota
+from billing.ledger import total_spend
+from billing.models import ApiKeySpendCap, BillingAccount, BillingMode
+from controlplane.services import Actor, record_audit
+
+
+def get_billing_account(organization_id: int) -> BillingAccount:
+    """The organisation's billing account, created on first use with the platform's default cap."""
+    account = BillingAccount.objects.filter(organization_id=organization_id).first()
+    if account is not None:
+        return account
+    default_cap = settings.DEFAULT_MONTHLY_SPEND_CAP
+    account, _ = BillingAccount.objects.get_or_create(
+        organization_id=organization_id, defaults={"spend_cap": default_cap if default_cap > 0 else None}
+    )
+    return account
+
+
+def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> BillingAccount:
+    """Set (or with None remove) the organisation's monthly hard cap; the gateway sees it at once."""
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().get(pk=get_billing_account(organization.pk).pk)
+        previous = account.spend_cap
+        account.spend_cap = spend_cap
+        account.save(update_fields=["spend_cap"])
+        record_audit(actor, organization, "billing.set_spend_cap", account,
+                     spend_cap=_plain(spend_cap), previous=_plain(previous))
+    quota.refresh_limits(organization.pk)
+    return account
+
+
+def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> ApiKeySpendCap | None:
+    with transaction.atomic():
+        if spend_cap is None:
+            ApiKeySpendCap.objects.filter(api_key=api_key).delete()
+            cap = None
+        else:
+            cap, _ = ApiKeySpendCap.objects.update_or_create(api_key=api_key, defaults={"spend_cap": spend_cap})
+        record_audit(actor, api_key.organization, "billing.set_key_spend_cap", api_key, spend_cap=_plain(spend_cap))
+    quota.refresh_limits(api_key.organization_id, api_key_id=api_key.pk)
+    return cap
+
+
+def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount:
+    if mode not in BillingMode.values:
+        raise ValueError(f"mode must be one of {BillingMode.values}")
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().get(pk=get_billing_account(organization.pk).pk)
+        if mode == BillingMode.PREPAID and not account.is_prepaid:
+            # NOTE: credit pays for usage from now on, never for what was invoiced before.
+            account.credit_drawn = total_spend(organization.pk)
+        account.mode = mode
+        account.save(update_fields=["mode", "credit_drawn"])
+        record_audit(actor, organization, "billing.set_mode", account, mode=mode)
+    quota.refresh_limits(organization.pk)
+    return account
+
+
+def _plain(value: Decimal | None) -> str | None:
+    return None if value is None else str(value)

@@ -1,0 +1,38 @@
+"""Thin Celery wrappers around billing services. Each is safe to run twice and at any time."""
+
+from celery import shared_task
+
+from billing import alerts, credits, quota, rollups, stripe_sync
+from billing.models import BillingAccount, BillingMode
+
+
+@shared_task(name="billing.rollup_usage", acks_late=True, time_limit=600, soft_time_limit=570)
+def rollup_usage(full: bool = False) -> dict:
+    result = rollups.rollup_usage(full=full)
+    prepaid = BillingAccount.objects.filter(organization_id__in=result.organization_ids, mode=BillingMode.PREPAID)
+    for organization_id in prepaid.values_list("organization_id", flat=True):
+        credits.draw_credits(organization_id)
+    return {
+        "groups": result.num_groups, "created": result.num_created, "updated": result.num_updated,
+        "adjustments": result.num_adjustments, "closed": result.num_closed,
+    }
+
+
+@shared_task(name="billing.push_pending_rollups", acks_late=True, time_limit=600, soft_time_limit=570)
+def push_pending_rollups() -> int:
+    return stripe_sync.push_pending_rollups()
+
+
+@shared_task(name="billing.push_rollup", acks_late=True, time_limit=120, soft_time_limit=100)
+def push_rollup(rollup_id: int) -> bool:
+    return stripe_sync.push_rollup(rollup_id)
+
+
+@shared_task(name="billing.sweep_expired_reservations", acks_late=True, time_limit=60, soft_time_limit=50)
+def sweep_expired_reservations() -> int:
+    return quota.sweep_expired_reservations()
+
+
+@shared_task(name="billing.check_spend_alerts", acks_late=True, time_limit=120, soft_time_limit=100)
+def check_spend_alerts() -> int:
+    return alerts.check_all_spend_alerts()

@@ -1,0 +1,80 @@
+"""Stripe webhooks: verified by signature, applied once per event id, mirroring invoices."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+
+import stripe
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from billing.models import BillingAccount, Invoice, InvoiceLine, StripeEvent
+
+logger = logging.getLogger(__name__)
+
+INVOICE_EVENTS = {
+    "invoice.created", "invoice.updated", "invoice.finalized", "invoice.paid",
+    "invoice.payment_succeeded", "invoice.payment_failed", "invoice.marked_uncollectible", "invoice.voided",
+}
+
+
+class InvalidWebhook(ValueError):
+    """The payload is not a genuine Stripe event (bad or missing signature, not JSON)."""
+
+
+def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
+    """Verify and apply one webhook. True if applied now, False if this event id was seen before."""
+    if not settings.STRIPE_WEBHOOK_SECRET:
+        raise InvalidWebhook("STRIPE_WEBHOOK_SECRET is not set: every webhook is refused")
+    try:
+        stripe.Webhook.construct_event(payload, signature, settings.STRIPE_WEBHOOK_SECRET)
+    except (ValueError, stripe.SignatureVerificationError) as exc:
+        raise InvalidWebhook(str(exc)) from None
+    event = json.loads(payload)
+    with transaction.atomic():
+        _, created = StripeEvent.objects.get_or_create(stripe_event_id=event["id"], defaults={"type": event["type"]})
+        if not created:
+            return False
+        if event["type"] in INVOICE_EVENTS:
+            mirror_invoice(event["data"]["object"], event_type=event["type"], event_created=event.get("created", 0))
+    return True
+
+
+def _moment(epoch: int | None) -> datetime | None:
+    return datetime.fromtimestamp(epoch, tz=UTC) if epoch else None
+
+
+def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoice | None:
+    account = BillingAccount.objects.filter(stripe_customer_id=data.get("customer") or "-").first()
+    if account is None:
+        logger.warning("stripe invoice %s for unknown customer %s", data.get("id"), data.get("customer"))
+        return None
+    invoice = Invoice.objects.select_for_update().filter(stripe_invoice_id=data["id"]).first()
+    if invoice is not None and invoice.stripe_event_created > event_created:
+        return invoice  # an older event arriving late never overwrites newer state
+    invoice = invoice or Invoice(organization_id=account.organization_id, stripe_invoice_id=data["id"])
+    invoice.number = data.get("number") or ""
+    invoice.status = data.get("status") or "draft"
+    invoice.currency = data.get("currency") or "usd"
+    invoice.amount_due = data.get("amount_due") or 0
+    invoice.amount_paid = data.get("amount_paid") or 0
+    invoice.period_start = _moment(data.get("period_start"))
+    invoice.period_end = _moment(data.get("period_end"))
+    invoice.hosted_invoice_url = data.get("hosted_invoice_url") or ""
+    invoice.stripe_event_created = event_created
+    if event_type == "invoice.payment_failed":
+        invoice.payment_failed_at = timezone.now()
+    elif invoice.status == "paid":
+        invoice.payment_failed_at = None
+    invoice.save()
+    lines = (data.get("lines") or {}).get("data") or []
+    invoice.lines.all().delete()
+    InvoiceLine.objects.bulk_create([
+        InvoiceLine(invoice=invoice, stripe_line_id=line["id"], description=(line.get("description") or "")[:500],
+                    quantity=line.get("quantity"), amount=line.get("amount") or 0)
+        for line in lines
+    ])
+    return invoice

@@ -1,0 +1,123 @@
+"""`GET/PATCH /api/v1/billing/`: the period's spend, cap, credits and invoices; caps set by owners and admins."""
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.core import mail
+from django.utils import timezone
+
+from billing.alerts import check_spend_alerts
+from billing.credits import grant_credits
+from billing.ledger import record_usage
+from billing.models import ApiKeySpendCap, Invoice, InvoiceLine
+from billing.services import get_billing_account, set_spend_cap
+from controlplane.models import ApiKey, AuditEvent, Role
+from controlplane.services import SYSTEM
+from tests.billing.conftest import usage_report
+from tests.factories import EndpointFactory, OrganizationFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def test_billing_shows_the_period_spend_as_tokens_times_prices(owner_client):
+    endpoint = EndpointFactory(organization=owner_client.organization, price_input_per_million=Decimal("0.40"),
+                               price_cached_input_per_million=Decimal("0.20"), price_output_per_million=Decimal("1.20"))
+    record_usage(usage_report(endpoint, prompt_tokens=1_000_000, cached_tokens=250_000, completion_tokens=500_000))
+    record_usage(usage_report(endpoint, finished_at=timezone.now() - timedelta(days=40)))  # last period
+
+    body = owner_client.get("/api/v1/billing/").json()
+
+    assert set(body) >= {"current_period", "spend_cap", "credits", "invoices"}
+    # 750k × 0.40 + 250k × 0.20 + 500k × 1.20 per million
+    assert body["current_period"]["spend"] == "0.95"
+    start = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    assert body["current_period"]["start"] == start.isoformat()
+    assert body["spend_cap"] is None
+
+
+def test_billing_lists_credits_and_invoices_of_the_caller_only(owner_client):
+    organization = owner_client.organization
+    grant_credits(SYSTEM, organization, amount=Decimal("20"), expires_at=timezone.now() + timedelta(days=30), note="welcome")
+    grant_credits(SYSTEM, OrganizationFactory(), amount=Decimal("99"))
+    invoice = Invoice.objects.create(organization=organization, stripe_invoice_id="in_x", status="paid", amount_due=950)
+    InvoiceLine.objects.create(invoice=invoice, stripe_line_id="il_1", description="Output tokens", quantity=500000, amount=950)
+
+    body = owner_client.get("/api/v1/billing/").json()
+
+    assert [(c["amount"], c["remaining"], c["note"], c["expired"]) for c in body["credits"]] == [("20.00", "20.00", "welcome", False)]
+    assert [(i["status"], i["amount_due"], len(i["lines"])) for i in body["invoices"]] == [("paid", 950, 1)]
+
+
+@pytest.mark.parametrize("role", [Role.OWNER, Role.ADMIN])
+def test_owners_and_admins_set_the_spend_cap(owner_client, member_client_factory, role):
+    client = member_client_factory(owner_client.organization, role)
+
+    response = client.patch("/api/v1/billing/", {"spend_cap": "12.50"}, format="json")
+
+    assert response.status_code == 200 and response.json()["spend_cap"] == "12.50"
+    assert get_billing_account(owner_client.organization.pk).spend_cap == Decimal("12.50")
+    assert AuditEvent.objects.filter(action="billing.set_spend_cap").exists()
+    assert client.patch("/api/v1/billing/", {"spend_cap": None}, format="json").json()["spend_cap"] is None
+
+
+@pytest.mark.parametrize("role", [Role.MEMBER, Role.VIEWER])
+def test_members_and_viewers_may_read_billing_but_not_set_the_cap(owner_client, member_client_factory, role):
+    client = member_client_factory(owner_client.organization, role)
+
+    assert client.get("/api/v1/billing/").status_code == 200
+    assert client.patch("/api/v1/billing/", {"spend_cap": "1.00"}, format="json").status_code == 403
+    assert get_billing_account(owner_client.organization.pk).spend_cap is None
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"spend_cap": "-1"}, "spend_cap"),
+    ({"spend_cap": "abc"}, "spend_cap"),
+    ({"spend_cap": "1.005"}, "spend_cap"),
+    ({"spend_cap": "10000000"}, "spend_cap"),
+    ({}, "spend_cap"),
+    ({"spend_cap": "5", "credits": []}, "credits"),
+])
+def test_a_bad_cap_is_a_400_with_field_errors(owner_client, body, field):
+    response = owner_client.patch("/api/v1/billing/", body, format="json")
+
+    assert response.status_code == 400
+    assert field in response.json()
+    assert get_billing_account(owner_client.organization.pk).spend_cap is None
+
+
+def test_an_admin_caps_one_key_and_another_organisations_key_is_a_404(owner_client, member_client_factory):
+    key = ApiKey.objects.get(created_by=owner_client.user)
+    stranger_key = ApiKey.objects.get(created_by=member_client_factory(OrganizationFactory(), Role.OWNER).user)
+
+    response = owner_client.patch(f"/api/v1/billing/keys/{key.pk}/", {"spend_cap": "5.00"}, format="json")
+    assert response.status_code == 200 and response.json()["spend_cap"] == "5.00"
+    assert ApiKeySpendCap.objects.get(api_key=key).spend_cap == Decimal("5")
+    assert owner_client.patch(f"/api/v1/billing/keys/{stranger_key.pk}/", {"spend_cap": "5"}, format="json").status_code == 404
+
+
+def test_spend_alerts_go_out_at_50_80_and_100_percent_once_each_per_period(owner_client, member_client_factory):
+    organization = owner_client.organization
+    member_client_factory(organization, Role.MEMBER)
+    set_spend_cap(SYSTEM, organization, spend_cap=Decimal("1.00"))
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+
+    record_usage(usage_report(endpoint, prompt_tokens=600_000, completion_tokens=0))
+    assert check_spend_alerts(organization.pk) == [50]
+    assert check_spend_alerts(organization.pk) == []
+    record_usage(usage_report(endpoint, prompt_tokens=500_000, completion_tokens=0))
+    assert check_spend_alerts(organization.pk) == [80, 100]
+
+    assert [m.subject.removeprefix(organization.name + " ") for m in mail.outbox] == [
+        "used 50% of its monthly spend cap", "used 80% of its monthly spend cap", "reached its monthly spend cap",
+    ]
+    assert all(m.to == [owner_client.user.email] for m in mail.outbox)  # owners and admins, not members
+
+
+def test_the_portal_link_creates_the_customer_once(owner_client, fake_stripe):
+    first = owner_client.post("/api/v1/billing/portal/")
+    second = owner_client.post("/api/v1/billing/portal/")
+
+    assert first.status_code == 200 and first.json()["url"].startswith("https://billing.stripe.test/")
+    assert second.status_code == 200
+    assert len(fake_stripe.calls_to("/v1/customers")) == 1

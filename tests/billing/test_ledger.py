@@ -1,0 +1,110 @@
+"""The usage ledger: one row per request id, priced at write time, never lost, never doubled."""
+
+import asyncio
+from decimal import Decimal
+
+import pytest
+from asgiref.sync import async_to_sync
+
+from billing.ledger import UnknownEndpointError, arecord_usage, cost_of, record_usage, record_usage_batch
+from billing.models import UsageRecord
+from tests.billing.conftest import usage_report
+from tests.factories import EndpointFactory, OrganizationFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_same_request_id_twice_writes_one_row():
+    endpoint = EndpointFactory()
+    report = usage_report(endpoint, request_id="chatcmpl-once")
+
+    assert record_usage(report) is True
+    assert record_usage(report) is False
+    assert UsageRecord.objects.filter(request_id="chatcmpl-once").count() == 1
+
+
+def test_a_batch_with_repeated_and_already_written_ids_writes_each_request_once():
+    endpoint = EndpointFactory()
+    first = usage_report(endpoint, request_id="a")
+    record_usage(first)
+
+    written = record_usage_batch([first, usage_report(endpoint, request_id="b"), usage_report(endpoint, request_id="b")])
+
+    assert written == {"b"}
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == ["a", "b"]
+
+
+def test_cost_is_computed_at_write_time_from_the_endpoint_prices_in_decimal():
+    endpoint = EndpointFactory(price_input_per_million=Decimal("0.30"), price_cached_input_per_million=Decimal("0.15"),
+                               price_output_per_million=Decimal("1.20"))
+    record_usage(usage_report(endpoint, request_id="priced", prompt_tokens=1000, cached_tokens=400, completion_tokens=333))
+    endpoint.price_output_per_million = Decimal("99")
+    endpoint.save()
+
+    row = UsageRecord.objects.get(request_id="priced")
+    # 600 × 0.30 + 400 × 0.15 + 333 × 1.20 per million
+    assert row.cost == Decimal("0.000639600")
+    assert cost_of(EndpointFactory.build(price_input_per_million=Decimal("0.30"), price_cached_input_per_million=Decimal("0.15"),
+                                         price_output_per_million=Decimal("1.20")), 1000, 400, 333) == row.cost
+
+
+def test_database_and_python_prices_agree_to_the_nano_dollar_on_awkward_numbers():
+    endpoint = EndpointFactory(price_input_per_million=Decimal("0.123457"), price_cached_input_per_million=Decimal("0.000001"),
+                               price_output_per_million=Decimal("3.333333"))
+    for prompt, cached, completion in [(1, 1, 1), (7, 3, 11), (123457, 99, 987), (5, 0, 0), (0, 0, 1)]:
+        report = usage_report(endpoint, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion)
+        record_usage(report)
+        assert UsageRecord.objects.get(request_id=report.request_id).cost == cost_of(endpoint, prompt, cached, completion)
+
+
+def test_an_aborted_stream_is_recorded_with_the_tokens_delivered():
+    endpoint = EndpointFactory()
+    record_usage(usage_report(endpoint, request_id="aborted", completion_tokens=7, status="client_aborted"))
+
+    row = UsageRecord.objects.get(request_id="aborted")
+    assert (row.status, row.completion_tokens) == ("client_aborted", 7)
+
+
+def test_usage_for_an_endpoint_of_another_organisation_is_refused_not_lost_silently():
+    endpoint = EndpointFactory()
+    report = usage_report(endpoint)
+    report.organization_id = OrganizationFactory().pk
+
+    with pytest.raises(UnknownEndpointError):
+        record_usage(report)
+    assert not UsageRecord.objects.exists()
+
+
+def test_a_report_with_impossible_numbers_is_rejected_before_the_database():
+    endpoint = EndpointFactory()
+    with pytest.raises(ValueError):
+        usage_report(endpoint, prompt_tokens=5, cached_tokens=6)
+    with pytest.raises(ValueError):
+        usage_report(endpoint, status="fine")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_async_variant_writes_exactly_once_too():
+    endpoint = EndpointFactory()
+    report = usage_report(endpoint, request_id="async-once")
+
+    assert async_to_sync(arecord_usage)(report) is True
+    assert async_to_sync(arecord_usage)(report) is False
+    assert UsageRecord.objects.filter(request_id="async-once").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_async_writes_share_statements_and_still_write_each_request_once():
+    endpoint = EndpointFactory()
+    foreign = usage_report(endpoint, request_id="foreign")
+    foreign.organization_id = OrganizationFactory().pk
+    reports = [usage_report(endpoint, request_id=f"c{n % 150}") for n in range(300)] + [foreign]
+
+    async def storm():
+        return await asyncio.gather(*(arecord_usage(report) for report in reports), return_exceptions=True)
+
+    outcomes = asyncio.run(storm())
+
+    assert sum(outcome is True for outcome in outcomes) == 150
+    assert isinstance(outcomes[-1], UnknownEndpointError)
+    assert UsageRecord.objects.count() == 150

@@ -1,0 +1,178 @@
+"""Spend caps and prepaid credit: reserved atomically in Redis, settled exactly, rebuilt from the ledger."""
+
+import asyncio
+import time
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from billing import quota
+from billing.credits import draw_credits, grant_credits
+from billing.ledger import record_usage
+from billing.models import BillingAccount, BillingMode
+from billing.quota import QuotaExceeded, max_cost, reserve, settle
+from billing.services import get_billing_account, set_billing_mode, set_key_spend_cap, set_spend_cap
+from controlplane.models import ApiKey
+from controlplane.redis_client import get_redis
+from controlplane.services import SYSTEM
+from tests.billing.conftest import usage_report
+from tests.factories import EndpointFactory, OrganizationFactory
+
+# NOTE: reserve() rebuilds counters in a worker thread, which sees only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _cap(organization, amount: str | None):
+    set_spend_cap(SYSTEM, organization, spend_cap=Decimal(amount) if amount is not None else None)
+
+
+def test_two_hundred_concurrent_reservations_never_overshoot_the_cap():
+    organization = OrganizationFactory()
+    _cap(organization, "1.00")
+
+    async def attempt(number):
+        try:
+            await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.013"), request_id=f"r{number}")
+            return True
+        except QuotaExceeded as exc:
+            assert exc.code == "insufficient_quota"
+            return False
+
+    async def storm():
+        return await asyncio.gather(*(attempt(n) for n in range(200)))
+
+    outcomes = asyncio.run(storm())
+
+    assert sum(outcomes) == 76  # floor(1.00 / 0.013)
+    assert quota.reserved_now(organization.pk) == Decimal("0.988")
+
+
+def test_settling_replaces_the_reservation_by_the_real_cost_once():
+    organization = OrganizationFactory()
+    _cap(organization, "1.00")
+
+    async def scenario():
+        reservation = await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.60"), request_id="x")
+        with pytest.raises(QuotaExceeded):
+            await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"), request_id="y")
+        await settle(reservation, Decimal("0.10"))
+        await settle(reservation, Decimal("0.10"))  # a retry of the settle
+        await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"), request_id="z")
+
+    asyncio.run(scenario())
+
+    assert quota.counted_spend(organization.pk) == Decimal("0.10")
+    assert quota.reserved_now(organization.pk) == Decimal("0.50")
+
+
+def test_an_exhausted_cap_refuses_with_insufficient_quota_and_raising_it_lets_calls_through():
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization)
+    _cap(organization, "0.00")
+    amount = max_cost(endpoint, prompt_tokens=100, max_tokens=100)
+
+    with pytest.raises(QuotaExceeded) as refused:
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=amount, request_id="a"))
+    assert "spend cap" in refused.value.message
+
+    _cap(organization, "5.00")
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=amount, request_id="b"))
+
+
+def test_a_key_cap_limits_that_key_but_not_its_siblings():
+    organization = OrganizationFactory()
+    capped, free = (ApiKey.objects.create(organization=organization, name=n, lookup=n, digest="x") for n in ("capped", "free"))
+    set_key_spend_cap(SYSTEM, capped, spend_cap=Decimal("0.05"))
+
+    async def scenario():
+        await reserve(organization_id=organization.pk, api_key_id=capped.pk, amount=Decimal("0.05"), request_id="k1")
+        with pytest.raises(QuotaExceeded) as refused:
+            await reserve(organization_id=organization.pk, api_key_id=capped.pk, amount=Decimal("0.01"), request_id="k2")
+        assert refused.value.reason == "key_cap"
+        await reserve(organization_id=organization.pk, api_key_id=free.pk, amount=Decimal("5"), request_id="k3")
+
+    asyncio.run(scenario())
+
+
+def test_counters_are_rebuilt_from_the_ledger_after_a_redis_flush():
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    _cap(organization, "10.00")
+    record_usage(usage_report(endpoint, prompt_tokens=7_000_000, completion_tokens=0))  # $7 this month
+    get_redis().flushdb()
+
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("3.01"), request_id="over"))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("3.00"), request_id="fits"))
+    assert quota.counted_spend(organization.pk) == Decimal("7")
+
+
+def test_a_reservation_whose_gateway_died_is_released_after_its_deadline(settings):
+    settings.BILLING_RESERVATION_TTL_S = 1
+    organization = OrganizationFactory()
+    _cap(organization, "1.00")
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"), request_id="crashed"))
+
+    assert quota.sweep_expired_reservations() == 0  # not yet
+    assert quota.sweep_expired_reservations(now=time.time() + 2) == 1
+    assert quota.reserved_now(organization.pk) == 0
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"), request_id="next"))
+
+
+def test_a_prepaid_organisation_spends_only_its_credit():
+    organization = OrganizationFactory()
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+
+    async def scenario():
+        await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.50"), request_id="p1")
+        with pytest.raises(QuotaExceeded) as refused:
+            await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.60"), request_id="p2")
+        assert refused.value.reason == "credit"
+
+    asyncio.run(scenario())
+
+
+def test_credits_expire():
+    organization = OrganizationFactory()
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant = grant_credits(SYSTEM, organization, amount=Decimal("5.00"), expires_at=timezone.now() + timedelta(seconds=1))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"), request_id="before"))
+
+    time.sleep(1.2)
+    assert not grant.is_active()
+    with pytest.raises(QuotaExceeded):  # the Redis figure expired with the grant and was rebuilt without it
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="after"))
+
+
+def test_usage_draws_credits_soonest_expiry_first_and_only_once():
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    later = grant_credits(SYSTEM, organization, amount=Decimal("10"), expires_at=timezone.now() + timedelta(days=60))
+    sooner = grant_credits(SYSTEM, organization, amount=Decimal("3"), expires_at=timezone.now() + timedelta(days=5))
+    record_usage(usage_report(endpoint, prompt_tokens=4_000_000, completion_tokens=0))  # $4
+
+    assert draw_credits(organization.pk) == Decimal("4")
+    assert draw_credits(organization.pk) == 0
+    sooner.refresh_from_db()
+    later.refresh_from_db()
+    assert (sooner.remaining, later.remaining) == (Decimal("0"), Decimal("9"))
+    assert quota.credit_available(organization.pk)[0] == Decimal("9")
+
+
+def test_an_organisation_starts_with_the_platform_default_cap(settings):
+    settings.DEFAULT_MONTHLY_SPEND_CAP = Decimal("25")
+    organization = OrganizationFactory()
+    assert get_billing_account(organization.pk).spend_cap == Decimal("25")
+    assert BillingAccount.objects.filter(organization=organization).count() == 1
+
+
+def test_max_cost_prices_every_prompt_token_uncached_and_every_allowed_output_token():
+    endpoint = EndpointFactory.build(price_input_per_million=Decimal("0.10"), price_cached_input_per_million=Decimal("0.05"),
+                                     price_output_per_million=Decimal("0.30"))
+    assert max_cost(endpoint, prompt_tokens=1000, max_tokens=2000) == Decimal("0.0007")

@@ -1,0 +1,115 @@
+"""Rollups reach Stripe as meter events: once each, through 500s, 429s and timeouts."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from billing import stripe_sync
+from billing.ledger import record_usage
+from billing.models import BillingAccount, MeterEventPush, UsageRollup
+from billing.rollups import rollup_usage
+from tests.billing.conftest import usage_report
+from tests.factories import EndpointFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def _closed_rollup(endpoint, *, prompt_tokens=120, cached_tokens=20, completion_tokens=30):
+    finished_at = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=3)
+    record_usage(usage_report(endpoint, finished_at=finished_at, prompt_tokens=prompt_tokens,
+                              cached_tokens=cached_tokens, completion_tokens=completion_tokens))
+    rollup_usage()
+    return UsageRollup.objects.get(endpoint=endpoint, sequence=0)
+
+
+def test_a_closed_rollup_becomes_meter_events_for_input_cached_and_output_tokens(fake_stripe):
+    endpoint = EndpointFactory()
+    rollup = _closed_rollup(endpoint)
+
+    assert stripe_sync.push_pending_rollups() == 1
+
+    customer_id = BillingAccount.objects.get(organization=endpoint.organization).stripe_customer_id
+    assert fake_stripe.meter_totals() == {
+        (customer_id, "inferplane_input_tokens"): 100,
+        (customer_id, "inferplane_cached_input_tokens"): 20,
+        (customer_id, "inferplane_output_tokens"): 30,
+    }
+    assert sorted(fake_stripe.meter_events) == sorted(f"rollup-{rollup.pk}-{name}" for name in ("input_tokens", "cached_input_tokens", "output_tokens"))
+    rollup.refresh_from_db()
+    assert rollup.pushed_at is not None
+
+
+def test_the_customer_and_meters_are_created_once_when_first_needed(fake_stripe):
+    endpoint = EndpointFactory()
+    _closed_rollup(endpoint)
+    stripe_sync.push_pending_rollups()
+    later = EndpointFactory(organization=endpoint.organization)
+    _closed_rollup(later)
+    stripe_sync.push_pending_rollups()
+
+    assert len(fake_stripe.calls_to("/v1/customers")) == 1
+    assert len(fake_stripe.calls_to("/v1/billing/meters")) == 3
+
+
+def test_a_pushed_rollup_is_never_pushed_again(fake_stripe):
+    rollup = _closed_rollup(EndpointFactory())
+    stripe_sync.push_pending_rollups()
+    num_calls = len(fake_stripe.calls)
+
+    assert stripe_sync.push_pending_rollups() == 0
+    assert stripe_sync.push_rollup(rollup.pk) is False
+    assert len(fake_stripe.calls) == num_calls
+
+
+@pytest.mark.parametrize("failure", ["500", "429", "timeout"])
+def test_stripe_failures_are_retried_and_never_duplicated(fake_stripe, failure):
+    rollup = _closed_rollup(EndpointFactory())
+    fake_stripe.fail_next(failure, times=2, path="/v1/billing/meter_events")
+
+    assert stripe_sync.push_pending_rollups() == 1
+
+    assert len(fake_stripe.meter_events) == 3
+    assert sum(fake_stripe.meter_totals().values()) == rollup.prompt_tokens + rollup.completion_tokens
+    assert fake_stripe.num_duplicate_identifiers == 0
+    retried = fake_stripe.calls_to("/v1/billing/meter_events")
+    assert len(retried) == 5 and all(call.idempotency_key for call in retried)
+    if failure == "timeout":  # Stripe did the work; the retry got the stored answer
+        assert sum(call.replayed for call in retried) == 2
+
+
+def test_a_push_that_keeps_failing_is_left_for_the_next_run(fake_stripe):
+    rollup = _closed_rollup(EndpointFactory())
+    fake_stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS, path="/v1/billing/meter_events")
+
+    assert stripe_sync.push_pending_rollups() == 0
+    rollup.refresh_from_db()
+    assert rollup.pushed_at is None and rollup.push_claimed_at is None and "injected" in rollup.push_error
+
+    assert stripe_sync.push_pending_rollups() == 1
+    assert len(fake_stripe.meter_events) == 3
+
+
+def test_a_push_that_died_after_stripe_accepted_is_finished_without_double_billing(fake_stripe, settings):
+    settings.BILLING_CLAIM_TIMEOUT_S = 0.1
+    rollup = _closed_rollup(EndpointFactory())
+    stripe_sync.push_pending_rollups()
+    # Forget locally that it was pushed, as if the worker died after Stripe answered.
+    MeterEventPush.objects.filter(rollup=rollup).delete()
+    UsageRollup.objects.filter(pk=rollup.pk).update(pushed_at=None, push_claimed_at=timezone.now() - timedelta(seconds=1))
+
+    assert stripe_sync.push_pending_rollups() == 1
+    assert sum(fake_stripe.meter_totals().values()) == rollup.prompt_tokens + rollup.completion_tokens
+
+
+def test_an_open_hour_is_not_pushed(fake_stripe):
+    record_usage(usage_report(EndpointFactory(), finished_at=timezone.now()))
+    rollup_usage()
+    assert stripe_sync.push_pending_rollups() == 0
+    assert not fake_stripe.meter_events
+
+
+def test_without_a_stripe_key_billing_sync_is_off(settings):
+    settings.STRIPE_SECRET_KEY = ""
+    _closed_rollup(EndpointFactory())
+    assert stripe_sync.push_pending_rollups() == 0

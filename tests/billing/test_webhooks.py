@@ -1,0 +1,92 @@
+"""Stripe webhooks: verified by signature, applied once per event id, mirroring invoices and their lines."""
+
+import json
+import time
+
+import pytest
+from rest_framework.test import APIClient
+
+from billing.models import Invoice, InvoiceLine, StripeEvent
+from billing.services import get_billing_account
+from tests.factories import OrganizationFactory
+from tests.fakes.stripe_server import sign_webhook
+
+pytestmark = pytest.mark.django_db
+
+URL = "/api/v1/billing/stripe/webhook"
+SECRET = "whsec_test_secret"
+
+
+@pytest.fixture
+def customer(settings):
+    settings.STRIPE_WEBHOOK_SECRET = SECRET
+    account = get_billing_account(OrganizationFactory().pk)
+    account.stripe_customer_id = "cus_webhook"
+    account.save()
+    return account
+
+
+def _event(event_id="evt_1", kind="invoice.finalized", status="open", created=None, amount_paid=0, lines=2):
+    return {
+        "id": event_id, "object": "event", "type": kind, "created": created or int(time.time()),
+        "data": {"object": {
+            "id": "in_1", "object": "invoice", "customer": "cus_webhook", "number": "INF-0001", "status": status,
+            "currency": "usd", "amount_due": 1234, "amount_paid": amount_paid, "period_start": 1780000000,
+            "period_end": 1782600000, "hosted_invoice_url": "https://invoice.stripe.test/in_1",
+            "lines": {"object": "list", "data": [
+                {"id": f"il_{n}", "description": f"Output tokens × {n}", "quantity": 1000 * n, "amount": 600 + n}
+                for n in range(lines)
+            ]},
+        }},
+    }
+
+
+def _post(payload: dict, *, secret=SECRET, signature=None):
+    body = json.dumps(payload).encode()
+    return APIClient().post(URL, body, content_type="application/json",
+                            HTTP_STRIPE_SIGNATURE=signature or sign_webhook(body, secret))
+
+
+def test_a_signed_invoice_event_mirrors_the_invoice_with_its_lines(customer):
+    response = _post(_event())
+
+    assert response.status_code == 200
+    invoice = Invoice.objects.get()
+    assert (invoice.organization_id, invoice.number, invoice.status, invoice.amount_due) == (customer.organization_id, "INF-0001", "open", 1234)
+    assert list(invoice.lines.values_list("description", "amount")) == [("Output tokens × 0", 600), ("Output tokens × 1", 601)]
+
+
+def test_a_webhook_with_a_bad_signature_is_a_400_and_changes_nothing(customer):
+    _post(_event(event_id="evt_ok"))
+    forged = _event(event_id="evt_forged", kind="invoice.paid", status="paid", amount_paid=1234)
+
+    assert _post(forged, secret="whsec_wrong").status_code == 400
+    assert _post(forged, signature="t=1,v1=deadbeef").status_code == 400
+    assert APIClient().post(URL, json.dumps(forged), content_type="application/json").status_code == 400
+
+    assert Invoice.objects.get().status == "open"
+    assert list(StripeEvent.objects.values_list("stripe_event_id", flat=True)) == ["evt_ok"]
+
+
+def test_the_same_event_twice_is_applied_once(customer):
+    event = _event(event_id="evt_same", kind="invoice.payment_failed")
+    assert _post(event).json()["duplicate"] is False
+    first_failure = Invoice.objects.get().payment_failed_at
+
+    assert _post(event).json()["duplicate"] is True
+    assert Invoice.objects.get().payment_failed_at == first_failure
+    assert StripeEvent.objects.count() == 1 and InvoiceLine.objects.count() == 2
+
+
+def test_an_older_event_arriving_late_never_overwrites_a_newer_invoice_state(customer):
+    now = int(time.time())
+    _post(_event(event_id="evt_paid", kind="invoice.paid", status="paid", amount_paid=1234, created=now))
+    _post(_event(event_id="evt_old", kind="invoice.finalized", status="open", created=now - 60))
+
+    assert Invoice.objects.get().status == "paid"
+
+
+def test_without_a_webhook_secret_every_webhook_is_refused(settings):
+    settings.STRIPE_WEBHOOK_SECRET = ""
+    assert _post(_event(), secret="").status_code == 400
+    assert not StripeEvent.objects.exists()

@@ -1,0 +1,237 @@
+"""A fake Stripe API: only the calls Inferplane makes, over real HTTP, for the official `stripe` library.
+
+    fake = FakeStripe().start()          # settings.STRIPE_API_BASE = fake.base_url
+    fake.fail_next("500", times=2)       # or "429", "timeout"; optionally path="/v1/customers"
+    fake.meter_totals()                  # {(customer id, event name): total value}
+
+It records every call, replays the stored response for a repeated `Idempotency-Key` (as Stripe
+does for 24 h), refuses a meter event whose `identifier` it has already accepted, and can be told
+to fail. A "timeout" failure handles the request and then answers too late, so the client sees a
+timeout although Stripe did the work: the case idempotency keys exist for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qsl, urlparse
+
+FAILURE_KINDS = ("500", "429", "timeout")
+
+
+@dataclass(slots=True)
+class Call:
+    method: str
+    path: str
+    params: dict
+    idempotency_key: str | None
+    status: int = 0
+    replayed: bool = False
+    injected: str | None = None
+
+
+@dataclass(slots=True)
+class _Failure:
+    kind: str
+    path: str | None
+
+
+@dataclass
+class FakeStripe:
+    latency_s: float = 0.0  # added to every call, so work takes long enough to be interrupted
+    timeout_hang_s: float = 2.0  # how late a "timeout" failure answers
+    calls: list[Call] = field(default_factory=list)
+    customers: dict[str, dict] = field(default_factory=dict)
+    meters: dict[str, dict] = field(default_factory=dict)
+    meter_events: dict[str, dict] = field(default_factory=dict)  # identifier -> event
+    num_duplicate_identifiers: int = 0
+    unexpected: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+        self._idempotent: dict[str, tuple[int, dict]] = {}
+        self._failures: deque[_Failure] = deque()
+        self._server: ThreadingHTTPServer | None = None
+
+    # --- control ---------------------------------------------------------------------------------
+    def start(self) -> FakeStripe:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                fake._handle(self, "GET")
+
+            def do_POST(self):
+                fake._handle(self, "POST")
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="fake-stripe", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    @property
+    def base_url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def fail_next(self, kind: str, *, times: int = 1, path: str | None = None) -> None:
+        if kind not in FAILURE_KINDS:
+            raise ValueError(f"kind must be one of {FAILURE_KINDS}")
+        with self._lock:
+            self._failures.extend(_Failure(kind, path) for _ in range(times))
+
+    # --- inspection ------------------------------------------------------------------------------
+    def meter_totals(self) -> dict[tuple[str, str], int]:
+        totals: dict[tuple[str, str], int] = {}
+        with self._lock:
+            for event in self.meter_events.values():
+                key = (event["payload"]["stripe_customer_id"], event["event_name"])
+                totals[key] = totals.get(key, 0) + int(event["payload"]["value"])
+        return totals
+
+    def calls_to(self, path: str, method: str = "POST") -> list[Call]:
+        with self._lock:
+            return [call for call in self.calls if call.path == path and call.method == method]
+
+    # --- the API -----------------------------------------------------------------------------------
+    def _handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
+        path = urlparse(request.path).path
+        body = request.rfile.read(int(request.headers.get("Content-Length") or 0)).decode()
+        call = Call(method, path, _nested(parse_qsl(body, keep_blank_values=True)), request.headers.get("Idempotency-Key"))
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        with self._lock:
+            self.calls.append(call)
+            failure = self._take_failure(path)
+        if not (request.headers.get("Authorization") or "").startswith("Bearer sk_"):
+            return self._answer(request, call, 401, _error("invalid_request_error", "Invalid API Key provided"))
+        if failure is not None and failure.kind != "timeout":
+            call.injected = failure.kind
+            status = 500 if failure.kind == "500" else 429
+            kind = "api_error" if status == 500 else "invalid_request_error"
+            return self._answer(request, call, status, _error(kind, f"injected {failure.kind}", code="rate_limit" if status == 429 else None))
+        with self._lock:
+            stored = self._idempotent.get(call.idempotency_key) if method == "POST" and call.idempotency_key else None
+            if stored is not None:
+                call.replayed = True
+                status, payload = stored
+            else:
+                status, payload = self._route(method, path, call.params)
+                if method == "POST" and call.idempotency_key and status < 500:
+                    self._idempotent[call.idempotency_key] = (status, payload)
+        if failure is not None:  # "timeout": the work is done, the answer comes too late
+            call.injected = failure.kind
+            time.sleep(self.timeout_hang_s)
+        self._answer(request, call, status, payload, replayed=call.replayed)
+
+    def _take_failure(self, path: str) -> _Failure | None:
+        for index, failure in enumerate(self._failures):
+            if failure.path is None or failure.path == path:
+                del self._failures[index]
+                return failure
+        return None
+
+    def _route(self, method: str, path: str, params: dict) -> tuple[int, dict]:
+        now = int(time.time())
+        if (method, path) == ("POST", "/v1/customers"):
+            customer = {"id": _id("cus"), "object": "customer", "created": now, "name": params.get("name"),
+                        "metadata": params.get("metadata", {}), "livemode": False}
+            self.customers[customer["id"]] = customer
+            return 200, customer
+        if (method, path) == ("POST", "/v1/billing/meters"):
+            meter = {"id": _id("mtr"), "object": "billing.meter", "created": now, "status": "active",
+                     "event_name": params["event_name"], "display_name": params.get("display_name"),
+                     "default_aggregation": params.get("default_aggregation"), "livemode": False}
+            self.meters[meter["id"]] = meter
+            return 200, meter
+        if (method, path) == ("GET", "/v1/billing/meters"):
+            return 200, {"object": "list", "data": list(self.meters.values()), "has_more": False, "url": path}
+        if (method, path) == ("POST", "/v1/billing/meter_events"):
+            return self._meter_event(params, now)
+        if (method, path) == ("POST", "/v1/billing_portal/sessions"):
+            if params.get("customer") not in self.customers:
+                return 400, _error("invalid_request_error", "No such customer", code="resource_missing")
+            return 200, {"id": _id("bps"), "object": "billing_portal.session", "customer": params["customer"],
+                         "return_url": params.get("return_url"), "url": f"https://billing.stripe.test/p/{_id('session')}"}
+        self.unexpected.append(f"{method} {path}")
+        return 404, _error("invalid_request_error", f"Unrecognized request URL ({method}: {path})")
+
+    def _meter_event(self, params: dict, now: int) -> tuple[int, dict]:
+        if params.get("event_name") not in {meter["event_name"] for meter in self.meters.values()}:
+            return 400, _error("invalid_request_error", "No active meter found for this event_name", code="resource_missing")
+        payload = params.get("payload") or {}
+        if payload.get("stripe_customer_id") not in self.customers:
+            return 400, _error("invalid_request_error", "No such customer", code="resource_missing")
+        if not re.fullmatch(r"\d+", str(payload.get("value", ""))):
+            return 400, _error("invalid_request_error", "value must be a whole number", code="parameter_invalid_integer")
+        identifier = params.get("identifier") or _id("ident")
+        if identifier in self.meter_events:
+            self.num_duplicate_identifiers += 1
+            return 400, _error("invalid_request_error", f"An event with identifier {identifier} already exists.",
+                               code="duplicate_meter_event")
+        event = {"object": "billing.meter_event", "created": now, "event_name": params["event_name"],
+                 "identifier": identifier, "payload": payload, "timestamp": int(params.get("timestamp") or now),
+                 "livemode": False}
+        self.meter_events[identifier] = event
+        return 200, event
+
+    def _answer(self, request, call: Call, status: int, payload: dict, *, replayed: bool = False) -> None:
+        call.status = status
+        data = json.dumps(payload).encode()
+        try:
+            request.send_response(status)
+            request.send_header("Content-Type", "application/json")
+            request.send_header("Content-Length", str(len(data)))
+            request.send_header("Request-Id", _id("req"))
+            if replayed:
+                request.send_header("Idempotent-Replayed", "true")
+            request.end_headers()
+            request.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (a timeout): Stripe's work stands all the same
+
+
+def sign_webhook(payload: bytes, secret: str, *, timestamp: int | None = None) -> str:
+    """A `Stripe-Signature` header for `payload`, as Stripe computes it."""
+    timestamp = int(time.time()) if timestamp is None else timestamp
+    signed = f"{timestamp}.{payload.decode()}".encode()
+    return f"t={timestamp},v1={hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()}"
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+def _error(kind: str, message: str, *, code: str | None = None) -> dict:
+    error = {"type": kind, "message": message}
+    if code:
+        error["code"] = code
+    return {"error": error}
+
+
+def _nested(pairs: list[tuple[str, str]]) -> dict:
+    """Stripe's form encoding (`payload[value]=3`, `items[0][price]=x`) back into dicts."""
+    result: dict = {}
+    for key, value in pairs:
+        parts = re.findall(r"[^\[\]]+", key)
+        target = result
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = value
+    return result
