@@ -1,7 +1,12 @@
-"""Stripe, through the official library: customers, Billing Meters, meter events, portal links.
+"""Stripe, through the official library: customers, subscriptions, Billing Meters, meter events, portal links.
 
-Each closed rollup becomes up to three meter events (uncached input, cached input and output
-tokens) whose `identifier` — also the idempotency key — is derived from the rollup id, so a
+Per-endpoint prices cannot be one Stripe price per token meter, so what Stripe bills is a cost
+meter: each rollup's cost in micro-dollars, under one metered price of $0.000001 a unit. Each
+organisation's customer gets one subscription to that price when it is first needed. The token
+meters stay, for token-level detail.
+
+Each closed rollup becomes up to four meter events (uncached input, cached input and output
+tokens, and cost) whose `identifier` — also the idempotency key — is derived from the rollup id, so a
 retry after a crash can never bill twice: Stripe deduplicates it, and `MeterEventPush` records
 what was accepted so we do not even ask again. A worker claims a rollup with a conditional
 update (a lease that a dead worker's successor may take over), calls Stripe with no database
@@ -15,7 +20,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import stripe
 from django.conf import settings
@@ -46,7 +51,14 @@ METERS = (
     Meter("inferplane_input_tokens", "Input tokens", "input_tokens"),
     Meter("inferplane_cached_input_tokens", "Cached input tokens", "cached_tokens"),
     Meter("inferplane_output_tokens", "Output tokens", "completion_tokens"),
+    Meter("inferplane_usage_cost", "Usage (micro-dollars)", "cost_micro_dollars"),
 )
+COST_METER = METERS[-1]
+# The one price Stripe bills by: a micro-dollar of cost meter is 0.0001 cent.
+USAGE_PRICE_LOOKUP_KEY = "inferplane_usage_cost_usd_monthly"
+USAGE_PRICE_UNIT_CENTS = "0.0001"
+# Stripe takes meter event timestamps from the last 35 days only.
+MAX_EVENT_AGE = timedelta(days=34)
 
 
 class StripeNotConfigured(RuntimeError):
@@ -139,7 +151,72 @@ def ensure_meters() -> dict[str, str]:
     return known
 
 
+def ensure_usage_price() -> str:
+    """The id of the metered price on the cost meter: found by its lookup key, else created once."""
+    meter_ids = ensure_meters()
+    stored = StripeMeter.objects.filter(event_name=COST_METER.event_name).values_list("stripe_price_id", flat=True).first()
+    if stored:
+        return stored
+    found = call_stripe(
+        lambda: stripe_client().v1.prices.list(params={"lookup_keys": [USAGE_PRICE_LOOKUP_KEY], "limit": 1}),
+        what="price lookup",
+    )
+    if found.data:
+        price_id = found.data[0].id
+    else:
+        price_id = call_stripe(
+            lambda: stripe_client().v1.prices.create(
+                params={
+                    "currency": "usd",
+                    "unit_amount_decimal": USAGE_PRICE_UNIT_CENTS,
+                    "recurring": {"interval": "month", "usage_type": "metered", "meter": meter_ids[COST_METER.event_name]},
+                    "product_data": {"name": "Inferplane inference"},
+                    "lookup_key": USAGE_PRICE_LOOKUP_KEY,
+                    "nickname": "Usage, per micro-dollar",
+                },
+                options={"idempotency_key": f"price-{USAGE_PRICE_LOOKUP_KEY}"},
+            ),
+            what="price create",
+        ).id
+    StripeMeter.objects.filter(event_name=COST_METER.event_name, stripe_price_id="").update(stripe_price_id=price_id)
+    return price_id
+
+
+def ensure_subscription(organization_id: int) -> str:
+    """The organisation's subscription to the usage price, created once, with its customer.
+
+    Two workers may race here: both send the same idempotency key, so Stripe creates one
+    subscription, and the first conditional update stores it.
+    """
+    account = get_billing_account(organization_id)
+    if account.stripe_subscription_id:
+        return account.stripe_subscription_id
+    customer_id = ensure_customer(organization_id)
+    price_id = ensure_usage_price()
+    params = {"customer": customer_id, "items": [{"price": price_id}], "metadata": {"organization_id": str(organization_id)}}
+    oldest_hour = UsageRollup.objects.filter(organization_id=organization_id).order_by("hour_start").values_list("hour_start", flat=True).first()
+    if oldest_hour is not None:
+        # Usage rolled up before the subscription existed is billed only if the subscription starts
+        # before it. NOTE: the day, not the second, so that a retry from another worker sends the
+        # same parameters with the same idempotency key, as Stripe requires.
+        oldest_event_at = datetime.fromtimestamp(event_timestamp(oldest_hour), tz=UTC)
+        params["backdate_start_date"] = int(oldest_event_at.replace(hour=0, minute=0, second=0, microsecond=0).timestamp())
+    subscription = call_stripe(
+        lambda: stripe_client().v1.subscriptions.create(
+            params=params, options={"idempotency_key": f"subscription-org-{organization_id}"}
+        ),
+        what="subscription create",
+    )
+    BillingAccount.objects.filter(pk=account.pk, stripe_subscription_id="").update(stripe_subscription_id=subscription.id)
+    return BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(pk=account.pk)
+
+
 # --- pushing rollups ---------------------------------------------------------------------------------
+
+def event_timestamp(hour_start) -> int:
+    """When Stripe is told usage happened: the hour, or for older late usage the oldest time it takes."""
+    return int(max(hour_start, timezone.now() - MAX_EVENT_AGE).timestamp())
+
 
 def meter_event_identifier(rollup_id: int, event_name: str) -> str:
     return f"rollup-{rollup_id}-{event_name.removeprefix('inferplane_')}"
@@ -163,10 +240,9 @@ def push_rollup(rollup_id: int) -> bool:
     rollup = UsageRollup.objects.get(pk=rollup_id)
     try:
         customer_id = ensure_customer(rollup.organization_id)
-        ensure_meters()
+        ensure_subscription(rollup.organization_id)  # also creates the meters and the price
         done = set(MeterEventPush.objects.filter(rollup=rollup).values_list("event_name", flat=True))
-        # Stripe takes timestamps from the last 35 days only; older late usage is stamped recent.
-        timestamp = int(max(rollup.hour_start, timezone.now() - timedelta(days=34)).timestamp())
+        timestamp = event_timestamp(rollup.hour_start)
         for meter in METERS:
             value = getattr(rollup, meter.rollup_field)
             if value <= 0 or meter.event_name in done:

@@ -1,4 +1,7 @@
-"""Rollups reach Stripe as meter events: once each, through 500s, 429s and timeouts."""
+"""Rollups reach Stripe as meter events: once each, through 500s, 429s and timeouts.
+
+The subscription, its price and the cost meter have their own tests in test_stripe_subscription.py.
+"""
 
 from datetime import timedelta
 
@@ -23,7 +26,11 @@ def _closed_rollup(endpoint, *, prompt_tokens=120, cached_tokens=20, completion_
     return UsageRollup.objects.get(endpoint=endpoint, sequence=0)
 
 
-def test_a_closed_rollup_becomes_meter_events_for_input_cached_and_output_tokens(fake_stripe):
+def _token_total(fake_stripe) -> int:
+    return sum(value for (_, event_name), value in fake_stripe.meter_totals().items() if event_name.endswith("_tokens"))
+
+
+def test_a_closed_rollup_becomes_meter_events_for_input_cached_and_output_tokens_and_cost(fake_stripe):
     endpoint = EndpointFactory()
     rollup = _closed_rollup(endpoint)
 
@@ -34,8 +41,11 @@ def test_a_closed_rollup_becomes_meter_events_for_input_cached_and_output_tokens
         (customer_id, "inferplane_input_tokens"): 100,
         (customer_id, "inferplane_cached_input_tokens"): 20,
         (customer_id, "inferplane_output_tokens"): 30,
+        (customer_id, "inferplane_usage_cost"): rollup.cost_micro_dollars,
     }
-    assert sorted(fake_stripe.meter_events) == sorted(f"rollup-{rollup.pk}-{name}" for name in ("input_tokens", "cached_input_tokens", "output_tokens"))
+    assert rollup.cost_micro_dollars > 0
+    assert sorted(fake_stripe.meter_events) == sorted(
+        f"rollup-{rollup.pk}-{name}" for name in ("input_tokens", "cached_input_tokens", "output_tokens", "usage_cost"))
     rollup.refresh_from_db()
     assert rollup.pushed_at is not None
 
@@ -49,7 +59,7 @@ def test_the_customer_and_meters_are_created_once_when_first_needed(fake_stripe)
     stripe_sync.push_pending_rollups()
 
     assert len(fake_stripe.calls_to("/v1/customers")) == 1
-    assert len(fake_stripe.calls_to("/v1/billing/meters")) == 3
+    assert len(fake_stripe.calls_to("/v1/billing/meters")) == 4
 
 
 def test_a_pushed_rollup_is_never_pushed_again(fake_stripe):
@@ -69,11 +79,11 @@ def test_stripe_failures_are_retried_and_never_duplicated(fake_stripe, failure):
 
     assert stripe_sync.push_pending_rollups() == 1
 
-    assert len(fake_stripe.meter_events) == 3
-    assert sum(fake_stripe.meter_totals().values()) == rollup.prompt_tokens + rollup.completion_tokens
+    assert len(fake_stripe.meter_events) == 4
+    assert _token_total(fake_stripe) == rollup.prompt_tokens + rollup.completion_tokens
     assert fake_stripe.num_duplicate_identifiers == 0
     retried = fake_stripe.calls_to("/v1/billing/meter_events")
-    assert len(retried) == 5 and all(call.idempotency_key for call in retried)
+    assert len(retried) == 6 and all(call.idempotency_key for call in retried)
     if failure == "timeout":  # Stripe did the work; the retry got the stored answer
         assert sum(call.replayed for call in retried) == 2
 
@@ -87,7 +97,7 @@ def test_a_push_that_keeps_failing_is_left_for_the_next_run(fake_stripe):
     assert rollup.pushed_at is None and rollup.push_claimed_at is None and "injected" in rollup.push_error
 
     assert stripe_sync.push_pending_rollups() == 1
-    assert len(fake_stripe.meter_events) == 3
+    assert len(fake_stripe.meter_events) == 4
 
 
 def test_a_push_that_died_after_stripe_accepted_is_finished_without_double_billing(fake_stripe, settings):
@@ -99,7 +109,8 @@ def test_a_push_that_died_after_stripe_accepted_is_finished_without_double_billi
     UsageRollup.objects.filter(pk=rollup.pk).update(pushed_at=None, push_claimed_at=timezone.now() - timedelta(seconds=1))
 
     assert stripe_sync.push_pending_rollups() == 1
-    assert sum(fake_stripe.meter_totals().values()) == rollup.prompt_tokens + rollup.completion_tokens
+    assert _token_total(fake_stripe) == rollup.prompt_tokens + rollup.completion_tokens
+    assert sum(event["event_name"] == "inferplane_usage_cost" for event in fake_stripe.meter_events.values()) == 1
 
 
 def test_an_open_hour_is_not_pushed(fake_stripe):

@@ -180,11 +180,15 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
         }
         assert ledger == rollups
         assert stripe == {name: ledger[name] for name in ("input", "cached", "output")}
+        # What Stripe bills: each rollup's cost, rounded to the micro-dollar once.
+        assert meters.get((customer, "inferplane_usage_cost"), 0) == sum(
+            rollup.cost_micro_dollars for rollup in UsageRollup.objects.filter(organization=organization))
     assert UsageRecord.objects.count() == UsageRollup.objects.aggregate(n=Sum("num_requests"))["n"]
     assert UsageRollup.objects.filter(kind=RollupKind.ADJUSTMENT).exists()
     # Every accepted meter event is recorded once, and Stripe accepted nothing we do not know of.
     assert MeterEventPush.objects.count() == len(fake.meter_events)
     assert set(MeterEventPush.objects.values_list("identifier", flat=True)) == set(fake.meter_events)
     assert len(fake.calls_to("/v1/customers")) >= 2 and len({c.idempotency_key for c in fake.calls_to("/v1/customers")}) == 2
+    assert len(fake.subscriptions) == len(fake.customers) == 2 and len(fake.prices) == 1
     assert not fake.unexpected
     assert killed_during["billing.rollup_usage"] >= 5 and killed_during["billing.push_pending_rollups"] >= 20

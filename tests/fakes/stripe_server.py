@@ -1,8 +1,9 @@
 """A fake Stripe API: only the calls Inferplane makes, over real HTTP, for the official `stripe` library.
 
     fake = FakeStripe().start()          # settings.STRIPE_API_BASE = fake.base_url
-    fake.fail_next("500", times=2)       # or "429", "timeout"; optionally path="/v1/customers"
+    fake.fail_next("500", times=2)       # or "429", "timeout"; optionally path="/v1/customers", method="POST"
     fake.meter_totals()                  # {(customer id, event name): total value}
+    fake.prices, fake.subscriptions      # what was created, by id
 
 It records every call, replays the stored response for a repeated `Idempotency-Key` (as Stripe
 does for 24 h), refuses a meter event whose `identifier` it has already accepted, and can be told
@@ -42,6 +43,7 @@ class Call:
 class _Failure:
     kind: str
     path: str | None
+    method: str | None
 
 
 @dataclass
@@ -52,6 +54,8 @@ class FakeStripe:
     customers: dict[str, dict] = field(default_factory=dict)
     meters: dict[str, dict] = field(default_factory=dict)
     meter_events: dict[str, dict] = field(default_factory=dict)  # identifier -> event
+    prices: dict[str, dict] = field(default_factory=dict)
+    subscriptions: dict[str, dict] = field(default_factory=dict)
     num_duplicate_identifiers: int = 0
     unexpected: list[str] = field(default_factory=list)
 
@@ -90,11 +94,11 @@ class FakeStripe:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def fail_next(self, kind: str, *, times: int = 1, path: str | None = None) -> None:
+    def fail_next(self, kind: str, *, times: int = 1, path: str | None = None, method: str | None = None) -> None:
         if kind not in FAILURE_KINDS:
             raise ValueError(f"kind must be one of {FAILURE_KINDS}")
         with self._lock:
-            self._failures.extend(_Failure(kind, path) for _ in range(times))
+            self._failures.extend(_Failure(kind, path, method) for _ in range(times))
 
     # --- inspection ------------------------------------------------------------------------------
     def meter_totals(self) -> dict[tuple[str, str], int]:
@@ -111,14 +115,16 @@ class FakeStripe:
 
     # --- the API -----------------------------------------------------------------------------------
     def _handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
-        path = urlparse(request.path).path
+        url = urlparse(request.path)
+        path = url.path
         body = request.rfile.read(int(request.headers.get("Content-Length") or 0)).decode()
-        call = Call(method, path, _nested(parse_qsl(body, keep_blank_values=True)), request.headers.get("Idempotency-Key"))
+        query = url.query if method == "GET" else body  # the library sends GET parameters in the URL
+        call = Call(method, path, _nested(parse_qsl(query, keep_blank_values=True)), request.headers.get("Idempotency-Key"))
         if self.latency_s:
             time.sleep(self.latency_s)
         with self._lock:
             self.calls.append(call)
-            failure = self._take_failure(path)
+            failure = self._take_failure(method, path)
         if not (request.headers.get("Authorization") or "").startswith("Bearer sk_"):
             return self._answer(request, call, 401, _error("invalid_request_error", "Invalid API Key provided"))
         if failure is not None and failure.kind != "timeout":
@@ -140,9 +146,9 @@ class FakeStripe:
             time.sleep(self.timeout_hang_s)
         self._answer(request, call, status, payload, replayed=call.replayed)
 
-    def _take_failure(self, path: str) -> _Failure | None:
+    def _take_failure(self, method: str, path: str) -> _Failure | None:
         for index, failure in enumerate(self._failures):
-            if failure.path is None or failure.path == path:
+            if failure.path in (None, path) and failure.method in (None, method):
                 del self._failures[index]
                 return failure
         return None
@@ -164,6 +170,14 @@ class FakeStripe:
             return 200, {"object": "list", "data": list(self.meters.values()), "has_more": False, "url": path}
         if (method, path) == ("POST", "/v1/billing/meter_events"):
             return self._meter_event(params, now)
+        if (method, path) == ("GET", "/v1/prices"):
+            lookup_keys = set((params.get("lookup_keys") or {}).values())
+            found = [price for price in self.prices.values() if price["lookup_key"] in lookup_keys]
+            return 200, {"object": "list", "data": found, "has_more": False, "url": path}
+        if (method, path) == ("POST", "/v1/prices"):
+            return self._price(params, now)
+        if (method, path) == ("POST", "/v1/subscriptions"):
+            return self._subscription(params, now)
         if (method, path) == ("POST", "/v1/billing_portal/sessions"):
             if params.get("customer") not in self.customers:
                 return 400, _error("invalid_request_error", "No such customer", code="resource_missing")
@@ -190,6 +204,36 @@ class FakeStripe:
                  "livemode": False}
         self.meter_events[identifier] = event
         return 200, event
+
+    def _price(self, params: dict, now: int) -> tuple[int, dict]:
+        recurring = params.get("recurring") or {}
+        if recurring.get("usage_type") == "metered" and recurring.get("meter") not in self.meters:
+            return 400, _error("invalid_request_error", "No such billing meter", code="resource_missing")
+        lookup_key = params.get("lookup_key")
+        if lookup_key and any(price["lookup_key"] == lookup_key for price in self.prices.values()):
+            return 400, _error("invalid_request_error", f"A price with lookup key {lookup_key} already exists.",
+                               code="lookup_key_exists")
+        price = {"id": _id("price"), "object": "price", "created": now, "active": True, "currency": params.get("currency"),
+                 "unit_amount_decimal": params.get("unit_amount_decimal"), "recurring": recurring,
+                 "lookup_key": lookup_key, "product": _id("prod"), "livemode": False}
+        self.prices[price["id"]] = price
+        return 200, price
+
+    def _subscription(self, params: dict, now: int) -> tuple[int, dict]:
+        if params.get("customer") not in self.customers:
+            return 400, _error("invalid_request_error", "No such customer", code="resource_missing")
+        items = [item for _, item in sorted((params.get("items") or {}).items(), key=lambda pair: int(pair[0]))]
+        if not items or any(item.get("price") not in self.prices for item in items):
+            return 400, _error("invalid_request_error", "No such price", code="resource_missing")
+        subscription = {
+            "id": _id("sub"), "object": "subscription", "created": now, "status": "active", "customer": params["customer"],
+            "start_date": int(params.get("backdate_start_date") or now), "metadata": params.get("metadata", {}),
+            "items": {"object": "list", "data": [{"id": _id("si"), "object": "subscription_item", "price": self.prices[item["price"]]}
+                                                 for item in items]},
+            "livemode": False,
+        }
+        self.subscriptions[subscription["id"]] = subscription
+        return 200, subscription
 
     def _answer(self, request, call: Call, status: int, payload: dict, *, replayed: bool = False) -> None:
         call.status = status
