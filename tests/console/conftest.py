@@ -56,19 +56,31 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-background-networking"
 SCREENSHOTS_DIR = ARTIFACTS_DIR / "screenshots"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """One headless Debian chromium for the whole session, driven by Playwright."""
+    """One headless Debian chromium per browser-test module, driven by Playwright.
+
+    NOTE: module scope, not session: Playwright's sync API keeps an event loop running in
+    this thread until it stops, and later tests calling async views through Django's test
+    client would find that loop and fail.
+    """
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is missing (tests/run.sh installs Debian's chromium package)")
     # NOTE: Playwright's sync API runs an event loop in this thread; the test's own ORM calls
     # (fixtures, assertions) are still plain synchronous code, so Django may allow them.
-    os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    with sync_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
+    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with sync_api.sync_playwright() as playwright:
+            chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            yield chromium
+            chromium.close()
+    finally:
+        if previous is None:
+            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        else:
+            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
 
 
 @pytest.fixture
