@@ -1,0 +1,48 @@
+"""A spend cap set through the API turns calls into 402 insufficient_quota, and concurrency never overshoots it."""
+
+import asyncio
+from decimal import Decimal
+
+import httpx
+import pytest
+from django.db.models import Sum
+
+from billing.models import UsageRecord
+from tests.conftest import wait_until
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+CAP = "0.01"
+PRICE = Decimal("100")  # dollars per million tokens: a call costs about $0.0023
+
+
+def test_concurrent_calls_never_spend_past_the_cap_and_the_rest_get_402(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=2), price_input_per_million=PRICE,
+                              price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+    headers = {"Authorization": f"Bearer {tenant.key}"}
+    patched = httpx.patch(f"{gateway}/api/v1/billing/", json={"spend_cap": CAP}, headers=headers)
+    assert patched.status_code == 200, patched.text
+    assert Decimal(patched.json()["spend_cap"]) == Decimal(CAP)
+
+    async def call(client):
+        response = await client.post("/v1/chat/completions", json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 16})
+        return response.status_code, response.json()
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=gateway, headers=headers, timeout=60) as client:
+            return await asyncio.gather(*(call(client) for _ in range(40)))
+
+    results = asyncio.run(burst())
+    statuses = [status for status, _ in results]
+    refused = [body for status, body in results if status == 402]
+    assert statuses.count(200) >= 1 and refused, statuses
+    assert set(statuses) <= {200, 402}
+    assert {body["error"]["code"] for body in refused} == {"insufficient_quota"}
+    wait_until(lambda: UsageRecord.objects.count() == statuses.count(200), 15, message="one usage row per served call")
+    spent = UsageRecord.objects.aggregate(total=Sum("cost"))["total"]
+    assert spent <= Decimal(CAP)
+
+    billing = httpx.get(f"{gateway}/api/v1/billing/", headers=headers).json()
+    assert Decimal(billing["current_period"]["spend"]) == spent
