@@ -391,6 +391,7 @@ class Agent:
             # because PR_SET_PDEATHSIG would kill it when this short-lived thread ends.
             self.supervisor.start(spec, path)
             del self._pulls[spec.replica_id]
+        self._wake.set()  # report STARTING now: the console and held requests show "starting engine"
 
     def _drain(self, replica_id: str, spec: ReplicaSpec | None) -> None:
         with self._lock:

@@ -157,6 +157,8 @@ class Supervisor:
         self._http = httpx.Client(timeout=self.policy.health_timeout_s)
         self._monitor: threading.Thread | None = None
         self._stop_monitor = threading.Event()
+        # Set by start(): the monitor launches a new engine now, not at its next tick.
+        self._poke = threading.Event()
         self.standby = (
             Standby(
                 self.data_dir,
@@ -189,7 +191,8 @@ class Supervisor:
             replica.set_state(ReplicaState.STARTING)
             replica.launch_at = time.monotonic()
             self._replicas[spec.replica_id] = replica
-            return replica
+        self._poke.set()
+        return replica
 
     def drain(self, replica_id: str, *, timeout_s: float | None = None) -> None:
         """Stop routing to the replica, let in-flight requests finish, then stop it."""
@@ -234,9 +237,11 @@ class Supervisor:
             return
 
         def loop() -> None:
-            while not self._stop_monitor.wait(
-                starting_interval_s if self._any_engine_starting() else interval_s
-            ):
+            while not self._stop_monitor.is_set():
+                self._poke.wait(starting_interval_s if self._any_engine_starting() else interval_s)
+                self._poke.clear()
+                if self._stop_monitor.is_set():
+                    return
                 try:
                     self.poll()
                 except Exception:
@@ -255,6 +260,7 @@ class Supervisor:
 
     def stop_monitor(self) -> None:
         self._stop_monitor.set()
+        self._poke.set()
         if self._monitor is not None:
             self._monitor.join(timeout=10)
             self._monitor = None
