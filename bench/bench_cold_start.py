@@ -25,8 +25,6 @@ import json
 import os
 import platform
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,51 +43,13 @@ os.environ.setdefault("DJANGO_DEBUG", "1")
 
 FAST = {"INFERPLANE_AGENT_HEARTBEAT_INTERVAL_S": "0.5", "INFERPLANE_AUTOSCALER_TICK_S": "1"}
 MESSAGES = [{"role": "user", "content": "Say something"}]
+
+from tests.processes import ChildProcess, free_port, wait_until  # noqa: E402 - after sys.path is set
 IDLE_TIMEOUT_S = 5
 PLATFORM_SHARE_TARGET_S = 0.5
 TTFT_RATIO_TARGET = 0.35
 SCALE_TO_ZERO_SLACK_S = 5.0
 ACTIVE_STATES = ("PENDING", "STARTING", "READY", "DRAINING")
-
-
-class Child:
-    """A child process in its own group, stopped with its whole group."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(
-            argv, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, timeout_s: float = 30) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-        self._log.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def stream_chat(url: str, model: str, *, headers: dict | None = None, timeout_s: float = 600) -> dict:
@@ -132,7 +92,7 @@ def measure_naive(model_dir: Path, work_dir: Path) -> dict:
     port = free_port()
     command = engine.build_engine_command(spec, model_dir, port=port, device=engine.DEVICE_CPU)
     spawned_at = time.time()
-    child = Child(command.argv, {**os.environ, **command.env}, work_dir / "naive-engine.log")
+    child = ChildProcess(command.argv, {**os.environ, **command.env}, work_dir / "naive-engine.log")
     try:
 
         def healthy() -> bool:
@@ -143,7 +103,7 @@ def measure_naive(model_dir: Path, work_dir: Path) -> dict:
             except httpx.HTTPError:
                 return False
 
-        wait_until(healthy, 600, what="the naive engine's /health")
+        wait_until(healthy, 600, message="the naive engine's /health")
         healthy_at = time.time()
         answer = stream_chat(command.address, "tiny")
     finally:
@@ -161,26 +121,26 @@ def measure_naive(model_dir: Path, work_dir: Path) -> dict:
 class Stack:
     def __init__(self, work_dir: Path) -> None:
         self.work_dir = work_dir
-        self.children: list[Child] = []
+        self.children: list[ChildProcess] = []
         self.url = ""
-        self.agent: Child | None = None
+        self.agent: ChildProcess | None = None
 
     def start(self, join_token: str) -> None:
         env = {**os.environ, **FAST, "PYTHONUNBUFFERED": "1"}
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         python = sys.executable
-        self.children.append(Child(
+        self.children.append(ChildProcess(
             [python, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1", "--port", str(port),
              "--no-access-log", "--log-level", "warning"],
             env, self.work_dir / "web.log",
         ))  # fmt: skip
-        self.children.append(Child(
+        self.children.append(ChildProcess(
             [python, "-m", "celery", "-A", "controlplane", "worker", "--pool=solo", "--concurrency=1",
              "--loglevel=INFO", "--without-gossip", "--without-mingle", "-n", f"bench-{os.getpid()}@%h"],
             env, self.work_dir / "worker.log",
         ))  # fmt: skip
-        self.children.append(Child(
+        self.children.append(ChildProcess(
             [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO",
              "--schedule", str(self.work_dir / "celerybeat-schedule")],
             env, self.work_dir / "beat.log",
@@ -192,8 +152,8 @@ class Stack:
             except httpx.HTTPError:
                 return False
 
-        wait_until(web_up, 120, interval_s=0.2, what="the control plane")
-        self.agent = Child(
+        wait_until(web_up, 120, interval_s=0.2, message="the control plane")
+        self.agent = ChildProcess(
             [python, "-m", "gpu_agent", "run", "--control-plane", self.url, "--join-token", join_token,
              "--data-dir", str(self.work_dir / "agent"), "--cpu", "--name", "bench-cpu-node"],
             {k: v for k, v in env.items() if not k.startswith(("DJANGO", "INFERPLANE_DATA_DIR"))},
@@ -237,7 +197,7 @@ def measure_platform(model_dir: Path, work_dir: Path, repetitions: int) -> dict:
         stack.start(join_token)
         wait_until(
             lambda: Node.objects.filter(name="bench-cpu-node", state="READY").order_by("-id").first(),
-            120, interval_s=0.2, what="the agent to register",
+            120, interval_s=0.2, message="the agent to register",
         )  # fmt: skip
         name = f"cold-{suffix}"
         created = httpx.post(f"{stack.url}/api/v1/endpoints/", headers=headers, timeout=30, json={
@@ -254,8 +214,8 @@ def measure_platform(model_dir: Path, work_dir: Path, repetitions: int) -> dict:
         cold_starts, scale_to_zero = [], []
         for repetition in range(repetitions):
             # Each cold start finds a ready standby, as a node that has been idle for a while would.
-            wait_until(stack.standby_waiting, 600, interval_s=0.5, what="a ready standby")
-            wait_until(lambda: not active(), 120, interval_s=0.2, what="zero replicas before the call")
+            wait_until(stack.standby_waiting, 600, interval_s=0.5, message="a ready standby")
+            wait_until(lambda: not active(), 120, interval_s=0.2, message="zero replicas before the call")
             time.sleep(1.0)
             answer = stream_chat(stack.url, name, headers=headers)
             replica = Replica.objects.filter(endpoint_id=endpoint_id).order_by("-created_at").first()
@@ -266,7 +226,7 @@ def measure_platform(model_dir: Path, work_dir: Path, repetitions: int) -> dict:
             )
             agent_log = wait_until(
                 lambda r=replica: (log := stack.agent.log_text()) and engine_start_s(log, str(r.pk)) and log,
-                10, what="the agent's READY line",
+                10, message="the agent's READY line",
             )  # fmt: skip
             arrival = answer["sent_at"]
             ttft = answer["first_token_at"] - arrival
@@ -296,7 +256,7 @@ def measure_platform(model_dir: Path, work_dir: Path, repetitions: int) -> dict:
             }
             cold_starts.append(sample)
             ended_at = answer["ended_at"]
-            wait_until(lambda: not active(), IDLE_TIMEOUT_S + 120, interval_s=0.1, what="zero replicas")
+            wait_until(lambda: not active(), IDLE_TIMEOUT_S + 120, interval_s=0.1, message="zero replicas")
             scale_to_zero.append(round(time.time() - ended_at, 2))
             print(f"repetition {repetition + 1}: {sample}; zero after {scale_to_zero[-1]} s", flush=True)
         return {"cold_starts": cold_starts, "scale_to_zero_s": scale_to_zero}
