@@ -1,7 +1,6 @@
 """The fleet side of the agent protocol, spoken by hand (the real agent process is tested in tests/agent/)."""
 
 import pytest
-from django.test import Client
 
 from controlplane.models import AuditEvent
 from controlplane.services import SYSTEM

@@ -4,7 +4,6 @@ import pytest
 
 from controlplane.tasks import ping
 from endpoints.models import Replica
-from tests.conftest import wait_until
 from tests.factories import EndpointFactory
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import httpx
 import pytest

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def foreign(member_client_factory):
     other_org = OrganizationFactory()
-    other = member_client_factory(other_org)
+    member_client_factory(other_org)
     endpoint = EndpointFactory(organization=other_org)
     key = ApiKey.objects.filter(organization=other_org).first()
     member = other_org.memberships.first()
