@@ -35,9 +35,12 @@ PARAMETERS_IN_NAME = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])")
 
 def weights_size_mb(endpoint: Endpoint) -> int:
     """The largest size any agent reported for this model source; else what its name says (…-8B…); else a guess."""
+    # NOTE: jsonb containment lets PostgreSQL pick the few nodes that hold this model, instead of
+    # loading every node's heartbeat into Python on each placement.
+    holders = Node.objects.filter(last_status__weights__contains=[{"source": endpoint.model_source}])
     sizes = [
         weights.get("size_bytes", 0)
-        for status in Node.objects.exclude(last_status={}).values_list("last_status", flat=True)
+        for status in holders.values_list("last_status", flat=True)
         for weights in status.get("weights", [])
         if weights.get("source") == endpoint.model_source
     ]

@@ -80,3 +80,13 @@ def test_no_gpu_is_ever_over_committed(node_memory, models):
     for node in nodes:
         used = Replica.objects.filter(node=node).aggregate(total=Sum("reserved_memory_mb"))["total"] or 0
         assert used <= node.total_gpu_memory_mb
+
+
+def test_a_reported_weights_size_replaces_the_estimate_from_the_name():
+    endpoint = EndpointFactory(model_source="hf:org/model-8B", gpu_type="l4")
+    make_node(memory_mb=24_000)
+    make_node(memory_mb=24_000, last_status={"weights": [{"source": "hf:org/other", "size_bytes": 9 * 2**30},
+                                                         {"source": "hf:org/model-8B", "size_bytes": 2 * 2**30}]})
+    from endpoints.placement import weights_size_mb
+
+    assert weights_size_mb(endpoint) == 2048
