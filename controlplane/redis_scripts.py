@@ -1,0 +1,215 @@
+"""Lua scripts on one pipelined Redis connection per event loop: the gateway's hot path.
+
+Every request through the gateway runs two scripts (`endpoints/gateway/admission.py`). redis-py's
+asyncio client takes a pooled connection, wraps each command in retry and health-check layers and
+parses replies in Python: about a third of the gateway's CPU per request in `bench/bench_gateway.py`.
+Here all concurrent callers share one socket: each call writes its EVALSHA and waits for its reply,
+replies come back in order, and one read can answer many callers. Everything else keeps using
+`controlplane.redis_client`.
+
+Only what scripts need: `redis://` and `rediss://` URLs (password, database), RESP2 replies, EVALSHA
+with a fallback to EVAL when the server does not know the script yet. A lost connection fails the
+calls in flight with `ConnectionError` (as redis-py would) and the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ssl
+from collections import deque
+from urllib.parse import unquote, urlparse
+
+from django.conf import settings
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+class RedisError(Exception):
+    """An error reply from Redis."""
+
+
+class Script:
+    """A Lua script, run with `await script(keys=[...], args=[...])` on this loop's connection."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, *, keys: list, args: list):
+        connection = await _connection_of_this_loop()
+        try:
+            return await connection.call(b"EVALSHA", self.sha, len(keys), *keys, *args)
+        except RedisError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            return await connection.call(b"EVAL", self.source, len(keys), *keys, *args)
+
+
+class _Incomplete(Exception):
+    """The buffer ends inside a reply."""
+
+
+def _as_bytes(part) -> bytes:
+    if isinstance(part, bytes):
+        return part
+    if isinstance(part, str):
+        return part.encode()
+    if isinstance(part, (int, float)) and not isinstance(part, bool):
+        return repr(part).encode()
+    raise TypeError(f"cannot send {type(part).__name__} to Redis")
+
+
+def _encode(parts: tuple) -> bytes:
+    """A command in RESP: an array of bulk strings."""
+    datas = [part.encode() if type(part) is str else _as_bytes(part) for part in parts]
+    return b"*%d\r\n" % len(datas) + b"".join([b"$%d\r\n%b\r\n" % (len(data), data) for data in datas])
+
+
+def _parse(buffer: bytearray, position: int):
+    """One RESP2 reply at `position`: (value, next position). Raises _Incomplete."""
+    line_end = buffer.find(b"\r\n", position)
+    if line_end < 0:
+        raise _Incomplete()
+    kind, line = buffer[position], bytes(buffer[position + 1:line_end])
+    position = line_end + 2
+    if kind == 0x2B:  # + simple string
+        return line.decode(), position
+    if kind == 0x2D:  # - error
+        return RedisError(line.decode()), position
+    if kind == 0x3A:  # : integer
+        return int(line), position
+    if kind == 0x24:  # $ bulk string
+        length = int(line)
+        if length < 0:
+            return None, position
+        if len(buffer) < position + length + 2:
+            raise _Incomplete()
+        return bytes(buffer[position:position + length]).decode(), position + length + 2
+    if kind == 0x2A:  # * array
+        count = int(line)
+        if count < 0:
+            return None, position
+        items = []
+        for _ in range(count):
+            item, position = _parse(buffer, position)
+            items.append(item)
+        return items, position
+    raise RedisError(f"unexpected reply type {chr(kind)!r}")
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self):
+        self.transport: asyncio.Transport | None = None
+        self.waiting: deque[asyncio.Future] = deque()
+        self.buffer = bytearray()
+        self.lost: Exception | None = None
+        self.outgoing: list[bytes] = []  # commands of this loop iteration, written together
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        position = 0
+        while position < len(self.buffer) and self.waiting:
+            try:
+                value, position_after = _parse(self.buffer, position)
+            except _Incomplete:
+                break
+            position = position_after
+            future = self.waiting.popleft()
+            if future.done():  # its caller was cancelled: the reply is not wanted
+                continue
+            if isinstance(value, RedisError):
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+        del self.buffer[:position]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = ConnectionError(f"Redis connection lost: {exc or 'closed by the server'}")
+        while self.waiting:
+            future = self.waiting.popleft()
+            if not future.done():
+                future.set_exception(self.lost)
+
+    def call(self, *parts) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        if self.lost is not None or self.transport is None or self.transport.is_closing():
+            future.set_exception(self.lost or ConnectionError("Redis connection closed"))
+            return future
+        self.waiting.append(future)
+        if not self.outgoing:
+            future.get_loop().call_soon(self._write_outgoing)
+        self.outgoing.append(_encode(parts))
+        return future
+
+    def _write_outgoing(self) -> None:
+        outgoing, self.outgoing = self.outgoing, []
+        if self.lost is None and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(outgoing))
+
+
+async def _open(url: str) -> _Protocol:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("redis", "rediss"):
+        raise ValueError(f"unsupported Redis URL scheme {parsed.scheme!r}")
+    loop = asyncio.get_running_loop()
+    context = ssl.create_default_context() if parsed.scheme == "rediss" else None
+    _, protocol = await asyncio.wait_for(
+        loop.create_connection(_Protocol, parsed.hostname or "localhost", parsed.port or 6379, ssl=context),
+        CONNECT_TIMEOUT_S,
+    )
+    if parsed.password:
+        credentials = [unquote(parsed.username), unquote(parsed.password)] if parsed.username else [unquote(parsed.password)]
+        await protocol.call(b"AUTH", *credentials)
+    database = (parsed.path or "/").lstrip("/")
+    if database and database != "0":
+        await protocol.call(b"SELECT", database)
+    return protocol
+
+
+class _Connection:
+    """This loop's connection, opened on first use and again after a loss."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self._protocol: _Protocol | None = None
+        self._opening: asyncio.Task | None = None
+
+    async def protocol(self) -> _Protocol:
+        current = self._protocol
+        if current is not None and current.lost is None and not current.transport.is_closing():
+            return current
+        opening = self._opening
+        if opening is None or opening.done():
+            opening = self._opening = asyncio.ensure_future(_open(self.url))
+        # NOTE: concurrent callers share one connection attempt; a failed one is retried by the next call.
+        self._protocol = await asyncio.shield(opening)
+        return self._protocol
+
+    async def call(self, *parts):
+        return await (await self.protocol()).call(*parts)
+
+    def close(self) -> None:
+        if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.transport.close()
+
+
+_connections: dict[asyncio.AbstractEventLoop, _Connection] = {}
+_latest: tuple[asyncio.AbstractEventLoop | None, _Connection | None] = (None, None)
+
+
+async def _connection_of_this_loop() -> _Connection:
+    global _latest
+    loop = asyncio.get_running_loop()
+    if _latest[0] is loop:
+        return _latest[1]
+    connection = _connections.get(loop)
+    if connection is None:
+        for other in [other for other in _connections if other.is_closed()]:
+            del _connections[other]
+        connection = _connections[loop] = _Connection(settings.REDIS_URL)
+    _latest = (loop, connection)
+    return connection

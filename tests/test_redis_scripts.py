@@ -1,0 +1,69 @@
+"""The gateway's pipelined script connection, against the real (embedded) Redis."""
+
+import asyncio
+
+import pytest
+from django.conf import settings
+
+from controlplane import redis_scripts
+from controlplane.redis_client import get_redis
+from controlplane.redis_scripts import RedisError, Script, _encode, _parse
+
+INCREMENT = Script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+SHAPES = Script("return {ARGV[1], tonumber(ARGV[2]), {ARGV[3]}, false}")
+FAILS = Script("return redis.error_reply('ERR refused: ' .. ARGV[1])")
+
+
+def test_many_concurrent_calls_share_one_connection_and_each_gets_its_own_reply():
+    get_redis().script_flush()  # the first call falls back from EVALSHA to EVAL
+
+    async def storm():
+        return await asyncio.gather(*(SHAPES(keys=[], args=[f"r{n}", n, "é"]) for n in range(500)))
+
+    replies = asyncio.run(storm())
+
+    assert replies == [[f"r{n}", n, ["é"], None] for n in range(500)]
+
+
+def test_an_error_reply_fails_only_its_own_call():
+    async def mixed():
+        return await asyncio.gather(INCREMENT(keys=["counter"], args=[2]), FAILS(keys=[], args=["no"]),
+                                    INCREMENT(keys=["counter"], args=[3]), return_exceptions=True)
+
+    first, refused, second = asyncio.run(mixed())
+
+    assert (first, second) == (2, 5)
+    assert isinstance(refused, RedisError) and "refused: no" in str(refused)
+
+
+def test_a_dropped_connection_fails_the_calls_in_flight_and_the_next_call_reconnects():
+    async def scenario():
+        await INCREMENT(keys=["counter"], args=[1])
+        in_flight = asyncio.ensure_future(INCREMENT(keys=["counter"], args=[10]))
+        await asyncio.sleep(0)
+        redis_scripts._connections[asyncio.get_running_loop()]._protocol.transport.abort()  # the network drops
+        with pytest.raises(ConnectionError):
+            await in_flight
+        after_drop = await INCREMENT(keys=["counter"], args=[1])
+        get_redis().client_kill_filter(_type="normal", skipme=True)  # the server drops it
+        await asyncio.sleep(0.2)
+        return after_drop, await INCREMENT(keys=["counter"], args=[1])
+
+    assert asyncio.run(scenario()) == (2, 3)
+
+
+def test_the_url_selects_the_database():
+    get_redis().set("where", "here")
+    assert settings.REDIS_URL.rsplit("/", 1)[-1] != "0"  # the test run's own database (tests/settings.py)
+
+    assert asyncio.run(Script("return redis.call('GET', KEYS[1])")(keys=["where"], args=[])) == "here"
+
+
+def test_replies_split_across_reads_are_put_together():
+    reply = b"*3\r\n$5\r\nhello\r\n:42\r\n*1\r\n$-1\r\n"
+    for cut in range(1, len(reply)):
+        buffer = bytearray(reply[:cut])
+        with pytest.raises(redis_scripts._Incomplete):
+            _parse(buffer, 0)
+    assert _parse(bytearray(reply), 0) == (["hello", 42, [None]], len(reply))
+    assert _encode((b"EVALSHA", "abc", 2, 1.5)) == b"*4\r\n$7\r\nEVALSHA\r\n$3\r\nabc\r\n$1\r\n2\r\n$3\r\n1.5\r\n"
