@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from django.utils import timezone
-
 
 @dataclass(slots=True, frozen=True)
 class Period:
@@ -19,8 +17,16 @@ class Period:
         return f"{self.start:%Y%m}"
 
 
+_latest: Period | None = None
+
+
 def period_containing(moment: datetime | None = None) -> Period:
-    moment = (moment or timezone.now()).astimezone(UTC)
+    global _latest
+    moment = (moment or datetime.now(UTC)).astimezone(UTC)
+    latest = _latest  # NOTE: the gateway asks for the current period on every request
+    if latest is not None and latest.start <= moment < latest.end:
+        return latest
     start = moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
-    return Period(start=start, end=end)
+    _latest = Period(start=start, end=end)
+    return _latest

@@ -112,55 +112,68 @@ def settled_key(request_id: str) -> str:
     return f"billing:settled:{request_id}"
 
 
-_RESERVE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing', 'org'} end
-local has_key = ARGV[4] == '1'
-if has_key and redis.call('EXISTS', KEYS[3]) == 0 then return {'missing', 'key'} end
-local prepaid = redis.call('HGET', KEYS[1], 'prepaid') == '1'
-if prepaid and redis.call('EXISTS', KEYS[5]) == 0 then return {'missing', 'credit'} end
-if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 then return {'ok', 'existing'} end
-local amount = tonumber(ARGV[2])
-local org_reserved = tonumber(redis.call('GET', KEYS[2]) or '0')
-local cap = tonumber(redis.call('HGET', KEYS[1], 'cap'))
-if cap >= 0 and tonumber(redis.call('HGET', KEYS[1], 'spent')) + org_reserved + amount > cap then
-  return {'refused', 'org_cap'}
-end
-if has_key then
-  local key_cap = tonumber(redis.call('HGET', KEYS[3], 'cap'))
-  local key_reserved = tonumber(redis.call('GET', KEYS[4]) or '0')
-  if key_cap >= 0 and tonumber(redis.call('HGET', KEYS[3], 'spent')) + key_reserved + amount > key_cap then
-    return {'refused', 'key_cap'}
+# The checks and holds of one reservation, as a Lua function: `reserve` runs it alone, the gateway
+# inside its admission script (endpoints/gateway/admission.py), so both run the same code.
+# K: org period, org reserved, key period, key reserved, credit, reservations, deadlines
+# A: request id, amount (units), deadline, has key (1/0), payload
+# Returns {'ok', 'new'|'existing'}, {'refused', reason} or {'missing', what}; only 'ok' changes anything.
+RESERVE_LUA = """
+local function quota_reserve(K, A)
+  if redis.call('EXISTS', K[1]) == 0 then return {'missing', 'org'} end
+  local has_key = A[4] == '1'
+  if has_key and redis.call('EXISTS', K[3]) == 0 then return {'missing', 'key'} end
+  local prepaid = redis.call('HGET', K[1], 'prepaid') == '1'
+  if prepaid and redis.call('EXISTS', K[5]) == 0 then return {'missing', 'credit'} end
+  if redis.call('HEXISTS', K[6], A[1]) == 1 then return {'ok', 'existing'} end
+  local amount = tonumber(A[2])
+  local org_reserved = tonumber(redis.call('GET', K[2]) or '0')
+  local cap = tonumber(redis.call('HGET', K[1], 'cap'))
+  if cap >= 0 and tonumber(redis.call('HGET', K[1], 'spent')) + org_reserved + amount > cap then
+    return {'refused', 'org_cap'}
   end
+  if has_key then
+    local key_cap = tonumber(redis.call('HGET', K[3], 'cap'))
+    local key_reserved = tonumber(redis.call('GET', K[4]) or '0')
+    if key_cap >= 0 and tonumber(redis.call('HGET', K[3], 'spent')) + key_reserved + amount > key_cap then
+      return {'refused', 'key_cap'}
+    end
+  end
+  if prepaid and tonumber(redis.call('GET', K[5])) - org_reserved - amount < 0 then
+    return {'refused', 'credit'}
+  end
+  redis.call('INCRBY', K[2], A[2])
+  if has_key then redis.call('INCRBY', K[4], A[2]) end
+  redis.call('HSET', K[6], A[1], A[5])
+  redis.call('ZADD', K[7], A[3], A[1])
+  return {'ok', 'new'}
 end
-if prepaid and tonumber(redis.call('GET', KEYS[5])) - org_reserved - amount < 0 then
-  return {'refused', 'credit'}
-end
-redis.call('INCRBY', KEYS[2], ARGV[2])
-if has_key then redis.call('INCRBY', KEYS[4], ARGV[2]) end
-redis.call('HSET', KEYS[6], ARGV[1], ARGV[5])
-redis.call('ZADD', KEYS[7], ARGV[3], ARGV[1])
-return {'ok', 'new'}
 """
 
-# KEYS: reservations, deadlines, settled marker, org period, org reserved, key period, key reserved, credit
-# ARGV: request id, actual (units), has key, marker ttl
-_SETTLE = """
-if not redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[4]) then return 0 end
-local has_key = ARGV[3] == '1'
-local payload = redis.call('HGET', KEYS[1], ARGV[1])
-if payload then
-  local amount = cjson.decode(payload)['a']
-  if redis.call('EXISTS', KEYS[5]) == 1 then redis.call('DECRBY', KEYS[5], amount) end
-  if has_key and redis.call('EXISTS', KEYS[7]) == 1 then redis.call('DECRBY', KEYS[7], amount) end
-  redis.call('HDEL', KEYS[1], ARGV[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
+# Replaces a reservation by the real cost, once per request id (shared like RESERVE_LUA).
+# K: reservations, deadlines, settled marker, org period, org reserved, key period, key reserved, credit
+# A: request id, actual (units), has key, marker ttl
+SETTLE_LUA = """
+local function quota_settle(K, A)
+  if not redis.call('SET', K[3], '1', 'NX', 'EX', A[4]) then return 0 end
+  local has_key = A[3] == '1'
+  local payload = redis.call('HGET', K[1], A[1])
+  if payload then
+    local amount = cjson.decode(payload)['a']
+    if redis.call('EXISTS', K[5]) == 1 then redis.call('DECRBY', K[5], amount) end
+    if has_key and redis.call('EXISTS', K[7]) == 1 then redis.call('DECRBY', K[7], amount) end
+    redis.call('HDEL', K[1], A[1])
+    redis.call('ZREM', K[2], A[1])
+  end
+  -- A counter rebuilt from the ledger since the reservation already holds this request's cost.
+  if redis.call('EXISTS', K[4]) == 1 then redis.call('HINCRBY', K[4], 'spent', A[2]) end
+  if has_key and redis.call('EXISTS', K[6]) == 1 then redis.call('HINCRBY', K[6], 'spent', A[2]) end
+  if redis.call('EXISTS', K[8]) == 1 then redis.call('DECRBY', K[8], A[2]) end
+  return 1
 end
--- A counter rebuilt from the ledger since the reservation already holds this request's cost.
-if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('HINCRBY', KEYS[4], 'spent', ARGV[2]) end
-if has_key and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('HINCRBY', KEYS[6], 'spent', ARGV[2]) end
-if redis.call('EXISTS', KEYS[8]) == 1 then redis.call('DECRBY', KEYS[8], ARGV[2]) end
-return 1
 """
+
+_RESERVE = RESERVE_LUA + "return quota_reserve(KEYS, ARGV)"
+_SETTLE = SETTLE_LUA + "return quota_settle(KEYS, ARGV)"
 
 # KEYS: reservations, deadlines, org reserved, key reserved; ARGV: request id, has key, now
 _RELEASE_EXPIRED = """
@@ -268,54 +281,80 @@ def _reserve_keys(organization_id: int, api_key_id: int | None, period_key: str)
     ]
 
 
+def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount: Decimal,
+                        request_id: str) -> tuple[Reservation, list[str], list[str]]:
+    """A reservation and the keys and arguments of `RESERVE_LUA` that hold it."""
+    period = period_containing()
+    reservation = Reservation(request_id, organization_id, api_key_id, amount, period.key)
+    units = to_units(amount, ROUND_CEILING)
+    deadline = time.time() + settings.BILLING_RESERVATION_TTL_S
+    payload = json.dumps({"o": organization_id, "k": api_key_id, "a": str(units), "p": period.key})
+    keys = _reserve_keys(organization_id, api_key_id, period.key)
+    args = [request_id, str(units), f"{deadline:.3f}", "1" if api_key_id is not None else "0", payload]
+    return reservation, keys, args
+
+
+async def rebuild_missing(what: str, reservation: Reservation) -> None:
+    """`RESERVE_LUA` answered {'missing', what}: rebuild that counter from PostgreSQL."""
+    period = period_containing()
+    if period.key != reservation.period_key:
+        return  # a new month began meanwhile: the caller prepares the reservation again
+    rebuild = await sync_to_async(_rebuild_from_database)(what, reservation.organization_id, reservation.api_key_id, period)
+    await _write_rebuild(get_async_redis(), rebuild)
+
+
+def refusal(status: str, detail: str) -> QuotaExceeded | None:
+    """What an answer of `RESERVE_LUA` means for the caller: None when the reservation holds."""
+    if status == "ok":
+        return None
+    if status == "refused":
+        return QuotaExceeded(detail)
+    raise ValueError(f"not a final answer: {status} {detail}")
+
+
 async def reserve(*, organization_id: int, api_key_id: int | None, amount: Decimal, request_id: str) -> Reservation:
     """Hold `amount` against the organisation's monthly cap, the key's cap and (prepaid) the credit left.
 
     Atomic across all gateway processes; reserving the same request id twice holds it once.
     Raises QuotaExceeded when the request could overshoot.
     """
-    period = period_containing()
-    reservation = Reservation(request_id, organization_id, api_key_id, amount, period.key)
-    units = to_units(amount, ROUND_CEILING)
-    deadline = time.time() + settings.BILLING_RESERVATION_TTL_S
-    payload = json.dumps({"o": organization_id, "k": api_key_id, "a": str(units), "p": period.key})
     client = get_async_redis()
-    keys = _reserve_keys(organization_id, api_key_id, period.key)
-    args = [request_id, str(units), f"{deadline:.3f}", "1" if api_key_id is not None else "0", payload]
     for _attempt in range(4):
+        reservation, keys, args = prepare_reservation(
+            organization_id=organization_id, api_key_id=api_key_id, amount=amount, request_id=request_id)
         status, detail = await _script(client, _RESERVE)(keys=keys, args=args)
-        if status == "ok":
-            return reservation
-        if status == "refused":
-            raise QuotaExceeded(detail)
-        rebuild = await sync_to_async(_rebuild_from_database)(detail, organization_id, api_key_id, period)
-        await _write_rebuild(client, rebuild)
+        if status == "missing":
+            await rebuild_missing(detail, reservation)
+            continue
+        if (refused := refusal(status, detail)) is not None:
+            raise refused
+        return reservation
     raise RuntimeError("billing counters kept vanishing while reserving")
 
 
-def _settle_keys(reservation: Reservation) -> list[str]:
+def settle_keys_and_args(reservation: Reservation, actual: Decimal) -> tuple[list[str], list[str]]:
+    """The keys and arguments of `SETTLE_LUA` for replacing `reservation` by `actual`."""
+    if actual < 0:
+        raise ValueError("a cost cannot be negative")
     org, key, period_key = reservation.organization_id, reservation.api_key_id, reservation.period_key
-    return [
+    keys = [
         RESERVATIONS, DEADLINES, settled_key(reservation.request_id),
         org_period_key(org, period_key), org_reserved_key(org),
         key_period_key(key, period_key), key_reserved_key(key), credit_key(org),
     ]
-
-
-def _settle_args(reservation: Reservation, actual: Decimal) -> list[str]:
-    if actual < 0:
-        raise ValueError("a cost cannot be negative")
-    has_key = "1" if reservation.api_key_id is not None else "0"
-    return [reservation.request_id, str(to_units(actual)), has_key, str(SETTLED_MARKER_TTL_S)]
+    has_key = "1" if key is not None else "0"
+    return keys, [reservation.request_id, str(to_units(actual)), has_key, str(SETTLED_MARKER_TTL_S)]
 
 
 async def settle(reservation: Reservation, actual: Decimal) -> None:
     """Replace the reservation by the request's real cost. Settling a request twice counts it once."""
-    await _script(get_async_redis(), _SETTLE)(keys=_settle_keys(reservation), args=_settle_args(reservation, actual))
+    keys, args = settle_keys_and_args(reservation, actual)
+    await _script(get_async_redis(), _SETTLE)(keys=keys, args=args)
 
 
 def settle_sync(reservation: Reservation, actual: Decimal) -> None:
-    _script(get_redis(), _SETTLE)(keys=_settle_keys(reservation), args=_settle_args(reservation, actual))
+    keys, args = settle_keys_and_args(reservation, actual)
+    _script(get_redis(), _SETTLE)(keys=keys, args=args)
 
 
 # --- upkeep ----------------------------------------------------------------------------------------------

@@ -19,68 +19,53 @@ RECENT_ENDPOINTS_KEY = "gw:recent_endpoints"
 RECENT_WINDOW_S = 86400
 OUTSTANDING_TTL_S = 3600
 
-# KEYS: outstanding counters of the candidate replicas. Returns the 1-based index picked.
-_PICK_LEAST_OUTSTANDING = """
-local best, best_value = 1, nil
-for i, key in ipairs(KEYS) do
-  local value = tonumber(redis.call('GET', key) or '0')
-  if best_value == nil or value < best_value then best, best_value = i, value end
+# Lua functions shared by the scripts below and the gateway's admission script (admission.py).
+# traffic_begin  K: in-flight (or waiting) set, last-request key, recent-endpoints set; A: request id, now, endpoint id
+# traffic_pick   K: the candidates' outstanding counters; A: counter TTL. Counts one more on the
+#                least outstanding and returns its 1-based index.
+# traffic_end    K: in-flight set, waiting set, last-request key, outstanding counter; A: request id, now,
+#                release (1 = drop that counter by one)
+TRAFFIC_LUA = """
+local function traffic_begin(K, A)
+  redis.call('ZADD', K[1], A[2], A[1])
+  redis.call('SET', K[2], A[2])
+  redis.call('ZADD', K[3], A[2], A[3])
 end
-redis.call('INCR', KEYS[best])
-redis.call('EXPIRE', KEYS[best], ARGV[1])
-return best
-"""
-
-_RELEASE = """
-local value = tonumber(redis.call('GET', KEYS[1]) or '0')
-if value > 0 then return redis.call('DECR', KEYS[1]) end
-return 0
-"""
-
-# `begin_request` and `pick_replica` in one round trip: the hot path of a request to a warm endpoint.
-# KEYS: in-flight set, last-request key, recent-endpoints set, then the candidates' outstanding counters.
-# ARGV: request id, now, endpoint id, outstanding TTL. Returns the 1-based index of the candidate picked.
-_BEGIN_AND_PICK = """
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('SET', KEYS[2], ARGV[2])
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
-local best, best_value = 4, nil
-for i = 4, #KEYS do
-  local value = tonumber(redis.call('GET', KEYS[i]) or '0')
-  if best_value == nil or value < best_value then best, best_value = i, value end
+local function traffic_pick(K, A)
+  local best, best_value = 1, nil
+  for i, key in ipairs(K) do
+    local value = tonumber(redis.call('GET', key) or '0')
+    if best_value == nil or value < best_value then best, best_value = i, value end
+  end
+  redis.call('INCR', K[best])
+  redis.call('EXPIRE', K[best], A[1])
+  return best
 end
-redis.call('INCR', KEYS[best])
-redis.call('EXPIRE', KEYS[best], ARGV[4])
-return best - 3
-"""
-
-# `end_request` and `release_replica` in one round trip.
-# KEYS: in-flight set, waiting set, last-request key[, the outstanding counter to release]. ARGV: request id, now.
-_END = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('SET', KEYS[3], ARGV[2])
-if KEYS[4] then
-  local value = tonumber(redis.call('GET', KEYS[4]) or '0')
-  if value > 0 then redis.call('DECR', KEYS[4]) end
+local function traffic_release(K)
+  local value = tonumber(redis.call('GET', K[1]) or '0')
+  if value > 0 then return redis.call('DECR', K[1]) end
+  return 0
 end
-return 0
+local function traffic_end(K, A)
+  redis.call('ZREM', K[1], A[1])
+  redis.call('ZREM', K[2], A[1])
+  redis.call('SET', K[3], A[2])
+  if A[3] == '1' then traffic_release({K[4]}) end
+end
 """
+_PICK_LEAST_OUTSTANDING = TRAFFIC_LUA + "return traffic_pick(KEYS, ARGV)"
+_RELEASE = TRAFFIC_LUA + "return traffic_release(KEYS)"
+NO_REPLICA_KEY = "gw:outstanding:-"  # placeholder when a request holds no replica's count
 
 _scripts: dict[int, tuple] = {}
 
 
-def _scripts_of_this_loop():
+def _script_pair():
     redis = get_async_redis()
     scripts = _scripts.get(id(redis))
     if scripts is None:
-        scripts = tuple(redis.register_script(source) for source in (_PICK_LEAST_OUTSTANDING, _RELEASE, _BEGIN_AND_PICK, _END))
-        _scripts[id(redis)] = scripts
+        scripts = _scripts[id(redis)] = tuple(redis.register_script(source) for source in (_PICK_LEAST_OUTSTANDING, _RELEASE))
     return scripts
-
-
-def _script_pair():
-    return _scripts_of_this_loop()[:2]
 
 
 def outstanding_key(replica_id: str) -> str:
@@ -118,22 +103,18 @@ async def release_replica(replica_id: str) -> None:
     await release(keys=[outstanding_key(replica_id)])
 
 
-async def begin_request_and_pick(endpoint_id: str, request_id: str, replica_ids: list[str]) -> int:
-    """`begin_request(waiting=False)` then `pick_replica(replica_ids)`, atomically and in one round trip."""
-    begin_and_pick = _scripts_of_this_loop()[2]
-    keys = [inflight_key(endpoint_id), last_request_key(endpoint_id), RECENT_ENDPOINTS_KEY]
-    keys += [outstanding_key(replica_id) for replica_id in replica_ids]
-    return int(await begin_and_pick(keys=keys, args=[request_id, time.time(), endpoint_id, OUTSTANDING_TTL_S])) - 1
-
-
-async def begin_request(endpoint_id: str, request_id: str, *, waiting: bool) -> None:
+def begin_keys_and_args(endpoint_id: str, request_id: str, *, waiting: bool) -> tuple[list[str], list]:
     now = time.time()
-    redis = get_async_redis()
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.zadd(waiting_key(endpoint_id) if waiting else inflight_key(endpoint_id), {request_id: now})
-        pipe.set(last_request_key(endpoint_id), now)
-        pipe.zadd(RECENT_ENDPOINTS_KEY, {endpoint_id: now})
-        await pipe.execute()
+    keys = [waiting_key(endpoint_id) if waiting else inflight_key(endpoint_id), last_request_key(endpoint_id),
+            RECENT_ENDPOINTS_KEY]
+    return keys, [request_id, now, endpoint_id]
+
+
+def end_keys_and_args(endpoint_id: str, request_id: str, *, release: str | None) -> tuple[list[str], list]:
+    """`traffic_end`'s keys and arguments; with `release`, that replica's outstanding count drops too."""
+    keys = [inflight_key(endpoint_id), waiting_key(endpoint_id), last_request_key(endpoint_id),
+            outstanding_key(release) if release is not None else NO_REPLICA_KEY]
+    return keys, [request_id, time.time(), "1" if release is not None else "0"]
 
 
 async def promote_request(endpoint_id: str, request_id: str) -> None:
@@ -143,15 +124,6 @@ async def promote_request(endpoint_id: str, request_id: str) -> None:
         pipe.zrem(waiting_key(endpoint_id), request_id)
         pipe.zadd(inflight_key(endpoint_id), {request_id: time.time()})
         await pipe.execute()
-
-
-async def end_request(endpoint_id: str, request_id: str, *, release: str | None = None) -> None:
-    """The request is over; with `release`, that replica's outstanding count drops too (same round trip)."""
-    end = _scripts_of_this_loop()[3]
-    keys = [inflight_key(endpoint_id), waiting_key(endpoint_id), last_request_key(endpoint_id)]
-    if release is not None:
-        keys.append(outstanding_key(release))
-    await end(keys=keys, args=[request_id, time.time()])
 
 
 async def num_waiting(endpoint_id: str) -> int:

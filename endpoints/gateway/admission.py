@@ -1,0 +1,100 @@
+"""A request's two Redis round trips: admit it, and finish it.
+
+`admit` checks the key's rate limits, reserves the request's largest cost against the spend caps
+and prepaid credit, counts it in flight (or waiting for a cold start) and picks the replica with
+the fewest outstanding requests, all in one Lua script: nothing changes unless everything passes.
+`finish` ends the in-flight count, releases the replica, adds the tokens to the key's minute and
+settles the real cost, in one more. The logic of each part lives with its owner (`limits`,
+`billing.quota`, `traffic`); this module only puts their Lua functions into one script each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+
+from billing import quota
+from controlplane.redis_scripts import Script
+from endpoints.gateway import limits, traffic
+from endpoints.gateway.auth import Caller
+
+# Copies KEYS[from..to] or ARGV[from..to] into a new table: each part reads its own K and A.
+_PART = """
+local function part(t, from, to)
+  local out = {}
+  for i = from, to do out[#out + 1] = t[i] end
+  return out
+end
+"""
+
+# KEYS: 1-2 rate limits, 3-9 reservation, 10-12 begin, 13.. candidates' outstanding counters.
+# ARGV: 1-2 rate limits, 3-7 reservation, 8-10 begin, 11 outstanding TTL.
+# Returns {'ok', index of the candidate picked (1-based; 0 without candidates)},
+# {'rate_limited', '1'|'2'}, {'refused', reason} or {'missing', counter to rebuild}.
+_ADMIT = _PART + limits.LIMITS_LUA + quota.RESERVE_LUA + traffic.TRAFFIC_LUA + """
+local verdict = limits_check(part(KEYS, 1, 2), part(ARGV, 1, 2))
+if verdict ~= 0 then return {'rate_limited', tostring(verdict)} end
+local reserved = quota_reserve(part(KEYS, 3, 9), part(ARGV, 3, 7))
+if reserved[1] ~= 'ok' then return reserved end
+limits_take(part(KEYS, 1, 2), part(ARGV, 1, 2))
+traffic_begin(part(KEYS, 10, 12), part(ARGV, 8, 10))
+if #KEYS < 13 then return {'ok', '0'} end
+return {'ok', tostring(traffic_pick(part(KEYS, 13, #KEYS), {ARGV[11]}))}
+"""
+
+# KEYS: 1-4 end, 5 token counter, 6-13 settlement. ARGV: 1-3 end, 4-5 tokens, 6-9 settlement.
+_FINISH = _PART + limits.LIMITS_LUA + quota.SETTLE_LUA + traffic.TRAFFIC_LUA + """
+traffic_end(part(KEYS, 1, 4), part(ARGV, 1, 3))
+limits_add_tokens({KEYS[5]}, part(ARGV, 4, 5))
+return quota_settle(part(KEYS, 6, 13), part(ARGV, 6, 9))
+"""
+
+MAX_REBUILDS = 4
+
+# NOTE: on the pipelined connection of `controlplane.redis_scripts`, not redis-py's pool: these two
+# calls are most of a request's Redis time.
+_admit_script = Script(_ADMIT)
+_finish_script = Script(_FINISH)
+
+
+@dataclass(slots=True, frozen=True)
+class Admission:
+    reservation: quota.Reservation
+    picked: int | None  # index into the candidates, or None when there were none (a cold start)
+
+
+async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: Decimal,
+                candidates: list[str]) -> Admission:
+    """Admit a request, or raise the OpenAIError (429) or QuotaExceeded that refuses it.
+
+    With `candidates` (READY replica ids) it is counted in flight on the one picked; without, it is
+    counted as waiting for a cold start.
+    """
+    for _attempt in range(MAX_REBUILDS):
+        window = limits.Window.now(caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute)
+        reservation, reserve_keys, reserve_args = quota.prepare_reservation(
+            organization_id=caller.organization_id, api_key_id=caller.api_key_id, amount=amount, request_id=request_id)
+        limit_keys, limit_args = window.check_keys_and_args()
+        begin_keys, begin_args = traffic.begin_keys_and_args(endpoint_id, request_id, waiting=not candidates)
+        keys = limit_keys + reserve_keys + begin_keys + [traffic.outstanding_key(c) for c in candidates]
+        args = limit_args + reserve_args + begin_args + [traffic.OUTSTANDING_TTL_S]
+        status, detail = await _admit_script(keys=keys, args=args)
+        if status == "missing":
+            await quota.rebuild_missing(detail, reservation)
+            continue
+        if status == "rate_limited":
+            raise window.refusal(int(detail))
+        if (refused := quota.refusal(status, detail)) is not None:
+            raise refused
+        return Admission(reservation, int(detail) - 1 if candidates else None)
+    raise RuntimeError("billing counters kept vanishing while admitting a request")
+
+
+async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, release: str | None,
+                 num_tokens: int, cost: Decimal) -> None:
+    """The request is over: out of flight, its replica released, its tokens counted, its cost settled."""
+    end_keys, end_args = traffic.end_keys_and_args(endpoint_id, admission.reservation.request_id, release=release)
+    window = limits.Window.now(caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute)
+    token_keys, token_args = window.tokens_keys_and_args(num_tokens)
+    settle_keys, settle_args = quota.settle_keys_and_args(admission.reservation, cost)
+    await _finish_script(keys=end_keys + token_keys + settle_keys, args=end_args + token_args + settle_args)

@@ -1,0 +1,103 @@
+"""A request's two Redis round trips: admission changes nothing unless every check passes, and
+finishing undoes exactly what admission did."""
+
+import asyncio
+from decimal import Decimal
+
+import pytest
+
+from billing import quota
+from billing.services import set_spend_cap
+from controlplane.redis_client import get_redis
+from controlplane.services import SYSTEM
+from endpoints.gateway import admission, errors, limits, traffic
+from endpoints.gateway.auth import Caller
+from tests.factories import OrganizationFactory
+
+# NOTE: a missing spend counter is rebuilt in a worker thread, which sees only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ENDPOINT = "0b7a1d7e-0000-4000-8000-000000000001"
+REPLICAS = ["replica-a", "replica-b"]
+
+
+def _caller(organization, *, requests_per_minute=None, tokens_per_minute=None) -> Caller:
+    return Caller(organization_id=organization.pk, api_key_id=None, user_id=7, can_infer=True,
+                  requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute)
+
+
+def _admit(caller, request_id, amount="0.01", candidates=REPLICAS):
+    return admission.admit(caller=caller, endpoint_id=ENDPOINT, request_id=request_id, amount=Decimal(amount),
+                           candidates=candidates)
+
+
+def _state(caller):
+    redis = get_redis()
+    window = limits.Window.now(caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute)
+    return {
+        "in_flight": redis.zcard(traffic.inflight_key(ENDPOINT)),
+        "waiting": redis.zcard(traffic.waiting_key(ENDPOINT)),
+        "outstanding": [int(redis.get(traffic.outstanding_key(r)) or 0) for r in REPLICAS],
+        "requests_this_minute": int(redis.get(window.requests_key) or 0),
+        "tokens_this_minute": int(redis.get(window.tokens_key) or 0),
+        "reserved": quota.reserved_now(caller.organization_id),
+    }
+
+
+def test_admission_counts_reserves_and_picks_the_least_outstanding_replica_and_finish_undoes_it():
+    caller = _caller(OrganizationFactory(), requests_per_minute=100, tokens_per_minute=10_000)
+
+    async def scenario():
+        first = await _admit(caller, "r1")
+        second = await _admit(caller, "r2")
+        during = _state(caller)
+        await admission.finish(caller=caller, endpoint_id=ENDPOINT, admission=first, release=REPLICAS[first.picked],
+                               num_tokens=30, cost=Decimal("0.002"))
+        return first, second, during
+
+    first, second, during = asyncio.run(scenario())
+
+    assert {first.picked, second.picked} == {0, 1}  # the second goes to the replica the first left idle
+    assert during == {"in_flight": 2, "waiting": 0, "outstanding": [1, 1], "requests_this_minute": 2,
+                      "tokens_this_minute": 0, "reserved": Decimal("0.02")}
+    after = _state(caller)
+    assert after["in_flight"] == 1 and sorted(after["outstanding"]) == [0, 1]
+    assert (after["tokens_this_minute"], after["reserved"]) == (30, Decimal("0.01"))
+    assert quota.counted_spend(caller.organization_id) == Decimal("0.002")
+
+
+def test_a_rate_limited_request_reserves_nothing_and_a_refused_one_counts_no_request():
+    organization = OrganizationFactory()
+    set_spend_cap(SYSTEM, organization, spend_cap=Decimal("0.05"))
+    caller = _caller(organization, requests_per_minute=2)
+
+    async def scenario():
+        await _admit(caller, "ok-1")
+        with pytest.raises(quota.QuotaExceeded):
+            await _admit(caller, "too-dear", amount="1.00")
+        after_refusal = _state(caller)
+        await _admit(caller, "ok-2")
+        with pytest.raises(errors.OpenAIError) as limited:
+            await _admit(caller, "over-the-limit")
+        return after_refusal, limited.value
+
+    after_refusal, limited = asyncio.run(scenario())
+
+    assert after_refusal["requests_this_minute"] == 1 and after_refusal["in_flight"] == 1
+    assert limited.status == 429 and int(limited.headers["retry-after"]) >= 1
+    assert _state(caller) | {"outstanding": None} == {
+        "in_flight": 2, "waiting": 0, "outstanding": None, "requests_this_minute": 2, "tokens_this_minute": 0,
+        "reserved": Decimal("0.02"),
+    }
+
+
+def test_without_ready_replicas_the_request_waits_and_holds_no_replica():
+    caller = _caller(OrganizationFactory())
+
+    admitted = asyncio.run(_admit(caller, "cold", candidates=[]))
+
+    assert admitted.picked is None
+    assert _state(caller)["waiting"] == 1 and _state(caller)["in_flight"] == 0
+    asyncio.run(admission.finish(caller=caller, endpoint_id=ENDPOINT, admission=admitted, release=None, num_tokens=0,
+                                 cost=Decimal(0)))
+    assert _state(caller)["waiting"] == 0 and quota.reserved_now(caller.organization_id) == 0
