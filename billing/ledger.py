@@ -138,13 +138,34 @@ def record_usage_batch(reports: list[UsageReport]) -> set[str]:
 
 
 def _check_endpoints(reports: list[UsageReport], written: set[str]) -> None:
-    # NOTE: a report skipped because its id exists is fine; one skipped because its endpoint is
-    # not in its organisation would be usage lost silently, so it is an error.
     skipped = [r for r in reports if r.request_id not in written]
     existing = set(UsageRecord.objects.filter(request_id__in=[r.request_id for r in skipped]).values_list("request_id", flat=True))
+    _raise_if_lost(skipped, written, existing)
+
+
+def _raise_if_lost(skipped: list[UsageReport], written: set[str], existing: set[str]) -> None:
+    # NOTE: a report skipped because its id exists is fine; one skipped because its endpoint is
+    # not in its organisation would be usage lost silently, so it is an error.
     lost = [r.request_id for r in skipped if r.request_id not in existing]
     if lost:
         raise UnknownEndpointError(lost, written)
+
+
+_EXISTING_SQL = f"SELECT request_id FROM {UsageRecord._meta.db_table} WHERE request_id = ANY(%s::text[])"
+
+
+async def record_usage_batch_on(connection, reports: list[UsageReport]) -> set[str]:
+    """`record_usage_batch` on an async psycopg connection in autocommit (`billing.usage_writer`)."""
+    if not reports:
+        return set()
+    async with connection.cursor() as cursor:
+        await cursor.execute(_INSERT_SQL, _columns(reports))
+        written = {row[0] for row in await cursor.fetchall()}
+        if len(written) < len({r.request_id for r in reports}):
+            skipped = [r for r in reports if r.request_id not in written]
+            await cursor.execute(_EXISTING_SQL, [[r.request_id for r in skipped]])
+            _raise_if_lost(skipped, written, {row[0] for row in await cursor.fetchall()})
+    return written
 
 
 def record_usage(report: UsageReport) -> bool:

@@ -20,6 +20,25 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS_DIR = REPO_ROOT / "tests" / "artifacts"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _close_stray_connections(django_db_setup):
+    """Connections that outlive their event loop or worker thread (the ledger writer's own, Django's
+    in the threads of `asyncio.run`'s executors) close before the test database is dropped."""
+    yield
+    import asyncio
+    import gc
+
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    from billing import usage_writer
+
+    usage_writer.close_all()
+    # NOTE: thread-sensitive `sync_to_async` outside `async_to_sync` runs in one long-lived thread.
+    asyncio.run(sync_to_async(connections.close_all)())
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _clean_redis(request):
     """Each test starts with an empty Redis database (counters, rate limits, broker queues)."""
