@@ -1,14 +1,14 @@
 """Who is calling: an API key (`Authorization: Bearer ip_…`) or a console session.
 
 Key lookups are cached per process for `INFERPLANE_API_KEY_CACHE_S` seconds
-(keyed by the token's hash, never the token), so a revoked key stops working
-within that many seconds while a hot key costs no database query per call.
+(keyed by the token's hash, never the token; see `endpoints.gateway.memo`), so a
+revoked key stops working within that many seconds (plus one reload) while a hot
+key costs no database query per call.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
 
@@ -16,6 +16,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from endpoints.gateway import errors
+from endpoints.gateway.memo import Memo
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,9 +33,6 @@ class Caller:
         return f"key:{self.api_key_id}" if self.api_key_id is not None else f"user:{self.user_id}"
 
 
-_MISSING = object()
-_key_cache: dict[str, tuple[float, Caller | None]] = {}
-_MAX_CACHE_ENTRIES = 10_000
 
 
 def _lookup_key(plain: str) -> Caller | None:
@@ -54,17 +52,11 @@ def _lookup_key(plain: str) -> Caller | None:
     )
 
 
+_callers_by_key = Memo(_lookup_key, lambda: settings.API_KEY_CACHE_S, max_entries=10_000)
+
+
 async def caller_from_key(plain: str) -> Caller | None:
-    digest = hashlib.sha256(plain.encode()).hexdigest()
-    now = time.monotonic()
-    cached = _key_cache.get(digest, _MISSING)
-    if cached is not _MISSING and cached[0] > now:
-        return cached[1]
-    caller = await sync_to_async(_lookup_key, thread_sensitive=False)(plain)
-    if len(_key_cache) >= _MAX_CACHE_ENTRIES:
-        _key_cache.clear()
-    _key_cache[digest] = (now + settings.API_KEY_CACHE_S, caller)
-    return caller
+    return await _callers_by_key.get(hashlib.sha256(plain.encode()).hexdigest(), plain)
 
 
 def _lookup_session(session_key: str) -> Caller | None:

@@ -1,17 +1,21 @@
 """What the gateway needs to know about endpoints and replicas, cached briefly per process.
 
-NOTE: a cached READY list may name a replica that began draining less than
-`REPLICA_CACHE_S` ago. That is safe: a draining replica still finishes every
-request it gets; only the agent's stop waits for them.
+Lookups never queue behind the database on the hot path (see `endpoints.gateway.memo`); only an
+endpoint never loaded, or an empty READY list, waits for the database.
+
+NOTE: a cached READY list may name a replica that began draining moments ago. That is safe: a
+draining replica still finishes every request it gets; only the agent's stop waits for them. One
+that is gone fails before the first byte, and the gateway retries elsewhere.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from decimal import Decimal
 
 from asgiref.sync import sync_to_async
+
+from endpoints.gateway.memo import Memo
 
 ENDPOINT_CACHE_S = 2.0
 REPLICA_CACHE_S = 0.5
@@ -37,10 +41,6 @@ class ReplicaInfo:
     address: str
 
 
-_endpoints: dict[tuple[int, str], tuple[float, EndpointInfo | None]] = {}
-_replicas: dict[str, tuple[float, list[ReplicaInfo]]] = {}
-
-
 def _endpoint_info(endpoint) -> EndpointInfo:
     return EndpointInfo(
         id=str(endpoint.pk), name=endpoint.name, organization_id=endpoint.organization_id,
@@ -60,14 +60,11 @@ def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
     return _endpoint_info(endpoint) if endpoint else None
 
 
+_endpoints = Memo(_load_endpoint, ENDPOINT_CACHE_S)
+
+
 async def find_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
-    now = time.monotonic()
-    cached = _endpoints.get((organization_id, name))
-    if cached and cached[0] > now:
-        return cached[1]
-    info = await sync_to_async(_load_endpoint, thread_sensitive=False)(organization_id, name)
-    _endpoints[(organization_id, name)] = (now + ENDPOINT_CACHE_S, info)
-    return info
+    return await _endpoints.get((organization_id, name), organization_id, name)
 
 
 def _load_models(organization_id: int) -> list[EndpointInfo]:
@@ -90,21 +87,19 @@ def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
     return [ReplicaInfo(id=str(pk), address=address) for pk, address in rows]
 
 
+_replicas = Memo(_load_replicas, REPLICA_CACHE_S, wait_when_empty=True)
+
+
 async def ready_replicas(endpoint_id: str, *, fresh: bool = False) -> list[ReplicaInfo]:
-    now = time.monotonic()
-    cached = _replicas.get(endpoint_id)
-    if not fresh and cached and cached[0] > now:
-        return cached[1]
-    replicas = await sync_to_async(_load_replicas, thread_sensitive=False)(endpoint_id)
-    _replicas[endpoint_id] = (now + REPLICA_CACHE_S, replicas)
-    return replicas
+    """READY replicas of an endpoint; `fresh` reads the database now (a cold start's wait)."""
+    return await _replicas.get(endpoint_id, fresh=fresh)
 
 
 def forget_replica(endpoint_id: str, replica_id: str) -> None:
-    """A replica failed under us: stop routing to it until the next fresh load."""
-    cached = _replicas.get(endpoint_id)
+    """A replica failed under us: stop routing to it until the next load."""
+    cached = _replicas.entries.get(endpoint_id)
     if cached:
-        _replicas[endpoint_id] = (cached[0], [r for r in cached[1] if r.id != replica_id])
+        _replicas.entries[endpoint_id] = (cached[0], [r for r in cached[1] if r.id != replica_id])
 
 
 def _load_progress(endpoint_id: str) -> str:

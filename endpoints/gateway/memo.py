@@ -1,0 +1,78 @@
+"""A per-process cache of lookups the gateway makes on every request (keys, endpoints, replicas).
+
+Stale-while-revalidate with one load per key at a time: once an entry is older than `ttl_s`, the
+first caller starts one reload in the background and every caller keeps the previous answer until
+it lands (at most `STALE_FOR_S` longer). An entry never loaded (or, with `wait_when_empty`, an
+empty answer) waits for the load, and concurrent waiters share it. So the hot path never queues
+behind the database, and a cache expiry under load costs one query, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Hashable
+
+from asgiref.sync import sync_to_async
+
+logger = logging.getLogger("inferplane.gateway")
+
+STALE_FOR_S = 5.0
+
+
+class Memo:
+    def __init__(self, load: Callable, ttl_s: float | Callable[[], float], *, wait_when_empty: bool = False,
+                 max_entries: int = 100_000):
+        self._load = sync_to_async(load, thread_sensitive=False)
+        self._ttl_s = ttl_s
+        self.wait_when_empty = wait_when_empty
+        self.max_entries = max_entries
+        self.entries: dict = {}  # key -> (load started at, value)
+        self._loading: dict = {}  # key -> task
+
+    @property
+    def ttl_s(self) -> float:
+        return self._ttl_s() if callable(self._ttl_s) else self._ttl_s
+
+    async def get(self, key: Hashable, *load_args, fresh: bool = False):
+        """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`)."""
+        entry = self.entries.get(key)
+        if entry is not None and not fresh:
+            age, ttl_s = time.monotonic() - entry[0], self.ttl_s
+            if age < ttl_s:
+                return entry[1]
+            if age < ttl_s + STALE_FOR_S and not (self.wait_when_empty and not entry[1]):
+                self._loader(key, load_args)
+                return entry[1]
+        return await asyncio.shield(self._loader(key, load_args, fresh=fresh))
+
+    def _loader(self, key, load_args: tuple, *, fresh: bool = False) -> asyncio.Task:
+        task = self._loading.get(key)
+        # NOTE: a fresh read must not take a load that began before it was asked for.
+        if fresh or task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            task = self._loading[key] = asyncio.ensure_future(self._reload(key, load_args or (key,)))
+            task.add_done_callback(_note_failure)
+        return task
+
+    async def _reload(self, key, load_args: tuple):
+        started = time.monotonic()
+        try:
+            value = await self._load(*load_args)
+        finally:
+            if self._loading.get(key) is asyncio.current_task():
+                del self._loading[key]
+        current = self.entries.get(key)
+        if current is None or current[0] <= started:
+            if len(self.entries) >= self.max_entries and key not in self.entries:
+                self.entries.clear()
+            self.entries[key] = (started, value)
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+def _note_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("gateway lookup failed: %r", task.exception())
