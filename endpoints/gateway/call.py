@@ -13,7 +13,7 @@ from decimal import Decimal
 import aiohttp
 
 from controlplane.redis_client import get_async_redis
-from endpoints.gateway import directory, errors, limits, metrics, traffic
+from endpoints.gateway import admission, directory, errors, metrics, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
 from gpu_agent.notify import endpoint_ready_channel
@@ -65,6 +65,7 @@ class InferenceCall:
     caller: Caller
     endpoint: EndpointInfo
     payload: dict
+    body: bytes  # as the client sent it: proxied unchanged when nothing needs rewriting
     client: aiohttp.ClientSession
     receive: object
     send: object
@@ -81,12 +82,14 @@ class InferenceCall:
     response_started: bool = False
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    metrics: metrics.EndpointMetrics | None = None
     _started_monotonic: float = field(default_factory=time.monotonic)
 
     async def run(self) -> None:
         from billing import quota
 
         self.stream = bool(self.payload.get("stream", False))
+        self.metrics = metrics.of_endpoint(self.endpoint.name)
         max_tokens = self.payload.get("max_completion_tokens") or self.payload.get("max_tokens")
         if max_tokens is not None and max_tokens > self.endpoint.max_model_len:
             raise errors.invalid_request(
@@ -103,17 +106,29 @@ class InferenceCall:
                 param="messages" if self.kind == "chat" else "prompt", code="context_length_exceeded",
             )
         worst_case = quota.max_cost(self.endpoint, prompt_estimate, max_tokens or self.endpoint.max_model_len)
+        replicas = await directory.ready_replicas(self.endpoint.id)
+        if not replicas and await traffic.num_waiting(self.endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
+            raise errors.no_capacity(f"Too many requests are waiting for '{self.endpoint.name}' to start.", 10)
         try:
-            reservation = await quota.reserve(
-                organization_id=self.caller.organization_id, api_key_id=self.caller.api_key_id,
-                amount=worst_case, request_id=self.request_id,
-            )
+            # NOTE: one round trip checks the rate limits, reserves the largest cost, counts the
+            # request in flight (or waiting) and picks its replica; `_finish` undoes it in one more.
+            admitted = await admission.admit(caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id,
+                                             amount=worst_case, candidates=[r.id for r in replicas])
         except quota.QuotaExceeded as exc:
             raise errors.insufficient_quota(str(exc)) from None
-        watcher = asyncio.create_task(self._watch_disconnect())
+        if admitted.picked is not None:
+            self.outstanding_replica_id = replicas[admitted.picked].id
+        # NOTE: a client that disconnects cancels this task wherever it waits (see `_watch_disconnect`).
+        watcher = asyncio.create_task(self._watch_disconnect(asyncio.current_task()))
         try:
-            replicas = await self._acquire_replicas()
+            if not replicas:
+                replicas = await self._hold_for_cold_start()
             await self._proxy(replicas)
+        except asyncio.CancelledError:
+            if not self.disconnected.is_set():
+                raise  # the server is stopping, not the client leaving
+            asyncio.current_task().uncancel()
+            self.status = "client_aborted"
         except ClientGone:
             self.status = "client_aborted"
         except errors.OpenAIError as exc:
@@ -123,30 +138,31 @@ class InferenceCall:
             await self._send_event_error(exc)
         finally:
             watcher.cancel()
-            await asyncio.shield(self._finish(reservation))
+            finishing = asyncio.ensure_future(self._finish(admitted))
+            try:
+                await asyncio.shield(finishing)
+            except asyncio.CancelledError:
+                if not self.disconnected.is_set():
+                    raise
+                await finishing  # NOTE: the client's cancellation, delivered late: finish all the same
 
-    # --- replicas and cold starts ---------------------------------------------------------
-    async def _acquire_replicas(self) -> list[ReplicaInfo]:
-        replicas = await directory.ready_replicas(self.endpoint.id)
-        if replicas:
-            # NOTE: one round trip counts the request in flight and picks its replica (see `_proxy`).
-            index = await traffic.begin_request_and_pick(self.endpoint.id, self.request_id, [r.id for r in replicas])
-            self.outstanding_replica_id = replicas[index].id
-            return replicas
-        if await traffic.num_waiting(self.endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
-            raise errors.no_capacity(f"Too many requests are waiting for '{self.endpoint.name}' to start.", 10)
-        await traffic.begin_request(self.endpoint.id, self.request_id, waiting=True)
-        metrics.waiting.labels(self.endpoint.name).inc()
-        try:
-            return await self._hold_for_cold_start()
-        finally:
-            metrics.waiting.labels(self.endpoint.name).dec()
-
+    # --- cold starts ---------------------------------------------------------------------------
     async def _hold_for_cold_start(self) -> list[ReplicaInfo]:
-        from endpoints.gateway.wake import wake_endpoint
-
         held_from = time.monotonic()
         deadline = held_from + self.endpoint.cold_start_timeout_s
+        self.metrics.waiting.inc()
+        try:
+            replicas = await self._wait_for_cold_start(deadline)
+        finally:
+            self.metrics.waiting.dec()
+        self.cold_start_s = time.monotonic() - held_from
+        self.metrics.cold_start.observe(self.cold_start_s)
+        await traffic.promote_request(self.endpoint.id, self.request_id)
+        return replicas
+
+    async def _wait_for_cold_start(self, deadline: float) -> list[ReplicaInfo]:
+        from endpoints.gateway.wake import wake_endpoint
+
         await wake_endpoint(self.endpoint.id)
         if self.stream:
             await self._start_stream()
@@ -154,14 +170,10 @@ class InferenceCall:
         ready_signal = get_async_redis().pubsub(ignore_subscribe_messages=True)
         await ready_signal.subscribe(endpoint_ready_channel(self.endpoint.id))
         try:
-            replicas = await self._wait_for_ready(ready_signal, deadline)
+            return await self._wait_for_ready(ready_signal, deadline)
         finally:
             await ready_signal.unsubscribe()
             await ready_signal.aclose()
-        self.cold_start_s = time.monotonic() - held_from
-        metrics.cold_start.labels(self.endpoint.name).observe(self.cold_start_s)
-        await traffic.promote_request(self.endpoint.id, self.request_id)
-        return replicas
 
     async def _wait_for_ready(self, ready_signal, deadline: float) -> list[ReplicaInfo]:
         from endpoints.gateway.wake import wake_endpoint
@@ -204,7 +216,7 @@ class InferenceCall:
                 replica = candidates[await traffic.pick_replica([r.id for r in candidates])]
                 self.outstanding_replica_id = replica.id
             tried.add(replica.id)
-            metrics.inflight.labels(self.endpoint.name).inc()
+            self.metrics.inflight.inc()
             try:
                 await self._forward(replica)
                 return
@@ -214,25 +226,23 @@ class InferenceCall:
                 await traffic.release_replica(replica.id)
                 self.outstanding_replica_id = None
             finally:
-                metrics.inflight.labels(self.endpoint.name).dec()
+                self.metrics.inflight.dec()
         raise errors.upstream_failed("No replica could take the request; please retry.")
 
-    def _upstream_payload(self) -> dict:
-        payload = dict(self.payload)
-        payload["model"] = self.endpoint.name
-        if self.stream:
-            # NOTE: usage on every chunk tells us the tokens delivered if the client leaves mid-stream;
-            # what the client asked for is restored in `_transform`.
-            payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        return payload
+    def _upstream_body(self) -> bytes:
+        if not self.stream:
+            return self.body  # `model` is already the endpoint's name, the engine's served name
+        # NOTE: usage on every chunk tells us the tokens delivered if the client leaves mid-stream;
+        # what the client asked for is restored by `rewrite_event`.
+        payload = self.payload | {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        return json.dumps(payload).encode()
 
     async def _forward(self, replica: ReplicaInfo) -> None:
-        request = self.client.post(
-            replica.address.rstrip("/") + self.path, data=json.dumps(self._upstream_payload()).encode(),
-            headers={"content-type": "application/json", "x-request-id": self.request_id},
-        )
         try:
-            response = await self._unless_disconnected(request)
+            response = await self.client.post(
+                replica.address.rstrip("/") + self.path, data=self._upstream_body(),
+                headers={"content-type": "application/json", "x-request-id": self.request_id},
+            )
         except UPSTREAM_ERRORS as exc:
             raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
         try:
@@ -256,11 +266,14 @@ class InferenceCall:
 
     async def _relay_whole(self, response: aiohttp.ClientResponse) -> None:
         try:
-            body = await self._unless_disconnected(response.read())
+            body = await response.read()
         except UPSTREAM_ERRORS as exc:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None
-        self._take_usage(json.loads(body).get("usage"))
+        usage, start, _ = _find_usage(body)
+        if start < 0 and b'"usage"' in body:
+            usage = _parsed_usage(body)
+        self._take_usage(usage)
         self.first_token_at = datetime.now(UTC)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-request-id", self.request_id.encode())]
@@ -284,38 +297,27 @@ class InferenceCall:
             raise errors.upstream_failed(f"The replica failed mid-stream ({type(exc).__name__}).") from None
 
     async def _relay_events(self, buffer: bytes, wants_usage: bool, wants_continuous: bool) -> bytes:
-        """Sends each complete SSE event in `buffer`; returns the incomplete rest."""
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            out, usage = self._transform(event, wants_usage, wants_continuous)
-            if self.disconnected.is_set():
-                raise ClientGone()
-            if out is not None:
-                await self._send_body(out + b"\n\n")
-            # NOTE: counted only once sent: an aborted stream pays for what it received.
-            self._take_usage(usage)
-        return buffer
-
-    def _transform(self, event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
-        if not event.startswith(b"data: ") or event == b"data: [DONE]":
-            return event, None
-        try:
-            chunk = json.loads(event[6:])
-        except json.JSONDecodeError:
-            return event, None
-        usage = chunk.get("usage")
-        if chunk.get("choices") and self.first_token_at is None:
-            self.first_token_at = datetime.now(UTC)
-            metrics.time_to_first_token.labels(self.endpoint.name).observe(time.monotonic() - self._started_monotonic)
-        if not chunk.get("choices") and usage is not None:  # the closing usage-only chunk
-            return (event if wants_usage else None), usage
-        if wants_continuous or "usage" not in chunk:
-            return event, usage
-        if wants_usage:
-            chunk["usage"] = None
-        else:
-            del chunk["usage"]
-        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode(), usage
+        """Sends the complete SSE events in `buffer` (in one write); returns the incomplete rest."""
+        if b"\n\n" not in buffer:
+            return buffer
+        *events, rest = buffer.split(b"\n\n")
+        out, usage = [], None
+        for event in events:
+            if self.first_token_at is None and _has_choices(event):
+                self.first_token_at = datetime.now(UTC)
+                self.metrics.time_to_first_token.observe(time.monotonic() - self._started_monotonic)
+            data, event_usage = rewrite_event(event, wants_usage, wants_continuous)
+            if data is not None:
+                out.append(data)
+            usage = event_usage or usage
+        if self.disconnected.is_set():
+            raise ClientGone()
+        if out:
+            out.append(b"")
+            await self._send_body(b"\n\n".join(out))
+        # NOTE: counted only once sent: an aborted stream pays for what it received (usage is cumulative).
+        self._take_usage(usage)
+        return rest
 
     def _take_usage(self, usage: dict | None) -> None:
         if not usage:
@@ -341,28 +343,17 @@ class InferenceCall:
             return
         await self._send_body(b"data: " + exc.body() + b"\n\n")
 
-    async def _watch_disconnect(self) -> None:
+    async def _watch_disconnect(self, work: asyncio.Task) -> None:
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
                 self.disconnected.set()
+                work.cancel()
                 return
 
-    async def _unless_disconnected(self, coroutine):
-        task = asyncio.ensure_future(coroutine)
-        waiter = asyncio.ensure_future(self.disconnected.wait())
-        try:
-            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise ClientGone()
-
     # --- the end -----------------------------------------------------------------------------
-    async def _finish(self, reservation) -> None:
-        from billing import ledger, quota
+    async def _finish(self, admitted: admission.Admission) -> None:
+        from billing import ledger
 
         finished_at = datetime.now(UTC)
         if self.response_started and self.stream and not self.disconnected.is_set():
@@ -372,40 +363,134 @@ class InferenceCall:
                 pass
         actual = ledger.cost_of(self.endpoint, self.prompt_tokens, self.cached_tokens, self.completion_tokens) if self.served else Decimal(0)
         try:
-            # NOTE: also releases the replica that served it (or was picked when the client left).
-            await traffic.end_request(self.endpoint.id, self.request_id, release=self.outstanding_replica_id)
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
-            try:
-                if self.served:
-                    await ledger.arecord_usage(ledger.UsageReport(
-                        request_id=self.request_id, organization_id=self.caller.organization_id,
-                        api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
-                        replica_id=self.replica.id if self.replica else None,
-                        prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-                        completion_tokens=self.completion_tokens, started_at=self.started_at,
-                        first_token_at=self.first_token_at, finished_at=finished_at, status=self.status,
-                        cold_start_s=round(self.cold_start_s, 3),
-                    ))
-                    await limits.add_tokens(self.caller.limit_subject, self.caller.tokens_per_minute,
-                                            self.prompt_tokens + self.completion_tokens)
-            finally:
-                await quota.settle(reservation, actual)
+            if self.served:
+                await ledger.arecord_usage(ledger.UsageReport(
+                    request_id=self.request_id, organization_id=self.caller.organization_id,
+                    api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
+                    replica_id=self.replica.id if self.replica else None,
+                    prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                    completion_tokens=self.completion_tokens, started_at=self.started_at,
+                    first_token_at=self.first_token_at, finished_at=finished_at, status=self.status,
+                    cold_start_s=round(self.cold_start_s, 3),
+                ))
         finally:
-            name = self.endpoint.name
-            outcome = self.status if self.served else "not_served"
-            metrics.requests_total.labels(name, outcome).inc()
-            metrics.request_duration.labels(name).observe(time.monotonic() - self._started_monotonic)
-            for kind, value in (("prompt", self.prompt_tokens), ("cached", self.cached_tokens), ("completion", self.completion_tokens)):
-                if value:
-                    metrics.tokens_total.labels(name, kind).inc(value)
-            logger.info(
-                "request_id=%s org=%s key=%s endpoint=%s replica=%s status=%s prompt=%d cached=%d completion=%d "
-                "cold_start_s=%.3f duration_s=%.3f",
-                self.request_id, self.caller.organization_id, self.caller.api_key_id, name,
-                self.replica.id if self.replica else "-", outcome, self.prompt_tokens, self.cached_tokens,
-                self.completion_tokens, self.cold_start_s, time.monotonic() - self._started_monotonic,
-            )
+            try:
+                # NOTE: also releases the replica that served it (or was picked when the client left).
+                await admission.finish(caller=self.caller, endpoint_id=self.endpoint.id, admission=admitted,
+                                       release=self.outstanding_replica_id,
+                                       num_tokens=self.prompt_tokens + self.completion_tokens if self.served else 0,
+                                       cost=actual)
+            finally:
+                self._observe(outcome=self.status if self.served else "not_served")
+
+    def _observe(self, outcome: str) -> None:
+        """The request's metrics and its line in the request log."""
+        duration_s = time.monotonic() - self._started_monotonic
+        self.metrics.observe_request(outcome, duration_s, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        logger.info(
+            "request_id=%s org=%s key=%s endpoint=%s replica=%s status=%s prompt=%d cached=%d completion=%d "
+            "cold_start_s=%.3f duration_s=%.3f",
+            self.request_id, self.caller.organization_id, self.caller.api_key_id, self.endpoint.name,
+            self.replica.id if self.replica else "-", outcome, self.prompt_tokens, self.cached_tokens,
+            self.completion_tokens, self.cold_start_s, duration_s,
+        )
+
+
+def _has_choices(event: bytes) -> bool:
+    return event.startswith(b"data: ") and (b'"choices":[{' in event or b'"choices": [{' in event)
+
+
+def rewrite_event(event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
+    """An upstream SSE event as the client asked for it (None: drop it), and the usage it carried.
+
+    The gateway always asks the engine for usage on every chunk; the client gets it only as it
+    asked, as OpenAI sends it: nothing without `include_usage`, a closing usage-only chunk with
+    it, and usage on every chunk only with `continuous_usage_stats` too.
+
+    NOTE: byte-level, without re-serialising the chunk: vLLM writes compact JSON, and `,"usage":`
+    with bare quotes can only be the chunk's own field (quotes inside strings are escaped).
+    """
+    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+        return event, None
+    usage, start, end = _find_usage(event)
+    if start < 0:
+        return (event, None) if b'"usage"' not in event else _rewrite_parsed(event, wants_usage, wants_continuous)
+    if b'"choices":[]' in event:  # the closing usage-only chunk
+        return (event if wants_usage else None), usage
+    if wants_continuous:
+        return event, usage
+    if wants_usage:
+        return event[:start] + b',"usage":null' + event[end:], usage
+    return event[:start] + event[end:], usage
+
+
+def _rewrite_parsed(event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
+    """`rewrite_event` for an upstream that does not write compact JSON: parse, edit, write."""
+    try:
+        chunk = json.loads(event[6:])
+    except ValueError:
+        return event, None
+    if not isinstance(chunk, dict):
+        return event, None
+    usage = chunk.get("usage") if isinstance(chunk.get("usage"), dict) else None
+    if not chunk.get("choices") and usage is not None:
+        return (event if wants_usage else None), usage
+    if wants_continuous or "usage" not in chunk:
+        return event, usage
+    if wants_usage:
+        chunk["usage"] = None
+    else:
+        del chunk["usage"]
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode(), usage
+
+
+_USAGE_FIELD = b',"usage":'
+
+
+def _find_usage(data: bytes) -> tuple[dict | None, int, int]:
+    """The `usage` object of a compact JSON response or chunk, and where its `,"usage":…` field
+    starts and ends in `data` ((None, -1, -1) when there is none; `"usage":null` has no object)."""
+    start = data.rfind(_USAGE_FIELD)
+    if start < 0:
+        return None, -1, -1
+    value = start + len(_USAGE_FIELD)
+    if data.startswith(b"null", value):
+        return None, start, value + 4
+    end = _object_end(data, value)
+    if end < 0:
+        return None, -1, -1
+    try:
+        usage = json.loads(data[value:end])
+    except ValueError:
+        return None, -1, -1
+    return (usage if isinstance(usage, dict) else None), start, end
+
+
+def _parsed_usage(body: bytes) -> dict | None:
+    try:
+        usage = json.loads(body).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+def _object_end(data: bytes, start: int) -> int:
+    """Index just past the JSON object that opens at `start`, or -1.
+
+    NOTE: counts braces without reading strings: for `usage`, whose fields are numbers and objects.
+    """
+    if not data.startswith(b"{", start):
+        return -1
+    depth, position = 1, start + 1
+    while depth:
+        close = data.find(b"}", position)
+        if close < 0:
+            return -1
+        depth += data.count(b"{", position, close) - 1
+        position = close + 1
+    return position
 
 
 def _arrived_before_failure(response: aiohttp.ClientResponse) -> bytes:

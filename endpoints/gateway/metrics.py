@@ -1,5 +1,9 @@
 """Prometheus metrics of the gateway, served at `/metrics` by every web process."""
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -18,6 +22,44 @@ inflight = Gauge("inferplane_inflight_requests", "Requests being served by this 
 waiting = Gauge("inferplane_waiting_requests", "Requests held for a cold start in this process.", ["endpoint"], registry=REGISTRY)
 cold_start = Histogram("inferplane_cold_start_seconds", "Seconds a request waited for a replica.", ["endpoint"],
                        buckets=(0.5, 1, 2, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600), registry=REGISTRY)
+
+
+@dataclass(slots=True)
+class EndpointMetrics:
+    """One endpoint's children of the request metrics, looked up once (`labels()` takes a lock each call)."""
+
+    name: str
+    inflight: Gauge
+    waiting: Gauge
+    cold_start: Histogram
+    time_to_first_token: Histogram
+    request_duration: Histogram
+    tokens: tuple[Counter, Counter, Counter]  # prompt, cached, completion
+    outcomes: dict[str, Counter]
+
+    def observe_request(self, outcome: str, duration_s: float, prompt: int, cached: int, completion: int) -> None:
+        counter = self.outcomes.get(outcome)
+        if counter is None:
+            counter = self.outcomes[outcome] = requests_total.labels(self.name, outcome)
+        counter.inc()
+        self.request_duration.observe(duration_s)
+        for child, value in zip(self.tokens, (prompt, cached, completion), strict=True):
+            if value:
+                child.inc(value)
+
+
+_by_endpoint: dict[str, EndpointMetrics] = {}
+
+
+def of_endpoint(name: str) -> EndpointMetrics:
+    found = _by_endpoint.get(name)
+    if found is None:
+        found = _by_endpoint[name] = EndpointMetrics(
+            name=name, inflight=inflight.labels(name), waiting=waiting.labels(name), cold_start=cold_start.labels(name),
+            time_to_first_token=time_to_first_token.labels(name), request_duration=request_duration.labels(name),
+            tokens=tuple(tokens_total.labels(name, kind) for kind in ("prompt", "cached", "completion")), outcomes={},
+        )
+    return found
 
 
 # Fleet state from the database, refreshed at each scrape (every web pod reports the same values).

@@ -18,6 +18,11 @@ import time
 PROMPT_TOKENS = 7
 
 
+def _dumps(data) -> bytes:
+    """Compact JSON, as vLLM writes it (the gateway edits `usage` in place in such chunks)."""
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
 def _usage(completion_tokens: int) -> dict:
     return {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": completion_tokens,
             "total_tokens": PROMPT_TOKENS + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
@@ -79,14 +84,14 @@ class MockOpenAI:
             chunk = base | {"choices": [choice]}
             if include_usage and continuous:
                 chunk["usage"] = _usage(index + 1)
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: " + _dumps(chunk) + b"\n\n", "more_body": True})
         if include_usage:
             final = base | {"choices": [], "usage": _usage(num_tokens)}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(final).encode() + b"\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: " + _dumps(final) + b"\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _json(self, send, status, data):
-        body = json.dumps(data).encode()
+        body = _dumps(data)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,71 @@
+"""The stream relay edits `usage` in each SSE event at byte level; the result must equal what
+parsing, editing and re-serialising the chunk gives, for compact (vLLM) and spaced JSON alike."""
+
+import json
+
+import pytest
+
+from endpoints.gateway.call import _find_usage, rewrite_event
+
+USAGE = {"prompt_tokens": 7, "total_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
+TOKEN_CHUNK = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+               "choices": [{"index": 0, "delta": {"content": 'say "usage":{} ,"usage": {'}, "finish_reason": None}],
+               "usage": USAGE}
+CLOSING_CHUNK = TOKEN_CHUNK | {"choices": []}
+
+
+def _event(chunk: dict, compact: bool) -> bytes:
+    separators = (",", ":") if compact else (", ", ": ")
+    return b"data: " + json.dumps(chunk, separators=separators).encode()
+
+
+def _parsed(event: bytes | None) -> dict | None:
+    return None if event is None else json.loads(event.removeprefix(b"data: "))
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "spaced"])
+@pytest.mark.parametrize(
+    ("wants_usage", "wants_continuous", "token_usage", "closing_sent"),
+    [(False, False, "absent", False), (True, False, None, True), (True, True, USAGE, True)],
+    ids=["no-usage", "include-usage", "continuous"],
+)
+def test_usage_reaches_the_client_only_as_asked_and_is_always_read(compact, wants_usage, wants_continuous, token_usage,
+                                                                 closing_sent):
+    out, usage = rewrite_event(_event(TOKEN_CHUNK, compact), wants_usage, wants_continuous)
+
+    assert usage == USAGE
+    chunk = _parsed(out)
+    assert chunk["choices"] == TOKEN_CHUNK["choices"]  # content that looks like a usage field is untouched
+    if token_usage == "absent":
+        assert "usage" not in chunk
+    else:
+        assert chunk["usage"] == token_usage
+
+    closing, closing_usage = rewrite_event(_event(CLOSING_CHUNK, compact), wants_usage, wants_continuous)
+    assert closing_usage == USAGE
+    assert (closing is not None) == closing_sent
+    if closing_sent:
+        assert _parsed(closing) == CLOSING_CHUNK
+
+
+def test_events_without_usage_comments_and_done_pass_through_unchanged():
+    plain = _event({k: v for k, v in TOKEN_CHUNK.items() if k != "usage"}, compact=True)
+    for event in (plain, b": starting engine", b"data: [DONE]", b"data: not json"):
+        assert rewrite_event(event, False, False) == (event, None)
+
+
+def test_a_null_usage_field_is_removed_or_kept_and_carries_nothing():
+    event = _event(TOKEN_CHUNK | {"usage": None}, compact=True)
+
+    assert _parsed(rewrite_event(event, False, False)[0]) == {k: v for k, v in TOKEN_CHUNK.items() if k != "usage"}
+    assert rewrite_event(event, True, False) == (event, None)
+
+
+def test_usage_of_a_whole_response_is_found_without_parsing_the_rest():
+    body = json.dumps({"id": "x", "choices": [{"message": {"content": "}{"}}], "usage": USAGE}, separators=(",", ":")).encode()
+
+    usage, start, end = _find_usage(body)
+
+    assert usage == USAGE
+    assert json.loads(body[:start] + body[end:]) == {"id": "x", "choices": [{"message": {"content": "}{"}}]}
+    assert _find_usage(b'{"usage":{"prompt_tokens":1') == (None, -1, -1)  # truncated: not trusted
