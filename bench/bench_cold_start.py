@@ -45,6 +45,7 @@ FAST = {"INFERPLANE_AGENT_HEARTBEAT_INTERVAL_S": "0.5", "INFERPLANE_AUTOSCALER_T
 MESSAGES = [{"role": "user", "content": "Say something"}]
 
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: E402 - after sys.path is set
+
 IDLE_TIMEOUT_S = 5
 PLATFORM_SHARE_TARGET_S = 0.5
 TTFT_RATIO_TARGET = 0.35

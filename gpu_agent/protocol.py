@@ -25,7 +25,7 @@ from typing import Any
 PROTOCOL_VERSION = 1
 
 
-class ReplicaState(str, enum.Enum):
+class ReplicaState(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
     PENDING = "PENDING"  # placed by the control plane, not yet started by the agent
     STARTING = "STARTING"  # agent launched the engine; weights loading or engine warming up
     READY = "READY"  # health check passed; serves requests
@@ -34,14 +34,14 @@ class ReplicaState(str, enum.Enum):
     FAILED = "FAILED"
 
 
-class NodeState(str, enum.Enum):
+class NodeState(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
     READY = "READY"
     CORDONED = "CORDONED"  # keeps its replicas, gets no new ones
     DRAINING = "DRAINING"  # replicas are moved away
     OFFLINE = "OFFLINE"  # missed heartbeats
 
 
-class ReplicaAction(str, enum.Enum):
+class ReplicaAction(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
     RUN = "RUN"
     DRAIN = "DRAIN"  # stop taking requests, let in-flight ones finish, then stop
 

@@ -6,7 +6,12 @@ import sys
 
 import psutil
 
-from gpu_agent.runtime.hardware import CPU_ENGINE_MEMORY_FRACTION, catalogue_gpu_type, detect_hardware, host_usage
+from gpu_agent.runtime.hardware import (
+    CPU_ENGINE_MEMORY_FRACTION,
+    catalogue_gpu_type,
+    detect_hardware,
+    host_usage,
+)
 
 
 def test_cpu_mode_reports_real_cpu_count_and_memory(tmp_path):

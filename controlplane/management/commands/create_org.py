@@ -1,8 +1,8 @@
 import json
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 from django.core.validators import validate_email, validate_slug
-from django.core.exceptions import ValidationError
 
 from controlplane.services import bootstrap_organization
 
