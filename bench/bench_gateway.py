@@ -13,7 +13,7 @@ one usage-ledger row, the request log line and metrics.
 
 Request rate and latency (non-streaming) come from `wrk` (closed loop, N connections) with a Lua
 script that POSTs a chat body and prints percentiles; streaming time to first token and tokens/s
-come from an httpx async client. Nothing is pinned by default: on a shared 2-core machine a
+come from an aiohttp client counting content chunks. Nothing is pinned by default: on a shared 2-core machine a
 gateway held to one core waits behind whatever else runs there (vLLM's CPU threads spin on every
 core). With `--pin` the gateway runs on core 0 and the mocks and wrk on core 1 for the mock runs.
 For the vLLM runs the engine gets the last core (`VLLM_CPU_OMP_THREADS_BIND`; its threads spin at
@@ -34,8 +34,6 @@ import logging
 import os
 import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,8 +46,13 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 DATA_DIR = REPO / ".data" / "bench"
-ENV = {"INFERPLANE_DATA_DIR": str(DATA_DIR), "DJANGO_SETTINGS_MODULE": "controlplane.settings", "DJANGO_DEBUG": "1"}
+# NOTE: production settings (DEBUG off), as a deployed gateway runs; on plain HTTP, on localhost.
+ENV = {"INFERPLANE_DATA_DIR": str(DATA_DIR), "DJANGO_SETTINGS_MODULE": "controlplane.settings", "DJANGO_DEBUG": "0",
+       "DJANGO_SECRET_KEY": "bench-gateway-only-" + "x" * 40, "ALLOWED_HOSTS": "127.0.0.1,localhost",
+       "SECURE_SSL_REDIRECT": "0"}
 os.environ.update(ENV)
+
+from tests.processes import ChildProcess, free_port  # noqa: E402 - after sys.path is set
 
 CONCURRENCY_LEVELS = (1, 16, 64)
 STREAM_TOKENS_CONCURRENCY = 32
@@ -73,32 +76,11 @@ end
 
 # --- processes ------------------------------------------------------------------------------
 
-class Child:
-    """A child process in its own group, stopped with its group."""
-
-    def __init__(self, args: list[str], log_path: Path, *, cores: str | None = None, env: dict | None = None):
-        if cores:
-            args = ["taskset", "-c", cores, *args]
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(args, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(5)
-        self._log.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def Child(args: list[str], log_path: Path, *, cores: str | None = None, env: dict | None = None) -> ChildProcess:  # noqa: N802
+    """A child process, optionally pinned to `cores`, with the benchmark's environment."""
+    if cores:
+        args = ["taskset", "-c", cores, *args]
+    return ChildProcess(args, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, log_path)
 
 
 def wait_healthy(url: str, child: Child, timeout_s: float) -> None:
@@ -190,11 +172,18 @@ def percentile(values: list[float], fraction: float) -> float:
 
 async def run_streams(url: str, key: str, model: str, concurrency: int, duration_s: float, max_tokens: int,
                       extra: dict | None = None) -> dict:
-    """Closed-loop streaming chats: time to first token, and completion tokens/s over the run."""
-    body = CHAT_BODY | {"model": model, "max_tokens": max_tokens, "stream": True} | (extra or {})
-    headers = {"authorization": f"Bearer {key}"}
+    """Closed-loop streaming chats: time to first token, and completion tokens/s over the run.
+
+    NOTE: aiohttp, reading raw lines and counting content chunks without parsing them: on two cores the
+    client shares a core with the gateway, and a heavier client would measure itself.
+    """
+    import aiohttp
+
+    body = json.dumps(CHAT_BODY | {"model": model, "max_tokens": max_tokens, "stream": True} | (extra or {})).encode()
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     ttfts, totals, num_tokens, num_errors = [], [], 0, 0
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as client:
         deadline = time.perf_counter() + duration_s
 
         async def worker() -> None:
@@ -203,20 +192,18 @@ async def run_streams(url: str, key: str, model: str, concurrency: int, duration
                 started = time.perf_counter()
                 first = None
                 try:
-                    async with client.stream("POST", url, json=body, headers=headers) as response:
-                        if response.status_code != 200:
-                            await response.aread()
+                    async with client.post(url, data=body, headers=headers) as response:
+                        if response.status != 200:
+                            await response.read()
                             num_errors += 1
                             continue
-                        async for line in response.aiter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            chunk = json.loads(line[6:])
-                            if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                        async for line in response.content:
+                            # a chunk with text: `"content":"…"` (chat) that is not the empty role chunk
+                            if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
                                 if first is None:
                                     first = time.perf_counter()
                                 num_tokens += 1
-                except httpx.HTTPError:
+                except aiohttp.ClientError:
                     num_errors += 1
                     continue
                 if first is not None:
@@ -282,6 +269,13 @@ def bench_mock(gateway_url: str, mock_url: str, key: str, duration_s: float, loa
     }
 
 
+def bench_bare_proxy(proxy_url: str, mock_url: str, key: str, duration_s: float, load_cores: str | None,
+                     label: str = "bare proxy") -> dict:
+    """`bench/bare_proxy.py` against the same mock: the serving stack's own share of the overhead."""
+    return {"non_streaming": wrk_levels(label, proxy_url, mock_url, key, "mock", duration_s, load_cores, warm_up=True),
+            "streaming": []}
+
+
 def bench_slow_mock(gateway_url: str, mock_url: str, key: str, duration_s: float, load_cores: str | None) -> dict:
     """The mock answering after `SLOW_MOCK_DELAY_MS` × 16 tokens: the gateway below saturation, as with a real engine."""
     return {"non_streaming": wrk_levels("slow mock", gateway_url, mock_url, key, "mock-slow", duration_s, load_cores,
@@ -338,8 +332,10 @@ def unseed() -> None:
 def markdown(results: dict) -> str:
     lines = []
     titles = {"mock": "fast mock (answers at once)", "mock_slow": f"mock answering in {16 * SLOW_MOCK_DELAY_MS} ms",
-              "vllm": "vLLM, tiny model (CPU)"}
-    for upstream in ("mock", "mock_slow", "vllm"):
+              "vllm": "vLLM, tiny model (CPU)",
+              "bare_proxy": "floor: bench/bare_proxy.py (uvicorn + aiohttp, nothing else) in place of the gateway, fast mock",
+              "bare_proxy_slow": f"floor: bench/bare_proxy.py in place of the gateway, mock answering in {16 * SLOW_MOCK_DELAY_MS} ms"}
+    for upstream in ("mock", "bare_proxy", "mock_slow", "bare_proxy_slow", "vllm"):
         section = results.get(upstream)
         if not section:
             continue
@@ -354,7 +350,7 @@ def markdown(results: dict) -> str:
                          f"{row['added_p50_ms']:+.2f} / {row['added_p95_ms']:+.2f} / {row['added_p99_ms']:+.2f} |")
         if not section["streaming"]:
             continue
-        lines += [f"\n**{titles[upstream]}, streaming** (httpx; time to first token in ms)\n",
+        lines += [f"\n**{titles[upstream]}, streaming** (aiohttp client; time to first token in ms)\n",
                   "| concurrency | direct TTFT p50 / p99 | gateway TTFT p50 / p99 | added TTFT p50 / p99 | direct tok/s | gateway tok/s | ratio |",
                   "|---:|---|---|---|---:|---:|---:|"]
         for row in section["streaming"]:
@@ -367,16 +363,18 @@ def markdown(results: dict) -> str:
 
 
 def verdict(results: dict) -> dict:
-    mock = results["mock"]["non_streaming"]
-    c16 = next(row for row in mock if row["concurrency"] == 16)
-    slow_c16 = next(row for row in results["mock_slow"]["non_streaming"] if row["concurrency"] == 16)
-    targets = {
-        "added_p50_ms_at_c16<=2 (fast mock, saturated)": c16["added_p50_ms"] <= 2,
-        "added_p99_ms_at_c16<=10 (fast mock, saturated)": c16["added_p99_ms"] <= 10,
-        "added_p50_ms_at_c16<=2 (48 ms mock)": slow_c16["added_p50_ms"] <= 2,
-        "added_p99_ms_at_c16<=10 (48 ms mock)": slow_c16["added_p99_ms"] <= 10,
-        "gateway_requests_per_s_with_mock>=500": max(row["gateway"]["requests_per_s"] for row in mock) >= 500,
-    }
+    targets = {}
+    if results.get("mock"):
+        mock = results["mock"]["non_streaming"]
+        c16 = next(row for row in mock if row["concurrency"] == 16)
+        slow_c16 = next(row for row in results["mock_slow"]["non_streaming"] if row["concurrency"] == 16)
+        targets |= {
+            "added_p50_ms_at_c16<=2 (fast mock, saturated)": c16["added_p50_ms"] <= 2,
+            "added_p99_ms_at_c16<=10 (fast mock, saturated)": c16["added_p99_ms"] <= 10,
+            "added_p50_ms_at_c16<=2 (48 ms mock)": slow_c16["added_p50_ms"] <= 2,
+            "added_p99_ms_at_c16<=10 (48 ms mock)": slow_c16["added_p99_ms"] <= 10,
+            "gateway_requests_per_s_with_mock>=500": max(row["gateway"]["requests_per_s"] for row in mock) >= 500,
+        }
     if results.get("vllm"):
         c32 = next(row for row in results["vllm"]["streaming"] if row["concurrency"] == STREAM_TOKENS_CONCURRENCY)
         targets["streaming_tokens_per_s_ratio_at_c32>=0.95"] = c32["tokens_per_s_ratio"] >= 0.95
@@ -387,11 +385,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration-s", type=float, default=10)
     parser.add_argument("--no-vllm", action="store_true", help="skip the real-replica runs")
+    parser.add_argument("--only-vllm", action="store_true", help="only the real-replica runs (no mock, no floor)")
     parser.add_argument("--pin", action="store_true",
                         help="pin the gateway to core 0 and the mocks and wrk to core 1 (vLLM runs stay unpinned)")
     parser.add_argument("--shared-engine-cores", action="store_true",
                         help="let vLLM use every core (by default it gets the last core, the rest run gateway and clients)")
-    parser.add_argument("--output", default=str(REPO / "bench" / "results" / "gateway.json"))
+    parser.add_argument("--gateway-processes", type=int, default=1,
+                        help="uvicorn worker processes of the gateway (production runs one per pod and scales pods)")
+    parser.add_argument("--output", default=None,
+                        help="default bench/results/gateway.json (gateway-<N>proc.json with --gateway-processes N > 1)")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         print("wrk is missing: apt-get install -y wrk", file=sys.stderr)
@@ -403,7 +405,7 @@ def main() -> int:
     load_at_start = round(os.getloadavg()[0], 2)
     setup_django()
     logs = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    children: list[Child] = []
+    children: list[ChildProcess] = []
     results: dict = {}
     try:
         mock_port, gateway_port = free_port(), free_port()
@@ -423,16 +425,29 @@ def main() -> int:
             children.append(vllm)
         upstreams = {"mock": mock_url, "mock-slow": slow_url} | ({"tiny": vllm_url} if vllm_url else {})
         key = seed(upstreams)
-        gateway = Child([sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
-                         "--port", str(gateway_port), "--no-access-log", "--log-level", "warning",
-                         "--loop", "uvloop", "--http", "httptools"], logs / "gateway.log", cores=gateway_cores)
+        serve = ["--host", "127.0.0.1", "--no-access-log", "--log-level", "warning", "--loop", "uvloop", "--http", "httptools"]
+        gateway = Child([sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--port", str(gateway_port),
+                         "--workers", str(args.gateway_processes), *serve], logs / "gateway.log", cores=gateway_cores)
         children.append(gateway)
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         wait_healthy(gateway_url + "/healthz", gateway, 60)
+        bare_urls = {}
+        for name, upstream in (("fast", mock_url), ("slow", slow_url)):
+            bare_port = free_port()
+            bare = Child([sys.executable, "-m", "uvicorn", "bench.bare_proxy:app", "--port", str(bare_port),
+                          "--workers", str(args.gateway_processes), *serve], logs / f"bare-proxy-{name}.log",
+                         cores=gateway_cores, env={"BARE_PROXY_UPSTREAM": upstream})
+            children.append(bare)
+            bare_urls[name] = f"http://127.0.0.1:{bare_port}"
+            wait_healthy(bare_urls[name] + "/health", bare, 60)
 
         print(f"gateway overhead (gateway on core {gateway_cores}, mock and wrk on core {load_cores})" if pin else "gateway overhead (unpinned)", flush=True)
-        results["mock"] = bench_mock(gateway_url, mock_url, key, args.duration_s, load_cores)
-        results["mock_slow"] = bench_slow_mock(gateway_url, slow_url, key, args.duration_s, load_cores)
+        if not args.only_vllm:
+            results["mock"] = bench_mock(gateway_url, mock_url, key, args.duration_s, load_cores)
+            results["bare_proxy"] = bench_bare_proxy(bare_urls["fast"], mock_url, key, args.duration_s, load_cores)
+            results["mock_slow"] = bench_slow_mock(gateway_url, slow_url, key, args.duration_s, load_cores)
+            results["bare_proxy_slow"] = bench_bare_proxy(bare_urls["slow"], slow_url, key, args.duration_s, load_cores,
+                                                          label="bare proxy, slow mock")
         if vllm_url:
             if engine_core is not None:
                 # NOTE: vLLM's CPU threads spin at barriers: a process sharing their core stalls the whole
@@ -453,14 +468,16 @@ def main() -> int:
         "machine": platform.platform(), "processor": platform.processor() or platform.machine(),
         "num_cpus": os.cpu_count(), "load_average_1m_at_start": load_at_start, "load_average_1m_at_end": round(os.getloadavg()[0], 2),
         "pinned": {"gateway": gateway_cores, "mock_and_wrk": load_cores} if pin else None,
-        "vllm_runs": (f"vLLM on core {engine_core} (VLLM_CPU_OMP_THREADS_BIND); gateway, wrk and httpx clients on "
+        "gateway_processes": args.gateway_processes,
+        "vllm_runs": (f"vLLM on core {engine_core} (VLLM_CPU_OMP_THREADS_BIND); gateway, wrk and streaming clients on "
                       f"cores 0-{engine_core - 1}") if engine_core is not None else "unpinned",
         "duration_s_per_run": args.duration_s,
         "request": {"chat_messages": 1, "max_tokens_mock": 16, "max_tokens_vllm_streaming": 64},
         **results,
     }
     document["targets_met"] = verdict(results)
-    output = Path(args.output)
+    default_name = "gateway.json" if args.gateway_processes == 1 else f"gateway-{args.gateway_processes}proc.json"
+    output = Path(args.output or REPO / "bench" / "results" / default_name)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2) + "\n")
     print(markdown(results))
