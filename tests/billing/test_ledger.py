@@ -4,7 +4,7 @@ import asyncio
 from decimal import Decimal
 
 import pytest
-from asgiref.sync import async_to_sync
+from asgiref.sync import async_to_sync, sync_to_async
 
 from billing.ledger import UnknownEndpointError, arecord_usage, cost_of, record_usage, record_usage_batch
 from billing.models import UsageRecord
@@ -108,3 +108,25 @@ def test_concurrent_async_writes_share_statements_and_still_write_each_request_o
     assert sum(outcome is True for outcome in outcomes) == 150
     assert isinstance(outcomes[-1], UnknownEndpointError)
     assert UsageRecord.objects.count() == 150
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_async_writer_survives_its_connection_being_dropped():
+    from django.db import connection
+
+    from billing.usage_writer import writer_for_this_loop
+
+    endpoint = EndpointFactory()
+
+    async def scenario():
+        assert await arecord_usage(usage_report(endpoint, request_id="before-drop"))
+        writer_pid = writer_for_this_loop()._connection.info.backend_pid
+        await sync_to_async(_terminate)(writer_pid)
+        return await arecord_usage(usage_report(endpoint, request_id="after-drop"))
+
+    def _terminate(pid):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+    assert asyncio.run(scenario()) is True
+    assert set(UsageRecord.objects.values_list("request_id", flat=True)) == {"before-drop", "after-drop"}
