@@ -1,8 +1,10 @@
 """Spend caps and prepaid credit, enforced atomically in Redis before a request is proxied.
 
-The gateway reserves a request's largest possible cost (`max_cost`) with `reserve`, proxies,
-writes the ledger row, then calls `settle` with the real cost. Each check-and-reserve is one Lua
-script, so concurrent calls from any number of gateway processes can never overshoot a cap.
+A request's largest possible cost (`max_cost`) is reserved before it is proxied, and after its
+ledger row is written the reservation is settled with the real cost. The checks and holds are Lua
+functions (`RESERVE_LUA`, `SETTLE_LUA`), run atomically, so concurrent calls from any number of
+gateway processes can never overshoot a cap. `reserve` and `settle` run them alone; the gateway
+runs them inside its admission and finish scripts (`endpoints/gateway/admission.py`).
 
 Redis holds, in nano-dollars (integers, exact in Lua's doubles up to $9M):
   billing:org:<id>:period:<YYYYMM>   hash {spent, cap (-1 = none), prepaid (0/1)}

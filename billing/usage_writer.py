@@ -61,23 +61,22 @@ class UsageWriter:
         NOTE: a connection that dropped (a PostgreSQL restart, a failover, an idle timeout) is
         replaced and the batch written again: safe, since a request id already written is skipped.
         """
-        for attempt in (1, 2):
-            if self._connection is None or self._connection.closed:
-                self._connection = await _connect()
-            try:
-                written, refused = await record_usage_batch_on(self._connection, reports), {}
-            except UnknownEndpointError as exc:
-                written, refused = exc.written_ids, dict.fromkeys(exc.refused_ids, exc)
-            except psycopg.OperationalError:
-                await self.close()
-                if attempt == 2:
-                    raise
-                continue
-            except psycopg.Error:
-                await self.close()  # the next batch starts on a new connection
-                raise
-            return _outcomes(reports, written, refused)
-        raise AssertionError("unreachable")
+        try:
+            return await self._write_once(reports)
+        except psycopg.OperationalError:
+            return await self._write_once(reports)
+
+    async def _write_once(self, reports: list[UsageReport]) -> list[bool | Exception]:
+        if self._connection is None or self._connection.closed:
+            self._connection = await _connect()
+        try:
+            written, refused = await record_usage_batch_on(self._connection, reports), {}
+        except UnknownEndpointError as exc:
+            written, refused = exc.written_ids, dict.fromkeys(exc.refused_ids, exc)
+        except psycopg.Error:
+            await self.close()  # the next write starts on a new connection
+            raise
+        return _outcomes(reports, written, refused)
 
     async def _flush(self) -> None:
         # NOTE: yielding once lets every coroutine that is ready to write join this batch.
