@@ -44,6 +44,32 @@ def _secret_key() -> str:
 
 
 SECRET_KEY = _secret_key()
+
+
+def _encryption_keys() -> list[str]:
+    """Fernet keys for secrets at rest (`controlplane.secrets`): newest first, all decrypt."""
+    from cryptography.fernet import Fernet
+
+    keys = env_list("INFERPLANE_ENCRYPTION_KEYS")
+    if not keys:
+        if not DEBUG:
+            raise ImproperlyConfiguredEnv("INFERPLANE_ENCRYPTION_KEYS must be set when DJANGO_DEBUG is off")
+        # NOTE: development only, like the secret key: one generated key kept in the data folder.
+        key_file = embedded.data_dir() / "encryption_key"
+        if not key_file.exists():
+            key_file.write_text(Fernet.generate_key().decode())
+        keys = [key_file.read_text().strip()]
+    for key in keys:
+        try:
+            Fernet(key)
+        except (ValueError, TypeError):
+            raise ImproperlyConfiguredEnv(
+                "INFERPLANE_ENCRYPTION_KEYS must be comma-separated Fernet keys (32 url-safe base64 bytes)"
+            ) from None
+    return keys
+
+
+ENCRYPTION_KEYS = _encryption_keys()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"] if DEBUG else [])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 # Public address of this control plane, used in snippets, emails and Stripe redirects.

@@ -22,7 +22,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+# Ports an agent's engines listen on unless the agent is told otherwise (--engine-ports).
+DEFAULT_ENGINE_PORT_MIN = 20000
+DEFAULT_ENGINE_PORT_MAX = 29999
 
 
 class ReplicaState(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
@@ -104,7 +108,7 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass(slots=True)
 class RegisterRequest(Message):
-    join_token: str
+    join_token: str = field(repr=False)
     name: str
     gpu_type: str  # catalogue name: "cpu", "l4", "a10g", "a100-80gb", "h100-80gb", "h200"
     num_gpus: int
@@ -116,6 +120,12 @@ class RegisterRequest(Message):
     labels: dict[str, str] = field(default_factory=dict)
     # Endpoint `quantization` values this node's engine can run; placement refuses the others.
     supported_quantizations: list[str] = field(default_factory=lambda: ["none"])
+    # Where the gateway reaches this node's engines: its host and the ports its engines may use.
+    # NOTE: the control plane accepts a replica address only on this host and inside this range,
+    # so a stolen node secret cannot point the gateway (and customers' prompts) anywhere else.
+    advertise_host: str = "127.0.0.1"
+    engine_port_min: int = DEFAULT_ENGINE_PORT_MIN
+    engine_port_max: int = DEFAULT_ENGINE_PORT_MAX
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -123,12 +133,21 @@ class RegisterRequest(Message):
         _require(bool(self.name) and len(self.name) <= 128, "name must be 1-128 characters")
         _require(self.num_gpus >= 0 and self.num_cpus >= 1, "num_gpus must be >= 0 and num_cpus >= 1")
         _require(self.gpu_memory_mb >= 0 and self.memory_mb > 0, "memory figures must be positive")
+        _require(
+            bool(self.advertise_host) and len(self.advertise_host) <= 253
+            and all(ch.isalnum() or ch in ".-:" for ch in self.advertise_host),
+            "advertise_host must be a host name or IP address",
+        )
+        _require(
+            1024 <= self.engine_port_min <= self.engine_port_max <= 65535,
+            "engine ports must satisfy 1024 <= engine_port_min <= engine_port_max <= 65535",
+        )
 
 
 @dataclass(slots=True)
 class RegisterResponse(Message):
     node_id: str
-    node_secret: str
+    node_secret: str = field(repr=False)
     heartbeat_interval_s: float
 
 
@@ -189,6 +208,37 @@ class Heartbeat(Message):
 
 
 @dataclass(slots=True)
+class SourceCredentials(Message):
+    """An organisation's own credentials for one replica's model source.
+
+    Sent only inside that replica's spec over the authenticated agent channel; the agent keeps
+    them in memory (never in its state file or logs). Secret fields never appear in `repr()`.
+    S3: an access key and secret (optionally a session token), or a role the fleet assumes with
+    `external_id`; `region` and `endpoint_url` for S3-compatible stores. Hugging Face: `hf_token`.
+    """
+
+    kind: str  # "s3" or "hf"
+    access_key_id: str = ""
+    secret_access_key: str = field(default="", repr=False)
+    session_token: str = field(default="", repr=False)
+    role_arn: str = ""
+    external_id: str = ""
+    region: str = ""
+    endpoint_url: str = ""
+    hf_token: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        _require(self.kind in ("s3", "hf"), "credentials kind must be 's3' or 'hf'")
+        if self.kind == "s3":
+            _require(
+                bool(self.role_arn) or (bool(self.access_key_id) and bool(self.secret_access_key)),
+                "S3 credentials need an access key and secret, or a role",
+            )
+        else:
+            _require(bool(self.hf_token), "Hugging Face credentials need a token")
+
+
+@dataclass(slots=True)
 class ReplicaSpec(Message):
     """Everything the agent needs to launch (or drain) one replica."""
 
@@ -206,11 +256,26 @@ class ReplicaSpec(Message):
     gpu_memory_utilization: float = 0.9
     num_gpus: int = 1
     drain_timeout_s: float = 120.0
+    # The organisation's credentials for `model_source` (None: anonymous, or the fleet's own).
+    credentials: SourceCredentials | None = field(default=None, repr=False)
+    # True only for sources on the staff-managed public catalogue: the agent may read them with the
+    # fleet's own credentials. Anything else is read with `credentials` or anonymously, never both.
+    use_fleet_credentials: bool = False
+    # Who may share a cached copy of the weights: "" for a public catalogue model (every tenant),
+    # else the owning organisation's scope, so two organisations never share a private copy.
+    weights_scope: str = ""
+    # The engine's own API key (per replica, random): the gateway sends it, nobody else knows it.
+    engine_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id) and bool(self.served_model_name), "replica_id and served_model_name required")
         _require(self.max_model_len > 0 and self.max_num_seqs > 0, "max_model_len and max_num_seqs must be > 0")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be within (0, 1]")
+
+
+    def without_secrets(self) -> ReplicaSpec:
+        """A copy safe to write to disk or logs: no source credentials, no engine key."""
+        return dataclasses.replace(self, credentials=None, engine_api_key="")
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ def test_database_url_parses_sockets_and_tcp():
 PRODUCTION_ENV = {
     "DJANGO_DEBUG": "0",
     "DJANGO_SECRET_KEY": "k3y-" + "x9Q!z" * 12,
+    "INFERPLANE_ENCRYPTION_KEYS": "YnVpbGQtdGltZS1wbGFjZWhvbGRlci1uZXZlci11c2U=",
     "ALLOWED_HOSTS": "inferplane.example.com",
     "CSRF_TRUSTED_ORIGINS": "https://inferplane.example.com",
     "DATABASE_URL": "postgresql://u:p@db.internal:5432/inferplane",

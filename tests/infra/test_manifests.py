@@ -25,6 +25,7 @@ DJANGO_PROCESSES = [
 ]
 SECRET_SETTINGS = {
     "DJANGO_SECRET_KEY",
+    "INFERPLANE_ENCRYPTION_KEYS",
     "DATABASE_URL",
     "REDIS_URL",
     "STRIPE_SECRET_KEY",
@@ -107,6 +108,7 @@ def test_production_values_pass_check_deploy(rendered):
     values, _ = _environment(rendered, rendered.get("Deployment", "inferplane-web"))
     secrets = {
         "DJANGO_SECRET_KEY": "placeholder-" + "s3cr3t-K3y!" * 6,
+        "INFERPLANE_ENCRYPTION_KEYS": "cGxhY2Vob2xkZXItcGxhY2Vob2xkZXItcGxhY2Vob2w=",
         "DATABASE_URL": "postgresql://inferplane:pw@postgres.internal:5432/inferplane",
         "REDIS_URL": "redis://redis.internal:6379/0",
         "STRIPE_SECRET_KEY": "sk_test_placeholder",
