@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import secrets
 import uuid
 
 from django.db import models
 from django.utils import timezone
 
+from controlplane import secrets as secrets_at_rest
 from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
 from gpu_agent.protocol import ReplicaState
 
@@ -92,6 +94,11 @@ class ReplicaQuerySet(models.QuerySet):
         return self.filter(state__in=ACTIVE_REPLICA_STATES)
 
 
+def new_engine_key() -> str:
+    """A replica's engine key, encrypted at rest (`controlplane.secrets`)."""
+    return secrets_at_rest.encrypt(secrets.token_urlsafe(32))
+
+
 class Replica(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="replicas")
@@ -113,6 +120,9 @@ class Replica(models.Model):
     state_changed_at = models.DateTimeField(default=timezone.now)
     ready_at = models.DateTimeField(null=True, blank=True)
     stopped_at = models.DateTimeField(null=True, blank=True)
+    # NOTE: the engine's key (random per replica, Fernet-encrypted): the agent hands it to the engine,
+    # the gateway sends it; nothing else can call the engine.
+    encrypted_engine_key = models.TextField(default=new_engine_key, editable=False)
 
     objects = ReplicaQuerySet.as_manager()
 
@@ -122,6 +132,10 @@ class Replica(models.Model):
 
     def __str__(self) -> str:
         return f"{self.endpoint.name}/{str(self.id)[:8]}"
+
+    @property
+    def engine_api_key(self) -> str:
+        return secrets_at_rest.decrypt(self.encrypted_engine_key)
 
 
 class EventKind(models.TextChoices):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import uuid
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
@@ -10,7 +12,36 @@ from django.db import models
 from django.utils import timezone
 
 from controlplane import tokens
-from gpu_agent.protocol import NodeState
+from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN, NodeState
+
+
+def engine_address_problem(address: str, host: str, port_min: int, port_max: int) -> str:
+    """Why `address` is not an engine of the node registered at `host` with ports in [min, max] ("" if it is).
+
+    NOTE: the one rule for where the gateway may send customers' prompts: plain `http://host:port`
+    on the node's own registered host and inside its port range; no path, user, query or fragment.
+    """
+    try:
+        parts = urlsplit(address)
+        port = parts.port
+    except ValueError:
+        return f"engine address {address[:100]!r} is not a URL"
+    if parts.scheme != "http" or parts.username or parts.password or parts.path not in ("", "/") or parts.query or parts.fragment:
+        return f"engine address {address[:100]!r} is not of the form http://host:port"
+    reported_host = (parts.hostname or "").lower()
+    if not reported_host or reported_host != _normal_host(host):
+        return f"engine address {address[:100]!r} is not on the node's registered host {host}"
+    if port is None or not port_min <= port <= port_max:
+        return f"engine address {address[:100]!r} is outside the node's engine ports {port_min}-{port_max}"
+    return ""
+
+
+def _normal_host(host: str) -> str:
+    host = host.strip().lower().strip("[]")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
 
 
 class JoinToken(models.Model):
@@ -67,6 +98,10 @@ class Node(models.Model):
     # The latest heartbeat as the agent sent it (GPUs, weights cache, …), for the fleet pages.
     last_status = models.JSONField(default=dict, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # Where its engines listen, as registered (never from a heartbeat): replica addresses must match.
+    advertise_host = models.CharField(max_length=253, default="127.0.0.1")
+    engine_port_min = models.PositiveIntegerField(default=DEFAULT_ENGINE_PORT_MIN)
+    engine_port_max = models.PositiveIntegerField(default=DEFAULT_ENGINE_PORT_MAX)
     registered_at = models.DateTimeField(default=timezone.now)
 
     objects = NodeQuerySet.as_manager()
@@ -77,6 +112,9 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def engine_address_problem(self, address: str) -> str:
+        return engine_address_problem(address, self.advertise_host, self.engine_port_min, self.engine_port_max)
 
     @property
     def total_gpu_memory_mb(self) -> int:

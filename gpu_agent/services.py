@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -69,6 +70,8 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
             gpu_memory_mb=request.gpu_memory_mb, num_cpus=request.num_cpus, memory_mb=request.memory_mb,
             labels=request.labels, quantizations=list(request.supported_quantizations),
             agent_version=request.agent_version, engine_version=request.engine_version,
+            advertise_host=request.advertise_host, engine_port_min=request.engine_port_min,
+            engine_port_max=request.engine_port_max,
             secret_lookup=issued.lookup, secret_digest=issued.digest, join_token=join_token,
             last_heartbeat_at=timezone.now(),
         )
@@ -129,7 +132,8 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
             "kv_cache_usage": report.kv_cache_usage, "tokens_per_s": report.tokens_per_s,
             "progress": report.progress[:100], "progress_percent": report.progress_percent,
         }
-        if report.address:
+        refused_address = report.address and node.engine_address_problem(report.address)
+        if report.address and not refused_address:
             fields["address"] = report.address
         if report.num_restarts > replica.num_restarts:
             fields["num_restarts"] = report.num_restarts
@@ -138,6 +142,11 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
                 f"Replica {str(replica.pk)[:8]} engine crashed and was restarted (restart {report.num_restarts})",
                 replica=replica, reason=report.failure_reason[-500:],
             )
+        if refused_address and new_state not in FINAL_REPLICA_STATES:
+            # NOTE: a node may only point the gateway at its own registered host and port range; an
+            # engine elsewhere (a stolen node secret, a misconfigured agent) is failed, never routed to.
+            new_state = ReplicaState.FAILED.value
+            report = dataclasses.replace(report, failure_reason=f"refused: {refused_address}")
         if new_state != previous:
             fields["state"] = new_state
             fields["state_changed_at"] = now
@@ -216,6 +225,7 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         enable_prefix_caching=endpoint.enable_prefix_caching,
         gpu_memory_utilization=memory_fraction(replica),
         drain_timeout_s=float(settings.REPLICA_DRAIN_TIMEOUT_S),
+        engine_api_key=replica.engine_api_key,
     )
 
 

@@ -80,9 +80,9 @@ def test_heartbeat_answers_with_desired_replicas_and_moves_their_state(client, a
     beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.STARTING, progress="loading weights 40%", progress_percent=40)])
     replica.refresh_from_db()
     assert (replica.state, replica.progress) == ("STARTING", "loading weights 40%")
-    beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://127.0.0.1:9000")])
+    beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://127.0.0.1:20000")])
     replica.refresh_from_db()
-    assert replica.state == "READY" and replica.address == "http://127.0.0.1:9000" and replica.ready_at
+    assert replica.state == "READY" and replica.address == "http://127.0.0.1:20000" and replica.ready_at
     beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.READY, num_restarts=1, failure_reason="segfault")])
     messages = list(EndpointEvent.objects.filter(replica=replica).values_list("message", flat=True))
     assert any("READY after" in m for m in messages)
@@ -122,3 +122,52 @@ def test_an_agent_cannot_report_on_another_nodes_replica(client, agent):
     beat(client, intruder["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.FAILED)])
     replica.refresh_from_db()
     assert replica.state == "PENDING"
+
+
+@pytest.mark.parametrize("address, why", [
+    ("http://169.254.169.254:20000", "registered host"),  # a stolen node secret aims the gateway elsewhere
+    ("http://evil.example:20000", "registered host"),
+    ("http://127.0.0.1:6379", "engine ports"),  # the node's own Redis, outside its engine range
+    ("http://127.0.0.1:20000/v1/../admin", "http://host:port"),
+    ("http://user:pw@127.0.0.1:20000", "http://host:port"),
+    ("https://127.0.0.1:20000", "http://host:port"),
+    ("not a url at all", "http://host:port"),
+])
+def test_an_engine_address_off_the_nodes_host_or_port_range_is_refused_and_the_replica_fails(
+    client, agent, address, why, django_capture_on_commit_callbacks
+):
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.READY, address=address)])
+    replica.refresh_from_db()
+    assert replica.state == "FAILED" and replica.address == ""
+    assert why in replica.failure_reason and "refused" in replica.failure_reason
+    assert EndpointEvent.objects.filter(replica=replica, kind="failure", message__contains=why).exists()
+
+
+def test_a_node_registers_its_engine_host_and_port_range_and_bad_ones_are_400(client):
+    token = create_join_token(SYSTEM, name="t").plain
+    answer = register(client, token, advertise_host="10.0.3.7", engine_port_min=31000, engine_port_max=31099).json()
+    node = Node.objects.get(pk=answer["node_id"])
+    assert (node.advertise_host, node.engine_port_min, node.engine_port_max) == ("10.0.3.7", 31000, 31099)
+    assert node.engine_address_problem("http://10.0.3.7:31050") == ""
+    assert node.engine_address_problem("http://10.0.3.7:31100")
+    assert node.engine_address_problem("http://10.0.3.8:31050")
+    for bad in ({"engine_port_min": 80, "engine_port_max": 90}, {"engine_port_min": 30000, "engine_port_max": 20000},
+                {"advertise_host": "a b/c"}, {"advertise_host": ""}):
+        assert register(client, token, name="bad", **bad).status_code == 400, bad
+
+
+def test_each_replica_gets_its_own_engine_key_only_in_its_nodes_desired_spec(client, agent):
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=2, max_replicas=2, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    desired = beat(client, agent["node_secret"]).json()["desired"]
+    keys = {spec["replica_id"]: spec["engine_api_key"] for spec in desired}
+    assert len(keys) == 2 and len(set(keys.values())) == 2 and all(len(key) >= 32 for key in keys.values())
+    for replica in Replica.objects.filter(endpoint=endpoint):
+        # Encrypted at rest: the database never holds the key itself.
+        assert keys[str(replica.pk)] not in replica.encrypted_engine_key
+        assert replica.engine_api_key == keys[str(replica.pk)]
+    other = register(client, create_join_token(SYSTEM, name="x").plain, name="gpu-2").json()
+    assert beat(client, other["node_secret"]).json()["desired"] == []

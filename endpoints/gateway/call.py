@@ -241,12 +241,14 @@ class InferenceCall:
         try:
             response = await self.client.post(
                 replica.address.rstrip("/") + self.path, data=self._upstream_body(),
-                headers={"content-type": "application/json", "x-request-id": self.request_id},
+                headers={"content-type": "application/json", "x-request-id": self.request_id,
+                         "authorization": replica.authorization},
             )
         except UPSTREAM_ERRORS as exc:
             raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
         try:
-            if response.status >= 500:
+            if response.status >= 500 or response.status == 401:
+                # A 401 is the engine refusing our key: the replica's fault, never the client's.
                 raise UpstreamUnavailable(f"HTTP {response.status}")
             if response.status >= 400:
                 raise _engine_error(response.status, await response.read())

@@ -10,12 +10,15 @@ that is gone fails before the first byte, and the gateway retries elsewhere.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from decimal import Decimal
 
 from asgiref.sync import sync_to_async
 
 from endpoints.gateway.memo import Memo
+
+logger = logging.getLogger(__name__)
 
 ENDPOINT_CACHE_S = 2.0
 REPLICA_CACHE_S = 0.5
@@ -39,6 +42,10 @@ class EndpointInfo:
 class ReplicaInfo:
     id: str
     address: str
+    authorization: str = ""  # "Bearer <the engine's key>", sent with every call to it
+
+    def __repr__(self) -> str:  # never print the key
+        return f"ReplicaInfo(id={self.id!r}, address={self.address!r})"
 
 
 def _endpoint_info(endpoint) -> EndpointInfo:
@@ -83,8 +90,22 @@ def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
 
     rows = Replica.objects.filter(
         endpoint_id=endpoint_id, state=ReplicaState.READY, node__state__in=[NodeState.READY, NodeState.CORDONED]
-    ).exclude(address="").values_list("pk", "address")
-    return [ReplicaInfo(id=str(pk), address=address) for pk, address in rows]
+    ).exclude(address="").select_related("node").only(
+        "pk", "address", "encrypted_engine_key",
+        "node__advertise_host", "node__engine_port_min", "node__engine_port_max",
+    )
+    replicas = []
+    for replica in rows:
+        # NOTE: checked again here, not only when the agent reported it: the gateway never sends a
+        # prompt to an address outside the node's registered host and engine ports.
+        problem = replica.node.engine_address_problem(replica.address)
+        if problem:
+            logger.warning("not routing to replica %s: %s", replica.pk, problem)
+            continue
+        replicas.append(ReplicaInfo(
+            id=str(replica.pk), address=replica.address, authorization=f"Bearer {replica.engine_api_key}",
+        ))
+    return replicas
 
 
 _replicas = Memo(_load_replicas, REPLICA_CACHE_S, wait_when_empty=True)

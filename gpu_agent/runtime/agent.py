@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 
 from gpu_agent.protocol import (
+    DEFAULT_ENGINE_PORT_MAX,
+    DEFAULT_ENGINE_PORT_MIN,
     Heartbeat,
     HeartbeatResponse,
     RegisterRequest,
@@ -58,7 +60,10 @@ class AgentConfig:
     max_backoff_s: float = 60.0
     cpu_kv_cache_gib: int = engine.DEFAULT_CPU_KV_CACHE_GIB
     # The address the gateway uses to reach this node's engines (the pod or host IP on a fleet).
+    # Engines listen on exactly this address, never on every interface.
     advertise_host: str = "127.0.0.1"
+    # The ports engines may use; registered with the node, which accepts no address outside them.
+    engine_ports: tuple[int, int] = (DEFAULT_ENGINE_PORT_MIN, DEFAULT_ENGINE_PORT_MAX)
     # Leave engines running when the agent exits (agent upgrades): no PR_SET_PDEATHSIG, and the
     # next agent on this data dir adopts them. Off by default: an exiting agent stops its engines.
     keep_engines_on_exit: bool = False
@@ -105,9 +110,9 @@ class Agent:
         )
         self.device = engine.DEVICE_CPU if self.hardware.is_cpu else engine.DEVICE_CUDA
         if command_factory is None:
-            # Engines listen on loopback unless the gateway reaches them from other machines:
-            # then on every interface, advertised at the node's own address.
-            bind_host = "127.0.0.1" if config.advertise_host in ("127.0.0.1", "localhost") else "0.0.0.0"
+            # NOTE: engines bind to the advertised address only (loopback on one machine, the pod or
+            # host IP on a fleet), never to every interface.
+            bind_host = config.advertise_host
 
             def command_factory(spec, model_path, port):
                 return engine.build_engine_command(
@@ -129,6 +134,7 @@ class Agent:
             command_factory=command_factory,
             policy=policy,
             standby=config.standby,
+            engine_ports=config.engine_ports,
             on_ready=lambda _replica_id: self._wake.set(),
         )
         self.weights = WeightsCache(
@@ -159,10 +165,17 @@ class Agent:
     def _load_credentials(self) -> None:
         try:
             data = json.loads(self.credentials_path.read_text())
-            if data.get("control_plane_url") == self.config.control_plane_url:
+            # The node was registered with this control plane, host and port range; if the operator
+            # changed either, register again so the control plane trusts the new address.
+            if data.get("control_plane_url") == self.config.control_plane_url and data.get(
+                "engine_address"
+            ) == self._engine_address():
                 self.node_id, self.node_secret = data["node_id"], data["node_secret"]
         except (OSError, ValueError, KeyError):
             pass
+
+    def _engine_address(self) -> list:
+        return [self.config.advertise_host, *self.config.engine_ports]
 
     def register(self) -> RegisterResponse:
         request = RegisterRequest(
@@ -176,6 +189,9 @@ class Agent:
             agent_version=AGENT_VERSION,
             engine_version=engine.engine_version(),
             supported_quantizations=sorted(engine.supported_quantizations(self.device)),
+            advertise_host=self.config.advertise_host,
+            engine_port_min=self.config.engine_ports[0],
+            engine_port_max=self.config.engine_ports[1],
         )
         response = self.http.post("/agent/v1/register", json=request.to_dict())
         if response.status_code in (400, 401, 403):
@@ -188,6 +204,7 @@ class Agent:
             "control_plane_url": self.config.control_plane_url,
             "node_id": answer.node_id,
             "node_secret": answer.node_secret,
+            "engine_address": self._engine_address(),
         }
         tmp = self.credentials_path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -329,6 +346,8 @@ class Agent:
         for spec in desired:
             if spec.action == ReplicaAction.RUN and spec.replica_id not in known | pulling:
                 self._begin_start(spec)
+            elif spec.replica_id in known:
+                self.supervisor.refresh_secrets(spec)
         for replica_id in known | pulling:
             spec = desired_by_id.get(replica_id)
             if spec is None or spec.action == ReplicaAction.DRAIN:

@@ -10,6 +10,8 @@ import sys
 import threading
 from pathlib import Path
 
+from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferplane-agent", description="Inferplane GPU agent")
@@ -46,12 +48,31 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("INFERPLANE_AGENT_ADVERTISE_HOST", "127.0.0.1"),
         help="address at which the gateway reaches this node's engines (default: loopback, single machine)",
     )
+    run.add_argument(
+        "--engine-ports",
+        default=os.environ.get(
+            "INFERPLANE_AGENT_ENGINE_PORTS", f"{DEFAULT_ENGINE_PORT_MIN}-{DEFAULT_ENGINE_PORT_MAX}"
+        ),
+        type=_port_range,
+        help="LOW-HIGH: the ports engines listen on; the control plane accepts no engine address outside them",
+    )
     run.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="KV cache per engine on CPU nodes")
     run.add_argument("--log-level", default=os.environ.get("INFERPLANE_AGENT_LOG_LEVEL", "INFO"))
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random Llama for tests (no download)")
     tiny.add_argument("directory")
     return parser
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    try:
+        ports = (int(low), int(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH, not {text!r}") from None
+    if not 1024 <= ports[0] <= ports[1] <= 65535:
+        raise argparse.ArgumentTypeError("ports must satisfy 1024 <= LOW <= HIGH <= 65535")
+    return ports
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         s3_endpoint_url=args.s3_endpoint_url,
         cpu_kv_cache_gib=args.cpu_kv_cache_gib,
         advertise_host=args.advertise_host,
+        engine_ports=args.engine_ports,
         keep_engines_on_exit=args.keep_engines_on_exit,
         standby=args.standby,
     )

@@ -11,12 +11,14 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_agent.protocol import ReplicaSpec
+from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 
 DEVICE_CPU = "cpu"
 DEVICE_CUDA = "cuda"
@@ -129,6 +131,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def free_port_in_range(low: int, high: int, *, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+    """A port in [low, high] that nothing listens on, tried in random order.
+
+    NOTE: engines must listen inside the node's registered range: the control plane refuses any
+    other address. The port is probed on every interface, so a listener on any of them counts.
+    """
+    candidates = [port for port in range(low, high + 1) if port not in exclude]
+    random.shuffle(candidates)
+    for port in candidates[:2000]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {low}-{high}")
+
+
 @dataclass(slots=True)
 class EngineCommand:
     argv: list[str]
@@ -178,13 +198,16 @@ def build_engine_command(
         "--disable-uvicorn-access-log",
         # usage.prompt_tokens_details.cached_tokens: prefix-cache hits are billed at the cached price.
         "--enable-prompt-tokens-details",
+        # Every path but /health needs the replica's key (vLLM's own --api-key leaves most open).
+        "--middleware", "gpu_agent.runtime.engine_guard.EngineKeyGuard",
         *plan.flags,
     ]  # fmt: skip
     if spec.max_num_batched_tokens:
         argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if plan.hf_overrides:
         argv += ["--hf-overrides", json.dumps(plan.hf_overrides)]
-    env = {REPLICA_ENV_MARKER: spec.replica_id}
+    # NOTE: the key travels in the environment, never in argv (visible to `ps`, written to the log).
+    env = {REPLICA_ENV_MARKER: spec.replica_id, ENGINE_API_KEY_ENV: spec.engine_api_key}
     if device == DEVICE_CPU:
         # CUDA graphs and multi-process workers buy nothing on CPU and cost start time.
         argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]

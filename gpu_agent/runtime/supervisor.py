@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -40,7 +41,13 @@ from pathlib import Path
 import httpx
 import psutil
 
-from gpu_agent.protocol import ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import (
+    DEFAULT_ENGINE_PORT_MAX,
+    DEFAULT_ENGINE_PORT_MIN,
+    ReplicaSpec,
+    ReplicaState,
+    ReplicaStatus,
+)
 from gpu_agent.runtime import engine
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, EngineCommand
 from gpu_agent.runtime.standby import Standby, server_args
@@ -142,6 +149,7 @@ class Supervisor:
         policy: SupervisorPolicy | None = None,
         standby: bool = False,
         on_ready: Callable[[str], None] | None = None,
+        engine_ports: tuple[int, int] = (DEFAULT_ENGINE_PORT_MIN, DEFAULT_ENGINE_PORT_MAX),
     ) -> None:
         # NOTE: absolute, because engines carry it as a marker the next agent matches on.
         self.data_dir = Path(data_dir).resolve()
@@ -152,6 +160,8 @@ class Supervisor:
         self.policy = policy or SupervisorPolicy()
         self.command_factory = command_factory or self._default_command
         self.on_ready = on_ready  # called with the replica id when an engine turns READY
+        # Engines listen only inside the range this node registered (the control plane checks it).
+        self.engine_ports = engine_ports
         self._replicas: dict[str, ManagedReplica] = {}
         self._lock = threading.RLock()
         self._http = httpx.Client(timeout=self.policy.health_timeout_s)
@@ -215,6 +225,19 @@ class Supervisor:
             if replica is not None and replica.state in _TERMINAL_STATES:
                 del self._replicas[replica_id]
                 self._save_state()
+
+    def refresh_secrets(self, spec: ReplicaSpec) -> None:
+        """Take a desired spec's secrets for a replica we already run.
+
+        An engine adopted from a previous agent was recovered from the state file, which holds no
+        secrets; its engine key arrives with the next desired spec.
+        """
+        with self._lock:
+            replica = self._replicas.get(spec.replica_id)
+            if replica is not None and spec.engine_api_key and replica.spec.engine_api_key != spec.engine_api_key:
+                replica.spec = dataclasses.replace(
+                    replica.spec, engine_api_key=spec.engine_api_key, credentials=spec.credentials
+                )
 
     def get(self, replica_id: str) -> ManagedReplica | None:
         with self._lock:
@@ -332,7 +355,8 @@ class Supervisor:
 
     def _launch(self, replica: ManagedReplica) -> None:
         spec = replica.spec
-        port = engine.free_port()
+        in_use = {other.command.port for other in self._replicas.values() if other.command and other.pid}
+        port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
         command = self.command_factory(spec, replica.model_path, port)
         if (
             self.standby is not None
@@ -487,7 +511,9 @@ class Supervisor:
 
     def _scrape(self, replica: ManagedReplica) -> bool:
         try:
-            response = self._http.get(f"{replica.address}/metrics")
+            response = self._http.get(
+                f"{replica.address}/metrics", headers={"Authorization": f"Bearer {replica.spec.engine_api_key}"}
+            )
             response.raise_for_status()
         except httpx.HTTPError:
             return False
@@ -547,7 +573,9 @@ class Supervisor:
                 if replica_id in self._replicas:
                     continue
                 pid = record.get("pid")
-                spec = ReplicaSpec.from_dict(record["spec"])
+                spec = dataclasses.replace(
+                    ReplicaSpec.from_dict(record["spec"]), engine_api_key=record.get("engine_api_key", "")
+                )
                 command = EngineCommand(argv=record.get("argv", []), host=record["host"], port=record["port"],
                                          advertise_host=record.get("advertise_host", ""))
                 replica = ManagedReplica(
@@ -606,11 +634,16 @@ class Supervisor:
                 "port": replica.command.port,
                 "argv": replica.command.argv,
                 "model_path": str(replica.model_path),
-                "spec": replica.spec.to_dict(),
+                # NOTE: source credentials never go to disk. The engine key does (this file is 0600,
+                # like node.json): the next agent must reach an engine it adopts to drain it.
+                "spec": replica.spec.without_secrets().to_dict(),
+                "engine_api_key": replica.spec.engine_api_key,
                 "num_restarts": replica.num_restarts,
             }
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(records, indent=2))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(records, indent=2))
         os.replace(tmp, self.state_path)
 
     def _load_state(self) -> dict[str, dict]:

@@ -12,6 +12,7 @@ import pytest
 
 from gpu_agent.protocol import ReplicaSpec, ReplicaState
 from gpu_agent.runtime.engine import EngineCommand
+from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 
@@ -32,6 +33,7 @@ def make_spec(replica_id: str = "r-1", **overrides) -> ReplicaSpec:
         "max_model_len": 512,
         "max_num_seqs": 32,
         "drain_timeout_s": 30.0,
+        "engine_api_key": f"engine-key-of-{replica_id}",
     }
     values.update(overrides)
     return ReplicaSpec(**values)
@@ -49,7 +51,9 @@ def fake_engine_factory(*extra_args: str):
             "--served-model-name",
             spec.served_model_name,
         ]
-        return EngineCommand(argv=[*argv, *extra_args], port=port)
+        return EngineCommand(
+            argv=[*argv, *extra_args], port=port, env={ENGINE_API_KEY_ENV: spec.engine_api_key}
+        )
 
     return factory
 

@@ -1,7 +1,8 @@
 """A stand-in for `vllm serve` that starts in milliseconds (supervisor and agent tests).
 
 Serves /health, /metrics (running requests read from --running-file) and
-/v1/completions; spawns a worker child like vLLM's EngineCore so that tests see
+/v1/completions; like a real engine under `EngineKeyGuard`, everything but /health needs the
+replica's key from INFERPLANE_ENGINE_API_KEY; spawns a worker child like vLLM's EngineCore so that tests see
 whether the whole process group goes away.
 """
 
@@ -57,8 +58,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _authorized(self) -> bool:
+        key = os.environ.get("INFERPLANE_ENGINE_API_KEY", "")
+        if key and self.headers.get("Authorization", "") == f"Bearer {key}":
+            return True
+        self._send(401, '{"error": "unauthorized"}')
+        return False
+
     def do_GET(self):
         ready = time.monotonic() - started_at >= args.ready_after_s
+        if self.path != "/health" and not self._authorized():
+            return
         if self.path == "/health":
             self._send(200 if ready else 503, "")
         elif self.path == "/metrics":
@@ -75,6 +85,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         length = int(self.headers.get("Content-Length", 0))
         self.rfile.read(length)
+        if not self._authorized():
+            return
         body = {
             "model": args.served_model_name,
             "choices": [{"text": "ok"}],

@@ -11,9 +11,13 @@ import sys
 import textwrap
 import threading
 
+import httpx
+import psutil
 import pytest
 
 from gpu_agent.protocol import (
+    DEFAULT_ENGINE_PORT_MAX,
+    DEFAULT_ENGINE_PORT_MIN,
     Heartbeat,
     HeartbeatResponse,
     NodeState,
@@ -316,7 +320,6 @@ def test_next_agent_adopts_engines_a_detached_agent_left_running(control_plane, 
 def test_cli_agent_serves_a_real_engine_and_sigterm_leaves_no_process(
     control_plane, tmp_path, tiny_model_dir
 ):
-    import httpx
 
     control_plane.desired = [make_spec("r-cli", model_source=str(tiny_model_dir))]
     command = [
@@ -332,8 +335,32 @@ def test_cli_agent_serves_a_real_engine_and_sigterm_leaves_no_process(
         assert control_plane.registrations[0].name == "cpu-test-node"
         status = next(s for s in control_plane.heartbeats[-1].replicas if s.replica_id == "r-cli")
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
-        answer = httpx.post(f"{status.address}/v1/completions", json=body, timeout=60).json()
+        # The engine is closed to anyone without the replica's key, on every path but /health:
+        # vLLM's own --api-key would leave /invocations, /tokenize, /pooling and /metrics open.
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for method, path, payload in [
+            ("POST", "/v1/completions", body), ("POST", "/invocations", chat), ("POST", "/tokenize", {"prompt": "hi"}),
+            ("GET", "/metrics", None), ("GET", "/v1/models", None), ("POST", "/pooling", {"input": "hi"}),
+        ]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "engine-key-of-r-cli"}):
+                refused = httpx.request(method, f"{status.address}{path}", json=payload, headers=headers, timeout=60)
+                assert refused.status_code == 401, (path, headers, refused.status_code)
+        assert httpx.get(f"{status.address}/health", timeout=10).status_code == 200
+        key = {"Authorization": "Bearer engine-key-of-r-cli"}
+        answer = httpx.post(f"{status.address}/v1/completions", json=body, headers=key, timeout=60).json()
         assert answer["usage"]["completion_tokens"] == 4
+        assert httpx.post(f"{status.address}/tokenize", json={"prompt": "hi"}, headers=key, timeout=60).status_code == 200
+        # The engine listens on the advertised address only, inside the node's engine port range.
+        port = int(status.address.rsplit(":", 1)[1])
+        assert DEFAULT_ENGINE_PORT_MIN <= port <= DEFAULT_ENGINE_PORT_MAX
+        listening = {conn.laddr.ip for conn in psutil.net_connections("tcp") if conn.laddr and conn.laddr.port == port
+                     and conn.status == psutil.CONN_LISTEN}
+        assert listening == {"127.0.0.1"}
+        # The key is never in the engine's command line or log; only the agent's own state file (0600) holds it.
+        for path in (tmp_path / "agent").rglob("*"):
+            if path.is_file() and b"engine-key-of-r-cli" in path.read_bytes():
+                assert path.name == "replicas.json" and path.stat().st_mode & 0o077 == 0, path
+        assert all("engine-key-of-r-cli" not in " ".join(p.cmdline()) for p in processes_with_marker("r-cli"))
         assert len(processes_with_marker("r-cli")) >= 2  # API server and EngineCore
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=60) == 0

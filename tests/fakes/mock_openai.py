@@ -5,7 +5,9 @@ engine itself is not under test (gateway error paths, faults, the overhead bench
 
 It speaks what the gateway relies on from vLLM: `/health`, non-streaming answers with
 `usage`, streaming SSE with `stream_options.include_usage` / `continuous_usage_stats`.
-Each completion has `max_tokens` tokens (default 16), one per chunk.
+Each completion has `max_tokens` tokens (default 16), one per chunk. With INFERPLANE_ENGINE_API_KEY
+set it runs behind the same `EngineKeyGuard` as a real engine; `GET /_stats` counts the requests
+that reached it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
+
+from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV, EngineKeyGuard
 
 PROMPT_TOKENS = 7
 
@@ -32,6 +37,7 @@ class MockOpenAI:
     def __init__(self, token_delay_s: float = 0.0, fail_after_chunks: int | None = None):
         self.token_delay_s = token_delay_s
         self.fail_after_chunks = fail_after_chunks
+        self.num_requests = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -45,6 +51,9 @@ class MockOpenAI:
         path = scope["path"]
         if path == "/health":
             return await self._json(send, 200, {})
+        if path == "/_stats":
+            return await self._json(send, 200, {"num_requests": self.num_requests})
+        self.num_requests += 1
         body = b""
         while True:
             message = await receive()
@@ -106,6 +115,8 @@ def main() -> None:
     parser.add_argument("--fail-after-chunks", type=int, default=None)
     args = parser.parse_args()
     app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks)
+    if os.environ.get(ENGINE_API_KEY_ENV):
+        app = EngineKeyGuard(app)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 

@@ -14,6 +14,7 @@ from controlplane.services import Actor, create_api_key
 from endpoints.models import Replica
 from gpu_agent.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
+from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
 from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
 
@@ -22,12 +23,13 @@ from tests.factories import EndpointFactory, MembershipFactory, OrganizationFact
 def start_mock_upstream(tmp_path):
     started: list[ChildProcess] = []
 
-    def start(*, token_delay_ms: float = 0, fail_after_chunks: int | None = None) -> str:
+    def start(*, token_delay_ms: float = 0, fail_after_chunks: int | None = None, engine_key: str = "") -> str:
         port = free_port()
         args = [sys.executable, "-m", "tests.fakes.mock_openai", "--port", str(port), "--token-delay-ms", str(token_delay_ms)]
         if fail_after_chunks is not None:
             args += ["--fail-after-chunks", str(fail_after_chunks)]
-        child = ChildProcess(args, child_env(), tmp_path / f"mock-{port}.log")
+        env = child_env() | ({ENGINE_API_KEY_ENV: engine_key} if engine_key else {})
+        child = ChildProcess(args, env, tmp_path / f"mock-{port}.log")
         started.append(child)
         address = f"http://127.0.0.1:{port}"
 
@@ -77,11 +79,13 @@ def tenant(transactional_db):
     return Tenant
 
 
-def serve_endpoint(organization, *addresses: str, **spec):
-    """An endpoint with one READY replica per upstream address, on a READY node."""
+def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = (1024, 65535), **spec):
+    """An endpoint with one READY replica per upstream address, on a READY node (engine ports `node_ports`)."""
     node = Node.objects.create(name=f"node-{free_port()}", gpu_type="l4", num_gpus=1, gpu_memory_mb=24_000,
                                secret_lookup=f"{free_port():012d}", secret_digest="x", state=NodeState.READY,
-                               quantizations=["none"], last_heartbeat_at=timezone.now())
+                               quantizations=["none"], last_heartbeat_at=timezone.now(),
+                               # the mocks listen on ephemeral ports: the whole range is this node's
+                               advertise_host="127.0.0.1", engine_port_min=node_ports[0], engine_port_max=node_ports[1])
     endpoint = EndpointFactory(organization=organization, max_model_len=2048, **spec)
     for address in addresses:
         Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, address=address, ready_at=timezone.now())
