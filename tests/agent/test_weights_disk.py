@@ -9,9 +9,10 @@ from collections import namedtuple
 import pytest
 
 from gpu_agent.runtime.weights import WeightsCache
-from gpu_agent.runtime.weights_access import ModelTooLarge
+from gpu_agent.runtime.weights_access import ModelTooLarge, WeightsError
 
 from .test_weights_cache import s3, s3_endpoint, upload_model  # noqa: F401  (fixtures)
+from .test_weights_hf import FakeHub
 
 DiskUsage = namedtuple("DiskUsage", "total used free")
 
@@ -83,3 +84,22 @@ def test_the_free_space_of_the_weights_disk_is_checked_too(s3, s3_endpoint, tmp_
     monkeypatch.setattr(shutil, "disk_usage", lambda _path: DiskUsage(total=800, used=300, free=500))
     with pytest.raises(ModelTooLarge, match="model is 1 kB; this node's weights disk is 800 bytes"):
         cache.fetch("s3://disk-free/old")
+
+
+def test_a_hub_repo_is_sized_before_download_and_never_grows_past_its_listing(tmp_path):
+    hub = FakeHub(
+        "org/big", {"config.json": b"{}", "model.safetensors": b"x" * 5000}, listed_sizes={"config.json": 1}
+    )
+    try:
+        small = WeightsCache(tmp_path / "small", budget_bytes=4000, hf_endpoint=hub.url)
+        with pytest.raises(ModelTooLarge, match="model is 5 kB; this node's weights budget is 4 kB"):
+            small.fetch("hf:org/big")
+        assert hub.num_file_downloads == 0
+        cache = WeightsCache(tmp_path / "weights", hf_endpoint=hub.url)
+        with pytest.raises(
+            WeightsError, match="config.json is larger than the 1 bytes its listing announced"
+        ):
+            cache.fetch("hf:org/big")
+        assert cache.statuses() == [] and os.listdir(cache.root / ".tmp") == []
+    finally:
+        hub.server.shutdown()
