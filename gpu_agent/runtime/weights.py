@@ -194,7 +194,7 @@ class WeightsCache:
                 with self._mutex:
                     self._downloads[key] = download
                 try:
-                    self._make_room(source, key, download.size_bytes)
+                    self._make_room(key, download.size_bytes)
                     self._download_into_place(parsed, client, files, path, download, on_progress)
                     manifest = {
                         "source": source,
@@ -272,7 +272,7 @@ class WeightsCache:
 
     # -- disk -------------------------------------------------------------------
 
-    def _make_room(self, source: str, key: str, size_bytes: int) -> None:
+    def _make_room(self, key: str, size_bytes: int) -> None:
         """Evict what must go for `size_bytes` more to fit the budget and the disk, or raise ModelTooLarge."""
         with self._space_lock:
             if self.budget_bytes is not None and size_bytes > self.budget_bytes:
