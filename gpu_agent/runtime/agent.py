@@ -38,6 +38,7 @@ from gpu_agent.protocol import (
 from gpu_agent.runtime import engine, hardware
 from gpu_agent.runtime.supervisor import CommandFactory, Supervisor, SupervisorPolicy
 from gpu_agent.runtime.weights import WeightsCache
+from gpu_agent.runtime.weights_access import SourceAccess, WeightsError
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class Agent:
             config.data_dir / "weights",
             budget_bytes=config.weights_budget_bytes,
             s3_endpoint_url=config.s3_endpoint_url,
+            private_dirs=(config.data_dir,),  # a local model_source never reads the agent's own files
         )
         self.http = httpx.Client(
             base_url=config.control_plane_url, timeout=config.request_timeout_s, transport=transport
@@ -296,14 +298,17 @@ class Agent:
     def _watch_loop(self, stop: threading.Event) -> None:
         """Long-poll `/agent/v1/watch` so a new or drained replica is heard of at once, not at the next beat."""
         failures = 0
-        with httpx.Client(base_url=self.config.control_plane_url, timeout=WATCH_TIMEOUT_S,
-                          transport=self._transport) as client:
+        with httpx.Client(
+            base_url=self.config.control_plane_url, timeout=WATCH_TIMEOUT_S, transport=self._transport
+        ) as client:
             while not stop.is_set():
                 if not self.node_secret:
                     stop.wait(0.2)
                     continue
                 try:
-                    response = client.post("/agent/v1/watch", headers={"Authorization": f"Bearer {self.node_secret}"})
+                    response = client.post(
+                        "/agent/v1/watch", headers={"Authorization": f"Bearer {self.node_secret}"}
+                    )
                     if response.status_code == 404:  # an older control plane: heartbeats alone will do
                         return
                     response.raise_for_status()
@@ -393,13 +398,34 @@ class Agent:
                 pull.progress = f"loading weights {pull.progress_percent:.0f}%"
 
         try:
-            path = self.weights.fetch(spec.model_source, on_progress=on_progress)
+            path = self.weights.fetch(
+                spec.model_source, access=SourceAccess.for_replica(spec), on_progress=on_progress
+            )
             self.weights.pin(path)
-        except Exception as exc:
-            logger.exception("replica %s: fetching weights failed", spec.replica_id)
+        except (WeightsError, ValueError) as exc:  # NOTE: their messages carry no secrets
+            logger.warning("replica %s: fetching weights failed: %s", spec.replica_id, exc)
             pull.failure_reason = f"fetching weights from {spec.model_source} failed: {exc}"
             pull.done = True
             return
+        except OSError as exc:  # the node's own trouble (a full disk): the system's words, no paths
+            logger.exception("replica %s: fetching weights failed", spec.replica_id)
+            pull.failure_reason = (
+                f"fetching weights from {spec.model_source} failed: {exc.strerror or 'I/O error'}"
+            )
+            pull.done = True
+            return
+        except Exception:
+            # Anything else may quote what it should not (an endpoint, a library's internals):
+            # the operator's log has it, the customer gets a plain reason.
+            logger.exception("replica %s: fetching weights failed", spec.replica_id)
+            pull.failure_reason = (
+                f"fetching weights from {spec.model_source} failed (the node's log has details)"
+            )
+            pull.done = True
+            return
+        # The engine never needs the source's credentials: nothing past this point (the supervisor,
+        # its state file) holds them.
+        spec = dataclasses.replace(spec, credentials=None)
         with self._lock:
             if pull.cancelled:
                 self.weights.unpin(path)

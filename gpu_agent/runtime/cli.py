@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # NOTE: botocore's DEBUG lines print request headers, a replica's session token among them.
+    logging.getLogger("botocore").setLevel(max(logging.getLogger().level, logging.INFO))
     if args.command == "tiny-model":
         from gpu_agent.runtime.tiny_model import build_tiny_model
 

@@ -2,8 +2,13 @@
 
 Sources:
     s3://bucket/prefix       boto3; keyed by the objects' keys, sizes and ETags
-    hf:org/name[@revision]   huggingface_hub.snapshot_download; keyed by the revision
-    /absolute/path           used in place, never copied
+    hf:org/name[@revision]   the Hub's HTTP API; keyed by the commit the revision points at
+    /absolute/path           used in place, never copied (`weights_paths.check_local_model_dir`)
+
+Each fetch reads its source with the replica's own credentials, the fleet's for the public
+catalogue, or anonymously (`weights_access`). A cache key covers the source, its content, the
+store's endpoint and the replica's `weights_scope`, so two organisations never share a cached copy
+of a private source while a public catalogue model ("" scope) is downloaded once for everyone.
 
 Layout: `<root>/<cache_key>/` holds one complete model and `<root>/<cache_key>.json`
 its manifest (written last; its mtime is the last use). A download goes to
@@ -11,6 +16,11 @@ its manifest (written last; its mtime is the last use). A download goes to
 complete. One lock per cache key (a thread lock plus an `flock` on
 `<root>/.locks/<key>.lock`) makes concurrent requests for one model download once,
 across threads and processes.
+
+Before downloading, every file name is checked (`weights_paths`) and the model's total size is
+compared with the disk budget and free space: what can never fit fails at once, least recently used
+unpinned models are evicted when that makes room, and a file larger than its listing said stops the
+download.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -28,12 +39,29 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from gpu_agent.protocol import WeightsStatus
+from gpu_agent.runtime.weights_access import (
+    ModelTooLarge,
+    SourceAccess,
+    StoreUnreachable,
+    WeightsError,
+    hf_client,
+    hf_errors,
+    hf_raise_for_status,
+    s3_client,
+    s3_endpoint_for,
+    s3_errors,
+    unreadable,
+)
+from gpu_agent.runtime.weights_paths import DownloadFolder, check_local_model_dir, check_model_file_names
 
 logger = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 8 * 1024 * 1024
+MAX_MODEL_FILES = 10_000  # a listing of a million tiny objects would exhaust inodes, not bytes
+_HF_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 @dataclass(slots=True)
@@ -51,8 +79,10 @@ class ModelSource:
             return cls("s3", rest)
         if source.startswith("hf:"):
             name, _, revision = source[len("hf:") :].partition("@")
-            if name.count("/") != 1:
+            if not _HF_REPO_ID.fullmatch(name) or ".." in name:
                 raise ValueError(f"bad Hugging Face source {source!r}: expected hf:org/name[@revision]")
+            if any(ord(ch) <= 32 or ord(ch) == 127 for ch in revision):
+                raise ValueError(f"bad Hugging Face revision in {source!r}")
             return cls("hf", name, revision or "main")
         if os.path.isabs(source):
             return cls("local", source)
@@ -62,6 +92,15 @@ class ModelSource:
     def bucket_and_prefix(self) -> tuple[str, str]:
         bucket, _, prefix = self.location.partition("/")
         return bucket, prefix
+
+
+@dataclass(slots=True, frozen=True)
+class _RemoteFile:
+    name: str  # relative to the model folder, checked by `check_model_file_names`
+    parts: tuple[str, ...]
+    size_bytes: int
+    location: str  # the S3 object key, or the Hub URL of the file at the listed commit
+    etag: str = ""
 
 
 @dataclass(slots=True)
@@ -82,8 +121,9 @@ class WeightsCache:
         budget_bytes: int | None = None,
         s3_endpoint_url: str | None = None,
         hf_endpoint: str | None = None,
+        private_dirs: tuple[Path, ...] = (),
     ) -> None:
-        self.root = Path(root)
+        self.root = Path(root).resolve()
         self.budget_bytes = budget_bytes
         self.s3_endpoint_url = (
             s3_endpoint_url
@@ -92,84 +132,85 @@ class WeightsCache:
             or None
         )
         self.hf_endpoint = hf_endpoint or os.environ.get("HF_ENDPOINT") or None
+        # A local model directory may neither lie inside nor contain these (nor the cache itself).
+        self.private_dirs = (self.root, *private_dirs)
         for sub in ("", ".tmp", ".locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.num_downloads = 0
         self.num_hits = 0
         self._mutex = threading.Lock()
+        self._space_lock = threading.Lock()  # one decision at a time about who gets the disk
         self._key_locks: dict[str, threading.Lock] = {}
         self._pins: dict[str, int] = {}  # cache key -> number of users (never evicted)
         self._downloads: dict[str, _Download] = {}
-        self._known_sources: dict[str, str] = {}  # cache key -> source
 
     # -- public ---------------------------------------------------------------
 
-    def fetch(self, source: str, *, on_progress=None) -> Path:
+    def fetch(self, source: str, *, access: SourceAccess | None = None, on_progress=None) -> Path:
         """Return a local directory holding the model, downloading it if needed.
 
-        `on_progress(downloaded_bytes, size_bytes)` is called while downloading.
+        `access` says whose credentials read the source and who may share the copy (default:
+        anonymous, shared). `on_progress(downloaded_bytes, size_bytes)` is called while downloading.
+        Failures a customer may see are `WeightsError`s, whose messages carry no secrets.
         """
+        access = access or SourceAccess()
         parsed = ModelSource.parse(source)
         if parsed.kind == "local":
-            if not Path(parsed.location).is_dir():
-                raise FileNotFoundError(f"model directory {parsed.location} does not exist")
-            return Path(parsed.location)
-        try:
-            if parsed.kind == "s3":
-                listing = self._s3_listing(parsed)
-                fingerprint = json.dumps(sorted(listing), separators=(",", ":"))
-            else:  # a branch moves: key by the commit it points at now
-                listing = self._hf_info(parsed)
-                fingerprint = listing.sha or parsed.revision
-        except Exception:
-            # The store is unreachable: a copy we already hold beats no replica at all.
-            cached = self._newest_cached(source)
-            if cached is None:
-                raise
-            logger.warning("cannot reach %s; using the cached copy %s", source, cached.name, exc_info=True)
-            self._touch(cached.name)
-            with self._mutex:
-                self.num_hits += 1
-            return cached
-        key = cache_key(source, fingerprint)
-        with self._mutex:
-            self._known_sources[key] = source
-        with self._key_lock(key):
-            path = self.root / key
-            if self._manifest_path(key).exists() and path.is_dir():
-                self._touch(key)
+            return check_local_model_dir(parsed.location, self.private_dirs)
+        endpoint = s3_endpoint_for(access, self.s3_endpoint_url) if parsed.kind == "s3" else self._hub()
+        endpoint_digest = _digest(endpoint or "")
+        with contextlib.ExitStack() as stack:
+            try:
+                if parsed.kind == "s3":
+                    client = s3_client(access, source, default_endpoint_url=self.s3_endpoint_url)
+                    stack.callback(client.close)
+                    files = self._s3_listing(client, parsed, source)
+                    fingerprint = json.dumps(sorted((f.location, f.size_bytes, f.etag) for f in files))
+                else:  # a branch moves: key by the commit it points at now
+                    client = stack.enter_context(hf_client(access, source))
+                    files, fingerprint = self._hf_listing(client, parsed, source)
+            except StoreUnreachable:
+                # NOTE: only when the store cannot be reached at all (never on a refusal), and only
+                # a copy this same scope fetched from this same endpoint: bad credentials get nothing.
+                cached = self._newest_cached(source, access.scope, endpoint_digest)
+                if cached is None:
+                    raise
+                logger.warning("cannot reach the store of %s; using the cached copy %s", source, cached.name)
+                self._touch(cached.name)
                 with self._mutex:
                     self.num_hits += 1
-                return path
-            download = _Download(source=source, cache_key=key)
-            with self._mutex:
-                self._downloads[key] = download
-            try:
-                tmp = self.root / ".tmp" / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-                tmp.mkdir(parents=True)
+                return cached
+            key = cache_key(source, fingerprint, scope=access.scope, endpoint=endpoint or "")
+            with self._key_lock(key):
+                path = self.root / key
+                if self._manifest_path(key).exists() and path.is_dir() and not path.is_symlink():
+                    self._touch(key)
+                    with self._mutex:
+                        self.num_hits += 1
+                    return path
+                download = _Download(
+                    source=source, cache_key=key, size_bytes=sum(f.size_bytes for f in files)
+                )
+                with self._mutex:
+                    self._downloads[key] = download
                 try:
-                    if parsed.kind == "s3":
-                        self._download_s3(parsed, listing, tmp, download, on_progress)
-                    else:
-                        self._download_hf(parsed, listing, tmp, download, on_progress)
-                    if path.exists():  # a stale directory without a manifest
-                        shutil.rmtree(path)
-                    os.rename(tmp, path)
+                    self._make_room(key, download.size_bytes)
+                    self._download_into_place(parsed, client, files, path, download, on_progress)
+                    manifest = {
+                        "source": source,
+                        "cache_key": key,
+                        "scope": access.scope,
+                        "endpoint_digest": endpoint_digest,
+                        "size_bytes": download.size_bytes,
+                        "fingerprint": fingerprint,
+                        "created_at": time.time(),
+                    }
+                    _write_atomically(self._manifest_path(key), json.dumps(manifest))
+                    with self._mutex:
+                        self.num_downloads += 1
                 finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                manifest = {
-                    "source": source,
-                    "cache_key": key,
-                    "size_bytes": download.size_bytes,
-                    "fingerprint": fingerprint,
-                    "created_at": time.time(),
-                }
-                _write_atomically(self._manifest_path(key), json.dumps(manifest))
-                with self._mutex:
-                    self.num_downloads += 1
-            finally:
-                with self._mutex:
-                    self._downloads.pop(key, None)
+                    with self._mutex:
+                        self._downloads.pop(key, None)
         self.evict()
         return path
 
@@ -199,26 +240,9 @@ class WeightsCache:
         """Remove least recently used complete models until the cache fits its budget."""
         if self.budget_bytes is None:
             return []
-        evicted = []
-        entries = sorted(self._entries(), key=lambda entry: entry["last_used_at"])
-        total = sum(entry["size_bytes"] for entry in entries)
-        for entry in entries:
-            if total <= self.budget_bytes:
-                break
-            key = entry["cache_key"]
-            with self._mutex:
-                if self._pins.get(key):
-                    continue
-            lock = self._key_lock(key, blocking=False)
-            if lock is None:  # being downloaded or read by someone else
-                continue
-            with lock:
-                self._manifest_path(key).unlink(missing_ok=True)
-                shutil.rmtree(self.root / key, ignore_errors=True)
-            total -= entry["size_bytes"]
-            evicted.append(key)
-            logger.info("evicted weights %s (%s)", key, entry.get("source"))
-        return evicted
+        entries = self._entries()
+        excess = sum(entry["size_bytes"] for entry in entries) - self.budget_bytes
+        return self._evict_lru(entries, excess)
 
     def statuses(self) -> list[WeightsStatus]:
         """Complete models and downloads in progress, for heartbeats."""
@@ -246,7 +270,190 @@ class WeightsCache:
         ]
         return statuses
 
-    # -- internals --------------------------------------------------------------
+    # -- disk -------------------------------------------------------------------
+
+    def _make_room(self, key: str, size_bytes: int) -> None:
+        """Evict what must go for `size_bytes` more to fit the budget and the disk, or raise ModelTooLarge."""
+        with self._space_lock:
+            if self.budget_bytes is not None and size_bytes > self.budget_bytes:
+                raise ModelTooLarge(
+                    f"model is {_human(size_bytes)}; this node's weights budget is {_human(self.budget_bytes)}"
+                )
+            with self._mutex:  # bytes other downloads announced but have not written yet
+                pending = sum(
+                    max(d.size_bytes - d.downloaded_bytes, 0) for k, d in self._downloads.items() if k != key
+                )
+                reserved = sum(d.size_bytes for k, d in self._downloads.items() if k != key)
+            disk = shutil.disk_usage(self.root)
+            if size_bytes > disk.total:
+                raise ModelTooLarge(
+                    f"model is {_human(size_bytes)}; this node's weights disk is {_human(disk.total)}"
+                )
+            entries = self._entries()
+            need = size_bytes - (disk.free - pending)
+            if self.budget_bytes is not None:
+                cached = sum(entry["size_bytes"] for entry in entries)
+                need = max(need, cached + reserved + size_bytes - self.budget_bytes)
+            if need <= 0:
+                return
+            evicted = set(self._evict_lru(entries, need))
+            freed = sum(entry["size_bytes"] for entry in entries if entry["cache_key"] in evicted)
+            if freed < need:
+                limit = (
+                    f"this node's weights budget is {_human(self.budget_bytes)}"
+                    if self.budget_bytes is not None
+                    else f"the weights disk has {_human(disk.free)} free"
+                )
+                raise ModelTooLarge(
+                    f"model is {_human(size_bytes)}; {limit} and the models in use leave no room for it"
+                )
+
+    def _evict_lru(self, entries: list[dict], num_bytes: int) -> list[str]:
+        """Remove unpinned complete models, least recently used first, until `num_bytes` are freed."""
+        evicted: list[str] = []
+        freed = 0
+        for entry in sorted(entries, key=lambda entry: entry["last_used_at"]):
+            if freed >= num_bytes:
+                break
+            key = entry["cache_key"]
+            with self._mutex:
+                if self._pins.get(key):
+                    continue
+            lock = self._key_lock(key, blocking=False)
+            if lock is None:  # being downloaded or read by someone else
+                continue
+            with lock:
+                self._manifest_path(key).unlink(missing_ok=True)
+                _remove(self.root / key)
+            freed += entry["size_bytes"]
+            evicted.append(key)
+            logger.info("evicted weights %s (%s)", key, entry.get("source"))
+        return evicted
+
+    # -- downloads --------------------------------------------------------------
+
+    def _download_into_place(
+        self, parsed, client, files, path: Path, download: _Download, on_progress
+    ) -> None:
+        tmp = self.root / ".tmp" / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        folder = DownloadFolder(tmp)
+        try:
+            for remote in files:
+                with folder.create(remote.parts) as handle:
+                    if parsed.kind == "s3":
+                        self._download_s3_file(client, parsed, remote, handle, download, on_progress)
+                    else:
+                        self._download_hf_file(client, parsed, remote, handle, download, on_progress)
+            folder.check_in_place()
+            _remove(path)  # a stale directory without a manifest
+            os.rename(tmp, path)
+            try:
+                folder.check_in_place(path)
+            except WeightsError:
+                _remove(path)
+                raise
+        finally:
+            folder.close()
+            _remove(tmp)
+
+    def _write_chunks(
+        self, chunks, remote: _RemoteFile, handle, download: _Download, on_progress, source: str
+    ):
+        written = 0
+        for chunk in chunks:
+            written += len(chunk)
+            download.downloaded_bytes += len(chunk)
+            # NOTE: checked before writing, so a store that sends more than it listed fills no disk.
+            if written > remote.size_bytes:
+                raise WeightsError(
+                    f"{source}: {remote.name} is larger than the {remote.size_bytes} bytes its listing announced"
+                )
+            handle.write(chunk)
+            if on_progress:
+                on_progress(download.downloaded_bytes, download.size_bytes)
+        if written != remote.size_bytes:
+            raise WeightsError(f"{source}: {remote.name}: got {written} bytes, expected {remote.size_bytes}")
+
+    # -- S3 ---------------------------------------------------------------------
+
+    def _s3_listing(self, client, parsed: ModelSource, source: str) -> list[_RemoteFile]:
+        bucket, prefix = parsed.bucket_and_prefix
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        objects = []
+        with s3_errors(source):
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    size = int(item["Size"])
+                    if item["Key"].endswith("/") and size == 0:  # a console's "folder" marker
+                        continue
+                    objects.append((item["Key"], size, item.get("ETag", "").strip('"')))
+                    if len(objects) > MAX_MODEL_FILES:
+                        raise ModelTooLarge(f"{source} holds more than {MAX_MODEL_FILES} files")
+        if not objects:
+            raise unreadable(source)
+        parts = check_model_file_names(key[len(prefix) :] for key, _, _ in objects)
+        return [
+            _RemoteFile(name, parts[name], size, key, etag)
+            for (key, size, etag), name in ((entry, entry[0][len(prefix) :]) for entry in objects)
+        ]
+
+    def _download_s3_file(self, client, parsed, remote: _RemoteFile, handle, download, on_progress) -> None:
+        source = f"s3://{parsed.location}"
+        bucket, _ = parsed.bucket_and_prefix
+        with s3_errors(source):
+            body = client.get_object(Bucket=bucket, Key=remote.location)["Body"]
+            try:
+                chunks = body.iter_chunks(_CHUNK_BYTES)
+                self._write_chunks(chunks, remote, handle, download, on_progress, source)
+            finally:
+                body.close()
+
+    # -- Hugging Face -----------------------------------------------------------
+
+    def _hub(self) -> str:
+        from huggingface_hub import constants
+
+        return (self.hf_endpoint or constants.ENDPOINT).rstrip("/")
+
+    def _hf_listing(self, client, parsed: ModelSource, source: str) -> tuple[list[_RemoteFile], str]:
+        """The repo's files at the revision (every name checked, every size known) and its commit."""
+        from huggingface_hub import hf_hub_url
+
+        url = f"{self._hub()}/api/models/{parsed.location}/revision/{quote(parsed.revision, safe='')}"
+        with hf_errors(source):
+            response = client.get(url, params={"blobs": "true"})
+        hf_raise_for_status(response, source)
+        try:
+            info = response.json()
+            siblings = [(entry["rfilename"], entry.get("size")) for entry in info.get("siblings") or []]
+            sha = str(info.get("sha") or parsed.revision)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise WeightsError(f"{source}: the Hub's answer about the repo is malformed") from None
+        if not siblings:
+            raise unreadable(source)
+        if len(siblings) > MAX_MODEL_FILES:
+            raise ModelTooLarge(f"{source} holds more than {MAX_MODEL_FILES} files")
+        parts = check_model_file_names(name for name, _ in siblings)
+        for name, size in siblings:
+            if not isinstance(size, int) or size < 0:
+                raise WeightsError(f"{source}: the Hub did not say how large {name!r} is")
+        files = [
+            _RemoteFile(
+                name, parts[name], size, hf_hub_url(parsed.location, name, revision=sha, endpoint=self._hub())
+            )
+            for name, size in siblings
+        ]
+        return files, sha
+
+    def _download_hf_file(self, client, parsed, remote: _RemoteFile, handle, download, on_progress) -> None:
+        source = f"hf:{parsed.location}@{parsed.revision}"
+        with hf_errors(source), client.stream("GET", remote.location) as response:
+            hf_raise_for_status(response, source)
+            self._write_chunks(
+                response.iter_bytes(_CHUNK_BYTES), remote, handle, download, on_progress, source
+            )
+
+    # -- manifests and locks ----------------------------------------------------
 
     def _manifest_path(self, key: str) -> Path:
         return self.root / f"{key}.json"
@@ -254,8 +461,14 @@ class WeightsCache:
     def _touch(self, key: str) -> None:
         os.utime(self._manifest_path(key))
 
-    def _newest_cached(self, source: str) -> Path | None:
-        entries = [entry for entry in self._entries() if entry.get("source") == source]
+    def _newest_cached(self, source: str, scope: str, endpoint_digest: str) -> Path | None:
+        entries = [
+            entry
+            for entry in self._entries()
+            if entry.get("source") == source
+            and entry.get("scope", "") == scope
+            and entry.get("endpoint_digest", "") == endpoint_digest
+        ]
         if not entries:
             return None
         return self.root / max(entries, key=lambda entry: entry["created_at"])["cache_key"]
@@ -298,97 +511,33 @@ class WeightsCache:
             return None
         return stack
 
-    def _s3_client(self):
-        import boto3
 
-        return boto3.client("s3", endpoint_url=self.s3_endpoint_url)
-
-    def _s3_listing(self, parsed: ModelSource) -> list[tuple[str, int, str]]:
-        bucket, prefix = parsed.bucket_and_prefix
-        prefix = prefix.rstrip("/") + "/" if prefix else ""
-        paginator = self._s3_client().get_paginator("list_objects_v2")
-        listing = []
-        for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
-            for item in page.get("Contents", []):
-                if not item["Key"].endswith("/"):
-                    listing.append((item["Key"], int(item["Size"]), item.get("ETag", "").strip('"')))
-        if not listing:
-            raise FileNotFoundError(f"no objects under s3://{parsed.location}")
-        return listing
-
-    def _download_s3(self, parsed, listing, target: Path, download: _Download, on_progress) -> None:
-        bucket, prefix = parsed.bucket_and_prefix
-        prefix = prefix.rstrip("/") + "/" if prefix else ""
-        client = self._s3_client()
-        download.size_bytes = sum(size for _, size, _ in listing)
-        for key, size, _etag in listing:
-            relative = key[len(prefix) :]
-            destination = target / relative
-            if ".." in Path(relative).parts:
-                raise ValueError(f"refusing object key {key!r}")
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            body = client.get_object(Bucket=bucket, Key=key)["Body"]
-            written = 0
-            with open(destination, "wb") as handle:
-                for chunk in body.iter_chunks(_CHUNK_BYTES):
-                    handle.write(chunk)
-                    written += len(chunk)
-                    download.downloaded_bytes += len(chunk)
-                    if on_progress:
-                        on_progress(download.downloaded_bytes, download.size_bytes)
-            if written != size:
-                raise OSError(f"s3://{bucket}/{key}: got {written} bytes, expected {size}")
-
-    def _hf_info(self, parsed: ModelSource):
-        from huggingface_hub import HfApi
-
-        return HfApi(endpoint=self.hf_endpoint).model_info(
-            parsed.location, revision=parsed.revision, files_metadata=True
-        )
-
-    def _download_hf(self, parsed, listing, target: Path, download: _Download, on_progress) -> None:
-        from huggingface_hub import snapshot_download
-
-        info = listing
-        download.size_bytes = sum(sibling.size or 0 for sibling in info.siblings or [])
-        stop = threading.Event()
-
-        def watch() -> None:  # snapshot_download has no byte callback; measure the directory
-            while not stop.wait(0.5):
-                download.downloaded_bytes = _directory_bytes(target)
-                if on_progress:
-                    on_progress(download.downloaded_bytes, download.size_bytes)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            snapshot_download(
-                parsed.location,
-                revision=info.sha or parsed.revision,
-                local_dir=str(target),
-                endpoint=self.hf_endpoint,
-            )
-        finally:
-            stop.set()
-            watcher.join()
-        shutil.rmtree(target / ".cache", ignore_errors=True)
-        download.downloaded_bytes = _directory_bytes(target)
-        if download.size_bytes and download.downloaded_bytes != download.size_bytes:
-            raise OSError(
-                f"hf:{parsed.location}: got {download.downloaded_bytes} bytes, expected {download.size_bytes}"
-            )
-        download.size_bytes = download.downloaded_bytes
+def cache_key(source: str, fingerprint: str, *, scope: str = "", endpoint: str = "") -> str:
+    """Content address: one source, at one content, from one store, for one scope, maps to one directory."""
+    return hashlib.sha256(f"{source}\n{fingerprint}\n{scope}\n{endpoint}".encode()).hexdigest()[:32]
 
 
-def cache_key(source: str, fingerprint: str) -> str:
-    """Content address: the same source at the same revision/ETags maps to one directory."""
-    return hashlib.sha256(f"{source}\n{fingerprint}".encode()).hexdigest()[:32]
+def _digest(text: str) -> str:
+    # The endpoint URL may carry user info: the manifest keeps only a digest of it.
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _directory_bytes(path: Path) -> int:
-    return sum(
-        file.stat().st_size for file in path.rglob("*") if file.is_file() and ".cache" not in file.parts
-    )
+def _human(num_bytes: int | None) -> str:
+    value = float(num_bytes or 0)
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            break
+        value /= 1000
+    text = f"{value:.0f}" if unit == "bytes" else f"{value:.1f}".removesuffix(".0")
+    return f"{text} {unit}"
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a link (never what it points to) or a directory tree, if there."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_atomically(path: Path, text: str) -> None:

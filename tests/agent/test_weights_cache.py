@@ -10,10 +10,10 @@ import threading
 
 import boto3
 import pytest
-from botocore.exceptions import EndpointConnectionError
 
 from gpu_agent.runtime.engine import free_port
 from gpu_agent.runtime.weights import ModelSource, WeightsCache
+from gpu_agent.runtime.weights_access import StoreUnreachable, WeightsError
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,8 @@ def s3(s3_endpoint, monkeypatch):
     return client
 
 
-def upload_model(s3, bucket: str, prefix: str, num_bytes: int = 3_000_000) -> int:
+def upload_model(s3, bucket: str, prefix: str, num_bytes: int = 3_000_000, *, public: bool = True) -> int:
+    """Upload a small model; a public one (ACL public-read) is readable anonymously, as an agent reads by default."""
     s3.create_bucket(Bucket=bucket)
     files = {
         "config.json": b'{"model_type": "llama"}',
@@ -43,7 +44,9 @@ def upload_model(s3, bucket: str, prefix: str, num_bytes: int = 3_000_000) -> in
         "sub/tokenizer.json": b"{}",
     }
     for name, body in files.items():
-        s3.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=body)
+        s3.put_object(
+            Bucket=bucket, Key=f"{prefix}/{name}", Body=body, ACL="public-read" if public else "private"
+        )
     return sum(len(body) for body in files.values())
 
 
@@ -82,7 +85,7 @@ def test_changed_objects_get_a_new_cache_key(s3, s3_endpoint, tmp_path):
     upload_model(s3, "models-b", "m", num_bytes=1000)
     cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
     first = cache.fetch("s3://models-b/m")
-    s3.put_object(Bucket="models-b", Key="m/model.safetensors", Body=b"retrained")
+    s3.put_object(Bucket="models-b", Key="m/model.safetensors", Body=b"retrained", ACL="public-read")
     second = cache.fetch("s3://models-b/m")
     assert first != second and (second / "model.safetensors").read_bytes() == b"retrained"
 
@@ -117,7 +120,9 @@ def test_endpoint_url_comes_from_the_environment(s3, s3_endpoint, tmp_path, monk
 def test_least_recently_used_model_is_evicted_but_never_one_in_use(s3, s3_endpoint, tmp_path):
     s3.create_bucket(Bucket="models-e")
     for name in ("one", "two", "three"):
-        s3.put_object(Bucket="models-e", Key=f"{name}/model.safetensors", Body=os.urandom(1000))
+        s3.put_object(
+            Bucket="models-e", Key=f"{name}/model.safetensors", Body=os.urandom(1000), ACL="public-read"
+        )
     cache = WeightsCache(tmp_path / "weights", budget_bytes=2500, s3_endpoint_url=s3_endpoint)
     one = cache.fetch("s3://models-e/one")
     cache.pin(one)  # a running replica uses it
@@ -141,7 +146,7 @@ def test_local_paths_are_used_in_place(tmp_path):
     cache = WeightsCache(tmp_path / "weights")
     assert cache.fetch(str(model)) == model
     assert cache.statuses() == []
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(WeightsError, match="does not exist"):
         cache.fetch(str(tmp_path / "missing"))
 
 
@@ -154,10 +159,16 @@ def test_parses_model_sources():
             ModelSource.parse(bad)
 
 
-def test_cached_copy_serves_when_the_store_is_unreachable(s3, s3_endpoint, tmp_path):
+def test_cached_copy_serves_when_the_store_is_unreachable(s3, tmp_path):
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    store = ThreadedMotoServer(ip_address="127.0.0.1", port=port)  # shares the moto backend's buckets
+    store.start()
     upload_model(s3, "models-f", "m", num_bytes=100)
-    path = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint).fetch("s3://models-f/m")
-    offline = WeightsCache(tmp_path / "weights", s3_endpoint_url=f"http://127.0.0.1:{free_port()}")
-    assert offline.fetch("s3://models-f/m") == path
-    with pytest.raises(EndpointConnectionError):
-        offline.fetch("s3://models-f/other")
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=f"http://127.0.0.1:{port}")
+    path = cache.fetch("s3://models-f/m")
+    store.stop()
+    assert cache.fetch("s3://models-f/m") == path
+    with pytest.raises(StoreUnreachable, match="cannot reach the store of s3://models-f/other"):
+        cache.fetch("s3://models-f/other")

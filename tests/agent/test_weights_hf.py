@@ -19,8 +19,18 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 class FakeHub:
     """Serves one model repo the way the Hub's REST API does, enough for snapshot_download."""
 
-    def __init__(self, repo_id: str, files: dict[str, bytes]) -> None:
+    def __init__(
+        self,
+        repo_id: str,
+        files: dict[str, bytes],
+        *,
+        token: str | None = None,
+        listed_sizes: dict[str, int] | None = None,
+    ) -> None:
         self.repo_id, self.files = repo_id, files
+        self.listed_sizes = listed_sizes or {}  # what the repo info claims, where it lies
+        self.token = token  # when set, the repo is private: other callers get the Hub's 401
+        self.authorizations: list[str | None] = []  # the Authorization header of every request
         self.num_file_downloads = 0
         hub = self
 
@@ -39,9 +49,15 @@ class FakeHub:
 
             def route(self, head: bool):
                 path = unquote(urlparse(self.path).path)
+                hub.authorizations.append(self.headers.get("Authorization"))
+                if hub.token is not None and self.headers.get("Authorization") != f"Bearer {hub.token}":
+                    return self.send(401, b"{}", {"X-Error-Code": "RepoNotFound"}, head)
                 api = f"/api/models/{hub.repo_id}"
                 if path.startswith(f"{api}/revision/"):
-                    siblings = [{"rfilename": name, "size": len(body)} for name, body in hub.files.items()]
+                    siblings = [
+                        {"rfilename": name, "size": hub.listed_sizes.get(name, len(body))}
+                        for name, body in hub.files.items()
+                    ]
                     info = {"id": hub.repo_id, "modelId": hub.repo_id, "sha": COMMIT, "siblings": siblings}
                     return self.send(
                         200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head

@@ -1,0 +1,200 @@
+"""Whose credentials read a replica's model source, and what a failed read may say.
+
+A replica's spec says how its source is read (`gpu_agent.protocol.ReplicaSpec`):
+    credentials              the organisation's own: only those (S3 keys, an assumed role, a Hub token)
+    use_fleet_credentials    a staff allow-listed public catalogue source: the node's own credentials
+    neither                  anonymous (unsigned S3 requests, no Hub token), never the node's own
+
+Credentials live in memory only: never in a manifest, a state file, a log line or a failure reason.
+
+Errors shown to a customer never reveal whether someone else's bucket or repo exists: a missing
+bucket, a forbidden one, a missing key and an empty listing all read the same. Only a store that
+cannot be reached at all (`StoreUnreachable`) lets the cache fall back to a copy it already holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import boto3
+import botocore.exceptions
+import httpx
+from botocore import UNSIGNED
+from botocore.config import Config
+
+from gpu_agent.protocol import ReplicaSpec, SourceCredentials
+
+# Statuses and codes that mean "the store is down or busy", not "you may not read this".
+_TRANSIENT_S3_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"}
+_S3_CONFIG = Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=10, read_timeout=60)
+_ROLE_SESSION_NAME = "inferplane-weights"
+
+
+class WeightsError(Exception):
+    """A fetch failure whose message is safe to show the endpoint's owner (no secrets, no one else's facts)."""
+
+
+class SourceUnreadable(WeightsError):
+    """The source does not exist or these credentials cannot read it (deliberately not saying which)."""
+
+
+class StoreUnreachable(WeightsError):
+    """The store could not be reached: a cached copy of the same source, in the same scope, may serve."""
+
+
+class ModelTooLarge(WeightsError):
+    """The model can never fit this node's weights budget or disk."""
+
+
+class UnsafeModelPath(WeightsError):
+    """A file name or local path that would resolve outside its folder."""
+
+
+@dataclass(slots=True, frozen=True)
+class SourceAccess:
+    """How one fetch reads its source, and who may share the cached copy (`scope`)."""
+
+    credentials: SourceCredentials | None = field(default=None, repr=False)
+    use_fleet_credentials: bool = False
+    scope: str = ""  # "" for a public catalogue copy every tenant shares, else the owner's scope
+
+    @classmethod
+    def for_replica(cls, spec: ReplicaSpec) -> SourceAccess:
+        return cls(
+            credentials=spec.credentials,
+            use_fleet_credentials=spec.use_fleet_credentials and spec.credentials is None,
+            scope=spec.weights_scope,
+        )
+
+    def credentials_of_kind(self, kind: str, source: str) -> SourceCredentials | None:
+        if self.credentials is not None and self.credentials.kind != kind:
+            raise SourceUnreadable(
+                f"cannot read {source}: the endpoint's credentials are for "
+                f"{'Hugging Face' if self.credentials.kind == 'hf' else 'S3'}"
+            )
+        return self.credentials
+
+
+def unreadable(source: str) -> SourceUnreadable:
+    return SourceUnreadable(
+        f"cannot read {source}: it does not exist or the endpoint's credentials cannot read it"
+    )
+
+
+# -- S3 --------------------------------------------------------------------------------------
+
+
+def s3_endpoint_for(access: SourceAccess, default_endpoint_url: str | None) -> str | None:
+    credentials = access.credentials
+    return (
+        credentials.endpoint_url if credentials and credentials.kind == "s3" else ""
+    ) or default_endpoint_url
+
+
+def s3_client(access: SourceAccess, source: str, *, default_endpoint_url: str | None):
+    """A fresh client for one fetch, signed with exactly the credentials `access` allows."""
+    credentials = access.credentials_of_kind("s3", source)
+    endpoint_url = s3_endpoint_for(access, default_endpoint_url)
+    region = (credentials.region if credentials else "") or None
+    config = _S3_CONFIG
+    if credentials is None:
+        session = boto3.session.Session(region_name=region)
+        if not access.use_fleet_credentials:
+            # NOTE: unsigned, so the node's own credentials are never even looked up.
+            config = config.merge(Config(signature_version=UNSIGNED))
+    elif credentials.role_arn:
+        session = _assumed_role_session(credentials, source, region)
+    else:
+        session = boto3.session.Session(
+            aws_access_key_id=credentials.access_key_id,
+            aws_secret_access_key=credentials.secret_access_key,
+            aws_session_token=credentials.session_token or None,
+            region_name=region,
+        )
+    return session.client("s3", endpoint_url=endpoint_url, config=config)
+
+
+def _assumed_role_session(credentials: SourceCredentials, source: str, region: str | None):
+    """The organisation's role, assumed with the node's own credentials: only the temporary keys read the source."""
+    arguments = {"RoleArn": credentials.role_arn, "RoleSessionName": _ROLE_SESSION_NAME}
+    if credentials.external_id:
+        arguments["ExternalId"] = credentials.external_id
+    with s3_errors(source):
+        answer = (
+            boto3.session.Session(region_name=region)
+            .client("sts", config=_S3_CONFIG)
+            .assume_role(**arguments)
+        )
+    temporary = answer["Credentials"]
+    return boto3.session.Session(
+        aws_access_key_id=temporary["AccessKeyId"],
+        aws_secret_access_key=temporary["SecretAccessKey"],
+        aws_session_token=temporary["SessionToken"],
+        region_name=region,
+    )
+
+
+@contextlib.contextmanager
+def s3_errors(source: str) -> Iterator[None]:
+    """Turn boto3's errors into the customer-safe ones above."""
+    try:
+        yield
+    except WeightsError:
+        raise
+    except botocore.exceptions.ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        if status >= 500 or code in _TRANSIENT_S3_CODES:
+            raise StoreUnreachable(
+                f"cannot reach the store of {source} (it answered {status or code})"
+            ) from exc
+        raise unreadable(source) from exc
+    except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError) as exc:
+        raise StoreUnreachable(f"cannot reach the store of {source}") from exc
+    except botocore.exceptions.NoCredentialsError as exc:
+        raise WeightsError(
+            f"cannot read {source}: this node has no credentials for the public catalogue"
+        ) from exc
+    except botocore.exceptions.BotoCoreError as exc:  # a malformed bucket name, an unusable endpoint...
+        raise unreadable(source) from exc
+
+
+# -- Hugging Face ------------------------------------------------------------------------------
+
+
+def hf_client(access: SourceAccess, source: str) -> httpx.Client:
+    """An HTTP client for one fetch from the Hub, carrying exactly the token `access` allows."""
+    from huggingface_hub.utils import build_hf_headers
+
+    credentials = access.credentials_of_kind("hf", source)
+    if credentials is not None:
+        token: str | bool | None = credentials.hf_token
+    elif access.use_fleet_credentials:
+        token = None  # the node's own token (HF_TOKEN or its stored login), if it has one
+    else:
+        token = False  # anonymous
+    # NOTE: httpx drops the Authorization header when a redirect leaves the Hub's origin (its CDN).
+    return httpx.Client(
+        headers=build_hf_headers(token=token),
+        follow_redirects=True,
+        timeout=httpx.Timeout(60.0, connect=10.0),
+    )
+
+
+def hf_raise_for_status(response: httpx.Response, source: str) -> None:
+    status = response.status_code
+    if status < 400:
+        return
+    if status >= 500 or status == 429:
+        raise StoreUnreachable(f"cannot reach the Hub for {source} (it answered {status})")
+    raise unreadable(source)
+
+
+@contextlib.contextmanager
+def hf_errors(source: str) -> Iterator[None]:
+    try:
+        yield
+    except httpx.TransportError as exc:
+        raise StoreUnreachable(f"cannot reach the Hub for {source}") from exc
