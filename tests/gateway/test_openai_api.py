@@ -147,8 +147,9 @@ def test_metrics_count_requests_and_tokens(gateway, tenant, start_mock_upstream)
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
     tenant.client(gateway).chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=3)
     list(tenant.client(gateway).chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2, stream=True))
-    text = httpx.get(f"{gateway}/metrics").text
-    assert f'inferplane_requests_total{{endpoint="{endpoint.name}",status="ok"}} 2.0' in text
-    assert f'inferplane_tokens_total{{endpoint="{endpoint.name}",kind="completion"}} 5.0' in text
+    text = httpx.get(f"{gateway}/metrics").text  # debugging, no token: open to loopback clients
+    labels = f'endpoint_id="{endpoint.pk}",organization_id="{tenant.org.pk}"'
+    assert f'inferplane_requests_total{{{labels},status="ok"}} 2.0' in text
+    assert f'inferplane_tokens_total{{{labels},kind="completion"}} 5.0' in text
     assert "inferplane_time_to_first_token_seconds_bucket" in text
-    assert f'inferplane_replicas{{endpoint="{endpoint.name}",state="READY"}} 1.0' in text
+    assert f'inferplane_replicas{{{labels},state="READY"}} 1.0' in text
