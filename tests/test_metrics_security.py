@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.models import Role, Scope
 from controlplane.services import Actor, create_api_key
-from tests.conftest import REPO_ROOT, start_web_server
+from tests.conftest import REPO_ROOT, start_web_server, wait_until
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.gateway import conftest as gateway_fixtures
 from tests.gateway.conftest import serve_endpoint
@@ -88,12 +88,16 @@ def test_two_organisations_chat_endpoints_are_two_series_named_only_in_the_info_
             client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=2)
         served.append((str(endpoint.pk), str(organization.pk), num_requests))
 
-    response = _scrape(monitored_gateway, Authorization=f"Bearer {TOKEN}")
-    assert response.status_code == 200
-    samples = _samples(response.text)
-    requests_ok = {(s.labels["endpoint_id"], s.labels["organization_id"], int(s.value))
-                   for s in samples if s.name == "inferplane_requests_total" and s.labels["status"] == "ok"}
-    assert requests_ok == set(served)
+    def counted_all():
+        # A request is counted just after its response: wait for the last one.
+        response = _scrape(monitored_gateway, Authorization=f"Bearer {TOKEN}")
+        assert response.status_code == 200
+        samples = _samples(response.text)
+        requests_ok = {(s.labels["endpoint_id"], s.labels["organization_id"], int(s.value))
+                       for s in samples if s.name == "inferplane_requests_total" and s.labels["status"] == "ok"}
+        return samples if requests_ok == set(served) else None
+
+    samples = wait_until(counted_all, 10, message="two series, one per organisation's chat endpoint")
     names = {(s.labels["endpoint_id"], s.labels["organization_id"], s.labels["name"])
              for s in samples if s.name == "inferplane_endpoint_info"}
     assert names == {(endpoint_id, organization_id, "chat") for endpoint_id, organization_id, _ in served}
