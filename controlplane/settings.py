@@ -263,6 +263,19 @@ CSRF_COOKIE_SECURE = not DEBUG
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
 
+
+# --- metrics ---------------------------------------------------------------------------
+# `/metrics` lists every tenant's endpoints and traffic: only a scraper holding this token reads it.
+def _metrics_token() -> str:
+    """The bearer token Prometheus sends to `/metrics`; empty turns `/metrics` off (loopback only when debugging)."""
+    token = env_str("INFERPLANE_METRICS_TOKEN", "") or ""
+    if token and not DEBUG and len(token) < 32:
+        raise ImproperlyConfiguredEnv("INFERPLANE_METRICS_TOKEN must be at least 32 characters in production")
+    return token
+
+
+METRICS_TOKEN = _metrics_token()
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -1,4 +1,4 @@
-"""The gateway's ASGI application: `/v1/models`, `/v1/chat/completions`, `/v1/completions`, `/metrics`.
+"""The gateway's ASGI application: `/v1/models`, `/v1/chat/completions`, `/v1/completions`, `/metrics` (token only).
 
 Everything else goes to Django. One request's life:
 
@@ -53,9 +53,18 @@ class Gateway:
             if path.startswith("/v1/") or path == "/v1":
                 return await self._handle(scope, receive, send)
             if path == "/metrics":
-                await sync_to_async(metrics.refresh_fleet_gauges, thread_sensitive=False)()
-                return await _respond(send, 200, metrics.render(), content_type="text/plain; version=0.0.4")
+                return await self._metrics(scope, receive, send)
         return await self.fallback(scope, receive, send)
+
+    async def _metrics(self, scope, receive, send):
+        access = metrics.access(scope)
+        if access is metrics.Access.OFF:
+            # The same 404 as any unknown path: nothing tells that metrics exist.
+            return await self.fallback(scope, receive, send)
+        if access is metrics.Access.DENIED:
+            return await _respond(send, 401, b"", content_type="text/plain", headers={"www-authenticate": "Bearer"})
+        await sync_to_async(metrics.refresh_fleet_gauges, thread_sensitive=False)()
+        return await _respond(send, 200, metrics.render(), content_type="text/plain; version=0.0.4")
 
     async def _lifespan(self, receive, send):
         while True:

@@ -89,7 +89,7 @@ class InferenceCall:
         from billing import quota
 
         self.stream = bool(self.payload.get("stream", False))
-        self.metrics = metrics.of_endpoint(self.endpoint.name)
+        self.metrics = metrics.of_endpoint(self.endpoint.id, self.endpoint.organization_id)
         max_tokens = self.payload.get("max_completion_tokens") or self.payload.get("max_tokens")
         if max_tokens is not None and max_tokens > self.endpoint.max_model_len:
             raise errors.invalid_request(

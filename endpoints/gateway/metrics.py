@@ -1,26 +1,40 @@
-"""Prometheus metrics of the gateway, served at `/metrics` by every web process."""
+"""Prometheus metrics of the gateway, served at `/metrics` by every web process.
+
+`/metrics` lists every tenant's endpoints and traffic, so only a scraper holding the bearer token
+`INFERPLANE_METRICS_TOKEN` reads it (`access`); the ingress never routes it either (README, "Security").
+Series are labelled by endpoint id and organisation id, never by name: two organisations may both
+have an endpoint called `chat`. Names live in one info series per endpoint
+(`inferplane_endpoint_info{endpoint_id, organization_id, name} 1`) and per node, which dashboards join.
+"""
 
 from __future__ import annotations
 
+import enum
+import hmac
+import ipaddress
 from dataclasses import dataclass
 
+from django.conf import settings
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
+# NOTE: an endpoint's series carry its id and its organisation's id; its name only in `endpoint_info`.
+ENDPOINT = ["endpoint_id", "organization_id"]
+
 requests_total = Counter("inferplane_requests_total", "Inference requests by endpoint and outcome.",
-                         ["endpoint", "status"], registry=REGISTRY)
-request_duration = Histogram("inferplane_request_duration_seconds", "Whole request latency.", ["endpoint"],
+                         [*ENDPOINT, "status"], registry=REGISTRY)
+request_duration = Histogram("inferplane_request_duration_seconds", "Whole request latency.", ENDPOINT,
                              buckets=LATENCY_BUCKETS, registry=REGISTRY)
 time_to_first_token = Histogram("inferplane_time_to_first_token_seconds", "Time to the first streamed token.",
-                                ["endpoint"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+                                ENDPOINT, buckets=LATENCY_BUCKETS, registry=REGISTRY)
 tokens_total = Counter("inferplane_tokens_total", "Tokens by endpoint and kind (prompt, cached, completion).",
-                       ["endpoint", "kind"], registry=REGISTRY)
-inflight = Gauge("inferplane_inflight_requests", "Requests being served by this process.", ["endpoint"], registry=REGISTRY)
-waiting = Gauge("inferplane_waiting_requests", "Requests held for a cold start in this process.", ["endpoint"], registry=REGISTRY)
-cold_start = Histogram("inferplane_cold_start_seconds", "Seconds a request waited for a replica.", ["endpoint"],
+                       [*ENDPOINT, "kind"], registry=REGISTRY)
+inflight = Gauge("inferplane_inflight_requests", "Requests being served by this process.", ENDPOINT, registry=REGISTRY)
+waiting = Gauge("inferplane_waiting_requests", "Requests held for a cold start in this process.", ENDPOINT, registry=REGISTRY)
+cold_start = Histogram("inferplane_cold_start_seconds", "Seconds a request waited for a replica.", ENDPOINT,
                        buckets=(0.5, 1, 2, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600), registry=REGISTRY)
 
 
@@ -28,7 +42,7 @@ cold_start = Histogram("inferplane_cold_start_seconds", "Seconds a request waite
 class EndpointMetrics:
     """One endpoint's children of the request metrics, looked up once (`labels()` takes a lock each call)."""
 
-    name: str
+    labels: tuple[str, str]  # endpoint id, organisation id
     inflight: Gauge
     waiting: Gauge
     cold_start: Histogram
@@ -40,7 +54,7 @@ class EndpointMetrics:
     def observe_request(self, outcome: str, duration_s: float, prompt: int, cached: int, completion: int) -> None:
         counter = self.outcomes.get(outcome)
         if counter is None:
-            counter = self.outcomes[outcome] = requests_total.labels(self.name, outcome)
+            counter = self.outcomes[outcome] = requests_total.labels(*self.labels, outcome)
         counter.inc()
         self.request_duration.observe(duration_s)
         for child, value in zip(self.tokens, (prompt, cached, completion), strict=True):
@@ -51,40 +65,88 @@ class EndpointMetrics:
 _by_endpoint: dict[str, EndpointMetrics] = {}
 
 
-def of_endpoint(name: str) -> EndpointMetrics:
-    found = _by_endpoint.get(name)
+def of_endpoint(endpoint_id: str, organization_id: int) -> EndpointMetrics:
+    found = _by_endpoint.get(endpoint_id)
     if found is None:
-        found = _by_endpoint[name] = EndpointMetrics(
-            name=name, inflight=inflight.labels(name), waiting=waiting.labels(name), cold_start=cold_start.labels(name),
-            time_to_first_token=time_to_first_token.labels(name), request_duration=request_duration.labels(name),
-            tokens=tuple(tokens_total.labels(name, kind) for kind in ("prompt", "cached", "completion")), outcomes={},
+        labels = (str(endpoint_id), str(organization_id))
+        found = _by_endpoint[endpoint_id] = EndpointMetrics(
+            labels=labels, inflight=inflight.labels(*labels), waiting=waiting.labels(*labels),
+            cold_start=cold_start.labels(*labels), time_to_first_token=time_to_first_token.labels(*labels),
+            request_duration=request_duration.labels(*labels),
+            tokens=tuple(tokens_total.labels(*labels, kind) for kind in ("prompt", "cached", "completion")), outcomes={},
         )
     return found
 
 
 # Fleet state from the database, refreshed at each scrape (every web pod reports the same values).
-replicas = Gauge("inferplane_replicas", "Replicas by endpoint and state.", ["endpoint", "state"], registry=REGISTRY)
+replicas = Gauge("inferplane_replicas", "Replicas by endpoint and state.", [*ENDPOINT, "state"], registry=REGISTRY)
 node_gpu_utilization = Gauge("inferplane_node_gpu_utilization", "GPU utilisation (0-1) per node and GPU.",
-                             ["node", "gpu"], registry=REGISTRY)
+                             ["node_id", "gpu"], registry=REGISTRY)
+# Names, for dashboards to join on the ids (`* on (endpoint_id) group_left (name)`); always 1.
+endpoint_info = Gauge("inferplane_endpoint_info", "The name of each live endpoint, by id; always 1.",
+                      [*ENDPOINT, "name"], registry=REGISTRY)
+node_info = Gauge("inferplane_node_info", "The name of each node not offline, by id; always 1.",
+                  ["node_id", "name"], registry=REGISTRY)
 
 
 def refresh_fleet_gauges() -> None:
-    """Read replica counts and GPU use from the database (sync: run it off the event loop)."""
+    """Read replica counts, names and GPU use from the database (sync: run it off the event loop)."""
     from django.db.models import Count
 
-    from endpoints.models import ACTIVE_REPLICA_STATES, Replica
+    from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
     from gpu_agent.models import Node
     from gpu_agent.protocol import NodeState
 
     replicas.clear()
     rows = (Replica.objects.filter(state__in=ACTIVE_REPLICA_STATES, endpoint__deleted_at__isnull=True)
-            .values("endpoint__name", "state").annotate(count=Count("id")))
+            .values("endpoint_id", "endpoint__organization_id", "state").annotate(count=Count("id")))
     for row in rows:
-        replicas.labels(row["endpoint__name"], row["state"]).set(row["count"])
+        replicas.labels(str(row["endpoint_id"]), str(row["endpoint__organization_id"]), row["state"]).set(row["count"])
+    endpoint_info.clear()
+    for endpoint_id, organization_id, name in Endpoint.objects.live().values_list("id", "organization_id", "name"):
+        endpoint_info.labels(str(endpoint_id), str(organization_id), name).set(1)
     node_gpu_utilization.clear()
-    for name, status in Node.objects.exclude(state=NodeState.OFFLINE).values_list("name", "last_status"):
+    node_info.clear()
+    for node_id, name, status in Node.objects.exclude(state=NodeState.OFFLINE).values_list("id", "name", "last_status"):
+        node_info.labels(str(node_id), name).set(1)
         for gpu in (status or {}).get("gpus", []):
-            node_gpu_utilization.labels(name, str(gpu.get("index", 0))).set(float(gpu.get("utilization_percent", 0)) / 100)
+            node_gpu_utilization.labels(str(node_id), str(gpu.get("index", 0))).set(
+                float(gpu.get("utilization_percent", 0)) / 100)
+
+
+class Access(enum.Enum):
+    """What a request for `/metrics` gets."""
+
+    GRANTED = "granted"
+    DENIED = "denied"  # 401: no token, or the wrong one
+    OFF = "off"  # no token configured: `/metrics` does not exist (the ordinary 404)
+
+
+def access(scope: dict) -> Access:
+    """Whether an ASGI request may read `/metrics`.
+
+    With `INFERPLANE_METRICS_TOKEN` set, only `Authorization: Bearer <that token>` (compared in
+    constant time). Without one, metrics are off, except when debugging for a client on loopback
+    that came through no proxy (`make run` on one machine).
+    """
+    token = settings.METRICS_TOKEN
+    headers = dict(scope.get("headers") or [])
+    if not token:
+        return Access.GRANTED if settings.DEBUG and _direct_loopback_client(scope, headers) else Access.OFF
+    keyword, _, presented = headers.get(b"authorization", b"").partition(b" ")
+    if keyword.lower() == b"bearer" and hmac.compare_digest(presented.strip(), token.encode()):
+        return Access.GRANTED
+    return Access.DENIED
+
+
+def _direct_loopback_client(scope: dict, headers: dict[bytes, bytes]) -> bool:
+    if b"x-forwarded-for" in headers or b"forwarded" in headers:
+        return False
+    client = scope.get("client")
+    try:
+        return client is not None and ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def render() -> bytes:

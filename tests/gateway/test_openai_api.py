@@ -8,6 +8,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from billing.models import UsageRecord
 from tests.conftest import wait_until
@@ -147,8 +148,20 @@ def test_metrics_count_requests_and_tokens(gateway, tenant, start_mock_upstream)
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
     tenant.client(gateway).chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=3)
     list(tenant.client(gateway).chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2, stream=True))
-    text = httpx.get(f"{gateway}/metrics").text
-    assert f'inferplane_requests_total{{endpoint="{endpoint.name}",status="ok"}} 2.0' in text
-    assert f'inferplane_tokens_total{{endpoint="{endpoint.name}",kind="completion"}} 5.0' in text
-    assert "inferplane_time_to_first_token_seconds_bucket" in text
-    assert f'inferplane_replicas{{endpoint="{endpoint.name}",state="READY"}} 1.0' in text
+    labels = {"endpoint_id": str(endpoint.pk), "organization_id": str(tenant.org.pk)}
+
+    def counted_both():
+        # Debugging without a token: open to loopback clients. A stream is counted just after its last chunk.
+        values = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                  for family in text_string_to_metric_families(httpx.get(f"{gateway}/metrics").text)
+                  for sample in family.samples}
+        return values if values.get(("inferplane_requests_total", _sorted(labels, status="ok"))) == 2 else None
+
+    values = wait_until(counted_both, 10, message="both requests counted")
+    assert values[("inferplane_tokens_total", _sorted(labels, kind="completion"))] == 5
+    assert any(name == "inferplane_time_to_first_token_seconds_bucket" for name, _ in values)
+    assert values[("inferplane_replicas", _sorted(labels, state="READY"))] == 1
+
+
+def _sorted(labels: dict, **more) -> tuple:
+    return tuple(sorted((labels | more).items()))

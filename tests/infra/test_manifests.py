@@ -31,6 +31,7 @@ SECRET_SETTINGS = {
     "STRIPE_SECRET_KEY",
     "STRIPE_WEBHOOK_SECRET",
     "EMAIL_HOST_PASSWORD",
+    "INFERPLANE_METRICS_TOKEN",
 }
 
 
@@ -114,6 +115,7 @@ def test_production_values_pass_check_deploy(rendered):
         "STRIPE_SECRET_KEY": "sk_test_placeholder",
         "STRIPE_WEBHOOK_SECRET": "whsec_placeholder",
         "EMAIL_HOST_PASSWORD": "placeholder",
+        "INFERPLANE_METRICS_TOKEN": "placeholder-" + "m3tr1cs" * 6,
     }
     # A clean environment: nothing of the test run's own settings leaks into the check.
     clean = {name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ}
@@ -208,14 +210,13 @@ def test_every_container_has_requests_limits_and_runs_as_non_root(rendered):
             assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
 
 
-def test_the_ingress_terminates_tls_for_its_host_and_routes_everything_to_web(rendered):
+def test_the_ingress_terminates_tls_for_its_host_and_routes_its_paths_to_web(rendered):
     ingress = rendered.get("Ingress", "inferplane")
     (rule,) = ingress["spec"]["rules"]
     (tls,) = ingress["spec"]["tls"]
     assert tls["hosts"] == [rule["host"]]
-    (path,) = rule["http"]["paths"]
-    assert (path["path"], path["pathType"]) == ("/", "Prefix")
-    assert path["backend"]["service"]["name"] == "inferplane-web"
+    assert {path["backend"]["service"]["name"] for path in rule["http"]["paths"]} == {"inferplane-web"}
+    assert {path["backend"]["service"]["port"]["name"] for path in rule["http"]["paths"]} == {"http"}
     assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
     values, _ = _environment(rendered, rendered.get("Deployment", "inferplane-web"))
     assert rule["host"] in values["ALLOWED_HOSTS"].split(",")

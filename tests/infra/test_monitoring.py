@@ -20,7 +20,11 @@ EXPORTED_SERIES = {
     "inferplane_replicas",
     "inferplane_cold_start_seconds_bucket",
     "inferplane_node_gpu_utilization",
+    "inferplane_endpoint_info",
+    "inferplane_node_info",
 }
+# The only series that carry names; every other one is labelled by ids.
+INFO_SERIES = {"inferplane_endpoint_info", "inferplane_node_info"}
 
 
 def _dashboard() -> dict:
@@ -69,6 +73,44 @@ def test_gateway_registry_exports_only_series_the_dashboard_knows():
     suffix = {"counter": "_total", "histogram": "_bucket", "gauge": ""}
     exported = {family.name + suffix[family.type] for family in REGISTRY.collect()}
     assert exported <= EXPORTED_SERIES, sorted(exported - EXPORTED_SERIES)
+
+
+def test_gateway_series_are_labelled_by_ids_and_only_the_info_series_carry_names():
+    from endpoints.gateway import metrics
+
+    collectors = {collector._name: collector for collector in vars(metrics).values()
+                  if isinstance(collector, metrics.Counter | metrics.Gauge | metrics.Histogram)}
+    for name, collector in collectors.items():
+        labels = set(collector._labelnames)
+        assert not labels & {"endpoint", "node"}, name
+        if any(name.startswith(series) for series in INFO_SERIES):
+            assert "name" in labels, name
+        else:
+            assert "name" not in labels, name
+        if "endpoint_id" in labels:
+            assert "organization_id" in labels, name
+
+
+def test_dashboard_selects_endpoints_and_nodes_by_id_through_the_info_series():
+    for expression in _expressions(_dashboard()):
+        assert not re.search(r"\b(endpoint|node)\s*=~?", expression), expression
+        used = _series(expression) - INFO_SERIES
+        if any(name.startswith("inferplane_node_") for name in used):
+            assert "on (node_id)" in expression and "inferplane_node_info{" in expression, expression
+        else:
+            assert "on (endpoint_id)" in expression, expression
+            assert 'inferplane_endpoint_info{organization_id=~"$organization", name=~"$endpoint"}' in expression
+    variables = {variable["name"]: variable for variable in _dashboard()["templating"]["list"]}
+    assert "inferplane_endpoint_info" in variables["endpoint"]["definition"]
+    assert "inferplane_node_info" in variables["node"]["definition"]
+
+
+def test_prometheus_sends_the_metrics_token_from_a_mounted_secret():
+    config = yaml.safe_load((INFRA_DIR / "prometheus" / "prometheus.yml").read_text())
+    (web,) = [job for job in config["scrape_configs"] if job["job_name"] == "inferplane-web"]
+    assert web["authorization"]["type"] == "Bearer"
+    assert web["authorization"]["credentials_file"].startswith("/etc/prometheus/secrets/")
+    assert "credentials" not in web["authorization"], "the token is never written into the configuration"
 
 
 def test_prometheus_scrapes_the_web_pods_metrics_port():

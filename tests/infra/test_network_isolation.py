@@ -1,0 +1,142 @@
+"""infra/k8s: who may connect to what. Engines only from the gateway, web only from the ingress controller
+and Prometheus, nothing else into the namespace; the ingress routes the public paths and never `/metrics`."""
+
+from __future__ import annotations
+
+from django.urls import URLPattern, URLResolver
+
+from controlplane import urls
+from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
+
+WORKLOADS = ("Deployment", "DaemonSet", "Job")
+# Served by the web pods but never through the ingress.
+INTERNAL_PATHS = ("/metrics", "/readyz")
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """Kubernetes label-selector semantics (matchLabels and matchExpressions)."""
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        matched = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[operator]
+        if not matched:
+            return False
+    return True
+
+
+def _pod_labels(rendered) -> dict[str, dict]:
+    """Each workload's pod labels, by workload name."""
+    return {
+        resource["metadata"]["name"]: resource["spec"]["template"]["metadata"]["labels"]
+        for resource in rendered.documents
+        if resource["kind"] in WORKLOADS
+    }
+
+
+def _policies_selecting(rendered, workload: str) -> list[dict]:
+    labels = _pod_labels(rendered)[workload]
+    return [policy for policy in rendered.all("NetworkPolicy") if _selects(policy["spec"]["podSelector"], labels)]
+
+
+def _allow_rules(rendered, workload: str) -> list[dict]:
+    return [rule for policy in _policies_selecting(rendered, workload) for rule in policy["spec"].get("ingress", [])]
+
+
+def _pod_spec(rendered, kind: str, name: str) -> dict:
+    return rendered.get(kind, name)["spec"]["template"]["spec"]
+
+
+def test_every_pod_refuses_incoming_connections_unless_a_policy_allows_them(rendered):
+    deny = rendered.get("NetworkPolicy", "inferplane-default-deny-ingress")
+    assert deny["spec"]["podSelector"] == {}, "selects every pod of the namespace"
+    assert deny["spec"]["policyTypes"] == ["Ingress"]
+    assert not deny["spec"].get("ingress")
+    for workload in _pod_labels(rendered):
+        assert deny in _policies_selecting(rendered, workload), workload
+
+
+def test_worker_beat_and_migrations_accept_no_connection(rendered):
+    for workload in ("inferplane-worker", "inferplane-beat", "inferplane-migrate"):
+        assert _allow_rules(rendered, workload) == [], workload
+
+
+def test_only_web_pods_reach_the_agents_and_only_on_the_engine_ports(rendered):
+    (rule,) = _allow_rules(rendered, "inferplane-agent")
+    assert rule["ports"] == [{"port": DEFAULT_ENGINE_PORT_MIN, "endPort": DEFAULT_ENGINE_PORT_MAX, "protocol": "TCP"}]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}, "pods of this namespace only: no namespaceSelector, no ipBlock"
+    reaching = {name for name, labels in _pod_labels(rendered).items() if _selects(peer["podSelector"], labels)}
+    assert reaching == {"inferplane-web"}
+    agent = rendered.get("DaemonSet", "inferplane-agent")
+    (container,) = agent["spec"]["template"]["spec"]["containers"]
+    assert not [arg for arg in container["args"] if arg.startswith("--engine-ports")], (
+        "the agent uses the default engine ports, which the policy opens"
+    )
+
+
+def test_agent_pods_use_the_pod_network_so_the_policies_apply_to_their_engines(rendered):
+    pod = _pod_spec(rendered, "DaemonSet", "inferplane-agent")
+    assert not pod.get("hostNetwork"), "NetworkPolicy does not apply to a pod on the host's network"
+    for container in pod["containers"]:
+        assert not [port for port in container.get("ports", []) if "hostPort" in port]
+    env = {variable["name"]: variable for variable in pod["containers"][0]["env"]}
+    assert env["INFERPLANE_AGENT_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def test_web_pods_are_reached_only_by_the_ingress_controller_and_prometheus(rendered):
+    rules = _allow_rules(rendered, "inferplane-web")
+    peers = {}
+    for rule in rules:
+        assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+        for peer in rule["from"]:
+            assert set(peer) == {"namespaceSelector", "podSelector"}, peer
+            namespace = peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+            peers[namespace] = peer["podSelector"]
+    assert set(peers) == {"ingress-nginx", "monitoring"}
+    # The peers' pods keep their own labels (kustomize would have put this project's into matchLabels).
+    assert _selects(peers["ingress-nginx"], {"app.kubernetes.io/name": "ingress-nginx", "app.kubernetes.io/component": "controller"})
+    assert _selects(peers["monitoring"], {"app.kubernetes.io/name": "prometheus", "prometheus": "k8s"})
+    assert not _selects(peers["monitoring"], {"app.kubernetes.io/name": "grafana"})
+    ports = {port["name"] for port in _pod_spec(rendered, "Deployment", "inferplane-web")["containers"][0]["ports"]}
+    assert ports == {"http"}
+
+
+def test_web_pods_invite_no_scraper_that_would_send_no_token(rendered):
+    annotations = rendered.get("Deployment", "inferplane-web")["spec"]["template"]["metadata"].get("annotations", {})
+    assert not [key for key in annotations if key.startswith("prometheus.io/")]
+
+
+def _routes(ingress: dict, path: str) -> bool:
+    """Whether one of the ingress's paths matches `path` (Kubernetes' Exact and element-wise Prefix)."""
+    for rule_path in ingress["spec"]["rules"][0]["http"]["paths"]:
+        prefix, kind = rule_path["path"], rule_path["pathType"]
+        if kind == "Exact" and path == prefix:
+            return True
+        if kind == "Prefix" and (prefix == "/" or path == prefix or path.startswith(prefix.rstrip("/") + "/")):
+            return True
+    return False
+
+
+def _public_paths() -> list[str]:
+    """One example path for each top-level entry of the URL configuration, and the gateway's."""
+    examples = ["/v1/chat/completions", "/v1/models", "/static/css/site.css"]
+    for pattern in urls.urlpatterns:
+        assert isinstance(pattern, URLPattern | URLResolver)
+        literal = str(pattern.pattern).split("<", 1)[0]
+        examples.append("/" + literal + ("x/" if "<" in str(pattern.pattern) else ""))
+    return [path for path in examples if path not in INTERNAL_PATHS]
+
+
+def test_the_ingress_routes_every_public_path_and_never_metrics(rendered):
+    ingress = rendered.get("Ingress", "inferplane")
+    for path in _public_paths():
+        assert _routes(ingress, path), f"{path} is served by web but not routed by the ingress"
+    for path in (*INTERNAL_PATHS, "/metrics/", "/metrics/x", "/metricsx"):
+        assert not _routes(ingress, path), path
+    assert not _routes(ingress, "/v1x") and _routes(ingress, "/v1")
