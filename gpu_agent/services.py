@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from controlplane import tokens
 from controlplane.services import SYSTEM, Actor, record_audit
+from endpoints.credentials import source_access
 from endpoints.models import ACTIVE_REPLICA_STATES, FINAL_REPLICA_STATES, EventKind, Replica
 from endpoints.services import record_event
 from gpu_agent import protocol
@@ -203,6 +204,7 @@ def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
 
 def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
     endpoint = replica.endpoint
+    access = source_access(endpoint)  # NOTE: answered only to the replica's own node (desired_replicas)
     return protocol.ReplicaSpec(
         replica_id=str(replica.pk),
         endpoint_id=str(endpoint.pk),
@@ -216,6 +218,9 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         enable_prefix_caching=endpoint.enable_prefix_caching,
         gpu_memory_utilization=memory_fraction(replica),
         drain_timeout_s=float(settings.REPLICA_DRAIN_TIMEOUT_S),
+        credentials=access.credentials,
+        use_fleet_credentials=access.use_fleet_credentials,
+        weights_scope=access.weights_scope,
     )
 
 
