@@ -217,8 +217,10 @@ class CredentialSerializer(StrictModelSerializer):
     access_key_id = serializers.RegexField(ACCESS_KEY_ID, required=False, allow_blank=True,
                                            help_text="S3 access key id (shown back).")
     role_arn = serializers.RegexField(ROLE_ARN, required=False, allow_blank=True,
+                                      error_messages={"invalid": "Use arn:aws:iam::<12-digit account>:role/<name>."},
                                       help_text="An IAM role the platform assumes with `external_id`.")
-    region = serializers.RegexField(REGION, required=False, allow_blank=True)
+    region = serializers.RegexField(REGION, required=False, allow_blank=True,
+                                    error_messages={"invalid": "Use a region name such as eu-west-1."})
     endpoint_url = serializers.CharField(required=False, allow_blank=True, max_length=500, validators=[validate_endpoint_url],
                                          help_text="An S3-compatible store's https address; empty for AWS S3.")
     secret_access_key = _secret("S3 secret access key", 512)
