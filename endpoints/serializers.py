@@ -11,7 +11,14 @@ from rest_framework import serializers
 from controlplane.serializers import StrictModelSerializer
 from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
 from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials, source_kind
-from endpoints.models import FINAL_REPLICA_STATES, CredentialKind, Endpoint, EndpointEvent, ModelCredential, Replica
+from endpoints.models import (
+    FINAL_REPLICA_STATES,
+    CredentialKind,
+    Endpoint,
+    EndpointEvent,
+    ModelCredential,
+    Replica,
+)
 
 RECENT_ENDED_REPLICAS = 5
 
@@ -46,6 +53,20 @@ def validate_model_source(value: str) -> str:
             raise serializers.ValidationError("A local path may not contain '..'.")
     else:
         raise serializers.ValidationError("Must start with hf:, s3:// or / (a local path).")
+    return value
+
+
+def validate_unique_name(value: str, siblings, instance, noun: str) -> str:
+    """A slug-like name, unique among `siblings` (the organisation's objects of that kind)."""
+    if not NAME.match(value):
+        raise serializers.ValidationError(
+            "Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit."
+        )
+    clash = siblings.filter(name=value)
+    if instance is not None:
+        clash = clash.exclude(pk=instance.pk)
+    if clash.exists():
+        raise serializers.ValidationError(f"{noun} with this name already exists in your organisation.")
     return value
 
 
@@ -111,17 +132,7 @@ class EndpointSerializer(StrictModelSerializer):
             self.fields["credential"].queryset = ModelCredential.objects.filter(organization=organization)
 
     def validate_name(self, value: str) -> str:
-        if not NAME.match(value):
-            raise serializers.ValidationError(
-                "Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit."
-            )
-        organization = self.context["organization"]
-        clash = Endpoint.objects.for_org(organization).filter(name=value)
-        if self.instance is not None:
-            clash = clash.exclude(pk=self.instance.pk)
-        if clash.exists():
-            raise serializers.ValidationError("An endpoint with this name already exists in your organisation.")
-        return value
+        return validate_unique_name(value, Endpoint.objects.for_org(self.context["organization"]), self.instance, "An endpoint")
 
     def validate(self, attrs):
         def current(name):
@@ -239,16 +250,9 @@ class CredentialSerializer(StrictModelSerializer):
         read_only_fields = ["id", "external_id", "secrets_set", "created_by", "created_at", "updated_at", "last_used_at"]
 
     def validate_name(self, value: str) -> str:
-        if not NAME.match(value):
-            raise serializers.ValidationError(
-                "Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit."
-            )
-        clash = ModelCredential.objects.filter(organization=self.context["organization"], name=value)
-        if self.instance is not None:
-            clash = clash.exclude(pk=self.instance.pk)
-        if clash.exists():
-            raise serializers.ValidationError("A credential with this name already exists in your organisation.")
-        return value
+        return validate_unique_name(
+            value, ModelCredential.objects.filter(organization=self.context["organization"]), self.instance, "A credential"
+        )
 
     def validate(self, attrs):
         kind = attrs.get("kind", getattr(self.instance, "kind", None))

@@ -3,8 +3,8 @@ from django.contrib.auth import get_user_model
 
 from controlplane.models import Membership, Organization, Role
 from controlplane.services import SYSTEM
-from endpoints.credentials import create_credential
 from endpoints.catalogue import GPU_TYPES
+from endpoints.credentials import create_credential
 from endpoints.models import Endpoint
 
 

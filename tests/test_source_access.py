@@ -7,6 +7,7 @@ import pytest
 from cryptography.fernet import Fernet
 
 from controlplane import secrets
+from controlplane.models import AuditEvent
 from controlplane.services import SYSTEM
 from endpoints.credentials import organization_scope, source_access
 from endpoints.models import AllowedSource, ModelCredential, Replica
@@ -153,3 +154,13 @@ def test_a_stopped_replicas_credentials_are_not_sent_again(client):
     endpoint = EndpointFactory(organization=credential.organization, model_source="s3://our-bucket/llama", credential=credential)
     Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STOPPED)
     assert AWS_SECRET not in beat(client, secret).content.decode()
+
+
+def test_staff_manage_the_catalogue_in_the_admin_and_each_change_is_audited(client, admin_user):
+    client.force_login(admin_user)
+    added = client.post("/django-admin/endpoints/allowedsource/add/", {"pattern": "hf:Qwen/", "description": "Qwen models"})
+    assert added.status_code == 302
+    assert access("hf:Qwen/Qwen2.5-7B-Instruct").use_fleet_credentials is True
+    refused = client.post("/django-admin/endpoints/allowedsource/add/", {"pattern": "file:///etc/", "description": ""})
+    assert refused.status_code == 200 and not AllowedSource.objects.filter(pattern="file:///etc/").exists()
+    assert AuditEvent.objects.filter(action="catalogue.add", target_repr="hf:Qwen/").exists()
