@@ -17,6 +17,13 @@ import functools
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from django.conf import settings
 
+# Every encrypted column, as ("app_label.Model", "field"): `manage.py rotate_encryption_keys`
+# re-encrypts exactly these. NOTE: a new encrypted column is declared here, or rotation misses it.
+ENCRYPTED_FIELDS: tuple[tuple[str, str], ...] = (
+    ("endpoints.ModelCredential", "encrypted_secrets"),
+    ("endpoints.Replica", "encrypted_engine_key"),
+)
+
 
 class SecretUnreadable(Exception):
     """A stored secret cannot be decrypted with any configured key (a key was dropped too early)."""

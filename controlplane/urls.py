@@ -10,6 +10,7 @@ from endpoints import api as endpoints_api
 
 router = DefaultRouter(trailing_slash=True)
 router.register("endpoints", endpoints_api.EndpointViewSet, basename="endpoint")
+router.register("credentials", endpoints_api.CredentialViewSet, basename="credential")
 router.register("keys", accounts_api.ApiKeyViewSet, basename="api-key")
 router.register("members", accounts_api.MembershipViewSet, basename="member")
 router.register("audit-log", accounts_api.AuditEventViewSet, basename="audit-event")

@@ -1,8 +1,54 @@
-"""Staff tools for endpoints: prices per endpoint are edited here (defaults come from the GPU catalogue)."""
+"""Staff tools for endpoints: prices per endpoint are edited here (defaults come from the GPU catalogue),
+and the public model catalogue (sources the fleet's own credentials may read) is managed here."""
 
 from django.contrib import admin
 
-from endpoints.models import Endpoint, EndpointEvent, Replica
+from controlplane.services import Actor, record_audit
+from endpoints.models import AllowedSource, Endpoint, EndpointEvent, ModelCredential, Replica
+
+
+@admin.register(AllowedSource)
+class AllowedSourceAdmin(admin.ModelAdmin):
+    """The public catalogue. NOTE: a source added here is read with the fleet's own credentials for
+    every organisation, and its cached copy is shared: add only models that are public."""
+
+    list_display = ["pattern", "description", "created_at"]
+    search_fields = ["pattern", "description"]
+    fields = ["pattern", "description"]
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        record_audit(Actor.from_request(request), None, "catalogue.update" if change else "catalogue.add", obj)
+
+    def delete_model(self, request, obj):
+        record_audit(Actor.from_request(request), None, "catalogue.remove", obj)
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request, queryset):
+        for obj in queryset:
+            self.delete_model(request, obj)
+
+
+@admin.register(ModelCredential)
+class ModelCredentialAdmin(admin.ModelAdmin):
+    """Read-only for staff: which organisation holds which credential, never its secrets."""
+
+    list_display = ["name", "organization", "kind", "created_at", "last_used_at"]
+    list_filter = ["kind"]
+    search_fields = ["name", "organization__slug"]
+    list_select_related = ["organization"]
+    fields = ["name", "organization", "kind", "access_key_id", "role_arn", "external_id", "region", "endpoint_url",
+              "secret_fields", "created_by", "created_at", "updated_at", "last_used_at"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
 
 
 @admin.register(Endpoint)

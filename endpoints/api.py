@@ -1,15 +1,22 @@
-"""Management API for endpoints: `/api/v1/endpoints/`."""
+"""Management API for endpoints and model credentials: `/api/v1/endpoints/`, `/api/v1/credentials/`."""
 
 from django.db.models import Prefetch
 from drf_spectacular.utils import extend_schema
 from rest_framework import viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
 from controlplane.api import OrganizationScopedMixin
-from endpoints import services
-from endpoints.models import Endpoint, Replica
-from endpoints.serializers import EndpointDetailSerializer, EndpointEventSerializer, EndpointSerializer
+from controlplane.models import Role
+from endpoints import credentials, services
+from endpoints.models import Endpoint, ModelCredential, Replica
+from endpoints.serializers import (
+    CredentialSerializer,
+    EndpointDetailSerializer,
+    EndpointEventSerializer,
+    EndpointSerializer,
+)
 
 
 class EndpointViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
@@ -51,3 +58,29 @@ class EndpointViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
         endpoint = self.get_object()
         page = self.paginate_queryset(endpoint.events.all())
         return self.get_paginated_response(EndpointEventSerializer(page, many=True).data)
+
+
+class CredentialViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
+    """Your organisation's credentials for model sources. Secrets are write-only: no answer ever
+    contains them; `secrets_set` names the ones stored. Members read (to pick one for an endpoint);
+    admins and owners create, replace and delete."""
+
+    serializer_class = CredentialSerializer
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+    required_role = Role.ADMIN
+    required_read_role = Role.MEMBER
+
+    def get_queryset(self):
+        return ModelCredential.objects.filter(organization=self.organization).select_related("created_by")
+
+    def perform_create(self, serializer):
+        serializer.instance = credentials.create_credential(self.actor, self.organization, **serializer.validated_data)
+
+    def perform_update(self, serializer):
+        serializer.instance = credentials.update_credential(self.actor, serializer.instance, **serializer.validated_data)
+
+    def perform_destroy(self, credential):
+        try:
+            credentials.delete_credential(self.actor, credential)
+        except credentials.CredentialInUse as exc:
+            raise ValidationError({"endpoints": [str(exc)]}) from None

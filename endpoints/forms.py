@@ -4,6 +4,7 @@ from django import forms
 
 from controlplane.forms import SerializerBackedForm
 from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
+from endpoints.models import CredentialKind, Endpoint, ModelCredential
 from endpoints.serializers import LIMITS
 
 
@@ -23,6 +24,11 @@ class EndpointForm(SerializerBackedForm):
         help_text="hf:org/name[@revision] from Hugging Face, s3://bucket/prefix, or a local path on the GPU nodes.",
         widget=forms.TextInput(attrs={"placeholder": "hf:meta-llama/Llama-3.1-8B-Instruct", "spellcheck": "false"}),
     )
+    credential = forms.ChoiceField(
+        label="Credential", required=False, choices=[],
+        help_text="Your organisation's S3 or Hugging Face credential for this source. None: the platform's "
+                  "public catalogue, or an anonymous read.",
+    )
     gpu_type = forms.ChoiceField(
         label="GPU type", required=False, choices=[(name, gpu.label) for name, gpu in GPU_TYPES.items()],
         widget=forms.RadioSelect,
@@ -41,16 +47,21 @@ class EndpointForm(SerializerBackedForm):
     enable_prefix_caching = forms.BooleanField(label="Prefix caching", required=False, help_text="Reuse the KV cache of shared prompt prefixes.")
 
     SECTIONS = (
-        ("Model", ("name", "model_source")),
+        ("Model", ("name", "model_source", "credential")),
         ("Hardware", ("gpu_type", "quantization")),
         ("Scaling", ("min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency")),
         ("Limits", ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s", "enable_prefix_caching")),
     )
 
-    def __init__(self, *args, gpu_type: str | None = None, **kwargs):
+    def __init__(self, *args, gpu_type: str | None = None, organization=None, **kwargs):
         super().__init__(*args, **kwargs)
         chosen = self.data.get("gpu_type") if self.is_bound else None
         self.set_gpu_type(chosen or gpu_type or self.initial.get("gpu_type"))
+        # NOTE: only the organisation's own credentials are offered (the serializer checks it again).
+        owned = ModelCredential.objects.filter(organization=organization) if organization is not None else []
+        self.fields["credential"].choices = [("", "None")] + [
+            (str(credential.pk), f"{credential.name} ({credential.kind})") for credential in owned
+        ]
 
     def set_gpu_type(self, name: str | None) -> None:
         """Offer only the quantizations an engine on this GPU type supports."""
@@ -63,9 +74,40 @@ class EndpointForm(SerializerBackedForm):
 
     @classmethod
     def initial_for(cls, endpoint=None) -> dict:
-        from endpoints.models import Endpoint
-
         if endpoint is not None:
-            return {name: getattr(endpoint, name) for name in cls.base_fields}
+            values = {name: getattr(endpoint, name) for name in cls.base_fields if name != "credential"}
+            return values | {"credential": str(endpoint.credential_id or "")}
         defaults = {name: Endpoint._meta.get_field(name).get_default() for name in cls.base_fields}
-        return defaults | {"gpu_type": "l4", "name": "", "model_source": ""}
+        return defaults | {"gpu_type": "l4", "name": "", "model_source": "", "credential": ""}
+
+
+def _secret_input(label: str, help_text: str) -> forms.CharField:
+    # NOTE: never rendered back (render_value=False): a secret typed once is not in any page after.
+    return forms.CharField(label=label, required=False, help_text=help_text,
+                           widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}))
+
+
+class CredentialForm(SerializerBackedForm):
+    """Renders the credential form; `CredentialSerializer` validates it."""
+
+    name = forms.CharField(label="Name", required=False, help_text="Lowercase letters, digits and hyphens, e.g. “prod-bucket”.")
+    kind = forms.ChoiceField(label="Kind", required=False, choices=CredentialKind.choices)
+    access_key_id = forms.CharField(label="Access key id", required=False, help_text="S3 only. Shown back.")
+    secret_access_key = _secret_input("Secret access key", "S3 only. Stored encrypted, never shown again.")
+    session_token = _secret_input("Session token", "S3 temporary keys only.")
+    role_arn = forms.CharField(label="Role ARN", required=False,
+                               help_text="S3 only, instead of keys: a role we assume with the external id shown after saving.")
+    region = forms.CharField(label="Region", required=False, widget=forms.TextInput(attrs={"placeholder": "us-east-1"}))
+    endpoint_url = forms.CharField(label="Endpoint URL", required=False,
+                                   help_text="An S3-compatible store's https address; empty for AWS S3.")
+    hf_token = _secret_input("Hugging Face token", "Hugging Face only. Stored encrypted, never shown again.")
+
+    SECRETS = ("secret_access_key", "session_token", "hf_token")
+
+    def serializer_data(self, post):
+        """Empty inputs mean "unchanged": a blank secret box never erases a stored secret."""
+        data = super().serializer_data(post)
+        for name in self.SECRETS:
+            if name in data and not data.get(name):
+                data.pop(name)
+        return data

@@ -5,6 +5,8 @@ from __future__ import annotations
 import secrets
 import uuid
 
+from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
@@ -29,11 +31,83 @@ class EndpointQuerySet(models.QuerySet):
         return self.filter(deleted_at__isnull=True)
 
 
+class CredentialKind(models.TextChoices):
+    S3 = "s3", "S3 (access key or role)"
+    HF = "hf", "Hugging Face token"
+
+
+# The secret part of a credential: stored only inside `encrypted_secrets`, never returned.
+SECRET_FIELDS = ("secret_access_key", "session_token", "hf_token")
+
+
+class ModelCredential(models.Model):
+    """An organisation's own credentials for its model sources (a bucket, a gated or private repo).
+
+    Non-secret fields are shown back; the secrets are one Fernet-encrypted JSON object
+    (`controlplane.secrets`), write-only through the API and console. `external_id` is ours, not
+    the customer's: it goes into their role's trust policy, so another organisation naming the
+    same role cannot assume it (AWS's confused-deputy guard).
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="model_credentials")
+    name = models.SlugField(max_length=63)
+    kind = models.CharField(max_length=8, choices=CredentialKind.choices)
+    access_key_id = models.CharField(max_length=128, blank=True)
+    role_arn = models.CharField(max_length=2048, blank=True)
+    external_id = models.CharField(max_length=64, unique=True, editable=False)
+    region = models.CharField(max_length=64, blank=True)
+    endpoint_url = models.CharField(max_length=500, blank=True)
+    encrypted_secrets = models.TextField(editable=False)
+    # Which secret fields hold a value (names only), so a page can say "set" without decrypting.
+    secret_fields = models.JSONField(default=list, editable=False)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "name"], name="model_credential_name_unique_in_org"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class AllowedSource(models.Model):
+    """The public model catalogue: sources the fleet's own credentials may read, for every tenant.
+
+    `pattern` is a model source (`hf:org/name` also admits any `@revision` of it) or, ending in
+    `/`, a prefix (`s3://inferplane-public-models/`, `hf:meta-llama/`). Staff manage it in the
+    Django admin. A cached copy of a catalogue model is shared by every organisation.
+    """
+
+    pattern = models.CharField(max_length=500, unique=True)
+    description = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["pattern"]
+
+    def __str__(self) -> str:
+        return self.pattern
+
+    def clean(self) -> None:
+        if not self.pattern.startswith(("hf:", "s3://")) or any(c.isspace() for c in self.pattern) or ".." in self.pattern:
+            raise ValidationError({"pattern": "Use hf:org/name, s3://bucket/prefix, or a prefix of either ending in /."})
+
+
 class Endpoint(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.PROTECT, related_name="endpoints")
     name = models.SlugField(max_length=63)  # the `model` in /v1 calls
     model_source = models.CharField(max_length=500)
+    # The organisation's credential for `model_source`; none: the public catalogue or an anonymous read.
+    credential = models.ForeignKey(
+        ModelCredential, on_delete=models.SET_NULL, null=True, blank=True, related_name="endpoints"
+    )
     gpu_type = models.CharField(max_length=32, choices=[(name, gpu.label) for name, gpu in GPU_TYPES.items()])
     quantization = models.CharField(max_length=32, choices=[(name, name) for name in QUANTIZATIONS], default="none")
     min_replicas = models.PositiveIntegerField(default=0)

@@ -1,6 +1,8 @@
 """Shapes of the endpoints API. Validation of an endpoint spec lives here, once, for API and console."""
 
+import ipaddress
 import re
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
@@ -8,7 +10,15 @@ from rest_framework import serializers
 
 from controlplane.serializers import StrictModelSerializer
 from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
-from endpoints.models import FINAL_REPLICA_STATES, Endpoint, EndpointEvent, Replica
+from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials, source_kind
+from endpoints.models import (
+    FINAL_REPLICA_STATES,
+    CredentialKind,
+    Endpoint,
+    EndpointEvent,
+    ModelCredential,
+    Replica,
+)
 
 RECENT_ENDED_REPLICAS = 5
 
@@ -46,6 +56,20 @@ def validate_model_source(value: str) -> str:
     return value
 
 
+def validate_unique_name(value: str, siblings, instance, noun: str) -> str:
+    """A slug-like name, unique among `siblings` (the organisation's objects of that kind)."""
+    if not NAME.match(value):
+        raise serializers.ValidationError(
+            "Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit."
+        )
+    clash = siblings.filter(name=value)
+    if instance is not None:
+        clash = clash.exclude(pk=instance.pk)
+    if clash.exists():
+        raise serializers.ValidationError(f"{noun} with this name already exists in your organisation.")
+    return value
+
+
 class ReplicaSerializer(serializers.ModelSerializer):
     node = serializers.CharField(source="node.name", default=None, read_only=True)
     node_id = serializers.UUIDField(read_only=True)
@@ -73,13 +97,19 @@ class EndpointSerializer(StrictModelSerializer):
     state = serializers.CharField(read_only=True)
     name = serializers.CharField(max_length=63, help_text="Lowercase letters, digits and hyphens; the `model` in /v1 calls.")
     model_source = serializers.CharField(max_length=500, validators=[validate_model_source])
+    credential = serializers.PrimaryKeyRelatedField(
+        queryset=ModelCredential.objects.none(), allow_null=True, required=False,
+        help_text="Id of your organisation's credential for the model source (its kind matches the source). "
+                  "Without one the source is read anonymously, or with the platform's own access if it is "
+                  "in the public catalogue.",
+    )
     gpu_type = serializers.ChoiceField(choices=sorted(GPU_TYPES))
     quantization = serializers.ChoiceField(choices=list(QUANTIZATIONS), default="none")
 
     class Meta:
         model = Endpoint
         fields = [
-            "id", "name", "model_source", "gpu_type", "quantization",
+            "id", "name", "model_source", "credential", "gpu_type", "quantization",
             "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s",
             "enable_prefix_caching",
@@ -94,18 +124,15 @@ class EndpointSerializer(StrictModelSerializer):
             name: {"min_value": low, "max_value": high} for name, (low, high) in LIMITS.items()
         }
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        organization = self.context.get("organization")
+        if organization is not None:
+            # NOTE: another organisation's credential is "does not exist", as if it did not.
+            self.fields["credential"].queryset = ModelCredential.objects.filter(organization=organization)
+
     def validate_name(self, value: str) -> str:
-        if not NAME.match(value):
-            raise serializers.ValidationError(
-                "Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit."
-            )
-        organization = self.context["organization"]
-        clash = Endpoint.objects.for_org(organization).filter(name=value)
-        if self.instance is not None:
-            clash = clash.exclude(pk=self.instance.pk)
-        if clash.exists():
-            raise serializers.ValidationError("An endpoint with this name already exists in your organisation.")
-        return value
+        return validate_unique_name(value, Endpoint.objects.for_org(self.context["organization"]), self.instance, "An endpoint")
 
     def validate(self, attrs):
         def current(name):
@@ -127,6 +154,12 @@ class EndpointSerializer(StrictModelSerializer):
         batched = current("max_num_batched_tokens")
         if batched is not None and batched < current("max_num_seqs"):
             errors["max_num_batched_tokens"] = ["Must be at least max_num_seqs."]
+        credential, needed = current("credential"), source_kind(current("model_source") or "")
+        if credential is not None and credential.kind != needed:
+            errors["credential"] = [
+                "A local path takes no credential." if needed is None
+                else f"This source needs a {CredentialKind(needed).label} credential; {credential.name} is {credential.kind}."
+            ]
         if errors:
             raise serializers.ValidationError(errors)
         return attrs
@@ -145,3 +178,116 @@ class EndpointDetailSerializer(EndpointSerializer):
         alive = [r for r in replicas if r.state not in FINAL_REPLICA_STATES]
         ended = sorted((r for r in replicas if r.state in FINAL_REPLICA_STATES), key=lambda r: r.state_changed_at)
         return ReplicaSerializer(alive + ended[-RECENT_ENDED_REPLICAS:], many=True).data
+
+
+# --- model credentials ------------------------------------------------------------------------
+
+ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]{1,512}$")
+REGION = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+ACCESS_KEY_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII: S3-compatible stores use their own formats
+SECRET_VALUE = re.compile(r"^[\x21-\x7e]+$")
+BLOCKED_HOSTS = {"localhost", "metadata.google.internal", "metadata"}
+
+
+def validate_endpoint_url(value: str) -> str:
+    """An S3-compatible store's address. GPU nodes connect to it, so it may not point into their
+    own network (loopback, private, link-local such as the cloud metadata service) unless the
+    platform runs in development mode (`INFERPLANE_ALLOW_LOCAL_MODEL_PATHS`)."""
+    parts = urlsplit(value)
+    development = settings.ALLOW_LOCAL_MODEL_PATHS
+    if parts.scheme not in (("https", "http") if development else ("https",)) or not parts.hostname:
+        raise serializers.ValidationError("Use https://host[:port] of an S3-compatible store.")
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise serializers.ValidationError("Give the store's address only: no user, query or fragment.")
+    if development:
+        return value
+    host = parts.hostname.lower().rstrip(".")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        if host in BLOCKED_HOSTS or host.endswith((".localhost", ".internal", ".local")):
+            raise serializers.ValidationError("This address is on the platform's own network.") from None
+        return value
+    if not address.is_global:
+        raise serializers.ValidationError("This address is on the platform's own network.")
+    return value
+
+
+def _secret(label: str, max_length: int) -> serializers.CharField:
+    return serializers.CharField(
+        write_only=True, required=False, max_length=max_length, style={"input_type": "password"},
+        help_text=f"{label}. Write-only: stored encrypted and never returned.",
+    )
+
+
+class CredentialSerializer(StrictModelSerializer):
+    """A model credential. Secret fields are write-only; `secrets_set` names those that hold a value."""
+
+    name = serializers.CharField(max_length=63, help_text="Lowercase letters, digits and hyphens; unique in your organisation.")
+    kind = serializers.ChoiceField(choices=CredentialKind.choices, help_text="s3 or hf; fixed once created.")
+    access_key_id = serializers.RegexField(ACCESS_KEY_ID, required=False, allow_blank=True,
+                                           help_text="S3 access key id (shown back).")
+    role_arn = serializers.RegexField(ROLE_ARN, required=False, allow_blank=True,
+                                      error_messages={"invalid": "Use arn:aws:iam::<12-digit account>:role/<name>."},
+                                      help_text="An IAM role the platform assumes with `external_id`.")
+    region = serializers.RegexField(REGION, required=False, allow_blank=True,
+                                    error_messages={"invalid": "Use a region name such as eu-west-1."})
+    endpoint_url = serializers.CharField(required=False, allow_blank=True, max_length=500, validators=[validate_endpoint_url],
+                                         help_text="An S3-compatible store's https address; empty for AWS S3.")
+    secret_access_key = _secret("S3 secret access key", 512)
+    session_token = _secret("S3 session token (temporary keys)", 4096)
+    hf_token = _secret("Hugging Face access token", 512)
+    secrets_set = serializers.ListField(source="secret_fields", child=serializers.CharField(), read_only=True)
+    created_by = serializers.EmailField(source="created_by.email", default=None, read_only=True)
+
+    class Meta:
+        model = ModelCredential
+        fields = [
+            "id", "name", "kind", "access_key_id", "role_arn", "external_id", "region", "endpoint_url",
+            "secret_access_key", "session_token", "hf_token", "secrets_set",
+            "created_by", "created_at", "updated_at", "last_used_at",
+        ]
+        read_only_fields = ["id", "external_id", "secrets_set", "created_by", "created_at", "updated_at", "last_used_at"]
+
+    def validate_name(self, value: str) -> str:
+        return validate_unique_name(
+            value, ModelCredential.objects.filter(organization=self.context["organization"]), self.instance, "A credential"
+        )
+
+    def validate(self, attrs):
+        kind = attrs.get("kind", getattr(self.instance, "kind", None))
+        errors = {}
+        if self.instance is not None and attrs.get("kind", kind) != self.instance.kind:
+            raise serializers.ValidationError({"kind": ["The kind of a credential cannot change; create a new one."]})
+        allowed = set(PUBLIC_FIELDS[kind]) | set(SECRETS_OF_KIND[kind])
+        for name in ("access_key_id", "role_arn", "region", "endpoint_url", "secret_access_key", "session_token", "hf_token"):
+            if attrs.get(name) and name not in allowed:
+                errors[name] = [f"Not used by {kind} credentials."]
+        for name in SECRETS_OF_KIND[kind]:
+            if name in attrs and attrs[name] and not SECRET_VALUE.match(attrs[name]):
+                errors[name] = ["No spaces or control characters."]
+        if errors:
+            raise serializers.ValidationError(errors)
+
+        # The credential as it will be: stored secrets are kept unless any secret field is given.
+        values = {name: attrs.get(name, getattr(self.instance, name, "")) for name in PUBLIC_FIELDS[kind]}
+        if any(name in attrs for name in SECRETS_OF_KIND[kind]):
+            values |= {name: attrs.get(name, "") for name in SECRETS_OF_KIND[kind]}
+        elif self.instance is not None:
+            values |= {name: "set" for name in self.instance.secret_fields}
+        if (self.instance is not None and "access_key_id" in attrs and attrs["access_key_id"]
+                and attrs["access_key_id"] != self.instance.access_key_id and not attrs.get("secret_access_key")):
+            errors["secret_access_key"] = ["A new access key id needs its secret access key."]
+        if kind == CredentialKind.S3 and not values.get("role_arn") and not (values.get("access_key_id") and values.get("secret_access_key")):
+            errors["secret_access_key" if values.get("access_key_id") else "access_key_id"] = [
+                "Give an access key id and its secret access key, or a role ARN."
+            ]
+        if kind == CredentialKind.HF and not values.get("hf_token"):
+            errors["hf_token"] = ["A Hugging Face credential needs a token."]
+        if errors:
+            raise serializers.ValidationError(errors)
+        try:
+            build_source_credentials(kind, values)
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+        return attrs

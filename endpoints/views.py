@@ -1,4 +1,5 @@
-"""Console pages for endpoints: dashboard, deploy wizard, endpoint page (live parts, metrics, playground)."""
+"""Console pages for endpoints: dashboard, deploy wizard, endpoint page (live parts, metrics, playground),
+and the organisation's model credentials."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.contrib import messages
+from django.core.exceptions import PermissionDenied
 from django.db.models import (
     Count,
     DateTimeField,
@@ -31,11 +33,11 @@ from billing.periods import period_containing
 from controlplane.console import member_required
 from controlplane.models import Role
 from controlplane.services import Actor
-from endpoints import services
+from endpoints import credentials, services
 from endpoints.catalogue import GPU_TYPES
-from endpoints.forms import EndpointForm
-from endpoints.models import FINAL_REPLICA_STATES, Endpoint, Replica
-from endpoints.serializers import EndpointSerializer
+from endpoints.forms import CredentialForm, EndpointForm
+from endpoints.models import FINAL_REPLICA_STATES, Endpoint, ModelCredential, Replica
+from endpoints.serializers import CredentialSerializer, EndpointSerializer
 from gpu_agent.models import Node
 
 NUM_EVENTS_SHOWN = 50
@@ -115,8 +117,8 @@ def _default_gpu_type() -> str:
 def endpoint_new(request):
     if request.method != "POST":
         initial = EndpointForm.initial_for() | {"gpu_type": _default_gpu_type()}
-        return _wizard(request, EndpointForm(initial=initial))
-    form = EndpointForm(request.POST)
+        return _wizard(request, EndpointForm(initial=initial, organization=request.organization))
+    form = EndpointForm(request.POST, organization=request.organization)
     serializer = EndpointSerializer(data=form.serializer_data(request.POST), context={"organization": request.organization})
     if not serializer.is_valid():
         form.show_errors(serializer.errors)
@@ -131,8 +133,9 @@ def endpoint_new(request):
 def endpoint_edit(request, pk):
     endpoint = _endpoint_or_404(request, pk)
     if request.method != "POST":
-        return _wizard(request, EndpointForm(initial=EndpointForm.initial_for(endpoint)), endpoint=endpoint)
-    form = EndpointForm(request.POST)
+        initial = EndpointForm.initial_for(endpoint)
+        return _wizard(request, EndpointForm(initial=initial, organization=request.organization), endpoint=endpoint)
+    form = EndpointForm(request.POST, organization=request.organization)
     serializer = EndpointSerializer(
         endpoint, data=form.serializer_data(request.POST), context={"organization": request.organization}
     )
@@ -150,6 +153,81 @@ def quantization_field(request):
     form = EndpointForm(initial={"quantization": request.GET.get("quantization", "none")},
                         gpu_type=request.GET.get("gpu_type"))
     return render(request, "endpoints/_quantization_field.html", {"field": form["quantization"]})
+
+
+# --- model credentials ----------------------------------------------------------------------
+# Members see the list (to pick a credential for an endpoint); admins and owners change it.
+
+
+def _credentials_page(request, form, status=200):
+    if not request.membership.can(Role.MEMBER):
+        raise PermissionDenied("This needs the member role or higher.")
+    return render(request, "endpoints/credentials.html", {
+        "credentials": ModelCredential.objects.filter(organization=request.organization)
+        .select_related("created_by").prefetch_related("endpoints"),
+        "form": form,
+        "can_write": request.membership.can(Role.ADMIN),
+    }, status=status)
+
+
+def _credential_or_404(request, pk):
+    return get_object_or_404(ModelCredential.objects.filter(organization=request.organization), pk=pk)
+
+
+@member_required(write=Role.ADMIN)
+def credential_list(request):
+    if request.method != "POST":
+        return _credentials_page(request, CredentialForm(initial={"kind": "s3"}))
+    form = CredentialForm(request.POST)
+    serializer = CredentialSerializer(data=form.serializer_data(request.POST), context={"organization": request.organization})
+    if not serializer.is_valid():
+        form.show_errors(serializer.errors)
+        return _credentials_page(request, form, status=400)
+    credential = credentials.create_credential(Actor.from_request(request), request.organization, **serializer.validated_data)
+    messages.success(request, f"Credential {credential.name} saved. Its secrets are stored encrypted and are never shown again.")
+    return redirect("console:credential-edit", pk=credential.pk)
+
+
+@member_required(write=Role.ADMIN)
+def credential_edit(request, pk):
+    credential = _credential_or_404(request, pk)
+    if not request.membership.can(Role.ADMIN):
+        raise PermissionDenied("This needs the admin role or higher.")
+    fields = ("name",) + credentials.PUBLIC_FIELDS[credential.kind]
+    if request.method != "POST":
+        form = CredentialForm(initial={name: getattr(credential, name) for name in fields})
+        return _credential_page(request, credential, form)
+    form = CredentialForm(request.POST)
+    serializer = CredentialSerializer(credential, data=form.serializer_data(request.POST), partial=True,
+                                      context={"organization": request.organization})
+    if not serializer.is_valid():
+        form.show_errors(serializer.errors)
+        return _credential_page(request, credential, form, status=400)
+    credentials.update_credential(Actor.from_request(request), credential, **serializer.validated_data)
+    messages.success(request, f"Credential {credential.name} saved.")
+    return redirect("console:credential-edit", pk=credential.pk)
+
+
+def _credential_page(request, credential, form, status=200):
+    return render(request, "endpoints/credential_edit.html", {
+        "credential": credential, "form": form,
+        "fields": [form[name] for name in ("name",) + credentials.PUBLIC_FIELDS[credential.kind]],
+        "secret_fields": [form[name] for name in credentials.SECRETS_OF_KIND[credential.kind]],
+        "endpoints": Endpoint.objects.live().filter(credential=credential),
+    }, status=status)
+
+
+@member_required(write=Role.ADMIN)
+@require_POST
+def credential_delete(request, pk):
+    credential = _credential_or_404(request, pk)
+    try:
+        credentials.delete_credential(Actor.from_request(request), credential)
+    except credentials.CredentialInUse as exc:
+        messages.error(request, str(exc))
+        return redirect("console:credential-edit", pk=credential.pk)
+    messages.success(request, f"Credential {credential.name} was deleted.")
+    return redirect("console:credentials")
 
 
 # --- endpoint page --------------------------------------------------------------------------

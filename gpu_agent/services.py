@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from controlplane import tokens
 from controlplane.services import SYSTEM, Actor, record_audit
+from endpoints.credentials import source_access
 from endpoints.models import ACTIVE_REPLICA_STATES, FINAL_REPLICA_STATES, EventKind, Replica
 from endpoints.services import record_event
 from gpu_agent import protocol
@@ -206,12 +207,13 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
 def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
     if node.state == NodeState.OFFLINE:
         return []
-    replicas = Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).select_related("endpoint", "node")
+    replicas = Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).select_related("endpoint", "endpoint__credential", "node")
     return [replica_spec(replica) for replica in replicas]
 
 
 def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
     endpoint = replica.endpoint
+    access = source_access(endpoint)  # NOTE: answered only to the replica's own node (desired_replicas)
     return protocol.ReplicaSpec(
         replica_id=str(replica.pk),
         endpoint_id=str(endpoint.pk),
@@ -226,6 +228,9 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         gpu_memory_utilization=memory_fraction(replica),
         drain_timeout_s=float(settings.REPLICA_DRAIN_TIMEOUT_S),
         engine_api_key=replica.engine_api_key,
+        credentials=access.credentials,
+        use_fleet_credentials=access.use_fleet_credentials,
+        weights_scope=access.weights_scope,
     )
 
 

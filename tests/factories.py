@@ -2,7 +2,9 @@ import factory
 from django.contrib.auth import get_user_model
 
 from controlplane.models import Membership, Organization, Role
+from controlplane.services import SYSTEM
 from endpoints.catalogue import GPU_TYPES
+from endpoints.credentials import create_credential
 from endpoints.models import Endpoint
 
 
@@ -44,3 +46,16 @@ class EndpointFactory(factory.django.DjangoModelFactory):
     price_input_per_million = factory.LazyAttribute(lambda o: GPU_TYPES[o.gpu_type].price_input_per_million)
     price_cached_input_per_million = factory.LazyAttribute(lambda o: GPU_TYPES[o.gpu_type].price_cached_input_per_million)
     price_output_per_million = factory.LazyAttribute(lambda o: GPU_TYPES[o.gpu_type].price_output_per_million)
+
+
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzSECRETKEY"
+HF_SECRET = "hf_PRIVATEtokenDoNotLeak0123456789"
+
+
+def make_credential(organization, *, name="bucket", kind="s3", **values):
+    """A model credential stored through the service, so its secrets are encrypted as in production."""
+    if kind == "s3":
+        values = {"access_key_id": "AKIAEXAMPLEKEY000001", "secret_access_key": AWS_SECRET, "region": "eu-west-1"} | values
+    else:
+        values = {"hf_token": HF_SECRET} | values
+    return create_credential(SYSTEM, organization, name=name, kind=kind, **values)

@@ -1,0 +1,213 @@
+"""Model credentials and the public catalogue: who may read a model source, and with what.
+
+An organisation stores its own S3 keys or role and Hugging Face tokens (`ModelCredential`); the
+secrets are encrypted at rest (`controlplane.secrets`) and leave the control plane only inside the
+desired spec of a replica that needs them, answered to the node that runs it. The fleet's own
+credentials read only what staff put on the public catalogue (`AllowedSource`).
+
+`source_access()` is the one place that decides, for an endpoint, which credentials its replicas
+get, whether the agent may use the fleet's own, and who may share the cached weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane import secrets
+from controlplane.services import Actor, record_audit
+from endpoints.models import SECRET_FIELDS, AllowedSource, CredentialKind, Endpoint, ModelCredential
+from gpu_agent.protocol import SourceCredentials
+
+logger = logging.getLogger(__name__)
+
+# Fields a customer sets and sees again, per kind.
+PUBLIC_FIELDS = {
+    CredentialKind.S3: ("access_key_id", "role_arn", "region", "endpoint_url"),
+    CredentialKind.HF: (),
+}
+SECRETS_OF_KIND = {
+    CredentialKind.S3: ("secret_access_key", "session_token"),
+    CredentialKind.HF: ("hf_token",),
+}
+
+# last_used_at is written at most this often per credential (heartbeats build specs every few seconds).
+LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+
+class CredentialInUse(ValueError):
+    """A credential that live endpoints still name cannot be deleted."""
+
+
+def source_kind(model_source: str) -> str | None:
+    """The credential kind a model source needs: "s3", "hf", or None (a local path)."""
+    if model_source.startswith("s3://"):
+        return CredentialKind.S3
+    if model_source.startswith("hf:"):
+        return CredentialKind.HF
+    return None
+
+
+def organization_scope(organization_id) -> str:
+    """The weights scope of an organisation's private sources: its cached copies are its own."""
+    return f"org-{organization_id}"
+
+
+def build_source_credentials(kind: str, values: dict) -> SourceCredentials:
+    """The protocol's credentials from non-secret and secret values; raises ValueError if incomplete.
+
+    NOTE: the completeness rules (keys or a role for S3, a token for Hugging Face) are the
+    protocol's own, so what the API accepts is exactly what an agent can use.
+    """
+    wanted = PUBLIC_FIELDS[kind] + SECRETS_OF_KIND[kind] + ("external_id",)
+    return SourceCredentials(kind=kind, **{name: values.get(name) or "" for name in wanted})
+
+
+# --- writes -------------------------------------------------------------------------------------
+
+
+def _new_external_id() -> str:
+    return f"inferplane-{uuid.uuid4().hex}"
+
+
+def _store_secrets(credential: ModelCredential, plain: dict) -> None:
+    kept = {name: value for name, value in plain.items() if name in SECRET_FIELDS and value}
+    credential.encrypted_secrets = secrets.encrypt(json.dumps(kept))
+    credential.secret_fields = sorted(kept)
+
+
+@transaction.atomic
+def create_credential(actor: Actor, organization, *, name: str, kind: str, **values) -> ModelCredential:
+    """A new credential. The caller validated `values` (`CredentialSerializer`); secrets are encrypted here."""
+    credential = ModelCredential(
+        organization=organization, name=name, kind=kind, external_id=_new_external_id(),
+        created_by=actor.user,
+        **{field: values.get(field, "") for field in PUBLIC_FIELDS[kind]},
+    )
+    build_source_credentials(kind, values | {"external_id": credential.external_id})
+    _store_secrets(credential, values)
+    credential.save()
+    # NOTE: names of the secret fields only, never their values.
+    record_audit(actor, organization, "credential.create", credential, kind=kind, secret_fields=credential.secret_fields)
+    return credential
+
+
+@transaction.atomic
+def update_credential(actor: Actor, credential: ModelCredential, **changes) -> ModelCredential:
+    """Change non-secret fields; any secret field given replaces every stored secret of the credential."""
+    credential = ModelCredential.objects.select_for_update().get(pk=credential.pk)
+    changed = []
+    for field in ("name",) + PUBLIC_FIELDS[credential.kind]:
+        if field in changes and getattr(credential, field) != changes[field]:
+            setattr(credential, field, changes[field])
+            changed.append(field)
+    new_secrets = {name: changes.get(name, "") for name in SECRETS_OF_KIND[credential.kind]}
+    replaces_secrets = any(name in changes for name in SECRETS_OF_KIND[credential.kind])
+    if replaces_secrets:
+        _store_secrets(credential, new_secrets)
+        changed.append("secrets")
+    if not changed:
+        return credential
+    credential.save()
+    record_audit(actor, credential.organization, "credential.update", credential,
+                 changed=changed, secret_fields=credential.secret_fields)
+    return credential
+
+
+@transaction.atomic
+def delete_credential(actor: Actor, credential: ModelCredential) -> None:
+    """Delete a credential no live endpoint names (deleted endpoints just lose the reference)."""
+    credential = ModelCredential.objects.select_for_update().get(pk=credential.pk)
+    users = list(Endpoint.objects.live().filter(credential=credential).values_list("name", flat=True))
+    if users:
+        raise CredentialInUse(
+            f"Endpoints use this credential: {', '.join(sorted(users))}. Point them at another credential first."
+        )
+    record_audit(actor, credential.organization, "credential.delete", credential, kind=credential.kind)
+    credential.delete()
+
+
+# --- reads for the agent channel ------------------------------------------------------------
+
+
+def stored_secrets(credential: ModelCredential) -> dict:
+    """The decrypted secrets. NOTE: the result goes into a replica's spec and nowhere else."""
+    return json.loads(secrets.decrypt(credential.encrypted_secrets))
+
+
+def source_credentials(credential: ModelCredential) -> SourceCredentials:
+    values = {field: getattr(credential, field) for field in PUBLIC_FIELDS[credential.kind]}
+    return build_source_credentials(
+        credential.kind, values | stored_secrets(credential) | {"external_id": credential.external_id}
+    )
+
+
+def _touch(credential: ModelCredential) -> None:
+    now = timezone.now()
+    ModelCredential.objects.filter(pk=credential.pk).exclude(last_used_at__gt=now - LAST_USED_RESOLUTION).update(
+        last_used_at=now
+    )
+
+
+def _plain_path(model_source: str) -> bool:
+    """No segment that a store, a client library or the agent could read as a step elsewhere."""
+    rest = model_source.split("://", 1)[1] if "://" in model_source else model_source.split(":", 1)[1]
+    segments = rest.split("/")
+    return not any(c.isspace() or c in "\\%" for c in rest) and "" not in segments[:-1] and not {".", ".."} & set(segments)
+
+
+def is_catalogue_source(model_source: str) -> bool:
+    """Whether staff put this source on the public catalogue (an exact source or a `…/` prefix)."""
+    if source_kind(model_source) is None or not _plain_path(model_source):
+        return False
+    for pattern in AllowedSource.objects.values_list("pattern", flat=True):
+        if pattern.endswith("/"):
+            if model_source.startswith(pattern):
+                return True
+        elif model_source == pattern or (
+            pattern.startswith("hf:") and "@" not in pattern and model_source.startswith(pattern + "@")
+        ):
+            return True
+    return False
+
+
+@dataclass(slots=True, frozen=True)
+class SourceAccess:
+    credentials: SourceCredentials | None
+    use_fleet_credentials: bool
+    weights_scope: str
+
+    def __repr__(self) -> str:  # NOTE: never the secrets, whatever SourceCredentials' repr becomes
+        return f"SourceAccess(credentials={'set' if self.credentials else None}, fleet={self.use_fleet_credentials}, scope={self.weights_scope!r})"
+
+
+def source_access(endpoint: Endpoint) -> SourceAccess:
+    """How an endpoint's replicas read its model source.
+
+    - With a credential: that credential, never the fleet's; weights cached for the organisation only.
+    - Without, a source on the public catalogue: the fleet's own credentials; one cached copy for all.
+    - Without, anything else (a public repo we cannot prove public, a local path): an anonymous
+      read, cached for the organisation only, since another tenant must not get it from our cache.
+    """
+    scope = organization_scope(endpoint.organization_id)
+    if endpoint.credential_id is not None:
+        credential = endpoint.credential
+        if credential.kind != source_kind(endpoint.model_source):
+            return SourceAccess(None, False, scope)
+        try:
+            credentials = source_credentials(credential)
+        except (secrets.SecretUnreadable, ValueError):
+            # The download then fails as unauthorised; the operator fixes the keys (see rotate_encryption_keys).
+            logger.error("credential %s of endpoint %s cannot be read with the configured keys", credential.pk, endpoint.pk)
+            return SourceAccess(None, False, scope)
+        _touch(credential)
+        return SourceAccess(credentials, False, scope)
+    if is_catalogue_source(endpoint.model_source):
+        return SourceAccess(None, True, "")
+    return SourceAccess(None, False, scope)

@@ -1,0 +1,166 @@
+"""Who reads a model source with what: an organisation's credential, the fleet's own (public catalogue
+only), or nobody's (anonymous); and the credentials reach only the node running that replica."""
+
+import logging
+
+import pytest
+from cryptography.fernet import Fernet
+
+from controlplane import secrets
+from controlplane.models import AuditEvent
+from controlplane.services import SYSTEM
+from endpoints.credentials import organization_scope, source_access
+from endpoints.models import AllowedSource, ModelCredential, Replica
+from gpu_agent.models import Node
+from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaState
+from gpu_agent.services import create_join_token
+from tests.factories import AWS_SECRET, HF_SECRET, EndpointFactory, OrganizationFactory, make_credential
+
+pytestmark = pytest.mark.django_db
+
+PUBLIC_BUCKET = "s3://inferplane-public-models/"
+PUBLIC_REPO = "hf:meta-llama/Llama-3.1-8B-Instruct"
+
+
+@pytest.fixture(autouse=True)
+def catalogue(db):
+    AllowedSource.objects.create(pattern=PUBLIC_BUCKET)
+    AllowedSource.objects.create(pattern=PUBLIC_REPO)
+
+
+def access(source, credential=None, organization=None):
+    organization = organization or (credential.organization if credential else OrganizationFactory())
+    return source_access(EndpointFactory(organization=organization, model_source=source, credential=credential))
+
+
+@pytest.mark.parametrize("source", [
+    PUBLIC_REPO, PUBLIC_REPO + "@main", PUBLIC_BUCKET + "llama-3.1-8b", PUBLIC_BUCKET + "qwen/2.5/",
+])
+def test_a_catalogue_source_without_credential_uses_the_fleets_access_and_a_shared_cache(source):
+    answer = access(source)
+    assert answer.credentials is None and answer.use_fleet_credentials is True and answer.weights_scope == ""
+
+
+@pytest.mark.parametrize("source", [
+    "hf:meta-llama/Llama-3.1-8B-Instruct-private",     # an exact entry is no prefix
+    "hf:someone/private-model",
+    "s3://inferplane-public-models-secret/llama",       # a bucket whose name starts like a listed one
+    "s3://inferplane-public-models",                    # the bucket, not the listed folder
+    "s3://inferplane-public-models//etc/passwd",        # empty segments
+    "s3://inferplane-public-models/a/../../other",      # dot segments
+    "s3://inferplane-public-models/%2e%2e/other",       # encoded ones
+    "s3://another-tenants-bucket/weights",
+    "/models/tiny",
+])
+def test_anything_else_without_credential_is_read_anonymously_and_cached_for_the_organisation_only(source):
+    organization = OrganizationFactory()
+    answer = access(source, organization=organization)
+    assert answer.credentials is None and answer.use_fleet_credentials is False
+    assert answer.weights_scope == organization_scope(organization.pk) != ""
+
+
+@pytest.mark.parametrize("source", ["s3://our-bucket/llama", PUBLIC_BUCKET + "llama-3.1-8b"])
+def test_an_endpoint_with_a_credential_uses_it_never_the_fleets(source):
+    credential = make_credential(OrganizationFactory(), session_token="tok")
+    answer = access(source, credential)
+    assert answer.use_fleet_credentials is False
+    assert answer.weights_scope == organization_scope(credential.organization_id)
+    assert answer.credentials.kind == "s3" and answer.credentials.secret_access_key == AWS_SECRET
+    assert answer.credentials.access_key_id == "AKIAEXAMPLEKEY000001" and answer.credentials.session_token == "tok"
+    assert answer.credentials.external_id == credential.external_id
+    assert AWS_SECRET not in repr(answer) and AWS_SECRET not in repr(answer.credentials)
+
+
+def test_a_hugging_face_credential_carries_its_token():
+    credential = make_credential(OrganizationFactory(), kind="hf", name="hub")
+    answer = access("hf:our-org/gated-model", credential)
+    assert answer.credentials.kind == "hf" and answer.credentials.hf_token == HF_SECRET
+
+
+def test_two_organisations_reading_the_same_private_source_never_share_a_cache():
+    first, second = access("hf:someone/model"), access("hf:someone/model")
+    assert first.weights_scope != second.weights_scope
+
+
+def test_using_a_credential_marks_it_used():
+    credential = make_credential(OrganizationFactory())
+    access("s3://our-bucket/llama", credential)
+    assert ModelCredential.objects.get(pk=credential.pk).last_used_at is not None
+
+
+def test_a_credential_unreadable_with_the_configured_keys_is_sent_as_none(settings, caplog):
+    credential = make_credential(OrganizationFactory())
+    original = list(settings.ENCRYPTION_KEYS)
+    settings.ENCRYPTION_KEYS = [Fernet.generate_key().decode()]
+    secrets.reset_keys()
+    try:
+        answer = access("s3://our-bucket/llama", credential)
+    finally:
+        settings.ENCRYPTION_KEYS = original
+        secrets.reset_keys()
+    assert answer.credentials is None and answer.use_fleet_credentials is False
+    assert "cannot be read" in caplog.text
+
+
+# --- over the agent channel ---------------------------------------------------------------------
+
+REGISTRATION = {"gpu_type": "cpu", "num_gpus": 0, "gpu_memory_mb": 8192, "num_cpus": 2, "memory_mb": 24000,
+                "agent_version": "0.1.0", "supported_quantizations": ["none"]}
+
+
+def register(client, name):
+    token = create_join_token(SYSTEM, name=name).plain
+    answer = client.post("/agent/v1/register", REGISTRATION | {"name": name, "join_token": token},
+                         content_type="application/json").json()
+    return Node.objects.get(pk=answer["node_id"]), answer["node_secret"]
+
+
+def beat(client, secret):
+    body = Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000).to_dict()
+    response = client.post("/agent/v1/heartbeat", body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert response.status_code == 200
+    return response
+
+
+def test_a_replicas_credentials_go_only_to_the_node_that_runs_it(client, caplog):
+    caplog.set_level(logging.DEBUG)
+    ours, ours_secret = register(client, "gpu-ours")
+    other, other_secret = register(client, "gpu-other")
+    credential = make_credential(OrganizationFactory())
+    private = EndpointFactory(organization=credential.organization, model_source="s3://our-bucket/llama", credential=credential)
+    public = EndpointFactory(model_source=PUBLIC_REPO)
+    replica = Replica.objects.create(endpoint=private, node=ours, state=ReplicaState.STARTING)
+    Replica.objects.create(endpoint=public, node=other, state=ReplicaState.STARTING)
+
+    answer = beat(client, ours_secret)
+    [spec] = HeartbeatResponse.from_dict(answer.json()).desired
+    assert spec.replica_id == str(replica.pk)
+    assert spec.credentials.secret_access_key == AWS_SECRET and spec.use_fleet_credentials is False
+    assert spec.weights_scope == organization_scope(credential.organization_id)
+
+    elsewhere = beat(client, other_secret)
+    [other_spec] = HeartbeatResponse.from_dict(elsewhere.json()).desired
+    assert other_spec.credentials is None and other_spec.use_fleet_credentials is True
+    assert AWS_SECRET not in elsewhere.content.decode() and "AKIAEXAMPLEKEY" not in elsewhere.content.decode()
+
+    # Nothing the control plane keeps or logs holds the secret.
+    assert AWS_SECRET not in str(Node.objects.filter(pk__in=[ours.pk, other.pk]).values_list("last_status", flat=True))
+    assert AWS_SECRET not in caplog.text
+
+
+def test_a_stopped_replicas_credentials_are_not_sent_again(client):
+    node, secret = register(client, "gpu-1")
+    credential = make_credential(OrganizationFactory())
+    endpoint = EndpointFactory(organization=credential.organization, model_source="s3://our-bucket/llama", credential=credential)
+    Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STOPPED)
+    assert AWS_SECRET not in beat(client, secret).content.decode()
+
+
+def test_staff_manage_the_catalogue_in_the_admin_and_each_change_is_audited(client, admin_user):
+    client.force_login(admin_user)
+    added = client.post("/django-admin/endpoints/allowedsource/add/", {"pattern": "hf:Qwen/", "description": "Qwen models"})
+    assert added.status_code == 302
+    assert access("hf:Qwen/Qwen2.5-7B-Instruct").use_fleet_credentials is True
+    refused = client.post("/django-admin/endpoints/allowedsource/add/", {"pattern": "file:///etc/", "description": ""})
+    assert refused.status_code == 200 and not AllowedSource.objects.filter(pattern="file:///etc/").exists()
+    assert AuditEvent.objects.filter(action="catalogue.add", target_repr="hf:Qwen/").exists()
