@@ -65,8 +65,7 @@ class SerializerBackedForm(forms.Form):
 
 
 class MemberInviteForm(forms.Form):
-    email = forms.EmailField(label="Email", widget=forms.EmailInput(attrs={"autocomplete": "off"}),
-                             help_text="We email a link; they join when they accept it, signed in with this address.")
+    email = forms.EmailField(label="Email", widget=forms.EmailInput(attrs={"autocomplete": "off"}))
     role = forms.ChoiceField(label="Role", choices=Role.choices, initial=Role.MEMBER)
 
 

@@ -239,27 +239,33 @@ def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
     return invitation
 
 
+def invitation_refusal(invitation: Invitation, user) -> str | None:
+    """Why `user` may not accept `invitation` now, in words for that user; None if they may (or did)."""
+    if user is None or not email_is_verified(user):
+        return "Verify your email address before accepting an invitation."
+    if invitation.email.lower() != user.email.lower():
+        return (f"This invitation was sent to another email address than yours ({user.email}). "
+                "Log in with the address it was sent to.")
+    if invitation.accepted_at is not None:
+        return None if invitation.accepted_by_id == user.pk else "This invitation has already been used."
+    if invitation.revoked_at is not None:
+        return "This invitation was revoked. Ask an admin of the organisation for a new one."
+    if invitation.expires_at <= timezone.now():
+        return "This invitation has expired. Ask an admin of the organisation for a new one."
+    return None
+
+
 def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:
     """The invitee's membership, created once: accepting twice (or twice at once) is one membership."""
     user = actor.user
-    if user is None or not email_is_verified(user):
-        raise InvitationRefused("Verify your email address before accepting an invitation.")
     with transaction.atomic():
         invitation = Invitation.objects.select_for_update().select_related("organization").get(pk=invitation.pk)
         organization = invitation.organization
-        if invitation.email.lower() != user.email.lower():
-            raise InvitationRefused(
-                f"This invitation was sent to another email address than yours ({user.email}). "
-                "Log in with the address it was sent to."
-            )
-        if invitation.accepted_at is not None:
-            if invitation.accepted_by_id == user.pk:
-                return Membership.objects.get(organization=organization, user=user)
-            raise InvitationRefused("This invitation has already been used.")
-        if invitation.revoked_at is not None:
-            raise InvitationRefused("This invitation was revoked. Ask an admin of the organisation for a new one.")
-        if invitation.expires_at <= timezone.now():
-            raise InvitationRefused("This invitation has expired. Ask an admin of the organisation for a new one.")
+        refusal = invitation_refusal(invitation, user)
+        if refusal is not None:
+            raise InvitationRefused(refusal)
+        if invitation.accepted_at is not None:  # by this user: accepting again changes nothing
+            return Membership.objects.get(organization=organization, user=user)
         membership, created = Membership.objects.get_or_create(organization=organization, user=user,
                                                                defaults={"role": invitation.role})
         invitation.accepted_at, invitation.accepted_by = timezone.now(), user

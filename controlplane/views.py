@@ -80,7 +80,6 @@ def invitation(request, token):
     found = services.find_invitation(token)
     if found is None:
         return render(request, "controlplane/invitation.html", {"refusal": "This invitation link is not valid."}, status=404)
-    refusal = None
     if request.method == "POST":
         try:
             membership = services.accept_invitation(services.Actor.from_request(request), found)
@@ -90,14 +89,10 @@ def invitation(request, token):
             request.session[SESSION_KEY] = membership.organization_id
             messages.success(request, f"You joined {membership.organization.name} as {membership.get_role_display().lower()}.")
             return redirect("console:dashboard")
-    elif found.status != "pending" and not (found.accepted_by_id == request.user.pk):
-        refusal = {"accepted": "This invitation has already been used.",
-                   "revoked": "This invitation was revoked. Ask an admin of the organisation for a new one.",
-                   "expired": "This invitation has expired. Ask an admin of the organisation for a new one."}[found.status]
-    elif found.email.lower() != request.user.email.lower():
-        refusal = (f"This invitation was sent to another email address than yours ({request.user.email}). "
-                   "Log in with the address it was sent to.")
-    return render(request, "controlplane/invitation.html", {"invitation": found, "refusal": refusal},
+    else:
+        refusal = services.invitation_refusal(found, request.user)
+    is_addressee = found.email.lower() == request.user.email.lower()
+    return render(request, "controlplane/invitation.html", {"invitation": found, "refusal": refusal, "is_addressee": is_addressee},
                   status=400 if refusal and request.method == "POST" else 200)
 
 
