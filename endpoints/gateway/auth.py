@@ -79,7 +79,9 @@ def _lookup_session(session_key: str) -> Caller | None:
     if user is None:
         return None
     # NOTE: as Django's `get_user`: a password change or reset since this session logged in ends it.
-    if not constant_time_compare(session.get(HASH_SESSION_KEY, ""), user.get_session_auth_hash()):
+    session_hash = session.get(HASH_SESSION_KEY) or ""
+    if not any(constant_time_compare(session_hash, known)
+               for known in (user.get_session_auth_hash(), *user.get_session_auth_fallback_hash())):
         return None
     if not email_is_verified(user):
         return None

@@ -33,7 +33,8 @@ def missing_scope() -> OpenAIError:
 
 
 def role_forbids_inference() -> OpenAIError:
-    return OpenAIError(403, "This key's creator is a viewer in its organisation; viewers may not run inference.",
+    return OpenAIError(403, "Viewers may not run inference: this key's creator (or this session's user) is a viewer "
+                            "in the organisation; an admin can grant the member role.",
                        type="permission_error", code="insufficient_permissions")
 
 
