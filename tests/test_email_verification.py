@@ -141,3 +141,26 @@ def test_users_staff_create_in_the_django_admin_are_verified(client):
     assert client.post(f"/django-admin/auth/user/{colleague.pk}/change/", data).status_code == 302
     colleague.refresh_from_db()
     assert colleague.email == "colleague@example.test" and email_is_verified(colleague)
+
+
+def test_the_demo_login_that_make_run_prints_opens_the_console(client, tmp_path, monkeypatch):
+    from controlplane import demo
+
+    monkeypatch.setattr(demo, "build_tiny_model", lambda models_dir: models_dir / "tiny-llama")
+    seeded = demo.seed_demo(tmp_path)
+    assert client.login(username=demo.DEMO_EMAIL, password=seeded.password)
+    assert client.get(reverse("console:dashboard")).status_code == 200
+
+
+def test_accounts_from_before_verification_are_marked_verified_by_the_migration():
+    import importlib
+
+    from django.apps import apps
+
+    from controlplane.models import EmailVerification
+
+    old = UserFactory(username="old-timer@example.test")
+    EmailVerification.objects.filter(user=old).delete()
+    migration = importlib.import_module("controlplane.migrations.0002_accounts_invitations_email_verification")
+    migration.verify_existing_users(apps, None)
+    assert email_is_verified(old)

@@ -100,3 +100,15 @@ def test_counters_hold_no_email_addresses(client, victim):
     client.post(reverse("login"), {"username": victim.email, "password": "guess"})
     keys = get_redis().keys("throttle:*")
     assert keys and not any("victim" in key for key in keys)
+
+
+def test_attempts_pass_when_redis_is_unreachable(client, victim, monkeypatch):
+    import redis
+
+    from tests.conftest import free_port
+
+    unreachable = redis.Redis(port=free_port(), socket_connect_timeout=1)
+    monkeypatch.setattr(throttle, "get_redis", lambda: unreachable)
+    for _ in range(_limit(throttle.LOGIN, "username").num_attempts + 1):
+        response = client.post(reverse("login"), {"username": victim.email, "password": "guess"})
+        assert response.status_code == 200
