@@ -1,18 +1,18 @@
-"""Management API for accounts: the current organisation, members, API keys, audit log."""
+"""Management API for accounts: the current organisation, members, invitations, API keys, audit log."""
 
-from django.contrib.auth import get_user_model
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action, api_view
-from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 from rest_framework.response import Response
 
 from controlplane import services
-from controlplane.models import ApiKey, AuditEvent, Membership, Role
+from controlplane.models import ApiKey, AuditEvent, Invitation, Membership, Role
 from controlplane.serializers import (
     ApiKeySerializer,
     AuditEventSerializer,
+    InvitationSerializer,
     MembershipSerializer,
     OrganizationSerializer,
 )
@@ -70,10 +70,14 @@ class ApiKeyViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.Creat
             status=status.HTTP_201_CREATED,
         )
 
-    @extend_schema(request=None, responses=ApiKeySerializer)
+    @extend_schema(request=None, responses={200: ApiKeySerializer, 403: None})
     @action(detail=True, methods=["post"])
     def revoke(self, request, pk=None):
-        api_key = services.revoke_api_key(self.actor, self.get_object())
+        """Members revoke their own keys, admins any key but an owner's, owners every key."""
+        try:
+            api_key = services.revoke_api_key(self.actor, self.get_object())
+        except services.NotPermitted as exc:
+            raise PermissionDenied(str(exc)) from None
         return Response(ApiKeySerializer(api_key).data)
 
 
@@ -83,25 +87,16 @@ class MemberInputSerializer(serializers.Serializer):
 
 
 class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
+    """Members and their roles. Nobody is added here: people join by accepting an invitation."""
+
     serializer_class = MembershipSerializer
     required_role = Role.ADMIN
 
     def get_queryset(self):
         return Membership.objects.filter(organization=self.organization).select_related("user")
 
-    @extend_schema(request=MemberInputSerializer, responses=MembershipSerializer)
-    def create(self, request):
-        data = MemberInputSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        user = get_user_model().objects.filter(email__iexact=data.validated_data["email"]).first()
-        if user is None:
-            raise ValidationError({"email": ["No user has signed up with this email yet."]})
-        try:
-            membership = services.add_member(self.actor, self.organization, user=user, role=data.validated_data["role"])
-        except services.NotPermitted as exc:
-            raise ValidationError({exc.field: [str(exc)]}) from None
-        return Response(MembershipSerializer(membership).data, status=status.HTTP_201_CREATED)
-
+    @extend_schema(request=inline_serializer("MemberRoleInput", {"role": serializers.ChoiceField(choices=Role.choices)}),
+                   responses=MembershipSerializer)
     def partial_update(self, request, pk=None):
         data = MemberInputSerializer(data=request.data, partial=True)
         data.is_valid(raise_exception=True)
@@ -119,6 +114,46 @@ class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.D
             services.remove_member(self.actor, membership)
         except (services.LastOwnerError, services.NotPermitted) as exc:
             raise ValidationError({"role": [str(exc)]}) from None
+
+
+class InvitationViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.CreateModelMixin,
+                        mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Invitations to the organisation: admins create (the link is emailed to the invitee), list and revoke them.
+
+    The invitee accepts in the console, signed in as a verified user with the invited email.
+    """
+
+    serializer_class = InvitationSerializer
+    required_role = Role.ADMIN
+    required_read_role = Role.ADMIN
+
+    def get_queryset(self):
+        queryset = Invitation.objects.for_org(self.organization).select_related("invited_by", "organization")
+        return queryset.pending() if self.action == "list" and self.request.query_params.get("status") != "all" else queryset
+
+    @extend_schema(parameters=[OpenApiParameter("status", str, enum=["pending", "all"],
+                                                description="pending (the default) or all, accepted and revoked included")])
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(responses={201: InvitationSerializer})
+    def create(self, request, *args, **kwargs):
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        try:
+            invitation = services.invite_member(self.actor, self.organization, **serializer.validated_data)
+        except services.NotPermitted as exc:
+            raise ValidationError({exc.field: [str(exc)]}) from None
+        return Response(InvitationSerializer(invitation).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses=InvitationSerializer)
+    @action(detail=True, methods=["post"])
+    def revoke(self, request, pk=None):
+        try:
+            invitation = services.revoke_invitation(self.actor, self.get_object())
+        except services.NotPermitted as exc:
+            raise ValidationError({"role": [str(exc)]}) from None
+        return Response(InvitationSerializer(invitation).data)
 
 
 class AuditEventViewSet(OrganizationScopedMixin, viewsets.ReadOnlyModelViewSet):

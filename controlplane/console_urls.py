@@ -30,6 +30,7 @@ urlpatterns = [
     path("members/", account_views.members, name="members"),
     path("members/<int:pk>/role/", account_views.member_role, name="member-role"),
     path("members/<int:pk>/remove/", account_views.member_remove, name="member-remove"),
+    path("invitations/<int:pk>/revoke/", account_views.invitation_revoke, name="invitation-revoke"),
     path("usage/", billing_views.usage, name="usage"),
     path("billing/", billing_views.billing, name="billing"),
     path("billing/cap/", billing_views.billing_cap, name="billing-cap"),

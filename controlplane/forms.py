@@ -65,7 +65,7 @@ class SerializerBackedForm(forms.Form):
 
 
 class MemberInviteForm(forms.Form):
-    email = forms.EmailField(label="Email of an existing Inferplane user", widget=forms.EmailInput(attrs={"autocomplete": "off"}))
+    email = forms.EmailField(label="Email", widget=forms.EmailInput(attrs={"autocomplete": "off"}))
     role = forms.ChoiceField(label="Role", choices=Role.choices, initial=Role.MEMBER)
 
 

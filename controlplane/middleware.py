@@ -1,16 +1,27 @@
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+"""Per-request wiring for the console: the current organisation, the email-verification gate, throttles.
+
+Each is async-capable and does its (synchronous) database or Redis work only on the requests it
+concerns, so the async views behind them (the agent's long poll) pay no thread hop for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.http import JsonResponse
+from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.utils.functional import SimpleLazyObject
 
+from controlplane import throttle
+from controlplane.models import email_is_verified
+from controlplane.services import client_ip
 from controlplane.tenancy import session_membership
 
 
-class CurrentOrganizationMiddleware:
-    """Puts the console's current membership on `request.membership`.
-
-    Lazily, since most API calls never ask; async-capable, so the gateway's async
-    views pay no thread hop for it.
-    """
-
+class _AsyncCapable:
     sync_capable = True
     async_capable = True
 
@@ -18,6 +29,14 @@ class CurrentOrganizationMiddleware:
         self.get_response = get_response
         if iscoroutinefunction(get_response):
             markcoroutinefunction(self)
+
+
+class CurrentOrganizationMiddleware(_AsyncCapable):
+    """Puts the console's current membership on `request.membership`.
+
+    Lazily, since most API calls never ask; async-capable, so the gateway's async
+    views pay no thread hop for it.
+    """
 
     def __call__(self, request):
         request.membership = SimpleLazyObject(lambda: session_membership(request))
@@ -27,3 +46,86 @@ class CurrentOrganizationMiddleware:
 
     async def __acall__(self, request):
         return await self.get_response(request)
+
+
+# Paths a signed-in user with an unverified email may still reach.
+UNGATED_PREFIXES = ("/verify-email/", "/logout/", "/login/", "/signup/", "/password-reset/", "/reset/", "/static/",
+                    "/healthz", "/readyz", "/agent/", "/metrics")
+VERIFIED_SESSION_KEY = "verified_email"
+
+
+class EmailVerificationMiddleware(_AsyncCapable):
+    """A signed-in user whose email is unverified sees the verify-email page and nothing else.
+
+    The API answers such a session 403. Calls with an API key pass (only a verified user can
+    mint one). Once verified, the session remembers the address, so the check costs no query.
+    """
+
+    def __call__(self, request):
+        if iscoroutinefunction(self):
+            return self.__acall__(request)
+        return (self._gate(request) if _gated(request) else None) or self.get_response(request)
+
+    async def __acall__(self, request):
+        if _gated(request):
+            refusal = await sync_to_async(self._gate)(request)
+            if refusal is not None:
+                return refusal
+        return await self.get_response(request)
+
+    @staticmethod
+    def _gate(request):
+        user = request.user
+        if not user.is_authenticated:
+            return None
+        email = user.email.lower()
+        if request.session.get(VERIFIED_SESSION_KEY) == email:
+            return None
+        if email_is_verified(user):
+            request.session[VERIFIED_SESSION_KEY] = email
+            return None
+        if request.path.startswith("/api/"):
+            return JsonResponse({"detail": "Verify your email address first: follow the link we emailed you."}, status=403)
+        return redirect("verify-email")
+
+
+def _gated(request) -> bool:
+    return request.path != "/" and not request.path.startswith(UNGATED_PREFIXES) and "HTTP_AUTHORIZATION" not in request.META
+
+
+@functools.cache
+def _throttled_paths() -> dict[str, tuple[throttle.Limit, ...]]:
+    return {reverse(name): limits for name, limits in throttle.THROTTLED_VIEWS.items()}
+
+
+class ThrottleMiddleware(_AsyncCapable):
+    """Log-in, sign-up, password reset and resending a verification: over a limit is a 429 page."""
+
+    def __call__(self, request):
+        if iscoroutinefunction(self):
+            return self.__acall__(request)
+        return (self._check(request) if _throttled(request) else None) or self.get_response(request)
+
+    async def __acall__(self, request):
+        if _throttled(request):
+            refusal = await sync_to_async(self._check)(request)
+            if refusal is not None:
+                return refusal
+        return await self.get_response(request)
+
+    @staticmethod
+    def _check(request):
+        subjects = {name: value for name, value in request.POST.items() if isinstance(value, str)}
+        subjects["ip"] = client_ip(request) or ""
+        subjects["user"] = str(request.user.pk) if request.user.is_authenticated else ""
+        retry_after_s = throttle.take(_throttled_paths()[request.path], subjects)
+        if retry_after_s is None:
+            return None
+        response = render(request, "controlplane/throttled.html",
+                          {"retry_after_min": max(1, math.ceil(retry_after_s / 60))}, status=429)
+        response["Retry-After"] = str(retry_after_s)
+        return response
+
+
+def _throttled(request) -> bool:
+    return request.method == "POST" and request.path in _throttled_paths()

@@ -1,4 +1,4 @@
-"""Organisations, members, API keys and the audit log."""
+"""Organisations, members, invitations, verified emails, API keys and the audit log."""
 
 from __future__ import annotations
 
@@ -54,6 +54,69 @@ class Membership(models.Model):
 
     def can(self, needed: str) -> bool:
         return ROLE_RANK[Role(self.role)] >= ROLE_RANK[Role(needed)]
+
+
+class EmailVerification(models.Model):
+    """Proof that a user reads mail at an address: the console and invitations need it.
+
+    NOTE: it proves `email` only; a user whose address changes is unverified again.
+    """
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, primary_key=True,
+                                related_name="email_verification")
+    email = models.EmailField()
+    verified_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"{self.email} verified {self.verified_at:%Y-%m-%d}"
+
+
+def email_is_verified(user) -> bool:
+    if user is None or not user.is_authenticated or not user.email:
+        return False
+    return EmailVerification.objects.filter(user=user, email__iexact=user.email).exists()
+
+
+class InvitationQuerySet(models.QuerySet):
+    def for_org(self, organization):
+        return self.filter(organization=organization)
+
+    def pending(self):
+        return self.filter(accepted_at__isnull=True, revoked_at__isnull=True, expires_at__gt=timezone.now())
+
+
+class Invitation(models.Model):
+    """An admin's offer of a role to whoever proves they own `email`; accepted once, by that user."""
+
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="invitations")
+    email = models.EmailField()
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    invited_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    accepted_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True,
+                                    related_name="+")
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = InvitationQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["organization", "email"])]
+
+    def __str__(self) -> str:
+        return f"{self.email} to {self.organization} as {self.role}"
+
+    @property
+    def status(self) -> str:
+        if self.accepted_at is not None:
+            return "accepted"
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at <= timezone.now():
+            return "expired"
+        return "pending"
 
 
 class Scope(models.TextChoices):

@@ -3,7 +3,7 @@
 from django.utils import timezone
 from rest_framework import serializers
 
-from controlplane.models import ApiKey, AuditEvent, Membership, Organization, Scope
+from controlplane.models import ApiKey, AuditEvent, Invitation, Membership, Organization, Scope
 
 
 class StrictModelSerializer(serializers.ModelSerializer):
@@ -36,6 +36,18 @@ class MembershipSerializer(serializers.ModelSerializer):
         model = Membership
         fields = ["id", "email", "role", "created_at"]
         read_only_fields = ["id", "email", "created_at"]
+
+
+class InvitationSerializer(StrictModelSerializer):
+    """An invitation as admins see it; the signed link goes only to the invitee's mailbox."""
+
+    invited_by = serializers.EmailField(source="invited_by.email", default=None, read_only=True)
+    status = serializers.ChoiceField(choices=["pending", "accepted", "revoked", "expired"], read_only=True)
+
+    class Meta:
+        model = Invitation
+        fields = ["id", "email", "role", "status", "invited_by", "created_at", "expires_at", "accepted_at", "revoked_at"]
+        read_only_fields = ["id", "status", "invited_by", "created_at", "expires_at", "accepted_at", "revoked_at"]
 
 
 class ApiKeySerializer(StrictModelSerializer):

@@ -101,6 +101,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "controlplane.middleware.ThrottleMiddleware",
+    "controlplane.middleware.EmailVerificationMiddleware",
     "controlplane.middleware.CurrentOrganizationMiddleware",
 ]
 

@@ -13,6 +13,7 @@ router.register("endpoints", endpoints_api.EndpointViewSet, basename="endpoint")
 router.register("credentials", endpoints_api.CredentialViewSet, basename="credential")
 router.register("keys", accounts_api.ApiKeyViewSet, basename="api-key")
 router.register("members", accounts_api.MembershipViewSet, basename="member")
+router.register("invitations", accounts_api.InvitationViewSet, basename="invitation")
 router.register("audit-log", accounts_api.AuditEventViewSet, basename="audit-event")
 
 api_v1 = [
@@ -30,12 +31,19 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("", views.home, name="home"),
     path("signup/", views.signup, name="signup"),
+    path("verify-email/", views.verify_email, name="verify-email"),
+    path("verify-email/resend/", views.verify_email_resend, name="verify-email-resend"),
+    path("verify-email/<str:token>/", views.verify_email_confirm, name="verify-email-confirm"),
+    path("invitations/<str:token>/", views.invitation, name="invitation"),
     path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("password-reset/", auth_views.PasswordResetView.as_view(), name="password_reset"),
     path("password-reset/done/", auth_views.PasswordResetDoneView.as_view(), name="password_reset_done"),
     path("reset/<uidb64>/<token>/", auth_views.PasswordResetConfirmView.as_view(), name="password_reset_confirm"),
     path("reset/done/", auth_views.PasswordResetCompleteView.as_view(), name="password_reset_complete"),
+    # NOTE: changing the password ends every other session (the session hash), keeping this one.
+    path("password-change/", auth_views.PasswordChangeView.as_view(), name="password_change"),
+    path("password-change/done/", auth_views.PasswordChangeDoneView.as_view(), name="password_change_done"),
     path("org/switch/", views.switch_organization, name="switch-organization"),
     path("console/", include("controlplane.console_urls")),
     path("django-admin/", admin.site.urls),

@@ -1,7 +1,8 @@
-"""Console pages for accounts: home, sign-up, organisation switcher, members and API keys."""
+"""Console pages for accounts: home, sign-up, email verification, invitations, organisation switcher,
+members and API keys."""
 
 from django.contrib import messages
-from django.contrib.auth import get_user_model, login
+from django.contrib.auth import login
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
@@ -9,7 +10,7 @@ from django.views.decorators.http import require_POST
 from controlplane import services
 from controlplane.console import member_required
 from controlplane.forms import ApiKeyForm, MemberInviteForm, SignUpForm
-from controlplane.models import ApiKey, Membership, Role, Scope
+from controlplane.models import ApiKey, Invitation, Membership, Role, Scope, email_is_verified
 from controlplane.serializers import ApiKeySerializer
 from controlplane.services import client_ip, sign_up_user
 from controlplane.tenancy import SESSION_KEY, memberships_of
@@ -34,9 +35,65 @@ def signup(request):
         )
         login(request, user, backend="django.contrib.auth.backends.ModelBackend")
         request.session[SESSION_KEY] = organization.pk
-        messages.success(request, f"Welcome to Inferplane. {organization.name} is ready for its first endpoint.")
-        return redirect("console:dashboard")
+        return redirect("verify-email")
     return render(request, "controlplane/signup.html", {"form": form})
+
+
+# --- email verification ----------------------------------------------------------------
+
+
+@login_required
+def verify_email(request):
+    """What an unverified account sees instead of the console: where the link went, and a resend button."""
+    if email_is_verified(request.user):
+        return redirect("console:dashboard")
+    return render(request, "registration/verify_email.html")
+
+
+@login_required
+@require_POST
+def verify_email_resend(request):
+    # NOTE: throttled per user and address (controlplane.throttle), so this cannot mail-bomb anyone.
+    if not email_is_verified(request.user):
+        services.send_verification_email(request.user)
+        messages.success(request, f"We sent a new link to {request.user.email}.")
+    return redirect("verify-email")
+
+
+def verify_email_confirm(request, token):
+    try:
+        user = services.verify_email(token)
+    except services.InvalidLink as exc:
+        return render(request, "registration/verify_email_failed.html", {"reason": str(exc)}, status=400)
+    messages.success(request, f"Thank you: {user.email} is verified.")
+    if request.user.is_authenticated and request.user.pk == user.pk:
+        return redirect("console:dashboard")
+    return redirect("login")
+
+
+# --- invitations -------------------------------------------------------------------------
+
+
+@login_required
+def invitation(request, token):
+    """The invitee's page: what they are invited to, and the button that accepts it."""
+    found = services.find_invitation(token)
+    if found is None:
+        return render(request, "controlplane/invitation.html", {"refusal": "This invitation link is not valid."}, status=404)
+    if request.method == "POST":
+        try:
+            membership = services.accept_invitation(services.Actor.from_request(request), found)
+        except services.InvitationRefused as exc:
+            refusal = str(exc)
+        else:
+            request.session[SESSION_KEY] = membership.organization_id
+            messages.success(request, f"You joined {membership.organization.name} as {membership.get_role_display().lower()}.")
+            return redirect("console:dashboard")
+    else:
+        refusal = services.invitation_refusal(found, request.user)
+    is_addressee = found.email.lower() == request.user.email.lower()
+    return render(request, "controlplane/invitation.html", {"invitation": found, "refusal": refusal, "is_addressee": is_addressee},
+                  status=400 if refusal and request.method == "POST" else 200)
 
 
 @login_required
@@ -55,6 +112,7 @@ def _members_page(request, invite_form, status=200):
     memberships = Membership.objects.filter(organization=request.organization).select_related("user")
     return render(request, "controlplane/members.html", {
         "memberships": memberships,
+        "invitations": Invitation.objects.for_org(request.organization).pending().select_related("invited_by"),
         "invite_form": invite_form,
         "roles": Role.choices,
         "can_manage": request.membership.can(Role.ADMIN),
@@ -65,22 +123,30 @@ def _members_page(request, invite_form, status=200):
 def members(request):
     form = MemberInviteForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        user = get_user_model().objects.filter(email__iexact=form.cleaned_data["email"]).first()
-        role = form.cleaned_data["role"]
-        if user is None:
-            form.add_error("email", "No user has signed up with this email yet. Ask them to sign up first.")
-        elif Membership.objects.filter(organization=request.organization, user=user).exists():
-            form.add_error("email", "This user is already a member; change their role in the table.")
+        email, role = form.cleaned_data["email"], form.cleaned_data["role"]
+        try:
+            services.invite_member(services.Actor.from_request(request), request.organization, email=email, role=role)
+        except services.NotPermitted as exc:
+            form.add_error(exc.field, str(exc))
         else:
-            try:
-                services.add_member(services.Actor.from_request(request), request.organization, user=user, role=role)
-            except services.NotPermitted as exc:
-                form.add_error(exc.field, str(exc))
-            else:
-                messages.success(request, f"{user.email} joined {request.organization.name} as {Role(role).label.lower()}.")
-                return redirect("console:members")
+            messages.success(request, f"We emailed an invitation to {email.lower()}; it is valid for "
+                                      f"{services.INVITATION_TTL.days} days.")
+            return redirect("console:members")
+    if request.method == "POST":
         return _members_page(request, form, status=400)
     return _members_page(request, MemberInviteForm())
+
+
+@member_required(write=Role.ADMIN)
+@require_POST
+def invitation_revoke(request, pk):
+    invitation = get_object_or_404(Invitation.objects.for_org(request.organization).select_related("organization"), pk=pk)
+    try:
+        services.revoke_invitation(services.Actor.from_request(request), invitation)
+        messages.success(request, f"The invitation to {invitation.email} was revoked; its link no longer works.")
+    except services.NotPermitted as exc:
+        messages.error(request, str(exc))
+    return redirect("console:members")
 
 
 @member_required(write=Role.ADMIN)
@@ -115,8 +181,14 @@ def member_remove(request, pk):
 
 
 def _keys_page(request, form, status=200):
+    api_keys = list(ApiKey.objects.for_org(request.organization).select_related("created_by"))
+    roles = services.member_roles(request.organization)
+    actor = services.Actor.from_request(request)
+    for api_key in api_keys:
+        api_key.can_revoke = services.may_revoke_api_key(
+            actor, api_key, actor_role=request.membership.role, creator_role=roles.get(api_key.created_by_id))
     return render(request, "controlplane/keys.html", {
-        "api_keys": ApiKey.objects.for_org(request.organization).select_related("created_by"),
+        "api_keys": api_keys,
         "form": form,
         "can_write": request.membership.can(Role.MEMBER),
     }, status=status)
@@ -143,7 +215,11 @@ def api_keys(request):
 @member_required(write=Role.MEMBER)
 @require_POST
 def api_key_revoke(request, pk):
-    api_key = get_object_or_404(ApiKey.objects.for_org(request.organization), pk=pk)
-    services.revoke_api_key(services.Actor.from_request(request), api_key)
+    api_key = get_object_or_404(ApiKey.objects.for_org(request.organization).select_related("organization"), pk=pk)
+    try:
+        services.revoke_api_key(services.Actor.from_request(request), api_key)
+    except services.NotPermitted as exc:
+        messages.error(request, str(exc))
+        return redirect("console:keys")
     messages.success(request, f"Key “{api_key.name}” ({api_key.display_prefix}…) was revoked; calls with it now fail.")
     return redirect("console:keys")

@@ -1,7 +1,7 @@
 import factory
 from django.contrib.auth import get_user_model
 
-from controlplane.models import Membership, Organization, Role
+from controlplane.models import EmailVerification, Membership, Organization, Role
 from controlplane.services import SYSTEM
 from endpoints.catalogue import GPU_TYPES
 from endpoints.credentials import create_credential
@@ -16,6 +16,12 @@ class UserFactory(factory.django.DjangoModelFactory):
     username = factory.Sequence(lambda n: f"user{n}@example.test")
     email = factory.SelfAttribute("username")
     password = factory.PostGenerationMethodCall("set_password", "correct horse battery")
+
+    @factory.post_generation
+    def verified(user, create, extracted, **kwargs):
+        """Users have verified their email unless made with `verified=False` (a fresh sign-up)."""
+        if create and extracted is not False and user.email:
+            EmailVerification.objects.update_or_create(user=user, defaults={"email": user.email.lower()})
 
 
 class OrganizationFactory(factory.django.DjangoModelFactory):

@@ -2,6 +2,7 @@ import pytest
 from django.contrib.auth import get_user_model
 
 from controlplane.models import Membership
+from controlplane.services import mark_email_verified
 
 pytestmark = pytest.mark.django_db
 
@@ -21,10 +22,11 @@ def test_sign_up_creates_the_user_and_an_organisation_they_own(client):
     response = client.post(
         "/signup/", {"email": "Ada@Example.test", "password": "a long passphrase", "organization_name": "Analytical Engines"}
     )
-    assert response.status_code == 302 and response["Location"] == "/console/"
+    assert response.status_code == 302 and response["Location"] == "/verify-email/"
     user = get_user_model().objects.get(email="ada@example.test")
     membership = Membership.objects.get(user=user)
     assert membership.role == "owner" and membership.organization.slug == "analytical-engines"
+    mark_email_verified(user)
     assert "Analytical Engines" in client.get("/console/").content.decode()
 
 
@@ -39,7 +41,8 @@ def test_sign_up_shows_field_errors_and_creates_nothing(client):
 def test_log_in_and_out(client):
     from controlplane.services import sign_up_user
 
-    sign_up_user(email="bob@example.test", password="a long passphrase", organization_name="Bob's")
+    user, _ = sign_up_user(email="bob@example.test", password="a long passphrase", organization_name="Bob's")
+    mark_email_verified(user)
     response = client.post("/login/", {"username": "bob@example.test", "password": "a long passphrase"})
     assert response.status_code == 302
     assert client.get("/console/").status_code == 200

@@ -27,6 +27,7 @@ class Caller:
     can_infer: bool
     requests_per_minute: int | None
     tokens_per_minute: int | None
+    role: str | None = None  # the key creator's (or session user's) current role in the organisation
 
     @property
     def limit_subject(self) -> str:
@@ -37,16 +38,18 @@ class Caller:
 
 def _lookup_key(plain: str) -> Caller | None:
     from controlplane.models import Scope
-    from controlplane.services import authenticate_api_key
+    from controlplane.services import authenticate_api_key_with_role
 
-    api_key = authenticate_api_key(plain)
-    if api_key is None:
+    authenticated = authenticate_api_key_with_role(plain)
+    if authenticated is None:
         return None
+    api_key, role = authenticated
     return Caller(
         organization_id=api_key.organization_id,
         api_key_id=api_key.pk,
         user_id=api_key.created_by_id,
         can_infer=api_key.has_scope(Scope.INFERENCE),
+        role=role,
         requests_per_minute=api_key.requests_per_minute,
         tokens_per_minute=api_key.tokens_per_minute,
     )
@@ -60,10 +63,11 @@ async def caller_from_key(plain: str) -> Caller | None:
 
 
 def _lookup_session(session_key: str) -> Caller | None:
-    from django.contrib.auth import SESSION_KEY, get_user_model
+    from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
     from django.contrib.sessions.backends.db import SessionStore
+    from django.utils.crypto import constant_time_compare
 
-    from controlplane.models import Role
+    from controlplane.models import email_is_verified
     from controlplane.tenancy import SESSION_KEY as ORG_SESSION_KEY
     from controlplane.tenancy import memberships_of
 
@@ -74,15 +78,20 @@ def _lookup_session(session_key: str) -> Caller | None:
     user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
     if user is None:
         return None
+    # NOTE: as Django's `get_user`: a password change or reset since this session logged in ends it.
+    session_hash = session.get(HASH_SESSION_KEY) or ""
+    if not any(constant_time_compare(session_hash, known)
+               for known in (user.get_session_auth_hash(), *user.get_session_auth_fallback_hash())):
+        return None
+    if not email_is_verified(user):
+        return None
     memberships = memberships_of(user)
     chosen = session.get(ORG_SESSION_KEY)
     membership = (memberships.filter(organization_id=chosen).first() if chosen else None) or memberships.first()
     if membership is None:
         return None
-    # NOTE: inference spends money, so a viewer (read-only) may not chat in the playground.
     return Caller(organization_id=membership.organization_id, api_key_id=None, user_id=user.pk,
-                  can_infer=membership.can(Role.MEMBER),
-                  requests_per_minute=None, tokens_per_minute=None)
+                  can_infer=True, role=membership.role, requests_per_minute=None, tokens_per_minute=None)
 
 
 async def caller_from_session(headers: dict[str, str]) -> Caller | None:
@@ -120,4 +129,8 @@ async def authenticate(headers: dict[str, str]) -> Caller:
             raise errors.invalid_api_key("You didn't provide an API key. Send 'Authorization: Bearer <API key>'.")
     if not caller.can_infer:
         raise errors.missing_scope()
+    # NOTE: inference spends money and a viewer is read-only: a viewer's keys (and playground)
+    # stop inferring within one key-cache window of the demotion.
+    if caller.role == "viewer":
+        raise errors.role_forbids_inference()
     return caller

@@ -32,6 +32,12 @@ def missing_scope() -> OpenAIError:
     return OpenAIError(403, "This API key lacks the 'inference' scope.", type="permission_error", code="insufficient_permissions")
 
 
+def role_forbids_inference() -> OpenAIError:
+    return OpenAIError(403, "Viewers may not run inference: this key's creator (or this session's user) is a viewer "
+                            "in the organisation; an admin can grant the member role.",
+                       type="permission_error", code="insufficient_permissions")
+
+
 def model_not_found(name: str) -> OpenAIError:
     return OpenAIError(404, f"The model '{name}' does not exist or you do not have access to it.", param="model", code="model_not_found")
 

@@ -15,12 +15,12 @@ def test_home_invites_visitors_to_sign_up_or_log_in(client):
     assert reverse("signup") in page and reverse("login") in page
 
 
-def test_sign_up_creates_an_owned_organisation_and_lands_on_the_dashboard(client):
+def test_sign_up_creates_an_owned_organisation_and_asks_to_verify_the_email(client):
     response = client.post(reverse("signup"), {"email": "Ada@Example.test", "password": "a long passphrase", "organization_name": "Analytical"})
-    assert response.status_code == 302 and response.url == reverse("console:dashboard")
+    assert response.status_code == 302 and response.url == reverse("verify-email")
     membership = Membership.objects.get(user__email="ada@example.test")
     assert membership.role == Role.OWNER and membership.organization.name == "Analytical"
-    assert "Analytical" in client.get(reverse("console:dashboard")).content.decode()
+    assert "We sent a link to <strong>ada@example.test</strong>" in client.get(reverse("verify-email")).content.decode()
 
 
 def test_sign_up_errors_show_next_to_their_fields(client):
@@ -57,20 +57,14 @@ def test_members_page_lists_members_and_roles(owner, console_client_factory):
     viewer = console_client_factory(owner.organization, Role.VIEWER)
     page = owner.get(reverse("console:members")).content.decode()
     assert owner.user.email in page and viewer.user.email in page
-    assert "Add a member" in page
+    assert "Invite a member" in page
 
 
-def test_admin_adds_an_existing_user_by_email(owner):
-    newcomer = UserFactory(username="newcomer@example.test")
-    response = owner.post(reverse("console:members"), {"email": "NEWCOMER@example.test", "role": Role.MEMBER})
-    assert response.status_code == 302
-    assert Membership.objects.get(organization=owner.organization, user=newcomer).role == Role.MEMBER
-
-
-def test_adding_an_unknown_email_is_an_inline_error(owner):
-    response = owner.post(reverse("console:members"), {"email": "nobody@example.test", "role": Role.MEMBER})
+def test_inviting_an_existing_member_is_an_inline_error(owner, console_client_factory):
+    member = console_client_factory(owner.organization, Role.MEMBER)
+    response = owner.post(reverse("console:members"), {"email": member.user.email.upper(), "role": Role.MEMBER})
     assert response.status_code == 400
-    assert "No user has signed up with this email yet" in response.content.decode()
+    assert "already a member" in response.content.decode()
 
 
 def test_role_change_and_removal(owner, console_client_factory):
@@ -91,11 +85,11 @@ def test_the_last_owner_cannot_leave(owner):
     assert membership.role == Role.OWNER
 
 
-def test_admins_cannot_make_owners(console_client_factory, org):
+def test_admins_cannot_invite_owners(console_client_factory, org):
     admin = console_client_factory(org, Role.ADMIN)
-    target = UserFactory()
-    admin.post(reverse("console:members"), {"email": target.email, "role": Role.OWNER})
-    assert not Membership.objects.filter(user=target).exists()
+    response = admin.post(reverse("console:members"), {"email": "boss@example.test", "role": Role.OWNER})
+    assert response.status_code == 400 and "Only owners may grant" in response.content.decode()
+    assert not org.invitations.exists()
 
 
 @pytest.mark.parametrize("role", [Role.VIEWER, Role.MEMBER])
@@ -107,7 +101,7 @@ def test_only_admins_manage_members(console_client_factory, org, role):
     assert client.post(reverse("console:member-role", args=[membership.pk]), {"role": Role.OWNER}).status_code == 403
     assert client.post(reverse("console:member-remove", args=[membership.pk])).status_code == 403
     page = client.get(reverse("console:members")).content.decode()
-    assert "Only owners and admins can add members" in page
+    assert "Only owners and admins can invite members" in page
 
 
 def test_another_organisations_membership_is_a_404(owner):

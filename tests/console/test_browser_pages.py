@@ -41,7 +41,21 @@ def sign_up(page, email: str, organization: str) -> None:
     page.get_by_label("Organisation name").fill(organization)
     screenshot(page, "02-signup")
     page.get_by_role("button", name="Create account").click()
+    # A new account sees nothing but the verify-email page until it follows the mailed link.
+    expect(page.get_by_role("heading", name="Verify your email")).to_be_visible()
+    screenshot(page, "02-verify-email")
+    page.goto(verification_path(email))
     expect(page.get_by_role("heading", name="Dashboard")).to_be_visible()
+
+
+def verification_path(email: str) -> str:
+    """The path of the link the sign-up mailed (the live server's outbox is in its own process)."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    from controlplane.services import email_verification_token
+
+    return reverse("verify-email-confirm", args=[email_verification_token(get_user_model().objects.get(email=email))])
 
 
 def nav(page, name: str) -> None:

@@ -1,0 +1,83 @@
+"""Throttles for the forms an attacker hammers: log-in, sign-up, password reset, resending a verification.
+
+Each posted attempt counts against its client address and against the account it names (so
+spreading a password guess over many addresses does not help), in fixed windows kept in the
+shared Redis: every web process sees the same counts. Subjects are hashed, so Redis holds no
+email addresses. An attempt over any limit is answered 429 with `Retry-After` and never reaches
+the view.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+import redis
+
+from controlplane.redis_client import get_redis
+
+logger = logging.getLogger("inferplane.throttle")
+
+
+@dataclass(slots=True, frozen=True)
+class Limit:
+    """At most `num_attempts` per `window_s` for one subject; `per` says what the subject is:
+    "ip" (the client address), "user" (the signed-in user) or the name of a posted field."""
+
+    name: str
+    per: str
+    num_attempts: int
+    window_s: int
+
+    def __post_init__(self):
+        if self.num_attempts < 1 or self.window_s < 1:
+            raise ValueError("a limit needs at least one attempt per at least one second")
+
+
+# NOTE: log-in on the console and on the Django admin share their counters: switching forms
+# gives an attacker no second budget.
+LOGIN = (Limit("login-ip", "ip", 30, 600), Limit("login-account", "username", 10, 600))
+SIGNUP = (Limit("signup-ip", "ip", 10, 3600), Limit("signup-email", "email", 5, 3600))
+PASSWORD_RESET = (Limit("reset-ip", "ip", 10, 3600), Limit("reset-email", "email", 3, 3600))
+RESEND_VERIFICATION = (Limit("verify-ip", "ip", 10, 3600), Limit("verify-user", "user", 3, 600))
+
+# URL name → the limits a POST to it takes.
+THROTTLED_VIEWS = {
+    "login": LOGIN,
+    "admin:login": LOGIN,
+    "signup": SIGNUP,
+    "password_reset": PASSWORD_RESET,
+    "verify-email-resend": RESEND_VERIFICATION,
+}
+
+
+def _redis_key(limit: Limit, subject: str, window: int) -> str:
+    digest = hashlib.sha256(subject.strip().lower().encode()).hexdigest()[:32]
+    return f"throttle:{limit.name}:{digest}:{window}"
+
+
+def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> int | None:
+    """Counts one attempt against each limit whose subject is known; the seconds to wait if any is exceeded.
+
+    NOTE: Redis being down lets attempts through (logged): a throttle must not lock every
+    user out of the console.
+    """
+    now = time.time()
+    counted = [(limit, int(now // limit.window_s)) for limit in limits if subjects.get(limit.per)]
+    if not counted:
+        return None
+    try:
+        pipe = get_redis().pipeline(transaction=False)
+        for limit, window in counted:
+            key = _redis_key(limit, subjects[limit.per], window)
+            pipe.incr(key)
+            pipe.expire(key, limit.window_s + 1)
+        replies = pipe.execute()
+    except redis.RedisError:
+        logger.warning("throttle counters unavailable; letting the attempt through", exc_info=True)
+        return None
+    waits = [int((window + 1) * limit.window_s - now) + 1
+             for (limit, window), num_attempts in zip(counted, replies[::2], strict=True) if num_attempts > limit.num_attempts]
+    return max(waits) if waits else None

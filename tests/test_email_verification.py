@@ -1,0 +1,166 @@
+"""Sign-up verifies the email: until the signed link is followed the console shows one page, and nothing can be joined."""
+
+from datetime import timedelta
+
+import pytest
+from django.core import mail
+from django.core.management import call_command
+from django.urls import reverse
+
+from controlplane import services
+from controlplane.models import ApiKey, Role, email_is_verified
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+
+SIGN_UP = {"email": "New@Example.test", "password": "a long passphrase", "organization_name": "Newco"}
+
+
+def _emailed_link(message) -> str:
+    return next(line.strip() for line in message.body.splitlines() if "/verify-email/" in line)
+
+
+def _sign_up(client):
+    response = client.post(reverse("signup"), SIGN_UP)
+    assert response.status_code == 302 and response.url == reverse("verify-email")
+    return services.User.objects.get(email="new@example.test")
+
+
+def test_a_new_account_sees_only_the_verify_email_page(client):
+    _sign_up(client)
+    for name in ("console:dashboard", "console:keys", "console:members", "console:endpoints"):
+        response = client.get(reverse(name))
+        assert response.status_code == 302 and response.url == reverse("verify-email"), name
+    page = client.get(reverse("verify-email")).content.decode()
+    assert "Verify your email" in page and "new@example.test" in page and "Send a new link" in page
+
+
+def test_an_unverified_account_can_neither_create_keys_nor_use_the_api(client):
+    _sign_up(client)
+    client.post(reverse("console:keys"), {"name": "sneaky", "scopes": ["inference"]})
+    response = client.post("/api/v1/keys/", {"name": "sneaky"}, content_type="application/json")
+    assert response.status_code == 403 and "Verify your email" in response.json()["detail"]
+    assert not ApiKey.objects.exists()
+
+
+def test_the_emailed_link_verifies_the_account_and_opens_the_console(client):
+    user = _sign_up(client)
+    assert len(mail.outbox) == 1 and mail.outbox[0].to == ["new@example.test"]
+    response = client.get(_emailed_link(mail.outbox[0]))
+    assert response.status_code == 302 and response.url == reverse("console:dashboard")
+    assert email_is_verified(user)
+    assert client.get(reverse("console:dashboard")).status_code == 200
+
+
+def test_the_link_works_in_another_browser_and_then_asks_to_log_in(client):
+    _sign_up(client)
+    other_browser = client.__class__()
+    response = other_browser.get(_emailed_link(mail.outbox[0]))
+    assert response.status_code == 302 and response.url == reverse("login")
+
+
+def test_a_tampered_link_is_refused(client):
+    user = _sign_up(client)
+    link = _emailed_link(mail.outbox[0])
+    response = client.get(link[:-3] + ("aaa" if not link.endswith("aaa/") else "bbb") + "/")
+    assert response.status_code in (400, 404)
+    assert not email_is_verified(user)
+
+
+def test_an_expired_link_is_refused(client, monkeypatch):
+    user = _sign_up(client)
+    monkeypatch.setattr(services, "VERIFY_EMAIL_MAX_AGE", timedelta(seconds=-1))
+    response = client.get(_emailed_link(mail.outbox[0]))
+    assert response.status_code == 400 and "invalid or has expired" in response.content.decode()
+    assert not email_is_verified(user)
+
+
+def test_a_link_for_an_address_the_user_no_longer_has_is_refused(client):
+    user = _sign_up(client)
+    user.email = "changed@example.test"
+    user.save()
+    response = client.get(_emailed_link(mail.outbox[0]))
+    assert response.status_code == 400 and "no longer yours" in response.content.decode()
+    assert not email_is_verified(user)
+
+
+def test_verification_proves_one_address_only(client):
+    user = UserFactory(username="proved@example.test")
+    assert email_is_verified(user)
+    user.email = "other@example.test"
+    user.save()
+    assert not email_is_verified(user)
+
+
+def test_resend_mails_a_new_link(client):
+    _sign_up(client)
+    response = client.post(reverse("verify-email-resend"), follow=True)
+    assert "We sent a new link to new@example.test" in response.content.decode()
+    assert len(mail.outbox) == 2
+
+
+def test_an_unverified_account_cannot_join_an_organisation(client):
+    user = _sign_up(client)
+    other = OrganizationFactory()
+    invitation = services.invite_member(services.SYSTEM, other, email="new@example.test", role=Role.MEMBER)
+    response = client.post(reverse("invitation", args=[services.invitation_token(invitation)]))
+    assert response.status_code == 302 and response.url == reverse("verify-email")
+    with pytest.raises(services.InvitationRefused, match="Verify your email"):
+        services.accept_invitation(services.Actor(user=user), invitation)
+    assert not other.memberships.filter(user=user).exists()
+
+
+def test_owners_made_by_operators_are_verified_and_can_log_in(client):
+    call_command("create_org", "acme", "--owner", "ops@acme.test", "--password", "a long passphrase", "--json")
+    user = services.User.objects.get(email="ops@acme.test")
+    assert email_is_verified(user)
+    assert client.login(username="ops@acme.test", password="a long passphrase")
+    assert client.get(reverse("console:dashboard")).status_code == 200
+
+
+def test_users_staff_create_in_the_django_admin_are_verified(client):
+    staff = UserFactory(username="root@example.test", is_staff=True, is_superuser=True)
+    MembershipFactory(user=staff, role=Role.OWNER)
+    client.force_login(staff)
+    response = client.post("/django-admin/auth/user/add/", {
+        "username": "colleague", "password1": "a long passphrase", "password2": "a long passphrase",
+        "usable_password": "true",
+    })
+    assert response.status_code == 302, response.content.decode()[:2000]
+    colleague = services.User.objects.get(username="colleague")
+    assert not email_is_verified(colleague)  # no address yet: nothing to vouch for
+    change = client.get(f"/django-admin/auth/user/{colleague.pk}/change/")
+    assert change.status_code == 200
+    form = change.context["adminform"].form
+    data = {name: value for name, value in form.initial.items() if value is not None and not isinstance(value, (list, tuple))}
+    data.update({"username": "colleague", "email": "colleague@example.test", "date_joined_0": "2026-01-01",
+                 "date_joined_1": "00:00:00", "is_active": "on"})
+    data.pop("password", None)
+    data.pop("last_login", None)
+    data.pop("date_joined", None)
+    assert client.post(f"/django-admin/auth/user/{colleague.pk}/change/", data).status_code == 302
+    colleague.refresh_from_db()
+    assert colleague.email == "colleague@example.test" and email_is_verified(colleague)
+
+
+def test_the_demo_login_that_make_run_prints_opens_the_console(client, tmp_path, monkeypatch):
+    from controlplane import demo
+
+    monkeypatch.setattr(demo, "build_tiny_model", lambda models_dir: models_dir / "tiny-llama")
+    seeded = demo.seed_demo(tmp_path)
+    assert client.login(username=demo.DEMO_EMAIL, password=seeded.password)
+    assert client.get(reverse("console:dashboard")).status_code == 200
+
+
+def test_accounts_from_before_verification_are_marked_verified_by_the_migration():
+    import importlib
+
+    from django.apps import apps
+
+    from controlplane.models import EmailVerification
+
+    old = UserFactory(username="old-timer@example.test")
+    EmailVerification.objects.filter(user=old).delete()
+    migration = importlib.import_module("controlplane.migrations.0002_accounts_invitations_email_verification")
+    migration.verify_existing_users(apps, None)
+    assert email_is_verified(old)

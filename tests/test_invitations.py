@@ -1,0 +1,221 @@
+"""Members join by invitation: a signed, expiring link that a verified user with the invited email accepts."""
+
+import threading
+
+import pytest
+from django.core import mail
+from django.db import connection
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from controlplane import services
+from controlplane.models import AuditEvent, Invitation, Membership, Role
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def owner(org):
+    """A console client signed in as an owner of `org`."""
+    client = Client()
+    user = UserFactory()
+    MembershipFactory(organization=org, user=user, role=Role.OWNER)
+    client.force_login(user)
+    client.user, client.organization = user, org
+    return client
+
+
+def _invite(owner, email="Colleague@Victim.example", role=Role.MEMBER):
+    response = owner.post(reverse("console:members"), {"email": email, "role": role})
+    assert response.status_code == 302, response.content.decode()
+    return Invitation.objects.get(organization=owner.organization, email=email.lower())
+
+
+def _link_path(message) -> str:
+    link = next(line.strip() for line in message.body.splitlines() if "/invitations/" in line)
+    return link[link.index("/invitations/"):]
+
+
+def _signed_in(client, user):
+    client.force_login(user)
+    return client
+
+
+def test_an_admin_invites_by_email_and_the_invitation_is_pending_mailed_and_audited(owner):
+    invitation = _invite(owner)
+    assert invitation.status == "pending" and invitation.invited_by == owner.user
+    assert mail.outbox[-1].to == ["colleague@victim.example"]
+    assert owner.organization.name in mail.outbox[-1].subject
+    page = owner.get(reverse("console:members")).content.decode()
+    assert "Pending invitations" in page and "colleague@victim.example" in page
+    assert AuditEvent.objects.filter(organization=owner.organization, action="invitation.create",
+                                     details__email="colleague@victim.example").exists()
+    assert not Membership.objects.filter(user__email="colleague@victim.example").exists()
+
+
+def test_the_invitee_joins_by_accepting_while_signed_in_as_that_verified_email(owner, client):
+    _invite(owner)
+    invitee = UserFactory(username="colleague@victim.example")
+    _signed_in(client, invitee)
+    page = client.get(_link_path(mail.outbox[-1])).content.decode()
+    assert "Join " + owner.organization.name in page and "Accept and join" in page
+    response = client.post(_link_path(mail.outbox[-1]))
+    assert response.status_code == 302 and response.url == reverse("console:dashboard")
+    membership = Membership.objects.get(organization=owner.organization, user=invitee)
+    assert membership.role == Role.MEMBER
+    assert AuditEvent.objects.filter(organization=owner.organization, action="invitation.accept").exists()
+    # Accepting again changes nothing.
+    client.post(_link_path(mail.outbox[-1]))
+    assert Membership.objects.filter(organization=owner.organization, user=invitee).count() == 1
+    assert "Pending invitations" not in owner.get(reverse("console:members")).content.decode()
+
+
+def test_whoever_registers_the_invited_address_first_gains_nothing_without_the_mailbox(owner, client):
+    _invite(owner)
+    link = _link_path(mail.outbox[-1])  # say the attacker got hold of the link, too
+    # The attacker signs up with the colleague's address before the colleague does.
+    client.post(reverse("signup"), {"email": "colleague@victim.example", "password": "a long passphrase",
+                                    "organization_name": "Squatter"})
+    response = client.post(link)
+    assert response.status_code == 302 and response.url == reverse("verify-email")
+    assert not Membership.objects.filter(organization=owner.organization, user__email="colleague@victim.example").exists()
+
+
+def test_another_user_cannot_accept_someone_elses_invitation(owner, client):
+    _invite(owner)
+    _signed_in(client, UserFactory(username="mallory@example.test"))
+    assert "sent to another email address" in client.get(_link_path(mail.outbox[-1])).content.decode()
+    response = client.post(_link_path(mail.outbox[-1]))
+    assert response.status_code == 400 and "sent to another email address" in response.content.decode()
+    assert not Membership.objects.filter(organization=owner.organization, user__email="mallory@example.test").exists()
+    assert Invitation.objects.get().status == "pending"
+
+
+def test_a_revoked_invitation_cannot_be_accepted(owner, client):
+    invitation = _invite(owner)
+    owner.post(reverse("console:invitation-revoke", args=[invitation.pk]))
+    assert Invitation.objects.get().status == "revoked"
+    assert AuditEvent.objects.filter(organization=owner.organization, action="invitation.revoke").exists()
+    _signed_in(client, UserFactory(username="colleague@victim.example"))
+    response = client.post(_link_path(mail.outbox[-1]))
+    assert response.status_code == 400 and "was revoked" in response.content.decode()
+    assert not Membership.objects.filter(organization=owner.organization, user__email="colleague@victim.example").exists()
+
+
+def test_an_expired_invitation_cannot_be_accepted(owner, client):
+    invitation = _invite(owner)
+    Invitation.objects.filter(pk=invitation.pk).update(expires_at=timezone.now())
+    _signed_in(client, UserFactory(username="colleague@victim.example"))
+    response = client.post(_link_path(mail.outbox[-1]))
+    assert response.status_code == 400 and "has expired" in response.content.decode()
+    assert not Membership.objects.filter(organization=owner.organization, user__email="colleague@victim.example").exists()
+
+
+def test_a_forged_link_is_not_an_invitation(owner, client):
+    invitation = _invite(owner)
+    _signed_in(client, UserFactory(username="colleague@victim.example"))
+    forged = reverse("invitation", args=[f"{invitation.pk}:forged:signature"])
+    assert client.post(forged).status_code == 404
+    assert not Membership.objects.filter(user__email="colleague@victim.example").exists()
+
+
+def test_an_anonymous_visitor_is_asked_to_log_in_first(owner, client):
+    _invite(owner)
+    response = client.get(_link_path(mail.outbox[-1]))
+    assert response.status_code == 302 and response.url.startswith(reverse("login"))
+
+
+def test_one_pending_invitation_per_email(owner):
+    _invite(owner)
+    response = owner.post(reverse("console:members"), {"email": "COLLEAGUE@victim.example", "role": Role.ADMIN})
+    assert response.status_code == 400 and "pending" in response.content.decode()
+
+
+def test_members_are_no_longer_added_directly_by_email(owner_client):
+    newcomer = UserFactory()
+    response = owner_client.post("/api/v1/members/", {"email": newcomer.email, "role": "member"}, format="json")
+    assert response.status_code == 405
+    assert not Membership.objects.filter(user=newcomer).exists()
+
+
+def test_the_api_creates_lists_and_revokes_invitations(org, member_client_factory):
+    owner = member_client_factory(org, Role.OWNER)
+    member = member_client_factory(org, Role.MEMBER)
+    created = owner.post("/api/v1/invitations/", {"email": "New@Example.test", "role": "viewer"}, format="json")
+    assert created.status_code == 201
+    body = created.json()
+    assert (body["email"], body["role"], body["status"]) == ("new@example.test", "viewer", "pending")
+    assert len(mail.outbox) == 1 and mail.outbox[0].to == ["new@example.test"]
+    assert [row["email"] for row in owner.get("/api/v1/invitations/").json()["results"]] == ["new@example.test"]
+    duplicate = owner.post("/api/v1/invitations/", {"email": "new@example.test", "role": "viewer"}, format="json")
+    assert duplicate.status_code == 400 and "email" in duplicate.json()
+    assert member.post("/api/v1/invitations/", {"email": "x@example.test", "role": "viewer"}, format="json").status_code == 403
+    assert member.get("/api/v1/invitations/").status_code == 403
+    revoked = owner.post(f"/api/v1/invitations/{body['id']}/revoke/")
+    assert revoked.status_code == 200 and revoked.json()["status"] == "revoked"
+    assert owner.get("/api/v1/invitations/").json()["results"] == []
+    assert owner.get("/api/v1/invitations/?status=all").json()["results"][0]["status"] == "revoked"
+
+
+def test_the_api_refuses_bad_input_and_unknown_fields(owner_client):
+    assert owner_client.post("/api/v1/invitations/", {"email": "nope", "role": "viewer"}, format="json").status_code == 400
+    assert owner_client.post("/api/v1/invitations/", {"email": "a@b.test", "role": "god"}, format="json").status_code == 400
+    response = owner_client.post("/api/v1/invitations/", {"email": "a@b.test", "role": "viewer", "status": "accepted"},
+                                 format="json")
+    assert response.status_code == 400 and "status" in response.json()
+
+
+def test_only_owners_invite_owners(org, member_client_factory):
+    admin = member_client_factory(org, Role.ADMIN)
+    response = admin.post("/api/v1/invitations/", {"email": "boss@example.test", "role": "owner"}, format="json")
+    assert response.status_code == 400 and "owner" in response.json()["role"][0]
+
+
+def test_another_organisations_invitation_is_a_404(owner_client):
+    foreign = services.invite_member(services.SYSTEM, OrganizationFactory(), email="x@example.test", role=Role.MEMBER)
+    assert owner_client.get(f"/api/v1/invitations/{foreign.pk}/").status_code == 404
+    assert owner_client.post(f"/api/v1/invitations/{foreign.pk}/revoke/").status_code == 404
+    assert Invitation.objects.get(pk=foreign.pk).status == "pending"
+
+
+def test_the_schema_documents_invitations(owner_client):
+    paths = owner_client.get("/api/schema/?format=json").json()["paths"]
+    assert {"get", "post"} <= set(paths["/api/v1/invitations/"])
+    assert "post" in paths["/api/v1/invitations/{id}/revoke/"]
+    assert "post" not in paths["/api/v1/members/"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_accepts_at_once_make_one_membership():
+    organization = OrganizationFactory()
+    invitee = UserFactory(username="both@example.test")
+    invitation = services.invite_member(services.SYSTEM, organization, email="both@example.test", role=Role.ADMIN)
+    start, results = threading.Barrier(2), []
+
+    def accept():
+        try:
+            start.wait(timeout=30)
+            results.append(services.accept_invitation(services.Actor(user=invitee), invitation).pk)
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            results.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=accept) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(results) == 2 and results[0] == results[1], results
+    assert Membership.objects.filter(organization=organization, user=invitee).count() == 1
+    assert AuditEvent.objects.filter(organization=organization, action="invitation.accept").count() == 1
+
+
+def test_an_invitation_does_not_change_an_existing_members_role(owner):
+    colleague = UserFactory(username="colleague@victim.example")
+    invitation = services.invite_member(services.SYSTEM, owner.organization, email=colleague.email, role=Role.ADMIN)
+    MembershipFactory(organization=owner.organization, user=colleague, role=Role.VIEWER)
+    membership = services.accept_invitation(services.Actor(user=colleague), invitation)
+    assert membership.role == Role.VIEWER

@@ -1,0 +1,152 @@
+"""Roles on keys and owners: who may revoke which key, a demotion reaches existing keys, and an
+organisation keeps an owner however many demotions race."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from django.db import connection
+from django.test import Client
+from django.urls import reverse
+
+from controlplane import services
+from controlplane.models import ApiKey, Membership, Role, Scope
+from endpoints.gateway.auth import authenticate
+from endpoints.gateway.errors import OpenAIError
+from tests.conftest import wait_until
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+
+
+def _clients(org, member_client_factory):
+    """API clients of an owner, an admin and two members of `org`, each with its own key."""
+    return {
+        "owner": member_client_factory(org, Role.OWNER),
+        "admin": member_client_factory(org, Role.ADMIN),
+        "member": member_client_factory(org, Role.MEMBER),
+        "other_member": member_client_factory(org, Role.MEMBER),
+    }
+
+
+def _key_of(client) -> ApiKey:
+    return ApiKey.objects.get(created_by=client.user)
+
+
+def _revoke(client, api_key: ApiKey) -> int:
+    return client.post(f"/api/v1/keys/{api_key.pk}/revoke/").status_code
+
+
+@pytest.mark.django_db
+def test_members_revoke_only_their_own_keys(org, member_client_factory):
+    clients = _clients(org, member_client_factory)
+    member = clients["member"]
+    for other in ("owner", "admin", "other_member"):
+        assert _revoke(member, _key_of(clients[other])) == 403, other
+        assert _key_of(clients[other]).revoked_at is None
+    assert _revoke(member, _key_of(member)) == 200
+
+
+@pytest.mark.django_db
+def test_admins_revoke_any_key_but_an_owners(org, member_client_factory):
+    clients = _clients(org, member_client_factory)
+    admin = clients["admin"]
+    assert _revoke(admin, _key_of(clients["owner"])) == 403
+    assert _key_of(clients["owner"]).revoked_at is None
+    assert _revoke(admin, _key_of(clients["member"])) == 200
+    assert _revoke(admin, _key_of(admin)) == 200
+
+
+@pytest.mark.django_db
+def test_owners_revoke_every_key(org, member_client_factory):
+    clients = _clients(org, member_client_factory)
+    second_owner = member_client_factory(org, Role.OWNER)
+    for other in ("admin", "member", "owner"):
+        assert _revoke(second_owner, _key_of(clients[other])) == 200, other
+
+
+@pytest.mark.django_db
+def test_the_console_offers_revoke_only_where_it_is_allowed(org, member_client_factory):
+    clients = _clients(org, member_client_factory)
+    console = Client()
+    console.force_login(clients["member"].user)
+    page = console.get(reverse("console:keys")).content.decode()
+    assert reverse("console:key-revoke", args=[_key_of(clients["member"]).pk]) in page
+    assert reverse("console:key-revoke", args=[_key_of(clients["owner"]).pk]) not in page
+    response = console.post(reverse("console:key-revoke", args=[_key_of(clients["owner"]).pk]), follow=True)
+    assert "only their own keys" in response.content.decode()
+    assert _key_of(clients["owner"]).revoked_at is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_member_demoted_to_viewer_has_keys_that_stop_inferring_within_the_cache_window():
+    organization = OrganizationFactory()
+    user = UserFactory()
+    membership = MembershipFactory(organization=organization, user=user, role=Role.MEMBER)
+    created = services.create_api_key(services.Actor(user=user), organization, name="app", scopes=[Scope.INFERENCE])
+    headers = {"authorization": f"Bearer {created.plain}"}
+    assert asyncio.run(authenticate(headers)).organization_id == organization.pk
+
+    services.change_member_role(services.SYSTEM, membership, role=Role.VIEWER)
+
+    async def first_refusal() -> OpenAIError:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while loop.time() < deadline:
+            try:
+                await authenticate(headers)
+            except OpenAIError as exc:
+                return exc
+            await asyncio.sleep(0.1)
+        raise AssertionError("a viewer's key still infers a minute after the demotion")
+
+    refusal = asyncio.run(first_refusal())
+    assert refusal.status == 403 and "viewer" in refusal.message
+    assert refusal.code == "insufficient_permissions"
+
+
+def _waiting_on_a_lock() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()")
+        return cursor.fetchone()[0] > 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["demote", "remove"])
+def test_two_owners_demoting_each_other_at_once_leave_one_owner(monkeypatch, change):
+    organization = OrganizationFactory()
+    alice, bob = UserFactory(), UserFactory()
+    memberships = {user: MembershipFactory(organization=organization, user=user, role=Role.OWNER) for user in (alice, bob)}
+    arrived: list[object] = []
+    record_audit = services.record_audit
+
+    def record_audit_once_both_decided(actor, *args, **kwargs):
+        # Each change holds here, after its checks, until the other change has also decided or
+        # is queued behind a lock: without real locks both pass their checks against the old state.
+        arrived.append(actor.user)
+        wait_until(lambda: len(arrived) == 2 or _waiting_on_a_lock(), 60, message="the other change to decide or wait")
+        return record_audit(actor, *args, **kwargs)
+
+    monkeypatch.setattr(services, "record_audit", record_audit_once_both_decided)
+    outcomes: dict[object, object] = {}
+
+    def act(actor_user, target_user):
+        try:
+            target = Membership.objects.get(pk=memberships[target_user].pk)
+            if change == "demote":
+                services.change_member_role(services.Actor(user=actor_user), target, role=Role.ADMIN)
+            else:
+                services.remove_member(services.Actor(user=actor_user), target)
+            outcomes[actor_user] = "done"
+        except (services.LastOwnerError, services.NotPermitted) as exc:
+            outcomes[actor_user] = exc
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=act, args=(alice, bob)), threading.Thread(target=act, args=(bob, alice))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(str(outcome) == "done" for outcome in outcomes.values()) == [False, True], outcomes
+    assert Membership.objects.filter(organization=organization, role=Role.OWNER).count() == 1

@@ -1,0 +1,114 @@
+"""Log-in, sign-up, password reset and resending a verification are throttled per address and per account,
+in the shared Redis; an attempt over the limit is a 429 page that says how long to wait."""
+
+from __future__ import annotations
+
+import pytest
+from django.core import mail
+from django.test import Client
+from django.urls import reverse
+
+from controlplane import throttle
+from controlplane.models import Membership, Role
+from tests.factories import MembershipFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+
+PASSWORD = "correct horse battery"
+
+
+def _limit(limits, per) -> throttle.Limit:
+    return next(limit for limit in limits if limit.per == per)
+
+
+def _assert_throttled(response) -> None:
+    assert response.status_code == 429
+    assert "Too many attempts" in response.content.decode()
+    assert int(response["Retry-After"]) >= 1
+
+
+@pytest.fixture
+def victim():
+    user = UserFactory(username="victim@example.test")
+    MembershipFactory(user=user, role=Role.OWNER)
+    return user
+
+
+def test_guessing_one_accounts_password_is_throttled_even_from_many_addresses(client, victim):
+    for attempt in range(_limit(throttle.LOGIN, "username").num_attempts):
+        response = client.post(reverse("login"), {"username": victim.email, "password": f"guess {attempt}"},
+                               REMOTE_ADDR=f"10.0.0.{attempt}")
+        assert response.status_code == 200  # the form again, with its error
+    response = client.post(reverse("login"), {"username": victim.email, "password": PASSWORD}, REMOTE_ADDR="10.0.1.1")
+    _assert_throttled(response)
+    assert "_auth_user_id" not in client.session  # even the right password waits
+
+
+def test_one_address_trying_many_accounts_is_throttled(client):
+    for attempt in range(_limit(throttle.LOGIN, "ip").num_attempts):
+        client.post(reverse("login"), {"username": f"user{attempt}@example.test", "password": "guess"}, REMOTE_ADDR="10.9.9.9")
+    _assert_throttled(client.post(reverse("login"), {"username": "fresh@example.test", "password": "guess"},
+                                  REMOTE_ADDR="10.9.9.9"))
+    # Another address is not held up by it.
+    assert client.post(reverse("login"), {"username": "fresh@example.test", "password": "guess"},
+                       REMOTE_ADDR="10.9.9.10").status_code == 200
+
+
+def test_the_django_admin_login_shares_the_log_in_throttle(client, victim):
+    for attempt in range(_limit(throttle.LOGIN, "username").num_attempts):
+        client.post(reverse("login"), {"username": victim.email, "password": "guess"}, REMOTE_ADDR=f"10.0.2.{attempt}")
+    _assert_throttled(client.post("/django-admin/login/", {"username": victim.email, "password": PASSWORD},
+                                  REMOTE_ADDR="10.0.3.1"))
+
+
+def test_a_login_page_get_is_never_throttled(client, victim):
+    for attempt in range(_limit(throttle.LOGIN, "username").num_attempts + 1):
+        client.post(reverse("login"), {"username": victim.email, "password": "guess"}, REMOTE_ADDR=f"10.0.4.{attempt}")
+    assert client.get(reverse("login")).status_code == 200
+
+
+def test_sign_up_is_throttled_per_address(client):
+    for attempt in range(_limit(throttle.SIGNUP, "ip").num_attempts):
+        Client().post(reverse("signup"), {"email": f"bot{attempt}@example.test", "password": "a long passphrase",
+                                          "organization_name": f"Bot {attempt}"}, REMOTE_ADDR="10.1.1.1")
+    response = client.post(reverse("signup"), {"email": "one-more@example.test", "password": "a long passphrase",
+                                               "organization_name": "One more"}, REMOTE_ADDR="10.1.1.1")
+    _assert_throttled(response)
+    assert not Membership.objects.filter(user__email="one-more@example.test").exists()
+
+
+def test_password_reset_mails_one_address_a_few_times_only(client, victim):
+    allowed = _limit(throttle.PASSWORD_RESET, "email").num_attempts
+    for attempt in range(allowed):
+        client.post(reverse("password_reset"), {"email": victim.email}, REMOTE_ADDR=f"10.2.0.{attempt}")
+    _assert_throttled(client.post(reverse("password_reset"), {"email": victim.email.upper()}, REMOTE_ADDR="10.2.1.1"))
+    assert len(mail.outbox) == allowed
+
+
+def test_resending_the_verification_is_throttled(client):
+    client.post(reverse("signup"), {"email": "new@example.test", "password": "a long passphrase", "organization_name": "N"})
+    allowed = _limit(throttle.RESEND_VERIFICATION, "user").num_attempts
+    for attempt in range(allowed):
+        assert client.post(reverse("verify-email-resend"), REMOTE_ADDR=f"10.3.0.{attempt}").status_code == 302
+    _assert_throttled(client.post(reverse("verify-email-resend"), REMOTE_ADDR="10.3.1.1"))
+    assert len(mail.outbox) == 1 + allowed
+
+
+def test_counters_hold_no_email_addresses(client, victim):
+    from controlplane.redis_client import get_redis
+
+    client.post(reverse("login"), {"username": victim.email, "password": "guess"})
+    keys = get_redis().keys("throttle:*")
+    assert keys and not any("victim" in key for key in keys)
+
+
+def test_attempts_pass_when_redis_is_unreachable(client, victim, monkeypatch):
+    import redis
+
+    from tests.conftest import free_port
+
+    unreachable = redis.Redis(port=free_port(), socket_connect_timeout=1)
+    monkeypatch.setattr(throttle, "get_redis", lambda: unreachable)
+    for _ in range(_limit(throttle.LOGIN, "username").num_attempts + 1):
+        response = client.post(reverse("login"), {"username": victim.email, "password": "guess"})
+        assert response.status_code == 200
