@@ -34,8 +34,13 @@ from gpu_agent.runtime.tiny_model import build_tiny_model  # noqa: E402
 CONCURRENCY_LEVELS = (1, 8, 32)
 
 
+ENGINE_KEY = "bench-batching-engine-key"  # engines answer only their replica's key
+
+
 async def run_level(address: str, concurrency: int, num_requests_per_worker: int, max_tokens: int) -> dict:
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    async with httpx.AsyncClient(
+        timeout=300, limits=httpx.Limits(max_connections=concurrency + 4), headers={"Authorization": f"Bearer {ENGINE_KEY}"}
+    ) as client:
 
         async def worker(worker_index: int) -> tuple[int, list[float]]:
             tokens, latencies = 0, []
@@ -90,6 +95,7 @@ def main() -> int:
             model_source=str(model_dir),
             max_model_len=512,
             max_num_seqs=64,
+            engine_api_key=ENGINE_KEY,
         )
         try:
             launched_at = time.monotonic()

@@ -88,7 +88,7 @@ def measure_naive(model_dir: Path, work_dir: Path) -> dict:
 
     spec = ReplicaSpec(
         replica_id="bench-naive", endpoint_id="bench", served_model_name="tiny", model_source=str(model_dir),
-        max_model_len=512, max_num_seqs=8,
+        max_model_len=512, max_num_seqs=8, engine_api_key="bench-naive-engine-key",
     )  # fmt: skip
     port = free_port()
     command = engine.build_engine_command(spec, model_dir, port=port, device=engine.DEVICE_CPU)
@@ -106,7 +106,7 @@ def measure_naive(model_dir: Path, work_dir: Path) -> dict:
 
         wait_until(healthy, 600, message="the naive engine's /health")
         healthy_at = time.time()
-        answer = stream_chat(command.address, "tiny")
+        answer = stream_chat(command.address, "tiny", headers={"Authorization": f"Bearer {spec.engine_api_key}"})
     finally:
         child.stop()
     return {
