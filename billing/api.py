@@ -29,6 +29,18 @@ from billing.webhooks import InvalidWebhook, handle_stripe_webhook
 from controlplane.api import OrganizationScopedMixin
 from controlplane.models import ApiKey, Role
 
+# A spreadsheet reads a cell that starts with one of these as a formula (or, for tab and carriage
+# return, strips them and reads what follows): `=HYPERLINK(...)` in a key's name must stay text.
+FORMULA_TRIGGERS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_cell(value):
+    """`value` as a CSV cell that no spreadsheet evaluates: text that could start a formula gets a
+    leading `'` (OWASP's CSV injection advice); numbers and other values pass unchanged."""
+    if isinstance(value, str) and value.startswith(FORMULA_TRIGGERS):
+        return "'" + value
+    return value
+
 
 class UsageView(OrganizationScopedMixin, GenericAPIView):
     serializer_class = UsageQuerySerializer
@@ -58,7 +70,7 @@ class UsageExportView(UsageView):
         writer = csv.writer(response)
         writer.writerow(columns)
         for row in rows:
-            writer.writerow([format_money(row[c]) if c == "cost" else row[c] for c in columns])
+            writer.writerow([spreadsheet_cell(format_money(row[c]) if c == "cost" else row[c]) for c in columns])
         return response
 
 
