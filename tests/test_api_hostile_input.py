@@ -125,3 +125,17 @@ def test_the_schema_documents_each_operations_error_answers_with_their_bodies(ow
     assert not_found == {"$ref": "#/components/schemas/Error"}
     assert invalid == {"$ref": "#/components/schemas/ValidationError"}
     assert schema["components"]["schemas"]["Error"]["required"] == ["detail"]
+
+
+def test_a_method_a_documented_route_does_not_take_is_a_json_405(owner_client):
+    paths = owner_client.get("/api/schema/", {"format": "json"}).json()["paths"]
+    endpoint = EndpointFactory(organization=owner_client.organization)
+    answers = {}
+
+    for path, operations in paths.items():
+        concrete = path.replace("{id}", str(endpoint.pk)).replace("{key_id}", "1")
+        for method in {"get", "post", "put", "patch", "delete"} - set(operations):
+            response = getattr(owner_client, method)(concrete)
+            answers[f"{method.upper()} {path}"] = (response.status_code, response["Content-Type"])
+
+    assert answers and set(answers.values()) == {(405, "application/json")}
