@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import csv
+import logging
 
+import stripe
 from django.conf import settings
 from django.http import HttpResponse
-from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import serializers, status
 from rest_framework.exceptions import ValidationError
-from rest_framework.generics import GenericAPIView
+from rest_framework.generics import GenericAPIView, get_object_or_404
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -28,6 +29,20 @@ from billing.serializers import (
 from billing.webhooks import InvalidWebhook, handle_stripe_webhook
 from controlplane.api import OrganizationScopedMixin
 from controlplane.models import ApiKey, Role
+
+logger = logging.getLogger(__name__)
+
+# A spreadsheet reads a cell that starts with one of these as a formula (or, for tab and carriage
+# return, strips them and reads what follows): `=HYPERLINK(...)` in a key's name must stay text.
+FORMULA_TRIGGERS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_cell(value):
+    """`value` as a CSV cell that no spreadsheet evaluates: text that could start a formula gets a
+    leading `'` (OWASP's CSV injection advice); numbers and other values pass unchanged."""
+    if isinstance(value, str) and value.startswith(FORMULA_TRIGGERS):
+        return "'" + value
+    return value
 
 
 class UsageView(OrganizationScopedMixin, GenericAPIView):
@@ -58,7 +73,7 @@ class UsageExportView(UsageView):
         writer = csv.writer(response)
         writer.writerow(columns)
         for row in rows:
-            writer.writerow([format_money(row[c]) if c == "cost" else row[c] for c in columns])
+            writer.writerow([spreadsheet_cell(format_money(row[c]) if c == "cost" else row[c]) for c in columns])
         return response
 
 
@@ -112,16 +127,28 @@ class KeySpendCapView(OrganizationScopedMixin, GenericAPIView):
         return Response({"key": api_key.display_prefix, "spend_cap": format_money(cap.spend_cap) if cap else None})
 
 
-class PortalLinkView(OrganizationScopedMixin, GenericAPIView):
-    """POST: a Stripe Customer Portal link to add a payment method (owners and admins)."""
+class PortalLinkView(OrganizationScopedMixin, APIView):
+    """POST: a Stripe Customer Portal link to add a payment method (owners and admins).
+
+    NOTE: an `APIView`, not a `GenericAPIView`: it reads no body, and DRF's OPTIONS answer asks a
+    generic view for a serializer it does not have (an AssertionError, a 500).
+    """
 
     required_role = Role.ADMIN
 
-    @extend_schema(request=None, responses=inline_serializer("PortalLink", {"url": serializers.URLField()}))
+    @extend_schema(request=None, responses={
+        200: inline_serializer("PortalLink", {"url": serializers.URLField()}),
+        503: OpenApiResponse(description="Stripe is not configured here, or could not be reached."),
+    })
     def post(self, request):
         if not stripe_sync.is_configured():
             return Response({"detail": "Billing is not configured on this installation."}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
-        url = stripe_sync.create_portal_link(self.organization.pk, return_url=f"{settings.PUBLIC_URL}/console/")
+        try:
+            url = stripe_sync.create_portal_link(self.organization.pk, return_url=f"{settings.PUBLIC_URL}/console/")
+        except stripe.StripeError:  # as the console's payment page: Stripe down or refusing is not our 500
+            logger.exception("could not create a Stripe portal link for organisation %s", self.organization.pk)
+            return Response({"detail": "Stripe could not be reached just now; please try again in a minute."},
+                            status=status.HTTP_503_SERVICE_UNAVAILABLE)
         return Response({"url": url})
 
 

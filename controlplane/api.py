@@ -1,10 +1,18 @@
 """Management API for accounts: the current organisation, members, invitations, API keys, audit log."""
 
-from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from django.http import JsonResponse
+from django.views import defaults
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+    inline_serializer,
+)
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action, api_view
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
+from rest_framework.generics import get_object_or_404
 from rest_framework.response import Response
 
 from controlplane import services
@@ -17,6 +25,14 @@ from controlplane.serializers import (
     OrganizationSerializer,
 )
 from controlplane.tenancy import request_membership
+
+
+def not_found(request, exception=None):
+    """The project's 404 (`handler404`): the console's page, or under `/api/` the API's JSON error,
+    also for paths that match no route (an id with a `.` or a `/` in it)."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": "Not found."}, status=404)
+    return defaults.page_not_found(request, exception)
 
 
 class OrganizationScopedMixin:
@@ -86,6 +102,9 @@ class MemberInputSerializer(serializers.Serializer):
     role = serializers.ChoiceField(choices=Role.choices)
 
 
+@extend_schema_view(destroy=extend_schema(responses={
+    204: None, 400: OpenApiResponse(description="The organisation's last owner cannot leave, or the caller may not remove an owner."),
+}))
 class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
     """Members and their roles. Nobody is added here: people join by accepting an invitation."""
 

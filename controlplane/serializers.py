@@ -75,8 +75,8 @@ class ApiKeySerializer(StrictModelSerializer):
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
-    actor = serializers.EmailField(source="actor.email", default=None, read_only=True)
-    api_key = serializers.CharField(source="api_key.display_prefix", default=None, read_only=True)
+    actor = serializers.EmailField(source="actor.email", default=None, allow_null=True, read_only=True)
+    api_key = serializers.CharField(source="api_key.display_prefix", default=None, allow_null=True, read_only=True)
 
     class Meta:
         model = AuditEvent

@@ -22,6 +22,8 @@ api_v1 = [
     path("", include(router.urls)),
 ]
 
+handler404 = "controlplane.api.not_found"
+
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),

@@ -71,8 +71,8 @@ def validate_unique_name(value: str, siblings, instance, noun: str) -> str:
 
 
 class ReplicaSerializer(serializers.ModelSerializer):
-    node = serializers.CharField(source="node.name", default=None, read_only=True)
-    node_id = serializers.UUIDField(read_only=True)
+    node = serializers.CharField(source="node.name", default=None, allow_null=True, read_only=True)
+    node_id = serializers.UUIDField(allow_null=True, read_only=True)
 
     class Meta:
         model = Replica
@@ -85,7 +85,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
 
 
 class EndpointEventSerializer(serializers.ModelSerializer):
-    replica_id = serializers.UUIDField(read_only=True)
+    replica_id = serializers.UUIDField(allow_null=True, read_only=True)
 
     class Meta:
         model = EndpointEvent

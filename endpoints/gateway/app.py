@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 import aiohttp
 from asgiref.sync import sync_to_async
 
-from endpoints.gateway import auth, directory, errors, metrics
+from endpoints.gateway import auth, directory, errors, metrics, request
 from endpoints.gateway.call import InferenceCall
 
 logger = logging.getLogger("inferplane.gateway")
@@ -94,7 +94,7 @@ class Gateway:
                 raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
             body = await _read_body(receive)
             caller = await auth.authenticate(headers)
-            payload = parse_payload(body, kind)
+            payload = request.parse_payload(body, kind)
             endpoint = await directory.find_endpoint(caller.organization_id, payload["model"])
             if endpoint is None:
                 raise errors.model_not_found(payload["model"])
@@ -146,43 +146,3 @@ async def _respond(send, status: int, body: bytes, *, content_type: str = "appli
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw_headers})
     await send({"type": "http.response.body", "body": body})
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def parse_payload(body: bytes, kind: str) -> dict:
-    """The request body, checked for what the gateway itself relies on; the engine checks the rest."""
-    try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise errors.invalid_request("We could not parse the JSON body of your request.") from None
-    if not isinstance(payload, dict):
-        raise errors.invalid_request("The request body must be a JSON object.")
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        raise errors.invalid_request("You must provide a model parameter.", param="model")
-    if kind == "chat":
-        messages = payload.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise errors.invalid_request("'messages' must be a non-empty array of message objects.", param="messages")
-    else:
-        prompt = payload.get("prompt")
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
-            raise errors.invalid_request("'prompt' must be a string or a non-empty array.", param="prompt")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = payload.get(name)
-        if value is not None and (not _is_int(value) or value < 1):
-            raise errors.invalid_request(f"'{name}' must be a positive integer.", param=name)
-    if "stream" in payload and not isinstance(payload["stream"], bool):
-        raise errors.invalid_request("'stream' must be a boolean.", param="stream")
-    n = payload.get("n", 1)
-    if not _is_int(n) or not 1 <= n <= 16:
-        raise errors.invalid_request("'n' must be an integer from 1 to 16.", param="n")
-    stream_options = payload.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise errors.invalid_request("'stream_options' must be an object.", param="stream_options")
-    return payload
-
-

@@ -512,7 +512,9 @@ def _engine_error(status: int, body: bytes) -> errors.OpenAIError:
     """The engine refused the request (a 4xx): relay its message in OpenAI's shape."""
     try:
         data = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
+        data = {}
+    if not isinstance(data, dict):  # NOTE: an engine's 4xx body is not always an object
         data = {}
     detail = data.get("error") if isinstance(data.get("error"), dict) else data
     message = detail.get("message") or body.decode(errors="replace")[:500] or f"HTTP {status}"

@@ -1,0 +1,86 @@
+"""The OpenAPI schema's error answers: every operation documents the 4xx it can return.
+
+drf-spectacular documents the success of each operation from its serializers; the errors come
+from DRF's machinery around the view (parsing, authentication, permissions, lookups, throttles),
+so they are added here once, from what the view is made of, rather than by hand on every view:
+
+- 400 `ValidationError` where the operation reads a body or a query string (besides pagination);
+- 401 `Error` where it accepts credentials (a missing, malformed, revoked or expired key);
+- 403 `Error` where a permission may refuse (a role or a key's scope too small);
+- 404 `Error` where a path parameter names an object (absent, or another organisation's);
+- 415 `Error` where it reads a body (a content type no parser reads);
+- 429 `Error` with `Retry-After` where a throttle applies.
+
+A view that answers anything else (a 400 from a DELETE, a 503) says so with
+`extend_schema(responses={503: OpenApiResponse(description="…")})`; a documented 4xx or 5xx without
+a body gets the error body here.
+"""
+
+from __future__ import annotations
+
+from drf_spectacular import openapi
+from drf_spectacular.plumbing import ResolvedComponent
+from drf_spectacular.utils import inline_serializer
+from rest_framework import serializers
+from rest_framework.permissions import AllowAny
+
+# The body of every DRF error but a validation error.
+ERROR = inline_serializer("Error", {"detail": serializers.CharField(help_text="What went wrong, for a person.")})
+
+VALIDATION_ERROR_SCHEMA = {
+    "type": "object",
+    "description": (
+        "Each invalid field, by name, with its messages (a list of strings, or an object of the same shape "
+        "for a nested field); `non_field_errors` for the whole body; `detail` alone when the body could not "
+        "be parsed."
+    ),
+    "additionalProperties": {
+        "oneOf": [
+            {"type": "array", "items": {}},
+            {"type": "object", "additionalProperties": {}},
+            {"type": "string"},
+        ],
+    },
+}
+# Out of range or malformed, these are clamped or ignored (controlplane.pagination), never a 400.
+PAGINATION_PARAMETERS = {"limit", "offset"}
+RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before trying again.", "schema": {"type": "integer"}}}
+
+
+class AutoSchema(openapi.AutoSchema):
+    def get_operation(self, path, path_regex, path_prefix, method, registry):
+        operation = super().get_operation(path, path_regex, path_prefix, method, registry)
+        if operation is None:
+            return None
+        responses = operation["responses"]
+        for status, description, headers in self._error_responses(operation):
+            responses.setdefault(status, {"description": description} | ({"headers": headers} if headers else {}))
+        for status, response in responses.items():
+            if status.startswith(("4", "5")) and "content" not in response:
+                response["content"] = {"application/json": {"schema": self._error_schema(status)}}
+        operation["responses"] = dict(sorted(responses.items()))
+        return operation
+
+    def _error_responses(self, operation: dict):
+        parameters = operation.get("parameters", [])
+        reads_body = "requestBody" in operation
+        if reads_body or any(p.get("in") == "query" and p["name"] not in PAGINATION_PARAMETERS for p in parameters):
+            yield "400", "The request is invalid: see each field's messages.", None
+        if any(requirement for requirement in operation.get("security", [])):
+            yield "401", "No credentials, or an invalid, expired or revoked API key.", None
+        if not all(isinstance(permission, AllowAny) for permission in self.view.get_permissions()):
+            yield "403", "The caller's role, or its API key's scopes, do not allow this.", None
+        if any(p.get("in") == "path" for p in parameters):
+            yield "404", "No such object in the caller's organisation.", None
+        if reads_body:
+            yield "415", "The body's content type is not one this operation reads.", None
+        if self.view.get_throttles():
+            yield "429", "Too many requests: wait `Retry-After` seconds.", RETRY_AFTER
+
+    def _error_schema(self, status: str) -> dict:
+        if status != "400":
+            return self.resolve_serializer(ERROR, "response").ref
+        component = ResolvedComponent(name="ValidationError", type=ResolvedComponent.SCHEMA, object="ValidationError",
+                                      schema=VALIDATION_ERROR_SCHEMA)
+        self.registry.register_on_missing(component)
+        return component.ref

@@ -1,0 +1,318 @@
+"""The body of a `/v1/chat/completions` or `/v1/completions` call, parsed and checked.
+
+Anything malformed is a 400 in OpenAI's shape here, before a key's limits are counted, an endpoint
+is looked up or a byte reaches the engine: JSON the gateway could not re-encode (NaN, numbers past
+64 bits or past a float, nesting deeper than `MAX_DEPTH`), a body that is not an object, and a
+wrong type or range for any field OpenAI's API defines. Fields it does not define (vLLM's
+extensions: `top_k`, `min_p`, …) pass through for the engine to judge.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+
+from endpoints.gateway import errors
+
+MAX_DEPTH = 32  # objects and arrays nested in one another; real requests use a handful
+MAX_MODEL_NAME = 256
+MAX_N = 16
+MAX_STOP_SEQUENCES = 64
+MAX_TOKEN_ID = 2**31 - 1
+INT64 = 2**63
+TOOL_CHOICES = frozenset({"none", "auto", "required"})
+RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema", "structural_tag"})
+
+
+class _Unparsable(ValueError):
+    pass
+
+
+def _parse_int(text: str) -> int:
+    # NOTE: checked before `int()`, which refuses more than 4,300 digits and is slow near that
+    if len(text) > 20 or not -INT64 <= (value := int(text)) < INT64:
+        raise _Unparsable("an integer does not fit in 64 bits")
+    return value
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Unparsable("a number is too large")
+    return value
+
+
+def _refuse_constant(name: str):
+    raise _Unparsable(f"{name} is not JSON")
+
+
+_decoder = json.JSONDecoder(parse_int=_parse_int, parse_float=_parse_float, parse_constant=_refuse_constant)
+
+
+def parse_payload(body: bytes, kind: str) -> dict:
+    """The request body, checked for shapes, types and ranges; the engine checks meaning (a stop
+    sequence it cannot use, a tool schema it cannot follow)."""
+    try:
+        payload = _decoder.decode(body.decode("utf-8"))
+    except _Unparsable as exc:
+        raise errors.invalid_request(f"We could not parse the JSON body of your request: {exc}.") from None
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise errors.invalid_request("We could not parse the JSON body of your request.") from None
+    if not isinstance(payload, dict):
+        raise errors.invalid_request("The request body must be a JSON object.")
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _depth(payload) > MAX_DEPTH:
+        raise errors.invalid_request(f"The JSON body of your request is nested more than {MAX_DEPTH} levels deep.")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.invalid_request("You must provide a model parameter.", param="model")
+    if len(model) > MAX_MODEL_NAME or not model.isprintable() or not _is_utf8(model):
+        raise errors.invalid_request("'model' is not a model name.", param="model", code="invalid_value")
+    if kind == "chat":
+        _check_messages(payload.get("messages"))
+    else:
+        _check_prompt(payload.get("prompt"))
+    for name, check in (_CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS).items():
+        value = payload.get(name)
+        if value is not None:
+            check(value, name)
+    return payload
+
+
+def _depth(value) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_DEPTH:
+                break
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")  # NOTE: JSON may carry lone surrogates (`"\ud800"`), which PostgreSQL refuses
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _wrong_type(param: str, expected: str):
+    return errors.invalid_request(f"Invalid type for '{param}': expected {expected}.", param=param, code="invalid_type")
+
+
+def _out_of_range(param: str, expected: str):
+    return errors.invalid_request(f"Invalid value for '{param}': expected {expected}.", param=param, code="invalid_value")
+
+
+# --- the prompt ---------------------------------------------------------------------------------
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise errors.invalid_request("'messages' must be a non-empty array of message objects.", param="messages")
+    for index, message in enumerate(messages):
+        param = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise _wrong_type(param, "an object")
+        # NOTE: any role string: vLLM's chat templates take custom roles (`ipython`, …)
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise _wrong_type(f"{param}.role", "a non-empty string")
+        content = message.get("content")
+        if isinstance(content, list):
+            _check_content_parts(content, f"{param}.content")
+        elif content is not None and not isinstance(content, str):
+            raise _wrong_type(f"{param}.content", "a string or an array of content parts")
+        for name in ("name", "tool_call_id"):
+            if message.get(name) is not None and not isinstance(message[name], str):
+                raise _wrong_type(f"{param}.{name}", "a string")
+        if message.get("tool_calls") is not None:
+            _check_list_of_objects(message["tool_calls"], f"{param}.tool_calls")
+
+
+def _check_content_parts(parts: list, param: str) -> None:
+    for index, part in enumerate(parts):
+        part_param = f"{param}[{index}]"
+        if not isinstance(part, dict):
+            raise _wrong_type(part_param, "an object")
+        if not isinstance(part.get("type"), str):
+            raise _wrong_type(f"{part_param}.type", "a string")
+        if (part["type"] == "text" or "text" in part) and not isinstance(part.get("text"), str):
+            raise _wrong_type(f"{part_param}.text", "a string")
+
+
+def _check_prompt(prompt) -> None:
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise errors.invalid_request("'prompt' must be a string or a non-empty array.", param="prompt")
+    if all(isinstance(item, str) for item in prompt) or _are_token_ids(prompt):
+        return
+    if all(isinstance(item, list) and item and _are_token_ids(item) for item in prompt):
+        return
+    raise _wrong_type("prompt", "a string, an array of strings, an array of token ids or an array of arrays of token ids")
+
+
+def _are_token_ids(items: list) -> bool:
+    return all(_is_int(item) and 0 <= item <= MAX_TOKEN_ID for item in items)
+
+
+# --- the other fields ---------------------------------------------------------------------------
+def _boolean(value, param: str) -> None:
+    if not isinstance(value, bool):
+        raise _wrong_type(param, "a boolean")
+
+
+def _string(value, param: str) -> None:
+    if not isinstance(value, str):
+        raise _wrong_type(param, "a string")
+
+
+def _object(value, param: str) -> None:
+    if not isinstance(value, dict):
+        raise _wrong_type(param, "an object")
+
+
+def _integer(low: int | None = None, high: int | None = None) -> Callable:
+    def check(value, param: str) -> None:
+        if not _is_int(value):
+            raise _wrong_type(param, "an integer")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise _out_of_range(param, _range_text(low, high, "an integer"))
+
+    return check
+
+
+def _number(low: float, high: float) -> Callable:
+    def check(value, param: str) -> None:
+        if not _is_number(value):
+            raise _wrong_type(param, "a number")
+        if not low <= value <= high:
+            raise _out_of_range(param, _range_text(low, high, "a number"))
+
+    return check
+
+
+def _range_text(low, high, what: str) -> str:
+    if high is None:
+        return f"{what} of at least {low}"
+    if low is None:
+        return f"{what} of at most {high}"
+    return f"{what} from {low} to {high}"
+
+
+def _positive_tokens(value, param: str) -> None:
+    if not _is_int(value) or value < 1:
+        raise errors.invalid_request(f"'{param}' must be a positive integer.", param=param, code="invalid_type")
+
+
+def _n(value, param: str) -> None:
+    if not _is_int(value) or not 1 <= value <= MAX_N:
+        raise errors.invalid_request(f"'n' must be an integer from 1 to {MAX_N}.", param=param)
+
+
+def _stop(value, param: str) -> None:
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise _wrong_type(param, "a string or an array of strings")
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise _out_of_range(param, f"at most {MAX_STOP_SEQUENCES} sequences")
+
+
+def _stream_options(value, param: str) -> None:
+    if not isinstance(value, dict):
+        raise errors.invalid_request("'stream_options' must be an object.", param=param, code="invalid_type")
+    for name in ("include_usage", "continuous_usage_stats"):
+        if value.get(name) is not None:
+            _boolean(value[name], f"{param}.{name}")
+
+
+def _logit_bias(value, param: str) -> None:
+    _object(value, param)
+    for token, bias in value.items():
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise _out_of_range(f"{param}.{token}", "a number from -100 to 100")
+
+
+def _check_list_of_objects(value, param: str) -> None:
+    if not isinstance(value, list):
+        raise _wrong_type(param, "an array")
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise _wrong_type(f"{param}[{index}]", "an object")
+
+
+def _tools(value, param: str) -> None:
+    _check_list_of_objects(value, param)
+    for index, tool in enumerate(value):
+        if tool.get("type", "function") != "function":
+            raise _out_of_range(f"{param}[{index}].type", "'function'")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise _wrong_type(f"{param}[{index}].function", "an object")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise _wrong_type(f"{param}[{index}].function.name", "a non-empty string")
+        if function.get("description") is not None:
+            _string(function["description"], f"{param}[{index}].function.description")
+        if function.get("parameters") is not None:
+            _object(function["parameters"], f"{param}[{index}].function.parameters")
+
+
+def _tool_choice(value, param: str) -> None:
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise _out_of_range(param, f"one of {', '.join(sorted(TOOL_CHOICES))} or an object")
+        return
+    _object(value, param)
+    function = value.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise _wrong_type(f"{param}.function.name", "a string")
+
+
+def _response_format(value, param: str) -> None:
+    _object(value, param)
+    if value.get("type") not in RESPONSE_FORMATS:
+        raise _out_of_range(f"{param}.type", f"one of {', '.join(sorted(RESPONSE_FORMATS))}")
+    if value.get("json_schema") is not None:
+        _object(value["json_schema"], f"{param}.json_schema")
+
+
+_COMMON_FIELDS: dict[str, Callable] = {
+    "max_tokens": _positive_tokens,
+    "max_completion_tokens": _positive_tokens,
+    "stream": _boolean,
+    "stream_options": _stream_options,
+    "n": _n,
+    "temperature": _number(0, 2),
+    "top_p": _number(0, 1),
+    "presence_penalty": _number(-2, 2),
+    "frequency_penalty": _number(-2, 2),
+    "seed": _integer(),
+    "stop": _stop,
+    "user": _string,
+    "logit_bias": _logit_bias,
+}
+_CHAT_FIELDS: dict[str, Callable] = _COMMON_FIELDS | {
+    "logprobs": _boolean,
+    "top_logprobs": _integer(0, 20),
+    "tools": _tools,
+    "tool_choice": _tool_choice,
+    "parallel_tool_calls": _boolean,
+    "response_format": _response_format,
+}
+_COMPLETION_FIELDS: dict[str, Callable] = _COMMON_FIELDS | {
+    "logprobs": _integer(0, 20),
+    "echo": _boolean,
+    "best_of": _integer(1, MAX_N),
+    "suffix": _string,
+}

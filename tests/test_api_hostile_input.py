@@ -1,0 +1,141 @@
+"""Hostile input to the management API is a 4xx, never a 500; the schema documents the errors.
+
+Each case here was a 500 found by the schema fuzzer (tests/test_api_fuzz.py).
+"""
+
+import pytest
+from rest_framework.request import Request
+from rest_framework.settings import api_settings
+from rest_framework.test import APIRequestFactory
+
+from controlplane.models import Role
+from endpoints.models import EventKind
+from endpoints.services import record_event
+from tests.factories import EndpointFactory, MembershipFactory
+
+pytestmark = pytest.mark.django_db
+
+LIST_PATHS = ["/api/v1/endpoints/", "/api/v1/keys/", "/api/v1/members/", "/api/v1/audit-log/"]
+PAST_BIGINT = "9223372036854775809"
+
+
+@pytest.mark.parametrize("path", LIST_PATHS)
+def test_a_limit_past_bigint_on_any_list_is_clamped_to_the_largest_page(owner_client, path):
+    EndpointFactory(organization=owner_client.organization)  # a list with rows: an empty one never queries a page
+
+    response = owner_client.get(path, {"limit": PAST_BIGINT})
+
+    assert response.status_code == 200
+    assert response.json()["count"] >= 1
+
+
+def test_an_endpoints_event_list_clamps_a_huge_limit_and_a_huge_offset_is_an_empty_page(owner_client):
+    endpoint = EndpointFactory(organization=owner_client.organization)
+    record_event(endpoint, EventKind.CONFIG, "Created.")
+
+    huge_limit = owner_client.get(f"/api/v1/endpoints/{endpoint.pk}/events/", {"limit": PAST_BIGINT})
+    huge_offset = owner_client.get("/api/v1/keys/", {"offset": PAST_BIGINT, "limit": PAST_BIGINT})
+    too_many_digits = owner_client.get("/api/v1/keys/", {"limit": "9" * 5000})
+
+    assert huge_limit.status_code == 200 and len(huge_limit.json()["results"]) == 1
+    assert huge_offset.status_code == 200 and huge_offset.json()["results"] == []
+    assert too_many_digits.status_code == 200 and len(too_many_digits.json()["results"]) == 1
+
+
+def test_a_list_page_is_at_most_a_thousand_rows(owner_client):
+    paginator = api_settings.DEFAULT_PAGINATION_CLASS()
+    request = Request(APIRequestFactory().get("/api/v1/keys/", {"limit": PAST_BIGINT}))
+
+    assert paginator.get_limit(request) == 1000
+
+
+def test_options_on_the_billing_portal_describes_it_rather_than_failing(owner_client):
+    response = owner_client.options("/api/v1/billing/portal/")
+
+    assert response.status_code == 200
+    assert response.json()["name"] == "Portal Link"
+
+
+def test_options_on_every_documented_route_is_never_a_server_error(owner_client):
+    paths = owner_client.get("/api/schema/", {"format": "json"}).json()["paths"]
+    endpoint = EndpointFactory(organization=owner_client.organization)
+
+    for path in paths:
+        concrete = path.replace("{id}", str(endpoint.pk)).replace("{key_id}", "1")
+        assert owner_client.options(concrete).status_code in (200, 404), concrete
+
+
+@pytest.mark.parametrize("member_id", ["null,null", "1.5", "-1", "99999999999999999999999"])
+def test_patching_or_removing_a_member_by_a_malformed_id_is_a_404(owner_client, member_id):
+    MembershipFactory(organization=owner_client.organization, role=Role.MEMBER)
+
+    patched = owner_client.patch(f"/api/v1/members/{member_id}/", {"role": "viewer"}, format="json")
+    removed = owner_client.delete(f"/api/v1/members/{member_id}/")
+
+    assert (patched.status_code, removed.status_code) == (404, 404)
+    assert "detail" in patched.json()
+
+
+def test_an_api_path_that_matches_no_route_answers_the_apis_json_404(owner_client, settings):
+    settings.DEBUG = False
+
+    response = owner_client.get("/api/v1/no-such-thing/")
+
+    assert response.status_code == 404
+    assert response["Content-Type"] == "application/json" and response.json() == {"detail": "Not found."}
+
+
+def test_a_console_path_that_matches_nothing_still_shows_the_console_page(client, settings):
+    settings.DEBUG = False
+
+    response = client.get("/no-such-page/")
+
+    assert response.status_code == 404 and response["Content-Type"].startswith("text/html")
+
+
+def test_a_stripe_outage_makes_the_portal_link_a_503_with_a_message(owner_client, settings):
+    from tests.conftest import free_port
+
+    settings.STRIPE_SECRET_KEY = "sk_test_inferplane"
+    settings.STRIPE_API_BASE = f"http://127.0.0.1:{free_port()}"  # nothing listens: Stripe is unreachable
+    settings.STRIPE_TIMEOUT_S = 0.5
+    settings.STRIPE_RETRY_BASE_DELAY_S = 0.01
+
+    response = owner_client.post("/api/v1/billing/portal/")
+
+    assert response.status_code == 503
+    assert "Stripe could not be reached" in response.json()["detail"]
+
+
+def test_the_schema_documents_each_operations_error_answers_with_their_bodies(owner_client):
+    schema = owner_client.get("/api/schema/", {"format": "json"}).json()
+    paths = schema["paths"]
+
+    def codes(path, method):
+        return set(paths[path][method]["responses"])
+
+    assert codes("/api/v1/endpoints/", "post") == {"201", "400", "401", "403", "415"}
+    assert codes("/api/v1/endpoints/{id}/", "get") == {"200", "401", "403", "404"}
+    assert codes("/api/v1/endpoints/", "get") == {"200", "401", "403"}  # a bad limit is clamped, not a 400
+    assert codes("/api/v1/usage/", "get") == {"200", "400", "401", "403"}
+    assert codes("/api/v1/members/{id}/", "delete") == {"204", "400", "401", "403", "404"}
+    assert codes("/api/v1/billing/portal/", "post") == {"200", "401", "403", "503"}
+    not_found = paths["/api/v1/keys/{id}/"]["get"]["responses"]["404"]["content"]["application/json"]["schema"]
+    invalid = paths["/api/v1/keys/"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+    assert not_found == {"$ref": "#/components/schemas/Error"}
+    assert invalid == {"$ref": "#/components/schemas/ValidationError"}
+    assert schema["components"]["schemas"]["Error"]["required"] == ["detail"]
+
+
+def test_a_method_a_documented_route_does_not_take_is_a_json_405(owner_client):
+    paths = owner_client.get("/api/schema/", {"format": "json"}).json()["paths"]
+    endpoint = EndpointFactory(organization=owner_client.organization)
+    answers = {}
+
+    for path, operations in paths.items():
+        concrete = path.replace("{id}", str(endpoint.pk)).replace("{key_id}", "1")
+        for method in {"get", "post", "put", "patch", "delete"} - set(operations):
+            response = getattr(owner_client, method)(concrete)
+            answers[f"{method.upper()} {path}"] = (response.status_code, response["Content-Type"])
+
+    assert answers and set(answers.values()) == {(405, "application/json")}
