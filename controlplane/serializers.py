@@ -48,6 +48,7 @@ class InvitationSerializer(StrictModelSerializer):
         model = Invitation
         fields = ["id", "email", "role", "status", "invited_by", "created_at", "expires_at", "accepted_at", "revoked_at"]
         read_only_fields = ["id", "status", "invited_by", "created_at", "expires_at", "accepted_at", "revoked_at"]
+        extra_kwargs = {"role": {"required": True}}  # an invitation always says which role it offers
 
 
 class ApiKeySerializer(StrictModelSerializer):
