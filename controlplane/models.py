@@ -71,7 +71,7 @@ class ApiKeyQuerySet(models.QuerySet):
 
 
 class ApiKey(models.Model):
-    TOKEN_KIND = "ip"
+    TOKEN_KIND = tokens.API_KEY_KIND
 
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="api_keys")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")

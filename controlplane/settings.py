@@ -216,6 +216,9 @@ CELERY_BEAT_SCHEDULE = {
 # single machine (the embedded default), wrong for a shared fleet.
 ALLOW_LOCAL_MODEL_PATHS = env_bool("INFERPLANE_ALLOW_LOCAL_MODEL_PATHS", DEBUG or env_str("DATABASE_URL") is None)
 API_KEY_CACHE_S = env_float("INFERPLANE_API_KEY_CACHE_S", 5.0, minimum=0)
+# A token that names no usable key is refused without a query for this long (tokens are random:
+# one refused now cannot become valid later, except a key whose creator rejoins the organisation).
+API_KEY_NEGATIVE_CACHE_S = env_float("INFERPLANE_API_KEY_NEGATIVE_CACHE_S", 300.0, minimum=0)
 AGENT_HEARTBEAT_INTERVAL_S = env_float("INFERPLANE_AGENT_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.2)
 NODE_HEARTBEAT_GRACE_S = env_float("INFERPLANE_NODE_HEARTBEAT_GRACE_S", 30.0, minimum=1)
 REPLICA_DRAIN_TIMEOUT_S = env_float("INFERPLANE_REPLICA_DRAIN_TIMEOUT_S", 120.0, minimum=1)
