@@ -102,6 +102,15 @@ class ApiKey(models.Model):
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes
 
+    @property
+    def effective_requests_per_minute(self) -> int:
+        """What the gateway enforces (0: no limit); `endpoints.gateway.limits.Window` resolves it the same way."""
+        return self.requests_per_minute if self.requests_per_minute is not None else settings.DEFAULT_KEY_REQUESTS_PER_MINUTE
+
+    @property
+    def effective_tokens_per_minute(self) -> int:
+        return self.tokens_per_minute if self.tokens_per_minute is not None else settings.DEFAULT_KEY_TOKENS_PER_MINUTE
+
     def is_usable(self, now=None) -> bool:
         now = now or timezone.now()
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)

@@ -57,6 +57,15 @@ def estimate_prompt_tokens(payload: dict, kind: str) -> int:
     return sum(len(str(item).encode()) + 2 for item in prompt)
 
 
+def worst_case_tokens(payload: dict, kind: str, max_model_len: int) -> int:
+    """The most tokens a request may use: its prompt estimate plus every output token of every choice.
+
+    NOTE: the one place for this count: the key's tokens per minute reserve it at admission.
+    """
+    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or max_model_len
+    return estimate_prompt_tokens(payload, kind) + max_tokens * (payload.get("n") or 1)
+
+
 @dataclass(slots=True)
 class InferenceCall:
     request_id: str
@@ -112,8 +121,10 @@ class InferenceCall:
         try:
             # NOTE: one round trip checks the rate limits, reserves the largest cost, counts the
             # request in flight (or waiting) and picks its replica; `_finish` undoes it in one more.
-            admitted = await admission.admit(caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id,
-                                             amount=worst_case, candidates=[r.id for r in replicas])
+            admitted = await admission.admit(
+                caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=worst_case,
+                num_tokens=worst_case_tokens(self.payload, self.kind, self.endpoint.max_model_len),
+                candidates=[r.id for r in replicas])
         except quota.QuotaExceeded as exc:
             raise errors.insufficient_quota(str(exc)) from None
         if admitted.picked is not None:
