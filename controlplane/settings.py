@@ -15,6 +15,7 @@ from controlplane import embedded
 from controlplane.env import (
     ImproperlyConfiguredEnv,
     env_bool,
+    env_counts,
     env_decimal,
     env_float,
     env_int,
@@ -227,6 +228,16 @@ DEFAULT_MONTHLY_SPEND_CAP = env_decimal("INFERPLANE_DEFAULT_SPEND_CAP", "0")
 # Rate limits of a key (or console session) that sets none of its own; 0 means no limit.
 DEFAULT_KEY_REQUESTS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_RPM", 600, minimum=0)
 DEFAULT_KEY_TOKENS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_TPM", 1_000_000, minimum=0)
+# Quotas of an organisation without a plan (staff assign plans in the Django admin).
+DEFAULT_MAX_ENDPOINTS = env_int("INFERPLANE_DEFAULT_MAX_ENDPOINTS", 10, minimum=0)
+DEFAULT_MAX_REPLICAS = env_int("INFERPLANE_DEFAULT_MAX_REPLICAS", 8, minimum=0)
+DEFAULT_MAX_MIN_REPLICAS = env_int("INFERPLANE_DEFAULT_MAX_MIN_REPLICAS", 2, minimum=0)
+DEFAULT_MAX_HELD_REQUESTS = env_int("INFERPLANE_DEFAULT_MAX_HELD_REQUESTS", 64, minimum=0)
+DEFAULT_MAX_GPUS_BY_TYPE = env_counts("INFERPLANE_DEFAULT_MAX_GPUS_BY_TYPE")
+# Requests one gateway process holds for cold starts at once; more get a 503 with Retry-After.
+MAX_HELD_REQUESTS_PER_PROCESS = env_int("INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS", 2000, minimum=1)
+# Connections in each process's shared Redis pool (pub/sub waiters never take one).
+REDIS_MAX_CONNECTIONS = env_int("INFERPLANE_REDIS_MAX_CONNECTIONS", 512, minimum=4)
 
 # --- Stripe ------------------------------------------------------------------------
 STRIPE_SECRET_KEY = env_str("STRIPE_SECRET_KEY", "")

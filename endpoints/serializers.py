@@ -7,6 +7,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.serializers import StrictModelSerializer
+from endpoints import quotas
 from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
 from endpoints.models import FINAL_REPLICA_STATES, Endpoint, EndpointEvent, Replica
 
@@ -127,6 +128,8 @@ class EndpointSerializer(StrictModelSerializer):
         batched = current("max_num_batched_tokens")
         if batched is not None and batched < current("max_num_seqs"):
             errors["max_num_batched_tokens"] = ["Must be at least max_num_seqs."]
+        if not errors:
+            errors = quotas.spec_errors(self.context["organization"], attrs, self.instance)
         if errors:
             raise serializers.ValidationError(errors)
         return attrs

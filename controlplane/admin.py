@@ -1,0 +1,42 @@
+"""Staff tools for accounts: plans (quotas) and which plan each organisation is on.
+
+Both save through the services that audit (`save_plan`, `set_organization_plan`).
+"""
+
+from django.contrib import admin
+
+from controlplane.models import Organization, Plan
+from controlplane.services import Actor, save_plan, set_organization_plan
+
+
+@admin.register(Plan)
+class PlanAdmin(admin.ModelAdmin):
+    list_display = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_gpus_by_type"]
+    fields = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_gpus_by_type"]
+
+    def save_model(self, request, obj, form, change):
+        save_plan(Actor.from_request(request), obj)
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # an organisation on it would be left without; move them first (PROTECT)
+
+
+@admin.register(Organization)
+class OrganizationAdmin(admin.ModelAdmin):
+    list_display = ["slug", "name", "plan", "created_at"]
+    list_filter = ["plan"]
+    search_fields = ["slug", "name"]
+    list_select_related = ["plan"]
+    # NOTE: staff change the plan only; everything else belongs to the organisation's owners.
+    fields = ["name", "slug", "plan"]
+    readonly_fields = ["name", "slug"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    def save_model(self, request, obj, form, change):
+        if "plan" in form.changed_data:
+            set_organization_plan(Actor.from_request(request), obj, obj.plan)
