@@ -3,13 +3,15 @@
 from django.db.models import Prefetch
 from drf_spectacular.utils import extend_schema
 from rest_framework import viewsets
-from rest_framework.decorators import action
+from rest_framework.decorators import action, api_view
 from rest_framework.response import Response
 
 from controlplane.api import OrganizationScopedMixin
+from controlplane.tenancy import request_membership
 from endpoints import services
 from endpoints.models import Endpoint, Replica
-from endpoints.serializers import EndpointDetailSerializer, EndpointEventSerializer, EndpointSerializer
+from endpoints.quotas import use_of
+from endpoints.serializers import EndpointDetailSerializer, EndpointEventSerializer, EndpointSerializer, QuotaUseSerializer
 
 
 class EndpointViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
@@ -51,3 +53,11 @@ class EndpointViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
         endpoint = self.get_object()
         page = self.paginate_queryset(endpoint.events.all())
         return self.get_paginated_response(EndpointEventSerializer(page, many=True).data)
+
+
+@extend_schema(responses=QuotaUseSerializer)
+@api_view(["GET"])
+def quotas(request):
+    """`/api/v1/quotas/`: the organisation's quotas (its plan's, or the platform's) and what it holds now."""
+    organization = request_membership(request).organization
+    return Response(QuotaUseSerializer(use_of(organization)).data)

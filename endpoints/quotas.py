@@ -13,12 +13,15 @@ The numbers come from the organisation's plan, or the platform defaults
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from django.db.models import Count, Sum
 from rest_framework.exceptions import ValidationError
 
 from controlplane.models import Organization, Quotas
+from controlplane.redis_client import get_redis
+from endpoints.gateway.cold_start import held_key
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
 
 
@@ -27,14 +30,39 @@ class QuotaExceeded(ValidationError):
 
 
 @dataclass(slots=True, frozen=True)
+class QuotaRow:
+    quota: str  # the plan's field, e.g. "max_replicas" or "max_gpus_by_type.h100"
+    label: str
+    limit: int
+    used: int
+
+
+@dataclass(slots=True, frozen=True)
 class QuotaUse:
     """What an organisation holds now, beside its quotas."""
 
+    plan: str | None  # None: the platform defaults
     quotas: Quotas
     num_endpoints: int
     num_replicas: int
     num_min_replicas: int
+    num_held_requests: int
     num_replicas_by_gpu_type: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> list[QuotaRow]:
+        rows = [
+            QuotaRow("max_endpoints", "Endpoints", self.quotas.max_endpoints, self.num_endpoints),
+            QuotaRow("max_replicas", "Replicas at once", self.quotas.max_replicas, self.num_replicas),
+            QuotaRow("max_min_replicas", "Replicas kept warm (sum of min_replicas)", self.quotas.max_min_replicas,
+                     self.num_min_replicas),
+            QuotaRow("max_held_requests", "Requests waiting for cold starts", self.quotas.max_held_requests,
+                     self.num_held_requests),
+        ]
+        for gpu_type in sorted(set(self.quotas.max_gpus_by_type) | set(self.num_replicas_by_gpu_type)):
+            rows.append(QuotaRow(f"max_gpus_by_type.{gpu_type}", f"{gpu_type} GPUs at once",
+                                 self.quotas.max_gpus(gpu_type), self.num_replicas_by_gpu_type.get(gpu_type, 0)))
+        return rows
 
 
 def use_of(organization: Organization) -> QuotaUse:
@@ -44,7 +72,9 @@ def use_of(organization: Organization) -> QuotaUse:
         Replica.objects.filter(endpoint__organization=organization, state__in=ACTIVE_REPLICA_STATES).order_by()
         .values("endpoint__gpu_type").annotate(num=Count("pk")).values_list("endpoint__gpu_type", "num")
     )
-    return QuotaUse(organization.quotas, totals["num"], sum(by_type.values()), totals["min_replicas"] or 0, by_type)
+    num_held = get_redis().zcount(held_key(organization.pk), f"({time.time()}", "+inf")
+    return QuotaUse(organization.plan.name if organization.plan_id else None, organization.quotas, totals["num"],
+                    sum(by_type.values()), totals["min_replicas"] or 0, num_held, by_type)
 
 
 QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas")

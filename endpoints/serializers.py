@@ -148,3 +148,15 @@ class EndpointDetailSerializer(EndpointSerializer):
         alive = [r for r in replicas if r.state not in FINAL_REPLICA_STATES]
         ended = sorted((r for r in replicas if r.state in FINAL_REPLICA_STATES), key=lambda r: r.state_changed_at)
         return ReplicaSerializer(alive + ended[-RECENT_ENDED_REPLICAS:], many=True).data
+
+
+class QuotaRowSerializer(serializers.Serializer):
+    quota = serializers.CharField(help_text="The plan's field, e.g. `max_replicas` or `max_gpus_by_type.h100`.")
+    label = serializers.CharField()
+    limit = serializers.IntegerField()
+    used = serializers.IntegerField()
+
+
+class QuotaUseSerializer(serializers.Serializer):
+    plan = serializers.CharField(allow_null=True, help_text="null: the platform's default quotas.")
+    quotas = QuotaRowSerializer(source="rows", many=True)

@@ -31,7 +31,7 @@ from billing.periods import period_containing
 from controlplane.console import member_required
 from controlplane.models import Role
 from controlplane.services import Actor
-from endpoints import services
+from endpoints import quotas, services
 from endpoints.catalogue import GPU_TYPES
 from endpoints.forms import EndpointForm
 from endpoints.models import FINAL_REPLICA_STATES, Endpoint, Replica
@@ -82,6 +82,7 @@ def endpoint_list(request):
     return render(request, "endpoints/endpoint_list.html", {
         "endpoints": _endpoints(request.organization),
         "can_write": request.membership.can(Role.MEMBER),
+        "quota_use": quotas.use_of(request.organization),
     })
 
 

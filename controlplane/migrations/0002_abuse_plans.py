@@ -21,7 +21,7 @@ class Migration(migrations.Migration):
                 ('max_replicas', models.PositiveIntegerField(default=8, help_text='Replicas held at once, over all endpoints.')),
                 ('max_min_replicas', models.PositiveIntegerField(default=2, help_text='Sum of min_replicas: replicas kept warm.')),
                 ('max_held_requests', models.PositiveIntegerField(default=64, help_text='Requests held at once for cold starts.')),
-                ('max_gpus_by_type', models.JSONField(blank=True, default=dict, help_text='Replicas at once per GPU type, e.g. {"h100": 2}; absent: max_replicas.')),
+                ('max_gpus_by_type', models.JSONField(blank=True, default=dict, help_text='Replicas at once per GPU type, e.g. {"h100-80gb": 2}; absent: max_replicas.')),
                 ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
             ],
             options={
