@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
@@ -65,6 +66,12 @@ class Plan(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        counts = self.max_gpus_by_type
+        if not isinstance(counts, dict) or any(not isinstance(n, int) or isinstance(n, bool) or n < 0
+                                               for n in counts.values()):
+            raise ValidationError({"max_gpus_by_type": 'Map GPU types to counts of 0 or more, e.g. {"h100-80gb": 2}.'})
 
     @property
     def quotas(self) -> Quotas:

@@ -11,7 +11,12 @@ from controlplane.tenancy import request_membership
 from endpoints import services
 from endpoints.models import Endpoint, Replica
 from endpoints.quotas import use_of
-from endpoints.serializers import EndpointDetailSerializer, EndpointEventSerializer, EndpointSerializer, QuotaUseSerializer
+from endpoints.serializers import (
+    EndpointDetailSerializer,
+    EndpointEventSerializer,
+    EndpointSerializer,
+    QuotaUseSerializer,
+)
 
 
 class EndpointViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):

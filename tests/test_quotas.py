@@ -141,3 +141,16 @@ def test_staff_change_plans_in_the_django_admin_and_each_change_is_audited(org):
     assert Organization.objects.get(pk=org.pk).quotas.max_gpus("h100-80gb") == 2
     actions = list(AuditEvent.objects.order_by("created_at").values_list("action", "actor__username", "organization_id"))
     assert actions == [("plan.create", staff.username, None), ("organization.plan", staff.username, org.pk)]
+
+
+def test_a_plan_with_malformed_gpu_counts_is_refused_in_the_admin():
+    staff = get_user_model().objects.create_superuser("staff@example.test", "staff@example.test", "pw")
+    client = Client()
+    client.force_login(staff)
+
+    response = client.post("/django-admin/controlplane/plan/add/", {
+        "name": "broken", "max_endpoints": 1, "max_replicas": 1, "max_min_replicas": 0, "max_held_requests": 1,
+        "max_gpus_by_type": '["h100-80gb"]'})
+
+    assert response.status_code == 200 and "Map GPU types to counts" in response.content.decode()
+    assert not Plan.objects.exists() and not AuditEvent.objects.exists()

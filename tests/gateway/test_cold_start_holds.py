@@ -12,13 +12,13 @@ import pytest
 from django.utils import timezone
 
 from controlplane import tokens
-from controlplane.models import Plan
+from controlplane.models import Plan, Scope
 from controlplane.redis_client import get_redis
-from controlplane.services import SYSTEM, save_plan, set_organization_plan
+from controlplane.services import SYSTEM, Actor, create_api_key, save_plan, set_organization_plan
 from endpoints.models import Replica
 from gpu_agent.models import Node
 from gpu_agent.notify import endpoint_ready_channel, node_channel
-from gpu_agent.protocol import NodeState, ReplicaState
+from gpu_agent.protocol import NodeState
 from tests.conftest import start_web_server, wait_until
 from tests.factories import EndpointFactory, MembershipFactory
 from tests.gateway.conftest import serve_endpoint
@@ -71,9 +71,6 @@ class HeldStreams:
 
 def _tenant():
     membership = MembershipFactory(role="owner")
-    from controlplane.models import Scope
-    from controlplane.services import Actor, create_api_key
-
     key = create_api_key(Actor(user=membership.user), membership.organization, name="k", scopes=[Scope.INFERENCE])
     return membership.organization, key.plain
 
