@@ -101,7 +101,8 @@ class ApiKeyForm(SerializerBackedForm):
         for name, default in (("requests_per_minute", settings.DEFAULT_KEY_REQUESTS_PER_MINUTE),
                               ("tokens_per_minute", settings.DEFAULT_KEY_TOKENS_PER_MINUTE)):
             shown = f"{default}/min" if default else "no limit"
-            self.fields[name].widget.attrs["placeholder"] = f"platform default: {shown}"
+            self.fields[name].widget.attrs["placeholder"] = f"default {shown}"
+            self.fields[name].help_text = f"Empty: the platform default, {shown}."
 
     def serializer_data(self, post) -> QueryDict:
         data = super().serializer_data(post)

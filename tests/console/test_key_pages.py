@@ -35,7 +35,7 @@ def test_key_list_shows_each_keys_limits_and_which_are_the_platform_default(owne
     page = owner.get(reverse("console:keys")).content.decode()
     assert "10 requests/min" in page and "600 requests/min" not in page
     assert '50000 tokens/min <span class="muted">(platform default)</span>' in page
-    assert 'placeholder="platform default: 600/min"' in page and 'placeholder="platform default: 50000/min"' in page
+    assert "Empty: the platform default, 600/min." in page and "Empty: the platform default, 50000/min." in page
 
 
 def test_key_form_errors_are_inline(owner):
