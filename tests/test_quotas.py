@@ -2,19 +2,23 @@
 naming the quota, the autoscaler never places past it (and says why), and staff change plans
 through an audited path."""
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection
 from django.test import Client
 
 from controlplane.models import AuditEvent, Organization, Plan
 from controlplane.services import SYSTEM, save_plan, set_organization_plan
 from controlplane.tenancy import SESSION_KEY
-from endpoints import scheduler
+from endpoints import scheduler, services
 from endpoints.autoscaler import Load
 from endpoints.models import Endpoint, Replica
-from tests.factories import EndpointFactory
+from endpoints.quotas import QuotaExceeded
+from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory
 from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
@@ -110,8 +114,6 @@ def test_the_api_shows_quotas_and_current_use(owner_client, org):
 
 
 def test_the_console_shows_quotas_and_current_use(org):
-    from tests.factories import MembershipFactory
-
     membership = MembershipFactory(organization=org, role="owner")
     EndpointFactory(organization=org)
     client = Client()
@@ -154,3 +156,27 @@ def test_a_plan_with_malformed_gpu_counts_is_refused_in_the_admin():
 
     assert response.status_code == 200 and "Map GPU types to counts" in response.content.decode()
     assert not Plan.objects.exists() and not AuditEvent.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_creates_never_pass_the_endpoint_quota():
+    organization = OrganizationFactory()
+    _on_plan(organization, max_endpoints=1)
+    barrier = threading.Barrier(4)
+
+    def create(index):
+        barrier.wait()
+        try:
+            services.create_endpoint(SYSTEM, organization, name=f"racer-{index}", gpu_type="l4",
+                                     model_source="hf:org/tiny-model")
+            return "created"
+        except QuotaExceeded:
+            return "refused"
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = sorted(pool.map(create, range(4)))
+
+    assert outcomes == ["created", "refused", "refused", "refused"]
+    assert Endpoint.objects.filter(organization=organization).count() == 1
