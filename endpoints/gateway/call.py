@@ -122,10 +122,11 @@ class InferenceCall:
                 caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=worst_case,
                 num_tokens=worst_case_tokens(self.payload, self.kind, self.endpoint.max_model_len),
                 candidates=[r.id for r in replicas])
-        except BaseException as exc:
+        except quota.QuotaExceeded as exc:
             await cold_start.give_up(place)
-            if isinstance(exc, quota.QuotaExceeded):
-                raise errors.insufficient_quota(str(exc)) from None
+            raise errors.insufficient_quota(str(exc)) from None
+        except BaseException:
+            await cold_start.give_up(place)
             raise
         if admitted.picked is not None:
             self.outstanding_replica_id = replicas[admitted.picked].id
