@@ -94,6 +94,17 @@ def env_list(name: str, default: list[str] | None = None) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+def env_counts(name: str) -> dict[str, int]:
+    """`name=count,name=count` (e.g. `h100=2,a100=4`) as a dict; unset means empty."""
+    counts = {}
+    for item in env_list(name):
+        key, separator, value = item.partition("=")
+        if not separator or not key.strip() or not value.strip().isdigit():
+            raise ImproperlyConfiguredEnv(f"{name} must read like 'h100=2,a100=4', not {item!r}")
+        counts[key.strip()] = int(value)
+    return counts
+
+
 def parse_database_url(url: str) -> dict:
     """Turn `postgresql://user:pass@host:port/name?host=/socket/dir` into Django's DATABASES entry."""
     parsed = urlparse(url)

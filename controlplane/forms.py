@@ -3,6 +3,7 @@
 from datetime import timedelta
 
 from django import forms
+from django.conf import settings
 from django.contrib.auth import get_user_model, password_validation
 from django.forms.utils import ErrorDict
 from django.http import QueryDict
@@ -94,6 +95,14 @@ class ApiKeyForm(SerializerBackedForm):
     tokens_per_minute = forms.CharField(
         label="Tokens per minute", required=False, widget=forms.NumberInput(attrs={"placeholder": "platform default"})
     )
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name, default in (("requests_per_minute", settings.DEFAULT_KEY_REQUESTS_PER_MINUTE),
+                              ("tokens_per_minute", settings.DEFAULT_KEY_TOKENS_PER_MINUTE)):
+            shown = f"{default}/min" if default else "no limit"
+            self.fields[name].widget.attrs["placeholder"] = f"default {shown}"
+            self.fields[name].help_text = f"Empty: the platform default, {shown}."
 
     def serializer_data(self, post) -> QueryDict:
         data = super().serializer_data(post)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
@@ -21,9 +24,66 @@ class Role(models.TextChoices):
 ROLE_RANK = {Role.VIEWER: 0, Role.MEMBER: 1, Role.ADMIN: 2, Role.OWNER: 3}
 
 
+@dataclass(slots=True, frozen=True)
+class Quotas:
+    """How much of the fleet one organisation may hold: from its plan, or the platform's defaults."""
+
+    max_endpoints: int  # live endpoints
+    max_replicas: int  # replicas held at once (starting, ready or draining), over all its endpoints
+    max_min_replicas: int  # the sum of its endpoints' min_replicas: replicas kept warm while idle
+    max_held_requests: int  # requests held at once while their endpoint cold-starts
+    max_gpus_by_type: dict[str, int] = field(default_factory=dict)  # GPU type -> replicas at once; absent: max_replicas
+
+    def __post_init__(self) -> None:
+        if min(self.max_endpoints, self.max_replicas, self.max_min_replicas, self.max_held_requests) < 0:
+            raise ValueError("quotas are never negative")
+        if any(not isinstance(n, int) or n < 0 for n in self.max_gpus_by_type.values()):
+            raise ValueError("max_gpus_by_type maps GPU types to counts of 0 or more")
+
+    @classmethod
+    def platform_default(cls) -> Quotas:
+        return cls(settings.DEFAULT_MAX_ENDPOINTS, settings.DEFAULT_MAX_REPLICAS, settings.DEFAULT_MAX_MIN_REPLICAS,
+                   settings.DEFAULT_MAX_HELD_REQUESTS, dict(settings.DEFAULT_MAX_GPUS_BY_TYPE))
+
+    def max_gpus(self, gpu_type: str) -> int:
+        return min(self.max_gpus_by_type.get(gpu_type, self.max_replicas), self.max_replicas)
+
+
+class Plan(models.Model):
+    """A named set of quotas staff assign to organisations (Django admin, through `set_plan`/`save_plan`)."""
+
+    name = models.CharField(max_length=64, unique=True)
+    max_endpoints = models.PositiveIntegerField(default=10)
+    max_replicas = models.PositiveIntegerField(default=8, help_text="Replicas held at once, over all endpoints.")
+    max_min_replicas = models.PositiveIntegerField(default=2, help_text="Sum of min_replicas: replicas kept warm.")
+    max_held_requests = models.PositiveIntegerField(default=64, help_text="Requests held at once for cold starts.")
+    max_gpus_by_type = models.JSONField(default=dict, blank=True,
+                                        help_text='Replicas at once per GPU type, e.g. {"h100-80gb": 2}; absent: max_replicas.')
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        counts = self.max_gpus_by_type
+        if not isinstance(counts, dict) or any(not isinstance(n, int) or isinstance(n, bool) or n < 0
+                                               for n in counts.values()):
+            raise ValidationError({"max_gpus_by_type": 'Map GPU types to counts of 0 or more, e.g. {"h100-80gb": 2}.'})
+
+    @property
+    def quotas(self) -> Quotas:
+        return Quotas(self.max_endpoints, self.max_replicas, self.max_min_replicas, self.max_held_requests,
+                      dict(self.max_gpus_by_type or {}))
+
+
 class Organization(models.Model):
     name = models.CharField(max_length=128)
     slug = models.SlugField(max_length=64, unique=True)
+    # None: the platform's default quotas (`INFERPLANE_DEFAULT_MAX_*`).
+    plan = models.ForeignKey(Plan, on_delete=models.PROTECT, null=True, blank=True, related_name="organizations")
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -31,6 +91,10 @@ class Organization(models.Model):
 
     def __str__(self) -> str:
         return self.slug
+
+    @property
+    def quotas(self) -> Quotas:
+        return self.plan.quotas if self.plan_id is not None else Quotas.platform_default()
 
     def role_of(self, user) -> str | None:
         if user is None or not user.is_authenticated:
@@ -139,7 +203,7 @@ class ApiKeyQuerySet(models.QuerySet):
 
 
 class ApiKey(models.Model):
-    TOKEN_KIND = "ip"
+    TOKEN_KIND = tokens.API_KEY_KIND
 
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="api_keys")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
@@ -169,6 +233,15 @@ class ApiKey(models.Model):
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes
+
+    @property
+    def effective_requests_per_minute(self) -> int:
+        """What the gateway enforces (0: no limit); `endpoints.gateway.limits.Window` resolves it the same way."""
+        return self.requests_per_minute if self.requests_per_minute is not None else settings.DEFAULT_KEY_REQUESTS_PER_MINUTE
+
+    @property
+    def effective_tokens_per_minute(self) -> int:
+        return self.tokens_per_minute if self.tokens_per_minute is not None else settings.DEFAULT_KEY_TOKENS_PER_MINUTE
 
     def is_usable(self, now=None) -> bool:
         now = now or timezone.now()

@@ -15,6 +15,7 @@ def get_redis() -> redis.Redis:
     return redis.Redis.from_url(settings.REDIS_URL, decode_responses=True, health_check_interval=30)
 
 
+POOL_WAIT_S = 10
 _async_clients: dict[int, redis.asyncio.Redis] = {}
 
 
@@ -23,6 +24,11 @@ def get_async_redis() -> redis.asyncio.Redis:
     loop_id = id(asyncio.get_running_loop())
     client = _async_clients.get(loop_id)
     if client is None:
-        client = redis.asyncio.Redis.from_url(settings.REDIS_URL, decode_responses=True, max_connections=512)
+        # NOTE: a burst beyond the pool waits for a free connection instead of failing; nothing holds
+        # one for long (pub/sub waiters share `controlplane.pubsub`'s own connection).
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            settings.REDIS_URL, decode_responses=True, max_connections=settings.REDIS_MAX_CONNECTIONS,
+            timeout=POOL_WAIT_S)
+        client = redis.asyncio.Redis(connection_pool=pool)
         _async_clients[loop_id] = client
     return client

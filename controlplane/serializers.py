@@ -53,6 +53,10 @@ class InvitationSerializer(StrictModelSerializer):
 
 class ApiKeySerializer(StrictModelSerializer):
     prefix = serializers.CharField(source="display_prefix", read_only=True)
+    effective_requests_per_minute = serializers.IntegerField(
+        read_only=True, help_text="What the gateway enforces: `requests_per_minute`, or the platform default when null (0: none).")
+    effective_tokens_per_minute = serializers.IntegerField(
+        read_only=True, help_text="What the gateway enforces: `tokens_per_minute`, or the platform default when null (0: none).")
     scopes = serializers.ListField(
         child=serializers.ChoiceField(choices=Scope.choices), allow_empty=False, default=[Scope.INFERENCE]
     )
@@ -61,9 +65,11 @@ class ApiKeySerializer(StrictModelSerializer):
         model = ApiKey
         fields = [
             "id", "name", "prefix", "scopes", "requests_per_minute", "tokens_per_minute",
+            "effective_requests_per_minute", "effective_tokens_per_minute",
             "expires_at", "revoked_at", "last_used_at", "created_at",
         ]
-        read_only_fields = ["id", "prefix", "revoked_at", "last_used_at", "created_at"]
+        read_only_fields = ["id", "prefix", "effective_requests_per_minute", "effective_tokens_per_minute",
+                            "revoked_at", "last_used_at", "created_at"]
         extra_kwargs = {
             "requests_per_minute": {"min_value": 1, "max_value": 1_000_000},
             "tokens_per_minute": {"min_value": 1, "max_value": 1_000_000_000},

@@ -24,6 +24,7 @@ from controlplane.models import (
     Invitation,
     Membership,
     Organization,
+    Plan,
     Role,
     Scope,
     email_is_verified,
@@ -487,3 +488,30 @@ def bootstrap_organization(*, slug: str, owner_email: str, name: str | None = No
         Actor(user=owner), organization, name="bootstrap", scopes=[Scope.MANAGE, Scope.INFERENCE]
     )
     return organization, owner, created_key
+
+
+PLAN_FIELDS = ("name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_gpus_by_type")
+
+
+@transaction.atomic
+def save_plan(actor: Actor, plan: Plan) -> Plan:
+    """Staff create or change a plan; audited with what changed. Gateways see it within their
+    endpoint cache window (seconds), the autoscaler at its next placement."""
+    before = Plan.objects.filter(pk=plan.pk).values(*PLAN_FIELDS).first() if plan.pk else None
+    plan.quotas  # noqa: B018 - validates the numbers before anything is written
+    plan.save()
+    after = {name: getattr(plan, name) for name in PLAN_FIELDS}
+    changes = {name: value for name, value in after.items() if before is None or before[name] != value}
+    record_audit(actor, None, "plan.create" if before is None else "plan.update", plan, changes=changes)
+    return plan
+
+
+@transaction.atomic
+def set_organization_plan(actor: Actor, organization: Organization, plan: Plan | None) -> Organization:
+    """Staff move an organisation to a plan (None: the platform defaults); audited."""
+    locked = Organization.objects.select_for_update(of=("self",)).select_related("plan").get(pk=organization.pk)
+    previous = locked.plan.name if locked.plan_id else None
+    Organization.objects.filter(pk=organization.pk).update(plan=plan)
+    organization.plan = plan
+    record_audit(actor, organization, "organization.plan", organization, before=previous, after=plan.name if plan else None)
+    return organization

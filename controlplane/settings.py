@@ -15,6 +15,7 @@ from controlplane import embedded
 from controlplane.env import (
     ImproperlyConfiguredEnv,
     env_bool,
+    env_counts,
     env_decimal,
     env_float,
     env_int,
@@ -218,11 +219,27 @@ CELERY_BEAT_SCHEDULE = {
 # single machine (the embedded default), wrong for a shared fleet.
 ALLOW_LOCAL_MODEL_PATHS = env_bool("INFERPLANE_ALLOW_LOCAL_MODEL_PATHS", DEBUG or env_str("DATABASE_URL") is None)
 API_KEY_CACHE_S = env_float("INFERPLANE_API_KEY_CACHE_S", 5.0, minimum=0)
+# A token that names no usable key is refused without a query for this long (tokens are random:
+# one refused now cannot become valid later, except a key whose creator rejoins the organisation).
+API_KEY_NEGATIVE_CACHE_S = env_float("INFERPLANE_API_KEY_NEGATIVE_CACHE_S", 300.0, minimum=0)
 AGENT_HEARTBEAT_INTERVAL_S = env_float("INFERPLANE_AGENT_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.2)
 NODE_HEARTBEAT_GRACE_S = env_float("INFERPLANE_NODE_HEARTBEAT_GRACE_S", 30.0, minimum=1)
 REPLICA_DRAIN_TIMEOUT_S = env_float("INFERPLANE_REPLICA_DRAIN_TIMEOUT_S", 120.0, minimum=1)
 REPLICA_START_TIMEOUT_S = env_float("INFERPLANE_REPLICA_START_TIMEOUT_S", 900.0, minimum=5)
 DEFAULT_MONTHLY_SPEND_CAP = env_decimal("INFERPLANE_DEFAULT_SPEND_CAP", "0")
+# Rate limits of a key (or console session) that sets none of its own; 0 means no limit.
+DEFAULT_KEY_REQUESTS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_RPM", 600, minimum=0)
+DEFAULT_KEY_TOKENS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_TPM", 1_000_000, minimum=0)
+# Quotas of an organisation without a plan (staff assign plans in the Django admin).
+DEFAULT_MAX_ENDPOINTS = env_int("INFERPLANE_DEFAULT_MAX_ENDPOINTS", 10, minimum=0)
+DEFAULT_MAX_REPLICAS = env_int("INFERPLANE_DEFAULT_MAX_REPLICAS", 8, minimum=0)
+DEFAULT_MAX_MIN_REPLICAS = env_int("INFERPLANE_DEFAULT_MAX_MIN_REPLICAS", 2, minimum=0)
+DEFAULT_MAX_HELD_REQUESTS = env_int("INFERPLANE_DEFAULT_MAX_HELD_REQUESTS", 64, minimum=0)
+DEFAULT_MAX_GPUS_BY_TYPE = env_counts("INFERPLANE_DEFAULT_MAX_GPUS_BY_TYPE")
+# Requests one gateway process holds for cold starts at once; more get a 503 with Retry-After.
+MAX_HELD_REQUESTS_PER_PROCESS = env_int("INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS", 2000, minimum=1)
+# Connections in each process's shared Redis pool (pub/sub waiters never take one).
+REDIS_MAX_CONNECTIONS = env_int("INFERPLANE_REDIS_MAX_CONNECTIONS", 512, minimum=4)
 
 # --- Stripe ------------------------------------------------------------------------
 STRIPE_SECRET_KEY = env_str("STRIPE_SECRET_KEY", "")

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from dataclasses import dataclass
 
+API_KEY_KIND = "ip"
 LOOKUP_LENGTH = 12
+SECRET_BYTES = 32
+# `<kind>_<lookup: hex>_<secret: URL-safe base64 of SECRET_BYTES, unpadded>`
+_SHAPE = re.compile(rf"^([a-z]+)_([0-9a-f]{{{LOOKUP_LENGTH}}})_([A-Za-z0-9_-]{{{(SECRET_BYTES * 4 + 2) // 3}}})$")
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,16 +35,17 @@ def hash_token(plain: str) -> str:
 
 def issue_token(kind: str) -> IssuedToken:
     lookup = secrets.token_hex(LOOKUP_LENGTH // 2)
-    plain = f"{kind}_{lookup}_{secrets.token_urlsafe(32)}"
+    plain = f"{kind}_{lookup}_{secrets.token_urlsafe(SECRET_BYTES)}"
     return IssuedToken(plain=plain, lookup=lookup, digest=hash_token(plain))
 
 
 def split_token(plain: str, kind: str) -> str | None:
-    """The lookup part of a well-formed token of this kind, else None."""
-    parts = plain.split("_", 2)
-    if len(parts) != 3 or parts[0] != kind or len(parts[1]) != LOOKUP_LENGTH or not parts[2]:
+    """The lookup part of a well-formed token of this kind (prefix, length and characters as
+    `issue_token` makes them), else None: a malformed token is refused without a query."""
+    match = _SHAPE.match(plain)
+    if match is None or match.group(1) != kind:
         return None
-    return parts[1]
+    return match.group(2)
 
 
 def token_matches(plain: str, digest: str) -> bool:

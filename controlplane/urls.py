@@ -18,6 +18,7 @@ router.register("audit-log", accounts_api.AuditEventViewSet, basename="audit-eve
 
 api_v1 = [
     path("organization/", accounts_api.current_organization, name="current-organization"),
+    path("quotas/", endpoints_api.quotas, name="quotas"),
     path("", include("billing.urls")),
     path("", include(router.urls)),
 ]

@@ -3,19 +3,22 @@
 from django.db.models import Prefetch
 from drf_spectacular.utils import extend_schema
 from rest_framework import viewsets
-from rest_framework.decorators import action
+from rest_framework.decorators import action, api_view
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
 from controlplane.api import OrganizationScopedMixin
 from controlplane.models import Role
+from controlplane.tenancy import request_membership
 from endpoints import credentials, services
 from endpoints.models import Endpoint, ModelCredential, Replica
+from endpoints.quotas import use_of
 from endpoints.serializers import (
     CredentialSerializer,
     EndpointDetailSerializer,
     EndpointEventSerializer,
     EndpointSerializer,
+    QuotaUseSerializer,
 )
 
 
@@ -84,3 +87,10 @@ class CredentialViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
             credentials.delete_credential(self.actor, credential)
         except credentials.CredentialInUse as exc:
             raise ValidationError({"endpoints": [str(exc)]}) from None
+
+@extend_schema(responses=QuotaUseSerializer)
+@api_view(["GET"])
+def quotas(request):
+    """`/api/v1/quotas/`: the organisation's quotas (its plan's, or the platform's) and what it holds now."""
+    organization = request_membership(request).organization
+    return Response(QuotaUseSerializer(use_of(organization)).data)

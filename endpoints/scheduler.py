@@ -18,7 +18,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from controlplane.redis_client import get_redis
-from endpoints import autoscaler
+from endpoints import autoscaler, quotas
 from endpoints.gateway import traffic
 from endpoints.models import Endpoint, EventKind, Replica
 from endpoints.placement import place_replica
@@ -49,7 +49,14 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
         if decision.desired > len(serving):
             record_event(endpoint, EventKind.SCALE, f"Scale up {len(serving)} → {decision.desired}: {decision.reason}",
                          desired=decision.desired, current=len(serving))
+            # NOTE: the organisation's row stays locked until commit, so its endpoints place one at a
+            # time and together never pass its replica and GPU quotas.
+            endpoint.organization = quotas.lock_organization(endpoint.organization_id)
             for _ in range(decision.desired - len(serving)):
+                refusal = quotas.replica_refusal(endpoint)
+                if refusal is not None:
+                    message = f"waiting for quota: {refusal}"
+                    break
                 replica, reason = place_replica(endpoint)
                 if replica is None:
                     message = f"waiting for capacity: {reason}"

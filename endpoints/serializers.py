@@ -9,6 +9,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.serializers import StrictModelSerializer
+from endpoints import quotas
 from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
 from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials, source_kind
 from endpoints.models import (
@@ -160,6 +161,8 @@ class EndpointSerializer(StrictModelSerializer):
                 "A local path takes no credential." if needed is None
                 else f"This source needs a {CredentialKind(needed).label} credential; {credential.name} is {credential.kind}."
             ]
+        if not errors:
+            errors = quotas.spec_errors(self.context["organization"], attrs, self.instance)
         if errors:
             raise serializers.ValidationError(errors)
         return attrs
@@ -291,3 +294,14 @@ class CredentialSerializer(StrictModelSerializer):
         except ValueError as exc:
             raise serializers.ValidationError(str(exc)) from None
         return attrs
+
+class QuotaRowSerializer(serializers.Serializer):
+    quota = serializers.CharField(help_text="The plan's field, e.g. `max_replicas` or `max_gpus_by_type.h100`.")
+    label = serializers.CharField()
+    limit = serializers.IntegerField()
+    used = serializers.IntegerField()
+
+
+class QuotaUseSerializer(serializers.Serializer):
+    plan = serializers.CharField(allow_null=True, help_text="null: the platform's default quotas.")
+    quotas = QuotaRowSerializer(source="rows", many=True)

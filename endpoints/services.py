@@ -6,6 +6,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.services import Actor, record_audit
+from endpoints import quotas
 from endpoints.catalogue import GPU_TYPES
 from endpoints.models import Endpoint, EndpointEvent, EventKind, Replica
 from gpu_agent.notify import notify_node
@@ -18,6 +19,8 @@ def record_event(endpoint: Endpoint, kind: str, message: str, *, replica: Replic
 
 @transaction.atomic
 def create_endpoint(actor: Actor, organization, **spec) -> Endpoint:
+    """Raises `quotas.QuotaExceeded` when the organisation's plan refuses it (checked under its lock)."""
+    quotas.check_spec(quotas.lock_organization(organization.pk), spec)
     gpu = GPU_TYPES[spec["gpu_type"]]
     spec.setdefault("price_input_per_million", gpu.price_input_per_million)
     spec.setdefault("price_cached_input_per_million", gpu.price_cached_input_per_million)
@@ -35,6 +38,8 @@ def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
     changed = {name: value for name, value in changes.items() if getattr(endpoint, name) != value}
     if not changed:
         return endpoint
+    # NOTE: the endpoint's row, then its organisation's: the order the scheduler locks them in.
+    quotas.check_spec(quotas.lock_organization(endpoint.organization_id), changed, endpoint)
     for name, value in changed.items():
         setattr(endpoint, name, value)
     endpoint.save()

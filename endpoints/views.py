@@ -33,7 +33,7 @@ from billing.periods import period_containing
 from controlplane.console import member_required
 from controlplane.models import Role
 from controlplane.services import Actor
-from endpoints import credentials, services
+from endpoints import credentials, quotas, services
 from endpoints.catalogue import GPU_TYPES
 from endpoints.forms import CredentialForm, EndpointForm
 from endpoints.models import FINAL_REPLICA_STATES, Endpoint, ModelCredential, Replica
@@ -84,6 +84,7 @@ def endpoint_list(request):
     return render(request, "endpoints/endpoint_list.html", {
         "endpoints": _endpoints(request.organization),
         "can_write": request.membership.can(Role.MEMBER),
+        "quota_use": quotas.use_of(request.organization),
     })
 
 
@@ -123,7 +124,11 @@ def endpoint_new(request):
     if not serializer.is_valid():
         form.show_errors(serializer.errors)
         return _wizard(request, form, status=400)
-    endpoint = services.create_endpoint(Actor.from_request(request), request.organization, **serializer.validated_data)
+    try:
+        endpoint = services.create_endpoint(Actor.from_request(request), request.organization, **serializer.validated_data)
+    except quotas.QuotaExceeded as exc:  # another request took the last of the quota meanwhile
+        form.show_errors(exc.detail)
+        return _wizard(request, form, status=400)
     messages.success(request, f"{endpoint.name} is deployed. It starts on the first request"
                               + (" and now, for its minimum replicas." if endpoint.min_replicas else "."))
     return redirect("console:endpoint", pk=endpoint.pk)
@@ -142,7 +147,11 @@ def endpoint_edit(request, pk):
     if not serializer.is_valid():
         form.show_errors(serializer.errors)
         return _wizard(request, form, endpoint=endpoint, status=400)
-    services.update_endpoint(Actor.from_request(request), endpoint, **serializer.validated_data)
+    try:
+        services.update_endpoint(Actor.from_request(request), endpoint, **serializer.validated_data)
+    except quotas.QuotaExceeded as exc:
+        form.show_errors(exc.detail)
+        return _wizard(request, form, endpoint=endpoint, status=400)
     messages.success(request, "Configuration saved. Replicas pick it up as they restart.")
     return redirect("console:endpoint", pk=endpoint.pk)
 

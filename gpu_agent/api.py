@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 
+from asgiref.sync import sync_to_async
 from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
+from controlplane.pubsub import get_listener
 from gpu_agent import protocol, services
+from gpu_agent.notify import node_channel
 
 
 def _error(status: int, message: str) -> JsonResponse:
@@ -65,14 +68,10 @@ WATCH_TIMEOUT_S = 25.0
 @csrf_exempt
 async def watch(request):
     """Long poll: answers `{"changed": true}` as soon as the node's desired replicas change,
-    or `{"changed": false}` after WATCH_TIMEOUT_S. The agent then heartbeats at once."""
-    import asyncio
+    or `{"changed": false}` after WATCH_TIMEOUT_S. The agent then heartbeats at once.
 
-    from asgiref.sync import sync_to_async
-
-    from controlplane.redis_client import get_async_redis
-    from gpu_agent.notify import node_channel
-
+    NOTE: on the process's one shared subscription (`controlplane.pubsub`), never a connection of
+    the shared Redis pool: held cold-start requests cannot starve it."""
     if request.method != "POST":
         return _error(405, "POST only")
     keyword, _, secret = request.headers.get("Authorization", "").partition(" ")
@@ -82,15 +81,5 @@ async def watch(request):
         node = await sync_to_async(services.authenticate_node, thread_sensitive=False)(secret.strip())
     except services.AgentAuthError as exc:
         return _error(401, str(exc))
-    pubsub = get_async_redis().pubsub(ignore_subscribe_messages=True)
-    await pubsub.subscribe(node_channel(node.pk))
-    try:
-        deadline = asyncio.get_running_loop().time() + WATCH_TIMEOUT_S
-        while (remaining := deadline - asyncio.get_running_loop().time()) > 0:
-            message = await pubsub.get_message(timeout=min(remaining, 1.0))
-            if message is not None:
-                return JsonResponse({"changed": True})
-        return JsonResponse({"changed": False})
-    finally:
-        await pubsub.unsubscribe()
-        await pubsub.aclose()
+    async with get_listener().subscribe(node_channel(node.pk)) as changes:
+        return JsonResponse({"changed": await changes.wait(WATCH_TIMEOUT_S)})

@@ -4,6 +4,11 @@ Key lookups are cached per process for `INFERPLANE_API_KEY_CACHE_S` seconds
 (keyed by the token's hash, never the token; see `endpoints.gateway.memo`), so a
 revoked key stops working within that many seconds (plus one reload) while a hot
 key costs no database query per call.
+
+Bogus keys cost no more: a malformed token (wrong prefix, length or characters) is refused before
+any lookup, and a well-formed one that names no usable key is remembered as refused for
+`INFERPLANE_API_KEY_NEGATIVE_CACHE_S`, apart from the known keys, so sending it again costs no
+query and a flood of different ones never pushes a real key out of the cache.
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ from http.cookies import SimpleCookie
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from controlplane import tokens
 from endpoints.gateway import errors
-from endpoints.gateway.memo import Memo
+from endpoints.gateway.memo import ExpiringSet, Memo
+
+KNOWN_KEYS_MAX = 10_000
+REFUSED_KEYS_MAX = 100_000
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,11 +64,22 @@ def _lookup_key(plain: str) -> Caller | None:
     )
 
 
-_callers_by_key = Memo(_lookup_key, lambda: settings.API_KEY_CACHE_S, max_entries=10_000)
+_callers_by_key = Memo(_lookup_key, lambda: settings.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX)
+_refused_keys = ExpiringSet(lambda: settings.API_KEY_NEGATIVE_CACHE_S, max_entries=REFUSED_KEYS_MAX)
 
 
 async def caller_from_key(plain: str) -> Caller | None:
-    return await _callers_by_key.get(hashlib.sha256(plain.encode()).hexdigest(), plain)
+    if tokens.split_token(plain, tokens.API_KEY_KIND) is None:
+        return None
+    digest = hashlib.sha256(plain.encode()).hexdigest()
+    if digest in _refused_keys:
+        return None
+    caller = await _callers_by_key.get(digest, plain)
+    if caller is None:
+        # NOTE: a refused key leaves the known keys' cache, so it never evicts one that works.
+        _callers_by_key.forget(digest)
+        _refused_keys.add(digest)
+    return caller
 
 
 def _lookup_session(session_key: str) -> Caller | None:

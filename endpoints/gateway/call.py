@@ -12,17 +12,12 @@ from decimal import Decimal
 
 import aiohttp
 
-from controlplane.redis_client import get_async_redis
-from endpoints.gateway import admission, directory, errors, metrics, traffic
+from endpoints.gateway import admission, cold_start, directory, errors, metrics, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
-from gpu_agent.notify import endpoint_ready_channel
 
 logger = logging.getLogger("inferplane.requests")
 
-COLD_START_POLL_S = 0.25
-REWAKE_EVERY_S = 5.0
-MAX_WAITING_PER_ENDPOINT = 256
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
@@ -55,6 +50,15 @@ def estimate_prompt_tokens(payload: dict, kind: str) -> int:
     if all(isinstance(item, int) for item in prompt):
         return len(prompt)
     return sum(len(str(item).encode()) + 2 for item in prompt)
+
+
+def worst_case_tokens(payload: dict, kind: str, max_model_len: int) -> int:
+    """The most tokens a request may use: its prompt estimate plus every output token of every choice.
+
+    NOTE: the one place for this count: the key's tokens per minute reserve it at admission.
+    """
+    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or max_model_len
+    return estimate_prompt_tokens(payload, kind) + max_tokens * (payload.get("n") or 1)
 
 
 @dataclass(slots=True)
@@ -107,22 +111,30 @@ class InferenceCall:
             )
         worst_case = quota.max_cost(self.endpoint, prompt_estimate, max_tokens or self.endpoint.max_model_len)
         replicas = await directory.ready_replicas(self.endpoint.id)
-        if not replicas and await traffic.num_waiting(self.endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
-            raise errors.no_capacity(f"Too many requests are waiting for '{self.endpoint.name}' to start.", 10)
+        # NOTE: a cold start's place in line (bounded per process, endpoint and organisation) comes
+        # first; `cold_start.wait_for_replicas` gives it up, or the refusal below.
+        place = None if replicas else await cold_start.take_place(self.endpoint, self.caller.organization_id,
+                                                                  self.request_id)
         try:
             # NOTE: one round trip checks the rate limits, reserves the largest cost, counts the
             # request in flight (or waiting) and picks its replica; `_finish` undoes it in one more.
-            admitted = await admission.admit(caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id,
-                                             amount=worst_case, candidates=[r.id for r in replicas])
+            admitted = await admission.admit(
+                caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=worst_case,
+                num_tokens=worst_case_tokens(self.payload, self.kind, self.endpoint.max_model_len),
+                candidates=[r.id for r in replicas])
         except quota.QuotaExceeded as exc:
+            await cold_start.give_up(place)
             raise errors.insufficient_quota(str(exc)) from None
+        except BaseException:
+            await cold_start.give_up(place)
+            raise
         if admitted.picked is not None:
             self.outstanding_replica_id = replicas[admitted.picked].id
         # NOTE: a client that disconnects cancels this task wherever it waits (see `_watch_disconnect`).
         watcher = asyncio.create_task(self._watch_disconnect(asyncio.current_task()))
         try:
             if not replicas:
-                replicas = await self._hold_for_cold_start()
+                replicas = await self._hold_for_cold_start(place)
             await self._proxy(replicas)
         except asyncio.CancelledError:
             if not self.disconnected.is_set():
@@ -147,58 +159,20 @@ class InferenceCall:
                 await finishing  # NOTE: the client's cancellation, delivered late: finish all the same
 
     # --- cold starts ---------------------------------------------------------------------------
-    async def _hold_for_cold_start(self) -> list[ReplicaInfo]:
+    async def _hold_for_cold_start(self, place: cold_start.Place | None) -> list[ReplicaInfo]:
         held_from = time.monotonic()
         deadline = held_from + self.endpoint.cold_start_timeout_s
         self.metrics.waiting.inc()
         try:
-            replicas = await self._wait_for_cold_start(deadline)
+            replicas = await cold_start.wait_for_replicas(self, place, deadline)
         finally:
             self.metrics.waiting.dec()
+        if replicas is None:
+            raise ClientGone()
         self.cold_start_s = time.monotonic() - held_from
         self.metrics.cold_start.observe(self.cold_start_s)
         await traffic.promote_request(self.endpoint.id, self.request_id)
         return replicas
-
-    async def _wait_for_cold_start(self, deadline: float) -> list[ReplicaInfo]:
-        from endpoints.gateway.wake import wake_endpoint
-
-        await wake_endpoint(self.endpoint.id)
-        if self.stream:
-            await self._start_stream()
-        # NOTE: the control plane publishes when a replica turns READY; polling remains the fallback.
-        ready_signal = get_async_redis().pubsub(ignore_subscribe_messages=True)
-        await ready_signal.subscribe(endpoint_ready_channel(self.endpoint.id))
-        try:
-            return await self._wait_for_ready(ready_signal, deadline)
-        finally:
-            await ready_signal.unsubscribe()
-            await ready_signal.aclose()
-
-    async def _wait_for_ready(self, ready_signal, deadline: float) -> list[ReplicaInfo]:
-        from endpoints.gateway.wake import wake_endpoint
-
-        fresh, last_wake, last_progress = False, time.monotonic(), None
-        while True:
-            if self.disconnected.is_set():
-                raise ClientGone()
-            replicas = await directory.ready_replicas(self.endpoint.id, fresh=fresh)
-            if replicas:
-                return replicas
-            now = time.monotonic()
-            if now > deadline:
-                raise errors.no_capacity(
-                    f"No replica of '{self.endpoint.name}' became ready within {self.endpoint.cold_start_timeout_s} s.", 30
-                )
-            if now - last_wake > REWAKE_EVERY_S:
-                await wake_endpoint(self.endpoint.id)
-                last_wake = now
-            if self.stream:
-                progress = await directory.cold_start_progress(self.endpoint.id)
-                if progress != last_progress:
-                    await self._send_body(f": {progress}\n\n".encode())
-                    last_progress = progress
-            fresh = await ready_signal.get_message(timeout=COLD_START_POLL_S) is not None
 
     # --- proxying ----------------------------------------------------------------------------
     async def _proxy(self, replicas: list[ReplicaInfo]) -> None:

@@ -36,6 +36,7 @@ class EndpointInfo:
     price_cached_input_per_million: Decimal
     price_output_per_million: Decimal
     created_at: float
+    max_held_requests: int  # the organisation's quota of requests held for cold starts at once
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,13 +58,15 @@ def _endpoint_info(endpoint) -> EndpointInfo:
         price_cached_input_per_million=endpoint.price_cached_input_per_million,
         price_output_per_million=endpoint.price_output_per_million,
         created_at=endpoint.created_at.timestamp(),
+        max_held_requests=endpoint.organization.quotas.max_held_requests,
     )
 
 
 def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
     from endpoints.models import Endpoint
 
-    endpoint = Endpoint.objects.live().filter(organization_id=organization_id, name=name).first()
+    endpoint = Endpoint.objects.live().select_related("organization__plan").filter(
+        organization_id=organization_id, name=name).first()
     return _endpoint_info(endpoint) if endpoint else None
 
 
@@ -77,7 +80,8 @@ async def find_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
 def _load_models(organization_id: int) -> list[EndpointInfo]:
     from endpoints.models import Endpoint
 
-    return [_endpoint_info(e) for e in Endpoint.objects.live().filter(organization_id=organization_id).order_by("name")]
+    endpoints = Endpoint.objects.live().select_related("organization__plan").filter(organization_id=organization_id)
+    return [_endpoint_info(e) for e in endpoints.order_by("name")]
 
 
 async def list_endpoints(organization_id: int) -> list[EndpointInfo]:

@@ -1,9 +1,13 @@
 """Per-key rate limits: requests and tokens per minute, atomic in Redis across gateway processes.
 
-Fixed one-minute windows. A request is admitted only while both counters are under their limits,
-and admission increments the request counter in the same script (the gateway's admission script,
-`endpoints/gateway/admission.py`), so N gateway processes can never admit more than the limit
-together. Tokens are added after the response, from the usage the engine reported.
+Fixed one-minute windows. A key (or console session) that sets no limit of its own gets the
+platform's (`INFERPLANE_DEFAULT_KEY_RPM`, `INFERPLANE_DEFAULT_KEY_TPM`); 0 means none.
+
+Tokens are reserved before the call, not counted after it: admission adds the request's worst
+case (its prompt estimate plus every output token it may ask for) to the minute's token counter in
+the same script that checks it (`endpoints/gateway/admission.py`), so concurrent requests, from
+any number of gateway processes, can never take more than the limit together. When the request
+ends, the part it did not use is given back to the minute it was admitted in.
 """
 
 from __future__ import annotations
@@ -11,29 +15,40 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from django.conf import settings
+
 from endpoints.gateway import errors
 
 WINDOW_TTL_S = 120
 
-# K: this minute's request counter, token counter. A: requests per minute, tokens per minute (0 = none).
-# `limits_check` changes nothing; `limits_take` counts the admitted request; `limits_add_tokens`
-# (K: the token counter; A: tokens per minute, tokens used) counts what the engine reported.
+# K: this minute's request counter, token counter. A: requests per minute, tokens per minute (0 = none),
+# the request's worst-case tokens. `limits_check` changes nothing (1: too many requests, 2: too many
+# tokens this minute, 3: more tokens than a whole minute allows); `limits_take` counts the admitted
+# request and reserves its tokens. `limits_give_back` (K: the token counter it was reserved in;
+# A: tokens per minute, tokens reserved, tokens used) replaces the reservation by the real count.
 LIMITS_LUA = f"""
 local function limits_check(K, A)
   if tonumber(A[1]) > 0 and tonumber(redis.call('GET', K[1]) or '0') >= tonumber(A[1]) then return 1 end
-  if tonumber(A[2]) > 0 and tonumber(redis.call('GET', K[2]) or '0') >= tonumber(A[2]) then return 2 end
+  if tonumber(A[2]) > 0 then
+    if tonumber(A[3]) > tonumber(A[2]) then return 3 end
+    if tonumber(redis.call('GET', K[2]) or '0') + tonumber(A[3]) > tonumber(A[2]) then return 2 end
+  end
   return 0
 end
 local function limits_take(K, A)
-  if tonumber(A[1]) > 0 or tonumber(A[2]) > 0 then
+  if tonumber(A[1]) > 0 then
     redis.call('INCR', K[1])
     redis.call('EXPIRE', K[1], {WINDOW_TTL_S})
   end
+  if tonumber(A[2]) > 0 and tonumber(A[3]) > 0 then
+    redis.call('INCRBY', K[2], A[3])
+    redis.call('EXPIRE', K[2], {WINDOW_TTL_S})
+  end
 end
-local function limits_add_tokens(K, A)
-  if tonumber(A[1]) > 0 and tonumber(A[2]) > 0 then
-    redis.call('INCRBY', K[1], A[2])
-    redis.call('EXPIRE', K[1], {WINDOW_TTL_S})
+local function limits_give_back(K, A)
+  local change = tonumber(A[3]) - tonumber(A[2])
+  if tonumber(A[1]) > 0 and change ~= 0 and redis.call('EXISTS', K[1]) == 1 then
+    redis.call('INCRBY', K[1], change)
   end
 end
 """
@@ -41,30 +56,45 @@ end
 
 @dataclass(slots=True, frozen=True)
 class Window:
-    """One subject's counters for the current minute."""
+    """One subject's counters for the current minute, and what this request reserves in them."""
 
     requests_key: str
     tokens_key: str
     requests_per_minute: int
     tokens_per_minute: int
     retry_after_s: int
+    num_tokens: int  # the request's worst case, reserved at admission
 
     @classmethod
-    def now(cls, subject: str, requests_per_minute: int | None, tokens_per_minute: int | None) -> Window:
+    def now(cls, subject: str, requests_per_minute: int | None, tokens_per_minute: int | None,
+            num_tokens: int = 0) -> Window:
+        """This minute's window; a limit of None is the platform default."""
+        if requests_per_minute is None:
+            requests_per_minute = settings.DEFAULT_KEY_REQUESTS_PER_MINUTE
+        if tokens_per_minute is None:
+            tokens_per_minute = settings.DEFAULT_KEY_TOKENS_PER_MINUTE
         now = time.time()
         minute = int(now // 60)
-        return cls(f"rl:req:{subject}:{minute}", f"rl:tok:{subject}:{minute}", requests_per_minute or 0,
-                   tokens_per_minute or 0, int((minute + 1) * 60 - now) + 1)
+        return cls(f"rl:req:{subject}:{minute}", f"rl:tok:{subject}:{minute}", requests_per_minute,
+                   tokens_per_minute, int((minute + 1) * 60 - now) + 1, max(0, num_tokens))
 
     def check_keys_and_args(self) -> tuple[list[str], list[int]]:
-        return [self.requests_key, self.tokens_key], [self.requests_per_minute, self.tokens_per_minute]
+        """`limits_check` and `limits_take`'s keys and arguments."""
+        return [self.requests_key, self.tokens_key], [self.requests_per_minute, self.tokens_per_minute, self.num_tokens]
 
-    def tokens_keys_and_args(self, num_tokens: int) -> tuple[list[str], list[int]]:
-        return [self.tokens_key], [self.tokens_per_minute, max(0, num_tokens)]
+    def give_back_keys_and_args(self, num_tokens_used: int) -> tuple[list[str], list[int]]:
+        """`limits_give_back`'s: the reservation made at admission becomes what the request used."""
+        return [self.tokens_key], [self.tokens_per_minute, self.num_tokens, max(0, num_tokens_used)]
 
     def refusal(self, verdict: int) -> errors.OpenAIError:
-        """The 429 for a `limits_check` verdict of 1 (requests) or 2 (tokens)."""
+        """The 429 for a `limits_check` verdict."""
         if verdict == 1:
             return errors.rate_limited(f"Rate limit reached: {self.requests_per_minute} requests per minute.",
                                        self.retry_after_s)
-        return errors.rate_limited(f"Rate limit reached: {self.tokens_per_minute} tokens per minute.", self.retry_after_s)
+        if verdict == 3:
+            return errors.rate_limited(
+                f"Request too large: it may use up to {self.num_tokens} tokens (prompt and max_tokens), more than "
+                f"this key's limit of {self.tokens_per_minute} tokens per minute. Lower max_tokens.", 60)
+        return errors.rate_limited(
+            f"Rate limit reached: {self.tokens_per_minute} tokens per minute (this request may use up to "
+            f"{self.num_tokens}, reserved until it ends).", self.retry_after_s)

@@ -5,6 +5,9 @@ first caller starts one reload in the background and every caller keeps the prev
 it lands (at most `STALE_FOR_S` longer). An entry never loaded (or, with `wait_when_empty`, an
 empty answer) waits for the load, and concurrent waiters share it. So the hot path never queues
 behind the database, and a cache expiry under load costs one query, not one per request.
+
+Both caches here are bounded and evict the least recently used entry, never everything at once:
+a flood of new keys costs the oldest entries, not the hot ones.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 from asgiref.sync import sync_to_async
@@ -28,7 +32,7 @@ class Memo:
         self._ttl_s = ttl_s
         self.wait_when_empty = wait_when_empty
         self.max_entries = max_entries
-        self.entries: dict = {}  # key -> (load started at, value)
+        self.entries: OrderedDict = OrderedDict()  # key -> (load started at, value), least recently used first
         self._loading: dict = {}  # key -> task
 
     @property
@@ -39,6 +43,7 @@ class Memo:
         """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`)."""
         entry = self.entries.get(key)
         if entry is not None and not fresh:
+            self.entries.move_to_end(key)
             age, ttl_s = time.monotonic() - entry[0], self.ttl_s
             if age < ttl_s:
                 return entry[1]
@@ -64,13 +69,55 @@ class Memo:
                 del self._loading[key]
         current = self.entries.get(key)
         if current is None or current[0] <= started:
-            if len(self.entries) >= self.max_entries and key not in self.entries:
-                self.entries.clear()
             self.entries[key] = (started, value)
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.max_entries:
+                self.entries.popitem(last=False)
         return value
+
+    def forget(self, key: Hashable) -> None:
+        self.entries.pop(key, None)
 
     def clear(self) -> None:
         self.entries.clear()
+
+
+class ExpiringSet:
+    """A bounded set whose members expire after `ttl_s`, evicting the least recently added first.
+
+    The gateway remembers tokens it has refused here, so that the same bogus token sent again
+    costs no query, and a flood of different ones pushes out only each other.
+    """
+
+    def __init__(self, ttl_s: float | Callable[[], float], *, max_entries: int):
+        self._ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._expires_at: OrderedDict = OrderedDict()  # member -> monotonic expiry, oldest first
+
+    def __contains__(self, member: Hashable) -> bool:
+        expires_at = self._expires_at.get(member)
+        if expires_at is None:
+            return False
+        if expires_at < time.monotonic():
+            del self._expires_at[member]
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self._expires_at)
+
+    def add(self, member: Hashable) -> None:
+        ttl_s = self._ttl_s() if callable(self._ttl_s) else self._ttl_s
+        self._expires_at[member] = time.monotonic() + ttl_s
+        self._expires_at.move_to_end(member)
+        while len(self._expires_at) > self.max_entries:
+            self._expires_at.popitem(last=False)
+
+    def discard(self, member: Hashable) -> None:
+        self._expires_at.pop(member, None)
+
+    def clear(self) -> None:
+        self._expires_at.clear()
 
 
 def _note_failure(task: asyncio.Task) -> None:

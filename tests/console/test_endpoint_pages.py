@@ -96,6 +96,14 @@ def test_wizard_reports_quantization_and_replica_rules(owner):
     assert "Must be at least max(1, min_replicas) = 3." in page
 
 
+def test_wizard_shows_the_quota_a_spec_would_pass_next_to_its_field(owner, settings):
+    settings.DEFAULT_MAX_MIN_REPLICAS = 1
+    spec = VALID_SPEC | {"min_replicas": "2", "max_replicas": "2"}
+    response = owner.post(reverse("console:endpoint-new"), spec)
+    assert response.status_code == 400
+    assert "Your plan keeps at most 1 replicas warm over all endpoints (quota max_min_replicas)" in response.content.decode()
+
+
 def test_wizard_refuses_a_duplicate_name(owner):
     EndpointFactory(organization=owner.organization, name="support-chat")
     page = owner.post(reverse("console:endpoint-new"), VALID_SPEC).content.decode()

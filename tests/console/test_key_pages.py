@@ -28,6 +28,16 @@ def test_key_list_shows_scopes_expiry_and_last_use(owner):
     assert "manage" in page and "Never" in page and "just now" in page
 
 
+def test_key_list_shows_each_keys_limits_and_which_are_the_platform_default(owner, settings):
+    settings.DEFAULT_KEY_REQUESTS_PER_MINUTE = 600
+    settings.DEFAULT_KEY_TOKENS_PER_MINUTE = 50_000
+    create_api_key(Actor(user=owner.user), owner.organization, name="own", scopes=[Scope.INFERENCE], requests_per_minute=10)
+    page = owner.get(reverse("console:keys")).content.decode()
+    assert "10 requests/min" in page and "600 requests/min" not in page
+    assert '50000 tokens/min <span class="muted">(platform default)</span>' in page
+    assert "Empty: the platform default, 600/min." in page and "Empty: the platform default, 50000/min." in page
+
+
 def test_key_form_errors_are_inline(owner):
     response = owner.post(reverse("console:keys"), {"name": "", "requests_per_minute": "0"})
     page = response.content.decode()

@@ -26,9 +26,9 @@ def _caller(organization, *, requests_per_minute=None, tokens_per_minute=None) -
                   requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute)
 
 
-def _admit(caller, request_id, amount="0.01", candidates=REPLICAS):
+def _admit(caller, request_id, amount="0.01", candidates=REPLICAS, num_tokens=20):
     return admission.admit(caller=caller, endpoint_id=ENDPOINT, request_id=request_id, amount=Decimal(amount),
-                           candidates=candidates)
+                           num_tokens=num_tokens, candidates=candidates)
 
 
 def _state(caller):
@@ -59,10 +59,11 @@ def test_admission_counts_reserves_and_picks_the_least_outstanding_replica_and_f
 
     assert {first.picked, second.picked} == {0, 1}  # the second goes to the replica the first left idle
     assert during == {"in_flight": 2, "waiting": 0, "outstanding": [1, 1], "requests_this_minute": 2,
-                      "tokens_this_minute": 0, "reserved": Decimal("0.02")}
+                      "tokens_this_minute": 40, "reserved": Decimal("0.02")}  # both worst cases reserved
     after = _state(caller)
     assert after["in_flight"] == 1 and sorted(after["outstanding"]) == [0, 1]
-    assert (after["tokens_this_minute"], after["reserved"]) == (30, Decimal("0.01"))
+    # the first's 30 tokens used (it had reserved 20), the second's 20 still reserved
+    assert (after["tokens_this_minute"], after["reserved"]) == (50, Decimal("0.01"))
     assert quota.counted_spend(caller.organization_id) == Decimal("0.002")
 
 
@@ -86,8 +87,8 @@ def test_a_rate_limited_request_reserves_nothing_and_a_refused_one_counts_no_req
     assert after_refusal["requests_this_minute"] == 1 and after_refusal["in_flight"] == 1
     assert limited.status == 429 and int(limited.headers["retry-after"]) >= 1
     assert _state(caller) | {"outstanding": None} == {
-        "in_flight": 2, "waiting": 0, "outstanding": None, "requests_this_minute": 2, "tokens_this_minute": 0,
-        "reserved": Decimal("0.02"),
+        "in_flight": 2, "waiting": 0, "outstanding": None, "requests_this_minute": 2, "tokens_this_minute": 40,
+        "reserved": Decimal("0.02"),  # the two admitted requests' worst cases, and nothing of the refused ones
     }
 
 
@@ -101,3 +102,54 @@ def test_without_ready_replicas_the_request_waits_and_holds_no_replica():
     asyncio.run(admission.finish(caller=caller, endpoint_id=ENDPOINT, admission=admitted, release=None, num_tokens=0,
                                  cost=Decimal(0)))
     assert _state(caller)["waiting"] == 0 and quota.reserved_now(caller.organization_id) == 0
+
+
+def test_concurrent_requests_reserve_their_worst_case_tokens_and_never_exceed_tokens_per_minute():
+    caller = _caller(OrganizationFactory(), tokens_per_minute=10_000)
+
+    async def scenario():
+        outcomes = await asyncio.gather(*(_admit(caller, f"r{i}", num_tokens=3_000) for i in range(12)),
+                                        return_exceptions=True)
+        admitted = [o for o in outcomes if isinstance(o, admission.Admission)]
+        refused = [o for o in outcomes if isinstance(o, errors.OpenAIError)]
+        during = _state(caller)["tokens_this_minute"]
+        # one ends having used 1,000 of its 3,000: the rest goes back, and one more fits
+        await admission.finish(caller=caller, endpoint_id=ENDPOINT, admission=admitted[0], release=None,
+                               num_tokens=1_000, cost=Decimal(0))
+        late = await _admit(caller, "late", num_tokens=3_000)
+        return admitted, refused, during, late
+
+    admitted, refused, during, late = asyncio.run(scenario())
+
+    assert (len(admitted), len(refused)) == (3, 9)
+    assert during == 9_000
+    assert {r.status for r in refused} == {429} and "10000 tokens per minute" in refused[0].message
+    assert late.picked is not None and _state(caller)["tokens_this_minute"] == 10_000
+
+
+def test_a_request_larger_than_a_whole_minute_of_tokens_is_refused_with_the_reason():
+    caller = _caller(OrganizationFactory(), tokens_per_minute=1_000)
+
+    with pytest.raises(errors.OpenAIError) as refused:
+        asyncio.run(_admit(caller, "huge", num_tokens=4_096))
+
+    assert refused.value.status == 429 and "Request too large" in refused.value.message
+    assert _state(caller)["tokens_this_minute"] == 0 and _state(caller)["in_flight"] == 0
+
+
+def test_a_caller_without_limits_of_its_own_gets_the_platform_defaults(settings):
+    settings.DEFAULT_KEY_REQUESTS_PER_MINUTE = 3
+    settings.DEFAULT_KEY_TOKENS_PER_MINUTE = 100
+    caller = _caller(OrganizationFactory())  # no requests_per_minute, no tokens_per_minute
+
+    async def scenario():
+        for i in range(3):
+            await _admit(caller, f"ok-{i}", num_tokens=10)
+        with pytest.raises(errors.OpenAIError) as too_many:
+            await _admit(caller, "fourth", num_tokens=10)
+        return too_many.value
+
+    refused = asyncio.run(scenario())
+
+    assert refused.status == 429 and "3 requests per minute" in refused.message
+    assert _state(caller)["tokens_this_minute"] == 30

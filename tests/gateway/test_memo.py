@@ -93,3 +93,22 @@ def test_a_failed_background_reload_keeps_the_old_answer_until_the_stale_window_
         return during
 
     assert asyncio.run(scenario()) == "k:first"
+
+
+def test_a_full_cache_evicts_the_least_recently_used_entry_and_keeps_the_hot_ones():
+    loader = Loader(delay_s=0)
+    cache = Memo(loader, ttl_s=60, max_entries=2)
+
+    async def scenario():
+        await cache.get("hot")
+        await cache.get("cold")
+        await cache.get("hot")  # used again: now the most recent
+        await cache.get("new")  # one over the bound
+        loads_before = loader.calls
+        await cache.get("hot")
+        return loads_before, loader.calls
+
+    loads_before, loads_after = asyncio.run(scenario())
+
+    assert loads_after == loads_before  # "hot" stayed cached
+    assert list(cache.entries) == ["new", "hot"]

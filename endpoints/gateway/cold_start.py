@@ -1,0 +1,138 @@
+"""Holding a request while its endpoint cold-starts: bounded, and on one shared subscription.
+
+A request that finds no READY replica first takes a place in line (`take_place`), refused before
+anything is counted or streamed when it would pass a bound:
+
+- this gateway process's (`INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS`): 503 with Retry-After;
+- the endpoint's (`MAX_WAITING_PER_ENDPOINT`): 503 with Retry-After;
+- its organisation's plan (`max_held_requests`, atomic in Redis across gateway processes): 429.
+
+Then it wakes the endpoint's reconcile and waits (`wait_for_replicas`) for the READY message on the
+process's one pub/sub connection (`controlplane.pubsub`), however many requests wait, polling the
+database as a fallback. So held requests never take connections from the shared Redis pool, and
+other tenants' cold starts and the agents' long polls keep working whatever one tenant holds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from django.conf import settings
+
+from controlplane.pubsub import get_listener
+from controlplane.redis_scripts import Script
+from endpoints.gateway import directory, errors, traffic
+from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
+from endpoints.gateway.wake import wake_endpoint
+from gpu_agent.notify import endpoint_ready_channel
+
+COLD_START_POLL_S = 0.25
+REWAKE_EVERY_S = 5.0
+MAX_WAITING_PER_ENDPOINT = 256
+# A place outlives its hold's deadline by this much before it stops counting (its gateway died).
+PLACE_GRACE_S = 30
+
+# K: the organisation's held set (request id scored by the time its place lapses).
+# A: request id, lapses at, now, quota. Returns 1 when the place is taken, 0 when the quota is full.
+_TAKE_PLACE = Script("""
+if redis.call('ZCOUNT', KEYS[1], '(' .. ARGV[3], '+inf') >= tonumber(ARGV[4]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[3])))
+return 1
+""")
+_LEAVE_PLACE = Script("return redis.call('ZREM', KEYS[1], ARGV[1])")
+
+_num_held_here = 0  # places taken in this process and not yet given up
+
+
+def held_key(organization_id: int) -> str:
+    return f"gw:held:{organization_id}"
+
+
+def num_held_here() -> int:
+    return _num_held_here
+
+
+@dataclass(slots=True)
+class Place:
+    organization_id: int
+    request_id: str
+    taken: bool = True
+
+
+async def take_place(endpoint: EndpointInfo, organization_id: int, request_id: str) -> Place:
+    """A place in line for a cold start, or the 503/429 that refuses it."""
+    global _num_held_here
+    if await traffic.num_waiting(endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
+        raise errors.no_capacity(f"Too many requests are waiting for '{endpoint.name}' to start.", 10)
+    now = time.time()
+    lapses_at = now + endpoint.cold_start_timeout_s + PLACE_GRACE_S
+    if not int(await _TAKE_PLACE(keys=[held_key(organization_id)],
+                                 args=[request_id, lapses_at, now, endpoint.max_held_requests])):
+        raise errors.OpenAIError(
+            429, f"Your organisation already has {endpoint.max_held_requests} requests waiting for cold starts "
+                 "(quota max_held_requests); retry when they are served.",
+            type="requests", code="rate_limit_exceeded", headers={"retry-after": "5"})
+    place = Place(organization_id, request_id)
+    # NOTE: checked and counted with no await in between, so concurrent requests see each other.
+    if _num_held_here >= settings.MAX_HELD_REQUESTS_PER_PROCESS:
+        place.taken = False
+        await _LEAVE_PLACE(keys=[held_key(organization_id)], args=[request_id])
+        raise errors.no_capacity("This gateway is holding too many requests for cold starts; please retry.", 5)
+    _num_held_here += 1
+    return place
+
+
+async def give_up(place: Place | None) -> None:
+    """The place is free again (idempotent); None is no place at all."""
+    global _num_held_here
+    if place is None or not place.taken:
+        return
+    place.taken = False
+    _num_held_here -= 1
+    await _LEAVE_PLACE(keys=[held_key(place.organization_id)], args=[place.request_id])
+
+
+async def wait_for_replicas(call, place: Place | None, deadline: float) -> list[ReplicaInfo] | None:
+    """READY replicas of `call.endpoint` once there are any; None if the client left first.
+
+    Raises a 503 at `deadline`. Streaming clients get progress as SSE comments meanwhile. The place
+    is given up however it ends.
+    """
+    endpoint = call.endpoint
+    try:
+        await wake_endpoint(endpoint.id)
+        if call.stream:
+            await call._start_stream()
+        # NOTE: the control plane publishes when a replica turns READY; polling remains the fallback.
+        async with get_listener().subscribe(endpoint_ready_channel(endpoint.id)) as ready_signal:
+            return await _wait_for_ready(call, ready_signal, deadline)
+    finally:
+        await give_up(place)
+
+
+async def _wait_for_ready(call, ready_signal, deadline: float) -> list[ReplicaInfo] | None:
+    endpoint = call.endpoint
+    fresh, last_wake, last_progress = False, time.monotonic(), None
+    while True:
+        if call.disconnected.is_set():
+            return None
+        replicas = await directory.ready_replicas(endpoint.id, fresh=fresh)
+        if replicas:
+            return replicas
+        now = time.monotonic()
+        if now > deadline:
+            raise errors.no_capacity(
+                f"No replica of '{endpoint.name}' became ready within {endpoint.cold_start_timeout_s} s.", 30
+            )
+        if now - last_wake > REWAKE_EVERY_S:
+            await wake_endpoint(endpoint.id)
+            last_wake = now
+        if call.stream:
+            progress = await directory.cold_start_progress(endpoint.id)
+            if progress != last_progress:
+                await call._send_body(f": {progress}\n\n".encode())
+                last_progress = progress
+        fresh = await ready_signal.wait(COLD_START_POLL_S)

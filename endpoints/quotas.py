@@ -1,0 +1,145 @@
+"""Per-organisation quotas: how much of the fleet one organisation may hold.
+
+The numbers come from the organisation's plan, or the platform defaults
+(`controlplane.models.Quotas`). They are checked in three places, each against the same rules here:
+
+- an endpoint spec (create or update, API and console wizard): endpoints, each endpoint's
+  `max_replicas`, the sum of `min_replicas`, and GPU types the plan allows (400 with field errors);
+- placement (`endpoints.scheduler`): a new replica only while the organisation holds fewer than its
+  `max_replicas` in all and its GPUs of that type, so the autoscaler never scales it past them
+  (the endpoint shows "waiting for quota: …");
+- the gateway (`endpoints.gateway.cold_start`): requests held for a cold start.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from django.db.models import Count, Sum
+from rest_framework.exceptions import ValidationError
+
+from controlplane.models import Organization, Quotas
+from controlplane.redis_client import get_redis
+from endpoints.gateway.cold_start import held_key
+from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
+
+
+class QuotaExceeded(ValidationError):
+    """A spec the organisation's quotas refuse: 400 with field errors on /api/."""
+
+
+@dataclass(slots=True, frozen=True)
+class QuotaRow:
+    quota: str  # the plan's field, e.g. "max_replicas" or "max_gpus_by_type.h100"
+    label: str
+    limit: int
+    used: int
+
+
+@dataclass(slots=True, frozen=True)
+class QuotaUse:
+    """What an organisation holds now, beside its quotas."""
+
+    plan: str | None  # None: the platform defaults
+    quotas: Quotas
+    num_endpoints: int
+    num_replicas: int
+    num_min_replicas: int
+    num_held_requests: int
+    num_replicas_by_gpu_type: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> list[QuotaRow]:
+        rows = [
+            QuotaRow("max_endpoints", "Endpoints", self.quotas.max_endpoints, self.num_endpoints),
+            QuotaRow("max_replicas", "Replicas at once", self.quotas.max_replicas, self.num_replicas),
+            QuotaRow("max_min_replicas", "Replicas kept warm (sum of min_replicas)", self.quotas.max_min_replicas,
+                     self.num_min_replicas),
+            QuotaRow("max_held_requests", "Requests waiting for cold starts", self.quotas.max_held_requests,
+                     self.num_held_requests),
+        ]
+        for gpu_type in sorted(set(self.quotas.max_gpus_by_type) | set(self.num_replicas_by_gpu_type)):
+            rows.append(QuotaRow(f"max_gpus_by_type.{gpu_type}", f"{gpu_type} GPUs at once",
+                                 self.quotas.max_gpus(gpu_type), self.num_replicas_by_gpu_type.get(gpu_type, 0)))
+        return rows
+
+
+def use_of(organization: Organization) -> QuotaUse:
+    endpoints = Endpoint.objects.for_org(organization).order_by()
+    totals = endpoints.aggregate(num=Count("pk"), min_replicas=Sum("min_replicas"))
+    by_type = dict(
+        Replica.objects.filter(endpoint__organization=organization, state__in=ACTIVE_REPLICA_STATES).order_by()
+        .values("endpoint__gpu_type").annotate(num=Count("pk")).values_list("endpoint__gpu_type", "num")
+    )
+    num_held = get_redis().zcount(held_key(organization.pk), f"({time.time()}", "+inf")
+    return QuotaUse(organization.plan.name if organization.plan_id else None, organization.quotas, totals["num"],
+                    sum(by_type.values()), totals["min_replicas"] or 0, num_held, by_type)
+
+
+QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas")
+
+
+def spec_errors(organization: Organization, changes: dict, instance: Endpoint | None = None) -> dict[str, list[str]]:
+    """Field errors for a new endpoint's spec, or for `changes` to `instance`.
+
+    An update that touches none of `QUOTA_FIELDS` passes: lowering a plan never locks an endpoint's
+    other settings.
+    """
+    if instance is not None and not any(name in changes and changes[name] != getattr(instance, name)
+                                        for name in QUOTA_FIELDS):
+        return {}
+    spec = {name: changes[name] if name in changes else
+            getattr(instance, name) if instance is not None else Endpoint._meta.get_field(name).get_default()
+            for name in QUOTA_FIELDS}
+    quotas = organization.quotas
+    others = Endpoint.objects.for_org(organization).order_by()
+    if instance is not None:
+        others = others.exclude(pk=instance.pk)
+    errors: dict[str, list[str]] = {}
+    if instance is None and others.count() >= quotas.max_endpoints:
+        errors["name"] = [f"Your plan allows {quotas.max_endpoints} endpoints (quota max_endpoints); "
+                          "delete one or ask us for a larger plan."]
+    gpu_type, max_replicas = spec["gpu_type"], spec["max_replicas"]
+    max_gpus = quotas.max_gpus(gpu_type)
+    if max_gpus == 0:
+        errors["gpu_type"] = [f"Your plan allows no {gpu_type} GPUs (quota max_gpus_by_type)."]
+    elif max_replicas > max_gpus:
+        quota = "max_replicas" if max_gpus == quotas.max_replicas else f"max_gpus_by_type for {gpu_type}"
+        errors["max_replicas"] = [f"Your plan allows at most {max_gpus} replicas at once on {gpu_type} (quota {quota})."]
+    warm_elsewhere = others.aggregate(total=Sum("min_replicas"))["total"] or 0
+    if spec["min_replicas"] + warm_elsewhere > quotas.max_min_replicas:
+        room = max(0, quotas.max_min_replicas - warm_elsewhere)
+        errors["min_replicas"] = [
+            f"Your plan keeps at most {quotas.max_min_replicas} replicas warm over all endpoints (quota "
+            f"max_min_replicas); your other endpoints keep {warm_elsewhere}, so at most {room} here."]
+    return errors
+
+
+def check_spec(organization: Organization, changes: dict, instance: Endpoint | None = None) -> None:
+    errors = spec_errors(organization, changes, instance)
+    if errors:
+        raise QuotaExceeded(errors)
+
+
+def lock_organization(organization_id: int) -> Organization:
+    """The organisation's row, locked until the transaction ends: quota checks that count and then
+    add (endpoints, replicas) run one at a time per organisation."""
+    return Organization.objects.select_for_update(of=("self",)).select_related("plan").get(pk=organization_id)
+
+
+def replica_refusal(endpoint: Endpoint) -> str | None:
+    """Why the endpoint's organisation may not hold one more replica now, or None.
+
+    NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction.
+    """
+    quotas = endpoint.organization.quotas
+    held = Replica.objects.filter(endpoint__organization_id=endpoint.organization_id, state__in=ACTIVE_REPLICA_STATES)
+    num_held = held.count()
+    if num_held >= quotas.max_replicas:
+        return f"your plan allows {quotas.max_replicas} replicas at once and your endpoints hold {num_held}"
+    max_gpus = quotas.max_gpus(endpoint.gpu_type)
+    num_of_type = held.filter(endpoint__gpu_type=endpoint.gpu_type).count()
+    if num_of_type >= max_gpus:
+        return f"your plan allows {max_gpus} {endpoint.gpu_type} GPUs at once and your endpoints hold {num_of_type}"
+    return None

@@ -1,0 +1,202 @@
+"""Requests held for cold starts are bounded (per organisation, per process) and share one pub/sub
+subscription per endpoint, so one tenant's held streams never break another tenant's cold start or
+the agents' long polls."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from controlplane import tokens
+from controlplane.models import Plan, Scope
+from controlplane.redis_client import get_redis
+from controlplane.services import SYSTEM, Actor, create_api_key, save_plan, set_organization_plan
+from endpoints.models import Replica
+from gpu_agent.models import Node
+from gpu_agent.notify import endpoint_ready_channel, node_channel
+from gpu_agent.protocol import NodeState
+from tests.conftest import start_web_server, wait_until
+from tests.factories import EndpointFactory, MembershipFactory
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+class HeldStreams:
+    """`num` streaming requests, held by the gateway, from a thread of their own until `release()`."""
+
+    def __init__(self, base_url: str, key: str, model: str, num: int):
+        self.base_url, self.key, self.model, self.num = base_url, key, model, num
+        self.num_held = 0
+        self.failures: list[str] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+
+    async def _main(self):
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        limits = httpx.Limits(max_connections=self.num + 10, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=60, limits=limits) as client:
+            await asyncio.gather(*(self._hold(client) for _ in range(self.num)))
+
+    async def _hold(self, client: httpx.AsyncClient):
+        body = {"model": self.model, "messages": MESSAGES, "max_tokens": 5, "stream": True}
+        headers = {"authorization": f"Bearer {self.key}"}
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+            if response.status_code != 200:
+                self.failures.append(f"{response.status_code} {(await response.aread())[:200]!r}")
+                return
+            # NOTE: the iterator stays referenced while held: collecting it would close the stream.
+            chunks = response.aiter_bytes()
+            first = await anext(chunks)
+            if not first.startswith(b": "):  # a progress comment: the gateway holds it
+                self.failures.append(first[:200].decode(errors="replace"))
+                return
+            self.num_held += 1
+            await self._stop.wait()
+            await chunks.aclose()
+
+    def release(self):
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+def _tenant():
+    membership = MembershipFactory(role="owner")
+    key = create_api_key(Actor(user=membership.user), membership.organization, name="k", scopes=[Scope.INFERENCE])
+    return membership.organization, key.plain
+
+
+def _node_with_secret() -> tuple[Node, str]:
+    issued = tokens.issue_token(Node.SECRET_KIND)
+    node = Node.objects.create(name="watcher", gpu_type="l4", num_gpus=1, gpu_memory_mb=24_000, secret_lookup=issued.lookup,
+                               secret_digest=issued.digest, state=NodeState.READY, quantizations=["none"],
+                               last_heartbeat_at=timezone.now())
+    return node, issued.plain
+
+
+def _in_thread(call):
+    result = {}
+
+    def run():
+        try:
+            result["response"] = call()
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+@pytest.fixture
+def small_pool_gateway(transactional_db, tmp_path):
+    """A gateway whose shared Redis pool holds 8 connections: 40 held streams would each have taken one."""
+    child, base_url = start_web_server(tmp_path, name="gateway", extra_env={
+        "INFERPLANE_REDIS_MAX_CONNECTIONS": "8", "INFERPLANE_DEFAULT_MAX_HELD_REQUESTS": "1000"})
+    yield base_url
+    child.stop()
+
+
+def test_many_held_streams_share_one_subscription_and_other_tenants_cold_starts_and_agent_watches_still_work(
+        small_pool_gateway, start_mock_upstream):
+    hoarder_org, hoarder_key = _tenant()
+    hoarded = EndpointFactory(organization=hoarder_org, max_model_len=2048)  # never gets a replica
+    held = HeldStreams(small_pool_gateway, hoarder_key, hoarded.name, 40)
+    try:
+        wait_until(lambda: held.num_held == 40 or held.failures, 90, message="forty held streams")
+        assert held.failures == [] and held.num_held == 40
+        assert get_redis().pubsub_numsub(endpoint_ready_channel(hoarded.pk)) == [(endpoint_ready_channel(hoarded.pk), 1)]
+
+        # An agent's long poll answers at once when its node's replicas change.
+        node, secret = _node_with_secret()
+        watch, watched = _in_thread(lambda: httpx.post(f"{small_pool_gateway}/agent/v1/watch",
+                                                       headers={"authorization": f"Bearer {secret}"}, timeout=60))
+        wait_until(lambda: get_redis().pubsub_numsub(node_channel(node.pk))[0][1] == 1 or not watch.is_alive(), 30,
+                   message="the watch to subscribe")
+        get_redis().publish(node_channel(node.pk), "1")
+        watch.join(30)
+        assert watched["response"].status_code == 200 and watched["response"].json() == {"changed": True}
+
+        # Another tenant's cold start is served as soon as its replica is READY.
+        other_org, other_key = _tenant()
+        cold = EndpointFactory(organization=other_org, max_model_len=2048)
+        call, called = _in_thread(lambda: httpx.post(
+            f"{small_pool_gateway}/v1/chat/completions", headers={"authorization": f"Bearer {other_key}"},
+            json={"model": cold.name, "messages": MESSAGES, "max_tokens": 5}, timeout=60))
+        wait_until(lambda: get_redis().pubsub_numsub(endpoint_ready_channel(cold.pk))[0][1] == 1 or not call.is_alive(),
+                   30, message="the cold request to wait")
+        ready = serve_endpoint(other_org, start_mock_upstream())  # a READY replica, on a node of its own
+        Replica.objects.filter(endpoint=ready).update(endpoint=cold)
+        get_redis().publish(endpoint_ready_channel(cold.pk), "1")
+        call.join(60)
+        assert called["response"].status_code == 200, called
+        assert called["response"].json()["choices"][0]["message"]["content"] == "tok tok tok tok tok"
+    finally:
+        held.release()
+    wait_until(lambda: get_redis().pubsub_numsub(endpoint_ready_channel(hoarded.pk))[0][1] == 0, 30,
+               message="the subscription to end with its last waiter")
+
+
+@pytest.fixture
+def bounded_gateway(transactional_db, tmp_path):
+    child, base_url = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS": "5"})
+    yield base_url
+    child.stop()
+
+
+def test_held_requests_past_the_organisations_quota_get_a_429_and_past_the_process_bound_a_503(bounded_gateway):
+    small_org, small_key = _tenant()
+    plan = save_plan(SYSTEM, Plan(name="tiny", max_held_requests=3))
+    set_organization_plan(SYSTEM, small_org, plan)
+    small = EndpointFactory(organization=small_org, max_model_len=2048)
+    other_org, other_key = _tenant()
+    other = EndpointFactory(organization=other_org, max_model_len=2048)
+    held_small = HeldStreams(bounded_gateway, small_key, small.name, 3)
+    held_other = HeldStreams(bounded_gateway, other_key, other.name, 2)
+
+    def call(key, model):
+        return httpx.post(f"{bounded_gateway}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                          json={"model": model, "messages": MESSAGES, "max_tokens": 5}, timeout=30)
+
+    try:
+        wait_until(lambda: held_small.num_held + held_other.num_held == 5 or held_small.failures or held_other.failures,
+                   60, message="five held streams")
+        assert held_small.failures == held_other.failures == []
+        over_quota = call(small_key, small.name)
+        over_process = call(other_key, other.name)
+    finally:
+        held_small.release()
+        held_other.release()
+
+    assert over_quota.status_code == 429
+    assert over_quota.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "3 requests waiting for cold starts (quota max_held_requests)" in over_quota.json()["error"]["message"]
+    assert over_process.status_code == 503 and int(over_process.headers["retry-after"]) >= 1
+    assert over_process.json()["error"]["code"] == "no_capacity"
+    assert get_redis().zcard(f"gw:held:{small_org.pk}") == 0 or wait_until(
+        lambda: get_redis().zcard(f"gw:held:{small_org.pk}") == 0, 30, message="places given up")
+
+
+def test_a_process_that_held_requests_gives_every_place_back(bounded_gateway):
+    org, key = _tenant()
+    endpoint = EndpointFactory(organization=org, max_model_len=2048)
+    held = HeldStreams(bounded_gateway, key, endpoint.name, 5)
+    wait_until(lambda: held.num_held == 5 or held.failures, 60, message="five held streams")
+    held.release()
+    wait_until(lambda: get_redis().zcard(f"gw:held:{org.pk}") == 0, 30, message="places given up")
+    # the process's places are free again: five more can wait
+    again = HeldStreams(bounded_gateway, key, endpoint.name, 5)
+    try:
+        wait_until(lambda: again.num_held == 5 or again.failures, 60, message="five held streams again")
+        assert again.failures == []
+    finally:
+        again.release()

@@ -1,0 +1,86 @@
+"""Bogus API keys cost the platform no database query once seen, and never push real keys out of
+the gateway's key cache."""
+
+import asyncio
+import secrets
+
+import pytest
+
+from controlplane import services
+from controlplane.models import Scope
+from controlplane.services import Actor, create_api_key
+from endpoints.gateway import auth
+from tests.factories import MembershipFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def lookups(monkeypatch):
+    """Counts the gateway's key lookups (each one a database query), with empty caches."""
+    calls = []
+    real = services.authenticate_api_key
+
+    def counted(plain):
+        calls.append(plain)
+        return real(plain)
+
+    monkeypatch.setattr(services, "authenticate_api_key", counted)
+    auth._callers_by_key.clear()
+    auth._refused_keys.clear()
+    yield calls
+    auth._callers_by_key.clear()
+    auth._refused_keys.clear()
+
+
+def _bogus_key() -> str:
+    return f"ip_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)}"
+
+
+def _real_key() -> str:
+    membership = MembershipFactory(role="owner")
+    return create_api_key(Actor(user=membership.user), membership.organization, name="real", scopes=[Scope.INFERENCE]).plain
+
+
+@pytest.mark.parametrize("token", [
+    "sk-abcdef",  # another vendor's prefix
+    "ip_000000000000_wrong",  # a secret too short
+    "ip_00000000000_" + "a" * 43,  # a lookup too short
+    "ip_ABCDEF000000_" + "a" * 43,  # a lookup that is not lowercase hex
+    "ip_000000000000_" + "a" * 42 + "!",  # a character no key has
+    "ip_000000000000_" + "a" * 44,  # a secret too long
+])
+def test_a_malformed_key_is_refused_without_any_lookup(lookups, token):
+    async def scenario():
+        return [await auth.caller_from_key(token) for _ in range(3)]
+
+    assert asyncio.run(scenario()) == [None, None, None]
+    assert lookups == []
+
+
+def test_an_unknown_well_formed_key_costs_one_lookup_however_often_it_is_sent(lookups, settings):
+    settings.API_KEY_CACHE_S = 0  # a known key would be reloaded every time
+    bogus = _bogus_key()
+
+    async def scenario():
+        return [await auth.caller_from_key(bogus) for _ in range(20)]
+
+    assert asyncio.run(scenario()) == [None] * 20
+    assert lookups == [bogus]
+
+
+def test_a_flood_of_bogus_keys_never_pushes_a_real_key_out_of_the_cache(lookups, monkeypatch):
+    monkeypatch.setattr(auth._callers_by_key, "max_entries", 20)
+    real = _real_key()
+
+    async def scenario():
+        first = await auth.caller_from_key(real)
+        for _ in range(50):
+            assert await auth.caller_from_key(_bogus_key()) is None
+        return first, await auth.caller_from_key(real)
+
+    first, again = asyncio.run(scenario())
+
+    assert first is not None and again == first
+    assert lookups.count(real) == 1  # answered from the cache after fifty bogus keys
+    assert len(auth._callers_by_key.entries) == 1  # the refused keys live apart
