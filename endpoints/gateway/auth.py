@@ -12,11 +12,10 @@ import hashlib
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from endpoints.gateway import errors
-from endpoints.gateway.memo import Memo
+from endpoints.gateway.memo import Memo, in_worker_thread
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,7 +101,7 @@ async def caller_from_session(headers: dict[str, str]) -> Caller | None:
             return None
     except InvalidTokenFormat:
         return None
-    return await sync_to_async(_lookup_session, thread_sensitive=False)(session.value)
+    return await in_worker_thread(_lookup_session)(session.value)
 
 
 async def authenticate(headers: dict[str, str]) -> Caller:

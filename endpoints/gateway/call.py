@@ -13,7 +13,7 @@ from decimal import Decimal
 import aiohttp
 
 from controlplane.redis_client import get_async_redis
-from endpoints.gateway import admission, directory, errors, metrics, traffic
+from endpoints.gateway import admission, directory, errors, metrics, presence, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
 from gpu_agent.notify import endpoint_ready_channel
@@ -81,6 +81,7 @@ class InferenceCall:
     cold_start_s: float = 0.0
     response_started: bool = False
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
+    held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     metrics: metrics.EndpointMetrics | None = None
     _started_monotonic: float = field(default_factory=time.monotonic)
@@ -109,6 +110,7 @@ class InferenceCall:
         replicas = await directory.ready_replicas(self.endpoint.id)
         if not replicas and await traffic.num_waiting(self.endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
             raise errors.no_capacity(f"Too many requests are waiting for '{self.endpoint.name}' to start.", 10)
+        presence.ensure_started()
         try:
             # NOTE: one round trip checks the rate limits, reserves the largest cost, counts the
             # request in flight (or waiting) and picks its replica; `_finish` undoes it in one more.
@@ -116,8 +118,12 @@ class InferenceCall:
                                              amount=worst_case, candidates=[r.id for r in replicas])
         except quota.QuotaExceeded as exc:
             raise errors.insufficient_quota(str(exc)) from None
+        except errors.OUTAGES:
+            presence.end_later(self.request_id)  # the script may have run before its reply was lost
+            raise
         if admitted.picked is not None:
             self.outstanding_replica_id = replicas[admitted.picked].id
+        self.held = presence.track(self.request_id, self.endpoint.id, self.outstanding_replica_id)
         # NOTE: a client that disconnects cancels this task wherever it waits (see `_watch_disconnect`).
         watcher = asyncio.create_task(self._watch_disconnect(asyncio.current_task()))
         try:
@@ -213,8 +219,9 @@ class InferenceCall:
             if picked:
                 replica = picked[0]
             else:
-                replica = candidates[await traffic.pick_replica([r.id for r in candidates])]
-                self.outstanding_replica_id = replica.id
+                replica = candidates[await traffic.pick_replica([r.id for r in candidates], request_id=self.request_id,
+                                                                endpoint_id=self.endpoint.id)]
+                self.outstanding_replica_id = self.held.replica_id = replica.id
             tried.add(replica.id)
             self.metrics.inflight.inc()
             try:
@@ -223,8 +230,8 @@ class InferenceCall:
             except UpstreamUnavailable as exc:
                 logger.warning("request %s: replica %s unavailable before first byte: %s", self.request_id, replica.id, exc)
                 directory.forget_replica(self.endpoint.id, replica.id)
-                await traffic.release_replica(replica.id)
-                self.outstanding_replica_id = None
+                await traffic.release_replica(replica.id, request_id=self.request_id, endpoint_id=self.endpoint.id)
+                self.outstanding_replica_id = self.held.replica_id = None
             finally:
                 self.metrics.inflight.dec()
         raise errors.upstream_failed("No replica could take the request; please retry.")
@@ -376,12 +383,18 @@ class InferenceCall:
                     cold_start_s=round(self.cold_start_s, 3),
                 ))
         finally:
+            presence.untrack(self.request_id)
             try:
                 # NOTE: also releases the replica that served it (or was picked when the client left).
                 await admission.finish(caller=self.caller, endpoint_id=self.endpoint.id, admission=admitted,
                                        release=self.outstanding_replica_id,
                                        num_tokens=self.prompt_tokens + self.completion_tokens if self.served else 0,
                                        cost=actual)
+            except errors.OUTAGES as exc:
+                # NOTE: the answer is given and its usage row written; the heartbeat ends it in Redis
+                # later, and the reservation expires (`billing.quota.sweep_expired_reservations`).
+                logger.warning("request %s: could not end it in Redis now: %r", self.request_id, exc)
+                presence.end_later(self.request_id)
             finally:
                 self._observe(outcome=self.status if self.served else "not_served")
 

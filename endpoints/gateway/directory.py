@@ -13,9 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
-from asgiref.sync import sync_to_async
-
-from endpoints.gateway.memo import Memo
+from endpoints.gateway.memo import Memo, in_worker_thread
 
 ENDPOINT_CACHE_S = 2.0
 REPLICA_CACHE_S = 0.5
@@ -74,7 +72,7 @@ def _load_models(organization_id: int) -> list[EndpointInfo]:
 
 
 async def list_endpoints(organization_id: int) -> list[EndpointInfo]:
-    return await sync_to_async(_load_models, thread_sensitive=False)(organization_id)
+    return await in_worker_thread(_load_models)(organization_id)
 
 
 def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
@@ -119,4 +117,4 @@ def _load_progress(endpoint_id: str) -> str:
 
 
 async def cold_start_progress(endpoint_id: str) -> str:
-    return await sync_to_async(_load_progress, thread_sensitive=False)(endpoint_id)
+    return await in_worker_thread(_load_progress)(endpoint_id)
