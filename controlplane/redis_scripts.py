@@ -36,6 +36,14 @@ class RedisTimeout(ConnectionError, TimeoutError):
     """Redis did not answer in time; the connection was dropped."""
 
 
+class RedisUnavailable(ConnectionError):
+    """Redis answered that it cannot serve now (loading its data after a restart, a replica without
+    its primary): an outage, not an error in the call."""
+
+
+_UNAVAILABLE_PREFIXES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN")
+
+
 class Script:
     """A Lua script, run with `await script(keys=[...], args=[...])` on this loop's connection."""
 
@@ -83,7 +91,8 @@ def _parse(buffer: bytearray, position: int):
     if kind == 0x2B:  # + simple string
         return line.decode(), position
     if kind == 0x2D:  # - error
-        return RedisError(line.decode()), position
+        message = line.decode()
+        return (RedisUnavailable if message.startswith(_UNAVAILABLE_PREFIXES) else RedisError)(message), position
     if kind == 0x3A:  # : integer
         return int(line), position
     if kind == 0x24:  # $ bulk string
@@ -132,7 +141,7 @@ class _Protocol(asyncio.Protocol):
             self.deadlines.popleft()
             if future.done():  # its caller was cancelled: the reply is not wanted
                 continue
-            if isinstance(value, RedisError):
+            if isinstance(value, (RedisError, RedisUnavailable)):
                 future.set_exception(value)
             else:
                 future.set_result(value)
