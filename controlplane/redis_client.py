@@ -21,12 +21,14 @@ import redis.retry
 from django.conf import settings
 
 HEALTH_CHECK_INTERVAL_S = 10
+MIN_CONNECT_TIMEOUT_S = 5.0  # a burst of new pooled connections on a busy machine needs more than one reply's time
 
 
 def connection_options() -> dict:
     timeout_s = settings.REDIS_TIMEOUT_S
     return {
-        "decode_responses": True, "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+        "decode_responses": True, "socket_timeout": timeout_s,
+        "socket_connect_timeout": max(timeout_s, MIN_CONNECT_TIMEOUT_S),
         "health_check_interval": HEALTH_CHECK_INTERVAL_S, "retry_on_timeout": False,
     }
 

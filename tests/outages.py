@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 
 import psycopg
+from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import connection
+from django.db import connection, connections
 
 from controlplane import embedded
 
@@ -27,6 +29,9 @@ def terminate_backends() -> int:
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> %s",
             [name, connection.cursor().connection.info.backend_pid],
         ).fetchall()
+    # NOTE: this test process's other session (the thread `sync_to_async` runs in) was cut too; drop it
+    # so that later tests reconnect instead of finding it dead.
+    asyncio.run(sync_to_async(connections.close_all)())
     return len(rows)
 
 
