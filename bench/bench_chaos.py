@@ -29,7 +29,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -52,6 +51,7 @@ FAST = {"INFERPLANE_AGENT_HEARTBEAT_INTERVAL_S": "1", "INFERPLANE_AUTOSCALER_TIC
 MESSAGES = [{"role": "user", "content": "Tell me something"}]
 NUM_CLIENTS = 6
 CLIENT_TIMEOUT_S = 60.0
+COLD_START_TIMEOUT_S = 20
 SPEND_CAP = Decimal("5.00")
 PYTHON = sys.executable
 
@@ -68,6 +68,7 @@ class Stack:
         self.gateways: list[ChildProcess | None] = [None, None]
         self.worker = self.beat = self.agent = None
         self.join_token = ""
+        self.node_name = f"chaos-{time.strftime('%Y%m%d%H%M%S')}"
         self.num_starts = Counter()
 
     def _log(self, name: str) -> Path:
@@ -96,7 +97,7 @@ class Stack:
         env = {k: v for k, v in self.env.items() if not k.startswith(("DJANGO", "INFERPLANE_DATA_DIR"))}
         self.agent = ChildProcess(
             [PYTHON, "-m", "gpu_agent", "run", "--control-plane", self.urls[0], "--join-token", self.join_token,
-             "--data-dir", str(self.work_dir / "agent"), "--cpu", "--name", "chaos-cpu-node"],
+             "--data-dir", str(self.work_dir / "agent"), "--cpu", "--name", self.node_name],
             env, self._log("agent"))
 
     def stop(self) -> None:
@@ -288,6 +289,17 @@ def reconcile(answers: list[dict], organization_id: int, work_dir: Path) -> dict
     }
 
 
+def retire_earlier_runs() -> None:
+    """Endpoints and nodes of earlier runs must not take this run's agent or CPU."""
+    from django.utils import timezone
+
+    from endpoints.models import Endpoint
+    from gpu_agent.models import Node
+
+    Endpoint.objects.filter(name__startswith="chaos-", paused_at__isnull=True).update(paused_at=timezone.now())
+    Node.objects.filter(name__startswith="chaos-").exclude(state="OFFLINE").update(state="OFFLINE")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration-s", type=float, default=180.0)
@@ -305,44 +317,53 @@ def main() -> int:
     from gpu_agent.runtime.tiny_model import build_tiny_model
     from gpu_agent.services import create_join_token
 
+    retire_earlier_runs()
     suffix = datetime.now().strftime("%Y%m%d%H%M%S")
     organization, _owner, key = bootstrap_organization(slug=f"chaos-{suffix}", owner_email=f"chaos-{suffix}@example.com")
     set_spend_cap(SYSTEM, organization, spend_cap=SPEND_CAP)
-    with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
-        work_dir = Path(tmp)
-        model_dir = build_tiny_model(work_dir / "model")
-        stack = Stack(work_dir)
-        stack.join_token = create_join_token(SYSTEM, name=f"chaos-{suffix}").plain
-        faults: list[dict] = []
-        try:
-            stack.start_gateway(0)
-            stack.start_gateway(1)
-            stack.start_worker()
-            stack.start_beat()
-            stack.start_agent()
-            wait_until(lambda: Node.objects.filter(name="chaos-cpu-node", state="READY").exists(), 180, interval_s=0.5,
-                       message="the agent to register")
-            headers = {"Authorization": f"Bearer {key.plain}"}
-            name = f"chaos-{suffix}"
-            created = httpx.post(f"{stack.urls[0]}/api/v1/endpoints/", headers=headers, timeout=30, json={
-                "name": name, "model_source": str(model_dir), "gpu_type": "cpu", "min_replicas": 1, "max_replicas": 1,
-                "max_model_len": 512, "max_num_seqs": 16, "cold_start_timeout_s": 120,
-            })
-            created.raise_for_status()
-            endpoint_id = created.json()["id"]
-            wait_until(lambda: Endpoint.objects.get(pk=endpoint_id).replicas.filter(state="READY").exists(), 600,
-                       interval_s=0.5, message="the endpoint's replica to be READY")
-            clients = Clients(stack.urls, key.plain, name)
-            began = time.time()
-            clients.start()
-            run_faults(stack, endpoint_id, options.duration_s, faults)
-            clients.stop()
-            ended = time.time()
-            accounts = reconcile(clients.answers, organization.pk, work_dir)
-        finally:
-            stack.stop()
+    # NOTE: kept (logs of every process) under the data folder, for a look at what a failure was.
+    work_dir = Path(os.environ["INFERPLANE_DATA_DIR"]).resolve() / f"chaos-{suffix}"
+    work_dir.mkdir(parents=True)
+    model_dir = build_tiny_model(work_dir / "model")
+    stack = Stack(work_dir)
+    stack.join_token = create_join_token(SYSTEM, name=f"chaos-{suffix}").plain
+    faults: list[dict] = []
+    try:
+        stack.start_gateway(0)
+        stack.start_gateway(1)
+        stack.start_worker()
+        stack.start_beat()
+        stack.start_agent()
+        wait_until(lambda: Node.objects.filter(name=stack.node_name, state="READY").exists(), 180, interval_s=0.5,
+                   message="the agent to register")
+        headers = {"Authorization": f"Bearer {key.plain}"}
+        name = f"chaos-{suffix}"
+        created = httpx.post(f"{stack.urls[0]}/api/v1/endpoints/", headers=headers, timeout=30, json={
+            "name": name, "model_source": str(model_dir), "gpu_type": "cpu", "min_replicas": 1, "max_replicas": 1,
+            "max_model_len": 512, "max_num_seqs": 16,
+            # NOTE: below the clients' timeout: a request held while no replica is READY gets its 503.
+            "cold_start_timeout_s": COLD_START_TIMEOUT_S,
+        })
+        created.raise_for_status()
+        endpoint_id = created.json()["id"]
+        wait_until(lambda: Endpoint.objects.get(pk=endpoint_id).replicas.filter(state="READY").exists(), 600,
+                   interval_s=0.5, message="the endpoint's replica to be READY")
+        clients = Clients(stack.urls, key.plain, name)
+        began = time.time()
+        clients.start()
+        run_faults(stack, endpoint_id, options.duration_s, faults)
+        clients.stop()
+        ended = time.time()
+        accounts = reconcile(clients.answers, organization.pk, work_dir)
+    finally:
+        stack.stop()
+        retire_earlier_runs()
 
     outcomes = Counter(a["outcome"] for a in clients.answers)
+    timeline = [[round(a["at"] - began, 2), a["outcome"], a.get("detail", "")] for a in sorted(clients.answers, key=lambda a: a["at"])]
+    for fault in faults:
+        answered_after = [a["at"] for a in clients.answers if a["outcome"] == "answered" and a["at"] > fault["at"]]
+        fault["next_answer_after_s"] = round(min(answered_after) - fault["at"], 2) if answered_after else None
     result = {
         "benchmark": "chaos",
         "measured_at": datetime.now().isoformat(timespec="seconds"),
@@ -357,6 +378,8 @@ def main() -> int:
         "failure_details": Counter(a.get("detail", "") for a in clients.answers if a["outcome"] != "answered").most_common(12),
         "accounts": accounts,
         "stripe_meters": "not compared: an hour's rollup goes to Stripe only once the hour has closed",
+        "logs": str(work_dir),
+        "timeline": timeline,
     }
     Path(options.output).parent.mkdir(parents=True, exist_ok=True)
     Path(options.output).write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -371,6 +394,9 @@ def main() -> int:
         ("spend / cap", f"${accounts['spend']} / ${accounts['spend_cap']}"),
     ]:
         print(f"| {label} | {value} |")
+    print("\n| fault | restarted after | next answer after |\n|---|---:|---:|")
+    for fault in faults:
+        print(f"| {fault['fault']} | {fault.get('restarted_after_s', fault.get('error'))} s | {fault['next_answer_after_s']} s |")
     print(f"\nwrote {options.output}")
     return 0
 

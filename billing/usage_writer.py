@@ -46,6 +46,11 @@ class DatabaseUnavailable(Exception):
     """The ledger is in an outage window: the batch goes to the journal without trying PostgreSQL."""
 
 
+# The database is unreachable, restarting or silent: the batch is owed, so it goes to the journal.
+# Any other database error is about the rows themselves and reaches the callers as before.
+OUTAGES = (DatabaseUnavailable, psycopg.OperationalError, psycopg.InterfaceError, OSError, TimeoutError)
+
+
 @functools.cache
 def journal() -> UsageJournal:
     """This process's usage journal (one for every event loop's writer)."""
@@ -130,7 +135,7 @@ class UsageWriter:
             reports = [report for report, _ in batch]
             try:
                 outcomes = await self._write_batch(reports)
-            except (DatabaseUnavailable, psycopg.Error, OSError, TimeoutError) as exc:
+            except OUTAGES as exc:
                 if not isinstance(exc, DatabaseUnavailable):
                     logger.warning("ledger unavailable (%r): %d usage row(s) go to the journal", exc, len(reports))
                     self._down_until = time.monotonic() + OUTAGE_PROBE_S
@@ -161,7 +166,7 @@ class UsageWriter:
         while True:
             try:
                 await self.replay()
-            except (psycopg.Error, OSError, TimeoutError) as exc:
+            except OUTAGES as exc:
                 logger.info("usage journal replay waits for the database: %r", exc)
                 self.close_now()
                 await asyncio.sleep(delay_s)
@@ -192,6 +197,13 @@ class UsageWriter:
                     except UnknownEndpointError as exc:
                         refused = set(exc.refused_ids)
                         rejected += [report for report in batch if report.request_id in refused]
+                    except psycopg.DatabaseError as exc:
+                        if isinstance(exc, psycopg.OperationalError):
+                            raise
+                        # NOTE: rows the database refuses for what they hold would block the journal forever.
+                        logger.error("usage journal: a batch refused by the ledger (%r) set aside", exc)
+                        self.close_now()
+                        rejected += batch
                 await asyncio.to_thread(usage_journal.done, path, rejected)
                 logger.info("usage journal: %d report(s) replayed from %s", len(reports) - len(rejected), path.name)
         return num_left
