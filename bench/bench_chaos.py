@@ -176,7 +176,8 @@ class Clients:
             return answer | {"outcome": "failed_clean" if clean else "broken", "detail": f"{exc.status_code} {exc.code}"}
         except openai.APIError as exc:  # an error event inside a stream, in OpenAI's shape
             if isinstance(exc, openai.APIConnectionError):
-                refused = "refused" in repr(exc.__cause__).lower() or "connect" in repr(exc.__cause__).lower()
+                # NOTE: refused before a byte (a gateway that is down) is clean; dropped mid-answer is a cut.
+                refused = isinstance(exc.__cause__, httpx.ConnectError)
                 return answer | {"outcome": "failed_clean" if refused else "cut", "detail": repr(exc.__cause__)[:120]}
             return answer | {"outcome": "failed_clean", "detail": f"stream error {getattr(exc, 'code', None)}"}
         except (httpx.HTTPError, ConnectionError) as exc:
