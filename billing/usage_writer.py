@@ -8,19 +8,53 @@ from ~1,000 rows/s (a commit per request) to many thousands on two cores.
 The writer talks to PostgreSQL on its own async psycopg connection (autocommit, the same
 database settings as Django's), on the event loop itself: no worker thread, so the gateway's
 loop never waits for the GIL behind a thread running the ORM.
+
+When PostgreSQL cannot take a batch (down, restarting, or silent past `WRITE_TIMEOUT_S`), the
+batch goes to the durable local journal (`billing.usage_journal`, fsync'd) and its callers hear
+"written": the row is owed and safe on disk. For `OUTAGE_PROBE_S` after a failure, batches go
+straight to the journal (a dead database is not waited for on every request) while one replay task
+per writer probes the database and, once it answers, writes the journal into the ledger (exactly
+once: the unique request id) and deletes it. The gateway also replays at start (`replay_soon`), so
+a process that died with a backlog leaves it to the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import time
 import weakref
 from dataclasses import dataclass, field
 
 import psycopg
+from django.conf import settings
 
 from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch_on
+from billing.usage_journal import UsageJournal, read_segment
+
+logger = logging.getLogger("inferplane.billing")
 
 MAX_BATCH = 500
+WRITE_TIMEOUT_S = 5.0  # a database that does not commit a batch in this long is treated as down
+CONNECT_TIMEOUT_S = 3
+OUTAGE_PROBE_S = 1.0  # after a failure, batches go to the journal this long before PostgreSQL is tried again
+REPLAY_RETRY_MAX_S = 5.0
+
+
+class DatabaseUnavailable(Exception):
+    """The ledger is in an outage window: the batch goes to the journal without trying PostgreSQL."""
+
+
+# The database is unreachable, restarting or silent: the batch is owed, so it goes to the journal.
+# Any other database error is about the rows themselves and reaches the callers as before.
+OUTAGES = (DatabaseUnavailable, psycopg.OperationalError, psycopg.InterfaceError, OSError, TimeoutError)
+
+
+@functools.cache
+def journal() -> UsageJournal:
+    """This process's usage journal (one for every event loop's writer)."""
+    return UsageJournal(settings.USAGE_JOURNAL_DIR)
 
 
 async def _connect() -> psycopg.AsyncConnection:
@@ -29,6 +63,7 @@ async def _connect() -> psycopg.AsyncConnection:
     params = connections["default"].get_connection_params()
     params.pop("cursor_factory", None)
     # NOTE: client-side binding, as Django's own cursors do, so the ledger's SQL runs the same way.
+    params.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
     return await psycopg.AsyncConnection.connect(**params, autocommit=True, cursor_factory=psycopg.AsyncClientCursor)
 
 
@@ -47,8 +82,11 @@ class UsageWriter:
     _pending: list[tuple[UsageReport, asyncio.Future]] = field(default_factory=list)
     _flusher: asyncio.Task | None = None
     _connection: psycopg.AsyncConnection | None = None
+    _down_until: float = 0.0  # monotonic: until then, batches go to the journal
+    _replayer: asyncio.Task | None = None
 
     async def write(self, report: UsageReport) -> bool:
+        """True once the row is committed (or journaled, to be replayed), False if its id was written before."""
         future = asyncio.get_running_loop().create_future()
         self._pending.append((report, future))
         if self._flusher is None or self._flusher.done():
@@ -61,31 +99,52 @@ class UsageWriter:
         NOTE: a connection that dropped (a PostgreSQL restart, a failover, an idle timeout) is
         replaced and the batch written again: safe, since a request id already written is skipped.
         """
+        if time.monotonic() < self._down_until:
+            raise DatabaseUnavailable()
         try:
             return await self._write_once(reports)
         except psycopg.OperationalError:
             return await self._write_once(reports)
 
     async def _write_once(self, reports: list[UsageReport]) -> list[bool | Exception]:
-        if self._connection is None or self._connection.closed:
-            self._connection = await _connect()
         try:
-            written, refused = await record_usage_batch_on(self._connection, reports), {}
+            written, refused = await asyncio.wait_for(self._insert(reports), WRITE_TIMEOUT_S), {}
         except UnknownEndpointError as exc:
             written, refused = exc.written_ids, dict.fromkeys(exc.refused_ids, exc)
-        except psycopg.Error:
-            await self.close()  # the next write starts on a new connection
+        except (psycopg.Error, OSError, TimeoutError):
+            # NOTE: a statement cut short by the timeout may still commit; its replay is then a no-op.
+            self.close_now()  # the next write starts on a new connection
             raise
         return _outcomes(reports, written, refused)
+
+    async def _insert(self, reports: list[UsageReport]) -> set[str]:
+        if self._connection is None or self._connection.closed:
+            self._connection = await _connect()
+        return await record_usage_batch_on(self._connection, reports)
+
+    async def _journal(self, reports: list[UsageReport]) -> list[bool]:
+        await asyncio.to_thread(journal().append, reports)
+        self.replay_soon()
+        return [True] * len(reports)  # owed and durable: counted as written
 
     async def _flush(self) -> None:
         # NOTE: yielding once lets every coroutine that is ready to write join this batch.
         await asyncio.sleep(0)
         while self._pending:
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+            reports = [report for report, _ in batch]
             try:
-                outcomes = await self._write_batch([report for report, _ in batch])
-            except Exception as exc:  # the database is down: every caller hears it
+                outcomes = await self._write_batch(reports)
+            except OUTAGES as exc:
+                if not isinstance(exc, DatabaseUnavailable):
+                    logger.warning("ledger unavailable (%r): %d usage row(s) go to the journal", exc, len(reports))
+                    self._down_until = time.monotonic() + OUTAGE_PROBE_S
+                try:
+                    outcomes = await self._journal(reports)
+                except Exception as journal_exc:  # noqa: BLE001 - neither database nor disk: every caller hears it
+                    logger.error("usage journal failed too: %r", journal_exc)
+                    outcomes = [journal_exc] * len(batch)
+            except Exception as exc:  # noqa: BLE001 - a bug, not an outage: every caller hears it
                 outcomes = [exc] * len(batch)
             for (_, future), outcome in zip(batch, outcomes, strict=True):
                 if future.done():
@@ -94,6 +153,60 @@ class UsageWriter:
                     future.set_exception(outcome)
                 else:
                     future.set_result(outcome)
+
+    # --- replaying the journal -------------------------------------------------------------------
+    def replay_soon(self) -> asyncio.Task:
+        """Start this writer's replay task unless one runs: it ends when the journal is empty."""
+        if self._replayer is None or self._replayer.done():
+            self._replayer = asyncio.get_running_loop().create_task(self._replay_until_empty())
+        return self._replayer
+
+    async def _replay_until_empty(self) -> None:
+        delay_s = OUTAGE_PROBE_S
+        while True:
+            try:
+                await self.replay()
+            except OUTAGES as exc:
+                logger.info("usage journal replay waits for the database: %r", exc)
+                self.close_now()
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, REPLAY_RETRY_MAX_S)
+                continue
+            self._down_until = 0.0
+            # NOTE: a batch journaled while this replay ran opened a new segment: replay it too.
+            if not journal().has_open_segment():
+                return
+
+    async def replay(self) -> int:
+        """Write every segment this process may take into the ledger (its own, and those of dead
+        processes); returns how many it left to live processes. Raises while the database is down."""
+        usage_journal = journal()
+        await asyncio.to_thread(usage_journal.seal)
+        num_left = 0
+        for path in await asyncio.to_thread(usage_journal.segments):
+            with usage_journal.claim(path) as handle:
+                if handle is None:
+                    num_left += 1
+                    continue
+                reports = await asyncio.to_thread(read_segment, handle)
+                rejected = []
+                for first in range(0, len(reports), self.max_batch):
+                    batch = reports[first:first + self.max_batch]
+                    try:
+                        await asyncio.wait_for(self._insert(batch), WRITE_TIMEOUT_S)
+                    except UnknownEndpointError as exc:
+                        refused = set(exc.refused_ids)
+                        rejected += [report for report in batch if report.request_id in refused]
+                    except psycopg.DatabaseError as exc:
+                        if isinstance(exc, psycopg.OperationalError):
+                            raise
+                        # NOTE: rows the database refuses for what they hold would block the journal forever.
+                        logger.error("usage journal: a batch refused by the ledger (%r) set aside", exc)
+                        self.close_now()
+                        rejected += batch
+                await asyncio.to_thread(usage_journal.done, path, rejected)
+                logger.info("usage journal: %d report(s) replayed from %s", len(reports) - len(rejected), path.name)
+        return num_left
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None

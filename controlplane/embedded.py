@@ -127,7 +127,11 @@ def ensure_redis(root: Path | None = None) -> str:
                 "--daemonize", "yes",
                 "--pidfile", str(redis_dir / "redis.pid"),
                 "--logfile", str(redis_dir / "redis.log"),
+                # NOTE: Redis holds counters and traffic state the platform rebuilds or tolerates losing,
+                # but a restart that keeps them avoids even that: every write reaches the append-only
+                # file within a second. Production Redis should run the same (infra/README.md).
                 "--appendonly", "yes",
+                "--appendfsync", "everysec",
                 "--save", "60 1",
                 "--protected-mode", "yes",
             ],
@@ -144,11 +148,34 @@ def ensure_redis(root: Path | None = None) -> str:
 
 def stop_all(root: Path | None = None) -> None:
     """Stop both embedded servers of a data folder; their data stays."""
+    stop_redis(root)
+    stop_postgres(root)
+
+
+def redis_pid(root: Path | None = None) -> int | None:
+    pid_file = (root or data_dir()) / "redis" / "redis.pid"
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        return int(pid_file.read_text().strip())
+    return None
+
+
+def stop_redis(root: Path | None = None, *, wait_s: float = 10) -> None:
+    """Stop the embedded Redis (it writes its append-only file first); `ensure_redis` starts it again
+    on the same port."""
+    pid = redis_pid(root)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 15)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)
+            time.sleep(0.05)
+
+
+def stop_postgres(root: Path | None = None) -> None:
+    """Stop the embedded PostgreSQL (fast shutdown: sessions are cut); `ensure_postgres` starts it again."""
     root = root or data_dir()
-    pid_file = root / "redis" / "redis.pid"
-    if pid_file.exists():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text().strip()), 15)
     pgdata = root / "postgres"
     if (pgdata / "postmaster.pid").exists():
         _quiet_runtime_dir()

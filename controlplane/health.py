@@ -1,4 +1,10 @@
-"""Liveness and readiness probes."""
+"""Liveness and readiness probes.
+
+`/readyz` also reports `usage_backlog`: usage rows waiting in this machine's journal for the
+ledger (`billing.usage_journal`). A backlog alone keeps the gateway ready: the rows are safe on
+disk and replayed as soon as PostgreSQL answers, and taking every gateway out of rotation over a
+database blip would turn a billing delay into an outage. An operator alerts on a backlog that stays.
+"""
 
 import asyncio
 
@@ -6,6 +12,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 from django.http import JsonResponse
 
+from billing.usage_writer import journal
 from controlplane.redis_client import get_async_redis
 
 
@@ -15,6 +22,8 @@ async def healthz(request):
 
 
 def _database_answers() -> None:
+    # NOTE: runs in the request's own thread, where Django's request signals already dropped a
+    # connection left dead by a PostgreSQL restart.
     with connection.cursor() as cursor:
         cursor.execute("SELECT 1")
 
@@ -33,4 +42,6 @@ async def readyz(request):
     except Exception as exc:  # noqa: BLE001
         checks["redis"] = f"error: {type(exc).__name__}"
     ready = all(value == "ok" for value in checks.values())
-    return JsonResponse({"status": "ok" if ready else "unavailable", "checks": checks}, status=200 if ready else 503)
+    backlog = await asyncio.to_thread(journal().backlog)
+    return JsonResponse({"status": "ok" if ready else "unavailable", "checks": checks, "usage_backlog": backlog},
+                        status=200 if ready else 503)

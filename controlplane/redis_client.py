@@ -1,4 +1,11 @@
-"""The shared Redis connections: one sync client per process, one async client per event loop."""
+"""The shared Redis connections: one sync client per process, one async client per event loop.
+
+NOTE: every call is bounded by `REDIS_TIMEOUT_S` (connect and reply): a Redis that is stopped,
+partitioned or frozen makes callers fail fast with `redis.exceptions.TimeoutError` or
+`ConnectionError`, never hang. A connection broken by a Redis restart is retried once on a new
+one (a restart closes every pooled socket; the first use of each would otherwise fail), and a
+timeout is not retried, so a silent Redis costs one timeout, not several.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,29 @@ import functools
 
 import redis
 import redis.asyncio
+import redis.asyncio.retry
+import redis.backoff
+import redis.exceptions
+import redis.retry
 from django.conf import settings
+
+HEALTH_CHECK_INTERVAL_S = 10
+MIN_CONNECT_TIMEOUT_S = 5.0  # a burst of new pooled connections on a busy machine needs more than one reply's time
+
+
+def connection_options() -> dict:
+    timeout_s = settings.REDIS_TIMEOUT_S
+    return {
+        "decode_responses": True, "socket_timeout": timeout_s,
+        "socket_connect_timeout": max(timeout_s, MIN_CONNECT_TIMEOUT_S),
+        "health_check_interval": HEALTH_CHECK_INTERVAL_S, "retry_on_timeout": False,
+    }
 
 
 @functools.cache
 def get_redis() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, decode_responses=True, health_check_interval=30)
+    retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    return redis.Redis.from_url(settings.REDIS_URL, retry=retry, **connection_options())
 
 
 POOL_WAIT_S = 10
@@ -26,9 +50,10 @@ def get_async_redis() -> redis.asyncio.Redis:
     if client is None:
         # NOTE: a burst beyond the pool waits for a free connection instead of failing; nothing holds
         # one for long (pub/sub waiters share `controlplane.pubsub`'s own connection).
+        retry = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
         pool = redis.asyncio.BlockingConnectionPool.from_url(
-            settings.REDIS_URL, decode_responses=True, max_connections=settings.REDIS_MAX_CONNECTIONS,
-            timeout=POOL_WAIT_S)
+            settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=POOL_WAIT_S,
+            retry=retry, **connection_options())
         client = redis.asyncio.Redis(connection_pool=pool)
         _async_clients[loop_id] = client
     return client

@@ -10,6 +10,11 @@ replies come back in order, and one read can answer many callers. Everything els
 Only what scripts need: `redis://` and `rediss://` URLs (password, database), RESP2 replies, EVALSHA
 with a fallback to EVAL when the server does not know the script yet. A lost connection fails the
 calls in flight with `ConnectionError` (as redis-py would) and the next call reconnects.
+
+NOTE: every call has a deadline (`REDIS_TIMEOUT_S`, connecting included). Replies come in order, so
+one overdue reply means the connection is stuck (a frozen or partitioned Redis): a watchdog then
+drops the connection, failing every call waiting on it with `RedisTimeout` at once, and the next
+call opens a new one. A request never hangs on a silent Redis.
 """
 
 from __future__ import annotations
@@ -22,11 +27,21 @@ from urllib.parse import unquote, urlparse
 
 from django.conf import settings
 
-CONNECT_TIMEOUT_S = 5.0
-
 
 class RedisError(Exception):
     """An error reply from Redis."""
+
+
+class RedisTimeout(ConnectionError, TimeoutError):
+    """Redis did not answer in time; the connection was dropped."""
+
+
+class RedisUnavailable(ConnectionError):
+    """Redis answered that it cannot serve now (loading its data after a restart, a replica without
+    its primary): an outage, not an error in the call."""
+
+
+_UNAVAILABLE_PREFIXES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN")
 
 
 class Script:
@@ -76,7 +91,8 @@ def _parse(buffer: bytearray, position: int):
     if kind == 0x2B:  # + simple string
         return line.decode(), position
     if kind == 0x2D:  # - error
-        return RedisError(line.decode()), position
+        message = line.decode()
+        return (RedisUnavailable if message.startswith(_UNAVAILABLE_PREFIXES) else RedisError)(message), position
     if kind == 0x3A:  # : integer
         return int(line), position
     if kind == 0x24:  # $ bulk string
@@ -99,9 +115,12 @@ def _parse(buffer: bytearray, position: int):
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self):
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
         self.transport: asyncio.Transport | None = None
         self.waiting: deque[asyncio.Future] = deque()
+        self.deadlines: deque[float] = deque()  # one per waiting future, in the same order
+        self._watchdog: asyncio.TimerHandle | None = None
         self.buffer = bytearray()
         self.lost: Exception | None = None
         self.outgoing: list[bytes] = []  # commands of this loop iteration, written together
@@ -119,27 +138,52 @@ class _Protocol(asyncio.Protocol):
                 break
             position = position_after
             future = self.waiting.popleft()
+            self.deadlines.popleft()
             if future.done():  # its caller was cancelled: the reply is not wanted
                 continue
-            if isinstance(value, RedisError):
+            if isinstance(value, (RedisError, RedisUnavailable)):
                 future.set_exception(value)
             else:
                 future.set_result(value)
         del self.buffer[:position]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = ConnectionError(f"Redis connection lost: {exc or 'closed by the server'}")
+        self._fail_all(self.lost or ConnectionError(f"Redis connection lost: {exc or 'closed by the server'}"))
+
+    def _fail_all(self, error: Exception) -> None:
+        self.lost = error
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        self.deadlines.clear()
         while self.waiting:
             future = self.waiting.popleft()
             if not future.done():
-                future.set_exception(self.lost)
+                future.set_exception(error)
+
+    def _check_deadline(self) -> None:
+        self._watchdog = None
+        if not self.waiting:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self.deadlines[0]:
+            # NOTE: later replies would answer the wrong callers once one is skipped: drop it all.
+            if self.transport is not None:
+                self.transport.abort()
+            self._fail_all(RedisTimeout(f"Redis did not answer within {self.timeout_s:g} s"))
+            return
+        self._watchdog = loop.call_at(self.deadlines[0], self._check_deadline)
 
     def call(self, *parts) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         if self.lost is not None or self.transport is None or self.transport.is_closing():
             future.set_exception(self.lost or ConnectionError("Redis connection closed"))
             return future
+        loop = future.get_loop()
         self.waiting.append(future)
+        self.deadlines.append(loop.time() + self.timeout_s)
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(self.deadlines[0], self._check_deadline)
         if not self.outgoing:
             future.get_loop().call_soon(self._write_outgoing)
         self.outgoing.append(_encode(parts))
@@ -151,16 +195,21 @@ class _Protocol(asyncio.Protocol):
             self.transport.write(b"".join(outgoing))
 
 
-async def _open(url: str) -> _Protocol:
+async def _open(url: str, timeout_s: float) -> _Protocol:
+    try:
+        return await asyncio.wait_for(_connect(url, timeout_s), timeout_s)
+    except TimeoutError:
+        raise RedisTimeout(f"could not connect to Redis within {timeout_s:g} s") from None
+
+
+async def _connect(url: str, timeout_s: float) -> _Protocol:
     parsed = urlparse(url)
     if parsed.scheme not in ("redis", "rediss"):
         raise ValueError(f"unsupported Redis URL scheme {parsed.scheme!r}")
     loop = asyncio.get_running_loop()
     context = ssl.create_default_context() if parsed.scheme == "rediss" else None
-    _, protocol = await asyncio.wait_for(
-        loop.create_connection(_Protocol, parsed.hostname or "localhost", parsed.port or 6379, ssl=context),
-        CONNECT_TIMEOUT_S,
-    )
+    _, protocol = await loop.create_connection(lambda: _Protocol(timeout_s), parsed.hostname or "localhost",
+                                               parsed.port or 6379, ssl=context)
     if parsed.password:
         credentials = [unquote(parsed.username), unquote(parsed.password)] if parsed.username else [unquote(parsed.password)]
         await protocol.call(b"AUTH", *credentials)
@@ -173,8 +222,9 @@ async def _open(url: str) -> _Protocol:
 class _Connection:
     """This loop's connection, opened on first use and again after a loss."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, timeout_s: float):
         self.url = url
+        self.timeout_s = timeout_s
         self._protocol: _Protocol | None = None
         self._opening: asyncio.Task | None = None
 
@@ -184,7 +234,7 @@ class _Connection:
             return current
         opening = self._opening
         if opening is None or opening.done():
-            opening = self._opening = asyncio.ensure_future(_open(self.url))
+            opening = self._opening = asyncio.ensure_future(_open(self.url, self.timeout_s))
         # NOTE: concurrent callers share one connection attempt; a failed one is retried by the next call.
         self._protocol = await asyncio.shield(opening)
         return self._protocol
@@ -210,6 +260,6 @@ async def _connection_of_this_loop() -> _Connection:
     if connection is None:
         for other in [other for other in _connections if other.is_closed()]:
             del _connections[other]
-        connection = _connections[loop] = _Connection(settings.REDIS_URL)
+        connection = _connections[loop] = _Connection(settings.REDIS_URL, settings.REDIS_TIMEOUT_S)
     _latest = (loop, connection)
     return connection

@@ -134,6 +134,8 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL") or embedded.ensure_redis()
+# NOTE: every Redis call fails after this long instead of hanging (a silent or partitioned Redis).
+REDIS_TIMEOUT_S = env_float("INFERPLANE_REDIS_TIMEOUT_S", 2.0, minimum=0.1)
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
 
 # --- auth ----------------------------------------------------------------------
@@ -257,6 +259,9 @@ BILLING_RESERVATION_TTL_S = env_float("INFERPLANE_RESERVATION_TTL_S", 900.0, min
 BILLING_ROLLUP_CLOSE_AFTER_S = env_int("INFERPLANE_ROLLUP_CLOSE_AFTER_S", 600, minimum=0)
 # A Stripe push claimed longer ago than this is presumed dead and may be taken over.
 BILLING_CLAIM_TIMEOUT_S = env_float("INFERPLANE_BILLING_CLAIM_TIMEOUT_S", 300.0, minimum=0.1)
+
+# Usage rows PostgreSQL cannot take go to this folder (fsync'd) and are replayed when it is back.
+USAGE_JOURNAL_DIR = env_str("INFERPLANE_USAGE_JOURNAL_DIR") or str(embedded.data_dir() / "usage-journal")
 
 # --- email -----------------------------------------------------------------------------
 EMAIL_HOST = env_str("EMAIL_HOST")

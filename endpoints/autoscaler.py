@@ -6,6 +6,13 @@ served at once), while scaling down acts on the highest load seen during the
 stable window (default 60 s), so a dip does not throw replicas away. With
 nothing in flight or waiting for `idle_timeout_s`, an endpoint falls back to
 `min_replicas`, zero for a serverless one.
+
+Redis is a cache of this state, not its record: an endpoint that has replicas but no last-request
+time in Redis (a restart without persistence, a flush) is read as "a request just now", never as
+idle, and that time is written back, so its replicas get a whole `idle_timeout_s` before any
+scale-down (and the gateways put their live requests back within a heartbeat,
+`endpoints.gateway.presence`). Only an endpoint with no replicas and no known request reads as
+"no requests yet".
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ from django.conf import settings
 
 from controlplane.redis_client import get_redis
 from endpoints.gateway import traffic
+from endpoints.models import Replica
+from gpu_agent.protocol import ReplicaState
+
+SERVING_STATES = [ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY]
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,7 +112,21 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
         for index, endpoint_id in enumerate(batch):
             inflight, waiting, last, peak = raw[4 * index: 4 * index + 4]
             loads[endpoint_id] = Load(int(inflight), int(waiting), float(last) if last else None, int(peak))
+    unknown = [endpoint_id for endpoint_id, load in loads.items() if load.last_request_at is None]
+    if unknown:
+        _unknown_is_now(redis, loads, unknown, now)
     return loads
+
+
+def _unknown_is_now(redis, loads: dict[str, Load], unknown: list[str], now: float) -> None:
+    """Endpoints with replicas but no last-request time in Redis: it was lost, so it is now (see above)."""
+    serving = {str(pk) for pk in Replica.objects.filter(endpoint_id__in=unknown, state__in=SERVING_STATES)
+               .order_by().values_list("endpoint_id", flat=True).distinct()}
+    for endpoint_id in serving:
+        # NOTE: NX: a gateway that wrote a real time meanwhile wins; the next tick reads it.
+        redis.set(traffic.last_request_key(endpoint_id), now, nx=True)
+        load = loads[endpoint_id]
+        loads[endpoint_id] = Load(load.num_inflight, load.num_waiting, now, load.peak_concurrency)
 
 
 def decide(endpoint, load: Load, *, now: float | None = None) -> Decision:

@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from controlplane.redis_client import get_redis
 from endpoints import autoscaler, quotas
-from endpoints.gateway import traffic
+from endpoints.gateway import presence, traffic
 from endpoints.models import Endpoint, EventKind, Replica
 from endpoints.placement import place_replica
 from endpoints.services import drain_replica, record_event
@@ -121,6 +121,7 @@ def autoscale_tick() -> int:
     if not redis.set(TICK_LOCK, "1", nx=True, ex=max(1, int(settings.AUTOSCALER_TICK_S * 5))):
         return 0
     try:
+        presence.sweep_dead_gateways()  # first, so a dead gateway's requests do not count as load
         endpoint_ids = active_endpoint_ids()
         loads = autoscaler.read_load(endpoint_ids)
         for endpoint_id in endpoints_to_reconcile(endpoint_ids, loads):

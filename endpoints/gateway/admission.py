@@ -27,7 +27,7 @@ local function part(t, from, to)
 end
 """
 
-# KEYS: 1-2 rate limits, 3-9 reservation, 10-12 begin, 13.. candidates' outstanding counters.
+# KEYS: 1-2 rate limits, 3-9 reservation, 10-13 begin, 14.. candidates' outstanding counters.
 # ARGV: 1-3 rate limits, 4-8 reservation, 9-11 begin, 12 outstanding TTL.
 # Returns {'ok', index of the candidate picked (1-based; 0 without candidates)},
 # {'rate_limited', '1'|'2'}, {'refused', reason} or {'missing', counter to rebuild}.
@@ -37,16 +37,18 @@ if verdict ~= 0 then return {'rate_limited', tostring(verdict)} end
 local reserved = quota_reserve(part(KEYS, 3, 9), part(ARGV, 4, 8))
 if reserved[1] ~= 'ok' then return reserved end
 limits_take(part(KEYS, 1, 2), part(ARGV, 1, 3))
-traffic_begin(part(KEYS, 10, 12), part(ARGV, 9, 11))
-if #KEYS < 13 then return {'ok', '0'} end
-return {'ok', tostring(traffic_pick(part(KEYS, 13, #KEYS), {ARGV[12]}))}
+traffic_begin(part(KEYS, 10, 13), part(ARGV, 9, 11))
+if #KEYS < 14 then return {'ok', '0'} end
+local picked = traffic_pick(part(KEYS, 14, #KEYS), {ARGV[12]})
+traffic_hold({KEYS[13]}, {ARGV[9], ARGV[11], KEYS[13 + picked]})
+return {'ok', tostring(picked)}
 """
 
-# KEYS: 1-4 end, 5 token counter, 6-13 settlement. ARGV: 1-3 end, 4-6 tokens given back, 7-10 settlement.
+# KEYS: 1-5 end, 6 token counter, 7-14 settlement. ARGV: 1-3 end, 4-6 tokens given back, 7-10 settlement.
 _FINISH = _PART + limits.LIMITS_LUA + quota.SETTLE_LUA + traffic.TRAFFIC_LUA + """
-traffic_end(part(KEYS, 1, 4), part(ARGV, 1, 3))
-limits_give_back({KEYS[5]}, part(ARGV, 4, 6))
-return quota_settle(part(KEYS, 6, 13), part(ARGV, 7, 10))
+traffic_end(part(KEYS, 1, 5), part(ARGV, 1, 3))
+limits_give_back({KEYS[6]}, part(ARGV, 4, 6))
+return quota_settle(part(KEYS, 7, 14), part(ARGV, 7, 10))
 """
 
 MAX_REBUILDS = 4

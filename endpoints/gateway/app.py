@@ -17,10 +17,11 @@ import uuid
 from datetime import UTC, datetime
 
 import aiohttp
-from asgiref.sync import sync_to_async
 
-from endpoints.gateway import auth, directory, errors, metrics, request
+from billing.usage_writer import writer_for_this_loop
+from endpoints.gateway import auth, directory, errors, metrics, presence, request
 from endpoints.gateway.call import InferenceCall
+from endpoints.gateway.memo import in_worker_thread
 
 logger = logging.getLogger("inferplane.gateway")
 
@@ -63,7 +64,7 @@ class Gateway:
             return await self.fallback(scope, receive, send)
         if access is metrics.Access.DENIED:
             return await _respond(send, 401, b"", content_type="text/plain", headers={"www-authenticate": "Bearer"})
-        await sync_to_async(metrics.refresh_fleet_gauges, thread_sensitive=False)()
+        await in_worker_thread(metrics.refresh_fleet_gauges)()
         return await _respond(send, 200, metrics.render(), content_type="text/plain; version=0.0.4")
 
     async def _lifespan(self, receive, send):
@@ -71,6 +72,8 @@ class Gateway:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 _freeze_startup_objects()
+                await presence.start()
+                writer_for_this_loop().replay_soon()  # usage a previous gateway left in the journal
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self._client is not None:
@@ -105,6 +108,10 @@ class Gateway:
             await call.run()
         except errors.OpenAIError as exc:
             await _respond(send, exc.status, exc.body(), headers=exc.headers | {"x-request-id": request_id})
+        except errors.OUTAGES as exc:
+            logger.warning("gateway request %s: %r", request_id, exc)
+            failure = errors.service_unavailable()
+            await _respond(send, failure.status, failure.body(), headers=failure.headers | {"x-request-id": request_id})
         except Exception:  # noqa: BLE001 - never leak a traceback to a client; log it
             logger.exception("gateway request %s failed", request_id)
             failure = errors.OpenAIError(500, "The server had an error processing your request.", type="server_error")

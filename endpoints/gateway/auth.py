@@ -17,12 +17,11 @@ import hashlib
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from controlplane import tokens
 from endpoints.gateway import errors
-from endpoints.gateway.memo import ExpiringSet, Memo
+from endpoints.gateway.memo import ExpiringSet, Memo, in_worker_thread
 
 KNOWN_KEYS_MAX = 10_000
 REFUSED_KEYS_MAX = 100_000
@@ -131,7 +130,7 @@ async def caller_from_session(headers: dict[str, str]) -> Caller | None:
             return None
     except InvalidTokenFormat:
         return None
-    return await sync_to_async(_lookup_session, thread_sensitive=False)(session.value)
+    return await in_worker_thread(_lookup_session)(session.value)
 
 
 async def authenticate(headers: dict[str, str]) -> Caller:

@@ -12,7 +12,7 @@ from decimal import Decimal
 
 import aiohttp
 
-from endpoints.gateway import admission, cold_start, directory, errors, metrics, traffic
+from endpoints.gateway import admission, cold_start, directory, errors, metrics, presence, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
 
@@ -85,6 +85,7 @@ class InferenceCall:
     cold_start_s: float = 0.0
     response_started: bool = False
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
+    held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     metrics: metrics.EndpointMetrics | None = None
     _started_monotonic: float = field(default_factory=time.monotonic)
@@ -115,6 +116,7 @@ class InferenceCall:
         # first; `cold_start.wait_for_replicas` gives it up, or the refusal below.
         place = None if replicas else await cold_start.take_place(self.endpoint, self.caller.organization_id,
                                                                   self.request_id)
+        presence.ensure_started()
         try:
             # NOTE: one round trip checks the rate limits, reserves the largest cost, counts the
             # request in flight (or waiting) and picks its replica; `_finish` undoes it in one more.
@@ -125,11 +127,16 @@ class InferenceCall:
         except quota.QuotaExceeded as exc:
             await cold_start.give_up(place)
             raise errors.insufficient_quota(str(exc)) from None
+        except errors.OUTAGES:
+            await cold_start.give_up(place)
+            presence.end_later(self.request_id)  # the script may have run before its reply was lost
+            raise
         except BaseException:
             await cold_start.give_up(place)
             raise
         if admitted.picked is not None:
             self.outstanding_replica_id = replicas[admitted.picked].id
+        self.held = presence.track(self.request_id, self.endpoint.id, self.outstanding_replica_id)
         # NOTE: a client that disconnects cancels this task wherever it waits (see `_watch_disconnect`).
         watcher = asyncio.create_task(self._watch_disconnect(asyncio.current_task()))
         try:
@@ -187,8 +194,9 @@ class InferenceCall:
             if picked:
                 replica = picked[0]
             else:
-                replica = candidates[await traffic.pick_replica([r.id for r in candidates])]
-                self.outstanding_replica_id = replica.id
+                replica = candidates[await traffic.pick_replica([r.id for r in candidates], request_id=self.request_id,
+                                                                endpoint_id=self.endpoint.id)]
+                self.outstanding_replica_id = self.held.replica_id = replica.id
             tried.add(replica.id)
             self.metrics.inflight.inc()
             try:
@@ -197,8 +205,8 @@ class InferenceCall:
             except UpstreamUnavailable as exc:
                 logger.warning("request %s: replica %s unavailable before first byte: %s", self.request_id, replica.id, exc)
                 directory.forget_replica(self.endpoint.id, replica.id)
-                await traffic.release_replica(replica.id)
-                self.outstanding_replica_id = None
+                await traffic.release_replica(replica.id, request_id=self.request_id, endpoint_id=self.endpoint.id)
+                self.outstanding_replica_id = self.held.replica_id = None
             finally:
                 self.metrics.inflight.dec()
         raise errors.upstream_failed("No replica could take the request; please retry.")
@@ -352,12 +360,18 @@ class InferenceCall:
                     cold_start_s=round(self.cold_start_s, 3),
                 ))
         finally:
+            presence.untrack(self.request_id)
             try:
                 # NOTE: also releases the replica that served it (or was picked when the client left).
                 await admission.finish(caller=self.caller, endpoint_id=self.endpoint.id, admission=admitted,
                                        release=self.outstanding_replica_id,
                                        num_tokens=self.prompt_tokens + self.completion_tokens if self.served else 0,
                                        cost=actual)
+            except errors.OUTAGES as exc:
+                # NOTE: the answer is given and its usage row written; the heartbeat ends it in Redis
+                # later, and the reservation expires (`billing.quota.sweep_expired_reservations`).
+                logger.warning("request %s: could not end it in Redis now: %r", self.request_id, exc)
+                presence.end_later(self.request_id)
             finally:
                 self._observe(outcome=self.status if self.served else "not_served")
 

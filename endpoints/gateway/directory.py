@@ -14,9 +14,7 @@ import logging
 from dataclasses import dataclass
 from decimal import Decimal
 
-from asgiref.sync import sync_to_async
-
-from endpoints.gateway.memo import Memo
+from endpoints.gateway.memo import Memo, in_worker_thread
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +83,7 @@ def _load_models(organization_id: int) -> list[EndpointInfo]:
 
 
 async def list_endpoints(organization_id: int) -> list[EndpointInfo]:
-    return await sync_to_async(_load_models, thread_sensitive=False)(organization_id)
+    return await in_worker_thread(_load_models)(organization_id)
 
 
 def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
@@ -144,4 +142,4 @@ def _load_progress(endpoint_id: str) -> str:
 
 
 async def cold_start_progress(endpoint_id: str) -> str:
-    return await sync_to_async(_load_progress, thread_sensitive=False)(endpoint_id)
+    return await in_worker_thread(_load_progress)(endpoint_id)

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import json
 
+import django.db
+import psycopg
+import redis.exceptions
+
+# What a missing or silent Redis or PostgreSQL raises: the request gets a clean 503, never a 500 or a hang.
+OUTAGES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, ConnectionError, TimeoutError,
+           django.db.OperationalError, django.db.InterfaceError, psycopg.OperationalError)
+
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
@@ -56,3 +64,7 @@ def no_capacity(message: str, retry_after_s: int = 5) -> OpenAIError:
 
 def upstream_failed(message: str = "The model's replica failed; please retry.") -> OpenAIError:
     return OpenAIError(502, message, type="server_error", code="upstream_error")
+
+
+def service_unavailable(message: str = "The service is briefly unavailable; please retry.") -> OpenAIError:
+    return OpenAIError(503, message, type="server_error", code="service_unavailable", headers={"retry-after": "1"})

@@ -19,16 +19,37 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 from asgiref.sync import sync_to_async
+from django.db import close_old_connections
 
 logger = logging.getLogger("inferplane.gateway")
 
 STALE_FOR_S = 5.0
 
 
+def in_worker_thread(function: Callable) -> Callable:
+    """`function` (which uses the ORM) as a coroutine run in a worker thread that treats each call as
+    Django treats a request: stale or broken connections (a PostgreSQL restart, a terminated backend)
+    are dropped before and after, so a broken one never serves the next call.
+
+    NOTE: Django cleans connections only around HTTP requests; these threads never see one. (Django
+    keys connections by context, and each gateway lookup runs in a fresh one, so today a broken
+    connection is mostly left behind rather than reused; this keeps it so if that changes.)
+    """
+
+    def call(*args, **kwargs):
+        close_old_connections()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            close_old_connections()
+
+    return sync_to_async(call, thread_sensitive=False)
+
+
 class Memo:
     def __init__(self, load: Callable, ttl_s: float | Callable[[], float], *, wait_when_empty: bool = False,
                  max_entries: int = 100_000):
-        self._load = sync_to_async(load, thread_sensitive=False)
+        self._load = in_worker_thread(load)
         self._ttl_s = ttl_s
         self.wait_when_empty = wait_when_empty
         self.max_entries = max_entries

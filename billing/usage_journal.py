@@ -1,0 +1,167 @@
+"""A durable local journal for usage rows that could not reach PostgreSQL.
+
+When the ledger writer (`billing.usage_writer`) cannot commit a batch (the database is down,
+restarting, or does not answer in time), the batch is appended here as JSON lines and fsync'd
+before the caller hears "written": the client already has its completion, so its usage must not
+live only in memory. The writer replays the journal, idempotently by request id (the ledger's
+unique constraint), as soon as the database answers again, and every gateway replays what is left
+when it starts (a gateway that died with a backlog leaves its segments to the next one).
+
+Why a local journal rather than a Redis stream: the faults this covers are operators' faults, and
+Redis losing its memory is one of them. A row that reached neither PostgreSQL nor a disk would be
+lost by a Redis restart without persistence; a file under the data folder survives Redis, the
+gateway process and the database alike. Its cost is one fsync per batch, paid only during an outage.
+
+Layout: `<INFERPLANE_USAGE_JOURNAL_DIR>/<host>-<pid>-<ns>.jsonl`, one segment per process at a time,
+held under an exclusive `flock` while its process appends to it. A segment rotates past
+`MAX_SEGMENT_BYTES` and whenever its process replays (so what it replays is sealed). A replayer takes
+only segments it can lock: those of dead processes and its own sealed ones, never a live writer's.
+A replayed segment is deleted; rows the ledger refuses (their endpoint is gone) move to
+`rejected.jsonl` for an operator, never retried forever.
+
+NOTE: usage sitting in a journal is not in the ledger yet, so spend rebuilt from the ledger during
+an outage (a Redis flush at the same time) misses it until it is replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, fields
+from datetime import datetime
+from pathlib import Path
+
+from billing.ledger import UsageReport
+
+logger = logging.getLogger("inferplane.billing")
+
+SEGMENT_SUFFIX = ".jsonl"
+REJECTED_NAME = "rejected.jsonl"
+MAX_SEGMENT_BYTES = 64 * 1024 * 1024
+_TIMES = ("started_at", "first_token_at", "finished_at")
+_FIELDS = {f.name for f in fields(UsageReport)}
+
+
+def encode(report: UsageReport) -> bytes:
+    row = asdict(report)
+    for name in _TIMES:
+        row[name] = row[name].isoformat() if row[name] is not None else None
+    row["endpoint_id"] = str(row["endpoint_id"])
+    return json.dumps(row, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> UsageReport:
+    row = {key: value for key, value in json.loads(line).items() if key in _FIELDS}
+    for name in _TIMES:
+        row[name] = datetime.fromisoformat(row[name]) if row.get(name) else None
+    return UsageReport(**row)
+
+
+def read_segment(handle) -> list[UsageReport]:
+    """The reports of a segment; a torn last line (a crash mid-write, never fsync'd) is skipped."""
+    handle.seek(0)
+    reports = []
+    for number, line in enumerate(handle.read().split(b"\n")):
+        if not line.strip():
+            continue
+        try:
+            reports.append(decode(line))
+        except (ValueError, TypeError, KeyError) as exc:
+            logger.error("usage journal %s line %d unreadable, skipped: %r", handle.name, number + 1, exc)
+    return reports
+
+
+class UsageJournal:
+    """One process's journal in `directory` (blocking file I/O: call it from a worker thread)."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._segment = None  # the open segment this process appends to, flock'd
+        self._lock = threading.Lock()  # writers of several event loops share one journal
+
+    def append(self, reports: list[UsageReport]) -> None:
+        """Append reports and fsync: when this returns, they survive a crash of this process or machine."""
+        with self._lock:
+            self._append(reports)
+
+    def _append(self, reports: list[UsageReport]) -> None:
+        if self._segment is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            name = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}{SEGMENT_SUFFIX}"
+            segment = open(self.directory / name, "ab")
+            fcntl.flock(segment, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._segment = segment
+            _fsync_directory(self.directory)
+        self._segment.write(b"".join(encode(report) for report in reports))
+        self._segment.flush()
+        os.fsync(self._segment.fileno())
+        if self._segment.tell() >= MAX_SEGMENT_BYTES:
+            self._seal()
+
+    def seal(self) -> None:
+        """Close the current segment (releasing its lock): the next append starts a new one."""
+        with self._lock:
+            self._seal()
+
+    def _seal(self) -> None:
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.close()
+
+    def has_open_segment(self) -> bool:
+        return self._segment is not None
+
+    def segments(self) -> list[Path]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(path for path in self.directory.glob(f"*{SEGMENT_SUFFIX}") if path.name != REJECTED_NAME)
+
+    @contextlib.contextmanager
+    def claim(self, path: Path):
+        """Yields the open segment if nobody appends to it (else None); delete it with `done`."""
+        try:
+            handle = open(path, "rb")
+        except FileNotFoundError:
+            yield None
+            return
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield None  # a live process still appends to it
+                return
+            yield handle
+
+    def done(self, path: Path, rejected: list[UsageReport]) -> None:
+        """A segment is in the ledger: keep what the ledger refused, delete the segment."""
+        if rejected:
+            with open(self.directory / REJECTED_NAME, "ab") as handle:
+                handle.write(b"".join(encode(report) for report in rejected))
+                handle.flush()
+                os.fsync(handle.fileno())
+            logger.error("usage journal: %d report(s) refused by the ledger kept in %s", len(rejected), REJECTED_NAME)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    def backlog(self) -> int:
+        """Reports waiting in every segment of the folder (all processes of this machine)."""
+        total = 0
+        for path in self.segments():
+            with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
+                total += sum(1 for line in handle if line.strip())
+        return total
+
+
+def _fsync_directory(directory: Path) -> None:
+    """A new file's name is durable only once its folder is synced."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
