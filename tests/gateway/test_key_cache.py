@@ -19,13 +19,13 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def lookups(monkeypatch):
     """Counts the gateway's key lookups (each one a database query), with empty caches."""
     calls = []
-    real = services.authenticate_api_key
+    real = services.find_api_key
 
     def counted(plain):
         calls.append(plain)
         return real(plain)
 
-    monkeypatch.setattr(services, "authenticate_api_key", counted)
+    monkeypatch.setattr(services, "find_api_key", counted)
     auth._callers_by_key.clear()
     auth._refused_keys.clear()
     yield calls
