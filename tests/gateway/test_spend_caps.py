@@ -14,8 +14,8 @@ from tests.gateway.conftest import serve_endpoint
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
-CAP = "0.01"
-PRICE = Decimal("100")  # dollars per million tokens: a call costs about $0.0023
+CAP = "0.05"
+PRICE = Decimal("100")  # dollars per million tokens: a call costs about $0.0023 and reserves about $0.01
 
 
 def test_concurrent_calls_never_spend_past_the_cap_and_the_rest_get_402(gateway, tenant, start_mock_upstream):
