@@ -104,6 +104,14 @@ def staff_client():
     return client
 
 
+def _account_form(account, **changes) -> dict:
+    """Every field of the account's admin form (read-only ones are ignored), with `changes`."""
+    return {"organization": account.organization_id, "mode": account.mode, "spend_cap": account.spend_cap or "",
+            "stripe_customer_id": "", "stripe_subscription_id": "", "credit_drawn": "0",
+            "created_at_0": account.created_at.strftime("%Y-%m-%d"), "created_at_1": account.created_at.strftime("%H:%M:%S"),
+            **changes}
+
+
 def _reserve(organization, request_id: str, amount: str = "1.00"):
     return asyncio.run(quota.reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal(amount),
                                      request_id=request_id))
@@ -116,7 +124,7 @@ def test_a_cap_edited_in_the_django_admin_is_audited_and_the_gateway_enforces_it
     _reserve(organization, "before")  # the gateway's counters now hold the old (absent) cap
 
     response = staff_client.post(f"/django-admin/billing/billingaccount/{account.pk}/change/",
-                                 {"mode": BillingMode.POSTPAID, "spend_cap": "0.50"})
+                                 _account_form(account, spend_cap="0.50"))
     assert response.status_code == 302, response.content[:2000]
 
     assert get_billing_account(organization.pk).spend_cap == Decimal("0.50")
@@ -133,7 +141,7 @@ def test_a_billing_mode_edited_in_the_django_admin_is_audited_and_the_gateway_en
     _reserve(organization, "before")
 
     response = staff_client.post(f"/django-admin/billing/billingaccount/{account.pk}/change/",
-                                 {"mode": BillingMode.PREPAID, "spend_cap": ""})
+                                 _account_form(account, mode=BillingMode.PREPAID))
     assert response.status_code == 302, response.content[:2000]
 
     assert AuditEvent.objects.filter(organization=organization, action="billing.set_mode", actor=staff_client.staff).exists()
