@@ -1,29 +1,80 @@
+"""Staff pages for billing. Caps, billing modes and credit change only through `billing.services`
+and `billing.credits`, as in the API: each change is audited and the gateway's limits refreshed."""
+
+from decimal import Decimal
+
+from django import forms
 from django.contrib import admin
 
-from billing import quota
+from billing import credits, services
 from billing.models import BillingAccount, CreditGrant, Invoice, SpendAlert, UsageRollup
+from billing.serializers import MAX_SPEND_CAP
+from controlplane.services import Actor
+
+
+class BillingAccountForm(forms.ModelForm):
+    spend_cap = forms.DecimalField(required=False, min_value=Decimal(0), max_value=MAX_SPEND_CAP, decimal_places=2,
+                                   help_text="Monthly hard cap in USD; empty for none.")
+
+    class Meta:
+        model = BillingAccount
+        fields = ["mode", "spend_cap"]
+
+
+class CreditGrantForm(forms.ModelForm):
+    amount = forms.DecimalField(min_value=Decimal("0.01"), decimal_places=9)
+
+    class Meta:
+        model = CreditGrant
+        fields = ["organization", "amount", "granted_at", "expires_at", "note"]
 
 
 @admin.register(BillingAccount)
 class BillingAccountAdmin(admin.ModelAdmin):
+    form = BillingAccountForm
     list_display = ["organization", "mode", "spend_cap", "stripe_customer_id"]
     search_fields = ["organization__slug", "stripe_customer_id"]
+    fields = ["organization", "mode", "spend_cap", "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
+    readonly_fields = ["organization", "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
+
+    def has_add_permission(self, request):
+        return False  # NOTE: an organisation's account is made when first needed (`get_billing_account`)
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    def save_model(self, request, obj, form, change):
+        actor = Actor.from_request(request)
+        if "spend_cap" in form.changed_data:
+            services.set_spend_cap(actor, obj.organization, spend_cap=form.cleaned_data["spend_cap"])
+        if "mode" in form.changed_data:
+            services.set_billing_mode(actor, obj.organization, mode=form.cleaned_data["mode"])
 
 
 @admin.register(CreditGrant)
 class CreditGrantAdmin(admin.ModelAdmin):
+    form = CreditGrantForm
     list_display = ["organization", "amount", "consumed", "granted_at", "expires_at", "note"]
+    fields = ["organization", "amount", "granted_at", "expires_at", "note", "consumed"]
     readonly_fields = ["consumed"]
 
+    def has_change_permission(self, request, obj=None):
+        return obj is None  # NOTE: a grant is added, never edited: credit already drawn stays drawn
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
     def save_model(self, request, obj, form, change):
-        super().save_model(request, obj, form, change)
-        quota.refresh_limits(obj.organization_id)  # the gateway sees the new credit at once
+        grant = credits.grant_credits(Actor.from_request(request), obj.organization, amount=obj.amount,
+                                      expires_at=obj.expires_at, note=obj.note, granted_at=obj.granted_at)
+        obj.pk = grant.pk  # the admin's redirect and message name the grant the service made
 
 
 @admin.register(UsageRollup)
 class UsageRollupAdmin(admin.ModelAdmin):
-    list_display = ["organization", "endpoint", "hour_start", "sequence", "kind", "num_requests", "cost", "closed_at", "pushed_at"]
-    list_filter = ["kind"]
+    list_display = ["organization", "endpoint", "hour_start", "billing_mode", "sequence", "kind", "num_requests", "cost",
+                    "closed_at", "pushed_at"]
+    list_filter = ["kind", "billing_mode"]
 
     def has_change_permission(self, request, obj=None):
         return False  # NOTE: closed hours never change; corrections are adjustments

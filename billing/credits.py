@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from billing import quota
 from billing.ledger import total_spend
-from billing.models import BillingAccount, CreditGrant
+from billing.models import BillingAccount, BillingMode, CreditGrant
 from billing.services import get_billing_account
 from controlplane.services import Actor, record_audit
 
@@ -31,17 +31,18 @@ def grant_credits(actor: Actor, organization, *, amount: Decimal, expires_at: da
 
 
 def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decimal:
-    """Draw the ledger's spend not yet drawn from the active grants, soonest expiry first.
+    """Draw the ledger's prepaid spend not yet drawn from the active grants, soonest expiry first.
 
-    Idempotent: the account remembers how much of the ledger it has drawn. Spend beyond the
-    credit left is drawn as nothing (the cap made it impossible except for rounding). Returns
-    the amount taken from grants now.
+    Only usage rows written in prepaid mode draw credit (postpaid rows are metered to Stripe).
+    Idempotent: the account remembers how much of the prepaid ledger it has drawn. The gateway never
+    settles more than it reserved against the credit left, so spend beyond it can only come from a
+    grant expiring while a request ran; it is drawn as nothing. Returns the amount taken from grants now.
     """
     now = now or timezone.now()
     get_billing_account(organization_id)
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().get(organization_id=organization_id)
-        undrawn = total_spend(organization_id) - account.credit_drawn
+        undrawn = total_spend(organization_id, billing_mode=BillingMode.PREPAID) - account.credit_drawn
         if undrawn <= 0:
             return Decimal(0)
         taken = Decimal(0)

@@ -19,7 +19,7 @@ from django.db.models import Count, F, Sum
 from django.db.models.functions import Coalesce, TruncDate
 from django.utils import timezone
 
-from billing.models import MONEY_QUANTUM, UsageRecord, UsageStatus
+from billing.models import MONEY_QUANTUM, BillingAccount, BillingMode, UsageRecord, UsageStatus
 from billing.periods import Period
 
 PER_MILLION = Decimal("0.000001")
@@ -40,6 +40,7 @@ class UsageReport:
     finished_at: datetime
     status: str  # "ok" | "client_aborted" | "upstream_error"
     cold_start_s: float = 0.0  # never billed
+    max_cost: Decimal | None = None  # what the gateway reserved: the row never costs more
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -83,22 +84,28 @@ def cost_of(endpoint, prompt_tokens: int, cached_tokens: int, completion_tokens:
     return raw.quantize(MONEY_QUANTUM, rounding=ROUND_HALF_UP)
 
 
+# NOTE: the billing mode is read in the same statement that writes the row, so `set_billing_mode`
+# (which locks the account row) splits usage exactly: a row is in one billing path, never both.
+# `least` ignores a NULL max_cost.
 _INSERT_SQL = f"""
 INSERT INTO {UsageRecord._meta.db_table} (
     request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
-    completion_tokens, cost, started_at, first_token_at, finished_at, status, cold_start_s, recorded_at
+    completion_tokens, cost, billing_mode, started_at, first_token_at, finished_at, status, cold_start_s, recorded_at
 )
 SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_id, ''), r.prompt_tokens,
        r.cached_tokens, r.completion_tokens,
-       round(((r.prompt_tokens - r.cached_tokens) * e.price_input_per_million
-              + r.cached_tokens * e.price_cached_input_per_million
-              + r.completion_tokens * e.price_output_per_million) * 0.000001, 9),
+       least(round(((r.prompt_tokens - r.cached_tokens) * e.price_input_per_million
+                    + r.cached_tokens * e.price_cached_input_per_million
+                    + r.completion_tokens * e.price_output_per_million) * 0.000001, 9), r.max_cost),
+       coalesce(a.mode, '{BillingMode.POSTPAID}'),
        r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now()
 FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::uuid[], %s::text[], %s::integer[], %s::integer[],
-            %s::integer[], %s::timestamptz[], %s::timestamptz[], %s::timestamptz[], %s::text[], %s::float8[])
+            %s::integer[], %s::timestamptz[], %s::timestamptz[], %s::timestamptz[], %s::text[], %s::float8[],
+            %s::numeric[])
      AS r(request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
-          completion_tokens, started_at, first_token_at, finished_at, status, cold_start_s)
+          completion_tokens, started_at, first_token_at, finished_at, status, cold_start_s, max_cost)
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
+LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
 ON CONFLICT (request_id) DO NOTHING
 RETURNING request_id
 """
@@ -119,6 +126,7 @@ def _columns(reports: list[UsageReport]) -> list[list]:
         [r.finished_at for r in reports],
         [r.status for r in reports],
         [float(r.cold_start_s) for r in reports],
+        [r.max_cost for r in reports],
     ]
 
 
@@ -247,5 +255,9 @@ def period_spend(organization_id: int, period: Period, *, api_key_id: int | None
     return spend_between(organization_id=organization_id, since=period.start, until=period.end, api_key_id=api_key_id)
 
 
-def total_spend(organization_id: int) -> Decimal:
-    return UsageRecord.objects.filter(organization_id=organization_id).aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
+def total_spend(organization_id: int, *, billing_mode: str | None = None) -> Decimal:
+    """Everything the organisation ever spent, or only what it spent in one billing mode."""
+    rows = UsageRecord.objects.filter(organization_id=organization_id)
+    if billing_mode is not None:
+        rows = rows.filter(billing_mode=billing_mode)
+    return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]

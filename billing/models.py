@@ -25,6 +25,12 @@ class UsageStatus(models.TextChoices):
     OK = "ok", "OK"
     CLIENT_ABORTED = "client_aborted", "Client aborted"
     UPSTREAM_ERROR = "upstream_error", "Upstream error"
+    CUT_OFF = "cut_off", "Stopped at its reserved cost"
+
+
+class BillingMode(models.TextChoices):
+    POSTPAID = "postpaid", "Invoiced monthly"
+    PREPAID = "prepaid", "Prepaid credits"
 
 
 class UsageRecord(models.Model):
@@ -38,8 +44,11 @@ class UsageRecord(models.Model):
     prompt_tokens = models.PositiveIntegerField()
     cached_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField()
-    # Computed once, at write time, from the endpoint's prices then.
+    # Computed once, at write time, from the endpoint's prices then (never above what was reserved).
     cost = MoneyField()
+    # The organisation's billing mode when the row was written: prepaid rows draw credit, postpaid
+    # rows go to Stripe, never both (a switch of mode is exact at this row).
+    billing_mode = models.CharField(max_length=16, choices=BillingMode.choices, default=BillingMode.POSTPAID)
     started_at = models.DateTimeField()
     first_token_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField()
@@ -72,11 +81,12 @@ class UsageRollupQuerySet(models.QuerySet):
         return self.filter(organization=organization)
 
     def pushable(self):
-        return self.filter(closed_at__isnull=False, pushed_at__isnull=True)
+        """Closed postpaid rollups not yet in Stripe (prepaid usage is paid from credit, never metered)."""
+        return self.filter(closed_at__isnull=False, pushed_at__isnull=True, billing_mode=BillingMode.POSTPAID)
 
 
 class UsageRollup(models.Model):
-    """Usage of one organisation on one endpoint in one hour.
+    """Usage of one organisation on one endpoint in one hour, in one billing mode.
 
     Sequence 0 is the hour's total while it is open. Once closed it never changes: usage that
     arrives later for that hour becomes an ADJUSTMENT with the next sequence, visible and pushed
@@ -86,6 +96,7 @@ class UsageRollup(models.Model):
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.PROTECT, related_name="+")
     endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.PROTECT, related_name="+")
     hour_start = models.DateTimeField()
+    billing_mode = models.CharField(max_length=16, choices=BillingMode.choices, default=BillingMode.POSTPAID)
     sequence = models.PositiveIntegerField(default=0)
     kind = models.CharField(max_length=16, choices=RollupKind.choices, default=RollupKind.HOURLY)
     num_requests = models.PositiveBigIntegerField(default=0)
@@ -105,7 +116,8 @@ class UsageRollup(models.Model):
     class Meta:
         ordering = ["hour_start", "sequence"]
         constraints = [
-            models.UniqueConstraint(fields=["organization", "endpoint", "hour_start", "sequence"], name="rollup_unique_hour_sequence"),
+            models.UniqueConstraint(fields=["organization", "endpoint", "hour_start", "billing_mode", "sequence"],
+                                    name="rollup_unique_hour_mode_sequence"),
         ]
         indexes = [
             models.Index(fields=["closed_at", "pushed_at"], name="rollup_push_queue"),
@@ -113,7 +125,7 @@ class UsageRollup(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.organization_id}/{self.endpoint_id}@{self.hour_start:%Y-%m-%dT%H}#{self.sequence}"
+        return f"{self.organization_id}/{self.endpoint_id}@{self.hour_start:%Y-%m-%dT%H}/{self.billing_mode}#{self.sequence}"
 
     @property
     def input_tokens(self) -> int:
@@ -139,11 +151,6 @@ class RollupCursor(models.Model):
     last_run_at = models.DateTimeField(null=True, blank=True)
 
 
-class BillingMode(models.TextChoices):
-    POSTPAID = "postpaid", "Invoiced monthly"
-    PREPAID = "prepaid", "Prepaid credits"
-
-
 class BillingAccount(models.Model):
     """An organisation's billing settings and its Stripe customer (created when first needed)."""
 
@@ -153,7 +160,7 @@ class BillingAccount(models.Model):
     spend_cap = MoneyField(null=True, blank=True)
     stripe_customer_id = models.CharField(max_length=64, blank=True)
     stripe_subscription_id = models.CharField(max_length=64, blank=True)
-    # How much of the ledger has been drawn from credit grants (see billing.credits).
+    # How much of the prepaid usage in the ledger has been drawn from credit grants (see billing.credits).
     credit_drawn = MoneyField(default=Decimal(0))
     created_at = models.DateTimeField(default=timezone.now)
 

@@ -1,7 +1,8 @@
 """Spend caps and prepaid credit, enforced atomically in Redis before a request is proxied.
 
-A request's largest possible cost (`max_cost`) is reserved before it is proxied, and after its
-ledger row is written the reservation is settled with the real cost. The checks and holds are Lua
+A request's largest possible cost (`endpoints.gateway.estimate`) is reserved before it is proxied,
+and after its ledger row is written the reservation is settled with the real cost, never more than
+the reservation (`SETTLE_LUA` caps it: a request can never take a cap or the credit past zero). The checks and holds are Lua
 functions (`RESERVE_LUA`, `SETTLE_LUA`), run atomically, so concurrent calls from any number of
 gateway processes can never overshoot a cap. `reserve` and `settle` run them alone; the gateway
 runs them inside its admission and finish scripts (`endpoints/gateway/admission.py`).
@@ -33,8 +34,8 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
-from billing.ledger import cost_of, period_spend, total_spend
-from billing.models import MONEY_QUANTUM, ApiKeySpendCap, CreditGrant
+from billing.ledger import period_spend, total_spend
+from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingMode, CreditGrant
 from billing.periods import Period, period_containing
 from controlplane.redis_client import get_async_redis, get_redis
 
@@ -81,11 +82,6 @@ def to_units(amount: Decimal, rounding=ROUND_HALF_UP) -> int:
 
 def from_units(units: int) -> Decimal:
     return (Decimal(units) / UNITS_PER_DOLLAR).quantize(MONEY_QUANTUM)
-
-
-def max_cost(endpoint, prompt_tokens: int, max_tokens: int) -> Decimal:
-    """The most a request can cost: every prompt token uncached, every allowed output token produced."""
-    return cost_of(endpoint, prompt_tokens, 0, max_tokens)
 
 
 # --- Redis keys and scripts -----------------------------------------------------------------
@@ -151,25 +147,28 @@ local function quota_reserve(K, A)
 end
 """
 
-# Replaces a reservation by the real cost, once per request id (shared like RESERVE_LUA).
+# Replaces a reservation by the real cost, never more than the reservation, once per request id
+# (shared like RESERVE_LUA).
 # K: reservations, deadlines, settled marker, org period, org reserved, key period, key reserved, credit
 # A: request id, actual (units), has key, marker ttl
 SETTLE_LUA = """
 local function quota_settle(K, A)
   if not redis.call('SET', K[3], '1', 'NX', 'EX', A[4]) then return 0 end
   local has_key = A[3] == '1'
+  local actual = A[2]
   local payload = redis.call('HGET', K[1], A[1])
   if payload then
     local amount = cjson.decode(payload)['a']
+    if tonumber(actual) > tonumber(amount) then actual = amount end
     if redis.call('EXISTS', K[5]) == 1 then redis.call('DECRBY', K[5], amount) end
     if has_key and redis.call('EXISTS', K[7]) == 1 then redis.call('DECRBY', K[7], amount) end
     redis.call('HDEL', K[1], A[1])
     redis.call('ZREM', K[2], A[1])
   end
   -- A counter rebuilt from the ledger since the reservation already holds this request's cost.
-  if redis.call('EXISTS', K[4]) == 1 then redis.call('HINCRBY', K[4], 'spent', A[2]) end
-  if has_key and redis.call('EXISTS', K[6]) == 1 then redis.call('HINCRBY', K[6], 'spent', A[2]) end
-  if redis.call('EXISTS', K[8]) == 1 then redis.call('DECRBY', K[8], A[2]) end
+  if redis.call('EXISTS', K[4]) == 1 then redis.call('HINCRBY', K[4], 'spent', actual) end
+  if has_key and redis.call('EXISTS', K[6]) == 1 then redis.call('HINCRBY', K[6], 'spent', actual) end
+  if redis.call('EXISTS', K[8]) == 1 then redis.call('DECRBY', K[8], actual) end
   return 1
 end
 """
@@ -257,8 +256,8 @@ def credit_available(organization_id: int) -> tuple[Decimal, int]:
     account = get_billing_account(organization_id)
     grants = list(CreditGrant.objects.filter(organization_id=organization_id))
     active = [grant for grant in grants if grant.is_active(now)]
-    undrawn = total_spend(organization_id) - account.credit_drawn
-    available = sum((grant.remaining for grant in active), Decimal(0)) - undrawn
+    undrawn = total_spend(organization_id, billing_mode=BillingMode.PREPAID) - account.credit_drawn
+    available = sum((grant.remaining for grant in active), Decimal(0)) - max(undrawn, Decimal(0))
     changes = [g.expires_at for g in active if g.expires_at] + [g.granted_at for g in grants if g.granted_at > now]
     ttl_s = CREDIT_FIGURE_MAX_TTL_S
     if changes:

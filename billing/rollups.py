@@ -1,4 +1,8 @@
-"""Hourly rollups of the ledger per organisation × endpoint × hour.
+"""Hourly rollups of the ledger per organisation × endpoint × hour × billing mode.
+
+The billing mode comes from each usage row (written with the row), so an hour in which the
+organisation switched mode has one rollup per mode: its prepaid part is paid from credit and never
+pushed to Stripe, its postpaid part is pushed.
 
 A run recomputes, from the ledger itself, every hour that received rows since the previous run
 (so running it twice changes nothing), then closes hours older than the close delay. An open hour
@@ -29,22 +33,23 @@ TOTAL_FIELDS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_to
 
 _TABLE = UsageRecord._meta.db_table
 _AGGREGATE_ALL = f"""
-SELECT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start,
+SELECT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start, billing_mode,
        count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), sum(cost)
 FROM {_TABLE}
-GROUP BY 1, 2, 3
+GROUP BY 1, 2, 3, 4
 """
 _AGGREGATE_DIRTY = f"""
 WITH dirty AS (
-    SELECT DISTINCT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start
+    SELECT DISTINCT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start, billing_mode
     FROM {_TABLE} WHERE recorded_at >= %s
 )
-SELECT d.organization_id, d.endpoint_id, d.hour_start,
+SELECT d.organization_id, d.endpoint_id, d.hour_start, d.billing_mode,
        count(*), sum(u.prompt_tokens), sum(u.cached_tokens), sum(u.completion_tokens), sum(u.cost)
 FROM dirty d
 JOIN {_TABLE} u ON u.organization_id = d.organization_id AND u.endpoint_id = d.endpoint_id
+     AND u.billing_mode = d.billing_mode
      AND u.finished_at >= d.hour_start AND u.finished_at < d.hour_start + interval '1 hour'
-GROUP BY 1, 2, 3
+GROUP BY 1, 2, 3, 4
 """
 
 
@@ -79,8 +84,8 @@ def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupRe
             else:
                 cursor.execute(_AGGREGATE_DIRTY, [since])
             totals = {
-                (org, endpoint, hour): dict(zip(TOTAL_FIELDS, values, strict=True))
-                for org, endpoint, hour, *values in cursor.fetchall()
+                (org, endpoint, hour, mode): dict(zip(TOTAL_FIELDS, values, strict=True))
+                for org, endpoint, hour, mode, *values in cursor.fetchall()
             }
         result.num_groups = len(totals)
         if totals:
@@ -96,21 +101,23 @@ def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupRe
 
 
 def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
-    hours = [hour for _, _, hour in totals]
+    hours = [hour for _, _, hour, _ in totals]
     existing: dict[tuple, list[UsageRollup]] = {}
     candidates = UsageRollup.objects.filter(
         hour_start__gte=min(hours), hour_start__lte=max(hours),
-        organization_id__in={org for org, _, _ in totals}, endpoint_id__in={endpoint for _, endpoint, _ in totals},
+        organization_id__in={org for org, _, _, _ in totals}, endpoint_id__in={endpoint for _, endpoint, _, _ in totals},
     ).order_by("sequence")
     for rollup in candidates:
-        existing.setdefault((rollup.organization_id, rollup.endpoint_id, rollup.hour_start), []).append(rollup)
+        key = (rollup.organization_id, rollup.endpoint_id, rollup.hour_start, rollup.billing_mode)
+        existing.setdefault(key, []).append(rollup)
 
     to_create, to_update = [], []
     for group, total in totals.items():
-        org, endpoint, hour = group
+        org, endpoint, hour, mode = group
         rollups = existing.get(group)
         if not rollups:
-            to_create.append(UsageRollup(organization_id=org, endpoint_id=endpoint, hour_start=hour, computed_at=now, **total))
+            to_create.append(UsageRollup(organization_id=org, endpoint_id=endpoint, hour_start=hour, billing_mode=mode,
+                                         computed_at=now, **total))
             result.organization_ids.add(org)
             continue
         primary = rollups[0]
@@ -131,7 +138,7 @@ def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
             logger.error("ledger shrank under closed rollup %s: %s", primary, difference)
             continue
         to_create.append(UsageRollup(
-            organization_id=org, endpoint_id=endpoint, hour_start=hour, sequence=rollups[-1].sequence + 1,
+            organization_id=org, endpoint_id=endpoint, hour_start=hour, billing_mode=mode, sequence=rollups[-1].sequence + 1,
             kind=RollupKind.ADJUSTMENT, computed_at=now, closed_at=now, **difference,
         ))
         result.num_adjustments += 1

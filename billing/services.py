@@ -8,7 +8,6 @@ from django.conf import settings
 from django.db import transaction
 
 from billing import quota
-from billing.ledger import total_spend
 from billing.models import ApiKeySpendCap, BillingAccount, BillingMode
 from controlplane.services import Actor, record_audit
 
@@ -51,16 +50,20 @@ def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> Ap
 
 
 def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount:
+    """Switch between prepaid credit and monthly invoices, from the next usage row written.
+
+    NOTE: each usage row takes the mode of its organisation in the statement that writes it
+    (`billing.ledger`), and this update holds the account's row lock until it commits: every row is
+    in exactly one billing path, prepaid rows drawing credit, postpaid rows metered to Stripe.
+    """
     if mode not in BillingMode.values:
         raise ValueError(f"mode must be one of {BillingMode.values}")
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().get(pk=get_billing_account(organization.pk).pk)
-        if mode == BillingMode.PREPAID and not account.is_prepaid:
-            # NOTE: credit pays for usage from now on, never for what was invoiced before.
-            account.credit_drawn = total_spend(organization.pk)
+        previous = account.mode
         account.mode = mode
-        account.save(update_fields=["mode", "credit_drawn"])
-        record_audit(actor, organization, "billing.set_mode", account, mode=mode)
+        account.save(update_fields=["mode"])
+        record_audit(actor, organization, "billing.set_mode", account, mode=mode, previous=previous)
     quota.refresh_limits(organization.pk)
     return account
 

@@ -5,7 +5,9 @@ meter: each rollup's cost in micro-dollars, under one metered price of $0.000001
 organisation's customer gets one subscription to that price when it is first needed. The token
 meters stay, for token-level detail.
 
-Each closed rollup becomes up to four meter events (uncached input, cached input and output
+Only postpaid usage is metered: prepaid usage is paid from credit (`billing.credits`), and its
+rollups are never pushed (`UsageRollup.objects.pushable`). Each closed postpaid rollup becomes up to
+four meter events (uncached input, cached input and output
 tokens, and cost) whose `identifier` — also the idempotency key — is derived from the rollup id, so a
 retry after a crash can never bill twice: Stripe deduplicates it, and `MeterEventPush` records
 what was accepted so we do not even ask again. A worker claims a rollup with a conditional
@@ -28,7 +30,7 @@ from django.db import IntegrityError
 from django.db.models import Q
 from django.utils import timezone
 
-from billing.models import BillingAccount, MeterEventPush, StripeMeter, UsageRollup
+from billing.models import BillingAccount, BillingMode, MeterEventPush, StripeMeter, UsageRollup
 from billing.services import get_billing_account
 from controlplane.models import Organization
 
@@ -194,7 +196,8 @@ def ensure_subscription(organization_id: int) -> str:
     customer_id = ensure_customer(organization_id)
     price_id = ensure_usage_price()
     params = {"customer": customer_id, "items": [{"price": price_id}], "metadata": {"organization_id": str(organization_id)}}
-    oldest_hour = UsageRollup.objects.filter(organization_id=organization_id).order_by("hour_start").values_list("hour_start", flat=True).first()
+    oldest_hour = (UsageRollup.objects.filter(organization_id=organization_id, billing_mode=BillingMode.POSTPAID)
+                   .order_by("hour_start").values_list("hour_start", flat=True).first())
     if oldest_hour is not None:
         # Usage rolled up before the subscription existed is billed only if the subscription starts
         # before it. NOTE: the day, not the second, so that a retry from another worker sends the

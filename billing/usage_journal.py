@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, fields
+from decimal import Decimal
 from datetime import datetime
 from pathlib import Path
 
@@ -53,6 +54,8 @@ def encode(report: UsageReport) -> bytes:
     for name in _TIMES:
         row[name] = row[name].isoformat() if row[name] is not None else None
     row["endpoint_id"] = str(row["endpoint_id"])
+    # NOTE: the reserved cost is exact money: a string in the journal, a Decimal again on replay.
+    row["max_cost"] = str(row["max_cost"]) if row["max_cost"] is not None else None
     return json.dumps(row, separators=(",", ":")).encode() + b"\n"
 
 
@@ -60,6 +63,8 @@ def decode(line: bytes) -> UsageReport:
     row = {key: value for key, value in json.loads(line).items() if key in _FIELDS}
     for name in _TIMES:
         row[name] = datetime.fromisoformat(row[name]) if row.get(name) else None
+    if row.get("max_cost") is not None:
+        row["max_cost"] = Decimal(row["max_cost"])
     return UsageReport(**row)
 
 

@@ -12,9 +12,11 @@ from decimal import Decimal
 
 import aiohttp
 
-from endpoints.gateway import admission, cold_start, directory, errors, metrics, presence, traffic
+from billing import ledger, quota
+from endpoints.gateway import admission, cold_start, directory, errors, estimate, metrics, presence, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
+from endpoints.gateway.tally import UsageTally
 
 logger = logging.getLogger("inferplane.requests")
 
@@ -34,31 +36,12 @@ class UpstreamUnavailable(Exception):
     """The replica failed before sending a byte: safe to retry elsewhere."""
 
 
-def estimate_prompt_tokens(payload: dict, kind: str) -> int:
-    """An upper bound on prompt tokens without a tokenizer: a byte-level BPE token is at least one byte."""
-    if kind == "chat":
-        total = 16
-        for message in payload["messages"]:
-            content = message.get("content")
-            if isinstance(content, list):
-                content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
-            total += 8 + len(str(content or "").encode())
-        return total
-    prompt = payload["prompt"]
-    if isinstance(prompt, str):
-        return len(prompt.encode()) + 2
-    if all(isinstance(item, int) for item in prompt):
-        return len(prompt)
-    return sum(len(str(item).encode()) + 2 for item in prompt)
+class ReservationSpent(errors.OpenAIError):
+    """A stream reached the cost reserved for it: the gateway stops it there."""
 
-
-def worst_case_tokens(payload: dict, kind: str, max_model_len: int) -> int:
-    """The most tokens a request may use: its prompt estimate plus every output token of every choice.
-
-    NOTE: the one place for this count: the key's tokens per minute reserve it at admission.
-    """
-    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or max_model_len
-    return estimate_prompt_tokens(payload, kind) + max_tokens * (payload.get("n") or 1)
+    def __init__(self):
+        super().__init__(402, "This response reached the largest cost reserved for it and was stopped.",
+                         type="insufficient_quota", code="reservation_spent")
 
 
 @dataclass(slots=True)
@@ -78,9 +61,8 @@ class InferenceCall:
     replica: ReplicaInfo | None = None
     served: bool = False  # a replica accepted the request: a usage row is owed
     first_token_at: datetime | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
+    reserved: Decimal = Decimal(0)  # the worst case held against caps and credit; never billed beyond
+    usage: UsageTally = field(default_factory=UsageTally)
     status: str = "ok"
     cold_start_s: float = 0.0
     response_started: bool = False
@@ -91,8 +73,6 @@ class InferenceCall:
     _started_monotonic: float = field(default_factory=time.monotonic)
 
     async def run(self) -> None:
-        from billing import quota
-
         self.stream = bool(self.payload.get("stream", False))
         self.metrics = metrics.of_endpoint(self.endpoint.id, self.endpoint.organization_id)
         max_tokens = self.payload.get("max_completion_tokens") or self.payload.get("max_tokens")
@@ -104,13 +84,9 @@ class InferenceCall:
         if self.endpoint.paused:
             raise errors.OpenAIError(503, f"The endpoint '{self.endpoint.name}' is paused.", type="server_error",
                                      code="endpoint_paused", headers={"retry-after": "60"})
-        prompt_estimate = estimate_prompt_tokens(self.payload, self.kind)
-        if prompt_estimate > self.endpoint.max_model_len * 8:
-            raise errors.invalid_request(
-                f"Your prompt is far longer than this model's context of {self.endpoint.max_model_len} tokens.",
-                param="messages" if self.kind == "chat" else "prompt", code="context_length_exceeded",
-            )
-        worst_case = quota.max_cost(self.endpoint, prompt_estimate, max_tokens or self.endpoint.max_model_len)
+        worst_case = estimate.worst_case(self.payload, self.kind, self.endpoint.max_model_len)
+        self.usage.num_choices_per_prompt = worst_case.num_sequences
+        self.reserved = worst_case.max_cost(self.endpoint)
         replicas = await directory.ready_replicas(self.endpoint.id)
         # NOTE: a cold start's place in line (bounded per process, endpoint and organisation) comes
         # first; `cold_start.wait_for_replicas` gives it up, or the refusal below.
@@ -121,9 +97,8 @@ class InferenceCall:
             # NOTE: one round trip checks the rate limits, reserves the largest cost, counts the
             # request in flight (or waiting) and picks its replica; `_finish` undoes it in one more.
             admitted = await admission.admit(
-                caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=worst_case,
-                num_tokens=worst_case_tokens(self.payload, self.kind, self.endpoint.max_model_len),
-                candidates=[r.id for r in replicas])
+                caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=self.reserved,
+                num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas])
         except quota.QuotaExceeded as exc:
             await cold_start.give_up(place)
             raise errors.insufficient_quota(str(exc)) from None
@@ -153,7 +128,8 @@ class InferenceCall:
         except errors.OpenAIError as exc:
             if not self.response_started:
                 raise
-            self.status = "upstream_error"
+            if self.status == "ok":
+                self.status = "upstream_error"
             await self._send_event_error(exc)
         finally:
             watcher.cancel()
@@ -257,7 +233,7 @@ class InferenceCall:
         usage, start, _ = _find_usage(body)
         if start < 0 and b'"usage"' in body:
             usage = _parsed_usage(body)
-        self._take_usage(usage)
+        self.usage.take_totals(usage)
         self.first_token_at = datetime.now(UTC)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-request-id", self.request_id.encode())]
@@ -285,7 +261,7 @@ class InferenceCall:
         if b"\n\n" not in buffer:
             return buffer
         *events, rest = buffer.split(b"\n\n")
-        out, usage = [], None
+        out, usages = [], []
         for event in events:
             if self.first_token_at is None and _has_choices(event):
                 self.first_token_at = datetime.now(UTC)
@@ -293,23 +269,28 @@ class InferenceCall:
             data, event_usage = rewrite_event(event, wants_usage, wants_continuous)
             if data is not None:
                 out.append(data)
-            usage = event_usage or usage
+            if event_usage:
+                usages.append((event_usage, event))
         if self.disconnected.is_set():
             raise ClientGone()
         if out:
             out.append(b"")
             await self._send_body(b"\n\n".join(out))
-        # NOTE: counted only once sent: an aborted stream pays for what it received (usage is cumulative).
-        self._take_usage(usage)
+        # NOTE: counted only once sent: an aborted stream pays for what it received.
+        for usage, event in usages:
+            if _has_choices(event):
+                self.usage.take_chunk(usage, event)
+            else:
+                self.usage.take_totals(usage)
+        if usages and self._cost() > self.reserved:
+            # NOTE: raising closes the upstream response unread, which aborts the engine's request.
+            self.status = "cut_off"
+            raise ReservationSpent()
         return rest
 
-    def _take_usage(self, usage: dict | None) -> None:
-        if not usage:
-            return
-        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        self.completion_tokens = int(usage.get("completion_tokens") or 0)
-        details = usage.get("prompt_tokens_details") or {}
-        self.cached_tokens = min(int(details.get("cached_tokens") or 0), self.prompt_tokens)
+    def _cost(self) -> Decimal:
+        """The real cost of the tokens counted so far (before the reservation's cap)."""
+        return ledger.cost_of(self.endpoint, self.usage.prompt_tokens, self.usage.cached_tokens, self.usage.completion_tokens)
 
     # --- the client side ---------------------------------------------------------------------
     async def _start_stream(self) -> None:
@@ -337,15 +318,15 @@ class InferenceCall:
 
     # --- the end -----------------------------------------------------------------------------
     async def _finish(self, admitted: admission.Admission) -> None:
-        from billing import ledger
-
         finished_at = datetime.now(UTC)
         if self.response_started and self.stream and not self.disconnected.is_set():
             try:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
             except Exception:  # noqa: BLE001 - the client may be gone already
                 pass
-        actual = ledger.cost_of(self.endpoint, self.prompt_tokens, self.cached_tokens, self.completion_tokens) if self.served else Decimal(0)
+        # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.
+        actual = min(self._cost(), self.reserved) if self.served else Decimal(0)
+        usage = self.usage
         try:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
@@ -354,10 +335,10 @@ class InferenceCall:
                     request_id=self.request_id, organization_id=self.caller.organization_id,
                     api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
                     replica_id=self.replica.id if self.replica else None,
-                    prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-                    completion_tokens=self.completion_tokens, started_at=self.started_at,
+                    prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                    completion_tokens=usage.completion_tokens, started_at=self.started_at,
                     first_token_at=self.first_token_at, finished_at=finished_at, status=self.status,
-                    cold_start_s=round(self.cold_start_s, 3),
+                    cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved,
                 ))
         finally:
             presence.untrack(self.request_id)
@@ -365,7 +346,7 @@ class InferenceCall:
                 # NOTE: also releases the replica that served it (or was picked when the client left).
                 await admission.finish(caller=self.caller, endpoint_id=self.endpoint.id, admission=admitted,
                                        release=self.outstanding_replica_id,
-                                       num_tokens=self.prompt_tokens + self.completion_tokens if self.served else 0,
+                                       num_tokens=usage.prompt_tokens + usage.completion_tokens if self.served else 0,
                                        cost=actual)
             except errors.OUTAGES as exc:
                 # NOTE: the answer is given and its usage row written; the heartbeat ends it in Redis
@@ -378,13 +359,14 @@ class InferenceCall:
     def _observe(self, outcome: str) -> None:
         """The request's metrics and its line in the request log."""
         duration_s = time.monotonic() - self._started_monotonic
-        self.metrics.observe_request(outcome, duration_s, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        usage = self.usage
+        self.metrics.observe_request(outcome, duration_s, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
         logger.info(
             "request_id=%s org=%s key=%s endpoint=%s replica=%s status=%s prompt=%d cached=%d completion=%d "
             "cold_start_s=%.3f duration_s=%.3f",
             self.request_id, self.caller.organization_id, self.caller.api_key_id, self.endpoint.name,
-            self.replica.id if self.replica else "-", outcome, self.prompt_tokens, self.cached_tokens,
-            self.completion_tokens, self.cold_start_s, duration_s,
+            self.replica.id if self.replica else "-", outcome, usage.prompt_tokens, usage.cached_tokens,
+            usage.completion_tokens, self.cold_start_s, duration_s,
         )
 
 

@@ -1,4 +1,5 @@
-"""A spend cap set through the API turns calls into 402 insufficient_quota, and concurrency never overshoots it."""
+"""A spend cap set through the API turns calls into 402 insufficient_quota, concurrency never overshoots it,
+and no request is billed past what it reserved."""
 
 import asyncio
 from decimal import Decimal
@@ -7,15 +8,17 @@ import httpx
 import pytest
 from django.db.models import Sum
 
+from billing import quota
 from billing.models import UsageRecord
+from endpoints.gateway.estimate import worst_case
 from tests.conftest import wait_until
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
-CAP = "0.01"
-PRICE = Decimal("100")  # dollars per million tokens: a call costs about $0.0023
+CAP = "0.05"
+PRICE = Decimal("100")  # dollars per million tokens: a call costs about $0.0023 and reserves about $0.01
 
 
 def test_concurrent_calls_never_spend_past_the_cap_and_the_rest_get_402(gateway, tenant, start_mock_upstream):
@@ -46,3 +49,44 @@ def test_concurrent_calls_never_spend_past_the_cap_and_the_rest_get_402(gateway,
 
     billing = httpx.get(f"{gateway}/api/v1/billing/", headers=headers).json()
     assert Decimal(billing["current_period"]["spend"]) == spent
+
+
+# A replica that produces more than the gateway's worst case allows: the mock honours
+# max_completion_tokens on /v1/completions, which vLLM ignores (it stops at max_tokens, 16 by default).
+OVERLONG = {"prompt": "Hello", "max_completion_tokens": 200}
+
+
+def _reserved(endpoint, payload: dict) -> Decimal:
+    return worst_case(payload, "completion", endpoint.max_model_len).max_cost(endpoint)
+
+
+def test_a_stream_that_would_pass_its_reservation_is_cut_off_and_billed_no_more_than_reserved(gateway, tenant,
+                                                                                              start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(), price_input_per_million=PRICE,
+                              price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+    headers = {"Authorization": f"Bearer {tenant.key}"}
+    payload = {"model": endpoint.name, **OVERLONG, "stream": True}
+    with httpx.stream("POST", f"{gateway}/v1/completions", json=payload, headers=headers, timeout=60) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert response.status_code == 200
+    assert len(events) < 200 and '"reservation_spent"' in events[-1]
+
+    row = wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).first(), 15, message="the usage row")
+    reserved = _reserved(endpoint, payload)
+    assert row.status == "cut_off"
+    assert row.cost <= reserved
+    assert quota.counted_spend(tenant.org.pk) <= reserved
+
+
+def test_an_answer_costing_more_than_its_reservation_is_billed_the_reservation(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(), price_input_per_million=PRICE,
+                              price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+    payload = {"model": endpoint.name, **OVERLONG}
+    answer = httpx.post(f"{gateway}/v1/completions", json=payload, headers={"Authorization": f"Bearer {tenant.key}"}, timeout=60)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 200
+
+    row = wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).first(), 15, message="the usage row")
+    reserved = _reserved(endpoint, payload)
+    assert row.completion_tokens == 200  # what happened stays on the row; the bill stops at the reservation
+    assert row.cost == reserved
+    wait_until(lambda: quota.counted_spend(tenant.org.pk) == reserved, 15, message="the settled spend")

@@ -1,0 +1,77 @@
+"""The tokens one request has used so far, from the engine's `usage`: what it is billed for.
+
+A whole answer carries its totals. A stream carries usage on every chunk (the gateway asks for
+`continuous_usage_stats`), but vLLM counts it per choice there: a chunk of choice `i` says the
+prompt tokens of its prompt and the output tokens of choice `i` alone. With `n` choices per prompt
+choice `i` belongs to prompt `i // n` (vLLM numbers the choices of a list of prompts that way).
+The closing usage-only chunk carries the totals and replaces the running figures.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+_CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)[,}]')
+
+
+@dataclass(slots=True)
+class UsageTally:
+    num_choices_per_prompt: int = 1
+    _prompt_by_prompt: dict[int, int] = field(default_factory=dict)
+    _completion_by_choice: dict[int, int] = field(default_factory=dict)
+    _cached: int = 0
+    _totals: tuple[int, int, int] | None = None  # prompt, cached, completion from a whole usage
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._totals[0] if self._totals else sum(self._prompt_by_prompt.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        return min(self._totals[1] if self._totals else self._cached, self.prompt_tokens)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._totals[2] if self._totals else sum(self._completion_by_choice.values())
+
+    def take_totals(self, usage: dict | None) -> None:
+        """A whole answer's usage, or a stream's closing usage-only chunk."""
+        if not usage:
+            return
+        prompt, cached, completion = _counts(usage)
+        self._totals = (prompt, cached, completion)
+
+    def take_chunk(self, usage: dict | None, event: bytes) -> None:
+        """The usage on a stream chunk of one choice (cumulative for that choice)."""
+        if not usage or self._totals is not None:
+            return
+        choice = _choice_index(event)
+        prompt, cached, completion = _counts(usage)
+        prompt_index = choice // self.num_choices_per_prompt
+        self._prompt_by_prompt[prompt_index] = max(prompt, self._prompt_by_prompt.get(prompt_index, 0))
+        self._completion_by_choice[choice] = max(completion, self._completion_by_choice.get(choice, 0))
+        self._cached = max(self._cached, cached)
+
+
+def _counts(usage: dict) -> tuple[int, int, int]:
+    details = usage.get("prompt_tokens_details") or {}
+    return (_count(usage.get("prompt_tokens")), _count(details.get("cached_tokens") if isinstance(details, dict) else 0),
+            _count(usage.get("completion_tokens")))
+
+
+def _count(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _choice_index(event: bytes) -> int:
+    """The index of the (one) choice of a compact JSON chunk; parsed when the bytes say otherwise."""
+    found = _CHOICE_INDEX.search(event)
+    if found is not None:
+        return int(found.group(1))
+    try:
+        choices = json.loads(event[6:]).get("choices") or [{}]
+        return _count(choices[0].get("index"))
+    except (ValueError, AttributeError, IndexError, TypeError):
+        return 0

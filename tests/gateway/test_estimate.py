@@ -1,0 +1,118 @@
+"""The worst case the gateway reserves: every sequence, every prompt, the output the engine honours."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from endpoints.gateway.estimate import MAX_RESERVATION, worst_case
+from endpoints.gateway.tally import UsageTally
+
+CONTEXT = 2048
+PRICES = SimpleNamespace(price_input_per_million=Decimal("100"), price_cached_input_per_million=Decimal("50"),
+                         price_output_per_million=Decimal("100"))
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}]}
+
+
+def test_sixteen_completions_reserve_sixteen_times_the_output_of_one():
+    one = worst_case({"model": "m", "prompt": "Hi", "max_tokens": 100}, "completion", CONTEXT)
+    sixteen = worst_case({"model": "m", "prompt": "Hi", "max_tokens": 100, "n": 16}, "completion", CONTEXT)
+    assert one.num_output_tokens == 100
+    assert sixteen.num_output_tokens == 1600
+    assert sixteen.max_cost(PRICES) > 15 * one.max_cost(PRICES) - Decimal("0.01")
+
+
+def test_best_of_counts_when_larger_than_n():
+    assert worst_case({"prompt": "Hi", "max_tokens": 10, "n": 2, "best_of": 5}, "completion", CONTEXT).num_output_tokens == 50
+
+
+def test_a_list_of_prompts_reserves_each_prompt_and_its_outputs():
+    case = worst_case({"prompt": ["a", "bb", "ccc"], "max_tokens": 10, "n": 2}, "completion", CONTEXT)
+    assert case.prompt_bounds == (9, 10, 11)
+    assert case.num_output_tokens == 3 * 2 * 10
+
+
+def test_token_id_prompts_count_their_ids():
+    assert worst_case({"prompt": [1, 2, 3]}, "completion", CONTEXT).prompt_bounds == (3,)
+    assert worst_case({"prompt": [[1, 2], [3]]}, "completion", CONTEXT).prompt_bounds == (2, 1)
+
+
+def test_completions_honour_max_tokens_only_as_the_engine_does():
+    # vLLM's /v1/completions ignores max_completion_tokens and defaults max_tokens to 16.
+    case = worst_case({"prompt": "Hi", "max_completion_tokens": 5}, "completion", CONTEXT)
+    assert case.max_output_tokens == 16
+    assert worst_case({"prompt": "Hi", "max_tokens": 300, "max_completion_tokens": 5}, "completion", CONTEXT).max_output_tokens == 300
+
+
+def test_chat_prefers_max_completion_tokens_and_otherwise_fills_the_context():
+    assert worst_case(CHAT | {"max_tokens": 300, "max_completion_tokens": 5}, "chat", CONTEXT).max_output_tokens == 5
+    assert worst_case(CHAT | {"max_tokens": 300}, "chat", CONTEXT).max_output_tokens == 300
+    assert worst_case(CHAT, "chat", CONTEXT).max_output_tokens == CONTEXT
+
+
+def test_tools_and_schemas_count_toward_the_prompt():
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "x" * 500, "parameters": {"type": "object"}}}]
+    plain = worst_case(CHAT, "chat", CONTEXT).num_prompt_tokens
+    assert worst_case(CHAT | {"tools": tools}, "chat", CONTEXT).num_prompt_tokens > plain + 500
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"description": "y" * 300}}}
+    assert worst_case(CHAT | {"response_format": schema}, "chat", CONTEXT).num_prompt_tokens > plain + 300
+
+
+def test_a_prompt_never_counts_more_than_the_context_and_an_image_counts_as_all_of_it():
+    huge = worst_case({"prompt": "x" * 10_000, "max_tokens": 10}, "completion", CONTEXT)
+    assert huge.prompt_bounds == (CONTEXT,)
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}
+    assert worst_case({"messages": [image]}, "chat", CONTEXT).prompt_bounds == (CONTEXT,)
+
+
+def test_the_cost_is_the_most_over_every_prompt_length_the_context_allows():
+    # With no max_tokens, a short prompt leaves room for a long output: the worst case is not the longest prompt.
+    case = worst_case(CHAT | {"n": 3}, "chat", 100)
+    prices = SimpleNamespace(price_input_per_million=Decimal("1"), price_cached_input_per_million=Decimal("1"),
+                             price_output_per_million=Decimal("1"))
+    bound = case.prompt_bounds[0]
+    brute = max(p + 3 * min(case.max_output_tokens, 100 - p) for p in range(bound + 1)) * Decimal("0.000001")
+    assert case.max_cost(prices) == brute
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+                    max_leaves=20),
+       st.sampled_from(["chat", "completion"]))
+def test_odd_bodies_never_raise_and_stay_within_bounds(value, kind):
+    payload = {"model": "m", "messages": value, "prompt": value, "n": value, "max_tokens": value, "tools": value}
+    case = worst_case(payload, kind, CONTEXT)
+    assert all(0 <= bound <= CONTEXT for bound in case.prompt_bounds)
+    assert Decimal(0) <= case.max_cost(PRICES) <= MAX_RESERVATION
+
+
+def test_a_huge_n_reserves_at_most_the_ceiling():
+    assert worst_case({"prompt": "Hi", "n": 10**30}, "completion", CONTEXT).max_cost(PRICES) == MAX_RESERVATION
+
+
+def test_numbers_are_read_as_the_engine_reads_them():
+    assert worst_case({"prompt": "Hi", "max_tokens": 10, "n": "4"}, "completion", CONTEXT).num_output_tokens == 40
+    assert worst_case({"prompt": "Hi", "max_tokens": 10.0, "n": 2.0}, "completion", CONTEXT).num_output_tokens == 20
+
+
+# --- the running tally of a stream ---------------------------------------------------------------
+
+def _chunk(index: int, prompt: int, completion: int) -> tuple[dict, bytes]:
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    event = b"data: " + json.dumps({"id": "x", "choices": [{"index": index, "text": "t"}], "usage": usage},
+                                   separators=(",", ":")).encode()
+    return usage, event
+
+
+def test_a_stream_of_many_choices_is_counted_per_choice_and_its_prompts_once_each():
+    tally = UsageTally(num_choices_per_prompt=2)
+    for index, prompt, completion in [(0, 5, 1), (1, 5, 1), (2, 7, 1), (0, 5, 2), (3, 7, 3), (1, 5, 4)]:
+        tally.take_chunk(*_chunk(index, prompt, completion))
+    assert (tally.prompt_tokens, tally.completion_tokens) == (5 + 7, 2 + 4 + 1 + 3)
+    tally.take_totals({"prompt_tokens": 12, "completion_tokens": 11, "prompt_tokens_details": {"cached_tokens": 4}})
+    assert (tally.prompt_tokens, tally.cached_tokens, tally.completion_tokens) == (12, 4, 11)
