@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 import aiohttp
 from asgiref.sync import sync_to_async
 
-from endpoints.gateway import auth, directory, errors, metrics
+from endpoints.gateway import auth, directory, errors, metrics, standing
 from endpoints.gateway.call import InferenceCall
 
 logger = logging.getLogger("inferplane.gateway")
@@ -101,6 +101,7 @@ class Gateway:
             call = InferenceCall(
                 request_id=request_id, kind=kind, path=path, caller=caller, endpoint=endpoint, payload=payload, body=body,
                 client=self.client, receive=receive, send=send, started_at=datetime.now(UTC),
+                wait_for_capacity=standing.wants_to_wait(headers),
             )
             await call.run()
         except errors.OpenAIError as exc:

@@ -13,7 +13,7 @@ from decimal import Decimal
 import aiohttp
 
 from controlplane.redis_client import get_async_redis
-from endpoints.gateway import admission, directory, errors, metrics, traffic
+from endpoints.gateway import admission, directory, errors, metrics, standing, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
 from gpu_agent.notify import endpoint_ready_channel
@@ -83,6 +83,7 @@ class InferenceCall:
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     metrics: metrics.EndpointMetrics | None = None
+    wait_for_capacity: bool = False  # the client sent X-Inferplane-Wait-For-Capacity (endpoints.gateway.standing)
     _started_monotonic: float = field(default_factory=time.monotonic)
 
     async def run(self) -> None:
@@ -107,6 +108,8 @@ class InferenceCall:
             )
         worst_case = quota.max_cost(self.endpoint, prompt_estimate, max_tokens or self.endpoint.max_model_len)
         replicas = await directory.ready_replicas(self.endpoint.id)
+        if not replicas:  # a FAILED endpoint, or one waiting for capacity, says so now instead of holding the call
+            standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.wait_for_capacity)
         if not replicas and await traffic.num_waiting(self.endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
             raise errors.no_capacity(f"Too many requests are waiting for '{self.endpoint.name}' to start.", 10)
         try:
