@@ -13,7 +13,7 @@ from endpoints.models import Endpoint, ModelFacts, Replica
 from gpu_agent.protocol import Heartbeat, ModelInfo, ReplicaState, ReplicaStatus, WeightsStatus
 from gpu_agent.services import create_join_token, desired_replicas
 from tests.factories import EndpointFactory
-from tests.test_agent_api import REGISTRATION, register
+from tests.test_agent_api import register
 
 pytestmark = pytest.mark.django_db
 
