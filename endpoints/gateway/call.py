@@ -194,6 +194,7 @@ class InferenceCall:
                     f"No replica of '{self.endpoint.name}' became ready within {self.endpoint.cold_start_timeout_s} s.", 30
                 )
             if now - last_wake > REWAKE_EVERY_S:
+                await standing.refuse_if_stopped_meanwhile(self.endpoint, wait_for_capacity=self.wait_for_capacity)
                 await wake_endpoint(self.endpoint.id)
                 last_wake = now
             if self.stream:

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from controlplane.redis_client import get_redis
 from endpoints.gateway import traffic
-from endpoints.models import Replica
+from endpoints.models import Endpoint, Replica
 from gpu_agent.models import Node
 from gpu_agent.protocol import ReplicaState
 from tests.conftest import wait_until
@@ -66,3 +66,17 @@ def test_a_client_that_asks_to_wait_for_capacity_is_held_until_a_replica_is_read
     [response] = answers
     assert response.status_code == 200, response.text
     assert response.json()["choices"]
+
+
+def test_a_held_call_is_told_when_its_wake_finds_no_capacity(gateway, tenant):
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S)  # scaled to zero: the call wakes it
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(call(gateway, tenant, endpoint)))
+    thread.start()
+    wait_until(lambda: get_redis().zcard(traffic.waiting_key(str(endpoint.pk))) == 1, 20, message="the call to be held")
+    # What the woken reconcile records when no node has room.
+    Endpoint.objects.filter(pk=endpoint.pk).update(waiting_for_capacity=True, status_message=NO_ROOM)
+    thread.join(timeout=60)
+    [response] = answers
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "capacity_unavailable" and NO_ROOM in response.json()["error"]["message"]
