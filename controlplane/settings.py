@@ -228,6 +228,10 @@ AGENT_HEARTBEAT_INTERVAL_S = env_float("INFERPLANE_AGENT_HEARTBEAT_INTERVAL_S", 
 NODE_HEARTBEAT_GRACE_S = env_float("INFERPLANE_NODE_HEARTBEAT_GRACE_S", 30.0, minimum=1)
 REPLICA_DRAIN_TIMEOUT_S = env_float("INFERPLANE_REPLICA_DRAIN_TIMEOUT_S", 120.0, minimum=1)
 REPLICA_START_TIMEOUT_S = env_float("INFERPLANE_REPLICA_START_TIMEOUT_S", 900.0, minimum=5)
+# Identical replica failures of one endpoint back off (base, doubling) and, after this many, stop it
+# as FAILED with the reason until its spec changes or it is resumed: no placement loop.
+REPLICA_RETRY_BASE_S = env_float("INFERPLANE_REPLICA_RETRY_BASE_S", 30.0, minimum=0)
+REPLICA_MAX_IDENTICAL_FAILURES = env_int("INFERPLANE_REPLICA_MAX_IDENTICAL_FAILURES", 4, minimum=1)
 DEFAULT_MONTHLY_SPEND_CAP = env_decimal("INFERPLANE_DEFAULT_SPEND_CAP", "0")
 # Rate limits of a key (or console session) that sets none of its own; 0 means no limit.
 DEFAULT_KEY_REQUESTS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_RPM", 600, minimum=0)

@@ -40,7 +40,7 @@ class EndpointForm(SerializerBackedForm):
     max_replicas = _number("Maximum replicas", "Upper bound while scaling out.", min=1)
     idle_timeout_s = _number("Idle timeout (seconds)", "No requests for this long and it scales down.", min=LIMITS["idle_timeout_s"][0])
     target_concurrency = _number("Target concurrency", "In-flight requests per replica before scaling out.", min=1)
-    max_model_len = _number("Max model length (tokens)", "Prompt plus completion.", min=LIMITS["max_model_len"][0])
+    max_model_len = _number("Max model length (tokens)", "Prompt plus completion. Empty: the model's own context length.", min=LIMITS["max_model_len"][0])
     max_num_seqs = _number("Max sequences per batch", "Continuous-batching limit per replica.", min=1)
     max_num_batched_tokens = _number("Max batched tokens", "Optional; the engine picks when empty.")
     cold_start_timeout_s = _number("Cold-start timeout (seconds)", "How long a call waits for a replica to start.", min=LIMITS["cold_start_timeout_s"][0])

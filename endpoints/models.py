@@ -19,6 +19,8 @@ class EndpointState(models.TextChoices):
     PAUSED = "PAUSED", "Paused"
     SCALED_TO_ZERO = "SCALED_TO_ZERO", "Scaled to zero"
     STARTING = "STARTING", "Starting"
+    # Wants replicas, but no node has room for one (status_message says what it needs).
+    WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY", "Waiting for capacity"
     READY = "READY", "Ready"
     FAILED = "FAILED", "Failed"
 
@@ -114,7 +116,8 @@ class Endpoint(models.Model):
     max_replicas = models.PositiveIntegerField(default=1)
     idle_timeout_s = models.PositiveIntegerField(default=300)
     target_concurrency = models.PositiveIntegerField(default=8)
-    max_model_len = models.PositiveIntegerField(default=4096)
+    # None: the model's own context length (`ModelFacts`, or vLLM's reading of its config).
+    max_model_len = models.PositiveIntegerField(null=True, blank=True, default=None)
     max_num_seqs = models.PositiveIntegerField(default=64)
     max_num_batched_tokens = models.PositiveIntegerField(null=True, blank=True)
     cold_start_timeout_s = models.PositiveIntegerField(default=300)
@@ -124,6 +127,13 @@ class Endpoint(models.Model):
     price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     # Why the endpoint cannot get what it wants right now ("waiting for capacity: …"); empty when fine.
     status_message = models.CharField(max_length=300, blank=True)
+    # Set by the scheduler while no node has room for a replica it wants (the message says why).
+    waiting_for_capacity = models.BooleanField(default=False)
+    # Replica failures in a row with the same reason; they back off, then stop the endpoint (FAILED).
+    num_identical_failures = models.PositiveIntegerField(default=0)
+    last_failure_reason = models.CharField(max_length=300, blank=True)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)  # no new replica before this (backoff)
+    failed_at = models.DateTimeField(null=True, blank=True)  # gave up: no replicas until a spec change or resume
     paused_at = models.DateTimeField(null=True, blank=True)
     deleted_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
@@ -152,11 +162,50 @@ class Endpoint(models.Model):
         states = {replica.state for replica in self.replicas.all()}
         if ReplicaState.READY in states:
             return EndpointState.READY
+        if self.failed_at is not None:
+            return EndpointState.FAILED
+        if self.waiting_for_capacity:
+            return EndpointState.WAITING_FOR_CAPACITY
         if states & {ReplicaState.PENDING, ReplicaState.STARTING}:
             return EndpointState.STARTING
         if self.min_replicas > 0 and ReplicaState.FAILED in states:
             return EndpointState.FAILED
         return EndpointState.SCALED_TO_ZERO
+
+
+    @property
+    def context_length(self) -> int:
+        """The context the engine serves: the endpoint's own limit, else the model's, else a cautious guess."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return ModelFacts.context_length_of(self.model_source) or UNKNOWN_CONTEXT_LENGTH
+
+
+# Until an agent has read a model's config, estimates (placement, the gateway's checks) assume this.
+UNKNOWN_CONTEXT_LENGTH = 4096
+
+
+class ModelFacts(models.Model):
+    """What agents read from a model source's own files (its config.json and safetensors headers).
+
+    NOTE: an agent's report is taken only for sources it was given replicas of (`gpu_agent.services`).
+    """
+
+    source = models.CharField(max_length=500, unique=True)
+    max_model_len = models.PositiveIntegerField(null=True, blank=True)
+    architecture = models.CharField(max_length=200, blank=True)
+    num_params = models.BigIntegerField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "model facts"
+
+    def __str__(self) -> str:
+        return self.source
+
+    @classmethod
+    def context_length_of(cls, source: str) -> int | None:
+        return cls.objects.filter(source=source).values_list("max_model_len", flat=True).first()
 
 
 ACTIVE_REPLICA_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING)

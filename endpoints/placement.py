@@ -59,7 +59,7 @@ def memory_needed_mb(endpoint: Endpoint, weights_mb: int | None = None) -> int:
     if endpoint.gpu_type == "cpu":
         return math.ceil(weights + CPU_KV_CACHE_MB + CPU_ENGINE_OVERHEAD_MB)
     kv_per_token = weights_mb * 1024 * 1024 * KV_BYTES_PER_TOKEN_PER_WEIGHT_BYTE
-    kv_cache = endpoint.max_model_len * min(endpoint.max_num_seqs, 32) * kv_per_token / (1024 * 1024)
+    kv_cache = endpoint.context_length * min(endpoint.max_num_seqs, 32) * kv_per_token / (1024 * 1024)
     return math.ceil((weights + kv_cache) * 1.1)  # 10% for activations and the CUDA context
 
 

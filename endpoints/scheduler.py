@@ -22,7 +22,7 @@ from endpoints import autoscaler, quotas
 from endpoints.gateway import presence, traffic
 from endpoints.models import Endpoint, EventKind, Replica
 from endpoints.placement import place_replica
-from endpoints.services import drain_replica, record_event
+from endpoints.services import drain_replica, record_event, record_replica_failure
 from gpu_agent.models import Node
 from gpu_agent.notify import notify_node
 from gpu_agent.protocol import NodeState, ReplicaState
@@ -45,13 +45,21 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
             return None
         decision = autoscaler.decide(endpoint, load)
         serving = list(Replica.objects.filter(endpoint=endpoint, state__in=SERVING_STATES).select_related("endpoint"))
-        message = ""
-        if decision.desired > len(serving):
+        backing_off = endpoint.next_attempt_at is not None and endpoint.next_attempt_at > timezone.now()
+        held_back = endpoint.failed_at is not None or backing_off
+        # A failure's message stays while it holds the endpoint back; a capacity message is rewritten each time.
+        message, waiting_for_capacity = (endpoint.status_message if held_back else ""), False
+        if decision.desired > len(serving) and held_back:
+            # NOTE: a failed endpoint places nothing until a spec change or resume; one backing off
+            # after a failure waits for `next_attempt_at` (a later tick).
+            pass
+        elif decision.desired > len(serving):
             record_event(endpoint, EventKind.SCALE, f"Scale up {len(serving)} → {decision.desired}: {decision.reason}",
                          desired=decision.desired, current=len(serving))
             # NOTE: the organisation's row stays locked until commit, so its endpoints place one at a
             # time and together never pass its replica and GPU quotas.
             endpoint.organization = quotas.lock_organization(endpoint.organization_id)
+            num_placed = 0
             for _ in range(decision.desired - len(serving)):
                 refusal = quotas.replica_refusal(endpoint)
                 if refusal is not None:
@@ -60,7 +68,10 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
                 replica, reason = place_replica(endpoint)
                 if replica is None:
                     message = f"waiting for capacity: {reason}"
+                    # Nothing serving nor starting: calls cannot be served until a node frees up.
+                    waiting_for_capacity = not serving and not num_placed
                     break
+                num_placed += 1
                 record_event(endpoint, EventKind.SCALE, f"Replica {str(replica.pk)[:8]} {reason}", replica=replica)
         elif decision.desired < len(serving):
             record_event(endpoint, EventKind.SCALE, f"Scale down {len(serving)} → {decision.desired}: {decision.reason}",
@@ -68,10 +79,10 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
             surplus = sorted(serving, key=lambda r: (DRAIN_ORDER[r.state], -r.created_at.timestamp()))
             for replica in surplus[: len(serving) - decision.desired]:
                 drain_replica(replica, reason=decision.reason)
-        if endpoint.status_message != message:
-            if message:
+        if endpoint.status_message != message or endpoint.waiting_for_capacity != waiting_for_capacity:
+            if message and message != endpoint.status_message:
                 record_event(endpoint, EventKind.CAPACITY, message)
-            Endpoint.objects.filter(pk=endpoint.pk).update(status_message=message)
+            Endpoint.objects.filter(pk=endpoint.pk).update(status_message=message, waiting_for_capacity=waiting_for_capacity)
     return decision
 
 
@@ -84,7 +95,7 @@ def active_endpoint_ids(now: float | None = None) -> list[str]:
     # NOTE: `order_by()` drops the models' default ordering: with it, DISTINCT would run over
     # (endpoint, created_at), one row per replica, and the floor query would sort every match by name.
     with_replicas = Replica.objects.active().order_by().values_list("endpoint_id", flat=True).distinct()
-    with_floor = Endpoint.objects.live().filter(min_replicas__gt=0, paused_at__isnull=True).order_by().values_list("pk", flat=True)
+    with_floor = Endpoint.objects.live().filter(min_replicas__gt=0, paused_at__isnull=True, failed_at__isnull=True).order_by().values_list("pk", flat=True)
     recent = get_redis().zrangebyscore(traffic.RECENT_ENDPOINTS_KEY, now - traffic.RECENT_WINDOW_S, "+inf")
     ids = {str(pk) for pk in with_replicas} | {str(pk) for pk in with_floor} | set(recent)
     return sorted(ids)
@@ -101,7 +112,7 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
         return []
     endpoints = Endpoint.objects.filter(pk__in=endpoint_ids).order_by().only(
         "pk", "paused_at", "deleted_at", "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
-        "status_message",
+        "status_message", "failed_at",
     )
     num_serving = dict(
         Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_STATES).order_by()
@@ -110,6 +121,8 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
     changing = []
     for endpoint in endpoints:
         decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)])
+        if endpoint.failed_at is not None:
+            continue  # stopped until a spec change or resume: nothing to place
         if decision.desired != num_serving.get(endpoint.pk, 0) or endpoint.status_message:
             changing.append(str(endpoint.pk))
     return sorted(changing)
@@ -148,13 +161,16 @@ def sweep_stuck() -> None:
             fail_replica(replica, reason)
     started_before = now - timedelta(seconds=settings.REPLICA_START_TIMEOUT_S)
     for replica in Replica.objects.filter(state__in=[ReplicaState.PENDING, ReplicaState.STARTING], created_at__lt=started_before).select_related("endpoint"):
-        fail_replica(replica, f"did not become READY within {settings.REPLICA_START_TIMEOUT_S:.0f} s")
+        reason = f"did not become READY within {settings.REPLICA_START_TIMEOUT_S:.0f} s"
+        if fail_replica(replica, reason):
+            record_replica_failure(replica.endpoint_id, reason)
     drained_before = now - timedelta(seconds=settings.REPLICA_DRAIN_TIMEOUT_S + settings.NODE_HEARTBEAT_GRACE_S)
     for replica in Replica.objects.filter(state=ReplicaState.DRAINING, state_changed_at__lt=drained_before).select_related("endpoint"):
         fail_replica(replica, "its agent never confirmed the drain", final_state=ReplicaState.STOPPED)
 
 
-def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaState.FAILED) -> None:
+def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaState.FAILED) -> bool:
+    """Stop a replica the control plane gave up on; returns whether this call changed it."""
     from endpoints.tasks import reconcile_endpoint as reconcile_task
 
     now = timezone.now()
@@ -167,3 +183,4 @@ def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaSta
         kind = EventKind.FAILURE if final_state == ReplicaState.FAILED else EventKind.REPLICA
         record_event(replica.endpoint, kind, f"Replica {str(replica.pk)[:8]} {final_state}: {reason}", replica=replica)
         transaction.on_commit(lambda: reconcile_task.delay(str(replica.endpoint_id)))
+    return bool(changed)

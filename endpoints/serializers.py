@@ -18,6 +18,7 @@ from endpoints.models import (
     Endpoint,
     EndpointEvent,
     ModelCredential,
+    ModelFacts,
     Replica,
 )
 
@@ -106,6 +107,14 @@ class EndpointSerializer(StrictModelSerializer):
     )
     gpu_type = serializers.ChoiceField(choices=sorted(GPU_TYPES))
     quantization = serializers.ChoiceField(choices=list(QUANTIZATIONS), default="none")
+    max_model_len = serializers.IntegerField(
+        allow_null=True, default=None, min_value=LIMITS["max_model_len"][0], max_value=LIMITS["max_model_len"][1],
+        help_text="Longest prompt plus completion, in tokens. Null (the default): the model's own context length. "
+                  "A value above the model's is refused once the platform has read the model's config.",
+    )
+    context_length = serializers.IntegerField(
+        read_only=True, help_text="The context the endpoint serves: max_model_len, else the model's own (4096 until known).",
+    )
 
     class Meta:
         model = Endpoint
@@ -115,10 +124,10 @@ class EndpointSerializer(StrictModelSerializer):
             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s",
             "enable_prefix_caching",
             "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
-            "state", "status_message", "paused_at", "created_at", "updated_at",
+            "context_length", "state", "status_message", "failed_at", "paused_at", "created_at", "updated_at",
         ]
         read_only_fields = [
-            "id", "state", "status_message", "paused_at", "created_at", "updated_at",
+            "id", "state", "status_message", "failed_at", "paused_at", "created_at", "updated_at",
             "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
         ]
         extra_kwargs = {
@@ -155,6 +164,13 @@ class EndpointSerializer(StrictModelSerializer):
         batched = current("max_num_batched_tokens")
         if batched is not None and batched < current("max_num_seqs"):
             errors["max_num_batched_tokens"] = ["Must be at least max_num_seqs."]
+        requested, source = current("max_model_len"), current("model_source")
+        model_context = ModelFacts.context_length_of(source) if requested is not None and source else None
+        if model_context is not None and requested > model_context:
+            errors["max_model_len"] = [
+                f"This model's context is {model_context} tokens (from its config.json); choose at most "
+                f"{model_context}, or leave it empty for the model's own."
+            ]
         credential, needed = current("credential"), source_kind(current("model_source") or "")
         if credential is not None and credential.kind != needed:
             errors["credential"] = [

@@ -173,6 +173,8 @@ class ReplicaStatus(Message):
     tokens_per_s: float = 0.0
     num_restarts: int = 0
     failure_reason: str = ""
+    # The spec cannot run on this model (e.g. max_model_len past its context): another try fails alike.
+    failure_permanent: bool = False
     # Cold-start progress the gateway streams to held clients, e.g. "loading weights 40%".
     progress: str = ""
     progress_percent: float | None = None
@@ -184,6 +186,19 @@ class ReplicaStatus(Message):
 
 
 @dataclass(slots=True)
+class ModelInfo(Message):
+    """What a model's own config says (read by the agent once the weights are cached)."""
+
+    max_model_len: int | None = None  # the longest context the engine accepts for it (as vLLM derives it)
+    architecture: str = ""  # e.g. "LlamaForCausalLM"
+    num_params: int | None = None  # from the safetensors headers
+
+    def __post_init__(self) -> None:
+        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be > 0")
+        _require(self.num_params is None or self.num_params >= 0, "num_params must be >= 0")
+
+
+@dataclass(slots=True)
 class WeightsStatus(Message):
     source: str  # the endpoint's model_source
     cache_key: str  # content address in the agent's cache
@@ -191,6 +206,7 @@ class WeightsStatus(Message):
     downloaded_bytes: int = 0
     complete: bool = False
     last_used_at: float | None = None  # unix time
+    model_info: ModelInfo | None = None  # once the weights are complete and their config was read
 
 
 @dataclass(slots=True)
@@ -249,7 +265,8 @@ class ReplicaSpec(Message):
     action: ReplicaAction = ReplicaAction.RUN
     quantization: str = "none"  # the endpoint's value; the agent maps it to engine flags per device
     dtype: str = "auto"
-    max_model_len: int = 4096
+    # None: the model's own context length (the engine gets no --max-model-len).
+    max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
@@ -269,7 +286,8 @@ class ReplicaSpec(Message):
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id) and bool(self.served_model_name), "replica_id and served_model_name required")
-        _require(self.max_model_len > 0 and self.max_num_seqs > 0, "max_model_len and max_num_seqs must be > 0")
+        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be > 0")
+        _require(self.max_num_seqs > 0, "max_num_seqs must be > 0")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be within (0, 1]")
 
 

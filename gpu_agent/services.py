@@ -15,8 +15,8 @@ from django.utils import timezone
 from controlplane import tokens
 from controlplane.services import SYSTEM, Actor, record_audit
 from endpoints.credentials import source_access
-from endpoints.models import ACTIVE_REPLICA_STATES, FINAL_REPLICA_STATES, EventKind, Replica
-from endpoints.services import record_event
+from endpoints.models import ACTIVE_REPLICA_STATES, FINAL_REPLICA_STATES, EventKind, ModelFacts, Replica
+from endpoints.services import record_event, record_replica_failure, record_replica_ready
 from gpu_agent import protocol
 from gpu_agent.models import JoinToken, Node
 from gpu_agent.notify import notify_endpoint_ready, notify_node
@@ -109,6 +109,7 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         node.save(update_fields=["last_heartbeat_at", "last_status", "agent_version", "state"])
     if came_back:
         record_audit(SYSTEM, None, "node.online", node)
+    record_model_facts(node, heartbeat.weights)
     for report in heartbeat.replicas:
         apply_replica_report(node, report)
     return protocol.HeartbeatResponse(
@@ -116,6 +117,28 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S,
         desired=desired_replicas(node),
     )
+
+
+def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> None:
+    """Keep what the node read from its models' configs (context length, architecture, size).
+
+    NOTE: taken only for sources this node was given replicas of: a node cannot set the limits of
+    a model it was never asked to run (which would refuse or mislead other endpoints).
+    """
+    reported = {w.source: w.model_info for w in weights if w.complete and w.model_info is not None}
+    if not reported:
+        return
+    allowed = set(
+        Replica.objects.filter(node=node, endpoint__model_source__in=list(reported)).order_by()
+        .values_list("endpoint__model_source", flat=True).distinct()
+    )
+    known = {facts.source: facts for facts in ModelFacts.objects.filter(source__in=allowed)}
+    for source in allowed:
+        info = reported[source]
+        values = {"max_model_len": info.max_model_len, "architecture": info.architecture[:200], "num_params": info.num_params}
+        facts = known.get(source)
+        if facts is None or any(getattr(facts, name) != value for name, value in values.items()):
+            ModelFacts.objects.update_or_create(source=source, defaults=values)
 
 
 def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
@@ -190,6 +213,7 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
     short = str(replica.pk)[:8]
     details = {"from": previous, "to": new_state}
     if new_state == ReplicaState.READY:
+        record_replica_ready(replica.endpoint_id)
         notify_endpoint_ready(replica.endpoint_id)
         seconds = (timezone.now() - replica.created_at).total_seconds()
         record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} READY after {seconds:.1f} s", replica=replica,
@@ -197,6 +221,8 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
     elif new_state == ReplicaState.FAILED:
         record_event(replica.endpoint, EventKind.FAILURE, f"Replica {short} failed: {(report.failure_reason or 'engine failed')[-200:]}",
                      replica=replica, **details)
+        record_replica_failure(replica.endpoint_id, report.failure_reason or "engine failed",
+                               permanent=report.failure_permanent)
         from endpoints.tasks import reconcile_endpoint
 
         transaction.on_commit(lambda: reconcile_endpoint.delay(str(replica.endpoint_id)))

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 import aiohttp
 
 from billing.usage_writer import writer_for_this_loop
-from endpoints.gateway import auth, directory, errors, metrics, presence, request
+from endpoints.gateway import auth, directory, errors, metrics, presence, request, standing
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.memo import in_worker_thread
 
@@ -104,6 +104,7 @@ class Gateway:
             call = InferenceCall(
                 request_id=request_id, kind=kind, path=path, caller=caller, endpoint=endpoint, payload=payload, body=body,
                 client=self.client, receive=receive, send=send, started_at=datetime.now(UTC),
+                wait_for_capacity=standing.wants_to_wait(headers),
             )
             await call.run()
         except errors.OpenAIError as exc:

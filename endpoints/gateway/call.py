@@ -13,7 +13,17 @@ from decimal import Decimal
 import aiohttp
 
 from billing import ledger, quota
-from endpoints.gateway import admission, cold_start, directory, errors, estimate, metrics, presence, traffic
+from endpoints.gateway import (
+    admission,
+    cold_start,
+    directory,
+    errors,
+    estimate,
+    metrics,
+    presence,
+    standing,
+    traffic,
+)
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
 from endpoints.gateway.tally import UsageTally
@@ -70,6 +80,7 @@ class InferenceCall:
     held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     metrics: metrics.EndpointMetrics | None = None
+    wait_for_capacity: bool = False  # the client sent X-Inferplane-Wait-For-Capacity (endpoints.gateway.standing)
     _started_monotonic: float = field(default_factory=time.monotonic)
 
     async def run(self) -> None:
@@ -88,6 +99,8 @@ class InferenceCall:
         self.usage.num_choices_per_prompt = worst_case.num_sequences
         self.reserved = worst_case.max_cost(self.endpoint)
         replicas = await directory.ready_replicas(self.endpoint.id)
+        if not replicas:  # a FAILED endpoint, or one waiting for capacity, says so now instead of holding the call
+            standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.wait_for_capacity)
         # NOTE: a cold start's place in line (bounded per process, endpoint and organisation) comes
         # first; `cold_start.wait_for_replicas` gives it up, or the refusal below.
         place = None if replicas else await cold_start.take_place(self.endpoint, self.caller.organization_id,

@@ -22,7 +22,7 @@ from django.conf import settings
 
 from controlplane.pubsub import get_listener
 from controlplane.redis_scripts import Script
-from endpoints.gateway import directory, errors, traffic
+from endpoints.gateway import directory, errors, standing, traffic
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
 from endpoints.gateway.wake import wake_endpoint
 from gpu_agent.notify import endpoint_ready_channel
@@ -128,6 +128,8 @@ async def _wait_for_ready(call, ready_signal, deadline: float) -> list[ReplicaIn
                 f"No replica of '{endpoint.name}' became ready within {endpoint.cold_start_timeout_s} s.", 30
             )
         if now - last_wake > REWAKE_EVERY_S:
+            # An endpoint that failed, or ran out of capacity, while we waited says so now.
+            await standing.refuse_if_stopped_meanwhile(endpoint, wait_for_capacity=call.wait_for_capacity)
             await wake_endpoint(endpoint.id)
             last_wake = now
         if call.stream:

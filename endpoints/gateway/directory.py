@@ -35,6 +35,10 @@ class EndpointInfo:
     price_output_per_million: Decimal
     created_at: float
     max_held_requests: int  # the organisation's quota of requests held for cold starts at once
+    # Why calls cannot be served now: "FAILED" or "WAITING_FOR_CAPACITY" (see `endpoints.gateway.standing`);
+    # "" when the endpoint serves or may start. `status_message` says why, in the user's words.
+    state: str = ""
+    status_message: str = ""
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,14 +54,24 @@ class ReplicaInfo:
 def _endpoint_info(endpoint) -> EndpointInfo:
     return EndpointInfo(
         id=str(endpoint.pk), name=endpoint.name, organization_id=endpoint.organization_id,
-        paused=endpoint.paused_at is not None, max_model_len=endpoint.max_model_len,
+        paused=endpoint.paused_at is not None, max_model_len=endpoint.context_length,
         cold_start_timeout_s=endpoint.cold_start_timeout_s,
         price_input_per_million=endpoint.price_input_per_million,
         price_cached_input_per_million=endpoint.price_cached_input_per_million,
         price_output_per_million=endpoint.price_output_per_million,
         created_at=endpoint.created_at.timestamp(),
         max_held_requests=endpoint.organization.quotas.max_held_requests,
+        state=_blocking_state(endpoint), status_message=endpoint.status_message,
     )
+
+
+def _blocking_state(endpoint) -> str:
+    # NOTE: the values of `EndpointState` (this module loads before Django's apps, so not imported).
+    if endpoint.failed_at is not None:
+        return "FAILED"
+    if endpoint.waiting_for_capacity:
+        return "WAITING_FOR_CAPACITY"
+    return ""
 
 
 def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:

@@ -36,6 +36,7 @@ from gpu_agent.protocol import (
     ReplicaStatus,
 )
 from gpu_agent.runtime import engine, hardware
+from gpu_agent.runtime.model_info import context_problem
 from gpu_agent.runtime.supervisor import CommandFactory, Supervisor, SupervisorPolicy
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import SourceAccess, WeightsError
@@ -91,6 +92,7 @@ class _Pull:
     progress: str = "loading weights"
     progress_percent: float | None = None
     failure_reason: str = ""
+    failure_permanent: bool = False  # the spec cannot run on this model: retrying would fail alike
     done: bool = False
     cancelled: bool = False
 
@@ -423,6 +425,17 @@ class Agent:
             )
             pull.done = True
             return
+        # NOTE: checked before launching: vLLM would refuse the same spec only after loading for a
+        # minute; the replica fails now, with a reason the endpoint shows, and no engine is started.
+        problem = context_problem(spec.max_model_len, self.weights.model_info(path))
+        if problem:
+            logger.warning("replica %s: not starting: %s", spec.replica_id, problem)
+            self.weights.unpin(path)
+            pull.failure_reason = problem
+            pull.failure_permanent = True
+            pull.done = True
+            self._wake.set()
+            return
         # The engine never needs the source's credentials: nothing past this point (the supervisor,
         # its state file) holds them.
         spec = dataclasses.replace(spec, credentials=None)
@@ -473,6 +486,7 @@ class Agent:
                     replica_id=pull.spec.replica_id,
                     state=state,
                     failure_reason=pull.failure_reason,
+                    failure_permanent=pull.failure_permanent,
                     progress=pull.progress if state == ReplicaState.STARTING else "",
                     progress_percent=pull.progress_percent if state == ReplicaState.STARTING else None,
                 )

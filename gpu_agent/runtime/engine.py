@@ -192,7 +192,6 @@ def build_engine_command(
         "--host", host,
         "--port", str(port),
         "--dtype", dtype,
-        "--max-model-len", str(spec.max_model_len),
         "--max-num-seqs", str(spec.max_num_seqs),
         "--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching",
         "--disable-uvicorn-access-log",
@@ -202,6 +201,8 @@ def build_engine_command(
         "--middleware", "gpu_agent.runtime.engine_guard.EngineKeyGuard",
         *plan.flags,
     ]  # fmt: skip
+    if spec.max_model_len is not None:  # else vLLM takes the model's own context length
+        argv += ["--max-model-len", str(spec.max_model_len)]
     if spec.max_num_batched_tokens:
         argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if plan.hf_overrides:

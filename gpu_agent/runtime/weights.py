@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from gpu_agent.protocol import WeightsStatus
+from gpu_agent.protocol import ModelInfo, WeightsStatus
+from gpu_agent.runtime.model_info import read_model_info
 from gpu_agent.runtime.weights_access import (
     ModelTooLarge,
     SourceAccess,
@@ -143,6 +144,8 @@ class WeightsCache:
         self._key_locks: dict[str, threading.Lock] = {}
         self._pins: dict[str, int] = {}  # cache key -> number of users (never evicted)
         self._downloads: dict[str, _Download] = {}
+        self._model_infos: dict[Path, ModelInfo | None] = {}  # model directory -> what its config says
+        self._local_models: dict[str, Path] = {}  # local sources served here, reported like cached ones
 
     # -- public ---------------------------------------------------------------
 
@@ -156,7 +159,10 @@ class WeightsCache:
         access = access or SourceAccess()
         parsed = ModelSource.parse(source)
         if parsed.kind == "local":
-            return check_local_model_dir(parsed.location, self.private_dirs)
+            path = check_local_model_dir(parsed.location, self.private_dirs)
+            with self._mutex:
+                self._local_models[source] = path
+            return path
         endpoint = s3_endpoint_for(access, self.s3_endpoint_url) if parsed.kind == "s3" else self._hub()
         endpoint_digest = _digest(endpoint or "")
         with contextlib.ExitStack() as stack:
@@ -244,8 +250,19 @@ class WeightsCache:
         excess = sum(entry["size_bytes"] for entry in entries) - self.budget_bytes
         return self._evict_lru(entries, excess)
 
+    def model_info(self, model_dir: str | Path) -> ModelInfo | None:
+        """What a fetched model's config says (read once per directory; a cached model never changes)."""
+        model_dir = Path(model_dir)
+        with self._mutex:
+            if model_dir in self._model_infos:
+                return self._model_infos[model_dir]
+        info = read_model_info(model_dir)
+        with self._mutex:
+            self._model_infos[model_dir] = info
+        return info
+
     def statuses(self) -> list[WeightsStatus]:
-        """Complete models and downloads in progress, for heartbeats."""
+        """Complete models (with what their configs say) and downloads in progress, for heartbeats."""
         statuses = [
             WeightsStatus(
                 source=entry["source"],
@@ -254,11 +271,19 @@ class WeightsCache:
                 downloaded_bytes=entry["size_bytes"],
                 complete=True,
                 last_used_at=entry["last_used_at"],
+                model_info=self.model_info(self.root / entry["cache_key"]),
             )
             for entry in self._entries()
         ]
         with self._mutex:
             downloads = list(self._downloads.values())
+            local_models = list(self._local_models.items())
+        for source, path in local_models:
+            size_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+            statuses.append(WeightsStatus(
+                source=source, cache_key=f"local-{_digest(str(path))}", size_bytes=size_bytes,
+                downloaded_bytes=size_bytes, complete=True, model_info=self.model_info(path),
+            ))
         statuses += [
             WeightsStatus(
                 source=download.source,

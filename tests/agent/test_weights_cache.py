@@ -145,7 +145,10 @@ def test_local_paths_are_used_in_place(tmp_path):
     model.mkdir()
     cache = WeightsCache(tmp_path / "weights")
     assert cache.fetch(str(model)) == model
-    assert cache.statuses() == []
+    # Not copied, but reported (with what its config says) so the control plane learns the model's limits.
+    [status] = cache.statuses()
+    assert (status.source, status.complete, status.model_info) == (str(model), True, None)  # no config.json here
+    assert not any((tmp_path / "weights").glob("*.json"))
     with pytest.raises(WeightsError, match="does not exist"):
         cache.fetch(str(tmp_path / "missing"))
 

@@ -1,0 +1,50 @@
+"""Calls to an endpoint that cannot start now fail at once, with the reason, instead of waiting.
+
+An endpoint that FAILED (its replicas failed the same way until the scheduler gave up, or the
+model cannot run its spec) answers 503 `endpoint_failed` with its status message; one WAITING FOR
+CAPACITY (no node has room for a replica) answers 503 `capacity_unavailable` with `Retry-After`,
+unless the client asked to wait for capacity with the header `X-Inferplane-Wait-For-Capacity: true`:
+then it is held like any cold start, up to the endpoint's `cold_start_timeout_s`.
+
+The gateway learns the state from its cached `EndpointInfo` (at most `ENDPOINT_CACHE_S` old): once when
+a call finds no READY replica, and again every few seconds while a call is held (the wake it sent may
+be what found no room).
+"""
+
+from __future__ import annotations
+
+from endpoints.gateway import errors
+from endpoints.gateway.directory import EndpointInfo, find_endpoint
+
+WAIT_FOR_CAPACITY_HEADER = "x-inferplane-wait-for-capacity"
+CAPACITY_RETRY_AFTER_S = 30
+FAILED_RETRY_AFTER_S = 300
+
+
+def wants_to_wait(headers: dict[str, str]) -> bool:
+    """Whether the client asked to be held while the endpoint waits for capacity."""
+    return headers.get(WAIT_FOR_CAPACITY_HEADER, "").strip().lower() in ("true", "1", "yes")
+
+
+async def refuse_if_stopped_meanwhile(endpoint: EndpointInfo, *, wait_for_capacity: bool) -> None:
+    """During a hold: the call this hold's wake set off may have found no room, or failed; say so now."""
+    latest = await find_endpoint(endpoint.organization_id, endpoint.name)
+    if latest is not None and latest.id == endpoint.id:
+        refuse_unless_startable(latest, wait_for_capacity=wait_for_capacity)
+
+
+def refuse_unless_startable(endpoint: EndpointInfo, *, wait_for_capacity: bool) -> None:
+    """Raise the fast 503 for an endpoint with no READY replica that cannot get one soon."""
+    reason = endpoint.status_message or "no reason recorded"
+    if endpoint.state == "FAILED":
+        raise errors.OpenAIError(
+            503, f"The endpoint '{endpoint.name}' has failed and is not starting replicas: {reason}. "
+                 "Change its configuration or resume it to try again.",
+            type="server_error", code="endpoint_failed", headers={"retry-after": str(FAILED_RETRY_AFTER_S)},
+        )
+    if endpoint.state == "WAITING_FOR_CAPACITY" and not wait_for_capacity:
+        raise errors.OpenAIError(
+            503, f"The endpoint '{endpoint.name}' has no replica and is {reason}. Retry later, or send "
+                 "'X-Inferplane-Wait-For-Capacity: true' to wait up to its cold-start timeout.",
+            type="server_error", code="capacity_unavailable", headers={"retry-after": str(CAPACITY_RETRY_AFTER_S)},
+        )

@@ -1,0 +1,105 @@
+"""What a model's own files say about it: context length, architecture, size.
+
+Read from a cached model directory (`config.json` and the safetensors headers), after the weights
+are fetched and before the engine starts, so the agent can refuse a spec the model cannot run
+(a `max_model_len` past the model's context) at once, with the reason, instead of letting vLLM
+fail after a minute of loading. The control plane learns the figures from the heartbeat and uses
+them as the endpoint's defaults and limits.
+
+NOTE: imports nothing but the standard library and the protocol (the agent ships without Django).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+from pathlib import Path
+
+from gpu_agent.protocol import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+# The config keys vLLM reads for the context length (`_get_and_verify_max_len`); the smallest wins.
+CONTEXT_LENGTH_KEYS = (
+    "max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+    "max_sequence_length", "max_seq_length", "seq_len", "model_max_length",
+)
+# RoPE scalings whose factor is already part of max_position_embeddings (as vLLM treats them).
+ROPE_TYPES_WITHOUT_EXTENSION = ("su", "longrope", "llama3", "mrope", "default")
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def read_model_info(model_dir: str | Path) -> ModelInfo | None:
+    """The model's context length, architecture and parameter count; None without a readable config."""
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    architectures = config.get("architectures") or []
+    return ModelInfo(
+        max_model_len=context_length(config),
+        architecture=str(architectures[0]) if architectures else str(config.get("model_type", "")),
+        num_params=count_parameters(model_dir),
+    )
+
+
+def context_length(config: dict) -> int | None:
+    """The longest sequence vLLM would accept for this config, or None when it does not say."""
+    # Multimodal configs keep the language model's figures in `text_config`.
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    lengths = [
+        value for key in CONTEXT_LENGTH_KEYS
+        for value in (text_config.get(key), config.get(key))
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0
+    ]
+    if not lengths:
+        return None
+    derived = min(lengths)
+    rope = config.get("rope_scaling") or text_config.get("rope_scaling")
+    if isinstance(rope, dict):
+        rope_type = rope.get("rope_type") or rope.get("type") or ""
+        factor = rope.get("factor")
+        if rope_type not in ROPE_TYPES_WITHOUT_EXTENSION and isinstance(factor, (int, float)) and factor > 1:
+            if rope_type == "yarn":
+                derived = rope.get("original_max_position_embeddings", derived)
+            derived = int(derived * factor)
+    return derived
+
+
+def count_parameters(model_dir: Path) -> int | None:
+    """Parameters in the model's safetensors files, from their headers alone (no tensor is read)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        try:
+            with open(path, "rb") as handle:
+                (header_len,) = struct.unpack("<Q", handle.read(8))
+                if header_len > MAX_HEADER_BYTES:
+                    return None
+                header = json.loads(handle.read(header_len))
+        except (OSError, ValueError, struct.error):
+            logger.warning("could not read the safetensors header of %s", path.name)
+            return None
+        total += sum(
+            math.prod(tensor.get("shape", []))
+            for name, tensor in header.items()
+            if name != "__metadata__" and isinstance(tensor, dict)
+        )
+    return total
+
+
+def context_problem(requested: int | None, info: ModelInfo | None) -> str:
+    """Why an engine asked for `requested` tokens of context would refuse this model; "" when it would not."""
+    if requested is None or info is None or info.max_model_len is None or requested <= info.max_model_len:
+        return ""
+    return (
+        f"max_model_len {requested} is above this model's context of {info.max_model_len} tokens "
+        f"(its config.json); lower max_model_len or leave it unset to use the model's own"
+    )

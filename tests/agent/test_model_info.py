@@ -1,0 +1,66 @@
+"""The agent reads each model's own limits from its files, reports them, and refuses a spec past them before launching."""
+
+from __future__ import annotations
+
+import json
+
+from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime.model_info import context_length, read_model_info
+from gpu_agent.runtime.tiny_model import MAX_POSITION_EMBEDDINGS
+
+from .conftest import make_spec, processes_with_marker
+from .test_agent_loop import control_plane, running_agent  # noqa: F401  (fixtures)
+from .test_weights_agent import reported
+from .test_weights_cache import s3, s3_endpoint  # noqa: F401  (fixtures)
+
+
+def test_the_tiny_models_context_architecture_and_size_come_from_its_files(tiny_model_dir):
+    info = read_model_info(tiny_model_dir)
+    assert info.max_model_len == MAX_POSITION_EMBEDDINGS == 2048
+    assert info.architecture == "LlamaForCausalLM"
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    embeddings = config["vocab_size"] * config["hidden_size"]
+    assert info.num_params > embeddings
+
+
+def test_context_length_follows_vllms_reading_of_the_config():
+    assert context_length({"max_position_embeddings": 4096, "n_positions": 1024}) == 1024
+    assert context_length({"text_config": {"max_position_embeddings": 8192}}) == 8192
+    # YaRN extends the original window by its factor; Llama 3's scaling is already in the figure.
+    yarn = {"max_position_embeddings": 32768, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 32768}}
+    assert context_length(yarn) == 131072
+    llama3 = {"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    assert context_length(llama3) == 131072
+    assert context_length({"hidden_size": 64}) is None
+
+
+def test_a_directory_without_a_config_has_no_model_info(tmp_path):
+    assert read_model_info(tmp_path) is None
+
+
+def test_a_spec_past_the_models_context_fails_before_any_engine_starts_and_the_heartbeat_reports_the_model(
+    control_plane,  # noqa: F811
+    running_agent,  # noqa: F811
+    tiny_model_dir,
+):
+    control_plane.desired = [make_spec("r-too-long", model_source=str(tiny_model_dir), max_model_len=4096)]
+    running_agent()
+    status = reported(control_plane, "r-too-long", ReplicaState.FAILED)
+    assert status.failure_permanent
+    assert status.failure_reason == (
+        "max_model_len 4096 is above this model's context of 2048 tokens (its config.json); "
+        "lower max_model_len or leave it unset to use the model's own"
+    )
+    assert processes_with_marker("r-too-long") == []
+    with control_plane.lock:
+        weights = [w for w in control_plane.heartbeats[-1].weights if w.source == str(tiny_model_dir)]
+    assert weights and weights[0].complete and weights[0].model_info.max_model_len == 2048
+    assert weights[0].model_info.architecture == "LlamaForCausalLM" and weights[0].size_bytes > 0
+
+
+def test_a_spec_within_the_models_context_starts_its_engine(control_plane, running_agent, tiny_model_dir):  # noqa: F811
+    control_plane.desired = [make_spec("r-fits", model_source=str(tiny_model_dir), max_model_len=None)]
+    running_agent()
+    status = reported(control_plane, "r-fits", ReplicaState.READY)
+    assert status.address

@@ -1,0 +1,34 @@
+"""The endpoint page shows a capacity wait and a failure as what they are, with the reason."""
+
+import pytest
+
+from controlplane.services import SYSTEM
+from endpoints import scheduler
+from endpoints.models import Replica
+from gpu_agent.services import create_join_token
+from tests.factories import EndpointFactory
+from tests.test_agent_api import register
+from tests.test_endpoint_failures import IDLE, TINY, beat, failed
+
+pytestmark = pytest.mark.django_db
+
+
+def test_an_endpoint_waiting_for_capacity_says_so_and_why(owner, org):
+    endpoint = EndpointFactory(organization=org, model_source=TINY, gpu_type="cpu", min_replicas=1)
+    scheduler.reconcile_endpoint(str(endpoint.pk), IDLE)
+    page = owner.get(f"/console/endpoints/{endpoint.pk}/").content.decode()
+    assert "Waiting for capacity" in page and "Scaled to zero" not in page
+    assert "waiting for capacity: no READY node of GPU type cpu" in page
+    assert "X-Inferplane-Wait-For-Capacity" in page
+
+
+def test_a_failed_endpoint_shows_its_reason_and_offers_a_retry(owner, org, client):
+    secret = register(client, create_join_token(SYSTEM, name="test").plain).json()["node_secret"]
+    endpoint = EndpointFactory(organization=org, model_source=TINY, gpu_type="cpu", min_replicas=1, max_model_len=4096)
+    scheduler.reconcile_endpoint(str(endpoint.pk), IDLE)
+    beat(client, secret, replicas=[failed(Replica.objects.get(endpoint=endpoint), permanent=True)])
+    page = owner.get(f"/console/endpoints/{endpoint.pk}/").content.decode()
+    assert 'class="badge state-failed"' in page
+    assert "above this model&#x27;s context of 2048 tokens" in page and ">Retry</button>" in page
+    listing = owner.get("/console/endpoints/").content.decode()
+    assert "state-failed" in listing and "above this model&#x27;s context" in listing

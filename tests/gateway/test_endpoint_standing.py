@@ -1,0 +1,82 @@
+"""Calls to an endpoint that cannot start are told so at once; a client that asks to wait for capacity is held."""
+
+import threading
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from controlplane.redis_client import get_redis
+from endpoints.gateway import traffic
+from endpoints.models import Endpoint, Replica
+from gpu_agent.models import Node
+from gpu_agent.protocol import ReplicaState
+from tests.conftest import wait_until
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+NO_ROOM = "waiting for capacity: needs 2816 MB of GPU memory, the most free on a l4 node is 1024 MB"
+# Long enough that a held call would outlast the client's own timeout: only a fast answer passes.
+HOLD_S = 600
+
+
+def call(gateway, tenant, endpoint, **headers):
+    return httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}", **headers},
+                      json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 2}, timeout=30)
+
+
+def test_a_call_to_a_failed_endpoint_fails_at_once_with_the_reason(gateway, tenant):
+    reason = "failed: max_model_len 4096 is above this model's context of 2048 tokens (its config.json)"
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S, min_replicas=1,
+                              failed_at=timezone.now(), status_message=reason)
+    response = call(gateway, tenant, endpoint)
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "endpoint_failed" and error["type"] == "server_error"
+    assert reason in error["message"]
+    assert int(response.headers["retry-after"]) > 0
+    assert get_redis().zcard(traffic.waiting_key(str(endpoint.pk))) == 0  # never held
+
+
+def test_a_call_to_an_endpoint_waiting_for_capacity_fails_fast_with_retry_after_and_the_reason(gateway, tenant):
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S, min_replicas=1,
+                              waiting_for_capacity=True, status_message=NO_ROOM)
+    response = call(gateway, tenant, endpoint)
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "capacity_unavailable"
+    assert NO_ROOM in error["message"] and "X-Inferplane-Wait-For-Capacity" in error["message"]
+    assert int(response.headers["retry-after"]) == 30
+
+
+def test_a_client_that_asks_to_wait_for_capacity_is_held_until_a_replica_is_ready(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S, min_replicas=1,
+                              waiting_for_capacity=True, status_message=NO_ROOM)
+    answers = []
+    thread = threading.Thread(
+        target=lambda: answers.append(call(gateway, tenant, endpoint, **{"X-Inferplane-Wait-For-Capacity": "true"})),
+    )
+    thread.start()
+    wait_until(lambda: get_redis().zcard(traffic.waiting_key(str(endpoint.pk))) == 1, 20, message="the call to be held")
+    Replica.objects.create(endpoint=endpoint, node=Node.objects.get(), state=ReplicaState.READY,
+                           address=start_mock_upstream(), ready_at=timezone.now())
+    thread.join(timeout=60)
+    [response] = answers
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"]
+
+
+def test_a_held_call_is_told_when_its_wake_finds_no_capacity(gateway, tenant):
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S)  # scaled to zero: the call wakes it
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(call(gateway, tenant, endpoint)))
+    thread.start()
+    wait_until(lambda: get_redis().zcard(traffic.waiting_key(str(endpoint.pk))) == 1, 20, message="the call to be held")
+    # What the woken reconcile records when no node has room.
+    Endpoint.objects.filter(pk=endpoint.pk).update(waiting_for_capacity=True, status_message=NO_ROOM)
+    thread.join(timeout=60)
+    [response] = answers
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "capacity_unavailable" and NO_ROOM in response.json()["error"]["message"]
