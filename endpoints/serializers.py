@@ -9,7 +9,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.serializers import StrictModelSerializer
-from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
+from endpoints.catalogue import AUTO_PARSER, GPU_TYPES, QUANTIZATIONS, TOOL_CALL_PARSERS, default_tool_call_parser
 from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials, source_kind
 from endpoints.models import (
     FINAL_REPLICA_STATES,
@@ -105,6 +105,12 @@ class EndpointSerializer(StrictModelSerializer):
     )
     gpu_type = serializers.ChoiceField(choices=sorted(GPU_TYPES))
     quantization = serializers.ChoiceField(choices=list(QUANTIZATIONS), default="none")
+    tool_call_parser = serializers.ChoiceField(
+        choices=[AUTO_PARSER, "", *TOOL_CALL_PARSERS], required=False, allow_blank=True,
+        help_text="vLLM's tool-call parser for `tools` in chat completions. Omitted on create, or \"auto\": the "
+                  "parser of the model's family (llama3_json for Llama 3, hermes for Qwen, mistral, ...), none "
+                  "if the family is unknown. \"\" turns tool calling off.",
+    )
 
     class Meta:
         model = Endpoint
@@ -112,7 +118,7 @@ class EndpointSerializer(StrictModelSerializer):
             "id", "name", "model_source", "credential", "gpu_type", "quantization",
             "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s",
-            "enable_prefix_caching",
+            "enable_prefix_caching", "tool_call_parser",
             "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
             "state", "status_message", "paused_at", "created_at", "updated_at",
         ]
@@ -162,6 +168,8 @@ class EndpointSerializer(StrictModelSerializer):
             ]
         if errors:
             raise serializers.ValidationError(errors)
+        if attrs.get("tool_call_parser") == AUTO_PARSER or (self.instance is None and "tool_call_parser" not in attrs):
+            attrs["tool_call_parser"] = default_tool_call_parser(current("model_source") or "")
         return attrs
 
 
