@@ -88,9 +88,10 @@ AUTO_PARSER = "auto"
 # Model families, most specific first: (words all found in the model's name or architecture, parser).
 # From vLLM's tool-calling guide; a family not listed gets no parser ("" = tool calling off).
 _TOOL_CALL_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("hermes",), "hermes"),  # Nous Hermes fine-tunes of Llama speak Hermes, not Llama
     (("llama-4",), "llama4_pythonic"), (("llama4",), "llama4_pythonic"),
     (("llama-3",), "llama3_json"), (("llama3",), "llama3_json"),
-    (("qwen3", "coder"), "qwen3_coder"), (("qwen",), "hermes"), (("qwq",), "hermes"), (("hermes",), "hermes"),
+    (("qwen3", "coder"), "qwen3_coder"), (("qwen",), "hermes"), (("qwq",), "hermes"),
     (("mistral",), "mistral"), (("mixtral",), "mistral"), (("ministral",), "mistral"), (("codestral",), "mistral"),
     (("deepseek", "v3.1"), "deepseek_v31"), (("deepseek", "v3"), "deepseek_v3"),
     (("granite-4",), "granite4"), (("granite",), "granite"),
