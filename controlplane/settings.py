@@ -166,7 +166,7 @@ STATIC_URL = "/static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 # Production serves what `collectstatic` wrote at build time: names carry a content hash (cached
-# forever by browsers) and gzip/brotli copies sit beside them. Debugging reads the source folders.
+# forever by browsers) and gzip copies sit beside them. Debugging reads the source folders.
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {
