@@ -9,7 +9,13 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.serializers import StrictModelSerializer
-from endpoints.catalogue import AUTO_PARSER, GPU_TYPES, QUANTIZATIONS, TOOL_CALL_PARSERS, default_tool_call_parser
+from endpoints.catalogue import (
+    AUTO_PARSER,
+    GPU_TYPES,
+    QUANTIZATIONS,
+    TOOL_CALL_PARSERS,
+    default_tool_call_parser,
+)
 from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials, source_kind
 from endpoints.models import (
     FINAL_REPLICA_STATES,

@@ -2,7 +2,12 @@
 
 import pytest
 
-from endpoints.catalogue import REASONING_PARSERS, TOOL_CALL_PARSERS, default_reasoning_parser, default_tool_call_parser
+from endpoints.catalogue import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    default_reasoning_parser,
+    default_tool_call_parser,
+)
 from gpu_agent.protocol import ReplicaSpec
 from gpu_agent.runtime.engine import build_engine_command
 from tests.factories import EndpointFactory
