@@ -34,8 +34,8 @@ import socket
 import threading
 import time
 from dataclasses import asdict, fields
-from decimal import Decimal
 from datetime import datetime
+from decimal import Decimal
 from pathlib import Path
 
 from billing.ledger import UsageReport

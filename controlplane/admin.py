@@ -1,13 +1,25 @@
-"""The Django admin for accounts: users staff create there count as verified; plans (quotas) and which
-plan each organisation is on, saved through the services that audit (`save_plan`, `set_organization_plan`).
+"""The Django admin for accounts and organisations: staff look, the services change. Users staff create
+here count as verified; plans (quotas) and which plan each organisation is on are saved through the
+services that audit (`save_plan`, `set_organization_plan`).
+
+Users that staff create here count as verified. Everything else is read-only: organisations,
+members, keys and the audit log change only through the services the API and console use
+(a key is revoked with the "Revoke" action, which calls `revoke_api_key`).
 """
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 
-from controlplane.models import Organization, Plan
-from controlplane.services import Actor, mark_email_verified, save_plan, set_organization_plan
+from controlplane.models import ApiKey, AuditEvent, Membership, Organization, Plan
+from controlplane.services import (
+    Actor,
+    client_ip,
+    mark_email_verified,
+    revoke_api_key,
+    save_plan,
+    set_organization_plan,
+)
 
 User = get_user_model()
 
@@ -24,6 +36,36 @@ admin.site.unregister(User)
 admin.site.register(User, UserAdmin)
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Staff look; the services change. Every field shown, none editable, no add or delete."""
+
+    def get_readonly_fields(self, request, obj=None):
+        return [field.name for field in self.model._meta.fields]
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    fields = readonly_fields = ["user", "role", "created_at"]
+    extra = 0
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
 
 @admin.register(Plan)
 class PlanAdmin(admin.ModelAdmin):
@@ -38,21 +80,56 @@ class PlanAdmin(admin.ModelAdmin):
 
 
 @admin.register(Organization)
-class OrganizationAdmin(admin.ModelAdmin):
+class OrganizationAdmin(ReadOnlyAdmin):
     list_display = ["slug", "name", "plan", "created_at"]
     list_filter = ["plan"]
     search_fields = ["slug", "name"]
     list_select_related = ["plan"]
-    # NOTE: staff change the plan only; everything else belongs to the organisation's owners.
-    fields = ["name", "slug", "plan"]
-    readonly_fields = ["name", "slug"]
+    inlines = [MembershipInline]
 
-    def has_add_permission(self, request):
-        return False
+    # NOTE: staff change the plan only (through the audited service); the rest is the owners'.
+    def get_readonly_fields(self, request, obj=None):
+        return [name for name in super().get_readonly_fields(request, obj) if name != "plan"]
 
-    def has_delete_permission(self, request, obj=None):
-        return False
+    def has_change_permission(self, request, obj=None):
+        return admin.ModelAdmin.has_change_permission(self, request, obj)
 
     def save_model(self, request, obj, form, change):
         if "plan" in form.changed_data:
             set_organization_plan(Actor.from_request(request), obj, obj.plan)
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(ReadOnlyAdmin):
+    list_display = ["name", "organization", "created_by", "created_at", "expires_at", "revoked_at", "last_used_at"]
+    list_filter = [("revoked_at", admin.EmptyFieldListFilter)]
+    search_fields = ["name", "organization__slug", "created_by__email"]
+    list_select_related = ["organization", "created_by"]
+    exclude = ["digest"]
+    actions = ["revoke"]
+
+    def get_readonly_fields(self, request, obj=None):
+        return [name for name in super().get_readonly_fields(request, obj) if name != "digest"]
+
+    @admin.action(description="Revoke selected API keys")
+    def revoke(self, request, queryset):
+        # NOTE: staff act as the platform (no membership); Django's admin log names who clicked.
+        actor = Actor(source_ip=client_ip(request))
+        num_revoked = 0
+        for api_key in queryset.filter(revoked_at__isnull=True).select_related("organization"):
+            revoke_api_key(actor, api_key)
+            self.log_change(request, api_key, "Revoked")
+            num_revoked += 1
+        self.message_user(request, f"Revoked {num_revoked} API key(s).", messages.SUCCESS)
+
+    def has_revoke_permission(self, request):
+        return request.user.is_superuser
+
+
+@admin.register(AuditEvent)
+class AuditEventAdmin(ReadOnlyAdmin):
+    list_display = ["created_at", "action", "organization", "actor", "target_repr", "source_ip"]
+    list_filter = ["action"]
+    search_fields = ["action", "target_repr", "organization__slug", "actor__email"]
+    list_select_related = ["organization", "actor"]
+    date_hierarchy = "created_at"

@@ -9,6 +9,7 @@ from django.forms.utils import ErrorDict
 from django.http import QueryDict
 from django.utils import timezone
 
+from controlplane.backends import email_in_use
 from controlplane.models import Role, Scope
 
 
@@ -22,7 +23,7 @@ class SignUpForm(forms.Form):
 
     def clean_email(self):
         email = self.cleaned_data["email"].lower()
-        if get_user_model().objects.filter(username=email).exists():
+        if email_in_use(email):
             raise forms.ValidationError("An account with this email exists; log in instead.")
         return email
 

@@ -3,6 +3,11 @@
 Everything comes from the environment through `controlplane.env`; the README's
 configuration table lists each variable. With `DATABASE_URL` or `REDIS_URL`
 unset, embedded servers are started under `INFERPLANE_DATA_DIR`.
+
+With neither URL set this is a machine of its own (`make run`, or any `manage.py`
+command next to it): debug mode defaults on, so the data folder's generated secret
+and encryption keys are found without any variable. A deployment always sets
+`DATABASE_URL` (and `DJANGO_DEBUG=0`), and then debug mode is off unless asked for.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from controlplane.env import (
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
-DEBUG = env_bool("DJANGO_DEBUG", False)
+# NOTE: production always names its database; only the embedded local stack runs without one.
+LOCAL_STACK = env_str("DATABASE_URL") is None and env_str("REDIS_URL") is None
+DEBUG = env_bool("DJANGO_DEBUG", LOCAL_STACK)
 
 
 def _secret_key() -> str:
@@ -77,6 +84,8 @@ CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 PUBLIC_URL = (env_str("INFERPLANE_PUBLIC_URL", "http://127.0.0.1:8000") or "").rstrip("/")
 
 INSTALLED_APPS = [
+    # NOTE: first, so its management commands (`createsuperuser` by email) replace Django's.
+    "controlplane",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -87,7 +96,6 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
-    "controlplane",
     "endpoints",
     "billing",
     "gpu_agent",
@@ -139,6 +147,9 @@ REDIS_TIMEOUT_S = env_float("INFERPLANE_REDIS_TIMEOUT_S", 2.0, minimum=0.1)
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
 
 # --- auth ----------------------------------------------------------------------
+# Accounts are known by their email: the console's log-in (and the admin's) accept it whatever the
+# username is (`createsuperuser` asks for the email first and uses it as the username).
+AUTHENTICATION_BACKENDS = ["controlplane.backends.EmailBackend"]
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
@@ -157,7 +168,16 @@ USE_TZ = True
 STATIC_URL = "/static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-WHITENOISE_USE_FINDERS = True
+# Production serves what `collectstatic` wrote at build time: names carry a content hash (cached
+# forever by browsers) and gzip copies sit beside them. Debugging reads the source folders.
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage" if DEBUG
+        else "whitenoise.storage.CompressedManifestStaticFilesStorage",
+    },
+}
+WHITENOISE_USE_FINDERS = DEBUG
 
 # --- REST API --------------------------------------------------------------------
 REST_FRAMEWORK = {

@@ -33,7 +33,7 @@ def signup(request):
             organization_name=form.cleaned_data["organization_name"],
             source_ip=client_ip(request),
         )
-        login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+        login(request, user, backend="controlplane.backends.EmailBackend")
         request.session[SESSION_KEY] = organization.pk
         return redirect("verify-email")
     return render(request, "controlplane/signup.html", {"form": form})

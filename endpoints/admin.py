@@ -3,6 +3,7 @@ and the public model catalogue (sources the fleet's own credentials may read) is
 
 from django.contrib import admin
 
+from controlplane.admin import ReadOnlyAdmin
 from controlplane.services import Actor, record_audit
 from endpoints.models import AllowedSource, Endpoint, EndpointEvent, ModelCredential, Replica
 
@@ -30,7 +31,7 @@ class AllowedSourceAdmin(admin.ModelAdmin):
 
 
 @admin.register(ModelCredential)
-class ModelCredentialAdmin(admin.ModelAdmin):
+class ModelCredentialAdmin(ReadOnlyAdmin):
     """Read-only for staff: which organisation holds which credential, never its secrets."""
 
     list_display = ["name", "organization", "kind", "created_at", "last_used_at"]
@@ -39,16 +40,6 @@ class ModelCredentialAdmin(admin.ModelAdmin):
     list_select_related = ["organization"]
     fields = ["name", "organization", "kind", "access_key_id", "role_arn", "external_id", "region", "endpoint_url",
               "secret_fields", "created_by", "created_at", "updated_at", "last_used_at"]
-    readonly_fields = fields
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(Endpoint)

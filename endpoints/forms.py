@@ -3,7 +3,7 @@
 from django import forms
 
 from controlplane.forms import SerializerBackedForm
-from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
+from endpoints.catalogue import AUTO_PARSER, GPU_TYPES, QUANTIZATIONS, TOOL_CALL_PARSERS
 from endpoints.models import CredentialKind, Endpoint, ModelCredential
 from endpoints.serializers import LIMITS
 
@@ -45,12 +45,19 @@ class EndpointForm(SerializerBackedForm):
     max_num_batched_tokens = _number("Max batched tokens", "Optional; the engine picks when empty.")
     cold_start_timeout_s = _number("Cold-start timeout (seconds)", "How long a call waits for a replica to start.", min=LIMITS["cold_start_timeout_s"][0])
     enable_prefix_caching = forms.BooleanField(label="Prefix caching", required=False, help_text="Reuse the KV cache of shared prompt prefixes.")
+    tool_call_parser = forms.ChoiceField(
+        label="Tool-call parser", required=False,
+        choices=[(AUTO_PARSER, "Automatic (from the model's family)"), ("", "None (tool calling off)")]
+        + [(name, name) for name in TOOL_CALL_PARSERS],
+        help_text="How the engine reads tool calls in the model's output, for `tools` in chat completions.",
+    )
 
     SECTIONS = (
         ("Model", ("name", "model_source", "credential")),
         ("Hardware", ("gpu_type", "quantization")),
         ("Scaling", ("min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency")),
-        ("Limits", ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s", "enable_prefix_caching")),
+        ("Limits", ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s", "enable_prefix_caching",
+                    "tool_call_parser")),
     )
 
     def __init__(self, *args, gpu_type: str | None = None, organization=None, **kwargs):
@@ -78,7 +85,7 @@ class EndpointForm(SerializerBackedForm):
             values = {name: getattr(endpoint, name) for name in cls.base_fields if name != "credential"}
             return values | {"credential": str(endpoint.credential_id or "")}
         defaults = {name: Endpoint._meta.get_field(name).get_default() for name in cls.base_fields}
-        return defaults | {"gpu_type": "l4", "name": "", "model_source": "", "credential": ""}
+        return defaults | {"gpu_type": "l4", "name": "", "model_source": "", "credential": "", "tool_call_parser": AUTO_PARSER}
 
 
 def _secret_input(label: str, help_text: str) -> forms.CharField:

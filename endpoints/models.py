@@ -122,6 +122,8 @@ class Endpoint(models.Model):
     max_num_batched_tokens = models.PositiveIntegerField(null=True, blank=True)
     cold_start_timeout_s = models.PositiveIntegerField(default=300)
     enable_prefix_caching = models.BooleanField(default=True)
+    # vLLM's tool-call parser (`endpoints.catalogue.TOOL_CALL_PARSERS`); "" turns tool calling off.
+    tool_call_parser = models.CharField(max_length=32, blank=True, default="")
     price_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     price_cached_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6)

@@ -10,7 +10,13 @@ from rest_framework import serializers
 
 from controlplane.serializers import StrictModelSerializer
 from endpoints import quotas
-from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
+from endpoints.catalogue import (
+    AUTO_PARSER,
+    GPU_TYPES,
+    QUANTIZATIONS,
+    TOOL_CALL_PARSERS,
+    default_tool_call_parser,
+)
 from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials, source_kind
 from endpoints.models import (
     FINAL_REPLICA_STATES,
@@ -115,6 +121,12 @@ class EndpointSerializer(StrictModelSerializer):
     context_length = serializers.IntegerField(
         read_only=True, help_text="The context the endpoint serves: max_model_len, else the model's own (4096 until known).",
     )
+    tool_call_parser = serializers.ChoiceField(
+        choices=[AUTO_PARSER, "", *TOOL_CALL_PARSERS], required=False, allow_blank=True,
+        help_text="vLLM's tool-call parser for `tools` in chat completions. Omitted on create, or \"auto\": the "
+                  "parser of the model's family (llama3_json for Llama 3, hermes for Qwen, mistral, ...), none "
+                  "if the family is unknown. \"\" turns tool calling off.",
+    )
 
     class Meta:
         model = Endpoint
@@ -122,7 +134,7 @@ class EndpointSerializer(StrictModelSerializer):
             "id", "name", "model_source", "credential", "gpu_type", "quantization",
             "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s",
-            "enable_prefix_caching",
+            "enable_prefix_caching", "tool_call_parser",
             "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
             "context_length", "state", "status_message", "failed_at", "paused_at", "created_at", "updated_at",
         ]
@@ -181,6 +193,8 @@ class EndpointSerializer(StrictModelSerializer):
             errors = quotas.spec_errors(self.context["organization"], attrs, self.instance)
         if errors:
             raise serializers.ValidationError(errors)
+        if attrs.get("tool_call_parser") == AUTO_PARSER or (self.instance is None and "tool_call_parser" not in attrs):
+            attrs["tool_call_parser"] = default_tool_call_parser(current("model_source") or "")
         return attrs
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,9 @@ class Message:
             return cls(**kwargs)
         except TypeError as exc:  # a required field is missing
             raise ValueError(f"{cls.__name__}: {exc}") from None
+
+
+_PARSER_NAME = re.compile(r"^([a-z0-9][a-z0-9_-]{0,63})?$")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -283,9 +287,15 @@ class ReplicaSpec(Message):
     weights_scope: str = ""
     # The engine's own API key (per replica, random): the gateway sends it, nobody else knows it.
     engine_api_key: str = field(default="", repr=False)
+    # vLLM's parser names (`--tool-call-parser`, `--reasoning-parser`); "" leaves the feature off.
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id) and bool(self.served_model_name), "replica_id and served_model_name required")
+        # NOTE: they become engine arguments: a name, never something argparse reads as a flag.
+        _require(all(_PARSER_NAME.match(name) for name in (self.tool_call_parser, self.reasoning_parser)),
+                 "tool_call_parser and reasoning_parser must be parser names")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be > 0")
         _require(self.max_num_seqs > 0, "max_num_seqs must be > 0")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be within (0, 1]")

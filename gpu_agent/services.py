@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from controlplane import tokens
 from controlplane.services import SYSTEM, Actor, record_audit
+from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.models import ACTIVE_REPLICA_STATES, FINAL_REPLICA_STATES, EventKind, ModelFacts, Replica
 from endpoints.services import record_event, record_replica_failure, record_replica_ready
@@ -257,6 +258,8 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         credentials=access.credentials,
         use_fleet_credentials=access.use_fleet_credentials,
         weights_scope=access.weights_scope,
+        tool_call_parser=endpoint.tool_call_parser,
+        reasoning_parser=default_reasoning_parser(endpoint.model_source),
     )
 
 

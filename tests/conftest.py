@@ -16,6 +16,8 @@ from controlplane.services import Actor, create_api_key
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: F401 - shared with benchmarks
 
+pytest_plugins = ["tests.ci_skips"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS_DIR = REPO_ROOT / "tests" / "artifacts"
 

@@ -8,6 +8,11 @@ export DJANGO_DEBUG=1
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "warning: could not install chromium" >&2
 fi
+# Under CI a missing browser fails the run (tests/ci_skips.py also fails any skipped test there).
+case "${CI:-}" in
+  1|true|TRUE|True|yes|on)
+    if [ ! -x /usr/bin/chromium ]; then echo "CI: chromium is missing; the browser tests cannot run" >&2; exit 1; fi ;;
+esac
 .venv/bin/python -m pytest --create-db -p no:cacheprovider "$@"
 status=$?
 .venv/bin/python -m controlplane.embedded down >/dev/null 2>&1 || true

@@ -61,3 +61,31 @@ def test_production_refuses_to_start_without_a_secret_key():
     result = _manage(["check"], env)
     assert result.returncode != 0
     assert "DJANGO_SECRET_KEY must be set" in result.stderr
+
+
+def _manage_without(args, env, *, unset=("DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG", "INFERPLANE_DATA_DIR", "DATABASE_URL",
+                                         "REDIS_URL", "DJANGO_SECRET_KEY", "INFERPLANE_ENCRYPTION_KEYS")):
+    clean = {k: v for k, v in os.environ.items() if k not in unset}
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=REPO_ROOT, env=clean | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"},
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_manage_py_next_to_the_local_stack_finds_its_data_folder_secret_and_debug_mode():
+    from controlplane import embedded
+
+    data_dir = embedded.data_dir()  # the suite's own local stack, running now
+    local = {"INFERPLANE_DATA_DIR": str(data_dir)}
+    check = _manage_without(["check"], local)
+    assert check.returncode == 0, check.stdout + check.stderr
+    shell = _manage_without(["shell", "-c", "from django.conf import settings; print(settings.DEBUG, settings.SECRET_KEY)"], local)
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout.splitlines()[-1].split() == ["True", (data_dir / "secret_key").read_text().strip()]
+
+
+def test_a_deployment_with_a_database_url_but_no_secret_key_refuses_to_start_even_without_django_debug():
+    env = {k: v for k, v in PRODUCTION_ENV.items() if k not in {"DJANGO_SECRET_KEY", "DJANGO_DEBUG"}}
+    result = _manage_without(["check"], env)
+    assert result.returncode != 0
+    assert "DJANGO_SECRET_KEY must be set" in result.stderr

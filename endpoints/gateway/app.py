@@ -90,6 +90,10 @@ class Gateway:
                 if method != "GET":
                     raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
                 return await self._models(headers, send, request_id)
+            if path.startswith(MODELS_PREFIX):
+                if method != "GET":
+                    raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
+                return await self._model(headers, send, request_id, path.removeprefix(MODELS_PREFIX))
             kind = INFERENCE_PATHS.get(path)
             if kind is None:
                 raise errors.OpenAIError(404, f"Unknown URL {method} {path}.", code="unknown_url")
@@ -121,8 +125,24 @@ class Gateway:
     async def _models(self, headers, send, request_id):
         caller = await auth.authenticate(headers)
         models = await directory.list_endpoints(caller.organization_id)
-        data = [{"id": m.name, "object": "model", "created": int(m.created_at), "owned_by": "inferplane"} for m in models]
+        data = [_model_object(m) for m in models]
         await _respond(send, 200, json.dumps({"object": "list", "data": data}).encode(), headers={"x-request-id": request_id})
+
+    async def _model(self, headers, send, request_id, name: str):
+        """`GET /v1/models/{id}` (`client.models.retrieve`): one of the caller's organisation's endpoints."""
+        caller = await auth.authenticate(headers)
+        endpoint = await directory.find_endpoint(caller.organization_id, name) if name else None
+        if endpoint is None:
+            raise errors.model_not_found(name)
+        await _respond(send, 200, json.dumps(_model_object(endpoint)).encode(), headers={"x-request-id": request_id})
+
+
+MODELS_PREFIX = "/v1/models/"
+
+
+def _model_object(endpoint: directory.EndpointInfo) -> dict:
+    """An endpoint as OpenAI's model object."""
+    return {"id": endpoint.name, "object": "model", "created": int(endpoint.created_at), "owned_by": "inferplane"}
 
 
 def _freeze_startup_objects() -> None:

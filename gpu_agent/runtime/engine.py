@@ -207,6 +207,11 @@ def build_engine_command(
         argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if plan.hf_overrides:
         argv += ["--hf-overrides", json.dumps(plan.hf_overrides)]
+    if spec.tool_call_parser:
+        # Without --enable-auto-tool-choice vLLM answers `tool_choice: "auto"` (most agents' default) with 400.
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
+    if spec.reasoning_parser:
+        argv += ["--reasoning-parser", spec.reasoning_parser]
     # NOTE: the key travels in the environment, never in argv (visible to `ps`, written to the log).
     env = {REPLICA_ENV_MARKER: spec.replica_id, ENGINE_API_KEY_ENV: spec.engine_api_key}
     if device == DEVICE_CPU:

@@ -24,11 +24,26 @@ EOS_TOKEN = "</s>"
 UNK_TOKEN = "<unk>"
 PAD_TOKEN = "<pad>"
 
-# Llama-2 style, kept to what Jinja in vLLM and transformers both accept.
+# Llama-2 style, kept to what Jinja in vLLM and transformers both accept. Tools render as Hermes
+# does (a `<tools>` list; calls as `<tool_call>{json}</tool_call>`), so vLLM's `hermes` tool-call
+# parser reads this model's output. Without tools the prompt is unchanged.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>\\nYou may call functions. <tools>' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    "{{ '</tools> Answer a call as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>' + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\": \"' + function['name'] + '\", \"arguments\": ' }}"
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}{% else %}{{ function['arguments'] | tojson }}{% endif %}"
+    "{{ '}</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )

@@ -1,0 +1,48 @@
+"""Log-in by email: an account is known by its email address, whatever its username is.
+
+Accounts made by sign-up and invitations use the (lower-cased) email as the username; a staff
+account made with `manage.py createsuperuser --username admin` keeps its username, and both log
+in to the console (and the Django admin) with their email. We keep Django's `auth.User`: a
+custom user model would mean rewriting every table that points at it.
+"""
+
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.backends import ModelBackend
+from django.db.models import Q
+
+
+def accounts_with_email(email: str):
+    """Accounts known by this address: their email, or a username that is it (case-insensitive)."""
+    return get_user_model()._default_manager.filter(Q(email__iexact=email.strip()) | Q(username__iexact=email.strip()))
+
+
+def email_in_use(email: str) -> bool:
+    return bool(email.strip()) and accounts_with_email(email).exists()
+
+
+class EmailBackend(ModelBackend):
+    """`ModelBackend` (permissions, `is_active`) that also accepts the account's email as the username.
+
+    NOTE: an exact username wins; an email names an account only when exactly one has it, so
+    two accounts sharing an address (made before this rule) never log in as each other.
+    """
+
+    def authenticate(self, request, username=None, password=None, **kwargs):
+        if username is None:
+            username = kwargs.get(get_user_model().USERNAME_FIELD)
+        if not username or password is None:
+            return None
+        users = get_user_model()._default_manager
+        user = users.filter(username=username).first()
+        if user is None:
+            matches = list(accounts_with_email(username)[:2])
+            user = matches[0] if len(matches) == 1 else None
+        if user is None:
+            # Hash anyway, so a missing account takes as long as a wrong password.
+            get_user_model()().set_password(password)
+            return None
+        if user.check_password(password) and self.user_can_authenticate(user):
+            return user
+        return None

@@ -1,0 +1,58 @@
+"""`createsuperuser` that knows accounts by email: it asks for the email first and uses it as the
+username unless one is given (`--username`, `DJANGO_SUPERUSER_USERNAME`). Whatever the username,
+the account logs in to the console with its email (`controlplane.backends.EmailBackend`).
+
+NOTE: `controlplane` is listed before `django.contrib.auth` in INSTALLED_APPS so this command
+replaces Django's.
+"""
+
+from __future__ import annotations
+
+import os
+
+from django.contrib.auth.management.commands import createsuperuser
+from django.core import exceptions
+from django.core.management.base import CommandError
+
+from controlplane.backends import email_in_use
+
+
+class Command(createsuperuser.Command):
+    help = "Create a staff superuser known by its email (the username defaults to the email)."
+
+    def handle(self, *args, **options):
+        username_field = self.UserModel.USERNAME_FIELD
+        email = options.get("email") or os.environ.get("DJANGO_SUPERUSER_EMAIL")
+        if options["interactive"] and not email and self._can_prompt():
+            email = self._ask_email()
+        if not email:
+            raise CommandError("An email is required: accounts log in with it (--email or DJANGO_SUPERUSER_EMAIL).")
+        email = self._clean_email(email)
+        options["email"] = email
+        if not options.get(username_field) and not os.environ.get(f"DJANGO_SUPERUSER_{username_field.upper()}"):
+            options[username_field] = email
+        return super().handle(*args, **options)
+
+    def _can_prompt(self) -> bool:
+        return hasattr(self.stdin, "isatty") and self.stdin.isatty()
+
+    def _ask_email(self) -> str:
+        field = self.UserModel._meta.get_field("email")
+        while True:
+            value = (self.get_input_data(field, "Email address: ") or "").strip()
+            try:
+                return self._clean_email(value)
+            except CommandError as exc:
+                self.stderr.write(f"Error: {exc}")
+
+    def _clean_email(self, value: str) -> str:
+        field = self.UserModel._meta.get_field("email")
+        try:
+            email = field.clean(value.strip(), None).lower()
+        except exceptions.ValidationError as exc:
+            raise CommandError("; ".join(exc.messages)) from None
+        if not email:
+            raise CommandError("The email cannot be blank: accounts log in with it.")
+        if email_in_use(email):
+            raise CommandError(f"An account with the email {email} already exists.")
+        return email

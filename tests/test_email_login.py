@@ -1,0 +1,84 @@
+"""Accounts are known by their email: any staff account logs in to the console with it."""
+
+import builtins
+import getpass
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from tests.factories import UserFactory
+
+pytestmark = pytest.mark.django_db
+
+PASSWORD = "a long passphrase"
+
+
+class _Terminal:
+    """A stdin that says it is a terminal, so `createsuperuser` prompts."""
+
+    def isatty(self):
+        return True
+
+
+def _create_superuser(monkeypatch, **env):
+    for name, value in env.items():
+        monkeypatch.setenv(f"DJANGO_SUPERUSER_{name.upper()}", value)
+    call_command("createsuperuser", interactive=False, verbosity=0)
+
+
+def test_a_superuser_made_with_createsuperuser_logs_in_to_the_console_with_its_email_and_sees_the_fleet(client, monkeypatch):
+    _create_superuser(monkeypatch, username="admin", email="ops@x.test", password=PASSWORD)
+    response = client.post("/login/", {"username": "OPS@x.test", "password": PASSWORD})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    fleet = client.get("/console/fleet/")
+    assert fleet.status_code == 200
+    assert "Fleet" in fleet.content.decode()
+
+
+def test_createsuperuser_without_a_username_uses_the_email(monkeypatch):
+    _create_superuser(monkeypatch, email="Ops@X.test", password=PASSWORD)
+    user = get_user_model().objects.get()
+    assert (user.username, user.email, user.is_staff, user.is_superuser) == ("ops@x.test", "ops@x.test", True, True)
+
+
+def test_createsuperuser_asks_for_the_email_first_and_makes_it_the_username(monkeypatch):
+    prompts = []
+
+    def answer(prompt=""):
+        prompts.append(prompt)
+        return "ops@x.test" if "Email" in prompt else ""
+
+    monkeypatch.setattr(builtins, "input", answer)
+    monkeypatch.setattr(getpass, "getpass", lambda prompt="Password: ": PASSWORD)
+    call_command("createsuperuser", interactive=True, stdin=_Terminal(), verbosity=0)
+    assert prompts[0].startswith("Email")
+    assert not any(p.startswith("Username") for p in prompts)
+    assert get_user_model().objects.get().username == "ops@x.test"
+
+
+def test_createsuperuser_refuses_an_email_another_account_has(monkeypatch):
+    UserFactory(username="someone", email="ops@x.test")
+    with pytest.raises(CommandError, match="already exists"):
+        _create_superuser(monkeypatch, username="admin", email="OPS@x.test", password=PASSWORD)
+    assert not get_user_model().objects.filter(username="admin").exists()
+
+
+def test_an_email_two_old_accounts_share_logs_in_to_neither(client):
+    for username in ("first", "second"):
+        user = UserFactory(username=username, email="shared@x.test")
+        user.set_password(PASSWORD)
+        user.save()
+    response = client.post("/login/", {"username": "shared@x.test", "password": PASSWORD})
+    assert response.status_code == 200 and "_auth_user_id" not in client.session
+    # Each still logs in by its exact username.
+    assert client.post("/login/", {"username": "first", "password": PASSWORD}).status_code == 302
+
+
+def test_sign_up_refuses_an_email_a_staff_account_already_has(client, monkeypatch):
+    _create_superuser(monkeypatch, username="admin", email="ops@x.test", password=PASSWORD)
+    response = client.post("/signup/", {"email": "Ops@X.test", "password": PASSWORD, "organization_name": "Grab"})
+    assert response.status_code == 200
+    assert "An account with this email exists" in response.content.decode()
+    assert get_user_model().objects.count() == 1
