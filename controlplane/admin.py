@@ -11,7 +11,7 @@ from django.contrib import admin, messages
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 
-from controlplane.models import ApiKey, AuditEvent, Membership, Organization, Plan
+from controlplane.models import ApiKey, AuditEvent, Organization, Plan
 from controlplane.services import (
     Actor,
     client_ip,
@@ -52,21 +52,6 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-class MembershipInline(admin.TabularInline):
-    model = Membership
-    fields = readonly_fields = ["user", "role", "created_at"]
-    extra = 0
-
-    def has_add_permission(self, request, obj=None):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
-
-
 @admin.register(Plan)
 class PlanAdmin(admin.ModelAdmin):
     list_display = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_gpus_by_type"]
@@ -85,11 +70,14 @@ class OrganizationAdmin(ReadOnlyAdmin):
     list_filter = ["plan"]
     search_fields = ["slug", "name"]
     list_select_related = ["plan"]
-    inlines = [MembershipInline]
+
+    @admin.display(description="members")
+    def member_list(self, organization) -> str:
+        return ", ".join(f"{m.user.email} ({m.role})" for m in organization.memberships.select_related("user"))
 
     # NOTE: staff change the plan only (through the audited service); the rest is the owners'.
     def get_readonly_fields(self, request, obj=None):
-        return [name for name in super().get_readonly_fields(request, obj) if name != "plan"]
+        return [*(name for name in super().get_readonly_fields(request, obj) if name != "plan"), "member_list"]
 
     def has_change_permission(self, request, obj=None):
         return admin.ModelAdmin.has_change_permission(self, request, obj)

@@ -73,8 +73,14 @@ def test_organisations_keys_audit_events_and_nodes_are_read_only_in_the_django_a
     key = create_api_key(Actor(user=owner), organization, name="ci", scopes=["inference"]).api_key
     event = AuditEvent.objects.filter(action="api_key.create").first() or AuditEvent.objects.first()
     node = Node.objects.create(name="gpu-1", gpu_type="l4", secret_lookup="x" * 12, secret_digest="d")
-    for path, obj in (("controlplane/organization", organization), ("controlplane/apikey", key),
-                      ("controlplane/auditevent", event), ("gpu_agent/node", node)):
+    # An organisation's page saves its plan alone (quotas, `test_quotas`); nothing else of it changes here.
+    page = superuser_client.get(f"/django-admin/controlplane/organization/{organization.pk}/change/").content.decode()
+    assert owner.email in page and 'name="name"' not in page and 'name="slug"' not in page
+    assert superuser_client.get("/django-admin/controlplane/organization/add/").status_code == 403
+    superuser_client.post(f"/django-admin/controlplane/organization/{organization.pk}/change/", {"name": "renamed"})
+    delete = f"/django-admin/controlplane/organization/{organization.pk}/delete/"
+    assert superuser_client.post(delete, {"post": "yes"}).status_code == 403
+    for path, obj in (("controlplane/apikey", key), ("controlplane/auditevent", event), ("gpu_agent/node", node)):
         assert superuser_client.get(f"/django-admin/{path}/").status_code == 200
         assert superuser_client.get(f"/django-admin/{path}/add/").status_code == 403
         page = superuser_client.get(f"/django-admin/{path}/{obj.pk}/change/")

@@ -4,11 +4,14 @@ import sys
 
 import pytest
 
+from controlplane import env
 from controlplane.env import ImproperlyConfiguredEnv, env_bool, env_int, env_list, parse_database_url
 from tests.conftest import REPO_ROOT
 
 
 def test_env_helpers_fail_loudly_on_bad_values(monkeypatch):
+    # The helpers register every name they read; these made-up ones must not outlive the test.
+    monkeypatch.setattr(env, "SETTINGS_ENV_VARS", set(env.SETTINGS_ENV_VARS))
     monkeypatch.setenv("X_BOOL", "maybe")
     with pytest.raises(ImproperlyConfiguredEnv, match="X_BOOL"):
         env_bool("X_BOOL")
