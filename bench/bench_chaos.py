@@ -450,6 +450,7 @@ def main() -> int:
 
     django.setup()
     from billing.credits import grant_credits
+    from billing.models import BillingAccount, StripeMeter
     from billing.services import set_billing_mode, set_spend_cap
     from controlplane.services import SYSTEM, bootstrap_organization
     from endpoints.models import Endpoint
@@ -458,6 +459,9 @@ def main() -> int:
     from gpu_agent.services import create_join_token
 
     retire_earlier_runs()
+    # NOTE: each run has a new fake Stripe: forget the meters, price and customers an earlier run's made.
+    StripeMeter.objects.all().delete()
+    BillingAccount.objects.exclude(stripe_customer_id="").update(stripe_customer_id="", stripe_subscription_id="")
     suffix = datetime.now().strftime("%Y%m%d%H%M%S")
     organizations, keys = {}, {}
     for label, spec in ORGANIZATIONS.items():
