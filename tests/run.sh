@@ -4,9 +4,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export INFERPLANE_DATA_DIR="${INFERPLANE_DATA_DIR:-$PWD/.data/test}"
 export DJANGO_DEBUG=1
-# Browser tests drive Debian's chromium; install it when missing (never a downloaded browser).
-if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "warning: could not install chromium" >&2
+# Browser tests drive Debian's chromium (never a downloaded browser); the agent host's unit files are
+# checked with systemd-analyze. Install what is missing.
+missing=()
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null) || echo "warning: could not install ${missing[*]}" >&2
 fi
 # Under CI a missing browser fails the run (tests/ci_skips.py also fails any skipped test there).
 case "${CI:-}" in
