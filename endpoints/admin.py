@@ -67,7 +67,9 @@ class ReplicaAdmin(admin.ModelAdmin):
     list_display = ["id", "endpoint", "node", "state", "state_changed_at", "failure_reason"]
     list_filter = ["state"]
     list_select_related = ["endpoint", "node"]
-    readonly_fields = [field.name for field in Replica._meta.fields]
+    # The engine key stays out of every page, even encrypted.
+    exclude = ["encrypted_engine_key"]
+    readonly_fields = [field.name for field in Replica._meta.fields if field.name != "encrypted_engine_key"]
 
     def has_add_permission(self, request):
         return False

@@ -171,3 +171,13 @@ def test_each_replica_gets_its_own_engine_key_only_in_its_nodes_desired_spec(cli
         assert replica.engine_api_key == keys[str(replica.pk)]
     other = register(client, create_join_token(SYSTEM, name="x").plain, name="gpu-2").json()
     assert beat(client, other["node_secret"]).json()["desired"] == []
+
+
+def test_staff_see_a_replica_in_the_admin_without_its_engine_key(client, agent, django_user_model):
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    client.force_login(django_user_model.objects.create_superuser("ops@example.test", "ops@example.test", "pw"))
+    page = client.get(f"/django-admin/endpoints/replica/{replica.pk}/change/").content.decode()
+    assert str(replica.pk) in page
+    assert replica.engine_api_key not in page and replica.encrypted_engine_key not in page
