@@ -9,6 +9,7 @@ import openai
 import pytest
 from django.utils import timezone
 
+from controlplane import secrets as secrets_at_rest
 from controlplane.models import Role, Scope
 from controlplane.services import Actor, create_api_key
 from endpoints.models import Replica
@@ -79,8 +80,10 @@ def tenant(transactional_db):
     return Tenant
 
 
-def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = (1024, 65535), **spec):
-    """An endpoint with one READY replica per upstream address, on a READY node (engine ports `node_ports`)."""
+def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = (1024, 65535), engine_key: str = "",
+                   **spec):
+    """An endpoint with one READY replica per upstream address, on a READY node (engine ports `node_ports`);
+    `engine_key`: the key the replicas' engines were started with (a real engine answers no other)."""
     node = Node.objects.create(name=f"node-{free_port()}", gpu_type="l4", num_gpus=1, gpu_memory_mb=24_000,
                                secret_lookup=f"{free_port():012d}", secret_digest="x", state=NodeState.READY,
                                quantizations=["none"], last_heartbeat_at=timezone.now(),
@@ -88,5 +91,8 @@ def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = 
                                advertise_host="127.0.0.1", engine_port_min=node_ports[0], engine_port_max=node_ports[1])
     endpoint = EndpointFactory(organization=organization, max_model_len=2048, **spec)
     for address in addresses:
-        Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, address=address, ready_at=timezone.now())
+        replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, address=address,
+                                         ready_at=timezone.now())
+        if engine_key:
+            Replica.objects.filter(pk=replica.pk).update(encrypted_engine_key=secrets_at_rest.encrypt(engine_key))
     return endpoint

@@ -33,6 +33,7 @@ from tests.gateway.conftest import serve_endpoint
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
 CONTEXT = 256
+ENGINE_KEY = "reservation-engine-key"  # the engine answers only the key it was started with
 NAME = "tiny"
 # Input and output priced apart, so that the longest prompt is not always the dearest request.
 PRICES = {"price_input_per_million": Decimal("100"), "price_cached_input_per_million": Decimal("100"),
@@ -43,7 +44,7 @@ PRICES = {"price_input_per_million": Decimal("100"), "price_cached_input_per_mil
 def engine(tiny_model_dir, tmp_path_factory):
     spec = ReplicaSpec(replica_id="reservation-engine", endpoint_id="e", served_model_name=NAME,
                        model_source=str(tiny_model_dir), max_model_len=CONTEXT, max_num_seqs=64,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, engine_api_key=ENGINE_KEY)
     command = build_engine_command(spec, tiny_model_dir, port=free_port(), device=DEVICE_CPU)
     child = ChildProcess(command.argv, {**os.environ, **command.env}, tmp_path_factory.mktemp("engine") / "vllm.log")
 
@@ -61,7 +62,7 @@ def engine(tiny_model_dir, tmp_path_factory):
 
 
 def _endpoint(organization, address: str) -> Endpoint:
-    endpoint = serve_endpoint(organization, address, name=NAME, **PRICES)
+    endpoint = serve_endpoint(organization, address, name=NAME, engine_key=ENGINE_KEY, **PRICES)
     Endpoint.objects.filter(pk=endpoint.pk).update(max_model_len=CONTEXT)
     endpoint.refresh_from_db()
     return endpoint

@@ -14,8 +14,6 @@ import json
 
 import pytest
 
-from controlplane import secrets as secrets_at_rest
-from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaSpec, ReplicaState
 from gpu_agent.runtime.supervisor import Supervisor
 from tests.conftest import wait_until
@@ -64,9 +62,7 @@ def engine_address(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def tools_endpoint(tenant, engine_address):
-    endpoint = serve_endpoint(tenant.org, engine_address, name=NAME, tool_call_parser="hermes")
-    Replica.objects.filter(endpoint=endpoint).update(encrypted_engine_key=secrets_at_rest.encrypt(ENGINE_KEY))
-    return endpoint
+    return serve_endpoint(tenant.org, engine_address, name=NAME, tool_call_parser="hermes", engine_key=ENGINE_KEY)
 
 
 def test_tools_with_tool_choice_auto_are_answered(gateway, tenant, tools_endpoint):
