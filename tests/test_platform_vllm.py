@@ -80,8 +80,11 @@ def test_an_agent_serves_a_replica_that_the_gateway_routes_to_and_drains_it_with
     assert detail["state"] == "READY"
     assert [(r["state"], r["node"]) for r in detail["replicas"]] == [("READY", "cpu-node-1")]
 
-    # Straight to the engine: a real vLLM answer with usage.
-    direct = httpx.post(f"{replica.address}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 4}, timeout=60)
+    # Straight to the engine: closed without the replica's key; with it, a real vLLM answer with usage.
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+    assert httpx.post(f"{replica.address}/v1/completions", json=body, timeout=60).status_code == 401
+    direct = httpx.post(f"{replica.address}/v1/completions", json=body, timeout=60,
+                        headers={"Authorization": f"Bearer {replica.engine_api_key}"})
     assert direct.json()["usage"]["completion_tokens"] == 4
 
     # Through the gateway with the official client: plain, streamed and async.

@@ -578,8 +578,11 @@ class Supervisor:
                 )
                 command = EngineCommand(argv=record.get("argv", []), host=record["host"], port=record["port"],
                                          advertise_host=record.get("advertise_host", ""))
+                wanted_spec = desired.get(replica_id, spec) if desired else spec
+                if not wanted_spec.engine_api_key:  # the running engine holds the key it was started with
+                    wanted_spec = dataclasses.replace(wanted_spec, engine_api_key=spec.engine_api_key)
                 replica = ManagedReplica(
-                    spec=desired.get(replica_id, spec) if desired else spec,
+                    spec=wanted_spec,
                     model_path=Path(record["model_path"]),
                     log_path=self.logs_dir / f"{replica_id}.log",
                     command=command,

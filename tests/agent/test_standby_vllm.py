@@ -63,9 +63,11 @@ def wait_for_standby(agent) -> int:
     return supervisor.standby.pid
 
 
-def complete(address: str) -> dict:
+def complete(replica) -> dict:
+    """A completion straight from the replica's engine, with the replica's key (it answers no other)."""
     body = {"model": "tiny", "prompt": "hello world", "max_tokens": 8, "ignore_eos": True}
-    response = httpx.post(f"{address}/v1/completions", json=body, timeout=60)
+    response = httpx.post(f"{replica.address}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {replica.spec.engine_api_key}"})
     response.raise_for_status()
     return response.json()
 
@@ -78,7 +80,7 @@ def test_a_standby_started_replica_serves_completions_with_usage(agent, tiny_mod
     wait_for_state(supervisor, "r-warm", ReplicaState.READY)
     replica = supervisor.get("r-warm")
     assert replica.from_standby and replica.pid == standby_pid
-    assert complete(replica.address)["usage"]["completion_tokens"] == 8
+    assert complete(replica)["usage"]["completion_tokens"] == 8
     # The standby (under its reaper) now carries the replica's marker, as a plain engine would.
     engine_pids = {p.pid for p in psutil.Process(standby_pid).children()}
     assert engine_pids & {p.pid for p in processes_with_marker("r-warm")}
@@ -103,7 +105,7 @@ def test_a_killed_standby_started_engine_restarts_on_the_next_standby(agent):
     replica = supervisor.get("r-warm")
     assert replica.num_restarts == 1 and replica.pid == standby_pid and replica.from_standby
     assert "engine exited" in replica.failure_reason
-    assert complete(replica.address)["usage"]["completion_tokens"] == 8
+    assert complete(replica)["usage"]["completion_tokens"] == 8
     assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE
 
 

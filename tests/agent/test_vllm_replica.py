@@ -51,9 +51,11 @@ def engines(tiny_model_dir, tmp_path_factory):
             process.kill()
 
 
-def complete(address: str, **extra) -> dict:
+def complete(replica, **extra) -> dict:
+    """A completion straight from the replica's engine, with the replica's key (it answers no other)."""
     body = {"model": "tiny", "prompt": "hello world", "max_tokens": 8, "ignore_eos": True, **extra}
-    response = httpx.post(f"{address}/v1/completions", json=body, timeout=60)
+    response = httpx.post(f"{replica.address}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {replica.spec.engine_api_key}"})
     response.raise_for_status()
     return response.json()
 
@@ -62,9 +64,9 @@ def test_replica_reaches_ready_and_completion_returns_usage(engines):
     supervisor = engines["supervisor"]
     wait_for_state(supervisor, "r-plain", ReplicaState.READY)
     address = supervisor.get("r-plain").address
-    assert complete(address)["usage"]["completion_tokens"] == 8
+    assert complete(supervisor.get("r-plain"))["usage"]["completion_tokens"] == 8
     chat = httpx.post(
-        f"{address}/v1/chat/completions",
+        f"{address}/v1/chat/completions", headers={"Authorization": "Bearer engine-key-of-r-plain"},
         json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
         timeout=60,
     )
@@ -80,7 +82,7 @@ def test_fp8_per_channel_replica_serves(engines, tiny_model_dir):
     wait_for_state(supervisor, "r-fp8", ReplicaState.READY)
     replica = supervisor.get("r-fp8")
     assert "fp8_per_channel" in replica.command.argv
-    assert complete(replica.address)["usage"]["completion_tokens"] == 8
+    assert complete(replica)["usage"]["completion_tokens"] == 8
     # Free the memory and cores for the remaining tests; no process may survive.
     supervisor.drain("r-fp8", timeout_s=10)
     wait_for_state(supervisor, "r-fp8", ReplicaState.STOPPED, timeout_s=60)
@@ -98,7 +100,7 @@ def test_restarted_agent_adopts_its_healthy_engine(engines):
     assert adopted == ["r-plain"] and killed == []
     replica = new.get("r-plain")
     assert replica.state == ReplicaState.READY and replica.pid == pid
-    assert complete(replica.address)["usage"]["completion_tokens"] == 8
+    assert complete(replica)["usage"]["completion_tokens"] == 8
 
 
 def old_spec(replica_id, engines):
@@ -113,16 +115,16 @@ def old_spec(replica_id, engines):
 def test_killed_engine_is_restarted(engines):
     supervisor = engines["supervisor"]
     replica = supervisor.get("r-plain")
-    old_pid = replica.pid
+    old_pid, restarts_before = replica.pid, replica.num_restarts
     os.kill(old_pid, signal.SIGKILL)
     wait_until(lambda: supervisor.get("r-plain").state == ReplicaState.STARTING, 30, poll=supervisor.poll)
     wait_for_state(supervisor, "r-plain", ReplicaState.READY)
     replica = supervisor.get("r-plain")
-    assert replica.num_restarts == 1 and replica.pid != old_pid
+    assert replica.num_restarts == restarts_before + 1 and replica.pid != old_pid
     states = [state for state, _ in replica.state_history]
     assert states[-2:] == [ReplicaState.STARTING, ReplicaState.READY]
     assert "engine exited" in replica.failure_reason
-    assert complete(replica.address)["usage"]["completion_tokens"] == 8
+    assert complete(replica)["usage"]["completion_tokens"] == 8
 
 
 def test_drain_and_stop_leave_no_orphan_process(engines, tiny_model_dir):
