@@ -18,7 +18,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def serving(tenant, start_mock_upstream, tmp_path):
     """A live gateway (short key cache, 1 s Redis timeout) and an endpoint it serves."""
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
-    env = {"INFERPLANE_API_KEY_CACHE_S": "0.2", "INFERPLANE_REDIS_TIMEOUT_S": "1",
+    # The load runs well past the default 600 requests a minute: these tests are about faults, not limits.
+    env = {"INFERPLANE_API_KEY_CACHE_S": "0.2", "INFERPLANE_REDIS_TIMEOUT_S": "1", "INFERPLANE_DEFAULT_KEY_RPM": "1000000",
            "INFERPLANE_USAGE_JOURNAL_DIR": str(tmp_path / "journal")}
     child, gateway = start_web_server(tmp_path, name="gateway", extra_env=env)
     yield gateway, endpoint
