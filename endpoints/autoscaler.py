@@ -25,10 +25,7 @@ from django.conf import settings
 
 from controlplane.redis_client import get_redis
 from endpoints.gateway import traffic
-from endpoints.models import Replica
-from gpu_agent.protocol import ReplicaState
-
-SERVING_STATES = [ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY]
+from endpoints.models import SERVING_REPLICA_STATES, Replica
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,7 +117,7 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
 
 def _unknown_is_now(redis, loads: dict[str, Load], unknown: list[str], now: float) -> None:
     """Endpoints with replicas but no last-request time in Redis: it was lost, so it is now (see above)."""
-    serving = {str(pk) for pk in Replica.objects.filter(endpoint_id__in=unknown, state__in=SERVING_STATES)
+    serving = {str(pk) for pk in Replica.objects.filter(endpoint_id__in=unknown, state__in=SERVING_REPLICA_STATES)
                .order_by().values_list("endpoint_id", flat=True).distinct()}
     for endpoint_id in serving:
         # NOTE: NX: a gateway that wrote a real time meanwhile wins; the next tick reads it.

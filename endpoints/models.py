@@ -210,8 +210,9 @@ class ModelFacts(models.Model):
         return cls.objects.filter(source=source).values_list("max_model_len", flat=True).first()
 
 
+# Replicas that hold their node's memory (placement counts them) and those that serve or will serve.
 ACTIVE_REPLICA_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING)
-FINAL_REPLICA_STATES = (ReplicaState.STOPPED, ReplicaState.FAILED)
+SERVING_REPLICA_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY)
 
 
 class ReplicaQuerySet(models.QuerySet):

@@ -1,4 +1,4 @@
-"""Placement: which node runs a new replica.
+"""Placement: which node runs a new replica (the policy; `replicas.place_replica` creates it).
 
 Best fit by free GPU memory on READY nodes of the endpoint's GPU type whose
 engine supports the endpoint's quantization, preferring nodes that already hold
@@ -12,13 +12,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from django.db import transaction
-from django.db.models import Sum
-
-from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
+from endpoints.models import Endpoint
 from gpu_agent.models import Node
-from gpu_agent.notify import notify_node
-from gpu_agent.protocol import NodeState
 
 # Without a size from an agent's weights cache or the model's name, assume a small model; the
 # agent reports the real size after its first download and later placements use it.
@@ -90,27 +85,3 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
 
     node = min(fitting, key=preference)
     return PlacementDecision(node, "best fit")
-
-
-def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
-    """Create a PENDING replica on the best node, or explain why none fits.
-
-    NOTE: nodes are locked while reservations are summed, so two concurrent
-    placements can never both take the same free memory.
-    """
-    needed_mb = memory_needed_mb(endpoint)
-    with transaction.atomic():
-        candidates = list(
-            Node.objects.select_for_update().filter(state=NodeState.READY, gpu_type=endpoint.gpu_type).order_by("pk")
-        )
-        active = Replica.objects.filter(node__in=candidates, state__in=ACTIVE_REPLICA_STATES)
-        used_mb = dict(active.values_list("node").annotate(total=Sum("reserved_memory_mb")))
-        replicas_here = {}
-        for node_id in active.filter(endpoint=endpoint).values_list("node", flat=True):
-            replicas_here[node_id] = replicas_here.get(node_id, 0) + 1
-        decision = choose_node(endpoint, needed_mb, candidates, used_mb, replicas_here)
-        if decision.node is None:
-            return None, decision.reason
-        replica = Replica.objects.create(endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb)
-        notify_node(decision.node.pk)
-        return replica, f"placed on {decision.node.name} ({decision.reason}, {needed_mb} MB)"

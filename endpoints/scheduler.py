@@ -3,7 +3,8 @@
 Run by the autoscaler tick (Celery beat, every `INFERPLANE_AUTOSCALER_TICK_S`),
 at once when a cold request wakes an endpoint, and after every spec change.
 Safe to run twice or concurrently: an endpoint is reconciled under
-`select_for_update(skip_locked=True)`, so a second runner skips it.
+`select_for_update(skip_locked=True)`, so a second runner skips it. The
+replicas themselves change through `endpoints.replicas`.
 """
 
 from __future__ import annotations
@@ -19,17 +20,15 @@ from django.utils import timezone
 
 from controlplane.redis_client import get_redis
 from endpoints import autoscaler, quotas
+from endpoints.events import record_event
 from endpoints.gateway import presence, traffic
-from endpoints.models import Endpoint, EventKind, Replica
-from endpoints.placement import place_replica
-from endpoints.services import drain_replica, record_event, record_replica_failure
+from endpoints.models import SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
+from endpoints.replicas import drain_replica, fail_replica, place_replica, record_replica_failure
 from gpu_agent.models import Node
-from gpu_agent.notify import notify_node
 from gpu_agent.protocol import NodeState, ReplicaState
 
 logger = logging.getLogger(__name__)
 
-SERVING_STATES = [ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY]
 # Surplus replicas drain in this order: not started yet first, serving last.
 DRAIN_ORDER = {ReplicaState.PENDING: 0, ReplicaState.STARTING: 1, ReplicaState.READY: 2}
 TICK_LOCK = "as:tick-lock"
@@ -44,7 +43,7 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
         if endpoint is None:  # gone, or another worker is reconciling it right now
             return None
         decision = autoscaler.decide(endpoint, load)
-        serving = list(Replica.objects.filter(endpoint=endpoint, state__in=SERVING_STATES).select_related("endpoint"))
+        serving = list(Replica.objects.filter(endpoint=endpoint, state__in=SERVING_REPLICA_STATES).select_related("endpoint"))
         backing_off = endpoint.next_attempt_at is not None and endpoint.next_attempt_at > timezone.now()
         held_back = endpoint.failed_at is not None or backing_off
         # A failure's message stays while it holds the endpoint back; a capacity message is rewritten each time.
@@ -115,7 +114,7 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
         "status_message", "failed_at",
     )
     num_serving = dict(
-        Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_STATES).order_by()
+        Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES).order_by()
         .values("endpoint_id").annotate(num=Count("pk")).values_list("endpoint_id", "num")
     )
     changing = []
@@ -167,20 +166,3 @@ def sweep_stuck() -> None:
     drained_before = now - timedelta(seconds=settings.REPLICA_DRAIN_TIMEOUT_S + settings.NODE_HEARTBEAT_GRACE_S)
     for replica in Replica.objects.filter(state=ReplicaState.DRAINING, state_changed_at__lt=drained_before).select_related("endpoint"):
         fail_replica(replica, "its agent never confirmed the drain", final_state=ReplicaState.STOPPED)
-
-
-def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaState.FAILED) -> bool:
-    """Stop a replica the control plane gave up on; returns whether this call changed it."""
-    from endpoints.tasks import reconcile_endpoint as reconcile_task
-
-    now = timezone.now()
-    changed = Replica.objects.filter(pk=replica.pk, state=replica.state).update(
-        state=final_state, state_changed_at=now, stopped_at=now, failure_reason=reason if final_state == ReplicaState.FAILED else "",
-        num_running=0, num_waiting=0,
-    )
-    if changed:
-        notify_node(replica.node_id)
-        kind = EventKind.FAILURE if final_state == ReplicaState.FAILED else EventKind.REPLICA
-        record_event(replica.endpoint, kind, f"Replica {str(replica.pk)[:8]} {final_state}: {reason}", replica=replica)
-        transaction.on_commit(lambda: reconcile_task.delay(str(replica.endpoint_id)))
-    return bool(changed)

@@ -19,7 +19,6 @@ from endpoints.catalogue import (
 )
 from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials, source_kind
 from endpoints.models import (
-    FINAL_REPLICA_STATES,
     CredentialKind,
     Endpoint,
     EndpointEvent,
@@ -27,6 +26,7 @@ from endpoints.models import (
     ModelFacts,
     Replica,
 )
+from gpu_agent.protocol import FINAL_REPLICA_STATES
 
 RECENT_ENDED_REPLICAS = 5
 

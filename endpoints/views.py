@@ -36,9 +36,10 @@ from controlplane.services import Actor
 from endpoints import credentials, quotas, services
 from endpoints.catalogue import GPU_TYPES
 from endpoints.forms import CredentialForm, EndpointForm
-from endpoints.models import FINAL_REPLICA_STATES, Endpoint, ModelCredential, Replica
+from endpoints.models import Endpoint, ModelCredential, Replica
 from endpoints.serializers import CredentialSerializer, EndpointSerializer
 from gpu_agent.models import Node
+from gpu_agent.protocol import FINAL_REPLICA_STATES
 
 NUM_EVENTS_SHOWN = 50
 METRIC_WINDOWS_MIN = {60: 60, 360: 300, 1440: 900}  # window (minutes) -> bucket (seconds)

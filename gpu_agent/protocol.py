@@ -39,6 +39,11 @@ class ReplicaState(str, enum.Enum):  # noqa: UP042 - str() and format() of membe
     FAILED = "FAILED"
 
 
+# NOTE: a replica in a final state never runs again, on either side: the control plane keeps it as
+# history and never revives it, the agent forgets it once it has reported it.
+FINAL_REPLICA_STATES = (ReplicaState.STOPPED, ReplicaState.FAILED)
+
+
 class NodeState(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
     READY = "READY"
     CORDONED = "CORDONED"  # keeps its replicas, gets no new ones

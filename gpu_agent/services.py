@@ -1,8 +1,10 @@
-"""Fleet writes: join tokens, node registration, heartbeats, cordon and drain."""
+"""Fleet writes: join tokens, node registration, heartbeats, cordon and drain.
+
+What a heartbeat says of each replica, and a node's drain, change replicas through `endpoints.replicas`.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,11 +18,11 @@ from controlplane import tokens
 from controlplane.services import SYSTEM, Actor, record_audit
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
-from endpoints.models import ACTIVE_REPLICA_STATES, FINAL_REPLICA_STATES, EventKind, ModelFacts, Replica
-from endpoints.services import record_event, record_replica_failure, record_replica_ready
+from endpoints.models import ACTIVE_REPLICA_STATES, ModelFacts, Replica
+from endpoints.replicas import apply_replica_report, drain_node
 from gpu_agent import protocol
 from gpu_agent.models import JoinToken, Node
-from gpu_agent.notify import notify_endpoint_ready, notify_node
+from gpu_agent.notify import notify_node
 from gpu_agent.protocol import NodeState, ReplicaAction, ReplicaState
 
 logger = logging.getLogger(__name__)
@@ -142,95 +144,6 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
             ModelFacts.objects.update_or_create(source=source, defaults=values)
 
 
-def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
-    with transaction.atomic():
-        replica = (
-            Replica.objects.select_for_update().select_related("endpoint").filter(pk=report.replica_id, node=node).first()
-        )
-        if replica is None:
-            return
-        previous = replica.state
-        new_state = ReplicaState(_next_state(previous, report.state)).value
-        now = timezone.now()
-        fields = {
-            "num_running": report.num_running, "num_waiting": report.num_waiting,
-            "kv_cache_usage": report.kv_cache_usage, "tokens_per_s": report.tokens_per_s,
-            "progress": report.progress[:100], "progress_percent": report.progress_percent,
-        }
-        refused_address = report.address and node.engine_address_problem(report.address)
-        if report.address and not refused_address:
-            fields["address"] = report.address
-        if report.num_restarts > replica.num_restarts:
-            fields["num_restarts"] = report.num_restarts
-            record_event(
-                replica.endpoint, EventKind.FAILURE,
-                f"Replica {str(replica.pk)[:8]} engine crashed and was restarted (restart {report.num_restarts})",
-                replica=replica, reason=report.failure_reason[-500:],
-            )
-        if refused_address and new_state not in FINAL_REPLICA_STATES:
-            # NOTE: a node may only point the gateway at its own registered host and port range; an
-            # engine elsewhere (a stolen node secret, a misconfigured agent) is failed, never routed to.
-            new_state = ReplicaState.FAILED.value
-            report = dataclasses.replace(report, failure_reason=f"refused: {refused_address}")
-        if new_state != previous:
-            fields["state"] = new_state
-            fields["state_changed_at"] = now
-            if new_state == ReplicaState.READY:
-                fields["ready_at"] = now
-            if new_state in FINAL_REPLICA_STATES:
-                fields["stopped_at"] = now
-                fields["num_running"] = fields["num_waiting"] = 0
-            if new_state == ReplicaState.FAILED:
-                fields["failure_reason"] = report.failure_reason[-2000:] or "engine failed"
-        Replica.objects.filter(pk=replica.pk).update(**fields)
-    if new_state != previous:
-        _announce_transition(replica, previous, new_state, report)
-
-
-def _next_state(current: str, reported: ReplicaState) -> str:
-    """The control plane's state after an agent report.
-
-    The control plane owns DRAINING and the final states: an agent saying READY
-    never revives a replica that was told to drain or was already stopped.
-    """
-    if current in FINAL_REPLICA_STATES:
-        return current
-    if reported in (ReplicaState.STOPPED, ReplicaState.FAILED):
-        return reported
-    if current == ReplicaState.DRAINING:
-        return current
-    if reported == ReplicaState.DRAINING:  # the agent drains on its own (e.g. its shutdown)
-        return reported
-    if current == ReplicaState.PENDING and reported in (ReplicaState.STARTING, ReplicaState.READY):
-        return reported
-    if current == ReplicaState.STARTING and reported == ReplicaState.READY:
-        return reported
-    if current == ReplicaState.READY and reported == ReplicaState.STARTING:  # the engine crashed and is restarting
-        return reported
-    return current
-
-
-def _announce_transition(replica: Replica, previous: str, new_state: str, report: protocol.ReplicaStatus) -> None:
-    short = str(replica.pk)[:8]
-    details = {"from": previous, "to": new_state}
-    if new_state == ReplicaState.READY:
-        record_replica_ready(replica.endpoint_id)
-        notify_endpoint_ready(replica.endpoint_id)
-        seconds = (timezone.now() - replica.created_at).total_seconds()
-        record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} READY after {seconds:.1f} s", replica=replica,
-                     cold_start_s=round(seconds, 3), **details)
-    elif new_state == ReplicaState.FAILED:
-        record_event(replica.endpoint, EventKind.FAILURE, f"Replica {short} failed: {(report.failure_reason or 'engine failed')[-200:]}",
-                     replica=replica, **details)
-        record_replica_failure(replica.endpoint_id, report.failure_reason or "engine failed",
-                               permanent=report.failure_permanent)
-        from endpoints.tasks import reconcile_endpoint
-
-        transaction.on_commit(lambda: reconcile_endpoint.delay(str(replica.endpoint_id)))
-    else:
-        record_event(replica.endpoint, EventKind.REPLICA, f"Replica {short} {previous} → {new_state}", replica=replica, **details)
-
-
 def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
     if node.state == NodeState.OFFLINE:
         return []
@@ -277,16 +190,10 @@ def memory_fraction(replica: Replica) -> float:
 
 def set_node_state(actor: Actor, node: Node, state: NodeState) -> Node:
     """Cordon (no new replicas), drain (move replicas away) or uncordon a node."""
-    from endpoints.services import drain_replica
-
     Node.objects.filter(pk=node.pk).update(state=state)
     notify_node(node.pk)
     node.refresh_from_db()
     record_audit(actor, None, f"node.{state.value.lower()}", node)
     if state == NodeState.DRAINING:
-        for replica in Replica.objects.filter(node=node, state__in=[ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY]).select_related("endpoint"):
-            drain_replica(replica, reason=f"node {node.name} draining")
-            from endpoints.tasks import reconcile_endpoint
-
-            transaction.on_commit(lambda endpoint_id=str(replica.endpoint_id): reconcile_endpoint.delay(endpoint_id))
+        drain_node(node, reason=f"node {node.name} draining")
     return node

@@ -38,6 +38,7 @@ from billing.models import Invoice, InvoiceLine
 from controlplane.models import Role, Scope
 from controlplane.services import Actor, create_api_key, revoke_api_key
 from endpoints import services as endpoint_services
+from endpoints.events import record_event
 from endpoints.models import EventKind, Replica
 from gpu_agent.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
@@ -82,7 +83,7 @@ def _seed_organisation(label: str) -> dict:
     ready = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, address="http://127.0.0.1:9",
                                    ready_at=timezone.now())
     Replica.objects.create(endpoint=endpoint, state=ReplicaState.PENDING)  # not placed yet: no node
-    endpoint_services.record_event(endpoint, EventKind.REPLICA, "Replica ready.", replica=ready)
+    record_event(endpoint, EventKind.REPLICA, "Replica ready.", replica=ready)
     record_usage(usage_report(endpoint, api_key=key.api_key))
     record_usage(usage_report(endpoint, finished_at=timezone.now() - timedelta(days=1)))
     grant_credits(actor, organization, amount=Decimal("5"), note="welcome")

@@ -9,8 +9,8 @@ from rest_framework.settings import api_settings
 from rest_framework.test import APIRequestFactory
 
 from controlplane.models import Role
+from endpoints.events import record_event
 from endpoints.models import EventKind
-from endpoints.services import record_event
 from tests.factories import EndpointFactory, MembershipFactory
 
 pytestmark = pytest.mark.django_db

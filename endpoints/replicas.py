@@ -1,0 +1,259 @@
+"""Replicas: every change of a replica's state, and why. The one writer of `Replica.state`.
+
+A replica is born PENDING when placement picks its node (`place_replica`); its agent moves it
+through STARTING to READY, and its reports are applied through one transition table
+(`state_after_report`); the control plane drains it (`drain_replica`, `drain_replicas`,
+`drain_node`) or gives up on it (`fail_replica`). STOPPED and FAILED are final
+(`gpu_agent.protocol.FINAL_REPLICA_STATES`): nothing revives a replica from them.
+
+A failure counts against its endpoint (`record_replica_failure`: back off, then stop the endpoint);
+a READY replica clears the count (`record_replica_ready`). Whatever needs the endpoint's replicas
+brought back to what its autoscaler wants calls `request_reconcile`, which runs the reconcile task
+once the current transaction commits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from datetime import timedelta
+
+from celery import current_app
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q, Sum
+from django.utils import timezone
+
+from endpoints.events import record_event
+from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
+from endpoints.placement import choose_node, memory_needed_mb
+from gpu_agent import protocol
+from gpu_agent.models import Node
+from gpu_agent.notify import notify_endpoint_ready, notify_node
+from gpu_agent.protocol import FINAL_REPLICA_STATES, NodeState, ReplicaState
+
+# NOTE: sent by name: the task (`endpoints.tasks`) calls the scheduler, which calls this module.
+RECONCILE_TASK = "endpoints.reconcile_endpoint"
+
+
+def request_reconcile(endpoint_id) -> None:
+    """Reconcile the endpoint once the current transaction commits (at once outside one).
+
+    After commit, so the reconcile reads what this transaction wrote.
+    """
+    endpoint_id = str(endpoint_id)
+    transaction.on_commit(lambda: current_app.send_task(RECONCILE_TASK, args=[endpoint_id]))
+
+
+def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
+    """Create a PENDING replica on the best node (`placement.choose_node`), or explain why none fits.
+
+    NOTE: nodes are locked while reservations are summed, so two concurrent
+    placements can never both take the same free memory.
+    """
+    needed_mb = memory_needed_mb(endpoint)
+    with transaction.atomic():
+        candidates = list(
+            Node.objects.select_for_update().filter(state=NodeState.READY, gpu_type=endpoint.gpu_type).order_by("pk")
+        )
+        active = Replica.objects.filter(node__in=candidates, state__in=ACTIVE_REPLICA_STATES)
+        used_mb = dict(active.values_list("node").annotate(total=Sum("reserved_memory_mb")))
+        replicas_here = {}
+        for node_id in active.filter(endpoint=endpoint).values_list("node", flat=True):
+            replicas_here[node_id] = replicas_here.get(node_id, 0) + 1
+        decision = choose_node(endpoint, needed_mb, candidates, used_mb, replicas_here)
+        if decision.node is None:
+            return None, decision.reason
+        replica = Replica.objects.create(endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb)
+        notify_node(decision.node.pk)
+        return replica, f"placed on {decision.node.name} ({decision.reason}, {needed_mb} MB)"
+
+
+def drain_replica(replica: Replica, *, reason: str) -> bool:
+    """The replica takes no new requests; its agent stops it once in-flight ones finish.
+
+    A replica not yet started stops at once. Returns whether this call changed it.
+    """
+    now = timezone.now()
+    if replica.state == ReplicaState.PENDING:
+        changed = Replica.objects.filter(pk=replica.pk, state=ReplicaState.PENDING).update(
+            state=ReplicaState.STOPPED, state_changed_at=now, stopped_at=now
+        )
+    else:
+        changed = Replica.objects.filter(pk=replica.pk, state__in=[ReplicaState.STARTING, ReplicaState.READY]).update(
+            state=ReplicaState.DRAINING, state_changed_at=now
+        )
+    if changed:
+        notify_node(replica.node_id)
+        record_event(replica.endpoint, EventKind.SCALE, f"Draining replica {str(replica.pk)[:8]}: {reason}", replica=replica)
+    return bool(changed)
+
+
+def drain_replicas(endpoint: Endpoint, *, reason: str) -> int:
+    """Every serving replica of the endpoint drains."""
+    replicas = Replica.objects.filter(endpoint=endpoint, state__in=SERVING_REPLICA_STATES)
+    return sum(drain_replica(replica, reason=reason) for replica in replicas)
+
+
+def drain_node(node: Node, *, reason: str) -> int:
+    """Every serving replica on the node drains, and its endpoint is reconciled to replace it elsewhere."""
+    replicas = Replica.objects.filter(node=node, state__in=SERVING_REPLICA_STATES).select_related("endpoint")
+    num_drained, endpoint_ids = 0, set()
+    for replica in replicas:
+        num_drained += drain_replica(replica, reason=reason)
+        endpoint_ids.add(replica.endpoint_id)
+    for endpoint_id in endpoint_ids:
+        request_reconcile(endpoint_id)
+    return num_drained
+
+
+def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaState.FAILED) -> bool:
+    """Stop a replica the control plane gave up on, and replace it; returns whether this call changed it."""
+    now = timezone.now()
+    changed = Replica.objects.filter(pk=replica.pk, state=replica.state).update(
+        state=final_state, state_changed_at=now, stopped_at=now, failure_reason=reason if final_state == ReplicaState.FAILED else "",
+        num_running=0, num_waiting=0,
+    )
+    if changed:
+        notify_node(replica.node_id)
+        kind = EventKind.FAILURE if final_state == ReplicaState.FAILED else EventKind.REPLICA
+        record_event(replica.endpoint, kind, f"Replica {str(replica.pk)[:8]} {final_state}: {reason}", replica=replica)
+        request_reconcile(replica.endpoint_id)
+    return bool(changed)
+
+
+def state_after_report(current: str, reported: ReplicaState) -> str:
+    """The transition table: the control plane's state for a replica after its agent's report.
+
+    The control plane owns DRAINING and the final states: an agent saying READY
+    never revives a replica that was told to drain or was already stopped.
+    """
+    if current in FINAL_REPLICA_STATES:
+        return current
+    if reported in FINAL_REPLICA_STATES:
+        return reported
+    if current == ReplicaState.DRAINING:
+        return current
+    if reported == ReplicaState.DRAINING:  # the agent drains on its own (e.g. its shutdown)
+        return reported
+    if current == ReplicaState.PENDING and reported in (ReplicaState.STARTING, ReplicaState.READY):
+        return reported
+    if current == ReplicaState.STARTING and reported == ReplicaState.READY:
+        return reported
+    if current == ReplicaState.READY and reported == ReplicaState.STARTING:  # the engine crashed and is restarting
+        return reported
+    return current
+
+
+def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
+    """Take what the node's agent says of one of its replicas: its load, address, restarts and state.
+
+    A report about another node's replica, or one that no longer exists, is ignored.
+    """
+    with transaction.atomic():
+        replica = (
+            Replica.objects.select_for_update().select_related("endpoint").filter(pk=report.replica_id, node=node).first()
+        )
+        if replica is None:
+            return
+        previous = replica.state
+        new_state = ReplicaState(state_after_report(previous, report.state)).value
+        now = timezone.now()
+        fields = {
+            "num_running": report.num_running, "num_waiting": report.num_waiting,
+            "kv_cache_usage": report.kv_cache_usage, "tokens_per_s": report.tokens_per_s,
+            "progress": report.progress[:100], "progress_percent": report.progress_percent,
+        }
+        refused_address = report.address and node.engine_address_problem(report.address)
+        if report.address and not refused_address:
+            fields["address"] = report.address
+        if report.num_restarts > replica.num_restarts:
+            fields["num_restarts"] = report.num_restarts
+            record_event(
+                replica.endpoint, EventKind.FAILURE,
+                f"Replica {str(replica.pk)[:8]} engine crashed and was restarted (restart {report.num_restarts})",
+                replica=replica, reason=report.failure_reason[-500:],
+            )
+        if refused_address and new_state not in FINAL_REPLICA_STATES:
+            # NOTE: a node may only point the gateway at its own registered host and port range; an
+            # engine elsewhere (a stolen node secret, a misconfigured agent) is failed, never routed to.
+            new_state = ReplicaState.FAILED.value
+            report = dataclasses.replace(report, failure_reason=f"refused: {refused_address}")
+        if new_state != previous:
+            fields["state"] = new_state
+            fields["state_changed_at"] = now
+            if new_state == ReplicaState.READY:
+                fields["ready_at"] = now
+            if new_state in FINAL_REPLICA_STATES:
+                fields["stopped_at"] = now
+                fields["num_running"] = fields["num_waiting"] = 0
+            if new_state == ReplicaState.FAILED:
+                fields["failure_reason"] = report.failure_reason[-2000:] or "engine failed"
+        Replica.objects.filter(pk=replica.pk).update(**fields)
+    if new_state != previous:
+        _announce_transition(replica, previous, new_state, report)
+
+
+def _announce_transition(replica: Replica, previous: str, new_state: str, report: protocol.ReplicaStatus) -> None:
+    short = str(replica.pk)[:8]
+    details = {"from": previous, "to": new_state}
+    if new_state == ReplicaState.READY:
+        record_replica_ready(replica.endpoint_id)
+        notify_endpoint_ready(replica.endpoint_id)
+        seconds = (timezone.now() - replica.created_at).total_seconds()
+        record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} READY after {seconds:.1f} s", replica=replica,
+                     cold_start_s=round(seconds, 3), **details)
+    elif new_state == ReplicaState.FAILED:
+        record_event(replica.endpoint, EventKind.FAILURE, f"Replica {short} failed: {(report.failure_reason or 'engine failed')[-200:]}",
+                     replica=replica, **details)
+        record_replica_failure(replica.endpoint_id, report.failure_reason or "engine failed",
+                               permanent=report.failure_permanent)
+        request_reconcile(replica.endpoint_id)
+    else:
+        record_event(replica.endpoint, EventKind.REPLICA, f"Replica {short} {previous} → {new_state}", replica=replica, **details)
+
+
+def failure_signature(reason: str) -> str:
+    """A failure reason with its varying parts (numbers, addresses, ids) blanked, to tell repeats apart."""
+    return re.sub(r"\d+", "#", reason.strip().splitlines()[-1] if reason.strip() else "")[-300:]
+
+
+def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False) -> None:
+    """Count a replica's failure against its endpoint: back off, and stop the endpoint when it repeats.
+
+    The n-th identical failure in a row delays the next placement by base × 2^(n-1); the
+    `REPLICA_MAX_IDENTICAL_FAILURES`-th (or one the agent calls permanent: the spec cannot run on
+    this model) stops the endpoint as FAILED, with the reason as its status, until a spec change or
+    a resume. A replica turning READY starts the count again (`record_replica_ready`).
+    """
+    now = timezone.now()
+    reason = (reason.strip() or "engine failed")[-2000:]
+    with transaction.atomic():
+        endpoint = Endpoint.objects.select_for_update().filter(pk=endpoint_id, failed_at__isnull=True).first()
+        if endpoint is None:
+            return
+        signature = failure_signature(reason)
+        repeats = endpoint.num_identical_failures + 1 if signature == endpoint.last_failure_reason else 1
+        short = reason.splitlines()[-1][-200:]
+        fields = {"num_identical_failures": repeats, "last_failure_reason": signature}
+        if permanent or repeats >= settings.REPLICA_MAX_IDENTICAL_FAILURES:
+            fields.update(failed_at=now, next_attempt_at=None, waiting_for_capacity=False,
+                          status_message=f"failed: {short}"[:300])
+            message = (f"Endpoint failed: {short}; it stays stopped until its configuration changes or it is resumed"
+                       if permanent else
+                       f"Endpoint failed: {repeats} replicas in a row failed with the same reason ({short}); "
+                       "it stays stopped until its configuration changes or it is resumed")
+        else:
+            delay_s = settings.REPLICA_RETRY_BASE_S * 2 ** (repeats - 1)
+            fields.update(next_attempt_at=now + timedelta(seconds=delay_s),
+                          status_message=f"replica failed ({short}); retrying in {delay_s:.0f} s"[:300])
+            message = f"Next replica in {delay_s:.0f} s (failure {repeats} of {settings.REPLICA_MAX_IDENTICAL_FAILURES} allowed in a row)"
+        Endpoint.objects.filter(pk=endpoint.pk).update(**fields)
+        record_event(endpoint, EventKind.FAILURE, message, reason=short, repeats=repeats)
+
+
+def record_replica_ready(endpoint_id) -> None:
+    """A replica served: earlier failures no longer predict the next one."""
+    Endpoint.objects.filter(pk=endpoint_id).filter(
+        Q(num_identical_failures__gt=0) | Q(next_attempt_at__isnull=False)
+    ).update(num_identical_failures=0, last_failure_reason="", next_attempt_at=None, status_message="")
