@@ -26,6 +26,7 @@ import httpx
 from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
+    FINAL_REPLICA_STATES,
     Heartbeat,
     HeartbeatResponse,
     RegisterRequest,
@@ -45,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
 WATCH_TIMEOUT_S = 35.0  # the control plane answers a watch within 25 s
-_TERMINAL_STATES = (ReplicaState.STOPPED, ReplicaState.FAILED)
 
 
 @dataclass(slots=True)
@@ -252,7 +252,7 @@ class Agent:
         self.heartbeat_interval_s = answer.heartbeat_interval_s
         with self._lock:
             for status in heartbeat.replicas:
-                if status.state in _TERMINAL_STATES:
+                if status.state in FINAL_REPLICA_STATES:
                     self._reported_terminal.add(status.replica_id)
         self.reconcile(answer.desired)
         return answer
@@ -364,7 +364,7 @@ class Agent:
             replica = self.supervisor.get(replica_id)
             if (
                 replica is not None
-                and replica.state in _TERMINAL_STATES
+                and replica.state in FINAL_REPLICA_STATES
                 and replica_id not in desired_by_id
                 and replica_id in self._reported_terminal
             ):
@@ -379,7 +379,7 @@ class Agent:
             )
         for replica_id in self.supervisor.replica_ids():
             replica = self.supervisor.get(replica_id)
-            if replica is not None and replica.state in _TERMINAL_STATES:
+            if replica is not None and replica.state in FINAL_REPLICA_STATES:
                 self._release_weights(replica_id)
 
     def _begin_start(self, spec: ReplicaSpec) -> None:
@@ -460,7 +460,7 @@ class Agent:
                 pull.progress = ""
                 return
         replica = self.supervisor.get(replica_id)
-        if replica is not None and replica.state not in (*_TERMINAL_STATES, ReplicaState.DRAINING):
+        if replica is not None and replica.state not in (*FINAL_REPLICA_STATES, ReplicaState.DRAINING):
             logger.info("replica %s: draining (%s)", replica_id, "DRAIN" if spec else "no longer desired")
             self.supervisor.drain(replica_id, timeout_s=spec.drain_timeout_s if spec else None)
 

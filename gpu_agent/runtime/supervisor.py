@@ -10,8 +10,13 @@ NOTE: every engine is started from the monitor thread (or the thread calling
 `poll()`), never from a short-lived worker thread: PR_SET_PDEATHSIG fires when the
 *thread* that forked the child exits, not only when the process does.
 
-Pids live in `<data-dir>/replicas.json`, so a restarted agent adopts children
-that are healthy and still desired and kills the rest: no orphan engines.
+Pids live in `<data-dir>/replicas.json` (`state_file.py`), so a restarted agent
+adopts children that are healthy and still desired and kills the rest: no orphan
+engines.
+
+This module is the orchestration; each replica's states and transitions are in
+`replica_state.py`, process control in `process.py`, the health check and metrics
+in `probes.py`.
 
 With `standby=True` the supervisor keeps one warm standby process (`standby.py`)
 that has already imported vLLM; `_launch` hands a replica to it instead of
@@ -22,24 +27,15 @@ starting, so its imports never compete with an engine's start for the CPU.
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import dataclasses
-import json
 import logging
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
-import psutil
 
 from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
@@ -48,14 +44,13 @@ from gpu_agent.protocol import (
     ReplicaState,
     ReplicaStatus,
 )
-from gpu_agent.runtime import engine
+from gpu_agent.runtime import engine, process, state_file
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, EngineCommand
+from gpu_agent.runtime.probes import EngineProbe
+from gpu_agent.runtime.replica_state import ManagedReplica
 from gpu_agent.runtime.standby import Standby, server_args
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-_TERMINAL_STATES = (ReplicaState.STOPPED, ReplicaState.FAILED)
 
 CommandFactory = Callable[[ReplicaSpec, Path, int], EngineCommand]
 
@@ -77,64 +72,9 @@ class SupervisorPolicy:
     # plain start, which would also compete for the CPU), at most this long after the standby spawned.
     standby_wait_s: float = 180.0
 
-
-@dataclass(slots=True)
-class EngineMetrics:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    generation_tokens_total: float = 0.0
-
-
-@dataclass(slots=True)
-class ManagedReplica:
-    spec: ReplicaSpec
-    model_path: Path
-    log_path: Path
-    state: ReplicaState = ReplicaState.STARTING
-    state_history: list[tuple[ReplicaState, float]] = field(default_factory=list)
-    command: EngineCommand | None = None
-    process: subprocess.Popen | None = None  # None for adopted engines
-    pid: int | None = None
-    num_restarts: int = 0
-    num_consecutive_crashes: int = 0
-    failure_reason: str = ""
-    progress: str = "starting engine"
-    launch_at: float = 0.0  # when to (re)launch; 0 means not scheduled
-    started_at: float = 0.0
-    ready_at: float | None = None
-    drain_deadline_at: float | None = None
-    kill_deadline_at: float | None = None  # set once SIGTERM was sent
-    metrics: EngineMetrics = field(default_factory=EngineMetrics)
-    metrics_scraped_at: float | None = None
-    tokens_per_s: float = 0.0
-    from_standby: bool = False  # the running engine is a standby that took this replica
-    avoid_standby: bool = False  # a standby start never got READY: launch naively from now on
-
-    def set_state(self, state: ReplicaState) -> None:
-        if state != self.state or not self.state_history:
-            self.state = state
-            self.state_history.append((state, time.time()))
-
-    @property
-    def address(self) -> str:
-        return self.command.address if self.command else ""
-
-    def status(self) -> ReplicaStatus:
-        alive = self.state not in _TERMINAL_STATES
-        return ReplicaStatus(
-            replica_id=self.spec.replica_id,
-            state=self.state,
-            address=self.address if self.state in (ReplicaState.READY, ReplicaState.DRAINING) else "",
-            pid=self.pid if alive else None,
-            num_running=self.metrics.num_running if alive else 0,
-            num_waiting=self.metrics.num_waiting if alive else 0,
-            kv_cache_usage=min(max(self.metrics.kv_cache_usage, 0.0), 1.0) if alive else 0.0,
-            tokens_per_s=self.tokens_per_s if alive else 0.0,
-            num_restarts=self.num_restarts,
-            failure_reason=self.failure_reason,
-            progress=self.progress if self.state == ReplicaState.STARTING else "",
-        )
+    def backoff_after(self, num_consecutive_crashes: int) -> float:
+        """Seconds before the next launch: doubled after each crash in a row, capped."""
+        return min(self.restart_backoff_s * 2 ** (num_consecutive_crashes - 1), self.max_restart_backoff_s)
 
 
 class Supervisor:
@@ -164,20 +104,13 @@ class Supervisor:
         self.engine_ports = engine_ports
         self._replicas: dict[str, ManagedReplica] = {}
         self._lock = threading.RLock()
-        self._http = httpx.Client(timeout=self.policy.health_timeout_s)
+        self._probe = EngineProbe(self.policy.health_timeout_s)
         self._monitor: threading.Thread | None = None
         self._stop_monitor = threading.Event()
         # Set by start(): the monitor launches a new engine now, not at its next tick.
         self._poke = threading.Event()
-        self.standby = (
-            Standby(
-                self.data_dir,
-                device=device,
-                preexec_fn=_die_with_parent if self.policy.kill_children_on_agent_death else None,
-            )
-            if standby
-            else None
-        )
+        die_with_agent = process.die_with_parent if self.policy.kill_children_on_agent_death else None
+        self.standby = Standby(self.data_dir, device=device, preexec_fn=die_with_agent) if standby else None
         self._engines_quiet_since = time.monotonic() - self.policy.standby_refill_quiet_s
 
     @property
@@ -198,8 +131,7 @@ class Supervisor:
             replica = ManagedReplica(
                 spec=spec, model_path=Path(model_path), log_path=self.logs_dir / f"{spec.replica_id}.log"
             )
-            replica.set_state(ReplicaState.STARTING)
-            replica.launch_at = time.monotonic()
+            replica.schedule_launch(time.monotonic())
             self._replicas[spec.replica_id] = replica
         self._poke.set()
         return replica
@@ -208,21 +140,19 @@ class Supervisor:
         """Stop routing to the replica, let in-flight requests finish, then stop it."""
         with self._lock:
             replica = self._replicas.get(replica_id)
-            if replica is None or replica.state in (*_TERMINAL_STATES, ReplicaState.DRAINING):
+            if replica is None or replica.is_final or replica.state == ReplicaState.DRAINING:
                 return
             if replica.pid is None:  # never launched or waiting for a restart: nothing to drain
-                replica.launch_at = 0.0
-                replica.set_state(ReplicaState.STOPPED)
+                replica.stopped()
                 return
-            replica.set_state(ReplicaState.DRAINING)
             timeout = replica.spec.drain_timeout_s if timeout_s is None else timeout_s
-            replica.drain_deadline_at = time.monotonic() + timeout
+            replica.started_draining(time.monotonic() + timeout)
 
     def forget(self, replica_id: str) -> None:
         """Drop a terminal replica from reports."""
         with self._lock:
             replica = self._replicas.get(replica_id)
-            if replica is not None and replica.state in _TERMINAL_STATES:
+            if replica is not None and replica.is_final:
                 del self._replicas[replica_id]
                 self._save_state()
 
@@ -313,21 +243,19 @@ class Supervisor:
 
     def _step(self, replica: ManagedReplica) -> None:
         now = time.monotonic()
-        if replica.state in _TERMINAL_STATES:
+        if replica.is_final:
             return
         if replica.pid is None:
             if replica.launch_at and now >= replica.launch_at:
                 self._launch(replica)
             return
-        exit_code = self._exit_code(replica)
+        exit_code = process.exit_code(replica.process, replica.pid)
         if exit_code is not None:
             self._on_exit(replica, exit_code)
             return
         if replica.state == ReplicaState.STARTING:
-            if self._healthy(replica):
-                replica.set_state(ReplicaState.READY)
-                replica.ready_at = now
-                replica.progress = ""
+            if self._probe.healthy(replica.address):
+                replica.became_ready(now)
                 if self.on_ready is not None:
                     self.on_ready(replica.spec.replica_id)
                 logger.info(
@@ -335,9 +263,7 @@ class Supervisor:
                     replica.spec.replica_id, replica.address, now - replica.started_at,
                 )  # fmt: skip
             elif now - replica.started_at > self.policy.startup_timeout_s:
-                logger.warning(
-                    "replica %s: not healthy after %.0fs", replica.spec.replica_id, now - replica.started_at
-                )
+                logger.warning("replica %s: not healthy after %.0fs", replica.spec.replica_id, now - replica.started_at)
                 self._kill_group(replica, signal.SIGKILL)
         elif replica.state == ReplicaState.READY:
             self._scrape(replica)
@@ -367,163 +293,62 @@ class Supervisor:
         ):
             replica.progress = "starting engine (warm standby)"
             return  # launch_at stays due: the next poll tries again
-        env = {
-            **os.environ,
-            **command.env,
-            REPLICA_ENV_MARKER: spec.replica_id,
-            DATA_DIR_ENV_MARKER: str(self.data_dir),
-        }
+        env = {**os.environ, **command.env, REPLICA_ENV_MARKER: spec.replica_id, DATA_DIR_ENV_MARKER: str(self.data_dir)}
         with open(replica.log_path, "ab") as log:
-            process = None
+            started = None
             if self.standby is not None and not replica.avoid_standby and self.standby.can_take(command):
-                log.write(f"\n==> launch {_now()} on the warm standby: {' '.join(command.argv)}\n".encode())
+                log.write(f"\n==> launch {process.timestamp()} on the warm standby: {' '.join(command.argv)}\n".encode())
                 log.flush()
-                process = self.standby.hand_off(
+                started = self.standby.hand_off(
                     spec.replica_id, command, {**command.env, DATA_DIR_ENV_MARKER: str(self.data_dir)},
                     replica.log_path,
                 )  # fmt: skip
-            if process is None:
-                log.write(f"\n==> launch {_now()}: {' '.join(command.argv)}\n".encode())
+            if started is None:
+                log.write(f"\n==> launch {process.timestamp()}: {' '.join(command.argv)}\n".encode())
                 log.flush()
-            replica.from_standby = process is not None
-            process = process or subprocess.Popen(
-                command.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # own process group: we signal the engine and its workers together
-                preexec_fn=_die_with_parent if self.policy.kill_children_on_agent_death else None,
-                close_fds=True,
+            replica.from_standby = started is not None
+            started = started or process.spawn(
+                command.argv, env, log, die_with_agent=self.policy.kill_children_on_agent_death
             )
-        replica.command = command
-        replica.process = process
-        replica.pid = process.pid
-        replica.started_at = time.monotonic()
-        replica.launch_at = 0.0
-        replica.ready_at = None
-        replica.metrics = EngineMetrics()
-        replica.metrics_scraped_at = None
-        replica.progress = "starting engine"
-        replica.set_state(ReplicaState.STARTING)
+        replica.launched(command, started, time.monotonic())
         logger.info(
             "replica %s: launched pid %s on port %s%s",
-            spec.replica_id, process.pid, port, " (warm standby)" if replica.from_standby else "",
+            spec.replica_id, started.pid, port, " (warm standby)" if replica.from_standby else "",
         )  # fmt: skip
         self._save_state()
 
-    def _exit_code(self, replica: ManagedReplica) -> int | None:
-        if replica.process is not None:
-            return replica.process.poll()
-        try:  # adopted: not our child, so no exit code, only liveness
-            process = psutil.Process(replica.pid)
-            if process.status() == psutil.STATUS_ZOMBIE:
-                return -1
-            return None
-        except psutil.NoSuchProcess:
-            return -1
-
     def _on_exit(self, replica: ManagedReplica, exit_code: int) -> None:
         self._kill_group(replica, signal.SIGKILL)  # reap workers the engine left behind
-        replica.pid = None
-        replica.process = None
-        replica.kill_deadline_at = None
+        replica.exited()
         if replica.state == ReplicaState.DRAINING:
-            replica.set_state(ReplicaState.STOPPED)
+            replica.stopped()
             logger.info("replica %s STOPPED", replica.spec.replica_id)
             self._save_state()
             return
-        replica.num_consecutive_crashes += 1
-        reason = f"engine exited with code {exit_code}"
-        if replica.from_standby and replica.ready_at is None:
-            replica.avoid_standby = True  # the handoff itself may be what fails: retry the plain way
-            reason += " (started from the warm standby; retrying with a plain launch)"
+        reason = replica.crashed(exit_code)
         if replica.num_consecutive_crashes >= self.policy.max_consecutive_crashes:
-            self._fail(
-                replica,
-                f"{reason} {replica.num_consecutive_crashes} times in a row:\n{self.log_tail(replica)}",
-            )
+            log_tail = process.log_tail(replica.log_path, self.policy.num_log_lines_in_reason)
+            self._fail(replica, f"{reason} {replica.num_consecutive_crashes} times in a row:\n{log_tail}")
             return
-        backoff = min(
-            self.policy.restart_backoff_s * 2 ** (replica.num_consecutive_crashes - 1),
-            self.policy.max_restart_backoff_s,
-        )
-        replica.num_restarts += 1
-        replica.launch_at = time.monotonic() + backoff
-        replica.failure_reason = reason
-        replica.progress = f"restarting engine in {backoff:.0f}s after a crash"
-        replica.set_state(ReplicaState.STARTING)
-        logger.warning(
-            "replica %s: %s; restart %d in %.1fs",
-            replica.spec.replica_id,
-            reason,
-            replica.num_restarts,
-            backoff,
-        )
+        backoff = self.policy.backoff_after(replica.num_consecutive_crashes)
+        replica.restart_after_crash(reason, backoff, time.monotonic())
+        logger.warning("replica %s: %s; restart %d in %.1fs", replica.spec.replica_id, reason, replica.num_restarts, backoff)
         self._save_state()
 
     def _fail(self, replica: ManagedReplica, reason: str) -> None:
         self._kill_group(replica, signal.SIGKILL)
-        replica.pid = None
-        replica.process = None
-        replica.launch_at = 0.0
-        replica.failure_reason = reason
-        replica.set_state(ReplicaState.FAILED)
-        logger.error(
-            "replica %s FAILED: %s", replica.spec.replica_id, reason.splitlines()[0] if reason else ""
-        )
+        replica.failed(reason)
+        logger.error("replica %s FAILED: %s", replica.spec.replica_id, reason.splitlines()[0] if reason else "")
         self._save_state()
 
-    def log_tail(self, replica: ManagedReplica) -> str:
-        try:
-            with open(replica.log_path, "rb") as log:
-                log.seek(0, os.SEEK_END)
-                log.seek(max(0, log.tell() - 64 * 1024))
-                lines = log.read().decode(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-self.policy.num_log_lines_in_reason :])
-
     def _kill_group(self, replica: ManagedReplica, sig: signal.Signals) -> None:
-        """Signal the engine's process group and any stray process carrying its marker."""
-        if replica.pid is not None:
-            try:
-                os.killpg(replica.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if sig == signal.SIGKILL:
-            for process in replica_processes(replica.spec.replica_id, self.data_dir):
-                try:
-                    process.kill()
-                except psutil.Error:
-                    pass
-            if replica.process is not None and replica.process.poll() is None:
-                try:
-                    replica.process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
-
-    def _healthy(self, replica: ManagedReplica) -> bool:
-        try:
-            return self._http.get(f"{replica.address}/health").status_code == 200
-        except httpx.HTTPError:
-            return False
+        process.kill_group(replica.pid, replica.process, replica.spec.replica_id, self.data_dir, sig)
 
     def _scrape(self, replica: ManagedReplica) -> bool:
-        try:
-            response = self._http.get(
-                f"{replica.address}/metrics", headers={"Authorization": f"Bearer {replica.spec.engine_api_key}"}
-            )
-            response.raise_for_status()
-        except httpx.HTTPError:
+        metrics = self._probe.metrics(replica.address, replica.spec.engine_api_key)
+        if metrics is None:
             return False
-        metrics = parse_engine_metrics(response.text)
-        now = time.monotonic()
-        if replica.metrics_scraped_at is not None and now > replica.metrics_scraped_at:
-            delta = metrics.generation_tokens_total - replica.metrics.generation_tokens_total
-            replica.tokens_per_s = max(delta, 0.0) / (now - replica.metrics_scraped_at)
-        replica.metrics = metrics
-        replica.metrics_scraped_at = now
+        replica.took_metrics(metrics, time.monotonic())
         return True
 
     # -- shutdown and recovery -------------------------------------------------------
@@ -539,18 +364,15 @@ class Supervisor:
                 self._kill_group(replica, signal.SIGTERM)
             deadline = time.monotonic() + timeout
             for replica in running:
-                while self._exit_code(replica) is None and time.monotonic() < deadline:
+                while process.exit_code(replica.process, replica.pid) is None and time.monotonic() < deadline:
                     time.sleep(0.1)
                 self._kill_group(replica, signal.SIGKILL)
-                replica.pid = None
-                replica.process = None
-                replica.set_state(ReplicaState.STOPPED)
+                replica.stopped()
             for replica in self._replicas.values():
-                if replica.state not in _TERMINAL_STATES:
-                    replica.launch_at = 0.0
-                    replica.set_state(ReplicaState.STOPPED)
+                if not replica.is_final:
+                    replica.stopped()
             self._save_state()
-        self._http.close()
+        self._probe.close()
 
     def detach(self) -> None:
         """Stop supervising but leave engines running, for the next agent on this data dir to adopt."""
@@ -558,7 +380,7 @@ class Supervisor:
         self._stop_standby()  # a waiting standby is nobody's engine: it never outlives the agent
         with self._lock:
             self._save_state()
-        self._http.close()
+        self._probe.close()
 
     def recover(self, desired: dict[str, ReplicaSpec] | None = None) -> tuple[list[str], list[str]]:
         """Adopt engines a previous agent left running if healthy and desired; kill all others.
@@ -567,35 +389,18 @@ class Supervisor:
         Returns (adopted replica ids, killed replica ids).
         """
         adopted, killed = [], []
-        records = self._load_state()
+        records = state_file.load(self.state_path)
         with self._lock:
             for replica_id, record in records.items():
                 if replica_id in self._replicas:
                     continue
-                pid = record.get("pid")
-                spec = dataclasses.replace(
-                    ReplicaSpec.from_dict(record["spec"]), engine_api_key=record.get("engine_api_key", "")
-                )
-                command = EngineCommand(argv=record.get("argv", []), host=record["host"], port=record["port"],
-                                         advertise_host=record.get("advertise_host", ""))
-                wanted_spec = desired.get(replica_id, spec) if desired else spec
-                if not wanted_spec.engine_api_key:  # the running engine holds the key it was started with
-                    wanted_spec = dataclasses.replace(wanted_spec, engine_api_key=spec.engine_api_key)
-                replica = ManagedReplica(
-                    spec=wanted_spec,
-                    model_path=Path(record["model_path"]),
-                    log_path=self.logs_dir / f"{replica_id}.log",
-                    command=command,
-                    pid=pid,
-                    num_restarts=record.get("num_restarts", 0),
-                )
+                replica = state_file.replica_from_record(replica_id, record, self.logs_dir, desired)
+                pid = replica.pid
                 wanted = desired is None or replica_id in desired
-                alive = pid is not None and _is_replica_process(pid, replica_id)
-                if wanted and alive and self._healthy(replica):
-                    replica.set_state(ReplicaState.READY)
-                    replica.ready_at = time.monotonic()
+                alive = pid is not None and process.is_replica_process(pid, replica_id)
+                if wanted and alive and self._probe.healthy(replica.address):
+                    replica.became_ready(time.monotonic())
                     replica.started_at = time.monotonic()
-                    replica.progress = ""
                     self._replicas[replica_id] = replica
                     adopted.append(replica_id)
                     logger.info("adopted replica %s (pid %s)", replica_id, pid)
@@ -607,14 +412,7 @@ class Supervisor:
             owned = {replica.pid for replica in self._replicas.values() if replica.pid}
             if self.standby is not None and self.standby.pid is not None:
                 owned.add(self.standby.pid)
-            for process in replica_processes(None, self.data_dir):
-                try:
-                    if process.pid in owned or os.getpgid(process.pid) in owned:
-                        continue
-                    logger.warning("killing orphan engine process %s", process.pid)
-                    process.kill()
-                except (psutil.Error, ProcessLookupError):
-                    pass
+            process.kill_orphans(self.data_dir, owned)
             self._save_state()
         if killed:
             logger.info("killed replicas left by a previous agent: %s", killed)
@@ -626,100 +424,4 @@ class Supervisor:
                 self.standby.stop()
 
     def _save_state(self) -> None:
-        records = {}
-        for replica_id, replica in self._replicas.items():
-            if replica.pid is None or replica.command is None:
-                continue
-            records[replica_id] = {
-                "pid": replica.pid,
-                "host": replica.command.host,
-                "advertise_host": replica.command.advertise_host,
-                "port": replica.command.port,
-                "argv": replica.command.argv,
-                "model_path": str(replica.model_path),
-                # NOTE: source credentials never go to disk. The engine key does (this file is 0600,
-                # like node.json): the next agent must reach an engine it adopts to drain it.
-                "spec": replica.spec.without_secrets().to_dict(),
-                "engine_api_key": replica.spec.engine_api_key,
-                "num_restarts": replica.num_restarts,
-            }
-        tmp = self.state_path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(json.dumps(records, indent=2))
-        os.replace(tmp, self.state_path)
-
-    def _load_state(self) -> dict[str, dict]:
-        try:
-            return json.loads(self.state_path.read_text())
-        except (OSError, ValueError):
-            return {}
-
-
-_METRIC_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")
-
-
-def parse_engine_metrics(text: str) -> EngineMetrics:
-    """Sum vLLM's Prometheus gauges over engines (one per data-parallel rank)."""
-    values: dict[str, float] = collections.defaultdict(float)
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        match = _METRIC_LINE.match(line)
-        if match:
-            try:
-                values[match["name"]] += float(match["value"])
-            except ValueError:
-                continue
-    kv_cache = values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc", 0.0))
-    return EngineMetrics(
-        num_running=int(values.get("vllm:num_requests_running", 0)),
-        num_waiting=int(values.get("vllm:num_requests_waiting", 0)),
-        kv_cache_usage=float(kv_cache),
-        generation_tokens_total=values.get("vllm:generation_tokens_total", 0.0),
-    )
-
-
-def replica_processes(replica_id: str | None, data_dir: str | Path) -> list[psutil.Process]:
-    """Live processes started for this data dir (and this replica, if given), found by environment marker."""
-    data_dir = str(data_dir)
-    found = []
-    for process in psutil.process_iter(["pid"]):
-        if process.pid == os.getpid():
-            continue
-        try:
-            environ = process.environ()
-        except (psutil.Error, OSError):
-            continue
-        if environ.get(DATA_DIR_ENV_MARKER) != data_dir:
-            continue
-        if replica_id is not None and environ.get(REPLICA_ENV_MARKER) != replica_id:
-            continue
-        try:
-            if process.status() != psutil.STATUS_ZOMBIE:
-                found.append(process)
-        except psutil.Error:
-            continue
-    return found
-
-
-def _is_replica_process(pid: int, replica_id: str) -> bool:
-    """Guards against pid reuse: the pid must still carry the replica's marker."""
-    try:
-        process = psutil.Process(pid)
-        return (
-            process.status() != psutil.STATUS_ZOMBIE
-            and process.environ().get(REPLICA_ENV_MARKER) == replica_id
-        )
-    except (psutil.Error, OSError):
-        return False
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        state_file.save(self.state_path, self._replicas.values())

@@ -12,7 +12,8 @@ import psutil
 import pytest
 
 from gpu_agent.protocol import ReplicaState
-from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy, parse_engine_metrics
+from gpu_agent.runtime.probes import parse_engine_metrics
+from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
 
@@ -103,7 +104,7 @@ def test_new_supervisor_adopts_healthy_desired_and_kills_the_rest(make_superviso
     first.start(make_spec("r-gone"), "/models/x")
     wait_until(lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 10, poll=first.poll)
     keep_pid = first.get("r-keep").pid
-    first._http.close()  # the old agent vanishes without stopping its children
+    first._probe.close()  # the old agent vanishes without stopping its children
     first._replicas.clear()
 
     second = make_supervisor(data_dir=data_dir)

@@ -1,0 +1,144 @@
+"""Engine processes: spawn one in its own process group, signal it, find it again by its marker.
+
+Every engine carries two environment markers (`engine.REPLICA_ENV_MARKER`,
+`engine.DATA_DIR_ENV_MARKER`), so an agent finds its engines (and strays they left) by
+environment, never by name, and a reused pid is never mistaken for an engine. On Linux an engine
+also dies with the thread that forked it (PR_SET_PDEATHSIG), so a killed agent leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+import psutil
+
+from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def spawn(argv: list[str], env: dict[str, str], log: BinaryIO, *, die_with_agent: bool) -> subprocess.Popen:
+    """Start an engine in its own process group, its output appended to `log`."""
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,  # own process group: we signal the engine and its workers together
+        preexec_fn=die_with_parent if die_with_agent else None,
+        close_fds=True,
+    )
+
+
+def exit_code(process: subprocess.Popen | None, pid: int) -> int | None:
+    """The engine's exit code, None while it runs; an adopted engine (not our child) exits with -1."""
+    if process is not None:
+        return process.poll()
+    try:  # adopted: not our child, so no exit code, only liveness
+        found = psutil.Process(pid)
+        if found.status() == psutil.STATUS_ZOMBIE:
+            return -1
+        return None
+    except psutil.NoSuchProcess:
+        return -1
+
+
+def kill_group(pid: int | None, process: subprocess.Popen | None, replica_id: str, data_dir: Path, sig: signal.Signals) -> None:
+    """Signal the engine's process group and, on SIGKILL, any stray process carrying its marker."""
+    if pid is not None:
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if sig == signal.SIGKILL:
+        for stray in replica_processes(replica_id, data_dir):
+            try:
+                stray.kill()
+            except psutil.Error:
+                pass
+        if process is not None and process.poll() is None:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def kill_orphans(data_dir: Path, owned: set[int]) -> None:
+    """Kill whatever carries this data dir's marker but is not (in the group of) a pid in `owned`."""
+    for found in replica_processes(None, data_dir):
+        try:
+            if found.pid in owned or os.getpgid(found.pid) in owned:
+                continue
+            logger.warning("killing orphan engine process %s", found.pid)
+            found.kill()
+        except (psutil.Error, ProcessLookupError):
+            pass
+
+
+def replica_processes(replica_id: str | None, data_dir: str | Path) -> list[psutil.Process]:
+    """Live processes started for this data dir (and this replica, if given), found by environment marker."""
+    data_dir = str(data_dir)
+    found = []
+    for process in psutil.process_iter(["pid"]):
+        if process.pid == os.getpid():
+            continue
+        try:
+            environ = process.environ()
+        except (psutil.Error, OSError):
+            continue
+        if environ.get(DATA_DIR_ENV_MARKER) != data_dir:
+            continue
+        if replica_id is not None and environ.get(REPLICA_ENV_MARKER) != replica_id:
+            continue
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def is_replica_process(pid: int, replica_id: str) -> bool:
+    """Guards against pid reuse: the pid must still carry the replica's marker."""
+    try:
+        process = psutil.Process(pid)
+        return (
+            process.status() != psutil.STATUS_ZOMBIE
+            and process.environ().get(REPLICA_ENV_MARKER) == replica_id
+        )
+    except (psutil.Error, OSError):
+        return False
+
+
+def log_tail(log_path: Path, num_lines: int) -> str:
+    """The last lines an engine wrote, for a failure's reason."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - 64 * 1024))
+            lines = log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-num_lines:])
+
+
+def timestamp() -> str:
+    """The wall-clock time written before each launch in an engine's log."""
+    return time.strftime("%Y-%m-%d %H:%M:%S")

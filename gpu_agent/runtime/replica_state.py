@@ -1,0 +1,145 @@
+"""One supervised replica: what the agent knows of it, the states it moves through, what it reports.
+
+    STARTING --healthy--> READY --drain--> DRAINING --exit--> STOPPED
+       ^  |                 |
+       |  +--crash----------+--> STARTING again after a backoff, FAILED after too many in a row
+
+Each method here is one transition and touches only this object; the supervisor
+(`supervisor.py`) decides when to take it and does the I/O around it (processes, probes,
+the state file). STOPPED and FAILED are final (`protocol.FINAL_REPLICA_STATES`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpu_agent.protocol import FINAL_REPLICA_STATES, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.runtime.engine import EngineCommand
+from gpu_agent.runtime.probes import EngineMetrics
+
+
+@dataclass(slots=True)
+class ManagedReplica:
+    spec: ReplicaSpec
+    model_path: Path
+    log_path: Path
+    state: ReplicaState = ReplicaState.STARTING
+    state_history: list[tuple[ReplicaState, float]] = field(default_factory=list)
+    command: EngineCommand | None = None
+    process: subprocess.Popen | None = None  # None for adopted engines
+    pid: int | None = None
+    num_restarts: int = 0
+    num_consecutive_crashes: int = 0
+    failure_reason: str = ""
+    progress: str = "starting engine"
+    launch_at: float = 0.0  # when to (re)launch; 0 means not scheduled
+    started_at: float = 0.0
+    ready_at: float | None = None
+    drain_deadline_at: float | None = None
+    kill_deadline_at: float | None = None  # set once SIGTERM was sent
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    metrics_scraped_at: float | None = None
+    tokens_per_s: float = 0.0
+    from_standby: bool = False  # the running engine is a standby that took this replica
+    avoid_standby: bool = False  # a standby start never got READY: launch naively from now on
+
+    def set_state(self, state: ReplicaState) -> None:
+        if state != self.state or not self.state_history:
+            self.state = state
+            self.state_history.append((state, time.time()))
+
+    @property
+    def address(self) -> str:
+        return self.command.address if self.command else ""
+
+    @property
+    def is_final(self) -> bool:
+        return self.state in FINAL_REPLICA_STATES
+
+    def status(self) -> ReplicaStatus:
+        alive = not self.is_final
+        return ReplicaStatus(
+            replica_id=self.spec.replica_id,
+            state=self.state,
+            address=self.address if self.state in (ReplicaState.READY, ReplicaState.DRAINING) else "",
+            pid=self.pid if alive else None,
+            num_running=self.metrics.num_running if alive else 0,
+            num_waiting=self.metrics.num_waiting if alive else 0,
+            kv_cache_usage=min(max(self.metrics.kv_cache_usage, 0.0), 1.0) if alive else 0.0,
+            tokens_per_s=self.tokens_per_s if alive else 0.0,
+            num_restarts=self.num_restarts,
+            failure_reason=self.failure_reason,
+            progress=self.progress if self.state == ReplicaState.STARTING else "",
+        )
+
+    # -- transitions ------------------------------------------------------------------
+
+    def schedule_launch(self, now: float) -> None:
+        self.set_state(ReplicaState.STARTING)
+        self.launch_at = now
+
+    def launched(self, command: EngineCommand, process: subprocess.Popen, now: float) -> None:
+        self.command = command
+        self.process = process
+        self.pid = process.pid
+        self.started_at = now
+        self.launch_at = 0.0
+        self.ready_at = None
+        self.metrics = EngineMetrics()
+        self.metrics_scraped_at = None
+        self.progress = "starting engine"
+        self.set_state(ReplicaState.STARTING)
+
+    def became_ready(self, now: float) -> None:
+        self.set_state(ReplicaState.READY)
+        self.ready_at = now
+        self.progress = ""
+
+    def started_draining(self, deadline_at: float) -> None:
+        self.set_state(ReplicaState.DRAINING)
+        self.drain_deadline_at = deadline_at
+
+    def exited(self) -> None:
+        """Its engine is gone (the supervisor reaped what it left)."""
+        self.pid = None
+        self.process = None
+        self.kill_deadline_at = None
+
+    def crashed(self, exit_code: int) -> str:
+        """Count a crash of its engine; returns the reason to report."""
+        self.num_consecutive_crashes += 1
+        reason = f"engine exited with code {exit_code}"
+        if self.from_standby and self.ready_at is None:
+            self.avoid_standby = True  # the handoff itself may be what fails: retry the plain way
+            reason += " (started from the warm standby; retrying with a plain launch)"
+        return reason
+
+    def restart_after_crash(self, reason: str, backoff_s: float, now: float) -> None:
+        self.num_restarts += 1
+        self.launch_at = now + backoff_s
+        self.failure_reason = reason
+        self.progress = f"restarting engine in {backoff_s:.0f}s after a crash"
+        self.set_state(ReplicaState.STARTING)
+
+    def stopped(self) -> None:
+        self.pid = None
+        self.process = None
+        self.launch_at = 0.0
+        self.set_state(ReplicaState.STOPPED)
+
+    def failed(self, reason: str) -> None:
+        self.pid = None
+        self.process = None
+        self.launch_at = 0.0
+        self.failure_reason = reason
+        self.set_state(ReplicaState.FAILED)
+
+    def took_metrics(self, metrics: EngineMetrics, now: float) -> None:
+        if self.metrics_scraped_at is not None and now > self.metrics_scraped_at:
+            delta = metrics.generation_tokens_total - self.metrics.generation_tokens_total
+            self.tokens_per_s = max(delta, 0.0) / (now - self.metrics_scraped_at)
+        self.metrics = metrics
+        self.metrics_scraped_at = now
