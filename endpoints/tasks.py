@@ -1,9 +1,10 @@
 from celery import shared_task
 
 from endpoints import scheduler
+from endpoints.replicas import RECONCILE_TASK
 
 
-@shared_task(name="endpoints.reconcile_endpoint", acks_late=True, time_limit=60, soft_time_limit=50)
+@shared_task(name=RECONCILE_TASK, acks_late=True, time_limit=60, soft_time_limit=50)
 def reconcile_endpoint(endpoint_id: str) -> None:
     scheduler.reconcile_endpoint(endpoint_id)
 
