@@ -16,7 +16,8 @@ engines.
 
 This module is the orchestration; each replica's states and transitions are in
 `replica_state.py`, process control in `process.py`, the health check and metrics
-in `probes.py`.
+in `probes.py`. It stays one module (about 430 lines) because every method below
+works under the one lock over the replicas: split, the lock would be shared across files.
 
 With `standby=True` the supervisor keeps one warm standby process (`standby.py`)
 that has already imported vLLM; `_launch` hands a replica to it instead of
