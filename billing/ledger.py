@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
-from asgiref.sync import sync_to_async
 from django.db import connection
 from django.db.models import Count, F, Sum
 from django.db.models.functions import Coalesce, TruncDate
@@ -187,10 +186,6 @@ async def arecord_usage(report: UsageReport) -> bool:
     from billing.usage_writer import writer_for_this_loop
 
     return await writer_for_this_loop().write(report)
-
-
-async def arecord_usage_batch(reports: list[UsageReport]) -> set[str]:
-    return await sync_to_async(record_usage_batch)(reports)
 
 
 # --- reading the ledger --------------------------------------------------------------

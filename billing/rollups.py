@@ -63,8 +63,9 @@ class RollupResult:
     organization_ids: set[int] = field(default_factory=set)
 
 
-def hour_closes_at(hour_start: datetime) -> datetime:
-    return hour_start + timedelta(hours=1) + timedelta(seconds=settings.BILLING_ROLLUP_CLOSE_AFTER_S)
+def close_delay() -> timedelta:
+    """How long after an hour starts its rollup closes: the hour itself, then the wait for late rows."""
+    return timedelta(hours=1, seconds=settings.BILLING_ROLLUP_CLOSE_AFTER_S)
 
 
 def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupResult:
@@ -92,7 +93,7 @@ def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupRe
             _apply(totals, now, result)
         result.num_closed = UsageRollup.objects.filter(
             closed_at__isnull=True,
-            hour_start__lte=now - timedelta(hours=1, seconds=settings.BILLING_ROLLUP_CLOSE_AFTER_S),
+            hour_start__lte=now - close_delay(),
         ).update(closed_at=now)
         state.recorded_since = started_at - RECORDED_AT_MARGIN
         state.last_run_at = now
