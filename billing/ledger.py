@@ -1,10 +1,10 @@
 """The usage ledger: one row per inference request, written exactly once, priced at write time.
 
-The gateway calls `record_usage` (or `arecord_usage`) once per request, also for aborted
-streams. A retry with the same request id writes nothing: the unique constraint on
-`request_id` and `INSERT … ON CONFLICT DO NOTHING` make the write exactly-once, whoever calls.
-Concurrent `arecord_usage` calls share one statement and commit; a caller that holds many
-reports may hand them to `record_usage_batch` directly.
+The gateway records each request once (`billing.usage_writer.arecord_usage`, which writes through
+`record_usage_batch_on`), also for aborted streams; synchronous callers use `record_usage`. A retry
+with the same request id writes nothing: the unique constraint on `request_id` and
+`INSERT … ON CONFLICT DO NOTHING` make the write exactly-once, whoever calls. A caller that holds
+many reports may hand them to `record_usage_batch` directly.
 """
 
 from __future__ import annotations
@@ -178,14 +178,6 @@ async def record_usage_batch_on(connection, reports: list[UsageReport]) -> set[s
 def record_usage(report: UsageReport) -> bool:
     """Write one request's usage, exactly once per request id. True if this call wrote it."""
     return bool(record_usage_batch([report]))
-
-
-async def arecord_usage(report: UsageReport) -> bool:
-    """`record_usage` for async callers: returns once the row is committed. Concurrent calls in
-    one event loop share a statement and a commit (see `billing.usage_writer`)."""
-    from billing.usage_writer import writer_for_this_loop
-
-    return await writer_for_this_loop().write(report)
 
 
 # --- reading the ledger --------------------------------------------------------------
