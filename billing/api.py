@@ -17,7 +17,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from billing import ledger, services, stripe_sync
-from billing.models import CreditGrant, Invoice
+from billing.models import BillingAccount, CreditGrant, Invoice
 from billing.periods import period_containing
 from billing.serializers import (
     CreditGrantSerializer,
@@ -78,7 +78,7 @@ class UsageExportView(UsageView):
 
 
 def billing_overview(organization) -> dict:
-    account = services.get_billing_account(organization.pk)
+    account = BillingAccount.objects.for_organization(organization)
     period = period_containing()
     return {
         "current_period": {

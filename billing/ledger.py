@@ -10,12 +10,23 @@ many reports may hand them to `record_usage_batch` directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import date, datetime, time, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.db import connection
-from django.db.models import Count, F, Sum
-from django.db.models.functions import Coalesce, TruncDate
+from django.db.models import (
+    Count,
+    DateTimeField,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    Func,
+    Sum,
+    Value,
+)
+from django.db.models.aggregates import Aggregate
+from django.db.models.functions import Cast, Coalesce, Extract, TruncDate
 from django.utils import timezone
 
 from billing.models import MONEY_QUANTUM, BillingAccount, BillingMode, UsageRecord, UsageStatus
@@ -180,14 +191,14 @@ def record_usage(report: UsageReport) -> bool:
     return bool(record_usage_batch([report]))
 
 
-# --- reading the ledger --------------------------------------------------------------
+# --- reading the ledger: every usage query of the API, the CSV export, the console and the quota rebuild ---
 
 GROUPINGS = ("endpoint", "day", "key")
 
 
 def _day_bounds(start: date, end: date) -> tuple[datetime, datetime]:
-    tz = timezone.get_current_timezone()
-    return (datetime.combine(start, time.min, tzinfo=tz), datetime.combine(end + timedelta(days=1), time.min, tzinfo=tz))
+    """From the start of `start` to the end of `end`, in UTC (TIME_ZONE is UTC)."""
+    return (datetime.combine(start, time.min, tzinfo=UTC), datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC))
 
 
 def summarize_usage(organization, *, group_by: str, start: date, end: date) -> list[dict]:
@@ -230,21 +241,63 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
     return results
 
 
-def spend_between(*, organization_id: int, since: datetime, until: datetime, api_key_id: int | None = None) -> Decimal:
-    rows = UsageRecord.objects.filter(organization_id=organization_id, finished_at__gte=since, finished_at__lt=until)
+def tokens_by_day(organization, *, by: str, start: date, end: date) -> list[dict]:
+    """Prompt plus completion tokens per UTC day and per endpoint or key name (`by`: "endpoint" or
+    "key"), between two dates inclusive: rows of {"day", "group", "tokens"} (the console's chart)."""
+    group = {"endpoint": F("endpoint__name"), "key": F("api_key__name")}[by]
+    since, until = _day_bounds(start, end)
+    return list(
+        UsageRecord.objects.filter(organization=organization, finished_at__gte=since, finished_at__lt=until)
+        .annotate(day=TruncDate("finished_at", tzinfo=UTC), group=group)
+        .values("day", "group")
+        .annotate(tokens=Sum(F("prompt_tokens") + F("completion_tokens")))
+    )
+
+
+class _Percentile(Aggregate):
+    function = "percentile_cont"
+    template = "%(function)s(%(fraction)s) WITHIN GROUP (ORDER BY %(expressions)s)"
+    output_field = FloatField()
+
+
+class _DateBin(Func):
+    """PostgreSQL's date_bin: the start of the fixed-width bucket a timestamp falls in."""
+
+    function = "date_bin"
+    output_field = DateTimeField()
+
+
+BUCKET_ORIGIN = datetime(2000, 1, 1, tzinfo=UTC)  # buckets of `usage_by_bucket` start from here
+
+
+def usage_by_bucket(endpoint, *, since: datetime, bucket_s: int) -> dict[datetime, dict]:
+    """Per bucket of `bucket_s` seconds (from BUCKET_ORIGIN) of requests started since `since` at
+    `endpoint`: requests, completion tokens and latency percentiles p50/p95 (seconds)."""
+    latency_s = Extract(ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField()), "epoch")
+    rows = (
+        UsageRecord.objects.filter(organization=endpoint.organization_id, endpoint=endpoint, started_at__gte=since)
+        .annotate(bucket=_DateBin(Cast(Value(f"{bucket_s} seconds"), DurationField()), F("started_at"), Value(BUCKET_ORIGIN)))
+        .values("bucket")
+        .annotate(
+            requests=Count("pk"),
+            completion_tokens=Coalesce(Sum("completion_tokens"), 0),
+            p50=_Percentile(latency_s, fraction=0.5),
+            p95=_Percentile(latency_s, fraction=0.95),
+        )
+    )
+    return {row["bucket"]: row for row in rows}
+
+
+def period_spend(organization_id: int, period: Period, *, api_key_id: int | None = None) -> Decimal:
+    """The ledger's spend in a billing period: the truth the Redis counters are rebuilt from."""
+    rows = UsageRecord.objects.filter(organization_id=organization_id, finished_at__gte=period.start, finished_at__lt=period.end)
     if api_key_id is not None:
         rows = rows.filter(api_key_id=api_key_id)
     return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
 
 
-def period_spend(organization_id: int, period: Period, *, api_key_id: int | None = None) -> Decimal:
-    """The ledger's spend in a billing period: the truth the Redis counters are rebuilt from."""
-    return spend_between(organization_id=organization_id, since=period.start, until=period.end, api_key_id=api_key_id)
-
-
-def total_spend(organization_id: int, *, billing_mode: str | None = None) -> Decimal:
-    """Everything the organisation ever spent, or only what it spent in one billing mode."""
-    rows = UsageRecord.objects.filter(organization_id=organization_id)
-    if billing_mode is not None:
-        rows = rows.filter(billing_mode=billing_mode)
-    return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
+def undrawn_prepaid_spend(account: BillingAccount) -> Decimal:
+    """Prepaid usage in the ledger not yet drawn from credit grants (`billing.credits.draw_credits`
+    draws it; until then it counts against the credit left)."""
+    rows = UsageRecord.objects.filter(organization_id=account.organization_id, billing_mode=BillingMode.PREPAID)
+    return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"] - account.credit_drawn

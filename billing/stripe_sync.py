@@ -31,7 +31,6 @@ from django.db.models import Q
 from django.utils import timezone
 
 from billing.models import BillingAccount, BillingMode, MeterEventPush, StripeMeter, UsageRollup
-from billing.services import get_billing_account
 from controlplane.models import Organization
 
 logger = logging.getLogger(__name__)
@@ -111,7 +110,7 @@ def call_stripe(request, *, what: str):
 
 def ensure_customer(organization_id: int) -> str:
     """The organisation's Stripe customer id, creating the customer the first time it is needed."""
-    account = get_billing_account(organization_id)
+    account = BillingAccount.objects.for_organization(organization_id)
     if account.stripe_customer_id:
         return account.stripe_customer_id
     organization = Organization.objects.get(pk=organization_id)
@@ -190,7 +189,7 @@ def ensure_subscription(organization_id: int) -> str:
     Two workers may race here: both send the same idempotency key, so Stripe creates one
     subscription, and the first conditional update stores it.
     """
-    account = get_billing_account(organization_id)
+    account = BillingAccount.objects.for_organization(organization_id)
     if account.stripe_subscription_id:
         return account.stripe_subscription_id
     customer_id = ensure_customer(organization_id)
