@@ -5,6 +5,10 @@ The gateway records each request once (`billing.usage_writer.arecord_usage`, whi
 with the same request id writes nothing: the unique constraint on `request_id` and
 `INSERT … ON CONFLICT DO NOTHING` make the write exactly-once, whoever calls. A caller that holds
 many reports may hand them to `record_usage_batch` directly.
+
+Every query that reads the ledger lives here too: the usage API and its CSV (`summarize_usage`), the
+console's charts and metrics, period spend (what the spend caps are rebuilt from), prepaid spend not yet
+drawn from credit, and the hourly totals the rollups are made of.
 """
 
 from __future__ import annotations
@@ -286,6 +290,45 @@ def usage_by_bucket(endpoint, *, since: datetime, bucket_s: int) -> dict[datetim
         )
     )
     return {row["bucket"]: row for row in rows}
+
+
+HOURLY_TOTAL_FIELDS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost")
+
+_TABLE = UsageRecord._meta.db_table
+_HOURLY_ALL = f"""
+SELECT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start, billing_mode,
+       count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), sum(cost)
+FROM {_TABLE}
+GROUP BY 1, 2, 3, 4
+"""
+_HOURLY_TOUCHED_SINCE = f"""
+WITH dirty AS (
+    SELECT DISTINCT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start, billing_mode
+    FROM {_TABLE} WHERE recorded_at >= %s
+)
+SELECT d.organization_id, d.endpoint_id, d.hour_start, d.billing_mode,
+       count(*), sum(u.prompt_tokens), sum(u.cached_tokens), sum(u.completion_tokens), sum(u.cost)
+FROM dirty d
+JOIN {_TABLE} u ON u.organization_id = d.organization_id AND u.endpoint_id = d.endpoint_id
+     AND u.billing_mode = d.billing_mode
+     AND u.finished_at >= d.hour_start AND u.finished_at < d.hour_start + interval '1 hour'
+GROUP BY 1, 2, 3, 4
+"""
+
+
+def hourly_totals(*, recorded_since: datetime | None) -> dict[tuple, dict]:
+    """The ledger's totals (HOURLY_TOTAL_FIELDS) per (organisation, endpoint, UTC hour, billing mode)
+    of every hour, or only of the hours that received a row recorded since `recorded_since`, each
+    such hour whole (`billing.rollups`)."""
+    with connection.cursor() as cursor:
+        if recorded_since is None:
+            cursor.execute(_HOURLY_ALL)
+        else:
+            cursor.execute(_HOURLY_TOUCHED_SINCE, [recorded_since])
+        return {
+            (org, endpoint, hour, mode): dict(zip(HOURLY_TOTAL_FIELDS, values, strict=True))
+            for org, endpoint, hour, mode, *values in cursor.fetchall()
+        }
 
 
 def period_spend(organization_id: int, period: Period, *, api_key_id: int | None = None) -> Decimal:

@@ -108,6 +108,13 @@ def call_stripe(request, *, what: str):
 
 # --- customers and meters ---------------------------------------------------------------------------
 
+def _store_once(account: BillingAccount, field: str, stripe_id: str) -> str:
+    """Store a Stripe id in the account's empty `field`; when two workers raced, the first one stored
+    wins (a conditional update) and is what both return."""
+    BillingAccount.objects.filter(pk=account.pk, **{field: ""}).update(**{field: stripe_id})
+    return BillingAccount.objects.values_list(field, flat=True).get(pk=account.pk)
+
+
 def ensure_customer(organization_id: int) -> str:
     """The organisation's Stripe customer id, creating the customer the first time it is needed."""
     account = BillingAccount.objects.for_organization(organization_id)
@@ -121,8 +128,7 @@ def ensure_customer(organization_id: int) -> str:
         ),
         what="customer create",
     )
-    BillingAccount.objects.filter(pk=account.pk, stripe_customer_id="").update(stripe_customer_id=customer.id)
-    return BillingAccount.objects.values_list("stripe_customer_id", flat=True).get(pk=account.pk)
+    return _store_once(account, "stripe_customer_id", customer.id)
 
 
 def ensure_meters() -> dict[str, str]:
@@ -209,8 +215,7 @@ def ensure_subscription(organization_id: int) -> str:
         ),
         what="subscription create",
     )
-    BillingAccount.objects.filter(pk=account.pk, stripe_subscription_id="").update(stripe_subscription_id=subscription.id)
-    return BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(pk=account.pk)
+    return _store_once(account, "stripe_subscription_id", subscription.id)
 
 
 # --- pushing rollups ---------------------------------------------------------------------------------
