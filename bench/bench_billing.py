@@ -125,7 +125,7 @@ def bench_async(endpoints, num_rows: int, concurrency: int = 64) -> float:
 
     from django.utils import timezone
 
-    from billing.ledger import arecord_usage
+    from billing.usage_writer import arecord_usage
 
     now = timezone.now()
     reports = [_report(endpoints[n % len(endpoints)], n, now) for n in range(num_rows)]

@@ -324,7 +324,7 @@ def reconcile(answers: list[dict], organizations: dict, work_dir: Path, stack: S
 
     from billing.credits import draw_credits
     from billing.models import BillingAccount, CreditGrant, MeterEventPush, UsageRecord, UsageRollup
-    from billing.rollups import hour_closes_at, rollup_usage
+    from billing.rollups import close_delay, rollup_usage
     from billing.stripe_sync import COST_METER, METERS, push_pending_rollups
     from billing.usage_journal import UsageJournal
 
@@ -344,7 +344,7 @@ def reconcile(answers: list[dict], organizations: dict, work_dir: Path, stack: S
     # Close the books: the current hour (and every earlier one) is closed as if its close had passed,
     # then every closed postpaid rollup is pushed to the fake Stripe.
     now = timezone.now()
-    close_at = hour_closes_at(now.replace(minute=0, second=0, microsecond=0)) + timedelta(seconds=1)
+    close_at = now.replace(minute=0, second=0, microsecond=0) + close_delay() + timedelta(seconds=1)
     rollup_usage(full=True, now=close_at)
     push_pending_rollups()
     meter_totals = fake_stripe.meter_totals()

@@ -38,7 +38,7 @@ class BillingAccountAdmin(admin.ModelAdmin):
     readonly_fields = ["organization", "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
 
     def has_add_permission(self, request):
-        return False  # NOTE: an organisation's account is made when first needed (`get_billing_account`)
+        return False  # NOTE: an organisation's account is made when first needed (`BillingAccount.objects.for_organization`)
 
     def has_delete_permission(self, request, obj=None):
         return False

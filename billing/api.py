@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+from decimal import Decimal
 
 import stripe
 from django.conf import settings
@@ -17,7 +18,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from billing import ledger, services, stripe_sync
-from billing.models import CreditGrant, Invoice
+from billing.models import BillingAccount, CreditGrant, Invoice
 from billing.periods import period_containing
 from billing.serializers import (
     CreditGrantSerializer,
@@ -78,7 +79,7 @@ class UsageExportView(UsageView):
 
 
 def billing_overview(organization) -> dict:
-    account = services.get_billing_account(organization.pk)
+    account = BillingAccount.objects.for_organization(organization)
     period = period_containing()
     return {
         "current_period": {
@@ -93,6 +94,15 @@ def billing_overview(organization) -> dict:
     }
 
 
+def _spend_cap_of(request) -> Decimal | None:
+    """The `spend_cap` of a PATCH body (null removes the cap); 400 with field errors when bad or missing."""
+    data = SpendCapSerializer(data=request.data)
+    data.is_valid(raise_exception=True)
+    if "spend_cap" not in data.validated_data:
+        raise ValidationError({"spend_cap": ["This field is required."]})
+    return data.validated_data["spend_cap"]
+
+
 class BillingView(OrganizationScopedMixin, GenericAPIView):
     """GET: the period's spend, cap, credits and invoices. PATCH `{"spend_cap": "12.50"}`: owners and admins."""
 
@@ -103,11 +113,7 @@ class BillingView(OrganizationScopedMixin, GenericAPIView):
         return Response(billing_overview(self.organization))
 
     def patch(self, request):
-        data = SpendCapSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        if "spend_cap" not in data.validated_data:
-            raise ValidationError({"spend_cap": ["This field is required."]})
-        services.set_spend_cap(self.actor, self.organization, spend_cap=data.validated_data["spend_cap"])
+        services.set_spend_cap(self.actor, self.organization, spend_cap=_spend_cap_of(request))
         return Response(billing_overview(self.organization))
 
 
@@ -119,11 +125,7 @@ class KeySpendCapView(OrganizationScopedMixin, GenericAPIView):
 
     def patch(self, request, key_id: int):
         api_key = get_object_or_404(ApiKey.objects.for_org(self.organization), pk=key_id)
-        data = SpendCapSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        if "spend_cap" not in data.validated_data:
-            raise ValidationError({"spend_cap": ["This field is required."]})
-        cap = services.set_key_spend_cap(self.actor, api_key, spend_cap=data.validated_data["spend_cap"])
+        cap = services.set_key_spend_cap(self.actor, api_key, spend_cap=_spend_cap_of(request))
         return Response({"key": api_key.display_prefix, "spend_cap": format_money(cap.spend_cap) if cap else None})
 
 

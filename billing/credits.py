@@ -9,9 +9,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from billing import quota
-from billing.ledger import total_spend
-from billing.models import BillingAccount, BillingMode, CreditGrant
-from billing.services import get_billing_account
+from billing.ledger import undrawn_prepaid_spend
+from billing.models import BillingAccount, CreditGrant
 from controlplane.services import Actor, record_audit
 
 
@@ -39,10 +38,9 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
     grant expiring while a request ran; it is drawn as nothing. Returns the amount taken from grants now.
     """
     now = now or timezone.now()
-    get_billing_account(organization_id)
     with transaction.atomic():
-        account = BillingAccount.objects.select_for_update().get(organization_id=organization_id)
-        undrawn = total_spend(organization_id, billing_mode=BillingMode.PREPAID) - account.credit_drawn
+        account = BillingAccount.objects.select_for_update().for_organization(organization_id)
+        undrawn = undrawn_prepaid_spend(account)
         if undrawn <= 0:
             return Decimal(0)
         taken = Decimal(0)

@@ -1,22 +1,36 @@
 """The usage ledger: one row per inference request, written exactly once, priced at write time.
 
-The gateway calls `record_usage` (or `arecord_usage`) once per request, also for aborted
-streams. A retry with the same request id writes nothing: the unique constraint on
-`request_id` and `INSERT … ON CONFLICT DO NOTHING` make the write exactly-once, whoever calls.
-Concurrent `arecord_usage` calls share one statement and commit; a caller that holds many
-reports may hand them to `record_usage_batch` directly.
+The gateway records each request once (`billing.usage_writer.arecord_usage`, which writes through
+`record_usage_batch_on`), also for aborted streams; synchronous callers use `record_usage`. A retry
+with the same request id writes nothing: the unique constraint on `request_id` and
+`INSERT … ON CONFLICT DO NOTHING` make the write exactly-once, whoever calls. A caller that holds
+many reports may hand them to `record_usage_batch` directly.
+
+Every query that reads the ledger lives here too: the usage API and its CSV (`summarize_usage`), the
+console's charts and metrics, period spend (what the spend caps are rebuilt from), prepaid spend not yet
+drawn from credit, and the hourly totals the rollups are made of.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import date, datetime, time, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
-from asgiref.sync import sync_to_async
 from django.db import connection
-from django.db.models import Count, F, Sum
-from django.db.models.functions import Coalesce, TruncDate
+from django.db.models import (
+    Count,
+    DateTimeField,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    Func,
+    Sum,
+    Value,
+)
+from django.db.models.aggregates import Aggregate
+from django.db.models.functions import Cast, Coalesce, Extract, TruncDate
 from django.utils import timezone
 
 from billing.models import MONEY_QUANTUM, BillingAccount, BillingMode, UsageRecord, UsageStatus
@@ -181,26 +195,14 @@ def record_usage(report: UsageReport) -> bool:
     return bool(record_usage_batch([report]))
 
 
-async def arecord_usage(report: UsageReport) -> bool:
-    """`record_usage` for async callers: returns once the row is committed. Concurrent calls in
-    one event loop share a statement and a commit (see `billing.usage_writer`)."""
-    from billing.usage_writer import writer_for_this_loop
-
-    return await writer_for_this_loop().write(report)
-
-
-async def arecord_usage_batch(reports: list[UsageReport]) -> set[str]:
-    return await sync_to_async(record_usage_batch)(reports)
-
-
-# --- reading the ledger --------------------------------------------------------------
+# --- reading the ledger: every usage query of the API, the CSV export, the console and the quota rebuild ---
 
 GROUPINGS = ("endpoint", "day", "key")
 
 
 def _day_bounds(start: date, end: date) -> tuple[datetime, datetime]:
-    tz = timezone.get_current_timezone()
-    return (datetime.combine(start, time.min, tzinfo=tz), datetime.combine(end + timedelta(days=1), time.min, tzinfo=tz))
+    """From the start of `start` to the end of `end`, in UTC (TIME_ZONE is UTC)."""
+    return (datetime.combine(start, time.min, tzinfo=UTC), datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC))
 
 
 def summarize_usage(organization, *, group_by: str, start: date, end: date) -> list[dict]:
@@ -243,21 +245,102 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
     return results
 
 
-def spend_between(*, organization_id: int, since: datetime, until: datetime, api_key_id: int | None = None) -> Decimal:
-    rows = UsageRecord.objects.filter(organization_id=organization_id, finished_at__gte=since, finished_at__lt=until)
+def tokens_by_day(organization, *, by: str, start: date, end: date) -> list[dict]:
+    """Prompt plus completion tokens per UTC day and per endpoint or key name (`by`: "endpoint" or
+    "key"), between two dates inclusive: rows of {"day", "group", "tokens"} (the console's chart)."""
+    group = {"endpoint": F("endpoint__name"), "key": F("api_key__name")}[by]
+    since, until = _day_bounds(start, end)
+    return list(
+        UsageRecord.objects.filter(organization=organization, finished_at__gte=since, finished_at__lt=until)
+        .annotate(day=TruncDate("finished_at", tzinfo=UTC), group=group)
+        .values("day", "group")
+        .annotate(tokens=Sum(F("prompt_tokens") + F("completion_tokens")))
+    )
+
+
+class _Percentile(Aggregate):
+    function = "percentile_cont"
+    template = "%(function)s(%(fraction)s) WITHIN GROUP (ORDER BY %(expressions)s)"
+    output_field = FloatField()
+
+
+class _DateBin(Func):
+    """PostgreSQL's date_bin: the start of the fixed-width bucket a timestamp falls in."""
+
+    function = "date_bin"
+    output_field = DateTimeField()
+
+
+BUCKET_ORIGIN = datetime(2000, 1, 1, tzinfo=UTC)  # buckets of `usage_by_bucket` start from here
+
+
+def usage_by_bucket(endpoint, *, since: datetime, bucket_s: int) -> dict[datetime, dict]:
+    """Per bucket of `bucket_s` seconds (from BUCKET_ORIGIN) of requests started since `since` at
+    `endpoint`: requests, completion tokens and latency percentiles p50/p95 (seconds)."""
+    latency_s = Extract(ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField()), "epoch")
+    rows = (
+        UsageRecord.objects.filter(organization=endpoint.organization_id, endpoint=endpoint, started_at__gte=since)
+        .annotate(bucket=_DateBin(Cast(Value(f"{bucket_s} seconds"), DurationField()), F("started_at"), Value(BUCKET_ORIGIN)))
+        .values("bucket")
+        .annotate(
+            requests=Count("pk"),
+            completion_tokens=Coalesce(Sum("completion_tokens"), 0),
+            p50=_Percentile(latency_s, fraction=0.5),
+            p95=_Percentile(latency_s, fraction=0.95),
+        )
+    )
+    return {row["bucket"]: row for row in rows}
+
+
+HOURLY_TOTAL_FIELDS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost")
+
+_TABLE = UsageRecord._meta.db_table
+_HOURLY_ALL = f"""
+SELECT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start, billing_mode,
+       count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), sum(cost)
+FROM {_TABLE}
+GROUP BY 1, 2, 3, 4
+"""
+_HOURLY_TOUCHED_SINCE = f"""
+WITH dirty AS (
+    SELECT DISTINCT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start, billing_mode
+    FROM {_TABLE} WHERE recorded_at >= %s
+)
+SELECT d.organization_id, d.endpoint_id, d.hour_start, d.billing_mode,
+       count(*), sum(u.prompt_tokens), sum(u.cached_tokens), sum(u.completion_tokens), sum(u.cost)
+FROM dirty d
+JOIN {_TABLE} u ON u.organization_id = d.organization_id AND u.endpoint_id = d.endpoint_id
+     AND u.billing_mode = d.billing_mode
+     AND u.finished_at >= d.hour_start AND u.finished_at < d.hour_start + interval '1 hour'
+GROUP BY 1, 2, 3, 4
+"""
+
+
+def hourly_totals(*, recorded_since: datetime | None) -> dict[tuple, dict]:
+    """The ledger's totals (HOURLY_TOTAL_FIELDS) per (organisation, endpoint, UTC hour, billing mode)
+    of every hour, or only of the hours that received a row recorded since `recorded_since`, each
+    such hour whole (`billing.rollups`)."""
+    with connection.cursor() as cursor:
+        if recorded_since is None:
+            cursor.execute(_HOURLY_ALL)
+        else:
+            cursor.execute(_HOURLY_TOUCHED_SINCE, [recorded_since])
+        return {
+            (org, endpoint, hour, mode): dict(zip(HOURLY_TOTAL_FIELDS, values, strict=True))
+            for org, endpoint, hour, mode, *values in cursor.fetchall()
+        }
+
+
+def period_spend(organization_id: int, period: Period, *, api_key_id: int | None = None) -> Decimal:
+    """The ledger's spend in a billing period: the truth the Redis counters are rebuilt from."""
+    rows = UsageRecord.objects.filter(organization_id=organization_id, finished_at__gte=period.start, finished_at__lt=period.end)
     if api_key_id is not None:
         rows = rows.filter(api_key_id=api_key_id)
     return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
 
 
-def period_spend(organization_id: int, period: Period, *, api_key_id: int | None = None) -> Decimal:
-    """The ledger's spend in a billing period: the truth the Redis counters are rebuilt from."""
-    return spend_between(organization_id=organization_id, since=period.start, until=period.end, api_key_id=api_key_id)
-
-
-def total_spend(organization_id: int, *, billing_mode: str | None = None) -> Decimal:
-    """Everything the organisation ever spent, or only what it spent in one billing mode."""
-    rows = UsageRecord.objects.filter(organization_id=organization_id)
-    if billing_mode is not None:
-        rows = rows.filter(billing_mode=billing_mode)
-    return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
+def undrawn_prepaid_spend(account: BillingAccount) -> Decimal:
+    """Prepaid usage in the ledger not yet drawn from credit grants (`billing.credits.draw_credits`
+    draws it; until then it counts against the credit left)."""
+    rows = UsageRecord.objects.filter(organization_id=account.organization_id, billing_mode=BillingMode.PREPAID)
+    return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"] - account.credit_drawn

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from decimal import ROUND_HALF_EVEN, Decimal
 
+from django.conf import settings
 from django.contrib.postgres.indexes import BrinIndex
 from django.db import models
 from django.utils import timezone
@@ -151,8 +152,24 @@ class RollupCursor(models.Model):
     last_run_at = models.DateTimeField(null=True, blank=True)
 
 
+class BillingAccountQuerySet(models.QuerySet):
+    def for_organization(self, organization) -> BillingAccount:
+        """The account of `organization` (an Organization or its id), created on first use with the
+        platform's default cap. On a `select_for_update()` queryset it comes back locked."""
+        organization_id = getattr(organization, "pk", organization)
+        account = self.filter(organization_id=organization_id).first()
+        if account is not None:
+            return account
+        default_cap = settings.DEFAULT_MONTHLY_SPEND_CAP
+        account, _ = self.get_or_create(
+            organization_id=organization_id, defaults={"spend_cap": default_cap if default_cap > 0 else None}
+        )
+        return account
+
+
 class BillingAccount(models.Model):
-    """An organisation's billing settings and its Stripe customer (created when first needed)."""
+    """An organisation's billing settings and its Stripe customer (created when first needed:
+    `BillingAccount.objects.for_organization`)."""
 
     organization = models.OneToOneField("controlplane.Organization", on_delete=models.CASCADE, related_name="billing_account")
     mode = models.CharField(max_length=16, choices=BillingMode.choices, default=BillingMode.POSTPAID)
@@ -163,6 +180,8 @@ class BillingAccount(models.Model):
     # How much of the prepaid usage in the ledger has been drawn from credit grants (see billing.credits).
     credit_drawn = MoneyField(default=Decimal(0))
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = BillingAccountQuerySet.as_manager()
 
     def __str__(self) -> str:
         return f"billing of {self.organization_id}"

@@ -34,8 +34,8 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
-from billing.ledger import period_spend, total_spend
-from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingMode, CreditGrant
+from billing.ledger import period_spend, undrawn_prepaid_spend
+from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingAccount, CreditGrant
 from billing.periods import Period, period_containing
 from controlplane.redis_client import get_async_redis, get_redis
 
@@ -227,11 +227,9 @@ class _Rebuild:
 
 
 def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period) -> _Rebuild:
-    from billing.services import get_billing_account
-
     close_old_connections()  # NOTE: runs in a worker thread whose connection may have gone stale
     if what == "org":
-        account = get_billing_account(organization_id)
+        account = BillingAccount.objects.for_organization(organization_id)
         cap = to_units(account.spend_cap) if account.spend_cap is not None else -1
         spent = to_units(period_spend(organization_id, period))
         fields = {"spent": str(spent), "cap": str(cap), "prepaid": "1" if account.is_prepaid else "0"}
@@ -250,13 +248,11 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
 def credit_available(organization_id: int) -> tuple[Decimal, int]:
     """Prepaid credit left now (active grants less usage not yet drawn from them), and for how many
     seconds that figure holds before a grant starts or expires."""
-    from billing.services import get_billing_account
-
     now = timezone.now()
-    account = get_billing_account(organization_id)
+    account = BillingAccount.objects.for_organization(organization_id)
     grants = list(CreditGrant.objects.filter(organization_id=organization_id))
     active = [grant for grant in grants if grant.is_active(now)]
-    undrawn = total_spend(organization_id, billing_mode=BillingMode.PREPAID) - account.credit_drawn
+    undrawn = undrawn_prepaid_spend(account)
     available = sum((grant.remaining for grant in active), Decimal(0)) - max(undrawn, Decimal(0))
     changes = [g.expires_at for g in active if g.expires_at] + [g.granted_at for g in grants if g.granted_at > now]
     ttl_s = CREDIT_FIGURE_MAX_TTL_S
@@ -381,11 +377,9 @@ def sweep_expired_reservations(now: float | None = None, *, batch_size: int = 10
 
 def refresh_limits(organization_id: int, *, api_key_id: int | None = None) -> None:
     """Make Redis see a changed cap, billing mode or credit grant at once (counters stay as they are)."""
-    from billing.services import get_billing_account
-
     client = get_redis()
     period = period_containing()
-    account = get_billing_account(organization_id)
+    account = BillingAccount.objects.for_organization(organization_id)
     cap = to_units(account.spend_cap) if account.spend_cap is not None else -1
     _script(client, _UPDATE_HASH)(
         keys=[org_period_key(organization_id, period.key)],

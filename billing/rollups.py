@@ -21,7 +21,8 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from billing.models import RollupCursor, RollupKind, UsageRecord, UsageRollup
+from billing.ledger import HOURLY_TOTAL_FIELDS, hourly_totals
+from billing.models import RollupCursor, RollupKind, UsageRollup
 
 logger = logging.getLogger(__name__)
 
@@ -29,28 +30,6 @@ ROLLUP_LOCK_ID = 0x1B111_0001
 # Rows are found by recorded_at; a run re-reads this far back so a row whose transaction
 # committed after a run had started is never missed (single-statement inserts take milliseconds).
 RECORDED_AT_MARGIN = timedelta(minutes=5)
-TOTAL_FIELDS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost")
-
-_TABLE = UsageRecord._meta.db_table
-_AGGREGATE_ALL = f"""
-SELECT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start, billing_mode,
-       count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), sum(cost)
-FROM {_TABLE}
-GROUP BY 1, 2, 3, 4
-"""
-_AGGREGATE_DIRTY = f"""
-WITH dirty AS (
-    SELECT DISTINCT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start, billing_mode
-    FROM {_TABLE} WHERE recorded_at >= %s
-)
-SELECT d.organization_id, d.endpoint_id, d.hour_start, d.billing_mode,
-       count(*), sum(u.prompt_tokens), sum(u.cached_tokens), sum(u.completion_tokens), sum(u.cost)
-FROM dirty d
-JOIN {_TABLE} u ON u.organization_id = d.organization_id AND u.endpoint_id = d.endpoint_id
-     AND u.billing_mode = d.billing_mode
-     AND u.finished_at >= d.hour_start AND u.finished_at < d.hour_start + interval '1 hour'
-GROUP BY 1, 2, 3, 4
-"""
 
 
 @dataclass(slots=True)
@@ -63,8 +42,9 @@ class RollupResult:
     organization_ids: set[int] = field(default_factory=set)
 
 
-def hour_closes_at(hour_start: datetime) -> datetime:
-    return hour_start + timedelta(hours=1) + timedelta(seconds=settings.BILLING_ROLLUP_CLOSE_AFTER_S)
+def close_delay() -> timedelta:
+    """How long after an hour starts its rollup closes: the hour itself, then the wait for late rows."""
+    return timedelta(hours=1, seconds=settings.BILLING_ROLLUP_CLOSE_AFTER_S)
 
 
 def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupResult:
@@ -77,22 +57,13 @@ def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupRe
             cursor.execute("SELECT now()")
             started_at = cursor.fetchone()[0]
         state, _ = RollupCursor.objects.select_for_update().get_or_create(id=1)
-        since = None if full else state.recorded_since
-        with connection.cursor() as cursor:
-            if since is None:
-                cursor.execute(_AGGREGATE_ALL)
-            else:
-                cursor.execute(_AGGREGATE_DIRTY, [since])
-            totals = {
-                (org, endpoint, hour, mode): dict(zip(TOTAL_FIELDS, values, strict=True))
-                for org, endpoint, hour, mode, *values in cursor.fetchall()
-            }
+        totals = hourly_totals(recorded_since=None if full else state.recorded_since)
         result.num_groups = len(totals)
         if totals:
             _apply(totals, now, result)
         result.num_closed = UsageRollup.objects.filter(
             closed_at__isnull=True,
-            hour_start__lte=now - timedelta(hours=1, seconds=settings.BILLING_ROLLUP_CLOSE_AFTER_S),
+            hour_start__lte=now - close_delay(),
         ).update(closed_at=now)
         state.recorded_since = started_at - RECORDED_AT_MARGIN
         state.last_run_at = now
@@ -130,7 +101,7 @@ def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
                 to_update.append(primary)
                 result.organization_ids.add(org)
             continue
-        difference = {name: total[name] - sum(getattr(r, name) for r in rollups) for name in TOTAL_FIELDS}
+        difference = {name: total[name] - sum(getattr(r, name) for r in rollups) for name in HOURLY_TOTAL_FIELDS}
         if not any(difference.values()):
             continue
         if any(value < 0 for value in difference.values()):
@@ -145,6 +116,6 @@ def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
         result.organization_ids.add(org)
 
     UsageRollup.objects.bulk_create(to_create, batch_size=1000)
-    UsageRollup.objects.bulk_update(to_update, [*TOTAL_FIELDS, "computed_at"], batch_size=1000)
+    UsageRollup.objects.bulk_update(to_update, [*HOURLY_TOTAL_FIELDS, "computed_at"], batch_size=1000)
     result.num_created = len(to_create) - result.num_adjustments
     result.num_updated = len(to_update)

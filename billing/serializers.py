@@ -9,7 +9,7 @@ from django.utils import timezone
 from rest_framework import serializers
 
 from billing.ledger import GROUPINGS
-from billing.models import BillingAccount, CreditGrant, Invoice, InvoiceLine
+from billing.models import MONEY_QUANTUM, BillingAccount, CreditGrant, Invoice, InvoiceLine
 from controlplane.serializers import StrictModelSerializer
 
 MAX_USAGE_RANGE = timedelta(days=366)
@@ -18,7 +18,7 @@ MAX_SPEND_CAP = Decimal("1000000")  # NOTE: keeps the Redis counters exact (see 
 
 def format_money(amount: Decimal) -> str:
     """Exact to the nano-dollar, without trailing zeros past the cents: "12.50", "0.000123"."""
-    text = f"{amount.quantize(Decimal('0.000000001')):f}".rstrip("0")
+    text = f"{amount.quantize(MONEY_QUANTUM):f}".rstrip("0")
     whole, _, fraction = text.partition(".")
     return f"{whole}.{fraction.ljust(2, '0')}"
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from django.conf import settings
 from django.db import transaction
 
 from billing import quota
@@ -12,22 +11,10 @@ from billing.models import ApiKeySpendCap, BillingAccount, BillingMode
 from controlplane.services import Actor, record_audit
 
 
-def get_billing_account(organization_id: int) -> BillingAccount:
-    """The organisation's billing account, created on first use with the platform's default cap."""
-    account = BillingAccount.objects.filter(organization_id=organization_id).first()
-    if account is not None:
-        return account
-    default_cap = settings.DEFAULT_MONTHLY_SPEND_CAP
-    account, _ = BillingAccount.objects.get_or_create(
-        organization_id=organization_id, defaults={"spend_cap": default_cap if default_cap > 0 else None}
-    )
-    return account
-
-
 def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> BillingAccount:
     """Set (or with None remove) the organisation's monthly hard cap; the gateway sees it at once."""
     with transaction.atomic():
-        account = BillingAccount.objects.select_for_update().get(pk=get_billing_account(organization.pk).pk)
+        account = BillingAccount.objects.select_for_update().for_organization(organization)
         previous = account.spend_cap
         account.spend_cap = spend_cap
         account.save(update_fields=["spend_cap"])
@@ -59,7 +46,7 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
     if mode not in BillingMode.values:
         raise ValueError(f"mode must be one of {BillingMode.values}")
     with transaction.atomic():
-        account = BillingAccount.objects.select_for_update().get(pk=get_billing_account(organization.pk).pk)
+        account = BillingAccount.objects.select_for_update().for_organization(organization)
         previous = account.mode
         account.mode = mode
         account.save(update_fields=["mode"])

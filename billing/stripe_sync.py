@@ -31,7 +31,6 @@ from django.db.models import Q
 from django.utils import timezone
 
 from billing.models import BillingAccount, BillingMode, MeterEventPush, StripeMeter, UsageRollup
-from billing.services import get_billing_account
 from controlplane.models import Organization
 
 logger = logging.getLogger(__name__)
@@ -109,9 +108,16 @@ def call_stripe(request, *, what: str):
 
 # --- customers and meters ---------------------------------------------------------------------------
 
+def _store_once(account: BillingAccount, field: str, stripe_id: str) -> str:
+    """Store a Stripe id in the account's empty `field`; when two workers raced, the first one stored
+    wins (a conditional update) and is what both return."""
+    BillingAccount.objects.filter(pk=account.pk, **{field: ""}).update(**{field: stripe_id})
+    return BillingAccount.objects.values_list(field, flat=True).get(pk=account.pk)
+
+
 def ensure_customer(organization_id: int) -> str:
     """The organisation's Stripe customer id, creating the customer the first time it is needed."""
-    account = get_billing_account(organization_id)
+    account = BillingAccount.objects.for_organization(organization_id)
     if account.stripe_customer_id:
         return account.stripe_customer_id
     organization = Organization.objects.get(pk=organization_id)
@@ -122,8 +128,7 @@ def ensure_customer(organization_id: int) -> str:
         ),
         what="customer create",
     )
-    BillingAccount.objects.filter(pk=account.pk, stripe_customer_id="").update(stripe_customer_id=customer.id)
-    return BillingAccount.objects.values_list("stripe_customer_id", flat=True).get(pk=account.pk)
+    return _store_once(account, "stripe_customer_id", customer.id)
 
 
 def ensure_meters() -> dict[str, str]:
@@ -190,7 +195,7 @@ def ensure_subscription(organization_id: int) -> str:
     Two workers may race here: both send the same idempotency key, so Stripe creates one
     subscription, and the first conditional update stores it.
     """
-    account = get_billing_account(organization_id)
+    account = BillingAccount.objects.for_organization(organization_id)
     if account.stripe_subscription_id:
         return account.stripe_subscription_id
     customer_id = ensure_customer(organization_id)
@@ -210,8 +215,7 @@ def ensure_subscription(organization_id: int) -> str:
         ),
         what="subscription create",
     )
-    BillingAccount.objects.filter(pk=account.pk, stripe_subscription_id="").update(stripe_subscription_id=subscription.id)
-    return BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(pk=account.pk)
+    return _store_once(account, "stripe_subscription_id", subscription.id)
 
 
 # --- pushing rollups ---------------------------------------------------------------------------------

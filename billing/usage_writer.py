@@ -238,6 +238,12 @@ def writer_for_this_loop() -> UsageWriter:
     return writer
 
 
+async def arecord_usage(report: UsageReport) -> bool:
+    """`billing.ledger.record_usage` for async callers: returns once the row is committed (or
+    journaled). Concurrent calls in one event loop share a statement and a commit."""
+    return await writer_for_this_loop().write(report)
+
+
 def close_all() -> None:
     """Close every writer's connection now (a test session ends; its database is about to go)."""
     for writer in [*_writers.values(), _latest[1]]:

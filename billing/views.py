@@ -9,16 +9,14 @@ from decimal import Decimal
 import stripe
 from django.conf import settings
 from django.contrib import messages
-from django.db.models import F, Sum
-from django.db.models.functions import TruncDate
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from billing import services, stripe_sync
-from billing.ledger import GROUPINGS, period_spend, summarize_usage
-from billing.models import CreditGrant, Invoice, UsageRecord
+from billing.ledger import GROUPINGS, period_spend, summarize_usage, tokens_by_day
+from billing.models import BillingAccount, CreditGrant, Invoice
 from billing.periods import period_containing
 from billing.serializers import SpendCapSerializer
 from controlplane.console import member_required
@@ -52,15 +50,7 @@ def _date_range(request) -> tuple[date, date, list[str]]:
 
 def _daily_tokens(organization, *, by: str, start: date, end: date) -> dict:
     """Tokens per day and per endpoint (or key), shaped for the chart: days plus one series per group."""
-    group = {"endpoint": F("endpoint__name"), "key": F("api_key__name")}[by]
-    since = datetime.combine(start, time.min, tzinfo=UTC)
-    until = since + timedelta(days=(end - start).days + 1)
-    totals = (
-        UsageRecord.objects.filter(organization=organization, finished_at__gte=since, finished_at__lt=until)
-        .annotate(day=TruncDate("finished_at", tzinfo=UTC), group=group)
-        .values("day", "group")
-        .annotate(tokens=Sum(F("prompt_tokens") + F("completion_tokens")))
-    )
+    totals = tokens_by_day(organization, by=by, start=start, end=end)
     days = [start + timedelta(days=i) for i in range((end - start).days + 1)]
     index = {day: i for i, day in enumerate(days)}
     series: dict[str, list[int]] = {}
@@ -100,7 +90,7 @@ def usage(request):
 
 def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
     organization = request.organization
-    account = services.get_billing_account(organization.pk)
+    account = BillingAccount.objects.for_organization(organization)
     period = period_containing()
     spend = period_spend(organization.pk, period)
     now = timezone.now()

@@ -32,13 +32,6 @@ def env_str(name: str, default: str | None = None) -> str | None:
     return default if value is None else value
 
 
-def env_required(name: str) -> str:
-    value = _raw(name)
-    if value is None:
-        raise ImproperlyConfiguredEnv(f"{name} must be set")
-    return value
-
-
 def env_bool(name: str, default: bool = False) -> bool:
     value = _raw(name)
     if value is None:

@@ -71,10 +71,6 @@ class MemberInviteForm(forms.Form):
     role = forms.ChoiceField(label="Role", choices=Role.choices, initial=Role.MEMBER)
 
 
-class MemberRoleForm(forms.Form):
-    role = forms.ChoiceField(label="Role", choices=Role.choices)
-
-
 EXPIRY_CHOICES = [("", "Never"), ("7", "In 7 days"), ("30", "In 30 days"), ("90", "In 90 days"), ("365", "In a year")]
 
 

@@ -96,12 +96,6 @@ class Organization(models.Model):
     def quotas(self) -> Quotas:
         return self.plan.quotas if self.plan_id is not None else Quotas.platform_default()
 
-    def role_of(self, user) -> str | None:
-        if user is None or not user.is_authenticated:
-            return None
-        membership = self.memberships.filter(user=user).only("role").first()
-        return membership.role if membership else None
-
 
 class Membership(models.Model):
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="memberships")
@@ -196,10 +190,6 @@ class Scope(models.TextChoices):
 class ApiKeyQuerySet(models.QuerySet):
     def for_org(self, organization):
         return self.filter(organization=organization)
-
-    def usable(self):
-        now = timezone.now()
-        return self.filter(revoked_at__isnull=True).filter(models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=now))
 
 
 class ApiKey(models.Model):

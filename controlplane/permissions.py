@@ -31,8 +31,3 @@ class IsOrganizationMember(permissions.BasePermission):
             self.message = f"This action needs the {needed} role or higher."
             return False
         return True
-
-
-class IsStaff(permissions.BasePermission):
-    def has_permission(self, request, view) -> bool:
-        return bool(request.user and request.user.is_authenticated and request.user.is_staff)

@@ -59,11 +59,3 @@ def rotate(token: str) -> str:
         return _fernet().rotate(token.encode()).decode()
     except InvalidToken:
         raise SecretUnreadable("a stored secret cannot be decrypted with the configured keys") from None
-
-
-def is_valid_key(key: str) -> bool:
-    try:
-        Fernet(key)
-    except (ValueError, TypeError):
-        return False
-    return True

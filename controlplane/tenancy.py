@@ -7,7 +7,7 @@ with its creator's current role there.
 
 from __future__ import annotations
 
-from controlplane.models import ApiKey, Membership, Organization
+from controlplane.models import ApiKey, Membership
 
 SESSION_KEY = "organization_id"
 
@@ -37,8 +37,3 @@ def request_membership(request) -> Membership | None:
         membership = session_membership(request)
     request._inferplane_membership = membership
     return membership
-
-
-def request_organization(request) -> Organization | None:
-    membership = request_membership(request)
-    return membership.organization if membership else None

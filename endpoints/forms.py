@@ -52,14 +52,6 @@ class EndpointForm(SerializerBackedForm):
         help_text="How the engine reads tool calls in the model's output, for `tools` in chat completions.",
     )
 
-    SECTIONS = (
-        ("Model", ("name", "model_source", "credential")),
-        ("Hardware", ("gpu_type", "quantization")),
-        ("Scaling", ("min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency")),
-        ("Limits", ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s", "enable_prefix_caching",
-                    "tool_call_parser")),
-    )
-
     def __init__(self, *args, gpu_type: str | None = None, organization=None, **kwargs):
         super().__init__(*args, **kwargs)
         chosen = self.data.get("gpu_type") if self.is_bound else None
@@ -75,9 +67,6 @@ class EndpointForm(SerializerBackedForm):
         gpu = GPU_TYPES.get(name or "")
         allowed = gpu.quantizations if gpu else tuple(QUANTIZATIONS)
         self.fields["quantization"].choices = [(q, f"{q} — {QUANTIZATIONS[q]}") for q in allowed]
-
-    def sections(self):
-        return [(title, [self[name] for name in names]) for title, names in self.SECTIONS]
 
     @classmethod
     def initial_for(cls, endpoint=None) -> dict:

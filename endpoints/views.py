@@ -3,32 +3,18 @@ and the organisation's model credentials."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, timedelta
 
 from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import (
-    Count,
-    DateTimeField,
-    DurationField,
-    ExpressionWrapper,
-    F,
-    FloatField,
-    Func,
-    Prefetch,
-    Sum,
-    Value,
-)
-from django.db.models.aggregates import Aggregate
-from django.db.models.functions import Cast, Coalesce, Extract
+from django.db.models import Prefetch
 from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from billing.ledger import period_spend, summarize_usage
-from billing.models import UsageRecord
+from billing.ledger import BUCKET_ORIGIN, period_spend, summarize_usage, usage_by_bucket
 from billing.periods import period_containing
 from controlplane.console import member_required
 from controlplane.models import Role
@@ -304,39 +290,6 @@ def endpoint_delete(request, pk):
 # --- metrics ----------------------------------------------------------------------------------
 
 
-class Percentile(Aggregate):
-    function = "percentile_cont"
-    template = "%(function)s(%(fraction)s) WITHIN GROUP (ORDER BY %(expressions)s)"
-    output_field = FloatField()
-
-
-class DateBin(Func):
-    """PostgreSQL's date_bin: the start of the fixed-width bucket a timestamp falls in."""
-
-    function = "date_bin"
-    output_field = DateTimeField()
-
-
-EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
-
-
-def _usage_by_bucket(endpoint, since: datetime, bucket_s: int) -> dict:
-    """Per-bucket requests, completion tokens and latency percentiles (seconds) from the usage ledger."""
-    latency_s = Extract(ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField()), "epoch")
-    rows = (
-        UsageRecord.objects.filter(organization=endpoint.organization_id, endpoint=endpoint, started_at__gte=since)
-        .annotate(bucket=DateBin(Cast(Value(f"{bucket_s} seconds"), DurationField()), F("started_at"), Value(EPOCH)))
-        .values("bucket")
-        .annotate(
-            requests=Count("pk"),
-            completion_tokens=Coalesce(Sum("completion_tokens"), 0),
-            p50=Percentile(latency_s, fraction=0.5),
-            p95=Percentile(latency_s, fraction=0.95),
-        )
-    )
-    return {row["bucket"]: row for row in rows}
-
-
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
 
@@ -354,9 +307,9 @@ def endpoint_metrics(request, pk):
     bucket_s = METRIC_WINDOWS_MIN[minutes]
     now = timezone.now()
     num_buckets = minutes * 60 // bucket_s
-    last = EPOCH + timedelta(seconds=(now - EPOCH).total_seconds() // bucket_s * bucket_s)
+    last = BUCKET_ORIGIN + timedelta(seconds=(now - BUCKET_ORIGIN).total_seconds() // bucket_s * bucket_s)
     starts = [last - timedelta(seconds=bucket_s * i) for i in reversed(range(num_buckets))]
-    usage = _usage_by_bucket(endpoint, starts[0], bucket_s)
+    usage = usage_by_bucket(endpoint, since=starts[0], bucket_s=bucket_s)
     lifetimes = list(endpoint.replicas.exclude(stopped_at__lt=starts[0]).values_list("created_at", "stopped_at"))
 
     series = {"t": [], "requests": [], "p50_ms": [], "p95_ms": [], "tokens_per_s": [], "replicas": []}

@@ -67,8 +67,8 @@ WATCH_TIMEOUT_S = 25.0
 
 @csrf_exempt
 async def watch(request):
-    """Long poll: answers `{"changed": true}` as soon as the node's desired replicas change,
-    or `{"changed": false}` after WATCH_TIMEOUT_S. The agent then heartbeats at once.
+    """Long poll: answers `WatchResponse(changed=True)` as soon as the node's desired replicas change,
+    or `changed=False` after WATCH_TIMEOUT_S. The agent then heartbeats at once.
 
     NOTE: on the process's one shared subscription (`controlplane.pubsub`), never a connection of
     the shared Redis pool: held cold-start requests cannot starve it."""
@@ -82,4 +82,4 @@ async def watch(request):
     except services.AgentAuthError as exc:
         return _error(401, str(exc))
     async with get_listener().subscribe(node_channel(node.pk)) as changes:
-        return JsonResponse({"changed": await changes.wait(WATCH_TIMEOUT_S)})
+        return JsonResponse(protocol.WatchResponse(changed=await changes.wait(WATCH_TIMEOUT_S)).to_dict())

@@ -8,10 +8,13 @@ with `to_dict()` / `from_dict()`; unknown keys from a newer peer are ignored.
 Flow:
     POST /agent/v1/register   RegisterRequest  -> RegisterResponse   (join token in the body)
     POST /agent/v1/heartbeat  Heartbeat        -> HeartbeatResponse  (Authorization: Bearer <node secret>)
+    POST /agent/v1/watch      (no body)        -> WatchResponse      (Authorization: Bearer <node secret>)
 
 The heartbeat answer carries the node's *desired* replicas; the agent reconciles
 them against what it runs and reports each replica's actual state in the next
-heartbeat. A replica absent from `desired` must be drained and stopped.
+heartbeat. A replica absent from `desired` must be drained and stopped. A watch is a long poll
+that answers as soon as the node's desired replicas change (or after a while with nothing): the
+agent then heartbeats at once instead of at its next interval.
 """
 
 from __future__ import annotations
@@ -316,3 +319,10 @@ class HeartbeatResponse(Message):
     node_state: NodeState
     heartbeat_interval_s: float
     desired: list[ReplicaSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WatchResponse(Message):
+    """The answer to a watch: whether the node's desired replicas changed while it waited."""
+
+    changed: bool = False

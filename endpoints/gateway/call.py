@@ -12,7 +12,7 @@ from decimal import Decimal
 
 import aiohttp
 
-from billing import ledger, quota
+from billing import ledger, quota, usage_writer
 from endpoints.gateway import (
     admission,
     cold_start,
@@ -344,7 +344,7 @@ class InferenceCall:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
             if self.served:
-                await ledger.arecord_usage(ledger.UsageReport(
+                await usage_writer.arecord_usage(ledger.UsageReport(
                     request_id=self.request_id, organization_id=self.caller.organization_id,
                     api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
                     replica_id=self.replica.id if self.replica else None,

@@ -2,6 +2,7 @@
 
     POST /agent/v1/register   RegisterRequest  -> RegisterResponse
     POST /agent/v1/heartbeat  Heartbeat        -> HeartbeatResponse (Bearer <node secret>)
+    POST /agent/v1/watch                       -> WatchResponse     (Bearer <node secret>)
 
 The node id and secret are kept in `<data-dir>/node.json`, so a restarted agent
 is the same node. A 401 on a heartbeat means the control plane forgot the node:
@@ -35,6 +36,7 @@ from gpu_agent.protocol import (
     ReplicaSpec,
     ReplicaState,
     ReplicaStatus,
+    WatchResponse,
 )
 from gpu_agent.runtime import engine, hardware
 from gpu_agent.runtime.model_info import context_problem
@@ -315,7 +317,7 @@ class Agent:
                         return
                     response.raise_for_status()
                     failures = 0
-                    if response.json().get("changed"):
+                    if WatchResponse.from_dict(response.json()).changed:
                         self._wake.set()
                 except (httpx.HTTPError, ValueError):
                     failures += 1

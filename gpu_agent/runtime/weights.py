@@ -36,7 +36,6 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -219,15 +218,6 @@ class WeightsCache:
                         self._downloads.pop(key, None)
         self.evict()
         return path
-
-    @contextlib.contextmanager
-    def pinned(self, path: str | Path) -> Iterator[None]:
-        """Keep a cached model from eviction while the block runs."""
-        self.pin(path)
-        try:
-            yield
-        finally:
-            self.unpin(path)
 
     def pin(self, path: str | Path) -> None:
         key = Path(path).name

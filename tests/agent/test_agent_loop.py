@@ -25,6 +25,7 @@ from gpu_agent.protocol import (
     RegisterResponse,
     ReplicaAction,
     ReplicaState,
+    WatchResponse,
 )
 from gpu_agent.runtime.agent import Agent, AgentConfig
 from gpu_agent.runtime.supervisor import SupervisorPolicy
@@ -34,7 +35,8 @@ from .test_weights_cache import s3, s3_endpoint, upload_model  # noqa: F401  (fi
 
 
 class FakeControlPlane:
-    """Registers nodes, records heartbeats and answers with whatever `desired` holds."""
+    """Registers nodes, records heartbeats and answers with whatever `desired` holds; a watch
+    answers "changed" once `desired_changed` is set."""
 
     def __init__(self) -> None:
         self.join_token = "join-123"
@@ -42,6 +44,9 @@ class FakeControlPlane:
         self.registrations: list[RegisterRequest] = []
         self.heartbeats: list[Heartbeat] = []
         self.desired = []
+        self.heartbeat_interval_s = 0.2
+        self.desired_changed = threading.Event()
+        self.num_watches = 0
         self.num_failures_to_inject = 0
         self.lock = threading.Lock()
         plane = self
@@ -59,6 +64,8 @@ class FakeControlPlane:
                 self.wfile.write(data)
 
             def do_POST(self):
+                if self.path == "/agent/v1/watch":
+                    return self.watch()
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with plane.lock:
                     if plane.num_failures_to_inject:
@@ -72,7 +79,7 @@ class FakeControlPlane:
                         secret = f"secret-{len(plane.registrations)}"
                         plane.secrets.add(secret)
                         answer = RegisterResponse(
-                            node_id="node-1", node_secret=secret, heartbeat_interval_s=0.2
+                            node_id="node-1", node_secret=secret, heartbeat_interval_s=plane.heartbeat_interval_s
                         )
                         return self.reply(201, answer.to_dict())
                     if self.path == "/agent/v1/heartbeat":
@@ -81,10 +88,22 @@ class FakeControlPlane:
                             return self.reply(401, {"error": "unknown node"})
                         plane.heartbeats.append(Heartbeat.from_dict(body))
                         answer = HeartbeatResponse(
-                            node_state=NodeState.READY, heartbeat_interval_s=0.2, desired=list(plane.desired)
+                            node_state=NodeState.READY, heartbeat_interval_s=plane.heartbeat_interval_s,
+                            desired=list(plane.desired),
                         )
                         return self.reply(200, answer.to_dict())
                 return self.reply(404, {})
+
+            def watch(self):
+                """A long poll, shorter than the control plane's."""
+                with plane.lock:
+                    if self.headers.get("Authorization", "").removeprefix("Bearer ") not in plane.secrets:
+                        return self.reply(401, {"error": "unknown node"})
+                    plane.num_watches += 1
+                changed = plane.desired_changed.wait(2.0)
+                if changed:
+                    plane.desired_changed.clear()
+                return self.reply(200, WatchResponse(changed=changed).to_dict())
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -180,6 +199,15 @@ def test_registers_again_when_the_control_plane_forgets_the_node(control_plane, 
         control_plane.secrets.clear()
     wait_until(lambda: len(control_plane.registrations) == 2, 10)
     num_beats = len(control_plane.heartbeats)
+    wait_until(lambda: len(control_plane.heartbeats) > num_beats, 10)
+
+
+def test_a_watch_answering_changed_makes_the_agent_heartbeat_at_once(control_plane, running_agent):
+    control_plane.heartbeat_interval_s = 600.0  # the next heartbeat is far off: only the watch brings one
+    running_agent()
+    wait_until(lambda: control_plane.heartbeats and control_plane.num_watches, 10)
+    num_beats = len(control_plane.heartbeats)
+    control_plane.desired_changed.set()
     wait_until(lambda: len(control_plane.heartbeats) > num_beats, 10)
 
 

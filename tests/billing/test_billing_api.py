@@ -10,8 +10,8 @@ from django.utils import timezone
 from billing.alerts import check_spend_alerts
 from billing.credits import grant_credits
 from billing.ledger import record_usage
-from billing.models import ApiKeySpendCap, Invoice, InvoiceLine
-from billing.services import get_billing_account, set_spend_cap
+from billing.models import ApiKeySpendCap, BillingAccount, Invoice, InvoiceLine
+from billing.services import set_spend_cap
 from controlplane.models import ApiKey, AuditEvent, Role
 from controlplane.services import SYSTEM
 from tests.billing.conftest import usage_report
@@ -56,7 +56,7 @@ def test_owners_and_admins_set_the_spend_cap(owner_client, member_client_factory
     response = client.patch("/api/v1/billing/", {"spend_cap": "12.50"}, format="json")
 
     assert response.status_code == 200 and response.json()["spend_cap"] == "12.50"
-    assert get_billing_account(owner_client.organization.pk).spend_cap == Decimal("12.50")
+    assert BillingAccount.objects.for_organization(owner_client.organization.pk).spend_cap == Decimal("12.50")
     assert AuditEvent.objects.filter(action="billing.set_spend_cap").exists()
     assert client.patch("/api/v1/billing/", {"spend_cap": None}, format="json").json()["spend_cap"] is None
 
@@ -67,7 +67,7 @@ def test_members_and_viewers_may_read_billing_but_not_set_the_cap(owner_client, 
 
     assert client.get("/api/v1/billing/").status_code == 200
     assert client.patch("/api/v1/billing/", {"spend_cap": "1.00"}, format="json").status_code == 403
-    assert get_billing_account(owner_client.organization.pk).spend_cap is None
+    assert BillingAccount.objects.for_organization(owner_client.organization.pk).spend_cap is None
 
 
 @pytest.mark.parametrize("body, field", [
@@ -83,7 +83,7 @@ def test_a_bad_cap_is_a_400_with_field_errors(owner_client, body, field):
 
     assert response.status_code == 400
     assert field in response.json()
-    assert get_billing_account(owner_client.organization.pk).spend_cap is None
+    assert BillingAccount.objects.for_organization(owner_client.organization.pk).spend_cap is None
 
 
 def test_an_admin_caps_one_key_and_another_organisations_key_is_a_404(owner_client, member_client_factory):

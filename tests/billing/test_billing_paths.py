@@ -18,7 +18,7 @@ from billing.ledger import record_usage
 from billing.models import BillingAccount, BillingMode, CreditGrant, UsageRecord, UsageRollup
 from billing.quota import QuotaExceeded
 from billing.rollups import rollup_usage
-from billing.services import get_billing_account, set_billing_mode
+from billing.services import set_billing_mode
 from controlplane.models import AuditEvent
 from controlplane.services import SYSTEM
 from tests.billing.conftest import usage_report
@@ -48,7 +48,7 @@ def test_a_prepaid_organisations_usage_draws_credit_and_is_never_pushed_to_strip
     assert stripe_sync.push_pending_rollups() == 1
 
     assert not BillingAccount.objects.get(organization=prepaid.organization).stripe_subscription_id
-    assert all(event["payload"]["stripe_customer_id"] == get_billing_account(postpaid.organization_id).stripe_customer_id
+    assert all(event["payload"]["stripe_customer_id"] == BillingAccount.objects.for_organization(postpaid.organization_id).stripe_customer_id
                for event in fake_stripe.meter_events.values())
     assert _customer_usage_cost(fake_stripe, postpaid.organization) > 0
     spent = UsageRecord.objects.get(organization=prepaid.organization).cost
@@ -129,14 +129,14 @@ def _reserve(organization, request_id: str, amount: str = "1.00"):
 def test_a_cap_edited_in_the_django_admin_is_audited_and_the_gateway_enforces_it_at_once(staff_client):
     endpoint = EndpointFactory()
     organization = endpoint.organization
-    account = get_billing_account(organization.pk)
+    account = BillingAccount.objects.for_organization(organization.pk)
     _reserve(organization, "before")  # the gateway's counters now hold the old (absent) cap
 
     response = staff_client.post(f"/django-admin/billing/billingaccount/{account.pk}/change/",
                                  _account_form(account, spend_cap="0.50"))
     assert response.status_code == 302, response.content[:2000]
 
-    assert get_billing_account(organization.pk).spend_cap == Decimal("0.50")
+    assert BillingAccount.objects.for_organization(organization.pk).spend_cap == Decimal("0.50")
     event = AuditEvent.objects.get(organization=organization, action="billing.set_spend_cap")
     assert event.actor == staff_client.staff and event.details["spend_cap"] == "0.50"
     with pytest.raises(QuotaExceeded):
@@ -146,7 +146,7 @@ def test_a_cap_edited_in_the_django_admin_is_audited_and_the_gateway_enforces_it
 def test_a_billing_mode_edited_in_the_django_admin_is_audited_and_the_gateway_enforces_it_at_once(staff_client):
     endpoint = EndpointFactory()
     organization = endpoint.organization
-    account = get_billing_account(organization.pk)
+    account = BillingAccount.objects.for_organization(organization.pk)
     _reserve(organization, "before")
 
     response = staff_client.post(f"/django-admin/billing/billingaccount/{account.pk}/change/",

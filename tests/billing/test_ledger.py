@@ -6,8 +6,9 @@ from decimal import Decimal
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 
-from billing.ledger import UnknownEndpointError, arecord_usage, cost_of, record_usage, record_usage_batch
+from billing.ledger import UnknownEndpointError, cost_of, record_usage, record_usage_batch
 from billing.models import UsageRecord
+from billing.usage_writer import arecord_usage, writer_for_this_loop
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory, OrganizationFactory
 
@@ -113,8 +114,6 @@ def test_concurrent_async_writes_share_statements_and_still_write_each_request_o
 @pytest.mark.django_db(transaction=True)
 def test_the_async_writer_survives_its_connection_being_dropped():
     from django.db import connection
-
-    from billing.usage_writer import writer_for_this_loop
 
     endpoint = EndpointFactory()
 

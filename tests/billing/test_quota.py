@@ -13,7 +13,7 @@ from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage
 from billing.models import BillingAccount, BillingMode
 from billing.quota import QuotaExceeded, reserve, settle
-from billing.services import get_billing_account, set_billing_mode, set_key_spend_cap, set_spend_cap
+from billing.services import set_billing_mode, set_key_spend_cap, set_spend_cap
 from controlplane.models import ApiKey
 from controlplane.redis_client import get_redis
 from controlplane.services import SYSTEM
@@ -167,6 +167,6 @@ def test_usage_draws_credits_soonest_expiry_first_and_only_once():
 def test_an_organisation_starts_with_the_platform_default_cap(settings):
     settings.DEFAULT_MONTHLY_SPEND_CAP = Decimal("25")
     organization = OrganizationFactory()
-    assert get_billing_account(organization.pk).spend_cap == Decimal("25")
+    assert BillingAccount.objects.for_organization(organization.pk).spend_cap == Decimal("25")
     assert BillingAccount.objects.filter(organization=organization).count() == 1
 

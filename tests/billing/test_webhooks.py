@@ -6,8 +6,7 @@ import time
 import pytest
 from rest_framework.test import APIClient
 
-from billing.models import Invoice, InvoiceLine, StripeEvent
-from billing.services import get_billing_account
+from billing.models import BillingAccount, Invoice, InvoiceLine, StripeEvent
 from tests.factories import OrganizationFactory
 from tests.fakes.stripe_server import sign_webhook
 
@@ -20,7 +19,7 @@ SECRET = "whsec_test_secret"
 @pytest.fixture
 def customer(settings):
     settings.STRIPE_WEBHOOK_SECRET = SECRET
-    account = get_billing_account(OrganizationFactory().pk)
+    account = BillingAccount.objects.for_organization(OrganizationFactory().pk)
     account.stripe_customer_id = "cus_webhook"
     account.save()
     return account

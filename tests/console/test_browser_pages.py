@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from decimal import Decimal
 
 import pytest
 from django.utils import timezone
 
+from billing.ledger import cost_of
 from billing.models import UsageRecord
 from controlplane.models import ApiKey, Role
 from endpoints.models import Endpoint, EndpointEvent, EventKind, Replica
@@ -72,10 +72,9 @@ def log_in(page, email: str) -> None:
 
 def record_usage(endpoint: Endpoint, *, minutes_ago: float, prompt: int, completion: int, latency_ms: int) -> None:
     started_at = timezone.now() - timedelta(minutes=minutes_ago)
-    cost = (prompt * endpoint.price_input_per_million + completion * endpoint.price_output_per_million) / Decimal(1_000_000)
     UsageRecord.objects.create(
         request_id=f"browser-{endpoint.pk}-{minutes_ago}", organization=endpoint.organization, endpoint=endpoint,
-        prompt_tokens=prompt, completion_tokens=completion, cost=cost, started_at=started_at,
+        prompt_tokens=prompt, completion_tokens=completion, cost=cost_of(endpoint, prompt, 0, completion), started_at=started_at,
         first_token_at=started_at + timedelta(milliseconds=latency_ms // 4),
         finished_at=started_at + timedelta(milliseconds=latency_ms), status="ok",
     )
