@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator
 import redis.asyncio
 from django.conf import settings
 
+from controlplane.per_loop import PerLoop
+
 logger = logging.getLogger("inferplane.pubsub")
 
 READ_TIMEOUT_S = 1.0
@@ -140,13 +142,11 @@ class Listener:
                 signal._set()
 
 
-_listeners: dict[int, Listener] = {}
+# NOTE: one per event loop: an asyncio connection belongs to the loop that made it.
+_listeners: PerLoop[Listener] = PerLoop(lambda: Listener(settings.REDIS_URL))
 
 
-def get_listener() -> Listener:
-    """This event loop's listener (an asyncio connection belongs to the loop that made it)."""
-    loop_id = id(asyncio.get_running_loop())
-    listener = _listeners.get(loop_id)
-    if listener is None:
-        listener = _listeners[loop_id] = Listener(settings.REDIS_URL)
-    return listener
+def subscribe(channel: str) -> contextlib.AbstractAsyncContextManager[Signal]:
+    """Wait for messages on `channel` (`async with subscribe(channel) as signal: await signal.wait(s)`),
+    on this process's one shared pub/sub connection: the one way anything here waits for a channel."""
+    return _listeners.get().subscribe(channel)

@@ -18,6 +18,7 @@ import time
 import uuid
 
 from controlplane.redis_client import get_async_redis
+from controlplane.redis_scripts import Script
 
 STALE_AFTER_S = 3600
 # Endpoints with a request in the last day, for the autoscaler tick (scored by last request time).
@@ -71,20 +72,20 @@ local function traffic_end(K, A)
 end
 """
 # KEYS: this gateway's requests hash, then the candidates' counters; ARGV: TTL, request id, endpoint id.
-_PICK_LEAST_OUTSTANDING = TRAFFIC_LUA + """
+_PICK_LEAST_OUTSTANDING = Script(TRAFFIC_LUA + """
 local candidates = {}
 for i = 2, #KEYS do candidates[#candidates + 1] = KEYS[i] end
 local best = traffic_pick(candidates, {ARGV[1]})
 traffic_hold({KEYS[1]}, {ARGV[2], ARGV[3], candidates[best]})
 return best
-"""
+""")
 # KEYS: this gateway's requests hash, the counter; ARGV: request id, endpoint id. Releases the counter
 # only if this request holds it.
-_RELEASE = TRAFFIC_LUA + """
+_RELEASE = Script(TRAFFIC_LUA + """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] .. '|' .. KEYS[2] then return 0 end
 traffic_hold({KEYS[1]}, {ARGV[1], ARGV[2], ''})
 return traffic_release({KEYS[2]})
-"""
+""")
 NO_REPLICA_KEY = "gw:outstanding:-"  # placeholder when a request holds no replica's count
 
 _gateway_id: tuple[int, str] = (0, "")
@@ -104,16 +105,6 @@ def gateway_requests_key(gateway: str | None = None) -> str:
 
 def gateway_alive_key(gateway: str | None = None) -> str:
     return f"gw:alive:{gateway or gateway_id()}"
-
-_scripts: dict[int, tuple] = {}
-
-
-def _script_pair():
-    redis = get_async_redis()
-    scripts = _scripts.get(id(redis))
-    if scripts is None:
-        scripts = _scripts[id(redis)] = tuple(redis.register_script(source) for source in (_PICK_LEAST_OUTSTANDING, _RELEASE))
-    return scripts
 
 
 def outstanding_key(replica_id: str) -> str:
@@ -135,14 +126,12 @@ def last_request_key(endpoint_id: str) -> str:
 async def pick_replica(replica_ids: list[str], *, request_id: str, endpoint_id: str) -> int:
     """Index of the replica with the fewest outstanding requests, already counted as one more (held by
     `request_id` in this gateway's requests)."""
-    pick, _ = _script_pair()
     keys = [gateway_requests_key()] + [outstanding_key(r) for r in replica_ids]
-    return int(await pick(keys=keys, args=[OUTSTANDING_TTL_S, request_id, endpoint_id])) - 1
+    return int(await _PICK_LEAST_OUTSTANDING(keys=keys, args=[OUTSTANDING_TTL_S, request_id, endpoint_id])) - 1
 
 
 async def release_replica(replica_id: str, *, request_id: str, endpoint_id: str) -> None:
-    _, release = _script_pair()
-    await release(keys=[gateway_requests_key(), outstanding_key(replica_id)], args=[request_id, endpoint_id])
+    await _RELEASE(keys=[gateway_requests_key(), outstanding_key(replica_id)], args=[request_id, endpoint_id])
 
 
 def begin_keys_and_args(endpoint_id: str, request_id: str, *, waiting: bool) -> tuple[list[str], list]:
