@@ -19,7 +19,7 @@ from decimal import Decimal
 import aiohttp
 
 from billing import ledger
-from billing.quota import QuotaExceeded
+from billing.quota.counters import QuotaExceeded
 from endpoints.gateway import (
     admission,
     cold_start,
@@ -331,7 +331,7 @@ class InferenceCall:
                                        cost=actual)
             except errors.OUTAGES as exc:
                 # NOTE: the answer is given and its usage row written; the heartbeat ends it in Redis
-                # later, and the reservation expires (`billing.quota.sweep_expired_reservations`).
+                # later, and the reservation expires (`billing.quota.sweeper`).
                 logger.warning("request %s: could not end it in Redis now: %r", self.request_id, exc)
                 presence.end_later(self.request_id)
             finally:
