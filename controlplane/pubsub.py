@@ -4,7 +4,8 @@ Requests held for a cold start wait for their endpoint's READY message, and agen
 (`/agent/v1/watch`) for their node's. Each used to take a pub/sub connection of its own from the
 shared pool, so a few hundred held streams emptied the pool and every other Redis call in the
 process failed. Here a channel is subscribed once per process however many wait on it, on one
-connection outside the shared pool; it is dropped when its last waiter leaves.
+connection outside the shared pool; it is dropped when its last waiter leaves. `subscribe(channel)` is
+the one way code here waits for a channel (the gateway's cold-start hold, the agents' watch).
 
 A lost message (a reconnect) costs only a waiter's own polling: every waiter also polls, and all of
 them are woken after a reconnect to look again.
