@@ -9,7 +9,6 @@ row, the real cost settled, the replica released, whatever happened on the way.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -193,7 +192,7 @@ class InferenceCall:
                 # A 401 is the engine refusing our key: the replica's fault, never the client's.
                 raise UpstreamUnavailable(f"HTTP {response.status}")
             if response.status >= 400:
-                raise _engine_error(response.status, await response.read())
+                raise errors.engine_refused(response.status, await response.read())
             self.replica = replica
             self.served = True
             if self.request.stream:
@@ -362,17 +361,3 @@ def _arrived_before_failure(response: aiohttp.ClientResponse) -> bytes:
         return response.content._read_nowait(-1)
     except Exception:  # noqa: BLE001 - an aiohttp without it: nothing more to relay
         return b""
-
-
-def _engine_error(status: int, body: bytes) -> errors.OpenAIError:
-    """The engine refused the request (a 4xx): relay its message in OpenAI's shape."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        data = {}
-    if not isinstance(data, dict):  # NOTE: an engine's 4xx body is not always an object
-        data = {}
-    detail = data.get("error") if isinstance(data.get("error"), dict) else data
-    message = detail.get("message") or body.decode(errors="replace")[:500] or f"HTTP {status}"
-    code = detail.get("code") if isinstance(detail.get("code"), str) else None
-    return errors.OpenAIError(status, message, param=detail.get("param"), code=code)
