@@ -27,6 +27,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_scripts import Script
 from endpoints.gateway import traffic
@@ -92,7 +93,14 @@ class Held:
 # The requests this process serves (request id -> Held), and those whose end did not reach Redis.
 serving: dict[str, Held] = {}
 unfinished: set[str] = set()
-_beats: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
+
+
+@dataclass(slots=True)
+class _Beating:
+    task: asyncio.Task | None = None  # this loop's heartbeat
+
+
+_beats: PerLoop[_Beating] = PerLoop(_Beating)
 
 
 def track(request_id: str, endpoint_id: str, replica_id: str | None) -> Held:
@@ -145,23 +153,21 @@ async def _beat_forever() -> None:
 
 async def start() -> None:
     """Beat once now (so this gateway is known before it admits anything), then every `BEAT_S`."""
-    loop = asyncio.get_running_loop()
-    task = _beats.get(loop)
-    if task is not None and not task.done():
+    beating = _beats.get()
+    if beating.task is not None and not beating.task.done():
         return
     try:
         await beat()
     except Exception as exc:  # noqa: BLE001 - Redis may be down at start; the loop keeps trying
         logger.warning("gateway heartbeat failed: %r", exc)
-    _beats[loop] = loop.create_task(_beat_forever())
+    beating.task = asyncio.get_running_loop().create_task(_beat_forever())
 
 
 def ensure_started() -> None:
     """Start beating on this loop if nothing started it (a server without lifespan events)."""
-    loop = asyncio.get_running_loop()
-    task = _beats.get(loop)
-    if task is None or task.done():
-        _beats[loop] = loop.create_task(_beat_forever())
+    beating = _beats.get()
+    if beating.task is None or beating.task.done():
+        beating.task = asyncio.get_running_loop().create_task(_beat_forever())
 
 
 # --- the sweeper (control plane side) -------------------------------------------------------------
