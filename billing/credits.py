@@ -8,9 +8,9 @@ from decimal import Decimal
 from django.db import transaction
 from django.utils import timezone
 
-from billing import quota
 from billing.ledger import undrawn_prepaid_spend
 from billing.models import BillingAccount, CreditGrant
+from billing.quota.counters import refresh_limits
 from controlplane.services import Actor, record_audit
 
 
@@ -25,7 +25,7 @@ def grant_credits(actor: Actor, organization, *, amount: Decimal, expires_at: da
         )
         record_audit(actor, organization, "billing.grant_credits", grant, amount=str(amount),
                      expires_at=expires_at.isoformat() if expires_at else None)
-    quota.refresh_limits(organization.pk)
+    refresh_limits(BillingAccount.objects.for_organization(organization.pk))
     return grant
 
 

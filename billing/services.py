@@ -6,8 +6,8 @@ from decimal import Decimal
 
 from django.db import transaction
 
-from billing import quota
 from billing.models import ApiKeySpendCap, BillingAccount, BillingMode
+from billing.quota.counters import refresh_key_limit, refresh_limits
 from controlplane.services import Actor, record_audit
 
 
@@ -20,7 +20,7 @@ def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> B
         account.save(update_fields=["spend_cap"])
         record_audit(actor, organization, "billing.set_spend_cap", account,
                      spend_cap=_plain(spend_cap), previous=_plain(previous))
-    quota.refresh_limits(organization.pk)
+    refresh_limits(account)
     return account
 
 
@@ -32,7 +32,8 @@ def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> Ap
         else:
             cap, _ = ApiKeySpendCap.objects.update_or_create(api_key=api_key, defaults={"spend_cap": spend_cap})
         record_audit(actor, api_key.organization, "billing.set_key_spend_cap", api_key, spend_cap=_plain(spend_cap))
-    quota.refresh_limits(api_key.organization_id, api_key_id=api_key.pk)
+    refresh_limits(BillingAccount.objects.for_organization(api_key.organization_id))
+    refresh_key_limit(api_key.pk, spend_cap)
     return cap
 
 
@@ -51,7 +52,7 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
         account.mode = mode
         account.save(update_fields=["mode"])
         record_audit(actor, organization, "billing.set_mode", account, mode=mode, previous=previous)
-    quota.refresh_limits(organization.pk)
+    refresh_limits(account)
     return account
 
 

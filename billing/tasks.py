@@ -2,8 +2,9 @@
 
 from celery import shared_task
 
-from billing import alerts, credits, quota, rollups, stripe_sync
+from billing import alerts, credits, rollups, stripe_sync
 from billing.models import BillingAccount, BillingMode
+from billing.quota import sweeper
 
 
 @shared_task(name="billing.rollup_usage", acks_late=True, time_limit=600, soft_time_limit=570)
@@ -30,7 +31,7 @@ def push_rollup(rollup_id: int) -> bool:
 
 @shared_task(name="billing.sweep_expired_reservations", acks_late=True, time_limit=60, soft_time_limit=50)
 def sweep_expired_reservations() -> int:
-    return quota.sweep_expired_reservations()
+    return sweeper.sweep_expired_reservations()
 
 
 @shared_task(name="billing.check_spend_alerts", acks_late=True, time_limit=120, soft_time_limit=100)

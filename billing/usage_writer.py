@@ -24,7 +24,6 @@ import asyncio
 import functools
 import logging
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import psycopg
@@ -32,6 +31,7 @@ from django.conf import settings
 
 from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch_on
 from billing.usage_journal import UsageJournal, read_segment
+from controlplane.per_loop import PerLoop
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -220,22 +220,12 @@ class UsageWriter:
             connection.pgconn.finish()
 
 
-_writers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, UsageWriter] = weakref.WeakKeyDictionary()
-_latest: tuple = (lambda: None, None)  # (weak loop, writer): the gateway's one loop, without a weak-dict lookup
+# NOTE: a loop that closes (asyncio.run in a script or a test) takes its writer's connection along.
+_writers: PerLoop[UsageWriter] = PerLoop(UsageWriter, on_loop_gone=UsageWriter.close_now)
 
 
 def writer_for_this_loop() -> UsageWriter:
-    global _latest
-    loop = asyncio.get_running_loop()
-    if _latest[0]() is loop:
-        return _latest[1]
-    writer = _writers.get(loop)
-    if writer is None:
-        writer = _writers[loop] = UsageWriter()
-        # NOTE: a loop that closes (asyncio.run in a script or a test) takes its connection along.
-        weakref.finalize(loop, writer.close_now)
-    _latest = (weakref.ref(loop), writer)
-    return writer
+    return _writers.get()
 
 
 async def arecord_usage(report: UsageReport) -> bool:
@@ -246,6 +236,5 @@ async def arecord_usage(report: UsageReport) -> bool:
 
 def close_all() -> None:
     """Close every writer's connection now (a test session ends; its database is about to go)."""
-    for writer in [*_writers.values(), _latest[1]]:
-        if writer is not None:
-            writer.close_now()
+    for writer in _writers.all():
+        writer.close_now()

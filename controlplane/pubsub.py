@@ -4,7 +4,8 @@ Requests held for a cold start wait for their endpoint's READY message, and agen
 (`/agent/v1/watch`) for their node's. Each used to take a pub/sub connection of its own from the
 shared pool, so a few hundred held streams emptied the pool and every other Redis call in the
 process failed. Here a channel is subscribed once per process however many wait on it, on one
-connection outside the shared pool; it is dropped when its last waiter leaves.
+connection outside the shared pool; it is dropped when its last waiter leaves. `subscribe(channel)` is
+the one way code here waits for a channel (the gateway's cold-start hold, the agents' watch).
 
 A lost message (a reconnect) costs only a waiter's own polling: every waiter also polls, and all of
 them are woken after a reconnect to look again.
@@ -19,6 +20,8 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio
 from django.conf import settings
+
+from controlplane.per_loop import PerLoop
 
 logger = logging.getLogger("inferplane.pubsub")
 
@@ -140,13 +143,11 @@ class Listener:
                 signal._set()
 
 
-_listeners: dict[int, Listener] = {}
+# NOTE: one per event loop: an asyncio connection belongs to the loop that made it.
+_listeners: PerLoop[Listener] = PerLoop(lambda: Listener(settings.REDIS_URL))
 
 
-def get_listener() -> Listener:
-    """This event loop's listener (an asyncio connection belongs to the loop that made it)."""
-    loop_id = id(asyncio.get_running_loop())
-    listener = _listeners.get(loop_id)
-    if listener is None:
-        listener = _listeners[loop_id] = Listener(settings.REDIS_URL)
-    return listener
+def subscribe(channel: str) -> contextlib.AbstractAsyncContextManager[Signal]:
+    """Wait for messages on `channel` (`async with subscribe(channel) as signal: await signal.wait(s)`),
+    on this process's one shared pub/sub connection: the one way anything here waits for a channel."""
+    return _listeners.get().subscribe(channel)

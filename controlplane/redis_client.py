@@ -9,7 +9,6 @@ timeout is not retried, so a silent Redis costs one timeout, not several.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 
 import redis
@@ -19,6 +18,8 @@ import redis.backoff
 import redis.exceptions
 import redis.retry
 from django.conf import settings
+
+from controlplane.per_loop import PerLoop
 
 HEALTH_CHECK_INTERVAL_S = 10
 MIN_CONNECT_TIMEOUT_S = 5.0  # a burst of new pooled connections on a busy machine needs more than one reply's time
@@ -40,20 +41,21 @@ def get_redis() -> redis.Redis:
 
 
 POOL_WAIT_S = 10
-_async_clients: dict[int, redis.asyncio.Redis] = {}
+
+
+def _new_async_client() -> redis.asyncio.Redis:
+    # NOTE: a burst beyond the pool waits for a free connection instead of failing; nothing holds
+    # one for long (pub/sub waiters share `controlplane.pubsub`'s own connection).
+    retry = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=POOL_WAIT_S,
+        retry=retry, **connection_options())
+    return redis.asyncio.Redis(connection_pool=pool)
+
+
+# NOTE: an asyncio connection pool belongs to the loop that created it.
+_async_clients: PerLoop[redis.asyncio.Redis] = PerLoop(_new_async_client)
 
 
 def get_async_redis() -> redis.asyncio.Redis:
-    # NOTE: an asyncio connection pool belongs to the loop that created it.
-    loop_id = id(asyncio.get_running_loop())
-    client = _async_clients.get(loop_id)
-    if client is None:
-        # NOTE: a burst beyond the pool waits for a free connection instead of failing; nothing holds
-        # one for long (pub/sub waiters share `controlplane.pubsub`'s own connection).
-        retry = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
-        pool = redis.asyncio.BlockingConnectionPool.from_url(
-            settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=POOL_WAIT_S,
-            retry=retry, **connection_options())
-        client = redis.asyncio.Redis(connection_pool=pool)
-        _async_clients[loop_id] = client
-    return client
+    return _async_clients.get()

@@ -1,4 +1,8 @@
-"""Lua scripts on one pipelined Redis connection per event loop: the gateway's hot path.
+"""Lua scripts: the one way to run one, `Script`, on one pipelined Redis connection per event loop.
+
+`await script(keys=..., args=...)` from async code; `script.run_sync(keys=..., args=...)` from
+synchronous code, on the shared redis-py client. Nothing else calls EVAL, EVALSHA or
+`register_script`.
 
 Every request through the gateway runs two scripts (`endpoints/gateway/admission.py`). redis-py's
 asyncio client takes a pooled connection, wraps each command in retry and health-check layers and
@@ -25,7 +29,11 @@ import ssl
 from collections import deque
 from urllib.parse import unquote, urlparse
 
+import redis.exceptions
 from django.conf import settings
+
+from controlplane.per_loop import PerLoop
+from controlplane.redis_client import get_redis
 
 
 class RedisError(Exception):
@@ -52,13 +60,22 @@ class Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     async def __call__(self, *, keys: list, args: list):
-        connection = await _connection_of_this_loop()
+        connection = _connections.get()
         try:
             return await connection.call(b"EVALSHA", self.sha, len(keys), *keys, *args)
         except RedisError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
             return await connection.call(b"EVAL", self.source, len(keys), *keys, *args)
+
+    def run_sync(self, *, keys: list, args: list):
+        """The same script from synchronous code (tasks, the control plane), on the process's shared
+        client (`controlplane.redis_client.get_redis`); raises redis-py's exceptions."""
+        client = get_redis()
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return client.eval(self.source, len(keys), *keys, *args)
 
 
 class _Incomplete(Exception):
@@ -247,19 +264,4 @@ class _Connection:
             self._protocol.transport.close()
 
 
-_connections: dict[asyncio.AbstractEventLoop, _Connection] = {}
-_latest: tuple[asyncio.AbstractEventLoop | None, _Connection | None] = (None, None)
-
-
-async def _connection_of_this_loop() -> _Connection:
-    global _latest
-    loop = asyncio.get_running_loop()
-    if _latest[0] is loop:
-        return _latest[1]
-    connection = _connections.get(loop)
-    if connection is None:
-        for other in [other for other in _connections if other.is_closed()]:
-            del _connections[other]
-        connection = _connections[loop] = _Connection(settings.REDIS_URL, settings.REDIS_TIMEOUT_S)
-    _latest = (loop, connection)
-    return connection
+_connections: PerLoop[_Connection] = PerLoop(lambda: _Connection(settings.REDIS_URL, settings.REDIS_TIMEOUT_S))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from controlplane.redis_client import get_redis
+from controlplane.redis_scripts import Script
 from endpoints.gateway import traffic
 from endpoints.models import SERVING_REPLICA_STATES, Replica
 
@@ -53,7 +54,7 @@ def samples_key(endpoint_id: str) -> str:
 # KEYS: per endpoint, its in-flight, waiting, last-request and samples keys (4 each).
 # ARGV: since (stale cut-off), window start, now, the sample's member prefix ("<now>:"), record (0/1), samples TTL.
 # Returns per endpoint: in flight, waiting, last request time ("" if none), peak concurrency in the window.
-_READ_LOAD = """
+_READ_LOAD = Script("""
 local out = {}
 for i = 1, #KEYS, 4 do
   local inflight = redis.call('ZCOUNT', KEYS[i], ARGV[1], '+inf')
@@ -76,10 +77,9 @@ for i = 1, #KEYS, 4 do
   out[#out + 1] = peak
 end
 return out
-"""
+""")
 # Endpoints per script call: one call never blocks Redis for long.
 READ_LOAD_BATCH = 1000
-_scripts: dict[int, object] = {}
 
 
 def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool = True) -> dict[str, Load]:
@@ -94,9 +94,6 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
     since = now - traffic.STALE_AFTER_S
     window_start = now - settings.AUTOSCALER_STABLE_WINDOW_S
     redis = get_redis()
-    script = _scripts.get(id(redis))
-    if script is None:
-        script = _scripts[id(redis)] = redis.register_script(_READ_LOAD)
     args = [since, window_start, now, f"{now:.3f}:", "1" if record else "0", int(settings.AUTOSCALER_STABLE_WINDOW_S) + 60]
     loads = {}
     for first in range(0, len(endpoint_ids), READ_LOAD_BATCH):
@@ -105,7 +102,7 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
         for endpoint_id in batch:
             keys += [traffic.inflight_key(endpoint_id), traffic.waiting_key(endpoint_id),
                      traffic.last_request_key(endpoint_id), samples_key(endpoint_id)]
-        raw = script(keys=keys, args=args)
+        raw = _READ_LOAD.run_sync(keys=keys, args=args)
         for index, endpoint_id in enumerate(batch):
             inflight, waiting, last, peak = raw[4 * index: 4 * index + 4]
             loads[endpoint_id] = Load(int(inflight), int(waiting), float(last) if last else None, int(peak))

@@ -13,7 +13,7 @@ from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
-from controlplane.pubsub import get_listener
+from controlplane import pubsub
 from gpu_agent import protocol, services
 from gpu_agent.notify import node_channel
 
@@ -81,5 +81,5 @@ async def watch(request):
         node = await sync_to_async(services.authenticate_node, thread_sensitive=False)(secret.strip())
     except services.AgentAuthError as exc:
         return _error(401, str(exc))
-    async with get_listener().subscribe(node_channel(node.pk)) as changes:
+    async with pubsub.subscribe(node_channel(node.pk)) as changes:
         return JsonResponse(protocol.WatchResponse(changed=await changes.wait(WATCH_TIMEOUT_S)).to_dict())

@@ -5,7 +5,9 @@ and prepaid credit, counts it in flight (or waiting for a cold start) and picks 
 the fewest outstanding requests, all in one Lua script: nothing changes unless everything passes.
 `finish` ends the in-flight count, releases the replica, gives back the tokens it reserved but did
 not use and settles the real cost, in one more. The logic of each part lives with its owner (`limits`,
-`billing.quota`, `traffic`); this module only puts their Lua functions into one script each.
+`billing.quota.counters`, `traffic`), which declares the keys and arguments its Lua functions read
+(a `ScriptPart`); this module only puts them into one script each (`controlplane.script_parts`
+computes where each part's keys and arguments sit).
 """
 
 from __future__ import annotations
@@ -13,55 +15,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
-from billing import quota
-from controlplane.redis_scripts import Script
+from billing.quota import counters, rebuild
+from controlplane.script_parts import ComposedScript
 from endpoints.gateway import limits, traffic
 from endpoints.gateway.auth import Caller
 
-# Copies KEYS[from..to] or ARGV[from..to] into a new table: each part reads its own K and A.
-_PART = """
-local function part(t, from, to)
-  local out = {}
-  for i = from, to do out[#out + 1] = t[i] end
-  return out
-end
-"""
-
-# KEYS: 1-2 rate limits, 3-9 reservation, 10-13 begin, 14.. candidates' outstanding counters.
-# ARGV: 1-3 rate limits, 4-8 reservation, 9-11 begin, 12 outstanding TTL.
 # Returns {'ok', index of the candidate picked (1-based; 0 without candidates)},
-# {'rate_limited', '1'|'2'}, {'refused', reason} or {'missing', counter to rebuild}.
-_ADMIT = _PART + limits.LIMITS_LUA + quota.RESERVE_LUA + traffic.TRAFFIC_LUA + """
-local verdict = limits_check(part(KEYS, 1, 2), part(ARGV, 1, 3))
-if verdict ~= 0 then return {'rate_limited', tostring(verdict)} end
-local reserved = quota_reserve(part(KEYS, 3, 9), part(ARGV, 4, 8))
-if reserved[1] ~= 'ok' then return reserved end
-limits_take(part(KEYS, 1, 2), part(ARGV, 1, 3))
-traffic_begin(part(KEYS, 10, 13), part(ARGV, 9, 11))
-if #KEYS < 14 then return {'ok', '0'} end
-local picked = traffic_pick(part(KEYS, 14, #KEYS), {ARGV[12]})
-traffic_hold({KEYS[13]}, {ARGV[9], ARGV[11], KEYS[13 + picked]})
-return {'ok', tostring(picked)}
-"""
-
-# KEYS: 1-5 end, 6 token counter, 7-14 settlement. ARGV: 1-3 end, 4-6 tokens given back, 7-10 settlement.
-_FINISH = _PART + limits.LIMITS_LUA + quota.SETTLE_LUA + traffic.TRAFFIC_LUA + """
-traffic_end(part(KEYS, 1, 5), part(ARGV, 1, 3))
-limits_give_back({KEYS[6]}, part(ARGV, 4, 6))
-return quota_settle(part(KEYS, 7, 14), part(ARGV, 7, 10))
-"""
-
-MAX_REBUILDS = 4
-
+# {'rate_limited', '1'|'2'|'3'}, {'refused', reason} or {'missing', counter to rebuild}.
 # NOTE: on the pipelined connection of `controlplane.redis_scripts`, not redis-py's pool: these two
 # calls are most of a request's Redis time.
-_admit_script = Script(_ADMIT)
-_finish_script = Script(_FINISH)
+_ADMIT = ComposedScript([limits.CHECK, counters.RESERVE, traffic.BEGIN, traffic.PICK], glue="""
+local verdict = limits_check(limits_check_K, limits_check_A)
+if verdict ~= 0 then return {'rate_limited', tostring(verdict)} end
+local reserved = quota_reserve(quota_reserve_K, quota_reserve_A)
+if reserved[1] ~= 'ok' then return reserved end
+limits_take(limits_check_K, limits_check_A)
+traffic_begin(traffic_begin_K, traffic_begin_A)
+if #traffic_pick_K == 0 then return {'ok', '0'} end
+local picked = traffic_pick(traffic_pick_K, traffic_pick_A)
+-- this gateway's requests hash holds the request as in flight on the replica picked
+traffic_hold({traffic_begin_K[4]}, {traffic_begin_A[1], traffic_begin_A[3], traffic_pick_K[picked]})
+return {'ok', tostring(picked)}
+""")
+
+_FINISH = ComposedScript([traffic.END, limits.GIVE_BACK, counters.SETTLE], glue="""
+traffic_end(traffic_end_K, traffic_end_A)
+limits_give_back(limits_give_back_K, limits_give_back_A)
+return quota_settle(quota_settle_K, quota_settle_A)
+""")
+
+MAX_REBUILDS = 4
 
 
 @dataclass(slots=True, frozen=True)
 class Admission:
-    reservation: quota.Reservation
+    reservation: counters.Reservation
     picked: int | None  # index into the candidates, or None when there were none (a cold start)
     window: limits.Window  # the minute its request and worst-case tokens were counted in
 
@@ -77,19 +65,20 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
     for _attempt in range(MAX_REBUILDS):
         window = limits.Window.now(caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute,
                                    num_tokens)
-        reservation, reserve_keys, reserve_args = quota.prepare_reservation(
+        reservation, reserve_keys, reserve_args = counters.prepare_reservation(
             organization_id=caller.organization_id, api_key_id=caller.api_key_id, amount=amount, request_id=request_id)
-        limit_keys, limit_args = window.check_keys_and_args()
-        begin_keys, begin_args = traffic.begin_keys_and_args(endpoint_id, request_id, waiting=not candidates)
-        keys = limit_keys + reserve_keys + begin_keys + [traffic.outstanding_key(c) for c in candidates]
-        args = limit_args + reserve_args + begin_args + [traffic.OUTSTANDING_TTL_S]
-        status, detail = await _admit_script(keys=keys, args=args)
+        status, detail = await _ADMIT(
+            limits_check=window.check_keys_and_args(),
+            quota_reserve=(reserve_keys, reserve_args),
+            traffic_begin=traffic.begin_keys_and_args(endpoint_id, request_id, waiting=not candidates),
+            traffic_pick=traffic.pick_keys_and_args(candidates),
+        )
         if status == "missing":
-            await quota.rebuild_missing(detail, reservation)
+            await rebuild.rebuild_missing(detail, reservation)
             continue
         if status == "rate_limited":
             raise window.refusal(int(detail))
-        if (refused := quota.refusal(status, detail)) is not None:
+        if (refused := counters.refusal(status, detail)) is not None:
             raise refused
         return Admission(reservation, int(detail) - 1 if candidates else None, window)
     raise RuntimeError("billing counters kept vanishing while admitting a request")
@@ -99,7 +88,8 @@ async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, rele
                  num_tokens: int, cost: Decimal) -> None:
     """The request is over: out of flight, its replica released, the tokens it reserved replaced by
     the `num_tokens` it used, its cost settled."""
-    end_keys, end_args = traffic.end_keys_and_args(endpoint_id, admission.reservation.request_id, release=release)
-    token_keys, token_args = admission.window.give_back_keys_and_args(num_tokens)
-    settle_keys, settle_args = quota.settle_keys_and_args(admission.reservation, cost)
-    await _finish_script(keys=end_keys + token_keys + settle_keys, args=end_args + token_args + settle_args)
+    await _FINISH(
+        traffic_end=traffic.end_keys_and_args(endpoint_id, admission.reservation.request_id, release=release),
+        limits_give_back=admission.window.give_back_keys_and_args(num_tokens),
+        quota_settle=counters.settle_keys_and_args(admission.reservation, cost),
+    )

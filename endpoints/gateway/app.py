@@ -19,9 +19,10 @@ from datetime import UTC, datetime
 import aiohttp
 
 from billing.usage_writer import writer_for_this_loop
-from endpoints.gateway import auth, directory, errors, metrics, presence, request, standing
+from endpoints.gateway import auth, directory, errors, metrics, presence, standing
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.memo import in_worker_thread
+from endpoints.gateway.request import InferenceRequest
 
 logger = logging.getLogger("inferplane.gateway")
 
@@ -101,14 +102,14 @@ class Gateway:
                 raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
             body = await _read_body(receive)
             caller = await auth.authenticate(headers)
-            payload = request.parse_payload(body, kind)
-            endpoint = await directory.find_endpoint(caller.organization_id, payload["model"])
+            inference = InferenceRequest.parse(body, kind=kind, path=path,
+                                               wait_for_capacity=standing.wants_to_wait(headers))
+            endpoint = await directory.find_endpoint(caller.organization_id, inference.model)
             if endpoint is None:
-                raise errors.model_not_found(payload["model"])
+                raise errors.model_not_found(inference.model)
             call = InferenceCall(
-                request_id=request_id, kind=kind, path=path, caller=caller, endpoint=endpoint, payload=payload, body=body,
-                client=self.client, receive=receive, send=send, started_at=datetime.now(UTC),
-                wait_for_capacity=standing.wants_to_wait(headers),
+                request_id=request_id, request=inference, caller=caller, endpoint=endpoint, client=self.client,
+                receive=receive, send=send, started_at=datetime.now(UTC),
             )
             await call.run()
         except errors.OpenAIError as exc:

@@ -1,9 +1,14 @@
-"""One inference call through the gateway, from reservation to usage row."""
+"""One inference call through the gateway, from reservation to usage row.
+
+`InferenceCall.run` admits the parsed request (`endpoints.gateway.request`, `admission`), holds it
+through a cold start if no replica is READY (`cold_start`), proxies it to a replica (retrying once
+elsewhere before the first byte), relays the answer (SSE edited by `sse`) and ends it: one usage
+row, the real cost settled, the replica released, whatever happened on the way.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,27 +17,25 @@ from decimal import Decimal
 
 import aiohttp
 
-from billing import ledger, quota, usage_writer
+from billing import ledger, usage_writer
+from billing.quota.counters import QuotaExceeded
 from endpoints.gateway import (
     admission,
     cold_start,
     directory,
     errors,
-    estimate,
     metrics,
     presence,
+    sse,
     standing,
     traffic,
 )
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
+from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.tally import UsageTally
 
 logger = logging.getLogger("inferplane.requests")
-
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
-
 
 # What a failing replica raises: refused or dropped connections, truncated bodies, timeouts.
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
@@ -57,17 +60,13 @@ class ReservationSpent(errors.OpenAIError):
 @dataclass(slots=True)
 class InferenceCall:
     request_id: str
-    kind: str
-    path: str
+    request: InferenceRequest
     caller: Caller
     endpoint: EndpointInfo
-    payload: dict
-    body: bytes  # as the client sent it: proxied unchanged when nothing needs rewriting
     client: aiohttp.ClientSession
     receive: object
     send: object
     started_at: datetime
-    stream: bool = False
     replica: ReplicaInfo | None = None
     served: bool = False  # a replica accepted the request: a usage row is owed
     first_token_at: datetime | None = None
@@ -80,29 +79,21 @@ class InferenceCall:
     held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     metrics: metrics.EndpointMetrics | None = None
-    wait_for_capacity: bool = False  # the client sent X-Inferplane-Wait-For-Capacity (endpoints.gateway.standing)
     _started_monotonic: float = field(default_factory=time.monotonic)
 
     async def run(self) -> None:
-        self.stream = bool(self.payload.get("stream", False))
         self.metrics = metrics.of_endpoint(self.endpoint.id, self.endpoint.organization_id)
-        max_tokens = self.payload.get("max_completion_tokens") or self.payload.get("max_tokens")
-        if max_tokens is not None and max_tokens > self.endpoint.max_model_len:
-            raise errors.invalid_request(
-                f"max_tokens is {max_tokens}, but this model's context is {self.endpoint.max_model_len} tokens.",
-                param="max_tokens",
-            )
+        worst_case = self.request.worst_case(self.endpoint)
         if self.endpoint.paused:
             raise errors.OpenAIError(503, f"The endpoint '{self.endpoint.name}' is paused.", type="server_error",
                                      code="endpoint_paused", headers={"retry-after": "60"})
-        worst_case = estimate.worst_case(self.payload, self.kind, self.endpoint.max_model_len)
         self.usage.num_choices_per_prompt = worst_case.num_sequences
         self.reserved = worst_case.max_cost(self.endpoint)
         replicas = await directory.ready_replicas(self.endpoint.id)
         if not replicas:  # a FAILED endpoint, or one waiting for capacity, says so now instead of holding the call
-            standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.wait_for_capacity)
+            standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.request.wait_for_capacity)
         # NOTE: a cold start's place in line (bounded per process, endpoint and organisation) comes
-        # first; `cold_start.wait_for_replicas` gives it up, or the refusal below.
+        # first; `cold_start.hold` gives it up, or the refusal below.
         place = None if replicas else await cold_start.take_place(self.endpoint, self.caller.organization_id,
                                                                   self.request_id)
         presence.ensure_started()
@@ -112,7 +103,7 @@ class InferenceCall:
             admitted = await admission.admit(
                 caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=self.reserved,
                 num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas])
-        except quota.QuotaExceeded as exc:
+        except QuotaExceeded as exc:
             await cold_start.give_up(place)
             raise errors.insufficient_quota(str(exc)) from None
         except errors.OUTAGES:
@@ -129,7 +120,10 @@ class InferenceCall:
         watcher = asyncio.create_task(self._watch_disconnect(asyncio.current_task()))
         try:
             if not replicas:
-                replicas = await self._hold_for_cold_start(place)
+                held = await cold_start.hold(self, place)
+                if held is None:
+                    raise ClientGone()
+                replicas, self.cold_start_s = held
             await self._proxy(replicas)
         except asyncio.CancelledError:
             if not self.disconnected.is_set():
@@ -153,22 +147,6 @@ class InferenceCall:
                 if not self.disconnected.is_set():
                     raise
                 await finishing  # NOTE: the client's cancellation, delivered late: finish all the same
-
-    # --- cold starts ---------------------------------------------------------------------------
-    async def _hold_for_cold_start(self, place: cold_start.Place | None) -> list[ReplicaInfo]:
-        held_from = time.monotonic()
-        deadline = held_from + self.endpoint.cold_start_timeout_s
-        self.metrics.waiting.inc()
-        try:
-            replicas = await cold_start.wait_for_replicas(self, place, deadline)
-        finally:
-            self.metrics.waiting.dec()
-        if replicas is None:
-            raise ClientGone()
-        self.cold_start_s = time.monotonic() - held_from
-        self.metrics.cold_start.observe(self.cold_start_s)
-        await traffic.promote_request(self.endpoint.id, self.request_id)
-        return replicas
 
     # --- proxying ----------------------------------------------------------------------------
     async def _proxy(self, replicas: list[ReplicaInfo]) -> None:
@@ -200,18 +178,10 @@ class InferenceCall:
                 self.metrics.inflight.dec()
         raise errors.upstream_failed("No replica could take the request; please retry.")
 
-    def _upstream_body(self) -> bytes:
-        if not self.stream:
-            return self.body  # `model` is already the endpoint's name, the engine's served name
-        # NOTE: usage on every chunk tells us the tokens delivered if the client leaves mid-stream;
-        # what the client asked for is restored by `rewrite_event`.
-        payload = self.payload | {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-        return json.dumps(payload).encode()
-
     async def _forward(self, replica: ReplicaInfo) -> None:
         try:
             response = await self.client.post(
-                replica.address.rstrip("/") + self.path, data=self._upstream_body(),
+                replica.address.rstrip("/") + self.request.path, data=self.request.upstream_body(),
                 headers={"content-type": "application/json", "x-request-id": self.request_id,
                          "authorization": replica.authorization},
             )
@@ -222,10 +192,10 @@ class InferenceCall:
                 # A 401 is the engine refusing our key: the replica's fault, never the client's.
                 raise UpstreamUnavailable(f"HTTP {response.status}")
             if response.status >= 400:
-                raise _engine_error(response.status, await response.read())
+                raise errors.engine_refused(response.status, await response.read())
             self.replica = replica
             self.served = True
-            if self.stream:
+            if self.request.stream:
                 await self._relay_stream(response)
             else:
                 await self._relay_whole(response)
@@ -243,10 +213,7 @@ class InferenceCall:
         except UPSTREAM_ERRORS as exc:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None
-        usage, start, _ = _find_usage(body)
-        if start < 0 and b'"usage"' in body:
-            usage = _parsed_usage(body)
-        self.usage.take_totals(usage)
+        self.usage.take_totals(sse.response_usage(body))
         self.first_token_at = datetime.now(UTC)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-request-id", self.request_id.encode())]
@@ -255,8 +222,8 @@ class InferenceCall:
         self.response_started = True
 
     async def _relay_stream(self, response: aiohttp.ClientResponse) -> None:
-        await self._start_stream()
-        options = self.payload.get("stream_options") or {}
+        await self.start_stream()
+        options = self.request.payload.get("stream_options") or {}
         wants_usage = bool(options.get("include_usage"))
         wants_continuous = wants_usage and bool(options.get("continuous_usage_stats"))
         buffer = b""
@@ -276,10 +243,10 @@ class InferenceCall:
         *events, rest = buffer.split(b"\n\n")
         out, usages = [], []
         for event in events:
-            if self.first_token_at is None and _has_choices(event):
+            if self.first_token_at is None and sse.has_choices(event):
                 self.first_token_at = datetime.now(UTC)
                 self.metrics.time_to_first_token.observe(time.monotonic() - self._started_monotonic)
-            data, event_usage = rewrite_event(event, wants_usage, wants_continuous)
+            data, event_usage = sse.rewrite_event(event, wants_usage, wants_continuous)
             if data is not None:
                 out.append(data)
             if event_usage:
@@ -288,10 +255,10 @@ class InferenceCall:
             raise ClientGone()
         if out:
             out.append(b"")
-            await self._send_body(b"\n\n".join(out))
+            await self.send_body(b"\n\n".join(out))
         # NOTE: counted only once sent: an aborted stream pays for what it received.
         for usage, event in usages:
-            if _has_choices(event):
+            if sse.has_choices(event):
                 self.usage.take_chunk(usage, event)
             else:
                 self.usage.take_totals(usage)
@@ -306,20 +273,20 @@ class InferenceCall:
         return ledger.cost_of(self.endpoint, self.usage.prompt_tokens, self.usage.cached_tokens, self.usage.completion_tokens)
 
     # --- the client side ---------------------------------------------------------------------
-    async def _start_stream(self) -> None:
+    async def start_stream(self) -> None:
         if self.response_started:
             return
-        headers = SSE_HEADERS + [(b"x-request-id", self.request_id.encode())]
+        headers = sse.SSE_HEADERS + [(b"x-request-id", self.request_id.encode())]
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         self.response_started = True
 
-    async def _send_body(self, data: bytes) -> None:
+    async def send_body(self, data: bytes) -> None:
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def _send_event_error(self, exc: errors.OpenAIError) -> None:
         if self.disconnected.is_set():
             return
-        await self._send_body(b"data: " + exc.body() + b"\n\n")
+        await self.send_body(b"data: " + exc.body() + b"\n\n")
 
     async def _watch_disconnect(self, work: asyncio.Task) -> None:
         while True:
@@ -332,7 +299,7 @@ class InferenceCall:
     # --- the end -----------------------------------------------------------------------------
     async def _finish(self, admitted: admission.Admission) -> None:
         finished_at = datetime.now(UTC)
-        if self.response_started and self.stream and not self.disconnected.is_set():
+        if self.response_started and self.request.stream and not self.disconnected.is_set():
             try:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
             except Exception:  # noqa: BLE001 - the client may be gone already
@@ -363,7 +330,7 @@ class InferenceCall:
                                        cost=actual)
             except errors.OUTAGES as exc:
                 # NOTE: the answer is given and its usage row written; the heartbeat ends it in Redis
-                # later, and the reservation expires (`billing.quota.sweep_expired_reservations`).
+                # later, and the reservation expires (`billing.quota.sweeper`).
                 logger.warning("request %s: could not end it in Redis now: %r", self.request_id, exc)
                 presence.end_later(self.request_id)
             finally:
@@ -383,101 +350,6 @@ class InferenceCall:
         )
 
 
-def _has_choices(event: bytes) -> bool:
-    return event.startswith(b"data: ") and (b'"choices":[{' in event or b'"choices": [{' in event)
-
-
-def rewrite_event(event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
-    """An upstream SSE event as the client asked for it (None: drop it), and the usage it carried.
-
-    The gateway always asks the engine for usage on every chunk; the client gets it only as it
-    asked, as OpenAI sends it: nothing without `include_usage`, a closing usage-only chunk with
-    it, and usage on every chunk only with `continuous_usage_stats` too.
-
-    NOTE: byte-level, without re-serialising the chunk: vLLM writes compact JSON, and `,"usage":`
-    with bare quotes can only be the chunk's own field (quotes inside strings are escaped).
-    """
-    if not event.startswith(b"data: ") or event == b"data: [DONE]":
-        return event, None
-    usage, start, end = _find_usage(event)
-    if start < 0:
-        return (event, None) if b'"usage"' not in event else _rewrite_parsed(event, wants_usage, wants_continuous)
-    if b'"choices":[]' in event:  # the closing usage-only chunk
-        return (event if wants_usage else None), usage
-    if wants_continuous:
-        return event, usage
-    if wants_usage:
-        return event[:start] + b',"usage":null' + event[end:], usage
-    return event[:start] + event[end:], usage
-
-
-def _rewrite_parsed(event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
-    """`rewrite_event` for an upstream that does not write compact JSON: parse, edit, write."""
-    try:
-        chunk = json.loads(event[6:])
-    except ValueError:
-        return event, None
-    if not isinstance(chunk, dict):
-        return event, None
-    usage = chunk.get("usage") if isinstance(chunk.get("usage"), dict) else None
-    if not chunk.get("choices") and usage is not None:
-        return (event if wants_usage else None), usage
-    if wants_continuous or "usage" not in chunk:
-        return event, usage
-    if wants_usage:
-        chunk["usage"] = None
-    else:
-        del chunk["usage"]
-    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode(), usage
-
-
-_USAGE_FIELD = b',"usage":'
-
-
-def _find_usage(data: bytes) -> tuple[dict | None, int, int]:
-    """The `usage` object of a compact JSON response or chunk, and where its `,"usage":…` field
-    starts and ends in `data` ((None, -1, -1) when there is none; `"usage":null` has no object)."""
-    start = data.rfind(_USAGE_FIELD)
-    if start < 0:
-        return None, -1, -1
-    value = start + len(_USAGE_FIELD)
-    if data.startswith(b"null", value):
-        return None, start, value + 4
-    end = _object_end(data, value)
-    if end < 0:
-        return None, -1, -1
-    try:
-        usage = json.loads(data[value:end])
-    except ValueError:
-        return None, -1, -1
-    return (usage if isinstance(usage, dict) else None), start, end
-
-
-def _parsed_usage(body: bytes) -> dict | None:
-    try:
-        usage = json.loads(body).get("usage")
-    except (ValueError, AttributeError):
-        return None
-    return usage if isinstance(usage, dict) else None
-
-
-def _object_end(data: bytes, start: int) -> int:
-    """Index just past the JSON object that opens at `start`, or -1.
-
-    NOTE: counts braces without reading strings: for `usage`, whose fields are numbers and objects.
-    """
-    if not data.startswith(b"{", start):
-        return -1
-    depth, position = 1, start + 1
-    while depth:
-        close = data.find(b"}", position)
-        if close < 0:
-            return -1
-        depth += data.count(b"{", position, close) - 1
-        position = close + 1
-    return position
-
-
 def _arrived_before_failure(response: aiohttp.ClientResponse) -> bytes:
     """Bytes the replica sent that were not read yet when its connection failed.
 
@@ -489,17 +361,3 @@ def _arrived_before_failure(response: aiohttp.ClientResponse) -> bytes:
         return response.content._read_nowait(-1)
     except Exception:  # noqa: BLE001 - an aiohttp without it: nothing more to relay
         return b""
-
-
-def _engine_error(status: int, body: bytes) -> errors.OpenAIError:
-    """The engine refused the request (a 4xx): relay its message in OpenAI's shape."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        data = {}
-    if not isinstance(data, dict):  # NOTE: an engine's 4xx body is not always an object
-        data = {}
-    detail = data.get("error") if isinstance(data.get("error"), dict) else data
-    message = detail.get("message") or body.decode(errors="replace")[:500] or f"HTTP {status}"
-    code = detail.get("code") if isinstance(detail.get("code"), str) else None
-    return errors.OpenAIError(status, message, param=detail.get("param"), code=code)

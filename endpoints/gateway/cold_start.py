@@ -7,23 +7,27 @@ anything is counted or streamed when it would pass a bound:
 - the endpoint's (`MAX_WAITING_PER_ENDPOINT`): 503 with Retry-After;
 - its organisation's plan (`max_held_requests`, atomic in Redis across gateway processes): 429.
 
-Then it wakes the endpoint's reconcile and waits (`wait_for_replicas`) for the READY message on the
-process's one pub/sub connection (`controlplane.pubsub`), however many requests wait, polling the
-database as a fallback. So held requests never take connections from the shared Redis pool, and
+Then `hold` wakes the endpoint's reconcile and waits for the READY message on the process's one
+pub/sub connection (`controlplane.pubsub.subscribe`), however many requests wait, polling the
+database as a fallback; streaming clients get progress as SSE comments meanwhile. So held requests never take connections from the shared Redis pool, and
 other tenants' cold starts and the agents' long polls keep working whatever one tenant holds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from django.conf import settings
 
-from controlplane.pubsub import get_listener
+from controlplane import pubsub
 from controlplane.redis_scripts import Script
 from endpoints.gateway import directory, errors, standing, traffic
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
+from endpoints.gateway.metrics import EndpointMetrics
+from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.wake import wake_endpoint
 from gpu_agent.notify import endpoint_ready_channel
 
@@ -95,25 +99,54 @@ async def give_up(place: Place | None) -> None:
     await _LEAVE_PLACE(keys=[held_key(place.organization_id)], args=[place.request_id])
 
 
-async def wait_for_replicas(call, place: Place | None, deadline: float) -> list[ReplicaInfo] | None:
-    """READY replicas of `call.endpoint` once there are any; None if the client left first.
+class HeldCall(Protocol):
+    """What a hold reads of the call it holds (`endpoints.gateway.call.InferenceCall`)."""
 
-    Raises a 503 at `deadline`. Streaming clients get progress as SSE comments meanwhile. The place
-    is given up however it ends.
+    request_id: str
+    request: InferenceRequest
+    endpoint: EndpointInfo
+    disconnected: asyncio.Event
+    metrics: EndpointMetrics
+
+    async def start_stream(self) -> None: ...
+
+    async def send_body(self, data: bytes) -> None: ...
+
+
+async def hold(call: HeldCall, place: Place | None) -> tuple[list[ReplicaInfo], float] | None:
+    """READY replicas of `call.endpoint` once there are any, and how long the call waited for them
+    (it is then counted in flight, no longer waiting); None if the client left first.
+
+    Raises a 503 after the endpoint's `cold_start_timeout_s`. The place is given up however it ends.
     """
+    held_from = time.monotonic()
+    call.metrics.waiting.inc()
+    try:
+        replicas = await _wait_for_replicas(call, place, held_from + call.endpoint.cold_start_timeout_s)
+    finally:
+        call.metrics.waiting.dec()
+    if replicas is None:
+        return None
+    waited_s = time.monotonic() - held_from
+    call.metrics.cold_start.observe(waited_s)
+    await traffic.promote_request(call.endpoint.id, call.request_id)
+    return replicas, waited_s
+
+
+async def _wait_for_replicas(call: HeldCall, place: Place | None, deadline: float) -> list[ReplicaInfo] | None:
     endpoint = call.endpoint
     try:
         await wake_endpoint(endpoint.id)
-        if call.stream:
-            await call._start_stream()
+        if call.request.stream:
+            await call.start_stream()
         # NOTE: the control plane publishes when a replica turns READY; polling remains the fallback.
-        async with get_listener().subscribe(endpoint_ready_channel(endpoint.id)) as ready_signal:
+        async with pubsub.subscribe(endpoint_ready_channel(endpoint.id)) as ready_signal:
             return await _wait_for_ready(call, ready_signal, deadline)
     finally:
         await give_up(place)
 
 
-async def _wait_for_ready(call, ready_signal, deadline: float) -> list[ReplicaInfo] | None:
+async def _wait_for_ready(call: HeldCall, ready_signal: pubsub.Signal, deadline: float) -> list[ReplicaInfo] | None:
     endpoint = call.endpoint
     fresh, last_wake, last_progress = False, time.monotonic(), None
     while True:
@@ -129,12 +162,12 @@ async def _wait_for_ready(call, ready_signal, deadline: float) -> list[ReplicaIn
             )
         if now - last_wake > REWAKE_EVERY_S:
             # An endpoint that failed, or ran out of capacity, while we waited says so now.
-            await standing.refuse_if_stopped_meanwhile(endpoint, wait_for_capacity=call.wait_for_capacity)
+            await standing.refuse_if_stopped_meanwhile(endpoint, wait_for_capacity=call.request.wait_for_capacity)
             await wake_endpoint(endpoint.id)
             last_wake = now
-        if call.stream:
+        if call.request.stream:
             progress = await directory.cold_start_progress(endpoint.id)
             if progress != last_progress:
-                await call._send_body(f": {progress}\n\n".encode())
+                await call.send_body(f": {progress}\n\n".encode())
                 last_progress = progress
         fresh = await ready_signal.wait(COLD_START_POLL_S)

@@ -68,3 +68,17 @@ def upstream_failed(message: str = "The model's replica failed; please retry.") 
 
 def service_unavailable(message: str = "The service is briefly unavailable; please retry.") -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="service_unavailable", headers={"retry-after": "1"})
+
+
+def engine_refused(status: int, body: bytes) -> OpenAIError:
+    """The engine refused the request (a 4xx): relay its message in OpenAI's shape."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        data = {}
+    if not isinstance(data, dict):  # NOTE: an engine's 4xx body is not always an object
+        data = {}
+    detail = data.get("error") if isinstance(data.get("error"), dict) else data
+    message = detail.get("message") or body.decode(errors="replace")[:500] or f"HTTP {status}"
+    code = detail.get("code") if isinstance(detail.get("code"), str) else None
+    return OpenAIError(status, message, param=detail.get("param"), code=code)

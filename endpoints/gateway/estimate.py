@@ -26,7 +26,7 @@ prompt part of a reservation is ~3× the real one until the context caps it. It 
 
 NOTE: the bound holds for any request the engine accepts (`tests/gateway/test_reservation_vllm.py`
 checks it against a real engine); a request the engine refuses costs nothing. The gateway never
-bills more than it reserved (`billing.quota.capped_cost`), so a template that rendered more than
+bills more than it reserved (`billing.quota.counters.SETTLE_LUA` caps it), so a template that rendered more than
 this allows would cost the platform, never the customer's cap.
 """
 

@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from controlplane.script_parts import ScriptPart
 from endpoints.gateway import errors
 
 WINDOW_TTL_S = 120
 
-# K: this minute's request counter, token counter. A: requests per minute, tokens per minute (0 = none),
-# the request's worst-case tokens. `limits_check` changes nothing (1: too many requests, 2: too many
-# tokens this minute, 3: more tokens than a whole minute allows); `limits_take` counts the admitted
-# request and reserves its tokens. `limits_give_back` (K: the token counter it was reserved in;
-# A: tokens per minute, tokens reserved, tokens used) replaces the reservation by the real count.
+# `limits_check` changes nothing (1: too many requests, 2: too many tokens this minute, 3: more tokens
+# than a whole minute allows); `limits_take` (the same keys and arguments) counts the admitted request
+# and reserves its tokens. `limits_give_back` replaces the reservation by the real count. Their keys
+# and arguments are `CHECK`'s and `GIVE_BACK`'s below.
 LIMITS_LUA = f"""
 local function limits_check(K, A)
   if tonumber(A[1]) > 0 and tonumber(redis.call('GET', K[1]) or '0') >= tonumber(A[1]) then return 1 end
@@ -53,6 +53,12 @@ local function limits_give_back(K, A)
 end
 """
 
+CHECK = ScriptPart("limits_check", keys=("this minute's request counter", "this minute's token counter"),
+                   args=("requests per minute", "tokens per minute (0 = none)", "the request's worst-case tokens"),
+                   lua=LIMITS_LUA)
+GIVE_BACK = ScriptPart("limits_give_back", keys=("the token counter of the minute it was admitted in",),
+                       args=("tokens per minute", "tokens reserved", "tokens used"), lua=LIMITS_LUA)
+
 
 @dataclass(slots=True, frozen=True)
 class Window:
@@ -79,11 +85,11 @@ class Window:
                    tokens_per_minute, int((minute + 1) * 60 - now) + 1, max(0, num_tokens))
 
     def check_keys_and_args(self) -> tuple[list[str], list[int]]:
-        """`limits_check` and `limits_take`'s keys and arguments."""
+        """`CHECK`'s keys and arguments (`limits_check` and `limits_take`)."""
         return [self.requests_key, self.tokens_key], [self.requests_per_minute, self.tokens_per_minute, self.num_tokens]
 
     def give_back_keys_and_args(self, num_tokens_used: int) -> tuple[list[str], list[int]]:
-        """`limits_give_back`'s: the reservation made at admission becomes what the request used."""
+        """`GIVE_BACK`'s: the reservation made at admission becomes what the request used."""
         return [self.tokens_key], [self.tokens_per_minute, self.num_tokens, max(0, num_tokens_used)]
 
     def refusal(self, verdict: int) -> errors.OpenAIError:

@@ -27,7 +27,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
+from controlplane.redis_scripts import Script
 from endpoints.gateway import traffic
 
 logger = logging.getLogger("inferplane.gateway")
@@ -39,7 +41,7 @@ SWEEP_BATCH = 200
 # KEYS: the gateway's requests hash, its alive key, the gateways set, then per request: in-flight set,
 # waiting set, the outstanding counter it held (or the placeholder). ARGV: only_if_dead (0/1), then
 # per request: request id, the hash value read. Releases each request still held as read.
-_RELEASE_REQUESTS = traffic.TRAFFIC_LUA + """
+_RELEASE_REQUESTS = Script(traffic.TRAFFIC_LUA + """
 if ARGV[1] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local released = 0
 for i = 2, #ARGV, 2 do
@@ -54,12 +56,12 @@ for i = 2, #ARGV, 2 do
 end
 if ARGV[1] == '1' and redis.call('HLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[3], KEYS[1]) end
 return released
-"""
+""")
 
 # KEYS: the gateway's requests hash, then per request: in-flight set, the outstanding counter (or the
 # placeholder). ARGV: now, counter TTL, then per request: request id, hash value. Puts back each
 # request the hash does not hold (Redis forgot it, or a sweeper released it).
-_RESTORE_REQUESTS = """
+_RESTORE_REQUESTS = Script("""
 local restored = 0
 for i = 3, #ARGV, 2 do
   local base = 2 + 2 * ((i - 3) / 2)
@@ -74,7 +76,7 @@ for i = 3, #ARGV, 2 do
   end
 end
 return restored
-"""
+""")
 
 
 @dataclass(slots=True)
@@ -91,7 +93,14 @@ class Held:
 # The requests this process serves (request id -> Held), and those whose end did not reach Redis.
 serving: dict[str, Held] = {}
 unfinished: set[str] = set()
-_beats: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
+
+
+@dataclass(slots=True)
+class _Beating:
+    task: asyncio.Task | None = None  # this loop's heartbeat
+
+
+_beats: PerLoop[_Beating] = PerLoop(_Beating)
 
 
 def track(request_id: str, endpoint_id: str, replica_id: str | None) -> Held:
@@ -124,7 +133,7 @@ async def beat() -> None:
             keys += [traffic.inflight_key(held.endpoint_id),
                      traffic.outstanding_key(held.replica_id) if held.replica_id else traffic.NO_REPLICA_KEY]
             args += [request_id, held.value()]
-        restored = await redis.eval(_RESTORE_REQUESTS, len(keys), *keys, *args)
+        restored = await _RESTORE_REQUESTS(keys=keys, args=args)
         if restored:
             logger.warning("gateway %s: put back %d request(s) Redis had lost", gateway, restored)
     if unfinished:
@@ -144,23 +153,21 @@ async def _beat_forever() -> None:
 
 async def start() -> None:
     """Beat once now (so this gateway is known before it admits anything), then every `BEAT_S`."""
-    loop = asyncio.get_running_loop()
-    task = _beats.get(loop)
-    if task is not None and not task.done():
+    beating = _beats.get()
+    if beating.task is not None and not beating.task.done():
         return
     try:
         await beat()
     except Exception as exc:  # noqa: BLE001 - Redis may be down at start; the loop keeps trying
         logger.warning("gateway heartbeat failed: %r", exc)
-    _beats[loop] = loop.create_task(_beat_forever())
+    beating.task = asyncio.get_running_loop().create_task(_beat_forever())
 
 
 def ensure_started() -> None:
     """Start beating on this loop if nothing started it (a server without lifespan events)."""
-    loop = asyncio.get_running_loop()
-    task = _beats.get(loop)
-    if task is None or task.done():
-        _beats[loop] = loop.create_task(_beat_forever())
+    beating = _beats.get()
+    if beating.task is None or beating.task.done():
+        beating.task = asyncio.get_running_loop().create_task(_beat_forever())
 
 
 # --- the sweeper (control plane side) -------------------------------------------------------------
@@ -182,7 +189,7 @@ def release_requests(gateway: str, request_ids: list[str] | None = None, *, only
             endpoint_id, _, counter = value.partition("|")
             keys += [traffic.inflight_key(endpoint_id), traffic.waiting_key(endpoint_id), counter or traffic.NO_REPLICA_KEY]
             args += [request_id, value]
-        result = client.eval(_RELEASE_REQUESTS, len(keys), *keys, *args)
+        result = _RELEASE_REQUESTS.run_sync(keys=keys, args=args)
         if result < 0:
             return -1
         released += result

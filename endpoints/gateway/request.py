@@ -1,4 +1,4 @@
-"""The body of a `/v1/chat/completions` or `/v1/completions` call, parsed and checked.
+"""A `/v1/chat/completions` or `/v1/completions` call, parsed and checked: `InferenceRequest`.
 
 Anything malformed is a 400 in OpenAI's shape here, before a key's limits are counted, an endpoint
 is looked up or a byte reaches the engine: JSON the gateway could not re-encode (NaN, numbers past
@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from endpoints.gateway import errors
+from endpoints.gateway import errors, estimate
 
 MAX_DEPTH = 32  # objects and arrays nested in one another; real requests use a handful
 MAX_MODEL_NAME = 256
@@ -77,6 +78,58 @@ def parse_payload(body: bytes, kind: str) -> dict:
         if value is not None:
             check(value, name)
     return payload
+
+
+KINDS = frozenset({"chat", "completion"})
+
+
+@dataclass(slots=True, frozen=True)
+class InferenceRequest:
+    """One inference call as the client sent it, its body parsed and checked (`parse`); what it may
+    cost at an endpoint is its `worst_case`."""
+
+    kind: str  # "chat" (/v1/chat/completions) or "completion" (/v1/completions)
+    path: str
+    body: bytes  # as the client sent it: proxied unchanged when nothing needs rewriting
+    payload: dict
+    wait_for_capacity: bool = False  # the client sent X-Inferplane-Wait-For-Capacity (endpoints.gateway.standing)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {sorted(KINDS)}")
+
+    @classmethod
+    def parse(cls, body: bytes, *, kind: str, path: str, wait_for_capacity: bool = False) -> InferenceRequest:
+        """The request, or the 400 that refuses its body."""
+        return cls(kind, path, body, parse_payload(body, kind), wait_for_capacity)
+
+    @property
+    def model(self) -> str:
+        return self.payload["model"]
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.payload.get("stream", False))
+
+    def worst_case(self, endpoint) -> estimate.WorstCase:
+        """The most tokens, and so money, it can take at `endpoint`; a 400 when it asks for more
+        output tokens than the endpoint's context."""
+        max_tokens = self.payload.get("max_completion_tokens") or self.payload.get("max_tokens")
+        if max_tokens is not None and max_tokens > endpoint.max_model_len:
+            raise errors.invalid_request(
+                f"max_tokens is {max_tokens}, but this model's context is {endpoint.max_model_len} tokens.",
+                param="max_tokens",
+            )
+        return estimate.worst_case(self.payload, self.kind, endpoint.max_model_len)
+
+    def upstream_body(self) -> bytes:
+        """The body the engine gets."""
+        if not self.stream:
+            return self.body  # `model` is already the endpoint's name, the engine's served name
+        # NOTE: usage on every chunk tells the gateway the tokens delivered if the client leaves
+        # mid-stream; what the client asked for is restored by `endpoints.gateway.sse.rewrite_event`.
+        payload = self.payload | {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        return json.dumps(payload).encode()
 
 
 def _depth(value) -> int:

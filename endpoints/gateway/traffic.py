@@ -18,6 +18,8 @@ import time
 import uuid
 
 from controlplane.redis_client import get_async_redis
+from controlplane.redis_scripts import Script
+from controlplane.script_parts import ScriptPart
 
 STALE_AFTER_S = 3600
 # Endpoints with a request in the last day, for the autoscaler tick (scored by last request time).
@@ -26,14 +28,10 @@ RECENT_WINDOW_S = 86400
 OUTSTANDING_TTL_S = 3600
 GATEWAYS_KEY = "gw:gateways"  # ids of gateway processes that hold (or held) requests
 
-# Lua functions shared by the scripts below and the gateway's admission script (admission.py).
-# traffic_begin  K: in-flight (or waiting) set, last-request key, recent-endpoints set, this gateway's
-#                requests hash; A: request id, now, endpoint id
-# traffic_pick   K: the candidates' outstanding counters; A: counter TTL. Counts one more on the
-#                least outstanding and returns its 1-based index.
-# traffic_hold   K: this gateway's requests hash; A: request id, endpoint id, the outstanding counter held
-# traffic_end    K: in-flight set, waiting set, last-request key, outstanding counter, this gateway's
-#                requests hash; A: request id, now, release (1 = drop that counter by one)
+# Lua functions shared by the scripts below, the gateway's admission and finish scripts (admission.py)
+# and `endpoints.gateway.presence`; their keys and arguments are `BEGIN`'s, `PICK`'s, `END`'s below, and:
+# traffic_hold     K: this gateway's requests hash; A: request id, endpoint id, the outstanding counter held
+# traffic_release  K: an outstanding counter (dropped by one, never below zero)
 # NOTE: a counter is released only by whoever removes the request from its gateway's hash, so the
 # request's own end and a sweeper releasing a dead gateway's entries never both release it.
 TRAFFIC_LUA = """
@@ -70,21 +68,32 @@ local function traffic_end(K, A)
   if A[3] == '1' and held and string.sub(held, -string.len(K[4]) - 1) == '|' .. K[4] then traffic_release({K[4]}) end
 end
 """
+BEGIN = ScriptPart("traffic_begin",
+                   keys=("the endpoint's in-flight (or waiting) set", "its last-request key", "the recent-endpoints set",
+                         "this gateway's requests hash"),
+                   args=("request id", "now", "endpoint id"), lua=TRAFFIC_LUA)
+# Counts one more on the least outstanding candidate and returns its 1-based index.
+PICK = ScriptPart("traffic_pick", keys=(), args=("counter TTL",), lua=TRAFFIC_LUA, variadic_keys=True)
+END = ScriptPart("traffic_end",
+                 keys=("the endpoint's in-flight set", "its waiting set", "its last-request key",
+                       "the outstanding counter held (or a placeholder)", "this gateway's requests hash"),
+                 args=("request id", "now", "release (1: drop the counter by one)"), lua=TRAFFIC_LUA)
+
 # KEYS: this gateway's requests hash, then the candidates' counters; ARGV: TTL, request id, endpoint id.
-_PICK_LEAST_OUTSTANDING = TRAFFIC_LUA + """
+_PICK_LEAST_OUTSTANDING = Script(TRAFFIC_LUA + """
 local candidates = {}
 for i = 2, #KEYS do candidates[#candidates + 1] = KEYS[i] end
 local best = traffic_pick(candidates, {ARGV[1]})
 traffic_hold({KEYS[1]}, {ARGV[2], ARGV[3], candidates[best]})
 return best
-"""
+""")
 # KEYS: this gateway's requests hash, the counter; ARGV: request id, endpoint id. Releases the counter
 # only if this request holds it.
-_RELEASE = TRAFFIC_LUA + """
+_RELEASE = Script(TRAFFIC_LUA + """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] .. '|' .. KEYS[2] then return 0 end
 traffic_hold({KEYS[1]}, {ARGV[1], ARGV[2], ''})
 return traffic_release({KEYS[2]})
-"""
+""")
 NO_REPLICA_KEY = "gw:outstanding:-"  # placeholder when a request holds no replica's count
 
 _gateway_id: tuple[int, str] = (0, "")
@@ -104,16 +113,6 @@ def gateway_requests_key(gateway: str | None = None) -> str:
 
 def gateway_alive_key(gateway: str | None = None) -> str:
     return f"gw:alive:{gateway or gateway_id()}"
-
-_scripts: dict[int, tuple] = {}
-
-
-def _script_pair():
-    redis = get_async_redis()
-    scripts = _scripts.get(id(redis))
-    if scripts is None:
-        scripts = _scripts[id(redis)] = tuple(redis.register_script(source) for source in (_PICK_LEAST_OUTSTANDING, _RELEASE))
-    return scripts
 
 
 def outstanding_key(replica_id: str) -> str:
@@ -135,17 +134,16 @@ def last_request_key(endpoint_id: str) -> str:
 async def pick_replica(replica_ids: list[str], *, request_id: str, endpoint_id: str) -> int:
     """Index of the replica with the fewest outstanding requests, already counted as one more (held by
     `request_id` in this gateway's requests)."""
-    pick, _ = _script_pair()
     keys = [gateway_requests_key()] + [outstanding_key(r) for r in replica_ids]
-    return int(await pick(keys=keys, args=[OUTSTANDING_TTL_S, request_id, endpoint_id])) - 1
+    return int(await _PICK_LEAST_OUTSTANDING(keys=keys, args=[OUTSTANDING_TTL_S, request_id, endpoint_id])) - 1
 
 
 async def release_replica(replica_id: str, *, request_id: str, endpoint_id: str) -> None:
-    _, release = _script_pair()
-    await release(keys=[gateway_requests_key(), outstanding_key(replica_id)], args=[request_id, endpoint_id])
+    await _RELEASE(keys=[gateway_requests_key(), outstanding_key(replica_id)], args=[request_id, endpoint_id])
 
 
 def begin_keys_and_args(endpoint_id: str, request_id: str, *, waiting: bool) -> tuple[list[str], list]:
+    """`BEGIN`'s keys and arguments: the request counted in flight, or waiting for a cold start."""
     now = time.time()
     keys = [waiting_key(endpoint_id) if waiting else inflight_key(endpoint_id), last_request_key(endpoint_id),
             RECENT_ENDPOINTS_KEY, gateway_requests_key()]
@@ -153,10 +151,15 @@ def begin_keys_and_args(endpoint_id: str, request_id: str, *, waiting: bool) -> 
 
 
 def end_keys_and_args(endpoint_id: str, request_id: str, *, release: str | None) -> tuple[list[str], list]:
-    """`traffic_end`'s keys and arguments; with `release`, that replica's outstanding count drops too."""
+    """`END`'s keys and arguments; with `release`, that replica's outstanding count drops too."""
     keys = [inflight_key(endpoint_id), waiting_key(endpoint_id), last_request_key(endpoint_id),
             outstanding_key(release) if release is not None else NO_REPLICA_KEY, gateway_requests_key()]
     return keys, [request_id, time.time(), "1" if release is not None else "0"]
+
+
+def pick_keys_and_args(replica_ids: list[str]) -> tuple[list[str], list]:
+    """`PICK`'s keys and arguments: the candidates' outstanding counters."""
+    return [outstanding_key(r) for r in replica_ids], [OUTSTANDING_TTL_S]
 
 
 async def promote_request(endpoint_id: str, request_id: str) -> None:

@@ -1,4 +1,6 @@
-"""Spend caps and prepaid credit: reserved atomically in Redis, settled exactly, rebuilt from the ledger."""
+"""Spend caps and prepaid credit: reserved atomically in Redis, settled exactly, rebuilt from the ledger.
+
+Reserved and settled as the gateway does, in its admission and finish scripts."""
 
 import asyncio
 import time
@@ -8,20 +10,45 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from billing import quota
 from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage
 from billing.models import BillingAccount, BillingMode
-from billing.quota import QuotaExceeded, reserve, settle
+from billing.quota import reads, sweeper
+from billing.quota.counters import QuotaExceeded
+from billing.quota.rebuild import credit_available
 from billing.services import set_billing_mode, set_key_spend_cap, set_spend_cap
 from controlplane.models import ApiKey
 from controlplane.redis_client import get_redis
 from controlplane.services import SYSTEM
+from endpoints.gateway import admission
+from endpoints.gateway.auth import Caller
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory, OrganizationFactory
 
-# NOTE: reserve() rebuilds counters in a worker thread, which sees only committed rows.
+# NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
+
+ENDPOINT = "0b7a1d7e-0000-4000-8000-000000000002"
+
+
+def _caller(organization_id: int, api_key_id: int | None) -> Caller:
+    # No rate limits: these tests are about money.
+    return Caller(organization_id=organization_id, api_key_id=api_key_id, user_id=1, can_infer=True,
+                  requests_per_minute=0, tokens_per_minute=0)
+
+
+async def reserve(*, organization_id: int, api_key_id: int | None, amount: Decimal,
+                  request_id: str) -> admission.Admission:
+    """Hold `amount` as the gateway's admission does (a request waiting for a cold start)."""
+    return await admission.admit(caller=_caller(organization_id, api_key_id), endpoint_id=ENDPOINT,
+                                 request_id=request_id, amount=amount, num_tokens=0, candidates=[])
+
+
+async def settle(admitted: admission.Admission, actual: Decimal) -> None:
+    """Replace the reservation by the real cost, as the gateway's finish does."""
+    reservation = admitted.reservation
+    await admission.finish(caller=_caller(reservation.organization_id, reservation.api_key_id), endpoint_id=ENDPOINT,
+                           admission=admitted, release=None, num_tokens=0, cost=actual)
 
 
 def _cap(organization, amount: str | None):
@@ -46,7 +73,7 @@ def test_two_hundred_concurrent_reservations_never_overshoot_the_cap():
     outcomes = asyncio.run(storm())
 
     assert sum(outcomes) == 76  # floor(1.00 / 0.013)
-    assert quota.reserved_now(organization.pk) == Decimal("0.988")
+    assert reads.reserved_now(organization.pk) == Decimal("0.988")
 
 
 def test_settling_replaces_the_reservation_by_the_real_cost_once():
@@ -63,8 +90,8 @@ def test_settling_replaces_the_reservation_by_the_real_cost_once():
 
     asyncio.run(scenario())
 
-    assert quota.counted_spend(organization.pk) == Decimal("0.10")
-    assert quota.reserved_now(organization.pk) == Decimal("0.50")
+    assert reads.counted_spend(organization.pk) == Decimal("0.10")
+    assert reads.reserved_now(organization.pk) == Decimal("0.50")
 
 
 def test_an_exhausted_cap_refuses_with_insufficient_quota_and_raising_it_lets_calls_through():
@@ -106,7 +133,7 @@ def test_counters_are_rebuilt_from_the_ledger_after_a_redis_flush():
     with pytest.raises(QuotaExceeded):
         asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("3.01"), request_id="over"))
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("3.00"), request_id="fits"))
-    assert quota.counted_spend(organization.pk) == Decimal("7")
+    assert reads.counted_spend(organization.pk) == Decimal("7")
 
 
 def test_a_reservation_whose_gateway_died_is_released_after_its_deadline(settings):
@@ -115,9 +142,9 @@ def test_a_reservation_whose_gateway_died_is_released_after_its_deadline(setting
     _cap(organization, "1.00")
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"), request_id="crashed"))
 
-    assert quota.sweep_expired_reservations() == 0  # not yet
-    assert quota.sweep_expired_reservations(now=time.time() + 2) == 1
-    assert quota.reserved_now(organization.pk) == 0
+    assert sweeper.sweep_expired_reservations() == 0  # not yet
+    assert sweeper.sweep_expired_reservations(now=time.time() + 2) == 1
+    assert reads.reserved_now(organization.pk) == 0
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"), request_id="next"))
 
 
@@ -161,7 +188,7 @@ def test_usage_draws_credits_soonest_expiry_first_and_only_once():
     sooner.refresh_from_db()
     later.refresh_from_db()
     assert (sooner.remaining, later.remaining) == (Decimal("0"), Decimal("9"))
-    assert quota.credit_available(organization.pk)[0] == Decimal("9")
+    assert credit_available(organization.pk)[0] == Decimal("9")
 
 
 def test_an_organisation_starts_with_the_platform_default_cap(settings):

@@ -6,7 +6,8 @@ from decimal import Decimal
 
 import pytest
 
-from billing import quota
+from billing.quota import reads
+from billing.quota.counters import QuotaExceeded
 from billing.services import set_spend_cap
 from controlplane.redis_client import get_redis
 from controlplane.services import SYSTEM
@@ -40,7 +41,7 @@ def _state(caller):
         "outstanding": [int(redis.get(traffic.outstanding_key(r)) or 0) for r in REPLICAS],
         "requests_this_minute": int(redis.get(window.requests_key) or 0),
         "tokens_this_minute": int(redis.get(window.tokens_key) or 0),
-        "reserved": quota.reserved_now(caller.organization_id),
+        "reserved": reads.reserved_now(caller.organization_id),
     }
 
 
@@ -64,7 +65,7 @@ def test_admission_counts_reserves_and_picks_the_least_outstanding_replica_and_f
     assert after["in_flight"] == 1 and sorted(after["outstanding"]) == [0, 1]
     # the first's 30 tokens used (it had reserved 20), the second's 20 still reserved
     assert (after["tokens_this_minute"], after["reserved"]) == (50, Decimal("0.01"))
-    assert quota.counted_spend(caller.organization_id) == Decimal("0.002")
+    assert reads.counted_spend(caller.organization_id) == Decimal("0.002")
 
 
 def test_a_rate_limited_request_reserves_nothing_and_a_refused_one_counts_no_request():
@@ -74,7 +75,7 @@ def test_a_rate_limited_request_reserves_nothing_and_a_refused_one_counts_no_req
 
     async def scenario():
         await _admit(caller, "ok-1")
-        with pytest.raises(quota.QuotaExceeded):
+        with pytest.raises(QuotaExceeded):
             await _admit(caller, "too-dear", amount="1.00")
         after_refusal = _state(caller)
         await _admit(caller, "ok-2")
@@ -101,7 +102,7 @@ def test_without_ready_replicas_the_request_waits_and_holds_no_replica():
     assert _state(caller)["waiting"] == 1 and _state(caller)["in_flight"] == 0
     asyncio.run(admission.finish(caller=caller, endpoint_id=ENDPOINT, admission=admitted, release=None, num_tokens=0,
                                  cost=Decimal(0)))
-    assert _state(caller)["waiting"] == 0 and quota.reserved_now(caller.organization_id) == 0
+    assert _state(caller)["waiting"] == 0 and reads.reserved_now(caller.organization_id) == 0
 
 
 def test_concurrent_requests_reserve_their_worst_case_tokens_and_never_exceed_tokens_per_minute():

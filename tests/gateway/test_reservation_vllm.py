@@ -16,11 +16,11 @@ from django.db.models import Sum
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
-from billing import quota
 from billing.credits import grant_credits
 from billing.ledger import cost_of, period_spend
 from billing.models import BillingMode, UsageRecord
 from billing.periods import period_containing
+from billing.quota.rebuild import credit_available
 from billing.services import set_billing_mode, set_spend_cap
 from controlplane.services import SYSTEM
 from endpoints.gateway.estimate import worst_case
@@ -169,4 +169,4 @@ def test_sixteen_completions_in_one_call_cannot_overdraw_prepaid_credit(engine, 
     assert single.status_code == 200
     wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).count() == 1, 30, message="one usage row")
     assert 0 < _spent(tenant.org) <= LIMIT
-    assert quota.credit_available(tenant.org.pk)[0] >= 0
+    assert credit_available(tenant.org.pk)[0] >= 0

@@ -8,8 +8,8 @@ import httpx
 import pytest
 from django.db.models import Sum
 
-from billing import quota
 from billing.models import UsageRecord
+from billing.quota import reads
 from endpoints.gateway.estimate import worst_case
 from tests.conftest import wait_until
 from tests.gateway.conftest import serve_endpoint
@@ -75,7 +75,7 @@ def test_a_stream_that_would_pass_its_reservation_is_cut_off_and_billed_no_more_
     reserved = _reserved(endpoint, payload)
     assert row.status == "cut_off"
     assert row.cost <= reserved
-    assert quota.counted_spend(tenant.org.pk) <= reserved
+    assert reads.counted_spend(tenant.org.pk) <= reserved
 
 
 def test_an_answer_costing_more_than_its_reservation_is_billed_the_reservation(gateway, tenant, start_mock_upstream):
@@ -89,4 +89,4 @@ def test_an_answer_costing_more_than_its_reservation_is_billed_the_reservation(g
     reserved = _reserved(endpoint, payload)
     assert row.completion_tokens == 200  # what happened stays on the row; the bill stops at the reservation
     assert row.cost == reserved
-    wait_until(lambda: quota.counted_spend(tenant.org.pk) == reserved, 15, message="the settled spend")
+    wait_until(lambda: reads.counted_spend(tenant.org.pk) == reserved, 15, message="the settled spend")

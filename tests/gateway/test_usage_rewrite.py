@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from endpoints.gateway.call import _find_usage, rewrite_event
+from endpoints.gateway.sse import find_usage, rewrite_event
 
 USAGE = {"prompt_tokens": 7, "total_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
 TOKEN_CHUNK = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
@@ -64,8 +64,8 @@ def test_a_null_usage_field_is_removed_or_kept_and_carries_nothing():
 def test_usage_of_a_whole_response_is_found_without_parsing_the_rest():
     body = json.dumps({"id": "x", "choices": [{"message": {"content": "}{"}}], "usage": USAGE}, separators=(",", ":")).encode()
 
-    usage, start, end = _find_usage(body)
+    usage, start, end = find_usage(body)
 
     assert usage == USAGE
     assert json.loads(body[:start] + body[end:]) == {"id": "x", "choices": [{"message": {"content": "}{"}}]}
-    assert _find_usage(b'{"usage":{"prompt_tokens":1') == (None, -1, -1)  # truncated: not trusted
+    assert find_usage(b'{"usage":{"prompt_tokens":1') == (None, -1, -1)  # truncated: not trusted

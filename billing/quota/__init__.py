@@ -1,0 +1,26 @@
+"""Spend caps and prepaid credit, enforced atomically in Redis before a request is proxied.
+
+A request's largest possible cost (`endpoints.gateway.estimate`) is reserved before it is proxied,
+and after its ledger row is written the reservation is settled with the real cost, never more than
+the reservation (`SETTLE_LUA` caps it: a request can never take a cap or the credit past zero). The
+checks and holds are Lua functions (`RESERVE_LUA`, `SETTLE_LUA`), run atomically inside the
+gateway's admission and finish scripts (`endpoints/gateway/admission.py`), so concurrent calls from
+any number of gateway processes can never overshoot a cap.
+
+- `counters`: the Redis keys, the Lua parts and their keys and arguments, and `refresh_limits` when
+  a cap, billing mode or credit grant changes;
+- `rebuild`: a missing counter rebuilt from PostgreSQL (the ledger's spend, the credit left);
+- `sweeper`: reservations whose gateway died, released after their deadline;
+- `reads`: what Redis counts now (for the console and tests).
+
+Redis holds, in nano-dollars (integers, exact in Lua's doubles up to $9M):
+  billing:org:<id>:period:<YYYYMM>   hash {spent, cap (-1 = none), prepaid (0/1)}
+  billing:key:<id>:period:<YYYYMM>   hash {spent, cap}
+  billing:org:<id>:reserved, billing:key:<id>:reserved   sums of outstanding reservations
+  billing:org:<id>:credit            prepaid credit left after settled spend; expires at the next grant expiry
+  billing:reservations               request id -> reservation (JSON); billing:reservation_deadlines (zset)
+
+NOTE: the gateway writes the ledger row *before* settling. Then a rebuild between the two counts
+the request from the ledger while its reservation still counts too (conservative for a moment), and
+the settlement skips counters that were rebuilt, so nothing is counted twice for long.
+"""

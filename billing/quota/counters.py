@@ -1,0 +1,230 @@
+"""The quota's Redis keys and Lua parts: reserve a request's largest cost, settle its real one.
+
+`RESERVE` and `SETTLE` are parts of the gateway's admission and finish scripts
+(`endpoints/gateway/admission.py`); `prepare_reservation` and `settle_keys_and_args` give their keys
+and arguments. `refresh_limits` makes Redis see a changed cap, billing mode or credit grant at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
+
+from django.conf import settings
+
+from billing.models import MONEY_QUANTUM, BillingAccount
+from billing.periods import period_containing
+from controlplane.redis_client import get_redis
+from controlplane.redis_scripts import Script
+from controlplane.script_parts import ScriptPart
+
+UNITS_PER_DOLLAR = 10**9
+PERIOD_TTL_S = 40 * 86_400
+SETTLED_MARKER_TTL_S = 86_400
+RESERVATIONS = "billing:reservations"
+DEADLINES = "billing:reservation_deadlines"
+NO_KEY = "billing:no-key"  # placeholder Redis key when a request has no API key
+
+
+class QuotaExceeded(Exception):
+    """The request may cost more than the cap or credit left. The gateway answers 402 insufficient_quota."""
+
+    code = "insufficient_quota"
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        self.message = {
+            "org_cap": "Your organisation has reached its monthly spend cap. Raise it in the console to continue.",
+            "key_cap": "This API key has reached its monthly spend cap.",
+            "credit": "Your prepaid credit balance is too low for this request. Add credit to continue.",
+        }.get(reason, "You exceeded your current quota.")
+        super().__init__(self.message)
+
+
+@dataclass(slots=True, frozen=True)
+class Reservation:
+    request_id: str
+    organization_id: int
+    api_key_id: int | None
+    amount: Decimal
+    period_key: str
+
+    def __post_init__(self) -> None:
+        if self.amount < 0:
+            raise ValueError("a reservation cannot be negative")
+
+
+def to_units(amount: Decimal, rounding=ROUND_HALF_UP) -> int:
+    return int((amount * UNITS_PER_DOLLAR).to_integral_value(rounding=rounding))
+
+
+def from_units(units: int) -> Decimal:
+    return (Decimal(units) / UNITS_PER_DOLLAR).quantize(MONEY_QUANTUM)
+
+
+# --- Redis keys and scripts -----------------------------------------------------------------
+
+def org_period_key(organization_id: int, period_key: str) -> str:
+    return f"billing:org:{organization_id}:period:{period_key}"
+
+
+def org_reserved_key(organization_id: int) -> str:
+    return f"billing:org:{organization_id}:reserved"
+
+
+def key_period_key(api_key_id: int | None, period_key: str) -> str:
+    return f"billing:key:{api_key_id}:period:{period_key}" if api_key_id is not None else NO_KEY
+
+
+def key_reserved_key(api_key_id: int | None) -> str:
+    return f"billing:key:{api_key_id}:reserved" if api_key_id is not None else NO_KEY
+
+
+def credit_key(organization_id: int) -> str:
+    return f"billing:org:{organization_id}:credit"
+
+
+def settled_key(request_id: str) -> str:
+    return f"billing:settled:{request_id}"
+
+
+# The checks and holds of one reservation, as a Lua function of `RESERVE`'s keys and arguments.
+# Returns {'ok', 'new'|'existing'}, {'refused', reason} or {'missing', what}; only 'ok' changes anything.
+RESERVE_LUA = """
+local function quota_reserve(K, A)
+  if redis.call('EXISTS', K[1]) == 0 then return {'missing', 'org'} end
+  local has_key = A[4] == '1'
+  if has_key and redis.call('EXISTS', K[3]) == 0 then return {'missing', 'key'} end
+  local prepaid = redis.call('HGET', K[1], 'prepaid') == '1'
+  if prepaid and redis.call('EXISTS', K[5]) == 0 then return {'missing', 'credit'} end
+  if redis.call('HEXISTS', K[6], A[1]) == 1 then return {'ok', 'existing'} end
+  local amount = tonumber(A[2])
+  local org_reserved = tonumber(redis.call('GET', K[2]) or '0')
+  local cap = tonumber(redis.call('HGET', K[1], 'cap'))
+  if cap >= 0 and tonumber(redis.call('HGET', K[1], 'spent')) + org_reserved + amount > cap then
+    return {'refused', 'org_cap'}
+  end
+  if has_key then
+    local key_cap = tonumber(redis.call('HGET', K[3], 'cap'))
+    local key_reserved = tonumber(redis.call('GET', K[4]) or '0')
+    if key_cap >= 0 and tonumber(redis.call('HGET', K[3], 'spent')) + key_reserved + amount > key_cap then
+      return {'refused', 'key_cap'}
+    end
+  end
+  if prepaid and tonumber(redis.call('GET', K[5])) - org_reserved - amount < 0 then
+    return {'refused', 'credit'}
+  end
+  redis.call('INCRBY', K[2], A[2])
+  if has_key then redis.call('INCRBY', K[4], A[2]) end
+  redis.call('HSET', K[6], A[1], A[5])
+  redis.call('ZADD', K[7], A[3], A[1])
+  return {'ok', 'new'}
+end
+"""
+
+RESERVE = ScriptPart(
+    "quota_reserve",
+    keys=("org period", "org reserved", "key period", "key reserved", "credit", "reservations", "deadlines"),
+    args=("request id", "amount (units)", "deadline", "has key (1/0)", "payload"), lua=RESERVE_LUA)
+
+# Replaces a reservation by the real cost, never more than the reservation, once per request id.
+SETTLE_LUA = """
+local function quota_settle(K, A)
+  if not redis.call('SET', K[3], '1', 'NX', 'EX', A[4]) then return 0 end
+  local has_key = A[3] == '1'
+  local actual = A[2]
+  local payload = redis.call('HGET', K[1], A[1])
+  if payload then
+    local amount = cjson.decode(payload)['a']
+    if tonumber(actual) > tonumber(amount) then actual = amount end
+    if redis.call('EXISTS', K[5]) == 1 then redis.call('DECRBY', K[5], amount) end
+    if has_key and redis.call('EXISTS', K[7]) == 1 then redis.call('DECRBY', K[7], amount) end
+    redis.call('HDEL', K[1], A[1])
+    redis.call('ZREM', K[2], A[1])
+  end
+  -- A counter rebuilt from the ledger since the reservation already holds this request's cost.
+  if redis.call('EXISTS', K[4]) == 1 then redis.call('HINCRBY', K[4], 'spent', actual) end
+  if has_key and redis.call('EXISTS', K[6]) == 1 then redis.call('HINCRBY', K[6], 'spent', actual) end
+  if redis.call('EXISTS', K[8]) == 1 then redis.call('DECRBY', K[8], actual) end
+  return 1
+end
+"""
+
+SETTLE = ScriptPart(
+    "quota_settle",
+    keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
+          "key reserved", "credit"),
+    args=("request id", "actual (units)", "has key (1/0)", "marker ttl"), lua=SETTLE_LUA)
+
+# KEYS: a hash; ARGV: field/value pairs. Changes the hash only if it exists.
+_UPDATE_HASH = Script("""
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+""")
+
+
+def _reserve_keys(organization_id: int, api_key_id: int | None, period_key: str) -> list[str]:
+    return [
+        org_period_key(organization_id, period_key), org_reserved_key(organization_id),
+        key_period_key(api_key_id, period_key), key_reserved_key(api_key_id),
+        credit_key(organization_id), RESERVATIONS, DEADLINES,
+    ]
+
+
+def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount: Decimal,
+                        request_id: str) -> tuple[Reservation, list[str], list[str]]:
+    """A reservation and the keys and arguments of `RESERVE` that hold it."""
+    period = period_containing()
+    reservation = Reservation(request_id, organization_id, api_key_id, amount, period.key)
+    units = to_units(amount, ROUND_CEILING)
+    deadline = time.time() + settings.BILLING_RESERVATION_TTL_S
+    payload = json.dumps({"o": organization_id, "k": api_key_id, "a": str(units), "p": period.key})
+    keys = _reserve_keys(organization_id, api_key_id, period.key)
+    args = [request_id, str(units), f"{deadline:.3f}", "1" if api_key_id is not None else "0", payload]
+    return reservation, keys, args
+
+
+def refusal(status: str, detail: str) -> QuotaExceeded | None:
+    """What an answer of `quota_reserve` means for the caller: None when the reservation holds."""
+    if status == "ok":
+        return None
+    if status == "refused":
+        return QuotaExceeded(detail)
+    raise ValueError(f"not a final answer: {status} {detail}")
+
+
+def settle_keys_and_args(reservation: Reservation, actual: Decimal) -> tuple[list[str], list[str]]:
+    """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`."""
+    if actual < 0:
+        raise ValueError("a cost cannot be negative")
+    org, key, period_key = reservation.organization_id, reservation.api_key_id, reservation.period_key
+    keys = [
+        RESERVATIONS, DEADLINES, settled_key(reservation.request_id),
+        org_period_key(org, period_key), org_reserved_key(org),
+        key_period_key(key, period_key), key_reserved_key(key), credit_key(org),
+    ]
+    has_key = "1" if key is not None else "0"
+    return keys, [reservation.request_id, str(to_units(actual)), has_key, str(SETTLED_MARKER_TTL_S)]
+
+
+def refresh_limits(account: BillingAccount) -> None:
+    """Make Redis see the organisation's changed cap, billing mode or credit grants at once (counters
+    stay as they are)."""
+    period = period_containing()
+    cap = to_units(account.spend_cap) if account.spend_cap is not None else -1
+    _UPDATE_HASH.run_sync(
+        keys=[org_period_key(account.organization_id, period.key)],
+        args=["cap", str(cap), "prepaid", "1" if account.is_prepaid else "0"],
+    )
+    get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants at the next reservation
+
+
+def refresh_key_limit(api_key_id: int, key_cap: Decimal | None) -> None:
+    """Make Redis see a key's changed spend cap (None: no cap) at once."""
+    _UPDATE_HASH.run_sync(
+        keys=[key_period_key(api_key_id, period_containing().key)],
+        args=["cap", str(to_units(key_cap) if key_cap is not None else -1)],
+    )

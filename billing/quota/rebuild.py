@@ -1,0 +1,95 @@
+"""A quota counter that Redis lost (a flush, a new period, an expired credit figure), rebuilt from
+PostgreSQL: spend is the ledger's sum, credit what the grants leave after it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections
+from django.utils import timezone
+
+from billing.ledger import period_spend, undrawn_prepaid_spend
+from billing.models import ApiKeySpendCap, BillingAccount, CreditGrant
+from billing.periods import Period, period_containing
+from billing.quota.counters import (
+    PERIOD_TTL_S,
+    Reservation,
+    credit_key,
+    key_period_key,
+    org_period_key,
+    to_units,
+)
+from controlplane.redis_client import get_async_redis
+from controlplane.redis_scripts import Script
+
+CREDIT_FIGURE_MAX_TTL_S = 3600
+
+# KEYS: a hash; ARGV: ttl, then field/value pairs. Writes the hash only if nobody did meanwhile.
+_INIT_HASH = Script("""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+""")
+
+
+@dataclass(slots=True, frozen=True)
+class _Rebuild:
+    key: str
+    fields: dict[str, str] | None  # a hash, or
+    value: str | None  # a plain counter
+    ttl_s: int
+
+
+def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period) -> _Rebuild:
+    close_old_connections()  # NOTE: runs in a worker thread whose connection may have gone stale
+    if what == "org":
+        account = BillingAccount.objects.for_organization(organization_id)
+        cap = to_units(account.spend_cap) if account.spend_cap is not None else -1
+        spent = to_units(period_spend(organization_id, period))
+        fields = {"spent": str(spent), "cap": str(cap), "prepaid": "1" if account.is_prepaid else "0"}
+        return _Rebuild(org_period_key(organization_id, period.key), fields, None, PERIOD_TTL_S)
+    if what == "key":
+        key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
+        spent = to_units(period_spend(organization_id, period, api_key_id=api_key_id))
+        fields = {"spent": str(spent), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
+        return _Rebuild(key_period_key(api_key_id, period.key), fields, None, PERIOD_TTL_S)
+    if what == "credit":
+        available, ttl_s = credit_available(organization_id)
+        return _Rebuild(credit_key(organization_id), None, str(to_units(available, ROUND_HALF_UP)), ttl_s)
+    raise ValueError(what)
+
+
+def credit_available(organization_id: int) -> tuple[Decimal, int]:
+    """Prepaid credit left now (active grants less usage not yet drawn from them), and for how many
+    seconds that figure holds before a grant starts or expires."""
+    now = timezone.now()
+    account = BillingAccount.objects.for_organization(organization_id)
+    grants = list(CreditGrant.objects.filter(organization_id=organization_id))
+    active = [grant for grant in grants if grant.is_active(now)]
+    undrawn = undrawn_prepaid_spend(account)
+    available = sum((grant.remaining for grant in active), Decimal(0)) - max(undrawn, Decimal(0))
+    changes = [g.expires_at for g in active if g.expires_at] + [g.granted_at for g in grants if g.granted_at > now]
+    ttl_s = CREDIT_FIGURE_MAX_TTL_S
+    if changes:
+        ttl_s = max(1, min(ttl_s, int((min(changes) - now).total_seconds()) + 1))
+    return available, ttl_s
+
+
+async def _write_rebuild(rebuild: _Rebuild) -> None:
+    if rebuild.fields is not None:
+        args = [rebuild.ttl_s, *[item for pair in rebuild.fields.items() for item in pair]]
+        await _INIT_HASH(keys=[rebuild.key], args=args)
+    else:
+        await get_async_redis().set(rebuild.key, rebuild.value, nx=True, ex=rebuild.ttl_s)
+
+
+async def rebuild_missing(what: str, reservation: Reservation) -> None:
+    """`quota_reserve` answered {'missing', what}: rebuild that counter from PostgreSQL."""
+    period = period_containing()
+    if period.key != reservation.period_key:
+        return  # a new month began meanwhile: the caller prepares the reservation again
+    rebuild = await sync_to_async(_rebuild_from_database)(what, reservation.organization_id, reservation.api_key_id, period)
+    await _write_rebuild(rebuild)

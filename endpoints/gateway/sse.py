@@ -1,0 +1,117 @@
+"""The byte-level editing of an engine's responses: SSE events and `usage` objects.
+
+The gateway always asks the engine for usage on every streamed chunk (so it knows the tokens
+delivered if the client leaves mid-stream); `rewrite_event` gives the client usage only as it
+asked. `find_usage` reads the `usage` object of a compact JSON response or chunk without parsing
+the rest. Pure functions over bytes: the call (`endpoints.gateway.call`) does the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+def has_choices(event: bytes) -> bool:
+    return event.startswith(b"data: ") and (b'"choices":[{' in event or b'"choices": [{' in event)
+
+
+def rewrite_event(event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
+    """An upstream SSE event as the client asked for it (None: drop it), and the usage it carried.
+
+    The gateway always asks the engine for usage on every chunk; the client gets it only as it
+    asked, as OpenAI sends it: nothing without `include_usage`, a closing usage-only chunk with
+    it, and usage on every chunk only with `continuous_usage_stats` too.
+
+    NOTE: byte-level, without re-serialising the chunk: vLLM writes compact JSON, and `,"usage":`
+    with bare quotes can only be the chunk's own field (quotes inside strings are escaped).
+    """
+    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+        return event, None
+    usage, start, end = find_usage(event)
+    if start < 0:
+        return (event, None) if b'"usage"' not in event else _rewrite_parsed(event, wants_usage, wants_continuous)
+    if b'"choices":[]' in event:  # the closing usage-only chunk
+        return (event if wants_usage else None), usage
+    if wants_continuous:
+        return event, usage
+    if wants_usage:
+        return event[:start] + b',"usage":null' + event[end:], usage
+    return event[:start] + event[end:], usage
+
+
+def _rewrite_parsed(event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
+    """`rewrite_event` for an upstream that does not write compact JSON: parse, edit, write."""
+    try:
+        chunk = json.loads(event[6:])
+    except ValueError:
+        return event, None
+    if not isinstance(chunk, dict):
+        return event, None
+    usage = chunk.get("usage") if isinstance(chunk.get("usage"), dict) else None
+    if not chunk.get("choices") and usage is not None:
+        return (event if wants_usage else None), usage
+    if wants_continuous or "usage" not in chunk:
+        return event, usage
+    if wants_usage:
+        chunk["usage"] = None
+    else:
+        del chunk["usage"]
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode(), usage
+
+
+_USAGE_FIELD = b',"usage":'
+
+
+def find_usage(data: bytes) -> tuple[dict | None, int, int]:
+    """The `usage` object of a compact JSON response or chunk, and where its `,"usage":…` field
+    starts and ends in `data` ((None, -1, -1) when there is none; `"usage":null` has no object)."""
+    start = data.rfind(_USAGE_FIELD)
+    if start < 0:
+        return None, -1, -1
+    value = start + len(_USAGE_FIELD)
+    if data.startswith(b"null", value):
+        return None, start, value + 4
+    end = _object_end(data, value)
+    if end < 0:
+        return None, -1, -1
+    try:
+        usage = json.loads(data[value:end])
+    except ValueError:
+        return None, -1, -1
+    return (usage if isinstance(usage, dict) else None), start, end
+
+
+def response_usage(body: bytes) -> dict | None:
+    """The `usage` of a whole (not streamed) response: found at byte level, parsed when it must be."""
+    usage, start, _ = find_usage(body)
+    if start < 0 and b'"usage"' in body:
+        return _parsed_usage(body)
+    return usage
+
+
+def _parsed_usage(body: bytes) -> dict | None:
+    try:
+        usage = json.loads(body).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+def _object_end(data: bytes, start: int) -> int:
+    """Index just past the JSON object that opens at `start`, or -1.
+
+    NOTE: counts braces without reading strings: for `usage`, whose fields are numbers and objects.
+    """
+    if not data.startswith(b"{", start):
+        return -1
+    depth, position = 1, start + 1
+    while depth:
+        close = data.find(b"}", position)
+        if close < 0:
+            return -1
+        depth += data.count(b"{", position, close) - 1
+        position = close + 1
+    return position
