@@ -90,6 +90,8 @@ def test_controlplane_image_collects_static_files_with_placeholder_settings():
     """The build's collectstatic step loads the production settings without starting embedded servers."""
     assert _locked_install("Dockerfile.controlplane") == "infra/python/controlplane.txt"
     text = (INFRA_DIR / "docker" / "Dockerfile.controlplane").read_text()
+    # The running image refuses to start without its database and Redis instead of debugging.
+    assert re.search(r"^\s+DJANGO_DEBUG=0$", text.rsplit("\nFROM ", 1)[1], re.MULTILINE)
     step = re.search(
         r"^RUN (DJANGO_SETTINGS_MODULE=.*?manage\.py collectstatic[^\n]*)", text, re.MULTILINE | re.DOTALL
     ).group(1)
