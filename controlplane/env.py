@@ -12,11 +12,13 @@ import os
 from decimal import Decimal, InvalidOperation
 from urllib.parse import parse_qs, unquote, urlparse
 
+from django.core.exceptions import ImproperlyConfigured
+
 SETTINGS_ENV_VARS: set[str] = set()
 
 
-class ImproperlyConfiguredEnv(ValueError):
-    """An environment variable holds a value that cannot be used."""
+class ImproperlyConfiguredEnv(ImproperlyConfigured, ValueError):
+    """An environment variable holds a value that cannot be used, or is missing where it must be set."""
 
 
 def _raw(name: str) -> str | None:

