@@ -14,7 +14,8 @@ LOCK_DIR := infra/python
 LOCK := $(LOCK_DIR)/$(ENGINE).txt
 LOCKS := $(LOCK_DIR)/cpu.txt $(LOCK_DIR)/cuda.txt $(LOCK_DIR)/controlplane.txt $(LOCK_DIR)/agent.txt
 UV_COMPILE = $(VENV)/bin/uv pip compile --no-config --quiet --generate-hashes --python-version 3.11 \
-	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" \
+	--no-emit-package inferplane --no-emit-package inferplane-agent
 
 .PHONY: run test bench lint install lock stop clean-data
 
@@ -22,8 +23,8 @@ install: $(VENV)/.installed
 
 # NOTE: the lock names every package (dependencies included), so it installs with --no-deps: nothing
 # outside it is ever resolved. The CPU lock leaves out torchvision, torchaudio and torchcodec (see
-# infra/python/pip-check-allowed.txt), and the project itself installs last, alone.
-$(VENV)/.installed: pyproject.toml Makefile $(LOCKS) $(LOCK_DIR)/torch_source.py $(LOCK_DIR)/pip_check.py $(LOCK_DIR)/pip-check-allowed.txt
+# infra/python/pip-check-allowed.txt), and the two projects (the agent's, then the control plane's) install last.
+$(VENV)/.installed: pyproject.toml gpu_agent/pyproject.toml Makefile $(LOCKS) $(LOCK_DIR)/torch_source.py $(LOCK_DIR)/pip_check.py $(LOCK_DIR)/pip-check-allowed.txt
 	test -x $(PY) || $(PYTHON_BOOTSTRAP) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
 ifeq ($(ENGINE),cuda)
@@ -32,22 +33,24 @@ else
 	torch_args="$$($(PY) $(LOCK_DIR)/torch_source.py pip-args)" \
 		&& $(PY) -m pip install --quiet --require-hashes --no-deps -r $(LOCK) $$torch_args
 endif
-	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip install --quiet --no-deps -e ./gpu_agent -e .
 	$(PY) $(LOCK_DIR)/pip_check.py
 	touch $@
 
-# Regenerates every lock from pyproject.toml (newest versions its ranges allow). Needs PyPI, and the
-# CPU build of torch from a configured source or TORCH_INDEX, like the CPU install.
+# Regenerates every lock from the two pyproject.toml files (the project's and the agent's,
+# gpu_agent/pyproject.toml), taking the newest versions their ranges allow. Needs PyPI, and the CPU
+# build of torch from a configured source or TORCH_INDEX, like the CPU install. Neither project is
+# pinned in its own lock: both install from this checkout.
 lock:
 	test -x $(PY) || $(PYTHON_BOOTSTRAP) -m venv $(VENV)
 	test -x $(VENV)/bin/uv || $(PY) -m pip install --quiet "uv>=0.9"
 	torch_args="$$($(PY) $(LOCK_DIR)/torch_source.py uv-args)" \
-		&& $(UV_COMPILE) $$torch_args --extra agent --extra engine-cpu --extra local --extra test \
+		&& printf '%s\n' '-e .[local,test]' '-e ./gpu_agent[engine-cpu,test]' | $(UV_COMPILE) $$torch_args \
 			--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
-			-o $(LOCK_DIR)/cpu.txt pyproject.toml
-	$(UV_COMPILE) --extra agent --extra engine --extra local --extra test -o $(LOCK_DIR)/cuda.txt pyproject.toml
-	$(UV_COMPILE) -o $(LOCK_DIR)/controlplane.txt pyproject.toml
-	$(UV_COMPILE) --extra agent --extra engine -o $(LOCK_DIR)/agent.txt pyproject.toml
+			-o $(LOCK_DIR)/cpu.txt -
+	printf '%s\n' '-e .[local,test]' '-e ./gpu_agent[engine,test]' | $(UV_COMPILE) -o $(LOCK_DIR)/cuda.txt -
+	printf '%s\n' '-e .' '-e ./gpu_agent' | $(UV_COMPILE) -o $(LOCK_DIR)/controlplane.txt -
+	printf '%s\n' '-e ./gpu_agent[engine]' | $(UV_COMPILE) -o $(LOCK_DIR)/agent.txt -
 
 run: install
 	DJANGO_DEBUG=1 $(PY) manage.py run_local

@@ -55,9 +55,9 @@ def reset_rows() -> tuple:
     """A clean organisation and 1,000 READY nodes; returns (organization, nodes)."""
     from django.utils import timezone
 
-    from controlplane.services import bootstrap_organization
+    from controlplane.accounts.services import bootstrap_organization
     from endpoints.models import Endpoint, EndpointEvent, Replica
-    from gpu_agent.models import Node
+    from endpoints.nodes.models import Node
     from gpu_agent.protocol import NodeState
 
     organization, _, _ = bootstrap_organization(slug=ORG_SLUG, owner_email="bench-autoscaler@inferplane.local")
@@ -97,7 +97,7 @@ def forget_traffic(endpoints: list) -> None:
 def cleanup(organization) -> None:
     """Leave nothing a real scheduler on this data folder would act on."""
     from endpoints.models import Endpoint, EndpointEvent, Replica
-    from gpu_agent.models import Node
+    from endpoints.nodes.models import Node
 
     forget_traffic(list(Endpoint.objects.filter(organization=organization)))
     EndpointEvent.objects.filter(endpoint__organization=organization).delete()

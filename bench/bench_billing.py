@@ -55,7 +55,7 @@ def setup_database():
 
 
 def make_endpoints(num_orgs: int = 2, endpoints_per_org: int = 5):
-    from controlplane.models import Organization
+    from controlplane.accounts.models import Organization
     from endpoints.models import Endpoint
 
     endpoints = []

@@ -263,7 +263,7 @@ def run_faults(stack: Stack, clients: Clients, endpoint_ids: dict[str, str], dur
     import signal
 
     from controlplane import embedded
-    from controlplane.services import SYSTEM
+    from controlplane.accounts.services import SYSTEM
     from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
     from endpoints.services import pause_endpoint
 
@@ -429,7 +429,7 @@ def retire_earlier_runs() -> None:
     from django.utils import timezone
 
     from endpoints.models import Endpoint
-    from gpu_agent.models import Node
+    from endpoints.nodes.models import Node
 
     Endpoint.objects.filter(name__startswith="chaos-", paused_at__isnull=True).update(paused_at=timezone.now())
     Node.objects.filter(name__startswith="chaos-").exclude(state="OFFLINE").update(state="OFFLINE")
@@ -452,11 +452,11 @@ def main() -> int:
     from billing.credits import grant_credits
     from billing.models import BillingAccount, StripeMeter
     from billing.services import set_billing_mode, set_spend_cap
-    from controlplane.services import SYSTEM, bootstrap_organization
+    from controlplane.accounts.services import SYSTEM, bootstrap_organization
+    from endpoints.fleet.services import create_join_token
     from endpoints.models import Endpoint
-    from gpu_agent.models import Node
+    from endpoints.nodes.models import Node
     from gpu_agent.runtime.tiny_model import build_tiny_model
-    from gpu_agent.services import create_join_token
 
     retire_earlier_runs()
     # NOTE: each run has a new fake Stripe: forget the meters, price and customers an earlier run's made.

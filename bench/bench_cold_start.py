@@ -182,10 +182,10 @@ def measure_platform(model_dir: Path, work_dir: Path, repetitions: int) -> dict:
     import django
 
     django.setup()
-    from controlplane.services import SYSTEM, bootstrap_organization
+    from controlplane.accounts.services import SYSTEM, bootstrap_organization
+    from endpoints.fleet.services import create_join_token
     from endpoints.models import Endpoint, EndpointEvent, Replica
-    from gpu_agent.models import Node
-    from gpu_agent.services import create_join_token
+    from endpoints.nodes.models import Node
 
     suffix = datetime.now().strftime("%Y%m%d%H%M%S")
     _org, _owner, key = bootstrap_organization(

@@ -112,9 +112,9 @@ def seed(upstreams: dict[str, str]) -> str:
     """An organisation, a key, a READY node and one READY endpoint per upstream; returns the key."""
     from django.utils import timezone
 
-    from controlplane.services import bootstrap_organization
+    from controlplane.accounts.services import bootstrap_organization
     from endpoints.models import Endpoint, Replica
-    from gpu_agent.models import Node
+    from endpoints.nodes.models import Node
     from gpu_agent.protocol import NodeState, ReplicaState
 
     organization, _, created_key = bootstrap_organization(slug="bench-gateway", owner_email="bench@inferplane.local")
@@ -318,7 +318,7 @@ def unseed() -> None:
     from controlplane.redis_client import get_redis
     from endpoints.gateway import traffic
     from endpoints.models import Endpoint, Replica
-    from gpu_agent.models import Node
+    from endpoints.nodes.models import Node
 
     endpoint_ids = [str(pk) for pk in Endpoint.objects.filter(organization__slug="bench-gateway").values_list("pk", flat=True)]
     Replica.objects.filter(endpoint_id__in=endpoint_ids).delete()

@@ -9,7 +9,7 @@ from django.contrib import admin
 from billing import credits, services
 from billing.models import BillingAccount, CreditGrant, Invoice, SpendAlert, UsageRollup
 from billing.serializers import MAX_SPEND_CAP
-from controlplane.services import Actor
+from controlplane.accounts.services import Actor
 
 
 class BillingAccountForm(forms.ModelForm):

@@ -13,7 +13,7 @@ from django.utils import timezone
 from billing.ledger import period_spend
 from billing.models import BillingAccount, SpendAlert
 from billing.periods import period_containing
-from controlplane.models import Membership, Role
+from controlplane.accounts.models import Membership, Role
 
 logger = logging.getLogger(__name__)
 

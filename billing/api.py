@@ -28,8 +28,8 @@ from billing.serializers import (
     format_money,
 )
 from billing.webhooks import InvalidWebhook, handle_stripe_webhook
-from controlplane.api import OrganizationScopedMixin
-from controlplane.models import ApiKey, Role
+from controlplane.accounts.api import OrganizationScopedMixin
+from controlplane.accounts.models import ApiKey, Role
 
 logger = logging.getLogger(__name__)
 

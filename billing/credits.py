@@ -11,7 +11,7 @@ from django.utils import timezone
 from billing.ledger import undrawn_prepaid_spend
 from billing.models import BillingAccount, CreditGrant
 from billing.quota.counters import refresh_limits
-from controlplane.services import Actor, record_audit
+from controlplane.accounts.services import Actor, record_audit
 
 
 def grant_credits(actor: Actor, organization, *, amount: Decimal, expires_at: datetime | None = None,

@@ -10,7 +10,7 @@ from rest_framework import serializers
 
 from billing.ledger import GROUPINGS
 from billing.models import MONEY_QUANTUM, BillingAccount, CreditGrant, Invoice, InvoiceLine
-from controlplane.serializers import StrictModelSerializer
+from controlplane.accounts.serializers import StrictModelSerializer
 
 MAX_USAGE_RANGE = timedelta(days=366)
 MAX_SPEND_CAP = Decimal("1000000")  # NOTE: keeps the Redis counters exact (see billing.quota)

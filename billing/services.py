@@ -8,7 +8,7 @@ from django.db import transaction
 
 from billing.models import ApiKeySpendCap, BillingAccount, BillingMode
 from billing.quota.counters import refresh_key_limit, refresh_limits
-from controlplane.services import Actor, record_audit
+from controlplane.accounts.services import Actor, record_audit
 
 
 def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> BillingAccount:

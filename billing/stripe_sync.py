@@ -31,7 +31,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from billing.models import BillingAccount, BillingMode, MeterEventPush, StripeMeter, UsageRollup
-from controlplane.models import Organization
+from controlplane.accounts.models import Organization
 
 logger = logging.getLogger(__name__)
 

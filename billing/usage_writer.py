@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 from django.conf import settings
+from django.db import connections
 
 from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch_on
 from billing.usage_journal import UsageJournal, read_segment
@@ -58,8 +59,6 @@ def journal() -> UsageJournal:
 
 
 async def _connect() -> psycopg.AsyncConnection:
-    from django.db import connections
-
     params = connections["default"].get_connection_params()
     params.pop("cursor_factory", None)
     # NOTE: client-side binding, as Django's own cursors do, so the ledger's SQL runs the same way.

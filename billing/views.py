@@ -19,9 +19,9 @@ from billing.ledger import GROUPINGS, period_spend, summarize_usage, tokens_by_d
 from billing.models import BillingAccount, CreditGrant, Invoice
 from billing.periods import period_containing
 from billing.serializers import SpendCapSerializer
-from controlplane.console import member_required
-from controlplane.models import Role
-from controlplane.services import Actor
+from controlplane.accounts.console import member_required
+from controlplane.accounts.models import Role
+from controlplane.accounts.services import Actor
 
 logger = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 from django.urls import path
 
 from billing import views as billing_views
-from controlplane import views as account_views
+from controlplane.accounts import views as account_views
 from endpoints import views as endpoint_views
-from gpu_agent import views as fleet_views
+from endpoints.fleet import views as fleet_views
 
 app_name = "console"
 

@@ -17,12 +17,12 @@ from pathlib import Path
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
-from controlplane.models import ApiKey, Organization
-from controlplane.services import SYSTEM, bootstrap_organization, find_api_key
+from controlplane.accounts.models import ApiKey, Organization
+from controlplane.accounts.services import SYSTEM, bootstrap_organization, find_api_key
+from endpoints.fleet.services import create_join_token
 from endpoints.models import Endpoint
+from endpoints.nodes.models import JoinToken
 from endpoints.services import create_endpoint
-from gpu_agent.models import JoinToken
-from gpu_agent.services import create_join_token
 
 DEMO_ORG = "demo"
 DEMO_EMAIL = "admin@inferplane.local"

@@ -111,6 +111,7 @@ PUBLIC_URL = (env_str("INFERPLANE_PUBLIC_URL", "http://127.0.0.1:8000") or "").r
 
 INSTALLED_APPS = [
     # NOTE: first, so its management commands (`createsuperuser` by email) replace Django's.
+    "controlplane.accounts",
     "controlplane",
     "django.contrib.admin",
     "django.contrib.auth",
@@ -124,7 +125,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "endpoints",
     "billing",
-    "gpu_agent",
+    "endpoints.nodes",
 ]
 
 MIDDLEWARE = [
@@ -136,9 +137,9 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "controlplane.middleware.ThrottleMiddleware",
-    "controlplane.middleware.EmailVerificationMiddleware",
-    "controlplane.middleware.CurrentOrganizationMiddleware",
+    "controlplane.accounts.middleware.ThrottleMiddleware",
+    "controlplane.accounts.middleware.EmailVerificationMiddleware",
+    "controlplane.accounts.middleware.CurrentOrganizationMiddleware",
 ]
 
 ROOT_URLCONF = "controlplane.urls"
@@ -154,7 +155,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
-                "controlplane.context_processors.organization",
+                "controlplane.accounts.context_processors.organization",
             ],
         },
     },
@@ -173,7 +174,7 @@ CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", 
 # --- auth ----------------------------------------------------------------------
 # Accounts are known by their email: the console's log-in (and the admin's) accept it whatever the
 # username is (`createsuperuser` asks for the email first and uses it as the username).
-AUTHENTICATION_BACKENDS = ["controlplane.backends.EmailBackend"]
+AUTHENTICATION_BACKENDS = ["controlplane.accounts.backends.EmailBackend"]
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
@@ -206,10 +207,10 @@ WHITENOISE_USE_FINDERS = DEBUG
 # --- REST API --------------------------------------------------------------------
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "controlplane.authentication.ApiKeyAuthentication",
+        "controlplane.accounts.authentication.ApiKeyAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["controlplane.permissions.IsOrganizationMember"],
+    "DEFAULT_PERMISSION_CLASSES": ["controlplane.accounts.permissions.IsOrganizationMember"],
     "DEFAULT_PAGINATION_CLASS": "controlplane.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "controlplane.schema.AutoSchema",

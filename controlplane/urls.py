@@ -4,8 +4,9 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from controlplane import api as accounts_api
-from controlplane import health, views
+from controlplane import health
+from controlplane.accounts import api as accounts_api
+from controlplane.accounts import views
 from endpoints import api as endpoints_api
 
 router = DefaultRouter(trailing_slash=True)
@@ -23,13 +24,13 @@ api_v1 = [
     path("", include(router.urls)),
 ]
 
-handler404 = "controlplane.api.not_found"
+handler404 = "controlplane.accounts.api.not_found"
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("api/v1/", include(api_v1)),
-    path("agent/v1/", include("gpu_agent.urls")),
+    path("agent/v1/", include("endpoints.fleet.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("", views.home, name="home"),

@@ -3,8 +3,9 @@ and the public model catalogue (sources the fleet's own credentials may read) is
 
 from django.contrib import admin
 
-from controlplane.admin import ReadOnlyAdmin
-from controlplane.services import Actor, record_audit
+from controlplane.accounts.admin import ReadOnlyAdmin
+from controlplane.accounts.services import Actor, record_audit
+from endpoints.fleet import admin as fleet_admin  # noqa: F401 - registers the nodes' admin
 from endpoints.models import AllowedSource, Endpoint, EndpointEvent, ModelCredential, Replica
 
 

@@ -7,9 +7,9 @@ from rest_framework.decorators import action, api_view
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
-from controlplane.api import OrganizationScopedMixin
-from controlplane.models import Role
-from controlplane.tenancy import request_membership
+from controlplane.accounts.api import OrganizationScopedMixin
+from controlplane.accounts.models import Role
+from controlplane.accounts.tenancy import request_membership
 from endpoints import credentials, services
 from endpoints.models import Endpoint, ModelCredential, Replica
 from endpoints.quotas import use_of

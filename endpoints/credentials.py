@@ -21,7 +21,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane import secrets
-from controlplane.services import Actor, record_audit
+from controlplane.accounts.services import Actor, record_audit
 from endpoints.models import SECRET_FIELDS, AllowedSource, CredentialKind, Endpoint, ModelCredential
 from gpu_agent.protocol import SourceCredentials
 

@@ -2,7 +2,7 @@
 
 from django import forms
 
-from controlplane.forms import SerializerBackedForm
+from controlplane.accounts.forms import SerializerBackedForm
 from endpoints.catalogue import AUTO_PARSER, GPU_TYPES, QUANTIZATIONS, TOOL_CALL_PARSERS
 from endpoints.models import CredentialKind, Endpoint, ModelCredential
 from endpoints.serializers import LIMITS

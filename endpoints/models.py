@@ -190,7 +190,7 @@ UNKNOWN_CONTEXT_LENGTH = 4096
 class ModelFacts(models.Model):
     """What agents read from a model source's own files (its config.json and safetensors headers).
 
-    NOTE: an agent's report is taken only for sources it was given replicas of (`gpu_agent.services`).
+    NOTE: an agent's report is taken only for sources it was given replicas of (`endpoints.fleet.services`).
     """
 
     source = models.CharField(max_length=500, unique=True)

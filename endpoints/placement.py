@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from endpoints.models import Endpoint
-from gpu_agent.models import Node
+from endpoints.nodes.models import Node
 
 # Without a size from an agent's weights cache or the model's name, assume a small model; the
 # agent reports the real size after its first download and later placements use it.

@@ -1,7 +1,7 @@
 """Per-organisation quotas: how much of the fleet one organisation may hold.
 
 The numbers come from the organisation's plan, or the platform defaults
-(`controlplane.models.Quotas`). They are checked in three places, each against the same rules here:
+(`controlplane.accounts.models.Quotas`). They are checked in three places, each against the same rules here:
 
 - an endpoint spec (create or update, API and console wizard): endpoints, each endpoint's
   `max_replicas`, the sum of `min_replicas`, and GPU types the plan allows (400 with field errors);
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from django.db.models import Count, Sum
 from rest_framework.exceptions import ValidationError
 
-from controlplane.models import Organization, Quotas
+from controlplane.accounts.models import Organization, Quotas
 from controlplane.redis_client import get_redis
 from endpoints.gateway.cold_start import held_key
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica

@@ -26,10 +26,10 @@ from django.utils import timezone
 
 from endpoints.events import record_event
 from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
+from endpoints.nodes.models import Node
+from endpoints.nodes.notify import notify_endpoint_ready, notify_node
 from endpoints.placement import choose_node, memory_needed_mb
 from gpu_agent import protocol
-from gpu_agent.models import Node
-from gpu_agent.notify import notify_endpoint_ready, notify_node
 from gpu_agent.protocol import FINAL_REPLICA_STATES, NodeState, ReplicaState
 
 # NOTE: sent by name: the task (`endpoints.tasks`) calls the scheduler, which calls this module.

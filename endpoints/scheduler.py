@@ -23,8 +23,8 @@ from endpoints import autoscaler, quotas
 from endpoints.events import record_event
 from endpoints.gateway import presence, traffic
 from endpoints.models import SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
+from endpoints.nodes.models import Node
 from endpoints.replicas import drain_replica, fail_replica, place_replica, record_replica_failure
-from gpu_agent.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from controlplane.serializers import StrictModelSerializer
+from controlplane.accounts.serializers import StrictModelSerializer
 from endpoints import quotas
 from endpoints.catalogue import (
     AUTO_PARSER,

@@ -9,7 +9,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from controlplane.services import Actor, record_audit
+from controlplane.accounts.services import Actor, record_audit
 from endpoints import quotas
 from endpoints.catalogue import GPU_TYPES
 from endpoints.events import record_event

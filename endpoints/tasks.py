@@ -1,6 +1,7 @@
 from celery import shared_task
 
 from endpoints import scheduler
+from endpoints.gateway.wake import WAKE_TASK
 from endpoints.replicas import RECONCILE_TASK
 
 
@@ -19,7 +20,7 @@ def sweep_stuck() -> None:
     scheduler.sweep_stuck()
 
 
-@shared_task(name="endpoints.wake_endpoint", acks_late=True, time_limit=60, soft_time_limit=50)
+@shared_task(name=WAKE_TASK, acks_late=True, time_limit=60, soft_time_limit=50)
 def wake_endpoint(endpoint_id: str) -> None:
     """A request is waiting for a replica: decide now rather than at the next autoscaler tick."""
     scheduler.reconcile_endpoint(endpoint_id)

@@ -16,15 +16,15 @@ from django.views.decorators.http import require_POST
 
 from billing.ledger import BUCKET_ORIGIN, period_spend, summarize_usage, usage_by_bucket
 from billing.periods import period_containing
-from controlplane.console import member_required
-from controlplane.models import Role
-from controlplane.services import Actor
+from controlplane.accounts.console import member_required
+from controlplane.accounts.models import Role
+from controlplane.accounts.services import Actor
 from endpoints import credentials, quotas, services
 from endpoints.catalogue import GPU_TYPES
 from endpoints.forms import CredentialForm, EndpointForm
 from endpoints.models import Endpoint, ModelCredential, Replica
+from endpoints.nodes.models import Node
 from endpoints.serializers import CredentialSerializer, EndpointSerializer
-from gpu_agent.models import Node
 from gpu_agent.protocol import FINAL_REPLICA_STATES
 
 NUM_EVENTS_SHOWN = 50

@@ -11,8 +11,8 @@ import pytest
 from django.conf import settings
 from rest_framework.test import APIClient
 
-from controlplane.models import Role, Scope
-from controlplane.services import Actor, create_api_key
+from controlplane.accounts.models import Role, Scope
+from controlplane.accounts.services import Actor, create_api_key
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: F401 - shared with benchmarks
 

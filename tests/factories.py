@@ -1,8 +1,8 @@
 import factory
 from django.contrib.auth import get_user_model
 
-from controlplane.models import EmailVerification, Membership, Organization, Role
-from controlplane.services import SYSTEM
+from controlplane.accounts.models import EmailVerification, Membership, Organization, Role
+from controlplane.accounts.services import SYSTEM
 from endpoints.catalogue import GPU_TYPES
 from endpoints.credentials import create_credential
 from endpoints.models import Endpoint

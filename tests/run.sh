@@ -17,7 +17,8 @@ case "${CI:-}" in
   1|true|TRUE|True|yes|on)
     if [ ! -x /usr/bin/chromium ]; then echo "CI: chromium is missing; the browser tests cannot run" >&2; exit 1; fi ;;
 esac
-.venv/bin/python -m pytest --create-db -p no:cacheprovider "$@"
+# The slowest tests are listed at the end: the suite must stay under 30 minutes on 2 cores.
+.venv/bin/python -m pytest --create-db -p no:cacheprovider --durations=40 "$@"
 status=$?
 .venv/bin/python -m controlplane.embedded down >/dev/null 2>&1 || true
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.

@@ -2,13 +2,13 @@
 
 import pytest
 
-from controlplane.models import AuditEvent
-from controlplane.services import SYSTEM
+from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.services import SYSTEM
+from endpoints.fleet.services import create_join_token
 from endpoints.models import EndpointEvent, Replica
+from endpoints.nodes.models import JoinToken, Node
 from endpoints.scheduler import reconcile_endpoint
-from gpu_agent.models import JoinToken, Node
 from gpu_agent.protocol import Heartbeat, ReplicaState, ReplicaStatus
-from gpu_agent.services import create_join_token
 from tests.factories import EndpointFactory
 
 pytestmark = pytest.mark.django_db

@@ -35,12 +35,12 @@ from schemathesis.specs.openapi.checks import (
 from billing.credits import grant_credits
 from billing.ledger import record_usage
 from billing.models import Invoice, InvoiceLine
-from controlplane.models import Role, Scope
-from controlplane.services import Actor, create_api_key, revoke_api_key
+from controlplane.accounts.models import Role, Scope
+from controlplane.accounts.services import Actor, create_api_key, revoke_api_key
 from endpoints import services as endpoint_services
 from endpoints.events import record_event
 from endpoints.models import EventKind, Replica
-from gpu_agent.models import Node
+from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.billing.conftest import usage_report
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory

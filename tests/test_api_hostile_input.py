@@ -8,7 +8,7 @@ from rest_framework.request import Request
 from rest_framework.settings import api_settings
 from rest_framework.test import APIRequestFactory
 
-from controlplane.models import Role
+from controlplane.accounts.models import Role
 from endpoints.events import record_event
 from endpoints.models import EventKind
 from tests.factories import EndpointFactory, MembershipFactory

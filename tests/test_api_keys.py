@@ -5,7 +5,7 @@ from django.db import connection
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.models import ApiKey, Role
+from controlplane.accounts.models import ApiKey, Role
 from controlplane.tokens import hash_token
 
 pytestmark = pytest.mark.django_db

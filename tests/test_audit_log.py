@@ -1,6 +1,6 @@
 import pytest
 
-from controlplane.models import AuditEvent, Role
+from controlplane.accounts.models import AuditEvent, Role
 
 pytestmark = pytest.mark.django_db
 

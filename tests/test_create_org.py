@@ -4,7 +4,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from rest_framework.test import APIClient
 
-from controlplane.models import ApiKey, Membership, Organization
+from controlplane.accounts.models import ApiKey, Membership, Organization
 
 pytestmark = pytest.mark.django_db
 

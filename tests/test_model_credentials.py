@@ -3,7 +3,7 @@
 import pytest
 from django.db import connection
 
-from controlplane.models import AuditEvent, Role
+from controlplane.accounts.models import AuditEvent, Role
 from endpoints.credentials import stored_secrets
 from endpoints.models import Endpoint, ModelCredential
 from tests.factories import AWS_SECRET, HF_SECRET, EndpointFactory, OrganizationFactory, make_credential

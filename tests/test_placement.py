@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from endpoints.models import Replica
+from endpoints.nodes.models import Node
 from endpoints.placement import memory_needed_mb
 from endpoints.replicas import place_replica
-from gpu_agent.models import Node
 from gpu_agent.protocol import NodeState
 from tests.factories import EndpointFactory, OrganizationFactory
 

@@ -11,11 +11,11 @@ import openai
 import pytest
 
 from billing.models import UsageRecord
-from controlplane.models import Scope
-from controlplane.services import SYSTEM, Actor, create_api_key
+from controlplane.accounts.models import Scope
+from controlplane.accounts.services import SYSTEM, Actor, create_api_key
+from endpoints.fleet.services import create_join_token
 from endpoints.models import EndpointEvent, Replica
-from gpu_agent.models import Node
-from gpu_agent.services import create_join_token
+from endpoints.nodes.models import Node
 from tests.conftest import start_agent, start_celery_worker, start_web_server, vllm_processes_of, wait_until
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 

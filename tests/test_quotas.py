@@ -11,9 +11,9 @@ from django.contrib.auth import get_user_model
 from django.db import connection
 from django.test import Client
 
-from controlplane.models import AuditEvent, Organization, Plan
-from controlplane.services import SYSTEM, save_plan, set_organization_plan
-from controlplane.tenancy import SESSION_KEY
+from controlplane.accounts.models import AuditEvent, Organization, Plan
+from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
+from controlplane.accounts.tenancy import SESSION_KEY
 from endpoints import scheduler, services
 from endpoints.autoscaler import Load
 from endpoints.models import Endpoint, Replica

@@ -11,8 +11,8 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from controlplane import services
-from controlplane.models import ApiKey, Membership, Role, Scope
+from controlplane.accounts import services
+from controlplane.accounts.models import ApiKey, Membership, Role, Scope
 from endpoints.gateway.auth import authenticate
 from endpoints.gateway.errors import OpenAIError
 from tests.conftest import wait_until

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from endpoints.models import Endpoint, Replica
-from gpu_agent.models import Node
+from endpoints.nodes.models import Node
 from tests.conftest import start_celery_beat, start_celery_worker, vllm_processes_of, wait_until
 from tests.test_platform_vllm import FAST, MESSAGES, platform  # noqa: F401 - the fixture
 

@@ -9,10 +9,10 @@ from django.utils import timezone
 from controlplane.redis_client import get_redis
 from endpoints import autoscaler, scheduler
 from endpoints.autoscaler import Load
+from endpoints.fleet.services import desired_replicas
 from endpoints.models import EndpointEvent, Replica
-from gpu_agent.models import Node
+from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
-from gpu_agent.services import desired_replicas
 from tests.factories import EndpointFactory
 from tests.test_placement import make_node
 

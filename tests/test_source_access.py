@@ -7,13 +7,13 @@ import pytest
 from cryptography.fernet import Fernet
 
 from controlplane import secrets
-from controlplane.models import AuditEvent
-from controlplane.services import SYSTEM
+from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.services import SYSTEM
 from endpoints.credentials import organization_scope, source_access
+from endpoints.fleet.services import create_join_token
 from endpoints.models import AllowedSource, ModelCredential, Replica
-from gpu_agent.models import Node
+from endpoints.nodes.models import Node
 from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaState
-from gpu_agent.services import create_join_token
 from tests.factories import AWS_SECRET, HF_SECRET, EndpointFactory, OrganizationFactory, make_credential
 
 pytestmark = pytest.mark.django_db

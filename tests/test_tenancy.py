@@ -2,7 +2,7 @@
 
 import pytest
 
-from controlplane.models import ApiKey, AuditEvent
+from controlplane.accounts.models import ApiKey, AuditEvent
 from endpoints.models import Endpoint
 from tests.factories import EndpointFactory, OrganizationFactory
 
@@ -51,7 +51,7 @@ def test_every_key_member_and_audit_route_hides_other_tenants(owner_client, fore
 def test_a_session_user_acts_in_the_organisation_chosen_in_the_console(client, member_client_factory):
     first, second = OrganizationFactory(), OrganizationFactory()
     api = member_client_factory(first)
-    from controlplane.models import Membership
+    from controlplane.accounts.models import Membership
 
     Membership.objects.create(organization=second, user=api.user, role="owner")
     EndpointFactory(organization=second, name="in-second")

@@ -8,8 +8,8 @@ from django.core import mail
 from django.test import Client
 from django.urls import reverse
 
-from controlplane import throttle
-from controlplane.models import Membership, Role
+from controlplane.accounts import throttle
+from controlplane.accounts.models import Membership, Role
 from tests.factories import MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db

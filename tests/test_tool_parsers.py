@@ -63,7 +63,7 @@ def test_an_unknown_parser_is_a_field_error(owner_client):
 
 @pytest.mark.django_db
 def test_the_wizard_offers_the_familys_parser_and_saves_a_chosen_one(client, org):
-    from controlplane.models import Membership
+    from controlplane.accounts.models import Membership
     from tests.factories import UserFactory
 
     user = UserFactory()
@@ -82,8 +82,8 @@ def test_the_wizard_offers_the_familys_parser_and_saves_a_chosen_one(client, org
 
 @pytest.mark.django_db
 def test_the_replica_spec_carries_the_endpoints_parsers():
+    from endpoints.fleet.services import replica_spec
     from endpoints.models import Replica
-    from gpu_agent.services import replica_spec
 
     endpoint = EndpointFactory(model_source="hf:deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", tool_call_parser="hermes")
     spec = replica_spec(Replica.objects.create(endpoint=endpoint))

@@ -18,8 +18,16 @@ from dataclasses import dataclass
 from http.cookies import SimpleCookie
 
 from django.conf import settings
+from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
+from django.contrib.sessions.backends.db import SessionStore
+from django.middleware.csrf import InvalidTokenFormat, _check_token_format, _does_token_match
+from django.utils.crypto import constant_time_compare
 
 from controlplane import tokens
+from controlplane.accounts.models import Scope, email_is_verified
+from controlplane.accounts.services import authenticate_api_key_with_role
+from controlplane.accounts.tenancy import SESSION_KEY as ORG_SESSION_KEY
+from controlplane.accounts.tenancy import memberships_of
 from endpoints.gateway import errors
 from endpoints.gateway.memo import ExpiringSet, Memo, in_worker_thread
 
@@ -45,9 +53,6 @@ class Caller:
 
 
 def _lookup_key(plain: str) -> Caller | None:
-    from controlplane.models import Scope
-    from controlplane.services import authenticate_api_key_with_role
-
     authenticated = authenticate_api_key_with_role(plain)
     if authenticated is None:
         return None
@@ -82,14 +87,6 @@ async def caller_from_key(plain: str) -> Caller | None:
 
 
 def _lookup_session(session_key: str) -> Caller | None:
-    from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
-    from django.contrib.sessions.backends.db import SessionStore
-    from django.utils.crypto import constant_time_compare
-
-    from controlplane.models import email_is_verified
-    from controlplane.tenancy import SESSION_KEY as ORG_SESSION_KEY
-    from controlplane.tenancy import memberships_of
-
     session = SessionStore(session_key=session_key)
     user_id = session.get(SESSION_KEY)
     if user_id is None:
@@ -115,7 +112,6 @@ def _lookup_session(session_key: str) -> Caller | None:
 
 async def caller_from_session(headers: dict[str, str]) -> Caller | None:
     """A console session may call the gateway (the playground) with the CSRF double-submit token."""
-    from django.middleware.csrf import InvalidTokenFormat, _check_token_format, _does_token_match
 
     cookies = SimpleCookie()
     cookies.load(headers.get("cookie", ""))

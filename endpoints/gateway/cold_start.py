@@ -29,7 +29,7 @@ from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
 from endpoints.gateway.metrics import EndpointMetrics
 from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.wake import wake_endpoint
-from gpu_agent.notify import endpoint_ready_channel
+from endpoints.nodes.notify import endpoint_ready_channel
 
 COLD_START_POLL_S = 0.25
 REWAKE_EVERY_S = 5.0

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from endpoints.gateway.memo import Memo, in_worker_thread
+from endpoints.models import Endpoint, Replica
+from gpu_agent.protocol import NodeState, ReplicaState
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +77,6 @@ def _blocking_state(endpoint) -> str:
 
 
 def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
-    from endpoints.models import Endpoint
-
     endpoint = Endpoint.objects.live().select_related("organization__plan").filter(
         organization_id=organization_id, name=name).first()
     return _endpoint_info(endpoint) if endpoint else None
@@ -90,8 +90,6 @@ async def find_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
 
 
 def _load_models(organization_id: int) -> list[EndpointInfo]:
-    from endpoints.models import Endpoint
-
     endpoints = Endpoint.objects.live().select_related("organization__plan").filter(organization_id=organization_id)
     return [_endpoint_info(e) for e in endpoints.order_by("name")]
 
@@ -101,9 +99,6 @@ async def list_endpoints(organization_id: int) -> list[EndpointInfo]:
 
 
 def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
-    from endpoints.models import Replica
-    from gpu_agent.protocol import NodeState, ReplicaState
-
     rows = Replica.objects.filter(
         endpoint_id=endpoint_id, state=ReplicaState.READY, node__state__in=[NodeState.READY, NodeState.CORDONED]
     ).exclude(address="").select_related("node").only(
@@ -140,9 +135,6 @@ def forget_replica(endpoint_id: str, replica_id: str) -> None:
 
 
 def _load_progress(endpoint_id: str) -> str:
-    from endpoints.models import Endpoint, Replica
-    from gpu_agent.protocol import ReplicaState
-
     replica = (
         Replica.objects.filter(endpoint_id=endpoint_id, state__in=[ReplicaState.PENDING, ReplicaState.STARTING])
         .order_by("-created_at").values("state", "progress").first()

@@ -15,7 +15,12 @@ import ipaddress
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.db.models import Count
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
+from endpoints.nodes.models import Node
+from gpu_agent.protocol import NodeState
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -91,11 +96,6 @@ node_info = Gauge("inferplane_node_info", "The name of each node not offline, by
 
 def refresh_fleet_gauges() -> None:
     """Read replica counts, names and GPU use from the database (sync: run it off the event loop)."""
-    from django.db.models import Count
-
-    from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
-    from gpu_agent.models import Node
-    from gpu_agent.protocol import NodeState
 
     replicas.clear()
     rows = (Replica.objects.filter(state__in=ACTIVE_REPLICA_STATES, endpoint__deleted_at__isnull=True)

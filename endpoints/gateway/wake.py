@@ -1,16 +1,18 @@
 """Waking an endpoint's autoscaler at once when a request arrives to no READY replica."""
 
 from asgiref.sync import sync_to_async
+from celery import current_app
 
 from controlplane.redis_client import get_async_redis
 
 WAKE_DEDUPE_S = 2
+# NOTE: sent by name: the task (`endpoints.tasks`) calls the scheduler, which reads the gateway's
+# counters, so importing the task here would close a cycle.
+WAKE_TASK = "endpoints.wake_endpoint"
 
 
 def _send_wake(endpoint_id: str) -> None:
-    from endpoints.tasks import wake_endpoint
-
-    wake_endpoint.delay(endpoint_id)
+    current_app.send_task(WAKE_TASK, args=[endpoint_id])
 
 
 async def wake_endpoint(endpoint_id: str) -> None:

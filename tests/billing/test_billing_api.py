@@ -12,8 +12,8 @@ from billing.credits import grant_credits
 from billing.ledger import record_usage
 from billing.models import ApiKeySpendCap, BillingAccount, Invoice, InvoiceLine
 from billing.services import set_spend_cap
-from controlplane.models import ApiKey, AuditEvent, Role
-from controlplane.services import SYSTEM
+from controlplane.accounts.models import ApiKey, AuditEvent, Role
+from controlplane.accounts.services import SYSTEM
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory, OrganizationFactory
 

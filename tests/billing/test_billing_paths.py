@@ -20,8 +20,8 @@ from billing.quota.counters import QuotaExceeded
 from billing.quota.rebuild import credit_available
 from billing.rollups import rollup_usage
 from billing.services import set_billing_mode
-from controlplane.models import AuditEvent
-from controlplane.services import SYSTEM
+from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.services import SYSTEM
 from endpoints.gateway import admission
 from endpoints.gateway.auth import Caller
 from tests.billing.conftest import usage_report

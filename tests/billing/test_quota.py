@@ -17,9 +17,9 @@ from billing.quota import reads, sweeper
 from billing.quota.counters import QuotaExceeded
 from billing.quota.rebuild import credit_available
 from billing.services import set_billing_mode, set_key_spend_cap, set_spend_cap
-from controlplane.models import ApiKey
+from controlplane.accounts.models import ApiKey
+from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
-from controlplane.services import SYSTEM
 from endpoints.gateway import admission
 from endpoints.gateway.auth import Caller
 from tests.billing.conftest import usage_report

@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from billing.ledger import record_usage
-from controlplane.models import ApiKey, Role
+from controlplane.accounts.models import ApiKey, Role
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory, OrganizationFactory
 

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from billing.api import spreadsheet_cell
 from billing.ledger import record_usage
-from controlplane.models import ApiKey
+from controlplane.accounts.models import ApiKey
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from django.test import Client
 
-from controlplane.models import Role
-from controlplane.tenancy import SESSION_KEY
+from controlplane.accounts.models import Role
+from controlplane.accounts.tenancy import SESSION_KEY
 from tests.conftest import ARTIFACTS_DIR
 from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
 

@@ -3,8 +3,8 @@
 import pytest
 from django.urls import reverse
 
-from controlplane.models import Membership, Role
-from controlplane.tenancy import SESSION_KEY
+from controlplane.accounts.models import Membership, Role
+from controlplane.accounts.tenancy import SESSION_KEY
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 
 pytestmark = pytest.mark.django_db

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from billing.models import UsageRecord
-from controlplane.models import Role
-from controlplane.services import SYSTEM
+from controlplane.accounts.models import Role
+from controlplane.accounts.services import SYSTEM
+from endpoints.fleet.services import create_join_token
 from endpoints.models import Endpoint, Replica
-from gpu_agent.models import Node
+from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
-from gpu_agent.services import create_join_token
 from tests.conftest import (
     REPO_ROOT,
     start_agent,

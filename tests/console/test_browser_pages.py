@@ -14,9 +14,9 @@ from django.utils import timezone
 
 from billing.ledger import cost_of
 from billing.models import UsageRecord
-from controlplane.models import ApiKey, Role
+from controlplane.accounts.models import ApiKey, Role
 from endpoints.models import Endpoint, EndpointEvent, EventKind, Replica
-from gpu_agent.models import Node
+from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.console.conftest import screenshot
 from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
@@ -53,7 +53,7 @@ def verification_path(email: str) -> str:
     from django.contrib.auth import get_user_model
     from django.urls import reverse
 
-    from controlplane.services import email_verification_token
+    from controlplane.accounts.services import email_verification_token
 
     return reverse("verify-email-confirm", args=[email_verification_token(get_user_model().objects.get(email=email))])
 

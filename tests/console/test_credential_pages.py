@@ -3,7 +3,7 @@
 import pytest
 from django.urls import reverse
 
-from controlplane.models import AuditEvent, Role
+from controlplane.accounts.models import AuditEvent, Role
 from endpoints.credentials import stored_secrets
 from endpoints.models import Endpoint, ModelCredential
 from tests.console.test_endpoint_pages import VALID_SPEC

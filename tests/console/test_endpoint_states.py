@@ -2,10 +2,10 @@
 
 import pytest
 
-from controlplane.services import SYSTEM
+from controlplane.accounts.services import SYSTEM
 from endpoints import scheduler
+from endpoints.fleet.services import create_join_token
 from endpoints.models import Replica
-from gpu_agent.services import create_join_token
 from tests.factories import EndpointFactory
 from tests.test_agent_api import register
 from tests.test_endpoint_failures import IDLE, TINY, beat, failed

@@ -4,9 +4,9 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from controlplane.models import AuditEvent, Role
+from controlplane.accounts.models import AuditEvent, Role
 from endpoints.models import Replica
-from gpu_agent.models import JoinToken, Node
+from endpoints.nodes.models import JoinToken, Node
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.factories import EndpointFactory
 

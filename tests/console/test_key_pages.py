@@ -3,8 +3,8 @@
 import pytest
 from django.urls import reverse
 
-from controlplane.models import ApiKey, Role, Scope
-from controlplane.services import Actor, create_api_key, find_api_key
+from controlplane.accounts.models import ApiKey, Role, Scope
+from controlplane.accounts.services import Actor, create_api_key, find_api_key
 from tests.factories import OrganizationFactory
 
 pytestmark = pytest.mark.django_db

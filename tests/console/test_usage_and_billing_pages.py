@@ -8,7 +8,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from billing.models import BillingAccount, CreditGrant, Invoice
-from controlplane.models import Role
+from controlplane.accounts.models import Role
 from tests.console.test_endpoint_pages import usage_row
 from tests.factories import EndpointFactory, OrganizationFactory
 

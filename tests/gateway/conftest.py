@@ -10,10 +10,10 @@ import pytest
 from django.utils import timezone
 
 from controlplane import secrets as secrets_at_rest
-from controlplane.models import Role, Scope
-from controlplane.services import Actor, create_api_key
+from controlplane.accounts.models import Role, Scope
+from controlplane.accounts.services import Actor, create_api_key
 from endpoints.models import Replica
-from gpu_agent.models import Node
+from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until

@@ -9,8 +9,8 @@ import pytest
 from billing.quota import reads
 from billing.quota.counters import QuotaExceeded
 from billing.services import set_spend_cap
+from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
-from controlplane.services import SYSTEM
 from endpoints.gateway import admission, errors, limits, traffic
 from endpoints.gateway.auth import Caller
 from tests.factories import OrganizationFactory

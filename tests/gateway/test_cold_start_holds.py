@@ -12,12 +12,12 @@ import pytest
 from django.utils import timezone
 
 from controlplane import tokens
-from controlplane.models import Plan, Scope
+from controlplane.accounts.models import Plan, Scope
+from controlplane.accounts.services import SYSTEM, Actor, create_api_key, save_plan, set_organization_plan
 from controlplane.redis_client import get_redis
-from controlplane.services import SYSTEM, Actor, create_api_key, save_plan, set_organization_plan
 from endpoints.models import Replica
-from gpu_agent.models import Node
-from gpu_agent.notify import endpoint_ready_channel, node_channel
+from endpoints.nodes.models import Node
+from endpoints.nodes.notify import endpoint_ready_channel, node_channel
 from gpu_agent.protocol import NodeState
 from tests.conftest import start_web_server, wait_until
 from tests.factories import EndpointFactory, MembershipFactory

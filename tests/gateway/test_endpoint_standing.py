@@ -9,7 +9,7 @@ from django.utils import timezone
 from controlplane.redis_client import get_redis
 from endpoints.gateway import traffic
 from endpoints.models import Endpoint, Replica
-from gpu_agent.models import Node
+from endpoints.nodes.models import Node
 from gpu_agent.protocol import ReplicaState
 from tests.conftest import wait_until
 from tests.gateway.conftest import serve_endpoint

@@ -89,7 +89,7 @@ def test_ledger_sums_equal_the_usage_clients_saw(gateway, tenant, start_mock_ups
 
 
 def test_the_request_limit_is_exact_across_two_gateway_processes(gateway, tenant, start_mock_upstream, tmp_path):
-    from controlplane.models import ApiKey
+    from controlplane.accounts.models import ApiKey
 
     ApiKey.objects.filter(pk=tenant.api_key.pk).update(requests_per_minute=5)
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())

@@ -6,9 +6,9 @@ import secrets
 
 import pytest
 
-from controlplane import services
-from controlplane.models import Scope
-from controlplane.services import Actor, create_api_key
+from controlplane.accounts import services
+from controlplane.accounts.models import Scope
+from controlplane.accounts.services import Actor, create_api_key
 from endpoints.gateway import auth
 from tests.factories import MembershipFactory
 

@@ -22,7 +22,7 @@ from billing.models import BillingMode, UsageRecord
 from billing.periods import period_containing
 from billing.quota.rebuild import credit_available
 from billing.services import set_billing_mode, set_spend_cap
-from controlplane.services import SYSTEM
+from controlplane.accounts.services import SYSTEM
 from endpoints.gateway.estimate import worst_case
 from endpoints.models import Endpoint
 from gpu_agent.protocol import ReplicaSpec

@@ -12,7 +12,7 @@ from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
 from django.urls import reverse
 
-from controlplane.models import Role
+from controlplane.accounts.models import Role
 from endpoints.gateway.auth import authenticate
 from endpoints.gateway.errors import OpenAIError
 from tests.factories import MembershipFactory, UserFactory
@@ -83,7 +83,7 @@ def test_a_password_reset_ends_every_session(member):
 
 
 def test_an_unverified_account_cannot_infer_from_the_playground(member):
-    from controlplane.models import EmailVerification
+    from controlplane.accounts.models import EmailVerification
 
     client = _logged_in(member)
     EmailVerification.objects.filter(user=member).delete()

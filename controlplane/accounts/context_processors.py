@@ -1,4 +1,4 @@
-from controlplane.tenancy import memberships_of
+from controlplane.accounts.tenancy import memberships_of
 
 
 def organization(request):

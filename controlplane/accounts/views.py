@@ -7,13 +7,13 @@ from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from controlplane import services
-from controlplane.console import member_required
-from controlplane.forms import ApiKeyForm, MemberInviteForm, SignUpForm
-from controlplane.models import ApiKey, Invitation, Membership, Role, Scope, email_is_verified
-from controlplane.serializers import ApiKeySerializer
-from controlplane.services import client_ip, sign_up_user
-from controlplane.tenancy import SESSION_KEY, memberships_of
+from controlplane.accounts import services
+from controlplane.accounts.console import member_required
+from controlplane.accounts.forms import ApiKeyForm, MemberInviteForm, SignUpForm
+from controlplane.accounts.models import ApiKey, Invitation, Membership, Role, Scope, email_is_verified
+from controlplane.accounts.serializers import ApiKeySerializer
+from controlplane.accounts.services import client_ip, sign_up_user
+from controlplane.accounts.tenancy import SESSION_KEY, memberships_of
 
 
 def home(request):
@@ -33,7 +33,7 @@ def signup(request):
             organization_name=form.cleaned_data["organization_name"],
             source_ip=client_ip(request),
         )
-        login(request, user, backend="controlplane.backends.EmailBackend")
+        login(request, user, backend="controlplane.accounts.backends.EmailBackend")
         request.session[SESSION_KEY] = organization.pk
         return redirect("verify-email")
     return render(request, "controlplane/signup.html", {"form": form})
@@ -53,7 +53,7 @@ def verify_email(request):
 @login_required
 @require_POST
 def verify_email_resend(request):
-    # NOTE: throttled per user and address (controlplane.throttle), so this cannot mail-bomb anyone.
+    # NOTE: throttled per user and address (controlplane.accounts.throttle), so this cannot mail-bomb anyone.
     if not email_is_verified(request.user):
         services.send_verification_email(request.user)
         messages.success(request, f"We sent a new link to {request.user.email}.")

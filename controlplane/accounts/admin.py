@@ -11,8 +11,8 @@ from django.contrib import admin, messages
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 
-from controlplane.models import ApiKey, AuditEvent, Organization, Plan
-from controlplane.services import (
+from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
+from controlplane.accounts.services import (
     Actor,
     client_ip,
     mark_email_verified,

@@ -2,7 +2,7 @@
 
 from rest_framework import authentication, exceptions
 
-from controlplane.services import authenticate_api_key
+from controlplane.accounts.services import authenticate_api_key
 
 
 class ApiKeyAuthentication(authentication.BaseAuthentication):
@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - the schema generator is always install
 if OpenApiAuthenticationExtension is not None:
 
     class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
-        target_class = "controlplane.authentication.ApiKeyAuthentication"
+        target_class = "controlplane.accounts.authentication.ApiKeyAuthentication"
         name = "ApiKey"
 
         def get_security_definition(self, auto_schema):

@@ -16,7 +16,7 @@ from django.utils import timezone
 from django.utils.text import slugify
 
 from controlplane import tokens
-from controlplane.models import (
+from controlplane.accounts.models import (
     ROLE_RANK,
     ApiKey,
     AuditEvent,

@@ -9,8 +9,8 @@ from django.forms.utils import ErrorDict
 from django.http import QueryDict
 from django.utils import timezone
 
-from controlplane.backends import email_in_use
-from controlplane.models import Role, Scope
+from controlplane.accounts.backends import email_in_use
+from controlplane.accounts.models import Role, Scope
 
 
 class SignUpForm(forms.Form):

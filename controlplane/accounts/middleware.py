@@ -15,10 +15,10 @@ from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils.functional import SimpleLazyObject
 
-from controlplane import throttle
-from controlplane.models import email_is_verified
-from controlplane.services import client_ip
-from controlplane.tenancy import session_membership
+from controlplane.accounts import throttle
+from controlplane.accounts.models import email_is_verified
+from controlplane.accounts.services import client_ip
+from controlplane.accounts.tenancy import session_membership
 
 
 class _AsyncCapable:

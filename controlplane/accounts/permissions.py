@@ -2,8 +2,8 @@
 
 from rest_framework import permissions
 
-from controlplane.models import ApiKey, Role, Scope
-from controlplane.tenancy import request_membership
+from controlplane.accounts.models import ApiKey, Role, Scope
+from controlplane.accounts.tenancy import request_membership
 
 
 class IsOrganizationMember(permissions.BasePermission):

@@ -1,12 +1,15 @@
-"""The fleet in the Django admin: read-only; cordon, drain and uncordon go through `set_node_state`."""
+"""The fleet in the Django admin: read-only; cordon, drain and uncordon go through `set_node_state`.
+
+Registered by `endpoints.admin` (Django looks for admin modules in apps only, and the nodes' app,
+`endpoints.nodes`, holds records and nothing that acts on them)."""
 
 from django.contrib import admin, messages
 
-from controlplane.admin import ReadOnlyAdmin
-from controlplane.services import Actor
-from gpu_agent.models import Node
+from controlplane.accounts.admin import ReadOnlyAdmin
+from controlplane.accounts.services import Actor
+from endpoints.fleet.services import set_node_state
+from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState
-from gpu_agent.services import set_node_state
 
 
 @admin.register(Node)

@@ -10,12 +10,12 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from controlplane.console import staff_required
-from controlplane.models import AuditEvent
-from controlplane.services import Actor
+from controlplane.accounts.console import staff_required
+from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.services import Actor
+from endpoints.fleet import services
 from endpoints.models import ACTIVE_REPLICA_STATES, Replica
-from gpu_agent import services
-from gpu_agent.models import JoinToken, Node
+from endpoints.nodes.models import JoinToken, Node
 from gpu_agent.protocol import NodeState
 
 NUM_AUDIT_EVENTS_SHOWN = 50

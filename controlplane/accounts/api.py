@@ -15,16 +15,16 @@ from rest_framework.exceptions import NotFound, PermissionDenied, ValidationErro
 from rest_framework.generics import get_object_or_404
 from rest_framework.response import Response
 
-from controlplane import services
-from controlplane.models import ApiKey, AuditEvent, Invitation, Membership, Role
-from controlplane.serializers import (
+from controlplane.accounts import services
+from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Membership, Role
+from controlplane.accounts.serializers import (
     ApiKeySerializer,
     AuditEventSerializer,
     InvitationSerializer,
     MembershipSerializer,
     OrganizationSerializer,
 )
-from controlplane.tenancy import request_membership
+from controlplane.accounts.tenancy import request_membership
 
 
 def not_found(request, exception=None):

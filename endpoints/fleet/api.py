@@ -14,8 +14,9 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
 from controlplane import pubsub
-from gpu_agent import protocol, services
-from gpu_agent.notify import node_channel
+from endpoints.fleet import services
+from endpoints.nodes.notify import node_channel
+from gpu_agent import protocol
 
 
 def _error(status: int, message: str) -> JsonResponse:

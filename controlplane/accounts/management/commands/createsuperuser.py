@@ -1,6 +1,6 @@
 """`createsuperuser` that knows accounts by email: it asks for the email first and uses it as the
 username unless one is given (`--username`, `DJANGO_SUPERUSER_USERNAME`). Whatever the username,
-the account logs in to the console with its email (`controlplane.backends.EmailBackend`).
+the account logs in to the console with its email (`controlplane.accounts.backends.EmailBackend`).
 
 NOTE: `controlplane` is listed before `django.contrib.auth` in INSTALLED_APPS so this command
 replaces Django's.
@@ -14,7 +14,7 @@ from django.contrib.auth.management.commands import createsuperuser
 from django.core import exceptions
 from django.core.management.base import CommandError
 
-from controlplane.backends import email_in_use
+from controlplane.accounts.backends import email_in_use
 
 
 class Command(createsuperuser.Command):

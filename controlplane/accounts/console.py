@@ -15,7 +15,7 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404
 from django.shortcuts import render
 
-from controlplane.models import Role
+from controlplane.accounts.models import Role
 
 READ_METHODS = ("GET", "HEAD")
 

@@ -15,14 +15,14 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from controlplane import tokens
-from controlplane.services import SYSTEM, Actor, record_audit
+from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.models import ACTIVE_REPLICA_STATES, ModelFacts, Replica
+from endpoints.nodes.models import JoinToken, Node
+from endpoints.nodes.notify import notify_node
 from endpoints.replicas import apply_replica_report, drain_node
 from gpu_agent import protocol
-from gpu_agent.models import JoinToken, Node
-from gpu_agent.notify import notify_node
 from gpu_agent.protocol import NodeState, ReplicaAction, ReplicaState
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 from django.utils import timezone
 from rest_framework import serializers
 
-from controlplane.models import ApiKey, AuditEvent, Invitation, Membership, Organization, Scope
+from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Membership, Organization, Scope
 
 
 class StrictModelSerializer(serializers.ModelSerializer):

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from gpu_agent import api
+from endpoints.fleet import api
 
 urlpatterns = [
     path("register", api.register, name="agent-register"),

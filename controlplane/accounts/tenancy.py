@@ -7,7 +7,7 @@ with its creator's current role there.
 
 from __future__ import annotations
 
-from controlplane.models import ApiKey, Membership
+from controlplane.accounts.models import ApiKey, Membership
 
 SESSION_KEY = "organization_id"
 

@@ -1,0 +1,14 @@
+from django.apps import AppConfig
+
+
+class AccountsConfig(AppConfig):
+    """Organisations, members, invitations, API keys, plans and the audit log.
+
+    The label stays `controlplane`, from when these models lived in the project package: tables,
+    content types and migration history carry over unchanged on existing databases.
+    """
+
+    name = "controlplane.accounts"
+    label = "controlplane"
+    verbose_name = "Accounts and organisations"
+    default_auto_field = "django.db.models.BigAutoField"
