@@ -10,7 +10,6 @@ One engine serves the module (slow to start on CPU), with prefix caching on as t
 
 from __future__ import annotations
 
-import os
 from decimal import Decimal
 
 import httpx
@@ -20,9 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from billing.models import UsageRecord
 from endpoints.models import Endpoint
 from gpu_agent.protocol import ReplicaSpec
-from gpu_agent.runtime.engine import DEVICE_CPU, build_engine_command
-from tests.conftest import ChildProcess, free_port, wait_until
-from tests.gateway.conftest import serve_endpoint
+from tests.conftest import wait_until
+from tests.gateway.conftest import serve_endpoint, start_cpu_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
@@ -39,19 +37,8 @@ def engine(tiny_model_dir, tmp_path_factory):
     spec = ReplicaSpec(replica_id="vllm-gateway-engine", endpoint_id="e", served_model_name=NAME,
                        model_source=str(tiny_model_dir), max_model_len=CONTEXT, max_num_seqs=8,
                        enable_prefix_caching=True, engine_api_key=ENGINE_KEY)
-    command = build_engine_command(spec, tiny_model_dir, port=free_port(), device=DEVICE_CPU)
-    child = ChildProcess(command.argv, {**os.environ, **command.env}, tmp_path_factory.mktemp("engine") / "vllm.log")
-
-    def healthy():
-        if child.process.poll() is not None:
-            raise AssertionError(f"vLLM exited early:\n{child.log_tail()}")
-        try:
-            return httpx.get(f"{command.address}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(healthy, 600, interval_s=1, message="vLLM to answer /health")
-    yield command.address
+    child, address = start_cpu_engine(spec, tiny_model_dir, tmp_path_factory.mktemp("engine"))
+    yield address
     child.stop(timeout_s=30)
 
 
