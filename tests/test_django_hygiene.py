@@ -106,7 +106,8 @@ def test_staff_revoke_api_keys_in_the_admin_through_the_service_which_audits_it(
     assert AuditEvent.objects.filter(action="api_key.revoke", target_id=str(key.pk)).exists()
 
 
-def test_under_ci_a_skipped_test_fails_the_run(tmp_path):
+def test_under_ci_a_skipped_test_fails_the_run(tmp_path, pytestconfig):
+    assert pytestconfig.pluginmanager.has_plugin("tests.ci_skips")  # the suite loads the rule (tests/conftest.py)
     (tmp_path / "test_sample.py").write_text(textwrap.dedent("""
         import pytest
 

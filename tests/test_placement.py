@@ -1,4 +1,8 @@
-"""Placement over many simulated nodes (rows, no processes)."""
+"""Placement over many simulated nodes (rows), and from several processes at once."""
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from django.db.models import Sum
@@ -8,9 +12,10 @@ from hypothesis import strategies as st
 
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
-from endpoints.placement import memory_needed_mb
+from endpoints.placement import memory_needed_mb, weights_size_mb
 from endpoints.replicas import place_replica
 from gpu_agent.protocol import NodeState
+from tests.conftest import REPO_ROOT, child_env, wait_until
 from tests.factories import EndpointFactory, OrganizationFactory
 
 pytestmark = pytest.mark.django_db
@@ -69,7 +74,7 @@ def test_says_how_much_memory_is_missing():
     node_memory=st.lists(st.sampled_from([16_000, 24_000, 40_000, 80_000]), min_size=1, max_size=12),
     models=st.lists(st.sampled_from(["hf:o/m-1B", "hf:o/m-3B", "hf:o/m-7B", "hf:o/m-13B", "hf:o/unknown"]), min_size=1, max_size=30),
 )
-def test_no_gpu_is_ever_over_committed(node_memory, models):
+def test_no_gpu_is_ever_over_committed_by_placements_one_after_another(node_memory, models):
     Replica.objects.all().delete()
     Node.objects.all().delete()
     organization = OrganizationFactory()
@@ -83,11 +88,61 @@ def test_no_gpu_is_ever_over_committed(node_memory, models):
         assert used <= node.total_gpu_memory_mb
 
 
+# One placer process: waits for the start signal (a file), then places one replica for each endpoint id it
+# was given, as fast as it can, and prints how many it placed.
+PLACER = textwrap.dedent("""
+    import os, sys, time
+    import django
+
+    django.setup()
+    from endpoints.models import Endpoint
+    from endpoints.replicas import place_replica
+
+    ready_path, go_path, *endpoint_ids = sys.argv[1:]
+    endpoints = list(Endpoint.objects.filter(pk__in=endpoint_ids))
+    open(ready_path, "w").close()
+    while not os.path.exists(go_path):
+        time.sleep(0.01)
+    print(sum(place_replica(endpoint)[0] is not None for endpoint in endpoints))
+""")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_gpu_is_ever_over_committed_by_placements_from_several_processes_at_once(tmp_path):
+    """Four processes place replicas at the same moment. Best fit sends them all to the fullest node
+    that still has room, so they race for the same last slots; the node lock makes them queue."""
+    num_processes, endpoints_per_process, num_nodes = 4, 12, 4
+    organization = OrganizationFactory()
+    endpoints = [EndpointFactory(organization=organization, model_source="hf:o/m-1B", gpu_type="l4", max_model_len=2048)
+                 for _ in range(num_processes * endpoints_per_process)]
+    needed_mb = memory_needed_mb(endpoints[0])
+    slots_per_node = 3
+    nodes = [make_node(memory_mb=needed_mb * slots_per_node + needed_mb // 2) for _ in range(num_nodes)]
+
+    go_path = tmp_path / "go"
+    placers = []
+    for index in range(num_processes):
+        mine = endpoints[index * endpoints_per_process:(index + 1) * endpoints_per_process]
+        placers.append(subprocess.Popen(
+            [sys.executable, "-c", PLACER, str(tmp_path / f"ready-{index}"), str(go_path), *[str(e.pk) for e in mine]],
+            cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    wait_until(lambda: all((tmp_path / f"ready-{index}").exists() for index in range(num_processes)), 120,
+               message="every placer to be ready")
+    go_path.touch()
+    outputs = [placer.communicate(timeout=120) for placer in placers]
+    assert all(placer.returncode == 0 for placer in placers), [stderr[-2000:] for _, stderr in outputs]
+
+    assert sum(int(stdout) for stdout, _ in outputs) == Replica.objects.count() > 0
+    for node in nodes:
+        used = Replica.objects.filter(node=node).aggregate(total=Sum("reserved_memory_mb"))["total"] or 0
+        assert used <= node.total_gpu_memory_mb, f"{node.name}: {used} MB reserved of {node.total_gpu_memory_mb} MB"
+    assert Replica.objects.count() == num_nodes * slots_per_node  # every slot taken, none twice
+
+
 def test_a_reported_weights_size_replaces_the_estimate_from_the_name():
     endpoint = EndpointFactory(model_source="hf:org/model-8B", gpu_type="l4")
     make_node(memory_mb=24_000)
     make_node(memory_mb=24_000, last_status={"weights": [{"source": "hf:org/other", "size_bytes": 9 * 2**30},
                                                          {"source": "hf:org/model-8B", "size_bytes": 2 * 2**30}]})
-    from endpoints.placement import weights_size_mb
-
     assert weights_size_mb(endpoint) == 2048

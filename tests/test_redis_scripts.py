@@ -1,6 +1,7 @@
 """The gateway's pipelined script connection, against the real (embedded) Redis."""
 
 import asyncio
+import time
 
 import pytest
 from django.conf import settings
@@ -46,7 +47,11 @@ def test_a_dropped_connection_fails_the_calls_in_flight_and_the_next_call_reconn
             await in_flight
         after_drop = await INCREMENT(keys=["counter"], args=[1])
         get_redis().client_kill_filter(_type="normal", skipme=True)  # the server drops it
-        await asyncio.sleep(0.2)
+        dropped = redis_scripts._connections.get()._protocol
+        deadline = time.monotonic() + 30
+        while dropped.lost is None:  # this side sees the hang-up
+            assert time.monotonic() < deadline, "the client never saw the server hang up"
+            await asyncio.sleep(0.01)
         return after_drop, await INCREMENT(keys=["counter"], args=[1])
 
     assert asyncio.run(scenario()) == (2, 3)

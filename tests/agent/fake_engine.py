@@ -95,6 +95,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._send(200, json.dumps(body))
 
 
+print(f"==> fake engine started at {time.time():.3f}", flush=True)
+
+
+def crash():
+    print(f"==> fake engine exits at {time.time():.3f}", flush=True)
+    os._exit(3)
+
+
 if args.exit_after_s is not None:
-    threading.Timer(args.exit_after_s, lambda: os._exit(3)).start()
+    threading.Timer(args.exit_after_s, crash).start()
 http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()

@@ -18,7 +18,7 @@ ENGINE = textwrap.dedent("""
 """)
 
 
-def _wait_gone(pids, timeout_s=10):
+def _wait_gone(pids, timeout_s=60):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

@@ -129,7 +129,8 @@ def test_a_standby_start_that_never_gets_ready_is_retried_with_a_plain_launch(tm
         assert not replica.from_standby and replica.avoid_standby and replica.num_restarts == 1
         assert "retrying with a plain launch" in replica.failure_reason
         log = replica.log_path.read_text()
-        assert "on the warm standby" in log and log.rstrip().splitlines()[-1].startswith("==> launch")
+        launches = [line for line in log.splitlines() if line.startswith("==> launch")]
+        assert len(launches) == 2 and "on the warm standby" in launches[0] and "on the warm standby" not in launches[1]
     finally:
         supervisor.shutdown(timeout_s=1)
     assert processes_with_marker("r-fallback") == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,18 +56,24 @@ def test_replica_becomes_ready_once_health_passes(make_supervisor):
 
 
 def test_crashed_engine_restarts_with_backoff_then_fails_with_log_tail(make_supervisor):
-    supervisor = make_supervisor("--exit-after-s", "0.3")
+    policy = SupervisorPolicy(restart_backoff_s=1.0, max_consecutive_crashes=4, stop_timeout_s=2.0)
+    supervisor = make_supervisor("--exit-after-s", "0.3", policy=policy)
     supervisor.start(make_spec("r-crash"), "/models/x")
-    wait_until(lambda: state_of(supervisor, "r-crash") == ReplicaState.FAILED, 20, poll=supervisor.poll)
+    wait_until(lambda: state_of(supervisor, "r-crash") == ReplicaState.FAILED, 30, poll=supervisor.poll)
     replica = supervisor.get("r-crash")
-    assert replica.num_restarts == 2  # third crash in a row is final
-    assert "exited with code 3 3 times in a row" in replica.failure_reason
+    assert replica.num_restarts == 3  # the fourth crash in a row is final
+    assert "exited with code 3 4 times in a row" in replica.failure_reason
     assert "==> launch" in replica.failure_reason  # the log tail travels with the reason
     states = [state for state, _ in replica.state_history]
     assert states[0] == ReplicaState.STARTING and states[-1] == ReplicaState.FAILED
-    launches = [at for state, at in replica.state_history if state == ReplicaState.STARTING]
-    assert len(launches) >= 1
     assert processes_with_marker("r-crash") == []
+    # The backoff, measured: from each crash to the next engine's start, at least 1 s, then 2 s, then 4 s.
+    log = replica.log_path.read_text()
+    started = [float(at) for at in re.findall(r"==> fake engine started at ([0-9.]+)", log)]
+    exited = [float(at) for at in re.findall(r"==> fake engine exits at ([0-9.]+)", log)]
+    assert len(started) == len(exited) == 4
+    waits = [start - crash for crash, start in zip(exited[:-1], started[1:], strict=True)]
+    assert [wait >= 2**index for index, wait in enumerate(waits)] == [True] * 3, f"waits between a crash and the next start: {waits}"
 
 
 def test_drain_waits_for_running_requests_then_stops_every_process(make_supervisor, tmp_path):

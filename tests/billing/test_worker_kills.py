@@ -35,6 +35,8 @@ from tests.fakes.stripe_server import FakeStripe
 NUM_KILLS = 100
 NUM_WORKERS = 4
 WHOLE_WORKER_EVERY = 10
+# A deadline for the chaos, not a speed to meet: on an idle machine it takes about a minute.
+CHAOS_DEADLINE_S = 600
 
 
 def _start_worker(tmp_path, env, number: int) -> ChildProcess:
@@ -90,12 +92,12 @@ def _feed(*, full_rollup: bool, queue_depth: int = 2):
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(CHAOS_DEADLINE_S + 300)
 def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothing_twice(tmp_path):
     rng = random.Random(6)
-    fake = FakeStripe(latency_s=0.02, timeout_hang_s=0.5).start()
+    fake = FakeStripe(latency_s=0.02).start()
     env = child_env() | {
-        "STRIPE_SECRET_KEY": "sk_test_chaos", "STRIPE_API_BASE": fake.base_url, "STRIPE_TIMEOUT_S": "0.25",
+        "STRIPE_SECRET_KEY": "sk_test_chaos", "STRIPE_API_BASE": fake.base_url, "STRIPE_TIMEOUT_S": "3",
         "STRIPE_RETRY_BASE_DELAY_S": "0.01", "INFERPLANE_BILLING_CLAIM_TIMEOUT_S": "1",
         "INFERPLANE_ROLLUP_CLOSE_AFTER_S": "0",
     }
@@ -138,7 +140,7 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
                     continue
                 killed_during[task] += 1
                 break
-            assert time.monotonic() - started < 200, f"only {dict(killed_during)} kills in 200 s"
+            assert time.monotonic() - started < CHAOS_DEADLINE_S, f"only {dict(killed_during)} kills in {CHAOS_DEADLINE_S} s"
         chaos_s = time.monotonic() - started
     finally:
         for worker in workers:
@@ -155,7 +157,7 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
             changed = rollup["created"] + rollup["updated"] + rollup["adjustments"] + rollup["closed"]
             return changed == 0 and pushed == 0 and not UsageRollup.objects.pushable().exists()
 
-        time.sleep(1.0)  # let claims of killed pushes go stale
+        # Claims of killed pushes go stale after 0.5 s; until then `finished` stays false.
         wait_until(finished, 90, interval_s=0.5, message="the fresh worker to push every rollup")
     finally:
         final.stop()

@@ -7,8 +7,10 @@
 
 It records every call, replays the stored response for a repeated `Idempotency-Key` (as Stripe
 does for 24 h), refuses a meter event whose `identifier` it has already accepted, and can be told
-to fail. A "timeout" failure handles the request and then answers too late, so the client sees a
-timeout although Stripe did the work: the case idempotency keys exist for.
+to fail. A "timeout" failure handles the request and then holds its answer until the client gives
+up and hangs up, so the client sees a timeout although Stripe did the work: the case idempotency
+keys exist for. (It waits for the hang-up, not for a fixed time: the client's timeout can be
+generous, so that an ordinary call on a slow machine never times out.)
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class _Failure:
 @dataclass
 class FakeStripe:
     latency_s: float = 0.0  # added to every call, so work takes long enough to be interrupted
-    timeout_hang_s: float = 2.0  # how late a "timeout" failure answers
+    timeout_hang_s: float = 120.0  # the longest a "timeout" failure waits for its client to hang up
     calls: list[Call] = field(default_factory=list)
     customers: dict[str, dict] = field(default_factory=dict)
     meters: dict[str, dict] = field(default_factory=dict)
@@ -143,7 +145,7 @@ class FakeStripe:
                     self._idempotent[call.idempotency_key] = (status, payload)
         if failure is not None:  # "timeout": the work is done, the answer comes too late
             call.injected = failure.kind
-            time.sleep(self.timeout_hang_s)
+            _wait_for_hang_up(request, self.timeout_hang_s)
         self._answer(request, call, status, payload, replayed=call.replayed)
 
     def _take_failure(self, method: str, path: str) -> _Failure | None:
@@ -249,6 +251,18 @@ class FakeStripe:
             request.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client gave up (a timeout): Stripe's work stands all the same
+
+
+def _wait_for_hang_up(request: BaseHTTPRequestHandler, limit_s: float) -> None:
+    """Until the client closes the connection (its timeout fired), or `limit_s`. A client waiting
+    for its answer sends nothing more, so the first read that returns returns end-of-stream."""
+    connection = request.connection
+    connection.settimeout(limit_s)
+    try:
+        while connection.recv(4096):
+            pass
+    except OSError:  # the limit passed, or the connection broke
+        pass
 
 
 def sign_webhook(payload: bytes, secret: str, *, timestamp: int | None = None) -> str:

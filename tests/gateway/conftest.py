@@ -1,8 +1,10 @@
-"""Gateway fixtures: live ASGI servers, mock OpenAI upstreams and endpoints wired to them."""
+"""Gateway fixtures: live ASGI servers, mock OpenAI upstreams, real CPU engines and endpoints wired to them."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,7 +16,8 @@ from controlplane.accounts.models import Role, Scope
 from controlplane.accounts.services import Actor, create_api_key
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
-from gpu_agent.protocol import NodeState, ReplicaState
+from gpu_agent.protocol import NodeState, ReplicaSpec, ReplicaState
+from gpu_agent.runtime.engine import DEVICE_CPU, build_engine_command
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
 from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
@@ -96,3 +99,21 @@ def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = 
         if engine_key:
             Replica.objects.filter(pk=replica.pk).update(encrypted_engine_key=secrets_at_rest.encrypt(engine_key))
     return endpoint
+
+
+def start_cpu_engine(spec: ReplicaSpec, model_dir: Path, log_dir: Path) -> tuple[ChildProcess, str]:
+    """A real vLLM engine for `spec` on the CPU, started as the agent starts it (key in its environment);
+    returns it once it answers /health, with its address."""
+    command = build_engine_command(spec, model_dir, port=free_port(), device=DEVICE_CPU)
+    child = ChildProcess(command.argv, {**os.environ, **command.env}, log_dir / "vllm.log")
+
+    def healthy():
+        if child.process.poll() is not None:
+            raise AssertionError(f"vLLM exited early:\n{child.log_tail()}")
+        try:
+            return httpx.get(f"{command.address}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, 600, interval_s=1, message="vLLM to answer /health")
+    return child, command.address

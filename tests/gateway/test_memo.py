@@ -12,9 +12,13 @@ from endpoints.gateway.memo import Memo
 
 
 class Loader:
-    def __init__(self, delay_s: float = 0.05):
-        self.delay_s = delay_s
+    """A lookup that the test can hold: while `gate` is clear, every load waits for it."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
         self.calls = 0
+        self.failures = 0
         self.answer = "first"
         self.fail = False
         self._lock = threading.Lock()
@@ -22,81 +26,118 @@ class Loader:
     def __call__(self, key):
         with self._lock:
             self.calls += 1
-        time.sleep(self.delay_s)
+        assert self.gate.wait(30), "the test never released the load"
         if self.fail:
+            with self._lock:
+                self.failures += 1
             raise RuntimeError("database down")
         return f"{key}:{self.answer}"
 
 
+class Ttl:
+    """A time to live the test moves: entries expire when it says so, not when a clock does."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self) -> float:
+        return self.seconds
+
+    def expire(self) -> None:
+        self.seconds = 0  # every entry is older: expired, within the stale window
+
+    def expire_past_the_stale_window(self) -> None:
+        self.seconds = -memo.STALE_FOR_S - 1
+
+
+async def until(condition, timeout_s: float = 30):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the condition"
+        await asyncio.sleep(0.01)
+
+
 def test_concurrent_misses_share_one_load():
     loader = Loader()
+    loader.gate.clear()
     cache = Memo(loader, ttl_s=10)
 
     async def storm():
-        return await asyncio.gather(*(cache.get("k") for _ in range(50)))
+        callers = asyncio.gather(*(cache.get("k") for _ in range(50)))
+        await until(lambda: loader.calls >= 1)
+        await asyncio.sleep(0)  # every caller has asked by now
+        loader.gate.set()
+        return await callers
 
     assert asyncio.run(storm()) == ["k:first"] * 50
     assert loader.calls == 1
 
 
 def test_an_expired_entry_is_answered_at_once_and_reloaded_once_in_the_background():
-    loader = Loader(delay_s=0.2)
-    cache = Memo(loader, ttl_s=0.05)
+    loader = Loader()
+    ttl = Ttl(60)
+    cache = Memo(loader, ttl_s=ttl)
 
     async def scenario():
         await cache.get("k")
-        await asyncio.sleep(0.1)  # expired, within the stale window
+        ttl.expire()
         loader.answer = "second"
-        started = time.monotonic()
-        stale = await asyncio.gather(*(cache.get("k") for _ in range(20)))
-        waited = time.monotonic() - started
-        await asyncio.sleep(0.3)  # the background reload lands
+        loader.gate.clear()  # the reload is held: a caller that waited for it would never be answered
+        stale = await asyncio.wait_for(asyncio.gather(*(cache.get("k") for _ in range(20))), 30)
+        loader.gate.set()
+        await until(lambda: cache.entries["k"][1] == "k:second")  # the background reload lands
         loads = loader.calls
-        return stale, waited, loads, await cache.get("k")
+        ttl.seconds = 60
+        return stale, loads, await cache.get("k")
 
-    stale, waited, loads, fresh = asyncio.run(scenario())
+    stale, loads, fresh = asyncio.run(scenario())
 
-    assert stale == ["k:first"] * 20 and waited < 0.1
+    assert stale == ["k:first"] * 20
     assert loads == 2  # the first load, then one reload for all twenty callers
     assert fresh == "k:second"
 
 
 def test_fresh_reads_and_empty_answers_wait_for_the_database():
-    loader = Loader(delay_s=0.01)
-    replicas = Memo(lambda key: loader(key) if loader.answer else [], ttl_s=0.01, wait_when_empty=True)
+    loader = Loader()
+    ttl = Ttl(60)
+    replicas = Memo(lambda key: loader(key) if loader.answer else [], ttl_s=ttl, wait_when_empty=True)
 
     async def scenario():
         loader.answer = ""
         assert await replicas.get("e") == []
-        await asyncio.sleep(0.02)
+        ttl.expire()
         loader.answer = "ready"
         after_empty = await replicas.get("e")  # an expired empty list is not served stale
+        ttl.seconds = 60
         loader.answer = "newer"
         return after_empty, await replicas.get("e", fresh=True)
 
     assert asyncio.run(scenario()) == ("e:ready", "e:newer")
 
 
-def test_a_failed_background_reload_keeps_the_old_answer_until_the_stale_window_ends(monkeypatch):
-    monkeypatch.setattr(memo, "STALE_FOR_S", 0.3)
-    loader = Loader(delay_s=0.01)
-    cache = Memo(loader, ttl_s=0.05)
+def test_a_failed_background_reload_keeps_the_old_answer_until_the_stale_window_ends():
+    loader = Loader()
+    ttl = Ttl(60)
+    cache = Memo(loader, ttl_s=ttl)
 
     async def scenario():
         await cache.get("k")
         loader.fail = True
-        await asyncio.sleep(0.1)
-        during = await cache.get("k")  # stale answer; its reload fails in the background
-        await asyncio.sleep(0.4)
+        ttl.expire()
+        during = [await cache.get("k")]  # stale answer; its reload fails in the background
+        await until(lambda: loader.failures == 1 and not cache._loading)
+        during.append(await cache.get("k"))  # the failed reload left the old answer in place
+        await until(lambda: loader.failures == 2 and not cache._loading)
+        ttl.expire_past_the_stale_window()
         with pytest.raises(RuntimeError, match="database down"):
             await cache.get("k")
         return during
 
-    assert asyncio.run(scenario()) == "k:first"
+    assert asyncio.run(scenario()) == ["k:first", "k:first"]
 
 
 def test_a_full_cache_evicts_the_least_recently_used_entry_and_keeps_the_hot_ones():
-    loader = Loader(delay_s=0)
+    loader = Loader()
     cache = Memo(loader, ttl_s=60, max_entries=2)
 
     async def scenario():

@@ -1,6 +1,7 @@
 """The official `openai` client against the gateway, with a mock upstream standing in for the engine.
 
-The same paths against a real vLLM replica are in tests/gateway/test_vllm_gateway.py.
+What only a real engine shows (its own refusals, aborting a request whose client left, prefix-cache
+hits billed at the cached price) is tested against real vLLM in tests/gateway/test_vllm_gateway.py.
 """
 
 import asyncio

@@ -7,7 +7,6 @@ the real cost of the tokens the engine reports never exceeds what the gateway re
 
 from __future__ import annotations
 
-import os
 from decimal import Decimal
 
 import httpx
@@ -26,9 +25,8 @@ from controlplane.accounts.services import SYSTEM
 from endpoints.gateway.estimate import worst_case
 from endpoints.models import Endpoint
 from gpu_agent.protocol import ReplicaSpec
-from gpu_agent.runtime.engine import DEVICE_CPU, build_engine_command
-from tests.conftest import ChildProcess, free_port, wait_until
-from tests.gateway.conftest import serve_endpoint
+from tests.conftest import wait_until
+from tests.gateway.conftest import serve_endpoint, start_cpu_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
@@ -45,19 +43,8 @@ def engine(tiny_model_dir, tmp_path_factory):
     spec = ReplicaSpec(replica_id="reservation-engine", endpoint_id="e", served_model_name=NAME,
                        model_source=str(tiny_model_dir), max_model_len=CONTEXT, max_num_seqs=64,
                        enable_prefix_caching=False, engine_api_key=ENGINE_KEY)
-    command = build_engine_command(spec, tiny_model_dir, port=free_port(), device=DEVICE_CPU)
-    child = ChildProcess(command.argv, {**os.environ, **command.env}, tmp_path_factory.mktemp("engine") / "vllm.log")
-
-    def healthy():
-        if child.process.poll() is not None:
-            raise AssertionError(f"vLLM exited early:\n{child.log_tail()}")
-        try:
-            return httpx.get(f"{command.address}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(healthy, 600, interval_s=1, message="vLLM to answer /health")
-    yield command.address
+    child, address = start_cpu_engine(spec, tiny_model_dir, tmp_path_factory.mktemp("engine"))
+    yield address
     child.stop(timeout_s=30)
 
 

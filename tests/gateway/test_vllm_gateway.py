@@ -1,0 +1,148 @@
+"""The gateway in front of a real vLLM engine (the tiny model on CPU): what only a real engine shows.
+
+One engine serves the module (slow to start on CPU), with prefix caching on as the agent starts it.
+- The engine's own refusal (a 400 with its message) reaches the client in OpenAI's shape.
+- A client that leaves mid-stream aborts the engine's request: the engine stops generating for it
+  (its own metrics say so), long before the request's `max_tokens`.
+- A prompt that shares a long prefix with an earlier one is a prefix-cache hit: the engine reports
+  the cached tokens in `usage.prompt_tokens_details`, and the ledger bills them at the cached price.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from billing.models import UsageRecord
+from endpoints.models import Endpoint
+from gpu_agent.protocol import ReplicaSpec
+from tests.conftest import wait_until
+from tests.gateway.conftest import serve_endpoint, start_cpu_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
+
+CONTEXT = 2048  # the tiny model's own
+ENGINE_KEY = "vllm-gateway-engine-key"  # the engine answers only the key it was started with
+NAME = "tiny"
+PRICES = {"price_input_per_million": Decimal("100"), "price_cached_input_per_million": Decimal("10"),
+          "price_output_per_million": Decimal("300")}
+PER_MILLION = Decimal("0.000001")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    spec = ReplicaSpec(replica_id="vllm-gateway-engine", endpoint_id="e", served_model_name=NAME,
+                       model_source=str(tiny_model_dir), max_model_len=CONTEXT, max_num_seqs=8,
+                       enable_prefix_caching=True, engine_api_key=ENGINE_KEY)
+    child, address = start_cpu_engine(spec, tiny_model_dir, tmp_path_factory.mktemp("engine"))
+    yield address
+    child.stop(timeout_s=30)
+
+
+@pytest.fixture
+def endpoint(tenant, engine) -> Endpoint:
+    endpoint = serve_endpoint(tenant.org, engine, name=NAME, engine_key=ENGINE_KEY, **PRICES)
+    Endpoint.objects.filter(pk=endpoint.pk).update(max_model_len=CONTEXT)
+    endpoint.refresh_from_db()
+    return endpoint
+
+
+def _client(base_url: str, key: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=300)
+
+
+def _engine_metrics(engine: str) -> dict[str, float]:
+    """The engine's own Prometheus samples, summed over labels (one engine, one model)."""
+    text = httpx.get(f"{engine}/metrics", headers={"Authorization": f"Bearer {ENGINE_KEY}"}, timeout=10).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+# --- the engine's refusal ----------------------------------------------------------------------------
+
+def test_the_engines_own_refusal_reaches_the_client_in_openais_shape(engine, gateway, tenant, endpoint):
+    # A prompt of token ids longer than the context: the gateway passes it on (its estimate caps a
+    # prompt at the context), and the engine refuses it with its own message.
+    payload = {"model": NAME, "prompt": [50] * (CONTEXT + 100), "max_tokens": 1}
+    with _client(engine, ENGINE_KEY) as direct:
+        refused_by_engine = direct.post("/v1/completions", json=payload)
+    assert refused_by_engine.status_code == 400
+    engine_message = refused_by_engine.json()["error"]["message"]
+
+    with _client(gateway, tenant.key) as client:
+        response = client.post("/v1/completions", json=payload)
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["message"] == engine_message and str(CONTEXT) in error["message"]
+    assert set(response.json()) == {"error"}
+
+
+# --- a client that leaves ----------------------------------------------------------------------------
+
+def test_a_client_leaving_mid_stream_aborts_the_engines_request(engine, gateway, tenant, endpoint):
+    max_tokens = CONTEXT - 64
+    payload = {"model": NAME, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+               "stream": True, "temperature": 1.0}
+    generated_before = _engine_metrics(engine).get("vllm:generation_tokens_total", 0.0)
+
+    with _client(gateway, tenant.key) as client, client.stream("POST", "/v1/completions", json=payload) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        num_chunks = 0
+        for line in response.iter_lines():
+            num_chunks += line.startswith("data: {")
+            if num_chunks == 3:
+                break  # leave: the connection closes unread
+
+    def engine_idle() -> bool:
+        # A one-token request of our own makes the engine step, which refreshes its gauges.
+        with _client(engine, ENGINE_KEY) as direct:
+            direct.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 1})
+        return _engine_metrics(engine)["vllm:num_requests_running"] == 0
+
+    wait_until(engine_idle, 120, interval_s=0.5, message="the engine to run no request")
+    generated = _engine_metrics(engine)["vllm:generation_tokens_total"] - generated_before
+    # NOTE: had the engine carried on to the end, it would have generated all `max_tokens`.
+    assert generated < max_tokens / 4, f"the engine generated {generated:.0f} of {max_tokens} tokens"
+    row = wait_until(lambda: UsageRecord.objects.filter(request_id=request_id).first(), 30, message="the usage row")
+    assert row.status == "client_aborted"
+    assert 0 < row.completion_tokens < max_tokens / 4
+
+
+# --- a prefix-cache hit ------------------------------------------------------------------------------
+
+# Token ids the tiny model's vocabulary holds (its special tokens come first): a long shared prefix,
+# then a different ending for each request.
+PREFIX = [50 + (index * 37) % 900 for index in range(600)]
+
+
+def test_a_prefix_cache_hit_is_reported_and_billed_at_the_cached_price(engine, gateway, tenant, endpoint):
+    rows, usages = [], []
+    with _client(gateway, tenant.key) as client:
+        for ending in ([11, 12, 13], [21, 22, 23]):
+            response = client.post("/v1/completions", json={"model": NAME, "prompt": PREFIX + ending, "max_tokens": 4,
+                                                            "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            usages.append(response.json()["usage"])
+            request_id = response.headers["x-request-id"]
+            rows.append(wait_until(lambda request_id=request_id: UsageRecord.objects.filter(request_id=request_id).first(), 30,
+                                   message="the usage row"))
+
+    reported_cached = (usages[1].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert reported_cached >= len(PREFIX) // 2, usages[1]  # the engine's cache blocks cover most of the prefix
+    second = rows[1]
+    assert (second.prompt_tokens, second.cached_tokens, second.completion_tokens) == (
+        len(PREFIX) + 3, reported_cached, 4)
+    uncached = second.prompt_tokens - second.cached_tokens
+    expected = (uncached * PRICES["price_input_per_million"] + second.cached_tokens * PRICES["price_cached_input_per_million"]
+                + second.completion_tokens * PRICES["price_output_per_million"]) * PER_MILLION
+    assert second.cost == expected
+    assert second.cost < rows[0].cost  # same length, same output: the hit is cheaper
