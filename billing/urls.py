@@ -1,3 +1,5 @@
+"""The billing and usage part of the management API, and Stripe's webhook."""
+
 from django.urls import path
 
 from billing import api

@@ -1,3 +1,5 @@
+"""The worker's liveness task (the project's own; each app keeps its tasks in its `tasks.py`)."""
+
 from celery import shared_task
 
 

@@ -1,3 +1,7 @@
+"""The project's URLs: the management API (`/api/v1/`), its schema and docs, the agents' API
+(`/agent/v1/`), the console, the admin, health probes. `/v1/` and `/metrics` never reach Django:
+the gateway (`controlplane.asgi`) serves them ahead of it."""
+
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path

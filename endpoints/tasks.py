@@ -1,3 +1,6 @@
+"""Celery's entry points for endpoints: thin wrappers over `endpoints.scheduler`, named by the
+constants their senders use (`RECONCILE_TASK`, `WAKE_TASK`), so a sender never imports this module."""
+
 from celery import shared_task
 
 from endpoints import scheduler

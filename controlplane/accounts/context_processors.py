@@ -1,3 +1,6 @@
+"""What every console template knows of its request: the organisation it acts in, and the others
+the user may switch to."""
+
 from controlplane.accounts.tenancy import memberships_of
 
 

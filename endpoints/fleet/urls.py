@@ -1,3 +1,5 @@
+"""The agents' API (`/agent/v1/`): register, heartbeat and the long-poll watch."""
+
 from django.urls import path
 
 from endpoints.fleet import api
