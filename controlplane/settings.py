@@ -18,6 +18,8 @@ import secrets
 from datetime import timedelta
 from pathlib import Path
 
+from cryptography.fernet import Fernet
+
 from controlplane import embedded
 from controlplane.env import (
     ImproperlyConfiguredEnv,
@@ -82,8 +84,6 @@ SECRET_KEY = _secret_key()
 
 def _encryption_keys() -> list[str]:
     """Fernet keys for secrets at rest (`controlplane.secrets`): newest first, all decrypt."""
-    from cryptography.fernet import Fernet
-
     keys = env_list("INFERPLANE_ENCRYPTION_KEYS")
     if not keys:
         if not DEBUG:
