@@ -55,7 +55,7 @@ def reset_rows() -> tuple:
     """A clean organisation and 1,000 READY nodes; returns (organization, nodes)."""
     from django.utils import timezone
 
-    from controlplane.accounts.services import bootstrap_organization
+    from controlplane.accounts.signup import bootstrap_organization
     from endpoints.models import Endpoint, EndpointEvent, Replica
     from endpoints.nodes.models import Node
     from gpu_agent.protocol import NodeState

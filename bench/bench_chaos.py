@@ -452,7 +452,8 @@ def main() -> int:
     from billing.credits import grant_credits
     from billing.models import BillingAccount, StripeMeter
     from billing.services import set_billing_mode, set_spend_cap
-    from controlplane.accounts.services import SYSTEM, bootstrap_organization
+    from controlplane.accounts.services import SYSTEM
+    from controlplane.accounts.signup import bootstrap_organization
     from endpoints.fleet.services import create_join_token
     from endpoints.models import Endpoint
     from endpoints.nodes.models import Node

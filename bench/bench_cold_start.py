@@ -182,7 +182,8 @@ def measure_platform(model_dir: Path, work_dir: Path, repetitions: int) -> dict:
     import django
 
     django.setup()
-    from controlplane.accounts.services import SYSTEM, bootstrap_organization
+    from controlplane.accounts.services import SYSTEM
+    from controlplane.accounts.signup import bootstrap_organization
     from endpoints.fleet.services import create_join_token
     from endpoints.models import Endpoint, EndpointEvent, Replica
     from endpoints.nodes.models import Node

@@ -112,7 +112,7 @@ def seed(upstreams: dict[str, str]) -> str:
     """An organisation, a key, a READY node and one READY endpoint per upstream; returns the key."""
     from django.utils import timezone
 
-    from controlplane.accounts.services import bootstrap_organization
+    from controlplane.accounts.signup import bootstrap_organization
     from endpoints.models import Endpoint, Replica
     from endpoints.nodes.models import Node
     from gpu_agent.protocol import NodeState, ReplicaState

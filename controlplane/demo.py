@@ -17,8 +17,10 @@ from pathlib import Path
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
+from controlplane.accounts.keys import find_api_key
 from controlplane.accounts.models import ApiKey, Organization
-from controlplane.accounts.services import SYSTEM, bootstrap_organization, find_api_key
+from controlplane.accounts.services import SYSTEM
+from controlplane.accounts.signup import bootstrap_organization
 from endpoints.fleet.services import create_join_token
 from endpoints.models import Endpoint
 from endpoints.nodes.models import JoinToken

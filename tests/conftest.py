@@ -11,8 +11,9 @@ import pytest
 from django.conf import settings
 from rest_framework.test import APIClient
 
+from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Role, Scope
-from controlplane.accounts.services import Actor, create_api_key
+from controlplane.accounts.services import Actor
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: F401 - shared with benchmarks
 

@@ -2,7 +2,7 @@ import pytest
 from django.contrib.auth import get_user_model
 
 from controlplane.accounts.models import Membership
-from controlplane.accounts.services import mark_email_verified
+from controlplane.accounts.signup import mark_email_verified
 
 pytestmark = pytest.mark.django_db
 
@@ -39,7 +39,7 @@ def test_sign_up_shows_field_errors_and_creates_nothing(client):
 
 
 def test_log_in_and_out(client):
-    from controlplane.accounts.services import sign_up_user
+    from controlplane.accounts.signup import sign_up_user
 
     user, _ = sign_up_user(email="bob@example.test", password="a long passphrase", organization_name="Bob's")
     mark_email_verified(user)

@@ -35,8 +35,9 @@ from schemathesis.specs.openapi.checks import (
 from billing.credits import grant_credits
 from billing.ledger import record_usage
 from billing.models import Invoice, InvoiceLine
+from controlplane.accounts.keys import create_api_key, revoke_api_key
 from controlplane.accounts.models import Role, Scope
-from controlplane.accounts.services import Actor, create_api_key, revoke_api_key
+from controlplane.accounts.services import Actor
 from endpoints import services as endpoint_services
 from endpoints.events import record_event
 from endpoints.models import EventKind, Replica

@@ -10,8 +10,9 @@ import pytest
 from django.conf import settings
 from django.core.management import call_command
 
+from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import ApiKey, AuditEvent
-from controlplane.accounts.services import Actor, create_api_key
+from controlplane.accounts.services import Actor
 from endpoints.nodes.models import Node
 from tests.conftest import REPO_ROOT
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory

@@ -7,7 +7,7 @@ from django.core import mail
 from django.core.management import call_command
 from django.urls import reverse
 
-from controlplane.accounts import services
+from controlplane.accounts import invitations, services, signup
 from controlplane.accounts.models import ApiKey, Role, email_is_verified
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 
@@ -23,7 +23,7 @@ def _emailed_link(message) -> str:
 def _sign_up(client):
     response = client.post(reverse("signup"), SIGN_UP)
     assert response.status_code == 302 and response.url == reverse("verify-email")
-    return services.User.objects.get(email="new@example.test")
+    return signup.User.objects.get(email="new@example.test")
 
 
 def test_a_new_account_sees_only_the_verify_email_page(client):
@@ -69,7 +69,7 @@ def test_a_tampered_link_is_refused(client):
 
 def test_an_expired_link_is_refused(client, monkeypatch):
     user = _sign_up(client)
-    monkeypatch.setattr(services, "VERIFY_EMAIL_MAX_AGE", timedelta(seconds=-1))
+    monkeypatch.setattr(signup, "VERIFY_EMAIL_MAX_AGE", timedelta(seconds=-1))
     response = client.get(_emailed_link(mail.outbox[0]))
     assert response.status_code == 400 and "invalid or has expired" in response.content.decode()
     assert not email_is_verified(user)
@@ -102,17 +102,17 @@ def test_resend_mails_a_new_link(client):
 def test_an_unverified_account_cannot_join_an_organisation(client):
     user = _sign_up(client)
     other = OrganizationFactory()
-    invitation = services.invite_member(services.SYSTEM, other, email="new@example.test", role=Role.MEMBER)
-    response = client.post(reverse("invitation", args=[services.invitation_token(invitation)]))
+    invitation = invitations.invite_member(services.SYSTEM, other, email="new@example.test", role=Role.MEMBER)
+    response = client.post(reverse("invitation", args=[invitations.invitation_token(invitation)]))
     assert response.status_code == 302 and response.url == reverse("verify-email")
-    with pytest.raises(services.InvitationRefused, match="Verify your email"):
-        services.accept_invitation(services.Actor(user=user), invitation)
+    with pytest.raises(invitations.InvitationRefused, match="Verify your email"):
+        invitations.accept_invitation(services.Actor(user=user), invitation)
     assert not other.memberships.filter(user=user).exists()
 
 
 def test_owners_made_by_operators_are_verified_and_can_log_in(client):
     call_command("create_org", "acme", "--owner", "ops@acme.test", "--password", "a long passphrase", "--json")
-    user = services.User.objects.get(email="ops@acme.test")
+    user = signup.User.objects.get(email="ops@acme.test")
     assert email_is_verified(user)
     assert client.login(username="ops@acme.test", password="a long passphrase")
     assert client.get(reverse("console:dashboard")).status_code == 200
@@ -127,7 +127,7 @@ def test_users_staff_create_in_the_django_admin_are_verified(client):
         "usable_password": "true",
     })
     assert response.status_code == 302, response.content.decode()[:2000]
-    colleague = services.User.objects.get(username="colleague")
+    colleague = signup.User.objects.get(username="colleague")
     assert not email_is_verified(colleague)  # no address yet: nothing to vouch for
     change = client.get(f"/django-admin/auth/user/{colleague.pk}/change/")
     assert change.status_code == 200

@@ -9,7 +9,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from controlplane.accounts import services
+from controlplane.accounts import invitations, services
 from controlplane.accounts.models import AuditEvent, Invitation, Membership, Role
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 
@@ -174,7 +174,7 @@ def test_only_owners_invite_owners(org, member_client_factory):
 
 
 def test_another_organisations_invitation_is_a_404(owner_client):
-    foreign = services.invite_member(services.SYSTEM, OrganizationFactory(), email="x@example.test", role=Role.MEMBER)
+    foreign = invitations.invite_member(services.SYSTEM, OrganizationFactory(), email="x@example.test", role=Role.MEMBER)
     assert owner_client.get(f"/api/v1/invitations/{foreign.pk}/").status_code == 404
     assert owner_client.post(f"/api/v1/invitations/{foreign.pk}/revoke/").status_code == 404
     assert Invitation.objects.get(pk=foreign.pk).status == "pending"
@@ -191,13 +191,13 @@ def test_the_schema_documents_invitations(owner_client):
 def test_two_accepts_at_once_make_one_membership():
     organization = OrganizationFactory()
     invitee = UserFactory(username="both@example.test")
-    invitation = services.invite_member(services.SYSTEM, organization, email="both@example.test", role=Role.ADMIN)
+    invitation = invitations.invite_member(services.SYSTEM, organization, email="both@example.test", role=Role.ADMIN)
     start, results = threading.Barrier(2), []
 
     def accept():
         try:
             start.wait(timeout=30)
-            results.append(services.accept_invitation(services.Actor(user=invitee), invitation).pk)
+            results.append(invitations.accept_invitation(services.Actor(user=invitee), invitation).pk)
         except Exception as exc:  # noqa: BLE001 - the assertion below shows it
             results.append(exc)
         finally:
@@ -215,7 +215,7 @@ def test_two_accepts_at_once_make_one_membership():
 
 def test_an_invitation_does_not_change_an_existing_members_role(owner):
     colleague = UserFactory(username="colleague@victim.example")
-    invitation = services.invite_member(services.SYSTEM, owner.organization, email=colleague.email, role=Role.ADMIN)
+    invitation = invitations.invite_member(services.SYSTEM, owner.organization, email=colleague.email, role=Role.ADMIN)
     MembershipFactory(organization=owner.organization, user=colleague, role=Role.VIEWER)
-    membership = services.accept_invitation(services.Actor(user=colleague), invitation)
+    membership = invitations.accept_invitation(services.Actor(user=colleague), invitation)
     assert membership.role == Role.VIEWER

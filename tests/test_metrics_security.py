@@ -13,8 +13,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Role, Scope
-from controlplane.accounts.services import Actor, create_api_key
+from controlplane.accounts.services import Actor
 from tests.conftest import REPO_ROOT, start_web_server, wait_until
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.gateway import conftest as gateway_fixtures

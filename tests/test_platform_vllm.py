@@ -11,8 +11,9 @@ import openai
 import pytest
 
 from billing.models import UsageRecord
+from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Scope
-from controlplane.accounts.services import SYSTEM, Actor, create_api_key
+from controlplane.accounts.services import SYSTEM, Actor
 from endpoints.fleet.services import create_join_token
 from endpoints.models import EndpointEvent, Replica
 from endpoints.nodes.models import Node

@@ -11,7 +11,7 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from controlplane.accounts import services
+from controlplane.accounts import keys, members, services
 from controlplane.accounts.models import ApiKey, Membership, Role, Scope
 from endpoints.gateway.auth import authenticate
 from endpoints.gateway.errors import OpenAIError
@@ -83,11 +83,11 @@ def test_a_member_demoted_to_viewer_has_keys_that_stop_inferring_within_the_cach
     organization = OrganizationFactory()
     user = UserFactory()
     membership = MembershipFactory(organization=organization, user=user, role=Role.MEMBER)
-    created = services.create_api_key(services.Actor(user=user), organization, name="app", scopes=[Scope.INFERENCE])
+    created = keys.create_api_key(services.Actor(user=user), organization, name="app", scopes=[Scope.INFERENCE])
     headers = {"authorization": f"Bearer {created.plain}"}
     assert asyncio.run(authenticate(headers)).organization_id == organization.pk
 
-    services.change_member_role(services.SYSTEM, membership, role=Role.VIEWER)
+    members.change_member_role(services.SYSTEM, membership, role=Role.VIEWER)
 
     async def first_refusal() -> OpenAIError:
         loop = asyncio.get_running_loop()
@@ -118,7 +118,7 @@ def test_two_owners_demoting_each_other_at_once_leave_one_owner(monkeypatch, cha
     alice, bob = UserFactory(), UserFactory()
     memberships = {user: MembershipFactory(organization=organization, user=user, role=Role.OWNER) for user in (alice, bob)}
     arrived: list[object] = []
-    record_audit = services.record_audit
+    record_audit = members.record_audit
 
     def record_audit_once_both_decided(actor, *args, **kwargs):
         # Each change holds here, after its checks, until the other change has also decided or
@@ -127,18 +127,18 @@ def test_two_owners_demoting_each_other_at_once_leave_one_owner(monkeypatch, cha
         wait_until(lambda: len(arrived) == 2 or _waiting_on_a_lock(), 60, message="the other change to decide or wait")
         return record_audit(actor, *args, **kwargs)
 
-    monkeypatch.setattr(services, "record_audit", record_audit_once_both_decided)
+    monkeypatch.setattr(members, "record_audit", record_audit_once_both_decided)
     outcomes: dict[object, object] = {}
 
     def act(actor_user, target_user):
         try:
             target = Membership.objects.get(pk=memberships[target_user].pk)
             if change == "demote":
-                services.change_member_role(services.Actor(user=actor_user), target, role=Role.ADMIN)
+                members.change_member_role(services.Actor(user=actor_user), target, role=Role.ADMIN)
             else:
-                services.remove_member(services.Actor(user=actor_user), target)
+                members.remove_member(services.Actor(user=actor_user), target)
             outcomes[actor_user] = "done"
-        except (services.LastOwnerError, services.NotPermitted) as exc:
+        except (members.LastOwnerError, members.NotPermitted) as exc:
             outcomes[actor_user] = exc
         finally:
             connection.close()

@@ -11,15 +11,10 @@ from django.contrib import admin, messages
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 
+from controlplane.accounts.keys import revoke_api_key
 from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
-from controlplane.accounts.services import (
-    Actor,
-    client_ip,
-    mark_email_verified,
-    revoke_api_key,
-    save_plan,
-    set_organization_plan,
-)
+from controlplane.accounts.services import Actor, client_ip, save_plan, set_organization_plan
+from controlplane.accounts.signup import mark_email_verified
 
 User = get_user_model()
 

@@ -15,7 +15,7 @@ from rest_framework.exceptions import NotFound, PermissionDenied, ValidationErro
 from rest_framework.generics import get_object_or_404
 from rest_framework.response import Response
 
-from controlplane.accounts import services
+from controlplane.accounts import invitations, keys, members, services
 from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Membership, Role
 from controlplane.accounts.serializers import (
     ApiKeySerializer,
@@ -77,8 +77,8 @@ class ApiKeyViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.Creat
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
-            created = services.create_api_key(self.actor, self.organization, **serializer.validated_data)
-        except services.NotPermitted as exc:
+            created = keys.create_api_key(self.actor, self.organization, **serializer.validated_data)
+        except members.NotPermitted as exc:
             raise ValidationError({exc.field: [str(exc)]}) from None
         # NOTE: the only response that ever contains the secret.
         return Response(
@@ -91,8 +91,8 @@ class ApiKeyViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.Creat
     def revoke(self, request, pk=None):
         """Members revoke their own keys, admins any key but an owner's, owners every key."""
         try:
-            api_key = services.revoke_api_key(self.actor, self.get_object())
-        except services.NotPermitted as exc:
+            api_key = keys.revoke_api_key(self.actor, self.get_object())
+        except members.NotPermitted as exc:
             raise PermissionDenied(str(exc)) from None
         return Response(ApiKeySerializer(api_key).data)
 
@@ -123,15 +123,15 @@ class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.D
             raise ValidationError({"role": ["Send exactly {'role': …}."]})
         membership = get_object_or_404(self.get_queryset(), pk=pk)
         try:
-            membership = services.change_member_role(self.actor, membership, role=data.validated_data["role"])
-        except (services.LastOwnerError, services.NotPermitted) as exc:
+            membership = members.change_member_role(self.actor, membership, role=data.validated_data["role"])
+        except (members.LastOwnerError, members.NotPermitted) as exc:
             raise ValidationError({"role": [str(exc)]}) from None
         return Response(MembershipSerializer(membership).data)
 
     def perform_destroy(self, membership):
         try:
-            services.remove_member(self.actor, membership)
-        except (services.LastOwnerError, services.NotPermitted) as exc:
+            members.remove_member(self.actor, membership)
+        except (members.LastOwnerError, members.NotPermitted) as exc:
             raise ValidationError({"role": [str(exc)]}) from None
 
 
@@ -160,8 +160,8 @@ class InvitationViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.C
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
-            invitation = services.invite_member(self.actor, self.organization, **serializer.validated_data)
-        except services.NotPermitted as exc:
+            invitation = invitations.invite_member(self.actor, self.organization, **serializer.validated_data)
+        except members.NotPermitted as exc:
             raise ValidationError({exc.field: [str(exc)]}) from None
         return Response(InvitationSerializer(invitation).data, status=status.HTTP_201_CREATED)
 
@@ -169,8 +169,8 @@ class InvitationViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.C
     @action(detail=True, methods=["post"])
     def revoke(self, request, pk=None):
         try:
-            invitation = services.revoke_invitation(self.actor, self.get_object())
-        except services.NotPermitted as exc:
+            invitation = invitations.revoke_invitation(self.actor, self.get_object())
+        except members.NotPermitted as exc:
             raise ValidationError({"role": [str(exc)]}) from None
         return Response(InvitationSerializer(invitation).data)
 

@@ -2,7 +2,7 @@
 
 from rest_framework import authentication, exceptions
 
-from controlplane.accounts.services import authenticate_api_key
+from controlplane.accounts.keys import authenticate_api_key
 
 
 class ApiKeyAuthentication(authentication.BaseAuthentication):

@@ -7,12 +7,15 @@ from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from controlplane.accounts import services
+from controlplane.accounts import invitations, keys, services
 from controlplane.accounts.console import member_required
 from controlplane.accounts.forms import ApiKeyForm, MemberInviteForm, SignUpForm
+from controlplane.accounts.members import LastOwnerError, NotPermitted, change_member_role, remove_member
 from controlplane.accounts.models import ApiKey, Invitation, Membership, Role, Scope, email_is_verified
 from controlplane.accounts.serializers import ApiKeySerializer
-from controlplane.accounts.services import client_ip, sign_up_user
+from controlplane.accounts.services import client_ip
+from controlplane.accounts.signup import InvalidLink, send_verification_email, sign_up_user
+from controlplane.accounts.signup import verify_email as verify_email_token
 from controlplane.accounts.tenancy import SESSION_KEY, memberships_of
 
 
@@ -55,15 +58,15 @@ def verify_email(request):
 def verify_email_resend(request):
     # NOTE: throttled per user and address (controlplane.accounts.throttle), so this cannot mail-bomb anyone.
     if not email_is_verified(request.user):
-        services.send_verification_email(request.user)
+        send_verification_email(request.user)
         messages.success(request, f"We sent a new link to {request.user.email}.")
     return redirect("verify-email")
 
 
 def verify_email_confirm(request, token):
     try:
-        user = services.verify_email(token)
-    except services.InvalidLink as exc:
+        user = verify_email_token(token)
+    except InvalidLink as exc:
         return render(request, "registration/verify_email_failed.html", {"reason": str(exc)}, status=400)
     messages.success(request, f"Thank you: {user.email} is verified.")
     if request.user.is_authenticated and request.user.pk == user.pk:
@@ -77,20 +80,20 @@ def verify_email_confirm(request, token):
 @login_required
 def invitation(request, token):
     """The invitee's page: what they are invited to, and the button that accepts it."""
-    found = services.find_invitation(token)
+    found = invitations.find_invitation(token)
     if found is None:
         return render(request, "controlplane/invitation.html", {"refusal": "This invitation link is not valid."}, status=404)
     if request.method == "POST":
         try:
-            membership = services.accept_invitation(services.Actor.from_request(request), found)
-        except services.InvitationRefused as exc:
+            membership = invitations.accept_invitation(services.Actor.from_request(request), found)
+        except invitations.InvitationRefused as exc:
             refusal = str(exc)
         else:
             request.session[SESSION_KEY] = membership.organization_id
             messages.success(request, f"You joined {membership.organization.name} as {membership.get_role_display().lower()}.")
             return redirect("console:dashboard")
     else:
-        refusal = services.invitation_refusal(found, request.user)
+        refusal = invitations.invitation_refusal(found, request.user)
     is_addressee = found.email.lower() == request.user.email.lower()
     return render(request, "controlplane/invitation.html", {"invitation": found, "refusal": refusal, "is_addressee": is_addressee},
                   status=400 if refusal and request.method == "POST" else 200)
@@ -125,12 +128,12 @@ def members(request):
     if request.method == "POST" and form.is_valid():
         email, role = form.cleaned_data["email"], form.cleaned_data["role"]
         try:
-            services.invite_member(services.Actor.from_request(request), request.organization, email=email, role=role)
-        except services.NotPermitted as exc:
+            invitations.invite_member(services.Actor.from_request(request), request.organization, email=email, role=role)
+        except NotPermitted as exc:
             form.add_error(exc.field, str(exc))
         else:
             messages.success(request, f"We emailed an invitation to {email.lower()}; it is valid for "
-                                      f"{services.INVITATION_TTL.days} days.")
+                                      f"{invitations.INVITATION_TTL.days} days.")
             return redirect("console:members")
     if request.method == "POST":
         return _members_page(request, form, status=400)
@@ -142,9 +145,9 @@ def members(request):
 def invitation_revoke(request, pk):
     invitation = get_object_or_404(Invitation.objects.for_org(request.organization).select_related("organization"), pk=pk)
     try:
-        services.revoke_invitation(services.Actor.from_request(request), invitation)
+        invitations.revoke_invitation(services.Actor.from_request(request), invitation)
         messages.success(request, f"The invitation to {invitation.email} was revoked; its link no longer works.")
-    except services.NotPermitted as exc:
+    except NotPermitted as exc:
         messages.error(request, str(exc))
     return redirect("console:members")
 
@@ -158,9 +161,9 @@ def member_role(request, pk):
         messages.error(request, "Choose one of the listed roles.")
     else:
         try:
-            services.change_member_role(services.Actor.from_request(request), membership, role=role)
+            change_member_role(services.Actor.from_request(request), membership, role=role)
             messages.success(request, f"{membership.user.email} is now {Role(role).label.lower()}.")
-        except (services.LastOwnerError, services.NotPermitted) as exc:
+        except (LastOwnerError, NotPermitted) as exc:
             messages.error(request, str(exc))
     return redirect("console:members")
 
@@ -170,9 +173,9 @@ def member_role(request, pk):
 def member_remove(request, pk):
     membership = get_object_or_404(Membership.objects.filter(organization=request.organization).select_related("user"), pk=pk)
     try:
-        services.remove_member(services.Actor.from_request(request), membership)
+        remove_member(services.Actor.from_request(request), membership)
         messages.success(request, f"{membership.user.email} was removed from {request.organization.name}.")
-    except (services.LastOwnerError, services.NotPermitted) as exc:
+    except (LastOwnerError, NotPermitted) as exc:
         messages.error(request, str(exc))
     return redirect("console:members")
 
@@ -182,10 +185,10 @@ def member_remove(request, pk):
 
 def _keys_page(request, form, status=200):
     api_keys = list(ApiKey.objects.for_org(request.organization).select_related("created_by"))
-    roles = services.member_roles(request.organization)
+    roles = keys.member_roles(request.organization)
     actor = services.Actor.from_request(request)
     for api_key in api_keys:
-        api_key.can_revoke = services.may_revoke_api_key(
+        api_key.can_revoke = keys.may_revoke_api_key(
             actor, api_key, actor_role=request.membership.role, creator_role=roles.get(api_key.created_by_id))
     return render(request, "controlplane/keys.html", {
         "api_keys": api_keys,
@@ -204,8 +207,8 @@ def api_keys(request):
         form.show_errors(serializer.errors)
         return _keys_page(request, form, status=400)
     try:
-        created = services.create_api_key(services.Actor.from_request(request), request.organization, **serializer.validated_data)
-    except services.NotPermitted as exc:
+        created = keys.create_api_key(services.Actor.from_request(request), request.organization, **serializer.validated_data)
+    except NotPermitted as exc:
         form.show_errors({exc.field: [str(exc)]})
         return _keys_page(request, form, status=400)
     # NOTE: the secret is rendered in this response only; it is never stored or shown again.
@@ -217,8 +220,8 @@ def api_keys(request):
 def api_key_revoke(request, pk):
     api_key = get_object_or_404(ApiKey.objects.for_org(request.organization).select_related("organization"), pk=pk)
     try:
-        services.revoke_api_key(services.Actor.from_request(request), api_key)
-    except services.NotPermitted as exc:
+        keys.revoke_api_key(services.Actor.from_request(request), api_key)
+    except NotPermitted as exc:
         messages.error(request, str(exc))
         return redirect("console:keys")
     messages.success(request, f"Key “{api_key.name}” ({api_key.display_prefix}…) was revoked; calls with it now fail.")

@@ -24,8 +24,8 @@ from django.middleware.csrf import InvalidTokenFormat, _check_token_format, _doe
 from django.utils.crypto import constant_time_compare
 
 from controlplane import tokens
+from controlplane.accounts.keys import authenticate_api_key_with_role
 from controlplane.accounts.models import Scope, email_is_verified
-from controlplane.accounts.services import authenticate_api_key_with_role
 from controlplane.accounts.tenancy import SESSION_KEY as ORG_SESSION_KEY
 from controlplane.accounts.tenancy import memberships_of
 from endpoints.gateway import errors

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from controlplane.accounts.invitations import invitation_token
 from controlplane.accounts.models import Invitation, Membership, Role
-from controlplane.accounts.services import invitation_token
 from tests.console.conftest import screenshot
 from tests.console.test_browser_pages import PASSWORD, expect, log_in, nav, verification_path
 from tests.factories import MembershipFactory, UserFactory

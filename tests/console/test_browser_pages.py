@@ -53,7 +53,7 @@ def verification_path(email: str) -> str:
     from django.contrib.auth import get_user_model
     from django.urls import reverse
 
-    from controlplane.accounts.services import email_verification_token
+    from controlplane.accounts.signup import email_verification_token
 
     return reverse("verify-email-confirm", args=[email_verification_token(get_user_model().objects.get(email=email))])
 

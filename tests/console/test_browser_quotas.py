@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Plan, Role, Scope
-from controlplane.accounts.services import SYSTEM, Actor, create_api_key, save_plan, set_organization_plan
+from controlplane.accounts.services import SYSTEM, Actor, save_plan, set_organization_plan
 from endpoints.models import Replica
 from tests.console.conftest import screenshot
 from tests.console.test_browser_pages import PASSWORD, expect, log_in, nav

@@ -3,8 +3,9 @@
 import pytest
 from django.urls import reverse
 
+from controlplane.accounts.keys import create_api_key, find_api_key
 from controlplane.accounts.models import ApiKey, Role, Scope
-from controlplane.accounts.services import Actor, create_api_key, find_api_key
+from controlplane.accounts.services import Actor
 from tests.factories import OrganizationFactory
 
 pytestmark = pytest.mark.django_db

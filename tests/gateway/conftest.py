@@ -12,8 +12,9 @@ import pytest
 from django.utils import timezone
 
 from controlplane import secrets as secrets_at_rest
+from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Role, Scope
-from controlplane.accounts.services import Actor, create_api_key
+from controlplane.accounts.services import Actor
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaSpec, ReplicaState

@@ -12,8 +12,9 @@ import pytest
 from django.utils import timezone
 
 from controlplane import tokens
+from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Plan, Scope
-from controlplane.accounts.services import SYSTEM, Actor, create_api_key, save_plan, set_organization_plan
+from controlplane.accounts.services import SYSTEM, Actor, save_plan, set_organization_plan
 from controlplane.redis_client import get_redis
 from endpoints.models import Replica
 from endpoints.nodes.models import Node

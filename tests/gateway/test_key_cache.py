@@ -6,9 +6,10 @@ import secrets
 
 import pytest
 
-from controlplane.accounts import services
+from controlplane.accounts import keys
+from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Scope
-from controlplane.accounts.services import Actor, create_api_key
+from controlplane.accounts.services import Actor
 from endpoints.gateway import auth
 from tests.factories import MembershipFactory
 
@@ -19,13 +20,13 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def lookups(monkeypatch):
     """Counts the gateway's key lookups (each one a database query), with empty caches."""
     calls = []
-    real = services.find_api_key
+    real = keys.find_api_key
 
     def counted(plain):
         calls.append(plain)
         return real(plain)
 
-    monkeypatch.setattr(services, "find_api_key", counted)
+    monkeypatch.setattr(keys, "find_api_key", counted)
     auth._callers_by_key.clear()
     auth._refused_keys.clear()
     yield calls

@@ -85,7 +85,8 @@ def test_error_cases_use_openais_shape_and_codes(gateway, tenant, start_mock_ups
         openai.OpenAI(base_url=f"{gateway}/v1", api_key="ip_000000000000_wrong", max_retries=0).models.list()
     assert bad_key.value.code == "invalid_api_key"
 
-    from controlplane.accounts.services import Actor, create_api_key
+    from controlplane.accounts.keys import create_api_key
+    from controlplane.accounts.services import Actor
 
     manage_only = create_api_key(Actor(user=tenant.owner), tenant.org, name="m", scopes=["manage"]).plain
     with pytest.raises(openai.PermissionDeniedError):
@@ -117,7 +118,8 @@ def test_error_cases_use_openais_shape_and_codes(gateway, tenant, start_mock_ups
 
 
 def test_a_revoked_key_stops_working_within_seconds(gateway, tenant, start_mock_upstream):
-    from controlplane.accounts.services import Actor, revoke_api_key
+    from controlplane.accounts.keys import revoke_api_key
+    from controlplane.accounts.services import Actor
 
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
     client = tenant.client(gateway)

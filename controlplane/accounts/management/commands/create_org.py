@@ -4,7 +4,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 from django.core.validators import validate_email, validate_slug
 
-from controlplane.accounts.services import bootstrap_organization
+from controlplane.accounts.signup import bootstrap_organization
 
 
 class Command(BaseCommand):

@@ -1,0 +1,132 @@
+"""Invitations to join an organisation: inviting by email (the signed link mailed), revoking, and
+accepting, which only the verified owner of the invited address may do."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.core import signing
+from django.core.mail import send_mail
+from django.db import transaction
+from django.template.loader import render_to_string
+from django.urls import reverse
+from django.utils import timezone
+
+from controlplane.accounts.members import NotPermitted, actor_role, ensure_may_touch_owner_role
+from controlplane.accounts.models import (
+    ROLE_RANK,
+    Invitation,
+    Membership,
+    Organization,
+    Role,
+    email_is_verified,
+)
+from controlplane.accounts.services import Actor, record_audit
+
+INVITATION_SALT = "inferplane.invitation"
+INVITATION_TTL = timedelta(days=7)
+
+
+class InvitationRefused(ValueError):
+    """The invitation cannot be accepted by this user now; the message says why, to that user."""
+
+
+def invitation_token(invitation: Invitation) -> str:
+    return signing.TimestampSigner(salt=INVITATION_SALT).sign(str(invitation.pk))
+
+
+def invitation_link(invitation: Invitation) -> str:
+    return settings.PUBLIC_URL + reverse("invitation", args=[invitation_token(invitation)])
+
+
+def find_invitation(token: str) -> Invitation | None:
+    """The invitation a signed link names (whatever its state), or None for a forged or stale link."""
+    try:
+        pk = signing.TimestampSigner(salt=INVITATION_SALT).unsign(token, max_age=INVITATION_TTL)
+    except signing.BadSignature:
+        return None
+    return Invitation.objects.select_related("organization", "invited_by").filter(pk=pk).first() if pk.isdigit() else None
+
+
+def _ensure_admin(actor: Actor, organization: Organization, field: str) -> None:
+    if actor.user is None:
+        return
+    role = actor_role(actor, organization)
+    if role is None or ROLE_RANK[Role(role)] < ROLE_RANK[Role.ADMIN]:
+        raise NotPermitted(field, "Only owners and admins may invite members or revoke invitations.")
+
+
+def invite_member(actor: Actor, organization: Organization, *, email: str, role: str) -> Invitation:
+    """A pending invitation, audited, and its signed link mailed to `email`.
+
+    NOTE: nobody joins by being named: whoever accepts must be signed in as a verified
+    user with this email, so registering an address first gains nothing.
+    """
+    email = email.strip().lower()
+    _ensure_admin(actor, organization, "email")
+    ensure_may_touch_owner_role(actor, organization, role)
+    if Membership.objects.filter(organization=organization, user__email__iexact=email).exists():
+        raise NotPermitted("email", "This person is already a member; change their role in the table.")
+    with transaction.atomic():
+        # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
+        Organization.objects.select_for_update().filter(pk=organization.pk).first()
+        if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
+            raise NotPermitted("email", "An invitation to this email is pending; revoke it to send a new one.")
+        invitation = Invitation.objects.create(organization=organization, email=email, role=role, invited_by=actor.user,
+                                               expires_at=timezone.now() + INVITATION_TTL)
+        record_audit(actor, organization, "invitation.create", invitation, email=email, role=role)
+    body = render_to_string("controlplane/invitation_email.txt", {
+        "invitation": invitation, "link": invitation_link(invitation), "inviter": actor.user,
+    })
+    send_mail(f"You are invited to {organization.name} on Inferplane", body, None, [email])
+    return invitation
+
+
+def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
+    _ensure_admin(actor, invitation.organization, "invitation")
+    ensure_may_touch_owner_role(actor, invitation.organization, invitation.role)
+    with transaction.atomic():
+        revoked = Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
+            revoked_at=timezone.now())
+        if revoked:
+            record_audit(actor, invitation.organization, "invitation.revoke", invitation, email=invitation.email)
+    invitation.refresh_from_db()
+    return invitation
+
+
+def invitation_refusal(invitation: Invitation, user) -> str | None:
+    """Why `user` may not accept `invitation` now, in words for that user; None if they may (or did)."""
+    if user is None or not email_is_verified(user):
+        return "Verify your email address before accepting an invitation."
+    if invitation.email.lower() != user.email.lower():
+        return (f"This invitation was sent to another email address than yours ({user.email}). "
+                "Log in with the address it was sent to.")
+    if invitation.accepted_at is not None:
+        return None if invitation.accepted_by_id == user.pk else "This invitation has already been used."
+    if invitation.revoked_at is not None:
+        return "This invitation was revoked. Ask an admin of the organisation for a new one."
+    if invitation.expires_at <= timezone.now():
+        return "This invitation has expired. Ask an admin of the organisation for a new one."
+    return None
+
+
+def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:
+    """The invitee's membership, created once: accepting twice (or twice at once) is one membership."""
+    user = actor.user
+    with transaction.atomic():
+        invitation = Invitation.objects.select_for_update().select_related("organization").get(pk=invitation.pk)
+        organization = invitation.organization
+        refusal = invitation_refusal(invitation, user)
+        if refusal is not None:
+            raise InvitationRefused(refusal)
+        if invitation.accepted_at is not None:  # by this user: accepting again changes nothing
+            return Membership.objects.get(organization=organization, user=user)
+        membership, created = Membership.objects.get_or_create(organization=organization, user=user,
+                                                               defaults={"role": invitation.role})
+        invitation.accepted_at, invitation.accepted_by = timezone.now(), user
+        invitation.save(update_fields=["accepted_at", "accepted_by"])
+        record_audit(actor, organization, "invitation.accept", invitation, email=user.email, role=membership.role)
+        if created:
+            record_audit(actor, organization, "member.add", membership, role=membership.role, invitation=invitation.pk)
+    return membership

@@ -1,0 +1,142 @@
+"""API keys: minting (the secret shown once), who may revoke whose key, revoking, and finding and
+authenticating a key from its plain secret, with its creator's current role."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from controlplane import tokens
+from controlplane.accounts.members import NotPermitted, actor_role
+from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
+from controlplane.accounts.services import Actor, record_audit
+
+# last_used_at is written at most this often per key, so hot keys cost no write per call.
+LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+
+@dataclass(slots=True, frozen=True)
+class CreatedApiKey:
+    api_key: ApiKey
+    plain: str  # the only time the secret exists outside the client
+
+
+def create_api_key(
+    actor: Actor,
+    organization: Organization,
+    *,
+    name: str,
+    scopes: list[str],
+    expires_at: datetime | None = None,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
+) -> CreatedApiKey:
+    """A new key; its secret is in the answer and nowhere else.
+
+    NOTE: a key acts with its creator's role, and a `manage` key can do what its creator can,
+    so only owners and admins may mint one.
+    """
+    if Scope.MANAGE in scopes and actor.user is not None:
+        role = actor_role(actor, organization)
+        if role not in (Role.OWNER, Role.ADMIN):
+            raise NotPermitted("scopes", "Only owners and admins may create keys with the 'manage' scope.")
+    for _ in range(3):
+        issued = tokens.issue_token(ApiKey.TOKEN_KIND)
+        try:
+            with transaction.atomic():
+                api_key = ApiKey.objects.create(
+                    organization=organization,
+                    created_by=actor.user,
+                    name=name,
+                    lookup=issued.lookup,
+                    digest=issued.digest,
+                    scopes=sorted(set(scopes)),
+                    expires_at=expires_at,
+                    requests_per_minute=requests_per_minute,
+                    tokens_per_minute=tokens_per_minute,
+                )
+                record_audit(actor, organization, "api_key.create", api_key, scopes=api_key.scopes)
+            return CreatedApiKey(api_key=api_key, plain=issued.plain)
+        except IntegrityError:  # a lookup collision: astronomically rare, try a new one
+            continue
+    raise RuntimeError("could not allocate a unique API key lookup")
+
+
+def may_revoke_api_key(actor: Actor, api_key: ApiKey, *, actor_role: str | None, creator_role: str | None) -> bool:
+    """Members revoke their own keys, admins any key but an owner's, owners every key.
+
+    `creator_role` is the key creator's role now (None once they left: anyone who may revoke
+    others' keys may revoke it). The system (actor without a user) may revoke any key.
+    """
+    if actor.user is None:
+        return True
+    if actor_role is None or actor_role == Role.VIEWER:
+        return False
+    if api_key.created_by_id == actor.user.pk or actor_role == Role.OWNER:
+        return True
+    return actor_role == Role.ADMIN and creator_role != Role.OWNER
+
+
+def member_roles(organization: Organization) -> dict[int, str]:
+    """Each member's role by user id: one query for a page of keys."""
+    return dict(Membership.objects.filter(organization=organization).values_list("user_id", "role"))
+
+
+@transaction.atomic
+def revoke_api_key(actor: Actor, api_key: ApiKey) -> ApiKey:
+    roles = member_roles(api_key.organization)
+    if not may_revoke_api_key(actor, api_key, actor_role=roles.get(actor.user.pk) if actor.user else None,
+                              creator_role=roles.get(api_key.created_by_id)):
+        raise NotPermitted("api_key", "Members may revoke only their own keys, and only owners may revoke an owner's key.")
+    updated = ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    api_key.refresh_from_db()
+    if updated:
+        record_audit(actor, api_key.organization, "api_key.revoke", api_key)
+    return api_key
+
+
+def find_api_key(plain: str) -> ApiKey | None:
+    """The usable key that `plain` names, or None. Marks it used (coarsely)."""
+    lookup = tokens.split_token(plain, ApiKey.TOKEN_KIND)
+    if lookup is None:
+        return None
+    api_key = ApiKey.objects.select_related("organization", "created_by").filter(lookup=lookup).first()
+    if api_key is None or not tokens.token_matches(plain, api_key.digest) or not api_key.is_usable():
+        return None
+    touch_api_key(api_key)
+    return api_key
+
+
+def authenticate_api_key(plain: str) -> ApiKey | None:
+    """The key, if it is usable and its creator still belongs to its organisation."""
+    authenticated = authenticate_api_key_with_role(plain)
+    return authenticated[0] if authenticated else None
+
+
+def authenticate_api_key_with_role(plain: str) -> tuple[ApiKey, str] | None:
+    """The key and its creator's current role, if it is usable and the creator still belongs to its organisation.
+
+    NOTE: a key acts with its creator's role, so it dies with the creator's membership and
+    a creator demoted to viewer demotes their keys.
+    """
+    api_key = find_api_key(plain)
+    if api_key is None:
+        return None
+    creator = api_key.created_by
+    if creator is None or not creator.is_active:
+        return None
+    role = Membership.objects.filter(organization_id=api_key.organization_id, user_id=creator.pk).values_list(
+        "role", flat=True).first()
+    if role is None:
+        return None
+    return api_key, role
+
+
+def touch_api_key(api_key: ApiKey) -> None:
+    now = timezone.now()
+    if api_key.last_used_at is None or now - api_key.last_used_at > LAST_USED_RESOLUTION:
+        ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
+        api_key.last_used_at = now

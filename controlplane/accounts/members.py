@@ -1,0 +1,88 @@
+"""Members of an organisation and their roles: who may do what (`actor_role`, `NotPermitted`), the
+owner role's guard, and adding, re-roling and removing members, always leaving an owner."""
+
+from __future__ import annotations
+
+from django.db import transaction
+
+from controlplane.accounts.models import Membership, Organization, Role
+from controlplane.accounts.services import Actor, record_audit
+
+
+class NotPermitted(ValueError):
+    """The actor's role does not allow this; `field` names the input at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class LastOwnerError(ValueError):
+    pass
+
+
+def actor_role(actor: Actor, organization: Organization) -> str | None:
+    """The acting user's role in the organisation; None for the system (scripts, bootstrap)."""
+    if actor.user is None:
+        return None
+    return Membership.objects.filter(organization=organization, user=actor.user).values_list("role", flat=True).first()
+
+
+def ensure_may_touch_owner_role(actor: Actor, organization: Organization, *roles: str) -> None:
+    """NOTE: only owners grant, take away or remove the owner role."""
+    if Role.OWNER not in roles:
+        return
+    role = actor_role(actor, organization)
+    if actor.user is not None and role != Role.OWNER:
+        raise NotPermitted("role", "Only owners may grant, take away or remove the owner role.")
+
+
+@transaction.atomic
+def add_member(actor: Actor, organization: Organization, *, user, role: str) -> Membership:
+    existing = Membership.objects.filter(organization=organization, user=user).values_list("role", flat=True).first()
+    ensure_may_touch_owner_role(actor, organization, role, existing or "")
+    membership, created = Membership.objects.get_or_create(organization=organization, user=user, defaults={"role": role})
+    if not created and membership.role != role:
+        membership.role = role
+        membership.save(update_fields=["role"])
+    record_audit(actor, organization, "member.add" if created else "member.change_role", membership, role=role)
+    return membership
+
+
+@transaction.atomic
+def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Membership:
+    membership = _lock_membership(membership)
+    ensure_may_touch_owner_role(actor, membership.organization, role, membership.role)
+    _ensure_an_owner_remains(membership, leaving=role != Role.OWNER)
+    membership.role = role
+    membership.save(update_fields=["role"])
+    record_audit(actor, membership.organization, "member.change_role", membership, role=role)
+    return membership
+
+
+@transaction.atomic
+def remove_member(actor: Actor, membership: Membership) -> None:
+    membership = _lock_membership(membership)
+    ensure_may_touch_owner_role(actor, membership.organization, membership.role)
+    _ensure_an_owner_remains(membership, leaving=True)
+    record_audit(actor, membership.organization, "member.remove", membership, email=membership.user.email)
+    membership.delete()
+
+
+def _lock_membership(membership: Membership) -> Membership:
+    """The membership as it is now, with its organisation's row locked until the transaction ends.
+
+    NOTE: every change of roles in one organisation queues on its row, so the checks that
+    follow (the actor is an owner, another owner remains) read what earlier changes committed:
+    two owners demoting each other at once cannot both succeed.
+    """
+    Organization.objects.select_for_update().get(pk=membership.organization_id)
+    return Membership.objects.select_related("organization", "user").get(pk=membership.pk)
+
+
+def _ensure_an_owner_remains(membership: Membership, *, leaving: bool) -> None:
+    if not leaving or membership.role != Role.OWNER:
+        return
+    others = Membership.objects.filter(organization=membership.organization_id, role=Role.OWNER).exclude(pk=membership.pk)
+    if not others.exists():
+        raise LastOwnerError("An organisation needs at least one owner.")
