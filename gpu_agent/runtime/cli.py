@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(build_tiny_model(args.directory))
         return 0
 
-    from gpu_agent.runtime.agent import Agent, AgentConfig
+    from gpu_agent.runtime.agent import Agent
+    from gpu_agent.runtime.config import AgentConfig
 
     if not args.join_token:
         print("--join-token (or INFERPLANE_JOIN_TOKEN) is required", file=sys.stderr)

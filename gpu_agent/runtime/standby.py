@@ -30,12 +30,12 @@ its CPU platform sets it unconditionally (and it forces the multiprocess executo
 so a replica is three processes: API server, EngineCore, worker); the standby
 forks both children instead, from processes that have run no OpenMP region yet.
 
-Agent side: `Standby` (import-light). Standby side: `main()`.
+This module is the agent side (`Standby`, import-light) and the handoff it sends (`Handoff`); the
+standby process itself (`main()`) is `standby_process.py`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
@@ -48,37 +48,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, DEVICE_CPU, REPLICA_ENV_MARKER, EngineCommand
+from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, EngineCommand
 
 logger = logging.getLogger(__name__)
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-STANDBY_MODULE = "gpu_agent.runtime.standby"
+STANDBY_MODULE = "gpu_agent.runtime.standby_process"
 REAPER_MODULE = "gpu_agent.runtime.reaper"
 # Reserved width of the replica marker in a standby's environment block.
 MARKER_WIDTH = 128
 STANDBY_MARKER_VALUE = "standby".ljust(MARKER_WIDTH, "_")
-_READY_LINE = b"ready\n"
-
-# Modules a replica would otherwise import at start, API server and EngineCore alike.
-PRELOAD_MODULES = (
-    "vllm.entrypoints.launchers.api_server.entry",
-    "vllm.entrypoints.launchers.cli_args",
-    "vllm.utils.argparse_utils",
-    "vllm.v1.engine.async_llm",
-    "vllm.v1.engine.core",
-    "vllm.v1.executor.uniproc_executor",
-    "vllm.model_executor.model_loader",
-    "vllm.model_executor.models.llama",
-    "vllm.model_executor.models.qwen2",
-    "vllm.model_executor.models.qwen3",
-    "uvloop",
-)
-PRELOAD_MODULES_BY_DEVICE = {
-    DEVICE_CPU: ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner"),
-    "cuda": ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner"),
-}
-
+READY_LINE = b"ready\n"  # what the standby process writes on its stdout once warm
 
 def server_args(command: EngineCommand) -> list[str] | None:
     """The arguments of `python -m vllm.entrypoints.openai.api_server ...`, or None for other commands.
@@ -208,7 +188,7 @@ class Standby:
             return
         if chunk:  # None: nothing yet (non-blocking pipe)
             self._buffer += chunk
-        if _READY_LINE in self._buffer:
+        if READY_LINE in self._buffer:
             self.ready = True
             self.ready_after_s = time.monotonic() - self.spawned_at
             self._num_early_deaths = 0
@@ -285,138 +265,3 @@ class Standby:
                 pipe.close()
             except (OSError, ValueError):
                 pass
-
-
-# -- the standby process ---------------------------------------------------------------
-
-
-def rewrite_environ_block(name: str, value: str) -> bool:
-    """Overwrite `name`'s value in this process's initial environment block (what /proc shows).
-
-    The new value must fit the old one's width; the remainder becomes a filler entry
-    without '=', which environment parsers (psutil, glibc) skip.
-    """
-    try:
-        with open("/proc/self/stat", "rb") as handle:
-            stat = handle.read()
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        env_start, env_end = int(fields[47]), int(fields[48])  # fields 50 and 51 of proc(5)
-    except (OSError, ValueError, IndexError):
-        return False
-    block = ctypes.string_at(env_start, env_end - env_start)
-    key = name.encode() + b"="
-    if block.startswith(key):
-        position = 0
-    else:
-        found = block.find(b"\0" + key)
-        if found < 0:
-            return False
-        position = found + 1
-    value_start = position + len(key)
-    width = block.index(b"\0", value_start) - value_start
-    encoded = value.encode()
-    if len(encoded) + 2 > width:
-        return False
-    payload = encoded + b"\0" + b"_" * (width - len(encoded) - 1)
-    ctypes.memmove(env_start + value_start, payload, width)
-    return True
-
-
-def _force_fork_children() -> None:
-    """On CPU, start the EngineCore and its worker by fork: they inherit every import.
-
-    vLLM's CPU platform sets the `spawn` start method unconditionally, which makes
-    each child import vLLM again. Every module that took `get_mp_context` by name
-    gets a fork context instead; forked children inherit the patch.
-    """
-    import multiprocessing
-
-    import vllm.utils.system_utils as system_utils
-    import vllm.v1.engine.utils  # noqa: F401 - make sure the users are imported before patching
-    import vllm.v1.executor.multiproc_executor  # noqa: F401
-
-    original = system_utils.get_mp_context
-
-    def fork_context():
-        return multiprocessing.get_context("fork")
-
-    for name, module in list(sys.modules.items()):
-        # NOTE: look in __dict__ only: getattr on lazy modules (transformers) imports things.
-        if name.startswith("vllm") and vars(module).get("get_mp_context") is original:
-            module.get_mp_context = fork_context
-
-
-def _preload(device: str) -> None:
-    import importlib
-
-    for module in (*PRELOAD_MODULES, *PRELOAD_MODULES_BY_DEVICE.get(device, ())):
-        started_at = time.monotonic()
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # an optional module of this vLLM build; the server imports what it needs
-            print(f"standby: could not preload {module}: {exc!r}", file=sys.stderr)
-            continue
-        print(f"standby: imported {module} in {time.monotonic() - started_at:.1f}s", file=sys.stderr)
-
-
-def _serve(handoff: Handoff, device: str) -> None:
-    import uvloop
-    from vllm.entrypoints.launchers.api_server.entry import run_server
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
-    args = parser.parse_args(handoff.args)
-    configure_logging_from_args(args)
-    validate_parsed_serve_args(args)
-    if device == DEVICE_CPU:
-        _force_fork_children()
-    uvloop.run(run_server(args))
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="inferplane-standby")
-    parser.add_argument("--device", default=DEVICE_CPU)
-    options = parser.parse_args(argv)
-
-    # stdout is the status pipe to the agent; everything else printed goes to the log (stderr).
-    status = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)
-    started_at = time.monotonic()
-    _preload(options.device)
-    print(f"standby: ready after {time.monotonic() - started_at:.1f}s", file=sys.stderr, flush=True)
-    status.write(_READY_LINE)
-
-    line = sys.stdin.buffer.readline()  # blocks until a handoff; EOF when the agent goes away
-    if not line.strip():
-        return 0
-    handoff = Handoff(**json.loads(line))
-    status.close()
-    if not rewrite_environ_block(REPLICA_ENV_MARKER, handoff.replica_id):
-        print("standby: cannot set the replica marker; refusing the handoff", file=sys.stderr, flush=True)
-        return 75  # the agent sees an early exit and launches this replica naively
-    os.environ.update(handoff.env)
-    os.environ[REPLICA_ENV_MARKER] = handoff.replica_id
-    sys.stdout.flush()
-    sys.stderr.flush()
-    log_fd = os.open(handoff.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    null_fd = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null_fd, 0)
-    os.close(null_fd)
-    print(
-        f"standby: pid {os.getpid()} serves replica {handoff.replica_id} "
-        f"(spawned {time.monotonic() - started_at:.1f}s ago)",
-        flush=True,
-    )
-    _serve(handoff, options.device)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

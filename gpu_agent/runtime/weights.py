@@ -1,46 +1,34 @@
-"""A content-addressed cache of model weights under `<data-dir>/weights/`.
+"""A content-addressed cache of model weights under `<data-dir>/weights/`: what to fetch, what to keep.
 
-Sources:
-    s3://bucket/prefix       boto3; keyed by the objects' keys, sizes and ETags
-    hf:org/name[@revision]   the Hub's HTTP API; keyed by the commit the revision points at
-    /absolute/path           used in place, never copied (`weights_paths.check_local_model_dir`)
-
-Each fetch reads its source with the replica's own credentials, the fleet's for the public
+`WeightsCache.fetch` turns a model source into a local directory. It lists the source
+(`weights_sources`), reading it with the replica's own credentials, the fleet's for the public
 catalogue, or anonymously (`weights_access`). A cache key covers the source, its content, the
 store's endpoint and the replica's `weights_scope`, so two organisations never share a cached copy
-of a private source while a public catalogue model ("" scope) is downloaded once for everyone.
+of a private source while a public catalogue model ("" scope) is downloaded once for everyone. The
+manifests and per-model locks are `weights_index`'s; one lock per cache key makes concurrent
+requests for one model download once, across threads and processes.
 
-Layout: `<root>/<cache_key>/` holds one complete model and `<root>/<cache_key>.json`
-its manifest (written last; its mtime is the last use). A download goes to
-`<root>/.tmp/` and is renamed into place, so a half-downloaded model never looks
-complete. One lock per cache key (a thread lock plus an `flock` on
-`<root>/.locks/<key>.lock`) makes concurrent requests for one model download once,
-across threads and processes.
-
-Before downloading, every file name is checked (`weights_paths`) and the model's total size is
-compared with the disk budget and free space: what can never fit fails at once, least recently used
-unpinned models are evicted when that makes room, and a file larger than its listing said stops the
-download.
+A download goes to `<root>/.tmp/` and is renamed into place before its manifest is written, so a
+half-downloaded model never looks complete. Before downloading, every file name is checked
+(`weights_paths`) and the model's total size is compared with the disk budget and free space: what
+can never fit fails at once, least recently used unpinned models are evicted when that makes room,
+and a file larger than its listing said stops the download (`weights_sources`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
 
 from gpu_agent.protocol import ModelInfo, WeightsStatus
+from gpu_agent.runtime import weights_sources
 from gpu_agent.runtime.model_info import read_model_info
 from gpu_agent.runtime.weights_access import (
     ModelTooLarge,
@@ -48,67 +36,14 @@ from gpu_agent.runtime.weights_access import (
     StoreUnreachable,
     WeightsError,
     hf_client,
-    hf_errors,
-    hf_raise_for_status,
     s3_client,
     s3_endpoint_for,
-    s3_errors,
-    unreadable,
 )
-from gpu_agent.runtime.weights_paths import DownloadFolder, check_local_model_dir, check_model_file_names
+from gpu_agent.runtime.weights_index import CacheIndex, cache_key, digest, remove_path
+from gpu_agent.runtime.weights_paths import DownloadFolder, check_local_model_dir
+from gpu_agent.runtime.weights_sources import Download, ModelSource
 
 logger = logging.getLogger(__name__)
-
-_CHUNK_BYTES = 8 * 1024 * 1024
-MAX_MODEL_FILES = 10_000  # a listing of a million tiny objects would exhaust inodes, not bytes
-_HF_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-@dataclass(slots=True)
-class ModelSource:
-    kind: str  # "s3", "hf", "local"
-    location: str  # bucket/prefix, org/name, or the path
-    revision: str = ""
-
-    @classmethod
-    def parse(cls, source: str) -> ModelSource:
-        if source.startswith("s3://"):
-            rest = source[len("s3://") :].strip("/")
-            if not rest:
-                raise ValueError(f"bad S3 source {source!r}")
-            return cls("s3", rest)
-        if source.startswith("hf:"):
-            name, _, revision = source[len("hf:") :].partition("@")
-            if not _HF_REPO_ID.fullmatch(name) or ".." in name:
-                raise ValueError(f"bad Hugging Face source {source!r}: expected hf:org/name[@revision]")
-            if any(ord(ch) <= 32 or ord(ch) == 127 for ch in revision):
-                raise ValueError(f"bad Hugging Face revision in {source!r}")
-            return cls("hf", name, revision or "main")
-        if os.path.isabs(source):
-            return cls("local", source)
-        raise ValueError(f"unknown model source {source!r}")
-
-    @property
-    def bucket_and_prefix(self) -> tuple[str, str]:
-        bucket, _, prefix = self.location.partition("/")
-        return bucket, prefix
-
-
-@dataclass(slots=True, frozen=True)
-class _RemoteFile:
-    name: str  # relative to the model folder, checked by `check_model_file_names`
-    parts: tuple[str, ...]
-    size_bytes: int
-    location: str  # the S3 object key, or the Hub URL of the file at the listed commit
-    etag: str = ""
-
-
-@dataclass(slots=True)
-class _Download:
-    source: str
-    cache_key: str
-    size_bytes: int = 0
-    downloaded_bytes: int = 0
 
 
 class WeightsCache:
@@ -136,13 +71,13 @@ class WeightsCache:
         self.private_dirs = (self.root, *private_dirs)
         for sub in ("", ".tmp", ".locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._index = CacheIndex(self.root)
         self.num_downloads = 0
         self.num_hits = 0
         self._mutex = threading.Lock()
         self._space_lock = threading.Lock()  # one decision at a time about who gets the disk
-        self._key_locks: dict[str, threading.Lock] = {}
         self._pins: dict[str, int] = {}  # cache key -> number of users (never evicted)
-        self._downloads: dict[str, _Download] = {}
+        self._downloads: dict[str, Download] = {}
         self._model_infos: dict[Path, ModelInfo | None] = {}  # model directory -> what its config says
         self._local_models: dict[str, Path] = {}  # local sources served here, reported like cached ones
 
@@ -162,38 +97,41 @@ class WeightsCache:
             with self._mutex:
                 self._local_models[source] = path
             return path
-        endpoint = s3_endpoint_for(access, self.s3_endpoint_url) if parsed.kind == "s3" else self._hub()
-        endpoint_digest = _digest(endpoint or "")
+        if parsed.kind == "s3":
+            endpoint = s3_endpoint_for(access, self.s3_endpoint_url)
+        else:
+            endpoint = weights_sources.hub_endpoint(self.hf_endpoint)
+        endpoint_digest = digest(endpoint or "")
         with contextlib.ExitStack() as stack:
             try:
                 if parsed.kind == "s3":
                     client = s3_client(access, source, default_endpoint_url=self.s3_endpoint_url)
                     stack.callback(client.close)
-                    files = self._s3_listing(client, parsed, source)
+                    files = weights_sources.s3_listing(client, parsed, source)
                     fingerprint = json.dumps(sorted((f.location, f.size_bytes, f.etag) for f in files))
                 else:  # a branch moves: key by the commit it points at now
                     client = stack.enter_context(hf_client(access, source))
-                    files, fingerprint = self._hf_listing(client, parsed, source)
+                    files, fingerprint = weights_sources.hf_listing(client, parsed, source, endpoint)
             except StoreUnreachable:
                 # NOTE: only when the store cannot be reached at all (never on a refusal), and only
                 # a copy this same scope fetched from this same endpoint: bad credentials get nothing.
-                cached = self._newest_cached(source, access.scope, endpoint_digest)
+                cached = self._index.newest(source, access.scope, endpoint_digest)
                 if cached is None:
                     raise
                 logger.warning("cannot reach the store of %s; using the cached copy %s", source, cached.name)
-                self._touch(cached.name)
+                self._index.touch(cached.name)
                 with self._mutex:
                     self.num_hits += 1
                 return cached
             key = cache_key(source, fingerprint, scope=access.scope, endpoint=endpoint or "")
-            with self._key_lock(key):
+            with self._index.key_lock(key):
                 path = self.root / key
-                if self._manifest_path(key).exists() and path.is_dir() and not path.is_symlink():
-                    self._touch(key)
+                if self._index.is_complete(key):
+                    self._index.touch(key)
                     with self._mutex:
                         self.num_hits += 1
                     return path
-                download = _Download(
+                download = Download(
                     source=source, cache_key=key, size_bytes=sum(f.size_bytes for f in files)
                 )
                 with self._mutex:
@@ -210,7 +148,7 @@ class WeightsCache:
                         "fingerprint": fingerprint,
                         "created_at": time.time(),
                     }
-                    _write_atomically(self._manifest_path(key), json.dumps(manifest))
+                    self._index.write_manifest(key, manifest)
                     with self._mutex:
                         self.num_downloads += 1
                 finally:
@@ -236,7 +174,7 @@ class WeightsCache:
         """Remove least recently used complete models until the cache fits its budget."""
         if self.budget_bytes is None:
             return []
-        entries = self._entries()
+        entries = self._index.entries()
         excess = sum(entry["size_bytes"] for entry in entries) - self.budget_bytes
         return self._evict_lru(entries, excess)
 
@@ -263,7 +201,7 @@ class WeightsCache:
                 last_used_at=entry["last_used_at"],
                 model_info=self.model_info(self.root / entry["cache_key"]),
             )
-            for entry in self._entries()
+            for entry in self._index.entries()
         ]
         with self._mutex:
             downloads = list(self._downloads.values())
@@ -271,7 +209,7 @@ class WeightsCache:
         for source, path in local_models:
             size_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
             statuses.append(WeightsStatus(
-                source=source, cache_key=f"local-{_digest(str(path))}", size_bytes=size_bytes,
+                source=source, cache_key=f"local-{digest(str(path))}", size_bytes=size_bytes,
                 downloaded_bytes=size_bytes, complete=True, model_info=self.model_info(path),
             ))
         statuses += [
@@ -304,7 +242,7 @@ class WeightsCache:
                 raise ModelTooLarge(
                     f"model is {_human(size_bytes)}; this node's weights disk is {_human(disk.total)}"
                 )
-            entries = self._entries()
+            entries = self._index.entries()
             need = size_bytes - (disk.free - pending)
             if self.budget_bytes is not None:
                 cached = sum(entry["size_bytes"] for entry in entries)
@@ -334,207 +272,38 @@ class WeightsCache:
             with self._mutex:
                 if self._pins.get(key):
                     continue
-            lock = self._key_lock(key, blocking=False)
+            lock = self._index.key_lock(key, blocking=False)
             if lock is None:  # being downloaded or read by someone else
                 continue
             with lock:
-                self._manifest_path(key).unlink(missing_ok=True)
-                _remove(self.root / key)
+                self._index.remove(key)
             freed += entry["size_bytes"]
             evicted.append(key)
             logger.info("evicted weights %s (%s)", key, entry.get("source"))
         return evicted
 
-    # -- downloads --------------------------------------------------------------
+    # -- downloading --------------------------------------------------------------
 
     def _download_into_place(
-        self, parsed, client, files, path: Path, download: _Download, on_progress
+        self, parsed, client, files, path: Path, download: Download, on_progress
     ) -> None:
         tmp = self.root / ".tmp" / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         folder = DownloadFolder(tmp)
         try:
             for remote in files:
                 with folder.create(remote.parts) as handle:
-                    if parsed.kind == "s3":
-                        self._download_s3_file(client, parsed, remote, handle, download, on_progress)
-                    else:
-                        self._download_hf_file(client, parsed, remote, handle, download, on_progress)
+                    weights_sources.download_file(parsed, client, remote, handle, download, on_progress)
             folder.check_in_place()
-            _remove(path)  # a stale directory without a manifest
+            remove_path(path)  # a stale directory without a manifest
             os.rename(tmp, path)
             try:
                 folder.check_in_place(path)
             except WeightsError:
-                _remove(path)
+                remove_path(path)
                 raise
         finally:
             folder.close()
-            _remove(tmp)
-
-    def _write_chunks(
-        self, chunks, remote: _RemoteFile, handle, download: _Download, on_progress, source: str
-    ):
-        written = 0
-        for chunk in chunks:
-            written += len(chunk)
-            download.downloaded_bytes += len(chunk)
-            # NOTE: checked before writing, so a store that sends more than it listed fills no disk.
-            if written > remote.size_bytes:
-                raise WeightsError(
-                    f"{source}: {remote.name} is larger than the {remote.size_bytes} bytes its listing announced"
-                )
-            handle.write(chunk)
-            if on_progress:
-                on_progress(download.downloaded_bytes, download.size_bytes)
-        if written != remote.size_bytes:
-            raise WeightsError(f"{source}: {remote.name}: got {written} bytes, expected {remote.size_bytes}")
-
-    # -- S3 ---------------------------------------------------------------------
-
-    def _s3_listing(self, client, parsed: ModelSource, source: str) -> list[_RemoteFile]:
-        bucket, prefix = parsed.bucket_and_prefix
-        prefix = prefix.rstrip("/") + "/" if prefix else ""
-        objects = []
-        with s3_errors(source):
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-                for item in page.get("Contents", []):
-                    size = int(item["Size"])
-                    if item["Key"].endswith("/") and size == 0:  # a console's "folder" marker
-                        continue
-                    objects.append((item["Key"], size, item.get("ETag", "").strip('"')))
-                    if len(objects) > MAX_MODEL_FILES:
-                        raise ModelTooLarge(f"{source} holds more than {MAX_MODEL_FILES} files")
-        if not objects:
-            raise unreadable(source)
-        parts = check_model_file_names(key[len(prefix) :] for key, _, _ in objects)
-        return [
-            _RemoteFile(name, parts[name], size, key, etag)
-            for (key, size, etag), name in ((entry, entry[0][len(prefix) :]) for entry in objects)
-        ]
-
-    def _download_s3_file(self, client, parsed, remote: _RemoteFile, handle, download, on_progress) -> None:
-        source = f"s3://{parsed.location}"
-        bucket, _ = parsed.bucket_and_prefix
-        with s3_errors(source):
-            body = client.get_object(Bucket=bucket, Key=remote.location)["Body"]
-            try:
-                chunks = body.iter_chunks(_CHUNK_BYTES)
-                self._write_chunks(chunks, remote, handle, download, on_progress, source)
-            finally:
-                body.close()
-
-    # -- Hugging Face -----------------------------------------------------------
-
-    def _hub(self) -> str:
-        from huggingface_hub import constants
-
-        return (self.hf_endpoint or constants.ENDPOINT).rstrip("/")
-
-    def _hf_listing(self, client, parsed: ModelSource, source: str) -> tuple[list[_RemoteFile], str]:
-        """The repo's files at the revision (every name checked, every size known) and its commit."""
-        from huggingface_hub import hf_hub_url
-
-        url = f"{self._hub()}/api/models/{parsed.location}/revision/{quote(parsed.revision, safe='')}"
-        with hf_errors(source):
-            response = client.get(url, params={"blobs": "true"})
-        hf_raise_for_status(response, source)
-        try:
-            info = response.json()
-            siblings = [(entry["rfilename"], entry.get("size")) for entry in info.get("siblings") or []]
-            sha = str(info.get("sha") or parsed.revision)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            raise WeightsError(f"{source}: the Hub's answer about the repo is malformed") from None
-        if not siblings:
-            raise unreadable(source)
-        if len(siblings) > MAX_MODEL_FILES:
-            raise ModelTooLarge(f"{source} holds more than {MAX_MODEL_FILES} files")
-        parts = check_model_file_names(name for name, _ in siblings)
-        for name, size in siblings:
-            if not isinstance(size, int) or size < 0:
-                raise WeightsError(f"{source}: the Hub did not say how large {name!r} is")
-        files = [
-            _RemoteFile(
-                name, parts[name], size, hf_hub_url(parsed.location, name, revision=sha, endpoint=self._hub())
-            )
-            for name, size in siblings
-        ]
-        return files, sha
-
-    def _download_hf_file(self, client, parsed, remote: _RemoteFile, handle, download, on_progress) -> None:
-        source = f"hf:{parsed.location}@{parsed.revision}"
-        with hf_errors(source), client.stream("GET", remote.location) as response:
-            hf_raise_for_status(response, source)
-            self._write_chunks(
-                response.iter_bytes(_CHUNK_BYTES), remote, handle, download, on_progress, source
-            )
-
-    # -- manifests and locks ----------------------------------------------------
-
-    def _manifest_path(self, key: str) -> Path:
-        return self.root / f"{key}.json"
-
-    def _touch(self, key: str) -> None:
-        os.utime(self._manifest_path(key))
-
-    def _newest_cached(self, source: str, scope: str, endpoint_digest: str) -> Path | None:
-        entries = [
-            entry
-            for entry in self._entries()
-            if entry.get("source") == source
-            and entry.get("scope", "") == scope
-            and entry.get("endpoint_digest", "") == endpoint_digest
-        ]
-        if not entries:
-            return None
-        return self.root / max(entries, key=lambda entry: entry["created_at"])["cache_key"]
-
-    def _entries(self) -> list[dict]:
-        entries = []
-        for manifest_path in self.root.glob("*.json"):
-            try:
-                entry = json.loads(manifest_path.read_text())
-                entry["last_used_at"] = manifest_path.stat().st_mtime
-            except (OSError, ValueError):
-                continue
-            entries.append(entry)
-        return entries
-
-    @contextlib.contextmanager
-    def _file_lock(self, key: str, *, blocking: bool):
-        with open(self.root / ".locks" / f"{key}.lock", "a+") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-
-    def _key_lock(self, key: str, *, blocking: bool = True):
-        """A context manager holding the key's thread and file locks (None if not blocking and busy)."""
-        with self._mutex:
-            thread_lock = self._key_locks.setdefault(key, threading.Lock())
-        if not thread_lock.acquire(blocking=blocking):
-            return None
-        stack = contextlib.ExitStack()
-        stack.callback(thread_lock.release)
-        acquired = stack.enter_context(self._file_lock(key, blocking=blocking))
-        if not acquired:
-            stack.close()
-            return None
-        return stack
-
-
-def cache_key(source: str, fingerprint: str, *, scope: str = "", endpoint: str = "") -> str:
-    """Content address: one source, at one content, from one store, for one scope, maps to one directory."""
-    return hashlib.sha256(f"{source}\n{fingerprint}\n{scope}\n{endpoint}".encode()).hexdigest()[:32]
-
-
-def _digest(text: str) -> str:
-    # The endpoint URL may carry user info: the manifest keeps only a digest of it.
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+            remove_path(tmp)
 
 
 def _human(num_bytes: int | None) -> str:
@@ -545,17 +314,3 @@ def _human(num_bytes: int | None) -> str:
         value /= 1000
     text = f"{value:.0f}" if unit == "bytes" else f"{value:.1f}".removesuffix(".0")
     return f"{text} {unit}"
-
-
-def _remove(path: Path) -> None:
-    """Remove a file, a link (never what it points to) or a directory tree, if there."""
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    elif path.exists():
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

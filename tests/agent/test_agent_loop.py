@@ -27,7 +27,8 @@ from gpu_agent.protocol import (
     ReplicaState,
     WatchResponse,
 )
-from gpu_agent.runtime.agent import Agent, AgentConfig
+from gpu_agent.runtime.agent import Agent
+from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.supervisor import SupervisorPolicy
 
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
@@ -127,7 +128,8 @@ def spawn_agent_process(control_plane, data_dir, *, keep_engines_on_exit=False) 
     script = textwrap.dedent(
         f"""
         from tests.agent.conftest import fake_engine_factory
-        from gpu_agent.runtime.agent import Agent, AgentConfig
+        from gpu_agent.runtime.agent import Agent
+        from gpu_agent.runtime.config import AgentConfig
         from gpu_agent.runtime.cli import run_until_signalled
         config = AgentConfig(control_plane_url={control_plane.url!r}, join_token={control_plane.join_token!r},
                              data_dir={str(data_dir)!r}, force_cpu=True, keep_engines_on_exit={keep_engines_on_exit})

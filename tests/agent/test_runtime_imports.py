@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
-MODULES = ["agent", "cli", "engine", "hardware", "standby", "supervisor", "tiny_model", "weights"]
+MODULES = [
+    "agent", "cli", "config", "control_plane", "engine", "hardware", "reconciler", "standby",
+    "standby_process", "supervisor", "tiny_model", "weights", "weights_index", "weights_sources",
+]
 
 
 def test_runtime_imports_no_django_and_no_control_plane_app():

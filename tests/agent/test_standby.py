@@ -24,7 +24,7 @@ def test_a_process_rewrites_its_replica_marker_where_other_processes_read_it(tmp
     script = textwrap.dedent(
         """
         import sys
-        from gpu_agent.runtime.standby import rewrite_environ_block
+        from gpu_agent.runtime.standby_process import rewrite_environ_block
         assert rewrite_environ_block("INFERPLANE_REPLICA_ID", "r-0123456789abcdef")
         print("rewritten", flush=True)
         sys.stdin.readline()

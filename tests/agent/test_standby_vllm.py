@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from gpu_agent.protocol import ReplicaState
-from gpu_agent.runtime.agent import Agent, AgentConfig
+from gpu_agent.runtime.agent import Agent
+from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER
 from gpu_agent.runtime.supervisor import SupervisorPolicy
 

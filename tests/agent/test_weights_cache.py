@@ -12,8 +12,9 @@ import boto3
 import pytest
 
 from gpu_agent.runtime.engine import free_port
-from gpu_agent.runtime.weights import ModelSource, WeightsCache
+from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import StoreUnreachable, WeightsError
+from gpu_agent.runtime.weights_sources import ModelSource
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from gpu_agent.runtime import weights_sources
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import UnsafeModelPath, WeightsError
 from gpu_agent.runtime.weights_paths import model_file_parts
@@ -107,12 +108,12 @@ def test_a_download_folder_replaced_mid_download_is_never_used(s3, s3_endpoint, 
 def test_a_store_sending_more_than_it_listed_fills_no_disk(s3, s3_endpoint, tmp_path, monkeypatch):  # noqa: F811
     put_public(s3, "paths-grow", {"p/model.safetensors": b"x" * 100})
     cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
-    listing = cache._s3_listing
+    listing = weights_sources.s3_listing
 
     def shrunk_listing(*args):  # the object grows after it was listed
         return [type(f)(f.name, f.parts, 10, f.location, f.etag) for f in listing(*args)]
 
-    monkeypatch.setattr(cache, "_s3_listing", shrunk_listing)
+    monkeypatch.setattr(weights_sources, "s3_listing", shrunk_listing)
     with pytest.raises(WeightsError, match="larger than the 10 bytes its listing announced"):
         cache.fetch("s3://paths-grow/p")
     assert_only_inside(cache.root)

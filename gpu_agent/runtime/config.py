@@ -1,0 +1,52 @@
+"""What an agent is told at start: where the control plane is, its join token, its data dir and limits.
+
+`AgentConfig` is filled from the command line (`cli.py`) or by a test, and read by the agent's
+parts (`agent`, `control_plane`); nothing changes it after start.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
+from gpu_agent.runtime import engine
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    control_plane_url: str
+    join_token: str
+    data_dir: Path
+    name: str = ""
+    force_cpu: bool = False
+    weights_budget_bytes: int | None = None
+    s3_endpoint_url: str | None = None
+    request_timeout_s: float = 10.0
+    min_backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+    cpu_kv_cache_gib: int = engine.DEFAULT_CPU_KV_CACHE_GIB
+    # The address the gateway uses to reach this node's engines (the pod or host IP on a fleet).
+    # Engines listen on exactly this address, never on every interface.
+    advertise_host: str = "127.0.0.1"
+    # The ports engines may use; registered with the node, which accepts no address outside them.
+    engine_ports: tuple[int, int] = (DEFAULT_ENGINE_PORT_MIN, DEFAULT_ENGINE_PORT_MAX)
+    # Leave engines running when the agent exits (agent upgrades): no PR_SET_PDEATHSIG, and the
+    # next agent on this data dir adopts them. Off by default: an exiting agent stops its engines.
+    keep_engines_on_exit: bool = False
+    # Keep a warm standby engine process (vLLM already imported) for fast cold starts.
+    # Off here so library users and tests opt in; the `run` command turns it on.
+    standby: bool = False
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).resolve()
+        self.control_plane_url = self.control_plane_url.rstrip("/")
+        if not self.name:
+            self.name = socket.gethostname()[:128]
+
+    def backoff_s(self, num_failures: int) -> float:
+        """How long to wait after `num_failures` failed calls to the control plane in a row."""
+        ceiling = min(self.max_backoff_s, self.min_backoff_s * 2 ** (num_failures - 1))
+        return random.uniform(ceiling / 2, ceiling)  # jitter: a fleet must not retry in lockstep

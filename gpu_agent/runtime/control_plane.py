@@ -1,0 +1,163 @@
+"""The agent's side of the agent API: the node's identity, registration, heartbeats and the watch.
+
+    POST /agent/v1/register   RegisterRequest  -> RegisterResponse
+    POST /agent/v1/heartbeat  Heartbeat        -> HeartbeatResponse (Bearer <node secret>)
+    POST /agent/v1/watch                       -> WatchResponse     (Bearer <node secret>)
+
+The node id and secret are kept in `<data-dir>/node.json`, so a restarted agent is the same node.
+A 401 on a heartbeat means the control plane forgot the node: the agent registers again with its
+join token. What to report and what to do with the answer is the agent loop's (`agent`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+import httpx
+
+from gpu_agent.protocol import Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse, WatchResponse
+from gpu_agent.runtime import engine
+from gpu_agent.runtime.config import AgentConfig
+from gpu_agent.runtime.hardware import HardwareReport
+
+logger = logging.getLogger(__name__)
+
+AGENT_VERSION = "0.1.0"
+WATCH_TIMEOUT_S = 35.0  # the control plane answers a watch within 25 s
+
+
+class RegistrationRefused(Exception):
+    """The control plane rejected the join token."""
+
+
+class ControlPlaneClient:
+    """Speaks for one node: registers it (once per control plane and engine address) and reports it."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        machine: HardwareReport,
+        *,
+        device: str,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.config = config
+        self.machine = machine
+        self.device = device
+        self.http = httpx.Client(
+            base_url=config.control_plane_url, timeout=config.request_timeout_s, transport=transport
+        )
+        self._transport = transport
+        self.credentials_path = config.data_dir / "node.json"
+        self.node_id: str | None = None
+        self.node_secret: str | None = None
+        self.heartbeat_interval_s = 5.0
+        self._load_credentials()
+
+    def _load_credentials(self) -> None:
+        try:
+            data = json.loads(self.credentials_path.read_text())
+            # The node was registered with this control plane, host and port range; if the operator
+            # changed either, register again so the control plane trusts the new address.
+            if data.get("control_plane_url") == self.config.control_plane_url and data.get(
+                "engine_address"
+            ) == self._engine_address():
+                self.node_id, self.node_secret = data["node_id"], data["node_secret"]
+        except (OSError, ValueError, KeyError):
+            pass
+
+    def _engine_address(self) -> list:
+        return [self.config.advertise_host, *self.config.engine_ports]
+
+    def register(self) -> RegisterResponse:
+        request = RegisterRequest(
+            join_token=self.config.join_token,
+            name=self.config.name,
+            gpu_type=self.machine.gpu_type,
+            num_gpus=self.machine.num_gpus,
+            gpu_memory_mb=self.machine.gpu_memory_mb,
+            num_cpus=self.machine.num_cpus,
+            memory_mb=self.machine.memory_mb,
+            agent_version=AGENT_VERSION,
+            engine_version=engine.engine_version(),
+            supported_quantizations=sorted(engine.supported_quantizations(self.device)),
+            advertise_host=self.config.advertise_host,
+            engine_port_min=self.config.engine_ports[0],
+            engine_port_max=self.config.engine_ports[1],
+        )
+        response = self.http.post("/agent/v1/register", json=request.to_dict())
+        if response.status_code in (400, 401, 403):
+            raise RegistrationRefused(f"register refused ({response.status_code}): {response.text[:200]}")
+        response.raise_for_status()
+        answer = RegisterResponse.from_dict(response.json())
+        self.node_id, self.node_secret = answer.node_id, answer.node_secret
+        self.heartbeat_interval_s = answer.heartbeat_interval_s
+        data = {
+            "control_plane_url": self.config.control_plane_url,
+            "node_id": answer.node_id,
+            "node_secret": answer.node_secret,
+            "engine_address": self._engine_address(),
+        }
+        tmp = self.credentials_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle)
+        os.replace(tmp, self.credentials_path)
+        logger.info("registered as node %s (%s)", answer.node_id, self.machine.gpu_type)
+        return answer
+
+    def register_if_needed(self) -> None:
+        if self.node_secret is None:
+            self.register()
+
+    def send_heartbeat(self, heartbeat: Heartbeat) -> HeartbeatResponse:
+        """Send one heartbeat, registering again if the control plane forgot the node."""
+        response = self._post_heartbeat(heartbeat)
+        if response.status_code == 401:
+            logger.warning("heartbeat refused (401): registering again")
+            self.register()
+            response = self._post_heartbeat(heartbeat)
+        response.raise_for_status()
+        answer = HeartbeatResponse.from_dict(response.json())
+        self.heartbeat_interval_s = answer.heartbeat_interval_s
+        return answer
+
+    def _post_heartbeat(self, heartbeat: Heartbeat) -> httpx.Response:
+        return self.http.post(
+            "/agent/v1/heartbeat",
+            json=heartbeat.to_dict(),
+            headers={"Authorization": f"Bearer {self.node_secret}"},
+        )
+
+    def watch(self, stop: threading.Event, on_change) -> None:
+        """Long-poll `/agent/v1/watch` until `stop`, calling `on_change()` when the node's desired state changed.
+
+        A new or drained replica is so heard of at once, not at the next heartbeat.
+        """
+        failures = 0
+        with httpx.Client(
+            base_url=self.config.control_plane_url, timeout=WATCH_TIMEOUT_S, transport=self._transport
+        ) as client:
+            while not stop.is_set():
+                if not self.node_secret:
+                    stop.wait(0.2)
+                    continue
+                try:
+                    response = client.post(
+                        "/agent/v1/watch", headers={"Authorization": f"Bearer {self.node_secret}"}
+                    )
+                    if response.status_code == 404:  # an older control plane: heartbeats alone will do
+                        return
+                    response.raise_for_status()
+                    failures = 0
+                    if WatchResponse.from_dict(response.json()).changed:
+                        on_change()
+                except (httpx.HTTPError, ValueError):
+                    failures += 1
+                    stop.wait(self.config.backoff_s(failures))
+
+    def close(self) -> None:
+        self.http.close()

@@ -1,0 +1,225 @@
+"""Applying the control plane's desired replicas to this node: fetch, start, drain, forget.
+
+Each heartbeat's answer lists the replicas the node should run (`ReplicaSpec`, with a RUN or DRAIN
+action). A new one first has its weights fetched on its own thread (`_Pull`, reported as STARTING
+with the download's progress), is checked against what the model's config allows, and is then
+handed to the supervisor without the source's credentials. A replica no longer wanted is drained;
+a finished one is forgotten, and its weights unpinned, once the control plane has seen its final
+state. `replica_statuses` is what the next heartbeat reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_agent.protocol import FINAL_REPLICA_STATES, ReplicaAction, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.runtime.model_info import context_problem
+from gpu_agent.runtime.supervisor import Supervisor
+from gpu_agent.runtime.weights import WeightsCache
+from gpu_agent.runtime.weights_access import SourceAccess, WeightsError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pull:
+    """A replica whose weights are being fetched before its engine starts."""
+
+    spec: ReplicaSpec
+    progress: str = "loading weights"
+    progress_percent: float | None = None
+    failure_reason: str = ""
+    failure_permanent: bool = False  # the spec cannot run on this model: retrying would fail alike
+    done: bool = False
+    cancelled: bool = False
+
+
+class Reconciler:
+    """Owns the replicas between "desired" and "running": pulls in progress and the weights they pin."""
+
+    def __init__(self, supervisor: Supervisor, weights: WeightsCache, *, wake: threading.Event) -> None:
+        self.supervisor = supervisor
+        self.weights = weights
+        # Set when there is news the control plane should hear now rather than at the next interval.
+        self._wake = wake
+        self._pulls: dict[str, _Pull] = {}
+        self._pins: dict[str, Path] = {}  # replica id -> cached model it uses
+        self._reported_terminal: set[str] = set()
+        self._lock = threading.Lock()
+
+    def mark_reported(self, statuses: list[ReplicaStatus]) -> None:
+        """The control plane has heard these statuses: a final one may now be forgotten once dropped."""
+        with self._lock:
+            for status in statuses:
+                if status.state in FINAL_REPLICA_STATES:
+                    self._reported_terminal.add(status.replica_id)
+
+    def reconcile(self, desired: list[ReplicaSpec]) -> None:
+        """Start missing replicas, drain unwanted ones, forget finished ones the control plane dropped."""
+        desired_by_id = {spec.replica_id: spec for spec in desired}
+        known = set(self.supervisor.replica_ids())
+        with self._lock:
+            pulling = set(self._pulls)
+        for spec in desired:
+            if spec.action == ReplicaAction.RUN and spec.replica_id not in known | pulling:
+                self._begin_start(spec)
+            elif spec.replica_id in known:
+                self.supervisor.refresh_secrets(spec)
+        for replica_id in known | pulling:
+            spec = desired_by_id.get(replica_id)
+            if spec is None or spec.action == ReplicaAction.DRAIN:
+                self._drain(replica_id, spec)
+        # Forget a finished replica once the control plane has seen its final state and dropped it.
+        for replica_id in list(known):
+            replica = self.supervisor.get(replica_id)
+            if (
+                replica is not None
+                and replica.state in FINAL_REPLICA_STATES
+                and replica_id not in desired_by_id
+                and replica_id in self._reported_terminal
+            ):
+                self.supervisor.forget(replica_id)
+                self._release_weights(replica_id)
+        with self._lock:
+            for replica_id, pull in list(self._pulls.items()):
+                if pull.done and replica_id not in desired_by_id and replica_id in self._reported_terminal:
+                    del self._pulls[replica_id]
+            self._reported_terminal &= (
+                set(desired_by_id) | set(self.supervisor.replica_ids()) | set(self._pulls)
+            )
+        for replica_id in self.supervisor.replica_ids():
+            replica = self.supervisor.get(replica_id)
+            if replica is not None and replica.state in FINAL_REPLICA_STATES:
+                self._release_weights(replica_id)
+
+    def cancel_pulls(self) -> None:
+        """Let no pull in progress start its engine (the agent is stopping)."""
+        with self._lock:
+            for pull in self._pulls.values():
+                pull.cancelled = True
+
+    def _begin_start(self, spec: ReplicaSpec) -> None:
+        pull = _Pull(spec=spec)
+        with self._lock:
+            self._pulls[spec.replica_id] = pull
+        logger.info("replica %s: fetching %s", spec.replica_id, spec.model_source)
+        threading.Thread(
+            target=self._pull_then_start, args=(pull,), name=f"pull-{spec.replica_id}", daemon=True
+        ).start()
+
+    def _pull_then_start(self, pull: _Pull) -> None:
+        spec = pull.spec
+
+        def on_progress(done: int, total: int) -> None:
+            if total:
+                pull.progress_percent = round(100.0 * done / total, 1)
+                pull.progress = f"loading weights {pull.progress_percent:.0f}%"
+
+        try:
+            path = self.weights.fetch(
+                spec.model_source, access=SourceAccess.for_replica(spec), on_progress=on_progress
+            )
+            self.weights.pin(path)
+        except (WeightsError, ValueError) as exc:  # NOTE: their messages carry no secrets
+            logger.warning("replica %s: fetching weights failed: %s", spec.replica_id, exc)
+            pull.failure_reason = f"fetching weights from {spec.model_source} failed: {exc}"
+            pull.done = True
+            return
+        except OSError as exc:  # the node's own trouble (a full disk): the system's words, no paths
+            logger.exception("replica %s: fetching weights failed", spec.replica_id)
+            pull.failure_reason = (
+                f"fetching weights from {spec.model_source} failed: {exc.strerror or 'I/O error'}"
+            )
+            pull.done = True
+            return
+        except Exception:
+            # Anything else may quote what it should not (an endpoint, a library's internals):
+            # the operator's log has it, the customer gets a plain reason.
+            logger.exception("replica %s: fetching weights failed", spec.replica_id)
+            pull.failure_reason = (
+                f"fetching weights from {spec.model_source} failed (the node's log has details)"
+            )
+            pull.done = True
+            return
+        # NOTE: checked before launching: vLLM would refuse the same spec only after loading for a
+        # minute; the replica fails now, with a reason the endpoint shows, and no engine is started.
+        problem = context_problem(spec.max_model_len, self.weights.model_info(path))
+        if problem:
+            logger.warning("replica %s: not starting: %s", spec.replica_id, problem)
+            self.weights.unpin(path)
+            pull.failure_reason = problem
+            pull.failure_permanent = True
+            pull.done = True
+            self._wake.set()
+            return
+        # The engine never needs the source's credentials: nothing past this point (the supervisor,
+        # its state file) holds them.
+        spec = dataclasses.replace(spec, credentials=None)
+        with self._lock:
+            if pull.cancelled:
+                self.weights.unpin(path)
+                pull.done = True
+                return
+            self._pins[spec.replica_id] = path
+            # NOTE: start() only schedules; the supervisor's monitor thread forks the engine,
+            # because PR_SET_PDEATHSIG would kill it when this short-lived thread ends.
+            self.supervisor.start(spec, path)
+            del self._pulls[spec.replica_id]
+        self._wake.set()  # report STARTING now: the console and held requests show "starting engine"
+
+    def _drain(self, replica_id: str, spec: ReplicaSpec | None) -> None:
+        with self._lock:
+            pull = self._pulls.get(replica_id)
+            if pull is not None:
+                pull.cancelled = True
+                pull.done = True
+                pull.progress = ""
+                return
+        replica = self.supervisor.get(replica_id)
+        if replica is not None and replica.state not in (*FINAL_REPLICA_STATES, ReplicaState.DRAINING):
+            logger.info("replica %s: draining (%s)", replica_id, "DRAIN" if spec else "no longer desired")
+            self.supervisor.drain(replica_id, timeout_s=spec.drain_timeout_s if spec else None)
+
+    def _release_weights(self, replica_id: str) -> None:
+        with self._lock:
+            path = self._pins.pop(replica_id, None)
+        if path is not None:
+            self.weights.unpin(path)
+
+    def replica_statuses(self) -> list[ReplicaStatus]:
+        statuses = self.supervisor.statuses()
+        with self._lock:
+            pulls = list(self._pulls.values())
+        for pull in pulls:
+            if pull.failure_reason:
+                state = ReplicaState.FAILED
+            elif pull.cancelled:
+                state = ReplicaState.STOPPED
+            else:
+                state = ReplicaState.STARTING
+            statuses.append(
+                ReplicaStatus(
+                    replica_id=pull.spec.replica_id,
+                    state=state,
+                    failure_reason=pull.failure_reason,
+                    failure_permanent=pull.failure_permanent,
+                    progress=pull.progress if state == ReplicaState.STARTING else "",
+                    progress_percent=pull.progress_percent if state == ReplicaState.STARTING else None,
+                )
+            )
+        return statuses
+
+    def wait_for(self, replica_id: str, states: tuple[ReplicaState, ...], timeout_s: float) -> ReplicaStatus:
+        """Poll until a replica reaches one of `states` (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for status in self.replica_statuses():
+                if status.replica_id == replica_id and status.state in states:
+                    return status
+            time.sleep(0.2)
+        raise TimeoutError(f"replica {replica_id} did not reach {states} in {timeout_s}s")

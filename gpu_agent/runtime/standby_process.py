@@ -1,0 +1,171 @@
+"""The standby process: import vLLM ahead of time, then become one replica's engine.
+
+Started by the agent's `Standby` (`standby.py`, which explains the whole scheme) as
+`python -m gpu_agent.runtime.standby_process`, under the reaper. It imports what a replica would
+import at start, writes `READY_LINE` on its stdout, and blocks on stdin for one `Handoff`. It then
+takes the replica's identity (rewriting the marker in its environment block, `rewrite_environ_block`),
+sends its output to the replica's log and runs vLLM's OpenAI server in process; on CPU vLLM's
+children are forked from it rather than spawned (`_force_fork_children`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import time
+
+from gpu_agent.runtime.engine import DEVICE_CPU, REPLICA_ENV_MARKER
+from gpu_agent.runtime.standby import READY_LINE, Handoff
+
+# Modules a replica would otherwise import at start, API server and EngineCore alike.
+PRELOAD_MODULES = (
+    "vllm.entrypoints.launchers.api_server.entry",
+    "vllm.entrypoints.launchers.cli_args",
+    "vllm.utils.argparse_utils",
+    "vllm.v1.engine.async_llm",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.model_executor.model_loader",
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.models.qwen2",
+    "vllm.model_executor.models.qwen3",
+    "uvloop",
+)
+PRELOAD_MODULES_BY_DEVICE = {
+    DEVICE_CPU: ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner"),
+    "cuda": ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner"),
+}
+
+
+def rewrite_environ_block(name: str, value: str) -> bool:
+    """Overwrite `name`'s value in this process's initial environment block (what /proc shows).
+
+    The new value must fit the old one's width; the remainder becomes a filler entry
+    without '=', which environment parsers (psutil, glibc) skip.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as handle:
+            stat = handle.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        env_start, env_end = int(fields[47]), int(fields[48])  # fields 50 and 51 of proc(5)
+    except (OSError, ValueError, IndexError):
+        return False
+    block = ctypes.string_at(env_start, env_end - env_start)
+    key = name.encode() + b"="
+    if block.startswith(key):
+        position = 0
+    else:
+        found = block.find(b"\0" + key)
+        if found < 0:
+            return False
+        position = found + 1
+    value_start = position + len(key)
+    width = block.index(b"\0", value_start) - value_start
+    encoded = value.encode()
+    if len(encoded) + 2 > width:
+        return False
+    payload = encoded + b"\0" + b"_" * (width - len(encoded) - 1)
+    ctypes.memmove(env_start + value_start, payload, width)
+    return True
+
+
+def _force_fork_children() -> None:
+    """On CPU, start the EngineCore and its worker by fork: they inherit every import.
+
+    vLLM's CPU platform sets the `spawn` start method unconditionally, which makes
+    each child import vLLM again. Every module that took `get_mp_context` by name
+    gets a fork context instead; forked children inherit the patch.
+    """
+    import multiprocessing
+
+    import vllm.utils.system_utils as system_utils
+    import vllm.v1.engine.utils  # noqa: F401 - make sure the users are imported before patching
+    import vllm.v1.executor.multiproc_executor  # noqa: F401
+
+    original = system_utils.get_mp_context
+
+    def fork_context():
+        return multiprocessing.get_context("fork")
+
+    for name, module in list(sys.modules.items()):
+        # NOTE: look in __dict__ only: getattr on lazy modules (transformers) imports things.
+        if name.startswith("vllm") and vars(module).get("get_mp_context") is original:
+            module.get_mp_context = fork_context
+
+
+def _preload(device: str) -> None:
+    import importlib
+
+    for module in (*PRELOAD_MODULES, *PRELOAD_MODULES_BY_DEVICE.get(device, ())):
+        started_at = time.monotonic()
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # an optional module of this vLLM build; the server imports what it needs
+            print(f"standby: could not preload {module}: {exc!r}", file=sys.stderr)
+            continue
+        print(f"standby: imported {module} in {time.monotonic() - started_at:.1f}s", file=sys.stderr)
+
+
+def _serve(handoff: Handoff, device: str) -> None:
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
+    args = parser.parse_args(handoff.args)
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    if device == DEVICE_CPU:
+        _force_fork_children()
+    uvloop.run(run_server(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="inferplane-standby")
+    parser.add_argument("--device", default=DEVICE_CPU)
+    options = parser.parse_args(argv)
+
+    # stdout is the status pipe to the agent; everything else printed goes to the log (stderr).
+    status = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    started_at = time.monotonic()
+    _preload(options.device)
+    print(f"standby: ready after {time.monotonic() - started_at:.1f}s", file=sys.stderr, flush=True)
+    status.write(READY_LINE)
+
+    line = sys.stdin.buffer.readline()  # blocks until a handoff; EOF when the agent goes away
+    if not line.strip():
+        return 0
+    handoff = Handoff(**json.loads(line))
+    status.close()
+    if not rewrite_environ_block(REPLICA_ENV_MARKER, handoff.replica_id):
+        print("standby: cannot set the replica marker; refusing the handoff", file=sys.stderr, flush=True)
+        return 75  # the agent sees an early exit and launches this replica naively
+    os.environ.update(handoff.env)
+    os.environ[REPLICA_ENV_MARKER] = handoff.replica_id
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log_fd = os.open(handoff.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    null_fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null_fd, 0)
+    os.close(null_fd)
+    print(
+        f"standby: pid {os.getpid()} serves replica {handoff.replica_id} "
+        f"(spawned {time.monotonic() - started_at:.1f}s ago)",
+        flush=True,
+    )
+    _serve(handoff, options.device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The weights cache's record on disk: manifests, per-model locks and content addresses.
+
+Layout: `<root>/<cache_key>/` holds one complete model and `<root>/<cache_key>.json` its manifest
+(written last, atomically; its mtime is the last use), so a model without a manifest is never
+complete. One lock per cache key (a thread lock plus an `flock` on `<root>/.locks/<key>.lock`)
+serialises everyone who downloads, reads or evicts that model, across threads and processes.
+
+A cache key covers the source, its content, the store's endpoint and the replica's `weights_scope`
+(`cache_key`); the manifest keeps only a digest of the endpoint, which may carry user info. What to
+download and what to evict is decided by `weights.WeightsCache`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import threading
+import uuid
+from pathlib import Path
+
+
+class CacheIndex:
+    """The complete models under `root`, as their manifests say, and the lock of each."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._mutex = threading.Lock()
+        self._key_locks: dict[str, threading.Lock] = {}
+
+    def manifest_path(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    def is_complete(self, key: str) -> bool:
+        path = self.root / key
+        return self.manifest_path(key).exists() and path.is_dir() and not path.is_symlink()
+
+    def write_manifest(self, key: str, manifest: dict) -> None:
+        """Mark the model complete (the last step of a download)."""
+        path = self.manifest_path(key)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps(manifest))
+        os.replace(tmp, path)
+
+    def touch(self, key: str) -> None:
+        """Record a use (the least recently used model is evicted first)."""
+        os.utime(self.manifest_path(key))
+
+    def remove(self, key: str) -> None:
+        """Forget a model, manifest first, so it never looks complete while its files go."""
+        self.manifest_path(key).unlink(missing_ok=True)
+        remove_path(self.root / key)
+
+    def entries(self) -> list[dict]:
+        """Every complete model's manifest, with `last_used_at`."""
+        entries = []
+        for manifest_path in self.root.glob("*.json"):
+            try:
+                entry = json.loads(manifest_path.read_text())
+                entry["last_used_at"] = manifest_path.stat().st_mtime
+            except (OSError, ValueError):
+                continue
+            entries.append(entry)
+        return entries
+
+    def newest(self, source: str, scope: str, endpoint_digest: str) -> Path | None:
+        """The newest copy of `source` this scope fetched from this endpoint, if any."""
+        entries = [
+            entry
+            for entry in self.entries()
+            if entry.get("source") == source
+            and entry.get("scope", "") == scope
+            and entry.get("endpoint_digest", "") == endpoint_digest
+        ]
+        if not entries:
+            return None
+        return self.root / max(entries, key=lambda entry: entry["created_at"])["cache_key"]
+
+    def key_lock(self, key: str, *, blocking: bool = True):
+        """A context manager holding the key's thread and file locks (None if not blocking and busy)."""
+        with self._mutex:
+            thread_lock = self._key_locks.setdefault(key, threading.Lock())
+        if not thread_lock.acquire(blocking=blocking):
+            return None
+        stack = contextlib.ExitStack()
+        stack.callback(thread_lock.release)
+        acquired = stack.enter_context(self._file_lock(key, blocking=blocking))
+        if not acquired:
+            stack.close()
+            return None
+        return stack
+
+    @contextlib.contextmanager
+    def _file_lock(self, key: str, *, blocking: bool):
+        with open(self.root / ".locks" / f"{key}.lock", "a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def cache_key(source: str, fingerprint: str, *, scope: str = "", endpoint: str = "") -> str:
+    """Content address: one source, at one content, from one store, for one scope, maps to one directory."""
+    return hashlib.sha256(f"{source}\n{fingerprint}\n{scope}\n{endpoint}".encode()).hexdigest()[:32]
+
+
+def digest(text: str) -> str:
+    # The endpoint URL may carry user info: the manifest keeps only a digest of it.
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, a link (never what it points to) or a directory tree, if there."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
