@@ -105,9 +105,12 @@ def test_counters_hold_no_email_addresses(client, victim):
 def test_attempts_pass_when_redis_is_unreachable(client, victim, monkeypatch):
     import redis
 
+    from controlplane.redis_client import connection_options
     from tests.conftest import free_port
 
-    unreachable = redis.Redis(port=free_port(), socket_connect_timeout=1)
+    # As production's client (one retry, no backoff), at an address where nothing listens.
+    retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    unreachable = redis.Redis(port=free_port(), retry=retry, **connection_options())
     monkeypatch.setattr(throttle, "get_redis", lambda: unreachable)
     for _ in range(_limit(throttle.LOGIN, "username").num_attempts + 1):
         response = client.post(reverse("login"), {"username": victim.email, "password": "guess"})
