@@ -71,7 +71,8 @@ def test_a_killed_agents_node_goes_offline_and_another_agent_takes_its_replica(p
                             message="a READY replica")
         platform.add_agent("cpu-node-2")
         first.process.send_signal(signal.SIGKILL)  # the agent alone; its engines must not outlive it
-        wait_until(lambda: Node.objects.get(name="cpu-node-1").state == "OFFLINE", 30, interval_s=0.5, message="OFFLINE")
+        wait_until(lambda: Node.objects.get(name="cpu-node-1").state == "OFFLINE", 120, interval_s=0.5,
+                   message="OFFLINE (the heartbeat grace is 4 s; the sweep waits behind the worker's other tasks)")
         doomed.refresh_from_db()
         assert doomed.state == "FAILED" and "heartbeats" in doomed.failure_reason
         wait_until(lambda: not vllm_processes_of(str(doomed.pk)), 30, message="the dead agent's engine to exit")
