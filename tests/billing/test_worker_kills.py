@@ -194,4 +194,5 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
     assert len(fake.calls_to("/v1/customers")) >= 2 and len({c.idempotency_key for c in fake.calls_to("/v1/customers")}) == 2
     assert len(fake.subscriptions) == len(fake.customers) == 2 and len(fake.prices) == 1
     assert not fake.unexpected
-    assert killed_during["billing.rollup_usage"] >= 5 and killed_during["billing.push_pending_rollups"] >= 20
+    # Both kinds of task were killed mid-run, each a fair share of the kills.
+    assert killed_during["billing.rollup_usage"] >= NUM_KILLS // 20 and killed_during["billing.push_pending_rollups"] >= NUM_KILLS // 5
