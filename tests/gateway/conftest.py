@@ -1,10 +1,14 @@
-"""Gateway fixtures: live ASGI servers, mock OpenAI upstreams, real CPU engines and endpoints wired to them."""
+"""Gateway fixtures: live ASGI servers, mock OpenAI upstreams, real CPU engines and endpoints wired to them.
+
+`vllm_engine` is the one real vLLM engine the package's vLLM modules share (test_vllm_gateway,
+test_reservation_vllm, test_tool_calling_vllm): an engine takes ~1 minute to start on two cores, so
+it starts once, as the agent's supervisor starts it, with what every one of them needs (the tiny
+model's whole context, prefix caching, the `hermes` tool-call parser), and stops after the package.
+"""
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 import httpx
 import openai
@@ -18,10 +22,39 @@ from controlplane.accounts.services import Actor
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaSpec, ReplicaState
-from gpu_agent.runtime.engine import DEVICE_CPU, build_engine_command
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
+from gpu_agent.runtime.supervisor import Supervisor
 from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
 from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
+
+# The shared engine: its served name (an endpoint of this name routes to it), its key (it answers no
+# other) and its context (the tiny model's own).
+ENGINE_NAME = "tiny"
+ENGINE_KEY = "key-of-the-gateway-tests-engine"
+ENGINE_CONTEXT = 2048
+
+
+@pytest.fixture(scope="package")
+def vllm_engine(tiny_model_dir, tmp_path_factory) -> str:
+    """The address of the package's real vLLM engine (started on first use, stopped after the package)."""
+    supervisor = Supervisor(tmp_path_factory.mktemp("agent"))
+    spec = ReplicaSpec(replica_id="gateway-tests-engine", endpoint_id="gateway-tests", served_model_name=ENGINE_NAME,
+                       model_source=str(tiny_model_dir), max_model_len=ENGINE_CONTEXT, max_num_seqs=16,
+                       enable_prefix_caching=True, engine_api_key=ENGINE_KEY, tool_call_parser="hermes")
+    supervisor.start(spec, tiny_model_dir)
+
+    def ready():
+        supervisor.poll()
+        replica = supervisor.get(spec.replica_id)
+        if replica.state == ReplicaState.FAILED:
+            raise AssertionError(f"engine FAILED: {replica.failure_reason}")
+        return replica.state == ReplicaState.READY
+
+    try:
+        wait_until(ready, 600, message="the shared engine to be READY")
+        yield supervisor.get(spec.replica_id).address
+    finally:
+        supervisor.shutdown(timeout_s=30)
 
 
 @pytest.fixture
@@ -101,20 +134,3 @@ def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = 
             Replica.objects.filter(pk=replica.pk).update(encrypted_engine_key=secrets_at_rest.encrypt(engine_key))
     return endpoint
 
-
-def start_cpu_engine(spec: ReplicaSpec, model_dir: Path, log_dir: Path) -> tuple[ChildProcess, str]:
-    """A real vLLM engine for `spec` on the CPU, started as the agent starts it (key in its environment);
-    returns it once it answers /health, with its address."""
-    command = build_engine_command(spec, model_dir, port=free_port(), device=DEVICE_CPU)
-    child = ChildProcess(command.argv, {**os.environ, **command.env}, log_dir / "vllm.log")
-
-    def healthy():
-        if child.process.poll() is not None:
-            raise AssertionError(f"vLLM exited early:\n{child.log_tail()}")
-        try:
-            return httpx.get(f"{command.address}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(healthy, 600, interval_s=1, message="vLLM to answer /health")
-    return child, command.address

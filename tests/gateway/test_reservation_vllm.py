@@ -1,8 +1,14 @@
 """The reservation is the true worst case, checked against a real vLLM engine on the tiny model.
 
-One engine serves the module (slow to start on CPU). For random request shapes through the gateway
-the real cost of the tokens the engine reports never exceeds what the gateway reserved; and the
-`n: 16` call that once took a $0.05 cap to $0.51 is refused, for a hard cap and for prepaid credit.
+The package's shared engine (`vllm_engine`, slow to start on CPU) serves the module. For random request
+shapes through the gateway the real cost of the tokens the engine reports never exceeds what the
+gateway reserved; and the `n: 16` call that once took a $0.05 cap to $0.51 is refused, for a hard cap
+and for prepaid credit.
+
+The shared engine has the tiny model's whole context (2048). Each random request is padded by a fixed
+prompt of CONTEXT − ROOM tokens, so it has only ROOM tokens left, as on a small-context engine: shapes
+whose prompt and output pass the context are refused by the engine, and a chat without a limit
+generates ROOM tokens at most, not 2048 per sequence (minutes on CPU).
 """
 
 from __future__ import annotations
@@ -24,28 +30,21 @@ from billing.services import set_billing_mode, set_spend_cap
 from controlplane.accounts.services import SYSTEM
 from endpoints.gateway.estimate import worst_case
 from endpoints.models import Endpoint
-from gpu_agent.protocol import ReplicaSpec
 from tests.conftest import wait_until
-from tests.gateway.conftest import serve_endpoint, start_cpu_engine
+from tests.gateway.conftest import ENGINE_CONTEXT, ENGINE_KEY, ENGINE_NAME, serve_endpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
-CONTEXT = 256
-ENGINE_KEY = "reservation-engine-key"  # the engine answers only the key it was started with
-NAME = "tiny"
+CONTEXT = ENGINE_CONTEXT
+NAME = ENGINE_NAME
 # Input and output priced apart, so that the longest prompt is not always the dearest request.
 PRICES = {"price_input_per_million": Decimal("100"), "price_cached_input_per_million": Decimal("100"),
           "price_output_per_million": Decimal("300")}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    spec = ReplicaSpec(replica_id="reservation-engine", endpoint_id="e", served_model_name=NAME,
-                       model_source=str(tiny_model_dir), max_model_len=CONTEXT, max_num_seqs=64,
-                       enable_prefix_caching=False, engine_api_key=ENGINE_KEY)
-    child, address = start_cpu_engine(spec, tiny_model_dir, tmp_path_factory.mktemp("engine"))
-    yield address
-    child.stop(timeout_s=30)
+@pytest.fixture
+def engine(vllm_engine) -> str:
+    return vllm_engine
 
 
 def _endpoint(organization, address: str) -> Endpoint:
@@ -96,11 +95,34 @@ def requests(draw) -> tuple[str, dict]:
     return kind, payload
 
 
+# The room each random request has left of the context once padded (a small engine's whole context).
+ROOM = 256
+# "%" is one byte and one token to the tiny tokenizer (no merge holds it): the padding's bound, in bytes,
+# is its real length, so it moves the reservation and the real cost alike. Token-id prompts take ids.
+PADDING = "%" * (CONTEXT - ROOM)
+PADDING_IDS = [7] * (CONTEXT - ROOM)
+
+
+def _padded(kind: str, payload: dict) -> dict:
+    """`payload` with the padding before its prompt(s): a first system message, or a prefix of each prompt."""
+    if kind == "chat":
+        return payload | {"messages": [{"role": "system", "content": PADDING}, *payload["messages"]]}
+
+    def pad(prompt):
+        if isinstance(prompt, str):
+            return PADDING + prompt
+        if all(isinstance(item, int) for item in prompt):
+            return PADDING_IDS + prompt
+        return [pad(item) for item in prompt]
+
+    return payload | {"prompt": pad(payload["prompt"])}
+
+
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(request=requests())
 def test_a_request_never_costs_more_than_its_reservation(engine, gateway, tenant, request):
-    kind, payload = request
+    kind, payload = request[0], _padded(*request)
     endpoint = Endpoint.objects.filter(organization=tenant.org, name=NAME).first() or _endpoint(tenant.org, engine)
     response = _call(gateway, tenant.key, kind, payload)
     note(f"{response.status_code} {response.text[:300]}")

@@ -5,7 +5,8 @@ tool-call parser, as an endpoint with `tool_call_parser="hermes"` gets it from i
 Random weights never call a tool by themselves, so `tool_choice="auto"` shows that the engine
 accepts tools (without `--enable-auto-tool-choice` vLLM answers 400), and a named tool choice
 (structured output forces a valid call) shows a call parsed into the client's objects.
-One engine for the module (~40 s to start on CPU).
+The package's shared engine (`vllm_engine`) serves the module: the agent's supervisor starts it from
+a spec with `tool_call_parser="hermes"`.
 """
 
 from __future__ import annotations
@@ -14,15 +15,11 @@ import json
 
 import pytest
 
-from gpu_agent.protocol import ReplicaSpec, ReplicaState
-from gpu_agent.runtime.supervisor import Supervisor
-from tests.conftest import wait_until
-from tests.gateway.conftest import serve_endpoint
+from tests.gateway.conftest import ENGINE_KEY, ENGINE_NAME, serve_endpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
-ENGINE_KEY = "engine-key-of-the-tool-calling-test"
-NAME = "tiny-tools"
+NAME = ENGINE_NAME
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -41,28 +38,9 @@ WEATHER_TOOL = {
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def engine_address(tiny_model_dir, tmp_path_factory):
-    supervisor = Supervisor(tmp_path_factory.mktemp("agent"))
-    spec = ReplicaSpec(replica_id="r-tools", endpoint_id="e-tools", served_model_name=NAME, model_source=str(tiny_model_dir),
-                       max_model_len=1024, max_num_seqs=4, engine_api_key=ENGINE_KEY, tool_call_parser="hermes")
-    supervisor.start(spec, tiny_model_dir)
-
-    def ready():
-        supervisor.poll()
-        replica = supervisor.get("r-tools")
-        if replica.state == ReplicaState.FAILED:
-            raise AssertionError(f"engine FAILED: {replica.failure_reason}")
-        return replica.state == ReplicaState.READY
-
-    wait_until(ready, 300, message="the engine to be READY")
-    yield supervisor.get("r-tools").address
-    supervisor.shutdown(timeout_s=20)
-
-
 @pytest.fixture
-def tools_endpoint(tenant, engine_address):
-    return serve_endpoint(tenant.org, engine_address, name=NAME, tool_call_parser="hermes", engine_key=ENGINE_KEY)
+def tools_endpoint(tenant, vllm_engine):
+    return serve_endpoint(tenant.org, vllm_engine, name=NAME, tool_call_parser="hermes", engine_key=ENGINE_KEY)
 
 
 def test_tools_with_tool_choice_auto_are_answered(gateway, tenant, tools_endpoint):

@@ -1,6 +1,7 @@
 """The gateway in front of a real vLLM engine (the tiny model on CPU): what only a real engine shows.
 
-One engine serves the module (slow to start on CPU), with prefix caching on as the agent starts it.
+The package's shared engine (`vllm_engine`, slow to start on CPU) serves the module, with prefix
+caching on as the agent starts it.
 - The engine's own refusal (a 400 with its message) reaches the client in OpenAI's shape.
 - A client that leaves mid-stream aborts the engine's request: the engine stops generating for it
   (its own metrics say so), long before the request's `max_tokens`.
@@ -18,28 +19,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from billing.models import UsageRecord
 from endpoints.models import Endpoint
-from gpu_agent.protocol import ReplicaSpec
 from tests.conftest import wait_until
-from tests.gateway.conftest import serve_endpoint, start_cpu_engine
+from tests.gateway.conftest import ENGINE_CONTEXT, ENGINE_KEY, ENGINE_NAME, serve_endpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
-CONTEXT = 2048  # the tiny model's own
-ENGINE_KEY = "vllm-gateway-engine-key"  # the engine answers only the key it was started with
-NAME = "tiny"
+CONTEXT = ENGINE_CONTEXT  # the tiny model's own
+NAME = ENGINE_NAME
 PRICES = {"price_input_per_million": Decimal("100"), "price_cached_input_per_million": Decimal("10"),
           "price_output_per_million": Decimal("300")}
 PER_MILLION = Decimal("0.000001")
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    spec = ReplicaSpec(replica_id="vllm-gateway-engine", endpoint_id="e", served_model_name=NAME,
-                       model_source=str(tiny_model_dir), max_model_len=CONTEXT, max_num_seqs=8,
-                       enable_prefix_caching=True, engine_api_key=ENGINE_KEY)
-    child, address = start_cpu_engine(spec, tiny_model_dir, tmp_path_factory.mktemp("engine"))
-    yield address
-    child.stop(timeout_s=30)
+@pytest.fixture
+def engine(vllm_engine) -> str:
+    return vllm_engine
 
 
 @pytest.fixture
