@@ -26,7 +26,7 @@ from endpoints.models import (
     ModelFacts,
     Replica,
 )
-from gpu_agent.protocol import FINAL_REPLICA_STATES
+from gpu_agent.protocol import FINAL_REPLICA_STATES, checkpoint_quantization_problem
 
 RECENT_ENDED_REPLICAS = 5
 
@@ -183,6 +183,12 @@ class EndpointSerializer(StrictModelSerializer):
                 f"This model's context is {model_context} tokens (from its config.json); choose at most "
                 f"{model_context}, or leave it empty for the model's own."
             ]
+        if "quantization" not in errors and source:
+            # NOTE: once an agent has read the checkpoint's config.json: the engine would refuse it only
+            # after a download and a minute of loading (the agent refuses it too, `spec_problem`).
+            problem = checkpoint_quantization_problem(quantization, ModelFacts.quantization_of(source))
+            if problem:
+                errors["quantization"] = [problem[0].upper() + problem[1:] + "."]
         credential, needed = current("credential"), source_kind(current("model_source") or "")
         if credential is not None and credential.kind != needed:
             errors["credential"] = [
