@@ -251,6 +251,9 @@ class Replica(models.Model):
     tokens_per_s = models.FloatField(default=0.0)
     progress = models.CharField(max_length=100, blank=True)
     progress_percent = models.FloatField(null=True, blank=True)
+    # What the engine said it allocated once started (its log; `protocol.EngineMemory`), in MB.
+    engine_weights_mb = models.PositiveIntegerField(null=True, blank=True)
+    engine_kv_cache_mb = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     state_changed_at = models.DateTimeField(default=timezone.now)
     ready_at = models.DateTimeField(null=True, blank=True)

@@ -72,6 +72,13 @@ def weight_factor(quantization: str, gpu_type: str, *, checkpoint_is_quantized: 
     return facts.weight_factor
 
 
+def estimated_weights_mb(endpoint: Endpoint) -> int:
+    """What placement expects the engine's weights to take (checked against the engine's own report)."""
+    reported = reported_weights_size_mb(endpoint)
+    size_mb = guessed_weights_size_mb(endpoint) if reported is None else reported
+    return math.ceil(size_mb * weight_factor(endpoint.quantization, endpoint.gpu_type, checkpoint_is_quantized=reported is not None))
+
+
 def memory_needed_mb(endpoint: Endpoint, weights_mb: int | None = None) -> int:
     """Memory one replica reserves on its node: weights (after quantization) plus its KV cache.
 

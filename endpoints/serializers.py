@@ -87,6 +87,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
         fields = [
             "id", "state", "node", "node_id", "address", "failure_reason", "num_restarts",
             "num_running", "num_waiting", "kv_cache_usage", "tokens_per_s", "progress", "progress_percent",
+            "engine_weights_mb", "engine_kv_cache_mb",
             "created_at", "state_changed_at", "ready_at", "stopped_at",
         ]
         read_only_fields = fields

@@ -379,7 +379,8 @@ class QuantizationFacts:
     checkpoint_bits: tuple[int, ...] = ()  # bit widths vLLM 0.32 loads for that method
 
     def mode(self, compute_capability: int | None) -> str:
-        """How it runs on a device: None for a CPU; "" where it does not run."""
+        """How it runs on a device (compute_capability None: a CPU): "as stored", "weight-only",
+        "weights and activations"; "" where it does not run."""
         if compute_capability is None:
             return "weight-only" if self.on_cpu and self.weight_factor < 1 else ("as stored" if self.on_cpu else "")
         if self.min_capability is None or compute_capability < self.min_capability:
@@ -442,7 +443,7 @@ def checkpoint_quantization_problem(quantization: str, checkpoint: CheckpointQua
         wanted = quantization.upper()
         if declared not in facts.checkpoint_methods:
             found = f"declares {declared!r}" if declared else "declares no quantization_config"
-            return f"quantization {quantization} needs a {wanted} checkpoint; this model's config.json {found}"
+            return f"quantization {quantization} needs a checkpoint quantized with {wanted}; this model's config.json {found}"
         if checkpoint.bits is not None and checkpoint.bits not in facts.checkpoint_bits:
             allowed = " or ".join(str(bits) for bits in facts.checkpoint_bits)
             return f"this {wanted} checkpoint is {checkpoint.bits}-bit; the engine loads {allowed}-bit {wanted} only"
