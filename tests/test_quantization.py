@@ -109,15 +109,28 @@ def test_a_model_no_agent_has_read_yet_takes_any_quantization_its_gpu_offers(own
     assert response.status_code == 201  # the agent refuses it after the download if the checkpoint is not AWQ
 
 
-def test_the_console_form_shows_the_checkpoint_refusal_on_the_quantization_field(client, org):
+@pytest.fixture
+def console_client(client, org):
     from controlplane.accounts.models import Membership
     from tests.factories import UserFactory
 
-    ModelFacts.objects.create(source=LLAMA_8B, checkpoint_quantization=PLAIN_CONFIG)
     user = UserFactory()
     Membership.objects.create(organization=org, user=user, role="owner")
     client.force_login(user)
-    response = client.post("/console/endpoints/new/", {
+    return client
+
+
+def test_the_wizard_says_what_each_quantization_means_on_the_chosen_gpu(console_client):
+    ampere = console_client.get("/console/endpoints/quantizations/", {"gpu_type": "a100-80gb"}).content.decode()
+    hopper = console_client.get("/console/endpoints/quantizations/", {"gpu_type": "h100-80gb"}).content.decode()
+    assert "fp8 — weight-only here." in ampere and "fp8 — weights and activations here." in hopper
+    cpu = console_client.get("/console/endpoints/quantizations/", {"gpu_type": "cpu"}).content.decode()
+    assert 'value="awq"' not in cpu and 'value="int8"' in cpu
+
+
+def test_the_console_form_shows_the_checkpoint_refusal_on_the_quantization_field(console_client):
+    ModelFacts.objects.create(source=LLAMA_8B, checkpoint_quantization=PLAIN_CONFIG)
+    response = console_client.post("/console/endpoints/new/", {
         "name": "wizard-awq", "model_source": LLAMA_8B, "gpu_type": "l4", "quantization": "gptq",
         "min_replicas": "0", "max_replicas": "1",
     })
