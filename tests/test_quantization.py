@@ -21,7 +21,7 @@ from gpu_agent.protocol import (
     quantizations_for,
 )
 from tests.factories import EndpointFactory
-from tests.test_agent_api import REGISTRATION, register
+from tests.test_agent_api import register
 
 pytestmark = pytest.mark.django_db
 
@@ -107,6 +107,12 @@ def test_a_model_no_agent_has_read_yet_takes_any_quantization_its_gpu_offers(own
     response = owner_client.post("/api/v1/endpoints/", {"name": "fresh", "model_source": LLAMA_8B, "gpu_type": "l4",
                                                         "quantization": "awq"}, format="json")
     assert response.status_code == 201  # the agent refuses it after the download if the checkpoint is not AWQ
+    # Learnt later: changing the quantization is checked, an unrelated edit is not blocked by it.
+    ModelFacts.objects.create(source=LLAMA_8B, checkpoint_quantization=PLAIN_CONFIG)
+    url = f"/api/v1/endpoints/{response.json()['id']}/"
+    assert owner_client.patch(url, {"max_replicas": 2}, format="json").status_code == 200
+    assert owner_client.patch(url, {"quantization": "gptq"}, format="json").status_code == 400
+    assert owner_client.patch(url, {"quantization": "int8"}, format="json").status_code == 200
 
 
 @pytest.fixture
