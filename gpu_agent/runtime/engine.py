@@ -1,8 +1,9 @@
 """How one replica becomes a vLLM OpenAI server command line.
 
-The control plane imports this module for `supported_quantizations()` so that
-placement refuses what a node cannot run: keep it import-light (no torch, no
-vLLM at import time).
+The agent registers with `supported_quantizations()` so that placement refuses
+what a node cannot run: keep it import-light (no torch, no vLLM at import time).
+What each `quantization` value means per device is `protocol.QUANTIZATION_FACTS`;
+this module owns only the engine flags behind it.
 """
 
 from __future__ import annotations
