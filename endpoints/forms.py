@@ -66,7 +66,12 @@ class EndpointForm(SerializerBackedForm):
         """Offer only the quantizations an engine on this GPU type supports."""
         gpu = GPU_TYPES.get(name or "")
         allowed = gpu.quantizations if gpu else tuple(QUANTIZATIONS)
-        self.fields["quantization"].choices = [(q, f"{q} — {QUANTIZATIONS[q]}") for q in allowed]
+
+        def label(q: str) -> str:  # what it means on this GPU's generation, then the value in general
+            mode = gpu.quantization_mode(q) if gpu and q != "none" else ""
+            return f"{q} — {mode} here. {QUANTIZATIONS[q]}" if mode else f"{q} — {QUANTIZATIONS[q]}"
+
+        self.fields["quantization"].choices = [(q, label(q)) for q in allowed]
 
     @classmethod
     def initial_for(cls, endpoint=None) -> dict:

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from controlplane import secrets as secrets_at_rest
 from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
-from gpu_agent.protocol import ReplicaState
+from gpu_agent.protocol import CheckpointQuantization, ReplicaState
 
 
 class EndpointState(models.TextChoices):
@@ -197,6 +197,9 @@ class ModelFacts(models.Model):
     max_model_len = models.PositiveIntegerField(null=True, blank=True)
     architecture = models.CharField(max_length=200, blank=True)
     num_params = models.BigIntegerField(null=True, blank=True)
+    # The checkpoint's `quantization_config` as `protocol.CheckpointQuantization.to_dict()`:
+    # null = not read (an older agent), {"quant_method": ""} = it declares none.
+    checkpoint_quantization = models.JSONField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -208,6 +211,12 @@ class ModelFacts(models.Model):
     @classmethod
     def context_length_of(cls, source: str) -> int | None:
         return cls.objects.filter(source=source).values_list("max_model_len", flat=True).first()
+
+    @classmethod
+    def quantization_of(cls, source: str) -> CheckpointQuantization | None:
+        """What the source's config.json declares; None when no agent has read it yet."""
+        stored = cls.objects.filter(source=source).values_list("checkpoint_quantization", flat=True).first()
+        return CheckpointQuantization.from_dict(stored) if isinstance(stored, dict) else None
 
 
 # Replicas that hold their node's memory (placement counts them) and those that serve or will serve.
@@ -242,6 +251,9 @@ class Replica(models.Model):
     tokens_per_s = models.FloatField(default=0.0)
     progress = models.CharField(max_length=100, blank=True)
     progress_percent = models.FloatField(null=True, blank=True)
+    # What the engine said it allocated once started (its log; `protocol.EngineMemory`), in MB.
+    engine_weights_mb = models.PositiveIntegerField(null=True, blank=True)
+    engine_kv_cache_mb = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     state_changed_at = models.DateTimeField(default=timezone.now)
     ready_at = models.DateTimeField(null=True, blank=True)

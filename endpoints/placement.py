@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from endpoints.models import Endpoint
 from endpoints.nodes.models import Node
+from gpu_agent.protocol import CPU_WEIGHT_FACTOR, QUANTIZATION_FACTS
 
 # Without a size from an agent's weights cache or the model's name, assume a small model; the
 # agent reports the real size after its first download and later placements use it.
@@ -24,12 +25,11 @@ KV_BYTES_PER_TOKEN_PER_WEIGHT_BYTE = 8e-6
 # CPU engines get a fixed KV cache (the agent's --cpu-kv-cache-gib, 1 GiB) plus Python and runtime.
 CPU_KV_CACHE_MB = 1024
 CPU_ENGINE_OVERHEAD_MB = 768
-QUANTIZED_WEIGHT_FACTOR = {"fp8": 0.5, "fp8_per_channel": 0.5, "int8": 0.5, "awq": 0.3, "gptq": 0.3}
 PARAMETERS_IN_NAME = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])")
 
 
-def weights_size_mb(endpoint: Endpoint) -> int:
-    """The largest size any agent reported for this model source; else what its name says (…-8B…); else a guess."""
+def reported_weights_size_mb(endpoint: Endpoint) -> int | None:
+    """The largest size any agent reported for this model source's checkpoint (as stored); None if none did."""
     # NOTE: jsonb containment lets PostgreSQL pick the few nodes that hold this model, instead of
     # loading every node's heartbeat into Python on each placement.
     holders = Node.objects.filter(last_status__weights__contains=[{"source": endpoint.model_source}])
@@ -39,18 +39,58 @@ def weights_size_mb(endpoint: Endpoint) -> int:
         for weights in status.get("weights", [])
         if weights.get("source") == endpoint.model_source
     ]
-    if sizes and max(sizes) > 0:
-        return max(1, max(sizes) // (1024 * 1024))
+    return max(1, max(sizes) // (1024 * 1024)) if sizes and max(sizes) > 0 else None
+
+
+def weights_size_mb(endpoint: Endpoint) -> int:
+    """The largest size any agent reported for this model source; else what its name says (…-8B…); else a guess."""
+    reported = reported_weights_size_mb(endpoint)
+    return guessed_weights_size_mb(endpoint) if reported is None else reported
+
+
+def guessed_weights_size_mb(endpoint: Endpoint) -> int:
+    """A 16-bit checkpoint's size from the model's name (…-8B…); else a small model's."""
     match = PARAMETERS_IN_NAME.search(endpoint.model_source.rsplit("/", 1)[-1])
     if match:
         return int(float(match.group(1)) * 1e9 * BYTES_PER_PARAMETER / (1024 * 1024))
     return DEFAULT_WEIGHTS_MB
 
 
+def weight_factor(quantization: str, gpu_type: str, *, checkpoint_is_quantized: bool = False) -> float:
+    """Engine weight memory over a 16-bit checkpoint's size (`protocol.QUANTIZATION_FACTS`).
+
+    A pre-quantized method (awq, gptq) applied to a checkpoint's reported size is 1.0: the files
+    are already 4-bit; its factor applies only to a 16-bit size guessed from the model's name.
+    """
+    facts = QUANTIZATION_FACTS.get(quantization)
+    if facts is None:
+        return 1.0
+    if facts.checkpoint_methods and checkpoint_is_quantized:
+        return 1.0
+    if gpu_type == "cpu":
+        return CPU_WEIGHT_FACTOR.get(quantization, facts.weight_factor)
+    return facts.weight_factor
+
+
+def estimated_weights_mb(endpoint: Endpoint) -> int:
+    """What placement expects the engine's weights to take (checked against the engine's own report)."""
+    reported = reported_weights_size_mb(endpoint)
+    size_mb = guessed_weights_size_mb(endpoint) if reported is None else reported
+    return math.ceil(size_mb * weight_factor(endpoint.quantization, endpoint.gpu_type, checkpoint_is_quantized=reported is not None))
+
+
 def memory_needed_mb(endpoint: Endpoint, weights_mb: int | None = None) -> int:
-    """Memory one replica reserves on its node: weights (after quantization) plus its KV cache."""
-    weights_mb = weights_size_mb(endpoint) if weights_mb is None else weights_mb
-    weights = weights_mb * QUANTIZED_WEIGHT_FACTOR.get(endpoint.quantization, 1.0)
+    """Memory one replica reserves on its node: weights (after quantization) plus its KV cache.
+
+    `weights_mb`, when given, is the checkpoint's size as stored (what an agent reports).
+    """
+    reported = reported_weights_size_mb(endpoint) if weights_mb is None else weights_mb
+    weights_mb = guessed_weights_size_mb(endpoint) if reported is None else reported
+    factor = weight_factor(endpoint.quantization, endpoint.gpu_type, checkpoint_is_quantized=reported is not None)
+    weights = weights_mb * factor
+    facts = QUANTIZATION_FACTS.get(endpoint.quantization)
+    if reported is not None and facts is not None and facts.checkpoint_methods:
+        weights_mb = weights_mb / facts.weight_factor  # the KV cache follows the model's 16-bit size, not its 4-bit files
     if endpoint.gpu_type == "cpu":
         return math.ceil(weights + CPU_KV_CACHE_MB + CPU_ENGINE_OVERHEAD_MB)
     kv_per_token = weights_mb * 1024 * 1024 * KV_BYTES_PER_TOKEN_PER_WEIGHT_BYTE

@@ -28,12 +28,16 @@ from endpoints.events import record_event
 from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
 from endpoints.nodes.models import Node
 from endpoints.nodes.notify import notify_endpoint_ready, notify_node
-from endpoints.placement import choose_node, memory_needed_mb
+from endpoints.placement import CPU_KV_CACHE_MB, choose_node, estimated_weights_mb, memory_needed_mb
 from gpu_agent import protocol
 from gpu_agent.protocol import FINAL_REPLICA_STATES, NodeState, ReplicaState
 
 # NOTE: sent by name: the task (`endpoints.tasks`) calls the scheduler, which calls this module.
 RECONCILE_TASK = "endpoints.reconcile_endpoint"
+# An engine's own memory figures off placement's estimate by more than this share (and this many MB)
+# make an event: the reservation is wrong, and the node may run out of memory or waste it.
+MEMORY_ESTIMATE_MARGIN = 0.25
+MEMORY_ESTIMATE_SLACK_MB = 256
 
 
 def request_reconcile(endpoint_id) -> None:
@@ -164,6 +168,12 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
             "kv_cache_usage": report.kv_cache_usage, "tokens_per_s": report.tokens_per_s,
             "progress": report.progress[:100], "progress_percent": report.progress_percent,
         }
+        memory = report.engine_memory
+        memory_changed = memory is not None and (memory.weights_mb, memory.kv_cache_mb) != (
+            replica.engine_weights_mb, replica.engine_kv_cache_mb
+        )
+        if memory_changed:
+            fields["engine_weights_mb"], fields["engine_kv_cache_mb"] = memory.weights_mb, memory.kv_cache_mb
         refused_address = report.address and node.engine_address_problem(report.address)
         if report.address and not refused_address:
             fields["address"] = report.address
@@ -190,8 +200,34 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
             if new_state == ReplicaState.FAILED:
                 fields["failure_reason"] = report.failure_reason[-2000:] or "engine failed"
         Replica.objects.filter(pk=replica.pk).update(**fields)
+    if memory_changed:
+        problem = memory_estimate_problem(replica.endpoint, memory)
+        if problem:
+            record_event(replica.endpoint, EventKind.CAPACITY, f"Replica {str(replica.pk)[:8]}: {problem}"[:300],
+                         replica=replica, **memory.to_dict())
     if new_state != previous:
         _announce_transition(replica, previous, new_state, report)
+
+
+def memory_estimate_problem(endpoint: Endpoint, memory: protocol.EngineMemory) -> str:
+    """How the engine's own memory report differs from placement's estimate; "" when within the margin.
+
+    Weights are compared where the engine says (CUDA); a CPU engine's KV cache against the fixed one
+    placement reserves. A CUDA engine's KV cache fills what --gpu-memory-utilization leaves: not compared.
+    """
+
+    def off(actual: int, expected: int) -> bool:
+        gap = abs(actual - expected)
+        return gap > MEMORY_ESTIMATE_MARGIN * expected and gap > MEMORY_ESTIMATE_SLACK_MB
+
+    if memory.weights_mb is not None:
+        expected = estimated_weights_mb(endpoint)
+        if off(memory.weights_mb, expected):
+            return (f"the engine's weights take {memory.weights_mb} MB, placement estimated {expected} MB "
+                    f"(quantization {endpoint.quantization} on {endpoint.gpu_type})")
+    if endpoint.gpu_type == "cpu" and memory.kv_cache_mb is not None and off(memory.kv_cache_mb, CPU_KV_CACHE_MB):
+        return f"the engine's KV cache takes {memory.kv_cache_mb} MB, placement reserved {CPU_KV_CACHE_MB} MB"
+    return ""
 
 
 def _announce_transition(replica: Replica, previous: str, new_state: str, report: protocol.ReplicaStatus) -> None:

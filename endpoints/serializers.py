@@ -26,7 +26,7 @@ from endpoints.models import (
     ModelFacts,
     Replica,
 )
-from gpu_agent.protocol import FINAL_REPLICA_STATES
+from gpu_agent.protocol import FINAL_REPLICA_STATES, checkpoint_quantization_problem
 
 RECENT_ENDED_REPLICAS = 5
 
@@ -87,6 +87,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
         fields = [
             "id", "state", "node", "node_id", "address", "failure_reason", "num_restarts",
             "num_running", "num_waiting", "kv_cache_usage", "tokens_per_s", "progress", "progress_percent",
+            "engine_weights_mb", "engine_kv_cache_mb",
             "created_at", "state_changed_at", "ready_at", "stopped_at",
         ]
         read_only_fields = fields
@@ -183,6 +184,13 @@ class EndpointSerializer(StrictModelSerializer):
                 f"This model's context is {model_context} tokens (from its config.json); choose at most "
                 f"{model_context}, or leave it empty for the model's own."
             ]
+        changes_quantization = self.instance is None or bool({"quantization", "model_source"} & attrs.keys())
+        if "quantization" not in errors and source and changes_quantization:
+            # NOTE: once an agent has read the checkpoint's config.json: the engine would refuse it only
+            # after a download and a minute of loading (the agent refuses it too, `spec_problem`).
+            problem = checkpoint_quantization_problem(quantization, ModelFacts.quantization_of(source))
+            if problem:
+                errors["quantization"] = [problem[0].upper() + problem[1:] + "."]
         credential, needed = current("credential"), source_kind(current("model_source") or "")
         if credential is not None and credential.kind != needed:
             errors["credential"] = [

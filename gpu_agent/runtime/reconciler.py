@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_agent.protocol import FINAL_REPLICA_STATES, ReplicaAction, ReplicaSpec, ReplicaState, ReplicaStatus
-from gpu_agent.runtime.model_info import context_problem
+from gpu_agent.runtime.model_info import spec_problem
 from gpu_agent.runtime.supervisor import Supervisor
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import SourceAccess, WeightsError
@@ -148,7 +148,7 @@ class Reconciler:
             return
         # NOTE: checked before launching: vLLM would refuse the same spec only after loading for a
         # minute; the replica fails now, with a reason the endpoint shows, and no engine is started.
-        problem = context_problem(spec.max_model_len, self.weights.model_info(path))
+        problem = spec_problem(spec, self.weights.model_info(path))
         if problem:
             logger.warning("replica %s: not starting: %s", spec.replica_id, problem)
             self.weights.unpin(path)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_agent.protocol import FINAL_REPLICA_STATES, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import FINAL_REPLICA_STATES, EngineMemory, ReplicaSpec, ReplicaState, ReplicaStatus
 from gpu_agent.runtime.engine import EngineCommand
 from gpu_agent.runtime.probes import EngineMetrics
 
@@ -45,6 +45,7 @@ class ManagedReplica:
     tokens_per_s: float = 0.0
     from_standby: bool = False  # the running engine is a standby that took this replica
     avoid_standby: bool = False  # a standby start never got READY: launch naively from now on
+    engine_memory: EngineMemory | None = None  # what the running engine's log says it allocated
 
     def set_state(self, state: ReplicaState) -> None:
         if state != self.state or not self.state_history:
@@ -73,6 +74,7 @@ class ManagedReplica:
             num_restarts=self.num_restarts,
             failure_reason=self.failure_reason,
             progress=self.progress if self.state == ReplicaState.STARTING else "",
+            engine_memory=self.engine_memory if alive else None,
         )
 
     # -- transitions ------------------------------------------------------------------
@@ -90,13 +92,15 @@ class ManagedReplica:
         self.ready_at = None
         self.metrics = EngineMetrics()
         self.metrics_scraped_at = None
+        self.engine_memory = None
         self.progress = "starting engine"
         self.set_state(ReplicaState.STARTING)
 
-    def became_ready(self, now: float) -> None:
+    def became_ready(self, now: float, engine_memory: EngineMemory | None = None) -> None:
         self.set_state(ReplicaState.READY)
         self.ready_at = now
         self.progress = ""
+        self.engine_memory = engine_memory
 
     def started_draining(self, deadline_at: float) -> None:
         self.set_state(ReplicaState.DRAINING)

@@ -47,6 +47,7 @@ from gpu_agent.protocol import (
 )
 from gpu_agent.runtime import engine, process, state_file
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, EngineCommand
+from gpu_agent.runtime.engine_memory import read_engine_memory
 from gpu_agent.runtime.probes import EngineProbe
 from gpu_agent.runtime.replica_state import ManagedReplica
 from gpu_agent.runtime.standby import Standby, server_args
@@ -256,7 +257,8 @@ class Supervisor:
             return
         if replica.state == ReplicaState.STARTING:
             if self._probe.healthy(replica.address):
-                replica.became_ready(now)
+                # The engine's own figures for what it allocated, for the control plane to check its estimate.
+                replica.became_ready(now, read_engine_memory(replica.log_path))
                 if self.on_ready is not None:
                     self.on_ready(replica.spec.replica_id)
                 logger.info(

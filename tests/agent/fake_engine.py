@@ -23,6 +23,7 @@ parser.add_argument("--ready-after-s", type=float, default=0.0)
 parser.add_argument("--exit-after-s", type=float, default=None, help="crash (exit 3) after this long")
 parser.add_argument("--running-file", default="", help="file holding the number of running requests")
 parser.add_argument("--ignore-sigterm", action="store_true")
+parser.add_argument("--log-line", action="append", default=[], help="a line to write at start, as vLLM logs")
 args, _ = parser.parse_known_args()
 
 started_at = time.monotonic()
@@ -96,6 +97,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 print(f"==> fake engine started at {time.time():.3f}", flush=True)
+for line in args.log_line:
+    print(line, flush=True)
 
 
 def crash():

