@@ -237,11 +237,17 @@ class InferenceCall:
             raise errors.upstream_failed(f"The replica failed mid-stream ({type(exc).__name__}).") from None
 
     async def _relay_events(self, buffer: bytes, wants_usage: bool, wants_continuous: bool) -> bytes:
-        """Sends the complete SSE events in `buffer` (in one write); returns the incomplete rest."""
+        """Sends the complete SSE events in `buffer` (in one write); returns the incomplete rest.
+
+        Stops at the event whose usage passes the reservation: a read that holds many events (a
+        fast engine, a slow gateway) never relays, or counts, past the cut-off.
+        """
         if b"\n\n" not in buffer:
             return buffer
+        if self.disconnected.is_set():
+            raise ClientGone()
         *events, rest = buffer.split(b"\n\n")
-        out, usages = [], []
+        out, spent = [], False
         for event in events:
             if self.first_token_at is None and sse.has_choices(event):
                 self.first_token_at = datetime.now(UTC)
@@ -250,19 +256,19 @@ class InferenceCall:
             if data is not None:
                 out.append(data)
             if event_usage:
-                usages.append((event_usage, event))
-        if self.disconnected.is_set():
-            raise ClientGone()
+                # NOTE: counted with the write below (no await in between): an aborted stream pays
+                # for what it was sent, up to the event that spent the reservation.
+                if sse.has_choices(event):
+                    self.usage.take_chunk(event_usage, event)
+                else:
+                    self.usage.take_totals(event_usage)
+                if self._cost() > self.reserved:
+                    spent = True
+                    break
         if out:
             out.append(b"")
             await self.send_body(b"\n\n".join(out))
-        # NOTE: counted only once sent: an aborted stream pays for what it received.
-        for usage, event in usages:
-            if sse.has_choices(event):
-                self.usage.take_chunk(usage, event)
-            else:
-                self.usage.take_totals(usage)
-        if usages and self._cost() > self.reserved:
+        if spent:
             # NOTE: raising closes the upstream response unread, which aborts the engine's request.
             self.status = "cut_off"
             raise ReservationSpent()

@@ -34,9 +34,10 @@ def _usage(completion_tokens: int) -> dict:
 
 
 class MockOpenAI:
-    def __init__(self, token_delay_s: float = 0.0, fail_after_chunks: int | None = None):
+    def __init__(self, token_delay_s: float = 0.0, fail_after_chunks: int | None = None, one_write: bool = False):
         self.token_delay_s = token_delay_s
         self.fail_after_chunks = fail_after_chunks
+        self.one_write = one_write  # a whole stream in one write: what a fast engine looks like to a busy gateway
         self.num_requests = 0
 
     async def __call__(self, scope, receive, send):
@@ -81,6 +82,15 @@ class MockOpenAI:
         options = payload.get("stream_options") or {}
         include_usage, continuous = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        pending: list[bytes] = []
+
+        async def emit(data: bytes, more: bool = True) -> None:
+            if self.one_write and more:
+                pending.append(data)
+                return
+            await send({"type": "http.response.body", "body": b"".join(pending) + data, "more_body": more})
+            pending.clear()
+
         base = {"id": "cmpl-mock", "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": payload.get("model")}
         for index in range(num_tokens):
@@ -93,11 +103,11 @@ class MockOpenAI:
             chunk = base | {"choices": [choice]}
             if include_usage and continuous:
                 chunk["usage"] = _usage(index + 1)
-            await send({"type": "http.response.body", "body": b"data: " + _dumps(chunk) + b"\n\n", "more_body": True})
+            await emit(b"data: " + _dumps(chunk) + b"\n\n")
         if include_usage:
             final = base | {"choices": [], "usage": _usage(num_tokens)}
-            await send({"type": "http.response.body", "body": b"data: " + _dumps(final) + b"\n\n", "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            await emit(b"data: " + _dumps(final) + b"\n\n")
+        await emit(b"data: [DONE]\n\n", more=False)
 
     async def _json(self, send, status, data):
         body = _dumps(data)
@@ -113,8 +123,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     parser.add_argument("--fail-after-chunks", type=int, default=None)
+    parser.add_argument("--one-write", action="store_true", help="send each stream in one write")
     args = parser.parse_args()
-    app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks)
+    app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks, args.one_write)
     if os.environ.get(ENGINE_API_KEY_ENV):
         app = EngineKeyGuard(app)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)

@@ -61,11 +61,14 @@ def vllm_engine(tiny_model_dir, tmp_path_factory) -> str:
 def start_mock_upstream(tmp_path):
     started: list[ChildProcess] = []
 
-    def start(*, token_delay_ms: float = 0, fail_after_chunks: int | None = None, engine_key: str = "") -> str:
+    def start(*, token_delay_ms: float = 0, fail_after_chunks: int | None = None, engine_key: str = "",
+              one_write: bool = False) -> str:
         port = free_port()
         args = [sys.executable, "-m", "tests.fakes.mock_openai", "--port", str(port), "--token-delay-ms", str(token_delay_ms)]
         if fail_after_chunks is not None:
             args += ["--fail-after-chunks", str(fail_after_chunks)]
+        if one_write:
+            args.append("--one-write")
         env = child_env() | ({ENGINE_API_KEY_ENV: engine_key} if engine_key else {})
         child = ChildProcess(args, env, tmp_path / f"mock-{port}.log")
         started.append(child)

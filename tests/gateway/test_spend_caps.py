@@ -60,9 +60,11 @@ def _reserved(endpoint, payload: dict) -> Decimal:
     return worst_case(payload, "completion", endpoint.max_model_len).max_cost(endpoint)
 
 
+@pytest.mark.parametrize("one_write", [False, True], ids=["event-by-event", "all-events-in-one-read"])
 def test_a_stream_that_would_pass_its_reservation_is_cut_off_and_billed_no_more_than_reserved(gateway, tenant,
-                                                                                              start_mock_upstream):
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(), price_input_per_million=PRICE,
+                                                                                              start_mock_upstream,
+                                                                                              one_write):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(one_write=one_write), price_input_per_million=PRICE,
                               price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
     headers = {"Authorization": f"Bearer {tenant.key}"}
     payload = {"model": endpoint.name, **OVERLONG, "stream": True}
