@@ -163,7 +163,7 @@ def test_metrics_windows_use_coarser_buckets(owner):
 
 
 def test_edit_goes_through_the_same_validation(owner):
-    endpoint = EndpointFactory(organization=owner.organization, name="chat-d")
+    endpoint = EndpointFactory(organization=owner.organization, name="chat-d", gpus_per_replica=2)  # an 8B model on L4s
     url = reverse("console:endpoint-edit", args=[endpoint.pk])
     assert 'value="chat-d"' in owner.get(url).content.decode()
     response = owner.post(url, VALID_SPEC | {"name": "chat-d", "min_replicas": "3", "max_replicas": "2"})
