@@ -139,7 +139,9 @@ def replica_refusal(endpoint: Endpoint) -> str | None:
     if num_held >= quotas.max_replicas:
         return f"your plan allows {quotas.max_replicas} replicas at once and your endpoints hold {num_held}"
     max_gpus = quotas.max_gpus(endpoint.gpu_type)
-    num_of_type = held.filter(endpoint__gpu_type=endpoint.gpu_type).count()
-    if num_of_type >= max_gpus:
+    # NOTE: GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them.
+    num_of_type = held.filter(endpoint__gpu_type=endpoint.gpu_type).aggregate(
+        total=Sum("endpoint__gpus_per_replica"))["total"] or 0
+    if num_of_type + endpoint.gpus_per_replica > max_gpus:
         return f"your plan allows {max_gpus} {endpoint.gpu_type} GPUs at once and your endpoints hold {num_of_type}"
     return None

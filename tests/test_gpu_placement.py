@@ -4,12 +4,17 @@ From the node's reported GPUs through `place_replica` and the replica spec the a
 engine's command line and environment (`build_engine_command`), for 1-, 2- and 8-GPU nodes.
 """
 
+import time
+
 import pytest
 from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.accounts.services import SYSTEM
+from controlplane.accounts.models import Plan
+from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
+from endpoints import scheduler
+from endpoints.autoscaler import Load
 from endpoints.fleet.services import create_join_token, replica_spec
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
@@ -185,3 +190,17 @@ def test_no_gpu_is_ever_held_whole_by_two_replicas_or_over_committed_by_sharing_
                 assert all(replica.gpu_memory_fraction is not None for replica in replicas), f"GPU {index} held whole twice"
                 assert sum(replica.gpu_memory_fraction for replica in replicas) <= WHOLE_GPU_MEMORY_FRACTION
                 assert sum(replica.reserved_memory_mb for replica in replicas) <= H100_MB * WHOLE_GPU_MEMORY_FRACTION
+
+
+def test_the_gpu_quota_counts_the_gpus_of_tensor_parallel_replicas_not_the_replicas():
+    organization = OrganizationFactory()
+    plan = save_plan(SYSTEM, Plan(name="three-h100s", max_replicas=8, max_gpus_by_type={"h100-80gb": 3}))
+    set_organization_plan(SYSTEM, organization, plan)
+    make_gpu_node(8)
+    endpoint = small_endpoint(organization=organization, gpus_per_replica=2, max_replicas=3, target_concurrency=1)
+
+    scheduler.reconcile_endpoint(str(endpoint.pk), Load(5, 0, time.time(), 5))
+
+    endpoint.refresh_from_db()
+    assert endpoint.replicas.count() == 1  # a second would hold 4 GPUs
+    assert endpoint.status_message == "waiting for quota: your plan allows 3 h100-80gb GPUs at once and your endpoints hold 2"
