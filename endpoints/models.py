@@ -12,7 +12,6 @@ from django.db import models
 from django.utils import timezone
 
 from controlplane import secrets as secrets_at_rest
-
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from gpu_agent.protocol import ReplicaState
 

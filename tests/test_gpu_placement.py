@@ -20,7 +20,7 @@ from endpoints.models import Replica
 from endpoints.nodes.models import Node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
 from endpoints.replicas import place_replica
-from gpu_agent.protocol import GpuStatus, Heartbeat, NodeState
+from gpu_agent.protocol import GpuStatus, Heartbeat
 from gpu_agent.runtime.engine import build_engine_command
 from tests.factories import EndpointFactory, OrganizationFactory
 
