@@ -77,7 +77,7 @@ def use_of(organization: Organization) -> QuotaUse:
                     sum(by_type.values()), totals["min_replicas"] or 0, num_held, by_type)
 
 
-QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas")
+QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas", "gpus_per_replica")
 
 
 def spec_errors(organization: Organization, changes: dict, instance: Endpoint | None = None) -> dict[str, list[str]]:
@@ -104,9 +104,14 @@ def spec_errors(organization: Organization, changes: dict, instance: Endpoint | 
     max_gpus = quotas.max_gpus(gpu_type)
     if max_gpus == 0:
         errors["gpu_type"] = [f"Your plan allows no {gpu_type} GPUs (quota max_gpus_by_type)."]
-    elif max_replicas > max_gpus:
+    elif spec["gpus_per_replica"] > max_gpus:
+        errors["gpus_per_replica"] = [f"Your plan allows at most {max_gpus} {gpu_type} GPUs at once (quota "
+                                      f"max_gpus_by_type); one replica here takes {spec['gpus_per_replica']}."]
+    elif max_replicas * spec["gpus_per_replica"] > max_gpus:
         quota = "max_replicas" if max_gpus == quotas.max_replicas else f"max_gpus_by_type for {gpu_type}"
-        errors["max_replicas"] = [f"Your plan allows at most {max_gpus} replicas at once on {gpu_type} (quota {quota})."]
+        most, num_gpus = max_gpus // spec["gpus_per_replica"], spec["gpus_per_replica"]
+        errors["max_replicas"] = [f"Your plan allows at most {most} replicas at once on {gpu_type} (quota {quota})"
+                                  + (f": {max_gpus} GPUs, {num_gpus} per replica." if num_gpus > 1 else ".")]
     warm_elsewhere = others.aggregate(total=Sum("min_replicas"))["total"] or 0
     if spec["min_replicas"] + warm_elsewhere > quotas.max_min_replicas:
         room = max(0, quotas.max_min_replicas - warm_elsewhere)

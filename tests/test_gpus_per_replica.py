@@ -4,6 +4,7 @@
 import pytest
 
 from endpoints.models import Endpoint
+from tests.test_quotas import _on_plan
 
 pytestmark = pytest.mark.django_db
 
@@ -53,3 +54,13 @@ def test_an_update_to_a_count_that_no_longer_fits_is_refused(owner_client):
     response = owner_client.patch(f"/api/v1/endpoints/{endpoint_id}/", {"gpus_per_replica": 1}, format="json")
     assert response.status_code == 400 and "at least 2" in response.json()["gpus_per_replica"][0]
     assert Endpoint.objects.get(pk=endpoint_id).gpus_per_replica == 2
+
+
+def test_a_plans_gpu_quota_bounds_gpus_not_replicas(owner_client, org):
+    _on_plan(org, max_replicas=10, max_gpus_by_type={"h100-80gb": 4})
+    too_many = create(owner_client, gpus_per_replica=2, max_replicas=3)
+    assert too_many.status_code == 400
+    assert "at most 2 replicas at once on h100-80gb" in too_many.json()["max_replicas"][0]
+    too_wide = create(owner_client, gpus_per_replica=8, max_replicas=1)
+    assert too_wide.status_code == 400 and "one replica here takes 8" in too_wide.json()["gpus_per_replica"][0]
+    assert create(owner_client, gpus_per_replica=2, max_replicas=2).status_code == 201
