@@ -47,7 +47,7 @@ class QuotaUse:
     num_replicas: int
     num_min_replicas: int
     num_held_requests: int
-    num_replicas_by_gpu_type: dict[str, int] = field(default_factory=dict)
+    num_gpus_by_type: dict[str, int] = field(default_factory=dict)
 
     @property
     def rows(self) -> list[QuotaRow]:
@@ -59,22 +59,23 @@ class QuotaUse:
             QuotaRow("max_held_requests", "Requests waiting for cold starts", self.quotas.max_held_requests,
                      self.num_held_requests),
         ]
-        for gpu_type in sorted(set(self.quotas.max_gpus_by_type) | set(self.num_replicas_by_gpu_type)):
+        for gpu_type in sorted(set(self.quotas.max_gpus_by_type) | set(self.num_gpus_by_type)):
             rows.append(QuotaRow(f"max_gpus_by_type.{gpu_type}", f"{gpu_type} GPUs at once",
-                                 self.quotas.max_gpus(gpu_type), self.num_replicas_by_gpu_type.get(gpu_type, 0)))
+                                 self.quotas.max_gpus(gpu_type), self.num_gpus_by_type.get(gpu_type, 0)))
         return rows
 
 
 def use_of(organization: Organization) -> QuotaUse:
     endpoints = Endpoint.objects.for_org(organization).order_by()
     totals = endpoints.aggregate(num=Count("pk"), min_replicas=Sum("min_replicas"))
-    by_type = dict(
-        Replica.objects.filter(endpoint__organization=organization, state__in=ACTIVE_REPLICA_STATES).order_by()
-        .values("endpoint__gpu_type").annotate(num=Count("pk")).values_list("endpoint__gpu_type", "num")
+    held = Replica.objects.filter(endpoint__organization=organization, state__in=ACTIVE_REPLICA_STATES).order_by()
+    gpus_by_type = dict(  # GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them
+        held.values("endpoint__gpu_type").annotate(num=Sum("endpoint__gpus_per_replica"))
+        .values_list("endpoint__gpu_type", "num")
     )
     num_held = get_redis().zcount(held_key(organization.pk), f"({time.time()}", "+inf")
     return QuotaUse(organization.plan.name if organization.plan_id else None, organization.quotas, totals["num"],
-                    sum(by_type.values()), totals["min_replicas"] or 0, num_held, by_type)
+                    held.count(), totals["min_replicas"] or 0, num_held, gpus_by_type)
 
 
 QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas", "gpus_per_replica")
