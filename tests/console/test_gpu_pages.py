@@ -47,3 +47,9 @@ def test_the_fleet_page_shows_which_replica_holds_which_gpu(org, console_client_
     assert "tensor-par" in rows[0] and "tensor-par" in rows[1] and "tensor-par" not in rows[3]
     assert "free" in rows[2]
     assert "sharer" in rows[3] and "25% of memory" in rows[3]
+
+
+def test_the_endpoint_pages_say_how_many_gpus_each_replica_takes(owner):
+    endpoint = EndpointFactory(organization=owner.organization, name="wide", gpu_type="h100-80gb", gpus_per_replica=4)
+    assert "4 × NVIDIA H100 80 GB" in owner.get(reverse("console:endpoint", args=[endpoint.pk])).content.decode()
+    assert "4 × NVIDIA H100 80 GB" in owner.get(reverse("console:endpoints")).content.decode()
