@@ -15,6 +15,7 @@ urlpatterns = [
     path("endpoints/live/", endpoint_views.endpoints_live, name="endpoints-live"),
     path("endpoints/new/", endpoint_views.endpoint_new, name="endpoint-new"),
     path("endpoints/quantizations/", endpoint_views.quantization_field, name="endpoint-quantizations"),
+    path("endpoints/gpus/", endpoint_views.gpus_field, name="endpoint-gpus"),
     path("endpoints/<uuid:pk>/", endpoint_views.endpoint_detail, name="endpoint"),
     path("endpoints/<uuid:pk>/live/", endpoint_views.endpoint_live, name="endpoint-live"),
     path("endpoints/<uuid:pk>/metrics.json", endpoint_views.endpoint_metrics, name="endpoint-metrics"),

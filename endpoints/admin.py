@@ -52,9 +52,10 @@ class EndpointAdmin(admin.ModelAdmin):
     search_fields = ["name", "organization__slug", "model_source"]
     list_select_related = ["organization"]
     # NOTE: staff edit prices only; the spec goes through the API's validation (serializers) instead.
-    fields = ["name", "organization", "model_source", "gpu_type", "quantization",
+    fields = ["name", "organization", "model_source", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing",
               "price_input_per_million", "price_cached_input_per_million", "price_output_per_million"]
-    readonly_fields = ["name", "organization", "model_source", "gpu_type", "quantization"]
+    readonly_fields = ["name", "organization", "model_source", "gpu_type", "quantization", "gpus_per_replica",
+                       "allow_gpu_sharing"]
 
     def has_add_permission(self, request):
         return False

@@ -64,6 +64,16 @@ def gpu_type(name: str) -> GpuType:
     return GPU_TYPES[name]
 
 
+# GPUs one replica may ask for: more than one runs the model tensor parallel over that many GPUs of one node.
+GPUS_PER_REPLICA: tuple[int, ...] = (1, 2, 4, 8)
+
+# Memory per GPU as CUDA reports it (MiB), below the marketing figure in `memory_gb`: what a
+# spec's estimate must fit into. A CPU "GPU" is the development default of the agent's share of RAM.
+GPU_MEMORY_MB: dict[str, int] = {
+    "cpu": 16 * 1024, "l4": 23_034, "a10g": 22_731, "a100-80gb": 81_920, "h100-80gb": 81_559, "h200": 143_771,
+}
+
+
 # --- tool calling and reasoning ------------------------------------------------------------
 # vLLM's tool-call and reasoning parsers by name (`--tool-call-parser`, `--reasoning-parser`).
 # NOTE: the control plane never imports vLLM; `tests/test_tool_parsers.py` checks these lists

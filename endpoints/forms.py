@@ -3,7 +3,7 @@
 from django import forms
 
 from controlplane.accounts.forms import SerializerBackedForm
-from endpoints.catalogue import AUTO_PARSER, GPU_TYPES, QUANTIZATIONS, TOOL_CALL_PARSERS
+from endpoints.catalogue import AUTO_PARSER, GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS, TOOL_CALL_PARSERS
 from endpoints.models import CredentialKind, Endpoint, ModelCredential
 from endpoints.serializers import LIMITS
 
@@ -35,6 +35,15 @@ class EndpointForm(SerializerBackedForm):
     )
     quantization = forms.ChoiceField(
         label="Quantization", required=False, choices=[(name, name) for name in QUANTIZATIONS],
+    )
+    gpus_per_replica = forms.ChoiceField(
+        label="GPUs per replica", required=False,
+        choices=[("", "Automatic: the fewest that hold the model")] + [(str(n), str(n)) for n in GPUS_PER_REPLICA],
+        help_text="Whole GPUs of one node; more than one runs the model tensor parallel.",
+    )
+    allow_gpu_sharing = forms.BooleanField(
+        label="Share GPUs", required=False,
+        help_text="One-GPU replicas may share a GPU with others, each held to its share of its memory.",
     )
     min_replicas = _number("Minimum replicas", "0 lets the endpoint scale to zero when idle.", min=0)
     max_replicas = _number("Maximum replicas", "Upper bound while scaling out.", min=1)
@@ -79,7 +88,8 @@ class EndpointForm(SerializerBackedForm):
             values = {name: getattr(endpoint, name) for name in cls.base_fields if name != "credential"}
             return values | {"credential": str(endpoint.credential_id or "")}
         defaults = {name: Endpoint._meta.get_field(name).get_default() for name in cls.base_fields}
-        return defaults | {"gpu_type": "l4", "name": "", "model_source": "", "credential": "", "tool_call_parser": AUTO_PARSER}
+        return defaults | {"gpu_type": "l4", "name": "", "model_source": "", "credential": "", "tool_call_parser": AUTO_PARSER,
+                           "gpus_per_replica": ""}
 
 
 def _secret_input(label: str, help_text: str) -> forms.CharField:

@@ -6,12 +6,13 @@ import secrets
 import uuid
 
 from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
 from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
 from controlplane import secrets as secrets_at_rest
-from endpoints.catalogue import GPU_TYPES, QUANTIZATIONS
+from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from gpu_agent.protocol import CheckpointQuantization, ReplicaState
 
 
@@ -112,6 +113,11 @@ class Endpoint(models.Model):
     )
     gpu_type = models.CharField(max_length=32, choices=[(name, gpu.label) for name, gpu in GPU_TYPES.items()])
     quantization = models.CharField(max_length=32, choices=[(name, name) for name in QUANTIZATIONS], default="none")
+    # Whole GPUs of one node per replica; more than one runs the model tensor parallel over them.
+    gpus_per_replica = models.PositiveSmallIntegerField(choices=[(n, str(n)) for n in GPUS_PER_REPLICA], default=1)
+    # A one-GPU replica may share its GPU with other sharing replicas, each engine held to its share
+    # of the GPU's memory; without it a replica has its GPUs to itself.
+    allow_gpu_sharing = models.BooleanField(default=False)
     min_replicas = models.PositiveIntegerField(default=0)
     max_replicas = models.PositiveIntegerField(default=1)
     idle_timeout_s = models.PositiveIntegerField(default=300)
@@ -243,6 +249,10 @@ class Replica(models.Model):
     failure_reason = models.TextField(blank=True)
     # GPU memory this replica holds on its node, for placement (weights plus KV cache).
     reserved_memory_mb = models.PositiveIntegerField(default=0)
+    # The node's GPUs placement gave it (CUDA_VISIBLE_DEVICES); empty on nodes without a GPU list.
+    gpu_indices = ArrayField(models.PositiveSmallIntegerField(), default=list, blank=True)
+    # Its share of its GPU's memory when it shares the GPU with other replicas; None: whole GPUs.
+    gpu_memory_fraction = models.FloatField(null=True, blank=True)
     num_restarts = models.PositiveIntegerField(default=0)
     # Latest figures from the agent's heartbeat.
     num_running = models.PositiveIntegerField(default=0)

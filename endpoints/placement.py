@@ -4,6 +4,12 @@ Best fit by free GPU memory on READY nodes of the endpoint's GPU type whose
 engine supports the endpoint's quantization, preferring nodes that already hold
 the weights and spreading one endpoint's replicas over nodes. Never
 over-commits: a node's reservations never exceed its GPU memory.
+
+GPUs are units on nodes that reported them (`Node.gpus`): a replica gets
+`gpus_per_replica` whole GPUs of one node that nobody else holds (tensor parallel
+when more than one), best fit per GPU; only replicas of endpoints that allow
+sharing go several to one GPU, each with its fraction of the GPU's memory
+(`assign_gpus`). Nodes without a GPU list (CPU nodes, older agents) are one pool.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from endpoints.catalogue import GPU_MEMORY_MB, GPUS_PER_REPLICA
 from endpoints.models import Endpoint
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import CPU_WEIGHT_FACTOR, QUANTIZATION_FACTS
@@ -98,30 +105,164 @@ def memory_needed_mb(endpoint: Endpoint, weights_mb: int | None = None) -> int:
     return math.ceil((weights + kv_cache) * 1.1)  # 10% for activations and the CUDA context
 
 
+# What one engine may take of a GPU it has to itself (vLLM's default `--gpu-memory-utilization`);
+# replicas sharing a GPU together take no more, so the driver's own reservation stays free.
+WHOLE_GPU_MEMORY_FRACTION = 0.9
+
+
+def smallest_gpu_count(endpoint: Endpoint, needed_mb: int | None = None) -> int | None:
+    """The fewest GPUs per replica (of `GPUS_PER_REPLICA`) whose memory holds the replica's estimate; None if none do.
+
+    CPU endpoints run on one engine per replica: 1 if it fits, else None.
+    """
+    needed_mb = memory_needed_mb(endpoint) if needed_mb is None else needed_mb
+    gpu_memory_mb = GPU_MEMORY_MB[endpoint.gpu_type]
+    counts = (1,) if endpoint.gpu_type == "cpu" else GPUS_PER_REPLICA
+    return next((count for count in counts if math.ceil(needed_mb / count) <= gpu_memory_mb), None)
+
+
+@dataclass(slots=True, frozen=True)
+class GpuHold:
+    """What one active replica holds on its node: GPU indices (empty: the pooled memory) and memory."""
+
+    gpu_indices: tuple[int, ...]
+    reserved_mb: int
+    shared: bool  # placed with a memory fraction, beside other sharing replicas
+
+
+@dataclass(slots=True, frozen=True)
+class GpuAssignment:
+    gpu_indices: tuple[int, ...]
+    memory_fraction: float | None  # of each GPU's memory when sharing; None: whole GPUs
+    free_after_mb: int  # what the node's placeable GPUs have left after it (best fit packs)
+
+
 @dataclass(slots=True, frozen=True)
 class PlacementDecision:
     node: Node | None
     reason: str  # why this node, or why none
+    gpu_indices: tuple[int, ...] = ()
+    gpu_memory_fraction: float | None = None
 
 
 def node_holds_weights(node: Node, source: str) -> bool:
     return any(w.get("source") == source and w.get("complete") for w in node.last_status.get("weights", []))
 
 
-def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used_mb: dict, replicas_here: dict) -> PlacementDecision:
+@dataclass(slots=True)
+class _GpuRoom:
+    index: int
+    memory_mb: int
+    used_mb: int = 0
+    exclusive: bool = False  # a replica has it to itself
+    num_holders: int = 0
+
+    @property
+    def free_mb(self) -> int:
+        return 0 if self.exclusive else self.memory_mb - self.used_mb
+
+
+def _gpu_rooms(node: Node, holds: list[GpuHold]) -> dict[int, _GpuRoom]:
+    """The node's placeable GPUs with what its replicas hold of each (MIG-partitioned GPUs are not placeable)."""
+    rooms = {gpu["index"]: _GpuRoom(gpu["index"], gpu["memory_mb"]) for gpu in node.gpus if not gpu.get("mig_slices")}
+    for hold in holds:
+        # NOTE: a replica placed before its node reported GPUs runs without CUDA_VISIBLE_DEVICES,
+        # that is on GPU 0: count it there, whole.
+        indices = hold.gpu_indices or (0,)
+        for index in indices:
+            if index in rooms:
+                room = rooms[index]
+                room.used_mb += math.ceil(hold.reserved_mb / len(indices))
+                room.exclusive = room.exclusive or not hold.shared or not hold.gpu_indices
+                room.num_holders += 1
+    return rooms
+
+
+def assign_gpus(node: Node, holds: list[GpuHold], *, num_gpus: int, needed_mb: int, share: bool) -> GpuAssignment | None:
+    """The GPUs of `node` a new replica gets, best fit; None when they are not free.
+
+    Without sharing a replica takes `num_gpus` GPUs nobody else holds, each with room for its share
+    of `needed_mb` (tensor parallel splits weights and KV cache evenly). A sharing one-GPU replica
+    goes beside other sharing replicas on the fullest GPU with room, and gets the fraction of its
+    memory it reserved; the fractions on one GPU sum to at most `WHOLE_GPU_MEMORY_FRACTION`.
+    """
+    rooms = _gpu_rooms(node, holds)
+    if share and num_gpus == 1:
+        fitting = [room for room in rooms.values()
+                   if not room.exclusive and room.used_mb + needed_mb <= room.memory_mb * WHOLE_GPU_MEMORY_FRACTION]
+        if not fitting:
+            return None
+        room = min(fitting, key=lambda room: (room.memory_mb * WHOLE_GPU_MEMORY_FRACTION - room.used_mb - needed_mb, room.index))
+        # NOTE: rounded down, so the fractions on one GPU never sum past what placement reserved.
+        fraction = max(0.001, math.floor(needed_mb / room.memory_mb * 1000) / 1000)
+        left = sum(other.free_mb for other in rooms.values()) - needed_mb
+        return GpuAssignment((room.index,), fraction, left)
+    per_gpu_mb = math.ceil(needed_mb / num_gpus)
+    idle = [room for room in rooms.values() if room.num_holders == 0 and room.memory_mb >= per_gpu_mb]
+    if len(idle) < num_gpus:
+        return None
+    chosen = sorted(idle, key=lambda room: (room.memory_mb, room.index))[:num_gpus]
+    left = sum(room.free_mb for room in rooms.values()) - sum(room.memory_mb for room in chosen)
+    return GpuAssignment(tuple(sorted(room.index for room in chosen)), None, left)
+
+
+def _no_gpus_reason(endpoint: Endpoint, needed_mb: int, nodes: list[Node], holds: dict) -> str:
+    num_gpus = endpoint.gpus_per_replica
+    if endpoint.allow_gpu_sharing and num_gpus == 1:
+        most = max((room.memory_mb * WHOLE_GPU_MEMORY_FRACTION - room.used_mb
+                    for node in nodes for room in _gpu_rooms(node, holds.get(node.pk, [])).values() if not room.exclusive),
+                   default=0)
+        return f"needs {needed_mb} MB of a shared GPU, the most free on one {endpoint.gpu_type} GPU is {max(0, int(most))} MB"
+    per_gpu_mb = math.ceil(needed_mb / num_gpus)
+    most = max((sum(room.num_holders == 0 and room.memory_mb >= per_gpu_mb for room in _gpu_rooms(node, holds.get(node.pk, [])).values())
+                for node in nodes), default=0)
+    gpus = "a free GPU" if num_gpus == 1 else f"{num_gpus} free GPUs on one node"
+    return (f"needs {gpus} with {per_gpu_mb} MB each, the most on one {endpoint.gpu_type} node is "
+            f"{most} free GPU{'' if most == 1 else 's'}")
+
+
+def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used_mb: dict, replicas_here: dict,
+                holds: dict | None = None) -> PlacementDecision:
+    """The node (and on nodes that reported their GPUs, the GPUs) for a new replica of `endpoint`.
+
+    `used_mb` and `holds` are what active replicas hold per node (`GpuHold`s). Nodes without a GPU
+    list (CPU nodes, older agents) are one pool of `num_gpus` × `gpu_memory_mb`.
+    """
+    holds = holds or {}
     if not candidates:
         return PlacementDecision(None, f"no READY node of GPU type {endpoint.gpu_type}")
     supported = [n for n in candidates if endpoint.quantization in n.quantizations]
     if not supported:
         return PlacementDecision(None, f"no {endpoint.gpu_type} node supports quantization {endpoint.quantization}")
-    fitting = [n for n in supported if n.total_gpu_memory_mb - used_mb.get(n.pk, 0) >= needed_mb]
-    if not fitting:
-        largest = max(n.total_gpu_memory_mb - used_mb.get(n.pk, 0) for n in supported)
+    num_gpus = endpoint.gpus_per_replica
+    options = []  # (node, assignment or None for a pooled node, free memory after)
+    for node in supported:
+        if node.gpus:
+            assignment = assign_gpus(node, holds.get(node.pk, []), num_gpus=num_gpus, needed_mb=needed_mb,
+                                     share=endpoint.allow_gpu_sharing)
+            if assignment is not None:
+                options.append((node, assignment, assignment.free_after_mb))
+        elif max(node.num_gpus, 1) >= num_gpus:
+            free_after = node.total_gpu_memory_mb - used_mb.get(node.pk, 0) - needed_mb
+            if free_after >= 0:
+                options.append((node, None, free_after))
+    if not options:
+        per_gpu_nodes = [n for n in supported if n.gpus]
+        if per_gpu_nodes:
+            return PlacementDecision(None, _no_gpus_reason(endpoint, needed_mb, per_gpu_nodes, holds))
+        pooled = [n for n in supported if max(n.num_gpus, 1) >= num_gpus]
+        if not pooled:
+            return PlacementDecision(None, f"needs {num_gpus} GPUs on one node, no {endpoint.gpu_type} node has that many")
+        largest = max(n.total_gpu_memory_mb - used_mb.get(n.pk, 0) for n in pooled)
         return PlacementDecision(None, f"needs {needed_mb} MB of GPU memory, the most free on a {endpoint.gpu_type} node is {largest} MB")
 
-    def preference(node: Node):
-        free_after = node.total_gpu_memory_mb - used_mb.get(node.pk, 0) - needed_mb
+    def preference(option):
+        node, _, free_after = option
         return (replicas_here.get(node.pk, 0), not node_holds_weights(node, endpoint.model_source), free_after, node.name)
 
-    node = min(fitting, key=preference)
-    return PlacementDecision(node, "best fit")
+    node, assignment, _ = min(options, key=preference)
+    if assignment is None:
+        return PlacementDecision(node, "best fit")
+    gpus = ",".join(map(str, assignment.gpu_indices))
+    shared = f", sharing at {assignment.memory_fraction:.3f}" if assignment.memory_fraction is not None else ""
+    return PlacementDecision(node, f"best fit, GPU {gpus}{shared}", assignment.gpu_indices, assignment.memory_fraction)

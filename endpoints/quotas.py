@@ -47,7 +47,7 @@ class QuotaUse:
     num_replicas: int
     num_min_replicas: int
     num_held_requests: int
-    num_replicas_by_gpu_type: dict[str, int] = field(default_factory=dict)
+    num_gpus_by_type: dict[str, int] = field(default_factory=dict)
 
     @property
     def rows(self) -> list[QuotaRow]:
@@ -59,25 +59,26 @@ class QuotaUse:
             QuotaRow("max_held_requests", "Requests waiting for cold starts", self.quotas.max_held_requests,
                      self.num_held_requests),
         ]
-        for gpu_type in sorted(set(self.quotas.max_gpus_by_type) | set(self.num_replicas_by_gpu_type)):
+        for gpu_type in sorted(set(self.quotas.max_gpus_by_type) | set(self.num_gpus_by_type)):
             rows.append(QuotaRow(f"max_gpus_by_type.{gpu_type}", f"{gpu_type} GPUs at once",
-                                 self.quotas.max_gpus(gpu_type), self.num_replicas_by_gpu_type.get(gpu_type, 0)))
+                                 self.quotas.max_gpus(gpu_type), self.num_gpus_by_type.get(gpu_type, 0)))
         return rows
 
 
 def use_of(organization: Organization) -> QuotaUse:
     endpoints = Endpoint.objects.for_org(organization).order_by()
     totals = endpoints.aggregate(num=Count("pk"), min_replicas=Sum("min_replicas"))
-    by_type = dict(
-        Replica.objects.filter(endpoint__organization=organization, state__in=ACTIVE_REPLICA_STATES).order_by()
-        .values("endpoint__gpu_type").annotate(num=Count("pk")).values_list("endpoint__gpu_type", "num")
+    held = Replica.objects.filter(endpoint__organization=organization, state__in=ACTIVE_REPLICA_STATES).order_by()
+    gpus_by_type = dict(  # GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them
+        held.values("endpoint__gpu_type").annotate(num=Sum("endpoint__gpus_per_replica"))
+        .values_list("endpoint__gpu_type", "num")
     )
     num_held = get_redis().zcount(held_key(organization.pk), f"({time.time()}", "+inf")
     return QuotaUse(organization.plan.name if organization.plan_id else None, organization.quotas, totals["num"],
-                    sum(by_type.values()), totals["min_replicas"] or 0, num_held, by_type)
+                    held.count(), totals["min_replicas"] or 0, num_held, gpus_by_type)
 
 
-QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas")
+QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas", "gpus_per_replica")
 
 
 def spec_errors(organization: Organization, changes: dict, instance: Endpoint | None = None) -> dict[str, list[str]]:
@@ -104,9 +105,14 @@ def spec_errors(organization: Organization, changes: dict, instance: Endpoint | 
     max_gpus = quotas.max_gpus(gpu_type)
     if max_gpus == 0:
         errors["gpu_type"] = [f"Your plan allows no {gpu_type} GPUs (quota max_gpus_by_type)."]
-    elif max_replicas > max_gpus:
+    elif spec["gpus_per_replica"] > max_gpus:
+        errors["gpus_per_replica"] = [f"Your plan allows at most {max_gpus} {gpu_type} GPUs at once (quota "
+                                      f"max_gpus_by_type); one replica here takes {spec['gpus_per_replica']}."]
+    elif max_replicas * spec["gpus_per_replica"] > max_gpus:
         quota = "max_replicas" if max_gpus == quotas.max_replicas else f"max_gpus_by_type for {gpu_type}"
-        errors["max_replicas"] = [f"Your plan allows at most {max_gpus} replicas at once on {gpu_type} (quota {quota})."]
+        most, num_gpus = max_gpus // spec["gpus_per_replica"], spec["gpus_per_replica"]
+        errors["max_replicas"] = [f"Your plan allows at most {most} replicas at once on {gpu_type} (quota {quota})"
+                                  + (f": {max_gpus} GPUs, {num_gpus} per replica." if num_gpus > 1 else ".")]
     warm_elsewhere = others.aggregate(total=Sum("min_replicas"))["total"] or 0
     if spec["min_replicas"] + warm_elsewhere > quotas.max_min_replicas:
         room = max(0, quotas.max_min_replicas - warm_elsewhere)
@@ -139,7 +145,9 @@ def replica_refusal(endpoint: Endpoint) -> str | None:
     if num_held >= quotas.max_replicas:
         return f"your plan allows {quotas.max_replicas} replicas at once and your endpoints hold {num_held}"
     max_gpus = quotas.max_gpus(endpoint.gpu_type)
-    num_of_type = held.filter(endpoint__gpu_type=endpoint.gpu_type).count()
-    if num_of_type >= max_gpus:
+    # NOTE: GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them.
+    num_of_type = held.filter(endpoint__gpu_type=endpoint.gpu_type).aggregate(
+        total=Sum("endpoint__gpus_per_replica"))["total"] or 0
+    if num_of_type + endpoint.gpus_per_replica > max_gpus:
         return f"your plan allows {max_gpus} {endpoint.gpu_type} GPUs at once and your endpoints hold {num_of_type}"
     return None

@@ -28,7 +28,7 @@ from endpoints.events import record_event
 from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
 from endpoints.nodes.models import Node
 from endpoints.nodes.notify import notify_endpoint_ready, notify_node
-from endpoints.placement import CPU_KV_CACHE_MB, choose_node, estimated_weights_mb, memory_needed_mb
+from endpoints.placement import CPU_KV_CACHE_MB, GpuHold, choose_node, estimated_weights_mb, memory_needed_mb
 from gpu_agent import protocol
 from gpu_agent.protocol import FINAL_REPLICA_STATES, NodeState, ReplicaState
 
@@ -50,7 +50,7 @@ def request_reconcile(endpoint_id) -> None:
 
 
 def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
-    """Create a PENDING replica on the best node (`placement.choose_node`), or explain why none fits.
+    """Create a PENDING replica on the best node and GPUs (`placement.choose_node`), or explain why none fits.
 
     NOTE: nodes are locked while reservations are summed, so two concurrent
     placements can never both take the same free memory.
@@ -62,13 +62,21 @@ def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
         )
         active = Replica.objects.filter(node__in=candidates, state__in=ACTIVE_REPLICA_STATES)
         used_mb = dict(active.values_list("node").annotate(total=Sum("reserved_memory_mb")))
+        holds = {}
+        for node_id, gpu_indices, reserved_mb, fraction in active.values_list(
+            "node", "gpu_indices", "reserved_memory_mb", "gpu_memory_fraction"
+        ):
+            holds.setdefault(node_id, []).append(GpuHold(tuple(gpu_indices), reserved_mb, shared=fraction is not None))
         replicas_here = {}
         for node_id in active.filter(endpoint=endpoint).values_list("node", flat=True):
             replicas_here[node_id] = replicas_here.get(node_id, 0) + 1
-        decision = choose_node(endpoint, needed_mb, candidates, used_mb, replicas_here)
+        decision = choose_node(endpoint, needed_mb, candidates, used_mb, replicas_here, holds)
         if decision.node is None:
             return None, decision.reason
-        replica = Replica.objects.create(endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb)
+        replica = Replica.objects.create(
+            endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb,
+            gpu_indices=list(decision.gpu_indices), gpu_memory_fraction=decision.gpu_memory_fraction,
+        )
         notify_node(decision.node.pk)
         return replica, f"placed on {decision.node.name} ({decision.reason}, {needed_mb} MB)"
 

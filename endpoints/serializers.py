@@ -13,6 +13,7 @@ from endpoints import quotas
 from endpoints.catalogue import (
     AUTO_PARSER,
     GPU_TYPES,
+    GPUS_PER_REPLICA,
     QUANTIZATIONS,
     TOOL_CALL_PARSERS,
     default_tool_call_parser,
@@ -26,6 +27,7 @@ from endpoints.models import (
     ModelFacts,
     Replica,
 )
+from endpoints.placement import memory_needed_mb, smallest_gpu_count
 from gpu_agent.protocol import FINAL_REPLICA_STATES, checkpoint_quantization_problem
 
 RECENT_ENDED_REPLICAS = 5
@@ -78,6 +80,42 @@ def validate_unique_name(value: str, siblings, instance, noun: str) -> str:
     return value
 
 
+# The fields a replica's GPU needs depend on: an update that touches none of them is not checked again.
+GPU_SPEC_FIELDS = frozenset(
+    {"model_source", "gpu_type", "quantization", "max_model_len", "max_num_seqs", "gpus_per_replica", "allow_gpu_sharing"}
+)
+
+
+def gpu_count_errors(spec: Endpoint, *, automatic: bool) -> dict:
+    """Field errors for `gpus_per_replica` and `allow_gpu_sharing` of an (unsaved) endpoint spec.
+
+    The count must hold the model's estimated size with its context (`placement.memory_needed_mb`,
+    the estimate placement reserves): the message names the smallest count that does. With
+    `automatic`, `spec.gpus_per_replica` is set to that smallest count instead.
+    """
+    needed_mb = memory_needed_mb(spec)
+    smallest = smallest_gpu_count(spec, needed_mb)
+    gpu = GPU_TYPES[spec.gpu_type].label
+    if smallest is None:
+        most = 1 if spec.gpu_type == "cpu" else GPUS_PER_REPLICA[-1]
+        return {"gpus_per_replica": [
+            f"This model needs about {needed_mb} MB with its context; it does not fit on {most} × {gpu}. "
+            "Choose a larger GPU type, a quantization or a shorter max_model_len."
+        ]}
+    if automatic:
+        spec.gpus_per_replica = smallest
+    count = int(spec.gpus_per_replica)
+    if spec.gpu_type == "cpu" and count != 1:
+        return {"gpus_per_replica": ["A CPU replica runs as one engine: use 1."]}
+    if count < smallest:
+        return {"gpus_per_replica": [
+            f"This model needs about {needed_mb} MB with its context: at least {smallest} × {gpu} per replica."
+        ]}
+    if spec.allow_gpu_sharing and count != 1:
+        return {"allow_gpu_sharing": ["Only one-GPU replicas can share a GPU; set gpus_per_replica to 1 or turn sharing off."]}
+    return {}
+
+
 class ReplicaSerializer(serializers.ModelSerializer):
     node = serializers.CharField(source="node.name", default=None, allow_null=True, read_only=True)
     node_id = serializers.UUIDField(allow_null=True, read_only=True)
@@ -85,7 +123,7 @@ class ReplicaSerializer(serializers.ModelSerializer):
     class Meta:
         model = Replica
         fields = [
-            "id", "state", "node", "node_id", "address", "failure_reason", "num_restarts",
+            "id", "state", "node", "node_id", "gpu_indices", "gpu_memory_fraction", "address", "failure_reason", "num_restarts",
             "num_running", "num_waiting", "kv_cache_usage", "tokens_per_s", "progress", "progress_percent",
             "engine_weights_mb", "engine_kv_cache_mb",
             "created_at", "state_changed_at", "ready_at", "stopped_at",
@@ -114,6 +152,17 @@ class EndpointSerializer(StrictModelSerializer):
     )
     gpu_type = serializers.ChoiceField(choices=sorted(GPU_TYPES))
     quantization = serializers.ChoiceField(choices=list(QUANTIZATIONS), default="none")
+    gpus_per_replica = serializers.ChoiceField(
+        choices=list(GPUS_PER_REPLICA), required=False, allow_blank=True,
+        help_text="Whole GPUs of one node per replica; more than one runs the model tensor parallel over them. "
+                  "Omitted on create, or \"\": the smallest count that holds the model's estimated size with its "
+                  "context. A count too small for it is refused, naming the smallest that fits.",
+    )
+    allow_gpu_sharing = serializers.BooleanField(
+        default=False,
+        help_text="A one-GPU replica may share its GPU with other sharing replicas, each held to its share of the "
+                  "GPU's memory. Off: each replica has its GPUs to itself.",
+    )
     max_model_len = serializers.IntegerField(
         allow_null=True, default=None, min_value=LIMITS["max_model_len"][0], max_value=LIMITS["max_model_len"][1],
         help_text="Longest prompt plus completion, in tokens. Null (the default): the model's own context length. "
@@ -132,7 +181,7 @@ class EndpointSerializer(StrictModelSerializer):
     class Meta:
         model = Endpoint
         fields = [
-            "id", "name", "model_source", "credential", "gpu_type", "quantization",
+            "id", "name", "model_source", "credential", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing",
             "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s",
             "enable_prefix_caching", "tool_call_parser",
@@ -191,6 +240,16 @@ class EndpointSerializer(StrictModelSerializer):
             problem = checkpoint_quantization_problem(quantization, ModelFacts.quantization_of(source))
             if problem:
                 errors["quantization"] = [problem[0].upper() + problem[1:] + "."]
+        # Omitted on create, or "": the smallest count that holds the model (what the wizard suggests).
+        automatic = attrs.get("gpus_per_replica") == "" or (self.instance is None and "gpus_per_replica" not in attrs)
+        if (automatic or GPU_SPEC_FIELDS & set(attrs)) and gpu in GPU_TYPES and not errors.keys() & {"quantization", "max_model_len"}:
+            spec = Endpoint(
+                model_source=source or "", gpu_type=gpu, quantization=quantization, max_model_len=requested,
+                max_num_seqs=current("max_num_seqs"), gpus_per_replica=1 if automatic else current("gpus_per_replica"),
+                allow_gpu_sharing=current("allow_gpu_sharing"),
+            )
+            errors |= gpu_count_errors(spec, automatic=automatic)
+            attrs["gpus_per_replica"] = spec.gpus_per_replica
         credential, needed = current("credential"), source_kind(current("model_source") or "")
         if credential is not None and credential.kind != needed:
             errors["credential"] = [

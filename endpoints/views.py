@@ -20,10 +20,11 @@ from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import Actor
 from endpoints import credentials, quotas, services
-from endpoints.catalogue import GPU_TYPES
+from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from endpoints.forms import CredentialForm, EndpointForm
 from endpoints.models import Endpoint, ModelCredential, Replica
 from endpoints.nodes.models import Node
+from endpoints.placement import memory_needed_mb, smallest_gpu_count
 from endpoints.serializers import CredentialSerializer, EndpointSerializer
 from gpu_agent.protocol import FINAL_REPLICA_STATES
 
@@ -92,8 +93,38 @@ def _wizard(request, form, *, endpoint=None, status=200):
     gpus = [{"gpu": gpu, "num_ready_nodes": ready_nodes.get(name, 0), "selected": name == selected}
             for name, gpu in GPU_TYPES.items()]
     return render(request, "endpoints/endpoint_form.html", {
-        "form": form, "endpoint": endpoint, "gpus": gpus,
+        "form": form, "endpoint": endpoint, "gpus": gpus, "suggestion": gpu_suggestion(form_values(form)),
     }, status=status)
+
+
+def form_values(form: EndpointForm) -> dict:
+    return {name: form[name].value() for name in ("model_source", "gpu_type", "quantization", "max_model_len", "max_num_seqs")}
+
+
+def _positive(value, default):
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return default
+    return number if 0 < number <= 10_000_000 else default
+
+
+def gpu_suggestion(values: dict) -> dict | None:
+    """The smallest GPUs per replica that hold the model and its context, for the wizard (None: nothing to say yet)."""
+    source = str(values.get("model_source") or "").strip()[:500]
+    if not source or values.get("gpu_type") not in GPU_TYPES:
+        return None
+    spec = Endpoint(
+        model_source=source, gpu_type=values["gpu_type"],
+        quantization=values.get("quantization") if values.get("quantization") in QUANTIZATIONS else "none",
+        max_model_len=_positive(values.get("max_model_len"), None), max_num_seqs=_positive(values.get("max_num_seqs"), 64),
+    )
+    needed_mb = memory_needed_mb(spec)
+    gpu = GPU_TYPES[spec.gpu_type]
+    return {
+        "count": smallest_gpu_count(spec, needed_mb), "needed_gb": round(needed_mb / 1024, 1), "gpu_label": gpu.label,
+        "gpu_gb": gpu.memory_gb, "most": 1 if spec.gpu_type == "cpu" else GPUS_PER_REPLICA[-1],
+    }
 
 
 def _default_gpu_type() -> str:
@@ -141,6 +172,14 @@ def endpoint_edit(request, pk):
         return _wizard(request, form, endpoint=endpoint, status=400)
     messages.success(request, "Configuration saved. Replicas pick it up as they restart.")
     return redirect("console:endpoint", pk=endpoint.pk)
+
+
+@member_required()
+def gpus_field(request):
+    """The GPUs-per-replica select with the smallest count that fits (htmx swaps it in as the spec changes)."""
+    form = EndpointForm(initial={"gpus_per_replica": request.GET.get("gpus_per_replica", "1")})
+    return render(request, "endpoints/_gpus_field.html",
+                  {"field": form["gpus_per_replica"], "suggestion": gpu_suggestion(request.GET)})
 
 
 @member_required()

@@ -118,6 +118,50 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+_GPU_UUID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9/_-]{0,99}$")  # "GPU-5d5b…", "MIG-c6d4…", "MIG-GPU-…/7/0"
+# NOTE: CUDA enumerates at most this many devices per process; an index past it is a lie or a bug.
+MAX_GPUS_PER_NODE = 64
+
+
+@dataclass(slots=True)
+class MigSlice(Message):
+    """One MIG instance of a GPU, as `nvidia-smi -L` lists it."""
+
+    uuid: str  # what CUDA_VISIBLE_DEVICES would name it by
+    profile: str  # e.g. "3g.40gb"
+    memory_mb: int  # nominal, from the profile name
+
+    def __post_init__(self) -> None:
+        _require(bool(_GPU_UUID.match(self.uuid)), "a MIG slice needs its UUID")
+        _require(0 < len(self.profile) <= 32 and self.memory_mb >= 0, "a MIG slice needs a profile and memory >= 0")
+
+
+@dataclass(slots=True)
+class GpuStatus(Message):
+    index: int  # CUDA's index on the node (what CUDA_VISIBLE_DEVICES names)
+    name: str
+    utilization_percent: float
+    memory_used_mb: int
+    memory_total_mb: int
+    temperature_c: float | None = None
+    uuid: str = ""  # "GPU-…"; empty only from agents older than per-GPU placement
+    mig_slices: list[MigSlice] = field(default_factory=list)  # empty: MIG off or unsupported
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.index < MAX_GPUS_PER_NODE, f"GPU index must be within 0..{MAX_GPUS_PER_NODE - 1}")
+        _require(len(self.name) <= 128, "GPU name must be at most 128 characters")
+        _require(not self.uuid or bool(_GPU_UUID.match(self.uuid)), "GPU uuid must look like GPU-…")
+        _require(self.memory_total_mb >= 0 and self.memory_used_mb >= 0, "GPU memory figures must be >= 0")
+        _require(len(self.mig_slices) <= 7, "a GPU has at most 7 MIG slices")
+
+
+def _require_distinct_gpus(gpus: list[GpuStatus]) -> None:
+    _require(len(gpus) <= MAX_GPUS_PER_NODE, f"at most {MAX_GPUS_PER_NODE} GPUs per node")
+    _require(len({gpu.index for gpu in gpus}) == len(gpus), "GPU indices must be distinct")
+    uuids = [gpu.uuid for gpu in gpus if gpu.uuid]
+    _require(len(set(uuids)) == len(uuids), "GPU uuids must be distinct")
+
+
 @dataclass(slots=True)
 class RegisterRequest(Message):
     join_token: str = field(repr=False)
@@ -139,9 +183,14 @@ class RegisterRequest(Message):
     engine_port_min: int = DEFAULT_ENGINE_PORT_MIN
     engine_port_max: int = DEFAULT_ENGINE_PORT_MAX
     protocol_version: int = PROTOCOL_VERSION
+    # Each GPU (index, UUID, memory, MIG slices): placement assigns replicas to them. Empty from CPU
+    # nodes and agents older than per-GPU placement, whose GPU memory placement treats as one pool.
+    gpus: list[GpuStatus] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(bool(self.join_token), "join_token is required")
+        _require_distinct_gpus(self.gpus)
+        _require(not self.gpus or len(self.gpus) == self.num_gpus, "gpus must list num_gpus GPUs")
         _require(bool(self.name) and len(self.name) <= 128, "name must be 1-128 characters")
         _require(self.num_gpus >= 0 and self.num_cpus >= 1, "num_gpus must be >= 0 and num_cpus >= 1")
         _require(self.gpu_memory_mb >= 0 and self.memory_mb > 0, "memory figures must be positive")
@@ -161,16 +210,6 @@ class RegisterResponse(Message):
     node_id: str
     node_secret: str = field(repr=False)
     heartbeat_interval_s: float
-
-
-@dataclass(slots=True)
-class GpuStatus(Message):
-    index: int
-    name: str
-    utilization_percent: float
-    memory_used_mb: int
-    memory_total_mb: int
-    temperature_c: float | None = None
 
 
 @dataclass(slots=True)
@@ -263,6 +302,9 @@ class Heartbeat(Message):
     disk_free_mb: int | None = None
     standby_ready: bool = False  # a pre-imported engine process waits for a model
 
+    def __post_init__(self) -> None:
+        _require_distinct_gpus(self.gpus)
+
 
 @dataclass(slots=True)
 class SourceCredentials(Message):
@@ -311,8 +353,13 @@ class ReplicaSpec(Message):
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # The share of each of its GPUs' memory the engine may take (`--gpu-memory-utilization`): below
+    # 0.9 when the replica shares its GPU with others, whose shares sum to at most 1.
     gpu_memory_utilization: float = 0.9
-    num_gpus: int = 1
+    num_gpus: int = 1  # > 1: tensor parallel over that many GPUs of the node
+    # The node's GPUs this replica runs on (CUDA_VISIBLE_DEVICES); empty: the control plane assigned
+    # none (a CPU node, or a node that reported no GPU list), and the engine sees every GPU.
+    gpu_indices: list[int] = field(default_factory=list)
     drain_timeout_s: float = 120.0
     # The organisation's credentials for `model_source` (None: anonymous, or the fleet's own).
     credentials: SourceCredentials | None = field(default=None, repr=False)
@@ -336,6 +383,13 @@ class ReplicaSpec(Message):
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be > 0")
         _require(self.max_num_seqs > 0, "max_num_seqs must be > 0")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be within (0, 1]")
+        _require(self.num_gpus >= 1, "num_gpus must be >= 1")
+        _require(
+            all(isinstance(index, int) and 0 <= index < MAX_GPUS_PER_NODE for index in self.gpu_indices)
+            and len(set(self.gpu_indices)) == len(self.gpu_indices),
+            "gpu_indices must be distinct GPU indices",
+        )
+        _require(not self.gpu_indices or len(self.gpu_indices) == self.num_gpus, "gpu_indices must name num_gpus GPUs")
 
 
     def without_secrets(self) -> ReplicaSpec:

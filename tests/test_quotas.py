@@ -23,7 +23,8 @@ from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
 
-VALID = {"name": "llama-chat", "model_source": "hf:meta-llama/Llama-3.1-8B-Instruct", "gpu_type": "l4"}
+# A model one L4 holds: each replica is one GPU (tests/test_gpus_per_replica.py counts wider ones).
+VALID = {"name": "llama-chat", "model_source": "hf:meta-llama/Llama-3.2-3B-Instruct", "gpu_type": "l4"}
 
 
 def _on_plan(organization, **quotas) -> Plan:

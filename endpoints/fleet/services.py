@@ -19,8 +19,9 @@ from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.models import ACTIVE_REPLICA_STATES, ModelFacts, Replica
-from endpoints.nodes.models import JoinToken, Node
+from endpoints.nodes.models import JoinToken, Node, gpu_inventory
 from endpoints.nodes.notify import notify_node
+from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
 from endpoints.replicas import apply_replica_report, drain_node
 from gpu_agent import protocol
 from gpu_agent.protocol import NodeState, ReplicaAction, ReplicaState
@@ -72,7 +73,7 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
         node = Node.objects.create(
             name=request.name, gpu_type=request.gpu_type, num_gpus=request.num_gpus,
             gpu_memory_mb=request.gpu_memory_mb, num_cpus=request.num_cpus, memory_mb=request.memory_mb,
-            labels=request.labels, quantizations=list(request.supported_quantizations),
+            labels=request.labels, quantizations=list(request.supported_quantizations), gpus=gpu_inventory(request.gpus),
             agent_version=request.agent_version, engine_version=request.engine_version,
             advertise_host=request.advertise_host, engine_port_min=request.engine_port_min,
             engine_port_max=request.engine_port_max,
@@ -105,11 +106,18 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         node.last_heartbeat_at = now
         node.last_status = status
         node.agent_version = heartbeat.agent_version
+        fields = ["last_heartbeat_at", "last_status", "agent_version", "state"]
+        inventory = gpu_inventory(heartbeat.gpus)
+        # NOTE: only an agent that names its GPUs (by UUID) gets per-GPU placement; an older one
+        # keeps the pooled placement it was registered with.
+        if inventory and all(gpu["uuid"] for gpu in inventory) and inventory != node.gpus:
+            node.gpus = inventory
+            fields.append("gpus")
         if came_back:
             # NOTE: its replicas were failed and replaced while it was gone; they are absent from
             # `desired` below, so the agent stops them: a returning node is reconciled, not trusted.
             node.state = NodeState.READY
-        node.save(update_fields=["last_heartbeat_at", "last_status", "agent_version", "state"])
+        node.save(update_fields=fields)
     if came_back:
         record_audit(SYSTEM, None, "node.online", node)
     record_model_facts(node, heartbeat.weights)
@@ -168,6 +176,8 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         max_num_batched_tokens=endpoint.max_num_batched_tokens,
         enable_prefix_caching=endpoint.enable_prefix_caching,
         gpu_memory_utilization=memory_fraction(replica),
+        num_gpus=len(replica.gpu_indices) or endpoint.gpus_per_replica,
+        gpu_indices=list(replica.gpu_indices),
         drain_timeout_s=float(settings.REPLICA_DRAIN_TIMEOUT_S),
         engine_api_key=replica.engine_api_key,
         credentials=access.credentials,
@@ -179,14 +189,21 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
 
 
 def memory_fraction(replica: Replica) -> float:
-    """The share of a GPU the engine may take: exactly what placement reserved for it.
+    """The share of each of its GPUs the engine may take.
 
+    A replica sharing its GPU gets the fraction placement gave it (the fractions on one GPU sum to at
+    most `WHOLE_GPU_MEMORY_FRACTION`); one with whole GPUs gets `WHOLE_GPU_MEMORY_FRACTION`. On a node
+    without a GPU list (one pool), exactly what placement reserved for it.
     NOTE: vLLM fills whatever fraction it is given with KV cache, so handing it its
     reservation (not the usual 0.9) is what lets replicas share a GPU without over-commit.
     """
+    if replica.gpu_memory_fraction is not None:
+        return replica.gpu_memory_fraction
+    if replica.gpu_indices:
+        return WHOLE_GPU_MEMORY_FRACTION
     node = replica.node
     if node is None or node.gpu_memory_mb <= 0 or not replica.reserved_memory_mb:
-        return 0.9
+        return WHOLE_GPU_MEMORY_FRACTION
     return round(min(0.95, max(0.05, replica.reserved_memory_mb / node.gpu_memory_mb)), 3)
 
 

@@ -36,7 +36,7 @@ def _fleet_context() -> dict:
     for node in nodes:
         node.active_replicas = replicas_by_node.get(node.pk, [])
         status = node.last_status or {}
-        node.gpus = status.get("gpus") or []
+        node.gpu_rows = gpu_rows(node, status.get("gpus") or [], node.active_replicas)
         node.weights = status.get("weights") or []
         node.cpu_percent = status.get("cpu_percent")
         node.memory_used_mb = status.get("memory_used_mb")
@@ -47,6 +47,17 @@ def _fleet_context() -> dict:
         "replicas": Replica.objects.select_related("endpoint__organization", "node").order_by("-state_changed_at")[:100],
         "num_active_replicas": len(active),
     }
+
+
+def gpu_rows(node: Node, reported: list[dict], replicas: list[Replica]) -> list[dict]:
+    """One row per GPU of the node: its latest load, MIG slices, and the replicas placement gave it."""
+    rows = {gpu["index"]: dict(gpu, memory_total_mb=gpu["memory_mb"], holders=[]) for gpu in node.gpus}
+    for gpu in reported:  # the heartbeat's load (and every GPU of an agent that reported no inventory)
+        rows.setdefault(gpu.get("index"), {"holders": []}).update(gpu)
+    for replica in replicas:
+        for index in replica.gpu_indices:
+            rows.setdefault(index, {"index": index, "holders": []})["holders"].append(replica)
+    return [rows[index] for index in sorted(rows, key=lambda index: (index is None, index or 0))]
 
 
 @staff_required

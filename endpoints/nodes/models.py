@@ -12,7 +12,7 @@ from django.db import models
 from django.utils import timezone
 
 from controlplane import tokens
-from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN, NodeState
+from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN, GpuStatus, NodeState
 
 
 def engine_address_problem(address: str, host: str, port_min: int, port_max: int) -> str:
@@ -95,6 +95,10 @@ class Node(models.Model):
     secret_lookup = models.CharField(max_length=tokens.LOOKUP_LENGTH, unique=True)
     secret_digest = models.CharField(max_length=64)
     join_token = models.ForeignKey(JoinToken, on_delete=models.SET_NULL, null=True, related_name="nodes")
+    # Each GPU as the agent reported it: [{index, uuid, name, memory_mb, mig_slices: [{uuid, profile,
+    # memory_mb}]}]. Empty for CPU nodes and agents older than per-GPU placement: placement then
+    # treats the node's GPU memory as one pool and assigns no GPU indices.
+    gpus = models.JSONField(default=list, blank=True)
     # The latest heartbeat as the agent sent it (GPUs, weights cache, …), for the fleet pages.
     last_status = models.JSONField(default=dict, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
@@ -119,3 +123,12 @@ class Node(models.Model):
     @property
     def total_gpu_memory_mb(self) -> int:
         return self.gpu_memory_mb * max(self.num_gpus, 1)
+
+
+def gpu_inventory(gpus: list[GpuStatus]) -> list[dict]:
+    """What a node keeps of its agent's GPU reports (`Node.gpus`): identity and size, not load."""
+    return [
+        {"index": gpu.index, "uuid": gpu.uuid, "name": gpu.name, "memory_mb": gpu.memory_total_mb,
+         "mig_slices": [slice_.to_dict() for slice_ in gpu.mig_slices]}
+        for gpu in sorted(gpus, key=lambda gpu: gpu.index)
+    ]

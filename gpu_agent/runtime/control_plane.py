@@ -87,6 +87,7 @@ class ControlPlaneClient:
             advertise_host=self.config.advertise_host,
             engine_port_min=self.config.engine_ports[0],
             engine_port_max=self.config.engine_ports[1],
+            gpus=list(self.machine.gpus),
         )
         response = self.http.post("/agent/v1/register", json=request.to_dict())
         if response.status_code in (400, 401, 403):

@@ -234,7 +234,33 @@ def build_engine_command(
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         env["VLLM_TARGET_DEVICE"] = "cpu"
     else:
-        argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
-        if spec.num_gpus > 1:
-            argv += ["--tensor-parallel-size", str(spec.num_gpus)]
+        argv += cuda_placement_args(spec)
+        env.update(cuda_placement_env(spec))
     return EngineCommand(argv=argv, env=env, host=host, port=port, advertise_host=advertise_host)
+
+
+# --- GPUs a CUDA engine runs on ------------------------------------------------------------
+
+
+def cuda_placement_args(spec: ReplicaSpec) -> list[str]:
+    """Its share of each GPU's memory, and tensor parallelism over its GPUs when it has several."""
+    argv = ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    if spec.num_gpus > 1:
+        argv += ["--tensor-parallel-size", str(spec.num_gpus)]
+    return argv
+
+
+def cuda_placement_env(spec: ReplicaSpec) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES: the engine sees only the GPUs placement gave its replica.
+
+    NOTE: without it every engine on a node starts on GPU 0. The indices are nvidia-smi's (what the
+    agent reported), which follow the PCI bus; CUDA's own order is fastest first unless told
+    otherwise, so the engine is told. A spec with no GPU indices (from a control plane that assigned
+    none) leaves both variables to the agent's own environment.
+    """
+    if not spec.gpu_indices:
+        return {}
+    return {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": ",".join(str(index) for index in spec.gpu_indices),
+    }

@@ -1,21 +1,25 @@
-"""What this machine has: GPUs through NVML, otherwise an honest CPU report."""
+"""What this machine has: each GPU as `nvidia-smi` reports it, otherwise an honest CPU report."""
 
 from __future__ import annotations
 
+import csv
+import io
 import logging
 import os
+import re
 import shutil
+import subprocess
 from dataclasses import dataclass, field
 
 import psutil
 
-from gpu_agent.protocol import GpuStatus
+from gpu_agent.protocol import GpuStatus, MigSlice
 
 logger = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 
-# Catalogue names the control plane knows, matched against NVML product names.
+# Catalogue names the control plane knows, matched against the driver's product names.
 _GPU_CATALOGUE = (
     ("H200", "h200"),
     ("H100", "h100-80gb"),
@@ -47,40 +51,82 @@ def catalogue_gpu_type(product_name: str) -> str:
     return product_name.lower().replace("nvidia ", "").replace(" ", "-")
 
 
-def gpu_statuses() -> list[GpuStatus]:
-    """One status per NVIDIA GPU; empty when NVML is missing or finds none."""
+# One CSV line per GPU; the order of these fields is what `parse_gpu_query` reads.
+NVIDIA_SMI_QUERY = ("index", "uuid", "name", "memory.total", "memory.used", "utilization.gpu", "temperature.gpu")
+NVIDIA_SMI_TIMEOUT_S = 10.0
+_LISTED_GPU = re.compile(r"^GPU\s+\d+:.*\(UUID:\s*(?P<uuid>[^)\s]+)\)")
+_LISTED_MIG = re.compile(r"^\s+MIG\s+(?P<profile>\S+)\s+Device\s+\d+:\s*\(UUID:\s*(?P<uuid>[^)\s]+)\)")
+_MIG_PROFILE_MEMORY = re.compile(r"\.(\d+)gb", re.IGNORECASE)
+
+
+def _number(text: str) -> float | None:
+    """A figure of nvidia-smi's CSV, None for "[N/A]", "[Not Supported]" and the like."""
     try:
-        import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # no driver: a CPU machine
-        return []
-    statuses = []
-    try:
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            utilization = pynvml.nvmlDeviceGetUtilizationRates(handle)
-            try:
-                temperature = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
-            except Exception:
-                temperature = None
-            statuses.append(
-                GpuStatus(
-                    index=index,
-                    name=name.decode() if isinstance(name, bytes) else name,
-                    utilization_percent=float(utilization.gpu),
-                    memory_used_mb=int(memory.used // MIB),
-                    memory_total_mb=int(memory.total // MIB),
-                    temperature_c=temperature,
-                )
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_mig_listing(listing: str) -> dict[str, list[MigSlice]]:
+    """MIG slices per GPU UUID from `nvidia-smi -L` (GPUs without MIG are absent)."""
+    slices: dict[str, list[MigSlice]] = {}
+    gpu_uuid = None
+    for line in listing.splitlines():
+        if match := _LISTED_GPU.match(line):
+            gpu_uuid = match["uuid"]
+        elif (match := _LISTED_MIG.match(line)) and gpu_uuid is not None:
+            memory = _MIG_PROFILE_MEMORY.search(match["profile"])
+            slices.setdefault(gpu_uuid, []).append(
+                MigSlice(uuid=match["uuid"], profile=match["profile"], memory_mb=int(memory[1]) * 1024 if memory else 0)
             )
-    finally:
-        pynvml.nvmlShutdown()
-    return statuses
+    return slices
+
+
+def parse_gpu_query(query_csv: str, listing: str = "") -> list[GpuStatus]:
+    """One status per GPU from `nvidia-smi --query-gpu=<NVIDIA_SMI_QUERY> --format=csv,noheader,nounits`,
+    with the MIG slices `nvidia-smi -L` lists under each."""
+    slices = parse_mig_listing(listing)
+    statuses = []
+    for row in csv.reader(io.StringIO(query_csv), skipinitialspace=True):
+        if len(row) < len(NVIDIA_SMI_QUERY):
+            continue
+        index, uuid, name, total, used, utilization, temperature = (value.strip() for value in row[: len(NVIDIA_SMI_QUERY)])
+        statuses.append(
+            GpuStatus(
+                index=int(index),
+                uuid=uuid,
+                name=name,
+                memory_total_mb=int(_number(total) or 0),
+                memory_used_mb=int(_number(used) or 0),
+                utilization_percent=_number(utilization) or 0.0,
+                temperature_c=_number(temperature),
+                mig_slices=slices.get(uuid, []),
+            )
+        )
+    return sorted(statuses, key=lambda status: status.index)
+
+
+def _nvidia_smi(*args: str) -> str:
+    return subprocess.run(
+        ["nvidia-smi", *args], capture_output=True, text=True, check=True, timeout=NVIDIA_SMI_TIMEOUT_S
+    ).stdout
+
+
+def gpu_statuses() -> list[GpuStatus]:
+    """One status per NVIDIA GPU (index, UUID, memory, load, MIG slices); empty without a driver or GPUs.
+
+    NOTE: read through `nvidia-smi`, which ships with the driver (and is mounted into containers
+    with it), so the agent needs no NVML binding of its own.
+    """
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        query = _nvidia_smi(f"--query-gpu={','.join(NVIDIA_SMI_QUERY)}", "--format=csv,noheader,nounits")
+        listing = _nvidia_smi("-L")
+    except (OSError, subprocess.SubprocessError) as exc:  # a driver that does not answer: report no GPUs
+        logger.warning("nvidia-smi failed: %s", exc)
+        return []
+    return parse_gpu_query(query, listing)
 
 
 CPU_ENGINE_MEMORY_FRACTION = 0.6

@@ -151,12 +151,12 @@ def running_agent(control_plane, tmp_path, s3_endpoint):  # noqa: F811
     agents = []
 
     def start(**config):
+        config = {"force_cpu": True} | config
         agent = Agent(
             AgentConfig(
                 control_plane_url=control_plane.url,
                 join_token=control_plane.join_token,
                 data_dir=tmp_path / "agent",
-                force_cpu=True,
                 s3_endpoint_url=s3_endpoint,
                 min_backoff_s=0.05,
                 max_backoff_s=0.2,
@@ -192,6 +192,31 @@ def test_registers_then_heartbeats_with_its_node_secret(control_plane, running_a
     running_agent()
     wait_until(lambda: len(control_plane.heartbeats) >= num_beats + 2, 10)
     assert len(control_plane.registrations) == 1
+
+
+def test_a_gpu_node_registers_and_heartbeats_each_gpu_nvidia_smi_lists(control_plane, running_agent, tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"  # the driver's tool, answering as on a node with two L4s
+    fake.write_text(textwrap.dedent("""\
+        #!/bin/sh
+        if [ "$1" = "-L" ]; then
+          echo "GPU 0: NVIDIA L4 (UUID: GPU-0b9e3c0e-6a51-4c47-8f6e-2a3d4b5c6d7e)"
+          echo "GPU 1: NVIDIA L4 (UUID: GPU-7f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f)"
+        else
+          echo "0, GPU-0b9e3c0e-6a51-4c47-8f6e-2a3d4b5c6d7e, NVIDIA L4, 23034, 0, 0, 36"
+          echo "1, GPU-7f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f, NVIDIA L4, 23034, 1210, 87, 61"
+        fi
+    """))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    running_agent(force_cpu=False)
+    wait_until(lambda: len(control_plane.heartbeats) >= 2, 10)
+    [registration] = control_plane.registrations
+    assert (registration.gpu_type, registration.num_gpus, registration.gpu_memory_mb) == ("l4", 2, 23034)
+    assert [gpu.uuid for gpu in registration.gpus] == ["GPU-0b9e3c0e-6a51-4c47-8f6e-2a3d4b5c6d7e",
+                                                       "GPU-7f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"]
+    assert [gpu.utilization_percent for gpu in control_plane.heartbeats[-1].gpus] == [0.0, 87.0]
 
 
 def test_registers_again_when_the_control_plane_forgets_the_node(control_plane, running_agent):

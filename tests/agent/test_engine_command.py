@@ -64,3 +64,46 @@ def test_an_engine_reachable_from_other_machines_listens_everywhere_and_advertis
     command = build_engine_command(make_spec(), "/models/tiny", port=8123, device="cpu", host="0.0.0.0", advertise_host="10.1.2.3")
     assert flag(command.argv, "--host") == "0.0.0.0"
     assert command.address == "http://10.1.2.3:8123"
+
+
+def test_eight_one_gpu_replicas_on_an_eight_gpu_node_each_see_a_different_gpu():
+    commands = [build_engine_command(make_spec(f"r-{index}", gpu_indices=[index]), "/m", port=1, device="cuda")
+                for index in range(8)]
+    visible = [command.env["CUDA_VISIBLE_DEVICES"] for command in commands]
+    assert visible == [str(index) for index in range(8)]
+    assert all(command.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for command in commands)  # nvidia-smi's numbering
+    assert all("--tensor-parallel-size" not in command.argv for command in commands)
+
+
+def test_a_two_gpu_replica_sees_both_gpus_and_runs_tensor_parallel_over_them():
+    command = build_engine_command(make_spec(num_gpus=2, gpu_indices=[0, 1]), "/m", port=1, device="cuda")
+    assert command.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert flag(command.argv, "--tensor-parallel-size") == "2"
+
+
+def test_an_eight_gpu_replica_runs_tensor_parallel_over_all_eight():
+    command = build_engine_command(make_spec(num_gpus=8, gpu_indices=list(range(8))), "/m", port=1, device="cuda")
+    assert command.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert flag(command.argv, "--tensor-parallel-size") == "8"
+
+
+def test_replicas_sharing_a_gpu_take_only_their_fraction_of_its_memory():
+    first = build_engine_command(make_spec("r-1", gpu_indices=[3], gpu_memory_utilization=0.45), "/m", port=1, device="cuda")
+    second = build_engine_command(make_spec("r-2", gpu_indices=[3], gpu_memory_utilization=0.3), "/m", port=2, device="cuda")
+    assert first.env["CUDA_VISIBLE_DEVICES"] == second.env["CUDA_VISIBLE_DEVICES"] == "3"
+    fractions = [float(flag(command.argv, "--gpu-memory-utilization")) for command in (first, second)]
+    assert fractions == [0.45, 0.3] and sum(fractions) <= 1
+
+
+def test_a_replica_without_assigned_gpus_and_every_cpu_replica_leave_the_devices_alone():
+    unassigned = build_engine_command(make_spec(), "/m", port=1, device="cuda")
+    assert "CUDA_VISIBLE_DEVICES" not in unassigned.env and "--tensor-parallel-size" not in unassigned.argv
+    cpu = build_engine_command(make_spec(gpu_indices=[0]), "/m", port=1, device="cpu")
+    assert "CUDA_VISIBLE_DEVICES" not in cpu.env and "--gpu-memory-utilization" not in cpu.argv
+
+
+def test_a_spec_whose_gpu_indices_disagree_with_its_gpu_count_is_refused():
+    with pytest.raises(ValueError, match="num_gpus"):
+        make_spec(num_gpus=2, gpu_indices=[0])
+    with pytest.raises(ValueError, match="distinct"):
+        make_spec(num_gpus=2, gpu_indices=[1, 1])

@@ -163,15 +163,15 @@ def test_metrics_windows_use_coarser_buckets(owner):
 
 
 def test_edit_goes_through_the_same_validation(owner):
-    endpoint = EndpointFactory(organization=owner.organization, name="chat-d")
+    endpoint = EndpointFactory(organization=owner.organization, name="chat-d", gpus_per_replica=2)  # an 8B model on L4s
     url = reverse("console:endpoint-edit", args=[endpoint.pk])
     assert 'value="chat-d"' in owner.get(url).content.decode()
     response = owner.post(url, VALID_SPEC | {"name": "chat-d", "min_replicas": "3", "max_replicas": "2"})
     assert response.status_code == 400 and "Must be at least max(1, min_replicas)" in response.content.decode()
-    response = owner.post(url, VALID_SPEC | {"name": "chat-d", "max_replicas": "5"})
+    response = owner.post(url, VALID_SPEC | {"name": "chat-d", "max_replicas": "4"})  # 8 GPUs: the default quota
     assert response.status_code == 302
     endpoint.refresh_from_db()
-    assert endpoint.max_replicas == 5
+    assert endpoint.max_replicas == 4
 
 
 def test_pause_resume_and_delete_with_confirmation(owner):

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('endpoints', '0005_tool_call_parser'),
+        ('endpoints', '0006_gpus_per_replica'),
     ]
 
     operations = [
