@@ -51,6 +51,20 @@ def get_redis() -> redis.Redis | redis.cluster.RedisCluster:
 POOL_WAIT_S = 10
 
 
+class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
+    """redis-py's async cluster client, initialised (slots and nodes read) before its first command.
+
+    NOTE: a burst of first commands on a new client (redis-py 8) each run the initialisation's
+    default-node replacement; some then fail with a closed connection and are retried, running a
+    script twice. Initialising once, under the client's lock, before any command avoids that
+    (tests/test_redis_cluster.py's burst of admissions counts it)."""
+
+    async def execute_command(self, *args, **kwargs):
+        if self._initialize:
+            await self.initialize()
+        return await super().execute_command(*args, **kwargs)
+
+
 def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster:
     # NOTE: a burst beyond the pool waits for a free connection instead of failing; nothing holds
     # one for long (pub/sub waiters share `controlplane.pubsub`'s own connection).
@@ -58,7 +72,7 @@ def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisClus
     if settings.REDIS_CLUSTER:
         options = connection_options()
         del options["retry_on_timeout"]  # the cluster client's retry covers connection errors only already
-        return redis.asyncio.cluster.RedisCluster.from_url(
+        return _AsyncClusterClient.from_url(
             settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, retry=retry, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=POOL_WAIT_S,
