@@ -59,9 +59,10 @@ def pgbouncer(django_db_setup) -> int:
     # NOTE: not under pytest's tmp folder, which only root may enter: pgbouncer may run as another user.
     folder = Path(tempfile.mkdtemp(prefix="pgbouncer-"))
     port = free_port()
+    server = f"host={database['HOST'] or '127.0.0.1'}" + (f" port={database['PORT']}" if database["PORT"] else "")
     (folder / "pgbouncer.ini").write_text(f"""
 [databases]
-{database["NAME"]} = host={database["HOST"] or "127.0.0.1"} {f"port={database['PORT']}" if database["PORT"] else ""} dbname={database["NAME"]} user={database["USER"] or "postgres"}
+{database["NAME"]} = {server} dbname={database["NAME"]} user={database["USER"] or "postgres"}
 
 [pgbouncer]
 listen_addr = 127.0.0.1

@@ -108,14 +108,16 @@ class InferenceCall:
             raise errors.insufficient_quota(str(exc)) from None
         except errors.OUTAGES:
             await cold_start.give_up(place)
-            presence.end_later(self.caller.organization_id, self.request_id)  # the script may have run before its reply was lost
+            # the script may have run before its reply was lost
+            presence.end_later(self.caller.organization_id, self.request_id)
             raise
         except BaseException:
             await cold_start.give_up(place)
             raise
         if admitted.picked is not None:
             self.outstanding_replica_id = replicas[admitted.picked].id
-        self.held = presence.track(self.request_id, self.caller.organization_id, self.endpoint.id, self.outstanding_replica_id)
+        self.held = presence.track(self.request_id, self.caller.organization_id, self.endpoint.id,
+                                   self.outstanding_replica_id)
         # NOTE: a client that disconnects cancels this task wherever it waits (see `_watch_disconnect`).
         watcher = asyncio.create_task(self._watch_disconnect(asyncio.current_task()))
         try:

@@ -138,8 +138,6 @@ async def beat() -> None:
     try:
         async with redis.pipeline(transaction=False) as pipe:
             pipe.set(traffic.gateway_alive_key(gateway), "1", ex=ALIVE_TTL_S, get=True)
-            if registered := traffic.registered_requests_keys():
-                pipe.sadd(traffic.GATEWAYS_KEY, *registered)
             if recent:
                 pipe.zadd(traffic.RECENT_ENDPOINTS_KEY, recent, gt=True)
             was_alive = (await pipe.execute())[0]
@@ -147,6 +145,10 @@ async def beat() -> None:
         for endpoint_id in recent:
             traffic.note_recent(endpoint_id)  # the next beat writes them
         raise
+    if was_alive is None and (registered := traffic.registered_requests_keys()):
+        # NOTE: Redis lost the gateways set, or a sweeper dropped this gateway's emptied hashes
+        # while it was frozen: list them again (written before each organisation's first request).
+        await redis.sadd(traffic.GATEWAYS_KEY, *registered)
     if was_alive is None and serving:
         by_organization: dict[int, list[tuple[str, Held]]] = {}
         for request_id, held in list(serving.items()):
