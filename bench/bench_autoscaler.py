@@ -85,13 +85,12 @@ def forget_traffic(endpoints: list) -> None:
     from endpoints.gateway import traffic
 
     redis = get_redis()
-    ids = [str(e.pk) for e in endpoints]
-    for first in range(0, len(ids), 1000):
-        batch = ids[first: first + 1000]
-        keys = [key for i in batch for key in (traffic.inflight_key(i), traffic.waiting_key(i), traffic.last_request_key(i),
-                                                autoscaler.samples_key(i))]
+    for first in range(0, len(endpoints), 1000):
+        batch = [(e.organization_id, str(e.pk)) for e in endpoints[first: first + 1000]]
+        keys = [key for org, i in batch for key in (traffic.inflight_key(org, i), traffic.waiting_key(org, i),
+                                                     traffic.last_request_key(org, i), autoscaler.samples_key(org, i))]
         redis.delete(*keys)
-        redis.zrem(traffic.RECENT_ENDPOINTS_KEY, *batch)
+        redis.zrem(traffic.RECENT_ENDPOINTS_KEY, *[i for _, i in batch])
 
 
 def cleanup(organization) -> None:
@@ -147,11 +146,11 @@ def make_active(endpoints: list, nodes: list, num_active: int) -> dict:
                                         reserved_memory_mb=20_000, ready_at=moment))
             # In flight that wants exactly `num_replicas` replicas: a steady tick changes nothing.
             inflight = {f"req-{uuid.uuid4().hex}": now for _ in range(num_replicas * TARGET_CONCURRENCY - 1)}
-            pipe.zadd(traffic.inflight_key(str(endpoint.pk)), inflight)
-            pipe.set(traffic.last_request_key(str(endpoint.pk)), now)
+            pipe.zadd(traffic.inflight_key(endpoint.organization_id, str(endpoint.pk)), inflight)
+            pipe.set(traffic.last_request_key(endpoint.organization_id, str(endpoint.pk)), now)
             pipe.zadd(traffic.RECENT_ENDPOINTS_KEY, {str(endpoint.pk): now})
         elif kind == "recent_idle":
-            pipe.set(traffic.last_request_key(str(endpoint.pk)), now - 3600)
+            pipe.set(traffic.last_request_key(endpoint.organization_id, str(endpoint.pk)), now - 3600)
             pipe.zadd(traffic.RECENT_ENDPOINTS_KEY, {str(endpoint.pk): now - 3600})
         else:
             floors.append(endpoint.pk)
@@ -203,7 +202,7 @@ def scale_up_tick(endpoints: list) -> dict:
     now = time.time()
     pipe = get_redis().pipeline(transaction=False)
     for endpoint in serving:
-        pipe.zadd(traffic.inflight_key(str(endpoint.pk)), {f"burst-{uuid.uuid4().hex}": now for _ in range(TARGET_CONCURRENCY + 1)})
+        pipe.zadd(traffic.inflight_key(endpoint.organization_id, str(endpoint.pk)), {f"burst-{uuid.uuid4().hex}": now for _ in range(TARGET_CONCURRENCY + 1)})
     pipe.execute()
     before = Replica.objects.filter(endpoint__in=serving).count()
     reset_queries()

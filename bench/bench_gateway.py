@@ -320,13 +320,14 @@ def unseed() -> None:
     from endpoints.models import Endpoint, Replica
     from endpoints.nodes.models import Node
 
-    endpoint_ids = [str(pk) for pk in Endpoint.objects.filter(organization__slug="bench-gateway").values_list("pk", flat=True)]
+    endpoints = list(Endpoint.objects.filter(organization__slug="bench-gateway").values_list("pk", "organization_id"))
+    endpoint_ids = [str(pk) for pk, _ in endpoints]
     Replica.objects.filter(endpoint_id__in=endpoint_ids).delete()
     Node.objects.filter(name="bench-gateway-node").delete()
     if endpoint_ids:
         redis = get_redis()
         redis.zrem(traffic.RECENT_ENDPOINTS_KEY, *endpoint_ids)
-        redis.delete(*[traffic.last_request_key(endpoint_id) for endpoint_id in endpoint_ids])
+        redis.delete(*[traffic.last_request_key(org, str(pk)) for pk, org in endpoints])
 
 
 def markdown(results: dict) -> str:

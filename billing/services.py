@@ -33,7 +33,7 @@ def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> Ap
             cap, _ = ApiKeySpendCap.objects.update_or_create(api_key=api_key, defaults={"spend_cap": spend_cap})
         record_audit(actor, api_key.organization, "billing.set_key_spend_cap", api_key, spend_cap=_plain(spend_cap))
     refresh_limits(BillingAccount.objects.for_organization(api_key.organization_id))
-    refresh_key_limit(api_key.pk, spend_cap)
+    refresh_key_limit(api_key.organization_id, api_key.pk, spend_cap)
     return cap
 
 

@@ -46,6 +46,15 @@ def env_bool(name: str, default: bool = False) -> bool:
     raise ImproperlyConfiguredEnv(f"{name} must be a boolean (1/0, true/false, yes/no, on/off), not {value!r}")
 
 
+def env_choice(name: str, default: str, *, choices: tuple[str, ...]) -> str:
+    value = _raw(name)
+    if value is None:
+        return default
+    if value.lower() not in choices:
+        raise ImproperlyConfiguredEnv(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+    return value.lower()
+
+
 def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
     value = _raw(name)
     if value is None:

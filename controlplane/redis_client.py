@@ -5,6 +5,10 @@ partitioned or frozen makes callers fail fast with `redis.exceptions.TimeoutErro
 `ConnectionError`, never hang. A connection broken by a Redis restart is retried once on a new
 one (a restart closes every pooled socket; the first use of each would otherwise fail), and a
 timeout is not retried, so a silent Redis costs one timeout, not several.
+
+With `REDIS_CLUSTER=1` both are redis-py's cluster clients, seeded from `REDIS_URL` (one node; they
+discover the others and route each command by its key's slot). Commands of several keys and
+scripts need their keys in one slot: `controlplane.redis_keys` names them so.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import functools
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
 import redis.asyncio.retry
 import redis.backoff
+import redis.cluster
 import redis.exceptions
 import redis.retry
 from django.conf import settings
@@ -35,18 +41,39 @@ def connection_options() -> dict:
 
 
 @functools.cache
-def get_redis() -> redis.Redis:
+def get_redis() -> redis.Redis | redis.cluster.RedisCluster:
     retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    if settings.REDIS_CLUSTER:
+        return redis.cluster.RedisCluster.from_url(settings.REDIS_URL, retry=retry, **connection_options())
     return redis.Redis.from_url(settings.REDIS_URL, retry=retry, **connection_options())
 
 
 POOL_WAIT_S = 10
 
 
-def _new_async_client() -> redis.asyncio.Redis:
+class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
+    """redis-py's async cluster client, initialised (slots and nodes read) before its first command.
+
+    NOTE: a burst of first commands on a new client (redis-py 8) each run the initialisation's
+    default-node replacement; some then fail with a closed connection and are retried, running a
+    script twice. Initialising once, under the client's lock, before any command avoids that
+    (tests/test_redis_cluster.py's burst of admissions counts it)."""
+
+    async def execute_command(self, *args, **kwargs):
+        if self._initialize:
+            await self.initialize()
+        return await super().execute_command(*args, **kwargs)
+
+
+def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster:
     # NOTE: a burst beyond the pool waits for a free connection instead of failing; nothing holds
     # one for long (pub/sub waiters share `controlplane.pubsub`'s own connection).
     retry = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    if settings.REDIS_CLUSTER:
+        options = connection_options()
+        del options["retry_on_timeout"]  # the cluster client's retry covers connection errors only already
+        return _AsyncClusterClient.from_url(
+            settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, retry=retry, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=POOL_WAIT_S,
         retry=retry, **connection_options())
@@ -54,8 +81,8 @@ def _new_async_client() -> redis.asyncio.Redis:
 
 
 # NOTE: an asyncio connection pool belongs to the loop that created it.
-_async_clients: PerLoop[redis.asyncio.Redis] = PerLoop(_new_async_client)
+_async_clients: PerLoop[redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster] = PerLoop(_new_async_client)
 
 
-def get_async_redis() -> redis.asyncio.Redis:
+def get_async_redis() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster:
     return _async_clients.get()

@@ -15,6 +15,9 @@ Only what scripts need: `redis://` and `rediss://` URLs (password, database), RE
 with a fallback to EVAL when the server does not know the script yet. A lost connection fails the
 calls in flight with `ConnectionError` (as redis-py would) and the next call reconnects.
 
+On Redis Cluster (`REDIS_CLUSTER=1`) scripts run on redis-py's async cluster client instead, which
+sends each to the node that owns its keys' slot (they must share one: `controlplane.redis_keys`).
+
 NOTE: every call has a deadline (`REDIS_TIMEOUT_S`, connecting included). Replies come in order, so
 one overdue reply means the connection is stuck (a frozen or partitioned Redis): a watchdog then
 drops the connection, failing every call waiting on it with `RedisTimeout` at once, and the next
@@ -33,7 +36,7 @@ import redis.exceptions
 from django.conf import settings
 
 from controlplane.per_loop import PerLoop
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import get_async_redis, get_redis
 
 
 class RedisError(Exception):
@@ -60,6 +63,8 @@ class Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     async def __call__(self, *, keys: list, args: list):
+        if settings.REDIS_CLUSTER:
+            return await self._run_on_cluster(keys, args)
         connection = _connections.get()
         try:
             return await connection.call(b"EVALSHA", self.sha, len(keys), *keys, *args)
@@ -67,6 +72,13 @@ class Script:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
             return await connection.call(b"EVAL", self.source, len(keys), *keys, *args)
+
+    async def _run_on_cluster(self, keys: list, args: list):
+        client = get_async_redis()
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return await client.eval(self.source, len(keys), *keys, *args)
 
     def run_sync(self, *, keys: list, args: list):
         """The same script from synchronous code (tasks, the control plane), on the process's shared

@@ -24,6 +24,7 @@ from controlplane import embedded
 from controlplane.env import (
     ImproperlyConfiguredEnv,
     env_bool,
+    env_choice,
     env_counts,
     env_decimal,
     env_float,
@@ -165,11 +166,31 @@ TEMPLATES = [
 DATABASES = {"default": parse_database_url(DATABASE_URL)}
 DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# DATABASE_POOLER=transaction: DATABASE_URL points at PgBouncer in transaction mode, where each
+# transaction may run on another server connection. So no server-side prepared statements (psycopg's
+# `prepare_threshold` None, Django's default, made explicit and not overridable) and no server-side
+# cursors (`.iterator()` would DECLARE a cursor that outlives its transaction); the code keeps no
+# session state (advisory locks are `pg_advisory_xact_lock`, no LISTEN, no SET outside SET LOCAL).
+DATABASE_POOLER = env_choice("DATABASE_POOLER", "none", choices=("none", "transaction"))
+if DATABASE_POOLER == "transaction":
+    if DATABASES["default"]["OPTIONS"].get("prepare_threshold") or DATABASES["default"]["OPTIONS"].get("server_side_binding"):
+        raise ImproperlyConfiguredEnv("DATABASE_POOLER=transaction cannot use prepared statements or server-side "
+                                      "binding: remove prepare_threshold / server_side_binding from DATABASE_URL")
+    DATABASES["default"]["OPTIONS"]["prepare_threshold"] = None
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # NOTE: every Redis call fails after this long instead of hanging (a silent or partitioned Redis).
 REDIS_TIMEOUT_S = env_float("INFERPLANE_REDIS_TIMEOUT_S", 2.0, minimum=0.1)
-CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+# With REDIS_CLUSTER=1, REDIS_URL names one node of a Redis Cluster (the clients discover the others)
+# and the keys of one script share a hash tag (`controlplane.redis_keys`). Celery's broker and Django's
+# cache cannot use a cluster: they take CELERY_BROKER_URL, a plain Redis, required then.
+REDIS_CLUSTER = env_bool("REDIS_CLUSTER", False)
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL") or REDIS_URL
+if REDIS_CLUSTER and CELERY_BROKER_URL == REDIS_URL:
+    raise ImproperlyConfiguredEnv("REDIS_CLUSTER=1 needs CELERY_BROKER_URL: a plain (not clustered) Redis for Celery")
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                      "LOCATION": CELERY_BROKER_URL if REDIS_CLUSTER else REDIS_URL}}
 
 # --- auth ----------------------------------------------------------------------
 # Accounts are known by their email: the console's log-in (and the admin's) accept it whatever the
@@ -232,8 +253,7 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Celery ----------------------------------------------------------------------
-CELERY_BROKER_URL = REDIS_URL
-CELERY_RESULT_BACKEND = REDIS_URL
+CELERY_RESULT_BACKEND = CELERY_BROKER_URL
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from controlplane.redis_client import get_redis
+from controlplane.redis_keys import key_slot, org_tag, samples_key
 from controlplane.redis_scripts import Script
 from endpoints.gateway import traffic
-from endpoints.models import SERVING_REPLICA_STATES, Replica
+from endpoints.models import SERVING_REPLICA_STATES, Endpoint, Replica
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,11 +48,7 @@ class Decision:
     reason: str
 
 
-def samples_key(endpoint_id: str) -> str:
-    return f"as:samples:{endpoint_id}"
-
-
-# KEYS: per endpoint, its in-flight, waiting, last-request and samples keys (4 each).
+# One Redis Cluster slot per call. KEYS: per endpoint, its in-flight, waiting, last-request and samples keys (4 each).
 # ARGV: since (stale cut-off), window start, now, the sample's member prefix ("<now>:"), record (0/1), samples TTL.
 # Returns per endpoint: in flight, waiting, last request time ("" if none), peak concurrency in the window.
 _READ_LOAD = Script("""
@@ -83,7 +80,8 @@ READ_LOAD_BATCH = 1000
 
 
 def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool = True) -> dict[str, Load]:
-    """Current load of each endpoint, in one Redis call per thousand; records a sample for the stable window.
+    """Current load of each endpoint, in one Redis call per thousand endpoints of one Redis Cluster
+    slot; records a sample for the stable window. An endpoint that no longer exists reads as idle.
 
     NOTE: the work runs in Redis (a script) because a tick reads hundreds of endpoints: seven
     pipelined commands each cost the tick far more in the client than in Redis.
@@ -95,30 +93,37 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
     window_start = now - settings.AUTOSCALER_STABLE_WINDOW_S
     redis = get_redis()
     args = [since, window_start, now, f"{now:.3f}:", "1" if record else "0", int(settings.AUTOSCALER_STABLE_WINDOW_S) + 60]
-    loads = {}
-    for first in range(0, len(endpoint_ids), READ_LOAD_BATCH):
-        batch = endpoint_ids[first: first + READ_LOAD_BATCH]
-        keys = []
-        for endpoint_id in batch:
-            keys += [traffic.inflight_key(endpoint_id), traffic.waiting_key(endpoint_id),
-                     traffic.last_request_key(endpoint_id), samples_key(endpoint_id)]
-        raw = _READ_LOAD.run_sync(keys=keys, args=args)
-        for index, endpoint_id in enumerate(batch):
-            inflight, waiting, last, peak = raw[4 * index: 4 * index + 4]
-            loads[endpoint_id] = Load(int(inflight), int(waiting), float(last) if last else None, int(peak))
+    organizations = {str(pk): organization_id for pk, organization_id in
+                     Endpoint.objects.filter(pk__in=endpoint_ids).order_by().values_list("pk", "organization_id")}
+    by_slot: dict[int, list[tuple[str, int]]] = {}
+    for endpoint_id in endpoint_ids:
+        if (organization_id := organizations.get(endpoint_id)) is not None:
+            by_slot.setdefault(key_slot(org_tag(organization_id)), []).append((endpoint_id, organization_id))
+    loads = {endpoint_id: Load(0, 0, None, 0) for endpoint_id in endpoint_ids}
+    for in_slot in by_slot.values():
+        for first in range(0, len(in_slot), READ_LOAD_BATCH):
+            batch = in_slot[first: first + READ_LOAD_BATCH]
+            keys = []
+            for endpoint_id, organization_id in batch:
+                keys += [traffic.inflight_key(organization_id, endpoint_id), traffic.waiting_key(organization_id, endpoint_id),
+                         traffic.last_request_key(organization_id, endpoint_id), samples_key(organization_id, endpoint_id)]
+            raw = _READ_LOAD.run_sync(keys=keys, args=args)
+            for index, (endpoint_id, _) in enumerate(batch):
+                inflight, waiting, last, peak = raw[4 * index: 4 * index + 4]
+                loads[endpoint_id] = Load(int(inflight), int(waiting), float(last) if last else None, int(peak))
     unknown = [endpoint_id for endpoint_id, load in loads.items() if load.last_request_at is None]
     if unknown:
-        _unknown_is_now(redis, loads, unknown, now)
+        _unknown_is_now(redis, loads, unknown, now, organizations)
     return loads
 
 
-def _unknown_is_now(redis, loads: dict[str, Load], unknown: list[str], now: float) -> None:
+def _unknown_is_now(redis, loads: dict[str, Load], unknown: list[str], now: float, organizations: dict) -> None:
     """Endpoints with replicas but no last-request time in Redis: it was lost, so it is now (see above)."""
     serving = {str(pk) for pk in Replica.objects.filter(endpoint_id__in=unknown, state__in=SERVING_REPLICA_STATES)
                .order_by().values_list("endpoint_id", flat=True).distinct()}
     for endpoint_id in serving:
         # NOTE: NX: a gateway that wrote a real time meanwhile wins; the next tick reads it.
-        redis.set(traffic.last_request_key(endpoint_id), now, nx=True)
+        redis.set(traffic.last_request_key(organizations[endpoint_id], endpoint_id), now, nx=True)
         load = loads[endpoint_id]
         loads[endpoint_id] = Load(load.num_inflight, load.num_waiting, now, load.peak_concurrency)
 

@@ -21,7 +21,7 @@ from rest_framework.exceptions import ValidationError
 
 from controlplane.accounts.models import Organization, Quotas
 from controlplane.redis_client import get_redis
-from endpoints.gateway.cold_start import held_key
+from controlplane.redis_keys import held_key
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
 
 

@@ -19,6 +19,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from controlplane.redis_client import get_redis
+from controlplane.redis_keys import TICK_LOCK_KEY
 from endpoints import autoscaler, quotas
 from endpoints.events import record_event
 from endpoints.gateway import presence, traffic
@@ -31,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 # Surplus replicas drain in this order: not started yet first, serving last.
 DRAIN_ORDER = {ReplicaState.PENDING: 0, ReplicaState.STARTING: 1, ReplicaState.READY: 2}
-TICK_LOCK = "as:tick-lock"
 
 
 def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) -> autoscaler.Decision | None:
@@ -130,7 +130,7 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
 def autoscale_tick() -> int:
     """One autoscaler pass over the active endpoints; a second beat's overlapping tick does nothing."""
     redis = get_redis()
-    if not redis.set(TICK_LOCK, "1", nx=True, ex=max(1, int(settings.AUTOSCALER_TICK_S * 5))):
+    if not redis.set(TICK_LOCK_KEY, "1", nx=True, ex=max(1, int(settings.AUTOSCALER_TICK_S * 5))):
         return 0
     try:
         presence.sweep_dead_gateways()  # first, so a dead gateway's requests do not count as load
@@ -143,7 +143,7 @@ def autoscale_tick() -> int:
                 logger.exception("reconciling endpoint %s failed", endpoint_id)
         return len(endpoint_ids)
     finally:
-        redis.delete(TICK_LOCK)
+        redis.delete(TICK_LOCK_KEY)
 
 
 def sweep_stuck() -> None:

@@ -5,9 +5,11 @@ cd "$(dirname "$0")/.."
 export INFERPLANE_DATA_DIR="${INFERPLANE_DATA_DIR:-$PWD/.data/test}"
 export DJANGO_DEBUG=1
 # Browser tests drive Debian's chromium (never a downloaded browser); the agent host's unit files are
-# checked with systemd-analyze. Install what is missing.
+# checked with systemd-analyze; tests/test_pgbouncer.py puts Debian's pgbouncer in front of PostgreSQL.
+# Install what is missing.
 missing=()
 [ -x /usr/bin/chromium ] || missing+=(chromium)
+[ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null) || echo "warning: could not install ${missing[*]}" >&2

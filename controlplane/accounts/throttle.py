@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import redis
 
 from controlplane.redis_client import get_redis
+from controlplane.redis_keys import throttle_key
 
 logger = logging.getLogger("inferplane.throttle")
 
@@ -55,7 +56,7 @@ THROTTLED_VIEWS = {
 
 def _redis_key(limit: Limit, subject: str, window: int) -> str:
     digest = hashlib.sha256(subject.strip().lower().encode()).hexdigest()[:32]
-    return f"throttle:{limit.name}:{digest}:{window}"
+    return throttle_key(limit.name, digest, window)
 
 
 def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> int | None:

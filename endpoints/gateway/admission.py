@@ -34,7 +34,7 @@ traffic_begin(traffic_begin_K, traffic_begin_A)
 if #traffic_pick_K == 0 then return {'ok', '0'} end
 local picked = traffic_pick(traffic_pick_K, traffic_pick_A)
 -- this gateway's requests hash holds the request as in flight on the replica picked
-traffic_hold({traffic_begin_K[4]}, {traffic_begin_A[1], traffic_begin_A[3], traffic_pick_K[picked]})
+traffic_hold({traffic_begin_K[3]}, {traffic_begin_A[1], traffic_begin_A[3], traffic_pick_K[picked]})
 return {'ok', tostring(picked)}
 """)
 
@@ -62,16 +62,20 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
     reserved until `finish`). With `candidates` (READY replica ids) it is counted in flight on the
     one picked; without, it is counted as waiting for a cold start.
     """
+    # NOTE: every key below carries the caller's organisation's hash tag (`controlplane.redis_keys`);
+    # the endpoint and its replicas are the caller's organisation's, so both scripts run on Redis Cluster.
+    await traffic.register_requests_key(caller.organization_id)
     for _attempt in range(MAX_REBUILDS):
-        window = limits.Window.now(caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute,
+        window = limits.Window.now(caller.organization_id, caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute,
                                    num_tokens)
         reservation, reserve_keys, reserve_args = counters.prepare_reservation(
             organization_id=caller.organization_id, api_key_id=caller.api_key_id, amount=amount, request_id=request_id)
         status, detail = await _ADMIT(
             limits_check=window.check_keys_and_args(),
             quota_reserve=(reserve_keys, reserve_args),
-            traffic_begin=traffic.begin_keys_and_args(endpoint_id, request_id, waiting=not candidates),
-            traffic_pick=traffic.pick_keys_and_args(candidates),
+            traffic_begin=traffic.begin_keys_and_args(caller.organization_id, endpoint_id, request_id,
+                                                      waiting=not candidates),
+            traffic_pick=traffic.pick_keys_and_args(caller.organization_id, candidates),
         )
         if status == "missing":
             await rebuild.rebuild_missing(detail, reservation)
@@ -80,6 +84,7 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
             raise window.refusal(int(detail))
         if (refused := counters.refusal(status, detail)) is not None:
             raise refused
+        traffic.note_recent(endpoint_id)
         return Admission(reservation, int(detail) - 1 if candidates else None, window)
     raise RuntimeError("billing counters kept vanishing while admitting a request")
 
@@ -89,7 +94,8 @@ async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, rele
     """The request is over: out of flight, its replica released, the tokens it reserved replaced by
     the `num_tokens` it used, its cost settled."""
     await _FINISH(
-        traffic_end=traffic.end_keys_and_args(endpoint_id, admission.reservation.request_id, release=release),
+        traffic_end=traffic.end_keys_and_args(caller.organization_id, endpoint_id, admission.reservation.request_id,
+                                              release=release),
         limits_give_back=admission.window.give_back_keys_and_args(num_tokens),
         quota_settle=counters.settle_keys_and_args(admission.reservation, cost),
     )

@@ -108,14 +108,16 @@ class InferenceCall:
             raise errors.insufficient_quota(str(exc)) from None
         except errors.OUTAGES:
             await cold_start.give_up(place)
-            presence.end_later(self.request_id)  # the script may have run before its reply was lost
+            # the script may have run before its reply was lost
+            presence.end_later(self.caller.organization_id, self.request_id)
             raise
         except BaseException:
             await cold_start.give_up(place)
             raise
         if admitted.picked is not None:
             self.outstanding_replica_id = replicas[admitted.picked].id
-        self.held = presence.track(self.request_id, self.endpoint.id, self.outstanding_replica_id)
+        self.held = presence.track(self.request_id, self.caller.organization_id, self.endpoint.id,
+                                   self.outstanding_replica_id)
         # NOTE: a client that disconnects cancels this task wherever it waits (see `_watch_disconnect`).
         watcher = asyncio.create_task(self._watch_disconnect(asyncio.current_task()))
         try:
@@ -161,7 +163,8 @@ class InferenceCall:
             if picked:
                 replica = picked[0]
             else:
-                replica = candidates[await traffic.pick_replica([r.id for r in candidates], request_id=self.request_id,
+                replica = candidates[await traffic.pick_replica(self.caller.organization_id, [r.id for r in candidates],
+                                                                request_id=self.request_id,
                                                                 endpoint_id=self.endpoint.id)]
                 self.outstanding_replica_id = self.held.replica_id = replica.id
             tried.add(replica.id)
@@ -172,7 +175,8 @@ class InferenceCall:
             except UpstreamUnavailable as exc:
                 logger.warning("request %s: replica %s unavailable before first byte: %s", self.request_id, replica.id, exc)
                 directory.forget_replica(self.endpoint.id, replica.id)
-                await traffic.release_replica(replica.id, request_id=self.request_id, endpoint_id=self.endpoint.id)
+                await traffic.release_replica(self.caller.organization_id, replica.id, request_id=self.request_id,
+                                              endpoint_id=self.endpoint.id)
                 self.outstanding_replica_id = self.held.replica_id = None
             finally:
                 self.metrics.inflight.dec()
@@ -338,7 +342,7 @@ class InferenceCall:
                 # NOTE: the answer is given and its usage row written; the heartbeat ends it in Redis
                 # later, and the reservation expires (`billing.quota.sweeper`).
                 logger.warning("request %s: could not end it in Redis now: %r", self.request_id, exc)
-                presence.end_later(self.request_id)
+                presence.end_later(self.caller.organization_id, self.request_id)
             finally:
                 self._observe(outcome=self.status if self.served else "not_served")
 

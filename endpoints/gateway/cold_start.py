@@ -23,6 +23,7 @@ from typing import Protocol
 from django.conf import settings
 
 from controlplane import pubsub
+from controlplane.redis_keys import held_key
 from controlplane.redis_scripts import Script
 from endpoints.gateway import directory, errors, standing, traffic
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
@@ -51,10 +52,6 @@ _LEAVE_PLACE = Script("return redis.call('ZREM', KEYS[1], ARGV[1])")
 _num_held_here = 0  # places taken in this process and not yet given up
 
 
-def held_key(organization_id: int) -> str:
-    return f"gw:held:{organization_id}"
-
-
 def num_held_here() -> int:
     return _num_held_here
 
@@ -69,7 +66,7 @@ class Place:
 async def take_place(endpoint: EndpointInfo, organization_id: int, request_id: str) -> Place:
     """A place in line for a cold start, or the 503/429 that refuses it."""
     global _num_held_here
-    if await traffic.num_waiting(endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
+    if await traffic.num_waiting(endpoint.organization_id, endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
         raise errors.no_capacity(f"Too many requests are waiting for '{endpoint.name}' to start.", 10)
     now = time.time()
     lapses_at = now + endpoint.cold_start_timeout_s + PLACE_GRACE_S
@@ -129,7 +126,7 @@ async def hold(call: HeldCall, place: Place | None) -> tuple[list[ReplicaInfo], 
         return None
     waited_s = time.monotonic() - held_from
     call.metrics.cold_start.observe(waited_s)
-    await traffic.promote_request(call.endpoint.id, call.request_id)
+    await traffic.promote_request(call.endpoint.organization_id, call.endpoint.id, call.request_id)
     return replicas, waited_s
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from controlplane import redis_keys
 from controlplane.script_parts import ScriptPart
 from endpoints.gateway import errors
 
@@ -72,16 +73,18 @@ class Window:
     num_tokens: int  # the request's worst case, reserved at admission
 
     @classmethod
-    def now(cls, subject: str, requests_per_minute: int | None, tokens_per_minute: int | None,
+    def now(cls, organization_id: int, subject: str, requests_per_minute: int | None, tokens_per_minute: int | None,
             num_tokens: int = 0) -> Window:
-        """This minute's window; a limit of None is the platform default."""
+        """This minute's window of `subject` (a key or a user) in its organisation; a limit of None is the
+        platform default."""
         if requests_per_minute is None:
             requests_per_minute = settings.DEFAULT_KEY_REQUESTS_PER_MINUTE
         if tokens_per_minute is None:
             tokens_per_minute = settings.DEFAULT_KEY_TOKENS_PER_MINUTE
         now = time.time()
         minute = int(now // 60)
-        return cls(f"rl:req:{subject}:{minute}", f"rl:tok:{subject}:{minute}", requests_per_minute,
+        return cls(redis_keys.requests_window_key(organization_id, subject, minute),
+                   redis_keys.tokens_window_key(organization_id, subject, minute), requests_per_minute,
                    tokens_per_minute, int((minute + 1) * 60 - now) + 1, max(0, num_tokens))
 
     def check_keys_and_args(self) -> tuple[list[str], list[int]]:

@@ -1,8 +1,9 @@
 """Gateway processes' heartbeats, and what happens to the requests of one that dies or that Redis forgot.
 
-Each gateway process refreshes `gw:alive:<gateway>` (TTL `ALIVE_TTL_S`) every `BEAT_S` and lists
-itself in `gw:gateways`; its requests sit in `gw:requests:<gateway>` (written by the admission and
-finish scripts, `endpoints.gateway.traffic`). Two repairs follow:
+Each gateway process refreshes `gw:alive:<gateway>` (TTL `ALIVE_TTL_S`) every `BEAT_S`; its
+requests sit in one hash per organisation, `gw:{org:<id>}:requests:<gateway>` (written by the
+admission and finish scripts, `endpoints.gateway.traffic`), each listed in `gw:gateways`. The beat
+also writes the endpoints it served since the last one to `gw:recent_endpoints`. Two repairs follow:
 
 - **A dead gateway** (killed, OOM, its machine gone) stops beating. `sweep_dead_gateways` (each
   autoscaler tick) releases its requests within seconds: out of the endpoints' in-flight and
@@ -17,7 +18,9 @@ Requests whose end could not reach Redis (it was down) are kept here and ended b
 
 NOTE: a gateway that only froze past `ALIVE_TTL_S` (a stalled event loop) is swept like a dead one;
 when it beats again it finds its key gone and puts its requests back, so its counts come back and
-are released once, by the request's own end.
+are released once, by the request's own end. The sweeper reads the alive key just before each
+organisation's release script, not inside it (another slot on Redis Cluster): a gateway that resumes
+in between has requests released that it still serves, which then count as ended until they end.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from controlplane import redis_keys
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_scripts import Script
@@ -38,37 +42,37 @@ BEAT_S = 1.0
 ALIVE_TTL_S = 5
 SWEEP_BATCH = 200
 
-# KEYS: the gateway's requests hash, its alive key, the gateways set, then per request: in-flight set,
-# waiting set, the outstanding counter it held (or the placeholder). ARGV: only_if_dead (0/1), then
-# per request: request id, the hash value read. Releases each request still held as read.
+# One organisation's keys per call (one Redis Cluster slot). KEYS: the gateway's requests hash of the
+# organisation, the no-replica placeholder, then per request: in-flight set, waiting set, the
+# outstanding counter it held (or the placeholder). ARGV: per request: request id, the hash value
+# read. Releases each request still held as read; returns how many, and how many the hash still holds.
 _RELEASE_REQUESTS = Script(traffic.TRAFFIC_LUA + """
-if ARGV[1] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local released = 0
-for i = 2, #ARGV, 2 do
-  local base = 4 + 3 * (i / 2 - 1)
+for i = 1, #ARGV, 2 do
+  local base = 3 + 3 * ((i - 1) / 2)
   if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
     redis.call('HDEL', KEYS[1], ARGV[i])
     redis.call('ZREM', KEYS[base], ARGV[i])
     redis.call('ZREM', KEYS[base + 1], ARGV[i])
-    if KEYS[base + 2] ~= '""" + traffic.NO_REPLICA_KEY + """' then traffic_release({KEYS[base + 2]}) end
+    if KEYS[base + 2] ~= KEYS[2] then traffic_release({KEYS[base + 2]}) end
     released = released + 1
   end
 end
-if ARGV[1] == '1' and redis.call('HLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[3], KEYS[1]) end
-return released
+return {released, redis.call('HLEN', KEYS[1])}
 """)
 
-# KEYS: the gateway's requests hash, then per request: in-flight set, the outstanding counter (or the
-# placeholder). ARGV: now, counter TTL, then per request: request id, hash value. Puts back each
-# request the hash does not hold (Redis forgot it, or a sweeper released it).
+# One organisation's keys per call. KEYS: the gateway's requests hash of the organisation, the
+# no-replica placeholder, then per request: in-flight set, the outstanding counter (or the placeholder).
+# ARGV: now, counter TTL, then per request: request id, hash value. Puts back each request the hash
+# does not hold (Redis forgot it, or a sweeper released it).
 _RESTORE_REQUESTS = Script("""
 local restored = 0
 for i = 3, #ARGV, 2 do
-  local base = 2 + 2 * ((i - 3) / 2)
+  local base = 3 + 2 * ((i - 3) / 2)
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
     redis.call('ZADD', KEYS[base], ARGV[1], ARGV[i])
-    if KEYS[base + 1] ~= '""" + traffic.NO_REPLICA_KEY + """' then
+    if KEYS[base + 1] ~= KEYS[2] then
       redis.call('INCR', KEYS[base + 1])
       redis.call('EXPIRE', KEYS[base + 1], ARGV[2])
     end
@@ -81,18 +85,26 @@ return restored
 
 @dataclass(slots=True)
 class Held:
-    """A request this process serves: its endpoint and the replica whose outstanding count it holds."""
+    """A request this process serves: its organisation, endpoint and the replica whose outstanding count it holds."""
 
+    organization_id: int
     endpoint_id: str
     replica_id: str | None = None
 
     def value(self) -> str:
-        return f"{self.endpoint_id}|{traffic.outstanding_key(self.replica_id) if self.replica_id else ''}"
+        counter = traffic.outstanding_key(self.organization_id, self.replica_id) if self.replica_id else ""
+        return f"{self.endpoint_id}|{counter}"
+
+    def counter(self) -> str:
+        if self.replica_id is None:
+            return traffic.no_replica_placeholder(self.organization_id)
+        return traffic.outstanding_key(self.organization_id, self.replica_id)
 
 
-# The requests this process serves (request id -> Held), and those whose end did not reach Redis.
+# The requests this process serves (request id -> Held), and those whose end did not reach Redis
+# ((organisation id, request id)).
 serving: dict[str, Held] = {}
-unfinished: set[str] = set()
+unfinished: set[tuple[int, str]] = set()
 
 
 @dataclass(slots=True)
@@ -103,8 +115,8 @@ class _Beating:
 _beats: PerLoop[_Beating] = PerLoop(_Beating)
 
 
-def track(request_id: str, endpoint_id: str, replica_id: str | None) -> Held:
-    held = serving[request_id] = Held(endpoint_id, replica_id)
+def track(request_id: str, organization_id: int, endpoint_id: str, replica_id: str | None) -> Held:
+    held = serving[request_id] = Held(organization_id, endpoint_id, replica_id)
     return held
 
 
@@ -112,34 +124,52 @@ def untrack(request_id: str) -> None:
     serving.pop(request_id, None)
 
 
-def end_later(request_id: str) -> None:
+def end_later(organization_id: int, request_id: str) -> None:
     """The request's end could not reach Redis: a later beat releases it (as a sweeper would)."""
     serving.pop(request_id, None)
-    unfinished.add(request_id)
+    unfinished.add((organization_id, request_id))
 
 
 async def beat() -> None:
     """One heartbeat: stay alive, put back what Redis forgot, end what could not be ended."""
     redis = get_async_redis()
     gateway = traffic.gateway_id()
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.set(traffic.gateway_alive_key(gateway), "1", ex=ALIVE_TTL_S, get=True)
-        pipe.sadd(traffic.GATEWAYS_KEY, traffic.gateway_requests_key(gateway))
-        was_alive, _ = await pipe.execute()
+    recent = traffic.take_recent()
+    try:
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.set(traffic.gateway_alive_key(gateway), "1", ex=ALIVE_TTL_S, get=True)
+            if recent:
+                pipe.zadd(traffic.RECENT_ENDPOINTS_KEY, recent, gt=True)
+            was_alive = (await pipe.execute())[0]
+    except BaseException:
+        for endpoint_id in recent:
+            traffic.note_recent(endpoint_id)  # the next beat writes them
+        raise
+    if was_alive is None and (registered := traffic.registered_requests_keys()):
+        # NOTE: Redis lost the gateways set, or a sweeper dropped this gateway's emptied hashes
+        # while it was frozen: list them again (written before each organisation's first request).
+        await redis.sadd(traffic.GATEWAYS_KEY, *registered)
     if was_alive is None and serving:
-        snapshot = list(serving.items())
-        keys, args = [traffic.gateway_requests_key(gateway)], [time.time(), traffic.OUTSTANDING_TTL_S]
-        for request_id, held in snapshot:
-            keys += [traffic.inflight_key(held.endpoint_id),
-                     traffic.outstanding_key(held.replica_id) if held.replica_id else traffic.NO_REPLICA_KEY]
-            args += [request_id, held.value()]
-        restored = await _RESTORE_REQUESTS(keys=keys, args=args)
+        by_organization: dict[int, list[tuple[str, Held]]] = {}
+        for request_id, held in list(serving.items()):
+            by_organization.setdefault(held.organization_id, []).append((request_id, held))
+        restored = 0
+        for organization_id, snapshot in by_organization.items():
+            keys = [traffic.gateway_requests_key(organization_id), traffic.no_replica_placeholder(organization_id)]
+            args = [time.time(), traffic.OUTSTANDING_TTL_S]
+            for request_id, held in snapshot:
+                keys += [traffic.inflight_key(organization_id, held.endpoint_id), held.counter()]
+                args += [request_id, held.value()]
+            restored += await _RESTORE_REQUESTS(keys=keys, args=args)
         if restored:
             logger.warning("gateway %s: put back %d request(s) Redis had lost", gateway, restored)
     if unfinished:
-        ids = list(unfinished)
-        await asyncio.to_thread(release_requests, gateway, ids, only_if_dead=False)
-        unfinished.difference_update(ids)
+        ended = list(unfinished)
+        for organization_id in {organization_id for organization_id, _ in ended}:
+            ids = [request_id for org, request_id in ended if org == organization_id]
+            await asyncio.to_thread(release_requests, traffic.gateway_requests_key(organization_id, gateway), ids,
+                                    only_if_dead=False)
+        unfinished.difference_update(ended)
 
 
 async def _beat_forever() -> None:
@@ -172,27 +202,30 @@ def ensure_started() -> None:
 
 # --- the sweeper (control plane side) -------------------------------------------------------------
 
-def release_requests(gateway: str, request_ids: list[str] | None = None, *, only_if_dead: bool) -> int:
-    """Release a gateway's requests (all, or `request_ids`) as their own end would; -1 if it is alive."""
+def release_requests(requests_key: str, request_ids: list[str] | None = None, *, only_if_dead: bool) -> int:
+    """Release the requests (all, or `request_ids`) of a gateway's requests hash of one organisation as
+    their own end would; -1 if `only_if_dead` and the gateway is alive."""
     client = get_redis()
-    hash_key = traffic.gateway_requests_key(gateway)
-    entries = client.hgetall(hash_key) if request_ids is None else dict(
-        zip(request_ids, client.hmget(hash_key, request_ids), strict=True))
+    gateway = redis_keys.gateway_of_requests_key(requests_key)
+    organization_id = redis_keys.organization_of_key(requests_key)
+    entries = client.hgetall(requests_key) if request_ids is None else dict(
+        zip(request_ids, client.hmget(requests_key, request_ids), strict=True))
     items = [(request_id, value) for request_id, value in entries.items() if value is not None]
-    if not items and only_if_dead:
-        client.srem(traffic.GATEWAYS_KEY, hash_key)
-        return 0
-    released = 0
-    for first in range(0, max(len(items), 1), SWEEP_BATCH):
-        keys, args = [hash_key, traffic.gateway_alive_key(gateway), traffic.GATEWAYS_KEY], ["1" if only_if_dead else "0"]
+    placeholder = traffic.no_replica_placeholder(organization_id)
+    released, num_left = 0, len(items)
+    for first in range(0, len(items), SWEEP_BATCH):
+        if only_if_dead and client.exists(traffic.gateway_alive_key(gateway)):
+            return -1
+        keys, args = [requests_key, placeholder], []
         for request_id, value in items[first:first + SWEEP_BATCH]:
             endpoint_id, _, counter = value.partition("|")
-            keys += [traffic.inflight_key(endpoint_id), traffic.waiting_key(endpoint_id), counter or traffic.NO_REPLICA_KEY]
+            keys += [traffic.inflight_key(organization_id, endpoint_id), traffic.waiting_key(organization_id, endpoint_id),
+                     counter or placeholder]
             args += [request_id, value]
-        result = _RELEASE_REQUESTS.run_sync(keys=keys, args=args)
-        if result < 0:
-            return -1
-        released += result
+        count, num_left = _RELEASE_REQUESTS.run_sync(keys=keys, args=args)
+        released += count
+    if only_if_dead and not num_left and not client.hlen(requests_key):
+        client.srem(traffic.GATEWAYS_KEY, requests_key)
     return released
 
 
@@ -200,11 +233,11 @@ def sweep_dead_gateways() -> int:
     """Release the requests of every gateway whose heartbeat stopped; returns how many were released."""
     client = get_redis()
     released = 0
-    for hash_key in client.smembers(traffic.GATEWAYS_KEY):
-        gateway = hash_key.removeprefix("gw:requests:")
+    for requests_key in client.smembers(traffic.GATEWAYS_KEY):
+        gateway = redis_keys.gateway_of_requests_key(requests_key)
         if client.exists(traffic.gateway_alive_key(gateway)):
             continue
-        count = release_requests(gateway, only_if_dead=True)
+        count = release_requests(requests_key, only_if_dead=True)
         if count > 0:
             logger.warning("gateway %s stopped beating: released %d of its request(s)", gateway, count)
             released += count

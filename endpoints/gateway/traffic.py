@@ -5,9 +5,15 @@
   their start time, so a gateway that dies mid-request leaks nothing for long: readers
   ignore entries older than `STALE_AFTER_S`;
 - the time of each endpoint's last request (scale to zero measures idleness from it);
-- each gateway process's own requests (`gw:requests:<gateway>`, request id -> "<endpoint>|<the
-  outstanding counter it holds>"), so that a dead gateway's entries are released by
-  `endpoints.gateway.presence` within seconds, and a live one can put them back after Redis lost them.
+- each gateway process's own requests, one hash per organisation (`gw:{org:<id>}:requests:<gateway>`,
+  request id -> "<endpoint>|<the outstanding counter it holds>"), so that a dead gateway's entries are
+  released by `endpoints.gateway.presence` within seconds, and a live one can put them back after
+  Redis lost them. A gateway lists each of its hashes in `gw:gateways` before it first writes one;
+- the endpoints with a recent request (`gw:recent_endpoints`, for the autoscaler tick), written by
+  the heartbeat from what this process served since its last beat (`note_recent`).
+
+Every key a script here touches carries its organisation's hash tag (`controlplane.redis_keys`): an
+endpoint, its replicas and its callers belong to one organisation, so the scripts run on Redis Cluster.
 """
 
 from __future__ import annotations
@@ -17,16 +23,27 @@ import socket
 import time
 import uuid
 
+from controlplane import redis_keys
 from controlplane.redis_client import get_async_redis
+from controlplane.redis_keys import (
+    GATEWAYS_KEY,
+    RECENT_ENDPOINTS_KEY,
+    gateway_alive_key,
+    inflight_key,
+    last_request_key,
+    no_replica_placeholder,
+    outstanding_key,
+    waiting_key,
+)
 from controlplane.redis_scripts import Script
 from controlplane.script_parts import ScriptPart
 
+__all__ = ["GATEWAYS_KEY", "RECENT_ENDPOINTS_KEY", "gateway_alive_key", "inflight_key", "last_request_key",
+           "no_replica_placeholder", "outstanding_key", "waiting_key"]
+
 STALE_AFTER_S = 3600
-# Endpoints with a request in the last day, for the autoscaler tick (scored by last request time).
-RECENT_ENDPOINTS_KEY = "gw:recent_endpoints"
-RECENT_WINDOW_S = 86400
+RECENT_WINDOW_S = 86400  # the autoscaler tick looks at endpoints with a request this recent
 OUTSTANDING_TTL_S = 3600
-GATEWAYS_KEY = "gw:gateways"  # ids of gateway processes that hold (or held) requests
 
 # Lua functions shared by the scripts below, the gateway's admission and finish scripts (admission.py)
 # and `endpoints.gateway.presence`; their keys and arguments are `BEGIN`'s, `PICK`'s, `END`'s below, and:
@@ -38,8 +55,7 @@ TRAFFIC_LUA = """
 local function traffic_begin(K, A)
   redis.call('ZADD', K[1], A[2], A[1])
   redis.call('SET', K[2], A[2])
-  redis.call('ZADD', K[3], A[2], A[3])
-  redis.call('HSET', K[4], A[1], A[3] .. '|')
+  redis.call('HSET', K[3], A[1], A[3] .. '|')
 end
 local function traffic_hold(K, A)
   redis.call('HSET', K[1], A[1], A[2] .. '|' .. A[3])
@@ -69,8 +85,8 @@ local function traffic_end(K, A)
 end
 """
 BEGIN = ScriptPart("traffic_begin",
-                   keys=("the endpoint's in-flight (or waiting) set", "its last-request key", "the recent-endpoints set",
-                         "this gateway's requests hash"),
+                   keys=("the endpoint's in-flight (or waiting) set", "its last-request key",
+                         "this gateway's requests hash (of the endpoint's organisation)"),
                    args=("request id", "now", "endpoint id"), lua=TRAFFIC_LUA)
 # Counts one more on the least outstanding candidate and returns its 1-based index.
 PICK = ScriptPart("traffic_pick", keys=(), args=("counter TTL",), lua=TRAFFIC_LUA, variadic_keys=True)
@@ -94,9 +110,11 @@ if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] .. '|' .. KEYS[2] then return
 traffic_hold({KEYS[1]}, {ARGV[1], ARGV[2], ''})
 return traffic_release({KEYS[2]})
 """)
-NO_REPLICA_KEY = "gw:outstanding:-"  # placeholder when a request holds no replica's count
-
 _gateway_id: tuple[int, str] = (0, "")
+# This process's requests hashes listed in `GATEWAYS_KEY` (organisation ids), and the endpoints it
+# served since its last heartbeat (endpoint id -> time of the last request); both are this pid's.
+_registered: tuple[int, set[int]] = (0, set())
+_recent: tuple[int, dict[str, float]] = (0, {})
 
 
 def gateway_id() -> str:
@@ -107,69 +125,89 @@ def gateway_id() -> str:
     return _gateway_id[1]
 
 
-def gateway_requests_key(gateway: str | None = None) -> str:
-    return f"gw:requests:{gateway or gateway_id()}"
+def gateway_requests_key(organization_id: int, gateway: str | None = None) -> str:
+    """This gateway's (or `gateway`'s) requests hash of one organisation."""
+    return redis_keys.gateway_requests_key(organization_id, gateway or gateway_id())
 
 
-def gateway_alive_key(gateway: str | None = None) -> str:
-    return f"gw:alive:{gateway or gateway_id()}"
+def registered_requests_keys() -> list[str]:
+    """This process's requests hashes, to list again in `GATEWAYS_KEY` (Redis may have lost it)."""
+    pid, registered = _registered
+    return [gateway_requests_key(organization_id) for organization_id in registered] if pid == os.getpid() else []
 
 
-def outstanding_key(replica_id: str) -> str:
-    return f"gw:outstanding:{replica_id}"
+async def register_requests_key(organization_id: int) -> None:
+    """List this gateway's requests hash of the organisation in `GATEWAYS_KEY` before the first script
+    writes it, so that a sweeper finds it if this process dies (once per organisation and process)."""
+    global _registered
+    if _registered[0] != os.getpid():
+        _registered = (os.getpid(), set())
+    if organization_id not in _registered[1]:
+        await get_async_redis().sadd(GATEWAYS_KEY, gateway_requests_key(organization_id))
+        _registered[1].add(organization_id)
 
 
-def inflight_key(endpoint_id: str) -> str:
-    return f"gw:inflight:{endpoint_id}"
+def note_recent(endpoint_id: str) -> None:
+    """The endpoint had a request now; the next heartbeat writes it to `RECENT_ENDPOINTS_KEY`."""
+    global _recent
+    if _recent[0] != os.getpid():
+        _recent = (os.getpid(), {})
+    _recent[1][endpoint_id] = time.time()
 
 
-def waiting_key(endpoint_id: str) -> str:
-    return f"gw:waiting:{endpoint_id}"
+def take_recent() -> dict[str, float]:
+    """The endpoints noted since the last call (put them back with `note_recent` if writing them fails)."""
+    global _recent
+    pid, recent = _recent
+    _recent = (os.getpid(), {})
+    return recent if pid == os.getpid() else {}
 
 
-def last_request_key(endpoint_id: str) -> str:
-    return f"gw:last_request:{endpoint_id}"
-
-
-async def pick_replica(replica_ids: list[str], *, request_id: str, endpoint_id: str) -> int:
+async def pick_replica(organization_id: int, replica_ids: list[str], *, request_id: str, endpoint_id: str) -> int:
     """Index of the replica with the fewest outstanding requests, already counted as one more (held by
     `request_id` in this gateway's requests)."""
-    keys = [gateway_requests_key()] + [outstanding_key(r) for r in replica_ids]
+    keys = [gateway_requests_key(organization_id)] + [outstanding_key(organization_id, r) for r in replica_ids]
     return int(await _PICK_LEAST_OUTSTANDING(keys=keys, args=[OUTSTANDING_TTL_S, request_id, endpoint_id])) - 1
 
 
-async def release_replica(replica_id: str, *, request_id: str, endpoint_id: str) -> None:
-    await _RELEASE(keys=[gateway_requests_key(), outstanding_key(replica_id)], args=[request_id, endpoint_id])
+async def release_replica(organization_id: int, replica_id: str, *, request_id: str, endpoint_id: str) -> None:
+    await _RELEASE(keys=[gateway_requests_key(organization_id), outstanding_key(organization_id, replica_id)],
+                   args=[request_id, endpoint_id])
 
 
-def begin_keys_and_args(endpoint_id: str, request_id: str, *, waiting: bool) -> tuple[list[str], list]:
+def begin_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *,
+                        waiting: bool) -> tuple[list[str], list]:
     """`BEGIN`'s keys and arguments: the request counted in flight, or waiting for a cold start."""
     now = time.time()
-    keys = [waiting_key(endpoint_id) if waiting else inflight_key(endpoint_id), last_request_key(endpoint_id),
-            RECENT_ENDPOINTS_KEY, gateway_requests_key()]
+    counted_in = waiting_key if waiting else inflight_key
+    keys = [counted_in(organization_id, endpoint_id), last_request_key(organization_id, endpoint_id),
+            gateway_requests_key(organization_id)]
     return keys, [request_id, now, endpoint_id]
 
 
-def end_keys_and_args(endpoint_id: str, request_id: str, *, release: str | None) -> tuple[list[str], list]:
+def end_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *,
+                      release: str | None) -> tuple[list[str], list]:
     """`END`'s keys and arguments; with `release`, that replica's outstanding count drops too."""
-    keys = [inflight_key(endpoint_id), waiting_key(endpoint_id), last_request_key(endpoint_id),
-            outstanding_key(release) if release is not None else NO_REPLICA_KEY, gateway_requests_key()]
+    counter = outstanding_key(organization_id, release) if release is not None else no_replica_placeholder(organization_id)
+    keys = [inflight_key(organization_id, endpoint_id), waiting_key(organization_id, endpoint_id),
+            last_request_key(organization_id, endpoint_id), counter, gateway_requests_key(organization_id)]
     return keys, [request_id, time.time(), "1" if release is not None else "0"]
 
 
-def pick_keys_and_args(replica_ids: list[str]) -> tuple[list[str], list]:
+def pick_keys_and_args(organization_id: int, replica_ids: list[str]) -> tuple[list[str], list]:
     """`PICK`'s keys and arguments: the candidates' outstanding counters."""
-    return [outstanding_key(r) for r in replica_ids], [OUTSTANDING_TTL_S]
+    return [outstanding_key(organization_id, r) for r in replica_ids], [OUTSTANDING_TTL_S]
 
 
-async def promote_request(endpoint_id: str, request_id: str) -> None:
+async def promote_request(organization_id: int, endpoint_id: str, request_id: str) -> None:
     """A held request got a replica: it stops waiting and is in flight."""
     redis = get_async_redis()
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.zrem(waiting_key(endpoint_id), request_id)
-        pipe.zadd(inflight_key(endpoint_id), {request_id: time.time()})
+        pipe.zrem(waiting_key(organization_id, endpoint_id), request_id)
+        pipe.zadd(inflight_key(organization_id, endpoint_id), {request_id: time.time()})
         await pipe.execute()
 
 
-async def num_waiting(endpoint_id: str) -> int:
-    return await get_async_redis().zcount(waiting_key(endpoint_id), time.time() - STALE_AFTER_S, "+inf")
+async def num_waiting(organization_id: int, endpoint_id: str) -> int:
+    return await get_async_redis().zcount(waiting_key(organization_id, endpoint_id), time.time() - STALE_AFTER_S,
+                                          "+inf")

@@ -4,6 +4,7 @@ from asgiref.sync import sync_to_async
 from celery import current_app
 
 from controlplane.redis_client import get_async_redis
+from controlplane.redis_keys import wake_key
 
 WAKE_DEDUPE_S = 2
 # NOTE: sent by name: the task (`endpoints.tasks`) calls the scheduler, which reads the gateway's
@@ -17,5 +18,5 @@ def _send_wake(endpoint_id: str) -> None:
 
 async def wake_endpoint(endpoint_id: str) -> None:
     # NOTE: many held requests of one endpoint send one task per WAKE_DEDUPE_S, not one each.
-    if await get_async_redis().set(f"gw:wake:{endpoint_id}", 1, nx=True, ex=WAKE_DEDUPE_S):
+    if await get_async_redis().set(wake_key(endpoint_id), 1, nx=True, ex=WAKE_DEDUPE_S):
         await sync_to_async(_send_wake, thread_sensitive=False)(endpoint_id)

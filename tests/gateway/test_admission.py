@@ -34,11 +34,11 @@ def _admit(caller, request_id, amount="0.01", candidates=REPLICAS, num_tokens=20
 
 def _state(caller):
     redis = get_redis()
-    window = limits.Window.now(caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute)
+    window = limits.Window.now(caller.organization_id, caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute)
     return {
-        "in_flight": redis.zcard(traffic.inflight_key(ENDPOINT)),
-        "waiting": redis.zcard(traffic.waiting_key(ENDPOINT)),
-        "outstanding": [int(redis.get(traffic.outstanding_key(r)) or 0) for r in REPLICAS],
+        "in_flight": redis.zcard(traffic.inflight_key(caller.organization_id, ENDPOINT)),
+        "waiting": redis.zcard(traffic.waiting_key(caller.organization_id, ENDPOINT)),
+        "outstanding": [int(redis.get(traffic.outstanding_key(caller.organization_id, r)) or 0) for r in REPLICAS],
         "requests_this_minute": int(redis.get(window.requests_key) or 0),
         "tokens_this_minute": int(redis.get(window.tokens_key) or 0),
         "reserved": reads.reserved_now(caller.organization_id),

@@ -16,6 +16,7 @@ from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Plan, Scope
 from controlplane.accounts.services import SYSTEM, Actor, save_plan, set_organization_plan
 from controlplane.redis_client import get_redis
+from controlplane.redis_keys import held_key
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
 from endpoints.nodes.notify import endpoint_ready_channel, node_channel
@@ -183,8 +184,8 @@ def test_held_requests_past_the_organisations_quota_get_a_429_and_past_the_proce
     assert "3 requests waiting for cold starts (quota max_held_requests)" in over_quota.json()["error"]["message"]
     assert over_process.status_code == 503 and int(over_process.headers["retry-after"]) >= 1
     assert over_process.json()["error"]["code"] == "no_capacity"
-    assert get_redis().zcard(f"gw:held:{small_org.pk}") == 0 or wait_until(
-        lambda: get_redis().zcard(f"gw:held:{small_org.pk}") == 0, 30, message="places given up")
+    assert get_redis().zcard(held_key(small_org.pk)) == 0 or wait_until(
+        lambda: get_redis().zcard(held_key(small_org.pk)) == 0, 30, message="places given up")
 
 
 def test_a_process_that_held_requests_gives_every_place_back(bounded_gateway):
@@ -193,7 +194,7 @@ def test_a_process_that_held_requests_gives_every_place_back(bounded_gateway):
     held = HeldStreams(bounded_gateway, key, endpoint.name, 5)
     wait_until(lambda: held.num_held == 5 or held.failures, 60, message="five held streams")
     held.release()
-    wait_until(lambda: get_redis().zcard(f"gw:held:{org.pk}") == 0, 30, message="places given up")
+    wait_until(lambda: get_redis().zcard(held_key(org.pk)) == 0, 30, message="places given up")
     # the process's places are free again: five more can wait
     again = HeldStreams(bounded_gateway, key, endpoint.name, 5)
     try:

@@ -37,7 +37,8 @@ def start_streams(gateway: str, key: str, model: str, count: int, max_tokens: in
 
 def counts(endpoint, replica) -> tuple[int, int]:
     redis = get_redis()
-    return redis.zcard(traffic.inflight_key(str(endpoint.pk))), int(redis.get(traffic.outstanding_key(str(replica.pk))) or 0)
+    org = endpoint.organization_id
+    return redis.zcard(traffic.inflight_key(org, str(endpoint.pk))), int(redis.get(traffic.outstanding_key(org, str(replica.pk))) or 0)
 
 
 def test_a_killed_gateways_requests_stop_counting_within_seconds_and_the_endpoint_scales_to_zero(

@@ -1,0 +1,161 @@
+"""Every Redis key name the platform uses, in one place, laid out so the Lua scripts run on Redis Cluster.
+
+A Redis Cluster runs a script only when every key it is given hashes to one slot. The slot of a key
+is the CRC16 of its hash tag (the part between the first `{` and the next `}`) when it has one. So
+every key a script call may touch together carries its organisation's tag, `{org:<id>}`:
+
+- the gateway's admission and finish scripts (`endpoints/gateway/admission.py`) touch the caller's
+  rate-limit windows, its organisation's and key's quota counters and reservations, the endpoint's
+  traffic sets and its replicas' outstanding counters, and this gateway's requests hash. An endpoint,
+  its replicas and the key calling it all belong to one organisation, so all of them carry its tag;
+- this gateway's requests are one hash per organisation (`gateway_requests_key`), so the scripts that
+  release or restore a gateway's requests (`endpoints.gateway.presence`) run once per organisation;
+- the autoscaler's load script (`endpoints.autoscaler.read_load`) runs once per slot.
+
+Keys no script touches with another stay global: the gateways set, a gateway's alive key, the set of
+recently used endpoints, the wake dedupe, the tick lock, the form throttles.
+
+NOTE: a key's name is its contract with every process that reads it: a renamed key is a key lost on
+deploy (the counters rebuild from PostgreSQL, the traffic counts from the gateways' heartbeats).
+"""
+
+from __future__ import annotations
+
+import redis.crc
+
+
+def org_tag(organization_id: int) -> str:
+    """The hash tag every key of one organisation's data plane carries."""
+    return f"{{org:{int(organization_id)}}}"
+
+
+def key_slot(key: str) -> int:
+    """The Redis Cluster slot of `key` (CRC16 of its hash tag, or of the whole key without one)."""
+    return redis.crc.key_slot(key.encode())
+
+
+# --- per-key rate limits (`endpoints.gateway.limits`) ------------------------------------------------
+
+def requests_window_key(organization_id: int, subject: str, minute: int) -> str:
+    return f"rl:{org_tag(organization_id)}:req:{subject}:{minute}"
+
+
+def tokens_window_key(organization_id: int, subject: str, minute: int) -> str:
+    return f"rl:{org_tag(organization_id)}:tok:{subject}:{minute}"
+
+
+# --- spend quota (`billing.quota`) -------------------------------------------------------------------
+
+def org_period_key(organization_id: int, period_key: str) -> str:
+    return f"billing:{org_tag(organization_id)}:period:{period_key}"
+
+
+def org_reserved_key(organization_id: int) -> str:
+    return f"billing:{org_tag(organization_id)}:reserved"
+
+
+def no_key_placeholder(organization_id: int) -> str:
+    """The key passed where a request has no API key (never written), in the organisation's slot."""
+    return f"billing:{org_tag(organization_id)}:no-key"
+
+
+def key_period_key(organization_id: int, api_key_id: int | None, period_key: str) -> str:
+    if api_key_id is None:
+        return no_key_placeholder(organization_id)
+    return f"billing:{org_tag(organization_id)}:key:{api_key_id}:period:{period_key}"
+
+
+def key_reserved_key(organization_id: int, api_key_id: int | None) -> str:
+    if api_key_id is None:
+        return no_key_placeholder(organization_id)
+    return f"billing:{org_tag(organization_id)}:key:{api_key_id}:reserved"
+
+
+def credit_key(organization_id: int) -> str:
+    return f"billing:{org_tag(organization_id)}:credit"
+
+
+def settled_key(organization_id: int, request_id: str) -> str:
+    return f"billing:{org_tag(organization_id)}:settled:{request_id}"
+
+
+def reservations_key(organization_id: int) -> str:
+    """Hash: request id -> reservation (JSON)."""
+    return f"billing:{org_tag(organization_id)}:reservations"
+
+
+def deadlines_key(organization_id: int) -> str:
+    """Sorted set: request id scored by the time its reservation lapses."""
+    return f"billing:{org_tag(organization_id)}:reservation_deadlines"
+
+
+# --- gateway traffic (`endpoints.gateway.traffic`, `presence`, `cold_start`) ------------------------
+
+RECENT_ENDPOINTS_KEY = "gw:recent_endpoints"  # endpoint id scored by its last request (written by heartbeats)
+GATEWAYS_KEY = "gw:gateways"  # the requests hashes of gateway processes that hold (or held) requests
+_REQUESTS_PART = ":requests:"
+
+
+def inflight_key(organization_id: int, endpoint_id: str) -> str:
+    return f"gw:{org_tag(organization_id)}:inflight:{endpoint_id}"
+
+
+def waiting_key(organization_id: int, endpoint_id: str) -> str:
+    return f"gw:{org_tag(organization_id)}:waiting:{endpoint_id}"
+
+
+def last_request_key(organization_id: int, endpoint_id: str) -> str:
+    return f"gw:{org_tag(organization_id)}:last_request:{endpoint_id}"
+
+
+def outstanding_key(organization_id: int, replica_id: str) -> str:
+    return f"gw:{org_tag(organization_id)}:outstanding:{replica_id}"
+
+
+def no_replica_placeholder(organization_id: int) -> str:
+    """The counter passed where a request holds no replica's count (never written)."""
+    return outstanding_key(organization_id, "-")
+
+
+def gateway_requests_key(organization_id: int, gateway: str) -> str:
+    """Hash of one gateway process's requests of one organisation: request id -> "<endpoint>|<counter>"."""
+    return f"gw:{org_tag(organization_id)}{_REQUESTS_PART}{gateway}"
+
+
+def gateway_of_requests_key(requests_key: str) -> str:
+    """The gateway whose requests hash `requests_key` is."""
+    return requests_key.partition(_REQUESTS_PART)[2]
+
+
+def organization_of_key(key: str) -> int:
+    """The organisation whose hash tag `key` carries."""
+    tag = key[key.index("{org:") + len("{org:"):]
+    return int(tag[:tag.index("}")])
+
+
+def gateway_alive_key(gateway: str) -> str:
+    return f"gw:alive:{gateway}"
+
+
+def held_key(organization_id: int) -> str:
+    """Sorted set of the organisation's requests held for a cold start, scored by when each place lapses."""
+    return f"gw:{org_tag(organization_id)}:held"
+
+
+def wake_key(endpoint_id: str) -> str:
+    return f"gw:wake:{endpoint_id}"
+
+
+# --- form throttles (`controlplane.accounts.throttle`: a pipeline, no script) --------------------------
+
+def throttle_key(limit_name: str, subject_digest: str, window: int) -> str:
+    return f"throttle:{limit_name}:{subject_digest}:{window}"
+
+
+# --- autoscaler ------------------------------------------------------------------------------------
+
+TICK_LOCK_KEY = "as:tick-lock"
+
+
+def samples_key(organization_id: int, endpoint_id: str) -> str:
+    return f"as:{org_tag(organization_id)}:samples:{endpoint_id}"

@@ -1,0 +1,155 @@
+"""Every Lua script call passes keys of one Redis Cluster slot, so the scripts run on Redis Cluster.
+
+The real code paths run here (on the test run's plain Redis) with every script call recorded: the
+gateway's admission and finish (with and without an API key, in flight and waiting), the balancer's
+pick and release, cold-start places, the heartbeat's restore and release, the dead-gateway sweep,
+the reservation sweep, counter rebuilds and refreshes, and the autoscaler's load read, for two
+organisations at once. Each call's keys must hash to one slot, and every script the project
+defines must have been called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import types
+import uuid
+from decimal import Decimal
+
+import pytest
+
+from billing.models import BillingAccount
+from billing.quota import counters, sweeper
+from controlplane import redis_keys
+from controlplane.redis_client import get_redis
+from controlplane.redis_scripts import Script
+from controlplane.script_parts import ComposedScript
+from endpoints import autoscaler
+from endpoints.gateway import admission, cold_start, presence, traffic
+from endpoints.gateway.auth import Caller
+from tests.factories import EndpointFactory, OrganizationFactory
+
+# NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PROJECT_PACKAGES = ("controlplane", "endpoints", "billing")
+
+
+def _project_scripts() -> dict[str, str]:
+    """sha -> where it is defined, for every Script (or ComposedScript) a project module holds."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(PROJECT_PACKAGES) or not isinstance(module, types.ModuleType):
+            continue
+        for attribute, value in vars(module).items():
+            if isinstance(value, ComposedScript):
+                value = value._script
+            if isinstance(value, Script):
+                found[value.sha] = f"{name}.{attribute}"
+    return found
+
+
+@pytest.fixture
+def script_calls(monkeypatch) -> list[tuple[str, list[str]]]:
+    """(script sha, keys) of every script call made while the test runs."""
+    calls: list[tuple[str, list[str]]] = []
+    run_async, run_sync = Script.__call__, Script.run_sync
+
+    async def recording_call(self, *, keys, args):
+        calls.append((self.sha, list(keys)))
+        return await run_async(self, keys=keys, args=args)
+
+    def recording_run_sync(self, *, keys, args):
+        calls.append((self.sha, list(keys)))
+        return run_sync(self, keys=keys, args=args)
+
+    monkeypatch.setattr(Script, "__call__", recording_call)
+    monkeypatch.setattr(Script, "run_sync", recording_run_sync)
+    return calls
+
+
+def _caller(organization_id: int, api_key_id: int | None) -> Caller:
+    return Caller(organization_id=organization_id, api_key_id=api_key_id, user_id=3, can_infer=True,
+                  requests_per_minute=100, tokens_per_minute=100_000)
+
+
+async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api_key_id: int | None) -> None:
+    caller = _caller(organization_id, api_key_id)
+    replicas = [str(uuid.uuid4()), str(uuid.uuid4())]
+    info = types.SimpleNamespace(id=endpoint_id, name="m", organization_id=organization_id, cold_start_timeout_s=60,
+                                 max_held_requests=10)
+    # in flight on a replica, then retried on the other one, then finished
+    admitted = await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"in-flight-{organization_id}",
+                                     amount=Decimal("0.01"), num_tokens=10, candidates=replicas)
+    await traffic.release_replica(organization_id, replicas[admitted.picked], request_id=f"in-flight-{organization_id}",
+                                  endpoint_id=endpoint_id)
+    picked = await traffic.pick_replica(organization_id, replicas, request_id=f"in-flight-{organization_id}",
+                                        endpoint_id=endpoint_id)
+    await admission.finish(caller=caller, endpoint_id=endpoint_id, admission=admitted, release=replicas[picked],
+                           num_tokens=5, cost=Decimal("0.001"))
+    # waiting for a cold start, with a place in line
+    place = await cold_start.take_place(info, organization_id, f"waiting-{organization_id}")
+    waiting = await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"waiting-{organization_id}",
+                                    amount=Decimal("0.01"), num_tokens=10, candidates=[])
+    await cold_start.give_up(place)
+    await admission.finish(caller=caller, endpoint_id=endpoint_id, admission=waiting, release=None, num_tokens=0,
+                           cost=Decimal("0"))
+    # one the heartbeat restores after Redis forgot it, then ends later
+    await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"held-{organization_id}",
+                          amount=Decimal("0.01"), num_tokens=10, candidates=replicas)
+    presence.track(f"held-{organization_id}", organization_id, endpoint_id, replicas[0])
+    # one whose gateway dies: its reservation is swept after its deadline
+    await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"orphan-{organization_id}",
+                          amount=Decimal("0.01"), num_tokens=10, candidates=[])
+
+
+def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_called(script_calls):
+    with_key, without_key = OrganizationFactory(), OrganizationFactory()
+    endpoints = [EndpointFactory(organization=with_key), EndpointFactory(organization=without_key)]
+    redis = get_redis()
+    presence.serving.clear()
+    presence.unfinished.clear()
+
+    async def scenario():
+        await _one_organisations_traffic(with_key.pk, str(endpoints[0].pk), api_key_id=4242)
+        await _one_organisations_traffic(without_key.pk, str(endpoints[1].pk), api_key_id=None)
+        redis.delete(traffic.gateway_alive_key(traffic.gateway_id()))
+        for organization_id in (with_key.pk, without_key.pk):
+            redis.delete(traffic.gateway_requests_key(organization_id))  # Redis forgot them
+        await presence.beat()  # puts them back
+        for organization_id in (with_key.pk, without_key.pk):
+            presence.end_later(organization_id, f"held-{organization_id}")
+        await presence.beat()  # ends them
+
+    try:
+        asyncio.run(scenario())
+        # a gateway that died holding requests of both organisations
+        for organization in (with_key, without_key):
+            dead = traffic.gateway_requests_key(organization.pk, "dead-gateway")
+            redis.hset(dead, "r-dead", f"{endpoints[0].pk}|")
+            redis.sadd(traffic.GATEWAYS_KEY, dead)
+        assert presence.sweep_dead_gateways() == 2
+        # the orphans' reservations and those of the requests ended later (never settled)
+        assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 4
+        counters.refresh_limits(BillingAccount.objects.for_organization(with_key.pk))
+        counters.refresh_key_limit(with_key.pk, 4242, Decimal("5"))
+        autoscaler.read_load([str(e.pk) for e in endpoints])
+    finally:
+        presence.serving.clear()
+        presence.unfinished.clear()
+
+    crossing = [(sha, {key: redis_keys.key_slot(key) for key in keys}) for sha, keys in script_calls
+                if len({redis_keys.key_slot(key) for key in keys}) > 1]
+    scripts = _project_scripts()
+    assert not crossing, "script calls across slots:\n" + "\n".join(
+        f"{scripts.get(sha, sha)}: {slots}" for sha, slots in crossing)
+    never_called = sorted(set(scripts) - {sha for sha, _ in script_calls})
+    assert not never_called, f"scripts this test never ran: {[scripts[sha] for sha in never_called]}"
+
+
+def test_keys_of_different_organisations_carry_different_tags():
+    assert redis_keys.org_tag(1) != redis_keys.org_tag(2)
+    assert redis_keys.key_slot(redis_keys.inflight_key(7, "e")) == redis_keys.key_slot(redis_keys.credit_key(7))
+    assert redis_keys.organization_of_key(traffic.gateway_requests_key(31, "gw-1")) == 31
+    assert redis_keys.gateway_of_requests_key(traffic.gateway_requests_key(31, "host-1-ab:cd")) == "host-1-ab:cd"
