@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import os
 import re
 import subprocess
@@ -63,7 +64,6 @@ from bench.gpu_check import (  # noqa: E402 - after sys.path is set
 )
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: E402
 
-NODE_NAME = "gpu-check-node"
 MESSAGES = [{"role": "user", "content": "Say something"}]
 BENCH_NUM_PROMPTS = 200
 BENCH_CONCURRENCY = 32
@@ -110,8 +110,9 @@ def engine_pid(node, replica_id: str) -> int | None:
 
 
 class Stack:
-    def __init__(self, work_dir: Path) -> None:
+    def __init__(self, work_dir: Path, node_name: str) -> None:
         self.work_dir = work_dir
+        self.node_name = node_name  # one per run: a node left by an earlier run is never mistaken for it
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.url = ""
         self.children: list[ChildProcess] = []
@@ -143,7 +144,7 @@ class Stack:
     def start_agent(self, join_token: str, *, standby: bool) -> None:
         self.num_agent_starts += 1
         argv = [sys.executable, "-m", "gpu_agent", "run", "--control-plane", self.url, "--join-token", join_token,
-                "--data-dir", str(self.work_dir / "agent"), "--name", NODE_NAME]  # fmt: skip
+                "--data-dir", str(self.work_dir / "agent"), "--name", self.node_name]  # fmt: skip
         env = {k: v for k, v in self.env.items() if not k.startswith(("DJANGO", "INFERPLANE_DATA_DIR"))}
         log = self.work_dir / f"agent-{self.num_agent_starts}.log"
         self.agent = ChildProcess(argv if standby else [*argv, "--no-standby"], env, log)
@@ -252,6 +253,7 @@ class Run:
         import django
 
         django.setup()
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the checks'
         from controlplane.accounts.services import SYSTEM
         from controlplane.accounts.signup import bootstrap_organization
         from endpoints.fleet.services import create_join_token
@@ -264,7 +266,7 @@ class Run:
         )
         self.api_key = key.plain
         self.join_token = create_join_token(SYSTEM, name=f"gpu-check-{suffix}").plain
-        self.stack = Stack(self.work_dir)
+        self.stack = Stack(self.work_dir, node_name=f"gpu-check-{suffix}")
         try:
             self.stack.start_control_plane()
             self.stack.start_agent(self.join_token, standby=False)
@@ -289,17 +291,18 @@ class Run:
     def node(self):
         from endpoints.nodes.models import Node
 
-        return Node.objects.filter(name=NODE_NAME, state="READY").order_by("-last_heartbeat_at").first()
+        return (
+            Node.objects.filter(name=self.stack.node_name, state="READY")
+            .order_by("-last_heartbeat_at")
+            .first()
+        )
 
     def check_gpu_detection(self) -> CheckResult:
-        wait_until(self.node, min(180, self.left_s()), interval_s=0.5, message="the agent to register")
+        node = wait_until(self.node, min(180, self.left_s()), interval_s=0.5, message="the agent to register")
+        self.gpu_type = node.gpu_type
         wait_until(
-            lambda: (node := self.node()) and reported_gpus(node),
-            30,
-            interval_s=0.5,
-            message="a heartbeat listing GPUs",
+            lambda: self.node().last_heartbeat_at, 60, interval_s=0.5, message="the agent's first heartbeat"
         )
-        self.gpu_type = self.node().gpu_type
         return gpu_detection_verdict(self.gpus, reported_gpus(self.node()))
 
     def create_endpoint(self, name: str, **fields) -> str:
@@ -411,7 +414,7 @@ class Run:
 
         try:
             wait_until(
-                lambda: not Replica.objects.filter(node__name=NODE_NAME, state__in=ACTIVE_STATES).exists(),
+                lambda: not Replica.objects.filter(node__name=self.stack.node_name, state__in=ACTIVE_STATES).exists(),
                 min(120, self.left_s()), interval_s=0.5, message="phase 1's replicas to stop",
             )  # fmt: skip
         except AssertionError:
