@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,7 @@ from bench.gpu_check import (  # noqa: E402 - after sys.path is set
     pinning_verdict,
     sharing_verdict,
 )
+from gpu_agent.runtime.engine import REPLICA_ENV_MARKER  # noqa: E402
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Say something"}]
@@ -96,14 +98,6 @@ def replica_gpu_indices(replica) -> list[int] | None:
 def shared_gpu_endpoint_fields() -> dict:
     """An endpoint spec whose two replicas may share one GPU, each with a fraction of its memory."""
     return {"min_replicas": 2, "max_replicas": 2, "gpus_per_replica": 1, "gpu_memory_fraction": 0.4}
-
-
-def engine_pid(node, replica_id: str) -> int | None:
-    """The engine's pid as the agent reports it (`ReplicaStatus.pid`: the reaper, parent of vLLM)."""
-    for status in (node.last_status or {}).get("replicas", []):
-        if status.get("replica_id") == replica_id:
-            return status.get("pid")
-    return None
 
 
 # -- the stack ------------------------------------------------------------------------------------
@@ -173,11 +167,18 @@ class Stack:
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def engine_processes(pid: int | None) -> list[psutil.Process]:
-    if pid is None:
-        raise CheckFailed("the agent reports no pid for the replica's engine")
-    root = psutil.Process(pid)
-    return [root, *root.children(recursive=True)]
+def engine_processes(replica_id: str) -> list[psutil.Process]:
+    """The replica's engine processes: every one started with its marker (the agent's way to find them)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(REPLICA_ENV_MARKER) == replica_id and process.status() != "zombie":
+                found.append(process)
+        except psutil.Error:
+            continue
+    if not found:
+        raise CheckFailed(f"no process carries the replica's marker {REPLICA_ENV_MARKER}={replica_id}")
+    return found
 
 
 def visible_devices(processes: list[psutil.Process]) -> dict[int, str | None]:
@@ -378,7 +379,7 @@ class Run:
 
     def check_pinned(self, endpoint_id: str) -> CheckResult:
         (replica,) = self.ready_replicas(endpoint_id, 1, self.left_s(PHASE_2_RESERVE_S))
-        processes = engine_processes(engine_pid(self.node(), str(replica.pk)))
+        processes = engine_processes(str(replica.pk))
         return pinning_verdict(
             replica_gpu_indices(replica), visible_devices(processes), gpus_used(processes),
             {gpu.index: gpu.uuid for gpu in self.gpus},
@@ -386,9 +387,7 @@ class Run:
 
     def check_fp8(self, endpoint_id: str) -> CheckResult:
         (replica,) = self.ready_replicas(endpoint_id, 1, self.left_s(PHASE_2_RESERVE_S))
-        quantization = engine_flag(
-            engine_processes(engine_pid(self.node(), str(replica.pk))), "--quantization"
-        )
+        quantization = engine_flag(engine_processes(str(replica.pk)), "--quantization")
         if quantization != "fp8":
             raise CheckFailed(f"the engine runs with --quantization {quantization!r}, not fp8")
         answer = chat(self.stack.url, "gc-fp8", self.api_key)
@@ -399,12 +398,9 @@ class Run:
 
     def check_shared(self, endpoint_id: str) -> CheckResult:
         replicas = self.ready_replicas(endpoint_id, 2, self.left_s(PHASE_2_RESERVE_S))
-        node = self.node()
         observed = []
         for replica in replicas:
-            fraction = engine_flag(
-                engine_processes(engine_pid(node, str(replica.pk))), "--gpu-memory-utilization"
-            )
+            fraction = engine_flag(engine_processes(str(replica.pk)), "--gpu-memory-utilization")
             observed.append((replica_gpu_indices(replica), float(fraction) if fraction else None))
             chat(replica.address, replica.endpoint.name, replica.engine_api_key)
         return sharing_verdict(observed)
@@ -441,7 +437,7 @@ class Run:
             self.stack.agent.log_text(),
         ):
             raise CheckFailed(f"the cold start ({ttft_s:.1f} s) was launched plainly, not by the standby")
-        processes = engine_processes(engine_pid(self.node(), str(replica.pk)))
+        processes = engine_processes(str(replica.pk))
         used = sorted(set().union(*gpus_used(processes).values()) or {"(not visible to nvidia-smi)"})
         return CheckResult(
             "standby-cold-start", PASS,
@@ -490,6 +486,9 @@ def main() -> int:
     parser.add_argument("--time-limit-s", type=float, default=600.0)
     options = parser.parse_args()
     gpus = [SmiGpu(**gpu) for gpu in json.loads(options.gpus)]
+    # NOTE: the stack's processes run in their own sessions: a SIGTERM must unwind to Run.main's
+    # `finally`, which stops them, rather than end this process and leave them behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return Run(gpus, options.time_limit_s).main()
 
 
