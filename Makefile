@@ -17,7 +17,7 @@ UV_COMPILE = $(VENV)/bin/uv pip compile --no-config --quiet --generate-hashes --
 	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" \
 	--no-emit-package inferplane --no-emit-package inferplane-agent
 
-.PHONY: run test bench lint install lock stop clean-data
+.PHONY: run test bench gpu-check lint install lock stop clean-data
 
 install: $(VENV)/.installed
 
@@ -63,6 +63,13 @@ test: install
 
 bench: install
 	bash bench/run.sh
+
+# The GPU acceptance run (README, "GPU acceptance"): installs the CUDA engine, starts a local stack on
+# this machine's GPUs and prints one line per check. Without a GPU it names every check as not run and
+# exits 0. Standard library only until the install, so it needs no environment of its own.
+GPU_CHECK_PYTHON := $(shell command -v $(PYTHON_BOOTSTRAP) 2>/dev/null || command -v python3)
+gpu-check:
+	$(GPU_CHECK_PYTHON) bench/gpu_check.py --venv $(VENV) $(GPU_CHECK_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

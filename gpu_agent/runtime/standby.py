@@ -25,7 +25,10 @@ launches the replica naively.
 
 On CUDA the standby pre-imports but never initialises CUDA (no `torch.cuda` call
 before the handoff), and the EngineCore start method is left to vLLM: fork while
-CUDA is uninitialised, spawn otherwise. On CPU vLLM forces `spawn` only because
+CUDA is uninitialised, spawn otherwise. The standby checks it (`standby_process.py`):
+one that finds CUDA initialised says why (`REFUSED_PREFIX` on its status pipe) and
+exits, and this agent keeps no standby from then on (`refused_reason`): every replica
+starts the plain way, with its own `CUDA_VISIBLE_DEVICES`. On CPU vLLM forces `spawn` only because
 its CPU platform sets it unconditionally (and it forces the multiprocess executor,
 so a replica is three processes: API server, EngineCore, worker); the standby
 forks both children instead, from processes that have run no OpenMP region yet.
@@ -59,6 +62,9 @@ REAPER_MODULE = "gpu_agent.runtime.reaper"
 MARKER_WIDTH = 128
 STANDBY_MARKER_VALUE = "standby".ljust(MARKER_WIDTH, "_")
 READY_LINE = b"ready\n"  # what the standby process writes on its stdout once warm
+REFUSED_PREFIX = b"refused: "  # ... or, followed by the reason, when it may not become an engine
+EXIT_CUDA_INITIALISED = 78  # its exit status then (EX_CONFIG): CUDA was initialised before the handoff
+
 
 def server_args(command: EngineCommand) -> list[str] | None:
     """The arguments of `python -m vllm.entrypoints.openai.api_server ...`, or None for other commands.
@@ -117,6 +123,8 @@ class Standby:
         self.ready_after_s: float | None = None
         self.num_spawned = 0
         self.num_handoffs = 0
+        # Set when a standby refused to serve (CUDA initialised before its handoff): none is spawned again.
+        self.refused_reason: str | None = None
         self._num_early_deaths = 0
         self._respawn_at = 0.0
         self._buffer = b""
@@ -127,15 +135,20 @@ class Standby:
 
     @property
     def warming(self) -> bool:
-        """Spawned, still importing, alive."""
-        return self.process is not None and not self.ready and self.process.poll() is None
+        """Spawned, still importing, alive (and has not refused)."""
+        return (
+            self.process is not None
+            and not self.ready
+            and self.refused_reason is None
+            and self.process.poll() is None
+        )
 
     def ensure(self) -> None:
         """Spawn a standby if there is none (with backoff if they keep dying), and read its status."""
         if self.process is not None and self.process.poll() is not None:
             self._on_death()
         if self.process is None:
-            if time.monotonic() >= self._respawn_at:
+            if self.refused_reason is None and time.monotonic() >= self._respawn_at:
                 self._spawn()
             return
         if not self.ready:
@@ -188,7 +201,9 @@ class Standby:
             return
         if chunk:  # None: nothing yet (non-blocking pipe)
             self._buffer += chunk
-        if READY_LINE in self._buffer:
+        if self._buffer.startswith(REFUSED_PREFIX) and self._buffer.endswith(b"\n"):
+            self.refused_reason = self._buffer[len(REFUSED_PREFIX) :].decode(errors="replace").strip()
+        elif READY_LINE in self._buffer:
             self.ready = True
             self.ready_after_s = time.monotonic() - self.spawned_at
             self._num_early_deaths = 0
@@ -196,6 +211,8 @@ class Standby:
 
     def _on_death(self) -> None:
         code = self.process.returncode
+        if not self.ready:
+            self._read_status()  # what it wrote before exiting: a refusal's reason
         self._close_pipes()
         self.process = None
         self.ready = False
@@ -204,6 +221,11 @@ class Standby:
             self.min_respawn_backoff_s * 2 ** (self._num_early_deaths - 1), self.max_respawn_backoff_s
         )
         self._respawn_at = time.monotonic() + backoff
+        if self.refused_reason is not None:
+            logger.warning(
+                "standby refused to serve, none will be kept (see %s): %s", self.log_path, self.refused_reason
+            )
+            return
         logger.warning(
             "standby exited with code %s; next one in %.0fs (see %s)", code, backoff, self.log_path
         )

@@ -6,6 +6,15 @@ import at start, writes `READY_LINE` on its stdout, and blocks on stdin for one 
 takes the replica's identity (rewriting the marker in its environment block, `rewrite_environ_block`),
 sends its output to the replica's log and runs vLLM's OpenAI server in process; on CPU vLLM's
 children are forked from it rather than spawned (`_force_fork_children`).
+
+NOTE: on CUDA the standby must not have initialised CUDA before its handoff. The replica's
+`CUDA_VISIBLE_DEVICES` arrives with the handoff, and CUDA reads it once, when it initialises: a standby
+that had already initialised it would put its engine on the GPUs it saw then (every GPU, so GPU 0),
+hold a CUDA context there, and could not fork the EngineCore. vLLM's imports probe the GPUs through
+NVML only; torch's `is_available()` would call `cuInit`, so the standby asks torch for the NVML-based
+check (`NVML_BASED_CUDA_CHECK_ENV`) until the handoff. The standby checks `torch.cuda.is_initialized()`
+after its imports and again at the handoff, and refuses (`refuse_if_cuda_initialised`) rather than serve
+from a poisoned process: the agent then starts its replicas the plain way.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import sys
 import time
 
 from gpu_agent.runtime.engine import DEVICE_CPU, REPLICA_ENV_MARKER
-from gpu_agent.runtime.standby import READY_LINE, Handoff
+from gpu_agent.runtime.standby import EXIT_CUDA_INITIALISED, READY_LINE, REFUSED_PREFIX, Handoff
 
 # Modules a replica would otherwise import at start, API server and EngineCore alike.
 PRELOAD_MODULES = (
@@ -37,6 +46,25 @@ PRELOAD_MODULES_BY_DEVICE = {
     DEVICE_CPU: ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner"),
     "cuda": ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner"),
 }
+# torch's `cuda.is_available()` calls `cudaGetDeviceCount`, which initialises the CUDA driver (`cuInit`)
+# and fixes the visible devices; with this set it counts devices through NVML instead, as vLLM does.
+NVML_BASED_CUDA_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def cuda_initialised() -> bool:
+    """Whether this process has initialised CUDA through torch (never, when torch is not imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
+def refuse_if_cuda_initialised(when: str) -> str | None:
+    """The reason this process may not become an engine, or None when CUDA is still untouched."""
+    if not cuda_initialised():
+        return None
+    return (
+        f"CUDA was initialised in the standby {when}: its engine would ignore the replica's "
+        "CUDA_VISIBLE_DEVICES and could not fork; refusing (the agent starts replicas the plain way)"
+    )
 
 
 def rewrite_environ_block(name: str, value: str) -> bool:
@@ -135,7 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     status = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     started_at = time.monotonic()
+    nvml_check_before = os.environ.get(NVML_BASED_CUDA_CHECK_ENV)
+    if options.device != DEVICE_CPU:
+        os.environ[NVML_BASED_CUDA_CHECK_ENV] = "1"
     _preload(options.device)
+    refusal = refuse_if_cuda_initialised("while importing")
+    if refusal is not None:
+        print(f"standby: {refusal}", file=sys.stderr, flush=True)
+        status.write(REFUSED_PREFIX + refusal.encode() + b"\n")
+        return EXIT_CUDA_INITIALISED
     print(f"standby: ready after {time.monotonic() - started_at:.1f}s", file=sys.stderr, flush=True)
     status.write(READY_LINE)
 
@@ -147,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     if not rewrite_environ_block(REPLICA_ENV_MARKER, handoff.replica_id):
         print("standby: cannot set the replica marker; refusing the handoff", file=sys.stderr, flush=True)
         return 75  # the agent sees an early exit and launches this replica naively
+    # The engine sees the environment a plain launch would give it.
+    if nvml_check_before is None:
+        os.environ.pop(NVML_BASED_CUDA_CHECK_ENV, None)
+    else:
+        os.environ[NVML_BASED_CUDA_CHECK_ENV] = nvml_check_before
     os.environ.update(handoff.env)
     os.environ[REPLICA_ENV_MARKER] = handoff.replica_id
     sys.stdout.flush()
@@ -163,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(spawned {time.monotonic() - started_at:.1f}s ago)",
         flush=True,
     )
+    # Checked again in the replica's log: its failure reason then says why the standby gave up.
+    refusal = refuse_if_cuda_initialised("before the handoff")
+    if refusal is not None:
+        print(f"standby: {refusal}", flush=True)
+        return EXIT_CUDA_INITIALISED
     _serve(handoff, options.device)
     return 0
 
