@@ -9,8 +9,8 @@ then, printing one line per check as it ends:
   phase 2, the agent restarted with its warm standby: a cold start from zero served by the standby,
   then `vllm bench serve` on that replica directly and through the gateway.
 
-What the GPU-placement work provides (branch `gpus`) is read in the small functions under
-"Interfaces", the one place to adjust when it changes.
+What placement provides (`Replica.gpu_indices`, `Replica.gpu_memory_fraction`, an endpoint's
+`allow_gpu_sharing`, the heartbeat's GPUs) is read in the small functions under "Interfaces".
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _raise(exc: Exception):
     raise exc
 
 
-# -- Interfaces (branch `gpus`: adjust here on merge) --------------------------------------------
+# -- Interfaces: what the checks read from placement (one place to adjust) --------------------------------------------
 
 
 def reported_gpus(node) -> list[dict]:
@@ -96,8 +96,8 @@ def replica_gpu_indices(replica) -> list[int] | None:
 
 
 def shared_gpu_endpoint_fields() -> dict:
-    """An endpoint spec whose two replicas may share one GPU, each with a fraction of its memory."""
-    return {"min_replicas": 2, "max_replicas": 2, "gpus_per_replica": 1, "gpu_memory_fraction": 0.4}
+    """An endpoint spec whose two replicas may share one GPU, each with a fraction of its memory (`Replica.gpu_memory_fraction`)."""
+    return {"min_replicas": 2, "max_replicas": 2, "gpus_per_replica": 1, "allow_gpu_sharing": True}
 
 
 # -- the stack ------------------------------------------------------------------------------------
