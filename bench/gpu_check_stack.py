@@ -63,9 +63,11 @@ from bench.gpu_check import (  # noqa: E402 - after sys.path is set
     pinning_verdict,
     sharing_verdict,
 )
-from gpu_agent.runtime.engine import REPLICA_ENV_MARKER  # noqa: E402
+from gpu_agent.runtime.engine import DEVICE_CUDA, REPLICA_ENV_MARKER, quantization_plan  # noqa: E402
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: E402
 
+# What an endpoint's `quantization: fp8` asks of a CUDA engine (the agent's own table).
+FP8_ENGINE_METHOD = quantization_plan(DEVICE_CUDA, "fp8").flags[1]
 MESSAGES = [{"role": "user", "content": "Say something"}]
 BENCH_NUM_PROMPTS = 200
 BENCH_CONCURRENCY = 32
@@ -388,12 +390,13 @@ class Run:
     def check_fp8(self, endpoint_id: str) -> CheckResult:
         (replica,) = self.ready_replicas(endpoint_id, 1, self.left_s(PHASE_2_RESERVE_S))
         quantization = engine_flag(engine_processes(str(replica.pk)), "--quantization")
-        if quantization != "fp8":
-            raise CheckFailed(f"the engine runs with --quantization {quantization!r}, not fp8")
+        expected = FP8_ENGINE_METHOD
+        if quantization != expected:
+            raise CheckFailed(f"the engine runs with --quantization {quantization!r}, not {expected}")
         answer = chat(self.stack.url, "gc-fp8", self.api_key)
         tokens = answer["usage"]["completion_tokens"]
         return CheckResult(
-            "fp8-serving", PASS, f"--quantization fp8 engine answered {tokens} tokens through the gateway"
+            "fp8-serving", PASS, f"--quantization {expected} engine answered {tokens} tokens through the gateway"
         )
 
     def check_shared(self, endpoint_id: str) -> CheckResult:
