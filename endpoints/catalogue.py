@@ -15,7 +15,10 @@ from gpu_agent.protocol import QUANTIZATION_FACTS, quantizations_for
 class GpuType:
     name: str
     label: str
-    memory_gb: int  # per GPU
+    memory_gb: int  # per GPU, as sold (the label)
+    # Per GPU as CUDA reports it (MiB), below the label: what a spec's estimate must fit into.
+    # A CPU "GPU" is the development default of the agent's share of RAM.
+    memory_mb: int
     hourly_cost: Decimal  # what a replica costs us per hour, shown in the wizard
     # CUDA compute capability, major*10+minor (80 Ampere A100, 86 Ampere A10G, 89 Ada L4, 90 Hopper);
     # None for CPU engines. What each quantization means here follows from it.
@@ -44,17 +47,17 @@ QUANTIZATIONS: dict[str, str] = {name: facts.summary for name, facts in QUANTIZA
 GPU_TYPES: dict[str, GpuType] = {
     gpu.name: gpu
     for gpu in (
-        GpuType("cpu", "CPU (development)", 16, Decimal("0.10"), None,
+        GpuType("cpu", "CPU (development)", 16, 16 * 1024, Decimal("0.10"), None,
                 Decimal("0.05"), Decimal("0.025"), Decimal("0.10")),
-        GpuType("l4", "NVIDIA L4 24 GB", 24, Decimal("0.80"), 89,
+        GpuType("l4", "NVIDIA L4 24 GB", 24, 23_034, Decimal("0.80"), 89,
                 Decimal("0.10"), Decimal("0.05"), Decimal("0.30")),
-        GpuType("a10g", "NVIDIA A10G 24 GB", 24, Decimal("1.21"), 86,
+        GpuType("a10g", "NVIDIA A10G 24 GB", 24, 22_731, Decimal("1.21"), 86,
                 Decimal("0.15"), Decimal("0.075"), Decimal("0.45")),
-        GpuType("a100-80gb", "NVIDIA A100 80 GB", 80, Decimal("2.50"), 80,
+        GpuType("a100-80gb", "NVIDIA A100 80 GB", 80, 81_920, Decimal("2.50"), 80,
                 Decimal("0.40"), Decimal("0.20"), Decimal("1.20")),
-        GpuType("h100-80gb", "NVIDIA H100 80 GB", 80, Decimal("4.00"), 90,
+        GpuType("h100-80gb", "NVIDIA H100 80 GB", 80, 81_559, Decimal("4.00"), 90,
                 Decimal("0.60"), Decimal("0.30"), Decimal("1.80")),
-        GpuType("h200", "NVIDIA H200 141 GB", 141, Decimal("5.00"), 90,
+        GpuType("h200", "NVIDIA H200 141 GB", 141, 143_771, Decimal("5.00"), 90,
                 Decimal("0.70"), Decimal("0.35"), Decimal("2.10")),
     )
 }
@@ -67,11 +70,6 @@ def gpu_type(name: str) -> GpuType:
 # GPUs one replica may ask for: more than one runs the model tensor parallel over that many GPUs of one node.
 GPUS_PER_REPLICA: tuple[int, ...] = (1, 2, 4, 8)
 
-# Memory per GPU as CUDA reports it (MiB), below the marketing figure in `memory_gb`: what a
-# spec's estimate must fit into. A CPU "GPU" is the development default of the agent's share of RAM.
-GPU_MEMORY_MB: dict[str, int] = {
-    "cpu": 16 * 1024, "l4": 23_034, "a10g": 22_731, "a100-80gb": 81_920, "h100-80gb": 81_559, "h200": 143_771,
-}
 
 
 # --- tool calling and reasoning ------------------------------------------------------------

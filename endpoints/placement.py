@@ -18,7 +18,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from endpoints.catalogue import GPU_MEMORY_MB, GPUS_PER_REPLICA
+from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA
 from endpoints.models import Endpoint
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import CPU_WEIGHT_FACTOR, QUANTIZATION_FACTS
@@ -116,7 +116,7 @@ def smallest_gpu_count(endpoint: Endpoint, needed_mb: int | None = None) -> int 
     CPU endpoints run on one engine per replica: 1 if it fits, else None.
     """
     needed_mb = memory_needed_mb(endpoint) if needed_mb is None else needed_mb
-    gpu_memory_mb = GPU_MEMORY_MB[endpoint.gpu_type]
+    gpu_memory_mb = GPU_TYPES[endpoint.gpu_type].memory_mb
     counts = (1,) if endpoint.gpu_type == "cpu" else GPUS_PER_REPLICA
     return next((count for count in counts if math.ceil(needed_mb / count) <= gpu_memory_mb), None)
 
