@@ -80,17 +80,17 @@ def reset_rows() -> tuple:
 
 def forget_traffic(endpoints: list) -> None:
     """Drop the Redis state of these endpoints only (the data folder may be shared: never FLUSHDB)."""
+    from controlplane import redis_keys
     from controlplane.redis_client import get_redis
     from endpoints import autoscaler
-    from endpoints.gateway import traffic
 
     redis = get_redis()
     for first in range(0, len(endpoints), 1000):
         batch = [(e.organization_id, str(e.pk)) for e in endpoints[first: first + 1000]]
-        keys = [key for org, i in batch for key in (traffic.inflight_key(org, i), traffic.waiting_key(org, i),
-                                                     traffic.last_request_key(org, i), autoscaler.samples_key(org, i))]
+        keys = [key for org, i in batch for key in (redis_keys.inflight_key(org, i), redis_keys.waiting_key(org, i),
+                                                     redis_keys.last_request_key(org, i), autoscaler.samples_key(org, i))]
         redis.delete(*keys)
-        redis.zrem(traffic.RECENT_ENDPOINTS_KEY, *[i for _, i in batch])
+        redis.zrem(redis_keys.RECENT_ENDPOINTS_KEY, *[i for _, i in batch])
 
 
 def cleanup(organization) -> None:
@@ -121,8 +121,8 @@ def make_active(endpoints: list, nodes: list, num_active: int) -> dict:
     """Turn the first `num_active` endpoints active (see the module docstring); the rest stay idle at zero."""
     from django.utils import timezone
 
+    from controlplane import redis_keys
     from controlplane.redis_client import get_redis
-    from endpoints.gateway import traffic
     from endpoints.models import Endpoint, Replica
     from gpu_agent.protocol import ReplicaState
 
@@ -146,12 +146,12 @@ def make_active(endpoints: list, nodes: list, num_active: int) -> dict:
                                         reserved_memory_mb=20_000, ready_at=moment))
             # In flight that wants exactly `num_replicas` replicas: a steady tick changes nothing.
             inflight = {f"req-{uuid.uuid4().hex}": now for _ in range(num_replicas * TARGET_CONCURRENCY - 1)}
-            pipe.zadd(traffic.inflight_key(endpoint.organization_id, str(endpoint.pk)), inflight)
-            pipe.set(traffic.last_request_key(endpoint.organization_id, str(endpoint.pk)), now)
-            pipe.zadd(traffic.RECENT_ENDPOINTS_KEY, {str(endpoint.pk): now})
+            pipe.zadd(redis_keys.inflight_key(endpoint.organization_id, str(endpoint.pk)), inflight)
+            pipe.set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), now)
+            pipe.zadd(redis_keys.RECENT_ENDPOINTS_KEY, {str(endpoint.pk): now})
         elif kind == "recent_idle":
-            pipe.set(traffic.last_request_key(endpoint.organization_id, str(endpoint.pk)), now - 3600)
-            pipe.zadd(traffic.RECENT_ENDPOINTS_KEY, {str(endpoint.pk): now - 3600})
+            pipe.set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), now - 3600)
+            pipe.zadd(redis_keys.RECENT_ENDPOINTS_KEY, {str(endpoint.pk): now - 3600})
         else:
             floors.append(endpoint.pk)
             replicas.append(Replica(endpoint=endpoint, node=candidates[index % len(candidates)], state=ReplicaState.READY,
@@ -193,8 +193,8 @@ def scale_up_tick(endpoints: list) -> dict:
     """One tick in which 10 serving endpoints each want one more replica (placement on 1,000 nodes)."""
     from django.db import connection, reset_queries
 
+    from controlplane import redis_keys
     from controlplane.redis_client import get_redis
-    from endpoints.gateway import traffic
     from endpoints.models import Replica
     from endpoints.scheduler import autoscale_tick
 
@@ -202,7 +202,7 @@ def scale_up_tick(endpoints: list) -> dict:
     now = time.time()
     pipe = get_redis().pipeline(transaction=False)
     for endpoint in serving:
-        pipe.zadd(traffic.inflight_key(endpoint.organization_id, str(endpoint.pk)), {f"burst-{uuid.uuid4().hex}": now for _ in range(TARGET_CONCURRENCY + 1)})
+        pipe.zadd(redis_keys.inflight_key(endpoint.organization_id, str(endpoint.pk)), {f"burst-{uuid.uuid4().hex}": now for _ in range(TARGET_CONCURRENCY + 1)})
     pipe.execute()
     before = Replica.objects.filter(endpoint__in=serving).count()
     reset_queries()

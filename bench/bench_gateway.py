@@ -315,8 +315,8 @@ def start_vllm(logs: Path, engine_core: int | None) -> tuple[Child, str]:
 def unseed() -> None:
     """Replicas, node and traffic go with the upstreams: a scheduler on this data folder (another
     benchmark's Celery beat) must find nothing of this run to route to, count or scale."""
+    from controlplane import redis_keys
     from controlplane.redis_client import get_redis
-    from endpoints.gateway import traffic
     from endpoints.models import Endpoint, Replica
     from endpoints.nodes.models import Node
 
@@ -326,8 +326,8 @@ def unseed() -> None:
     Node.objects.filter(name="bench-gateway-node").delete()
     if endpoint_ids:
         redis = get_redis()
-        redis.zrem(traffic.RECENT_ENDPOINTS_KEY, *endpoint_ids)
-        redis.delete(*[traffic.last_request_key(org, str(pk)) for pk, org in endpoints])
+        redis.zrem(redis_keys.RECENT_ENDPOINTS_KEY, *endpoint_ids)
+        redis.delete(*[redis_keys.last_request_key(org, str(pk)) for pk, org in endpoints])
 
 
 def markdown(results: dict) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import key_slot, org_tag, samples_key
 from controlplane.redis_scripts import Script
@@ -105,8 +106,8 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
             batch = in_slot[first: first + READ_LOAD_BATCH]
             keys = []
             for endpoint_id, organization_id in batch:
-                keys += [traffic.inflight_key(organization_id, endpoint_id), traffic.waiting_key(organization_id, endpoint_id),
-                         traffic.last_request_key(organization_id, endpoint_id), samples_key(organization_id, endpoint_id)]
+                keys += [redis_keys.inflight_key(organization_id, endpoint_id), redis_keys.waiting_key(organization_id, endpoint_id),
+                         redis_keys.last_request_key(organization_id, endpoint_id), samples_key(organization_id, endpoint_id)]
             raw = _READ_LOAD.run_sync(keys=keys, args=args)
             for index, (endpoint_id, _) in enumerate(batch):
                 inflight, waiting, last, peak = raw[4 * index: 4 * index + 4]
@@ -123,7 +124,7 @@ def _unknown_is_now(redis, loads: dict[str, Load], unknown: list[str], now: floa
                .order_by().values_list("endpoint_id", flat=True).distinct()}
     for endpoint_id in serving:
         # NOTE: NX: a gateway that wrote a real time meanwhile wins; the next tick reads it.
-        redis.set(traffic.last_request_key(organizations[endpoint_id], endpoint_id), now, nx=True)
+        redis.set(redis_keys.last_request_key(organizations[endpoint_id], endpoint_id), now, nx=True)
         load = loads[endpoint_id]
         loads[endpoint_id] = Load(load.num_inflight, load.num_waiting, now, load.peak_concurrency)
 

@@ -18,6 +18,7 @@ from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
 
+from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import TICK_LOCK_KEY
 from endpoints import autoscaler, quotas
@@ -95,7 +96,7 @@ def active_endpoint_ids(now: float | None = None) -> list[str]:
     # (endpoint, created_at), one row per replica, and the floor query would sort every match by name.
     with_replicas = Replica.objects.active().order_by().values_list("endpoint_id", flat=True).distinct()
     with_floor = Endpoint.objects.live().filter(min_replicas__gt=0, paused_at__isnull=True, failed_at__isnull=True).order_by().values_list("pk", flat=True)
-    recent = get_redis().zrangebyscore(traffic.RECENT_ENDPOINTS_KEY, now - traffic.RECENT_WINDOW_S, "+inf")
+    recent = get_redis().zrangebyscore(redis_keys.RECENT_ENDPOINTS_KEY, now - traffic.RECENT_WINDOW_S, "+inf")
     ids = {str(pk) for pk in with_replicas} | {str(pk) for pk in with_floor} | set(recent)
     return sorted(ids)
 

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from billing.quota import reads, sweeper
-from controlplane import pubsub, redis_client
+from controlplane import pubsub, redis_client, redis_keys
 from controlplane.accounts import throttle
 from controlplane.redis_keys import key_slot
 from endpoints import autoscaler
@@ -103,7 +103,7 @@ def _caller(organization_id: int, api_key_id: int | None, *, requests_per_minute
 
 def test_the_cluster_clients_route_by_slot_and_the_organisations_fall_on_different_nodes(on_cluster):
     assert isinstance(on_cluster, redis.cluster.RedisCluster)
-    owners = {on_cluster.nodes_manager.get_node_from_slot(key_slot(traffic.inflight_key(org, "e"))).port
+    owners = {on_cluster.nodes_manager.get_node_from_slot(key_slot(redis_keys.inflight_key(org, "e"))).port
               for org in range(1, 40)}
     assert len(owners) == NUM_NODES  # the test really spans the three nodes
 
@@ -121,9 +121,9 @@ def test_admission_and_finish_count_exactly_on_a_redis_cluster(on_cluster):
         waiting = await admission.admit(caller=caller, endpoint_id=endpoint, request_id="w", amount=Decimal("0.01"),
                                         num_tokens=0, candidates=[])
         during = {
-            "in_flight": on_cluster.zcard(traffic.inflight_key(org, endpoint)),
-            "waiting": on_cluster.zcard(traffic.waiting_key(org, endpoint)),
-            "outstanding": sorted(int(on_cluster.get(traffic.outstanding_key(org, r)) or 0) for r in replicas),
+            "in_flight": on_cluster.zcard(redis_keys.inflight_key(org, endpoint)),
+            "waiting": on_cluster.zcard(redis_keys.waiting_key(org, endpoint)),
+            "outstanding": sorted(int(on_cluster.get(redis_keys.outstanding_key(org, r)) or 0) for r in replicas),
             "reserved": reads.reserved_now(org),
         }
         await presence.beat()  # a pipeline over several slots: alive key, gateways set, recent endpoints
@@ -137,12 +137,12 @@ def test_admission_and_finish_count_exactly_on_a_redis_cluster(on_cluster):
     during = asyncio.run(scenario())
 
     assert during == {"in_flight": 3, "waiting": 1, "outstanding": [1, 2], "reserved": Decimal("0.04")}
-    assert on_cluster.zcard(traffic.inflight_key(org, endpoint)) == 0
-    assert on_cluster.zcard(traffic.waiting_key(org, endpoint)) == 0
-    assert [int(on_cluster.get(traffic.outstanding_key(org, r)) or 0) for r in replicas] == [0, 0]
+    assert on_cluster.zcard(redis_keys.inflight_key(org, endpoint)) == 0
+    assert on_cluster.zcard(redis_keys.waiting_key(org, endpoint)) == 0
+    assert [int(on_cluster.get(redis_keys.outstanding_key(org, r)) or 0) for r in replicas] == [0, 0]
     assert reads.reserved_now(org) == Decimal("0")
     assert reads.counted_spend(org) == Decimal("0.004")
-    assert on_cluster.zscore(traffic.RECENT_ENDPOINTS_KEY, endpoint) is not None
+    assert on_cluster.zscore(redis_keys.RECENT_ENDPOINTS_KEY, endpoint) is not None
     load = autoscaler.read_load([endpoint], record=False)[endpoint]
     assert (load.num_inflight, load.num_waiting) == (0, 0) and load.last_request_at is not None
 
@@ -167,18 +167,18 @@ def test_concurrent_admissions_never_pass_the_rate_limit_on_a_redis_cluster(on_c
     admitted = asyncio.run(scenario())
 
     # NOTE: a minute may turn during the burst; the sum over both windows is then still 20 a window.
-    assert sum(admitted) in (20, 40) and on_cluster.zcard(traffic.inflight_key(organization.pk, endpoint)) == sum(admitted)
+    assert sum(admitted) in (20, 40) and on_cluster.zcard(redis_keys.inflight_key(organization.pk, endpoint)) == sum(admitted)
 
 
 def test_dead_gateways_and_expired_reservations_are_swept_on_a_redis_cluster(on_cluster):
     organizations = [OrganizationFactory() for _ in range(3)]
     for organization in organizations:
         dead = traffic.gateway_requests_key(organization.pk, "dead-gateway")
-        counter = traffic.outstanding_key(organization.pk, "replica-a")
+        counter = redis_keys.outstanding_key(organization.pk, "replica-a")
         on_cluster.hset(dead, "r1", f"e1|{counter}")
-        on_cluster.zadd(traffic.inflight_key(organization.pk, "e1"), {"r1": time.time()})
+        on_cluster.zadd(redis_keys.inflight_key(organization.pk, "e1"), {"r1": time.time()})
         on_cluster.set(counter, 1)
-        on_cluster.sadd(traffic.GATEWAYS_KEY, dead)
+        on_cluster.sadd(redis_keys.GATEWAYS_KEY, dead)
 
     async def orphan(organization):
         await admission.admit(caller=_caller(organization.pk, None), endpoint_id="e1", request_id="orphan",
@@ -191,7 +191,7 @@ def test_dead_gateways_and_expired_reservations_are_swept_on_a_redis_cluster(on_
     asyncio.run(scenario())
 
     assert presence.sweep_dead_gateways() == 3
-    assert all(int(on_cluster.get(traffic.outstanding_key(o.pk, "replica-a"))) == 0 for o in organizations)
+    assert all(int(on_cluster.get(redis_keys.outstanding_key(o.pk, "replica-a"))) == 0 for o in organizations)
     assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 3
     assert [reads.reserved_now(o.pk) for o in organizations] == [Decimal("0")] * 3
 

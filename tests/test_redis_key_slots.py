@@ -114,7 +114,7 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
     async def scenario():
         await _one_organisations_traffic(with_key.pk, str(endpoints[0].pk), api_key_id=4242)
         await _one_organisations_traffic(without_key.pk, str(endpoints[1].pk), api_key_id=None)
-        redis.delete(traffic.gateway_alive_key(traffic.gateway_id()))
+        redis.delete(redis_keys.gateway_alive_key(traffic.gateway_id()))
         for organization_id in (with_key.pk, without_key.pk):
             redis.delete(traffic.gateway_requests_key(organization_id))  # Redis forgot them
         await presence.beat()  # puts them back
@@ -128,7 +128,7 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         for organization in (with_key, without_key):
             dead = traffic.gateway_requests_key(organization.pk, "dead-gateway")
             redis.hset(dead, "r-dead", f"{endpoints[0].pk}|")
-            redis.sadd(traffic.GATEWAYS_KEY, dead)
+            redis.sadd(redis_keys.GATEWAYS_KEY, dead)
         assert presence.sweep_dead_gateways() == 2
         # the orphans' reservations and those of the requests ended later (never settled)
         assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 4

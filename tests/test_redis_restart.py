@@ -4,9 +4,9 @@ import time
 
 import pytest
 
+from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from endpoints import scheduler
-from endpoints.gateway import traffic
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
 from tests.conftest import free_port
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.django_db
 def test_a_redis_flush_does_not_scale_down_a_replica_inside_its_idle_timeout():
     endpoint = serve_endpoint(OrganizationFactory(), f"http://127.0.0.1:{free_port()}", min_replicas=0, idle_timeout_s=300)
     redis = get_redis()
-    redis.set(traffic.last_request_key(endpoint.organization_id, str(endpoint.pk)), time.time() - 10)
+    redis.set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), time.time() - 10)
     scheduler.autoscale_tick()
     redis.flushdb()  # a Redis restart without persistence: last-request times are gone
 
@@ -27,7 +27,7 @@ def test_a_redis_flush_does_not_scale_down_a_replica_inside_its_idle_timeout():
 
     assert Replica.objects.get(endpoint=endpoint).state == ReplicaState.READY
     # The unknown time was taken as "a request now": the idle countdown starts again from the flush.
-    assert time.time() - float(redis.get(traffic.last_request_key(endpoint.organization_id, str(endpoint.pk)))) < 60
+    assert time.time() - float(redis.get(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)))) < 60
 
 
 def test_an_endpoint_still_scales_to_zero_once_its_idle_timeout_passes_after_a_flush():
@@ -37,7 +37,7 @@ def test_an_endpoint_still_scales_to_zero_once_its_idle_timeout_passes_after_a_f
     scheduler.autoscale_tick()
     assert Replica.objects.get(endpoint=endpoint).state == ReplicaState.READY
 
-    redis.set(traffic.last_request_key(endpoint.organization_id, str(endpoint.pk)), time.time() - 301)
+    redis.set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), time.time() - 301)
     scheduler.autoscale_tick()
 
     assert Replica.objects.get(endpoint=endpoint).state == ReplicaState.DRAINING

@@ -6,6 +6,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import TICK_LOCK_KEY
 from endpoints import autoscaler, scheduler
@@ -52,13 +53,12 @@ def test_paused_endpoints_want_nothing():
 
 
 def test_load_comes_from_the_gateways_redis_state_and_ignores_stale_entries():
-    from endpoints.gateway import traffic
 
     endpoint = EndpointFactory()
     redis = get_redis()
-    redis.zadd(traffic.inflight_key(endpoint.organization_id, str(endpoint.pk)), {"a": time.time(), "b": time.time(), "ghost": time.time() - 7200})
-    redis.zadd(traffic.waiting_key(endpoint.organization_id, str(endpoint.pk)), {"c": time.time()})
-    redis.set(traffic.last_request_key(endpoint.organization_id, str(endpoint.pk)), time.time())
+    redis.zadd(redis_keys.inflight_key(endpoint.organization_id, str(endpoint.pk)), {"a": time.time(), "b": time.time(), "ghost": time.time() - 7200})
+    redis.zadd(redis_keys.waiting_key(endpoint.organization_id, str(endpoint.pk)), {"c": time.time()})
+    redis.set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), time.time())
     current = autoscaler.read_load([str(endpoint.pk)])[str(endpoint.pk)]
     assert (current.num_inflight, current.num_waiting, current.peak_concurrency) == (2, 1, 3)
 
@@ -103,9 +103,8 @@ def test_the_tick_looks_only_at_active_endpoints():
     idle = EndpointFactory(min_replicas=0)
     floored = EndpointFactory(min_replicas=1)
     busy = EndpointFactory(min_replicas=0)
-    from endpoints.gateway import traffic
 
-    get_redis().zadd(traffic.RECENT_ENDPOINTS_KEY, {str(busy.pk): time.time()})
+    get_redis().zadd(redis_keys.RECENT_ENDPOINTS_KEY, {str(busy.pk): time.time()})
     assert set(scheduler.active_endpoint_ids()) == {str(floored.pk), str(busy.pk)}
     assert str(idle.pk) not in scheduler.active_endpoint_ids()
 

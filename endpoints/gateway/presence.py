@@ -92,13 +92,13 @@ class Held:
     replica_id: str | None = None
 
     def value(self) -> str:
-        counter = traffic.outstanding_key(self.organization_id, self.replica_id) if self.replica_id else ""
+        counter = redis_keys.outstanding_key(self.organization_id, self.replica_id) if self.replica_id else ""
         return f"{self.endpoint_id}|{counter}"
 
     def counter(self) -> str:
         if self.replica_id is None:
-            return traffic.no_replica_placeholder(self.organization_id)
-        return traffic.outstanding_key(self.organization_id, self.replica_id)
+            return redis_keys.no_replica_placeholder(self.organization_id)
+        return redis_keys.outstanding_key(self.organization_id, self.replica_id)
 
 
 # The requests this process serves (request id -> Held), and those whose end did not reach Redis
@@ -137,9 +137,9 @@ async def beat() -> None:
     recent = traffic.take_recent()
     try:
         async with redis.pipeline(transaction=False) as pipe:
-            pipe.set(traffic.gateway_alive_key(gateway), "1", ex=ALIVE_TTL_S, get=True)
+            pipe.set(redis_keys.gateway_alive_key(gateway), "1", ex=ALIVE_TTL_S, get=True)
             if recent:
-                pipe.zadd(traffic.RECENT_ENDPOINTS_KEY, recent, gt=True)
+                pipe.zadd(redis_keys.RECENT_ENDPOINTS_KEY, recent, gt=True)
             was_alive = (await pipe.execute())[0]
     except BaseException:
         for endpoint_id in recent:
@@ -148,17 +148,17 @@ async def beat() -> None:
     if was_alive is None and (registered := traffic.registered_requests_keys()):
         # NOTE: Redis lost the gateways set, or a sweeper dropped this gateway's emptied hashes
         # while it was frozen: list them again (written before each organisation's first request).
-        await redis.sadd(traffic.GATEWAYS_KEY, *registered)
+        await redis.sadd(redis_keys.GATEWAYS_KEY, *registered)
     if was_alive is None and serving:
         by_organization: dict[int, list[tuple[str, Held]]] = {}
         for request_id, held in list(serving.items()):
             by_organization.setdefault(held.organization_id, []).append((request_id, held))
         restored = 0
         for organization_id, snapshot in by_organization.items():
-            keys = [traffic.gateway_requests_key(organization_id), traffic.no_replica_placeholder(organization_id)]
+            keys = [traffic.gateway_requests_key(organization_id), redis_keys.no_replica_placeholder(organization_id)]
             args = [time.time(), traffic.OUTSTANDING_TTL_S]
             for request_id, held in snapshot:
-                keys += [traffic.inflight_key(organization_id, held.endpoint_id), held.counter()]
+                keys += [redis_keys.inflight_key(organization_id, held.endpoint_id), held.counter()]
                 args += [request_id, held.value()]
             restored += await _RESTORE_REQUESTS(keys=keys, args=args)
         if restored:
@@ -211,21 +211,21 @@ def release_requests(requests_key: str, request_ids: list[str] | None = None, *,
     entries = client.hgetall(requests_key) if request_ids is None else dict(
         zip(request_ids, client.hmget(requests_key, request_ids), strict=True))
     items = [(request_id, value) for request_id, value in entries.items() if value is not None]
-    placeholder = traffic.no_replica_placeholder(organization_id)
+    placeholder = redis_keys.no_replica_placeholder(organization_id)
     released, num_left = 0, len(items)
     for first in range(0, len(items), SWEEP_BATCH):
-        if only_if_dead and client.exists(traffic.gateway_alive_key(gateway)):
+        if only_if_dead and client.exists(redis_keys.gateway_alive_key(gateway)):
             return -1
         keys, args = [requests_key, placeholder], []
         for request_id, value in items[first:first + SWEEP_BATCH]:
             endpoint_id, _, counter = value.partition("|")
-            keys += [traffic.inflight_key(organization_id, endpoint_id), traffic.waiting_key(organization_id, endpoint_id),
+            keys += [redis_keys.inflight_key(organization_id, endpoint_id), redis_keys.waiting_key(organization_id, endpoint_id),
                      counter or placeholder]
             args += [request_id, value]
         count, num_left = _RELEASE_REQUESTS.run_sync(keys=keys, args=args)
         released += count
     if only_if_dead and not num_left and not client.hlen(requests_key):
-        client.srem(traffic.GATEWAYS_KEY, requests_key)
+        client.srem(redis_keys.GATEWAYS_KEY, requests_key)
     return released
 
 
@@ -233,9 +233,9 @@ def sweep_dead_gateways() -> int:
     """Release the requests of every gateway whose heartbeat stopped; returns how many were released."""
     client = get_redis()
     released = 0
-    for requests_key in client.smembers(traffic.GATEWAYS_KEY):
+    for requests_key in client.smembers(redis_keys.GATEWAYS_KEY):
         gateway = redis_keys.gateway_of_requests_key(requests_key)
-        if client.exists(traffic.gateway_alive_key(gateway)):
+        if client.exists(redis_keys.gateway_alive_key(gateway)):
             continue
         count = release_requests(requests_key, only_if_dead=True)
         if count > 0:

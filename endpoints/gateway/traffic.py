@@ -27,8 +27,6 @@ from controlplane import redis_keys
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import (
     GATEWAYS_KEY,
-    RECENT_ENDPOINTS_KEY,
-    gateway_alive_key,
     inflight_key,
     last_request_key,
     no_replica_placeholder,
@@ -37,9 +35,6 @@ from controlplane.redis_keys import (
 )
 from controlplane.redis_scripts import Script
 from controlplane.script_parts import ScriptPart
-
-__all__ = ["GATEWAYS_KEY", "RECENT_ENDPOINTS_KEY", "gateway_alive_key", "inflight_key", "last_request_key",
-           "no_replica_placeholder", "outstanding_key", "waiting_key"]
 
 STALE_AFTER_S = 3600
 RECENT_WINDOW_S = 86400  # the autoscaler tick looks at endpoints with a request this recent

@@ -9,9 +9,10 @@ import pytest
 from billing.quota import reads
 from billing.quota.counters import QuotaExceeded
 from billing.services import set_spend_cap
+from controlplane import redis_keys
 from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
-from endpoints.gateway import admission, errors, limits, traffic
+from endpoints.gateway import admission, errors, limits
 from endpoints.gateway.auth import Caller
 from tests.factories import OrganizationFactory
 
@@ -36,9 +37,9 @@ def _state(caller):
     redis = get_redis()
     window = limits.Window.now(caller.organization_id, caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute)
     return {
-        "in_flight": redis.zcard(traffic.inflight_key(caller.organization_id, ENDPOINT)),
-        "waiting": redis.zcard(traffic.waiting_key(caller.organization_id, ENDPOINT)),
-        "outstanding": [int(redis.get(traffic.outstanding_key(caller.organization_id, r)) or 0) for r in REPLICAS],
+        "in_flight": redis.zcard(redis_keys.inflight_key(caller.organization_id, ENDPOINT)),
+        "waiting": redis.zcard(redis_keys.waiting_key(caller.organization_id, ENDPOINT)),
+        "outstanding": [int(redis.get(redis_keys.outstanding_key(caller.organization_id, r)) or 0) for r in REPLICAS],
         "requests_this_minute": int(redis.get(window.requests_key) or 0),
         "tokens_this_minute": int(redis.get(window.tokens_key) or 0),
         "reserved": reads.reserved_now(caller.organization_id),

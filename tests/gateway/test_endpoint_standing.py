@@ -6,8 +6,8 @@ import httpx
 import pytest
 from django.utils import timezone
 
+from controlplane import redis_keys
 from controlplane.redis_client import get_redis
-from endpoints.gateway import traffic
 from endpoints.models import Endpoint, Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import ReplicaState
@@ -37,7 +37,7 @@ def test_a_call_to_a_failed_endpoint_fails_at_once_with_the_reason(gateway, tena
     assert error["code"] == "endpoint_failed" and error["type"] == "server_error"
     assert reason in error["message"]
     assert int(response.headers["retry-after"]) > 0
-    assert get_redis().zcard(traffic.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 0  # never held
+    assert get_redis().zcard(redis_keys.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 0  # never held
 
 
 def test_a_call_to_an_endpoint_waiting_for_capacity_fails_fast_with_retry_after_and_the_reason(gateway, tenant):
@@ -59,7 +59,7 @@ def test_a_client_that_asks_to_wait_for_capacity_is_held_until_a_replica_is_read
         target=lambda: answers.append(call(gateway, tenant, endpoint, **{"X-Inferplane-Wait-For-Capacity": "true"})),
     )
     thread.start()
-    wait_until(lambda: get_redis().zcard(traffic.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 1, 20, message="the call to be held")
+    wait_until(lambda: get_redis().zcard(redis_keys.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 1, 20, message="the call to be held")
     Replica.objects.create(endpoint=endpoint, node=Node.objects.get(), state=ReplicaState.READY,
                            address=start_mock_upstream(), ready_at=timezone.now())
     thread.join(timeout=60)
@@ -73,7 +73,7 @@ def test_a_held_call_is_told_when_its_wake_finds_no_capacity(gateway, tenant):
     answers = []
     thread = threading.Thread(target=lambda: answers.append(call(gateway, tenant, endpoint)))
     thread.start()
-    wait_until(lambda: get_redis().zcard(traffic.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 1, 20, message="the call to be held")
+    wait_until(lambda: get_redis().zcard(redis_keys.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 1, 20, message="the call to be held")
     # What the woken reconcile records when no node has room.
     Endpoint.objects.filter(pk=endpoint.pk).update(waiting_for_capacity=True, status_message=NO_ROOM)
     thread.join(timeout=60)

@@ -6,9 +6,9 @@ import threading
 import httpx
 import pytest
 
+from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from endpoints import scheduler
-from endpoints.gateway import traffic
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
 from tests.conftest import start_web_server, wait_until
@@ -38,7 +38,7 @@ def start_streams(gateway: str, key: str, model: str, count: int, max_tokens: in
 def counts(endpoint, replica) -> tuple[int, int]:
     redis = get_redis()
     org = endpoint.organization_id
-    return redis.zcard(traffic.inflight_key(org, str(endpoint.pk))), int(redis.get(traffic.outstanding_key(org, str(replica.pk))) or 0)
+    return redis.zcard(redis_keys.inflight_key(org, str(endpoint.pk))), int(redis.get(redis_keys.outstanding_key(org, str(replica.pk))) or 0)
 
 
 def test_a_killed_gateways_requests_stop_counting_within_seconds_and_the_endpoint_scales_to_zero(
