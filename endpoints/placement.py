@@ -79,11 +79,21 @@ def weight_factor(quantization: str, gpu_type: str, *, checkpoint_is_quantized: 
     return facts.weight_factor
 
 
+def _engine_weights_mb(endpoint: Endpoint, weights_mb: int | None = None) -> tuple[float, float]:
+    """(What the engine's weights take, the model's 16-bit size): from the checkpoint's size as stored
+    (`weights_mb`, else what agents reported), else the size its name suggests."""
+    reported = reported_weights_size_mb(endpoint) if weights_mb is None else weights_mb
+    size_mb = guessed_weights_size_mb(endpoint) if reported is None else reported
+    weights = size_mb * weight_factor(endpoint.quantization, endpoint.gpu_type, checkpoint_is_quantized=reported is not None)
+    facts = QUANTIZATION_FACTS.get(endpoint.quantization)
+    if reported is not None and facts is not None and facts.checkpoint_methods:
+        return weights, size_mb / facts.weight_factor  # 4-bit files of a model whose KV cache is 16-bit's
+    return weights, size_mb
+
+
 def estimated_weights_mb(endpoint: Endpoint) -> int:
     """What placement expects the engine's weights to take (checked against the engine's own report)."""
-    reported = reported_weights_size_mb(endpoint)
-    size_mb = guessed_weights_size_mb(endpoint) if reported is None else reported
-    return math.ceil(size_mb * weight_factor(endpoint.quantization, endpoint.gpu_type, checkpoint_is_quantized=reported is not None))
+    return math.ceil(_engine_weights_mb(endpoint)[0])
 
 
 def memory_needed_mb(endpoint: Endpoint, weights_mb: int | None = None) -> int:
@@ -91,13 +101,7 @@ def memory_needed_mb(endpoint: Endpoint, weights_mb: int | None = None) -> int:
 
     `weights_mb`, when given, is the checkpoint's size as stored (what an agent reports).
     """
-    reported = reported_weights_size_mb(endpoint) if weights_mb is None else weights_mb
-    weights_mb = guessed_weights_size_mb(endpoint) if reported is None else reported
-    factor = weight_factor(endpoint.quantization, endpoint.gpu_type, checkpoint_is_quantized=reported is not None)
-    weights = weights_mb * factor
-    facts = QUANTIZATION_FACTS.get(endpoint.quantization)
-    if reported is not None and facts is not None and facts.checkpoint_methods:
-        weights_mb = weights_mb / facts.weight_factor  # the KV cache follows the model's 16-bit size, not its 4-bit files
+    weights, weights_mb = _engine_weights_mb(endpoint, weights_mb)
     if endpoint.gpu_type == "cpu":
         return math.ceil(weights + CPU_KV_CACHE_MB + CPU_ENGINE_OVERHEAD_MB)
     kv_per_token = weights_mb * 1024 * 1024 * KV_BYTES_PER_TOKEN_PER_WEIGHT_BYTE
