@@ -8,8 +8,9 @@ of a private source while a public catalogue model ("" scope) is downloaded once
 manifests and per-model locks are `weights_index`'s; one lock per cache key makes concurrent
 requests for one model download once, across threads and processes.
 
-A download goes to `<root>/.tmp/` and is renamed into place before its manifest is written, so a
-half-downloaded model never looks complete. Before downloading, every file name is checked
+A download goes to `<root>/.tmp/<key>.partial/` (`weights_transfer`: parallel ranged reads,
+retries, checksums; a download cut short resumes from the parts already there) and is renamed into
+place before its manifest is written, so a half-downloaded model never looks complete. Before downloading, every file name is checked
 (`weights_paths`) and the model's total size is compared with the disk budget and free space: what
 can never fit fails at once, least recently used unpinned models are evicted when that makes room,
 and a file larger than its listing said stops the download (`weights_sources`).
@@ -24,7 +25,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from gpu_agent.protocol import ModelInfo, WeightsStatus
@@ -40,10 +40,14 @@ from gpu_agent.runtime.weights_access import (
     s3_endpoint_for,
 )
 from gpu_agent.runtime.weights_index import CacheIndex, cache_key, digest, remove_path
-from gpu_agent.runtime.weights_paths import DownloadFolder, check_local_model_dir
+from gpu_agent.runtime.weights_paths import check_local_model_dir
 from gpu_agent.runtime.weights_sources import Download, ModelSource
+from gpu_agent.runtime.weights_transfer import Transfer, TransferSettings
 
 logger = logging.getLogger(__name__)
+
+# A partial download nobody resumed for this long is removed when a cache opens.
+STALE_PARTIAL_S = 24 * 3600
 
 
 class WeightsCache:
@@ -57,6 +61,7 @@ class WeightsCache:
         s3_endpoint_url: str | None = None,
         hf_endpoint: str | None = None,
         private_dirs: tuple[Path, ...] = (),
+        transfer: TransferSettings | None = None,
     ) -> None:
         self.root = Path(root).resolve()
         self.budget_bytes = budget_bytes
@@ -69,7 +74,8 @@ class WeightsCache:
         self.hf_endpoint = hf_endpoint or os.environ.get("HF_ENDPOINT") or None
         # A local model directory may neither lie inside nor contain these (nor the cache itself).
         self.private_dirs = (self.root, *private_dirs)
-        for sub in ("", ".tmp", ".locks"):
+        self.transfer = transfer or TransferSettings()
+        for sub in ("", ".tmp", ".locks", ".parts"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._index = CacheIndex(self.root)
         self.num_downloads = 0
@@ -80,6 +86,7 @@ class WeightsCache:
         self._downloads: dict[str, Download] = {}
         self._model_infos: dict[Path, ModelInfo | None] = {}  # model directory -> what its config says
         self._local_models: dict[str, Path] = {}  # local sources served here, reported like cached ones
+        self._remove_stale_partials()
 
     # -- public ---------------------------------------------------------------
 
@@ -106,7 +113,6 @@ class WeightsCache:
             try:
                 if parsed.kind == "s3":
                     client = s3_client(access, source, default_endpoint_url=self.s3_endpoint_url)
-                    stack.callback(client.close)
                     files = weights_sources.s3_listing(client, parsed, source)
                     fingerprint = json.dumps(sorted((f.location, f.size_bytes, f.etag) for f in files))
                 else:  # a branch moves: key by the commit it points at now
@@ -287,15 +293,21 @@ class WeightsCache:
     def _download_into_place(
         self, parsed, client, files, path: Path, download: Download, on_progress
     ) -> None:
-        tmp = self.root / ".tmp" / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        folder = DownloadFolder(tmp)
+        """Fetch (or finish fetching) the model into `.tmp/<key>.partial`, then rename it into place."""
+        transfer = Transfer(
+            parsed, client, files, self.root / ".tmp" / f"{path.name}.partial",
+            self.root / ".parts" / f"{path.name}.json", download, on_progress, self.transfer,
+        )
         try:
-            for remote in files:
-                with folder.create(remote.parts) as handle:
-                    weights_sources.download_file(parsed, client, remote, handle, download, on_progress)
-            folder.check_in_place()
+            folder = transfer.run()
+        except StoreUnreachable:
+            raise  # NOTE: what was written stays, and the next fetch of the same content resumes it
+        except BaseException:
+            transfer.discard()
+            raise
+        try:
             remove_path(path)  # a stale directory without a manifest
-            os.rename(tmp, path)
+            os.rename(folder.path, path)
             try:
                 folder.check_in_place(path)
             except WeightsError:
@@ -303,7 +315,27 @@ class WeightsCache:
                 raise
         finally:
             folder.close()
-            remove_path(tmp)
+            transfer.discard()
+
+    def _remove_stale_partials(self) -> None:
+        """Partial downloads nobody resumed for `STALE_PARTIAL_S` (their content changed, or the model went)."""
+        cutoff = time.time() - STALE_PARTIAL_S
+        for journal in (self.root / ".parts").glob("*.json"):
+            key = journal.stem
+            lock = self._index.key_lock(key, blocking=False)
+            if lock is None:
+                continue
+            with lock:
+                try:
+                    if journal.stat().st_mtime < cutoff:
+                        remove_path(self.root / ".tmp" / f"{key}.partial")
+                        journal.unlink(missing_ok=True)
+                except FileNotFoundError:
+                    pass
+        for leftover in (self.root / ".tmp").iterdir():
+            key = leftover.name.partition(".")[0]
+            if not (self.root / ".parts" / f"{key}.json").exists() and leftover.stat().st_mtime < cutoff:
+                remove_path(leftover)
 
 
 def _human(num_bytes: int | None) -> str:

@@ -15,6 +15,10 @@ cannot be reached at all (`StoreUnreachable`) lets the cache fall back to a copy
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -30,6 +34,12 @@ from gpu_agent.protocol import ReplicaSpec, SourceCredentials
 _TRANSIENT_S3_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"}
 _S3_CONFIG = Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=10, read_timeout=60)
 _ROLE_SESSION_NAME = "inferplane-weights"
+# An assumed role's keys last an hour by default: its client is replaced well before, so a download
+# that starts on a cached client never runs out of time.
+_ROLE_CLIENT_LIFETIME_S = 15 * 60
+_MAX_CLIENTS = 64
+_clients: OrderedDict[tuple, tuple[object, float]] = OrderedDict()
+_clients_lock = threading.Lock()
 
 
 class WeightsError(Exception):
@@ -94,10 +104,45 @@ def s3_endpoint_for(access: SourceAccess, default_endpoint_url: str | None) -> s
 
 
 def s3_client(access: SourceAccess, source: str, *, default_endpoint_url: str | None):
-    """A fresh client for one fetch, signed with exactly the credentials `access` allows."""
+    """The process's client for exactly the credentials `access` allows (made once, then shared).
+
+    boto3 clients are thread-safe and hold the connection pool, so every fetch and every download
+    thread reading with the same credentials from the same store shares one. Clients are keyed by
+    a digest of the credentials (never the secrets themselves); a client signed with an assumed
+    role's temporary keys is replaced before those expire.
+    """
     credentials = access.credentials_of_kind("s3", source)
     endpoint_url = s3_endpoint_for(access, default_endpoint_url)
     region = (credentials.region if credentials else "") or None
+    identity = _client_identity(access, credentials, endpoint_url, region)
+    with _clients_lock:
+        cached = _clients.get(identity)
+        if cached is not None and cached[1] > time.monotonic():
+            _clients.move_to_end(identity)
+            return cached[0]
+    client, lifetime_s = _new_s3_client(access, credentials, endpoint_url, region, source)
+    with _clients_lock:
+        _clients[identity] = (client, time.monotonic() + lifetime_s)
+        _clients.move_to_end(identity)
+        while len(_clients) > _MAX_CLIENTS:  # dropped, not closed: a download may still be using it
+            _clients.popitem(last=False)
+    return client
+
+
+def _client_identity(access: SourceAccess, credentials, endpoint_url, region) -> tuple:
+    if credentials is None:
+        material = "fleet" if access.use_fleet_credentials else "anonymous"
+    else:
+        material = "\n".join((
+            credentials.access_key_id, credentials.secret_access_key, credentials.session_token or "",
+            credentials.role_arn or "", credentials.external_id or "",
+        ))
+    return (hashlib.sha256(material.encode()).hexdigest(), endpoint_url or "", region or "")
+
+
+def _new_s3_client(access: SourceAccess, credentials, endpoint_url, region, source: str):
+    """A client and how long it may be reused (an assumed role's keys expire)."""
+    lifetime_s = float("inf")
     config = _S3_CONFIG
     if credentials is None:
         session = boto3.session.Session(region_name=region)
@@ -106,6 +151,7 @@ def s3_client(access: SourceAccess, source: str, *, default_endpoint_url: str | 
             config = config.merge(Config(signature_version=UNSIGNED))
     elif credentials.role_arn:
         session = _assumed_role_session(credentials, source, region)
+        lifetime_s = _ROLE_CLIENT_LIFETIME_S
     else:
         session = boto3.session.Session(
             aws_access_key_id=credentials.access_key_id,
@@ -113,7 +159,7 @@ def s3_client(access: SourceAccess, source: str, *, default_endpoint_url: str | 
             aws_session_token=credentials.session_token or None,
             region_name=region,
         )
-    return session.client("s3", endpoint_url=endpoint_url, config=config)
+    return session.client("s3", endpoint_url=endpoint_url, config=config), lifetime_s
 
 
 def _assumed_role_session(credentials: SourceCredentials, source: str, region: str | None):
@@ -146,6 +192,10 @@ def s3_errors(source: str) -> Iterator[None]:
     except botocore.exceptions.ClientError as exc:
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        if code == "PreconditionFailed" or status == 412:  # IfMatch: the object is not the one listed
+            raise WeightsError(
+                f"{source} changed while it was downloading; the next attempt fetches the new version"
+            ) from exc
         if status >= 500 or code in _TRANSIENT_S3_CODES:
             raise StoreUnreachable(
                 f"cannot reach the store of {source} (it answered {status or code})"

@@ -14,7 +14,6 @@ import posixpath
 import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
 
 from gpu_agent.runtime.weights_access import UnsafeModelPath, WeightsError
 
@@ -63,7 +62,11 @@ def model_file_parts(name: str) -> tuple[str, ...]:
 
 def check_model_file_names(names: Iterable[str]) -> dict[str, tuple[str, ...]]:
     """Validate a whole listing before anything is fetched: each name, and no name both a file and a folder."""
-    parts_by_name = {name: model_file_parts(name) for name in names}
+    parts_by_name: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        if name in parts_by_name:
+            raise _refuse(name, "the listing names it twice")
+        parts_by_name[name] = model_file_parts(name)
     folders = {parts[:depth] for parts in parts_by_name.values() for depth in range(1, len(parts))}
     for name, parts in parts_by_name.items():
         if parts in folders:
@@ -79,41 +82,76 @@ class DownloadFolder:
     (or the folder itself swapped for a link) is refused, never followed.
     """
 
-    def __init__(self, path: Path) -> None:
-        os.mkdir(path, 0o700)
+    def __init__(self, path: Path, *, resume: bool = False) -> None:
+        """Make the folder, or with `resume` reopen the one a failed download left (never through a link)."""
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            if not resume:
+                raise
         self.path = path
-        self._fd = os.open(path, _DIRECTORY_FLAGS)
+        try:
+            self._fd = os.open(path, _DIRECTORY_FLAGS)
+        except OSError:  # ELOOP, ENOTDIR: not a folder of ours any more
+            raise UnsafeModelPath("the download folder was replaced while the model was downloading") from None
         info = os.fstat(self._fd)
         self._identity = (info.st_dev, info.st_ino)
 
-    def create(self, parts: tuple[str, ...]) -> BinaryIO:
-        """Open a new file at `parts` (from `model_file_parts`) for writing."""
+    def open_file(self, parts: tuple[str, ...], *, exclusive: bool = True) -> int:
+        """A read-write descriptor of the file at `parts` (from `model_file_parts`), made if missing.
+
+        `exclusive` (a fresh download) refuses a file that is already there; a resumed download
+        reopens the one it wrote before, still never through a symbolic link.
+        """
+        name = "/".join(parts)
+        directory = self._walk(parts, create=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_EXCL if exclusive else 0)
+        try:
+            return os.open(parts[-1], flags, 0o644, dir_fd=directory)
+        except FileExistsError:
+            raise _refuse(name, "something (a duplicate or a symbolic link) is already there") from None
+        except OSError:  # ELOOP: a symbolic link where a resumed file was
+            raise _refuse(name, "something (a duplicate or a symbolic link) is already there") from None
+        finally:
+            os.close(directory)
+
+    def check_file(self, parts: tuple[str, ...], fd: int) -> None:
+        """Raise unless `parts`, looked up afresh without following links, is still the file `fd` wrote."""
+        name = "/".join(parts)
+        directory = self._walk(parts, create=False)
+        try:
+            info = os.stat(parts[-1], dir_fd=directory, follow_symlinks=False)
+        except OSError:
+            info = None
+        finally:
+            os.close(directory)
+        written = os.fstat(fd)
+        if info is None or not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (
+            written.st_dev, written.st_ino
+        ):
+            raise _refuse(name, "the file was moved or replaced while it downloaded")
+
+    def _walk(self, parts: tuple[str, ...], *, create: bool) -> int:
+        """A descriptor of the folder holding `parts`, reached one component at a time with O_NOFOLLOW."""
         name = "/".join(parts)
         directory = os.dup(self._fd)
         try:
             for part in parts[:-1]:
-                try:
-                    os.mkdir(part, 0o755, dir_fd=directory)
-                except FileExistsError:
-                    pass
+                if create:
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=directory)
+                    except FileExistsError:
+                        pass
                 try:
                     child = os.open(part, _DIRECTORY_FLAGS, dir_fd=directory)
                 except OSError:  # ELOOP: a symbolic link; ENOTDIR: a file
                     raise _refuse(name, "a folder on its way is a symbolic link or a file") from None
                 os.close(directory)
                 directory = child
-            try:
-                fd = os.open(
-                    parts[-1],
-                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    0o644,
-                    dir_fd=directory,
-                )
-            except FileExistsError:
-                raise _refuse(name, "something (a duplicate or a symbolic link) is already there") from None
-        finally:
+        except BaseException:
             os.close(directory)
-        return os.fdopen(fd, "wb")
+            raise
+        return directory
 
     def check_in_place(self, path: Path | None = None) -> None:
         """Raise unless `path` (default: where the folder was made) is still this very folder."""

@@ -1,4 +1,4 @@
-"""Where model weights come from: parsing a model source, listing its files, downloading each one.
+"""Where model weights come from: parsing a model source, listing its files, reading ranges of each.
 
 Sources:
     s3://bucket/prefix       boto3; listed with the objects' keys, sizes and ETags
@@ -6,16 +6,20 @@ Sources:
     /absolute/path           used in place, never copied (`weights_paths.check_local_model_dir`)
 
 A listing names every file with its size before anything is downloaded (`weights_paths` checks the
-names), so the cache can size the model against its disk budget first. A file's bytes are written
-only while they stay within the size its listing announced. The cache (`weights.WeightsCache`)
-decides where the files go and whether a download is needed at all; the clients and the errors a
-customer may see come from `weights_access`.
+names), so the cache can size the model against its disk budget first. `open_range` reads part of
+one listed file, pinned to the listed version, and says how large the store holds the file to be;
+`s3_checksum` and the Hub listing's digests say what a whole file must hash to. The transfer
+(`weights_transfer`) writes the parts; the cache (`weights.WeightsCache`) decides where the files go
+and whether a download is needed at all; the clients and the errors a customer may see come from
+`weights_access`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -31,6 +35,8 @@ from gpu_agent.runtime.weights_paths import check_model_file_names
 
 _CHUNK_BYTES = 8 * 1024 * 1024
 MAX_MODEL_FILES = 10_000  # a listing of a million tiny objects would exhaust inodes, not bytes
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX40 = re.compile(r"[0-9a-f]{40}")
 _HF_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -71,6 +77,7 @@ class RemoteFile:
     size_bytes: int
     location: str  # the S3 object key, or the Hub URL of the file at the listed commit
     etag: str = ""
+    digest: tuple[str, str] | None = None  # ("sha256" | "git-blob-sha1", hex), where the Hub lists one
 
 
 @dataclass(slots=True)
@@ -83,31 +90,33 @@ class Download:
     downloaded_bytes: int = 0
 
 
-def download_file(
-    parsed: ModelSource, client, remote: RemoteFile, handle, download: Download, on_progress
-) -> None:
-    """Write one listed file into `handle`, never more bytes than its listing announced."""
+class FileRange:
+    """The bytes `start`..`end` (inclusive) of one listed file, as the store sends them.
+
+    `total_bytes` is the whole file's size as the store states it (None when it does not say);
+    `chunks` yields the range's bytes, and never reads past the range.
+    """
+
+    def __init__(self, chunks, total_bytes: int | None) -> None:
+        self.chunks = chunks
+        self.total_bytes = total_bytes
+
+
+@contextlib.contextmanager
+def open_range(parsed: ModelSource, client, remote: RemoteFile, start: int, end: int) -> Iterator[FileRange]:
+    """Read part of one listed file (`weights_transfer` writes it where it belongs)."""
     if parsed.kind == "s3":
-        _download_s3_file(client, parsed, remote, handle, download, on_progress)
+        with _s3_range(client, parsed, remote, start, end) as part:
+            yield part
     else:
-        _download_hf_file(client, parsed, remote, handle, download, on_progress)
+        with _hf_range(client, parsed, remote, start, end) as part:
+            yield part
 
 
-def _write_chunks(chunks, remote: RemoteFile, handle, download: Download, on_progress, source: str) -> None:
-    written = 0
-    for chunk in chunks:
-        written += len(chunk)
-        download.downloaded_bytes += len(chunk)
-        # NOTE: checked before writing, so a store that sends more than it listed fills no disk.
-        if written > remote.size_bytes:
-            raise WeightsError(
-                f"{source}: {remote.name} is larger than the {remote.size_bytes} bytes its listing announced"
-            )
-        handle.write(chunk)
-        if on_progress:
-            on_progress(download.downloaded_bytes, download.size_bytes)
-    if written != remote.size_bytes:
-        raise WeightsError(f"{source}: {remote.name}: got {written} bytes, expected {remote.size_bytes}")
+def _total_from_content_range(value: str | None) -> int | None:
+    """`bytes 0-9/100` -> 100 (None for `*` or a malformed header)."""
+    total = (value or "").rpartition("/")[2]
+    return int(total) if total.isdigit() else None
 
 
 # -- S3 -------------------------------------------------------------------------
@@ -136,15 +145,35 @@ def s3_listing(client, parsed: ModelSource, source: str) -> list[RemoteFile]:
     ]
 
 
-def _download_s3_file(client, parsed, remote: RemoteFile, handle, download, on_progress) -> None:
+@contextlib.contextmanager
+def _s3_range(client, parsed, remote: RemoteFile, start: int, end: int) -> Iterator[FileRange]:
     source = f"s3://{parsed.location}"
     bucket, _ = parsed.bucket_and_prefix
+    arguments = {"Bucket": bucket, "Key": remote.location, "Range": f"bytes={start}-{end}"}
+    if remote.etag:  # every byte from the version the listing saw: a replaced object is a 412
+        arguments["IfMatch"] = f'"{remote.etag}"'
     with s3_errors(source):
-        body = client.get_object(Bucket=bucket, Key=remote.location)["Body"]
+        answer = client.get_object(**arguments)
+        body = answer["Body"]
         try:
-            _write_chunks(body.iter_chunks(_CHUNK_BYTES), remote, handle, download, on_progress, source)
+            total = _total_from_content_range(answer.get("ContentRange"))
+            if total is None and not answer.get("ContentRange"):  # a store that ignored the range
+                total = int(answer.get("ContentLength") or 0)
+                yield FileRange(_skip(body.iter_chunks(_CHUNK_BYTES), start), total)
+            else:
+                yield FileRange(body.iter_chunks(_CHUNK_BYTES), total)
         finally:
             body.close()
+
+
+def _skip(chunks, num_bytes: int):
+    """The chunks after the first `num_bytes` (a store that answered a ranged read with everything)."""
+    for chunk in chunks:
+        if num_bytes >= len(chunk):
+            num_bytes -= len(chunk)
+            continue
+        yield chunk[num_bytes:]
+        num_bytes = 0
 
 
 # -- Hugging Face ---------------------------------------------------------------
@@ -168,6 +197,7 @@ def hf_listing(client, parsed: ModelSource, source: str, hub: str) -> tuple[list
     try:
         info = response.json()
         siblings = [(entry["rfilename"], entry.get("size")) for entry in info.get("siblings") or []]
+        digests = {entry["rfilename"]: _hub_digest(entry) for entry in info.get("siblings") or []}
         sha = str(info.get("sha") or parsed.revision)
     except (ValueError, TypeError, KeyError, AttributeError):
         raise WeightsError(f"{source}: the Hub's answer about the repo is malformed") from None
@@ -180,14 +210,87 @@ def hf_listing(client, parsed: ModelSource, source: str, hub: str) -> tuple[list
         if not isinstance(size, int) or size < 0:
             raise WeightsError(f"{source}: the Hub did not say how large {name!r} is")
     files = [
-        RemoteFile(name, parts[name], size, hf_hub_url(parsed.location, name, revision=sha, endpoint=hub))
+        RemoteFile(
+            name, parts[name], size, hf_hub_url(parsed.location, name, revision=sha, endpoint=hub),
+            digest=digests.get(name),
+        )
         for name, size in siblings
     ]
     return files, sha
 
 
-def _download_hf_file(client, parsed, remote: RemoteFile, handle, download, on_progress) -> None:
+def _hub_digest(entry: dict) -> tuple[str, str] | None:
+    """What the Hub says a file's bytes hash to: an LFS file's SHA-256, else its git blob's SHA-1."""
+    lfs = entry.get("lfs")
+    if isinstance(lfs, dict) and _HEX64.fullmatch(str(lfs.get("sha256") or "")):
+        return ("sha256", lfs["sha256"])
+    blob = str(entry.get("blobId") or "")
+    return ("git-blob-sha1", blob) if _HEX40.fullmatch(blob) else None
+
+
+@contextlib.contextmanager
+def _hf_range(client, parsed, remote: RemoteFile, start: int, end: int) -> Iterator[FileRange]:
+    # NOTE: the URL names the commit the listing saw, so every range comes from the same content.
     source = f"hf:{parsed.location}@{parsed.revision}"
-    with hf_errors(source), client.stream("GET", remote.location) as response:
+    with hf_errors(source), client.stream(
+        "GET", remote.location, headers={"Range": f"bytes={start}-{end}", "Accept-Encoding": "identity"}
+    ) as response:
         hf_raise_for_status(response, source)
-        _write_chunks(response.iter_bytes(_CHUNK_BYTES), remote, handle, download, on_progress, source)
+        if response.status_code == 206:
+            yield FileRange(response.iter_bytes(_CHUNK_BYTES), _total_from_content_range(
+                response.headers.get("content-range")))
+        else:  # a mirror that ignores ranges sends the whole file
+            length = response.headers.get("content-length")
+            total = int(length) if length and length.isdigit() else None
+            yield FileRange(_skip(response.iter_bytes(_CHUNK_BYTES), start), total)
+
+
+# -- what a file's bytes must hash to -------------------------------------------
+
+
+_MD5_ETAG = re.compile(r"[0-9a-f]{32}")
+_MULTIPART_ETAG = re.compile(r"([0-9a-f]{32})-([1-9][0-9]{0,4})")
+
+
+@dataclass(slots=True, frozen=True)
+class S3Checksum:
+    """An S3 object's ETag as a digest: MD5 of the bytes, or of the parts' MD5s (`part_sizes`)."""
+
+    etag: str
+    part_sizes: tuple[int, ...] = ()  # empty for a single-part upload
+
+
+def s3_checksum(client, parsed: ModelSource, remote: RemoteFile, *, exact_parts: bool = False) -> S3Checksum | None:
+    """What the object's ETag says about its bytes, or None when it says nothing checkable.
+
+    A single-part upload's ETag is the MD5 of its bytes; a multipart upload's is the MD5 of its
+    parts' MD5s, `-<count>`, so the part sizes are read from the store (`HeadObject PartNumber`):
+    the first part's size for all but the last (what uploaders do), or with `exact_parts` each
+    part's own. Objects encrypted with KMS or a customer's key have ETags that are not digests.
+    """
+    source = f"s3://{parsed.location}"
+    bucket, _ = parsed.bucket_and_prefix
+    single, multipart = _MD5_ETAG.fullmatch(remote.etag), _MULTIPART_ETAG.fullmatch(remote.etag)
+    if not (single or multipart):
+        return None
+    with s3_errors(source):
+        head = client.head_object(Bucket=bucket, Key=remote.location, IfMatch=f'"{remote.etag}"')
+        if head.get("ServerSideEncryption", "").startswith("aws:kms") or head.get("SSECustomerAlgorithm"):
+            return None
+        if single:
+            return S3Checksum(remote.etag)
+        count = int(multipart.group(2))
+        if count == 1:
+            return S3Checksum(remote.etag, (remote.size_bytes,))
+        # NOTE: a part's HEAD is not pinned with IfMatch (some stores answer with the part's own
+        # ETag); the bytes were, so a size read from a newer version only fails the check.
+        first = int(client.head_object(Bucket=bucket, Key=remote.location, PartNumber=1).get("ContentLength") or 0)
+        if not exact_parts:
+            if first <= 0 or first * (count - 1) >= remote.size_bytes:
+                return None
+            return S3Checksum(remote.etag, (first,) * (count - 1) + (remote.size_bytes - first * (count - 1),))
+        sizes = [first] + [
+            int(client.head_object(Bucket=bucket, Key=remote.location, PartNumber=number)["ContentLength"])
+            for number in range(2, count + 1)
+        ]
+    return S3Checksum(remote.etag, tuple(sizes)) if sum(sizes) == remote.size_bytes else None

@@ -19,6 +19,12 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 class FakeHub:
     """Serves one model repo the way the Hub's REST API does, enough for snapshot_download."""
 
+    @staticmethod
+    def digest_of(name: str, body: bytes) -> dict:
+        if name.endswith(".safetensors"):  # stored with LFS on the Hub
+            return {"lfs": {"sha256": hashlib.sha256(body).hexdigest(), "size": len(body)}}
+        return {"blobId": hashlib.sha1(b"blob %d\0" % len(body) + body).hexdigest()}
+
     def __init__(
         self,
         repo_id: str,
@@ -26,8 +32,14 @@ class FakeHub:
         *,
         token: str | None = None,
         listed_sizes: dict[str, int] | None = None,
+        ranges: bool = False,
+        digests: bool = False,
     ) -> None:
         self.repo_id, self.files = repo_id, files
+        self.ranges = ranges  # answer `Range` with 206 like the Hub's CDN (else the whole file, 200)
+        self.digests = digests  # list LFS SHA-256s and git blob ids like the Hub's `blobs=true`
+        self.served = dict(files)  # what file downloads send (a corrupting mirror differs from `files`)
+        self.ranged_requests: list[str] = []
         self.listed_sizes = listed_sizes or {}  # what the repo info claims, where it lies
         self.token = token  # when set, the repo is private: other callers get the Hub's 401
         self.authorizations: list[str | None] = []  # the Authorization header of every request
@@ -56,6 +68,7 @@ class FakeHub:
                 if path.startswith(f"{api}/revision/"):
                     siblings = [
                         {"rfilename": name, "size": hub.listed_sizes.get(name, len(body))}
+                        | (hub.digest_of(name, body) if hub.digests else {})
                         for name, body in hub.files.items()
                     ]
                     info = {"id": hub.repo_id, "modelId": hub.repo_id, "sha": COMMIT, "siblings": siblings}
@@ -80,7 +93,7 @@ class FakeHub:
                     _revision, _, name = path[len(prefix) :].partition("/")
                     if name not in hub.files:
                         return self.send(404, b"", {"X-Error-Code": "EntryNotFound"}, head)
-                    body = hub.files[name]
+                    body = hub.served[name]
                     headers = {
                         "X-Repo-Commit": COMMIT,
                         "ETag": f'"{hashlib.sha1(body).hexdigest()}"',
@@ -88,6 +101,13 @@ class FakeHub:
                     }
                     if not head:
                         hub.num_file_downloads += 1
+                    wanted = self.headers.get("Range", "")
+                    if hub.ranges and wanted.startswith("bytes=") and body:
+                        first, _, last = wanted[len("bytes="):].partition("-")
+                        start, end = int(first), min(int(last), len(body) - 1)
+                        hub.ranged_requests.append(f"{name}:{start}-{end}")
+                        headers["Content-Range"] = f"bytes {start}-{end}/{len(body)}"
+                        return self.send(206, body[start : end + 1], headers, head)
                     return self.send(200, body, headers, head)
                 return self.send(404, b"{}", {"X-Error-Code": "RepoNotFound"}, head)
 

@@ -1,0 +1,329 @@
+"""Moving one model's bytes onto disk: parallel ranged reads, retries, resume, verification.
+
+Every listed file is cut into parts of `part_bytes`, and a pool of threads fetches the parts of
+all files with ranged reads (`weights_sources.open_range`), sharing the process's one client per
+set of credentials (`weights_access.s3_client`):
+  - S3 reads carry `IfMatch` with the listed ETag, so all of a file's bytes come from the version
+    the listing saw; a replaced object fails the download rather than mixing two versions;
+  - Hub reads name the listed commit in their URL, which never changes.
+Each part is written at its own offset and never past its own range; a store whose answer states
+a different size for the file than its listing did fails the download before the part is written.
+A part that fails for a transient reason (the store unreachable, a dropped connection, a short
+read) is retried with backoff; a refusal fails the download at once.
+
+Resume: the partial model lives in `.tmp/<cache key>.partial/` and the parts already written are
+recorded in `.parts/<cache key>.json` (rewritten atomically after each part). The cache key covers
+the listing's ETags (or the Hub commit), so the next fetch of the same content, after a transient
+failure or after the agent was killed, reopens the same folder and fetches only what is missing.
+Any other failure removes both.
+
+Verification, once a file is whole: its bytes are hashed and compared with what the store says
+they are (S3: the ETag as an MD5 or multipart MD5, `weights_sources.s3_checksum`; the Hub: an LFS
+file's SHA-256 or a git blob's SHA-1). A mismatch fails the fetch and discards the bytes.
+
+Why not s3transfer's `download_file`: it neither resumes from bytes already on disk nor bounds
+what it writes by the listing, and the Hub needs the same path anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import botocore.exceptions
+import httpx
+
+from gpu_agent.runtime import weights_sources
+from gpu_agent.runtime.weights_access import StoreUnreachable, WeightsError
+from gpu_agent.runtime.weights_index import remove_path
+from gpu_agent.runtime.weights_paths import DownloadFolder
+from gpu_agent.runtime.weights_sources import Download, ModelSource, RemoteFile
+
+logger = logging.getLogger(__name__)
+
+_HASH_CHUNK_BYTES = 8 * 1024 * 1024
+# What a part may fail with and still be retried: the store or the network, never a refusal.
+_TRANSIENT = (
+    StoreUnreachable, botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
+    botocore.exceptions.ReadTimeoutError, httpx.TransportError, ConnectionError, TimeoutError,
+)
+
+
+@dataclass(slots=True, frozen=True)
+class TransferSettings:
+    """How a model is fetched: part size, parallel reads, and retries of each part."""
+
+    part_bytes: int = 16 * 1024 * 1024
+    max_concurrency: int = 8
+    attempts: int = 4
+    first_backoff_s: float = 0.25
+
+
+class _Stopped(Exception):
+    """Another part failed: this one stops where it is (`written` bytes of it were counted)."""
+
+    def __init__(self, written: int) -> None:
+        super().__init__(written)
+        self.written = written
+
+
+class _ShortRead(ConnectionError):
+    """A part's answer ended before its range did (a dropped connection)."""
+
+
+class Transfer:
+    """One model's download into `partial` (resuming what a previous attempt left there)."""
+
+    def __init__(self, parsed: ModelSource, client, files: list[RemoteFile], partial: Path, journal: Path,
+                 download: Download, on_progress, settings: TransferSettings) -> None:
+        self.parsed, self.client, self.files = parsed, client, files
+        self.partial, self.journal_path = partial, journal
+        self.download, self.on_progress, self.settings = download, on_progress, settings
+        self._lock = threading.Lock()
+        self._done: dict[str, set[int]] = {}
+        self._stop = threading.Event()
+
+    # -- the whole download ---------------------------------------------------------------
+
+    def run(self) -> DownloadFolder:
+        """Fetch every missing part, verify every file, and return the complete folder (still in .tmp)."""
+        resumed = self._read_journal()
+        if not resumed:
+            remove_path(self.partial)
+        folder = DownloadFolder(self.partial, resume=resumed)
+        fds: dict[str, int] = {}
+        try:
+            for remote in self.files:
+                fds[remote.name] = folder.open_file(remote.parts, exclusive=not resumed)
+                os.ftruncate(fds[remote.name], remote.size_bytes)
+            parts = [
+                (remote, index)
+                for remote in self.files
+                for index in range(self._num_parts(remote))
+                if index not in self._done.get(remote.name, ())
+            ]
+            with self._lock:
+                self.download.downloaded_bytes = sum(
+                    self._part_span(remote, index)[1] - self._part_span(remote, index)[0] + 1
+                    for remote in self.files for index in self._done.get(remote.name, ())
+                )
+            if resumed:
+                logger.info("resuming %s: %d of %d bytes already on disk", self.download.source,
+                            self.download.downloaded_bytes, self.download.size_bytes)
+            self._fetch_all(parts, fds)
+            for remote in self.files:
+                self._verify(remote, fds[remote.name])
+                folder.check_file(remote.parts, fds[remote.name])
+            folder.check_in_place()
+        except BaseException:
+            folder.close()
+            raise
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return folder
+
+    def discard(self) -> None:
+        """Forget the partial download (a failure that retrying the same bytes would not fix)."""
+        remove_path(self.partial)
+        self.journal_path.unlink(missing_ok=True)
+
+    def _fetch_all(self, parts: list[tuple[RemoteFile, int]], fds: dict[str, int]) -> None:
+        if not parts:
+            return
+        workers = max(1, min(self.settings.max_concurrency, len(parts)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weights") as pool:
+            futures = [pool.submit(self._fetch_part, remote, index, fds[remote.name]) for remote, index in parts]
+            finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                self._stop.set()
+                for future in futures:
+                    future.cancel()
+                wait(futures)
+                raise failed.exception()
+
+    # -- one part -------------------------------------------------------------------------
+
+    def _num_parts(self, remote: RemoteFile) -> int:
+        return max(1, -(-remote.size_bytes // self.settings.part_bytes))
+
+    def _part_span(self, remote: RemoteFile, index: int) -> tuple[int, int]:
+        start = index * self.settings.part_bytes
+        return start, min(start + self.settings.part_bytes, remote.size_bytes) - 1
+
+    def _fetch_part(self, remote: RemoteFile, index: int, fd: int) -> None:
+        start, end = self._part_span(remote, index)
+        if end < start:  # an empty file: nothing to read, its checksum still says it is empty
+            self._part_done(remote, index)
+            return
+        delay = self.settings.first_backoff_s
+        for attempt in range(1, self.settings.attempts + 1):
+            if self._stop.is_set():
+                return
+            try:
+                self._copy_range(remote, start, end, fd)
+                self._part_done(remote, index)
+                return
+            except _Stopped as stopped:
+                self._advance(-stopped.written)
+                return
+            except _TRANSIENT as exc:
+                self._advance(-getattr(exc, "inferplane_written", 0))
+                if attempt == self.settings.attempts:
+                    if isinstance(exc, StoreUnreachable):
+                        raise
+                    raise StoreUnreachable(
+                        f"cannot reach the store of {self.download.source} (a read failed "
+                        f"{attempt} times; the download resumes from what is on disk)"
+                    ) from exc
+                logger.info("part %d of %s failed (%r); retrying in %.2f s", index, remote.name, exc, delay)
+                time.sleep(delay)
+                delay *= 2
+            except BaseException as exc:
+                self._advance(-getattr(exc, "inferplane_written", 0))
+                raise
+
+    def _copy_range(self, remote: RemoteFile, start: int, end: int, fd: int) -> int:
+        """Write one part; an exception leaving it carries the bytes already counted (`inferplane_written`)."""
+        progress = [start]
+        try:
+            return self._copy_range_at(remote, start, end, fd, progress)
+        except Exception as exc:
+            exc.inferplane_written = progress[0] - start
+            raise
+
+    def _copy_range_at(self, remote: RemoteFile, start: int, end: int, fd: int, progress: list[int]) -> int:
+        source = self.download.source
+        offset = start
+        with weights_sources.open_range(self.parsed, self.client, remote, start, end) as part:
+            if part.total_bytes is not None and part.total_bytes != remote.size_bytes:
+                if part.total_bytes > remote.size_bytes:
+                    raise self._larger(remote)
+                raise WeightsError(
+                    f"{source}: {remote.name}: the store holds {part.total_bytes} bytes, "
+                    f"its listing announced {remote.size_bytes}"
+                )
+            for chunk in part.chunks:
+                if self._stop.is_set():
+                    raise _Stopped(offset - start)
+                room = end + 1 - offset
+                if len(chunk) > room:
+                    # NOTE: checked before writing, so a store that sends more than it listed fills no disk.
+                    if part.total_bytes is None and end + 1 == remote.size_bytes:
+                        raise self._larger(remote)
+                    chunk = chunk[:room]  # a store that ignored the range: the rest is another part's
+                os.pwrite(fd, chunk, offset)
+                offset += len(chunk)
+                progress[0] = offset
+                self._advance(len(chunk))
+                if offset > end:
+                    if part.total_bytes is None and end + 1 == remote.size_bytes and any(part.chunks):
+                        raise self._larger(remote)
+                    break
+        if offset != end + 1:
+            raise _ShortRead(f"{remote.name}: got {offset - start} of {end + 1 - start} bytes")
+        return offset - start
+
+    def _larger(self, remote: RemoteFile) -> WeightsError:
+        return WeightsError(
+            f"{self.download.source}: {remote.name} is larger than the {remote.size_bytes} bytes its listing announced"
+        )
+
+    def _advance(self, num_bytes: int) -> None:
+        if not num_bytes:
+            return
+        with self._lock:
+            self.download.downloaded_bytes += num_bytes
+            if self.on_progress:
+                self.on_progress(self.download.downloaded_bytes, self.download.size_bytes)
+
+    # -- the journal of written parts ---------------------------------------------------
+
+    def _read_journal(self) -> bool:
+        """Load the parts a previous attempt wrote (True when there is a partial download to resume)."""
+        try:
+            journal = json.loads(self.journal_path.read_text())
+        except (OSError, ValueError):
+            return False
+        if journal.get("part_bytes") != self.settings.part_bytes or not self.partial.is_dir():
+            return False
+        sizes = {remote.name: remote.size_bytes for remote in self.files}
+        if journal.get("sizes") != sizes:
+            return False
+        self._done = {name: set(indices) for name, indices in (journal.get("done") or {}).items() if name in sizes}
+        return True
+
+    def _part_done(self, remote: RemoteFile, index: int) -> None:
+        with self._lock:
+            self._done.setdefault(remote.name, set()).add(index)
+            journal = {
+                "part_bytes": self.settings.part_bytes,
+                "sizes": {f.name: f.size_bytes for f in self.files},
+                "done": {name: sorted(indices) for name, indices in self._done.items()},
+            }
+            tmp = self.journal_path.with_name(f".{self.journal_path.name}.{uuid.uuid4().hex[:8]}")
+            tmp.write_text(json.dumps(journal))
+            os.replace(tmp, self.journal_path)
+
+    # -- verification -------------------------------------------------------------------
+
+    def _verify(self, remote: RemoteFile, fd: int) -> None:
+        source = self.download.source
+        if self.parsed.kind == "s3":
+            checksum = weights_sources.s3_checksum(self.client, self.parsed, remote)
+            if checksum is None or _s3_etag_of(fd, checksum.part_sizes) == checksum.etag:
+                return
+            if checksum.part_sizes:  # parts of differing sizes: ask the store for each one's
+                exact = weights_sources.s3_checksum(self.client, self.parsed, remote, exact_parts=True)
+                if exact is None or _s3_etag_of(fd, exact.part_sizes) == exact.etag:
+                    return
+        elif remote.digest is not None:
+            algorithm, expected = remote.digest
+            if _hub_digest_of(fd, algorithm, remote.size_bytes) == expected:
+                return
+        else:
+            return
+        raise WeightsError(f"{source}: {remote.name}: the downloaded bytes do not match the store's checksum")
+
+
+def _hash_range(fd: int, digest, start: int, length: int) -> None:
+    offset, end = start, start + length
+    while offset < end:
+        chunk = os.pread(fd, min(_HASH_CHUNK_BYTES, end - offset), offset)
+        if not chunk:
+            break
+        digest.update(chunk)
+        offset += len(chunk)
+
+
+def _s3_etag_of(fd: int, part_sizes: tuple[int, ...]) -> str:
+    size = os.fstat(fd).st_size
+    if not part_sizes:
+        digest = hashlib.md5(usedforsecurity=False)
+        _hash_range(fd, digest, 0, size)
+        return digest.hexdigest()
+    digests, offset = [], 0
+    for part_size in part_sizes:
+        digest = hashlib.md5(usedforsecurity=False)
+        _hash_range(fd, digest, offset, part_size)
+        digests.append(digest.digest())
+        offset += part_size
+    return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(part_sizes)}"
+
+
+def _hub_digest_of(fd: int, algorithm: str, size: int) -> str:
+    if algorithm == "sha256":
+        digest = hashlib.sha256()
+    else:  # git's blob id: SHA-1 of "blob <size>\0" and the bytes
+        digest = hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+    _hash_range(fd, digest, 0, size)
+    return digest.hexdigest()
