@@ -270,6 +270,8 @@ CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 CELERY_TIMEZONE = "UTC"
 AUTOSCALER_TICK_S = env_float("INFERPLANE_AUTOSCALER_TICK_S", 2.0, minimum=0.2)
 AUTOSCALER_STABLE_WINDOW_S = env_float("INFERPLANE_AUTOSCALER_STABLE_WINDOW_S", 60.0, minimum=1)
+# Load doubling within this window (and above what the READY replicas are sized for) scales up ahead of it.
+AUTOSCALER_PANIC_WINDOW_S = env_float("INFERPLANE_AUTOSCALER_PANIC_WINDOW_S", 6.0, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "ping-scheduler": {"task": "controlplane.ping", "schedule": 60.0},
     "billing-rollup-usage": {"task": "billing.rollup_usage", "schedule": 60.0},

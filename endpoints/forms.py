@@ -1,5 +1,7 @@
 """The deploy wizard's form: it renders the spec; `EndpointSerializer` validates it (the rules live there)."""
 
+import json
+
 from django import forms
 
 from controlplane.accounts.forms import SerializerBackedForm
@@ -53,6 +55,15 @@ class EndpointForm(SerializerBackedForm):
     max_num_seqs = _number("Max sequences per batch", "Continuous-batching limit per replica.", min=1)
     max_num_batched_tokens = _number("Max batched tokens", "Optional; the engine picks when empty.")
     cold_start_timeout_s = _number("Cold-start timeout (seconds)", "How long a call waits for a replica to start.", min=LIMITS["cold_start_timeout_s"][0])
+    prewarm_windows = forms.CharField(
+        label="Pre-warm windows", required=False,
+        help_text="One per line: a cron schedule (5 fields), a time zone, minutes open, replicas. "
+                  "E.g. “0 9 * * 1-5 Europe/Paris 600 2”: two replicas from 09:00 Paris time, weekdays, for ten hours.",
+        widget=forms.Textarea(attrs={"rows": 2, "spellcheck": "false", "placeholder": "0 9 * * 1-5 Europe/Paris 600 2"}),
+    )
+    keep_warm_after_cold_start_s = _number(
+        "Keep warm after a cold start (seconds)", "After a replica starts, keep one this long even when idle. 0: off.", min=0,
+    )
     enable_prefix_caching = forms.BooleanField(label="Prefix caching", required=False, help_text="Reuse the KV cache of shared prompt prefixes.")
     tool_call_parser = forms.ChoiceField(
         label="Tool-call parser", required=False,
@@ -71,6 +82,15 @@ class EndpointForm(SerializerBackedForm):
             (str(credential.pk), f"{credential.name} ({credential.kind})") for credential in owned
         ]
 
+    def serializer_data(self, post):
+        """The windows' lines become the list the API takes (a line that does not parse keeps its
+        text as the schedule, so the API's message names what is missing)."""
+        data = super().serializer_data(post)
+        if "prewarm_windows" in data:
+            data["prewarm_windows"] = json.dumps([_window_from_line(line) for line in
+                                                  data["prewarm_windows"].splitlines() if line.strip()])
+        return data
+
     def set_gpu_type(self, name: str | None) -> None:
         """Offer only the quantizations an engine on this GPU type supports."""
         gpu = GPU_TYPES.get(name or "")
@@ -86,10 +106,29 @@ class EndpointForm(SerializerBackedForm):
     def initial_for(cls, endpoint=None) -> dict:
         if endpoint is not None:
             values = {name: getattr(endpoint, name) for name in cls.base_fields if name != "credential"}
-            return values | {"credential": str(endpoint.credential_id or "")}
+            return values | {"credential": str(endpoint.credential_id or ""),
+                             "prewarm_windows": "\n".join(window_line(w) for w in endpoint.prewarm_windows)}
         defaults = {name: Endpoint._meta.get_field(name).get_default() for name in cls.base_fields}
         return defaults | {"gpu_type": "l4", "name": "", "model_source": "", "credential": "", "tool_call_parser": AUTO_PARSER,
-                           "gpus_per_replica": ""}
+                           "gpus_per_replica": "", "prewarm_windows": ""}
+
+
+def window_line(window: dict) -> str:
+    """A pre-warm window as the form's line: schedule, time zone, minutes, replicas."""
+    return f"{window['schedule']} {window['timezone']} {window['duration_minutes']} {window['min_replicas']}"
+
+
+def _window_from_line(line: str) -> dict:
+    tokens = line.split()
+    if len(tokens) != 8:
+        return {"schedule": line.strip()}
+    *schedule, zone, minutes, replicas = tokens
+
+    def number(text: str):
+        return int(text) if text.isdigit() else text
+
+    return {"schedule": " ".join(schedule), "timezone": zone, "duration_minutes": number(minutes),
+            "min_replicas": number(replicas)}
 
 
 def _secret_input(label: str, help_text: str) -> forms.CharField:

@@ -127,6 +127,11 @@ class Endpoint(models.Model):
     max_num_seqs = models.PositiveIntegerField(default=64)
     max_num_batched_tokens = models.PositiveIntegerField(null=True, blank=True)
     cold_start_timeout_s = models.PositiveIntegerField(default=300)
+    # Times the floor is higher (`endpoints.prewarm`): [{"schedule", "timezone", "duration_minutes", "min_replicas"}].
+    prewarm_windows = models.JSONField(default=list, blank=True)
+    # After a cold start, keep one replica at least this long even when idle (0: only idle_timeout_s counts).
+    keep_warm_after_cold_start_s = models.PositiveIntegerField(default=0)
+    last_cold_start_at = models.DateTimeField(null=True, blank=True, editable=False)
     enable_prefix_caching = models.BooleanField(default=True)
     # vLLM's tool-call parser (`endpoints.catalogue.TOOL_CALL_PARSERS`); "" turns tool calling off.
     tool_call_parser = models.CharField(max_length=32, blank=True, default="")

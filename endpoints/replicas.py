@@ -245,6 +245,7 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
         record_replica_ready(replica.endpoint_id)
         notify_endpoint_ready(replica.endpoint_id)
         seconds = (timezone.now() - replica.created_at).total_seconds()
+        Endpoint.objects.filter(pk=replica.endpoint_id).update(last_cold_start_at=timezone.now())  # keep-warm counts from here
         record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} READY after {seconds:.1f} s", replica=replica,
                      cold_start_s=round(seconds, 3), **details)
     elif new_state == ReplicaState.FAILED:

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from controlplane import redis_keys
@@ -55,7 +55,7 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
             pass
         elif decision.desired > len(serving):
             record_event(endpoint, EventKind.SCALE, f"Scale up {len(serving)} → {decision.desired}: {decision.reason}",
-                         desired=decision.desired, current=len(serving))
+                         desired=decision.desired, current=len(serving), inputs=decision.inputs)
             # NOTE: the organisation's row stays locked until commit, so its endpoints place one at a
             # time and together never pass its replica and GPU quotas.
             endpoint.organization = quotas.lock_organization(endpoint.organization_id)
@@ -75,7 +75,7 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
                 record_event(endpoint, EventKind.SCALE, f"Replica {str(replica.pk)[:8]} {reason}", replica=replica)
         elif decision.desired < len(serving):
             record_event(endpoint, EventKind.SCALE, f"Scale down {len(serving)} → {decision.desired}: {decision.reason}",
-                         desired=decision.desired, current=len(serving))
+                         desired=decision.desired, current=len(serving), inputs=decision.inputs)
             surplus = sorted(serving, key=lambda r: (DRAIN_ORDER[r.state], -r.created_at.timestamp()))
             for replica in surplus[: len(serving) - decision.desired]:
                 drain_replica(replica, reason=decision.reason)
@@ -95,7 +95,10 @@ def active_endpoint_ids(now: float | None = None) -> list[str]:
     # NOTE: `order_by()` drops the models' default ordering: with it, DISTINCT would run over
     # (endpoint, created_at), one row per replica, and the floor query would sort every match by name.
     with_replicas = Replica.objects.active().order_by().values_list("endpoint_id", flat=True).distinct()
-    with_floor = Endpoint.objects.live().filter(min_replicas__gt=0, paused_at__isnull=True, failed_at__isnull=True).order_by().values_list("pk", flat=True)
+    # NOTE: an endpoint with pre-warm windows is looked at every tick: one of them may open now.
+    with_floor = Endpoint.objects.live().filter(
+        Q(min_replicas__gt=0) | ~Q(prewarm_windows=[]), paused_at__isnull=True, failed_at__isnull=True,
+    ).order_by().values_list("pk", flat=True)
     recent = get_redis().zrangebyscore(redis_keys.RECENT_ENDPOINTS_KEY, now - traffic.RECENT_WINDOW_S, "+inf")
     ids = {str(pk) for pk in with_replicas} | {str(pk) for pk in with_floor} | set(recent)
     return sorted(ids)
@@ -112,7 +115,7 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
         return []
     endpoints = Endpoint.objects.filter(pk__in=endpoint_ids).order_by().only(
         "pk", "paused_at", "deleted_at", "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
-        "status_message", "failed_at",
+        "status_message", "failed_at", "prewarm_windows", "keep_warm_after_cold_start_s", "last_cold_start_at",
     )
     num_serving = dict(
         Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES).order_by()

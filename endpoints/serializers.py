@@ -1,6 +1,7 @@
 """Shapes of the endpoints API. Validation of an endpoint spec lives here, once, for API and console."""
 
 import ipaddress
+import json
 import re
 from urllib.parse import urlsplit
 
@@ -9,7 +10,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.accounts.serializers import StrictModelSerializer
-from endpoints import quotas
+from endpoints import prewarm, quotas
 from endpoints.catalogue import (
     AUTO_PARSER,
     GPU_TYPES,
@@ -45,6 +46,7 @@ LIMITS = {
     "max_num_seqs": (1, 4096),
     "max_num_batched_tokens": (16, 1_048_576),
     "cold_start_timeout_s": (10, 3600),
+    "keep_warm_after_cold_start_s": (0, 86_400),
 }
 
 
@@ -140,8 +142,44 @@ class EndpointEventSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class PrewarmWindowSerializer(serializers.Serializer):
+    """One pre-warm window (documentation of the shape; `PrewarmWindowsField` validates)."""
+
+    schedule = serializers.CharField(help_text="When the window opens: a five-field cron expression, e.g. \"0 9 * * 1-5\".")
+    timezone = serializers.CharField(help_text="The IANA time zone the schedule is read in, e.g. \"Europe/Paris\".")
+    duration_minutes = serializers.IntegerField(min_value=1, max_value=prewarm.MAX_DURATION_MINUTES,
+                                                help_text="How long the window stays open.")
+    min_replicas = serializers.IntegerField(min_value=1, help_text="The floor of replicas while it is open.")
+
+
+@extend_schema_field(PrewarmWindowSerializer(many=True))
+class PrewarmWindowsField(serializers.Field):
+    """A list of pre-warm windows (`endpoints.prewarm`): each problem names its window and field."""
+
+    default_error_messages = {"invalid": "Must be a JSON list of windows."}
+
+    def to_internal_value(self, data):
+        if isinstance(data, str):  # a form post: the console sends the list as JSON
+            try:
+                data = json.loads(data or "[]")
+            except ValueError:
+                self.fail("invalid")
+        problems = prewarm.validate_windows(data)
+        if problems:
+            raise serializers.ValidationError(problems)
+        return [{name: window[name] for name in sorted(prewarm.WINDOW_FIELDS)} for window in data]
+
+    def to_representation(self, value):
+        return list(value or [])
+
+
 class EndpointSerializer(StrictModelSerializer):
     state = serializers.CharField(read_only=True)
+    prewarm_windows = PrewarmWindowsField(
+        required=False,
+        help_text="Times the endpoint keeps a higher floor of replicas, e.g. office hours in its users' time zone "
+                  "(at most 10). Each window's min_replicas must be at most max_replicas.",
+    )
     name = serializers.CharField(max_length=63, help_text="Lowercase letters, digits and hyphens; the `model` in /v1 calls.")
     model_source = serializers.CharField(max_length=500, validators=[validate_model_source])
     credential = serializers.PrimaryKeyRelatedField(
@@ -184,6 +222,7 @@ class EndpointSerializer(StrictModelSerializer):
             "id", "name", "model_source", "credential", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing",
             "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s",
+            "prewarm_windows", "keep_warm_after_cold_start_s",
             "enable_prefix_caching", "tool_call_parser",
             "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
             "context_length", "state", "status_message", "failed_at", "paused_at", "created_at", "updated_at",
@@ -223,6 +262,11 @@ class EndpointSerializer(StrictModelSerializer):
         min_replicas, max_replicas = current("min_replicas"), current("max_replicas")
         if max_replicas < max(1, min_replicas):
             errors["max_replicas"] = [f"Must be at least max(1, min_replicas) = {max(1, min_replicas)}."]
+        too_many = [number for number, window in enumerate(current("prewarm_windows") or [], start=1)
+                    if window["min_replicas"] > max_replicas]
+        if too_many and "max_replicas" not in errors:
+            errors["prewarm_windows"] = [f"Window {number}: min_replicas is above max_replicas ({max_replicas})."
+                                         for number in too_many]
         batched = current("max_num_batched_tokens")
         if batched is not None and batched < current("max_num_seqs"):
             errors["max_num_batched_tokens"] = ["Must be at least max_num_seqs."]

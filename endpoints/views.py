@@ -19,7 +19,7 @@ from billing.periods import period_containing
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import Actor
-from endpoints import credentials, quotas, services
+from endpoints import credentials, prewarm, quotas, services
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from endpoints.forms import CredentialForm, EndpointForm
 from endpoints.models import Endpoint, ModelCredential, Replica
@@ -283,7 +283,10 @@ def _live_context(endpoint) -> dict:
 @member_required()
 def endpoint_detail(request, pk):
     endpoint = _endpoint_or_404(request, pk)
+    now = timezone.now()
     return render(request, "endpoints/endpoint_detail.html", _live_context(endpoint) | {
+        "prewarm_windows": prewarm.next_openings(endpoint.prewarm_windows, now),
+        "open_windows": prewarm.open_windows(endpoint.prewarm_windows, now),
         "gpu": GPU_TYPES.get(endpoint.gpu_type),
         "can_write": request.membership.can(Role.MEMBER),
         "public_url": settings.PUBLIC_URL,

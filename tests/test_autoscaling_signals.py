@@ -1,0 +1,232 @@
+"""LLM-aware autoscaling and scheduled floors: engine queues, KV-cache pressure, panic, pre-warm windows, keep-warm.
+
+The decision function is pure (properties by hypothesis); its inputs are read from real Redis and
+PostgreSQL (`read_load`), and every scale event carries them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.utils import timezone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane import redis_keys
+from controlplane.redis_client import get_redis
+from endpoints import autoscaler, prewarm, scheduler
+from endpoints.autoscaler import Load
+from endpoints.models import Endpoint, EndpointEvent, Replica
+from gpu_agent.protocol import ReplicaState
+from tests.factories import EndpointFactory
+from tests.test_placement import make_node
+
+pytestmark = pytest.mark.django_db
+
+# Monday 1 June 2026, 07:30 UTC = 09:30 in Paris (summer time).
+MONDAY_0730_UTC = datetime(2026, 6, 1, 7, 30, tzinfo=UTC).timestamp()
+OFFICE_HOURS = {"schedule": "0 9 * * 1-5", "timezone": "Europe/Paris", "duration_minutes": 600, "min_replicas": 2}
+
+
+def busy(inflight, *, ready=1, engine_waiting=0, kv=0.0, panic_low=None, peak=None, now=MONDAY_0730_UTC):
+    return Load(inflight, 0, now, peak if peak is not None else inflight, panic_low, ready, engine_waiting, kv)
+
+
+def idle_for(seconds, now=MONDAY_0730_UTC):
+    return Load(0, 0, now - seconds, 0)
+
+
+# -- pre-warm windows and keep-warm --------------------------------------------------------------
+
+
+def test_a_pre_warm_window_holds_its_floor_in_its_own_time_zone_and_lets_go_after():
+    endpoint = EndpointFactory(min_replicas=0, max_replicas=4, idle_timeout_s=60, prewarm_windows=[OFFICE_HOURS])
+    inside = autoscaler.decide(endpoint, idle_for(3600), now=MONDAY_0730_UTC)
+    assert inside.desired == 2 and "pre-warm window" in inside.reason and "until 19:00" in inside.reason
+    # 06:59 UTC is 08:59 in Paris: not open yet. 17:00 UTC is 19:00 in Paris: closed again.
+    before = datetime(2026, 6, 1, 6, 59, tzinfo=UTC).timestamp()
+    after = datetime(2026, 6, 1, 17, 0, tzinfo=UTC).timestamp()
+    assert autoscaler.decide(endpoint, idle_for(3600, before), now=before).desired == 0
+    assert autoscaler.decide(endpoint, idle_for(3600, after), now=after).desired == 0
+    # Saturday: the schedule says weekdays only.
+    saturday = datetime(2026, 6, 6, 7, 30, tzinfo=UTC).timestamp()
+    assert autoscaler.decide(endpoint, idle_for(3600, saturday), now=saturday).desired == 0
+
+
+def test_a_window_follows_daylight_saving_time():
+    window = {"schedule": "0 9 * * *", "timezone": "America/New_York", "duration_minutes": 60, "min_replicas": 1}
+    winter = datetime(2026, 1, 15, 14, 30, tzinfo=UTC)  # 09:30 EST
+    summer = datetime(2026, 7, 15, 13, 30, tzinfo=UTC)  # 09:30 EDT
+    assert prewarm.window_floor([window], winter).replicas == 1
+    assert prewarm.window_floor([window], summer).replicas == 1
+    assert prewarm.window_floor([window], summer + timedelta(hours=1)).replicas == 0
+
+
+def test_keep_warm_after_a_cold_start_holds_one_replica_while_idle_then_lets_it_go():
+    started = datetime.fromtimestamp(MONDAY_0730_UTC, UTC) - timedelta(seconds=100)
+    endpoint = EndpointFactory(min_replicas=0, idle_timeout_s=60, keep_warm_after_cold_start_s=600,
+                               last_cold_start_at=started)
+    held = autoscaler.decide(endpoint, idle_for(90), now=MONDAY_0730_UTC)
+    assert held.desired == 1 and "kept warm 500 s more after a cold start" in held.reason
+    later = MONDAY_0730_UTC + 600
+    assert autoscaler.decide(endpoint, idle_for(690, later), now=later).desired == 0
+
+
+def test_a_replica_becoming_ready_starts_the_keep_warm_clock(django_capture_on_commit_callbacks):
+    from endpoints.replicas import _announce_transition
+
+    endpoint = EndpointFactory(keep_warm_after_cold_start_s=300)
+    replica = Replica.objects.create(endpoint=endpoint, node=make_node(memory_mb=80_000), state=ReplicaState.READY)
+    with django_capture_on_commit_callbacks(execute=False):
+        _announce_transition(replica, ReplicaState.STARTING, ReplicaState.READY, None)
+    endpoint.refresh_from_db()
+    assert endpoint.last_cold_start_at is not None
+    assert (timezone.now() - endpoint.last_cold_start_at).total_seconds() < 60
+
+
+def test_the_tick_raises_an_idle_serverless_endpoint_to_its_open_windows_floor(settings):
+    always_open = {"schedule": "* * * * *", "timezone": "UTC", "duration_minutes": 5, "min_replicas": 2}
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=3, prewarm_windows=[always_open])
+    make_node(memory_mb=80_000)
+    assert str(endpoint.pk) in scheduler.active_endpoint_ids()
+    scheduler.autoscale_tick()
+    assert Replica.objects.filter(endpoint=endpoint).count() == 2
+    event = EndpointEvent.objects.filter(endpoint=endpoint, message__startswith="Scale up 0 → 2").get()
+    assert "pre-warm window" in event.message and event.details["inputs"]["floor"] == 2
+
+
+# -- what the engines feel --------------------------------------------------------------------------
+
+
+def test_an_engine_queue_asks_for_replicas_that_gateway_load_alone_would_not():
+    endpoint = EndpointFactory(max_replicas=10, target_concurrency=8)
+    # 14 in flight on 2 replicas fits a target of 8 each, but the engines queue 6 (their batches are full).
+    calm = autoscaler.decide(endpoint, busy(14, ready=2), now=MONDAY_0730_UTC)
+    queued = autoscaler.decide(endpoint, busy(14, ready=2, engine_waiting=6), now=MONDAY_0730_UTC)
+    assert calm.desired == 2 and queued.desired == 3
+    assert "engines queue 6" in queued.reason and queued.inputs["engine_waiting"] == 6
+
+
+def test_a_full_kv_cache_asks_for_one_more_replica_before_the_engine_preempts():
+    endpoint = EndpointFactory(max_replicas=10, target_concurrency=8)
+    assert autoscaler.decide(endpoint, busy(8, ready=1, kv=0.5), now=MONDAY_0730_UTC).desired == 1
+    assert autoscaler.decide(endpoint, busy(8, ready=1, kv=0.95), now=MONDAY_0730_UTC).desired == 2
+
+
+def test_load_doubling_within_the_panic_window_scales_ahead_of_it():
+    endpoint = EndpointFactory(max_replicas=20, target_concurrency=4)
+    steady = autoscaler.decide(endpoint, busy(16, ready=4, panic_low=15), now=MONDAY_0730_UTC)
+    assert steady.desired == 4 and not steady.inputs["panic"]
+    surge = autoscaler.decide(endpoint, busy(16, ready=2, panic_low=6), now=MONDAY_0730_UTC)
+    assert surge.inputs["panic"] and surge.desired == math.ceil(2 * 16 / 4)
+    assert "panic: load 16 from 6" in surge.reason
+
+
+def test_engine_signals_and_the_panic_window_come_from_heartbeats_and_redis(settings):
+    settings.AUTOSCALER_PANIC_WINDOW_S = 6
+    endpoint = EndpointFactory(max_replicas=4)
+    node = make_node(memory_mb=80_000)
+    for waiting, kv in ((3, 0.5), (1, 0.9)):
+        Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, num_waiting=waiting, kv_cache_usage=kv)
+    Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING, num_waiting=50, kv_cache_usage=1.0)
+    now = time.time()
+    samples = redis_keys.samples_key(endpoint.organization_id, str(endpoint.pk))
+    # Concurrency 9 twenty seconds ago (stable window only), 3 four seconds ago (panic window).
+    get_redis().zadd(samples, {f"{now - 20:.3f}:9": now - 20, f"{now - 4:.3f}:3": now - 4})
+    get_redis().set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), now)
+    load = autoscaler.read_load([str(endpoint.pk)], now=now)[str(endpoint.pk)]
+    assert (load.num_ready, load.engine_waiting) == (2, 4)
+    assert load.kv_cache_usage == pytest.approx(0.7)
+    assert load.peak_concurrency == 9 and load.panic_low == 3
+
+
+def test_each_scale_event_records_the_inputs_of_its_decision():
+    endpoint = EndpointFactory(gpu_type="l4", max_replicas=3, target_concurrency=2)
+    make_node(memory_mb=80_000)
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy(3, ready=0, now=time.time()))
+    event = EndpointEvent.objects.get(endpoint=endpoint, message__startswith="Scale up")
+    assert {"in_flight", "waiting", "peak", "engine_waiting", "kv_cache_usage", "panic", "floor"} <= event.details["inputs"].keys()
+    assert event.details["inputs"]["in_flight"] == 3
+
+
+# -- properties of the decision ------------------------------------------------------------------------
+
+
+loads = st.builds(
+    Load,
+    num_inflight=st.integers(0, 500), num_waiting=st.integers(0, 100),
+    last_request_at=st.one_of(st.none(), st.floats(MONDAY_0730_UTC - 10_000, MONDAY_0730_UTC)),
+    peak_concurrency=st.integers(0, 600), panic_low=st.one_of(st.none(), st.integers(0, 600)),
+    num_ready=st.integers(0, 20), engine_waiting=st.integers(0, 200), kv_cache_usage=st.floats(0, 1),
+)
+specs = st.fixed_dictionaries({
+    "min_replicas": st.integers(0, 5), "max_replicas": st.integers(5, 40), "target_concurrency": st.integers(1, 64),
+    "idle_timeout_s": st.integers(30, 3600),
+})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=specs, load=loads)
+def test_decisions_stay_within_floor_and_max_and_never_fall_as_signals_rise(spec, load):
+    endpoint = Endpoint(**spec, prewarm_windows=[], keep_warm_after_cold_start_s=0)
+    decision = autoscaler.decide(endpoint, load, now=MONDAY_0730_UTC)
+    assert spec["min_replicas"] <= decision.desired <= spec["max_replicas"]
+    if load.concurrency:
+        assert decision.desired >= min(math.ceil(load.concurrency / spec["target_concurrency"]), spec["max_replicas"])
+    # More of any signal never asks for fewer replicas.
+    for more in ({"num_inflight": load.num_inflight + 7}, {"engine_waiting": load.engine_waiting + 5},
+                 {"kv_cache_usage": 1.0}, {"peak_concurrency": load.peak_concurrency + 9}):
+        heavier = Load(**{name: getattr(load, name) for name in Load.__dataclass_fields__} | more)
+        if heavier.last_request_at is None and heavier.concurrency:
+            continue
+        assert autoscaler.decide(endpoint, heavier, now=MONDAY_0730_UTC).desired >= decision.desired, more
+
+
+@settings(max_examples=200, deadline=None)
+@given(schedule_hour=st.integers(0, 23), minutes=st.integers(1, 1440), at_hour=st.integers(0, 23),
+       zone=st.sampled_from(["UTC", "Europe/Paris", "Asia/Kolkata", "America/Los_Angeles", "Australia/Lord_Howe"]))
+def test_a_window_is_open_exactly_from_its_opening_for_its_duration(schedule_hour, minutes, at_hour, zone):
+    window = {"schedule": f"0 {schedule_hour} * * *", "timezone": zone, "duration_minutes": minutes, "min_replicas": 3}
+    now = datetime(2026, 3, 10, at_hour, 17, tzinfo=UTC)
+    opened = prewarm._opened_at(window, now)
+    floor = prewarm.window_floor([window], now).replicas
+    assert floor == (3 if opened is not None else 0)
+    if opened is not None:
+        assert timedelta(0) <= now - opened < timedelta(minutes=minutes)
+        assert opened.astimezone(opened.tzinfo).hour == schedule_hour
+
+
+# -- the API and the console ----------------------------------------------------------------------------
+
+
+VALID = {"name": "office-chat", "model_source": "hf:meta-llama/Llama-3.1-8B-Instruct", "gpu_type": "l4", "max_replicas": 3}
+
+
+def test_pre_warm_windows_and_keep_warm_round_trip_through_the_api(owner_client):
+    created = owner_client.post("/api/v1/endpoints/", VALID | {"prewarm_windows": [OFFICE_HOURS],
+                                                               "keep_warm_after_cold_start_s": 900}, format="json")
+    assert created.status_code == 201, created.json()
+    body = owner_client.get(f"/api/v1/endpoints/{created.json()['id']}/").json()
+    assert body["prewarm_windows"] == [OFFICE_HOURS] and body["keep_warm_after_cold_start_s"] == 900
+    cleared = owner_client.patch(f"/api/v1/endpoints/{body['id']}/", {"prewarm_windows": []}, format="json")
+    assert cleared.status_code == 200 and cleared.json()["prewarm_windows"] == []
+
+
+@pytest.mark.parametrize(("windows", "message"), [
+    ([OFFICE_HOURS | {"schedule": "every monday"}], "Window 1: schedule must be a five-field cron expression"),
+    ([OFFICE_HOURS | {"schedule": "61 9 * * *"}], "Window 1: schedule must be a five-field cron expression"),
+    ([OFFICE_HOURS | {"timezone": "Mars/Olympus"}], "Window 1: timezone must be an IANA time zone name"),
+    ([OFFICE_HOURS | {"duration_minutes": 0}], "Window 1: duration_minutes must be a whole number from 1 to 10080"),
+    ([OFFICE_HOURS, OFFICE_HOURS | {"min_replicas": 9}], "Window 2: min_replicas is above max_replicas (3)"),
+    ([{"schedule": "0 9 * * *"}], "Window 1: missing duration_minutes, min_replicas, timezone"),
+    ([OFFICE_HOURS] * 11, "At most 10 windows"),
+    ("0 9 * * *", "Must be a JSON list of windows"),
+])
+def test_bad_pre_warm_windows_are_a_400_naming_the_window_and_field(owner_client, windows, message):
+    response = owner_client.post("/api/v1/endpoints/", VALID | {"prewarm_windows": windows}, format="json")
+    assert response.status_code == 400
+    assert any(message in text for text in response.json()["prewarm_windows"]), response.json()
+    assert not Endpoint.objects.filter(name="office-chat").exists()
