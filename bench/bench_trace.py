@@ -16,6 +16,9 @@ The fleet model:
   * a replica told to drain takes nothing new and frees its GPU when its last request ends.
 
 Policies, same trace: scale to zero (min 0), one warm replica (min 1), always-on (min = max).
+Then autoscaling signals, same trace: engines of differing capacity (`--engine-slots`, as long prompts
+fill a KV cache sooner) that queue what they cannot run, as vLLM does, decided on the gateways' load
+only (the policy before the engines' own signals) and with them (queues, KV cache, learned capacity, panic).
 Reports GPU-seconds, the saving against always-on, and latency (queueing + cold start + service):
 p50 / p99 of the whole request and of the wait alone, and the share of requests that met a cold start.
 
@@ -64,6 +67,9 @@ class Spec:
     idle_timeout_s: int
     paused_at: None = None
     deleted_at: None = None
+    prewarm_windows: tuple = ()
+    keep_warm_after_cold_start_s: int = 0
+    last_cold_start_at: None = None
 
 
 def make_trace(rng: random.Random, duration_s: float) -> list[tuple[float, float]]:
@@ -90,19 +96,21 @@ def make_trace(rng: random.Random, duration_s: float) -> list[tuple[float, float
 class Replica:
     ready_at: float
     placed_at: float
-    num_busy: int = 0
+    num_busy: int = 0  # requests on it: running, plus queued in its engine (engine-queue model)
     draining: bool = False
     stopped_at: float | None = None
+    engine_queue: deque = field(default_factory=deque)  # (service_s, request index) waiting for a slot
 
 
 @dataclass
 class EndpointSim:
     spec: Spec
-    slots: int
+    slots: int  # sequences one replica's engine runs at once (its batch and KV cache)
     queue: deque = field(default_factory=deque)  # (arrival, service_s, request index)
     replicas: list = field(default_factory=list)
     samples: deque = field(default_factory=deque)  # (time, concurrency) for the stable window
     last_request_at: float | None = None
+    capacity: tuple[float, float] | None = None  # learned sequences per replica, until when
 
     def live(self) -> list[Replica]:
         return [r for r in self.replicas if not r.draining and r.stopped_at is None]
@@ -111,11 +119,18 @@ class EndpointSim:
         return sum(r.num_busy for r in self.replicas if r.stopped_at is None), len(self.queue)
 
 
-def simulate(traces: list[list[tuple[float, float]]], spec_for, args, decide, Load) -> dict:
-    """Replays every endpoint's trace under one policy; returns GPU-seconds and request latencies."""
+def simulate(traces: list[list[tuple[float, float]]], spec_for, args, decide, Load, *, slots_of=None,
+             engine_queue: bool = False, signals: bool = False) -> dict:
+    """Replays every endpoint's trace under one policy; returns GPU-seconds and request latencies.
+
+    `engine_queue`: the gateway sends every request to a READY replica at once (least outstanding), and
+    each engine runs `slots` of them, queueing the rest inside (as vLLM does), instead of the gateway
+    holding requests while every slot is busy. `signals`: the decision also reads the engines' queues,
+    their KV-cache use (running ÷ slots) and the panic window, as `read_load` gives them in production.
+    """
     counter = itertools.count()
     events: list = []  # (time, order, kind, endpoint index, payload)
-    sims = [EndpointSim(spec_for(index), args.slots) for index in range(len(traces))]
+    sims = [EndpointSim(spec_for(index), (slots_of or (lambda _: args.slots))(index)) for index in range(len(traces))]
     requests: list[dict] = []
     rng = random.Random(args.seed + 1)
 
@@ -134,12 +149,21 @@ def simulate(traces: list[list[tuple[float, float]]], spec_for, args, decide, Lo
 
     def dispatch(sim: EndpointSim, index: int, now: float):
         while sim.queue:
-            ready = [r for r in sim.live() if r.ready_at <= now and r.num_busy < sim.slots]
+            ready = [r for r in sim.live() if r.ready_at <= now and (engine_queue or r.num_busy < sim.slots)]
             if not ready:
                 return
             replica = min(ready, key=lambda r: r.num_busy)  # the gateway's least outstanding
             arrival, service_s, number = sim.queue.popleft()
             replica.num_busy += 1
+            if replica.num_busy > sim.slots:  # only with engine_queue: the engine's batch is full
+                replica.engine_queue.append((service_s, number))
+                continue
+            requests[number]["started_at"] = now
+            push(now + service_s, "done", index, (replica, number))
+
+    def engine_next(replica: Replica, index: int, now: float):
+        if replica.engine_queue:
+            service_s, number = replica.engine_queue.popleft()
             requests[number]["started_at"] = now
             push(now + service_s, "done", index, (replica, number))
 
@@ -149,7 +173,23 @@ def simulate(traces: list[list[tuple[float, float]]], spec_for, args, decide, Lo
         while sim.samples and sim.samples[0][0] < window_start:
             sim.samples.popleft()
         peak = max([inflight + waiting] + [value for _, value in sim.samples])
-        decision = decide(sim.spec, Load(inflight, waiting, sim.last_request_at, peak), now=now)
+        if signals:  # what `read_load` gives: the surge of the window, the engines' queues and learned capacity
+            ready = [r for r in sim.live() if r.ready_at <= now]
+            points = list(sim.samples) + [(now, inflight + waiting)]
+            surges = [value for j, (moment, value) in enumerate(points)
+                      if (earlier := [v for t, v in points[:j] if moment - t <= args.panic_window_s])
+                      and value >= 2 * max(min(earlier), 1)]
+            engine_waiting = sum(len(r.engine_queue) for r in ready)
+            running = sum(min(r.num_busy, sim.slots) for r in ready)
+            kv = running / (sim.slots * len(ready)) if ready else 0.0
+            if ready and running and (engine_waiting or kv >= 0.9):
+                sim.capacity = (running / len(ready), now + args.stable_window_s)
+            capacity = sim.capacity[0] if sim.capacity and sim.capacity[1] > now else None
+            load = Load(inflight, waiting, sim.last_request_at, peak, max(surges) if surges else None, len(ready),
+                        engine_waiting, kv, capacity)
+        else:
+            load = Load(inflight, waiting, sim.last_request_at, peak)
+        decision = decide(sim.spec, load, now=now)
         sim.samples.append((now, inflight + waiting))
         live = sim.live()
         if decision.desired > len(live):
@@ -188,6 +228,7 @@ def simulate(traces: list[list[tuple[float, float]]], spec_for, args, decide, Lo
             replica, number = payload
             replica.num_busy -= 1
             requests[number]["finished_at"] = now
+            engine_next(replica, index, now)
             if replica.draining and replica.num_busy == 0 and replica.stopped_at is None:
                 replica.stopped_at = now
             dispatch(sim, index, now)
@@ -232,13 +273,23 @@ def main() -> int:
     parser.add_argument("--idle-timeout-s", type=int, default=300)
     parser.add_argument("--tick-s", type=float, default=2.0)
     parser.add_argument("--stable-window-s", type=float, default=60.0)
+    parser.add_argument("--panic-window-s", type=float, default=6.0)
+    parser.add_argument("--signals-max-replicas", type=int, default=8, help="max replicas in the signals comparison")
+    parser.add_argument("--engine-slots", default="3,4,6,8,16",
+                        help="sequences an engine runs at once, per endpoint (cycled): long prompts fill the KV cache sooner")
     parser.add_argument("--output", default=str(REPO / "bench" / "results" / "trace.json"))
     args = parser.parse_args()
 
+    # NOTE: Django is set up (the decision module imports the models) but no database or Redis is
+    # ever opened: `decide` reads the endpoint object it is given and two windows from settings.
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    os.environ.setdefault("DJANGO_DEBUG", "1")
+    os.environ.setdefault("INFERPLANE_DATA_DIR", str(REPO / ".data" / "bench-trace"))
+    import django
     from django.conf import settings
 
-    if not settings.configured:  # `decide` reads only the stable window from settings
-        settings.configure(AUTOSCALER_STABLE_WINDOW_S=args.stable_window_s, REDIS_URL="redis://unused")
+    django.setup()
+    settings.AUTOSCALER_STABLE_WINDOW_S, settings.AUTOSCALER_PANIC_WINDOW_S = args.stable_window_s, args.panic_window_s
     from endpoints.autoscaler import Load, decide
 
     started = time.perf_counter()
@@ -260,6 +311,17 @@ def main() -> int:
     always_on = results["always_on"]["gpu_seconds"]
     for result in results.values():
         result["gpu_seconds_saved_vs_always_on"] = round(1 - result["gpu_seconds"] / always_on, 4) if always_on else None
+    # Autoscaling signals: the same scale-to-zero endpoints on engines of differing capacity (their
+    # requests queue inside the engine, as on vLLM), decided on gateway load only (the previous
+    # policy) and with the engines' queues, KV cache and the panic window.
+    engine_slots = [int(value) for value in args.engine_slots.split(",")]
+    slots_of = lambda index: engine_slots[index % len(engine_slots)]  # noqa: E731
+    roomy = lambda index: Spec(min_replicas=0, max_replicas=args.signals_max_replicas,  # noqa: E731
+                               target_concurrency=args.target_concurrency, idle_timeout_s=args.idle_timeout_s)
+    signal_results = {
+        name: simulate(traces, roomy, args, decide, Load, slots_of=slots_of, engine_queue=True, signals=signals)
+        for name, signals in (("gateway_load_only", False), ("llm_aware", True))
+    }
     num_requests = sum(len(t) for t in traces)
     idle_share = sum(1 for t in traces if not t) / len(traces)
 
@@ -271,6 +333,7 @@ def main() -> int:
         "trace": {"num_endpoints": len(traces), "num_requests": num_requests, "hours": args.hours,
                   "mean_requests_per_s": round(num_requests / duration_s, 3), "share_of_endpoints_never_called": idle_share},
         "policies": results,
+        "autoscaling_signals": {"engine_slots": engine_slots, "policies": signal_results},
         "simulation_wall_s": round(time.perf_counter() - started, 2),
     }
     output = Path(args.output)
@@ -286,6 +349,13 @@ def main() -> int:
         print(f"| {name} | {r['gpu_hours']} | {r['gpu_seconds_saved_vs_always_on']:.1%} | {r['num_replica_starts']} | "
               f"{r['latency_p50_s']} / {r['latency_p99_s']} / {r['latency_p999_s']} | {r['wait_p50_s']} / {r['wait_p99_s']} | "
               f"{r['cold_start_share']:.2%} | {r['num_refused']} |")
+    print(f"\nAutoscaling signals (scale to zero, up to {args.signals_max_replicas} replicas; engines of "
+          f"{args.engine_slots} slots queue what they cannot run; target {args.target_concurrency}):\n")
+    print("| decision reads | GPU-hours | replica starts | latency p50 / p99 / p99.9 s | wait p50 / p99 s | refused |")
+    print("|---|---:|---:|---|---|---:|")
+    for name, r in signal_results.items():
+        print(f"| {name} | {r['gpu_hours']} | {r['num_replica_starts']} | {r['latency_p50_s']} / {r['latency_p99_s']} / "
+              f"{r['latency_p999_s']} | {r['wait_p50_s']} / {r['wait_p99_s']} | {r['num_refused']} |")
     print(f"\nsimulated in {document['simulation_wall_s']} s; wrote {output}")
     return 0
 

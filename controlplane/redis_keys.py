@@ -159,3 +159,8 @@ TICK_LOCK_KEY = "as:tick-lock"
 
 def samples_key(organization_id: int, endpoint_id: str) -> str:
     return f"as:{org_tag(organization_id)}:samples:{endpoint_id}"
+
+
+def capacity_key(organization_id: int, endpoint_id: str) -> str:
+    """Sequences one replica's engine ran when it last queued (held for the stable window)."""
+    return f"as:{org_tag(organization_id)}:capacity:{endpoint_id}"

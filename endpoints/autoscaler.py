@@ -9,14 +9,15 @@
 As in Knative's autoscaler, scaling up acts on the load right now (a burst is served at once),
 while scaling down acts on the highest load seen during the stable window (default 60 s), so a dip
 does not throw replicas away. Two signals are an LLM server's own:
-  * engine pressure: the engines' waiting queues (requests admitted but not yet scheduled because
-    the batch or the KV cache is full) and their KV-cache use, from the replicas' heartbeats. A
-    queue of q on n READY replicas wants n + ceil(q / target) replicas; a KV cache above
-    `KV_CACHE_PRESSURE` on average wants one more, since the engine is about to preempt;
-  * panic: when the load is at least `PANIC_GROWTH` times the lowest load of the panic window
-    (default 6 s) and above what the READY replicas are sized for, the load is taken to keep
-    growing: the endpoint gets enough replicas for `PANIC_GROWTH` times the load now (one more
-    doubling), since a replica takes tens of seconds to start.
+  * engine capacity: when the READY replicas' engines queue requests (their batch or KV cache is
+    full) or their KV cache is above `KV_CACHE_PRESSURE` on average, the sequences each one runs
+    right then is what a replica really holds; it is remembered for the stable window (Redis) and
+    replaces `target_concurrency` while lower, for the load now, the window's peak and the engines'
+    queue (n READY replicas queueing q want n + ceil(q / capacity));
+  * panic: while a load that at least doubled (`PANIC_GROWTH`) within the panic window (default
+    6 s) is in the stable window, no READY replica is let go, as in Knative's panic mode: the
+    next burst of a bursty endpoint finds them warm. (Sizing one doubling ahead was measured too,
+    `bench/bench_trace.py`: more GPU-seconds and replica starts, no better p99.)
 With nothing in flight or waiting for `idle_timeout_s`, an endpoint falls back to its floor, zero
 for a serverless one outside its pre-warm windows. Every decision carries its inputs (`Decision.inputs`),
 which the scheduler writes with each scale event.
@@ -51,7 +52,7 @@ from gpu_agent.protocol import ReplicaState
 
 # Average KV-cache use of the READY replicas above which one more replica is wanted.
 KV_CACHE_PRESSURE = 0.9
-# Load this many times the panic window's lowest, and above the READY replicas' size: panic.
+# Load this many times the lowest of the panic window before it: a surge (panic for the stable window).
 PANIC_GROWTH = 2.0
 
 
@@ -61,10 +62,11 @@ class Load:
     num_waiting: int
     last_request_at: float | None  # unix time
     peak_concurrency: int  # highest in-flight + waiting during the stable window
-    panic_low: int | None = None  # lowest in-flight + waiting during the panic window (None: no sample)
+    surge: int | None = None  # highest load that at least doubled within a panic window, this stable window
     num_ready: int = 0  # READY replicas
     engine_waiting: int = 0  # requests queued inside the READY replicas' engines
     kv_cache_usage: float = 0.0  # the READY replicas' average KV-cache use, 0..1
+    engine_capacity: float | None = None  # sequences a replica ran when its engine last queued (stable window)
 
     @property
     def concurrency(self) -> int:
@@ -78,30 +80,42 @@ class Decision:
     inputs: dict = field(default_factory=dict)  # what the decision read, for the event log
 
 
-# One Redis Cluster slot per call. KEYS: per endpoint, its in-flight, waiting, last-request and samples keys (4 each).
-# ARGV: since (stale cut-off), window start, now, the sample's member prefix ("<now>:"), record (0/1), samples TTL,
-# panic window start.
+# One Redis Cluster slot per call. KEYS: per endpoint, its in-flight, waiting, last-request, samples and capacity
+# keys (5 each). ARGV: since (stale cut-off), window start, now, the sample's member prefix ("<now>:"), record (0/1),
+# samples TTL, panic window seconds, panic growth.
 # Returns per endpoint: in flight, waiting, last request time ("" if none), peak concurrency in the window,
-# lowest concurrency in the panic window ("" if no sample there).
+# surge ("" if none: the highest concurrency, samples and now, that was at least `growth` times the lowest of
+# the panic window before it), learned engine capacity ("" if none).
 _READ_LOAD = Script("""
 local out = {}
-for i = 1, #KEYS, 4 do
+local panic, growth = tonumber(ARGV[7]), tonumber(ARGV[8])
+for i = 1, #KEYS, 5 do
   local inflight = redis.call('ZCOUNT', KEYS[i], ARGV[1], '+inf')
   local waiting = redis.call('ZCOUNT', KEYS[i + 1], ARGV[1], '+inf')
   local last = redis.call('GET', KEYS[i + 2]) or ''
   local concurrency = inflight + waiting
   local peak = concurrency
-  local low = ''
-  local low_candidate = nil
-  local panic_start = tonumber(ARGV[7])
-  for _, sample in ipairs(redis.call('ZRANGEBYSCORE', KEYS[i + 3], ARGV[2], '+inf', 'WITHSCORES')) do
-    if _ % 2 == 1 then
-      local value = tonumber(string.match(sample, ':(%d+)$'))
-      if value and value > peak then peak = value end
-      low_candidate = value
-    else
-      if low_candidate and tonumber(sample) >= panic_start and (low == '' or low_candidate < low) then low = low_candidate end
-      low_candidate = nil
+  local times, values = {}, {}
+  local raw = redis.call('ZRANGEBYSCORE', KEYS[i + 3], ARGV[2], '+inf', 'WITHSCORES')
+  for j = 1, #raw, 2 do
+    local value = tonumber(string.match(raw[j], ':(%d+)$'))
+    if value then
+      if value > peak then peak = value end
+      times[#times + 1] = tonumber(raw[j + 1])
+      values[#values + 1] = value
+    end
+  end
+  times[#times + 1] = tonumber(ARGV[3])
+  values[#values + 1] = concurrency
+  local surge = ''
+  for j = 2, #values do
+    local low = nil
+    for k = j - 1, 1, -1 do
+      if times[j] - times[k] > panic then break end
+      if low == nil or values[k] < low then low = values[k] end
+    end
+    if low ~= nil and values[j] >= growth * math.max(low, 1) and (surge == '' or values[j] > surge) then
+      surge = values[j]
     end
   end
   if ARGV[5] == '1' then
@@ -113,7 +127,8 @@ for i = 1, #KEYS, 4 do
   out[#out + 1] = waiting
   out[#out + 1] = last
   out[#out + 1] = peak
-  out[#out + 1] = low
+  out[#out + 1] = surge
+  out[#out + 1] = redis.call('GET', KEYS[i + 4]) or ''
 end
 return out
 """)
@@ -135,7 +150,7 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
     window_start = now - settings.AUTOSCALER_STABLE_WINDOW_S
     redis = get_redis()
     args = [since, window_start, now, f"{now:.3f}:", "1" if record else "0", int(settings.AUTOSCALER_STABLE_WINDOW_S) + 60,
-            now - settings.AUTOSCALER_PANIC_WINDOW_S]
+            settings.AUTOSCALER_PANIC_WINDOW_S, PANIC_GROWTH]
     organizations = {str(pk): organization_id for pk, organization_id in
                      Endpoint.objects.filter(pk__in=endpoint_ids).order_by().values_list("pk", "organization_id")}
     by_slot: dict[int, list[tuple[str, int]]] = {}
@@ -149,23 +164,36 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
             keys = []
             for endpoint_id, organization_id in batch:
                 keys += [redis_keys.inflight_key(organization_id, endpoint_id), redis_keys.waiting_key(organization_id, endpoint_id),
-                         redis_keys.last_request_key(organization_id, endpoint_id), samples_key(organization_id, endpoint_id)]
+                         redis_keys.last_request_key(organization_id, endpoint_id), samples_key(organization_id, endpoint_id),
+                         redis_keys.capacity_key(organization_id, endpoint_id)]
             raw = _READ_LOAD.run_sync(keys=keys, args=args)
             engines = _engine_signals([endpoint_id for endpoint_id, _ in batch])
-            for index, (endpoint_id, _) in enumerate(batch):
-                inflight, waiting, last, peak, low = raw[5 * index: 5 * index + 5]
-                num_ready, engine_waiting, kv_cache_usage = engines.get(endpoint_id, (0, 0, 0.0))
+            learned = {}
+            for index, (endpoint_id, organization_id) in enumerate(batch):
+                inflight, waiting, last, peak, surge, capacity = raw[6 * index: 6 * index + 6]
+                num_ready, engine_waiting, kv_cache_usage, running = engines.get(endpoint_id, (0, 0, 0.0, 0))
+                capacity = float(capacity) if capacity not in ("", None) else None
+                if record and num_ready and running and (engine_waiting > 0 or kv_cache_usage >= KV_CACHE_PRESSURE):
+                    # The engines are full at this many sequences each: that is what a replica holds now.
+                    capacity = running / num_ready
+                    learned[redis_keys.capacity_key(organization_id, endpoint_id)] = capacity
                 loads[endpoint_id] = Load(int(inflight), int(waiting), float(last) if last else None, int(peak),
-                                          int(low) if low not in ("", None) else None,
-                                          num_ready, engine_waiting, kv_cache_usage)
+                                          int(surge) if surge not in ("", None) else None,
+                                          num_ready, engine_waiting, kv_cache_usage, capacity)
+            if learned:
+                with redis.pipeline(transaction=False) as pipe:
+                    for key, capacity in learned.items():
+                        pipe.set(key, f"{capacity:.3f}", ex=max(1, int(settings.AUTOSCALER_STABLE_WINDOW_S)))
+                    pipe.execute()
     unknown = [endpoint_id for endpoint_id, load in loads.items() if load.last_request_at is None]
     if unknown:
         _unknown_is_now(redis, loads, unknown, now, organizations)
     return loads
 
 
-def _engine_signals(endpoint_ids: list[str]) -> dict[str, tuple[int, int, float]]:
-    """Per endpoint: READY replicas, requests queued in their engines, their average KV-cache use (one query).
+def _engine_signals(endpoint_ids: list[str]) -> dict[str, tuple[int, int, float, int]]:
+    """Per endpoint: READY replicas, requests queued in their engines, their average KV-cache use and the
+    sequences they run (one query).
 
     From the replicas' last heartbeats (`endpoints.replicas.record_report`), a few seconds old at most.
     """
@@ -173,9 +201,11 @@ def _engine_signals(endpoint_ids: list[str]) -> dict[str, tuple[int, int, float]
     rows = (Endpoint.objects.filter(pk__in=endpoint_ids).order_by()
             .annotate(num_ready=Count("replicas", filter=ready),
                       engine_waiting=Sum("replicas__num_waiting", filter=ready),
-                      kv_cache_total=Sum("replicas__kv_cache_usage", filter=ready))
-            .values_list("pk", "num_ready", "engine_waiting", "kv_cache_total"))
-    return {str(pk): (num, waiting or 0, (kv or 0.0) / num if num else 0.0) for pk, num, waiting, kv in rows}
+                      kv_cache_total=Sum("replicas__kv_cache_usage", filter=ready),
+                      running=Sum("replicas__num_running", filter=ready))
+            .values_list("pk", "num_ready", "engine_waiting", "kv_cache_total", "running"))
+    return {str(pk): (num, waiting or 0, (kv or 0.0) / num if num else 0.0, running or 0)
+            for pk, num, waiting, kv, running in rows}
 
 
 def _unknown_is_now(redis, loads: dict[str, Load], unknown: list[str], now: float, organizations: dict) -> None:
@@ -205,38 +235,40 @@ def decide(endpoint, load: Load, *, now: float | None = None) -> Decision:
     lowest_replicas = min(lowest.replicas, endpoint.max_replicas)
     idle_s = None if load.last_request_at is None else now - load.last_request_at
     inputs = {"in_flight": load.num_inflight, "waiting": load.num_waiting, "peak": load.peak_concurrency,
-              "panic_low": load.panic_low, "ready": load.num_ready, "engine_waiting": load.engine_waiting,
-              "kv_cache_usage": round(load.kv_cache_usage, 3), "idle_s": None if idle_s is None else round(idle_s, 1),
-              "floor": lowest_replicas, "target": endpoint.target_concurrency}
+              "surge": load.surge, "ready": load.num_ready, "engine_waiting": load.engine_waiting,
+              "kv_cache_usage": round(load.kv_cache_usage, 3), "engine_capacity": load.engine_capacity,
+              "idle_s": None if idle_s is None else round(idle_s, 1), "floor": lowest_replicas,
+              "target": endpoint.target_concurrency}
     if load.concurrency == 0 and (idle_s is None or idle_s >= endpoint.idle_timeout_s):
         if lowest_replicas == 0:
             reason = "no requests yet" if idle_s is None else f"idle for {idle_s:.0f} s (timeout {endpoint.idle_timeout_s} s)"
             return Decision(0, f"scale to zero: {reason}", inputs)
         return Decision(lowest_replicas, f"idle: {lowest.reason}", inputs)
     target = max(endpoint.target_concurrency, 1)
-    want_now = math.ceil(load.concurrency / target)
-    want_stable = math.ceil(load.peak_concurrency / target)
-    want_engine = 0
-    if load.num_ready and load.engine_waiting > 0:
-        want_engine = load.num_ready + math.ceil(load.engine_waiting / target)
-    if load.num_ready and load.kv_cache_usage >= KV_CACHE_PRESSURE:
-        want_engine = max(want_engine, load.num_ready + 1)
-    panic = (load.panic_low is not None and load.concurrency >= PANIC_GROWTH * max(load.panic_low, 1)
-             and load.concurrency > load.num_ready * target)
-    want_panic = math.ceil(PANIC_GROWTH * load.concurrency / target) if panic else 0
+    # An engine that queued (or filled its KV cache) at c sequences holds c, whatever the target says.
+    per_replica = target if load.engine_capacity is None else max(1.0, min(target, load.engine_capacity))
+    want_now = math.ceil(load.concurrency / per_replica)
+    want_stable = math.ceil(load.peak_concurrency / per_replica)
+    want_engine = load.num_ready + math.ceil(load.engine_waiting / per_replica) if load.num_ready and load.engine_waiting else 0
+    # A surge this stable window (load at least doubled within the panic window, past one replica's
+    # worth): as in Knative's panic mode, nothing READY is let go until the window passes.
+    panic = load.surge is not None and load.surge >= per_replica
+    want_panic = load.num_ready if panic else 0
     desired = max(want_now, want_stable, want_engine, want_panic, 1)
     bounded = min(max(desired, lowest_replicas), endpoint.max_replicas)
     reason = (
         f"{load.num_inflight} in flight + {load.num_waiting} waiting, peak {load.peak_concurrency} in "
         f"{settings.AUTOSCALER_STABLE_WINDOW_S:.0f} s, target {target} per replica"
     )
-    if want_engine > max(want_now, want_stable):
-        reason += (f"; engines queue {load.engine_waiting}, KV cache {100 * load.kv_cache_usage:.0f}% "
-                   f"on {load.num_ready} ready")
+    if per_replica < target:
+        reason += (f"; engines hold {per_replica:.1f} each (queue {load.engine_waiting}, KV cache "
+                   f"{100 * load.kv_cache_usage:.0f}% on {load.num_ready} ready)")
+    elif want_engine > max(want_now, want_stable):
+        reason += f"; engines queue {load.engine_waiting} on {load.num_ready} ready"
     if panic:
-        reason += f"; panic: load {load.concurrency} from {load.panic_low} in {settings.AUTOSCALER_PANIC_WINDOW_S:.0f} s"
+        reason += f"; panic: load doubled to {load.surge} within {settings.AUTOSCALER_PANIC_WINDOW_S:.0f} s, holding {load.num_ready} ready"
     if lowest_replicas > desired:
         reason += f"; floor {lowest_replicas}: {lowest.reason}"
     if bounded < desired:
         reason += f" (bounded to max_replicas {endpoint.max_replicas})"
-    return Decision(bounded, reason, inputs | {"panic": panic, "want_engine": want_engine})
+    return Decision(bounded, reason, inputs | {"panic": panic, "per_replica": round(per_replica, 2)})

@@ -31,8 +31,8 @@ MONDAY_0730_UTC = datetime(2026, 6, 1, 7, 30, tzinfo=UTC).timestamp()
 OFFICE_HOURS = {"schedule": "0 9 * * 1-5", "timezone": "Europe/Paris", "duration_minutes": 600, "min_replicas": 2}
 
 
-def busy(inflight, *, ready=1, engine_waiting=0, kv=0.0, panic_low=None, peak=None, now=MONDAY_0730_UTC):
-    return Load(inflight, 0, now, peak if peak is not None else inflight, panic_low, ready, engine_waiting, kv)
+def busy(inflight, *, ready=1, engine_waiting=0, kv=0.0, surge=None, peak=None, capacity=None, now=MONDAY_0730_UTC):
+    return Load(inflight, 0, now, peak if peak is not None else inflight, surge, ready, engine_waiting, kv, capacity)
 
 
 def idle_for(seconds, now=MONDAY_0730_UTC):
@@ -110,37 +110,46 @@ def test_an_engine_queue_asks_for_replicas_that_gateway_load_alone_would_not():
     assert "engines queue 6" in queued.reason and queued.inputs["engine_waiting"] == 6
 
 
-def test_a_full_kv_cache_asks_for_one_more_replica_before_the_engine_preempts():
+def test_an_engine_that_filled_up_below_the_target_sizes_the_endpoint_for_the_stable_window():
     endpoint = EndpointFactory(max_replicas=10, target_concurrency=8)
-    assert autoscaler.decide(endpoint, busy(8, ready=1, kv=0.5), now=MONDAY_0730_UTC).desired == 1
-    assert autoscaler.decide(endpoint, busy(8, ready=1, kv=0.95), now=MONDAY_0730_UTC).desired == 2
+    # The engines queued at 4 sequences each (long prompts fill their KV cache): 4 is what a replica
+    # holds, for the load now and for the window's peak, even once the queue is gone.
+    learned = autoscaler.decide(endpoint, busy(12, ready=3, peak=16, capacity=4.0), now=MONDAY_0730_UTC)
+    assert learned.desired == 4 and "engines hold 4.0 each" in learned.reason
+    assert autoscaler.decide(endpoint, busy(12, ready=3, peak=16), now=MONDAY_0730_UTC).desired == 2
 
 
-def test_load_doubling_within_the_panic_window_scales_ahead_of_it():
+def test_a_surge_in_the_stable_window_lets_no_ready_replica_go():
     endpoint = EndpointFactory(max_replicas=20, target_concurrency=4)
-    steady = autoscaler.decide(endpoint, busy(16, ready=4, panic_low=15), now=MONDAY_0730_UTC)
-    assert steady.desired == 4 and not steady.inputs["panic"]
-    surge = autoscaler.decide(endpoint, busy(16, ready=2, panic_low=6), now=MONDAY_0730_UTC)
-    assert surge.inputs["panic"] and surge.desired == math.ceil(2 * 16 / 4)
-    assert "panic: load 16 from 6" in surge.reason
+    calm = autoscaler.decide(endpoint, busy(4, ready=5, peak=4), now=MONDAY_0730_UTC)
+    assert calm.desired == 1 and not calm.inputs["panic"]
+    surged = autoscaler.decide(endpoint, busy(4, ready=5, peak=12, surge=12), now=MONDAY_0730_UTC)
+    assert surged.inputs["panic"] and surged.desired == 5
+    assert "panic: load doubled to 12" in surged.reason
 
 
-def test_engine_signals_and_the_panic_window_come_from_heartbeats_and_redis(settings):
+def test_engine_signals_the_learned_capacity_and_surges_come_from_heartbeats_and_redis(settings):
     settings.AUTOSCALER_PANIC_WINDOW_S = 6
     endpoint = EndpointFactory(max_replicas=4)
     node = make_node(memory_mb=80_000)
-    for waiting, kv in ((3, 0.5), (1, 0.9)):
-        Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, num_waiting=waiting, kv_cache_usage=kv)
+    for running, waiting, kv in ((3, 3, 0.5), (5, 1, 0.9)):
+        Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, num_running=running,
+                               num_waiting=waiting, kv_cache_usage=kv)
     Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING, num_waiting=50, kv_cache_usage=1.0)
     now = time.time()
     samples = redis_keys.samples_key(endpoint.organization_id, str(endpoint.pk))
-    # Concurrency 9 twenty seconds ago (stable window only), 3 four seconds ago (panic window).
-    get_redis().zadd(samples, {f"{now - 20:.3f}:9": now - 20, f"{now - 4:.3f}:3": now - 4})
+    # Concurrency 2 thirty seconds ago, 9 twenty seconds ago (a surge: it was 2 four seconds before), then 3.
+    get_redis().zadd(samples, {f"{now - 30:.3f}:2": now - 30, f"{now - 26:.3f}:2": now - 26,
+                               f"{now - 22:.3f}:9": now - 22, f"{now - 4:.3f}:3": now - 4})
     get_redis().set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), now)
     load = autoscaler.read_load([str(endpoint.pk)], now=now)[str(endpoint.pk)]
     assert (load.num_ready, load.engine_waiting) == (2, 4)
     assert load.kv_cache_usage == pytest.approx(0.7)
-    assert load.peak_concurrency == 9 and load.panic_low == 3
+    assert load.peak_concurrency == 9 and load.surge == 9
+    assert load.engine_capacity == pytest.approx(4.0)  # 8 running on 2 queueing replicas
+    # Remembered for the stable window, after the queues are gone.
+    Replica.objects.filter(endpoint=endpoint).update(num_waiting=0, kv_cache_usage=0.2)
+    assert autoscaler.read_load([str(endpoint.pk)], now=now + 2)[str(endpoint.pk)].engine_capacity == pytest.approx(4.0)
 
 
 def test_each_scale_event_records_the_inputs_of_its_decision():
@@ -148,7 +157,8 @@ def test_each_scale_event_records_the_inputs_of_its_decision():
     make_node(memory_mb=80_000)
     scheduler.reconcile_endpoint(str(endpoint.pk), busy(3, ready=0, now=time.time()))
     event = EndpointEvent.objects.get(endpoint=endpoint, message__startswith="Scale up")
-    assert {"in_flight", "waiting", "peak", "engine_waiting", "kv_cache_usage", "panic", "floor"} <= event.details["inputs"].keys()
+    assert {"in_flight", "waiting", "peak", "surge", "engine_waiting", "kv_cache_usage", "engine_capacity", "panic",
+            "floor"} <= event.details["inputs"].keys()
     assert event.details["inputs"]["in_flight"] == 3
 
 
@@ -159,8 +169,9 @@ loads = st.builds(
     Load,
     num_inflight=st.integers(0, 500), num_waiting=st.integers(0, 100),
     last_request_at=st.one_of(st.none(), st.floats(MONDAY_0730_UTC - 10_000, MONDAY_0730_UTC)),
-    peak_concurrency=st.integers(0, 600), panic_low=st.one_of(st.none(), st.integers(0, 600)),
+    peak_concurrency=st.integers(0, 600), surge=st.one_of(st.none(), st.integers(0, 600)),
     num_ready=st.integers(0, 20), engine_waiting=st.integers(0, 200), kv_cache_usage=st.floats(0, 1),
+    engine_capacity=st.one_of(st.none(), st.floats(1, 64)),
 )
 specs = st.fixed_dictionaries({
     "min_replicas": st.integers(0, 5), "max_replicas": st.integers(5, 40), "target_concurrency": st.integers(1, 64),
@@ -178,7 +189,8 @@ def test_decisions_stay_within_floor_and_max_and_never_fall_as_signals_rise(spec
         assert decision.desired >= min(math.ceil(load.concurrency / spec["target_concurrency"]), spec["max_replicas"])
     # More of any signal never asks for fewer replicas.
     for more in ({"num_inflight": load.num_inflight + 7}, {"engine_waiting": load.engine_waiting + 5},
-                 {"kv_cache_usage": 1.0}, {"peak_concurrency": load.peak_concurrency + 9}):
+                 {"peak_concurrency": load.peak_concurrency + 9},
+                 {"engine_capacity": min(load.engine_capacity or 64.0, 2.0)}):
         heavier = Load(**{name: getattr(load, name) for name in Load.__dataclass_fields__} | more)
         if heavier.last_request_at is None and heavier.concurrency:
             continue
