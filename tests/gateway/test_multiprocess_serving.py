@@ -73,7 +73,7 @@ def _connection_to_each_process(pod, key: str, model: str) -> dict[int, httpx.Cl
         client = httpx.Client(base_url=pod.url, limits=httpx.Limits(max_connections=1))
         before = _served_by_process(pod.metrics)
         assert _chat(client, key, model).status_code == 200
-        after = wait_until(lambda: (now := _served_by_process(pod.metrics)) != before and now, 10,
+        after = wait_until(lambda before=before: (now := _served_by_process(pod.metrics)) != before and now, 10,
                            message="the request counted by the process that served it")
         (pid,) = (after - before).keys()
         if pid in connections:
