@@ -9,6 +9,16 @@ export DJANGO_DEBUG="${DJANGO_DEBUG:-1}"
 if ! command -v wrk >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq wrk >/dev/null) || echo "warning: could not install wrk" >&2
 fi
+# The LiteLLM proxy, measured next to the gateway (bench/bench_gateway.py), in its own virtualenv under
+# the benchmark's data folder, never the project's. Pinned exactly: 1.108.7 is the newest release whose
+# `proxy` extra resolves from the package index (later ones need a `litellm-proxy` package it lacks);
+# 1.107.0 is a known-compromised release and must never be installed.
+LITELLM_VENV="$INFERPLANE_DATA_DIR/litellm-venv"
+if [ ! -f "$LITELLM_VENV/.installed" ]; then
+  (python3 -m venv "$LITELLM_VENV" && "$LITELLM_VENV/bin/pip" install --quiet 'litellm[proxy]==1.108.7' \
+    && touch "$LITELLM_VENV/.installed") || echo "warning: could not install the LiteLLM proxy" >&2
+fi
+export LITELLM_VENV
 failed=()
 for script in bench/bench_*.py; do
   echo "==> $script"

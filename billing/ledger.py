@@ -37,6 +37,9 @@ from billing.models import MONEY_QUANTUM, BillingAccount, BillingMode, UsageReco
 from billing.periods import Period
 
 PER_MILLION = Decimal("0.000001")
+# NOTE: read once: Django computes `Choices.values` anew on every access, and the gateway checks
+# every request's report.
+_USAGE_STATUSES = frozenset(UsageStatus.values)
 
 
 @dataclass(slots=True)
@@ -63,7 +66,7 @@ class UsageReport:
             raise ValueError("token counts cannot be negative")
         if self.cached_tokens > self.prompt_tokens:
             raise ValueError("cached_tokens cannot exceed prompt_tokens")
-        if self.status not in UsageStatus.values:
+        if self.status not in _USAGE_STATUSES:
             raise ValueError(f"status must be one of {UsageStatus.values}, not {self.status!r}")
         if self.finished_at < self.started_at:
             raise ValueError("finished_at is before started_at")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 
@@ -10,11 +10,12 @@ from datetime import UTC, datetime
 class Period:
     start: datetime
     end: datetime  # exclusive
+    # A short stable name, used in Redis keys: `202607`. NOTE: computed once: the gateway reads it
+    # several times per request.
+    key: str = field(init=False)
 
-    @property
-    def key(self) -> str:
-        """A short stable name, used in Redis keys: `202607`."""
-        return f"{self.start:%Y%m}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.start:%Y%m}")
 
 
 _latest: Period | None = None

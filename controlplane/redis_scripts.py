@@ -106,7 +106,8 @@ def _as_bytes(part) -> bytes:
 
 def _encode(parts: tuple) -> bytes:
     """A command in RESP: an array of bulk strings."""
-    datas = [part.encode() if type(part) is str else _as_bytes(part) for part in parts]
+    datas = [part.encode() if type(part) is str else b"%d" % part if type(part) is int else _as_bytes(part)
+             for part in parts]
     return b"*%d\r\n" % len(datas) + b"".join([b"$%d\r\n%b\r\n" % (len(data), data) for data in datas])
 
 

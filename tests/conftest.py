@@ -97,12 +97,16 @@ def child_env() -> dict[str, str]:
     }
 
 
-def start_web_server(tmp_dir: Path, *, name: str = "web", extra_env: dict | None = None) -> tuple[ChildProcess, str]:
+def start_web_server(tmp_dir: Path, *, name: str = "web", extra_env: dict | None = None, workers: int = 1,
+                     server_args: tuple[str, ...] = ()) -> tuple[ChildProcess, str]:
+    """A web server on the test database: one uvicorn process, or with `workers` > 1 the production
+    launcher (`controlplane.serve`) running that many gateway processes on one port."""
     port = free_port()
     env = child_env() | (extra_env or {})
+    server = ["uvicorn", "controlplane.asgi:application"] if workers == 1 else ["controlplane.serve", "--workers", str(workers)]
     child = ChildProcess(
-        [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1", "--port", str(port),
-         "--no-access-log", "--log-level", "warning"],
+        [sys.executable, "-m", *server, "--host", "127.0.0.1", "--port", str(port),
+         "--no-access-log", "--log-level", "warning", *server_args],
         env, tmp_dir / f"{name}.log",
     )
     base_url = f"http://127.0.0.1:{port}"

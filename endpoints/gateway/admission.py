@@ -19,23 +19,33 @@ from billing.quota import counters, rebuild
 from controlplane.script_parts import ComposedScript
 from endpoints.gateway import limits, traffic
 from endpoints.gateway.auth import Caller
+from endpoints.gateway.ratelimit_headers import RateLimitReport
 
 # Returns {'ok', index of the candidate picked (1-based; 0 without candidates)},
-# {'rate_limited', '1'|'2'|'3'}, {'refused', reason} or {'missing', counter to rebuild}.
+# {'rate_limited', '1'|'2'|'3'}, {'refused', reason} or {'missing', counter to rebuild}, each followed
+# by this minute's request and token counts as the script left them (the rate-limit headers).
 # NOTE: on the pipelined connection of `controlplane.redis_scripts`, not redis-py's pool: these two
 # calls are most of a request's Redis time.
 _ADMIT = ComposedScript([limits.CHECK, counters.RESERVE, traffic.BEGIN, traffic.PICK], glue="""
 local verdict = limits_check(limits_check_K, limits_check_A)
-if verdict ~= 0 then return {'rate_limited', tostring(verdict)} end
+local used
+if verdict ~= 0 then
+  used = limits_used(limits_check_K)
+  return {'rate_limited', tostring(verdict), used[1], used[2]}
+end
 local reserved = quota_reserve(quota_reserve_K, quota_reserve_A)
-if reserved[1] ~= 'ok' then return reserved end
+if reserved[1] ~= 'ok' then
+  used = limits_used(limits_check_K)
+  return {reserved[1], reserved[2], used[1], used[2]}
+end
 limits_take(limits_check_K, limits_check_A)
 traffic_begin(traffic_begin_K, traffic_begin_A)
-if #traffic_pick_K == 0 then return {'ok', '0'} end
+used = limits_used(limits_check_K)
+if #traffic_pick_K == 0 then return {'ok', '0', used[1], used[2]} end
 local picked = traffic_pick(traffic_pick_K, traffic_pick_A)
 -- this gateway's requests hash holds the request as in flight on the replica picked
 traffic_hold({traffic_begin_K[3]}, {traffic_begin_A[1], traffic_begin_A[3], traffic_pick_K[picked]})
-return {'ok', tostring(picked)}
+return {'ok', tostring(picked), used[1], used[2]}
 """)
 
 _FINISH = ComposedScript([traffic.END, limits.GIVE_BACK, counters.SETTLE], glue="""
@@ -55,8 +65,10 @@ class Admission:
 
 
 async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: Decimal, num_tokens: int,
-                candidates: list[str]) -> Admission:
+                candidates: list[str], report: RateLimitReport | None = None) -> Admission:
     """Admit a request, or raise the OpenAIError (429) or QuotaExceeded that refuses it.
+
+    `report` (the answer's rate-limit headers) gets the counters as the script left them, admitted or not.
 
     `amount` is its largest possible cost and `num_tokens` the most tokens it may use (both
     reserved until `finish`). With `candidates` (READY replica ids) it is counted in flight on the
@@ -70,13 +82,15 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
                                    num_tokens)
         reservation, reserve_keys, reserve_args = counters.prepare_reservation(
             organization_id=caller.organization_id, api_key_id=caller.api_key_id, amount=amount, request_id=request_id)
-        status, detail = await _ADMIT(
+        status, detail, num_requests, num_tokens_counted = await _ADMIT(
             limits_check=window.check_keys_and_args(),
             quota_reserve=(reserve_keys, reserve_args),
             traffic_begin=traffic.begin_keys_and_args(caller.organization_id, endpoint_id, request_id,
                                                       waiting=not candidates),
             traffic_pick=traffic.pick_keys_and_args(caller.organization_id, candidates),
         )
+        if report is not None:
+            report.counted(window, num_requests, num_tokens_counted)
         if status == "missing":
             await rebuild.rebuild_missing(detail, reservation)
             continue

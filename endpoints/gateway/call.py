@@ -32,6 +32,7 @@ from endpoints.gateway import (
 )
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
+from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.tally import UsageTally
 
@@ -79,6 +80,7 @@ class InferenceCall:
     held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     metrics: metrics.EndpointMetrics | None = None
+    ratelimit: RateLimitReport = field(default_factory=RateLimitReport)  # the answer's x-ratelimit-* headers
     _started_monotonic: float = field(default_factory=time.monotonic)
 
     async def run(self) -> None:
@@ -102,7 +104,7 @@ class InferenceCall:
             # request in flight (or waiting) and picks its replica; `_finish` undoes it in one more.
             admitted = await admission.admit(
                 caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=self.reserved,
-                num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas])
+                num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas], report=self.ratelimit)
         except QuotaExceeded as exc:
             await cold_start.give_up(place)
             raise errors.insufficient_quota(str(exc)) from None
@@ -220,7 +222,7 @@ class InferenceCall:
         self.usage.take_totals(sse.response_usage(body))
         self.first_token_at = datetime.now(UTC)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"x-request-id", self.request_id.encode())]
+                   (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
         self.response_started = True
@@ -286,7 +288,7 @@ class InferenceCall:
     async def start_stream(self) -> None:
         if self.response_started:
             return
-        headers = sse.SSE_HEADERS + [(b"x-request-id", self.request_id.encode())]
+        headers = [*sse.SSE_HEADERS, (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         self.response_started = True
 

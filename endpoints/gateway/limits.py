@@ -25,7 +25,8 @@ WINDOW_TTL_S = 120
 
 # `limits_check` changes nothing (1: too many requests, 2: too many tokens this minute, 3: more tokens
 # than a whole minute allows); `limits_take` (the same keys and arguments) counts the admitted request
-# and reserves its tokens. `limits_give_back` replaces the reservation by the real count. Their keys
+# and reserves its tokens; `limits_used` (the same keys) reads both counters back, for the rate-limit
+# headers (`endpoints.gateway.ratelimit_headers`). `limits_give_back` replaces the reservation by the real count. Their keys
 # and arguments are `CHECK`'s and `GIVE_BACK`'s below.
 LIMITS_LUA = f"""
 local function limits_check(K, A)
@@ -45,6 +46,9 @@ local function limits_take(K, A)
     redis.call('INCRBY', K[2], A[3])
     redis.call('EXPIRE', K[2], {WINDOW_TTL_S})
   end
+end
+local function limits_used(K)
+  return {{tonumber(redis.call('GET', K[1]) or '0'), tonumber(redis.call('GET', K[2]) or '0')}}
 end
 local function limits_give_back(K, A)
   local change = tonumber(A[3]) - tonumber(A[2])
@@ -71,6 +75,7 @@ class Window:
     tokens_per_minute: int
     retry_after_s: int
     num_tokens: int  # the request's worst case, reserved at admission
+    resets_at: float = 0.0  # epoch seconds: when this minute's counters give way to the next minute's
 
     @classmethod
     def now(cls, organization_id: int, subject: str, requests_per_minute: int | None, tokens_per_minute: int | None,
@@ -85,7 +90,7 @@ class Window:
         minute = int(now // 60)
         return cls(redis_keys.requests_window_key(organization_id, subject, minute),
                    redis_keys.tokens_window_key(organization_id, subject, minute), requests_per_minute,
-                   tokens_per_minute, int((minute + 1) * 60 - now) + 1, max(0, num_tokens))
+                   tokens_per_minute, int((minute + 1) * 60 - now) + 1, max(0, num_tokens), (minute + 1) * 60)
 
     def check_keys_and_args(self) -> tuple[list[str], list[int]]:
         """`CHECK`'s keys and arguments (`limits_check` and `limits_take`)."""

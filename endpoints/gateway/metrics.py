@@ -5,24 +5,38 @@
 Series are labelled by endpoint id and organisation id, never by name: two organisations may both
 have an endpoint called `chat`. Names live in one info series per endpoint
 (`inferplane_endpoint_info{endpoint_id, organization_id, name} 1`) and per node, which dashboards join.
+
+A web pod runs several gateway processes (`controlplane/serve.py`); with `PROMETHEUS_MULTIPROC_DIR`
+set, each process writes its request metrics to its own files there (prometheus_client's
+multiprocess mode) and a scrape, answered by any one process, reports them merged: counters and
+histograms summed over every process that ever ran in the pod, in-flight gauges summed over the
+live ones. The fleet series are read from the database at each scrape by the process answering it,
+never stored per process.
 """
 
 from __future__ import annotations
 
 import enum
+import glob
 import hmac
 import ipaddress
+import os
 from dataclasses import dataclass
 
 from django.conf import settings
 from django.db.models import Count
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+# NOTE: prometheus_client's own variable, read by it when it is first imported: set for the whole
+# process before it starts (`controlplane/serve.py` does), never changed while it runs.
+MULTIPROCESS_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -37,8 +51,11 @@ time_to_first_token = Histogram("inferplane_time_to_first_token_seconds", "Time 
                                 ENDPOINT, buckets=LATENCY_BUCKETS, registry=REGISTRY)
 tokens_total = Counter("inferplane_tokens_total", "Tokens by endpoint and kind (prompt, cached, completion).",
                        [*ENDPOINT, "kind"], registry=REGISTRY)
-inflight = Gauge("inferplane_inflight_requests", "Requests being served by this process.", ENDPOINT, registry=REGISTRY)
-waiting = Gauge("inferplane_waiting_requests", "Requests held for a cold start in this process.", ENDPOINT, registry=REGISTRY)
+# NOTE: `livesum`: a pod's in-flight requests are those of its live processes; a dead one's go with it.
+inflight = Gauge("inferplane_inflight_requests", "Requests being served by this pod's gateway processes.", ENDPOINT,
+                 registry=REGISTRY, multiprocess_mode="livesum")
+waiting = Gauge("inferplane_waiting_requests", "Requests held for a cold start in this pod's gateway processes.",
+                ENDPOINT, registry=REGISTRY, multiprocess_mode="livesum")
 cold_start = Histogram("inferplane_cold_start_seconds", "Seconds a request waited for a replica.", ENDPOINT,
                        buckets=(0.5, 1, 2, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600), registry=REGISTRY)
 
@@ -83,35 +100,49 @@ def of_endpoint(endpoint_id: str, organization_id: int) -> EndpointMetrics:
     return found
 
 
-# Fleet state from the database, refreshed at each scrape (every web pod reports the same values).
-replicas = Gauge("inferplane_replicas", "Replicas by endpoint and state.", [*ENDPOINT, "state"], registry=REGISTRY)
-node_gpu_utilization = Gauge("inferplane_node_gpu_utilization", "GPU utilisation (0-1) per node and GPU.",
-                             ["node_id", "gpu"], registry=REGISTRY)
-# Names, for dashboards to join on the ids (`* on (endpoint_id) group_left (name)`); always 1.
-endpoint_info = Gauge("inferplane_endpoint_info", "The name of each live endpoint, by id; always 1.",
-                      [*ENDPOINT, "name"], registry=REGISTRY)
-node_info = Gauge("inferplane_node_info", "The name of each node not offline, by id; always 1.",
-                  ["node_id", "name"], registry=REGISTRY)
+class FleetCollector:
+    """Fleet state from the database, read at each scrape (every web pod reports the same values).
+
+    Computed whole by `refresh_fleet_gauges` and swapped in at once, so a replica state or a node
+    that went away leaves no series behind, in one process or in several.
+    """
+
+    def __init__(self) -> None:
+        self.families: list[GaugeMetricFamily] = []
+
+    def describe(self) -> list:
+        return []  # NOTE: nothing to describe before the first scrape; the names never collide
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        return self.families
+
+
+fleet = FleetCollector()
+REGISTRY.register(fleet)
 
 
 def refresh_fleet_gauges() -> None:
     """Read replica counts, names and GPU use from the database (sync: run it off the event loop)."""
-
-    replicas.clear()
+    replicas = GaugeMetricFamily("inferplane_replicas", "Replicas by endpoint and state.", labels=[*ENDPOINT, "state"])
     rows = (Replica.objects.filter(state__in=ACTIVE_REPLICA_STATES, endpoint__deleted_at__isnull=True)
             .values("endpoint_id", "endpoint__organization_id", "state").annotate(count=Count("id")))
     for row in rows:
-        replicas.labels(str(row["endpoint_id"]), str(row["endpoint__organization_id"]), row["state"]).set(row["count"])
-    endpoint_info.clear()
+        replicas.add_metric([str(row["endpoint_id"]), str(row["endpoint__organization_id"]), row["state"]], row["count"])
+    # Names, for dashboards to join on the ids (`* on (endpoint_id) group_left (name)`); always 1.
+    endpoint_info = GaugeMetricFamily("inferplane_endpoint_info", "The name of each live endpoint, by id; always 1.",
+                                      labels=[*ENDPOINT, "name"])
     for endpoint_id, organization_id, name in Endpoint.objects.live().values_list("id", "organization_id", "name"):
-        endpoint_info.labels(str(endpoint_id), str(organization_id), name).set(1)
-    node_gpu_utilization.clear()
-    node_info.clear()
+        endpoint_info.add_metric([str(endpoint_id), str(organization_id), name], 1)
+    node_gpu_utilization = GaugeMetricFamily("inferplane_node_gpu_utilization",
+                                             "GPU utilisation (0-1) per node and GPU.", labels=["node_id", "gpu"])
+    node_info = GaugeMetricFamily("inferplane_node_info", "The name of each node not offline, by id; always 1.",
+                                  labels=["node_id", "name"])
     for node_id, name, status in Node.objects.exclude(state=NodeState.OFFLINE).values_list("id", "name", "last_status"):
-        node_info.labels(str(node_id), name).set(1)
+        node_info.add_metric([str(node_id), name], 1)
         for gpu in (status or {}).get("gpus", []):
-            node_gpu_utilization.labels(str(node_id), str(gpu.get("index", 0))).set(
-                float(gpu.get("utilization_percent", 0)) / 100)
+            node_gpu_utilization.add_metric([str(node_id), str(gpu.get("index", 0))],
+                                            float(gpu.get("utilization_percent", 0)) / 100)
+    fleet.families = [replicas, node_gpu_utilization, endpoint_info, node_info]
 
 
 class Access(enum.Enum):
@@ -149,5 +180,32 @@ def _direct_loopback_client(scope: dict, headers: dict[bytes, bytes]) -> bool:
         return False
 
 
+def _scraped_registry() -> CollectorRegistry:
+    """What a scrape reads: this process's registry, or every process's files and the fleet."""
+    if MULTIPROCESS_DIR is None:
+        return REGISTRY
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, MULTIPROCESS_DIR)
+    registry.register(fleet)
+    return registry
+
+
+_SCRAPED = _scraped_registry()
+
+
+def _forget_dead_processes() -> None:
+    """Drop the live gauges of processes that are gone (a worker killed without its shutdown)."""
+    for path in glob.glob(os.path.join(MULTIPROCESS_DIR, "gauge_live*_*.db")):
+        pid = int(path.rsplit("_", 1)[1].removesuffix(".db"))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            mark_process_dead(pid, MULTIPROCESS_DIR)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 def render() -> bytes:
-    return generate_latest(REGISTRY)
+    if MULTIPROCESS_DIR is not None:
+        _forget_dead_processes()
+    return generate_latest(_SCRAPED)

@@ -138,10 +138,17 @@ def test_web_probes_use_healthz_and_readyz(rendered):
     assert web["readinessProbe"]["httpGet"]["path"] == "/readyz"
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         assert web[probe]["httpGet"]["port"] == "http"
-    assert "--port=8000" in web["command"] and web["command"][:2] == [
-        "uvicorn",
-        "controlplane.asgi:application",
-    ]
+    assert "--port=8000" in web["command"] and web["command"][:3] == ["python", "-m", "controlplane.serve"]
+
+
+def test_web_runs_one_gateway_process_per_cpu_of_its_limit_with_merged_metrics(rendered):
+    # controlplane.serve counts the CPUs of the container's limit, and keeps the workers' metrics
+    # files under the temporary directory: it must be a writable volume under a read-only root.
+    web = _pod_spec(rendered.get("Deployment", "inferplane-web"))["containers"][0]
+    assert web["command"][:3] == ["python", "-m", "controlplane.serve"]
+    assert float(web["resources"]["limits"]["cpu"]) >= 1
+    assert "/tmp" in {mount["mountPath"] for mount in web["volumeMounts"]}
+    assert web["securityContext"]["readOnlyRootFilesystem"] is True
 
 
 def test_probes_send_a_host_the_production_settings_accept(rendered, client, settings):

@@ -49,7 +49,8 @@ class Command(BaseCommand):
         }
         python = sys.executable
         commands = {
-            "web": [python, "-m", "uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port),
+            # WEB_CONCURRENCY gateway processes on one port (default one per core), as in a pod.
+            "web": [python, "-m", "controlplane.serve", "--host", host, "--port", str(port),
                     "--no-access-log", "--timeout-graceful-shutdown", "30"],
             "worker": [python, "-m", "celery", "-A", "controlplane", "worker", "--concurrency", "2", "--loglevel", "INFO",
                        "--without-gossip", "--without-mingle", "-n", "local@%h"],

@@ -1,0 +1,181 @@
+"""The gateway's own CPU per proxied request, next to the bare-proxy floor, in the same run.
+
+Starts the fast mock, the gateway and `bench/bare_proxy.py` (each one process, the same server
+flags as `bench/bench_gateway.py`, whose seeding and wrk runner it reuses), then alternates wrk runs
+(non-streaming chat, concurrency 16) against the floor and the gateway. For each run it reads the
+server process's CPU time (user + system, from /proc) before and after: CPU µs per request is that
+difference over the requests wrk counted. With `--py-spy` one more gateway run is sampled by
+py-spy, and the functions with the most samples (self and total) are printed.
+
+    .venv/bin/python bench/profile_gateway.py [--duration-s 5] [--rounds 2] [--py-spy] [--server uvicorn|granian]
+
+The record of what this showed, before and after each change, is `bench/results/gateway_profile.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench import bench_gateway as bench  # noqa: E402 - sets the benchmark's environment first
+from controlplane import embedded  # noqa: E402
+
+# NOTE: production settings refuse to start embedded servers: start them here and name them, as a
+# deployment names its own.
+os.environ.setdefault("DATABASE_URL", embedded.ensure_postgres())
+os.environ.setdefault("REDIS_URL", embedded.ensure_redis())
+os.environ.setdefault("INFERPLANE_ENCRYPTION_KEYS", "YmVuY2gtZ2F0ZXdheS1wcm9maWxlLW9ubHktMzJieXQ=")
+
+CONCURRENCY = 16
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its threads (and its reaped children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def serve_args(server: str, app: str, port: int) -> list[str]:
+    if server == "granian":
+        return [sys.executable, "-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port),
+                "--workers", "1", "--loop", "uvloop", "--no-ws", "--log-level", "warning", app]
+    return [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+            "--log-level", "warning", "--loop", "uvloop", "--http", "httptools"]
+
+
+def server_pid(child) -> int:
+    """The process that serves: granian serves from a worker process it spawns."""
+    pid = child.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if children.exists() and children.read_text().split():
+        return int(children.read_text().split()[0])
+    return pid
+
+
+def measure(url: str, key: str, pid: int, duration_s: float) -> dict:
+    before = cpu_s(pid)
+    run = bench.run_wrk(url + "/v1/chat/completions", key, "mock", CONCURRENCY, duration_s, None)
+    used = cpu_s(pid) - before
+    run["cpu_us_per_request"] = round(used / max(1, run["requests"]) * 1e6, 1)
+    return run
+
+
+def top_functions(raw_path: Path, num: int = 25) -> str:
+    """The functions with the most samples in py-spy's raw (collapsed) output: self and total."""
+    own, total, num_samples = collections.Counter(), collections.Counter(), 0
+    for line in raw_path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count)
+        num_samples += count
+        frames = [frame.split(" (")[0] + " (" + frame.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                  if " (" in frame else frame for frame in stack.split(";")]
+        own[frames[-1]] += count
+        for frame in set(frames):
+            total[frame] += count
+    lines = [f"{num_samples} samples", "", "| self % | function |", "|---:|---|"]
+    lines += [f"| {100 * n / num_samples:.1f} | `{name}` |" for name, n in own.most_common(num)]
+    lines += ["", "| total % | function |", "|---:|---|"]
+    lines += [f"| {100 * n / num_samples:.1f} | `{name}` |" for name, n in total.most_common(num)]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration-s", type=float, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--py-spy", action="store_true")
+    parser.add_argument("--py-spy-output", default=None, help="keep py-spy's raw (collapsed) stacks here")
+    parser.add_argument("--compare-with", default=None,
+                        help="a checkout of older code (e.g. `git archive <commit> | tar -x -C DIR`): its gateway is "
+                             "measured too, in the same rounds")
+    parser.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn")
+    args = parser.parse_args()
+    bench.setup_django()
+    logs = Path(tempfile.mkdtemp(prefix="profile-gateway-"))
+    children = []
+    try:
+        mock_port, gateway_port, bare_port = bench.free_port(), bench.free_port(), bench.free_port()
+        mock = bench.Child([sys.executable, "-m", "tests.fakes.mock_openai", "--port", str(mock_port)], logs / "mock.log")
+        children.append(mock)
+        mock_url = f"http://127.0.0.1:{mock_port}"
+        bench.wait_healthy(mock_url + "/health", mock, 30)
+        key = bench.seed({"mock": mock_url})
+        from controlplane.accounts.models import ApiKey  # after django.setup()
+        from endpoints.nodes.models import Node
+
+        # NOTE: the gateway routes only to the node's own engine ports; the mock's port is any free one.
+        Node.objects.filter(name="bench-gateway-node").update(engine_port_min=1024, engine_port_max=65535)
+        # NOTE: limits high enough never to refuse, still counted in Redis on every request.
+        ApiKey.objects.filter(organization__slug="bench-gateway").update(requests_per_minute=100_000_000,
+                                                                         tokens_per_minute=1_000_000_000)
+        gateway = bench.Child(serve_args(args.server, "controlplane.asgi:application", gateway_port), logs / "gateway.log")
+        children.append(gateway)
+        gateway_url = f"http://127.0.0.1:{gateway_port}"
+        bench.wait_healthy(gateway_url + "/healthz", gateway, 60)
+        bare = bench.Child(serve_args(args.server, "bench.bare_proxy:app", bare_port), logs / "bare.log",
+                           env={"BARE_PROXY_UPSTREAM": mock_url})
+        children.append(bare)
+        bare_url = f"http://127.0.0.1:{bare_port}"
+        bench.wait_healthy(bare_url + "/health", bare, 60)
+        before_url = before_pid = None
+        if args.compare_with:
+            before_port = bench.free_port()
+            tree = str(Path(args.compare_with).resolve())
+            before = bench.Child(["env", "-C", tree, *serve_args(args.server, "controlplane.asgi:application", before_port)],
+                                 logs / "before.log", env={"PYTHONPATH": os.pathsep.join(
+                                     [tree, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                              if p and Path(p).resolve() != REPO]])})
+            children.append(before)
+            before_url = f"http://127.0.0.1:{before_port}"
+            bench.wait_healthy(before_url + "/healthz", before, 60)
+            before_pid = server_pid(before)
+            bench.run_wrk(before_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)  # warm up
+        gateway_pid, bare_pid = server_pid(gateway), server_pid(bare)
+        bench.run_wrk(gateway_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)  # warm up
+        bench.run_wrk(bare_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)
+        rows = []
+        for _ in range(args.rounds):
+            floor = measure(bare_url, key, bare_pid, args.duration_s)
+            through = measure(gateway_url, key, gateway_pid, args.duration_s)
+            rows.append((floor, through))
+            if before_url:
+                older = measure(before_url, key, before_pid, args.duration_s)
+                print(f"before {older['requests_per_s']}/s {older['cpu_us_per_request']} µs/req p50 {older['p50_ms']} "
+                      f"p99 {older['p99_ms']} ms errors {older['errors']} | "
+                      f"ratio {older['requests_per_s'] / floor['requests_per_s']:.1%}", flush=True)
+            print(f"floor {floor['requests_per_s']}/s {floor['cpu_us_per_request']} µs/req p50 {floor['p50_ms']} ms | "
+                  f"gateway {through['requests_per_s']}/s {through['cpu_us_per_request']} µs/req p50 {through['p50_ms']} "
+                  f"p99 {through['p99_ms']} ms errors {through['errors']} | "
+                  f"ratio {through['requests_per_s'] / floor['requests_per_s']:.1%}", flush=True)
+        if args.py_spy:
+            raw = Path(args.py_spy_output or logs / "gateway.raw")
+            spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gateway_pid), "--format", "raw", "--rate", "200",
+                                    "--nonblocking", "--output", str(raw), "--duration", str(int(args.duration_s) + 1)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            time.sleep(0.5)
+            bench.run_wrk(gateway_url + "/v1/chat/completions", key, "mock", CONCURRENCY, args.duration_s, None)
+            spy.wait(timeout=60)
+            print(top_functions(raw) if raw.exists() else f"py-spy wrote nothing: {spy.stderr.read().decode()[-2000:]}")
+        if not through["requests"]:
+            print(gateway.log_tail())
+    finally:
+        for child in reversed(children):
+            child.stop()
+        bench.unseed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

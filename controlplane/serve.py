@@ -1,0 +1,89 @@
+"""The web process: N uvicorn workers of the ASGI application sharing one port.
+
+    python -m controlplane.serve --host 0.0.0.0 --port 8000 [other uvicorn options]
+
+`WEB_CONCURRENCY` workers (default: one per core this process may use, its CPU affinity and its
+cgroup's CPU limit both counted) accept on the same socket. Each is a whole gateway: its own event
+loop, caches and ledger writer; limits, spend and usage are exact across them because they live in
+Redis and PostgreSQL, never in a process (README, "Warm call").
+
+With more than one worker, Prometheus counters live in files shared by the workers
+(`PROMETHEUS_MULTIPROC_DIR`, prometheus_client's multiprocess mode): `/metrics`, whichever worker
+answers it, reports their sums (`endpoints/gateway/metrics.py`). The folder is emptied here, before
+any worker starts, so a restarted container never adds a previous run's counts or gauges. Without
+the variable a private folder is made under the temporary directory and removed on exit.
+
+NOTE: this module reads its two variables itself rather than through `controlplane.env`: it runs
+before Django, and only in the web process, so they are not settings every process must receive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import uvicorn
+
+APPLICATION = "controlplane.asgi:application"
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its affinity, capped by a cgroup v2 CPU limit (a pod's `limits.cpu`)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    return max(1, min(cores, math.ceil(int(quota) / int(period))))
+
+
+def num_workers(environ: dict[str, str] = os.environ) -> int:
+    raw = (environ.get("WEB_CONCURRENCY") or "").strip()
+    if not raw:
+        return available_cores()
+    if not raw.isdigit() or int(raw) < 1:
+        raise SystemExit(f"WEB_CONCURRENCY must be a whole number of worker processes (1 or more), not {raw!r}")
+    return int(raw)
+
+
+def prepare_metrics_dir(num_processes: int, environ: dict[str, str] = os.environ) -> Path | None:
+    """An empty `PROMETHEUS_MULTIPROC_DIR` for the workers, set in `environ`; None for one process without it."""
+    configured = (environ.get("PROMETHEUS_MULTIPROC_DIR") or "").strip()
+    if not configured and num_processes == 1:
+        return None
+    if configured:
+        directory = Path(configured)
+        if directory.is_dir():
+            # NOTE: emptied, not removed: in a pod it may be the mount point of an emptyDir volume.
+            for entry in directory.iterdir():
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        directory.mkdir(parents=True, exist_ok=True)
+    else:
+        directory = Path(tempfile.mkdtemp(prefix="inferplane-metrics-"))
+        atexit.register(shutil.rmtree, directory, True)
+    environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    return directory
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `--workers` on the command line wins over WEB_CONCURRENCY, as for uvicorn itself.
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--workers", type=int)
+    known, uvicorn_args = parser.parse_known_args(argv)
+    workers = known.workers if known.workers is not None else num_workers()
+    prepare_metrics_dir(workers)
+    uvicorn.main([APPLICATION, "--workers", str(workers), *uvicorn_args])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""One web pod, several gateway processes on one port (`controlplane.serve`, `WEB_CONCURRENCY`):
+limits stay exact across them, every request leaves exactly one usage row, and `/metrics`, whichever
+process answers it, reports the pod's sums.
+
+Which process serves a request is the kernel's choice (they accept on one socket), so each test first
+opens keep-alive connections until it holds one to each process: a connection stays with the process
+that accepted it. The process behind a connection is told by the per-process counter files of
+prometheus_client's multiprocess mode.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+
+from billing.models import UsageRecord
+from controlplane.accounts.keys import create_api_key
+from controlplane.accounts.models import ApiKey, Scope
+from controlplane.accounts.services import Actor
+from tests.conftest import start_web_server, wait_until
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+TOKEN = "scrape-" + "Mp4w" * 10
+NUM_WORKERS = 2
+
+
+@pytest.fixture
+def pod(transactional_db, tmp_path):
+    """The web process as a pod runs it: two gateway processes, one port, a shared metrics folder."""
+    metrics_dir = tmp_path / "prometheus"
+    metrics_dir.mkdir()
+    (metrics_dir / "counter_1.db").write_bytes(b"left by a previous run")  # the launcher empties the folder
+    child, base_url = start_web_server(
+        tmp_path, name="pod", workers=NUM_WORKERS, server_args=("--timeout-keep-alive", "120"),
+        extra_env={"INFERPLANE_METRICS_TOKEN": TOKEN, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
+
+    class Pod:
+        url = base_url
+        metrics = metrics_dir
+
+    yield Pod
+    child.stop()
+
+
+def _served_by_process(metrics_dir: Path) -> Counter:
+    """Requests each gateway process has finished, from its own counter file."""
+    served = Counter()
+    for path in metrics_dir.glob("counter_*.db"):
+        pid = int(path.stem.rsplit("_", 1)[1])
+        for metric in MultiProcessCollector.merge([str(path)]):
+            served[pid] += sum(s.value for s in metric.samples if s.name == "inferplane_requests_total")
+    return served
+
+
+def _chat(client: httpx.Client, key: str, model: str) -> httpx.Response:
+    return client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"model": model, "messages": MESSAGES, "max_tokens": 1}, timeout=30)
+
+
+def _connection_to_each_process(pod, key: str, model: str) -> dict[int, httpx.Client]:
+    """A keep-alive connection to every gateway process of the pod, keyed by the process's pid."""
+    connections: dict[int, httpx.Client] = {}
+    for _ in range(200):
+        client = httpx.Client(base_url=pod.url, limits=httpx.Limits(max_connections=1))
+        before = _served_by_process(pod.metrics)
+        assert _chat(client, key, model).status_code == 200
+        after = wait_until(lambda before=before: (now := _served_by_process(pod.metrics)) != before and now, 10,
+                           message="the request counted by the process that served it")
+        (pid,) = (after - before).keys()
+        if pid in connections:
+            client.close()
+        else:
+            connections[pid] = client
+        if len(connections) == NUM_WORKERS:
+            return connections
+    raise AssertionError(f"200 connections reached only processes {sorted(connections)}")
+
+
+def test_the_request_limit_is_exact_across_the_gateway_processes_of_one_pod(pod, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=5))
+    connections = _connection_to_each_process(pod, tenant.key, endpoint.name)
+    limited = create_api_key(Actor(user=tenant.owner), tenant.org, name="limited", scopes=[Scope.INFERENCE])
+    ApiKey.objects.filter(pk=limited.api_key.pk).update(requests_per_minute=5)
+
+    statuses: list[int] = []
+
+    def send_six(client: httpx.Client) -> None:
+        for _ in range(6):
+            statuses.append(_chat(client, limited.plain, endpoint.name).status_code)
+
+    threads = [threading.Thread(target=send_six, args=(client,)) for client in connections.values()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    # Twelve requests at once through both processes: five pass (ten if a minute boundary fell inside).
+    assert len(statuses) == 12
+    assert statuses.count(200) in (5, 10) and statuses.count(429) == 12 - statuses.count(200)
+    rows = wait_until(lambda: (found := list(UsageRecord.objects.filter(api_key_id=limited.api_key.pk)))
+                      and len(found) >= statuses.count(200) and found, 15, message="the usage rows")
+    assert len(rows) == statuses.count(200)
+    assert len({row.request_id for row in rows}) == len(rows)
+    for client in connections.values():
+        client.close()
+
+
+def test_metrics_from_any_gateway_process_of_a_pod_sum_every_process(pod, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    connections = _connection_to_each_process(pod, tenant.key, endpoint.name)
+    (first_pid, first), (second_pid, second) = connections.items()
+    expected = _served_by_process(pod.metrics) + Counter({first_pid: 3, second_pid: 5})
+    for _ in range(3):
+        assert _chat(first, tenant.key, endpoint.name).status_code == 200
+    for _ in range(5):
+        assert _chat(second, tenant.key, endpoint.name).status_code == 200
+    wait_until(lambda: _served_by_process(pod.metrics) == expected, 10, message="each process counting its own requests")
+    total = float(sum(expected.values()))
+
+    for client in (first, second, httpx.Client(base_url=pod.url)):
+        response = client.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert response.status_code == 200
+        samples = [sample for family in text_string_to_metric_families(response.text) for sample in family.samples]
+        ok = [s.value for s in samples if s.name == "inferplane_requests_total"
+              and s.labels == {"endpoint_id": str(endpoint.pk), "organization_id": str(tenant.org.pk), "status": "ok"}]
+        assert ok == [total]
+        durations = [s.value for s in samples if s.name == "inferplane_request_duration_seconds_count"
+                     and s.labels["endpoint_id"] == str(endpoint.pk)]
+        assert durations == [total]
+        inflight = [s.value for s in samples if s.name == "inferplane_inflight_requests"
+                    and s.labels["endpoint_id"] == str(endpoint.pk)]
+        assert inflight == [0.0]
+        assert {s.labels["endpoint_id"] for s in samples if s.name == "inferplane_replicas"} == {str(endpoint.pk)}
+        client.close()
+
+
+def test_metrics_of_a_multi_process_pod_still_need_the_token(pod):
+    for headers in ({}, {"Authorization": f"Bearer {TOKEN}x"}):
+        response = httpx.get(f"{pod.url}/metrics", headers=headers)
+        assert response.status_code == 401
+        assert response.content == b""

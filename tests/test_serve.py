@@ -1,0 +1,49 @@
+"""`controlplane.serve`, the web process's launcher: how many gateway processes, and their metrics folder."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from controlplane import serve
+
+
+def test_a_pod_runs_one_gateway_process_per_core_it_may_use_by_default():
+    assert serve.num_workers({}) == serve.available_cores()
+    assert 1 <= serve.available_cores() <= len(os.sched_getaffinity(0))
+
+
+def test_web_concurrency_sets_the_number_of_gateway_processes():
+    assert serve.num_workers({"WEB_CONCURRENCY": "3"}) == 3
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_a_web_concurrency_that_is_not_a_positive_count_stops_the_start(value):
+    with pytest.raises(SystemExit, match="WEB_CONCURRENCY"):
+        serve.num_workers({"WEB_CONCURRENCY": value})
+
+
+def test_the_cgroup_cpu_limit_caps_the_default(tmp_path, monkeypatch):
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("150000 100000\n")  # a pod's `limits.cpu: 1.5`
+    monkeypatch.setattr(serve, "CGROUP_CPU_MAX", cpu_max)
+    assert serve.available_cores() == min(2, len(os.sched_getaffinity(0)))
+    cpu_max.write_text("max 100000\n")
+    assert serve.available_cores() == len(os.sched_getaffinity(0))
+
+
+def test_the_metrics_folder_is_emptied_before_the_workers_start(tmp_path):
+    folder = tmp_path / "prometheus"
+    (folder / "nested").mkdir(parents=True)
+    (folder / "counter_123.db").write_bytes(b"counts of a previous container")
+    environ = {"PROMETHEUS_MULTIPROC_DIR": str(folder)}
+    assert serve.prepare_metrics_dir(2, environ) == folder
+    assert folder.is_dir() and list(folder.iterdir()) == []
+
+
+def test_several_workers_without_a_configured_folder_get_a_private_one():
+    environ: dict[str, str] = {}
+    folder = serve.prepare_metrics_dir(2, environ)
+    assert folder is not None and folder.is_dir() and environ["PROMETHEUS_MULTIPROC_DIR"] == str(folder)
+    assert serve.prepare_metrics_dir(1, {}) is None  # one process keeps its metrics in memory
