@@ -155,3 +155,26 @@ def test_a_replica_waits_for_a_warming_standby_instead_of_starting_plainly(tmp_p
         )
     finally:
         supervisor.shutdown(timeout_s=1)
+
+
+def test_a_replica_due_while_no_standby_is_kept_spawns_one_and_waits_for_it(tmp_path):
+    class Spawning(FakeStandby):
+        def can_take(self, command) -> bool:
+            return False
+
+        def ensure(self) -> None:  # spawns: importing, not ready yet
+            self.num_ensures += 1
+            self.process, self.warming, self.spawned_at = object(), True, time.monotonic()
+
+    standby = Spawning()
+    standby.ready = False  # just handed off: no standby process at all
+    supervisor = Supervisor(tmp_path / "agent", policy=FAST)  # vLLM commands, never launched here
+    supervisor.standby = standby
+    try:
+        supervisor.start(make_spec("r-due"), "/models/x")
+        supervisor.poll()
+        replica = supervisor.get("r-due")
+        assert standby.num_ensures >= 1, "a standby is spawned for the due replica"
+        assert replica.pid is None and replica.launch_at and replica.progress == "starting engine (warm standby)"
+    finally:
+        supervisor.shutdown(timeout_s=1)
