@@ -221,8 +221,8 @@ def build_engine_command(
         "--enable-prompt-tokens-details",
         # Every path but /health needs the replica's key (vLLM's own --api-key leaves most open).
         "--middleware", "gpu_agent.runtime.engine_guard.EngineKeyGuard",
-        *SCHEDULING_FLAGS,
         *plan.flags,
+        *SCHEDULING_FLAGS,
     ]  # fmt: skip
     task = model_task(model_path) if spec.task == ModelTask.AUTO else spec.task
     if task == ModelTask.EMBED:
