@@ -45,16 +45,16 @@ class ModelCredentialAdmin(ReadOnlyAdmin):
 
 @admin.register(Endpoint)
 class EndpointAdmin(admin.ModelAdmin):
-    list_display = ["name", "organization", "gpu_type", "quantization", "min_replicas", "max_replicas",
+    list_display = ["name", "organization", "task", "gpu_type", "quantization", "min_replicas", "max_replicas",
                     "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
                     "paused_at", "deleted_at"]
-    list_filter = ["gpu_type", "quantization"]
+    list_filter = ["task", "gpu_type", "quantization"]
     search_fields = ["name", "organization__slug", "model_source"]
     list_select_related = ["organization"]
     # NOTE: staff edit prices only; the spec goes through the API's validation (serializers) instead.
-    fields = ["name", "organization", "model_source", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing",
+    fields = ["name", "organization", "model_source", "task", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing",
               "price_input_per_million", "price_cached_input_per_million", "price_output_per_million"]
-    readonly_fields = ["name", "organization", "model_source", "gpu_type", "quantization", "gpus_per_replica",
+    readonly_fields = ["name", "organization", "model_source", "task", "gpu_type", "quantization", "gpus_per_replica",
                        "allow_gpu_sharing"]
 
     def has_add_permission(self, request):

@@ -31,6 +31,12 @@ class EndpointForm(SerializerBackedForm):
         help_text="Your organisation's S3 or Hugging Face credential for this source. None: the platform's "
                   "public catalogue, or an anonymous read.",
     )
+    task = forms.ChoiceField(
+        label="Task", required=False,
+        choices=[("auto", "Automatic (from the model's config)"), ("generate", "Generate text (chat, completions)"),
+                 ("embed", "Embeddings (/v1/embeddings)")],
+        help_text="An embedding endpoint serves /v1/embeddings, billed as input tokens at the input price.",
+    )
     gpu_type = forms.ChoiceField(
         label="GPU type", required=False, choices=[(name, gpu.label) for name, gpu in GPU_TYPES.items()],
         widget=forms.RadioSelect,

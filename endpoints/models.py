@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from controlplane import secrets as secrets_at_rest
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
-from gpu_agent.protocol import CheckpointQuantization, ReplicaState
+from gpu_agent.protocol import CheckpointQuantization, ModelTask, ReplicaState, task_of_architecture
 
 
 class EndpointState(models.TextChoices):
@@ -135,6 +135,8 @@ class Endpoint(models.Model):
     enable_prefix_caching = models.BooleanField(default=True)
     # vLLM's tool-call parser (`endpoints.catalogue.TOOL_CALL_PARSERS`); "" turns tool calling off.
     tool_call_parser = models.CharField(max_length=32, blank=True, default="")
+    # What it serves (`protocol.ModelTask`): "auto" reads it from the model's config (`serving_task`).
+    task = models.CharField(max_length=16, choices=[(t.value, t.value) for t in ModelTask], default=ModelTask.AUTO.value)
     price_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     price_cached_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6)
@@ -185,6 +187,15 @@ class Endpoint(models.Model):
             return EndpointState.FAILED
         return EndpointState.SCALED_TO_ZERO
 
+
+    @property
+    def serving_task(self) -> str:
+        """"generate" or "embed": the endpoint's `task`, or for "auto" what its model's architecture
+        says once an agent has read it; "" while that is unknown (the engine decides)."""
+        if self.task != ModelTask.AUTO:
+            return self.task
+        architecture = ModelFacts.objects.filter(source=self.model_source).values_list("architecture", flat=True).first()
+        return task_of_architecture(architecture).value if architecture else ""
 
     @property
     def context_length(self) -> int:

@@ -29,7 +29,7 @@ from endpoints.models import (
     Replica,
 )
 from endpoints.placement import memory_needed_mb, smallest_gpu_count
-from gpu_agent.protocol import FINAL_REPLICA_STATES, checkpoint_quantization_problem
+from gpu_agent.protocol import FINAL_REPLICA_STATES, ModelTask, checkpoint_quantization_problem
 
 RECENT_ENDED_REPLICAS = 5
 
@@ -216,10 +216,21 @@ class EndpointSerializer(StrictModelSerializer):
                   "if the family is unknown. \"\" turns tool calling off.",
     )
 
+    task = serializers.ChoiceField(
+        choices=[task.value for task in ModelTask], default=ModelTask.AUTO.value,
+        help_text="What the endpoint serves: \"generate\" (chat and completions), \"embed\" (/v1/embeddings, "
+                  "billed as input tokens at the input price) or \"auto\" (the default): from the model's config "
+                  "(an encoder such as BertModel, a bare *Model body or a sentence-transformers layout embeds).",
+    )
+    serving_task = serializers.CharField(
+        read_only=True, help_text="What it serves now: \"generate\" or \"embed\"; \"\" while an auto endpoint's model is unread.",
+    )
+
     class Meta:
         model = Endpoint
         fields = [
-            "id", "name", "model_source", "credential", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing",
+            "id", "name", "model_source", "credential", "task", "serving_task",
+            "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing",
             "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s",
             "prewarm_windows", "keep_warm_after_cold_start_s",

@@ -54,6 +54,31 @@ class NodeState(str, enum.Enum):  # noqa: UP042 - str() and format() of members 
     OFFLINE = "OFFLINE"  # missed heartbeats
 
 
+class ModelTask(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
+    """What an endpoint's engine serves: generated text (`/v1/chat/completions`, `/v1/completions`)
+    or embeddings (`/v1/embeddings`, vLLM's pooling runner). AUTO: what the model's config says
+    (`task_of_architecture`, and on the agent a sentence-transformers layout)."""
+
+    AUTO = "auto"
+    GENERATE = "generate"
+    EMBED = "embed"
+
+
+# Architectures (config.json) of embedding models: bare encoder or decoder bodies without a head
+# (`BertModel`, `XLMRobertaModel`, e5-mistral's `MistralModel`, `Qwen2Model`…), and the masked-LM
+# encoders vLLM 0.32 also serves as embedders (its registry's `_EMBEDDING_MODELS`).
+EMBEDDING_ARCHITECTURE_SUFFIXES = ("Model", "ForMaskedLM")
+# Bare `*Model`s that are not embedders: multimodal wrappers whose body generates text.
+_GENERATING_BARE_MODELS = frozenset({"Gemma3Model", "Qwen2VLModel", "LlavaModel", "MllamaModel"})
+
+
+def task_of_architecture(architecture: str) -> ModelTask:
+    """The task a model of this architecture serves: EMBED for embedding architectures, else GENERATE."""
+    if architecture.endswith(EMBEDDING_ARCHITECTURE_SUFFIXES) and architecture not in _GENERATING_BARE_MODELS:
+        return ModelTask.EMBED
+    return ModelTask.GENERATE
+
+
 class ReplicaAction(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
     RUN = "RUN"
     DRAIN = "DRAIN"  # stop taking requests, let in-flight ones finish, then stop
@@ -374,9 +399,12 @@ class ReplicaSpec(Message):
     # vLLM's parser names (`--tool-call-parser`, `--reasoning-parser`); "" leaves the feature off.
     tool_call_parser: str = ""
     reasoning_parser: str = ""
+    # What the engine serves; AUTO: the agent reads it from the model's files (`model_info.model_task`).
+    task: ModelTask = ModelTask.GENERATE
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id) and bool(self.served_model_name), "replica_id and served_model_name required")
+        self.task = ModelTask(self.task)
         # NOTE: they become engine arguments: a name, never something argparse reads as a flag.
         _require(all(_PARSER_NAME.match(name) for name in (self.tool_call_parser, self.reasoning_parser)),
                  "tool_call_parser and reasoning_parser must be parser names")

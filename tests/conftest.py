@@ -155,6 +155,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture(scope="session")
+def tiny_embedding_model_dir(tmp_path_factory) -> Path:
+    """The tiny model's embedding sibling (a bare LlamaModel, 128-wide vectors), built once per session."""
+    from gpu_agent.runtime.tiny_model import build_tiny_embedding_model
+
+    return build_tiny_embedding_model(tmp_path_factory.mktemp("tiny-embedding-model"))
+
+
 def vllm_processes_of(replica_id: str) -> list:
     """Live processes (engine and its children) started for one replica, found by the agent's env marker."""
     import psutil

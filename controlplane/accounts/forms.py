@@ -92,6 +92,10 @@ class ApiKeyForm(SerializerBackedForm):
     tokens_per_minute = forms.CharField(
         label="Tokens per minute", required=False, widget=forms.NumberInput(attrs={"placeholder": "platform default"})
     )
+    max_priority_boost = forms.CharField(
+        label="Priority range", required=False, widget=forms.NumberInput(attrs={"placeholder": "none", "min": 0}),
+        help_text="N lets calls pass `priority` from -N (sooner) to N (later). Empty: calls may not set a priority.",
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -33,6 +33,7 @@ def create_api_key(
     expires_at: datetime | None = None,
     requests_per_minute: int | None = None,
     tokens_per_minute: int | None = None,
+    max_priority_boost: int | None = None,
 ) -> CreatedApiKey:
     """A new key; its secret is in the answer and nowhere else.
 
@@ -57,6 +58,7 @@ def create_api_key(
                     expires_at=expires_at,
                     requests_per_minute=requests_per_minute,
                     tokens_per_minute=tokens_per_minute,
+                    max_priority_boost=max_priority_boost,
                 )
                 record_audit(actor, organization, "api_key.create", api_key, scopes=api_key.scopes)
             return CreatedApiKey(api_key=api_key, plain=issued.plain)

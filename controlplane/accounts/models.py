@@ -187,6 +187,11 @@ class Scope(models.TextChoices):
     MANAGE = "manage", "Manage (/api/v1)"
 
 
+# The most a key may move its calls' engine priority: batch work runs at 100 (lower runs sooner), so
+# no interactive call, however deprioritised, waits behind it.
+MAX_PRIORITY_BOOST = 99
+
+
 class ApiKeyQuerySet(models.QuerySet):
     def for_org(self, organization):
         return self.filter(organization=organization)
@@ -204,6 +209,9 @@ class ApiKey(models.Model):
     # Per-key limits enforced by the gateway; null means the platform default.
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
     tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    # How far a call with this key may move its own engine priority (`priority` in the body, from
+    # -N, sooner, to N, later; lower runs sooner); null: the key may not pass `priority` at all.
+    max_priority_boost = models.PositiveSmallIntegerField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)

@@ -3,7 +3,7 @@
 from django.utils import timezone
 from rest_framework import serializers
 
-from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Membership, Organization, Scope
+from controlplane.accounts.models import MAX_PRIORITY_BOOST, ApiKey, AuditEvent, Invitation, Membership, Organization, Scope
 
 
 class StrictModelSerializer(serializers.ModelSerializer):
@@ -64,7 +64,7 @@ class ApiKeySerializer(StrictModelSerializer):
     class Meta:
         model = ApiKey
         fields = [
-            "id", "name", "prefix", "scopes", "requests_per_minute", "tokens_per_minute",
+            "id", "name", "prefix", "scopes", "requests_per_minute", "tokens_per_minute", "max_priority_boost",
             "effective_requests_per_minute", "effective_tokens_per_minute",
             "expires_at", "revoked_at", "last_used_at", "created_at",
         ]
@@ -73,6 +73,12 @@ class ApiKeySerializer(StrictModelSerializer):
         extra_kwargs = {
             "requests_per_minute": {"min_value": 1, "max_value": 1_000_000},
             "tokens_per_minute": {"min_value": 1, "max_value": 1_000_000_000},
+            "max_priority_boost": {
+                "min_value": 0, "max_value": MAX_PRIORITY_BOOST,
+                "help_text": "Calls with this key may pass `priority` (an integer, lower runs sooner, default 0) from "
+                             f"-N to N. Null (the default): passing `priority` is refused. At most {MAX_PRIORITY_BOOST}, "
+                             "so interactive calls always run before batch work.",
+            },
         }
 
     def validate_expires_at(self, value):

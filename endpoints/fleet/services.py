@@ -24,7 +24,7 @@ from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
 from endpoints.replicas import apply_replica_report, drain_node
 from gpu_agent import protocol
-from gpu_agent.protocol import NodeState, ReplicaAction, ReplicaState
+from gpu_agent.protocol import ModelTask, NodeState, ReplicaAction, ReplicaState
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         weights_scope=access.weights_scope,
         tool_call_parser=endpoint.tool_call_parser,
         reasoning_parser=default_reasoning_parser(endpoint.model_source),
+        task=ModelTask(endpoint.task),
     )
 
 

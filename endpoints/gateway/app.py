@@ -1,4 +1,5 @@
-"""The gateway's ASGI application: `/v1/models`, `/v1/chat/completions`, `/v1/completions`, `/metrics` (token only).
+"""The gateway's ASGI application: `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
+`/v1/embeddings`, `/metrics` (token only).
 
 Everything else goes to Django. One request's life:
 
@@ -28,7 +29,7 @@ logger = logging.getLogger("inferplane.gateway")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 GC_YOUNG_THRESHOLD = 20_000
-INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 
 
 class Gateway:
@@ -106,7 +107,8 @@ class Gateway:
             caller = await auth.authenticate(headers)
             ratelimit.for_caller(caller)
             inference = InferenceRequest.parse(body, kind=kind, path=path,
-                                               wait_for_capacity=standing.wants_to_wait(headers))
+                                               wait_for_capacity=standing.wants_to_wait(headers),
+                                               max_priority_boost=caller.max_priority_boost)
             endpoint = await directory.find_endpoint(caller.organization_id, inference.model)
             if endpoint is None:
                 raise errors.model_not_found(inference.model)

@@ -44,6 +44,7 @@ class Caller:
     requests_per_minute: int | None
     tokens_per_minute: int | None
     role: str | None = None  # the key creator's (or session user's) current role in the organisation
+    max_priority_boost: int | None = None  # the key's `ApiKey.max_priority_boost`: None, no `priority` allowed
 
     @property
     def limit_subject(self) -> str:
@@ -65,6 +66,7 @@ def _lookup_key(plain: str) -> Caller | None:
         role=role,
         requests_per_minute=api_key.requests_per_minute,
         tokens_per_minute=api_key.tokens_per_minute,
+        max_priority_boost=api_key.max_priority_boost,
     )
 
 

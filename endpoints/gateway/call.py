@@ -198,7 +198,7 @@ class InferenceCall:
                 # A 401 is the engine refusing our key: the replica's fault, never the client's.
                 raise UpstreamUnavailable(f"HTTP {response.status}")
             if response.status >= 400:
-                raise errors.engine_refused(response.status, await response.read())
+                raise self.request.engine_refusal(response.status, await response.read())
             self.replica = replica
             self.served = True
             if self.request.stream:

@@ -41,6 +41,8 @@ class EndpointInfo:
     # "" when the endpoint serves or may start. `status_message` says why, in the user's words.
     state: str = ""
     status_message: str = ""
+    # "generate" or "embed" (`Endpoint.serving_task`); "" while an "auto" endpoint's model is unread.
+    task: str = ""
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,7 +65,7 @@ def _endpoint_info(endpoint) -> EndpointInfo:
         price_output_per_million=endpoint.price_output_per_million,
         created_at=endpoint.created_at.timestamp(),
         max_held_requests=endpoint.organization.quotas.max_held_requests,
-        state=_blocking_state(endpoint), status_message=endpoint.status_message,
+        state=_blocking_state(endpoint), status_message=endpoint.status_message, task=endpoint.serving_task,
     )
 
 

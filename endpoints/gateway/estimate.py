@@ -103,7 +103,8 @@ class WorstCase:
 
 
 def worst_case(payload: dict, kind: str, max_model_len: int) -> WorstCase:
-    """The worst case of a `/v1/chat/completions` (`kind` "chat") or `/v1/completions` request body.
+    """The worst case of a `/v1/chat/completions` (`kind` "chat"), `/v1/completions` or
+    `/v1/embeddings` ("embedding": its inputs' tokens, no output) request body.
 
     Never raises on odd input: what cannot be read is counted at its largest (the engine refuses
     what it cannot read, and a refused request costs nothing).
@@ -112,6 +113,9 @@ def worst_case(payload: dict, kind: str, max_model_len: int) -> WorstCase:
     if kind == "chat":
         prompts = [_chat_prompt_bound(payload)]
         requested = _first_int(payload.get("max_completion_tokens"), payload.get("max_tokens"))
+    elif kind == "embedding":  # `input` reads as a completions prompt does; an embedding has no output
+        return WorstCase(prompt_bounds=tuple(min(bound, limit) for bound in _completion_prompt_bounds(payload.get("input"))),
+                         num_sequences=1, max_output_tokens=0, max_model_len=limit)
     else:
         prompts = _completion_prompt_bounds(payload.get("prompt"))
         requested = _first_int(payload.get("max_tokens"), COMPLETIONS_DEFAULT_MAX_TOKENS)

@@ -1,10 +1,15 @@
-"""A `/v1/chat/completions` or `/v1/completions` call, parsed and checked: `InferenceRequest`.
+"""A `/v1/chat/completions`, `/v1/completions` or `/v1/embeddings` call, parsed and checked: `InferenceRequest`.
 
 Anything malformed is a 400 in OpenAI's shape here, before a key's limits are counted, an endpoint
 is looked up or a byte reaches the engine: JSON the gateway could not re-encode (NaN, numbers past
 64 bits or past a float, nesting deeper than `MAX_DEPTH`), a body that is not an object, and a
 wrong type or range for any field OpenAI's API defines. Fields it does not define (vLLM's
-extensions: `top_k`, `min_p`, …) pass through for the engine to judge.
+extensions: `top_k`, `min_p`, …) pass through for the engine to judge. An embeddings body is
+checked by `endpoints.gateway.embeddings`.
+
+`priority` is the engine's (vLLM's priority scheduling, lower runs sooner; interactive calls 0): a
+client may pass one only within what its key allows (`ApiKey.max_priority_boost`), a 400 naming
+`priority` otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from endpoints.gateway import errors, estimate
+from endpoints.gateway import embeddings, errors, estimate
 
 MAX_DEPTH = 32  # objects and arrays nested in one another; real requests use a handful
 MAX_MODEL_NAME = 256
@@ -71,6 +76,9 @@ def parse_payload(body: bytes, kind: str) -> dict:
         raise errors.invalid_request("You must provide a model parameter.", param="model")
     if len(model) > MAX_MODEL_NAME or not model.isprintable() or not _is_utf8(model):
         raise errors.invalid_request("'model' is not a model name.", param="model", code="invalid_value")
+    if kind == embeddings.EMBEDDING:
+        embeddings.check_payload(payload)
+        return payload
     if kind == "chat":
         _check_messages(payload.get("messages"))
     else:
@@ -82,7 +90,25 @@ def parse_payload(body: bytes, kind: str) -> dict:
     return payload
 
 
-KINDS = frozenset({"chat", "completion"})
+KINDS = frozenset({"chat", "completion", embeddings.EMBEDDING})
+INTERACTIVE_PRIORITY = 0  # vLLM's default: what a call without `priority` runs at
+
+
+def client_priority(payload: dict, max_boost: int | None) -> int:
+    """The engine priority a client asked for (`priority`), within its key's `max_boost` (-N … N);
+    a 400 naming `priority` when the key allows none or the value lies outside."""
+    value = payload.get("priority")
+    if value is None:
+        return INTERACTIVE_PRIORITY
+    if not _is_int(value):
+        raise _wrong_type("priority", "an integer")
+    if max_boost is None:
+        raise errors.invalid_request(
+            "This API key may not set 'priority'; an admin can allow it on the key (max_priority_boost).",
+            param="priority", code="priority_not_allowed")
+    if not -max_boost <= value <= max_boost:
+        raise _out_of_range("priority", _range_text(-max_boost, max_boost, "an integer") + " (this key's limit)")
+    return value
 
 _ids: tuple[int, random.Random] = (0, random.Random())
 
@@ -108,20 +134,23 @@ class InferenceRequest:
     """One inference call as the client sent it, its body parsed and checked (`parse`); what it may
     cost at an endpoint is its `worst_case`."""
 
-    kind: str  # "chat" (/v1/chat/completions) or "completion" (/v1/completions)
+    kind: str  # "chat" (/v1/chat/completions), "completion" (/v1/completions) or "embedding" (/v1/embeddings)
     path: str
     body: bytes  # as the client sent it: proxied unchanged when nothing needs rewriting
     payload: dict
     wait_for_capacity: bool = False  # the client sent X-Inferplane-Wait-For-Capacity (endpoints.gateway.standing)
+    priority: int = INTERACTIVE_PRIORITY  # the engine's: lower runs sooner (batch work runs later)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {sorted(KINDS)}")
 
     @classmethod
-    def parse(cls, body: bytes, *, kind: str, path: str, wait_for_capacity: bool = False) -> InferenceRequest:
-        """The request, or the 400 that refuses its body."""
-        return cls(kind, path, body, parse_payload(body, kind), wait_for_capacity)
+    def parse(cls, body: bytes, *, kind: str, path: str, wait_for_capacity: bool = False,
+              max_priority_boost: int | None = None) -> InferenceRequest:
+        """The request, or the 400 that refuses its body; `max_priority_boost` is the caller key's."""
+        payload = parse_payload(body, kind)
+        return cls(kind, path, body, payload, wait_for_capacity, client_priority(payload, max_priority_boost))
 
     @property
     def model(self) -> str:
@@ -129,11 +158,12 @@ class InferenceRequest:
 
     @property
     def stream(self) -> bool:
-        return bool(self.payload.get("stream", False))
+        return self.kind != embeddings.EMBEDDING and bool(self.payload.get("stream", False))
 
     def worst_case(self, endpoint) -> estimate.WorstCase:
         """The most tokens, and so money, it can take at `endpoint`; a 400 when it asks for more
-        output tokens than the endpoint's context."""
+        output tokens than the endpoint's context, or calls an endpoint of the other task."""
+        embeddings.refuse_wrong_task(self.kind, endpoint)
         max_tokens = self.payload.get("max_completion_tokens") or self.payload.get("max_tokens")
         if max_tokens is not None and max_tokens > endpoint.max_model_len:
             raise errors.invalid_request(
@@ -144,12 +174,21 @@ class InferenceRequest:
 
     def upstream_body(self) -> bytes:
         """The body the engine gets."""
-        if not self.stream:
+        reprioritised = self.priority != self.payload.get("priority", INTERACTIVE_PRIORITY)
+        if not self.stream and not reprioritised:
             return self.body  # `model` is already the endpoint's name, the engine's served name
-        # NOTE: usage on every chunk tells the gateway the tokens delivered if the client leaves
-        # mid-stream; what the client asked for is restored by `endpoints.gateway.sse.rewrite_event`.
-        payload = self.payload | {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        payload = self.payload | {"priority": self.priority} if reprioritised else self.payload
+        if self.stream:
+            # NOTE: usage on every chunk tells the gateway the tokens delivered if the client leaves
+            # mid-stream; what the client asked for is restored by `endpoints.gateway.sse.rewrite_event`.
+            payload = payload | {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         return json.dumps(payload).encode()
+
+    def engine_refusal(self, status: int, body: bytes) -> errors.OpenAIError:
+        """The engine's 4xx answer to this request, in OpenAI's shape."""
+        if self.kind == embeddings.EMBEDDING:
+            return embeddings.engine_refusal(status, body, self.payload)
+        return errors.engine_refused(status, body)
 
 
 def _depth(value) -> int:

@@ -18,8 +18,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_agent.protocol import ReplicaSpec
+from gpu_agent.protocol import ModelTask, ReplicaSpec
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
+from gpu_agent.runtime.model_info import model_task
 
 DEVICE_CPU = "cpu"
 DEVICE_CUDA = "cuda"
@@ -31,6 +32,13 @@ DATA_DIR_ENV_MARKER = "INFERPLANE_DATA_DIR"
 
 # vLLM's KV cache on CPU is a fixed allocation, not a fraction of GPU memory.
 DEFAULT_CPU_KV_CACHE_GIB = 1
+
+# NOTE: every engine schedules by the request's `priority` (lower runs sooner; vLLM's default 0 is
+# interactive work), so batch work sent at a higher number waits behind interactive calls.
+SCHEDULING_FLAGS = ("--scheduling-policy", "priority")
+# An embedding model runs on vLLM's pooling runner (`/v1/embeddings`); `--convert embed` also turns
+# a generative checkpoint into an embedder (last-token pooling), as vLLM does for e5-mistral.
+EMBEDDING_FLAGS = ("--runner", "pooling", "--convert", "embed")
 
 
 @dataclass(slots=True, frozen=True)
@@ -214,17 +222,21 @@ def build_engine_command(
         # Every path but /health needs the replica's key (vLLM's own --api-key leaves most open).
         "--middleware", "gpu_agent.runtime.engine_guard.EngineKeyGuard",
         *plan.flags,
+        *SCHEDULING_FLAGS,
     ]  # fmt: skip
+    task = model_task(model_path) if spec.task == ModelTask.AUTO else spec.task
+    if task == ModelTask.EMBED:
+        argv += EMBEDDING_FLAGS
     if spec.max_model_len is not None:  # else vLLM takes the model's own context length
         argv += ["--max-model-len", str(spec.max_model_len)]
     if spec.max_num_batched_tokens:
         argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if plan.hf_overrides:
         argv += ["--hf-overrides", json.dumps(plan.hf_overrides)]
-    if spec.tool_call_parser:
+    if spec.tool_call_parser and task != ModelTask.EMBED:
         # Without --enable-auto-tool-choice vLLM answers `tool_choice: "auto"` (most agents' default) with 400.
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
-    if spec.reasoning_parser:
+    if spec.reasoning_parser and task != ModelTask.EMBED:
         argv += ["--reasoning-parser", spec.reasoning_parser]
     # NOTE: the key travels in the environment, never in argv (visible to `ps`, written to the log).
     env = {REPLICA_ENV_MARKER: spec.replica_id, ENGINE_API_KEY_ENV: spec.engine_api_key}

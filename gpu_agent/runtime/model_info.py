@@ -17,7 +17,14 @@ import math
 import struct
 from pathlib import Path
 
-from gpu_agent.protocol import CheckpointQuantization, ModelInfo, ReplicaSpec, checkpoint_quantization_problem
+from gpu_agent.protocol import (
+    CheckpointQuantization,
+    ModelInfo,
+    ModelTask,
+    ReplicaSpec,
+    checkpoint_quantization_problem,
+    task_of_architecture,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,16 @@ def read_model_info(model_dir: str | Path) -> ModelInfo | None:
         num_params=count_parameters(model_dir),
         quantization=checkpoint_quantization(config),
     )
+
+
+def model_task(model_dir: str | Path) -> ModelTask:
+    """EMBED for an embedding model: a sentence-transformers layout (`modules.json`) or an embedding
+    architecture in config.json (`protocol.task_of_architecture`); else GENERATE."""
+    model_dir = Path(model_dir)
+    if (model_dir / "modules.json").is_file():
+        return ModelTask.EMBED
+    info = read_model_info(model_dir)
+    return task_of_architecture(info.architecture) if info else ModelTask.GENERATE
 
 
 def checkpoint_quantization(config: dict) -> CheckpointQuantization:

@@ -4,6 +4,11 @@ It builds in seconds with no download, and vLLM's OpenAI server serves it
 (`/v1/completions` and `/v1/chat/completions`). The output is gibberish; what
 matters is that the engine, batching, quantization and the agent around them run
 for real. Everything is seeded, so two builds give the same files.
+
+`build_tiny_embedding_model` writes its embedding sibling: the same body as a bare `LlamaModel`
+(no language-model head), the architecture e5-mistral-style embedding models declare, which vLLM
+serves with its pooling runner (`/v1/embeddings`, last-token pooling, normalised). Its config
+declares Matryoshka dimensions, so `dimensions` may shorten its vectors.
 """
 
 from __future__ import annotations
@@ -99,11 +104,24 @@ def _build_tokenizer(path: Path) -> None:
     (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
 
 
+# The embedding model's vector size is HIDDEN_SIZE; `dimensions` may ask for any of these.
+EMBEDDING_MATRYOSHKA_DIMENSIONS = (32, 64, HIDDEN_SIZE)
+
+
 def build_tiny_model(directory: str | Path, *, dtype: str = "bfloat16") -> Path:
     """Write a tiny Llama checkpoint (config, safetensors, tokenizer) into `directory`."""
+    return _build(directory, dtype=dtype, embedding=False)
+
+
+def build_tiny_embedding_model(directory: str | Path, *, dtype: str = "bfloat16") -> Path:
+    """Write a tiny embedding checkpoint (a bare `LlamaModel`, HIDDEN_SIZE-wide vectors) into `directory`."""
+    return _build(directory, dtype=dtype, embedding=True)
+
+
+def _build(directory: str | Path, *, dtype: str, embedding: bool) -> Path:
     import torch
     from tokenizers import Tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
@@ -124,7 +142,9 @@ def build_tiny_model(directory: str | Path, *, dtype: str = "bfloat16") -> Path:
         tie_word_embeddings=False,
         torch_dtype=dtype,
     )
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    if embedding:
+        config.matryoshka_dimensions = list(EMBEDDING_MATRYOSHKA_DIMENSIONS)
+    model = (LlamaModel if embedding else LlamaForCausalLM)(config).to(getattr(torch, dtype))
     model.save_pretrained(str(path), safe_serialization=True)
     generation = {
         "bos_token_id": config.bos_token_id,

@@ -1,4 +1,5 @@
-// The endpoint page's playground: a chat that streams from /v1/chat/completions as the signed-in user.
+// The endpoint page's playground, as the signed-in user: a chat that streams from /v1/chat/completions,
+// or for an embedding endpoint (data-task="embed") one /v1/embeddings call per text.
 (() => {
   const root = document.getElementById("playground");
   if (!root) return;
@@ -19,7 +20,7 @@
     item.className = `chat-message chat-${role}`;
     const who = document.createElement("div");
     who.className = "chat-role";
-    who.textContent = role === "user" ? "You" : "Assistant";
+    who.textContent = role === "user" ? "You" : (root.dataset.task === "embed" ? "Embedding" : "Assistant");
     const body = document.createElement("div");
     body.className = "chat-text";
     body.textContent = text;
@@ -124,12 +125,43 @@
     }
   }
 
+  async function embed(content) {
+    bubble("user", content);
+    const item = bubble("assistant", "");
+    const text = item.querySelector(".chat-text");
+    const started = performance.now();
+    controller = new AbortController();
+    send.disabled = true;
+    status.textContent = "Waiting for the endpoint…";
+    try {
+      const response = await fetch(root.dataset.url, {
+        method: "POST", credentials: "same-origin", signal: controller.signal,
+        headers: { "Content-Type": "application/json", "X-CSRFToken": window.inferplaneCsrfToken() },
+        body: JSON.stringify({ model: root.dataset.model, input: content, encoding_format: "float" }),
+      });
+      if (!response.ok) throw new Error(await errorText(response));
+      const body = await response.json();
+      const vector = body.data[0].embedding;
+      const head = vector.slice(0, 8).map((value) => value.toFixed(4)).join(", ");
+      text.textContent = `${vector.length} dimensions: [${head}${vector.length > 8 ? ", …" : ""}]`;
+      const seconds = ((performance.now() - started) / 1000).toFixed(1);
+      const usage = { prompt_tokens: body.usage.prompt_tokens, completion_tokens: 0 };
+      footer(item, `${usage.prompt_tokens} input tokens · ${cost(usage)} · ${seconds} s`);
+    } catch (error) {
+      footer(item, error.name === "AbortError" ? "Stopped." : `Error: ${error.message}`, error.name !== "AbortError");
+    } finally {
+      status.textContent = "";
+      send.disabled = false;
+      controller = null;
+    }
+  }
+
   form.addEventListener("submit", (event) => {
     event.preventDefault();
     const content = input.value.trim();
     if (!content || controller) return;
     input.value = "";
-    ask(content);
+    (root.dataset.task === "embed" ? embed : ask)(content);
   });
   input.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); form.requestSubmit(); }

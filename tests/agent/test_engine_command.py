@@ -1,9 +1,11 @@
 """Mapping a ReplicaSpec to the vLLM server command line, per device."""
 
 import importlib.util
+import json
 
 import pytest
 
+from gpu_agent.protocol import ModelTask
 from gpu_agent.runtime.engine import build_engine_command, supported_quantizations
 
 from .conftest import make_spec
@@ -107,3 +109,43 @@ def test_a_spec_whose_gpu_indices_disagree_with_its_gpu_count_is_refused():
         make_spec(num_gpus=2, gpu_indices=[0])
     with pytest.raises(ValueError, match="distinct"):
         make_spec(num_gpus=2, gpu_indices=[1, 1])
+
+
+def test_every_engine_schedules_by_request_priority_on_cpu_and_cuda():
+    for device in ("cpu", "cuda"):
+        argv = build_engine_command(make_spec(), "/m", port=1, device=device).argv
+        assert flag(argv, "--scheduling-policy") == "priority", device
+
+
+def test_an_embedding_replica_runs_on_the_pooling_runner_without_tool_parsers():
+    spec = make_spec(task=ModelTask.EMBED, tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    argv = build_engine_command(spec, "/m", port=1, device="cpu").argv
+    assert (flag(argv, "--runner"), flag(argv, "--convert")) == ("pooling", "embed")
+    assert "--tool-call-parser" not in argv and "--reasoning-parser" not in argv
+    generating = build_engine_command(make_spec(task=ModelTask.GENERATE), "/m", port=1, device="cuda").argv
+    assert "--runner" not in generating
+
+
+def test_an_auto_task_reads_the_models_config_and_sentence_transformers_layout(tmp_path):
+    def model(name, architecture, *, sentence_transformers=False):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+        if sentence_transformers:
+            (path / "modules.json").write_text("[]")
+        return path
+
+    def runner(path):
+        argv = build_engine_command(make_spec(task=ModelTask.AUTO), path, port=1, device="cpu").argv
+        return flag(argv, "--runner") if "--runner" in argv else "generate"
+
+    assert runner(model("bert", "BertModel")) == "pooling"
+    assert runner(model("e5", "MistralModel")) == "pooling"
+    assert runner(model("st", "LlamaForCausalLM", sentence_transformers=True)) == "pooling"
+    assert runner(model("chat", "LlamaForCausalLM")) == "generate"
+    assert runner(tmp_path / "unread") == "generate"  # no config: the engine's own default
+
+
+def test_a_spec_refuses_an_unknown_task():
+    with pytest.raises(ValueError):
+        make_spec(task="rerank")

@@ -4,6 +4,8 @@ import json
 
 from tokenizers import Tokenizer
 
+from gpu_agent.protocol import ModelTask
+from gpu_agent.runtime.model_info import model_task
 from gpu_agent.runtime.tiny_model import build_tiny_model
 
 
@@ -25,3 +27,11 @@ def test_tiny_model_is_deterministic(tiny_model_dir, tmp_path):
     again = build_tiny_model(tmp_path / "again")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (again / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+
+
+def test_tiny_embedding_model_is_a_bare_llama_body_with_matryoshka_dimensions(tiny_embedding_model_dir):
+    config = json.loads((tiny_embedding_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaModel"] and config["hidden_size"] == 128
+    assert config["matryoshka_dimensions"] == [32, 64, 128]
+    assert model_task(tiny_embedding_model_dir) == ModelTask.EMBED
+    assert (tiny_embedding_model_dir / "tokenizer.json").is_file()

@@ -131,6 +131,21 @@ def test_endpoint_page_shows_state_replicas_events_snippets_and_playground(owner
     assert 'data-model="chat-c"' in page and 'data-price-output="0.300000"' in page
 
 
+def test_an_embedding_endpoints_page_offers_an_embeddings_playground_and_snippets(owner, settings):
+    settings.PUBLIC_URL = "https://api.inferplane.test"
+    endpoint = EndpointFactory(organization=owner.organization, name="docs-embed", task="embed")
+    page = owner.get(reverse("console:endpoint", args=[endpoint.pk])).content.decode()
+    assert 'data-url="/v1/embeddings"' in page and 'data-task="embed"' in page
+    assert "curl https://api.inferplane.test/v1/embeddings" in page and "client.embeddings.create(" in page
+    assert "/v1/chat/completions" not in page and "chat.completions" not in page
+
+
+def test_the_wizard_deploys_an_embedding_endpoint(owner):
+    response = owner.post(reverse("console:endpoint-new"), VALID_SPEC | {"name": "docs-embed", "task": "embed"})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert Endpoint.objects.get(name="docs-embed").task == "embed"
+
+
 def test_endpoint_live_partial_updates_state_out_of_band(owner):
     endpoint = EndpointFactory(organization=owner.organization)
     Replica.objects.create(endpoint=endpoint, state=ReplicaState.READY)

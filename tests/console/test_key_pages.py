@@ -76,3 +76,13 @@ def test_another_organisations_key_is_a_404(owner):
     created.api_key.refresh_from_db()
     assert created.api_key.revoked_at is None
     assert "theirs" not in owner.get(reverse("console:keys")).content.decode()
+
+
+def test_a_key_gets_a_priority_range_from_the_form_and_the_list_shows_it(owner):
+    refused = owner.post(reverse("console:keys"), {"name": "urgent", "scopes": [Scope.INFERENCE], "max_priority_boost": "100"})
+    assert refused.status_code == 400 and "Ensure this value is less than or equal to 99." in refused.content.decode()
+    created = owner.post(reverse("console:keys"), {"name": "urgent", "scopes": [Scope.INFERENCE], "max_priority_boost": "5"})
+    assert created.status_code == 201 and find_api_key(created.context["secret"]).max_priority_boost == 5
+    plain = owner.post(reverse("console:keys"), {"name": "plain", "scopes": [Scope.INFERENCE], "max_priority_boost": ""})
+    assert plain.status_code == 201 and find_api_key(plain.context["secret"]).max_priority_boost is None
+    assert "priority ±5" in owner.get(reverse("console:keys")).content.decode()

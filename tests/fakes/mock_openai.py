@@ -21,6 +21,7 @@ import time
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV, EngineKeyGuard
 
 PROMPT_TOKENS = 7
+EMBEDDING_SIZE = 8  # `/v1/embeddings`: every input gets this many zeros, and PROMPT_TOKENS tokens
 
 
 def _dumps(data) -> bytes:
@@ -65,6 +66,8 @@ class MockOpenAI:
         if payload.get("max_tokens") == 999_999:
             return await self._json(send, 400, {"error": {"message": "max_tokens too large", "type": "BadRequestError",
                                                            "param": "max_tokens", "code": 400}})
+        if path.endswith("/embeddings"):
+            return await self._embeddings(send, payload)
         num_tokens = int(payload.get("max_tokens") or payload.get("max_completion_tokens") or 16)
         chat = path.endswith("/chat/completions")
         if payload.get("stream"):
@@ -108,6 +111,15 @@ class MockOpenAI:
             final = base | {"choices": [], "usage": _usage(num_tokens)}
             await emit(b"data: " + _dumps(final) + b"\n\n")
         await emit(b"data: [DONE]\n\n", more=False)
+
+    async def _embeddings(self, send, payload):
+        inputs = payload.get("input")
+        num_inputs = 1 if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)) \
+            else len(inputs or [])
+        data = [{"index": index, "object": "embedding", "embedding": [0.0] * EMBEDDING_SIZE} for index in range(num_inputs)]
+        tokens = PROMPT_TOKENS * num_inputs
+        return await self._json(send, 200, {"object": "list", "model": payload.get("model"), "data": data,
+                                            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def _json(self, send, status, data):
         body = _dumps(data)

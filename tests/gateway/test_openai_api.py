@@ -113,7 +113,7 @@ def test_error_cases_use_openais_shape_and_codes(gateway, tenant, start_mock_ups
     assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "max_tokens"
     assert raw.post("/v1/chat/completions", json={"model": endpoint.name, "messages": MESSAGES, "stream": "yes"}).status_code == 400
     assert raw.get("/v1/chat/completions").status_code == 405
-    assert raw.post("/v1/embeddings", json={}).json()["error"]["code"] == "unknown_url"
+    assert raw.post("/v1/audio/speech", json={}).json()["error"]["code"] == "unknown_url"
     assert not UsageRecord.objects.exists()
 
 

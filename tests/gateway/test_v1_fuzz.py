@@ -1,4 +1,4 @@
-"""Hypothesis fuzzes `/v1/chat/completions` and `/v1/completions` bodies against the real gateway.
+"""Hypothesis fuzzes `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings` bodies against the real gateway.
 
 A uvicorn gateway on the test database, an endpoint with one READY replica on the mock upstream
 (tests/fakes/mock_openai.py), so that nothing waits for a cold start: every known field gets either
@@ -19,8 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from billing.models import UsageRecord
 from endpoints.gateway.errors import OpenAIError
 from endpoints.gateway.request import parse_payload
+from tests.conftest import wait_until
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -140,6 +142,15 @@ def completion_bodies(model: str) -> st.SearchStrategy:
     return bodies(model, "prompt", prompt, COMPLETION_FIELDS)
 
 
+def embedding_bodies(model: str) -> st.SearchStrategy:
+    inputs = maybe_valid(st.one_of(st.text(min_size=1, max_size=40), st.lists(st.text(min_size=1, max_size=10),
+                                   min_size=1, max_size=3), token_ids, st.lists(token_ids, min_size=1, max_size=2)))
+    fields = {"encoding_format": maybe_valid(st.sampled_from(["float", "base64"])),
+              "dimensions": maybe_valid(st.integers(min_value=1, max_value=64)),
+              "user": maybe_valid(st.text(max_size=10)), "priority": any_json}
+    return bodies(model, "input", inputs, fields)
+
+
 def assert_answered_properly(response: httpx.Response, body: bytes) -> None:
     status = response.status_code
     assert status < 500, f"{status} for {body[:300]!r}: {response.text[:500]}"
@@ -147,7 +158,7 @@ def assert_answered_properly(response: httpx.Response, body: bytes) -> None:
         if response.headers["content-type"].startswith("text/event-stream"):
             assert response.text.rstrip().endswith("data: [DONE]"), response.text[-300:]
         else:
-            assert "choices" in response.json()
+            assert "choices" in response.json() or "data" in response.json()
         return
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}, response.text
@@ -201,3 +212,18 @@ def test_the_fuzzer_sends_well_formed_bodies_as_well_as_garbage():
 
     count()
     assert shaped // 5 <= accepted < shaped
+
+
+def test_any_embeddings_body_is_answered_or_refused_in_openais_shape(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(), task="embed")
+    with httpx.Client(base_url=gateway, headers={"Authorization": f"Bearer {tenant.key}",
+                                                 "content-type": "application/json"}, timeout=60) as client:
+
+        @FUZZ_SETTINGS
+        @given(body=embedding_bodies(endpoint.name))
+        def check(body):
+            assert_answered_properly(client.post("/v1/embeddings", content=body), body)
+
+        check()
+    # Some bodies went all the way: served by the mock, each with its usage row.
+    wait_until(lambda: UsageRecord.objects.filter(endpoint=endpoint, status="ok").exists(), 30, message="a usage row")

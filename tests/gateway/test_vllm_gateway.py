@@ -18,6 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from billing.models import UsageRecord
+from controlplane.accounts.keys import create_api_key
+from controlplane.accounts.models import Scope
+from controlplane.accounts.services import Actor
 from endpoints.models import Endpoint
 from tests.conftest import wait_until
 from tests.gateway.conftest import ENGINE_CONTEXT, ENGINE_KEY, ENGINE_NAME, serve_endpoint
@@ -140,3 +143,19 @@ def test_a_prefix_cache_hit_is_reported_and_billed_at_the_cached_price(engine, g
                 + second.completion_tokens * PRICES["price_output_per_million"]) * PER_MILLION
     assert second.cost == expected
     assert second.cost < rows[0].cost  # same length, same output: the hit is cheaper
+
+
+# --- priorities ------------------------------------------------------------------------------------
+
+def test_the_engine_runs_a_chat_call_at_the_priority_its_key_allows(engine, gateway, tenant, endpoint):
+    # The engine schedules by priority (`--scheduling-policy priority`): without it vLLM refuses any
+    # priority but 0. A key allowed ±5 moves its call ahead of interactive work, or behind it.
+    key = create_api_key(Actor(user=tenant.owner), tenant.org, name="urgent", scopes=[Scope.INFERENCE],
+                         max_priority_boost=5).plain
+    with _client(gateway, key) as client:
+        for priority in (-5, 5):
+            response = client.post("/v1/chat/completions", json={
+                "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "priority": priority})
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] >= 1
+    wait_until(lambda: UsageRecord.objects.filter(status="ok").count() == 2, 30, message="two usage rows")
