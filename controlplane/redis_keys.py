@@ -159,3 +159,10 @@ TICK_LOCK_KEY = "as:tick-lock"
 
 def samples_key(organization_id: int, endpoint_id: str) -> str:
     return f"as:{org_tag(organization_id)}:samples:{endpoint_id}"
+
+
+# --- batches (`endpoints.batches.services`) ----------------------------------------------------------
+
+def batch_dispatch_key(batch_id: str) -> str:
+    """Set while a run of the batch is queued or running: the batch tick queues one run at a time."""
+    return f"batch:dispatched:{batch_id}"

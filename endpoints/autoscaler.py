@@ -5,7 +5,8 @@ As in Knative's autoscaler, scaling up acts on the load right now (a burst is
 served at once), while scaling down acts on the highest load seen during the
 stable window (default 60 s), so a dip does not throw replicas away. With
 nothing in flight or waiting for `idle_timeout_s`, an endpoint falls back to
-`min_replicas`, zero for a serverless one.
+`min_replicas`, zero for a serverless one. Queued batch work then holds warm replicas, or wakes a
+sleeping endpoint when its deadline needs it (`endpoints.batches.scheduling.apply`).
 
 Redis is a cache of this state, not its record: an endpoint that has replicas but no last-request
 time in Redis (a restart without persistence, a flush) is read as "a request just now", never as
@@ -27,6 +28,8 @@ from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import key_slot, org_tag, samples_key
 from controlplane.redis_scripts import Script
+from endpoints.batches import scheduling as batch_scheduling
+from endpoints.batches.scheduling import BatchDemand
 from endpoints.gateway import traffic
 from endpoints.models import SERVING_REPLICA_STATES, Endpoint, Replica
 
@@ -47,6 +50,7 @@ class Load:
 class Decision:
     desired: int
     reason: str
+    batch_rule: str = ""  # "hold", "wake" or "wait" when queued batch work shaped it (`endpoints.batches.scheduling`)
 
 
 # One Redis Cluster slot per call. KEYS: per endpoint, its in-flight, waiting, last-request and samples keys (4 each).
@@ -129,10 +133,24 @@ def _unknown_is_now(redis, loads: dict[str, Load], unknown: list[str], now: floa
         loads[endpoint_id] = Load(load.num_inflight, load.num_waiting, now, load.peak_concurrency)
 
 
-def decide(endpoint, load: Load, *, now: float | None = None) -> Decision:
+def decide(endpoint, load: Load, *, now: float | None = None, batch: BatchDemand | None = None, num_ready: int = 0,
+           num_serving: int = 0) -> Decision:
+    """Replicas the endpoint should have for its interactive `load`, then for its queued `batch` work
+    given its `num_ready` READY (of `num_serving` serving) replicas."""
     now = now or time.time()
     if endpoint.paused_at is not None or endpoint.deleted_at is not None:
         return Decision(0, "paused" if endpoint.deleted_at is None else "deleted")
+    interactive = _decide_interactive(endpoint, load, now)
+    if batch is None:
+        return interactive
+    verdict = batch_scheduling.apply(
+        interactive.desired, interactive.reason, demand=batch, num_ready=num_ready, num_serving=num_serving,
+        target_concurrency=endpoint.target_concurrency, max_replicas=endpoint.max_replicas,
+        cold_start_s=endpoint.cold_start_timeout_s, seconds_per_line=settings.BATCH_SECONDS_PER_LINE, now=now)
+    return Decision(verdict.desired, verdict.reason, verdict.rule)
+
+
+def _decide_interactive(endpoint, load: Load, now: float) -> Decision:
     idle_s = None if load.last_request_at is None else now - load.last_request_at
     if load.concurrency == 0 and (idle_s is None or idle_s >= endpoint.idle_timeout_s):
         if endpoint.min_replicas == 0:

@@ -27,6 +27,8 @@ from endpoints.gateway.request import InferenceRequest
 logger = logging.getLogger("inferplane.gateway")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# Served by Django (`endpoints.batches.api`): uploads and bookkeeping, not the inference hot path.
+DJANGO_V1_PREFIXES = ("/v1/files", "/v1/batches")
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -52,6 +54,8 @@ class Gateway:
             return await self._lifespan(receive, send)
         if scope["type"] == "http":
             path = scope["path"]
+            if path.startswith(DJANGO_V1_PREFIXES):
+                return await self.fallback(scope, receive, send)  # Files and Batch API: endpoints.batches.api
             if path.startswith("/v1/") or path == "/v1":
                 return await self._handle(scope, receive, send)
             if path == "/metrics":

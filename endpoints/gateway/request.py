@@ -93,6 +93,7 @@ class InferenceRequest:
     body: bytes  # as the client sent it: proxied unchanged when nothing needs rewriting
     payload: dict
     wait_for_capacity: bool = False  # the client sent X-Inferplane-Wait-For-Capacity (endpoints.gateway.standing)
+    priority: int = 0  # the engine's priority (vLLM: lower runs sooner); batch lines run behind interactive calls
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -125,10 +126,14 @@ class InferenceRequest:
     def upstream_body(self) -> bytes:
         """The body the engine gets."""
         if not self.stream:
+            if self.priority:
+                return json.dumps(self.payload | {"priority": self.priority}).encode()
             return self.body  # `model` is already the endpoint's name, the engine's served name
         # NOTE: usage on every chunk tells the gateway the tokens delivered if the client leaves
         # mid-stream; what the client asked for is restored by `endpoints.gateway.sse.rewrite_event`.
         payload = self.payload | {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        if self.priority:
+            payload["priority"] = self.priority
         return json.dumps(payload).encode()
 
 
