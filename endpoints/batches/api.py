@@ -11,8 +11,10 @@ then streamed to S3.
 from __future__ import annotations
 
 import json
+import logging
 
 from asgiref.sync import async_to_sync
+from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
 from django.core.files.uploadhandler import (
     FileUploadHandler,
@@ -26,6 +28,8 @@ from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, File
 from endpoints.gateway import auth, errors
 from endpoints.gateway.auth import Caller
+
+logger = logging.getLogger("inferplane.batches")
 
 MAX_LIST = 100
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
@@ -71,7 +75,8 @@ def _openai_view(handler):
             return _error(exc)
         except services.Refused as exc:
             return _error(errors.OpenAIError(exc.status, exc.message, param=exc.param, code=exc.code))
-        except errors.OUTAGES:
+        except (*errors.OUTAGES, BotoCoreError, ClientError):
+            logger.exception("files and batches: %s %s", request.method, request.path)
             return _error(errors.service_unavailable())
 
     return view

@@ -11,9 +11,8 @@ import httpx
 import pytest
 
 from endpoints.batches import storage
-from tests.conftest import ChildProcess, child_env, free_port, wait_until
+from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
 from tests.gateway.conftest import (  # noqa: F401 - fixtures this package uses
-    gateway,
     start_mock_upstream,
     tenant,
     vllm_engine,
@@ -55,6 +54,14 @@ def files_bucket(s3_server, monkeypatch, settings) -> str:
                  aws_secret_access_key=S3_SECRET).create_bucket(Bucket=bucket)
     yield bucket
     storage._client.cache_clear()
+
+
+@pytest.fixture
+def gateway(files_bucket, transactional_db, tmp_path):
+    """The web server (gateway and Django), started after the bucket so that it reads from it."""
+    child, base_url = start_web_server(tmp_path, name="gateway")
+    yield base_url
+    child.stop()
 
 
 def bucket_objects(bucket: str, prefix: str = "") -> dict[str, bytes]:
