@@ -70,8 +70,10 @@ def bucket_objects(bucket: str, prefix: str = "") -> dict[str, bytes]:
     return {item["Key"]: client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read() for item in listed}
 
 
-# Children run batches in short slices and take a dead worker's batch over within seconds.
-BATCH_ENV = {"INFERPLANE_BATCH_LEASE_S": "3", "INFERPLANE_BATCH_RUN_SLICE_S": "20", "INFERPLANE_BATCH_TICK_S": "0.5"}
+# Children run batches in short slices and take a dead worker's batch over within seconds. The test
+# nodes send no heartbeats: the worker's beat must not take them (and their replicas) offline.
+BATCH_ENV = {"INFERPLANE_BATCH_LEASE_S": "3", "INFERPLANE_BATCH_RUN_SLICE_S": "20", "INFERPLANE_BATCH_TICK_S": "0.5",
+             "INFERPLANE_NODE_HEARTBEAT_GRACE_S": "3600"}
 
 
 def start_batch_worker(tmp_path, *, name: str = "batch-worker", concurrency: int = 2) -> ChildProcess:
