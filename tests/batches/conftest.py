@@ -12,6 +12,7 @@ import pytest
 
 from endpoints.batches import storage
 from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
+from tests.console.conftest import console_client_factory  # noqa: F401 - a fixture this package uses
 from tests.gateway.conftest import (  # noqa: F401 - fixtures this package uses
     start_mock_upstream,
     tenant,

@@ -12,7 +12,6 @@ from django.urls import reverse
 from controlplane.accounts.models import Role
 from endpoints.batches.models import Batch, BatchStatus
 from tests.batches.conftest import bucket_objects
-from tests.console.conftest import console_client_factory  # noqa: F401 - fixture
 from tests.factories import OrganizationFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
