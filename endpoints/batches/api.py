@@ -22,6 +22,7 @@ from django.core.files.uploadhandler import (
     TemporaryFileUploadHandler,
 )
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from django.utils.http import content_disposition_header
 from django.views.decorators.csrf import csrf_exempt
 
 from endpoints.batches import services, storage
@@ -168,7 +169,7 @@ def file_content(request, caller: Caller, file_id: str):
     file = _file_of(caller, file_id)
     response = StreamingHttpResponse(storage.open_stream(file.s3_key), content_type="application/octet-stream")
     response["Content-Length"] = str(file.bytes)
-    response["Content-Disposition"] = f'attachment; filename="{file.filename}"'
+    response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=file.filename)
     return response
 
 

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.http import Http404, StreamingHttpResponse
 from django.shortcuts import redirect, render
+from django.utils.http import content_disposition_header
 from django.views.decorators.http import require_POST
 
 from controlplane.accounts.console import member_required
@@ -93,5 +94,5 @@ def file_download(request, file_id: str):
         raise Http404("No such file.")
     response = StreamingHttpResponse(storage.open_stream(file.s3_key), content_type="application/jsonl")
     response["Content-Length"] = str(file.bytes)
-    response["Content-Disposition"] = f'attachment; filename="{file.filename}"'
+    response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=file.filename)
     return response
