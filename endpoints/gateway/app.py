@@ -1,6 +1,6 @@
 """The gateway's ASGI application: `/v1/models`, `/v1/chat/completions`, `/v1/completions`, `/metrics` (token only).
 
-Everything else goes to Django. One request's life:
+Everything else goes to Django, `/v1/files*` and `/v1/batches*` too (`endpoints.batches.api`). One request's life:
 
     authenticate → endpoint by `model` → admit (rate limits, reserve its largest cost, pick a
     READY replica: one Redis round trip) → hold while one cold-starts if none is READY → proxy,
