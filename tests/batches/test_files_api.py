@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import httpx
 import openai
 import pytest
 from django.db import connection
@@ -99,3 +100,17 @@ def test_a_call_without_a_key_is_refused_in_openais_shape(web):
     with pytest.raises(openai.AuthenticationError) as refused:
         client.files.list()
     assert refused.value.body["code"] == "invalid_api_key"
+
+
+def test_a_malformed_upload_is_a_400_in_openais_shape_not_a_500(web, tenant):
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    broken = httpx.post(f"{web}/v1/files", headers=headers | {"content-type": "multipart/form-data; boundary=xyz"},
+                        content=b"--xyz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n\r\nabc")
+    assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
+    no_boundary = httpx.post(f"{web}/v1/files", headers=headers | {"content-type": "multipart/form-data"}, content=b"x")
+    assert no_boundary.status_code == 400
+    not_multipart = httpx.post(f"{web}/v1/files", headers=headers, json={"purpose": "batch"})
+    assert not_multipart.status_code == 400 and not_multipart.json()["error"]["param"] == "file"
+    wrong_purpose = httpx.post(f"{web}/v1/files", headers=headers, files={"file": ("a.jsonl", b"{}")},
+                               data={"purpose": "fine-tune"})
+    assert wrong_purpose.status_code == 400 and wrong_purpose.json()["error"]["param"] == "purpose"
