@@ -58,6 +58,7 @@ class UsageReport:
     status: str  # "ok" | "client_aborted" | "upstream_error"
     cold_start_s: float = 0.0  # never billed
     max_cost: Decimal | None = None  # what the gateway reserved: the row never costs more
+    batch_id: str = ""  # a batch line's batch: priced at the endpoint's batch price
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -86,9 +87,11 @@ class UnknownEndpointError(LookupError):
         super().__init__(f"endpoint not found in the organisation for request(s) {refused_ids[:5]}")
 
 
-def cost_of(endpoint, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Decimal:
+def cost_of(endpoint, prompt_tokens: int, cached_tokens: int, completion_tokens: int, *,
+            fraction: Decimal = Decimal(1)) -> Decimal:
     """What a request costs: cached prompt tokens at the cached rate, the rest of the prompt at the
-    input rate, completion tokens at the output rate; rounded half-up to the nano-dollar.
+    input rate, completion tokens at the output rate, times `fraction` (a batch line's: the
+    endpoint's `batch_price_fraction`); rounded half-up to the nano-dollar.
 
     NOTE: `_INSERT_SQL` computes the same figure in PostgreSQL; a test holds them equal.
     """
@@ -97,7 +100,7 @@ def cost_of(endpoint, prompt_tokens: int, cached_tokens: int, completion_tokens:
         uncached * endpoint.price_input_per_million
         + cached_tokens * endpoint.price_cached_input_per_million
         + completion_tokens * endpoint.price_output_per_million
-    ) * PER_MILLION
+    ) * fraction * PER_MILLION
     return raw.quantize(MONEY_QUANTUM, rounding=ROUND_HALF_UP)
 
 
@@ -107,20 +110,22 @@ def cost_of(endpoint, prompt_tokens: int, cached_tokens: int, completion_tokens:
 _INSERT_SQL = f"""
 INSERT INTO {UsageRecord._meta.db_table} (
     request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
-    completion_tokens, cost, billing_mode, started_at, first_token_at, finished_at, status, cold_start_s, recorded_at
+    completion_tokens, cost, billing_mode, started_at, first_token_at, finished_at, status, cold_start_s, recorded_at,
+    batch_id
 )
 SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_id, ''), r.prompt_tokens,
        r.cached_tokens, r.completion_tokens,
        least(round(((r.prompt_tokens - r.cached_tokens) * e.price_input_per_million
                     + r.cached_tokens * e.price_cached_input_per_million
-                    + r.completion_tokens * e.price_output_per_million) * 0.000001, 9), r.max_cost),
+                    + r.completion_tokens * e.price_output_per_million)
+                   * (CASE WHEN r.batch_id <> '' THEN e.batch_price_fraction ELSE 1 END) * 0.000001, 9), r.max_cost),
        coalesce(a.mode, '{BillingMode.POSTPAID}'),
-       r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now()
+       r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id
 FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::uuid[], %s::text[], %s::integer[], %s::integer[],
             %s::integer[], %s::timestamptz[], %s::timestamptz[], %s::timestamptz[], %s::text[], %s::float8[],
-            %s::numeric[])
+            %s::numeric[], %s::text[])
      AS r(request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
-          completion_tokens, started_at, first_token_at, finished_at, status, cold_start_s, max_cost)
+          completion_tokens, started_at, first_token_at, finished_at, status, cold_start_s, max_cost, batch_id)
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
 LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
 ON CONFLICT (request_id) DO NOTHING
@@ -144,6 +149,7 @@ def _columns(reports: list[UsageReport]) -> list[list]:
         [r.status for r in reports],
         [float(r.cold_start_s) for r in reports],
         [r.max_cost for r in reports],
+        [r.batch_id for r in reports],
     ]
 
 

@@ -55,6 +55,9 @@ class UsageRecord(models.Model):
     finished_at = models.DateTimeField()
     status = models.CharField(max_length=16, choices=UsageStatus.choices)
     cold_start_s = models.FloatField(default=0.0)  # measured, never billed
+    # The batch a line of which this request was ("" for an interactive call): priced at the
+    # endpoint's batch price (`Endpoint.batch_price_fraction` of its prices).
+    batch_id = models.CharField(max_length=40, blank=True, default="")
     # When the row reached the ledger: rollups find late rows by it.
     recorded_at = models.DateTimeField(default=timezone.now)
 

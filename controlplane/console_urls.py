@@ -5,6 +5,7 @@ from django.urls import path
 from billing import views as billing_views
 from controlplane.accounts import views as account_views
 from endpoints import views as endpoint_views
+from endpoints.batches import views as batch_views
 from endpoints.fleet import views as fleet_views
 
 app_name = "console"
@@ -26,6 +27,11 @@ urlpatterns = [
     path("credentials/", endpoint_views.credential_list, name="credentials"),
     path("credentials/<uuid:pk>/", endpoint_views.credential_edit, name="credential-edit"),
     path("credentials/<uuid:pk>/delete/", endpoint_views.credential_delete, name="credential-delete"),
+    path("batches/", batch_views.batch_list, name="batches"),
+    path("batches/<str:batch_id>/", batch_views.batch_detail, name="batch"),
+    path("batches/<str:batch_id>/live/", batch_views.batch_live, name="batch-live"),
+    path("batches/<str:batch_id>/cancel/", batch_views.batch_cancel, name="batch-cancel"),
+    path("files/<str:file_id>/download/", batch_views.file_download, name="file-download"),
     path("keys/", account_views.api_keys, name="keys"),
     path("keys/<int:pk>/revoke/", account_views.api_key_revoke, name="key-revoke"),
     path("members/", account_views.members, name="members"),

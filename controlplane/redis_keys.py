@@ -164,3 +164,10 @@ def samples_key(organization_id: int, endpoint_id: str) -> str:
 def capacity_key(organization_id: int, endpoint_id: str) -> str:
     """Sequences one replica's engine ran when it last queued (held for the stable window)."""
     return f"as:{org_tag(organization_id)}:capacity:{endpoint_id}"
+
+
+# --- batches (`endpoints.batches.services`) ----------------------------------------------------------
+
+def batch_dispatch_key(batch_id: str) -> str:
+    """Set while a run of the batch is queued or running: the batch tick queues one run at a time."""
+    return f"batch:dispatched:{batch_id}"

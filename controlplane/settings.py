@@ -127,6 +127,7 @@ INSTALLED_APPS = [
     "endpoints",
     "billing",
     "endpoints.nodes",
+    "endpoints.batches",
 ]
 
 MIDDLEWARE = [
@@ -272,6 +273,7 @@ AUTOSCALER_TICK_S = env_float("INFERPLANE_AUTOSCALER_TICK_S", 2.0, minimum=0.2)
 AUTOSCALER_STABLE_WINDOW_S = env_float("INFERPLANE_AUTOSCALER_STABLE_WINDOW_S", 60.0, minimum=1)
 # Load doubling within this window (and above what the READY replicas are sized for) scales up ahead of it.
 AUTOSCALER_PANIC_WINDOW_S = env_float("INFERPLANE_AUTOSCALER_PANIC_WINDOW_S", 6.0, minimum=1)
+BATCH_TICK_S = env_float("INFERPLANE_BATCH_TICK_S", 2.0, minimum=0.2)
 CELERY_BEAT_SCHEDULE = {
     "ping-scheduler": {"task": "controlplane.ping", "schedule": 60.0},
     "billing-rollup-usage": {"task": "billing.rollup_usage", "schedule": 60.0},
@@ -281,6 +283,7 @@ CELERY_BEAT_SCHEDULE = {
     # NOTE: expires keeps a backlog of ticks (a worker was down) from running all at once.
     "autoscale": {"task": "endpoints.autoscale", "schedule": AUTOSCALER_TICK_S, "options": {"expires": AUTOSCALER_TICK_S * 2}},
     "sweep-stuck": {"task": "endpoints.sweep_stuck", "schedule": 5.0, "options": {"expires": 10}},
+    "batches-tick": {"task": "batches.tick", "schedule": BATCH_TICK_S, "options": {"expires": BATCH_TICK_S * 2}},
 }
 
 # --- platform behaviour ------------------------------------------------------------
@@ -333,6 +336,21 @@ BILLING_CLAIM_TIMEOUT_S = env_float("INFERPLANE_BILLING_CLAIM_TIMEOUT_S", 300.0,
 
 # Usage rows PostgreSQL cannot take go to this folder (fsync'd) and are replayed when it is back.
 USAGE_JOURNAL_DIR = env_str("INFERPLANE_USAGE_JOURNAL_DIR") or str(embedded.data_dir() / "usage-journal")
+
+# --- files and batches (endpoints.batches) ------------------------------------------
+# File bytes live in S3 (any S3-compatible store), never in PostgreSQL; the fleet's credentials are
+# boto3's usual ones (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a role, ...).
+FILES_S3_BUCKET = env_str("INFERPLANE_FILES_S3_BUCKET", "inferplane-files")
+FILES_S3_ENDPOINT_URL = env_str("INFERPLANE_FILES_S3_ENDPOINT_URL")
+FILES_S3_REGION = env_str("INFERPLANE_FILES_S3_REGION", "us-east-1")
+FILES_MAX_BYTES = env_int("INFERPLANE_FILES_MAX_BYTES", 200 * 1024 * 1024, minimum=1)
+BATCH_MAX_LINES = env_int("INFERPLANE_BATCH_MAX_LINES", 50_000, minimum=1)
+# A worker running a batch holds it this long between renewals; a killed worker's batch is taken over after.
+BATCH_LEASE_S = env_float("INFERPLANE_BATCH_LEASE_S", 30.0, minimum=1)
+# One run of a batch stops after this long and is queued again (tasks stay short, workers shared).
+BATCH_RUN_SLICE_S = env_float("INFERPLANE_BATCH_RUN_SLICE_S", 120.0, minimum=1)
+# The scheduler's estimate of one line's seconds on one slot, for waking a sleeping endpoint in time.
+BATCH_SECONDS_PER_LINE = env_float("INFERPLANE_BATCH_SECONDS_PER_LINE", 2.0, minimum=0.001)
 
 # --- email -----------------------------------------------------------------------------
 EMAIL_HOST = env_str("EMAIL_HOST")

@@ -1,6 +1,7 @@
 """The project's URLs: the management API (`/api/v1/`), its schema and docs, the agents' API
-(`/agent/v1/`), the console, the admin, health probes. `/v1/` and `/metrics` never reach Django:
-the gateway (`controlplane.asgi`) serves them ahead of it."""
+(`/agent/v1/`), the console, the admin, health probes. `/v1/` and `/metrics` never reach Django
+(the gateway, `controlplane.asgi`, serves them ahead of it), except `/v1/files` and `/v1/batches`,
+which the gateway hands over (`endpoints.batches.api`)."""
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
@@ -35,6 +36,7 @@ urlpatterns = [
     path("readyz", health.readyz, name="readyz"),
     path("api/v1/", include(api_v1)),
     path("agent/v1/", include("endpoints.fleet.urls")),
+    path("v1/", include("endpoints.batches.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("", views.home, name="home"),

@@ -53,7 +53,8 @@ class EndpointAdmin(admin.ModelAdmin):
     list_select_related = ["organization"]
     # NOTE: staff edit prices only; the spec goes through the API's validation (serializers) instead.
     fields = ["name", "organization", "model_source", "task", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing",
-              "price_input_per_million", "price_cached_input_per_million", "price_output_per_million"]
+              "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
+              "batch_price_fraction"]
     readonly_fields = ["name", "organization", "model_source", "task", "gpu_type", "quantization", "gpus_per_replica",
                        "allow_gpu_sharing"]
 

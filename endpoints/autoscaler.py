@@ -20,7 +20,8 @@ does not throw replicas away. Two signals are an LLM server's own:
     `bench/bench_trace.py`: more GPU-seconds and replica starts, no better p99.)
 With nothing in flight or waiting for `idle_timeout_s`, an endpoint falls back to its floor, zero
 for a serverless one outside its pre-warm windows. Every decision carries its inputs (`Decision.inputs`),
-which the scheduler writes with each scale event.
+which the scheduler writes with each scale event. Queued batch work then holds warm replicas, or
+wakes a sleeping endpoint when its deadline needs it (`endpoints.batches.scheduling.apply`).
 
 Redis is a cache of this state, not its record: an endpoint that has replicas but no last-request
 time in Redis (a restart without persistence, a flush) is read as "a request just now", never as
@@ -46,6 +47,8 @@ from controlplane.redis_client import get_redis
 from controlplane.redis_keys import key_slot, org_tag, samples_key
 from controlplane.redis_scripts import Script
 from endpoints import prewarm
+from endpoints.batches import scheduling as batch_scheduling
+from endpoints.batches.scheduling import BatchDemand
 from endpoints.gateway import traffic
 from endpoints.models import SERVING_REPLICA_STATES, Endpoint, Replica
 from gpu_agent.protocol import ReplicaState
@@ -78,6 +81,7 @@ class Decision:
     desired: int
     reason: str
     inputs: dict = field(default_factory=dict)  # what the decision read, for the event log
+    batch_rule: str = ""  # "hold", "wake" or "wait" when queued batch work shaped it (`endpoints.batches.scheduling`)
 
 
 # One Redis Cluster slot per call. KEYS: per endpoint, its in-flight, waiting, last-request, samples and capacity
@@ -227,10 +231,24 @@ def floor(endpoint, now: float) -> prewarm.Floor:
     return max(floors, key=lambda candidate: candidate.replicas)
 
 
-def decide(endpoint, load: Load, *, now: float | None = None) -> Decision:
+def decide(endpoint, load: Load, *, now: float | None = None, batch: BatchDemand | None = None, num_ready: int = 0,
+           num_serving: int = 0) -> Decision:
+    """Replicas the endpoint should have for its interactive `load`, then for its queued `batch` work
+    given its `num_ready` READY (of `num_serving` serving) replicas."""
     now = now or time.time()
     if endpoint.paused_at is not None or endpoint.deleted_at is not None:
         return Decision(0, "paused" if endpoint.deleted_at is None else "deleted")
+    interactive = _decide_interactive(endpoint, load, now)
+    if batch is None:
+        return interactive
+    verdict = batch_scheduling.apply(
+        interactive.desired, interactive.reason, demand=batch, num_ready=num_ready, num_serving=num_serving,
+        target_concurrency=endpoint.target_concurrency, max_replicas=endpoint.max_replicas,
+        cold_start_s=endpoint.cold_start_timeout_s, seconds_per_line=settings.BATCH_SECONDS_PER_LINE, now=now)
+    return Decision(verdict.desired, verdict.reason, interactive.inputs | {"batch": verdict.rule}, batch_rule=verdict.rule)
+
+
+def _decide_interactive(endpoint, load: Load, now: float) -> Decision:
     lowest = floor(endpoint, now)
     lowest_replicas = min(lowest.replicas, endpoint.max_replicas)
     idle_s = None if load.last_request_at is None else now - load.last_request_at

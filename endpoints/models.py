@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import secrets
 import uuid
+from decimal import Decimal
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -140,6 +142,9 @@ class Endpoint(models.Model):
     price_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     price_cached_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6)
+    # Batch lines (`endpoints.batches`) pay this fraction of the prices above (staff set it; default half).
+    batch_price_fraction = models.DecimalField(max_digits=4, decimal_places=3, default=Decimal("0.5"),
+                                               validators=[MinValueValidator(Decimal(0)), MaxValueValidator(Decimal(1))])
     # Why the endpoint cannot get what it wants right now ("waiting for capacity: …"); empty when fine.
     status_message = models.CharField(max_length=300, blank=True)
     # Set by the scheduler while no node has room for a replica it wants (the message says why).
@@ -309,6 +314,7 @@ class EventKind(models.TextChoices):
     COLD_START = "cold_start", "Cold start"
     FAILURE = "failure", "Failure"
     CAPACITY = "capacity", "Capacity"
+    BATCH = "batch", "Batch work"
 
 
 class EndpointEvent(models.Model):

@@ -22,7 +22,8 @@ from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import TICK_LOCK_KEY
 from endpoints import autoscaler, quotas
-from endpoints.events import record_event
+from endpoints.batches.demand import read_demand
+from endpoints.events import record_event, record_event_once
 from endpoints.gateway import presence, traffic
 from endpoints.models import SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
 from endpoints.nodes.models import Node
@@ -43,8 +44,13 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
         endpoint = Endpoint.objects.select_for_update(skip_locked=True).filter(pk=endpoint_id).first()
         if endpoint is None:  # gone, or another worker is reconciling it right now
             return None
-        decision = autoscaler.decide(endpoint, load)
         serving = list(Replica.objects.filter(endpoint=endpoint, state__in=SERVING_REPLICA_STATES).select_related("endpoint"))
+        decision = autoscaler.decide(endpoint, load, batch=read_demand([str(endpoint.pk)]).get(str(endpoint.pk)),
+                                     num_ready=sum(1 for r in serving if r.state == ReplicaState.READY),
+                                     num_serving=len(serving))
+        if decision.batch_rule in ("hold", "wait"):
+            # NOTE: once per change of what batch work asks, not every tick.
+            record_event_once(endpoint, EventKind.BATCH, decision.reason[:1].upper() + decision.reason[1:])
         backing_off = endpoint.next_attempt_at is not None and endpoint.next_attempt_at > timezone.now()
         held_back = endpoint.failed_at is not None or backing_off
         # A failure's message stays while it holds the endpoint back; a capacity message is rewritten each time.
@@ -100,7 +106,8 @@ def active_endpoint_ids(now: float | None = None) -> list[str]:
         Q(min_replicas__gt=0) | ~Q(prewarm_windows=[]), paused_at__isnull=True, failed_at__isnull=True,
     ).order_by().values_list("pk", flat=True)
     recent = get_redis().zrangebyscore(redis_keys.RECENT_ENDPOINTS_KEY, now - traffic.RECENT_WINDOW_S, "+inf")
-    ids = {str(pk) for pk in with_replicas} | {str(pk) for pk in with_floor} | set(recent)
+    with_batch_work = read_demand().keys()  # a sleeping endpoint may have to wake for a batch's deadline
+    ids = {str(pk) for pk in with_replicas} | {str(pk) for pk in with_floor} | set(recent) | set(with_batch_work)
     return sorted(ids)
 
 
@@ -117,15 +124,23 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
         "pk", "paused_at", "deleted_at", "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
         "status_message", "failed_at", "prewarm_windows", "keep_warm_after_cold_start_s", "last_cold_start_at",
     )
-    num_serving = dict(
-        Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES).order_by()
-        .values("endpoint_id").annotate(num=Count("pk")).values_list("endpoint_id", "num")
-    )
+    num_serving, num_ready = {}, {}
+    for endpoint_id, state, num in (Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES)
+                                    .order_by().values("endpoint_id", "state").annotate(num=Count("pk"))
+                                    .values_list("endpoint_id", "state", "num")):
+        num_serving[endpoint_id] = num_serving.get(endpoint_id, 0) + num
+        if state == ReplicaState.READY:
+            num_ready[endpoint_id] = num
+    demand = read_demand(endpoint_ids)
     changing = []
     for endpoint in endpoints:
-        decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)])
+        decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)], batch=demand.get(str(endpoint.pk)),
+                                     num_ready=num_ready.get(endpoint.pk, 0), num_serving=num_serving.get(endpoint.pk, 0))
         if endpoint.failed_at is not None:
             continue  # stopped until a spec change or resume: nothing to place
+        if decision.batch_rule in ("hold", "wait"):
+            changing.append(str(endpoint.pk))  # its event log says why it holds or waits (once per change)
+            continue
         if decision.desired != num_serving.get(endpoint.pk, 0) or endpoint.status_message:
             changing.append(str(endpoint.pk))
     return sorted(changing)

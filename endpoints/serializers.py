@@ -236,11 +236,12 @@ class EndpointSerializer(StrictModelSerializer):
             "prewarm_windows", "keep_warm_after_cold_start_s",
             "enable_prefix_caching", "tool_call_parser",
             "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
-            "context_length", "state", "status_message", "failed_at", "paused_at", "created_at", "updated_at",
+            "batch_price_fraction", "context_length", "state", "status_message", "failed_at", "paused_at", "created_at", "updated_at",
         ]
         read_only_fields = [
             "id", "state", "status_message", "failed_at", "paused_at", "created_at", "updated_at",
             "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
+            "batch_price_fraction",
         ]
         extra_kwargs = {
             name: {"min_value": low, "max_value": high} for name, (low, high) in LIMITS.items()

@@ -31,6 +31,7 @@ def test_staff_edit_prices_in_the_admin_and_customers_cannot(owner_client, clien
     assert page.status_code == 200
     saved = client.post(f"/django-admin/endpoints/endpoint/{endpoint_id}/change/", {
         "price_input_per_million": "0.5", "price_cached_input_per_million": "0.25", "price_output_per_million": "1.5",
+        "batch_price_fraction": "0.5",
     })
     assert saved.status_code == 302, saved.content.decode()[:500]
     endpoint = Endpoint.objects.get(pk=endpoint_id)

@@ -1,7 +1,7 @@
 """The gateway's ASGI application: `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
 `/v1/embeddings`, `/metrics` (token only).
 
-Everything else goes to Django. One request's life:
+Everything else goes to Django, `/v1/files*` and `/v1/batches*` too (`endpoints.batches.api`). One request's life:
 
     authenticate → endpoint by `model` → admit (rate limits, reserve its largest cost, pick a
     READY replica: one Redis round trip) → hold while one cold-starts if none is READY → proxy,
@@ -29,6 +29,8 @@ logger = logging.getLogger("inferplane.gateway")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 GC_YOUNG_THRESHOLD = 20_000
+# Served by Django (`endpoints.batches.api`): uploads and bookkeeping, not the inference hot path.
+DJANGO_V1_PREFIXES = ("/v1/files", "/v1/batches")
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 
 
@@ -54,6 +56,8 @@ class Gateway:
             return await self._lifespan(receive, send)
         if scope["type"] == "http":
             path = scope["path"]
+            if path.startswith(DJANGO_V1_PREFIXES):
+                return await self.fallback(scope, receive, send)  # Files and Batch API: endpoints.batches.api
             if path.startswith("/v1/") or path == "/v1":
                 return await self._handle(scope, receive, send)
             if path == "/metrics":

@@ -82,6 +82,9 @@ class InferenceCall:
     metrics: metrics.EndpointMetrics | None = None
     ratelimit: RateLimitReport = field(default_factory=RateLimitReport)  # the answer's x-ratelimit-* headers
     _started_monotonic: float = field(default_factory=time.monotonic)
+    # A batch line (`endpoints.batches.runner`): its usage row names the batch, priced at this fraction.
+    batch_id: str = ""
+    price_fraction: Decimal = Decimal(1)
 
     async def run(self) -> None:
         self.metrics = metrics.of_endpoint(self.endpoint.id, self.endpoint.organization_id)
@@ -282,7 +285,8 @@ class InferenceCall:
 
     def _cost(self) -> Decimal:
         """The real cost of the tokens counted so far (before the reservation's cap)."""
-        return ledger.cost_of(self.endpoint, self.usage.prompt_tokens, self.usage.cached_tokens, self.usage.completion_tokens)
+        return ledger.cost_of(self.endpoint, self.usage.prompt_tokens, self.usage.cached_tokens, self.usage.completion_tokens,
+                              fraction=self.price_fraction)
 
     # --- the client side ---------------------------------------------------------------------
     async def start_stream(self) -> None:
@@ -330,7 +334,7 @@ class InferenceCall:
                     prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
                     completion_tokens=usage.completion_tokens, started_at=self.started_at,
                     first_token_at=self.first_token_at, finished_at=finished_at, status=self.status,
-                    cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved,
+                    cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved, batch_id=self.batch_id,
                 ))
         finally:
             presence.untrack(self.request_id)

@@ -219,6 +219,8 @@ def build_engine_command(
         "--disable-uvicorn-access-log",
         # usage.prompt_tokens_details.cached_tokens: prefix-cache hits are billed at the cached price.
         "--enable-prompt-tokens-details",
+        # Requests carry `priority` (lower runs sooner): batch lines run behind interactive calls.
+        "--scheduling-policy", "priority",
         # Every path but /health needs the replica's key (vLLM's own --api-key leaves most open).
         "--middleware", "gpu_agent.runtime.engine_guard.EngineKeyGuard",
         *plan.flags,

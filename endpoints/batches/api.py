@@ -1,0 +1,219 @@
+"""`/v1/files` and `/v1/batches`: OpenAI's Files and Batch API, so the `openai` client works unchanged.
+
+The gateway (`endpoints.gateway.app`) hands these paths to Django: they are bookkeeping and uploads,
+not the inference hot path. Callers authenticate as on every `/v1` path (`endpoints.gateway.auth`: the
+same keys, cache and refusals); answers and errors are in OpenAI's shape; another organisation's file
+or batch is a 404, as one that does not exist. Uploads are multipart; the file is spooled to a
+temporary file (never whole in memory), refused past `INFERPLANE_FILES_MAX_BYTES` as it streams in,
+then streamed to S3.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from asgiref.sync import async_to_sync
+from botocore.exceptions import BotoCoreError, ClientError
+from django.conf import settings
+from django.core.files.uploadhandler import (
+    FileUploadHandler,
+    MemoryFileUploadHandler,
+    TemporaryFileUploadHandler,
+)
+from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from django.utils.http import content_disposition_header
+from django.views.decorators.csrf import csrf_exempt
+
+from endpoints.batches import services, storage
+from endpoints.batches.models import Batch, File
+from endpoints.gateway import auth, errors
+from endpoints.gateway.auth import Caller
+
+logger = logging.getLogger("inferplane.batches")
+
+MAX_LIST = 100
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _SizeLimit(FileUploadHandler):
+    """Refuses an upload as soon as it passes the limit, before the rest is read."""
+
+    def receive_data_chunk(self, raw_data, start):
+        if start + len(raw_data) > settings.FILES_MAX_BYTES:
+            raise _TooLarge()
+        return raw_data
+
+    def file_complete(self, file_size):
+        return None
+
+
+def _error(exc: errors.OpenAIError) -> HttpResponse:
+    response = HttpResponse(exc.body(), status=exc.status, content_type="application/json")
+    for name, value in exc.headers.items():
+        response[name] = value
+    return response
+
+
+def _not_found(kind: str, object_id: str) -> errors.OpenAIError:
+    return errors.OpenAIError(404, f"No such {kind} object: {object_id}", param="id")
+
+
+def _openai_view(handler):
+    """Authenticates the caller and turns refusals into OpenAI's error shape."""
+
+    @csrf_exempt
+    def view(request, *args, **kwargs):
+        try:
+            headers = {name.lower(): value for name, value in request.headers.items()}
+            caller = async_to_sync(auth.authenticate)(headers)
+            return handler(request, caller, *args, **kwargs)
+        except errors.OpenAIError as exc:
+            return _error(exc)
+        except services.Refused as exc:
+            return _error(errors.OpenAIError(exc.status, exc.message, param=exc.param, code=exc.code))
+        except (*errors.OUTAGES, BotoCoreError, ClientError):
+            logger.exception("files and batches: %s %s", request.method, request.path)
+            return _error(errors.service_unavailable())
+
+    return view
+
+
+def _method_not_allowed(request) -> HttpResponse:
+    return _error(errors.OpenAIError(405, f"Method {request.method} not allowed on {request.path}."))
+
+
+def _page(queryset, request, *, default_limit: int) -> dict:
+    """A cursor page as OpenAI lists it (`after` an id, newest first)."""
+    try:
+        limit = int(request.GET.get("limit", default_limit))
+    except ValueError:
+        raise errors.invalid_request("limit must be an integer.", param="limit") from None
+    if not 1 <= limit <= MAX_LIST:
+        raise errors.invalid_request(f"limit must be between 1 and {MAX_LIST}.", param="limit")
+    ascending = request.GET.get("order") == "asc"
+    queryset = queryset.order_by(*(("created_at", "id") if ascending else ("-created_at", "-id")))
+    if after := request.GET.get("after"):
+        anchor = queryset.filter(pk=after).first()
+        if anchor is not None:
+            if ascending:
+                queryset = queryset.filter(created_at__gte=anchor.created_at).exclude(created_at=anchor.created_at, id__lte=anchor.id)
+            else:
+                queryset = queryset.filter(created_at__lte=anchor.created_at).exclude(created_at=anchor.created_at, id__gte=anchor.id)
+    rows = list(queryset[: limit + 1])
+    data = [row.as_openai() for row in rows[:limit]]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+
+
+# --- files -----------------------------------------------------------------------------------
+
+def _upload(request, caller: Caller) -> HttpResponse:
+    declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    if declared > settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD_BYTES:
+        raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
+    request.upload_handlers = [_SizeLimit(request), MemoryFileUploadHandler(request), TemporaryFileUploadHandler(request)]
+    try:
+        upload = request.FILES.get("file")
+        purpose = request.POST.get("purpose", "")
+    except _TooLarge:
+        raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file") from None
+    if upload is None:
+        raise errors.invalid_request("Send the file as multipart form data, field 'file'.", param="file")
+    try:
+        file = services.create_file(organization_id=caller.organization_id, purpose=purpose, filename=upload.name,
+                                    stream=upload, size=upload.size)
+    finally:
+        upload.close()
+    return JsonResponse(file.as_openai())
+
+
+@_openai_view
+def files(request, caller: Caller):
+    if request.method == "POST":
+        return _upload(request, caller)
+    if request.method != "GET":
+        return _method_not_allowed(request)
+    queryset = File.objects.for_org(caller.organization_id)
+    if purpose := request.GET.get("purpose"):
+        queryset = queryset.filter(purpose=purpose)
+    return JsonResponse(_page(queryset, request, default_limit=MAX_LIST))
+
+
+def _file_of(caller: Caller, file_id: str) -> File:
+    file = File.objects.for_org(caller.organization_id).filter(pk=file_id).first()
+    if file is None:
+        raise _not_found("File", file_id)
+    return file
+
+
+@_openai_view
+def file_detail(request, caller: Caller, file_id: str):
+    file = _file_of(caller, file_id)
+    if request.method == "GET":
+        return JsonResponse(file.as_openai())
+    if request.method == "DELETE":
+        services.delete_file(file)
+        return JsonResponse({"id": file.pk, "object": "file", "deleted": True})
+    return _method_not_allowed(request)
+
+
+@_openai_view
+def file_content(request, caller: Caller, file_id: str):
+    if request.method != "GET":
+        return _method_not_allowed(request)
+    file = _file_of(caller, file_id)
+    response = StreamingHttpResponse(storage.open_stream(file.s3_key), content_type="application/octet-stream")
+    response["Content-Length"] = str(file.bytes)
+    response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=file.filename)
+    return response
+
+
+# --- batches ---------------------------------------------------------------------------------
+
+@_openai_view
+def batches(request, caller: Caller):
+    if request.method == "GET":
+        return JsonResponse(_page(Batch.objects.for_org(caller.organization_id), request, default_limit=20))
+    if request.method != "POST":
+        return _method_not_allowed(request)
+    try:
+        payload = json.loads(request.body or b"{}")
+    except (ValueError, RecursionError):
+        raise errors.invalid_request("We could not parse the JSON body of your request.") from None
+    if not isinstance(payload, dict):
+        raise errors.invalid_request("The request body must be a JSON object.")
+    for name in ("input_file_id", "endpoint", "completion_window"):
+        if not isinstance(payload.get(name), str) or not payload[name]:
+            raise errors.invalid_request(f"Missing required parameter: '{name}'.", param=name,
+                                         code="missing_required_parameter")
+    batch = services.create_batch(organization_id=caller.organization_id, api_key_id=caller.api_key_id,
+                                  user_id=caller.user_id, input_file_id=payload["input_file_id"],
+                                  request_path=payload["endpoint"], completion_window=payload["completion_window"],
+                                  metadata=payload.get("metadata"))
+    return JsonResponse(batch.as_openai())
+
+
+def _batch_of(caller: Caller, batch_id: str) -> Batch:
+    batch = Batch.objects.for_org(caller.organization_id).filter(pk=batch_id).first()
+    if batch is None:
+        raise _not_found("Batch", batch_id)
+    return batch
+
+
+@_openai_view
+def batch_detail(request, caller: Caller, batch_id: str):
+    if request.method != "GET":
+        return _method_not_allowed(request)
+    return JsonResponse(_batch_of(caller, batch_id).as_openai())
+
+
+@_openai_view
+def batch_cancel(request, caller: Caller, batch_id: str):
+    if request.method != "POST":
+        return _method_not_allowed(request)
+    return JsonResponse(services.cancel_batch(_batch_of(caller, batch_id)).as_openai())

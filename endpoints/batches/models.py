@@ -1,0 +1,154 @@
+"""Files and batches: metadata only. A file's bytes, a batch's per-line results and its output and
+error files live in S3 (`endpoints.batches.storage`), never in PostgreSQL."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import timedelta
+
+from django.db import models
+from django.utils import timezone
+
+COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
+# The paths a batch line may call (OpenAI's `endpoint`), and the gateway's kind of each.
+BATCH_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+def new_file_id() -> str:
+    return f"file-{secrets.token_hex(12)}"
+
+
+def new_batch_id() -> str:
+    return f"batch_{secrets.token_hex(12)}"
+
+
+class FilePurpose(models.TextChoices):
+    BATCH = "batch", "Batch input"
+    BATCH_OUTPUT = "batch_output", "Batch output"
+
+
+class FileQuerySet(models.QuerySet):
+    def for_org(self, organization_id: int):
+        """The organisation's files that are not deleted: every user-facing lookup starts here."""
+        return self.filter(organization_id=organization_id, deleted_at__isnull=True)
+
+
+class File(models.Model):
+    id = models.CharField(primary_key=True, max_length=40, default=new_file_id, editable=False)
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.PROTECT, related_name="+")
+    purpose = models.CharField(max_length=16, choices=FilePurpose.choices)
+    filename = models.CharField(max_length=255)
+    bytes = models.BigIntegerField()
+    s3_key = models.CharField(max_length=300)
+    created_at = models.DateTimeField(default=timezone.now)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    objects = FileQuerySet.as_manager()
+
+    class Meta:
+        indexes = [models.Index(fields=["organization", "created_at"], name="file_org_created")]
+
+    def __str__(self) -> str:
+        return self.id
+
+    def as_openai(self) -> dict:
+        """OpenAI's file object."""
+        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at.timestamp()),
+                "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": None,
+                "status_details": None}
+
+
+class BatchStatus(models.TextChoices):
+    """OpenAI's lifecycle: validating → in_progress → finalizing → completed; or failed (bad input),
+    expired (the completion window ended first), cancelling → cancelled."""
+
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+# States in which a worker still has something to do (validate, run lines, or write the files).
+OPEN_STATES = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING)
+FINAL_STATES = (BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED)
+
+
+class BatchQuerySet(models.QuerySet):
+    def for_org(self, organization_id: int):
+        return self.filter(organization_id=organization_id)
+
+    def open(self):
+        return self.filter(status__in=OPEN_STATES)
+
+
+class Batch(models.Model):
+    id = models.CharField(primary_key=True, max_length=40, default=new_batch_id, editable=False)
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.PROTECT, related_name="+")
+    # Who created it: its lines run with this key's limits (a console session's batch: the user's).
+    api_key = models.ForeignKey("controlplane.ApiKey", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    created_by = models.ForeignKey("auth.User", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    # The endpoint every line names (`body.model`); known once the input is validated.
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.PROTECT, null=True, blank=True, related_name="batches")
+    request_path = models.CharField(max_length=64)  # OpenAI's `endpoint`, e.g. "/v1/chat/completions"
+    input_file = models.ForeignKey(File, on_delete=models.PROTECT, related_name="+")
+    output_file = models.ForeignKey(File, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    error_file = models.ForeignKey(File, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    completion_window = models.CharField(max_length=8, default="24h")
+    metadata = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=BatchStatus.choices, default=BatchStatus.VALIDATING)
+    errors = models.JSONField(null=True, blank=True)  # OpenAI's `errors.data`: one entry per bad line
+    num_total = models.PositiveIntegerField(default=0)
+    num_completed = models.PositiveIntegerField(default=0)
+    num_failed = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()  # the completion window's deadline
+    in_progress_at = models.DateTimeField(null=True, blank=True)
+    finalizing_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+    cancelling_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+    # The worker running it holds it until `lease_until` (renewed while it runs): a killed worker's
+    # batch is taken over once that passes.
+    lease_until = models.DateTimeField(null=True, blank=True)
+    lease_token = models.CharField(max_length=32, blank=True)
+
+    objects = BatchQuerySet.as_manager()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["organization", "created_at"], name="batch_org_created"),
+            models.Index(fields=["status"], name="batch_status"),
+        ]
+
+    def __str__(self) -> str:
+        return self.id
+
+    @property
+    def num_pending(self) -> int:
+        return max(0, self.num_total - self.num_completed - self.num_failed)
+
+    def as_openai(self) -> dict:
+        """OpenAI's batch object."""
+
+        def unix(moment):
+            return int(moment.timestamp()) if moment is not None else None
+
+        return {
+            "id": self.id, "object": "batch", "endpoint": self.request_path,
+            "errors": {"object": "list", "data": self.errors} if self.errors else None,
+            "input_file_id": self.input_file_id, "completion_window": self.completion_window, "status": self.status,
+            "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
+            "created_at": unix(self.created_at), "in_progress_at": unix(self.in_progress_at),
+            "expires_at": unix(self.expires_at), "finalizing_at": unix(self.finalizing_at),
+            "completed_at": unix(self.completed_at), "failed_at": unix(self.failed_at),
+            "expired_at": unix(self.expired_at), "cancelling_at": unix(self.cancelling_at),
+            "cancelled_at": unix(self.cancelled_at),
+            "request_counts": {"total": self.num_total, "completed": self.num_completed, "failed": self.num_failed},
+            "metadata": self.metadata,
+        }

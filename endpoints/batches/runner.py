@@ -1,0 +1,195 @@
+"""Running a batch's lines through the gateway's own call path, in a Celery worker.
+
+Each line is an `endpoints.gateway.call.InferenceCall`, driven in-process with a `send` that captures
+the answer and a `receive` that never disconnects: the same admission (the creating key's rate limits,
+the organisation's caps and credit), reservation, replica choice, usage row and journal as an
+interactive call. What differs is only what a batch line is:
+
+- its request id is `<batch id>-<line index>`, the same on every try, so a line re-run after a worker
+  died mid-line writes no second usage row (the ledger's unique request id);
+- its usage row carries the batch id and is priced at the endpoint's `batch_price_fraction`;
+- it runs at `scheduling.BATCH_ENGINE_PRIORITY` at the engine, and is started only while the READY
+  replicas have spare slots (`scheduling.batch_slots`), never held through a cold start.
+
+A line's result is written to S3 as it finishes (`storage.put_result`); a run that is taken over
+skips the lines already there. Transient refusals (429, 5xx, an outage) leave the line pending for a
+later try; anything else is the line's answer, kept in the error file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import aiohttp
+
+from controlplane.redis_client import get_async_redis
+from controlplane.redis_keys import outstanding_key
+from endpoints.batches import scheduling
+from endpoints.batches.validation import Line
+from endpoints.gateway import directory, errors
+from endpoints.gateway.auth import Caller
+from endpoints.gateway.call import InferenceCall
+from endpoints.gateway.memo import in_worker_thread
+from endpoints.gateway.request import InferenceRequest
+
+logger = logging.getLogger("inferplane.batches")
+
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+CHECK_EVERY_S = 1.0  # how often a run renews its lease, writes its counts and reads a cancel
+RETRY_PAUSE_S = 1.0  # after a transient refusal, no line starts for this long
+
+
+def line_request_id(batch_id: str, index: int) -> str:
+    """The request id of a batch line: the same on every try (exactly-once usage)."""
+    return f"{batch_id}-{index}"
+
+
+@dataclass(slots=True, frozen=True)
+class Work:
+    batch_id: str
+    organization_id: int
+    model: str
+    kind: str
+    request_path: str
+    caller: Caller
+    price_fraction: Decimal
+    target_concurrency: int
+    expires_at: float  # unix time: no line starts after it
+
+
+@dataclass(slots=True, frozen=True)
+class LineOutcome:
+    line: Line
+    status_code: int
+    body: dict
+    request_id: str
+    retry: bool = False
+
+    def output(self, batch_id: str) -> dict:
+        """The line as OpenAI writes it to the output (or error) file."""
+        return {"id": f"batch_req_{batch_id.removeprefix('batch_')}_{self.line.index}", "custom_id": self.line.custom_id,
+                "response": {"status_code": self.status_code, "request_id": self.request_id, "body": self.body},
+                "error": None}
+
+
+@dataclass(slots=True)
+class Progress:
+    num_completed: int
+    num_failed: int
+    stopped: str = ""  # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold"
+
+
+class _Capture:
+    """The ASGI `send` of a batch line: keeps the status and the body."""
+
+    def __init__(self):
+        self.status = 0
+        self.chunks: list[bytes] = []
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        elif message["type"] == "http.response.body":
+            self.chunks.append(message.get("body", b""))
+
+
+async def _never_disconnects() -> dict:
+    await asyncio.Event().wait()
+    return {"type": "http.disconnect"}
+
+
+async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, client: aiohttp.ClientSession) -> LineOutcome:
+    request_id = line_request_id(work.batch_id, line.index)
+    capture = _Capture()
+    try:
+        request = replace(InferenceRequest.parse(json.dumps(line.body).encode(), kind=work.kind, path=work.request_path),
+                          priority=scheduling.BATCH_ENGINE_PRIORITY)
+        call = InferenceCall(request_id=request_id, request=request, caller=work.caller, endpoint=endpoint, client=client,
+                             receive=_never_disconnects, send=capture.send, started_at=datetime.now(UTC),
+                             batch_id=work.batch_id, price_fraction=work.price_fraction)
+        await call.run()
+    except errors.OpenAIError as exc:
+        return LineOutcome(line, exc.status, json.loads(exc.body()), request_id, retry=exc.status in RETRY_STATUSES)
+    except errors.OUTAGES as exc:
+        logger.warning("batch line %s: %r", request_id, exc)
+        return LineOutcome(line, 503, json.loads(errors.service_unavailable().body()), request_id, retry=True)
+    try:
+        body = json.loads(b"".join(capture.chunks) or b"{}")
+    except ValueError:
+        body = {"error": {"message": "The engine's answer was not JSON.", "type": "server_error"}}
+    return LineOutcome(line, capture.status or 502, body, request_id, retry=capture.status in RETRY_STATUSES)
+
+
+async def free_slots(work: Work, endpoint_id: str, num_batch_in_flight: int) -> int | None:
+    """Slots batch lines may use now on the endpoint's READY replicas; None when none is READY."""
+    replicas = await directory.ready_replicas(endpoint_id)
+    if not replicas:
+        return None
+    counts = await get_async_redis().mget([outstanding_key(work.organization_id, r.id) for r in replicas])
+    return scheduling.batch_slots(num_ready=len(replicas), target_concurrency=work.target_concurrency,
+                                  num_outstanding=sum(int(c or 0) for c in counts), num_batch_in_flight=num_batch_in_flight)
+
+
+async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: float,
+              keep_going: Callable[[Progress], str], store: Callable[[LineOutcome], None]) -> Progress:
+    """Run `todo` until done, stopped or out of time. `keep_going(progress)` (sync, ORM: renews the lease,
+    writes the counts) returns "" to go on, or why to stop starting lines; `store` keeps a finished line."""
+    endpoint = await directory.find_endpoint(work.organization_id, work.model)
+    if endpoint is None:
+        progress.stopped = "gone"
+        return progress
+    check = in_worker_thread(keep_going)
+    pending: deque[Line] = deque(todo)
+    running: dict[asyncio.Task, Line] = {}
+    ends_at = time.monotonic() + slice_s
+    last_check, pause_until = 0.0, 0.0
+    client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=30.0, sock_connect=3.0, sock_read=600.0))
+    try:
+        while pending or running:
+            now = time.monotonic()
+            if now - last_check >= CHECK_EVERY_S:
+                # NOTE: also while the last lines finish after a stop: the lease must outlive them.
+                last_check = now
+                reason = await check(progress)
+                if not progress.stopped:
+                    progress.stopped = reason or ("slice" if now >= ends_at else "") or (
+                        "expired" if time.time() >= work.expires_at else "")
+            if not progress.stopped and pending and now >= pause_until:
+                slots = await free_slots(work, endpoint.id, len(running))
+                if slots is None and not running:
+                    progress.stopped = "cold"  # nothing warm: batch work never wakes an endpoint here
+                for _ in range(max(0, (slots or 0) - len(running))):
+                    if not pending:
+                        break
+                    line = pending.popleft()
+                    running[asyncio.create_task(run_line(work, endpoint, line, client))] = line
+            if not running:
+                if progress.stopped or not pending:
+                    break
+                await asyncio.sleep(0.2)
+                continue
+            done, _ = await asyncio.wait(running, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                line = running.pop(task)
+                outcome = task.result()
+                if outcome.retry:
+                    pending.append(line)
+                    pause_until = time.monotonic() + RETRY_PAUSE_S
+                    continue
+                await asyncio.to_thread(store, outcome)
+                if outcome.status_code == 200:
+                    progress.num_completed += 1
+                else:
+                    progress.num_failed += 1
+    finally:
+        await client.close()
+    await check(progress)  # the last counts
+    return progress

@@ -1,0 +1,305 @@
+"""Writes for files and batches: upload, delete, create, cancel, and a batch's whole run (validate,
+run its lines, finalize), each safe to call twice.
+
+A batch is worked on by one worker at a time: `run_batch` claims it with a conditional update on its
+lease (`lease_until`, renewed every second while it runs); a worker killed mid-run leaves the lease to
+lapse and the batch tick (`tick`) queues a new run, which skips the lines whose results are already in
+S3 and re-runs the rest under the same request ids (never billed twice: `runner.line_request_id`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from datetime import timedelta
+
+from celery import current_app
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from controlplane.accounts.models import ApiKey
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import batch_dispatch_key
+from endpoints.batches import runner, scheduling, storage
+from endpoints.batches.models import (
+    BATCH_PATHS,
+    COMPLETION_WINDOWS,
+    Batch,
+    BatchStatus,
+    File,
+    FilePurpose,
+    new_file_id,
+)
+from endpoints.batches.validation import Line, LineError, parse_lines
+from endpoints.events import record_event_once
+from endpoints.gateway.auth import Caller
+from endpoints.models import Endpoint, EventKind, Replica
+from gpu_agent.protocol import ReplicaState
+
+logger = logging.getLogger("inferplane.batches")
+
+RUN_BATCH_TASK = "batches.run_batch"
+
+
+class Refused(Exception):
+    """A request the API answers with a 400 (or `status`) naming `param`."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+# --- files -----------------------------------------------------------------------------------
+
+def create_file(*, organization_id: int, purpose: str, filename: str, stream, size: int) -> File:
+    """Store an uploaded file: its bytes to S3 first (outside any transaction), then its row."""
+    if purpose != FilePurpose.BATCH:
+        raise Refused("Only purpose 'batch' can be uploaded.", param="purpose")
+    if size > settings.FILES_MAX_BYTES:
+        raise Refused(f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file", status=413)
+    file_id = new_file_id()
+    key = storage.file_key(organization_id, file_id)
+    storage.put_stream(key, stream)
+    return File.objects.create(id=file_id, organization_id=organization_id, purpose=purpose,
+                               filename=(filename or "upload.jsonl")[:255], bytes=size, s3_key=key)
+
+
+def delete_file(file: File) -> bool:
+    """Delete a file: its row is marked (batches keep naming it) and its bytes removed from S3."""
+    if not File.objects.filter(pk=file.pk, deleted_at__isnull=True).update(deleted_at=timezone.now()):
+        return False
+    storage.delete(file.s3_key)
+    return True
+
+
+def _store_output(organization_id: int, purpose: str, filename: str, data: bytes) -> File:
+    file_id = new_file_id()
+    key = storage.file_key(organization_id, file_id)
+    storage.put_bytes(key, data)
+    return File(id=file_id, organization_id=organization_id, purpose=purpose, filename=filename, bytes=len(data), s3_key=key)
+
+
+# --- batches ---------------------------------------------------------------------------------
+
+def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int | None, input_file_id: str,
+                 request_path: str, completion_window: str, metadata: dict | None) -> Batch:
+    """A new batch, `validating`; a worker checks its lines and runs it."""
+    if request_path not in BATCH_PATHS:
+        raise Refused(f"endpoint must be one of {', '.join(BATCH_PATHS)}.", param="endpoint")
+    if completion_window not in COMPLETION_WINDOWS:
+        raise Refused(f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}.", param="completion_window")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
+        raise Refused("metadata must be at most 16 string pairs (keys up to 64, values up to 512 characters).",
+                      param="metadata")
+    input_file = File.objects.for_org(organization_id).filter(pk=input_file_id).first()
+    if input_file is None:
+        raise Refused(f"No such File object: {input_file_id}", param="input_file_id", status=404)
+    if input_file.purpose != FilePurpose.BATCH:
+        raise Refused("The input file's purpose must be 'batch'.", param="input_file_id")
+    now = timezone.now()
+    batch = Batch.objects.create(organization_id=organization_id, api_key_id=api_key_id, created_by_id=user_id,
+                                 request_path=request_path, input_file=input_file, completion_window=completion_window,
+                                 metadata=metadata, created_at=now, expires_at=now + COMPLETION_WINDOWS[completion_window])
+    transaction.on_commit(lambda: dispatch(batch.pk))
+    return batch
+
+
+def cancel_batch(batch: Batch) -> Batch:
+    """Stop starting new lines; lines in flight finish and what finished is kept (its files written)."""
+    now = timezone.now()
+    Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
+        status=BatchStatus.CANCELLING, cancelling_at=now)
+    transaction.on_commit(lambda: dispatch(batch.pk))
+    return Batch.objects.get(pk=batch.pk)
+
+
+def dispatch(batch_id: str) -> bool:
+    """Queue a run of the batch unless one is queued or running."""
+    if not get_redis().set(batch_dispatch_key(batch_id), "1", nx=True, ex=max(5, int(settings.BATCH_LEASE_S))):
+        return False
+    current_app.send_task(RUN_BATCH_TASK, args=[batch_id])
+    return True
+
+
+def tick() -> int:
+    """Queue a run of every open batch that has something to do now and no live worker: validating,
+    cancelling or finalizing ones, and running ones whose endpoint has a READY replica or whose
+    completion window has ended. Running batches of a sleeping endpoint wait for the autoscaler
+    (`scheduling.apply` wakes it when their deadline needs it)."""
+    now = timezone.now()
+    unleased = Batch.objects.open().filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
+    warm = Replica.objects.filter(state=ReplicaState.READY).values("endpoint_id")
+    ids = list(unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=now))
+               .order_by("created_at").values_list("pk", flat=True)[:500])
+    return sum(dispatch(batch_id) for batch_id in ids)
+
+
+def _claim(batch_id: str) -> str | None:
+    token = secrets.token_hex(8)
+    now = timezone.now()
+    claimed = Batch.objects.open().filter(pk=batch_id).filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now)).update(
+        lease_until=now + timedelta(seconds=settings.BATCH_LEASE_S), lease_token=token)
+    return token if claimed else None
+
+
+def _release(batch_id: str, token: str) -> None:
+    Batch.objects.filter(pk=batch_id, lease_token=token).update(lease_until=None, lease_token="")
+    get_redis().delete(batch_dispatch_key(batch_id))
+
+
+def run_batch(batch_id: str) -> str:
+    """One worker's turn at a batch: validate it, run lines for up to `BATCH_RUN_SLICE_S`, and write its
+    files once nothing is left to run. Returns what happened (for logs and tests)."""
+    token = _claim(batch_id)
+    if token is None:
+        return "busy"
+    try:
+        batch = Batch.objects.select_related("input_file", "endpoint").get(pk=batch_id)
+        if batch.status == BatchStatus.VALIDATING:
+            batch = validate_batch(batch)
+        outcome = batch.status
+        if batch.status == BatchStatus.IN_PROGRESS:
+            outcome = _run_lines(batch, token)
+            batch.refresh_from_db()
+        if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at <= timezone.now():
+            finalize_batch(batch, BatchStatus.EXPIRED)
+        elif batch.status == BatchStatus.CANCELLING:
+            finalize_batch(batch, BatchStatus.CANCELLED)
+        elif batch.status == BatchStatus.FINALIZING or (batch.status == BatchStatus.IN_PROGRESS and batch.num_pending == 0):
+            finalize_batch(batch, BatchStatus.COMPLETED)
+        return outcome
+    finally:
+        _release(batch_id, token)
+
+
+def validate_batch(batch: Batch) -> Batch:
+    """Check every line (`validation.parse_lines`) and the model they name: `in_progress`, or `failed`
+    with one error per bad line. Nothing runs from a bad file."""
+    try:
+        data = storage.read_bytes(batch.input_file.s3_key)
+    except Exception:  # noqa: BLE001 - a deleted or unreadable input fails the batch with the reason
+        logger.exception("batch %s: input file unreadable", batch.pk)
+        checked_errors, lines, endpoint = [LineError(1, "file_not_found", "The input file could not be read.")], [], None
+    else:
+        checked = parse_lines(data, request_path=batch.request_path, kind=BATCH_PATHS[batch.request_path],
+                              max_lines=settings.BATCH_MAX_LINES)
+        checked_errors, lines, endpoint = checked.errors, checked.lines, None
+        if not checked_errors:
+            endpoint = Endpoint.objects.live().filter(organization_id=batch.organization_id, name=checked.model).first()
+            if endpoint is None:
+                checked_errors = [LineError(1, "model_not_found", f"The model '{checked.model}' does not exist or you do "
+                                                                  "not have access to it.", "body.model")]
+    now = timezone.now()
+    if checked_errors:
+        Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
+            status=BatchStatus.FAILED, failed_at=now, errors=[e.as_openai() for e in checked_errors])
+    else:
+        Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
+            status=BatchStatus.IN_PROGRESS, in_progress_at=now, endpoint=endpoint, num_total=len(lines))
+    batch.refresh_from_db()
+    return batch
+
+
+def _lines_of(batch: Batch) -> list[Line]:
+    checked = parse_lines(storage.read_bytes(batch.input_file.s3_key), request_path=batch.request_path,
+                          kind=BATCH_PATHS[batch.request_path], max_lines=settings.BATCH_MAX_LINES)
+    return checked.lines
+
+
+def caller_of(batch: Batch) -> Caller:
+    """Who a batch's lines run as: the key that created it (its rate limits), or the console user."""
+    key = ApiKey.objects.filter(pk=batch.api_key_id).first() if batch.api_key_id else None
+    return Caller(organization_id=batch.organization_id, api_key_id=batch.api_key_id, user_id=batch.created_by_id,
+                  can_infer=True, requests_per_minute=key.requests_per_minute if key else None,
+                  tokens_per_minute=key.tokens_per_minute if key else None)
+
+
+def _run_lines(batch: Batch, token: str) -> str:
+    lines = _lines_of(batch)
+    done = storage.result_indices(batch.organization_id, batch.pk)
+    todo = [line for line in lines if line.index not in done]
+    progress = runner.Progress(num_completed=sum(1 for ok in done.values() if ok),
+                               num_failed=sum(1 for ok in done.values() if not ok))
+    endpoint = batch.endpoint
+    work = runner.Work(batch_id=batch.pk, organization_id=batch.organization_id, model=endpoint.name,
+                       kind=BATCH_PATHS[batch.request_path], request_path=batch.request_path, caller=caller_of(batch),
+                       price_fraction=endpoint.batch_price_fraction, target_concurrency=endpoint.target_concurrency,
+                       expires_at=batch.expires_at.timestamp())
+    if todo:
+        record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk}: {len(todo)} line(s) fill spare slots of READY replicas "
+                             f"(engine priority {scheduling.BATCH_ENGINE_PRIORITY})", batch_id=batch.pk)
+
+    def keep_going(progress: runner.Progress) -> str:
+        renewed = Batch.objects.filter(pk=batch.pk, lease_token=token).update(
+            lease_until=timezone.now() + timedelta(seconds=settings.BATCH_LEASE_S),
+            num_completed=progress.num_completed, num_failed=progress.num_failed)
+        if not renewed:
+            return "lease"
+        status = Batch.objects.filter(pk=batch.pk).values_list("status", flat=True).first()
+        return "" if status == BatchStatus.IN_PROGRESS else "cancel"
+
+    def store(outcome: runner.LineOutcome) -> None:
+        storage.put_result(batch.organization_id, batch.pk, outcome.line.index, outcome.output(batch.pk),
+                           ok=outcome.status_code == 200)
+
+    progress = asyncio.run(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
+                                      keep_going=keep_going, store=store))
+    if progress.stopped == "cold":
+        wake = scheduling.wake_at(scheduling.BatchDemand(batch.num_total - progress.num_completed - progress.num_failed,
+                                                         batch.expires_at.timestamp()),
+                                  target_concurrency=endpoint.target_concurrency,
+                                  cold_start_s=endpoint.cold_start_timeout_s,
+                                  seconds_per_line=settings.BATCH_SECONDS_PER_LINE)
+        record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk} waits: no READY replica, and batch work does not wake the endpoint "
+                             f"before {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(wake))} (its deadline's need)",
+                   batch_id=batch.pk)
+    elif progress.stopped == "gone":
+        Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(
+            status=BatchStatus.FAILED, failed_at=timezone.now(),
+            errors=[LineError(1, "model_not_found", "The batch's endpoint was deleted.", "body.model").as_openai()])
+    return progress.stopped or "ran"
+
+
+def finalize_batch(batch: Batch, final: str) -> None:
+    """Write the output and error files from the line results kept in S3 and end the batch as
+    `final` (completed, expired or cancelled). Safe to repeat: a batch already ended is left as it is."""
+    now = timezone.now()
+    if final == BatchStatus.COMPLETED:
+        Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,
+                                                                                 finalizing_at=now)
+    results = storage.read_results(batch.organization_id, batch.pk)
+    outputs = [results[i] for i in sorted(results) if results[i]["response"]["status_code"] == 200]
+    failures = [results[i] for i in sorted(results) if results[i]["response"]["status_code"] != 200]
+    if final == BatchStatus.EXPIRED:
+        for line in _lines_of(batch):
+            if line.index not in results:
+                failures.append({"id": f"batch_req_{batch.pk.removeprefix('batch_')}_{line.index}", "custom_id": line.custom_id,
+                                 "response": None, "error": {"code": "batch_expired",
+                                                             "message": "This request could not be executed before the "
+                                                                        "completion window expired."}})
+    output = (_store_output(batch.organization_id, FilePurpose.BATCH_OUTPUT, f"{batch.pk}_output.jsonl",
+                            _jsonl(outputs)) if outputs else None)
+    error = (_store_output(batch.organization_id, FilePurpose.BATCH_OUTPUT, f"{batch.pk}_error.jsonl",
+                           _jsonl(failures)) if failures else None)
+    stamp = {BatchStatus.COMPLETED: "completed_at", BatchStatus.EXPIRED: "expired_at",
+             BatchStatus.CANCELLED: "cancelled_at"}[final]
+    with transaction.atomic():
+        locked = Batch.objects.select_for_update().get(pk=batch.pk)
+        if locked.status in (BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED, BatchStatus.FAILED):
+            return  # another run finished it first (its files stand; these bytes are orphans)
+        for file in (output, error):
+            if file is not None:
+                file.save()
+        Batch.objects.filter(pk=batch.pk).update(
+            status=final, output_file=output, error_file=error, num_completed=len(outputs),
+            num_failed=sum(1 for f in failures if f["response"] is not None), **{stamp: now})
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return b"".join(json.dumps(row).encode() + b"\n" for row in rows)

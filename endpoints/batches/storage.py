@@ -1,0 +1,91 @@
+"""File bytes in S3: uploads, reads, deletes, and a batch's per-line results.
+
+The bucket is the fleet's (`INFERPLANE_FILES_S3_BUCKET`, at `INFERPLANE_FILES_S3_ENDPOINT_URL` for an
+S3-compatible store; credentials from boto3's usual chain). Nothing here touches PostgreSQL: the rows
+that name these objects are `endpoints.batches.models`.
+
+Keys: `files/<organisation>/<file id>` for every file; `batches/<organisation>/<batch id>/lines/<index>.json`
+for one line's result, written as the line finishes, so a batch taken over after a worker's death
+skips what is already done.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import boto3
+from botocore.config import Config
+from django.conf import settings
+
+RESULT_DIGITS = 7
+READ_THREADS = 16  # within the client's connection pool (32)
+
+
+@functools.cache
+def _client():
+    return boto3.client("s3", endpoint_url=settings.FILES_S3_ENDPOINT_URL, region_name=settings.FILES_S3_REGION,
+                        config=Config(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=32))
+
+
+def file_key(organization_id: int, file_id: str) -> str:
+    return f"files/{organization_id}/{file_id}"
+
+
+def put_stream(key: str, stream) -> None:
+    """Upload a readable binary stream (multipart for large ones, never whole in memory)."""
+    _client().upload_fileobj(stream, settings.FILES_S3_BUCKET, key)
+
+
+def put_bytes(key: str, data: bytes) -> None:
+    _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=key, Body=data)
+
+
+def read_bytes(key: str) -> bytes:
+    return _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)["Body"].read()
+
+
+def open_stream(key: str):
+    """The object's body as a stream of chunks (for a download)."""
+    return _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)["Body"].iter_chunks(64 * 1024)
+
+
+def delete(key: str) -> None:
+    _client().delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+
+
+# --- a batch's per-line results --------------------------------------------------------------
+
+def _results_prefix(organization_id: int, batch_id: str) -> str:
+    return f"batches/{organization_id}/{batch_id}/lines/"
+
+
+def put_result(organization_id: int, batch_id: str, index: int, result: dict, *, ok: bool) -> None:
+    """One finished line (`<index>.ok.json` or `<index>.error.json`: counts come from the listing alone)."""
+    put_bytes(f"{_results_prefix(organization_id, batch_id)}{index:0{RESULT_DIGITS}d}.{'ok' if ok else 'error'}.json",
+              json.dumps(result).encode())
+
+
+def _result_keys(organization_id: int, batch_id: str) -> dict[int, tuple[str, bool]]:
+    prefix = _results_prefix(organization_id, batch_id)
+    paginator = _client().get_paginator("list_objects_v2")
+    found = {}
+    for page in paginator.paginate(Bucket=settings.FILES_S3_BUCKET, Prefix=prefix):
+        for item in page.get("Contents", []):
+            index, outcome, _ = item["Key"][len(prefix):].split(".")
+            found[int(index)] = (item["Key"], outcome == "ok")
+    return found
+
+
+def result_indices(organization_id: int, batch_id: str) -> dict[int, bool]:
+    """The lines finished so far: index -> whether it succeeded."""
+    return {index: ok for index, (_, ok) in _result_keys(organization_id, batch_id).items()}
+
+
+def read_results(organization_id: int, batch_id: str) -> dict[int, dict]:
+    """Every line result written so far, by line index (read `READ_THREADS` at a time)."""
+    keys = _result_keys(organization_id, batch_id)
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        bodies = pool.map(read_bytes, [key for key, _ in keys.values()])
+        return {index: json.loads(body) for index, body in zip(keys, bodies, strict=True)}

@@ -1,0 +1,17 @@
+"""Celery's entry points for batches: thin wrappers over `endpoints.batches.services`."""
+
+from celery import shared_task
+
+from endpoints.batches import services
+
+
+# NOTE: a run stops starting lines after `BATCH_RUN_SLICE_S` (default 120 s); the limit leaves room for
+# the lines still in flight and the files' assembly.
+@shared_task(name=services.RUN_BATCH_TASK, acks_late=True, time_limit=900, soft_time_limit=870, ignore_result=True)
+def run_batch(batch_id: str) -> str:
+    return services.run_batch(batch_id)
+
+
+@shared_task(name="batches.tick", acks_late=True, time_limit=30, soft_time_limit=25, ignore_result=True)
+def tick() -> int:
+    return services.tick()

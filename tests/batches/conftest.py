@@ -1,0 +1,94 @@
+"""Batch fixtures: an S3 store (moto's standalone server, one per package, a fresh bucket per test)
+whose address every child process (web server, Celery worker) inherits, and the gateway's fixtures."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+
+import boto3
+import httpx
+import pytest
+
+from endpoints.batches import storage
+from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
+from tests.console.conftest import console_client_factory  # noqa: F401 - a fixture this package uses
+from tests.gateway.conftest import (  # noqa: F401 - fixtures this package uses
+    start_mock_upstream,
+    tenant,
+    vllm_engine,
+)
+
+S3_KEY, S3_SECRET = "testing", "testing"
+
+
+@pytest.fixture(scope="package")
+def s3_server(tmp_path_factory) -> str:
+    port = free_port()
+    log_dir = tmp_path_factory.mktemp("moto")
+    child = ChildProcess([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], child_env(),
+                         log_dir / "moto.log")
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return httpx.get(f"{url}/moto-api/", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, 60, message="moto's S3 server")
+    yield url
+    child.stop()
+
+
+@pytest.fixture
+def files_bucket(s3_server, monkeypatch, settings) -> str:
+    """A fresh bucket for this test, named in the settings and in the environment of every child started after."""
+    bucket = f"files-{uuid.uuid4().hex[:12]}"
+    env = {"INFERPLANE_FILES_S3_BUCKET": bucket, "INFERPLANE_FILES_S3_ENDPOINT_URL": s3_server,
+           "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings.FILES_S3_BUCKET, settings.FILES_S3_ENDPOINT_URL = bucket, s3_server
+    storage._client.cache_clear()
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id=S3_KEY,
+                 aws_secret_access_key=S3_SECRET).create_bucket(Bucket=bucket)
+    yield bucket
+    storage._client.cache_clear()
+
+
+@pytest.fixture
+def gateway(files_bucket, transactional_db, tmp_path):
+    """The web server (gateway and Django), started after the bucket so that it reads from it."""
+    child, base_url = start_web_server(tmp_path, name="gateway")
+    yield base_url
+    child.stop()
+
+
+def bucket_objects(bucket: str, prefix: str = "") -> dict[str, bytes]:
+    client = storage._client()
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {item["Key"]: client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read() for item in listed}
+
+
+# Children run batches in short slices and take a dead worker's batch over within seconds. The test
+# nodes send no heartbeats: the worker's beat must not take them (and their replicas) offline.
+BATCH_ENV = {"INFERPLANE_BATCH_LEASE_S": "3", "INFERPLANE_BATCH_RUN_SLICE_S": "20", "INFERPLANE_BATCH_TICK_S": "0.5",
+             "INFERPLANE_NODE_HEARTBEAT_GRACE_S": "3600"}
+
+
+def start_batch_worker(tmp_path, *, name: str = "batch-worker", concurrency: int = 2) -> ChildProcess:
+    """A prefork Celery worker with its own beat (`-B`: the batch tick), with `BATCH_ENV`."""
+    return ChildProcess(
+        [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-B", "--pool=prefork",
+         f"--concurrency={concurrency}", "--loglevel=INFO", "--without-gossip", "--without-mingle",
+         "--schedule", str(tmp_path / f"{name}-beat"), "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h"],
+        child_env() | BATCH_ENV, tmp_path / f"{name}.log",
+    )
+
+
+@pytest.fixture
+def batch_worker(transactional_db, files_bucket, tmp_path):
+    child = start_batch_worker(tmp_path)
+    yield child
+    child.stop()

@@ -1,0 +1,52 @@
+"""A batch whose completion window ends before its lines run expires: its error file lists every line
+never run with `batch_expired`, and no line is billed. Also: batch lines ask the engine for their low priority."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from billing.models import UsageRecord
+from endpoints.batches import services, storage
+from endpoints.batches.models import Batch, BatchStatus
+from endpoints.batches.scheduling import BATCH_ENGINE_PRIORITY
+from endpoints.gateway.request import InferenceRequest
+from tests.factories import EndpointFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_batch_past_its_window_expires_with_every_unrun_line_in_the_error_file(files_bucket):
+    endpoint = EndpointFactory(max_model_len=2048)  # scaled to zero: nothing runs
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}} for i in range(3)]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    input_file = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="in.jsonl",
+                                      stream=io.BytesIO(data), size=len(data))
+    batch = services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=None,
+                                  input_file_id=input_file.pk, request_path="/v1/chat/completions",
+                                  completion_window="24h", metadata=None)
+    services.run_batch(batch.pk)
+    assert Batch.objects.get(pk=batch.pk).status == BatchStatus.IN_PROGRESS
+
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.EXPIRED and batch.expired_at is not None and batch.output_file is None
+    errors = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
+    assert [(row["custom_id"], row["error"]["code"], row["response"]) for row in errors] == [
+        ("c0", "batch_expired", None), ("c1", "batch_expired", None), ("c2", "batch_expired", None)]
+    assert not UsageRecord.objects.exists()
+
+
+def test_a_batch_line_asks_the_engine_for_its_low_priority_and_an_interactive_call_does_not():
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    interactive = InferenceRequest.parse(body, kind="chat", path="/v1/chat/completions")
+    assert "priority" not in json.loads(interactive.upstream_body())
+    batch_line = InferenceRequest(interactive.kind, interactive.path, body, interactive.payload, priority=BATCH_ENGINE_PRIORITY)
+    assert json.loads(batch_line.upstream_body())["priority"] == BATCH_ENGINE_PRIORITY == 100

@@ -1,0 +1,116 @@
+"""The Files API with the official `openai` client: upload, retrieve, list, content, delete; bytes in
+S3 only; the size limit; another organisation's file is a 404."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import openai
+import pytest
+from django.db import connection
+
+from tests.batches.conftest import bucket_objects
+from tests.conftest import start_web_server
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LINES = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": []}}\n'
+
+
+@pytest.fixture
+def web(files_bucket, transactional_db, tmp_path):
+    child, base_url = start_web_server(tmp_path, name="web", extra_env={"INFERPLANE_FILES_MAX_BYTES": "4096"})
+    yield base_url
+    child.stop()
+
+
+def _other_tenant_client(base_url: str) -> openai.OpenAI:
+    from controlplane.accounts.keys import create_api_key
+    from controlplane.accounts.models import Role, Scope
+    from controlplane.accounts.services import Actor
+
+    organization, user = OrganizationFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=user, role=Role.OWNER)
+    key = create_api_key(Actor(user=user), organization, name="other", scopes=[Scope.INFERENCE])
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=key.plain, max_retries=0)
+
+
+def test_openai_client_uploads_retrieves_lists_downloads_and_deletes_a_file(web, tenant, files_bucket):
+    client = tenant.client(web)
+    created = client.files.create(file=("requests.jsonl", io.BytesIO(LINES)), purpose="batch")
+    assert created.id.startswith("file-") and created.bytes == len(LINES) and created.purpose == "batch"
+    assert created.filename == "requests.jsonl"
+
+    assert client.files.retrieve(created.id).bytes == len(LINES)
+    assert [f.id for f in client.files.list()] == [created.id]
+    assert client.files.content(created.id).read() == LINES
+
+    deleted = client.files.delete(created.id)
+    assert deleted.deleted is True
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(created.id)
+    assert bucket_objects(files_bucket) == {}  # the bytes are gone from S3 too
+
+
+def test_file_bytes_live_in_s3_and_never_in_postgresql(web, tenant, files_bucket):
+    marker = b"needle-7d1f0c2e-in-the-upload"
+    data = LINES.replace(b'"messages": []', b'"messages": [], "user": "' + marker + b'"')
+    created = tenant.client(web).files.create(file=("r.jsonl", io.BytesIO(data)), purpose="batch")
+
+    assert list(bucket_objects(files_bucket).values()) == [data]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        tables = [row[0] for row in cursor.fetchall()]
+        holding = []
+        for table in tables:
+            cursor.execute(f'SELECT count(*) FROM "{table}" t WHERE t::text LIKE %s', [f"%{marker.decode()}%"])
+            if cursor.fetchone()[0]:
+                holding.append(table)
+    assert holding == []
+    assert created.bytes == len(data)
+
+
+def test_an_upload_past_the_size_limit_is_refused_with_413_and_stores_nothing(web, tenant, files_bucket):
+    with pytest.raises(openai.APIStatusError) as refused:
+        tenant.client(web).files.create(file=("big.jsonl", io.BytesIO(LINES * 100)), purpose="batch")
+    assert refused.value.status_code == 413
+    assert "larger than 4096 bytes" in refused.value.message
+    assert bucket_objects(files_bucket) == {}
+
+
+def test_another_organisations_file_is_a_404_as_if_it_did_not_exist(web, tenant):
+    created = tenant.client(web).files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch")
+    stranger = _other_tenant_client(web)
+
+    for attempt in (lambda: stranger.files.retrieve(created.id), lambda: stranger.files.content(created.id),
+                    lambda: stranger.files.delete(created.id), lambda: stranger.files.retrieve("file-doesnotexist")):
+        with pytest.raises(openai.NotFoundError) as refused:
+            attempt()
+        assert refused.value.body["type"] == "invalid_request_error"
+    assert list(stranger.files.list()) == []
+    with pytest.raises(openai.NotFoundError):
+        stranger.batches.create(input_file_id=created.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert tenant.client(web).files.retrieve(created.id).id == created.id  # untouched
+
+
+def test_a_call_without_a_key_is_refused_in_openais_shape(web):
+    client = openai.OpenAI(base_url=f"{web}/v1", api_key="ip_not-a-real-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        client.files.list()
+    assert refused.value.body["code"] == "invalid_api_key"
+
+
+def test_a_malformed_upload_is_a_400_in_openais_shape_not_a_500(web, tenant):
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    broken = httpx.post(f"{web}/v1/files", headers=headers | {"content-type": "multipart/form-data; boundary=xyz"},
+                        content=b"--xyz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n\r\nabc")
+    assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
+    no_boundary = httpx.post(f"{web}/v1/files", headers=headers | {"content-type": "multipart/form-data"}, content=b"x")
+    assert no_boundary.status_code == 400
+    not_multipart = httpx.post(f"{web}/v1/files", headers=headers, json={"purpose": "batch"})
+    assert not_multipart.status_code == 400 and not_multipart.json()["error"]["param"] == "file"
+    wrong_purpose = httpx.post(f"{web}/v1/files", headers=headers, files={"file": ("a.jsonl", b"{}")},
+                               data={"purpose": "fine-tune"})
+    assert wrong_purpose.status_code == 400 and wrong_purpose.json()["error"]["param"] == "purpose"
