@@ -3,7 +3,15 @@
 from django.utils import timezone
 from rest_framework import serializers
 
-from controlplane.accounts.models import MAX_PRIORITY_BOOST, ApiKey, AuditEvent, Invitation, Membership, Organization, Scope
+from controlplane.accounts.models import (
+    MAX_PRIORITY_BOOST,
+    ApiKey,
+    AuditEvent,
+    Invitation,
+    Membership,
+    Organization,
+    Scope,
+)
 
 
 class StrictModelSerializer(serializers.ModelSerializer):
