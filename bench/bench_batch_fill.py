@@ -52,7 +52,8 @@ class Spec:
         self.min_replicas, self.max_replicas = 0, args.max_replicas
         self.target_concurrency, self.idle_timeout_s = args.target_concurrency, args.idle_timeout_s
         self.cold_start_timeout_s = args.cold_start_allowance_s
-        self.paused_at = self.deleted_at = None
+        self.paused_at = self.deleted_at = self.last_cold_start_at = None
+        self.prewarm_windows, self.keep_warm_after_cold_start_s = [], 0
 
 
 def simulate(traces, args, policy: str, decide, Load, BatchDemand, batch_slots) -> dict:

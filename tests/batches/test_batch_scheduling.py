@@ -24,7 +24,8 @@ DAY = 86_400.0
 
 def _endpoint(**overrides):
     spec = dict(paused_at=None, deleted_at=None, min_replicas=0, max_replicas=4, idle_timeout_s=300,
-                target_concurrency=8, cold_start_timeout_s=300)
+                target_concurrency=8, cold_start_timeout_s=300, prewarm_windows=[], keep_warm_after_cold_start_s=0,
+                last_cold_start_at=None)
     return SimpleNamespace(**(spec | overrides))
 
 
