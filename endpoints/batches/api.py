@@ -29,6 +29,7 @@ from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, File
 from endpoints.gateway import auth, errors
 from endpoints.gateway.auth import Caller
+from endpoints.gateway.ratelimit_headers import RateLimitReport
 
 logger = logging.getLogger("inferplane.batches")
 
@@ -68,9 +69,19 @@ def _openai_view(handler):
 
     @csrf_exempt
     def view(request, *args, **kwargs):
+        report = RateLimitReport.unauthenticated()
+        response = _answer(request, report, *args, **kwargs)
+        # Every /v1 answer says what is left of the caller's limits (these calls themselves count nothing).
+        for name, value in report.headers():
+            response[name.decode()] = value.decode()
+        return response
+
+    def _answer(request, report: RateLimitReport, *args, **kwargs) -> HttpResponse:
         try:
             headers = {name.lower(): value for name, value in request.headers.items()}
             caller = async_to_sync(auth.authenticate)(headers)
+            report.for_caller(caller)
+            async_to_sync(report.read_counts)()
             return handler(request, caller, *args, **kwargs)
         except errors.OpenAIError as exc:
             return _error(exc)

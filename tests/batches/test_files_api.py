@@ -114,3 +114,16 @@ def test_a_malformed_upload_is_a_400_in_openais_shape_not_a_500(web, tenant):
     wrong_purpose = httpx.post(f"{web}/v1/files", headers=headers, files={"file": ("a.jsonl", b"{}")},
                                data={"purpose": "fine-tune"})
     assert wrong_purpose.status_code == 400 and wrong_purpose.json()["error"]["param"] == "purpose"
+
+
+def test_files_and_batches_answers_carry_the_callers_rate_limit_headers(web, tenant):
+    client = tenant.client(web)
+    listed = client.files.with_raw_response.list()
+    for name in ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
+                 "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"):
+        assert name in listed.headers, name
+    assert int(listed.headers["x-ratelimit-remaining-requests"]) <= int(listed.headers["x-ratelimit-limit-requests"])
+    missing = httpx.get(f"{web}/v1/batches/batch_nope", headers={"Authorization": f"Bearer {tenant.key}"})
+    assert missing.status_code == 404 and "x-ratelimit-limit-requests" in missing.headers
+    anonymous = httpx.get(f"{web}/v1/files")
+    assert anonymous.status_code == 401 and "x-ratelimit-limit-requests" in anonymous.headers
