@@ -1,5 +1,9 @@
 """Gateway overhead: the same upstream called directly and through the gateway, in the same run.
 
+Proxies, in the same run against the same fast mock: the gateway, the bare-proxy floor
+(`bench/bare_proxy.py`: uvicorn + aiohttp, nothing else) and the LiteLLM proxy (its own virtualenv,
+installed by `bench/run.sh`; its defaults, no database), side by side in one table.
+
 Upstreams:
   * the fast mock (`tests.fakes.mock_openai`): what the gateway itself costs, and its request rate;
   * a real vLLM replica of the tiny model (CPU engine, the agent's command line): what a client pays.
@@ -52,7 +56,14 @@ ENV = {"INFERPLANE_DATA_DIR": str(DATA_DIR), "DJANGO_SETTINGS_MODULE": "controlp
        "SECURE_SSL_REDIRECT": "0"}
 os.environ.update(ENV)
 
-from tests.processes import ChildProcess, free_port  # noqa: E402 - after sys.path is set
+from controlplane import embedded  # noqa: E402 - after sys.path is set
+from tests.processes import ChildProcess, free_port  # noqa: E402
+
+# NOTE: production settings refuse to start embedded servers and need an encryption key: start the
+# servers here and name them, as a deployment names its own.
+os.environ.setdefault("DATABASE_URL", embedded.ensure_postgres())
+os.environ.setdefault("REDIS_URL", embedded.ensure_redis())
+os.environ.setdefault("INFERPLANE_ENCRYPTION_KEYS", "YmVuY2gtZ2F0ZXdheS1wcm9maWxlLW9ubHktMzJieXQ=")
 
 CONCURRENCY_LEVELS = (1, 16, 64)
 STREAM_TOKENS_CONCURRENCY = 32
@@ -120,11 +131,15 @@ def seed(upstreams: dict[str, str]) -> str:
     organization, _, created_key = bootstrap_organization(slug="bench-gateway", owner_email="bench@inferplane.local")
     # NOTE: no agent beats for this node: its heartbeat is set a day ahead so that a sweeper running on
     # the same data folder (another benchmark's Celery beat) does not mark it OFFLINE mid-run.
+    # The gateway routes only to a node's own engine ports: the upstreams listen on any free port.
     node, _ = Node.objects.update_or_create(
         name="bench-gateway-node",
         defaults=dict(gpu_type="l4", num_gpus=1, gpu_memory_mb=24_000, secret_lookup="benchgateway", secret_digest="x",
-                      state=NodeState.READY, quantizations=["none"], last_heartbeat_at=timezone.now() + timedelta(days=1)),
+                      state=NodeState.READY, quantizations=["none"], last_heartbeat_at=timezone.now() + timedelta(days=1),
+                      engine_port_min=1024, engine_port_max=65535),
     )
+    # Limits high enough never to refuse, still counted in Redis on every request.
+    organization.api_keys.update(requests_per_minute=100_000_000, tokens_per_minute=1_000_000_000)
     for name, address in upstreams.items():
         # NOTE: kept between runs (its usage rows protect it); only its replica is replaced.
         endpoint, _ = Endpoint.objects.live().update_or_create(
@@ -276,6 +291,32 @@ def bench_bare_proxy(proxy_url: str, mock_url: str, key: str, duration_s: float,
             "streaming": []}
 
 
+def litellm_venv() -> Path | None:
+    """The LiteLLM proxy's own virtualenv (`bench/run.sh` installs it), or None when it is not there."""
+    venv = Path(os.environ.get("LITELLM_VENV") or DATA_DIR / "litellm-venv")
+    return venv if (venv / ".installed").exists() and (venv / "bin" / "litellm").exists() else None
+
+
+def start_litellm(venv: Path, logs: Path, mock_url: str, processes: int, cores: str | None) -> tuple[Child, str]:
+    """The LiteLLM proxy with its own defaults and no database, routing model `mock` to the fast mock."""
+    config = logs / "litellm.yaml"
+    config.write_text("model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
+                      f"      api_base: {mock_url}/v1\n      api_key: bench-not-checked\n")
+    port = free_port()
+    child = Child([str(venv / "bin" / "litellm"), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+                   "--num_workers", str(processes)], logs / "litellm.log", cores=cores,
+                  env={"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "DISABLE_SCHEMA_UPDATE": "True"})
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url + "/health/liveliness", child, 180)
+    return child, url
+
+
+def bench_litellm(litellm_url: str, mock_url: str, key: str, duration_s: float, load_cores: str | None) -> dict:
+    """The LiteLLM proxy in the gateway's place, same mock, same load: the alternative users pick."""
+    return {"non_streaming": wrk_levels("litellm", litellm_url, mock_url, key, "mock", duration_s, load_cores, warm_up=True),
+            "streaming": stream_levels("litellm", litellm_url, mock_url, key, "mock", duration_s, list(CONCURRENCY_LEVELS), 16)}
+
+
 def bench_slow_mock(gateway_url: str, mock_url: str, key: str, duration_s: float, load_cores: str | None) -> dict:
     """The mock answering after `SLOW_MOCK_DELAY_MS` × 16 tokens: the gateway below saturation, as with a real engine."""
     return {"non_streaming": wrk_levels("slow mock", gateway_url, mock_url, key, "mock-slow", duration_s, load_cores,
@@ -335,8 +376,10 @@ def markdown(results: dict) -> str:
     titles = {"mock": "fast mock (answers at once)", "mock_slow": f"mock answering in {16 * SLOW_MOCK_DELAY_MS} ms",
               "vllm": "vLLM, tiny model (CPU)",
               "bare_proxy": "floor: bench/bare_proxy.py (uvicorn + aiohttp, nothing else) in place of the gateway, fast mock",
-              "bare_proxy_slow": f"floor: bench/bare_proxy.py in place of the gateway, mock answering in {16 * SLOW_MOCK_DELAY_MS} ms"}
-    for upstream in ("mock", "bare_proxy", "mock_slow", "bare_proxy_slow", "vllm"):
+              "bare_proxy_slow": f"floor: bench/bare_proxy.py in place of the gateway, mock answering in {16 * SLOW_MOCK_DELAY_MS} ms",
+              "litellm": "LiteLLM proxy in place of the gateway (its defaults, no database), fast mock"}
+    lines += side_by_side(results)
+    for upstream in ("mock", "bare_proxy", "litellm", "mock_slow", "bare_proxy_slow", "vllm"):
         section = results.get(upstream)
         if not section:
             continue
@@ -363,6 +406,31 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(results: dict) -> list[str]:
+    """One row per proxy in the same run, fast mock: throughput as a share of the bare-proxy floor,
+    latency added over calling the mock directly, streaming tokens/s as a share of direct."""
+    floor = {row["concurrency"]: row for row in (results.get("bare_proxy") or {}).get("non_streaming", [])}
+    if not floor:
+        return []
+    lines = ["\n**Side by side, fast mock** (throughput ÷ the bare-proxy floor's at the same concurrency; "
+             "added latency in ms over direct; streaming tokens/s ÷ direct)\n",
+             "| proxy | concurrency | req/s | ÷ floor | added p50 / p99 | streaming ÷ direct |", "|---|---:|---:|---:|---|---:|"]
+    for name, label in (("bare_proxy", "floor (uvicorn + aiohttp)"), ("mock", "Inferplane"), ("litellm", "LiteLLM proxy")):
+        section = results.get(name)
+        if not section:
+            continue
+        streams = {row["concurrency"]: row for row in section.get("streaming", [])}
+        for row in section["non_streaming"]:
+            c, through = row["concurrency"], row["gateway"]
+            base = floor.get(c, {}).get("gateway", {}).get("requests_per_s")
+            stream = streams.get(c, {}).get("tokens_per_s_ratio")
+            share = f"{through['requests_per_s'] / base:.0%}" if base else "–"
+            lines.append(f"| {label} | {c} | {through['requests_per_s']:.0f} | {share} | "
+                         f"{row['added_p50_ms']:+.2f} / {row['added_p99_ms']:+.2f} | "
+                         f"{f'{stream:.0%}' if stream is not None else '–'} |")
+    return lines
+
+
 def verdict(results: dict) -> dict:
     targets = {}
     if results.get("mock"):
@@ -376,6 +444,17 @@ def verdict(results: dict) -> dict:
             "added_p99_ms_at_c16<=10 (48 ms mock)": slow_c16["added_p99_ms"] <= 10,
             "gateway_requests_per_s_with_mock>=500": max(row["gateway"]["requests_per_s"] for row in mock) >= 500,
         }
+    if results.get("mock") and results.get("bare_proxy"):
+        floor16 = next(row for row in results["bare_proxy"]["non_streaming"] if row["concurrency"] == 16)
+        targets["gateway_requests_per_s_at_c16>=50%_of_floor"] = (
+            c16["gateway"]["requests_per_s"] >= 0.5 * floor16["gateway"]["requests_per_s"])
+        targets["added_p50_ms_at_c16<=2x_floor"] = c16["added_p50_ms"] <= 2 * max(floor16["added_p50_ms"], 0.01)
+    if results.get("mock") and results.get("litellm"):
+        ours = {(row["concurrency"], "plain"): row["gateway"]["requests_per_s"] for row in results["mock"]["non_streaming"]}
+        ours |= {(row["concurrency"], "stream"): row["gateway"]["tokens_per_s"] for row in results["mock"]["streaming"]}
+        theirs = {(row["concurrency"], "plain"): row["gateway"]["requests_per_s"] for row in results["litellm"]["non_streaming"]}
+        theirs |= {(row["concurrency"], "stream"): row["gateway"]["tokens_per_s"] for row in results["litellm"]["streaming"]}
+        targets["ahead_of_litellm_on_every_row"] = all(ours[k] > theirs[k] for k in theirs if k in ours)
     if results.get("vllm"):
         c32 = next(row for row in results["vllm"]["streaming"] if row["concurrency"] == STREAM_TOKENS_CONCURRENCY)
         targets["streaming_tokens_per_s_ratio_at_c32>=0.95"] = c32["tokens_per_s_ratio"] >= 0.95
@@ -386,6 +465,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration-s", type=float, default=10)
     parser.add_argument("--no-vllm", action="store_true", help="skip the real-replica runs")
+    parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy's row")
     parser.add_argument("--only-vllm", action="store_true", help="only the real-replica runs (no mock, no floor)")
     parser.add_argument("--pin", action="store_true",
                         help="pin the gateway to core 0 and the mocks and wrk to core 1 (vLLM runs stay unpinned)")
@@ -446,6 +526,14 @@ def main() -> int:
         if not args.only_vllm:
             results["mock"] = bench_mock(gateway_url, mock_url, key, args.duration_s, load_cores)
             results["bare_proxy"] = bench_bare_proxy(bare_urls["fast"], mock_url, key, args.duration_s, load_cores)
+            venv = None if args.no_litellm else litellm_venv()
+            if venv:
+                litellm, litellm_url = start_litellm(venv, logs, mock_url, args.gateway_processes, gateway_cores)
+                children.append(litellm)
+                results["litellm"] = bench_litellm(litellm_url, mock_url, key, args.duration_s, load_cores)
+                litellm.stop()
+            else:
+                print("the LiteLLM proxy is not installed (bench/run.sh installs it): no LiteLLM row", flush=True)
             results["mock_slow"] = bench_slow_mock(gateway_url, slow_url, key, args.duration_s, load_cores)
             results["bare_proxy_slow"] = bench_bare_proxy(bare_urls["slow"], slow_url, key, args.duration_s, load_cores,
                                                           label="bare proxy, slow mock")

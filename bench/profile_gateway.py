@@ -27,13 +27,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import bench_gateway as bench  # noqa: E402 - sets the benchmark's environment first
-from controlplane import embedded  # noqa: E402
-
-# NOTE: production settings refuse to start embedded servers: start them here and name them, as a
-# deployment names its own.
-os.environ.setdefault("DATABASE_URL", embedded.ensure_postgres())
-os.environ.setdefault("REDIS_URL", embedded.ensure_redis())
-os.environ.setdefault("INFERPLANE_ENCRYPTION_KEYS", "YmVuY2gtZ2F0ZXdheS1wcm9maWxlLW9ubHktMzJieXQ=")
 
 CONCURRENCY = 16
 
@@ -112,14 +105,6 @@ def main() -> int:
         mock_url = f"http://127.0.0.1:{mock_port}"
         bench.wait_healthy(mock_url + "/health", mock, 30)
         key = bench.seed({"mock": mock_url})
-        from controlplane.accounts.models import ApiKey  # after django.setup()
-        from endpoints.nodes.models import Node
-
-        # NOTE: the gateway routes only to the node's own engine ports; the mock's port is any free one.
-        Node.objects.filter(name="bench-gateway-node").update(engine_port_min=1024, engine_port_max=65535)
-        # NOTE: limits high enough never to refuse, still counted in Redis on every request.
-        ApiKey.objects.filter(organization__slug="bench-gateway").update(requests_per_minute=100_000_000,
-                                                                         tokens_per_minute=1_000_000_000)
         gateway = bench.Child(serve_args(args.server, "controlplane.asgi:application", gateway_port), logs / "gateway.log")
         children.append(gateway)
         gateway_url = f"http://127.0.0.1:{gateway_port}"
