@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import platform
+import secrets
 import shutil
 import subprocess
 import sys
@@ -297,18 +298,21 @@ def litellm_venv() -> Path | None:
     return venv if (venv / ".installed").exists() and (venv / "bin" / "litellm").exists() else None
 
 
-def start_litellm(venv: Path, logs: Path, mock_url: str, processes: int, cores: str | None) -> tuple[Child, str]:
-    """The LiteLLM proxy with its own defaults and no database, routing model `mock` to the fast mock."""
+def start_litellm(venv: Path, logs: Path, mock_url: str, processes: int, cores: str | None) -> tuple[Child, str, str]:
+    """The LiteLLM proxy with its own defaults and no database, routing model `mock` to the fast mock;
+    returns it, its address and its master key (it checks every request's key, as the gateway does)."""
     config = logs / "litellm.yaml"
     config.write_text("model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
                       f"      api_base: {mock_url}/v1\n      api_key: bench-not-checked\n")
-    port = free_port()
-    child = Child([str(venv / "bin" / "litellm"), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+    port, master_key = free_port(), "sk-bench-" + secrets.token_hex(16)
+    # NOTE: LiteLLM reads DATABASE_URL and REDIS_URL from its environment: it gets neither of ours.
+    child = Child(["env", "-u", "DATABASE_URL", "-u", "REDIS_URL", str(venv / "bin" / "litellm"), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
                    "--num_workers", str(processes)], logs / "litellm.log", cores=cores,
-                  env={"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "DISABLE_SCHEMA_UPDATE": "True"})
+                  env={"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "DISABLE_SCHEMA_UPDATE": "True",
+                       "LITELLM_MASTER_KEY": master_key})
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url + "/health/liveliness", child, 180)
-    return child, url
+    return child, url, master_key
 
 
 def bench_litellm(litellm_url: str, mock_url: str, key: str, duration_s: float, load_cores: str | None) -> dict:
@@ -528,9 +532,9 @@ def main() -> int:
             results["bare_proxy"] = bench_bare_proxy(bare_urls["fast"], mock_url, key, args.duration_s, load_cores)
             venv = None if args.no_litellm else litellm_venv()
             if venv:
-                litellm, litellm_url = start_litellm(venv, logs, mock_url, args.gateway_processes, gateway_cores)
+                litellm, litellm_url, litellm_key = start_litellm(venv, logs, mock_url, args.gateway_processes, gateway_cores)
                 children.append(litellm)
-                results["litellm"] = bench_litellm(litellm_url, mock_url, key, args.duration_s, load_cores)
+                results["litellm"] = bench_litellm(litellm_url, mock_url, litellm_key, args.duration_s, load_cores)
                 litellm.stop()
             else:
                 print("the LiteLLM proxy is not installed (bench/run.sh installs it): no LiteLLM row", flush=True)
