@@ -73,7 +73,7 @@ def test_an_endpoint_with_a_floor_is_not_scheduled():
     endpoint, _ = serving_endpoint()
     endpoint.min_replicas = 1
     endpoint.save(update_fields=["min_replicas"])
-    get_redis().set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), time.time() - 1)
+    get_redis().set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), time.time() - (IDLE_TIMEOUT_S - 1))
     deadlines: dict[str, float] = {}
     loads = scheduler.autoscaler.read_load([str(endpoint.pk)])
     scheduler.endpoints_to_reconcile([str(endpoint.pk)], loads, idle_deadlines=deadlines)
