@@ -157,6 +157,11 @@ def throttle_key(limit_name: str, subject_digest: str, window: int) -> str:
 TICK_LOCK_KEY = "as:tick-lock"
 
 
+def idle_deadline_key(endpoint_id: str, deadline: float) -> str:
+    """Set once the reconcile at this idle deadline is scheduled (`endpoints.scheduler.schedule_idle_deadlines`)."""
+    return f"as:idle-deadline:{endpoint_id}:{deadline:.3f}"
+
+
 def samples_key(organization_id: int, endpoint_id: str) -> str:
     return f"as:{org_tag(organization_id)}:samples:{endpoint_id}"
 

@@ -248,6 +248,27 @@ def decide(endpoint, load: Load, *, now: float | None = None, batch: BatchDemand
     return Decision(verdict.desired, verdict.reason, interactive.inputs | {"batch": verdict.rule}, batch_rule=verdict.rule)
 
 
+def idle_deadline(endpoint, load: Load, num_serving: int, now: float) -> float | None:
+    """When the idle timeout will let the endpoint drop replicas, if that moment falls before the next
+    tick and nothing else changes meanwhile: nothing in flight, a known last request and a floor at
+    that moment below the `num_serving` replicas it has. None otherwise.
+
+    The tick reconciles such an endpoint at this moment rather than at its next pass
+    (`scheduler.schedule_idle_deadlines`), so scale to zero lands at the idle deadline, not up to a
+    tick later.
+    """
+    if load.concurrency or load.last_request_at is None or not num_serving:
+        return None
+    if endpoint.paused_at is not None or endpoint.deleted_at is not None:
+        return None
+    deadline = load.last_request_at + endpoint.idle_timeout_s
+    if not now < deadline < now + settings.AUTOSCALER_TICK_S:  # NOTE: first: `floor` reads pre-warm windows
+        return None
+    if min(floor(endpoint, deadline).replicas, endpoint.max_replicas) >= num_serving:
+        return None
+    return deadline
+
+
 def _decide_interactive(endpoint, load: Load, now: float) -> Decision:
     lowest = floor(endpoint, now)
     lowest_replicas = min(lowest.replicas, endpoint.max_replicas)

@@ -13,6 +13,7 @@ import logging
 import time
 from datetime import timedelta
 
+from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Q
@@ -27,13 +28,21 @@ from endpoints.events import record_event, record_event_once
 from endpoints.gateway import presence, traffic
 from endpoints.models import SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
 from endpoints.nodes.models import Node
-from endpoints.replicas import drain_replica, fail_replica, place_replica, record_replica_failure
+from endpoints.replicas import (
+    RECONCILE_TASK,
+    drain_replica,
+    fail_replica,
+    place_replica,
+    record_replica_failure,
+)
 from gpu_agent.protocol import NodeState, ReplicaState
 
 logger = logging.getLogger(__name__)
 
 # Surplus replicas drain in this order: not started yet first, serving last.
 DRAIN_ORDER = {ReplicaState.PENDING: 0, ReplicaState.STARTING: 1, ReplicaState.READY: 2}
+# An idle deadline's reconcile runs this long after it (`schedule_idle_deadlines`).
+IDLE_DEADLINE_MARGIN_S = 0.05
 
 
 def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) -> autoscaler.Decision | None:
@@ -111,15 +120,19 @@ def active_endpoint_ids(now: float | None = None) -> list[str]:
     return sorted(ids)
 
 
-def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.Load]) -> list[str]:
+def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.Load], *,
+                           idle_deadlines: dict[str, float] | None = None, now: float | None = None) -> list[str]:
     """The endpoints among `endpoint_ids` that a reconcile would change, found in two queries.
 
     An endpoint whose serving replicas already number what the autoscaler wants, and that shows no
     "waiting for capacity" message, would be locked, read and left as it is: the tick skips it, so a
     steady fleet costs two queries, not four per endpoint. The reconcile itself re-reads under its lock.
+    Of the ones skipped, those that will be allowed to scale down once idle long enough go into
+    `idle_deadlines` (endpoint id -> that moment, `autoscaler.idle_deadline`).
     """
     if not endpoint_ids:
         return []
+    now = now or time.time()
     endpoints = Endpoint.objects.filter(pk__in=endpoint_ids).order_by().only(
         "pk", "paused_at", "deleted_at", "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
         "status_message", "failed_at", "prewarm_windows", "keep_warm_after_cold_start_s", "last_cold_start_at",
@@ -143,7 +156,39 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
             continue
         if decision.desired != num_serving.get(endpoint.pk, 0) or endpoint.status_message:
             changing.append(str(endpoint.pk))
+        elif idle_deadlines is not None and (deadline := autoscaler.idle_deadline(
+                endpoint, loads[str(endpoint.pk)], num_serving.get(endpoint.pk, 0), now)) is not None:
+            idle_deadlines[str(endpoint.pk)] = deadline
     return sorted(changing)
+
+
+def schedule_idle_deadlines(idle_deadlines: dict[str, float], now: float) -> int:
+    """Reconcile each endpoint whose idle deadline falls before the next tick at that very moment
+    (a Celery task with that ETA), once per deadline; returns how many were scheduled.
+
+    NOTE: only endpoints about to go idle, at most one task per idle period each: a big fleet pays
+    for its endpoints going idle, not for a faster tick. Without it scale to zero lands up to a tick
+    after the deadline. A request meanwhile moves the deadline; the reconcile then finds it busy and
+    changes nothing.
+    """
+    due = {endpoint_id: deadline for endpoint_id, deadline in idle_deadlines.items()
+           if deadline < now + settings.AUTOSCALER_TICK_S}
+    if not due:
+        return 0
+    redis = get_redis()
+    ttl = max(1, int(settings.AUTOSCALER_TICK_S * 3) + 1)
+    with redis.pipeline(transaction=False) as pipe:
+        for endpoint_id, deadline in due.items():
+            pipe.set(redis_keys.idle_deadline_key(endpoint_id, deadline), "1", nx=True, ex=ttl)
+        claimed = pipe.execute()
+    scheduled = 0
+    for (endpoint_id, deadline), first in zip(due.items(), claimed, strict=True):
+        if first:
+            # NOTE: a hair after the deadline, so that the reconcile reads the timeout as passed.
+            current_app.send_task(RECONCILE_TASK, args=[endpoint_id], countdown=max(0.0, deadline - now) + IDLE_DEADLINE_MARGIN_S,
+                                  expires=deadline - now + settings.AUTOSCALER_TICK_S * 2 + 60)
+            scheduled += 1
+    return scheduled
 
 
 def autoscale_tick() -> int:
@@ -154,8 +199,12 @@ def autoscale_tick() -> int:
     try:
         presence.sweep_dead_gateways()  # first, so a dead gateway's requests do not count as load
         endpoint_ids = active_endpoint_ids()
-        loads = autoscaler.read_load(endpoint_ids)
-        for endpoint_id in endpoints_to_reconcile(endpoint_ids, loads):
+        now = time.time()
+        loads = autoscaler.read_load(endpoint_ids, now=now)
+        idle_deadlines: dict[str, float] = {}
+        changing = endpoints_to_reconcile(endpoint_ids, loads, idle_deadlines=idle_deadlines, now=now)
+        schedule_idle_deadlines(idle_deadlines, now)
+        for endpoint_id in changing:
             try:
                 reconcile_endpoint(endpoint_id, loads[endpoint_id])
             except Exception:  # noqa: BLE001 - one broken endpoint must not stall the others

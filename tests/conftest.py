@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,7 @@ from rest_framework.test import APIClient
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Role, Scope
 from controlplane.accounts.services import Actor
+from tests.engines import serve_engine, shared_engine_spec
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: F401 - shared with benchmarks
 
@@ -161,6 +163,32 @@ def tiny_embedding_model_dir(tmp_path_factory) -> Path:
     from gpu_agent.runtime.tiny_model import build_tiny_embedding_model
 
     return build_tiny_embedding_model(tmp_path_factory.mktemp("tiny-embedding-model"))
+
+
+# The shared engine's teardown: at its last user's teardown (`pytest_runtest_teardown`), not at the session's end.
+_shared_engine = ExitStack()
+_last_engine_user: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_dir, tmp_path_factory) -> str:
+    """The address of the one real vLLM chat engine (`tests.engines.shared_engine_spec`) the gateway's
+    and the batches' vLLM modules share: started on first use, stopped after the last test using it."""
+    with _shared_engine:
+        yield _shared_engine.enter_context(
+            serve_engine(shared_engine_spec(tiny_model_dir), tiny_model_dir, tmp_path_factory.mktemp("agent")))
+
+
+def pytest_collection_finish(session):
+    users = [item.nodeid for item in session.items if "vllm_engine" in getattr(item, "fixturenames", ())]
+    _last_engine_user[:] = users[-1:]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    # NOTE: a session fixture lives to the session's end; its engine (GiBs, a CPU hog at exit) need not.
+    if _last_engine_user and item.nodeid == _last_engine_user[0]:
+        _shared_engine.close()
 
 
 def vllm_processes_of(replica_id: str) -> list:

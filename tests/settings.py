@@ -17,12 +17,33 @@ os.environ.setdefault("INFERPLANE_API_KEY_CACHE_S", "1")
 RUN_ID = os.environ.setdefault("INFERPLANE_TEST_RUN_ID", str(os.getpid()))
 
 from controlplane.settings import *  # noqa: E402,F403
-from controlplane.settings import DATABASES, REDIS_URL  # noqa: E402
+from controlplane.settings import DATABASE_URL, DATABASES, LOCAL_STACK, REDIS_URL  # noqa: E402
 
 DATABASES["default"]["TEST"] = {"NAME": f"test_inferplane_{RUN_ID}"}
 REDIS_URL = re.sub(r"/\d+$", f"/{int(RUN_ID) % 15 + 1}", REDIS_URL)
 CELERY_BROKER_URL = CELERY_RESULT_BACKEND = REDIS_URL
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+
+
+
+def _embedded_postgres_without_durability(url: str) -> None:
+    """The test folder's embedded PostgreSQL skips fsync and waits for no WAL flush: every commit and
+    every transactional test's TRUNCATE would otherwise wait on the disk. Test data only: a crash
+    loses nothing a test needs. Set once (ALTER SYSTEM, reloaded), checked by the pytest process."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as connection:
+        if connection.execute("SHOW fsync").fetchone()[0] == "off":
+            return
+        for name in ("fsync", "synchronous_commit", "full_page_writes"):
+            connection.execute(f"ALTER SYSTEM SET {name} = off")
+        connection.execute("SELECT pg_reload_conf()")
+
+
+# NOTE: only the embedded server the settings started for this folder (child processes get DATABASE_URL
+# and skip this); never a server that DATABASE_URL names.
+if LOCAL_STACK and "DATABASE_URL" not in os.environ:
+    _embedded_postgres_without_durability(DATABASE_URL)
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast hashing for many test users
 EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"

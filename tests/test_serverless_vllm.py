@@ -16,6 +16,10 @@ from tests.test_platform_vllm import FAST, MESSAGES, platform  # noqa: F401 - th
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
 IDLE_TIMEOUT_S = 5
+# Scale to zero lands within the idle timeout plus this. NOTE: issue #17's goal is 5 s
+# (bench/bench_scale_to_zero.py measures it); on a 2-core machine saturated by parallel runs (load ~30)
+# this test saw 12.2 and 12.8 s after the last request, so it asserts 10 s, down from 30.
+SCALE_TO_ZERO_SLACK_S = 10
 
 
 def test_scales_from_zero_for_a_held_request_back_to_zero_when_idle_and_wakes_again(platform, tiny_model_dir, tmp_path):  # noqa: F811
@@ -49,6 +53,7 @@ def test_scales_from_zero_for_a_held_request_back_to_zero_when_idle_and_wakes_ag
                         text += chunk["choices"][0]["delta"].get("content") or ""
                     if chunk.get("usage"):
                         usage = chunk["usage"]
+        last_request_at = time.monotonic()  # the last request's end: the idle timeout counts from here
         assert comments and comments[0] == "scheduling", comments
         assert any(c.startswith("starting engine") or c.startswith("loading weights") for c in comments), comments
         assert usage and usage["completion_tokens"] >= 1
@@ -56,11 +61,12 @@ def test_scales_from_zero_for_a_held_request_back_to_zero_when_idle_and_wakes_ag
         assert row.cold_start_s > 1 and row.completion_tokens == usage["completion_tokens"]
         assert EndpointEvent.objects.filter(endpoint_id=created["id"], kind="cold_start").exists()
 
-        # Idle: back to zero replicas within the idle timeout plus a few seconds.
-        last_request_at = time.monotonic()
+        # Idle: back to zero replicas (none serving nor draining, from the API's view) within the idle
+        # timeout plus the slack: the scale-down is scheduled for the idle deadline, not the next tick.
         wait_until(lambda: not Replica.objects.filter(endpoint_id=created["id"], state__in=["PENDING", "STARTING", "READY", "DRAINING"]).exists(),
-                   IDLE_TIMEOUT_S + 30, interval_s=0.5, message="zero replicas")
-        assert time.monotonic() - last_request_at <= IDLE_TIMEOUT_S + 30
+                   IDLE_TIMEOUT_S + 60, interval_s=0.1, message="zero replicas")
+        zero_after_s = time.monotonic() - last_request_at
+        assert zero_after_s <= IDLE_TIMEOUT_S + SCALE_TO_ZERO_SLACK_S, f"zero replicas {zero_after_s:.1f} s after the last request"
         assert platform.api.get(f"/api/v1/endpoints/{created['id']}/").json()["state"] == "SCALED_TO_ZERO"
 
         # And it wakes again for a plain (non-streaming) call.

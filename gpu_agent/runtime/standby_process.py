@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import sys
 import time
@@ -210,7 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"standby: {refusal}", flush=True)
         return EXIT_CUDA_INITIALISED
     _serve(handoff, options.device)
-    return 0
+    # The server has shut down and stopped its engine processes. Skip the interpreter's teardown
+    # (seconds of vLLM's and Triton's module finalisers on CPU): the replica counts as STOPPED only
+    # once this process is gone, and scale to zero is measured to that moment.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ import pytest
 from endpoints.batches import storage
 from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
 from tests.console.conftest import console_client_factory  # noqa: F401 - a fixture this package uses
+
+# NOTE: `vllm_engine` is tests/conftest.py's (one engine for the session's users), never re-imported here:
+# an import would make it this package's own, a second engine start.
 from tests.gateway.conftest import (  # noqa: F401 - fixtures this package uses
     start_mock_upstream,
     tenant,
-    vllm_engine,
 )
 
 S3_KEY, S3_SECRET = "testing", "testing"

@@ -1,9 +1,8 @@
 """Gateway fixtures: live ASGI servers, mock OpenAI upstreams, real CPU engines and endpoints wired to them.
 
-`vllm_engine` is the one real vLLM engine the package's vLLM modules share (test_vllm_gateway,
-test_reservation_vllm, test_tool_calling_vllm): an engine takes ~1 minute to start on two cores, so
-it starts once, as the agent's supervisor starts it, with what every one of them needs (the tiny
-model's whole context, prefix caching, the `hermes` tool-call parser), and stops after the package.
+`vllm_engine` (tests/conftest.py) is the one real vLLM engine the package's vLLM modules share
+(test_vllm_gateway, test_reservation_vllm, test_tool_calling_vllm) with tests/batches: an engine takes
+~1 minute to start on two cores, so it starts once (`tests.engines`).
 """
 
 from __future__ import annotations
@@ -21,41 +20,11 @@ from controlplane.accounts.models import Role, Scope
 from controlplane.accounts.services import Actor
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
-from gpu_agent.protocol import NodeState, ReplicaSpec, ReplicaState
+from gpu_agent.protocol import NodeState, ReplicaState
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
-from gpu_agent.runtime.supervisor import Supervisor
 from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
+from tests.engines import ENGINE_CONTEXT, ENGINE_KEY, ENGINE_NAME  # noqa: F401 - the package's modules import them here
 from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
-
-# The shared engine: its served name (an endpoint of this name routes to it), its key (it answers no
-# other) and its context (the tiny model's own).
-ENGINE_NAME = "tiny"
-ENGINE_KEY = "key-of-the-gateway-tests-engine"
-ENGINE_CONTEXT = 2048
-
-
-@pytest.fixture(scope="package")
-def vllm_engine(tiny_model_dir, tmp_path_factory) -> str:
-    """The address of the package's real vLLM engine (started on first use, stopped after the package)."""
-    # From a warm standby, as the agent (its default) starts it: one vLLM import, not three (~half the CPU).
-    supervisor = Supervisor(tmp_path_factory.mktemp("agent"), standby=True)
-    spec = ReplicaSpec(replica_id="gateway-tests-engine", endpoint_id="gateway-tests", served_model_name=ENGINE_NAME,
-                       model_source=str(tiny_model_dir), max_model_len=ENGINE_CONTEXT, max_num_seqs=16,
-                       enable_prefix_caching=True, engine_api_key=ENGINE_KEY, tool_call_parser="hermes")
-    supervisor.start(spec, tiny_model_dir)
-
-    def ready():
-        supervisor.poll()
-        replica = supervisor.get(spec.replica_id)
-        if replica.state == ReplicaState.FAILED:
-            raise AssertionError(f"engine FAILED: {replica.failure_reason}")
-        return replica.state == ReplicaState.READY
-
-    try:
-        wait_until(ready, 600, message="the shared engine to be READY")
-        yield supervisor.get(spec.replica_id).address
-    finally:
-        supervisor.shutdown(timeout_s=30)
 
 
 @pytest.fixture

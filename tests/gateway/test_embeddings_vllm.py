@@ -1,7 +1,7 @@
 """`/v1/embeddings` through the gateway in front of a real vLLM engine serving the tiny embedding model.
 
 The engine is started as the agent starts an embedding replica (the pooling runner, priority
-scheduling), once for the module. The official `openai` client's `embeddings.create` gets vectors
+scheduling, from a warm standby: `tests.engines`), once for the module. The official `openai` client's `embeddings.create` gets vectors
 of the model's size (128) as floats and as base64; `dimensions` shortens them where the model
 declares Matryoshka sizes and any other size is a 400 naming `dimensions`; each call writes one
 usage row of input tokens, billed at the endpoint's input price.
@@ -20,10 +20,10 @@ from billing.models import UsageRecord
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Scope
 from controlplane.accounts.services import Actor
-from gpu_agent.protocol import ModelTask, ReplicaSpec, ReplicaState
-from gpu_agent.runtime.supervisor import Supervisor
+from gpu_agent.protocol import ModelTask, ReplicaSpec
 from gpu_agent.runtime.tiny_model import EMBEDDING_MATRYOSHKA_DIMENSIONS, HIDDEN_SIZE
 from tests.conftest import wait_until
+from tests.engines import serve_engine
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
@@ -35,25 +35,12 @@ PRICE_INPUT = Decimal("100")  # per million input tokens
 
 @pytest.fixture(scope="module")
 def embedding_engine(tiny_embedding_model_dir, tmp_path_factory) -> str:
-    supervisor = Supervisor(tmp_path_factory.mktemp("embedding-agent"))
     # NOTE: task AUTO: the agent reads the model's architecture (LlamaModel) and picks the pooling runner.
     spec = ReplicaSpec(replica_id="embedding-engine", endpoint_id="embeddings", served_model_name=NAME,
                        model_source=str(tiny_embedding_model_dir), max_model_len=512, max_num_seqs=8,
                        engine_api_key=ENGINE_KEY, task=ModelTask.AUTO)
-    supervisor.start(spec, tiny_embedding_model_dir)
-
-    def ready():
-        supervisor.poll()
-        replica = supervisor.get(spec.replica_id)
-        if replica.state == ReplicaState.FAILED:
-            raise AssertionError(f"engine FAILED: {replica.failure_reason}")
-        return replica.state == ReplicaState.READY
-
-    try:
-        wait_until(ready, 600, message="the embedding engine to be READY")
-        yield supervisor.get(spec.replica_id).address
-    finally:
-        supervisor.shutdown(timeout_s=30)
+    with serve_engine(spec, tiny_embedding_model_dir, tmp_path_factory.mktemp("embedding-agent")) as address:
+        yield address
 
 
 @pytest.fixture
