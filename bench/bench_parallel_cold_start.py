@@ -165,6 +165,7 @@ def main() -> int:
         "when": datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "model": "tiny (tests' fixture), CPU",
+        "load_average_at_start": os.getloadavg(),
         "zygote": {},
         "naive": {},
     }
@@ -189,6 +190,7 @@ def main() -> int:
         report["naive"][str(size)] = {"replicas": results, **summary(results)}
         print(f"naive x{size}: {report['naive'][str(size)]}", flush=True)
 
+    report["load_average_at_end"] = os.getloadavg()
     single = report["zygote"].get("1", {}).get("max_first_token_s")
     four = report["zygote"].get("4", {}).get("max_first_token_s")
     if single and four:
