@@ -182,12 +182,14 @@ def main() -> int:
         for size in sizes:
             results = measure_zygote(supervisor, model_dir, size, "a")
             report["zygote"][str(size)] = {"replicas": results, **summary(results)}
+            Path(options.output).write_text(json.dumps(report, indent=2) + "\n")  # a cut-short run keeps its rows
             print(f"zygote x{size}: {report['zygote'][str(size)]}", flush=True)
     finally:
         supervisor.shutdown(timeout_s=20)
     for size in naive_sizes:
         results = measure_naive(model_dir, work_dir, size)
         report["naive"][str(size)] = {"replicas": results, **summary(results)}
+        Path(options.output).write_text(json.dumps(report, indent=2) + "\n")
         print(f"naive x{size}: {report['naive'][str(size)]}", flush=True)
 
     report["load_average_at_end"] = os.getloadavg()
