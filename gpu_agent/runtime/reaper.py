@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    code = engine.wait()
+    code = _wait_reaping_others(engine)
     # NOTE: the engine is gone; whatever it started (EngineCore, workers) goes with it.
     _kill_others()
     return code if code >= 0 else 128 - code
@@ -98,6 +98,22 @@ def _kill_descendants() -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             continue
+
+
+def _wait_reaping_others(engine: subprocess.Popen) -> int:
+    """Wait for the engine, reaping every other child on the way.
+
+    NOTE: as a subreaper we inherit a zygote's orphaned grandchildren (a drained engine's EngineCore);
+    waiting on the engine's pid alone would leave them zombies until the zygote exits.
+    """
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return engine.wait()
+        if pid == engine.pid:
+            engine.returncode = os.waitstatus_to_exitcode(status)
+            return engine.returncode
 
 
 def _kill_others() -> None:

@@ -51,7 +51,10 @@ def zygote_pid(agent) -> int:
     """The zygote process itself (the standby's Popen is its reaper)."""
     supervisor = agent.supervisor
     wait_until(lambda: supervisor.standby_ready, TIMEOUT_S, step_s=0.5, poll=supervisor.poll)
-    (zygote,) = psutil.Process(supervisor.standby.pid).children()
+    (zygote,) = [
+        child for child in psutil.Process(supervisor.standby.pid).children()
+        if "gpu_agent.runtime.standby_process" in child.cmdline()
+    ]
     return zygote.pid
 
 
@@ -92,6 +95,9 @@ def test_a_drained_replica_leaves_nothing_and_the_zygote_stays(agent):
     wait_for_state(supervisor, "r-fork-0", ReplicaState.STOPPED, timeout_s=60)
     assert processes_with_marker("r-fork-0") == []
     assert zygote_pid(agent) == parent and supervisor.standby_ready
+    # What the drained engine started was reaped too: no zombie left under the zygote's reaper.
+    reaper = psutil.Process(supervisor.standby.pid)
+    wait_until(lambda: [child for child in reaper.children() if child.pid != parent] == [], 30)
 
 
 def test_a_killed_zygote_takes_its_engines_down_and_shutdown_leaves_no_process(agent):
