@@ -71,6 +71,7 @@ class Agent:
             command_factory=command_factory,
             policy=policy,
             standby=config.standby,
+            zygote=config.zygote,
             engine_ports=config.engine_ports,
             on_ready=lambda _replica_id: self._wake.set(),
         )

@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
         help="no warm standby engine: every replica starts with a plain `vllm serve` (slower cold starts)",
     )
     run.add_argument(
+        "--no-zygote",
+        dest="zygote",
+        action="store_false",
+        help="a one-shot standby that becomes the engine (replaced after use) instead of a fork server",
+    )
+    run.add_argument(
         "--advertise-host",
         default=os.environ.get("INFERPLANE_AGENT_ADVERTISE_HOST", "127.0.0.1"),
         help="address at which the gateway reaches this node's engines (default: loopback, single machine)",
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_ports=args.engine_ports,
         keep_engines_on_exit=args.keep_engines_on_exit,
         standby=args.standby,
+        zygote=args.zygote,
     )
     run_until_signalled(Agent(config))
     return 0

@@ -39,6 +39,9 @@ class AgentConfig:
     # Keep a warm standby engine process (vLLM already imported) for fast cold starts.
     # Off here so library users and tests opt in; the `run` command turns it on.
     standby: bool = False
+    # With the standby on: a fork server (zygote.py) that forks every replica's engine, so concurrent
+    # cold starts never wait for a refill; off, the one-shot standby that becomes the engine itself.
+    zygote: bool = True
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).resolve()

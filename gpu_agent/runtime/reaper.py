@@ -11,8 +11,8 @@ small reaper instead, as the leader of a new process group:
   becomes a child subreaper, so every descendant stays in reach;
 - it runs the engine in its own process group, forwards SIGTERM and SIGINT to
   it (a graceful stop), and exits with the engine's code;
-- whenever the engine exits, or the agent dies, it SIGKILLs the whole group,
-  itself last.
+- whenever the engine exits, or the agent dies, it SIGKILLs the whole group and
+  every descendant in another group (a zygote's engines, `zygote.py`), itself last.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def _prctl(option: int, value: int) -> None:
 
 
 def _kill_group() -> None:
+    _kill_descendants()
     try:
         os.killpg(os.getpgrp(), signal.SIGKILL)
     except ProcessLookupError:
@@ -63,14 +64,61 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    code = engine.wait()
+    code = _wait_reaping_others(engine)
     # NOTE: the engine is gone; whatever it started (EngineCore, workers) goes with it.
     _kill_others()
     return code if code >= 0 else 128 - code
 
 
+def _descendants() -> list[int]:
+    """Every process below this one. NOTE: complete because we are a subreaper: orphans come to us."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                stat = handle.read()
+            parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, queue = [], [os.getpid()]
+    while queue:
+        for child in children.get(queue.pop(), ()):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every descendant, in whatever process group: a zygote's engines each have their own."""
+    for pid in _descendants():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def _wait_reaping_others(engine: subprocess.Popen) -> int:
+    """Wait for the engine, reaping every other child on the way.
+
+    NOTE: as a subreaper we inherit a zygote's orphaned grandchildren (a drained engine's EngineCore);
+    waiting on the engine's pid alone would leave them zombies until the zygote exits.
+    """
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return engine.wait()
+        if pid == engine.pid:
+            engine.returncode = os.waitstatus_to_exitcode(status)
+            return engine.returncode
+
+
 def _kill_others() -> None:
-    """SIGKILL every other process of this group, and reap what was re-parented to us."""
+    """SIGKILL every other process of this group and every descendant, and reap what was re-parented to us."""
+    _kill_descendants()
     me, group = os.getpid(), os.getpgrp()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:

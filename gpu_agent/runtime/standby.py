@@ -33,6 +33,8 @@ its CPU platform sets it unconditionally (and it forces the multiprocess executo
 so a replica is three processes: API server, EngineCore, worker); the standby
 forks both children instead, from processes that have run no OpenMP region yet.
 
+`zygote.py` extends this into a fork server that is never used up (parallel cold starts).
+
 This module is the agent side (`Standby`, import-light) and the handoff it sends (`Handoff`); the
 standby process itself (`main()`) is `standby_process.py`.
 """
@@ -99,6 +101,9 @@ class Standby:
     NOTE: spawn and hand off from the supervisor's monitor thread: PR_SET_PDEATHSIG is
     tied to the thread that forks, and the standby becomes an engine.
     """
+
+    label = "warm standby"  # as launch lines in a replica's log name it
+    process_args: tuple[str, ...] = ()  # extra arguments of the standby process (the zygote's `--zygote`)
 
     def __init__(
         self,
@@ -178,6 +183,7 @@ class Standby:
                     STANDBY_MODULE,
                     "--device",
                     self.device,
+                    *self.process_args,
                 ],  # fmt: skip
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

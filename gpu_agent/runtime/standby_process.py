@@ -23,11 +23,14 @@ import ctypes
 import json
 import logging
 import os
+import select
 import sys
 import time
+import traceback
 
 from gpu_agent.runtime.engine import DEVICE_CPU, REPLICA_ENV_MARKER
 from gpu_agent.runtime.standby import EXIT_CUDA_INITIALISED, READY_LINE, REFUSED_PREFIX, Handoff
+from gpu_agent.runtime.zygote import EXITED_WORD, STARTED_WORD, ZYGOTE_REAP_INTERVAL_S
 
 # Modules a replica would otherwise import at start, API server and EngineCore alike.
 PRELOAD_MODULES = (
@@ -50,6 +53,7 @@ PRELOAD_MODULES_BY_DEVICE = {
 # torch's `cuda.is_available()` calls `cudaGetDeviceCount`, which initialises the CUDA driver (`cuInit`)
 # and fixes the visible devices; with this set it counts devices through NVML instead, as vLLM does.
 NVML_BASED_CUDA_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+NVML_CHECK_BEFORE_ENV = "INFERPLANE_STANDBY_NVML_CHECK_BEFORE"  # its value before the standby set it
 
 
 def cuda_initialised() -> bool:
@@ -158,14 +162,18 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="inferplane-standby")
     parser.add_argument("--device", default=DEVICE_CPU)
+    parser.add_argument(
+        "--zygote", action="store_true", help="fork one engine per handoff and keep waiting (zygote.py)"
+    )
     options = parser.parse_args(argv)
 
     # stdout is the status pipe to the agent; everything else printed goes to the log (stderr).
     status = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     started_at = time.monotonic()
-    nvml_check_before = os.environ.get(NVML_BASED_CUDA_CHECK_ENV)
     if options.device != DEVICE_CPU:
+        # Remembered in the environment, so a zygote's forked children restore it too.
+        os.environ[NVML_CHECK_BEFORE_ENV] = os.environ.get(NVML_BASED_CUDA_CHECK_ENV, "")
         os.environ[NVML_BASED_CUDA_CHECK_ENV] = "1"
     _preload(options.device)
     refusal = refuse_if_cuda_initialised("while importing")
@@ -176,18 +184,92 @@ def main(argv: list[str] | None = None) -> int:
     print(f"standby: ready after {time.monotonic() - started_at:.1f}s", file=sys.stderr, flush=True)
     status.write(READY_LINE)
 
+    if options.zygote:
+        return serve_forks(status, options.device, started_at)
     line = sys.stdin.buffer.readline()  # blocks until a handoff; EOF when the agent goes away
     if not line.strip():
         return 0
     handoff = Handoff(**json.loads(line))
     status.close()
+    return become_engine(handoff, options.device, started_at)
+
+
+def serve_forks(status, device: str, started_at: float) -> int:
+    """The zygote's loop: fork one engine per handoff line on stdin, report each start and exit on `status`.
+
+    Lines written: `started <replica_id> <pid>` once the child exists, `exited <pid> <code>` once it is
+    reaped. EOF on stdin (the agent stopped it or went away) ends the loop; the reaper then takes the
+    children down (`reaper.py`). NOTE: this process never runs vLLM code after its imports, so every child
+    is forked from the same clean state: no OpenMP pool, no event loop, no CUDA context.
+    """
+    buffer = b""
+    try:
+        while True:
+            _report_exits(status)
+            readable, _, _ = select.select([0], [], [], ZYGOTE_REAP_INTERVAL_S)
+            if not readable:
+                continue
+            chunk = os.read(0, 65536)
+            if not chunk:
+                return 0
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                if not line.strip():
+                    continue
+                handoff = Handoff(**json.loads(line))
+                refusal = refuse_if_cuda_initialised("before forking an engine")
+                if refusal is not None:
+                    print(f"zygote: {refusal}", file=sys.stderr, flush=True)
+                    status.write(REFUSED_PREFIX + refusal.encode() + b"\n")
+                    return EXIT_CUDA_INITIALISED
+                pid = os.fork()
+                if pid == 0:
+                    _run_child(status, handoff, device, started_at)
+                status.write(f"{STARTED_WORD} {handoff.replica_id} {pid}\n".encode())
+    except (BrokenPipeError, OSError) as exc:  # the agent is gone
+        print(f"zygote: status pipe closed ({exc!r}); exiting", file=sys.stderr, flush=True)
+        return 0
+
+
+def _run_child(status, handoff: Handoff, device: str, started_at: float) -> None:
+    """In a zygote's fresh child: become the replica's engine, never return into the zygote's loop."""
+    code = 1
+    try:
+        status.close()
+        os.setpgid(0, 0)  # its own group: the supervisor signals this engine and its children together
+        code = become_engine(handoff, device, started_at)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _report_exits(status) -> None:
+    while True:
+        try:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        status.write(f"{EXITED_WORD} {pid} {os.waitstatus_to_exitcode(wait_status)}\n".encode())
+
+
+def become_engine(handoff: Handoff, device: str, started_at: float) -> int:
+    """Take the replica's identity and run its engine in this process (a standby, or a zygote's child)."""
     if not rewrite_environ_block(REPLICA_ENV_MARKER, handoff.replica_id):
         print("standby: cannot set the replica marker; refusing the handoff", file=sys.stderr, flush=True)
         return 75  # the agent sees an early exit and launches this replica naively
     # The engine sees the environment a plain launch would give it.
-    if nvml_check_before is None:
+    nvml_check_before = os.environ.pop(NVML_CHECK_BEFORE_ENV, None)  # None: the standby did not set it
+    if nvml_check_before == "":
         os.environ.pop(NVML_BASED_CUDA_CHECK_ENV, None)
-    else:
+    elif nvml_check_before is not None:
         os.environ[NVML_BASED_CUDA_CHECK_ENV] = nvml_check_before
     os.environ.update(handoff.env)
     os.environ[REPLICA_ENV_MARKER] = handoff.replica_id
@@ -210,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     if refusal is not None:
         print(f"standby: {refusal}", flush=True)
         return EXIT_CUDA_INITIALISED
-    _serve(handoff, options.device)
+    _serve(handoff, device)
     # The server has shut down and stopped its engine processes. Skip the interpreter's teardown
     # (seconds of vLLM's and Triton's module finalisers on CPU): the replica counts as STOPPED only
     # once this process is gone, and scale to zero is measured to that moment.

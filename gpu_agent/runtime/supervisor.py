@@ -19,6 +19,9 @@ This module is the orchestration; each replica's states and transitions are in
 in `probes.py`. It stays one module (about 430 lines) because every method below
 works under the one lock over the replicas: split, the lock would be shared across files.
 
+With `standby=True, zygote=True` that process is a fork server instead (`zygote.py`): each replica
+is a child forked from it, so replicas starting at once never wait for a refill.
+
 With `standby=True` the supervisor keeps one warm standby process (`standby.py`)
 that has already imported vLLM; `_launch` hands a replica to it instead of
 spawning `vllm serve`, and falls back to the naive launch when there is no ready
@@ -52,6 +55,7 @@ from gpu_agent.runtime.engine_memory import read_engine_memory
 from gpu_agent.runtime.probes import EngineProbe
 from gpu_agent.runtime.replica_state import ManagedReplica
 from gpu_agent.runtime.standby import Standby, server_args
+from gpu_agent.runtime.zygote import Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,7 @@ class Supervisor:
         command_factory: CommandFactory | None = None,
         policy: SupervisorPolicy | None = None,
         standby: bool = False,
+        zygote: bool = False,
         on_ready: Callable[[str], None] | None = None,
         engine_ports: tuple[int, int] = (DEFAULT_ENGINE_PORT_MIN, DEFAULT_ENGINE_PORT_MAX),
     ) -> None:
@@ -113,7 +118,8 @@ class Supervisor:
         # Set by start(): the monitor launches a new engine now, not at its next tick.
         self._poke = threading.Event()
         die_with_agent = process.die_with_parent if self.policy.kill_children_on_agent_death else None
-        self.standby = Standby(self.data_dir, device=device, preexec_fn=die_with_agent) if standby else None
+        standby_class = Zygote if zygote else Standby
+        self.standby = standby_class(self.data_dir, device=device, preexec_fn=die_with_agent) if standby else None
         self._engines_quiet_since = time.monotonic() - self.policy.standby_refill_quiet_s
 
     @property
@@ -234,7 +240,12 @@ class Supervisor:
                 self._step_standby(replicas)
 
     def _step_standby(self, replicas: list[ManagedReplica]) -> None:
-        """Keep one standby: refill it once no engine is starting (imports would slow that start)."""
+        """Keep one standby: refill it once no engine is starting (imports would slow that start).
+
+        A zygote is never used up: it is only read (children's exits) and respawned if it died."""
+        if isinstance(self.standby, Zygote) and self.standby.process is not None:
+            self.standby.ensure()
+            return
         now = time.monotonic()
         if any(replica.state == ReplicaState.STARTING and replica.pid is not None for replica in replicas):
             self._engines_quiet_since = now
@@ -295,13 +306,13 @@ class Supervisor:
                 # times (API server, EngineCore, worker) where the standby imports it once and forks.
                 self.standby.ensure()
             if self.standby.warming and time.monotonic() - self.standby.spawned_at < self.policy.standby_wait_s:
-                replica.progress = "starting engine (warm standby)"
+                replica.progress = f"starting engine ({self.standby.label})"
                 return  # launch_at stays due: the next poll tries again
         env = {**os.environ, **command.env, REPLICA_ENV_MARKER: spec.replica_id, DATA_DIR_ENV_MARKER: str(self.data_dir)}
         with open(replica.log_path, "ab") as log:
             started = None
             if self.standby is not None and not replica.avoid_standby and self.standby.can_take(command):
-                log.write(f"\n==> launch {process.timestamp()} on the warm standby: {' '.join(command.argv)}\n".encode())
+                log.write(f"\n==> launch {process.timestamp()} on the {self.standby.label}: {' '.join(command.argv)}\n".encode())
                 log.flush()
                 started = self.standby.hand_off(
                     spec.replica_id, command, {**command.env, DATA_DIR_ENV_MARKER: str(self.data_dir)},
@@ -317,7 +328,7 @@ class Supervisor:
         replica.launched(command, started, time.monotonic())
         logger.info(
             "replica %s: launched pid %s on port %s%s",
-            spec.replica_id, started.pid, port, " (warm standby)" if replica.from_standby else "",
+            spec.replica_id, started.pid, port, f" ({self.standby.label})" if replica.from_standby else "",
         )  # fmt: skip
         self._save_state()
 

@@ -5,7 +5,8 @@ through torch, in Python (`torch.cuda.current_device()`, `mem_get_info`, ...) or
 a CUDA device), calls `torch.cuda._lazy_init`. The tripwire records the call and marks CUDA initialised,
 as a GPU machine would, so the standby's own check sees it. The CPU build of torch would otherwise
 refuse such calls without ever reporting CUDA initialised. MODULEs, if given, replace the preload list
-(a test adds one that touches CUDA). The standby's `--device` is `cuda`; its stdin is the test's.
+(a test adds one that touches CUDA). The standby's `--device` is `cuda`; its stdin is the test's;
+with TRIPWIRE_ZYGOTE set it runs as the zygote.
 The REPORT (JSON) says what the standby returned and what the tripwire saw.
 """
 
@@ -17,6 +18,8 @@ import sys
 import traceback
 
 import torch
+
+ZYGOTE_ENV = "TRIPWIRE_ZYGOTE"  # set: run the standby as the zygote (`--zygote`)
 
 
 def install_tripwire(calls: list[str]) -> None:
@@ -40,7 +43,8 @@ def main() -> int:
     if modules:
         standby_process.PRELOAD_MODULES = modules
         standby_process.PRELOAD_MODULES_BY_DEVICE = {}
-    exit_code = standby_process.main(["--device", "cuda"])
+    zygote = ["--zygote"] if os.environ.get(ZYGOTE_ENV) else []
+    exit_code = standby_process.main(["--device", "cuda", *zygote])
     report = {
         "exit_code": exit_code,
         "cuda_initialised": torch.cuda.is_initialized(),

@@ -28,12 +28,21 @@ def _wait_gone(pids, timeout_s=60):
     return alive
 
 
-def _agent_with_engine(tmp_path):
+# A stand-in zygote: its child (an engine) leads its own process group, out of reach of a group kill.
+ZYGOTE = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], process_group=0)
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _agent_with_engine(tmp_path, engine=ENGINE):
     """A fake agent process that starts the reaper (as the supervisor does) and prints the pids."""
     script = tmp_path / "agent.py"
     script.write_text(textwrap.dedent(f"""
         import subprocess, sys, time
-        reaper = subprocess.Popen([sys.executable, "-m", "gpu_agent.runtime.reaper", "--", sys.executable, "-c", {ENGINE!r}],
+        reaper = subprocess.Popen([sys.executable, "-m", "gpu_agent.runtime.reaper", "--", sys.executable, "-c", {engine!r}],
                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
         grandchild = reaper.stdout.readline().strip()
         print(reaper.pid, grandchild, flush=True)
@@ -57,6 +66,24 @@ def test_an_engine_that_exits_leaves_no_children_and_a_stop_is_graceful(tmp_path
     try:
         os.kill(engine_pid, signal.SIGKILL)  # the engine crashes; its child would linger
         assert _wait_gone([engine_pid, grandchild_pid, reaper_pid]) == []
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_a_killed_agent_takes_a_zygotes_engines_in_their_own_process_groups_along(tmp_path):
+    agent, reaper_pid, zygote_pid, engine_pid = _agent_with_engine(tmp_path, ZYGOTE)
+    assert os.getpgid(engine_pid) == engine_pid != os.getpgid(zygote_pid)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    assert _wait_gone([reaper_pid, zygote_pid, engine_pid]) == []
+
+
+def test_a_killed_zygote_leaves_none_of_its_engines_behind(tmp_path):
+    agent, reaper_pid, zygote_pid, engine_pid = _agent_with_engine(tmp_path, ZYGOTE)
+    try:
+        os.kill(zygote_pid, signal.SIGKILL)
+        assert _wait_gone([zygote_pid, engine_pid, reaper_pid]) == []
     finally:
         agent.kill()
         agent.wait()

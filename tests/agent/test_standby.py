@@ -62,6 +62,8 @@ def test_only_a_vllm_openai_server_command_can_go_to_the_standby(tmp_path):
 class FakeStandby:
     """Stands in for `standby.Standby`: a hand-off launches the fake engine with `engine_args`."""
 
+    label = "warm standby"
+
     def __init__(self, *engine_args: str) -> None:
         self.engine_args = engine_args
         self.ready = True

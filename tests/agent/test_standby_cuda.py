@@ -9,6 +9,7 @@ the agent keeps no standby from then on (its replicas start the plain way).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,18 +17,23 @@ import sys
 
 from gpu_agent.runtime import engine, standby, standby_process
 from gpu_agent.runtime.standby import EXIT_CUDA_INITIALISED, READY_LINE, REFUSED_PREFIX, Standby
+from gpu_agent.runtime.zygote import STARTED_WORD
 
 from .conftest import make_spec, wait_until
+
+ZYGOTE_ENV = "TRIPWIRE_ZYGOTE"  # as in cuda_tripwire_standby.py (which imports torch)
 
 TIMEOUT_S = 300
 
 
-def run_tripwired_standby(tmp_path, *preload_modules: str, env: dict | None = None) -> tuple[bytes, dict]:
-    """The standby's status output and the tripwire's report; its stdin is closed once it answered."""
+def run_tripwired_standby(
+    tmp_path, *preload_modules: str, env: dict | None = None, stdin: bytes = b""
+) -> tuple[bytes, dict]:
+    """The standby's status output and the tripwire's report; `stdin` is all it reads, then EOF."""
     report_path = tmp_path / "report.json"
     result = subprocess.run(
         [sys.executable, "-m", "tests.agent.cuda_tripwire_standby", str(report_path), *preload_modules],
-        stdin=subprocess.DEVNULL, capture_output=True, timeout=TIMEOUT_S, env=env,
+        input=stdin, capture_output=True, timeout=TIMEOUT_S, env=env,
     )  # fmt: skip
     assert report_path.exists(), result.stderr.decode(errors="replace")[-3000:]
     return result.stdout, json.loads(report_path.read_text())
@@ -43,6 +49,20 @@ def test_the_standby_imports_vllm_for_cuda_without_initialising_cuda(tmp_path):
     assert "vllm.v1.engine.core" in report["vllm_modules_imported"], "the real import path ran"
     # torch's is_available() would call cuInit: the standby has it count GPUs through NVML instead
     assert report["nvml_based_cuda_check"] == "1"
+
+
+def test_the_zygote_forks_an_engine_for_cuda_without_having_initialised_cuda(tmp_path):
+    handoff = standby.Handoff(
+        replica_id="r-cuda-fork", args=["--model", str(tmp_path)], env={}, log_path=str(tmp_path / "engine.log")
+    )
+    line = json.dumps(dataclasses.asdict(handoff)).encode() + b"\n"
+    env = {**os.environ, ZYGOTE_ENV: "1"}
+    status, report = run_tripwired_standby(tmp_path, env=env, stdin=line)
+    assert report["tripwire_calls"] == [], "CUDA initialised in the zygote by:\n" + "\n".join(
+        report["tripwire_calls"]
+    )
+    assert status.startswith(READY_LINE + f"{STARTED_WORD} r-cuda-fork ".encode()), status
+    assert report["exit_code"] == 0 and report["cuda_initialised"] is False
 
 
 def test_a_cuda_call_in_the_standbys_imports_makes_it_refuse_with_the_reason(tmp_path):

@@ -50,6 +50,7 @@ def agent(tmp_path_factory):
         data_dir=tmp_path_factory.mktemp("standby-agent"),
         force_cpu=True,
         standby=True,
+        zygote=False,  # the one-shot standby; test_zygote_vllm.py runs the fork server
     )
     agent = Agent(config, policy=SupervisorPolicy(restart_backoff_s=0.5, stop_timeout_s=20))
     yield agent
@@ -132,7 +133,7 @@ def test_a_killed_agent_leaves_no_standby_behind(tmp_path):
         f"""
         import time
         from gpu_agent.runtime.supervisor import Supervisor
-        supervisor = Supervisor({str(data_dir)!r}, standby=True)
+        supervisor = Supervisor({str(data_dir)!r}, standby=True)  # one-shot (test_zygote_vllm.py: zygote)
         while not supervisor.standby_ready:
             supervisor.poll()
             time.sleep(0.2)

@@ -1,0 +1,180 @@
+"""The zygote: one process per node that has imported vLLM once and forks a fresh engine per replica.
+
+The warm standby (`standby.py`) is used up by its one replica and takes ~25 s to replace on
+the tiny CPU model, so the second of two endpoints woken at once waited for a new one (34 s and
+37.7 s against 3.1 s for one). The zygote is the same standby process, started with `--zygote`,
+that never becomes an engine itself: each handoff line makes it fork a child, and the child does
+what a standby did at its handoff (marker rewrite, log, the replica's environment, vLLM's
+`run_server`). Any number of replicas starting at once then each pay only for weights and engine
+set-up, and nothing needs refilling.
+
+    agent (monitor thread)            reaper -> zygote (standby_process.serve_forks)
+    ----------------------            ---------------------------------------------
+    spawn, read "ready"        <----  imports done, CUDA untouched
+    hand_off: one JSON line    ---->  fork(); the child: own process group, replica marker,
+    read "started <id> <pid>"  <----  runs the engine (its EngineCore and worker fork from it on CPU)
+    supervise <pid> (ForkedEngine)
+    read "exited <pid> <code>" <----  waitpid() of a child that ended
+
+Process lifetime (no orphans):
+- each engine is its own process group (`setpgid`), so drain's SIGTERM and the final SIGKILL go to
+  the engine and everything it started, as for a plain launch;
+- the engines are descendants of the zygote's reaper, which is a child subreaper: when the agent dies
+  (PR_SET_PDEATHSIG) or the zygote dies, the reaper kills every descendant, not just its own group;
+  a zygote crash is therefore a crash of its engines, which the supervisor restarts;
+- `stop()` (agent exit, detach) SIGKILLs the reaper's group only: the engines stay for the supervisor's
+  own shutdown, or for the next agent to adopt after a detach.
+
+CUDA: the zygote never initialises CUDA (same checks as the standby, `standby_process.py`), and checks
+again before every fork; a child reads its replica's `CUDA_VISIBLE_DEVICES` when it first initialises
+CUDA, after the fork. vLLM's EngineCore then starts by fork on CUDA too (it is chosen when CUDA is not
+initialised) and its workers initialise CUDA themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import select
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from gpu_agent.runtime.engine import EngineCommand
+from gpu_agent.runtime.standby import READY_LINE, REFUSED_PREFIX, Handoff, Standby, server_args
+
+logger = logging.getLogger(__name__)
+
+STARTED_WORD = "started"  # `started <replica_id> <pid>`: the zygote forked this replica's engine
+EXITED_WORD = "exited"  # `exited <pid> <code>`: the zygote reaped one
+ZYGOTE_REAP_INTERVAL_S = 0.5  # how often the zygote reaps children while waiting for handoffs
+FORK_REPLY_TIMEOUT_S = 30.0  # a fork takes milliseconds; a zygote this slow to answer is stopped
+
+
+class ForkedEngine:
+    """A replica's engine forked by the zygote, shaped like the `Popen` the supervisor otherwise holds.
+
+    It is not the agent's child: its exit code comes from the zygote (`exited` lines), and when the
+    zygote is gone too, from the process table (-1 once it no longer runs).
+    """
+
+    def __init__(self, pid: int, zygote: Zygote) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._zygote = zygote
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        self._zygote.read_events()
+        code = self._zygote.exit_codes.pop(self.pid, None)
+        if code is None and not _running(self.pid):
+            self._zygote.read_events()
+            code = self._zygote.exit_codes.pop(self.pid, -1)
+        self.returncode = code
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class Zygote(Standby):
+    """The node's fork server, driven by the supervisor's poll loop like the standby it extends.
+
+    Unlike a standby it stays `ready` after a handoff: it is replaced only when it dies.
+    """
+
+    label = "zygote"
+    process_args = ("--zygote",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log_path = self.data_dir / "logs" / "zygote.log"
+        self.exit_codes: dict[int, int] = {}  # children reaped by the zygote and not yet asked about
+
+    def ensure(self) -> None:
+        super().ensure()
+        if self.ready:
+            self.read_events()
+
+    def read_events(self) -> None:
+        """Take the zygote's `exited` lines (and a refusal) from its status pipe, without blocking."""
+        if self.process is None or not self.ready:
+            return
+        for line in self._read_lines():
+            if line.startswith(EXITED_WORD + " "):
+                _, pid, code = line.split()
+                self.exit_codes[int(pid)] = int(code)
+
+    def _read_lines(self) -> list[str]:
+        try:
+            chunk = self.process.stdout.read()
+        except (OSError, ValueError):
+            chunk = None
+        if chunk:
+            self._buffer += chunk
+        lines = []
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            if line.startswith(REFUSED_PREFIX):
+                self.refused_reason = line[len(REFUSED_PREFIX) :].decode(errors="replace").strip()
+            elif line + b"\n" != READY_LINE:
+                lines.append(line.decode(errors="replace"))
+        return lines
+
+    def _read_status(self) -> None:
+        super()._read_status()
+        if self.ready:  # what followed "ready" in the same read stays for read_events
+            self._buffer = self._buffer.split(READY_LINE, 1)[1]
+
+    def hand_off(self, replica_id: str, command: EngineCommand, env: dict[str, str], log_path: Path):
+        """Fork this replica's engine; returns its `ForkedEngine`, or None to launch naively."""
+        args = server_args(command)
+        if args is None or not self.can_take(command):
+            return None
+        process = self.process
+        message = Handoff(replica_id=replica_id, args=args, env=env, log_path=str(log_path))
+        try:
+            process.stdin.write(json.dumps(dataclasses.asdict(message)).encode() + b"\n")
+            process.stdin.flush()
+            pid = self._wait_for_start(replica_id)
+        except (BrokenPipeError, OSError, ValueError) as exc:
+            logger.warning("zygote: handoff to pid %s failed (%s)", process.pid, exc)
+            pid = None
+        if pid is None:
+            self.stop()
+            return None
+        self.num_handoffs += 1
+        logger.info("zygote: forked pid %s for replica %s", pid, replica_id)
+        return ForkedEngine(pid, self)
+
+    def _wait_for_start(self, replica_id: str) -> int | None:
+        deadline = time.monotonic() + FORK_REPLY_TIMEOUT_S
+        prefix = f"{STARTED_WORD} {replica_id} "
+        while time.monotonic() < deadline:
+            for line in self._read_lines():
+                if line.startswith(prefix):
+                    return int(line[len(prefix) :])
+                if line.startswith(EXITED_WORD + " "):
+                    _, pid, code = line.split()
+                    self.exit_codes[int(pid)] = int(code)
+            if self.refused_reason is not None or self.process.poll() is not None:
+                return None
+            select.select([self.process.stdout], [], [], 0.1)
+        logger.warning("zygote: no fork reported for replica %s in %.0fs", replica_id, FORK_REPLY_TIMEOUT_S)
+        return None

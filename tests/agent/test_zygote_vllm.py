@@ -1,0 +1,122 @@
+"""Replicas forked by the zygote with real vLLM on the tiny model.
+
+One module-scoped agent with the zygote (the default when the standby is on), driven from the
+main thread. The tests run in file order: several replicas started at once each answer from
+children of the one zygote, a drained replica leaves nothing and the zygote stays, and a killed
+zygote takes its engines down with it (the supervisor sees crashes) and leaves no process behind
+once the agent shuts down.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import psutil
+import pytest
+
+from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime.agent import Agent
+from gpu_agent.runtime.config import AgentConfig
+from gpu_agent.runtime.supervisor import SupervisorPolicy
+from gpu_agent.runtime.zygote import Zygote
+
+from .conftest import make_spec, processes_with_marker, wait_for_state, wait_until
+from .test_standby_vllm import data_dir_processes
+
+pytestmark = pytest.mark.vllm
+
+TIMEOUT_S = 600
+NUM_AT_ONCE = 3
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    config = AgentConfig(
+        control_plane_url="http://127.0.0.1:9",  # never called: the tests drive the supervisor
+        join_token="unused",
+        data_dir=tmp_path_factory.mktemp("zygote-agent"),
+        force_cpu=True,
+        standby=True,
+    )
+    agent = Agent(config, policy=SupervisorPolicy(restart_backoff_s=0.5, stop_timeout_s=20))
+    yield agent
+    agent.supervisor.shutdown(timeout_s=20)
+    for process in data_dir_processes(config.data_dir):
+        process.kill()
+
+
+def zygote_pid(agent) -> int:
+    """The zygote process itself (the standby's Popen is its reaper)."""
+    supervisor = agent.supervisor
+    wait_until(lambda: supervisor.standby_ready, TIMEOUT_S, step_s=0.5, poll=supervisor.poll)
+    (zygote,) = [
+        child for child in psutil.Process(supervisor.standby.pid).children()
+        if "gpu_agent.runtime.standby_process" in child.cmdline()
+    ]
+    return zygote.pid
+
+
+def complete(replica) -> dict:
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 8, "ignore_eos": True}
+    response = httpx.post(f"{replica.address}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {replica.spec.engine_api_key}"})
+    response.raise_for_status()
+    return response.json()
+
+
+def test_several_replicas_started_at_once_each_answer_from_their_own_fork_of_one_zygote(agent, tiny_model_dir):
+    supervisor = agent.supervisor
+    assert isinstance(supervisor.standby, Zygote)
+    parent = zygote_pid(agent)
+    replica_ids = [f"r-fork-{index}" for index in range(NUM_AT_ONCE)]
+    for replica_id in replica_ids:
+        supervisor.start(make_spec(replica_id, model_source=str(tiny_model_dir)), tiny_model_dir)
+    for replica_id in replica_ids:
+        wait_for_state(supervisor, replica_id, ReplicaState.READY, timeout_s=TIMEOUT_S)
+    replicas = [supervisor.get(replica_id) for replica_id in replica_ids]
+    assert all(replica.from_standby for replica in replicas)
+    assert {psutil.Process(replica.pid).ppid() for replica in replicas} == {parent}
+    assert len({replica.address for replica in replicas}) == NUM_AT_ONCE
+    for replica in replicas:
+        assert complete(replica)["usage"]["completion_tokens"] == 8
+        assert "on the zygote" in replica.log_path.read_text()
+        # Each engine (and what it started) carries its own replica's marker, as a plain launch would.
+        assert replica.pid in {process.pid for process in processes_with_marker(replica.spec.replica_id)}
+    assert supervisor.standby.num_spawned == 1 and supervisor.standby_ready, "nothing to refill"
+    assert agent.build_heartbeat().standby_ready
+
+
+def test_a_drained_replica_leaves_nothing_and_the_zygote_stays(agent):
+    supervisor = agent.supervisor
+    parent = zygote_pid(agent)
+    supervisor.drain("r-fork-0", timeout_s=30)
+    wait_for_state(supervisor, "r-fork-0", ReplicaState.STOPPED, timeout_s=60)
+    assert processes_with_marker("r-fork-0") == []
+    assert zygote_pid(agent) == parent and supervisor.standby_ready
+    # What the drained engine started was reaped too: no zombie left under the zygote's reaper.
+    reaper = psutil.Process(supervisor.standby.pid)
+    wait_until(lambda: [child for child in reaper.children() if child.pid != parent] == [], 30)
+
+
+def test_a_killed_zygote_takes_its_engines_down_and_shutdown_leaves_no_process(agent):
+    supervisor = agent.supervisor
+    parent = zygote_pid(agent)
+    engines = [supervisor.get(f"r-fork-{index}").pid for index in range(1, NUM_AT_ONCE)]
+    engine_trees = [pid for engine in engines for pid in (engine, *(c.pid for c in psutil.Process(engine).children(recursive=True)))]
+    os.kill(parent, signal.SIGKILL)
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(lambda: all(gone(pid) for pid in engine_trees), 60, step_s=0.2, poll=supervisor.poll)
+    for index in range(1, NUM_AT_ONCE):
+        replica = supervisor.get(f"r-fork-{index}")
+        wait_until(lambda replica=replica: replica.num_restarts >= 1, 30, step_s=0.2, poll=supervisor.poll)
+        assert "engine exited" in replica.failure_reason
+    supervisor.shutdown(timeout_s=20)
+    wait_until(lambda: data_dir_processes(agent.config.data_dir) == [], 30)
