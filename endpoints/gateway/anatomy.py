@@ -63,7 +63,7 @@ def split(held_at: datetime, first_token_at: datetime, replica: ReplicaTimeline 
         boundaries = [placed, fetch_from, engine_from, ready]
     points = [held_at, *boundaries, end]
     phases = {}
-    for name, start, stop in zip(PHASES, points, points[1:], strict=True):
+    for name, start, stop in zip(PHASES, points[:-1], points[1:], strict=True):
         start, stop = min(max(start, held_at), end), min(max(stop, held_at), end)
         phases[name] = max(round((stop - start).total_seconds() * 1000), 0)
     total = round((end - held_at).total_seconds() * 1000)

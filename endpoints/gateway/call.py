@@ -322,19 +322,21 @@ class InferenceCall:
                 return
 
     async def _measure_cold_start(self) -> None:
-        if self.cold_start is None:
+        if self.cold_start is not None:
+            return
+        try:
             timeline = await anatomy.replica_timeline(self.endpoint.id, self.replica.id if self.replica else None)
-            self.cold_start = anatomy.split(self.held_at, self.first_token_at or datetime.now(UTC), timeline)
-            metrics.observe_cold_start_phases(self.cold_start.phases)
+        except Exception:  # noqa: BLE001 - the anatomy is a measure: never fail the answer for it
+            logger.exception("request %s: could not read its replica's cold start", self.request_id)
+            timeline = None
+        self.cold_start = anatomy.split(self.held_at, self.first_token_at or datetime.now(UTC), timeline)
+        metrics.observe_cold_start_phases(self.cold_start.phases)
 
     # --- the end -----------------------------------------------------------------------------
     async def _finish(self, admitted: admission.Admission) -> None:
         finished_at = datetime.now(UTC)
         if self.held_at is not None and self.served:
-            try:
-                await self._measure_cold_start()
-            except Exception:  # noqa: BLE001 - the anatomy is a measure: never lose the usage row for it
-                logger.exception("request %s: could not measure its cold start", self.request_id)
+            await self._measure_cold_start()
         if self.response_started and self.request.stream and not self.disconnected.is_set():
             try:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
