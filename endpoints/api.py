@@ -10,7 +10,8 @@ from rest_framework.response import Response
 from controlplane.accounts.api import OrganizationScopedMixin
 from controlplane.accounts.models import Role
 from controlplane.accounts.tenancy import request_membership
-from endpoints import credentials, services, stats
+from endpoints import credentials, services
+from endpoints import stats as endpoint_stats
 from endpoints.models import Endpoint, ModelCredential, Replica
 from endpoints.quotas import use_of
 from endpoints.serializers import (
@@ -62,25 +63,25 @@ class EndpointViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
         page = self.paginate_queryset(endpoint.events.all())
         return self.get_paginated_response(EndpointEventSerializer(page, many=True).data)
 
-    @extend_schema(parameters=[stats.StatsQuerySerializer],
-                   responses=inline_serializer("EndpointStats", {"results": stats.DayStatsSerializer(many=True)}),
+    @extend_schema(parameters=[endpoint_stats.StatsQuerySerializer],
+                   responses=inline_serializer("EndpointStats", {"results": endpoint_stats.DayStatsSerializer(many=True)}),
                    description="Per UTC day: TTFT p50/p95, output tokens/s, prefix-cache hit rate, effective cost "
                                "per million tokens; staff also see GPU-seconds used against billed.")
     @action(detail=True, methods=["get"])
     def stats(self, request, pk=None):
         endpoint = self.get_object()
-        query = stats.StatsQuerySerializer(data=request.query_params)
+        query = endpoint_stats.StatsQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        rows = stats.daily(endpoint, start=query.validated_data["start"], end=query.validated_data["end"],
-                           staff=request.user.is_staff)
-        return Response({"results": stats.DayStatsSerializer(rows, many=True).data})
+        rows = endpoint_stats.daily(endpoint, start=query.validated_data["start"], end=query.validated_data["end"],
+                                    staff=request.user.is_staff)
+        return Response({"results": endpoint_stats.DayStatsSerializer(rows, many=True).data})
 
-    @extend_schema(responses=inline_serializer("EndpointColdStarts", {"results": stats.ColdStartSerializer(many=True)}),
+    @extend_schema(responses=inline_serializer("EndpointColdStarts", {"results": endpoint_stats.ColdStartSerializer(many=True)}),
                    description="The latest requests that waited for a cold start, with the wait split by phase.")
     @action(detail=True, methods=["get"], url_path="cold-starts")
     def cold_starts(self, request, pk=None):
-        rows = stats.recent_cold_starts(self.get_object())
-        return Response({"results": stats.ColdStartSerializer(rows, many=True).data})
+        rows = endpoint_stats.recent_cold_starts(self.get_object())
+        return Response({"results": endpoint_stats.ColdStartSerializer(rows, many=True).data})
 
 
 class CredentialViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
