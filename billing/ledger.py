@@ -27,6 +27,7 @@ from django.db.models import (
     F,
     FloatField,
     Func,
+    Q,
     Sum,
     Value,
 )
@@ -240,6 +241,8 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
         sum_cached=Coalesce(Sum("cached_tokens"), 0),
         sum_completion=Coalesce(Sum("completion_tokens"), 0),
         sum_cost=Coalesce(Sum("cost"), Decimal(0)),
+        cold_starts=Count("id", filter=Q(cold_start_ms__isnull=False)),
+        sum_cold_start_ms=Coalesce(Sum("cold_start_ms"), 0),
     )
     results = []
     for row in rows:
@@ -257,6 +260,9 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
             "cached_tokens": row["sum_cached"],
             "completion_tokens": row["sum_completion"],
             "cost": row["sum_cost"],
+            # requests that waited for a cold start, and how long they waited in all (ms, held to first token)
+            "cold_starts": row["cold_starts"],
+            "cold_start_ms": row["sum_cold_start_ms"],
         }
         results.append(item)
     return results

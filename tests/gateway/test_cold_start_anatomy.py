@@ -14,7 +14,10 @@ from billing.models import UsageRecord
 from controlplane.redis_client import get_redis
 from endpoints.gateway import anatomy
 from endpoints.models import Replica
+from endpoints.nodes.models import Node
 from endpoints.nodes.notify import endpoint_ready_channel
+from endpoints.replicas import apply_replica_report
+from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.conftest import start_web_server, wait_until
 from tests.factories import EndpointFactory
 from tests.gateway.conftest import serve_endpoint
@@ -103,3 +106,17 @@ def test_an_answer_from_a_ready_replica_has_no_cold_start(gateway, tenant, start
     assert "x-inferplane-cold-start-ms" not in response.headers
     row = wait_until(lambda: UsageRecord.objects.filter(endpoint=endpoint).first(), 30, message="the usage row")
     assert row.cold_start_ms is None and row.cold_start_phases is None
+
+
+@pytest.mark.django_db
+def test_the_control_plane_keeps_the_agents_download_and_engine_start_times_once_heard():
+    endpoint = EndpointFactory()
+    node = Node.objects.create(name="n", gpu_type="l4", num_gpus=1, gpu_memory_mb=24_000, secret_lookup="0" * 12,
+                               secret_digest="x", quantizations=["none"])
+    replica = Replica.objects.create(endpoint=endpoint, node=node)
+    apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.STARTING, download_s=1.5))
+    apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.STARTING, download_s=1.5,
+                                             engine_start_s=2.25))
+    apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.STARTING))
+    replica.refresh_from_db()
+    assert (replica.download_s, replica.engine_start_s) == (1.5, 2.25)
