@@ -25,6 +25,10 @@ from gpu_agent.protocol import ReplicaState
 
 PHASES = ("queue", "placement", "download", "engine", "first_token")
 HEADER = b"x-inferplane-cold-start-ms"
+# A non-streaming client's opt-in to progress while held: the answer (200, JSON) starts at once and
+# the gateway writes a space at each step of the cold start; JSON allows leading whitespace, so the
+# body parses as ever. The status is then committed: a failure comes as an error object in the body.
+PROGRESS_HEADER = "x-inferplane-progress"
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,6 +50,10 @@ class ColdStart:
 
     def header(self) -> tuple[bytes, bytes]:
         return HEADER, str(self.total_ms).encode()
+
+
+def wants_progress(headers: dict[str, str]) -> bool:
+    return headers.get(PROGRESS_HEADER, "").strip().lower() in ("true", "1", "yes")
 
 
 def split(held_at: datetime, first_token_at: datetime, replica: ReplicaTimeline | None) -> ColdStart:

@@ -135,7 +135,7 @@ class InferenceCall:
                     raise ClientGone()
                 replicas, self.cold_start_s = held
                 self.held_at = datetime.now(UTC) - timedelta(seconds=self.cold_start_s)
-                if self.response_started:  # a stream's headers went out at the hold: the wait comes as a comment
+                if self.request.stream and self.response_started:  # a stream's headers went out at the hold: the wait comes as a comment
                     await self.send_body(f": cold start ready after {round(self.cold_start_s * 1000)} ms\n\n".encode())
             await self._proxy(replicas)
         except asyncio.CancelledError:
@@ -235,6 +235,9 @@ class InferenceCall:
         if self.held_at is not None:
             await self._measure_cold_start()
             headers.append(self.cold_start.header())
+        if self.response_started:  # progress was asked for: the headers went out at the hold
+            await self.send_body(body)
+            return
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
         self.response_started = True
@@ -301,7 +304,8 @@ class InferenceCall:
     async def start_stream(self) -> None:
         if self.response_started:
             return
-        headers = [*sse.SSE_HEADERS, (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
+        kind = sse.SSE_HEADERS if self.request.stream else [(b"content-type", b"application/json")]
+        headers = [*kind, (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         self.response_started = True
 
@@ -311,7 +315,7 @@ class InferenceCall:
     async def _send_event_error(self, exc: errors.OpenAIError) -> None:
         if self.disconnected.is_set():
             return
-        await self.send_body(b"data: " + exc.body() + b"\n\n")
+        await self.send_body(b"data: " + exc.body() + b"\n\n" if self.request.stream else exc.body())
 
     async def _watch_disconnect(self, work: asyncio.Task) -> None:
         while True:
@@ -337,7 +341,7 @@ class InferenceCall:
         finished_at = datetime.now(UTC)
         if self.held_at is not None and self.served:
             await self._measure_cold_start()
-        if self.response_started and self.request.stream and not self.disconnected.is_set():
+        if self.response_started and (self.request.stream or self.request.progress) and not self.disconnected.is_set():
             try:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
             except Exception:  # noqa: BLE001 - the client may be gone already

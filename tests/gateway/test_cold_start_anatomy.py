@@ -3,6 +3,7 @@ the wait by phase (summing to it), and `/metrics` has a histogram per phase."""
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import UTC, datetime, timedelta
 
@@ -120,3 +121,49 @@ def test_the_control_plane_keeps_the_agents_download_and_engine_start_times_once
     apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.STARTING))
     replica.refresh_from_db()
     assert (replica.download_s, replica.engine_start_s) == (1.5, 2.25)
+
+
+def _hold_then_serve(base_url, tenant, start_mock_upstream, call):
+    """Runs `call(endpoint_name)` in a thread, makes a replica READY once the gateway holds it; its result."""
+    cold = EndpointFactory(organization=tenant.org, max_model_len=2048)
+    result = {}
+
+    def run():
+        try:
+            result["value"] = call(cold.name)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_until(lambda: get_redis().pubsub_numsub(endpoint_ready_channel(cold.pk))[0][1] == 1 or not thread.is_alive(),
+               30, message="the request to be held")
+    ready = serve_endpoint(tenant.org, start_mock_upstream())
+    Replica.objects.filter(endpoint=ready).update(endpoint=cold)
+    get_redis().publish(endpoint_ready_channel(cold.pk), "1")
+    thread.join(60)
+    assert "error" not in result, result
+    return result["value"]
+
+
+def test_the_openai_client_reads_a_held_answer_as_ever_with_the_cold_start_in_its_headers(
+        gateway, tenant, start_mock_upstream):
+    client = tenant.client(gateway, timeout=60)
+    raw = _hold_then_serve(gateway, tenant, start_mock_upstream, lambda model: client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5))
+    assert int(raw.headers["x-inferplane-cold-start-ms"]) >= 0
+    assert raw.parse().choices[0].message.content == "tok tok tok tok tok"
+
+
+def test_a_held_request_that_asks_for_progress_gets_whitespace_then_its_json(gateway, tenant, start_mock_upstream):
+    def call(model):
+        with httpx.stream("POST", f"{gateway}/v1/chat/completions", timeout=60,
+                          headers={"authorization": f"Bearer {tenant.key}", "x-inferplane-progress": "1"},
+                          json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}) as r:
+            return r.status_code, r.headers.get("content-type"), [chunk for chunk in r.iter_bytes()]
+
+    status, content_type, chunks = _hold_then_serve(gateway, tenant, start_mock_upstream, call)
+    body = b"".join(chunks)
+    assert status == 200 and content_type == "application/json"
+    assert body.startswith(b" ")  # sent while held, before the replica was READY
+    assert json.loads(body)["choices"][0]["message"]["content"] == "tok tok tok tok tok"
