@@ -70,7 +70,8 @@ class UsageExportView(UsageView):
         response = HttpResponse(content_type="text/csv; charset=utf-8")
         response["Content-Disposition"] = f'attachment; filename="usage-by-{group_by}.csv"'
         columns = [group_by, *(["key_name"] if group_by == "key" else []),
-                   "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost"]
+                   "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost",
+                   "cold_starts", "cold_start_ms"]
         writer = csv.writer(response)
         writer.writerow(columns)
         for row in rows:

@@ -13,6 +13,7 @@ drawn from credit, and the hourly totals the rollups are made of.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -26,6 +27,7 @@ from django.db.models import (
     F,
     FloatField,
     Func,
+    Q,
     Sum,
     Value,
 )
@@ -59,6 +61,9 @@ class UsageReport:
     cold_start_s: float = 0.0  # never billed
     max_cost: Decimal | None = None  # what the gateway reserved: the row never costs more
     batch_id: str = ""  # a batch line's batch: priced at the endpoint's batch price
+    # The cold start it waited for (`endpoints.gateway.anatomy`): total and phase → ms; None if none.
+    cold_start_ms: int | None = None
+    cold_start_phases: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -111,7 +116,7 @@ _INSERT_SQL = f"""
 INSERT INTO {UsageRecord._meta.db_table} (
     request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
     completion_tokens, cost, billing_mode, started_at, first_token_at, finished_at, status, cold_start_s, recorded_at,
-    batch_id
+    batch_id, cold_start_ms, cold_start_phases
 )
 SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_id, ''), r.prompt_tokens,
        r.cached_tokens, r.completion_tokens,
@@ -120,12 +125,14 @@ SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_i
                     + r.completion_tokens * e.price_output_per_million)
                    * (CASE WHEN r.batch_id <> '' THEN e.batch_price_fraction ELSE 1 END) * 0.000001, 9), r.max_cost),
        coalesce(a.mode, '{BillingMode.POSTPAID}'),
-       r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id
+       r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id,
+       r.cold_start_ms, r.cold_start_phases::jsonb
 FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::uuid[], %s::text[], %s::integer[], %s::integer[],
             %s::integer[], %s::timestamptz[], %s::timestamptz[], %s::timestamptz[], %s::text[], %s::float8[],
-            %s::numeric[], %s::text[])
+            %s::numeric[], %s::text[], %s::integer[], %s::text[])
      AS r(request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
-          completion_tokens, started_at, first_token_at, finished_at, status, cold_start_s, max_cost, batch_id)
+          completion_tokens, started_at, first_token_at, finished_at, status, cold_start_s, max_cost, batch_id,
+          cold_start_ms, cold_start_phases)
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
 LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
 ON CONFLICT (request_id) DO NOTHING
@@ -150,6 +157,8 @@ def _columns(reports: list[UsageReport]) -> list[list]:
         [float(r.cold_start_s) for r in reports],
         [r.max_cost for r in reports],
         [r.batch_id for r in reports],
+        [r.cold_start_ms for r in reports],
+        [json.dumps(r.cold_start_phases) if r.cold_start_phases is not None else None for r in reports],
     ]
 
 
@@ -232,6 +241,8 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
         sum_cached=Coalesce(Sum("cached_tokens"), 0),
         sum_completion=Coalesce(Sum("completion_tokens"), 0),
         sum_cost=Coalesce(Sum("cost"), Decimal(0)),
+        cold_starts=Count("id", filter=Q(cold_start_ms__isnull=False)),
+        sum_cold_start_ms=Coalesce(Sum("cold_start_ms"), 0),
     )
     results = []
     for row in rows:
@@ -249,6 +260,9 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
             "cached_tokens": row["sum_cached"],
             "completion_tokens": row["sum_completion"],
             "cost": row["sum_cost"],
+            # requests that waited for a cold start, and how long they waited in all (ms, held to first token)
+            "cold_starts": row["cold_starts"],
+            "cold_start_ms": row["sum_cold_start_ms"],
         }
         results.append(item)
     return results

@@ -55,6 +55,10 @@ class UsageRecord(models.Model):
     finished_at = models.DateTimeField()
     status = models.CharField(max_length=16, choices=UsageStatus.choices)
     cold_start_s = models.FloatField(default=0.0)  # measured, never billed
+    # The cold start this request waited for, held to first token, and its split by phase
+    # (`endpoints.gateway.anatomy.PHASES` → ms); null for a request that found a replica READY.
+    cold_start_ms = models.PositiveIntegerField(null=True, blank=True)
+    cold_start_phases = models.JSONField(null=True, blank=True)
     # The batch a line of which this request was ("" for an interactive call): priced at the
     # endpoint's batch price (`Endpoint.batch_price_fraction` of its prices).
     batch_id = models.CharField(max_length=40, blank=True, default="")

@@ -1,7 +1,7 @@
 """Management API for endpoints and model credentials: `/api/v1/endpoints/`, `/api/v1/credentials/`."""
 
 from django.db.models import Prefetch
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import viewsets
 from rest_framework.decorators import action, api_view
 from rest_framework.exceptions import ValidationError
@@ -11,6 +11,7 @@ from controlplane.accounts.api import OrganizationScopedMixin
 from controlplane.accounts.models import Role
 from controlplane.accounts.tenancy import request_membership
 from endpoints import credentials, services
+from endpoints import stats as endpoint_stats
 from endpoints.models import Endpoint, ModelCredential, Replica
 from endpoints.quotas import use_of
 from endpoints.serializers import (
@@ -61,6 +62,26 @@ class EndpointViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
         endpoint = self.get_object()
         page = self.paginate_queryset(endpoint.events.all())
         return self.get_paginated_response(EndpointEventSerializer(page, many=True).data)
+
+    @extend_schema(parameters=[endpoint_stats.StatsQuerySerializer],
+                   responses=inline_serializer("EndpointStats", {"results": endpoint_stats.DayStatsSerializer(many=True)}),
+                   description="Per UTC day: TTFT p50/p95, output tokens/s, prefix-cache hit rate, effective cost "
+                               "per million tokens; staff also see GPU-seconds used against billed.")
+    @action(detail=True, methods=["get"])
+    def stats(self, request, pk=None):
+        endpoint = self.get_object()
+        query = endpoint_stats.StatsQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        rows = endpoint_stats.daily(endpoint, start=query.validated_data["start"], end=query.validated_data["end"],
+                                    staff=request.user.is_staff)
+        return Response({"results": endpoint_stats.DayStatsSerializer(rows, many=True).data})
+
+    @extend_schema(responses=inline_serializer("EndpointColdStarts", {"results": endpoint_stats.ColdStartSerializer(many=True)}),
+                   description="The latest requests that waited for a cold start, with the wait split by phase.")
+    @action(detail=True, methods=["get"], url_path="cold-starts")
+    def cold_starts(self, request, pk=None):
+        rows = endpoint_stats.recent_cold_starts(self.get_object())
+        return Response({"results": endpoint_stats.ColdStartSerializer(rows, many=True).data})
 
 
 class CredentialViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):

@@ -285,6 +285,9 @@ class Replica(models.Model):
     # What the engine said it allocated once started (its log; `protocol.EngineMemory`), in MB.
     engine_weights_mb = models.PositiveIntegerField(null=True, blank=True)
     engine_kv_cache_mb = models.PositiveIntegerField(null=True, blank=True)
+    # The agent's measure of its cold start (`gpu_agent.protocol.ReplicaStatus`): see `endpoints.gateway.anatomy`.
+    download_s = models.FloatField(null=True, blank=True)
+    engine_start_s = models.FloatField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     state_changed_at = models.DateTimeField(default=timezone.now)
     ready_at = models.DateTimeField(null=True, blank=True)

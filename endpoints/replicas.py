@@ -180,6 +180,9 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
         memory_changed = memory is not None and (memory.weights_mb, memory.kv_cache_mb) != (
             replica.engine_weights_mb, replica.engine_kv_cache_mb
         )
+        for name in ("download_s", "engine_start_s"):  # measured once by the agent; kept once heard
+            if getattr(report, name) is not None and getattr(replica, name) is None:
+                fields[name] = getattr(report, name)
         if memory_changed:
             fields["engine_weights_mb"], fields["engine_kv_cache_mb"] = memory.weights_mb, memory.kv_cache_mb
         refused_address = report.address and node.engine_address_problem(report.address)

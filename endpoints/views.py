@@ -19,7 +19,7 @@ from billing.periods import period_containing
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import Actor
-from endpoints import credentials, prewarm, quotas, services
+from endpoints import credentials, prewarm, quotas, services, stats
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from endpoints.forms import CredentialForm, EndpointForm
 from endpoints.models import Endpoint, ModelCredential, Replica
@@ -291,6 +291,10 @@ def endpoint_detail(request, pk):
         "can_write": request.membership.can(Role.MEMBER),
         "public_url": settings.PUBLIC_URL,
         "metric_windows": list(METRIC_WINDOWS_MIN),
+        "cold_starts": stats.chart(stats.recent_cold_starts(endpoint)),
+        "cost_days": stats.daily(endpoint, start=now.date() - timedelta(days=stats.DEFAULT_DAYS - 1), end=now.date(),
+                                 staff=request.user.is_staff),
+        "show_margin": request.user.is_staff,
     })
 
 

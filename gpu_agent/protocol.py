@@ -269,6 +269,10 @@ class ReplicaStatus(Message):
     progress_percent: float | None = None
     # What the engine itself said it allocated once started (its log): None where it does not say.
     engine_memory: EngineMemory | None = None
+    # How this replica's cold start went, once known: seconds fetching its weights (0 from the
+    # node's cache) and from launching its engine to its first healthy check. None until measured.
+    download_s: float | None = None
+    engine_start_s: float | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id), "replica_id is required")

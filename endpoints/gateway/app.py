@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 import aiohttp
 
 from billing.usage_writer import writer_for_this_loop
-from endpoints.gateway import auth, directory, errors, metrics, presence, standing
+from endpoints.gateway import anatomy, auth, directory, errors, metrics, presence, standing
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.memo import in_worker_thread
 from endpoints.gateway.ratelimit_headers import RateLimitReport
@@ -112,7 +112,8 @@ class Gateway:
             ratelimit.for_caller(caller)
             inference = InferenceRequest.parse(body, kind=kind, path=path,
                                                wait_for_capacity=standing.wants_to_wait(headers),
-                                               max_priority_boost=caller.max_priority_boost)
+                                               max_priority_boost=caller.max_priority_boost,
+                                               progress=anatomy.wants_progress(headers))
             endpoint = await directory.find_endpoint(caller.organization_id, inference.model)
             if endpoint is None:
                 raise errors.model_not_found(inference.model)

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import aiohttp
@@ -21,6 +21,7 @@ from billing import ledger, usage_writer
 from billing.quota.counters import QuotaExceeded
 from endpoints.gateway import (
     admission,
+    anatomy,
     cold_start,
     directory,
     errors,
@@ -75,6 +76,8 @@ class InferenceCall:
     usage: UsageTally = field(default_factory=UsageTally)
     status: str = "ok"
     cold_start_s: float = 0.0
+    held_at: datetime | None = None  # when a cold start began holding it
+    cold_start: anatomy.ColdStart | None = None  # its split, measured at the first token
     response_started: bool = False
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
     held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
@@ -131,6 +134,9 @@ class InferenceCall:
                 if held is None:
                     raise ClientGone()
                 replicas, self.cold_start_s = held
+                self.held_at = datetime.now(UTC) - timedelta(seconds=self.cold_start_s)
+                if self.request.stream and self.response_started:  # a stream's headers went out at the hold: the wait comes as a comment
+                    await self.send_body(f": cold start ready after {round(self.cold_start_s * 1000)} ms\n\n".encode())
             await self._proxy(replicas)
         except asyncio.CancelledError:
             if not self.disconnected.is_set():
@@ -226,6 +232,12 @@ class InferenceCall:
         self.first_token_at = datetime.now(UTC)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
+        if self.held_at is not None:
+            await self._measure_cold_start()
+            headers.append(self.cold_start.header())
+        if self.response_started:  # progress was asked for: the headers went out at the hold
+            await self.send_body(body)
+            return
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
         self.response_started = True
@@ -292,7 +304,8 @@ class InferenceCall:
     async def start_stream(self) -> None:
         if self.response_started:
             return
-        headers = [*sse.SSE_HEADERS, (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
+        kind = sse.SSE_HEADERS if self.request.stream else [(b"content-type", b"application/json")]
+        headers = [*kind, (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         self.response_started = True
 
@@ -302,7 +315,7 @@ class InferenceCall:
     async def _send_event_error(self, exc: errors.OpenAIError) -> None:
         if self.disconnected.is_set():
             return
-        await self.send_body(b"data: " + exc.body() + b"\n\n")
+        await self.send_body(b"data: " + exc.body() + b"\n\n" if self.request.stream else exc.body())
 
     async def _watch_disconnect(self, work: asyncio.Task) -> None:
         while True:
@@ -312,10 +325,23 @@ class InferenceCall:
                 work.cancel()
                 return
 
+    async def _measure_cold_start(self) -> None:
+        if self.cold_start is not None:
+            return
+        try:
+            timeline = await anatomy.replica_timeline(self.endpoint.id, self.replica.id if self.replica else None)
+        except Exception:  # noqa: BLE001 - the anatomy is a measure: never fail the answer for it
+            logger.exception("request %s: could not read its replica's cold start", self.request_id)
+            timeline = None
+        self.cold_start = anatomy.split(self.held_at, self.first_token_at or datetime.now(UTC), timeline)
+        metrics.observe_cold_start_phases(self.cold_start.phases)
+
     # --- the end -----------------------------------------------------------------------------
     async def _finish(self, admitted: admission.Admission) -> None:
         finished_at = datetime.now(UTC)
-        if self.response_started and self.request.stream and not self.disconnected.is_set():
+        if self.held_at is not None and self.served:
+            await self._measure_cold_start()
+        if self.response_started and (self.request.stream or self.request.progress) and not self.disconnected.is_set():
             try:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
             except Exception:  # noqa: BLE001 - the client may be gone already
@@ -335,6 +361,8 @@ class InferenceCall:
                     completion_tokens=usage.completion_tokens, started_at=self.started_at,
                     first_token_at=self.first_token_at, finished_at=finished_at, status=self.status,
                     cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved, batch_id=self.batch_id,
+                    cold_start_ms=self.cold_start.total_ms if self.cold_start else None,
+                    cold_start_phases=self.cold_start.phases if self.cold_start else None,
                 ))
         finally:
             presence.untrack(self.request_id)

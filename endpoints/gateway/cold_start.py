@@ -134,7 +134,7 @@ async def _wait_for_replicas(call: HeldCall, place: Place | None, deadline: floa
     endpoint = call.endpoint
     try:
         await wake_endpoint(endpoint.id)
-        if call.request.stream:
+        if call.request.stream or call.request.progress:
             await call.start_stream()
         # NOTE: the control plane publishes when a replica turns READY; polling remains the fallback.
         async with pubsub.subscribe(endpoint_ready_channel(endpoint.id)) as ready_signal:
@@ -166,5 +166,10 @@ async def _wait_for_ready(call: HeldCall, ready_signal: pubsub.Signal, deadline:
             progress = await directory.cold_start_progress(endpoint.id)
             if progress != last_progress:
                 await call.send_body(f": {progress}\n\n".encode())
+                last_progress = progress
+        elif call.request.progress:
+            progress = await directory.cold_start_progress(endpoint.id)
+            if progress != last_progress:
+                await call.send_body(b" ")  # JSON's leading whitespace: the body still parses
                 last_progress = progress
         fresh = await ready_signal.wait(COLD_START_POLL_S)

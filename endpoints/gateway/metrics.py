@@ -58,6 +58,16 @@ waiting = Gauge("inferplane_waiting_requests", "Requests held for a cold start i
                 ENDPOINT, registry=REGISTRY, multiprocess_mode="livesum")
 cold_start = Histogram("inferplane_cold_start_seconds", "Seconds a request waited for a replica.", ENDPOINT,
                        buckets=(0.5, 1, 2, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600), registry=REGISTRY)
+# NOTE: labelled by phase only (`endpoints.gateway.anatomy.PHASES`): few series, whatever the fleet.
+cold_start_phase = Histogram("inferplane_cold_start_phase_seconds",
+                             "Seconds of a held request's cold start, by phase (queue, placement, download, engine, "
+                             "first_token).", ["phase"],
+                             buckets=(0.05, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=REGISTRY)
+
+
+def observe_cold_start_phases(phases: dict[str, int]) -> None:
+    for phase, ms in phases.items():
+        cold_start_phase.labels(phase).observe(ms / 1000)
 
 
 @dataclass(slots=True)

@@ -140,6 +140,9 @@ class InferenceRequest:
     payload: dict
     wait_for_capacity: bool = False  # the client sent X-Inferplane-Wait-For-Capacity (endpoints.gateway.standing)
     priority: int = INTERACTIVE_PRIORITY  # the engine's: lower runs sooner (batch work runs later)
+    # A non-streaming client sent X-Inferplane-Progress: held, its answer starts at once and whitespace
+    # keeps it alive until the JSON comes (`endpoints.gateway.anatomy`).
+    progress: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -147,10 +150,11 @@ class InferenceRequest:
 
     @classmethod
     def parse(cls, body: bytes, *, kind: str, path: str, wait_for_capacity: bool = False,
-              max_priority_boost: int | None = None) -> InferenceRequest:
+              max_priority_boost: int | None = None, progress: bool = False) -> InferenceRequest:
         """The request, or the 400 that refuses its body; `max_priority_boost` is the caller key's."""
         payload = parse_payload(body, kind)
-        return cls(kind, path, body, payload, wait_for_capacity, client_priority(payload, max_priority_boost))
+        return cls(kind, path, body, payload, wait_for_capacity, client_priority(payload, max_priority_boost),
+                   progress=progress and not payload.get("stream"))
 
     @property
     def model(self) -> str:

@@ -37,6 +37,7 @@ class _Pull:
     failure_permanent: bool = False  # the spec cannot run on this model: retrying would fail alike
     done: bool = False
     cancelled: bool = False
+    download_s: float | None = None  # how long the fetch took, once it is done
 
 
 class Reconciler:
@@ -120,11 +121,13 @@ class Reconciler:
                 pull.progress_percent = round(100.0 * done / total, 1)
                 pull.progress = f"loading weights {pull.progress_percent:.0f}%"
 
+        fetch_from = time.monotonic()
         try:
             path = self.weights.fetch(
                 spec.model_source, access=SourceAccess.for_replica(spec), on_progress=on_progress
             )
             self.weights.pin(path)
+            pull.download_s = round(time.monotonic() - fetch_from, 3)
         except (WeightsError, ValueError) as exc:  # NOTE: their messages carry no secrets
             logger.warning("replica %s: fetching weights failed: %s", spec.replica_id, exc)
             pull.failure_reason = f"fetching weights from {spec.model_source} failed: {exc}"
@@ -168,7 +171,7 @@ class Reconciler:
             self._pins[spec.replica_id] = path
             # NOTE: start() only schedules; the supervisor's monitor thread forks the engine,
             # because PR_SET_PDEATHSIG would kill it when this short-lived thread ends.
-            self.supervisor.start(spec, path)
+            self.supervisor.start(spec, path).download_s = pull.download_s
             del self._pulls[spec.replica_id]
         self._wake.set()  # report STARTING now: the console and held requests show "starting engine"
 
@@ -210,6 +213,7 @@ class Reconciler:
                     failure_permanent=pull.failure_permanent,
                     progress=pull.progress if state == ReplicaState.STARTING else "",
                     progress_percent=pull.progress_percent if state == ReplicaState.STARTING else None,
+                    download_s=pull.download_s,
                 )
             )
         return statuses

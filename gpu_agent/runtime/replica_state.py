@@ -46,6 +46,8 @@ class ManagedReplica:
     from_standby: bool = False  # the running engine is a standby that took this replica
     avoid_standby: bool = False  # a standby start never got READY: launch naively from now on
     engine_memory: EngineMemory | None = None  # what the running engine's log says it allocated
+    download_s: float | None = None  # how long its weights took to fetch (the reconciler's pull)
+    engine_start_s: float | None = None  # launch to READY, of the engine that first got READY
 
     def set_state(self, state: ReplicaState) -> None:
         if state != self.state or not self.state_history:
@@ -75,6 +77,8 @@ class ManagedReplica:
             failure_reason=self.failure_reason,
             progress=self.progress if self.state == ReplicaState.STARTING else "",
             engine_memory=self.engine_memory if alive else None,
+            download_s=self.download_s,
+            engine_start_s=self.engine_start_s,
         )
 
     # -- transitions ------------------------------------------------------------------
@@ -99,6 +103,8 @@ class ManagedReplica:
     def became_ready(self, now: float, engine_memory: EngineMemory | None = None) -> None:
         self.set_state(ReplicaState.READY)
         self.ready_at = now
+        if self.engine_start_s is None and self.started_at:
+            self.engine_start_s = round(max(now - self.started_at, 0.0), 3)
         self.progress = ""
         self.engine_memory = engine_memory
 

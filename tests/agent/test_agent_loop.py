@@ -253,6 +253,9 @@ def test_starts_desired_replicas_and_reports_them_ready(control_plane, running_a
     status = next(s for s in control_plane.heartbeats[-1].replicas if s.replica_id == "r-a")
     assert status.address.startswith("http://127.0.0.1:") and status.pid
     assert "starting engine" in control_plane.all_progress()
+    # its cold start's anatomy: how long the weights took, and the engine from launch to READY
+    assert status.download_s is not None and status.download_s >= 0
+    assert status.engine_start_s is not None and status.engine_start_s >= 0
 
 
 def test_two_replicas_of_one_s3_model_download_once(control_plane, running_agent, s3, s3_endpoint):  # noqa: F811

@@ -1,6 +1,7 @@
 """`GET /api/v1/usage/` and its CSV export: groupings, date ranges, tenancy."""
 
 import csv
+import dataclasses
 import io
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -9,11 +10,14 @@ import pytest
 from django.utils import timezone
 
 from billing.ledger import record_usage
+from billing.models import UsageRecord
 from controlplane.accounts.models import ApiKey, Role
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory, OrganizationFactory
 
 pytestmark = pytest.mark.django_db
+
+COLD_START_PHASES = {"queue": 100, "placement": 400, "download": 1500, "engine": 1800, "first_token": 200}
 
 
 def _day(text: str) -> datetime:
@@ -29,7 +33,9 @@ def usage(owner_client):
     code = EndpointFactory(organization=organization, name="code", price_input_per_million=Decimal("1"),
                            price_cached_input_per_million=Decimal("0.5"), price_output_per_million=Decimal("2"))
     record_usage(usage_report(chat, api_key=key, finished_at=_day("2026-03-01"), prompt_tokens=1000, cached_tokens=200, completion_tokens=100))
-    record_usage(usage_report(chat, api_key=key, finished_at=_day("2026-03-02"), prompt_tokens=500, completion_tokens=50))
+    record_usage(dataclasses.replace(
+        usage_report(chat, api_key=key, finished_at=_day("2026-03-02"), prompt_tokens=500, completion_tokens=50),
+        cold_start_ms=4000, cold_start_phases=COLD_START_PHASES))
     record_usage(usage_report(code, finished_at=_day("2026-03-02"), prompt_tokens=10, completion_tokens=1, status="client_aborted"))
     record_usage(usage_report(code, finished_at=_day("2026-04-01"), prompt_tokens=7, completion_tokens=7))
     return {"key": key, "chat": chat, "code": code}
@@ -45,8 +51,10 @@ def test_usage_by_endpoint_counts_requests_tokens_and_cost(owner_client, usage):
     assert response.status_code == 200
     assert response.json() == {"results": [
         # 800 × $1 + 200 × $0.5 + 100 × $2 per million, then 500 × $1 + 50 × $2
-        {"endpoint": "chat", "requests": 2, "prompt_tokens": 1500, "cached_tokens": 200, "completion_tokens": 150, "cost": "0.0017"},
-        {"endpoint": "code", "requests": 1, "prompt_tokens": 10, "cached_tokens": 0, "completion_tokens": 1, "cost": "0.000012"},
+        {"endpoint": "chat", "requests": 2, "prompt_tokens": 1500, "cached_tokens": 200, "completion_tokens": 150, "cost": "0.0017",
+         "cold_starts": 1, "cold_start_ms": 4000},
+        {"endpoint": "code", "requests": 1, "prompt_tokens": 10, "cached_tokens": 0, "completion_tokens": 1, "cost": "0.000012",
+         "cold_starts": 0, "cold_start_ms": 0},
     ]}
 
 
@@ -102,3 +110,12 @@ def test_the_default_range_is_this_month(owner_client):
     record_usage(usage_report(endpoint, finished_at=timezone.now() - timedelta(days=40)))
 
     assert owner_client.get("/api/v1/usage/").json()["results"][0]["requests"] == 1
+
+
+def test_a_cold_start_reaches_the_usage_row_and_the_csv_with_its_phases(owner_client, usage):
+    row = UsageRecord.objects.get(endpoint=usage["chat"], cold_start_ms__isnull=False)
+    assert row.cold_start_ms == 4000 and row.cold_start_phases == COLD_START_PHASES
+
+    response = owner_client.get("/api/v1/usage/export.csv", {"group_by": "endpoint", "start": "2026-03-01", "end": "2026-03-31"})
+    rows = list(csv.DictReader(io.StringIO(response.content.decode())))
+    assert [(r["endpoint"], r["cold_starts"], r["cold_start_ms"]) for r in rows] == [("chat", "1", "4000"), ("code", "0", "0")]
