@@ -302,6 +302,11 @@ class Replica(models.Model):
         ordering = ["created_at"]
         indexes = [models.Index(fields=["endpoint", "state"]), models.Index(fields=["node", "state"])]
 
+    @property
+    def prefix_cache_hit_percent(self) -> float:
+        """Share of the prompt tokens its engine looked up that its prefix cache held, 0..100."""
+        return 100 * self.num_prefix_cache_hits / self.num_prefix_cache_queries if self.num_prefix_cache_queries else 0.0
+
     def __str__(self) -> str:
         return f"{self.endpoint.name}/{str(self.id)[:8]}"
 
