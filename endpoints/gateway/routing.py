@@ -64,16 +64,20 @@ class Route:
             raise ValueError("margin and num_preferred must be non-negative, num_preferred at most len(order)")
 
 
-def prompt_text(kind: str, payload: dict) -> str:
-    """The rendered prompt's text as far as routing needs it (roles and text in order)."""
+def prompt_text(kind: str, payload: dict, limit: int = PREFIX_CHARS) -> str:
+    """The rendered prompt's text as far as routing needs it (roles and text in order), from the first
+    `limit` characters on possibly cut short."""
     if kind == "chat":
-        parts = []
+        parts, num_chars = [], 0
         for message in payload.get("messages") or []:
+            if num_chars >= limit:
+                break
             content = message.get("content")
             if not isinstance(content, str):  # a list of parts: text as is, anything else as JSON
                 content = "".join(part.get("text", "") if isinstance(part, dict) and part.get("type") == "text"
                                   else json.dumps(part, sort_keys=True) for part in content or [])
             parts.append(f"<{message.get('role', '')}>{content}")
+            num_chars += len(parts[-1])
         return "".join(parts)
     if kind == "completion":
         prompt = payload.get("prompt")
