@@ -13,6 +13,7 @@ from controlplane.redis_client import get_redis
 from controlplane.redis_keys import outstanding_key
 from endpoints.gateway import admission, routing
 from endpoints.gateway.auth import Caller
+from tests.conftest import wait_until
 from tests.factories import OrganizationFactory
 from tests.gateway.conftest import serve_endpoint
 
@@ -160,6 +161,11 @@ def test_a_replica_that_reports_cache_hits_for_a_prefix_gets_the_prefix_next_tim
 
 
 # --- through the gateway, two upstream replicas --------------------------------------------------
+def _wait_until_finished(organization_id: int, replica_ids: list[str]) -> None:
+    wait_until(lambda: all(int(get_redis().get(outstanding_key(organization_id, r)) or 0) == 0 for r in replica_ids),
+               30, message="the requests to end in Redis")
+
+
 def _num_requests(address: str) -> int:
     return httpx.get(f"{address}/_stats", timeout=5).json()["num_requests"]
 
@@ -188,9 +194,11 @@ def test_chats_sharing_a_prefix_land_on_one_replica_and_spill_over_when_it_is_lo
     assert [a.usage.prompt_tokens_details.cached_tokens > 0 for a in answers] == [False, False] + [True] * 4
 
     # replica 0 is busy (3 outstanding requests from other gateways): more than least-loaded + 2
+    _wait_until_finished(tenant.org.pk, ids)  # a request ends in Redis just after its answer
     get_redis().set(outstanding_key(tenant.org.pk, ids[0]), 3)
     ask(systems[0], "while it is busy")
     assert [_num_requests(a) for a in upstreams] == [3, 4]
+    _wait_until_finished(tenant.org.pk, ids[1:])
     get_redis().set(outstanding_key(tenant.org.pk, ids[0]), 2)  # within the margin again
     ask(systems[0], "once it is less busy")
     assert [_num_requests(a) for a in upstreams] == [4, 4]
