@@ -280,6 +280,9 @@ class Replica(models.Model):
     num_waiting = models.PositiveIntegerField(default=0)
     kv_cache_usage = models.FloatField(default=0.0)
     tokens_per_s = models.FloatField(default=0.0)
+    # Prompt tokens its engine looked up in its prefix cache, and found there, since the engine started.
+    num_prefix_cache_queries = models.PositiveBigIntegerField(default=0)
+    num_prefix_cache_hits = models.PositiveBigIntegerField(default=0)
     progress = models.CharField(max_length=100, blank=True)
     progress_percent = models.FloatField(null=True, blank=True)
     # What the engine said it allocated once started (its log; `protocol.EngineMemory`), in MB.
@@ -301,6 +304,11 @@ class Replica(models.Model):
     class Meta:
         ordering = ["created_at"]
         indexes = [models.Index(fields=["endpoint", "state"]), models.Index(fields=["node", "state"])]
+
+    @property
+    def prefix_cache_hit_percent(self) -> float:
+        """Share of the prompt tokens its engine looked up that its prefix cache held, 0..100."""
+        return 100 * self.num_prefix_cache_hits / self.num_prefix_cache_queries if self.num_prefix_cache_queries else 0.0
 
     def __str__(self) -> str:
         return f"{self.endpoint.name}/{str(self.id)[:8]}"

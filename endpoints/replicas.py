@@ -174,6 +174,8 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
         fields = {
             "num_running": report.num_running, "num_waiting": report.num_waiting,
             "kv_cache_usage": report.kv_cache_usage, "tokens_per_s": report.tokens_per_s,
+            "num_prefix_cache_queries": report.num_prefix_cache_queries,
+            "num_prefix_cache_hits": report.num_prefix_cache_hits,
             "progress": report.progress[:100], "progress_percent": report.progress_percent,
         }
         memory = report.engine_memory

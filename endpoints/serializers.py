@@ -126,7 +126,8 @@ class ReplicaSerializer(serializers.ModelSerializer):
         model = Replica
         fields = [
             "id", "state", "node", "node_id", "gpu_indices", "gpu_memory_fraction", "address", "failure_reason", "num_restarts",
-            "num_running", "num_waiting", "kv_cache_usage", "tokens_per_s", "progress", "progress_percent",
+            "num_running", "num_waiting", "kv_cache_usage", "tokens_per_s",
+            "num_prefix_cache_queries", "num_prefix_cache_hits", "progress", "progress_percent",
             "engine_weights_mb", "engine_kv_cache_mb",
             "created_at", "state_changed_at", "ready_at", "stopped_at",
         ]

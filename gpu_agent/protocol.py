@@ -260,6 +260,9 @@ class ReplicaStatus(Message):
     num_waiting: int = 0  # requests queued in the engine
     kv_cache_usage: float = 0.0  # 0..1
     tokens_per_s: float = 0.0
+    # Prompt tokens the engine looked up in its prefix cache, and found, since it started (cumulative).
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
     num_restarts: int = 0
     failure_reason: str = ""
     # The spec cannot run on this model (e.g. max_model_len past its context): another try fails alike.
@@ -278,6 +281,7 @@ class ReplicaStatus(Message):
         _require(bool(self.replica_id), "replica_id is required")
         _require(0.0 <= self.kv_cache_usage <= 1.0, "kv_cache_usage must be within 0..1")
         _require(self.num_running >= 0 and self.num_waiting >= 0, "request counts must be >= 0")
+        _require(min(self.num_prefix_cache_queries, self.num_prefix_cache_hits) >= 0, "prefix-cache counts must be >= 0")
 
 
 @dataclass(slots=True)

@@ -1,10 +1,12 @@
 """A request's two Redis round trips: admit it, and finish it.
 
 `admit` checks the key's rate limits, reserves the request's largest cost against the spend caps
-and prepaid credit, counts it in flight (or waiting for a cold start) and picks the replica with
-the fewest outstanding requests, all in one Lua script: nothing changes unless everything passes.
+and prepaid credit, counts it in flight (or waiting for a cold start) and picks its replica (the one `routing`
+prefers for the prompt's prefix within a margin of the least loaded, else the fewest outstanding
+requests), all in one Lua script: nothing changes unless everything passes.
 `finish` ends the in-flight count, releases the replica, gives back the tokens it reserved but did
-not use and settles the real cost, in one more. The logic of each part lives with its owner (`limits`,
+not use, remembers the replica if it served the prompt's prefix from its cache (`routing.LEARN`) and
+settles the real cost, in one more. The logic of each part lives with its owner (`limits`,
 `billing.quota.counters`, `traffic`), which declares the keys and arguments its Lua functions read
 (a `ScriptPart`); this module only puts them into one script each (`controlplane.script_parts`
 computes where each part's keys and arguments sit).
@@ -16,8 +18,9 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from billing.quota import counters, rebuild
+from controlplane.redis_keys import outstanding_key
 from controlplane.script_parts import ComposedScript
-from endpoints.gateway import limits, traffic
+from endpoints.gateway import limits, routing, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 
@@ -41,16 +44,17 @@ end
 limits_take(limits_check_K, limits_check_A)
 traffic_begin(traffic_begin_K, traffic_begin_A)
 used = limits_used(limits_check_K)
-if #traffic_pick_K == 0 then return {'ok', '0', used[1], used[2]} end
+if #traffic_pick_K == 1 then return {'ok', '0', used[1], used[2]} end
 local picked = traffic_pick(traffic_pick_K, traffic_pick_A)
--- this gateway's requests hash holds the request as in flight on the replica picked
-traffic_hold({traffic_begin_K[3]}, {traffic_begin_A[1], traffic_begin_A[3], traffic_pick_K[picked]})
+-- this gateway's requests hash holds the request as in flight on the replica picked (after the hint key)
+traffic_hold({traffic_begin_K[3]}, {traffic_begin_A[1], traffic_begin_A[3], traffic_pick_K[picked + 1]})
 return {'ok', tostring(picked), used[1], used[2]}
 """)
 
-_FINISH = ComposedScript([traffic.END, limits.GIVE_BACK, counters.SETTLE], glue="""
+_FINISH = ComposedScript([traffic.END, limits.GIVE_BACK, routing.LEARN, counters.SETTLE], glue="""
 traffic_end(traffic_end_K, traffic_end_A)
 limits_give_back(limits_give_back_K, limits_give_back_A)
+routing_learn(routing_learn_K, routing_learn_A)
 return quota_settle(quota_settle_K, quota_settle_A)
 """)
 
@@ -62,17 +66,21 @@ class Admission:
     reservation: counters.Reservation
     picked: int | None  # index into the candidates, or None when there were none (a cold start)
     window: limits.Window  # the minute its request and worst-case tokens were counted in
+    prefix_key: str | None = None  # the prompt's prefix (`routing.prefix_key`), learned from at the finish
 
 
 async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: Decimal, num_tokens: int,
-                candidates: list[str], report: RateLimitReport | None = None) -> Admission:
+                candidates: list[str], report: RateLimitReport | None = None, prefix_key: str | None = None,
+                margin: int = 0, prefer: frozenset[str] = frozenset()) -> Admission:
     """Admit a request, or raise the OpenAIError (429) or QuotaExceeded that refuses it.
 
     `report` (the answer's rate-limit headers) gets the counters as the script left them, admitted or not.
 
     `amount` is its largest possible cost and `num_tokens` the most tokens it may use (both
     reserved until `finish`). With `candidates` (READY replica ids) it is counted in flight on the
-    one picked; without, it is counted as waiting for a cold start.
+    one picked; without, it is counted as waiting for a cold start. The pick prefers, within `margin`
+    outstanding requests of the least loaded, the replicas in `prefer` (e.g. an adapter's holders),
+    then the one that last served `prefix_key` from its cache, then `prefix_key`'s rendezvous order.
     """
     # NOTE: every key below carries the caller's organisation's hash tag (`controlplane.redis_keys`);
     # the endpoint and its replicas are the caller's organisation's, so both scripts run on Redis Cluster.
@@ -87,7 +95,8 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
             quota_reserve=(reserve_keys, reserve_args),
             traffic_begin=traffic.begin_keys_and_args(caller.organization_id, endpoint_id, request_id,
                                                       waiting=not candidates),
-            traffic_pick=traffic.pick_keys_and_args(caller.organization_id, candidates),
+            traffic_pick=traffic.pick_keys_and_args(caller.organization_id, candidates, routing.route(
+                caller.organization_id, endpoint_id, prefix_key, candidates, margin=margin, prefer=prefer)),
         )
         if report is not None:
             report.counted(window, num_requests, num_tokens_counted)
@@ -99,17 +108,21 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
         if (refused := counters.refusal(status, detail)) is not None:
             raise refused
         traffic.note_recent(endpoint_id)
-        return Admission(reservation, int(detail) - 1 if candidates else None, window)
+        return Admission(reservation, int(detail) - 1 if candidates else None, window, prefix_key)
     raise RuntimeError("billing counters kept vanishing while admitting a request")
 
 
 async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, release: str | None,
-                 num_tokens: int, cost: Decimal) -> None:
+                 num_tokens: int, cost: Decimal, served_by: str | None = None, cached_tokens: int = 0) -> None:
     """The request is over: out of flight, its replica released, the tokens it reserved replaced by
-    the `num_tokens` it used, its cost settled."""
+    the `num_tokens` it used, its cost settled; if `served_by` (a replica id) reported `cached_tokens`,
+    it is remembered as holding the prompt's prefix."""
     await _FINISH(
         traffic_end=traffic.end_keys_and_args(caller.organization_id, endpoint_id, admission.reservation.request_id,
                                               release=release),
         limits_give_back=admission.window.give_back_keys_and_args(num_tokens),
+        routing_learn=routing.learn_keys_and_args(
+            caller.organization_id, endpoint_id, admission.prefix_key,
+            outstanding_key(caller.organization_id, served_by) if served_by else None, cached_tokens),
         quota_settle=counters.settle_keys_and_args(admission.reservation, cost),
     )

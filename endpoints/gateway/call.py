@@ -27,6 +27,7 @@ from endpoints.gateway import (
     errors,
     metrics,
     presence,
+    routing,
     sse,
     standing,
     traffic,
@@ -110,7 +111,9 @@ class InferenceCall:
             # request in flight (or waiting) and picks its replica; `_finish` undoes it in one more.
             admitted = await admission.admit(
                 caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=self.reserved,
-                num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas], report=self.ratelimit)
+                num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas], report=self.ratelimit,
+                prefix_key=routing.prefix_key(self.request.kind, self.request.payload),
+                margin=self.endpoint.target_concurrency)
         except QuotaExceeded as exc:
             await cold_start.give_up(place)
             raise errors.insufficient_quota(str(exc)) from None
@@ -371,7 +374,8 @@ class InferenceCall:
                 await admission.finish(caller=self.caller, endpoint_id=self.endpoint.id, admission=admitted,
                                        release=self.outstanding_replica_id,
                                        num_tokens=usage.prompt_tokens + usage.completion_tokens if self.served else 0,
-                                       cost=actual)
+                                       cost=actual, served_by=self.replica.id if self.replica else None,
+                                       cached_tokens=usage.cached_tokens)
             except errors.OUTAGES as exc:
                 # NOTE: the answer is given and its usage row written; the heartbeat ends it in Redis
                 # later, and the reservation expires (`billing.quota.sweeper`).

@@ -43,6 +43,9 @@ class EndpointInfo:
     status_message: str = ""
     # "generate" or "embed" (`Endpoint.serving_task`); "" while an "auto" endpoint's model is unread.
     task: str = ""
+    # The endpoint's target concurrency per replica: how far above the least-loaded replica the gateway
+    # may still send a request to the replica preferred for its prompt's prefix (`routing`).
+    target_concurrency: int = 8
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +69,7 @@ def _endpoint_info(endpoint) -> EndpointInfo:
         created_at=endpoint.created_at.timestamp(),
         max_held_requests=endpoint.organization.quotas.max_held_requests,
         state=_blocking_state(endpoint), status_message=endpoint.status_message, task=endpoint.serving_task,
+        target_concurrency=endpoint.target_concurrency,
     )
 
 

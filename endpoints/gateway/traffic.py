@@ -1,6 +1,7 @@
 """Shared traffic state in Redis, exact across gateway processes.
 
-- outstanding requests per replica (the balancer picks the fewest, atomically);
+- outstanding requests per replica (the balancer picks, atomically, the fewest or the replica
+  `endpoints.gateway.routing` prefers for the prompt's prefix, within a margin of the fewest);
 - in-flight and waiting requests per endpoint, as sorted sets of request ids scored by
   their start time, so a gateway that dies mid-request leaks nothing for long: readers
   ignore entries older than `STALE_AFTER_S`;
@@ -35,6 +36,7 @@ from controlplane.redis_keys import (
 )
 from controlplane.redis_scripts import Script
 from controlplane.script_parts import ScriptPart
+from endpoints.gateway import routing
 
 STALE_AFTER_S = 3600
 RECENT_WINDOW_S = 86400  # the autoscaler tick looks at endpoints with a request this recent
@@ -56,13 +58,32 @@ local function traffic_hold(K, A)
   redis.call('HSET', K[1], A[1], A[2] .. '|' .. A[3])
 end
 local function traffic_pick(K, A)
-  local best, best_value = 1, nil
-  for i, key in ipairs(K) do
-    local value = tonumber(redis.call('GET', key) or '0')
-    if best_value == nil or value < best_value then best, best_value = i, value end
+  local counts, least = {}, nil
+  for i = 2, #K do
+    counts[i - 1] = tonumber(redis.call('GET', K[i]) or '0')
+    if least == nil or counts[i - 1] < counts[least] then least = i - 1 end
   end
-  redis.call('INCR', K[best])
-  redis.call('EXPIRE', K[best], A[1])
+  local order = {}
+  for index in string.gmatch(A[2], '%d+') do order[#order + 1] = tonumber(index) end
+  -- the replica that last served this prefix from its cache goes first (never ahead of `prefer`'s)
+  local hinted = redis.call('GET', K[1])
+  if hinted then
+    for position, index in ipairs(order) do
+      if K[index + 1] == hinted then
+        if tonumber(A[3]) == 0 or position <= tonumber(A[3]) then
+          table.remove(order, position)
+          table.insert(order, 1, index)
+        end
+        break
+      end
+    end
+  end
+  local best = least
+  for _, index in ipairs(order) do
+    if counts[index] ~= nil and counts[index] <= counts[least] + tonumber(A[4]) then best = index break end
+  end
+  redis.call('INCR', K[best + 1])
+  redis.call('EXPIRE', K[best + 1], A[1])
   return best
 end
 local function traffic_release(K)
@@ -83,19 +104,25 @@ BEGIN = ScriptPart("traffic_begin",
                    keys=("the endpoint's in-flight (or waiting) set", "its last-request key",
                          "this gateway's requests hash (of the endpoint's organisation)"),
                    args=("request id", "now", "endpoint id"), lua=TRAFFIC_LUA)
-# Counts one more on the least outstanding candidate and returns its 1-based index.
-PICK = ScriptPart("traffic_pick", keys=(), args=("counter TTL",), lua=TRAFFIC_LUA, variadic_keys=True)
+# Counts one more on the candidate chosen (`endpoints.gateway.routing`: the first in the order of
+# preference, the hinted one moved first, whose count is within the margin of the least loaded; else the
+# least loaded) and returns its 1-based index among the candidates' counters (the keys after the hint).
+PICK = ScriptPart("traffic_pick", keys=("the prefix's hint key (or a placeholder)",),
+                  args=("counter TTL", "order of preference (1-based indices, comma-separated)",
+                        "how many of its first entries are preferred (a hint stays behind them)", "margin"),
+                  lua=TRAFFIC_LUA, variadic_keys=True)
 END = ScriptPart("traffic_end",
                  keys=("the endpoint's in-flight set", "its waiting set", "its last-request key",
                        "the outstanding counter held (or a placeholder)", "this gateway's requests hash"),
                  args=("request id", "now", "release (1: drop the counter by one)"), lua=TRAFFIC_LUA)
 
-# KEYS: this gateway's requests hash, then the candidates' counters; ARGV: TTL, request id, endpoint id.
+# KEYS: this gateway's requests hash, a hint placeholder, then the candidates' counters; ARGV: TTL,
+# request id, endpoint id.
 _PICK_LEAST_OUTSTANDING = Script(TRAFFIC_LUA + """
 local candidates = {}
 for i = 2, #KEYS do candidates[#candidates + 1] = KEYS[i] end
-local best = traffic_pick(candidates, {ARGV[1]})
-traffic_hold({KEYS[1]}, {ARGV[2], ARGV[3], candidates[best]})
+local best = traffic_pick(candidates, {ARGV[1], '', '0', '0'})
+traffic_hold({KEYS[1]}, {ARGV[2], ARGV[3], candidates[best + 1]})
 return best
 """)
 # KEYS: this gateway's requests hash, the counter; ARGV: request id, endpoint id. Releases the counter
@@ -160,8 +187,9 @@ def take_recent() -> dict[str, float]:
 
 async def pick_replica(organization_id: int, replica_ids: list[str], *, request_id: str, endpoint_id: str) -> int:
     """Index of the replica with the fewest outstanding requests, already counted as one more (held by
-    `request_id` in this gateway's requests)."""
-    keys = [gateway_requests_key(organization_id)] + [outstanding_key(organization_id, r) for r in replica_ids]
+    `request_id` in this gateway's requests). The retry after a replica failed: no prefix preference."""
+    keys = [gateway_requests_key(organization_id), routing.hint_key(organization_id, "-", None)] + [
+        outstanding_key(organization_id, r) for r in replica_ids]
     return int(await _PICK_LEAST_OUTSTANDING(keys=keys, args=[OUTSTANDING_TTL_S, request_id, endpoint_id])) - 1
 
 
@@ -189,9 +217,15 @@ def end_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *
     return keys, [request_id, time.time(), "1" if release is not None else "0"]
 
 
-def pick_keys_and_args(organization_id: int, replica_ids: list[str]) -> tuple[list[str], list]:
-    """`PICK`'s keys and arguments: the candidates' outstanding counters."""
-    return [outstanding_key(organization_id, r) for r in replica_ids], [OUTSTANDING_TTL_S]
+def pick_keys_and_args(organization_id: int, replica_ids: list[str],
+                       route: routing.Route | None = None) -> tuple[list[str], list]:
+    """`PICK`'s keys and arguments: the prefix's hint key and the candidates' outstanding counters, and
+    `route`'s order of preference (without one: the least outstanding)."""
+    if route is None:
+        route = routing.Route(routing.hint_key(organization_id, "-", None), (), 0, 0)
+    order = ",".join(str(i + 1) for i in route.order)
+    return ([route.hint_key] + [outstanding_key(organization_id, r) for r in replica_ids],
+            [OUTSTANDING_TTL_S, order, route.num_preferred, route.margin])
 
 
 async def promote_request(organization_id: int, endpoint_id: str, request_id: str) -> None:

@@ -20,6 +20,9 @@ class EngineMetrics:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     generation_tokens_total: float = 0.0
+    # Prompt tokens looked up in / found in the prefix cache since the engine started (vLLM's counters).
+    prefix_cache_queries_total: float = 0.0
+    prefix_cache_hits_total: float = 0.0
 
 
 class EngineProbe:
@@ -68,4 +71,6 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         num_waiting=int(values.get("vllm:num_requests_waiting", 0)),
         kv_cache_usage=float(kv_cache),
         generation_tokens_total=values.get("vllm:generation_tokens_total", 0.0),
+        prefix_cache_queries_total=values.get("vllm:prefix_cache_queries_total", values.get("vllm:prefix_cache_queries", 0.0)),
+        prefix_cache_hits_total=values.get("vllm:prefix_cache_hits_total", values.get("vllm:prefix_cache_hits", 0.0)),
     )

@@ -73,6 +73,8 @@ class ManagedReplica:
             num_waiting=self.metrics.num_waiting if alive else 0,
             kv_cache_usage=min(max(self.metrics.kv_cache_usage, 0.0), 1.0) if alive else 0.0,
             tokens_per_s=self.tokens_per_s if alive else 0.0,
+            num_prefix_cache_queries=int(self.metrics.prefix_cache_queries_total) if alive else 0,
+            num_prefix_cache_hits=int(self.metrics.prefix_cache_hits_total) if alive else 0,
             num_restarts=self.num_restarts,
             failure_reason=self.failure_reason,
             progress=self.progress if self.state == ReplicaState.STARTING else "",

@@ -77,6 +77,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 f'vllm:num_requests_running{{engine="0"}} {running()}.0\n'
                 'vllm:num_requests_waiting{engine="0"} 0.0\n'
                 'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+                'vllm:prefix_cache_queries_total{engine="0"} 400.0\n'
+                'vllm:prefix_cache_hits_total{engine="0"} 96.0\n'
                 f'vllm:generation_tokens_total{{engine="0"}} {int((time.monotonic() - started_at) * 10)}.0\n'
             )
             self._send(200, text, "text/plain")

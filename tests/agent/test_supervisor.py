@@ -53,6 +53,8 @@ def test_replica_becomes_ready_once_health_passes(make_supervisor):
     supervisor.poll()
     supervisor.poll()
     assert supervisor.statuses()[0].kv_cache_usage == 0.25
+    # the engine's prefix-cache counters reach the heartbeat (the fleet's replica view)
+    assert (status := supervisor.statuses()[0]).num_prefix_cache_hits == 96 and status.num_prefix_cache_queries == 400
 
 
 def test_crashed_engine_restarts_with_backoff_then_fails_with_log_tail(make_supervisor):
@@ -168,7 +170,10 @@ vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0
 vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 1.0
 vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.5
 vllm:generation_tokens_total{engine="0",model_name="tiny"} 24.0
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 512.0
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 128.0
 """
     metrics = parse_engine_metrics(text)
     assert (metrics.num_running, metrics.num_waiting, metrics.kv_cache_usage) == (3, 1, 0.5)
     assert metrics.generation_tokens_total == 24.0
+    assert (metrics.prefix_cache_queries_total, metrics.prefix_cache_hits_total) == (512.0, 128.0)

@@ -7,7 +7,8 @@ It speaks what the gateway relies on from vLLM: `/health`, non-streaming answers
 `usage`, streaming SSE with `stream_options.include_usage` / `continuous_usage_stats`.
 Each completion has `max_tokens` tokens (default 16), one per chunk. With INFERPLANE_ENGINE_API_KEY
 set it runs behind the same `EngineKeyGuard` as a real engine; `GET /_stats` counts the requests
-that reached it.
+that reached it. With `--prefix-cache`, a modelled prefix cache reports `cached_tokens` for a prompt whose first message (or
+first 256 characters) it has seen before.
 """
 
 from __future__ import annotations
@@ -29,17 +30,26 @@ def _dumps(data) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def _usage(completion_tokens: int) -> dict:
+def _usage(completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": completion_tokens,
-            "total_tokens": PROMPT_TOKENS + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+            "total_tokens": PROMPT_TOKENS + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _prefix(payload: dict) -> str:
+    """What this mock's modelled prefix cache remembers of a prompt: its first message, or 256 characters."""
+    messages = payload.get("messages")
+    return json.dumps(messages[0], sort_keys=True) if messages else str(payload.get("prompt"))[:256]
 
 
 class MockOpenAI:
-    def __init__(self, token_delay_s: float = 0.0, fail_after_chunks: int | None = None, one_write: bool = False):
+    def __init__(self, token_delay_s: float = 0.0, fail_after_chunks: int | None = None, one_write: bool = False,
+                 prefix_cache: bool = False):
         self.token_delay_s = token_delay_s
         self.fail_after_chunks = fail_after_chunks
         self.one_write = one_write  # a whole stream in one write: what a fast engine looks like to a busy gateway
         self.num_requests = 0
+        self.prefix_cache = prefix_cache
+        self.prefixes_seen: set[str] = set()  # a modelled prefix cache: a prefix seen before is reported cached
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -70,18 +80,20 @@ class MockOpenAI:
             return await self._embeddings(send, payload)
         num_tokens = int(payload.get("max_tokens") or payload.get("max_completion_tokens") or 16)
         chat = path.endswith("/chat/completions")
+        cached = PROMPT_TOKENS - 1 if self.prefix_cache and _prefix(payload) in self.prefixes_seen else 0
+        self.prefixes_seen.add(_prefix(payload))
         if payload.get("stream"):
-            return await self._stream(send, payload, num_tokens, chat)
+            return await self._stream(send, payload, num_tokens, chat, cached)
         await asyncio.sleep(self.token_delay_s * num_tokens)
         text = " ".join(["tok"] * num_tokens)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
                   else {"index": 0, "text": text, "finish_reason": "length"})
         return await self._json(send, 200, {
             "id": "cmpl-mock", "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": payload.get("model"), "choices": [choice], "usage": _usage(num_tokens),
+            "model": payload.get("model"), "choices": [choice], "usage": _usage(num_tokens, cached),
         })
 
-    async def _stream(self, send, payload, num_tokens, chat):
+    async def _stream(self, send, payload, num_tokens, chat, cached=0):
         options = payload.get("stream_options") or {}
         include_usage, continuous = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
@@ -105,10 +117,10 @@ class MockOpenAI:
                      {"index": 0, "text": "tok ", "finish_reason": None}
             chunk = base | {"choices": [choice]}
             if include_usage and continuous:
-                chunk["usage"] = _usage(index + 1)
+                chunk["usage"] = _usage(index + 1, cached)
             await emit(b"data: " + _dumps(chunk) + b"\n\n")
         if include_usage:
-            final = base | {"choices": [], "usage": _usage(num_tokens)}
+            final = base | {"choices": [], "usage": _usage(num_tokens, cached)}
             await emit(b"data: " + _dumps(final) + b"\n\n")
         await emit(b"data: [DONE]\n\n", more=False)
 
@@ -136,8 +148,9 @@ def main() -> None:
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     parser.add_argument("--fail-after-chunks", type=int, default=None)
     parser.add_argument("--one-write", action="store_true", help="send each stream in one write")
+    parser.add_argument("--prefix-cache", action="store_true", help="report cached tokens for a prefix seen before")
     args = parser.parse_args()
-    app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks, args.one_write)
+    app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks, args.one_write, args.prefix_cache)
     if os.environ.get(ENGINE_API_KEY_ENV):
         app = EngineKeyGuard(app)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)

@@ -32,13 +32,15 @@ def start_mock_upstream(tmp_path):
     started: list[ChildProcess] = []
 
     def start(*, token_delay_ms: float = 0, fail_after_chunks: int | None = None, engine_key: str = "",
-              one_write: bool = False) -> str:
+              one_write: bool = False, prefix_cache: bool = False) -> str:
         port = free_port()
         args = [sys.executable, "-m", "tests.fakes.mock_openai", "--port", str(port), "--token-delay-ms", str(token_delay_ms)]
         if fail_after_chunks is not None:
             args += ["--fail-after-chunks", str(fail_after_chunks)]
         if one_write:
             args.append("--one-write")
+        if prefix_cache:
+            args.append("--prefix-cache")
         env = child_env() | ({ENGINE_API_KEY_ENV: engine_key} if engine_key else {})
         child = ChildProcess(args, env, tmp_path / f"mock-{port}.log")
         started.append(child)
