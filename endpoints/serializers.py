@@ -29,7 +29,12 @@ from endpoints.models import (
     Replica,
 )
 from endpoints.placement import memory_needed_mb, smallest_gpu_count
-from gpu_agent.protocol import FINAL_REPLICA_STATES, ModelTask, SpeculativeMethod, checkpoint_quantization_problem
+from gpu_agent.protocol import (
+    FINAL_REPLICA_STATES,
+    ModelTask,
+    SpeculativeMethod,
+    checkpoint_quantization_problem,
+)
 
 RECENT_ENDED_REPLICAS = 5
 
