@@ -78,6 +78,22 @@ class EndpointForm(SerializerBackedForm):
         help_text="How the engine reads tool calls in the model's output, for `tools` in chat completions.",
     )
 
+    speculative_method = forms.ChoiceField(
+        label="Speculative decoding", required=False,
+        choices=[("none", "Off"), ("ngram", "Prompt lookup (n-gram)"), ("draft", "Draft model")],
+        help_text="Guess several tokens ahead and let the model check them in one step: same output, faster when "
+                  "guesses land (prompt lookup for outputs that repeat the prompt, such as edits; a draft model "
+                  "of the same tokenizer otherwise).",
+    )
+    num_speculative_tokens = _number("Tokens guessed per step", "1–16.", min=1, max=16)
+    prompt_lookup_max = _number("Prompt lookup: longest match", "Tokens, 1–16.", min=1, max=16)
+    prompt_lookup_min = _number("Prompt lookup: shortest match", "Tokens, at least 1.", min=1, max=16)
+    draft_model_source = forms.CharField(
+        label="Draft model source", required=False,
+        help_text="A small model with the same tokenizer (hf:, s3:// or a local path), read with the credential above.",
+        widget=forms.TextInput(attrs={"placeholder": "hf:meta-llama/Llama-3.2-1B-Instruct", "spellcheck": "false"}),
+    )
+
     def __init__(self, *args, gpu_type: str | None = None, organization=None, **kwargs):
         super().__init__(*args, **kwargs)
         chosen = self.data.get("gpu_type") if self.is_bound else None

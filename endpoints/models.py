@@ -15,7 +15,13 @@ from django.utils import timezone
 
 from controlplane import secrets as secrets_at_rest
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
-from gpu_agent.protocol import CheckpointQuantization, ModelTask, ReplicaState, task_of_architecture
+from gpu_agent.protocol import (
+    CheckpointQuantization,
+    ModelTask,
+    ReplicaState,
+    SpeculativeMethod,
+    task_of_architecture,
+)
 
 
 class EndpointState(models.TextChoices):
@@ -135,6 +141,13 @@ class Endpoint(models.Model):
     keep_warm_after_cold_start_s = models.PositiveIntegerField(default=0)
     last_cold_start_at = models.DateTimeField(null=True, blank=True, editable=False)
     enable_prefix_caching = models.BooleanField(default=True)
+    # Speculative decoding (`endpoints.speculative`): "none", "ngram" (prompt lookup) or "draft" (a small
+    # model with the same tokenizer, read from `draft_model_source` with the endpoint's own credential).
+    speculative_method = models.CharField(max_length=16, choices=[(m.value, m.value) for m in SpeculativeMethod], default="none")
+    num_speculative_tokens = models.PositiveSmallIntegerField(default=4)
+    prompt_lookup_max = models.PositiveSmallIntegerField(default=4)
+    prompt_lookup_min = models.PositiveSmallIntegerField(default=2)
+    draft_model_source = models.CharField(max_length=500, blank=True)
     # vLLM's tool-call parser (`endpoints.catalogue.TOOL_CALL_PARSERS`); "" turns tool calling off.
     tool_call_parser = models.CharField(max_length=32, blank=True, default="")
     # What it serves (`protocol.ModelTask`): "auto" reads it from the model's config (`serving_task`).

@@ -10,7 +10,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.accounts.serializers import StrictModelSerializer
-from endpoints import prewarm, quotas
+from endpoints import prewarm, quotas, speculative
 from endpoints.catalogue import (
     AUTO_PARSER,
     GPU_TYPES,
@@ -29,7 +29,12 @@ from endpoints.models import (
     Replica,
 )
 from endpoints.placement import memory_needed_mb, smallest_gpu_count
-from gpu_agent.protocol import FINAL_REPLICA_STATES, ModelTask, checkpoint_quantization_problem
+from gpu_agent.protocol import (
+    FINAL_REPLICA_STATES,
+    ModelTask,
+    SpeculativeMethod,
+    checkpoint_quantization_problem,
+)
 
 RECENT_ENDED_REPLICAS = 5
 
@@ -223,6 +228,23 @@ class EndpointSerializer(StrictModelSerializer):
                   "billed as input tokens at the input price) or \"auto\" (the default): from the model's config "
                   "(an encoder such as BertModel, a bare *Model body or a sentence-transformers layout embeds).",
     )
+    speculative_method = serializers.ChoiceField(
+        choices=[method.value for method in SpeculativeMethod], default=SpeculativeMethod.NONE.value,
+        help_text="Speculative decoding: guess tokens ahead and let the model check them in one pass (same output, "
+                  "fewer steps). \"ngram\": look the last tokens up in the prompt (outputs that repeat their input, "
+                  "such as edits); \"draft\": a small model with the same tokenizer (`draft_model_source`); \"none\".",
+    )
+    num_speculative_tokens = serializers.IntegerField(
+        default=4, help_text="Tokens guessed per step (1-16), with ngram or draft.",
+    )
+    prompt_lookup_max = serializers.IntegerField(default=4, help_text="ngram: longest run of tokens looked up (1-16).")
+    prompt_lookup_min = serializers.IntegerField(default=2, help_text="ngram: shortest run looked up (1-prompt_lookup_max).")
+    draft_model_source = serializers.CharField(
+        max_length=500, required=False, allow_blank=True, validators=[validate_model_source],
+        help_text="draft: the draft model (hf:, s3:// or a local path), read with the endpoint's credential. It must "
+                  "share the endpoint model's tokenizer; a replica whose draft has another vocabulary fails before "
+                  "its engine starts, saying so.",
+    )
     serving_task = serializers.CharField(
         read_only=True, help_text="What it serves now: \"generate\" or \"embed\"; \"\" while an auto endpoint's model is unread.",
     )
@@ -235,7 +257,7 @@ class EndpointSerializer(StrictModelSerializer):
             "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s",
             "prewarm_windows", "keep_warm_after_cold_start_s",
-            "enable_prefix_caching", "tool_call_parser",
+            "enable_prefix_caching", "tool_call_parser", *speculative.SPECULATIVE_FIELDS,
             "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
             "batch_price_fraction", "context_length", "state", "status_message", "failed_at", "paused_at", "created_at", "updated_at",
         ]
@@ -313,6 +335,10 @@ class EndpointSerializer(StrictModelSerializer):
                 "A local path takes no credential." if needed is None
                 else f"This source needs a {CredentialKind(needed).label} credential; {credential.name} is {credential.kind}."
             ]
+        errors |= speculative.spec_errors(
+            {name: current(name) for name in speculative.SPECULATIVE_FIELDS},
+            model_source=current("model_source") or "", credential=credential,
+        )
         if not errors:
             errors = quotas.spec_errors(self.context["organization"], attrs, self.instance)
         if errors:

@@ -370,6 +370,44 @@ class SourceCredentials(Message):
             _require(bool(self.hf_token), "Hugging Face credentials need a token")
 
 
+class SpeculativeMethod(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
+    """How an endpoint's engine guesses tokens ahead (vLLM's `--speculative-config`): not at all, by
+    looking the last few tokens up in the prompt (n-gram), or with a small draft model."""
+
+    NONE = "none"
+    NGRAM = "ngram"
+    DRAFT = "draft"
+
+
+# vLLM verifies each guess in one forward pass of the target: more than this buys nothing but waste.
+MAX_SPECULATIVE_TOKENS = 16
+MAX_PROMPT_LOOKUP = 16
+
+
+@dataclass(slots=True)
+class SpeculativeSpec(Message):
+    """A replica's speculative decoding; the draft model is fetched like weights, with the replica's
+    own credentials (the fleet's only when the draft itself is on the public catalogue)."""
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    draft_source: str = ""  # method DRAFT: "hf:…", "s3://…" or an absolute local path
+    draft_use_fleet_credentials: bool = False
+    draft_weights_scope: str = ""
+
+    def __post_init__(self) -> None:
+        self.method = SpeculativeMethod(self.method)
+        _require(self.method != SpeculativeMethod.NONE, "a speculative spec needs a method (None when off)")
+        _require(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+                 f"num_speculative_tokens must be within 1..{MAX_SPECULATIVE_TOKENS}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP,
+                 f"prompt lookup must satisfy 1 <= min <= max <= {MAX_PROMPT_LOOKUP}")
+        _require((self.method == SpeculativeMethod.DRAFT) == bool(self.draft_source),
+                 "a draft source is required with method draft, and only then")
+
+
 @dataclass(slots=True)
 class ReplicaSpec(Message):
     """Everything the agent needs to launch (or drain) one replica."""
@@ -409,6 +447,8 @@ class ReplicaSpec(Message):
     reasoning_parser: str = ""
     # What the engine serves; AUTO: the agent reads it from the model's files (`model_info.model_task`).
     task: ModelTask = ModelTask.GENERATE
+    # None: no speculative decoding.
+    speculative: SpeculativeSpec | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id) and bool(self.served_model_name), "replica_id and served_model_name required")

@@ -23,6 +23,7 @@ from endpoints.nodes.models import JoinToken, Node, gpu_inventory
 from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
 from endpoints.replicas import apply_replica_report, drain_node
+from endpoints.speculative import speculative_spec
 from gpu_agent import protocol
 from gpu_agent.protocol import ModelTask, NodeState, ReplicaAction, ReplicaState
 
@@ -186,6 +187,7 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         tool_call_parser=endpoint.tool_call_parser,
         reasoning_parser=default_reasoning_parser(endpoint.model_source),
         task=ModelTask(endpoint.task),
+        speculative=speculative_spec(endpoint),
     )
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from gpu_agent.protocol import ModelTask, ReplicaSpec
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.model_info import model_task
+from gpu_agent.runtime.speculative import speculative_args
 
 DEVICE_CPU = "cpu"
 DEVICE_CUDA = "cuda"
@@ -240,6 +241,8 @@ def build_engine_command(
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
     if spec.reasoning_parser and task != ModelTask.EMBED:
         argv += ["--reasoning-parser", spec.reasoning_parser]
+    if task != ModelTask.EMBED:
+        argv += speculative_args(spec)
     # NOTE: the key travels in the environment, never in argv (visible to `ps`, written to the log).
     env = {REPLICA_ENV_MARKER: spec.replica_id, ENGINE_API_KEY_ENV: spec.engine_api_key}
     if device == DEVICE_CPU:

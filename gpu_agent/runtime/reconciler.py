@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gpu_agent.protocol import FINAL_REPLICA_STATES, ReplicaAction, ReplicaSpec, ReplicaState, ReplicaStatus
 from gpu_agent.runtime.model_info import spec_problem
+from gpu_agent.runtime.speculative import draft_access, draft_problem, needs_draft, with_local_draft
 from gpu_agent.runtime.supervisor import Supervisor
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import SourceAccess, WeightsError
@@ -50,6 +51,7 @@ class Reconciler:
         self._wake = wake
         self._pulls: dict[str, _Pull] = {}
         self._pins: dict[str, Path] = {}  # replica id -> cached model it uses
+        self._draft_pins: dict[str, Path] = {}  # replica id -> cached draft model it uses
         self._reported_terminal: set[str] = set()
         self._lock = threading.Lock()
 
@@ -122,15 +124,23 @@ class Reconciler:
                 pull.progress = f"loading weights {pull.progress_percent:.0f}%"
 
         fetch_from = time.monotonic()
+        pinned: list[Path] = []  # unpinned again if the engine does not start
         try:
             path = self.weights.fetch(
                 spec.model_source, access=SourceAccess.for_replica(spec), on_progress=on_progress
             )
             self.weights.pin(path)
+            pinned.append(path)
+            if needs_draft(spec):  # fetched like the weights, with the same access rules
+                draft = self.weights.fetch(spec.speculative.draft_source, access=draft_access(spec))
+                self.weights.pin(draft)
+                pinned.append(draft)
+                spec = with_local_draft(spec, draft)
             pull.download_s = round(time.monotonic() - fetch_from, 3)
         except (WeightsError, ValueError) as exc:  # NOTE: their messages carry no secrets
             logger.warning("replica %s: fetching weights failed: %s", spec.replica_id, exc)
             pull.failure_reason = f"fetching weights from {spec.model_source} failed: {exc}"
+            self._unpin(pinned)
             pull.done = True
             return
         except OSError as exc:  # the node's own trouble (a full disk): the system's words, no paths
@@ -138,6 +148,7 @@ class Reconciler:
             pull.failure_reason = (
                 f"fetching weights from {spec.model_source} failed: {exc.strerror or 'I/O error'}"
             )
+            self._unpin(pinned)
             pull.done = True
             return
         except Exception:
@@ -147,14 +158,17 @@ class Reconciler:
             pull.failure_reason = (
                 f"fetching weights from {spec.model_source} failed (the node's log has details)"
             )
+            self._unpin(pinned)
             pull.done = True
             return
         # NOTE: checked before launching: vLLM would refuse the same spec only after loading for a
         # minute; the replica fails now, with a reason the endpoint shows, and no engine is started.
-        problem = spec_problem(spec, self.weights.model_info(path))
+        problem = spec_problem(spec, self.weights.model_info(path)) or (
+            draft_problem(path, Path(spec.speculative.draft_source)) if needs_draft(spec) else ""
+        )
         if problem:
             logger.warning("replica %s: not starting: %s", spec.replica_id, problem)
-            self.weights.unpin(path)
+            self._unpin(pinned)
             pull.failure_reason = problem
             pull.failure_permanent = True
             pull.done = True
@@ -165,10 +179,12 @@ class Reconciler:
         spec = dataclasses.replace(spec, credentials=None)
         with self._lock:
             if pull.cancelled:
-                self.weights.unpin(path)
+                self._unpin(pinned)
                 pull.done = True
                 return
             self._pins[spec.replica_id] = path
+            if len(pinned) > 1:
+                self._draft_pins[spec.replica_id] = pinned[1]
             # NOTE: start() only schedules; the supervisor's monitor thread forks the engine,
             # because PR_SET_PDEATHSIG would kill it when this short-lived thread ends.
             self.supervisor.start(spec, path).download_s = pull.download_s
@@ -188,11 +204,14 @@ class Reconciler:
             logger.info("replica %s: draining (%s)", replica_id, "DRAIN" if spec else "no longer desired")
             self.supervisor.drain(replica_id, timeout_s=spec.drain_timeout_s if spec else None)
 
+    def _unpin(self, paths: list[Path]) -> None:
+        for path in paths:
+            self.weights.unpin(path)
+
     def _release_weights(self, replica_id: str) -> None:
         with self._lock:
-            path = self._pins.pop(replica_id, None)
-        if path is not None:
-            self.weights.unpin(path)
+            paths = [self._pins.pop(replica_id, None), self._draft_pins.pop(replica_id, None)]
+        self._unpin([path for path in paths if path is not None])
 
     def replica_statuses(self) -> list[ReplicaStatus]:
         statuses = self.supervisor.statuses()

@@ -118,7 +118,7 @@ def test_the_admission_script_chooses_exactly_what_the_routing_rule_says():
         for n in range(60):
             replicas = [f"rep-{n}-{i}" for i in range(rng.randint(1, 4))]
             counts = [rng.randint(0, 6) for _ in replicas]
-            for replica, count in zip(replicas, counts):
+            for replica, count in zip(replicas, counts, strict=True):
                 redis.set(outstanding_key(caller.organization_id, replica), count)
             key, margin = rng.choice([None, f"key-{n}"]), rng.randint(0, 3)
             prefer = frozenset(rng.sample(replicas, rng.randint(0, len(replicas))))
