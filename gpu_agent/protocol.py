@@ -269,6 +269,8 @@ class ReplicaStatus(Message):
     progress_percent: float | None = None
     # What the engine itself said it allocated once started (its log): None where it does not say.
     engine_memory: EngineMemory | None = None
+    # LoRA adapters loaded in the engine now (names as `AdapterSpec.name`), most recently used first.
+    adapters: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id), "replica_id is required")
@@ -362,6 +364,28 @@ class SourceCredentials(Message):
             _require(bool(self.hf_token), "Hugging Face credentials need a token")
 
 
+_ADAPTER_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+@dataclass(slots=True)
+class AdapterSpec(Message):
+    """A LoRA adapter a replica may serve, and whether a caller wants it loaded now.
+
+    `name` is what the engine knows it as (`lora_name`, the `model` the gateway sends the engine).
+    `source` reads like a model source (S3, Hugging Face or an allowed local path), with the same
+    credentials as the replica's weights. `wanted_at` (unix time, 0: never asked for) orders the
+    agent's loads: it keeps the most recently wanted ones loaded, at most the replica's `max_loras`.
+    """
+
+    name: str
+    source: str
+    wanted_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(bool(_ADAPTER_NAME.match(self.name)), "adapter name must be a slug")
+        _require(bool(self.source), "adapter source is required")
+
+
 @dataclass(slots=True)
 class ReplicaSpec(Message):
     """Everything the agent needs to launch (or drain) one replica."""
@@ -401,9 +425,15 @@ class ReplicaSpec(Message):
     reasoning_parser: str = ""
     # What the engine serves; AUTO: the agent reads it from the model's files (`model_info.model_task`).
     task: ModelTask = ModelTask.GENERATE
+    # LoRA: 0 serves no adapters (the engine starts without --enable-lora); else how many adapters
+    # the engine holds at once and the largest rank it accepts. `adapters` are the endpoint's.
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    adapters: list[AdapterSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id) and bool(self.served_model_name), "replica_id and served_model_name required")
+        _require(self.max_loras >= 0 and self.max_lora_rank > 0, "max_loras must be >= 0 and max_lora_rank > 0")
         self.task = ModelTask(self.task)
         # NOTE: they become engine arguments: a name, never something argparse reads as a flag.
         _require(all(_PARSER_NAME.match(name) for name in (self.tool_call_parser, self.reasoning_parser)),
