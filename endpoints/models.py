@@ -289,6 +289,8 @@ class Replica(models.Model):
     # What the engine said it allocated once started (its log; `protocol.EngineMemory`), in MB.
     engine_weights_mb = models.PositiveIntegerField(null=True, blank=True)
     engine_kv_cache_mb = models.PositiveIntegerField(null=True, blank=True)
+    # LoRA adapters its engine holds now (as its agent reported), most recently used first.
+    adapters = ArrayField(models.CharField(max_length=63), default=list, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     state_changed_at = models.DateTimeField(default=timezone.now)
     ready_at = models.DateTimeField(null=True, blank=True)

@@ -269,8 +269,10 @@ class ReplicaStatus(Message):
     progress_percent: float | None = None
     # What the engine itself said it allocated once started (its log): None where it does not say.
     engine_memory: EngineMemory | None = None
-    # LoRA adapters loaded in the engine now (names as `AdapterSpec.name`), most recently used first.
+    # LoRA adapters loaded in the engine now (names as `AdapterSpec.name`), most recently used first,
+    # and those the engine (or the agent) refused, with the reason.
     adapters: list[str] = field(default_factory=list)
+    adapter_failures: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id), "replica_id is required")
@@ -380,6 +382,7 @@ class AdapterSpec(Message):
     name: str
     source: str
     wanted_at: float = 0.0
+    credentials: SourceCredentials | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _require(bool(_ADAPTER_NAME.match(self.name)), "adapter name must be a slug")
@@ -452,7 +455,8 @@ class ReplicaSpec(Message):
 
     def without_secrets(self) -> ReplicaSpec:
         """A copy safe to write to disk or logs: no source credentials, no engine key."""
-        return dataclasses.replace(self, credentials=None, engine_api_key="")
+        adapters = [dataclasses.replace(adapter, credentials=None) for adapter in self.adapters]
+        return dataclasses.replace(self, credentials=None, engine_api_key="", adapters=adapters)
 
 
 @dataclass(slots=True)
