@@ -59,6 +59,7 @@ class UsageReport:
     cold_start_s: float = 0.0  # never billed
     max_cost: Decimal | None = None  # what the gateway reserved: the row never costs more
     batch_id: str = ""  # a batch line's batch: priced at the endpoint's batch price
+    adapter: str = ""  # the LoRA adapter the call named: priced at its own prices where it has them
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -111,22 +112,23 @@ _INSERT_SQL = f"""
 INSERT INTO {UsageRecord._meta.db_table} (
     request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
     completion_tokens, cost, billing_mode, started_at, first_token_at, finished_at, status, cold_start_s, recorded_at,
-    batch_id
+    batch_id, adapter
 )
 SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_id, ''), r.prompt_tokens,
        r.cached_tokens, r.completion_tokens,
-       least(round(((r.prompt_tokens - r.cached_tokens) * e.price_input_per_million
-                    + r.cached_tokens * e.price_cached_input_per_million
-                    + r.completion_tokens * e.price_output_per_million)
+       least(round(((r.prompt_tokens - r.cached_tokens) * coalesce(ad.price_input_per_million, e.price_input_per_million)
+                    + r.cached_tokens * least(ad.price_input_per_million, e.price_cached_input_per_million)
+                    + r.completion_tokens * coalesce(ad.price_output_per_million, e.price_output_per_million))
                    * (CASE WHEN r.batch_id <> '' THEN e.batch_price_fraction ELSE 1 END) * 0.000001, 9), r.max_cost),
        coalesce(a.mode, '{BillingMode.POSTPAID}'),
-       r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id
+       r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id, r.adapter
 FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::uuid[], %s::text[], %s::integer[], %s::integer[],
             %s::integer[], %s::timestamptz[], %s::timestamptz[], %s::timestamptz[], %s::text[], %s::float8[],
-            %s::numeric[], %s::text[])
+            %s::numeric[], %s::text[], %s::text[])
      AS r(request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
-          completion_tokens, started_at, first_token_at, finished_at, status, cold_start_s, max_cost, batch_id)
+          completion_tokens, started_at, first_token_at, finished_at, status, cold_start_s, max_cost, batch_id, adapter)
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
+LEFT JOIN endpoints_adapter ad ON ad.endpoint_id = e.id AND ad.name = r.adapter AND r.adapter <> ''
 LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
 ON CONFLICT (request_id) DO NOTHING
 RETURNING request_id
@@ -150,6 +152,7 @@ def _columns(reports: list[UsageReport]) -> list[list]:
         [float(r.cold_start_s) for r in reports],
         [r.max_cost for r in reports],
         [r.batch_id for r in reports],
+        [r.adapter for r in reports],
     ]
 
 

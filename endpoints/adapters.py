@@ -14,7 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.accounts.services import Actor, record_audit
-from endpoints.credentials import source_credentials
+from endpoints.credentials import organization_scope, source_credentials
 from endpoints.events import record_event
 from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica
 from endpoints.replicas import request_reconcile
@@ -70,6 +70,7 @@ def adapter_specs(endpoint: Endpoint) -> list[AdapterSpec]:
         credentials = source_credentials(adapter.credential) if adapter.credential_id else None
         specs.append(AdapterSpec(
             name=adapter.name, source=adapter.source, credentials=credentials,
+            weights_scope=organization_scope(endpoint.organization_id),
             wanted_at=adapter.last_requested_at.timestamp() if adapter.last_requested_at else 0.0,
         ))
     return specs

@@ -383,6 +383,8 @@ class AdapterSpec(Message):
     source: str
     wanted_at: float = 0.0
     credentials: SourceCredentials | None = field(default=None, repr=False)
+    # Who may share the agent's cached copy: the owning organisation's scope (adapters are private).
+    weights_scope: str = ""
 
     def __post_init__(self) -> None:
         _require(bool(_ADAPTER_NAME.match(self.name)), "adapter name must be a slug")

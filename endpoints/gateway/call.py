@@ -20,6 +20,7 @@ import aiohttp
 from billing import ledger, usage_writer
 from billing.quota.counters import QuotaExceeded
 from endpoints.gateway import (
+    adapter_hold,
     admission,
     cold_start,
     directory,
@@ -31,7 +32,7 @@ from endpoints.gateway import (
     traffic,
 )
 from endpoints.gateway.auth import Caller
-from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
+from endpoints.gateway.directory import AdapterInfo, EndpointInfo, ReplicaInfo
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.tally import UsageTally
@@ -85,6 +86,8 @@ class InferenceCall:
     # A batch line (`endpoints.batches.runner`): its usage row names the batch, priced at this fraction.
     batch_id: str = ""
     price_fraction: Decimal = Decimal(1)
+    # The LoRA adapter the call names (`endpoint` is then priced at its prices): served only by replicas holding it.
+    adapter: AdapterInfo | None = None
 
     async def run(self) -> None:
         self.metrics = metrics.of_endpoint(self.endpoint.id, self.endpoint.organization_id)
@@ -131,6 +134,8 @@ class InferenceCall:
                 if held is None:
                     raise ClientGone()
                 replicas, self.cold_start_s = held
+            if self.adapter is not None:
+                replicas = await self._adapter_holders(replicas)
             await self._proxy(replicas)
         except asyncio.CancelledError:
             if not self.disconnected.is_set():
@@ -154,6 +159,16 @@ class InferenceCall:
                 if not self.disconnected.is_set():
                     raise
                 await finishing  # NOTE: the client's cancellation, delivered late: finish all the same
+
+    async def _adapter_holders(self, replicas: list[ReplicaInfo]) -> list[ReplicaInfo]:
+        """The replicas holding the call's adapter (waiting for one to load it); the replica admission
+        picked is given back if it does not hold it."""
+        holding = await adapter_hold.holders(self.endpoint, self.adapter, replicas, self.endpoint.cold_start_timeout_s)
+        if self.outstanding_replica_id is not None and self.outstanding_replica_id not in {r.id for r in holding}:
+            await traffic.release_replica(self.caller.organization_id, self.outstanding_replica_id,
+                                          request_id=self.request_id, endpoint_id=self.endpoint.id)
+            self.outstanding_replica_id = self.held.replica_id = None
+        return holding
 
     # --- proxying ----------------------------------------------------------------------------
     async def _proxy(self, replicas: list[ReplicaInfo]) -> None:
@@ -335,6 +350,7 @@ class InferenceCall:
                     completion_tokens=usage.completion_tokens, started_at=self.started_at,
                     first_token_at=self.first_token_at, finished_at=finished_at, status=self.status,
                     cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved, batch_id=self.batch_id,
+                    adapter=self.adapter.name if self.adapter else "",
                 ))
         finally:
             presence.untrack(self.request_id)

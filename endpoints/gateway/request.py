@@ -140,6 +140,8 @@ class InferenceRequest:
     payload: dict
     wait_for_capacity: bool = False  # the client sent X-Inferplane-Wait-For-Capacity (endpoints.gateway.standing)
     priority: int = INTERACTIVE_PRIORITY  # the engine's: lower runs sooner (batch work runs later)
+    # The `model` the engine gets when it is not the caller's: a LoRA adapter's name (its `lora_name`).
+    engine_model: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -175,9 +177,11 @@ class InferenceRequest:
     def upstream_body(self) -> bytes:
         """The body the engine gets."""
         reprioritised = self.priority != self.payload.get("priority", INTERACTIVE_PRIORITY)
-        if not self.stream and not reprioritised:
+        if not self.stream and not reprioritised and not self.engine_model:
             return self.body  # `model` is already the endpoint's name, the engine's served name
         payload = self.payload | {"priority": self.priority} if reprioritised else self.payload
+        if self.engine_model:
+            payload = payload | {"model": self.engine_model}
         if self.stream:
             # NOTE: usage on every chunk tells the gateway the tokens delivered if the client leaves
             # mid-stream; what the client asked for is restored by `endpoints.gateway.sse.rewrite_event`.

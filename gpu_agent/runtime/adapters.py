@@ -15,13 +15,16 @@ engine never refuses a load for lack of a slot.
 from __future__ import annotations
 
 import collections
+import json
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import httpx
 
-from gpu_agent.protocol import AdapterSpec
+from gpu_agent.protocol import AdapterSpec, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.runtime.weights_access import WeightsError
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +84,11 @@ class AdapterSlots:
                 continue
             try:
                 self.ensure(adapter.name, resolve(adapter))
-            except (AdapterLoadError, OSError, ValueError) as exc:
+            except (AdapterLoadError, WeightsError, ValueError) as exc:  # NOTE: their messages carry no secrets
                 self.failures[adapter.name] = str(exc)[:300]
+                logger.warning("adapter %s not loaded: %s", adapter.name, exc)
+            except OSError as exc:
+                self.failures[adapter.name] = f"reading the adapter failed: {exc.strerror or 'I/O error'}"
                 logger.warning("adapter %s not loaded: %s", adapter.name, exc)
 
     def _post(self, path: str, body: dict) -> None:
@@ -103,3 +109,88 @@ def _engine_reason(response: httpx.Response) -> str:
     if isinstance(error, dict):
         return str(error.get("message") or error)[:300]
     return str(error)[:300]
+
+
+def adapter_problem(path: str | Path, max_lora_rank: int) -> str:
+    """Why the engine would refuse this adapter folder, read from its files first ("" if none found).
+
+    NOTE: checked before loading, because a load the engine refuses costs a slot: we unload the
+    least recently used one to make room before the engine reads the files.
+    """
+    config_path = Path(path) / "adapter_config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return "the adapter has no readable adapter_config.json (a PEFT LoRA adapter's files are expected)"
+    if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
+        return "the adapter is not a LoRA adapter (adapter_config.json peft_type)"
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        return "adapter_config.json declares no rank (r)"
+    if rank > max_lora_rank:
+        return f"the adapter's rank {rank} is above the endpoint's max_lora_rank {max_lora_rank}"
+    return ""
+
+
+class ReplicaAdapters:
+    """The adapters of every READY replica on this node, synced in the background.
+
+    `sync` is called with each desired spec (every heartbeat); a load runs on its own thread, so a
+    heartbeat never waits for a download or the engine. `report` adds what each engine holds to
+    the replica's status. An engine that restarted lost its adapters: its slots start empty again.
+    """
+
+    def __init__(self, fetch: Callable[[AdapterSpec], Path], *, wake: threading.Event | None = None):
+        self._fetch = fetch  # an adapter's local folder, downloaded if need be
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._slots: dict[str, tuple[tuple[str, int], AdapterSlots]] = {}  # replica -> ((address, restarts), slots)
+        self._syncing: set[str] = set()
+
+    def sync(self, spec: ReplicaSpec, address: str, num_restarts: int) -> None:
+        if not spec.max_loras or not address:
+            return
+        engine = (address, num_restarts)
+        with self._lock:
+            if spec.replica_id in self._syncing:
+                return
+            current = self._slots.get(spec.replica_id)
+            if current is None or current[0] != engine:
+                current = (engine, AdapterSlots(address, spec.engine_api_key, spec.max_loras))
+                self._slots[spec.replica_id] = current
+            slots = current[1]
+            wanted = {a.name: a.wanted_at for a in spec.adapters if a.wanted_at > 0}
+            loaded = set(slots.names())
+            top = set(sorted(wanted, key=wanted.get, reverse=True)[: slots.max_loras])
+            if top <= loaded | set(slots.failures) and loaded <= {a.name for a in spec.adapters}:
+                return  # nothing to do: no thread
+            self._syncing.add(spec.replica_id)
+        threading.Thread(target=self._run, args=(spec, slots), name=f"adapters-{spec.replica_id}", daemon=True).start()
+
+    def _run(self, spec: ReplicaSpec, slots: AdapterSlots) -> None:
+        def resolve(adapter: AdapterSpec) -> Path:
+            path = self._fetch(adapter)
+            problem = adapter_problem(path, spec.max_lora_rank)
+            if problem:
+                raise ValueError(problem)
+            return path
+
+        try:
+            slots.sync(spec.adapters, resolve)
+        except Exception:  # NOTE: a sync must never kill the agent; the next heartbeat tries again
+            logger.exception("replica %s: adapter sync failed", spec.replica_id)
+        finally:
+            with self._lock:
+                self._syncing.discard(spec.replica_id)
+            if self._wake is not None:
+                self._wake.set()  # report the loaded adapters now: held calls wait for them
+
+    def report(self, statuses: list[ReplicaStatus]) -> None:
+        with self._lock:
+            for replica_id in [r for r in self._slots if r not in {s.replica_id for s in statuses}]:
+                del self._slots[replica_id]
+            for status in statuses:
+                current = self._slots.get(status.replica_id)
+                if current is not None and status.state == ReplicaState.READY:
+                    status.adapters = current[1].names()
+                    status.adapter_failures = dict(current[1].failures)

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_agent.protocol import FINAL_REPLICA_STATES, ReplicaAction, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import FINAL_REPLICA_STATES, AdapterSpec, ReplicaAction, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.runtime.adapters import ReplicaAdapters
 from gpu_agent.runtime.model_info import spec_problem
 from gpu_agent.runtime.supervisor import Supervisor
 from gpu_agent.runtime.weights import WeightsCache
@@ -51,6 +52,7 @@ class Reconciler:
         self._pins: dict[str, Path] = {}  # replica id -> cached model it uses
         self._reported_terminal: set[str] = set()
         self._lock = threading.Lock()
+        self.adapters = ReplicaAdapters(self._fetch_adapter, wake=wake)
 
     def mark_reported(self, statuses: list[ReplicaStatus]) -> None:
         """The control plane has heard these statuses: a final one may now be forgotten once dropped."""
@@ -70,6 +72,9 @@ class Reconciler:
                 self._begin_start(spec)
             elif spec.replica_id in known:
                 self.supervisor.refresh_secrets(spec)
+                replica = self.supervisor.get(spec.replica_id)
+                if replica is not None and replica.state == ReplicaState.READY:
+                    self.adapters.sync(spec, replica.address, replica.num_restarts)
         for replica_id in known | pulling:
             spec = desired_by_id.get(replica_id)
             if spec is None or spec.action == ReplicaAction.DRAIN:
@@ -191,6 +196,10 @@ class Reconciler:
         if path is not None:
             self.weights.unpin(path)
 
+    def _fetch_adapter(self, adapter: AdapterSpec) -> Path:
+        access = SourceAccess(credentials=adapter.credentials, scope=adapter.weights_scope)
+        return self.weights.fetch(adapter.source, access=access)
+
     def replica_statuses(self) -> list[ReplicaStatus]:
         statuses = self.supervisor.statuses()
         with self._lock:
@@ -212,6 +221,7 @@ class Reconciler:
                     progress_percent=pull.progress_percent if state == ReplicaState.STARTING else None,
                 )
             )
+        self.adapters.report(statuses)
         return statuses
 
     def wait_for(self, replica_id: str, states: tuple[ReplicaState, ...], timeout_s: float) -> ReplicaStatus:
