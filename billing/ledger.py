@@ -209,7 +209,9 @@ def record_usage(report: UsageReport) -> bool:
 
 # --- reading the ledger: every usage query of the API, the CSV export, the console and the quota rebuild ---
 
-GROUPINGS = ("endpoint", "day", "key")
+# "adapter": per endpoint and LoRA adapter, labelled as calls name them ("<endpoint>:<adapter>", the bare
+# endpoint name for calls to the base model).
+GROUPINGS = ("endpoint", "day", "key", "adapter")
 
 
 def _day_bounds(start: date, end: date) -> tuple[datetime, datetime]:
@@ -227,6 +229,8 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
         rows = rows.values("endpoint_id", label=F("endpoint__name")).order_by("label", "endpoint_id")
     elif group_by == "day":
         rows = rows.annotate(label=TruncDate("finished_at")).values("label").order_by("label")
+    elif group_by == "adapter":
+        rows = rows.values("endpoint_id", "adapter", label=F("endpoint__name")).order_by("label", "endpoint_id", "adapter")
     else:
         rows = rows.values("api_key_id", label=F("api_key__lookup"), key_name=F("api_key__name")).order_by("label")
     rows = rows.annotate(
@@ -243,6 +247,8 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
             label = label.isoformat()
         elif group_by == "key" and label is not None:
             label = f"ip_{label}"
+        elif group_by == "adapter" and row["adapter"]:
+            label = f"{label}:{row['adapter']}"
         item = {group_by: label}
         if group_by == "key":
             item["key_name"] = row["key_name"]
