@@ -18,7 +18,7 @@ from endpoints.credentials import organization_scope, source_credentials
 from endpoints.events import record_event
 from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica
 from endpoints.replicas import request_reconcile
-from gpu_agent.protocol import AdapterSpec, ReplicaStatus
+from gpu_agent.protocol import AdapterSpec, ReplicaState, ReplicaStatus
 
 MAX_REPORTED_ADAPTERS = 256
 
@@ -94,3 +94,15 @@ def record_replica_adapters(node, report: ReplicaStatus) -> None:
         Adapter.objects.filter(endpoint_id=endpoint_id, name=name).exclude(
             state=AdapterState.FAILED, status_message=reason[:300]
         ).update(state=AdapterState.FAILED, status_message=reason[:300])
+
+
+def adapters_with_holders(endpoint: Endpoint) -> list[Adapter]:
+    """The endpoint's adapters, each with `num_holders`: its READY replicas holding it now (the console)."""
+    holders: dict[str, int] = {}
+    for names in endpoint.replicas.filter(state=ReplicaState.READY).values_list("adapters", flat=True):
+        for name in names:
+            holders[name] = holders.get(name, 0) + 1
+    adapters = list(endpoint.adapters.all())
+    for adapter in adapters:
+        adapter.num_holders = holders.get(adapter.name, 0)
+    return adapters

@@ -20,6 +20,7 @@ from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import Actor
 from endpoints import credentials, prewarm, quotas, services
+from endpoints.adapters import adapters_with_holders
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from endpoints.forms import CredentialForm, EndpointForm
 from endpoints.models import Endpoint, ModelCredential, Replica
@@ -291,6 +292,7 @@ def endpoint_detail(request, pk):
         "can_write": request.membership.can(Role.MEMBER),
         "public_url": settings.PUBLIC_URL,
         "metric_windows": list(METRIC_WINDOWS_MIN),
+        "adapters": adapters_with_holders(endpoint),
     })
 
 

@@ -94,3 +94,4 @@ def test_an_agents_report_marks_adapters_loaded_or_refused_with_the_engines_reas
     states = dict(Adapter.objects.values_list("name", "state"))
     assert states == {"good": "READY", "big": "FAILED"}
     assert "greater than max_lora_rank" in Adapter.objects.get(name="big").status_message
+
