@@ -17,7 +17,7 @@ from controlplane.accounts.services import Actor, record_audit
 from endpoints.credentials import organization_scope, source_credentials
 from endpoints.events import record_event
 from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica
-from endpoints.replicas import request_reconcile
+from endpoints.nodes.notify import notify_node
 from gpu_agent.protocol import AdapterSpec, ReplicaState, ReplicaStatus
 
 MAX_REPORTED_ADAPTERS = 256
@@ -47,20 +47,27 @@ def delete_adapter(actor: Actor, adapter: Adapter) -> None:
     record_event(endpoint, EventKind.CONFIG, f"Adapter {adapter.name} removed")
     record_audit(actor, endpoint.organization, "adapter.delete", adapter)
     adapter.delete()
-    request_reconcile(endpoint.pk)
+    _wake_nodes(endpoint.pk)
 
 
 def want_adapter(adapter_id) -> None:
     """A call named this adapter and no READY replica holds it: ask the agents to load it.
 
-    NOTE: a conditional update, so a burst of calls writes once per second at most.
+    NOTE: a conditional update, so a burst of calls writes once per second at most. The nodes of the
+    endpoint's replicas are woken (their long poll answers), so their agents load it at once.
     """
     now = timezone.now()
     changed = Adapter.objects.filter(pk=adapter_id).exclude(
         last_requested_at__gt=now - timezone.timedelta(seconds=1)
     ).update(last_requested_at=now)
     if changed:
-        request_reconcile(Adapter.objects.filter(pk=adapter_id).values_list("endpoint_id", flat=True).first())
+        _wake_nodes(Adapter.objects.filter(pk=adapter_id).values_list("endpoint_id", flat=True).first())
+
+
+def _wake_nodes(endpoint_id) -> None:
+    nodes = Replica.objects.filter(endpoint_id=endpoint_id, state=ReplicaState.READY, node__isnull=False)
+    for node_id in set(nodes.values_list("node_id", flat=True)):
+        notify_node(node_id)
 
 
 def adapter_specs(endpoint: Endpoint) -> list[AdapterSpec]:
