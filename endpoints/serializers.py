@@ -1,6 +1,7 @@
 """Shapes of the endpoints API. Validation of an endpoint spec lives here, once, for API and console."""
 
 import ipaddress
+from decimal import Decimal
 import json
 import re
 from urllib.parse import urlsplit
@@ -488,6 +489,10 @@ class AdapterSerializer(StrictModelSerializer):
         fields = ["id", "name", "model", "source", "credential", "rank", "price_input_per_million",
                   "price_output_per_million", "state", "status_message", "last_requested_at", "created_at"]
         read_only_fields = ["id", "model", "state", "status_message", "last_requested_at", "created_at"]
+        extra_kwargs = {
+            "price_input_per_million": {"min_value": Decimal(0), "required": False, "allow_null": True},
+            "price_output_per_million": {"min_value": Decimal(0), "required": False, "allow_null": True},
+        }
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -95,3 +95,14 @@ def test_an_agents_report_marks_adapters_loaded_or_refused_with_the_engines_reas
     assert states == {"good": "READY", "big": "FAILED"}
     assert "greater than max_lora_rank" in Adapter.objects.get(name="big").status_message
 
+
+
+def test_adapter_prices_may_not_be_negative_and_the_endpoint_takes_only_vllms_lora_ranks(owner_client, lora_endpoint):
+    refused = owner_client.post(url(lora_endpoint), ADAPTER | {"price_output_per_million": "-1"}, format="json")
+    assert refused.status_code == 400 and "price_output_per_million" in refused.json()
+    priced = owner_client.post(url(lora_endpoint), ADAPTER | {"price_input_per_million": "3.5"}, format="json")
+    assert priced.status_code == 201 and priced.json()["price_output_per_million"] is None
+    bad_rank = owner_client.patch(f"/api/v1/endpoints/{lora_endpoint.pk}/", {"max_lora_rank": 7}, format="json")
+    assert bad_rank.status_code == 400 and "max_lora_rank" in bad_rank.json()
+    slots = owner_client.patch(f"/api/v1/endpoints/{lora_endpoint.pk}/", {"max_loras": 4, "max_lora_rank": 32}, format="json")
+    assert slots.status_code == 200 and (slots.json()["max_loras"], slots.json()["max_lora_rank"]) == (4, 32)

@@ -77,6 +77,8 @@ class AdapterSlots:
         known = {adapter.name for adapter in adapters}
         for name in [name for name in self._loaded if name not in known]:
             self.unload(name)
+        # A removed adapter's refusal goes with it: one created again under its name is tried afresh.
+        self.failures = {name: reason for name, reason in self.failures.items() if name in known}
         wanted = sorted((a for a in adapters if a.wanted_at > 0), key=lambda a: a.wanted_at, reverse=True)
         # Oldest first, so the most recently wanted ends as the most recently used.
         for adapter in reversed(wanted[: self.max_loras]):
