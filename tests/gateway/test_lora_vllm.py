@@ -125,5 +125,6 @@ def test_an_adapter_created_through_the_api_answers_the_openai_client_on_the_bas
     assert tuned.usage.completion_tokens > 0
     assert tuned.choices[0].message.content != base.choices[0].message.content  # the adapter's weights answered
     assert Adapter.objects.get(name="tone").state == "READY"
-    wait_until(lambda: UsageRecord.objects.filter(adapter="tone").exists(), 60, message="the adapter's usage row")
-    assert UsageRecord.objects.filter(adapter="").count() == 1
+    # Usage rows are written after the answer (the gateway's ledger writer): wait for both.
+    wait_until(lambda: UsageRecord.objects.filter(adapter="tone").count() == 1, 60, message="the adapter's usage row")
+    wait_until(lambda: UsageRecord.objects.filter(adapter="").count() == 1, 60, message="the base model's usage row")
