@@ -64,6 +64,7 @@ class UsageReport:
     # The cold start it waited for (`endpoints.gateway.anatomy`): total and phase → ms; None if none.
     cold_start_ms: int | None = None
     cold_start_phases: dict[str, int] | None = None
+    adapter: str = ""  # the LoRA adapter the call named: priced at its own prices where it has them
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -116,24 +117,25 @@ _INSERT_SQL = f"""
 INSERT INTO {UsageRecord._meta.db_table} (
     request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
     completion_tokens, cost, billing_mode, started_at, first_token_at, finished_at, status, cold_start_s, recorded_at,
-    batch_id, cold_start_ms, cold_start_phases
+    batch_id, cold_start_ms, cold_start_phases, adapter
 )
 SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_id, ''), r.prompt_tokens,
        r.cached_tokens, r.completion_tokens,
-       least(round(((r.prompt_tokens - r.cached_tokens) * e.price_input_per_million
-                    + r.cached_tokens * e.price_cached_input_per_million
-                    + r.completion_tokens * e.price_output_per_million)
+       least(round(((r.prompt_tokens - r.cached_tokens) * coalesce(ad.price_input_per_million, e.price_input_per_million)
+                    + r.cached_tokens * least(ad.price_input_per_million, e.price_cached_input_per_million)
+                    + r.completion_tokens * coalesce(ad.price_output_per_million, e.price_output_per_million))
                    * (CASE WHEN r.batch_id <> '' THEN e.batch_price_fraction ELSE 1 END) * 0.000001, 9), r.max_cost),
        coalesce(a.mode, '{BillingMode.POSTPAID}'),
        r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id,
-       r.cold_start_ms, r.cold_start_phases::jsonb
+       r.cold_start_ms, r.cold_start_phases::jsonb, r.adapter
 FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::uuid[], %s::text[], %s::integer[], %s::integer[],
             %s::integer[], %s::timestamptz[], %s::timestamptz[], %s::timestamptz[], %s::text[], %s::float8[],
-            %s::numeric[], %s::text[], %s::integer[], %s::text[])
+            %s::numeric[], %s::text[], %s::integer[], %s::text[], %s::text[])
      AS r(request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
           completion_tokens, started_at, first_token_at, finished_at, status, cold_start_s, max_cost, batch_id,
-          cold_start_ms, cold_start_phases)
+          cold_start_ms, cold_start_phases, adapter)
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
+LEFT JOIN endpoints_adapter ad ON ad.endpoint_id = e.id AND ad.name = r.adapter AND r.adapter <> ''
 LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
 ON CONFLICT (request_id) DO NOTHING
 RETURNING request_id
@@ -159,6 +161,7 @@ def _columns(reports: list[UsageReport]) -> list[list]:
         [r.batch_id for r in reports],
         [r.cold_start_ms for r in reports],
         [json.dumps(r.cold_start_phases) if r.cold_start_phases is not None else None for r in reports],
+        [r.adapter for r in reports],
     ]
 
 
@@ -215,7 +218,9 @@ def record_usage(report: UsageReport) -> bool:
 
 # --- reading the ledger: every usage query of the API, the CSV export, the console and the quota rebuild ---
 
-GROUPINGS = ("endpoint", "day", "key")
+# "adapter": per endpoint and LoRA adapter, labelled as calls name them ("<endpoint>:<adapter>", the bare
+# endpoint name for calls to the base model).
+GROUPINGS = ("endpoint", "day", "key", "adapter")
 
 
 def _day_bounds(start: date, end: date) -> tuple[datetime, datetime]:
@@ -233,6 +238,8 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
         rows = rows.values("endpoint_id", label=F("endpoint__name")).order_by("label", "endpoint_id")
     elif group_by == "day":
         rows = rows.annotate(label=TruncDate("finished_at")).values("label").order_by("label")
+    elif group_by == "adapter":
+        rows = rows.values("endpoint_id", "adapter", label=F("endpoint__name")).order_by("label", "endpoint_id", "adapter")
     else:
         rows = rows.values("api_key_id", label=F("api_key__lookup"), key_name=F("api_key__name")).order_by("label")
     rows = rows.annotate(
@@ -251,6 +258,8 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
             label = label.isoformat()
         elif group_by == "key" and label is not None:
             label = f"ip_{label}"
+        elif group_by == "adapter" and row["adapter"]:
+            label = f"{label}:{row['adapter']}"
         item = {group_by: label}
         if group_by == "key":
             item["key_name"] = row["key_name"]

@@ -62,6 +62,8 @@ class UsageRecord(models.Model):
     # The batch a line of which this request was ("" for an interactive call): priced at the
     # endpoint's batch price (`Endpoint.batch_price_fraction` of its prices).
     batch_id = models.CharField(max_length=40, blank=True, default="")
+    # The LoRA adapter the call named (`"<endpoint>:<adapter>"`), "" for the base model.
+    adapter = models.CharField(max_length=63, blank=True, default="")
     # When the row reached the ledger: rollups find late rows by it.
     recorded_at = models.DateTimeField(default=timezone.now)
 

@@ -25,6 +25,10 @@ router.register("audit-log", accounts_api.AuditEventViewSet, basename="audit-eve
 api_v1 = [
     path("organization/", accounts_api.current_organization, name="current-organization"),
     path("quotas/", endpoints_api.quotas, name="quotas"),
+    path("endpoints/<uuid:endpoint_pk>/adapters/",
+         endpoints_api.AdapterViewSet.as_view({"get": "list", "post": "create"}), name="adapter-list"),
+    path("endpoints/<uuid:endpoint_pk>/adapters/<uuid:pk>/",
+         endpoints_api.AdapterViewSet.as_view({"get": "retrieve", "delete": "destroy"}), name="adapter-detail"),
     path("", include("billing.urls")),
     path("", include(router.urls)),
 ]

@@ -1,8 +1,9 @@
 """Management API for endpoints and model credentials: `/api/v1/endpoints/`, `/api/v1/credentials/`."""
 
 from django.db.models import Prefetch
+from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema, inline_serializer
-from rest_framework import viewsets
+from rest_framework import mixins, viewsets
 from rest_framework.decorators import action, api_view
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
@@ -10,11 +11,12 @@ from rest_framework.response import Response
 from controlplane.accounts.api import OrganizationScopedMixin
 from controlplane.accounts.models import Role
 from controlplane.accounts.tenancy import request_membership
-from endpoints import credentials, services
+from endpoints import adapters, credentials, services
 from endpoints import stats as endpoint_stats
-from endpoints.models import Endpoint, ModelCredential, Replica
+from endpoints.models import Adapter, Endpoint, ModelCredential, Replica
 from endpoints.quotas import use_of
 from endpoints.serializers import (
+    AdapterSerializer,
     CredentialSerializer,
     EndpointDetailSerializer,
     EndpointEventSerializer,
@@ -108,6 +110,36 @@ class CredentialViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
             credentials.delete_credential(self.actor, credential)
         except credentials.CredentialInUse as exc:
             raise ValidationError({"endpoints": [str(exc)]}) from None
+
+class AdapterViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.CreateModelMixin,
+                     mixins.RetrieveModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
+    """`/api/v1/endpoints/{endpoint_id}/adapters/`: the endpoint's LoRA adapters (create, list, delete).
+    Another organisation's endpoint is a 404."""
+
+    serializer_class = AdapterSerializer
+
+    def _endpoint(self):
+        if not hasattr(self, "_endpoint_row"):
+            self._endpoint_row = get_object_or_404(Endpoint.objects.for_org(self.organization), pk=self.kwargs["endpoint_pk"])
+        return self._endpoint_row
+
+    def get_queryset(self):
+        if getattr(self, "swagger_fake_view", False):
+            return Adapter.objects.none()
+        return Adapter.objects.filter(endpoint=self._endpoint()).select_related("endpoint")
+
+    def get_serializer_context(self):
+        context = super().get_serializer_context()
+        if not getattr(self, "swagger_fake_view", False):
+            context["endpoint"] = self._endpoint()
+        return context
+
+    def perform_create(self, serializer):
+        serializer.instance = adapters.create_adapter(self.actor, self._endpoint(), **serializer.validated_data)
+
+    def perform_destroy(self, adapter):
+        adapters.delete_adapter(self.actor, adapter)
+
 
 @extend_schema(responses=QuotaUseSerializer)
 @api_view(["GET"])

@@ -148,6 +148,11 @@ class Endpoint(models.Model):
     prompt_lookup_max = models.PositiveSmallIntegerField(default=4)
     prompt_lookup_min = models.PositiveSmallIntegerField(default=2)
     draft_model_source = models.CharField(max_length=500, blank=True)
+
+    # LoRA adapters (`Adapter`): 0 serves none (the engine starts without LoRA); else how many one
+    # replica holds loaded at once and the largest rank it accepts.
+    max_loras = models.PositiveSmallIntegerField(default=0)
+    max_lora_rank = models.PositiveSmallIntegerField(default=16)
     # vLLM's tool-call parser (`endpoints.catalogue.TOOL_CALL_PARSERS`); "" turns tool calling off.
     tool_call_parser = models.CharField(max_length=32, blank=True, default="")
     # What it serves (`protocol.ModelTask`): "auto" reads it from the model's config (`serving_task`).
@@ -304,6 +309,9 @@ class Replica(models.Model):
     # The agent's measure of its cold start (`gpu_agent.protocol.ReplicaStatus`): see `endpoints.gateway.anatomy`.
     download_s = models.FloatField(null=True, blank=True)
     engine_start_s = models.FloatField(null=True, blank=True)
+
+    # LoRA adapters its engine holds now (as its agent reported), most recently used first.
+    adapters = ArrayField(models.CharField(max_length=63), default=list, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     state_changed_at = models.DateTimeField(default=timezone.now)
     ready_at = models.DateTimeField(null=True, blank=True)
@@ -356,3 +364,35 @@ class EndpointEvent(models.Model):
 
     def __str__(self) -> str:
         return self.message
+
+
+class AdapterState(models.TextChoices):
+    PENDING = "PENDING", "Pending"  # not yet loaded by any replica (loads on first use)
+    READY = "READY", "Ready"  # a replica loaded it once: the files and the base model agree
+    FAILED = "FAILED", "Failed"  # an engine refused it; `status_message` says why
+
+
+class Adapter(models.Model):
+    """A LoRA adapter served by its endpoint's replicas. Calls name it `"<endpoint>:<adapter>"`."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="adapters")
+    name = models.SlugField(max_length=63)
+    source = models.CharField(max_length=500)  # like a model source: hf:, s3:// or an allowed local path
+    credential = models.ForeignKey(ModelCredential, on_delete=models.PROTECT, null=True, blank=True, related_name="adapters")
+    rank = models.PositiveSmallIntegerField(null=True, blank=True)  # declared (adapter_config.json "r"), if known
+    base_model = models.CharField(max_length=500, blank=True)  # adapter_config.json "base_model_name_or_path"
+    # Own prices per million tokens; None: the endpoint's.
+    price_input_per_million = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True)
+    price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True)
+    state = models.CharField(max_length=16, choices=AdapterState.choices, default=AdapterState.PENDING)
+    status_message = models.CharField(max_length=300, blank=True)
+    last_requested_at = models.DateTimeField(null=True, blank=True)  # the last call that named it
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [models.UniqueConstraint(fields=["endpoint", "name"], name="adapter_name_unique_in_endpoint")]
+
+    def __str__(self) -> str:
+        return f"{self.endpoint.name}:{self.name}"

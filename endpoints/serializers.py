@@ -3,6 +3,7 @@
 import ipaddress
 import json
 import re
+from decimal import Decimal
 from urllib.parse import urlsplit
 
 from django.conf import settings
@@ -21,6 +22,7 @@ from endpoints.catalogue import (
 )
 from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials, source_kind
 from endpoints.models import (
+    Adapter,
     CredentialKind,
     Endpoint,
     EndpointEvent,
@@ -52,7 +54,11 @@ LIMITS = {
     "max_num_batched_tokens": (16, 1_048_576),
     "cold_start_timeout_s": (10, 3600),
     "keep_warm_after_cold_start_s": (0, 86_400),
+    "max_loras": (0, 64),
 }
+
+# The ranks vLLM accepts as --max-lora-rank.
+LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
 
 def validate_model_source(value: str) -> str:
@@ -245,6 +251,10 @@ class EndpointSerializer(StrictModelSerializer):
                   "share the endpoint model's tokenizer; a replica whose draft has another vocabulary fails before "
                   "its engine starts, saying so.",
     )
+    max_lora_rank = serializers.ChoiceField(
+        choices=list(LORA_RANKS), default=16,
+        help_text="The largest LoRA rank an adapter of this endpoint may have (max_loras > 0 turns adapters on).",
+    )
     serving_task = serializers.CharField(
         read_only=True, help_text="What it serves now: \"generate\" or \"embed\"; \"\" while an auto endpoint's model is unread.",
     )
@@ -257,7 +267,7 @@ class EndpointSerializer(StrictModelSerializer):
             "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s",
             "prewarm_windows", "keep_warm_after_cold_start_s",
-            "enable_prefix_caching", "tool_call_parser", *speculative.SPECULATIVE_FIELDS,
+            "enable_prefix_caching", "tool_call_parser", *speculative.SPECULATIVE_FIELDS, "max_loras", "max_lora_rank",
             "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
             "batch_price_fraction", "context_length", "state", "status_message", "failed_at", "paused_at", "created_at", "updated_at",
         ]
@@ -485,3 +495,66 @@ class QuotaRowSerializer(serializers.Serializer):
 class QuotaUseSerializer(serializers.Serializer):
     plan = serializers.CharField(allow_null=True, help_text="null: the platform's default quotas.")
     quotas = QuotaRowSerializer(source="rows", many=True)
+
+
+class AdapterSerializer(StrictModelSerializer):
+    """A LoRA adapter on an endpoint. Validated here against the endpoint (adapters on, rank limit,
+    credential kind); what needs the adapter's files (its rank and target modules against the base
+    model) is checked by the engine on first load, and a refusal shows as `state` FAILED with the
+    engine's reason in `status_message`."""
+
+    name = serializers.CharField(max_length=63, help_text="Calls name the adapter `<endpoint>:<name>` as `model`.")
+    source = serializers.CharField(max_length=500, validators=[validate_model_source],
+                                   help_text="hf:org/name[@revision], s3://bucket/prefix or an allowed local path.")
+    credential = serializers.PrimaryKeyRelatedField(queryset=ModelCredential.objects.none(), allow_null=True, required=False)
+    rank = serializers.IntegerField(min_value=1, max_value=LORA_RANKS[-1], allow_null=True, required=False,
+                                    help_text="The adapter's rank (adapter_config.json `r`), checked against the endpoint's max_lora_rank.")
+    model = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Adapter
+        fields = ["id", "name", "model", "source", "credential", "rank", "price_input_per_million",
+                  "price_output_per_million", "state", "status_message", "last_requested_at", "created_at"]
+        read_only_fields = ["id", "model", "state", "status_message", "last_requested_at", "created_at"]
+        extra_kwargs = {
+            "price_input_per_million": {"min_value": Decimal(0), "required": False, "allow_null": True},
+            "price_output_per_million": {"min_value": Decimal(0), "required": False, "allow_null": True},
+        }
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        organization = self.context.get("organization")
+        if organization is not None:
+            self.fields["credential"].queryset = ModelCredential.objects.filter(organization=organization)
+
+    def get_model(self, adapter) -> str:
+        return f"{adapter.endpoint.name}:{adapter.name}"
+
+    def validate_name(self, value: str) -> str:
+        if not NAME.match(value):
+            raise serializers.ValidationError(
+                "Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit."
+            )
+        if self.context["endpoint"].adapters.filter(name=value).exists():
+            raise serializers.ValidationError("This endpoint already has an adapter with this name.")
+        return value
+
+    def validate(self, attrs):
+        endpoint = self.context["endpoint"]
+        errors = {}
+        if endpoint.max_loras < 1:
+            errors["endpoint"] = ["This endpoint serves no adapters: set its max_loras (and max_lora_rank) first."]
+        elif endpoint.serving_task == ModelTask.EMBED:
+            errors["endpoint"] = ["An embedding endpoint serves no LoRA adapters."]
+        rank = attrs.get("rank")
+        if rank is not None and rank > endpoint.max_lora_rank:
+            errors["rank"] = [f"This endpoint accepts adapters up to rank {endpoint.max_lora_rank} (its max_lora_rank)."]
+        credential, needed = attrs.get("credential"), source_kind(attrs.get("source", ""))
+        if credential is not None and credential.kind != needed:
+            errors["credential"] = [
+                "A local path takes no credential." if needed is None
+                else f"This source needs a {CredentialKind(needed).label} credential; {credential.name} is {credential.kind}."
+            ]
+        if errors:
+            raise serializers.ValidationError(errors)
+        return attrs

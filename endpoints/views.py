@@ -20,6 +20,7 @@ from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import Actor
 from endpoints import credentials, prewarm, quotas, services, stats
+from endpoints.adapters import adapters_with_holders
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from endpoints.forms import CredentialForm, EndpointForm
 from endpoints.models import Endpoint, ModelCredential, Replica
@@ -295,6 +296,7 @@ def endpoint_detail(request, pk):
         "cost_days": stats.daily(endpoint, start=now.date() - timedelta(days=stats.DEFAULT_DAYS - 1), end=now.date(),
                                  staff=request.user.is_staff),
         "show_margin": request.user.is_staff,
+        "adapters": adapters_with_holders(endpoint),
     })
 
 

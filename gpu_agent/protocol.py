@@ -277,6 +277,11 @@ class ReplicaStatus(Message):
     download_s: float | None = None
     engine_start_s: float | None = None
 
+    # LoRA adapters loaded in the engine now (names as `AdapterSpec.name`), most recently used first,
+    # and those the engine (or the agent) refused, with the reason.
+    adapters: list[str] = field(default_factory=list)
+    adapter_failures: dict[str, str] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
         _require(bool(self.replica_id), "replica_id is required")
         _require(0.0 <= self.kv_cache_usage <= 1.0, "kv_cache_usage must be within 0..1")
@@ -407,6 +412,30 @@ class SpeculativeSpec(Message):
         _require((self.method == SpeculativeMethod.DRAFT) == bool(self.draft_source),
                  "a draft source is required with method draft, and only then")
 
+_ADAPTER_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+@dataclass(slots=True)
+class AdapterSpec(Message):
+    """A LoRA adapter a replica may serve, and whether a caller wants it loaded now.
+
+    `name` is what the engine knows it as (`lora_name`, the `model` the gateway sends the engine).
+    `source` reads like a model source (S3, Hugging Face or an allowed local path), with the same
+    credentials as the replica's weights. `wanted_at` (unix time, 0: never asked for) orders the
+    agent's loads: it keeps the most recently wanted ones loaded, at most the replica's `max_loras`.
+    """
+
+    name: str
+    source: str
+    wanted_at: float = 0.0
+    credentials: SourceCredentials | None = field(default=None, repr=False)
+    # Who may share the agent's cached copy: the owning organisation's scope (adapters are private).
+    weights_scope: str = ""
+
+    def __post_init__(self) -> None:
+        _require(bool(_ADAPTER_NAME.match(self.name)), "adapter name must be a slug")
+        _require(bool(self.source), "adapter source is required")
+
 
 @dataclass(slots=True)
 class ReplicaSpec(Message):
@@ -450,8 +479,15 @@ class ReplicaSpec(Message):
     # None: no speculative decoding.
     speculative: SpeculativeSpec | None = None
 
+    # LoRA: 0 serves no adapters (the engine starts without --enable-lora); else how many adapters
+    # the engine holds at once and the largest rank it accepts. `adapters` are the endpoint's.
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    adapters: list[AdapterSpec] = field(default_factory=list)
+
     def __post_init__(self) -> None:
         _require(bool(self.replica_id) and bool(self.served_model_name), "replica_id and served_model_name required")
+        _require(self.max_loras >= 0 and self.max_lora_rank > 0, "max_loras must be >= 0 and max_lora_rank > 0")
         self.task = ModelTask(self.task)
         # NOTE: they become engine arguments: a name, never something argparse reads as a flag.
         _require(all(_PARSER_NAME.match(name) for name in (self.tool_call_parser, self.reasoning_parser)),
@@ -470,7 +506,8 @@ class ReplicaSpec(Message):
 
     def without_secrets(self) -> ReplicaSpec:
         """A copy safe to write to disk or logs: no source credentials, no engine key."""
-        return dataclasses.replace(self, credentials=None, engine_api_key="")
+        adapters = [dataclasses.replace(adapter, credentials=None) for adapter in self.adapters]
+        return dataclasses.replace(self, credentials=None, engine_api_key="", adapters=adapters)
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from controlplane import tokens
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
+from endpoints.adapters import adapter_specs, record_replica_adapters
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.models import ACTIVE_REPLICA_STATES, ModelFacts, Replica
@@ -124,6 +125,8 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     record_model_facts(node, heartbeat.weights)
     for report in heartbeat.replicas:
         apply_replica_report(node, report)
+        if report.adapters or report.adapter_failures:
+            record_replica_adapters(node, report)
     return protocol.HeartbeatResponse(
         node_state=NodeState(node.state),
         heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S,
@@ -188,6 +191,10 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         reasoning_parser=default_reasoning_parser(endpoint.model_source),
         task=ModelTask(endpoint.task),
         speculative=speculative_spec(endpoint),
+
+        max_loras=endpoint.max_loras,
+        max_lora_rank=endpoint.max_lora_rank,
+        adapters=adapter_specs(endpoint) if endpoint.max_loras else [],
     )
 
 

@@ -11,6 +11,7 @@ Everything else goes to Django, `/v1/files*` and `/v1/batches*` too (`endpoints.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
@@ -19,7 +20,7 @@ from datetime import UTC, datetime
 import aiohttp
 
 from billing.usage_writer import writer_for_this_loop
-from endpoints.gateway import anatomy, auth, directory, errors, metrics, presence, standing
+from endpoints.gateway import adapter_hold, anatomy, auth, directory, errors, metrics, presence, standing
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.memo import in_worker_thread
 from endpoints.gateway.ratelimit_headers import RateLimitReport
@@ -114,12 +115,15 @@ class Gateway:
                                                wait_for_capacity=standing.wants_to_wait(headers),
                                                max_priority_boost=caller.max_priority_boost,
                                                progress=anatomy.wants_progress(headers))
-            endpoint = await directory.find_endpoint(caller.organization_id, inference.model)
-            if endpoint is None:
+            resolved = await adapter_hold.resolve(caller.organization_id, inference.model)
+            if resolved is None:
                 raise errors.model_not_found(inference.model)
+            endpoint, adapter = resolved
+            if adapter is not None:
+                inference = dataclasses.replace(inference, engine_model=adapter.name)
             call = InferenceCall(
                 request_id=request_id, request=inference, caller=caller, endpoint=endpoint, client=self.client,
-                receive=receive, send=send, started_at=datetime.now(UTC), ratelimit=ratelimit,
+                receive=receive, send=send, started_at=datetime.now(UTC), ratelimit=ratelimit, adapter=adapter,
             )
             await call.run()
         except errors.OpenAIError as exc:
@@ -141,7 +145,11 @@ class Gateway:
         caller = await auth.authenticate(headers)
         ratelimit.for_caller(caller)
         models = await directory.list_endpoints(caller.organization_id)
-        data = [_model_object(m) for m in models]
+        data = []
+        for endpoint in models:
+            data.append(_model_object(endpoint))
+            for adapter in (await directory.endpoint_adapters(endpoint.id)).values():
+                data.append(_model_object(endpoint) | {"id": f"{endpoint.name}:{adapter.name}", "parent": endpoint.name})
         await ratelimit.read_counts()
         await _respond(send, 200, json.dumps({"object": "list", "data": data}).encode(), headers={"x-request-id": request_id},
                        raw_headers=ratelimit.headers())
@@ -150,11 +158,15 @@ class Gateway:
         """`GET /v1/models/{id}` (`client.models.retrieve`): one of the caller's organisation's endpoints."""
         caller = await auth.authenticate(headers)
         ratelimit.for_caller(caller)
-        endpoint = await directory.find_endpoint(caller.organization_id, name) if name else None
-        if endpoint is None:
+        resolved = await adapter_hold.resolve(caller.organization_id, name) if name else None
+        if resolved is None:
             raise errors.model_not_found(name)
+        endpoint, adapter = resolved
+        model = _model_object(endpoint)
+        if adapter is not None:
+            model |= {"id": f"{endpoint.name}:{adapter.name}", "parent": endpoint.name}
         await ratelimit.read_counts()
-        await _respond(send, 200, json.dumps(_model_object(endpoint)).encode(), headers={"x-request-id": request_id},
+        await _respond(send, 200, json.dumps(model).encode(), headers={"x-request-id": request_id},
                        raw_headers=ratelimit.headers())
 
 

@@ -20,6 +20,7 @@ import aiohttp
 from billing import ledger, usage_writer
 from billing.quota.counters import QuotaExceeded
 from endpoints.gateway import (
+    adapter_hold,
     admission,
     anatomy,
     cold_start,
@@ -33,7 +34,7 @@ from endpoints.gateway import (
     traffic,
 )
 from endpoints.gateway.auth import Caller
-from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
+from endpoints.gateway.directory import AdapterInfo, EndpointInfo, ReplicaInfo
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.tally import UsageTally
@@ -89,6 +90,8 @@ class InferenceCall:
     # A batch line (`endpoints.batches.runner`): its usage row names the batch, priced at this fraction.
     batch_id: str = ""
     price_fraction: Decimal = Decimal(1)
+    # The LoRA adapter the call names (`endpoint` is then priced at its prices): served only by replicas holding it.
+    adapter: AdapterInfo | None = None
 
     async def run(self) -> None:
         self.metrics = metrics.of_endpoint(self.endpoint.id, self.endpoint.organization_id)
@@ -113,7 +116,7 @@ class InferenceCall:
                 caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=self.reserved,
                 num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas], report=self.ratelimit,
                 prefix_key=routing.prefix_key(self.request.kind, self.request.payload),
-                margin=self.endpoint.target_concurrency)
+                margin=self.endpoint.target_concurrency, prefer=self._adapter_preference(replicas))
         except QuotaExceeded as exc:
             await cold_start.give_up(place)
             raise errors.insufficient_quota(str(exc)) from None
@@ -140,6 +143,9 @@ class InferenceCall:
                 self.held_at = datetime.now(UTC) - timedelta(seconds=self.cold_start_s)
                 if self.request.stream and self.response_started:  # a stream's headers went out at the hold: the wait comes as a comment
                     await self.send_body(f": cold start ready after {round(self.cold_start_s * 1000)} ms\n\n".encode())
+
+            if self.adapter is not None:
+                replicas = await self._adapter_holders(replicas)
             await self._proxy(replicas)
         except asyncio.CancelledError:
             if not self.disconnected.is_set():
@@ -163,6 +169,22 @@ class InferenceCall:
                 if not self.disconnected.is_set():
                     raise
                 await finishing  # NOTE: the client's cancellation, delivered late: finish all the same
+
+    def _adapter_preference(self, replicas: list[ReplicaInfo]) -> frozenset[str]:
+        """The replicas the pick ranks first: those already holding the call's adapter."""
+        if self.adapter is None:
+            return frozenset()
+        return frozenset(r.id for r in replicas if self.adapter.name in r.adapters)
+
+    async def _adapter_holders(self, replicas: list[ReplicaInfo]) -> list[ReplicaInfo]:
+        """The replicas holding the call's adapter (waiting for one to load it); the replica admission
+        picked is given back if it does not hold it."""
+        holding = await adapter_hold.holders(self.endpoint, self.adapter, replicas, self.endpoint.cold_start_timeout_s)
+        if self.outstanding_replica_id is not None and self.outstanding_replica_id not in {r.id for r in holding}:
+            await traffic.release_replica(self.caller.organization_id, self.outstanding_replica_id,
+                                          request_id=self.request_id, endpoint_id=self.endpoint.id)
+            self.outstanding_replica_id = self.held.replica_id = None
+        return holding
 
     # --- proxying ----------------------------------------------------------------------------
     async def _proxy(self, replicas: list[ReplicaInfo]) -> None:
@@ -366,6 +388,8 @@ class InferenceCall:
                     cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved, batch_id=self.batch_id,
                     cold_start_ms=self.cold_start.total_ms if self.cold_start else None,
                     cold_start_phases=self.cold_start.phases if self.cold_start else None,
+
+                    adapter=self.adapter.name if self.adapter else "",
                 ))
         finally:
             presence.untrack(self.request_id)

@@ -10,12 +10,13 @@ that is gone fails before the first byte, and the gateway retries elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from decimal import Decimal
 
 from endpoints.gateway.memo import Memo, in_worker_thread
-from endpoints.models import Endpoint, Replica
+from endpoints.models import Adapter, Endpoint, Replica
 from gpu_agent.protocol import NodeState, ReplicaState
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class ReplicaInfo:
     id: str
     address: str
     authorization: str = ""  # "Bearer <the engine's key>", sent with every call to it
+    # LoRA adapters its engine holds (as its agent last reported): calls naming one prefer it.
+    adapters: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:  # never print the key
         return f"ReplicaInfo(id={self.id!r}, address={self.address!r})"
@@ -104,11 +107,53 @@ async def list_endpoints(organization_id: int) -> list[EndpointInfo]:
     return await in_worker_thread(_load_models)(organization_id)
 
 
+@dataclass(slots=True, frozen=True)
+class AdapterInfo:
+    """A LoRA adapter a call may name as `"<endpoint>:<adapter>"`; prices None: the endpoint's."""
+
+    id: str
+    name: str
+    price_input_per_million: Decimal | None
+    price_output_per_million: Decimal | None
+
+    def priced(self, endpoint: EndpointInfo) -> EndpointInfo:
+        """The endpoint as a call to this adapter is priced (reserved and billed).
+
+        NOTE: `billing.ledger`'s SQL prices the row alike: the adapter's price where it has one,
+        cached prompt tokens at the lower of its input price and the endpoint's cached price.
+        """
+        if self.price_input_per_million is None and self.price_output_per_million is None:
+            return endpoint
+        input_price = self.price_input_per_million
+        return dataclasses.replace(
+            endpoint,
+            price_input_per_million=endpoint.price_input_per_million if input_price is None else input_price,
+            price_cached_input_per_million=endpoint.price_cached_input_per_million if input_price is None
+            else min(input_price, endpoint.price_cached_input_per_million),
+            price_output_per_million=self.price_output_per_million if self.price_output_per_million is not None
+            else endpoint.price_output_per_million,
+        )
+
+
+def _load_adapters(endpoint_id: str) -> dict[str, AdapterInfo]:
+    rows = Adapter.objects.filter(endpoint_id=endpoint_id).values_list(
+        "pk", "name", "price_input_per_million", "price_output_per_million")
+    return {name: AdapterInfo(str(pk), name, price_in, price_out) for pk, name, price_in, price_out in rows}
+
+
+_adapters = Memo(_load_adapters, ENDPOINT_CACHE_S)
+
+
+async def endpoint_adapters(endpoint_id: str) -> dict[str, AdapterInfo]:
+    """The endpoint's adapters by name."""
+    return await _adapters.get(endpoint_id, endpoint_id)
+
+
 def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
     rows = Replica.objects.filter(
         endpoint_id=endpoint_id, state=ReplicaState.READY, node__state__in=[NodeState.READY, NodeState.CORDONED]
     ).exclude(address="").select_related("node").only(
-        "pk", "address", "encrypted_engine_key",
+        "pk", "address", "encrypted_engine_key", "adapters",
         "node__advertise_host", "node__engine_port_min", "node__engine_port_max",
     )
     replicas = []
@@ -121,6 +166,7 @@ def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
             continue
         replicas.append(ReplicaInfo(
             id=str(replica.pk), address=replica.address, authorization=f"Bearer {replica.engine_api_key}",
+            adapters=frozenset(replica.adapters),
         ))
     return replicas
 

@@ -144,6 +144,9 @@ class InferenceRequest:
     # keeps it alive until the JSON comes (`endpoints.gateway.anatomy`).
     progress: bool = False
 
+    # The `model` the engine gets when it is not the caller's: a LoRA adapter's name (its `lora_name`).
+    engine_model: str = ""
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {sorted(KINDS)}")
@@ -179,9 +182,11 @@ class InferenceRequest:
     def upstream_body(self) -> bytes:
         """The body the engine gets."""
         reprioritised = self.priority != self.payload.get("priority", INTERACTIVE_PRIORITY)
-        if not self.stream and not reprioritised:
+        if not self.stream and not reprioritised and not self.engine_model:
             return self.body  # `model` is already the endpoint's name, the engine's served name
         payload = self.payload | {"priority": self.priority} if reprioritised else self.payload
+        if self.engine_model:
+            payload = payload | {"model": self.engine_model}
         if self.stream:
             # NOTE: usage on every chunk tells the gateway the tokens delivered if the client leaves
             # mid-stream; what the client asked for is restored by `endpoints.gateway.sse.rewrite_event`.

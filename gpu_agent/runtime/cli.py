@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser("tiny-model", help="write a tiny random Llama for tests (no download)")
     tiny.add_argument("directory")
     tiny.add_argument("--embedding", action="store_true", help="an embedding model (served on /v1/embeddings)")
+    tiny.add_argument("--lora", action="store_true", help="a LoRA adapter for the tiny model (PEFT layout)")
     return parser
 
 
@@ -92,9 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: botocore's DEBUG lines print request headers, a replica's session token among them.
     logging.getLogger("botocore").setLevel(max(logging.getLogger().level, logging.INFO))
     if args.command == "tiny-model":
-        from gpu_agent.runtime.tiny_model import build_tiny_embedding_model, build_tiny_model
+        from gpu_agent.runtime.tiny_model import (
+            build_tiny_embedding_model,
+            build_tiny_lora_adapter,
+            build_tiny_model,
+        )
 
-        print((build_tiny_embedding_model if args.embedding else build_tiny_model)(args.directory))
+        if args.lora:
+            print(build_tiny_lora_adapter(args.directory))
+        else:
+            print((build_tiny_embedding_model if args.embedding else build_tiny_model)(args.directory))
         return 0
 
     from gpu_agent.runtime.agent import Agent

@@ -245,6 +245,10 @@ def build_engine_command(
         argv += speculative_args(spec)
     # NOTE: the key travels in the environment, never in argv (visible to `ps`, written to the log).
     env = {REPLICA_ENV_MARKER: spec.replica_id, ENGINE_API_KEY_ENV: spec.engine_api_key}
+    if spec.max_loras and task != ModelTask.EMBED:
+        # Adapters load and unload at runtime (/v1/load_lora_adapter), without restarting the engine.
+        argv += ["--enable-lora", "--max-loras", str(spec.max_loras), "--max-lora-rank", str(spec.max_lora_rank)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if device == DEVICE_CPU:
         # CUDA graphs and multi-process workers buy nothing on CPU and cost start time.
         argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]

@@ -17,7 +17,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_agent.protocol import FINAL_REPLICA_STATES, ReplicaAction, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import (
+    FINAL_REPLICA_STATES,
+    AdapterSpec,
+    ReplicaAction,
+    ReplicaSpec,
+    ReplicaState,
+    ReplicaStatus,
+)
+from gpu_agent.runtime.adapters import ReplicaAdapters
 from gpu_agent.runtime.model_info import spec_problem
 from gpu_agent.runtime.speculative import draft_access, draft_problem, needs_draft, with_local_draft
 from gpu_agent.runtime.supervisor import Supervisor
@@ -54,6 +62,7 @@ class Reconciler:
         self._draft_pins: dict[str, Path] = {}  # replica id -> cached draft model it uses
         self._reported_terminal: set[str] = set()
         self._lock = threading.Lock()
+        self.adapters = ReplicaAdapters(self._fetch_adapter, wake=wake)
 
     def mark_reported(self, statuses: list[ReplicaStatus]) -> None:
         """The control plane has heard these statuses: a final one may now be forgotten once dropped."""
@@ -73,6 +82,9 @@ class Reconciler:
                 self._begin_start(spec)
             elif spec.replica_id in known:
                 self.supervisor.refresh_secrets(spec)
+                replica = self.supervisor.get(spec.replica_id)
+                if replica is not None and replica.state == ReplicaState.READY:
+                    self.adapters.sync(spec, replica.address, replica.num_restarts)
         for replica_id in known | pulling:
             spec = desired_by_id.get(replica_id)
             if spec is None or spec.action == ReplicaAction.DRAIN:
@@ -213,6 +225,10 @@ class Reconciler:
             paths = [self._pins.pop(replica_id, None), self._draft_pins.pop(replica_id, None)]
         self._unpin([path for path in paths if path is not None])
 
+    def _fetch_adapter(self, adapter: AdapterSpec) -> Path:
+        access = SourceAccess(credentials=adapter.credentials, scope=adapter.weights_scope)
+        return self.weights.fetch(adapter.source, access=access)
+
     def replica_statuses(self) -> list[ReplicaStatus]:
         statuses = self.supervisor.statuses()
         with self._lock:
@@ -235,6 +251,7 @@ class Reconciler:
                     download_s=pull.download_s,
                 )
             )
+        self.adapters.report(statuses)
         return statuses
 
     def wait_for(self, replica_id: str, states: tuple[ReplicaState, ...], timeout_s: float) -> ReplicaStatus:

@@ -153,3 +153,48 @@ def _build(directory: str | Path, *, dtype: str, embedding: bool) -> Path:
     }
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return path
+
+
+# The tiny adapter's rank and the projections it adapts (PEFT names).
+TINY_LORA_RANK = 4
+TINY_LORA_TARGET_MODULES = ("q_proj", "v_proj")
+
+
+def build_tiny_lora_adapter(
+    directory: str | Path, *, base_model: str = "tiny-llama", rank: int = TINY_LORA_RANK, seed: int = SEED
+) -> Path:
+    """Write a PEFT-layout LoRA adapter for the tiny model into `directory`.
+
+    The files are what `peft`'s `save_pretrained` writes (`adapter_config.json` and
+    `adapter_model.safetensors` with `base_model.model.model.layers.N.self_attn.X.lora_A/B.weight`),
+    built here with torch and safetensors so the agent and the tests need no `peft`. `seed` changes
+    the weights, so two adapters answer differently.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(NUM_LAYERS):
+        for module in TINY_LORA_TARGET_MODULES:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, HIDDEN_SIZE, generator=generator) * 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(HIDDEN_SIZE, rank, generator=generator) * 0.5
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": rank * 2,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(TINY_LORA_TARGET_MODULES),
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path

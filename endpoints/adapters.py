@@ -1,0 +1,115 @@
+"""Writes with side effects for LoRA adapters: create, delete, want (a call named one), and what
+agents report about them (loaded, refused).
+
+An adapter is served by its endpoint's replicas, not by a replica of its own: the engine starts
+with LoRA enabled (`Endpoint.max_loras` slots, `max_lora_rank`), and the agent loads the adapters
+callers want into the running engine, unloading the least recently wanted when its slots are full
+(`gpu_agent.runtime.adapters`). The gateway marks an adapter wanted (`want_adapter`) when a call
+names one no READY replica holds, and holds the call like a cold start until one reports it.
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.accounts.services import Actor, record_audit
+from endpoints.credentials import organization_scope, source_credentials
+from endpoints.events import record_event
+from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica
+from endpoints.nodes.notify import notify_node
+from gpu_agent.protocol import AdapterSpec, ReplicaState, ReplicaStatus
+
+MAX_REPORTED_ADAPTERS = 256
+
+# A call model names an adapter as "<endpoint>:<adapter>".
+ADAPTER_SEPARATOR = ":"
+
+
+def split_model_name(model: str) -> tuple[str, str]:
+    """("endpoint", "adapter") from "endpoint:adapter"; ("endpoint", "") from a plain endpoint name."""
+    endpoint, _, adapter = model.partition(ADAPTER_SEPARATOR)
+    return endpoint, adapter
+
+
+@transaction.atomic
+def create_adapter(actor: Actor, endpoint: Endpoint, **spec) -> Adapter:
+    adapter = Adapter.objects.create(endpoint=endpoint, **spec)
+    record_event(endpoint, EventKind.CONFIG, f"Adapter {adapter.name} added")
+    record_audit(actor, endpoint.organization, "adapter.create", adapter)
+    return adapter
+
+
+@transaction.atomic
+def delete_adapter(actor: Actor, adapter: Adapter) -> None:
+    """Replicas unload it at their next sync (it is gone from their spec)."""
+    endpoint = adapter.endpoint
+    record_event(endpoint, EventKind.CONFIG, f"Adapter {adapter.name} removed")
+    record_audit(actor, endpoint.organization, "adapter.delete", adapter)
+    adapter.delete()
+    _wake_nodes(endpoint.pk)
+
+
+def want_adapter(adapter_id) -> None:
+    """A call named this adapter and no READY replica holds it: ask the agents to load it.
+
+    NOTE: a conditional update, so a burst of calls writes once per second at most. The nodes of the
+    endpoint's replicas are woken (their long poll answers), so their agents load it at once.
+    """
+    now = timezone.now()
+    changed = Adapter.objects.filter(pk=adapter_id).exclude(
+        last_requested_at__gt=now - timezone.timedelta(seconds=1)
+    ).update(last_requested_at=now)
+    if changed:
+        _wake_nodes(Adapter.objects.filter(pk=adapter_id).values_list("endpoint_id", flat=True).first())
+
+
+def _wake_nodes(endpoint_id) -> None:
+    nodes = Replica.objects.filter(endpoint_id=endpoint_id, state=ReplicaState.READY, node__isnull=False)
+    for node_id in set(nodes.values_list("node_id", flat=True)):
+        notify_node(node_id)
+
+
+def adapter_specs(endpoint: Endpoint) -> list[AdapterSpec]:
+    """The endpoint's adapters as its replicas' specs carry them (with the credentials they are read with)."""
+    specs = []
+    for adapter in endpoint.adapters.select_related("credential"):
+        credentials = source_credentials(adapter.credential) if adapter.credential_id else None
+        specs.append(AdapterSpec(
+            name=adapter.name, source=adapter.source, credentials=credentials,
+            weights_scope=organization_scope(endpoint.organization_id),
+            wanted_at=adapter.last_requested_at.timestamp() if adapter.last_requested_at else 0.0,
+        ))
+    return specs
+
+
+def record_replica_adapters(node, report: ReplicaStatus) -> None:
+    """What an agent reported of one of its replicas' adapters: the replica's `adapters` (what the
+    gateway routes on), adapters it loaded READY, refused ones FAILED with the engine's reason."""
+    replica = Replica.objects.filter(pk=report.replica_id, node=node).only("pk", "endpoint_id", "adapters").first()
+    if replica is None:
+        return
+    endpoint_id = replica.endpoint_id
+    loaded = [name for name in report.adapters if isinstance(name, str)][:MAX_REPORTED_ADAPTERS]
+    failures = {str(name): str(reason) for name, reason in list(report.adapter_failures.items())[:MAX_REPORTED_ADAPTERS]}
+    if replica.adapters != loaded:
+        Replica.objects.filter(pk=replica.pk).update(adapters=loaded)
+    if loaded:
+        Adapter.objects.filter(endpoint_id=endpoint_id, name__in=loaded).exclude(state=AdapterState.READY).update(
+            state=AdapterState.READY, status_message="")
+    for name, reason in failures.items():
+        Adapter.objects.filter(endpoint_id=endpoint_id, name=name).exclude(
+            state=AdapterState.FAILED, status_message=reason[:300]
+        ).update(state=AdapterState.FAILED, status_message=reason[:300])
+
+
+def adapters_with_holders(endpoint: Endpoint) -> list[Adapter]:
+    """The endpoint's adapters, each with `num_holders`: its READY replicas holding it now (the console)."""
+    holders: dict[str, int] = {}
+    for names in endpoint.replicas.filter(state=ReplicaState.READY).values_list("adapters", flat=True):
+        for name in names:
+            holders[name] = holders.get(name, 0) + 1
+    adapters = list(endpoint.adapters.all())
+    for adapter in adapters:
+        adapter.num_holders = holders.get(adapter.name, 0)
+    return adapters

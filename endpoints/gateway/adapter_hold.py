@@ -1,0 +1,52 @@
+"""Calls that name a LoRA adapter (`"<endpoint>:<adapter>"`): resolve the name, and hold the call
+until a READY replica holds the adapter.
+
+The gateway never loads an adapter itself: it marks the adapter wanted (`endpoints.adapters.
+want_adapter`, one conditional update), which wakes the endpoint's agents (their desired specs
+change); an agent loads it into its running engine in the background and reports it in its next
+heartbeat. Meanwhile the call waits, like a cold start, re-reading the READY replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from endpoints.adapters import split_model_name, want_adapter
+from endpoints.gateway import directory, errors
+from endpoints.gateway.memo import in_worker_thread
+
+POLL_S = 0.25
+
+
+async def resolve(organization_id: int, model: str) -> tuple[directory.EndpointInfo, directory.AdapterInfo | None] | None:
+    """The endpoint (priced for the adapter) and the adapter a call's `model` names; None if unknown."""
+    endpoint_name, adapter_name = split_model_name(model)
+    endpoint = await directory.find_endpoint(organization_id, endpoint_name)
+    if endpoint is None or not adapter_name:
+        return (endpoint, None) if endpoint is not None else None
+    adapter = (await directory.endpoint_adapters(endpoint.id)).get(adapter_name)
+    if adapter is None:
+        return None
+    return adapter.priced(endpoint), adapter
+
+
+async def holders(endpoint: directory.EndpointInfo, adapter: directory.AdapterInfo,
+                  replicas: list[directory.ReplicaInfo], timeout_s: float) -> list[directory.ReplicaInfo]:
+    """The READY replicas that hold `adapter`, waiting (at most `timeout_s`) for one to load it.
+
+    NOTE: the wanted mark is refreshed while waiting, so the agents keep the most recently called
+    adapters loaded; a 503 says the adapter did not load in time (its state says why, if refused).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        holding = [replica for replica in replicas if adapter.name in replica.adapters]
+        if holding:
+            return holding
+        await in_worker_thread(want_adapter)(adapter.id)
+        if time.monotonic() >= deadline:
+            raise errors.OpenAIError(
+                503, f"The adapter '{adapter.name}' is not loaded yet; see its state on the endpoint.",
+                type="server_error", code="adapter_loading", headers={"retry-after": "10"})
+        await asyncio.sleep(POLL_S)
+        replicas = await directory.ready_replicas(endpoint.id, fresh=True) or replicas

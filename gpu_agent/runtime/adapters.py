@@ -1,0 +1,198 @@
+"""LoRA adapters in a running engine: load on demand, unload the least recently used when full.
+
+One `AdapterSlots` per replica whose engine started with `--enable-lora`. It talks to vLLM's
+runtime adapter API (`POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`, allowed by
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), so adapters come and go without restarting the engine.
+
+The control plane says which adapters callers want (`AdapterSpec.wanted_at`, the last time a call
+named one); `sync` keeps the `max_loras` most recently wanted ones loaded and reports what the
+engine holds (`names`), most recently used first, for the heartbeat.
+
+NOTE: the engine's own slot count (`--max-loras`) is the limit: we unload before we load, so the
+engine never refuses a load for lack of a slot.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import httpx
+
+from gpu_agent.protocol import AdapterSpec, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.runtime.weights_access import WeightsError
+
+logger = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 120.0
+
+
+class AdapterLoadError(Exception):
+    """The engine refused an adapter; the message is the engine's own reason."""
+
+
+class AdapterSlots:
+    def __init__(self, address: str, engine_api_key: str, max_loras: int, *, client: httpx.Client | None = None):
+        if max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        self.address = address.rstrip("/")
+        self.max_loras = max_loras
+        self._headers = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else {}
+        self._http = client or httpx.Client(timeout=LOAD_TIMEOUT_S)
+        self._loaded: collections.OrderedDict[str, str] = collections.OrderedDict()  # name -> path, LRU first
+        self.failures: dict[str, str] = {}  # adapter name -> why the engine refused it
+
+    def names(self) -> list[str]:
+        """Loaded adapters, most recently used first."""
+        return list(reversed(self._loaded))
+
+    def ensure(self, name: str, path: str | Path) -> None:
+        """Make `name` loaded and the most recently used, unloading the least recently used if full."""
+        if name in self._loaded:
+            self._loaded.move_to_end(name)
+            return
+        while len(self._loaded) >= self.max_loras:
+            self.unload(next(iter(self._loaded)))
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        self._loaded[name] = str(path)
+        self.failures.pop(name, None)
+        logger.info("loaded adapter %s into %s", name, self.address)
+
+    def unload(self, name: str) -> None:
+        self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        self._loaded.pop(name, None)
+        logger.info("unloaded adapter %s from %s", name, self.address)
+
+    def sync(self, adapters: Iterable[AdapterSpec], resolve: Callable[[AdapterSpec], str | Path]) -> None:
+        """Load the most recently wanted adapters (at most `max_loras`); forget removed ones.
+
+        `resolve` gives an adapter's local folder (downloading it if need be). An adapter the engine
+        refuses is remembered in `failures` with the engine's reason and not tried again this sync.
+        """
+        adapters = list(adapters)
+        known = {adapter.name for adapter in adapters}
+        for name in [name for name in self._loaded if name not in known]:
+            self.unload(name)
+        # A removed adapter's refusal goes with it: one created again under its name is tried afresh.
+        self.failures = {name: reason for name, reason in self.failures.items() if name in known}
+        wanted = sorted((a for a in adapters if a.wanted_at > 0), key=lambda a: a.wanted_at, reverse=True)
+        # Oldest first, so the most recently wanted ends as the most recently used.
+        for adapter in reversed(wanted[: self.max_loras]):
+            if adapter.name in self.failures and adapter.name not in self._loaded:
+                continue
+            try:
+                self.ensure(adapter.name, resolve(adapter))
+            except (AdapterLoadError, WeightsError, ValueError) as exc:  # NOTE: their messages carry no secrets
+                self.failures[adapter.name] = str(exc)[:300]
+                logger.warning("adapter %s not loaded: %s", adapter.name, exc)
+            except OSError as exc:
+                self.failures[adapter.name] = f"reading the adapter failed: {exc.strerror or 'I/O error'}"
+                logger.warning("adapter %s not loaded: %s", adapter.name, exc)
+
+    def _post(self, path: str, body: dict) -> None:
+        try:
+            response = self._http.post(f"{self.address}{path}", json=body, headers=self._headers)
+        except httpx.HTTPError as exc:
+            raise AdapterLoadError(f"engine unreachable: {exc}") from exc
+        if response.status_code >= 400:
+            raise AdapterLoadError(_engine_reason(response))
+
+
+def _engine_reason(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300] or f"HTTP {response.status_code}"
+    error = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(error, dict):
+        return str(error.get("message") or error)[:300]
+    return str(error)[:300]
+
+
+def adapter_problem(path: str | Path, max_lora_rank: int) -> str:
+    """Why the engine would refuse this adapter folder, read from its files first ("" if none found).
+
+    NOTE: checked before loading, because a load the engine refuses costs a slot: we unload the
+    least recently used one to make room before the engine reads the files.
+    """
+    config_path = Path(path) / "adapter_config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return "the adapter has no readable adapter_config.json (a PEFT LoRA adapter's files are expected)"
+    if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
+        return "the adapter is not a LoRA adapter (adapter_config.json peft_type)"
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        return "adapter_config.json declares no rank (r)"
+    if rank > max_lora_rank:
+        return f"the adapter's rank {rank} is above the endpoint's max_lora_rank {max_lora_rank}"
+    return ""
+
+
+class ReplicaAdapters:
+    """The adapters of every READY replica on this node, synced in the background.
+
+    `sync` is called with each desired spec (every heartbeat); a load runs on its own thread, so a
+    heartbeat never waits for a download or the engine. `report` adds what each engine holds to
+    the replica's status. An engine that restarted lost its adapters: its slots start empty again.
+    """
+
+    def __init__(self, fetch: Callable[[AdapterSpec], Path], *, wake: threading.Event | None = None):
+        self._fetch = fetch  # an adapter's local folder, downloaded if need be
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._slots: dict[str, tuple[tuple[str, int], AdapterSlots]] = {}  # replica -> ((address, restarts), slots)
+        self._syncing: set[str] = set()
+
+    def sync(self, spec: ReplicaSpec, address: str, num_restarts: int) -> None:
+        if not spec.max_loras or not address:
+            return
+        engine = (address, num_restarts)
+        with self._lock:
+            if spec.replica_id in self._syncing:
+                return
+            current = self._slots.get(spec.replica_id)
+            if current is None or current[0] != engine:
+                current = (engine, AdapterSlots(address, spec.engine_api_key, spec.max_loras))
+                self._slots[spec.replica_id] = current
+            slots = current[1]
+            wanted = {a.name: a.wanted_at for a in spec.adapters if a.wanted_at > 0}
+            loaded = set(slots.names())
+            top = set(sorted(wanted, key=wanted.get, reverse=True)[: slots.max_loras])
+            if top <= loaded | set(slots.failures) and loaded <= {a.name for a in spec.adapters}:
+                return  # nothing to do: no thread
+            self._syncing.add(spec.replica_id)
+        threading.Thread(target=self._run, args=(spec, slots), name=f"adapters-{spec.replica_id}", daemon=True).start()
+
+    def _run(self, spec: ReplicaSpec, slots: AdapterSlots) -> None:
+        def resolve(adapter: AdapterSpec) -> Path:
+            path = self._fetch(adapter)
+            problem = adapter_problem(path, spec.max_lora_rank)
+            if problem:
+                raise ValueError(problem)
+            return path
+
+        try:
+            slots.sync(spec.adapters, resolve)
+        except Exception:  # NOTE: a sync must never kill the agent; the next heartbeat tries again
+            logger.exception("replica %s: adapter sync failed", spec.replica_id)
+        finally:
+            with self._lock:
+                self._syncing.discard(spec.replica_id)
+            if self._wake is not None:
+                self._wake.set()  # report the loaded adapters now: held calls wait for them
+
+    def report(self, statuses: list[ReplicaStatus]) -> None:
+        with self._lock:
+            for replica_id in [r for r in self._slots if r not in {s.replica_id for s in statuses}]:
+                del self._slots[replica_id]
+            for status in statuses:
+                current = self._slots.get(status.replica_id)
+                if current is not None and status.state == ReplicaState.READY:
+                    status.adapters = current[1].names()
+                    status.adapter_failures = dict(current[1].failures)

@@ -1,0 +1,49 @@
+"""LoRA on the agent side without an engine: the engine flags an endpoint with adapter slots gets (on
+CPU and on the CUDA path alike), the checks read from an adapter's files before a load, and the
+reports an engine that restarted (and so lost its adapters) gives."""
+
+from gpu_agent.protocol import AdapterSpec, ModelTask, ReplicaState, ReplicaStatus
+from gpu_agent.runtime.adapters import ReplicaAdapters, adapter_problem
+from gpu_agent.runtime.engine import build_engine_command
+from gpu_agent.runtime.tiny_model import build_tiny_lora_adapter
+
+from .conftest import make_spec
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_an_endpoint_with_adapter_slots_starts_its_engine_with_lora_on_every_device():
+    for device in ("cpu", "cuda"):
+        command = build_engine_command(make_spec(max_loras=4, max_lora_rank=32), "/m", port=1, device=device)
+        assert "--enable-lora" in command.argv
+        assert (flag(command.argv, "--max-loras"), flag(command.argv, "--max-lora-rank")) == ("4", "32")
+        assert command.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+def test_an_endpoint_without_slots_or_an_embedding_one_starts_without_lora():
+    assert "--enable-lora" not in build_engine_command(make_spec(), "/m", port=1, device="cpu").argv
+    embed = make_spec(max_loras=2, task=ModelTask.EMBED)
+    assert "--enable-lora" not in build_engine_command(embed, "/m", port=1, device="cpu").argv
+
+
+def test_an_adapter_above_the_rank_limit_or_without_a_peft_config_is_refused_before_loading(tmp_path):
+    build_tiny_lora_adapter(tmp_path / "rank16", rank=16)
+    assert adapter_problem(tmp_path / "rank16", 8) == "the adapter's rank 16 is above the endpoint's max_lora_rank 8"
+    assert adapter_problem(tmp_path / "rank16", 16) == ""
+    (tmp_path / "empty").mkdir()
+    assert "adapter_config.json" in adapter_problem(tmp_path / "empty", 16)
+
+
+def test_a_replica_not_ready_or_unknown_reports_no_adapters():
+    keeper = ReplicaAdapters(lambda adapter: tmp_path_never_used(adapter))
+    spec = make_spec(max_loras=2, adapters=[AdapterSpec(name="tone", source="/a/tone")])
+    keeper.sync(spec, "http://127.0.0.1:9", 0)  # nothing wanted yet: no load, no thread
+    statuses = [ReplicaStatus(replica_id=spec.replica_id, state=ReplicaState.STARTING)]
+    keeper.report(statuses)
+    assert statuses[0].adapters == [] and statuses[0].adapter_failures == {}
+
+
+def tmp_path_never_used(adapter):
+    raise AssertionError(f"{adapter.name} was fetched though nobody wanted it")

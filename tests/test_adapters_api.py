@@ -1,0 +1,108 @@
+"""LoRA adapters through `/api/v1/endpoints/{id}/adapters/`: created with field errors for what the
+endpoint cannot serve, listed with the `model` calls name, deleted; another organisation's endpoint
+is a 404; the replica spec carries them to the agent, and an agent's reports show on the adapter."""
+
+import pytest
+
+from endpoints.adapters import record_replica_adapters, want_adapter
+from endpoints.fleet.services import replica_spec
+from endpoints.models import Adapter, Replica
+from endpoints.nodes.models import Node
+from gpu_agent.protocol import ReplicaState, ReplicaStatus
+from tests.factories import EndpointFactory, OrganizationFactory, make_credential
+
+pytestmark = pytest.mark.django_db
+
+ADAPTER = {"name": "support-tone", "source": "s3://tuned-adapters/support", "rank": 8}
+
+
+def url(endpoint) -> str:
+    return f"/api/v1/endpoints/{endpoint.pk}/adapters/"
+
+
+@pytest.fixture
+def lora_endpoint(org):
+    return EndpointFactory(organization=org, name="llama", max_loras=2, max_lora_rank=16)
+
+
+def test_an_adapter_created_through_the_api_is_listed_with_the_model_name_calls_use(owner_client, lora_endpoint):
+    created = owner_client.post(url(lora_endpoint), ADAPTER, format="json")
+    assert created.status_code == 201, created.json()
+    assert created.json()["model"] == "llama:support-tone" and created.json()["state"] == "PENDING"
+    listed = owner_client.get(url(lora_endpoint)).json()
+    assert [row["model"] for row in listed["results"]] == ["llama:support-tone"]
+    deleted = owner_client.delete(f"{url(lora_endpoint)}{created.json()['id']}/")
+    assert deleted.status_code == 204 and not Adapter.objects.exists()
+
+
+def test_an_adapter_above_the_endpoints_rank_limit_is_refused_with_a_field_error(owner_client, lora_endpoint):
+    refused = owner_client.post(url(lora_endpoint), ADAPTER | {"rank": 64}, format="json")
+    assert refused.status_code == 400
+    assert "up to rank 16" in refused.json()["rank"][0]
+
+
+def test_an_endpoint_without_adapter_slots_refuses_adapters(owner_client, org):
+    endpoint = EndpointFactory(organization=org, name="plain")
+    refused = owner_client.post(url(endpoint), ADAPTER, format="json")
+    assert refused.status_code == 400 and "max_loras" in refused.json()["endpoint"][0]
+
+
+def test_bad_sources_names_and_credentials_are_field_errors(owner_client, org, lora_endpoint):
+    hf_token = make_credential(org, name="hub", kind="hf", hf_token="hf_x")
+    refused = owner_client.post(
+        url(lora_endpoint), {"name": "Bad Name", "source": "ftp://x", "credential": str(hf_token.pk)}, format="json")
+    assert refused.status_code == 400 and {"name", "source"} <= refused.json().keys()
+    wrong_kind = owner_client.post(url(lora_endpoint), ADAPTER | {"credential": str(hf_token.pk)}, format="json")
+    assert wrong_kind.status_code == 400 and "S3" in wrong_kind.json()["credential"][0]
+    owner_client.post(url(lora_endpoint), ADAPTER, format="json")
+    twice = owner_client.post(url(lora_endpoint), ADAPTER, format="json")
+    assert twice.status_code == 400 and "already" in twice.json()["name"][0]
+
+
+def test_another_organisations_endpoint_and_credential_are_not_found(owner_client, lora_endpoint):
+    other = OrganizationFactory()
+    foreign = EndpointFactory(organization=other, name="theirs", max_loras=2)
+    assert owner_client.get(url(foreign)).status_code == 404
+    assert owner_client.post(url(foreign), ADAPTER, format="json").status_code == 404
+    their_credential = make_credential(other, name="theirs")
+    refused = owner_client.post(url(lora_endpoint), ADAPTER | {"credential": str(their_credential.pk)}, format="json")
+    assert refused.status_code == 400 and "credential" in refused.json()
+
+
+def test_the_replica_spec_carries_lora_slots_and_the_adapters_callers_want(org, lora_endpoint):
+    credential = make_credential(org, name="bucket")
+    adapter = Adapter.objects.create(endpoint=lora_endpoint, name="tone", source="s3://tuned/tone", credential=credential)
+    spec = replica_spec(Replica.objects.create(endpoint=lora_endpoint))
+    assert (spec.max_loras, spec.max_lora_rank) == (2, 16)
+    assert [(a.name, a.wanted_at) for a in spec.adapters] == [("tone", 0.0)]
+    assert spec.adapters[0].credentials is not None and spec.without_secrets().adapters[0].credentials is None
+    want_adapter(adapter.pk)
+    assert replica_spec(Replica.objects.create(endpoint=lora_endpoint)).adapters[0].wanted_at > 0
+
+
+def test_an_agents_report_marks_adapters_loaded_or_refused_with_the_engines_reason(lora_endpoint):
+    node = Node.objects.create(name="gpu-1")
+    replica = Replica.objects.create(endpoint=lora_endpoint, node=node)
+    Adapter.objects.create(endpoint=lora_endpoint, name="good", source="/a/good")
+    Adapter.objects.create(endpoint=lora_endpoint, name="big", source="/a/big")
+    record_replica_adapters(node, ReplicaStatus(
+        replica_id=str(replica.pk), state=ReplicaState.READY, adapters=["good"],
+        adapter_failures={"big": "LoRA rank 64 is greater than max_lora_rank 16."},
+    ))
+    replica.refresh_from_db()
+    assert replica.adapters == ["good"]
+    states = dict(Adapter.objects.values_list("name", "state"))
+    assert states == {"good": "READY", "big": "FAILED"}
+    assert "greater than max_lora_rank" in Adapter.objects.get(name="big").status_message
+
+
+
+def test_adapter_prices_may_not_be_negative_and_the_endpoint_takes_only_vllms_lora_ranks(owner_client, lora_endpoint):
+    refused = owner_client.post(url(lora_endpoint), ADAPTER | {"price_output_per_million": "-1"}, format="json")
+    assert refused.status_code == 400 and "price_output_per_million" in refused.json()
+    priced = owner_client.post(url(lora_endpoint), ADAPTER | {"price_input_per_million": "3.5"}, format="json")
+    assert priced.status_code == 201 and priced.json()["price_output_per_million"] is None
+    bad_rank = owner_client.patch(f"/api/v1/endpoints/{lora_endpoint.pk}/", {"max_lora_rank": 7}, format="json")
+    assert bad_rank.status_code == 400 and "max_lora_rank" in bad_rank.json()
+    slots = owner_client.patch(f"/api/v1/endpoints/{lora_endpoint.pk}/", {"max_loras": 4, "max_lora_rank": 32}, format="json")
+    assert slots.status_code == 200 and (slots.json()["max_loras"], slots.json()["max_lora_rank"]) == (4, 32)
