@@ -39,7 +39,7 @@ def test_an_owner_adds_a_bucket_credential_and_deploys_a_private_model_with_it(p
     nav(page, "Endpoints")
     page.get_by_role("link", name="New endpoint").first.click()
     page.get_by_label("Endpoint name").fill("private-llama")
-    page.get_by_label("Model source").fill("s3://compilers-weights/llama-3.1-8b")
+    page.get_by_label("Model source", exact=True).fill("s3://compilers-weights/llama-3.1-8b")
     page.get_by_label("Credential").select_option(label="prod-bucket (s3)")
     page.locator("label[for=gpu-l4]").click()
     page.get_by_role("button", name="Deploy endpoint").click()

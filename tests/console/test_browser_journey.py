@@ -82,7 +82,7 @@ def test_sign_up_deploy_chat_see_usage_and_drain(browser, platform, tiny_model_d
         page.locator("label[for=gpu-cpu]").click()
         page.get_by_role("button", name="Deploy endpoint").click()
         expect(page.get_by_text("This field may not be blank.")).to_be_visible()
-        page.get_by_label("Model source").fill(str(Path(tiny_model_dir)))
+        page.get_by_label("Model source", exact=True).fill(str(Path(tiny_model_dir)))
         page.get_by_label("Minimum replicas").fill("1")
         page.get_by_label("Maximum replicas").fill("1")
         page.get_by_label("Max model length (tokens)").fill("512")

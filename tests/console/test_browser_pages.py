@@ -105,7 +105,7 @@ def test_a_customer_signs_up_creates_a_key_deploys_and_reads_every_page(page):
     nav(page, "Endpoints")
     page.get_by_role("link", name="New endpoint").first.click()
     page.get_by_label("Endpoint name").fill("Support Chat")
-    page.get_by_label("Model source").fill("github.com/some/model")
+    page.get_by_label("Model source", exact=True).fill("github.com/some/model")
     page.locator("label[for=gpu-cpu]").click()
     # htmx swaps in the quantizations a CPU engine supports.
     expect(page.locator("#id_quantization option[value=int8]")).to_have_count(1)
@@ -119,7 +119,7 @@ def test_a_customer_signs_up_creates_a_key_deploys_and_reads_every_page(page):
     assert not Endpoint.objects.exists()
 
     page.get_by_label("Endpoint name").fill("support-chat")
-    page.get_by_label("Model source").fill("hf:meta-llama/Llama-3.1-8B-Instruct")
+    page.get_by_label("Model source", exact=True).fill("hf:meta-llama/Llama-3.1-8B-Instruct")
     page.locator("label[for=gpu-l4]").click()
     expect(page.locator("#id_quantization option[value=awq]")).to_have_count(1)
     page.get_by_label("Quantization").select_option("fp8")

@@ -41,7 +41,7 @@ def test_a_customer_sees_quotas_their_use_key_limits_and_a_refused_spec(page):
     nav(page, "Endpoints")
     page.get_by_role("link", name="New endpoint").click()
     page.get_by_label("Endpoint name").fill("second-chat")
-    page.get_by_label("Model source").fill("hf:meta-llama/Llama-3.1-8B-Instruct")
+    page.get_by_label("Model source", exact=True).fill("hf:meta-llama/Llama-3.1-8B-Instruct")
     page.get_by_label("Minimum replicas").fill("1")
     page.get_by_role("button", name="Deploy endpoint").click()
     expect(page.get_by_text("quota max_min_replicas")).to_be_visible()
