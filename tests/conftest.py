@@ -18,6 +18,7 @@ from controlplane.accounts.services import Actor
 from tests.engines import serve_engine, shared_engine_spec
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: F401 - shared with benchmarks
+from tests.web_zygote import WebZygote
 
 pytest_plugins = ["tests.ci_skips"]
 
@@ -100,17 +101,21 @@ def child_env() -> dict[str, str]:
 
 
 def start_web_server(tmp_dir: Path, *, name: str = "web", extra_env: dict | None = None, workers: int = 1,
-                     server_args: tuple[str, ...] = ()) -> tuple[ChildProcess, str]:
+                     server_args: tuple[str, ...] = (), zygote: WebZygote | None = None) -> tuple[ChildProcess, str]:
     """A web server on the test database: one uvicorn process, or with `workers` > 1 the production
-    launcher (`controlplane.serve`) running that many gateway processes on one port."""
+    launcher (`controlplane.serve`) running that many gateway processes on one port. With `zygote`
+    (and nothing but the session's environment) the process is forked from it, imports done."""
     port = free_port()
     env = child_env() | (extra_env or {})
-    server = ["uvicorn", "controlplane.asgi:application"] if workers == 1 else ["controlplane.serve", "--workers", str(workers)]
-    child = ChildProcess(
-        [sys.executable, "-m", *server, "--host", "127.0.0.1", "--port", str(port),
-         "--no-access-log", "--log-level", "warning", *server_args],
-        env, tmp_dir / f"{name}.log",
-    )
+    if zygote is not None and zygote.serves(env) and workers == 1 and not server_args:
+        child = zygote.fork(port, tmp_dir / f"{name}.log")
+    else:
+        server = ["uvicorn", "controlplane.asgi:application"] if workers == 1 else ["controlplane.serve", "--workers", str(workers)]
+        child = ChildProcess(
+            [sys.executable, "-m", *server, "--host", "127.0.0.1", "--port", str(port),
+             "--no-access-log", "--log-level", "warning", *server_args],
+            env, tmp_dir / f"{name}.log",
+        )
     base_url = f"http://127.0.0.1:{port}"
 
     def healthy():
@@ -134,10 +139,18 @@ def start_celery_worker(tmp_dir: Path, *, name: str = "worker", extra_env: dict 
     )
 
 
+@pytest.fixture(scope="session")
+def web_zygote(django_db_setup, django_db_blocker, tmp_path_factory):
+    """The session's fork server for web servers (`tests.web_zygote`)."""
+    zygote = WebZygote(child_env(), tmp_path_factory.mktemp("web-zygote"))
+    yield zygote
+    zygote.stop()
+
+
 @pytest.fixture
-def live_server_url(transactional_db, tmp_path):
-    """A real ASGI server (uvicorn) in a child process, on the test database."""
-    child, base_url = start_web_server(tmp_path)
+def live_server_url(transactional_db, tmp_path, web_zygote):
+    """A real ASGI server (uvicorn) in a child process of its own, on the test database."""
+    child, base_url = start_web_server(tmp_path, zygote=web_zygote)
     yield base_url
     child.stop()
 

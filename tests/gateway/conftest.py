@@ -61,8 +61,8 @@ def start_mock_upstream(tmp_path):
 
 
 @pytest.fixture
-def gateway(transactional_db, tmp_path):
-    child, base_url = start_web_server(tmp_path, name="gateway")
+def gateway(transactional_db, tmp_path, web_zygote):
+    child, base_url = start_web_server(tmp_path, name="gateway", zygote=web_zygote)
     yield base_url
     child.stop()
 
