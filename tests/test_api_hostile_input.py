@@ -61,7 +61,7 @@ def test_options_on_every_documented_route_is_never_a_server_error(owner_client)
     endpoint = EndpointFactory(organization=owner_client.organization)
 
     for path in paths:
-        concrete = path.replace("{id}", str(endpoint.pk)).replace("{key_id}", "1")
+        concrete = path.replace("{id}", str(endpoint.pk)).replace("{endpoint_pk}", str(endpoint.pk)).replace("{key_id}", "1")
         assert owner_client.options(concrete).status_code in (200, 404), concrete
 
 
@@ -133,7 +133,7 @@ def test_a_method_a_documented_route_does_not_take_is_a_json_405(owner_client):
     answers = {}
 
     for path, operations in paths.items():
-        concrete = path.replace("{id}", str(endpoint.pk)).replace("{key_id}", "1")
+        concrete = path.replace("{id}", str(endpoint.pk)).replace("{endpoint_pk}", str(endpoint.pk)).replace("{key_id}", "1")
         for method in {"get", "post", "put", "patch", "delete"} - set(operations):
             response = getattr(owner_client, method)(concrete)
             answers[f"{method.upper()} {path}"] = (response.status_code, response["Content-Type"])
