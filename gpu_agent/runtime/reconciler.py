@@ -27,7 +27,7 @@ from gpu_agent.protocol import (
 )
 from gpu_agent.runtime.adapters import ReplicaAdapters
 from gpu_agent.runtime.model_info import spec_problem
-from gpu_agent.runtime.speculative import draft_access, draft_problem, needs_draft, with_local_draft
+from gpu_agent.runtime.speculative import draft_problem, needs_draft, with_local_draft
 from gpu_agent.runtime.supervisor import Supervisor
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import SourceAccess, WeightsError
@@ -144,7 +144,7 @@ class Reconciler:
             self.weights.pin(path)
             pinned.append(path)
             if needs_draft(spec):  # fetched like the weights, with the same access rules
-                draft = self.weights.fetch(spec.speculative.draft_source, access=draft_access(spec))
+                draft = self.weights.fetch(spec.speculative.draft_source, access=SourceAccess.for_draft(spec))
                 self.weights.pin(draft)
                 pinned.append(draft)
                 spec = with_local_draft(spec, draft)

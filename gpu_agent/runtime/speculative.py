@@ -5,7 +5,7 @@ vLLM 0.32 takes one `--speculative-config` JSON (`vllm/config/speculative.py`): 
 model `{"method": "draft_model", "model": <local dir>, "num_speculative_tokens"}`.
 
 The draft is fetched like the replica's weights, with the replica's own credentials (the fleet's
-only when the control plane said the draft is on the public catalogue), and checked before the
+only when the control plane said the draft is on the public catalogue: `SourceAccess.for_draft`), and checked before the
 engine starts: a draft of another vocabulary would be refused by vLLM only after loading both.
 """
 
@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 from gpu_agent.protocol import ReplicaSpec, SpeculativeMethod
-from gpu_agent.runtime.weights_access import SourceAccess
 
 
 def speculative_args(spec: ReplicaSpec) -> list[str]:
@@ -38,16 +37,6 @@ def speculative_args(spec: ReplicaSpec) -> list[str]:
             "num_speculative_tokens": speculative.num_speculative_tokens,
         }
     return ["--speculative-config", json.dumps(config, sort_keys=True)]
-
-
-def draft_access(spec: ReplicaSpec) -> SourceAccess:
-    """How the draft is read: the replica's credentials, else the fleet's for a catalogue draft, else none."""
-    speculative = spec.speculative
-    return SourceAccess(
-        credentials=spec.credentials,
-        use_fleet_credentials=speculative.draft_use_fleet_credentials and spec.credentials is None,
-        scope=speculative.draft_weights_scope,
-    )
 
 
 def needs_draft(spec: ReplicaSpec) -> bool:

@@ -78,6 +78,16 @@ class SourceAccess:
             scope=spec.weights_scope,
         )
 
+    @classmethod
+    def for_draft(cls, spec: ReplicaSpec) -> SourceAccess:
+        """A speculative draft model's: the replica's credentials, else the fleet's for a catalogue draft."""
+        speculative = spec.speculative
+        return cls(
+            credentials=spec.credentials,
+            use_fleet_credentials=speculative.draft_use_fleet_credentials and spec.credentials is None,
+            scope=speculative.draft_weights_scope,
+        )
+
     def credentials_of_kind(self, kind: str, source: str) -> SourceCredentials | None:
         if self.credentials is not None and self.credentials.kind != kind:
             raise SourceUnreadable(
