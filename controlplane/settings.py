@@ -274,6 +274,10 @@ AUTOSCALER_STABLE_WINDOW_S = env_float("INFERPLANE_AUTOSCALER_STABLE_WINDOW_S", 
 # Load doubling within this window (and above what the READY replicas are sized for) scales up ahead of it.
 AUTOSCALER_PANIC_WINDOW_S = env_float("INFERPLANE_AUTOSCALER_PANIC_WINDOW_S", 6.0, minimum=1)
 BATCH_TICK_S = env_float("INFERPLANE_BATCH_TICK_S", 2.0, minimum=0.2)
+# Node pools (endpoints.fleet.pools): how often machines are launched and released, and where the
+# agents they start reach this control plane (its address as seen from a new machine).
+NODE_POOLS_TICK_S = env_float("INFERPLANE_NODE_POOLS_TICK_S", 5.0, minimum=0.5)
+AGENT_CONTROL_PLANE_URL = (env_str("INFERPLANE_AGENT_CONTROL_PLANE_URL", PUBLIC_URL) or PUBLIC_URL).rstrip("/")
 CELERY_BEAT_SCHEDULE = {
     "ping-scheduler": {"task": "controlplane.ping", "schedule": 60.0},
     "billing-rollup-usage": {"task": "billing.rollup_usage", "schedule": 60.0},

@@ -132,3 +132,90 @@ def gpu_inventory(gpus: list[GpuStatus]) -> list[dict]:
          "mig_slices": [slice_.to_dict() for slice_ in gpu.mig_slices]}
         for gpu in sorted(gpus, key=lambda gpu: gpu.index)
     ]
+
+
+class PoolProvider(models.TextChoices):
+    """Where a pool's machines come from (`endpoints.fleet.providers`)."""
+
+    LOCAL = "local", "Local agent processes"
+    EC2 = "ec2", "Amazon EC2"
+    KUBERNETES = "kubernetes", "Kubernetes placeholder pods"
+
+
+class NodePool(models.Model):
+    """Staff-defined machines of one shape that the fleet launches on demand and releases when idle.
+
+    `min_nodes` always run; `warm_nodes` more are kept empty and ready; never more than `max_nodes`.
+    A node empty for `idle_timeout_s` is released down to min + warm; one that has not registered
+    within `join_deadline_s` of its launch is terminated and replaced.
+    """
+
+    name = models.SlugField(max_length=63, unique=True)
+    gpu_type = models.CharField(max_length=32)  # catalogue name (endpoints.catalogue.GPU_TYPES)
+    provider = models.CharField(max_length=16, choices=PoolProvider.choices)
+    # The provider's machine template (validated by the provider): local agent options, an EC2
+    # launch template and subnets, a Kubernetes node selector and GPU resource.
+    template = models.JSONField(default=dict, blank=True)
+    gpus_per_node = models.PositiveIntegerField(default=1)  # 0 for CPU machines
+    # Per GPU (CPU machines: the memory their engines may use), what placement will see once one joins.
+    gpu_memory_mb = models.PositiveIntegerField(default=0)
+    min_nodes = models.PositiveIntegerField(default=0)
+    max_nodes = models.PositiveIntegerField(default=1)
+    warm_nodes = models.PositiveIntegerField(default=0)
+    idle_timeout_s = models.PositiveIntegerField(default=600)
+    join_deadline_s = models.PositiveIntegerField(default=600)
+    hourly_price = models.DecimalField(max_digits=10, decimal_places=4, default=0)  # per node-hour, the fleet's cost
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class LaunchState(models.TextChoices):
+    REQUESTED = "REQUESTED"  # decided and recorded; the provider has not confirmed it yet
+    LAUNCHING = "LAUNCHING"  # the provider has the machine; its agent has not registered yet
+    JOINED = "JOINED"  # its agent registered: `node` is set
+    RELEASING = "RELEASING"  # cordoned and empty, being terminated
+    TERMINATED = "TERMINATED"
+    FAILED = "FAILED"  # never joined, or the provider refused; `reason` says why
+
+
+LIVE_LAUNCH_STATES = (LaunchState.REQUESTED, LaunchState.LAUNCHING, LaunchState.JOINED, LaunchState.RELEASING)
+
+
+class NodeLaunch(models.Model):
+    """One machine a pool asked its provider for, from the decision to its termination.
+
+    NOTE: its id is the provider's idempotency key (EC2 ClientToken, pod name, process tag): a launch
+    retried after a crash between the decision and the provider's answer never makes a second machine.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    pool = models.ForeignKey(NodePool, on_delete=models.PROTECT, related_name="launches")
+    state = models.CharField(max_length=16, choices=LaunchState.choices, default=LaunchState.REQUESTED)
+    provider_id = models.CharField(max_length=255, blank=True)  # instance id, pod name, process id
+    zone = models.CharField(max_length=128, blank=True)  # subnet / zone it went to; a retry avoids a failed one
+    # One-use, expiring at the join deadline: the machine's agent registers with it.
+    join_token = models.OneToOneField(JoinToken, on_delete=models.SET_NULL, null=True, blank=True, related_name="launch")
+    node = models.OneToOneField(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="launch")
+    reason = models.TextField(blank=True)
+    requested_at = models.DateTimeField(default=timezone.now)
+    launched_at = models.DateTimeField(null=True, blank=True)
+    joined_at = models.DateTimeField(null=True, blank=True)
+    deadline_at = models.DateTimeField()  # joined by then, or terminated and replaced
+    terminated_at = models.DateTimeField(null=True, blank=True)
+    # Node-hours: empty since `idle_since` (None: busy or not joined); `idle_s` holds earlier empty
+    # spells. Booting (requested to joined) counts as idle: paid for, serving nothing.
+    idle_since = models.DateTimeField(null=True, blank=True)
+    idle_s = models.FloatField(default=0)
+
+    class Meta:
+        ordering = ["-requested_at"]
+        indexes = [models.Index(fields=["pool", "state"])]
+
+    def __str__(self) -> str:
+        return f"{self.pool.name}/{str(self.pk)[:8]}"

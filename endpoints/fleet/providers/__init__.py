@@ -1,0 +1,1 @@
+"""Machine providers for node pools (`base.Provider`): `local`, `ec2`, `kubernetes`."""

@@ -1,0 +1,76 @@
+"""The one small interface every machine provider implements: launch N, terminate one, list.
+
+Providers know machines, never replicas or endpoints: `endpoints.fleet.pools` decides what to launch
+and release, and records it (`NodeLaunch`); a provider only carries it out. Every call is idempotent
+on the launch's id, so the policy may repeat one after a crash or a lost answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class ProviderError(Exception):
+    """The provider refused or failed; the message is safe to show staff and store in the event log."""
+
+
+@dataclass(slots=True, frozen=True)
+class PoolSpec:
+    """What a provider needs of a pool (a plain copy of `NodePool`, so providers test without a database)."""
+
+    id: int
+    name: str
+    gpu_type: str
+    gpus_per_node: int
+    gpu_memory_mb: int
+    template: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class LaunchSpec:
+    """One machine to start. `launch_id` is the idempotency key; `join_token` is one-use and expires
+    at the join deadline; the agent registers at `control_plane_url` under `name`."""
+
+    launch_id: str
+    name: str
+    join_token: str = field(repr=False)
+    control_plane_url: str
+    zone: str = ""  # the subnet / zone to use ("" for the template's default)
+
+
+@dataclass(slots=True, frozen=True)
+class LaunchResult:
+    launch_id: str
+    provider_id: str = ""  # set when the provider accepted it
+    zone: str = ""
+    error: str = ""  # why it was refused (then provider_id is "")
+
+
+@dataclass(slots=True, frozen=True)
+class Machine:
+    """A machine the provider holds for a pool, as it reports it."""
+
+    provider_id: str
+    launch_id: str
+    state: str  # "pending", "running" or "stopping"; terminated machines are not listed
+    node_name: str = ""  # the name its agent registers under, where the provider knows it (Kubernetes)
+
+
+class Provider(Protocol):
+    name: str
+
+    def template_errors(self, template: dict) -> dict[str, list[str]]:
+        """Field errors of a pool's template ({} when valid), keyed `template.<field>`."""
+
+    def zones(self, template: dict) -> list[str]:
+        """The zones / subnets a launch may go to, in order of preference ([""] when there is no choice)."""
+
+    def launch(self, pool: PoolSpec, specs: list[LaunchSpec]) -> list[LaunchResult]:
+        """Start one machine per spec; a spec whose launch id already has a machine returns that machine."""
+
+    def terminate(self, pool: PoolSpec, provider_id: str) -> None:
+        """Stop and release the machine; nothing happens if it is already gone."""
+
+    def list(self, pool: PoolSpec) -> list[Machine]:
+        """The pool's machines that are not terminated."""
