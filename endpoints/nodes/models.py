@@ -219,3 +219,19 @@ class NodeLaunch(models.Model):
 
     def __str__(self) -> str:
         return f"{self.pool.name}/{str(self.pk)[:8]}"
+
+    def node_seconds(self, now=None) -> tuple[float, float]:
+        """(Seconds paid for, of them seconds idle) up to `now` or its termination.
+
+        Paid from the request to the provider until termination; idle while booting (not joined
+        yet), and while joined with no active replica.
+        """
+        now = now or timezone.now()
+        end = self.terminated_at or now
+        total = max(0.0, (end - self.requested_at).total_seconds())
+        idle = self.idle_s
+        if self.joined_at is None and self.terminated_at is None:
+            idle += total  # still booting: all of it so far
+        elif self.idle_since is not None:
+            idle += max(0.0, (end - self.idle_since).total_seconds())
+        return total, min(idle, total)

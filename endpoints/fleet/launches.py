@@ -1,0 +1,80 @@
+"""A node launch's life after the decision: joined, busy or idle, terminated, failed.
+
+The one owner of `NodeLaunch` state and occupancy (node-hours, busy vs idle). The pool policy
+(`endpoints.fleet.pools`) decides; registration (`endpoints.fleet.services.register_node`) reports a
+join; both change launches only through here.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.db import transaction
+from django.utils import timezone
+
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch
+
+
+def link_joined_node(node: Node, launch: NodeLaunch | None = None, now: datetime | None = None) -> NodeLaunch | None:
+    """Mark the launch that `node` came from JOINED (by its one-use join token, or `launch` when the
+    provider matched it by name); returns it, or None when the node came from no pool launch.
+
+    NOTE: booting time (request to join) is added to the launch's idle seconds: it was paid for and
+    served nothing. The node starts idle until a replica lands on it.
+    """
+    now = now or timezone.now()
+    with transaction.atomic():
+        query = NodeLaunch.objects.select_for_update().filter(
+            node__isnull=True, state__in=[LaunchState.REQUESTED, LaunchState.LAUNCHING])
+        if launch is not None:
+            query = query.filter(pk=launch.pk)
+        elif node.join_token_id is not None:
+            query = query.filter(join_token_id=node.join_token_id)
+        else:
+            return None
+        found = query.first()
+        if found is None:
+            return None
+        found.node, found.state, found.joined_at = node, LaunchState.JOINED, now
+        found.idle_s += max(0.0, (now - found.requested_at).total_seconds())
+        found.idle_since = now
+        found.save(update_fields=["node", "state", "joined_at", "idle_s", "idle_since"])
+    return found
+
+
+def record_occupancy(launch: NodeLaunch, busy: bool, now: datetime | None = None) -> bool:
+    """Start or end an idle spell of a joined launch's node; True if it changed."""
+    now = now or timezone.now()
+    if busy and launch.idle_since is not None:
+        elapsed = max(0.0, (now - launch.idle_since).total_seconds())
+        changed = NodeLaunch.objects.filter(pk=launch.pk, idle_since=launch.idle_since).update(
+            idle_s=launch.idle_s + elapsed, idle_since=None)
+        if changed:
+            launch.idle_s, launch.idle_since = launch.idle_s + elapsed, None
+        return bool(changed)
+    if not busy and launch.idle_since is None:
+        changed = NodeLaunch.objects.filter(pk=launch.pk, idle_since__isnull=True).update(idle_since=now)
+        if changed:
+            launch.idle_since = now
+        return bool(changed)
+    return False
+
+
+def finish_launch(launch: NodeLaunch, state: LaunchState, reason: str = "", now: datetime | None = None) -> bool:
+    """TERMINATED or FAILED, once: closes its idle spell so its node-hours stop growing; True if this call did it."""
+    assert state in (LaunchState.TERMINATED, LaunchState.FAILED)
+    now = now or timezone.now()
+    with transaction.atomic():
+        current = NodeLaunch.objects.select_for_update().filter(pk=launch.pk).exclude(
+            state__in=[LaunchState.TERMINATED, LaunchState.FAILED]).first()
+        if current is None:
+            return False
+        if current.idle_since is not None:
+            current.idle_s += max(0.0, (now - current.idle_since).total_seconds())
+        elif current.joined_at is None:
+            current.idle_s += max(0.0, (now - current.requested_at).total_seconds())  # never joined: all idle
+        current.idle_since, current.state, current.terminated_at = None, state, now
+        current.reason = reason[:2000] or current.reason
+        current.save(update_fields=["idle_s", "idle_since", "state", "terminated_at", "reason"])
+    launch.refresh_from_db()
+    return True
