@@ -23,7 +23,7 @@ from endpoints.models import ACTIVE_REPLICA_STATES, ModelFacts, Replica
 from endpoints.nodes.models import JoinToken, Node, gpu_inventory
 from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
-from endpoints.replicas import apply_replica_report, drain_node
+from endpoints.replicas import apply_replica_report, drain_node, fail_replica
 from endpoints.speculative import speculative_spec
 from gpu_agent import protocol
 from gpu_agent.protocol import ModelTask, NodeState, ReplicaAction, ReplicaState
@@ -226,3 +226,22 @@ def set_node_state(actor: Actor, node: Node, state: NodeState) -> Node:
     if state == NodeState.DRAINING:
         drain_node(node, reason=f"node {node.name} draining")
     return node
+
+
+def retire_node(actor: Actor, node: Node, *, reason: str) -> bool:
+    """The node's machine is gone for good (a pool terminated it): OFFLINE, and its secret no longer
+    admits anyone, so its agent can never come back. Its replicas, if any, fail and are replaced.
+
+    Returns whether this call retired it.
+    """
+    # NOTE: an empty digest matches no secret (`tokens.token_matches` compares hashes).
+    retired = Node.objects.filter(pk=node.pk).exclude(state=NodeState.OFFLINE, secret_digest="").update(
+        state=NodeState.OFFLINE, secret_digest="")
+    if not retired:
+        return False
+    notify_node(node.pk)
+    node.refresh_from_db()
+    record_audit(actor, None, "node.retire", node, reason=reason[:300])
+    for replica in Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).select_related("endpoint"):
+        fail_replica(replica, reason)
+    return True
