@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -54,8 +55,11 @@ logger = logging.getLogger(__name__)
 TICK_LOCK_S = 150
 
 
-def provision_tick(now: datetime | None = None) -> int:
-    """One pass over every pool; returns how many machines it asked for. A second concurrent tick does nothing."""
+def provision_tick(now: datetime | None = None, provider_for: Callable[[str], Provider] = get_provider) -> int:
+    """One pass over every pool; returns how many machines it asked for. A second concurrent tick does nothing.
+
+    `provider_for` maps a pool's provider name to the provider (`providers.get_provider`).
+    """
     redis, owner = get_redis(), secrets.token_hex(8)
     if not redis.set(POOLS_TICK_LOCK_KEY, owner, nx=True, ex=TICK_LOCK_S):
         return 0
@@ -65,7 +69,7 @@ def provision_tick(now: datetime | None = None) -> int:
         num_launched = 0
         for pool in pools:
             try:
-                num_launched += tick_pool(pool, demand.get(pool.pk, []), now=now)
+                num_launched += tick_pool(pool, demand.get(pool.pk, []), provider_for(pool.provider), now=now)
             except Exception:  # noqa: BLE001 - one broken pool (a provider down) must not stall the others
                 logger.exception("node pool %s: tick failed", pool.name)
         return num_launched
@@ -90,9 +94,9 @@ def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
     return demand
 
 
-def tick_pool(pool: NodePool, needs: list[Need], now: datetime | None = None) -> int:
+def tick_pool(pool: NodePool, needs: list[Need], provider: Provider, now: datetime | None = None) -> int:
+    """The pool's joins, late launches, launches for `needs`, occupancy and releases; returns how many it launched."""
     now = now or timezone.now()
-    provider = get_provider(pool.provider)
     link_joins(pool, provider, now)
     fail_late_launches(pool, provider, needs, now)
     num_launched = launch_for_demand(pool, provider, needs, now)
@@ -158,7 +162,7 @@ def launch_for_demand(pool: NodePool, provider: Provider, needs: list[Need], now
         orphaned = list(NodeLaunch.objects.filter(pool=pool, state=LaunchState.REQUESTED))
         counts = settled_counts(locked, now - timedelta(seconds=settle_s))
         plan = plan_launches(needs, pool_shape(locked), counts)
-        created = [create_launch(locked, now, plan.reason) for _ in range(plan.num_launch)]
+        created = [create_launch(locked, provider, now, plan.reason) for _ in range(plan.num_launch)]
         if plan.num_launch or plan.unplaceable or (needs and "maximum" in plan.reason):
             tell_endpoints(
                 {need.endpoint_id for need in needs},
@@ -184,10 +188,10 @@ def settled_counts(pool: NodePool, joined_after: datetime) -> PoolCounts:
                       num_empty=counts.num_empty - num_fresh)
 
 
-def create_launch(pool: NodePool, now: datetime, reason: str) -> tuple[NodeLaunch, str]:
+def create_launch(pool: NodePool, provider: Provider, now: datetime, reason: str) -> tuple[NodeLaunch, str]:
     """A REQUESTED launch with its one-use join token (expiring at the deadline); returns it and the token."""
     deadline_at = now + timedelta(seconds=pool.join_deadline_s)
-    launch = NodeLaunch(pool=pool, requested_at=now, deadline_at=deadline_at, zone=choose_zone(pool),
+    launch = NodeLaunch(pool=pool, requested_at=now, deadline_at=deadline_at, zone=choose_zone(pool, provider),
                         reason=reason[:2000])
     token = create_join_token(SYSTEM, name=f"pool {pool.name} {str(launch.pk)[:8]}", expires_at=deadline_at, max_uses=1)
     launch.join_token = token.join_token
@@ -205,9 +209,9 @@ def reissue_token(launch: NodeLaunch) -> str:
     return token.plain
 
 
-def choose_zone(pool: NodePool) -> str:
+def choose_zone(pool: NodePool, provider: Provider) -> str:
     """The provider's first zone, avoiding the one where this pool's latest launch failed."""
-    zones = get_provider(pool.provider).zones(pool.template) or [""]
+    zones = provider.zones(pool.template) or [""]
     failed = NodeLaunch.objects.filter(pool=pool, state=LaunchState.FAILED).order_by("-terminated_at").values_list(
         "zone", flat=True).first()
     return next((zone for zone in zones if zone != failed), zones[0])
