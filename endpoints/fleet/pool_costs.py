@@ -14,8 +14,7 @@ launch wholly inside the period gets exactly `NodeLaunch.node_seconds`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import date, datetime, time, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.db.models import Q
@@ -38,12 +37,12 @@ class Period:
     @classmethod
     def of_days(cls, first: date, last: date) -> Period:
         """From the start of `first` to the end of `last` (inclusive, UTC days)."""
-        return cls(datetime.combine(first, time.min, dt_timezone.utc),
-                   datetime.combine(last + timedelta(days=1), time.min, dt_timezone.utc))
+        return cls(datetime.combine(first, time.min, UTC),
+                   datetime.combine(last + timedelta(days=1), time.min, UTC))
 
     @classmethod
     def this_month(cls, now: datetime | None = None) -> Period:
-        today = (now or timezone.now()).astimezone(dt_timezone.utc).date()
+        today = (now or timezone.now()).astimezone(UTC).date()
         return cls.of_days(today.replace(day=1), today)
 
 

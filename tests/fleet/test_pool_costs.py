@@ -1,19 +1,17 @@
 """Cost truth of node pools: node-hours paid for, busy vs idle, and their cost, clipped to a period."""
 
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
 
-from controlplane.accounts.services import SYSTEM
 from endpoints.fleet import launches
 from endpoints.fleet.pool_costs import Period, clipped_node_seconds, usage_by_pool, usage_of
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
 
 pytestmark = pytest.mark.django_db
 
-T0 = datetime(2026, 11, 10, 12, 0, tzinfo=dt_timezone.utc)
+T0 = datetime(2026, 11, 10, 12, 0, tzinfo=UTC)
 NOVEMBER = Period.of_days(datetime(2026, 11, 1).date(), datetime(2026, 11, 30).date())
 
 
@@ -93,7 +91,7 @@ def test_a_launch_still_running_counts_up_to_now_with_its_open_idle_spell():
 
 def test_a_launch_from_last_month_counts_only_its_hours_in_this_month():
     pool = make_pool(price="1.00")
-    start = datetime(2026, 10, 31, 23, 0, tzinfo=dt_timezone.utc)  # an hour before November
+    start = datetime(2026, 10, 31, 23, 0, tzinfo=UTC)  # an hour before November
     launch = make_launch(pool, requested_at=start)
     launches.link_joined_node(make_node("m-1"), launch=launch, now=start + timedelta(minutes=30))
     launch.refresh_from_db()
@@ -108,7 +106,7 @@ def test_a_launch_from_last_month_counts_only_its_hours_in_this_month():
 
 def test_earlier_idle_spells_of_a_straddling_launch_are_spread_over_its_joined_time():
     pool = make_pool(price="1.00")
-    start = datetime(2026, 10, 31, 23, 0, tzinfo=dt_timezone.utc)
+    start = datetime(2026, 10, 31, 23, 0, tzinfo=UTC)
     launch = make_launch(pool, requested_at=start)
     launches.link_joined_node(make_node("m-1"), launch=launch, now=start)  # joined at once, idle
     launch.refresh_from_db()
@@ -137,7 +135,7 @@ def test_a_machine_that_never_joined_is_all_idle_and_booting_ones_are_counted_li
 
 def test_launches_outside_the_period_and_of_other_pools_count_nothing():
     pool, other = make_pool(), make_pool(name="other")
-    run_machine(pool, start=datetime(2026, 10, 2, tzinfo=dt_timezone.utc))
+    run_machine(pool, start=datetime(2026, 10, 2, tzinfo=UTC))
     run_machine(other, name="m-2")
 
     usage = usage_by_pool([pool, other], NOVEMBER, now=T0 + timedelta(days=1))
@@ -147,7 +145,7 @@ def test_launches_outside_the_period_and_of_other_pools_count_nothing():
 
 
 def test_the_default_period_is_this_calendar_month_in_utc():
-    period = Period.this_month(datetime(2026, 2, 14, 8, 30, tzinfo=dt_timezone.utc))
+    period = Period.this_month(datetime(2026, 2, 14, 8, 30, tzinfo=UTC))
 
-    assert period.start == datetime(2026, 2, 1, tzinfo=dt_timezone.utc)
-    assert period.end == datetime(2026, 2, 15, tzinfo=dt_timezone.utc)
+    assert period.start == datetime(2026, 2, 1, tzinfo=UTC)
+    assert period.end == datetime(2026, 2, 15, tzinfo=UTC)
