@@ -17,9 +17,18 @@ it elsewhere (moto in the tests).
 
 from __future__ import annotations
 
+import functools
 import re
+import threading
 
-from endpoints.fleet.providers.agent_flags import agent_args_errors
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+from django.conf import settings
+
+from endpoints.fleet.providers.agent_flags import agent_args_errors, agent_argv
+from endpoints.fleet.providers.base import LaunchResult, LaunchSpec, Machine, PoolSpec, ProviderError
+from endpoints.fleet.providers.ec2_user_data import render_user_data
 from endpoints.fleet.providers.template_fields import name_errors, unknown_field_errors, url_errors
 
 TEMPLATE_FIELDS = (
