@@ -4,9 +4,12 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
 
 from endpoints.fleet import launches
 from endpoints.fleet.pool_costs import Period, clipped_node_seconds, usage_by_pool, usage_of
+from endpoints.gateway import metrics
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
 
 pytestmark = pytest.mark.django_db
@@ -149,3 +152,23 @@ def test_the_default_period_is_this_calendar_month_in_utc():
 
     assert period.start == datetime(2026, 2, 1, tzinfo=UTC)
     assert period.end == datetime(2026, 2, 15, tzinfo=UTC)
+
+
+def test_metrics_report_each_pools_machines_by_state_and_this_months_hours_and_cost():
+    pool = make_pool()
+    now = timezone.now()
+    hours = min(1.0, (now - Period.this_month(now).start).total_seconds() / 3600)  # this month's part of the hour
+    make_launch(pool, requested_at=now - timedelta(hours=1), state=LaunchState.LAUNCHING)
+    make_launch(make_pool(name="empty"), requested_at=now - timedelta(days=40), state=LaunchState.TERMINATED,
+                terminated_at=now - timedelta(days=39))
+
+    metrics.refresh_fleet_gauges()
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(metrics.render().decode())
+               for sample in family.samples if sample.name.startswith("inferplane_pool_")}
+
+    assert samples[("inferplane_pool_nodes", (("pool", "l4-pool"), ("state", "LAUNCHING")))] == 1
+    assert samples[("inferplane_pool_node_hours", (("kind", "idle"), ("pool", "l4-pool")))] == pytest.approx(hours, abs=0.01)
+    assert samples[("inferplane_pool_node_hours", (("kind", "busy"), ("pool", "l4-pool")))] == 0
+    assert samples[("inferplane_pool_cost", (("kind", "idle"), ("pool", "l4-pool")))] == pytest.approx(2.4 * hours, abs=0.05)
+    assert samples[("inferplane_pool_cost", (("kind", "idle"), ("pool", "empty")))] == 0
