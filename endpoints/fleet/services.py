@@ -1,5 +1,7 @@
 """Fleet writes: join tokens, node registration, heartbeats, cordon and drain.
 
+A node that registers with a pool launch's join token joins that launch (`endpoints.fleet.launches`).
+
 What a heartbeat says of each replica, and a node's drain, change replicas through `endpoints.replicas`.
 """
 
@@ -19,6 +21,7 @@ from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from endpoints.adapters import adapter_specs, record_replica_adapters
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
+from endpoints.fleet.launches import link_joined_node
 from endpoints.models import ACTIVE_REPLICA_STATES, ModelFacts, Replica
 from endpoints.nodes.models import JoinToken, Node, gpu_inventory
 from endpoints.nodes.notify import notify_node
@@ -84,6 +87,11 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
         )
         record_audit(SYSTEM, None, "node.register", node, gpu_type=node.gpu_type, num_gpus=node.num_gpus)
     logger.info("node %s (%s) registered", node.name, node.pk)
+    # NOTE: after the node's transaction: a machine a pool launched (its launch's one-use join
+    # token) marks that launch JOINED; a node joined by hand belongs to no launch.
+    launch = link_joined_node(node)
+    if launch is not None:
+        logger.info("node %s joined as launch %s of pool %s", node.name, launch.pk, launch.pool_id)
     return protocol.RegisterResponse(
         node_id=str(node.pk), node_secret=issued.plain, heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S
     )
