@@ -90,7 +90,6 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
                     if pool is not None:
                         # NOTE: a node is on its way: calls are held as in any cold start, not refused.
                         message, event = PROVISIONING_MESSAGE, f"Provisioning a node (pool {pool.name}): {reason}"
-                        request_provisioning()
                     else:
                         # Nothing serving nor starting: calls cannot be served until a node frees up.
                         waiting_for_capacity = not serving and not num_placed
@@ -107,6 +106,8 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
                 or endpoint.unplaced_replicas != num_unplaced):
             if message and message != endpoint.status_message:
                 record_event(endpoint, EventKind.CAPACITY, event or message)
+            if num_unplaced > endpoint.unplaced_replicas and message == PROVISIONING_MESSAGE:
+                request_provisioning()  # new demand: the pool tick runs now, not at its next beat
             Endpoint.objects.filter(pk=endpoint.pk).update(status_message=message, waiting_for_capacity=waiting_for_capacity,
                                                            unplaced_replicas=num_unplaced)
     return decision
