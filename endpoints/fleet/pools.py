@@ -163,11 +163,13 @@ def launch_for_demand(pool: NodePool, provider: Provider, needs: list[Need], now
         counts = settled_counts(locked, now - timedelta(seconds=settle_s))
         plan = plan_launches(needs, pool_shape(locked), counts)
         created = [create_launch(locked, provider, now, plan.reason) for _ in range(plan.num_launch)]
-        if plan.num_launch or plan.unplaceable or (needs and "maximum" in plan.reason):
-            tell_endpoints(
-                {need.endpoint_id for need in needs},
-                f"Pool {locked.name}: {plan.reason}" if plan.num_launch or not plan.unplaceable else
-                f"Pool {locked.name}: no {locked.gpu_type} machine of this pool can hold a replica", once=True)
+        waiting = {need.endpoint_id for need in needs} - {need.endpoint_id for need in plan.unplaceable}
+        if waiting and (plan.num_launch or counts.num_live + plan.num_launch >= counts.max_nodes):
+            tell_endpoints(waiting, f"Pool {locked.name}: {plan.reason}", once=not plan.num_launch)
+        if plan.unplaceable:
+            tell_endpoints({need.endpoint_id for need in plan.unplaceable},
+                           f"Pool {locked.name}: no machine of this pool can hold a replica "
+                           f"({locked.gpu_memory_mb} MB per {'GPU' if locked.gpus_per_node else 'machine'})", once=True)
     tokens = dict(created)
     for launch in orphaned:
         tokens[launch] = reissue_token(launch)

@@ -94,7 +94,7 @@ def test_first_fit_decreasing_alone_would_use_one_machine_too_many_here():
 def test_the_plan_launches_nothing_for_demand_while_booting_machines_hold_it(needs, shape, pool):
     fitting = [need for need in needs if need.fits(shape)]
     if fewest_bins([need.size(shape) for need in fitting], shape.capacity) <= pool.num_booting \
-            and pool.num_live >= pool.min_nodes and pool.warm_nodes == 0:  # noqa: E501
+            and pool.num_live >= pool.min_nodes and pool.warm_nodes == 0:
         assert plan_launches(needs, shape, pool).num_launch == 0
 
 

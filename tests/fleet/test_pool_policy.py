@@ -310,7 +310,7 @@ def test_a_replica_too_large_for_the_pools_machines_is_reported_and_launches_not
     assert endpoint.status_message.startswith("waiting for capacity")  # no pool can bring room
     tick(provider)
     assert not NodeLaunch.objects.filter(pool=pool).exists()
-    assert EndpointEvent.objects.filter(endpoint=endpoint, message__contains="no cpu machine of this pool can hold").exists()
+    assert EndpointEvent.objects.filter(endpoint=endpoint, message__contains="no machine of this pool can hold a replica (1024 MB per machine)").exists()
 
 
 @pytest.mark.django_db(transaction=True)
