@@ -6,6 +6,7 @@ from controlplane.accounts.services import SYSTEM
 from endpoints import scheduler
 from endpoints.fleet.services import create_join_token
 from endpoints.models import Replica
+from endpoints.nodes.models import NodePool
 from tests.factories import EndpointFactory
 from tests.test_agent_api import register
 from tests.test_endpoint_failures import IDLE, TINY, beat, failed
@@ -32,3 +33,13 @@ def test_a_failed_endpoint_shows_its_reason_and_offers_a_retry(owner, org, clien
     assert "above this model&#x27;s context of 2048 tokens" in page and ">Retry</button>" in page
     listing = owner.get("/console/endpoints/").content.decode()
     assert "state-failed" in listing and "above this model&#x27;s context" in listing
+
+
+def test_an_endpoint_whose_node_pool_is_bringing_a_node_says_it_is_provisioning_one(owner, org):
+    NodePool.objects.create(name="cpu-pool", gpu_type="cpu", provider="local", gpus_per_node=0, gpu_memory_mb=8192,
+                            max_nodes=1)
+    endpoint = EndpointFactory(organization=org, model_source=TINY, gpu_type="cpu", min_replicas=1)
+    scheduler.reconcile_endpoint(str(endpoint.pk), IDLE)
+    page = owner.get(f"/console/endpoints/{endpoint.pk}/").content.decode()
+    assert "provisioning a node" in page and "Starting" in page
+    assert "Waiting for capacity" not in page and "X-Inferplane-Wait-For-Capacity" not in page

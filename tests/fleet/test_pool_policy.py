@@ -21,6 +21,7 @@ from controlplane.accounts.services import SYSTEM, save_plan, set_organization_p
 from endpoints.fleet import pool_release, pools
 from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE
 from endpoints.fleet.providers.base import LaunchResult, Machine, ProviderError
+from endpoints.gateway import directory
 from endpoints.models import EndpointEvent, EventKind, Replica
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
 from endpoints.scheduler import reconcile_endpoint
@@ -111,6 +112,9 @@ def test_an_endpoint_with_no_room_records_its_unplaced_replicas_and_says_a_node_
     endpoint.refresh_from_db()
     assert (endpoint.unplaced_replicas, endpoint.status_message, endpoint.waiting_for_capacity) == (1, PROVISIONING_MESSAGE, False)
     assert EndpointEvent.objects.filter(endpoint=endpoint, kind=EventKind.CAPACITY, message__startswith="Provisioning a node (pool cpu-pool)").exists()
+    # Held calls wait (no fast 503) and see it as their progress.
+    assert directory._blocking_state(endpoint) == ""
+    assert directory._load_progress(str(endpoint.pk)) == "provisioning a node"
 
 
 @pytest.mark.django_db
