@@ -42,7 +42,7 @@ from endpoints.fleet.pool_demand import (
     pool_shape,
     tell_endpoints,
 )
-from endpoints.fleet.pool_plan import Need, PoolCounts, plan_launches
+from endpoints.fleet.pool_plan import LaunchPlan, Need, PoolCounts, plan_launches
 from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec, Provider, ProviderError
 from endpoints.fleet.services import create_join_token, revoke_join_token
@@ -53,6 +53,10 @@ logger = logging.getLogger(__name__)
 
 # The tick's task time limit is below this, so a lock still held belongs to a tick that is alive.
 TICK_LOCK_S = 150
+# After the provider refused a launch in every zone, the pool waits this long before asking again
+# (a quota or a sold-out zone is not fixed by asking every tick).
+REFUSAL_BACKOFF_S = 60
+REFUSED = "the provider refused"
 
 
 def provision_tick(now: datetime | None = None, provider_for: Callable[[str], Provider] = get_provider) -> int:
@@ -162,6 +166,9 @@ def launch_for_demand(pool: NodePool, provider: Provider, needs: list[Need], now
         orphaned = list(NodeLaunch.objects.filter(pool=pool, state=LaunchState.REQUESTED))
         counts = settled_counts(locked, now - timedelta(seconds=settle_s))
         plan = plan_launches(needs, pool_shape(locked), counts)
+        if plan.num_launch and backing_off(locked, provider, now):
+            plan = LaunchPlan(0, f"the provider refused recent launches in every zone: waiting {REFUSAL_BACKOFF_S} s",
+                              plan.unplaceable)
         created = [create_launch(locked, provider, now, plan.reason) for _ in range(plan.num_launch)]
         waiting = {need.endpoint_id for need in needs} - {need.endpoint_id for need in plan.unplaceable}
         if waiting and (plan.num_launch or counts.num_live + plan.num_launch >= counts.max_nodes):
@@ -176,6 +183,13 @@ def launch_for_demand(pool: NodePool, provider: Provider, needs: list[Need], now
     for launch, plain in tokens.items():
         send_launch(locked, provider, launch, plain)
     return len(created)
+
+
+def backing_off(pool: NodePool, provider: Provider, now: datetime) -> bool:
+    """Whether the provider refused as many launches of the pool as it has zones, within the backoff."""
+    num_refused = NodeLaunch.objects.filter(pool=pool, state=LaunchState.FAILED, reason__startswith=REFUSED,
+                                            terminated_at__gt=now - timedelta(seconds=REFUSAL_BACKOFF_S)).count()
+    return num_refused >= len(provider.zones(pool.template) or [""])
 
 
 def settled_counts(pool: NodePool, joined_after: datetime) -> PoolCounts:
@@ -237,6 +251,6 @@ def send_launch(pool: NodePool, provider: Provider, launch: NodeLaunch, join_tok
         launches.record_launched(launch, provider_id, zone)
         record_audit(SYSTEM, None, "node_launch.launch", launch, pool=pool.name, provider_id=provider_id)
         return
-    reason = f"the provider refused: {result_error or 'no machine'}"
+    reason = f"{REFUSED}: {result_error or 'no machine'}"
     if launches.finish_launch(launch, LaunchState.FAILED, reason):
         record_audit(SYSTEM, None, "node_launch.fail", launch, pool=pool.name, reason=reason)

@@ -231,6 +231,21 @@ def test_a_refused_launch_fails_with_the_providers_reason():
     launch = NodeLaunch.objects.get(pool=pool)
     assert launch.state == LaunchState.FAILED and "InsufficientInstanceCapacity" in launch.reason
     assert AuditEvent.objects.filter(action="node_launch.fail", target_id=str(launch.pk)).exists()
+    provider.fail_with = ""
+    assert tick(provider) == 0  # not again at once: the provider just said no in its only zone
+    assert tick(provider, now=timezone.now() + timedelta(seconds=pools.REFUSAL_BACKOFF_S + 1)) == 1
+
+
+@pytest.mark.django_db
+def test_a_refusal_in_one_zone_is_retried_at_once_in_another():
+    make_pool()
+    provider = RecordingProvider(zones=["zone-a", "zone-b"])
+    waiting_endpoint()
+    provider.fail_with = "sold out"
+    tick(provider)
+    provider.fail_with = ""
+    assert tick(provider) == 1
+    assert [zone for _, zone in provider.launched] == ["zone-a", "zone-b"]
 
 
 @pytest.mark.django_db
