@@ -391,3 +391,32 @@ def test_a_provider_that_cannot_terminate_keeps_the_launch_releasing_until_it_ca
     pool_release.finish_releases(pool, provider, timezone.now())
     launch.refresh_from_db()
     assert launch.state == LaunchState.TERMINATED
+
+
+@pytest.mark.django_db
+def test_demand_goes_to_the_cheapest_pool_with_room():
+    cheap = make_pool(name="cheap", hourly_price="0.10", max_nodes=1)
+    dear = make_pool(name="dear", hourly_price="0.50", max_nodes=1)
+    provider = RecordingProvider()
+    waiting_endpoint()
+    tick(provider)
+    assert NodeLaunch.objects.filter(pool=cheap).count() == 1 and not NodeLaunch.objects.filter(pool=dear).exists()
+    join(NodeLaunch.objects.get(pool=cheap), memory_mb=1024)  # joined, but too small for the second endpoint
+    pools.link_joins(cheap, provider, timezone.now() - timedelta(minutes=1))
+    waiting_endpoint()
+    tick(provider)
+    assert NodeLaunch.objects.filter(pool=dear).count() == 1  # the cheap pool is at its maximum
+
+
+@pytest.mark.django_db
+def test_a_machine_whose_agent_registered_without_the_launch_token_is_linked_by_the_name_the_provider_reports():
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    issued = tokens.issue_token(Node.SECRET_KIND)
+    node = Node.objects.create(name=pools.node_name(pool, launch), gpu_type="cpu", gpu_memory_mb=8192,
+                               secret_lookup=issued.lookup, secret_digest=issued.digest)  # a shared DaemonSet token, say
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and launch.node == node
