@@ -98,7 +98,7 @@ class LocalProvider:
         agent = LocalAgent.load(path)
         if agent is None:
             return
-        local_agents.stop_agent(agent)
+        local_agents.stop_agent(agent, directory)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         shutil.rmtree(directory / agent.launch_id, ignore_errors=True)
