@@ -40,6 +40,8 @@ TEMPLATE_FIELDS = ("node_selector", "tolerations", "gpu_resource", "zones")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 _RESOURCE = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_POD_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 _OPERATORS = ("Equal", "Exists")
 _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -123,6 +125,8 @@ class KubernetesProvider:
         return results
 
     def terminate(self, pool: PoolSpec, provider_id: str) -> None:
+        if not _POD_NAME.match(provider_id):  # NOTE: it becomes part of the request's path
+            raise ProviderError(f"not a placeholder pod name: {provider_id!r}")
         api, namespace = _api(), _namespace()
         pod = api.get_pod(namespace, provider_id)
         if pod is None:
@@ -160,4 +164,7 @@ def _api() -> KubernetesApi:
 
 
 def _namespace() -> str:
-    return settings.K8S_PLACEHOLDER_NAMESPACE or service_account_namespace()
+    namespace = settings.K8S_PLACEHOLDER_NAMESPACE or service_account_namespace()
+    if not _NAMESPACE.match(namespace):  # NOTE: it becomes part of every request's path
+        raise ProviderError(f"not a Kubernetes namespace: {namespace!r}")
+    return namespace
