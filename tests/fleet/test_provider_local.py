@@ -20,8 +20,9 @@ import pytest
 
 from controlplane import local_agents
 from controlplane.local_agents import LocalAgent
-from endpoints.fleet.providers import get_provider
+from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec
+from endpoints.nodes.models import NodePool, PoolProvider
 from tests.processes import REPO_ROOT, free_port, wait_until
 
 TOKEN = "jt_local-provider-secret-0123456789"
@@ -59,7 +60,9 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def test_launch_starts_a_detached_cpu_agent_with_the_join_token_only_in_its_environment(pool_dir):
+def test_launch_starts_a_detached_cpu_agent_with_the_join_token_only_in_its_environment(pool_dir, monkeypatch):
+    monkeypatch.setenv("DJANGO_SECRET_KEY", "the-control-planes-own-secret")
+    monkeypatch.setenv("STRIPE_SECRET_KEY", "sk_test_control_plane_only")
     provider = get_provider("local")
     [result] = provider.launch(_pool(), [_spec("6b1d0a4e-launch-one", name="cpu-local-1")])
 
@@ -76,7 +79,9 @@ def test_launch_starts_a_detached_cpu_agent_with_the_join_token_only_in_its_envi
     assert argv[argv.index(b"--data-dir") + 1] == str(pool_dir / "6b1d0a4e-launch-one").encode()
     assert argv[argv.index(b"--engine-ports") + 1] == b"10000-10099"
     assert argv[argv.index(b"--name") + 1] == b"cpu-local-1"
-    assert f"INFERPLANE_JOIN_TOKEN={TOKEN}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    environment = Path(f"/proc/{pid}/environ").read_bytes()
+    assert f"INFERPLANE_JOIN_TOKEN={TOKEN}".encode() in environment.split(b"\0")
+    assert b"the-control-planes-own-secret" not in environment and b"sk_test_control_plane_only" not in environment
     wait_until(lambda: b"heartbeat failed" in (pool_dir / "6b1d0a4e-launch-one.log").read_bytes(), 60,
                message="the agent's log")
 
@@ -195,8 +200,9 @@ def _child_env(pool_dir: Path) -> dict[str, str]:
 LAUNCH_AND_EXIT = """
 import django, sys
 django.setup()
-from endpoints.fleet.providers import get_provider
+from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec
+from endpoints.nodes.models import NodePool, PoolProvider
 pool = PoolSpec(id=7, name="cpu-local", gpu_type="cpu", gpus_per_node=0, gpu_memory_mb=1, template={"agent_args": ["--no-standby"]})
 [result] = get_provider("local").launch(pool, [LaunchSpec(launch_id="from-a-worker", name="w", join_token="jt_0123456789", control_plane_url=sys.argv[1])])
 print(result.provider_id)
@@ -219,3 +225,15 @@ def test_an_agent_outlives_the_process_that_launched_it_and_make_stop_stops_it(p
 
     assert not local_agents.is_alive(agent)
     assert _group_members(agent.pgid) == []
+
+
+def test_providers_are_found_by_the_pools_provider_name_and_see_a_plain_copy_of_the_pool():
+    assert {get_provider(choice).name for choice in PoolProvider.values} == {"local", "ec2", "kubernetes"}
+    with pytest.raises(KeyError):
+        get_provider("gce")
+    pool = NodePool(pk=4, name="cpu", gpu_type="cpu", provider=PoolProvider.LOCAL, gpus_per_node=0,
+                    gpu_memory_mb=8192, template={"ports_per_node": 10})
+    spec = pool_spec(pool)
+    assert (spec.id, spec.name, spec.gpus_per_node, spec.gpu_memory_mb, spec.template) == (4, "cpu", 0, 8192, {"ports_per_node": 10})
+    spec.template["ports_per_node"] = 20
+    assert pool.template == {"ports_per_node": 10}  # a copy: a provider never changes the row
