@@ -1,14 +1,18 @@
-"""The fleet in the Django admin: read-only; cordon, drain and uncordon go through `set_node_state`.
+"""The fleet in the Django admin: read-only; cordon, drain and uncordon go through `set_node_state`;
+node pools are created, changed and deleted through `pool_services` (the API's and console's rules),
+their launches only shown (`endpoints.fleet.launches` owns them).
 
 Registered by `endpoints.admin` (Django looks for admin modules in apps only, and the nodes' app,
 `endpoints.nodes`, holds records and nothing that acts on them)."""
 
+from django import forms
 from django.contrib import admin, messages
 
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
+from endpoints.fleet import pool_services
 from endpoints.fleet.services import set_node_state
-from endpoints.nodes.models import Node
+from endpoints.nodes.models import LIVE_LAUNCH_STATES, Node, NodeLaunch, NodePool
 from gpu_agent.protocol import NodeState
 
 
@@ -44,3 +48,77 @@ class NodeAdmin(ReadOnlyAdmin):
         return request.user.is_staff  # as the console's fleet pages
 
     has_drain_permission = has_uncordon_permission = has_cordon_permission
+
+
+class NodePoolAdminForm(forms.ModelForm):
+    """The admin's form for a pool; its rules are `pool_services.node_pool_errors`."""
+
+    class Meta:
+        model = NodePool
+        fields = list(pool_services.POOL_FIELDS)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name in ("gpus_per_node", "gpu_memory_mb"):  # empty: from the GPU type
+            self.fields[name].required = False
+
+    def _post_clean(self):
+        # NOTE: no model validation or assignment to the instance: the services validate and save.
+        pass
+
+    def pool_fields(self) -> dict:
+        pool = self.instance if self.instance.pk else None
+        fields = {name: value for name, value in self.cleaned_data.items() if value is not None}
+        if pool is not None:
+            fields = {name: value for name, value in fields.items() if value != getattr(pool, name)}
+        return fields
+
+    def clean(self):
+        cleaned = super().clean()
+        if not self.errors:
+            errors = pool_services.node_pool_errors(self.pool_fields(), self.instance if self.instance.pk else None)
+            for name, problems in errors.items():
+                field, _, template_field = name.partition(".")
+                for problem in problems:
+                    self.add_error(field if field in self.fields else None,
+                                   f"{template_field}: {problem}" if template_field else problem)
+        return cleaned
+
+
+@admin.register(NodePool)
+class NodePoolAdmin(admin.ModelAdmin):
+    form = NodePoolAdminForm
+    list_display = ["name", "gpu_type", "provider", "min_nodes", "warm_nodes", "max_nodes", "idle_timeout_s", "hourly_price"]
+    list_filter = ["provider", "gpu_type"]
+    search_fields = ["name"]
+
+    def save_model(self, request, obj, form, change):
+        actor = Actor.from_request(request)
+        if change:
+            pool_services.update_node_pool(actor, NodePool.objects.get(pk=obj.pk), **form.pool_fields())
+        else:
+            created = pool_services.create_node_pool(actor, **form.pool_fields())
+            obj.pk, obj.name, obj._state.adding = created.pk, created.name, False
+        obj.refresh_from_db()
+
+    def has_delete_permission(self, request, obj=None):
+        if obj is not None and NodeLaunch.objects.filter(pool=obj, state__in=LIVE_LAUNCH_STATES).exists():
+            return False  # its machines are paid for: released first (pool_services.delete_node_pool)
+        return super().has_delete_permission(request, obj)
+
+    def delete_model(self, request, obj):
+        pool_services.delete_node_pool(Actor.from_request(request), obj)
+
+    def delete_queryset(self, request, queryset):
+        for pool in queryset:
+            try:
+                pool_services.delete_node_pool(Actor.from_request(request), pool)
+            except pool_services.PoolInUse as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+
+
+@admin.register(NodeLaunch)
+class NodeLaunchAdmin(ReadOnlyAdmin):
+    list_display = ["pool", "state", "provider_id", "node", "requested_at", "joined_at", "terminated_at", "reason"]
+    list_filter = ["state", "pool"]
+    search_fields = ["provider_id", "pool__name"]

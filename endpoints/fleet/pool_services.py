@@ -120,13 +120,30 @@ def _unknown(fields: dict) -> None:
         raise PoolInvalid({name: ["Unknown field."] for name in sorted(unknown)})
 
 
+def _values(fields: dict, pool: NodePool | None) -> dict:
+    """The complete values a pool would have with `fields` applied (to a new pool when `pool` is None)."""
+    _unknown(fields)
+    if pool is None:
+        current = {name: NodePool._meta.get_field(name).get_default() for name in POOL_FIELDS}
+        current["gpus_per_node"] = current["gpu_memory_mb"] = None  # from the GPU type (`_complete`)
+    else:
+        current = {name: getattr(pool, name) for name in POOL_FIELDS}
+        if "gpu_type" in fields and "gpu_memory_mb" not in fields and fields["gpu_type"] != pool.gpu_type:
+            fields = fields | {"gpu_memory_mb": 0}  # a new GPU type brings its own memory unless given
+    return _complete(current | fields)
+
+
+def node_pool_errors(fields: dict, pool: NodePool | None = None) -> dict[str, list[str]]:
+    """What creating a pool with `fields` (or changing `pool` by them) would be refused for ({} when valid)."""
+    try:
+        return pool_errors(_values(fields, pool), pool)
+    except PoolInvalid as exc:
+        return exc.errors
+
+
 def create_node_pool(actor: Actor, **fields) -> NodePool:
     """A new pool; raises `PoolInvalid` with every field's errors."""
-    _unknown(fields)
-    defaults = {name: NodePool._meta.get_field(name).get_default() for name in POOL_FIELDS}
-    defaults.pop("gpus_per_node")  # from the GPU type (`_complete`)
-    defaults.pop("gpu_memory_mb")
-    values = _complete(defaults | fields)
+    values = _values(fields, None)
     errors = pool_errors(values)
     if errors:
         raise PoolInvalid(errors)
@@ -138,11 +155,8 @@ def create_node_pool(actor: Actor, **fields) -> NodePool:
 
 def update_node_pool(actor: Actor, pool: NodePool, **fields) -> NodePool:
     """Change some of a pool's fields; the whole pool must still keep every rule."""
-    _unknown(fields)
     current = {name: getattr(pool, name) for name in POOL_FIELDS}
-    if "gpu_type" in fields and "gpu_memory_mb" not in fields and fields["gpu_type"] != pool.gpu_type:
-        fields = fields | {"gpu_memory_mb": 0}  # a new GPU type brings its own memory unless given
-    values = _complete(current | fields)
+    values = _values(fields, pool)
     errors = pool_errors(values, pool)
     if errors:
         raise PoolInvalid(errors)
