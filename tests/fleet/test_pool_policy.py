@@ -18,6 +18,7 @@ from django.utils import timezone
 from controlplane import tokens
 from controlplane.accounts.models import AuditEvent, Plan
 from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
+from controlplane.demo import host_engine_memory_mb, seed_local_pool
 from endpoints.fleet import pool_release, pools
 from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE
 from endpoints.fleet.providers.base import LaunchResult, Machine, ProviderError
@@ -420,3 +421,14 @@ def test_a_machine_whose_agent_registered_without_the_launch_token_is_linked_by_
     tick(provider)
     launch.refresh_from_db()
     assert launch.state == LaunchState.JOINED and launch.node == node
+
+
+@pytest.mark.django_db
+def test_make_runs_demo_pool_starts_the_local_agent_and_no_agent_turns_it_off():
+    pool = seed_local_pool(enabled=True)
+    assert (pool.provider, pool.gpu_type, pool.min_nodes, pool.max_nodes) == ("local", "cpu", 1, 2)
+    assert pool.gpu_memory_mb == host_engine_memory_mb()
+    assert (seed_local_pool(enabled=False).min_nodes, NodePool.objects.get(name="local").max_nodes) == (0, 0)
+    assert seed_local_pool(enabled=True).max_nodes == 2
+    provider = RecordingProvider()
+    assert tick(provider) == 1  # its minimum: the agent `make run` no longer starts itself
