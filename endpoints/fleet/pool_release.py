@@ -45,10 +45,14 @@ def release_idle(pool: NodePool, provider: Provider, now: datetime) -> list[str]
     dead_before = now - timedelta(seconds=2 * settings.NODE_HEARTBEAT_GRACE_S)
     for launch in joined:
         node = launch.node
-        if node is not None and node.state == NodeState.OFFLINE and (
-                node.last_heartbeat_at is None or node.last_heartbeat_at < dead_before):
-            if launches.start_release(launch, f"node {node.name} stopped sending heartbeats"):
-                record_audit(SYSTEM, None, "node_launch.dead", launch, pool=pool.name, node=node.name)
+        if node is None:
+            reason = "its node was removed"  # by staff: the machine would run, paid for, unseen
+        elif node.state == NodeState.OFFLINE and (node.last_heartbeat_at is None or node.last_heartbeat_at < dead_before):
+            reason = f"node {node.name} stopped sending heartbeats"
+        else:
+            continue
+        if launches.start_release(launch, reason):
+            record_audit(SYSTEM, None, "node_launch.dead", launch, pool=pool.name, reason=reason)
     idle = [IdleNode(str(launch.pk), launch.idle_since.timestamp()) for launch in joined
             if launch.state == LaunchState.JOINED and launch.idle_since is not None and launch.node is not None
             and launch.node.state == NodeState.READY]

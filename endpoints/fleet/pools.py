@@ -217,7 +217,11 @@ def create_launch(pool: NodePool, provider: Provider, now: datetime, reason: str
 
 
 def reissue_token(launch: NodeLaunch) -> str:
-    """A fresh one-use token for a launch sent again (the first one's plain text was never stored)."""
+    """A fresh one-use token for a launch sent again (the first one's plain text was never stored).
+
+    NOTE: the first token is left to expire at the deadline: if the machine did start with it, its
+    agent still registers, and `link_joins` finds it by the name the provider reports.
+    """
     token = create_join_token(SYSTEM, name=f"pool {launch.pool.name} {str(launch.pk)[:8]}",
                               expires_at=launch.deadline_at, max_uses=1)
     NodeLaunch.objects.filter(pk=launch.pk).update(join_token=token.join_token)

@@ -324,6 +324,21 @@ def test_a_joined_node_that_died_is_terminated_and_its_launch_finished():
 
 
 @pytest.mark.django_db
+def test_a_joined_machine_whose_node_staff_removed_is_terminated_rather_than_paid_for_unseen():
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    join(launch)
+    tick(provider)
+    Node.objects.filter(pk=NodeLaunch.objects.get(pk=launch.pk).node_id).delete()
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.TERMINATED and launch.reason == "its node was removed"
+    assert provider.terminated == [launch.provider_id]
+
+
+@pytest.mark.django_db
 def test_a_replica_too_large_for_the_pools_machines_is_reported_and_launches_nothing():
     pool, provider = make_pool(gpu_memory_mb=1024), RecordingProvider()
     endpoint = waiting_endpoint()
