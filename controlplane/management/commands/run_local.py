@@ -115,6 +115,9 @@ class Command(BaseCommand):
         agents = (f"none (--no-agent); start one with: python -m gpu_agent run --cpu --control-plane {base_url} "
                   "--join-token <join_token in .data/demo.json>" if no_agent else
                   f"{settings.LOCAL_POOL_DIR}/<launch id>.log (started by the local node pool)")
+        where = ("It waits for capacity until an agent registers." if no_agent else
+                 "The `local` node pool launches a CPU agent for it within\na few seconds (Fleet page); "
+                 "its replica is READY once that agent has started vLLM.")
         self.stdout.write(self.style.SUCCESS(f"""
 Inferplane is running.
 
@@ -131,8 +134,7 @@ Inferplane is running.
        -d '{{"model": "{DEMO_ENDPOINT}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
 
 The demo endpoint '{DEMO_ENDPOINT}' serves a tiny randomly initialised Llama built on this machine
-(its answers are gibberish by design). The `local` node pool launches a CPU agent for it within a
-few seconds (Fleet page); its replica is READY once that agent has started vLLM.
+(its answers are gibberish by design). {where}
 Ctrl-C stops the control plane; `make stop` also stops the pool's agents.
 """))
 
