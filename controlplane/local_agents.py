@@ -131,6 +131,9 @@ def stop_all(directory: Path, *, wait_s: float = STOP_WAIT_S) -> int:
     Their records stay, so the pool's next look sees them gone."""
     agents = read_agents(directory)
     live = [agent for agent in agents if is_alive(agent)]
+    for agent in live:  # all at once first: their drains overlap instead of queueing
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(agent.pgid, signal.SIGTERM)
     for agent in agents:
         stop_agent(agent, directory, wait_s=wait_s)
     return len(live)

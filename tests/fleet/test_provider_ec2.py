@@ -185,3 +185,11 @@ def test_templates_are_checked_field_by_field():
     assert get_provider("ec2").zones({**good, "subnets": ["subnet-0123abcd", "subnet-4567ef01"]}) == [
         "subnet-0123abcd", "subnet-4567ef01"]
     assert get_provider("ec2").zones(good) == [""]
+
+
+def test_a_pool_without_a_region_is_a_clear_error_not_a_crash(aws):
+    pool = PoolSpec(id=3, name="a10g", gpu_type="a10g-24gb", gpus_per_node=1, gpu_memory_mb=1, template={})
+    with pytest.raises(ProviderError, match="names no AWS region"):
+        get_provider("ec2").list(pool)
+    with pytest.raises(ProviderError, match="invalid template"):
+        get_provider("ec2").launch(pool, [_spec("5f0c2b8e-0000-4000-8000-000000000030")])

@@ -150,7 +150,7 @@ class Ec2Provider:
                             zone=instance.get("SubnetId") or subnet)
 
     def terminate(self, pool: PoolSpec, provider_id: str) -> None:
-        client = _client(pool.template.get("region", ""))
+        client = _client(pool.template.get("region"))
         try:
             reservations = client.describe_instances(InstanceIds=[provider_id])["Reservations"]
         except ClientError as error:
@@ -172,7 +172,7 @@ class Ec2Provider:
                 raise ProviderError(_refusal(error, pool.template, "")) from error
 
     def list(self, pool: PoolSpec) -> list[Machine]:
-        client = _client(pool.template.get("region", ""))
+        client = _client(pool.template.get("region"))
         machines = []
         for instance in _describe(client, _owned_filters(pool)):
             tags = {tag["Key"]: tag["Value"] for tag in instance.get("Tags", [])}
@@ -187,13 +187,15 @@ _CLIENTS: dict[tuple, object] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
-def _client(region: str):
+def _client(region) -> object:
     """One EC2 client per process and region (clients are thread-safe; a forked worker makes its own)."""
+    if not isinstance(region, str) or not _REGION.match(region):
+        raise ProviderError(f"the pool's template names no AWS region: {region!r}")
     key = (os.getpid(), region, settings.EC2_ENDPOINT_URL)
     with _CLIENTS_LOCK:
         if key not in _CLIENTS:
             _CLIENTS[key] = boto3.session.Session().client(
-                "ec2", region_name=region or None, endpoint_url=settings.EC2_ENDPOINT_URL or None,
+                "ec2", region_name=region, endpoint_url=settings.EC2_ENDPOINT_URL or None,
                 config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 3, "mode": "standard"}),
             )
         return _CLIENTS[key]

@@ -8,7 +8,10 @@ state file (`controlplane.local_agents`) that later calls, other processes and `
 NOTE: the join token reaches the agent only through its environment (`INFERPLANE_JOIN_TOKEN`):
 argv is readable by every user in /proc, a process's environment only by its owner.
 NOTE: the agent runs in a new session, so it outlives the Celery worker that launched it (a
-worker restart must not kill the fleet's machines) and a signal to its group reaches its engines.
+worker restart must not kill the fleet's machines). Its engines run in sessions of their own but
+inherit its working directory (the launch's folder): `terminate` stops the agent's group, then
+whatever still works in that folder (`controlplane.local_agents.stop_agent`).
+NOTE: the agent gets the launcher's environment less the control plane's own settings (secrets).
 
 Template fields: `agent_args` (allow-listed agent flags, `agent_flags`), `control_plane_url`
 (default: the `LaunchSpec`'s, i.e. `AGENT_CONTROL_PLANE_URL`), `engine_ports` ("LOW-HIGH", the
