@@ -80,23 +80,40 @@ def read_agents(directory: Path) -> list[LocalAgent]:
     return [agent for agent in agents if agent is not None]
 
 
-def stop_agent(agent: LocalAgent, *, wait_s: float = STOP_WAIT_S) -> None:
-    """SIGTERM the agent's process group (its engines with it), wait up to `wait_s`, then SIGKILL.
+def processes_in(folder: Path) -> list[int]:
+    """Processes whose working directory is `folder` or below: the agent and everything it started
+    (engines run in sessions of their own, but inherit the agent's working directory)."""
+    prefix, pids = f"{folder}/", []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                cwd = os.readlink(entry / "cwd")
+                if cwd == str(folder) or cwd.startswith(prefix):
+                    pids.append(int(entry.name))
+    return pids
 
-    Nothing is signalled unless the recorded process is still the one launched.
+
+def stop_agent(agent: LocalAgent, directory: Path, *, wait_s: float = STOP_WAIT_S) -> None:
+    """SIGTERM the agent's process group (it stops its engines itself), wait up to `wait_s`, then
+    SIGKILL what is left: the group, and every process still working in the launch's folder.
+
+    NOTE: the group is signalled only while the recorded process is still the one launched; the
+    folder's processes are this launch's whatever became of the agent (an engine orphaned by a
+    crashed agent included).
     """
-    if not is_alive(agent):
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(agent.pgid, signal.SIGTERM)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if not is_alive(agent) and not _group_exists(agent.pgid):
-            return
-        time.sleep(0.05)
-    if is_alive(agent) or _group_exists(agent.pgid):
+    folder = directory / agent.launch_id
+    if is_alive(agent):
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(agent.pgid, signal.SIGKILL)
+            os.killpg(agent.pgid, signal.SIGTERM)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and (_group_exists(agent.pgid) or processes_in(folder)):
+            time.sleep(0.05)
+        if is_alive(agent) or _group_exists(agent.pgid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(agent.pgid, signal.SIGKILL)
+    for pid in processes_in(folder):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _group_exists(pgid: int) -> bool:
@@ -112,7 +129,11 @@ def _group_exists(pgid: int) -> bool:
 def stop_all(directory: Path, *, wait_s: float = STOP_WAIT_S) -> int:
     """Stop every live recorded agent of `directory` (`make stop`); returns how many were live.
     Their records stay, so the pool's next look sees them gone."""
-    live = [agent for agent in read_agents(directory) if is_alive(agent)]
-    for agent in live:
-        stop_agent(agent, wait_s=wait_s)
+    agents = read_agents(directory)
+    live = [agent for agent in agents if is_alive(agent)]
+    for agent in live:  # all at once first: their drains overlap instead of queueing
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(agent.pgid, signal.SIGTERM)
+    for agent in agents:
+        stop_agent(agent, directory, wait_s=wait_s)
     return len(live)

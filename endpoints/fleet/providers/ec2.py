@@ -17,7 +17,7 @@ it elsewhere (moto in the tests).
 
 from __future__ import annotations
 
-import functools
+import os
 import re
 import threading
 
@@ -43,7 +43,7 @@ _TEMPLATE_ID = re.compile(r"^lt-[0-9a-f]{8,17}$")
 _TEMPLATE_NAME = re.compile(r"^[a-zA-Z0-9().\-/_]{3,128}$")
 _TEMPLATE_VERSION = re.compile(r"^(\d+|\$Latest|\$Default)$")
 _PROFILE = re.compile(r"^(arn:aws[a-z-]*:iam::\d{12}:instance-profile/[\w+=,.@/-]{1,128}|[\w+=,.@-]{1,128})$")
-# Whole-request refusals (capacity, limits) as staff should read them; other codes pass their own message.
+# EC2's instance states as `Machine.state`; terminated instances are never listed.
 _STATES = {"pending": "pending", "running": "running", "stopping": "stopping", "stopped": "stopping",
            "shutting-down": "stopping"}
 
@@ -97,3 +97,141 @@ class Ec2Provider:
 
     def zones(self, template: dict) -> list[str]:
         return list(template.get("subnets") or []) or [""]
+
+    def launch(self, pool: PoolSpec, specs: list[LaunchSpec]) -> list[LaunchResult]:
+        if errors := self.template_errors(pool.template):
+            raise ProviderError(f"invalid template: {errors}")
+        client = _client(pool.template["region"])
+        return [self._launch_one(client, pool, spec) for spec in specs]
+
+    def _launch_one(self, client, pool: PoolSpec, spec: LaunchSpec) -> LaunchResult:
+        # NOTE: ClientToken makes EC2 itself answer a repeated call with the same instance; the look
+        # by tag first also covers a retry after EC2 has forgotten the token.
+        for instance in _describe(client, _owned_filters(pool) + [{"Name": f"tag:{TAG_LAUNCH}", "Values": [spec.launch_id]}]):
+            return LaunchResult(launch_id=spec.launch_id, provider_id=instance["InstanceId"],
+                                zone=instance.get("SubnetId", ""))
+        template = pool.template
+        try:
+            user_data = render_user_data(
+                launch_id=spec.launch_id, name=spec.name, join_token=spec.join_token,
+                control_plane_url=template.get("control_plane_url") or spec.control_plane_url,
+                image=template["agent_image"], agent_args=agent_argv(template.get("agent_args")),
+            )
+        except ValueError as error:
+            return LaunchResult(launch_id=spec.launch_id, error=f"cannot launch: {error}")
+        launch_template = template["launch_template"]
+        tags = _tags(pool, spec)
+        request = {
+            "LaunchTemplate": {
+                **({"LaunchTemplateId": launch_template["id"]} if "id" in launch_template
+                   else {"LaunchTemplateName": launch_template["name"]}),
+                "Version": str(launch_template.get("version", "$Default")),
+            },
+            "MinCount": 1,
+            "MaxCount": 1,
+            "ClientToken": spec.launch_id,
+            "UserData": user_data,
+            "TagSpecifications": [{"ResourceType": kind, "Tags": tags} for kind in ("instance", "volume")],
+        }
+        subnet = spec.zone or (template.get("subnets") or [""])[0]
+        if subnet:
+            request["SubnetId"] = subnet
+        if "instance_type" in template:
+            request["InstanceType"] = template["instance_type"]
+        if profile := template.get("iam_instance_profile"):
+            request["IamInstanceProfile"] = {"Arn": profile} if profile.startswith("arn:") else {"Name": profile}
+        try:
+            [instance] = client.run_instances(**request)["Instances"]
+        except ClientError as error:
+            return LaunchResult(launch_id=spec.launch_id, zone=subnet, error=_refusal(error, template, subnet))
+        except BotoCoreError as error:
+            raise ProviderError(f"EC2 is unreachable: {error}") from error
+        return LaunchResult(launch_id=spec.launch_id, provider_id=instance["InstanceId"],
+                            zone=instance.get("SubnetId") or subnet)
+
+    def terminate(self, pool: PoolSpec, provider_id: str) -> None:
+        client = _client(pool.template.get("region"))
+        try:
+            reservations = client.describe_instances(InstanceIds=[provider_id])["Reservations"]
+        except ClientError as error:
+            if error.response["Error"]["Code"] in ("InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"):
+                return
+            raise ProviderError(_refusal(error, pool.template, "")) from error
+        except BotoCoreError as error:
+            raise ProviderError(f"EC2 is unreachable: {error}") from error
+        for instance in (i for r in reservations for i in r["Instances"]):
+            tags = {tag["Key"]: tag["Value"] for tag in instance.get("Tags", [])}
+            if tags.get(TAG_MANAGED_BY) != settings.FLEET_ID or tags.get(TAG_POOL) != str(pool.id):
+                raise ProviderError(
+                    f"instance {provider_id} was not launched by this fleet's pool {pool.name}: refusing to terminate it")
+            if instance["State"]["Name"] in ("shutting-down", "terminated"):
+                return
+            try:
+                client.terminate_instances(InstanceIds=[provider_id])
+            except ClientError as error:
+                raise ProviderError(_refusal(error, pool.template, "")) from error
+
+    def list(self, pool: PoolSpec) -> list[Machine]:
+        client = _client(pool.template.get("region"))
+        machines = []
+        for instance in _describe(client, _owned_filters(pool)):
+            tags = {tag["Key"]: tag["Value"] for tag in instance.get("Tags", [])}
+            machines.append(Machine(
+                provider_id=instance["InstanceId"], launch_id=tags.get(TAG_LAUNCH, ""),
+                state=_STATES.get(instance["State"]["Name"], "pending"), node_name=tags.get("inferplane:node", ""),
+            ))
+        return machines
+
+
+_CLIENTS: dict[tuple, object] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _client(region) -> object:
+    """One EC2 client per process and region (clients are thread-safe; a forked worker makes its own)."""
+    if not isinstance(region, str) or not _REGION.match(region):
+        raise ProviderError(f"the pool's template names no AWS region: {region!r}")
+    key = (os.getpid(), region, settings.EC2_ENDPOINT_URL)
+    with _CLIENTS_LOCK:
+        if key not in _CLIENTS:
+            _CLIENTS[key] = boto3.session.Session().client(
+                "ec2", region_name=region, endpoint_url=settings.EC2_ENDPOINT_URL or None,
+                config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 3, "mode": "standard"}),
+            )
+        return _CLIENTS[key]
+
+
+def _tags(pool: PoolSpec, spec: LaunchSpec) -> list[dict[str, str]]:
+    return [
+        {"Key": TAG_MANAGED_BY, "Value": settings.FLEET_ID},
+        {"Key": TAG_POOL, "Value": str(pool.id)},
+        {"Key": TAG_LAUNCH, "Value": spec.launch_id},
+        {"Key": "inferplane:node", "Value": spec.name},
+        {"Key": "Name", "Value": spec.name},
+    ]
+
+
+def _owned_filters(pool: PoolSpec) -> list[dict]:
+    return [
+        {"Name": f"tag:{TAG_MANAGED_BY}", "Values": [settings.FLEET_ID]},
+        {"Name": f"tag:{TAG_POOL}", "Values": [str(pool.id)]},
+        {"Name": "instance-state-name", "Values": sorted(_STATES)},
+    ]
+
+
+def _describe(client, filters: list[dict]) -> list[dict]:
+    try:
+        pages = client.get_paginator("describe_instances").paginate(Filters=filters)
+        return [instance for page in pages for reservation in page["Reservations"] for instance in reservation["Instances"]]
+    except (ClientError, BotoCoreError) as error:
+        raise ProviderError(f"EC2 did not answer a listing: {error}") from error
+
+
+def _refusal(error: ClientError, template: dict, subnet: str) -> str:
+    code = error.response.get("Error", {}).get("Code", "Error")
+    message = error.response.get("Error", {}).get("Message", "")
+    if code == "InsufficientInstanceCapacity":
+        where = f" in {subnet}" if subnet else ""
+        return (f"EC2 has no capacity for {template.get('instance_type', 'the launch template')}{where} "
+                f"(InsufficientInstanceCapacity): another subnet may have some")
+    return f"EC2 refused ({code}): {message}"

@@ -22,13 +22,26 @@ from __future__ import annotations
 
 import re
 
+from django.conf import settings
+
+from endpoints.fleet.providers.base import LaunchResult, LaunchSpec, Machine, PoolSpec, ProviderError
+from endpoints.fleet.providers.k8s_api import KubernetesApi, service_account_namespace
+from endpoints.fleet.providers.k8s_placeholder import (
+    LABEL_LAUNCH,
+    LABEL_POOL,
+    LABEL_ROLE,
+    ROLE,
+    placeholder_pod,
+    pool_selector,
+)
 from endpoints.fleet.providers.template_fields import unknown_field_errors
 
 TEMPLATE_FIELDS = ("node_selector", "tolerations", "gpu_resource", "zones")
-DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 _RESOURCE = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_POD_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 _OPERATORS = ("Equal", "Exists")
 _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -94,3 +107,64 @@ class KubernetesProvider:
 
     def zones(self, template: dict) -> list[str]:
         return list(template.get("zones") or []) or [""]
+
+    def launch(self, pool: PoolSpec, specs: list[LaunchSpec]) -> list[LaunchResult]:
+        if errors := self.template_errors(pool.template):
+            raise ProviderError(f"invalid template: {errors}")
+        api, namespace = _api(), _namespace()
+        results = []
+        for spec in specs:
+            pod = placeholder_pod(pool, spec, namespace=namespace, image=settings.K8S_PLACEHOLDER_IMAGE)
+            try:
+                found, _ = api.create_pod(namespace, pod)  # NOTE: a second create answers 409: the same pod
+                _check_ours(found, pool)
+            except ProviderError as error:
+                results.append(LaunchResult(launch_id=spec.launch_id, zone=spec.zone, error=str(error)))
+                continue
+            results.append(LaunchResult(launch_id=spec.launch_id, provider_id=pod["metadata"]["name"], zone=spec.zone))
+        return results
+
+    def terminate(self, pool: PoolSpec, provider_id: str) -> None:
+        if not _POD_NAME.match(provider_id):  # NOTE: it becomes part of the request's path
+            raise ProviderError(f"not a placeholder pod name: {provider_id!r}")
+        api, namespace = _api(), _namespace()
+        pod = api.get_pod(namespace, provider_id)
+        if pod is None:
+            return
+        _check_ours(pod, pool)
+        api.delete_pod(namespace, provider_id)
+
+    def list(self, pool: PoolSpec) -> list[Machine]:
+        machines = []
+        for pod in _api().list_pods(_namespace(), pool_selector(pool)):
+            status, spec = pod.get("status", {}), pod.get("spec", {})
+            if status.get("phase") in ("Succeeded", "Failed"):
+                continue  # evicted or stopped: no machine is held for it any more
+            node_name = spec.get("nodeName", "")
+            if pod["metadata"].get("deletionTimestamp"):
+                state = "stopping"
+            else:
+                state = "running" if node_name and status.get("phase") == "Running" else "pending"
+            machines.append(Machine(provider_id=pod["metadata"]["name"],
+                                    launch_id=pod["metadata"].get("labels", {}).get(LABEL_LAUNCH, ""),
+                                    state=state, node_name=node_name))
+        return machines
+
+
+def _check_ours(pod: dict, pool: PoolSpec) -> None:
+    """NOTE: only the pool's own placeholders are ever deleted, whatever name is asked for."""
+    labels = pod.get("metadata", {}).get("labels", {})
+    if labels.get(LABEL_ROLE) != ROLE or labels.get(LABEL_POOL) != str(pool.id):
+        name = pod.get("metadata", {}).get("name", "?")
+        raise ProviderError(f"pod {name} is not a placeholder of pool {pool.name}: refusing to touch it")
+
+
+def _api() -> KubernetesApi:
+    return KubernetesApi.in_cluster(settings.K8S_API_URL)
+
+
+def _namespace() -> str:
+    namespace = settings.K8S_PLACEHOLDER_NAMESPACE or service_account_namespace()
+    if not _NAMESPACE.match(namespace):  # NOTE: it becomes part of every request's path
+        raise ProviderError(f"not a Kubernetes namespace: {namespace!r}")
+    return namespace

@@ -8,7 +8,10 @@ state file (`controlplane.local_agents`) that later calls, other processes and `
 NOTE: the join token reaches the agent only through its environment (`INFERPLANE_JOIN_TOKEN`):
 argv is readable by every user in /proc, a process's environment only by its owner.
 NOTE: the agent runs in a new session, so it outlives the Celery worker that launched it (a
-worker restart must not kill the fleet's machines) and a signal to its group reaches its engines.
+worker restart must not kill the fleet's machines). Its engines run in sessions of their own but
+inherit its working directory (the launch's folder): `terminate` stops the agent's group, then
+whatever still works in that folder (`controlplane.local_agents.stop_agent`).
+NOTE: the agent gets the launcher's environment less the control plane's own settings (secrets).
 
 Template fields: `agent_args` (allow-listed agent flags, `agent_flags`), `control_plane_url`
 (default: the `LaunchSpec`'s, i.e. `AGENT_CONTROL_PLANE_URL`), `engine_ports` ("LOW-HIGH", the
@@ -29,6 +32,7 @@ from pathlib import Path
 from django.conf import settings
 
 from controlplane import local_agents
+from controlplane.env import SETTINGS_ENV_VARS
 from controlplane.local_agents import LocalAgent
 from endpoints.fleet.providers.agent_flags import agent_args_errors, agent_argv
 from endpoints.fleet.providers.base import LaunchResult, LaunchSpec, Machine, PoolSpec, ProviderError
@@ -98,7 +102,7 @@ class LocalProvider:
         agent = LocalAgent.load(path)
         if agent is None:
             return
-        local_agents.stop_agent(agent)
+        local_agents.stop_agent(agent, directory)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         shutil.rmtree(directory / agent.launch_id, ignore_errors=True)
@@ -152,6 +156,16 @@ def _free_block(directory: Path, template: dict) -> tuple[int, int]:
     raise ProviderError(f"no free engine port block of {per_node} in {low}-{high}: too many local machines")
 
 
+def _agent_environment(join_token: str) -> dict[str, str]:
+    """The launcher's environment without the control plane's own settings (its database URL, secret
+    key, Stripe keys: `SETTINGS_ENV_VARS`), plus the join token. An agent is another program: it gets
+    what a GPU machine's agent would, never the control plane's secrets."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in SETTINGS_ENV_VARS and not name.startswith("DJANGO_")}
+    env.pop("INFERPLANE_AGENT_ENGINE_PORTS", None)  # the launch's own block, on the command line
+    return env | {"INFERPLANE_JOIN_TOKEN": join_token}
+
+
 def _start(directory: Path, pool: PoolSpec, spec: LaunchSpec) -> LocalAgent:
     ports = _free_block(directory, pool.template)
     data_dir = directory / _safe_id(spec.launch_id)
@@ -165,8 +179,7 @@ def _start(directory: Path, pool: PoolSpec, spec: LaunchSpec) -> LocalAgent:
         "--engine-ports", f"{ports[0]}-{ports[1]}",
         *agent_argv(pool.template.get("agent_args")),
     ]
-    env = {**os.environ, "INFERPLANE_JOIN_TOKEN": spec.join_token}
-    env.pop("INFERPLANE_AGENT_ENGINE_PORTS", None)
+    env = _agent_environment(spec.join_token)
     with open(directory / f"{spec.launch_id}.log", "ab") as log:
         try:
             process = subprocess.Popen(

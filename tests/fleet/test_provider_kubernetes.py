@@ -1,0 +1,293 @@
+"""The `kubernetes` node-pool provider: the placeholder pod and the node-pools manifests validated
+offline, and the provider's calls against a small HTTPS server in the test that plays the API server
+(with the service account's token and CA, as in a cluster)."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import ssl
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from endpoints.fleet.providers import get_provider, k8s_api
+from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError
+from endpoints.fleet.providers.k8s_placeholder import placeholder_pod
+from tests.infra.conftest import render, run_tool, tool
+
+SA_TOKEN = "service-account-token-0123456789"
+KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
+TEMPLATE = {
+    "node_selector": {"karpenter.sh/nodepool": "gpu-a10g", "node.kubernetes.io/instance-type": "g5.2xlarge"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "zones": ["us-east-1a", "us-east-1b"],
+}
+POOL = PoolSpec(id=5, name="a10g", gpu_type="a10g-24gb", gpus_per_node=2, gpu_memory_mb=24576, template=TEMPLATE)
+LAUNCH_ID = "0d6f3c1a-8e2b-4c55-9a57-7f1e2d3c4b5a"
+
+
+def _spec(launch_id: str = LAUNCH_ID, zone: str = "") -> LaunchSpec:
+    return LaunchSpec(launch_id=launch_id, name="", join_token="jt_unused-here", control_plane_url="https://x", zone=zone)
+
+
+def _validate(tmp_path, documents: list[dict]) -> None:
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(yaml.safe_dump_all(documents))
+    for version in KUBERNETES_VERSIONS:
+        result = run_tool([tool("kubernetes-validate"), "--strict", "--quiet", "--kubernetes-version", version, str(manifest)])
+        assert result.returncode == 0, f"Kubernetes {version}:\n{result.stdout}{result.stderr}"
+
+
+def test_the_placeholder_pod_requests_the_pools_gpus_on_its_nodes_and_is_never_evicted(tmp_path):
+    pod = placeholder_pod(POOL, _spec(zone="us-east-1b"), namespace="inferplane", image="registry.example.com/pause:3.10")
+    _validate(tmp_path, [pod])
+
+    assert pod["metadata"]["name"] == f"inferplane-capacity-{LAUNCH_ID}"
+    assert pod["metadata"]["labels"]["inferplane.dev/pool"] == "5"
+    assert pod["metadata"]["labels"]["inferplane.dev/launch"] == LAUNCH_ID
+    assert pod["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
+    assert pod["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == TEMPLATE["node_selector"] and spec["tolerations"] == TEMPLATE["tolerations"]
+    [container] = spec["containers"]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    [anti] = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["labelSelector"]["matchLabels"]["inferplane.dev/pool"] == "5"
+    [term] = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["us-east-1b"]}]
+    assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsNonRoot"] is True
+
+    other = placeholder_pod(PoolSpec(id=6, name="amd", gpu_type="mi300x", gpus_per_node=8, gpu_memory_mb=1,
+                                     template={"gpu_resource": "amd.com/gpu"}), _spec(), namespace="n", image="p")
+    assert other["spec"]["containers"][0]["resources"]["limits"]["amd.com/gpu"] == 8
+    assert "nodeAffinity" not in other["spec"]["affinity"]
+
+
+def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_claim_no_gpus(tmp_path):
+    rendered = render("production-node-pools")
+    _validate(tmp_path, rendered.documents)
+
+    role = rendered.get("Role", "inferplane-node-pools")
+    assert role["metadata"]["namespace"] == "inferplane"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete", "get", "list"]}]
+    binding = rendered.get("RoleBinding", "inferplane-node-pools")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "inferplane-node-pools", "namespace": "inferplane"}]
+    assert not rendered.all("ClusterRole") and not rendered.all("ClusterRoleBinding")
+
+    worker = rendered.get("Deployment", "inferplane-worker")["spec"]["template"]["spec"]
+    assert worker["serviceAccountName"] == "inferplane-node-pools" and worker["automountServiceAccountToken"] is True
+    web = rendered.get("Deployment", "inferplane-web")["spec"]["template"]["spec"]
+    assert web["automountServiceAccountToken"] is False and "serviceAccountName" not in web
+
+    agent = rendered.get("DaemonSet", "inferplane-agent")["spec"]["template"]["spec"]
+    [container] = agent["containers"]
+    assert agent["runtimeClassName"] == "nvidia"
+    assert "nvidia.com/gpu" not in container["resources"]["requests"] and "nvidia.com/gpu" not in container["resources"]["limits"]
+    env = {variable["name"]: variable for variable in container["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    # The agent registers under its Kubernetes node's name: what `list` reports for the placeholder there.
+    assert "--name=$(NODE_NAME)" in container["args"]
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+class _ApiServer:
+    """Pods of one namespace, as much of the API server as the provider uses, over HTTPS."""
+
+    def __init__(self, certificate, key):
+        self.pods: dict[str, dict] = {}
+        self.requests: list[tuple[str, str, str]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _route(self):
+                url = urlparse(self.path)
+                server.requests.append((self.command, url.path, self.headers.get("Authorization", "")))
+                parts = url.path.strip("/").split("/")
+                assert parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "pods", url.path
+                return parts[3], (parts[5] if len(parts) > 5 else None), parse_qs(url.query)
+
+            def _forbidden(self, namespace: str) -> bool:
+                # The Role binds in the control plane's namespace only.
+                if namespace == "inferplane":
+                    return False
+                self._answer(403, {"kind": "Status", "reason": "Forbidden", "message": (
+                    f'pods is forbidden: User "system:serviceaccount:inferplane:inferplane-node-pools" '
+                    f'cannot create resource "pods" in the namespace "{namespace}"')})
+                return True
+
+            def do_POST(self):
+                namespace, _, _ = self._route()
+                if self._forbidden(namespace):
+                    return
+                pod = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                name = pod["metadata"]["name"]
+                if name in server.pods:
+                    return self._answer(409, {"kind": "Status", "reason": "AlreadyExists", "message": f"pods \"{name}\" already exists"})
+                pod["metadata"]["namespace"] = namespace
+                pod["status"] = {"phase": "Pending"}
+                server.pods[name] = pod
+                self._answer(201, pod)
+
+            def do_GET(self):
+                _, name, query = self._route()
+                if name:
+                    return self._answer(200, server.pods[name]) if name in server.pods else self._answer(404, {"reason": "NotFound"})
+                wanted = dict(pair.split("=") for pair in query["labelSelector"][0].split(","))
+                items = [pod for pod in server.pods.values()
+                         if all(pod["metadata"]["labels"].get(key) == value for key, value in wanted.items())]
+                self._answer(200, {"kind": "PodList", "metadata": {}, "items": items})
+
+            def do_DELETE(self):
+                _, name, _ = self._route()
+                if server.pods.pop(name, None) is None:
+                    return self._answer(404, {"reason": "NotFound"})
+                self._answer(200, {"kind": "Status", "status": "Success"})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(certificate, key)
+        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _self_signed(directory):
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubernetes")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    (directory / "ca.crt").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    (directory / "tls.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return directory / "ca.crt", directory / "tls.key"
+
+
+@pytest.fixture
+def api_server(tmp_path, monkeypatch, settings):
+    """A service-account folder (token, CA, namespace) and the API server it names, as in a pod."""
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    certificate, key = _self_signed(account)
+    (account / "token").write_text(SA_TOKEN + "\n")
+    (account / "namespace").write_text("inferplane\n")
+    server = _ApiServer(certificate, key)
+    monkeypatch.setattr(k8s_api, "SERVICE_ACCOUNT_DIR", account)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.port))
+    settings.K8S_API_URL = ""
+    settings.K8S_PLACEHOLDER_NAMESPACE = ""
+    settings.K8S_PLACEHOLDER_IMAGE = "registry.example.com/pause:3.10"
+    yield server
+    server.stop()
+
+
+def test_launch_creates_one_placeholder_per_machine_with_the_service_account_token(api_server):
+    provider = get_provider("kubernetes")
+    results = provider.launch(POOL, [_spec(), _spec("9a1b2c3d-0000-4000-8000-000000000002", zone="us-east-1a")])
+
+    assert [r.provider_id for r in results] == [f"inferplane-capacity-{LAUNCH_ID}",
+                                                "inferplane-capacity-9a1b2c3d-0000-4000-8000-000000000002"]
+    assert [r.error for r in results] == ["", ""] and results[1].zone == "us-east-1a"
+    assert set(api_server.pods) == {r.provider_id for r in results}
+    assert api_server.pods[results[0].provider_id]["metadata"]["namespace"] == "inferplane"  # the account's own
+    assert api_server.pods[results[0].provider_id]["spec"]["containers"][0]["image"] == "registry.example.com/pause:3.10"
+    assert {auth for _, _, auth in api_server.requests} == {f"Bearer {SA_TOKEN}"}
+
+
+def test_launching_the_same_launch_id_again_answers_with_the_existing_placeholder(api_server):
+    provider = get_provider("kubernetes")
+    [first] = provider.launch(POOL, [_spec()])
+    [again] = provider.launch(POOL, [_spec()])
+
+    assert again == first and len(api_server.pods) == 1
+    assert [method for method, _, _ in api_server.requests] == ["POST", "POST", "GET"]  # 409, then read it
+
+
+def test_list_reports_the_node_a_placeholder_was_scheduled_on(api_server):
+    provider = get_provider("kubernetes")
+    [scheduled, waiting] = provider.launch(POOL, [_spec(), _spec("9a1b2c3d-0000-4000-8000-000000000003")])
+    pod = api_server.pods[scheduled.provider_id]
+    pod["spec"]["nodeName"], pod["status"]["phase"] = "ip-10-0-3-17.ec2.internal", "Running"
+    other_pool = PoolSpec(id=9, name="other", gpu_type="a10g-24gb", gpus_per_node=1, gpu_memory_mb=1, template={})
+    provider.launch(other_pool, [_spec("9a1b2c3d-0000-4000-8000-000000000004")])
+
+    machines = sorted(provider.list(POOL), key=lambda machine: machine.launch_id)
+    assert [(m.provider_id, m.launch_id, m.state, m.node_name) for m in machines] == [
+        (scheduled.provider_id, LAUNCH_ID, "running", "ip-10-0-3-17.ec2.internal"),
+        (waiting.provider_id, "9a1b2c3d-0000-4000-8000-000000000003", "pending", ""),
+    ]
+
+
+def test_terminate_deletes_only_the_pools_own_placeholders_and_may_be_repeated(api_server):
+    provider = get_provider("kubernetes")
+    [result] = provider.launch(POOL, [_spec()])
+    api_server.pods["someone-elses-pod"] = {"metadata": {"name": "someone-elses-pod", "labels": {"app": "db"}}, "spec": {}}
+
+    with pytest.raises(ProviderError, match="not a placeholder of pool a10g"):
+        provider.terminate(POOL, "someone-elses-pod")
+    assert "someone-elses-pod" in api_server.pods
+    with pytest.raises(ProviderError, match="not a placeholder pod name"):
+        provider.terminate(POOL, "../../nodes/x")
+
+    provider.terminate(POOL, result.provider_id)
+    assert result.provider_id not in api_server.pods and provider.list(POOL) == []
+    provider.terminate(POOL, result.provider_id)  # already gone: nothing happens
+
+
+def test_an_api_server_that_refuses_is_a_clear_error(api_server, settings):
+    settings.K8S_PLACEHOLDER_NAMESPACE = "kube-system"
+    [result] = get_provider("kubernetes").launch(POOL, [_spec()])
+    assert result.provider_id == ""
+    assert result.error.startswith(f"Kubernetes refused to create pod inferplane-capacity-{LAUNCH_ID} (403): pods is forbidden")
+
+    settings.K8S_PLACEHOLDER_NAMESPACE = "../../apis"
+    with pytest.raises(ProviderError, match="not a Kubernetes namespace"):
+        get_provider("kubernetes").launch(POOL, [_spec()])
+    assert all("apis" not in path for _, path, _ in api_server.requests)
+
+
+def test_templates_are_checked_field_by_field():
+    errors = get_provider("kubernetes").template_errors
+    assert errors(TEMPLATE) == {}
+    assert errors({"gpu_resource": "amd.com/gpu"}) == {}
+    assert "template.node_selector" in errors({"node_selector": {"bad key!": "x"}})
+    assert "template.node_selector" in errors({"node_selector": ["gpu"]})
+    assert "template.tolerations" in errors({"tolerations": [{"key": "a", "operator": "Sometimes"}]})
+    assert "template.tolerations" in errors({"tolerations": [{"key": "a", "command": "sh"}]})
+    assert "template.gpu_resource" in errors({"gpu_resource": "GPU please"})
+    assert "template.zones" in errors({"zones": "us-east-1a"})
+    assert get_provider("kubernetes").zones(TEMPLATE) == ["us-east-1a", "us-east-1b"]
+    assert get_provider("kubernetes").zones({}) == [""]
