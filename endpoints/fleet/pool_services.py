@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from controlplane.accounts.services import Actor, record_audit
 from endpoints.catalogue import GPU_TYPES
@@ -147,9 +148,12 @@ def create_node_pool(actor: Actor, **fields) -> NodePool:
     errors = pool_errors(values)
     if errors:
         raise PoolInvalid(errors)
-    with transaction.atomic():
-        pool = NodePool.objects.create(**values)
-        record_audit(actor, None, "node_pool.create", pool, **_audit_details(values))
+    try:
+        with transaction.atomic():
+            pool = NodePool.objects.create(**values)
+            record_audit(actor, None, "node_pool.create", pool, **_audit_details(values))
+    except IntegrityError:  # NOTE: the name was taken between the check and the insert
+        raise PoolInvalid({"name": [f"A pool named {values['name']!r} exists."]}) from None
     return pool
 
 
@@ -163,12 +167,14 @@ def update_node_pool(actor: Actor, pool: NodePool, **fields) -> NodePool:
     changed = {name: value for name, value in values.items() if value != current[name]}
     if not changed:
         return pool
-    with transaction.atomic():
-        for name, value in changed.items():
-            setattr(pool, name, value)
-        pool.save(update_fields=[*changed, "updated_at"])
-        record_audit(actor, None, "node_pool.update", pool, **_audit_details(changed),
-                     **({"template_changed": True} if "template" in changed else {}))
+    try:
+        with transaction.atomic():
+            NodePool.objects.filter(pk=pool.pk).update(**changed, updated_at=timezone.now())
+            record_audit(actor, None, "node_pool.update", pool, **_audit_details(changed),
+                         **({"template_changed": True} if "template" in changed else {}))
+    except IntegrityError:  # NOTE: the new name was taken between the check and the update
+        raise PoolInvalid({"name": [f"A pool named {values['name']!r} exists."]}) from None
+    pool.refresh_from_db()
     return pool
 
 

@@ -171,7 +171,8 @@ def pool_families() -> list[GaugeMetricFamily]:
     rows = (NodeLaunch.objects.filter(state__in=LIVE_LAUNCH_STATES).values("pool_id", "state")
             .annotate(count=Count("id")).order_by())
     for row in rows:
-        nodes.add_metric([names[row["pool_id"]], row["state"]], row["count"])
+        if row["pool_id"] in names:  # a pool created since the pools were read waits for the next scrape
+            nodes.add_metric([names[row["pool_id"]], row["state"]], row["count"])
     for pool_id, usage in usage_by_pool(pools).items():
         node_hours.add_metric([names[pool_id], "busy"], usage.busy_node_hours)
         node_hours.add_metric([names[pool_id], "idle"], usage.idle_node_hours)
