@@ -6,6 +6,7 @@ from billing import views as billing_views
 from controlplane.accounts import views as account_views
 from endpoints import views as endpoint_views
 from endpoints.batches import views as batch_views
+from endpoints.fleet import pool_views
 from endpoints.fleet import views as fleet_views
 
 app_name = "console"
@@ -45,6 +46,9 @@ urlpatterns = [
     path("fleet/", fleet_views.fleet, name="fleet"),
     path("fleet/live/", fleet_views.fleet_live, name="fleet-live"),
     path("fleet/nodes/<uuid:pk>/state/", fleet_views.node_state, name="node-state"),
+    path("fleet/pools/new/", pool_views.pool_new, name="pool-new"),
+    path("fleet/pools/<int:pk>/", pool_views.pool_edit, name="pool-edit"),
+    path("fleet/pools/<int:pk>/delete/", pool_views.pool_delete, name="pool-delete"),
     path("fleet/join-tokens/", fleet_views.join_token_create, name="join-token-create"),
     path("fleet/join-tokens/<int:pk>/revoke/", fleet_views.join_token_revoke, name="join-token-revoke"),
 ]

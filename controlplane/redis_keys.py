@@ -176,3 +176,8 @@ def capacity_key(organization_id: int, endpoint_id: str) -> str:
 def batch_dispatch_key(batch_id: str) -> str:
     """Set while a run of the batch is queued or running: the batch tick queues one run at a time."""
     return f"batch:dispatched:{batch_id}"
+
+
+# --- node pools ------------------------------------------------------------------------------------
+
+POOLS_TICK_LOCK_KEY = "pools:tick-lock"  # held by one `endpoints.fleet.pools.provision_tick` at a time

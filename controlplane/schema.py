@@ -7,7 +7,8 @@ so they are added here once, from what the view is made of, rather than by hand 
 - 400 `ValidationError` where the operation reads a body or a query string (besides pagination);
 - 401 `Error` where it accepts credentials (a missing, malformed, revoked or expired key);
 - 403 `Error` where a permission may refuse (a role or a key's scope too small);
-- 404 `Error` where a path parameter names an object (absent, or another organisation's);
+- 404 `Error` where a path parameter names an object (absent, or another organisation's), and on
+  every operation of a staff-only view (`staff_only = True`: anyone else gets a 404);
 - 415 `Error` where it reads a body (a content type no parser reads);
 - 429 `Error` with `Retry-After` where a throttle applies.
 
@@ -70,7 +71,9 @@ class AutoSchema(openapi.AutoSchema):
             yield "401", "No credentials, or an invalid, expired or revoked API key.", None
         if not all(isinstance(permission, AllowAny) for permission in self.view.get_permissions()):
             yield "403", "The caller's role, or its API key's scopes, do not allow this.", None
-        if any(p.get("in") == "path" for p in parameters):
+        if getattr(self.view, "staff_only", False):
+            yield "404", "No such object, or the caller is not staff.", None
+        elif any(p.get("in") == "path" for p in parameters):
             yield "404", "No such object in the caller's organisation.", None
         if reads_body:
             yield "415", "The body's content type is not one this operation reads.", None

@@ -278,6 +278,17 @@ BATCH_TICK_S = env_float("INFERPLANE_BATCH_TICK_S", 2.0, minimum=0.2)
 # agents they start reach this control plane (its address as seen from a new machine).
 NODE_POOLS_TICK_S = env_float("INFERPLANE_NODE_POOLS_TICK_S", 5.0, minimum=0.5)
 AGENT_CONTROL_PLANE_URL = (env_str("INFERPLANE_AGENT_CONTROL_PLANE_URL", PUBLIC_URL) or PUBLIC_URL).rstrip("/")
+# Node-pool providers (endpoints.fleet.providers). `local`: agent processes on this machine, their
+# folders and state files here (`make stop` stops them: controlplane.embedded reads the same variable).
+LOCAL_POOL_DIR = env_str("INFERPLANE_LOCAL_POOL_DIR") or str(embedded.local_pool_dir())
+# `ec2`: instances are tagged `inferplane:managed-by=<FLEET_ID>`; only those are ever listed or terminated.
+FLEET_ID = env_str("INFERPLANE_FLEET_ID", "inferplane")
+EC2_ENDPOINT_URL = env_str("INFERPLANE_EC2_ENDPOINT_URL")  # unset: AWS itself (moto in the tests)
+# `kubernetes`: placeholder pods in this namespace (empty: the control plane's own), through the API
+# server of the pod's service account (or this URL), running this image (any image that only sleeps).
+K8S_PLACEHOLDER_NAMESPACE = env_str("INFERPLANE_K8S_PLACEHOLDER_NAMESPACE", "")
+K8S_API_URL = env_str("INFERPLANE_K8S_API_URL", "")
+K8S_PLACEHOLDER_IMAGE = env_str("INFERPLANE_K8S_PLACEHOLDER_IMAGE", "registry.k8s.io/pause:3.10")
 CELERY_BEAT_SCHEDULE = {
     "ping-scheduler": {"task": "controlplane.ping", "schedule": 60.0},
     "billing-rollup-usage": {"task": "billing.rollup_usage", "schedule": 60.0},
@@ -288,6 +299,8 @@ CELERY_BEAT_SCHEDULE = {
     "autoscale": {"task": "endpoints.autoscale", "schedule": AUTOSCALER_TICK_S, "options": {"expires": AUTOSCALER_TICK_S * 2}},
     "sweep-stuck": {"task": "endpoints.sweep_stuck", "schedule": 5.0, "options": {"expires": 10}},
     "batches-tick": {"task": "batches.tick", "schedule": BATCH_TICK_S, "options": {"expires": BATCH_TICK_S * 2}},
+    "provision-nodes": {"task": "endpoints.provision_nodes", "schedule": NODE_POOLS_TICK_S,
+                        "options": {"expires": NODE_POOLS_TICK_S * 2}},
 }
 
 # --- platform behaviour ------------------------------------------------------------

@@ -13,6 +13,7 @@ from controlplane import health
 from controlplane.accounts import api as accounts_api
 from controlplane.accounts import views
 from endpoints import api as endpoints_api
+from endpoints.fleet import pool_api
 
 router = DefaultRouter(trailing_slash=True)
 router.register("endpoints", endpoints_api.EndpointViewSet, basename="endpoint")
@@ -21,6 +22,7 @@ router.register("keys", accounts_api.ApiKeyViewSet, basename="api-key")
 router.register("members", accounts_api.MembershipViewSet, basename="member")
 router.register("invitations", accounts_api.InvitationViewSet, basename="invitation")
 router.register("audit-log", accounts_api.AuditEventViewSet, basename="audit-event")
+router.register("fleet/pools", pool_api.NodePoolViewSet, basename="node-pool")
 
 api_v1 = [
     path("organization/", accounts_api.current_organization, name="current-organization"),

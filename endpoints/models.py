@@ -167,6 +167,9 @@ class Endpoint(models.Model):
     status_message = models.CharField(max_length=300, blank=True)
     # Set by the scheduler while no node has room for a replica it wants (the message says why).
     waiting_for_capacity = models.BooleanField(default=False)
+    # Replicas it wants that no node had room for at its last reconcile (not quota refusals): the
+    # demand node pools launch machines for (`endpoints.fleet.pools`). 0 once placed or unwanted.
+    unplaced_replicas = models.PositiveIntegerField(default=0)
     # Replica failures in a row with the same reason; they back off, then stop the endpoint (FAILED).
     num_identical_failures = models.PositiveIntegerField(default=0)
     last_failure_reason = models.CharField(max_length=300, blank=True)
@@ -204,7 +207,8 @@ class Endpoint(models.Model):
             return EndpointState.FAILED
         if self.waiting_for_capacity:
             return EndpointState.WAITING_FOR_CAPACITY
-        if states & {ReplicaState.PENDING, ReplicaState.STARTING}:
+        if states & {ReplicaState.PENDING, ReplicaState.STARTING} or self.unplaced_replicas:
+            # NOTE: unplaced but not waiting for capacity: a node pool is provisioning a node for it.
             return EndpointState.STARTING
         if self.min_replicas > 0 and ReplicaState.FAILED in states:
             return EndpointState.FAILED

@@ -287,7 +287,7 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
         short = reason.splitlines()[-1][-200:]
         fields = {"num_identical_failures": repeats, "last_failure_reason": signature}
         if permanent or repeats >= settings.REPLICA_MAX_IDENTICAL_FAILURES:
-            fields.update(failed_at=now, next_attempt_at=None, waiting_for_capacity=False,
+            fields.update(failed_at=now, next_attempt_at=None, waiting_for_capacity=False, unplaced_replicas=0,
                           status_message=f"failed: {short}"[:300])
             message = (f"Endpoint failed: {short}; it stays stopped until its configuration changes or it is resumed"
                        if permanent else

@@ -25,6 +25,7 @@ from controlplane.redis_keys import TICK_LOCK_KEY
 from endpoints import autoscaler, quotas
 from endpoints.batches.demand import read_demand
 from endpoints.events import record_event, record_event_once
+from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE, provisioning_pool, request_provisioning
 from endpoints.gateway import presence, traffic
 from endpoints.models import SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
 from endpoints.nodes.models import Node
@@ -64,6 +65,7 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
         held_back = endpoint.failed_at is not None or backing_off
         # A failure's message stays while it holds the endpoint back; a capacity message is rewritten each time.
         message, waiting_for_capacity = (endpoint.status_message if held_back else ""), False
+        num_unplaced, event = 0, ""
         if decision.desired > len(serving) and held_back:
             # NOTE: a failed endpoint places nothing until a spec change or resume; one backing off
             # after a failure waits for `next_attempt_at` (a later tick).
@@ -82,9 +84,15 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
                     break
                 replica, reason = place_replica(endpoint)
                 if replica is None:
+                    num_unplaced = decision.desired - len(serving) - num_placed
                     message = f"waiting for capacity: {reason}"
-                    # Nothing serving nor starting: calls cannot be served until a node frees up.
-                    waiting_for_capacity = not serving and not num_placed
+                    pool = provisioning_pool(endpoint)
+                    if pool is not None:
+                        # NOTE: a node is on its way: calls are held as in any cold start, not refused.
+                        message, event = PROVISIONING_MESSAGE, f"Provisioning a node (pool {pool.name}): {reason}"
+                    else:
+                        # Nothing serving nor starting: calls cannot be served until a node frees up.
+                        waiting_for_capacity = not serving and not num_placed
                     break
                 num_placed += 1
                 record_event(endpoint, EventKind.SCALE, f"Replica {str(replica.pk)[:8]} {reason}", replica=replica)
@@ -94,10 +102,14 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
             surplus = sorted(serving, key=lambda r: (DRAIN_ORDER[r.state], -r.created_at.timestamp()))
             for replica in surplus[: len(serving) - decision.desired]:
                 drain_replica(replica, reason=decision.reason)
-        if endpoint.status_message != message or endpoint.waiting_for_capacity != waiting_for_capacity:
+        if (endpoint.status_message != message or endpoint.waiting_for_capacity != waiting_for_capacity
+                or endpoint.unplaced_replicas != num_unplaced):
             if message and message != endpoint.status_message:
-                record_event(endpoint, EventKind.CAPACITY, message)
-            Endpoint.objects.filter(pk=endpoint.pk).update(status_message=message, waiting_for_capacity=waiting_for_capacity)
+                record_event(endpoint, EventKind.CAPACITY, event or message)
+            if num_unplaced > endpoint.unplaced_replicas and message == PROVISIONING_MESSAGE:
+                request_provisioning()  # new demand: the pool tick runs now, not at its next beat
+            Endpoint.objects.filter(pk=endpoint.pk).update(status_message=message, waiting_for_capacity=waiting_for_capacity,
+                                                           unplaced_replicas=num_unplaced)
     return decision
 
 
@@ -136,6 +148,7 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
     endpoints = Endpoint.objects.filter(pk__in=endpoint_ids).order_by().only(
         "pk", "paused_at", "deleted_at", "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
         "status_message", "failed_at", "prewarm_windows", "keep_warm_after_cold_start_s", "last_cold_start_at",
+        "unplaced_replicas",
     )
     num_serving, num_ready = {}, {}
     for endpoint_id, state, num in (Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES)
@@ -154,7 +167,7 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
         if decision.batch_rule in ("hold", "wait"):
             changing.append(str(endpoint.pk))  # its event log says why it holds or waits (once per change)
             continue
-        if decision.desired != num_serving.get(endpoint.pk, 0) or endpoint.status_message:
+        if decision.desired != num_serving.get(endpoint.pk, 0) or endpoint.status_message or endpoint.unplaced_replicas:
             changing.append(str(endpoint.pk))
         elif idle_deadlines is not None and (deadline := autoscaler.idle_deadline(
                 endpoint, loads[str(endpoint.pk)], num_serving.get(endpoint.pk, 0), now)) is not None:

@@ -1,9 +1,11 @@
 """Celery's entry points for endpoints: thin wrappers over `endpoints.scheduler`, named by the
-constants their senders use (`RECONCILE_TASK`, `WAKE_TASK`), so a sender never imports this module."""
+constants their senders use (`RECONCILE_TASK`, `WAKE_TASK`, `PROVISION_TASK`), so a sender never imports this module."""
 
 from celery import shared_task
 
 from endpoints import scheduler
+from endpoints.fleet import pools
+from endpoints.fleet.pool_demand import PROVISION_TASK
 from endpoints.gateway.wake import WAKE_TASK
 from endpoints.replicas import RECONCILE_TASK
 
@@ -27,3 +29,9 @@ def sweep_stuck() -> None:
 def wake_endpoint(endpoint_id: str) -> None:
     """A request is waiting for a replica: decide now rather than at the next autoscaler tick."""
     scheduler.reconcile_endpoint(endpoint_id)
+
+
+@shared_task(name=PROVISION_TASK, acks_late=True, time_limit=120, soft_time_limit=110, ignore_result=True)
+def provision_nodes() -> None:
+    """Launch machines for replicas with nowhere to go; release idle and dead ones (`endpoints.fleet.pools`)."""
+    pools.provision_tick()

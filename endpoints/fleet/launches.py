@@ -42,6 +42,26 @@ def link_joined_node(node: Node, launch: NodeLaunch | None = None, now: datetime
     return found
 
 
+def record_launched(launch: NodeLaunch, provider_id: str, zone: str = "", now: datetime | None = None) -> bool:
+    """The provider has the machine: REQUESTED becomes LAUNCHING (once; a retried answer changes nothing)."""
+    now = now or timezone.now()
+    changed = NodeLaunch.objects.filter(pk=launch.pk, state=LaunchState.REQUESTED).update(
+        state=LaunchState.LAUNCHING, provider_id=provider_id[:255], zone=(zone or launch.zone)[:128], launched_at=now)
+    if changed:
+        launch.state, launch.provider_id, launch.zone, launch.launched_at = (
+            LaunchState.LAUNCHING, provider_id[:255], (zone or launch.zone)[:128], now)
+    return bool(changed)
+
+
+def start_release(launch: NodeLaunch, reason: str) -> bool:
+    """A joined launch's machine is to be terminated (its node cordoned and empty, or dead): RELEASING, once."""
+    changed = NodeLaunch.objects.filter(pk=launch.pk, state=LaunchState.JOINED).update(
+        state=LaunchState.RELEASING, reason=reason[:2000])
+    if changed:
+        launch.state, launch.reason = LaunchState.RELEASING, reason[:2000]
+    return bool(changed)
+
+
 def record_occupancy(launch: NodeLaunch, busy: bool, now: datetime | None = None) -> bool:
     """Start or end an idle spell of a joined launch's node; True if it changed."""
     now = now or timezone.now()

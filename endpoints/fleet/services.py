@@ -1,5 +1,7 @@
 """Fleet writes: join tokens, node registration, heartbeats, cordon and drain.
 
+A node that registers with a pool launch's join token joins that launch (`endpoints.fleet.launches`).
+
 What a heartbeat says of each replica, and a node's drain, change replicas through `endpoints.replicas`.
 """
 
@@ -19,11 +21,12 @@ from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from endpoints.adapters import adapter_specs, record_replica_adapters
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
+from endpoints.fleet.launches import link_joined_node
 from endpoints.models import ACTIVE_REPLICA_STATES, ModelFacts, Replica
 from endpoints.nodes.models import JoinToken, Node, gpu_inventory
 from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
-from endpoints.replicas import apply_replica_report, drain_node
+from endpoints.replicas import apply_replica_report, drain_node, fail_replica
 from endpoints.speculative import speculative_spec
 from gpu_agent import protocol
 from gpu_agent.protocol import ModelTask, NodeState, ReplicaAction, ReplicaState
@@ -84,6 +87,11 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
         )
         record_audit(SYSTEM, None, "node.register", node, gpu_type=node.gpu_type, num_gpus=node.num_gpus)
     logger.info("node %s (%s) registered", node.name, node.pk)
+    # NOTE: after the node's transaction: a machine a pool launched (its launch's one-use join
+    # token) marks that launch JOINED; a node joined by hand belongs to no launch.
+    launch = link_joined_node(node)
+    if launch is not None:
+        logger.info("node %s joined as launch %s of pool %s", node.name, launch.pk, launch.pool_id)
     return protocol.RegisterResponse(
         node_id=str(node.pk), node_secret=issued.plain, heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S
     )
@@ -226,3 +234,22 @@ def set_node_state(actor: Actor, node: Node, state: NodeState) -> Node:
     if state == NodeState.DRAINING:
         drain_node(node, reason=f"node {node.name} draining")
     return node
+
+
+def retire_node(actor: Actor, node: Node, *, reason: str) -> bool:
+    """The node's machine is gone for good (a pool terminated it): OFFLINE, and its secret no longer
+    admits anyone, so its agent can never come back. Its replicas, if any, fail and are replaced.
+
+    Returns whether this call retired it.
+    """
+    # NOTE: an empty digest matches no secret (`tokens.token_matches` compares hashes).
+    retired = Node.objects.filter(pk=node.pk).exclude(state=NodeState.OFFLINE, secret_digest="").update(
+        state=NodeState.OFFLINE, secret_digest="")
+    if not retired:
+        return False
+    notify_node(node.pk)
+    node.refresh_from_db()
+    record_audit(actor, None, "node.retire", node, reason=reason[:300])
+    for replica in Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).select_related("endpoint"):
+        fail_replica(replica, reason)
+    return True

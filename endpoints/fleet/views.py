@@ -1,4 +1,4 @@
-"""Fleet console (staff only): nodes, cordon/drain, join tokens, every replica, the audit log."""
+"""Fleet console (staff only): nodes, cordon/drain, node pools (`pool_views`), join tokens, every replica, the audit log."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from controlplane.accounts.console import staff_required
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import Actor
 from endpoints.fleet import services
+from endpoints.fleet.pool_views import pools_context
 from endpoints.models import ACTIVE_REPLICA_STATES, Replica
 from endpoints.nodes.models import JoinToken, Node
 from gpu_agent.protocol import NodeState
@@ -62,7 +63,7 @@ def gpu_rows(node: Node, reported: list[dict], replicas: list[Replica]) -> list[
 
 @staff_required
 def fleet(request):
-    return render(request, "gpu_agent/fleet.html", _fleet_context() | {
+    return render(request, "gpu_agent/fleet.html", _fleet_context() | pools_context() | {
         "join_tokens": JoinToken.objects.select_related("created_by")[:50],
         "audit_events": AuditEvent.objects.select_related("actor", "organization", "api_key")[:NUM_AUDIT_EVENTS_SHOWN],
         "public_url": settings.PUBLIC_URL,

@@ -29,8 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from endpoints.fleet.pool_costs import usage_by_pool
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
-from endpoints.nodes.models import Node
+from endpoints.nodes.models import LIVE_LAUNCH_STATES, Node, NodeLaunch, NodePool
 from gpu_agent.protocol import NodeState
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -152,7 +153,31 @@ def refresh_fleet_gauges() -> None:
         for gpu in (status or {}).get("gpus", []):
             node_gpu_utilization.add_metric([str(node_id), str(gpu.get("index", 0))],
                                             float(gpu.get("utilization_percent", 0)) / 100)
-    fleet.families = [replicas, node_gpu_utilization, endpoint_info, node_info]
+    fleet.families = [replicas, node_gpu_utilization, endpoint_info, node_info, *pool_families()]
+
+
+def pool_families() -> list[GaugeMetricFamily]:
+    """Per node pool (labelled by its unique name; pools are the platform's, not a tenant's): machines
+    by launch state, and this month's node-hours and cost, busy vs idle (`endpoints.fleet.pool_costs`)."""
+    nodes = GaugeMetricFamily("inferplane_pool_nodes", "Machines of each node pool by launch state.",
+                              labels=["pool", "state"])
+    node_hours = GaugeMetricFamily("inferplane_pool_node_hours",
+                                   "Node-hours paid for this calendar month (UTC), busy or idle, per node pool.",
+                                   labels=["pool", "kind"])
+    cost = GaugeMetricFamily("inferplane_pool_cost", "This calendar month's cost (UTC) of each node pool's machines, "
+                             "busy or idle, at its hourly price.", labels=["pool", "kind"])
+    pools = list(NodePool.objects.all())
+    names = {pool.pk: pool.name for pool in pools}
+    rows = (NodeLaunch.objects.filter(state__in=LIVE_LAUNCH_STATES).values("pool_id", "state")
+            .annotate(count=Count("id")).order_by())
+    for row in rows:
+        nodes.add_metric([names[row["pool_id"]], row["state"]], row["count"])
+    for pool_id, usage in usage_by_pool(pools).items():
+        node_hours.add_metric([names[pool_id], "busy"], usage.busy_node_hours)
+        node_hours.add_metric([names[pool_id], "idle"], usage.idle_node_hours)
+        cost.add_metric([names[pool_id], "busy"], float(usage.busy_cost))
+        cost.add_metric([names[pool_id], "idle"], float(usage.idle_cost))
+    return [nodes, node_hours, cost]
 
 
 class Access(enum.Enum):

@@ -1,8 +1,11 @@
 """`make run`: the whole platform on this machine.
 
 Migrates, seeds the demo, then starts and supervises the web server (ASGI),
-one Celery worker, one Celery beat and a GPU agent in CPU mode, each logging to
-`.data/logs/`. Ctrl-C stops them all.
+one Celery worker and one Celery beat, each logging to `.data/logs/`. The GPU agent
+is not started here: the demo's `local` node pool launches it (an agent process in
+CPU mode, `endpoints.fleet.providers.local`) as any pool launches a machine, and
+releases a second one when idle. Ctrl-C stops the control plane; the pool's agents
+are machines and keep running (`make stop` stops them).
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from controlplane.demo import DEMO_EMAIL, DEMO_ENDPOINT, seed_demo
 
 
 class Command(BaseCommand):
-    help = "Run the web server, Celery worker and beat, and a local CPU GPU agent, with a seeded demo."
+    help = "Run the web server, Celery worker and beat, with a seeded demo whose local node pool starts a CPU agent."
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default=os.environ.get("INFERPLANE_HOST", "127.0.0.1"))
         parser.add_argument("--port", type=int, default=int(os.environ.get("INFERPLANE_PORT", "8000")))
-        parser.add_argument("--no-agent", action="store_true", help="do not start the local GPU agent")
+        parser.add_argument("--no-agent", action="store_true",
+                            help="no local GPU agent: the demo's local node pool launches no machine")
 
     def handle(self, *args, host: str, port: int, no_agent: bool, **options):
         data_dir = embedded.data_dir()
@@ -37,7 +41,7 @@ class Command(BaseCommand):
         logs_dir.mkdir(exist_ok=True)
         call_command("migrate", interactive=False, verbosity=0)
         self.stdout.write("Building the demo (tiny model, organisation, admin, key, endpoint)…")
-        demo = seed_demo(data_dir)
+        demo = seed_demo(data_dir, local_pool=not no_agent)
 
         base_url = f"http://{host}:{port}"
         env = os.environ | {
@@ -45,6 +49,8 @@ class Command(BaseCommand):
             "DATABASE_URL": settings.DATABASE_URL,
             "REDIS_URL": settings.REDIS_URL,
             "INFERPLANE_PUBLIC_URL": os.environ.get("INFERPLANE_PUBLIC_URL", base_url),
+            # Where the agents the local pool launches register (this very server).
+            "INFERPLANE_AGENT_CONTROL_PLANE_URL": os.environ.get("INFERPLANE_AGENT_CONTROL_PLANE_URL", base_url),
             "PYTHONUNBUFFERED": "1",
         }
         python = sys.executable
@@ -57,9 +63,6 @@ class Command(BaseCommand):
             "beat": [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "INFO",
                      "--schedule", str(data_dir / "celerybeat-schedule")],
         }
-        if not no_agent:
-            commands["agent"] = [python, "-m", "gpu_agent", "run", "--control-plane", base_url, "--join-token", demo.join_token,
-                                 "--data-dir", str(data_dir / "agent"), "--cpu", "--name", "local-cpu"]
         children: dict[str, subprocess.Popen] = {}
         stopping = False
 
@@ -75,7 +78,7 @@ class Command(BaseCommand):
                 children[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                 if name == "web":
                     self._wait_for(base_url, children["web"], logs_dir / "web.log")
-            self._print_banner(base_url, demo, logs_dir)
+            self._print_banner(base_url, demo, logs_dir, no_agent)
             while not stopping:
                 for name, child in children.items():
                     if child.poll() is not None:
@@ -92,7 +95,8 @@ class Command(BaseCommand):
                     child.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     _signal_group(child, signal.SIGKILL)
-            self.stdout.write("Stopped. PostgreSQL and Redis keep running with your data; `make stop` stops them.")
+            self.stdout.write("Stopped. PostgreSQL, Redis and the local pool's agents keep running with your data; "
+                              "`make stop` stops them.")
 
     def _wait_for(self, base_url: str, child: subprocess.Popen, log: Path) -> None:
         deadline = time.monotonic() + 60
@@ -107,14 +111,18 @@ class Command(BaseCommand):
             time.sleep(0.2)
         raise SystemExit(f"the web server did not answer in 60 s; see {log}")
 
-    def _print_banner(self, base_url: str, demo, logs_dir: Path) -> None:
+    def _print_banner(self, base_url: str, demo, logs_dir: Path, no_agent: bool) -> None:
+        agents = (f"none (--no-agent); start one with: python -m gpu_agent run --cpu --control-plane {base_url} "
+                  "--join-token <join_token in .data/demo.json>" if no_agent else
+                  f"{settings.LOCAL_POOL_DIR}/<launch id>.log (started by the local node pool)")
         self.stdout.write(self.style.SUCCESS(f"""
 Inferplane is running.
 
   Console     {base_url}/            (log in as {DEMO_EMAIL} / {demo.password})
   API docs    {base_url}/api/docs/
   API key     {demo.api_key}
-  Logs        {logs_dir}/{{web,worker,beat,agent}}.log
+  Logs        {logs_dir}/{{web,worker,beat}}.log
+  Agent logs  {agents}
 
   curl -H "Authorization: Bearer {demo.api_key}" {base_url}/api/v1/endpoints/
 
@@ -123,8 +131,9 @@ Inferplane is running.
        -d '{{"model": "{DEMO_ENDPOINT}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
 
 The demo endpoint '{DEMO_ENDPOINT}' serves a tiny randomly initialised Llama built on this machine
-(its answers are gibberish by design); its replica is READY once the agent has started vLLM.
-Ctrl-C stops everything.
+(its answers are gibberish by design). The `local` node pool launches a CPU agent for it within a
+few seconds (Fleet page); its replica is READY once that agent has started vLLM.
+Ctrl-C stops the control plane; `make stop` also stops the pool's agents.
 """))
 
 

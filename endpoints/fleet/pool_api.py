@@ -1,0 +1,161 @@
+"""`/api/v1/fleet/pools/`: node pools for staff (list, create, read, change, delete) with their cost truth.
+
+Staff only: anyone else gets a 404, as if the route did not exist (a 403 would confirm it does).
+Rules live in `endpoints.fleet.pool_services`; this module shapes and parses.
+"""
+
+from __future__ import annotations
+
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
+from rest_framework import mixins, serializers, viewsets
+from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.permissions import BasePermission
+
+from controlplane.accounts.models import ApiKey, Scope
+from controlplane.accounts.serializers import StrictModelSerializer
+from controlplane.accounts.services import Actor
+from endpoints.fleet import pool_services
+from endpoints.fleet.pool_costs import Period, usage_by_pool
+from endpoints.nodes.models import NodePool
+
+MAX_PERIOD_DAYS = 366
+
+
+class IsStaff(BasePermission):
+    """Staff users (or their API keys with the `manage` scope); everyone else sees a 404."""
+
+    message = "This API key lacks the 'manage' scope."
+
+    def has_permission(self, request, view) -> bool:
+        if not request.user or not request.user.is_authenticated:
+            return False
+        method = request.method.lower()
+        if method not in view.http_method_names or not hasattr(view, method):
+            return True  # NOTE: a method the route does not take is its 405, for anyone
+        if not request.user.is_staff:
+            raise NotFound()
+        return not isinstance(request.auth, ApiKey) or request.auth.has_scope(Scope.MANAGE)
+
+
+class PoolPeriodSerializer(serializers.Serializer):
+    """`?start=YYYY-MM-DD&end=YYYY-MM-DD` (inclusive, UTC; default: this month) for the usage figures."""
+
+    start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
+    end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
+
+    def validate(self, data):
+        today = timezone.now().date()
+        data.setdefault("end", today)
+        data.setdefault("start", min(today.replace(day=1), data["end"]))
+        if data["start"] > data["end"]:
+            raise serializers.ValidationError({"start": ["Must be on or before end."]})
+        if (data["end"] - data["start"]).days >= MAX_PERIOD_DAYS:
+            raise serializers.ValidationError({"start": [f"The range may span at most {MAX_PERIOD_DAYS} days."]})
+        return data
+
+    @property
+    def period(self) -> Period:
+        return Period.of_days(self.validated_data["start"], self.validated_data["end"])
+
+
+class PoolUsageSerializer(serializers.Serializer):
+    period_start = serializers.DateTimeField(source="period.start")
+    period_end = serializers.DateTimeField(source="period.end", help_text="Exclusive.")
+    node_hours = serializers.FloatField(help_text="Machine-hours paid for in the period (requested to terminated).")
+    busy_node_hours = serializers.FloatField(help_text="Of them, hours with at least one active replica.")
+    idle_node_hours = serializers.FloatField(help_text="Of them, hours booting or empty.")
+    cost = serializers.DecimalField(max_digits=20, decimal_places=4, help_text="node_hours × hourly_price.")
+    busy_cost = serializers.DecimalField(max_digits=20, decimal_places=4)
+    idle_cost = serializers.DecimalField(max_digits=20, decimal_places=4, help_text="What idle machines cost.")
+
+
+class NodePoolSerializer(StrictModelSerializer):
+    num_live = serializers.IntegerField(source="usage.num_live", read_only=True,
+                                        help_text="Machines paid for now: requested, launching, joined or releasing.")
+    num_booting = serializers.IntegerField(source="usage.num_booting", read_only=True,
+                                           help_text="Of them, requested or launching (not joined yet).")
+    usage = PoolUsageSerializer(read_only=True, help_text="Node-hours and cost in the period asked for (default: this month).")
+    template = serializers.JSONField(required=False, help_text="The provider's machine template (a JSON object).")
+    gpus_per_node = serializers.IntegerField(required=False, min_value=0, max_value=pool_services.MAX_GPUS_PER_NODE,
+                                             help_text="Default 1 (0 for the cpu GPU type).")
+    gpu_memory_mb = serializers.IntegerField(required=False, min_value=0, max_value=pool_services.MAX_GPU_MEMORY_MB,
+                                             help_text="Per GPU; default (or 0): the GPU type's memory from the catalogue.")
+
+    class Meta:
+        model = NodePool
+        fields = ["id", "name", *pool_services.POOL_FIELDS[1:], "num_live", "num_booting", "usage",
+                  "created_at", "updated_at"]
+        read_only_fields = ["id", "created_at", "updated_at"]
+        extra_kwargs = {
+            "name": {"validators": []},  # uniqueness: the service's rule and message
+            "min_nodes": {"max_value": pool_services.MAX_NODES},
+            "max_nodes": {"max_value": pool_services.MAX_NODES},
+            "warm_nodes": {"max_value": pool_services.MAX_NODES},
+            "idle_timeout_s": {"min_value": 1, "max_value": pool_services.MAX_DURATION_S},
+            "join_deadline_s": {"min_value": 1, "max_value": pool_services.MAX_DURATION_S},
+            "hourly_price": {"min_value": 0, "max_value": pool_services.MAX_HOURLY_PRICE},
+        }
+
+
+PERIOD = extend_schema(parameters=[PoolPeriodSerializer])
+
+
+@extend_schema_view(list=PERIOD, retrieve=PERIOD, destroy=extend_schema(responses={
+    204: None, 400: OpenApiResponse(description="The pool still has live machines."),
+}))
+class NodePoolViewSet(mixins.ListModelMixin, mixins.CreateModelMixin, mixins.RetrieveModelMixin,
+                      mixins.UpdateModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
+    """Node pools (staff only): machines of one shape the fleet launches on demand and releases when idle."""
+
+    serializer_class = NodePoolSerializer
+    permission_classes = [IsStaff]
+    queryset = NodePool.objects.all()
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+    staff_only = True  # the schema documents its 404 (`controlplane.schema`)
+
+    def _period(self) -> Period:
+        if self.request.method != "GET":
+            return Period.this_month()
+        query = PoolPeriodSerializer(data=self.request.query_params)
+        query.is_valid(raise_exception=True)
+        return query.period
+
+    def _with_usage(self, pools: list[NodePool]) -> list[NodePool]:
+        usage = usage_by_pool(pools, self._period())
+        for pool in pools:
+            pool.usage = usage[pool.pk]
+        return pools
+
+    def paginate_queryset(self, queryset):
+        page = super().paginate_queryset(queryset)
+        return None if page is None else self._with_usage(list(page))
+
+    def get_object(self):
+        return self._with_usage([super().get_object()])[0]
+
+    @property
+    def actor(self) -> Actor:
+        return Actor.from_request(self.request)
+
+    def _saved(self, pool: NodePool) -> NodePool:
+        return self._with_usage([pool])[0]
+
+    def perform_create(self, serializer):
+        try:
+            serializer.instance = self._saved(pool_services.create_node_pool(self.actor, **serializer.validated_data))
+        except pool_services.PoolInvalid as exc:
+            raise ValidationError(exc.errors) from None
+
+    def perform_update(self, serializer):
+        try:
+            serializer.instance = self._saved(
+                pool_services.update_node_pool(self.actor, serializer.instance, **serializer.validated_data))
+        except pool_services.PoolInvalid as exc:
+            raise ValidationError(exc.errors) from None
+
+    def perform_destroy(self, pool):
+        try:
+            pool_services.delete_node_pool(self.actor, pool)
+        except pool_services.PoolInUse as exc:
+            raise ValidationError({"launches": [str(exc)]}) from None

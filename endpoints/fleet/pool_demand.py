@@ -1,0 +1,88 @@
+"""Demand on node pools: which pool's machines an endpoint's unplaced replicas wait for, and how big they are.
+
+Read by the scheduler (an endpoint whose pool will bring a node shows `provisioning a node`, and its
+calls are held rather than refused) and by the pool tick (`endpoints.fleet.pools`), so both agree
+on which pool serves an endpoint: of the pools of its GPU type whose machines can hold a replica,
+the cheapest with room (or a machine on its way), else the cheapest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from celery import current_app
+from django.db import transaction
+from django.db.models import Count, Q
+
+from endpoints.events import record_event, record_event_once
+from endpoints.fleet.pool_plan import Need, NodeShape, PoolCounts
+from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, EventKind, Replica
+from endpoints.nodes.models import LaunchState, NodeLaunch, NodePool
+from endpoints.placement import memory_needed_mb, smallest_gpu_count
+from gpu_agent.protocol import NodeState
+
+# NOTE: sent by name (the task lives in `endpoints.tasks`, which imports the scheduler).
+PROVISION_TASK = "endpoints.provision_nodes"
+# What a held request sees as progress (an SSE comment) while a pool brings a node for it.
+PROVISIONING_MESSAGE = "provisioning a node"
+BOOTING_STATES = (LaunchState.REQUESTED, LaunchState.LAUNCHING)
+COUNTED_STATES = (*BOOTING_STATES, LaunchState.JOINED)
+
+
+def need_of(endpoint: Endpoint) -> Need:
+    """One replica of `endpoint` as a pool plan sees it: what placement would reserve, whole GPUs."""
+    memory_mb = memory_needed_mb(endpoint)
+    if endpoint.gpu_type == "cpu":
+        return Need(str(endpoint.pk), memory_mb, 0)
+    return Need(str(endpoint.pk), memory_mb, endpoint.gpus_per_replica or smallest_gpu_count(endpoint, memory_mb) or 1)
+
+
+def pool_shape(pool: NodePool) -> NodeShape:
+    return NodeShape(num_gpus=pool.gpus_per_node if pool.gpu_type != "cpu" else 0, gpu_memory_mb=pool.gpu_memory_mb)
+
+
+def pool_counts(pool: NodePool) -> PoolCounts:
+    """The pool's live, booting and empty machines (empty: joined, READY, no active replica)."""
+    launches = NodeLaunch.objects.filter(pool=pool, state__in=COUNTED_STATES)
+    totals = launches.aggregate(
+        num_live=Count("pk"), num_booting=Count("pk", filter=Q(state__in=BOOTING_STATES)))
+    busy_nodes = Replica.objects.filter(state__in=ACTIVE_REPLICA_STATES).values("node_id")
+    num_empty = launches.filter(state=LaunchState.JOINED, node__state=NodeState.READY).exclude(
+        node_id__in=busy_nodes).count()
+    return PoolCounts(min_nodes=pool.min_nodes, max_nodes=pool.max_nodes, warm_nodes=pool.warm_nodes,
+                      num_live=totals["num_live"], num_booting=totals["num_booting"], num_empty=num_empty)
+
+
+def choose_pool(need: Need, pools: Iterable[tuple[NodePool, PoolCounts]]) -> NodePool | None:
+    """The pool that serves `need`: cheapest with room or a machine booting, else cheapest that fits; None if none fits."""
+    fitting = sorted(((pool, counts) for pool, counts in pools if need.fits(pool_shape(pool))),
+                     key=lambda item: (item[0].hourly_price, item[0].name))
+    if not fitting:
+        return None
+    with_room = [pool for pool, counts in fitting if counts.num_live < counts.max_nodes or counts.num_booting]
+    return with_room[0] if with_room else fitting[0][0]
+
+
+def provisioning_pool(endpoint: Endpoint) -> NodePool | None:
+    """The pool that will bring a node for one more replica of `endpoint`, or None (no pool, none
+    fits it, or its pool is at its maximum with nothing booting)."""
+    pools = [(pool, pool_counts(pool)) for pool in NodePool.objects.filter(gpu_type=endpoint.gpu_type)]
+    if not pools:
+        return None
+    chosen = choose_pool(need_of(endpoint), pools)
+    if chosen is None:
+        return None
+    counts = dict((pool.pk, counts) for pool, counts in pools)[chosen.pk]
+    return chosen if counts.num_live < counts.max_nodes or counts.num_booting else None
+
+
+def request_provisioning() -> None:
+    """Run the pool tick once the current transaction commits, rather than at the next beat."""
+    transaction.on_commit(lambda: current_app.send_task(PROVISION_TASK, expires=60))
+
+
+def tell_endpoints(endpoint_ids: Iterable[str], message: str, *, once: bool = False) -> None:
+    """A pool decision in the event log (CAPACITY) of each endpoint waiting on it; `once`: not again
+    while it says the same."""
+    for endpoint in Endpoint.objects.filter(pk__in=list(endpoint_ids)):
+        (record_event_once if once else record_event)(endpoint, EventKind.CAPACITY, message)

@@ -1,0 +1,183 @@
+"""How many machines a node pool launches, and which idle ones it releases: pure arithmetic.
+
+No Django and no clock of its own, so that the pool policy (`endpoints.fleet.pools`) and the
+benchmark (`bench/bench_node_pools.py`) run the very same rules, and property tests can check them.
+
+A machine is one bin: a GPU machine holds `num_gpus` whole GPUs and a replica takes the GPUs it
+needs (a replica that may share a GPU is counted as taking a whole one: the pool may launch a little
+more than a perfect packing would, never less); a CPU machine is one pool of memory. Needs are
+packed into the machines already booting first, then into as few new machines as possible: first
+fit decreasing, improved by an exact search when there are few needs, so small cases are optimal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Up to this many needs the plan searches for the true minimum; beyond, first fit decreasing (at
+# most 11/9 of the optimum + 1) is close enough and fast.
+EXACT_SEARCH_MAX_NEEDS = 10
+
+
+@dataclass(slots=True, frozen=True)
+class NodeShape:
+    """One machine of a pool."""
+
+    num_gpus: int  # 0: a CPU machine (one memory pool)
+    gpu_memory_mb: int  # per GPU; a CPU machine's engine memory
+
+    def __post_init__(self):
+        if self.num_gpus < 0 or self.gpu_memory_mb < 0:
+            raise ValueError("a machine's GPUs and memory are never negative")
+
+    @property
+    def capacity(self) -> int:
+        """What one machine holds, in the unit of `Need.size`: GPUs, or a CPU machine's memory."""
+        return self.num_gpus if self.num_gpus else self.gpu_memory_mb
+
+
+@dataclass(slots=True, frozen=True)
+class Need:
+    """One replica that placement could not put anywhere."""
+
+    endpoint_id: str
+    memory_mb: int  # what placement would reserve (placement.memory_needed_mb)
+    num_gpus: int  # whole GPUs it needs (0 or 1 on CPU machines: from the pooled memory)
+
+    def __post_init__(self):
+        if self.memory_mb < 0 or self.num_gpus < 0:
+            raise ValueError("a need's memory and GPUs are never negative")
+
+    def size(self, shape: NodeShape) -> int:
+        return max(self.num_gpus, 1) if shape.num_gpus else self.memory_mb
+
+    def fits(self, shape: NodeShape) -> bool:
+        """Whether one empty machine of `shape` can ever hold it."""
+        if not shape.num_gpus:
+            return self.num_gpus <= 1 and self.memory_mb <= shape.gpu_memory_mb
+        num_gpus = max(self.num_gpus, 1)
+        return num_gpus <= shape.num_gpus and math.ceil(self.memory_mb / num_gpus) <= shape.gpu_memory_mb
+
+
+@dataclass(slots=True, frozen=True)
+class PoolCounts:
+    min_nodes: int
+    max_nodes: int
+    warm_nodes: int
+    num_live: int  # REQUESTED + LAUNCHING + JOINED (not RELEASING / finished)
+    num_booting: int  # REQUESTED + LAUNCHING (capacity on its way: fill it before launching more)
+    num_empty: int  # JOINED with no active replica, not cordoned
+
+    def __post_init__(self):
+        if min(self.min_nodes, self.max_nodes, self.warm_nodes, self.num_live, self.num_booting, self.num_empty) < 0:
+            raise ValueError("pool counts are never negative")
+        if self.num_booting + self.num_empty > self.num_live:
+            raise ValueError("booting and empty nodes are live nodes")
+
+
+@dataclass(slots=True, frozen=True)
+class LaunchPlan:
+    num_launch: int
+    reason: str  # for the event log: "2 replicas of 2 endpoints fit on 1 new node", "pool at its maximum", …
+    unplaceable: tuple[Need, ...] = ()  # needs no machine of this shape can ever hold
+
+
+def plan_launches(needs: Sequence[Need], shape: NodeShape, counts: PoolCounts) -> LaunchPlan:
+    """The fewest new machines that hold every need (after the booting ones), plus what min and
+    warm ask for; never past `max_nodes`."""
+    unplaceable = tuple(need for need in needs if not need.fits(shape))
+    fitting = [need for need in needs if need.fits(shape)]
+    sizes = [need.size(shape) for need in fitting]
+    num_bins = fewest_bins(sizes, shape.capacity)
+    num_for_needs = max(0, num_bins - counts.num_booting)
+    num_booting_unused = max(0, counts.num_booting - num_bins)
+    # NOTE: booting machines nobody needs will join empty: they count as warm already.
+    num_for_warm = max(0, counts.warm_nodes - counts.num_empty - num_booting_unused)
+    # NOTE: min nodes run, warm nodes more wait empty: the same floor `nodes_to_release` keeps, so
+    # the two never undo each other.
+    num_for_min = max(0, counts.min_nodes + counts.warm_nodes - counts.num_live)
+    wanted = max(num_for_needs + num_for_warm, num_for_min)
+    headroom = max(0, counts.max_nodes - counts.num_live)
+    num_launch = min(wanted, headroom)
+    reasons = []
+    if num_for_needs:
+        num_endpoints = len({need.endpoint_id for need in fitting})
+        reasons.append(f"{_plural(len(fitting), 'replica')} of {_plural(num_endpoints, 'endpoint')} "
+                       f"fit on {_plural(num_for_needs, 'new node')}")
+    elif fitting:
+        reasons.append(f"{_plural(len(fitting), 'replica')} wait for {_plural(counts.num_booting, 'booting node')}")
+    if num_for_warm:
+        reasons.append(f"{_plural(num_for_warm, 'warm node')} to keep")
+    if num_for_min > num_for_needs + num_for_warm:
+        reasons.append(f"{counts.min_nodes + counts.warm_nodes} nodes at least (min plus warm)")
+    if wanted > headroom:
+        reasons.append(f"pool at its maximum ({counts.max_nodes} nodes, {wanted - num_launch} more wanted)")
+    if unplaceable:
+        reasons.append(f"{_plural(len(unplaceable), 'replica')} too large for this pool's machines")
+    return LaunchPlan(num_launch, "; ".join(reasons) or "nothing to launch", unplaceable)
+
+
+def fewest_bins(sizes: Sequence[int], capacity: int) -> int:
+    """How many empty bins of `capacity` hold `sizes` (each at most `capacity`): first fit
+    decreasing, then for few sizes an exact search below it."""
+    if not sizes:
+        return 0
+    order = sorted(sizes, reverse=True)
+    bins: list[int] = []  # used capacity per bin
+    for size in order:
+        for index, used in enumerate(bins):
+            if used + size <= capacity:
+                bins[index] = used + size
+                break
+        else:
+            bins.append(size)
+    if len(order) > EXACT_SEARCH_MAX_NEEDS or not capacity:
+        return len(bins)
+    for num_bins in range(max(1, math.ceil(sum(order) / capacity)), len(bins)):
+        if _packs(order, capacity, num_bins):
+            return num_bins
+    return len(bins)
+
+
+def _packs(order: list[int], capacity: int, num_bins: int) -> bool:
+    """Whether the (decreasing) sizes fit in `num_bins` bins: depth-first, bins of equal load tried once."""
+    loads = [0] * num_bins
+
+    def place(index: int) -> bool:
+        if index == len(order):
+            return True
+        tried = set()
+        for slot in range(num_bins):
+            if loads[slot] in tried or loads[slot] + order[index] > capacity:
+                continue
+            tried.add(loads[slot])
+            loads[slot] += order[index]
+            if place(index + 1):
+                return True
+            loads[slot] -= order[index]
+        return False
+
+    return place(0)
+
+
+@dataclass(slots=True, frozen=True)
+class IdleNode:
+    launch_id: str
+    idle_since: float  # epoch seconds
+
+
+def nodes_to_release(idle: Sequence[IdleNode], counts: PoolCounts, idle_timeout_s: float, now: float) -> list[str]:
+    """Launch ids of nodes empty for `idle_timeout_s`, longest idle first, keeping `min_nodes`
+    plus `warm_nodes` live, and `warm_nodes` empty (the most recently idle stay warm)."""
+    if idle_timeout_s < 0:
+        raise ValueError("an idle timeout is never negative")
+    timed_out = sorted((node for node in idle if now - node.idle_since >= idle_timeout_s),
+                       key=lambda node: (node.idle_since, node.launch_id))
+    num_releasable = max(0, min(counts.num_live - counts.min_nodes - counts.warm_nodes, counts.num_empty - counts.warm_nodes))
+    return [node.launch_id for node in timed_out[:num_releasable]]
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"

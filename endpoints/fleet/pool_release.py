@@ -1,0 +1,92 @@
+"""Giving machines back: a pool's idle nodes, and dead ones, are cordoned, terminated and retired.
+
+Part of the pool tick (`endpoints.fleet.pools`): each joined launch's node is busy or idle
+(`launches.record_occupancy`, node-hours); `pool_plan.nodes_to_release` picks the nodes empty past
+the pool's idle timeout, down to min plus warm. Each is cordoned under its row lock after checking
+again that it holds no replica (placement locks READY node rows too: a replica placed meanwhile keeps
+the node), marked RELEASING and committed; the provider terminates it outside the transaction; its
+node then goes OFFLINE with its secret void and the launch TERMINATED. A RELEASING launch whose
+termination failed is tried again every tick.
+
+A joined node OFFLINE past another heartbeat grace period (the machine died) is terminated and
+finished the same way, the reason saying so; its demand, if any, brings a replacement.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+
+from controlplane.accounts.services import SYSTEM, record_audit
+from endpoints.fleet import launches
+from endpoints.fleet.pool_demand import pool_counts
+from endpoints.fleet.pool_plan import IdleNode, nodes_to_release
+from endpoints.fleet.providers import pool_spec
+from endpoints.fleet.providers.base import Provider, ProviderError
+from endpoints.fleet.services import retire_node, set_node_state
+from endpoints.models import ACTIVE_REPLICA_STATES, Replica
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
+from gpu_agent.protocol import NodeState
+
+logger = logging.getLogger(__name__)
+
+
+def release_idle(pool: NodePool, provider: Provider, now: datetime) -> list[str]:
+    """Occupancy, then release: returns the ids of launches terminated by this call."""
+    joined = list(NodeLaunch.objects.filter(pool=pool, state=LaunchState.JOINED).select_related("node"))
+    busy_nodes = set(Replica.objects.filter(node__in=[launch.node_id for launch in joined],
+                                            state__in=ACTIVE_REPLICA_STATES).values_list("node_id", flat=True))
+    for launch in joined:
+        launches.record_occupancy(launch, launch.node_id in busy_nodes, now=now)
+    # NOTE: OFFLINE is already a grace period of silence; one more, and the machine is taken for dead.
+    dead_before = now - timedelta(seconds=2 * settings.NODE_HEARTBEAT_GRACE_S)
+    for launch in joined:
+        node = launch.node
+        if node is not None and node.state == NodeState.OFFLINE and (
+                node.last_heartbeat_at is None or node.last_heartbeat_at < dead_before):
+            if launches.start_release(launch, f"node {node.name} stopped sending heartbeats"):
+                record_audit(SYSTEM, None, "node_launch.dead", launch, pool=pool.name, node=node.name)
+    idle = [IdleNode(str(launch.pk), launch.idle_since.timestamp()) for launch in joined
+            if launch.state == LaunchState.JOINED and launch.idle_since is not None and launch.node is not None
+            and launch.node.state == NodeState.READY]
+    for launch_id in nodes_to_release(idle, pool_counts(pool), pool.idle_timeout_s, now.timestamp()):
+        cordon_for_release(pool, launch_id)
+    return finish_releases(pool, provider, now)
+
+
+def cordon_for_release(pool: NodePool, launch_id: str) -> bool:
+    """Cordon the launch's node and mark it RELEASING, unless a replica landed on it meanwhile."""
+    with transaction.atomic():
+        launch = NodeLaunch.objects.select_for_update().filter(pk=launch_id, state=LaunchState.JOINED).first()
+        if launch is None or launch.node_id is None:
+            return False
+        # NOTE: the same row lock placement takes on READY nodes: after it, no replica can land here.
+        node = Node.objects.select_for_update().filter(pk=launch.node_id, state=NodeState.READY).first()
+        if node is None or Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).exists():
+            return False
+        reason = f"empty for {pool.idle_timeout_s} s (pool {pool.name})"
+        set_node_state(SYSTEM, node, NodeState.CORDONED)
+        launches.start_release(launch, reason)
+        record_audit(SYSTEM, None, "node_launch.release", launch, pool=pool.name, node=node.name, reason=reason)
+    return True
+
+
+def finish_releases(pool: NodePool, provider: Provider, now: datetime) -> list[str]:
+    """Terminate every RELEASING launch's machine (outside any transaction), retire its node, finish it."""
+    finished = []
+    for launch in NodeLaunch.objects.filter(pool=pool, state=LaunchState.RELEASING).select_related("node"):
+        try:
+            if launch.provider_id:
+                provider.terminate(pool_spec(pool), launch.provider_id)
+        except ProviderError as error:
+            logger.warning("node pool %s: terminating %s failed, trying again next tick: %s", pool.name, launch.pk, error)
+            continue
+        if launch.node is not None:
+            retire_node(SYSTEM, launch.node, reason=launch.reason)
+        if launches.finish_launch(launch, LaunchState.TERMINATED, launch.reason, now=now):
+            record_audit(SYSTEM, None, "node_launch.terminate", launch, pool=pool.name, reason=launch.reason)
+            finished.append(str(launch.pk))
+    return finished

@@ -1,0 +1,240 @@
+"""The node-pool policy: launch machines for replicas that have nowhere to go, release idle ones.
+
+One tick (Celery beat, every `NODE_POOLS_TICK_S`, and at once when the scheduler records new
+demand) runs over every pool:
+
+1. joins: a booting launch whose agent registered (by its join token, or the name the provider
+   reports) is JOINED (`launches.link_joined_node`);
+2. deadlines: a launch not joined by its deadline is terminated and FAILED with the reason, in the
+   event log of the endpoints waiting on the pool; their demand remains, so step 3 replaces it in
+   another zone;
+3. launches: the endpoints' unplaced replicas (`Endpoint.unplaced_replicas`) become `Need`s,
+   `pool_plan.plan_launches` says how many machines, and the `NodeLaunch` rows are written under
+   the pool's row lock and committed BEFORE the provider is called (outside any transaction, with the
+   launch id as its idempotency key); a REQUESTED launch a crashed tick left behind is sent again;
+4. occupancy and release (`endpoints.fleet.pool_release`).
+
+NOTE: the whole tick holds a Redis lock and each pool's decision its row lock, so two beats never
+launch twice for the same demand.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.accounts.services import SYSTEM, record_audit
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import POOLS_TICK_LOCK_KEY
+from endpoints.fleet import launches, pool_release
+from endpoints.fleet.pool_demand import (
+    BOOTING_STATES,
+    choose_pool,
+    need_of,
+    pool_counts,
+    pool_shape,
+    tell_endpoints,
+)
+from endpoints.fleet.pool_plan import Need, PoolCounts, plan_launches
+from endpoints.fleet.providers import get_provider, pool_spec
+from endpoints.fleet.providers.base import LaunchSpec, Provider, ProviderError
+from endpoints.fleet.services import create_join_token, revoke_join_token
+from endpoints.models import Endpoint
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
+
+logger = logging.getLogger(__name__)
+
+# The tick's task time limit is below this, so a lock still held belongs to a tick that is alive.
+TICK_LOCK_S = 150
+
+
+def provision_tick(now: datetime | None = None, provider_for: Callable[[str], Provider] = get_provider) -> int:
+    """One pass over every pool; returns how many machines it asked for. A second concurrent tick does nothing.
+
+    `provider_for` maps a pool's provider name to the provider (`providers.get_provider`).
+    """
+    redis, owner = get_redis(), secrets.token_hex(8)
+    if not redis.set(POOLS_TICK_LOCK_KEY, owner, nx=True, ex=TICK_LOCK_S):
+        return 0
+    try:
+        pools = list(NodePool.objects.order_by("pk"))
+        demand = assign_demand(pools)
+        num_launched = 0
+        for pool in pools:
+            try:
+                num_launched += tick_pool(pool, demand.get(pool.pk, []), provider_for(pool.provider), now=now)
+            except Exception:  # noqa: BLE001 - one broken pool (a provider down) must not stall the others
+                logger.exception("node pool %s: tick failed", pool.name)
+        return num_launched
+    finally:
+        if redis.get(POOLS_TICK_LOCK_KEY) in (owner, owner.encode()):
+            redis.delete(POOLS_TICK_LOCK_KEY)
+
+
+def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
+    """Every unplaced replica of a live endpoint, as a `Need` of the pool that serves it (`choose_pool`)."""
+    by_type: dict[str, list[tuple[NodePool, PoolCounts]]] = defaultdict(list)
+    for pool in pools:
+        by_type[pool.gpu_type].append((pool, pool_counts(pool)))
+    waiting = Endpoint.objects.live().filter(
+        unplaced_replicas__gt=0, paused_at__isnull=True, failed_at__isnull=True, gpu_type__in=list(by_type))
+    demand: dict[int, list[Need]] = defaultdict(list)
+    for endpoint in waiting.order_by("created_at"):
+        need = need_of(endpoint)
+        pool = choose_pool(need, by_type[endpoint.gpu_type]) or min(
+            (pool for pool, _ in by_type[endpoint.gpu_type]), key=lambda pool: (pool.hourly_price, pool.name))
+        demand[pool.pk].extend([need] * endpoint.unplaced_replicas)
+    return demand
+
+
+def tick_pool(pool: NodePool, needs: list[Need], provider: Provider, now: datetime | None = None) -> int:
+    """The pool's joins, late launches, launches for `needs`, occupancy and releases; returns how many it launched."""
+    now = now or timezone.now()
+    link_joins(pool, provider, now)
+    fail_late_launches(pool, provider, needs, now)
+    num_launched = launch_for_demand(pool, provider, needs, now)
+    pool_release.release_idle(pool, provider, now)
+    return num_launched
+
+
+def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
+    """Booting launches whose agent registered become JOINED: by join token, else by the machine's node name."""
+    booting = list(NodeLaunch.objects.filter(pool=pool, state__in=BOOTING_STATES, node__isnull=True))
+    if not booting:
+        return
+    unlinked = Node.objects.filter(launch__isnull=True)
+    machines = {}
+    if any(launch.state == LaunchState.LAUNCHING for launch in booting):
+        try:
+            machines = {machine.launch_id: machine for machine in provider.list(pool_spec(pool))}
+        except ProviderError as error:
+            logger.warning("node pool %s: could not list machines: %s", pool.name, error)
+    for launch in booting:
+        node = unlinked.filter(join_token_id=launch.join_token_id).first() if launch.join_token_id else None
+        machine = machines.get(str(launch.pk))
+        if node is None and machine is not None and machine.node_name:
+            node = unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at).order_by(
+                "-registered_at").first()
+        if node is not None and launches.link_joined_node(node, launch, now=now):
+            record_audit(SYSTEM, None, "node_launch.join", launch, pool=pool.name, node=node.name)
+
+
+def fail_late_launches(pool: NodePool, provider: Provider, needs: list[Need], now: datetime) -> None:
+    """A launch not joined by its deadline: terminated, FAILED with the reason, and the endpoints
+    waiting on the pool are told; their demand stays, so the plan replaces it (in another zone)."""
+    late = list(NodeLaunch.objects.filter(pool=pool, state__in=BOOTING_STATES, deadline_at__lte=now).select_related("join_token"))
+    for launch in late:
+        reason = f"did not join within {pool.join_deadline_s} s"
+        try:
+            # NOTE: one the provider never answered for may still have started: found by its launch id.
+            provider_ids = [launch.provider_id] if launch.provider_id else [
+                machine.provider_id for machine in provider.list(pool_spec(pool)) if machine.launch_id == str(launch.pk)]
+            for provider_id in provider_ids:
+                provider.terminate(pool_spec(pool), provider_id)
+        except ProviderError as error:
+            logger.warning("node pool %s: terminating late launch %s: %s", pool.name, launch.pk, error)
+            continue  # tried again next tick: a machine is never forgotten while it may run
+        if launch.join_token_id:
+            revoke_join_token(SYSTEM, launch.join_token)  # a late agent must not join a finished launch
+        if launches.finish_launch(launch, LaunchState.FAILED, reason, now=now):
+            where = f" in zone {launch.zone}" if launch.zone else ""
+            record_audit(SYSTEM, None, "node_launch.fail", launch, pool=pool.name, reason=reason, zone=launch.zone)
+            tell_endpoints(
+                {need.endpoint_id for need in needs},
+                f"Node {str(launch.pk)[:8]} of pool {pool.name}{where} {reason}: terminated, launching a replacement")
+
+
+def launch_for_demand(pool: NodePool, provider: Provider, needs: list[Need], now: datetime) -> int:
+    """Decide under the pool's row lock, commit the launches, then ask the provider (outside the transaction)."""
+    settle_s = settings.AUTOSCALER_TICK_S * 2 + 1
+    with transaction.atomic():
+        locked = NodePool.objects.select_for_update(skip_locked=True).filter(pk=pool.pk).first()
+        if locked is None:
+            return 0  # another tick is deciding for this pool right now
+        # NOTE: REQUESTED launches at this point were left by a tick that died before the provider answered.
+        orphaned = list(NodeLaunch.objects.filter(pool=pool, state=LaunchState.REQUESTED))
+        counts = settled_counts(locked, now - timedelta(seconds=settle_s))
+        plan = plan_launches(needs, pool_shape(locked), counts)
+        created = [create_launch(locked, provider, now, plan.reason) for _ in range(plan.num_launch)]
+        if plan.num_launch or plan.unplaceable or (needs and "maximum" in plan.reason):
+            tell_endpoints(
+                {need.endpoint_id for need in needs},
+                f"Pool {locked.name}: {plan.reason}" if plan.num_launch or not plan.unplaceable else
+                f"Pool {locked.name}: no {locked.gpu_type} machine of this pool can hold a replica", once=True)
+    tokens = dict(created)
+    for launch in orphaned:
+        tokens[launch] = reissue_token(launch)
+    for launch, plain in tokens.items():
+        send_launch(locked, provider, launch, plain)
+    return len(created)
+
+
+def settled_counts(pool: NodePool, joined_after: datetime) -> PoolCounts:
+    """`pool_counts`, with nodes that joined since `joined_after` and are still empty counted as booting:
+    the scheduler has not had a tick to place the replicas they came for."""
+    counts = pool_counts(pool)
+    num_fresh = NodeLaunch.objects.filter(pool=pool, state=LaunchState.JOINED, joined_at__gt=joined_after,
+                                          idle_since__isnull=False).count()
+    num_fresh = min(num_fresh, counts.num_empty)
+    return PoolCounts(min_nodes=counts.min_nodes, max_nodes=counts.max_nodes, warm_nodes=counts.warm_nodes,
+                      num_live=counts.num_live, num_booting=counts.num_booting + num_fresh,
+                      num_empty=counts.num_empty - num_fresh)
+
+
+def create_launch(pool: NodePool, provider: Provider, now: datetime, reason: str) -> tuple[NodeLaunch, str]:
+    """A REQUESTED launch with its one-use join token (expiring at the deadline); returns it and the token."""
+    deadline_at = now + timedelta(seconds=pool.join_deadline_s)
+    launch = NodeLaunch(pool=pool, requested_at=now, deadline_at=deadline_at, zone=choose_zone(pool, provider),
+                        reason=reason[:2000])
+    token = create_join_token(SYSTEM, name=f"pool {pool.name} {str(launch.pk)[:8]}", expires_at=deadline_at, max_uses=1)
+    launch.join_token = token.join_token
+    launch.save()
+    record_audit(SYSTEM, None, "node_launch.request", launch, pool=pool.name, zone=launch.zone, reason=reason[:300])
+    return launch, token.plain
+
+
+def reissue_token(launch: NodeLaunch) -> str:
+    """A fresh one-use token for a launch sent again (the first one's plain text was never stored)."""
+    token = create_join_token(SYSTEM, name=f"pool {launch.pool.name} {str(launch.pk)[:8]}",
+                              expires_at=launch.deadline_at, max_uses=1)
+    NodeLaunch.objects.filter(pk=launch.pk).update(join_token=token.join_token)
+    launch.join_token = token.join_token
+    return token.plain
+
+
+def choose_zone(pool: NodePool, provider: Provider) -> str:
+    """The provider's first zone, avoiding the one where this pool's latest launch failed."""
+    zones = provider.zones(pool.template) or [""]
+    failed = NodeLaunch.objects.filter(pool=pool, state=LaunchState.FAILED).order_by("-terminated_at").values_list(
+        "zone", flat=True).first()
+    return next((zone for zone in zones if zone != failed), zones[0])
+
+
+def node_name(pool: NodePool, launch: NodeLaunch) -> str:
+    return f"{pool.name}-{str(launch.pk)[:8]}"
+
+
+def send_launch(pool: NodePool, provider: Provider, launch: NodeLaunch, join_token: str) -> None:
+    """Ask the provider for the launch's machine (idempotent on its id): LAUNCHING, or FAILED with why."""
+    spec = LaunchSpec(launch_id=str(launch.pk), name=node_name(pool, launch), join_token=join_token,
+                      control_plane_url=settings.AGENT_CONTROL_PLANE_URL, zone=launch.zone)
+    try:
+        [result] = provider.launch(pool_spec(pool), [spec])
+    except ProviderError as error:
+        result_error, provider_id, zone = str(error), "", ""
+    else:
+        result_error, provider_id, zone = result.error, result.provider_id, result.zone
+    if provider_id:
+        launches.record_launched(launch, provider_id, zone)
+        record_audit(SYSTEM, None, "node_launch.launch", launch, pool=pool.name, provider_id=provider_id)
+        return
+    reason = f"the provider refused: {result_error or 'no machine'}"
+    if launches.finish_launch(launch, LaunchState.FAILED, reason):
+        record_audit(SYSTEM, None, "node_launch.fail", launch, pool=pool.name, reason=reason)

@@ -1,0 +1,96 @@
+"""`kubernetes`: a node pool's machines are GPU nodes that a capacity placeholder pod calls up.
+
+Replicas are not pods (the agent DaemonSet runs them), so the cluster autoscaler or Karpenter never
+sees their demand. A launch creates one placeholder pod (`k8s_placeholder.placeholder_pod`) that
+requests the pool's GPUs on its node selector: the autoscaler adds a node for it, the agent
+DaemonSet starts there and registers under the node's name (`--name` = `spec.nodeName`), and the
+policy links the two by `Machine.node_name`. Deleting the placeholder lets the autoscaler remove
+the node once it is empty.
+
+NOTE: the placeholder holds the GPUs in the scheduler's books only; pooled agents reach them through
+the NVIDIA runtime class instead of the device plugin (infra/k8s/components/node-pools), so the two
+never compete for them.
+
+The API server is reached over HTTPS with the pod's service-account token and CA (no client library),
+or `INFERPLANE_K8S_API_URL` in tests; placeholders live in `INFERPLANE_K8S_PLACEHOLDER_NAMESPACE`.
+
+Template fields: `node_selector` (labels), `tolerations`, `gpu_resource` (default `nvidia.com/gpu`),
+`zones` (values of `topology.kubernetes.io/zone`; a retry goes to the next).
+"""
+
+from __future__ import annotations
+
+import re
+
+from endpoints.fleet.providers.template_fields import unknown_field_errors
+
+TEMPLATE_FIELDS = ("node_selector", "tolerations", "gpu_resource", "zones")
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
+_RESOURCE = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+_OPERATORS = ("Equal", "Exists")
+_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _label(key, value) -> bool:
+    return isinstance(key, str) and isinstance(value, str) and bool(_LABEL_KEY.match(key) and _LABEL_VALUE.match(value))
+
+
+def _node_selector_errors(value) -> list[str]:
+    if not isinstance(value, dict) or not all(_label(key, item) for key, item in value.items()):
+        return ["An object of node labels (Kubernetes label keys and values)."]
+    return []
+
+
+def _toleration_errors(value) -> list[str]:
+    if not isinstance(value, list):
+        return ["A list of tolerations."]
+    for toleration in value:
+        if not isinstance(toleration, dict) or set(toleration) - _TOLERATION_KEYS:
+            return [f"Each toleration: an object of {', '.join(sorted(_TOLERATION_KEYS))}."]
+        operator = toleration.get("operator", "Equal")
+        if operator not in _OPERATORS:
+            return [f"operator: one of {', '.join(_OPERATORS)}."]
+        if "effect" in toleration and toleration["effect"] not in _EFFECTS:
+            return [f"effect: one of {', '.join(_EFFECTS)}."]
+        if "key" in toleration and not _label(toleration["key"], "x"):
+            return ["key: a Kubernetes label key."]
+        if "value" in toleration and (operator == "Exists" or not _label("x", toleration["value"])):
+            return ["value: a label value, and only with operator Equal."]
+        seconds = toleration.get("tolerationSeconds", 0)
+        if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 0:
+            return ["tolerationSeconds: a whole number of seconds."]
+    return []
+
+
+def template_errors(template: dict) -> dict[str, list[str]]:
+    errors = unknown_field_errors(template, TEMPLATE_FIELDS)
+    if "template" in errors:
+        return errors
+    checks = {}
+    if "node_selector" in template:
+        checks["node_selector"] = _node_selector_errors(template["node_selector"])
+    if "tolerations" in template:
+        checks["tolerations"] = _toleration_errors(template["tolerations"])
+    if "gpu_resource" in template:
+        resource = template["gpu_resource"]
+        if not isinstance(resource, str) or not _RESOURCE.match(resource):
+            checks["gpu_resource"] = ["An extended resource name, e.g. nvidia.com/gpu."]
+    if "zones" in template:
+        zones = template["zones"]
+        if not isinstance(zones, list) or not all(isinstance(z, str) and z and _label("x", z) for z in zones):
+            checks["zones"] = ["A list of zone names (topology.kubernetes.io/zone values)."]
+    errors.update({f"template.{field}": problems for field, problems in checks.items() if problems})
+    return errors
+
+
+class KubernetesProvider:
+    name = "kubernetes"
+
+    def template_errors(self, template: dict) -> dict[str, list[str]]:
+        return template_errors(template)
+
+    def zones(self, template: dict) -> list[str]:
+        return list(template.get("zones") or []) or [""]

@@ -1,0 +1,374 @@
+"""The pool tick's rules (`endpoints.fleet.pools`) against a real database and Redis.
+
+The provider here is a small in-test object implementing the `Provider` protocol that records what
+it was asked: the policy's decisions are what is under test; the real `local` provider runs in
+`test_pools_end_to_end.py`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+
+from controlplane import tokens
+from controlplane.accounts.models import AuditEvent, Plan
+from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
+from endpoints.fleet import pool_release, pools
+from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE
+from endpoints.fleet.providers.base import LaunchResult, Machine, ProviderError
+from endpoints.models import EndpointEvent, EventKind, Replica
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
+from endpoints.scheduler import reconcile_endpoint
+from gpu_agent.protocol import NodeState, ReplicaState
+from tests.factories import EndpointFactory
+
+TINY = "hf:tiny/tiny-llama"  # no size in its name: placement assumes a small model (about 2.8 GB on CPU)
+
+
+class RecordingProvider:
+    """Machines in a dict; every call recorded. `fail_with` makes launches refused; `crash` raises mid-call."""
+
+    name = "local"
+
+    def __init__(self, zones=("",), *, delay_s: float = 0.0):
+        self._zones = list(zones)
+        self.machines: dict[str, Machine] = {}
+        self.launched: list[tuple[str, str]] = []  # (launch id, zone) per call
+        self.terminated: list[str] = []
+        self.fail_with = ""
+        self.crash = False
+        self.delay_s = delay_s
+        self.lock = threading.Lock()
+
+    def template_errors(self, template):
+        return {}
+
+    def zones(self, template):
+        time.sleep(self.delay_s)  # called while the pool's row is locked (the launch's zone)
+        return self._zones
+
+    def launch(self, pool, specs):
+        if self.crash:
+            raise RuntimeError("the worker died here")
+        results = []
+        with self.lock:
+            for spec in specs:
+                self.launched.append((spec.launch_id, spec.zone))
+                if self.fail_with:
+                    results.append(LaunchResult(spec.launch_id, error=self.fail_with))
+                    continue
+                self.machines.setdefault(spec.launch_id, Machine(f"m-{spec.launch_id[:8]}", spec.launch_id, "running", spec.name))
+                results.append(LaunchResult(spec.launch_id, provider_id=self.machines[spec.launch_id].provider_id, zone=spec.zone))
+        return results
+
+    def terminate(self, pool, provider_id):
+        self.terminated.append(provider_id)
+        self.machines = {key: m for key, m in self.machines.items() if m.provider_id != provider_id}
+
+    def list(self, pool):
+        return list(self.machines.values())
+
+
+def make_pool(**fields) -> NodePool:
+    values = dict(name="cpu-pool", gpu_type="cpu", provider="local", gpus_per_node=0, gpu_memory_mb=8192,
+                  min_nodes=0, max_nodes=3, warm_nodes=0, idle_timeout_s=60, join_deadline_s=120) | fields
+    return NodePool.objects.create(**values)
+
+
+def waiting_endpoint(**fields):
+    endpoint = EndpointFactory(gpu_type="cpu", model_source=TINY, quantization="none", min_replicas=1, **fields)
+    reconcile_endpoint(str(endpoint.pk))
+    endpoint.refresh_from_db()
+    return endpoint
+
+
+def join(launch: NodeLaunch, *, memory_mb: int = 8192) -> Node:
+    """The launch's agent registers (as `register_node` would: with the launch's join token)."""
+    issued = tokens.issue_token(Node.SECRET_KIND)
+    return Node.objects.create(
+        name=f"node-{str(launch.pk)[:8]}", gpu_type="cpu", num_gpus=0, gpu_memory_mb=memory_mb, quantizations=["none"],
+        secret_lookup=issued.lookup, secret_digest=issued.digest, join_token=launch.join_token,
+        last_heartbeat_at=timezone.now(),
+    )
+
+
+def tick(provider, now=None) -> int:
+    return pools.provision_tick(now=now, provider_for=lambda name: provider)
+
+
+@pytest.mark.django_db
+def test_an_endpoint_with_no_room_records_its_unplaced_replicas_and_says_a_node_is_being_provisioned():
+    endpoint = waiting_endpoint()
+    assert endpoint.unplaced_replicas == 1
+    assert endpoint.status_message.startswith("waiting for capacity") and endpoint.waiting_for_capacity
+    make_pool()
+    reconcile_endpoint(str(endpoint.pk))
+    endpoint.refresh_from_db()
+    assert (endpoint.unplaced_replicas, endpoint.status_message, endpoint.waiting_for_capacity) == (1, PROVISIONING_MESSAGE, False)
+    assert EndpointEvent.objects.filter(endpoint=endpoint, kind=EventKind.CAPACITY, message__startswith="Provisioning a node (pool cpu-pool)").exists()
+
+
+@pytest.mark.django_db
+def test_a_quota_refusal_is_not_demand_for_a_node():
+    endpoint = EndpointFactory(gpu_type="cpu", model_source=TINY, quantization="none", min_replicas=1)
+    plan = save_plan(SYSTEM, Plan(name="no-gpus", max_gpus_by_type={"cpu": 0}))
+    set_organization_plan(SYSTEM, endpoint.organization, plan)
+    reconcile_endpoint(str(endpoint.pk))
+    endpoint.refresh_from_db()
+    assert endpoint.status_message.startswith("waiting for quota") and endpoint.unplaced_replicas == 0
+
+
+@pytest.mark.django_db
+def test_two_endpoints_that_fit_one_machine_launch_one_node_and_it_joins():
+    pool, provider = make_pool(), RecordingProvider()
+    first, second = waiting_endpoint(), waiting_endpoint()
+    assert tick(provider) == 1
+    [launch] = NodeLaunch.objects.filter(pool=pool)
+    assert launch.state == LaunchState.LAUNCHING and provider.launched == [(str(launch.pk), "")]
+    assert "2 replicas of 2 endpoints fit on 1 new node" in launch.reason
+    assert launch.join_token.max_uses == 1 and launch.join_token.expires_at == launch.deadline_at
+    assert tick(provider) == 0  # the booting machine holds both: nothing more
+    node = join(launch)
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and launch.node == node
+    for endpoint in (first, second):
+        reconcile_endpoint(str(endpoint.pk))
+        endpoint.refresh_from_db()
+        assert endpoint.unplaced_replicas == 0 and endpoint.status_message == ""
+    assert Replica.objects.filter(node=node).count() == 2
+
+
+@pytest.mark.django_db
+def test_a_node_that_just_joined_is_not_doubled_before_the_scheduler_places_on_it():
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    tick(provider)
+    join(NodeLaunch.objects.get(pool=pool))
+    assert tick(provider) == 0  # the endpoint still shows 1 unplaced: its reconcile has not run yet
+    assert NodeLaunch.objects.filter(pool=pool).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_concurrent_ticks_never_launch_twice_for_the_same_demand():
+    pool, provider = make_pool(), RecordingProvider(delay_s=0.5)
+    endpoint = waiting_endpoint()
+    needs = pools.assign_demand([pool])[pool.pk]
+    results, errors = [], []
+
+    def run():
+        try:
+            # NOTE: tick_pool, not provision_tick: the pool's row lock is what is under test, without the Redis lock.
+            results.append(pools.tick_pool(NodePool.objects.get(pk=pool.pk), needs, provider))
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and sorted(results) == [0, 1]
+    assert NodeLaunch.objects.filter(pool=pool).count() == 1 and len(provider.launched) == 1
+    assert endpoint.unplaced_replicas == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_second_beat_while_a_tick_runs_does_nothing():
+    pool, provider = make_pool(), RecordingProvider(delay_s=1.0)
+    waiting_endpoint()
+    results = []
+
+    def run():
+        try:
+            results.append(tick(provider))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == [0, 1] and NodeLaunch.objects.filter(pool=pool).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_launch_left_requested_by_a_crash_is_sent_again_once_by_the_next_tick():
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    provider.crash = True
+    tick(provider)  # the tick dies between its decision (committed) and the provider's answer
+    [launch] = NodeLaunch.objects.filter(pool=pool)
+    assert launch.state == LaunchState.REQUESTED
+    first_token = launch.join_token_id
+    provider.crash = False
+    assert tick(provider) == 0  # no new launch: the requested one is the capacity on its way
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.LAUNCHING and launch.join_token_id != first_token
+    assert provider.launched == [(str(launch.pk), "")]
+    tick(provider)
+    assert provider.launched == [(str(launch.pk), "")] and len(provider.machines) == 1
+
+
+@pytest.mark.django_db
+def test_a_refused_launch_fails_with_the_providers_reason():
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    provider.fail_with = "InsufficientInstanceCapacity in zone a"
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    assert launch.state == LaunchState.FAILED and "InsufficientInstanceCapacity" in launch.reason
+    assert AuditEvent.objects.filter(action="node_launch.fail", target_id=str(launch.pk)).exists()
+
+
+@pytest.mark.django_db
+def test_min_and_warm_nodes_are_launched_without_demand_and_kept():
+    pool, provider = make_pool(min_nodes=1, warm_nodes=1, idle_timeout_s=1), RecordingProvider()
+    assert tick(provider) == 2
+    for launch in NodeLaunch.objects.filter(pool=pool):
+        join(launch)
+    later = timezone.now() + timedelta(hours=1)
+    assert tick(provider, now=later) == 0
+    assert provider.terminated == []
+    assert NodeLaunch.objects.filter(pool=pool, state=LaunchState.JOINED).count() == 2
+
+
+@pytest.mark.django_db
+def test_a_launch_that_never_joins_is_terminated_at_its_deadline_and_replaced_in_another_zone():
+    pool, provider = make_pool(join_deadline_s=30), RecordingProvider(zones=["zone-a", "zone-b"])
+    endpoint = waiting_endpoint()
+    tick(provider)
+    first = NodeLaunch.objects.get(pool=pool)
+    assert first.zone == "zone-a"
+    tick(provider, now=timezone.now() + timedelta(seconds=31))
+    first.refresh_from_db()
+    assert first.state == LaunchState.FAILED and first.reason == "did not join within 30 s"
+    assert provider.terminated == [first.provider_id]
+    assert first.join_token.revoked_at is not None
+    replacement = NodeLaunch.objects.exclude(pk=first.pk).get(pool=pool)
+    assert replacement.zone == "zone-b" and replacement.state == LaunchState.LAUNCHING
+    message = EndpointEvent.objects.filter(endpoint=endpoint, kind=EventKind.CAPACITY, message__contains="did not join").get().message
+    assert "zone zone-a did not join within 30 s" in message and "replacement" in message
+
+
+@pytest.mark.django_db
+def test_an_idle_node_is_cordoned_terminated_and_its_agent_shut_out_after_the_idle_timeout():
+    pool, provider = make_pool(idle_timeout_s=60), RecordingProvider()
+    endpoint = waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    node = join(launch)
+    tick(provider)
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(node=node)
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.idle_since is None  # busy
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.STOPPED)
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.idle_since is not None
+    tick(provider, now=timezone.now() + timedelta(seconds=30))
+    assert provider.terminated == []
+    tick(provider, now=timezone.now() + timedelta(seconds=61))
+    launch.refresh_from_db()
+    node.refresh_from_db()
+    assert launch.state == LaunchState.TERMINATED and "empty for 60 s" in launch.reason
+    assert provider.terminated == [launch.provider_id]
+    assert node.state == NodeState.OFFLINE and node.secret_digest == ""
+    actions = set(AuditEvent.objects.values_list("action", flat=True))
+    assert {"node.cordoned", "node_launch.release", "node.retire", "node_launch.terminate"} <= actions
+
+
+@pytest.mark.django_db
+def test_a_joined_node_that_died_is_terminated_and_its_launch_finished():
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    node = join(launch)
+    tick(provider)
+    Node.objects.filter(pk=node.pk).update(state=NodeState.OFFLINE, last_heartbeat_at=timezone.now() - timedelta(minutes=5))
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.TERMINATED and "stopped sending heartbeats" in launch.reason
+    assert provider.terminated == [launch.provider_id]
+
+
+@pytest.mark.django_db
+def test_a_replica_too_large_for_the_pools_machines_is_reported_and_launches_nothing():
+    pool, provider = make_pool(gpu_memory_mb=1024), RecordingProvider()
+    endpoint = waiting_endpoint()
+    assert endpoint.status_message.startswith("waiting for capacity")  # no pool can bring room
+    tick(provider)
+    assert not NodeLaunch.objects.filter(pool=pool).exists()
+    assert EndpointEvent.objects.filter(endpoint=endpoint, message__contains="no cpu machine of this pool can hold").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_placement_that_wins_the_race_keeps_the_node_from_being_released():
+    pool, provider = make_pool(idle_timeout_s=0), RecordingProvider()
+    endpoint = waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    node = join(launch)
+    pools.link_joins(pool, provider, timezone.now())
+    placed, released = threading.Event(), []
+
+    def place_and_hold():
+        try:
+            with transaction.atomic():
+                locked = Node.objects.select_for_update().get(pk=node.pk, state=NodeState.READY)  # as place_replica does
+                Replica.objects.create(endpoint=endpoint, node=locked, reserved_memory_mb=100)
+                placed.set()
+                time.sleep(0.5)  # the release waits on the row meanwhile
+        finally:
+            connection.close()
+
+    def release():
+        try:
+            placed.wait(5)
+            released.append(pool_release.cordon_for_release(pool, str(launch.pk)))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=place_and_hold), threading.Thread(target=release)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    node.refresh_from_db()
+    launch.refresh_from_db()
+    assert released == [False] and node.state == NodeState.READY and launch.state == LaunchState.JOINED
+
+
+@pytest.mark.django_db
+def test_a_provider_that_cannot_terminate_keeps_the_launch_releasing_until_it_can():
+    pool, provider = make_pool(idle_timeout_s=0), RecordingProvider()
+    tick(provider)  # no demand: nothing
+    waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    join(launch)
+    pools.link_joins(pool, provider, timezone.now())
+    failing = RecordingProvider()
+
+    def refuse(pool, provider_id):
+        raise ProviderError("API throttled")
+
+    failing.terminate = refuse
+    assert pool_release.cordon_for_release(pool, str(launch.pk))
+    pool_release.finish_releases(pool, failing, timezone.now())
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.RELEASING
+    pool_release.finish_releases(pool, provider, timezone.now())
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.TERMINATED
