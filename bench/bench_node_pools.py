@@ -367,6 +367,9 @@ def latency_stats(served: list[list]) -> dict:
         "wait_p50_s": pct(waits, 0.50), "wait_p99_s": pct(waits, 0.99),
         "cold_start_share": round(sum(1 for r in served if r[3]) / len(served), 4) if served else 0.0,
         "node_wait_share": round(sum(1 for r in served if r[4]) / len(served), 4) if served else 0.0,
+        # The price of each kind of start, for the requests that met one: a machine's boot, or a replica's only.
+        "node_wait_latency_p50_s": pct(sorted(r[2] - r[0] for r in served if r[4]), 0.50),
+        "replica_start_latency_p50_s": pct(sorted(r[2] - r[0] for r in served if r[3] and not r[4]), 0.50),
     }
 
 
@@ -391,6 +394,20 @@ def compare(traces, args, decide, Load) -> dict:
     return results
 
 
+def sweep_idle_timeouts(traces, args, decide, Load) -> dict:
+    """Node scale-to-zero with each of `--sweep-node-idle-timeouts-s`: idle node-hours against machine boots."""
+    cap = math.ceil(len(traces) * args.max_replicas / args.gpus_per_node)
+    results = {}
+    for timeout_s in parse_list(args.sweep_node_idle_timeouts_s):
+        swept = argparse.Namespace(**(vars(args) | {"node_idle_timeout_s": timeout_s}))
+        results[f"{timeout_s:g}"] = FleetSim(traces, PoolPolicy("node_scale_to_zero", 0, cap), swept, decide, Load).run()
+    return results
+
+
+def parse_list(text: str) -> list[float]:
+    return [float(value) for value in text.split(",") if value.strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hours", type=float, default=4)
@@ -408,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replica-memory-mb", type=int, default=20_000)
     parser.add_argument("--hourly-price", type=float, default=4.0, help="per node-hour (illustrative)")
     parser.add_argument("--node-idle-timeout-s", type=float, default=600, help="the pool's idle timeout (NodePool default)")
+    parser.add_argument("--sweep-node-idle-timeouts-s", default="120,600,1800",
+                        help="node scale-to-zero again with each of these idle timeouts (empty: no sweep)")
     parser.add_argument("--pool-tick-s", type=float, default=5.0, help="INFERPLANE_NODE_POOLS_TICK_S")
     parser.add_argument("--service-s", type=float, default=3.0)
     parser.add_argument("--slots", type=int, default=16)
@@ -425,21 +444,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    if args.tail_s is None:
-        args.tail_s = args.idle_timeout_s + args.node_idle_timeout_s + 120
+    if args.tail_s is None:  # every machine of every run times out before the horizon
+        longest_s = max([args.node_idle_timeout_s] + parse_list(args.sweep_node_idle_timeouts_s))
+        args.tail_s = args.idle_timeout_s + longest_s + 120
     return args
 
 
 def print_table(title: str, results: dict) -> None:
     print(f"\n{title}\n")
     print("| policy | node-hours | busy / idle node-hours | cost | idle cost | GPU use | launches | peak nodes | "
-          "latency p50 / p99 / p99.9 s | wait p99 s | requests waiting for a node | from the start: p99 s, waiting for a node | refused |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---|---:|")
+          "latency p50 / p99 / p99.9 s | wait p99 s | requests waiting for a node (their p50 s) | "
+          "from the start: p99 s, waiting for a node | refused |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|---:|")
     for name, r in results.items():
         print(f"| {name} | {r['node_hours']} | {r['busy_node_hours']} / {r['idle_node_hours']} | ${r['cost']:,.2f} | "
               f"${r['idle_cost']:,.2f} | {r['gpu_use']:.0%} | {r['num_launches']} | {r['peak_nodes']} | "
               f"{r['latency_p50_s']} / {r['latency_p99_s']} / {r['latency_p999_s']} | {r['wait_p99_s']} | "
-              f"{r['node_wait_share']:.2%} | {r['from_start']['latency_p99_s']}, {r['from_start']['node_wait_share']:.2%} | "
+              f"{r['node_wait_share']:.2%} ({r['node_wait_latency_p50_s']}) | {r['from_start']['latency_p99_s']}, {r['from_start']['node_wait_share']:.2%} | "
               f"{r['num_refused']} |")
 
 
@@ -462,13 +483,15 @@ def main() -> int:
     sparse = sorted(range(len(traces)), key=lambda index: (len(traces[index]), index))[: args.sparse_endpoints]
     fleets = {"all": list(range(len(traces))), "sparse": sorted(sparse)}
     results = {name: compare([traces[i] for i in members], args, decide, Load) for name, members in fleets.items()}
+    sweeps = {name: sweep_idle_timeouts([traces[i] for i in members], args, decide, Load) for name, members in fleets.items()}
     document = {
         "benchmark": "node_pools",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.platform(), "num_cpus": os.cpu_count(),
         "parameters": vars(args),
         "fleets": {name: {"endpoints": members, "num_requests": sum(len(traces[i]) for i in members),
-                          "policies": results[name]} for name, members in fleets.items()},
+                          "policies": results[name], "node_idle_timeout_sweep": sweeps[name]}
+                   for name, members in fleets.items()},
         "horizon_h": round((args.hours * 3600 + args.tail_s) / 3600, 3),
         "simulation_wall_s": round(time.perf_counter() - started, 2),
     }
@@ -483,6 +506,14 @@ def main() -> int:
     for name, members in fleets.items():
         num_requests = document["fleets"][name]["num_requests"]
         print_table(f"Fleet '{name}': {len(members)} endpoints, {num_requests:,} requests", results[name])
+        if sweeps[name]:
+            print(f"\nNode scale-to-zero, fleet '{name}', by the pool's idle timeout:\n")
+            print("| node idle timeout | node-hours | idle node-hours | cost | launches | latency p99 s | waiting for a node | "
+                  "their latency p50 s |")
+            print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+            for timeout, r in sweeps[name].items():
+                print(f"| {timeout} s | {r['node_hours']} | {r['idle_node_hours']} | ${r['cost']:,.2f} | {r['num_launches']} | "
+                      f"{r['latency_p99_s']} | {r['node_wait_share']:.2%} | {r['node_wait_latency_p50_s']} |")
     print(f"\nsimulated in {document['simulation_wall_s']} s; wrote {output}")
     return 0
 
