@@ -30,8 +30,8 @@ policy ramps up from its floor at once (node scale-to-zero from no machine at al
 fleet in service meets once, not every few hours; that first ramp is reported apart (`from_start`). Policies (the same trace, the same pool maximum): the fleet sized
 for every endpoint at its maximum (what a person provisions without data), an always-on fleet sized
 for this trace's observed peak (in hindsight), node scale-to-zero (min 0, warm 0), a warm node (min 0,
-warm 1) and one node always on (min 1). Two fleets: all endpoints, and the least-called few (sparse
-traffic). Not modelled: launches that fail or never join, spot reclaims, the agent's own restarts.
+warm 1) and one node always on (min 1); then node scale-to-zero again for each node idle timeout of
+`--sweep-node-idle-timeouts-s`. Two fleets: all endpoints, and the least-called few (sparse traffic). Not modelled: launches that fail or never join, spot reclaims, the agent's own restarts.
 
     .venv/bin/python bench/bench_node_pools.py [--hours 4] [--endpoints 20] [--seed 7] [--provision-s 90]
 

@@ -79,3 +79,12 @@ def test_a_warm_node_spares_requests_the_wait_for_a_machine_and_is_kept_at_the_e
     assert warm["wait_p99_s"] < cold["wait_p99_s"]
     assert warm["num_nodes_at_end"] == 1
     assert results["min_one"]["num_nodes_at_end"] == 1
+
+
+def test_a_shorter_node_idle_timeout_pays_for_fewer_idle_node_hours_and_boots_more_machines():
+    args = bench.parse_args(TINY + ["--sweep-node-idle-timeouts-s", "30,300"])
+    swept = bench.sweep_idle_timeouts(tiny_traces(), args, decide, Load)
+    short, long = swept["30"], swept["300"]
+    assert short["idle_node_hours"] < long["idle_node_hours"]
+    assert short["num_launches"] >= long["num_launches"]
+    assert short["num_nodes_at_end"] == long["num_nodes_at_end"] == 0  # the tail outlasts the longest timeout
