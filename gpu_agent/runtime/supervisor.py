@@ -4,7 +4,7 @@ One `ManagedReplica` per replica. `poll()` advances every replica one step and
 never blocks for long: launch, health check (STARTING -> READY), metrics scrape,
 restart after a crash with exponential backoff, FAILED after too many crashes,
 drain (DRAINING -> SIGTERM -> SIGKILL -> STOPPED). The monitor thread calls
-`poll()` about once a second, ten times a second while an engine starts or drains.
+`poll()` about once a second, ten times a second while an engine starts or is being stopped.
 
 Scale to zero is on the clock (issue #17: zero replicas within the idle timeout + 5 s), so a drain
 acts at once (`drain` wakes the monitor), an idle engine is stopped without a drain wait: SIGTERM
@@ -22,7 +22,7 @@ engines.
 
 This module is the orchestration; each replica's states and transitions are in
 `replica_state.py`, process control in `process.py`, the health check and metrics
-in `probes.py`. It stays one module (about 430 lines) because every method below
+in `probes.py`. It stays one module (about 480 lines) because every method below
 works under the one lock over the replicas: split, the lock would be shared across files.
 
 With `standby=True, zygote=True` that process is a fork server instead (`zygote.py`): each replica
@@ -206,7 +206,7 @@ class Supervisor:
     # -- the loop -------------------------------------------------------------------
 
     def start_monitor(self, interval_s: float = 1.0, starting_interval_s: float = 0.1) -> None:
-        """Poll every `interval_s`, and every `starting_interval_s` while an engine starts or drains:
+        """Poll every `interval_s`, and every `starting_interval_s` while an engine starts or stops:
         the health check that turns STARTING into READY is on a cold request's path, and the exit
         that turns DRAINING into STOPPED on scale to zero's."""
         if self._monitor is not None:
@@ -231,7 +231,9 @@ class Supervisor:
             # A launch that is due counts too: the next poll starts it, so it should come soon.
             return any(
                 (replica.state == ReplicaState.STARTING and (replica.pid is not None or replica.launch_at))
-                or (replica.state == ReplicaState.DRAINING and replica.pid is not None)
+                # Signalled and about to exit: its STOPPED is on scale to zero's path. NOTE: not a drain
+                # still waiting for requests in flight, which would be scraped ten times a second.
+                or (replica.state == ReplicaState.DRAINING and replica.pid is not None and replica.kill_deadline_at)
                 for replica in self._replicas.values()
             )
 
