@@ -35,8 +35,9 @@ SCALE_TO_ZERO_SLACK_S = 5
 # at most this long after the scale-down decision. NOTE: the agent hears the drain at once (watch), sends
 # SIGTERM to an idle engine without a drain wait and SIGKILL after `SupervisorPolicy.idle_stop_grace_s`
 # (1 s), and reports STOPPED as soon as the exit is seen. Measured 0.7 to 1.2 s at load ~6 on this 2-core
-# machine (README "Scale-to-zero precision"): about 1 s is bounded by the grace, the rest is three local
-# round trips (watch, heartbeat, report) that took up to ~0.5 s each at load ~30. So 4 s, not 1.5.
+# machine (README "Scale-to-zero precision"): about 1 s is capped by the grace, the rest is three local
+# round trips (watch, heartbeat, report), and decision -> agent draining alone took 0.4 s at load ~30.
+# So 4 s, not 1.5: loose enough for a loaded machine, far below the old SIGTERM -> SIGKILL of 15 s.
 DECISION_TO_STOPPED_BOUND_S = 4
 STOPPED_LINE = re.compile(r"^(\S+ \S+) INFO gpu_agent\.runtime\.supervisor: replica (\S+) STOPPED: (.*)$", re.MULTILINE)
 
