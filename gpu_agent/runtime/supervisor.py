@@ -9,7 +9,7 @@ drain (DRAINING -> SIGTERM -> SIGKILL -> STOPPED). The monitor thread calls
 Scale to zero is on the clock (issue #17: zero replicas within the idle timeout + 5 s), so a drain
 acts at once (`drain` wakes the monitor), an idle engine is stopped without a drain wait: SIGTERM
 to its process group, SIGKILL after `idle_stop_grace_s` (nothing is in flight, so a graceful
-shutdown of vLLM's server and EngineCore saves nothing and took seconds on a loaded machine), and
+shutdown of vLLM's server and EngineCore saves nothing and took seconds at load ~30), and
 its STOPPED is reported as soon as the process is gone (`on_stopped` wakes the agent's heartbeat).
 
 NOTE: every engine is started from the monitor thread (or the thread calling
@@ -77,8 +77,9 @@ class SupervisorPolicy:
     startup_timeout_s: float = 900.0  # STARTING longer than this counts as a crash
     stop_timeout_s: float = 15.0  # SIGTERM -> SIGKILL, for an engine stopped with requests in flight
     # SIGTERM -> SIGKILL for a draining engine with nothing in flight (scale to zero): it serves nobody,
-    # so its graceful shutdown is a courtesy, cut short. NOTE: measured on the tiny CPU model at load ~2,
-    # vLLM's own shutdown (server, then EngineCore) takes about 1 to 3 s; see README "Scale-to-zero precision".
+    # so its graceful shutdown is a courtesy, cut short. NOTE: on the tiny CPU model vLLM's own shutdown
+    # (server, then EngineCore) took 0.45 to 0.91 s at load ~6, seconds at load ~30 (README "Scale-to-zero
+    # precision"); SIGKILL leaves no process behind either (the group, then strays by marker).
     idle_stop_grace_s: float = 1.0
     health_timeout_s: float = 2.0
     kill_children_on_agent_death: bool = True  # PR_SET_PDEATHSIG on Linux
