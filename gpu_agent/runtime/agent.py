@@ -62,8 +62,9 @@ class Agent:
         policy = dataclasses.replace(
             policy or SupervisorPolicy(), kill_children_on_agent_death=not config.keep_engines_on_exit
         )
-        # Set when a replica turns READY: report it now rather than at the next interval,
-        # since a cold request is held until the control plane hears of it.
+        # Set when a replica turns READY or a drained one STOPPED: report it now rather than at the next
+        # interval, since a cold request is held until the control plane hears of READY, and scale to
+        # zero (and the GPU-seconds counted) lasts until it hears of STOPPED.
         self._wake = threading.Event()
         self.supervisor = Supervisor(
             config.data_dir,
@@ -74,6 +75,7 @@ class Agent:
             zygote=config.zygote,
             engine_ports=config.engine_ports,
             on_ready=lambda _replica_id: self._wake.set(),
+            on_stopped=lambda _replica_id: self._wake.set(),
         )
         self.weights = WeightsCache(
             config.data_dir / "weights",

@@ -40,6 +40,10 @@ class ManagedReplica:
     ready_at: float | None = None
     drain_deadline_at: float | None = None
     kill_deadline_at: float | None = None  # set once SIGTERM was sent
+    # The drain's clock (monotonic), logged at STOPPED: where scale to zero's seconds went.
+    draining_since: float = 0.0
+    terminated_at: float | None = None  # SIGTERM sent
+    killed: bool = False  # SIGKILL sent because the engine outlived its grace
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     metrics_scraped_at: float | None = None
     tokens_per_s: float = 0.0
@@ -110,15 +114,23 @@ class ManagedReplica:
         self.progress = ""
         self.engine_memory = engine_memory
 
-    def started_draining(self, deadline_at: float) -> None:
+    def started_draining(self, now: float, timeout_s: float) -> None:
         self.set_state(ReplicaState.DRAINING)
-        self.drain_deadline_at = deadline_at
+        self.draining_since = now
+        self.drain_deadline_at = now + timeout_s
+
+    def terminated(self, now: float, grace_s: float) -> None:
+        """SIGTERM was sent; SIGKILL follows after `grace_s` if the engine is still there."""
+        self.terminated_at = now
+        self.kill_deadline_at = now + grace_s
 
     def exited(self) -> None:
         """Its engine is gone (the supervisor reaped what it left)."""
         self.pid = None
         self.process = None
         self.kill_deadline_at = None
+        self.terminated_at = None
+        self.killed = False
 
     def crashed(self, exit_code: int) -> str:
         """Count a crash of its engine; returns the reason to report."""

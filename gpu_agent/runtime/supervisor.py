@@ -4,7 +4,13 @@ One `ManagedReplica` per replica. `poll()` advances every replica one step and
 never blocks for long: launch, health check (STARTING -> READY), metrics scrape,
 restart after a crash with exponential backoff, FAILED after too many crashes,
 drain (DRAINING -> SIGTERM -> SIGKILL -> STOPPED). The monitor thread calls
-`poll()` about once a second.
+`poll()` about once a second, ten times a second while an engine starts or is being stopped.
+
+Scale to zero is on the clock (issue #17: zero replicas within the idle timeout + 5 s), so a drain
+acts at once (`drain` wakes the monitor), an idle engine is stopped without a drain wait: SIGTERM
+to its process group, SIGKILL after `idle_stop_grace_s` (nothing is in flight, so a graceful
+shutdown of vLLM's server and EngineCore saves nothing and took seconds at load ~30), and
+its STOPPED is reported as soon as the process is gone (`on_stopped` wakes the agent's heartbeat).
 
 NOTE: every engine is started from the monitor thread (or the thread calling
 `poll()`), never from a short-lived worker thread: PR_SET_PDEATHSIG fires when the
@@ -16,7 +22,7 @@ engines.
 
 This module is the orchestration; each replica's states and transitions are in
 `replica_state.py`, process control in `process.py`, the health check and metrics
-in `probes.py`. It stays one module (about 430 lines) because every method below
+in `probes.py`. It stays one module (about 480 lines) because every method below
 works under the one lock over the replicas: split, the lock would be shared across files.
 
 With `standby=True, zygote=True` that process is a fork server instead (`zygote.py`): each replica
@@ -69,7 +75,12 @@ class SupervisorPolicy:
     max_restart_backoff_s: float = 60.0
     stable_after_s: float = 120.0  # READY this long resets the crash count
     startup_timeout_s: float = 900.0  # STARTING longer than this counts as a crash
-    stop_timeout_s: float = 15.0  # SIGTERM -> SIGKILL
+    stop_timeout_s: float = 15.0  # SIGTERM -> SIGKILL, for an engine stopped with requests in flight
+    # SIGTERM -> SIGKILL for a draining engine with nothing in flight (scale to zero): it serves nobody,
+    # so its graceful shutdown is a courtesy, cut short. NOTE: on the tiny CPU model vLLM's own shutdown
+    # (server, then EngineCore) took 0.45 to 0.91 s at load ~6, seconds at load ~30 (README "Scale-to-zero
+    # precision"); SIGKILL leaves no process behind either (the group, then strays by marker).
+    idle_stop_grace_s: float = 1.0
     health_timeout_s: float = 2.0
     kill_children_on_agent_death: bool = True  # PR_SET_PDEATHSIG on Linux
     num_log_lines_in_reason: int = 20
@@ -97,6 +108,7 @@ class Supervisor:
         standby: bool = False,
         zygote: bool = False,
         on_ready: Callable[[str], None] | None = None,
+        on_stopped: Callable[[str], None] | None = None,
         engine_ports: tuple[int, int] = (DEFAULT_ENGINE_PORT_MIN, DEFAULT_ENGINE_PORT_MAX),
     ) -> None:
         # NOTE: absolute, because engines carry it as a marker the next agent matches on.
@@ -108,6 +120,7 @@ class Supervisor:
         self.policy = policy or SupervisorPolicy()
         self.command_factory = command_factory or self._default_command
         self.on_ready = on_ready  # called with the replica id when an engine turns READY
+        self.on_stopped = on_stopped  # called with the replica id when a drained engine is gone (STOPPED)
         # Engines listen only inside the range this node registered (the control plane checks it).
         self.engine_ports = engine_ports
         self._replicas: dict[str, ManagedReplica] = {}
@@ -155,7 +168,8 @@ class Supervisor:
                 replica.stopped()
                 return
             timeout = replica.spec.drain_timeout_s if timeout_s is None else timeout_s
-            replica.started_draining(time.monotonic() + timeout)
+            replica.started_draining(time.monotonic(), timeout)
+        self._poke.set()  # the monitor acts now, not at its next tick: scale to zero waits on this
 
     def forget(self, replica_id: str) -> None:
         """Drop a terminal replica from reports."""
@@ -193,14 +207,15 @@ class Supervisor:
     # -- the loop -------------------------------------------------------------------
 
     def start_monitor(self, interval_s: float = 1.0, starting_interval_s: float = 0.1) -> None:
-        """Poll every `interval_s`, and every `starting_interval_s` while an engine starts:
-        the health check that turns STARTING into READY is on a cold request's path."""
+        """Poll every `interval_s`, and every `starting_interval_s` while an engine starts or stops:
+        the health check that turns STARTING into READY is on a cold request's path, and the exit
+        that turns DRAINING into STOPPED on scale to zero's."""
         if self._monitor is not None:
             return
 
         def loop() -> None:
             while not self._stop_monitor.is_set():
-                self._poke.wait(starting_interval_s if self._any_engine_starting() else interval_s)
+                self._poke.wait(starting_interval_s if self._any_engine_changing() else interval_s)
                 self._poke.clear()
                 if self._stop_monitor.is_set():
                     return
@@ -212,11 +227,14 @@ class Supervisor:
         self._monitor = threading.Thread(target=loop, name="supervisor", daemon=True)
         self._monitor.start()
 
-    def _any_engine_starting(self) -> bool:
+    def _any_engine_changing(self) -> bool:
         with self._lock:
             # A launch that is due counts too: the next poll starts it, so it should come soon.
             return any(
-                replica.state == ReplicaState.STARTING and (replica.pid is not None or replica.launch_at)
+                (replica.state == ReplicaState.STARTING and (replica.pid is not None or replica.launch_at))
+                # Signalled and about to exit: its STOPPED is on scale to zero's path. NOTE: not a drain
+                # still waiting for requests in flight, which would be scraped ten times a second.
+                or (replica.state == ReplicaState.DRAINING and replica.pid is not None and replica.kill_deadline_at)
                 for replica in self._replicas.values()
             )
 
@@ -289,10 +307,21 @@ class Supervisor:
                 scraped = self._scrape(replica)
                 idle = scraped and replica.metrics.num_running == 0 and replica.metrics.num_waiting == 0
                 if idle or now >= (replica.drain_deadline_at or now):
+                    grace_s = self.policy.idle_stop_grace_s if idle else self.policy.stop_timeout_s
                     self._kill_group(replica, signal.SIGTERM)
-                    replica.kill_deadline_at = now + self.policy.stop_timeout_s
+                    replica.terminated(now, grace_s)
+                    logger.info(
+                        "replica %s: %s, SIGTERM %.2fs after the drain began (SIGKILL in %.1fs)",
+                        replica.spec.replica_id, "idle" if idle else "drain timeout",
+                        now - replica.draining_since, grace_s,
+                    )  # fmt: skip
             elif now >= replica.kill_deadline_at:
                 self._kill_group(replica, signal.SIGKILL)
+                replica.killed = True
+                logger.info(
+                    "replica %s: still running %.1fs after SIGTERM, SIGKILL",
+                    replica.spec.replica_id, now - replica.terminated_at,
+                )  # fmt: skip
 
     def _launch(self, replica: ManagedReplica) -> None:
         spec = replica.spec
@@ -333,13 +362,23 @@ class Supervisor:
         self._save_state()
 
     def _on_exit(self, replica: ManagedReplica, exit_code: int) -> None:
+        now = time.monotonic()
         self._kill_group(replica, signal.SIGKILL)  # reap workers the engine left behind
-        replica.exited()
         if replica.state == ReplicaState.DRAINING:
+            logger.info(
+                "replica %s STOPPED: drain began %.2fs ago, SIGTERM %s, exit seen %.2fs after it (%s, code %s)",
+                replica.spec.replica_id, now - replica.draining_since,
+                f"{replica.terminated_at - replica.draining_since:.2f}s after it" if replica.terminated_at else "never sent",
+                now - (replica.terminated_at or replica.draining_since),
+                "killed" if replica.killed else "its own exit", exit_code,
+            )  # fmt: skip
+            replica.exited()
             replica.stopped()
-            logger.info("replica %s STOPPED", replica.spec.replica_id)
             self._save_state()
+            if self.on_stopped is not None:
+                self.on_stopped(replica.spec.replica_id)
             return
+        replica.exited()
         reason = replica.crashed(exit_code)
         if replica.num_consecutive_crashes >= self.policy.max_consecutive_crashes:
             log_tail = process.log_tail(replica.log_path, self.policy.num_log_lines_in_reason)

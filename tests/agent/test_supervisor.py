@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -104,6 +105,31 @@ def test_drain_timeout_and_ignored_sigterm_end_in_sigkill(make_supervisor, tmp_p
     supervisor.drain("r-stubborn", timeout_s=0.5)
     wait_until(lambda: state_of(supervisor, "r-stubborn") == ReplicaState.STOPPED, 15, poll=supervisor.poll)
     assert processes_with_marker("r-stubborn") == []
+
+
+def test_an_idle_draining_engine_is_killed_after_the_short_grace_and_its_stop_reported_at_once(tmp_path):
+    # Scale to zero: nothing in flight, so no drain wait and no 30 s SIGTERM timeout; the monitor acts on
+    # the drain without waiting for its tick, and the agent hears STOPPED the moment the engine is gone.
+    running_file = tmp_path / "running"
+    running_file.write_text("0")
+    policy = SupervisorPolicy(stop_timeout_s=30.0, idle_stop_grace_s=0.5)
+    stopped = []
+    supervisor = Supervisor(
+        tmp_path / "agent", command_factory=fake_engine_factory("--running-file", str(running_file), "--ignore-sigterm"),
+        policy=policy, on_stopped=stopped.append,
+    )  # fmt: skip
+    try:
+        supervisor.start(make_spec("r-idle"), "/models/x")
+        supervisor.start_monitor(interval_s=5.0)  # a slow tick: only the drain's own wake-up can be fast
+        wait_until(lambda: state_of(supervisor, "r-idle") == ReplicaState.READY, 10)
+        drained_at = time.monotonic()
+        supervisor.drain("r-idle", timeout_s=120)
+        wait_until(lambda: stopped == ["r-idle"], 10)
+        assert time.monotonic() - drained_at < 3, "SIGKILL after the grace, not after the drain or stop timeouts"
+        assert state_of(supervisor, "r-idle") == ReplicaState.STOPPED
+        assert processes_with_marker("r-idle") == []
+    finally:
+        supervisor.shutdown(timeout_s=1)
 
 
 def test_new_supervisor_adopts_healthy_desired_and_kills_the_rest(make_supervisor, tmp_path):
