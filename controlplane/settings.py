@@ -288,7 +288,7 @@ EC2_ENDPOINT_URL = env_str("INFERPLANE_EC2_ENDPOINT_URL")  # unset: AWS itself (
 # server of the pod's service account (or this URL), running this image (any image that only sleeps).
 K8S_PLACEHOLDER_NAMESPACE = env_str("INFERPLANE_K8S_PLACEHOLDER_NAMESPACE", "")
 K8S_API_URL = env_str("INFERPLANE_K8S_API_URL", "")
-K8S_PLACEHOLDER_IMAGE = env_str("INFERPLANE_K8S_PLACEHOLDER_IMAGE", "registry.k8s.io/pause:3.10")
+K8S_PLACEHOLDER_IMAGE = env_str("INFERPLANE_K8S_PLACEHOLDER_IMAGE", "inferplane/agent")
 CELERY_BEAT_SCHEDULE = {
     "ping-scheduler": {"task": "controlplane.ping", "schedule": 60.0},
     "billing-rollup-usage": {"task": "billing.rollup_usage", "schedule": 60.0},

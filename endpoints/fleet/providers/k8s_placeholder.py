@@ -2,7 +2,8 @@
 
 One pod per machine, asking for the pool's GPUs on its node selector: the scheduler finds no room,
 so the cluster autoscaler or Karpenter adds a node that fits it, and the agent DaemonSet starts on
-that node. The pod itself only sleeps (a pause image), as cheaply as a pod can.
+that node. The pod itself only sleeps (`sleep infinity`; by default in the agent's image, which every
+pool node pulls anyway), as cheaply as a pod can.
 
 NOTE: two placeholders of one pool never share a node (required anti-affinity on the pool label): a
 launch is a machine. Autoscaler and Karpenter annotations forbid evicting it to consolidate nodes:
@@ -81,6 +82,7 @@ def placeholder_pod(pool: PoolSpec, spec: LaunchSpec, *, namespace: str, image: 
             "containers": [{
                 "name": "placeholder",
                 "image": image,
+                "command": ["sleep", "infinity"],
                 "resources": {
                     "requests": {"cpu": "1m", "memory": "8Mi", **gpus},
                     "limits": {"cpu": "10m", "memory": "16Mi", **gpus},
