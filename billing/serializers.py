@@ -23,10 +23,12 @@ def format_money(amount: Decimal) -> str:
     return f"{whole}.{fraction.ljust(2, '0')}"
 
 
-class UsageQuerySerializer(serializers.Serializer):
-    """`?group_by=endpoint|day|key&start=YYYY-MM-DD&end=YYYY-MM-DD` (inclusive, UTC; default: this month)."""
+class DatePeriodSerializer(serializers.Serializer):
+    """`?start=YYYY-MM-DD&end=YYYY-MM-DD` (inclusive, UTC; default: this month), at most
+    `max_days_apart` days from start to end: the one reading of a report's period."""
 
-    group_by = serializers.ChoiceField(choices=GROUPINGS, default="endpoint")
+    max_days_apart = MAX_USAGE_RANGE.days
+
     start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
     end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
 
@@ -36,9 +38,15 @@ class UsageQuerySerializer(serializers.Serializer):
         data.setdefault("start", min(today.replace(day=1), data["end"]))
         if data["start"] > data["end"]:
             raise serializers.ValidationError({"start": ["Must be on or before end."]})
-        if data["end"] - data["start"] > MAX_USAGE_RANGE:
-            raise serializers.ValidationError({"start": ["The range may span at most 366 days."]})
+        if (data["end"] - data["start"]).days > self.max_days_apart:
+            raise serializers.ValidationError({"start": [f"The range may span at most {MAX_USAGE_RANGE.days} days."]})
         return data
+
+
+class UsageQuerySerializer(DatePeriodSerializer):
+    """`?group_by=endpoint|day|key&start=YYYY-MM-DD&end=YYYY-MM-DD` (inclusive, UTC; default: this month)."""
+
+    group_by = serializers.ChoiceField(choices=GROUPINGS, default="endpoint")
 
 
 class SpendCapSerializer(StrictModelSerializer):

@@ -6,12 +6,12 @@ Rules live in `endpoints.fleet.pool_services`; this module shapes and parses.
 
 from __future__ import annotations
 
-from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import mixins, serializers, viewsets
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.permissions import BasePermission
 
+from billing.serializers import DatePeriodSerializer
 from controlplane.accounts.models import ApiKey, Scope
 from controlplane.accounts.serializers import StrictModelSerializer
 from controlplane.accounts.services import Actor
@@ -38,21 +38,10 @@ class IsStaff(BasePermission):
         return not isinstance(request.auth, ApiKey) or request.auth.has_scope(Scope.MANAGE)
 
 
-class PoolPeriodSerializer(serializers.Serializer):
+class PoolPeriodSerializer(DatePeriodSerializer):
     """`?start=YYYY-MM-DD&end=YYYY-MM-DD` (inclusive, UTC; default: this month) for the usage figures."""
 
-    start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
-    end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
-
-    def validate(self, data):
-        today = timezone.now().date()
-        data.setdefault("end", today)
-        data.setdefault("start", min(today.replace(day=1), data["end"]))
-        if data["start"] > data["end"]:
-            raise serializers.ValidationError({"start": ["Must be on or before end."]})
-        if (data["end"] - data["start"]).days >= MAX_PERIOD_DAYS:
-            raise serializers.ValidationError({"start": [f"The range may span at most {MAX_PERIOD_DAYS} days."]})
-        return data
+    max_days_apart = MAX_PERIOD_DAYS - 1  # at most MAX_PERIOD_DAYS days, counting both ends
 
     @property
     def period(self) -> Period:
