@@ -38,6 +38,9 @@ class ReplicaState(str, enum.Enum):  # noqa: UP042 - str() and format() of membe
     STARTING = "STARTING"  # agent launched the engine; weights loading or engine warming up
     READY = "READY"  # health check passed; serves requests
     DRAINING = "DRAINING"  # no new requests; in-flight ones finish
+    # GPU nodes with sleep mode only: the engine process lives on, its weights offloaded to host memory and
+    # its KV cache freed (vLLM sleep level 1); takes no requests until woken (`ReplicaAction.RUN` again).
+    SLEEPING = "SLEEPING"
     STOPPED = "STOPPED"
     FAILED = "FAILED"
 
@@ -82,6 +85,7 @@ def task_of_architecture(architecture: str) -> ModelTask:
 class ReplicaAction(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
     RUN = "RUN"
     DRAIN = "DRAIN"  # stop taking requests, let in-flight ones finish, then stop
+    SLEEP = "SLEEP"  # an engine started with `sleep_mode` sleeps (`/sleep`) and keeps its process; RUN wakes it
 
 
 def _coerce(tp: Any, value: Any) -> Any:
@@ -446,6 +450,9 @@ class ReplicaSpec(Message):
     served_model_name: str
     model_source: str  # "hf:org/name[@revision]", "s3://bucket/prefix" or an absolute local path
     action: ReplicaAction = ReplicaAction.RUN
+    # The engine starts with vLLM's sleep mode (`gpu_agent.runtime.sleep_mode.sleep_mode_flags`; CUDA only),
+    # so that an idle replica can sleep instead of stopping.
+    sleep_mode: bool = False
     quantization: str = "none"  # the endpoint's value; the agent maps it to engine flags per device
     dtype: str = "auto"
     # None: the model's own context length (the engine gets no --max-model-len).

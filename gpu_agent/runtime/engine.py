@@ -21,6 +21,7 @@ from pathlib import Path
 from gpu_agent.protocol import ModelTask, ReplicaSpec
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.model_info import model_task
+from gpu_agent.runtime.sleep_mode import sleep_mode_flags
 from gpu_agent.runtime.speculative import speculative_args
 
 DEVICE_CPU = "cpu"
@@ -257,6 +258,9 @@ def build_engine_command(
     else:
         argv += cuda_placement_args(spec)
         env.update(cuda_placement_env(spec))
+        sleep_args, sleep_env = sleep_mode_flags(spec.sleep_mode)  # NOTE: CUDA only: vLLM's sleep needs CuMemAllocator
+        argv += sleep_args
+        env.update(sleep_env)
     return EngineCommand(argv=argv, env=env, host=host, port=port, advertise_host=advertise_host)
 
 

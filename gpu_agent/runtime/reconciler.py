@@ -1,7 +1,7 @@
 """Applying the control plane's desired replicas to this node: fetch, start, drain, forget.
 
-Each heartbeat's answer lists the replicas the node should run (`ReplicaSpec`, with a RUN or DRAIN
-action). A new one first has its weights fetched on its own thread (`_Pull`, reported as STARTING
+Each heartbeat's answer lists the replicas the node should run (`ReplicaSpec`, with a RUN, SLEEP or
+DRAIN action; SLEEP puts a READY engine to sleep, RUN wakes a sleeping one, `Supervisor.sleep`/`wake`). A new one first has its weights fetched on its own thread (`_Pull`, reported as STARTING
 with the download's progress), is checked against what the model's config allows, and is then
 handed to the supervisor without the source's credentials. A replica no longer wanted is drained;
 a finished one is forgotten, and its weights unpinned, once the control plane has seen its final
@@ -84,7 +84,12 @@ class Reconciler:
                 self.supervisor.refresh_secrets(spec)
                 replica = self.supervisor.get(spec.replica_id)
                 if replica is not None and replica.state == ReplicaState.READY:
-                    self.adapters.sync(spec, replica.address, replica.num_restarts)
+                    if spec.action == ReplicaAction.SLEEP:
+                        self.supervisor.sleep(spec.replica_id)
+                    else:
+                        self.adapters.sync(spec, replica.address, replica.num_restarts)
+                elif replica is not None and replica.state == ReplicaState.SLEEPING and spec.action == ReplicaAction.RUN:
+                    self.supervisor.wake(spec.replica_id)
         for replica_id in known | pulling:
             spec = desired_by_id.get(replica_id)
             if spec is None or spec.action == ReplicaAction.DRAIN:

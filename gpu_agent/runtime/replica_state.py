@@ -1,7 +1,10 @@
 """One supervised replica: what the agent knows of it, the states it moves through, what it reports.
 
     STARTING --healthy--> READY --drain--> DRAINING --exit--> STOPPED
-       ^  |                 |
+       ^  |                 |  ^
+       |  |            sleep|  |wake (a failed wake: STARTING, a restart)
+       |  |                 v  |
+       |  |               SLEEPING --drain--> DRAINING (GPU engines with sleep mode only)
        |  +--crash----------+--> STARTING again after a backoff, FAILED after too many in a row
 
 Each method here is one transition and touches only this object; the supervisor
@@ -52,6 +55,7 @@ class ManagedReplica:
     engine_memory: EngineMemory | None = None  # what the running engine's log says it allocated
     download_s: float | None = None  # how long its weights took to fetch (the reconciler's pull)
     engine_start_s: float | None = None  # launch to READY, of the engine that first got READY
+    sleep_call: str = ""  # "sleep" or "wake" while that call to the engine is in flight (its own thread)
 
     def set_state(self, state: ReplicaState) -> None:
         if state != self.state or not self.state_history:
@@ -71,7 +75,7 @@ class ManagedReplica:
         return ReplicaStatus(
             replica_id=self.spec.replica_id,
             state=self.state,
-            address=self.address if self.state in (ReplicaState.READY, ReplicaState.DRAINING) else "",
+            address=self.address if self.state in (ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.SLEEPING) else "",
             pid=self.pid if alive else None,
             num_running=self.metrics.num_running if alive else 0,
             num_waiting=self.metrics.num_waiting if alive else 0,
@@ -113,6 +117,17 @@ class ManagedReplica:
             self.engine_start_s = round(max(now - self.started_at, 0.0), 3)
         self.progress = ""
         self.engine_memory = engine_memory
+
+    def fell_asleep(self) -> None:
+        """Its engine answered `/sleep`: weights in host memory, KV cache freed, no requests taken."""
+        self.set_state(ReplicaState.SLEEPING)
+        self.metrics = EngineMetrics()
+        self.metrics_scraped_at = None
+
+    def woke(self, now: float) -> None:
+        """Its engine answered `/wake_up`: READY again, the same process."""
+        self.set_state(ReplicaState.READY)
+        self.ready_at = now
 
     def started_draining(self, now: float, timeout_s: float) -> None:
         self.set_state(ReplicaState.DRAINING)

@@ -12,6 +12,14 @@ to its process group, SIGKILL after `idle_stop_grace_s` (nothing is in flight, s
 shutdown of vLLM's server and EngineCore saves nothing and took seconds at load ~30), and
 its STOPPED is reported as soon as the process is gone (`on_stopped` wakes the agent's heartbeat).
 
+Sleep mode (GPU engines started with `spec.sleep_mode`, issue #17): `sleep` asks a READY engine to
+sleep (`/sleep?level=1`) and keeps its process (SLEEPING); `wake` asks it back (`/wake_up`, READY).
+Each call runs on its own short thread, never under the lock nor on the monitor, since a sleep
+offloads the weights to host memory (seconds on a big model). A replica that cannot sleep (a CPU
+node, an engine without sleep mode, a refused call) drains and stops as before, with the reason in
+its report; a failed wake kills the engine and starts it again at once (a restart, its reason
+reported like a crash's).
+
 NOTE: every engine is started from the monitor thread (or the thread calling
 `poll()`), never from a short-lived worker thread: PR_SET_PDEATHSIG fires when the
 *thread* that forked the child exits, not only when the process does.
@@ -60,6 +68,7 @@ from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, En
 from gpu_agent.runtime.engine_memory import read_engine_memory
 from gpu_agent.runtime.probes import EngineProbe
 from gpu_agent.runtime.replica_state import ManagedReplica
+from gpu_agent.runtime.sleep_mode import SLEEP_LEVEL_OFFLOAD_WEIGHTS, EngineSleepClient, EngineSleepError
 from gpu_agent.runtime.standby import Standby, server_args
 from gpu_agent.runtime.zygote import Zygote
 
@@ -82,6 +91,8 @@ class SupervisorPolicy:
     # precision"); SIGKILL leaves no process behind either (the group, then strays by marker).
     idle_stop_grace_s: float = 1.0
     health_timeout_s: float = 2.0
+    # An engine's `/sleep` (weights to host memory) or `/wake_up` answered within this, or it failed.
+    sleep_call_timeout_s: float = 120.0
     kill_children_on_agent_death: bool = True  # PR_SET_PDEATHSIG on Linux
     num_log_lines_in_reason: int = 20
     # A used standby is replaced once no engine has been starting for this long.
@@ -120,7 +131,7 @@ class Supervisor:
         self.policy = policy or SupervisorPolicy()
         self.command_factory = command_factory or self._default_command
         self.on_ready = on_ready  # called with the replica id when an engine turns READY
-        self.on_stopped = on_stopped  # called with the replica id when a drained engine is gone (STOPPED)
+        self.on_stopped = on_stopped  # called with the replica id when a drained engine is gone (STOPPED) or fell asleep
         # Engines listen only inside the range this node registered (the control plane checks it).
         self.engine_ports = engine_ports
         self._replicas: dict[str, ManagedReplica] = {}
@@ -170,6 +181,88 @@ class Supervisor:
             timeout = replica.spec.drain_timeout_s if timeout_s is None else timeout_s
             replica.started_draining(time.monotonic(), timeout)
         self._poke.set()  # the monitor acts now, not at its next tick: scale to zero waits on this
+
+    def sleep(self, replica_id: str, level: int = SLEEP_LEVEL_OFFLOAD_WEIGHTS) -> None:
+        """Put a READY engine to sleep, keeping its process; one that cannot sleep drains instead."""
+        with self._lock:
+            replica = self._replicas.get(replica_id)
+            if replica is None or replica.state != ReplicaState.READY or replica.sleep_call:
+                return
+            why_not = ("a CPU engine has no sleep mode" if self.device == engine.DEVICE_CPU
+                       else "" if replica.spec.sleep_mode else "its engine was started without sleep mode")
+            if why_not:
+                replica.failure_reason = f"cannot sleep ({why_not}): stopped instead"
+                logger.info("replica %s: %s", replica_id, replica.failure_reason)
+            else:
+                replica.sleep_call = "sleep"
+        if why_not:
+            self.drain(replica_id, timeout_s=0.0)
+            return
+        threading.Thread(target=self._call_engine, args=(replica, "sleep", level), name=f"sleep-{replica_id[:8]}",
+                         daemon=True).start()
+
+    def wake(self, replica_id: str) -> None:
+        """Wake a SLEEPING engine (`/wake_up`); if that fails, kill it and start it again now."""
+        with self._lock:
+            replica = self._replicas.get(replica_id)
+            if replica is None or replica.state != ReplicaState.SLEEPING or replica.sleep_call:
+                return
+            replica.sleep_call = "wake"
+        threading.Thread(target=self._call_engine, args=(replica, "wake", 0), name=f"wake-{replica_id[:8]}",
+                         daemon=True).start()
+
+    def _call_engine(self, replica: ManagedReplica, call: str, level: int) -> None:
+        started = time.monotonic()
+        client = EngineSleepClient(replica.address, replica.spec.engine_api_key, timeout_s=self.policy.sleep_call_timeout_s)
+        error = ""
+        try:
+            if call == "sleep":
+                client.sleep(level)
+            elif not client.wake_up():
+                error = "the engine did not say it is awake"
+        except EngineSleepError as exc:
+            error = str(exc)
+        finally:
+            client.close()
+        took_s = time.monotonic() - started
+        replica_id = replica.spec.replica_id
+        drain = False
+        with self._lock:
+            replica.sleep_call = ""
+            if self._replicas.get(replica_id) is not replica or replica.pid is None:
+                return  # stopped, crashed or forgotten meanwhile: its own path reports it
+            if call == "sleep" and replica.state == ReplicaState.READY:
+                if error:
+                    replica.failure_reason = f"sleep failed ({error[:300]}): stopped instead"
+                    logger.warning("replica %s: %s", replica_id, replica.failure_reason)
+                    drain = True
+                else:
+                    replica.fell_asleep()
+                    logger.info("replica %s SLEEPING after %.2fs (level %d)", replica_id, took_s, level)
+            elif call == "wake" and replica.state == ReplicaState.SLEEPING:
+                if error:
+                    reason = f"wake up failed ({error[:300]}): engine restarted"
+                    logger.warning("replica %s: %s", replica_id, reason)
+                    self._kill_group(replica, signal.SIGKILL)
+                    if replica.process is not None:
+                        try:
+                            replica.process.wait(timeout=self.policy.stop_timeout_s)
+                        except Exception:  # noqa: BLE001 - killed with SIGKILL: reaped or gone
+                            pass
+                    replica.exited()
+                    replica.restart_after_crash(reason, 0.0, time.monotonic())
+                    self._save_state()
+                else:
+                    replica.woke(time.monotonic())
+                    logger.info("replica %s woke (READY) after %.2fs", replica_id, took_s)
+            else:
+                return
+        if drain:
+            self.drain(replica_id, timeout_s=0.0)
+        self._poke.set()
+        callback = self.on_ready if call == "wake" else self.on_stopped
+        if callback is not None:  # the agent reports the change now, not at its next heartbeat
+            callback(replica_id)
 
     def forget(self, replica_id: str) -> None:
         """Drop a terminal replica from reports."""

@@ -1,7 +1,8 @@
 """A stand-in for `vllm serve` that starts in milliseconds (supervisor and agent tests).
 
 Serves /health, /metrics (running requests read from --running-file) and
-/v1/completions; like a real engine under `EngineKeyGuard`, everything but /health needs the
+/v1/completions, and with --sleep-mode vLLM's sleep routes (`/sleep?level=N`, `/wake_up`, `/is_sleeping`:
+--wake-fails answers `/wake_up` with 500, as an engine whose GPU memory was taken meanwhile); like a real engine under `EngineKeyGuard`, everything but /health needs the
 replica's key from INFERPLANE_ENGINE_API_KEY; spawns a worker child like vLLM's EngineCore so that tests see
 whether the whole process group goes away.
 """
@@ -23,10 +24,13 @@ parser.add_argument("--ready-after-s", type=float, default=0.0)
 parser.add_argument("--exit-after-s", type=float, default=None, help="crash (exit 3) after this long")
 parser.add_argument("--running-file", default="", help="file holding the number of running requests")
 parser.add_argument("--ignore-sigterm", action="store_true")
+parser.add_argument("--sleep-mode", action="store_true", help="serve /sleep, /wake_up and /is_sleeping")
+parser.add_argument("--wake-fails", action="store_true", help="/wake_up answers 500")
 parser.add_argument("--log-line", action="append", default=[], help="a line to write at start, as vLLM logs")
 args, _ = parser.parse_known_args()
 
 started_at = time.monotonic()
+sleeping_level = 0
 worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
 if args.ignore_sigterm:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -72,6 +76,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         if self.path == "/health":
             self._send(200 if ready else 503, "")
+        elif self.path == "/is_sleeping" and args.sleep_mode:
+            self._send(200, json.dumps({"is_sleeping": sleeping_level > 0}))
         elif self.path == "/metrics":
             text = (
                 f'vllm:num_requests_running{{engine="0"}} {running()}.0\n'
@@ -86,9 +92,27 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._send(404, "{}")
 
     def do_POST(self):
+        global sleeping_level
         length = int(self.headers.get("Content-Length", 0))
         self.rfile.read(length)
         if not self._authorized():
+            return
+        path, _, query = self.path.partition("?")
+        if args.sleep_mode and path == "/sleep":
+            sleeping_level = int(query.partition("level=")[2] or 1)
+            print(f"==> fake engine sleeps (level {sleeping_level})", flush=True)
+            self._send(200, json.dumps({"status": "sleeping", "level": sleeping_level}))
+            return
+        if args.sleep_mode and path == "/wake_up":
+            if args.wake_fails:
+                self._send(500, '{"error": "CUDA out of memory"}')
+                return
+            sleeping_level = 0
+            print("==> fake engine wakes", flush=True)
+            self._send(200, json.dumps({"status": "awake"}))
+            return
+        if sleeping_level:
+            self._send(503, '{"error": "sleeping"}')
             return
         body = {
             "model": args.served_model_name,

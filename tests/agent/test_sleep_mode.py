@@ -1,4 +1,4 @@
-"""vLLM sleep mode's decisions and HTTP calls (`sleep_mode.py`), against a fake engine.
+"""vLLM sleep mode's engine flags and HTTP calls (`sleep_mode.py`), against a fake engine.
 
 The fake serves vLLM's three routes (`/sleep?level=N`, `/wake_up`, `/is_sleeping`) behind the replica's
 key, as an engine started with `--enable-sleep-mode` and `VLLM_SERVER_DEV_MODE=1` does. No GPU here:
@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from gpu_agent.runtime.engine import DEVICE_CPU
+from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime.engine import DEVICE_CPU, DEVICE_CUDA, build_engine_command
 from gpu_agent.runtime.sleep_mode import (
     DEV_MODE_ENV,
     SLEEP_MODE_FLAG,
     EngineSleepClient,
     EngineSleepError,
-    SleepPolicy,
     sleep_mode_flags,
 )
+from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+
+from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_for_state, wait_until
 
 KEY = "engine-key"
 
@@ -114,41 +118,96 @@ def test_an_engine_that_is_gone_is_an_error_not_a_hang():
         client.close()
 
 
-def test_only_gpu_engines_of_endpoints_that_allow_it_start_with_sleep_mode():
-    assert sleep_mode_flags("cuda", True) == ([SLEEP_MODE_FLAG], {DEV_MODE_ENV: "1"})
-    assert sleep_mode_flags("cuda", False) == ([], {})
-    assert sleep_mode_flags(DEVICE_CPU, True) == ([], {})
+def test_only_gpu_engines_of_endpoints_that_allow_it_start_with_sleep_mode(tmp_path):
+    assert sleep_mode_flags(True) == ([SLEEP_MODE_FLAG], {DEV_MODE_ENV: "1"})
+    assert sleep_mode_flags(False) == ([], {})
+    spec = make_spec("r-sleep", sleep_mode=True)
+    cuda = build_engine_command(spec, tmp_path, port=20001, device=DEVICE_CUDA)
+    assert SLEEP_MODE_FLAG in cuda.argv and cuda.env[DEV_MODE_ENV] == "1"
+    cpu = build_engine_command(spec, tmp_path, port=20001, device=DEVICE_CPU)
+    assert SLEEP_MODE_FLAG not in cpu.argv and DEV_MODE_ENV not in cpu.env
+    plain = build_engine_command(make_spec("r-plain"), tmp_path, port=20001, device=DEVICE_CUDA)
+    assert SLEEP_MODE_FLAG not in plain.argv and DEV_MODE_ENV not in plain.env
 
 
-@pytest.mark.parametrize(
-    ("changes", "expected"),
-    [
-        ({}, True),
-        ({"device": DEVICE_CPU}, False),
-        ({"enabled": False}, False),
-        ({"sleeping": True}, False),
-        ({"num_running": 1}, False),
-        ({"num_waiting": 2}, False),
-        ({"idle_for_s": 59.0}, False),
-    ],
-)
-def test_a_replica_sleeps_only_when_allowed_on_a_gpu_and_idle_long_enough(changes, expected):
-    inputs = {
-        "device": "cuda", "enabled": True, "sleeping": False, "num_running": 0, "num_waiting": 0,
-        "idle_for_s": 60.0, **changes,
-    }  # fmt: skip
-    assert SleepPolicy(idle_after_s=60).should_sleep(**inputs) is expected
+# -- the supervisor drives the engine's sleep: a stand-in engine process (`fake_engine.py --sleep-mode`) --
 
 
-def test_a_sleeping_replica_wakes_for_a_held_request_only():
-    policy = SleepPolicy()
-    assert policy.should_wake(sleeping=True, num_held_requests=1)
-    assert not policy.should_wake(sleeping=True, num_held_requests=0)
-    assert not policy.should_wake(sleeping=False, num_held_requests=3)
+@pytest.fixture
+def sleepy_supervisor(tmp_path):
+    created = []
+
+    def make(*engine_args, device=DEVICE_CUDA):
+        woken, slept = [], []
+        supervisor = Supervisor(
+            tmp_path / f"agent-{len(created)}", device=device,
+            command_factory=fake_engine_factory("--sleep-mode", *engine_args),
+            policy=SupervisorPolicy(restart_backoff_s=0.2, stop_timeout_s=2.0, sleep_call_timeout_s=5.0),
+            on_ready=woken.append, on_stopped=slept.append,
+        )  # fmt: skip
+        supervisor.woken, supervisor.slept = woken, slept
+        created.append(supervisor)
+        return supervisor
+
+    yield make
+    for supervisor in created:
+        supervisor.shutdown(timeout_s=1)
 
 
-def test_a_sleep_policy_refuses_levels_vllm_does_not_have():
-    with pytest.raises(ValueError):
-        SleepPolicy(level=3)
-    with pytest.raises(ValueError):
-        SleepPolicy(idle_after_s=0)
+def _ready(supervisor, replica_id, **spec):
+    supervisor.start(make_spec(replica_id, sleep_mode=True, **spec), "/nonexistent")
+    wait_for_state(supervisor, replica_id, ReplicaState.READY, timeout_s=30, step_s=0.05)
+    return supervisor.get(replica_id).pid
+
+
+def _poll_until(supervisor, predicate, timeout_s=15):
+    return wait_until(predicate, timeout_s, step_s=0.05, poll=supervisor.poll)
+
+
+def test_a_sleeping_replica_keeps_its_process_and_wakes_ready(sleepy_supervisor):
+    supervisor = sleepy_supervisor()
+    pid = _ready(supervisor, "r-sleep")
+    supervisor.sleep("r-sleep")
+    _poll_until(supervisor, lambda: supervisor.get("r-sleep").state == ReplicaState.SLEEPING)
+    (status,) = supervisor.statuses()
+    assert status.state == ReplicaState.SLEEPING and status.pid == pid and status.address
+    assert supervisor.slept == ["r-sleep"]  # the agent reports it now, not at its next heartbeat
+    for _ in range(5):
+        supervisor.poll()  # a sleeping engine is neither health-checked into a crash nor restarted
+    assert supervisor.get("r-sleep").state == ReplicaState.SLEEPING
+    woken_at = time.monotonic()
+    supervisor.wake("r-sleep")
+    _poll_until(supervisor, lambda: supervisor.get("r-sleep").state == ReplicaState.READY)
+    assert time.monotonic() - woken_at < 2.0
+    replica = supervisor.get("r-sleep")
+    assert replica.pid == pid and replica.num_restarts == 0 and supervisor.woken == ["r-sleep", "r-sleep"]
+    log = replica.log_path.read_text()
+    assert "fake engine sleeps (level 1)" in log and "fake engine wakes" in log
+
+
+def test_a_failed_wake_restarts_the_engine_with_the_reason(sleepy_supervisor):
+    supervisor = sleepy_supervisor("--wake-fails")
+    pid = _ready(supervisor, "r-wake")
+    supervisor.sleep("r-wake")
+    _poll_until(supervisor, lambda: supervisor.get("r-wake").state == ReplicaState.SLEEPING)
+    supervisor.wake("r-wake")
+    _poll_until(supervisor, lambda: supervisor.get("r-wake").num_restarts == 1)
+    wait_for_state(supervisor, "r-wake", ReplicaState.READY, timeout_s=30, step_s=0.05)
+    replica = supervisor.get("r-wake")
+    assert replica.pid != pid
+    assert "wake up failed" in replica.failure_reason and "HTTP 500" in replica.failure_reason
+    assert pid not in {process.pid for process in processes_with_marker("r-wake")}  # the old engine is gone
+
+
+@pytest.mark.parametrize(("device", "sleep_mode", "why"), [
+    (DEVICE_CPU, True, "a CPU engine has no sleep mode"),
+    (DEVICE_CUDA, False, "its engine was started without sleep mode"),
+])  # fmt: skip
+def test_a_replica_that_cannot_sleep_stops_instead_with_the_reason(sleepy_supervisor, device, sleep_mode, why):
+    supervisor = sleepy_supervisor(device=device)
+    supervisor.start(make_spec("r-no", sleep_mode=sleep_mode), "/nonexistent")
+    wait_for_state(supervisor, "r-no", ReplicaState.READY, timeout_s=30, step_s=0.05)
+    supervisor.sleep("r-no")
+    _poll_until(supervisor, lambda: supervisor.get("r-no").state == ReplicaState.STOPPED)
+    assert why in supervisor.get("r-no").failure_reason
+    assert "fake engine sleeps" not in supervisor.get("r-no").log_path.read_text()
