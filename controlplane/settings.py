@@ -274,6 +274,10 @@ AUTOSCALER_STABLE_WINDOW_S = env_float("INFERPLANE_AUTOSCALER_STABLE_WINDOW_S", 
 # Load doubling within this window (and above what the READY replicas are sized for) scales up ahead of it.
 AUTOSCALER_PANIC_WINDOW_S = env_float("INFERPLANE_AUTOSCALER_PANIC_WINDOW_S", 6.0, minimum=1)
 BATCH_TICK_S = env_float("INFERPLANE_BATCH_TICK_S", 2.0, minimum=0.2)
+# vLLM sleep mode as a scale-to-zero level (endpoint field `idle_action: "sleep"`, accepted only while on): an
+# idle GPU replica sleeps instead of stopping, and stops for real after this long asleep.
+SLEEP_MODE = env_bool("INFERPLANE_SLEEP_MODE", False)
+SLEEP_STOP_AFTER_S = env_float("INFERPLANE_SLEEP_STOP_AFTER_S", 1800.0, minimum=1)
 # Node pools (endpoints.fleet.pools): how often machines are launched and released, and where the
 # agents they start reach this control plane (its address as seen from a new machine).
 NODE_POOLS_TICK_S = env_float("INFERPLANE_NODE_POOLS_TICK_S", 5.0, minimum=0.5)

@@ -31,7 +31,18 @@ class EndpointState(models.TextChoices):
     # Wants replicas, but no node has room for one (status_message says what it needs).
     WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY", "Waiting for capacity"
     READY = "READY", "Ready"
+    # Its replicas sleep (vLLM sleep mode, `idle_action` "sleep"): the next call wakes one in about a second.
+    SLEEPING = "SLEEPING", "Sleeping"
     FAILED = "FAILED", "Failed"
+
+
+class IdleAction(models.TextChoices):
+    """What an idle replica of a serverless endpoint does at its idle timeout."""
+
+    STOP = "stop", "Stop"
+    # GPU nodes only, where `INFERPLANE_SLEEP_MODE` is on: vLLM sleep mode, weights offloaded to host memory,
+    # billed as zero; stopped for real after `INFERPLANE_SLEEP_STOP_AFTER_S` asleep. A CPU node's replica stops.
+    SLEEP = "sleep", "Sleep"
 
 
 class EndpointQuerySet(models.QuerySet):
@@ -129,6 +140,7 @@ class Endpoint(models.Model):
     min_replicas = models.PositiveIntegerField(default=0)
     max_replicas = models.PositiveIntegerField(default=1)
     idle_timeout_s = models.PositiveIntegerField(default=300)
+    idle_action = models.CharField(max_length=8, choices=IdleAction.choices, default=IdleAction.STOP)
     target_concurrency = models.PositiveIntegerField(default=8)
     # None: the model's own context length (`ModelFacts`, or vLLM's reading of its config).
     max_model_len = models.PositiveIntegerField(null=True, blank=True, default=None)
@@ -210,6 +222,8 @@ class Endpoint(models.Model):
         if states & {ReplicaState.PENDING, ReplicaState.STARTING} or self.unplaced_replicas:
             # NOTE: unplaced but not waiting for capacity: a node pool is provisioning a node for it.
             return EndpointState.STARTING
+        if ReplicaState.SLEEPING in states:
+            return EndpointState.SLEEPING
         if self.min_replicas > 0 and ReplicaState.FAILED in states:
             return EndpointState.FAILED
         return EndpointState.SCALED_TO_ZERO
@@ -271,6 +285,9 @@ class ModelFacts(models.Model):
 # Replicas that hold their node's memory (placement counts them) and those that serve or will serve.
 ACTIVE_REPLICA_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING)
 SERVING_REPLICA_STATES = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY)
+# Replicas whose engine process lives on a node: the active ones and the SLEEPING ones, which hold no
+# GPU memory (placement does not count them) nor quota, and are billed as zero (`ReplicaSleep`).
+LIVE_REPLICA_STATES = (*ACTIVE_REPLICA_STATES, ReplicaState.SLEEPING)
 
 
 class ReplicaQuerySet(models.QuerySet):
@@ -313,6 +330,9 @@ class Replica(models.Model):
     # The agent's measure of its cold start (`gpu_agent.protocol.ReplicaStatus`): see `endpoints.gateway.anatomy`.
     download_s = models.FloatField(null=True, blank=True)
     engine_start_s = models.FloatField(null=True, blank=True)
+    # When the control plane last asked its sleeping engine to wake (`replicas.wake_replica`); the next READY
+    # is a wake, not a cold start (`endpoints.gateway.anatomy`).
+    woken_at = models.DateTimeField(null=True, blank=True)
 
     # LoRA adapters its engine holds now (as its agent reported), most recently used first.
     adapters = ArrayField(models.CharField(max_length=63), default=list, blank=True)
@@ -341,6 +361,19 @@ class Replica(models.Model):
     @property
     def engine_api_key(self) -> str:
         return secrets_at_rest.decrypt(self.encrypted_engine_key)
+
+
+class ReplicaSleep(models.Model):
+    """One time a replica slept (SLEEPING): its GPU-seconds stop from `started_at` to `ended_at`
+    (`billing.cost_truth`). Written only by `endpoints.replicas`."""
+
+    replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="sleeps")
+    started_at = models.DateTimeField(default=timezone.now)
+    ended_at = models.DateTimeField(null=True, blank=True)  # null: asleep now
+
+    class Meta:
+        ordering = ["started_at"]
+        indexes = [models.Index(fields=["replica", "started_at"])]
 
 
 class EventKind(models.TextChoices):

@@ -10,6 +10,10 @@ GPUs are units on nodes that reported them (`Node.gpus`): a replica gets
 when more than one), best fit per GPU; only replicas of endpoints that allow
 sharing go several to one GPU, each with its fraction of the GPU's memory
 (`assign_gpus`). Nodes without a GPU list (CPU nodes, older agents) are one pool.
+
+A SLEEPING replica (vLLM sleep mode) holds no GPU memory here: its weights are in its node's host
+memory and its KV cache is freed, so its GPUs are placeable while it sleeps; it wakes only if its own
+GPUs still have room (`room_to_wake`), else it is stopped and a replica placed afresh.
 """
 
 from __future__ import annotations
@@ -270,3 +274,29 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
     gpus = ",".join(map(str, assignment.gpu_indices))
     shared = f", sharing at {assignment.memory_fraction:.3f}" if assignment.memory_fraction is not None else ""
     return PlacementDecision(node, f"best fit, GPU {gpus}{shared}", assignment.gpu_indices, assignment.memory_fraction)
+
+
+def room_to_wake(node: Node, holds: list[GpuHold], used_mb: int, sleeper: GpuHold) -> str:
+    """Why a sleeping replica cannot wake on its own GPUs of `node`; "" when they have room for it again.
+
+    A sleeping replica holds none of its GPUs' memory (its weights are in host memory), so placement may
+    have given that memory to another replica meanwhile; the engine wakes on the GPUs it was started on
+    (CUDA_VISIBLE_DEVICES), so only those count. `holds` and `used_mb` are what the node's active
+    replicas hold now.
+    """
+    if not node.gpus:
+        free = node.total_gpu_memory_mb - used_mb
+        return "" if free >= sleeper.reserved_mb else f"its node has {free} MB of GPU memory free, it needs {sleeper.reserved_mb} MB"
+    rooms = _gpu_rooms(node, holds)
+    indices = sleeper.gpu_indices or (0,)
+    per_gpu_mb = math.ceil(sleeper.reserved_mb / len(indices))
+    for index in indices:
+        room = rooms.get(index)
+        if room is None:
+            return f"its GPU {index} is no longer placeable"
+        if sleeper.shared and sleeper.gpu_indices:
+            if room.exclusive or room.used_mb + per_gpu_mb > room.memory_mb * WHOLE_GPU_MEMORY_FRACTION:
+                return f"its GPU {index} was given to other replicas while it slept"
+        elif room.num_holders:
+            return f"its GPU {index} was given to another replica while it slept"
+    return ""

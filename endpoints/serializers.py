@@ -26,6 +26,7 @@ from endpoints.models import (
     CredentialKind,
     Endpoint,
     EndpointEvent,
+    IdleAction,
     ModelCredential,
     ModelFacts,
     Replica,
@@ -255,6 +256,12 @@ class EndpointSerializer(StrictModelSerializer):
         choices=list(LORA_RANKS), default=16,
         help_text="The largest LoRA rank an adapter of this endpoint may have (max_loras > 0 turns adapters on).",
     )
+    idle_action = serializers.ChoiceField(
+        choices=[action.value for action in IdleAction], default=IdleAction.STOP.value,
+        help_text="What an idle replica does at idle_timeout_s: \"stop\" (the default) or \"sleep\" (only where the "
+                  "platform allows it: on a GPU node the engine sleeps, its weights in host memory, billed as zero, and "
+                  "the next call wakes it in about a second; it stops after a longer sleep. A CPU node's replica stops).",
+    )
     serving_task = serializers.CharField(
         read_only=True, help_text="What it serves now: \"generate\" or \"embed\"; \"\" while an auto endpoint's model is unread.",
     )
@@ -264,7 +271,7 @@ class EndpointSerializer(StrictModelSerializer):
         fields = [
             "id", "name", "model_source", "credential", "task", "serving_task",
             "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing",
-            "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
+            "min_replicas", "max_replicas", "idle_timeout_s", "idle_action", "target_concurrency",
             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cold_start_timeout_s",
             "prewarm_windows", "keep_warm_after_cold_start_s",
             "enable_prefix_caching", "tool_call_parser", *speculative.SPECULATIVE_FIELDS, "max_loras", "max_lora_rank",
@@ -312,6 +319,8 @@ class EndpointSerializer(StrictModelSerializer):
         if too_many and "max_replicas" not in errors:
             errors["prewarm_windows"] = [f"Window {number}: min_replicas is above max_replicas ({max_replicas})."
                                          for number in too_many]
+        if attrs.get("idle_action") == IdleAction.SLEEP and not settings.SLEEP_MODE:
+            errors["idle_action"] = ["Sleep mode is off on this platform (INFERPLANE_SLEEP_MODE); use \"stop\"."]
         batched = current("max_num_batched_tokens")
         if batched is not None and batched < current("max_num_seqs"):
             errors["max_num_batched_tokens"] = ["Must be at least max_num_seqs."]
