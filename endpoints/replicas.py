@@ -6,6 +6,13 @@ through STARTING to READY, and its reports are applied through one transition ta
 `drain_node`) or gives up on it (`fail_replica`). STOPPED and FAILED are final
 (`gpu_agent.protocol.FINAL_REPLICA_STATES`): nothing revives a replica from them.
 
+Sleep mode (issue #17, an endpoint's `idle_action` "sleep" where `INFERPLANE_SLEEP_MODE` is on): a
+READY replica on a GPU node that the autoscaler lets go sleeps (`sleep_replica`: SLEEPING, its agent
+calls the engine's `/sleep` and keeps the process; a CPU node's replica drains instead, saying why);
+a call for the endpoint wakes it (`wake_replica`: back to STARTING, its agent calls `/wake_up` and
+reports READY; if its GPUs were given away meanwhile it stops and a new replica is placed). Every time
+asleep is one `ReplicaSleep` row, opened and closed here, which billing counts as zero GPU-seconds.
+
 A failure counts against its endpoint (`record_replica_failure`: back off, then stop the endpoint);
 a READY replica clears the count (`record_replica_ready`). Whatever needs the endpoint's replicas
 brought back to what its autoscaler wants calls `request_reconcile`, which runs the reconcile task
@@ -25,10 +32,25 @@ from django.db.models import Q, Sum
 from django.utils import timezone
 
 from endpoints.events import record_event
-from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
+from endpoints.models import (
+    ACTIVE_REPLICA_STATES,
+    SERVING_REPLICA_STATES,
+    Endpoint,
+    EventKind,
+    IdleAction,
+    Replica,
+    ReplicaSleep,
+)
 from endpoints.nodes.models import Node
 from endpoints.nodes.notify import notify_endpoint_ready, notify_node
-from endpoints.placement import CPU_KV_CACHE_MB, GpuHold, choose_node, estimated_weights_mb, memory_needed_mb
+from endpoints.placement import (
+    CPU_KV_CACHE_MB,
+    GpuHold,
+    choose_node,
+    estimated_weights_mb,
+    memory_needed_mb,
+    room_to_wake,
+)
 from gpu_agent import protocol
 from gpu_agent.protocol import FINAL_REPLICA_STATES, NodeState, ReplicaState
 
@@ -92,24 +114,25 @@ def drain_replica(replica: Replica, *, reason: str) -> bool:
             state=ReplicaState.STOPPED, state_changed_at=now, stopped_at=now
         )
     else:
-        changed = Replica.objects.filter(pk=replica.pk, state__in=[ReplicaState.STARTING, ReplicaState.READY]).update(
-            state=ReplicaState.DRAINING, state_changed_at=now
-        )
+        changed = Replica.objects.filter(
+            pk=replica.pk, state__in=[ReplicaState.STARTING, ReplicaState.READY, ReplicaState.SLEEPING]
+        ).update(state=ReplicaState.DRAINING, state_changed_at=now)
     if changed:
+        _end_sleep(replica.pk, now)
         notify_node(replica.node_id)
         record_event(replica.endpoint, EventKind.SCALE, f"Draining replica {str(replica.pk)[:8]}: {reason}", replica=replica)
     return bool(changed)
 
 
 def drain_replicas(endpoint: Endpoint, *, reason: str) -> int:
-    """Every serving replica of the endpoint drains."""
-    replicas = Replica.objects.filter(endpoint=endpoint, state__in=SERVING_REPLICA_STATES)
+    """Every serving (or sleeping) replica of the endpoint drains."""
+    replicas = Replica.objects.filter(endpoint=endpoint, state__in=(*SERVING_REPLICA_STATES, ReplicaState.SLEEPING))
     return sum(drain_replica(replica, reason=reason) for replica in replicas)
 
 
 def drain_node(node: Node, *, reason: str) -> int:
     """Every serving replica on the node drains, and its endpoint is reconciled to replace it elsewhere."""
-    replicas = Replica.objects.filter(node=node, state__in=SERVING_REPLICA_STATES).select_related("endpoint")
+    replicas = Replica.objects.filter(node=node, state__in=(*SERVING_REPLICA_STATES, ReplicaState.SLEEPING)).select_related("endpoint")
     num_drained, endpoint_ids = 0, set()
     for replica in replicas:
         num_drained += drain_replica(replica, reason=reason)
@@ -127,6 +150,7 @@ def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaSta
         num_running=0, num_waiting=0,
     )
     if changed:
+        _end_sleep(replica.pk, now)
         notify_node(replica.node_id)
         kind = EventKind.FAILURE if final_state == ReplicaState.FAILED else EventKind.REPLICA
         record_event(replica.endpoint, kind, f"Replica {str(replica.pk)[:8]} {final_state}: {reason}", replica=replica)
@@ -134,11 +158,92 @@ def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaSta
     return bool(changed)
 
 
+def sleep_replica(replica: Replica, *, reason: str) -> bool:
+    """A READY replica the autoscaler lets go sleeps instead of stopping, where it can; else it drains.
+
+    It sleeps when its endpoint's `idle_action` is "sleep", the platform's sleep mode is on and its
+    node is a GPU node; otherwise it drains, the reason in the event log. Returns whether this call changed it.
+    """
+    endpoint = replica.endpoint
+    if endpoint.idle_action != IdleAction.SLEEP or replica.state != ReplicaState.READY:
+        return drain_replica(replica, reason=reason)
+    why_not = ("" if settings.SLEEP_MODE else "sleep mode is off on this platform (INFERPLANE_SLEEP_MODE)") or (
+        "CPU nodes never sleep" if endpoint.gpu_type == "cpu" else "")
+    if why_not:
+        return drain_replica(replica, reason=f"{reason}; stopped rather than asleep: {why_not}")
+    now = timezone.now()
+    with transaction.atomic():
+        changed = Replica.objects.filter(pk=replica.pk, state=ReplicaState.READY).update(
+            state=ReplicaState.SLEEPING, state_changed_at=now, num_running=0, num_waiting=0)
+        if changed:
+            ReplicaSleep.objects.create(replica_id=replica.pk, started_at=now)
+    if changed:
+        notify_node(replica.node_id)
+        record_event(endpoint, EventKind.SCALE, f"Replica {str(replica.pk)[:8]} sleeps: {reason}", replica=replica,
+                     stops_after_s=settings.SLEEP_STOP_AFTER_S)
+    return bool(changed)
+
+
+def wake_replica(replica: Replica) -> str:
+    """Wake a SLEEPING replica for the calls waiting on its endpoint: back to STARTING (its agent calls
+    `/wake_up`, then reports READY). Returns "" when woken.
+
+    NOTE: its GPUs were placeable while it slept; if they no longer have room for it (checked under the
+    node's lock, as placement does), it stops and the reason is returned: the caller places a new replica.
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(pk=replica.node_id).first()
+        current = Replica.objects.select_for_update().filter(pk=replica.pk, state=ReplicaState.SLEEPING).first()
+        if current is None:
+            return "it no longer sleeps"
+        why_not = "its node is gone" if node is None else (
+            "" if node.state == NodeState.READY else f"its node is {node.state}")
+        if not why_not:
+            active = Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES)
+            holds = [GpuHold(tuple(indices), reserved_mb, shared=fraction is not None) for indices, reserved_mb, fraction in
+                     active.values_list("gpu_indices", "reserved_memory_mb", "gpu_memory_fraction")]
+            used_mb = sum(hold.reserved_mb for hold in holds)
+            why_not = room_to_wake(node, holds, used_mb, GpuHold(tuple(current.gpu_indices), current.reserved_memory_mb,
+                                                                 shared=current.gpu_memory_fraction is not None))
+        if not why_not:
+            Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.STARTING, state_changed_at=now, woken_at=now,
+                                                         progress="waking (sleep mode)")
+            _end_sleep(replica.pk, now)
+    if why_not:
+        # A failed wake falls back to a new start: this one stops, the caller places another.
+        fail_replica(current, f"could not wake: {why_not}; a new replica starts instead", final_state=ReplicaState.STOPPED)
+        return why_not
+    notify_node(replica.node_id)
+    record_event(replica.endpoint, EventKind.SCALE, f"Waking replica {str(replica.pk)[:8]} (asleep since "
+                 f"{current.state_changed_at:%H:%M:%S} UTC)", replica=replica)
+    return ""
+
+
+def stop_long_sleepers(endpoint: Endpoint) -> int:
+    """Sleeping replicas of the endpoint stop for real once asleep `INFERPLANE_SLEEP_STOP_AFTER_S`, or at once when
+    the endpoint no longer sleeps (its `idle_action` changed, or the platform's sleep mode is off)."""
+    sleeping = Replica.objects.filter(endpoint=endpoint, state=ReplicaState.SLEEPING).select_related("endpoint")
+    keeps_sleeping = endpoint.idle_action == IdleAction.SLEEP and settings.SLEEP_MODE
+    if keeps_sleeping:
+        sleeping = sleeping.filter(state_changed_at__lt=timezone.now() - timedelta(seconds=settings.SLEEP_STOP_AFTER_S))
+    reason = (f"asleep for {settings.SLEEP_STOP_AFTER_S:.0f} s (INFERPLANE_SLEEP_STOP_AFTER_S)" if keeps_sleeping
+              else "its endpoint no longer sleeps idle replicas")
+    return sum(drain_replica(replica, reason=reason) for replica in sleeping)
+
+
+def _end_sleep(replica_id, now) -> None:
+    """Close the replica's open time asleep, if any: its GPU-seconds count again from `now`."""
+    ReplicaSleep.objects.filter(replica_id=replica_id, ended_at__isnull=True).update(ended_at=now)
+
+
 def state_after_report(current: str, reported: ReplicaState) -> str:
     """The transition table: the control plane's state for a replica after its agent's report.
 
-    The control plane owns DRAINING and the final states: an agent saying READY
-    never revives a replica that was told to drain or was already stopped.
+    The control plane owns DRAINING, SLEEPING and the final states: an agent saying READY
+    never revives a replica that was told to drain or was already stopped, nor wakes one told to
+    sleep (only `wake_replica` does, through STARTING); an agent still saying SLEEPING of a replica
+    being woken leaves it STARTING until its engine answers READY.
     """
     if current in FINAL_REPLICA_STATES:
         return current
@@ -205,6 +310,8 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
         if new_state != previous:
             fields["state"] = new_state
             fields["state_changed_at"] = now
+            if previous == ReplicaState.SLEEPING:
+                _end_sleep(replica.pk, now)
             if new_state == ReplicaState.READY:
                 fields["ready_at"] = now
             if new_state in FINAL_REPLICA_STATES:
@@ -246,7 +353,14 @@ def memory_estimate_problem(endpoint: Endpoint, memory: protocol.EngineMemory) -
 def _announce_transition(replica: Replica, previous: str, new_state: str, report: protocol.ReplicaStatus) -> None:
     short = str(replica.pk)[:8]
     details = {"from": previous, "to": new_state}
-    if new_state == ReplicaState.READY:
+    if new_state == ReplicaState.READY and replica.woken_at is not None and (
+            replica.ready_at is None or replica.woken_at > replica.ready_at):
+        record_replica_ready(replica.endpoint_id)
+        notify_endpoint_ready(replica.endpoint_id)
+        seconds = (timezone.now() - replica.woken_at).total_seconds()
+        record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} woke READY after {seconds:.1f} s (a wake, not a start)",
+                     replica=replica, wake=True, wake_s=round(seconds, 3), **details)
+    elif new_state == ReplicaState.READY:
         record_replica_ready(replica.endpoint_id)
         notify_endpoint_ready(replica.endpoint_id)
         seconds = (timezone.now() - replica.created_at).total_seconds()
@@ -260,7 +374,10 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
                                permanent=report.failure_permanent)
         request_reconcile(replica.endpoint_id)
     else:
-        record_event(replica.endpoint, EventKind.REPLICA, f"Replica {short} {previous} → {new_state}", replica=replica, **details)
+        # NOTE: the agent's reason, if any (a replica that could not sleep says why it stopped instead).
+        reason = {"reason": report.failure_reason[-300:]} if report.failure_reason and previous == ReplicaState.SLEEPING else {}
+        record_event(replica.endpoint, EventKind.REPLICA, f"Replica {short} {previous} → {new_state}", replica=replica,
+                     **details, **reason)
 
 
 def failure_signature(reason: str) -> str:

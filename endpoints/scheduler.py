@@ -5,6 +5,10 @@ at once when a cold request wakes an endpoint, and after every spec change.
 Safe to run twice or concurrently: an endpoint is reconciled under
 `select_for_update(skip_locked=True)`, so a second runner skips it. The
 replicas themselves change through `endpoints.replicas`.
+
+Sleep mode (an endpoint's `idle_action` "sleep"): a READY replica let go sleeps rather than drains
+(`replicas.sleep_replica`), a replica wanted wakes a sleeping one before any is placed
+(`replicas.wake_replica`), and one asleep too long stops (`replicas.stop_long_sleepers`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ from endpoints.batches.demand import read_demand
 from endpoints.events import record_event, record_event_once
 from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE, provisioning_pool, request_provisioning
 from endpoints.gateway import presence, traffic
-from endpoints.models import SERVING_REPLICA_STATES, Endpoint, EventKind, Replica
+from endpoints.models import (
+    LIVE_REPLICA_STATES,
+    SERVING_REPLICA_STATES,
+    Endpoint,
+    EventKind,
+    IdleAction,
+    Replica,
+)
 from endpoints.nodes.models import Node
 from endpoints.replicas import (
     RECONCILE_TASK,
@@ -35,6 +46,9 @@ from endpoints.replicas import (
     fail_replica,
     place_replica,
     record_replica_failure,
+    sleep_replica,
+    stop_long_sleepers,
+    wake_replica,
 )
 from gpu_agent.protocol import NodeState, ReplicaState
 
@@ -77,11 +91,21 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
             # time and together never pass its replica and GPU quotas.
             endpoint.organization = quotas.lock_organization(endpoint.organization_id)
             num_placed = 0
+            sleeping = list(Replica.objects.filter(endpoint=endpoint, state=ReplicaState.SLEEPING)
+                            .select_related("endpoint").order_by("-state_changed_at"))
             for _ in range(decision.desired - len(serving)):
                 refusal = quotas.replica_refusal(endpoint)
                 if refusal is not None:
                     message = f"waiting for quota: {refusal}"
                     break
+                # NOTE: a sleeping replica wakes in about a second; one that cannot (its GPUs were given
+                # away meanwhile) has stopped, saying why, and the next sleeper or a new replica follows.
+                woken = False
+                while sleeping and not woken:
+                    woken = not wake_replica(sleeping.pop(0))
+                if woken:
+                    num_placed += 1
+                    continue
                 replica, reason = place_replica(endpoint)
                 if replica is None:
                     num_unplaced = decision.desired - len(serving) - num_placed
@@ -101,7 +125,11 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
                          desired=decision.desired, current=len(serving), inputs=decision.inputs)
             surplus = sorted(serving, key=lambda r: (DRAIN_ORDER[r.state], -r.created_at.timestamp()))
             for replica in surplus[: len(serving) - decision.desired]:
-                drain_replica(replica, reason=decision.reason)
+                if endpoint.idle_action == IdleAction.SLEEP:
+                    sleep_replica(replica, reason=decision.reason)  # a replica not READY, or on a CPU node, drains
+                else:
+                    drain_replica(replica, reason=decision.reason)
+        stop_long_sleepers(endpoint)
         if (endpoint.status_message != message or endpoint.waiting_for_capacity != waiting_for_capacity
                 or endpoint.unplaced_replicas != num_unplaced):
             if message and message != endpoint.status_message:
@@ -121,7 +149,8 @@ def active_endpoint_ids(now: float | None = None) -> list[str]:
     now = now or time.time()
     # NOTE: `order_by()` drops the models' default ordering: with it, DISTINCT would run over
     # (endpoint, created_at), one row per replica, and the floor query would sort every match by name.
-    with_replicas = Replica.objects.active().order_by().values_list("endpoint_id", flat=True).distinct()
+    with_replicas = (Replica.objects.filter(state__in=LIVE_REPLICA_STATES).order_by()
+                     .values_list("endpoint_id", flat=True).distinct())  # sleeping ones too: they stop after a while
     # NOTE: an endpoint with pre-warm windows is looked at every tick: one of them may open now.
     with_floor = Endpoint.objects.live().filter(
         Q(min_replicas__gt=0) | ~Q(prewarm_windows=[]), paused_at__isnull=True, failed_at__isnull=True,
@@ -148,7 +177,7 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
     endpoints = Endpoint.objects.filter(pk__in=endpoint_ids).order_by().only(
         "pk", "paused_at", "deleted_at", "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
         "status_message", "failed_at", "prewarm_windows", "keep_warm_after_cold_start_s", "last_cold_start_at",
-        "unplaced_replicas",
+        "unplaced_replicas", "idle_action",
     )
     num_serving, num_ready = {}, {}
     for endpoint_id, state, num in (Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES)
@@ -158,17 +187,22 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
         if state == ReplicaState.READY:
             num_ready[endpoint_id] = num
     demand = read_demand(endpoint_ids)
-    changing = []
+    # Sleeping replicas that should stop now (asleep too long, or their endpoint no longer sleeps).
+    sleepers = Replica.objects.filter(endpoint_id__in=endpoint_ids, state=ReplicaState.SLEEPING).order_by()
+    if settings.SLEEP_MODE:
+        sleepers = sleepers.filter(Q(state_changed_at__lt=timezone.now() - timedelta(seconds=settings.SLEEP_STOP_AFTER_S))
+                                   | ~Q(endpoint__idle_action=IdleAction.SLEEP))
+    changing = {str(pk) for pk in sleepers.values_list("endpoint_id", flat=True).distinct()}
     for endpoint in endpoints:
         decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)], batch=demand.get(str(endpoint.pk)),
                                      num_ready=num_ready.get(endpoint.pk, 0), num_serving=num_serving.get(endpoint.pk, 0))
         if endpoint.failed_at is not None:
             continue  # stopped until a spec change or resume: nothing to place
         if decision.batch_rule in ("hold", "wait"):
-            changing.append(str(endpoint.pk))  # its event log says why it holds or waits (once per change)
+            changing.add(str(endpoint.pk))  # its event log says why it holds or waits (once per change)
             continue
         if decision.desired != num_serving.get(endpoint.pk, 0) or endpoint.status_message or endpoint.unplaced_replicas:
-            changing.append(str(endpoint.pk))
+            changing.add(str(endpoint.pk))
         elif idle_deadlines is not None and (deadline := autoscaler.idle_deadline(
                 endpoint, loads[str(endpoint.pk)], num_serving.get(endpoint.pk, 0), now)) is not None:
             idle_deadlines[str(endpoint.pk)] = deadline
@@ -237,10 +271,12 @@ def sweep_stuck() -> None:
             continue  # it beat in the meantime, or another sweeper won
         logger.warning("node %s went OFFLINE (no heartbeat since %s)", node.name, node.last_heartbeat_at)
         reason = f"node {node.name} stopped sending heartbeats"
-        for replica in Replica.objects.active().filter(node=node).select_related("endpoint"):
+        for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
             fail_replica(replica, reason)
     started_before = now - timedelta(seconds=settings.REPLICA_START_TIMEOUT_S)
-    for replica in Replica.objects.filter(state__in=[ReplicaState.PENDING, ReplicaState.STARTING], created_at__lt=started_before).select_related("endpoint"):
+    # NOTE: a woken replica (sleep mode) is STARTING again long after it was created: its clock is its wake.
+    for replica in Replica.objects.filter(state__in=[ReplicaState.PENDING, ReplicaState.STARTING], created_at__lt=started_before).filter(
+            Q(woken_at__isnull=True) | Q(woken_at__lt=started_before)).select_related("endpoint"):
         reason = f"did not become READY within {settings.REPLICA_START_TIMEOUT_S:.0f} s"
         if fail_replica(replica, reason):
             record_replica_failure(replica.endpoint_id, reason)

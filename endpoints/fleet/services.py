@@ -22,7 +22,7 @@ from endpoints.adapters import adapter_specs, record_replica_adapters
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.fleet.launches import link_joined_node
-from endpoints.models import ACTIVE_REPLICA_STATES, ModelFacts, Replica
+from endpoints.models import LIVE_REPLICA_STATES, IdleAction, ModelFacts, Replica
 from endpoints.nodes.models import JoinToken, Node, gpu_inventory
 from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
@@ -166,10 +166,13 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
             ModelFacts.objects.update_or_create(source=source, defaults=values)
 
 
+REPLICA_ACTIONS = {ReplicaState.DRAINING: ReplicaAction.DRAIN, ReplicaState.SLEEPING: ReplicaAction.SLEEP}
+
+
 def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
     if node.state == NodeState.OFFLINE:
         return []
-    replicas = Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).select_related("endpoint", "endpoint__credential", "node")
+    replicas = Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint", "endpoint__credential", "node")
     return [replica_spec(replica) for replica in replicas]
 
 
@@ -181,7 +184,10 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         endpoint_id=str(endpoint.pk),
         served_model_name=endpoint.name,
         model_source=endpoint.model_source,
-        action=ReplicaAction.DRAIN if replica.state == ReplicaState.DRAINING else ReplicaAction.RUN,
+        action=REPLICA_ACTIONS.get(replica.state, ReplicaAction.RUN),
+        # NOTE: on the engine's command line from its start, so only an endpoint that may sleep pays for it
+        # (the agent adds it to CUDA engines only).
+        sleep_mode=endpoint.idle_action == IdleAction.SLEEP and settings.SLEEP_MODE,
         quantization=endpoint.quantization,
         max_model_len=endpoint.max_model_len,
         max_num_seqs=endpoint.max_num_seqs,
@@ -250,6 +256,6 @@ def retire_node(actor: Actor, node: Node, *, reason: str) -> bool:
     notify_node(node.pk)
     node.refresh_from_db()
     record_audit(actor, None, "node.retire", node, reason=reason[:300])
-    for replica in Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).select_related("endpoint"):
+    for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
         fail_replica(replica, reason)
     return True
