@@ -5,7 +5,8 @@ p50/p95 (`first_token_at - started_at`), output tokens per second (completion to
 seconds spent generating them, first token to last), prefix-cache hit rate (cached prompt tokens
 over prompt tokens) and effective cost per million tokens (billed cost over prompt + completion
 tokens). For staff only (`margin=True`), the platform's margin: GPU-seconds its replicas held
-(placement to stop, times the GPUs or GPU fraction each held) against the request-seconds billed.
+(placement to stop, less any time asleep in vLLM sleep mode, times the GPUs or GPU fraction each held)
+against the request-seconds billed.
 """
 
 from __future__ import annotations
@@ -22,14 +23,27 @@ from billing.models import UsageRecord
 
 MAX_DAYS = 92
 
+# NOTE: a replica's time asleep (`ReplicaSleep`, vLLM sleep mode: no GPU memory held) is not GPU time.
 _GPU_SECONDS_SQL = """
-SELECT d::date,
-       sum(extract(epoch FROM least(coalesce(r.stopped_at, now()), d + interval '1 day') - greatest(r.created_at, d))
-           * coalesce(r.gpu_memory_fraction, greatest(cardinality(r.gpu_indices), 1)))
-FROM generate_series(%s::timestamptz, %s::timestamptz, interval '1 day') AS d
-JOIN endpoints_replica r ON r.endpoint_id = %s AND r.created_at < d + interval '1 day'
-     AND coalesce(r.stopped_at, now()) > d
-GROUP BY 1
+WITH held AS (
+  SELECT d::date AS day,
+         sum(extract(epoch FROM least(coalesce(r.stopped_at, now()), d + interval '1 day') - greatest(r.created_at, d))
+             * coalesce(r.gpu_memory_fraction, greatest(cardinality(r.gpu_indices), 1))) AS seconds
+  FROM generate_series(%(since)s::timestamptz, %(last)s::timestamptz, interval '1 day') AS d
+  JOIN endpoints_replica r ON r.endpoint_id = %(endpoint)s AND r.created_at < d + interval '1 day'
+       AND coalesce(r.stopped_at, now()) > d
+  GROUP BY 1
+), slept AS (
+  SELECT d::date AS day,
+         sum(extract(epoch FROM least(coalesce(z.ended_at, r.stopped_at, now()), d + interval '1 day') - greatest(z.started_at, d))
+             * coalesce(r.gpu_memory_fraction, greatest(cardinality(r.gpu_indices), 1))) AS seconds
+  FROM generate_series(%(since)s::timestamptz, %(last)s::timestamptz, interval '1 day') AS d
+  JOIN endpoints_replicasleep z ON z.started_at < d + interval '1 day'
+  JOIN endpoints_replica r ON r.id = z.replica_id AND r.endpoint_id = %(endpoint)s
+  WHERE coalesce(z.ended_at, r.stopped_at, now()) > d
+  GROUP BY 1
+)
+SELECT held.day, held.seconds - coalesce(slept.seconds, 0) FROM held LEFT JOIN slept USING (day)
 """
 
 
@@ -89,5 +103,5 @@ def _ms(seconds: float | None) -> int | None:
 
 def _gpu_seconds_by_day(endpoint, since: datetime, until: datetime) -> dict[date, float]:
     with connection.cursor() as cursor:
-        cursor.execute(_GPU_SECONDS_SQL, [since, until - timedelta(days=1), endpoint.pk])
+        cursor.execute(_GPU_SECONDS_SQL, {"since": since, "last": until - timedelta(days=1), "endpoint": endpoint.pk})
         return {day: float(seconds or 0.0) for day, seconds in cursor.fetchall()}

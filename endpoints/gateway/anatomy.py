@@ -11,6 +11,8 @@ request waited (`x-inferplane-cold-start-ms`, `UsageRecord.cold_start_ms`):
 - placement: placed, until the agent began fetching weights (the agent's pickup);
 - download: fetching weights (0 from the node's cache);
 - engine: launching the engine until its first healthy check;
+- wake: a sleeping replica (vLLM sleep mode) asked to wake, until READY again; a wake is not a start,
+  so placement, download and engine are then 0 (`Replica.woken_at`);
 - first_token: READY, until the first token reached the gateway.
 """
 
@@ -23,7 +25,7 @@ from endpoints.gateway.memo import in_worker_thread
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
 
-PHASES = ("queue", "placement", "download", "engine", "first_token")
+PHASES = ("queue", "placement", "download", "engine", "wake", "first_token")
 HEADER = b"x-inferplane-cold-start-ms"
 # A non-streaming client's opt-in to progress while held: the answer (200, JSON) starts at once and
 # the gateway writes a space at each step of the cold start; JSON allows leading whitespace, so the
@@ -39,6 +41,7 @@ class ReplicaTimeline:
     ready_at: datetime
     download_s: float | None
     engine_start_s: float | None
+    woken_at: datetime | None = None  # set when its READY was a wake from sleep, not a start
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,7 +63,11 @@ def split(held_at: datetime, first_token_at: datetime, replica: ReplicaTimeline 
     """The request's wait from `held_at` to `first_token_at`, split into `PHASES` (summing to the total)."""
     end = max(first_token_at, held_at)
     if replica is None:  # the replica is unknown (gone already): the wait is all queueing
-        boundaries = [end, end, end, end]
+        boundaries = [end, end, end, end, end]
+    elif replica.woken_at is not None:
+        woken = replica.woken_at
+        ready = max(replica.ready_at, woken)
+        boundaries = [woken, woken, woken, woken, ready]
     else:
         engine = timedelta(seconds=replica.engine_start_s or 0.0)
         download = timedelta(seconds=replica.download_s or 0.0)
@@ -68,7 +75,7 @@ def split(held_at: datetime, first_token_at: datetime, replica: ReplicaTimeline 
         ready = max(replica.ready_at, placed)
         fetch_from = max(placed, ready - engine - download)
         engine_from = max(fetch_from, ready - engine)
-        boundaries = [placed, fetch_from, engine_from, ready]
+        boundaries = [placed, fetch_from, engine_from, ready, ready]
     points = [held_at, *boundaries, end]
     phases = {}
     for name, start, stop in zip(PHASES, points[:-1], points[1:], strict=True):
@@ -85,11 +92,12 @@ def _load_timeline(endpoint_id: str, replica_id: str | None) -> ReplicaTimeline 
     if replica_id:
         replicas = replicas.filter(pk=replica_id)
     row = (replicas.exclude(state=ReplicaState.PENDING).order_by("-ready_at")
-           .values("created_at", "ready_at", "download_s", "engine_start_s").first())
+           .values("created_at", "ready_at", "download_s", "engine_start_s", "woken_at").first())
     if row is None:
         return None
+    woken_at = row["woken_at"] if row["woken_at"] is not None and row["woken_at"] <= row["ready_at"] else None
     return ReplicaTimeline(placed_at=row["created_at"], ready_at=row["ready_at"], download_s=row["download_s"],
-                           engine_start_s=row["engine_start_s"])
+                           engine_start_s=row["engine_start_s"], woken_at=woken_at)
 
 
 async def replica_timeline(endpoint_id: str, replica_id: str | None = None) -> ReplicaTimeline | None:

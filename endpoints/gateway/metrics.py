@@ -62,7 +62,7 @@ cold_start = Histogram("inferplane_cold_start_seconds", "Seconds a request waite
 # NOTE: labelled by phase only (`endpoints.gateway.anatomy.PHASES`): few series, whatever the fleet.
 cold_start_phase = Histogram("inferplane_cold_start_phase_seconds",
                              "Seconds of a held request's cold start, by phase (queue, placement, download, engine, "
-                             "first_token).", ["phase"],
+                             "wake, first_token).", ["phase"],
                              buckets=(0.05, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=REGISTRY)
 
 

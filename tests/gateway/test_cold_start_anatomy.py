@@ -35,14 +35,14 @@ def test_a_request_that_started_the_cold_start_sees_every_phase_in_order():
     replica = anatomy.ReplicaTimeline(placed_at=at(1), ready_at=at(10), download_s=4.0, engine_start_s=3.0)
     cold = anatomy.split(at(0), at(10.5), replica)
     assert cold.total_ms == 10_500
-    assert cold.phases == {"queue": 1000, "placement": 2000, "download": 4000, "engine": 3000, "first_token": 500}
+    assert cold.phases == {"queue": 1000, "placement": 2000, "download": 4000, "engine": 3000, "wake": 0, "first_token": 500}
 
 
 def test_a_request_held_midway_counts_only_the_part_of_the_cold_start_it_waited_for():
     replica = anatomy.ReplicaTimeline(placed_at=at(0), ready_at=at(10), download_s=4.0, engine_start_s=3.0)
     cold = anatomy.split(at(5), at(11), replica)  # held while the weights were downloading
     assert cold.total_ms == 6000
-    assert cold.phases == {"queue": 0, "placement": 0, "download": 2000, "engine": 3000, "first_token": 1000}
+    assert cold.phases == {"queue": 0, "placement": 0, "download": 2000, "engine": 3000, "wake": 0, "first_token": 1000}
 
 
 def test_phases_always_sum_to_the_wait_even_when_the_agent_reports_more_than_the_replica_took():
@@ -54,7 +54,16 @@ def test_phases_always_sum_to_the_wait_even_when_the_agent_reports_more_than_the
 
 def test_a_replica_the_gateway_cannot_find_leaves_the_whole_wait_as_queueing():
     cold = anatomy.split(at(0), at(2), None)
-    assert cold.phases == {"queue": 2000, "placement": 0, "download": 0, "engine": 0, "first_token": 0}
+    assert cold.phases == {"queue": 2000, "placement": 0, "download": 0, "engine": 0, "wake": 0, "first_token": 0}
+
+
+def test_a_wake_from_sleep_is_recorded_as_a_wake_not_a_start():
+    # Placed long ago; asleep; a request held at 100 s wakes it at 100.2 s, READY at 101 s.
+    replica = anatomy.ReplicaTimeline(placed_at=at(0), ready_at=at(101), download_s=4.0, engine_start_s=3.0,
+                                      woken_at=at(100.2))
+    cold = anatomy.split(at(100), at(101.5), replica)
+    assert cold.total_ms == 1500
+    assert cold.phases == {"queue": 200, "placement": 0, "download": 0, "engine": 0, "wake": 800, "first_token": 500}
 
 
 @pytest.fixture
