@@ -75,7 +75,7 @@ def test_another_organisations_endpoint_has_no_stats(endpoint, member_client_fac
 def test_the_cold_starts_api_lists_recent_cold_starts_by_phase(endpoint, owner_client):
     [cold] = owner_client.get(f"/api/v1/endpoints/{endpoint.pk}/cold-starts/").json()["results"]
     assert cold["cold_start_ms"] == 4000
-    assert cold["phases"] == {"queue": 500, "placement": 500, "download": 1000, "engine": 1700, "first_token": 300}
+    assert cold["phases"] == {"queue": 500, "placement": 500, "download": 1000, "engine": 1700, "wake": 0, "first_token": 300}
 
 
 def test_the_openapi_schema_documents_stats_and_cold_starts(owner_client):
