@@ -38,11 +38,18 @@ CHECKS: dict[str, str] = {
     "two-replicas-one-gpu": "two replicas share one GPU, their memory fractions summing to at most 1",
     "standby-cold-start": "a cold start from zero is served by the agent's warm standby",
     "bench-gateway-vs-direct": "`vllm bench serve` through the gateway against the same engine directly",
+    "sleep-wake": "an idle_action: sleep replica sleeps (its GPU memory freed, nvidia-smi), a call wakes it within "
+                  "~2 s (the engine's /wake_up), and it answers the same before and after",
 }
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 # Gateway output tokens/s over direct, streaming at concurrency 32: below this the check fails.
 MIN_GATEWAY_RATIO = 0.90
 GATEWAY_RATIO_TARGET = 0.95  # the README's target, reported as met or missed
+# Sleep mode: asleep, the replica's GPU holds at most this share of what it held awake (weights offloaded,
+# KV cache freed; the CUDA context stays); its engine wakes within MAX_WAKE_S, the woken call within MAX_WOKEN_CALL_S.
+MAX_ASLEEP_MEMORY_SHARE = 0.2
+MAX_WAKE_S = 2.0
+MAX_WOKEN_CALL_S = 5.0
 
 
 @dataclass(slots=True)
@@ -67,6 +74,7 @@ def not_run(names: Iterable[str], reason: str) -> list[CheckResult]:
 
 SMI_GPU_QUERY = ["nvidia-smi", "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"]
 SMI_APPS_QUERY = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"]
+SMI_MEMORY_USED_QUERY = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
 
 
 @dataclass(slots=True)
@@ -97,6 +105,16 @@ def parse_smi_compute_apps(text: str) -> dict[int, set[str]]:
         fields = [field.strip() for field in row.split(",")]
         if len(fields) >= 2 and fields[0].isdigit():
             used.setdefault(int(fields[0]), set()).add(fields[1])
+    return used
+
+
+def parse_smi_memory_used(text: str) -> dict[int, int]:
+    """`nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits`: MiB in use per GPU index."""
+    used = {}
+    for row in text.splitlines():
+        fields = [field.strip() for field in row.split(",")]
+        if len(fields) == 2 and fields[0].isdigit():
+            used[int(fields[0])] = int(float(fields[1]))
     return used
 
 
@@ -201,6 +219,31 @@ def sharing_verdict(replicas: list[tuple[list[int] | None, float | None]]) -> Ch
         PASS,
         f"both on GPU {indices[0][0]}, memory fractions {fractions[0]} + {fractions[1]}, both answer",
     )
+
+
+def sleep_wake_verdict(*, awake_mb: int, asleep_mb: int, same_process: bool, engine_wake_s: float | None,
+                       woken_call_s: float, answer_before: str, answer_after: str) -> CheckResult:
+    """A sleep-mode replica: its GPU's memory in use awake and asleep (nvidia-smi, MiB), whether the same
+    engine process served before and after, the engine's own wake time (the agent's log) and the woken
+    call's whole time (gateway, held), and the two greedy answers to one prompt."""
+    check = "sleep-wake"
+    problems = []
+    if awake_mb <= 0 or asleep_mb > MAX_ASLEEP_MEMORY_SHARE * awake_mb:
+        problems.append(f"asleep its GPU holds {asleep_mb} MiB of the {awake_mb} MiB awake "
+                        f"(at most {MAX_ASLEEP_MEMORY_SHARE:.0%} expected)")
+    if not same_process:
+        problems.append("the engine was restarted, not woken")
+    if engine_wake_s is None or engine_wake_s > MAX_WAKE_S:
+        problems.append(f"the engine woke in {engine_wake_s} s (at most {MAX_WAKE_S} s)")
+    if woken_call_s > MAX_WOKEN_CALL_S:
+        problems.append(f"the woken call took {woken_call_s:.1f} s (at most {MAX_WOKEN_CALL_S} s)")
+    if answer_before != answer_after or not answer_before:
+        problems.append(f"answers differ: {answer_before[:80]!r} before, {answer_after[:80]!r} after")
+    detail = (f"GPU memory {awake_mb} MiB awake, {asleep_mb} MiB asleep; engine woke in {engine_wake_s} s, "
+              f"the woken call answered in {woken_call_s:.2f} s; same answer before and after: {answer_before == answer_after}")
+    if problems:
+        return CheckResult(check, FAIL, f"{'; '.join(problems)} ({detail})")
+    return CheckResult(check, PASS, detail)
 
 
 def bench_verdict(direct: Mapping, gateway: Mapping, num_prompts: int) -> CheckResult:

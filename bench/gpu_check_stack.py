@@ -7,7 +7,9 @@ then, printing one line per check as it ends:
   `/proc/<pid>/environ` shows): GPU detection; three endpoints at once: one replica (pinned to its
   GPU), one with `quantization: fp8`, two replicas sharing one GPU with memory fractions;
   phase 2, the agent restarted with its warm standby: a cold start from zero served by the standby,
-  then `vllm bench serve` on that replica directly and through the gateway.
+  then `vllm bench serve` on that replica directly and through the gateway; then sleep mode: an
+  `idle_action: sleep` endpoint's replica sleeps once idle (its GPU memory freed, per nvidia-smi) and
+  a call wakes it (the same process, within ~2 s, the same greedy answer).
 
 What placement provides (`Replica.gpu_indices`, `Replica.gpu_memory_fraction`, an endpoint's
 `allow_gpu_sharing`, the heartbeat's GPUs) is read in the small functions under "Interfaces".
@@ -46,6 +48,7 @@ STACK_ENV = {
     "INFERPLANE_DEFAULT_MAX_REPLICAS": "16",
     "INFERPLANE_DEFAULT_KEY_RPM": "0",
     "INFERPLANE_DEFAULT_KEY_TPM": "0",
+    "INFERPLANE_SLEEP_MODE": "1",  # the sleep-wake check's endpoint sleeps
 }
 os.environ.update(STACK_ENV)
 
@@ -54,14 +57,17 @@ from bench.gpu_check import (  # noqa: E402 - after sys.path is set
     FAIL,
     PASS,
     SMI_APPS_QUERY,
+    SMI_MEMORY_USED_QUERY,
     CheckResult,
     SmiGpu,
     bench_verdict,
     gpu_detection_verdict,
     not_run,
     parse_smi_compute_apps,
+    parse_smi_memory_used,
     pinning_verdict,
     sharing_verdict,
+    sleep_wake_verdict,
 )
 from gpu_agent.runtime.engine import DEVICE_CUDA, REPLICA_ENV_MARKER, quantization_plan  # noqa: E402
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: E402
@@ -73,6 +79,7 @@ BENCH_NUM_PROMPTS = 200
 BENCH_CONCURRENCY = 32
 PHASE_2_RESERVE_S = 240  # kept for the standby and the benchmark when phase 1 is slow
 ACTIVE_STATES = ("PENDING", "STARTING", "READY", "DRAINING")
+SLEEP_IDLE_TIMEOUT_S = 30  # the API's least idle_timeout_s
 
 
 class CheckFailed(Exception):
@@ -423,6 +430,7 @@ class Run:
         self.record("standby-cold-start", self.check_standby)
         if self.results["standby-cold-start"].status == PASS:
             self.record("bench-gateway-vs-direct", self.check_bench)
+        self.record("sleep-wake", self.check_sleep_wake)
 
     def check_standby(self) -> CheckResult:
         from endpoints.models import Replica
@@ -466,6 +474,53 @@ class Run:
                 )
             results[label] = json.loads(output.read_text())
         return bench_verdict(results["direct"], results["gateway"], BENCH_NUM_PROMPTS)
+
+    def check_sleep_wake(self) -> CheckResult:
+        from endpoints.models import EndpointEvent, Replica
+
+        if getattr(self, "cold_endpoint_id", None):  # the GPU to itself: its memory is the sleeper's alone
+            httpx.delete(f"{self.stack.url}/api/v1/endpoints/{self.cold_endpoint_id}/", timeout=30,
+                         headers={"Authorization": f"Bearer {self.api_key}"})
+            wait_until(lambda: not Replica.objects.filter(endpoint_id=self.cold_endpoint_id, state__in=ACTIVE_STATES).exists(),
+                       min(120, self.left_s()), interval_s=0.5, message="the benchmark's replica to stop")
+        endpoint_id = self.create_endpoint("gc-sleep", min_replicas=0, idle_action="sleep",
+                                           idle_timeout_s=SLEEP_IDLE_TIMEOUT_S)
+        before = greedy_answer(self.stack.url, "gc-sleep", self.api_key, timeout_s=self.left_s())
+        replica = Replica.objects.get(endpoint_id=endpoint_id, state="READY")
+        index = (replica_gpu_indices(replica) or [0])[0]
+        pids = {process.pid for process in engine_processes(str(replica.pk))}
+        awake_mb = gpu_memory_used_mb(index)
+        wait_until(lambda: Replica.objects.filter(pk=replica.pk, state="SLEEPING").exists()
+                   and f"replica {replica.pk} SLEEPING after" in self.stack.agent.log_text(),
+                   min(SLEEP_IDLE_TIMEOUT_S + 90, self.left_s()), interval_s=0.5, message="the replica to sleep")
+        time.sleep(2)  # nvidia-smi's figure settles
+        asleep_mb = gpu_memory_used_mb(index)
+        sent_at = time.monotonic()
+        after = greedy_answer(self.stack.url, "gc-sleep", self.api_key, timeout_s=self.left_s())
+        woken_call_s = time.monotonic() - sent_at
+        replica.refresh_from_db()
+        woke = re.search(rf"replica {replica.pk} woke \(READY\) after ([0-9.]+)s", self.stack.agent.log_text())
+        same = (replica.num_restarts == 0 and {process.pid for process in engine_processes(str(replica.pk))} == pids
+                and EndpointEvent.objects.filter(replica=replica, kind="cold_start", details__wake=True).exists())
+        return sleep_wake_verdict(awake_mb=awake_mb, asleep_mb=asleep_mb, same_process=same,
+                                  engine_wake_s=float(woke.group(1)) if woke else None, woken_call_s=woken_call_s,
+                                  answer_before=before, answer_after=after)
+
+
+def gpu_memory_used_mb(index: int) -> int:
+    done = subprocess.run(SMI_MEMORY_USED_QUERY, capture_output=True, text=True, timeout=60, check=True)
+    return parse_smi_memory_used(done.stdout)[index]
+
+
+def greedy_answer(url: str, model: str, key: str, *, timeout_s: float) -> str:
+    """One prompt at temperature 0: the same engine and weights give the same words."""
+    response = httpx.post(
+        f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=timeout_s,
+        json={"model": model, "messages": MESSAGES, "max_tokens": 16, "temperature": 0},
+    )  # fmt: skip
+    if response.status_code != 200:
+        raise CheckFailed(f"{url} answered {response.status_code}: {response.text[:300]}")
+    return response.json()["choices"][0]["message"]["content"] or ""
 
 
 def bench_serve_command(url: str, model: str, tokenizer: Path, result_dir: Path, label: str) -> list[str]:

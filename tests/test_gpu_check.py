@@ -189,3 +189,23 @@ def test_the_benchmark_prints_the_gateway_to_direct_ratio_and_fails_a_slow_gatew
     assert slow.status == "FAIL" and "= 0.50" in slow.detail
     lost = gpu_check.bench_verdict(direct, {**direct, "completed": 150}, 200)
     assert lost.status == "FAIL" and "gateway: 150 of 200" in lost.detail
+
+
+def test_sleep_wake_passes_only_when_memory_is_freed_the_same_engine_wakes_fast_and_answers_the_same():
+    good = {"awake_mb": 120_000, "asleep_mb": 900, "same_process": True, "engine_wake_s": 0.6, "woken_call_s": 1.8,
+            "answer_before": "the same words", "answer_after": "the same words"}
+    assert gpu_check.sleep_wake_verdict(**good).status == "PASS"
+    for change, why in (
+        ({"asleep_mb": 60_000}, "asleep its GPU holds 60000 MiB"),
+        ({"same_process": False}, "restarted, not woken"),
+        ({"engine_wake_s": 3.5}, "the engine woke in 3.5 s"),
+        ({"engine_wake_s": None}, "the engine woke in None s"),
+        ({"woken_call_s": 9.0}, "the woken call took 9.0 s"),
+        ({"answer_after": "other words"}, "answers differ"),
+    ):
+        result = gpu_check.sleep_wake_verdict(**(good | change))
+        assert result.status == "FAIL" and why in result.detail, (change, result.detail)
+
+
+def test_memory_in_use_per_gpu_is_read_from_nvidia_smi():
+    assert gpu_check.parse_smi_memory_used("0, 120345\n1, 3\n\n") == {0: 120345, 1: 3}
