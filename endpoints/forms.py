@@ -3,6 +3,7 @@
 import json
 
 from django import forms
+from django.conf import settings
 
 from controlplane.accounts.forms import SerializerBackedForm
 from endpoints.catalogue import AUTO_PARSER, GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS, TOOL_CALL_PARSERS
@@ -56,6 +57,12 @@ class EndpointForm(SerializerBackedForm):
     min_replicas = _number("Minimum replicas", "0 lets the endpoint scale to zero when idle.", min=0)
     max_replicas = _number("Maximum replicas", "Upper bound while scaling out.", min=1)
     idle_timeout_s = _number("Idle timeout (seconds)", "No requests for this long and it scales down.", min=LIMITS["idle_timeout_s"][0])
+    idle_action = forms.ChoiceField(
+        label="When idle", required=False,
+        choices=[("stop", "Stop the replica"), ("sleep", "Sleep (GPU nodes: wakes in about a second, billed as zero)")],
+        help_text="At the idle timeout a replica stops, or on a GPU node sleeps with its weights in host memory; "
+                  "a long sleep stops it too. CPU nodes always stop.",
+    )
     target_concurrency = _number("Target concurrency", "In-flight requests per replica before scaling out.", min=1)
     max_model_len = _number("Max model length (tokens)", "Prompt plus completion. Empty: the model's own context length.", min=LIMITS["max_model_len"][0])
     max_num_seqs = _number("Max sequences per batch", "Continuous-batching limit per replica.", min=1)
@@ -100,6 +107,8 @@ class EndpointForm(SerializerBackedForm):
         self.set_gpu_type(chosen or gpu_type or self.initial.get("gpu_type"))
         # NOTE: only the organisation's own credentials are offered (the serializer checks it again).
         owned = ModelCredential.objects.filter(organization=organization) if organization is not None else []
+        if not settings.SLEEP_MODE:  # the platform's sleep mode is off: the API refuses "sleep", the form omits it
+            del self.fields["idle_action"]
         self.fields["credential"].choices = [("", "None")] + [
             (str(credential.pk), f"{credential.name} ({credential.kind})") for credential in owned
         ]

@@ -197,3 +197,4 @@ def test_a_woken_replica_is_not_failed_for_its_old_age_by_the_start_timeout(slee
     scheduler.sweep_stuck()
     replica.refresh_from_db()
     assert replica.state == ReplicaState.STARTING
+
