@@ -198,3 +198,15 @@ def test_a_woken_replica_is_not_failed_for_its_old_age_by_the_start_timeout(slee
     replica.refresh_from_db()
     assert replica.state == ReplicaState.STARTING
 
+
+
+def test_an_engine_that_could_not_sleep_stops_with_its_agents_reason_and_is_billed_again(sleep_mode):
+    endpoint, node, replica = sleeping_endpoint()
+    scheduler.reconcile_endpoint(str(endpoint.pk), idle())
+    why = "cannot sleep (its engine was started without sleep mode): stopped instead"
+    apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.DRAINING, failure_reason=why))
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.DRAINING
+    assert ReplicaSleep.objects.get(replica=replica).ended_at is not None
+    event = EndpointEvent.objects.filter(endpoint=endpoint, kind="replica").latest("pk")
+    assert "SLEEPING → DRAINING" in event.message and event.details["reason"] == why

@@ -7,6 +7,7 @@ a real engine's sleep and wake are unrun.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -15,8 +16,9 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from gpu_agent.protocol import ReplicaState
+from gpu_agent.protocol import ReplicaAction, ReplicaState
 from gpu_agent.runtime.engine import DEVICE_CPU, DEVICE_CUDA, build_engine_command
+from gpu_agent.runtime.reconciler import Reconciler
 from gpu_agent.runtime.sleep_mode import (
     DEV_MODE_ENV,
     SLEEP_MODE_FLAG,
@@ -211,3 +213,17 @@ def test_a_replica_that_cannot_sleep_stops_instead_with_the_reason(sleepy_superv
     _poll_until(supervisor, lambda: supervisor.get("r-no").state == ReplicaState.STOPPED)
     assert why in supervisor.get("r-no").failure_reason
     assert "fake engine sleeps" not in supervisor.get("r-no").log_path.read_text()
+
+
+def test_the_control_planes_sleep_and_run_actions_sleep_and_wake_the_engine(sleepy_supervisor):
+    supervisor = sleepy_supervisor()
+    _ready(supervisor, "r-act")
+    reconciler = Reconciler(supervisor, weights=None, wake=threading.Event())
+    spec = make_spec("r-act", sleep_mode=True)
+    reconciler.reconcile([dataclasses.replace(spec, action=ReplicaAction.SLEEP)])
+    _poll_until(supervisor, lambda: supervisor.get("r-act").state == ReplicaState.SLEEPING)
+    reconciler.reconcile([dataclasses.replace(spec, action=ReplicaAction.SLEEP)])  # still asleep: nothing more
+    reconciler.reconcile([spec])  # RUN: desired READY again
+    _poll_until(supervisor, lambda: supervisor.get("r-act").state == ReplicaState.READY)
+    log = supervisor.get("r-act").log_path.read_text()
+    assert log.count("fake engine sleeps") == 1 and log.count("fake engine wakes") == 1
