@@ -19,8 +19,6 @@ runs the real engine on CUDA.
 
 from __future__ import annotations
 
-import httpx
-
 SLEEP_MODE_FLAG = "--enable-sleep-mode"
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM mounts the sleep routes only with this set
 SLEEP_LEVEL_OFFLOAD_WEIGHTS = 1  # weights to host memory, KV cache dropped; level 2 drops weights too
@@ -41,6 +39,11 @@ class EngineSleepClient:
     """The HTTP calls to one engine's sleep routes, with the replica's engine key."""
 
     def __init__(self, address: str, api_key: str = "", *, timeout_s: float = 30.0) -> None:
+        # NOTE: imported here, not at the top: `engine` imports this module for its flags and stays
+        # standard-library only for the control plane (`tests/agent/test_runtime_imports.py`).
+        import httpx
+
+        self._http_error = httpx.HTTPError
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=address, headers=headers, timeout=timeout_s)
 
@@ -60,7 +63,7 @@ class EngineSleepClient:
     def _call(self, method: str, path: str, **kwargs) -> dict:
         try:
             response = self._client.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
+        except self._http_error as exc:
             raise EngineSleepError(f"{method} {path}: {exc!r}") from exc
         if response.status_code != 200:
             raise EngineSleepError(f"{method} {path}: HTTP {response.status_code}: {response.text[:200]}")
