@@ -30,7 +30,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from endpoints.fleet.pool_costs import usage_by_pool
-from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
+from endpoints.models import LIVE_REPLICA_STATES, Endpoint, Replica
 from endpoints.nodes.models import LIVE_LAUNCH_STATES, Node, NodeLaunch, NodePool
 from gpu_agent.protocol import NodeState
 
@@ -135,7 +135,7 @@ REGISTRY.register(fleet)
 def refresh_fleet_gauges() -> None:
     """Read replica counts, names and GPU use from the database (sync: run it off the event loop)."""
     replicas = GaugeMetricFamily("inferplane_replicas", "Replicas by endpoint and state.", labels=[*ENDPOINT, "state"])
-    rows = (Replica.objects.filter(state__in=ACTIVE_REPLICA_STATES, endpoint__deleted_at__isnull=True)
+    rows = (Replica.objects.filter(state__in=LIVE_REPLICA_STATES, endpoint__deleted_at__isnull=True)
             .values("endpoint_id", "endpoint__organization_id", "state").annotate(count=Count("id")))
     for row in rows:
         replicas.add_metric([str(row["endpoint_id"]), str(row["endpoint__organization_id"]), row["state"]], row["count"])
