@@ -196,7 +196,7 @@ class Supervisor:
             else:
                 replica.sleep_call = "sleep"
         if why_not:
-            self.drain(replica_id, timeout_s=0.0)
+            self.drain(replica_id)
             return
         threading.Thread(target=self._call_engine, args=(replica, "sleep", level), name=f"sleep-{replica_id[:8]}",
                          daemon=True).start()
@@ -258,7 +258,7 @@ class Supervisor:
             else:
                 return
         if drain:
-            self.drain(replica_id, timeout_s=0.0)
+            self.drain(replica_id)
         self._poke.set()
         callback = self.on_ready if call == "wake" else self.on_stopped
         if callback is not None:  # the agent reports the change now, not at its next heartbeat
