@@ -387,14 +387,15 @@ VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args,
 
 def run_vllm_bench(url: str, key: str, work_dir: Path, label: str, num_prompts: int, seed: int) -> dict:
     """One `vllm bench serve` run (vLLM's own client, from the project's virtualenv): streamed chat
-    completions of random prompts at `VLLM_BENCH`'s concurrency; its saved result, abridged."""
+    completions of random prompts at `VLLM_BENCH`'s concurrency, after as many unmeasured warm-up
+    requests; its saved result, abridged."""
     command = [
         sys.executable, "-c", VLLM_BENCH_SERVE,
         "--backend", "openai-chat", "--base-url", url, "--endpoint", "/v1/chat/completions",
         "--model", "tiny", "--tokenizer", str(TINY_MODEL_DIR), "--dataset-name", VLLM_BENCH["dataset"],
         "--random-input-len", str(VLLM_BENCH["input_len"]), "--random-output-len", str(VLLM_BENCH["output_len"]),
         "--num-prompts", str(num_prompts), "--max-concurrency", str(VLLM_BENCH["concurrency"]), "--ignore-eos",
-        "--seed", str(seed), "--save-result", "--result-dir", str(work_dir), "--result-filename", f"{label}.json",
+        "--seed", str(seed), "--num-warmups", str(VLLM_BENCH["concurrency"]), "--save-result", "--result-dir", str(work_dir), "--result-filename", f"{label}.json",
         "--disable-tqdm",
     ]  # fmt: skip
     env = {**os.environ, "OPENAI_API_KEY": key, "VLLM_TARGET_DEVICE": "cpu"}
@@ -754,7 +755,7 @@ def main() -> int:
                         help="gateway and floor processes for the N-process rows (default 2; 0 or 1 skips them)")
     parser.add_argument("--vllm-bench-pairs", type=int, default=3,
                         help="`vllm bench serve` runs direct and through the gateway, alternating (default 3 pairs; 0 skips)")
-    parser.add_argument("--vllm-bench-prompts", type=int, default=128, help="prompts per `vllm bench serve` run")
+    parser.add_argument("--vllm-bench-prompts", type=int, default=64, help="prompts per `vllm bench serve` run")
     parser.add_argument("--pin", action="store_true",
                         help="pin the gateway to core 0 and the mocks and wrk to core 1 (vLLM runs stay unpinned)")
     parser.add_argument("--shared-engine-cores", action="store_true",
