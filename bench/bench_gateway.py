@@ -34,7 +34,8 @@ and through the gateway alike (`--shared-engine-cores` to let it use every core)
     .venv/bin/python bench/bench_gateway.py [--duration-s 5] [--no-vllm] [--pin] [--processes 2]
     make bench ONLY=gateway BENCH_ARGS="--duration-s 3"
 
-A full run takes ~12 minutes on 2 cores with the default 5 s per measurement (it prints its wall time).
+A full run takes about 11 minutes on a quiet 2-core machine with the default 5 s per measurement (17 on
+a loaded one; it prints its wall time).
 Writes `bench/results/gateway.json` and prints markdown tables.
 """
 
@@ -746,7 +747,7 @@ def start_floor(logs: Path, name: str, upstream: str, processes: int, cores: str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration-s", type=float, default=5, help="seconds per measurement (default 5: ~12 min in all)")
+    parser.add_argument("--duration-s", type=float, default=5, help="seconds per measurement (default 5: ~11 min in all on a quiet 2-core machine)")
     parser.add_argument("--no-vllm", action="store_true", help="skip the real-replica runs")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy's row")
     parser.add_argument("--no-slow-mock", action="store_true", help="skip the runs against the mock answering in 48 ms")
