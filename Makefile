@@ -61,8 +61,11 @@ stop: install
 test: install
 	bash tests/run.sh
 
+# Every benchmark, or those named in ONLY (`make bench ONLY=gateway`, `ONLY="gateway trace"`), with
+# BENCH_ARGS passed to each (`BENCH_ARGS="--duration-s 3"`). bench/run.sh installs what the gateway
+# benchmark needs besides this environment (wrk, the LiteLLM proxy's own virtualenv).
 bench: install
-	bash bench/run.sh
+	BENCH_ARGS="$(BENCH_ARGS)" bash bench/run.sh $(ONLY)
 
 # The GPU acceptance run (README, "GPU acceptance"): installs the CUDA engine, starts a local stack on
 # this machine's GPUs and prints one line per check. Without a GPU it names every check as not run and

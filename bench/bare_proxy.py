@@ -1,6 +1,7 @@
 """The floor for a Python ASGI proxy on this machine: uvicorn (uvloop, httptools) and aiohttp,
-forwarding each POST to `BARE_PROXY_UPSTREAM` and its answer back, and nothing else: no key, no
-limits, no balancing, no metering, no logging.
+forwarding each POST to `BARE_PROXY_UPSTREAM` and its answer back (a streamed answer, `text/event-stream`,
+relayed chunk by chunk as it arrives), and nothing else: no key, no limits, no balancing, no metering,
+no logging.
 
 `bench/bench_gateway.py` measures it next to the gateway, against the same mock, to show how much
 of the gateway's overhead is the serving stack itself.
@@ -35,6 +36,12 @@ async def app(scope, receive, send):
         answer, status = b"ok", 200
     else:
         async with _client.post(UPSTREAM + scope["path"], data=body, headers={"content-type": "application/json"}) as response:
+            if response.content_type == "text/event-stream":
+                await send({"type": "http.response.start", "status": response.status,
+                            "headers": [(b"content-type", b"text/event-stream")]})
+                async for chunk in response.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                return await send({"type": "http.response.body", "body": b""})
             answer, status = await response.read(), response.status
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})

@@ -3,7 +3,7 @@
     python -m controlplane.serve --host 0.0.0.0 --port 8000 [other uvicorn options]
 
 `WEB_CONCURRENCY` workers (default: one per core this process may use, its CPU affinity and its
-cgroup's CPU limit both counted) accept on the same socket. Each is a whole gateway: its own event
+cgroup's CPU limit, v2 or v1, both counted) accept on the same socket. Each is a whole gateway: its own event
 loop, caches and ledger writer; limits, spend and usage are exact across them because they live in
 Redis and PostgreSQL, never in a process (README, "Warm call").
 
@@ -31,19 +31,31 @@ from pathlib import Path
 import uvicorn
 
 APPLICATION = "controlplane.asgi:application"
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>", or "max <period>"
+# cgroup v1 (nodes and Docker hosts still on it): the same limit in two files, quota -1 for none.
+CGROUP_V1_CPU_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+CGROUP_V1_CPU_PERIOD = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
 
 
-def available_cores() -> int:
-    """Cores this process may run on: its affinity, capped by a cgroup v2 CPU limit (a pod's `limits.cpu`)."""
-    cores = len(os.sched_getaffinity(0))
+def cgroup_cpu_limit() -> float | None:
+    """The container's CPU limit in cores (a pod's `limits.cpu`), from cgroup v2 or v1; None without one."""
     try:
         quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
     except (OSError, ValueError):
-        return cores
-    if quota == "max":
-        return cores
-    return max(1, min(cores, math.ceil(int(quota) / int(period))))
+        try:
+            quota, period = CGROUP_V1_CPU_QUOTA.read_text().strip(), CGROUP_V1_CPU_PERIOD.read_text().strip()
+        except OSError:
+            return None
+    if quota == "max" or not quota.lstrip("-").isdigit() or int(quota) <= 0 or not period.isdigit() or int(period) <= 0:
+        return None
+    return int(quota) / int(period)
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its affinity, capped by the container's CPU limit."""
+    cores = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit()
+    return cores if limit is None else max(1, min(cores, math.ceil(limit)))
 
 
 def num_workers(environ: dict[str, str] = os.environ) -> int:

@@ -33,6 +33,21 @@ def test_the_cgroup_cpu_limit_caps_the_default(tmp_path, monkeypatch):
     assert serve.available_cores() == len(os.sched_getaffinity(0))
 
 
+def test_a_cgroup_v1_cpu_limit_caps_the_default_too(tmp_path, monkeypatch):
+    # A node still on cgroup v1 has no cpu.max: a pod limited to 1.5 CPUs there must not start one
+    # gateway process per core of the node (each a whole gateway, within one memory limit).
+    quota, period = tmp_path / "cpu.cfs_quota_us", tmp_path / "cpu.cfs_period_us"
+    quota.write_text("150000\n")
+    period.write_text("100000\n")
+    monkeypatch.setattr(serve, "CGROUP_CPU_MAX", tmp_path / "absent")
+    monkeypatch.setattr(serve, "CGROUP_V1_CPU_QUOTA", quota, raising=False)
+    monkeypatch.setattr(serve, "CGROUP_V1_CPU_PERIOD", period, raising=False)
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert serve.available_cores() == 2
+    quota.write_text("-1\n")  # no limit
+    assert serve.available_cores() == 64
+
+
 def test_the_metrics_folder_is_emptied_before_the_workers_start(tmp_path):
     folder = tmp_path / "prometheus"
     (folder / "nested").mkdir(parents=True)
