@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,13 @@ def server_pid(child) -> int:
     return pid
 
 
+def py_spy_bin(given: str | None) -> str:
+    if given:
+        return given
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else (shutil.which("py-spy") or str(beside))
+
+
 def measure(url: str, key: str, pid: int, duration_s: float) -> dict:
     before = cpu_s(pid)
     run = bench.run_wrk(url + "/v1/chat/completions", key, "mock", CONCURRENCY, duration_s, None)
@@ -90,6 +98,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--py-spy", action="store_true")
     parser.add_argument("--py-spy-output", default=None, help="keep py-spy's raw (collapsed) stacks here")
+    parser.add_argument("--py-spy-bin", default=None,
+                        help="py-spy's executable (default: next to this Python, else on PATH); e.g. a virtualenv "
+                             "under .data/, never the project's")
     parser.add_argument("--compare-with", default=None,
                         help="a checkout of older code (e.g. `git archive <commit> | tar -x -C DIR`): its gateway is "
                              "measured too, in the same rounds")
@@ -146,7 +157,7 @@ def main() -> int:
                   f"ratio {through['requests_per_s'] / floor['requests_per_s']:.1%}", flush=True)
         if args.py_spy:
             raw = Path(args.py_spy_output or logs / "gateway.raw")
-            spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gateway_pid), "--format", "raw", "--rate", "200",
+            spy = subprocess.Popen([py_spy_bin(args.py_spy_bin), "record", "--pid", str(gateway_pid), "--format", "raw", "--rate", "200",
                                     "--nonblocking", "--output", str(raw), "--duration", str(int(args.duration_s) + 1)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             time.sleep(0.5)
