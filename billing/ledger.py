@@ -14,6 +14,7 @@ drawn from credit, and the hourly totals the rollups are made of.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -35,7 +36,7 @@ from django.db.models.aggregates import Aggregate
 from django.db.models.functions import Cast, Coalesce, Extract, TruncDate
 from django.utils import timezone
 
-from billing.models import MONEY_QUANTUM, BillingAccount, BillingMode, UsageRecord, UsageStatus
+from billing.models import MONEY_PLACES, MONEY_QUANTUM, BillingAccount, BillingMode, UsageRecord, UsageStatus
 from billing.periods import Period
 
 PER_MILLION = Decimal("0.000001")
@@ -108,6 +109,45 @@ def cost_of(endpoint, prompt_tokens: int, cached_tokens: int, completion_tokens:
         + completion_tokens * endpoint.price_output_per_million
     ) * fraction * PER_MILLION
     return raw.quantize(MONEY_QUANTUM, rounding=ROUND_HALF_UP)
+
+
+@dataclass(slots=True, frozen=True)
+class CostCeiling:
+    """Whether tokens cost more than a ceiling: exactly `cost_of(endpoint, …, fraction=…) > ceiling`, in
+    integer arithmetic.
+
+    NOTE: a stream checks its reservation on every chunk (`endpoints.gateway.call`); there, Decimal
+    arithmetic and rounding cost more than the rest of the chunk's own work. Here the prices are
+    exact integer ratios over one denominator, and the rounding (half-up to the nano-dollar) is folded
+    into the threshold: a cost rounds above the ceiling iff its raw value reaches the next
+    nano-dollar less half a nano-dollar.
+    """
+
+    per_uncached: int
+    per_cached: int
+    per_completion: int
+    threshold: int  # exceeded iff uncached·per_uncached + cached·per_cached + completion·per_completion ≥ threshold
+
+    @classmethod
+    def of(cls, endpoint, ceiling: Decimal, *, fraction: Decimal = Decimal(1)) -> CostCeiling:
+        prices = [Decimal(endpoint.price_input_per_million), Decimal(endpoint.price_cached_input_per_million),
+                  Decimal(endpoint.price_output_per_million)]
+        ratios = [price.as_integer_ratio() for price in prices]
+        denominator = math.lcm(*(den for _, den in ratios))
+        numerators = [num * (denominator // den) for num, den in ratios]
+        fraction_num, fraction_den = Decimal(fraction).as_integer_ratio()
+        # the smallest multiple of a nano-dollar above the ceiling, less half a nano-dollar, as a ratio
+        next_units = math.floor(Decimal(ceiling) * 10**MONEY_PLACES) + 1
+        limit_num, limit_den = 2 * next_units - 1, 2 * 10**MONEY_PLACES
+        if fraction_num <= 0:  # free: never above a ceiling of zero or more
+            return cls(0, 0, 0, 1 if limit_num > 0 else 0)
+        # raw = Σ·fraction / (denominator · 10⁶) ≥ limit  ⟺  Σ ≥ limit · denominator · 10⁶ / fraction
+        needed_num, needed_den = limit_num * denominator * 10**6 * fraction_den, limit_den * fraction_num
+        return cls(*numerators, threshold=-(-needed_num // needed_den))
+
+    def exceeded(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> bool:
+        return ((prompt_tokens - cached_tokens) * self.per_uncached + cached_tokens * self.per_cached
+                + completion_tokens * self.per_completion) >= self.threshold
 
 
 # NOTE: the billing mode is read in the same statement that writes the row, so `set_billing_mode`

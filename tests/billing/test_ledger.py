@@ -2,13 +2,14 @@
 
 import asyncio
 import dataclasses
+import random
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 
-from billing.ledger import UnknownEndpointError, cost_of, record_usage, record_usage_batch
+from billing.ledger import CostCeiling, UnknownEndpointError, cost_of, record_usage, record_usage_batch
 from billing.models import UsageRecord
 from billing.usage_writer import arecord_usage, writer_for_this_loop
 from tests.billing.conftest import usage_report
@@ -154,3 +155,22 @@ def test_the_async_writer_survives_its_connection_being_dropped():
 
     assert asyncio.run(scenario()) is True
     assert set(UsageRecord.objects.values_list("request_id", flat=True)) == {"before-drop", "after-drop"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_cost_ceiling_agrees_with_cost_of_to_the_nano_dollar(seed):
+    """A stream's per-chunk check (`CostCeiling.exceeded`) says exactly what `cost_of(...) > ceiling` says,
+    at the rounding edges too."""
+    generator = random.Random(seed)
+    for _ in range(2_000):
+        prices = [Decimal(generator.randint(0, 5_000_000)).scaleb(-6) for _ in range(3)]
+        endpoint = EndpointFactory.build(price_input_per_million=prices[0], price_cached_input_per_million=prices[1],
+                                         price_output_per_million=prices[2])
+        fraction = generator.choice([Decimal(1), Decimal("0.5"), Decimal("0.333333"), Decimal(0)])
+        prompt = generator.randint(0, 200_000)
+        cached, completion = generator.randint(0, prompt), generator.randint(0, 50_000)
+        cost = cost_of(endpoint, prompt, cached, completion, fraction=fraction)
+        nudge = Decimal(generator.choice([-2, -1, 0, 0, 1, 2])).scaleb(-9)
+        ceiling = max(Decimal(0), cost + nudge) if generator.random() < 0.8 else Decimal(generator.randint(0, 10**6)).scaleb(-9)
+        exceeded = CostCeiling.of(endpoint, ceiling, fraction=fraction).exceeded(prompt, cached, completion)
+        assert exceeded == (cost > ceiling), (prices, fraction, prompt, cached, completion, ceiling, cost)
