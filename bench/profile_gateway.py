@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,13 @@ def server_pid(child) -> int:
     return pid
 
 
+def py_spy_bin(given: str | None) -> str:
+    if given:
+        return given
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else (shutil.which("py-spy") or str(beside))
+
+
 def measure(url: str, key: str, pid: int, duration_s: float) -> dict:
     before = cpu_s(pid)
     run = bench.run_wrk(url + "/v1/chat/completions", key, "mock", CONCURRENCY, duration_s, None)
@@ -90,9 +98,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--py-spy", action="store_true")
     parser.add_argument("--py-spy-output", default=None, help="keep py-spy's raw (collapsed) stacks here")
+    parser.add_argument("--py-spy-bin", default=None,
+                        help="py-spy's executable (default: next to this Python, else on PATH); e.g. a virtualenv "
+                             "under .data/, never the project's")
     parser.add_argument("--compare-with", default=None,
                         help="a checkout of older code (e.g. `git archive <commit> | tar -x -C DIR`): its gateway is "
                              "measured too, in the same rounds")
+    parser.add_argument("--stream-concurrency", default="",
+                        help="also streaming runs at these concurrencies (e.g. 32,64): tokens/s direct and through "
+                             "the gateway (fast mock, 16 tokens), alternating, and the gateway's CPU µs per token")
+    parser.add_argument("--stream-token-delay-ms", type=float, default=0.0,
+                        help="the streaming runs go to a second mock pausing this long before each token (below "
+                             "saturation, as a real engine)")
+    parser.add_argument("--skip-wrk", action="store_true", help="only the streaming runs")
     parser.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn")
     args = parser.parse_args()
     bench.setup_django()
@@ -104,7 +122,17 @@ def main() -> int:
         children.append(mock)
         mock_url = f"http://127.0.0.1:{mock_port}"
         bench.wait_healthy(mock_url + "/health", mock, 30)
-        key = bench.seed({"mock": mock_url})
+        upstreams = {"mock": mock_url}
+        stream_model, stream_upstream = "mock", mock_url
+        if args.stream_token_delay_ms:
+            slow_port = bench.free_port()
+            slow = bench.Child([sys.executable, "-m", "tests.fakes.mock_openai", "--port", str(slow_port), "--token-delay-ms",
+                                str(args.stream_token_delay_ms)], logs / "mock-slow.log")
+            children.append(slow)
+            stream_model, stream_upstream = "mock-slow", f"http://127.0.0.1:{slow_port}"
+            bench.wait_healthy(stream_upstream + "/health", slow, 30)
+            upstreams[stream_model] = stream_upstream
+        key = bench.seed(upstreams)
         gateway = bench.Child(serve_args(args.server, "controlplane.asgi:application", gateway_port), logs / "gateway.log")
         children.append(gateway)
         gateway_url = f"http://127.0.0.1:{gateway_port}"
@@ -131,7 +159,7 @@ def main() -> int:
         bench.run_wrk(gateway_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)  # warm up
         bench.run_wrk(bare_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)
         rows = []
-        for _ in range(args.rounds):
+        for _ in range(0 if args.skip_wrk else args.rounds):
             floor = measure(bare_url, key, bare_pid, args.duration_s)
             through = measure(gateway_url, key, gateway_pid, args.duration_s)
             rows.append((floor, through))
@@ -144,16 +172,40 @@ def main() -> int:
                   f"gateway {through['requests_per_s']}/s {through['cpu_us_per_request']} µs/req p50 {through['p50_ms']} "
                   f"p99 {through['p99_ms']} ms errors {through['errors']} | "
                   f"ratio {through['requests_per_s'] / floor['requests_per_s']:.1%}", flush=True)
+        for concurrency in [int(c) for c in args.stream_concurrency.split(",") if c]:
+            for _ in range(args.rounds):
+                direct = bench.asyncio.run(bench.run_streams(stream_upstream + "/v1/chat/completions", key, stream_model, concurrency,
+                                                             args.duration_s, 16))
+                before_cpu = cpu_s(gateway_pid)
+                through = bench.asyncio.run(bench.run_streams(gateway_url + "/v1/chat/completions", key, stream_model, concurrency,
+                                                              args.duration_s, 16))
+                used = cpu_s(gateway_pid) - before_cpu
+                line = (f"stream c{concurrency}: tokens/s direct {direct['tokens_per_s']} gateway {through['tokens_per_s']} "
+                        f"ratio {through['tokens_per_s'] / max(1, direct['tokens_per_s']):.1%} | gateway "
+                        f"{used / max(1, through['tokens_per_s'] * args.duration_s) * 1e6:.1f} µs CPU per token, "
+                        f"errors {through['errors']}")
+                if before_url:
+                    before_cpu = cpu_s(before_pid)
+                    older = bench.asyncio.run(bench.run_streams(before_url + "/v1/chat/completions", key, stream_model,
+                                                                concurrency, args.duration_s, 16))
+                    used = cpu_s(before_pid) - before_cpu
+                    line += (f" | before {older['tokens_per_s']} ratio {older['tokens_per_s'] / max(1, direct['tokens_per_s']):.1%} "
+                             f"{used / max(1, older['tokens_per_s'] * args.duration_s) * 1e6:.1f} µs CPU per token")
+                print(line, flush=True)
         if args.py_spy:
             raw = Path(args.py_spy_output or logs / "gateway.raw")
-            spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gateway_pid), "--format", "raw", "--rate", "200",
+            spy = subprocess.Popen([py_spy_bin(args.py_spy_bin), "record", "--pid", str(gateway_pid), "--format", "raw", "--rate", "200",
                                     "--nonblocking", "--output", str(raw), "--duration", str(int(args.duration_s) + 1)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             time.sleep(0.5)
-            bench.run_wrk(gateway_url + "/v1/chat/completions", key, "mock", CONCURRENCY, args.duration_s, None)
+            if args.skip_wrk and args.stream_concurrency:  # sample a streaming run
+                bench.asyncio.run(bench.run_streams(gateway_url + "/v1/chat/completions", key, stream_model, int(args.stream_concurrency.split(",")[0]),
+                                                    args.duration_s, 16))
+            else:
+                bench.run_wrk(gateway_url + "/v1/chat/completions", key, "mock", CONCURRENCY, args.duration_s, None)
             spy.wait(timeout=60)
             print(top_functions(raw) if raw.exists() else f"py-spy wrote nothing: {spy.stderr.read().decode()[-2000:]}")
-        if not through["requests"]:
+        if not args.skip_wrk and not through["requests"]:
             print(gateway.log_tail())
     finally:
         for child in reversed(children):

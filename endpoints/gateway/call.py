@@ -90,6 +90,8 @@ class InferenceCall:
     # A batch line (`endpoints.batches.runner`): its usage row names the batch, priced at this fraction.
     batch_id: str = ""
     price_fraction: Decimal = Decimal(1)
+    # `reserved` as a stream checks it on every chunk (set when the stream starts relaying).
+    _ceiling: ledger.CostCeiling | None = None
     # The LoRA adapter the call names (`endpoint` is then priced at its prices): served only by replicas holding it.
     adapter: AdapterInfo | None = None
 
@@ -269,6 +271,7 @@ class InferenceCall:
 
     async def _relay_stream(self, response: aiohttp.ClientResponse) -> None:
         await self.start_stream()
+        self._ceiling = ledger.CostCeiling.of(self.endpoint, self.reserved, fraction=self.price_fraction)
         options = self.request.payload.get("stream_options") or {}
         wants_usage = bool(options.get("include_usage"))
         wants_continuous = wants_usage and bool(options.get("continuous_usage_stats"))
@@ -308,7 +311,8 @@ class InferenceCall:
                     self.usage.take_chunk(event_usage, event)
                 else:
                     self.usage.take_totals(event_usage)
-                if self._cost() > self.reserved:
+                usage = self.usage
+                if self._ceiling.exceeded(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens):
                     spent = True
                     break
         if out:

@@ -9,6 +9,7 @@ the rest. Pure functions over bytes: the call (`endpoints.gateway.call`) does th
 from __future__ import annotations
 
 import json
+import re
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -63,6 +64,7 @@ def _rewrite_parsed(event: bytes, wants_usage: bool, wants_continuous: bool) -> 
 
 
 _USAGE_FIELD = b',"usage":'
+_FLAT_OBJECT = re.compile(rb"\{[^{}]*\}")
 
 
 def find_usage(data: bytes) -> tuple[dict | None, int, int]:
@@ -105,6 +107,9 @@ def _object_end(data: bytes, start: int) -> int:
 
     NOTE: counts braces without reading strings: for `usage`, whose fields are numbers and objects.
     """
+    flat = _FLAT_OBJECT.match(data, start)
+    if flat is not None:  # no object inside (vLLM's usage without details): the first brace closes it
+        return flat.end()
     if not data.startswith(b"{", start):
         return -1
     depth, position = 1, start + 1

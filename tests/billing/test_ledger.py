@@ -1,12 +1,15 @@
 """The usage ledger: one row per request id, priced at write time, never lost, never doubled."""
 
 import asyncio
+import dataclasses
+import random
+from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 
-from billing.ledger import UnknownEndpointError, cost_of, record_usage, record_usage_batch
+from billing.ledger import CostCeiling, UnknownEndpointError, cost_of, record_usage, record_usage_batch
 from billing.models import UsageRecord
 from billing.usage_writer import arecord_usage, writer_for_this_loop
 from tests.billing.conftest import usage_report
@@ -56,6 +59,29 @@ def test_database_and_python_prices_agree_to_the_nano_dollar_on_awkward_numbers(
         report = usage_report(endpoint, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion)
         record_usage(report)
         assert UsageRecord.objects.get(request_id=report.request_id).cost == cost_of(endpoint, prompt, cached, completion)
+
+
+def test_a_batch_keeps_every_value_exactly_as_reported():
+    """The batch travels as one JSON document (`billing.ledger._rows`): money, times with their
+    offset, a request id with quotes and backslashes, nulls and the cold start's phases arrive intact."""
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1000"), price_output_per_million=Decimal("1000"))
+    india = timezone(timedelta(hours=5, minutes=30))
+    started_at = datetime(2026, 3, 4, 10, 0, 0, 123456, tzinfo=india)
+    odd = dataclasses.replace(usage_report(endpoint, request_id='req "quoted" \\ back\'slash é'),
+                              started_at=started_at, first_token_at=None,
+                              finished_at=started_at + timedelta(seconds=1, microseconds=1), replica_id=None,
+                              max_cost=Decimal("0.000000001"), cold_start_s=1.25, cold_start_ms=1250,
+                              cold_start_phases={"scheduling": 250, "engine": 1000}, batch_id="")
+    plain = usage_report(endpoint)
+
+    assert record_usage_batch([odd, plain]) == {odd.request_id, plain.request_id}
+
+    row = UsageRecord.objects.get(request_id=odd.request_id)
+    assert (row.started_at, row.finished_at, row.first_token_at) == (odd.started_at, odd.finished_at, None)
+    assert row.cost == Decimal("0.000000001")  # capped at the reservation, to the nano-dollar
+    assert (row.replica_id, row.cold_start_s, row.cold_start_ms) == ("", 1.25, 1250)
+    assert row.cold_start_phases == {"scheduling": 250, "engine": 1000}
+    assert UsageRecord.objects.get(request_id=plain.request_id).cost == cost_of(endpoint, 100, 0, 50)
 
 
 def test_an_aborted_stream_is_recorded_with_the_tokens_delivered():
@@ -129,3 +155,22 @@ def test_the_async_writer_survives_its_connection_being_dropped():
 
     assert asyncio.run(scenario()) is True
     assert set(UsageRecord.objects.values_list("request_id", flat=True)) == {"before-drop", "after-drop"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_cost_ceiling_agrees_with_cost_of_to_the_nano_dollar(seed):
+    """A stream's per-chunk check (`CostCeiling.exceeded`) says exactly what `cost_of(...) > ceiling` says,
+    at the rounding edges too."""
+    generator = random.Random(seed)
+    for _ in range(2_000):
+        prices = [Decimal(generator.randint(0, 5_000_000)).scaleb(-6) for _ in range(3)]
+        endpoint = EndpointFactory.build(price_input_per_million=prices[0], price_cached_input_per_million=prices[1],
+                                         price_output_per_million=prices[2])
+        fraction = generator.choice([Decimal(1), Decimal("0.5"), Decimal("0.333333"), Decimal(0)])
+        prompt = generator.randint(0, 200_000)
+        cached, completion = generator.randint(0, prompt), generator.randint(0, 50_000)
+        cost = cost_of(endpoint, prompt, cached, completion, fraction=fraction)
+        nudge = Decimal(generator.choice([-2, -1, 0, 0, 1, 2])).scaleb(-9)
+        ceiling = max(Decimal(0), cost + nudge) if generator.random() < 0.8 else Decimal(generator.randint(0, 10**6)).scaleb(-9)
+        exceeded = CostCeiling.of(endpoint, ceiling, fraction=fraction).exceeded(prompt, cached, completion)
+        assert exceeded == (cost > ceiling), (prices, fraction, prompt, cached, completion, ceiling, cost)
