@@ -377,7 +377,12 @@ def _run_child(status, handoff: Handoff, device: str, started_at: float) -> None
     code = 1
     try:
         status.close()
-        os.setpgid(0, 0)  # its own group: the supervisor signals this engine and its children together
+        # Its own session, hence its own process group: the supervisor signals this engine and its children
+        # together. NOTE: a session, not only a group, as a plain launch has (`start_new_session`): with the
+        # kernel's autogroup scheduling (on by default in most distributions) CPU time is shared out per
+        # session, so engines forked into the zygote's session shared one engine's share between them;
+        # four starting at once on a busy 2-core node took 4x one.
+        os.setsid()
         code = become_engine(handoff, device, started_at)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
