@@ -223,8 +223,8 @@ def _prepare_engine_start(device: str) -> None:
       logger of vLLM and torch, ~0.2 s): the server finds it active and skips it, and its forked
       EngineCore and worker skip theirs too (`_skip_inherited_logging_setup`);
     - multiprocessing's resource tracker, a fresh interpreter (~0.2 s) each engine would start for its
-      shared-memory queues: the engines share this one, which also unlinks what a killed engine left
-      in /dev/shm (the tracker an engine starts itself dies with it, unlinking nothing);
+      shared-memory queues: the engines share this one, which unlinks what a killed engine left in
+      /dev/shm once the zygote and its engines are gone (one an engine starts dies with it, unlinking nothing);
     - on CPU, vLLM's C++ stand-ins for Triton kernels: registering them scans every module's namespace
       (~0.4 s in each worker); registered here, the worker's own call is skipped.
     """
@@ -267,7 +267,7 @@ def _freeze_heap() -> None:
 
     NOTE: vLLM collects the whole heap several times while an engine starts (twice after loading
     weights in the worker, `freeze_gc_heap` in the EngineCore and in the API server's start-up): with
-    vLLM and torch imported that is ~0.6 s of CPU each, ~2.7 s of a ~5 s start on the tiny CPU model,
+    vLLM and torch imported that is ~0.6 s of CPU each, ~2.7 s of the ~6 s of CPU a start took (tiny CPU model),
     and the CPU-bound part that engines starting at once queue for. Objects frozen here (the imports,
     shared by every engine forked from this process) are never scanned again, so each collection in
     an engine walks only what that engine made; nor does a collection write to their pages, which
