@@ -223,8 +223,8 @@ def _prepare_engine_start(device: str) -> None:
       logger of vLLM and torch, ~0.2 s): the server finds it active and skips it, and its forked
       EngineCore and worker skip theirs too (`_skip_inherited_logging_setup`);
     - multiprocessing's resource tracker, a fresh interpreter (~0.2 s) each engine would start for its
-      shared-memory queues: the engines share this one, which unlinks what a killed engine left in
-      /dev/shm once the zygote and its engines are gone (one an engine starts dies with it, unlinking nothing);
+      shared-memory queues: the engines share this one. NOTE: it unlinks nothing a SIGKILLed engine left
+      in /dev/shm (the reaper kills it with the zygote), no more than an engine's own tracker did;
     - on CPU, vLLM's C++ stand-ins for Triton kernels: registering them scans every module's namespace
       (~0.4 s in each worker); registered here, the worker's own call is skipped.
     """
