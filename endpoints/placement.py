@@ -33,7 +33,8 @@ DEFAULT_WEIGHTS_MB = 1024
 BYTES_PER_PARAMETER = 2  # bf16 checkpoints
 # KV cache per token scales with the model: about 128 KiB for an 8B Llama with GQA (16 GB of weights).
 KV_BYTES_PER_TOKEN_PER_WEIGHT_BYTE = 8e-6
-# CPU engines get a fixed KV cache (the agent's --cpu-kv-cache-gib, 1 GiB) plus Python and runtime.
+# CPU engines get a KV cache of at most the agent's --cpu-kv-cache-gib (1 GiB; less when their sequences
+# fill less, `gpu_agent.runtime.engine.cpu_kv_cache_bytes`) plus Python and runtime: reserved whole.
 CPU_KV_CACHE_MB = 1024
 CPU_ENGINE_OVERHEAD_MB = 768
 PARAMETERS_IN_NAME = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])")

@@ -333,7 +333,9 @@ def memory_estimate_problem(endpoint: Endpoint, memory: protocol.EngineMemory) -
     """How the engine's own memory report differs from placement's estimate; "" when within the margin.
 
     Weights are compared where the engine says (CUDA); a CPU engine's KV cache against the fixed one
-    placement reserves. A CUDA engine's KV cache fills what --gpu-memory-utilization leaves: not compared.
+    placement reserves, when it is larger: the agent sizes it to what the replica's sequences can fill,
+    at most that (`gpu_agent.runtime.engine.cpu_kv_cache_bytes`). A CUDA engine's KV cache fills what
+    --gpu-memory-utilization leaves: not compared.
     """
 
     def off(actual: int, expected: int) -> bool:
@@ -345,8 +347,9 @@ def memory_estimate_problem(endpoint: Endpoint, memory: protocol.EngineMemory) -
         if off(memory.weights_mb, expected):
             return (f"the engine's weights take {memory.weights_mb} MB, placement estimated {expected} MB "
                     f"(quantization {endpoint.quantization} on {endpoint.gpu_type})")
-    if endpoint.gpu_type == "cpu" and memory.kv_cache_mb is not None and off(memory.kv_cache_mb, CPU_KV_CACHE_MB):
-        return f"the engine's KV cache takes {memory.kv_cache_mb} MB, placement reserved {CPU_KV_CACHE_MB} MB"
+    kv_cache_mb = memory.kv_cache_mb
+    if endpoint.gpu_type == "cpu" and kv_cache_mb is not None and kv_cache_mb > CPU_KV_CACHE_MB and off(kv_cache_mb, CPU_KV_CACHE_MB):
+        return f"the engine's KV cache takes {kv_cache_mb} MB, placement reserved {CPU_KV_CACHE_MB} MB"
     return ""
 
 

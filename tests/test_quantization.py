@@ -9,6 +9,7 @@ from endpoints.fleet.services import create_join_token
 from endpoints.models import EndpointEvent, EventKind, ModelFacts, Replica
 from endpoints.nodes.models import Node
 from endpoints.placement import estimated_weights_mb, memory_needed_mb
+from endpoints.replicas import memory_estimate_problem
 from gpu_agent.protocol import (
     QUANTIZATION_FACTS,
     CheckpointQuantization,
@@ -208,3 +209,12 @@ def test_an_engine_holding_far_more_than_placement_estimated_makes_an_event_oper
         "(quantization int8 on l4)"
     )
     assert event.details == {"weights_mb": 15667, "kv_cache_mb": 2048}
+
+
+def test_a_cpu_engine_whose_kv_cache_is_smaller_than_reserved_makes_no_event():
+    endpoint = EndpointFactory(model_source="hf:org/model-1B", gpu_type="cpu", quantization="none")
+    # The agent sizes a CPU engine's KV cache to what its sequences can fill, under the 1 GiB reserved.
+    assert memory_estimate_problem(endpoint, EngineMemory(kv_cache_mb=16)) == ""
+    assert memory_estimate_problem(endpoint, EngineMemory(kv_cache_mb=4096)) == (
+        "the engine's KV cache takes 4096 MB, placement reserved 1024 MB"
+    )

@@ -62,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
         type=_port_range,
         help="LOW-HIGH: the ports engines listen on; the control plane accepts no engine address outside them",
     )
-    run.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="KV cache per engine on CPU nodes")
+    run.add_argument(
+        "--cpu-kv-cache-gib", type=int, default=1,
+        help="KV cache per engine on CPU nodes, at most (less when its sequences fill less)",
+    )  # fmt: skip
     run.add_argument("--log-level", default=os.environ.get("INFERPLANE_AGENT_LOG_LEVEL", "INFO"))
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random Llama for tests (no download)")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gpu_agent.protocol import ModelTask, ReplicaSpec
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
-from gpu_agent.runtime.model_info import model_task
+from gpu_agent.runtime.model_info import kv_cache_bytes_per_token, model_task, read_model_info
 from gpu_agent.runtime.sleep_mode import sleep_mode_flags
 from gpu_agent.runtime.speculative import speculative_args
 
@@ -32,8 +32,13 @@ DEVICE_CUDA = "cuda"
 REPLICA_ENV_MARKER = "INFERPLANE_REPLICA_ID"
 DATA_DIR_ENV_MARKER = "INFERPLANE_DATA_DIR"
 
-# vLLM's KV cache on CPU is a fixed allocation, not a fraction of GPU memory.
+# vLLM's KV cache on CPU is a fixed allocation, not a fraction of GPU memory: at most this much.
 DEFAULT_CPU_KV_CACHE_GIB = 1
+# A CPU engine's KV cache holds this many times what its sequences can fill at once (max_num_seqs
+# sequences of max_model_len tokens), under the cap above: the rest keeps finished prefixes cached.
+# NOTE: vLLM zeroes the whole cache at start: 1 GiB took 0.8 s of CPU alone on a quiet 2-core machine and
+# 11 s in each of four engines starting at once (page faults), for the tiny model's 8 × 512 tokens (8 MiB).
+CPU_KV_CACHE_HEADROOM = 2
 
 # NOTE: every engine schedules by the request's `priority` (lower runs sooner; vLLM's default 0 is
 # interactive work), so batch work sent at a higher number waits behind interactive calls.
@@ -253,7 +258,11 @@ def build_engine_command(
     if device == DEVICE_CPU:
         # CUDA graphs and multi-process workers buy nothing on CPU and cost start time.
         argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
-        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+        kv_cache_bytes = cpu_kv_cache_bytes(spec, model_path, dtype, task, cap_gib=cpu_kv_cache_gib)
+        if kv_cache_bytes is None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+        else:
+            argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
         env["VLLM_TARGET_DEVICE"] = "cpu"
     else:
         argv += cuda_placement_args(spec)
@@ -262,6 +271,25 @@ def build_engine_command(
         argv += sleep_args
         env.update(sleep_env)
     return EngineCommand(argv=argv, env=env, host=host, port=port, advertise_host=advertise_host)
+
+
+def cpu_kv_cache_bytes(
+    spec: ReplicaSpec, model_path: str | Path, dtype: str, task: ModelTask, *, cap_gib: int
+) -> int | None:
+    """A CPU engine's KV cache sized to what it can use, or None for the fixed `cap_gib` GiB.
+
+    The fixed size stays when the operator set `VLLM_CPU_KVCACHE_SPACE`, for speculative decoding
+    (the draft's cache shares it), for embedding models, and when the model's geometry is unknown.
+    """
+    if "VLLM_CPU_KVCACHE_SPACE" in os.environ or spec.speculative is not None or task == ModelTask.EMBED:
+        return None
+    bytes_per_token = kv_cache_bytes_per_token(model_path, dtype)
+    info = read_model_info(model_path)
+    max_model_len = spec.max_model_len or (info.max_model_len if info else None)
+    if bytes_per_token is None or not max_model_len:
+        return None
+    wanted = CPU_KV_CACHE_HEADROOM * spec.max_num_seqs * max_model_len * bytes_per_token
+    return wanted if wanted < cap_gib * 1024**3 else None
 
 
 # --- GPUs a CUDA engine runs on ------------------------------------------------------------

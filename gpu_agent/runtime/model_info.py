@@ -36,6 +36,7 @@ CONTEXT_LENGTH_KEYS = (
 # RoPE scalings whose factor is already part of max_position_embeddings (as vLLM treats them).
 ROPE_TYPES_WITHOUT_EXTENSION = ("su", "longrope", "llama3", "mrope", "default")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
 def read_model_info(model_dir: str | Path) -> ModelInfo | None:
@@ -113,6 +114,36 @@ def context_length(config: dict) -> int | None:
                 derived = rope.get("original_max_position_embeddings", derived)
             derived = int(derived * factor)
     return derived
+
+
+def kv_cache_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
+    """Bytes of K and V a token takes over every layer, for a plain attention decoder in `dtype`.
+
+    None when the config says anything else (multimodal, state-space or hybrid layers, an unknown
+    dtype): the caller then keeps its fixed size. Sliding-window and latent (MLA) attention take less
+    than this, so it is an upper bound for them.
+    """
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or "text_config" in config:
+        return None
+    if any("mamba" in key or "ssm" in key for key in config) or set(config.get("layer_types") or ()) - {
+        "full_attention", "sliding_attention",
+    }:  # fmt: skip
+        return None
+    values = {
+        key: config.get(key) for key in ("num_hidden_layers", "num_attention_heads", "hidden_size")
+    }
+    values["num_key_value_heads"] = config.get("num_key_value_heads", values["num_attention_heads"])
+    if not all(isinstance(value, int) and not isinstance(value, bool) and value > 0 for value in values.values()):
+        return None
+    head_dim = config.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    element_bytes = DTYPE_BYTES.get(dtype)
+    if not isinstance(head_dim, int) or head_dim <= 0 or element_bytes is None:
+        return None
+    return 2 * values["num_hidden_layers"] * values["num_key_value_heads"] * head_dim * element_bytes
 
 
 def count_parameters(model_dir: Path) -> int | None:

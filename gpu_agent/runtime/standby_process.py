@@ -20,6 +20,7 @@ from a poisoned process: the agent then starts its replicas the plain way.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -45,9 +46,44 @@ PRELOAD_MODULES = (
     "vllm.model_executor.models.qwen2",
     "vllm.model_executor.models.qwen3",
     "uvloop",
+    # What an engine still imported after its fork (`PYTHONPROFILEIMPORTTIME=1` in a replica's log,
+    # tiny CPU model): ~0.9 s per replica, every one of four starting at once paying it again.
+    "vllm.model_executor.layers.quantization.online.base",  # compressed_tensors: 0.29 s, in the worker
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.distributed.elastic_ep.elastic_execute",
+    "vllm.transformers_utils.chat_templates",
+    "vllm.entrypoints.launchers.app",  # the API server's routers, imported as it builds its app
+    "vllm.entrypoints.serve.profile.api_router",
+    "vllm.entrypoints.serve.tokenize.api_router",
+    "vllm.entrypoints.serve.lora.api_router",
+    "vllm.entrypoints.serve.elastic_ep.api_router",
+    "vllm.entrypoints.serve.instrumentator.metrics",
+    "vllm.entrypoints.serve.instrumentator.offline_docs",
+    "vllm.entrypoints.openai.responses.api_router",
+    "vllm.entrypoints.openai.chat_completion.api_router",
+    "vllm.entrypoints.openai.completion.api_router",
+    "vllm.entrypoints.anthropic.api_router",
+    "vllm.entrypoints.cohere.api_router",
+    "vllm.entrypoints.generate.api_router",
+    "vllm.entrypoints.generate.structured_decisions.api_router",
+    "vllm.entrypoints.generate.generative_scoring.api_router",
+    "vllm.entrypoints.scale_out.factories",
+    "vllm.entrypoints.scale_out.render.api_router",
+    "vllm.entrypoints.scale_out.derender.api_router",
+    "vllm.entrypoints.scale_out.token_in_token_out.api_router",
+    "model_hosting_container_standards.sagemaker",
+    "uvicorn.protocols.http.httptools_impl",
+    "uvicorn.protocols.websockets.websockets_sansio_impl",
+    "setproctitle",
 )
 PRELOAD_MODULES_BY_DEVICE = {
-    DEVICE_CPU: ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner"),
+    DEVICE_CPU: (
+        "vllm.v1.worker.cpu_worker",
+        "vllm.v1.worker.cpu_model_runner",
+        "vllm.utils.cpu_triton_utils",
+        "vllm.v1.attention.backends.zentorch_sdpa",
+    ),
     "cuda": ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner"),
 }
 # torch's `cuda.is_available()` calls `cudaGetDeviceCount`, which initialises the CUDA driver (`cuInit`)
@@ -141,6 +177,106 @@ def _preload(device: str) -> None:
         print(f"standby: imported {module} in {time.monotonic() - started_at:.1f}s", file=sys.stderr)
 
 
+def _warm_model_info_cache() -> None:
+    """Write vLLM's on-disk facts about each preloaded model class, so no engine inspects one itself.
+
+    vLLM reads them (supports LoRA, pooling, ...) from `VLLM_CACHE_ROOT/modelinfos`, keyed by the
+    model module's hash; on a miss it inspects the class in a fresh interpreter that imports vLLM
+    again: 21.8 s of the first cold start of an architecture on a node (tiny CPU model, quiet
+    machine), and a replica of every concurrent cold start paid it. The classes of the preloaded
+    modules are imported here already, so they are inspected in this process, once per node and
+    vLLM version. NOTE: that subprocess exists to keep CUDA uninitialised; the checks after the
+    imports (`refuse_if_cuda_initialised`) run after this too.
+    """
+    try:
+        from vllm.model_executor.models import registry
+    except Exception as exc:  # a vLLM build without it: its engines inspect as they always did
+        print(f"standby: no model registry to warm ({exc!r})", file=sys.stderr)
+        return
+    started_at = time.monotonic()
+    run_in_subprocess = registry._run_in_subprocess
+    registry._run_in_subprocess = lambda inspect: inspect()
+    num_inspected = 0
+    try:
+        for architecture, model in registry.ModelRegistry.models.items():
+            if getattr(model, "module_name", None) not in sys.modules:
+                continue  # its module is not imported here: importing it is its engine's business
+            try:
+                model.inspect_model_cls()
+            except Exception as exc:  # noqa: BLE001 - the engine inspects it the usual way
+                print(f"standby: could not inspect {architecture}: {exc!r}", file=sys.stderr)
+                continue
+            num_inspected += 1
+    finally:
+        registry._run_in_subprocess = run_in_subprocess
+    print(
+        f"standby: model info of {num_inspected} architectures cached in {time.monotonic() - started_at:.1f}s",
+        file=sys.stderr,
+    )
+
+
+def _prepare_engine_start(device: str) -> None:
+    """Do here, once, the start-up steps that are the same for every engine forked from this process.
+
+    Each one cost every replica its CPU again (py-spy of one forked engine, tiny CPU model):
+    - vLLM's logging set-up as the server's default arguments give it (a `dictConfig` over every
+      logger of vLLM and torch, ~0.2 s): the server finds it active and skips it, and its forked
+      EngineCore and worker skip theirs too (`_skip_inherited_logging_setup`);
+    - multiprocessing's resource tracker, a fresh interpreter (~0.2 s) each engine would start for its
+      shared-memory queues: the engines share this one. NOTE: it unlinks nothing a SIGKILLed engine left
+      in /dev/shm (the reaper kills it with the zygote), no more than an engine's own tracker did;
+    - on CPU, vLLM's C++ stand-ins for Triton kernels: registering them scans every module's namespace
+      (~0.4 s in each worker); registered here, the worker's own call is skipped.
+    """
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.logger import configure_logging_from_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        configure_logging_from_args(make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "-"]))
+    except Exception as exc:  # noqa: BLE001 - each engine configures its logging as usual
+        print(f"standby: could not set up vLLM's logging ahead ({exc!r})", file=sys.stderr)
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    if device == DEVICE_CPU:
+        try:
+            from vllm.platforms.cpu import CpuPlatform
+
+            CpuPlatform.register_triton_kernel_overrides()
+            CpuPlatform.register_triton_kernel_overrides = classmethod(lambda cls: None)
+        except Exception as exc:  # noqa: BLE001 - each worker registers them as usual
+            print(f"standby: could not register the CPU kernel overrides ahead ({exc!r})", file=sys.stderr)
+
+
+def _skip_inherited_logging_setup() -> None:
+    """In forked engine processes, skip vLLM's logging set-up when the configuration is the one inherited.
+
+    The EngineCore and its worker call `configure_logging` unconditionally (they are usually spawned);
+    forked, they already have the server's configuration, and redoing it costs each ~0.2 s of CPU.
+    """
+    import vllm.logger
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm") and vars(module).get("configure_logging") is vllm.logger.configure_logging:
+            module.configure_logging = vllm.logger.configure_logging_if_needed
+
+
+def _freeze_heap() -> None:
+    """Collect once, then move every object alive now out of the collector's sight (`gc.freeze`).
+
+    NOTE: vLLM collects the whole heap several times while an engine starts (twice after loading
+    weights in the worker, `freeze_gc_heap` in the EngineCore and in the API server's start-up): with
+    vLLM and torch imported that is ~0.6 s of CPU each, ~2.7 s of the ~6 s of CPU a start took (tiny CPU model),
+    and the CPU-bound part that engines starting at once queue for. Objects frozen here (the imports,
+    shared by every engine forked from this process) are never scanned again, so each collection in
+    an engine walks only what that engine made; nor does a collection write to their pages, which
+    stay shared with the zygote instead of being copied into every engine.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def _serve(handoff: Handoff, device: str) -> None:
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
@@ -154,6 +290,7 @@ def _serve(handoff: Handoff, device: str) -> None:
     validate_parsed_serve_args(args)
     if device == DEVICE_CPU:
         _force_fork_children()
+        _skip_inherited_logging_setup()
     uvloop.run(run_server(args))
 
 
@@ -176,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[NVML_CHECK_BEFORE_ENV] = os.environ.get(NVML_BASED_CUDA_CHECK_ENV, "")
         os.environ[NVML_BASED_CUDA_CHECK_ENV] = "1"
     _preload(options.device)
+    _warm_model_info_cache()
+    _prepare_engine_start(options.device)
+    _freeze_heap()
     refusal = refuse_if_cuda_initialised("while importing")
     if refusal is not None:
         print(f"standby: {refusal}", file=sys.stderr, flush=True)
@@ -237,7 +377,12 @@ def _run_child(status, handoff: Handoff, device: str, started_at: float) -> None
     code = 1
     try:
         status.close()
-        os.setpgid(0, 0)  # its own group: the supervisor signals this engine and its children together
+        # Its own session, hence its own process group: the supervisor signals this engine and its children
+        # together. NOTE: a session, not only a group, as a plain launch has (`start_new_session`): with the
+        # kernel's autogroup scheduling (on by default in most distributions) CPU time is shared out per
+        # session, so engines forked into the zygote's session shared one engine's share between them;
+        # four starting at once on a busy 2-core node took 4x one.
+        os.setsid()
         code = become_engine(handoff, device, started_at)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

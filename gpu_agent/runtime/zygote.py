@@ -17,8 +17,9 @@ set-up, and nothing needs refilling.
     read "exited <pid> <code>" <----  waitpid() of a child that ended
 
 Process lifetime (no orphans):
-- each engine is its own process group (`setpgid`), so drain's SIGTERM and the final SIGKILL go to
-  the engine and everything it started, as for a plain launch;
+- each engine leads its own session and process group (`setsid`), so drain's SIGTERM and the final
+  SIGKILL go to the engine and everything it started, and the kernel's autogroup scheduler gives it
+  its own CPU share, as for a plain launch;
 - the engines are descendants of the zygote's reaper, which is a child subreaper: when the agent dies
   (PR_SET_PDEATHSIG) or the zygote dies, the reaper kills every descendant, not just its own group;
   a zygote crash is therefore a crash of its engines, which the supervisor restarts;

