@@ -61,7 +61,16 @@ def exit_code(process: subprocess.Popen | None, pid: int) -> int | None:
 
 
 def kill_group(pid: int | None, process: subprocess.Popen | None, replica_id: str, data_dir: Path, sig: signal.Signals) -> None:
-    """Signal the engine's process group and, on SIGKILL, any stray process carrying its marker."""
+    """Signal the engine's process group and, on SIGKILL, any stray process carrying its marker.
+
+    On SIGKILL also the engine's shared-memory segments go: vLLM's queues between its API server,
+    EngineCore and workers live in `/dev/shm/psm_*` (Python's `SharedMemory`), unlinked only by a graceful
+    exit, so each killed engine used to leave them behind until the machine rebooted.
+    """
+    segments = set()
+    if sig == signal.SIGKILL:
+        members = group_members(pid) if pid is not None else []
+        segments = shared_memory_segments([*members, *(found.pid for found in replica_processes(replica_id, data_dir))])
     if pid is not None:
         try:
             os.killpg(pid, sig)
@@ -78,6 +87,50 @@ def kill_group(pid: int | None, process: subprocess.Popen | None, replica_id: st
                 process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+    for segment in segments:
+        try:
+            segment.unlink()
+        except OSError:  # already unlinked by the engine, or not ours to remove
+            pass
+
+
+SHARED_MEMORY_DIR = Path("/dev/shm")
+SHARED_MEMORY_PREFIX = "psm_"  # multiprocessing.shared_memory's names; vLLM's ring buffers use them
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of the process group `pgid` (an engine leads its own)."""
+    members = []
+    for entry in os.listdir("/proc") if sys.platform.startswith("linux") else ():
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    members.append(int(entry))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return members
+
+
+def shared_memory_segments(pids: list[int]) -> set[Path]:
+    """The `/dev/shm/psm_*` segments these processes have mapped or open: theirs to leave behind when killed."""
+    found = set()
+    for pid in set(pids):
+        paths = []
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                paths += [line.split(maxsplit=5)[5].strip() for line in maps if line.count(" ") >= 5 and "/dev/shm/" in line]
+            fd_dir = f"/proc/{pid}/fd"
+            for fd in os.listdir(fd_dir):
+                try:
+                    paths.append(os.readlink(f"{fd_dir}/{fd}"))
+                except OSError:
+                    continue
+        except OSError:
+            continue
+        for path in map(Path, paths):
+            if path.parent == SHARED_MEMORY_DIR and path.name.startswith(SHARED_MEMORY_PREFIX) and " " not in path.name:
+                found.add(path)
+    return found
 
 
 def kill_orphans(data_dir: Path, owned: set[int]) -> None:
