@@ -20,6 +20,7 @@ from typing import BinaryIO
 
 import psutil
 
+from gpu_agent.runtime import shared_memory
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,12 @@ def exit_code(process: subprocess.Popen | None, pid: int) -> int | None:
 def kill_group(pid: int | None, process: subprocess.Popen | None, replica_id: str, data_dir: Path, sig: signal.Signals) -> None:
     """Signal the engine's process group and, on SIGKILL, any stray process carrying its marker.
 
-    On SIGKILL also the engine's shared-memory segments go: vLLM's queues between its API server,
-    EngineCore and workers live in `/dev/shm/psm_*` (Python's `SharedMemory`), unlinked only by a graceful
-    exit, so each killed engine used to leave them behind until the machine rebooted.
+    On SIGKILL the engine's shared-memory segments go too (`shared_memory`: only a graceful exit unlinks them).
     """
     segments = set()
     if sig == signal.SIGKILL:
         members = group_members(pid) if pid is not None else []
-        segments = shared_memory_segments([*members, *(found.pid for found in replica_processes(replica_id, data_dir))])
+        segments = shared_memory.segments_of([*members, *(found.pid for found in replica_processes(replica_id, data_dir))])
     if pid is not None:
         try:
             os.killpg(pid, sig)
@@ -87,15 +86,7 @@ def kill_group(pid: int | None, process: subprocess.Popen | None, replica_id: st
                 process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-    for segment in segments:
-        try:
-            segment.unlink()
-        except OSError:  # already unlinked by the engine, or not ours to remove
-            pass
-
-
-SHARED_MEMORY_DIR = Path("/dev/shm")
-SHARED_MEMORY_PREFIX = "psm_"  # multiprocessing.shared_memory's names; vLLM's ring buffers use them
+    shared_memory.unlink(segments)
 
 
 def group_members(pgid: int) -> list[int]:
@@ -109,28 +100,6 @@ def group_members(pgid: int) -> list[int]:
             except (ProcessLookupError, PermissionError):
                 continue
     return members
-
-
-def shared_memory_segments(pids: list[int]) -> set[Path]:
-    """The `/dev/shm/psm_*` segments these processes have mapped or open: theirs to leave behind when killed."""
-    found = set()
-    for pid in set(pids):
-        paths = []
-        try:
-            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
-                paths += [line.split(maxsplit=5)[5].strip() for line in maps if line.count(" ") >= 5 and "/dev/shm/" in line]
-            fd_dir = f"/proc/{pid}/fd"
-            for fd in os.listdir(fd_dir):
-                try:
-                    paths.append(os.readlink(f"{fd_dir}/{fd}"))
-                except OSError:
-                    continue
-        except OSError:
-            continue
-        for path in map(Path, paths):
-            if path.parent == SHARED_MEMORY_DIR and path.name.startswith(SHARED_MEMORY_PREFIX) and " " not in path.name:
-                found.add(path)
-    return found
 
 
 def kill_orphans(data_dir: Path, owned: set[int]) -> None:

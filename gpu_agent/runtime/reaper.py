@@ -12,7 +12,8 @@ small reaper instead, as the leader of a new process group:
 - it runs the engine in its own process group, forwards SIGTERM and SIGINT to
   it (a graceful stop), and exits with the engine's code;
 - whenever the engine exits, or the agent dies, it SIGKILLs the whole group and
-  every descendant in another group (a zygote's engines, `zygote.py`), itself last.
+  every descendant in another group (a zygote's engines, `zygote.py`), itself last,
+  and unlinks the shared memory they held (`shared_memory.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import os
 import signal
 import subprocess
 import sys
+
+from gpu_agent.runtime import shared_memory
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -35,7 +38,9 @@ def _prctl(option: int, value: int) -> None:
 
 
 def _kill_group() -> None:
+    segments = shared_memory.segments_of([*_descendants(), *_group_members()])
     _kill_descendants()
+    shared_memory.unlink(segments)  # NOTE: before the group kill below, which takes this process too
     try:
         os.killpg(os.getpgrp(), signal.SIGKILL)
     except ProcessLookupError:
@@ -68,6 +73,20 @@ def main(argv: list[str]) -> int:
     # NOTE: the engine is gone; whatever it started (EngineCore, workers) goes with it.
     _kill_others()
     return code if code >= 0 else 128 - code
+
+
+def _group_members() -> list[int]:
+    """Every other process of this process group."""
+    me, group, members = os.getpid(), os.getpgrp(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            if os.getpgid(int(entry)) == group:
+                members.append(int(entry))
+        except (ProcessLookupError, PermissionError):
+            continue
+    return members
 
 
 def _descendants() -> list[int]:
@@ -117,17 +136,17 @@ def _wait_reaping_others(engine: subprocess.Popen) -> int:
 
 
 def _kill_others() -> None:
-    """SIGKILL every other process of this group and every descendant, and reap what was re-parented to us."""
+    """SIGKILL every other process of this group and every descendant, unlink the shared memory they held,
+    and reap what was re-parented to us."""
+    others = _group_members()
+    segments = shared_memory.segments_of([*_descendants(), *others])
     _kill_descendants()
-    me, group = os.getpid(), os.getpgrp()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
+    for pid in others:
         try:
-            if os.getpgid(int(entry)) == group:
-                os.kill(int(entry), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             continue
+    shared_memory.unlink(segments)
     try:
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass

@@ -87,3 +87,34 @@ def test_a_killed_zygote_leaves_none_of_its_engines_behind(tmp_path):
     finally:
         agent.kill()
         agent.wait()
+
+
+# A stand-in engine holding shared memory as vLLM's does (a queue segment its tracker does not know of), and a child.
+SHM_ENGINE = textwrap.dedent("""
+    import subprocess, sys, time
+    from multiprocessing import resource_tracker, shared_memory
+    segment = shared_memory.SharedMemory(create=True, size=1 << 16)
+    resource_tracker.unregister(segment._name, "shared_memory")  # only a graceful close unlinks it
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(child.pid, segment.name, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_killed_agent_s_engine_leaves_no_shared_memory_behind(tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        reaper = subprocess.Popen([sys.executable, "-m", "gpu_agent.runtime.reaper", "--", sys.executable, "-c", {SHM_ENGINE!r}],
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
+        print(reaper.pid, reaper.stdout.readline().strip(), flush=True)
+        time.sleep(600)
+    """))
+    agent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    reaper_pid, grandchild_pid, name = agent.stdout.readline().split()
+    segment = f"/dev/shm/{name}"
+    assert os.path.exists(segment)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    assert _wait_gone([int(reaper_pid), int(grandchild_pid)]) == []
+    assert not os.path.exists(segment)
