@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import sys
+import threading
+from concurrent.futures import Future
 
 import httpx
 import openai
@@ -18,8 +20,10 @@ from controlplane import secrets as secrets_at_rest
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Role, Scope
 from controlplane.accounts.services import Actor
+from controlplane.redis_client import get_redis
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
+from endpoints.nodes.notify import endpoint_ready_channel
 from gpu_agent.protocol import NodeState, ReplicaState
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
@@ -90,6 +94,26 @@ def tenant(transactional_db):
             return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=created.plain, max_retries=0)
 
     return Tenant
+
+
+def held_chat(gateway_url: str, key: str, endpoint) -> Future:
+    """A chat call for `endpoint` made in a thread, returned once the gateway holds it (subscribed to the
+    endpoint's READY channel): the future's result is the response."""
+    answer: Future = Future()
+
+    def call():
+        try:
+            answer.set_result(httpx.post(
+                f"{gateway_url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                json={"model": endpoint.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}, timeout=60))
+        except Exception as error:  # noqa: BLE001 - handed to the test through the future
+            answer.set_exception(error)
+
+    threading.Thread(target=call, daemon=True).start()
+    wait_until(lambda: get_redis().pubsub_numsub(endpoint_ready_channel(endpoint.pk))[0][1] == 1 or answer.done(),
+               30, message="the call to be held")
+    assert not answer.done(), answer.result()  # held, not answered
+    return answer
 
 
 def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = (1024, 65535), engine_key: str = "",

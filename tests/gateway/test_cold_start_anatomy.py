@@ -21,7 +21,7 @@ from endpoints.replicas import apply_replica_report
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.conftest import start_web_server, wait_until
 from tests.factories import EndpointFactory
-from tests.gateway.conftest import serve_endpoint
+from tests.gateway.conftest import held_chat, serve_endpoint
 
 METRICS_TOKEN = "t" * 40
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -76,25 +76,13 @@ def gateway_with_metrics(transactional_db, tmp_path):
 def test_a_held_answer_carries_its_cold_start_and_its_usage_row_splits_it_by_phase(
         gateway_with_metrics, tenant, start_mock_upstream):
     cold = EndpointFactory(organization=tenant.org, max_model_len=2048)
-    result = {}
-
-    def call():
-        result["response"] = httpx.post(
-            f"{gateway_with_metrics}/v1/chat/completions", headers={"authorization": f"Bearer {tenant.key}"},
-            json={"model": cold.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}, timeout=60)
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    wait_until(lambda: get_redis().pubsub_numsub(endpoint_ready_channel(cold.pk))[0][1] == 1 or not thread.is_alive(),
-               30, message="the request to be held")
+    answer = held_chat(gateway_with_metrics, tenant.key, cold)
     ready = serve_endpoint(tenant.org, start_mock_upstream())
     now = timezone.now()
     Replica.objects.filter(endpoint=ready).update(endpoint=cold, created_at=now, ready_at=now, download_s=0.0,
                                                   engine_start_s=0.0)
     get_redis().publish(endpoint_ready_channel(cold.pk), "1")
-    thread.join(60)
-
-    response = result["response"]
+    response = answer.result(60)
     assert response.status_code == 200, response.text
     waited_ms = int(response.headers["x-inferplane-cold-start-ms"])
     row = wait_until(lambda: UsageRecord.objects.filter(endpoint=cold).first(), 30, message="the usage row")

@@ -5,10 +5,7 @@ here, as in the other hold tests."""
 
 from __future__ import annotations
 
-import threading
 import time
-
-import httpx
 
 from billing.models import UsageRecord
 from controlplane.redis_client import get_redis
@@ -16,11 +13,10 @@ from controlplane.redis_keys import wake_key
 from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.models import Replica
-from endpoints.nodes.notify import endpoint_ready_channel
 from endpoints.replicas import apply_replica_report
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.conftest import wait_until
-from tests.gateway.conftest import serve_endpoint
+from tests.gateway.conftest import held_chat, serve_endpoint
 
 ENGINE_WAKE_S = 0.3  # how long the stand-in engine takes to answer /wake_up
 
@@ -36,18 +32,7 @@ def test_a_call_to_a_sleeping_endpoint_is_held_wakes_its_replica_and_goes_throug
     replica.refresh_from_db()
     assert replica.state == ReplicaState.SLEEPING
 
-    result = {}
-
-    def call():
-        result["response"] = httpx.post(
-            f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {tenant.key}"},
-            json={"model": endpoint.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}, timeout=60)
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    wait_until(lambda: get_redis().pubsub_numsub(endpoint_ready_channel(endpoint.pk))[0][1] == 1 or not thread.is_alive(),
-               30, message="the call to be held")
-    assert thread.is_alive(), result  # held, not routed to the sleeping engine
+    answer = held_chat(gateway, tenant.key, endpoint)  # held, not routed to the sleeping engine
     wait_until(lambda: get_redis().exists(wake_key(str(endpoint.pk))), 10, message="the gateway's wake")
 
     # The wake task: a reconcile reading the held call as load, which wakes the sleeper rather than placing one.
@@ -55,9 +40,7 @@ def test_a_call_to_a_sleeping_endpoint_is_held_wakes_its_replica_and_goes_throug
     assert list(Replica.objects.filter(endpoint=endpoint).values_list("state", flat=True)) == [ReplicaState.STARTING]
     time.sleep(ENGINE_WAKE_S)
     apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY, address=address))
-    thread.join(60)
-
-    response = result["response"]
+    response = answer.result(60)
     assert response.status_code == 200, response.text
     waited_ms = int(response.headers["x-inferplane-cold-start-ms"])
     row = wait_until(lambda: UsageRecord.objects.filter(endpoint=endpoint).first(), 30, message="the usage row")
