@@ -25,7 +25,11 @@ AGENT = ROOT / "gpu_agent"
 # Unit tests of the runtime that need no engine: together they import every runtime module.
 AGENT_TESTS = ["test_runtime_imports.py", "test_engine_command.py", "test_weights_paths.py", "test_hardware.py"]
 # Building the tiny model needs torch, which comes with the engine extra, not the agent's own list.
-NEEDS_ENGINE = ["tests/agent/test_hardware.py::test_cli_builds_the_tiny_model"]
+NEEDS_ENGINE = [  # they build the tiny model, with torch: the engine extra
+    "tests/agent/test_hardware.py::test_cli_builds_the_tiny_model",
+    "tests/agent/test_engine_command.py::test_a_cpu_engines_kv_cache_is_sized_to_what_its_sequences_can_fill",
+    "tests/agent/test_engine_command.py::test_the_fixed_cpu_kv_cache_stays_where_the_need_is_unknown_or_larger",
+]
 
 
 def _closure(requirements: list[str]) -> dict[str, metadata.Distribution]:

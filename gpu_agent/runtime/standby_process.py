@@ -75,7 +75,6 @@ PRELOAD_MODULES = (
     "model_hosting_container_standards.sagemaker",
     "uvicorn.protocols.http.httptools_impl",
     "uvicorn.protocols.websockets.websockets_sansio_impl",
-    "setproctitle",
 )
 PRELOAD_MODULES_BY_DEVICE = {
     DEVICE_CPU: (
@@ -222,9 +221,6 @@ def _prepare_engine_start(device: str) -> None:
     - vLLM's logging set-up as the server's default arguments give it (a `dictConfig` over every
       logger of vLLM and torch, ~0.2 s): the server finds it active and skips it, and its forked
       EngineCore and worker skip theirs too (`_skip_inherited_logging_setup`);
-    - multiprocessing's resource tracker, a fresh interpreter (~0.2 s) each engine would start for its
-      shared-memory queues: the engines share this one. NOTE: it unlinks nothing a SIGKILLed engine left
-      in /dev/shm (the reaper kills it with the zygote), no more than an engine's own tracker did;
     - on CPU, vLLM's C++ stand-ins for Triton kernels: registering them scans every module's namespace
       (~0.4 s in each worker); registered here, the worker's own call is skipped.
     """
@@ -236,9 +232,9 @@ def _prepare_engine_start(device: str) -> None:
         configure_logging_from_args(make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "-"]))
     except Exception as exc:  # noqa: BLE001 - each engine configures its logging as usual
         print(f"standby: could not set up vLLM's logging ahead ({exc!r})", file=sys.stderr)
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
+    # NOTE: not multiprocessing's resource tracker (~0.2 s an engine): shared from here, it left the
+    # engines' own children without their replica's marker (what orphan cleanup finds them by), and it
+    # would tie every tenant's engine on the node to one process.
     if device == DEVICE_CPU:
         try:
             from vllm.platforms.cpu import CpuPlatform

@@ -118,7 +118,6 @@ def test_drain_and_shutdown_leave_no_engine_and_no_standby(agent):
     wait_for_state(supervisor, "r-warm", ReplicaState.STOPPED, timeout_s=60)
     assert processes_with_marker("r-warm") == []
     standby = psutil.Process(supervisor.standby.pid)
-    # The next standby and what it started ahead (the resource tracker its engine will use): nothing else.
     assert {p.pid for p in data_dir_processes(agent.config.data_dir)} == {
         standby.pid,
         *(child.pid for child in standby.children(recursive=True)),

@@ -106,9 +106,6 @@ def test_several_replicas_started_at_once_each_answer_from_their_own_fork_of_one
         # Each engine leads its own session, as a plain launch does: autogroup scheduling shares CPU out per
         # session, and in the zygote's one, four engines got one engine's share.
         assert os.getsid(replica.pid) == replica.pid != os.getsid(parent)
-        # The engines share the zygote's resource tracker rather than each starting an interpreter for one.
-        engine_tree = psutil.Process(replica.pid).children(recursive=True)
-        assert not [process for process in engine_tree if "resource_tracker" in " ".join(process.cmdline())]
     assert supervisor.standby.num_spawned == 1 and supervisor.standby_ready, "nothing to refill"
     assert agent.build_heartbeat().standby_ready
 
