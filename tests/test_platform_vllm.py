@@ -120,15 +120,9 @@ def test_an_agent_serves_a_replica_that_the_gateway_routes_to_and_drains_it_with
                120, interval_s=0.5, message="the restart event")
     wait_until(lambda: httpx.get(f"{Replica.objects.get(pk=replica.pk).address}/health", timeout=2).status_code == 200
                if Replica.objects.get(pk=replica.pk).state == "READY" else False, 240, interval_s=1, message="READY again")
-    # NOTE: right after the restart a call may get 502 "please retry" (seen in two full runs on 2026-12-01; cause
-    # not yet found, suspected: the gateway's replica cache, reloaded every 0.5 s); the retry it asks for is served.
-    def served():
-        try:
-            return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).usage.completion_tokens >= 1
-        except openai.InternalServerError:
-            return False
-
-    wait_until(served, 15, interval_s=1, message="a call served after the restart")
+    # The restarted engine listens on a new port while the gateway's cache may still name the old one: the
+    # first call is served all the same (the gateway reloads and tries the replica at its new address).
+    assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).usage.completion_tokens >= 1
 
     # Pause: the replica drains and stops, and no engine process is left behind.
     assert platform.api.post(f"/api/v1/endpoints/{endpoint_id}/pause/").status_code == 200

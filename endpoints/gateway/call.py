@@ -190,11 +190,14 @@ class InferenceCall:
 
     # --- proxying ----------------------------------------------------------------------------
     async def _proxy(self, replicas: list[ReplicaInfo]) -> None:
-        tried: set[str] = set()
+        # NOTE: an address tried, not a replica: a replica whose engine was restarted listens on a new port, and
+        # the cached list may still name the old one; the fresh list's new address is a new place to try.
+        tried: set[tuple[str, str]] = set()
         for _attempt in range(2):  # a failure before the first byte is retried once, elsewhere
-            candidates = [r for r in replicas if r.id not in tried]
+            candidates = [r for r in replicas if (r.id, r.address) not in tried]
             if not candidates:
-                candidates = [r for r in await directory.ready_replicas(self.endpoint.id, fresh=True) if r.id not in tried]
+                candidates = [r for r in await directory.ready_replicas(self.endpoint.id, fresh=True)
+                              if (r.id, r.address) not in tried]
             if not candidates:
                 break
             picked = [r for r in candidates if r.id == self.outstanding_replica_id]  # picked when it began
@@ -205,7 +208,7 @@ class InferenceCall:
                                                                 request_id=self.request_id,
                                                                 endpoint_id=self.endpoint.id)]
                 self.outstanding_replica_id = self.held.replica_id = replica.id
-            tried.add(replica.id)
+            tried.add((replica.id, replica.address))
             self.metrics.inflight.inc()
             try:
                 await self._forward(replica)

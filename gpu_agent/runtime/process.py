@@ -20,6 +20,7 @@ from typing import BinaryIO
 
 import psutil
 
+from gpu_agent.runtime import shared_memory
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,12 @@ def exit_code(process: subprocess.Popen | None, pid: int) -> int | None:
 def kill_group(pid: int | None, process: subprocess.Popen | None, replica_id: str, data_dir: Path, sig: signal.Signals) -> None:
     """Signal the engine's process group and, on SIGKILL, any stray process carrying its marker.
 
-    NOTE: unlinking the killed engine's shared memory here (as the reaper does when its agent dies) was suspected
-    in a restarted engine's 502s behind the gateway (tests/test_platform_vllm.py); left out until understood.
+    On SIGKILL the engine's shared-memory segments go too (`shared_memory`: only a graceful exit unlinks them).
     """
+    segments = set()
+    if sig == signal.SIGKILL:
+        members = group_members(pid) if pid is not None else []
+        segments = shared_memory.segments_of([*members, *(found.pid for found in replica_processes(replica_id, data_dir))])
     if pid is not None:
         try:
             os.killpg(pid, sig)
@@ -82,6 +86,20 @@ def kill_group(pid: int | None, process: subprocess.Popen | None, replica_id: st
                 process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+    shared_memory.unlink(segments)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of the process group `pgid` (an engine leads its own)."""
+    members = []
+    for entry in os.listdir("/proc") if sys.platform.startswith("linux") else ():
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    members.append(int(entry))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return members
 
 
 def kill_orphans(data_dir: Path, owned: set[int]) -> None:

@@ -59,6 +59,14 @@ def start_mock_upstream(tmp_path):
         wait_until(healthy, 30, message="mock upstream")
         return address
 
+    def stop(address: str) -> None:
+        """Stop the mock listening at `address` (an engine that died: its port refuses connections)."""
+        port = int(address.rsplit(":", 1)[1])
+        for child in started:
+            if child.process.args[child.process.args.index("--port") + 1] == str(port):
+                child.stop()
+
+    start.stop = stop
     yield start
     for child in started:
         child.stop()

@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from billing.models import UsageRecord
+from endpoints.models import Replica
 from tests.conftest import free_port, start_web_server, wait_until
 from tests.gateway.conftest import serve_endpoint
 
@@ -45,6 +46,25 @@ def test_a_replica_down_before_the_first_byte_is_retried_once_on_another(gateway
         assert answer.usage.completion_tokens == 2
     wait_until(lambda: UsageRecord.objects.count() == 6, 10, message="six rows")
     assert set(UsageRecord.objects.values_list("status", flat=True)) == {"ok"}
+
+
+def test_a_replica_restarted_on_a_new_port_is_reached_there_while_the_cache_still_names_the_old_one(
+        gateway, tenant, start_mock_upstream):
+    # An engine killed and restarted by its agent listens on a new port. The gateway's cached replica list
+    # (reloaded in the background) still names the old address for a moment: the call that finds it dead
+    # reloads the list and must try the same replica at its new address, not answer 502 "please retry".
+    old = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, old)
+    client = tenant.client(gateway)
+    assert client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
+    new = start_mock_upstream()
+    Replica.objects.filter(endpoint=endpoint).update(address=new)
+    start_mock_upstream.stop(old)
+    answer = client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2)
+    assert answer.usage.completion_tokens == 2
+    rows = wait_until(lambda: list(UsageRecord.objects.all()) if UsageRecord.objects.count() == 2 else None, 10,
+                      message="two rows")
+    assert {row.status for row in rows} == {"ok"}
 
 
 def test_a_replica_that_fails_mid_stream_ends_with_an_error_event_and_bills_what_was_sent(gateway, tenant, start_mock_upstream):
