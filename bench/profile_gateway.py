@@ -8,7 +8,7 @@ difference over the requests wrk counted. With `--py-spy` one more gateway run i
 py-spy, and the functions with the most samples (self and total) are printed.
 
     .venv/bin/python bench/profile_gateway.py [--duration-s 5] [--rounds 2] [--py-spy] [--server uvicorn|granian]
-        [--compare-server granian [--granian-args "--runtime-mode st"]]
+        [--compare-server granian|uvicorn-access-log [--granian-args "--runtime-mode st"]]
 
 `--compare-server` serves the same tree (gateway and floor) a second time under the other server,
 measured in the same rounds, alternating; the summary gives the medians and the paired differences.
@@ -48,8 +48,9 @@ def serve_args(server: str, app: str, port: int, granian_args: tuple[str, ...] =
         return [sys.executable, "-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port),
                 "--workers", "1", "--loop", "uvloop", "--no-ws", "--no-access-log", "--log-level", "warning",
                 *granian_args, app]
-    return [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
-            "--log-level", "warning", "--loop", "uvloop", "--http", "httptools"]
+    access_log = [] if server == "uvicorn-access-log" else ["--no-access-log"]  # the former: as a pod runs it
+    return [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), *access_log,
+            "--log-level", "info" if access_log == [] else "warning", "--loop", "uvloop", "--http", "httptools"]
 
 
 def server_pid(child) -> int:
@@ -136,8 +137,9 @@ def main() -> int:
                              "saturation, as a real engine)")
     parser.add_argument("--skip-wrk", action="store_true", help="only the streaming runs")
     parser.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn")
-    parser.add_argument("--compare-server", choices=("uvicorn", "granian"), default=None,
-                        help="also serve the gateway and the floor of this tree under this server, in the same rounds")
+    parser.add_argument("--compare-server", choices=("uvicorn", "granian", "uvicorn-access-log"), default=None,
+                        help="also serve the gateway and the floor of this tree under this server, in the same rounds "
+                             "(uvicorn-access-log: uvicorn writing its access line, as a pod's web process does)")
     parser.add_argument("--granian-args", default="", help="extra granian flags, e.g. \"--runtime-mode st\"")
     args = parser.parse_args()
     granian_args = tuple(args.granian_args.split())
