@@ -8,6 +8,10 @@ difference over the requests wrk counted. With `--py-spy` one more gateway run i
 py-spy, and the functions with the most samples (self and total) are printed.
 
     .venv/bin/python bench/profile_gateway.py [--duration-s 5] [--rounds 2] [--py-spy] [--server uvicorn|granian]
+        [--compare-server granian|uvicorn-access-log [--granian-args "--runtime-mode st"]]
+
+`--compare-server` serves the same tree (gateway and floor) a second time under the other server,
+measured in the same rounds, alternating; the summary gives the medians and the paired differences.
 
 The record of what this showed, before and after each change, is `bench/results/gateway_profile.md`.
 """
@@ -39,12 +43,14 @@ def cpu_s(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def serve_args(server: str, app: str, port: int) -> list[str]:
+def serve_args(server: str, app: str, port: int, granian_args: tuple[str, ...] = ()) -> list[str]:
     if server == "granian":
         return [sys.executable, "-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port),
-                "--workers", "1", "--loop", "uvloop", "--no-ws", "--log-level", "warning", app]
-    return [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
-            "--log-level", "warning", "--loop", "uvloop", "--http", "httptools"]
+                "--workers", "1", "--loop", "uvloop", "--no-ws", "--no-access-log", "--log-level", "warning",
+                *granian_args, app]
+    access_log = [] if server == "uvicorn-access-log" else ["--no-access-log"]  # the former: as a pod runs it
+    return [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), *access_log,
+            "--log-level", "info" if access_log == [] else "warning", "--loop", "uvloop", "--http", "httptools"]
 
 
 def server_pid(child) -> int:
@@ -92,6 +98,25 @@ def top_functions(raw_path: Path, num: int = 25) -> str:
     return "\n".join(lines)
 
 
+def compare_summary(server: str, other: str, rows: list[tuple]) -> str:
+    """Medians of each column and of the paired differences (other server's gateway − this one's), as a table."""
+    import statistics
+
+    names = (f"floor {server}", f"gateway {server}", f"floor {other}", f"gateway {other}")
+    lines = ["| round | " + " | ".join(f"{n} req/s | {n} µs/req" for n in names) + f" | gateway {other} − {server} µs |",
+             "|---:|" + "---:|" * (2 * len(names) + 1)]
+    diffs = []
+    for number, row in enumerate(rows, 1):
+        diffs.append(row[3]["cpu_us_per_request"] - row[1]["cpu_us_per_request"])
+        lines.append(f"| {number} | " + " | ".join(f"{run['requests_per_s']:,.0f} | {run['cpu_us_per_request']:,.0f}" for run in row)
+                     + f" | {diffs[-1]:+,.0f} |")
+    medians = [(statistics.median(r[i]["requests_per_s"] for r in rows), statistics.median(r[i]["cpu_us_per_request"] for r in rows))
+               for i in range(len(names))]
+    lines.append("| median | " + " | ".join(f"{rps:,.0f} | {us:,.0f}" for rps, us in medians)
+                 + f" | {statistics.median(diffs):+,.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration-s", type=float, default=5)
@@ -112,7 +137,12 @@ def main() -> int:
                              "saturation, as a real engine)")
     parser.add_argument("--skip-wrk", action="store_true", help="only the streaming runs")
     parser.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn")
+    parser.add_argument("--compare-server", choices=("uvicorn", "granian", "uvicorn-access-log"), default=None,
+                        help="also serve the gateway and the floor of this tree under this server, in the same rounds "
+                             "(uvicorn-access-log: uvicorn writing its access line, as a pod's web process does)")
+    parser.add_argument("--granian-args", default="", help="extra granian flags, e.g. \"--runtime-mode st\"")
     args = parser.parse_args()
+    granian_args = tuple(args.granian_args.split())
     bench.setup_django()
     logs = Path(tempfile.mkdtemp(prefix="profile-gateway-"))
     children = []
@@ -133,11 +163,11 @@ def main() -> int:
             bench.wait_healthy(stream_upstream + "/health", slow, 30)
             upstreams[stream_model] = stream_upstream
         key = bench.seed(upstreams)
-        gateway = bench.Child(serve_args(args.server, "controlplane.asgi:application", gateway_port), logs / "gateway.log")
+        gateway = bench.Child(serve_args(args.server, "controlplane.asgi:application", gateway_port, granian_args), logs / "gateway.log")
         children.append(gateway)
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         bench.wait_healthy(gateway_url + "/healthz", gateway, 60)
-        bare = bench.Child(serve_args(args.server, "bench.bare_proxy:app", bare_port), logs / "bare.log",
+        bare = bench.Child(serve_args(args.server, "bench.bare_proxy:app", bare_port, granian_args), logs / "bare.log",
                            env={"BARE_PROXY_UPSTREAM": mock_url})
         children.append(bare)
         bare_url = f"http://127.0.0.1:{bare_port}"
@@ -146,7 +176,7 @@ def main() -> int:
         if args.compare_with:
             before_port = bench.free_port()
             tree = str(Path(args.compare_with).resolve())
-            before = bench.Child(["env", "-C", tree, *serve_args(args.server, "controlplane.asgi:application", before_port)],
+            before = bench.Child(["env", "-C", tree, *serve_args(args.server, "controlplane.asgi:application", before_port, granian_args)],
                                  logs / "before.log", env={"PYTHONPATH": os.pathsep.join(
                                      [tree, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                               if p and Path(p).resolve() != REPO]])})
@@ -155,6 +185,21 @@ def main() -> int:
             bench.wait_healthy(before_url + "/healthz", before, 60)
             before_pid = server_pid(before)
             bench.run_wrk(before_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)  # warm up
+        other = None  # (gateway url, gateway pid, floor url, floor pid) under --compare-server
+        if args.compare_server:
+            other_gateway_port, other_bare_port = bench.free_port(), bench.free_port()
+            other_gateway = bench.Child(serve_args(args.compare_server, "controlplane.asgi:application", other_gateway_port,
+                                                   granian_args), logs / "gateway-other.log")
+            children.append(other_gateway)
+            other_bare = bench.Child(serve_args(args.compare_server, "bench.bare_proxy:app", other_bare_port, granian_args),
+                                     logs / "bare-other.log", env={"BARE_PROXY_UPSTREAM": mock_url})
+            children.append(other_bare)
+            other = (f"http://127.0.0.1:{other_gateway_port}", None, f"http://127.0.0.1:{other_bare_port}", None)
+            bench.wait_healthy(other[0] + "/healthz", other_gateway, 60)
+            bench.wait_healthy(other[2] + "/health", other_bare, 60)
+            other = (other[0], server_pid(other_gateway), other[2], server_pid(other_bare))
+            bench.run_wrk(other[0] + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)  # warm up
+            bench.run_wrk(other[2] + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)
         gateway_pid, bare_pid = server_pid(gateway), server_pid(bare)
         bench.run_wrk(gateway_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)  # warm up
         bench.run_wrk(bare_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)
@@ -163,6 +208,15 @@ def main() -> int:
             floor = measure(bare_url, key, bare_pid, args.duration_s)
             through = measure(gateway_url, key, gateway_pid, args.duration_s)
             rows.append((floor, through))
+            if other:
+                other_floor = measure(other[2], key, other[3], args.duration_s)
+                other_through = measure(other[0], key, other[1], args.duration_s)
+                rows[-1] += (other_floor, other_through)
+                print(f"{args.compare_server}: floor {other_floor['requests_per_s']}/s {other_floor['cpu_us_per_request']} µs/req "
+                      f"p50 {other_floor['p50_ms']} ms | gateway {other_through['requests_per_s']}/s "
+                      f"{other_through['cpu_us_per_request']} µs/req p50 {other_through['p50_ms']} p99 {other_through['p99_ms']} ms "
+                      f"errors {other_through['errors']} | ratio {other_through['requests_per_s'] / other_floor['requests_per_s']:.1%}",
+                      flush=True)
             if before_url:
                 older = measure(before_url, key, before_pid, args.duration_s)
                 print(f"before {older['requests_per_s']}/s {older['cpu_us_per_request']} µs/req p50 {older['p50_ms']} "
@@ -172,6 +226,8 @@ def main() -> int:
                   f"gateway {through['requests_per_s']}/s {through['cpu_us_per_request']} µs/req p50 {through['p50_ms']} "
                   f"p99 {through['p99_ms']} ms errors {through['errors']} | "
                   f"ratio {through['requests_per_s'] / floor['requests_per_s']:.1%}", flush=True)
+        if other and rows:
+            print(compare_summary(args.server, args.compare_server, rows), flush=True)
         for concurrency in [int(c) for c in args.stream_concurrency.split(",") if c]:
             for _ in range(args.rounds):
                 direct = bench.asyncio.run(bench.run_streams(stream_upstream + "/v1/chat/completions", key, stream_model, concurrency,
@@ -191,6 +247,15 @@ def main() -> int:
                     used = cpu_s(before_pid) - before_cpu
                     line += (f" | before {older['tokens_per_s']} ratio {older['tokens_per_s'] / max(1, direct['tokens_per_s']):.1%} "
                              f"{used / max(1, older['tokens_per_s'] * args.duration_s) * 1e6:.1f} µs CPU per token")
+                if other:
+                    before_cpu = cpu_s(other[1])
+                    third = bench.asyncio.run(bench.run_streams(other[0] + "/v1/chat/completions", key, stream_model,
+                                                                concurrency, args.duration_s, 16))
+                    used = cpu_s(other[1]) - before_cpu
+                    line += (f" | {args.compare_server} {third['tokens_per_s']} ratio "
+                             f"{third['tokens_per_s'] / max(1, direct['tokens_per_s']):.1%} "
+                             f"{used / max(1, third['tokens_per_s'] * args.duration_s) * 1e6:.1f} µs CPU per token, "
+                             f"errors {third['errors']}")
                 print(line, flush=True)
         if args.py_spy:
             raw = Path(args.py_spy_output or logs / "gateway.raw")

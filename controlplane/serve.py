@@ -13,6 +13,9 @@ answers it, reports their sums (`endpoints/gateway/metrics.py`). The folder is e
 any worker starts, so a restarted container never adds a previous run's counts or gauges. Without
 the variable a private folder is made under the temporary directory and removed on exit.
 
+NOTE: uvicorn (uvloop, httptools), not granian: granian cost the gateway more CPU per request, not less,
+measured side by side (`bench/results/gateway_profile.md`, round 4).
+
 NOTE: this module reads its two variables itself rather than through `controlplane.env`: it runs
 before Django, and only in the web process, so they are not settings every process must receive.
 """
