@@ -1,7 +1,8 @@
 """ASGI entry point.
 
 `/v1/…` (the inference gateway) and `/metrics` are served by a lean ASGI app
-ahead of Django; everything else (console, management API, agent API) is Django.
+ahead of Django; everything else (console, management API, agent API) is Django, each request
+with its line in the access log (`controlplane.access_log`).
 """
 
 import os
@@ -11,6 +12,7 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 django_application = get_asgi_application()
 
+from controlplane.access_log import AccessLog  # noqa: E402
 from endpoints.gateway.app import Gateway  # noqa: E402 - needs Django set up first
 
-application = Gateway(fallback=django_application)
+application = Gateway(fallback=AccessLog(django_application))

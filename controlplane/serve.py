@@ -13,6 +13,9 @@ answers it, reports their sums (`endpoints/gateway/metrics.py`). The folder is e
 any worker starts, so a restarted container never adds a previous run's counts or gauges. Without
 the variable a private folder is made under the temporary directory and removed on exit.
 
+uvicorn's access line is off unless `--access-log` is passed: the application writes its own
+(`controlplane.access_log`), and none on an inference call, which has the gateway's request line.
+
 NOTE: uvicorn (uvloop, httptools), not granian: granian cost the gateway more CPU per request, not less,
 measured side by side (`bench/results/gateway_profile.md`, round 4).
 
@@ -97,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     known, uvicorn_args = parser.parse_known_args(argv)
     workers = known.workers if known.workers is not None else num_workers()
     prepare_metrics_dir(workers)
+    if not any(arg in ("--access-log", "--no-access-log") for arg in uvicorn_args):
+        # The application writes its own access lines (`controlplane.access_log`); uvicorn's cost the
+        # gateway ~150-300 us of CPU per inference call and repeated the gateway's own request line.
+        uvicorn_args.append("--no-access-log")
     uvicorn.main([APPLICATION, "--workers", str(workers), *uvicorn_args])
 
 

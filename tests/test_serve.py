@@ -62,3 +62,14 @@ def test_several_workers_without_a_configured_folder_get_a_private_one():
     folder = serve.prepare_metrics_dir(2, environ)
     assert folder is not None and folder.is_dir() and environ["PROMETHEUS_MULTIPROC_DIR"] == str(folder)
     assert serve.prepare_metrics_dir(1, {}) is None  # one process keeps its metrics in memory
+
+
+@pytest.mark.parametrize(("given", "expected"), [((), "--no-access-log"), (("--access-log",), "--access-log")])
+def test_uvicorns_access_line_is_off_unless_asked_for(monkeypatch, given, expected):
+    # The application logs each request itself (controlplane.access_log); uvicorn's line cost the gateway CPU.
+    started = []
+    monkeypatch.setattr(serve.uvicorn, "main", lambda args: started.append(args))
+    monkeypatch.setattr(serve, "prepare_metrics_dir", lambda workers: None)
+    serve.main(["--workers", "1", "--port", "0", *given])
+    (args,) = started
+    assert expected in args and ("--access-log" in args) != ("--no-access-log" in args)

@@ -15,11 +15,13 @@ import dataclasses
 import gc
 import json
 import logging
+import time
 from datetime import UTC, datetime
 
 import aiohttp
 
 from billing.usage_writer import writer_for_this_loop
+from controlplane.access_log import log_answer
 from endpoints.gateway import adapter_hold, anatomy, auth, directory, errors, metrics, presence, standing
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.memo import in_worker_thread
@@ -66,14 +68,17 @@ class Gateway:
         return await self.fallback(scope, receive, send)
 
     async def _metrics(self, scope, receive, send):
+        started = time.monotonic()
         access = metrics.access(scope)
         if access is metrics.Access.OFF:
             # The same 404 as any unknown path: nothing tells that metrics exist.
             return await self.fallback(scope, receive, send)
         if access is metrics.Access.DENIED:
-            return await _respond(send, 401, b"", content_type="text/plain", headers={"www-authenticate": "Bearer"})
+            await _respond(send, 401, b"", content_type="text/plain", headers={"www-authenticate": "Bearer"})
+            return log_answer(scope, 401, started)
         await in_worker_thread(metrics.refresh_fleet_gauges)()
-        return await _respond(send, 200, metrics.render(), content_type="text/plain; version=0.0.4")
+        await _respond(send, 200, metrics.render(), content_type="text/plain; version=0.0.4")
+        log_answer(scope, 200, started)
 
     async def _lifespan(self, receive, send):
         while True:
@@ -90,6 +95,7 @@ class Gateway:
                 return
 
     async def _handle(self, scope, receive, send):
+        started = time.monotonic()
         request_id = new_request_id()
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
         path, method = scope["path"], scope["method"]
@@ -98,11 +104,13 @@ class Gateway:
             if path == "/v1/models":
                 if method != "GET":
                     raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
-                return await self._models(headers, send, request_id, ratelimit)
+                await self._models(headers, send, request_id, ratelimit)
+                return log_answer(scope, 200, started, request_id)
             if path.startswith(MODELS_PREFIX):
                 if method != "GET":
                     raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
-                return await self._model(headers, send, request_id, ratelimit, path.removeprefix(MODELS_PREFIX))
+                await self._model(headers, send, request_id, ratelimit, path.removeprefix(MODELS_PREFIX))
+                return log_answer(scope, 200, started, request_id)
             kind = INFERENCE_PATHS.get(path)
             if kind is None:
                 raise errors.OpenAIError(404, f"Unknown URL {method} {path}.", code="unknown_url")
@@ -130,16 +138,19 @@ class Gateway:
             await ratelimit.read_counts()
             await _respond(send, exc.status, exc.body(), headers=exc.headers | {"x-request-id": request_id},
                            raw_headers=_ratelimit_headers(ratelimit))
+            log_answer(scope, exc.status, started, request_id)
         except errors.OUTAGES as exc:
             logger.warning("gateway request %s: %r", request_id, exc)
             failure = errors.service_unavailable()
             await _respond(send, failure.status, failure.body(), headers=failure.headers | {"x-request-id": request_id},
                            raw_headers=_ratelimit_headers(ratelimit))
+            log_answer(scope, failure.status, started, request_id)
         except Exception:  # noqa: BLE001 - never leak a traceback to a client; log it
             logger.exception("gateway request %s failed", request_id)
             failure = errors.OpenAIError(500, "The server had an error processing your request.", type="server_error")
             await _respond(send, 500, failure.body(), headers={"x-request-id": request_id},
                            raw_headers=_ratelimit_headers(ratelimit))
+            log_answer(scope, 500, started, request_id)
 
     async def _models(self, headers, send, request_id, ratelimit: RateLimitReport):
         caller = await auth.authenticate(headers)

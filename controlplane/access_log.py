@@ -1,0 +1,55 @@
+"""The web process's access log: one line per HTTP request the console, the management API and the agent
+API answer, and per `/v1` answer that is not an inference call.
+
+uvicorn's own access line is off in the web process (`controlplane.serve`): it cost the gateway ~150–300 µs
+of CPU per inference call (`bench/results/gateway_profile.md`, round 4) and repeated what the gateway's own
+request line (`endpoints.gateway.call`, with the request id, organisation, key, endpoint, replica and tokens)
+already says. Everything else is logged here, refusals on `/v1` included (a bad key, a rate limit), so
+an operator still sees every request that reached the pod.
+
+The line is `<client> "<METHOD> <path>" <status> <duration_ms>ms`, plus the request id where there is one,
+on the `inferplane.access` logger. The query string is never logged: it may carry a token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger("inferplane.access")
+
+
+def log_answer(scope: dict, status: int, started_monotonic: float, request_id: str = "") -> None:
+    """One access line for the HTTP request `scope`, answered with `status`."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    client = scope.get("client")
+    logger.info(
+        '%s "%s %s" %d %.1fms%s', f"{client[0]}:{client[1]}" if client else "-", scope.get("method", "-"),
+        scope.get("path", "-"), status, (time.monotonic() - started_monotonic) * 1000,
+        f" request_id={request_id}" if request_id else "",
+    )
+
+
+class AccessLog:
+    """ASGI middleware: an access line for each HTTP request `app` answers (status 0: none was sent)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.monotonic()
+        status = 0
+
+        async def send_noting_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            log_answer(scope, status, started)

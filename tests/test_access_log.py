@@ -1,0 +1,67 @@
+"""The web process's access log (`controlplane.access_log`): with uvicorn's access line off, every request
+that reaches the pod and is not an inference call (which has its own request line) still leaves one line."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+import pytest
+from asgiref.testing import ApplicationCommunicator
+
+from controlplane.access_log import AccessLog
+from controlplane.asgi import application
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _scope(method: str, path: str, headers: list[tuple[bytes, bytes]] = (), query: bytes = b"") -> dict:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
+            "headers": [(b"host", b"testserver"), *headers], "client": ("10.1.2.3", 40000), "server": ("testserver", 80)}
+
+
+async def _answer(app, scope: dict, body: bytes = b"") -> int:
+    communicator = ApplicationCommunicator(app, scope)
+    await communicator.send_input({"type": "http.request", "body": body, "more_body": False})
+    start = await communicator.receive_output(30)
+    while (await communicator.receive_output(30)).get("more_body"):
+        pass
+    await communicator.wait(30)
+    return start["status"]
+
+
+def _lines(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.name == "inferplane.access"]
+
+
+def test_a_console_or_api_request_leaves_one_line_with_its_status_and_no_query_string(caplog):
+    caplog.set_level(logging.INFO, logger="inferplane.access")
+    status = asyncio.run(_answer(application, _scope("GET", "/api/v1/endpoints/", query=b"token=secret-in-a-query")))
+    assert status == 401
+    (line,) = _lines(caplog)
+    assert line.startswith('10.1.2.3:40000 "GET /api/v1/endpoints/" 401 ') and "secret" not in line
+
+
+def test_a_refused_inference_call_leaves_a_line_with_its_request_id(caplog):
+    caplog.set_level(logging.INFO, logger="inferplane.access")
+    status = asyncio.run(_answer(application, _scope("POST", "/v1/chat/completions",
+                                                     [(b"authorization", b"Bearer sk-not-a-key"),
+                                                      (b"content-type", b"application/json")]),
+                                 b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'))
+    assert status == 401
+    (line,) = _lines(caplog)
+    assert '"POST /v1/chat/completions" 401 ' in line and " request_id=" in line and "sk-not-a-key" not in line
+
+
+def test_an_app_that_fails_before_answering_is_logged_with_status_0(caplog):
+    caplog.set_level(logging.INFO, logger="inferplane.access")
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(AccessLog(broken)(_scope("GET", "/x"), None, None))
+    (line,) = _lines(caplog)
+    assert re.fullmatch(r'10\.1\.2\.3:40000 "GET /x" 0 \d+\.\dms', line)
