@@ -27,6 +27,7 @@ call opens a new one. A request never hangs on a silent Redis.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import ssl
 from collections import deque
@@ -61,13 +62,14 @@ class Script:
     def __init__(self, source: str):
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self._evalsha = _bulk(b"EVALSHA") + _bulk(self.sha.encode())  # every call's first two parts, in RESP
 
     async def __call__(self, *, keys: list, args: list):
         if settings.REDIS_CLUSTER:
             return await self._run_on_cluster(keys, args)
         connection = _connections.get()
         try:
-            return await connection.call(b"EVALSHA", self.sha, len(keys), *keys, *args)
+            return await connection.send(_encode_evalsha(self._evalsha, keys, args))
         except RedisError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
@@ -104,11 +106,29 @@ def _as_bytes(part) -> bytes:
     raise TypeError(f"cannot send {type(part).__name__} to Redis")
 
 
+def _bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%b\r\n" % (len(data), data)
+
+
+def _bulk_of(part) -> bytes:
+    return _bulk(part.encode() if type(part) is str else b"%d" % part if type(part) is int else _as_bytes(part))
+
+
+# NOTE: a script's keys repeat from one request to the next (an organisation's counters, an endpoint's
+# sets, a replica's counter): each is encoded once and then found here. The few that are new each time
+# (a request's settled marker) pass through and are the first to leave.
+_key_bulk = functools.lru_cache(maxsize=4096, typed=True)(_bulk_of)
+
+
 def _encode(parts: tuple) -> bytes:
     """A command in RESP: an array of bulk strings."""
-    datas = [part.encode() if type(part) is str else b"%d" % part if type(part) is int else _as_bytes(part)
-             for part in parts]
-    return b"*%d\r\n" % len(datas) + b"".join([b"$%d\r\n%b\r\n" % (len(data), data) for data in datas])
+    return b"*%d\r\n" % len(parts) + b"".join([_bulk_of(part) for part in parts])
+
+
+def _encode_evalsha(head: bytes, keys: list, args: list) -> bytes:
+    """`EVALSHA <sha> <number of keys> <keys> <args>` in RESP; `head` is its first two parts, encoded."""
+    return b"".join([b"*%d\r\n" % (3 + len(keys) + len(args)), head, _bulk(b"%d" % len(keys)),
+                     *[_key_bulk(key) for key in keys], *[_bulk_of(arg) for arg in args]])
 
 
 def _parse(buffer: bytearray, position: int):
@@ -205,6 +225,10 @@ class _Protocol(asyncio.Protocol):
         self._watchdog = loop.call_at(self.deadlines[0], self._check_deadline)
 
     def call(self, *parts) -> asyncio.Future:
+        return self.send(_encode(parts))
+
+    def send(self, command: bytes) -> asyncio.Future:
+        """`command`, already in RESP; the future of its reply."""
         future = asyncio.get_running_loop().create_future()
         if self.lost is not None or self.transport is None or self.transport.is_closing():
             future.set_exception(self.lost or ConnectionError("Redis connection closed"))
@@ -216,7 +240,7 @@ class _Protocol(asyncio.Protocol):
             self._watchdog = loop.call_at(self.deadlines[0], self._check_deadline)
         if not self.outgoing:
             future.get_loop().call_soon(self._write_outgoing)
-        self.outgoing.append(_encode(parts))
+        self.outgoing.append(command)
         return future
 
     def _write_outgoing(self) -> None:
@@ -271,6 +295,9 @@ class _Connection:
 
     async def call(self, *parts):
         return await (await self.protocol()).call(*parts)
+
+    async def send(self, command: bytes):
+        return await (await self.protocol()).send(command)
 
     def close(self) -> None:
         if self._protocol is not None and self._protocol.transport is not None:

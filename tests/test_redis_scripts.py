@@ -72,3 +72,12 @@ def test_replies_split_across_reads_are_put_together():
             _parse(buffer, 0)
     assert _parse(bytearray(reply), 0) == (["hello", 42, [None]], len(reply))
     assert _encode((b"EVALSHA", "abc", 2, 1.5)) == b"*4\r\n$7\r\nEVALSHA\r\n$3\r\nabc\r\n$1\r\n2\r\n$3\r\n1.5\r\n"
+
+
+def test_an_evalsha_with_cached_key_encodings_is_byte_for_byte_the_generic_command():
+    script = Script("return 1")
+    keys = ["rl:{org:1}:req:key:2:1", "billing:{org:1}:settled:req_é", "gw:{org:1}:inflight:e"]
+    args = [1, "two", 3.5, b"four", "cinq é", -6]
+    for _ in range(2):  # the second time the keys' encodings come from the cache
+        assert (redis_scripts._encode_evalsha(script._evalsha, keys, args)
+                == _encode((b"EVALSHA", script.sha, len(keys), *keys, *args)))

@@ -7,6 +7,7 @@ and arguments. `refresh_limits` makes Redis see a changed cap, billing mode or c
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -149,24 +150,40 @@ return 1
 """)
 
 
-def _reserve_keys(organization_id: int, api_key_id: int | None, period_key: str) -> list[str]:
-    return [
+# NOTE: the keys and the payload's fixed part depend only on the caller and the month: built once, not
+# on every request (they were a few percent of the gateway's CPU per request).
+PREPARED_MAX = 4096
+
+
+@functools.lru_cache(maxsize=PREPARED_MAX)
+def _prepared(organization_id: int, api_key_id: int | None, period_key: str) -> tuple[tuple[str, ...], tuple[str, ...], str, str]:
+    """`RESERVE`'s keys, `SETTLE`'s keys but the settled marker, and the reservation payload's JSON
+    around its amount (`json.dumps` of `{"o", "k", "a", "p"}`, cut where the amount goes)."""
+    reserve = (
         org_period_key(organization_id, period_key), org_reserved_key(organization_id),
         key_period_key(organization_id, api_key_id, period_key), key_reserved_key(organization_id, api_key_id),
         credit_key(organization_id), reservations_key(organization_id), deadlines_key(organization_id),
-    ]
+    )
+    settle = (
+        reservations_key(organization_id), deadlines_key(organization_id),
+        org_period_key(organization_id, period_key), org_reserved_key(organization_id),
+        key_period_key(organization_id, api_key_id, period_key), key_reserved_key(organization_id, api_key_id),
+        credit_key(organization_id),
+    )
+    before, _, after = json.dumps({"o": organization_id, "k": api_key_id, "a": "#", "p": period_key}).partition('"#"')
+    return reserve, settle, before + '"', '"' + after
 
 
 def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount: Decimal,
-                        request_id: str) -> tuple[Reservation, list[str], list[str]]:
+                        request_id: str) -> tuple[Reservation, tuple[str, ...], list[str]]:
     """A reservation and the keys and arguments of `RESERVE` that hold it."""
     period = period_containing()
     reservation = Reservation(request_id, organization_id, api_key_id, amount, period.key)
     units = to_units(amount, ROUND_CEILING)
     deadline = time.time() + settings.BILLING_RESERVATION_TTL_S
-    payload = json.dumps({"o": organization_id, "k": api_key_id, "a": str(units), "p": period.key})
-    keys = _reserve_keys(organization_id, api_key_id, period.key)
-    args = [request_id, str(units), f"{deadline:.3f}", "1" if api_key_id is not None else "0", payload]
+    keys, _, payload_before, payload_after = _prepared(organization_id, api_key_id, period.key)
+    args = [request_id, str(units), f"{deadline:.3f}", "1" if api_key_id is not None else "0",
+            f"{payload_before}{units}{payload_after}"]
     return reservation, keys, args
 
 
@@ -183,12 +200,9 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal) -> tuple[lis
     """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`."""
     if actual < 0:
         raise ValueError("a cost cannot be negative")
-    org, key, period_key = reservation.organization_id, reservation.api_key_id, reservation.period_key
-    keys = [
-        reservations_key(org), deadlines_key(org), settled_key(org, reservation.request_id),
-        org_period_key(org, period_key), org_reserved_key(org),
-        key_period_key(org, key, period_key), key_reserved_key(org, key), credit_key(org),
-    ]
+    org, key = reservation.organization_id, reservation.api_key_id
+    kept = _prepared(org, key, reservation.period_key)[1]
+    keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:]]
     has_key = "1" if key is not None else "0"
     return keys, [reservation.request_id, str(to_units(actual)), has_key, str(SETTLED_MARKER_TTL_S)]
 

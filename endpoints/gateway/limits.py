@@ -12,6 +12,7 @@ ends, the part it did not use is given back to the minute it was admitted in.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -65,6 +66,13 @@ GIVE_BACK = ScriptPart("limits_give_back", keys=("the token counter of the minut
                        args=("tokens per minute", "tokens reserved", "tokens used"), lua=LIMITS_LUA)
 
 
+@functools.lru_cache(maxsize=4096)
+def _window_keys(organization_id: int, subject: str, minute: int) -> tuple[str, str]:
+    """A subject's two counters of one minute (the same for every request of that minute: built once)."""
+    return (redis_keys.requests_window_key(organization_id, subject, minute),
+            redis_keys.tokens_window_key(organization_id, subject, minute))
+
+
 @dataclass(slots=True, frozen=True)
 class Window:
     """One subject's counters for the current minute, and what this request reserves in them."""
@@ -88,9 +96,9 @@ class Window:
             tokens_per_minute = settings.DEFAULT_KEY_TOKENS_PER_MINUTE
         now = time.time()
         minute = int(now // 60)
-        return cls(redis_keys.requests_window_key(organization_id, subject, minute),
-                   redis_keys.tokens_window_key(organization_id, subject, minute), requests_per_minute,
-                   tokens_per_minute, int((minute + 1) * 60 - now) + 1, max(0, num_tokens), (minute + 1) * 60)
+        requests_key, tokens_key = _window_keys(organization_id, subject, minute)
+        return cls(requests_key, tokens_key, requests_per_minute, tokens_per_minute, int((minute + 1) * 60 - now) + 1,
+                   max(0, num_tokens), (minute + 1) * 60)
 
     def check_keys_and_args(self) -> tuple[list[str], list[int]]:
         """`CHECK`'s keys and arguments (`limits_check` and `limits_take`)."""

@@ -25,6 +25,7 @@ replicas come and go, rather than the hash alone.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -111,6 +112,7 @@ def preference(key: str | None, replica_ids: Sequence[str], prefer: frozenset[st
     return sorted(preferred, key=by_weight, reverse=True) + sorted(others, key=by_weight, reverse=True)
 
 
+@functools.lru_cache(maxsize=4096)
 def hint_key(organization_id: int, endpoint_id: str, key: str | None) -> str:
     """Where the replica that last served `key` from its cache is remembered (org-tagged, TTL'd)."""
     return f"gw:{org_tag(organization_id)}:prefix_hint:{endpoint_id}:{key or '-'}"
@@ -119,9 +121,16 @@ def hint_key(organization_id: int, endpoint_id: str, key: str | None) -> str:
 def route(organization_id: int, endpoint_id: str, key: str | None, replica_ids: Sequence[str], *,
           margin: int, prefer: frozenset[str] = frozenset()) -> Route:
     """The admission script's instructions for one request over these candidates."""
+    if key is None and not prefer:  # nothing to prefer: least outstanding (most requests; one per endpoint)
+        return _least_outstanding(organization_id, endpoint_id, max(margin, 0))
     order = preference(key, replica_ids, prefer)
     num_preferred = sum(1 for i in order if replica_ids[i] in prefer)
     return Route(hint_key(organization_id, endpoint_id, key), tuple(order), num_preferred, max(margin, 0))
+
+
+@functools.lru_cache(maxsize=4096)
+def _least_outstanding(organization_id: int, endpoint_id: str, margin: int) -> Route:
+    return Route(hint_key(organization_id, endpoint_id, None), (), 0, margin)
 
 
 def choose(route: Route, counts: Sequence[int], hinted: int | None = None) -> int:

@@ -19,6 +19,7 @@ endpoint, its replicas and its callers belong to one organisation, so the script
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -198,23 +199,41 @@ async def release_replica(organization_id: int, replica_id: str, *, request_id: 
                    args=[request_id, endpoint_id])
 
 
-def begin_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *,
-                        waiting: bool) -> tuple[list[str], list]:
-    """`BEGIN`'s keys and arguments: the request counted in flight, or waiting for a cold start."""
-    now = time.time()
+# NOTE: an endpoint's keys (and a set of candidates' counters) are the same from one request to the
+# next: built once per endpoint and gateway process, not on every request.
+KEYS_CACHE_MAX = 4096
+
+
+@functools.lru_cache(maxsize=KEYS_CACHE_MAX)
+def _begin_keys(organization_id: int, endpoint_id: str, waiting: bool, gateway: str) -> tuple[str, ...]:
     counted_in = waiting_key if waiting else inflight_key
-    keys = [counted_in(organization_id, endpoint_id), last_request_key(organization_id, endpoint_id),
-            gateway_requests_key(organization_id)]
-    return keys, [request_id, now, endpoint_id]
+    return (counted_in(organization_id, endpoint_id), last_request_key(organization_id, endpoint_id),
+            redis_keys.gateway_requests_key(organization_id, gateway))
+
+
+@functools.lru_cache(maxsize=KEYS_CACHE_MAX)
+def _end_keys(organization_id: int, endpoint_id: str, release: str | None, gateway: str) -> tuple[str, ...]:
+    counter = outstanding_key(organization_id, release) if release is not None else no_replica_placeholder(organization_id)
+    return (inflight_key(organization_id, endpoint_id), waiting_key(organization_id, endpoint_id),
+            last_request_key(organization_id, endpoint_id), counter, redis_keys.gateway_requests_key(organization_id, gateway))
+
+
+@functools.lru_cache(maxsize=KEYS_CACHE_MAX)
+def _outstanding_keys(organization_id: int, replica_ids: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(outstanding_key(organization_id, r) for r in replica_ids)
+
+
+def begin_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *,
+                        waiting: bool) -> tuple[tuple[str, ...], list]:
+    """`BEGIN`'s keys and arguments: the request counted in flight, or waiting for a cold start."""
+    return _begin_keys(organization_id, endpoint_id, waiting, gateway_id()), [request_id, time.time(), endpoint_id]
 
 
 def end_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *,
-                      release: str | None) -> tuple[list[str], list]:
+                      release: str | None) -> tuple[tuple[str, ...], list]:
     """`END`'s keys and arguments; with `release`, that replica's outstanding count drops too."""
-    counter = outstanding_key(organization_id, release) if release is not None else no_replica_placeholder(organization_id)
-    keys = [inflight_key(organization_id, endpoint_id), waiting_key(organization_id, endpoint_id),
-            last_request_key(organization_id, endpoint_id), counter, gateway_requests_key(organization_id)]
-    return keys, [request_id, time.time(), "1" if release is not None else "0"]
+    return (_end_keys(organization_id, endpoint_id, release, gateway_id()),
+            [request_id, time.time(), "1" if release is not None else "0"])
 
 
 def pick_keys_and_args(organization_id: int, replica_ids: list[str],
@@ -223,8 +242,8 @@ def pick_keys_and_args(organization_id: int, replica_ids: list[str],
     `route`'s order of preference (without one: the least outstanding)."""
     if route is None:
         route = routing.Route(routing.hint_key(organization_id, "-", None), (), 0, 0)
-    order = ",".join(str(i + 1) for i in route.order)
-    return ([route.hint_key] + [outstanding_key(organization_id, r) for r in replica_ids],
+    order = ",".join([str(i + 1) for i in route.order]) if route.order else ""
+    return ([route.hint_key, *_outstanding_keys(organization_id, tuple(replica_ids))],
             [OUTSTANDING_TTL_S, order, route.num_preferred, route.margin])
 
 

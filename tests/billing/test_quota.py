@@ -4,6 +4,7 @@ Reserved and settled as the gateway does, in its admission and finish scripts.""
 
 import asyncio
 import itertools
+import json
 import time
 from datetime import timedelta
 from decimal import Decimal
@@ -15,9 +16,10 @@ from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage
 from billing.models import BillingAccount, BillingMode
 from billing.quota import reads, sweeper
-from billing.quota.counters import QuotaExceeded
+from billing.quota.counters import QuotaExceeded, Reservation, prepare_reservation, settle_keys_and_args
 from billing.quota.rebuild import credit_available
 from billing.services import set_billing_mode, set_key_spend_cap, set_spend_cap
+from controlplane import redis_keys
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
@@ -208,3 +210,23 @@ def test_an_organisation_starts_with_the_platform_default_cap(settings):
     assert BillingAccount.objects.for_organization(organization.pk).spend_cap == Decimal("25")
     assert BillingAccount.objects.filter(organization=organization).count() == 1
 
+
+
+def test_a_reservations_prepared_keys_and_payload_are_those_built_in_full():
+    """The keys and the payload's fixed JSON are built once per caller and month: the same as built anew."""
+    for api_key_id in (7, None):
+        for amount in (Decimal("0"), Decimal("0.000000001"), Decimal("12.5")):
+            reservation, keys, args = prepare_reservation(organization_id=3, api_key_id=api_key_id, amount=amount,
+                                                          request_id="req_x")
+            period = reservation.period_key
+            assert list(keys) == [
+                redis_keys.org_period_key(3, period), redis_keys.org_reserved_key(3),
+                redis_keys.key_period_key(3, api_key_id, period), redis_keys.key_reserved_key(3, api_key_id),
+                redis_keys.credit_key(3), redis_keys.reservations_key(3), redis_keys.deadlines_key(3)]
+            assert args[4] == json.dumps({"o": 3, "k": api_key_id, "a": args[1], "p": period})
+            settle_keys, _ = settle_keys_and_args(Reservation("req_x", 3, api_key_id, amount, period), Decimal(0))
+            assert settle_keys == [
+                redis_keys.reservations_key(3), redis_keys.deadlines_key(3), redis_keys.settled_key(3, "req_x"),
+                redis_keys.org_period_key(3, period), redis_keys.org_reserved_key(3),
+                redis_keys.key_period_key(3, api_key_id, period), redis_keys.key_reserved_key(3, api_key_id),
+                redis_keys.credit_key(3)]
