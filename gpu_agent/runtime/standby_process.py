@@ -236,6 +236,7 @@ def _prepare_engine_start(device: str) -> None:
     # engines' own children without their replica's marker (what orphan cleanup finds them by), and it
     # would tie every tenant's engine on the node to one process.
     if device == DEVICE_CPU:
+        _keep_uniproc_executor()
         try:
             from vllm.platforms.cpu import CpuPlatform
 
@@ -243,6 +244,35 @@ def _prepare_engine_start(device: str) -> None:
             CpuPlatform.register_triton_kernel_overrides = classmethod(lambda cls: None)
         except Exception as exc:  # noqa: BLE001 - each worker registers them as usual
             print(f"standby: could not register the CPU kernel overrides ahead ({exc!r})", file=sys.stderr)
+
+
+def _keep_uniproc_executor() -> None:
+    """On CPU, let an engine forked from here run its model in the EngineCore (`--distributed-executor-backend uni`).
+
+    vLLM's CPU platform turns a requested "uni" into "mp" (a separate worker process) because a spawned
+    worker is the only place it can set OpenMP's environment (thread count, `GOMP_CPU_AFFINITY`) before
+    libgomp reads it. An engine forked from this process inherits libgomp already initialised by the
+    torch import here, so its forked worker ignores that environment too: the worker process buys nothing
+    and costs each engine a third process (its own start-up, the shared-memory queue and its tracker, vLLM's
+    1 s spin per message between the two). The engine command asks for "uni" on CPU (`engine.py`); this
+    keeps it, for one-process (world size 1) engines only. OpenMP threads stay unbound, as in the forked
+    worker: engines sharing a node's cores must not each pin themselves to the same ones.
+    """
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except Exception as exc:  # noqa: BLE001 - engines keep vLLM's own choice
+        print(f"standby: could not keep the one-process executor ({exc!r})", file=sys.stderr)
+        return
+    check_and_update_config = CpuPlatform.check_and_update_config.__func__
+
+    def keep_uniproc(cls, vllm_config) -> None:
+        parallel_config = vllm_config.parallel_config
+        requested = parallel_config.distributed_executor_backend
+        check_and_update_config(cls, vllm_config)
+        if requested == "uni" and parallel_config.world_size == 1:
+            parallel_config.distributed_executor_backend = "uni"
+
+    CpuPlatform.check_and_update_config = classmethod(keep_uniproc)
 
 
 def _skip_inherited_logging_setup() -> None:

@@ -106,6 +106,11 @@ def test_several_replicas_started_at_once_each_answer_from_their_own_fork_of_one
         # Each engine leads its own session, as a plain launch does: autogroup scheduling shares CPU out per
         # session, and in the zygote's one, four engines got one engine's share.
         assert os.getsid(replica.pid) == replica.pid != os.getsid(parent)
+        # On CPU the model runs in the EngineCore (`standby_process._keep_uniproc_executor`): two processes, not
+        # vLLM's forced separate worker with its shared-memory queue and that queue's resource tracker.
+        tree = [psutil.Process(replica.pid), *psutil.Process(replica.pid).children(recursive=True)]
+        assert len(tree) == 2, [process.cmdline() for process in tree]
+        assert "EngineCore" in " ".join(tree[1].cmdline())
     assert supervisor.standby.num_spawned == 1 and supervisor.standby_ready, "nothing to refill"
     assert agent.build_heartbeat().standby_ready
 
