@@ -283,8 +283,15 @@ def _skip_inherited_logging_setup() -> None:
     """
     import vllm.logger
 
+    # NOTE: not `vllm.logger` itself: `configure_logging_if_needed` calls its module's `configure_logging`
+    # (it would call itself), and patched first, it hid the original from the comparison below, so no
+    # other module was patched and every forked EngineCore set its logging up again (~0.5 s of CPU each:
+    # `Logger.setLevel` clears the cache of every logger of vLLM, torch and transformers).
+    configure_logging = vllm.logger.configure_logging
     for name, module in list(sys.modules.items()):
-        if name.startswith("vllm") and vars(module).get("configure_logging") is vllm.logger.configure_logging:
+        if name == "vllm.logger" or not name.startswith("vllm"):
+            continue
+        if vars(module).get("configure_logging") is configure_logging:
             module.configure_logging = vllm.logger.configure_logging_if_needed
 
 
