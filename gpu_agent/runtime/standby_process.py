@@ -220,7 +220,7 @@ def _prepare_engine_start(device: str) -> None:
     Each one cost every replica its CPU again (py-spy of one forked engine, tiny CPU model):
     - vLLM's logging set-up as the server's default arguments give it (a `dictConfig` over every
       logger of vLLM and torch, ~0.2 s): the server finds it active and skips it, and its forked
-      EngineCore and worker skip theirs too (`_skip_inherited_logging_setup`);
+      EngineCore skips its own too (`_skip_inherited_logging_setup`);
     - on CPU, vLLM's C++ stand-ins for Triton kernels: registering them scans every module's namespace
       (~0.4 s in each worker); registered here, the worker's own call is skipped.
     """
