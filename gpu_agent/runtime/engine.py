@@ -256,7 +256,9 @@ def build_engine_command(
         argv += ["--enable-lora", "--max-loras", str(spec.max_loras), "--max-lora-rank", str(spec.max_lora_rank)]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if device == DEVICE_CPU:
-        # CUDA graphs and multi-process workers buy nothing on CPU and cost start time.
+        # CUDA graphs and multi-process workers buy nothing on CPU and cost start time. NOTE: vLLM's CPU platform
+        # turns "uni" back into a separate worker process; engines forked from the zygote keep it
+        # (`standby_process._keep_uniproc_executor`), a plain launch gets vLLM's three processes.
         argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
         kv_cache_bytes = cpu_kv_cache_bytes(spec, model_path, dtype, task, cap_gib=cpu_kv_cache_gib)
         if kv_cache_bytes is None:

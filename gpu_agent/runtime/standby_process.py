@@ -220,7 +220,7 @@ def _prepare_engine_start(device: str) -> None:
     Each one cost every replica its CPU again (py-spy of one forked engine, tiny CPU model):
     - vLLM's logging set-up as the server's default arguments give it (a `dictConfig` over every
       logger of vLLM and torch, ~0.2 s): the server finds it active and skips it, and its forked
-      EngineCore and worker skip theirs too (`_skip_inherited_logging_setup`);
+      EngineCore skips its own too (`_skip_inherited_logging_setup`);
     - on CPU, vLLM's C++ stand-ins for Triton kernels: registering them scans every module's namespace
       (~0.4 s in each worker); registered here, the worker's own call is skipped.
     """
@@ -232,10 +232,12 @@ def _prepare_engine_start(device: str) -> None:
         configure_logging_from_args(make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "-"]))
     except Exception as exc:  # noqa: BLE001 - each engine configures its logging as usual
         print(f"standby: could not set up vLLM's logging ahead ({exc!r})", file=sys.stderr)
+    _warm_app_build()
     # NOTE: not multiprocessing's resource tracker (~0.2 s an engine): shared from here, it left the
     # engines' own children without their replica's marker (what orphan cleanup finds them by), and it
     # would tie every tenant's engine on the node to one process.
     if device == DEVICE_CPU:
+        _keep_uniproc_executor()
         try:
             from vllm.platforms.cpu import CpuPlatform
 
@@ -243,6 +245,65 @@ def _prepare_engine_start(device: str) -> None:
             CpuPlatform.register_triton_kernel_overrides = classmethod(lambda cls: None)
         except Exception as exc:  # noqa: BLE001 - each worker registers them as usual
             print(f"standby: could not register the CPU kernel overrides ahead ({exc!r})", file=sys.stderr)
+
+
+def _warm_app_build() -> None:
+    """Build the API server's app once here (every router, generation and pooling), then drop it.
+
+    The first `build_app` in a process took 0.45 s of CPU and later ones 0.03 to 0.08 s (pydantic and
+    FastAPI build their schemas and validators on first use and keep them on the classes): each forked
+    engine built its app first, ~0.35 s of its ~1 s of CPU to READY (tiny CPU model). The routes and
+    middleware of an engine's own app are the same either way; nothing here starts a thread, an event
+    loop or touches CUDA (the checks after this still refuse a zygote that did).
+    """
+    try:
+        import warnings
+
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.tasks import GENERATION_TASKS, POOLING_TASKS
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        started_at = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            build_app(
+                make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "-"]),
+                (*GENERATION_TASKS, *POOLING_TASKS),
+                None,
+            )
+        print(f"standby: API server app built once in {time.monotonic() - started_at:.1f}s", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - each engine builds its app from cold, as before
+        print(f"standby: could not build the API server app ahead ({exc!r})", file=sys.stderr)
+
+
+def _keep_uniproc_executor() -> None:
+    """On CPU, let an engine forked from here run its model in the EngineCore (`--distributed-executor-backend uni`).
+
+    vLLM's CPU platform turns a requested "uni" into "mp" (a separate worker process) because a spawned
+    worker is the only place it can set OpenMP's environment (thread count, `GOMP_CPU_AFFINITY`) before
+    libgomp reads it. An engine forked from this process inherits libgomp already initialised by the
+    torch import here, so its forked worker ignores that environment too: the worker process buys nothing
+    and costs each engine a third process (its own start-up, the shared-memory queue and its tracker, vLLM's
+    1 s spin per message between the two). The engine command asks for "uni" on CPU (`engine.py`); this
+    keeps it, for one-process (world size 1) engines only. OpenMP threads stay unbound, as in the forked
+    worker: engines sharing a node's cores must not each pin themselves to the same ones.
+    """
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except Exception as exc:  # noqa: BLE001 - engines keep vLLM's own choice
+        print(f"standby: could not keep the one-process executor ({exc!r})", file=sys.stderr)
+        return
+    check_and_update_config = CpuPlatform.check_and_update_config.__func__
+
+    def keep_uniproc(cls, vllm_config) -> None:
+        parallel_config = vllm_config.parallel_config
+        requested = parallel_config.distributed_executor_backend
+        check_and_update_config(cls, vllm_config)
+        if requested == "uni" and parallel_config.world_size == 1:
+            parallel_config.distributed_executor_backend = "uni"
+
+    CpuPlatform.check_and_update_config = classmethod(keep_uniproc)
 
 
 def _skip_inherited_logging_setup() -> None:
@@ -253,8 +314,15 @@ def _skip_inherited_logging_setup() -> None:
     """
     import vllm.logger
 
+    # NOTE: not `vllm.logger` itself: `configure_logging_if_needed` calls its module's `configure_logging`
+    # (it would call itself), and patched first, it hid the original from the comparison below, so no
+    # other module was patched and every forked EngineCore set its logging up again (~0.5 s of CPU each:
+    # `Logger.setLevel` clears the cache of every logger of vLLM, torch and transformers).
+    configure_logging = vllm.logger.configure_logging
     for name, module in list(sys.modules.items()):
-        if name.startswith("vllm") and vars(module).get("configure_logging") is vllm.logger.configure_logging:
+        if name == "vllm.logger" or not name.startswith("vllm"):
+            continue
+        if vars(module).get("configure_logging") is configure_logging:
             module.configure_logging = vllm.logger.configure_logging_if_needed
 
 

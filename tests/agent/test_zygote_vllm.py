@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import psutil
@@ -106,6 +108,11 @@ def test_several_replicas_started_at_once_each_answer_from_their_own_fork_of_one
         # Each engine leads its own session, as a plain launch does: autogroup scheduling shares CPU out per
         # session, and in the zygote's one, four engines got one engine's share.
         assert os.getsid(replica.pid) == replica.pid != os.getsid(parent)
+        # On CPU the model runs in the EngineCore (`standby_process._keep_uniproc_executor`): two processes, not
+        # vLLM's forced separate worker with its shared-memory queue and that queue's resource tracker.
+        tree = [psutil.Process(replica.pid), *psutil.Process(replica.pid).children(recursive=True)]
+        assert len(tree) == 2, [process.cmdline() for process in tree]
+        assert "EngineCore" in " ".join(tree[1].cmdline())
     assert supervisor.standby.num_spawned == 1 and supervisor.standby_ready, "nothing to refill"
     assert agent.build_heartbeat().standby_ready
 
@@ -142,3 +149,17 @@ def test_a_killed_zygote_takes_its_engines_down_and_shutdown_leaves_no_process(a
         assert "engine exited" in replica.failure_reason
     supervisor.shutdown(timeout_s=20)
     wait_until(lambda: data_dir_processes(agent.config.data_dir) == [], 30)
+
+
+def test_forked_engine_processes_skip_the_logging_set_up_they_inherit():
+    # The EngineCore calls vLLM's `configure_logging` by name; it set up every logger again in each forked
+    # engine (~0.5 s of CPU) because patching `vllm.logger` first hid the original from the comparison.
+    code = (
+        "import vllm.logger, vllm.v1.engine.core as core\n"
+        "from gpu_agent.runtime import standby_process\n"
+        "original = vllm.logger.configure_logging\n"
+        "standby_process._skip_inherited_logging_setup()\n"
+        "assert core.configure_logging is vllm.logger.configure_logging_if_needed, core.configure_logging\n"
+        "assert vllm.logger.configure_logging is original, 'configure_logging_if_needed would call itself'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
