@@ -250,7 +250,10 @@ def build_engine_command(
     if task != ModelTask.EMBED:
         argv += speculative_args(spec)
     # NOTE: the key travels in the environment, never in argv (visible to `ps`, written to the log).
-    env = {REPLICA_ENV_MARKER: spec.replica_id, ENGINE_API_KEY_ENV: spec.engine_api_key}
+    # NOTE: SPT_NOENV: vLLM titles its processes ("VLLM::EngineCore") with setproctitle, which by default
+    # writes the title over the environment block that /proc/<pid>/environ shows, and with it the replica's
+    # marker that orphan cleanup finds an engine's processes by; with it set, the title stays in argv's space.
+    env = {REPLICA_ENV_MARKER: spec.replica_id, ENGINE_API_KEY_ENV: spec.engine_api_key, "SPT_NOENV": "1"}
     if spec.max_loras and task != ModelTask.EMBED:
         # Adapters load and unload at runtime (/v1/load_lora_adapter), without restarting the engine.
         argv += ["--enable-lora", "--max-loras", str(spec.max_loras), "--max-lora-rank", str(spec.max_lora_rank)]

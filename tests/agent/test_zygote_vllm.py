@@ -113,6 +113,8 @@ def test_several_replicas_started_at_once_each_answer_from_their_own_fork_of_one
         tree = [psutil.Process(replica.pid), *psutil.Process(replica.pid).children(recursive=True)]
         assert len(tree) == 2, [process.cmdline() for process in tree]
         assert "EngineCore" in " ".join(tree[1].cmdline())
+        # Both carry the marker where /proc shows it (vLLM's process title must not overwrite it).
+        assert {process.pid for process in tree} <= {process.pid for process in processes_with_marker(replica.spec.replica_id)}
     assert supervisor.standby.num_spawned == 1 and supervisor.standby_ready, "nothing to refill"
     assert agent.build_heartbeat().standby_ready
 
