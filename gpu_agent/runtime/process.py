@@ -22,6 +22,7 @@ import psutil
 
 from gpu_agent.runtime import shared_memory
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER
+from gpu_agent.runtime.reaper import group_members
 
 logger = logging.getLogger(__name__)
 
@@ -87,19 +88,6 @@ def kill_group(pid: int | None, process: subprocess.Popen | None, replica_id: st
             except subprocess.TimeoutExpired:
                 pass
     shared_memory.unlink(segments)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes of the process group `pgid` (an engine leads its own)."""
-    members = []
-    for entry in os.listdir("/proc") if sys.platform.startswith("linux") else ():
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid:
-                    members.append(int(entry))
-            except (ProcessLookupError, PermissionError):
-                continue
-    return members
 
 
 def kill_orphans(data_dir: Path, owned: set[int]) -> None:

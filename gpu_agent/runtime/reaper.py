@@ -75,18 +75,23 @@ def main(argv: list[str]) -> int:
     return code if code >= 0 else 128 - code
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live processes of the process group `pgid` (an engine's reaper leads its own; `process.kill_group` asks too)."""
+    members = []
+    for entry in os.listdir("/proc") if sys.platform.startswith("linux") else ():
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    members.append(int(entry))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return members
+
+
 def _group_members() -> list[int]:
     """Every other process of this process group."""
-    me, group, members = os.getpid(), os.getpgrp(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            if os.getpgid(int(entry)) == group:
-                members.append(int(entry))
-        except (ProcessLookupError, PermissionError):
-            continue
-    return members
+    me = os.getpid()
+    return [pid for pid in group_members(os.getpgrp()) if pid != me]
 
 
 def _descendants() -> list[int]:
