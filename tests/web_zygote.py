@@ -81,7 +81,7 @@ class _Handle:
         try:
             with open(f"/proc/{self.pid}/stat") as stat:
                 alive = stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
             alive = False
         return None if alive else 0
 
