@@ -28,13 +28,11 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from decimal import Decimal
 
-import aiohttp
-
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import outstanding_key
 from endpoints.batches import scheduling
 from endpoints.batches.validation import Line
-from endpoints.gateway import directory, errors
+from endpoints.gateway import directory, errors, upstream
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.memo import in_worker_thread
@@ -106,7 +104,7 @@ async def _never_disconnects() -> dict:
     return {"type": "http.disconnect"}
 
 
-async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, client: aiohttp.ClientSession) -> LineOutcome:
+async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, client: upstream.UpstreamClient) -> LineOutcome:
     request_id = line_request_id(work.batch_id, line.index)
     capture = _Capture()
     try:
@@ -151,7 +149,7 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
     running: dict[asyncio.Task, Line] = {}
     ends_at = time.monotonic() + slice_s
     last_check, pause_until = 0.0, 0.0
-    client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=30.0, sock_connect=3.0, sock_read=600.0))
+    client = upstream.UpstreamClient()
     try:
         while pending or running:
             now = time.monotonic()

@@ -18,11 +18,19 @@ import logging
 import time
 from datetime import UTC, datetime
 
-import aiohttp
-
 from billing.usage_writer import writer_for_this_loop
 from controlplane.access_log import log_answer
-from endpoints.gateway import adapter_hold, anatomy, auth, directory, errors, metrics, presence, standing
+from endpoints.gateway import (
+    adapter_hold,
+    anatomy,
+    auth,
+    directory,
+    errors,
+    metrics,
+    presence,
+    standing,
+    upstream,
+)
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.memo import in_worker_thread
 from endpoints.gateway.ratelimit_headers import RateLimitReport
@@ -40,18 +48,14 @@ INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completio
 class Gateway:
     def __init__(self, fallback):
         self.fallback = fallback
-        self._client: aiohttp.ClientSession | None = None
+        self._client: upstream.UpstreamClient | None = None
 
     @property
-    def client(self) -> aiohttp.ClientSession:
-        # NOTE: created lazily inside the server's event loop, one per process. aiohttp rather than
-        # httpx: on the hot path it costs about a tenth of the CPU per proxied request
-        # (see bench/bench_gateway.py). `connect` includes waiting for a pooled connection.
+    def client(self) -> upstream.UpstreamClient:
+        # NOTE: created lazily inside the server's event loop, one per process: the gateway's own
+        # HTTP/1.1 client (`upstream`), leaner per request than aiohttp's (bench/results/gateway_profile.md, round 6).
         if self._client is None or self._client.closed:
-            self._client = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=2000, limit_per_host=0, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(total=None, connect=30.0, sock_connect=3.0, sock_read=600.0),
-            )
+            self._client = upstream.UpstreamClient()
         return self._client
 
     async def __call__(self, scope, receive, send):

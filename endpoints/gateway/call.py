@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
-import aiohttp
-
 from billing import ledger, usage_writer
 from billing.quota.counters import QuotaExceeded
 from endpoints.gateway import (
@@ -32,6 +30,7 @@ from endpoints.gateway import (
     sse,
     standing,
     traffic,
+    upstream,
 )
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.directory import AdapterInfo, EndpointInfo, ReplicaInfo
@@ -44,7 +43,7 @@ logger = logging.getLogger("inferplane.requests")
 # A client that leaves is noticed from this long after its call was admitted on (before: its call runs on).
 WATCH_DISCONNECT_AFTER_S = 0.05
 # What a failing replica raises: refused or dropped connections, truncated bodies, timeouts.
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+UPSTREAM_ERRORS = upstream.UpstreamError
 
 
 class ClientGone(Exception):
@@ -69,7 +68,7 @@ class InferenceCall:
     request: InferenceRequest
     caller: Caller
     endpoint: EndpointInfo
-    client: aiohttp.ClientSession
+    client: upstream.UpstreamClient
     receive: object
     send: object
     started_at: datetime
@@ -230,9 +229,9 @@ class InferenceCall:
     async def _forward(self, replica: ReplicaInfo) -> None:
         try:
             response = await self.client.post(
-                replica.address.rstrip("/") + self.request.path, data=self.request.upstream_body(),
-                headers={"content-type": "application/json", "x-request-id": self.request_id,
-                         "authorization": replica.authorization},
+                replica.address, self.request.path, self.request.upstream_body(),
+                {"content-type": "application/json", "x-request-id": self.request_id,
+                 "authorization": replica.authorization},
             )
         except UPSTREAM_ERRORS as exc:
             raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
@@ -251,12 +250,9 @@ class InferenceCall:
         finally:
             # NOTE: a response read to the end returns its connection to the pool; one left
             # unread (a client gone mid-stream) closes it, which aborts the engine's request.
-            if response.content.at_eof():
-                response.release()
-            else:
-                response.close()
+            response.close()
 
-    async def _relay_whole(self, response: aiohttp.ClientResponse) -> None:
+    async def _relay_whole(self, response: upstream.Response) -> None:
         try:
             body = await response.read()
         except UPSTREAM_ERRORS as exc:
@@ -276,7 +272,7 @@ class InferenceCall:
         await self.send({"type": "http.response.body", "body": body})
         self.response_started = True
 
-    async def _relay_stream(self, response: aiohttp.ClientResponse) -> None:
+    async def _relay_stream(self, response: upstream.Response) -> None:
         await self.start_stream()
         self._ceiling = ledger.CostCeiling.of(self.endpoint, self.reserved, fraction=self.price_fraction)
         options = self.request.payload.get("stream_options") or {}
@@ -284,11 +280,11 @@ class InferenceCall:
         wants_continuous = wants_usage and bool(options.get("continuous_usage_stats"))
         buffer = b""
         try:
-            async for chunk in response.content.iter_any():
+            async for chunk in response.chunks():
                 buffer = await self._relay_events(buffer + chunk, wants_usage, wants_continuous)
         except UPSTREAM_ERRORS as exc:
             # Every event that arrived before the failure still reaches the client, and is billed.
-            await self._relay_events(buffer + _arrived_before_failure(response), wants_usage, wants_continuous)
+            await self._relay_events(buffer + response.arrived_before_failure(), wants_usage, wants_continuous)
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-stream ({type(exc).__name__}).") from None
 
@@ -449,16 +445,3 @@ class _Watcher:
         self._timer.cancel()
         if self._task is not None:
             self._task.cancel()
-
-
-def _arrived_before_failure(response: aiohttp.ClientResponse) -> bytes:
-    """Bytes the replica sent that were not read yet when its connection failed.
-
-    NOTE: once aiohttp's stream holds an error, its public reads raise at once and hide data already
-    received (all of a short stream can arrive with the failure); `_read_nowait` is the one read
-    that skips that check.
-    """
-    try:
-        return response.content._read_nowait(-1)
-    except Exception:  # noqa: BLE001 - an aiohttp without it: nothing more to relay
-        return b""

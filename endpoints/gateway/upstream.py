@@ -1,0 +1,366 @@
+"""The gateway's HTTP/1.1 client to its replicas: asyncio protocols, httptools' parser, keep-alive pools.
+
+It speaks only to our own replicas (vLLM's OpenAI server behind the agent, the benchmarks' mock):
+HTTP/1.1, keep-alive, a JSON body up, JSON or SSE (chunked) down. Per request it writes the request
+line, headers and body in one `write`, and lets httptools call back into one `Response`; what
+aiohttp adds for a general client (request and response objects, multidict headers, cookie jar,
+tracing hooks, per-read timers, a stream reader) is not on the path.
+
+- One pool of idle connections per (scheme, host, port), newest reused first, at most `max_idle` kept,
+  each closed after `idle_timeout_s` idle. A connection is reused only after a response read to its
+  end on a keep-alive exchange; an error, an unread or aborted response (`Response.close`: a client
+  gone mid-stream) closes it, which is how an engine learns its caller left.
+- A pooled connection the server closed while idle is dropped when found closing; one that closes
+  under a request with no byte of the answer raises `UpstreamClosed` with `before_first_byte` set:
+  the caller decides (the gateway retries once elsewhere, as for a refused connection). Nothing is
+  ever sent twice here.
+- Timeouts: connect `connect_timeout_s`; a read `read_timeout_s` between bytes, the answer's first
+  byte included (one timer per request, moved on as bytes arrive).
+- Every failure is an `UpstreamError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from urllib.parse import urlsplit
+
+import httptools
+
+CONNECT_TIMEOUT_S = 3.0
+READ_TIMEOUT_S = 600.0
+IDLE_TIMEOUT_S = 30.0
+MAX_IDLE_PER_HOST = 1024
+
+
+class UpstreamError(Exception):
+    """The replica failed: refused, reset, timed out, closed early, or answered something that is not HTTP."""
+
+    before_first_byte = False  # set when no byte of the answer had arrived: safe to try elsewhere
+
+
+class UpstreamConnectError(UpstreamError):
+    before_first_byte = True
+
+
+class UpstreamTimeout(UpstreamError):
+    pass
+
+
+class UpstreamClosed(UpstreamError):
+    pass
+
+
+class MalformedResponse(UpstreamError):
+    pass
+
+
+class Response:
+    """One answer as it arrives: `status` once its headers are in; the body by `read()` or `async for`."""
+
+    __slots__ = ("status", "_conn", "_chunks", "_done", "_error", "_waiter", "_headers_seen")
+
+    def __init__(self, conn: _Connection):
+        self.status = 0
+        self._conn = conn
+        self._chunks: list[bytes] = []
+        self._done = False  # the whole message arrived
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future | None = None
+        self._headers_seen = False
+
+    # --- fed by the connection -------------------------------------------------------------
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self._done or self._error is not None:
+            return
+        self._error = error
+        self._wake()
+
+    async def _wait(self) -> None:
+        self._waiter = self._conn.loop.create_future()
+        await self._waiter
+
+    # --- the caller's side -------------------------------------------------------------------
+    async def read(self) -> bytes:
+        """The whole body; `UpstreamError` if the connection fails before its end."""
+        while not self._done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        body = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
+        self._chunks = []
+        self._conn.release(self)
+        return body
+
+    async def chunks(self):
+        """The body's bytes as they arrive, everything received so far in each piece; every byte that
+        arrived is yielded before an `UpstreamError` is raised."""
+        while True:
+            if self._chunks:
+                chunks, self._chunks = self._chunks, []
+                yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            elif self._done:
+                self._conn.release(self)
+                return
+            elif self._error is not None:
+                raise self._error
+            else:
+                await self._wait()
+
+    def arrived_before_failure(self) -> bytes:
+        """Bytes received and not read yet (after a failure: what arrived before it)."""
+        chunks, self._chunks = self._chunks, []
+        return b"".join(chunks)
+
+    def at_eof(self) -> bool:
+        return self._done and not self._chunks
+
+    def close(self) -> None:
+        """Done with it: a connection whose answer was read to the end goes back to its pool, any other
+        is closed (the engine sees its client leave)."""
+        if not self.at_eof():
+            self._conn.abandon(self)
+        else:
+            self._conn.release(self)
+
+
+class _Connection(asyncio.Protocol):
+    __slots__ = ("loop", "pool", "transport", "parser", "response", "closed", "idle_since", "last_read", "timer",
+                 "read_timeout_s", "reusable")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pool: _Pool, read_timeout_s: float):
+        self.loop = loop
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Response | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.last_read = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.read_timeout_s = read_timeout_s
+        self.reusable = False
+
+    # --- asyncio ---------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None:  # nothing asked: a server talking out of turn is not reused
+            self.close()
+            return
+        self.last_read = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            response._fail(MalformedResponse(f"malformed response: {exc}"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes; `connection_lost` follows
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self._stop_timer()
+        response = self.response
+        if response is not None and not response._done:
+            first = not response._headers_seen
+            error = UpstreamClosed(f"the replica closed the connection {'before answering' if first else 'mid-body'}"
+                                   + (f": {exc}" if exc else ""))
+            error.before_first_byte = first
+            response._fail(error)
+
+    # --- httptools -------------------------------------------------------------------------
+    def on_headers_complete(self) -> None:
+        response = self.response
+        response.status = self.parser.get_status_code()
+        response._headers_seen = True
+        response._wake()
+
+    def on_body(self, body: bytes) -> None:
+        response = self.response
+        response._chunks.append(body)
+        if response._waiter is not None:
+            response._wake()
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        self.reusable = self.parser.should_keep_alive()
+        response._done = True
+        self._stop_timer()
+        response._wake()
+
+    # --- the client's side ---------------------------------------------------------------------
+    def send(self, data: bytes) -> Response:
+        self.response = response = Response(self)
+        self.reusable = False
+        self.transport.write(data)
+        self.last_read = now = self.loop.time()
+        self.timer = self.loop.call_at(now + self.read_timeout_s, self._check_read)
+        return response
+
+    def _check_read(self) -> None:
+        self.timer = None
+        response = self.response
+        if response is None or response._done or self.closed:
+            return
+        due = self.last_read + self.read_timeout_s
+        if self.loop.time() < due:
+            self.timer = self.loop.call_at(due, self._check_read)
+            return
+        error = UpstreamTimeout(f"no byte from the replica for {self.read_timeout_s:g} s")
+        error.before_first_byte = not response._headers_seen
+        response._fail(error)
+        self.close()
+
+    def _stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def release(self, response: Response) -> None:
+        if self.response is not response:
+            return
+        self.response = None
+        if self.reusable and not self.closed and not self.transport.is_closing():
+            self.idle_since = self.loop.time()
+            self.pool.put(self)
+        else:
+            self.close()
+
+    def abandon(self, response: Response) -> None:
+        if self.response is response:
+            self.close()
+
+    def close(self) -> None:
+        self._stop_timer()
+        if not self.closed:
+            self.closed = True
+            self.transport.close()
+
+
+class _Pool:
+    """One (scheme, host, port)'s idle connections, newest last."""
+
+    __slots__ = ("client", "host", "port", "ssl", "prefix", "head", "idle")
+
+    def __init__(self, client: UpstreamClient, scheme: str, host: str, port: int, prefix: str):
+        self.client = client
+        self.prefix = prefix.rstrip("/").encode("latin-1")  # an address's own path, before each request's
+        self.host, self.port = host, port
+        self.ssl = ssl.create_default_context() if scheme == "https" else None
+        default = 443 if scheme == "https" else 80
+        self.head = f"host: {host if port == default else f'{host}:{port}'}\r\n".encode("latin-1")
+        self.idle: deque[_Connection] = deque()
+
+    def put(self, conn: _Connection) -> None:
+        self.idle.append(conn)
+        if len(self.idle) > self.client.max_idle:
+            self.idle.popleft().close()
+        self.client._sweep_soon()
+
+    async def connection(self) -> _Connection:
+        idle = self.idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and not conn.transport.is_closing():
+                return conn
+            conn.close()  # closed by the server while idle: dropped, nothing was sent on it
+        client = self.client
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(client.connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: _Connection(loop, self, client.read_timeout_s),
+                                                       self.host, self.port, ssl=self.ssl)
+        except TimeoutError:
+            raise UpstreamConnectError(f"no connection to {self.host}:{self.port} within {client.connect_timeout_s:g} s") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise UpstreamConnectError(f"no connection to {self.host}:{self.port}: {exc}") from None
+        return conn
+
+
+class UpstreamClient:
+    """Keep-alive connections to replicas, one pool per address; one per event loop."""
+
+    def __init__(self, *, connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = READ_TIMEOUT_S,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_idle: int = MAX_IDLE_PER_HOST):
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_idle = max_idle
+        self.closed = False
+        self._pools: dict[str, _Pool] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def _pool(self, address: str) -> _Pool:
+        pool = self._pools.get(address)
+        if pool is None:
+            parts = urlsplit(address)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise UpstreamConnectError(f"not an http(s) address: {address!r}")
+            pool = self._pools[address] = _Pool(self, parts.scheme, parts.hostname,
+                                                 parts.port or (443 if parts.scheme == "https" else 80), parts.path)
+        return pool
+
+    async def post(self, address: str, path: str, body: bytes, headers: dict[str, str]) -> Response:
+        """POST `body` to `address` + `path`; the `Response` once its status line and headers are in.
+
+        Raises `UpstreamError` (`before_first_byte` set when no byte of an answer arrived)."""
+        pool = self._pool(address)
+        conn = await pool.connection()
+        head = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        response = conn.send(b"".join((b"POST ", pool.prefix, path.encode("latin-1"), b" HTTP/1.1\r\n", pool.head,
+                                       f"{head}content-length: {len(body)}\r\n\r\n".encode("latin-1"), body)))
+        try:
+            while not response._headers_seen:
+                if response._error is not None:
+                    raise response._error
+                await response._wait()
+        except BaseException:
+            conn.abandon(response)  # cancelled or failed while waiting: never reused
+            raise
+        return response
+
+    def _sweep_soon(self) -> None:
+        if self._sweeper is None and not self.closed:
+            self._sweeper = asyncio.get_running_loop().call_later(self.idle_timeout_s / 2, self._sweep)
+
+    def _sweep(self) -> None:
+        """Closes connections idle longer than `idle_timeout_s`."""
+        self._sweeper = None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() - self.idle_timeout_s
+        any_left = False
+        for pool in self._pools.values():
+            idle = pool.idle
+            while idle and (idle[0].idle_since <= deadline or idle[0].closed):
+                idle.popleft().close()
+            idle_now = [c for c in idle if not c.closed]
+            if len(idle_now) != len(idle):
+                pool.idle = deque(idle_now)
+            any_left = any_left or bool(pool.idle)
+        if any_left:
+            self._sweep_soon()
+
+    def num_idle(self, address: str) -> int:
+        pool = self._pools.get(address)
+        return sum(not c.closed for c in pool.idle) if pool else 0
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for pool in self._pools.values():
+            while pool.idle:
+                pool.idle.pop().close()
+        self._pools.clear()
