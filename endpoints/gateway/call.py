@@ -42,8 +42,6 @@ logger = logging.getLogger("inferplane.requests")
 
 # A client that leaves is noticed from this long after its call was admitted on (before: its call runs on).
 WATCH_DISCONNECT_AFTER_S = 0.05
-# What a failing replica raises: refused or dropped connections, truncated bodies, timeouts.
-UPSTREAM_ERRORS = upstream.UpstreamError
 
 
 class ClientGone(Exception):
@@ -233,7 +231,7 @@ class InferenceCall:
                 {"content-type": "application/json", "x-request-id": self.request_id,
                  "authorization": replica.authorization},
             )
-        except UPSTREAM_ERRORS as exc:
+        except upstream.UpstreamError as exc:
             raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
         try:
             if response.status >= 500 or response.status == 401:
@@ -255,7 +253,7 @@ class InferenceCall:
     async def _relay_whole(self, response: upstream.Response) -> None:
         try:
             body = await response.read()
-        except UPSTREAM_ERRORS as exc:
+        except upstream.UpstreamError as exc:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None
         self.usage.take_totals(sse.response_usage(body))
@@ -282,7 +280,7 @@ class InferenceCall:
         try:
             async for chunk in response.chunks():
                 buffer = await self._relay_events(buffer + chunk, wants_usage, wants_continuous)
-        except UPSTREAM_ERRORS as exc:
+        except upstream.UpstreamError as exc:
             # Every event that arrived before the failure still reaches the client, and is billed.
             await self._relay_events(buffer + response.arrived_before_failure(), wants_usage, wants_continuous)
             self.status = "upstream_error"

@@ -1,0 +1,313 @@
+"""The gateway's HTTP/1.1 client to its replicas (`endpoints.gateway.upstream`), against real sockets."""
+
+import asyncio
+import socket
+
+import pytest
+import uvloop
+
+from endpoints.gateway import upstream
+from endpoints.gateway.upstream import UpstreamClient
+
+SSE = [b"data: {\"n\": %d}\n\n" % i for i in range(5)] + [b"data: [DONE]\n\n"]
+
+
+def _chunked(parts: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    return head + await reader.readexactly(length)
+
+
+class Server:
+    """A replica on a real socket whose `handle(reader, writer, state)` answers each connection."""
+
+    def __init__(self, handle):
+        self.handle, self.connections, self.requests, self.closed = handle, 0, [], asyncio.Event()
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.address = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def _serve(self, reader, writer):
+        self.connections += 1
+        try:
+            await self.handle(reader, writer, self)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed.set()
+            writer.close()
+
+
+def run(coro):
+    return uvloop.run(coro)
+
+
+async def _keep_alive(reader, writer, server):
+    while True:
+        server.requests.append(await _read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+
+
+def test_one_connection_serves_request_after_request_and_the_request_goes_out_whole():
+    async def main():
+        async with Server(_keep_alive) as server:
+            client = UpstreamClient()
+            for i in range(3):
+                response = await client.post(server.address, "/v1/chat/completions", b'{"a": 1}',
+                                             {"content-type": "application/json", "x-request-id": f"r{i}"})
+                assert (response.status, await response.read()) == (200, b"{}")
+                response.close()
+            assert server.connections == 1
+            assert client.num_idle(server.address) == 1
+            first = server.requests[0]
+            assert first.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+            assert b"\r\nx-request-id: r0\r\n" in first and b"\r\ncontent-length: 8\r\n" in first
+            assert first.endswith(b'\r\n\r\n{"a": 1}')
+            await client.close()
+    run(main())
+
+
+def test_an_idle_connection_the_server_closed_is_dropped_and_the_next_request_dials_anew():
+    async def answer_once(reader, writer, server):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()  # then closes, as an engine's keep-alive timeout does
+
+    async def main():
+        async with Server(answer_once) as server:
+            client = UpstreamClient()
+            response = await client.post(server.address, "/", b"{}", {})
+            assert await response.read() == b"{}"
+            await server.closed.wait()
+            await asyncio.sleep(0.05)  # the FIN reaches the pooled connection
+            response = await client.post(server.address, "/", b"{}", {})
+            assert await response.read() == b"{}"
+            assert server.connections == 2
+            await client.close()
+    run(main())
+
+
+def test_a_pooled_connection_closed_under_a_request_fails_before_the_first_byte_and_is_not_resent():
+    # The race an idle timeout leaves: the server closes just as the request goes out. The client says
+    # "nothing arrived" (the gateway then tries elsewhere) and never sends the request again itself.
+    async def close_after_first_request(reader, writer, server):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        server.requests.append(await _read_request(reader))  # the second request: read, then dropped unanswered
+
+    async def main():
+        async with Server(close_after_first_request) as server:
+            client = UpstreamClient()
+            assert await (await client.post(server.address, "/", b"{}", {})).read() == b"{}"
+            with pytest.raises(upstream.UpstreamClosed) as failure:
+                await client.post(server.address, "/", b"{}", {})
+            assert failure.value.before_first_byte
+            assert len(server.requests) == 1 and server.connections == 1
+            await client.close()
+    run(main())
+
+
+def test_a_server_that_dies_mid_body_fails_the_read_and_the_bytes_before_it_are_yielded():
+    async def dies(reader, writer, server):
+        await _read_request(reader)
+        writer.write(STREAM_HEAD + _chunked(SSE[:2])[:-5])  # two events, then no end
+        await writer.drain()
+
+    async def main():
+        async with Server(dies) as server:
+            client = UpstreamClient()
+            response = await client.post(server.address, "/", b"{}", {})
+            received = []
+            with pytest.raises(upstream.UpstreamClosed) as failure:
+                async for chunk in response.chunks():
+                    received.append(chunk)
+            assert b"".join(received) + response.arrived_before_failure() == b"".join(SSE[:2])
+            assert not failure.value.before_first_byte
+            response.close()
+            response = await client.post(server.address, "/", b"{}", {})
+            with pytest.raises(upstream.UpstreamClosed):
+                await response.read()
+            assert client.num_idle(server.address) == 0
+            await client.close()
+    run(main())
+
+
+def test_a_silent_server_hits_the_read_timeout_before_and_after_its_headers():
+    async def stalls(reader, writer, server):
+        await _read_request(reader)
+        if server.connections == 2:
+            writer.write(STREAM_HEAD + _chunked(SSE[:1])[:-5])
+            await writer.drain()
+        await asyncio.sleep(5)
+
+    async def main():
+        async with Server(stalls) as server:
+            client = UpstreamClient(read_timeout_s=0.3)
+            with pytest.raises(upstream.UpstreamTimeout) as failure:
+                await client.post(server.address, "/", b"{}", {})
+            assert failure.value.before_first_byte
+            response = await client.post(server.address, "/", b"{}", {})
+            chunks = []
+            with pytest.raises(upstream.UpstreamTimeout) as failure:
+                async for chunk in response.chunks():
+                    chunks.append(chunk)
+            assert chunks == [SSE[0]] and not failure.value.before_first_byte
+            await client.close()
+    run(main())
+
+
+def test_a_slow_stream_within_the_read_timeout_is_never_cut():
+    async def slow(reader, writer, server):
+        await _read_request(reader)
+        writer.write(STREAM_HEAD)
+        for part in SSE:
+            await asyncio.sleep(0.1)
+            writer.write(_chunked([part])[:-5])
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main():
+        async with Server(slow) as server:
+            client = UpstreamClient(read_timeout_s=0.25)  # less than the stream, more than a gap
+            response = await client.post(server.address, "/", b"{}", {})
+            assert b"".join([chunk async for chunk in response.chunks()]) == b"".join(SSE)
+            await client.close()
+    run(main())
+
+
+class _Transport:
+    def __init__(self):
+        self.written, self.closing = [], False
+
+    def write(self, data):
+        self.written.append(data)
+
+    def is_closing(self):
+        return self.closing
+
+    def close(self):
+        self.closing = True
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+def test_chunked_sse_split_at_every_byte_boundary_reads_the_same(keep_alive):
+    head = STREAM_HEAD if keep_alive else STREAM_HEAD.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
+    wire = head + _chunked(SSE)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        client = UpstreamClient()
+        pool = client._pool("http://127.0.0.1:1")
+        for cut in range(1, len(wire)):
+            conn = upstream._Connection(loop, pool, 60)
+            conn.connection_made(_Transport())
+            response = conn.send(b"POST / HTTP/1.1\r\n\r\n")
+            conn.data_received(wire[:cut])
+            conn.data_received(wire[cut:])
+            assert response.status == 200
+            assert b"".join([chunk async for chunk in response.chunks()]) == b"".join(SSE), cut
+            assert (conn in pool.idle) is keep_alive and conn.transport.closing is not keep_alive
+            pool.idle.clear()
+            conn.close()
+    run(main())
+
+
+def test_a_response_larger_than_one_read_arrives_whole():
+    body = bytes(range(256)) * (5 * 4096)  # 5 MiB
+
+    async def large(reader, writer, server):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        await _read_request(reader)
+
+    async def main():
+        async with Server(large) as server:
+            client = UpstreamClient()
+            response = await client.post(server.address, "/", b"{}", {})
+            assert await response.read() == body
+            assert client.num_idle(server.address) == 1
+            await client.close()
+    run(main())
+
+
+def test_a_client_gone_mid_stream_closes_the_upstream_connection():
+    async def endless(reader, writer, server):
+        await _read_request(reader)
+        writer.write(STREAM_HEAD)
+        while True:
+            writer.write(_chunked([SSE[0]])[:-5])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    async def main():
+        async with Server(endless) as server:
+            client = UpstreamClient()
+            response = await client.post(server.address, "/", b"{}", {})
+            async for _chunk in response.chunks():
+                break
+            response.close()  # what the gateway does once its own client left
+            await asyncio.wait_for(server.closed.wait(), 5)  # the engine sees it
+            assert client.num_idle(server.address) == 0
+            await client.close()
+    run(main())
+
+
+def test_a_refused_connection_is_unavailable_before_the_first_byte():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: refused
+
+    async def main():
+        client = UpstreamClient()
+        with pytest.raises(upstream.UpstreamConnectError) as failure:
+            await client.post(f"http://127.0.0.1:{port}", "/", b"{}", {})
+        assert failure.value.before_first_byte
+        await client.close()
+    run(main())
+
+
+def test_a_malformed_status_line_is_a_malformed_response_and_its_connection_is_dropped():
+    async def garbage(reader, writer, server):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 2x0 NOPE\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main():
+        async with Server(garbage) as server:
+            client = UpstreamClient()
+            with pytest.raises(upstream.MalformedResponse):
+                await client.post(server.address, "/", b"{}", {})
+            await asyncio.wait_for(server.closed.wait(), 5)
+            assert client.num_idle(server.address) == 0
+            await client.close()
+    run(main())
+
+
+def test_idle_connections_are_closed_after_the_idle_timeout():
+    async def main():
+        async with Server(_keep_alive) as server:
+            client = UpstreamClient(idle_timeout_s=0.2)
+            assert await (await client.post(server.address, "/", b"{}", {})).read() == b"{}"
+            assert client.num_idle(server.address) == 1
+            await asyncio.wait_for(server.closed.wait(), 5)
+            assert client.num_idle(server.address) == 0
+            await client.close()
+    run(main())
