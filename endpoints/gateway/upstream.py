@@ -6,8 +6,8 @@ line, headers and body in one `write`, and lets httptools call back into one `Re
 aiohttp adds for a general client (request and response objects, multidict headers, cookie jar,
 tracing hooks, per-read timers, a stream reader) is not on the path.
 
-- One pool of idle connections per (scheme, host, port), newest reused first, at most `max_idle` kept,
-  each closed after `idle_timeout_s` idle. A connection is reused only after a response read to its
+- One pool of idle connections per address, newest reused first, at most `max_idle` kept, each
+  closed after `idle_timeout_s` idle (4 s: under the engine's own 5 s). A connection is reused only after a response read to its
   end on a keep-alive exchange; an error, an unread or aborted response (`Response.close`: a client
   gone mid-stream) closes it, which is how an engine learns its caller left.
 - A pooled connection the server closed while idle is dropped when found closing; one that closes
@@ -30,7 +30,9 @@ import httptools
 
 CONNECT_TIMEOUT_S = 3.0
 READ_TIMEOUT_S = 600.0
-IDLE_TIMEOUT_S = 30.0
+# NOTE: under vLLM's own keep-alive timeout (its HTTP server closes a connection idle for 5 s): a
+# connection kept longer is one the engine may close just as a request goes out on it.
+IDLE_TIMEOUT_S = 4.0
 MAX_IDLE_PER_HOST = 1024
 
 
@@ -270,13 +272,15 @@ class _Pool:
 
     async def connection(self) -> _Connection:
         idle = self.idle
-        while idle:
-            conn = idle.pop()
-            if not conn.closed and not conn.transport.is_closing():
-                return conn
-            conn.close()  # closed by the server while idle: dropped, nothing was sent on it
         client = self.client
         loop = asyncio.get_running_loop()
+        if idle:
+            fresh_since = loop.time() - client.idle_timeout_s
+            while idle:
+                conn = idle.pop()
+                if not conn.closed and not conn.transport.is_closing() and conn.idle_since > fresh_since:
+                    return conn
+                conn.close()  # closed by the server while idle, or idle too long: dropped, nothing was sent on it
         try:
             async with asyncio.timeout(client.connect_timeout_s):
                 _, conn = await loop.create_connection(lambda: _Connection(loop, self, client.read_timeout_s),
