@@ -48,6 +48,7 @@ class MockOpenAI:
         self.fail_after_chunks = fail_after_chunks
         self.one_write = one_write  # a whole stream in one write: what a fast engine looks like to a busy gateway
         self.num_requests = 0
+        self.num_streams_left = 0  # streams whose client (the gateway) closed the connection before their end
         self.prefix_cache = prefix_cache
         self.prefixes_seen: set[str] = set()  # a modelled prefix cache: a prefix seen before is reported cached
 
@@ -64,7 +65,7 @@ class MockOpenAI:
         if path == "/health":
             return await self._json(send, 200, {})
         if path == "/_stats":
-            return await self._json(send, 200, {"num_requests": self.num_requests})
+            return await self._json(send, 200, {"num_requests": self.num_requests, "num_streams_left": self.num_streams_left})
         self.num_requests += 1
         body = b""
         while True:
@@ -83,7 +84,7 @@ class MockOpenAI:
         cached = PROMPT_TOKENS - 1 if self.prefix_cache and _prefix(payload) in self.prefixes_seen else 0
         self.prefixes_seen.add(_prefix(payload))
         if payload.get("stream"):
-            return await self._stream(send, payload, num_tokens, chat, cached)
+            return await self._stream(send, payload, num_tokens, chat, cached, receive)
         await asyncio.sleep(self.token_delay_s * num_tokens)
         text = " ".join(["tok"] * num_tokens)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
@@ -93,7 +94,7 @@ class MockOpenAI:
             "model": payload.get("model"), "choices": [choice], "usage": _usage(num_tokens, cached),
         })
 
-    async def _stream(self, send, payload, num_tokens, chat, cached=0):
+    async def _stream(self, send, payload, num_tokens, chat, cached=0, receive=None):
         options = payload.get("stream_options") or {}
         include_usage, continuous = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
@@ -108,7 +109,11 @@ class MockOpenAI:
 
         base = {"id": "cmpl-mock", "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": payload.get("model")}
+        left = asyncio.ensure_future(receive()) if receive is not None else None  # `http.disconnect` once it leaves
         for index in range(num_tokens):
+            if left is not None and left.done():
+                self.num_streams_left += 1
+                return
             if self.fail_after_chunks is not None and index >= self.fail_after_chunks:
                 raise RuntimeError("mock replica crashed mid-stream")  # uvicorn drops the connection
             if self.token_delay_s:
@@ -123,6 +128,8 @@ class MockOpenAI:
             final = base | {"choices": [], "usage": _usage(num_tokens, cached)}
             await emit(b"data: " + _dumps(final) + b"\n\n")
         await emit(b"data: [DONE]\n\n", more=False)
+        if left is not None:
+            left.cancel()
 
     async def _embeddings(self, send, payload):
         inputs = payload.get("input")

@@ -22,7 +22,8 @@ def _stream_request(gateway, key, model, **extra):
 
 
 def test_a_client_that_disconnects_mid_stream_leaves_one_aborted_row_with_the_tokens_it_received(gateway, tenant, start_mock_upstream):
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=40))
+    upstream = start_mock_upstream(token_delay_ms=40)
+    endpoint = serve_endpoint(tenant.org, upstream)
     received = 0
     with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=100) as response:
         for line in response.iter_lines():
@@ -36,6 +37,8 @@ def test_a_client_that_disconnects_mid_stream_leaves_one_aborted_row_with_the_to
     assert received <= row.completion_tokens <= received + 3
     assert row.prompt_tokens == 7
     assert UsageRecord.objects.count() == 1
+    # The engine saw its client (the gateway) leave: the connection closed, the request aborted, not run to its end.
+    wait_until(lambda: httpx.get(f"{upstream}/_stats").json()["num_streams_left"] == 1, 10, message="the engine's abort")
 
 
 def test_a_replica_down_before_the_first_byte_is_retried_once_on_another(gateway, tenant, start_mock_upstream):
