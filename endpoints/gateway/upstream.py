@@ -245,6 +245,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self._stop_timer()
+        self.response = None  # its caller has what it needs (an error, or nothing more to read)
         if not self.closed:
             self.closed = True
             self.transport.close()
