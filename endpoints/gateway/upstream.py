@@ -34,6 +34,9 @@ READ_TIMEOUT_S = 600.0
 # connection kept longer is one the engine may close just as a request goes out on it.
 IDLE_TIMEOUT_S = 4.0
 MAX_IDLE_PER_HOST = 1024
+# NOTE: a streamed answer's bytes not yet taken by the gateway (its client reads slowly) stop the
+# connection's reads here: a slow or hostile client never makes the gateway hold a whole answer.
+HIGH_WATER_BYTES = 256 * 1024
 
 
 class UpstreamError(Exception):
@@ -58,15 +61,24 @@ class MalformedResponse(UpstreamError):
     pass
 
 
+class MalformedRequest(UpstreamError):
+    """Nothing was sent: the request could not be written as HTTP."""
+
+    before_first_byte = True
+
+
 class Response:
     """One answer as it arrives: `status` once its headers are in; the body by `read()` or `async for`."""
 
-    __slots__ = ("status", "_conn", "_chunks", "_done", "_error", "_waiter", "_headers_seen")
+    __slots__ = ("status", "_conn", "_chunks", "_num_buffered", "_bounded", "_done", "_error", "_waiter",
+                 "_headers_seen")
 
     def __init__(self, conn: _Connection):
         self.status = 0
         self._conn = conn
         self._chunks: list[bytes] = []
+        self._num_buffered = 0  # bytes in `_chunks`
+        self._bounded = True  # reads pause above HIGH_WATER_BYTES (not for `read()`, which wants it all)
         self._done = False  # the whole message arrived
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
@@ -93,6 +105,8 @@ class Response:
     # --- the caller's side -------------------------------------------------------------------
     async def read(self) -> bytes:
         """The whole body; `UpstreamError` if the connection fails before its end."""
+        self._bounded = False
+        self._conn.resume()
         while not self._done:
             if self._error is not None:
                 raise self._error
@@ -108,6 +122,8 @@ class Response:
         while True:
             if self._chunks:
                 chunks, self._chunks = self._chunks, []
+                self._num_buffered = 0
+                self._conn.resume()
                 yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
             elif self._done:
                 self._conn.release(self)
@@ -120,6 +136,7 @@ class Response:
     def arrived_before_failure(self) -> bytes:
         """Bytes received and not read yet (after a failure: what arrived before it)."""
         chunks, self._chunks = self._chunks, []
+        self._num_buffered = 0
         return b"".join(chunks)
 
     def at_eof(self) -> bool:
@@ -136,7 +153,7 @@ class Response:
 
 class _Connection(asyncio.Protocol):
     __slots__ = ("loop", "pool", "transport", "parser", "response", "closed", "idle_since", "last_read", "timer",
-                 "read_timeout_s", "reusable")
+                 "read_timeout_s", "reusable", "paused")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pool: _Pool, read_timeout_s: float):
         self.loop = loop
@@ -150,6 +167,7 @@ class _Connection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.read_timeout_s = read_timeout_s
         self.reusable = False
+        self.paused = False
 
     # --- asyncio ---------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -191,6 +209,10 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         response = self.response
         response._chunks.append(body)
+        response._num_buffered += len(body)
+        if response._num_buffered > HIGH_WATER_BYTES and response._bounded and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
         if response._waiter is not None:
             response._wake()
 
@@ -210,11 +232,20 @@ class _Connection(asyncio.Protocol):
         self.timer = self.loop.call_at(now + self.read_timeout_s, self._check_read)
         return response
 
+    def resume(self) -> None:
+        """Reads go on after a pause (the gateway took what was buffered); the read timeout counts from now."""
+        if self.paused and not self.closed:
+            self.paused = False
+            self.last_read = self.loop.time()
+            self.transport.resume_reading()
+
     def _check_read(self) -> None:
         self.timer = None
         response = self.response
         if response is None or response._done or self.closed:
             return
+        if self.paused:  # waiting on our own client, not on the replica
+            self.last_read = self.loop.time()
         due = self.last_read + self.read_timeout_s
         if self.loop.time() < due:
             self.timer = self.loop.call_at(due, self._check_read)
@@ -233,6 +264,7 @@ class _Connection(asyncio.Protocol):
         if self.response is not response:
             return
         self.response = None
+        self.resume()  # a whole answer can arrive in the read that paused: the next one must be read
         if self.reusable and not self.closed and not self.transport.is_closing():
             self.idle_since = self.loop.time()
             self.pool.put(self)
@@ -321,8 +353,11 @@ class UpstreamClient:
 
         Raises `UpstreamError` (`before_first_byte` set when no byte of an answer arrived)."""
         pool = self._pool(address)
-        conn = await pool.connection()
         head = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        if head.count("\n") != len(headers) or head.count("\r") != len(headers):
+            # NOTE: a line break in a name or value would be a header (or a request) of its own.
+            raise MalformedRequest("a header name or value holds a line break")
+        conn = await pool.connection()
         response = conn.send(b"".join((b"POST ", pool.prefix, path.encode("latin-1"), b" HTTP/1.1\r\n", pool.head,
                                        f"{head}content-length: {len(body)}\r\n\r\n".encode("latin-1"), body)))
         try:

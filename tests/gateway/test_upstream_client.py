@@ -311,3 +311,66 @@ def test_idle_connections_are_closed_after_the_idle_timeout():
             assert client.num_idle(server.address) == 0
             await client.close()
     run(main())
+
+
+def test_a_stream_its_reader_does_not_take_stops_being_read_at_the_high_water_mark_and_arrives_whole_once_taken():
+    # A slow or hostile client must not make the gateway buffer an engine's whole answer: the
+    # connection stops reading above the mark (the replica's writes back up), then goes on.
+    parts = [b"data: %s\n\n" % (b"x" * 16_000) for _ in range(200)]  # ~3.2 MB of events
+
+    async def stream(reader, writer, server):
+        server.requests.append(await _read_request(reader))
+        writer.write(STREAM_HEAD + _chunked(parts))
+        await writer.drain()
+        await reader.read()
+
+    async def main():
+        async with Server(stream) as server:
+            client = UpstreamClient()
+            response = await client.post(server.address, "/v1/chat/completions", b"{}", {})
+            await asyncio.sleep(0.5)  # nothing taken: the replica's bytes wait in the sockets, not here
+            assert response._num_buffered <= upstream.HIGH_WATER_BYTES + 256 * 1024
+            assert response._conn.paused
+            received = b"".join([piece async for piece in response.chunks()])
+            assert received == b"".join(parts)
+            response.close()
+            assert client.num_idle(server.address) == 1
+            await client.close()
+    run(main())
+
+
+def test_a_whole_answer_read_at_once_is_not_held_back_by_the_high_water_mark():
+    body = b"{" + b'"x": "' + b"y" * 2_000_000 + b'"}'
+
+    async def big(reader, writer, server):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        await _keep_alive(reader, writer, server)
+
+    async def main():
+        async with Server(big) as server:
+            client = UpstreamClient(read_timeout_s=5)
+            response = await client.post(server.address, "/v1/chat/completions", b"{}", {})
+            await asyncio.sleep(0.3)
+            assert await response.read() == body
+            response.close()
+            again = await client.post(server.address, "/v1/chat/completions", b"{}", {})  # the same connection, reading
+            assert (again.status, await again.read()) == (200, b"{}")
+            assert server.connections == 1
+            await client.close()
+    run(main())
+
+
+@pytest.mark.parametrize("headers", [{"x-request-id": "r1\r\nx-injected: 1"}, {"x-request-id": "r1\rx"},
+                                     {"x-a\nb": "1"}])
+def test_a_header_with_a_line_break_is_refused_before_anything_is_sent(headers):
+    async def main():
+        async with Server(_keep_alive) as server:
+            client = UpstreamClient()
+            with pytest.raises(upstream.UpstreamError) as refused:
+                await client.post(server.address, "/v1/chat/completions", b"{}", headers)
+            assert refused.value.before_first_byte
+            assert server.connections == 0 and server.requests == []
+            await client.close()
+    run(main())
