@@ -98,6 +98,9 @@ def test_several_replicas_started_at_once_each_answer_from_their_own_fork_of_one
         wait_for_state(supervisor, replica_id, ReplicaState.READY, timeout_s=TIMEOUT_S)
     replicas = [supervisor.get(replica_id) for replica_id in replica_ids]
     assert all(replica.from_standby for replica in replicas)
+    # All were due in the same poll: their handoffs went out together, before the first fork was waited for
+    # (`Supervisor._send_due_to_zygote`), and no fork's `started` line was lost among the others.
+    assert supervisor.standby.num_sent_ahead == NUM_AT_ONCE and supervisor.standby.started == {}
     assert {psutil.Process(replica.pid).ppid() for replica in replicas} == {parent}
     assert len({replica.address for replica in replicas}) == NUM_AT_ONCE
     for replica in replicas:
