@@ -269,14 +269,33 @@ def _warm_app_build() -> None:
         started_at = time.monotonic()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            build_app(
+            app = build_app(
                 make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "-"]),
                 (*GENERATION_TASKS, *POOLING_TASKS),
                 None,
             )
+        _read_endpoint_sources(app)
         print(f"standby: API server app built once in {time.monotonic() - started_at:.1f}s", file=sys.stderr)
     except Exception as exc:  # noqa: BLE001 - each engine builds its app from cold, as before
         print(f"standby: could not build the API server app ahead ({exc!r})", file=sys.stderr)
+
+
+def _read_endpoint_sources(app) -> None:
+    """Let FastAPI read each route's source position here, once (`_extract_endpoint_context`).
+
+    FastAPI reads an endpoint function's source file from disk the first time a request reaches it, and
+    keeps the answer by the function's identity: every forked engine's first chat request read
+    `api_router.py` (~0.05 s of its first request in py-spy at load 6). The route functions are the
+    modules' own, the same objects in every engine forked from here, so the answers read here are theirs.
+    """
+    try:
+        from fastapi.routing import _extract_endpoint_context
+    except ImportError:  # another FastAPI: each engine reads them on first use, as before
+        return
+    for route in app.routes:
+        dependant = getattr(route, "dependant", None)
+        if dependant is not None and dependant.call is not None:
+            _extract_endpoint_context(dependant.call)
 
 
 def _keep_uniproc_executor() -> None:

@@ -206,6 +206,19 @@ def test_the_zygote_answers_the_entry_points_and_the_fingerprint_its_engines_ask
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
 
 
+def test_the_zygote_reads_the_routes_source_positions_its_engines_read_on_their_first_request():
+    # FastAPI reads an endpoint's source file on the first request to it, keyed by the function: read in the
+    # zygote, for the same function objects every forked engine's app routes to.
+    code = (
+        "import fastapi.routing\n"
+        "from gpu_agent.runtime import standby_process\n"
+        "from vllm.entrypoints.openai.chat_completion import api_router\n"
+        "standby_process._warm_app_build()\n"
+        "assert id(api_router.create_chat_completion) in fastapi.routing._endpoint_context_cache\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
+
+
 def test_forked_engine_processes_skip_the_logging_set_up_they_inherit():
     # The EngineCore calls vLLM's `configure_logging` by name; it set up every logger again in each forked
     # engine (~0.5 s of CPU) because patching `vllm.logger` first hid the original from the comparison.
