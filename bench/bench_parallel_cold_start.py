@@ -48,6 +48,7 @@ from gpu_agent.runtime.tiny_model import build_tiny_model  # noqa: E402
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: E402
 
 RATIO_TARGET = 1.5
+FIRST_CPU = "engine_cpu_s_after_first_request"  # all its processes, once the first request's stream has ended
 TIMEOUT_S = 900
 
 
@@ -115,6 +116,7 @@ def measure_zygote(supervisor: Supervisor, model_dir: Path, size: int, round_id:
             "start_to_ready_s": round(ready_at - started_at, 3),
             "start_to_first_token_s": round(answer["first_token_at"] - started_at, 3),
             "engine_cpu_s_at_ready": cpu_s,
+            "engine_cpu_s_after_first_request": engine_cpu_s(replica.pid),
         }
 
     results = _in_threads(one, size)
@@ -172,12 +174,14 @@ def measure_naive(model_dir: Path, work_dir: Path, size: int, timeout_s: float) 
 def summary(results: list[dict], load_before: float) -> dict:
     times = [r["start_to_first_token_s"] for r in results if "start_to_first_token_s" in r]
     cpu = [r["engine_cpu_s_at_ready"] for r in results if r.get("engine_cpu_s_at_ready") is not None]
+    cpu_first = [r[FIRST_CPU] for r in results if r.get(FIRST_CPU) is not None]
     return {
         "num_ok": len(times),
         "num_failed": len(results) - len(times),
         "median_first_token_s": round(statistics.median(times), 3) if times else None,
         "max_first_token_s": round(max(times), 3) if times else None,
         "median_engine_cpu_s_at_ready": round(statistics.median(cpu), 2) if cpu else None,
+        "median_engine_cpu_s_after_first_request": round(statistics.median(cpu_first), 2) if cpu_first else None,
         "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before, after
     }
 

@@ -53,7 +53,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, EngineCommand
+from gpu_agent.runtime.engine import (
+    DATA_DIR_ENV_MARKER,
+    DEVICE_CPU,
+    REPLICA_ENV_MARKER,
+    EngineCommand,
+    cpu_openmp_env,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +169,8 @@ class Standby:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
+            # NOTE: libgomp reads its settings when the standby imports torch, long before a handoff's env.
+            **(cpu_openmp_env() if self.device == DEVICE_CPU else {}),
             **self.env,
             DATA_DIR_ENV_MARKER: str(self.data_dir),
             REPLICA_ENV_MARKER: STANDBY_MARKER_VALUE,

@@ -139,12 +139,13 @@ def rewrite_environ_block(name: str, value: str) -> bool:
     return True
 
 
-def _force_fork_children() -> None:
+def _force_fork_children(first_module: int = 0) -> None:
     """On CPU, start the EngineCore and its worker by fork: they inherit every import.
 
     vLLM's CPU platform sets the `spawn` start method unconditionally, which makes
     each child import vLLM again. Every module that took `get_mp_context` by name
-    gets a fork context instead; forked children inherit the patch.
+    gets a fork context instead; forked children inherit the patch. `first_module`: the modules before
+    this position in `sys.modules` were patched already (`_patch_forked_engines`).
     """
     import multiprocessing
 
@@ -152,12 +153,13 @@ def _force_fork_children() -> None:
     import vllm.v1.engine.utils  # noqa: F401 - make sure the users are imported before patching
     import vllm.v1.executor.multiproc_executor  # noqa: F401
 
-    original = system_utils.get_mp_context
+    original = getattr(system_utils.get_mp_context, "__wrapped__", system_utils.get_mp_context)
 
     def fork_context():
         return multiprocessing.get_context("fork")
 
-    for name, module in list(sys.modules.items()):
+    fork_context.__wrapped__ = original
+    for name, module in list(sys.modules.items())[first_module:]:
         # NOTE: look in __dict__ only: getattr on lazy modules (transformers) imports things.
         if name.startswith("vllm") and vars(module).get("get_mp_context") is original:
             module.get_mp_context = fork_context
@@ -267,14 +269,33 @@ def _warm_app_build() -> None:
         started_at = time.monotonic()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            build_app(
+            app = build_app(
                 make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "-"]),
                 (*GENERATION_TASKS, *POOLING_TASKS),
                 None,
             )
+        _read_endpoint_sources(app)
         print(f"standby: API server app built once in {time.monotonic() - started_at:.1f}s", file=sys.stderr)
     except Exception as exc:  # noqa: BLE001 - each engine builds its app from cold, as before
         print(f"standby: could not build the API server app ahead ({exc!r})", file=sys.stderr)
+
+
+def _read_endpoint_sources(app) -> None:
+    """Let FastAPI read each route's source position here, once (`_extract_endpoint_context`).
+
+    FastAPI reads an endpoint function's source file from disk the first time a request reaches it, and
+    keeps the answer by the function's identity: every forked engine's first chat request read
+    `api_router.py` (~0.05 s of its first request in py-spy at load 6). The route functions are the
+    modules' own, the same objects in every engine forked from here, so the answers read here are theirs.
+    """
+    try:
+        from fastapi.routing import _extract_endpoint_context
+    except ImportError:  # another FastAPI: each engine reads them on first use, as before
+        return
+    for route in app.routes:
+        dependant = getattr(route, "dependant", None)
+        if dependant is not None and dependant.call is not None:
+            _extract_endpoint_context(dependant.call)
 
 
 def _keep_uniproc_executor() -> None:
@@ -306,7 +327,7 @@ def _keep_uniproc_executor() -> None:
     CpuPlatform.check_and_update_config = classmethod(keep_uniproc)
 
 
-def _skip_inherited_logging_setup() -> None:
+def _skip_inherited_logging_setup(first_module: int = 0) -> None:
     """In forked engine processes, skip vLLM's logging set-up when the configuration is the one inherited.
 
     The EngineCore and its worker call `configure_logging` unconditionally (they are usually spawned);
@@ -319,11 +340,76 @@ def _skip_inherited_logging_setup() -> None:
     # other module was patched and every forked EngineCore set its logging up again (~0.5 s of CPU each:
     # `Logger.setLevel` clears the cache of every logger of vLLM, torch and transformers).
     configure_logging = vllm.logger.configure_logging
-    for name, module in list(sys.modules.items()):
+    for name, module in list(sys.modules.items())[first_module:]:
         if name == "vllm.logger" or not name.startswith("vllm"):
             continue
         if vars(module).get("configure_logging") is configure_logging:
             module.configure_logging = vllm.logger.configure_logging_if_needed
+
+
+_patched_modules = 0  # how many of `sys.modules` (in order) `_patch_forked_engines` went through
+
+
+def _patch_forked_engines(device: str) -> None:
+    """Make, once, the patches every engine forked from this process used to make for itself.
+
+    Each walked `sys.modules` (thousands of modules) in its API server: ~0.15 s of one forked engine's
+    start in py-spy at load 5 (tiny CPU model). An engine then only looks at what it imported since.
+    """
+    global _patched_modules
+    if device == DEVICE_CPU:
+        try:
+            _force_fork_children()
+            _skip_inherited_logging_setup()
+        except Exception as exc:  # noqa: BLE001 - each engine patches every module, as before
+            print(f"standby: could not patch vLLM's modules ahead ({exc!r})", file=sys.stderr)
+            return
+    _patched_modules = len(sys.modules)
+
+
+def _share_model_independent_lookups() -> None:
+    """Answer, from this process, two look-ups every engine repeated with the same answer.
+
+    - Installed packages' entry points (`importlib.metadata.entry_points`): vLLM's API server and
+      EngineCore each look up three plugin groups (stat loggers, endpoint plugins, logits processors),
+      and each look-up reads every installed distribution's metadata from disk: ~6% of a forked engine's
+      start. The packages an engine can import are the ones this process imported from, so they are
+      read once here.
+    - The server's `system_fingerprint` (`get_system_fingerprint`): every serving class of the API
+      server hashes the whole engine configuration again for the same config object (~6%); the last
+      answer is kept per config object and fingerprint mode.
+    """
+    import importlib.metadata as metadata
+    import itertools
+
+    try:  # NOTE: as `entry_points` itself does it (Python 3.11)
+        found = tuple(
+            itertools.chain.from_iterable(dist.entry_points for dist in metadata._unique(metadata.distributions()))
+        )
+
+        def entry_points(**params):
+            return metadata.SelectableGroups.load(found).select(**params)
+
+        entry_points.__wrapped__ = metadata.entry_points
+        metadata.entry_points = entry_points
+    except Exception as exc:  # noqa: BLE001 - another Python: each engine reads them itself
+        print(f"standby: could not read the entry points ahead ({exc!r})", file=sys.stderr)
+    try:
+        from vllm.entrypoints.serve.utils import fingerprint
+
+        original = fingerprint.get_system_fingerprint
+        last: list = []
+
+        def get_system_fingerprint(vllm_config):
+            mode = (fingerprint._DEFAULT_MODE, fingerprint._CUSTOM_VALUE)
+            if not last or last[0] is not vllm_config or last[1] != mode:
+                last[:] = [vllm_config, mode, original(vllm_config)]
+            return last[2]
+
+        get_system_fingerprint.__wrapped__ = original
+        fingerprint.get_system_fingerprint = get_system_fingerprint
+    except Exception as exc:  # noqa: BLE001 - each serving class computes it, as before
+        print(f"standby: could not share the system fingerprint ({exc!r})", file=sys.stderr)
 
 
 def _freeze_heap() -> None:
@@ -352,9 +438,9 @@ def _serve(handoff: Handoff, device: str) -> None:
     args = parser.parse_args(handoff.args)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    if device == DEVICE_CPU:
-        _force_fork_children()
-        _skip_inherited_logging_setup()
+    if device == DEVICE_CPU:  # only what was imported since the zygote patched its modules
+        _force_fork_children(_patched_modules)
+        _skip_inherited_logging_setup(_patched_modules)
     uvloop.run(run_server(args))
 
 
@@ -379,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     _preload(options.device)
     _warm_model_info_cache()
     _prepare_engine_start(options.device)
+    _share_model_independent_lookups()
+    _patch_forked_engines(options.device)
     _freeze_heap()
     refusal = refuse_if_cuda_initialised("while importing")
     if refusal is not None:

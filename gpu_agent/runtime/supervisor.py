@@ -139,6 +139,7 @@ class Supervisor:
         # Engines listen only inside the range this node registered (the control plane checks it).
         self.engine_ports = engine_ports
         self._replicas: dict[str, ManagedReplica] = {}
+        self._prepared: dict[str, EngineCommand] = {}  # replica id -> command already sent to the zygote
         self._lock = threading.RLock()
         self._probe = EngineProbe(self.policy.health_timeout_s)
         self._monitor: threading.Thread | None = None
@@ -345,12 +346,18 @@ class Supervisor:
     def poll(self) -> None:
         with self._lock:
             replicas = list(self._replicas.values())
+            self._send_due_to_zygote(replicas)
             for replica in replicas:
                 try:
                     self._step(replica)
                 except Exception as exc:  # one bad replica must not stop the others
                     logger.exception("replica %s: step failed", replica.spec.replica_id)
                     self._fail(replica, f"supervisor error: {exc}")
+            for replica_id, command in list(self._prepared.items()):  # sent ahead, its launch failed: no engine
+                del self._prepared[replica_id]
+                orphan = self.standby.hand_off(replica_id, command, self._handoff_env(command), os.devnull)
+                if orphan is not None:
+                    process.kill_group(orphan.pid, None, replica_id, self.data_dir, signal.SIGKILL)
             if self.standby is not None:
                 self._step_standby(replicas)
 
@@ -369,6 +376,36 @@ class Supervisor:
             or now - self._engines_quiet_since >= self.policy.standby_refill_quiet_s
         ):
             self.standby.ensure()
+
+    def _send_due_to_zygote(self, replicas: list[ManagedReplica]) -> None:
+        """Send the zygote every replica due to launch now, before `_launch` waits for the first fork.
+
+        Their `_launch` (in this same poll, under the same lock) then takes the command prepared here and
+        only waits for its fork. Nothing for one replica alone: it is handed off as before.
+        """
+        if not isinstance(self.standby, Zygote) or not self.standby.ready:
+            return
+        now = time.monotonic()
+        due = [
+            replica for replica in replicas
+            if not replica.is_final and replica.pid is None and replica.launch_at and now >= replica.launch_at
+            and not replica.avoid_standby and replica.spec.replica_id not in self._prepared
+        ]  # fmt: skip
+        if len(due) < 2:
+            return
+        in_use = {other.command.port for other in self._replicas.values() if other.command and other.pid}
+        in_use |= {command.port for command in self._prepared.values()}
+        for replica in due:
+            port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
+            command = self.command_factory(replica.spec, replica.model_path, port)
+            if self.standby.send_ahead(
+                replica.spec.replica_id, command, self._handoff_env(command), replica.log_path
+            ):
+                in_use.add(port)
+                self._prepared[replica.spec.replica_id] = command
+
+    def _handoff_env(self, command: EngineCommand) -> dict[str, str]:
+        return {**command.env, DATA_DIR_ENV_MARKER: str(self.data_dir)}
 
     def _step(self, replica: ManagedReplica) -> None:
         now = time.monotonic()
@@ -424,9 +461,12 @@ class Supervisor:
 
     def _launch(self, replica: ManagedReplica) -> None:
         spec = replica.spec
-        in_use = {other.command.port for other in self._replicas.values() if other.command and other.pid}
-        port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
-        command = self.command_factory(spec, replica.model_path, port)
+        command = self._prepared.pop(spec.replica_id, None)  # sent to the zygote ahead (`_send_due_to_zygote`)
+        if command is None:
+            in_use = {other.command.port for other in self._replicas.values() if other.command and other.pid}
+            port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
+            command = self.command_factory(spec, replica.model_path, port)
+        port = command.port
         if self.standby is not None and not replica.avoid_standby and server_args(command) is not None:
             if self.standby.process is None:
                 # NOTE: none is kept right after a handoff (the refill waits for quiet engines), but one
@@ -442,10 +482,7 @@ class Supervisor:
             if self.standby is not None and not replica.avoid_standby and self.standby.can_take(command):
                 log.write(f"\n==> launch {process.timestamp()} on the {self.standby.label}: {' '.join(command.argv)}\n".encode())
                 log.flush()
-                started = self.standby.hand_off(
-                    spec.replica_id, command, {**command.env, DATA_DIR_ENV_MARKER: str(self.data_dir)},
-                    replica.log_path,
-                )  # fmt: skip
+                started = self.standby.hand_off(spec.replica_id, command, self._handoff_env(command), replica.log_path)
             if started is None:
                 log.write(f"\n==> launch {process.timestamp()}: {' '.join(command.argv)}\n".encode())
                 log.flush()

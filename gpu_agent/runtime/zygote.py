@@ -107,7 +107,14 @@ class Zygote(Standby):
         super().__init__(*args, **kwargs)
         self.log_path = self.data_dir / "logs" / "zygote.log"
         self.exit_codes: dict[int, int] = {}  # children reaped by the zygote and not yet asked about
+        self.started: dict[str, int] = {}  # `started` lines read and not yet asked about: replica id -> pid
+        self.sent_ahead: set[str] = set()  # replicas whose handoff line went out before their `hand_off`
+        self.num_sent_ahead = 0
 
+    def _spawn(self) -> None:
+        super()._spawn()
+        self.started.clear()
+        self.sent_ahead.clear()
     def ensure(self) -> None:
         super().ensure()
         if self.ready:
@@ -117,10 +124,16 @@ class Zygote(Standby):
         """Take the zygote's `exited` lines (and a refusal) from its status pipe, without blocking."""
         if self.process is None or not self.ready:
             return
+        self._take_lines()
+
+    def _take_lines(self) -> None:
         for line in self._read_lines():
             if line.startswith(EXITED_WORD + " "):
                 _, pid, code = line.split()
                 self.exit_codes[int(pid)] = int(code)
+            elif line.startswith(STARTED_WORD + " "):
+                _, replica_id, pid = line.split()
+                self.started[replica_id] = int(pid)
 
     def _read_lines(self) -> list[str]:
         try:
@@ -143,16 +156,41 @@ class Zygote(Standby):
         if self.ready:  # what followed "ready" in the same read stays for read_events
             self._buffer = self._buffer.split(READY_LINE, 1)[1]
 
+    def send_ahead(self, replica_id: str, command: EngineCommand, env: dict[str, str], log_path: Path) -> bool:
+        """Send a replica's handoff line now, without waiting for its fork; its `hand_off` then only waits.
+
+        The supervisor sends every replica due in one poll before it waits for the first fork: the zygote
+        forks them back to back instead of one per round trip (~0.1 s each at load, 0.47 s for four).
+        """
+        args = server_args(command)
+        if args is None or not self.can_take(command) or replica_id in self.sent_ahead:
+            return False
+        try:
+            self._write(Handoff(replica_id=replica_id, args=args, env=env, log_path=str(log_path)))
+        except (BrokenPipeError, OSError, ValueError) as exc:
+            logger.warning("zygote: handoff to pid %s failed (%s)", self.process.pid, exc)
+            self.stop()
+            return False
+        self.sent_ahead.add(replica_id)
+        self.num_sent_ahead += 1
+        return True
+
+    def _write(self, message: Handoff) -> None:
+        self.process.stdin.write(json.dumps(dataclasses.asdict(message)).encode() + b"\n")
+        self.process.stdin.flush()
+
     def hand_off(self, replica_id: str, command: EngineCommand, env: dict[str, str], log_path: Path):
-        """Fork this replica's engine; returns its `ForkedEngine`, or None to launch naively."""
+        """Fork this replica's engine (or wait for the fork `send_ahead` asked for); returns its `ForkedEngine`,
+        or None to launch naively."""
         args = server_args(command)
         if args is None or not self.can_take(command):
             return None
         process = self.process
-        message = Handoff(replica_id=replica_id, args=args, env=env, log_path=str(log_path))
         try:
-            process.stdin.write(json.dumps(dataclasses.asdict(message)).encode() + b"\n")
-            process.stdin.flush()
+            if replica_id in self.sent_ahead:
+                self.sent_ahead.discard(replica_id)
+            else:
+                self._write(Handoff(replica_id=replica_id, args=args, env=env, log_path=str(log_path)))
             pid = self._wait_for_start(replica_id)
         except (BrokenPipeError, OSError, ValueError) as exc:
             logger.warning("zygote: handoff to pid %s failed (%s)", process.pid, exc)
@@ -166,14 +204,10 @@ class Zygote(Standby):
 
     def _wait_for_start(self, replica_id: str) -> int | None:
         deadline = time.monotonic() + FORK_REPLY_TIMEOUT_S
-        prefix = f"{STARTED_WORD} {replica_id} "
         while time.monotonic() < deadline:
-            for line in self._read_lines():
-                if line.startswith(prefix):
-                    return int(line[len(prefix) :])
-                if line.startswith(EXITED_WORD + " "):
-                    _, pid, code = line.split()
-                    self.exit_codes[int(pid)] = int(code)
+            self._take_lines()  # NOTE: the forks of replicas sent ahead come in the same reads
+            if replica_id in self.started:
+                return self.started.pop(replica_id)
             if self.refused_reason is not None or self.process.poll() is not None:
                 return None
             select.select([self.process.stdout], [], [], 0.1)

@@ -35,6 +35,15 @@ def test_cpu_command_runs_eager_single_process_on_loopback():
     assert command.address == "http://127.0.0.1:8123"
 
 
+def test_cpu_engines_let_openmp_threads_sleep_unless_the_agent_says_otherwise(monkeypatch):
+    # Spinning OpenMP threads burned a core per CPU engine between ops, taken from engines starting at once.
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert build_engine_command(make_spec(), "/m", port=1, device="cpu").env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in build_engine_command(make_spec(), "/m", port=1, device="cuda").env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the operator's own, inherited from the agent
+    assert "OMP_WAIT_POLICY" not in build_engine_command(make_spec(), "/m", port=1, device="cpu").env
+
+
 def test_quantization_maps_to_engine_flags_per_device():
     cpu = build_engine_command(make_spec(quantization="fp8_per_channel"), "/m", port=1, device="cpu").argv
     assert flag(cpu, "--quantization") == "fp8_per_channel" and flag(cpu, "--dtype") == "bfloat16"

@@ -98,6 +98,9 @@ def test_several_replicas_started_at_once_each_answer_from_their_own_fork_of_one
         wait_for_state(supervisor, replica_id, ReplicaState.READY, timeout_s=TIMEOUT_S)
     replicas = [supervisor.get(replica_id) for replica_id in replica_ids]
     assert all(replica.from_standby for replica in replicas)
+    # All were due in the same poll: their handoffs went out together, before the first fork was waited for
+    # (`Supervisor._send_due_to_zygote`), and no fork's `started` line was lost among the others.
+    assert supervisor.standby.num_sent_ahead == NUM_AT_ONCE and supervisor.standby.started == {}
     assert {psutil.Process(replica.pid).ppid() for replica in replicas} == {parent}
     assert len({replica.address for replica in replicas}) == NUM_AT_ONCE
     for replica in replicas:
@@ -117,6 +120,9 @@ def test_several_replicas_started_at_once_each_answer_from_their_own_fork_of_one
         assert {process.pid for process in tree} <= {process.pid for process in processes_with_marker(replica.spec.replica_id)}
     assert supervisor.standby.num_spawned == 1 and supervisor.standby_ready, "nothing to refill"
     assert agent.build_heartbeat().standby_ready
+    # libgomp reads its wait policy when the zygote imports torch: spinning OpenMP threads of engines
+    # forked from it took the cores the other engines were starting on (engine.CPU_OPENMP_ENV).
+    assert psutil.Process(parent).environ().get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def test_a_drained_replica_leaves_nothing_and_the_zygote_stays(agent):
@@ -151,6 +157,66 @@ def test_a_killed_zygote_takes_its_engines_down_and_shutdown_leaves_no_process(a
         assert "engine exited" in replica.failure_reason
     supervisor.shutdown(timeout_s=20)
     wait_until(lambda: data_dir_processes(agent.config.data_dir) == [], 30)
+
+
+def test_the_zygote_patches_its_modules_once_and_an_engine_only_what_it_imported_since():
+    # Each engine walked every module of `sys.modules` twice in its API server (~0.15 s at load); the zygote
+    # now does it before it forks, and an engine patches only the modules imported after that.
+    code = (
+        "import sys, types, vllm.utils.system_utils as system_utils, vllm.v1.engine.utils as engine_utils\n"
+        "from gpu_agent.runtime import standby_process\n"
+        "original = system_utils.get_mp_context\n"
+        "standby_process._patch_forked_engines('cpu')\n"
+        "assert engine_utils.get_mp_context().get_start_method() == 'fork'\n"
+        "assert standby_process._patched_modules == len(sys.modules)\n"
+        "late = types.ModuleType('vllm_late_import'); late.get_mp_context = original\n"
+        "sys.modules['vllm_late_import'] = late\n"
+        "standby_process._force_fork_children(standby_process._patched_modules)\n"
+        "assert late.get_mp_context is not original and late.get_mp_context().get_start_method() == 'fork'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
+
+
+def test_the_zygote_answers_the_entry_points_and_the_fingerprint_its_engines_asked_for_again():
+    # Every engine read every installed package's entry points three times and hashed its whole configuration
+    # once per serving class: the answers are the same, so they come from the zygote (or are kept).
+    code = (
+        "import importlib.metadata as metadata\n"
+        "from types import SimpleNamespace\n"
+        "from gpu_agent.runtime import standby_process\n"
+        "from vllm.entrypoints.serve.utils import fingerprint\n"
+        "before = {group: sorted(ep.value for ep in metadata.entry_points(group=group))\n"
+        "          for group in ('console_scripts', 'vllm.general_plugins', 'vllm.stat_logger_plugins')}\n"
+        "standby_process._share_model_independent_lookups()\n"
+        "for group, values in before.items():\n"
+        "    assert sorted(ep.value for ep in metadata.entry_points(group=group)) == values, group\n"
+        "assert before['console_scripts'], 'vllm installs console scripts'\n"
+        "calls = []\n"
+        "class Config:\n"
+        "    def compute_hash(self):\n"
+        "        calls.append(self)\n"
+        "        return f'{len(calls):08d}'\n"
+        "config, other = Config(), Config()\n"
+        "first = fingerprint.get_system_fingerprint(config)\n"
+        "assert fingerprint.get_system_fingerprint(config) == first and len(calls) == 1\n"
+        "assert fingerprint.get_system_fingerprint(other) != first and len(calls) == 2\n"
+        "fingerprint.set_default_fingerprint_mode('custom', 'mine')\n"
+        "assert fingerprint.get_system_fingerprint(other) == 'mine'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
+
+
+def test_the_zygote_reads_the_routes_source_positions_its_engines_read_on_their_first_request():
+    # FastAPI reads an endpoint's source file on the first request to it, keyed by the function: read in the
+    # zygote, for the same function objects every forked engine's app routes to.
+    code = (
+        "import fastapi.routing\n"
+        "from gpu_agent.runtime import standby_process\n"
+        "from vllm.entrypoints.openai.chat_completion import api_router\n"
+        "standby_process._warm_app_build()\n"
+        "assert id(api_router.create_chat_completion) in fastapi.routing._endpoint_context_cache\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
 
 
 def test_forked_engine_processes_skip_the_logging_set_up_they_inherit():
