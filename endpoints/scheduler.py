@@ -267,12 +267,16 @@ def sweep_stuck() -> None:
     now = timezone.now()
     silent_since = now - timedelta(seconds=settings.NODE_HEARTBEAT_GRACE_S)
     for node in Node.objects.exclude(state=NodeState.OFFLINE).filter(last_heartbeat_at__lt=silent_since):
-        if not Node.objects.filter(pk=node.pk, last_heartbeat_at__lt=silent_since).exclude(state=NodeState.OFFLINE).update(state=NodeState.OFFLINE):
-            continue  # it beat in the meantime, or another sweeper won
+        # NOTE: one transaction: nobody reads an OFFLINE node whose replicas still look READY (the gateway
+        # would route to them, the console show them serving). The notices and reconciles go after commit.
+        with transaction.atomic():
+            if not Node.objects.filter(pk=node.pk, last_heartbeat_at__lt=silent_since).exclude(state=NodeState.OFFLINE).update(
+                    state=NodeState.OFFLINE):
+                continue  # it beat in the meantime, or another sweeper won
+            reason = f"node {node.name} stopped sending heartbeats"
+            for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
+                fail_replica(replica, reason)
         logger.warning("node %s went OFFLINE (no heartbeat since %s)", node.name, node.last_heartbeat_at)
-        reason = f"node {node.name} stopped sending heartbeats"
-        for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
-            fail_replica(replica, reason)
     started_before = now - timedelta(seconds=settings.REPLICA_START_TIMEOUT_S)
     # NOTE: a woken replica (sleep mode) is STARTING again long after it was created: its clock is its wake.
     for replica in Replica.objects.filter(state__in=[ReplicaState.PENDING, ReplicaState.STARTING], created_at__lt=started_before).filter(

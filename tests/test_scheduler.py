@@ -1,9 +1,11 @@
 """Autoscaling decisions, reconciling, the tick lock and the sweeper, on rows (no processes)."""
 
+import threading
 import time
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from controlplane import redis_keys
@@ -141,3 +143,38 @@ def test_a_replica_starting_too_long_fails_with_the_reason(settings, django_capt
         scheduler.sweep_stuck()
     replica = Replica.objects.get(endpoint=endpoint)
     assert replica.state == "FAILED" and replica.failure_reason == "did not become READY within 60 s"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_reader_sees_an_offline_node_whose_replicas_still_look_ready(settings, monkeypatch):
+    # Found by the scaling test on a busy machine: the node's OFFLINE was committed before its replicas failed,
+    # so a reader in between (the gateway's replica list, the console, a test) saw it OFFLINE and them READY.
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1)
+    silent = make_node(memory_mb=80_000)
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    replica = Replica.objects.get(endpoint=endpoint)
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.READY)
+    Node.objects.filter(pk=silent.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=31))
+    seen = []
+
+    def read_elsewhere():
+        # Another connection, as another process would read, while the sweep is between its writes.
+        try:
+            seen.append((Node.objects.get(pk=silent.pk).state, Replica.objects.get(pk=replica.pk).state))
+        finally:
+            connection.close()
+
+    real_fail_replica = scheduler.fail_replica
+
+    def fail_replica(*args, **kwargs):
+        reader = threading.Thread(target=read_elsewhere)
+        reader.start()
+        reader.join()
+        return real_fail_replica(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "fail_replica", fail_replica)
+    scheduler.sweep_stuck()
+    assert seen and all(not (node == NodeState.OFFLINE and state == ReplicaState.READY) for node, state in seen), seen
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.FAILED
