@@ -192,6 +192,35 @@ def vllm_engine(tiny_model_dir, tmp_path_factory) -> str:
             serve_engine(shared_engine_spec(tiny_model_dir), tiny_model_dir, tmp_path_factory.mktemp("agent")))
 
 
+# The one xdist group (tests/run.sh runs `-n 2 --dist loadgroup`) of the CPU-heavy tests: real engines
+# (`vllm`) and chaos runs that kill workers (`heavy`). Its tests run one at a time on one worker while the
+# other worker runs the rest, so two engine starts never compete for the machine's cores.
+HEAVY_GROUP = "engines"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # NOTE: before xdist's own hook, which appends the group to each grouped test's id.
+    for item in items:
+        if item.get_closest_marker("vllm") or item.get_closest_marker("heavy"):
+            item.add_marker(pytest.mark.xdist_group(HEAVY_GROUP))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadgroup`: the heavy group is one unit, and every other test module is one unit too
+    (its module-scoped servers start once, on one worker), the largest units handed out first."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleOrGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return scope if scope != nodeid else nodeid.split("::", 1)[0]
+
+    return ModuleOrGroupScheduling(config, log)
+
+
 def pytest_collection_finish(session):
     users = [item.nodeid for item in session.items if "vllm_engine" in getattr(item, "fixturenames", ())]
     _last_engine_user[:] = users[-1:]
