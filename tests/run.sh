@@ -24,7 +24,7 @@ esac
 # Two pytest-xdist workers, one per core: most tests wait on child processes (servers, workers, engines)
 # and leave a core idle. Each worker has its own embedded PostgreSQL and Redis under
 # $INFERPLANE_DATA_DIR/gw0 and gw1 (tests/settings.py). The CPU-heavy tests (real vLLM engines, marker
-# `vllm`; worker-kill chaos, marker `heavy`) form one xdist group, "engines" (tests/conftest.py): they run
+# `vllm`; worker-kill chaos, marker `heavy`) form one group, "engines" (tests/conftest.py): they run
 # one after another on one worker while the other runs every other test module, a module at a time.
 # A later argument wins: `bash tests/run.sh -n 0` runs in this one process.
 .venv/bin/python -m pytest -n 2 --dist loadgroup --create-db -p no:cacheprovider --durations=40 "$@"
