@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole suite, on real embedded PostgreSQL and Redis under .data/test (stopped afterwards).
+# The whole suite, on real embedded PostgreSQL and Redis under .data/test (stopped afterwards), on two
+# pytest-xdist workers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export INFERPLANE_DATA_DIR="${INFERPLANE_DATA_DIR:-$PWD/.data/test}"
@@ -20,9 +21,17 @@ case "${CI:-}" in
     if [ ! -x /usr/bin/chromium ]; then echo "CI: chromium is missing; the browser tests cannot run" >&2; exit 1; fi ;;
 esac
 # The slowest tests are listed at the end: the suite must stay under 30 minutes on 2 cores.
-.venv/bin/python -m pytest --create-db -p no:cacheprovider --durations=40 "$@"
+# Two pytest-xdist workers, one per core: most tests wait on child processes (servers, workers, engines)
+# and leave a core idle. Each worker has its own embedded PostgreSQL and Redis under
+# $INFERPLANE_DATA_DIR/gw0 and gw1 (tests/settings.py). The CPU-heavy tests (real vLLM engines, marker
+# `vllm`; worker-kill chaos, marker `heavy`) form one group, "engines" (tests/conftest.py): they run
+# one after another on one worker while the other runs every other test module, a module at a time.
+# A later argument wins: `bash tests/run.sh -n 0` runs in this one process.
+.venv/bin/python -m pytest -n 2 --dist loadgroup --create-db -p no:cacheprovider --durations=40 "$@"
 status=$?
-.venv/bin/python -m controlplane.embedded down >/dev/null 2>&1 || true
+for folder in "$INFERPLANE_DATA_DIR"/gw* "$INFERPLANE_DATA_DIR"; do
+  [ -d "$folder" ] && INFERPLANE_DATA_DIR="$folder" .venv/bin/python -m controlplane.embedded down >/dev/null 2>&1
+done
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
 if [ "$status" -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi
 exit "$status"

@@ -1,10 +1,10 @@
 """Settings for the test suite: the project's settings with test-friendly environment defaults.
 
 Tests run against real PostgreSQL and Redis: embedded ones under `.data/test`
-unless DATABASE_URL / REDIS_URL point elsewhere. Each pytest run (and the child
-processes it starts, which inherit INFERPLANE_TEST_RUN_ID) has its own test
-database and its own Redis database, so two runs on one machine never flush
-each other's state.
+(`.data/test/gw0`, `gw1`... for each pytest-xdist worker) unless DATABASE_URL /
+REDIS_URL point elsewhere. Each pytest run (and the child processes it starts,
+which inherit INFERPLANE_TEST_RUN_ID) has its own test database and its own
+Redis database, so two runs on one machine never flush each other's state.
 """
 
 import os
@@ -12,7 +12,13 @@ import re
 from pathlib import Path
 
 os.environ.setdefault("DJANGO_DEBUG", "1")
-os.environ.setdefault("INFERPLANE_DATA_DIR", str(Path(__file__).resolve().parent.parent / ".data" / "test"))
+_data_dir = Path(os.environ.setdefault("INFERPLANE_DATA_DIR", str(Path(__file__).resolve().parent.parent / ".data" / "test")))
+# NOTE: each pytest-xdist worker (PYTEST_XDIST_WORKER gw0, gw1...; tests/run.sh) has embedded servers of its
+# own under <data dir>/<worker>: the autouse Redis flush, the Redis restart and the local pool's agents
+# would otherwise reach into the other worker's tests. Its child processes inherit the folder as is.
+_worker = os.environ.get("PYTEST_XDIST_WORKER")
+if _worker and _data_dir.name != _worker:
+    os.environ["INFERPLANE_DATA_DIR"] = str(_data_dir / _worker)
 os.environ.setdefault("INFERPLANE_API_KEY_CACHE_S", "1")
 RUN_ID = os.environ.setdefault("INFERPLANE_TEST_RUN_ID", str(os.getpid()))
 

@@ -120,11 +120,11 @@ def test_under_ci_a_skipped_test_fails_the_run(tmp_path, pytestconfig):
     """))
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
 
-    def run(ci: str) -> subprocess.CompletedProcess:
+    def run(ci: str, *args: str) -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if k not in {"CI", "DJANGO_SETTINGS_MODULE"}}
         return subprocess.run(
             [sys.executable, "-m", "pytest", "-p", "tests.ci_skips", "-p", "no:django", "-p", "no:cacheprovider",
-             "-q", "test_sample.py"],
+             "-q", *args, "test_sample.py"],
             cwd=tmp_path, capture_output=True, text=True, timeout=120,
             env=env | {"PYTHONPATH": str(REPO_ROOT)} | ({"CI": ci} if ci else {}),
         )
@@ -133,3 +133,7 @@ def test_under_ci_a_skipped_test_fails_the_run(tmp_path, pytestconfig):
     in_ci = run("true")
     assert in_ci.returncode == 1
     assert "skipped under CI" in in_ci.stdout and "chromium is missing" in in_ci.stdout
+    # tests/run.sh runs the suite on xdist workers: the verdict made on a worker reaches the run's result.
+    on_a_worker = run("true", "-n", "1")
+    assert on_a_worker.returncode == 1
+    assert "skipped under CI" in on_a_worker.stdout and "chromium is missing" in on_a_worker.stdout

@@ -90,6 +90,10 @@ def on_cluster(redis_cluster, settings):
     """The control plane's clients pointed at the cluster, in cluster mode, for one test."""
     settings.REDIS_URL = f"redis://127.0.0.1:{redis_cluster[0]}/0"
     settings.REDIS_CLUSTER = True
+    # Each test starts with an empty cluster, as with the suite's own Redis (`_clean_redis`): an earlier
+    # test's in-process gateway, quiet for long enough on a busy machine, would be swept as a dead one.
+    for port in redis_cluster:
+        redis.Redis(port=port, socket_timeout=5).flushall()
     redis_client.get_redis.cache_clear()
     yield redis_client.get_redis()
     redis_client.get_redis().close()
@@ -187,6 +191,7 @@ def test_dead_gateways_and_expired_reservations_are_swept_on_a_redis_cluster(on_
     async def scenario():
         for organization in organizations:
             await orphan(organization)
+        await presence.beat()  # this process's gateway is alive: only the dead one's requests go
 
     asyncio.run(scenario())
 

@@ -83,11 +83,16 @@ def wait_for_state(supervisor, replica_id: str, state, timeout_s: float = 300, s
 
 
 def processes_with_marker(replica_id: str) -> list[psutil.Process]:
+    """Live processes of this test's replica: its marker, and not started from another pytest-xdist worker
+    (an engine inherits the agent's environment), whose replica of the same name must never count."""
     found = []
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
     for process in psutil.process_iter(["pid"]):
         try:
+            environ = process.environ()
             if (
-                process.environ().get("INFERPLANE_REPLICA_ID") == replica_id
+                environ.get("INFERPLANE_REPLICA_ID") == replica_id
+                and environ.get("PYTEST_XDIST_WORKER", worker) == worker
                 and process.status() != psutil.STATUS_ZOMBIE
             ):
                 found.append(process)

@@ -362,7 +362,7 @@ def test_next_agent_adopts_engines_a_detached_agent_left_running(control_plane, 
         # The control plane meanwhile stopped wanting r-old.
         control_plane.desired = [make_spec("r-stay", model_source=str(model))]
         agent, _stop, _thread = running_agent()
-        wait_until(lambda: control_plane.last_states().get("r-old") == ReplicaState.STOPPED, 15)
+        wait_until(lambda: control_plane.last_states().get("r-old") == ReplicaState.STOPPED, 60)
         replica = agent.supervisor.get("r-stay")
         assert (
             replica.state == ReplicaState.READY

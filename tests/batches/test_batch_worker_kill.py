@@ -16,7 +16,7 @@ from tests.batches.test_batch_vllm import _kill_whole_worker
 from tests.conftest import wait_until
 from tests.gateway.conftest import serve_endpoint
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.heavy, pytest.mark.django_db(transaction=True)]
 
 NUM_LINES = 60
 

@@ -92,6 +92,7 @@ def _feed(*, full_rollup: bool, queue_depth: int = 2):
         celery_app.send_task("billing.push_pending_rollups")
 
 
+@pytest.mark.heavy
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.timeout(CHAOS_DEADLINE_S + 900)
 def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothing_twice(tmp_path):
