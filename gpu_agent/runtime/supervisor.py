@@ -393,8 +393,7 @@ class Supervisor:
         ]  # fmt: skip
         if len(due) < 2:
             return
-        in_use = {other.command.port for other in self._replicas.values() if other.command and other.pid}
-        in_use |= {command.port for command in self._prepared.values()}
+        in_use = self._ports_in_use()
         for replica in due:
             port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
             command = self.command_factory(replica.spec, replica.model_path, port)
@@ -403,6 +402,11 @@ class Supervisor:
             ):
                 in_use.add(port)
                 self._prepared[replica.spec.replica_id] = command
+
+    def _ports_in_use(self) -> set[int]:
+        """Ports of running engines and of commands already sent to the zygote (their engines not started yet)."""
+        in_use = {other.command.port for other in self._replicas.values() if other.command and other.pid}
+        return in_use | {command.port for command in self._prepared.values()}
 
     def _handoff_env(self, command: EngineCommand) -> dict[str, str]:
         return {**command.env, DATA_DIR_ENV_MARKER: str(self.data_dir)}
@@ -463,8 +467,7 @@ class Supervisor:
         spec = replica.spec
         command = self._prepared.pop(spec.replica_id, None)  # sent to the zygote ahead (`_send_due_to_zygote`)
         if command is None:
-            in_use = {other.command.port for other in self._replicas.values() if other.command and other.pid}
-            port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
+            port = engine.free_port_in_range(*self.engine_ports, exclude=self._ports_in_use())
             command = self.command_factory(spec, replica.model_path, port)
         port = command.port
         if self.standby is not None and not replica.avoid_standby and server_args(command) is not None:

@@ -115,6 +115,7 @@ class Zygote(Standby):
         super()._spawn()
         self.started.clear()
         self.sent_ahead.clear()
+
     def ensure(self) -> None:
         super().ensure()
         if self.ready:
