@@ -443,6 +443,7 @@ TINY_MODEL_DIR = DATA_DIR / "tiny-model"
 
 
 def start_vllm(logs: Path, engine_core: int | None) -> tuple[Child, str]:
+    from gpu_agent.runtime.engine import cpu_openmp_env
     from gpu_agent.runtime.tiny_model import build_tiny_model
 
     model_dir = TINY_MODEL_DIR
@@ -453,7 +454,9 @@ def start_vllm(logs: Path, engine_core: int | None) -> tuple[Child, str]:
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-model-len", "512", "--max-num-seqs", "64", "--enforce-eager", "--distributed-executor-backend", "uni",
             "--disable-uvicorn-access-log"]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    # NOTE: OpenMP's settings as the agent gives its CPU engines (`engine.cpu_openmp_env`): threads that
+    # sleep between parallel regions instead of spinning on cores the gateway and the clients share.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", **cpu_openmp_env()}
     if engine_core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(engine_core)
     child = Child(args, logs / "vllm.log", cores=None if engine_core is None else str(engine_core), env=env)
