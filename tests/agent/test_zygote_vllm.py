@@ -161,18 +161,23 @@ def test_a_killed_zygote_takes_its_engines_down_and_shutdown_leaves_no_process(a
 
 def test_the_zygote_patches_its_modules_once_and_an_engine_only_what_it_imported_since():
     # Each engine walked every module of `sys.modules` twice in its API server (~0.15 s at load); the zygote
-    # now does it before it forks, and an engine patches only the modules imported after that.
+    # now does it before it forks, and an engine patches only the modules imported after that, found from the
+    # end of `sys.modules` (listing it whole copied thousands of the zygote's pages into every engine).
     code = (
         "import sys, types, vllm.utils.system_utils as system_utils, vllm.v1.engine.utils as engine_utils\n"
         "from gpu_agent.runtime import standby_process\n"
         "original = system_utils.get_mp_context\n"
         "standby_process._patch_forked_engines('cpu')\n"
         "assert engine_utils.get_mp_context().get_start_method() == 'fork'\n"
-        "assert standby_process._patched_modules == len(sys.modules)\n"
+        "assert standby_process._patched_modules == (len(sys.modules), list(sys.modules)[-1])\n"
         "late = types.ModuleType('vllm_late_import'); late.get_mp_context = original\n"
         "sys.modules['vllm_late_import'] = late\n"
-        "standby_process._force_fork_children(standby_process._patched_modules)\n"
+        "assert standby_process._modules_imported_since_patch() == [('vllm_late_import', late)]\n"
+        "standby_process._force_fork_children(standby_process._modules_imported_since_patch())\n"
         "assert late.get_mp_context is not original and late.get_mp_context().get_start_method() == 'fork'\n"
+        "# A module removed since: the zygote's last one is no longer where it was, so every module is looked at.\n"
+        "del sys.modules[standby_process._patched_modules[1]]\n"
+        "assert len(standby_process._modules_imported_since_patch()) == len(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
 
