@@ -82,6 +82,10 @@ PRELOAD_MODULES_BY_DEVICE = {
         "vllm.v1.worker.cpu_model_runner",
         "vllm.utils.cpu_triton_utils",
         "vllm.v1.attention.backends.zentorch_sdpa",
+        # Still imported by every forked engine (py-spy, round 4): the attention backend its layers resolve by
+        # name, and the late-interaction pooler's kernels its model runner imports (~10 ms of CPU each).
+        "vllm.v1.attention.backends.cpu_attn",
+        "vllm.v1.pool.flash_maxsim",
     ),
     "cuda": ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner"),
 }
@@ -238,6 +242,7 @@ def _prepare_engine_start(device: str) -> None:
     # would tie every tenant's engine on the node to one process.
     if device == DEVICE_CPU:
         _keep_uniproc_executor()
+        _share_one_gloo_device()
         try:
             from vllm.platforms.cpu import CpuPlatform
 
@@ -321,6 +326,45 @@ def _keep_uniproc_executor() -> None:
             parallel_config.distributed_executor_backend = "uni"
 
     CpuPlatform.check_and_update_config = classmethod(keep_uniproc)
+
+
+def _share_one_gloo_device() -> None:
+    """On CPU, let an engine's one-rank gloo process groups share one gloo device (one network loop thread).
+
+    vLLM's CPU engine makes ~9 process groups (world, tensor-, pipeline-, data-, expert-parallel...), each of one
+    rank, and torch gave each its own gloo device, whose loop thread wakes every 10 ms: an idle READY engine
+    burned ~0.02 CPU-s/s in nine such threads (per-thread `/proc` stat, round 4), taken from the engines starting
+    beside it. A one-rank group never connects to a peer, so one device serves them all; groups of several ranks
+    keep torch's own. The device is made in the engine process that first needs one (never in the zygote: its
+    thread would not survive the fork).
+    """
+    try:
+        import torch.distributed.distributed_c10d as c10d
+    except Exception as exc:  # noqa: BLE001 - a torch without gloo: nothing to share
+        print(f"standby: could not share a gloo device ({exc!r})", file=sys.stderr)
+        return
+    base = getattr(c10d, "ProcessGroupGloo", None)
+    if base is None or getattr(base, "shares_one_device", False):
+        return
+    shared: dict[int, object] = {}  # pid -> the device made in that process
+
+    class OneDeviceGloo(base):
+        shares_one_device = True
+
+        def __init__(self, store, rank, size, timeout=c10d.default_pg_timeout):
+            if size != 1:
+                super().__init__(store, rank, size, timeout=timeout)
+                return
+            device = shared.get(os.getpid())
+            if device is None:
+                device = shared[os.getpid()] = base.create_default_device()
+            options = base._Options()
+            options._timeout = timeout
+            options._devices = [device]
+            options._threads = 1  # a one-rank collective is a local copy
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneDeviceGloo
 
 
 def _skip_inherited_logging_setup(modules=None) -> None:
@@ -430,6 +474,32 @@ def _share_model_independent_lookups() -> None:
         print(f"standby: could not share the system fingerprint ({exc!r})", file=sys.stderr)
 
 
+# The modules on a forked engine's stack when torch seeds its generators (`set_random_seed` in the worker's
+# `init_device`): torch's CUDA, XPU and MTIA seeding, deferred until those initialise, records the whole stack
+# with its source lines (`traceback.format_stack` in `_lazy_call`), and reading those source files cost every
+# engine ~30 ms of CPU (py-spy, round 4). Read here once, the lines are in every forked engine's `linecache`.
+SEED_STACK_MODULES = (
+    "asyncio.runners", "contextlib", "multiprocessing.context", "multiprocessing.popen_fork",
+    "multiprocessing.process", "torch._compile", "torch._dynamo.eval_frame", "torch.cuda", "torch.cuda.random",
+    "torch.random", "torch.xpu", "torch.xpu.random", "torch.mtia", "uvloop",
+    "vllm.entrypoints.launchers.api_server.entry", "vllm.tracing.otel", "vllm.utils.torch_utils",
+    "vllm.v1.engine.async_llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client", "vllm.v1.engine.utils",
+    "vllm.v1.executor.abstract", "vllm.v1.executor.uniproc_executor", "vllm.v1.serial_utils",
+    "vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu_worker", "vllm.v1.worker.worker_base", __name__,
+)  # fmt: skip
+
+
+def _read_seed_stack_sources() -> None:
+    """Put the source lines of `SEED_STACK_MODULES` in `linecache` (a few MB, shared with the forked engines)."""
+    import linecache
+
+    for name in SEED_STACK_MODULES:
+        module = sys.modules.get(name)
+        filename = getattr(module, "__file__", None)
+        if filename:
+            linecache.getlines(filename)
+
+
 def _install_model_lookups() -> None:
     """Answer vLLM's per-model look-ups from memory for unchanged model directories (`zygote_models.py`)."""
     global _replaced_lookups
@@ -515,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     _prepare_engine_start(options.device)
     _share_model_independent_lookups()
     _install_model_lookups()
+    _read_seed_stack_sources()
     _patch_forked_engines(options.device)
     _freeze_heap()
     refusal = refuse_if_cuda_initialised("while importing")
