@@ -38,7 +38,9 @@ from pathlib import Path
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER
 
 RECORD_NAME = "zygote-model-lookups.jsonl"
-MAX_RECORDED_CALLS = 64  # the most recent distinct calls the zygote keeps warm; older ones are dropped
+# The most recent distinct calls the zygote keeps warm (about three per model); older ones are dropped from the
+# record. NOTE: a large vocabulary's tokenizer takes tens of MB in the zygote (shared with its engines).
+MAX_RECORDED_CALLS = 24
 
 
 def files_key(path) -> tuple | None:
@@ -126,6 +128,7 @@ class _Lookup:
         ):
             return False
         if not args or files_key(args[0]) is None:
+            self.answers.pop(call, None)  # a model no longer on disk (evicted): its answer goes too
             return False
         kept = self.answers.get(call)
         if kept is not None and kept[0] == files_key(args[0]):
@@ -267,6 +270,10 @@ class Warmer:
             calls.pop(key, None)
             calls[key] = None  # the most recent last
         recent = list(calls)[-MAX_RECORDED_CALLS:]
+        for name, call in list(calls)[:-MAX_RECORDED_CALLS]:  # dropped from the record: from memory too
+            lookup = LOOKUPS.get(name)
+            if lookup is not None:
+                lookup.answers.pop(call, None)
         if len(recent) < len(lines):
             self._rewrite(recent)
         self._pending = recent  # every recorded call is checked again: `warm` skips the fresh ones
