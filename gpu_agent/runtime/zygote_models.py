@@ -112,10 +112,16 @@ class _Lookup:
             return copy.deepcopy(kept[1]) if self.copy_answer else kept[1]
         answer = self.function(*args, **kwargs)
         # NOTE: kept under the files as they were before the load: one changed meanwhile misses the next call.
-        self.answers[call] = (files, copy.deepcopy(answer) if self.copy_answer else answer)
-        if _recording:
+        if self._keep(call, files, answer) and _recording:
             _record(self.name, call)
         return answer
+
+    def _keep(self, call: str, files: tuple, answer) -> bool:
+        try:
+            self.answers[call] = (files, copy.deepcopy(answer) if self.copy_answer else answer)
+        except Exception:  # noqa: BLE001 - a config that cannot be copied is loaded by every caller, as before
+            return False
+        return True
 
     def warm(self, call: str) -> bool:
         """Repeat a recorded call here (the zygote); True when an answer was loaded."""
@@ -135,9 +141,7 @@ class _Lookup:
             return False
         self.answers.pop(call, None)  # the stale answer goes first: an error leaves none
         files = files_key(args[0])  # NOTE: before the load: a file changed during it makes the next call miss
-        answer = self.function(*args, **kwargs)
-        self.answers[call] = (files, copy.deepcopy(answer) if self.copy_answer else answer)
-        return True
+        return self._keep(call, files, self.function(*args, **kwargs))
 
 
 LOOKUPS: dict[str, _Lookup] = {}  # by name, once `install` ran
