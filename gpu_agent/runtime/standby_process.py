@@ -82,6 +82,10 @@ PRELOAD_MODULES_BY_DEVICE = {
         "vllm.v1.worker.cpu_model_runner",
         "vllm.utils.cpu_triton_utils",
         "vllm.v1.attention.backends.zentorch_sdpa",
+        # Still imported by every forked engine (py-spy, round 4): the attention backend its layers resolve by
+        # name, and the late-interaction pooler's kernels its model runner imports (~10 ms of CPU each).
+        "vllm.v1.attention.backends.cpu_attn",
+        "vllm.v1.pool.flash_maxsim",
     ),
     "cuda": ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner"),
 }
@@ -139,13 +143,13 @@ def rewrite_environ_block(name: str, value: str) -> bool:
     return True
 
 
-def _force_fork_children(first_module: int = 0) -> None:
+def _force_fork_children(modules=None) -> None:
     """On CPU, start the EngineCore and its worker by fork: they inherit every import.
 
     vLLM's CPU platform sets the `spawn` start method unconditionally, which makes
     each child import vLLM again. Every module that took `get_mp_context` by name
-    gets a fork context instead; forked children inherit the patch. `first_module`: the modules before
-    this position in `sys.modules` were patched already (`_patch_forked_engines`).
+    gets a fork context instead; forked children inherit the patch. `modules`: the (name, module) pairs to
+    look at, every one of `sys.modules` by default (a forked engine: `_modules_imported_since_patch()`).
     """
     import multiprocessing
 
@@ -159,7 +163,7 @@ def _force_fork_children(first_module: int = 0) -> None:
         return multiprocessing.get_context("fork")
 
     fork_context.__wrapped__ = original
-    for name, module in list(sys.modules.items())[first_module:]:
+    for name, module in list(sys.modules.items()) if modules is None else modules:
         # NOTE: look in __dict__ only: getattr on lazy modules (transformers) imports things.
         if name.startswith("vllm") and vars(module).get("get_mp_context") is original:
             module.get_mp_context = fork_context
@@ -227,11 +231,9 @@ def _prepare_engine_start(device: str) -> None:
       (~0.4 s in each worker); registered here, the worker's own call is skipped.
     """
     try:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.logger import configure_logging_from_args
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        configure_logging_from_args(make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "-"]))
+        configure_logging_from_args(_make_server_parser().parse_args(["--model", "-"]))
     except Exception as exc:  # noqa: BLE001 - each engine configures its logging as usual
         print(f"standby: could not set up vLLM's logging ahead ({exc!r})", file=sys.stderr)
     _warm_app_build()
@@ -240,6 +242,7 @@ def _prepare_engine_start(device: str) -> None:
     # would tie every tenant's engine on the node to one process.
     if device == DEVICE_CPU:
         _keep_uniproc_executor()
+        _share_one_gloo_device()
         try:
             from vllm.platforms.cpu import CpuPlatform
 
@@ -262,15 +265,13 @@ def _warm_app_build() -> None:
         import warnings
 
         from vllm.entrypoints.launchers.app import build_app
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.tasks import GENERATION_TASKS, POOLING_TASKS
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         started_at = time.monotonic()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             app = build_app(
-                make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "-"]),
+                _make_server_parser().parse_args(["--model", "-"]),
                 (*GENERATION_TASKS, *POOLING_TASKS),
                 None,
             )
@@ -327,11 +328,51 @@ def _keep_uniproc_executor() -> None:
     CpuPlatform.check_and_update_config = classmethod(keep_uniproc)
 
 
-def _skip_inherited_logging_setup(first_module: int = 0) -> None:
+def _share_one_gloo_device() -> None:
+    """On CPU, let an engine's one-rank gloo process groups share one gloo device (one network loop thread).
+
+    vLLM's CPU engine makes ~9 process groups (world, tensor-, pipeline-, data-, expert-parallel...), each of one
+    rank, and torch gave each its own gloo device, whose loop thread wakes every 10 ms: an idle READY engine
+    burned ~0.02 CPU-s/s in nine such threads (per-thread `/proc` stat, round 4), taken from the engines starting
+    beside it. A one-rank group never connects to a peer, so one device serves them all; groups of several ranks
+    keep torch's own. The device is made in the engine process that first needs one (never in the zygote: its
+    thread would not survive the fork).
+    """
+    try:
+        import torch.distributed.distributed_c10d as c10d
+    except Exception as exc:  # noqa: BLE001 - a torch without gloo: nothing to share
+        print(f"standby: could not share a gloo device ({exc!r})", file=sys.stderr)
+        return
+    base = getattr(c10d, "ProcessGroupGloo", None)
+    if base is None or getattr(base, "shares_one_device", False):
+        return
+    shared: dict[int, object] = {}  # pid -> the device made in that process
+
+    class OneDeviceGloo(base):
+        shares_one_device = True
+
+        def __init__(self, store, rank, size, timeout=c10d.default_pg_timeout):
+            if size != 1:
+                super().__init__(store, rank, size, timeout=timeout)
+                return
+            device = shared.get(os.getpid())
+            if device is None:
+                device = shared[os.getpid()] = base.create_default_device()
+            options = base._Options()
+            options._timeout = timeout
+            options._devices = [device]
+            options._threads = 1  # a one-rank collective is a local copy
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneDeviceGloo
+
+
+def _skip_inherited_logging_setup(modules=None) -> None:
     """In forked engine processes, skip vLLM's logging set-up when the configuration is the one inherited.
 
     The EngineCore and its worker call `configure_logging` unconditionally (they are usually spawned);
     forked, they already have the server's configuration, and redoing it costs each ~0.2 s of CPU.
+    `modules` as for `_force_fork_children`.
     """
     import vllm.logger
 
@@ -340,14 +381,16 @@ def _skip_inherited_logging_setup(first_module: int = 0) -> None:
     # other module was patched and every forked EngineCore set its logging up again (~0.5 s of CPU each:
     # `Logger.setLevel` clears the cache of every logger of vLLM, torch and transformers).
     configure_logging = vllm.logger.configure_logging
-    for name, module in list(sys.modules.items())[first_module:]:
+    for name, module in list(sys.modules.items()) if modules is None else modules:
         if name == "vllm.logger" or not name.startswith("vllm"):
             continue
         if vars(module).get("configure_logging") is configure_logging:
             module.configure_logging = vllm.logger.configure_logging_if_needed
 
 
-_patched_modules = 0  # how many of `sys.modules` (in order) `_patch_forked_engines` went through
+# `sys.modules` as `_patch_forked_engines` left it: its size and its last module's name.
+_patched_modules: tuple[int, str | None] = (0, None)
+_replaced_lookups: dict = {}  # `zygote_models.install`'s answer: what `zygote_models.rebind` points at
 
 
 def _patch_forked_engines(device: str) -> None:
@@ -364,7 +407,26 @@ def _patch_forked_engines(device: str) -> None:
         except Exception as exc:  # noqa: BLE001 - each engine patches every module, as before
             print(f"standby: could not patch vLLM's modules ahead ({exc!r})", file=sys.stderr)
             return
-    _patched_modules = len(sys.modules)
+    _patched_modules = (len(sys.modules), next(reversed(sys.modules)))
+
+
+def _modules_imported_since_patch() -> list:
+    """The (name, module) pairs added to `sys.modules` after `_patch_forked_engines`, newest first.
+
+    NOTE: read from the end, never touching an older entry: a forked engine that listed all of `sys.modules`
+    wrote to every module's reference count and so copied thousands of the zygote's pages (4,600 page faults,
+    27 ms of CPU on a quiet machine, 0.06 to 0.14 s of a start in py-spy at load), twice (both walks above).
+    Every module when the zygote's last one is no longer where it was (a module removed since).
+    """
+    count, last = _patched_modules
+    if last is None:
+        return list(sys.modules.items())
+    found = []
+    for name, module in reversed(sys.modules.items()):
+        if name == last and len(sys.modules) - len(found) == count:
+            return found
+        found.append((name, module))
+    return found
 
 
 def _share_model_independent_lookups() -> None:
@@ -412,6 +474,43 @@ def _share_model_independent_lookups() -> None:
         print(f"standby: could not share the system fingerprint ({exc!r})", file=sys.stderr)
 
 
+# The modules on a forked engine's stack when torch seeds its generators (`set_random_seed` in the worker's
+# `init_device`): torch's CUDA, XPU and MTIA seeding, deferred until those initialise, records the whole stack
+# with its source lines (`traceback.format_stack` in `_lazy_call`), and reading those source files cost every
+# engine ~30 ms of CPU (py-spy, round 4). Read here once, the lines are in every forked engine's `linecache`.
+SEED_STACK_MODULES = (
+    "asyncio.runners", "contextlib", "multiprocessing.context", "multiprocessing.popen_fork",
+    "multiprocessing.process", "torch._compile", "torch._dynamo.eval_frame", "torch.cuda", "torch.cuda.random",
+    "torch.random", "torch.xpu", "torch.xpu.random", "torch.mtia", "uvloop",
+    "vllm.entrypoints.launchers.api_server.entry", "vllm.tracing.otel", "vllm.utils.torch_utils",
+    "vllm.v1.engine.async_llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client", "vllm.v1.engine.utils",
+    "vllm.v1.executor.abstract", "vllm.v1.executor.uniproc_executor", "vllm.v1.serial_utils",
+    "vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu_worker", "vllm.v1.worker.worker_base", __name__,
+)  # fmt: skip
+
+
+def _read_seed_stack_sources() -> None:
+    """Put the source lines of `SEED_STACK_MODULES` in `linecache` (a few MB, shared with the forked engines)."""
+    import linecache
+
+    for name in SEED_STACK_MODULES:
+        module = sys.modules.get(name)
+        filename = getattr(module, "__file__", None)
+        if filename:
+            linecache.getlines(filename)
+
+
+def _install_model_lookups() -> None:
+    """Answer vLLM's per-model look-ups from memory for unchanged model directories (`zygote_models.py`)."""
+    global _replaced_lookups
+    from gpu_agent.runtime import zygote_models
+
+    try:
+        _replaced_lookups = zygote_models.install()
+    except Exception as exc:  # noqa: BLE001 - another vLLM: each engine loads them from disk, as before
+        print(f"standby: could not wrap the per-model look-ups ({exc!r})", file=sys.stderr)
+
+
 def _freeze_heap() -> None:
     """Collect once, then move every object alive now out of the collector's sight (`gc.freeze`).
 
@@ -427,20 +526,39 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+_server_parser = None  # vLLM's server argument parser, built once (`_prepare_engine_start`)
+
+
+def _make_server_parser():
+    """vLLM's OpenAI server argument parser: ~40 ms of CPU to build (deep copies of every option's default),
+    which each forked engine paid again; built here once, each engine only parses its own arguments with it."""
+    global _server_parser
+    if _server_parser is None:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        _server_parser = make_arg_parser(
+            FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server.")
+        )
+    return _server_parser
+
+
 def _serve(handoff: Handoff, device: str) -> None:
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
-    args = parser.parse_args(handoff.args)
+    from gpu_agent.runtime import zygote_models
+
+    args = _make_server_parser().parse_args(handoff.args)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    if device == DEVICE_CPU:  # only what was imported since the zygote patched its modules
-        _force_fork_children(_patched_modules)
-        _skip_inherited_logging_setup(_patched_modules)
+    late_modules = _modules_imported_since_patch()  # what was imported since the zygote patched its modules
+    if device == DEVICE_CPU:
+        _force_fork_children(late_modules)
+        _skip_inherited_logging_setup(late_modules)
+    zygote_models.rebind(_replaced_lookups, late_modules)
     uvloop.run(run_server(args))
 
 
@@ -466,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     _warm_model_info_cache()
     _prepare_engine_start(options.device)
     _share_model_independent_lookups()
+    _install_model_lookups()
+    _read_seed_stack_sources()
     _patch_forked_engines(options.device)
     _freeze_heap()
     refusal = refuse_if_cuda_initialised("while importing")
@@ -491,15 +611,24 @@ def serve_forks(status, device: str, started_at: float) -> int:
 
     Lines written: `started <replica_id> <pid>` once the child exists, `exited <pid> <code>` once it is
     reaped. EOF on stdin (the agent stopped it or went away) ends the loop; the reaper then takes the
-    children down (`reaper.py`). NOTE: this process never runs vLLM code after its imports, so every child
-    is forked from the same clean state: no OpenMP pool, no event loop, no CUDA context.
+    children down (`reaper.py`). NOTE: after its imports this process runs no vLLM code but the per-model
+    look-ups of `zygote_models.Warmer`, between handoffs (file reads and parsing: no thread, no OpenMP pool,
+    no CUDA), so every child is forked from the same clean state: no OpenMP pool, no event loop, no CUDA context.
     """
+    from gpu_agent.runtime import zygote_models
+
+    warmer = zygote_models.Warmer()
     buffer = b""
+    busy = False  # whether the last idle wake-up loaded something (there may be more to load)
     try:
         while True:
             _report_exits(status)
-            readable, _, _ = select.select([0], [], [], ZYGOTE_REAP_INTERVAL_S)
+            readable, _, _ = select.select([0], [], [], 0 if busy else ZYGOTE_REAP_INTERVAL_S)
             if not readable:
+                # NOTE: one look-up per wake-up (~20 ms): a handoff arriving meanwhile waits for that one only.
+                busy = warmer.warm_next()
+                if busy:
+                    gc.freeze()  # what it loaded is shared by the engines forked next: out of their collections too
                 continue
             chunk = os.read(0, 65536)
             if not chunk:

@@ -161,18 +161,23 @@ def test_a_killed_zygote_takes_its_engines_down_and_shutdown_leaves_no_process(a
 
 def test_the_zygote_patches_its_modules_once_and_an_engine_only_what_it_imported_since():
     # Each engine walked every module of `sys.modules` twice in its API server (~0.15 s at load); the zygote
-    # now does it before it forks, and an engine patches only the modules imported after that.
+    # now does it before it forks, and an engine patches only the modules imported after that, found from the
+    # end of `sys.modules` (listing it whole copied thousands of the zygote's pages into every engine).
     code = (
         "import sys, types, vllm.utils.system_utils as system_utils, vllm.v1.engine.utils as engine_utils\n"
         "from gpu_agent.runtime import standby_process\n"
         "original = system_utils.get_mp_context\n"
         "standby_process._patch_forked_engines('cpu')\n"
         "assert engine_utils.get_mp_context().get_start_method() == 'fork'\n"
-        "assert standby_process._patched_modules == len(sys.modules)\n"
+        "assert standby_process._patched_modules == (len(sys.modules), list(sys.modules)[-1])\n"
         "late = types.ModuleType('vllm_late_import'); late.get_mp_context = original\n"
         "sys.modules['vllm_late_import'] = late\n"
-        "standby_process._force_fork_children(standby_process._patched_modules)\n"
+        "assert standby_process._modules_imported_since_patch() == [('vllm_late_import', late)]\n"
+        "standby_process._force_fork_children(standby_process._modules_imported_since_patch())\n"
         "assert late.get_mp_context is not original and late.get_mp_context().get_start_method() == 'fork'\n"
+        "# A module removed since: the zygote's last one is no longer where it was, so every module is looked at.\n"
+        "del sys.modules[standby_process._patched_modules[1]]\n"
+        "assert len(standby_process._modules_imported_since_patch()) == len(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
 
@@ -229,5 +234,29 @@ def test_forked_engine_processes_skip_the_logging_set_up_they_inherit():
         "standby_process._skip_inherited_logging_setup()\n"
         "assert core.configure_logging is vllm.logger.configure_logging_if_needed, core.configure_logging\n"
         "assert vllm.logger.configure_logging is original, 'configure_logging_if_needed would call itself'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
+
+
+def test_one_rank_gloo_groups_share_one_device_so_an_idle_engine_runs_one_network_loop():
+    # vLLM's CPU engine makes ~9 one-rank gloo groups; each had its own device, whose loop thread wakes every
+    # 10 ms: ~0.02 CPU-s/s of an idle READY engine. One device now serves them all; collectives still work.
+    code = (
+        "import os, torch, torch.distributed as dist\n"
+        "from gpu_agent.runtime import standby_process\n"
+        "from tests.processes import free_port\n"
+        "standby_process._share_one_gloo_device()\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "groups = [dist.new_group([0], backend='gloo') for _ in range(8)]\n"
+        "for group in [None, *groups]:\n"
+        "    tensor = torch.ones(2)\n"
+        "    dist.all_reduce(tensor, group=group)\n"
+        "    dist.barrier(group=group)\n"
+        "    found = [None]\n"
+        "    dist.all_gather_object(found, {'rank': 0}, group=group)\n"
+        "    assert tensor.tolist() == [1.0, 1.0] and found == [{'rank': 0}]\n"
+        "names = [open(f'/proc/self/task/{task}/comm').read().strip() for task in os.listdir('/proc/self/task')]\n"
+        "assert names.count('gloo_tcp_loop') == 1, names\n"
+        "dist.destroy_process_group()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)

@@ -1,0 +1,313 @@
+"""Per-model look-ups the zygote answers for the engines it forks: HF config, generation config, tokenizer, chat template.
+
+Every engine of a model read and parsed the same files at start: the HF config (`get_config`, ~9 ms, twice
+or more), the generation config, the tokenizer (~20 ms) and its chat template's Jinja compilation and content
+checks (~20 ms), ~7 % of a forked engine's CPU to READY on the tiny CPU model. After a node's first start of a
+model the zygote loads them itself, between handoffs, and every engine forked afterwards inherits the answers.
+
+    engine (forked)                                     zygote (`serve_forks`, idle between handoffs)
+    ---------------                                     ---------------------------------------------
+    vLLM calls get_config / try_get_generation_config
+      / cached_get_tokenizer -> `_Lookup`: a miss       reads the record's new lines, repeats each call once
+      calls vLLM and appends the call to the record ->  (`warm_next`, one per idle wake-up), then warms the
+      (`<data dir>/zygote-model-lookups.jsonl`)         tokenizer's chat template (content-keyed caches)
+    a later engine: a hit, no file read            <-   fork: the answers are in its memory
+
+Staleness: an answer is keyed by the call's arguments **and** the model directory's files (relative path,
+size, mtime in ns, `files_key`), read again on every call: new weights, a changed tokenizer file or config
+miss the cache and are loaded from disk. Only calls on a local directory are kept (a hub name is resolved by
+vLLM, never cached here), only calls whose arguments are plain JSON values, and never with
+`trust_remote_code` (its answer is code from the model directory; no engine command asks for it today).
+
+Trust: the record is written by engines (vLLM's own code, never the tenant's) into the agent's data dir; the
+zygote repeats only the three look-ups below, with `trust_remote_code` false, on existing directories, and
+CUDA stays untouched (none of them initialises it; the zygote checks before every fork anyway). The answers
+of one tenant's model (its config, tokenizer, chat template) are in the memory of every engine forked after
+the zygote loaded them, as the model files are readable by every engine on the node already.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER
+
+RECORD_NAME = "zygote-model-lookups.jsonl"
+# The most recent distinct calls the zygote keeps warm (about three per model); older ones are dropped from the
+# record. NOTE: a large vocabulary's tokenizer takes tens of MB in the zygote (shared with its engines).
+MAX_RECORDED_CALLS = 24
+
+
+def files_key(path) -> tuple | None:
+    """What a cached answer for a local model directory depends on: every file's relative path, size and mtime.
+
+    None for anything but an existing directory (a hub name, a single file): such a call is not cached.
+    Symbolic links (a Hugging Face snapshot's files) are followed: the blob's size and mtime count.
+    """
+    try:
+        root = os.fspath(path)
+    except TypeError:
+        return None
+    if not isinstance(root, str) or not os.path.isdir(root):
+        return None
+    entries = []
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories.sort()
+        for name in sorted(names):
+            full = os.path.join(directory, name)
+            try:
+                stat = os.stat(full)
+            except OSError:
+                continue
+            entries.append((os.path.relpath(full, root), stat.st_size, stat.st_mtime_ns))
+    return tuple(entries)
+
+
+def _plain(value) -> bool:
+    if value is None or isinstance(value, str | bool | int | float):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _plain(item) for key, item in value.items())
+    return False
+
+
+def _call_text(args: tuple, kwargs: dict) -> str | None:
+    """The call as canonical JSON (the cache key and the record's line), or None when it may not be cached."""
+    if kwargs.get("trust_remote_code") or (len(args) > 1 and args[1] is True):
+        return None
+    args = (os.fspath(args[0]), *args[1:]) if args and isinstance(args[0], Path) else args
+    if not _plain(args) or not _plain(kwargs):
+        return None
+    return json.dumps([list(args), kwargs], sort_keys=True)
+
+
+class _Lookup:
+    """One of vLLM's per-model look-ups, answered from memory for unchanged model directories."""
+
+    def __init__(self, name: str, function, copy_answer: bool, fallback=None) -> None:
+        self.name = name
+        self.function = function  # loads from disk
+        self.fallback = fallback or function  # what vLLM called for a call not kept here (a hub name)
+        self.copy_answer = copy_answer  # configs are mutable, each caller got its own; a tokenizer is shared
+        # call -> (files_key, answer): one per call, for the files as they were when it was loaded
+        self.answers: dict[str, tuple[tuple, object]] = {}
+        self.num_hits = 0
+        self.__wrapped__ = self.fallback
+
+    def __call__(self, *args, **kwargs):
+        call = _call_text(args, kwargs)
+        files = files_key(args[0]) if call is not None and args else None
+        if files is None:
+            return self.fallback(*args, **kwargs)
+        kept = self.answers.get(call)
+        if kept is not None and kept[0] == files:
+            self.num_hits += 1
+            return copy.deepcopy(kept[1]) if self.copy_answer else kept[1]
+        answer = self.function(*args, **kwargs)
+        # NOTE: kept under the files as they were before the load: one changed meanwhile misses the next call.
+        if self._keep(call, files, answer) and _recording:
+            _record(self.name, call)
+        return answer
+
+    def _keep(self, call: str, files: tuple, answer) -> bool:
+        try:
+            self.answers[call] = (files, copy.deepcopy(answer) if self.copy_answer else answer)
+        except Exception:  # noqa: BLE001 - a config that cannot be copied is loaded by every caller, as before
+            return False
+        return True
+
+    def warm(self, call: str) -> bool:
+        """Repeat a recorded call here (the zygote); True when an answer was loaded."""
+        args, kwargs = json.loads(call)
+        # NOTE: the record is a file: only a canonical call of a plain, cacheable form is repeated here.
+        if (
+            not isinstance(args, list)
+            or not isinstance(kwargs, dict)
+            or _call_text(tuple(args), kwargs) != call
+        ):
+            return False
+        if not args or files_key(args[0]) is None:
+            self.answers.pop(call, None)  # a model no longer on disk (evicted): its answer goes too
+            return False
+        kept = self.answers.get(call)
+        if kept is not None and kept[0] == files_key(args[0]):
+            return False
+        self.answers.pop(call, None)  # the stale answer goes first: an error leaves none
+        files = files_key(args[0])  # NOTE: before the load: a file changed during it makes the next call miss
+        return self._keep(call, files, self.function(*args, **kwargs))
+
+
+LOOKUPS: dict[str, _Lookup] = {}  # by name, once `install` ran
+_recording = True  # off while the zygote loads (a look-up's own nested misses are not the engines')
+
+
+def install() -> dict:
+    """Wrap vLLM's look-ups in this process; returns {id of an original function: its `_Lookup`} for `rebind`."""
+    from vllm.tokenizers import registry
+    from vllm.transformers_utils import config
+
+    originals = {
+        "get_config": (config, "get_config", True),
+        "try_get_generation_config": (config, "try_get_generation_config", True),
+        "cached_get_tokenizer": (registry, "cached_get_tokenizer", False),
+    }
+    replaced = {}
+    for name, (module, attribute, copy_answer) in originals.items():
+        original = getattr(module, attribute)
+        if isinstance(original, _Lookup):
+            continue
+        # NOTE: `cached_get_tokenizer` is vLLM's `lru_cache` of `get_tokenizer`, keyed by name: wrapped, it would
+        # answer a changed directory from its own memory (or the zygote's). Its answers come from here instead.
+        uncached = getattr(original, "__wrapped__", original) if hasattr(original, "cache_info") else original
+        lookup = _Lookup(name, uncached, copy_answer, fallback=original)
+        LOOKUPS[name] = lookup
+        replaced[id(original)] = lookup
+    rebind(replaced, list(sys.modules.items()))
+    return replaced
+
+
+def rebind(replaced: dict, modules) -> None:
+    """Point every vLLM module's own name for an original look-up at its `_Lookup` (they import them by name)."""
+    if not replaced:
+        return
+    for name, module in modules:
+        if not name.startswith("vllm"):
+            continue
+        namespace = vars(module)
+        for attribute, value in list(namespace.items()):
+            lookup = replaced.get(id(value))
+            if lookup is not None and lookup.fallback is value:
+                namespace[attribute] = lookup
+
+
+def record_path() -> Path | None:
+    data_dir = os.environ.get(DATA_DIR_ENV_MARKER)
+    return Path(data_dir) / RECORD_NAME if data_dir else None
+
+
+def _record(name: str, call: str) -> None:
+    """Append a missed call to the node's record (engines: the zygote loads it for the next ones)."""
+    path = record_path()
+    if path is None:
+        return
+    try:
+        # NOTE: one short line per write (O_APPEND): lines of engines starting at once do not interleave.
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"lookup": name, "call": call}) + "\n")
+    except OSError:
+        pass
+
+
+class Warmer:
+    """The zygote's side: repeat recorded calls, one per idle wake-up, so a handoff waits for one call at most."""
+
+    def __init__(self) -> None:
+        self.path = record_path()
+        self._seen_size = -1
+        self._pending: list[tuple[str, str]] = []
+        self._failed: set[tuple[str, str]] = set()
+        self.num_warmed = 0
+
+    def warm_next(self) -> bool:
+        """Load one recorded answer that is missing or stale; False when there is nothing to do."""
+        global _recording
+        _recording = False
+        try:
+            return self._warm_next()
+        finally:
+            _recording = True
+
+    def _warm_next(self) -> bool:
+        self._read_record()
+        while self._pending:
+            name, call = self._pending.pop(0)
+            lookup = LOOKUPS.get(name)
+            if lookup is None or (name, call) in self._failed:
+                continue
+            started_at = time.process_time()
+            try:
+                warmed = lookup.warm(call)
+                if warmed and name == "cached_get_tokenizer":
+                    _warm_chat_template(lookup.answers[call][1])
+            except Exception as exc:  # noqa: BLE001 - a model the zygote cannot load: its engines load it
+                self._failed.add((name, call))
+                print(f"zygote: could not load {name} ahead ({exc!r})", file=sys.stderr, flush=True)
+                continue
+            if warmed:
+                self.num_warmed += 1
+                print(
+                    f"zygote: {name} loaded ahead in {time.process_time() - started_at:.3f}s of CPU",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return True
+        return False
+
+    def _read_record(self) -> None:
+        if self.path is None:
+            return
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return
+        if size == self._seen_size:
+            return
+        self._seen_size = size
+        calls: dict[tuple[str, str], None] = {}
+        try:
+            lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                key = (str(entry["lookup"]), str(entry["call"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+            calls.pop(key, None)
+            calls[key] = None  # the most recent last
+        recent = list(calls)[-MAX_RECORDED_CALLS:]
+        for name, call in list(calls)[:-MAX_RECORDED_CALLS]:  # dropped from the record: from memory too
+            lookup = LOOKUPS.get(name)
+            if lookup is not None:
+                lookup.answers.pop(call, None)
+        if len(recent) < len(lines):
+            self._rewrite(recent)
+        self._pending = recent  # every recorded call is checked again: `warm` skips the fresh ones
+
+    def _rewrite(self, calls: list[tuple[str, str]]) -> None:
+        """Keep the record short: one line per distinct recent call."""
+        temporary = self.path.with_suffix(".tmp")
+        try:
+            temporary.write_text(
+                "".join(json.dumps({"lookup": name, "call": call}) + "\n" for name, call in calls),
+                encoding="utf-8",
+            )
+            os.replace(temporary, self.path)
+            self._seen_size = self.path.stat().st_size
+        except OSError:
+            pass
+
+
+def _warm_chat_template(tokenizer) -> None:
+    """Compile the tokenizer's chat template here: the caches involved are keyed by the template's text."""
+    try:
+        template = tokenizer.get_chat_template(None, tools=None)
+    except Exception:  # noqa: BLE001 - no chat template: nothing to warm
+        return
+    if not isinstance(template, str):
+        return
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    from vllm.renderers import hf
+
+    _compile_jinja_template(template)
+    for default in ("string", "openai"):
+        hf._detect_content_format(template, default=default)
+    hf._detect_developer_role_support(template)

@@ -1,0 +1,127 @@
+"""The zygote's per-model look-ups (`gpu_agent/runtime/zygote_models.py`) with vLLM's real functions and the tiny model.
+
+Each test runs in a fresh interpreter (the wrappers patch vLLM's modules) on its own copy of the tiny model.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+TIMEOUT_S = 300
+
+PRELUDE = (
+    "import json, os, sys\n"
+    "from pathlib import Path\n"
+    "from gpu_agent.runtime import zygote_models\n"
+    "zygote_models.install()\n"
+    "from vllm.tokenizers import registry\n"
+    "from vllm.transformers_utils import config as hf\n"
+    "MODEL = sys.argv[1]\n"
+    "PROBE = \"{{ 'probe' }}\"\n"
+    "def tokenizer():\n"
+    "    return registry.cached_get_tokenizer(MODEL, runner_type='generate', tokenizer_mode='auto',\n"
+    "                                         revision=None, trust_remote_code=False)\n"
+    "def config():\n"
+    "    return hf.get_config(MODEL, False, None, None, 'auto', hf_overrides_kw={}, hf_overrides_fn=None, token=None)\n"
+    "def rewrite(name, **changes):\n"
+    "    path = Path(MODEL) / name\n"
+    "    stat = path.stat()\n"
+    "    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))\n"
+    "    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a coarse clock still sees the change\n"
+)
+
+
+def run(code: str, model_dir, env: dict | None = None) -> None:
+    import os
+
+    subprocess.run(
+        [sys.executable, "-c", PRELUDE + code, str(model_dir)],
+        check=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def model_copy(tiny_model_dir, tmp_path):
+    return shutil.copytree(tiny_model_dir, tmp_path / "model")
+
+
+def test_a_changed_tokenizer_or_config_file_misses_the_cache(model_copy):
+    # vLLM's own cache (`lru_cache` by name) keeps answering from the files it first read: a node whose weights
+    # directory was replaced in place would serve the old tokenizer. The look-ups here key on the files too.
+    code = (
+        "first, cfg = tokenizer(), config()\n"
+        "assert tokenizer() is first, 'unchanged files: the same tokenizer'\n"
+        "assert config() is not cfg and config().to_dict() == cfg.to_dict(), 'a config: a copy each call'\n"
+        "import functools\n"
+        "stale_cache = functools.lru_cache(registry.get_tokenizer)  # vLLM's own `cached_get_tokenizer`: by name\n"
+        "stale_first = stale_cache(MODEL, runner_type='generate', tokenizer_mode='auto', revision=None,\n"
+        "                          trust_remote_code=False)\n"
+        "rewrite('tokenizer_config.json', chat_template=PROBE)\n"
+        "rewrite('config.json', inferplane_probe=1)\n"
+        "assert tokenizer() is not first and tokenizer().chat_template == PROBE, tokenizer().chat_template\n"
+        "assert getattr(config(), 'inferplane_probe', None) == 1\n"
+        "assert stale_cache(MODEL, runner_type='generate', tokenizer_mode='auto', revision=None,\n"
+        "                   trust_remote_code=False).chat_template != PROBE, 'the rule this file guards against'\n"
+        "assert stale_first.chat_template != PROBE\n"
+    )
+    run(code, model_copy)
+
+
+def test_forked_engines_reuse_what_the_zygote_loaded_from_the_record_and_never_a_stale_answer(model_copy, tmp_path):
+    # An engine's misses go to the node's record; the zygote loads them between handoffs; the next engine forked
+    # answers from memory (its vLLM function is never called), until a file of the model changes.
+    code = (
+        "def in_child(body):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        code = 1\n"
+        "        try:\n"
+        "            body(); code = 0\n"
+        "        except BaseException as exc:\n"
+        "            print('child:', repr(exc), file=sys.stderr)\n"
+        "        os._exit(code)\n"
+        "    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+        "def first_engine():\n"
+        "    tokenizer(); config()\n"
+        "def no_disk():\n"
+        "    def refuse(*args, **kwargs):\n"
+        "        raise AssertionError('read from disk')\n"
+        "    for lookup in zygote_models.LOOKUPS.values():\n"
+        "        lookup.function = refuse\n"
+        "    assert tokenizer().chat_template != PROBE\n"
+        "    config()\n"
+        "assert in_child(first_engine) == 0\n"
+        "record = zygote_models.record_path().read_text().splitlines()\n"
+        "assert {json.loads(line)['lookup'] for line in record} == {'get_config', 'cached_get_tokenizer'}, record\n"
+        "assert zygote_models.LOOKUPS['cached_get_tokenizer'].answers == {}, 'the child loaded, not this process'\n"
+        "assert in_child(no_disk) != 0, 'nothing loaded ahead yet'\n"
+        "warmer = zygote_models.Warmer()\n"
+        "while warmer.warm_next():\n"
+        "    pass\n"
+        "assert warmer.num_warmed == len(record), (warmer.num_warmed, record)\n"
+        "assert not warmer.warm_next(), 'loaded once'\n"
+        "assert in_child(no_disk) == 0, 'a forked engine answers from memory'\n"
+        "rewrite('tokenizer_config.json', chat_template=PROBE)\n"
+        "assert in_child(no_disk) != 0, 'a changed file is read again'\n"
+        "assert in_child(lambda: tokenizer().chat_template == PROBE or sys.exit(3)) == 0\n"
+        "# A record line asking for remote code is never repeated by the zygote.\n"
+        "call = json.dumps([[MODEL], {'trust_remote_code': True}], sort_keys=True)\n"
+        "with open(zygote_models.record_path(), 'a') as handle:\n"
+        "    handle.write(json.dumps({'lookup': 'cached_get_tokenizer', 'call': call}) + '\\n')\n"
+        "loaded = []\n"
+        "zygote_models.LOOKUPS['cached_get_tokenizer'].function = lambda *a, **k: loaded.append(k)\n"
+        "while warmer.warm_next():\n"
+        "    pass\n"
+        "assert not any(k.get('trust_remote_code') for k in loaded), loaded\n"
+    )
+    data_dir = tmp_path / "agent"
+    data_dir.mkdir()
+    run(code, model_copy, env={"INFERPLANE_DATA_DIR": str(data_dir)})
