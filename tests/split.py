@@ -7,15 +7,23 @@ starts never compete for the two cores while light modules are left. Once no lig
 light worker takes engine modules from the end of the engines' queue (the two workers meet in the middle)
 instead of idling while the engines worker runs the rest alone. The shared engine's users form one unit
 (its one engine starts once, on one worker) at the head of the queue, the chaos runs right after it: the
-modules taken from the tail are single-engine ones.
+modules taken from the tail are single-engine ones. Where the last run left its timeline (tests/timeline.py,
+<INFERPLANE_DATA_DIR>/timeline.jsonl), both queues are ordered longest first by its times (after the
+shared engine and the chaos runs), so that the units left at the end, when the workers meet, are short
+ones; without one (a clean clone), light modules go largest first by their number of tests and engine
+modules in collection order. The order changes when each test runs, never whether it does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
+
+from tests.timeline import TIMELINE
 
 ENGINES = "engines"
 SHARED_ENGINE_UNIT = f"{ENGINES}::shared vllm_engine"
@@ -58,12 +66,31 @@ def pytest_xdist_make_scheduler(config, log):
                 units.update(json.loads(path.read_text()))
         return units
 
-    return engines_scheduling(config, log, read_units)
+    return engines_scheduling(config, log, read_units, last_run_seconds())
 
 
-def engines_scheduling(config, log, read_units):
+def last_run_seconds() -> dict[str, float]:
+    """Each test's seconds (setup, call and teardown) in the last run's timeline; empty without one."""
+    seconds: dict[str, float] = {}
+    try:
+        lines = (Path(os.environ.get("INFERPLANE_DATA_DIR", ".data/test")) / TIMELINE).read_text().splitlines()
+        for line in lines:
+            phase = json.loads(line)
+            seconds[phase["nodeid"]] = seconds.get(phase["nodeid"], 0.0) + phase["stop"] - phase["start"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return seconds
+
+
+def engines_scheduling(config, log, read_units, seconds: dict[str, float] | None = None):
     """The scheduler (module docstring) over xdist's LoadScopeScheduling; `read_units` maps each engine
-    test's node id to its unit (`engine_unit`)."""
+    test's node id to its unit (`engine_unit`), `seconds` each test's time in the last run."""
+    seconds = seconds or {}
+
+    def longest_first(scope_units: list) -> list:
+        # NOTE: a unit the last run did not have (a new module) goes first: it may be long.
+        return sorted(scope_units, key=lambda scope_unit: -sum(seconds.get(nodeid, 1e6) for nodeid in scope_unit[1]))
+
     from xdist.scheduler import LoadScopeScheduling
 
     class EnginesFromBothEnds(LoadScopeScheduling):
@@ -94,14 +121,18 @@ def engines_scheduling(config, log, read_units):
             for nodeid in self.collection:
                 work.setdefault(self._split_scope(nodeid), {})[nodeid] = False
             light = [(scope, unit) for scope, unit in work.items() if not scope.startswith(f"{ENGINES}::")]
-            if self.config.option.loadscopereorder:
+            if seconds:
+                light = longest_first(light)
+            elif self.config.option.loadscopereorder:
                 light.sort(key=lambda scope_unit: -len(scope_unit[1]))
             self.workqueue.update(light)
-            # The shared engine's unit first, then the chaos runs, then the single-engine modules in order.
+            # The shared engine's unit first, then the chaos runs, then the single-engine modules.
+            engines = [(scope, unit) for scope, unit in work.items() if scope.startswith(f"{ENGINES}::")]
+            if seconds:
+                engines = longest_first(engines)
             rank = {SHARED_ENGINE_UNIT: 0}
-            for scope in sorted(work, key=lambda scope: rank.get(scope, 1 if scope.startswith(f"{ENGINES}::heavy ") else 2)):
-                if scope.startswith(f"{ENGINES}::"):
-                    self.engines[scope] = work[scope]
+            engines.sort(key=lambda scope_unit: rank.get(scope_unit[0], 1 if scope_unit[0].startswith(f"{ENGINES}::heavy ") else 2))
+            self.engines.update(engines)
             for node in self.nodes:
                 self._reschedule(node)
 

@@ -47,11 +47,11 @@ def collection() -> tuple[list[str], dict[str, str]]:
     return nodeids, units
 
 
-def run(engine_ticks: int) -> tuple[Worker, Worker, dict[str, str]]:
+def run(engine_ticks: int, seconds: dict[str, float] | None = None) -> tuple[Worker, Worker, dict[str, str]]:
     """Both workers run their queues in lockstep (a light test takes a tick, an engine test `engine_ticks`)."""
     nodeids, units = collection()
     config = SimpleNamespace(getvalue=lambda name: ["2*popen"], option=SimpleNamespace(loadscopereorder=True))
-    scheduler = engines_scheduling(config, None, lambda: units)
+    scheduler = engines_scheduling(config, None, lambda: units, seconds)
     workers = [Worker("gw0"), Worker("gw1")]
     for worker in workers:
         scheduler.add_node(worker)
@@ -96,3 +96,17 @@ def test_fast_engines_leave_the_light_modules_to_both_workers():
     assert all(nodeid in units for nodeid in engines.ran[:7])  # every engine test, from the head
     assert not any(nodeid in units for nodeid in light.ran)
     assert any(nodeid.split("::")[0] in LIGHT for nodeid in engines.ran)  # then light modules
+
+
+def test_with_the_last_runs_timeline_both_queues_go_longest_first_and_the_tail_is_the_shortest_engine_module():
+    nodeids, units = collection()
+    seconds = dict.fromkeys(nodeids, 1.0)
+    seconds[f"{ENGINE_MODULES[2]}::test_0"] = 100.0  # the last collected engine module is the longest
+    seconds["tests/test_c.py::test_0"] = 50.0  # the smallest light module is the longest
+    engines, light, units = run(engine_ticks=5, seconds=seconds)
+    assert engines.ran[: len(SHARED) + 1] == [*SHARED, f"{HEAVY_MODULE}::test_kill"]  # as without one
+    assert engines.ran[len(SHARED) + 1] == f"{ENGINE_MODULES[2]}::test_0"  # then the longest module
+    assert light.ran[0] == "tests/test_c.py::test_0"
+    first_engine = next(nodeid for nodeid in light.ran if nodeid in units)
+    assert first_engine.startswith(ENGINE_MODULES[1])  # the tail: the last of the equally short modules
+    assert sorted(engines.ran + light.ran) == sorted(nodeids)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+TIMELINE = "timeline.jsonl"  # under INFERPLANE_DATA_DIR; tests/split.py orders the next run by it
 _phases: list[dict] = []
 _session_start = [time.time()]
 
@@ -47,7 +48,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{worker}: {len(seen['tests'])} tests, first at {seen['first']:.0f} s, last ended at {seen['last']:.0f} s "
             f"({end - seen['last']:.0f} s idle at the end), {seen['busy']:.0f} s in tests")
-    path = Path(os.environ.get("INFERPLANE_DATA_DIR", ".data/test")) / "timeline.jsonl"
+    path = Path(os.environ.get("INFERPLANE_DATA_DIR", ".data/test")) / TIMELINE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(phase) + "\n" for phase in _phases))
