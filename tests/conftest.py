@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from contextlib import ExitStack
@@ -21,7 +20,7 @@ from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: F401 - shared with benchmarks
 from tests.web_zygote import WebZygote
 
-pytest_plugins = ["tests.ci_skips"]
+pytest_plugins = ["tests.ci_skips", "tests.timeline", "tests.split"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS_DIR = REPO_ROOT / "tests" / "artifacts"
@@ -191,50 +190,6 @@ def vllm_engine(tiny_model_dir, tmp_path_factory) -> str:
     with _shared_engine:
         yield _shared_engine.enter_context(
             serve_engine(shared_engine_spec(tiny_model_dir), tiny_model_dir, tmp_path_factory.mktemp("agent")))
-
-
-# The one group of CPU-heavy tests under xdist (tests/run.sh runs `-n 2 --dist loadgroup`): real engines
-# (marker `vllm`) and chaos runs that kill workers (`heavy`). They run one at a time on one worker while the
-# other worker runs the rest, a module at a time, so two engine starts never compete for the two cores.
-HEAVY_GROUP = "engines"
-HEAVY_LIST = "heavy-tests-{}.json"
-
-
-def _is_heavy(item) -> bool:
-    return item.get_closest_marker("vllm") is not None or item.get_closest_marker("heavy") is not None
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    # NOTE: xdist's own `xdist_group` marks do nothing under pytest 9 (xdist rewrites `item._nodeid`, which
-    # pytest 9's nodeid no longer reads), so each worker writes its heavy tests' ids where the controller's
-    # scheduler (below) reads them: the controller's temporary folder, the parent of each worker's.
-    worker_input = getattr(config, "workerinput", None)
-    if worker_input is not None:
-        folder = config._tmp_path_factory.getbasetemp().parent
-        partial = folder / f".{HEAVY_LIST.format(worker_input['workerid'])}"
-        partial.write_text(json.dumps([item.nodeid for item in items if _is_heavy(item)]))
-        partial.rename(folder / HEAVY_LIST.format(worker_input["workerid"]))
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """Under `--dist loadgroup`: the heavy tests are one unit of work, and every other test module is one
-    unit (its module-scoped servers start once, on one worker), the largest units handed out first."""
-    if config.getoption("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    heavy: set[str] = set()
-
-    class HeavyGroupOrModuleScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            # NOTE: called once every worker has collected (and written its list); the lists are equal.
-            if not heavy:
-                for path in config._tmp_path_factory.getbasetemp().glob(HEAVY_LIST.format("*")):
-                    heavy.update(json.loads(path.read_text()))
-            return HEAVY_GROUP if nodeid in heavy else nodeid.split("::", 1)[0]
-
-    return HeavyGroupOrModuleScheduling(config, log)
 
 
 def pytest_collection_finish(session):

@@ -24,8 +24,9 @@ esac
 # Two pytest-xdist workers, one per core: most tests wait on child processes (servers, workers, engines)
 # and leave a core idle. Each worker has its own embedded PostgreSQL and Redis under
 # $INFERPLANE_DATA_DIR/gw0 and gw1 (tests/settings.py). The CPU-heavy tests (real vLLM engines, marker
-# `vllm`; worker-kill chaos, marker `heavy`) form one group, "engines" (tests/conftest.py): they run
-# one after another on one worker while the other runs every other test module, a module at a time.
+# `vllm`; worker-kill chaos, marker `heavy`) run a module at a time on one worker while the other runs
+# every other test module, a module at a time; then it takes engine modules from the tail of their queue
+# (tests/split.py). The summary's "worker timeline" says when each worker's last test ended.
 # A later argument wins: `bash tests/run.sh -n 0` runs in this one process.
 .venv/bin/python -m pytest -n 2 --dist loadgroup --create-db -p no:cacheprovider --durations=40 "$@"
 status=$?
