@@ -69,6 +69,8 @@ ENV = {"INFERPLANE_DATA_DIR": str(DATA_DIR), "DJANGO_SETTINGS_MODULE": "controlp
 os.environ.update(ENV)
 
 from controlplane import embedded  # noqa: E402 - after sys.path is set
+from gpu_agent.runtime.engine import cpu_openmp_env  # noqa: E402
+from gpu_agent.runtime.tiny_model import build_tiny_model  # noqa: E402
 from tests.processes import ChildProcess, free_port  # noqa: E402
 
 # NOTE: production settings refuse to start embedded servers and need an encryption key: start the
@@ -443,9 +445,6 @@ TINY_MODEL_DIR = DATA_DIR / "tiny-model"
 
 
 def start_vllm(logs: Path, engine_core: int | None) -> tuple[Child, str]:
-    from gpu_agent.runtime.engine import cpu_openmp_env
-    from gpu_agent.runtime.tiny_model import build_tiny_model
-
     model_dir = TINY_MODEL_DIR
     if not (model_dir / "config.json").exists():
         build_tiny_model(model_dir)

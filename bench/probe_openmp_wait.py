@@ -76,9 +76,7 @@ def main() -> int:
     if "OMP_WAIT_POLICY" in os.environ:
         parser.error("unset OMP_WAIT_POLICY first: the engines inherit this environment")
     if not (bench.TINY_MODEL_DIR / "config.json").exists():
-        from gpu_agent.runtime.tiny_model import build_tiny_model
-
-        build_tiny_model(bench.TINY_MODEL_DIR)
+        bench.build_tiny_model(bench.TINY_MODEL_DIR)
     logs = Path(tempfile.mkdtemp(prefix="openmp-wait-"))
     rows = []
     for round_number in range(args.rounds):
