@@ -15,6 +15,7 @@ from rest_framework.test import APIClient
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Role, Scope
 from controlplane.accounts.services import Actor
+from tests.engines import engine_node as start_engine_node
 from tests.engines import serve_engine, shared_engine_spec
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: F401 - shared with benchmarks
@@ -184,12 +185,20 @@ _last_engine_user: list[str] = []
 
 
 @pytest.fixture(scope="session")
-def vllm_engine(tiny_model_dir, tmp_path_factory) -> str:
+def engine_node(tmp_path_factory):
+    """This test process's engine node (`tests.engines`): a supervisor whose zygote forks every real vLLM
+    engine the tests start outside an agent, in about a second each once it has imported vLLM."""
+    with start_engine_node(tmp_path_factory.mktemp("engine-node")) as node:
+        yield node
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(engine_node, tiny_model_dir) -> str:
     """The address of the one real vLLM chat engine (`tests.engines.shared_engine_spec`) the gateway's
     and the batches' vLLM modules share: started on first use, stopped after the last test using it."""
     with _shared_engine:
         yield _shared_engine.enter_context(
-            serve_engine(shared_engine_spec(tiny_model_dir), tiny_model_dir, tmp_path_factory.mktemp("agent")))
+            serve_engine(engine_node, shared_engine_spec(tiny_model_dir), tiny_model_dir)).address
 
 
 def pytest_collection_finish(session):

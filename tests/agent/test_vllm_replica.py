@@ -1,9 +1,10 @@
-"""A real `vllm serve` of the tiny model under the supervisor (slow: ~40 s per engine start on CPU).
+"""A real `vllm serve` of the tiny model under the supervisor, and a quantized engine's crash and restart.
 
-One module-scoped pair of engines (plain and fp8_per_channel) is shared by the
-tests, which run in file order: serve, adopt, restart after a crash, drain.
-The supervisor is polled from the test's main thread: PR_SET_PDEATHSIG ties an
-engine's life to the thread that forked it.
+The plain launch (no standby, no zygote: ~40 s of CPU per start on two cores) runs one module-scoped
+engine, which the tests share in file order: serve, adopt by a restarted agent, drain. The
+fp8_per_channel engine, killed and restarted, runs on the test process's engine node (`tests.engines`),
+where every restart is another fork of its zygote, as on an agent. The supervisor is polled from the
+test's main thread: PR_SET_PDEATHSIG ties an engine's life to the thread that forked it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+from tests.engines import serve_engine, wait_for_ready
 
 from .conftest import make_spec, processes_with_marker, wait_for_state, wait_until
 
@@ -41,14 +43,10 @@ def engines(tiny_model_dir, tmp_path_factory):
     holder = {"supervisor": Supervisor(data_dir, policy=policy), "data_dir": data_dir, "policy": policy}
     supervisor = holder["supervisor"]
     supervisor.start(make_spec("r-plain", model_source=str(tiny_model_dir)), tiny_model_dir)
-    supervisor.start(
-        make_spec("r-fp8", model_source=str(tiny_model_dir), quantization="fp8_per_channel"), tiny_model_dir
-    )
     yield holder
     holder["supervisor"].shutdown(timeout_s=20)
-    for replica_id in ("r-plain", "r-fp8"):
-        for process in processes_with_marker(replica_id):
-            process.kill()
+    for process in processes_with_marker("r-plain"):
+        process.kill()
 
 
 def complete(replica, **extra) -> dict:
@@ -81,18 +79,6 @@ def test_replica_reaches_ready_and_completion_returns_usage(engines):
     assert status.engine_memory is not None and status.engine_memory.kv_cache_mb == round(0.06 * 1024)
 
 
-def test_fp8_per_channel_replica_serves(engines, tiny_model_dir):
-    supervisor = engines["supervisor"]
-    wait_for_state(supervisor, "r-fp8", ReplicaState.READY)
-    replica = supervisor.get("r-fp8")
-    assert "fp8_per_channel" in replica.command.argv
-    assert complete(replica)["usage"]["completion_tokens"] == 8
-    # Free the memory and cores for the remaining tests; no process may survive.
-    supervisor.drain("r-fp8", timeout_s=10)
-    wait_for_state(supervisor, "r-fp8", ReplicaState.STOPPED, timeout_s=60)
-    assert processes_with_marker("r-fp8") == []
-
-
 def test_restarted_agent_adopts_its_healthy_engine(engines):
     old = engines["supervisor"]
     pid = old.get("r-plain").pid
@@ -116,19 +102,23 @@ def old_spec(replica_id, engines):
     return ReplicaSpec.from_dict(record["spec"])
 
 
-def test_killed_engine_is_restarted(engines):
-    supervisor = engines["supervisor"]
-    replica = supervisor.get("r-plain")
-    old_pid, restarts_before = replica.pid, replica.num_restarts
-    os.kill(old_pid, signal.SIGKILL)
-    wait_until(lambda: supervisor.get("r-plain").state == ReplicaState.STARTING, 30, poll=supervisor.poll)
-    wait_for_state(supervisor, "r-plain", ReplicaState.READY)
-    replica = supervisor.get("r-plain")
-    assert replica.num_restarts == restarts_before + 1 and replica.pid != old_pid
-    states = [state for state, _ in replica.state_history]
-    assert states[-2:] == [ReplicaState.STARTING, ReplicaState.READY]
-    assert "engine exited" in replica.failure_reason
-    assert complete(replica)["usage"]["completion_tokens"] == 8
+def test_a_quantized_engine_killed_is_restarted_and_serves(engine_node, tiny_model_dir):
+    spec = make_spec("r-fp8", model_source=str(tiny_model_dir), quantization="fp8_per_channel")
+    with serve_engine(engine_node, spec, tiny_model_dir) as replica:
+        assert "fp8_per_channel" in replica.command.argv
+        assert complete(replica)["usage"]["completion_tokens"] == 8
+        old_pid, restarts_before = replica.pid, replica.num_restarts
+        os.kill(old_pid, signal.SIGKILL)
+        wait_until(lambda: replica.state == ReplicaState.STARTING, 30, poll=engine_node.poll)
+        replica = wait_for_ready(engine_node, spec.replica_id)
+        assert replica.num_restarts == restarts_before + 1 and replica.pid != old_pid
+        states = [state for state, _ in replica.state_history]
+        assert states[-2:] == [ReplicaState.STARTING, ReplicaState.READY]
+        assert "engine exited" in replica.failure_reason
+        assert replica.from_standby, "restarted by another fork of the zygote"
+        assert complete(replica)["usage"]["completion_tokens"] == 8
+    # Drained and gone: no process of it survives.
+    assert processes_with_marker("r-fp8") == []
 
 
 def test_drain_and_stop_leave_no_orphan_process(engines, tiny_model_dir):

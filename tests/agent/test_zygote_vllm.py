@@ -159,33 +159,11 @@ def test_a_killed_zygote_takes_its_engines_down_and_shutdown_leaves_no_process(a
     wait_until(lambda: data_dir_processes(agent.config.data_dir) == [], 30)
 
 
-def test_the_zygote_patches_its_modules_once_and_an_engine_only_what_it_imported_since():
-    # Each engine walked every module of `sys.modules` twice in its API server (~0.15 s at load); the zygote
-    # now does it before it forks, and an engine patches only the modules imported after that, found from the
-    # end of `sys.modules` (listing it whole copied thousands of the zygote's pages into every engine).
-    code = (
-        "import sys, types, vllm.utils.system_utils as system_utils, vllm.v1.engine.utils as engine_utils\n"
-        "from gpu_agent.runtime import standby_process\n"
-        "original = system_utils.get_mp_context\n"
-        "standby_process._patch_forked_engines('cpu')\n"
-        "assert engine_utils.get_mp_context().get_start_method() == 'fork'\n"
-        "assert standby_process._patched_modules == (len(sys.modules), list(sys.modules)[-1])\n"
-        "late = types.ModuleType('vllm_late_import'); late.get_mp_context = original\n"
-        "sys.modules['vllm_late_import'] = late\n"
-        "assert standby_process._modules_imported_since_patch() == [('vllm_late_import', late)]\n"
-        "standby_process._force_fork_children(standby_process._modules_imported_since_patch())\n"
-        "assert late.get_mp_context is not original and late.get_mp_context().get_start_method() == 'fork'\n"
-        "# A module removed since: the zygote's last one is no longer where it was, so every module is looked at.\n"
-        "del sys.modules[standby_process._patched_modules[1]]\n"
-        "assert len(standby_process._modules_imported_since_patch()) == len(sys.modules)\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
-
-
-def test_the_zygote_answers_the_entry_points_and_the_fingerprint_its_engines_asked_for_again():
-    # Every engine read every installed package's entry points three times and hashed its whole configuration
-    # once per serving class: the answers are the same, so they come from the zygote (or are kept).
-    code = (
+# What the zygote does to the modules it shares, checked in one fresh interpreter that imports vLLM once
+# (~15 s of CPU; one each cost the suite a minute), in the order the zygote does it (`standby_process.main`),
+# the snippet that edits `sys.modules` last. Each test below reads its own snippet's outcome.
+SNIPPETS = {
+    "lookups": (
         "import importlib.metadata as metadata\n"
         "from types import SimpleNamespace\n"
         "from gpu_agent.runtime import standby_process\n"
@@ -207,41 +185,23 @@ def test_the_zygote_answers_the_entry_points_and_the_fingerprint_its_engines_ask
         "assert fingerprint.get_system_fingerprint(other) != first and len(calls) == 2\n"
         "fingerprint.set_default_fingerprint_mode('custom', 'mine')\n"
         "assert fingerprint.get_system_fingerprint(other) == 'mine'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
-
-
-def test_the_zygote_reads_the_routes_source_positions_its_engines_read_on_their_first_request():
-    # FastAPI reads an endpoint's source file on the first request to it, keyed by the function: read in the
-    # zygote, for the same function objects every forked engine's app routes to.
-    code = (
-        "import fastapi.routing\n"
-        "from gpu_agent.runtime import standby_process\n"
-        "from vllm.entrypoints.openai.chat_completion import api_router\n"
-        "standby_process._warm_app_build()\n"
-        "assert id(api_router.create_chat_completion) in fastapi.routing._endpoint_context_cache\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
-
-
-def test_forked_engine_processes_skip_the_logging_set_up_they_inherit():
-    # The EngineCore calls vLLM's `configure_logging` by name; it set up every logger again in each forked
-    # engine (~0.5 s of CPU) because patching `vllm.logger` first hid the original from the comparison.
-    code = (
+    ),
+    "logging": (
         "import vllm.logger, vllm.v1.engine.core as core\n"
         "from gpu_agent.runtime import standby_process\n"
         "original = vllm.logger.configure_logging\n"
         "standby_process._skip_inherited_logging_setup()\n"
         "assert core.configure_logging is vllm.logger.configure_logging_if_needed, core.configure_logging\n"
         "assert vllm.logger.configure_logging is original, 'configure_logging_if_needed would call itself'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
-
-
-def test_one_rank_gloo_groups_share_one_device_so_an_idle_engine_runs_one_network_loop():
-    # vLLM's CPU engine makes ~9 one-rank gloo groups; each had its own device, whose loop thread wakes every
-    # 10 ms: ~0.02 CPU-s/s of an idle READY engine. One device now serves them all; collectives still work.
-    code = (
+    ),
+    "routes": (
+        "import fastapi.routing\n"
+        "from gpu_agent.runtime import standby_process\n"
+        "from vllm.entrypoints.openai.chat_completion import api_router\n"
+        "standby_process._warm_app_build()\n"
+        "assert id(api_router.create_chat_completion) in fastapi.routing._endpoint_context_cache\n"
+    ),
+    "gloo": (
         "import os, torch, torch.distributed as dist\n"
         "from gpu_agent.runtime import standby_process\n"
         "from tests.processes import free_port\n"
@@ -258,5 +218,71 @@ def test_one_rank_gloo_groups_share_one_device_so_an_idle_engine_runs_one_networ
         "names = [open(f'/proc/self/task/{task}/comm').read().strip() for task in os.listdir('/proc/self/task')]\n"
         "assert names.count('gloo_tcp_loop') == 1, names\n"
         "dist.destroy_process_group()\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT_S)
+    ),
+    "patches": (
+        "import sys, types, vllm.utils.system_utils as system_utils, vllm.v1.engine.utils as engine_utils\n"
+        "from gpu_agent.runtime import standby_process\n"
+        "original = system_utils.get_mp_context\n"
+        "standby_process._patch_forked_engines('cpu')\n"
+        "assert engine_utils.get_mp_context().get_start_method() == 'fork'\n"
+        "assert standby_process._patched_modules == (len(sys.modules), list(sys.modules)[-1])\n"
+        "late = types.ModuleType('vllm_late_import'); late.get_mp_context = original\n"
+        "sys.modules['vllm_late_import'] = late\n"
+        "assert standby_process._modules_imported_since_patch() == [('vllm_late_import', late)]\n"
+        "standby_process._force_fork_children(standby_process._modules_imported_since_patch())\n"
+        "assert late.get_mp_context is not original and late.get_mp_context().get_start_method() == 'fork'\n"
+        "# A module removed since: the zygote's last one is no longer where it was, so every module is looked at.\n"
+        "del sys.modules[standby_process._patched_modules[1]]\n"
+        "assert len(standby_process._modules_imported_since_patch()) == len(sys.modules)\n"
+    ),
+}
+RUN_SNIPPETS = """
+import json, sys, traceback
+outcomes = {}
+for name, code in json.loads(sys.stdin.read()).items():
+    try:
+        exec(compile(code, name, "exec"), {"__name__": name})
+        outcomes[name] = ""
+    except BaseException:
+        outcomes[name] = traceback.format_exc()
+print(json.dumps(outcomes))
+"""
+
+
+@pytest.fixture(scope="module")
+def in_one_interpreter() -> dict[str, str]:
+    """Each snippet's traceback ("" where it passed), all run in one interpreter."""
+    done = subprocess.run([sys.executable, "-c", RUN_SNIPPETS], input=json.dumps(SNIPPETS), capture_output=True,
+                          text=True, check=True, timeout=TIMEOUT_S)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_zygote_patches_its_modules_once_and_an_engine_only_what_it_imported_since(in_one_interpreter):
+    # Each engine walked every module of `sys.modules` twice in its API server (~0.15 s at load); the zygote
+    # now does it before it forks, and an engine patches only the modules imported after that, found from the
+    # end of `sys.modules` (listing it whole copied thousands of the zygote's pages into every engine).
+    assert in_one_interpreter["patches"] == "", in_one_interpreter["patches"]
+
+
+def test_the_zygote_answers_the_entry_points_and_the_fingerprint_its_engines_asked_for_again(in_one_interpreter):
+    # Every engine read every installed package's entry points three times and hashed its whole configuration
+    # once per serving class: the answers are the same, so they come from the zygote (or are kept).
+    assert in_one_interpreter["lookups"] == "", in_one_interpreter["lookups"]
+
+
+def test_the_zygote_reads_the_routes_source_positions_its_engines_read_on_their_first_request(in_one_interpreter):
+    # FastAPI reads an endpoint's source file on the first request to it, keyed by the function: read in the
+    # zygote, for the same function objects every forked engine's app routes to.
+    assert in_one_interpreter["routes"] == "", in_one_interpreter["routes"]
+
+
+def test_forked_engine_processes_skip_the_logging_set_up_they_inherit(in_one_interpreter):
+    # The EngineCore calls vLLM's `configure_logging` by name; it set up every logger again in each forked
+    # engine (~0.5 s of CPU) because patching `vllm.logger` first hid the original from the comparison.
+    assert in_one_interpreter["logging"] == "", in_one_interpreter["logging"]
+
+
+def test_one_rank_gloo_groups_share_one_device_so_an_idle_engine_runs_one_network_loop(in_one_interpreter):
+    # vLLM's CPU engine makes ~9 one-rank gloo groups; each had its own device, whose loop thread wakes every
+    # 10 ms: ~0.02 CPU-s/s of an idle READY engine. One device now serves them all; collectives still work.
+    assert in_one_interpreter["gloo"] == "", in_one_interpreter["gloo"]

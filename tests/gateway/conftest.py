@@ -1,8 +1,8 @@
 """Gateway fixtures: live ASGI servers, mock OpenAI upstreams, real CPU engines and endpoints wired to them.
 
 `vllm_engine` (tests/conftest.py) is the one real vLLM engine the package's vLLM modules share
-(test_vllm_gateway, test_reservation_vllm, test_tool_calling_vllm) with tests/batches: an engine takes
-~1 minute to start on two cores, so it starts once (`tests.engines`).
+(test_vllm_gateway, test_reservation_vllm, test_tool_calling_vllm) with tests/batches: it starts once, on the
+test process's engine node (`tests.engines`).
 """
 
 from __future__ import annotations

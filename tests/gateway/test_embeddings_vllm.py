@@ -1,7 +1,7 @@
 """`/v1/embeddings` through the gateway in front of a real vLLM engine serving the tiny embedding model.
 
 The engine is started as the agent starts an embedding replica (the pooling runner, priority
-scheduling, from a warm standby: `tests.engines`), once for the module. The official `openai` client's `embeddings.create` gets vectors
+scheduling), forked by the test process's engine node (`tests.engines`), once for the module. The official `openai` client's `embeddings.create` gets vectors
 of the model's size (128) as floats and as base64; `dimensions` shortens them where the model
 declares Matryoshka sizes and any other size is a 400 naming `dimensions`; each call writes one
 usage row of input tokens, billed at the endpoint's input price.
@@ -34,13 +34,13 @@ PRICE_INPUT = Decimal("100")  # per million input tokens
 
 
 @pytest.fixture(scope="module")
-def embedding_engine(tiny_embedding_model_dir, tmp_path_factory) -> str:
+def embedding_engine(engine_node, tiny_embedding_model_dir) -> str:
     # NOTE: task AUTO: the agent reads the model's architecture (LlamaModel) and picks the pooling runner.
     spec = ReplicaSpec(replica_id="embedding-engine", endpoint_id="embeddings", served_model_name=NAME,
                        model_source=str(tiny_embedding_model_dir), max_model_len=512, max_num_seqs=8,
                        engine_api_key=ENGINE_KEY, task=ModelTask.AUTO)
-    with serve_engine(spec, tiny_embedding_model_dir, tmp_path_factory.mktemp("embedding-agent")) as address:
-        yield address
+    with serve_engine(engine_node, spec, tiny_embedding_model_dir) as replica:
+        yield replica.address
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from endpoints.fleet.services import replica_spec
 from endpoints.models import Adapter, Replica
 from gpu_agent.protocol import ReplicaSpec, ReplicaState, ReplicaStatus
 from gpu_agent.runtime.adapters import AdapterLoadError, AdapterSlots, ReplicaAdapters
-from gpu_agent.runtime.supervisor import Supervisor
 from gpu_agent.runtime.tiny_model import build_tiny_lora_adapter
+from tests.engines import serve_engine
 from tests.gateway.conftest import serve_endpoint
 from tests.processes import wait_until
 
@@ -33,25 +33,13 @@ MAX_LORA_RANK = 8
 
 
 @pytest.fixture(scope="module")
-def lora_engine(tiny_model_dir, tmp_path_factory) -> str:
-    supervisor = Supervisor(tmp_path_factory.mktemp("lora-agent"), standby=False)
+def lora_engine(engine_node, tiny_model_dir) -> str:
     spec = ReplicaSpec(replica_id="lora-engine", endpoint_id="lora", served_model_name="tiny-lora",
                        model_source=str(tiny_model_dir), max_model_len=512, max_num_seqs=8,
                        engine_api_key=ENGINE_KEY, max_loras=2, max_lora_rank=MAX_LORA_RANK)
-    supervisor.start(spec, tiny_model_dir)
-
-    def ready():
-        supervisor.poll()
-        replica = supervisor.get(spec.replica_id)
-        if replica.state == ReplicaState.FAILED:
-            raise AssertionError(f"engine FAILED: {replica.failure_reason}")
-        return replica.state == ReplicaState.READY
-
-    try:
-        wait_until(ready, 600, message="the LoRA engine to be READY")
-        yield supervisor.get(spec.replica_id).address
-    finally:
-        supervisor.shutdown(timeout_s=30)
+    with serve_engine(engine_node, spec, tiny_model_dir) as replica:
+        assert "--enable-lora" in replica.command.argv
+        yield replica.address
 
 
 @pytest.fixture(scope="module")
