@@ -50,12 +50,14 @@ LOCKS = {
 }
 
 
-def _torch_wheel(folder: Path) -> Path:
+def _wheel(folder: Path, name: str, version: str, modules: dict[str, str] | None = None) -> Path:
+    """A pure-Python wheel of `name` `version` in `folder`, holding `modules` (file name -> source)."""
     folder.mkdir(parents=True, exist_ok=True)
-    wheel = folder / TORCH_WHEEL
-    dist_info = "torch-2.13.0+cpu.dist-info"
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    dist_info = f"{name}-{version}.dist-info"
     files = {
-        f"{dist_info}/METADATA": "Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0+cpu\n",
+        **(modules or {}),
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     files[f"{dist_info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{dist_info}/RECORD,,\n"
@@ -63,6 +65,11 @@ def _torch_wheel(folder: Path) -> Path:
         for path, text in files.items():
             archive.writestr(path, text)
     return wheel
+
+
+def _torch_wheel(folder: Path) -> Path:
+    """A stand-in for the CPU torch: its metadata only (a dry run reads nothing else)."""
+    return _wheel(folder, "torch", "2.13.0+cpu")
 
 
 def _simple_index(root: Path, wheels: list[Path]) -> str:
@@ -232,25 +239,9 @@ def test_the_lock_installer_hands_uv_the_sources_pip_is_configured_with(tmp_path
         "--no-index", "--find-links", str(tmp_path)]
 
 
-def _package_wheel(folder: Path, name: str = "inferplane_probe", version: str = "1.0") -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    wheel = folder / f"{name}-{version}-py3-none-any.whl"
-    dist_info = f"{name}-{version}.dist-info"
-    files = {
-        f"{name}.py": "ANSWER = 42\n",
-        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    files[f"{dist_info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{dist_info}/RECORD,,\n"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        for path, text in files.items():
-            archive.writestr(path, text)
-    return wheel
-
-
 def _install_lock(tmp_path, env, digest: str | None = None) -> tuple[subprocess.CompletedProcess, Path]:
     """Install a one-package lock from a wheel folder pip is configured with into a fresh virtualenv."""
-    wheel = _package_wheel(tmp_path / "wheels")
+    wheel = _wheel(tmp_path / "wheels", "inferplane_probe", "1.0", {"inferplane_probe.py": "ANSWER = 42\n"})
     lock = tmp_path / "lock.txt"
     lock.write_text(f"inferplane-probe==1.0 \\\n    --hash=sha256:{digest or hashlib.sha256(wheel.read_bytes()).hexdigest()}\n")
     target = tmp_path / "target"
