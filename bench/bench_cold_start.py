@@ -251,7 +251,7 @@ def measure_platform(model_dir: Path, work_dir: Path, repetitions: int) -> dict:
                 "platform_share_s": round(ttft - engine_s, 3),
                 "from_standby": bool(
                     re.search(
-                        rf"replica {replica.pk}: launched pid \d+ on port \d+ \(warm standby\)", agent_log
+                        rf"replica {replica.pk}: launched pid \d+ on port \d+ \((warm standby|zygote)\)", agent_log
                     )
                 ),
                 "completion_tokens": (answer["usage"] or {}).get("completion_tokens"),
