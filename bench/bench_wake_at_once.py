@@ -112,7 +112,7 @@ def measure(model_dir: Path, work_dir: Path, at_once: int, rounds: int) -> list[
             for size in (1, at_once):
                 wait_until(all_at_zero, IDLE_TIMEOUT_S + 120, interval_s=0.2, message="every endpoint at zero")
                 time.sleep(1.0)
-                chosen = names[round_number % at_once:][:1] if size == 1 else names
+                chosen = [names[round_number % at_once]] if size == 1 else names
                 load_before = os.getloadavg()[0]
                 answers = wake(stack.url, chosen, headers)
                 ttfts = [round(answer["first_token_at"] - answer["sent_at"], 3) for answer in answers]

@@ -64,14 +64,12 @@ def exists(location: str) -> bool:
 
 
 def uv_source_args(sources: dict[str, list[str]]) -> list[str]:
-    if any(value.lower() in ("1", "true", "yes", "on") for value in sources.get("no-index", [])):
-        return ["--no-index", *(arg for location in sources.get("find-links", []) if exists(location)
-                                 for arg in ("--find-links", location))]
-    args = []
+    no_index = any(value.lower() in ("1", "true", "yes", "on") for value in sources.get("no-index", []))
+    args = ["--no-index"] if no_index else []
     for name, option in SOURCES.items():
-        for location in sources.get(name, []):
-            if exists(location):
-                args += [option, location]
+        if no_index and name != "find-links":
+            continue
+        args += [arg for location in sources.get(name, []) if exists(location) for arg in (option, location)]
     return args
 
 

