@@ -49,6 +49,7 @@ class Gateway:
     def __init__(self, fallback):
         self.fallback = fallback
         self._client: upstream.UpstreamClient | None = None
+        self._folding: asyncio.Task | None = None  # `metrics.fold_every_second`, from startup on
 
     @property
     def client(self) -> upstream.UpstreamClient:
@@ -90,9 +91,13 @@ class Gateway:
             if message["type"] == "lifespan.startup":
                 _freeze_startup_objects()
                 await presence.start()
+                self._folding = asyncio.ensure_future(metrics.fold_every_second())
                 writer_for_this_loop().replay_soon()  # usage a previous gateway left in the journal
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                if self._folding is not None:
+                    self._folding.cancel()
+                metrics.fold()  # the last counts, before the process goes
                 if self._client is not None:
                     await self._client.close()
                 await send({"type": "lifespan.shutdown.complete"})

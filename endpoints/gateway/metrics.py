@@ -16,12 +16,15 @@ never stored per process.
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import enum
 import glob
 import hmac
 import ipaddress
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db.models import Count
@@ -71,28 +74,109 @@ def observe_cold_start_phases(phases: dict[str, int]) -> None:
         cold_start_phase.labels(phase).observe(ms / 1000)
 
 
+# NOTE: a request's metrics are plain numbers in this process (`EndpointMetrics`), folded into the
+# prometheus_client values above every `FOLD_EVERY_S` and before this process answers a scrape
+# (`fold`). Seven locked updates a request (in multiprocess mode each a write into a memory-mapped file)
+# cost the gateway ~30-60 us of CPU a request where it was measured (bench/results/gateway_profile.md,
+# round 7); a fold costs the same few updates a second, whatever the traffic. A scrape answered by
+# another process of the pod sees this one's counts as of its last fold, at most `FOLD_EVERY_S` old.
+FOLD_EVERY_S = 1.0
+
+
+class Tally:
+    """A histogram's observations since the last fold: a count per bucket of `bounds`, and their sum."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = (*bounds, math.inf)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        # NOTE: the first bucket whose upper bound is >= value, as prometheus_client's `observe`
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def fold_into(self, child: Histogram) -> None:
+        """Add the observations to `child` (prometheus_client's histogram of the same buckets), then forget them.
+
+        NOTE: through the child's own values (`_buckets`, one per bucket, not cumulative, and `_sum`), as its
+        `observe` updates them, many observations at once; `tests/gateway/test_metrics_fold.py` checks
+        that the exposition is the one `observe` gives, so a prometheus_client that stores them otherwise fails there.
+        """
+        if not any(self.counts):
+            return
+        for index, count in enumerate(self.counts):
+            if count:
+                child._buckets[index].inc(count)
+                self.counts[index] = 0
+        child._sum.inc(self.total)
+        self.total = 0.0
+
+
+class Level:
+    """A gauge's value in this process (in flight, waiting), set on the gauge at each fold."""
+
+    __slots__ = ("value", "_folded")
+
+    def __init__(self):
+        self.value = 0
+        self._folded = 0
+
+    def inc(self) -> None:
+        self.value += 1
+
+    def dec(self) -> None:
+        self.value -= 1
+
+    def fold_into(self, child: Gauge) -> None:
+        if self.value != self._folded:
+            child.set(self.value)
+            self._folded = self.value
+
+
 @dataclass(slots=True)
 class EndpointMetrics:
-    """One endpoint's children of the request metrics, looked up once (`labels()` takes a lock each call)."""
+    """One endpoint's request metrics in this process, counted as plain numbers; `fold` adds them to
+    prometheus_client's children (looked up once: `labels()` takes a lock each call)."""
 
     labels: tuple[str, str]  # endpoint id, organisation id
-    inflight: Gauge
-    waiting: Gauge
+    children: dict  # prometheus_client's child of each metric below, by name
+    waiting: Gauge  # NOTE: a held call's (rare, seconds long): straight to prometheus_client
     cold_start: Histogram
-    time_to_first_token: Histogram
-    request_duration: Histogram
-    tokens: tuple[Counter, Counter, Counter]  # prompt, cached, completion
-    outcomes: dict[str, Counter]
+    inflight: Level = field(default_factory=Level)
+    time_to_first_token: Tally = field(default_factory=lambda: Tally(LATENCY_BUCKETS))
+    request_duration: Tally = field(default_factory=lambda: Tally(LATENCY_BUCKETS))
+    tokens: list[int] = field(default_factory=lambda: [0, 0, 0])  # prompt, cached, completion, since the last fold
+    outcomes: dict[str, int] = field(default_factory=dict)  # requests by outcome, since the last fold
+    outcome_children: dict = field(default_factory=dict)  # `requests_total`'s child of each outcome seen
 
     def observe_request(self, outcome: str, duration_s: float, prompt: int, cached: int, completion: int) -> None:
-        counter = self.outcomes.get(outcome)
-        if counter is None:
-            counter = self.outcomes[outcome] = requests_total.labels(*self.labels, outcome)
-        counter.inc()
+        outcomes = self.outcomes
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
         self.request_duration.observe(duration_s)
-        for child, value in zip(self.tokens, (prompt, cached, completion), strict=True):
-            if value:
-                child.inc(value)
+        tokens = self.tokens
+        tokens[0] += prompt
+        tokens[1] += cached
+        tokens[2] += completion
+
+    def fold(self) -> None:
+        children = self.children
+        self.inflight.fold_into(children["inflight"])
+        self.request_duration.fold_into(children["request_duration"])
+        self.time_to_first_token.fold_into(children["time_to_first_token"])
+        for outcome, count in self.outcomes.items():
+            if count:
+                child = self.outcome_children.get(outcome)
+                if child is None:
+                    child = self.outcome_children[outcome] = requests_total.labels(*self.labels, outcome)
+                child.inc(count)
+                self.outcomes[outcome] = 0
+        for index, child in enumerate(children["tokens"]):
+            if self.tokens[index]:
+                child.inc(self.tokens[index])
+                self.tokens[index] = 0
 
 
 _by_endpoint: dict[str, EndpointMetrics] = {}
@@ -102,13 +186,26 @@ def of_endpoint(endpoint_id: str, organization_id: int) -> EndpointMetrics:
     found = _by_endpoint.get(endpoint_id)
     if found is None:
         labels = (str(endpoint_id), str(organization_id))
+        children = {"inflight": inflight.labels(*labels), "request_duration": request_duration.labels(*labels),
+                    "time_to_first_token": time_to_first_token.labels(*labels),
+                    "tokens": tuple(tokens_total.labels(*labels, kind) for kind in ("prompt", "cached", "completion"))}
         found = _by_endpoint[endpoint_id] = EndpointMetrics(
-            labels=labels, inflight=inflight.labels(*labels), waiting=waiting.labels(*labels),
-            cold_start=cold_start.labels(*labels), time_to_first_token=time_to_first_token.labels(*labels),
-            request_duration=request_duration.labels(*labels),
-            tokens=tuple(tokens_total.labels(*labels, kind) for kind in ("prompt", "cached", "completion")), outcomes={},
-        )
+            labels=labels, children=children, waiting=waiting.labels(*labels), cold_start=cold_start.labels(*labels))
     return found
+
+
+def fold() -> None:
+    """Publish every endpoint's counts since the last fold to prometheus_client (this process's values,
+    or its files in multiprocess mode). Run on the event loop that counts them."""
+    for endpoint_metrics in list(_by_endpoint.values()):
+        endpoint_metrics.fold()
+
+
+async def fold_every_second() -> None:
+    """`fold` every `FOLD_EVERY_S` for as long as the gateway runs (started at its startup)."""
+    while True:
+        await asyncio.sleep(FOLD_EVERY_S)
+        fold()
 
 
 class FleetCollector:
@@ -242,6 +339,7 @@ def _forget_dead_processes() -> None:
 
 
 def render() -> bytes:
+    fold()
     if MULTIPROCESS_DIR is not None:
         _forget_dead_processes()
     return generate_latest(_SCRAPED)
