@@ -34,11 +34,15 @@ SYSTEM = Actor()
 
 
 def client_ip(request) -> str | None:
-    # NOTE: behind the ingress the client is the first X-Forwarded-For hop, which the
-    # ingress sets; without one REMOTE_ADDR is the client.
-    forwarded = request.META.get("HTTP_X_FORWARDED_FOR", "")
-    candidate = forwarded.split(",")[0].strip() if forwarded else request.META.get("REMOTE_ADDR")
-    return candidate or None
+    """The address a request came from: per-address throttles count it, the audit log records it.
+
+    It is REMOTE_ADDR as the web server set it. Behind proxies it trusts (uvicorn's proxy headers and
+    `FORWARDED_ALLOW_IPS`, README "Configuration"), the server puts there the right-most
+    X-Forwarded-For hop that is not a trusted proxy: the client as the first proxy saw it. The header
+    itself is never read here. Its left-most hops are whatever the client wrote, so trusting them let one
+    address dodge its limits and write any address into the audit log.
+    """
+    return request.META.get("REMOTE_ADDR") or None
 
 
 def record_audit(actor: Actor, organization, action: str, target=None, **details) -> AuditEvent:
