@@ -6,7 +6,7 @@ from django.contrib import admin
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor, record_audit
 from endpoints.fleet import admin as fleet_admin  # noqa: F401 - registers the nodes' admin
-from endpoints.models import AllowedSource, Endpoint, EndpointEvent, ModelCredential, Replica
+from endpoints.models import Adapter, AllowedSource, Endpoint, EndpointEvent, ModelCredential, Replica
 
 
 @admin.register(AllowedSource)
@@ -57,6 +57,23 @@ class EndpointAdmin(admin.ModelAdmin):
               "batch_price_fraction"]
     readonly_fields = ["name", "organization", "model_source", "task", "gpu_type", "quantization", "gpus_per_replica",
                        "allow_gpu_sharing"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Adapter)
+class AdapterAdmin(admin.ModelAdmin):
+    list_display = ["name", "endpoint", "state", "price_input_per_million", "price_output_per_million", "created_at"]
+    list_filter = ["state"]
+    search_fields = ["name", "endpoint__name", "endpoint__organization__slug"]
+    list_select_related = ["endpoint"]
+    # NOTE: staff price adapters (empty: the endpoint's prices); tenants create and delete them through the API.
+    fields = ["name", "endpoint", "source", "rank", "state", "price_input_per_million", "price_output_per_million"]
+    readonly_fields = ["name", "endpoint", "source", "rank", "state"]
 
     def has_add_permission(self, request):
         return False

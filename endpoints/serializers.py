@@ -3,7 +3,6 @@
 import ipaddress
 import json
 import re
-from decimal import Decimal
 from urllib.parse import urlsplit
 
 from django.conf import settings
@@ -524,11 +523,10 @@ class AdapterSerializer(StrictModelSerializer):
         model = Adapter
         fields = ["id", "name", "model", "source", "credential", "rank", "price_input_per_million",
                   "price_output_per_million", "state", "status_message", "last_requested_at", "created_at"]
-        read_only_fields = ["id", "model", "state", "status_message", "last_requested_at", "created_at"]
-        extra_kwargs = {
-            "price_input_per_million": {"min_value": Decimal(0), "required": False, "allow_null": True},
-            "price_output_per_million": {"min_value": Decimal(0), "required": False, "allow_null": True},
-        }
+        # NOTE: prices are the platform's to set, as an endpoint's: staff price an adapter in the admin (null:
+        # the endpoint's prices). A tenant that priced its own adapter at zero got free inference.
+        read_only_fields = ["id", "model", "price_input_per_million", "price_output_per_million", "state",
+                            "status_message", "last_requested_at", "created_at"]
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -21,15 +21,21 @@ from endpoints.replicas import drain_replicas, request_reconcile
 def create_endpoint(actor: Actor, organization, **spec) -> Endpoint:
     """Raises `quotas.QuotaExceeded` when the organisation's plan refuses it (checked under its lock)."""
     quotas.check_spec(quotas.lock_organization(organization.pk), spec)
-    gpu = GPU_TYPES[spec["gpu_type"]]
-    spec.setdefault("price_input_per_million", gpu.price_input_per_million)
-    spec.setdefault("price_cached_input_per_million", gpu.price_cached_input_per_million)
-    spec.setdefault("price_output_per_million", gpu.price_output_per_million)
+    for name, price in _prices_of(spec["gpu_type"]).items():
+        spec.setdefault(name, price)
     endpoint = Endpoint.objects.create(organization=organization, **spec)
     record_event(endpoint, EventKind.CONFIG, "Endpoint created", spec=_plain(spec))
     record_audit(actor, organization, "endpoint.create", endpoint)
     request_reconcile(endpoint.pk)
     return endpoint
+
+
+def _prices_of(gpu_type: str) -> dict:
+    """An endpoint's prices on `gpu_type`: the catalogue's for that type."""
+    gpu = GPU_TYPES[gpu_type]
+    return {"price_input_per_million": gpu.price_input_per_million,
+            "price_cached_input_per_million": gpu.price_cached_input_per_million,
+            "price_output_per_million": gpu.price_output_per_million}
 
 
 @transaction.atomic
@@ -38,6 +44,9 @@ def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
     changed = {name: value for name, value in changes.items() if getattr(endpoint, name) != value}
     if not changed:
         return endpoint
+    if "gpu_type" in changed:
+        # NOTE: prices follow the hardware: another GPU type is that type's prices (staff may edit them again).
+        changed |= {name: price for name, price in _prices_of(changed["gpu_type"]).items() if getattr(endpoint, name) != price}
     # NOTE: the endpoint's row, then its organisation's: the order the scheduler locks them in.
     quotas.check_spec(quotas.lock_organization(endpoint.organization_id), changed, endpoint)
     for name, value in changed.items():

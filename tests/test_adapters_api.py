@@ -97,11 +97,16 @@ def test_an_agents_report_marks_adapters_loaded_or_refused_with_the_engines_reas
 
 
 
-def test_adapter_prices_may_not_be_negative_and_the_endpoint_takes_only_vllms_lora_ranks(owner_client, lora_endpoint):
-    refused = owner_client.post(url(lora_endpoint), ADAPTER | {"price_output_per_million": "-1"}, format="json")
-    assert refused.status_code == 400 and "price_output_per_million" in refused.json()
-    priced = owner_client.post(url(lora_endpoint), ADAPTER | {"price_input_per_million": "3.5"}, format="json")
-    assert priced.status_code == 201 and priced.json()["price_output_per_million"] is None
+def test_a_tenant_cannot_price_its_own_adapter_and_the_endpoint_takes_only_vllms_lora_ranks(owner_client, lora_endpoint):
+    # A price is what the platform charges: an adapter priced at zero by its tenant was free inference.
+    for prices in ({"price_output_per_million": "0"}, {"price_input_per_million": "0", "price_output_per_million": "0"},
+                   {"price_input_per_million": "3.5"}):
+        refused = owner_client.post(url(lora_endpoint), ADAPTER | prices, format="json")
+        assert refused.status_code == 400 and set(refused.json()) == set(prices)
+        assert "read-only" in refused.json()[next(iter(prices))][0]
+    created = owner_client.post(url(lora_endpoint), ADAPTER, format="json")
+    assert created.status_code == 201
+    assert (created.json()["price_input_per_million"], created.json()["price_output_per_million"]) == (None, None)
     bad_rank = owner_client.patch(f"/api/v1/endpoints/{lora_endpoint.pk}/", {"max_lora_rank": 7}, format="json")
     assert bad_rank.status_code == 400 and "max_lora_rank" in bad_rank.json()
     slots = owner_client.patch(f"/api/v1/endpoints/{lora_endpoint.pk}/", {"max_loras": 4, "max_lora_rank": 32}, format="json")
