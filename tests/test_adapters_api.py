@@ -111,3 +111,18 @@ def test_a_tenant_cannot_price_its_own_adapter_and_the_endpoint_takes_only_vllms
     assert bad_rank.status_code == 400 and "max_lora_rank" in bad_rank.json()
     slots = owner_client.patch(f"/api/v1/endpoints/{lora_endpoint.pk}/", {"max_loras": 4, "max_lora_rank": 32}, format="json")
     assert slots.status_code == 200 and (slots.json()["max_loras"], slots.json()["max_lora_rank"]) == (4, 32)
+
+
+def test_the_migration_clears_the_prices_tenants_had_set_on_their_adapters(owner_client, lora_endpoint):
+    import importlib
+
+    from django.apps import apps
+
+    from endpoints.models import Adapter
+
+    created = owner_client.post(url(lora_endpoint), ADAPTER, format="json").json()
+    Adapter.objects.filter(pk=created["id"]).update(price_input_per_million=0, price_output_per_million=0)
+    migration = importlib.import_module("endpoints.migrations.0017_adapter_prices_are_staffs")
+    migration.clear_tenant_prices(apps, None)
+    adapter = Adapter.objects.get(pk=created["id"])
+    assert (adapter.price_input_per_million, adapter.price_output_per_million) == (None, None)
