@@ -20,7 +20,7 @@ from datetime import timedelta
 from celery import current_app
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Q
+from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from controlplane import redis_keys
@@ -271,7 +271,7 @@ def sweep_stuck() -> None:
         # would route to them, the console show them serving). The notices and reconciles go after commit.
         with transaction.atomic():
             if not Node.objects.filter(pk=node.pk, last_heartbeat_at__lt=silent_since).exclude(state=NodeState.OFFLINE).update(
-                    state=NodeState.OFFLINE):
+                    state=NodeState.OFFLINE, state_before_offline=F("state")):
                 continue  # it beat in the meantime, or another sweeper won
             reason = f"node {node.name} stopped sending heartbeats"
             for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):

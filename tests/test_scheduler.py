@@ -133,6 +133,26 @@ def test_a_silent_node_goes_offline_and_its_replicas_fail_and_are_replaced_elsew
     assert desired_replicas(silent) == []
 
 
+@pytest.mark.parametrize("held", [NodeState.CORDONED, NodeState.DRAINING, NodeState.READY])
+def test_a_node_that_falls_silent_comes_back_as_staff_left_it(settings, held, django_capture_on_commit_callbacks):
+    """A cordon or a drain is staff's decision; a node (its agent hostile, or only unlucky) that stays
+    silent past the grace period must not come back READY and take new replicas and their credentials."""
+    from endpoints.fleet.services import record_heartbeat
+    from gpu_agent.protocol import Heartbeat
+
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    node = make_node(memory_mb=80_000)
+    Node.objects.filter(pk=node.pk).update(state=held, last_heartbeat_at=timezone.now() - timedelta(seconds=31))
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    node.refresh_from_db()
+    assert node.state == NodeState.OFFLINE
+    answer = record_heartbeat(node, Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24_000, memory_used_mb=1_000))
+    node.refresh_from_db()
+    assert node.state == held and answer.node_state == held
+    assert node.state_before_offline == ""
+
+
 def test_a_replica_starting_too_long_fails_with_the_reason(settings, django_capture_on_commit_callbacks):
     settings.REPLICA_START_TIMEOUT_S = 60
     endpoint = EndpointFactory(gpu_type="l4", min_replicas=1)

@@ -126,7 +126,11 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         if came_back:
             # NOTE: its replicas were failed and replaced while it was gone; they are absent from
             # `desired` below, so the agent stops them: a returning node is reconciled, not trusted.
-            node.state = NodeState.READY
+            # A cordoned or draining node comes back cordoned or draining: silence undoes no decision.
+            held = node.state_before_offline
+            node.state = held if held in (NodeState.CORDONED, NodeState.DRAINING) else NodeState.READY
+            node.state_before_offline = ""
+            fields.append("state_before_offline")
         node.save(update_fields=fields)
     if came_back:
         record_audit(SYSTEM, None, "node.online", node)

@@ -90,6 +90,9 @@ class Node(models.Model):
     labels = models.JSONField(default=dict, blank=True)
     quantizations = ArrayField(models.CharField(max_length=32), default=list, blank=True)
     state = models.CharField(max_length=16, choices=[(s.value, s.value.title()) for s in NodeState], default=NodeState.READY)
+    # What staff had made of it (READY, CORDONED or DRAINING) when it went silent: it comes back to that,
+    # so falling silent for a while never undoes a cordon or a drain. Empty while it is not OFFLINE.
+    state_before_offline = models.CharField(max_length=16, blank=True, default="")
     agent_version = models.CharField(max_length=64, blank=True)
     engine_version = models.CharField(max_length=64, blank=True)
     secret_lookup = models.CharField(max_length=tokens.LOOKUP_LENGTH, unique=True)
