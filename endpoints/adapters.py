@@ -14,9 +14,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.accounts.services import Actor, record_audit
-from endpoints.credentials import organization_scope, source_credentials
+from endpoints.credentials import source_credentials
 from endpoints.events import record_event
-from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica
+from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica, organization_scope
 from endpoints.nodes.notify import notify_node
 from gpu_agent.protocol import AdapterSpec, ReplicaState, ReplicaStatus
 

@@ -22,7 +22,14 @@ from django.utils import timezone
 
 from controlplane import secrets
 from controlplane.accounts.services import Actor, record_audit
-from endpoints.models import SECRET_FIELDS, AllowedSource, CredentialKind, Endpoint, ModelCredential
+from endpoints.models import (
+    SECRET_FIELDS,
+    CredentialKind,
+    Endpoint,
+    ModelCredential,
+    source_kind,
+    weights_scope_for,
+)
 from gpu_agent.protocol import SourceCredentials
 
 logger = logging.getLogger(__name__)
@@ -43,20 +50,6 @@ LAST_USED_RESOLUTION = timedelta(seconds=60)
 
 class CredentialInUse(ValueError):
     """A credential that live endpoints still name cannot be deleted."""
-
-
-def source_kind(model_source: str) -> str | None:
-    """The credential kind a model source needs: "s3", "hf", or None (a local path)."""
-    if model_source.startswith("s3://"):
-        return CredentialKind.S3
-    if model_source.startswith("hf:"):
-        return CredentialKind.HF
-    return None
-
-
-def organization_scope(organization_id) -> str:
-    """The weights scope of an organisation's private sources: its cached copies are its own."""
-    return f"org-{organization_id}"
 
 
 def build_source_credentials(kind: str, values: dict) -> SourceCredentials:
@@ -155,28 +148,6 @@ def _touch(credential: ModelCredential) -> None:
     )
 
 
-def _plain_path(model_source: str) -> bool:
-    """No segment that a store, a client library or the agent could read as a step elsewhere."""
-    rest = model_source.split("://", 1)[1] if "://" in model_source else model_source.split(":", 1)[1]
-    segments = rest.split("/")
-    return not any(c.isspace() or c in "\\%" for c in rest) and "" not in segments[:-1] and not {".", ".."} & set(segments)
-
-
-def is_catalogue_source(model_source: str) -> bool:
-    """Whether staff put this source on the public catalogue (an exact source or a `…/` prefix)."""
-    if source_kind(model_source) is None or not _plain_path(model_source):
-        return False
-    for pattern in AllowedSource.objects.values_list("pattern", flat=True):
-        if pattern.endswith("/"):
-            if model_source.startswith(pattern):
-                return True
-        elif model_source == pattern or (
-            pattern.startswith("hf:") and "@" not in pattern and model_source.startswith(pattern + "@")
-        ):
-            return True
-    return False
-
-
 @dataclass(slots=True, frozen=True)
 class SourceAccess:
     credentials: SourceCredentials | None
@@ -195,7 +166,7 @@ def source_access(endpoint: Endpoint) -> SourceAccess:
     - Without, anything else (a public repo we cannot prove public, a local path): an anonymous
       read, cached for the organisation only, since another tenant must not get it from our cache.
     """
-    scope = organization_scope(endpoint.organization_id)
+    scope = weights_scope_for(endpoint.organization_id, endpoint.credential_id, endpoint.model_source)
     if endpoint.credential_id is not None:
         credential = endpoint.credential
         if credential.kind != source_kind(endpoint.model_source):
@@ -208,6 +179,4 @@ def source_access(endpoint: Endpoint) -> SourceAccess:
             return SourceAccess(None, False, scope)
         _touch(credential)
         return SourceAccess(credentials, False, scope)
-    if is_catalogue_source(endpoint.model_source):
-        return SourceAccess(None, True, "")
-    return SourceAccess(None, False, scope)
+    return SourceAccess(None, scope == "", scope)

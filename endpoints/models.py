@@ -121,6 +121,53 @@ class AllowedSource(models.Model):
             raise ValidationError({"pattern": "Use hf:org/name, s3://bucket/prefix, or a prefix of either ending in /."})
 
 
+def source_kind(model_source: str) -> str | None:
+    """The credential kind a model source needs: "s3", "hf", or None (a local path)."""
+    if model_source.startswith("s3://"):
+        return CredentialKind.S3
+    if model_source.startswith("hf:"):
+        return CredentialKind.HF
+    return None
+
+
+def organization_scope(organization_id) -> str:
+    """The weights scope of an organisation's private sources: its cached copies are its own."""
+    return f"org-{organization_id}"
+
+
+def _plain_path(model_source: str) -> bool:
+    """No segment that a store, a client library or the agent could read as a step elsewhere."""
+    rest = model_source.split("://", 1)[1] if "://" in model_source else model_source.split(":", 1)[1]
+    segments = rest.split("/")
+    return not any(c.isspace() or c in "\\%" for c in rest) and "" not in segments[:-1] and not {".", ".."} & set(segments)
+
+
+def is_catalogue_source(model_source: str) -> bool:
+    """Whether staff put this source on the public catalogue (an exact source or a `…/` prefix)."""
+    if source_kind(model_source) is None or not _plain_path(model_source):
+        return False
+    for pattern in AllowedSource.objects.values_list("pattern", flat=True):
+        if pattern.endswith("/"):
+            if model_source.startswith(pattern):
+                return True
+        elif model_source == pattern or (
+            pattern.startswith("hf:") and "@" not in pattern and model_source.startswith(pattern + "@")
+        ):
+            return True
+    return False
+
+
+def weights_scope_for(organization_id, credential_id, model_source: str) -> str:
+    """Who shares what is read from a model source: "" for a catalogue source read without an
+    organisation's credential (one cached copy, one set of `ModelFacts`, for every tenant), else the
+    organisation's scope. The agents cache weights by it (`credentials.source_access`) and the control
+    plane keeps what they read from those weights by it: a tenant's own copy of a source, its store or
+    its credential, never stands for anyone else's copy of the same name."""
+    if credential_id is None and is_catalogue_source(model_source):
+        return ""
+    return organization_scope(organization_id)
+
+
 class Endpoint(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.PROTECT, related_name="endpoints")
@@ -230,12 +277,16 @@ class Endpoint(models.Model):
 
 
     @property
+    def weights_scope(self) -> str:
+        return weights_scope_for(self.organization_id, self.credential_id, self.model_source)
+
+    @property
     def serving_task(self) -> str:
         """"generate" or "embed": the endpoint's `task`, or for "auto" what its model's architecture
         says once an agent has read it; "" while that is unknown (the engine decides)."""
         if self.task != ModelTask.AUTO:
             return self.task
-        architecture = ModelFacts.objects.filter(source=self.model_source).values_list("architecture", flat=True).first()
+        architecture = ModelFacts.of(self.model_source, self.weights_scope).values_list("architecture", flat=True).first()
         return task_of_architecture(architecture).value if architecture else ""
 
     @property
@@ -243,7 +294,7 @@ class Endpoint(models.Model):
         """The context the engine serves: the endpoint's own limit, else the model's, else a cautious guess."""
         if self.max_model_len is not None:
             return self.max_model_len
-        return ModelFacts.context_length_of(self.model_source) or UNKNOWN_CONTEXT_LENGTH
+        return ModelFacts.context_length_of(self.model_source, self.weights_scope) or UNKNOWN_CONTEXT_LENGTH
 
 
 # Until an agent has read a model's config, estimates (placement, the gateway's checks) assume this.
@@ -253,10 +304,13 @@ UNKNOWN_CONTEXT_LENGTH = 4096
 class ModelFacts(models.Model):
     """What agents read from a model source's own files (its config.json and safetensors headers).
 
-    NOTE: an agent's report is taken only for sources it was given replicas of (`endpoints.fleet.services`).
+    NOTE: an agent's report is taken only for sources it was given replicas of (`endpoints.fleet.services`),
+    and kept in the scope those replicas read the source in (`weights_scope_for`): what one tenant's
+    store served under a catalogue model's name is that tenant's fact, never every tenant's.
     """
 
-    source = models.CharField(max_length=500, unique=True)
+    source = models.CharField(max_length=500)
+    scope = models.CharField(max_length=40, blank=True, default="")  # `weights_scope_for`: "" shared by every tenant
     max_model_len = models.PositiveIntegerField(null=True, blank=True)
     architecture = models.CharField(max_length=200, blank=True)
     num_params = models.BigIntegerField(null=True, blank=True)
@@ -267,18 +321,25 @@ class ModelFacts(models.Model):
 
     class Meta:
         verbose_name_plural = "model facts"
+        constraints = [models.UniqueConstraint(fields=["source", "scope"], name="model_facts_source_scope_unique")]
 
     def __str__(self) -> str:
         return self.source
 
     @classmethod
-    def context_length_of(cls, source: str) -> int | None:
-        return cls.objects.filter(source=source).values_list("max_model_len", flat=True).first()
+    def of(cls, source: str, scope: str) -> models.QuerySet:
+        """What is known of `source` read in `scope`: its own facts first, else the shared ones (a catalogue
+        copy's, which no tenant writes), never another organisation's."""
+        return cls.objects.filter(source=source, scope__in={scope, ""}).order_by("-scope")
 
     @classmethod
-    def quantization_of(cls, source: str) -> CheckpointQuantization | None:
+    def context_length_of(cls, source: str, scope: str) -> int | None:
+        return cls.of(source, scope).values_list("max_model_len", flat=True).first()
+
+    @classmethod
+    def quantization_of(cls, source: str, scope: str) -> CheckpointQuantization | None:
         """What the source's config.json declares; None when no agent has read it yet."""
-        stored = cls.objects.filter(source=source).values_list("checkpoint_quantization", flat=True).first()
+        stored = cls.of(source, scope).values_list("checkpoint_quantization", flat=True).first()
         return CheckpointQuantization.from_dict(stored) if isinstance(stored, dict) else None
 
 

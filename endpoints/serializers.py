@@ -29,6 +29,7 @@ from endpoints.models import (
     ModelCredential,
     ModelFacts,
     Replica,
+    weights_scope_for,
 )
 from endpoints.placement import memory_needed_mb, smallest_gpu_count
 from gpu_agent.protocol import (
@@ -324,7 +325,10 @@ class EndpointSerializer(StrictModelSerializer):
         if batched is not None and batched < current("max_num_seqs"):
             errors["max_num_batched_tokens"] = ["Must be at least max_num_seqs."]
         requested, source = current("max_model_len"), current("model_source")
-        model_context = ModelFacts.context_length_of(source) if requested is not None and source else None
+        credential = current("credential")
+        scope = weights_scope_for(self.context["organization"].pk, credential.pk if credential is not None else None,
+                                  source or "")
+        model_context = ModelFacts.context_length_of(source, scope) if requested is not None and source else None
         if model_context is not None and requested > model_context:
             errors["max_model_len"] = [
                 f"This model's context is {model_context} tokens (from its config.json); choose at most "
@@ -334,7 +338,7 @@ class EndpointSerializer(StrictModelSerializer):
         if "quantization" not in errors and source and changes_quantization:
             # NOTE: once an agent has read the checkpoint's config.json: the engine would refuse it only
             # after a download and a minute of loading (the agent refuses it too, `spec_problem`).
-            problem = checkpoint_quantization_problem(quantization, ModelFacts.quantization_of(source))
+            problem = checkpoint_quantization_problem(quantization, ModelFacts.quantization_of(source, scope))
             if problem:
                 errors["quantization"] = [problem[0].upper() + problem[1:] + "."]
         # Omitted on create, or "": the smallest count that holds the model (what the wizard suggests).

@@ -12,8 +12,7 @@ another's), the fleet's only when the draft itself is on the public catalogue.
 
 from __future__ import annotations
 
-from endpoints.credentials import is_catalogue_source, organization_scope, source_kind
-from endpoints.models import CredentialKind
+from endpoints.models import CredentialKind, is_catalogue_source, organization_scope, source_kind
 from gpu_agent.protocol import MAX_PROMPT_LOOKUP, MAX_SPECULATIVE_TOKENS, SpeculativeMethod, SpeculativeSpec
 
 SPECULATIVE_FIELDS = (

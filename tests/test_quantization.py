@@ -71,7 +71,7 @@ def test_an_agents_reading_of_the_checkpoints_quantization_config_is_kept_for_th
     info = ModelInfo(max_model_len=131072, architecture="LlamaForCausalLM", quantization=CheckpointQuantization(**AWQ_CONFIG))
     beat(client, secret, weights=[WeightsStatus(source=LLAMA_8B_AWQ, cache_key="k", size_bytes=5 << 30, complete=True, model_info=info)])
     assert ModelFacts.objects.get(source=LLAMA_8B_AWQ).checkpoint_quantization == AWQ_CONFIG
-    assert ModelFacts.quantization_of(LLAMA_8B_AWQ) == CheckpointQuantization(**AWQ_CONFIG)
+    assert ModelFacts.quantization_of(LLAMA_8B_AWQ, endpoint.weights_scope) == CheckpointQuantization(**AWQ_CONFIG)
     # An older agent that does not read it leaves what was known.
     beat(client, secret, weights=[WeightsStatus(source=LLAMA_8B_AWQ, cache_key="k", size_bytes=5 << 30, complete=True,
                                                 model_info=ModelInfo(max_model_len=8192))])

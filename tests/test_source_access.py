@@ -9,9 +9,9 @@ from cryptography.fernet import Fernet
 from controlplane import secrets
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
-from endpoints.credentials import organization_scope, source_access
+from endpoints.credentials import source_access
 from endpoints.fleet.services import create_join_token
-from endpoints.models import AllowedSource, ModelCredential, Replica
+from endpoints.models import AllowedSource, ModelCredential, Replica, organization_scope
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaState
 from tests.factories import AWS_SECRET, HF_SECRET, EndpointFactory, OrganizationFactory, make_credential
@@ -164,3 +164,53 @@ def test_staff_manage_the_catalogue_in_the_admin_and_each_change_is_audited(clie
     refused = client.post("/django-admin/endpoints/allowedsource/add/", {"pattern": "file:///etc/", "description": ""})
     assert refused.status_code == 200 and not AllowedSource.objects.filter(pattern="file:///etc/").exists()
     assert AuditEvent.objects.filter(action="catalogue.add", target_repr="hf:Qwen/").exists()
+
+
+def test_a_tenants_own_copy_of_a_catalogue_models_name_never_sets_another_tenants_facts():
+    """Tenant A names a catalogue model but reads it with its own credential from its own store, which
+    serves a config of its choosing. What A's node reads is A's fact: the other tenants on that name keep
+    the catalogue copy's (before, one row per name: A turned their chat endpoints into embedding ones
+    and their context into a million tokens)."""
+    from endpoints.fleet.services import record_model_facts
+    from gpu_agent.protocol import ModelInfo, WeightsStatus
+    from tests.test_placement import make_node
+
+    source = PUBLIC_BUCKET + "llama-8b/"
+    shared = EndpointFactory(model_source=source)
+    hostile_org = OrganizationFactory()
+    hostile = EndpointFactory(organization=hostile_org, model_source=source,
+                              credential=make_credential(hostile_org, endpoint_url="https://store.attacker.example"))
+    assert (shared.weights_scope, hostile.weights_scope) == ("", organization_scope(hostile_org.pk))
+
+    def report(endpoint, info):
+        node = make_node(gpu_type=endpoint.gpu_type)
+        Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING)
+        record_model_facts(node, [WeightsStatus(source=source, cache_key="k", complete=True, model_info=info)])
+
+    report(shared, ModelInfo(max_model_len=8192, architecture="LlamaForCausalLM"))
+    report(hostile, ModelInfo(max_model_len=1_048_576, architecture="BertModel"))
+    for endpoint in (shared, hostile):
+        endpoint.refresh_from_db()
+    assert (shared.serving_task, shared.context_length) == ("generate", 8192)
+    assert (hostile.serving_task, hostile.context_length) == ("embed", 1_048_576)
+    # A tenant's endpoint that reads the name in its own scope, with nothing read there yet, sees the
+    # catalogue copy's facts: never another organisation's.
+    other_org = OrganizationFactory()
+    other = EndpointFactory(organization=other_org, model_source=source, credential=make_credential(other_org))
+    assert (other.serving_task, other.context_length) == ("generate", 8192)
+
+
+def test_a_node_running_one_source_in_two_scopes_sets_neither():
+    from endpoints.fleet.services import record_model_facts
+    from endpoints.models import ModelFacts
+    from gpu_agent.protocol import ModelInfo, WeightsStatus
+    from tests.test_placement import make_node
+
+    source = PUBLIC_BUCKET + "llama-8b/"
+    node = make_node()
+    for endpoint in (EndpointFactory(model_source=source, gpu_type="l4"),
+                     EndpointFactory(model_source=source, gpu_type="l4", credential=make_credential(OrganizationFactory()))):
+        Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING)
+    record_model_facts(node, [WeightsStatus(source=source, cache_key="k", complete=True,
+                                            model_info=ModelInfo(max_model_len=2048, architecture="BertModel"))])
+    assert not ModelFacts.objects.filter(source=source).exists()

@@ -22,7 +22,7 @@ from endpoints.adapters import adapter_specs, record_replica_adapters
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.fleet.launches import link_joined_node
-from endpoints.models import LIVE_REPLICA_STATES, IdleAction, ModelFacts, Replica
+from endpoints.models import LIVE_REPLICA_STATES, IdleAction, ModelFacts, Replica, weights_scope_for
 from endpoints.nodes.models import JoinToken, Node, gpu_inventory
 from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
@@ -150,24 +150,29 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
     """Keep what the node read from its models' configs (context length, architecture, size, quantization).
 
     NOTE: taken only for sources this node was given replicas of: a node cannot set the limits of
-    a model it was never asked to run (which would refuse or mislead other endpoints).
+    a model it was never asked to run (which would refuse or mislead other endpoints). And kept in the
+    scope its replicas read the source in (`weights_scope_for`): a catalogue model's name served from one
+    tenant's own store (its credential, its endpoint URL) sets that tenant's facts, not every tenant's.
+    A source this node reads in two scopes at once is skipped: its report does not say which copy it read.
     """
     reported = {w.source: w.model_info for w in weights if w.complete and w.model_info is not None}
     if not reported:
         return
-    allowed = set(
-        Replica.objects.filter(node=node, endpoint__model_source__in=list(reported)).order_by()
-        .values_list("endpoint__model_source", flat=True).distinct()
-    )
-    known = {facts.source: facts for facts in ModelFacts.objects.filter(source__in=allowed)}
-    for source in allowed:
+    scopes: dict[str, set[str]] = {}
+    for organization_id, credential_id, source in (
+            Replica.objects.filter(node=node, endpoint__model_source__in=list(reported)).order_by()
+            .values_list("endpoint__organization_id", "endpoint__credential_id", "endpoint__model_source").distinct()):
+        scopes.setdefault(source, set()).add(weights_scope_for(organization_id, credential_id, source))
+    for source, (scope, *others) in scopes.items():
+        if others:
+            continue
         info = reported[source]
         values = {"max_model_len": info.max_model_len, "architecture": info.architecture[:200], "num_params": info.num_params}
         if info.quantization is not None:  # an older agent does not read it: keep what another one did
             values["checkpoint_quantization"] = info.quantization.to_dict()
-        facts = known.get(source)
+        facts = ModelFacts.objects.filter(source=source, scope=scope).first()
         if facts is None or any(getattr(facts, name) != value for name, value in values.items()):
-            ModelFacts.objects.update_or_create(source=source, defaults=values)
+            ModelFacts.objects.update_or_create(source=source, scope=scope, defaults=values)
 
 
 REPLICA_ACTIONS = {ReplicaState.DRAINING: ReplicaAction.DRAIN, ReplicaState.SLEEPING: ReplicaAction.SLEEP}
