@@ -90,6 +90,21 @@ def test_members_cannot_mint_manage_keys_and_viewers_cannot_mint_any(org, member
     assert viewer.post("/api/v1/keys/", {"name": "v", "scopes": ["inference"]}, format="json").status_code == 403
 
 
+def test_only_owners_and_admins_give_a_key_a_priority_range_or_limits_above_the_defaults(org, member_client_factory, settings):
+    settings.DEFAULT_KEY_REQUESTS_PER_MINUTE, settings.DEFAULT_KEY_TOKENS_PER_MINUTE = 600, 1_000_000
+    member = member_client_factory(org, Role.MEMBER)
+    for field, value in (("max_priority_boost", 5), ("requests_per_minute", 1_000_000), ("tokens_per_minute", 1_000_000_000)):
+        refused = member.post("/api/v1/keys/", {"name": "m", "scopes": ["inference"], field: value}, format="json")
+        assert refused.status_code == 400 and list(refused.json()) == [field], refused.json()
+    stricter = member.post("/api/v1/keys/", {"name": "s", "scopes": ["inference"], "requests_per_minute": 60,
+                                            "tokens_per_minute": 10_000}, format="json")
+    assert stricter.status_code == 201
+    admin = member_client_factory(org, Role.ADMIN)
+    granted = admin.post("/api/v1/keys/", {"name": "a", "scopes": ["inference"], "max_priority_boost": 5,
+                                          "requests_per_minute": 1_000_000}, format="json")
+    assert granted.status_code == 201 and granted.json()["api_key"]["max_priority_boost"] == 5
+
+
 def test_a_key_dies_with_its_creators_membership(org, member_client_factory):
     member = member_client_factory(org, Role.ADMIN)
     assert member.get("/api/v1/endpoints/").status_code == 200

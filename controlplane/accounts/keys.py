@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -38,12 +39,19 @@ def create_api_key(
     """A new key; its secret is in the answer and nowhere else.
 
     NOTE: a key acts with its creator's role, and a `manage` key can do what its creator can,
-    so only owners and admins may mint one.
+    so only owners and admins may mint one. Likewise only they may give a key a priority range (its calls
+    ahead of colleagues' and of batch work) or limits above the platform's defaults; a member may set
+    stricter ones.
     """
-    if Scope.MANAGE in scopes and actor.user is not None:
-        role = actor_role(actor, organization)
-        if role not in (Role.OWNER, Role.ADMIN):
+    if actor.user is not None and actor_role(actor, organization) not in (Role.OWNER, Role.ADMIN):
+        if Scope.MANAGE in scopes:
             raise NotPermitted("scopes", "Only owners and admins may create keys with the 'manage' scope.")
+        if max_priority_boost is not None:
+            raise NotPermitted("max_priority_boost", "Only owners and admins may let a key set its calls' priority.")
+        for field, value, default in (("requests_per_minute", requests_per_minute, settings.DEFAULT_KEY_REQUESTS_PER_MINUTE),
+                                      ("tokens_per_minute", tokens_per_minute, settings.DEFAULT_KEY_TOKENS_PER_MINUTE)):
+            if value is not None and default and value > default:
+                raise NotPermitted(field, f"Only owners and admins may raise a key's limit above the platform's {default}.")
     for _ in range(3):
         issued = tokens.issue_token(ApiKey.TOKEN_KIND)
         try:
