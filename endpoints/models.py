@@ -314,6 +314,7 @@ class ModelFacts(models.Model):
     max_model_len = models.PositiveIntegerField(null=True, blank=True)
     architecture = models.CharField(max_length=200, blank=True)
     num_params = models.BigIntegerField(null=True, blank=True)
+    weights_bytes = models.BigIntegerField(null=True, blank=True)  # the checkpoint's files as stored
     # The checkpoint's `quantization_config` as `protocol.CheckpointQuantization.to_dict()`:
     # null = not read (an older agent), {"quant_method": ""} = it declares none.
     checkpoint_quantization = models.JSONField(null=True, blank=True)

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA
-from endpoints.models import Endpoint
+from endpoints.models import Endpoint, ModelFacts
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import CPU_WEIGHT_FACTOR, QUANTIZATION_FACTS
 
@@ -41,17 +41,14 @@ PARAMETERS_IN_NAME = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])")
 
 
 def reported_weights_size_mb(endpoint: Endpoint) -> int | None:
-    """The largest size any agent reported for this model source's checkpoint (as stored); None if none did."""
-    # NOTE: jsonb containment lets PostgreSQL pick the few nodes that hold this model, instead of
-    # loading every node's heartbeat into Python on each placement.
-    holders = Node.objects.filter(last_status__weights__contains=[{"source": endpoint.model_source}])
-    sizes = [
-        weights.get("size_bytes", 0)
-        for status in holders.values_list("last_status", flat=True)
-        for weights in status.get("weights", [])
-        if weights.get("source") == endpoint.model_source
-    ]
-    return max(1, max(sizes) // (1024 * 1024)) if sizes and max(sizes) > 0 else None
+    """The size of this model source's checkpoint as stored, as a node running it reported (`ModelFacts`, in
+    the endpoint's weights scope); None if none has.
+
+    NOTE: never from what a node merely lists in its cache: a node with no replica of a source reporting
+    it at a petabyte made it unplaceable for every endpoint on it."""
+    size = (ModelFacts.of(endpoint.model_source, endpoint.weights_scope).exclude(weights_bytes=None)
+            .values_list("weights_bytes", flat=True).first())
+    return max(1, size // (1024 * 1024)) if size else None
 
 
 def weights_size_mb(endpoint: Endpoint) -> int:

@@ -14,7 +14,7 @@ from endpoints.models import Replica
 from endpoints.nodes.models import Node
 from endpoints.placement import memory_needed_mb, weights_size_mb
 from endpoints.replicas import place_replica
-from gpu_agent.protocol import NodeState
+from gpu_agent.protocol import NodeState, ReplicaState
 from tests.conftest import REPO_ROOT, child_env, wait_until
 from tests.factories import EndpointFactory, OrganizationFactory
 
@@ -141,8 +141,28 @@ def test_no_gpu_is_ever_over_committed_by_placements_from_several_processes_at_o
 
 
 def test_a_reported_weights_size_replaces_the_estimate_from_the_name():
+    from endpoints.fleet.services import record_model_facts
+    from gpu_agent.protocol import WeightsStatus
+
     endpoint = EndpointFactory(model_source="hf:org/model-8B", gpu_type="l4")
+    guessed = weights_size_mb(endpoint)
     make_node(memory_mb=24_000)
-    make_node(memory_mb=24_000, last_status={"weights": [{"source": "hf:org/other", "size_bytes": 9 * 2**30},
-                                                         {"source": "hf:org/model-8B", "size_bytes": 2 * 2**30}]})
-    assert weights_size_mb(endpoint) == 2048
+    running = make_node(memory_mb=24_000)
+    Replica.objects.create(endpoint=endpoint, node=running, state=ReplicaState.STARTING)
+    record_model_facts(running, [WeightsStatus(source="hf:org/other", cache_key="o", size_bytes=9 * 2**30),
+                                 WeightsStatus(source="hf:org/model-8B", cache_key="m", size_bytes=2 * 2**30)])
+    assert guessed != 2048 and weights_size_mb(endpoint) == 2048
+
+
+def test_a_node_not_running_a_source_cannot_make_it_unplaceable():
+    """Sizes come only from nodes given replicas of the source: a node listing a petabyte for a model it
+    does not run (hostile, or its cache stale) changes no endpoint's placement."""
+    from endpoints.fleet.services import record_heartbeat
+    from gpu_agent.protocol import Heartbeat, WeightsStatus
+
+    endpoint = EndpointFactory(model_source="hf:org/model-8B", gpu_type="l4")
+    guessed = weights_size_mb(endpoint)
+    liar = make_node(memory_mb=24_000)
+    record_heartbeat(liar, Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24_000, memory_used_mb=1_000, weights=[
+        WeightsStatus(source="hf:org/model-8B", cache_key="m", size_bytes=10**15, complete=True)]))
+    assert weights_size_mb(endpoint) == guessed

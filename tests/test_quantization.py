@@ -157,15 +157,11 @@ def test_placement_reserves_each_values_weight_factor_of_a_16_bit_checkpoint():
 
 
 def test_a_reported_awq_checkpoint_is_counted_as_stored_and_its_kv_cache_as_the_full_models(client, l4_node):
-    node, _ = l4_node
     endpoint = EndpointFactory(model_source=LLAMA_8B_AWQ, quantization="awq")
-    Node.objects.filter(pk=node.pk).update(last_status={"weights": [{"source": LLAMA_8B_AWQ, "size_bytes": 5 << 30, "complete": True}]})
+    ModelFacts.objects.create(source=LLAMA_8B_AWQ, scope=endpoint.weights_scope, weights_bytes=5 << 30)
     assert estimated_weights_mb(endpoint) == 5 * GIB  # the files are already 4-bit: not 0.3 of them again
     plain = EndpointFactory(model_source="hf:some-org/llama-16-bit", quantization="none")
-    Node.objects.filter(pk=node.pk).update(last_status={"weights": [
-        {"source": LLAMA_8B_AWQ, "size_bytes": 5 << 30, "complete": True},
-        {"source": plain.model_source, "size_bytes": int(5 / 0.3 * GIB) << 20, "complete": True},
-    ]})
+    ModelFacts.objects.create(source=plain.model_source, scope=plain.weights_scope, weights_bytes=int(5 / 0.3 * GIB) << 20)
     # Same model size: the same KV cache, whatever its weights' format.
     kv_awq = memory_needed_mb(endpoint) / 1.1 - 5 * GIB
     kv_plain = memory_needed_mb(plain) / 1.1 - 5 / 0.3 * GIB

@@ -147,7 +147,8 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
 
 
 def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> None:
-    """Keep what the node read from its models' configs (context length, architecture, size, quantization).
+    """Keep what the node read from its models' configs (context length, architecture, parameters, quantization)
+    and the size of their files as stored (placement's estimate of the engine's weights).
 
     NOTE: taken only for sources this node was given replicas of: a node cannot set the limits of
     a model it was never asked to run (which would refuse or mislead other endpoints). And kept in the
@@ -156,21 +157,25 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
     A source this node reads in two scopes at once is skipped: its report does not say which copy it read.
     """
     reported = {w.source: w.model_info for w in weights if w.complete and w.model_info is not None}
-    if not reported:
+    sizes = {w.source: w.size_bytes for w in weights if w.size_bytes > 0}
+    if not reported and not sizes:
         return
     scopes: dict[str, set[str]] = {}
     for organization_id, credential_id, source in (
-            Replica.objects.filter(node=node, endpoint__model_source__in=list(reported)).order_by()
+            Replica.objects.filter(node=node, endpoint__model_source__in=list(reported.keys() | sizes.keys())).order_by()
             .values_list("endpoint__organization_id", "endpoint__credential_id", "endpoint__model_source").distinct()):
         scopes.setdefault(source, set()).add(weights_scope_for(organization_id, credential_id, source))
+    known = {(facts.source, facts.scope): facts for facts in ModelFacts.objects.filter(source__in=list(scopes))}
     for source, (scope, *others) in scopes.items():
         if others:
             continue
-        info = reported[source]
-        values = {"max_model_len": info.max_model_len, "architecture": info.architecture[:200], "num_params": info.num_params}
-        if info.quantization is not None:  # an older agent does not read it: keep what another one did
-            values["checkpoint_quantization"] = info.quantization.to_dict()
-        facts = ModelFacts.objects.filter(source=source, scope=scope).first()
+        values = {"weights_bytes": sizes[source]} if source in sizes else {}
+        info = reported.get(source)
+        if info is not None:
+            values |= {"max_model_len": info.max_model_len, "architecture": info.architecture[:200], "num_params": info.num_params}
+            if info.quantization is not None:  # an older agent does not read it: keep what another one did
+                values["checkpoint_quantization"] = info.quantization.to_dict()
+        facts = known.get((source, scope))
         if facts is None or any(getattr(facts, name) != value for name, value in values.items()):
             ModelFacts.objects.update_or_create(source=source, scope=scope, defaults=values)
 
