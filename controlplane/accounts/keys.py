@@ -135,14 +135,18 @@ def authenticate_api_key_with_role(plain: str) -> tuple[ApiKey, str] | None:
     api_key = find_api_key(plain)
     if api_key is None:
         return None
+    role = creator_role(api_key)
+    return None if role is None else (api_key, role)
+
+
+def creator_role(api_key: ApiKey) -> str | None:
+    """The role the key acts with: its creator's current one; None once the creator is inactive or gone
+    from the key's organisation."""
     creator = api_key.created_by
     if creator is None or not creator.is_active:
         return None
-    role = Membership.objects.filter(organization_id=api_key.organization_id, user_id=creator.pk).values_list(
+    return Membership.objects.filter(organization_id=api_key.organization_id, user_id=creator.pk).values_list(
         "role", flat=True).first()
-    if role is None:
-        return None
-    return api_key, role
 
 
 def touch_api_key(api_key: ApiKey) -> None:

@@ -22,7 +22,8 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from controlplane.accounts.models import ApiKey
+from controlplane.accounts import keys
+from controlplane.accounts.models import ApiKey, Membership, Role, Scope
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
 from endpoints.batches import runner, scheduling, storage
@@ -212,15 +213,40 @@ def _lines_of(batch: Batch) -> list[Line]:
     return checked.lines
 
 
-def caller_of(batch: Batch) -> Caller:
-    """Who a batch's lines run as: the key that created it (its rate limits), or the console user."""
-    key = ApiKey.objects.filter(pk=batch.api_key_id).first() if batch.api_key_id else None
+def caller_of(batch: Batch) -> Caller | None:
+    """Who a batch's lines run as: the key that created it (its rate limits), or the console user; None
+    once they may no longer call `/v1` as the gateway would judge them: the key revoked, expired, deleted
+    or without the inference scope, or its creator (the console user) gone from the organisation,
+    inactive or a viewer. A leaked key's batches stop with the key."""
+    if batch.api_key_id:
+        key = ApiKey.objects.select_related("created_by").filter(pk=batch.api_key_id).first()
+        if key is None or not key.is_usable() or not key.has_scope(Scope.INFERENCE):
+            return None
+        role = keys.creator_role(key)
+    else:
+        key = None
+        role = Membership.objects.filter(organization_id=batch.organization_id, user_id=batch.created_by_id,
+                                         user__is_active=True).values_list("role", flat=True).first()
+    if role is None or role == Role.VIEWER:
+        return None
     return Caller(organization_id=batch.organization_id, api_key_id=batch.api_key_id, user_id=batch.created_by_id,
-                  can_infer=True, requests_per_minute=key.requests_per_minute if key else None,
+                  can_infer=True, role=role, requests_per_minute=key.requests_per_minute if key else None,
                   tokens_per_minute=key.tokens_per_minute if key else None)
 
 
+def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:
+    """End the batch as a cancel does (lines in flight finish; what finished is kept, billed and written)."""
+    if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.CANCELLING,
+                                                                                 cancelling_at=timezone.now()):
+        record_event_once(batch.endpoint, EventKind.BATCH, f"Batch {batch.pk} stopped: the key or member that created it "
+                          "may no longer call the API (revoked, expired, removed or a viewer)", batch_id=batch.pk)
+
+
 def _run_lines(batch: Batch, token: str) -> str:
+    caller = caller_of(batch)
+    if caller is None:
+        _stop_as_its_caller_may_not_spend(batch)
+        return "cancel"
     lines = _lines_of(batch)
     done = storage.result_indices(batch.organization_id, batch.pk)
     todo = [line for line in lines if line.index not in done]
@@ -228,7 +254,7 @@ def _run_lines(batch: Batch, token: str) -> str:
                                num_failed=sum(1 for ok in done.values() if not ok))
     endpoint = batch.endpoint
     work = runner.Work(batch_id=batch.pk, organization_id=batch.organization_id, model=endpoint.name,
-                       kind=BATCH_PATHS[batch.request_path], request_path=batch.request_path, caller=caller_of(batch),
+                       kind=BATCH_PATHS[batch.request_path], request_path=batch.request_path, caller=caller,
                        price_fraction=endpoint.batch_price_fraction, target_concurrency=endpoint.target_concurrency,
                        expires_at=batch.expires_at.timestamp())
     if todo:
@@ -242,7 +268,12 @@ def _run_lines(batch: Batch, token: str) -> str:
         if not renewed:
             return "lease"
         status = Batch.objects.filter(pk=batch.pk).values_list("status", flat=True).first()
-        return "" if status == BatchStatus.IN_PROGRESS else "cancel"
+        if status != BatchStatus.IN_PROGRESS:
+            return "cancel"
+        if caller_of(batch) is None:
+            _stop_as_its_caller_may_not_spend(batch)
+            return "cancel"
+        return ""
 
     def store(outcome: runner.LineOutcome) -> None:
         storage.put_result(batch.organization_id, batch.pk, outcome.line.index, outcome.output(batch.pk),

@@ -11,11 +11,12 @@ import pytest
 from django.utils import timezone
 
 from billing.models import UsageRecord
+from controlplane.accounts.models import Role
 from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.batches.scheduling import BATCH_ENGINE_PRIORITY
 from endpoints.gateway.request import InferenceRequest
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -27,7 +28,9 @@ def test_a_batch_past_its_window_expires_with_every_unrun_line_in_the_error_file
     data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
     input_file = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="in.jsonl",
                                       stream=io.BytesIO(data), size=len(data))
-    batch = services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=None,
+    member = UserFactory()
+    MembershipFactory(organization=endpoint.organization, user=member, role=Role.MEMBER)
+    batch = services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
                                   input_file_id=input_file.pk, request_path="/v1/chat/completions",
                                   completion_window="24h", metadata=None)
     services.run_batch(batch.pk)

@@ -141,6 +141,28 @@ def test_cancel_stops_new_lines_and_keeps_the_ones_that_finished(gateway, tenant
     assert Batch.objects.get(pk=batch.id).num_completed == len(output)
 
 
+def test_revoking_the_key_that_created_a_batch_stops_it_and_keeps_what_finished(gateway, tenant, batch_worker,
+                                                                                 start_mock_upstream):
+    """A leaked key's batch must stop with the key: before, it ran on as its creator after the revocation."""
+    from controlplane.accounts.keys import revoke_api_key
+    from controlplane.accounts.services import Actor
+
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=100), target_concurrency=1)
+    client = tenant.client(gateway)
+    input_file = client.files.create(file=("in.jsonl", _jsonl([_chat_line(f"l{i}", endpoint.name, 5) for i in range(60)])),
+                                     purpose="batch")
+    created = client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_until(lambda: Batch.objects.get(pk=created.id).num_completed >= 2, 120, message="a few lines to finish")
+
+    revoke_api_key(Actor(user=tenant.owner), tenant.api_key)
+    batch = wait_until(lambda: (found := Batch.objects.get(pk=created.id)).status in FINAL and found, 60,
+                       message="the batch to stop")
+    assert batch.status == "cancelled" and batch.num_completed < 60
+    # What finished before the stop is kept, written and billed once; nothing starts after it.
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == batch.num_completed
+    assert EndpointEvent.objects.filter(endpoint=endpoint, kind=EventKind.BATCH, message__contains="stopped").exists()
+
+
 def test_another_organisations_batch_is_a_404(gateway, tenant, batch_worker, start_mock_upstream):
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
     client = tenant.client(gateway)
