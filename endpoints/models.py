@@ -286,7 +286,8 @@ class Endpoint(models.Model):
         says once an agent has read it; "" while that is unknown (the engine decides)."""
         if self.task != ModelTask.AUTO:
             return self.task
-        architecture = ModelFacts.of(self.model_source, self.weights_scope).values_list("architecture", flat=True).first()
+        architecture = (ModelFacts.of(self.model_source, self.weights_scope).exclude(architecture="")
+                        .values_list("architecture", flat=True).first())
         return task_of_architecture(architecture).value if architecture else ""
 
     @property
@@ -330,17 +331,19 @@ class ModelFacts(models.Model):
     @classmethod
     def of(cls, source: str, scope: str) -> models.QuerySet:
         """What is known of `source` read in `scope`: its own facts first, else the shared ones (a catalogue
-        copy's, which no tenant writes), never another organisation's."""
+        copy's, which no tenant writes), never another organisation's. Readers skip a row that lacks the
+        fact they want (a copy still downloading has its size, not yet its config)."""
         return cls.objects.filter(source=source, scope__in={scope, ""}).order_by("-scope")
 
     @classmethod
     def context_length_of(cls, source: str, scope: str) -> int | None:
-        return cls.of(source, scope).values_list("max_model_len", flat=True).first()
+        return cls.of(source, scope).exclude(max_model_len=None).values_list("max_model_len", flat=True).first()
 
     @classmethod
     def quantization_of(cls, source: str, scope: str) -> CheckpointQuantization | None:
         """What the source's config.json declares; None when no agent has read it yet."""
-        stored = cls.of(source, scope).values_list("checkpoint_quantization", flat=True).first()
+        stored = cls.of(source, scope).exclude(checkpoint_quantization__isnull=True).values_list(
+            "checkpoint_quantization", flat=True).first()
         return CheckpointQuantization.from_dict(stored) if isinstance(stored, dict) else None
 
 

@@ -214,3 +214,16 @@ def test_a_node_running_one_source_in_two_scopes_sets_neither():
     record_model_facts(node, [WeightsStatus(source=source, cache_key="k", complete=True,
                                             model_info=ModelInfo(max_model_len=2048, architecture="BertModel"))])
     assert not ModelFacts.objects.filter(source=source).exists()
+
+
+def test_a_copy_still_downloading_in_its_own_scope_does_not_hide_the_catalogue_copys_facts():
+    from endpoints.models import ModelFacts
+
+    source = PUBLIC_BUCKET + "llama-8b/"
+    ModelFacts.objects.create(source=source, scope="", max_model_len=8192, architecture="LlamaForCausalLM",
+                              checkpoint_quantization={"quant_method": ""})
+    organization = OrganizationFactory()
+    own = EndpointFactory(organization=organization, model_source=source, credential=make_credential(organization))
+    ModelFacts.objects.create(source=source, scope=own.weights_scope, weights_bytes=16 << 30)  # its size only, so far
+    assert (own.context_length, own.serving_task) == (8192, "generate")
+    assert ModelFacts.quantization_of(source, own.weights_scope) is not None
