@@ -1,4 +1,5 @@
-"""The fleet in the Django admin: read-only; cordon, drain and uncordon go through `set_node_state`;
+"""The fleet in the Django admin: read-only; cordon, drain and uncordon go through `set_node_state`, retire
+through `retire_node` (as pools retire their machines);
 node pools are created, changed and deleted through `pool_services` (the API's and console's rules),
 their launches only shown (`endpoints.fleet.launches` owns them).
 
@@ -11,7 +12,7 @@ from django.contrib import admin, messages
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
 from endpoints.fleet import pool_services
-from endpoints.fleet.services import set_node_state
+from endpoints.fleet.services import retire_node, set_node_state
 from endpoints.nodes.models import LIVE_LAUNCH_STATES, Node, NodeLaunch, NodePool
 from gpu_agent.protocol import NodeState
 
@@ -22,7 +23,7 @@ class NodeAdmin(ReadOnlyAdmin):
     list_filter = ["state", "gpu_type"]
     search_fields = ["name"]
     exclude = ["secret_lookup", "secret_digest"]
-    actions = ["cordon", "drain", "uncordon"]
+    actions = ["cordon", "drain", "uncordon", "retire"]
 
     def get_readonly_fields(self, request, obj=None):
         return [name for name in super().get_readonly_fields(request, obj) if name not in self.exclude]
@@ -44,10 +45,18 @@ class NodeAdmin(ReadOnlyAdmin):
     def uncordon(self, request, queryset):
         self._set_state(request, queryset, NodeState.READY)
 
+    @admin.action(description="Retire selected nodes (revoke their secret: their agents can never come back)")
+    def retire(self, request, queryset):
+        # NOTE: for a node that joined by hand, as pools retire theirs: a stolen or misbehaving machine is cut
+        # off for good, its replicas failed and replaced elsewhere; it may join again only with a new join token.
+        retired = sum(retire_node(Actor.from_request(request), node, reason=f"retired by {request.user}")
+                      for node in queryset)
+        self.message_user(request, f"{retired} node(s) retired.", messages.SUCCESS)
+
     def has_cordon_permission(self, request):
         return request.user.is_staff  # as the console's fleet pages
 
-    has_drain_permission = has_uncordon_permission = has_cordon_permission
+    has_drain_permission = has_uncordon_permission = has_retire_permission = has_cordon_permission
 
 
 class NodePoolAdminForm(forms.ModelForm):

@@ -88,3 +88,28 @@ def test_fleet_is_a_404_for_everyone_but_staff(owner):
     node.refresh_from_db()
     assert node.state == NodeState.READY
     assert "Fleet" not in owner.get(reverse("console:dashboard")).content.decode()
+
+
+def test_staff_retire_a_hand_joined_node_in_the_admin_and_its_agent_is_shut_out(client):
+    """A stolen or misbehaving machine that joined by hand is cut off for good, as pools retire theirs."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    from controlplane.accounts.services import SYSTEM
+    from endpoints.fleet.services import create_join_token
+    from tests.test_agent_api import beat, register
+
+    agent = Client()
+    joined = register(agent, create_join_token(SYSTEM, name="rack").plain).json()
+    node = Node.objects.get(pk=joined["node_id"])
+    replica = Replica.objects.create(endpoint=EndpointFactory(), node=node, state=ReplicaState.READY)
+    assert beat(agent, joined["node_secret"]).status_code == 200
+    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
+    client.force_login(staff)
+    response = client.post("/django-admin/gpu_agent/node/", {"action": "retire", "_selected_action": [str(node.pk)]})
+    assert response.status_code == 302
+    node.refresh_from_db()
+    replica.refresh_from_db()
+    assert node.state == NodeState.OFFLINE and replica.state == ReplicaState.FAILED
+    assert AuditEvent.objects.filter(action="node.retire").exists()
+    assert beat(agent, joined["node_secret"]).status_code == 401
