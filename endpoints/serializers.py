@@ -19,7 +19,7 @@ from endpoints.catalogue import (
     TOOL_CALL_PARSERS,
     default_tool_call_parser,
 )
-from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials, source_kind
+from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials
 from endpoints.models import (
     Adapter,
     CredentialKind,
@@ -29,6 +29,7 @@ from endpoints.models import (
     ModelCredential,
     ModelFacts,
     Replica,
+    source_kind,
     weights_scope_for,
 )
 from endpoints.placement import memory_needed_mb, smallest_gpu_count
@@ -325,16 +326,18 @@ class EndpointSerializer(StrictModelSerializer):
         if batched is not None and batched < current("max_num_seqs"):
             errors["max_num_batched_tokens"] = ["Must be at least max_num_seqs."]
         requested, source = current("max_model_len"), current("model_source")
-        credential = current("credential")
-        scope = weights_scope_for(self.context["organization"].pk, credential.pk if credential is not None else None,
-                                  source or "")
+        changes_quantization = self.instance is None or bool({"quantization", "model_source"} & attrs.keys())
+        scope = None
+        if source and (requested is not None or changes_quantization):
+            credential = current("credential")
+            scope = weights_scope_for(self.context["organization"].pk, credential.pk if credential is not None else None,
+                                      source)
         model_context = ModelFacts.context_length_of(source, scope) if requested is not None and source else None
         if model_context is not None and requested > model_context:
             errors["max_model_len"] = [
                 f"This model's context is {model_context} tokens (from its config.json); choose at most "
                 f"{model_context}, or leave it empty for the model's own."
             ]
-        changes_quantization = self.instance is None or bool({"quantization", "model_source"} & attrs.keys())
         if "quantization" not in errors and source and changes_quantization:
             # NOTE: once an agent has read the checkpoint's config.json: the engine would refuse it only
             # after a download and a minute of loading (the agent refuses it too, `spec_problem`).
