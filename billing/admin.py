@@ -18,7 +18,7 @@ class BillingAccountForm(forms.ModelForm):
 
     class Meta:
         model = BillingAccount
-        fields = ["mode", "spend_cap"]
+        fields = ["mode", "spend_cap", "invoiced_without_card"]
 
 
 class CreditGrantForm(forms.ModelForm):
@@ -32,10 +32,13 @@ class CreditGrantForm(forms.ModelForm):
 @admin.register(BillingAccount)
 class BillingAccountAdmin(admin.ModelAdmin):
     form = BillingAccountForm
-    list_display = ["organization", "mode", "spend_cap", "stripe_customer_id"]
+    list_display = ["organization", "mode", "spend_cap", "payment_method_on_file", "past_due_since", "stripe_customer_id"]
+    list_filter = ["mode", "payment_method_on_file", "invoiced_without_card"]
     search_fields = ["organization__slug", "stripe_customer_id"]
-    fields = ["organization", "mode", "spend_cap", "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
-    readonly_fields = ["organization", "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
+    fields = ["organization", "mode", "spend_cap", "payment_method_on_file", "invoiced_without_card", "past_due_since",
+              "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
+    readonly_fields = ["organization", "payment_method_on_file", "past_due_since", "stripe_customer_id",
+                       "stripe_subscription_id", "credit_drawn", "created_at"]
 
     def has_add_permission(self, request):
         return False  # NOTE: an organisation's account is made when first needed (`BillingAccount.objects.for_organization`)
@@ -49,6 +52,8 @@ class BillingAccountAdmin(admin.ModelAdmin):
             services.set_spend_cap(actor, obj.organization, spend_cap=form.cleaned_data["spend_cap"])
         if "mode" in form.changed_data:
             services.set_billing_mode(actor, obj.organization, mode=form.cleaned_data["mode"])
+        if "invoiced_without_card" in form.changed_data:
+            services.set_invoiced_without_card(actor, obj.organization, allowed=form.cleaned_data["invoiced_without_card"])
 
 
 @admin.register(CreditGrant)

@@ -1,4 +1,5 @@
-"""Spend alerts: an email to owners and admins at 50, 80 and 100% of the monthly cap, once each per period."""
+"""Spend alerts: an email to owners and admins at 50, 80 and 100% of the monthly cap, once each per
+period; and one when an unpaid invoice stops inference (`billing.standing`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
+from django.urls import reverse
 from django.utils import timezone
 
 from billing.ledger import period_spend
@@ -51,12 +53,31 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
     return sent_now
 
 
-def _send(account: BillingAccount, threshold: int, spend: Decimal) -> None:
-    organization = account.organization
-    recipients = list(
+def _recipients(organization) -> list[str]:
+    """The owners' and admins' addresses."""
+    return list(
         Membership.objects.filter(organization=organization, role__in=[Role.OWNER, Role.ADMIN])
         .exclude(user__email="").values_list("user__email", flat=True)
     )
+
+
+def send_past_due(account: BillingAccount) -> None:
+    """Tell owners and admins that an unpaid invoice has stopped their inference."""
+    organization = account.organization
+    recipients = _recipients(organization)
+    if recipients:
+        send_mail(
+            f"{organization.name}: inference is stopped until an unpaid invoice is paid",
+            "A payment for one of your invoices failed and the invoice is still unpaid, so inference calls are "
+            "refused (HTTP 402). Your endpoints, keys and data are kept.\n\n"
+            f"Pay the invoice from the billing page: {settings.PUBLIC_URL}{reverse('console:billing')}\n",
+            None, recipients,
+        )
+
+
+def _send(account: BillingAccount, threshold: int, spend: Decimal) -> None:
+    organization = account.organization
+    recipients = _recipients(organization)
     if not recipients:
         return
     if threshold >= 100:

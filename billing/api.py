@@ -17,8 +17,8 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from billing import ledger, services, stripe_sync
-from billing.models import BillingAccount, CreditGrant, Invoice
+from billing import ledger, services, standing, stripe_sync
+from billing.models import BillingAccount, BillingMode, CreditGrant, Invoice
 from billing.periods import period_containing
 from billing.serializers import (
     CreditGrantSerializer,
@@ -90,9 +90,25 @@ def billing_overview(organization) -> dict:
         },
         "spend_cap": format_money(account.spend_cap) if account.spend_cap is not None else None,
         "mode": account.mode,
+        "standing": _standing_fields(account),
         "credits": CreditGrantSerializer(CreditGrant.objects.for_org(organization), many=True).data,
         "invoices": InvoiceSerializer(Invoice.objects.for_org(organization).prefetch_related("lines")[:24], many=True).data,
     }
+
+
+def _standing_fields(account: BillingAccount) -> dict:
+    """`billing.standing.standing` as JSON: money as strings, the hold as an ISO 8601 moment."""
+    shown = standing.standing(account)
+    return {
+        "payment_method_on_file": shown["payment_method_on_file"],
+        "limit_without_payment_method": _money_or_none(shown["limit_without_payment_method"]),
+        "effective_spend_cap": _money_or_none(shown["effective_spend_cap"]),
+        "past_due_since": shown["past_due_since"].isoformat() if shown["past_due_since"] else None,
+    }
+
+
+def _money_or_none(amount: Decimal | None) -> str | None:
+    return format_money(amount) if amount is not None else None
 
 
 def _spend_cap_of(request) -> Decimal | None:
@@ -104,15 +120,39 @@ def _spend_cap_of(request) -> Decimal | None:
     return data.validated_data["spend_cap"]
 
 
+_MONEY = {"help_text": "USD, as a decimal string"}
+BILLING_OVERVIEW = inline_serializer("BillingOverview", {
+    "current_period": inline_serializer("BillingPeriod", {
+        "start": serializers.DateTimeField(), "end": serializers.DateTimeField(), "spend": serializers.CharField(**_MONEY),
+    }),
+    "spend_cap": serializers.CharField(allow_null=True, help_text="The organisation's own monthly cap (USD); null: none"),
+    "mode": serializers.ChoiceField(choices=BillingMode.choices),
+    "standing": inline_serializer("PaymentStanding", {
+        "payment_method_on_file": serializers.BooleanField(),
+        "limit_without_payment_method": serializers.CharField(
+            allow_null=True, help_text="The monthly limit that applies for want of a payment method (USD); null: none"),
+        "effective_spend_cap": serializers.CharField(
+            allow_null=True, help_text="The lower of the cap and that limit: where calls stop (USD); null: none"),
+        "past_due_since": serializers.DateTimeField(
+            allow_null=True, help_text="Since when an unpaid invoice stops inference; null: in good standing"),
+    }),
+    "credits": CreditGrantSerializer(many=True),
+    "invoices": InvoiceSerializer(many=True),
+})
+
+
 class BillingView(OrganizationScopedMixin, GenericAPIView):
-    """GET: the period's spend, cap, credits and invoices. PATCH `{"spend_cap": "12.50"}`: owners and admins."""
+    """GET: the period's spend, cap, payment standing, credits and invoices. PATCH `{"spend_cap": "12.50"}`:
+    owners and admins."""
 
     serializer_class = SpendCapSerializer
     required_role = Role.ADMIN
 
+    @extend_schema(responses=BILLING_OVERVIEW)
     def get(self, request):
         return Response(billing_overview(self.organization))
 
+    @extend_schema(request=SpendCapSerializer, responses=BILLING_OVERVIEW)
     def patch(self, request):
         services.set_spend_cap(self.actor, self.organization, spend_cap=_spend_cap_of(request))
         return Response(billing_overview(self.organization))

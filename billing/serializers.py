@@ -87,8 +87,17 @@ class InvoiceLineSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class _UrlOrNull(serializers.URLField):
+    """A URL stored as "" when there is none, shown as null (a blank is not a URL)."""
+
+    def to_representation(self, value):
+        return value or None
+
+
 class InvoiceSerializer(serializers.ModelSerializer):
     lines = InvoiceLineSerializer(many=True, read_only=True)
+    hosted_invoice_url = _UrlOrNull(read_only=True, allow_null=True,
+                                    help_text="Stripe's page for the invoice (pay, PDF); null until Stripe gives one")
 
     class Meta:
         model = Invoice

@@ -1,14 +1,19 @@
-"""Writes with side effects for billing settings: accounts, spend caps, billing mode."""
+"""Writes with side effects for billing settings: accounts, spend caps, billing mode, payment standing."""
 
 from __future__ import annotations
 
+import logging
+from datetime import datetime
 from decimal import Decimal
 
 from django.db import transaction
 
-from billing.models import ApiKeySpendCap, BillingAccount, BillingMode
+from billing import alerts, standing
+from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, Invoice
 from billing.quota.counters import refresh_key_limit, refresh_limits
-from controlplane.accounts.services import Actor, record_audit
+from controlplane.accounts.services import SYSTEM, Actor, record_audit
+
+logger = logging.getLogger(__name__)
 
 
 def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> BillingAccount:
@@ -54,6 +59,74 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
         record_audit(actor, organization, "billing.set_mode", account, mode=mode, previous=previous)
     refresh_limits(account)
     return account
+
+
+def set_invoiced_without_card(actor: Actor, organization, *, allowed: bool) -> BillingAccount:
+    """Staff: let an organisation that pays by bank transfer spend without a payment method on file."""
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().for_organization(organization)
+        account.invoiced_without_card = allowed
+        account.save(update_fields=["invoiced_without_card"])
+        record_audit(actor, organization, "billing.set_invoiced_without_card", account, allowed=allowed)
+    refresh_limits(account)
+    return account
+
+
+def record_payment_method(customer_id: str, *, on_file: bool, event_created: int) -> BillingAccount | None:
+    """Stripe says whether `customer_id` has a default payment method now (a `customer.*` webhook);
+    an event older than the newest one applied changes nothing. The gateway sees a change at once."""
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().filter(stripe_customer_id=customer_id).first()
+        if account is None or account.payment_method_event_created > event_created:
+            return account
+        changed = account.payment_method_on_file != on_file
+        account.payment_method_on_file = on_file
+        account.payment_method_event_created = event_created
+        account.save(update_fields=["payment_method_on_file", "payment_method_event_created"])
+        if changed:
+            record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file)
+    # NOTE: also when unchanged: a customer never observed before was not limited (`billing.standing`).
+    transaction.on_commit(lambda: refresh_limits(account))
+    return account
+
+
+def review_payment_standing(organization_id: int, *, now: datetime | None = None) -> BillingAccount:
+    """Apply `billing.standing.past_due_since` to the organisation: put on hold or released, audited,
+    owners and admins told of a hold, and the gateway sees it at once."""
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().for_organization(organization_id)
+        since = standing.past_due_since(organization_id, now)
+        changed = (since is None) != (account.past_due_since is None)
+        if since != account.past_due_since:
+            account.past_due_since = since
+            account.save(update_fields=["past_due_since"])
+        if changed:
+            record_audit(SYSTEM, account.organization, "billing.past_due" if since else "billing.past_due_cleared",
+                         account, since=since.isoformat() if since else None)
+    if changed:
+        refresh_limits(account)
+        if since is not None:
+            try:
+                alerts.send_past_due(account)
+            except Exception:  # the hold stands; the email is a courtesy
+                logger.exception("could not email organisation %s about its unpaid invoice", organization_id)
+    return account
+
+
+def review_all_payment_standing(*, now: datetime | None = None) -> int:
+    """`review_payment_standing` for every organisation on hold or with an unpaid, failed invoice
+    (a grace period ends with no webhook). Returns how many are on hold."""
+    failed = Invoice.objects.filter(status__in=standing.UNPAID_STATUSES).filter(
+        payment_failed_at__isnull=False).values_list("organization_id", flat=True)
+    uncollectible = Invoice.objects.filter(status="uncollectible").values_list("organization_id", flat=True)
+    held = BillingAccount.objects.filter(past_due_since__isnull=False).values_list("organization_id", flat=True)
+    on_hold = 0
+    for organization_id in sorted({*failed, *uncollectible, *held}):
+        try:
+            on_hold += review_payment_standing(organization_id, now=now).past_due_since is not None
+        except Exception:
+            logger.exception("payment standing review failed for organisation %s", organization_id)
+    return on_hold
 
 
 def _plain(value: Decimal | None) -> str | None:

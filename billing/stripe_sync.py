@@ -30,6 +30,7 @@ from django.db import IntegrityError
 from django.db.models import Q
 from django.utils import timezone
 
+from billing import services, standing
 from billing.models import BillingAccount, BillingMode, MeterEventPush, StripeMeter, UsageRollup
 from controlplane.accounts.models import Organization
 
@@ -128,7 +129,40 @@ def ensure_customer(organization_id: int) -> str:
         ),
         what="customer create",
     )
-    return _store_once(account, "stripe_customer_id", customer.id)
+    customer_id = _store_once(account, "stripe_customer_id", customer.id)
+    # A customer we have just made has no payment method: known as of its creation (`billing.standing`).
+    BillingAccount.objects.filter(pk=account.pk, payment_method_event_created=0).update(
+        payment_method_event_created=customer.created or 1)
+    return customer_id
+
+
+def observe_payment_method(organization_id: int) -> bool | None:
+    """Ask Stripe whether the organisation's customer has a default payment method now, and record it
+    (as a webhook would): on the way back from the Customer Portal, and for customers made before
+    payment standing. None when the organisation has no customer yet."""
+    account = BillingAccount.objects.for_organization(organization_id)
+    if not account.stripe_customer_id:
+        return None
+    observed_at = int(time.time())
+    customer = call_stripe(lambda: stripe_client().v1.customers.retrieve(account.stripe_customer_id),
+                           what="customer read")
+    on_file = standing.has_payment_method(customer.to_dict())
+    services.record_payment_method(account.stripe_customer_id, on_file=on_file, event_created=observed_at)
+    return on_file
+
+
+def observe_unknown_payment_methods(*, limit: int = 100) -> int:
+    """`observe_payment_method` for postpaid customers never observed (made before payment standing)."""
+    unknown = BillingAccount.objects.filter(mode=BillingMode.POSTPAID, payment_method_event_created=0).exclude(
+        stripe_customer_id="").values_list("organization_id", flat=True)[:limit]
+    num_observed = 0
+    for organization_id in unknown:
+        try:
+            observe_payment_method(organization_id)
+            num_observed += 1
+        except stripe.StripeError:
+            logger.exception("could not read the Stripe customer of organisation %s; the next run asks again", organization_id)
+    return num_observed
 
 
 def ensure_meters() -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 from celery import shared_task
 
-from billing import alerts, credits, rollups, stripe_sync
+from billing import alerts, credits, rollups, services, stripe_sync
 from billing.models import BillingAccount, BillingMode
 from billing.quota import sweeper
 
@@ -37,3 +37,10 @@ def sweep_expired_reservations() -> int:
 @shared_task(name="billing.check_spend_alerts", acks_late=True, time_limit=120, soft_time_limit=100)
 def check_spend_alerts() -> int:
     return alerts.check_all_spend_alerts()
+
+
+@shared_task(name="billing.review_payment_standing", acks_late=True, time_limit=300, soft_time_limit=270)
+def review_payment_standing() -> int:
+    if stripe_sync.is_configured():
+        stripe_sync.observe_unknown_payment_methods()
+    return services.review_all_payment_standing()

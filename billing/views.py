@@ -14,7 +14,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from billing import services, stripe_sync
+from billing import services, standing, stripe_sync
 from billing.ledger import GROUPINGS, period_spend, summarize_usage, tokens_by_day
 from billing.models import BillingAccount, CreditGrant, Invoice
 from billing.periods import period_containing
@@ -109,11 +109,18 @@ def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
         "invoices": Invoice.objects.for_org(organization)[:24],
         "can_manage": request.membership.can(Role.ADMIN),
         "payments_configured": stripe_sync.is_configured(),
+        "standing": standing.standing(account),
     }, status=status)
 
 
 @member_required(write=Role.ADMIN)
 def billing(request):
+    if request.GET.get("from") == "portal" and stripe_sync.is_configured():
+        # Back from the Customer Portal: a card added there counts now, not when its webhook arrives.
+        try:
+            stripe_sync.observe_payment_method(request.organization.pk)
+        except stripe.StripeError:
+            logger.exception("could not read the Stripe customer of organisation %s", request.organization.pk)
     return _billing_page(request)
 
 
@@ -140,7 +147,7 @@ def payment_method(request):
         return redirect("console:billing")
     try:
         url = stripe_sync.create_portal_link(
-            request.organization.pk, return_url=f"{settings.PUBLIC_URL}{reverse('console:billing')}"
+            request.organization.pk, return_url=f"{settings.PUBLIC_URL}{reverse('console:billing')}?from=portal"
         )
     except stripe.StripeError:  # Stripe is down or refused: the page says so rather than a 500
         logger.exception("could not create a Stripe portal link for organisation %s", request.organization.pk)

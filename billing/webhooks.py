@@ -1,4 +1,5 @@
-"""Stripe webhooks: verified by signature, applied once per event id, mirroring invoices."""
+"""Stripe webhooks: verified by signature, applied once per event id, mirroring invoices and whether a
+customer has a payment method (`billing.standing`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from billing import services, standing
 from billing.models import BillingAccount, Invoice, InvoiceLine, StripeEvent
 
 logger = logging.getLogger(__name__)
@@ -19,6 +21,7 @@ INVOICE_EVENTS = {
     "invoice.created", "invoice.updated", "invoice.finalized", "invoice.paid",
     "invoice.payment_succeeded", "invoice.payment_failed", "invoice.marked_uncollectible", "invoice.voided",
 }
+CUSTOMER_EVENTS = {"customer.created", "customer.updated"}
 
 
 class InvalidWebhook(ValueError):
@@ -39,8 +42,16 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
         if not created:
             return False
         if event["type"] in INVOICE_EVENTS:
-            mirror_invoice(event["data"]["object"], event_type=event["type"], event_created=event.get("created", 0))
+            invoice = mirror_invoice(event["data"]["object"], event_type=event["type"], event_created=event.get("created", 0))
+            if invoice is not None:
+                organization_id = invoice.organization_id
+                transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
+        elif event["type"] in CUSTOMER_EVENTS:
+            customer = event["data"]["object"]
+            services.record_payment_method(customer.get("id") or "-", on_file=standing.has_payment_method(customer),
+                                           event_created=event.get("created", 0))
     return True
+
 
 
 def _moment(epoch: int | None) -> datetime | None:

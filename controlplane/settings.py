@@ -299,6 +299,7 @@ CELERY_BEAT_SCHEDULE = {
     "billing-push-rollups": {"task": "billing.push_pending_rollups", "schedule": 60.0},
     "billing-sweep-reservations": {"task": "billing.sweep_expired_reservations", "schedule": 30.0},
     "billing-spend-alerts": {"task": "billing.check_spend_alerts", "schedule": 60.0},
+    "billing-payment-standing": {"task": "billing.review_payment_standing", "schedule": 300.0},
     # NOTE: expires keeps a backlog of ticks (a worker was down) from running all at once.
     "autoscale": {"task": "endpoints.autoscale", "schedule": AUTOSCALER_TICK_S, "options": {"expires": AUTOSCALER_TICK_S * 2}},
     "sweep-stuck": {"task": "endpoints.sweep_stuck", "schedule": 5.0, "options": {"expires": 10}},
@@ -324,6 +325,11 @@ REPLICA_START_TIMEOUT_S = env_float("INFERPLANE_REPLICA_START_TIMEOUT_S", 900.0,
 REPLICA_RETRY_BASE_S = env_float("INFERPLANE_REPLICA_RETRY_BASE_S", 30.0, minimum=0)
 REPLICA_MAX_IDENTICAL_FAILURES = env_int("INFERPLANE_REPLICA_MAX_IDENTICAL_FAILURES", 4, minimum=1)
 DEFAULT_MONTHLY_SPEND_CAP = env_decimal("INFERPLANE_DEFAULT_SPEND_CAP", "0")
+# Payment standing (billing.standing), on an installation that bills through Stripe: a postpaid
+# organisation without a payment method spends at most this much a month (USD; 0: no such limit), and
+# an invoice left unpaid this many days after its payment failed stops inference (uncollectible: at once).
+SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = env_decimal("INFERPLANE_SPEND_LIMIT_WITHOUT_CARD", "5")
+PAST_DUE_GRACE_DAYS = env_float("INFERPLANE_PAST_DUE_GRACE_DAYS", 7.0, minimum=0)
 # Rate limits of a key (or console session) that sets none of its own; 0 means no limit.
 DEFAULT_KEY_REQUESTS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_RPM", 600, minimum=0)
 DEFAULT_KEY_TOKENS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_TPM", 1_000_000, minimum=0)

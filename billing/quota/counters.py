@@ -17,6 +17,7 @@ from django.conf import settings
 
 from billing.models import MONEY_QUANTUM, BillingAccount
 from billing.periods import period_containing
+from billing.standing import spend_limit
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import (
     credit_key,
@@ -37,7 +38,8 @@ SETTLED_MARKER_TTL_S = 86_400
 
 
 class QuotaExceeded(Exception):
-    """The request may cost more than the cap or credit left. The gateway answers 402 insufficient_quota."""
+    """The request may cost more than the cap or credit left, or the organisation is past due
+    (`billing.standing`). The gateway answers 402 insufficient_quota."""
 
     code = "insufficient_quota"
 
@@ -47,6 +49,10 @@ class QuotaExceeded(Exception):
             "org_cap": "Your organisation has reached its monthly spend cap. Raise it in the console to continue.",
             "key_cap": "This API key has reached its monthly spend cap.",
             "credit": "Your prepaid credit balance is too low for this request. Add credit to continue.",
+            "payment_method": (
+                f"Your organisation has reached the ${settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD:,.2f} a month that "
+                "accounts without a payment method may spend. Add one in the console (Billing) to continue."),
+            "past_due": "Your organisation has an unpaid invoice. Pay it in the console (Billing) to continue.",
         }.get(reason, "You exceeded your current quota.")
         super().__init__(self.message)
 
@@ -76,19 +82,23 @@ def from_units(units: int) -> Decimal:
 
 # The checks and holds of one reservation, as a Lua function of `RESERVE`'s keys and arguments.
 # Returns {'ok', 'new'|'existing'}, {'refused', reason} or {'missing', what}; only 'ok' changes anything.
+# An organisation counter without `capr` (written before payment standing) counts as missing: its
+# rebuild adds the limit fields and keeps its spend.
 RESERVE_LUA = """
 local function quota_reserve(K, A)
-  if redis.call('EXISTS', K[1]) == 0 then return {'missing', 'org'} end
+  if redis.call('HEXISTS', K[1], 'capr') == 0 then return {'missing', 'org'} end
   local has_key = A[4] == '1'
   if has_key and redis.call('EXISTS', K[3]) == 0 then return {'missing', 'key'} end
   local prepaid = redis.call('HGET', K[1], 'prepaid') == '1'
   if prepaid and redis.call('EXISTS', K[5]) == 0 then return {'missing', 'credit'} end
   if redis.call('HEXISTS', K[6], A[1]) == 1 then return {'ok', 'existing'} end
+  local hold = redis.call('HGET', K[1], 'hold')
+  if hold and hold ~= '' then return {'refused', hold} end
   local amount = tonumber(A[2])
   local org_reserved = tonumber(redis.call('GET', K[2]) or '0')
   local cap = tonumber(redis.call('HGET', K[1], 'cap'))
   if cap >= 0 and tonumber(redis.call('HGET', K[1], 'spent')) + org_reserved + amount > cap then
-    return {'refused', 'org_cap'}
+    return {'refused', redis.call('HGET', K[1], 'capr')}
   end
   if has_key then
     local key_cap = tonumber(redis.call('HGET', K[3], 'cap'))
@@ -207,14 +217,24 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal) -> tuple[lis
     return keys, [reservation.request_id, str(to_units(actual)), has_key, str(SETTLED_MARKER_TTL_S)]
 
 
+def limit_fields(account: BillingAccount) -> dict[str, str]:
+    """The organisation counter's limits: `cap` (units, -1: none) and `capr`, the refusal reason when
+    it is reached (`billing.standing.spend_limit`), `prepaid` (1/0) and `hold` (a refusal reason for
+    every call, or empty)."""
+    limit = spend_limit(account)
+    return {
+        "cap": str(to_units(limit.cap) if limit.cap is not None else -1), "capr": limit.reason,
+        "prepaid": "1" if account.is_prepaid else "0", "hold": "past_due" if account.past_due_since else "",
+    }
+
+
 def refresh_limits(account: BillingAccount) -> None:
-    """Make Redis see the organisation's changed cap, billing mode or credit grants at once (counters
-    stay as they are)."""
+    """Make Redis see the organisation's changed cap, billing mode, payment standing or credit grants
+    at once (counters stay as they are)."""
     period = period_containing()
-    cap = to_units(account.spend_cap) if account.spend_cap is not None else -1
     _UPDATE_HASH.run_sync(
         keys=[org_period_key(account.organization_id, period.key)],
-        args=["cap", str(cap), "prepaid", "1" if account.is_prepaid else "0"],
+        args=[item for pair in limit_fields(account).items() for item in pair],
     )
     get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants at the next reservation
 

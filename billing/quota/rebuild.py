@@ -13,26 +13,32 @@ from django.utils import timezone
 from billing.ledger import period_spend, undrawn_prepaid_spend
 from billing.models import ApiKeySpendCap, BillingAccount, CreditGrant
 from billing.periods import Period, period_containing
-from billing.quota.counters import PERIOD_TTL_S, Reservation, to_units
+from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, to_units
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import credit_key, key_period_key, org_period_key
 from controlplane.redis_scripts import Script
 
 CREDIT_FIGURE_MAX_TTL_S = 3600
 
-# KEYS: a hash; ARGV: ttl, then field/value pairs. Writes the hash only if nobody did meanwhile.
+# KEYS: a hash; ARGV: ttl, n, then field/value pairs. The first n pairs are counters, written only if
+# nobody wrote the hash meanwhile; the others are limits, written in any case (a counter written before
+# a limit field existed gains it and keeps its count).
 _INIT_HASH = Script("""
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
+local created = redis.call('EXISTS', KEYS[1]) == 0
+local last_counter = 2 + 2 * tonumber(ARGV[2])
+for i = 3, #ARGV, 2 do
+  if created or i > last_counter then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+if created then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+return created and 1 or 0
 """)
 
 
 @dataclass(slots=True, frozen=True)
 class _Rebuild:
     key: str
-    fields: dict[str, str] | None  # a hash, or
+    counters: dict[str, str] | None  # a hash: its counters and its limits, or
+    limits: dict[str, str] | None
     value: str | None  # a plain counter
     ttl_s: int
 
@@ -41,18 +47,18 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
     close_old_connections()  # NOTE: runs in a worker thread whose connection may have gone stale
     if what == "org":
         account = BillingAccount.objects.for_organization(organization_id)
-        cap = to_units(account.spend_cap) if account.spend_cap is not None else -1
         spent = to_units(period_spend(organization_id, period))
-        fields = {"spent": str(spent), "cap": str(cap), "prepaid": "1" if account.is_prepaid else "0"}
-        return _Rebuild(org_period_key(organization_id, period.key), fields, None, PERIOD_TTL_S)
+        return _Rebuild(org_period_key(organization_id, period.key), {"spent": str(spent)}, limit_fields(account),
+                        None, PERIOD_TTL_S)
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
         spent = to_units(period_spend(organization_id, period, api_key_id=api_key_id))
-        fields = {"spent": str(spent), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
-        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), fields, None, PERIOD_TTL_S)
+        limits = {"cap": str(to_units(key_cap) if key_cap is not None else -1)}
+        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), {"spent": str(spent)}, limits,
+                        None, PERIOD_TTL_S)
     if what == "credit":
         available, ttl_s = credit_available(organization_id)
-        return _Rebuild(credit_key(organization_id), None, str(to_units(available, ROUND_HALF_UP)), ttl_s)
+        return _Rebuild(credit_key(organization_id), None, None, str(to_units(available, ROUND_HALF_UP)), ttl_s)
     raise ValueError(what)
 
 
@@ -73,8 +79,9 @@ def credit_available(organization_id: int) -> tuple[Decimal, int]:
 
 
 async def _write_rebuild(rebuild: _Rebuild) -> None:
-    if rebuild.fields is not None:
-        args = [rebuild.ttl_s, *[item for pair in rebuild.fields.items() for item in pair]]
+    if rebuild.counters is not None:
+        pairs = [*rebuild.counters.items(), *rebuild.limits.items()]
+        args = [rebuild.ttl_s, len(rebuild.counters), *[item for pair in pairs for item in pair]]
         await _INIT_HASH(keys=[rebuild.key], args=args)
     else:
         await get_async_redis().set(rebuild.key, rebuild.value, nx=True, ex=rebuild.ttl_s)

@@ -102,6 +102,13 @@ class FakeStripe:
         with self._lock:
             self._failures.extend(_Failure(kind, path, method) for _ in range(times))
 
+    def set_default_payment_method(self, customer_id: str, payment_method: str | None) -> dict:
+        """What the Customer Portal does when a card is added (or removed): the customer as it is now."""
+        with self._lock:
+            customer = self.customers[customer_id]
+            customer["invoice_settings"] = {"default_payment_method": payment_method}
+            return dict(customer)
+
     # --- inspection ------------------------------------------------------------------------------
     def meter_totals(self) -> dict[tuple[str, str], int]:
         totals: dict[tuple[str, str], int] = {}
@@ -159,8 +166,14 @@ class FakeStripe:
         now = int(time.time())
         if (method, path) == ("POST", "/v1/customers"):
             customer = {"id": _id("cus"), "object": "customer", "created": now, "name": params.get("name"),
-                        "metadata": params.get("metadata", {}), "livemode": False}
+                        "metadata": params.get("metadata", {}), "livemode": False, "default_source": None,
+                        "invoice_settings": {"default_payment_method": None}}
             self.customers[customer["id"]] = customer
+            return 200, customer
+        if method == "GET" and path.startswith("/v1/customers/"):
+            customer = self.customers.get(path.removeprefix("/v1/customers/"))
+            if customer is None:
+                return 404, _error("invalid_request_error", "No such customer", code="resource_missing")
             return 200, customer
         if (method, path) == ("POST", "/v1/billing/meters"):
             meter = {"id": _id("mtr"), "object": "billing.meter", "created": now, "status": "active",

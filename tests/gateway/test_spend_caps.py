@@ -2,16 +2,20 @@
 and no request is billed past what it reserved."""
 
 import asyncio
+import json
+import time
 from decimal import Decimal
 
 import httpx
 import pytest
 from django.db.models import Sum
 
+from billing import stripe_sync
 from billing.models import UsageRecord
 from billing.quota import reads
 from endpoints.gateway.estimate import worst_case
-from tests.conftest import wait_until
+from tests.conftest import start_web_server, wait_until
+from tests.fakes.stripe_server import FakeStripe, sign_webhook
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -92,3 +96,56 @@ def test_an_answer_costing_more_than_its_reservation_is_billed_the_reservation(g
     assert row.completion_tokens == 200  # what happened stays on the row; the bill stops at the reservation
     assert row.cost == reserved
     wait_until(lambda: reads.counted_spend(tenant.org.pk) == reserved, 15, message="the settled spend")
+
+
+def test_without_a_card_calls_stop_at_the_limit_and_an_unpaid_invoice_stops_them_at_once(
+        tmp_path, settings, tenant, start_mock_upstream):
+    """Payment standing (`billing.standing`) through a gateway that bills through Stripe (the fake), with
+    Stripe's webhooks posted to it as Stripe would."""
+    fake = FakeStripe().start()
+    env = {"STRIPE_SECRET_KEY": "sk_test_inferplane", "STRIPE_API_BASE": fake.base_url,
+           "STRIPE_WEBHOOK_SECRET": "whsec_test_secret", "INFERPLANE_SPEND_LIMIT_WITHOUT_CARD": CAP}
+    settings.STRIPE_SECRET_KEY, settings.STRIPE_API_BASE = env["STRIPE_SECRET_KEY"], fake.base_url
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = Decimal(CAP)
+    child, gateway = start_web_server(tmp_path, name="billed-gateway", extra_env=env)
+    try:
+        endpoint = serve_endpoint(tenant.org, start_mock_upstream(), price_input_per_million=PRICE,
+                                  price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+        customer = stripe_sync.ensure_customer(tenant.org.pk)
+        headers = {"Authorization": f"Bearer {tenant.key}"}
+        body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 16}
+
+        def call() -> httpx.Response:
+            return httpx.post(f"{gateway}/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+        def webhook(kind: str, data: dict) -> None:
+            event = json.dumps({"id": f"evt_{time.time_ns()}", "object": "event", "type": kind,
+                                "created": int(time.time()), "data": {"object": data}}).encode()
+            response = httpx.post(f"{gateway}/api/v1/billing/stripe/webhook", content=event, headers={
+                "Content-Type": "application/json", "Stripe-Signature": sign_webhook(event, env["STRIPE_WEBHOOK_SECRET"])})
+            assert response.status_code == 200, response.text
+
+        statuses = []
+        while not statuses or statuses[-1].status_code == 200:
+            statuses.append(call())
+            assert len(statuses) < 40, "never stopped: no limit without a payment method"
+        refused = statuses[-1]
+        assert refused.status_code == 402 and refused.json()["error"]["code"] == "insufficient_quota"
+        assert "payment method" in refused.json()["error"]["message"]
+        wait_until(lambda: UsageRecord.objects.count() == len(statuses) - 1, 15, message="one usage row per served call")
+        assert UsageRecord.objects.aggregate(total=Sum("cost"))["total"] <= Decimal(CAP)
+
+        webhook("customer.updated", fake.set_default_payment_method(customer, "pm_card_visa"))
+        assert call().status_code == 200
+
+        invoice = {"id": "in_unpaid", "object": "invoice", "customer": customer, "status": "uncollectible",
+                   "currency": "usd", "amount_due": 900, "amount_paid": 0, "lines": {"object": "list", "data": []}}
+        webhook("invoice.marked_uncollectible", invoice)
+        held = call()
+        assert held.status_code == 402 and "unpaid invoice" in held.json()["error"]["message"]
+
+        webhook("invoice.paid", invoice | {"status": "paid", "amount_paid": 900})
+        assert call().status_code == 200
+    finally:
+        child.stop()
+        fake.stop()

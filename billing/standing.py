@@ -1,0 +1,102 @@
+"""Payment standing: how much an organisation may spend before it can pay, and when an unpaid invoice
+stops it. The rules only; `billing.services.review_payment_standing` applies them, and the gateway
+enforces them through the organisation's quota counter (`billing.quota.counters.limit_fields`).
+
+On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
+
+- **Payment method.** A postpaid organisation whose Stripe customer has no default payment method
+  spends at most `SPEND_LIMIT_WITHOUT_PAYMENT_METHOD` a month, whatever cap it sets itself: its usage is
+  invoiced after the month, and nothing could collect it. Adding a card in the Customer Portal lifts the
+  limit (Stripe's `customer.updated` webhook); removing it puts the limit back. Staff may mark an
+  account that pays by bank transfer `invoiced_without_card`. Prepaid accounts spend only credit.
+- **Past due.** An invoice whose payment failed and that is still unpaid `PAST_DUE_GRACE_DAYS` after
+  the failure (Stripe retries meanwhile), or that Stripe marked uncollectible, stops every call of the
+  organisation until it is paid or voided. Endpoints, keys and data stay; only inference stops.
+
+Without Stripe, nothing is invoiced, so neither rule applies (caps and credit still do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+
+from django.conf import settings
+from django.utils import timezone
+
+from billing.models import BillingAccount, Invoice
+
+# Invoice states that still owe money (Stripe's `status`).
+UNPAID_STATUSES = ("open", "uncollectible")
+
+
+@dataclass(slots=True, frozen=True)
+class SpendLimit:
+    """The most an organisation may spend this month (None: no limit) and why, as the gateway's
+    refusal names it: `org_cap` (its own cap) or `payment_method` (the limit without one)."""
+
+    cap: Decimal | None
+    reason: str
+
+
+def bills_through_stripe() -> bool:
+    return bool(settings.STRIPE_SECRET_KEY)
+
+
+def limit_without_payment_method(account: BillingAccount) -> Decimal | None:
+    """The limit that applies to `account` for want of a payment method, or None."""
+    limit = settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD
+    if limit <= 0 or not bills_through_stripe():
+        return None
+    if account.is_prepaid or account.payment_method_on_file or account.invoiced_without_card:
+        return None
+    if account.stripe_customer_id and not account.payment_method_event_created:
+        return None  # a customer made before payment standing, not yet asked (`stripe_sync.observe_payment_method`)
+    return limit
+
+
+def spend_limit(account: BillingAccount) -> SpendLimit:
+    """The lower of the organisation's own cap and the limit without a payment method."""
+    own = account.spend_cap
+    limit = limit_without_payment_method(account)
+    if limit is not None and (own is None or limit < own):
+        return SpendLimit(limit, "payment_method")
+    return SpendLimit(own, "org_cap")
+
+
+def past_due_since(organization_id: int, now: datetime | None = None) -> datetime | None:
+    """Since when the organisation's unpaid invoices stop its inference, or None when none does."""
+    if not bills_through_stripe():
+        return None
+    now = now or timezone.now()
+    grace = timedelta(days=settings.PAST_DUE_GRACE_DAYS)
+    unpaid = Invoice.objects.filter(organization_id=organization_id, status__in=UNPAID_STATUSES)
+    moments = []
+    for status, failed_at, updated_at, due, paid in unpaid.values_list(
+            "status", "payment_failed_at", "updated_at", "amount_due", "amount_paid"):
+        if due - paid <= 0:
+            continue
+        if status == "uncollectible":
+            moments.append(failed_at or updated_at)
+        elif failed_at is not None and failed_at + grace <= now:
+            moments.append(failed_at + grace)
+    return min(moments, default=None)
+
+
+def has_payment_method(customer) -> bool:
+    """Whether Stripe will charge this customer's invoices (a Stripe customer object, or its webhook
+    JSON): a default payment method, what the Customer Portal sets when a card is added, or a default
+    source (older integrations)."""
+    return bool((customer.get("invoice_settings") or {}).get("default_payment_method") or customer.get("default_source"))
+
+
+def standing(account: BillingAccount) -> dict:
+    """What the billing page and API show of it."""
+    limit = spend_limit(account)
+    return {
+        "payment_method_on_file": account.payment_method_on_file,
+        "limit_without_payment_method": limit_without_payment_method(account),
+        "effective_spend_cap": limit.cap,
+        "past_due_since": account.past_due_since,
+    }

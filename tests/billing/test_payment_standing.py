@@ -1,0 +1,226 @@
+"""Payment standing (`billing.standing`): on an installation that bills through Stripe, a postpaid
+organisation without a payment method spends at most a small limit a month, whatever cap it sets, and
+an invoice left unpaid past its grace period stops every call until it is paid.
+
+Before, an organisation could sign up, remove its cap (none by default) and run up any bill with no
+way to collect it, and a failed payment changed nothing. Reserved as the gateway does, in its
+admission script (`tests/billing/test_quota.py`); one call through a real gateway in
+`tests/gateway/test_spend_caps.py`."""
+
+import asyncio
+import json
+import time
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.core import mail
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from billing import services, stripe_sync, tasks
+from billing.models import BillingAccount, Invoice
+from billing.periods import period_containing
+from billing.quota.counters import QuotaExceeded
+from controlplane import redis_keys
+from controlplane.accounts.models import AuditEvent, Role
+from controlplane.accounts.services import SYSTEM
+from controlplane.redis_client import get_redis
+from tests.billing.test_quota import reserve
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+from tests.fakes.stripe_server import sign_webhook
+
+# NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LIMIT = Decimal("1.00")
+WEBHOOK = "/api/v1/billing/stripe/webhook"
+
+
+@pytest.fixture
+def billed(settings, fake_stripe):
+    """Stripe configured (the fake), a limit of $1 without a payment method, and a postpaid organisation
+    with an owner and a Stripe customer."""
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = LIMIT
+    settings.PAST_DUE_GRACE_DAYS = 7
+    organization = OrganizationFactory()
+    MembershipFactory(organization=organization, user=UserFactory(email="owner@example.com"), role=Role.OWNER)
+    customer_id = stripe_sync.ensure_customer(organization.pk)
+
+    class Billed:
+        org = organization
+        customer = customer_id
+        stripe = fake_stripe
+
+    return Billed
+
+
+_request_ids = iter(range(10**9))
+
+
+def _spend(organization, amount: str) -> None:
+    """Reserve `amount` as a call would (held until settled: it counts against the limit)."""
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal(amount),
+                        request_id=f"call-{next(_request_ids)}"))
+
+
+def _refusal(organization, amount: str) -> QuotaExceeded:
+    with pytest.raises(QuotaExceeded) as refused:
+        _spend(organization, amount)
+    return refused.value
+
+
+def _webhook(kind: str, data: dict, *, created: int | None = None) -> None:
+    event = {"id": f"evt_{time.time_ns()}", "object": "event", "type": kind, "created": created or int(time.time()),
+             "data": {"object": data}}
+    body = json.dumps(event).encode()
+    response = APIClient().post(WEBHOOK, body, content_type="application/json",
+                                HTTP_STRIPE_SIGNATURE=sign_webhook(body, "whsec_test_secret"))
+    assert response.status_code == 200, response.content
+
+
+def _customer_event(billed, payment_method: str | None, *, created: int | None = None) -> None:
+    _webhook("customer.updated", billed.stripe.set_default_payment_method(billed.customer, payment_method), created=created)
+
+
+def _invoice_event(billed, kind: str, status: str, *, invoice_id: str = "in_unpaid") -> None:
+    _webhook(kind, {"id": invoice_id, "object": "invoice", "customer": billed.customer, "status": status,
+                    "currency": "usd", "amount_due": 4200, "amount_paid": 4200 if status == "paid" else 0,
+                    "lines": {"object": "list", "data": []}})
+
+
+def test_without_a_payment_method_an_organisation_spends_at_most_the_limit_whatever_its_cap(billed):
+    _spend(billed.org, "0.60")
+    refused = _refusal(billed.org, "0.60")
+    assert refused.reason == "payment_method" and "$1.00" in refused.message and "payment method" in refused.message
+
+    services.set_spend_cap(SYSTEM, billed.org, spend_cap=Decimal("500.00"))  # its own cap does not lift the limit
+    assert _refusal(billed.org, "0.60").reason == "payment_method"
+
+    _customer_event(billed, "pm_card_visa")  # a card added in the Customer Portal
+    _spend(billed.org, "0.60")
+    assert BillingAccount.objects.get(organization=billed.org).payment_method_on_file
+
+    now = int(time.time())
+    _customer_event(billed, None, created=now + 5)  # the card removed: the limit is back at once
+    assert _refusal(billed.org, "0.10").reason == "payment_method"
+    _customer_event(billed, "pm_card_visa", created=now - 60)  # an older event arriving late changes nothing
+    assert _refusal(billed.org, "0.10").reason == "payment_method"
+    assert list(AuditEvent.objects.filter(action="billing.payment_method").order_by("pk").values_list("details__on_file", flat=True)) \
+        == [True, False]
+
+
+def test_an_invoice_left_unpaid_past_its_grace_stops_every_call_until_it_is_paid(billed):
+    _customer_event(billed, "pm_card_visa")
+    _invoice_event(billed, "invoice.payment_failed", "open")
+    _spend(billed.org, "0.01")  # Stripe retries during the grace period: calls go on
+
+    assert services.review_all_payment_standing(now=timezone.now() + timedelta(days=6)) == 0
+    _spend(billed.org, "0.01")
+    assert services.review_all_payment_standing(now=timezone.now() + timedelta(days=8)) == 1
+    refused = _refusal(billed.org, "0.01")
+    assert refused.reason == "past_due" and "unpaid invoice" in refused.message
+    assert AuditEvent.objects.filter(action="billing.past_due").count() == 1
+    assert [message.to for message in mail.outbox] == [["owner@example.com"]]
+    assert "unpaid" in mail.outbox[0].subject
+
+    # Redis lost the counter: rebuilt from PostgreSQL, the hold stands.
+    get_redis().delete(redis_keys.org_period_key(billed.org.pk, period_containing().key))
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+    # Run again, the review changes nothing and emails nobody twice.
+    services.review_all_payment_standing(now=timezone.now() + timedelta(days=9))
+    assert len(mail.outbox) == 1
+
+    _invoice_event(billed, "invoice.paid", "paid")
+    _spend(billed.org, "0.01")
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since is None
+    assert AuditEvent.objects.filter(action="billing.past_due_cleared").count() == 1
+
+
+def test_an_uncollectible_invoice_stops_calls_at_once_and_voiding_it_lets_them_through(billed):
+    _customer_event(billed, "pm_card_visa")
+    _invoice_event(billed, "invoice.marked_uncollectible", "uncollectible")
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+
+    _invoice_event(billed, "invoice.voided", "void")
+    _spend(billed.org, "0.01")
+
+
+def test_a_counter_written_before_payment_standing_gains_its_limits_and_keeps_its_spend(billed):
+    key = redis_keys.org_period_key(billed.org.pk, period_containing().key)
+    get_redis().hset(key, mapping={"spent": str(900_000_000), "cap": "-1", "prepaid": "0"})  # $0.90, no limit fields
+
+    assert _refusal(billed.org, "0.20").reason == "payment_method"  # $0.90 counted, as Redis had it
+    assert get_redis().hgetall(key) == {"spent": "900000000", "cap": "1000000000", "capr": "payment_method",
+                                        "prepaid": "0", "hold": ""}
+    _spend(billed.org, "0.10")
+
+
+def test_staff_let_an_organisation_that_pays_by_bank_transfer_spend_without_a_card(billed):
+    assert _refusal(billed.org, "2.00").reason == "payment_method"
+    services.set_invoiced_without_card(SYSTEM, billed.org, allowed=True)
+    _spend(billed.org, "2.00")
+    assert AuditEvent.objects.filter(action="billing.set_invoiced_without_card").exists()
+
+
+def test_prepaid_accounts_spend_their_credit_without_a_card(billed):
+    from billing.credits import grant_credits
+
+    services.set_billing_mode(SYSTEM, billed.org, mode="prepaid")
+    grant_credits(SYSTEM, billed.org, amount=Decimal("3.00"))
+    _spend(billed.org, "2.50")
+    assert _refusal(billed.org, "1.00").reason == "credit"
+
+
+def test_a_customer_made_before_payment_standing_is_asked_and_limited_only_without_a_card(billed):
+    with_card, without = OrganizationFactory(), OrganizationFactory()
+    for organization, payment_method in ((with_card, "pm_card_visa"), (without, None)):
+        customer_id = stripe_sync.ensure_customer(organization.pk)
+        billed.stripe.set_default_payment_method(customer_id, payment_method)
+        BillingAccount.objects.filter(organization=organization).update(payment_method_event_created=0)
+        _spend(organization, "1.50")  # never asked: not limited (it may have had a card for months)
+
+    tasks.review_payment_standing()
+
+    _spend(with_card, "1.50")
+    assert _refusal(without, "0.01").reason == "payment_method"
+
+
+def test_without_stripe_nothing_is_invoiced_so_neither_rule_applies(settings):
+    settings.STRIPE_SECRET_KEY = ""
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = LIMIT
+    organization = OrganizationFactory()
+    Invoice.objects.create(organization=organization, stripe_invoice_id="in_old", status="uncollectible", amount_due=100,
+                           payment_failed_at=timezone.now() - timedelta(days=30))
+
+    services.review_all_payment_standing()
+    _spend(organization, "5.00")
+    assert BillingAccount.objects.get(organization=organization).past_due_since is None
+
+
+def test_the_billing_api_and_page_show_the_standing_and_a_card_added_in_the_portal_counts_on_return(
+        billed, member_client_factory):
+    from django.test import Client
+
+    client = member_client_factory(billed.org, Role.ADMIN)
+    standing = client.get("/api/v1/billing/").json()["standing"]
+    assert standing == {"payment_method_on_file": False, "limit_without_payment_method": "1.00",
+                        "effective_spend_cap": "1.00", "past_due_since": None}
+
+    console = Client()
+    console.force_login(client.user)
+    from controlplane.accounts.tenancy import SESSION_KEY
+    session = console.session
+    session[SESSION_KEY] = billed.org.pk
+    session.save()
+    assert 'data-testid="payment-method-limit"' in console.get("/console/billing/").content.decode()
+
+    billed.stripe.set_default_payment_method(billed.customer, "pm_card_visa")  # added in the portal, webhook not yet here
+    page = console.get("/console/billing/?from=portal").content.decode()
+    assert 'data-testid="payment-method-limit"' not in page
+    assert client.get("/api/v1/billing/").json()["standing"]["effective_spend_cap"] is None
+    _spend(billed.org, "2.00")
+
+    _invoice_event(billed, "invoice.marked_uncollectible", "uncollectible")
+    assert 'data-testid="past-due"' in console.get("/console/billing/").content.decode()
+    assert client.get("/api/v1/billing/").json()["standing"]["past_due_since"] is not None
