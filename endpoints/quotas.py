@@ -8,7 +8,8 @@ The numbers come from the organisation's plan, or the platform defaults
 - placement (`endpoints.scheduler`): a new replica only while the organisation holds fewer than its
   `max_replicas` in all and its GPUs of that type, so the autoscaler never scales it past them
   (the endpoint shows "waiting for quota: …");
-- the gateway (`endpoints.gateway.cold_start`): requests held for a cold start.
+- the gateway (`endpoints.gateway.cold_start`): requests held for a cold start;
+- file uploads (`endpoints.batches.services.create_file`): bytes of files kept (400 `storage_quota_exceeded`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rest_framework.exceptions import ValidationError
 from controlplane.accounts.models import Organization, Quotas
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import held_key
+from endpoints.batches.models import File
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
 
 
@@ -35,6 +37,7 @@ class QuotaRow:
     label: str
     limit: int
     used: int
+    unit: str = ""  # "bytes", or a count
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +50,7 @@ class QuotaUse:
     num_replicas: int
     num_min_replicas: int
     num_held_requests: int
+    num_file_bytes: int = 0
     num_gpus_by_type: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -58,6 +62,8 @@ class QuotaUse:
                      self.num_min_replicas),
             QuotaRow("max_held_requests", "Requests waiting for cold starts", self.quotas.max_held_requests,
                      self.num_held_requests),
+            QuotaRow("max_file_bytes", "File storage (batch inputs and outputs)", self.quotas.max_file_bytes,
+                     self.num_file_bytes, unit="bytes"),
         ]
         for gpu_type in sorted(set(self.quotas.max_gpus_by_type) | set(self.num_gpus_by_type)):
             rows.append(QuotaRow(f"max_gpus_by_type.{gpu_type}", f"{gpu_type} GPUs at once",
@@ -74,8 +80,9 @@ def use_of(organization: Organization) -> QuotaUse:
         .values_list("endpoint__gpu_type", "num")
     )
     num_held = get_redis().zcount(held_key(organization.pk), f"({time.time()}", "+inf")
+    file_bytes = File.objects.held_by(organization.pk).aggregate(total=Sum("bytes"))["total"] or 0
     return QuotaUse(organization.plan.name if organization.plan_id else None, organization.quotas, totals["num"],
-                    held.count(), totals["min_replicas"] or 0, num_held, gpus_by_type)
+                    held.count(), totals["min_replicas"] or 0, num_held, file_bytes, gpus_by_type)
 
 
 QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas", "gpus_per_replica")

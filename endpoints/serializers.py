@@ -505,6 +505,7 @@ class QuotaRowSerializer(serializers.Serializer):
     label = serializers.CharField()
     limit = serializers.IntegerField()
     used = serializers.IntegerField()
+    unit = serializers.CharField(help_text='"bytes" for storage; empty for a count.')
 
 
 class QuotaUseSerializer(serializers.Serializer):

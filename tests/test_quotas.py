@@ -136,12 +136,13 @@ def test_staff_change_plans_in_the_django_admin_and_each_change_is_audited(org):
 
     created = client.post("/django-admin/controlplane/plan/add/", {
         "name": "team", "max_endpoints": 20, "max_replicas": 16, "max_min_replicas": 4, "max_held_requests": 128,
-        "max_gpus_by_type": '{"h100-80gb": 2}'})
+        "max_file_bytes": 50 * 1024**3, "max_gpus_by_type": '{"h100-80gb": 2}'})
     plan = Plan.objects.get(name="team")
     moved = client.post(f"/django-admin/controlplane/organization/{org.pk}/change/", {"plan": plan.pk})
 
     assert created.status_code == 302 and moved.status_code == 302
     assert Organization.objects.get(pk=org.pk).quotas.max_gpus("h100-80gb") == 2
+    assert Organization.objects.get(pk=org.pk).quotas.max_file_bytes == 50 * 1024**3
     actions = list(AuditEvent.objects.order_by("created_at").values_list("action", "actor__username", "organization_id"))
     assert actions == [("plan.create", staff.username, None), ("organization.plan", staff.username, org.pk)]
 
@@ -153,7 +154,7 @@ def test_a_plan_with_malformed_gpu_counts_is_refused_in_the_admin():
 
     response = client.post("/django-admin/controlplane/plan/add/", {
         "name": "broken", "max_endpoints": 1, "max_replicas": 1, "max_min_replicas": 0, "max_held_requests": 1,
-        "max_gpus_by_type": '["h100-80gb"]'})
+        "max_file_bytes": 1, "max_gpus_by_type": '["h100-80gb"]'})
 
     assert response.status_code == 200 and "Map GPU types to counts" in response.content.decode()
     assert not Plan.objects.exists() and not AuditEvent.objects.exists()

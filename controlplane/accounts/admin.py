@@ -49,8 +49,10 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 @admin.register(Plan)
 class PlanAdmin(admin.ModelAdmin):
-    list_display = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_gpus_by_type"]
-    fields = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_gpus_by_type"]
+    list_display = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
+                    "max_gpus_by_type"]
+    fields = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
+              "max_gpus_by_type"]
 
     def save_model(self, request, obj, form, change):
         save_plan(Actor.from_request(request), obj)

@@ -32,10 +32,12 @@ class Quotas:
     max_replicas: int  # replicas held at once (starting, ready or draining), over all its endpoints
     max_min_replicas: int  # the sum of its endpoints' min_replicas: replicas kept warm while idle
     max_held_requests: int  # requests held at once while their endpoint cold-starts
+    max_file_bytes: int  # bytes of files kept at once: batch inputs it uploads and the outputs its batches write
     max_gpus_by_type: dict[str, int] = field(default_factory=dict)  # GPU type -> replicas at once; absent: max_replicas
 
     def __post_init__(self) -> None:
-        if min(self.max_endpoints, self.max_replicas, self.max_min_replicas, self.max_held_requests) < 0:
+        if min(self.max_endpoints, self.max_replicas, self.max_min_replicas, self.max_held_requests,
+               self.max_file_bytes) < 0:
             raise ValueError("quotas are never negative")
         if any(not isinstance(n, int) or n < 0 for n in self.max_gpus_by_type.values()):
             raise ValueError("max_gpus_by_type maps GPU types to counts of 0 or more")
@@ -43,7 +45,7 @@ class Quotas:
     @classmethod
     def platform_default(cls) -> Quotas:
         return cls(settings.DEFAULT_MAX_ENDPOINTS, settings.DEFAULT_MAX_REPLICAS, settings.DEFAULT_MAX_MIN_REPLICAS,
-                   settings.DEFAULT_MAX_HELD_REQUESTS, dict(settings.DEFAULT_MAX_GPUS_BY_TYPE))
+                   settings.DEFAULT_MAX_HELD_REQUESTS, settings.DEFAULT_MAX_FILE_BYTES, dict(settings.DEFAULT_MAX_GPUS_BY_TYPE))
 
     def max_gpus(self, gpu_type: str) -> int:
         return min(self.max_gpus_by_type.get(gpu_type, self.max_replicas), self.max_replicas)
@@ -57,6 +59,8 @@ class Plan(models.Model):
     max_replicas = models.PositiveIntegerField(default=8, help_text="Replicas held at once, over all endpoints.")
     max_min_replicas = models.PositiveIntegerField(default=2, help_text="Sum of min_replicas: replicas kept warm.")
     max_held_requests = models.PositiveIntegerField(default=64, help_text="Requests held at once for cold starts.")
+    max_file_bytes = models.PositiveBigIntegerField(
+        default=10 * 1024**3, help_text="Bytes of files kept at once (batch inputs and outputs); uploads past it are refused.")
     max_gpus_by_type = models.JSONField(default=dict, blank=True,
                                         help_text='Replicas at once per GPU type, e.g. {"h100-80gb": 2}; absent: max_replicas.')
     created_at = models.DateTimeField(default=timezone.now)
@@ -75,7 +79,7 @@ class Plan(models.Model):
 
     @property
     def quotas(self) -> Quotas:
-        return Quotas(self.max_endpoints, self.max_replicas, self.max_min_replicas, self.max_held_requests,
+        return Quotas(self.max_endpoints, self.max_replicas, self.max_min_replicas, self.max_held_requests, self.max_file_bytes,
                       dict(self.max_gpus_by_type or {}))
 
 

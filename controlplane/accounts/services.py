@@ -76,7 +76,8 @@ def create_organization(actor: Actor, *, name: str, owner, slug: str | None = No
     return organization
 
 
-PLAN_FIELDS = ("name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_gpus_by_type")
+PLAN_FIELDS = ("name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
+               "max_gpus_by_type")
 
 
 @transaction.atomic

@@ -29,7 +29,11 @@ class FilePurpose(models.TextChoices):
 
 class FileQuerySet(models.QuerySet):
     def for_org(self, organization_id: int):
-        """The organisation's files that are not deleted: every user-facing lookup starts here."""
+        """The organisation's stored files that are not deleted: every user-facing lookup starts here."""
+        return self.filter(organization_id=organization_id, stored_at__isnull=False, deleted_at__isnull=True)
+
+    def held_by(self, organization_id: int):
+        """What counts against the organisation's storage quota: its files not deleted, uploads in progress too."""
         return self.filter(organization_id=organization_id, deleted_at__isnull=True)
 
 
@@ -41,12 +45,17 @@ class File(models.Model):
     bytes = models.BigIntegerField()
     s3_key = models.CharField(max_length=300)
     created_at = models.DateTimeField(default=timezone.now)
+    # None while its bytes are being uploaded: the row holds its place in the storage quota first.
+    stored_at = models.DateTimeField(null=True, blank=True)
     deleted_at = models.DateTimeField(null=True, blank=True)
 
     objects = FileQuerySet.as_manager()
 
     class Meta:
-        indexes = [models.Index(fields=["organization", "created_at"], name="file_org_created")]
+        indexes = [
+            models.Index(fields=["organization", "created_at"], name="file_org_created"),
+            models.Index(fields=["created_at"], condition=models.Q(stored_at__isnull=True), name="file_uploading"),
+        ]
 
     def __str__(self) -> str:
         return self.id

@@ -19,11 +19,11 @@ from datetime import timedelta
 from celery import current_app
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from controlplane.accounts import keys
-from controlplane.accounts.models import ApiKey, Membership, Role, Scope
+from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
 from endpoints.batches import runner, scheduling, storage
@@ -45,6 +45,8 @@ from gpu_agent.protocol import ReplicaState
 logger = logging.getLogger("inferplane.batches")
 
 RUN_BATCH_TASK = "batches.run_batch"
+# An upload whose row is older than this and still not stored died with its process: swept by `tick`.
+UPLOAD_ABANDONED_AFTER = timedelta(hours=1)
 
 
 class Refused(Exception):
@@ -58,16 +60,47 @@ class Refused(Exception):
 # --- files -----------------------------------------------------------------------------------
 
 def create_file(*, organization_id: int, purpose: str, filename: str, stream, size: int) -> File:
-    """Store an uploaded file: its bytes to S3 first (outside any transaction), then its row."""
+    """Store an uploaded file within the organisation's storage quota (`max_file_bytes`).
+
+    Its row is written first, as an upload in progress that counts against the quota, checked and
+    written under the organisation's row lock, so concurrent uploads never overshoot it. Then its
+    bytes go to S3, outside any transaction, and the row is marked stored. A failed upload takes its
+    row back; one whose process died is swept by `tick`."""
     if purpose != FilePurpose.BATCH:
         raise Refused("Only purpose 'batch' can be uploaded.", param="purpose")
     if size > settings.FILES_MAX_BYTES:
         raise Refused(f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file", status=413)
     file_id = new_file_id()
     key = storage.file_key(organization_id, file_id)
-    storage.put_stream(key, stream)
-    return File.objects.create(id=file_id, organization_id=organization_id, purpose=purpose,
-                               filename=(filename or "upload.jsonl")[:255], bytes=size, s3_key=key)
+    with transaction.atomic():
+        organization = Organization.objects.select_for_update(of=("self",)).select_related("plan").get(pk=organization_id)
+        limit = organization.quotas.max_file_bytes
+        used = File.objects.held_by(organization_id).aggregate(total=Sum("bytes"))["total"] or 0
+        if used + size > limit:
+            raise Refused(f"Your organisation keeps {used:,} bytes of files and may keep {limit:,} (quota "
+                          "max_file_bytes): delete files it no longer needs, or ask for a larger plan.",
+                          param="file", code="storage_quota_exceeded")
+        file = File.objects.create(id=file_id, organization_id=organization_id, purpose=purpose,
+                                   filename=(filename or "upload.jsonl")[:255], bytes=size, s3_key=key)
+    try:
+        storage.put_stream(key, stream)
+    except BaseException:
+        File.objects.filter(pk=file_id).delete()
+        raise
+    file.stored_at = timezone.now()
+    File.objects.filter(pk=file_id).update(stored_at=file.stored_at)
+    return file
+
+
+def sweep_abandoned_uploads(now=None) -> int:
+    """Rows of uploads whose process died before their bytes were stored: their bytes (if any reached
+    S3) and rows removed, so they stop counting against the quota."""
+    before = (now or timezone.now()) - UPLOAD_ABANDONED_AFTER
+    abandoned = list(File.objects.filter(stored_at__isnull=True, created_at__lt=before).values_list("pk", "s3_key")[:100])
+    for file_id, key in abandoned:
+        storage.delete(key)
+        File.objects.filter(pk=file_id, stored_at__isnull=True).delete()
+    return len(abandoned)
 
 
 def delete_file(file: File) -> bool:
@@ -82,7 +115,8 @@ def _store_output(organization_id: int, purpose: str, filename: str, data: bytes
     file_id = new_file_id()
     key = storage.file_key(organization_id, file_id)
     storage.put_bytes(key, data)
-    return File(id=file_id, organization_id=organization_id, purpose=purpose, filename=filename, bytes=len(data), s3_key=key)
+    return File(id=file_id, organization_id=organization_id, purpose=purpose, filename=filename, bytes=len(data), s3_key=key,
+                stored_at=timezone.now())
 
 
 # --- batches ---------------------------------------------------------------------------------
@@ -134,6 +168,7 @@ def tick() -> int:
     completion window has ended. Running batches of a sleeping endpoint wait for the autoscaler
     (`scheduling.apply` wakes it when their deadline needs it)."""
     now = timezone.now()
+    sweep_abandoned_uploads(now)
     unleased = Batch.objects.open().filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
     warm = Replica.objects.filter(state=ReplicaState.READY).values("endpoint_id")
     ids = list(unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=now))

@@ -127,3 +127,72 @@ def test_files_and_batches_answers_carry_the_callers_rate_limit_headers(web, ten
     assert missing.status_code == 404 and "x-ratelimit-limit-requests" in missing.headers
     anonymous = httpx.get(f"{web}/v1/files")
     assert anonymous.status_code == 401 and "x-ratelimit-limit-requests" in anonymous.headers
+
+
+def _on_plan(organization, *, max_file_bytes: int) -> None:
+    from controlplane.accounts.models import Plan
+
+    organization.plan = Plan.objects.create(name=f"files-{organization.pk}", max_file_bytes=max_file_bytes)
+    organization.save(update_fields=["plan"])
+
+
+def test_uploads_past_the_storage_quota_are_refused_even_all_at_once_and_deleting_frees_room(web, tenant, files_bucket):
+    """Before, an organisation could keep any number of 200 MB files in the fleet's bucket."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _on_plan(tenant.org, max_file_bytes=3 * len(LINES))
+    client = tenant.client(web)
+
+    def upload(n: int):
+        try:
+            return client.files.create(file=(f"r{n}.jsonl", io.BytesIO(LINES)), purpose="batch")
+        except openai.APIStatusError as exc:
+            return exc
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(upload, range(8)))
+    stored = [o for o in outcomes if not isinstance(o, Exception)]
+    refused = [o for o in outcomes if isinstance(o, Exception)]
+    assert len(stored) == 3 and len(refused) == 5
+    assert {(e.status_code, e.code, e.param) for e in refused} == {(400, "storage_quota_exceeded", "file")}
+    assert "max_file_bytes" in refused[0].message
+    assert len(bucket_objects(files_bucket)) == 3
+
+    quotas = httpx.get(f"{web}/api/v1/quotas/", headers={"Authorization": f"Bearer {tenant.key}"}).json()["quotas"]
+    assert {"quota": "max_file_bytes", "label": "File storage (batch inputs and outputs)", "limit": 3 * len(LINES),
+            "used": 3 * len(LINES), "unit": "bytes"} in quotas
+
+    client.files.delete(stored[0].id)
+    assert not isinstance(upload(9), Exception)
+
+
+def test_an_upload_that_fails_or_dies_stops_counting_against_the_quota(tenant, files_bucket):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from endpoints.batches import services
+    from endpoints.batches.models import File
+
+    _on_plan(tenant.org, max_file_bytes=len(LINES))
+
+    class Broken(io.BytesIO):
+        def read(self, *args):
+            raise OSError("the client went away")
+
+    with pytest.raises(OSError):
+        services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl", stream=Broken(LINES),
+                             size=len(LINES))
+    assert not File.objects.exists()
+
+    # A process that died mid-upload left its row: not listed, counted until swept an hour on.
+    File.objects.create(organization=tenant.org, purpose="batch", filename="r.jsonl", bytes=len(LINES),
+                        s3_key=f"files/{tenant.org.pk}/file-dead", created_at=timezone.now() - timedelta(minutes=61))
+    assert not File.objects.for_org(tenant.org.pk).exists()
+    with pytest.raises(services.Refused):
+        services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl", stream=io.BytesIO(LINES),
+                             size=len(LINES))
+    assert services.sweep_abandoned_uploads() == 1
+    stored = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
+                                  stream=io.BytesIO(LINES), size=len(LINES))
+    assert list(File.objects.for_org(tenant.org.pk)) == [stored]
