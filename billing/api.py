@@ -187,7 +187,7 @@ class PortalLinkView(OrganizationScopedMixin, APIView):
         if not stripe_sync.is_configured():
             return Response({"detail": "Billing is not configured on this installation."}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
         try:
-            url = stripe_sync.create_portal_link(self.organization.pk, return_url=f"{settings.PUBLIC_URL}/console/")
+            url = stripe_sync.create_portal_link(self.organization.pk, return_url=f"{settings.PUBLIC_URL}/console/billing/?from=portal")
         except stripe.StripeError:  # as the console's payment page: Stripe down or refusing is not our 500
             logger.exception("could not create a Stripe portal link for organisation %s", self.organization.pk)
             return Response({"detail": "Stripe could not be reached just now; please try again in a minute."},
@@ -207,4 +207,8 @@ class StripeWebhookView(APIView):
             applied = handle_stripe_webhook(request.body, request.headers.get("Stripe-Signature"))
         except InvalidWebhook as exc:
             return Response({"detail": f"Invalid webhook: {exc}"}, status=status.HTTP_400_BAD_REQUEST)
+        except stripe.StripeError:  # the customer could not be read back: Stripe sends the event again later
+            logger.exception("a Stripe webhook could not be applied now")
+            return Response({"detail": "Try again later."}, status=status.HTTP_503_SERVICE_UNAVAILABLE,
+                            headers={"Retry-After": "60"})
         return Response({"received": True, "duplicate": not applied})

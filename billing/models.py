@@ -189,11 +189,11 @@ class BillingAccount(models.Model):
     # How much of the prepaid usage in the ledger has been drawn from credit grants (see billing.credits).
     credit_drawn = MoneyField(default=Decimal(0))
     created_at = models.DateTimeField(default=timezone.now)
-    # Payment standing (`billing.standing`). Stripe's webhooks say whether the customer has a default
-    # payment method (`payment_method_event_created`: the newest customer event applied); staff may let
-    # an organisation that pays by bank transfer spend without one.
+    # Payment standing (`billing.standing`): whether the Stripe customer has a default payment method, as
+    # read from Stripe at `payment_method_observed_ms` (Unix ms; 0: never read); staff may let an
+    # organisation that pays by bank transfer spend without one.
     payment_method_on_file = models.BooleanField(default=False)
-    payment_method_event_created = models.BigIntegerField(default=0)
+    payment_method_observed_ms = models.BigIntegerField(default=0)
     invoiced_without_card = models.BooleanField(
         default=False, help_text="Staff: this organisation pays its invoices without a card on file (bank transfer); "
                                  "it is not held to the limit of accounts without a payment method.")

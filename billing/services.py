@@ -72,27 +72,37 @@ def set_invoiced_without_card(actor: Actor, organization, *, allowed: bool) -> B
     return account
 
 
-def record_payment_method(customer_id: str, *, on_file: bool, event_created: int) -> BillingAccount | None:
-    """Stripe says whether `customer_id` has a default payment method now (a `customer.*` webhook);
-    an event older than the newest one applied changes nothing. The gateway sees a change at once."""
+def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) -> BillingAccount | None:
+    """Stripe's customer `customer_id`, read at `observed_ms`, has (or has not) a default payment method;
+    a reading older than the one recorded changes nothing. The gateway sees a change at once."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().filter(stripe_customer_id=customer_id).first()
-        if account is None or account.payment_method_event_created > event_created:
+        if account is None or account.payment_method_observed_ms >= observed_ms:
             return account
-        changed = account.payment_method_on_file != on_file
+        # NOTE: a customer never read before was not limited (`billing.standing`): its limits change too.
+        changed = account.payment_method_on_file != on_file or not account.payment_method_observed_ms
         account.payment_method_on_file = on_file
-        account.payment_method_event_created = event_created
-        account.save(update_fields=["payment_method_on_file", "payment_method_event_created"])
-        if changed:
-            record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file)
-    # NOTE: also when unchanged: a customer never observed before was not limited (`billing.standing`).
-    transaction.on_commit(lambda: refresh_limits(account))
+        account.payment_method_observed_ms = observed_ms
+        account.save(update_fields=["payment_method_on_file", "payment_method_observed_ms"])
+        record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file)
+    if changed:
+        _refresh_quietly(account)
     return account
+
+
+def _refresh_quietly(account: BillingAccount) -> None:
+    """`refresh_limits` after a change that is already committed: a Redis failure is logged, not raised;
+    the payment-standing beat task refreshes held organisations again."""
+    try:
+        refresh_limits(account, credit=False)
+    except Exception:
+        logger.exception("could not refresh the gateway's limits of organisation %s", account.organization_id)
 
 
 def review_payment_standing(organization_id: int, *, now: datetime | None = None) -> BillingAccount:
     """Apply `billing.standing.past_due_since` to the organisation: put on hold or released, audited,
-    owners and admins told of a hold, and the gateway sees it at once."""
+    owners and admins told of a hold, and the gateway sees it at once. The gateway's limits are written
+    on every review, so a refresh that failed is made good by the next (the beat task's, within minutes)."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization_id)
         since = standing.past_due_since(organization_id, now)
@@ -103,13 +113,12 @@ def review_payment_standing(organization_id: int, *, now: datetime | None = None
         if changed:
             record_audit(SYSTEM, account.organization, "billing.past_due" if since else "billing.past_due_cleared",
                          account, since=since.isoformat() if since else None)
-    if changed:
-        refresh_limits(account)
-        if since is not None:
-            try:
-                alerts.send_past_due(account)
-            except Exception:  # the hold stands; the email is a courtesy
-                logger.exception("could not email organisation %s about its unpaid invoice", organization_id)
+    _refresh_quietly(account)
+    if changed and since is not None:
+        try:
+            alerts.send_past_due(account)
+        except Exception:  # the hold stands; the email is a courtesy
+            logger.exception("could not email organisation %s about its unpaid invoice", organization_id)
     return account
 
 

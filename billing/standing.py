@@ -51,7 +51,7 @@ def limit_without_payment_method(account: BillingAccount) -> Decimal | None:
         return None
     if account.is_prepaid or account.payment_method_on_file or account.invoiced_without_card:
         return None
-    if account.stripe_customer_id and not account.payment_method_event_created:
+    if account.stripe_customer_id and not account.payment_method_observed_ms:
         return None  # a customer made before payment standing, not yet asked (`stripe_sync.observe_payment_method`)
     return limit
 

@@ -93,13 +93,13 @@ def _is_retryable(exc: stripe.StripeError) -> bool:
     return isinstance(exc, stripe.APIError) and (exc.http_status or 500) >= 500
 
 
-def call_stripe(request, *, what: str):
-    """Run `request()` (which must carry an idempotency key), retrying transient failures."""
-    for attempt in range(1, MAX_ATTEMPTS + 1):
+def call_stripe(request, *, what: str, attempts: int = MAX_ATTEMPTS):
+    """Run `request()` (which must carry an idempotency key, or only read), retrying transient failures."""
+    for attempt in range(1, attempts + 1):
         try:
             return request()
         except stripe.StripeError as exc:
-            if not _is_retryable(exc) or attempt == MAX_ATTEMPTS:
+            if not _is_retryable(exc) or attempt == attempts:
                 raise
             delay_s = min(MAX_BACKOFF_S, settings.STRIPE_RETRY_BASE_DELAY_S * 2 ** (attempt - 1))
             delay_s *= 0.5 + random.random() / 2
@@ -129,39 +129,43 @@ def ensure_customer(organization_id: int) -> str:
         ),
         what="customer create",
     )
-    customer_id = _store_once(account, "stripe_customer_id", customer.id)
-    # A customer we have just made has no payment method: known as of its creation (`billing.standing`).
-    BillingAccount.objects.filter(pk=account.pk, payment_method_event_created=0).update(
-        payment_method_event_created=customer.created or 1)
-    return customer_id
+    # NOTE: one statement: a customer we have just made has no payment method, known as of its creation
+    # (`billing.standing`); a stored customer with no reading would count as one never read, unlimited.
+    BillingAccount.objects.filter(pk=account.pk, stripe_customer_id="").update(
+        stripe_customer_id=customer.id, payment_method_observed_ms=(customer.created or 1) * 1000)
+    return BillingAccount.objects.values_list("stripe_customer_id", flat=True).get(pk=account.pk)
 
 
-def observe_payment_method(organization_id: int) -> bool | None:
-    """Ask Stripe whether the organisation's customer has a default payment method now, and record it
-    (as a webhook would): on the way back from the Customer Portal, and for customers made before
-    payment standing. None when the organisation has no customer yet."""
-    account = BillingAccount.objects.for_organization(organization_id)
-    if not account.stripe_customer_id:
-        return None
-    observed_at = int(time.time())
-    customer = call_stripe(lambda: stripe_client().v1.customers.retrieve(account.stripe_customer_id),
-                           what="customer read")
-    on_file = standing.has_payment_method(customer.to_dict())
-    services.record_payment_method(account.stripe_customer_id, on_file=on_file, event_created=observed_at)
+def observe_payment_method(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> bool:
+    """Read from Stripe whether `customer_id` has a default payment method now, and record it. Stripe's
+    `customer.*` webhooks are only the cue: they may arrive late and out of order, the customer as
+    read decides (stamped before the read, so an older reading never wins). A customer deleted in
+    Stripe has none."""
+    observed_ms = time.time_ns() // 1_000_000
+    try:
+        customer = call_stripe(lambda: stripe_client().v1.customers.retrieve(customer_id), what="customer read",
+                               attempts=attempts)
+        on_file = standing.has_payment_method(customer.to_dict())
+    except stripe.InvalidRequestError as exc:
+        if exc.code != "resource_missing":
+            raise
+        on_file = False
+    services.record_payment_method(customer_id, on_file=on_file, observed_ms=observed_ms)
     return on_file
 
 
-def observe_unknown_payment_methods(*, limit: int = 100) -> int:
-    """`observe_payment_method` for postpaid customers never observed (made before payment standing)."""
-    unknown = BillingAccount.objects.filter(mode=BillingMode.POSTPAID, payment_method_event_created=0).exclude(
-        stripe_customer_id="").values_list("organization_id", flat=True)[:limit]
+def observe_unknown_payment_methods(*, limit: int = 10) -> int:
+    """`observe_payment_method` for postpaid customers never read (made before payment standing), a few
+    per run, one try each: a customer Stripe cannot answer for now is asked again at the next run."""
+    unknown = BillingAccount.objects.filter(mode=BillingMode.POSTPAID, payment_method_observed_ms=0).exclude(
+        stripe_customer_id="").order_by("?").values_list("stripe_customer_id", flat=True)[:limit]
     num_observed = 0
-    for organization_id in unknown:
+    for customer_id in unknown:
         try:
-            observe_payment_method(organization_id)
+            observe_payment_method(customer_id, attempts=1)
             num_observed += 1
-        except stripe.StripeError:
-            logger.exception("could not read the Stripe customer of organisation %s; the next run asks again", organization_id)
+        except Exception:
+            logger.exception("could not read the Stripe customer %s; the next run asks again", customer_id)
     return num_observed
 
 

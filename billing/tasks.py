@@ -41,6 +41,7 @@ def check_spend_alerts() -> int:
 
 @shared_task(name="billing.review_payment_standing", acks_late=True, time_limit=300, soft_time_limit=270)
 def review_payment_standing() -> int:
+    on_hold = services.review_all_payment_standing()
     if stripe_sync.is_configured():
         stripe_sync.observe_unknown_payment_methods()
-    return services.review_all_payment_standing()
+    return on_hold

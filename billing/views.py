@@ -22,6 +22,8 @@ from billing.serializers import SpendCapSerializer
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import Actor
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import portal_return_key
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +117,26 @@ def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
 
 @member_required(write=Role.ADMIN)
 def billing(request):
-    if request.GET.get("from") == "portal" and stripe_sync.is_configured():
-        # Back from the Customer Portal: a card added there counts now, not when its webhook arrives.
-        try:
-            stripe_sync.observe_payment_method(request.organization.pk)
-        except stripe.StripeError:
-            logger.exception("could not read the Stripe customer of organisation %s", request.organization.pk)
+    if request.GET.get("from") == "portal":
+        _observe_after_portal(request)
     return _billing_page(request)
+
+
+PORTAL_RETURN_EVERY_S = 30
+
+
+def _observe_after_portal(request) -> None:
+    """Back from the Customer Portal: a card added there counts now, not when its webhook arrives. For
+    owners and admins (who can open the portal), once per organisation every 30 s, one try: a loop on
+    this address never spends the platform's Stripe rate limit."""
+    account = BillingAccount.objects.for_organization(request.organization)
+    if not (stripe_sync.is_configured() and account.stripe_customer_id and request.membership.can(Role.ADMIN)):
+        return
+    try:
+        if get_redis().set(portal_return_key(request.organization.pk), "1", nx=True, ex=PORTAL_RETURN_EVERY_S):
+            stripe_sync.observe_payment_method(account.stripe_customer_id, attempts=1)
+    except Exception:  # the page shows what is known; the webhook follows
+        logger.exception("could not read the Stripe customer of organisation %s", request.organization.pk)
 
 
 @member_required(write=Role.ADMIN)

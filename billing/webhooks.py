@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from billing import services, standing
+from billing import services, stripe_sync
 from billing.models import BillingAccount, Invoice, InvoiceLine, StripeEvent
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,12 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
     except (ValueError, stripe.SignatureVerificationError) as exc:
         raise InvalidWebhook(str(exc)) from None
     event = json.loads(payload)
+    if event["type"] in CUSTOMER_EVENTS:
+        # The customer as Stripe has it now decides, not the event (they arrive late and out of order);
+        # read with no transaction open. If Stripe cannot answer, this webhook fails and Stripe sends it again.
+        customer_id = event["data"]["object"].get("id") or "-"
+        if BillingAccount.objects.filter(stripe_customer_id=customer_id).exists():
+            stripe_sync.observe_payment_method(customer_id)
     with transaction.atomic():
         _, created = StripeEvent.objects.get_or_create(stripe_event_id=event["id"], defaults={"type": event["type"]})
         if not created:
@@ -46,12 +52,7 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
             if invoice is not None:
                 organization_id = invoice.organization_id
                 transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
-        elif event["type"] in CUSTOMER_EVENTS:
-            customer = event["data"]["object"]
-            services.record_payment_method(customer.get("id") or "-", on_file=standing.has_payment_method(customer),
-                                           event_created=event.get("created", 0))
     return True
-
 
 
 def _moment(epoch: int | None) -> datetime | None:
@@ -76,8 +77,10 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
     invoice.period_end = _moment(data.get("period_end"))
     invoice.hosted_invoice_url = data.get("hosted_invoice_url") or ""
     invoice.stripe_event_created = event_created
+    # NOTE: the first failure starts the grace period (`billing.standing`); Stripe's retries, and attempts
+    # with a card that fails again, never restart it. Only a paid invoice clears it.
     if event_type == "invoice.payment_failed":
-        invoice.payment_failed_at = timezone.now()
+        invoice.payment_failed_at = invoice.payment_failed_at or _moment(event_created) or timezone.now()
     elif invoice.status == "paid":
         invoice.payment_failed_at = None
     invoice.save()

@@ -75,6 +75,11 @@ def credit_key(organization_id: int) -> str:
     return f"billing:{org_tag(organization_id)}:credit"
 
 
+def portal_return_key(organization_id: int) -> str:
+    """Set for a while after the billing page read the organisation's Stripe customer on a return from the portal."""
+    return f"billing:{org_tag(organization_id)}:portal_return"
+
+
 def settled_key(organization_id: int, request_id: str) -> str:
     return f"billing:{org_tag(organization_id)}:settled:{request_id}"
 

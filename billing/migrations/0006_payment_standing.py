@@ -22,7 +22,7 @@ class Migration(migrations.Migration):
         ),
         migrations.AddField(
             model_name='billingaccount',
-            name='payment_method_event_created',
+            name='payment_method_observed_ms',
             field=models.BigIntegerField(default=0),
         ),
         migrations.AddField(

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 
 from django.conf import settings
+from django.db import transaction
 
 from billing.models import MONEY_QUANTUM, BillingAccount
 from billing.periods import period_containing
-from billing.standing import spend_limit
+from billing.standing import bills_through_stripe, spend_limit
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import (
     credit_key,
@@ -82,11 +83,12 @@ def from_units(units: int) -> Decimal:
 
 # The checks and holds of one reservation, as a Lua function of `RESERVE`'s keys and arguments.
 # Returns {'ok', 'new'|'existing'}, {'refused', reason} or {'missing', what}; only 'ok' changes anything.
-# An organisation counter without `capr` (written before payment standing) counts as missing: its
-# rebuild adds the limit fields and keeps its spend.
+# An organisation counter whose limits were worked out under other rules (`lv`, the limits version:
+# written by an older version, or before the limit without a payment method or Stripe's set-up changed)
+# counts as missing: its rebuild writes the limits again and keeps its spend.
 RESERVE_LUA = """
 local function quota_reserve(K, A)
-  if redis.call('HEXISTS', K[1], 'capr') == 0 then return {'missing', 'org'} end
+  if redis.call('HGET', K[1], 'lv') ~= A[6] then return {'missing', 'org'} end
   local has_key = A[4] == '1'
   if has_key and redis.call('EXISTS', K[3]) == 0 then return {'missing', 'key'} end
   local prepaid = redis.call('HGET', K[1], 'prepaid') == '1'
@@ -121,7 +123,7 @@ end
 RESERVE = ScriptPart(
     "quota_reserve",
     keys=("org period", "org reserved", "key period", "key reserved", "credit", "reservations", "deadlines"),
-    args=("request id", "amount (units)", "deadline", "has key (1/0)", "payload"), lua=RESERVE_LUA)
+    args=("request id", "amount (units)", "deadline", "has key (1/0)", "payload", "limits version"), lua=RESERVE_LUA)
 
 # Replaces a reservation by the real cost, never more than the reservation, once per request id.
 SETTLE_LUA = """
@@ -193,7 +195,7 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
     deadline = time.time() + settings.BILLING_RESERVATION_TTL_S
     keys, _, payload_before, payload_after = _prepared(organization_id, api_key_id, period.key)
     args = [request_id, str(units), f"{deadline:.3f}", "1" if api_key_id is not None else "0",
-            f"{payload_before}{units}{payload_after}"]
+            f"{payload_before}{units}{payload_after}", limits_version()]
     return reservation, keys, args
 
 
@@ -217,26 +219,39 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal) -> tuple[lis
     return keys, [reservation.request_id, str(to_units(actual)), has_key, str(SETTLED_MARKER_TTL_S)]
 
 
+def limits_version() -> str:
+    """What the organisation counters' limits were worked out under, beyond the account: this code's
+    fields and the settings of payment standing. A counter of another version is rebuilt."""
+    return f"2:{settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD}:{int(bills_through_stripe())}"
+
+
 def limit_fields(account: BillingAccount) -> dict[str, str]:
-    """The organisation counter's limits: `cap` (units, -1: none) and `capr`, the refusal reason when
-    it is reached (`billing.standing.spend_limit`), `prepaid` (1/0) and `hold` (a refusal reason for
-    every call, or empty)."""
+    """The organisation counter's limits: `lv` (`limits_version`), `cap` (units, -1: none) and `capr`,
+    the refusal reason when it is reached (`billing.standing.spend_limit`), `prepaid` (1/0) and `hold`
+    (a refusal reason for every call, or empty)."""
     limit = spend_limit(account)
     return {
-        "cap": str(to_units(limit.cap) if limit.cap is not None else -1), "capr": limit.reason,
-        "prepaid": "1" if account.is_prepaid else "0", "hold": "past_due" if account.past_due_since else "",
+        "lv": limits_version(), "cap": str(to_units(limit.cap) if limit.cap is not None else -1),
+        "capr": limit.reason, "prepaid": "1" if account.is_prepaid else "0",
+        "hold": "past_due" if account.past_due_since else "",
     }
 
 
-def refresh_limits(account: BillingAccount) -> None:
-    """Make Redis see the organisation's changed cap, billing mode, payment standing or credit grants
-    at once (counters stay as they are)."""
-    period = period_containing()
-    _UPDATE_HASH.run_sync(
-        keys=[org_period_key(account.organization_id, period.key)],
-        args=[item for pair in limit_fields(account).items() for item in pair],
-    )
-    get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants at the next reservation
+def refresh_limits(account: BillingAccount, *, credit: bool = True) -> None:
+    """Make Redis see the organisation's changed cap, billing mode, payment standing or (`credit`)
+    credit grants at once (counters stay as they are).
+
+    NOTE: reads the account again and writes Redis under its row lock, so two refreshes never leave the
+    older state last: a change's own write takes the same lock, and its refresh runs after it commits.
+    """
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().get(pk=account.pk)
+        _UPDATE_HASH.run_sync(
+            keys=[org_period_key(account.organization_id, period_containing().key)],
+            args=[item for pair in limit_fields(account).items() for item in pair],
+        )
+    if credit:
+        get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants at the next reservation
 
 
 def refresh_key_limit(organization_id: int, api_key_id: int, key_cap: Decimal | None) -> None:

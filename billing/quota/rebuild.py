@@ -21,13 +21,15 @@ from controlplane.redis_scripts import Script
 CREDIT_FIGURE_MAX_TTL_S = 3600
 
 # KEYS: a hash; ARGV: ttl, n, then field/value pairs. The first n pairs are counters, written only if
-# nobody wrote the hash meanwhile; the others are limits, written in any case (a counter written before
-# a limit field existed gains it and keeps its count).
+# nobody wrote the hash meanwhile; the others are limits, their first pair the limits version: written
+# too when the hash holds another version (an older version's counter keeps its count), never over a
+# current one (a refresh since this rebuild read the database may have written newer limits).
 _INIT_HASH = Script("""
 local created = redis.call('EXISTS', KEYS[1]) == 0
-local last_counter = 2 + 2 * tonumber(ARGV[2])
+local first_limit = 3 + 2 * tonumber(ARGV[2])
+local stale = ARGV[first_limit] ~= nil and redis.call('HGET', KEYS[1], ARGV[first_limit]) ~= ARGV[first_limit + 1]
 for i = 3, #ARGV, 2 do
-  if created or i > last_counter then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+  if created or (stale and i >= first_limit) then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 end
 if created then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 return created and 1 or 0
@@ -53,9 +55,8 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
         spent = to_units(period_spend(organization_id, period, api_key_id=api_key_id))
-        limits = {"cap": str(to_units(key_cap) if key_cap is not None else -1)}
-        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), {"spent": str(spent)}, limits,
-                        None, PERIOD_TTL_S)
+        counters = {"spent": str(spent), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
+        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), counters, {}, None, PERIOD_TTL_S)
     if what == "credit":
         available, ttl_s = credit_available(organization_id)
         return _Rebuild(credit_key(organization_id), None, None, str(to_units(available, ROUND_HALF_UP)), ttl_s)

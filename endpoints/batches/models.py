@@ -7,6 +7,7 @@ import secrets
 from datetime import timedelta
 
 from django.db import models
+from django.db.models.functions import Now
 from django.utils import timezone
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
@@ -45,8 +46,9 @@ class File(models.Model):
     bytes = models.BigIntegerField()
     s3_key = models.CharField(max_length=300)
     created_at = models.DateTimeField(default=timezone.now)
-    # None while its bytes are being uploaded: the row holds its place in the storage quota first.
-    stored_at = models.DateTimeField(null=True, blank=True)
+    # None while its bytes are being uploaded: the row holds its place in the storage quota first. The
+    # database's default (now) keeps a row written any other way stored, by older code during a deploy too.
+    stored_at = models.DateTimeField(null=True, blank=True, db_default=Now())
     deleted_at = models.DateTimeField(null=True, blank=True)
 
     objects = FileQuerySet.as_manager()

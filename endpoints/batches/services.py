@@ -73,15 +73,9 @@ def create_file(*, organization_id: int, purpose: str, filename: str, stream, si
     file_id = new_file_id()
     key = storage.file_key(organization_id, file_id)
     with transaction.atomic():
-        organization = Organization.objects.select_for_update(of=("self",)).select_related("plan").get(pk=organization_id)
-        limit = organization.quotas.max_file_bytes
-        used = File.objects.held_by(organization_id).aggregate(total=Sum("bytes"))["total"] or 0
-        if used + size > limit:
-            raise Refused(f"Your organisation keeps {used:,} bytes of files and may keep {limit:,} (quota "
-                          "max_file_bytes): delete files it no longer needs, or ask for a larger plan.",
-                          param="file", code="storage_quota_exceeded")
+        _refuse_past_storage_quota(organization_id, size, param="file", doing="")
         file = File.objects.create(id=file_id, organization_id=organization_id, purpose=purpose,
-                                   filename=(filename or "upload.jsonl")[:255], bytes=size, s3_key=key)
+                                   filename=(filename or "upload.jsonl")[:255], bytes=size, s3_key=key, stored_at=None)
     try:
         storage.put_stream(key, stream)
     except BaseException:
@@ -92,15 +86,35 @@ def create_file(*, organization_id: int, purpose: str, filename: str, stream, si
     return file
 
 
+def _refuse_past_storage_quota(organization_id: int, size: int, *, param: str, doing: str) -> None:
+    """Refuse `size` more bytes past the organisation's `max_file_bytes`: its files (uploads in progress
+    too) and the room its open batches keep for their outputs (each its input's size). Takes the
+    organisation's row lock, held by the caller's transaction until its row is written."""
+    organization = Organization.objects.select_for_update(of=("self",)).select_related("plan").get(pk=organization_id)
+    limit = organization.quotas.max_file_bytes
+    used = File.objects.held_by(organization_id).aggregate(total=Sum("bytes"))["total"] or 0
+    room = Batch.objects.open().filter(organization_id=organization_id).aggregate(
+        total=Sum("input_file__bytes"))["total"] or 0
+    if used + room + size > limit:
+        raise Refused(f"Your organisation keeps {used:,} bytes of files{f' ({room:,} more kept for open batches)' if room else ''}"
+                      f" and may keep {limit:,} (quota max_file_bytes){f' {doing}' if doing else ''}: delete files it no "
+                      "longer needs, or ask for a larger plan.", param=param, code="storage_quota_exceeded")
+
+
 def sweep_abandoned_uploads(now=None) -> int:
     """Rows of uploads whose process died before their bytes were stored: their bytes (if any reached
     S3) and rows removed, so they stop counting against the quota."""
     before = (now or timezone.now()) - UPLOAD_ABANDONED_AFTER
     abandoned = list(File.objects.filter(stored_at__isnull=True, created_at__lt=before).values_list("pk", "s3_key")[:100])
+    num_swept = 0
     for file_id, key in abandoned:
-        storage.delete(key)
-        File.objects.filter(pk=file_id, stored_at__isnull=True).delete()
-    return len(abandoned)
+        try:  # the row first: bytes are never removed from under a row that stays
+            if File.objects.filter(pk=file_id, stored_at__isnull=True).delete()[0]:
+                storage.delete(key)
+                num_swept += 1
+        except Exception:
+            logger.exception("could not sweep the abandoned upload %s", file_id)
+    return num_swept
 
 
 def delete_file(file: File) -> bool:
@@ -138,9 +152,13 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
     if input_file.purpose != FilePurpose.BATCH:
         raise Refused("The input file's purpose must be 'batch'.", param="input_file_id")
     now = timezone.now()
-    batch = Batch.objects.create(organization_id=organization_id, api_key_id=api_key_id, created_by_id=user_id,
-                                 request_path=request_path, input_file=input_file, completion_window=completion_window,
-                                 metadata=metadata, created_at=now, expires_at=now + COMPLETION_WINDOWS[completion_window])
+    with transaction.atomic():
+        _refuse_past_storage_quota(organization_id, input_file.bytes, param="input_file_id",
+                                   doing="and each open batch keeps room for its output")
+        batch = Batch.objects.create(organization_id=organization_id, api_key_id=api_key_id, created_by_id=user_id,
+                                     request_path=request_path, input_file=input_file, completion_window=completion_window,
+                                     metadata=metadata, created_at=now,
+                                     expires_at=now + COMPLETION_WINDOWS[completion_window])
     transaction.on_commit(lambda: dispatch(batch.pk))
     return batch
 
@@ -365,6 +383,10 @@ def finalize_batch(batch: Batch, final: str) -> None:
         Batch.objects.filter(pk=batch.pk).update(
             status=final, output_file=output, error_file=error, num_completed=len(outputs),
             num_failed=sum(1 for f in failures if f["response"] is not None), **{stamp: now})
+    try:  # the output and error files hold them now
+        storage.delete_results(batch.organization_id, batch.pk)
+    except Exception:
+        logger.exception("could not delete the line results of %s", batch.pk)
 
 
 def _jsonl(rows: list[dict]) -> bytes:

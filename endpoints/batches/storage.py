@@ -83,6 +83,14 @@ def result_indices(organization_id: int, batch_id: str) -> dict[int, bool]:
     return {index: ok for index, (_, ok) in _result_keys(organization_id, batch_id).items()}
 
 
+def delete_results(organization_id: int, batch_id: str) -> None:
+    """A batch's line results, once its output and error files hold them."""
+    keys = [key for key, _ in _result_keys(organization_id, batch_id).values()]
+    for start in range(0, len(keys), 1000):  # S3's most per request
+        _client().delete_objects(Bucket=settings.FILES_S3_BUCKET,
+                                 Delete={"Objects": [{"Key": key} for key in keys[start:start + 1000]], "Quiet": True})
+
+
 def read_results(organization_id: int, batch_id: str) -> dict[int, dict]:
     """Every line result written so far, by line index (read `READ_THREADS` at a time)."""
     keys = _result_keys(organization_id, batch_id)

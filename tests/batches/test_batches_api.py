@@ -47,7 +47,7 @@ def _wait_for(client, batch_id: str, statuses=FINAL, timeout_s: float = 180):
 
 
 def test_a_batch_completes_with_openais_output_file_billed_once_per_line_at_the_batch_price(
-        gateway, tenant, batch_worker, start_mock_upstream):
+        gateway, tenant, batch_worker, start_mock_upstream, files_bucket):
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(), target_concurrency=4)
     client = tenant.client(gateway)
     rows = [_chat_line(f"line-{i}", endpoint.name) for i in range(12)] + [_chat_line("too-long", endpoint.name, 5000)]
@@ -67,6 +67,8 @@ def test_a_batch_completes_with_openais_output_file_billed_once_per_line_at_the_
         assert row["response"]["request_id"].startswith(batch.id)
     errors = [json.loads(line) for line in client.files.content(batch.error_file_id).read().splitlines()]
     assert [(row["custom_id"], row["response"]["status_code"]) for row in errors] == [("too-long", 400)]
+    # The line results were only kept until the output and error files held them.
+    assert [key for key in bucket_objects(files_bucket) if "/lines/" in key] == []
 
     # One usage row per line that ran, each carrying the batch id, priced at half the interactive price.
     rows = UsageRecord.objects.filter(organization=tenant.org)
@@ -118,6 +120,18 @@ def test_bad_create_parameters_are_400s_in_openais_shape(gateway, tenant, files_
     with pytest.raises(openai.BadRequestError) as refused:
         client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="1h")
     assert refused.value.body["param"] == "completion_window"
+
+    # Each open batch keeps room for its output (its input's size) within the storage quota: before, any
+    # number of batches of one input could each write output files nobody could stop.
+    from controlplane.accounts.models import Plan
+
+    tenant.org.plan = Plan.objects.create(name="small-files", max_file_bytes=2 * input_file.bytes)
+    tenant.org.save(update_fields=["plan"])
+    client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert (refused.value.code, refused.value.body["param"]) == ("storage_quota_exceeded", "input_file_id")
+    assert "open batches" in refused.value.message
 
 
 def test_cancel_stops_new_lines_and_keeps_the_ones_that_finished(gateway, tenant, batch_worker, start_mock_upstream):

@@ -187,12 +187,18 @@ def test_an_upload_that_fails_or_dies_stops_counting_against_the_quota(tenant, f
 
     # A process that died mid-upload left its row: not listed, counted until swept an hour on.
     File.objects.create(organization=tenant.org, purpose="batch", filename="r.jsonl", bytes=len(LINES),
-                        s3_key=f"files/{tenant.org.pk}/file-dead", created_at=timezone.now() - timedelta(minutes=61))
+                        s3_key=f"files/{tenant.org.pk}/file-dead", created_at=timezone.now() - timedelta(minutes=61),
+                        stored_at=None)
     assert not File.objects.for_org(tenant.org.pk).exists()
     with pytest.raises(services.Refused):
         services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl", stream=io.BytesIO(LINES),
                              size=len(LINES))
+    # A row written without `stored_at` (older code during a deploy) is stored: never swept.
+    older = File.objects.create(organization=tenant.org, purpose="batch", filename="old.jsonl", bytes=0,
+                                s3_key=f"files/{tenant.org.pk}/file-old", created_at=timezone.now() - timedelta(hours=2))
     assert services.sweep_abandoned_uploads() == 1
+    assert File.objects.filter(pk=older.pk, stored_at__isnull=False).exists()
+    older.delete()
     stored = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
                                   stream=io.BytesIO(LINES), size=len(LINES))
     assert list(File.objects.for_org(tenant.org.pk)) == [stored]

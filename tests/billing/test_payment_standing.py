@@ -79,14 +79,15 @@ def _webhook(kind: str, data: dict, *, created: int | None = None) -> None:
     assert response.status_code == 200, response.content
 
 
-def _customer_event(billed, payment_method: str | None, *, created: int | None = None) -> None:
-    _webhook("customer.updated", billed.stripe.set_default_payment_method(billed.customer, payment_method), created=created)
+def _customer_event(billed, payment_method: str | None) -> None:
+    """What Stripe does when a card is added or removed: the customer changes, then its webhook comes."""
+    _webhook("customer.updated", billed.stripe.set_default_payment_method(billed.customer, payment_method))
 
 
-def _invoice_event(billed, kind: str, status: str, *, invoice_id: str = "in_unpaid") -> None:
+def _invoice_event(billed, kind: str, status: str, *, invoice_id: str = "in_unpaid", created: int | None = None) -> None:
     _webhook(kind, {"id": invoice_id, "object": "invoice", "customer": billed.customer, "status": status,
                     "currency": "usd", "amount_due": 4200, "amount_paid": 4200 if status == "paid" else 0,
-                    "lines": {"object": "list", "data": []}})
+                    "lines": {"object": "list", "data": []}}, created=created)
 
 
 def test_without_a_payment_method_an_organisation_spends_at_most_the_limit_whatever_its_cap(billed):
@@ -101,13 +102,33 @@ def test_without_a_payment_method_an_organisation_spends_at_most_the_limit_whate
     _spend(billed.org, "0.60")
     assert BillingAccount.objects.get(organization=billed.org).payment_method_on_file
 
-    now = int(time.time())
-    _customer_event(billed, None, created=now + 5)  # the card removed: the limit is back at once
+    _customer_event(billed, None)  # the card removed: the limit is back at once
     assert _refusal(billed.org, "0.10").reason == "payment_method"
-    _customer_event(billed, "pm_card_visa", created=now - 60)  # an older event arriving late changes nothing
+    # An older event arriving late, saying a card is on file: the customer as Stripe has it now decides.
+    _webhook("customer.updated", {"id": billed.customer, "object": "customer",
+                                  "invoice_settings": {"default_payment_method": "pm_card_visa"}},
+             created=int(time.time()) - 60)
     assert _refusal(billed.org, "0.10").reason == "payment_method"
-    assert list(AuditEvent.objects.filter(action="billing.payment_method").order_by("pk").values_list("details__on_file", flat=True)) \
-        == [True, False]
+    assert list(AuditEvent.objects.filter(action="billing.payment_method").order_by("pk")
+                .values_list("details__on_file", flat=True)) == [True, False, False]
+
+
+def test_a_customer_webhook_that_cannot_be_read_back_is_a_503_and_counts_when_stripe_sends_it_again(billed):
+    billed.stripe.set_default_payment_method(billed.customer, "pm_card_visa")
+    event = {"id": "evt_card", "object": "event", "type": "customer.updated", "created": int(time.time()),
+             "data": {"object": {"id": billed.customer, "object": "customer"}}}
+    body = json.dumps(event).encode()
+
+    def post():
+        return APIClient().post(WEBHOOK, body, content_type="application/json",
+                                HTTP_STRIPE_SIGNATURE=sign_webhook(body, "whsec_test_secret"))
+
+    billed.stripe.fail_next("500", times=5)
+    refused = post()
+    assert refused.status_code == 503 and refused["Retry-After"] == "60"
+    assert _refusal(billed.org, "2.00").reason == "payment_method"
+    assert post().status_code == 200  # Stripe's retry of the same event
+    _spend(billed.org, "2.00")
 
 
 def test_an_invoice_left_unpaid_past_its_grace_stops_every_call_until_it_is_paid(billed):
@@ -137,6 +158,44 @@ def test_an_invoice_left_unpaid_past_its_grace_stops_every_call_until_it_is_paid
     assert AuditEvent.objects.filter(action="billing.past_due_cleared").count() == 1
 
 
+def test_the_grace_period_runs_from_the_first_failure_whatever_fails_after(billed):
+    """Before, each failed attempt restarted it: a held tenant paying with a declined card was released."""
+    _customer_event(billed, "pm_card_visa")
+    first = int(time.time()) - 8 * 86_400
+    _invoice_event(billed, "invoice.payment_failed", "open", created=first)
+    for days_ago in (6, 3, 0):  # Stripe's retries
+        _invoice_event(billed, "invoice.payment_failed", "open", created=int(time.time()) - days_ago * 86_400)
+    assert Invoice.objects.get().payment_failed_at.timestamp() == first
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+
+
+def test_a_hold_that_did_not_reach_redis_is_written_by_the_next_review(billed, monkeypatch):
+    from billing.quota import counters
+
+    _customer_event(billed, "pm_card_visa")
+    _spend(billed.org, "0.01")  # the gateway's counter is built
+
+    def redis_down(*args, **kwargs):
+        raise ConnectionError("Redis is restarting")
+
+    monkeypatch.setattr(counters, "refresh_limits", redis_down)
+    monkeypatch.setattr(services, "refresh_limits", redis_down)
+    _invoice_event(billed, "invoice.marked_uncollectible", "uncollectible")  # the webhook still answers 200
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since is not None
+    _spend(billed.org, "0.01")  # the gateway has not heard
+    monkeypatch.undo()
+
+    services.review_all_payment_standing()
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+
+
+def test_a_changed_limit_setting_reaches_counters_already_built(billed, settings):
+    _spend(billed.org, "0.90")
+    assert _refusal(billed.org, "0.20").reason == "payment_method"
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = Decimal("2.00")
+    _spend(billed.org, "0.20")
+
+
 def test_an_uncollectible_invoice_stops_calls_at_once_and_voiding_it_lets_them_through(billed):
     _customer_event(billed, "pm_card_visa")
     _invoice_event(billed, "invoice.marked_uncollectible", "uncollectible")
@@ -147,12 +206,14 @@ def test_an_uncollectible_invoice_stops_calls_at_once_and_voiding_it_lets_them_t
 
 
 def test_a_counter_written_before_payment_standing_gains_its_limits_and_keeps_its_spend(billed):
+    from billing.quota.counters import limits_version
+
     key = redis_keys.org_period_key(billed.org.pk, period_containing().key)
     get_redis().hset(key, mapping={"spent": str(900_000_000), "cap": "-1", "prepaid": "0"})  # $0.90, no limit fields
 
     assert _refusal(billed.org, "0.20").reason == "payment_method"  # $0.90 counted, as Redis had it
-    assert get_redis().hgetall(key) == {"spent": "900000000", "cap": "1000000000", "capr": "payment_method",
-                                        "prepaid": "0", "hold": ""}
+    assert get_redis().hgetall(key) == {"spent": "900000000", "lv": limits_version(), "cap": "1000000000",
+                                        "capr": "payment_method", "prepaid": "0", "hold": ""}
     _spend(billed.org, "0.10")
 
 
@@ -177,13 +238,18 @@ def test_a_customer_made_before_payment_standing_is_asked_and_limited_only_witho
     for organization, payment_method in ((with_card, "pm_card_visa"), (without, None)):
         customer_id = stripe_sync.ensure_customer(organization.pk)
         billed.stripe.set_default_payment_method(customer_id, payment_method)
-        BillingAccount.objects.filter(organization=organization).update(payment_method_event_created=0)
+        BillingAccount.objects.filter(organization=organization).update(payment_method_observed_ms=0)
         _spend(organization, "1.50")  # never asked: not limited (it may have had a card for months)
+
+    gone = OrganizationFactory()  # its customer was deleted in Stripe: it has no card
+    BillingAccount.objects.for_organization(gone.pk)
+    BillingAccount.objects.filter(organization=gone).update(stripe_customer_id="cus_deleted")
 
     tasks.review_payment_standing()
 
     _spend(with_card, "1.50")
     assert _refusal(without, "0.01").reason == "payment_method"
+    assert _refusal(gone, "5.01").reason == "payment_method"
 
 
 def test_without_stripe_nothing_is_invoiced_so_neither_rule_applies(settings):
@@ -220,6 +286,22 @@ def test_the_billing_api_and_page_show_the_standing_and_a_card_added_in_the_port
     assert 'data-testid="payment-method-limit"' not in page
     assert client.get("/api/v1/billing/").json()["standing"]["effective_spend_cap"] is None
     _spend(billed.org, "2.00")
+    # A loop on the return address asks Stripe once per 30 s, and only for owners and admins.
+    reads = lambda: len(billed.stripe.calls_to(f"/v1/customers/{billed.customer}", "GET"))  # noqa: E731
+    before = reads()
+    for _ in range(5):
+        assert console.get("/console/billing/?from=portal").status_code == 200
+    assert reads() == before
+    get_redis().delete(redis_keys.portal_return_key(billed.org.pk))
+    viewer = Client()
+    viewer_user = UserFactory()
+    MembershipFactory(organization=billed.org, user=viewer_user, role=Role.VIEWER)
+    viewer.force_login(viewer_user)
+    viewer_session = viewer.session
+    viewer_session[SESSION_KEY] = billed.org.pk
+    viewer_session.save()
+    assert viewer.get("/console/billing/?from=portal").status_code == 200
+    assert reads() == before
 
     _invoice_event(billed, "invoice.marked_uncollectible", "uncollectible")
     assert 'data-testid="past-due"' in console.get("/console/billing/").content.decode()
