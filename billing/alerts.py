@@ -9,12 +9,14 @@ from decimal import Decimal
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
+from django.db.models import Exists, OuterRef, Q
 from django.urls import reverse
 from django.utils import timezone
 
 from billing.ledger import period_spend
-from billing.models import BillingAccount, SpendAlert
+from billing.models import BillingAccount, BillingMode, SpendAlert, UsageRecord
 from billing.periods import period_containing
+from billing.standing import SpendLimit, limit_without_payment_method_applies, spend_limit
 from controlplane.accounts.models import Membership, Role
 
 logger = logging.getLogger(__name__)
@@ -23,13 +25,18 @@ THRESHOLDS_PERCENT = (50, 80, 100)
 
 
 def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
-    """Send the alerts the period's spend has crossed and not yet sent. Returns the thresholds sent now."""
+    """Send the alerts the period's spend has crossed and not yet sent. Returns the thresholds sent now.
+    The cap is where calls stop: the organisation's own, or the lower limit without a payment method
+    (`billing.standing`)."""
     account = BillingAccount.objects.filter(organization_id=organization_id).select_related("organization").first()
-    if account is None or not account.spend_cap:
+    if account is None:
+        return []
+    limit = spend_limit(account)
+    if not limit.cap:
         return []
     period = period_containing(now)
     spend = period_spend(organization_id, period)
-    crossed = [t for t in THRESHOLDS_PERCENT if spend * 100 >= account.spend_cap * t]
+    crossed = [t for t in THRESHOLDS_PERCENT if spend * 100 >= limit.cap * t]
     if not crossed:
         return []
     sent_now = []
@@ -39,12 +46,12 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
             with transaction.atomic():
                 alert = SpendAlert.objects.create(
                     organization_id=organization_id, period_start=period.start, threshold_percent=threshold,
-                    spend=spend, spend_cap=account.spend_cap,
+                    spend=spend, spend_cap=limit.cap,
                 )
         except IntegrityError:
             continue
         try:
-            _send(account, threshold, spend)
+            _send(account, limit, threshold, spend)
         except Exception:
             SpendAlert.objects.filter(pk=alert.pk).delete()  # unclaimed, so the next run tries again
             raise
@@ -75,27 +82,36 @@ def send_past_due(account: BillingAccount) -> None:
         )
 
 
-def _send(account: BillingAccount, threshold: int, spend: Decimal) -> None:
+def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Decimal) -> None:
     organization = account.organization
     recipients = _recipients(organization)
     if not recipients:
         return
+    without_card = limit.reason == "payment_method"
+    what = "the monthly limit of accounts without a payment method" if without_card else "its monthly spend cap"
+    remedy = "a payment method is added" if without_card else "the cap is raised"
     if threshold >= 100:
-        subject = f"{organization.name} reached its monthly spend cap"
-        consequence = "Inference calls are refused (HTTP 402) until the cap is raised or the month ends."
+        subject = f"{organization.name} reached {what}"
+        consequence = f"Inference calls are refused (HTTP 402) until {remedy} or the month ends."
     else:
-        subject = f"{organization.name} used {threshold}% of its monthly spend cap"
-        consequence = "Calls are refused once the cap is reached."
+        subject = f"{organization.name} used {threshold}% of {what}"
+        consequence = "Calls are refused once it is reached." + (" Add a payment method to lift it." if without_card else "")
     body = (
-        f"Spend this month: ${spend:.2f} of a ${account.spend_cap:.2f} cap.\n{consequence}\n\n"
-        f"Billing settings: {settings.PUBLIC_URL}/console/\n"
+        f"Spend this month: ${spend:.2f} of a ${limit.cap:.2f} {'limit' if without_card else 'cap'}.\n{consequence}\n\n"
+        f"Billing settings: {settings.PUBLIC_URL}{reverse('console:billing')}\n"
     )
     send_mail(subject, body, None, recipients)
 
 
 def check_all_spend_alerts() -> int:
     num_sent = 0
-    for organization_id in BillingAccount.objects.filter(spend_cap__gt=0).values_list("organization_id", flat=True):
+    capped = Q(spend_cap__gt=0)
+    if limit_without_payment_method_applies():
+        # NOTE: of the (many) accounts without a card, only those that spent this month.
+        spent = UsageRecord.objects.filter(organization_id=OuterRef("organization_id"),
+                                           finished_at__gte=period_containing().start)
+        capped |= Q(Exists(spent), mode=BillingMode.POSTPAID, payment_method_on_file=False, invoiced_without_card=False)
+    for organization_id in BillingAccount.objects.filter(capped).values_list("organization_id", flat=True):
         try:
             num_sent += len(check_spend_alerts(organization_id))
         except Exception:

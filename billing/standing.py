@@ -44,10 +44,15 @@ def bills_through_stripe() -> bool:
     return bool(settings.STRIPE_SECRET_KEY)
 
 
+def limit_without_payment_method_applies() -> bool:
+    """Whether this installation limits accounts without a payment method at all."""
+    return settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD > 0 and bills_through_stripe()
+
+
 def limit_without_payment_method(account: BillingAccount) -> Decimal | None:
     """The limit that applies to `account` for want of a payment method, or None."""
     limit = settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD
-    if limit <= 0 or not bills_through_stripe():
+    if not limit_without_payment_method_applies():
         return None
     if account.is_prepaid or account.payment_method_on_file or account.invoiced_without_card:
         return None

@@ -306,3 +306,19 @@ def test_the_billing_api_and_page_show_the_standing_and_a_card_added_in_the_port
     _invoice_event(billed, "invoice.marked_uncollectible", "uncollectible")
     assert 'data-testid="past-due"' in console.get("/console/billing/").content.decode()
     assert client.get("/api/v1/billing/").json()["standing"]["past_due_since"] is not None
+
+
+def test_spend_alerts_warn_before_the_limit_without_a_payment_method(billed):
+    from billing.alerts import check_all_spend_alerts
+    from billing.ledger import record_usage
+    from tests.billing.conftest import usage_report
+    from tests.factories import EndpointFactory
+
+    endpoint = EndpointFactory(organization=billed.org, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=600_000, completion_tokens=0))  # $0.60 of the $1 limit
+    OrganizationFactory()  # an account without a card that spent nothing: not even looked at
+
+    assert check_all_spend_alerts() == 1
+    assert mail.outbox[0].subject.endswith("used 50% of the monthly limit of accounts without a payment method")
+    assert "Add a payment method" in mail.outbox[0].body
