@@ -192,13 +192,16 @@ class BillingAccount(models.Model):
     # Payment standing (`billing.standing`): whether the Stripe customer has a default payment method, as
     # read from Stripe at `payment_method_observed_ms` (Unix ms; 0: never read); staff may let an
     # organisation that pays by bank transfer spend without one.
-    payment_method_on_file = models.BooleanField(default=False)
-    payment_method_observed_ms = models.BigIntegerField(default=0)
+    # NOTE: database defaults too: code of the previous version, during a deploy, writes rows without them.
+    payment_method_on_file = models.BooleanField(default=False, db_default=False)
+    payment_method_observed_ms = models.BigIntegerField(default=0, db_default=0)
     invoiced_without_card = models.BooleanField(
-        default=False, help_text="Staff: this organisation pays its invoices without a card on file (bank transfer); "
+        default=False, db_default=False, help_text="Staff: this organisation pays its invoices without a card on file (bank transfer); "
                                  "it is not held to the limit of accounts without a payment method.")
     # Since when an unpaid invoice has stopped inference (None: in good standing).
     past_due_since = models.DateTimeField(null=True, blank=True)
+    # A change of its limits has not reached Redis yet (set with the change, cleared by the refresh).
+    limits_stale = models.BooleanField(default=False, db_default=False)
 
     objects = BillingAccountQuerySet.as_manager()
 

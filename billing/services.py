@@ -80,19 +80,22 @@ def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) 
         if account is None or account.payment_method_observed_ms >= observed_ms:
             return account
         # NOTE: a customer never read before was not limited (`billing.standing`): its limits change too.
-        changed = account.payment_method_on_file != on_file or not account.payment_method_observed_ms
+        flipped = account.payment_method_on_file != on_file
+        changed = flipped or not account.payment_method_observed_ms
         account.payment_method_on_file = on_file
         account.payment_method_observed_ms = observed_ms
-        account.save(update_fields=["payment_method_on_file", "payment_method_observed_ms"])
-        record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file)
+        account.limits_stale = account.limits_stale or changed
+        account.save(update_fields=["payment_method_on_file", "payment_method_observed_ms", "limits_stale"])
+        if flipped:
+            record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file)
     if changed:
         _refresh_quietly(account)
     return account
 
 
 def _refresh_quietly(account: BillingAccount) -> None:
-    """`refresh_limits` after a change that is already committed: a Redis failure is logged, not raised;
-    the payment-standing beat task refreshes held organisations again."""
+    """`refresh_limits` after a change that is already committed (and marked `limits_stale` with it): a
+    Redis failure is logged, not raised; the payment-standing beat task refreshes the account again."""
     try:
         refresh_limits(account, credit=False)
     except Exception:
@@ -109,7 +112,8 @@ def review_payment_standing(organization_id: int, *, now: datetime | None = None
         changed = (since is None) != (account.past_due_since is None)
         if since != account.past_due_since:
             account.past_due_since = since
-            account.save(update_fields=["past_due_since"])
+            account.limits_stale = account.limits_stale or changed
+            account.save(update_fields=["past_due_since", "limits_stale"])
         if changed:
             record_audit(SYSTEM, account.organization, "billing.past_due" if since else "billing.past_due_cleared",
                          account, since=since.isoformat() if since else None)
@@ -135,6 +139,10 @@ def review_all_payment_standing(*, now: datetime | None = None) -> int:
             on_hold += review_payment_standing(organization_id, now=now).past_due_since is not None
         except Exception:
             logger.exception("payment standing review failed for organisation %s", organization_id)
+    # Changes whose refresh failed or never ran (a process killed after its commit): released holds,
+    # cards added or removed.
+    for account in BillingAccount.objects.filter(limits_stale=True)[:500]:
+        _refresh_quietly(account)
     return on_hold
 
 

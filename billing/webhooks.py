@@ -41,8 +41,9 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
         # The customer as Stripe has it now decides, not the event (they arrive late and out of order);
         # read with no transaction open. If Stripe cannot answer, this webhook fails and Stripe sends it again.
         customer_id = event["data"]["object"].get("id") or "-"
-        if BillingAccount.objects.filter(stripe_customer_id=customer_id).exists():
-            stripe_sync.observe_payment_method(customer_id)
+        seen = StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()
+        if not seen and BillingAccount.objects.filter(stripe_customer_id=customer_id).exists():
+            stripe_sync.observe_payment_method(customer_id, attempts=1)
     with transaction.atomic():
         _, created = StripeEvent.objects.get_or_create(stripe_event_id=event["id"], defaults={"type": event["type"]})
         if not created:
@@ -66,7 +67,14 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
         return None
     invoice = Invoice.objects.select_for_update().filter(stripe_invoice_id=data["id"]).first()
     if invoice is not None and invoice.stripe_event_created > event_created:
-        return invoice  # an older event arriving late never overwrites newer state
+        # An older event arriving late never overwrites newer state, but a failure it reports still
+        # dates the grace period (`billing.standing`) unless the invoice is paid by now.
+        failed_at = _moment(event_created)
+        if event_type == "invoice.payment_failed" and invoice.status != "paid" and failed_at and (
+                invoice.payment_failed_at is None or failed_at < invoice.payment_failed_at):
+            invoice.payment_failed_at = failed_at
+            invoice.save(update_fields=["payment_failed_at"])
+        return invoice
     invoice = invoice or Invoice(organization_id=account.organization_id, stripe_invoice_id=data["id"])
     invoice.number = data.get("number") or ""
     invoice.status = data.get("status") or "draft"

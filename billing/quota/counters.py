@@ -85,10 +85,11 @@ def from_units(units: int) -> Decimal:
 # Returns {'ok', 'new'|'existing'}, {'refused', reason} or {'missing', what}; only 'ok' changes anything.
 # An organisation counter whose limits were worked out under other rules (`lv`, the limits version:
 # written by an older version, or before the limit without a payment method or Stripe's set-up changed)
-# counts as missing: its rebuild writes the limits again and keeps its spend.
+# has its 'limits' missing: they are written again from the account, its spend kept.
 RESERVE_LUA = """
 local function quota_reserve(K, A)
-  if redis.call('HGET', K[1], 'lv') ~= A[6] then return {'missing', 'org'} end
+  if redis.call('EXISTS', K[1]) == 0 then return {'missing', 'org'} end
+  if redis.call('HGET', K[1], 'lv') ~= A[6] then return {'missing', 'limits'} end
   local has_key = A[4] == '1'
   if has_key and redis.call('EXISTS', K[3]) == 0 then return {'missing', 'key'} end
   local prepaid = redis.call('HGET', K[1], 'prepaid') == '1'
@@ -239,19 +240,30 @@ def limit_fields(account: BillingAccount) -> dict[str, str]:
 
 def refresh_limits(account: BillingAccount, *, credit: bool = True) -> None:
     """Make Redis see the organisation's changed cap, billing mode, payment standing or (`credit`)
-    credit grants at once (counters stay as they are).
+    credit grants at once (counters stay as they are). Inside a transaction (the Django admin's), once
+    it commits: Redis never runs ahead of what a rollback could undo.
 
     NOTE: reads the account again and writes Redis under its row lock, so two refreshes never leave the
     older state last: a change's own write takes the same lock, and its refresh runs after it commits.
+    A refresh that fails leaves `limits_stale` set, and the payment-standing beat task refreshes again.
     """
-    with transaction.atomic():
-        account = BillingAccount.objects.select_for_update().get(pk=account.pk)
-        _UPDATE_HASH.run_sync(
-            keys=[org_period_key(account.organization_id, period_containing().key)],
-            args=[item for pair in limit_fields(account).items() for item in pair],
-        )
-    if credit:
-        get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants at the next reservation
+    if transaction.get_connection().in_atomic_block:
+        transaction.on_commit(lambda: refresh_limits(account, credit=credit), robust=True)
+        return
+    try:
+        with transaction.atomic():
+            account = BillingAccount.objects.select_for_update().get(pk=account.pk)
+            _UPDATE_HASH.run_sync(
+                keys=[org_period_key(account.organization_id, period_containing().key)],
+                args=[item for pair in limit_fields(account).items() for item in pair],
+            )
+            if credit:
+                get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants when next needed
+            if account.limits_stale:
+                BillingAccount.objects.filter(pk=account.pk).update(limits_stale=False)
+    except Exception:
+        BillingAccount.objects.filter(pk=account.pk).update(limits_stale=True)
+        raise
 
 
 def refresh_key_limit(organization_id: int, api_key_id: int, key_cap: Decimal | None) -> None:

@@ -20,29 +20,31 @@ from controlplane.redis_scripts import Script
 
 CREDIT_FIGURE_MAX_TTL_S = 3600
 
-# KEYS: a hash; ARGV: ttl, n, then field/value pairs. The first n pairs are counters, written only if
-# nobody wrote the hash meanwhile; the others are limits, their first pair the limits version: written
-# too when the hash holds another version (an older version's counter keeps its count), never over a
-# current one (a refresh since this rebuild read the database may have written newer limits).
+# KEYS: a hash; ARGV: ttl, then field/value pairs. Writes the hash only if nobody did meanwhile.
 _INIT_HASH = Script("""
-local created = redis.call('EXISTS', KEYS[1]) == 0
-local first_limit = 3 + 2 * tonumber(ARGV[2])
-local stale = ARGV[first_limit] ~= nil and redis.call('HGET', KEYS[1], ARGV[first_limit]) ~= ARGV[first_limit + 1]
-for i = 3, #ARGV, 2 do
-  if created or (stale and i >= first_limit) then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-end
-if created then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
-return created and 1 or 0
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+""")
+
+# KEYS: an organisation counter; ARGV: its limit fields, the limits version first. Rewrites them, its
+# spend kept, only while it exists and holds another version (a refresh may have written newer ones).
+_REWRITE_LIMITS = Script("""
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
 """)
 
 
 @dataclass(slots=True, frozen=True)
 class _Rebuild:
     key: str
-    counters: dict[str, str] | None  # a hash: its counters and its limits, or
-    limits: dict[str, str] | None
+    fields: dict[str, str] | None  # a hash, or
     value: str | None  # a plain counter
     ttl_s: int
+    limits_only: bool = False  # the limit fields of an organisation counter that exists
 
 
 def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period) -> _Rebuild:
@@ -50,16 +52,20 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
     if what == "org":
         account = BillingAccount.objects.for_organization(organization_id)
         spent = to_units(period_spend(organization_id, period))
-        return _Rebuild(org_period_key(organization_id, period.key), {"spent": str(spent)}, limit_fields(account),
+        return _Rebuild(org_period_key(organization_id, period.key), {"spent": str(spent)} | limit_fields(account),
                         None, PERIOD_TTL_S)
+    if what == "limits":  # no ledger query: the spend in Redis stands
+        account = BillingAccount.objects.for_organization(organization_id)
+        return _Rebuild(org_period_key(organization_id, period.key), limit_fields(account), None, PERIOD_TTL_S,
+                        limits_only=True)
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
         spent = to_units(period_spend(organization_id, period, api_key_id=api_key_id))
-        counters = {"spent": str(spent), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
-        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), counters, {}, None, PERIOD_TTL_S)
+        fields = {"spent": str(spent), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
+        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), fields, None, PERIOD_TTL_S)
     if what == "credit":
         available, ttl_s = credit_available(organization_id)
-        return _Rebuild(credit_key(organization_id), None, None, str(to_units(available, ROUND_HALF_UP)), ttl_s)
+        return _Rebuild(credit_key(organization_id), None, str(to_units(available, ROUND_HALF_UP)), ttl_s)
     raise ValueError(what)
 
 
@@ -80,9 +86,10 @@ def credit_available(organization_id: int) -> tuple[Decimal, int]:
 
 
 async def _write_rebuild(rebuild: _Rebuild) -> None:
-    if rebuild.counters is not None:
-        pairs = [*rebuild.counters.items(), *rebuild.limits.items()]
-        args = [rebuild.ttl_s, len(rebuild.counters), *[item for pair in pairs for item in pair]]
+    if rebuild.limits_only:
+        await _REWRITE_LIMITS(keys=[rebuild.key], args=[item for pair in rebuild.fields.items() for item in pair])
+    elif rebuild.fields is not None:
+        args = [rebuild.ttl_s, *[item for pair in rebuild.fields.items() for item in pair]]
         await _INIT_HASH(keys=[rebuild.key], args=args)
     else:
         await get_async_redis().set(rebuild.key, rebuild.value, nx=True, ex=rebuild.ttl_s)

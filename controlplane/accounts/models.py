@@ -60,7 +60,7 @@ class Plan(models.Model):
     max_min_replicas = models.PositiveIntegerField(default=2, help_text="Sum of min_replicas: replicas kept warm.")
     max_held_requests = models.PositiveIntegerField(default=64, help_text="Requests held at once for cold starts.")
     max_file_bytes = models.PositiveBigIntegerField(
-        default=10 * 1024**3, help_text="Bytes of files kept at once (batch inputs and outputs); uploads past it are refused.")
+        default=10 * 1024**3, db_default=10 * 1024**3, help_text="Bytes of files kept at once (batch inputs and outputs); uploads past it are refused.")
     max_gpus_by_type = models.JSONField(default=dict, blank=True,
                                         help_text='Replicas at once per GPU type, e.g. {"h100-80gb": 2}; absent: max_replicas.')
     created_at = models.DateTimeField(default=timezone.now)

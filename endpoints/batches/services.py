@@ -82,7 +82,9 @@ def create_file(*, organization_id: int, purpose: str, filename: str, stream, si
         File.objects.filter(pk=file_id).delete()
         raise
     file.stored_at = timezone.now()
-    File.objects.filter(pk=file_id).update(stored_at=file.stored_at)
+    if not File.objects.filter(pk=file_id, stored_at__isnull=True).update(stored_at=file.stored_at):
+        storage.delete(key)  # swept as abandoned meanwhile (an upload of over an hour): its bytes go too
+        raise Refused("The upload took too long; send it again.", param="file", status=408)
     return file
 
 
@@ -347,7 +349,16 @@ def _run_lines(batch: Batch, token: str) -> str:
         Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(
             status=BatchStatus.FAILED, failed_at=timezone.now(),
             errors=[LineError(1, "model_not_found", "The batch's endpoint was deleted.", "body.model").as_openai()])
+        _delete_results(batch)
     return progress.stopped or "ran"
+
+
+def _delete_results(batch: Batch) -> None:
+    """A batch's line results, once it has ended (its output and error files hold what it keeps)."""
+    try:
+        storage.delete_results(batch.organization_id, batch.pk)
+    except Exception:
+        logger.exception("could not delete the line results of %s", batch.pk)
 
 
 def finalize_batch(batch: Batch, final: str) -> None:
@@ -376,17 +387,17 @@ def finalize_batch(batch: Batch, final: str) -> None:
     with transaction.atomic():
         locked = Batch.objects.select_for_update().get(pk=batch.pk)
         if locked.status in (BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED, BatchStatus.FAILED):
-            return  # another run finished it first (its files stand; these bytes are orphans)
+            for file in (output, error):  # another run finished it first: its files stand, these bytes go
+                if file is not None:
+                    storage.delete(file.s3_key)
+            return
         for file in (output, error):
             if file is not None:
                 file.save()
         Batch.objects.filter(pk=batch.pk).update(
             status=final, output_file=output, error_file=error, num_completed=len(outputs),
             num_failed=sum(1 for f in failures if f["response"] is not None), **{stamp: now})
-    try:  # the output and error files hold them now
-        storage.delete_results(batch.organization_id, batch.pk)
-    except Exception:
-        logger.exception("could not delete the line results of %s", batch.pk)
+    _delete_results(batch)
 
 
 def _jsonl(rows: list[dict]) -> bytes:

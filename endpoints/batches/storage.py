@@ -85,10 +85,14 @@ def result_indices(organization_id: int, batch_id: str) -> dict[int, bool]:
 
 def delete_results(organization_id: int, batch_id: str) -> None:
     """A batch's line results, once its output and error files hold them."""
-    keys = [key for key, _ in _result_keys(organization_id, batch_id).values()]
-    for start in range(0, len(keys), 1000):  # S3's most per request
-        _client().delete_objects(Bucket=settings.FILES_S3_BUCKET,
-                                 Delete={"Objects": [{"Key": key} for key in keys[start:start + 1000]], "Quiet": True})
+    paginator = _client().get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=settings.FILES_S3_BUCKET, Prefix=_results_prefix(organization_id, batch_id)):
+        keys = [item["Key"] for item in page.get("Contents", [])]  # at most 1,000: S3's most per delete
+        if keys:
+            answer = _client().delete_objects(Bucket=settings.FILES_S3_BUCKET,
+                                              Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True})
+            if answer.get("Errors"):
+                raise RuntimeError(f"S3 kept {len(answer['Errors'])} line results of {batch_id}: {answer['Errors'][0]}")
 
 
 def read_results(organization_id: int, batch_id: str) -> dict[int, dict]:
