@@ -37,7 +37,9 @@ KV_BYTES_PER_TOKEN_PER_WEIGHT_BYTE = 8e-6
 # fill less, `gpu_agent.runtime.engine.cpu_kv_cache_bytes`) plus Python and runtime: reserved whole.
 CPU_KV_CACHE_MB = 1024
 CPU_ENGINE_OVERHEAD_MB = 768
-PARAMETERS_IN_NAME = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])")
+# NOTE: at most six digits before the point: a name like "x-<300 nines>B" is no model size (and would
+# overflow a float).
+PARAMETERS_IN_NAME = re.compile(r"(?<![0-9.])(\d{1,6}(?:\.\d{1,6})?)[bB](?![a-zA-Z])")
 
 
 def reported_weights_size_mb(endpoint: Endpoint) -> int | None:

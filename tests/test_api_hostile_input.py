@@ -139,3 +139,42 @@ def test_a_method_a_documented_route_does_not_take_is_a_json_405(owner_client):
             answers[f"{method.upper()} {path}"] = (response.status_code, response["Content-Type"])
 
     assert answers and set(answers.values()) == {(405, "application/json")}
+
+
+def test_hostile_console_and_api_input_is_a_clear_answer_never_a_500(org, owner_client):
+    """Each of these was a 500 (an uncaught ValueError, OverflowError or PostgreSQL DataError)."""
+    from django.test import Client
+
+    from controlplane.accounts.tenancy import SESSION_KEY
+
+    console = Client(raise_request_exception=False)
+    console.force_login(owner_client.user)
+    session = console.session
+    session[SESSION_KEY] = org.pk
+    session.save()
+    nines = "9" * 310
+    answers = {
+        "switch to abc": console.post("/org/switch/", {"organization": "abc"}).status_code,
+        "switch to nothing": console.post("/org/switch/", {}).status_code,
+        "switch to ²": console.post("/org/switch/", {"organization": "²"}).status_code,
+        "key expiring in 10^8 days": console.post("/console/keys/", {"name": "k", "scopes": ["inference"],
+                                                                    "expires_in_days": "99999999"}).status_code,
+        "key expiring in ² days": console.post("/console/keys/", {"name": "k2", "scopes": ["inference"],
+                                                                 "expires_in_days": "²"}).status_code,
+        "GPUs for a 10^310 B model": console.get("/console/endpoints/gpus/",
+                                                 {"gpu_type": "l4", "model_source": f"hf:x/m-{nines}B"}).status_code,
+        "endpoint of a 10^310 B model": owner_client.post("/api/v1/endpoints/", {
+            "name": "huge", "model_source": f"s3://bucket/m-{nines}B", "gpu_type": "l4"}, format="json").status_code,
+        "a batch named with NUL": console.get("/console/batches/batch_%00/").status_code,
+        "a file named with NUL": console.get("/console/files/file-%00/download/").status_code,
+        "an API file named with NUL": owner_client.get("/v1/files/file-%00").status_code,
+        "an API batch named with NUL": owner_client.get("/v1/batches/batch_%00").status_code,
+    }
+    assert {what: status for what, status in answers.items() if status >= 500} == {}
+    assert answers["a batch named with NUL"] == answers["a file named with NUL"] == 404
+
+
+def test_an_organisation_name_with_a_line_break_is_refused_at_sign_up(client):
+    response = client.post("/signup/", {"email": "new@example.test", "password": "a long passphrase 1",
+                                        "organization_name": "Acme\nBcc: victim@example.test"})
+    assert response.status_code == 200 and "letters, digits, spaces and punctuation" in response.content.decode()

@@ -40,6 +40,11 @@ def test_an_unverified_account_can_neither_create_keys_nor_use_the_api(client):
     client.post(reverse("console:keys"), {"name": "sneaky", "scopes": ["inference"]})
     response = client.post("/api/v1/keys/", {"name": "sneaky"}, content_type="application/json")
     assert response.status_code == 403 and "Verify your email" in response.json()["detail"]
+    # Before, any Authorization header, even a meaningless one, took a signed-in session past the check.
+    for path in (reverse("console:keys"), "/api/v1/keys/"):
+        response = client.post(path, {"name": "sneaky", "scopes": ["inference", "manage"]}, HTTP_AUTHORIZATION="x")
+        assert response.status_code in (302, 403), path
+    assert client.get(reverse("console:dashboard"), HTTP_AUTHORIZATION="Bearer nonsense").url == reverse("verify-email")
     assert not ApiKey.objects.exists()
 
 

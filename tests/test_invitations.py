@@ -104,6 +104,24 @@ def test_a_revoked_invitation_cannot_be_accepted(owner, client):
     assert not Membership.objects.filter(organization=owner.organization, user__email="colleague@victim.example").exists()
 
 
+def test_an_invitation_from_an_admin_since_demoted_grants_nothing(org, owner, client):
+    """Before, a rogue admin's invitation to a second address of their own outlived their removal."""
+    rogue = Client()
+    rogue_user = UserFactory()
+    membership = MembershipFactory(organization=org, user=rogue_user, role=Role.ADMIN)
+    rogue.force_login(rogue_user)
+    rogue.user, rogue.organization = rogue_user, org
+    invitation = _invite(rogue, "second@rogue.example", role=Role.ADMIN)
+    membership.role = Role.MEMBER  # the owner demotes the rogue admin
+    membership.save(update_fields=["role"])
+
+    _signed_in(client, UserFactory(username="second@rogue.example"))
+    response = client.post(_link_path(mail.outbox[-1]))
+    assert response.status_code == 400 and "may no longer invite" in response.content.decode()
+    assert not Membership.objects.filter(organization=org, user__email="second@rogue.example").exists()
+    assert Invitation.objects.get(pk=invitation.pk).accepted_at is None
+
+
 def test_an_expired_invitation_cannot_be_accepted(owner, client):
     invitation = _invite(owner)
     Invitation.objects.filter(pk=invitation.pk).update(expires_at=timezone.now())

@@ -44,6 +44,20 @@ def test_guessing_one_accounts_password_is_throttled_even_from_many_addresses(cl
     assert "_auth_user_id" not in client.session  # even the right password waits
 
 
+def test_spellings_that_log_into_the_same_account_share_its_throttle(client, victim):
+    """Before, "ｖictim@…" (fullwidth, which Django's form folds to "v") or "vıctim@…" (dotless ı, which
+    PostgreSQL's case-insensitive match takes for "i") each had a throttle of their own."""
+    local, domain = victim.email.split("@")
+    spellings = [victim.email, victim.email.upper(), "\uff56" + victim.email[1:], local.replace("i", "\u0131") + "@" + domain]
+    num_attempts = _limit(throttle.LOGIN, "username").num_attempts
+    for attempt in range(num_attempts):
+        client.post(reverse("login"), {"username": spellings[attempt % len(spellings)], "password": f"guess {attempt}"},
+                    REMOTE_ADDR=f"10.0.2.{attempt}")
+    for spelling in spellings:
+        _assert_throttled(client.post(reverse("login"), {"username": spelling, "password": PASSWORD},
+                                      REMOTE_ADDR="10.0.3.1"))
+
+
 def test_one_address_trying_many_accounts_is_throttled(client):
     for attempt in range(_limit(throttle.LOGIN, "ip").num_attempts):
         client.post(reverse("login"), {"username": f"user{attempt}@example.test", "password": "guess"}, REMOTE_ADDR="10.9.9.9")

@@ -1,5 +1,6 @@
 """Console forms. Where an API serializer holds the rules, the form only renders and shows its errors."""
 
+import unicodedata
 from datetime import timedelta
 
 from django import forms
@@ -20,6 +21,12 @@ class SignUpForm(forms.Form):
         help_text="At least 10 characters, not entirely numeric.",
     )
     organization_name = forms.CharField(label="Organisation name", max_length=128)
+
+    def clean_organization_name(self):
+        name = self.cleaned_data["organization_name"]
+        if any(unicodedata.category(character) in ("Cc", "Cf") for character in name):
+            raise forms.ValidationError("Use letters, digits, spaces and punctuation only.")
+        return name
 
     def clean_email(self):
         email = self.cleaned_data["email"].lower()
@@ -108,6 +115,6 @@ class ApiKeyForm(SerializerBackedForm):
     def serializer_data(self, post) -> QueryDict:
         data = super().serializer_data(post)
         days = data.pop("expires_in_days", [""])[0]
-        if days.isdigit():
+        if days in {str(value) for value, _ in EXPIRY_CHOICES if value}:  # the form's choices, nothing else
             data["expires_at"] = (timezone.now() + timedelta(days=int(days))).isoformat()
         return data

@@ -79,7 +79,8 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     body = render_to_string("controlplane/invitation_email.txt", {
         "invitation": invitation, "link": invitation_link(invitation), "inviter": actor.user,
     })
-    send_mail(f"You are invited to {organization.name} on Inferplane", body, None, [email])
+    # NOTE: a name from before sign-up refused control characters may hold a line break (no header may).
+    send_mail(f"You are invited to {' '.join(organization.name.split())} on Inferplane", body, None, [email])
     return invitation
 
 
@@ -108,7 +109,21 @@ def invitation_refusal(invitation: Invitation, user) -> str | None:
         return "This invitation was revoked. Ask an admin of the organisation for a new one."
     if invitation.expires_at <= timezone.now():
         return "This invitation has expired. Ask an admin of the organisation for a new one."
+    if not _inviter_may_still_grant(invitation):
+        return ("The person who sent this invitation may no longer invite to this role. "
+                "Ask an admin of the organisation for a new one.")
     return None
+
+
+def _inviter_may_still_grant(invitation: Invitation) -> bool:
+    """An invitation is worth what its sender may grant now: one sent by an admin who was since removed
+    or demoted (perhaps to a second address of their own) grants nothing."""
+    if invitation.invited_by_id is None:  # made by the platform (a management command)
+        return True
+    role = Membership.objects.filter(organization_id=invitation.organization_id, user_id=invitation.invited_by_id,
+                                     user__is_active=True).values_list("role", flat=True).first()
+    needed = Role.OWNER if invitation.role == Role.OWNER else Role.ADMIN
+    return role is not None and ROLE_RANK[Role(role)] >= ROLE_RANK[needed]
 
 
 def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:

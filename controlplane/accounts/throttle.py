@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import unicodedata
 from dataclasses import dataclass
 
 import redis
@@ -54,8 +55,14 @@ THROTTLED_VIEWS = {
 }
 
 
+def folded(subject: str) -> str:
+    """One form for every spelling that names the same account: Django's log-in form applies NFKC
+    (fullwidth "ｖ" is "v"), and PostgreSQL's case-insensitive match compares upper case ("ı" is "I")."""
+    return unicodedata.normalize("NFKC", subject).strip().upper().lower()
+
+
 def _redis_key(limit: Limit, subject: str, window: int) -> str:
-    digest = hashlib.sha256(subject.strip().lower().encode()).hexdigest()[:32]
+    digest = hashlib.sha256(folded(subject).encode()).hexdigest()[:32]
     return throttle_key(limit.name, digest, window)
 
 

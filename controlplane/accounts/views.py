@@ -102,7 +102,9 @@ def invitation(request, token):
 @login_required
 @require_POST
 def switch_organization(request):
-    membership = memberships_of(request.user).filter(organization_id=request.POST.get("organization")).first()
+    chosen = request.POST.get("organization", "")
+    membership = memberships_of(request.user).filter(organization_id=int(chosen)).first() if chosen.isascii() and \
+        chosen.isdigit() and len(chosen) <= 18 else None
     if membership is not None:
         request.session[SESSION_KEY] = membership.organization_id
     return redirect("console:dashboard")

@@ -156,7 +156,7 @@ def files(request, caller: Caller):
 
 
 def _file_of(caller: Caller, file_id: str) -> File:
-    file = File.objects.for_org(caller.organization_id).filter(pk=file_id).first()
+    file = File.objects.for_org(caller.organization_id).named(file_id).first()
     if file is None:
         raise _not_found("File", file_id)
     return file
@@ -210,7 +210,7 @@ def batches(request, caller: Caller):
 
 
 def _batch_of(caller: Caller, batch_id: str) -> Batch:
-    batch = Batch.objects.for_org(caller.organization_id).filter(pk=batch_id).first()
+    batch = Batch.objects.for_org(caller.organization_id).named(batch_id).first()
     if batch is None:
         raise _not_found("Batch", batch_id)
     return batch

@@ -28,7 +28,14 @@ class FilePurpose(models.TextChoices):
     BATCH_OUTPUT = "batch_output", "Batch output"
 
 
-class FileQuerySet(models.QuerySet):
+class NamedQuerySet(models.QuerySet):
+    def named(self, identifier: str):
+        """The row a caller names (a path segment or a body's string): one no id can be, with a NUL in it,
+        finds nothing (PostgreSQL refuses NUL in text: an error, not a miss)."""
+        return self.none() if "\x00" in identifier else self.filter(pk=identifier)
+
+
+class FileQuerySet(NamedQuerySet):
     def for_org(self, organization_id: int):
         """The organisation's stored files that are not deleted: every user-facing lookup starts here."""
         return self.filter(organization_id=organization_id, stored_at__isnull=False, deleted_at__isnull=True)
@@ -88,7 +95,7 @@ OPEN_STATES = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINA
 FINAL_STATES = (BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED)
 
 
-class BatchQuerySet(models.QuerySet):
+class BatchQuerySet(NamedQuerySet):
     def for_org(self, organization_id: int):
         return self.filter(organization_id=organization_id)
 

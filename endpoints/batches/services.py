@@ -148,7 +148,7 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
             isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
         raise Refused("metadata must be at most 16 string pairs (keys up to 64, values up to 512 characters).",
                       param="metadata")
-    input_file = File.objects.for_org(organization_id).filter(pk=input_file_id).first()
+    input_file = File.objects.for_org(organization_id).named(input_file_id).first()
     if input_file is None:
         raise Refused(f"No such File object: {input_file_id}", param="input_file_id", status=404)
     if input_file.purpose != FilePurpose.BATCH:

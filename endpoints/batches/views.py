@@ -26,7 +26,7 @@ class BatchForm(forms.Form):
 
 
 def _batch_or_404(request, batch_id: str) -> Batch:
-    batch = Batch.objects.for_org(request.organization.pk).select_related("endpoint").filter(pk=batch_id).first()
+    batch = Batch.objects.for_org(request.organization.pk).select_related("endpoint").named(batch_id).first()
     if batch is None:
         raise Http404("No such batch.")
     return batch
@@ -89,7 +89,7 @@ def batch_cancel(request, batch_id: str):
 
 @member_required()
 def file_download(request, file_id: str):
-    file = File.objects.for_org(request.organization.pk).filter(pk=file_id).first()
+    file = File.objects.for_org(request.organization.pk).named(file_id).first()
     if file is None:
         raise Http404("No such file.")
     response = StreamingHttpResponse(storage.open_stream(file.s3_key), content_type="application/jsonl")
