@@ -151,6 +151,26 @@ def test_one_pending_invitation_per_email(owner):
     assert response.status_code == 400 and "pending" in response.content.decode()
 
 
+def test_invitations_are_throttled_per_address_and_per_organisation_revoked_ones_too(org, member_client_factory):
+    """Before, invite and revoke in a loop mailed one address without end, and any number of addresses got
+    mail naming an organisation the sender chose."""
+    owner = member_client_factory(org, Role.OWNER)
+
+    def invite(email):
+        return owner.post("/api/v1/invitations/", {"email": email, "role": "viewer"}, format="json")
+
+    for _ in range(3):
+        created = invite("target@example.test")
+        assert created.status_code == 201
+        assert owner.post(f"/api/v1/invitations/{created.json()['id']}/revoke/").status_code == 200
+    refused = invite("target@example.test")
+    assert refused.status_code == 429 and int(refused["Retry-After"]) > 0
+    for n in range(16):  # 20 attempts an hour for the organisation, the refused one counted
+        assert invite(f"person-{n}@example.test").status_code == 201
+    assert invite("one-more@example.test").status_code == 429
+    assert len(mail.outbox) == 19
+
+
 def test_members_are_no_longer_added_directly_by_email(owner_client):
     newcomer = UserFactory()
     response = owner_client.post("/api/v1/members/", {"email": newcomer.email, "role": "member"}, format="json")

@@ -11,7 +11,7 @@ from drf_spectacular.utils import (
 )
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action, api_view
-from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
+from rest_framework.exceptions import NotFound, PermissionDenied, Throttled, ValidationError
 from rest_framework.generics import get_object_or_404
 from rest_framework.response import Response
 
@@ -155,12 +155,15 @@ class InvitationViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.C
     def list(self, request, *args, **kwargs):
         return super().list(request, *args, **kwargs)
 
-    @extend_schema(responses={201: InvitationSerializer})
+    @extend_schema(responses={201: InvitationSerializer, 429: OpenApiResponse(
+        description="Too many invitations from this organisation, or to this address: wait `Retry-After` seconds.")})
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
             invitation = invitations.invite_member(self.actor, self.organization, **serializer.validated_data)
+        except invitations.TooManyInvitations as exc:
+            raise Throttled(wait=exc.retry_after_s, detail=str(exc)) from None
         except members.NotPermitted as exc:
             raise ValidationError({exc.field: [str(exc)]}) from None
         return Response(InvitationSerializer(invitation).data, status=status.HTTP_201_CREATED)

@@ -13,6 +13,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 
+from controlplane.accounts import throttle
 from controlplane.accounts.members import NotPermitted, actor_role, ensure_may_touch_owner_role
 from controlplane.accounts.models import (
     ROLE_RANK,
@@ -30,6 +31,14 @@ INVITATION_TTL = timedelta(days=7)
 
 class InvitationRefused(ValueError):
     """The invitation cannot be accepted by this user now; the message says why, to that user."""
+
+
+class TooManyInvitations(NotPermitted):
+    """Past `throttle.INVITATIONS` (invitations revoked count too): try again in `retry_after_s`."""
+
+    def __init__(self, retry_after_s: int):
+        super().__init__("email", f"Too many invitations; try again in {max(1, retry_after_s // 60)} minutes.")
+        self.retry_after_s = retry_after_s
 
 
 def invitation_token(invitation: Invitation) -> str:
@@ -68,6 +77,9 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     ensure_may_touch_owner_role(actor, organization, role)
     if Membership.objects.filter(organization=organization, user__email__iexact=email).exists():
         raise NotPermitted("email", "This person is already a member; change their role in the table.")
+    retry_after_s = throttle.take(throttle.INVITATIONS, {"organization": str(organization.pk), "email": email})
+    if retry_after_s is not None:
+        raise TooManyInvitations(retry_after_s)
     with transaction.atomic():
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
         Organization.objects.select_for_update().filter(pk=organization.pk).first()

@@ -44,6 +44,8 @@ LOGIN = (Limit("login-ip", "ip", 30, 600), Limit("login-account", "username", 10
 SIGNUP = (Limit("signup-ip", "ip", 10, 3600), Limit("signup-email", "email", 5, 3600))
 PASSWORD_RESET = (Limit("reset-ip", "ip", 10, 3600), Limit("reset-email", "email", 3, 3600))
 RESEND_VERIFICATION = (Limit("verify-ip", "ip", 10, 3600), Limit("verify-user", "user", 3, 600))
+# Each invitation mails its address: an admin may not use the platform's mail to flood or phish anyone.
+INVITATIONS = (Limit("invite-org", "organization", 20, 3600), Limit("invite-email", "email", 3, 86_400))
 
 # URL name → the limits a POST to it takes.
 THROTTLED_VIEWS = {
