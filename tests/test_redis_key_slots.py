@@ -20,7 +20,8 @@ from decimal import Decimal
 import pytest
 
 from billing.models import BillingAccount
-from billing.quota import counters, sweeper
+from billing.periods import period_containing
+from billing.quota import counters, rebuild, sweeper
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from controlplane.redis_scripts import Script
@@ -121,6 +122,10 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         for organization_id in (with_key.pk, without_key.pk):
             presence.end_later(organization_id, f"held-{organization_id}")
         await presence.beat()  # ends them
+        # a counter whose limits were worked out under other rules: written again, its spend kept
+        period_key = period_containing().key
+        redis.hset(redis_keys.org_period_key(with_key.pk, period_key), "lv", "older rules")
+        await rebuild.rebuild_missing("limits", counters.Reservation("r-lv", with_key.pk, None, Decimal(0), period_key))
 
     try:
         asyncio.run(scenario())
