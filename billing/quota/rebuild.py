@@ -13,7 +13,7 @@ from django.utils import timezone
 from billing.ledger import period_spend, undrawn_prepaid_spend
 from billing.models import ApiKeySpendCap, BillingAccount, CreditGrant
 from billing.periods import Period, period_containing
-from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, to_units
+from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import credit_key, key_period_key, org_period_key
 from controlplane.redis_scripts import Script
@@ -102,3 +102,12 @@ async def rebuild_missing(what: str, reservation: Reservation) -> None:
         return  # a new month began meanwhile: the caller prepares the reservation again
     rebuild = await sync_to_async(_rebuild_from_database)(what, reservation.organization_id, reservation.api_key_id, period)
     await _write_rebuild(rebuild)
+    if what in ("org", "limits"):
+        # NOTE: the limits again, read after the counter exists: a change committed between the read above
+        # and that write refreshed nothing (no counter yet), and would otherwise stay unseen for the month.
+        await sync_to_async(_limits_again)(reservation.organization_id)
+
+
+def _limits_again(organization_id: int) -> None:
+    close_old_connections()
+    refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
