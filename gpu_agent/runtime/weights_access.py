@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import ipaddress
+import os
+import socket
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import boto3
 import botocore.exceptions
@@ -97,6 +101,34 @@ class SourceAccess:
         return self.credentials
 
 
+# A tenant's store may not be on the node's own network. The control plane refuses such addresses when a
+# credential is saved (`endpoints.serializers.validate_endpoint_url`), but a public name can resolve to a
+# private address, and only here is it resolved as the node resolves it. A development set-up whose stores
+# are on loopback (moto, MinIO) allows them with this variable set to 1.
+ALLOW_PRIVATE_STORES_ENV = "INFERPLANE_AGENT_ALLOW_PRIVATE_STORES"
+
+
+def check_store_address(endpoint_url: str, source: str) -> None:
+    """Refuse a tenant's store whose name resolves to any address that is not global (loopback, private,
+    link-local such as the cloud metadata service). Checked before a client for it is made.
+
+    NOTE: boto3 resolves the name again when it connects; a name that changes its answer in between
+    (DNS rebinding) reaches a service that must then present a certificate for that name, which the
+    node checks."""
+    if os.environ.get(ALLOW_PRIVATE_STORES_ENV) == "1":
+        return
+    parts = urlsplit(endpoint_url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        answers = socket.getaddrinfo(parts.hostname or "", port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        raise StoreUnreachable(f"cannot reach the store of {source}: its address does not resolve") from None
+    for *_, address in answers:
+        if not ipaddress.ip_address(address[0].split("%", 1)[0]).is_global:
+            raise SourceUnreadable(f"cannot read {source}: the credential's endpoint_url resolves to an address "
+                                   "on the platform's own network")
+
+
 def unreadable(source: str) -> SourceUnreadable:
     return SourceUnreadable(
         f"cannot read {source}: it does not exist or the endpoint's credentials cannot read it"
@@ -130,6 +162,8 @@ def s3_client(access: SourceAccess, source: str, *, default_endpoint_url: str | 
         if cached is not None and cached[1] > time.monotonic():
             _clients.move_to_end(identity)
             return cached[0]
+    if credentials is not None and credentials.endpoint_url and credentials.endpoint_url != default_endpoint_url:
+        check_store_address(credentials.endpoint_url, source)  # the node's own store is the operator's
     client, lifetime_s = _new_s3_client(access, credentials, endpoint_url, region, source)
     with _clients_lock:
         _clients[identity] = (client, time.monotonic() + lifetime_s)

@@ -112,4 +112,6 @@ def _no_stray_env(monkeypatch):
     # A developer's AWS settings must not leak into the S3 tests.
     for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(name, raising=False)
+    # The tests' tenant stores are moto on loopback (`tests/agent/test_weights_credentials.py` checks the refusal).
+    monkeypatch.setenv("INFERPLANE_AGENT_ALLOW_PRIVATE_STORES", "1")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

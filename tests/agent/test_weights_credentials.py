@@ -237,3 +237,25 @@ def test_hub_token_is_the_replicas_own_or_the_fleets_for_the_catalogue_or_none(t
     finally:
         missing.server.shutdown()
     assert str(anonymous.value) == str(fleet.value) == str(not_there.value)
+
+
+def test_a_tenants_store_whose_name_resolves_into_the_nodes_network_is_refused_before_any_connection(
+        s3, s3_endpoint, tmp_path, monkeypatch):  # noqa: F811
+    """The control plane refuses private addresses when a credential is saved, but a public-looking name
+    may resolve to one (`localhost` here; a tenant's DNS record elsewhere). Before, the agent connected."""
+    monkeypatch.delenv("INFERPLANE_AGENT_ALLOW_PRIVATE_STORES")
+    upload_model(s3, "fleet-models", "m", num_bytes=1000)
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
+    port = s3_endpoint.rsplit(":", 1)[1]
+    for url, refusal in ((f"http://localhost:{port}", SourceUnreadable),
+                         ("https://no-such-store.invalid", StoreUnreachable)):
+        tenant = SourceCredentials(kind="s3", access_key_id="AKIATENANT0000000001", secret_access_key="s",
+                                   endpoint_url=url)
+        with pytest.raises(refusal) as refused:
+            cache.fetch("s3://fleet-models/m", access=SourceAccess(credentials=tenant, scope="org-1"))
+        assert "own network" in str(refused.value) or "does not resolve" in str(refused.value)
+    assert cache.num_downloads == 0
+    # The node's own store (the operator's choice) is not a tenant's: it may be on the node's network.
+    own = SourceCredentials(kind="s3", access_key_id="AKIATENANT0000000001", secret_access_key="s",
+                            endpoint_url=s3_endpoint)
+    cache.fetch("s3://fleet-models/m", access=SourceAccess(credentials=own, scope="org-1"))
