@@ -28,15 +28,6 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 1
 """)
 
-# KEYS: an organisation counter; ARGV: its limit fields, the limits version first. Rewrites them, its
-# spend kept, only while it exists and holds another version (a refresh may have written newer ones).
-_REWRITE_LIMITS = Script("""
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV))
-return 1
-""")
-
 
 @dataclass(slots=True, frozen=True)
 class _Rebuild:
@@ -44,7 +35,6 @@ class _Rebuild:
     fields: dict[str, str] | None  # a hash, or
     value: str | None  # a plain counter
     ttl_s: int
-    limits_only: bool = False  # the limit fields of an organisation counter that exists
 
 
 def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period) -> _Rebuild:
@@ -54,10 +44,6 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
         spent = to_units(period_spend(organization_id, period))
         return _Rebuild(org_period_key(organization_id, period.key), {"spent": str(spent)} | limit_fields(account),
                         None, PERIOD_TTL_S)
-    if what == "limits":  # no ledger query: the spend in Redis stands
-        account = BillingAccount.objects.for_organization(organization_id)
-        return _Rebuild(org_period_key(organization_id, period.key), limit_fields(account), None, PERIOD_TTL_S,
-                        limits_only=True)
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
         spent = to_units(period_spend(organization_id, period, api_key_id=api_key_id))
@@ -86,9 +72,7 @@ def credit_available(organization_id: int) -> tuple[Decimal, int]:
 
 
 async def _write_rebuild(rebuild: _Rebuild) -> None:
-    if rebuild.limits_only:
-        await _REWRITE_LIMITS(keys=[rebuild.key], args=[item for pair in rebuild.fields.items() for item in pair])
-    elif rebuild.fields is not None:
+    if rebuild.fields is not None:
         args = [rebuild.ttl_s, *[item for pair in rebuild.fields.items() for item in pair]]
         await _INIT_HASH(keys=[rebuild.key], args=args)
     else:
@@ -100,11 +84,14 @@ async def rebuild_missing(what: str, reservation: Reservation) -> None:
     period = period_containing()
     if period.key != reservation.period_key:
         return  # a new month began meanwhile: the caller prepares the reservation again
-    rebuild = await sync_to_async(_rebuild_from_database)(what, reservation.organization_id, reservation.api_key_id, period)
-    await _write_rebuild(rebuild)
+    if what != "limits":  # 'limits': the counter exists, its spend stands; only its limits are written again
+        rebuild = await sync_to_async(_rebuild_from_database)(what, reservation.organization_id, reservation.api_key_id,
+                                                              period)
+        await _write_rebuild(rebuild)
     if what in ("org", "limits"):
-        # NOTE: the limits again, read after the counter exists: a change committed between the read above
-        # and that write refreshed nothing (no counter yet), and would otherwise stay unseen for the month.
+        # NOTE: the limits read (again) after the counter exists, under the account's lock: a change committed
+        # between the rebuild's read and its write refreshed nothing (no counter yet), and would otherwise stay
+        # unseen for the month.
         await sync_to_async(_limits_again)(reservation.organization_id)
 
 
