@@ -72,6 +72,21 @@ def test_the_invitee_joins_by_accepting_while_signed_in_as_that_verified_email(o
     assert "Pending invitations" not in owner.get(reverse("console:members")).content.decode()
 
 
+def test_a_member_removed_after_accepting_cannot_rejoin_with_the_same_link(owner, client):
+    """Before, posting the used link again looked for the membership the removal deleted: a 500."""
+    _invite(owner)
+    link = _link_path(mail.outbox[-1])
+    invitee = UserFactory(username="colleague@victim.example")
+    _signed_in(client, invitee)
+    assert client.post(link).status_code == 302
+    membership = Membership.objects.get(organization=owner.organization, user=invitee)
+    assert owner.post(reverse("console:member-remove", args=[membership.pk])).status_code == 302
+    assert "You were removed" in client.get(link).content.decode()
+    response = client.post(link)
+    assert response.status_code == 400 and "ask an admin of the organisation for a new invitation" in response.content.decode()
+    assert not Membership.objects.filter(organization=owner.organization, user=invitee).exists()
+
+
 def test_whoever_registers_the_invited_address_first_gains_nothing_without_the_mailbox(owner, client):
     _invite(owner)
     link = _link_path(mail.outbox[-1])  # say the attacker got hold of the link, too

@@ -116,7 +116,13 @@ def invitation_refusal(invitation: Invitation, user) -> str | None:
         return (f"This invitation was sent to another email address than yours ({user.email}). "
                 "Log in with the address it was sent to.")
     if invitation.accepted_at is not None:
-        return None if invitation.accepted_by_id == user.pk else "This invitation has already been used."
+        if invitation.accepted_by_id != user.pk:
+            return "This invitation has already been used."
+        # NOTE: a used link never brings back a member removed since: that takes a new invitation.
+        if not Membership.objects.filter(organization_id=invitation.organization_id, user=user).exists():
+            return ("You were removed from this organisation after accepting this invitation; "
+                    "ask an admin of the organisation for a new invitation.")
+        return None
     if invitation.revoked_at is not None:
         return "This invitation was revoked. Ask an admin of the organisation for a new one."
     if invitation.expires_at <= timezone.now():
