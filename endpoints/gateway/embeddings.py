@@ -29,7 +29,7 @@ GENERATE_TASK = "generate"
 
 
 def check_payload(payload: dict) -> None:
-    """The 400 that refuses an embeddings body, if any; fields OpenAI does not define pass to the engine."""
+    """The 400 that refuses an embeddings body, if any (which fields it may carry: `endpoints.gateway.fields`)."""
     _check_input(payload.get("input"))
     encoding = payload.get("encoding_format")
     if encoding is not None and encoding not in ENCODING_FORMATS:

@@ -15,8 +15,8 @@ so each prompt counts at most `max_model_len`; a part that is not text (an image
 Outputs are bounded by what vLLM honours (`vllm.entrypoints.serve.utils.api_utils.get_max_tokens`):
 chat takes `max_completion_tokens`, else `max_tokens`, else all the context left; completions take
 `max_tokens` only (default 16; `max_completion_tokens` is ignored), and a prompt plus its output
-never pass the context. Each prompt is generated `n` times (`best_of` if larger); its prompt tokens
-are counted once, as vLLM's usage counts them.
+never pass the context. Each prompt is generated `n` times (`best_of` above `n` is refused by
+`endpoints.gateway.fields`: vLLM ignores it); its prompt tokens are counted once, as vLLM's usage counts them.
 
 Why not ask the engine: vLLM's `/tokenize` (which applies the chat template, tools included) gives
 the exact count but costs a round trip to a READY replica, ~7 ms p50 against the tiny model on this
@@ -58,7 +58,7 @@ class WorstCase:
     generates; the output tokens one sequence may have before the context ends it."""
 
     prompt_bounds: tuple[int, ...]  # each at most max_model_len
-    num_sequences: int  # per prompt: n, or best_of when larger
+    num_sequences: int  # per prompt: n
     max_output_tokens: int  # per sequence, before the context limit
     max_model_len: int
 
@@ -121,7 +121,7 @@ def worst_case(payload: dict, kind: str, max_model_len: int) -> WorstCase:
         requested = _first_int(payload.get("max_tokens"), COMPLETIONS_DEFAULT_MAX_TOKENS)
     # NOTE: at least one token: vLLM generates one for `max_tokens: 0` with `echo`.
     max_output = limit if requested is None else max(1, min(requested, limit))
-    num_sequences = max(1, _as_int(payload.get("n")) or 1, _as_int(payload.get("best_of")) or 1)
+    num_sequences = max(1, _as_int(payload.get("n")) or 1)
     return WorstCase(prompt_bounds=tuple(min(bound, limit) for bound in prompts), num_sequences=num_sequences,
                      max_output_tokens=max_output, max_model_len=limit)
 

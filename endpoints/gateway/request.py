@@ -3,9 +3,9 @@
 Anything malformed is a 400 in OpenAI's shape here, before a key's limits are counted, an endpoint
 is looked up or a byte reaches the engine: JSON the gateway could not re-encode (NaN, numbers past
 64 bits or past a float, nesting deeper than `MAX_DEPTH`), a body that is not an object, and a
-wrong type or range for any field OpenAI's API defines. Fields it does not define (vLLM's
-extensions: `top_k`, `min_p`, …) pass through for the engine to judge. An embeddings body is
-checked by `endpoints.gateway.embeddings`.
+wrong type or range for any field OpenAI's API defines, and any field not on the allowlist of
+`endpoints.gateway.fields`. vLLM's sampling extensions on it (`top_k`, `min_p`, …) pass through for
+the engine to judge. An embeddings body is checked by `endpoints.gateway.embeddings`.
 
 `priority` is the engine's (vLLM's priority scheduling, lower runs sooner; interactive calls 0): a
 client may pass one only within what its key allows (`ApiKey.max_priority_boost`), a 400 naming
@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from endpoints.gateway import embeddings, errors, estimate
+from endpoints.gateway import embeddings, errors, estimate, fields
 
 MAX_DEPTH = 32  # objects and arrays nested in one another; real requests use a handful
 MAX_MODEL_NAME = 256
@@ -76,6 +76,7 @@ def parse_payload(body: bytes, kind: str) -> dict:
         raise errors.invalid_request("You must provide a model parameter.", param="model")
     if len(model) > MAX_MODEL_NAME or not model.isprintable() or not _is_utf8(model):
         raise errors.invalid_request("'model' is not a model name.", param="model", code="invalid_value")
+    fields.check(payload, kind)
     if kind == embeddings.EMBEDDING:
         embeddings.check_payload(payload)
         return payload

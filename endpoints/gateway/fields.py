@@ -1,0 +1,98 @@
+"""Which fields of a `/v1` body may reach the engine: an allowlist per kind of call.
+
+vLLM's request models accept far more than OpenAI's API, and take unknown fields silently
+(`extra="allow"`). Some of what they accept lets a caller do work the reservation never counted, or
+reach the engine's internals: `kv_transfer_params` replaces a chat prompt with token ids the
+estimate never saw (`prompt_token_ids`) or claims a prefix-cache hit for every prompt token
+(`remote_prefill_cached_tokens`, billed at the cached price); `messages` next to an embeddings
+`input` embeds conversations while only `input` is counted; `use_beam_search` re-runs the prompt
+for every beam at every step; `best_of` is ignored by vLLM's completions (so choices would be
+counted against the wrong prompt). A new engine version may add more. So the gateway passes only
+what it knows: OpenAI's fields, the metadata its SDKs send, and the vLLM sampling extensions whose
+cost the estimate bounds (`endpoints.gateway.estimate`). Anything else is a 400 in OpenAI's shape,
+as OpenAI answers an argument it does not recognise; the engine-only fields below name why.
+
+`check(payload, kind)` is called by `request.parse_payload` for interactive calls and batch lines alike.
+"""
+
+from __future__ import annotations
+
+from endpoints.gateway import errors
+
+# OpenAI's own fields, and what its SDKs send that changes nothing here (the engine ignores it).
+_OPENAI_COMMON = frozenset({
+    "model", "max_tokens", "stream", "stream_options", "n", "temperature", "top_p", "presence_penalty",
+    "frequency_penalty", "seed", "stop", "user", "logit_bias", "logprobs", "metadata", "store", "service_tier",
+    "prompt_cache_key", "safety_identifier",
+})
+_OPENAI_CHAT = _OPENAI_COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "response_format", "reasoning_effort", "verbosity", "functions", "function_call",
+}
+_OPENAI_COMPLETION = _OPENAI_COMMON | {"prompt", "echo", "best_of", "suffix"}
+# vLLM's sampling and output extensions: each changes which tokens come, never how many are processed
+# beyond what the estimate bounds (`max_tokens`, the context, `n`).
+_VLLM_SAMPLING = frozenset({
+    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "bad_words", "include_stop_str_in_output",
+    "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
+    "logprob_token_ids", "prompt_logprobs", "add_special_tokens", "truncate_prompt_tokens", "truncation_side",
+    "structured_outputs", "cache_salt", "priority", "return_token_ids", "return_tokens_as_token_ids",
+})
+_VLLM_CHAT = _VLLM_SAMPLING | {
+    "echo", "add_generation_prompt", "continue_final_message", "documents", "chat_template_kwargs",
+    "include_reasoning", "thinking_token_budget",
+}
+_EMBEDDING = frozenset({
+    "model", "input", "encoding_format", "dimensions", "user",
+    "truncate_prompt_tokens", "truncation_side", "add_special_tokens", "priority", "embed_dtype", "endianness",
+    "use_activation",
+})
+
+ACCEPTED: dict[str, frozenset[str]] = {
+    "chat": _OPENAI_CHAT | _VLLM_CHAT,
+    "completion": _OPENAI_COMPLETION | _VLLM_SAMPLING,
+    "embedding": _EMBEDDING,
+}
+
+# Fields the engine knows that are refused on purpose, with the reason the caller reads.
+_ENGINE_INTERNAL = "is the engine's internal hand-off between servers and is not accepted from callers"
+REFUSED_WITH_REASON: dict[str, str] = {
+    "kv_transfer_params": _ENGINE_INTERNAL,
+    "ec_transfer_params": _ENGINE_INTERNAL,
+    "vllm_xargs": "passes arguments to the engine's plug-ins and is not accepted",
+    "request_id": "is set by Inferplane (the answer's x-request-id)",
+    "use_beam_search": "is not supported: beam search re-runs the prompt for every beam at every step",
+    "length_penalty": "applies only to beam search, which is not supported",
+    "chat_template": "is not supported: each model is served with its own chat template",
+    "prompt_embeds": "is not supported: send text or token ids",
+    "messages": "is not supported by /v1/embeddings: send the text as 'input'",
+}
+
+
+def check(payload: dict, kind: str) -> None:
+    """A 400 in OpenAI's shape naming the first field of `payload` a call of `kind` may not send."""
+    accepted = ACCEPTED[kind]
+    for name in payload:
+        if name in accepted:
+            continue
+        reason = REFUSED_WITH_REASON.get(name)
+        if reason is not None:
+            raise errors.invalid_request(f"'{name}' {reason}.", param=name, code="unsupported_parameter")
+        raise errors.invalid_request(f"Unrecognized request argument supplied: {_printable(name)}", param=_printable(name),
+                                     code="unknown_parameter")
+    if kind == "completion":
+        _refuse_best_of_past_n(payload)
+
+
+def _refuse_best_of_past_n(payload: dict) -> None:
+    """`best_of` above `n`: vLLM's completions ignore it and return `n` choices, not the best of more."""
+    best_of, n = payload.get("best_of"), payload.get("n") or 1
+    if best_of is not None and isinstance(n, int) and isinstance(best_of, int) and best_of > n:
+        raise errors.invalid_request(f"'best_of' ({best_of}) above 'n' ({n}) is not supported: the engine returns "
+                                     "'n' choices; ask for more with 'n'.", param="best_of", code="unsupported_parameter")
+
+
+def _printable(name: str) -> str:
+    """A field name as the error may quote it: at most 64 characters, nothing unprintable."""
+    shown = name[:64]
+    return shown if shown.isprintable() else ascii(shown)[1:-1]

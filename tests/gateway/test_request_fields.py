@@ -1,0 +1,106 @@
+"""Only fields on the gateway's allowlist reach the engine (`endpoints.gateway.fields`).
+
+Each refused field below passed to vLLM before, where it made the engine do work the reservation never
+counted or bill less than the work done: `kv_transfer_params.prompt_token_ids` replaced a chat prompt with
+ids the estimate never saw, `remote_prefill_cached_tokens` billed every prompt token at the cached price,
+`messages` beside an embeddings `input` embedded conversations while `input` was counted, beam search
+re-ran the prompt for every beam at every step, and `best_of` (ignored by vLLM's completions) made the
+gateway count choices against the wrong prompt.
+"""
+
+import json
+
+import httpx
+import pytest
+
+from billing.models import UsageRecord
+from endpoints.gateway.errors import OpenAIError
+from endpoints.gateway.fields import ACCEPTED
+from endpoints.gateway.request import parse_payload
+from tests.gateway.conftest import serve_endpoint
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+EMBEDDING = {"model": "m", "input": "hi"}
+
+
+def _refusal(payload: dict, kind: str) -> OpenAIError:
+    with pytest.raises(OpenAIError) as refused:
+        parse_payload(json.dumps(payload).encode(), kind)
+    return refused.value
+
+
+@pytest.mark.parametrize("kind, body, field", [
+    ("chat", CHAT | {"kv_transfer_params": {"prompt_token_ids": list(range(32_000))}}, "kv_transfer_params"),
+    ("chat", CHAT | {"kv_transfer_params": {"do_remote_prefill": True, "remote_prefill_cached_tokens": 10**9}},
+     "kv_transfer_params"),
+    ("completion", COMPLETION | {"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
+    ("chat", CHAT | {"ec_transfer_params": {}}, "ec_transfer_params"),
+    ("chat", CHAT | {"vllm_xargs": {"a": 1}}, "vllm_xargs"),
+    ("chat", CHAT | {"use_beam_search": True, "n": 16}, "use_beam_search"),
+    ("completion", COMPLETION | {"use_beam_search": True}, "use_beam_search"),
+    ("chat", CHAT | {"request_id": "someone-elses"}, "request_id"),
+    ("chat", CHAT | {"chat_template": "{{ 'x' * 100000 }}"}, "chat_template"),
+    ("completion", COMPLETION | {"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ("embedding", EMBEDDING | {"messages": [[{"role": "user", "content": "a whole corpus"}]]}, "messages"),
+    ("embedding", EMBEDDING | {"chat_template_kwargs": {}}, "chat_template_kwargs"),
+    ("completion", COMPLETION | {"best_of": 16}, "best_of"),
+    ("completion", COMPLETION | {"n": 2, "best_of": 3}, "best_of"),
+    ("chat", CHAT | {"best_of": 2}, "best_of"),
+    ("chat", CHAT | {"mm_processor_kwargs": {"max_pixels": 10**9}}, "mm_processor_kwargs"),
+    ("chat", CHAT | {"guided_json": {"type": "object"}}, "guided_json"),  # gone from vLLM: silently ignored there
+])
+def test_a_field_the_engine_would_take_but_the_reservation_cannot_bound_is_a_400_naming_it(kind, body, field):
+    refusal = _refusal(body, kind)
+
+    assert (refusal.status, refusal.param) == (400, field)
+    assert refusal.code in {"unsupported_parameter", "unknown_parameter"}
+
+
+def test_an_unknown_field_is_refused_as_openai_refuses_an_unrecognised_argument():
+    refusal = _refusal(CHAT | {"temprature": 0.5}, "chat")
+
+    assert refusal.message == "Unrecognized request argument supplied: temprature"
+    assert (refusal.param, refusal.code) == ("temprature", "unknown_parameter")
+
+
+def test_an_unprintable_field_name_is_quoted_escaped_in_the_refusal():
+    refusal = _refusal(CHAT | {"a\u0000b" + "x" * 100: 1}, "chat")
+
+    assert refusal.param == "a\\x00b" + "x" * 61
+    assert refusal.message.isprintable()
+
+
+@pytest.mark.parametrize("kind, body", [
+    ("chat", CHAT | {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 1,
+                     "stop_token_ids": [2], "skip_special_tokens": False, "cache_salt": "s", "documents": [],
+                     "chat_template_kwargs": {"enable_thinking": False}, "structured_outputs": {"json": {}},
+                     "metadata": {"run": "1"}, "store": False, "service_tier": "auto", "reasoning_effort": "low",
+                     "max_completion_tokens": 4, "truncate_prompt_tokens": 8, "prompt_logprobs": 1}),
+    ("completion", COMPLETION | {"n": 2, "best_of": 2, "echo": True, "suffix": "", "top_k": 1, "min_tokens": 1,
+                                 "allowed_token_ids": [1, 2], "bad_words": ["x"], "return_token_ids": True}),
+    ("embedding", EMBEDDING | {"dimensions": 8, "encoding_format": "base64", "truncate_prompt_tokens": 4,
+                               "add_special_tokens": True, "user": "u"}),
+])
+def test_what_openais_sdks_and_vllms_sampling_extensions_send_still_passes(kind, body):
+    assert parse_payload(json.dumps(body).encode(), kind) == body
+
+
+def test_every_kind_has_an_allowlist_with_its_model_and_prompt():
+    assert {"model", "messages"} <= ACCEPTED["chat"]
+    assert {"model", "prompt"} <= ACCEPTED["completion"]
+    assert {"model", "input"} <= ACCEPTED["embedding"] and "messages" not in ACCEPTED["embedding"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refused_field_never_reaches_the_engine_and_costs_nothing(gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    body = {"model": endpoint.name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_prefill_cached_tokens": 10**9}}
+
+    response = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {tenant.key}"})
+
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "kv_transfer_params"
+    assert not UsageRecord.objects.exists()
