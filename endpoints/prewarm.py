@@ -23,11 +23,13 @@ import zoneinfo
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from croniter import CroniterBadCronError, croniter
+from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
 MAX_WINDOWS = 10
 MAX_DURATION_MINUTES = 7 * 24 * 60
 WINDOW_FIELDS = {"schedule", "timezone", "duration_minutes", "min_replicas"}
+# Schedules are tried from here when validated: one that occurs at all occurs within croniter's search of it.
+PROBE_AT = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,6 +60,8 @@ def validate_windows(value, *, max_replicas: int | None = None) -> list[str]:
         schedule = window["schedule"]
         if not isinstance(schedule, str) or len(schedule.split()) != 5 or not _valid_cron(schedule):
             problems.append(f"{where}: schedule must be a five-field cron expression, e.g. \"0 9 * * 1-5\".")
+        elif not _occurs(schedule):
+            problems.append(f"{where}: schedule names a date that never comes (such as 30 February or 31 April).")
         if not isinstance(window["timezone"], str) or window["timezone"] not in _timezones():
             problems.append(f"{where}: timezone must be an IANA time zone name, e.g. \"Europe/Paris\".")
         duration = window["duration_minutes"]
@@ -97,21 +101,29 @@ def keep_warm_floor(keep_warm_s: int, last_cold_start_at: datetime | None, now: 
     return Floor(1, f"kept warm {left:.0f} s more after a cold start")
 
 
-def next_openings(windows: list[dict], now: datetime) -> list[tuple[dict, datetime]]:
-    """When each window next opens, in its own time zone (for the console), soonest first."""
-    upcoming = [
-        (window, croniter(window["schedule"], now.astimezone(zoneinfo.ZoneInfo(window["timezone"]))).get_next(datetime))
-        for window in windows or []
-    ]
-    return sorted(upcoming, key=lambda pair: pair[1])
+def next_openings(windows: list[dict], now: datetime) -> list[tuple[dict, datetime | None]]:
+    """When each window next opens, in its own time zone (for the console), soonest first; None, last,
+    for a window that never opens (a date that never comes, stored before such schedules were refused)."""
+    upcoming = []
+    for window in windows or []:
+        try:
+            opens = croniter(window["schedule"], now.astimezone(zoneinfo.ZoneInfo(window["timezone"]))).get_next(datetime)
+        except CroniterBadDateError:
+            opens = None
+        upcoming.append((window, opens))
+    return sorted(upcoming, key=lambda pair: (pair[1] is None, pair[1] or now))
 
 
 def _opened_at(window: dict, now: datetime) -> datetime | None:
     """When the window last opened, if it is still open at `now`."""
     zone = zoneinfo.ZoneInfo(window["timezone"])
     local_now = now.astimezone(zone)
-    # NOTE: a little after `now`, so a window opening exactly now counts as open.
-    last = croniter(window["schedule"], local_now + timedelta(seconds=1)).get_prev(datetime)
+    try:
+        # NOTE: a little after `now`, so a window opening exactly now counts as open.
+        last = croniter(window["schedule"], local_now + timedelta(seconds=1)).get_prev(datetime)
+    except CroniterBadDateError:
+        # NOTE: a date that never comes (30 February) never opens; it must not stop the autoscaler's tick.
+        return None
     if local_now - last < timedelta(minutes=window["duration_minutes"]):
         return last
     return None
@@ -119,10 +131,20 @@ def _opened_at(window: dict, now: datetime) -> datetime | None:
 
 def _valid_cron(schedule: str) -> bool:
     try:
-        croniter(schedule, datetime(2026, 1, 1, tzinfo=UTC))
+        croniter(schedule, PROBE_AT)
     except (CroniterBadCronError, ValueError, KeyError):
         return False
     return croniter.is_valid(schedule)
+
+
+def _occurs(schedule: str) -> bool:
+    """Whether a valid schedule ever comes: croniter accepts `0 9 30 2 *` and only fails to find its dates."""
+    try:
+        croniter(schedule, PROBE_AT).get_next(datetime)
+        croniter(schedule, PROBE_AT).get_prev(datetime)
+    except CroniterBadDateError:
+        return False
+    return True
 
 
 @functools.cache

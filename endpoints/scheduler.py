@@ -194,18 +194,21 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
                                    | ~Q(endpoint__idle_action=IdleAction.SLEEP))
     changing = {str(pk) for pk in sleepers.values_list("endpoint_id", flat=True).distinct()}
     for endpoint in endpoints:
-        decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)], batch=demand.get(str(endpoint.pk)),
-                                     num_ready=num_ready.get(endpoint.pk, 0), num_serving=num_serving.get(endpoint.pk, 0))
-        if endpoint.failed_at is not None:
-            continue  # stopped until a spec change or resume: nothing to place
-        if decision.batch_rule in ("hold", "wait"):
-            changing.add(str(endpoint.pk))  # its event log says why it holds or waits (once per change)
-            continue
-        if decision.desired != num_serving.get(endpoint.pk, 0) or endpoint.status_message or endpoint.unplaced_replicas:
-            changing.add(str(endpoint.pk))
-        elif idle_deadlines is not None and (deadline := autoscaler.idle_deadline(
-                endpoint, loads[str(endpoint.pk)], num_serving.get(endpoint.pk, 0), now)) is not None:
-            idle_deadlines[str(endpoint.pk)] = deadline
+        try:
+            decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)], batch=demand.get(str(endpoint.pk)),
+                                         num_ready=num_ready.get(endpoint.pk, 0), num_serving=num_serving.get(endpoint.pk, 0))
+            if endpoint.failed_at is not None:
+                continue  # stopped until a spec change or resume: nothing to place
+            if decision.batch_rule in ("hold", "wait"):
+                changing.add(str(endpoint.pk))  # its event log says why it holds or waits (once per change)
+                continue
+            if decision.desired != num_serving.get(endpoint.pk, 0) or endpoint.status_message or endpoint.unplaced_replicas:
+                changing.add(str(endpoint.pk))
+            elif idle_deadlines is not None and (deadline := autoscaler.idle_deadline(
+                    endpoint, loads[str(endpoint.pk)], num_serving.get(endpoint.pk, 0), now)) is not None:
+                idle_deadlines[str(endpoint.pk)] = deadline
+        except Exception:  # noqa: BLE001 - one broken endpoint must not stall the others, as in the tick's reconciles
+            logger.exception("deciding for endpoint %s failed", endpoint.pk)
     return sorted(changing)
 
 

@@ -98,6 +98,24 @@ def test_the_tick_raises_an_idle_serverless_endpoint_to_its_open_windows_floor(s
     assert "pre-warm window" in event.message and event.details["inputs"]["floor"] == 2
 
 
+def test_a_stored_window_whose_date_never_comes_never_opens_and_the_tick_still_scales_everyone_else():
+    """Before, 30 February raised in every tick's decisions: no endpoint of any tenant scaled, even to zero."""
+    never = {"schedule": "0 9 30 2 *", "timezone": "Europe/Paris", "duration_minutes": 600, "min_replicas": 2}
+    broken = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=2)
+    Endpoint.objects.filter(pk=broken.pk).update(prewarm_windows=[never])  # stored before such schedules were refused
+    idle = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=1, idle_timeout_s=60)
+    replica = Replica.objects.create(endpoint=idle, node=make_node(memory_mb=80_000), state=ReplicaState.READY,
+                                     address="http://127.0.0.1:9", ready_at=timezone.now())
+    get_redis().set(redis_keys.last_request_key(idle.organization_id, str(idle.pk)), time.time() - 120)
+    broken.refresh_from_db()
+    assert prewarm.window_floor(broken.prewarm_windows, datetime.now(UTC)).replicas == 0
+    assert prewarm.next_openings(broken.prewarm_windows, datetime.now(UTC)) == [(never, None)]
+
+    scheduler.autoscale_tick()
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.DRAINING
+    assert not Replica.objects.filter(endpoint=broken).exists()
+
+
 # -- what the engines feel --------------------------------------------------------------------------
 
 
@@ -230,6 +248,8 @@ def test_pre_warm_windows_and_keep_warm_round_trip_through_the_api(owner_client)
 @pytest.mark.parametrize(("windows", "message"), [
     ([OFFICE_HOURS | {"schedule": "every monday"}], "Window 1: schedule must be a five-field cron expression"),
     ([OFFICE_HOURS | {"schedule": "61 9 * * *"}], "Window 1: schedule must be a five-field cron expression"),
+    ([OFFICE_HOURS | {"schedule": "0 9 30 2 *"}], "Window 1: schedule names a date that never comes"),
+    ([OFFICE_HOURS, OFFICE_HOURS | {"schedule": "0 9 31 4,6 *"}], "Window 2: schedule names a date that never comes"),
     ([OFFICE_HOURS | {"timezone": "Mars/Olympus"}], "Window 1: timezone must be an IANA time zone name"),
     ([OFFICE_HOURS | {"duration_minutes": 0}], "Window 1: duration_minutes must be a whole number from 1 to 10080"),
     ([OFFICE_HOURS, OFFICE_HOURS | {"min_replicas": 9}], "Window 2: min_replicas is above max_replicas (3)"),

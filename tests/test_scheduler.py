@@ -101,6 +101,25 @@ def test_a_second_overlapping_tick_does_nothing():
     assert Replica.objects.count() == 1
 
 
+def test_an_endpoint_whose_decision_fails_does_not_stop_the_tick_for_the_others(monkeypatch, caplog):
+    broken = EndpointFactory(gpu_type="l4", min_replicas=1)
+    idle = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=1, idle_timeout_s=60)
+    replica = Replica.objects.create(endpoint=idle, node=make_node(memory_mb=80_000), state=ReplicaState.READY,
+                                     address="http://127.0.0.1:9", ready_at=timezone.now())
+    get_redis().set(redis_keys.last_request_key(idle.organization_id, str(idle.pk)), time.time() - 120)
+    decide = autoscaler.decide
+
+    def decide_or_fail(endpoint, *args, **kwargs):
+        if endpoint.pk == broken.pk:
+            raise RuntimeError("a bug in one endpoint's decision")
+        return decide(endpoint, *args, **kwargs)
+
+    monkeypatch.setattr(autoscaler, "decide", decide_or_fail)
+    scheduler.autoscale_tick()
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.DRAINING
+    assert f"deciding for endpoint {broken.pk} failed" in caplog.text
+
+
 def test_the_tick_looks_only_at_active_endpoints():
     idle = EndpointFactory(min_replicas=0)
     floored = EndpointFactory(min_replicas=1)

@@ -3,6 +3,7 @@
 import pytest
 from django.urls import reverse
 
+from endpoints.models import Endpoint
 from tests.factories import EndpointFactory
 
 pytestmark = pytest.mark.django_db
@@ -31,3 +32,15 @@ def test_the_console_takes_windows_one_per_line_and_shows_them_with_their_next_o
     assert "120 s" in page
     edit = owner.get(reverse("console:endpoint-edit", args=[endpoint.pk])).content.decode()
     assert "0 9 * * 1-5 Europe/Paris 600 2" in edit
+
+
+def test_a_stored_window_whose_date_never_comes_is_shown_as_never_opening(owner):
+    """Before, the endpoint's page was a 500 (croniter found no next 30 February)."""
+    endpoint = EndpointFactory(organization=owner.organization, max_replicas=3)
+    never = OFFICE_HOURS | {"schedule": "0 9 30 2 *"}
+    Endpoint.objects.filter(pk=endpoint.pk).update(prewarm_windows=[OFFICE_HOURS, never])  # stored before they were refused
+    page = owner.get(reverse("console:endpoint", args=[endpoint.pk]))
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "<code>0 9 * * 1-5</code> Europe/Paris: 2 replicas for 600 min, next opens" in html
+    assert "<code>0 9 30 2 *</code> Europe/Paris: 2 replicas for 600 min (never opens: no such date)" in html
