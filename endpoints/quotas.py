@@ -4,7 +4,8 @@ The numbers come from the organisation's plan, or the platform defaults
 (`controlplane.accounts.models.Quotas`). They are checked in three places, each against the same rules here:
 
 - an endpoint spec (create or update, API and console wizard): endpoints, each endpoint's
-  `max_replicas`, the sum of `min_replicas`, and GPU types the plan allows (400 with field errors);
+  `max_replicas`, the sum of warm floors (`warm_floor`: `min_replicas` or pre-warm windows), and GPU
+  types the plan allows (400 with field errors);
 - placement (`endpoints.scheduler`): a new replica only while the organisation holds fewer than its
   `max_replicas` in all and its GPUs of that type, so the autoscaler never scales it past them
   (the endpoint shows "waiting for quota: …");
@@ -58,8 +59,8 @@ class QuotaUse:
         rows = [
             QuotaRow("max_endpoints", "Endpoints", self.quotas.max_endpoints, self.num_endpoints),
             QuotaRow("max_replicas", "Replicas at once", self.quotas.max_replicas, self.num_replicas),
-            QuotaRow("max_min_replicas", "Replicas kept warm (sum of min_replicas)", self.quotas.max_min_replicas,
-                     self.num_min_replicas),
+            QuotaRow("max_min_replicas", "Replicas kept warm (min_replicas and pre-warm windows)",
+                     self.quotas.max_min_replicas, self.num_min_replicas),
             QuotaRow("max_held_requests", "Requests waiting for cold starts", self.quotas.max_held_requests,
                      self.num_held_requests),
             QuotaRow("max_file_bytes", "File storage (batch inputs and outputs)", self.quotas.max_file_bytes,
@@ -71,9 +72,25 @@ class QuotaUse:
         return rows
 
 
+def warm_floor(min_replicas: int, prewarm_windows: list[dict] | None) -> int:
+    """The replicas an endpoint may keep warm with no traffic, as `max_min_replicas` counts them: its
+    `min_replicas`, or its largest pre-warm window's floor.
+
+    NOTE: a window counts whole, however seldom it opens: `* * * * *` for a week is `min_replicas`
+    under another name, and the quota bounds what is warm at once. Keep-warm after a cold start is not
+    counted: it follows a call, keeps one replica, and for no longer than `idle_timeout_s` may (a day).
+    """
+    return max([min_replicas, *(window["min_replicas"] for window in prewarm_windows or [])])
+
+
+def _num_warm(endpoints) -> int:
+    return sum(warm_floor(min_replicas, windows) for min_replicas, windows
+               in endpoints.values_list("min_replicas", "prewarm_windows"))
+
+
 def use_of(organization: Organization) -> QuotaUse:
     endpoints = Endpoint.objects.for_org(organization).order_by()
-    totals = endpoints.aggregate(num=Count("pk"), min_replicas=Sum("min_replicas"))
+    totals = endpoints.aggregate(num=Count("pk"))
     held = Replica.objects.filter(endpoint__organization=organization, state__in=ACTIVE_REPLICA_STATES).order_by()
     gpus_by_type = dict(  # GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them
         held.values("endpoint__gpu_type").annotate(num=Sum("endpoint__gpus_per_replica"))
@@ -82,17 +99,17 @@ def use_of(organization: Organization) -> QuotaUse:
     num_held = get_redis().zcount(held_key(organization.pk), f"({time.time()}", "+inf")
     file_bytes = File.objects.held_by(organization.pk).aggregate(total=Sum("bytes"))["total"] or 0
     return QuotaUse(organization.plan.name if organization.plan_id else None, organization.quotas, totals["num"],
-                    held.count(), totals["min_replicas"] or 0, num_held, file_bytes, gpus_by_type)
+                    held.count(), _num_warm(endpoints), num_held, file_bytes, gpus_by_type)
 
 
-QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas", "gpus_per_replica")
+QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas", "gpus_per_replica", "prewarm_windows")
 
 
 def spec_errors(organization: Organization, changes: dict, instance: Endpoint | None = None) -> dict[str, list[str]]:
     """Field errors for a new endpoint's spec, or for `changes` to `instance`.
 
     An update that touches none of `QUOTA_FIELDS` passes: lowering a plan never locks an endpoint's
-    other settings.
+    other settings; nor is one refused for replicas kept warm unless it raises the endpoint's warm floor.
     """
     if instance is not None and not any(name in changes and changes[name] != getattr(instance, name)
                                         for name in QUOTA_FIELDS):
@@ -120,12 +137,18 @@ def spec_errors(organization: Organization, changes: dict, instance: Endpoint | 
         most, num_gpus = max_gpus // spec["gpus_per_replica"], spec["gpus_per_replica"]
         errors["max_replicas"] = [f"Your plan allows at most {most} replicas at once on {gpu_type} (quota {quota})"
                                   + (f": {max_gpus} GPUs, {num_gpus} per replica." if num_gpus > 1 else ".")]
-    warm_elsewhere = others.aggregate(total=Sum("min_replicas"))["total"] or 0
-    if spec["min_replicas"] + warm_elsewhere > quotas.max_min_replicas:
+    warm = warm_floor(spec["min_replicas"], spec["prewarm_windows"])
+    raises_warm = instance is None or warm > warm_floor(instance.min_replicas, instance.prewarm_windows)
+    warm_elsewhere = _num_warm(others) if raises_warm else 0
+    if raises_warm and warm + warm_elsewhere > quotas.max_min_replicas:
         room = max(0, quotas.max_min_replicas - warm_elsewhere)
-        errors["min_replicas"] = [
-            f"Your plan keeps at most {quotas.max_min_replicas} replicas warm over all endpoints (quota "
-            f"max_min_replicas); your other endpoints keep {warm_elsewhere}, so at most {room} here."]
+        message = (f"Your plan keeps at most {quotas.max_min_replicas} replicas warm over all endpoints (quota "
+                   f"max_min_replicas); your other endpoints keep {warm_elsewhere}, so at most {room} here")
+        if warm > spec["min_replicas"]:
+            errors["prewarm_windows"] = [f"{message}. A pre-warm window counts as its min_replicas kept warm, and "
+                                         f"one here keeps {warm}."]
+        else:
+            errors["min_replicas"] = [message + "."]
     return errors
 
 

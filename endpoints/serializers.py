@@ -192,7 +192,8 @@ class EndpointSerializer(StrictModelSerializer):
     prewarm_windows = PrewarmWindowsField(
         required=False,
         help_text="Times the endpoint keeps a higher floor of replicas, e.g. office hours in its users' time zone "
-                  "(at most 10). Each window's min_replicas must be at most max_replicas.",
+                  "(at most 10). Each window's min_replicas must be at most max_replicas; the largest counts toward "
+                  "the plan's max_min_replicas as min_replicas does.",
     )
     name = serializers.CharField(max_length=63, help_text="Lowercase letters, digits and hyphens; the `model` in /v1 calls.")
     model_source = serializers.CharField(max_length=500, validators=[validate_model_source])

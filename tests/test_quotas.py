@@ -70,6 +70,46 @@ def test_a_lowered_plan_still_lets_an_endpoint_change_what_quotas_do_not_cover(o
     assert patched.status_code == 200, patched.json()
 
 
+ALWAYS_OPEN = {"schedule": "* * * * *", "timezone": "UTC", "duration_minutes": 10080, "min_replicas": 8}
+
+
+def test_a_pre_warm_window_keeps_no_more_replicas_warm_than_the_plan_allows(owner_client, org):
+    """Before, a window open all the time kept max_replicas warm where the quota allowed 2."""
+    forever = owner_client.post("/api/v1/endpoints/", VALID | {"max_replicas": 8, "prewarm_windows": [ALWAYS_OPEN]},
+                                format="json")
+    assert forever.status_code == 400, forever.json()
+    assert "quota max_min_replicas" in forever.json()["prewarm_windows"][0]
+    assert "one here keeps 8" in forever.json()["prewarm_windows"][0]
+    assert not Endpoint.objects.exists()
+
+    warm = owner_client.post("/api/v1/endpoints/", VALID | {"min_replicas": 1, "max_replicas": 2}, format="json")
+    second = owner_client.post("/api/v1/endpoints/", VALID | {"name": "two", "max_replicas": 2}, format="json")
+    assert warm.status_code == 201 and second.status_code == 201
+    windowed = owner_client.patch(f"/api/v1/endpoints/{second.json()['id']}/",
+                                  {"prewarm_windows": [ALWAYS_OPEN | {"min_replicas": 2}]}, format="json")
+    assert windowed.status_code == 400 and "so at most 1 here" in windowed.json()["prewarm_windows"][0]
+    fits = owner_client.patch(f"/api/v1/endpoints/{second.json()['id']}/",
+                              {"prewarm_windows": [ALWAYS_OPEN | {"min_replicas": 1}]}, format="json")
+    assert fits.status_code == 200, fits.json()
+    rows = {row["quota"]: row["used"] for row in owner_client.get("/api/v1/quotas/").json()["quotas"]}
+    assert rows["max_min_replicas"] == 2
+    # Now the window counts: min_replicas elsewhere has no room left.
+    raised = owner_client.patch(f"/api/v1/endpoints/{warm.json()['id']}/", {"min_replicas": 2}, format="json")
+    assert raised.status_code == 400 and "your other endpoints keep 1" in raised.json()["min_replicas"][0]
+
+
+def test_a_lowered_plan_never_refuses_keeping_fewer_replicas_warm(owner_client, org):
+    endpoint_id = owner_client.post("/api/v1/endpoints/", VALID | {"min_replicas": 2, "max_replicas": 2},
+                                    format="json").json()["id"]
+    _on_plan(org, max_min_replicas=0)
+
+    lowered = owner_client.patch(f"/api/v1/endpoints/{endpoint_id}/", {"min_replicas": 1}, format="json")
+
+    assert lowered.status_code == 200, lowered.json()
+    raised = owner_client.patch(f"/api/v1/endpoints/{endpoint_id}/", {"min_replicas": 2}, format="json")
+    assert raised.status_code == 400 and "at most 0 here" in raised.json()["min_replicas"][0]
+
+
 def test_the_autoscaler_never_scales_an_organisation_past_its_replica_quota_and_the_endpoint_says_why(org):
     _on_plan(org, max_replicas=3, max_gpus_by_type={"l4": 3})
     first = EndpointFactory(organization=org, gpu_type="l4", max_replicas=3, target_concurrency=1)
@@ -126,7 +166,7 @@ def test_the_console_shows_quotas_and_current_use(org):
     page = client.get("/console/endpoints/").content.decode()
 
     assert 'data-testid="quotas"' in page and "The platform's default plan allows" in page
-    assert "Replicas kept warm (sum of min_replicas)" in page
+    assert "Replicas kept warm (min_replicas and pre-warm windows)" in page
 
 
 def test_staff_change_plans_in_the_django_admin_and_each_change_is_audited(org):

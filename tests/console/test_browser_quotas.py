@@ -30,7 +30,7 @@ def test_a_customer_sees_quotas_their_use_key_limits_and_a_refused_spec(page):
     nav(page, "Endpoints")
     quotas = page.get_by_test_id("quotas")
     expect(quotas).to_contain_text("starter")
-    expect(quotas).to_contain_text("Replicas kept warm (sum of min_replicas)")
+    expect(quotas).to_contain_text("Replicas kept warm (min_replicas and pre-warm windows)")
     screenshot(page, "abuse-01-quotas")
 
     nav(page, "API keys")
