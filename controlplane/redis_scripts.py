@@ -50,10 +50,22 @@ class RedisTimeout(ConnectionError, TimeoutError):
 
 class RedisUnavailable(ConnectionError):
     """Redis answered that it cannot serve now (loading its data after a restart, a replica without
-    its primary): an outage, not an error in the call."""
+    its primary, out of memory under `maxmemory`, refusing writes after a failed save, busy with a
+    script): an outage, not an error in the call."""
 
 
-_UNAVAILABLE_PREFIXES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN")
+_UNAVAILABLE_PREFIXES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "OOM", "MISCONF", "BUSY",
+                         "NOREPLICAS")
+# NOTE: a refusal met by a command inside a script comes wrapped: `ERR Error running script (…): … -OOM …`.
+# Redis refuses a script's write for memory only before its first write, so nothing was half done.
+_IN_SCRIPT = "ERR Error running script"
+_UNAVAILABLE_IN_SCRIPT = tuple(f"-{prefix} " for prefix in _UNAVAILABLE_PREFIXES)
+
+
+def _says_unavailable(message: str) -> bool:
+    """Whether an error reply says Redis cannot serve now, rather than that the call was wrong."""
+    return message.startswith(_UNAVAILABLE_PREFIXES) or (
+        message.startswith(_IN_SCRIPT) and any(marker in message for marker in _UNAVAILABLE_IN_SCRIPT))
 
 
 class Script:
@@ -142,7 +154,7 @@ def _parse(buffer: bytearray, position: int):
         return line.decode(), position
     if kind == 0x2D:  # - error
         message = line.decode()
-        return (RedisUnavailable if message.startswith(_UNAVAILABLE_PREFIXES) else RedisError)(message), position
+        return (RedisUnavailable if _says_unavailable(message) else RedisError)(message), position
     if kind == 0x3A:  # : integer
         return int(line), position
     if kind == 0x24:  # $ bulk string

@@ -9,7 +9,12 @@ import psycopg
 import redis.exceptions
 
 # What a missing or silent Redis or PostgreSQL raises: the request gets a clean 503, never a 500 or a hang.
-OUTAGES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, ConnectionError, TimeoutError,
+# NOTE: redis-py's replies that say the server cannot serve now (out of memory, a replica, a cluster
+# reshaping) are outages too; this process's own Redis client raises `RedisUnavailable` (a
+# ConnectionError) for the same replies (`controlplane.redis_scripts`).
+OUTAGES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.OutOfMemoryError,
+           redis.exceptions.ReadOnlyError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
+           redis.exceptions.MasterDownError, ConnectionError, TimeoutError,
            django.db.OperationalError, django.db.InterfaceError, psycopg.OperationalError)
 
 

@@ -10,6 +10,7 @@ from billing.models import UsageRecord
 from endpoints.models import Replica
 from tests.conftest import free_port, start_web_server, wait_until
 from tests.gateway.conftest import serve_endpoint
+from tests.outages import redis_out_of_memory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -137,3 +138,19 @@ def test_the_request_limit_is_exact_across_two_gateway_processes(gateway, tenant
         assert retry_after is not None and 1 <= retry_after <= 61
     finally:
         second.stop()
+
+
+def test_a_redis_out_of_memory_is_a_503_with_retry_after_and_the_next_call_is_served(gateway, tenant, start_mock_upstream):
+    # `-OOM` (Redis at maxmemory with noeviction; `-MISCONF` after a failed save alike) was read as an
+    # error in the call: a 500, and a finish that failed so left its request counted in flight.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    headers = {"Authorization": f"Bearer {tenant.key}"}
+    body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 2}
+    assert httpx.post(f"{gateway}/v1/chat/completions", headers=headers, json=body, timeout=30).status_code == 200
+
+    with redis_out_of_memory():
+        refused = httpx.post(f"{gateway}/v1/chat/completions", headers=headers, json=body, timeout=30)
+
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["type"] == "server_error" and "retry-after" in refused.headers
+    assert httpx.post(f"{gateway}/v1/chat/completions", headers=headers, json=body, timeout=30).status_code == 200
