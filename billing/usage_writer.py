@@ -52,9 +52,30 @@ class DatabaseUnavailable(Exception):
     """The ledger is in an outage window: the batch goes to the journal without trying PostgreSQL."""
 
 
-# The database is unreachable, restarting or silent: the batch is owed, so it goes to the journal.
-# Any other database error is about the rows themselves and reaches the callers as before.
-OUTAGES = (DatabaseUnavailable, psycopg.OperationalError, psycopg.InterfaceError, OSError, TimeoutError)
+class LedgerNotWritable(Exception):
+    """PostgreSQL refused a batch for a reason that is not its rows': a server that turned read-only
+    (a demoted primary after a failover, `default_transaction_read_only`), one shutting down or out of
+    disk, a serialisation failure. The batch is owed, as in any outage."""
+
+
+# The database is unreachable, restarting, silent or refusing writes: the batch is owed, so it goes to
+# the journal. Only an error about the rows themselves (`_about_the_rows`) reaches the callers.
+OUTAGES = (DatabaseUnavailable, LedgerNotWritable, psycopg.OperationalError, psycopg.InterfaceError, OSError,
+           TimeoutError)
+# SQLSTATE classes that judge what a row holds: 22 data exception, 23 integrity constraint violation.
+ROW_ERROR_CLASSES = ("22", "23")
+
+
+def _about_the_rows(exc: psycopg.Error) -> bool:
+    """Whether the database refused the statement for what its rows hold (writing it again fails again)."""
+    return (exc.sqlstate or "")[:2] in ROW_ERROR_CLASSES
+
+
+def _as_outage(exc: psycopg.Error) -> Exception:
+    """`exc`, or a `LedgerNotWritable` when it says the database cannot take writes now."""
+    if isinstance(exc, psycopg.DatabaseError) and not isinstance(exc, psycopg.OperationalError) and not _about_the_rows(exc):
+        return LedgerNotWritable(f"{type(exc).__name__} ({exc.sqlstate}): {exc}")
+    return exc
 
 
 @functools.cache
@@ -115,9 +136,12 @@ class UsageWriter:
             written, refused = await asyncio.wait_for(self._insert(reports), WRITE_TIMEOUT_S), {}
         except UnknownEndpointError as exc:
             written, refused = exc.written_ids, dict.fromkeys(exc.refused_ids, exc)
-        except (psycopg.Error, OSError, TimeoutError):
+        except (psycopg.Error, OSError, TimeoutError) as exc:
             # NOTE: a statement cut short by the timeout may still commit; its replay is then a no-op.
             self.close_now()  # the next write starts on a new connection
+            outage = _as_outage(exc) if isinstance(exc, psycopg.Error) else exc
+            if outage is not exc:
+                raise outage from exc
             raise
         return _outcomes(reports, written, refused)
 
@@ -202,8 +226,11 @@ class UsageWriter:
                         refused = set(exc.refused_ids)
                         rejected += [report for report in batch if report.request_id in refused]
                     except psycopg.DatabaseError as exc:
-                        if isinstance(exc, psycopg.OperationalError):
-                            raise
+                        if not _about_the_rows(exc):  # down, read-only, shutting down: the segment waits
+                            outage = _as_outage(exc)
+                            if outage is exc:
+                                raise
+                            raise outage from exc
                         # NOTE: rows the database refuses for what they hold would block the journal forever.
                         logger.error("usage journal: a batch refused by the ledger (%r) set aside", exc)
                         self.close_now()

@@ -65,3 +65,34 @@ def redis_frozen():
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def redis_out_of_memory():
+    """Redis at its `maxmemory` with `noeviction`: reads answered, every write refused with `-OOM`."""
+    from controlplane.redis_client import get_redis
+
+    client = get_redis()
+    before = client.config_get("maxmemory")["maxmemory"], client.config_get("maxmemory-policy")["maxmemory-policy"]
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)
+    try:
+        yield
+    finally:
+        client.config_set("maxmemory", before[0])
+        client.config_set("maxmemory-policy", before[1])
+
+
+@contextlib.contextmanager
+def database_read_only():
+    """PostgreSQL as a demoted primary looks after a failover: sessions accepted, every write refused
+    (SQLSTATE 25006, read-only transaction). This test's own session keeps writing."""
+    name = settings.DATABASES["default"]["NAME"]
+    with _admin_connection() as admin:
+        admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+        try:
+            terminate_backends()  # sessions take the setting when they start
+            yield
+        finally:
+            admin.execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
+            terminate_backends()
