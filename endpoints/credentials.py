@@ -24,6 +24,7 @@ from controlplane import secrets
 from controlplane.accounts.services import Actor, record_audit
 from endpoints.models import (
     SECRET_FIELDS,
+    Adapter,
     CredentialKind,
     Endpoint,
     ModelCredential,
@@ -49,7 +50,7 @@ LAST_USED_RESOLUTION = timedelta(seconds=60)
 
 
 class CredentialInUse(ValueError):
-    """A credential that live endpoints still name cannot be deleted."""
+    """A credential that live endpoints or their adapters still name cannot be deleted."""
 
 
 def build_source_credentials(kind: str, values: dict) -> SourceCredentials:
@@ -115,13 +116,19 @@ def update_credential(actor: Actor, credential: ModelCredential, **changes) -> M
 
 @transaction.atomic
 def delete_credential(actor: Actor, credential: ModelCredential) -> None:
-    """Delete a credential no live endpoint names (deleted endpoints just lose the reference)."""
+    """Delete a credential that no live endpoint nor its adapters name (deleted endpoints and their
+    adapters just lose the reference)."""
     credential = ModelCredential.objects.select_for_update().get(pk=credential.pk)
     users = list(Endpoint.objects.live().filter(credential=credential).values_list("name", flat=True))
+    adapters = [f"{endpoint}:{name}" for endpoint, name in Adapter.objects.filter(
+        credential=credential, endpoint__deleted_at__isnull=True).values_list("endpoint__name", "name")]
+    problems = []
     if users:
-        raise CredentialInUse(
-            f"Endpoints use this credential: {', '.join(sorted(users))}. Point them at another credential first."
-        )
+        problems.append(f"Endpoints use this credential: {', '.join(sorted(users))}. Point them at another credential first.")
+    if adapters:
+        problems.append(f"LoRA adapters use this credential: {', '.join(sorted(adapters))}. Delete them first.")
+    if problems:
+        raise CredentialInUse(" ".join(problems))
     record_audit(actor, credential.organization, "credential.delete", credential, kind=credential.kind)
     credential.delete()
 

@@ -481,7 +481,8 @@ class Adapter(models.Model):
     endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="adapters")
     name = models.SlugField(max_length=63)
     source = models.CharField(max_length=500)  # like a model source: hf:, s3:// or an allowed local path
-    credential = models.ForeignKey(ModelCredential, on_delete=models.PROTECT, null=True, blank=True, related_name="adapters")
+    # NOTE: SET_NULL as an endpoint's: `delete_credential` refuses while a live endpoint's adapter names it.
+    credential = models.ForeignKey(ModelCredential, on_delete=models.SET_NULL, null=True, blank=True, related_name="adapters")
     rank = models.PositiveSmallIntegerField(null=True, blank=True)  # declared (adapter_config.json "r"), if known
     base_model = models.CharField(max_length=500, blank=True)  # adapter_config.json "base_model_name_or_path"
     # Own prices per million tokens; None: the endpoint's.

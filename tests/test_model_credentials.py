@@ -5,7 +5,7 @@ from django.db import connection
 
 from controlplane.accounts.models import AuditEvent, Role
 from endpoints.credentials import stored_secrets
-from endpoints.models import Endpoint, ModelCredential
+from endpoints.models import Adapter, Endpoint, ModelCredential
 from tests.factories import AWS_SECRET, HF_SECRET, EndpointFactory, OrganizationFactory, make_credential
 
 pytestmark = pytest.mark.django_db
@@ -214,6 +214,27 @@ def test_a_deleted_endpoint_does_not_hold_its_credential(owner_client):
     assert owner_client.delete(f"/api/v1/endpoints/{endpoint.pk}/").status_code == 204
     assert owner_client.delete(f"/api/v1/credentials/{credential.pk}/").status_code == 204
     assert Endpoint.objects.get(pk=endpoint.pk).credential is None
+
+
+def test_a_credential_an_adapter_uses_cannot_be_deleted_and_the_answer_names_the_adapter(owner_client):
+    """Before, the adapter's protected reference made the delete a 500."""
+    credential = make_credential(owner_client.organization)
+    endpoint = EndpointFactory(organization=owner_client.organization, name="base", max_loras=1)
+    Adapter.objects.create(endpoint=endpoint, name="tone", source="s3://tuned/tone", credential=credential)
+    response = owner_client.delete(f"/api/v1/credentials/{credential.pk}/")
+    assert response.status_code == 400
+    assert "LoRA adapters use this credential: base:tone" in response.json()["endpoints"][0]
+    assert ModelCredential.objects.filter(pk=credential.pk).exists()
+
+
+def test_adapters_of_a_deleted_endpoint_do_not_hold_their_credential(owner_client):
+    """Before, a deleted endpoint's adapter kept the credential undeletable for good (a 500 each time)."""
+    credential = make_credential(owner_client.organization)
+    endpoint = EndpointFactory(organization=owner_client.organization, max_loras=1)
+    adapter = Adapter.objects.create(endpoint=endpoint, name="tone", source="s3://tuned/tone", credential=credential)
+    assert owner_client.delete(f"/api/v1/endpoints/{endpoint.pk}/").status_code == 204
+    assert owner_client.delete(f"/api/v1/credentials/{credential.pk}/").status_code == 204
+    assert Adapter.objects.get(pk=adapter.pk).credential is None
 
 
 def test_the_credentials_api_is_in_the_openapi_schema(owner_client):
