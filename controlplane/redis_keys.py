@@ -75,6 +75,11 @@ def credit_key(organization_id: int) -> str:
     return f"billing:{org_tag(organization_id)}:credit"
 
 
+def limits_refreshed_key(organization_id: int) -> str:
+    """Set for a few seconds after a gateway wrote the organisation counter's limits for a version mismatch."""
+    return f"billing:{org_tag(organization_id)}:limits_refreshed"
+
+
 def portal_return_key(organization_id: int) -> str:
     """Set for a while after the billing page read the organisation's Stripe customer on a return from the portal."""
     return f"billing:{org_tag(organization_id)}:portal_return"

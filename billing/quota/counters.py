@@ -85,11 +85,12 @@ def from_units(units: int) -> Decimal:
 # Returns {'ok', 'new'|'existing'}, {'refused', reason} or {'missing', what}; only 'ok' changes anything.
 # An organisation counter whose limits were worked out under other rules (`lv`, the limits version:
 # written by an older version, or before the limit without a payment method or Stripe's set-up changed)
-# has its 'limits' missing: they are written again from the account, its spend kept.
+# has its 'limits' missing: they are written again from the account, its spend kept. A version of '*'
+# takes the limits as they stand (`rebuild.rebuild_missing`: another version wrote them moments ago).
 RESERVE_LUA = """
 local function quota_reserve(K, A)
   if redis.call('EXISTS', K[1]) == 0 then return {'missing', 'org'} end
-  if redis.call('HGET', K[1], 'lv') ~= A[6] then return {'missing', 'limits'} end
+  if A[6] ~= '*' and redis.call('HGET', K[1], 'lv') ~= A[6] then return {'missing', 'limits'} end
   local has_key = A[4] == '1'
   if has_key and redis.call('EXISTS', K[3]) == 0 then return {'missing', 'key'} end
   local prepaid = redis.call('HGET', K[1], 'prepaid') == '1'
@@ -187,16 +188,17 @@ def _prepared(organization_id: int, api_key_id: int | None, period_key: str) -> 
     return reserve, settle, before + '"', '"' + after
 
 
-def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount: Decimal,
-                        request_id: str) -> tuple[Reservation, tuple[str, ...], list[str]]:
-    """A reservation and the keys and arguments of `RESERVE` that hold it."""
+def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount: Decimal, request_id: str,
+                        any_limits: bool = False) -> tuple[Reservation, tuple[str, ...], list[str]]:
+    """A reservation and the keys and arguments of `RESERVE` that hold it; with `any_limits`, held
+    under the organisation counter's limits whatever version wrote them."""
     period = period_containing()
     reservation = Reservation(request_id, organization_id, api_key_id, amount, period.key)
     units = to_units(amount, ROUND_CEILING)
     deadline = time.time() + settings.BILLING_RESERVATION_TTL_S
     keys, _, payload_before, payload_after = _prepared(organization_id, api_key_id, period.key)
     args = [request_id, str(units), f"{deadline:.3f}", "1" if api_key_id is not None else "0",
-            f"{payload_before}{units}{payload_after}", limits_version()]
+            f"{payload_before}{units}{payload_after}", "*" if any_limits else limits_version()]
     return reservation, keys, args
 
 

@@ -15,10 +15,12 @@ from billing.models import ApiKeySpendCap, BillingAccount, CreditGrant
 from billing.periods import Period, period_containing
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
 from controlplane.redis_client import get_async_redis
-from controlplane.redis_keys import credit_key, key_period_key, org_period_key
+from controlplane.redis_keys import credit_key, key_period_key, limits_refreshed_key, org_period_key
 from controlplane.redis_scripts import Script
 
 CREDIT_FIGURE_MAX_TTL_S = 3600
+# At most one rewrite of an organisation counter's limits for a version mismatch in this long (`rebuild_missing`).
+LIMITS_REFRESH_INTERVAL_S = 10
 
 # KEYS: a hash; ARGV: ttl, then field/value pairs. Writes the hash only if nobody did meanwhile.
 _INIT_HASH = Script("""
@@ -79,11 +81,21 @@ async def _write_rebuild(rebuild: _Rebuild) -> None:
         await get_async_redis().set(rebuild.key, rebuild.value, nx=True, ex=rebuild.ttl_s)
 
 
-async def rebuild_missing(what: str, reservation: Reservation) -> None:
-    """`quota_reserve` answered {'missing', what}: rebuild that counter from PostgreSQL."""
+async def rebuild_missing(what: str, reservation: Reservation) -> bool:
+    """`quota_reserve` answered {'missing', what}: rebuild that counter from PostgreSQL. True when the
+    caller should take the organisation counter's limits as they stand (`any_limits`).
+
+    NOTE: during a rolling deploy that changes `limits_version` (this code's fields, the limit without a
+    payment method, Stripe's set-up) pods of both versions find the other's `lv`. Each would rewrite the
+    limits under the account's row lock on every request, and a request whose every attempt found the
+    other's failed. So a version mismatch rewrites the limits at most once per organisation per
+    `LIMITS_REFRESH_INTERVAL_S`; meanwhile calls take the limits the other version wrote moments ago."""
     period = period_containing()
     if period.key != reservation.period_key:
-        return  # a new month began meanwhile: the caller prepares the reservation again
+        return False  # a new month began meanwhile: the caller prepares the reservation again
+    if what == "limits" and not await get_async_redis().set(
+            limits_refreshed_key(reservation.organization_id), "1", nx=True, ex=LIMITS_REFRESH_INTERVAL_S):
+        return True
     if what != "limits":  # 'limits': the counter exists, its spend stands; only its limits are written again
         rebuild = await sync_to_async(_rebuild_from_database)(what, reservation.organization_id, reservation.api_key_id,
                                                               period)
@@ -93,6 +105,7 @@ async def rebuild_missing(what: str, reservation: Reservation) -> None:
         # between the rebuild's read and its write refreshed nothing (no counter yet), and would otherwise stay
         # unseen for the month.
         await sync_to_async(_limits_again)(reservation.organization_id)
+    return False
 
 
 def _limits_again(organization_id: int) -> None:

@@ -341,3 +341,29 @@ def test_spend_alerts_warn_before_the_limit_without_a_payment_method(billed):
     assert check_all_spend_alerts() == 1
     assert mail.outbox[0].subject.endswith("used 50% of the monthly limit of accounts without a payment method")
     assert "Add a payment method" in mail.outbox[0].body
+
+
+def test_two_versions_of_the_limits_during_a_rolling_deploy_never_fail_a_call_and_rewrite_them_once(billed, monkeypatch):
+    # Pods of two versions (a changed INFERPLANE_SPEND_LIMIT_WITHOUT_CARD, say) each found the other's `lv`
+    # and rewrote the limits under the account's row lock; a call whose every attempt found the other's
+    # failed ("billing counters kept vanishing", a 500).
+    from billing.quota import rebuild
+
+    key = redis_keys.org_period_key(billed.org.pk, period_containing().key)
+    _spend(billed.org, "0.01")  # the counter exists, written by this version
+    written = rebuild._limits_again
+    rewrites = []
+
+    def the_other_version_writes_right_after(organization_id):
+        written(organization_id)
+        rewrites.append(organization_id)
+        get_redis().hset(key, "lv", "the other version")
+
+    monkeypatch.setattr(rebuild, "_limits_again", the_other_version_writes_right_after)
+    get_redis().hset(key, "lv", "the other version")
+
+    for _ in range(5):
+        _spend(billed.org, "0.01")
+
+    assert rewrites == [billed.org.pk]  # once in LIMITS_REFRESH_INTERVAL_S, not on every call
+    assert _refusal(billed.org, "2.00").reason == "payment_method"  # the limits as they stand still hold
