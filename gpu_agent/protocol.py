@@ -147,6 +147,15 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _printable(text: str) -> str:
+    """`text` without control characters (a NUL is refused by PostgreSQL, in text and JSON columns alike)."""
+    return text if text.isprintable() else "".join(ch for ch in text if ch.isprintable())
+
+
 _GPU_UUID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9/_-]{0,99}$")  # "GPU-5d5b…", "MIG-c6d4…", "MIG-GPU-…/7/0"
 # NOTE: CUDA enumerates at most this many devices per process; an index past it is a lie or a bug.
 MAX_GPUS_PER_NODE = 64
@@ -302,7 +311,18 @@ class CheckpointQuantization(Message):
     group_size: int | None = None  # "group_size" or "q_group_size"
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.quant_method, str), "quant_method must be a string")
+        self.quant_method = _printable(self.quant_method)
         _require(len(self.quant_method) <= 64, "quant_method must be at most 64 characters")
+
+
+# NOTE: a model's figures come from its own files, which a tenant writes: whatever they say, a report
+# carries at most what the control plane's columns hold (a 32-bit context, a 64-bit count), clamped here on
+# both sides, so a heartbeat from any agent, older ones included, is always taken with its replica reports.
+MAX_MODEL_CONTEXT_TOKENS = 2**31 - 1
+MAX_MODEL_NUM_PARAMS = 2**62
+MAX_ARCHITECTURE_CHARS = 200
+MAX_WEIGHTS_BYTES = 2**62  # a model's size as its store listed it (a tenant's own store can list anything)
 
 
 @dataclass(slots=True)
@@ -316,8 +336,16 @@ class ModelInfo(Message):
     quantization: CheckpointQuantization | None = None
 
     def __post_init__(self) -> None:
-        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be > 0")
-        _require(self.num_params is None or self.num_params >= 0, "num_params must be >= 0")
+        _require(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len > 0),
+                 "max_model_len must be an integer > 0")
+        _require(self.num_params is None or (_is_int(self.num_params) and self.num_params >= 0),
+                 "num_params must be an integer >= 0")
+        _require(isinstance(self.architecture, str), "architecture must be a string")
+        if self.max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, MAX_MODEL_CONTEXT_TOKENS)
+        if self.num_params is not None:
+            self.num_params = min(self.num_params, MAX_MODEL_NUM_PARAMS)
+        self.architecture = _printable(self.architecture)[:MAX_ARCHITECTURE_CHARS]
 
 
 @dataclass(slots=True)
@@ -329,6 +357,11 @@ class WeightsStatus(Message):
     complete: bool = False
     last_used_at: float | None = None  # unix time
     model_info: ModelInfo | None = None  # once the weights are complete and their config was read
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.size_bytes) and _is_int(self.downloaded_bytes), "weights sizes must be integers")
+        self.size_bytes = min(max(self.size_bytes, 0), MAX_WEIGHTS_BYTES)
+        self.downloaded_bytes = min(max(self.downloaded_bytes, 0), MAX_WEIGHTS_BYTES)
 
 
 @dataclass(slots=True)

@@ -181,3 +181,29 @@ def test_staff_see_a_replica_in_the_admin_without_its_engine_key(client, agent, 
     page = client.get(f"/django-admin/endpoints/replica/{replica.pk}/change/").content.decode()
     assert str(replica.pk) in page
     assert replica.engine_api_key not in page and replica.encrypted_engine_key not in page
+
+
+def test_a_heartbeat_with_model_figures_past_the_columns_is_taken_with_its_replica_reports(client, agent):
+    # Figures an agent read from a tenant's own files (config.json, safetensors headers, its store's listing),
+    # as an agent that does not bound them reports them: each once made the heartbeat a 500 (an integer out of
+    # range, a NUL in text), its replica reports were never applied and the node went OFFLINE.
+    from endpoints.models import ModelFacts
+
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tenant")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    body = Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000,
+                     replicas=[ReplicaStatus(str(replica.pk), ReplicaState.STARTING, progress="starting engine")]).to_dict()
+    body["weights"] = [{
+        "source": "/models/tenant", "cache_key": "k", "size_bytes": 2**70, "downloaded_bytes": 2**70, "complete": True,
+        "model_info": {"max_model_len": 3_000_000_000, "architecture": "Llama\u0000ForCausalLM", "num_params": 2**70,
+                       "quantization": {"quant_method": "awq\u0000", "bits": 4}},
+    }]
+    response = client.post("/agent/v1/heartbeat", body, content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
+    assert response.status_code == 200
+    replica.refresh_from_db()
+    assert (replica.state, replica.progress) == ("STARTING", "starting engine")
+    facts = ModelFacts.objects.get(source="/models/tenant")
+    assert (facts.max_model_len, facts.num_params, facts.weights_bytes) == (2**31 - 1, 2**62, 2**62)
+    assert facts.architecture == "LlamaForCausalLM" and facts.checkpoint_quantization["quant_method"] == "awq"

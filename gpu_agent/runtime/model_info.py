@@ -6,6 +6,12 @@ are fetched and before the engine starts, so the agent can refuse a spec the mod
 fail after a minute of loading. The control plane learns the figures from the heartbeat and uses
 them as the endpoint's defaults and limits.
 
+NOTE: these files are the tenant's: any value may be of any type. A figure that is not what vLLM reads
+(`"architectures": 5`, a YaRN window of 0, an infinite RoPE factor, a negative tensor dimension) makes the
+model `MalformedModel`: it has no `ModelInfo`, and its replicas fail before launch with the reason
+(`ModelReading.problem`), since the engine would refuse it too. Nothing read here may raise into the
+heartbeat or the supervisor's loop: every reader returns None or a problem.
+
 NOTE: imports nothing but the standard library and the protocol (the agent ships without Django).
 """
 
@@ -15,9 +21,11 @@ import json
 import logging
 import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_agent.protocol import (
+    MAX_MODEL_CONTEXT_TOKENS,
     CheckpointQuantization,
     ModelInfo,
     ModelTask,
@@ -39,22 +47,68 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
-def read_model_info(model_dir: str | Path) -> ModelInfo | None:
-    """The model's context length, architecture and parameter count; None without a readable config."""
+class MalformedModel(ValueError):
+    """A model's own files say what no engine of this node may run; the message is the replica's reason."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelReading:
+    """What a model directory's files say, read once: its figures, or why no engine may start on it."""
+
+    info: ModelInfo | None = None  # None: no readable config.json, or a `problem`
+    problem: str = ""  # the replica's failure reason; "" when nothing in the files is refused
+
+
+def read_model(model_dir: str | Path) -> ModelReading:
+    """The model's context length, architecture, parameter count and checkpoint quantization, or its problem.
+
+    Never raises: a directory without a readable config.json has neither (the engine says what is wrong).
+    """
     model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    if config is None:
+        return ModelReading()
     try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
+        info = ModelInfo(
+            max_model_len=context_length(config),
+            architecture=architecture(config),
+            num_params=count_parameters(model_dir),
+            quantization=checkpoint_quantization(config),
+        )
+    except MalformedModel as exc:
+        logger.warning("model %s refused: %s", model_dir.name, exc)
+        return ModelReading(problem=f"the model's files cannot be served: {exc}")
+    except Exception:  # noqa: BLE001 - NOTE: a reader's bug must not stop the heartbeat: the replica fails instead
+        logger.exception("reading the files of model %s failed", model_dir.name)
+        return ModelReading(problem="the model's files could not be read (the node's log has details)")
+    return ModelReading(info=info)
+
+
+def read_model_info(model_dir: str | Path) -> ModelInfo | None:
+    """What `read_model` finds; None without a readable config, or for a refused model."""
+    return read_model(model_dir).info
+
+
+def load_config(model_dir: str | Path) -> dict | None:
+    """The model's config.json as a JSON object; None when missing, unreadable or anything else."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         return None
-    if not isinstance(config, dict):
-        return None
-    architectures = config.get("architectures") or []
-    return ModelInfo(
-        max_model_len=context_length(config),
-        architecture=str(architectures[0]) if architectures else str(config.get("model_type", "")),
-        num_params=count_parameters(model_dir),
-        quantization=checkpoint_quantization(config),
-    )
+    return config if isinstance(config, dict) else None
+
+
+def architecture(config: dict) -> str:
+    """The first of config.json's `architectures` (else its `model_type`), as vLLM picks the model class."""
+    architectures = config.get("architectures")
+    if architectures is not None and (
+        not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures)
+    ):
+        raise MalformedModel("architectures in its config.json is not a list of names")
+    if architectures:
+        return architectures[0]
+    model_type = config.get("model_type", "")
+    return model_type if isinstance(model_type, str) else ""
 
 
 def model_task(model_dir: str | Path) -> ModelTask:
@@ -81,7 +135,7 @@ def checkpoint_quantization(config: dict) -> CheckpointQuantization:
     def number(*keys: str) -> int | None:
         for key in keys:
             value = quant.get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
+            if _is_count(value):
                 return value
         return None
 
@@ -94,13 +148,17 @@ def checkpoint_quantization(config: dict) -> CheckpointQuantization:
 
 
 def context_length(config: dict) -> int | None:
-    """The longest sequence vLLM would accept for this config, or None when it does not say."""
+    """The longest sequence vLLM would accept for this config, or None when it does not say.
+
+    Raises `MalformedModel` for a RoPE scaling vLLM could not compute with (at most
+    `MAX_MODEL_CONTEXT_TOKENS` otherwise, as the control plane keeps it).
+    """
     # Multimodal configs keep the language model's figures in `text_config`.
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     lengths = [
         value for key in CONTEXT_LENGTH_KEYS
         for value in (text_config.get(key), config.get(key))
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if _is_count(value) and value > 0
     ]
     if not lengths:
         return None
@@ -109,11 +167,19 @@ def context_length(config: dict) -> int | None:
     if isinstance(rope, dict):
         rope_type = rope.get("rope_type") or rope.get("type") or ""
         factor = rope.get("factor")
-        if rope_type not in ROPE_TYPES_WITHOUT_EXTENSION and isinstance(factor, (int, float)) and factor > 1:
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor)
+        ):
+            raise MalformedModel("rope_scaling's factor in its config.json is not a finite number")
+        if rope_type not in ROPE_TYPES_WITHOUT_EXTENSION and factor is not None and factor > 1:
             if rope_type == "yarn":
                 derived = rope.get("original_max_position_embeddings", derived)
-            derived = int(derived * factor)
-    return derived
+                if not _is_count(derived) or derived <= 0:
+                    raise MalformedModel(
+                        "rope_scaling's original_max_position_embeddings in its config.json is not a positive integer"
+                    )
+            derived = int(min(derived * factor, MAX_MODEL_CONTEXT_TOKENS))
+    return min(derived, MAX_MODEL_CONTEXT_TOKENS)
 
 
 def kv_cache_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
@@ -123,13 +189,13 @@ def kv_cache_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
     dtype): the caller then keeps its fixed size. Sliding-window and latent (MLA) attention take less
     than this, so it is an upper bound for them.
     """
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+    config = load_config(model_dir)
+    if config is None or "text_config" in config:
         return None
-    if not isinstance(config, dict) or "text_config" in config:
+    layer_types = config.get("layer_types") or []
+    if not isinstance(layer_types, list) or not all(isinstance(kind, str) for kind in layer_types):
         return None
-    if any("mamba" in key or "ssm" in key for key in config) or set(config.get("layer_types") or ()) - {
+    if any("mamba" in key or "ssm" in key for key in config) or set(layer_types) - {
         "full_attention", "sliding_attention",
     }:  # fmt: skip
         return None
@@ -137,17 +203,20 @@ def kv_cache_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
         key: config.get(key) for key in ("num_hidden_layers", "num_attention_heads", "hidden_size")
     }
     values["num_key_value_heads"] = config.get("num_key_value_heads", values["num_attention_heads"])
-    if not all(isinstance(value, int) and not isinstance(value, bool) and value > 0 for value in values.values()):
+    if not all(_is_count(value) and value > 0 for value in values.values()):
         return None
     head_dim = config.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
     element_bytes = DTYPE_BYTES.get(dtype)
-    if not isinstance(head_dim, int) or head_dim <= 0 or element_bytes is None:
+    if not _is_count(head_dim) or head_dim <= 0 or element_bytes is None:
         return None
     return 2 * values["num_hidden_layers"] * values["num_key_value_heads"] * head_dim * element_bytes
 
 
 def count_parameters(model_dir: Path) -> int | None:
-    """Parameters in the model's safetensors files, from their headers alone (no tensor is read)."""
+    """Parameters in the model's safetensors files, from their headers alone (no tensor is read).
+
+    None when a header cannot be read; `MalformedModel` when one is not what safetensors would load.
+    """
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         return None
@@ -159,15 +228,23 @@ def count_parameters(model_dir: Path) -> int | None:
                 if header_len > MAX_HEADER_BYTES:
                     return None
                 header = json.loads(handle.read(header_len))
-        except (OSError, ValueError, struct.error):
+        except (OSError, ValueError, RecursionError, struct.error):
             logger.warning("could not read the safetensors header of %s", path.name)
             return None
-        total += sum(
-            math.prod(tensor.get("shape", []))
-            for name, tensor in header.items()
-            if name != "__metadata__" and isinstance(tensor, dict)
-        )
+        if not isinstance(header, dict):
+            raise MalformedModel(f"the safetensors header of {path.name} is not a JSON object")
+        for name, tensor in header.items():
+            if name == "__metadata__" or not isinstance(tensor, dict):
+                continue
+            shape = tensor.get("shape", [])
+            if not isinstance(shape, list) or not all(_is_count(size) and size >= 0 for size in shape):
+                raise MalformedModel(f"a tensor in {path.name} has a shape that is not a list of sizes")
+            total += math.prod(shape)
     return total
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def spec_problem(spec: ReplicaSpec, info: ModelInfo | None) -> str:

@@ -180,9 +180,14 @@ class Reconciler:
             return
         # NOTE: checked before launching: vLLM would refuse the same spec only after loading for a
         # minute; the replica fails now, with a reason the endpoint shows, and no engine is started.
-        problem = spec_problem(spec, self.weights.model_info(path)) or (
-            draft_problem(path, Path(spec.speculative.draft_source)) if needs_draft(spec) else ""
-        )
+        try:
+            reading = self.weights.read_model(path)
+            problem = reading.problem or spec_problem(spec, reading.info) or (
+                draft_problem(path, Path(spec.speculative.draft_source)) if needs_draft(spec) else ""
+            )
+        except Exception:  # NOTE: whatever the tenant's files hold, the pull ends: pins released, replica reported
+            logger.exception("replica %s: checking the model failed", spec.replica_id)
+            problem = "checking the model's files failed (the node's log has details)"
         if problem:
             logger.warning("replica %s: not starting: %s", spec.replica_id, problem)
             self._unpin(pinned)

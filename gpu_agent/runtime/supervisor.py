@@ -395,8 +395,12 @@ class Supervisor:
             return
         in_use = self._ports_in_use()
         for replica in due:
-            port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
-            command = self.command_factory(replica.spec, replica.model_path, port)
+            try:
+                port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
+                command = self.command_factory(replica.spec, replica.model_path, port)
+            except Exception:  # noqa: BLE001 - one bad replica must not stop the poll: its `_launch` fails it
+                logger.exception("replica %s: preparing its command failed", replica.spec.replica_id)
+                continue
             if self.standby.send_ahead(
                 replica.spec.replica_id, command, self._handoff_env(command), replica.log_path
             ):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from gpu_agent.protocol import ModelInfo, WeightsStatus
 from gpu_agent.runtime import weights_sources
-from gpu_agent.runtime.model_info import read_model_info
+from gpu_agent.runtime.model_info import ModelReading, read_model
 from gpu_agent.runtime.weights_access import (
     ModelTooLarge,
     SourceAccess,
@@ -84,7 +84,7 @@ class WeightsCache:
         self._space_lock = threading.Lock()  # one decision at a time about who gets the disk
         self._pins: dict[str, int] = {}  # cache key -> number of users (never evicted)
         self._downloads: dict[str, Download] = {}
-        self._model_infos: dict[Path, ModelInfo | None] = {}  # model directory -> what its config says
+        self._readings: dict[Path, ModelReading] = {}  # model directory -> what its files say
         self._local_models: dict[str, Path] = {}  # local sources served here, reported like cached ones
         self._remove_stale_partials()
 
@@ -184,16 +184,20 @@ class WeightsCache:
         excess = sum(entry["size_bytes"] for entry in entries) - self.budget_bytes
         return self._evict_lru(entries, excess)
 
-    def model_info(self, model_dir: str | Path) -> ModelInfo | None:
-        """What a fetched model's config says (read once per directory; a cached model never changes)."""
+    def read_model(self, model_dir: str | Path) -> ModelReading:
+        """What a fetched model's files say, or why it is refused (read once per directory; a cached model
+        never changes, and a malformed one is not read again at every heartbeat)."""
         model_dir = Path(model_dir)
         with self._mutex:
-            if model_dir in self._model_infos:
-                return self._model_infos[model_dir]
-        info = read_model_info(model_dir)
+            if model_dir in self._readings:
+                return self._readings[model_dir]
+        reading = read_model(model_dir)
         with self._mutex:
-            self._model_infos[model_dir] = info
-        return info
+            self._readings[model_dir] = reading
+        return reading
+
+    def model_info(self, model_dir: str | Path) -> ModelInfo | None:
+        return self.read_model(model_dir).info
 
     def statuses(self) -> list[WeightsStatus]:
         """Complete models (with what their configs say) and downloads in progress, for heartbeats."""
@@ -213,7 +217,7 @@ class WeightsCache:
             downloads = list(self._downloads.values())
             local_models = list(self._local_models.items())
         for source, path in local_models:
-            size_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+            size_bytes = _local_size(path)
             statuses.append(WeightsStatus(
                 source=source, cache_key=f"local-{digest(str(path))}", size_bytes=size_bytes,
                 downloaded_bytes=size_bytes, complete=True, model_info=self.model_info(path),
@@ -336,6 +340,14 @@ class WeightsCache:
             key = leftover.name.partition(".")[0]
             if not (self.root / ".parts" / f"{key}.json").exists() and leftover.stat().st_mtime < cutoff:
                 remove_path(leftover)
+
+
+def _local_size(path: Path) -> int:
+    """The safetensors files of a local model directory, in bytes (0 for what cannot be read now)."""
+    try:
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    except OSError:  # a file removed meanwhile, a dangling link: the heartbeat goes out all the same
+        return 0
 
 
 def _human(num_bytes: int | None) -> str:

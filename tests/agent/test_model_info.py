@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
+import struct
 
-from gpu_agent.protocol import ReplicaState
-from gpu_agent.runtime.model_info import context_length, kv_cache_bytes_per_token, read_model_info
+import pytest
+
+from gpu_agent.protocol import MAX_MODEL_CONTEXT_TOKENS, MAX_MODEL_NUM_PARAMS, ModelInfo, ReplicaState
+from gpu_agent.runtime.model_info import context_length, kv_cache_bytes_per_token, read_model, read_model_info
 from gpu_agent.runtime.tiny_model import MAX_POSITION_EMBEDDINGS
+from gpu_agent.runtime.weights import WeightsCache
 
-from .conftest import make_spec, processes_with_marker
+from .conftest import make_spec, processes_with_marker, wait_until
 from .test_agent_loop import control_plane, running_agent  # noqa: F401  (fixtures)
 from .test_weights_agent import reported
 from .test_weights_cache import s3, s3_endpoint  # noqa: F401  (fixtures)
@@ -85,3 +90,97 @@ def test_a_spec_within_the_models_context_starts_its_engine(control_plane, runni
     running_agent()
     status = reported(control_plane, "r-fits", ReplicaState.READY)
     assert status.address
+
+
+def write_safetensors_header(path, header) -> None:
+    data = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(data)) + data)
+
+
+# What a tenant may write in its own model files; each once stopped every heartbeat of the node it was fetched on.
+MALFORMED_CONFIGS = {
+    "architectures not a list": '{"architectures": 5}',
+    "a YaRN window of 0": json.dumps({"max_position_embeddings": 4096, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 0}}),
+    "an infinite RoPE factor": '{"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "dynamic", "factor": Infinity}}',
+}
+MALFORMED_HEADERS = {
+    "a negative dimension": {"w": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 0]}},
+    "a shape of text": {"w": {"dtype": "F32", "shape": "4x4", "data_offsets": [0, 0]}},
+    "a header that is a list": [1, 2],
+}
+
+
+@pytest.fixture(params=[*MALFORMED_CONFIGS, *MALFORMED_HEADERS])
+def malformed_model(request, tiny_model_dir, tmp_path):
+    model = shutil.copytree(tiny_model_dir, tmp_path / "malformed")
+    if request.param in MALFORMED_CONFIGS:
+        (model / "config.json").write_text(MALFORMED_CONFIGS[request.param])
+    else:
+        write_safetensors_header(model / "model.safetensors", MALFORMED_HEADERS[request.param])
+    return model
+
+
+def test_malformed_model_files_have_no_model_info_and_a_reason_and_never_raise(malformed_model, tmp_path):
+    reading = read_model(malformed_model)
+    assert reading.info is None and reading.problem.startswith("the model's files cannot be served: ")
+    assert read_model_info(malformed_model) is None
+    # What every heartbeat reports: the model, without facts (read once, not at every heartbeat).
+    cache = WeightsCache(tmp_path / "weights")
+    cache.fetch(str(malformed_model))
+    [status] = cache.statuses()
+    assert status.complete and status.model_info is None
+    assert cache.read_model(malformed_model) is cache.read_model(malformed_model)
+
+
+def test_a_config_nested_past_the_parsers_depth_is_no_config(tmp_path):
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert read_model(tmp_path).info is None
+    assert kv_cache_bytes_per_token(tmp_path, "float32") is None
+
+
+def test_layer_types_that_are_not_a_list_of_names_give_no_kv_cache_size(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 64, "layer_types": 5}))
+    assert kv_cache_bytes_per_token(tmp_path, "float32") is None
+
+
+def test_model_figures_past_what_the_control_plane_keeps_are_clamped(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Llama\u0000ForCausalLM" + "x" * 300], "max_position_embeddings": 3_000_000_000,
+        "quantization_config": {"quant_method": "awq\u0000"},
+    }))
+    write_safetensors_header(tmp_path / "model.safetensors", {"w": {"shape": [2**40, 2**40], "data_offsets": [0, 0]}})
+    info = read_model_info(tmp_path)
+    assert info.max_model_len == MAX_MODEL_CONTEXT_TOKENS == 2**31 - 1
+    assert info.num_params == MAX_MODEL_NUM_PARAMS
+    assert info.architecture.startswith("LlamaForCausalLMx") and len(info.architecture) == 200
+    assert info.quantization.quant_method == "awq"
+    huge_rope = {"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "dynamic", "factor": 1e308}}
+    assert context_length(huge_rope) == MAX_MODEL_CONTEXT_TOKENS
+    # An older agent's report, parsed by the control plane, is clamped alike.
+    assert ModelInfo.from_dict({"max_model_len": 3_000_000_000, "num_params": 2**70}).max_model_len == 2**31 - 1
+
+
+def test_a_malformed_model_fails_its_replica_before_launch_and_the_heartbeats_go_on(
+    control_plane,  # noqa: F811
+    running_agent,  # noqa: F811
+    tiny_model_dir,
+    tmp_path,
+):
+    model = shutil.copytree(tiny_model_dir, tmp_path / "tenant-model")
+    (model / "config.json").write_text('{"architectures": 5}')
+    control_plane.desired = [make_spec("r-malformed", model_source=str(model), max_model_len=None)]
+    running_agent()
+    status = reported(control_plane, "r-malformed", ReplicaState.FAILED)
+    assert status.failure_permanent
+    assert status.failure_reason == (
+        "the model's files cannot be served: architectures in its config.json is not a list of names"
+    )
+    assert processes_with_marker("r-malformed") == []
+    with control_plane.lock:
+        num_beats = len(control_plane.heartbeats)
+    wait_until(lambda: len(control_plane.heartbeats) >= num_beats + 2, 10)
+    with control_plane.lock:
+        weights = [w for w in control_plane.heartbeats[-1].weights if w.source == str(model)]
+    assert weights and weights[0].complete and weights[0].model_info is None

@@ -16,6 +16,7 @@ import pytest
 from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime.probes import parse_engine_metrics
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+from gpu_agent.runtime.zygote import Zygote
 
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
 
@@ -221,3 +222,43 @@ vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 128.0
     assert (metrics.num_running, metrics.num_waiting, metrics.kv_cache_usage) == (3, 1, 0.5)
     assert metrics.generation_tokens_total == 24.0
     assert (metrics.prefix_cache_queries_total, metrics.prefix_cache_hits_total) == (512.0, 128.0)
+
+
+class _IdleZygote(Zygote):
+    """A zygote that is ready and forks nothing: the supervisor sends it replicas ahead, then launches them plainly."""
+
+    def __init__(self, data_dir) -> None:
+        super().__init__(data_dir, device="cpu")
+        self.ready = True
+        self.asked_for: list[str] = []
+
+    def ensure(self) -> None:
+        pass
+
+    def send_ahead(self, replica_id, command, env, log_path) -> bool:
+        self.asked_for.append(replica_id)
+        return False
+
+
+def test_a_replica_whose_command_cannot_be_built_fails_alone_and_the_poll_goes_on(tmp_path):
+    # A tenant's config.json once made the command factory raise while the supervisor sent the replicas due
+    # to the zygote, outside any replica's own guard: every poll of every engine on the node stopped there.
+    fake_engine = fake_engine_factory()
+
+    def factory(spec, model_path, port):
+        if spec.replica_id == "r-bad":
+            raise TypeError("'int' object is not iterable")
+        return fake_engine(spec, model_path, port)
+
+    supervisor = Supervisor(tmp_path / "agent", command_factory=factory, policy=FAST)
+    supervisor.standby = _IdleZygote(supervisor.data_dir)
+    try:
+        supervisor.start(make_spec("r-bad"), "/models/x")
+        supervisor.start(make_spec("r-good"), "/models/x")
+        supervisor.poll()
+        assert supervisor.standby.asked_for == ["r-good"]
+        assert state_of(supervisor, "r-bad") == ReplicaState.FAILED
+        assert "not iterable" in supervisor.get("r-bad").failure_reason
+        wait_until(lambda: state_of(supervisor, "r-good") == ReplicaState.READY, 10, poll=supervisor.poll)
+    finally:
+        supervisor.shutdown(timeout_s=1)
