@@ -27,6 +27,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, File
+from endpoints.batches.text import storable
 from endpoints.gateway import auth, errors
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.ratelimit_headers import RateLimitReport
@@ -98,6 +99,15 @@ def _method_not_allowed(request) -> HttpResponse:
     return _error(errors.OpenAIError(405, f"Method {request.method} not allowed on {request.path}."))
 
 
+def _query(request, name: str) -> str:
+    """A query parameter ("" when absent), refused with a 400 naming it when PostgreSQL could not compare
+    it (a NUL: `text.storable`)."""
+    value = request.GET.get(name, "")
+    if not storable(value):
+        raise errors.invalid_request(f"{name} must not contain NUL characters.", param=name)
+    return value
+
+
 def _page(queryset, request, *, default_limit: int) -> dict:
     """A cursor page as OpenAI lists it (`after` an id, newest first)."""
     try:
@@ -108,7 +118,7 @@ def _page(queryset, request, *, default_limit: int) -> dict:
         raise errors.invalid_request(f"limit must be between 1 and {MAX_LIST}.", param="limit")
     ascending = request.GET.get("order") == "asc"
     queryset = queryset.order_by(*(("created_at", "id") if ascending else ("-created_at", "-id")))
-    if after := request.GET.get("after"):
+    if after := _query(request, "after"):
         anchor = queryset.filter(pk=after).first()
         if anchor is not None:
             if ascending:
@@ -150,7 +160,7 @@ def files(request, caller: Caller):
     if request.method != "GET":
         return _method_not_allowed(request)
     queryset = File.objects.for_org(caller.organization_id)
-    if purpose := request.GET.get("purpose"):
+    if purpose := _query(request, "purpose"):
         queryset = queryset.filter(purpose=purpose)
     return JsonResponse(_page(queryset, request, default_limit=MAX_LIST))
 

@@ -10,6 +10,8 @@ from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from endpoints.batches.text import storable
+
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 # The paths a batch line may call (OpenAI's `endpoint`), and the gateway's kind of each.
 BATCH_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -30,9 +32,9 @@ class FilePurpose(models.TextChoices):
 
 class NamedQuerySet(models.QuerySet):
     def named(self, identifier: str):
-        """The row a caller names (a path segment or a body's string): one no id can be, with a NUL in it,
-        finds nothing (PostgreSQL refuses NUL in text: an error, not a miss)."""
-        return self.none() if "\x00" in identifier else self.filter(pk=identifier)
+        """The row a caller names (a path segment or a body's string): one no id can be, with a NUL or a
+        lone surrogate in it, finds nothing (PostgreSQL refuses them: an error, not a miss)."""
+        return self.filter(pk=identifier) if storable(identifier) else self.none()
 
 
 class FileQuerySet(NamedQuerySet):
@@ -135,6 +137,9 @@ class Batch(models.Model):
     # batch is taken over once that passes.
     lease_until = models.DateTimeField(null=True, blank=True)
     lease_token = models.CharField(max_length=32, blank=True)
+    # Runs that began validating it: a file whose check keeps dying (a killed worker, a bug) fails the
+    # batch after `services.MAX_VALIDATION_ATTEMPTS` instead of holding a place in every tick.
+    num_validation_attempts = models.PositiveSmallIntegerField(default=0, db_default=0)
 
     objects = BatchQuerySet.as_manager()
 

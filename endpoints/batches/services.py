@@ -18,8 +18,9 @@ from datetime import timedelta
 
 from celery import current_app
 from django.conf import settings
-from django.db import transaction
-from django.db.models import Q, Sum
+from django.db import DatabaseError, transaction
+from django.db.models import F, Q, Sum, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from controlplane.accounts import keys
@@ -36,6 +37,7 @@ from endpoints.batches.models import (
     FilePurpose,
     new_file_id,
 )
+from endpoints.batches.text import storable
 from endpoints.batches.validation import Line, LineError, parse_lines
 from endpoints.events import record_event_once
 from endpoints.gateway.auth import Caller
@@ -47,6 +49,10 @@ logger = logging.getLogger("inferplane.batches")
 RUN_BATCH_TASK = "batches.run_batch"
 # An upload whose row is older than this and still not stored died with its process: swept by `tick`.
 UPLOAD_ABANDONED_AFTER = timedelta(hours=1)
+MAX_DISPATCHED_PER_TICK = 500
+# A batch whose validation began this many times and never ended (the worker killed or the check
+# failing) fails: before, it was queued again every tick for ever.
+MAX_VALIDATION_ATTEMPTS = 3
 
 
 class Refused(Exception):
@@ -145,9 +151,10 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
     if completion_window not in COMPLETION_WINDOWS:
         raise Refused(f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}.", param="completion_window")
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
-            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
-        raise Refused("metadata must be at most 16 string pairs (keys up to 64, values up to 512 characters).",
-                      param="metadata")
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 and storable(k) and storable(v)
+            for k, v in metadata.items())):
+        raise Refused("metadata must be at most 16 string pairs (keys up to 64, values up to 512 characters, without "
+                      "NUL characters or lone surrogates).", param="metadata")
     input_file = File.objects.for_org(organization_id).named(input_file_id).first()
     if input_file is None:
         raise Refused(f"No such File object: {input_file_id}", param="input_file_id", status=404)
@@ -191,8 +198,12 @@ def tick() -> int:
     sweep_abandoned_uploads(now)
     unleased = Batch.objects.open().filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
     warm = Replica.objects.filter(state=ReplicaState.READY).values("endpoint_id")
-    ids = list(unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=now))
-               .order_by("created_at").values_list("pk", flat=True)[:500])
+    due = unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=now))
+    # NOTE: every organisation's oldest batch first, then every one's second, and so on: one organisation's
+    # backlog (hundreds of batches, stuck or not) never fills the slice and starves all the others.
+    turn = Window(RowNumber(), partition_by=[F("organization_id")], order_by=[F("created_at").asc(), F("id").asc()])
+    ids = list(due.annotate(turn=turn).order_by("turn", "created_at", "id")
+               .values_list("pk", flat=True)[:MAX_DISPATCHED_PER_TICK])
     return sum(dispatch(batch_id) for batch_id in ids)
 
 
@@ -236,7 +247,17 @@ def run_batch(batch_id: str) -> str:
 
 def validate_batch(batch: Batch) -> Batch:
     """Check every line (`validation.parse_lines`) and the model they name: `in_progress`, or `failed`
-    with one error per bad line. Nothing runs from a bad file."""
+    with one error per bad line. Nothing runs from a bad file. A batch whose check began
+    `MAX_VALIDATION_ATTEMPTS` times and never ended fails."""
+    Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
+        num_validation_attempts=F("num_validation_attempts") + 1)
+    batch.refresh_from_db()
+    if batch.status != BatchStatus.VALIDATING:
+        return batch
+    if batch.num_validation_attempts > MAX_VALIDATION_ATTEMPTS:
+        return _fail_validation(batch, [LineError(1, "validation_failed", f"The input file could not be checked "
+                                                  f"({MAX_VALIDATION_ATTEMPTS} attempts failed); check its lines and "
+                                                  "create the batch again.")])
     try:
         data = storage.read_bytes(batch.input_file.s3_key)
     except Exception:  # noqa: BLE001 - a deleted or unreadable input fails the batch with the reason
@@ -251,13 +272,28 @@ def validate_batch(batch: Batch) -> Batch:
             if endpoint is None:
                 checked_errors = [LineError(1, "model_not_found", f"The model '{checked.model}' does not exist or you do "
                                                                   "not have access to it.", "body.model")]
-    now = timezone.now()
     if checked_errors:
+        return _fail_validation(batch, checked_errors)
+    Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
+        status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), endpoint=endpoint, num_total=len(lines))
+    batch.refresh_from_db()
+    return batch
+
+
+def _fail_validation(batch: Batch, problems: list[LineError]) -> Batch:
+    """End a batch that failed its check with its errors.
+    Errors PostgreSQL still refuses give way to one that says so: a batch never stays validating."""
+    now = timezone.now()
+    ended = {"status": BatchStatus.FAILED, "failed_at": now}
+    try:
+        with transaction.atomic():
+            Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
+                errors=[problem.as_openai() for problem in problems], **ended)
+    except DatabaseError:
+        logger.exception("batch %s: its validation errors could not be stored", batch.pk)
         Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
-            status=BatchStatus.FAILED, failed_at=now, errors=[e.as_openai() for e in checked_errors])
-    else:
-        Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
-            status=BatchStatus.IN_PROGRESS, in_progress_at=now, endpoint=endpoint, num_total=len(lines))
+            errors=[LineError(1, "invalid_request", "The input file has errors that could not be recorded; check "
+                                                    "its lines.").as_openai()], **ended)
     batch.refresh_from_db()
     return batch
 

@@ -1,7 +1,7 @@
 """A batch's input file, checked line by line before any line runs.
 
 Every line must be a JSON object `{"custom_id", "method": "POST", "url", "body"}` whose `custom_id` is a
-unique string, whose `url` is the batch's endpoint, and whose `body` the gateway would accept for that
+unique string without control characters or lone surrogates, whose `url` is the batch's endpoint, and whose `body` the gateway would accept for that
 path (`endpoints.gateway.request.parse_payload`: the same checks as an interactive call) with a
 `model` naming one of the organisation's endpoints, the same for every line, and no `stream`. A file
 with any bad line fails the whole batch with one error per bad line (OpenAI's `errors.data`), and
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from endpoints.batches.text import is_plain, shown
 from endpoints.gateway import errors as gateway_errors
 from endpoints.gateway.request import parse_payload
 
@@ -35,7 +36,9 @@ class LineError:
     param: str | None = None
 
     def as_openai(self) -> dict:
-        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
+        """OpenAI's error entry, its text escaped (`text.shown`): it is kept in PostgreSQL's jsonb."""
+        return {"code": shown(self.code), "message": shown(self.message),
+                "param": shown(self.param) if self.param is not None else None, "line": self.line}
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +81,10 @@ def parse_lines(data: bytes, *, request_path: str, kind: str, max_lines: int) ->
         custom_id = request.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID:
             refuse(number, "missing_required_parameter", "Each line needs a custom_id string.", "custom_id")
+            continue
+        if not is_plain(custom_id):
+            refuse(number, "invalid_value", "The custom_id must not contain control characters (such as NUL) or "
+                                            "lone surrogates.", "custom_id")
             continue
         if custom_id in seen:
             refuse(number, "duplicate_custom_id", f"The custom_id '{custom_id}' appears more than once.", "custom_id")

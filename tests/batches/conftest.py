@@ -3,6 +3,7 @@ whose address every child process (web server, Celery worker) inherits, and the 
 
 from __future__ import annotations
 
+import io
 import sys
 import uuid
 
@@ -10,12 +11,14 @@ import boto3
 import httpx
 import pytest
 
-from endpoints.batches import storage
+from controlplane.accounts.models import Role
+from endpoints.batches import services, storage
 from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
 from tests.console.conftest import console_client_factory  # noqa: F401 - a fixture this package uses
 
 # NOTE: `vllm_engine` is tests/conftest.py's (one engine for the session's users), never re-imported here:
 # an import would make it this package's own, a second engine start.
+from tests.factories import MembershipFactory, UserFactory
 from tests.gateway.conftest import (  # noqa: F401 - fixtures this package uses
     start_mock_upstream,
     tenant,
@@ -65,6 +68,18 @@ def gateway(files_bucket, transactional_db, tmp_path):
     child, base_url = start_web_server(tmp_path, name="gateway")
     yield base_url
     child.stop()
+
+
+def new_batch(endpoint, data: bytes):
+    """A batch of the endpoint's organisation over `data` (its input file, uploaded), created by a member
+    through the services as the API does: `validating`, with no run of it queued yet but its dispatch."""
+    input_file = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="in.jsonl",
+                                      stream=io.BytesIO(data), size=len(data))
+    member = UserFactory()
+    MembershipFactory(organization=endpoint.organization, user=member, role=Role.MEMBER)
+    return services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
+                                 input_file_id=input_file.pk, request_path="/v1/chat/completions",
+                                 completion_window="24h", metadata=None)
 
 
 def bucket_objects(bucket: str, prefix: str = "") -> dict[str, bytes]:

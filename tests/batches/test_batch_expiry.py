@@ -3,7 +3,6 @@ never run with `batch_expired`, and no line is billed. Also: batch lines ask the
 
 from __future__ import annotations
 
-import io
 import json
 from datetime import timedelta
 
@@ -11,12 +10,12 @@ import pytest
 from django.utils import timezone
 
 from billing.models import UsageRecord
-from controlplane.accounts.models import Role
 from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.batches.scheduling import BATCH_ENGINE_PRIORITY
 from endpoints.gateway.request import InferenceRequest
-from tests.factories import EndpointFactory, MembershipFactory, UserFactory
+from tests.batches.conftest import new_batch
+from tests.factories import EndpointFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -25,14 +24,7 @@ def test_a_batch_past_its_window_expires_with_every_unrun_line_in_the_error_file
     endpoint = EndpointFactory(max_model_len=2048)  # scaled to zero: nothing runs
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}} for i in range(3)]
-    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-    input_file = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="in.jsonl",
-                                      stream=io.BytesIO(data), size=len(data))
-    member = UserFactory()
-    MembershipFactory(organization=endpoint.organization, user=member, role=Role.MEMBER)
-    batch = services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
-                                  input_file_id=input_file.pk, request_path="/v1/chat/completions",
-                                  completion_window="24h", metadata=None)
+    batch = new_batch(endpoint, b"".join(json.dumps(line).encode() + b"\n" for line in lines))
     services.run_batch(batch.pk)
     assert Batch.objects.get(pk=batch.pk).status == BatchStatus.IN_PROGRESS
 
