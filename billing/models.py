@@ -120,6 +120,8 @@ class UsageRollup(models.Model):
     push_claimed_at = models.DateTimeField(null=True, blank=True)
     pushed_at = models.DateTimeField(null=True, blank=True)
     push_error = models.CharField(max_length=300, blank=True)
+    # Part of its meter events' idempotency keys, raised after each Stripe server error (`stripe_sync.IdempotencyKey`).
+    push_key_generation = models.PositiveIntegerField(default=0, db_default=0)
 
     objects = UsageRollupQuerySet.as_manager()
 
@@ -202,6 +204,9 @@ class BillingAccount(models.Model):
     past_due_since = models.DateTimeField(null=True, blank=True)
     # A change of its limits has not reached Redis yet (set with the change, cleared by the refresh).
     limits_stale = models.BooleanField(default=False, db_default=False)
+    # Part of the idempotency keys that create its customer and subscription, raised after a Stripe server
+    # error and when Stripe ends either (`stripe_sync.IdempotencyKey`): a new one never replays the old.
+    stripe_key_generation = models.PositiveIntegerField(default=0, db_default=0)
 
     objects = BillingAccountQuerySet.as_manager()
 

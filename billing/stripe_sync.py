@@ -7,12 +7,18 @@ meters stay, for token-level detail.
 
 Only postpaid usage is metered: prepaid usage is paid from credit (`billing.credits`), and its
 rollups are never pushed (`UsageRollup.objects.pushable`). Each closed postpaid rollup becomes up to
-four meter events (uncached input, cached input and output
-tokens, and cost) whose `identifier` — also the idempotency key — is derived from the rollup id, so a
-retry after a crash can never bill twice: Stripe deduplicates it, and `MeterEventPush` records
-what was accepted so we do not even ask again. A worker claims a rollup with a conditional
-update (a lease that a dead worker's successor may take over), calls Stripe with no database
-transaction open, and retries 5xx, 429 and timeouts with exponential backoff and jitter.
+four meter events (uncached input, cached input and output tokens, and cost) whose `identifier` is
+derived from the rollup id, so a retry after a crash can never bill twice: Stripe refuses an
+identifier it has (`duplicate_meter_event`), and `MeterEventPush` records what was accepted so we do
+not even ask again. A worker claims a rollup with a conditional update (a lease that a dead worker's
+successor may take over), calls Stripe with no database transaction open, and retries 5xx, 429 and
+timeouts with exponential backoff and jitter, under idempotency keys that move on after a server
+error (`IdempotencyKey`). A run pushes rollups never tried before ahead of those that failed, for a
+bounded time, so a few that keep failing never hold up the rest.
+
+A subscription Stripe ends (cancelled in the Dashboard, or with its customer deleted) is forgotten by
+its webhook (`billing.webhooks`); the next push subscribes the organisation again, starting where the
+ended one stopped.
 """
 
 from __future__ import annotations
@@ -20,14 +26,16 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import stripe
 from django.conf import settings
 from django.db import IntegrityError
-from django.db.models import Q
+from django.db.models import Case, IntegerField, Q, Value, When
 from django.utils import timezone
 
 from billing import services, standing
@@ -61,6 +69,11 @@ USAGE_PRICE_LOOKUP_KEY = "inferplane_usage_cost_usd_monthly"
 USAGE_PRICE_UNIT_CENTS = "0.0001"
 # Stripe takes meter event timestamps from the last 35 days only.
 MAX_EVENT_AGE = timedelta(days=34)
+# A subscription in one of these states never bills again (Stripe's `status`).
+ENDED_SUBSCRIPTION_STATUSES = frozenset({"canceled", "incomplete_expired"})
+# How long one push run goes on claiming rollups. NOTE: under the task's soft time limit
+# (`billing.tasks.push_pending_rollups`, 570 s), with room for the rollup in hand to finish.
+PUSH_RUN_BUDGET_S = 400.0
 
 
 class StripeNotConfigured(RuntimeError):
@@ -87,18 +100,73 @@ def stripe_client() -> stripe.StripeClient:
     return _client(settings.STRIPE_SECRET_KEY, settings.STRIPE_API_BASE, settings.STRIPE_TIMEOUT_S)
 
 
-def _is_retryable(exc: stripe.StripeError) -> bool:
-    if isinstance(exc, stripe.APIConnectionError | stripe.RateLimitError):
-        return True
+def _random_suffix(_failed: str) -> str:
+    return secrets.token_hex(6)
+
+
+@dataclass(slots=True)
+class IdempotencyKey:
+    """The idempotency key of one Stripe write: `base`, and after a server error a new `suffix`.
+
+    NOTE: Stripe saves the first answer to a key, a 500 too, and replays it to every retry with that
+    key for at least 24 hours: a write retried under the key that met a server error fails for a day,
+    then runs again once the key is pruned, though a 500 does not say the work was not done. So after
+    a server error the write goes on under a new key, and what it might repeat is found first: a
+    meter event by its `identifier` (Stripe refuses one it has), a subscription, meter or price by
+    looking it up before creating it; only a customer cannot be looked up, and may be left behind,
+    empty. After a timeout the key stays (Stripe may have done the work, and the key fetches its
+    answer); a 429 is refused before Stripe's idempotency layer and saves nothing.
+
+    `renewed(failed suffix)` returns the next suffix: where a row keeps it (`_generation_key`), it is
+    stored there first, so that a later run never goes back to a key that saved a 500, and workers
+    racing on the same write move to the same key.
+    """
+
+    base: str
+    suffix: str = ""
+    renewed: Callable[[str], str] = _random_suffix
+
+    @property
+    def value(self) -> str:
+        return f"{self.base}:{self.suffix}" if self.suffix else self.base
+
+    def renew(self) -> None:
+        self.suffix = self.renewed(self.suffix)
+
+
+def _generation_key(model, pk: int, field: str, base: str, generation: int) -> IdempotencyKey:
+    """An `IdempotencyKey` whose suffix is the row's `field` (0: none, the key of code before it)."""
+
+    def renewed(failed: str) -> str:
+        failed_generation = int(failed or 0)
+        # Conditional: of two workers that met the same server error, the second moves nothing further.
+        model.objects.filter(pk=pk, **{field: failed_generation}).update(**{field: failed_generation + 1})
+        return str(model.objects.values_list(field, flat=True).get(pk=pk) or "")
+
+    return IdempotencyKey(base, str(generation or ""), renewed)
+
+
+def _is_server_error(exc: stripe.StripeError) -> bool:
     return isinstance(exc, stripe.APIError) and (exc.http_status or 500) >= 500
 
 
-def call_stripe(request, *, what: str, attempts: int = MAX_ATTEMPTS):
-    """Run `request()` (which must carry an idempotency key, or only read), retrying transient failures."""
+def _is_retryable(exc: stripe.StripeError) -> bool:
+    if isinstance(exc, stripe.APIConnectionError | stripe.RateLimitError):
+        return True
+    if isinstance(exc, stripe.IdempotencyError) and exc.http_status == 409:
+        return True  # the same key in flight from another worker: its answer is saved once it ends
+    return _is_server_error(exc)
+
+
+def call_stripe(request, *, what: str, attempts: int = MAX_ATTEMPTS, key: IdempotencyKey | None = None):
+    """Run `request(options)`, retrying transient failures: a read with no options, a write with `key`
+    as its idempotency key, renewed after each server error (`IdempotencyKey`)."""
     for attempt in range(1, attempts + 1):
         try:
-            return request()
+            return request({"idempotency_key": key.value} if key is not None else {})
         except stripe.StripeError as exc:
+            if key is not None and _is_server_error(exc):
+                key.renew()  # the last try's too: the next run must not replay its 500
             if not _is_retryable(exc) or attempt == attempts:
                 raise
             delay_s = min(MAX_BACKOFF_S, settings.STRIPE_RETRY_BASE_DELAY_S * 2 ** (attempt - 1))
@@ -116,18 +184,27 @@ def _store_once(account: BillingAccount, field: str, stripe_id: str) -> str:
     return BillingAccount.objects.values_list(field, flat=True).get(pk=account.pk)
 
 
+def _account_key(account: BillingAccount, base: str) -> IdempotencyKey:
+    generation = BillingAccount.objects.values_list("stripe_key_generation", flat=True).get(pk=account.pk)
+    return _generation_key(BillingAccount, account.pk, "stripe_key_generation", base, generation)
+
+
 def ensure_customer(organization_id: int) -> str:
-    """The organisation's Stripe customer id, creating the customer the first time it is needed."""
+    """The organisation's Stripe customer id, creating the customer the first time it is needed.
+
+    A customer cannot be looked up reliably (Stripe's search lags): after a server error that had
+    created one anyway, the next try creates another, and the first stays behind, empty, never billed.
+    """
     account = BillingAccount.objects.for_organization(organization_id)
     if account.stripe_customer_id:
         return account.stripe_customer_id
     organization = Organization.objects.get(pk=organization_id)
     customer = call_stripe(
-        lambda: stripe_client().v1.customers.create(
+        lambda options: stripe_client().v1.customers.create(
             params={"name": organization.name, "metadata": {"organization_id": str(organization_id), "slug": organization.slug}},
-            options={"idempotency_key": f"customer-org-{organization_id}"},
+            options=options,
         ),
-        what="customer create",
+        what="customer create", key=_account_key(account, f"customer-org-{organization_id}"),
     )
     # NOTE: one statement: a customer we have just made has no payment method, known as of its creation
     # (`billing.standing`); a stored customer with no reading would count as one never read, unlimited.
@@ -143,8 +220,8 @@ def observe_payment_method(customer_id: str, *, attempts: int = MAX_ATTEMPTS) ->
     Stripe has none."""
     observed_ms = time.time_ns() // 1_000_000
     try:
-        customer = call_stripe(lambda: stripe_client().v1.customers.retrieve(customer_id), what="customer read",
-                               attempts=attempts)
+        customer = call_stripe(lambda options: stripe_client().v1.customers.retrieve(customer_id, options=options),
+                               what="customer read", attempts=attempts)
         on_file = standing.has_payment_method(customer.to_dict())
     except stripe.InvalidRequestError as exc:
         if exc.code != "resource_missing":
@@ -169,14 +246,35 @@ def observe_unknown_payment_methods(*, limit: int = 10) -> int:
     return num_observed
 
 
+def _find_or_create(find, create, *, key: IdempotencyKey, what: str):
+    """What `find()` (a read) finds, or else `create(options)` under `key`. After a server error the create
+    goes on under a new key and may have been done already (`IdempotencyKey`): each try looks first."""
+    found = call_stripe(lambda options: find(), what=f"{what} lookup")
+    if found is not None:
+        return found
+
+    def find_else_create(options):
+        found = find() if key.suffix else None
+        return found if found is not None else create(options)
+
+    return call_stripe(find_else_create, what=what, key=key)
+
+
+def _active_meter(event_name: str):
+    meters = stripe_client().v1.billing.meters.list(params={"status": "active", "limit": 100})
+    return next((meter for meter in meters.data if meter.event_name == event_name), None)
+
+
 def ensure_meters() -> dict[str, str]:
-    """event name -> Stripe meter id, creating the meters the first time."""
+    """event name -> Stripe meter id: found in Stripe (a database restored, or a second environment),
+    else created, the first time."""
     known = dict(StripeMeter.objects.values_list("event_name", "stripe_meter_id"))
     for meter in METERS:
         if meter.event_name in known:
             continue
-        created = call_stripe(
-            lambda meter=meter: stripe_client().v1.billing.meters.create(
+        found = _find_or_create(
+            lambda meter=meter: _active_meter(meter.event_name),
+            lambda options, meter=meter: stripe_client().v1.billing.meters.create(
                 params={
                     "display_name": meter.display_name,
                     "event_name": meter.event_name,
@@ -184,16 +282,21 @@ def ensure_meters() -> dict[str, str]:
                     "customer_mapping": {"type": "by_id", "event_payload_key": "stripe_customer_id"},
                     "value_settings": {"event_payload_key": "value"},
                 },
-                options={"idempotency_key": f"meter-{meter.event_name}"},
+                options=options,
             ),
-            what="meter create",
+            key=IdempotencyKey(f"meter-{meter.event_name}"), what="meter create",
         )
         try:
-            StripeMeter.objects.get_or_create(event_name=meter.event_name, defaults={"stripe_meter_id": created.id})
-        except IntegrityError:  # another worker stored it first: same meter (same idempotency key)
+            StripeMeter.objects.get_or_create(event_name=meter.event_name, defaults={"stripe_meter_id": found.id})
+        except IntegrityError:  # another worker stored it first: the same meter (found, or the same idempotency key)
             pass
-        known[meter.event_name] = created.id
+        known[meter.event_name] = found.id
     return known
+
+
+def _usage_price():
+    found = stripe_client().v1.prices.list(params={"lookup_keys": [USAGE_PRICE_LOOKUP_KEY], "limit": 1})
+    return found.data[0] if found.data else None
 
 
 def ensure_usage_price() -> str:
@@ -202,57 +305,63 @@ def ensure_usage_price() -> str:
     stored = StripeMeter.objects.filter(event_name=COST_METER.event_name).values_list("stripe_price_id", flat=True).first()
     if stored:
         return stored
-    found = call_stripe(
-        lambda: stripe_client().v1.prices.list(params={"lookup_keys": [USAGE_PRICE_LOOKUP_KEY], "limit": 1}),
-        what="price lookup",
-    )
-    if found.data:
-        price_id = found.data[0].id
-    else:
-        price_id = call_stripe(
-            lambda: stripe_client().v1.prices.create(
-                params={
-                    "currency": "usd",
-                    "unit_amount_decimal": USAGE_PRICE_UNIT_CENTS,
-                    "recurring": {"interval": "month", "usage_type": "metered", "meter": meter_ids[COST_METER.event_name]},
-                    "product_data": {"name": "Inferplane inference"},
-                    "lookup_key": USAGE_PRICE_LOOKUP_KEY,
-                    "nickname": "Usage, per micro-dollar",
-                },
-                options={"idempotency_key": f"price-{USAGE_PRICE_LOOKUP_KEY}"},
-            ),
-            what="price create",
-        ).id
+    price_id = _find_or_create(
+        _usage_price,
+        lambda options: stripe_client().v1.prices.create(
+            params={
+                "currency": "usd",
+                "unit_amount_decimal": USAGE_PRICE_UNIT_CENTS,
+                "recurring": {"interval": "month", "usage_type": "metered", "meter": meter_ids[COST_METER.event_name]},
+                "product_data": {"name": "Inferplane inference"},
+                "lookup_key": USAGE_PRICE_LOOKUP_KEY,
+                "nickname": "Usage, per micro-dollar",
+            },
+            options=options,
+        ),
+        key=IdempotencyKey(f"price-{USAGE_PRICE_LOOKUP_KEY}"), what="price create",
+    ).id
     StripeMeter.objects.filter(event_name=COST_METER.event_name, stripe_price_id="").update(stripe_price_id=price_id)
     return price_id
 
 
 def ensure_subscription(organization_id: int) -> str:
-    """The organisation's subscription to the usage price, created once, with its customer.
+    """The organisation's subscription to the usage price, created when none is live, with its customer.
 
-    Two workers may race here: both send the same idempotency key, so Stripe creates one
-    subscription, and the first conditional update stores it.
+    Each try lists the customer's subscriptions to the price first, and takes a live one: a create
+    that Stripe did although it answered an error, or another worker's, is never made twice. Two
+    workers racing send the same idempotency key besides (`BillingAccount.stripe_key_generation`), and
+    the first conditional update stores the subscription. A subscription that Stripe ended is
+    forgotten by its webhook (`billing.services.record_subscription_ended`); the next one starts where
+    it ended, so that usage is billed once: not again, and not never.
     """
     account = BillingAccount.objects.for_organization(organization_id)
     if account.stripe_subscription_id:
         return account.stripe_subscription_id
     customer_id = ensure_customer(organization_id)
     price_id = ensure_usage_price()
-    params = {"customer": customer_id, "items": [{"price": price_id}], "metadata": {"organization_id": str(organization_id)}}
     oldest_hour = (UsageRollup.objects.filter(organization_id=organization_id, billing_mode=BillingMode.POSTPAID)
                    .order_by("hour_start").values_list("hour_start", flat=True).first())
-    if oldest_hour is not None:
-        # Usage rolled up before the subscription existed is billed only if the subscription starts
-        # before it. NOTE: the day, not the second, so that a retry from another worker sends the
-        # same parameters with the same idempotency key, as Stripe requires.
-        oldest_event_at = datetime.fromtimestamp(event_timestamp(oldest_hour), tz=UTC)
-        params["backdate_start_date"] = int(oldest_event_at.replace(hour=0, minute=0, second=0, microsecond=0).timestamp())
-    subscription = call_stripe(
-        lambda: stripe_client().v1.subscriptions.create(
-            params=params, options={"idempotency_key": f"subscription-org-{organization_id}"}
-        ),
-        what="subscription create",
-    )
+
+    def find_else_create(options):
+        subscriptions = stripe_client().v1.subscriptions.list(
+            params={"customer": customer_id, "price": price_id, "status": "all", "limit": 100}).data
+        live = [subscription for subscription in subscriptions if subscription.status not in ENDED_SUBSCRIPTION_STATUSES]
+        if live:
+            return live[0]  # the newest: Stripe lists newest first
+        params = {"customer": customer_id, "items": [{"price": price_id}], "metadata": {"organization_id": str(organization_id)}}
+        if oldest_hour is not None:
+            # Usage rolled up before the subscription existed is billed only if the subscription starts
+            # before it, but usage an ended subscription billed must not be billed twice. NOTE: the day,
+            # not the second, and the end as Stripe has it, so that a retry from another worker sends the
+            # same parameters with the same idempotency key, as Stripe requires.
+            oldest_event_at = datetime.fromtimestamp(event_timestamp(oldest_hour), tz=UTC)
+            oldest_day = int(oldest_event_at.replace(hour=0, minute=0, second=0, microsecond=0).timestamp())
+            ended_at = max((subscription.ended_at or 0 for subscription in subscriptions), default=0)
+            params["backdate_start_date"] = max(oldest_day, ended_at)
+        return stripe_client().v1.subscriptions.create(params=params, options=options)
+
+    subscription = call_stripe(find_else_create, what="subscription create",
+                               key=_account_key(account, f"subscription-org-{organization_id}"))
     return _store_once(account, "stripe_subscription_id", subscription.id)
 
 
@@ -288,11 +397,12 @@ def push_rollup(rollup_id: int) -> bool:
         ensure_subscription(rollup.organization_id)  # also creates the meters and the price
         done = set(MeterEventPush.objects.filter(rollup=rollup).values_list("event_name", flat=True))
         timestamp = event_timestamp(rollup.hour_start)
+        generation = rollup.push_key_generation
         for meter in METERS:
             value = getattr(rollup, meter.rollup_field)
             if value <= 0 or meter.event_name in done:
                 continue
-            _push_meter_event(rollup, meter, value, customer_id, timestamp)
+            generation = _push_meter_event(rollup, meter, value, customer_id, timestamp, generation)
     except Exception as exc:
         UsageRollup.objects.filter(pk=rollup_id).update(push_claimed_at=None, push_error=str(exc)[:300])
         raise
@@ -301,20 +411,27 @@ def push_rollup(rollup_id: int) -> bool:
     ) == 1
 
 
-def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id: str, timestamp: int) -> None:
+def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id: str, timestamp: int,
+                      generation: int) -> int:
+    """Send one meter event under the rollup's key `generation`; returns the generation it ended at.
+
+    NOTE: the `identifier` never changes, whatever the idempotency key: it is what keeps an event Stripe
+    recorded despite a server error from counting twice (Stripe refuses it, for at least 24 h).
+    """
     identifier = meter_event_identifier(rollup.pk, meter.event_name)
+    key = _generation_key(UsageRollup, rollup.pk, "push_key_generation", identifier, generation)
     try:
         call_stripe(
-            lambda: stripe_client().v1.billing.meter_events.create(
+            lambda options: stripe_client().v1.billing.meter_events.create(
                 params={
                     "event_name": meter.event_name,
                     "identifier": identifier,
                     "timestamp": timestamp,
                     "payload": {"stripe_customer_id": customer_id, "value": str(value)},
                 },
-                options={"idempotency_key": identifier},
+                options=options,
             ),
-            what="meter event",
+            what="meter event", key=key,
         )
     except stripe.InvalidRequestError as exc:
         if exc.code not in DUPLICATE_EVENT_CODES:
@@ -323,16 +440,30 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
     MeterEventPush.objects.get_or_create(
         identifier=identifier, defaults={"rollup": rollup, "event_name": meter.event_name, "value": value}
     )
+    return int(key.suffix or 0)
 
 
-def push_pending_rollups(*, limit: int = 500) -> int:
-    """Push every closed rollup not yet pushed (oldest first). Returns how many this call finished."""
+def push_pending_rollups(*, limit: int = 500, budget_s: float = PUSH_RUN_BUDGET_S) -> int:
+    """Push closed rollups not yet pushed: those that never failed first, then those that did, oldest first
+    in each, claiming no more once `budget_s` has passed (the rest wait for the next run). Returns how
+    many this call finished.
+
+    NOTE: a rollup that keeps failing costs a run its retries (seconds each): failed ones last, and the
+    budget, keep them from holding up the others, or from running the task into its time limit.
+    """
     if not is_configured():
         logger.info("billing sync off: STRIPE_SECRET_KEY is not set")
         return 0
-    rollup_ids = list(_claimable(timezone.now()).order_by("hour_start", "sequence").values_list("pk", flat=True)[:limit])
+    started = time.monotonic()
+    failed_before = Case(When(push_error="", then=Value(0)), default=Value(1), output_field=IntegerField())
+    rollup_ids = list(_claimable(timezone.now()).order_by(failed_before, "hour_start", "sequence")
+                      .values_list("pk", flat=True)[:limit])
     num_pushed = 0
-    for rollup_id in rollup_ids:
+    for index, rollup_id in enumerate(rollup_ids):
+        if time.monotonic() - started > budget_s:
+            logger.warning("push run out of time after %d rollups; the next run pushes the %d left",
+                           index, len(rollup_ids) - index)
+            break
         try:
             num_pushed += push_rollup(rollup_id)
         except stripe.StripeError:
@@ -346,8 +477,8 @@ def create_portal_link(organization_id: int, *, return_url: str) -> str:
     """A Stripe Customer Portal session where the organisation adds a payment method and sees invoices."""
     customer_id = ensure_customer(organization_id)
     session = call_stripe(
-        lambda: stripe_client().v1.billing_portal.sessions.create(
-            params={"customer": customer_id, "return_url": return_url}
+        lambda options: stripe_client().v1.billing_portal.sessions.create(
+            params={"customer": customer_id, "return_url": return_url}, options=options,
         ),
         what="portal session",
     )

@@ -52,7 +52,7 @@ def test_the_first_push_for_an_organisation_creates_its_customer_and_subscriptio
     assert subscription["start_date"] <= first_hour.timestamp()
 
 
-def test_a_subscription_stored_by_nobody_is_found_again_by_its_idempotency_key(fake_stripe):
+def test_a_subscription_stored_by_nobody_is_found_again_not_made_twice(fake_stripe):
     organization_id = EndpointFactory().organization_id
     created = stripe_sync.ensure_subscription(organization_id)
     # As if the worker died after Stripe answered and before it stored the id.
@@ -60,7 +60,8 @@ def test_a_subscription_stored_by_nobody_is_found_again_by_its_idempotency_key(f
 
     assert stripe_sync.ensure_subscription(organization_id) == created
     assert len(fake_stripe.subscriptions) == 1
-    assert [call.replayed for call in fake_stripe.calls_to("/v1/subscriptions")] == [False, True]
+    assert len(fake_stripe.calls_to("/v1/subscriptions")) == 1
+    assert len(fake_stripe.calls_to("/v1/subscriptions", method="GET")) == 2  # each looks before it creates
 
 
 def test_the_usage_price_is_created_once_and_found_by_its_lookup_key_afterwards(fake_stripe):
@@ -125,18 +126,23 @@ def test_cost_meter_events_sum_to_the_ledger_cost_in_micro_dollars(fake_stripe):
     assert abs(_cost_total(fake_stripe) - ledger_cost * 1_000_000) <= Decimal("0.5") * len(rollups)
 
 
-@pytest.mark.parametrize("failure", ["500", "429", "timeout"])
-def test_subscription_failures_are_retried_without_a_second_subscription(fake_stripe, failure):
+@pytest.mark.parametrize(("failure", "num_creates", "num_keys"), [
+    ("500", 3, 3), ("500_saved", 3, 3), ("429", 3, 1),
+    # Stripe did the work: the next try finds the subscription and creates none.
+    ("500_after_work", 1, 1), ("timeout", 1, 1),
+])
+def test_subscription_failures_are_retried_without_a_second_subscription(fake_stripe, failure, num_creates, num_keys):
     _closed_rollups(EndpointFactory())
-    fake_stripe.fail_next(failure, times=2, path="/v1/subscriptions")
+    fake_stripe.fail_next(failure, times=2, path="/v1/subscriptions", method="POST")
 
     assert stripe_sync.push_pending_rollups() == 1
 
     assert len(fake_stripe.subscriptions) == 1
-    attempts = fake_stripe.calls_to("/v1/subscriptions")
-    assert len(attempts) == 3 and len({call.idempotency_key for call in attempts}) == 1
-    if failure == "timeout":  # Stripe did the work; the retries got the stored answer
-        assert sum(call.replayed for call in attempts) == 2
+    creates = fake_stripe.calls_to("/v1/subscriptions")
+    # A new idempotency key after each server error: under the same key Stripe replays a saved 500 for a day.
+    assert len(creates) == num_creates and len({call.idempotency_key for call in creates}) == num_keys
+    [subscription_id] = fake_stripe.subscriptions
+    assert BillingAccount.objects.get().stripe_subscription_id == subscription_id
 
 
 @pytest.mark.parametrize("failure", ["500", "429"])
@@ -149,13 +155,15 @@ def test_price_failures_are_retried_without_a_second_price(fake_stripe, failure)
 
     assert len(fake_stripe.prices) == 1
     creates = fake_stripe.calls_to("/v1/prices")
-    assert len(creates) == 3 and len({call.idempotency_key for call in creates}) == 1
-    assert len(fake_stripe.calls_to("/v1/prices", method="GET")) == 3
+    assert len(creates) == 3 and len({call.idempotency_key for call in creates}) == (3 if failure == "500" else 1)
+    # After a server error the price is looked up again before the next create.
+    assert len(fake_stripe.calls_to("/v1/prices", method="GET")) == (5 if failure == "500" else 3)
 
 
-def test_a_push_whose_subscription_cannot_be_created_sends_no_usage_and_is_retried(fake_stripe):
+@pytest.mark.parametrize("failure", ["500", "500_saved"])
+def test_a_push_whose_subscription_cannot_be_created_sends_no_usage_and_is_retried(fake_stripe, failure):
     _closed_rollups(EndpointFactory())
-    fake_stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS, path="/v1/subscriptions")
+    fake_stripe.fail_next(failure, times=stripe_sync.MAX_ATTEMPTS, path="/v1/subscriptions", method="POST")
 
     assert stripe_sync.push_pending_rollups() == 0
     assert not fake_stripe.meter_events and not fake_stripe.subscriptions

@@ -100,6 +100,34 @@ def test_a_push_that_keeps_failing_is_left_for_the_next_run(fake_stripe):
     assert len(fake_stripe.meter_events) == 4
 
 
+@pytest.mark.parametrize("path", [
+    "/v1/billing/meter_events", "/v1/customers", "/v1/billing/meters", "/v1/prices", "/v1/subscriptions"])
+@pytest.mark.parametrize("failure", ["500_saved", "500_after_work"])
+def test_a_500_that_stripe_saved_under_its_key_holds_nothing_up_and_nothing_counts_twice(fake_stripe, failure, path):
+    """Stripe replays a saved 500 to every retry with the same key for a day: before, such a rollup (or
+    every rollup, for a meter or the price) stayed unpushed that long, and was sent again once the key
+    was pruned, when Stripe might no longer refuse its identifier."""
+    rollup = _closed_rollup(EndpointFactory())
+    fake_stripe.fail_next(failure, times=stripe_sync.MAX_ATTEMPTS, path=path, method="POST")
+
+    num_pushed = stripe_sync.push_pending_rollups()
+    num_pushed += stripe_sync.push_pending_rollups()  # the next run, a minute later
+
+    assert num_pushed == 1
+    account = BillingAccount.objects.get(organization=rollup.organization)
+    assert fake_stripe.meter_totals() == {
+        (account.stripe_customer_id, "inferplane_input_tokens"): rollup.input_tokens,
+        (account.stripe_customer_id, "inferplane_cached_input_tokens"): rollup.cached_tokens,
+        (account.stripe_customer_id, "inferplane_output_tokens"): rollup.completion_tokens,
+        (account.stripe_customer_id, "inferplane_usage_cost"): rollup.cost_micro_dollars,
+    }
+    assert len(fake_stripe.meters) == 4 and len(fake_stripe.prices) == 1
+    [subscription] = fake_stripe.subscriptions.values()
+    assert (subscription["id"], subscription["customer"]) == (account.stripe_subscription_id, account.stripe_customer_id)
+    if failure == "500_after_work" and path == "/v1/billing/meter_events":
+        assert fake_stripe.num_duplicate_identifiers >= 1  # recorded despite its 500, refused the second time
+
+
 def test_a_push_that_died_after_stripe_accepted_is_finished_without_double_billing(fake_stripe, settings):
     settings.BILLING_CLAIM_TIMEOUT_S = 0.1
     rollup = _closed_rollup(EndpointFactory())
@@ -124,3 +152,27 @@ def test_without_a_stripe_key_billing_sync_is_off(settings):
     settings.STRIPE_SECRET_KEY = ""
     _closed_rollup(EndpointFactory())
     assert stripe_sync.push_pending_rollups() == 0
+
+
+def test_rollups_that_failed_before_wait_behind_those_never_tried(fake_stripe):
+    failed = _closed_rollup(EndpointFactory())  # the older hour
+    UsageRollup.objects.filter(pk=failed.pk).update(push_error="No such customer: 'cus_gone'")
+    fresh = _closed_rollup(EndpointFactory())
+    UsageRollup.objects.filter(pk=fresh.pk).update(hour_start=failed.hour_start + timedelta(hours=1))
+
+    assert stripe_sync.push_pending_rollups(limit=1) == 1
+
+    assert list(UsageRollup.objects.filter(pushed_at__isnull=False).values_list("pk", flat=True)) == [fresh.pk]
+
+
+def test_a_push_run_claims_no_more_rollups_once_its_time_is_up(fake_stripe):
+    """A run that ran into its task's time limit was killed holding a claim; many rollups that each
+    use up their retries (seconds) took every run's time, oldest first."""
+    rollups = [_closed_rollup(EndpointFactory()) for _ in range(3)]
+    fake_stripe.latency_s = 0.1  # the first push alone makes a dozen calls
+
+    assert stripe_sync.push_pending_rollups(budget_s=0.5) == 1
+
+    assert UsageRollup.objects.filter(pushed_at__isnull=True, push_claimed_at__isnull=True).count() == len(rollups) - 1
+    fake_stripe.latency_s = 0.0
+    assert stripe_sync.push_pending_rollups() == len(rollups) - 1

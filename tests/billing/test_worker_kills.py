@@ -202,7 +202,9 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
     # Every accepted meter event is recorded once, and Stripe accepted nothing we do not know of.
     assert MeterEventPush.objects.count() == len(fake.meter_events)
     assert set(MeterEventPush.objects.values_list("identifier", flat=True)) == set(fake.meter_events)
-    assert len(fake.calls_to("/v1/customers")) >= 2 and len({c.idempotency_key for c in fake.calls_to("/v1/customers")}) == 2
+    # One customer each, however often its creation was retried or its worker killed (a server error moves
+    # to a new key: `stripe_sync.IdempotencyKey`; the chaos's 500s come before Stripe does any work).
+    assert len(fake.calls_to("/v1/customers")) >= 2
     assert len(fake.subscriptions) == len(fake.customers) == 2 and len(fake.prices) == 1
     assert not fake.unexpected
     # Both kinds of task were killed mid-run, each a fair share of the kills.

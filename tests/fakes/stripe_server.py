@@ -1,16 +1,25 @@
 """A fake Stripe API: only the calls Inferplane makes, over real HTTP, for the official `stripe` library.
 
     fake = FakeStripe().start()          # settings.STRIPE_API_BASE = fake.base_url
-    fake.fail_next("500", times=2)       # or "429", "timeout"; optionally path="/v1/customers", method="POST"
+    fake.fail_next("500", times=2)       # or another of FAILURE_KINDS; optionally path="/v1/customers", method="POST"
     fake.meter_totals()                  # {(customer id, event name): total value}
     fake.prices, fake.subscriptions      # what was created, by id
+    fake.cancel_subscription(id), fake.delete_customer(id)   # what the Dashboard does
 
 It records every call, replays the stored response for a repeated `Idempotency-Key` (as Stripe
-does for 24 h), refuses a meter event whose `identifier` it has already accepted, and can be told
-to fail. A "timeout" failure handles the request and then holds its answer until the client gives
-up and hangs up, so the client sees a timeout although Stripe did the work: the case idempotency
-keys exist for. (It waits for the hang-up, not for a fixed time: the client's timeout can be
-generous, so that an ordinary call on a slow machine never times out.)
+does for 24 h; a key sent again with other parameters is refused), refuses a meter event whose
+`identifier` it has already accepted, and can be told to fail:
+
+- "500": a server error before Stripe's idempotency layer: nothing done, nothing saved;
+- "500_saved": the endpoint began and failed: nothing done, but the 500 is saved under the key and
+  every retry with that key gets it again (Stripe saves the first answer, 500s included);
+- "500_after_work": the work is done (an object created, an event recorded), then the 500 is saved
+  under the key as above: the client cannot tell it from "500_saved";
+- "429": refused by the rate limiter, before the idempotency layer: nothing saved;
+- "timeout": the request is handled, then its answer held until the client gives up and hangs up,
+  so the client sees a timeout although Stripe did the work: the case idempotency keys exist for.
+  (It waits for the hang-up, not for a fixed time: the client's timeout can be generous, so that an
+  ordinary call on a slow machine never times out.)
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlparse
 
-FAILURE_KINDS = ("500", "429", "timeout")
+FAILURE_KINDS = ("500", "500_saved", "500_after_work", "429", "timeout")
 
 
 @dataclass(slots=True)
@@ -58,12 +67,13 @@ class FakeStripe:
     meter_events: dict[str, dict] = field(default_factory=dict)  # identifier -> event
     prices: dict[str, dict] = field(default_factory=dict)
     subscriptions: dict[str, dict] = field(default_factory=dict)
+    deleted_customers: set[str] = field(default_factory=set)
     num_duplicate_identifiers: int = 0
     unexpected: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         self._lock = threading.Lock()
-        self._idempotent: dict[str, tuple[int, dict]] = {}
+        self._idempotent: dict[str, tuple[dict, int, dict]] = {}  # key -> (params, status, payload)
         self._failures: deque[_Failure] = deque()
         self._server: ThreadingHTTPServer | None = None
 
@@ -102,6 +112,25 @@ class FakeStripe:
         with self._lock:
             self._failures.extend(_Failure(kind, path, method) for _ in range(times))
 
+    def cancel_subscription(self, subscription_id: str) -> dict:
+        """What cancelling it at once in the Dashboard does: the subscription as it is now (its webhook's object)."""
+        with self._lock:
+            subscription = self.subscriptions[subscription_id]
+            now = int(time.time())
+            subscription.update(status="canceled", canceled_at=now, ended_at=now)
+            return dict(subscription)
+
+    def delete_customer(self, customer_id: str) -> dict:
+        """What deleting it in the Dashboard does (its subscriptions end with it): the webhook's object."""
+        with self._lock:
+            customer = self.customers.pop(customer_id)
+            self.deleted_customers.add(customer_id)
+            now = int(time.time())
+            for subscription in self.subscriptions.values():
+                if subscription["customer"] == customer_id and subscription["status"] != "canceled":
+                    subscription.update(status="canceled", canceled_at=now, ended_at=now)
+            return dict(customer)
+
     def set_default_payment_method(self, customer_id: str, payment_method: str | None) -> dict:
         """What the Customer Portal does when a card is added (or removed): the customer as it is now."""
         with self._lock:
@@ -136,23 +165,34 @@ class FakeStripe:
             failure = self._take_failure(method, path)
         if not (request.headers.get("Authorization") or "").startswith("Bearer sk_"):
             return self._answer(request, call, 401, _error("invalid_request_error", "Invalid API Key provided"))
-        if failure is not None and failure.kind != "timeout":
+        if failure is not None and failure.kind in ("500", "429"):  # before the idempotency layer
             call.injected = failure.kind
             status = 500 if failure.kind == "500" else 429
             kind = "api_error" if status == 500 else "invalid_request_error"
             return self._answer(request, call, status, _error(kind, f"injected {failure.kind}", code="rate_limit" if status == 429 else None))
+        idempotent = method == "POST" and bool(call.idempotency_key)
         with self._lock:
-            stored = self._idempotent.get(call.idempotency_key) if method == "POST" and call.idempotency_key else None
+            stored = self._idempotent.get(call.idempotency_key) if idempotent else None
             if stored is not None:
-                call.replayed = True
-                status, payload = stored
+                original_params, status, payload = stored
+                if original_params == call.params:
+                    call.replayed = True
+                else:  # not saved: the original stays what the key replays
+                    status, payload = 400, _error("idempotency_error", "Keys for idempotent requests can only be used "
+                                                  "with the same parameters they were first used with.")
             else:
-                status, payload = self._route(method, path, call.params)
-                if method == "POST" and call.idempotency_key and status < 500:
-                    self._idempotent[call.idempotency_key] = (status, payload)
-        if failure is not None:  # "timeout": the work is done, the answer comes too late
+                if failure is not None and failure.kind == "500_saved":
+                    status, payload = 500, _error("api_error", "injected 500_saved")
+                else:
+                    status, payload = self._route(method, path, call.params)
+                    if failure is not None and failure.kind == "500_after_work":
+                        status, payload = 500, _error("api_error", "injected 500_after_work")
+                if idempotent:
+                    self._idempotent[call.idempotency_key] = (call.params, status, payload)
+        if failure is not None:
             call.injected = failure.kind
-            _wait_for_hang_up(request, self.timeout_hang_s)
+            if failure.kind == "timeout":  # the work is done, the answer comes too late
+                _wait_for_hang_up(request, self.timeout_hang_s)
         self._answer(request, call, status, payload, replayed=call.replayed)
 
     def _take_failure(self, method: str, path: str) -> _Failure | None:
@@ -171,7 +211,10 @@ class FakeStripe:
             self.customers[customer["id"]] = customer
             return 200, customer
         if method == "GET" and path.startswith("/v1/customers/"):
-            customer = self.customers.get(path.removeprefix("/v1/customers/"))
+            customer_id = path.removeprefix("/v1/customers/")
+            if customer_id in self.deleted_customers:  # Stripe answers a deleted customer, not a 404
+                return 200, {"id": customer_id, "object": "customer", "deleted": True}
+            customer = self.customers.get(customer_id)
             if customer is None:
                 return 404, _error("invalid_request_error", "No such customer", code="resource_missing")
             return 200, customer
@@ -193,6 +236,8 @@ class FakeStripe:
             return self._price(params, now)
         if (method, path) == ("POST", "/v1/subscriptions"):
             return self._subscription(params, now)
+        if (method, path) == ("GET", "/v1/subscriptions"):
+            return 200, {"object": "list", "data": self._list_subscriptions(params), "has_more": False, "url": path}
         if (method, path) == ("POST", "/v1/billing_portal/sessions"):
             if params.get("customer") not in self.customers:
                 return 400, _error("invalid_request_error", "No such customer", code="resource_missing")
@@ -242,13 +287,27 @@ class FakeStripe:
             return 400, _error("invalid_request_error", "No such price", code="resource_missing")
         subscription = {
             "id": _id("sub"), "object": "subscription", "created": now, "status": "active", "customer": params["customer"],
-            "start_date": int(params.get("backdate_start_date") or now), "metadata": params.get("metadata", {}),
+            "start_date": int(params.get("backdate_start_date") or now), "canceled_at": None, "ended_at": None,
+            "metadata": params.get("metadata", {}),
             "items": {"object": "list", "data": [{"id": _id("si"), "object": "subscription_item", "price": self.prices[item["price"]]}
                                                  for item in items]},
             "livemode": False,
         }
         self.subscriptions[subscription["id"]] = subscription
         return 200, subscription
+
+    def _list_subscriptions(self, params: dict) -> list[dict]:
+        status = params.get("status")
+        found = []
+        for subscription in reversed(self.subscriptions.values()):  # newest first, as Stripe lists them
+            if params.get("customer") not in (None, subscription["customer"]):
+                continue
+            if params.get("price") and all(item["price"]["id"] != params["price"] for item in subscription["items"]["data"]):
+                continue
+            if status != "all" and (subscription["status"] == "canceled" if status is None else subscription["status"] != status):
+                continue
+            found.append(subscription)
+        return found[:int(params.get("limit") or 10)]
 
     def _answer(self, request, call: Call, status: int, payload: dict, *, replayed: bool = False) -> None:
         call.status = status
