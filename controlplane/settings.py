@@ -304,6 +304,7 @@ CELERY_BEAT_SCHEDULE = {
     "autoscale": {"task": "endpoints.autoscale", "schedule": AUTOSCALER_TICK_S, "options": {"expires": AUTOSCALER_TICK_S * 2}},
     "sweep-stuck": {"task": "endpoints.sweep_stuck", "schedule": 5.0, "options": {"expires": 10}},
     "batches-tick": {"task": "batches.tick", "schedule": BATCH_TICK_S, "options": {"expires": BATCH_TICK_S * 2}},
+    "batches-sweep-results": {"task": "batches.sweep_ended_results", "schedule": 60.0, "options": {"expires": 120}},
     "provision-nodes": {"task": "endpoints.provision_nodes", "schedule": NODE_POOLS_TICK_S,
                         "options": {"expires": NODE_POOLS_TICK_S * 2}},
 }

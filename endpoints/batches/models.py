@@ -140,6 +140,9 @@ class Batch(models.Model):
     # Runs that began validating it: a file whose check keeps dying (a killed worker, a bug) fails the
     # batch after `services.MAX_VALIDATION_ATTEMPTS` instead of holding a place in every tick.
     num_validation_attempts = models.PositiveSmallIntegerField(default=0, db_default=0)
+    # When its line results (`storage.put_result`) were deleted, once it ended; None while they may be in
+    # S3: `services.sweep_ended_results` deletes those of batches ended a while ago (a run that died first).
+    results_deleted_at = models.DateTimeField(null=True, blank=True)
 
     objects = BatchQuerySet.as_manager()
 
@@ -147,6 +150,8 @@ class Batch(models.Model):
         indexes = [
             models.Index(fields=["organization", "created_at"], name="batch_org_created"),
             models.Index(fields=["status"], name="batch_status"),
+            models.Index(fields=["created_at"], condition=models.Q(results_deleted_at__isnull=True),
+                         name="batch_results_kept"),
         ]
 
     def __str__(self) -> str:

@@ -5,6 +5,10 @@ A batch is worked on by one worker at a time: `run_batch` claims it with a condi
 lease (`lease_until`, renewed every second while it runs); a worker killed mid-run leaves the lease to
 lapse and the batch tick (`tick`) queues a new run, which skips the lines whose results are already in
 S3 and re-runs the rest under the same request ids (never billed twice: `runner.line_request_id`).
+
+Nothing a dead run leaves in S3 outlives it unnamed: output and error files have their rows (uploads
+in progress until the batch ends with them) before their bytes, and line results are deleted once the
+batch has ended, stamped `results_deleted_at`, or later by `sweep_ended_results`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from endpoints.batches import runner, scheduling, storage
 from endpoints.batches.models import (
     BATCH_PATHS,
     COMPLETION_WINDOWS,
+    FINAL_STATES,
     Batch,
     BatchStatus,
     File,
@@ -53,6 +58,11 @@ MAX_DISPATCHED_PER_TICK = 500
 # A batch whose validation began this many times and never ended (the worker killed or the check
 # failing) fails: before, it was queued again every tick for ever.
 MAX_VALIDATION_ATTEMPTS = 3
+# The line results of a batch that ended longer ago than this, still in S3 (its run died, or S3 failed,
+# between ending it and deleting them), are deleted by `sweep_ended_results`: longer than a run's time
+# limit (`tasks.run_batch`, 900 s), so no worker still writes one.
+RESULTS_SWEPT_AFTER = timedelta(minutes=20)
+NUM_RESULTS_SWEPT_PER_RUN = 50
 
 
 class Refused(Exception):
@@ -133,12 +143,27 @@ def delete_file(file: File) -> bool:
     return True
 
 
-def _store_output(organization_id: int, purpose: str, filename: str, data: bytes) -> File:
+def _store_output(organization_id: int, filename: str, data: bytes) -> File:
+    """A batch's output or error file: its row is written first, as an upload in progress, then its
+    bytes go to S3; `finalize_batch` marks it stored as it ends the batch. A run killed in between
+    leaves a row that `sweep_abandoned_uploads` removes with its bytes, never bytes no row names."""
     file_id = new_file_id()
-    key = storage.file_key(organization_id, file_id)
-    storage.put_bytes(key, data)
-    return File(id=file_id, organization_id=organization_id, purpose=purpose, filename=filename, bytes=len(data), s3_key=key,
-                stored_at=timezone.now())
+    file = File.objects.create(id=file_id, organization_id=organization_id, purpose=FilePurpose.BATCH_OUTPUT,
+                               filename=filename, bytes=len(data), s3_key=storage.file_key(organization_id, file_id),
+                               stored_at=None)
+    storage.put_bytes(file.s3_key, data)
+    return file
+
+
+def _discard_outputs(files: list[File]) -> None:
+    """Output files a run wrote but did not keep (another run ended the batch first): the bytes first,
+    so that a failure leaves a row for `sweep_abandoned_uploads`, never bytes without one."""
+    for file in files:
+        try:
+            storage.delete(file.s3_key)
+            File.objects.filter(pk=file.pk, stored_at__isnull=True).delete()
+        except Exception:
+            logger.exception("could not discard the output file %s (swept as abandoned later)", file.pk)
 
 
 # --- batches ---------------------------------------------------------------------------------
@@ -281,10 +306,10 @@ def validate_batch(batch: Batch) -> Batch:
 
 
 def _fail_validation(batch: Batch, problems: list[LineError]) -> Batch:
-    """End a batch that failed its check with its errors.
+    """End a batch that failed its check with its errors (no line ran: it has no results to delete).
     Errors PostgreSQL still refuses give way to one that says so: a batch never stays validating."""
     now = timezone.now()
-    ended = {"status": BatchStatus.FAILED, "failed_at": now}
+    ended = {"status": BatchStatus.FAILED, "failed_at": now, "results_deleted_at": now}
     try:
         with transaction.atomic():
             Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
@@ -382,19 +407,36 @@ def _run_lines(batch: Batch, token: str) -> str:
                              f"before {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(wake))} (its deadline's need)",
                    batch_id=batch.pk)
     elif progress.stopped == "gone":
-        Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(
-            status=BatchStatus.FAILED, failed_at=timezone.now(),
-            errors=[LineError(1, "model_not_found", "The batch's endpoint was deleted.", "body.model").as_openai()])
-        _delete_results(batch)
+        # NOTE: only when this run failed it: a cancel that came first keeps the results for its files.
+        if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(
+                status=BatchStatus.FAILED, failed_at=timezone.now(),
+                errors=[LineError(1, "model_not_found", "The batch's endpoint was deleted.", "body.model").as_openai()]):
+            _delete_results(batch)
     return progress.stopped or "ran"
 
 
-def _delete_results(batch: Batch) -> None:
-    """A batch's line results, once it has ended (its output and error files hold what it keeps)."""
+def _delete_results(batch: Batch) -> bool:
+    """A batch's line results, once it has ended (its output and error files hold what it keeps), and
+    the moment they went (`results_deleted_at`); left to `sweep_ended_results` when S3 fails."""
     try:
         storage.delete_results(batch.organization_id, batch.pk)
     except Exception:
         logger.exception("could not delete the line results of %s", batch.pk)
+        return False
+    Batch.objects.filter(pk=batch.pk).update(results_deleted_at=timezone.now())
+    return True
+
+
+def sweep_ended_results(now=None) -> int:
+    """Delete the line results still kept of batches that ended over `RESULTS_SWEPT_AFTER` ago (their
+    run died, or S3 failed, between ending them and deleting them), oldest first, at most
+    `NUM_RESULTS_SWEPT_PER_RUN`. Returns how many batches it emptied."""
+    before = (now or timezone.now()) - RESULTS_SWEPT_AFTER
+    ended = (Batch.objects.filter(status__in=FINAL_STATES, results_deleted_at__isnull=True)
+             .filter(Q(completed_at__lt=before) | Q(failed_at__lt=before) | Q(expired_at__lt=before)
+                     | Q(cancelled_at__lt=before))
+             .order_by("created_at").only("id", "organization_id")[:NUM_RESULTS_SWEPT_PER_RUN])
+    return sum(_delete_results(batch) for batch in ended)
 
 
 def finalize_batch(batch: Batch, final: str) -> None:
@@ -414,25 +456,24 @@ def finalize_batch(batch: Batch, final: str) -> None:
                                  "response": None, "error": {"code": "batch_expired",
                                                              "message": "This request could not be executed before the "
                                                                         "completion window expired."}})
-    output = (_store_output(batch.organization_id, FilePurpose.BATCH_OUTPUT, f"{batch.pk}_output.jsonl",
-                            _jsonl(outputs)) if outputs else None)
-    error = (_store_output(batch.organization_id, FilePurpose.BATCH_OUTPUT, f"{batch.pk}_error.jsonl",
-                           _jsonl(failures)) if failures else None)
+    output = _store_output(batch.organization_id, f"{batch.pk}_output.jsonl", _jsonl(outputs)) if outputs else None
+    error = _store_output(batch.organization_id, f"{batch.pk}_error.jsonl", _jsonl(failures)) if failures else None
+    files = [file for file in (output, error) if file is not None]
     stamp = {BatchStatus.COMPLETED: "completed_at", BatchStatus.EXPIRED: "expired_at",
              BatchStatus.CANCELLED: "cancelled_at"}[final]
     with transaction.atomic():
         locked = Batch.objects.select_for_update().get(pk=batch.pk)
-        if locked.status in (BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED, BatchStatus.FAILED):
-            for file in (output, error):  # another run finished it first: its files stand, these bytes go
-                if file is not None:
-                    storage.delete(file.s3_key)
-            return
-        for file in (output, error):
-            if file is not None:
-                file.save()
-        Batch.objects.filter(pk=batch.pk).update(
-            status=final, output_file=output, error_file=error, num_completed=len(outputs),
-            num_failed=sum(1 for f in failures if f["response"] is not None), **{stamp: now})
+        ended_first = locked.status in FINAL_STATES
+        if not ended_first:
+            if File.objects.filter(pk__in=[file.pk for file in files], stored_at__isnull=True).update(
+                    stored_at=now) != len(files):
+                raise RuntimeError(f"the output files of {batch.pk} were swept as abandoned: the next run writes them")
+            Batch.objects.filter(pk=batch.pk).update(
+                status=final, output_file=output, error_file=error, num_completed=len(outputs),
+                num_failed=sum(1 for f in failures if f["response"] is not None), **{stamp: now})
+    if ended_first:  # another run finished it first: its files stand, these go
+        _discard_outputs(files)
+        return
     _delete_results(batch)
 
 

@@ -15,3 +15,8 @@ def run_batch(batch_id: str) -> str:
 @shared_task(name="batches.tick", acks_late=True, time_limit=30, soft_time_limit=25, ignore_result=True)
 def tick() -> int:
     return services.tick()
+
+
+@shared_task(name="batches.sweep_ended_results", acks_late=True, time_limit=300, soft_time_limit=270, ignore_result=True)
+def sweep_ended_results() -> int:
+    return services.sweep_ended_results()

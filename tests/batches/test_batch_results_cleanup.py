@@ -1,0 +1,151 @@
+"""A batch's line results (`batches/<org>/<batch>/lines/`) and output files never outlive it in S3
+unnamed: results a run left behind when it died (or S3 failed) after ending the batch are swept a while
+later; output bytes written before a run was killed have a row the abandoned-upload sweep removes; and
+a cancel that raced the endpoint's deletion keeps the results its files are written from."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from endpoints.batches import runner, services, storage
+from endpoints.batches.models import Batch, BatchStatus, File
+from tests.batches.conftest import bucket_objects, new_batch
+from tests.factories import EndpointFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NUM_LINES = 3
+
+
+class Killed(BaseException):
+    """The process dying here (a SIGKILL, an OOM kill): nothing after it runs."""
+
+
+def _running_batch() -> Batch:
+    """A batch validated and `in_progress` on an endpoint with no replica (no line runs by itself)."""
+    endpoint = EndpointFactory(max_model_len=2048)
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}} for i in range(NUM_LINES)]
+    batch = new_batch(endpoint, b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+    services.run_batch(batch.pk)
+    batch = Batch.objects.select_related("input_file", "endpoint").get(pk=batch.pk)
+    assert batch.status == BatchStatus.IN_PROGRESS
+    return batch
+
+
+def _finish_lines(batch: Batch, count: int) -> None:
+    """The first `count` lines' results in S3, as a run writes them."""
+    for line in services._lines_of(batch)[:count]:
+        outcome = runner.LineOutcome(line, 200, {"choices": [{"text": line.custom_id}]}, f"{batch.pk}-{line.index}")
+        storage.put_result(batch.organization_id, batch.pk, line.index, outcome.output(batch.pk), ok=True)
+
+
+def _results(bucket: str, batch: Batch) -> list[str]:
+    return list(bucket_objects(bucket, f"batches/{batch.organization_id}/{batch.pk}/lines/"))
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("S3 answered 500"), Killed()], ids=["s3-error", "killed"])
+def test_results_left_by_a_batch_that_ended_are_swept_a_while_later(files_bucket, monkeypatch, failure):
+    """Before, results the finalize did not delete (its S3 error swallowed, or its process killed right
+    after the commit) stayed in the bucket for ever: nothing looked at ended batches again."""
+    batch = _running_batch()
+    _finish_lines(batch, NUM_LINES)
+
+    def fails(*args, **kwargs):
+        raise failure
+
+    with monkeypatch.context() as patched:
+        patched.setattr(storage, "delete_results", fails)
+        try:
+            services.finalize_batch(batch, BatchStatus.COMPLETED)
+        except Killed:
+            pass
+
+    batch.refresh_from_db()
+    assert batch.status == BatchStatus.COMPLETED and batch.output_file is not None
+    assert len(_results(files_bucket, batch)) == NUM_LINES and batch.results_deleted_at is None
+    assert services.sweep_ended_results() == 0  # ended just now: a run could still be writing
+
+    assert services.sweep_ended_results(timezone.now() + services.RESULTS_SWEPT_AFTER + timedelta(seconds=1)) == 1
+
+    batch.refresh_from_db()
+    assert _results(files_bucket, batch) == [] and batch.results_deleted_at is not None
+    assert services.sweep_ended_results(timezone.now() + timedelta(days=1)) == 0  # swept once
+    assert storage.read_bytes(batch.output_file.s3_key).count(b"\n") == NUM_LINES  # what it kept stays
+
+
+def test_output_bytes_of_a_run_killed_before_it_ended_the_batch_are_swept_as_an_abandoned_upload(
+        files_bucket, monkeypatch):
+    """Before, the output file's bytes went to S3 before its row existed: a kill in between left bytes that
+    no row named, never counted against the quota and never deleted."""
+    batch = _running_batch()
+    _finish_lines(batch, NUM_LINES)
+    kept = set(bucket_objects(files_bucket, "files/"))  # the input file
+    put_bytes = storage.put_bytes
+
+    def killed_after_the_put(key, data):
+        put_bytes(key, data)
+        raise Killed()
+
+    with monkeypatch.context() as patched:
+        patched.setattr(storage, "put_bytes", killed_after_the_put)
+        with pytest.raises(Killed):
+            services.finalize_batch(batch, BatchStatus.COMPLETED)
+
+    assert Batch.objects.get(pk=batch.pk).status == BatchStatus.FINALIZING
+    orphans = set(bucket_objects(files_bucket, "files/")) - kept
+    assert len(orphans) == 1
+    assert not File.objects.for_org(batch.organization_id).filter(s3_key__in=orphans).exists()  # never listed
+    assert File.objects.held_by(batch.organization_id).filter(s3_key__in=orphans).exists()  # counted
+
+    assert services.sweep_abandoned_uploads(timezone.now() + services.UPLOAD_ABANDONED_AFTER + timedelta(seconds=1)) == 1
+
+    assert set(bucket_objects(files_bucket, "files/")) == kept
+    services.finalize_batch(batch, BatchStatus.COMPLETED)  # the next run writes the files again
+    batch.refresh_from_db()
+    assert batch.status == BatchStatus.COMPLETED and batch.output_file.stored_at is not None
+    assert len(bucket_objects(files_bucket, "files/")) == len(kept) + 1
+
+
+def test_a_run_that_loses_the_race_to_end_a_batch_leaves_no_output_behind(files_bucket):
+    batch = _running_batch()
+    _finish_lines(batch, NUM_LINES)
+    services.finalize_batch(batch, BatchStatus.COMPLETED)
+    stored = set(bucket_objects(files_bucket, "files/"))
+    num_files = File.objects.count()
+    Batch.objects.filter(pk=batch.pk).update(status=BatchStatus.IN_PROGRESS)  # as a slower run still saw it
+    _finish_lines(batch, NUM_LINES)
+    Batch.objects.filter(pk=batch.pk).update(status=BatchStatus.COMPLETED)  # ...before the other one ended it
+
+    services.finalize_batch(batch, BatchStatus.COMPLETED)
+
+    assert set(bucket_objects(files_bucket, "files/")) == stored and File.objects.count() == num_files
+
+
+def test_a_cancel_that_raced_the_endpoints_deletion_keeps_the_results_its_files_are_written_from(
+        files_bucket, monkeypatch):
+    """Before, the run that found the endpoint gone deleted the results although its update to `failed`
+    matched nothing (a cancel came first): the cancelled batch ended with no output, its lines billed."""
+    batch = _running_batch()
+    _finish_lines(batch, 2)
+
+    async def endpoint_gone_after_a_cancel(work, todo, progress, **kwargs):
+        await asyncio.to_thread(Batch.objects.filter(pk=work.batch_id).update, status=BatchStatus.CANCELLING,
+                                cancelling_at=timezone.now())
+        progress.stopped = "gone"
+        return progress
+
+    monkeypatch.setattr(runner, "run", endpoint_gone_after_a_cancel)
+
+    assert services.run_batch(batch.pk) == "gone"
+
+    batch.refresh_from_db()
+    assert batch.status == BatchStatus.CANCELLED and batch.errors is None
+    output = [json.loads(row) for row in storage.read_bytes(batch.output_file.s3_key).splitlines()]
+    assert [row["custom_id"] for row in output] == ["c0", "c1"]
+    assert _results(files_bucket, batch) == [] and batch.results_deleted_at is not None
