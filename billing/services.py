@@ -93,6 +93,52 @@ def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) 
     return account
 
 
+def record_subscription_ended(subscription_id: str) -> BillingAccount | None:
+    """Stripe ended the subscription `subscription_id` (cancelled, or expired before its first payment):
+    the account billed through it forgets it, and its next push subscribes it again
+    (`stripe_sync.ensure_subscription`, from where this one ended). Before, usage went on being pushed
+    to a customer nothing billed, silently.
+
+    NOTE: an ended subscription never comes back, so this is safe in any order: it clears only the
+    subscription it names, never a newer one stored since. The account's Stripe key generation moves
+    on, so that the next creation is not answered with this one (`stripe_sync.IdempotencyKey`).
+    """
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().filter(stripe_subscription_id=subscription_id).first()
+        if account is None:
+            return None
+        account.stripe_subscription_id = ""
+        account.stripe_key_generation += 1
+        account.save(update_fields=["stripe_subscription_id", "stripe_key_generation"])
+        record_audit(SYSTEM, account.organization, "billing.subscription_ended", account, subscription=subscription_id)
+    return account
+
+
+def record_customer_deleted(customer_id: str) -> BillingAccount | None:
+    """Stripe's customer `customer_id` was deleted (its subscriptions end with it): the account forgets
+    both, has no payment method from now (`billing.standing`: the limit without one applies, at once in
+    the gateway), and its next push or portal link makes a new customer. Before, usage was pushed to
+    a customer that no longer existed, and a card on file that went with it still lifted the limit.
+
+    NOTE: a deleted customer never comes back: safe in any order, and only for the customer it names.
+    """
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().filter(stripe_customer_id=customer_id).first()
+        if account is None:
+            return None
+        account.stripe_customer_id = ""
+        account.stripe_subscription_id = ""
+        account.payment_method_on_file = False
+        account.payment_method_observed_ms = 0  # no customer: the limit without a payment method applies
+        account.stripe_key_generation += 1
+        account.limits_stale = True
+        account.save(update_fields=["stripe_customer_id", "stripe_subscription_id", "payment_method_on_file",
+                                    "payment_method_observed_ms", "stripe_key_generation", "limits_stale"])
+        record_audit(SYSTEM, account.organization, "billing.customer_deleted", account, customer=customer_id)
+    _refresh_quietly(account)
+    return account
+
+
 def _refresh_quietly(account: BillingAccount) -> None:
     """`refresh_limits` after a change that is already committed (and marked `limits_stale` with it): a
     Redis failure is logged, not raised; the payment-standing beat task refreshes the account again."""

@@ -1,5 +1,9 @@
 """Stripe webhooks: verified by signature, applied once per event id, mirroring invoices and whether a
-customer has a payment method (`billing.standing`)."""
+customer has a payment method (`billing.standing`), and forgetting subscriptions and customers that
+Stripe ended (`billing.services.record_subscription_ended`, `record_customer_deleted`).
+
+The Stripe webhook endpoint must send: invoice.*, customer.created, customer.updated, customer.deleted,
+customer.subscription.updated and customer.subscription.deleted."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ INVOICE_EVENTS = {
     "invoice.payment_succeeded", "invoice.payment_failed", "invoice.marked_uncollectible", "invoice.voided",
 }
 CUSTOMER_EVENTS = {"customer.created", "customer.updated"}
+SUBSCRIPTION_EVENTS = {"customer.subscription.updated", "customer.subscription.deleted"}
 
 
 class InvalidWebhook(ValueError):
@@ -53,6 +58,14 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
             if invoice is not None:
                 organization_id = invoice.organization_id
                 transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
+        elif event["type"] in SUBSCRIPTION_EVENTS:
+            # NOTE: an ended subscription is final, so the event itself is enough, in whatever order it comes.
+            subscription = event["data"]["object"]
+            if event["type"] == "customer.subscription.deleted" or (
+                    subscription.get("status") in stripe_sync.ENDED_SUBSCRIPTION_STATUSES):
+                services.record_subscription_ended(subscription["id"])
+        elif event["type"] == "customer.deleted":
+            services.record_customer_deleted(event["data"]["object"]["id"])
     return True
 
 

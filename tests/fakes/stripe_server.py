@@ -112,12 +112,13 @@ class FakeStripe:
         with self._lock:
             self._failures.extend(_Failure(kind, path, method) for _ in range(times))
 
-    def cancel_subscription(self, subscription_id: str) -> dict:
-        """What cancelling it at once in the Dashboard does: the subscription as it is now (its webhook's object)."""
+    def cancel_subscription(self, subscription_id: str, *, at: int | None = None) -> dict:
+        """What cancelling it at once in the Dashboard does (`at`: when, now by default): the subscription
+        as it is now (its webhook's object)."""
         with self._lock:
             subscription = self.subscriptions[subscription_id]
-            now = int(time.time())
-            subscription.update(status="canceled", canceled_at=now, ended_at=now)
+            at = int(time.time()) if at is None else at
+            subscription.update(status="canceled", canceled_at=at, ended_at=at)
             return dict(subscription)
 
     def delete_customer(self, customer_id: str) -> dict:
