@@ -31,7 +31,7 @@ from endpoints.gateway import (
     standing,
     upstream,
 )
-from endpoints.gateway.call import InferenceCall
+from endpoints.gateway.call import InferenceCall, finish_pending
 from endpoints.gateway.memo import in_worker_thread
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import InferenceRequest, new_request_id
@@ -95,6 +95,7 @@ class Gateway:
                 writer_for_this_loop().replay_soon()  # usage a previous gateway left in the journal
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                await finish_pending()  # calls cut at the graceful deadline still write their usage
                 if self._folding is not None:
                     self._folding.cancel()
                 metrics.fold()  # the last counts, before the process goes

@@ -42,6 +42,28 @@ logger = logging.getLogger("inferplane.requests")
 
 # A client that leaves is noticed from this long after its call was admitted on (before: its call runs on).
 WATCH_DISCONNECT_AFTER_S = 0.05
+# The most a stopping process waits for the finishes of calls its server cut at the graceful deadline.
+SHUTDOWN_FINISH_WAIT_S = 10.0
+
+# Finishes (usage row, settlement) still running, so a stopping process waits for them (`finish_pending`).
+_finishing: set[asyncio.Task] = set()
+
+
+async def finish_pending(timeout_s: float = SHUTDOWN_FINISH_WAIT_S) -> int:
+    """Wait for the finishes still running, of calls ended or cut short (the server's graceful deadline
+    cancels calls still streaming; each still writes its usage row and settles). Returns how many were
+    left unfinished after `timeout_s`.
+
+    NOTE: without this wait `asyncio.run` cancelled them as the process ended, with the usage writer's
+    batch: a stream cut at the deadline was served and never billed, its reservation left to the sweeper."""
+    await asyncio.sleep(0.05)  # calls cancelled just now reach their `finally` and start their finish
+    pending = {task for task in _finishing if task.get_loop() is asyncio.get_running_loop()}
+    if not pending:
+        return 0
+    _, unfinished = await asyncio.wait(pending, timeout=timeout_s)
+    if unfinished:
+        logger.error("%d call(s) still finishing after %.0f s of shutdown: their usage may be lost", len(unfinished), timeout_s)
+    return len(unfinished)
 
 
 class ClientGone(Exception):
@@ -166,6 +188,8 @@ class InferenceCall:
         finally:
             watcher.stop()
             finishing = asyncio.ensure_future(self._finish(admitted))
+            _finishing.add(finishing)
+            finishing.add_done_callback(_finishing.discard)
             try:
                 await asyncio.shield(finishing)
             except asyncio.CancelledError:

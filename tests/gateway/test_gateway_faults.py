@@ -1,12 +1,16 @@
 """Faults between client, gateway and replica: nothing lost, nothing counted twice."""
 
+import contextlib
 import json
+import signal
 import time
 
 import httpx
 import pytest
 
 from billing.models import UsageRecord
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import reservations_key
 from endpoints.models import Replica
 from tests.conftest import free_port, start_web_server, wait_until
 from tests.gateway.conftest import serve_endpoint
@@ -154,3 +158,27 @@ def test_a_redis_out_of_memory_is_a_503_with_retry_after_and_the_next_call_is_se
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"]["type"] == "server_error" and "retry-after" in refused.headers
     assert httpx.post(f"{gateway}/v1/chat/completions", headers=headers, json=body, timeout=30).status_code == 200
+
+
+def test_a_stream_cut_at_the_graceful_shutdown_deadline_is_billed_for_what_was_sent(tenant, start_mock_upstream, tmp_path):
+    # A pod stopping in a rolling deploy cancels the calls still streaming at its graceful deadline. Their
+    # finishes (usage row, settlement) then ran on a loop that was ending: the process exited without them,
+    # the stream served and never billed, its reservation held until the sweeper.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=200))
+    child, gateway = start_web_server(tmp_path, name="gateway", server_args=("--timeout-graceful-shutdown", "1"))
+    received = 0
+    try:
+        with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=100) as response:
+            with contextlib.suppress(httpx.HTTPError):
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        received += 1
+                        if received == 3:
+                            child.kill(signal.SIGTERM)  # once: a second signal is uvicorn's "quit now"
+        child.process.wait(30)
+    finally:
+        child.stop()
+
+    row = UsageRecord.objects.get()
+    assert received <= row.completion_tokens < 100
+    assert not get_redis().hlen(reservations_key(tenant.org.pk))  # settled, not left to the sweeper
