@@ -25,7 +25,10 @@ def grant_credits(actor: Actor, organization, *, amount: Decimal, expires_at: da
         )
         record_audit(actor, organization, "billing.grant_credits", grant, amount=str(amount),
                      expires_at=expires_at.isoformat() if expires_at else None)
-    refresh_limits(BillingAccount.objects.for_organization(organization.pk))
+        # NOTE: with the grant, until `refresh_limits` has dropped Redis's credit figure (`billing.services`).
+        account = BillingAccount.objects.for_organization(organization.pk)
+        BillingAccount.objects.filter(pk=account.pk).update(limits_stale=True)
+    refresh_limits(account)
     return grant
 
 

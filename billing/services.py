@@ -17,12 +17,17 @@ logger = logging.getLogger(__name__)
 
 
 def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> BillingAccount:
-    """Set (or with None remove) the organisation's monthly hard cap; the gateway sees it at once."""
+    """Set (or with None remove) the organisation's monthly hard cap; the gateway sees it at once.
+
+    Every change of an account's limits is marked `limits_stale` in its own transaction: a process
+    killed between the commit and `refresh_limits` leaves it for the payment-standing beat task
+    (`review_all_payment_standing`), not Redis with the old limits for the rest of the month."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization)
         previous = account.spend_cap
         account.spend_cap = spend_cap
-        account.save(update_fields=["spend_cap"])
+        account.limits_stale = True  # NOTE: with the change, until `refresh_limits` has written it to Redis
+        account.save(update_fields=["spend_cap", "limits_stale"])
         record_audit(actor, organization, "billing.set_spend_cap", account,
                      spend_cap=_plain(spend_cap), previous=_plain(previous))
     refresh_limits(account)
@@ -55,7 +60,8 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
         account = BillingAccount.objects.select_for_update().for_organization(organization)
         previous = account.mode
         account.mode = mode
-        account.save(update_fields=["mode"])
+        account.limits_stale = True
+        account.save(update_fields=["mode", "limits_stale"])
         record_audit(actor, organization, "billing.set_mode", account, mode=mode, previous=previous)
     refresh_limits(account)
     return account
@@ -66,7 +72,8 @@ def set_invoiced_without_card(actor: Actor, organization, *, allowed: bool) -> B
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization)
         account.invoiced_without_card = allowed
-        account.save(update_fields=["invoiced_without_card"])
+        account.limits_stale = True
+        account.save(update_fields=["invoiced_without_card", "limits_stale"])
         record_audit(actor, organization, "billing.set_invoiced_without_card", account, allowed=allowed)
     refresh_limits(account)
     return account
@@ -139,11 +146,11 @@ def record_customer_deleted(customer_id: str) -> BillingAccount | None:
     return account
 
 
-def _refresh_quietly(account: BillingAccount) -> None:
+def _refresh_quietly(account: BillingAccount, *, credit: bool = False) -> None:
     """`refresh_limits` after a change that is already committed (and marked `limits_stale` with it): a
     Redis failure is logged, not raised; the payment-standing beat task refreshes the account again."""
     try:
-        refresh_limits(account, credit=False)
+        refresh_limits(account, credit=credit)
     except Exception:
         logger.exception("could not refresh the gateway's limits of organisation %s", account.organization_id)
 
@@ -185,10 +192,10 @@ def review_all_payment_standing(*, now: datetime | None = None) -> int:
             on_hold += review_payment_standing(organization_id, now=now).past_due_since is not None
         except Exception:
             logger.exception("payment standing review failed for organisation %s", organization_id)
-    # Changes whose refresh failed or never ran (a process killed after its commit): released holds,
-    # cards added or removed.
+    # Changes whose refresh failed or never ran (a process killed after its commit): caps, billing modes,
+    # released holds, cards added or removed, credit granted (its Redis figure is dropped, rebuilt from the grants).
     for account in BillingAccount.objects.filter(limits_stale=True)[:500]:
-        _refresh_quietly(account)
+        _refresh_quietly(account, credit=True)
     return on_hold
 
 
