@@ -21,6 +21,7 @@ a process that died with a backlog leaves it to the next one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -257,6 +258,20 @@ _writers: PerLoop[UsageWriter] = PerLoop(UsageWriter, on_loop_gone=UsageWriter.c
 
 def writer_for_this_loop() -> UsageWriter:
     return _writers.get()
+
+
+async def replay_before_the_loop_ends(timeout_s: float) -> None:
+    """For an event loop about to end (a batch run's `asyncio.run`): replay this machine's journal into
+    the ledger, for at most `timeout_s`; while the database is still down it waits in the journal for the
+    next loop (the next run replays it first).
+
+    NOTE: a writer's replay task lives on its loop, and `asyncio.run` cancels it as the loop ends. In a
+    Celery worker nothing else replays: before, usage journaled during a database blip in a batch run
+    stayed in the worker's journal, and was lost with its pod."""
+    if not await asyncio.to_thread(journal().segments) and not journal().has_open_segment():
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(writer_for_this_loop().replay_soon(), timeout_s)
 
 
 async def arecord_usage(report: UsageReport) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from decimal import Decimal
 
+from billing import usage_writer
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import outstanding_key
 from endpoints.batches import scheduling
@@ -43,6 +44,7 @@ logger = logging.getLogger("inferplane.batches")
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 CHECK_EVERY_S = 1.0  # how often a run renews its lease, writes its counts and reads a cancel
 RETRY_PAUSE_S = 1.0  # after a transient refusal, no line starts for this long
+REPLAY_JOURNAL_FOR_S = 10.0  # at a run's end, the most it waits to replay usage journaled in this worker
 
 
 def line_request_id(batch_id: str, index: int) -> str:
@@ -145,6 +147,7 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
         progress.stopped = "gone"
         return progress
     check = in_worker_thread(keep_going)
+    usage_writer.writer_for_this_loop().replay_soon()  # usage an earlier run (or a dead worker) journaled
     pending: deque[Line] = deque(todo)
     running: dict[asyncio.Task, Line] = {}
     ends_at = time.monotonic() + slice_s
@@ -189,5 +192,6 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
                     progress.num_failed += 1
     finally:
         await client.close()
+        await usage_writer.replay_before_the_loop_ends(REPLAY_JOURNAL_FOR_S)
     await check(progress)  # the last counts
     return progress

@@ -149,3 +149,31 @@ def test_a_cancel_that_raced_the_endpoints_deletion_keeps_the_results_its_files_
     output = [json.loads(row) for row in storage.read_bytes(batch.output_file.s3_key).splitlines()]
     assert [row["custom_id"] for row in output] == ["c0", "c1"]
     assert _results(files_bucket, batch) == [] and batch.results_deleted_at is not None
+
+
+def test_usage_a_worker_journaled_during_a_database_outage_reaches_the_ledger_with_its_next_run(
+        files_bucket, settings, tmp_path):
+    """Lines that finished while PostgreSQL was down had their usage rows journaled in the worker's own
+    journal, and nothing in a worker replayed it (a writer's replay task ends with the run's event loop):
+    served, billed never, and lost with the worker's pod."""
+    from billing import usage_writer
+    from billing.ledger import UsageReport
+    from billing.models import UsageRecord
+
+    batch = _running_batch()
+    settings.USAGE_JOURNAL_DIR = str(tmp_path / "journal")
+    usage_writer.journal.cache_clear()
+    now = timezone.now()
+    owed = UsageReport(request_id=f"{batch.pk}-0", organization_id=batch.organization_id, api_key_id=None,
+                       endpoint_id=batch.endpoint_id, replica_id=None, prompt_tokens=7, cached_tokens=0,
+                       completion_tokens=3, started_at=now, first_token_at=now, finished_at=now, status="ok",
+                       cold_start_s=0.0, batch_id=batch.pk)
+    try:
+        usage_writer.journal().append([owed])  # as the writer journals a batch it could not commit
+
+        assert services.run_batch(batch.pk) == "cold"  # the next run of any batch on this worker
+
+        assert UsageRecord.objects.filter(request_id=owed.request_id, completion_tokens=3).count() == 1
+        assert usage_writer.journal().backlog() == 0
+    finally:
+        usage_writer.journal.cache_clear()
