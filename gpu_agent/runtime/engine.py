@@ -190,7 +190,7 @@ def free_port_in_range(low: int, high: int, *, exclude: set[int] | frozenset[int
 @dataclass(slots=True)
 class EngineCommand:
     argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)  # added to the agent's environment
+    env: dict[str, str] = field(default_factory=dict)  # added to what it inherits (`engine_environment`)
     host: str = "127.0.0.1"  # where the engine listens
     port: int = 0
     advertise_host: str = ""  # where others reach it (the node's address); defaults to `host`

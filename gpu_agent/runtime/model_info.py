@@ -69,6 +69,7 @@ def read_model(model_dir: str | Path) -> ModelReading:
     if config is None:
         return ModelReading()
     try:
+        refuse_model_redirect(config)
         info = ModelInfo(
             max_model_len=context_length(config),
             architecture=architecture(config),
@@ -96,6 +97,21 @@ def load_config(model_dir: str | Path) -> dict | None:
     except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         return None
     return config if isinstance(config, dict) else None
+
+
+def refuse_model_redirect(config: dict) -> None:
+    """Raise `MalformedModel` for a config that makes vLLM serve another model than this directory.
+
+    NOTE: vLLM 0.32 (`maybe_override_with_speculators`, before it reads anything else) replaces the model
+    and its tokenizer with `speculators_config.verifier.name_or_path` of a speculators checkpoint: a hub
+    name it would download itself, or the path of any directory on the node (another tenant's cached
+    weights). The agent fetches the one model a replica names, so such a checkpoint is never started.
+    """
+    if config.get("speculators_config") is not None:
+        raise MalformedModel(
+            "its config.json is a speculators checkpoint (speculators_config), which makes the engine load "
+            "another model (its verifier); serve the verifier model and set speculative decoding on the endpoint"
+        )
 
 
 def architecture(config: dict) -> str:

@@ -60,6 +60,7 @@ from gpu_agent.runtime.engine import (
     EngineCommand,
     cpu_openmp_env,
 )
+from gpu_agent.runtime.engine_environment import engine_environment
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,8 @@ class Standby:
     def _spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {
-            **os.environ,
+            # NOTE: the zygote's environment is its engines' (a fork inherits it): never the agent's own.
+            **engine_environment(),
             # NOTE: libgomp reads its settings when the standby imports torch, long before a handoff's env.
             **(cpu_openmp_env() if self.device == DEVICE_CPU else {}),
             **self.env,

@@ -65,6 +65,7 @@ from gpu_agent.protocol import (
 )
 from gpu_agent.runtime import engine, process, state_file
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, EngineCommand
+from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.engine_memory import read_engine_memory
 from gpu_agent.runtime.probes import EngineProbe
 from gpu_agent.runtime.replica_state import ManagedReplica
@@ -483,7 +484,9 @@ class Supervisor:
             if self.standby.warming and time.monotonic() - self.standby.spawned_at < self.policy.standby_wait_s:
                 replica.progress = f"starting engine ({self.standby.label})"
                 return  # launch_at stays due: the next poll tries again
-        env = {**os.environ, **command.env, REPLICA_ENV_MARKER: spec.replica_id, DATA_DIR_ENV_MARKER: str(self.data_dir)}
+        # NOTE: never the agent's own environment: it holds the fleet's credentials (`engine_environment`).
+        env = {**engine_environment(), **command.env, REPLICA_ENV_MARKER: spec.replica_id,
+               DATA_DIR_ENV_MARKER: str(self.data_dir)}
         with open(replica.log_path, "ab") as log:
             started = None
             if self.standby is not None and not replica.avoid_standby and self.standby.can_take(command):

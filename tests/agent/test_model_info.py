@@ -103,6 +103,8 @@ MALFORMED_CONFIGS = {
     "a YaRN window of 0": json.dumps({"max_position_embeddings": 4096, "rope_scaling": {
         "rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 0}}),
     "an infinite RoPE factor": '{"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "dynamic", "factor": Infinity}}',
+    "a speculators checkpoint": json.dumps({"architectures": ["LlamaForCausalLM"], "speculators_config": {
+        "verifier": {"name_or_path": "/var/lib/inferplane/weights/another-tenants-model"}}}),
 }
 MALFORMED_HEADERS = {
     "a negative dimension": {"w": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 0]}},
@@ -184,3 +186,16 @@ def test_a_malformed_model_fails_its_replica_before_launch_and_the_heartbeats_go
     with control_plane.lock:
         weights = [w for w in control_plane.heartbeats[-1].weights if w.source == str(model)]
     assert weights and weights[0].complete and weights[0].model_info is None
+
+
+def test_a_speculators_checkpoint_fails_its_replica_before_launch(control_plane, running_agent, tiny_model_dir, tmp_path):  # noqa: F811
+    # vLLM would serve its verifier instead: a hub model it downloads itself, or another tenant's cached weights.
+    model = shutil.copytree(tiny_model_dir, tmp_path / "speculator")
+    config = json.loads((model / "config.json").read_text())
+    config["speculators_config"] = {"verifier": {"name_or_path": str(tmp_path / "another-tenants-model")}}
+    (model / "config.json").write_text(json.dumps(config))
+    control_plane.desired = [make_spec("r-speculator", model_source=str(model), max_model_len=None)]
+    running_agent()
+    status = reported(control_plane, "r-speculator", ReplicaState.FAILED)
+    assert status.failure_permanent and "speculators checkpoint" in status.failure_reason
+    assert processes_with_marker("r-speculator") == []

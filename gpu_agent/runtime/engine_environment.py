@@ -1,0 +1,46 @@
+"""The environment an engine starts with: the machine's settings, never the fleet's credentials, and offline.
+
+The agent's own environment holds the node's join token (`INFERPLANE_JOIN_TOKEN`) and the fleet's Hugging
+Face token and S3 keys (`HF_TOKEN`, `AWS_*`: `infra/k8s/base/agent-daemonset.yaml`). An engine runs one
+tenant's model and reads that tenant's files (config.json, tokenizer files, a chat template), so it inherits
+none of them: every engine, the warm standby and the zygote (whose forks are engines) start from the names
+and prefixes below, what vLLM, torch, CUDA, OpenMP and Python read, plus their own variables (the replica's
+key and markers, `engine.build_engine_command`).
+
+NOTE: engines are offline (`HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE`). The agent fetches every file a replica
+needs, with the replica's own credentials (`weights.py`), before its engine starts; a model whose files name
+another model for vLLM to load (a hub name it would download into the node's cache, with whatever token it
+found) gets nothing from the network. `model_info.refuse_model_redirect` refuses the one such field vLLM
+follows for a primary model before anything else (a speculators checkpoint's verifier).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+# Passed from the agent's environment as they are.
+ENGINE_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "TMP", "TEMP",
+    "PYTHONPATH", "PYTHONHOME", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED",
+    "PYTHONFAULTHANDLER", "PYTHONPROFILEIMPORTTIME", "VIRTUAL_ENV",
+    "HF_HOME", "HF_HUB_CACHE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM",
+    # The test suite tells apart the engines of its parallel workers by it (tests/agent/conftest.py).
+    "PYTEST_XDIST_WORKER",
+})  # fmt: skip
+ENGINE_ENV_PREFIXES = (
+    "LC_", "XDG_", "VLLM_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "UCX_", "CUDNN_", "TORCH", "PYTORCH_",
+    "TRITON_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "ONEDNN_", "DNNL_", "LD_", "MALLOC_",
+)  # fmt: skip
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def engine_environment(agent_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What an engine (or the standby or zygote it comes from) inherits of `agent_env` (the agent's own by
+    default), offline; the caller adds the engine's own variables."""
+    agent_env = os.environ if agent_env is None else agent_env
+    inherited = {
+        name: value for name, value in agent_env.items()
+        if name in ENGINE_ENV_NAMES or name.startswith(ENGINE_ENV_PREFIXES)
+    }  # fmt: skip
+    return inherited | OFFLINE_ENV

@@ -1,0 +1,81 @@
+"""Engines (and the zygote they are forked from) inherit none of the fleet's credentials, and are offline."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime import standby
+from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER
+from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
+from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+from gpu_agent.runtime.zygote import Zygote
+
+from .conftest import fake_engine_factory, make_spec, wait_until
+
+# What the agent's DaemonSet gives the agent itself (infra/k8s/base/agent-daemonset.yaml).
+FLEET_SECRETS = {
+    "INFERPLANE_JOIN_TOKEN": "jt_fleet_join_token",
+    "HF_TOKEN": "hf_fleet_token",
+    "HUGGING_FACE_HUB_TOKEN": "hf_fleet_token",
+    "AWS_ACCESS_KEY_ID": "AKIAFLEET",
+    "AWS_SECRET_ACCESS_KEY": "fleet-secret",
+    "AWS_SESSION_TOKEN": "fleet-session",
+}
+
+
+@pytest.fixture
+def fleet_secrets(monkeypatch):
+    for name, value in FLEET_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the operator's engine settings still pass
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+def assert_engine_environment(environ: dict[str, str]) -> None:
+    assert not set(FLEET_SECRETS) & set(environ), sorted(set(FLEET_SECRETS) & set(environ))
+    assert not any(value in FLEET_SECRETS.values() for value in environ.values())
+    assert environ["HF_HUB_OFFLINE"] == "1" and environ["TRANSFORMERS_OFFLINE"] == "1"
+    assert environ["VLLM_CPU_KVCACHE_SPACE"] == "1" and environ["PATH"]
+
+
+def test_an_engine_inherits_none_of_the_fleets_credentials_and_is_offline(fleet_secrets, tmp_path):
+    supervisor = Supervisor(
+        tmp_path / "agent", command_factory=fake_engine_factory(), policy=SupervisorPolicy(stop_timeout_s=2.0)
+    )
+    try:
+        supervisor.start(make_spec("r-env"), "/models/x")
+        wait_until(lambda: supervisor.get("r-env").state == ReplicaState.READY, 10, poll=supervisor.poll)
+        environ = psutil.Process(supervisor.get("r-env").pid).environ()
+        assert_engine_environment(environ)
+        # What is its own: its key and the markers the agent finds it by.
+        assert environ[ENGINE_API_KEY_ENV] == "engine-key-of-r-env"
+        assert environ[REPLICA_ENV_MARKER] == "r-env" and environ[DATA_DIR_ENV_MARKER] == str(supervisor.data_dir)
+    finally:
+        supervisor.shutdown(timeout_s=1)
+
+
+def test_the_zygote_whose_forks_are_engines_inherits_none_of_the_fleets_credentials(
+    fleet_secrets, tmp_path, monkeypatch
+):
+    spawned = []
+    popen = subprocess.Popen
+
+    def spawn(argv, **options):  # the zygote's own command, with a process that only waits for its stdin
+        spawned.append(options["env"])
+        return popen([sys.executable, "-c", "import sys; sys.stdin.read()"], **options)
+
+    monkeypatch.setattr(standby.subprocess, "Popen", spawn)
+    zygote = Zygote(tmp_path / "agent", device="cpu")
+    try:
+        zygote.ensure()
+        [env] = spawned
+        assert_engine_environment(env)
+        assert_engine_environment(psutil.Process(zygote.pid).environ())
+        assert env[DATA_DIR_ENV_MARKER] == str(tmp_path / "agent")
+    finally:
+        zygote.stop()
