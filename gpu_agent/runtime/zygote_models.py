@@ -16,8 +16,8 @@ model the zygote loads them itself, between handoffs, and every engine forked af
 Staleness: an answer is keyed by the call's arguments **and** the model directory's files (relative path,
 size, mtime in ns, `files_key`), read again on every call: new weights, a changed tokenizer file or config
 miss the cache and are loaded from disk. Only calls on a local directory are kept (a hub name is resolved by
-vLLM, never cached here), only calls whose arguments are plain JSON values, and never with
-`trust_remote_code` (its answer is code from the model directory; no engine command asks for it today).
+vLLM, never cached here), only calls whose arguments are plain JSON values, and only with `trust_remote_code`
+absent or exactly False (its answer is code from the model directory; no engine command asks for it today).
 
 Trust: the record is written by engines (vLLM's own code, never the tenant's) into the agent's data dir; the
 zygote repeats only the three look-ups below, with `trust_remote_code` false, on existing directories, and
@@ -79,8 +79,15 @@ def _plain(value) -> bool:
 
 
 def _call_text(args: tuple, kwargs: dict) -> str | None:
-    """The call as canonical JSON (the cache key and the record's line), or None when it may not be cached."""
-    if kwargs.get("trust_remote_code") or (len(args) > 1 and args[1] is True):
+    """The call as canonical JSON (the cache key and the record's line), or None when it may not be cached.
+
+    NOTE: `trust_remote_code` (each look-up's second positional argument, or the keyword) must be absent or the
+    literal False. The record is a file any engine appends to, and transformers takes any true value (`1`,
+    `"yes"`) as trust: it would run the model directory's own code (`auto_map`) in the zygote, the parent of
+    every engine forked after it.
+    """
+    trust = [*args[1:2], *([kwargs["trust_remote_code"]] if "trust_remote_code" in kwargs else [])]
+    if any(value is not False for value in trust):
         return None
     args = (os.fspath(args[0]), *args[1:]) if args and isinstance(args[0], Path) else args
     if not _plain(args) or not _plain(kwargs):

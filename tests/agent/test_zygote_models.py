@@ -5,6 +5,7 @@ Each test runs in a fresh interpreter (the wrappers patch vLLM's modules) on its
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -125,3 +126,25 @@ def test_forked_engines_reuse_what_the_zygote_loaded_from_the_record_and_never_a
     data_dir = tmp_path / "agent"
     data_dir.mkdir()
     run(code, model_copy, env={"INFERPLANE_DATA_DIR": str(data_dir)})
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    (["MODEL", 1], {}),  # transformers takes any true value as trust
+    (["MODEL", "yes"], {}),
+    (["MODEL", False], {"trust_remote_code": 1}),
+    (["MODEL"], {"trust_remote_code": "true"}),
+])
+def test_a_recorded_call_with_any_trust_remote_code_but_false_is_never_repeated_in_the_zygote(args, kwargs, tmp_path):
+    from gpu_agent.runtime import zygote_models
+
+    (tmp_path / "config.json").write_text("{}")  # an existing model directory: only the trust argument refuses it
+    args = [str(tmp_path) if arg == "MODEL" else arg for arg in args]
+    assert zygote_models._call_text(tuple(args), kwargs) is None
+    loaded = []
+    lookup = zygote_models._Lookup("get_config", lambda *a, **k: loaded.append((a, k)), copy_answer=True)
+    # The line an engine could append to the node's record: the zygote runs nothing for it.
+    assert not lookup.warm(json.dumps([args, kwargs], sort_keys=True))
+    assert loaded == [] and lookup.answers == {}
+    honest = json.dumps([[str(tmp_path), False], {}], sort_keys=True)
+    assert zygote_models._call_text((str(tmp_path), False), {}) == honest
+    assert lookup.warm(honest) and len(loaded) == 1
