@@ -100,3 +100,8 @@ class ComposedScript:
     async def __call__(self, **values: tuple[Sequence, Sequence]):
         keys, args = self.keys_and_args(**values)
         return await self._script(keys=keys, args=args)
+
+    def run_sync(self, **values: tuple[Sequence, Sequence]):
+        """The same from synchronous code (tasks), on the process's shared client."""
+        keys, args = self.keys_and_args(**values)
+        return self._script.run_sync(keys=keys, args=args)

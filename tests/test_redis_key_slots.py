@@ -19,6 +19,7 @@ from decimal import Decimal
 
 import pytest
 
+from billing.ledger import record_usage
 from billing.models import BillingAccount
 from billing.periods import period_containing
 from billing.quota import counters, rebuild, sweeper
@@ -29,6 +30,7 @@ from controlplane.script_parts import ComposedScript
 from endpoints import autoscaler
 from endpoints.gateway import admission, cold_start, presence, traffic
 from endpoints.gateway.auth import Caller
+from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory, OrganizationFactory
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
@@ -135,7 +137,9 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
             redis.hset(dead, "r-dead", f"{endpoints[0].pk}|")
             redis.sadd(redis_keys.GATEWAYS_KEY, dead)
         assert presence.sweep_dead_gateways() == 2
-        # the orphans' reservations and those of the requests ended later (never settled)
+        # the orphans' reservations and those of the requests ended later (never settled); one orphan was
+        # served (its usage row written), so it is settled with its cost
+        record_usage(usage_report(endpoints[0], request_id=f"orphan-{with_key.pk}"))
         assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 4
         counters.refresh_limits(BillingAccount.objects.for_organization(with_key.pk))
         counters.refresh_key_limit(with_key.pk, 4242, Decimal("5"))

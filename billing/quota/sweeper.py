@@ -1,6 +1,11 @@
 """Reservations whose gateway died mid-request, released once their deadline passes (a crash never
 holds a cap forever). Run by the `billing.sweep_expired_reservations` task.
 
+A reservation whose request has a usage row was served and never settled: its gateway lost Redis (a
+failover, a freeze past the timeout) or died between writing the row and settling. It is settled with
+the row's cost, as its finish would have (`counters.SETTLE`, once per request id by its settled marker), so
+the spend it made counts against caps and credit; released without it, caps were passed for the month.
+
 Reservations live per organisation (in its Redis Cluster slot), so the sweep reads each
 organisation's deadlines, `ORGS_PER_PIPELINE` organisations per round trip."""
 
@@ -8,11 +13,15 @@ from __future__ import annotations
 
 import json
 import time
+from decimal import Decimal
 
+from billing.models import UsageRecord
+from billing.quota import counters
 from controlplane.accounts.models import Organization
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import deadlines_key, key_reserved_key, org_reserved_key, reservations_key
 from controlplane.redis_scripts import Script
+from controlplane.script_parts import ComposedScript
 
 # KEYS: reservations, deadlines, org reserved, key reserved; ARGV: request id, has key, now
 _RELEASE_EXPIRED = Script("""
@@ -29,6 +38,8 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 return 1
 """)
 
+
+_SETTLE_SERVED = ComposedScript([counters.SETTLE], glue="return quota_settle(quota_settle_K, quota_settle_A)")
 
 ORGS_PER_PIPELINE = 1000
 
@@ -66,9 +77,17 @@ def _sweep_organizations(organization_ids: list[int], now: float, batch_size: in
 
 def _release(client, organization_id: int, expired: list[str], now: float) -> int:
     released = 0
+    costs = dict(UsageRecord.objects.filter(organization_id=organization_id, request_id__in=expired)
+                 .values_list("request_id", "cost"))
     for request_id in expired:
         payload = client.hget(reservations_key(organization_id), request_id)
-        api_key_id = json.loads(payload)["k"] if payload else None
+        held = json.loads(payload) if payload else None
+        if held is not None and request_id in costs:
+            reservation = counters.Reservation(request_id, organization_id, held["k"], Decimal(0), held["p"])
+            _SETTLE_SERVED.run_sync(quota_settle=counters.settle_keys_and_args(reservation, costs[request_id]))
+            released += 1
+            continue
+        api_key_id = held["k"] if held else None
         keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id),
                 key_reserved_key(organization_id, api_key_id)]
         has_key = "1" if api_key_id is not None else "0"

@@ -3,6 +3,7 @@
 Reserved and settled as the gateway does, in its admission and finish scripts."""
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
@@ -14,7 +15,7 @@ from django.utils import timezone
 
 from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage
-from billing.models import BillingAccount, BillingMode
+from billing.models import BillingAccount, BillingMode, UsageRecord
 from billing.quota import reads, sweeper
 from billing.quota.counters import QuotaExceeded, Reservation, prepare_reservation, settle_keys_and_args
 from billing.quota.rebuild import credit_available
@@ -150,6 +151,25 @@ def test_a_reservation_whose_gateway_died_is_released_after_its_deadline(setting
     assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
     assert reads.reserved_now(organization.pk) == 0
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"), request_id="next"))
+
+
+def test_a_served_request_whose_settlement_never_ran_is_settled_with_its_ledger_cost_when_it_expires(settings):
+    # The gateway wrote the usage row, then lost Redis (a failover, a freeze past its timeout) before it
+    # settled. The sweeper released the reservation without the cost: the spend never reached the
+    # counter, and the cap was passed by it for the rest of the month.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"), request_id="served"))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="served"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="served").cost
+    assert cost > 0
+
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+
+    assert reads.counted_spend(organization.pk) == cost and reads.reserved_now(organization.pk) == 0
+    assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 0  # settled once
 
 
 def test_a_prepaid_organisation_spends_only_its_credit():
