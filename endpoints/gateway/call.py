@@ -277,6 +277,10 @@ class InferenceCall:
     async def _relay_whole(self, response: upstream.Response) -> None:
         try:
             body = await response.read()
+        except upstream.ResponseTooLarge:
+            self.status = "upstream_error"
+            raise errors.upstream_failed(f"The answer is larger than {upstream.MAX_WHOLE_BODY_BYTES // 2**20} MiB, the most "
+                                         "a non-streamed answer may be; ask for it with \"stream\": true.") from None
         except upstream.UpstreamError as exc:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None

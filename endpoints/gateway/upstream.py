@@ -37,6 +37,10 @@ MAX_IDLE_PER_HOST = 1024
 # NOTE: a streamed answer's bytes not yet taken by the gateway (its client reads slowly) stop the
 # connection's reads here: a slow or hostile client never makes the gateway hold a whole answer.
 HIGH_WATER_BYTES = 256 * 1024
+# NOTE: a non-streamed answer is held whole by the gateway before it is sent on (its usage is read from
+# it); past this a request (n: 16 with logprobs over a long context, say) fails instead of taking the
+# gateway process's memory, and every other tenant's calls on it, with it. Streamed answers have no limit.
+MAX_WHOLE_BODY_BYTES = 64 * 1024 * 1024
 
 
 class UpstreamError(Exception):
@@ -59,6 +63,10 @@ class UpstreamClosed(UpstreamError):
 
 class MalformedResponse(UpstreamError):
     pass
+
+
+class ResponseTooLarge(UpstreamError):
+    """A whole answer passed `MAX_WHOLE_BODY_BYTES`: its connection is dropped (the engine aborts it)."""
 
 
 class MalformedRequest(UpstreamError):
@@ -210,6 +218,12 @@ class _Connection(asyncio.Protocol):
         response = self.response
         response._chunks.append(body)
         response._num_buffered += len(body)
+        if not response._bounded and response._num_buffered > MAX_WHOLE_BODY_BYTES:
+            response._chunks = []
+            self.reusable = False
+            response._fail(ResponseTooLarge(f"the answer passed {MAX_WHOLE_BODY_BYTES} bytes"))
+            self.transport.close()
+            return
         if response._num_buffered > HIGH_WATER_BYTES and response._bounded and not self.paused:
             self.paused = True
             self.transport.pause_reading()

@@ -374,3 +374,29 @@ def test_a_header_with_a_line_break_is_refused_before_anything_is_sent(headers):
             assert server.connections == 0 and server.requests == []
             await client.close()
     run(main())
+
+
+def test_a_whole_answer_past_the_limit_fails_the_read_and_drops_its_connection(monkeypatch):
+    # A non-streamed answer is held whole; one of hundreds of MB (n: 16 with logprobs over a long
+    # context) took the gateway process's memory, and every other tenant's calls on it, with it.
+    monkeypatch.setattr(upstream, "MAX_WHOLE_BODY_BYTES", 1_000_000)
+    body = b'{"x": "' + b"y" * 3_000_000 + b'"}'
+
+    async def huge(reader, writer, server):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
+        writer.write(body)
+        await writer.drain()
+        await reader.read()  # until the client drops the connection
+
+    async def main():
+        async with Server(huge) as server:
+            client = UpstreamClient(read_timeout_s=5)
+            response = await client.post(server.address, "/v1/chat/completions", b"{}", {})
+            with pytest.raises(upstream.ResponseTooLarge):
+                await response.read()
+            response.close()
+            await asyncio.wait_for(server.closed.wait(), 5)
+            assert client.num_idle(server.address) == 0
+            await client.close()
+    run(main())
