@@ -357,9 +357,14 @@ class WeightsStatus(Message):
     complete: bool = False
     last_used_at: float | None = None  # unix time
     model_info: ModelInfo | None = None  # once the weights are complete and their config was read
+    # NOTE: the `weights_scope` the copy was read in (its cache key covers it; None from an older agent).
+    # The control plane keeps a model's facts only from a copy read in the scope it writes them for, so a
+    # tenant's draft or adapter that names a catalogue source never stands for the catalogue's copy.
+    scope: str | None = None
 
     def __post_init__(self) -> None:
         _require(_is_int(self.size_bytes) and _is_int(self.downloaded_bytes), "weights sizes must be integers")
+        _require(self.scope is None or isinstance(self.scope, str), "weights scope must be a string")
         self.size_bytes = min(max(self.size_bytes, 0), MAX_WEIGHTS_BYTES)
         self.downloaded_bytes = min(max(self.downloaded_bytes, 0), MAX_WEIGHTS_BYTES)
 

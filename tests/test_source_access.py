@@ -200,6 +200,37 @@ def test_a_tenants_own_copy_of_a_catalogue_models_name_never_sets_another_tenant
     assert (other.serving_task, other.context_length) == ("generate", 8192)
 
 
+def test_a_tenants_draft_naming_a_catalogue_source_never_sets_the_catalogue_models_facts():
+    """A tenant's draft reads a catalogue name from the tenant's own store (its credential, its endpoint
+    URL), which serves an embedding config with a 16-token context and a 10 TB listing. The node, which runs
+    a catalogue replica of that name, reports both copies; only the one read in the catalogue's scope sets
+    the catalogue's facts (before, the last copy reported did: every tenant's calls to it were refused)."""
+    from endpoints.fleet.services import record_model_facts
+    from endpoints.models import ModelFacts
+    from gpu_agent.protocol import ModelInfo, WeightsStatus
+    from tests.test_placement import make_node
+
+    source = PUBLIC_BUCKET + "llama-8b/"
+    shared = EndpointFactory(model_source=source)
+    tenant = OrganizationFactory()
+    drafting = EndpointFactory(organization=tenant, model_source=PUBLIC_BUCKET + "llama-70b/", draft_model_source=source,
+                               credential=make_credential(tenant, endpoint_url="https://store.attacker.example"))
+    node = make_node(gpu_type=shared.gpu_type)
+    for endpoint in (shared, drafting):
+        Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING)
+    real = WeightsStatus(source=source, cache_key="real", size_bytes=16 << 30, complete=True, scope="",
+                         model_info=ModelInfo(max_model_len=8192, architecture="LlamaForCausalLM"))
+    poisoned = WeightsStatus(source=source, cache_key="draft", size_bytes=10 * 10**12, complete=True,
+                             scope=organization_scope(tenant.pk), last_used_at=2e9,
+                             model_info=ModelInfo(max_model_len=16, architecture="BertModel"))
+    record_model_facts(node, [real, poisoned])
+    record_model_facts(node, [poisoned])
+    facts = ModelFacts.objects.get(source=source, scope="")
+    assert (facts.max_model_len, facts.architecture, facts.weights_bytes) == (8192, "LlamaForCausalLM", 16 << 30)
+    shared.refresh_from_db()
+    assert (shared.serving_task, shared.context_length) == ("generate", 8192)
+
+
 def test_a_node_running_one_source_in_two_scopes_sets_neither():
     from endpoints.fleet.services import record_model_facts
     from endpoints.models import ModelFacts

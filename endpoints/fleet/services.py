@@ -155,29 +155,46 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
     scope its replicas read the source in (`weights_scope_for`): a catalogue model's name served from one
     tenant's own store (its credential, its endpoint URL) sets that tenant's facts, not every tenant's.
     A source this node reads in two scopes at once is skipped: its report does not say which copy it read.
+    NOTE: only copies the node read in that same scope count (`WeightsStatus.scope`): a tenant's draft
+    or adapter naming a catalogue source is read in the tenant's scope, so what the tenant's store said
+    about it never becomes the catalogue's facts. Of several copies in one scope, the most recently used
+    complete one speaks. An older agent reports no scope: its one copy of a source counts, several none.
     """
-    reported = {w.source: w.model_info for w in weights if w.complete and w.model_info is not None}
-    sizes = {w.source: w.size_bytes for w in weights if w.size_bytes > 0}
-    if not reported and not sizes:
+    copies: dict[tuple[str, str | None], list[protocol.WeightsStatus]] = {}
+    for status in weights:
+        if status.size_bytes > 0 or status.model_info is not None:
+            copies.setdefault((status.source, status.scope), []).append(status)
+    if not copies:
         return
     scopes: dict[str, set[str]] = {}
     for organization_id, credential_id, source in (
-            Replica.objects.filter(node=node, endpoint__model_source__in=list(reported.keys() | sizes.keys())).order_by()
+            Replica.objects.filter(node=node, endpoint__model_source__in=list({source for source, _ in copies})).order_by()
             .values_list("endpoint__organization_id", "endpoint__credential_id", "endpoint__model_source").distinct()):
         scopes.setdefault(source, set()).add(weights_scope_for(organization_id, credential_id, source))
     known = {(facts.source, facts.scope): facts for facts in ModelFacts.objects.filter(source__in=list(scopes))}
     for source, (scope, *others) in scopes.items():
-        if others:
+        statuses = copies.get((source, scope)) or _unscoped_copy(copies.get((source, None)))
+        if others or not statuses:
             continue
-        values = {"weights_bytes": sizes[source]} if source in sizes else {}
-        info = reported.get(source)
+        complete = [w for w in statuses if w.complete and w.model_info is not None]
+        newest = max(complete, key=lambda w: w.last_used_at or 0.0) if complete else None
+        size_bytes = newest.size_bytes if newest is not None else max(w.size_bytes for w in statuses)
+        values = {"weights_bytes": size_bytes} if size_bytes > 0 else {}
+        info = newest.model_info if newest is not None else None
         if info is not None:
             values |= {"max_model_len": info.max_model_len, "architecture": info.architecture[:200], "num_params": info.num_params}
             if info.quantization is not None:  # an older agent does not read it: keep what another one did
                 values["checkpoint_quantization"] = info.quantization.to_dict()
+        if not values:
+            continue
         facts = known.get((source, scope))
         if facts is None or any(getattr(facts, name) != value for name, value in values.items()):
             ModelFacts.objects.update_or_create(source=source, scope=scope, defaults=values)
+
+
+def _unscoped_copy(statuses: list[protocol.WeightsStatus] | None) -> list[protocol.WeightsStatus]:
+    """An older agent's report of a source (no scope): believed only when it is the one copy it names."""
+    return statuses if statuses is not None and len(statuses) == 1 else []
 
 
 REPLICA_ACTIONS = {ReplicaState.DRAINING: ReplicaAction.DRAIN, ReplicaState.SLEEPING: ReplicaAction.SLEEP}

@@ -85,7 +85,8 @@ class WeightsCache:
         self._pins: dict[str, int] = {}  # cache key -> number of users (never evicted)
         self._downloads: dict[str, Download] = {}
         self._readings: dict[Path, ModelReading] = {}  # model directory -> what its files say
-        self._local_models: dict[str, Path] = {}  # local sources served here, reported like cached ones
+        # local sources served here, reported like cached ones: (source, scope) -> directory
+        self._local_models: dict[tuple[str, str], Path] = {}
         self._remove_stale_partials()
 
     # -- public ---------------------------------------------------------------
@@ -102,7 +103,7 @@ class WeightsCache:
         if parsed.kind == "local":
             path = check_local_model_dir(parsed.location, self.private_dirs)
             with self._mutex:
-                self._local_models[source] = path
+                self._local_models[(source, access.scope)] = path
             return path
         if parsed.kind == "s3":
             endpoint = s3_endpoint_for(access, self.s3_endpoint_url)
@@ -138,7 +139,7 @@ class WeightsCache:
                         self.num_hits += 1
                     return path
                 download = Download(
-                    source=source, cache_key=key, size_bytes=sum(f.size_bytes for f in files)
+                    source=source, cache_key=key, size_bytes=sum(f.size_bytes for f in files), scope=access.scope
                 )
                 with self._mutex:
                     self._downloads[key] = download
@@ -210,17 +211,18 @@ class WeightsCache:
                 complete=True,
                 last_used_at=entry["last_used_at"],
                 model_info=self.model_info(self.root / entry["cache_key"]),
+                scope=entry.get("scope", ""),
             )
             for entry in self._index.entries()
         ]
         with self._mutex:
             downloads = list(self._downloads.values())
             local_models = list(self._local_models.items())
-        for source, path in local_models:
+        for (source, scope), path in local_models:
             size_bytes = _local_size(path)
             statuses.append(WeightsStatus(
                 source=source, cache_key=f"local-{digest(str(path))}", size_bytes=size_bytes,
-                downloaded_bytes=size_bytes, complete=True, model_info=self.model_info(path),
+                downloaded_bytes=size_bytes, complete=True, model_info=self.model_info(path), scope=scope,
             ))
         statuses += [
             WeightsStatus(
@@ -228,6 +230,7 @@ class WeightsCache:
                 cache_key=download.cache_key,
                 size_bytes=download.size_bytes,
                 downloaded_bytes=download.downloaded_bytes,
+                scope=download.scope,
             )
             for download in downloads
         ]

@@ -88,6 +88,7 @@ class Download:
     cache_key: str
     size_bytes: int = 0
     downloaded_bytes: int = 0
+    scope: str = ""  # the weights_scope it is read in
 
 
 class FileRange:

@@ -176,3 +176,20 @@ def test_cached_copy_serves_when_the_store_is_unreachable(s3, tmp_path):
     assert cache.fetch("s3://models-f/m") == path
     with pytest.raises(StoreUnreachable, match="cannot reach the store of s3://models-f/other"):
         cache.fetch("s3://models-f/other")
+
+
+def test_each_copy_is_reported_with_the_scope_it_was_read_in(s3, s3_endpoint, tmp_path):
+    """The control plane keeps a model's facts per scope: a copy fetched for one tenant (a draft, an adapter)
+    names its scope, so it never stands for the catalogue's copy of the same name."""
+    from gpu_agent.runtime.weights_access import SourceAccess
+
+    upload_model(s3, "models-scoped", "m", num_bytes=1000)
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
+    cache.fetch("s3://models-scoped/m")
+    cache.fetch("s3://models-scoped/m", access=SourceAccess(scope="org-a"))
+    model = tmp_path / "local-model"
+    model.mkdir()
+    cache.fetch(str(model), access=SourceAccess(scope="org-b"))
+    assert sorted((status.source, status.scope) for status in cache.statuses()) == [
+        (str(model), "org-b"), ("s3://models-scoped/m", ""), ("s3://models-scoped/m", "org-a"),
+    ]
