@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from cryptography.fernet import Fernet
+from kombu import Exchange, Queue
 
 from controlplane import embedded
 from controlplane.env import (
@@ -269,6 +270,13 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": max(3600, 2 * CELERY_TA
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 CELERY_TIMEZONE = "UTC"
+# NOTE: batch runs (each up to INFERPLANE_BATCH_RUN_SLICE_S, any tenant may queue many) have a queue of their
+# own, so they never hold the slots that the autoscaler tick, reconciles and cold-start wakes need. A worker
+# started without --queues consumes both (`make run`, the tests); the Kubernetes base runs `inferplane-worker`
+# on the default queue and `inferplane-batch-worker` on this one.
+CELERY_BATCH_QUEUE = "batches"
+CELERY_TASK_QUEUES = [Queue(name, Exchange(name), routing_key=name) for name in ("celery", CELERY_BATCH_QUEUE)]
+CELERY_TASK_ROUTES = {"batches.run_batch": {"queue": CELERY_BATCH_QUEUE}}
 AUTOSCALER_TICK_S = env_float("INFERPLANE_AUTOSCALER_TICK_S", 2.0, minimum=0.2)
 AUTOSCALER_STABLE_WINDOW_S = env_float("INFERPLANE_AUTOSCALER_STABLE_WINDOW_S", 60.0, minimum=1)
 # Load doubling within this window (and above what the READY replicas are sized for) scales up ahead of it.

@@ -20,6 +20,7 @@ KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 DJANGO_PROCESSES = [
     ("Deployment", "inferplane-web"),
     ("Deployment", "inferplane-worker"),
+    ("Deployment", "inferplane-batch-worker"),
     ("Deployment", "inferplane-beat"),
     ("Job", "inferplane-migrate"),
 ]
@@ -177,6 +178,11 @@ def test_beat_runs_exactly_one_replica_and_never_two_at_once(rendered):
 def test_worker_and_migrations_run_the_right_commands(rendered):
     worker = _pod_spec(rendered.get("Deployment", "inferplane-worker"))["containers"][0]
     assert worker["command"][:3] == ["celery", "--app=controlplane", "worker"]
+    # batch runs never take the slots of the autoscaler tick, reconciles and cold-start wakes
+    assert "--queues=celery" in worker["command"]
+    batch_worker = _pod_spec(rendered.get("Deployment", "inferplane-batch-worker"))["containers"][0]
+    assert batch_worker["command"][:3] == ["celery", "--app=controlplane", "worker"]
+    assert "--queues=batches" in batch_worker["command"]
     migrate = _pod_spec(rendered.get("Job", "inferplane-migrate"))["containers"][0]
     assert migrate["command"] == ["python", "manage.py", "migrate", "--noinput"]
 
@@ -192,7 +198,7 @@ def test_web_scales_horizontally_and_survives_node_drains(rendered):
     }
     assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
     budgets = {pdb["metadata"]["name"]: pdb for pdb in rendered.all("PodDisruptionBudget")}
-    assert set(budgets) == {"inferplane-web", "inferplane-worker"}
+    assert set(budgets) == {"inferplane-web", "inferplane-worker", "inferplane-batch-worker"}
     for name, pdb in budgets.items():
         component = name.removeprefix("inferplane-")
         assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component
