@@ -115,12 +115,16 @@ def switch_organization(request):
 
 def _members_page(request, invite_form, status=200):
     memberships = Membership.objects.filter(organization=request.organization).select_related("user")
+    can_manage = request.membership.can(Role.ADMIN)
+    # NOTE: pending invitations (invitees' and inviters' emails) are an admin's, as the API's InvitationViewSet has them.
+    invitations = (Invitation.objects.for_org(request.organization).pending().select_related("invited_by")
+                   if can_manage else Invitation.objects.none())
     return render(request, "controlplane/members.html", {
         "memberships": memberships,
-        "invitations": Invitation.objects.for_org(request.organization).pending().select_related("invited_by"),
+        "invitations": invitations,
         "invite_form": invite_form,
         "roles": Role.choices,
-        "can_manage": request.membership.can(Role.ADMIN),
+        "can_manage": can_manage,
     }, status=status)
 
 

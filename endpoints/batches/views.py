@@ -6,6 +6,7 @@ from __future__ import annotations
 from django import forms
 from django.conf import settings
 from django.contrib import messages
+from django.core.exceptions import PermissionDenied
 from django.http import Http404, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.utils.http import content_disposition_header
@@ -65,6 +66,7 @@ def _detail_context(request, batch: Batch) -> dict:
     return {"batch": batch, "events": events, "is_open": batch.status not in
             (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED),
             "percent": round(100 * done / batch.num_total) if batch.num_total else 0,
+            "can_download": request.membership.can(Role.MEMBER),
             "can_cancel": request.membership.can(Role.MEMBER) and batch.status in
             (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)}
 
@@ -89,6 +91,10 @@ def batch_cancel(request, batch_id: str):
 
 @member_required()
 def file_download(request, file_id: str):
+    # NOTE: a file's bytes are prompts and answers: only those who may call the API read them, as on /v1/files
+    # (a viewer's session or key is refused there); a viewer still sees the batch's page and counts.
+    if not request.membership.can(Role.MEMBER):
+        raise PermissionDenied("Downloading a file needs the member role or higher.")
     file = File.objects.for_org(request.organization.pk).named(file_id).first()
     if file is None:
         raise Http404("No such file.")

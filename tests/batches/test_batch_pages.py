@@ -54,6 +54,16 @@ def test_a_viewer_sees_batches_but_cannot_start_or_cancel_one(console_client_fac
     assert Batch.objects.get(pk=batch.pk).status == BatchStatus.VALIDATING
 
 
+def test_a_viewer_cannot_download_a_batchs_prompts_or_answers(console_client_factory, files_bucket, org):
+    # /v1/files refuses a viewer (it may not call the API); the console handed them the same bytes.
+    batch = _start(console_client_factory(org, Role.MEMBER))
+    viewer = console_client_factory(org, Role.VIEWER)
+
+    assert viewer.get(reverse("console:file-download", args=[batch.input_file_id])).status_code == 403
+    page = viewer.get(reverse("console:batch", args=[batch.pk])).content.decode()
+    assert reverse("console:file-download", args=[batch.input_file_id]) not in page
+
+
 def test_another_organisations_batch_and_files_are_404s(console_client_factory, files_bucket, org):
     batch = _start(console_client_factory(org, Role.MEMBER))
     stranger = console_client_factory(OrganizationFactory(), Role.OWNER)

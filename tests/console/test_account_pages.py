@@ -127,3 +127,14 @@ def test_a_user_without_an_organisation_is_told_what_to_do(client):
     client.force_login(user)
     response = client.get(reverse("console:dashboard"))
     assert response.status_code == 403 and "not a member of any organisation" in response.content.decode()
+
+
+def test_pending_invitations_are_shown_to_admins_only_as_the_api_shows_them(owner, console_client_factory):
+    # The API's invitations need an admin; the members page listed every invitee's and inviter's email to viewers.
+    owner.post(reverse("console:members"), {"email": "new.hire@example.test", "role": Role.MEMBER})
+    organization = owner.organization
+
+    assert "new.hire@example.test" in owner.get(reverse("console:members")).content.decode()
+    for role in (Role.VIEWER, Role.MEMBER):
+        page = console_client_factory(organization, role).get(reverse("console:members")).content.decode()
+        assert "new.hire@example.test" not in page
