@@ -17,14 +17,18 @@ and whether a download is needed at all; the clients and the errors a customer m
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import quote
 
 from gpu_agent.runtime.weights_access import (
     ModelTooLarge,
+    SourceUnreadable,
     WeightsError,
     hf_errors,
     hf_raise_for_status,
@@ -35,6 +39,14 @@ from gpu_agent.runtime.weights_paths import check_model_file_names
 
 _CHUNK_BYTES = 8 * 1024 * 1024
 MAX_MODEL_FILES = 10_000  # a listing of a million tiny objects would exhaust inodes, not bytes
+# An S3 listing is read from a store the tenant may run. A page holds at most 1,000 keys of at most 1,024
+# bytes: well under 4 MiB of XML. botocore reads a whole answer into memory, then parses it at several times
+# its size, so a larger page is refused while it arrives; pages beyond what MAX_MODEL_FILES needs (a store
+# answering endless continuation tokens) and a listing slower than its deadline are refused too.
+MAX_LISTING_PAGE_BYTES = 4 * 1024 * 1024
+MAX_LISTING_PAGES = MAX_MODEL_FILES // 1000 + 5
+LISTING_TIMEOUT_S = 300.0
+_LISTING_READ_BYTES = 64 * 1024
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX40 = re.compile(r"[0-9a-f]{40}")
 _HF_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -123,13 +135,29 @@ def _total_from_content_range(value: str | None) -> int | None:
 # -- S3 -------------------------------------------------------------------------
 
 
-def s3_listing(client, parsed: ModelSource, source: str) -> list[RemoteFile]:
-    """The objects under the prefix (every name checked, "folder" markers skipped)."""
+def s3_listing(client, parsed: ModelSource, source: str, *, timeout_s: float = LISTING_TIMEOUT_S) -> list[RemoteFile]:
+    """The objects under the prefix (every name checked, "folder" markers skipped).
+
+    NOTE: bounded whatever the store answers: each page's bytes (read as they arrive), the number of
+    pages and the time the whole listing takes (`MAX_LISTING_PAGE_BYTES`, `MAX_LISTING_PAGES`, `timeout_s`).
+    """
     bucket, prefix = parsed.bucket_and_prefix
     prefix = prefix.rstrip("/") + "/" if prefix else ""
+    deadline = time.monotonic() + timeout_s
+    # NOTE: botocore has no public hook that reads an answer before it is buffered whole: this one sends
+    # the request on the client's own connection pool and reads the answer itself (registered once per client).
+    client.meta.events.register(
+        "before-send.s3.ListObjectsV2", functools.partial(_send_listing_page, client._endpoint.http_session),
+        unique_id="inferplane-bounded-listing",
+    )
     objects = []
-    with s3_errors(source):
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+    with _refusal_naming(source), s3_errors(source), _listing_deadline(deadline):
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        for num_pages, page in enumerate(pages, start=1):
+            if num_pages > MAX_LISTING_PAGES:
+                raise ListingRefused(f"its store answered more than {MAX_LISTING_PAGES} listing pages")
+            if time.monotonic() > deadline:
+                raise ListingRefused(f"listing it took longer than {timeout_s:.0f} s")
             for item in page.get("Contents", []):
                 size = int(item["Size"])
                 if item["Key"].endswith("/") and size == 0:  # a console's "folder" marker
@@ -144,6 +172,50 @@ def s3_listing(client, parsed: ModelSource, source: str) -> list[RemoteFile]:
         RemoteFile(name, parts[name], size, key, etag)
         for (key, size, etag), name in ((entry, entry[0][len(prefix) :]) for entry in objects)
     ]
+
+
+class ListingRefused(SourceUnreadable):
+    """A store's listing this agent will not read to its end (too large, too many pages, too slow)."""
+
+
+_listing = threading.local()  # the deadline of the listing this thread is reading
+
+
+@contextlib.contextmanager
+def _listing_deadline(deadline: float) -> Iterator[None]:
+    _listing.deadline = deadline
+    try:
+        yield
+    finally:
+        _listing.deadline = None
+
+
+@contextlib.contextmanager
+def _refusal_naming(source: str) -> Iterator[None]:
+    try:
+        yield
+    except ListingRefused as exc:
+        raise ListingRefused(f"cannot list {source}: {exc}") from None
+
+
+def _send_listing_page(http_session, request, **_):
+    """botocore's before-send of ListObjectsV2: send it, and read the answer only up to its bounds."""
+    request.stream_output = True  # the session leaves the body unread; it is read here
+    response = http_session.send(request)
+    deadline = getattr(_listing, "deadline", None) or time.monotonic() + LISTING_TIMEOUT_S
+    body = bytearray()
+    try:
+        while chunk := response.raw.read1(_LISTING_READ_BYTES):
+            body += chunk
+            if len(body) > MAX_LISTING_PAGE_BYTES:
+                raise ListingRefused(f"its store answered a listing page over {MAX_LISTING_PAGE_BYTES >> 20} MiB")
+            if time.monotonic() > deadline:
+                raise ListingRefused("its store sends its listing too slowly")
+    except ListingRefused:
+        response.raw.close()  # never back into the pool with unread bytes
+        raise
+    response._content = bytes(body)  # what `AWSResponse.content` would have read, whole
+    return response
 
 
 @contextlib.contextmanager
