@@ -111,13 +111,14 @@ class IdempotencyKey:
     NOTE: Stripe saves the first answer to a key once the endpoint has begun, a 500 too, and replays
     it to every retry with that key for at least 24 hours: a write retried under the key that saved a
     server error fails for a day, then runs again once the key is pruned, though a 500 does not say
-    the work was not done. So once a key has saved a server error (it came back replayed, or twice in
-    a row) the write goes on under a new key, and what it might repeat is found first: a meter event
-    by its `identifier` (Stripe refuses one it has), a subscription, meter or price by looking it up
-    before creating it; only a customer cannot be looked up, and may be left behind, empty. A single
-    server error keeps the key (one from before the endpoint began saved nothing, and a worker racing
-    on the same write may hold the key still); so does a timeout (Stripe may have done the work, and
-    the key fetches its answer); a 429 is refused before Stripe's idempotency layer.
+    the work was not done. So once a key has saved a server error (it comes back with the header
+    `Idempotent-Replayed: true`) the write goes on under a new key, and what it might repeat is found
+    first: a meter event by its `identifier` (Stripe refuses one it has), a subscription, meter or
+    price by looking it up before creating it; only a customer cannot be looked up, and may be left
+    behind, empty. Any other failure keeps the key: a first server error (if Stripe saved it, the retry
+    comes back replayed; if not, the key is as good as new, and a worker racing on the same write may
+    hold it too), a timeout (Stripe may have done the work, and the key fetches its answer), a 429
+    (refused before Stripe's idempotency layer).
 
     `renewed(failed suffix)` returns the next suffix: where a row keeps it (`_generation_key`), it is
     stored there first, so that a later run never goes back to a key that saved a 500, and workers
@@ -153,7 +154,7 @@ def _is_server_error(exc: stripe.StripeError) -> bool:
 
 
 def _was_replayed(exc: stripe.StripeError) -> bool:
-    """Whether Stripe answered with what it saved under the idempotency key before."""
+    """Whether Stripe answered with what it saved under the idempotency key before (its documented header)."""
     return any(name.lower() == "idempotent-replayed" and value == "true" for name, value in (exc.headers or {}).items())
 
 
@@ -168,18 +169,12 @@ def _is_retryable(exc: stripe.StripeError) -> bool:
 def call_stripe(request, *, what: str, attempts: int = MAX_ATTEMPTS, key: IdempotencyKey | None = None):
     """Run `request(options)`, retrying transient failures: a read with no options, a write with `key`
     as its idempotency key, renewed once it has saved a server error (`IdempotencyKey`)."""
-    server_error_under = None  # the key the last try met a server error under
     for attempt in range(1, attempts + 1):
         try:
             return request({"idempotency_key": key.value} if key is not None else {})
         except stripe.StripeError as exc:
-            if key is None or not _is_server_error(exc):
-                server_error_under = None
-            elif _was_replayed(exc) or server_error_under == key.value:
+            if key is not None and _is_server_error(exc) and _was_replayed(exc):
                 key.renew()
-                server_error_under = None
-            else:
-                server_error_under = key.value
             if not _is_retryable(exc) or attempt == attempts:
                 raise
             delay_s = min(MAX_BACKOFF_S, settings.STRIPE_RETRY_BASE_DELAY_S * 2 ** (attempt - 1))
