@@ -106,7 +106,7 @@ def _random_suffix(_failed: str) -> str:
 
 @dataclass(slots=True)
 class IdempotencyKey:
-    """The idempotency key of one Stripe write: `base`, and after a server error a new `suffix`.
+    """The idempotency key of one Stripe write: `base`, and a new `suffix` each time one saved a server error.
 
     NOTE: Stripe saves the first answer to a key once the endpoint has begun, a 500 too, and replays
     it to every retry with that key for at least 24 hours: a write retried under the key that saved a
@@ -142,7 +142,7 @@ def _generation_key(model, pk: int, field: str, base: str, generation: int) -> I
 
     def renewed(failed: str) -> str:
         failed_generation = int(failed or 0)
-        # Conditional: of two workers that met the same server error, the second moves nothing further.
+        # Conditional: of two workers replayed the same saved error, the second moves nothing further.
         model.objects.filter(pk=pk, **{field: failed_generation}).update(**{field: failed_generation + 1})
         return str(model.objects.values_list(field, flat=True).get(pk=pk) or "")
 
