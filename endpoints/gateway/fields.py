@@ -29,7 +29,8 @@ _OPENAI_CHAT = _OPENAI_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "response_format", "reasoning_effort", "verbosity", "functions", "function_call",
 }
-_OPENAI_COMPLETION = _OPENAI_COMMON | {"prompt", "echo", "best_of", "suffix"}
+# NOTE: `max_completion_tokens` is chat's; vLLM's completions ignore it (and the estimate knows), so it is harmless here.
+_OPENAI_COMPLETION = _OPENAI_COMMON | {"prompt", "echo", "best_of", "suffix", "max_completion_tokens"}
 # vLLM's sampling and output extensions: each changes which tokens come, never how many are processed
 # beyond what the estimate bounds (`max_tokens`, the context, `n`).
 _VLLM_SAMPLING = frozenset({
