@@ -127,10 +127,12 @@ RESERVE = ScriptPart(
     keys=("org period", "org reserved", "key period", "key reserved", "credit", "reservations", "deadlines"),
     args=("request id", "amount (units)", "deadline", "has key (1/0)", "payload", "limits version"), lua=RESERVE_LUA)
 
-# Replaces a reservation by the real cost, never more than the reservation, once per request id.
+# Replaces a reservation by the real cost, never more than the reservation, once per request id. A request id
+# settled before (a batch line run again under its id, whose second usage row was a no-op) has its hold
+# released and adds no spend: the first settlement counted it.
 SETTLE_LUA = """
 local function quota_settle(K, A)
-  if not redis.call('SET', K[3], '1', 'NX', 'EX', A[4]) then return 0 end
+  local first = redis.call('SET', K[3], '1', 'NX', 'EX', A[4])
   local has_key = A[3] == '1'
   local actual = A[2]
   local payload = redis.call('HGET', K[1], A[1])
@@ -142,6 +144,7 @@ local function quota_settle(K, A)
     redis.call('HDEL', K[1], A[1])
     redis.call('ZREM', K[2], A[1])
   end
+  if not first then return 0 end
   -- A counter rebuilt from the ledger since the reservation already holds this request's cost.
   if redis.call('EXISTS', K[4]) == 1 then redis.call('HINCRBY', K[4], 'spent', actual) end
   if has_key and redis.call('EXISTS', K[6]) == 1 then redis.call('HINCRBY', K[6], 'spent', actual) end

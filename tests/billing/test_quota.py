@@ -250,3 +250,24 @@ def test_a_reservations_prepared_keys_and_payload_are_those_built_in_full():
                 redis_keys.org_period_key(3, period), redis_keys.org_reserved_key(3),
                 redis_keys.key_period_key(3, api_key_id, period), redis_keys.key_reserved_key(3, api_key_id),
                 redis_keys.credit_key(3)]
+
+
+def test_a_request_id_settled_before_releases_its_new_hold_and_adds_no_spend(settings):
+    # A batch line is run again under its request id (a 502 after it was served): its second usage row is a
+    # no-op, and its settlement found the settled marker and returned before releasing the hold, which then
+    # held the cap for the marker's day (and the sweeper, settling it again, counted the spend twice).
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    first = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                request_id="line-1"))
+    asyncio.run(settle(first, Decimal("0.30")))
+    again = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                request_id="line-1"))
+    asyncio.run(settle(again, Decimal("0.30")))
+
+    assert reads.reserved_now(organization.pk) == 0
+    assert reads.counted_spend(organization.pk) == Decimal("0.30")
+    assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 0
+    assert reads.counted_spend(organization.pk) == Decimal("0.30")
