@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_agent.protocol import (
@@ -47,6 +47,8 @@ class _Pull:
     done: bool = False
     cancelled: bool = False
     download_s: float | None = None  # how long the fetch took, once it is done
+    # Set with `cancelled`: a download in progress ends, and the disk reserved for it is freed.
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 class Reconciler:
@@ -122,6 +124,7 @@ class Reconciler:
         with self._lock:
             for pull in self._pulls.values():
                 pull.cancelled = True
+                pull.stop.set()
 
     def _begin_start(self, spec: ReplicaSpec) -> None:
         pull = _Pull(spec=spec)
@@ -144,12 +147,14 @@ class Reconciler:
         pinned: list[Path] = []  # unpinned again if the engine does not start
         try:
             path = self.weights.fetch(
-                spec.model_source, access=SourceAccess.for_replica(spec), on_progress=on_progress
+                spec.model_source, access=SourceAccess.for_replica(spec), on_progress=on_progress, stop=pull.stop
             )
             self.weights.pin(path)
             pinned.append(path)
             if needs_draft(spec):  # fetched like the weights, with the same access rules
-                draft = self.weights.fetch(spec.speculative.draft_source, access=SourceAccess.for_draft(spec))
+                draft = self.weights.fetch(
+                    spec.speculative.draft_source, access=SourceAccess.for_draft(spec), stop=pull.stop
+                )
                 self.weights.pin(draft)
                 pinned.append(draft)
                 spec = with_local_draft(spec, draft)
@@ -218,6 +223,7 @@ class Reconciler:
             pull = self._pulls.get(replica_id)
             if pull is not None:
                 pull.cancelled = True
+                pull.stop.set()
                 pull.done = True
                 pull.progress = ""
                 return

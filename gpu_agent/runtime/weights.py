@@ -91,11 +91,14 @@ class WeightsCache:
 
     # -- public ---------------------------------------------------------------
 
-    def fetch(self, source: str, *, access: SourceAccess | None = None, on_progress=None) -> Path:
+    def fetch(
+        self, source: str, *, access: SourceAccess | None = None, on_progress=None, stop: threading.Event | None = None
+    ) -> Path:
         """Return a local directory holding the model, downloading it if needed.
 
         `access` says whose credentials read the source and who may share the copy (default:
-        anonymous, shared). `on_progress(downloaded_bytes, size_bytes)` is called while downloading.
+        anonymous, shared). `on_progress(downloaded_bytes, size_bytes)` is called while downloading;
+        once `stop` is set the download ends with `FetchStopped` and its disk reservation is released.
         Failures a customer may see are `WeightsError`s, whose messages carry no secrets.
         """
         access = access or SourceAccess()
@@ -145,7 +148,7 @@ class WeightsCache:
                     self._downloads[key] = download
                 try:
                     self._make_room(key, download.size_bytes)
-                    self._download_into_place(parsed, client, files, path, download, on_progress)
+                    self._download_into_place(parsed, client, files, path, download, on_progress, stop)
                     manifest = {
                         "source": source,
                         "cache_key": key,
@@ -298,12 +301,12 @@ class WeightsCache:
     # -- downloading --------------------------------------------------------------
 
     def _download_into_place(
-        self, parsed, client, files, path: Path, download: Download, on_progress
+        self, parsed, client, files, path: Path, download: Download, on_progress, stop: threading.Event | None = None
     ) -> None:
         """Fetch (or finish fetching) the model into `.tmp/<key>.partial`, then rename it into place."""
         transfer = Transfer(
             parsed, client, files, self.root / ".tmp" / f"{path.name}.partial",
-            self.root / ".parts" / f"{path.name}.json", download, on_progress, self.transfer,
+            self.root / ".parts" / f"{path.name}.json", download, on_progress, self.transfer, stop,
         )
         try:
             folder = transfer.run()

@@ -62,6 +62,10 @@ class ModelTooLarge(WeightsError):
     """The model can never fit this node's weights budget or disk."""
 
 
+class FetchStopped(WeightsError):
+    """The replica that wanted the model was drained while it downloaded: the download ends, its disk is freed."""
+
+
 class UnsafeModelPath(WeightsError):
     """A file name or local path that would resolve outside its folder."""
 

@@ -230,13 +230,28 @@ def _s3_range(client, parsed, remote: RemoteFile, start: int, end: int) -> Itera
         body = answer["Body"]
         try:
             total = _total_from_content_range(answer.get("ContentRange"))
+            chunks = _arriving_chunks(body)
             if total is None and not answer.get("ContentRange"):  # a store that ignored the range
                 total = int(answer.get("ContentLength") or 0)
-                yield FileRange(_skip(body.iter_chunks(_CHUNK_BYTES), start), total)
+                yield FileRange(_skip(chunks, start), total)
             else:
-                yield FileRange(body.iter_chunks(_CHUNK_BYTES), total)
+                yield FileRange(chunks, total)
         finally:
             body.close()
+
+
+def _arriving_chunks(body):
+    """The body's bytes as they arrive (each read waits for one socket read at most, `read_timeout`).
+
+    NOTE: `iter_chunks` waits until a whole chunk has arrived, so a store dripping a byte a minute would
+    hold the reading thread for ever: the transfer could neither see its throughput nor stop it.
+    """
+    raw = getattr(body, "_raw_stream", None)  # botocore's StreamingBody over urllib3's response
+    if raw is None or not hasattr(raw, "read1"):
+        yield from body.iter_chunks(_CHUNK_BYTES)
+        return
+    while chunk := raw.read1(_CHUNK_BYTES):
+        yield chunk
 
 
 def _skip(chunks, num_bytes: int):

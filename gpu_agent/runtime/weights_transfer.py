@@ -9,7 +9,9 @@ set of credentials (`weights_access.s3_client`):
 Each part is written at its own offset and never past its own range; a store whose answer states
 a different size for the file than its listing did fails the download before the part is written.
 A part that fails for a transient reason (the store unreachable, a dropped connection, a short
-read) is retried with backoff; a refusal fails the download at once.
+read, a read slower than `min_bytes_per_s`) is retried with backoff; a refusal fails the download at
+once. A download whose replica was drained (`stop`, checked between reads) ends with `FetchStopped`,
+so the disk its listing reserved is released.
 
 Resume: the partial model lives in `.tmp/<cache key>.partial/` and the parts already written are
 recorded in `.parts/<cache key>.json` (rewritten atomically after each part). The cache key covers
@@ -42,7 +44,7 @@ import botocore.exceptions
 import httpx
 
 from gpu_agent.runtime import weights_sources
-from gpu_agent.runtime.weights_access import StoreUnreachable, WeightsError
+from gpu_agent.runtime.weights_access import FetchStopped, StoreUnreachable, WeightsError
 from gpu_agent.runtime.weights_index import remove_path
 from gpu_agent.runtime.weights_paths import DownloadFolder
 from gpu_agent.runtime.weights_sources import Download, ModelSource, RemoteFile
@@ -65,6 +67,10 @@ class TransferSettings:
     max_concurrency: int = 8
     attempts: int = 4
     first_backoff_s: float = 0.25
+    # NOTE: a store may drip its bytes (a tenant's own server): after `slow_grace_s`, a part read slower
+    # than this is retried, then the download fails, and the disk reserved for it is freed.
+    min_bytes_per_s: int = 64 * 1024
+    slow_grace_s: float = 60.0
 
 
 class _Stopped(Exception):
@@ -79,17 +85,23 @@ class _ShortRead(ConnectionError):
     """A part's answer ended before its range did (a dropped connection)."""
 
 
+class _SlowRead(ConnectionError):
+    """A part's answer arrives slower than `TransferSettings.min_bytes_per_s`."""
+
+
 class Transfer:
     """One model's download into `partial` (resuming what a previous attempt left there)."""
 
     def __init__(self, parsed: ModelSource, client, files: list[RemoteFile], partial: Path, journal: Path,
-                 download: Download, on_progress, settings: TransferSettings) -> None:
+                 download: Download, on_progress, settings: TransferSettings,
+                 stop: threading.Event | None = None) -> None:
         self.parsed, self.client, self.files = parsed, client, files
         self.partial, self.journal_path = partial, journal
         self.download, self.on_progress, self.settings = download, on_progress, settings
         self._lock = threading.Lock()
         self._done: dict[str, set[int]] = {}
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # another part failed
+        self._stopped_by_owner = stop or threading.Event()  # the replica that wanted it is gone
 
     # -- the whole download ---------------------------------------------------------------
 
@@ -119,6 +131,7 @@ class Transfer:
                 logger.info("resuming %s: %d of %d bytes already on disk", self.download.source,
                             self.download.downloaded_bytes, self.download.size_bytes)
             self._fetch_all(parts, fds)
+            self._check_wanted()
             for remote in self.files:
                 self._verify(remote, fds[remote.name])
                 folder.check_file(remote.parts, fds[remote.name])
@@ -169,6 +182,7 @@ class Transfer:
         for attempt in range(1, self.settings.attempts + 1):
             if self._stop.is_set():
                 return
+            self._check_wanted()
             try:
                 self._copy_range(remote, start, end, fd)
                 self._part_done(remote, index)
@@ -204,6 +218,7 @@ class Transfer:
     def _copy_range_at(self, remote: RemoteFile, start: int, end: int, fd: int, progress: list[int]) -> int:
         source = self.download.source
         offset = start
+        started = time.monotonic()
         with weights_sources.open_range(self.parsed, self.client, remote, start, end) as part:
             if part.total_bytes is not None and part.total_bytes != remote.size_bytes:
                 if part.total_bytes > remote.size_bytes:
@@ -215,6 +230,8 @@ class Transfer:
             for chunk in part.chunks:
                 if self._stop.is_set():
                     raise _Stopped(offset - start)
+                self._check_wanted()
+                self._check_throughput(remote, offset - start, started)
                 room = end + 1 - offset
                 if len(chunk) > room:
                     # NOTE: checked before writing, so a store that sends more than it listed fills no disk.
@@ -232,6 +249,15 @@ class Transfer:
         if offset != end + 1:
             raise _ShortRead(f"{remote.name}: got {offset - start} of {end + 1 - start} bytes")
         return offset - start
+
+    def _check_wanted(self) -> None:
+        if self._stopped_by_owner.is_set():
+            raise FetchStopped(f"the download of {self.download.source} stopped: its replica is no longer wanted")
+
+    def _check_throughput(self, remote: RemoteFile, num_bytes: int, started: float) -> None:
+        elapsed = time.monotonic() - started
+        if elapsed > self.settings.slow_grace_s and num_bytes < self.settings.min_bytes_per_s * elapsed:
+            raise _SlowRead(f"{remote.name}: {num_bytes} bytes in {elapsed:.0f} s")
 
     def _larger(self, remote: RemoteFile) -> WeightsError:
         return WeightsError(

@@ -142,7 +142,7 @@ def test_a_download_cut_by_the_store_resumes_from_the_parts_already_on_disk(s3, 
     path = cache.fetch("s3://xfer-resume/m", on_progress=lambda done, total: progress.append(done))
     assert (path / "model.safetensors").read_bytes() == body
     assert gets.ranges == [f"bytes={start}-{start + MIB - 1}" for start in range(3 * MIB, 8 * MIB, MIB)]
-    assert progress[0] == 4 * MIB  # the first new part lands on top of the three resumed ones
+    assert 3 * MIB < progress[0] <= 4 * MIB  # the first new bytes land on top of the three resumed parts
     assert list((cache.root / ".parts").iterdir()) == [] and list((cache.root / ".tmp").iterdir()) == []
 
 

@@ -1,0 +1,148 @@
+"""A download a store drips out ends: when its replica is drained, or when it reads too slowly; either
+way the disk its listing reserved is released for the next model."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from xml.sax.saxutils import escape
+
+import pytest
+
+from gpu_agent.runtime.reconciler import Reconciler
+from gpu_agent.runtime.weights import WeightsCache
+from gpu_agent.runtime.weights_access import FetchStopped, StoreUnreachable
+from gpu_agent.runtime.weights_transfer import TransferSettings
+from tests.agent.conftest import make_spec
+
+KIB = 1024
+
+
+class DrippingStore:
+    """An S3-compatible store of `objects` (key -> bytes); the keys under `drip` arrive a byte at a time."""
+
+    def __init__(self, objects: dict[str, bytes], drip: str) -> None:
+        store = self
+        self.objects, self.drip, self.closing = objects, drip, threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                path, _, query = self.path.partition("?")
+                if "list-type=2" in query:
+                    prefix = re.search(r"prefix=([^&]*)", query).group(1).replace("%2F", "/")
+                    items = "".join(
+                        f"<Contents><Key>{escape(key[len('b/'):])}</Key><Size>{len(body)}</Size><ETag>&quot;x&quot;</ETag></Contents>"
+                        for key, body in store.objects.items() if key[len("b/"):].startswith(prefix))
+                    return self._answer(200, (f'<?xml version="1.0"?><ListBucketResult><Name>b</Name>{items}'
+                                              "<IsTruncated>false</IsTruncated></ListBucketResult>").encode())
+                key = path.lstrip("/")
+                body = store.objects[key]
+                start, end = (int(n) for n in re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers["Range"]).groups())
+                part = body[start:end + 1]
+                self._answer(206, part, {"Content-Range": f"bytes {start}-{end}/{len(body)}"},
+                             drip=key.startswith(store.drip))
+
+            def _answer(self, status, body, headers=None, *, drip=False):
+                self.send_response(status)
+                for name, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                try:
+                    for index in range(0, len(body), 1 if drip else len(body) or 1):
+                        if store.closing.is_set():
+                            return
+                        self.wfile.write(body[index:index + (1 if drip else len(body))])
+                        self.wfile.flush()
+                        if drip:
+                            time.sleep(0.05)
+                except OSError:
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.closing.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def store():
+    fake = DrippingStore({"b/slow/model.safetensors": b"s" * 600 * KIB, "b/fast/model.safetensors": b"f" * 600 * KIB},
+                         drip="b/slow/")
+    yield fake
+    fake.close()
+
+
+def _wait_for_download(cache: WeightsCache) -> None:
+    for _ in range(200):
+        if any(not status.complete and status.downloaded_bytes for status in cache.statuses()):
+            return
+        time.sleep(0.02)
+    raise AssertionError("the dripping download never started")
+
+
+def test_a_drained_replicas_dripping_download_ends_and_frees_its_disk_for_the_next_model(store, tmp_path):
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=store.url)
+    stop, failures = threading.Event(), []
+
+    def pull():
+        try:
+            cache.fetch("s3://b/slow", stop=stop)
+        except Exception as exc:  # noqa: BLE001 - what the pull thread ended with
+            failures.append(exc)
+
+    thread = threading.Thread(target=pull, daemon=True)
+    thread.start()
+    _wait_for_download(cache)
+    stop.set()  # the reconciler's drain of the replica that wanted it
+    thread.join(timeout=10)
+    assert not thread.is_alive() and isinstance(failures[0], FetchStopped)
+    assert cache.statuses() == []  # its reservation is gone...
+    path = cache.fetch("s3://b/fast")  # ...so the next model fits the budget (before: ModelTooLarge)
+    assert (path / "model.safetensors").read_bytes() == b"f" * 600 * KIB
+
+
+class NoEngines:
+    """A supervisor with nothing running (the replica never gets past its pull)."""
+
+    def replica_ids(self):
+        return []
+
+    def get(self, replica_id):
+        return None
+
+
+def test_draining_a_replica_while_its_weights_drip_in_ends_the_download(store, tmp_path):
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=store.url)
+    reconciler = Reconciler(NoEngines(), cache, wake=threading.Event())
+    reconciler.reconcile([make_spec("r-slow", model_source="s3://b/slow")])
+    _wait_for_download(cache)
+    reconciler.reconcile([])  # the control plane no longer wants it
+    for _ in range(250):
+        if cache.statuses() == []:
+            break
+        time.sleep(0.02)
+    assert cache.statuses() == []
+    assert cache.fetch("s3://b/fast").is_dir()
+
+
+def test_a_download_slower_than_the_minimum_throughput_fails_and_frees_its_disk(store, tmp_path):
+    settings = TransferSettings(attempts=2, first_backoff_s=0.01, min_bytes_per_s=64 * KIB, slow_grace_s=0.5)
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=store.url, transfer=settings)
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachable, match="a read failed 2 times"):
+        cache.fetch("s3://b/slow")
+    assert time.monotonic() - started < 10
+    assert cache.statuses() == []
+    assert (cache.fetch("s3://b/fast") / "model.safetensors").stat().st_size == 600 * KIB
