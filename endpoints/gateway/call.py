@@ -278,9 +278,9 @@ class InferenceCall:
         try:
             body = await response.read()
         except upstream.ResponseTooLarge:
+            # NOTE: a 400, not a 5xx: the same request would fail again (a batch line is not retried).
             self.status = "upstream_error"
-            raise errors.upstream_failed(f"The answer is larger than {upstream.MAX_WHOLE_BODY_BYTES // 2**20} MiB, the most "
-                                         "a non-streamed answer may be; ask for it with \"stream\": true.") from None
+            raise errors.response_too_large(self.request.kind, upstream.MAX_WHOLE_BODY_BYTES) from None
         except upstream.UpstreamError as exc:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None

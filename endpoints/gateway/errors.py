@@ -71,6 +71,14 @@ def upstream_failed(message: str = "The model's replica failed; please retry.") 
     return OpenAIError(502, message, type="server_error", code="upstream_error")
 
 
+def response_too_large(kind: str, limit_bytes: int) -> OpenAIError:
+    """A non-streamed answer past what the gateway holds whole (`upstream.MAX_WHOLE_BODY_BYTES`)."""
+    what = ("send fewer inputs in one request, or ask for encoding_format \"base64\"" if kind == "embedding"
+            else "ask for it with \"stream\": true, or for fewer choices, tokens or logprobs")
+    return OpenAIError(400, f"The answer is larger than {limit_bytes // 2**20} MiB, the most a non-streamed answer may "
+                            f"be: {what}.", code="response_too_large")
+
+
 def service_unavailable(message: str = "The service is briefly unavailable; please retry.") -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="service_unavailable", headers={"retry-after": "1"})
 

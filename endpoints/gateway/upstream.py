@@ -115,10 +115,13 @@ class Response:
         """The whole body; `UpstreamError` if the connection fails before its end."""
         self._bounded = False
         self._conn.resume()
-        while not self._done:
+        while not self._done or self._error is not None:
             if self._error is not None:
                 raise self._error
             await self._wait()
+        if self._num_buffered > MAX_WHOLE_BODY_BYTES:  # it came in before the read, under the high-water mark
+            self._chunks, self._done = [], False  # not at its end: `close` drops the connection
+            raise ResponseTooLarge(f"the answer passed {MAX_WHOLE_BODY_BYTES} bytes")
         body = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
         self._chunks = []
         self._conn.release(self)
@@ -216,6 +219,8 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         response = self.response
+        if response._error is not None:  # past the limit: the rest of what this read held is dropped
+            return
         response._chunks.append(body)
         response._num_buffered += len(body)
         if not response._bounded and response._num_buffered > MAX_WHOLE_BODY_BYTES:
@@ -232,6 +237,8 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         response = self.response
+        if response._error is not None:  # failed past the limit: the connection is closing
+            return
         self.reusable = self.parser.should_keep_alive()
         response._done = True
         self._stop_timer()

@@ -400,3 +400,33 @@ def test_a_whole_answer_past_the_limit_fails_the_read_and_drops_its_connection(m
             assert client.num_idle(server.address) == 0
             await client.close()
     run(main())
+
+
+@pytest.mark.parametrize("body_first", [True, False], ids=["in-before-the-read", "in-one-piece-during-it"])
+def test_a_whole_answer_past_the_limit_that_arrives_in_one_piece_still_fails(monkeypatch, body_first):
+    # The parser went on through the same read to the message's end: the answer was marked done and
+    # read() returned an empty body, sent on as a 200 billed nothing.
+    monkeypatch.setattr(upstream, "MAX_WHOLE_BODY_BYTES", 1_000)
+    body = b'{"x": "' + b"y" * 5_000 + b'"}'
+
+    async def whole_at_once(reader, writer, server):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
+        if not body_first:
+            await asyncio.sleep(0.3)  # the client is reading by now
+        writer.write(body)
+        await writer.drain()
+        await reader.read()
+
+    async def main():
+        async with Server(whole_at_once) as server:
+            client = UpstreamClient(read_timeout_s=5)
+            response = await client.post(server.address, "/v1/chat/completions", b"{}", {})
+            if body_first:
+                await asyncio.sleep(0.2)  # the whole answer is in before the read
+            with pytest.raises(upstream.ResponseTooLarge):
+                await response.read()
+            response.close()
+            assert client.num_idle(server.address) == 0
+            await client.close()
+    run(main())
