@@ -62,17 +62,19 @@ def test_every_pod_refuses_incoming_connections_unless_a_policy_allows_them(rend
 
 
 def test_worker_beat_and_migrations_accept_no_connection(rendered):
-    for workload in ("inferplane-worker", "inferplane-beat", "inferplane-migrate"):
+    for workload in ("inferplane-worker", "inferplane-batch-worker", "inferplane-beat", "inferplane-migrate"):
         assert _allow_rules(rendered, workload) == [], workload
 
 
-def test_only_web_pods_reach_the_agents_and_only_on_the_engine_ports(rendered):
+def test_only_web_and_batch_worker_pods_reach_the_agents_and_only_on_the_engine_ports(rendered):
+    # A batch line calls its replica from the batch worker as the gateway does: without this its lines
+    # timed out and were retried until the batch expired.
     (rule,) = _allow_rules(rendered, "inferplane-agent")
     assert rule["ports"] == [{"port": DEFAULT_ENGINE_PORT_MIN, "endPort": DEFAULT_ENGINE_PORT_MAX, "protocol": "TCP"}]
     (peer,) = rule["from"]
     assert set(peer) == {"podSelector"}, "pods of this namespace only: no namespaceSelector, no ipBlock"
     reaching = {name for name, labels in _pod_labels(rendered).items() if _selects(peer["podSelector"], labels)}
-    assert reaching == {"inferplane-web"}
+    assert reaching == {"inferplane-web", "inferplane-batch-worker"}
     agent = rendered.get("DaemonSet", "inferplane-agent")
     (container,) = agent["spec"]["template"]["spec"]["containers"]
     assert not [arg for arg in container["args"] if arg.startswith("--engine-ports")], (
