@@ -152,7 +152,10 @@ def test_the_async_writer_survives_its_connection_being_dropped():
     def _terminate(pid):
         # NOTE: never this thread's own backend: a writer connection closed meanwhile (a journal replay that
         # set a batch aside) leaves its pid free for the next backend, which may be this one (a suite run on
-        # two workers once terminated the test's own connection).
+        # two workers once terminated the test's own connection). An earlier test that cut every session may
+        # have left this thread's connection dead: it is replaced first.
+        if connection.connection is not None and not connection.is_usable():
+            connection.close()
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = %s AND pid <> pg_backend_pid()",
                            [pid])
