@@ -27,10 +27,12 @@ _OPENAI_COMMON = frozenset({
 })
 _OPENAI_CHAT = _OPENAI_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "response_format", "reasoning_effort", "verbosity", "functions", "function_call",
+    "response_format", "reasoning_effort", "verbosity", "functions", "function_call", "modalities", "prediction",
+    "prompt_cache_retention",
 }
-# NOTE: `max_completion_tokens` is chat's; vLLM's completions ignore it (and the estimate knows), so it is harmless here.
-_OPENAI_COMPLETION = _OPENAI_COMMON | {"prompt", "echo", "best_of", "suffix", "max_completion_tokens"}
+# NOTE: `max_completion_tokens` is chat's; vLLM's completions ignore it (and the estimate knows), so it is
+# harmless here. vLLM's completions honour `response_format` (structured output), bounded by `max_tokens`.
+_OPENAI_COMPLETION = _OPENAI_COMMON | {"prompt", "echo", "best_of", "suffix", "max_completion_tokens", "response_format"}
 # vLLM's sampling and output extensions: each changes which tokens come, never how many are processed
 # beyond what the estimate bounds (`max_tokens`, the context, `n`).
 _VLLM_SAMPLING = frozenset({
@@ -67,6 +69,8 @@ REFUSED_WITH_REASON: dict[str, str] = {
     "chat_template": "is not supported: each model is served with its own chat template",
     "prompt_embeds": "is not supported: send text or token ids",
     "messages": "is not supported by /v1/embeddings: send the text as 'input'",
+    "audio": "is not supported: models here answer in text",
+    "web_search_options": "is not supported: models here do not search the web",
 }
 
 

@@ -424,7 +424,16 @@ _COMMON_FIELDS: dict[str, Callable] = {
     "user": _string,
     "logit_bias": _logit_bias,
 }
+def _modalities(value, param: str) -> None:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise _wrong_type(param, "an array of strings")
+    if set(value) - {"text"}:
+        raise errors.invalid_request("Only the 'text' modality is supported: models here answer in text.", param=param,
+                                     code="unsupported_parameter")
+
+
 _CHAT_FIELDS: dict[str, Callable] = _COMMON_FIELDS | {
+    "modalities": _modalities,
     "logprobs": _boolean,
     "top_logprobs": _integer(0, 20),
     "tools": _tools,
@@ -437,4 +446,5 @@ _COMPLETION_FIELDS: dict[str, Callable] = _COMMON_FIELDS | {
     "echo": _boolean,
     "best_of": _integer(1, MAX_N),
     "suffix": _string,
+    "response_format": _response_format,
 }

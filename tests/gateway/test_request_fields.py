@@ -49,6 +49,9 @@ def _refusal(payload: dict, kind: str) -> OpenAIError:
     ("chat", CHAT | {"best_of": 2}, "best_of"),
     ("chat", CHAT | {"mm_processor_kwargs": {"max_pixels": 10**9}}, "mm_processor_kwargs"),
     ("chat", CHAT | {"guided_json": {"type": "object"}}, "guided_json"),  # gone from vLLM: silently ignored there
+    ("chat", CHAT | {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat", CHAT | {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", CHAT | {"web_search_options": {}}, "web_search_options"),
 ])
 def test_a_field_the_engine_would_take_but_the_reservation_cannot_bound_is_a_400_naming_it(kind, body, field):
     refusal = _refusal(body, kind)
@@ -78,7 +81,10 @@ def test_an_unprintable_field_name_is_quoted_escaped_in_the_refusal():
                      "metadata": {"run": "1"}, "store": False, "service_tier": "auto", "reasoning_effort": "low",
                      "max_completion_tokens": 4, "truncate_prompt_tokens": 8, "prompt_logprobs": 1}),
     ("completion", COMPLETION | {"n": 2, "best_of": 2, "echo": True, "suffix": "", "top_k": 1, "min_tokens": 1,
-                                 "allowed_token_ids": [1, 2], "bad_words": ["x"], "return_token_ids": True}),
+                                 "allowed_token_ids": [1, 2], "bad_words": ["x"], "return_token_ids": True,
+                                 "max_completion_tokens": 4, "response_format": {"type": "json_object"}}),
+    ("chat", CHAT | {"modalities": ["text"], "prediction": {"type": "content", "content": "hi"},
+                     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "safety_identifier": "u1"}),
     ("embedding", EMBEDDING | {"dimensions": 8, "encoding_format": "base64", "truncate_prompt_tokens": 4,
                                "add_special_tokens": True, "user": "u"}),
 ])
