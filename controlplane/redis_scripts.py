@@ -62,7 +62,7 @@ _IN_SCRIPT = "ERR Error running script"
 _UNAVAILABLE_IN_SCRIPT = tuple(f"-{prefix} " for prefix in _UNAVAILABLE_PREFIXES)
 
 
-def _says_unavailable(message: str) -> bool:
+def says_unavailable(message: str) -> bool:
     """Whether an error reply says Redis cannot serve now, rather than that the call was wrong."""
     return message.startswith(_UNAVAILABLE_PREFIXES) or (
         message.startswith(_IN_SCRIPT) and any(marker in message for marker in _UNAVAILABLE_IN_SCRIPT))
@@ -154,7 +154,7 @@ def _parse(buffer: bytearray, position: int):
         return line.decode(), position
     if kind == 0x2D:  # - error
         message = line.decode()
-        return (RedisUnavailable if _says_unavailable(message) else RedisError)(message), position
+        return (RedisUnavailable if says_unavailable(message) else RedisError)(message), position
     if kind == 0x3A:  # : integer
         return int(line), position
     if kind == 0x24:  # $ bulk string

@@ -81,3 +81,24 @@ def test_an_evalsha_with_cached_key_encodings_is_byte_for_byte_the_generic_comma
     for _ in range(2):  # the second time the keys' encodings come from the cache
         assert (redis_scripts._encode_evalsha(script._evalsha, keys, args)
                 == _encode((b"EVALSHA", script.sha, len(keys), *keys, *args)))
+
+
+@pytest.mark.parametrize("reply, outage", [
+    ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.", True),
+    ("BUSY Redis is busy running a script.", True),
+    ("NOREPLICAS Not enough good replicas to write.", True),
+    ("ERR Error running script (call to f_1): @user_script:5: -OOM command not allowed when used memory > 'maxmemory'.", True),
+    ("WRONGTYPE Operation against a key holding the wrong kind of value", False),
+    ("ERR Error running script (call to f_1): @user_script:5: attempt to compare nil with number", False),
+])
+def test_redis_replies_that_say_it_cannot_serve_now_are_outages_whichever_client_raised_them(reply, outage):
+    # redis-py raises these as a plain ResponseError, which the gateway answered with a 500.
+    from redis.exceptions import ResponseError
+
+    from controlplane.redis_scripts import RedisError, RedisUnavailable, _parse
+    from endpoints.gateway import errors
+
+    assert errors.is_outage(ResponseError(reply)) is outage
+    parsed, _ = _parse(bytearray(b"-" + reply.encode() + b"\r\n"), 0)
+    assert isinstance(parsed, RedisUnavailable if outage else RedisError)
+    assert errors.is_outage(parsed) is outage

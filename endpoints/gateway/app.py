@@ -149,13 +149,14 @@ class Gateway:
             await _respond(send, exc.status, exc.body(), headers=exc.headers | {"x-request-id": request_id},
                            raw_headers=_ratelimit_headers(ratelimit))
             log_answer(scope, exc.status, started, request_id)
-        except errors.OUTAGES as exc:
-            logger.warning("gateway request %s: %r", request_id, exc)
-            failure = errors.service_unavailable()
-            await _respond(send, failure.status, failure.body(), headers=failure.headers | {"x-request-id": request_id},
-                           raw_headers=_ratelimit_headers(ratelimit))
-            log_answer(scope, failure.status, started, request_id)
-        except Exception:  # noqa: BLE001 - never leak a traceback to a client; log it
+        except Exception as exc:  # noqa: BLE001 - never leak a traceback to a client; log it
+            if errors.is_outage(exc):
+                logger.warning("gateway request %s: %r", request_id, exc)
+                failure = errors.service_unavailable()
+                await _respond(send, failure.status, failure.body(), headers=failure.headers | {"x-request-id": request_id},
+                               raw_headers=_ratelimit_headers(ratelimit))
+                log_answer(scope, failure.status, started, request_id)
+                return
             logger.exception("gateway request %s failed", request_id)
             failure = errors.OpenAIError(500, "The server had an error processing your request.", type="server_error")
             await _respond(send, 500, failure.body(), headers={"x-request-id": request_id},

@@ -8,6 +8,8 @@ import django.db
 import psycopg
 import redis.exceptions
 
+from controlplane.redis_scripts import says_unavailable
+
 # What a missing or silent Redis or PostgreSQL raises: the request gets a clean 503, never a 500 or a hang.
 # NOTE: redis-py's replies that say the server cannot serve now (out of memory, a replica, a cluster
 # reshaping) are outages too; this process's own Redis client raises `RedisUnavailable` (a
@@ -16,6 +18,12 @@ OUTAGES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redi
            redis.exceptions.ReadOnlyError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
            redis.exceptions.MasterDownError, ConnectionError, TimeoutError,
            django.db.OperationalError, django.db.InterfaceError, psycopg.OperationalError)
+
+
+def is_outage(exc: BaseException) -> bool:
+    """An `OUTAGES` error, or a reply redis-py raises as a plain `ResponseError` that says Redis cannot serve
+    now (`-MISCONF`, `-BUSY`, `-NOREPLICAS`, also wrapped in a script's error): a 503, never a 500."""
+    return isinstance(exc, OUTAGES) or (isinstance(exc, redis.exceptions.ResponseError) and says_unavailable(str(exc)))
 
 
 class OpenAIError(Exception):
