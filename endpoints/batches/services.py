@@ -58,6 +58,8 @@ MAX_DISPATCHED_PER_TICK = 500
 # A batch whose validation began this many times and never ended (the worker killed or the check
 # failing) fails: before, it was queued again every tick for ever.
 MAX_VALIDATION_ATTEMPTS = 3
+# How long a run holds its lease while it reads and checks the input file (under the run's 900 s time limit).
+INPUT_READ_LEASE_S = 600
 # The line results of a batch that ended longer ago than this, still in S3 (its run died, or S3 failed,
 # between ending it and deleting them), are deleted by `sweep_ended_results`: longer than a run's time
 # limit (`tasks.run_batch`, 900 s), so no worker still writes one.
@@ -245,6 +247,14 @@ def _release(batch_id: str, token: str) -> None:
     get_redis().delete(batch_dispatch_key(batch_id))
 
 
+def _hold_lease_while_reading_the_input(batch_id: str, token: str) -> None:
+    """A run reads and checks the whole input file before it can renew its lease (validation, or a run's
+    list of lines): a large file takes longer than `BATCH_LEASE_S`, and another worker took the batch over
+    meanwhile (counting a validation attempt each time, until a valid batch failed). Held this long first."""
+    Batch.objects.filter(pk=batch_id, lease_token=token).update(
+        lease_until=timezone.now() + timedelta(seconds=max(settings.BATCH_LEASE_S, INPUT_READ_LEASE_S)))
+
+
 def run_batch(batch_id: str) -> str:
     """One worker's turn at a batch: validate it, run lines for up to `BATCH_RUN_SLICE_S`, and write its
     files once nothing is left to run. Returns what happened (for logs and tests)."""
@@ -253,6 +263,8 @@ def run_batch(batch_id: str) -> str:
         return "busy"
     try:
         batch = Batch.objects.select_related("input_file", "endpoint").get(pk=batch_id)
+        if batch.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+            _hold_lease_while_reading_the_input(batch_id, token)
         if batch.status == BatchStatus.VALIDATING:
             batch = validate_batch(batch)
         outcome = batch.status

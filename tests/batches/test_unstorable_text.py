@@ -5,6 +5,7 @@ every tick. Also: one organisation's backlog of open batches does not starve ano
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -131,3 +132,24 @@ def test_batch_metadata_postgresql_cannot_keep_is_a_400_naming_it(owner_client, 
 
     assert response.status_code == 400 and response.json()["error"]["param"] == "metadata"
     assert not Batch.objects.exists()
+
+
+def test_a_check_that_takes_longer_than_the_lease_is_not_taken_over_meanwhile(files_bucket, monkeypatch, settings):
+    # A large input's check outlasted the run's lease (never renewed while checking): the tick gave the batch
+    # to another worker, each take-over counted a validation attempt, and a valid batch failed.
+    settings.BATCH_LEASE_S = 0.05
+    endpoint = EndpointFactory(max_model_len=2048)
+    batch = new_batch(endpoint, _line('"a"', endpoint.name).encode())
+    checks, taken_over = services.parse_lines, []
+
+    def slow_check(*args, **kwargs):
+        time.sleep(0.2)  # past BATCH_LEASE_S
+        taken_over.append(services._claim(batch.pk))  # another worker, queued by the tick
+        return checks(*args, **kwargs)
+
+    monkeypatch.setattr(services, "parse_lines", slow_check)
+    services.run_batch(batch.pk)
+
+    assert taken_over and taken_over[0] is None
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.IN_PROGRESS and batch.num_validation_attempts == 1
