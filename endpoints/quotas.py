@@ -103,16 +103,18 @@ def use_of(organization: Organization) -> QuotaUse:
 
 
 QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas", "gpus_per_replica", "prewarm_windows")
+GPU_FIELDS = ("gpu_type", "max_replicas", "gpus_per_replica")  # what the GPU quota judges
 
 
 def spec_errors(organization: Organization, changes: dict, instance: Endpoint | None = None) -> dict[str, list[str]]:
     """Field errors for a new endpoint's spec, or for `changes` to `instance`.
 
     An update that touches none of `QUOTA_FIELDS` passes: lowering a plan never locks an endpoint's
-    other settings; nor is one refused for replicas kept warm unless it raises the endpoint's warm floor.
+    other settings; each rule judges an update only when it changes that rule's fields (the GPU quota
+    `GPU_FIELDS`), and none is refused for replicas kept warm unless it raises the endpoint's warm floor.
     """
-    if instance is not None and not any(name in changes and changes[name] != getattr(instance, name)
-                                        for name in QUOTA_FIELDS):
+    changed = {name for name in QUOTA_FIELDS if name in changes and (instance is None or changes[name] != getattr(instance, name))}
+    if instance is not None and not changed:
         return {}
     spec = {name: changes[name] if name in changes else
             getattr(instance, name) if instance is not None else Endpoint._meta.get_field(name).get_default()
@@ -127,7 +129,9 @@ def spec_errors(organization: Organization, changes: dict, instance: Endpoint | 
                           "delete one or ask us for a larger plan."]
     gpu_type, max_replicas = spec["gpu_type"], spec["max_replicas"]
     max_gpus = quotas.max_gpus(gpu_type)
-    if max_gpus == 0:
+    if instance is not None and not changed & set(GPU_FIELDS):
+        pass  # a plan lowered below this endpoint's GPUs still lets its other quota fields change
+    elif max_gpus == 0:
         errors["gpu_type"] = [f"Your plan allows no {gpu_type} GPUs (quota max_gpus_by_type)."]
     elif spec["gpus_per_replica"] > max_gpus:
         errors["gpus_per_replica"] = [f"Your plan allows at most {max_gpus} {gpu_type} GPUs at once (quota "

@@ -110,6 +110,20 @@ def test_a_lowered_plan_never_refuses_keeping_fewer_replicas_warm(owner_client, 
     assert raised.status_code == 400 and "at most 0 here" in raised.json()["min_replicas"][0]
 
 
+def test_a_plan_lowered_below_an_endpoints_gpus_still_lets_its_warm_settings_change(owner_client, org):
+    # Removing a pre-warm window (or lowering min_replicas) ran the GPU quota's checks too, refused on max_replicas.
+    endpoint_id = owner_client.post("/api/v1/endpoints/", VALID | {"max_replicas": 2, "prewarm_windows": [
+        {"schedule": "0 9 * * 1-5", "timezone": "UTC", "duration_minutes": 60, "min_replicas": 1}]},
+        format="json").json()["id"]
+    _on_plan(org, max_replicas=1, max_gpus_by_type={VALID["gpu_type"]: 1})
+
+    cleared = owner_client.patch(f"/api/v1/endpoints/{endpoint_id}/", {"prewarm_windows": []}, format="json")
+
+    assert cleared.status_code == 200, cleared.json()
+    raised = owner_client.patch(f"/api/v1/endpoints/{endpoint_id}/", {"max_replicas": 3}, format="json")
+    assert raised.status_code == 400 and "max_replicas" in raised.json()
+
+
 def test_the_autoscaler_never_scales_an_organisation_past_its_replica_quota_and_the_endpoint_says_why(org):
     _on_plan(org, max_replicas=3, max_gpus_by_type={"l4": 3})
     first = EndpointFactory(organization=org, gpu_type="l4", max_replicas=3, target_concurrency=1)
