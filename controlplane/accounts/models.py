@@ -30,7 +30,7 @@ class Quotas:
 
     max_endpoints: int  # live endpoints
     max_replicas: int  # replicas held at once (starting, ready or draining), over all its endpoints
-    max_min_replicas: int  # the sum of its endpoints' min_replicas: replicas kept warm while idle
+    max_min_replicas: int  # replicas kept warm while idle: each endpoint's min_replicas or largest pre-warm window's
     max_held_requests: int  # requests held at once while their endpoint cold-starts
     max_file_bytes: int  # bytes of files kept at once: batch inputs it uploads and the outputs its batches write
     max_gpus_by_type: dict[str, int] = field(default_factory=dict)  # GPU type -> replicas at once; absent: max_replicas
@@ -57,7 +57,7 @@ class Plan(models.Model):
     name = models.CharField(max_length=64, unique=True)
     max_endpoints = models.PositiveIntegerField(default=10)
     max_replicas = models.PositiveIntegerField(default=8, help_text="Replicas held at once, over all endpoints.")
-    max_min_replicas = models.PositiveIntegerField(default=2, help_text="Sum of min_replicas: replicas kept warm.")
+    max_min_replicas = models.PositiveIntegerField(default=2, help_text="Replicas kept warm: the sum over endpoints of min_replicas or the largest pre-warm window's.")
     max_held_requests = models.PositiveIntegerField(default=64, help_text="Requests held at once for cold starts.")
     max_file_bytes = models.PositiveBigIntegerField(
         default=10 * 1024**3, db_default=10 * 1024**3, help_text="Bytes of files kept at once (batch inputs and outputs); uploads past it are refused.")
