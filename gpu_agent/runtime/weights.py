@@ -40,7 +40,7 @@ from gpu_agent.runtime.weights_access import (
     s3_endpoint_for,
 )
 from gpu_agent.runtime.weights_index import CacheIndex, cache_key, digest, remove_path
-from gpu_agent.runtime.weights_paths import check_local_model_dir
+from gpu_agent.runtime.weights_paths import check_local_model_dir, disk_bytes
 from gpu_agent.runtime.weights_sources import Download, ModelSource
 from gpu_agent.runtime.weights_transfer import Transfer, TransferSettings
 
@@ -142,12 +142,13 @@ class WeightsCache:
                         self.num_hits += 1
                     return path
                 download = Download(
-                    source=source, cache_key=key, size_bytes=sum(f.size_bytes for f in files), scope=access.scope
+                    source=source, cache_key=key, size_bytes=sum(f.size_bytes for f in files), scope=access.scope,
+                    disk_bytes=disk_bytes((f.parts, f.size_bytes) for f in files),
                 )
                 with self._mutex:
                     self._downloads[key] = download
                 try:
-                    self._make_room(key, download.size_bytes)
+                    self._make_room(key, download.disk_bytes)
                     self._download_into_place(parsed, client, files, path, download, on_progress, stop)
                     manifest = {
                         "source": source,
@@ -155,6 +156,7 @@ class WeightsCache:
                         "scope": access.scope,
                         "endpoint_digest": endpoint_digest,
                         "size_bytes": download.size_bytes,
+                        "disk_bytes": download.disk_bytes,
                         "fingerprint": fingerprint,
                         "created_at": time.time(),
                     }
@@ -185,7 +187,7 @@ class WeightsCache:
         if self.budget_bytes is None:
             return []
         entries = self._index.entries()
-        excess = sum(entry["size_bytes"] for entry in entries) - self.budget_bytes
+        excess = sum(_charged(entry) for entry in entries) - self.budget_bytes
         return self._evict_lru(entries, excess)
 
     def read_model(self, model_dir: str | Path) -> ModelReading:
@@ -250,9 +252,9 @@ class WeightsCache:
                 )
             with self._mutex:  # bytes other downloads announced but have not written yet
                 pending = sum(
-                    max(d.size_bytes - d.downloaded_bytes, 0) for k, d in self._downloads.items() if k != key
+                    max(d.disk_bytes - d.downloaded_bytes, 0) for k, d in self._downloads.items() if k != key
                 )
-                reserved = sum(d.size_bytes for k, d in self._downloads.items() if k != key)
+                reserved = sum(d.disk_bytes for k, d in self._downloads.items() if k != key)
             disk = shutil.disk_usage(self.root)
             if size_bytes > disk.total:
                 raise ModelTooLarge(
@@ -261,12 +263,12 @@ class WeightsCache:
             entries = self._index.entries()
             need = size_bytes - (disk.free - pending)
             if self.budget_bytes is not None:
-                cached = sum(entry["size_bytes"] for entry in entries)
+                cached = sum(_charged(entry) for entry in entries)
                 need = max(need, cached + reserved + size_bytes - self.budget_bytes)
             if need <= 0:
                 return
             evicted = set(self._evict_lru(entries, need))
-            freed = sum(entry["size_bytes"] for entry in entries if entry["cache_key"] in evicted)
+            freed = sum(_charged(entry) for entry in entries if entry["cache_key"] in evicted)
             if freed < need:
                 limit = (
                     f"this node's weights budget is {_human(self.budget_bytes)}"
@@ -293,7 +295,7 @@ class WeightsCache:
                 continue
             with lock:
                 self._index.remove(key)
-            freed += entry["size_bytes"]
+            freed += _charged(entry)
             evicted.append(key)
             logger.info("evicted weights %s (%s)", key, entry.get("source"))
         return evicted
@@ -346,6 +348,11 @@ class WeightsCache:
             key = leftover.name.partition(".")[0]
             if not (self.root / ".parts" / f"{key}.json").exists() and leftover.stat().st_mtime < cutoff:
                 remove_path(leftover)
+
+
+def _charged(entry: dict) -> int:
+    """What a cached model counts against the budget (a manifest written before `disk_bytes`: its size)."""
+    return max(entry.get("disk_bytes", 0), entry["size_bytes"])
 
 
 def _local_size(path: Path) -> int:

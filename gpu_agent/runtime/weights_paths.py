@@ -19,6 +19,12 @@ from gpu_agent.runtime.weights_access import UnsafeModelPath, WeightsError
 
 _MAX_NAME_BYTES = 255
 _MAX_PATH_BYTES = 1024
+# NOTE: folders and empty files cost disk blocks and inodes that their sizes (0) do not say: a listing may
+# nest at most this deep and make at most this many folders, and each file and folder is charged at least
+# `MIN_DISK_BYTES` against the weights budget (`disk_bytes`). Real models have a handful of each.
+MAX_PATH_DEPTH = 8
+MAX_MODEL_FOLDERS = 1000
+MIN_DISK_BYTES = 4096
 # Names Windows maps to devices; harmless on Linux, refused so a model stays portable and boring.
 _DEVICE_NAMES = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)), *(f"lpt{i}" for i in range(10))}
 # The kernel's pseudo file systems: never a model directory.
@@ -48,6 +54,8 @@ def model_file_parts(name: str) -> tuple[str, ...]:
     if len(name.encode()) > _MAX_PATH_BYTES:
         raise _refuse(name, f"it is longer than {_MAX_PATH_BYTES} bytes")
     parts = tuple(name.split("/"))
+    if len(parts) > MAX_PATH_DEPTH:
+        raise _refuse(name, f"it is nested deeper than {MAX_PATH_DEPTH} levels")
     for part in parts:
         if part == "":
             raise _refuse(name, "it has an empty path component ('//' or a trailing '/')")
@@ -67,11 +75,24 @@ def check_model_file_names(names: Iterable[str]) -> dict[str, tuple[str, ...]]:
         if name in parts_by_name:
             raise _refuse(name, "the listing names it twice")
         parts_by_name[name] = model_file_parts(name)
-    folders = {parts[:depth] for parts in parts_by_name.values() for depth in range(1, len(parts))}
+    folders = _folders(parts_by_name.values())
+    if len(folders) > MAX_MODEL_FOLDERS:
+        raise UnsafeModelPath(f"refusing the model: its files are in more than {MAX_MODEL_FOLDERS} folders")
     for name, parts in parts_by_name.items():
         if parts in folders:
             raise _refuse(name, "it is both a file and a folder")
     return parts_by_name
+
+
+def disk_bytes(files: Iterable[tuple[tuple[str, ...], int]]) -> int:
+    """What a model's files (their parts and sizes) are charged on disk: each file and each folder at least
+    `MIN_DISK_BYTES`, so ten thousand empty files are not free."""
+    files = list(files)
+    return sum(max(size, MIN_DISK_BYTES) for _, size in files) + MIN_DISK_BYTES * len(_folders(parts for parts, _ in files))
+
+
+def _folders(all_parts: Iterable[tuple[str, ...]]) -> set[tuple[str, ...]]:
+    return {parts[:depth] for parts in all_parts for depth in range(1, len(parts))}
 
 
 class DownloadFolder:

@@ -101,6 +101,7 @@ class Download:
     size_bytes: int = 0
     downloaded_bytes: int = 0
     scope: str = ""  # the weights_scope it is read in
+    disk_bytes: int = 0  # what it is charged on disk (`weights_paths.disk_bytes`), at least size_bytes
 
 
 class FileRange:

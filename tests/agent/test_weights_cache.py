@@ -122,9 +122,9 @@ def test_least_recently_used_model_is_evicted_but_never_one_in_use(s3, s3_endpoi
     s3.create_bucket(Bucket="models-e")
     for name in ("one", "two", "three"):
         s3.put_object(
-            Bucket="models-e", Key=f"{name}/model.safetensors", Body=os.urandom(1000), ACL="public-read"
+            Bucket="models-e", Key=f"{name}/model.safetensors", Body=os.urandom(10_000), ACL="public-read"
         )
-    cache = WeightsCache(tmp_path / "weights", budget_bytes=2500, s3_endpoint_url=s3_endpoint)
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=25_000, s3_endpoint_url=s3_endpoint)
     one = cache.fetch("s3://models-e/one")
     cache.pin(one)  # a running replica uses it
     two = cache.fetch("s3://models-e/two")
@@ -134,7 +134,7 @@ def test_least_recently_used_model_is_evicted_but_never_one_in_use(s3, s3_endpoi
     assert not two.exists() and three.exists()
     cache.unpin(one)
     assert cache.evict() == []  # within budget now
-    cache.budget_bytes = 1500
+    cache.budget_bytes = 15_000
     assert cache.evict() == [one.name]
     assert {status.source for status in cache.statuses()} == {"s3://models-e/three"}
     # An evicted model downloads again when needed.

@@ -10,7 +10,7 @@ import pytest
 from gpu_agent.runtime import weights_sources
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import UnsafeModelPath, WeightsError
-from gpu_agent.runtime.weights_paths import model_file_parts
+from gpu_agent.runtime.weights_paths import check_model_file_names, model_file_parts
 
 from .test_weights_cache import s3, s3_endpoint  # noqa: F401  (fixtures)
 from .test_weights_hf import FakeHub
@@ -174,3 +174,14 @@ def test_ordinary_model_file_names_are_accepted():
     assert model_file_parts("model-00001-of-00002.safetensors") == ("model-00001-of-00002.safetensors",)
     assert model_file_parts("original/params.json") == ("original", "params.json")
     assert model_file_parts(".gitattributes") == (".gitattributes",)
+
+
+def test_a_listing_nested_deeper_than_eight_levels_is_refused():
+    with pytest.raises(UnsafeModelPath, match="nested deeper than 8 levels"):
+        check_model_file_names(["d/" * 200 + "model.safetensors"])
+    assert check_model_file_names(["a/b/c/d/e/f/g/model.safetensors"])  # eight levels are fine
+
+
+def test_a_listing_in_more_than_a_thousand_folders_is_refused():
+    with pytest.raises(UnsafeModelPath, match="more than 1000 folders"):
+        check_model_file_names([f"shard-{index}/config.json" for index in range(1001)])
