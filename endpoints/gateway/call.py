@@ -405,7 +405,11 @@ class InferenceCall:
             except Exception:  # noqa: BLE001 - the client may be gone already
                 pass
         # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.
-        actual = min(self._cost(), self.reserved) if self.served else Decimal(0)
+        actual = self._cost() if self.served else Decimal(0)
+        if actual > self.reserved:
+            if self.status != "cut_off":  # a stream stopped at its reservation went past it by its last chunk only
+                self._note_usage_past_reservation(actual)
+            actual = self.reserved
         usage = self.usage
         try:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
@@ -440,6 +444,14 @@ class InferenceCall:
                 presence.end_later(self.caller.organization_id, self.request_id)
             finally:
                 self._observe(outcome=self.status if self.served else "not_served")
+
+    def _note_usage_past_reservation(self, cost: Decimal) -> None:
+        """The engine reported more than the estimate bounds (`endpoints.gateway.estimate`): billed the
+        reservation, counted and logged so the loss is seen (a stream stopped at its reservation is not this)."""
+        metrics.usage_past_reservation.labels(self.endpoint.id, self.endpoint.organization_id).inc()
+        logger.warning("request %s on endpoint %s: usage (%d prompt, %d completion tokens) costs %s, past the %s "
+                       "reserved; billed the reservation", self.request_id, self.endpoint.id, self.usage.prompt_tokens,
+                       self.usage.completion_tokens, cost, self.reserved)
 
     def _observe(self, outcome: str) -> None:
         """The request's metrics and its line in the request log."""

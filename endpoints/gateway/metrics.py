@@ -55,6 +55,11 @@ time_to_first_token = Histogram("inferplane_time_to_first_token_seconds", "Time 
                                 ENDPOINT, buckets=LATENCY_BUCKETS, registry=REGISTRY)
 tokens_total = Counter("inferplane_tokens_total", "Tokens by endpoint and kind (prompt, cached, completion).",
                        [*ENDPOINT, "kind"], registry=REGISTRY)
+# A request whose reported usage cost more than its reservation: billed the reservation, the rest is the platform's
+# loss (a model's own chat template rendering more than the estimate allows, an engine over-reporting).
+usage_past_reservation = Counter("inferplane_usage_past_reservation_total",
+                                 "Requests whose reported usage cost more than was reserved (billed the reservation).",
+                                 ENDPOINT, registry=REGISTRY)
 # NOTE: `livesum`: a pod's in-flight requests are those of its live processes; a dead one's go with it.
 inflight = Gauge("inferplane_inflight_requests", "Requests being served by this pod's gateway processes.", ENDPOINT,
                  registry=REGISTRY, multiprocess_mode="livesum")

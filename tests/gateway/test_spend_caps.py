@@ -149,3 +149,20 @@ def test_without_a_card_calls_stop_at_the_limit_and_an_unpaid_invoice_stops_them
     finally:
         child.stop()
         fake.stop()
+
+
+def test_usage_past_the_reservation_is_logged_and_counted_so_the_loss_is_seen(tenant, start_mock_upstream, tmp_path):
+    # A model's own chat template can render more prompt than the estimate allows; the customer is billed the
+    # reservation and the rest is the platform's, which nothing showed.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(), price_input_per_million=PRICE,
+                              price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+    child, gateway = start_web_server(tmp_path, name="gateway", server_args=("--log-level", "warning"))
+    try:
+        answer = httpx.post(f"{gateway}/v1/completions", json={"model": endpoint.name, **OVERLONG},
+                            headers={"Authorization": f"Bearer {tenant.key}"}, timeout=60)
+        assert answer.status_code == 200
+        wait_until(lambda: "past the" in child.log_text(), 15, message="the warning")
+        metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
+    finally:
+        child.stop()
+    assert f'inferplane_usage_past_reservation_total{{endpoint_id="{endpoint.pk}"' in metrics
