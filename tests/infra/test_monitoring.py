@@ -26,6 +26,7 @@ EXPORTED_SERIES = {
     "inferplane_pool_nodes",
     "inferplane_pool_node_hours",
     "inferplane_pool_cost",
+    "inferplane_usage_past_reservation_total",
 }
 # The only series that carry names; every other one is labelled by ids.
 INFO_SERIES = {"inferplane_endpoint_info", "inferplane_node_info"}
