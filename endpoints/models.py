@@ -101,7 +101,8 @@ class ModelCredential(models.Model):
 class AllowedSource(models.Model):
     """The public model catalogue: sources the fleet's own credentials may read, for every tenant.
 
-    `pattern` is a model source (`hf:org/name` also admits any `@revision` of it) or, ending in
+    `pattern` is a model source (`hf:org/name` also admits `@main`, its default branch; another revision
+    only when a pattern names it exactly, `is_catalogue_source`) or, ending in
     `/`, a prefix (`s3://inferplane-public-models/`, `hf:meta-llama/`). Staff manage it in the
     Django admin. A cached copy of a catalogue model is shared by every organisation.
     """
@@ -142,17 +143,31 @@ def _plain_path(model_source: str) -> bool:
     return not any(c.isspace() or c in "\\%" for c in rest) and "" not in segments[:-1] and not {".", ".."} & set(segments)
 
 
+# The Hub revisions a catalogue repo (`hf:org/name` or a `hf:org/` prefix) stands for: its default branch.
+CATALOGUE_REVISIONS = ("", "main")
+
+
 def is_catalogue_source(model_source: str) -> bool:
-    """Whether staff put this source on the public catalogue (an exact source or a `…/` prefix)."""
+    """Whether staff put this source on the public catalogue (an exact source or a `…/` prefix).
+
+    NOTE: a Hub repo on the catalogue is its default branch only. Another revision (a pull request's
+    `refs/pr/N`, another branch, a commit only such a ref reaches) holds what nobody reviewed: it is
+    catalogue only when staff pinned it exactly (`hf:org/name@<sha>`), else it is read as a tenant's own.
+    """
     if source_kind(model_source) is None or not _plain_path(model_source):
         return False
+    name, revision = model_source, ""
+    if source_kind(model_source) == CredentialKind.HF:
+        name, _, revision = model_source.partition("@")
     for pattern in AllowedSource.objects.values_list("pattern", flat=True):
+        if model_source == pattern:
+            return True
+        if revision not in CATALOGUE_REVISIONS:
+            continue
         if pattern.endswith("/"):
-            if model_source.startswith(pattern):
+            if name.startswith(pattern):
                 return True
-        elif model_source == pattern or (
-            pattern.startswith("hf:") and "@" not in pattern and model_source.startswith(pattern + "@")
-        ):
+        elif pattern.startswith("hf:") and "@" not in pattern and name == pattern:
             return True
     return False
 

@@ -200,6 +200,23 @@ def test_a_tenants_own_copy_of_a_catalogue_models_name_never_sets_another_tenant
     assert (other.serving_task, other.context_length) == ("generate", 8192)
 
 
+@pytest.mark.parametrize(("source", "listed"), [
+    (PUBLIC_REPO, True), (PUBLIC_REPO + "@main", True), (PUBLIC_REPO + "@" + "a" * 40, True),  # pinned by staff
+    (PUBLIC_REPO + "@refs/pr/42", False), (PUBLIC_REPO + "@dev", False), (PUBLIC_REPO + "@" + "b" * 40, False),
+    ("hf:inferplane-models/qwen", True), ("hf:inferplane-models/qwen@refs/pr/1", False),
+])
+def test_a_catalogue_repo_is_its_default_branch_or_a_revision_staff_pinned(source, listed):
+    """A Hub pull request (`refs/pr/N`) or another branch of a catalogue repo holds what nobody reviewed:
+    it is read as the tenant's own (its scope, never the fleet's token), not shared with every tenant."""
+    from endpoints.models import is_catalogue_source
+
+    AllowedSource.objects.create(pattern=PUBLIC_REPO + "@" + "a" * 40)
+    AllowedSource.objects.create(pattern="hf:inferplane-models/")
+    assert is_catalogue_source(source) is listed
+    answer = access(source)
+    assert (answer.use_fleet_credentials, answer.weights_scope == "") == (listed, listed)
+
+
 def test_a_tenants_draft_naming_a_catalogue_source_never_sets_the_catalogue_models_facts():
     """A tenant's draft reads a catalogue name from the tenant's own store (its credential, its endpoint
     URL), which serves an embedding config with a 16-token context and a 10 TB listing. The node, which runs
