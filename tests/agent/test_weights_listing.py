@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import pytest
@@ -15,6 +13,7 @@ from gpu_agent.runtime import weights_sources
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import SourceUnreadable
 from gpu_agent.runtime.weights_sources import MAX_LISTING_PAGES, ModelSource
+from tests.agent.local_store import LocalServer, QuietHandler
 
 _HEAD = b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
 
@@ -34,7 +33,7 @@ class FakeStore:
         store = self
         self.num_requests = 0
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self):
                 store.num_requests += 1
                 body, drip_s = answer(store.num_requests)
@@ -53,17 +52,11 @@ class FakeStore:
                 except OSError:  # the agent hung up: what it is meant to do
                     pass
 
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.http = LocalServer(Handler)
+        self.url = self.http.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from xml.sax.saxutils import escape
 
 import pytest
@@ -16,6 +15,7 @@ from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import FetchStopped, StoreUnreachable
 from gpu_agent.runtime.weights_transfer import TransferSettings
 from tests.agent.conftest import make_spec
+from tests.agent.local_store import LocalServer, QuietHandler
 
 KIB = 1024
 
@@ -27,7 +27,7 @@ class DrippingStore:
         store = self
         self.objects, self.drip, self.closing = objects, drip, threading.Event()
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
 
             def do_GET(self):
@@ -62,18 +62,12 @@ class DrippingStore:
                 except OSError:
                     pass
 
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.http = LocalServer(Handler)
+        self.url = self.http.url
 
     def close(self) -> None:
         self.closing.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 @pytest.fixture
