@@ -10,7 +10,7 @@ from django.db import transaction
 
 from billing import alerts, standing
 from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, Invoice
-from billing.quota.counters import refresh_key_limit, refresh_limits
+from billing.quota.counters import refresh_limits
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 
 logger = logging.getLogger(__name__)
@@ -35,15 +35,19 @@ def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> B
 
 
 def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> ApiKeySpendCap | None:
+    """Set (or with None remove) a key's monthly cap; marked `limits_stale` with it, so the refresh (now,
+    or the beat task's after a process killed meanwhile) writes every key's cap of the organisation."""
     with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().for_organization(api_key.organization_id)
         if spend_cap is None:
             ApiKeySpendCap.objects.filter(api_key=api_key).delete()
             cap = None
         else:
             cap, _ = ApiKeySpendCap.objects.update_or_create(api_key=api_key, defaults={"spend_cap": spend_cap})
+        account.limits_stale = True
+        account.save(update_fields=["limits_stale"])
         record_audit(actor, api_key.organization, "billing.set_key_spend_cap", api_key, spend_cap=_plain(spend_cap))
-    refresh_limits(BillingAccount.objects.for_organization(api_key.organization_id))
-    refresh_key_limit(api_key.organization_id, api_key.pk, spend_cap)
+    refresh_limits(account)
     return cap
 
 

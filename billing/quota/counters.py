@@ -16,9 +16,10 @@ from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 from django.conf import settings
 from django.db import transaction
 
-from billing.models import MONEY_QUANTUM, BillingAccount
+from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingAccount
 from billing.periods import period_containing
 from billing.standing import bills_through_stripe, spend_limit
+from controlplane.accounts.models import ApiKey
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import (
     credit_key,
@@ -265,10 +266,19 @@ def refresh_limits(account: BillingAccount, *, credit: bool = True) -> None:
             if credit:
                 get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants when next needed
             if account.limits_stale:
+                _refresh_key_caps(account.organization_id)  # a key's cap changed too (`set_key_spend_cap`) may be unwritten
                 BillingAccount.objects.filter(pk=account.pk).update(limits_stale=False)
     except Exception:
         BillingAccount.objects.filter(pk=account.pk).update(limits_stale=True)
         raise
+
+
+def _refresh_key_caps(organization_id: int) -> None:
+    """Every key's cap of the organisation written again to its counter (those of this month that exist)."""
+    caps = dict(ApiKeySpendCap.objects.filter(api_key__organization_id=organization_id)
+                .values_list("api_key_id", "spend_cap"))
+    for api_key_id in ApiKey.objects.filter(organization_id=organization_id).values_list("pk", flat=True):
+        refresh_key_limit(organization_id, api_key_id, caps.get(api_key_id))
 
 
 def refresh_key_limit(organization_id: int, api_key_id: int, key_cap: Decimal | None) -> None:

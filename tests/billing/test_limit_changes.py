@@ -12,6 +12,7 @@ import pytest
 from billing import credits, services, stripe_sync, tasks
 from billing.models import BillingAccount
 from billing.quota.counters import QuotaExceeded
+from controlplane.accounts.models import ApiKey
 from controlplane.accounts.services import SYSTEM
 from tests.billing.test_quota import reserve
 from tests.factories import OrganizationFactory
@@ -106,3 +107,22 @@ def test_invoicing_without_a_card_whose_process_died_after_its_commit_reaches_th
     assert BillingAccount.objects.get(organization=organization).limits_stale
     tasks.review_payment_standing()
     _spend(organization, "2.00")
+
+
+def test_a_key_cap_whose_process_died_after_its_commit_reaches_the_gateway_at_the_next_review(monkeypatch):
+    # A key's cap was written to Redis after the commit with nothing marked: a worker killed between them
+    # left the key spending past its new cap for the rest of the month.
+    organization = OrganizationFactory()
+    api_key = ApiKey.objects.create(organization=organization, name="capped", lookup="capped", digest="x")
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=api_key.pk, amount=Decimal("0.10"),
+                        request_id=f"limit-change-{next(_request_ids)}"))  # the key's counter is built, with no cap
+
+    _killed_after_commit(monkeypatch, services,
+                         lambda: services.set_key_spend_cap(SYSTEM, api_key, spend_cap=Decimal("0.50")))
+
+    assert BillingAccount.objects.get(organization=organization).limits_stale
+    tasks.review_payment_standing()
+    with pytest.raises(QuotaExceeded) as refused:
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=api_key.pk, amount=Decimal("0.50"),
+                            request_id=f"limit-change-{next(_request_ids)}"))
+    assert refused.value.reason == "key_cap"
