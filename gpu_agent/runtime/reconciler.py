@@ -30,7 +30,7 @@ from gpu_agent.runtime.model_info import spec_problem
 from gpu_agent.runtime.speculative import draft_problem, needs_draft, with_local_draft
 from gpu_agent.runtime.supervisor import Supervisor
 from gpu_agent.runtime.weights import WeightsCache
-from gpu_agent.runtime.weights_access import SourceAccess, WeightsError
+from gpu_agent.runtime.weights_access import FetchStopped, SourceAccess, WeightsError
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,11 @@ class Reconciler:
                 pinned.append(draft)
                 spec = with_local_draft(spec, draft)
             pull.download_s = round(time.monotonic() - fetch_from, 3)
+        except FetchStopped:  # drained or the agent stopping: not the replica's failure (it reports STOPPED)
+            logger.info("replica %s: its download stopped: the replica is no longer wanted", spec.replica_id)
+            self._unpin(pinned)
+            pull.done = True
+            return
         except (WeightsError, ValueError) as exc:  # NOTE: their messages carry no secrets
             logger.warning("replica %s: fetching weights failed: %s", spec.replica_id, exc)
             pull.failure_reason = f"fetching weights from {spec.model_source} failed: {exc}"

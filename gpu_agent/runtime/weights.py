@@ -31,6 +31,7 @@ from gpu_agent.protocol import ModelInfo, WeightsStatus
 from gpu_agent.runtime import weights_sources
 from gpu_agent.runtime.model_info import ModelReading, read_model
 from gpu_agent.runtime.weights_access import (
+    FetchStopped,
     ModelTooLarge,
     SourceAccess,
     StoreUnreachable,
@@ -312,8 +313,10 @@ class WeightsCache:
         )
         try:
             folder = transfer.run()
-        except StoreUnreachable:
-            raise  # NOTE: what was written stays, and the next fetch of the same content resumes it
+        except (StoreUnreachable, FetchStopped):
+            # NOTE: what was written stays, and the next fetch of the same content resumes it (partials nobody
+            # resumed for a day are removed): a drain or an agent restart mid-download keeps what it had
+            raise
         except BaseException:
             transfer.discard()
             raise

@@ -26,6 +26,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import quote
 
+import botocore.exceptions
+import urllib3.exceptions
+
 from gpu_agent.runtime.weights_access import (
     ModelTooLarge,
     SourceUnreadable,
@@ -251,7 +254,17 @@ def _arriving_chunks(body):
     if raw is None or not hasattr(raw, "read1"):
         yield from body.iter_chunks(_CHUNK_BYTES)
         return
-    while chunk := raw.read1(_CHUNK_BYTES):
+    # NOTE: urllib3's errors as botocore's `StreamingBody.read` raises them, so a reset or a read timeout stays
+    # a transient failure the transfer retries (`weights_transfer._TRANSIENT`), not the end of the download.
+    while True:
+        try:
+            chunk = raw.read1(_CHUNK_BYTES)
+        except urllib3.exceptions.ReadTimeoutError as exc:
+            raise botocore.exceptions.ReadTimeoutError(endpoint_url=str(exc)) from exc
+        except urllib3.exceptions.ProtocolError as exc:
+            raise botocore.exceptions.ResponseStreamingError(error=exc) from exc
+        if not chunk:
+            return
         yield chunk
 
 

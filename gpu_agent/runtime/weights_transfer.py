@@ -218,7 +218,9 @@ class Transfer:
     def _copy_range_at(self, remote: RemoteFile, start: int, end: int, fd: int, progress: list[int]) -> int:
         source = self.download.source
         offset = start
-        started = time.monotonic()
+        # NOTE: the throughput is timed from the part's first byte and counts what has arrived, so a store that
+        # ignores the range (its bytes before this part are skipped unseen) or sends large chunks is not slow.
+        started: float | None = None
         with weights_sources.open_range(self.parsed, self.client, remote, start, end) as part:
             if part.total_bytes is not None and part.total_bytes != remote.size_bytes:
                 if part.total_bytes > remote.size_bytes:
@@ -231,7 +233,10 @@ class Transfer:
                 if self._stop.is_set():
                     raise _Stopped(offset - start)
                 self._check_wanted()
-                self._check_throughput(remote, offset - start, started)
+                if started is None:
+                    started = time.monotonic()
+                else:
+                    self._check_throughput(remote, offset - start + len(chunk), started)
                 room = end + 1 - offset
                 if len(chunk) > room:
                     # NOTE: checked before writing, so a store that sends more than it listed fills no disk.

@@ -9,7 +9,10 @@ import time
 from xml.sax.saxutils import escape
 
 import pytest
+import urllib3.exceptions
 
+from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime import weights_sources, weights_transfer
 from gpu_agent.runtime.reconciler import Reconciler
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import FetchStopped, StoreUnreachable
@@ -103,6 +106,8 @@ def test_a_drained_replicas_dripping_download_ends_and_frees_its_disk_for_the_ne
     thread.join(timeout=10)
     assert not thread.is_alive() and isinstance(failures[0], FetchStopped)
     assert cache.statuses() == []  # its reservation is gone...
+    # ...and what it had written stays to be resumed (a drain or an agent restart mid-download kept nothing before)
+    assert any((tmp_path / "weights" / ".tmp").glob("*.partial"))
     path = cache.fetch("s3://b/fast")  # ...so the next model fits the budget (before: ModelTooLarge)
     assert (path / "model.safetensors").read_bytes() == b"f" * 600 * KIB
 
@@ -116,6 +121,9 @@ class NoEngines:
     def get(self, replica_id):
         return None
 
+    def statuses(self):
+        return []
+
 
 def test_draining_a_replica_while_its_weights_drip_in_ends_the_download(store, tmp_path):
     cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=store.url)
@@ -128,6 +136,13 @@ def test_draining_a_replica_while_its_weights_drip_in_ends_the_download(store, t
             break
         time.sleep(0.02)
     assert cache.statuses() == []
+    # stopped, not failed: a drain is not the replica's failure (no backoff, no failure event, never FAILED)
+    for _ in range(250):
+        statuses = [status for status in reconciler.replica_statuses() if status.replica_id == "r-slow"]
+        if statuses and statuses[0].state == ReplicaState.STOPPED:
+            break
+        time.sleep(0.02)
+    assert [(status.state, status.failure_reason) for status in statuses] == [(ReplicaState.STOPPED, "")]
     assert cache.fetch("s3://b/fast").is_dir()
 
 
@@ -140,3 +155,27 @@ def test_a_download_slower_than_the_minimum_throughput_fails_and_frees_its_disk(
     assert time.monotonic() - started < 10
     assert cache.statuses() == []
     assert (cache.fetch("s3://b/fast") / "model.safetensors").stat().st_size == 600 * KIB
+
+
+@pytest.mark.parametrize("error", [urllib3.exceptions.ProtocolError("Connection broken: reset by peer"),
+                                   urllib3.exceptions.ReadTimeoutError(None, "/b/k", "Read timed out.")],
+                         ids=["reset", "read-timeout"])
+def test_a_connection_reset_or_read_timeout_mid_part_stays_a_failure_the_transfer_retries(error):
+    # Reading urllib3's stream as bytes arrive skipped botocore's translation of its errors: a reset or a read
+    # timeout was no longer transient, so one hiccup among a big model's parts failed the whole download.
+    class Raw:
+        calls = 0
+
+        def read1(self, size):
+            Raw.calls += 1
+            if Raw.calls == 1:
+                return b"first bytes"
+            raise error
+
+    class Body:
+        _raw_stream = Raw()
+
+    chunks = weights_sources._arriving_chunks(Body())
+    assert next(chunks) == b"first bytes"
+    with pytest.raises(weights_transfer._TRANSIENT):
+        next(chunks)
