@@ -143,16 +143,18 @@ def _plain_path(model_source: str) -> bool:
     return not any(c.isspace() or c in "\\%" for c in rest) and "" not in segments[:-1] and not {".", ".."} & set(segments)
 
 
-# The Hub revisions a catalogue repo (`hf:org/name` or a `hf:org/` prefix) stands for: its default branch.
-CATALOGUE_REVISIONS = ("", "main")
+# Hub revisions a catalogue repo (`hf:org/name` or a `hf:org/` prefix) never stands for unless staff pin them
+# exactly: refs the Hub keeps for others than the repo's owners (`refs/pr/N`: anyone's pull request).
+UNREVIEWED_REVISIONS = "refs/"
 
 
 def is_catalogue_source(model_source: str) -> bool:
     """Whether staff put this source on the public catalogue (an exact source or a `…/` prefix).
 
-    NOTE: a Hub repo on the catalogue is its default branch only. Another revision (a pull request's
-    `refs/pr/N`, another branch, a commit only such a ref reaches) holds what nobody reviewed: it is
-    catalogue only when staff pinned it exactly (`hf:org/name@<sha>`), else it is read as a tenant's own.
+    NOTE: a Hub repo on the catalogue stands for its branches, tags and commits (its owners'), not for a
+    ref under `refs/` (a pull request's `refs/pr/N` holds what anyone pushed and nobody reviewed): that is
+    catalogue only when staff pinned it exactly, else it is read as a tenant's own. Endpoints pinned to a
+    commit or tag of a catalogue repo (gated ones read with the fleet's token) keep working.
     """
     if source_kind(model_source) is None or not _plain_path(model_source):
         return False
@@ -162,7 +164,7 @@ def is_catalogue_source(model_source: str) -> bool:
     for pattern in AllowedSource.objects.values_list("pattern", flat=True):
         if model_source == pattern:
             return True
-        if revision not in CATALOGUE_REVISIONS:
+        if revision.startswith(UNREVIEWED_REVISIONS):
             continue
         if pattern.endswith("/"):
             if name.startswith(pattern):

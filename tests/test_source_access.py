@@ -201,13 +201,16 @@ def test_a_tenants_own_copy_of_a_catalogue_models_name_never_sets_another_tenant
 
 
 @pytest.mark.parametrize(("source", "listed"), [
-    (PUBLIC_REPO, True), (PUBLIC_REPO + "@main", True), (PUBLIC_REPO + "@" + "a" * 40, True),  # pinned by staff
-    (PUBLIC_REPO + "@refs/pr/42", False), (PUBLIC_REPO + "@dev", False), (PUBLIC_REPO + "@" + "b" * 40, False),
-    ("hf:inferplane-models/qwen", True), ("hf:inferplane-models/qwen@refs/pr/1", False),
+    (PUBLIC_REPO, True), (PUBLIC_REPO + "@main", True), (PUBLIC_REPO + "@" + "a" * 40, True),
+    (PUBLIC_REPO + "@v1.0", True), (PUBLIC_REPO + "@" + "b" * 40, True),  # the owners' tags and commits, as before
+    (PUBLIC_REPO + "@refs/pr/42", False), ("hf:inferplane-models/qwen", True),
+    ("hf:inferplane-models/qwen@refs/pr/1", False), (PUBLIC_REPO + "@refs/convert/parquet", False),
 ])
-def test_a_catalogue_repo_is_its_default_branch_or_a_revision_staff_pinned(source, listed):
-    """A Hub pull request (`refs/pr/N`) or another branch of a catalogue repo holds what nobody reviewed:
-    it is read as the tenant's own (its scope, never the fleet's token), not shared with every tenant."""
+def test_a_catalogue_repo_is_its_owners_revisions_not_a_pull_request(source, listed):
+    """A Hub pull request (`refs/pr/N`) of a catalogue repo holds what anyone pushed and nobody reviewed: it
+    is read as the tenant's own (its scope, never the fleet's token), not shared with every tenant. The
+    owners' branches, tags and commits stay catalogue (endpoints pinned to them read gated repos with the
+    fleet's token)."""
     from endpoints.models import is_catalogue_source
 
     AllowedSource.objects.create(pattern=PUBLIC_REPO + "@" + "a" * 40)
