@@ -58,7 +58,7 @@ _UNAVAILABLE_PREFIXES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUST
                          "NOREPLICAS")
 # NOTE: a refusal met by a command inside a script comes wrapped: `ERR Error running script (…): … -OOM …`.
 # Redis refuses a script's write for memory only before its first write, so nothing was half done.
-_IN_SCRIPT = "ERR Error running script"
+_IN_SCRIPT = ("ERR Error running script", "Error running script")  # redis-py drops the reply's "ERR "
 _UNAVAILABLE_IN_SCRIPT = tuple(f"-{prefix} " for prefix in _UNAVAILABLE_PREFIXES)
 
 

@@ -93,12 +93,12 @@ def test_an_evalsha_with_cached_key_encodings_is_byte_for_byte_the_generic_comma
 ])
 def test_redis_replies_that_say_it_cannot_serve_now_are_outages_whichever_client_raised_them(reply, outage):
     # redis-py raises these as a plain ResponseError, which the gateway answered with a 500.
-    from redis.exceptions import ResponseError
+    from redis._parsers.base import BaseParser
 
     from controlplane.redis_scripts import RedisError, RedisUnavailable, _parse
     from endpoints.gateway import errors
 
-    assert errors.is_outage(ResponseError(reply)) is outage
+    assert errors.is_outage(BaseParser.parse_error(reply)) is outage  # as redis-py builds it (no "ERR ")
     parsed, _ = _parse(bytearray(b"-" + reply.encode() + b"\r\n"), 0)
     assert isinstance(parsed, RedisUnavailable if outage else RedisError)
     assert errors.is_outage(parsed) is outage

@@ -118,7 +118,9 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
         await call.run()
     except errors.OpenAIError as exc:
         return LineOutcome(line, exc.status, json.loads(exc.body()), request_id, retry=exc.status in RETRY_STATUSES)
-    except errors.OUTAGES as exc:
+    except Exception as exc:
+        if not errors.is_outage(exc):
+            raise
         logger.warning("batch line %s: %r", request_id, exc)
         return LineOutcome(line, 503, json.loads(errors.service_unavailable().body()), request_id, retry=True)
     try:

@@ -143,7 +143,9 @@ class InferenceCall:
         except QuotaExceeded as exc:
             await cold_start.give_up(place)
             raise errors.insufficient_quota(str(exc)) from None
-        except errors.OUTAGES:
+        except Exception as exc:
+            if not errors.is_outage(exc):
+                raise
             await cold_start.give_up(place)
             # the script may have run before its reply was lost
             presence.end_later(self.caller.organization_id, self.request_id)
@@ -437,7 +439,9 @@ class InferenceCall:
                                        num_tokens=usage.prompt_tokens + usage.completion_tokens if self.served else 0,
                                        cost=actual, served_by=self.replica.id if self.replica else None,
                                        cached_tokens=usage.cached_tokens)
-            except errors.OUTAGES as exc:
+            except Exception as exc:
+                if not errors.is_outage(exc):
+                    raise
                 # NOTE: the answer is given and its usage row written; the heartbeat ends it in Redis
                 # later, and the reservation expires (`billing.quota.sweeper`).
                 logger.warning("request %s: could not end it in Redis now: %r", self.request_id, exc)
