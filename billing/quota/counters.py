@@ -274,10 +274,11 @@ def refresh_limits(account: BillingAccount, *, credit: bool = True) -> None:
 
 
 def _refresh_key_caps(organization_id: int) -> None:
-    """Every key's cap of the organisation written again to its counter (those of this month that exist)."""
+    """Every live key's cap of the organisation written again to its counter (those of this month that exist;
+    a revoked key spends nothing more)."""
     caps = dict(ApiKeySpendCap.objects.filter(api_key__organization_id=organization_id)
                 .values_list("api_key_id", "spend_cap"))
-    for api_key_id in ApiKey.objects.filter(organization_id=organization_id).values_list("pk", flat=True):
+    for api_key_id in ApiKey.objects.filter(organization_id=organization_id, revoked_at__isnull=True).values_list("pk", flat=True):
         refresh_key_limit(organization_id, api_key_id, caps.get(api_key_id))
 
 

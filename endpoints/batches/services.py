@@ -263,9 +263,8 @@ def run_batch(batch_id: str) -> str:
         return "busy"
     try:
         batch = Batch.objects.select_related("input_file", "endpoint").get(pk=batch_id)
-        if batch.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
-            _hold_lease_while_reading_the_input(batch_id, token)
         if batch.status == BatchStatus.VALIDATING:
+            _hold_lease_while_reading_the_input(batch_id, token)
             batch = validate_batch(batch)
         outcome = batch.status
         if batch.status == BatchStatus.IN_PROGRESS:
@@ -375,6 +374,7 @@ def _run_lines(batch: Batch, token: str) -> str:
     if caller is None:
         _stop_as_its_caller_may_not_spend(batch)
         return "cancel"
+    _hold_lease_while_reading_the_input(batch.pk, token)  # renewed each second once its lines run
     lines = _lines_of(batch)
     done = storage.result_indices(batch.organization_id, batch.pk)
     todo = [line for line in lines if line.index not in done]
