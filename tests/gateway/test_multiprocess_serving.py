@@ -10,6 +10,7 @@ prometheus_client's multiprocess mode.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from pathlib import Path
@@ -123,7 +124,10 @@ def test_metrics_from_any_gateway_process_of_a_pod_sum_every_process(pod, tenant
         assert _chat(first, tenant.key, endpoint.name).status_code == 200
     for _ in range(5):
         assert _chat(second, tenant.key, endpoint.name).status_code == 200
-    wait_until(lambda: _served_by_process(pod.metrics) == expected, 10, message="each process counting its own requests")
+    # NOTE: each process folds its counts into its file once a second; on a loaded 2-core machine that can lag
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: _served_by_process(pod.metrics) == expected, 30, message="each process counting its own requests")
+    assert _served_by_process(pod.metrics) == expected
     total = float(sum(expected.values()))
 
     for client in (first, second, httpx.Client(base_url=pod.url)):
