@@ -39,23 +39,29 @@ def assert_one_row_per_success(answers):
     assert len(rows) == len(set(rows))
 
 
-def test_usage_written_while_postgresql_is_down_reaches_the_ledger_once_it_is_back(tenant, start_mock_upstream, tmp_path):
+# A database refusing connections (down, restarting), and a failover's demoted primary that takes connections
+# and refuses writes (ReadOnlySqlTransaction, not an OperationalError: before, those rows were neither written
+# nor journaled, and a journal replayed then was set aside as if its rows were bad).
+@pytest.mark.parametrize("outage", [database_refusing_connections, database_read_only], ids=["down", "read-only"])
+def test_usage_written_while_postgresql_is_down_reaches_the_ledger_once_it_is_back(tenant, start_mock_upstream, tmp_path,
+                                                                                   outage):
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=5))
     env = {"INFERPLANE_USAGE_JOURNAL_DIR": str(tmp_path / "journal"), "INFERPLANE_API_KEY_CACHE_S": "60"}
     child, gateway = start_web_server(tmp_path, name="gateway", extra_env=env)
     try:
         with Load(gateway, tenant.key, endpoint.name) as load:
             wait_until(lambda: load.outcomes()["ok"] >= 8, 30, message="traffic before the outage")
-            with database_refusing_connections():
+            with outage():
                 # Lookups are cached, so the gateway keeps answering; its usage can only go to the journal.
                 wait_until(lambda: usage_backlog(gateway) >= 5, 30, message="usage journaled during the outage")
+                time.sleep(1.5)  # replays tried against the database meanwhile
             wait_until(lambda: usage_backlog(gateway) == 0, 30, message="the journal replayed")
             back = load.snapshot()[-1].at
             wait_until(lambda: load.num_ok_since(back) >= 4, 30, message="traffic after the outage")
         outcomes = load.outcomes()
         assert outcomes["hung"] == 0 and outcomes["broken"] == 0, outcomes
         assert_one_row_per_success(load.snapshot())
-        assert not list((tmp_path / "journal").glob("*.jsonl"))
+        assert not list((tmp_path / "journal").glob("*.jsonl"))  # nothing set aside in rejected.jsonl either
     finally:
         child.stop()
 
@@ -84,29 +90,3 @@ def test_a_gateway_killed_with_a_journal_backlog_leaves_it_to_the_next_gateway(t
         assert load.outcomes()["hung"] == 0
     finally:
         first.stop()
-
-
-def test_usage_written_while_postgresql_refuses_writes_waits_in_the_journal_and_lands_once_it_is_writable(
-        tenant, start_mock_upstream, tmp_path):
-    # A failover's demoted primary takes connections and refuses writes (ReadOnlySqlTransaction, not an
-    # OperationalError): before, those rows were neither written nor journaled, and a journal replayed
-    # then was set aside as if its rows were bad.
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=5))
-    env = {"INFERPLANE_USAGE_JOURNAL_DIR": str(tmp_path / "journal"), "INFERPLANE_API_KEY_CACHE_S": "60"}
-    child, gateway = start_web_server(tmp_path, name="gateway", extra_env=env)
-    try:
-        with Load(gateway, tenant.key, endpoint.name) as load:
-            wait_until(lambda: load.outcomes()["ok"] >= 8, 30, message="traffic before the outage")
-            with database_read_only():
-                wait_until(lambda: usage_backlog(gateway) >= 5, 30, message="usage journaled while read-only")
-                time.sleep(1.5)  # replays tried against the read-only database meanwhile
-            wait_until(lambda: usage_backlog(gateway) == 0, 30, message="the journal replayed")
-            back = load.snapshot()[-1].at
-            wait_until(lambda: load.num_ok_since(back) >= 4, 30, message="traffic after the outage")
-        outcomes = load.outcomes()
-        assert outcomes["hung"] == 0 and outcomes["broken"] == 0, outcomes
-        assert_one_row_per_success(load.snapshot())
-        assert not list((tmp_path / "journal").glob("*.jsonl"))
-        assert not list((tmp_path / "journal").rglob("rejected*"))
-    finally:
-        child.stop()
