@@ -70,13 +70,17 @@ def _chat(client: httpx.Client, key: str, model: str) -> httpx.Response:
 def _connection_to_each_process(pod, key: str, model: str) -> dict[int, httpx.Client]:
     """A keep-alive connection to every gateway process of the pod, keyed by the process's pid."""
     connections: dict[int, httpx.Client] = {}
+    # NOTE: each process folds its counts into its file once a second, so a count that changes may be an earlier
+    # request's; a request is attributed only once every request sent so far is counted.
+    before = _served_by_process(pod.metrics)
     for _ in range(200):
         client = httpx.Client(base_url=pod.url, limits=httpx.Limits(max_connections=1))
-        before = _served_by_process(pod.metrics)
         assert _chat(client, key, model).status_code == 200
-        after = wait_until(lambda before=before: (now := _served_by_process(pod.metrics)) != before and now, 10,
-                           message="the request counted by the process that served it")
+        total = sum(before.values()) + 1
+        after = wait_until(lambda total=total: (now := _served_by_process(pod.metrics)) and sum(now.values()) == total
+                           and now, 10, message="the request counted by the process that served it")
         (pid,) = (after - before).keys()
+        before = after
         if pid in connections:
             client.close()
         else:
