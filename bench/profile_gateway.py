@@ -69,11 +69,43 @@ def py_spy_bin(given: str | None) -> str:
     return str(beside) if beside.exists() else (shutil.which("py-spy") or str(beside))
 
 
+def comm_cpu_s(names: tuple[str, ...]) -> float:
+    """CPU seconds of every live process whose command name is one of `names` (Redis, PostgreSQL's backends)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if text[text.index("(") + 1:text.rindex(")")] in names:
+            total += sum(int(v) for v in text.rsplit(")", 1)[1].split()[11:13]) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy (all cores: /proc/stat less idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def snapshot(pid: int) -> dict:
+    children = os.times()
+    return {"server": cpu_s(pid), "redis": comm_cpu_s(("redis-server",)), "postgres": comm_cpu_s(("postgres",)),
+            "mock": cpu_s(MOCK_PID[0]) if MOCK_PID else 0.0, "wrk": children.children_user + children.children_system,
+            "machine": machine_busy_s()}
+
+
+MOCK_PID: list[int] = []  # the fast mock's pid, once started
+
+
 def measure(url: str, key: str, pid: int, duration_s: float) -> dict:
-    before = cpu_s(pid)
+    before = snapshot(pid)
     run = bench.run_wrk(url + "/v1/chat/completions", key, "mock", CONCURRENCY, duration_s, None)
-    used = cpu_s(pid) - before
-    run["cpu_us_per_request"] = round(used / max(1, run["requests"]) * 1e6, 1)
+    after = snapshot(pid)
+    per = max(1, run["requests"])
+    run["cpu_us_per_request"] = round((after["server"] - before["server"]) / per * 1e6, 1)
+    # Where the rest of the machine's CPU went, per request: Redis, PostgreSQL, the mock upstream, wrk, and all of it.
+    run["others_us_per_request"] = {name: round((after[name] - before[name]) / per * 1e6) for name in after if name != "server"}
     return run
 
 
@@ -141,6 +173,8 @@ def main() -> int:
                         help="also serve the gateway and the floor of this tree under this server, in the same rounds "
                              "(uvicorn-access-log: uvicorn writing its access line, as a pod's web process does)")
     parser.add_argument("--granian-args", default="", help="extra granian flags, e.g. \"--runtime-mode st\"")
+    parser.add_argument("--machine-cpu", action="store_true",
+                        help="also print, per request, the CPU of Redis, PostgreSQL, the mock, wrk and the whole machine")
     args = parser.parse_args()
     granian_args = tuple(args.granian_args.split())
     bench.setup_django()
@@ -152,6 +186,7 @@ def main() -> int:
         children.append(mock)
         mock_url = f"http://127.0.0.1:{mock_port}"
         bench.wait_healthy(mock_url + "/health", mock, 30)
+        MOCK_PID.append(mock.process.pid)
         upstreams = {"mock": mock_url}
         stream_model, stream_upstream = "mock", mock_url
         if args.stream_token_delay_ms:
@@ -219,9 +254,14 @@ def main() -> int:
                       flush=True)
             if before_url:
                 older = measure(before_url, key, before_pid, args.duration_s)
+                if args.machine_cpu:
+                    print(f"  µs per request elsewhere: before {older['others_us_per_request']}", flush=True)
                 print(f"before {older['requests_per_s']}/s {older['cpu_us_per_request']} µs/req p50 {older['p50_ms']} "
                       f"p99 {older['p99_ms']} ms errors {older['errors']} | "
                       f"ratio {older['requests_per_s'] / floor['requests_per_s']:.1%}", flush=True)
+            if args.machine_cpu:
+                print(f"  µs per request elsewhere: floor {floor['others_us_per_request']} | gateway {through['others_us_per_request']}",
+                      flush=True)
             print(f"floor {floor['requests_per_s']}/s {floor['cpu_us_per_request']} µs/req p50 {floor['p50_ms']} ms | "
                   f"gateway {through['requests_per_s']}/s {through['cpu_us_per_request']} µs/req p50 {through['p50_ms']} "
                   f"p99 {through['p99_ms']} ms errors {through['errors']} | "
