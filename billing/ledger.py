@@ -238,7 +238,8 @@ async def record_usage_batch_on(connection, reports: list[UsageReport]) -> set[s
     if not reports:
         return set()
     async with connection.cursor() as cursor:
-        await cursor.execute(_INSERT_SQL, _rows(reports))
+        # NOTE: prepared on a cursor that binds server-side (`billing.usage_writer`); a client-side one ignores it.
+        await cursor.execute(_INSERT_SQL, _rows(reports), prepare=True)
         written = {row[0] for row in await cursor.fetchall()}
         if len(written) < len({r.request_id for r in reports}):
             skipped = [r for r in reports if r.request_id not in written]

@@ -85,11 +85,28 @@ def journal() -> UsageJournal:
     return UsageJournal(settings.USAGE_JOURNAL_DIR)
 
 
+PREPARE_ONLY_WHEN_ASKED = 2**31 - 1  # psycopg's prepare_threshold: never reached by a count of executions
+
+
+def prepares_statements() -> bool:
+    """Whether the writer's statement is prepared once per connection: not behind PgBouncer in
+    transaction mode (`DATABASE_POOLER`), where a prepared statement may not exist on the next transaction's
+    server connection."""
+    return settings.DATABASE_POOLER == "none"
+
+
 async def _connect() -> psycopg.AsyncConnection:
     params = connections["default"].get_connection_params()
     params.pop("cursor_factory", None)
-    # NOTE: client-side binding, as Django's own cursors do, so the ledger's SQL runs the same way.
     params.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
+    # NOTE: the ledger's INSERT (four joins over a JSON recordset) costs PostgreSQL more to parse and plan
+    # than to run for a batch of a few rows: with server-side binding it is prepared once per connection and
+    # every batch runs the plan (`record_usage_batch_on`). Behind a transaction pooler: client-side binding,
+    # as Django's own cursors, parsed each time.
+    if prepares_statements():
+        # only what asks for it (`prepare=True`: the INSERT) is prepared; psycopg's None would refuse even that
+        params["prepare_threshold"] = PREPARE_ONLY_WHEN_ASKED
+        return await psycopg.AsyncConnection.connect(**params, autocommit=True, cursor_factory=psycopg.AsyncCursor)
     return await psycopg.AsyncConnection.connect(**params, autocommit=True, cursor_factory=psycopg.AsyncClientCursor)
 
 
