@@ -181,3 +181,28 @@ def test_the_cost_ceiling_agrees_with_cost_of_to_the_nano_dollar(seed):
         ceiling = max(Decimal(0), cost + nudge) if generator.random() < 0.8 else Decimal(generator.randint(0, 10**6)).scaleb(-9)
         exceeded = CostCeiling.of(endpoint, ceiling, fraction=fraction).exceeded(prompt, cached, completion)
         assert exceeded == (cost > ceiling), (prices, fraction, prompt, cached, completion, ceiling, cost)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("pooler", ["none", "transaction"])
+def test_the_usage_writer_prepares_its_insert_unless_behind_a_transaction_pooler(settings, pooler):
+    # The INSERT (four joins over a JSON recordset) was parsed and planned by PostgreSQL for every batch. It is
+    # prepared once per connection now, except behind PgBouncer in transaction mode, where the next batch may
+    # run on a server connection that never saw it.
+    settings.DATABASE_POOLER = pooler
+    endpoint = EndpointFactory()
+
+    async def write_and_look() -> list:
+        writer = writer_for_this_loop()
+        for number in range(8):
+            assert await writer.write(usage_report(endpoint, request_id=f"prepared-{pooler}-{number}")) is True
+        async with writer._connection.cursor() as cursor:
+            await cursor.execute("SELECT statement FROM pg_prepared_statements")
+            return [row[0] for row in await cursor.fetchall()]
+
+    statements = asyncio.run(write_and_look())
+    assert UsageRecord.objects.filter(request_id__startswith=f"prepared-{pooler}-").count() == 8
+    if pooler == "none":
+        assert len(statements) == 1 and "INSERT INTO billing_usagerecord" in statements[0]
+    else:
+        assert statements == []
