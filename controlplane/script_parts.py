@@ -25,12 +25,11 @@ from controlplane.redis_scripts import Script
 
 _LUA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
-# Copies t[from..to] into a new table: each part reads its own K and A from 1.
+# Copies t[from..to] into a new table: each part reads its own K and A from 1. (`unpack` into a table
+# constructor: one C call, where a Lua loop appending one by one cost a script ~1 µs a slice in Redis.)
 _SLICE = """
 local function slice(t, from, to)
-  local out = {}
-  for i = from, to do out[#out + 1] = t[i] end
-  return out
+  return {unpack(t, from, to)}
 end
 """
 

@@ -24,14 +24,14 @@ from controlplane.redis_scripts import Script
 from controlplane.script_parts import ComposedScript
 
 # KEYS: reservations, deadlines, org reserved, key reserved; ARGV: request id, has key, now
-_RELEASE_EXPIRED = Script("""
+_RELEASE_EXPIRED = Script(counters.UNRESERVE_LUA + """
 local deadline = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not deadline or tonumber(deadline) > tonumber(ARGV[3]) then return 0 end
 local payload = redis.call('HGET', KEYS[1], ARGV[1])
 if payload then
   local amount = cjson.decode(payload)['a']
-  if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('DECRBY', KEYS[3], amount) end
-  if ARGV[2] == '1' and redis.call('EXISTS', KEYS[4]) == 1 then redis.call('DECRBY', KEYS[4], amount) end
+  quota_unreserve(KEYS[3], amount)
+  if ARGV[2] == '1' then quota_unreserve(KEYS[4], amount) end
   redis.call('HDEL', KEYS[1], ARGV[1])
 end
 redis.call('ZREM', KEYS[2], ARGV[1])

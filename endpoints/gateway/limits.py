@@ -24,32 +24,38 @@ from endpoints.gateway import errors
 
 WINDOW_TTL_S = 120
 
-# `limits_check` changes nothing (1: too many requests, 2: too many tokens this minute, 3: more tokens
-# than a whole minute allows); `limits_take` (the same keys and arguments) counts the admitted request
-# and reserves its tokens; `limits_used` (the same keys) reads both counters back, for the rate-limit
-# headers (`endpoints.gateway.ratelimit_headers`). `limits_give_back` replaces the reservation by the real count. Their keys
-# and arguments are `CHECK`'s and `GIVE_BACK`'s below.
+# `limits_read` reads this minute's two counters (one MGET); `limits_check` judges them and changes
+# nothing (1: too many requests, 2: too many tokens this minute, 3: more tokens than a whole minute
+# allows); `limits_take` (the same keys and arguments) counts the admitted request, reserves its tokens
+# and returns the counters as it left them, for the rate-limit headers
+# (`endpoints.gateway.ratelimit_headers`). `limits_give_back` replaces the reservation by the real count.
+# Their keys and arguments are `CHECK`'s and `GIVE_BACK`'s below.
+# NOTE: a counter gets its TTL when its INCR creates it (the value is then the increment): a minute's
+# key is written by these functions only, and INCRBY keeps a TTL, so one EXPIRE per key and minute does.
 LIMITS_LUA = f"""
-local function limits_check(K, A)
-  if tonumber(A[1]) > 0 and tonumber(redis.call('GET', K[1]) or '0') >= tonumber(A[1]) then return 1 end
+local function limits_read(K)
+  local used = redis.call('MGET', K[1], K[2])
+  return {{tonumber(used[1] or '0'), tonumber(used[2] or '0')}}
+end
+local function limits_check(K, A, used)
+  if tonumber(A[1]) > 0 and used[1] >= tonumber(A[1]) then return 1 end
   if tonumber(A[2]) > 0 then
     if tonumber(A[3]) > tonumber(A[2]) then return 3 end
-    if tonumber(redis.call('GET', K[2]) or '0') + tonumber(A[3]) > tonumber(A[2]) then return 2 end
+    if used[2] + tonumber(A[3]) > tonumber(A[2]) then return 2 end
   end
   return 0
 end
-local function limits_take(K, A)
+local function limits_take(K, A, used)
   if tonumber(A[1]) > 0 then
-    redis.call('INCR', K[1])
-    redis.call('EXPIRE', K[1], {WINDOW_TTL_S})
+    used[1] = redis.call('INCR', K[1])
+    if used[1] == 1 then redis.call('EXPIRE', K[1], {WINDOW_TTL_S}) end
   end
-  if tonumber(A[2]) > 0 and tonumber(A[3]) > 0 then
-    redis.call('INCRBY', K[2], A[3])
-    redis.call('EXPIRE', K[2], {WINDOW_TTL_S})
+  local tokens = tonumber(A[3])
+  if tonumber(A[2]) > 0 and tokens > 0 then
+    used[2] = redis.call('INCRBY', K[2], tokens)
+    if used[2] == tokens then redis.call('EXPIRE', K[2], {WINDOW_TTL_S}) end
   end
-end
-local function limits_used(K)
-  return {{tonumber(redis.call('GET', K[1]) or '0'), tonumber(redis.call('GET', K[2]) or '0')}}
+  return used
 end
 local function limits_give_back(K, A)
   local change = tonumber(A[3]) - tonumber(A[2])

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 
 from controlplane import redis_keys
@@ -156,7 +155,7 @@ async def beat() -> None:
         restored = 0
         for organization_id, snapshot in by_organization.items():
             keys = [traffic.gateway_requests_key(organization_id), redis_keys.no_replica_placeholder(organization_id)]
-            args = [time.time(), traffic.OUTSTANDING_TTL_S]
+            args = [traffic.score_now(), traffic.OUTSTANDING_TTL_S]
             for request_id, held in snapshot:
                 keys += [redis_keys.inflight_key(organization_id, held.endpoint_id), held.counter()]
                 args += [request_id, held.value()]
