@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
@@ -90,29 +91,36 @@ def from_units(units: int) -> Decimal:
 # takes the limits as they stand (`rebuild.rebuild_missing`: another version wrote them moments ago).
 RESERVE_LUA = """
 local function quota_reserve(K, A)
-  if redis.call('EXISTS', K[1]) == 0 then return {'missing', 'org'} end
-  if A[6] ~= '*' and redis.call('HGET', K[1], 'lv') ~= A[6] then return {'missing', 'limits'} end
+  local org = redis.call('HMGET', K[1], 'lv', 'prepaid', 'hold', 'cap', 'capr', 'spent')
+  if not org[1] and redis.call('EXISTS', K[1]) == 0 then return {'missing', 'org'} end
+  if A[6] ~= '*' and org[1] ~= A[6] then return {'missing', 'limits'} end
   local has_key = A[4] == '1'
-  if has_key and redis.call('EXISTS', K[3]) == 0 then return {'missing', 'key'} end
-  local prepaid = redis.call('HGET', K[1], 'prepaid') == '1'
-  if prepaid and redis.call('EXISTS', K[5]) == 0 then return {'missing', 'credit'} end
+  local key
+  if has_key then
+    key = redis.call('HMGET', K[3], 'cap', 'spent')
+    if not key[1] and redis.call('EXISTS', K[3]) == 0 then return {'missing', 'key'} end
+  end
+  local prepaid = org[2] == '1'
+  local credit
+  if prepaid then
+    credit = redis.call('GET', K[5])
+    if not credit then return {'missing', 'credit'} end
+  end
   if redis.call('HEXISTS', K[6], A[1]) == 1 then return {'ok', 'existing'} end
-  local hold = redis.call('HGET', K[1], 'hold')
-  if hold and hold ~= '' then return {'refused', hold} end
+  if org[3] and org[3] ~= '' then return {'refused', org[3]} end
   local amount = tonumber(A[2])
   local org_reserved = tonumber(redis.call('GET', K[2]) or '0')
-  local cap = tonumber(redis.call('HGET', K[1], 'cap'))
-  if cap >= 0 and tonumber(redis.call('HGET', K[1], 'spent')) + org_reserved + amount > cap then
-    return {'refused', redis.call('HGET', K[1], 'capr')}
+  local cap = tonumber(org[4])
+  if cap >= 0 and tonumber(org[6]) + org_reserved + amount > cap then
+    return {'refused', org[5]}
   end
   if has_key then
-    local key_cap = tonumber(redis.call('HGET', K[3], 'cap'))
-    local key_reserved = tonumber(redis.call('GET', K[4]) or '0')
-    if key_cap >= 0 and tonumber(redis.call('HGET', K[3], 'spent')) + key_reserved + amount > key_cap then
+    local key_cap = tonumber(key[1])
+    if key_cap >= 0 and tonumber(key[2]) + tonumber(redis.call('GET', K[4]) or '0') + amount > key_cap then
       return {'refused', 'key_cap'}
     end
   end
-  if prepaid and tonumber(redis.call('GET', K[5])) - org_reserved - amount < 0 then
+  if prepaid and tonumber(credit) - org_reserved - amount < 0 then
     return {'refused', 'credit'}
   end
   redis.call('INCRBY', K[2], A[2])
@@ -128,20 +136,45 @@ RESERVE = ScriptPart(
     keys=("org period", "org reserved", "key period", "key reserved", "credit", "reservations", "deadlines"),
     args=("request id", "amount (units)", "deadline", "has key (1/0)", "payload", "limits version"), lua=RESERVE_LUA)
 
-# Replaces a reservation by the real cost, never more than the reservation, once per request id. A request id
-# settled before (a batch line run again under its id, whose second usage row was a no-op) has its hold
-# released and adds no spend: the first settlement counted it.
-SETTLE_LUA = """
+# A reserved counter less a reservation's amount, never below zero: one it would take below (a counter Redis
+# lost, or one rebuilt since) is no key, as a counter never written (read as zero). Used by `SETTLE` and the
+# sweeper's release of expired reservations.
+UNRESERVE_LUA = """
+local function quota_unreserve(key, amount)
+  if redis.call('DECRBY', key, amount) < 0 then redis.call('DEL', key) end
+end
+"""
+
+# Replaces a reservation by the real cost, never more than the reservation, once per request id.
+#
+# Once per request id, two ways:
+# - A request id that may be settled again (a batch line, run again under its id after a crash: its second
+#   usage row is a no-op) leaves a settled marker (`settled_key`) for a day: a settlement that finds it
+#   releases its hold and adds no spend.
+# - A fresh id (the gateway's own random id, settled by its own call's end only) leaves nothing. Besides its
+#   call, only the sweeper can settle it (`billing.quota.sweeper`: served, but its gateway never settled),
+#   and the sweeper settles the marker's way, taking the reservation and leaving the marker. So the call's
+#   settlement counts the spend when it takes the reservation; the reservation gone, it counts it unless the
+#   sweeper's marker is there (without one, the sweeper released an expired hold without its cost: the
+#   request outlived its deadline, and its spend is counted now).
+#   NOTE: a marker per call, kept a day, was a key per request: ~86 million keys (~9 GB) a day at 1,000
+#   requests a second, each also written to the append-only file and every snapshot.
+SETTLE_LUA = UNRESERVE_LUA + """
 local function quota_settle(K, A)
-  local first = redis.call('SET', K[3], '1', 'NX', 'EX', A[4])
   local has_key = A[3] == '1'
   local actual = A[2]
   local payload = redis.call('HGET', K[1], A[1])
+  local first
+  if A[5] == '1' then
+    first = payload or redis.call('EXISTS', K[3]) == 0
+  else
+    first = redis.call('SET', K[3], '1', 'NX', 'EX', A[4])
+  end
   if payload then
     local amount = cjson.decode(payload)['a']
     if tonumber(actual) > tonumber(amount) then actual = amount end
-    if redis.call('EXISTS', K[5]) == 1 then redis.call('DECRBY', K[5], amount) end
-    if has_key and redis.call('EXISTS', K[7]) == 1 then redis.call('DECRBY', K[7], amount) end
+    quota_unreserve(K[5], amount)
+    if has_key then quota_unreserve(K[7], amount) end
     redis.call('HDEL', K[1], A[1])
     redis.call('ZREM', K[2], A[1])
   end
@@ -158,7 +191,7 @@ SETTLE = ScriptPart(
     "quota_settle",
     keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
           "key reserved", "credit"),
-    args=("request id", "actual (units)", "has key (1/0)", "marker ttl"), lua=SETTLE_LUA)
+    args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "fresh id (1/0)"), lua=SETTLE_LUA)
 
 # KEYS: a hash; ARGV: field/value pairs. Changes the hash only if it exists.
 _UPDATE_HASH = Script("""
@@ -201,7 +234,7 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
     units = to_units(amount, ROUND_CEILING)
     deadline = time.time() + settings.BILLING_RESERVATION_TTL_S
     keys, _, payload_before, payload_after = _prepared(organization_id, api_key_id, period.key)
-    args = [request_id, str(units), f"{deadline:.3f}", "1" if api_key_id is not None else "0",
+    args = [request_id, str(units), str(math.ceil(deadline)), "1" if api_key_id is not None else "0",
             f"{payload_before}{units}{payload_after}", "*" if any_limits else limits_version()]
     return reservation, keys, args
 
@@ -215,15 +248,16 @@ def refusal(status: str, detail: str) -> QuotaExceeded | None:
     raise ValueError(f"not a final answer: {status} {detail}")
 
 
-def settle_keys_and_args(reservation: Reservation, actual: Decimal) -> tuple[list[str], list[str]]:
-    """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`."""
+def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, fresh_id: bool = False) -> tuple[list[str], list[str]]:
+    """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`; `fresh_id` when its request
+    id is the gateway's own, never settled again by a caller (no settled marker: see `SETTLE_LUA`)."""
     if actual < 0:
         raise ValueError("a cost cannot be negative")
     org, key = reservation.organization_id, reservation.api_key_id
     kept = _prepared(org, key, reservation.period_key)[1]
     keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:]]
     has_key = "1" if key is not None else "0"
-    return keys, [reservation.request_id, str(to_units(actual)), has_key, str(SETTLED_MARKER_TTL_S)]
+    return keys, [reservation.request_id, str(to_units(actual)), has_key, str(SETTLED_MARKER_TTL_S), "1" if fresh_id else "0"]
 
 
 def limits_version() -> str:

@@ -30,24 +30,19 @@ from endpoints.gateway.ratelimit_headers import RateLimitReport
 # NOTE: on the pipelined connection of `controlplane.redis_scripts`, not redis-py's pool: these two
 # calls are most of a request's Redis time.
 _ADMIT = ComposedScript([limits.CHECK, counters.RESERVE, traffic.BEGIN, traffic.PICK], glue="""
-local verdict = limits_check(limits_check_K, limits_check_A)
-local used
-if verdict ~= 0 then
-  used = limits_used(limits_check_K)
-  return {'rate_limited', tostring(verdict), used[1], used[2]}
-end
+local used = limits_read(limits_check_K)
+local verdict = limits_check(limits_check_K, limits_check_A, used)
+if verdict ~= 0 then return {'rate_limited', tostring(verdict), used[1], used[2]} end
 local reserved = quota_reserve(quota_reserve_K, quota_reserve_A)
-if reserved[1] ~= 'ok' then
-  used = limits_used(limits_check_K)
-  return {reserved[1], reserved[2], used[1], used[2]}
+if reserved[1] ~= 'ok' then return {reserved[1], reserved[2], used[1], used[2]} end
+used = limits_take(limits_check_K, limits_check_A, used)
+local picked, held = 0, ''
+if #traffic_pick_K > 1 then
+  picked = traffic_pick(traffic_pick_K, traffic_pick_A)
+  held = traffic_pick_K[picked + 1]
 end
-limits_take(limits_check_K, limits_check_A)
-traffic_begin(traffic_begin_K, traffic_begin_A)
-used = limits_used(limits_check_K)
-if #traffic_pick_K == 1 then return {'ok', '0', used[1], used[2]} end
-local picked = traffic_pick(traffic_pick_K, traffic_pick_A)
--- this gateway's requests hash holds the request as in flight on the replica picked (after the hint key)
-traffic_hold({traffic_begin_K[3]}, {traffic_begin_A[1], traffic_begin_A[3], traffic_pick_K[picked + 1]})
+-- this gateway's requests hash holds the request as in flight on the replica picked (or as waiting: none)
+traffic_begin(traffic_begin_K, traffic_begin_A, held)
 return {'ok', tostring(picked), used[1], used[2]}
 """)
 
@@ -115,10 +110,12 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
 
 
 async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, release: str | None,
-                 num_tokens: int, cost: Decimal, served_by: str | None = None, cached_tokens: int = 0) -> None:
+                 num_tokens: int, cost: Decimal, served_by: str | None = None, cached_tokens: int = 0,
+                 fresh_id: bool = False) -> None:
     """The request is over: out of flight, its replica released, the tokens it reserved replaced by
     the `num_tokens` it used, its cost settled; if `served_by` (a replica id) reported `cached_tokens`,
-    it is remembered as holding the prompt's prefix."""
+    it is remembered as holding the prompt's prefix. `fresh_id`: its request id is the gateway's own, which
+    nothing settles again (`billing.quota.counters.SETTLE_LUA`); a batch line's is not."""
     await _FINISH(
         traffic_end=traffic.end_keys_and_args(caller.organization_id, endpoint_id, admission.reservation.request_id,
                                               release=release),
@@ -126,5 +123,5 @@ async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, rele
         routing_learn=routing.learn_keys_and_args(
             caller.organization_id, endpoint_id, admission.prefix_key,
             outstanding_key(caller.organization_id, served_by) if served_by else None, cached_tokens),
-        quota_settle=counters.settle_keys_and_args(admission.reservation, cost),
+        quota_settle=counters.settle_keys_and_args(admission.reservation, cost, fresh_id=fresh_id),
     )

@@ -438,7 +438,7 @@ class InferenceCall:
                                        release=self.outstanding_replica_id,
                                        num_tokens=usage.prompt_tokens + usage.completion_tokens if self.served else 0,
                                        cost=actual, served_by=self.replica.id if self.replica else None,
-                                       cached_tokens=usage.cached_tokens)
+                                       cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id)
             except Exception as exc:
                 if not errors.is_outage(exc):
                     raise

@@ -49,11 +49,12 @@ async def reserve(*, organization_id: int, api_key_id: int | None, amount: Decim
                                  request_id=request_id, amount=amount, num_tokens=0, candidates=[])
 
 
-async def settle(admitted: admission.Admission, actual: Decimal) -> None:
-    """Replace the reservation by the real cost, as the gateway's finish does."""
+async def settle(admitted: admission.Admission, actual: Decimal, *, fresh_id: bool = False) -> None:
+    """Replace the reservation by the real cost, as the gateway's finish does (`fresh_id`: for a call of its own,
+    not a batch line)."""
     reservation = admitted.reservation
     await admission.finish(caller=_caller(reservation.organization_id, reservation.api_key_id), endpoint_id=ENDPOINT,
-                           admission=admitted, release=None, num_tokens=0, cost=actual)
+                           admission=admitted, release=None, num_tokens=0, cost=actual, fresh_id=fresh_id)
 
 
 def _cap(organization, amount: str | None):
@@ -271,3 +272,54 @@ def test_a_request_id_settled_before_releases_its_new_hold_and_adds_no_spend(set
     assert reads.counted_spend(organization.pk) == Decimal("0.30")
     assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 0
     assert reads.counted_spend(organization.pk) == Decimal("0.30")
+
+
+def _settled_markers() -> list:
+    return list(get_redis().scan_iter(match="*:settled:*", count=1000))
+
+
+def test_a_gateway_call_settles_once_and_leaves_no_key_behind(settings):
+    # Every call's settlement left a settled marker for a day: a key per request, ~86 million a day at 1,000
+    # requests a second, in memory and in every snapshot. A call's own id is settled by its end alone.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    before = set(_settled_markers())
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_fresh"))
+    asyncio.run(settle(admitted, Decimal("0.20"), fresh_id=True))
+
+    assert set(_settled_markers()) == before
+    assert reads.counted_spend(organization.pk) == Decimal("0.20") and reads.reserved_now(organization.pk) == 0
+    assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 0
+
+
+def test_a_call_the_sweeper_settled_is_not_counted_again_when_its_gateway_settles_late(settings):
+    # The gateway wrote the usage row and its settlement was late (Redis away past the deadline): the sweeper
+    # settled it with the ledger's cost, then the gateway's own settlement came.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_late"))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_late"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="req_late").cost
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    asyncio.run(settle(admitted, cost, fresh_id=True))
+
+    assert reads.counted_spend(organization.pk) == cost and reads.reserved_now(organization.pk) == 0
+
+
+def test_a_call_that_outlived_its_reservation_still_counts_its_spend(settings):
+    # A stream longer than the reservation's deadline: the sweeper found no usage row yet and released the hold
+    # without a cost; the call's own settlement, later, counts what it cost.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    organization = EndpointFactory().organization
+    _cap(organization, "1.00")
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_long"))
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    asyncio.run(settle(admitted, Decimal("0.40"), fresh_id=True))
+
+    assert reads.counted_spend(organization.pk) == Decimal("0.40") and reads.reserved_now(organization.pk) == 0
