@@ -38,6 +38,7 @@ from controlplane.script_parts import ScriptPart
 UNITS_PER_DOLLAR = 10**9
 PERIOD_TTL_S = 40 * 86_400
 SETTLED_MARKER_TTL_S = 86_400
+CALL_SETTLED_MARKER_TTL_S = 300  # a gateway call's own id (`SETTLE_LUA`)
 
 
 class QuotaExceeded(Exception):
@@ -145,31 +146,23 @@ local function quota_unreserve(key, amount)
 end
 """
 
-# Replaces a reservation by the real cost, never more than the reservation, once per request id.
-#
-# Once per request id, two ways:
-# - A request id that may be settled again (a batch line, run again under its id after a crash: its second
-#   usage row is a no-op) leaves a settled marker (`settled_key`) for a day: a settlement that finds it
-#   releases its hold and adds no spend.
-# - A fresh id (the gateway's own random id, settled by its own call's end only) leaves nothing. Besides its
-#   call, only the sweeper can settle it (`billing.quota.sweeper`: served, but its gateway never settled),
-#   and the sweeper settles the marker's way, taking the reservation and leaving the marker. So the call's
-#   settlement counts the spend when it takes the reservation; the reservation gone, it counts it unless the
-#   sweeper's marker is there (without one, the sweeper released an expired hold without its cost: the
-#   request outlived its deadline, and its spend is counted now).
-#   NOTE: a marker per call, kept a day, was a key per request: ~86 million keys (~9 GB) a day at 1,000
-#   requests a second, each also written to the append-only file and every snapshot.
+# Replaces a reservation by the real cost, never more than the reservation, once per request id: the first
+# settlement leaves a settled marker (`settled_key`); one that finds it releases its hold and adds no spend.
+# The marker lives as long as a second settlement can come:
+# - a day (`SETTLED_MARKER_TTL_S`) for a request id that recurs (a batch line, run again under its id after a
+#   crash: its second usage row is a no-op) and for the sweeper's settlement (`billing.quota.sweeper`);
+# - minutes (`CALL_SETTLED_MARKER_TTL_S`) for a gateway call's own random id, settled by its end: long enough
+#   for a resend of the same finish script (a client retrying after a lost reply) and for the sweeper racing
+#   the call's own settlement. A call that outlived its reservation's deadline had its hold released by the
+#   sweeper without a marker, so its late settlement counts its spend.
+#   NOTE: a day's marker per call was ~86 million keys (~9–11 GB of Redis) a day at 1,000 requests a second,
+#   each also in every snapshot and append-only rewrite; minutes' is ~300,000.
 SETTLE_LUA = UNRESERVE_LUA + """
 local function quota_settle(K, A)
+  local first = redis.call('SET', K[3], '1', 'NX', 'EX', A[4])
   local has_key = A[3] == '1'
   local actual = A[2]
   local payload = redis.call('HGET', K[1], A[1])
-  local first
-  if A[5] == '1' then
-    first = payload or redis.call('EXISTS', K[3]) == 0
-  else
-    first = redis.call('SET', K[3], '1', 'NX', 'EX', A[4])
-  end
   if payload then
     local amount = cjson.decode(payload)['a']
     if tonumber(actual) > tonumber(amount) then actual = amount end
@@ -191,7 +184,7 @@ SETTLE = ScriptPart(
     "quota_settle",
     keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
           "key reserved", "credit"),
-    args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "fresh id (1/0)"), lua=SETTLE_LUA)
+    args=("request id", "actual (units)", "has key (1/0)", "marker ttl"), lua=SETTLE_LUA)
 
 # KEYS: a hash; ARGV: field/value pairs. Changes the hash only if it exists.
 _UPDATE_HASH = Script("""
@@ -250,14 +243,15 @@ def refusal(status: str, detail: str) -> QuotaExceeded | None:
 
 def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, fresh_id: bool = False) -> tuple[list[str], list[str]]:
     """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`; `fresh_id` when its request
-    id is the gateway's own, never settled again by a caller (no settled marker: see `SETTLE_LUA`)."""
+    id is a gateway call's own, which no caller settles again (its marker is kept minutes: see `SETTLE_LUA`)."""
     if actual < 0:
         raise ValueError("a cost cannot be negative")
     org, key = reservation.organization_id, reservation.api_key_id
     kept = _prepared(org, key, reservation.period_key)[1]
     keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:]]
     has_key = "1" if key is not None else "0"
-    return keys, [reservation.request_id, str(to_units(actual)), has_key, str(SETTLED_MARKER_TTL_S), "1" if fresh_id else "0"]
+    marker_ttl_s = CALL_SETTLED_MARKER_TTL_S if fresh_id else SETTLED_MARKER_TTL_S
+    return keys, [reservation.request_id, str(to_units(actual)), has_key, str(marker_ttl_s)]
 
 
 def limits_version() -> str:

@@ -39,7 +39,12 @@ return 1
 """)
 
 
-_SETTLE_SERVED = ComposedScript([counters.SETTLE], glue="return quota_settle(quota_settle_K, quota_settle_A)")
+# The reservation is checked again in the script: its call may have settled it since the sweeper read it (the
+# call's own marker stops a second count too, but only for minutes).
+_SETTLE_SERVED = ComposedScript([counters.SETTLE], glue="""
+if redis.call('HEXISTS', quota_settle_K[1], quota_settle_A[1]) == 0 then return 0 end
+return quota_settle(quota_settle_K, quota_settle_A)
+""")
 
 ORGS_PER_PIPELINE = 1000
 

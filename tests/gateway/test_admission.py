@@ -163,22 +163,22 @@ def test_every_counter_admission_writes_expires_and_none_is_left_below_zero_or_w
     # Redis lost (or one at zero) must not leave a negative key, or a key without a TTL, behind.
     caller = _caller(OrganizationFactory(), requests_per_minute=100, tokens_per_minute=10_000)
     redis = get_redis()
-    window = limits.Window.now(caller.organization_id, caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute)
     counters = [redis_keys.outstanding_key(caller.organization_id, r) for r in REPLICAS]
 
     async def scenario():
         admitted = [await _admit(caller, f"ttl-{number}") for number in range(3)]
+        window = admitted[-1].window  # the minute the last was counted in
         ttls = [redis.ttl(key) for key in (window.requests_key, window.tokens_key, *counters)]
         for one in admitted:
             redis.delete(*counters)  # Redis lost them (a failover to an empty replica)
             await admission.finish(caller=caller, endpoint_id=ENDPOINT, admission=one, release=REPLICAS[one.picked],
                                    num_tokens=10, cost=Decimal("0.001"), fresh_id=True)
-        return ttls
+        return window, ttls
 
-    ttls = asyncio.run(scenario())
+    window, ttls = asyncio.run(scenario())
 
     assert all(0 < ttl <= max(limits.WINDOW_TTL_S, 3600) for ttl in ttls), ttls
     assert [redis.exists(key) for key in counters] == [0, 0]  # released from nothing: no key, not -1
     assert 0 < redis.ttl(window.requests_key) <= limits.WINDOW_TTL_S
     assert 0 < redis.ttl(window.tokens_key) <= limits.WINDOW_TTL_S
-    assert _state(caller)["reserved"] == 0
+    assert reads.reserved_now(caller.organization_id) == 0
