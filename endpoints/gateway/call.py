@@ -102,6 +102,8 @@ class InferenceCall:
     held_at: datetime | None = None  # when a cold start began holding it
     cold_start: anatomy.ColdStart | None = None  # its split, measured at the first token
     response_started: bool = False
+    # Sent to a replica: from then on a client leaving a non-streamed call no longer stops it (`_watch_disconnect`).
+    forwarded: bool = False
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
     held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -221,6 +223,8 @@ class InferenceCall:
         # the cached list may still name the old one; the fresh list's new address is a new place to try.
         tried: set[tuple[str, str]] = set()
         for _attempt in range(2):  # a failure before the first byte is retried once, elsewhere
+            if self.disconnected.is_set():
+                raise ClientGone()  # a non-streamed call's client left while it was sent: no new engine request
             candidates = [r for r in replicas if (r.id, r.address) not in tried]
             if not candidates:
                 candidates = [r for r in await directory.ready_replicas(self.endpoint.id, fresh=True)
@@ -251,6 +255,7 @@ class InferenceCall:
         raise errors.upstream_failed("No replica could take the request; please retry.")
 
     async def _forward(self, replica: ReplicaInfo) -> None:
+        self.forwarded = True
         try:
             response = await self.client.post(
                 replica.address, self.request.path, self.request.upstream_body(),
@@ -288,6 +293,9 @@ class InferenceCall:
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None
         self.usage.take_totals(sse.response_usage(body))
         self.first_token_at = datetime.now(UTC)
+        if self.disconnected.is_set():  # read to its end for its usage (`_watch_disconnect`); nobody to answer
+            self.status = "client_aborted"
+            return
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
         if self.held_at is not None:
@@ -378,11 +386,21 @@ class InferenceCall:
         await self.send_body(b"data: " + exc.body() + b"\n\n" if self.request.stream else exc.body())
 
     async def _watch_disconnect(self, work: asyncio.Task) -> None:
+        """A client that leaves cancels the call, except a non-streamed call already sent to a replica.
+
+        NOTE: a non-streamed answer's usage comes only with the whole answer. Cancelling it aborted the engine's
+        request, whatever it had computed, and the call was billed nothing: a client could have any prompt
+        prefilled and most of an answer generated for free by leaving just before the end. Such a call now
+        reads its answer to the end (bounded as any: the read timeout, the answer's size cap, the reservation),
+        bills its usage and drops the body, as OpenAI bills a request whose client left. A stream is billed
+        for the events it sent, so it stops at once.
+        """
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
                 self.disconnected.set()
-                work.cancel()
+                if self.request.stream or not self.forwarded:
+                    work.cancel()
                 return
 
     async def _measure_cold_start(self) -> None:

@@ -46,6 +46,24 @@ def test_a_client_that_disconnects_mid_stream_leaves_one_aborted_row_with_the_to
     wait_until(lambda: httpx.get(f"{upstream}/_stats").json()["num_streams_left"] == 1, 10, message="the engine's abort")
 
 
+def test_a_client_that_leaves_a_non_streamed_call_is_billed_for_the_answer_the_engine_computed(
+        gateway, tenant, start_mock_upstream):
+    # A non-streamed answer's usage comes only with the whole answer. A client that left before it came had the
+    # engine's request aborted and was billed nothing: any prompt prefilled, most of an answer generated, free.
+    upstream = start_mock_upstream(token_delay_ms=20)
+    endpoint = serve_endpoint(tenant.org, upstream)
+    with pytest.raises(httpx.ReadTimeout):  # leaves after 0.4 s of a ~1 s answer
+        httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                   json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 50}, timeout=0.4)
+
+    row = wait_until(lambda: UsageRecord.objects.first(), 15, message="the usage row")
+    assert row.status == "client_aborted"
+    assert (row.prompt_tokens, row.completion_tokens) == (7, 50) and row.cost > 0
+    assert UsageRecord.objects.count() == 1
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1  # read to its end, never sent again
+    wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
+
+
 def test_a_replica_down_before_the_first_byte_is_retried_once_on_another(gateway, tenant, start_mock_upstream):
     dead = f"http://127.0.0.1:{free_port()}"
     endpoint = serve_endpoint(tenant.org, dead, start_mock_upstream())
