@@ -6,7 +6,7 @@ cProfile on at SIGUSR1 and off at SIGUSR2 (then writes its stats); between the t
 (non-streaming chat, concurrency 16). Prints calls per request, in all and by top-level package.
 cProfile's own cost makes the run slow: the counts, not the times, are the measure.
 
-    .venv/bin/python bench/count_calls.py [--compare-with .data/before] [--duration-s 3]
+    .venv/bin/python bench/count_calls.py [--compare-with .data/before] [--duration-s 3] [--top 40]
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration-s", type=float, default=3)
     parser.add_argument("--compare-with", default=None)
+    parser.add_argument("--top", type=int, default=0, help="also list the functions with the most calls per request")
     args = parser.parse_args()
     bench.setup_django()
     logs = Path(tempfile.mkdtemp(prefix="count-calls-"))
@@ -113,6 +114,12 @@ def main() -> int:
             print(f"{label}: {requests} requests, {sum(counts.values()) / requests:,.0f} calls per request, errors {run['errors']}")
             for package, n in counts.most_common(14):
                 print(f"    {n / requests:8.1f}  {package}")
+            if args.top:
+                import pstats
+
+                functions = sorted(pstats.Stats(stats_path).stats.items(), key=lambda item: -item[1][1])[: args.top]
+                for (filename, line, name), (_, total_calls, *_rest) in functions:
+                    print(f"    {total_calls / requests:8.1f}  {name} ({Path(filename).name}:{line})")
     finally:
         for child in reversed(children):
             child.stop()
