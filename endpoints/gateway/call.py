@@ -104,6 +104,7 @@ class InferenceCall:
     response_started: bool = False
     # Sent to a replica: from then on a client leaving a non-streamed call no longer stops it (`_watch_disconnect`).
     forwarded: bool = False
+    _cancelled_for_client: bool = False  # the disconnect watcher cancelled the call (not the server stopping)
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
     held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -159,9 +160,9 @@ class InferenceCall:
             self.outstanding_replica_id = replicas[admitted.picked].id
         self.held = presence.track(self.request_id, self.caller.organization_id, self.endpoint.id,
                                    self.outstanding_replica_id)
-        # NOTE: a client that disconnects cancels this task wherever it waits (see `_watch_disconnect`),
-        # watched from `WATCH_DISCONNECT_AFTER_S` on: most calls end sooner, and a timer costs a fraction of
-        # the task that watches (its steps, its cancellation).
+        # NOTE: a client that disconnects cancels this task wherever it waits, unless it is a non-streamed call
+        # already sent to a replica (see `_watch_disconnect`); watched from `WATCH_DISCONNECT_AFTER_S` on: most
+        # calls end sooner, and a timer costs a fraction of the task that watches (its steps, its cancellation).
         watcher = _Watcher(self)
         try:
             if not replicas:
@@ -177,13 +178,17 @@ class InferenceCall:
                 replicas = await self._adapter_holders(replicas)
             await self._proxy(replicas)
         except asyncio.CancelledError:
-            if not self.disconnected.is_set():
+            if not self._cancelled_for_client:
                 raise  # the server is stopping, not the client leaving
             asyncio.current_task().uncancel()
             self.status = "client_aborted"
         except ClientGone:
             self.status = "client_aborted"
         except errors.OpenAIError as exc:
+            if self.disconnected.is_set():  # a non-streamed call read on after its client left: nobody to tell
+                if self.status == "ok":
+                    self.status = "client_aborted"
+                return
             if not self.response_started:
                 raise
             if self.status == "ok":
@@ -197,7 +202,7 @@ class InferenceCall:
             try:
                 await asyncio.shield(finishing)
             except asyncio.CancelledError:
-                if not self.disconnected.is_set():
+                if not self._cancelled_for_client:
                     raise
                 await finishing  # NOTE: the client's cancellation, delivered late: finish all the same
 
@@ -223,8 +228,6 @@ class InferenceCall:
         # the cached list may still name the old one; the fresh list's new address is a new place to try.
         tried: set[tuple[str, str]] = set()
         for _attempt in range(2):  # a failure before the first byte is retried once, elsewhere
-            if self.disconnected.is_set():
-                raise ClientGone()  # a non-streamed call's client left while it was sent: no new engine request
             candidates = [r for r in replicas if (r.id, r.address) not in tried]
             if not candidates:
                 candidates = [r for r in await directory.ready_replicas(self.endpoint.id, fresh=True)
@@ -255,7 +258,9 @@ class InferenceCall:
         raise errors.upstream_failed("No replica could take the request; please retry.")
 
     async def _forward(self, replica: ReplicaInfo) -> None:
-        self.forwarded = True
+        if self.disconnected.is_set():
+            raise ClientGone()  # a non-streamed call whose client left during a first try: no new engine request
+        self.forwarded = True  # NOTE: no await since the check: the watcher cancels until this is set
         try:
             response = await self.client.post(
                 replica.address, self.request.path, self.request.upstream_body(),
@@ -391,15 +396,15 @@ class InferenceCall:
         NOTE: a non-streamed answer's usage comes only with the whole answer. Cancelling it aborted the engine's
         request, whatever it had computed, and the call was billed nothing: a client could have any prompt
         prefilled and most of an answer generated for free by leaving just before the end. Such a call now
-        reads its answer to the end (bounded as any: the read timeout, the answer's size cap, the reservation),
-        bills its usage and drops the body, as OpenAI bills a request whose client left. A stream is billed
-        for the events it sent, so it stops at once.
+        reads its answer to the end (bounded as any: its `max_tokens`, the read timeout, the answer's size cap),
+        bills its usage and drops the body. A stream is billed for the events it sent, so it stops at once.
         """
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
                 self.disconnected.set()
                 if self.request.stream or not self.forwarded:
+                    self._cancelled_for_client = True
                     work.cancel()
                 return
 
