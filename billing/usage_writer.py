@@ -99,10 +99,10 @@ async def _connect() -> psycopg.AsyncConnection:
     params = connections["default"].get_connection_params()
     params.pop("cursor_factory", None)
     params.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
-    # NOTE: the ledger's INSERT (four joins over a JSON recordset) costs PostgreSQL more to parse and plan
-    # than to run for a batch of a few rows: with server-side binding it is prepared once per connection and
-    # every batch runs the plan (`record_usage_batch_on`). Behind a transaction pooler: client-side binding,
-    # as Django's own cursors, parsed each time.
+    # NOTE: with server-side binding the ledger's INSERT (four joins over a JSON recordset) is prepared once per
+    # connection and every batch runs its plan (`record_usage_batch_on`), not parsed and planned per batch;
+    # measured, that saved PostgreSQL less than its per-row work varies (bench/results/gateway_profile.md,
+    # round 8). Behind a transaction pooler: client-side binding, as Django's own cursors, parsed each time.
     if prepares_statements():
         # only what asks for it (`prepare=True`: the INSERT) is prepared; psycopg's None would refuse even that
         params["prepare_threshold"] = PREPARE_ONLY_WHEN_ASKED
