@@ -115,7 +115,8 @@ async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, rele
     """The request is over: out of flight, its replica released, the tokens it reserved replaced by
     the `num_tokens` it used, its cost settled; if `served_by` (a replica id) reported `cached_tokens`,
     it is remembered as holding the prompt's prefix. `fresh_id`: its request id is the gateway's own, which
-    nothing settles again (`billing.quota.counters.SETTLE_LUA`); a batch line's is not."""
+    only a resend or the sweeper can settle again, so its settled marker is kept minutes, not a day
+    (`billing.quota.counters.SETTLE_LUA`); a batch line's id recurs."""
     await _FINISH(
         traffic_end=traffic.end_keys_and_args(caller.organization_id, endpoint_id, admission.reservation.request_id,
                                               release=release),

@@ -308,17 +308,22 @@ def test_a_calls_finish_script_sent_twice_counts_its_spend_once(settings):
     assert reads.counted_spend(organization.pk) == Decimal("0.20") and reads.reserved_now(organization.pk) == 0
 
 
-def test_the_sweeper_settling_a_reservation_its_call_settled_meanwhile_counts_nothing(settings):
-    # The sweeper read a served call's reservation (past its deadline), then the call's own settlement ran, then
-    # the sweeper's script: the reservation is checked again in the script.
-    settings.BILLING_RESERVATION_TTL_S = 600
+def _served_and_reserved(request_id: str):
+    """A call held and served (its usage row written), not settled yet: its organisation, admission and cost."""
     endpoint = EndpointFactory()
     organization = endpoint.organization
     _cap(organization, "1.00")
     admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
-                                   request_id="req_race"))
-    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_race"), max_cost=Decimal("0.50")))
-    cost = UsageRecord.objects.get(request_id="req_race").cost
+                                   request_id=request_id))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id=request_id), max_cost=Decimal("0.50")))
+    return organization, admitted, UsageRecord.objects.get(request_id=request_id).cost
+
+
+def test_the_sweeper_settling_a_reservation_its_call_settled_meanwhile_counts_nothing(settings):
+    # The sweeper read a served call's reservation (past its deadline), then the call's own settlement ran, then
+    # the sweeper's script: the reservation is checked again in the script.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    organization, admitted, cost = _served_and_reserved("req_race")
     read_by_the_sweeper = Reservation("req_race", organization.pk, None, Decimal(0), admitted.reservation.period_key)
     asyncio.run(settle(admitted, cost, fresh_id=True))
     get_redis().delete(redis_keys.settled_key(organization.pk, "req_race"))  # past the call's marker, the worst case
@@ -331,13 +336,7 @@ def test_a_call_the_sweeper_settled_is_not_counted_again_when_its_gateway_settle
     # The gateway wrote the usage row and its settlement was late (Redis away past the deadline): the sweeper
     # settled it with the ledger's cost, then the gateway's own settlement came.
     settings.BILLING_RESERVATION_TTL_S = 600
-    endpoint = EndpointFactory()
-    organization = endpoint.organization
-    _cap(organization, "1.00")
-    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
-                                   request_id="req_late"))
-    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_late"), max_cost=Decimal("0.50")))
-    cost = UsageRecord.objects.get(request_id="req_late").cost
+    organization, admitted, cost = _served_and_reserved("req_late")
     assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
     asyncio.run(settle(admitted, cost, fresh_id=True))
 
