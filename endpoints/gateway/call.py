@@ -126,6 +126,7 @@ class InferenceCall:
             raise errors.OpenAIError(503, f"The endpoint '{self.endpoint.name}' is paused.", type="server_error",
                                      code="endpoint_paused", headers={"retry-after": "60"})
         self.usage.num_choices_per_prompt = worst_case.num_sequences
+        self.usage.num_prompts = max(1, len(worst_case.prompt_bounds))
         self.reserved = worst_case.max_cost(self.endpoint)
         replicas = await directory.ready_replicas(self.endpoint.id)
         if not replicas:  # a FAILED endpoint, or one waiting for capacity, says so now instead of holding the call
@@ -287,10 +288,14 @@ class InferenceCall:
             response.close()
 
     async def _relay_whole(self, response: upstream.Response) -> None:
+        scanner = sse.UsageScanner()
         try:
-            body = await response.read()
+            body = await response.read(overflow=scanner.feed)
         except upstream.ResponseTooLarge:
-            # NOTE: a 400, not a 5xx: the same request would fail again (a batch line is not retried).
+            # NOTE: read to its end and billed for the usage it carries: the engine computed all of it for this
+            # request's own `n`, `max_tokens` and logprobs, and dropping it at the limit billed nothing (a way to
+            # have up to n × max_tokens generated free). A 400, not a 5xx: the same request would fail again.
+            self.usage.take_totals(scanner.usage)
             self.status = "upstream_error"
             raise errors.response_too_large(self.request.kind, upstream.MAX_WHOLE_BODY_BYTES) from None
         except upstream.UpstreamError as exc:
@@ -328,20 +333,27 @@ class InferenceCall:
             await self._relay_events(buffer + response.arrived_before_failure(), wants_usage, wants_continuous)
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-stream ({type(exc).__name__}).") from None
+        if self.disconnected.is_set():  # read to its end after the client left, no event carrying usage
+            self.status = "client_aborted"
 
     async def _relay_events(self, buffer: bytes, wants_usage: bool, wants_continuous: bool) -> bytes:
         """Sends the complete SSE events in `buffer` (in one write); returns the incomplete rest.
 
         Stops at the event whose usage passes the reservation: a read that holds many events (a
-        fast engine, a slow gateway) never relays, or counts, past the cut-off.
+        fast engine, a slow gateway) never relays, or counts, past the cut-off. After the client left
+        (before every prompt's first event, see `_watch_disconnect`) relays nothing, counts the events
+        up to the one that completes the prompts' count, and stops there.
         """
         if b"\n\n" not in buffer:
             return buffer
-        if self.disconnected.is_set():
+        gone = self.disconnected.is_set()
+        if gone and self.usage.every_prompt_counted:
             raise ClientGone()
         *events, rest = buffer.split(b"\n\n")
         out, spent = [], False
         for event in events:
+            if gone and self.usage.every_prompt_counted:
+                break
             if self.first_token_at is None and sse.has_choices(event):
                 self.first_token_at = datetime.now(UTC)
                 self.metrics.time_to_first_token.observe(time.monotonic() - self._started_monotonic)
@@ -359,6 +371,10 @@ class InferenceCall:
                 if self._ceiling.exceeded(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens):
                     spent = True
                     break
+        if gone:
+            if spent or self.usage.every_prompt_counted:
+                raise ClientGone()
+            return rest
         if out:
             out.append(b"")
             await self.send_body(b"\n\n".join(out))
@@ -391,19 +407,23 @@ class InferenceCall:
         await self.send_body(b"data: " + exc.body() + b"\n\n" if self.request.stream else exc.body())
 
     async def _watch_disconnect(self, work: asyncio.Task) -> None:
-        """A client that leaves cancels the call, except a non-streamed call already sent to a replica.
+        """A client that leaves cancels the call, except one already sent to a replica whose usage so far
+        the gateway does not know yet: a non-streamed call, and a stream before each prompt's first event.
 
         NOTE: a non-streamed answer's usage comes only with the whole answer. Cancelling it aborted the engine's
         request, whatever it had computed, and the call was billed nothing: a client could have any prompt
         prefilled and most of an answer generated for free by leaving just before the end. Such a call now
-        reads its answer to the end (bounded as any: its `max_tokens`, the read timeout, the answer's size cap),
-        bills its usage and drops the body. A stream is billed for the events it sent, so it stops at once.
+        reads its answer to the end (bounded as any: its `max_tokens`, the read timeout; past the size cap
+        through `sse.UsageScanner`), bills its usage and drops the body. A stream is billed for the events it
+        sent, so it stops at once, unless none had come yet: its first event of each prompt comes once the
+        engine has prefilled it and carries its prompt's tokens, so a stream left during a long prefill read
+        on to those events (relaying nothing), was billed for them and stopped there (`_relay_events`).
         """
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
                 self.disconnected.set()
-                if self.request.stream or not self.forwarded:
+                if not self.forwarded or (self.request.stream and self.usage.every_prompt_counted):
                     self._cancelled_for_client = True
                     work.cancel()
                 return

@@ -84,7 +84,7 @@ def response_too_large(kind: str, limit_bytes: int) -> OpenAIError:
     what = ("send fewer inputs in one request, or ask for encoding_format \"base64\"" if kind == "embedding"
             else "ask for it with \"stream\": true, or for fewer choices, tokens or logprobs")
     return OpenAIError(400, f"The answer is larger than {limit_bytes // 2**20} MiB, the most a non-streamed answer may "
-                            f"be: {what}.", code="response_too_large")
+                            f"be. The engine computed it, so its tokens are billed: {what}.", code="response_too_large")
 
 
 def service_unavailable(message: str = "The service is briefly unavailable; please retry.") -> OpenAIError:

@@ -102,6 +102,36 @@ def _parsed_usage(body: bytes) -> dict | None:
     return usage if isinstance(usage, dict) else None
 
 
+class UsageScanner:
+    """The `usage` of a compact JSON answer too large to hold, found as its bytes go by (`feed`).
+
+    Keeps a few KiB at most: the bytes from the last `,"usage":` field seen. vLLM writes `usage`
+    after the choices and before its own fields (`prompt_logprobs` may follow it, larger than the
+    choices), so the field is looked for in every piece, across the boundary with the one before.
+    """
+
+    __slots__ = ("_tail", "_capture")
+
+    CAPTURE_BYTES = 4096  # a usage object with every detail vLLM writes is a few hundred bytes
+
+    def __init__(self):
+        self._tail = b""  # the end of the last piece, too short to hold the whole field
+        self._capture = b""  # from the last `,"usage":` seen, up to CAPTURE_BYTES
+
+    def feed(self, data: bytes) -> None:
+        if self._capture and len(self._capture) < self.CAPTURE_BYTES:
+            self._capture += data[:self.CAPTURE_BYTES - len(self._capture)]
+        window = self._tail + data
+        found = window.rfind(_USAGE_FIELD)
+        if found >= 0:
+            self._capture = window[found:found + self.CAPTURE_BYTES]
+        self._tail = window[-(len(_USAGE_FIELD) - 1):]
+
+    @property
+    def usage(self) -> dict | None:
+        return find_usage(self._capture)[0] if self._capture else None
+
+
 def _object_end(data: bytes, start: int) -> int:
     """Index just past the JSON object that opens at `start`, or -1.
 

@@ -19,6 +19,7 @@ _CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)[,}]')
 @dataclass(slots=True)
 class UsageTally:
     num_choices_per_prompt: int = 1
+    num_prompts: int = 1
     _prompt_by_prompt: dict[int, int] = field(default_factory=dict)
     _completion_by_choice: dict[int, int] = field(default_factory=dict)
     _cached: int = 0
@@ -35,6 +36,12 @@ class UsageTally:
     @property
     def completion_tokens(self) -> int:
         return self._totals[2] if self._totals else sum(self._completion_by_choice.values())
+
+    @property
+    def every_prompt_counted(self) -> bool:
+        """Each prompt's tokens are counted: the engine prefilled them all (a stream's first event of each
+        prompt says so), or a whole usage came."""
+        return self._totals is not None or len(self._prompt_by_prompt) >= self.num_prompts
 
     def take_totals(self, usage: dict | None) -> None:
         """A whole answer's usage, or a stream's closing usage-only chunk."""

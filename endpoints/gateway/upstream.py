@@ -66,7 +66,8 @@ class MalformedResponse(UpstreamError):
 
 
 class ResponseTooLarge(UpstreamError):
-    """A whole answer passed `MAX_WHOLE_BODY_BYTES`: its connection is dropped (the engine aborts it)."""
+    """A whole answer passed `MAX_WHOLE_BODY_BYTES`: dropped with its connection (the engine aborts it), or,
+    read with an `overflow` callback, read to its end through it and then raised."""
 
 
 class MalformedRequest(UpstreamError):
@@ -79,7 +80,7 @@ class Response:
     """One answer as it arrives: `status` once its headers are in; the body by `read()` or `async for`."""
 
     __slots__ = ("status", "_conn", "_chunks", "_num_buffered", "_bounded", "_done", "_error", "_waiter",
-                 "_headers_seen")
+                 "_headers_seen", "_overflow", "_overflowed")
 
     def __init__(self, conn: _Connection):
         self.status = 0
@@ -91,6 +92,8 @@ class Response:
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
         self._headers_seen = False
+        self._overflow = None  # `read`'s callback for the bytes past MAX_WHOLE_BODY_BYTES
+        self._overflowed = False  # past it: every byte goes to `_overflow`, none is kept
 
     # --- fed by the connection -------------------------------------------------------------
     def _wake(self) -> None:
@@ -106,19 +109,41 @@ class Response:
         self._error = error
         self._wake()
 
+    def _spill(self) -> bool:
+        """Past MAX_WHOLE_BODY_BYTES: hand what is held, and from now on every byte, to `_overflow`
+        (False when there is none: the caller fails the read)."""
+        if self._overflow is None:
+            return False
+        self._overflowed = True
+        chunks, self._chunks, self._num_buffered = self._chunks, [], 0
+        for chunk in chunks:
+            self._overflow(chunk)
+        return True
+
     async def _wait(self) -> None:
         self._waiter = self._conn.loop.create_future()
         await self._waiter
 
     # --- the caller's side -------------------------------------------------------------------
-    async def read(self) -> bytes:
-        """The whole body; `UpstreamError` if the connection fails before its end."""
+    async def read(self, overflow=None) -> bytes:
+        """The whole body; `UpstreamError` if the connection fails before its end.
+
+        Past MAX_WHOLE_BODY_BYTES, `ResponseTooLarge`: at once, the connection dropped, without `overflow`; with
+        it (a callable taking bytes), once the answer is read to its end, every byte of it passed to
+        `overflow` and none held (the gateway reads such an answer's usage that way: the engine computed it).
+        """
         self._bounded = False
+        self._overflow = overflow
         self._conn.resume()
+        if self._num_buffered > MAX_WHOLE_BODY_BYTES and not self._overflowed:  # it came in before the read
+            self._spill()
         while not self._done or self._error is not None:
             if self._error is not None:
                 raise self._error
             await self._wait()
+        if self._overflowed:
+            self._conn.release(self)  # read to its end: the connection is reused
+            raise ResponseTooLarge(f"the answer passed {MAX_WHOLE_BODY_BYTES} bytes")
         if self._num_buffered > MAX_WHOLE_BODY_BYTES:  # it came in before the read, under the high-water mark
             self._chunks, self._done = [], False  # not at its end: `close` drops the connection
             raise ResponseTooLarge(f"the answer passed {MAX_WHOLE_BODY_BYTES} bytes")
@@ -221,9 +246,14 @@ class _Connection(asyncio.Protocol):
         response = self.response
         if response._error is not None:  # past the limit: the rest of what this read held is dropped
             return
+        if response._overflowed:
+            response._overflow(body)
+            return
         response._chunks.append(body)
         response._num_buffered += len(body)
         if not response._bounded and response._num_buffered > MAX_WHOLE_BODY_BYTES:
+            if response._spill():
+                return
             response._chunks = []
             self.reusable = False
             response._fail(ResponseTooLarge(f"the answer passed {MAX_WHOLE_BODY_BYTES} bytes"))

@@ -43,8 +43,10 @@ def _prefix(payload: dict) -> str:
 
 class MockOpenAI:
     def __init__(self, token_delay_s: float = 0.0, fail_after_chunks: int | None = None, one_write: bool = False,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, prefill_s: float = 0.0, whole_answer_bytes: int = 0):
         self.token_delay_s = token_delay_s
+        self.prefill_s = prefill_s  # before the first token (a stream's first event comes after it)
+        self.whole_answer_bytes = whole_answer_bytes  # a non-streamed answer padded to about this size (logprobs)
         self.fail_after_chunks = fail_after_chunks
         self.one_write = one_write  # a whole stream in one write: what a fast engine looks like to a busy gateway
         self.num_requests = 0
@@ -85,10 +87,12 @@ class MockOpenAI:
         self.prefixes_seen.add(_prefix(payload))
         if payload.get("stream"):
             return await self._stream(send, payload, num_tokens, chat, cached, receive)
-        await asyncio.sleep(self.token_delay_s * num_tokens)
+        await asyncio.sleep(self.prefill_s + self.token_delay_s * num_tokens)
         text = " ".join(["tok"] * num_tokens)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
                   else {"index": 0, "text": text, "finish_reason": "length"})
+        if self.whole_answer_bytes:
+            choice["logprobs"] = {"content": [{"token": "x" * 1000, "logprob": -1.0}] * (self.whole_answer_bytes // 1030)}
         return await self._json(send, 200, {
             "id": "cmpl-mock", "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": payload.get("model"), "choices": [choice], "usage": _usage(num_tokens, cached),
@@ -110,6 +114,7 @@ class MockOpenAI:
         base = {"id": "cmpl-mock", "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": payload.get("model")}
         left = asyncio.ensure_future(receive()) if receive is not None else None  # `http.disconnect` once it leaves
+        await asyncio.sleep(self.prefill_s)
         for index in range(num_tokens):
             if left is not None and left.done():
                 self.num_streams_left += 1
@@ -156,8 +161,11 @@ def main() -> None:
     parser.add_argument("--fail-after-chunks", type=int, default=None)
     parser.add_argument("--one-write", action="store_true", help="send each stream in one write")
     parser.add_argument("--prefix-cache", action="store_true", help="report cached tokens for a prefix seen before")
+    parser.add_argument("--prefill-ms", type=float, default=0.0, help="time before the first token")
+    parser.add_argument("--whole-answer-bytes", type=int, default=0, help="pad non-streamed answers to about this size")
     args = parser.parse_args()
-    app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks, args.one_write, args.prefix_cache)
+    app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks, args.one_write, args.prefix_cache,
+                     args.prefill_ms / 1000, args.whole_answer_bytes)
     if os.environ.get(ENGINE_API_KEY_ENV):
         app = EngineKeyGuard(app)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)

@@ -36,7 +36,8 @@ def start_mock_upstream(tmp_path):
     started: list[ChildProcess] = []
 
     def start(*, token_delay_ms: float = 0, fail_after_chunks: int | None = None, engine_key: str = "",
-              one_write: bool = False, prefix_cache: bool = False) -> str:
+              one_write: bool = False, prefix_cache: bool = False, prefill_ms: float = 0,
+              whole_answer_bytes: int = 0) -> str:
         port = free_port()
         args = [sys.executable, "-m", "tests.fakes.mock_openai", "--port", str(port), "--token-delay-ms", str(token_delay_ms)]
         if fail_after_chunks is not None:
@@ -45,6 +46,10 @@ def start_mock_upstream(tmp_path):
             args.append("--one-write")
         if prefix_cache:
             args.append("--prefix-cache")
+        if prefill_ms:
+            args += ["--prefill-ms", str(prefill_ms)]
+        if whole_answer_bytes:
+            args += ["--whole-answer-bytes", str(whole_answer_bytes)]
         env = child_env() | ({ENGINE_API_KEY_ENV: engine_key} if engine_key else {})
         child = ChildProcess(args, env, tmp_path / f"mock-{port}.log")
         started.append(child)

@@ -117,3 +117,16 @@ def test_a_stream_of_many_choices_is_counted_per_choice_and_its_prompts_once_eac
     assert (tally.prompt_tokens, tally.completion_tokens) == (5 + 7, 2 + 4 + 1 + 3)
     tally.take_totals({"prompt_tokens": 12, "completion_tokens": 11, "prompt_tokens_details": {"cached_tokens": 4}})
     assert (tally.prompt_tokens, tally.cached_tokens, tally.completion_tokens) == (12, 4, 11)
+
+
+def test_a_stream_has_every_prompt_counted_once_each_prompt_has_an_event_with_usage():
+    # A stream whose client left during its prefill reads on until this holds (`InferenceCall._relay_events`).
+    tally = UsageTally(num_choices_per_prompt=2, num_prompts=2)
+    assert not tally.every_prompt_counted
+    tally.take_chunk(*_chunk(1, 5, 0))  # prompt 0's second choice
+    assert not tally.every_prompt_counted
+    tally.take_chunk(*_chunk(2, 7, 0))  # prompt 1's first choice
+    assert tally.every_prompt_counted and tally.prompt_tokens == 12
+    whole = UsageTally(num_prompts=3)
+    whole.take_totals({"prompt_tokens": 9, "completion_tokens": 1})
+    assert whole.every_prompt_counted

@@ -65,6 +65,42 @@ def test_a_client_that_leaves_a_non_streamed_call_is_billed_for_the_answer_the_e
     wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
 
 
+def test_a_stream_left_during_its_prefill_is_billed_for_its_prompt_and_stopped_at_its_first_event(
+        gateway, tenant, start_mock_upstream):
+    # A stream's first event comes once the engine has prefilled its prompt. A client that left before it had the
+    # engine's request aborted and was billed nothing: a long prompt's prefill, again and again, for free.
+    upstream = start_mock_upstream(token_delay_ms=40, prefill_ms=1500)
+    endpoint = serve_endpoint(tenant.org, upstream)
+    with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=100) as response:
+        assert response.status_code == 200
+        time.sleep(0.5)  # leaves during the prefill, before any event
+
+    row = wait_until(lambda: UsageRecord.objects.first(), 15, message="the usage row")
+    assert row.status == "client_aborted"
+    assert row.prompt_tokens == 7 and row.completion_tokens <= 1 and row.cost > 0
+    assert UsageRecord.objects.count() == 1
+    # Stopped at that first event: the engine's request aborted, never run to its end.
+    wait_until(lambda: httpx.get(f"{upstream}/_stats").json()["num_streams_left"] == 1, 10, message="the engine's abort")
+    wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
+
+
+def test_a_non_streamed_answer_past_the_size_limit_is_refused_and_billed_for_what_the_engine_computed(
+        gateway, tenant, start_mock_upstream):
+    # Dropped at the limit, such an answer (n: 16 with logprobs, say) was billed nothing: up to n × max_tokens
+    # generated free. It is read to its end, not held, for its usage.
+    upstream = start_mock_upstream(whole_answer_bytes=65 * 2**20)
+    endpoint = serve_endpoint(tenant.org, upstream)
+    response = httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                          json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5}, timeout=60)
+
+    assert response.status_code == 400 and response.json()["error"]["code"] == "response_too_large"
+    row = wait_until(lambda: UsageRecord.objects.first(), 15, message="the usage row")
+    assert (row.prompt_tokens, row.completion_tokens) == (7, 5) and row.cost > 0
+    assert "billed" in response.json()["error"]["message"]
+    assert UsageRecord.objects.count() == 1
+    wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
+
+
 def test_a_replica_down_before_the_first_byte_is_retried_once_on_another(gateway, tenant, start_mock_upstream):
     dead = f"http://127.0.0.1:{free_port()}"
     endpoint = serve_endpoint(tenant.org, dead, start_mock_upstream())

@@ -402,6 +402,43 @@ def test_a_whole_answer_past_the_limit_fails_the_read_and_drops_its_connection(m
     run(main())
 
 
+@pytest.mark.parametrize("body_first", [True, False], ids=["in-before-the-read", "in-pieces-during-it"])
+def test_a_whole_answer_past_the_limit_read_with_an_overflow_goes_through_it_to_its_end_and_keeps_its_connection(
+        monkeypatch, body_first):
+    # The gateway reads such an answer to its end for its usage (the engine computed it): every byte reaches the
+    # callback, none is held, the read then fails, and the connection, read to its end, is reused.
+    monkeypatch.setattr(upstream, "MAX_WHOLE_BODY_BYTES", 10_000)
+    body = b'{"x": "' + b"y" * 3_000_000 + b'"}'
+
+    async def huge(reader, writer, server):
+        while True:
+            server.requests.append(await _read_request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
+            for start in range(0, len(body), 100_000):
+                writer.write(body[start:start + 100_000])
+                await writer.drain()
+                await asyncio.sleep(0)
+
+    async def main():
+        async with Server(huge) as server:
+            client = UpstreamClient(read_timeout_s=5)
+            seen = []
+            response = await client.post(server.address, "/v1/chat/completions", b"{}", {})
+            if body_first:
+                await asyncio.sleep(0.3)
+            with pytest.raises(upstream.ResponseTooLarge):
+                await response.read(overflow=seen.append)
+            assert b"".join(seen) == body and response._num_buffered == 0
+            response.close()
+            assert client.num_idle(server.address) == 1
+            again = await client.post(server.address, "/v1/chat/completions", b"{}", {})
+            with pytest.raises(upstream.ResponseTooLarge):
+                await again.read(overflow=lambda data: None)
+            assert server.connections == 1 and len(server.requests) == 2
+            await client.close()
+    run(main())
+
+
 @pytest.mark.parametrize("body_first", [True, False], ids=["in-before-the-read", "in-one-piece-during-it"])
 def test_a_whole_answer_past_the_limit_that_arrives_in_one_piece_still_fails(monkeypatch, body_first):
     # The parser went on through the same read to the message's end: the answer was marked done and

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from endpoints.gateway.sse import find_usage, rewrite_event
+from endpoints.gateway.sse import UsageScanner, find_usage, rewrite_event
 
 USAGE = {"prompt_tokens": 7, "total_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
 TOKEN_CHUNK = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
@@ -69,3 +69,27 @@ def test_usage_of_a_whole_response_is_found_without_parsing_the_rest():
     assert usage == USAGE
     assert json.loads(body[:start] + body[end:]) == {"id": "x", "choices": [{"message": {"content": "}{"}}]}
     assert find_usage(b'{"usage":{"prompt_tokens":1') == (None, -1, -1)  # truncated: not trusted
+
+
+@pytest.mark.parametrize("piece", [1, 7, 8, 9, 100, 65536])
+@pytest.mark.parametrize("after", [b"", b',"prompt_logprobs":[' + b'{"5":{"logprob":-1.0,"rank":1}},' * 5_000 + b'null]'],
+                         ids=["usage-last", "prompt-logprobs-after-usage"])
+def test_the_usage_of_an_answer_too_large_to_hold_is_found_in_its_pieces(piece, after):
+    # A whole answer past the gateway's limit is read to its end without being held, for its usage (the engine
+    # computed it all); `usage` comes after the choices, and vLLM's `prompt_logprobs` may follow it.
+    choices = json.dumps([{"index": 0, "message": {"content": 'x ,"usage":{"prompt_tokens":999} ' * 3_000}}],
+                         separators=(",", ":")).encode()
+    body = (b'{"id":"chatcmpl-1","object":"chat.completion","choices":' + choices + b',"usage":'
+            + json.dumps(USAGE, separators=(",", ":")).encode() + after + b',"kv_transfer_params":null}')
+    scanner = UsageScanner()
+    for start in range(0, len(body), piece):
+        scanner.feed(body[start:start + piece])
+    assert scanner.usage == USAGE
+    assert len(scanner._capture) <= UsageScanner.CAPTURE_BYTES and len(scanner._tail) < 9
+
+
+def test_an_answer_without_usage_scans_to_none():
+    scanner = UsageScanner()
+    for piece in (b'{"choices":[{"text":"a ,\\"usage\\":{\\"prompt_tokens\\":3}"}]', b',"usage":null}'):
+        scanner.feed(piece)
+    assert scanner.usage is None
