@@ -371,11 +371,11 @@ class InferenceCall:
                 if self._ceiling.exceeded(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens):
                     spent = True
                     break
-        if gone:
-            if spent or self.usage.every_prompt_counted:
+        if gone and not spent:
+            if self.usage.every_prompt_counted:
                 raise ClientGone()
             return rest
-        if out:
+        if out and not gone:
             out.append(b"")
             await self.send_body(b"\n\n".join(out))
         if spent:
@@ -416,8 +416,15 @@ class InferenceCall:
         reads its answer to the end (bounded as any: its `max_tokens`, the read timeout; past the size cap
         through `sse.UsageScanner`), bills its usage and drops the body. A stream is billed for the events it
         sent, so it stops at once, unless none had come yet: its first event of each prompt comes once the
-        engine has prefilled it and carries its prompt's tokens, so a stream left during a long prefill read
-        on to those events (relaying nothing), was billed for them and stopped there (`_relay_events`).
+        engine has prefilled it and carries its prompt's tokens, so a stream left before them reads on to
+        those events (relaying nothing), is billed for them and stops there (`_relay_events`). Aborted at
+        once, it was billed nothing for a prefill the engine had mostly done, and the prefix cache kept
+        it: leave before the first token, then send the same prompt again, and its prompt was billed at
+        the cached price only. The price of one rule (a request that reached a replica has its prompt
+        processed and billed; leaving stops its output): a stream left while it waits in the engine's
+        queue is still prefilled when its turn comes, holding its place in the caller's concurrency
+        until then (bounded by the read timeout), and its prompt is billed at the input price (vLLM's
+        per-chunk usage does not say how much of it the prefix cache held).
         """
         while True:
             message = await self.receive()

@@ -155,6 +155,8 @@ class MockOpenAI:
 def main() -> None:
     import uvicorn
 
+    global PROMPT_TOKENS
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
@@ -163,7 +165,9 @@ def main() -> None:
     parser.add_argument("--prefix-cache", action="store_true", help="report cached tokens for a prefix seen before")
     parser.add_argument("--prefill-ms", type=float, default=0.0, help="time before the first token")
     parser.add_argument("--whole-answer-bytes", type=int, default=0, help="pad non-streamed answers to about this size")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="the prompt tokens every usage says")
     args = parser.parse_args()
+    PROMPT_TOKENS = args.prompt_tokens
     app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks, args.one_write, args.prefix_cache,
                      args.prefill_ms / 1000, args.whole_answer_bytes)
     if os.environ.get(ENGINE_API_KEY_ENV):

@@ -11,6 +11,7 @@ import pytest
 from billing.models import UsageRecord
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import reservations_key
+from endpoints.gateway.estimate import worst_case
 from endpoints.models import Replica
 from tests.conftest import free_port, start_web_server, wait_until
 from tests.gateway.conftest import serve_endpoint
@@ -82,6 +83,22 @@ def test_a_stream_left_during_its_prefill_is_billed_for_its_prompt_and_stopped_a
     # Stopped at that first event: the engine's request aborted, never run to its end.
     wait_until(lambda: httpx.get(f"{upstream}/_stats").json()["num_streams_left"] == 1, 10, message="the engine's abort")
     wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
+
+
+def test_a_stream_left_during_its_prefill_whose_first_event_passes_its_reservation_is_cut_off_there(
+        gateway, tenant, start_mock_upstream):
+    # The engine counts far more prompt than the estimate allowed (a template's own text): the first event spends
+    # the reservation. Billed the reservation as a stream cut off there, not logged as a broken estimate.
+    upstream = start_mock_upstream(token_delay_ms=40, prefill_ms=1500, prompt_tokens=5000)
+    endpoint = serve_endpoint(tenant.org, upstream)
+    with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=100) as response:
+        assert response.status_code == 200
+        time.sleep(0.5)
+
+    row = wait_until(lambda: UsageRecord.objects.first(), 15, message="the usage row")
+    reserved = worst_case({"messages": MESSAGES, "max_tokens": 100}, "chat", endpoint.max_model_len).max_cost(endpoint)
+    assert row.status == "cut_off" and row.prompt_tokens == 5000 and row.cost == reserved
+    wait_until(lambda: httpx.get(f"{upstream}/_stats").json()["num_streams_left"] == 1, 10, message="the engine's abort")
 
 
 def test_a_non_streamed_answer_past_the_size_limit_is_refused_and_billed_for_what_the_engine_computed(

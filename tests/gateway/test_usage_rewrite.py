@@ -77,8 +77,11 @@ def test_usage_of_a_whole_response_is_found_without_parsing_the_rest():
 def test_the_usage_of_an_answer_too_large_to_hold_is_found_in_its_pieces(piece, after):
     # A whole answer past the gateway's limit is read to its end without being held, for its usage (the engine
     # computed it all); `usage` comes after the choices, and vLLM's `prompt_logprobs` may follow it.
-    choices = json.dumps([{"index": 0, "message": {"content": 'x ,"usage":{"prompt_tokens":999} ' * 3_000}}],
+    # Text quotes are escaped; a completions `top_logprobs` key is a token's text and so can be a bare `"usage"`.
+    choices = json.dumps([{"index": 0, "message": {"content": 'x ,"usage":{"prompt_tokens":999} ' * 3_000},
+                           "logprobs": {"top_logprobs": [{"the": -0.1, "usage": -0.3}] * 2_000}}],
                          separators=(",", ":")).encode()
+    assert b',"usage":-0.3' in choices
     body = (b'{"id":"chatcmpl-1","object":"chat.completion","choices":' + choices + b',"usage":'
             + json.dumps(USAGE, separators=(",", ":")).encode() + after + b',"kv_transfer_params":null}')
     scanner = UsageScanner()
