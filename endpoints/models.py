@@ -308,6 +308,11 @@ class Endpoint(models.Model):
         return task_of_architecture(architecture).value if architecture else ""
 
     @property
+    def chat_template_tokens(self) -> tuple[int, int]:
+        """What its model's chat template adds to a conversation (`ModelFacts.chat_template_tokens_of`)."""
+        return ModelFacts.chat_template_tokens_of(self.model_source, self.weights_scope)
+
+    @property
     def context_length(self) -> int:
         """The context the engine serves: the endpoint's own limit, else the model's, else a cautious guess."""
         if self.max_model_len is not None:
@@ -336,6 +341,10 @@ class ModelFacts(models.Model):
     # The checkpoint's `quantization_config` as `protocol.CheckpointQuantization.to_dict()`:
     # null = not read (an older agent), {"quant_method": ""} = it declares none.
     checkpoint_quantization = models.JSONField(null=True, blank=True)
+    # What its chat template adds to a conversation, in tokens, as a READY engine counted it
+    # (`protocol.ChatTemplateTokens`); null until one has. The gateway's estimate allows at least this.
+    template_tokens_per_conversation = models.PositiveIntegerField(null=True, blank=True)
+    template_tokens_per_message = models.PositiveIntegerField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -355,6 +364,13 @@ class ModelFacts(models.Model):
     @classmethod
     def context_length_of(cls, source: str, scope: str) -> int | None:
         return cls.of(source, scope).exclude(max_model_len=None).values_list("max_model_len", flat=True).first()
+
+    @classmethod
+    def chat_template_tokens_of(cls, source: str, scope: str) -> tuple[int, int]:
+        """(per conversation, per message) its chat template adds, as measured; (0, 0) until measured."""
+        measured = cls.of(source, scope).exclude(template_tokens_per_conversation=None).values_list(
+            "template_tokens_per_conversation", "template_tokens_per_message").first()
+        return (measured[0], measured[1] or 0) if measured else (0, 0)
 
     @classmethod
     def quantization_of(cls, source: str, scope: str) -> CheckpointQuantization | None:

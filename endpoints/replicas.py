@@ -38,6 +38,7 @@ from endpoints.models import (
     Endpoint,
     EventKind,
     IdleAction,
+    ModelFacts,
     Replica,
     ReplicaSleep,
 )
@@ -320,6 +321,8 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
             if new_state == ReplicaState.FAILED:
                 fields["failure_reason"] = report.failure_reason[-2000:] or "engine failed"
         Replica.objects.filter(pk=replica.pk).update(**fields)
+    if new_state == ReplicaState.READY and new_state != previous and report.chat_template_tokens is not None:
+        record_chat_template_tokens(replica.endpoint, report.chat_template_tokens)
     if memory_changed:
         problem = memory_estimate_problem(replica.endpoint, memory)
         if problem:
@@ -327,6 +330,20 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
                          replica=replica, **memory.to_dict())
     if new_state != previous:
         _announce_transition(replica, previous, new_state, report)
+
+
+def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTemplateTokens) -> None:
+    """Keep what a READY engine counted of its model's chat template, in the scope the endpoint reads the model in
+    (as `fleet.services.record_model_facts` keeps a config's facts): the gateway's estimate of every prompt to
+    that model allows at least this (`endpoints.gateway.estimate`).
+
+    NOTE: taken when the control plane first hears a replica READY (a wake from sleep included), not every
+    heartbeat: the template is the model's, the same for each of its engines."""
+    values = {"template_tokens_per_conversation": measured.per_conversation,
+              "template_tokens_per_message": measured.per_message}
+    source, scope = endpoint.model_source, endpoint.weights_scope
+    if not ModelFacts.objects.filter(source=source, scope=scope, **values).exists():
+        ModelFacts.objects.update_or_create(source=source, scope=scope, defaults=values)
 
 
 def memory_estimate_problem(endpoint: Endpoint, memory: protocol.EngineMemory) -> str:

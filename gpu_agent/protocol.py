@@ -264,6 +264,23 @@ class EngineMemory(Message):
 
 
 @dataclass(slots=True)
+class ChatTemplateTokens(Message):
+    """What a model's chat template adds to a conversation's own text, in tokens, as its engine counted it
+    (`/tokenize` of probe conversations whose messages are empty): the gateway's estimate of a prompt
+    (`endpoints.gateway.estimate`) allows at least this much, so a template with a long default system
+    prompt is reserved, and billed, for it."""
+
+    per_conversation: int = 0  # a one-message conversation with its generation prompt (BOS, default system prompt)
+    per_message: int = 0  # each further message (its role's markers)
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.per_conversation) and _is_int(self.per_message), "template token counts must be integers")
+        # NOTE: the engine counted what a tenant's template renders: clamped to what a context can hold.
+        self.per_conversation = min(max(self.per_conversation, 0), MAX_MODEL_CONTEXT_TOKENS)
+        self.per_message = min(max(self.per_message, 0), MAX_MODEL_CONTEXT_TOKENS)
+
+
+@dataclass(slots=True)
 class ReplicaStatus(Message):
     replica_id: str
     state: ReplicaState
@@ -294,6 +311,8 @@ class ReplicaStatus(Message):
     # and those the engine (or the agent) refused, with the reason.
     adapters: list[str] = field(default_factory=list)
     adapter_failures: dict[str, str] = field(default_factory=dict)
+    # Measured once the engine is READY (None until then, for an embedding model, or from an older agent).
+    chat_template_tokens: ChatTemplateTokens | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.replica_id), "replica_id is required")

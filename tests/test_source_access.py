@@ -13,7 +13,8 @@ from endpoints.credentials import source_access
 from endpoints.fleet.services import create_join_token
 from endpoints.models import AllowedSource, ModelCredential, Replica, organization_scope
 from endpoints.nodes.models import Node
-from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaState
+from endpoints.replicas import record_chat_template_tokens
+from gpu_agent.protocol import ChatTemplateTokens, Heartbeat, HeartbeatResponse, ReplicaState
 from tests.factories import AWS_SECRET, HF_SECRET, EndpointFactory, OrganizationFactory, make_credential
 
 pytestmark = pytest.mark.django_db
@@ -278,3 +279,16 @@ def test_a_copy_still_downloading_in_its_own_scope_does_not_hide_the_catalogue_c
     ModelFacts.objects.create(source=source, scope=own.weights_scope, weights_bytes=16 << 30)  # its size only, so far
     assert (own.context_length, own.serving_task) == (8192, "generate")
     assert ModelFacts.quantization_of(source, own.weights_scope) is not None
+
+
+def test_what_an_engine_counts_of_a_chat_template_is_kept_in_the_scope_its_endpoint_reads_the_model_in():
+    # A tenant serving a catalogue model's name from its own store (its credential) runs its own copy's template:
+    # its count never stands for the catalogue copy's, which every other tenant's reservations read.
+    catalogue = EndpointFactory(model_source=PUBLIC_REPO)
+    own_copy = EndpointFactory(model_source=PUBLIC_REPO, credential=make_credential(OrganizationFactory(), kind="hf"))
+    record_chat_template_tokens(catalogue, ChatTemplateTokens(per_conversation=300, per_message=5))
+    record_chat_template_tokens(own_copy, ChatTemplateTokens(per_conversation=2, per_message=0))
+    assert catalogue.chat_template_tokens == (300, 5)
+    assert own_copy.chat_template_tokens == (2, 0)
+    assert EndpointFactory(model_source=PUBLIC_REPO).chat_template_tokens == (300, 5)  # any tenant's, no credential
+    assert EndpointFactory(model_source="s3://our-bucket/llama").chat_template_tokens == (0, 0)  # not measured

@@ -47,6 +47,9 @@ class EndpointInfo:
     # The endpoint's target concurrency per replica: how far above the least-loaded replica the gateway
     # may still send a request to the replica preferred for its prompt's prefix (`routing`).
     target_concurrency: int = 8
+    # What its model's chat template adds per conversation and per message, as an engine measured it
+    # (`Endpoint.chat_template_tokens`; (0, 0) until then): the estimate allows at least this.
+    template_tokens: tuple[int, int] = (0, 0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,7 +75,7 @@ def _endpoint_info(endpoint) -> EndpointInfo:
         created_at=endpoint.created_at.timestamp(),
         max_held_requests=endpoint.organization.quotas.max_held_requests,
         state=_blocking_state(endpoint), status_message=endpoint.status_message, task=endpoint.serving_task,
-        target_concurrency=endpoint.target_concurrency,
+        target_concurrency=endpoint.target_concurrency, template_tokens=endpoint.chat_template_tokens,
     )
 
 

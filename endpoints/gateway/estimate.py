@@ -24,6 +24,11 @@ the exact count but costs a round trip to a READY replica, ~7 ms p50 against the
 start has none). The price is a loose prompt bound: English text runs ~3–4 bytes a token, so the
 prompt part of a reservation is ~3× the real one until the context caps it. It is a hold, not a bill.
 
+The allowances are at least what the model's own template was measured to add: a READY engine
+counts conversations of empty messages (`gpu_agent.runtime.probes.EngineProbe.chat_template_tokens`,
+kept in `ModelFacts`), so a template with a long default system prompt (some add hundreds of tokens
+to every conversation) is reserved, and billed, for it; until one was measured, the defaults below.
+
 NOTE: the bound holds for any request the engine accepts (`tests/gateway/test_reservation_vllm.py`
 checks it against a real engine); a request the engine refuses costs nothing. The gateway never
 bills more than it reserved (`billing.quota.counters.SETTLE_LUA` caps it), so a template that rendered more than
@@ -102,16 +107,19 @@ class WorstCase:
         return max(p * price_in + n * min(self.max_output_tokens, limit - p) * price_out for p in candidates)
 
 
-def worst_case(payload: dict, kind: str, max_model_len: int) -> WorstCase:
+def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int] = (0, 0)) -> WorstCase:
     """The worst case of a `/v1/chat/completions` (`kind` "chat"), `/v1/completions` or
     `/v1/embeddings` ("embedding": its inputs' tokens, no output) request body.
 
     Never raises on odd input: what cannot be read is counted at its largest (the engine refuses
-    what it cannot read, and a refused request costs nothing).
+    what it cannot read, and a refused request costs nothing). `template_tokens`: what the model's chat
+    template was measured to add, per conversation and per message (`ModelFacts`); the allowances are
+    at least that.
     """
     limit = max(1, int(max_model_len))
     if kind == "chat":
-        prompts = [_chat_prompt_bound(payload)]
+        prompts = [_chat_prompt_bound(payload, max(TOKENS_PER_CONVERSATION, template_tokens[0]),
+                                      max(TOKENS_PER_MESSAGE, template_tokens[1]))]
         requested = _first_int(payload.get("max_completion_tokens"), payload.get("max_tokens"))
     elif kind == "embedding":  # `input` reads as a completions prompt does; an embedding has no output
         return WorstCase(prompt_bounds=tuple(min(bound, limit) for bound in _completion_prompt_bounds(payload.get("input"))),
@@ -131,13 +139,14 @@ def worst_case(payload: dict, kind: str, max_model_len: int) -> WorstCase:
 UNBOUNDED = 1 << 62  # a part we cannot bound (an image, audio): the context bounds it
 
 
-def _chat_prompt_bound(payload: dict) -> int:
+def _chat_prompt_bound(payload: dict, per_conversation: int = TOKENS_PER_CONVERSATION,
+                      per_message: int = TOKENS_PER_MESSAGE) -> int:
     messages = payload.get("messages")
-    total = TOKENS_PER_CONVERSATION
+    total = per_conversation
     if not isinstance(messages, list):
         return UNBOUNDED
     for message in messages:
-        total += TOKENS_PER_MESSAGE + _message_bytes(message)
+        total += per_message + _message_bytes(message)
     for name in ("tools", "functions", "response_format", "tool_choice", "chat_template_kwargs", "documents"):
         if payload.get(name) is not None:
             total += _json_bytes(payload[name])

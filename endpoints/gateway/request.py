@@ -178,7 +178,7 @@ class InferenceRequest:
                 f"max_tokens is {max_tokens}, but this model's context is {endpoint.max_model_len} tokens.",
                 param="max_tokens",
             )
-        return estimate.worst_case(self.payload, self.kind, endpoint.max_model_len)
+        return estimate.worst_case(self.payload, self.kind, endpoint.max_model_len, endpoint.template_tokens)
 
     def upstream_body(self) -> bytes:
         """The body the engine gets."""

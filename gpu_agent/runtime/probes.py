@@ -1,17 +1,27 @@
-"""Probes of a running engine: its health check and its Prometheus metrics.
+"""Probes of a running engine: its health check, its Prometheus metrics and its chat template's size.
 
 The supervisor asks `healthy()` to turn a STARTING replica READY (and to adopt an engine a previous
-agent left running), and `metrics()` for the load each heartbeat reports and to tell a draining
-engine is idle. Both answer quickly or not at all: a timeout is "not healthy" or "no metrics".
+agent left running), `metrics()` for the load each heartbeat reports and to tell a draining
+engine is idle, and `chat_template_tokens()` once, at READY. Each answers quickly or not at all: a
+timeout is "not healthy", "no metrics", "not measured".
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import re
 from dataclasses import dataclass
 
 import httpx
+
+from gpu_agent.protocol import ChatTemplateTokens
+
+# Conversations of empty messages: what a template renders for them is its own text alone. Some templates refuse
+# some shapes (a system role, say); those probes are left out.
+_ONE_MESSAGE = [{"role": "user", "content": ""}]
+_THREE_TURNS = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}, {"role": "user", "content": ""}]
+_WITH_SYSTEM = [{"role": "system", "content": ""}, *_THREE_TURNS]
 
 
 @dataclass(slots=True)
@@ -45,6 +55,37 @@ class EngineProbe:
         except httpx.HTTPError:
             return None
         return parse_engine_metrics(response.text)
+
+    def chat_template_tokens(self, address: str, engine_api_key: str, model: str) -> ChatTemplateTokens | None:
+        """What the model's chat template adds to a conversation, as the engine itself counts it (`/tokenize`
+        of conversations of empty messages); None when it cannot say (no chat template, not answering).
+
+        NOTE: runs on the supervisor's loop: an engine that does not answer in time (a template slow to render)
+        costs one timeout, not one per probe."""
+        try:
+            one = self._count(address, engine_api_key, model, _ONE_MESSAGE)
+            if one is None:
+                return None
+            per_message = 0
+            for messages in (_THREE_TURNS, _WITH_SYSTEM):
+                count = self._count(address, engine_api_key, model, messages)
+                if count is not None:
+                    per_message = max(per_message, math.ceil((count - one) / (len(messages) - 1)))
+        except httpx.TransportError:
+            return None
+        return ChatTemplateTokens(per_conversation=one, per_message=per_message)
+
+    def _count(self, address: str, engine_api_key: str, model: str, messages: list[dict]) -> int | None:
+        """The engine's count of `messages` rendered; None when it refused them."""
+        response = self._http.post(f"{address}/tokenize", headers={"Authorization": f"Bearer {engine_api_key}"},
+                                   json={"model": model, "messages": messages, "add_generation_prompt": True})
+        if response.status_code != 200:
+            return None
+        try:
+            count = response.json().get("count")
+        except (ValueError, AttributeError):
+            return None
+        return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
 
     def close(self) -> None:
         self._http.close()

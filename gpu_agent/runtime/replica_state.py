@@ -19,7 +19,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_agent.protocol import FINAL_REPLICA_STATES, EngineMemory, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import (
+    FINAL_REPLICA_STATES,
+    ChatTemplateTokens,
+    EngineMemory,
+    ReplicaSpec,
+    ReplicaState,
+    ReplicaStatus,
+)
 from gpu_agent.runtime.engine import EngineCommand
 from gpu_agent.runtime.probes import EngineMetrics
 
@@ -56,6 +63,8 @@ class ManagedReplica:
     download_s: float | None = None  # how long its weights took to fetch (the reconciler's pull)
     engine_start_s: float | None = None  # launch to READY, of the engine that first got READY
     sleep_call: str = ""  # "sleep" or "wake" while that call to the engine is in flight (its own thread)
+    # What its model's chat template adds to a conversation, as its engine counted it once READY (`probes`).
+    chat_template_tokens: ChatTemplateTokens | None = None
 
     def set_state(self, state: ReplicaState) -> None:
         if state != self.state or not self.state_history:
@@ -89,6 +98,7 @@ class ManagedReplica:
             engine_memory=self.engine_memory if alive else None,
             download_s=self.download_s,
             engine_start_s=self.engine_start_s,
+            chat_template_tokens=self.chat_template_tokens,
         )
 
     # -- transitions ------------------------------------------------------------------

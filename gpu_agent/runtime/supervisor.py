@@ -59,6 +59,7 @@ from pathlib import Path
 from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
+    ModelTask,
     ReplicaSpec,
     ReplicaState,
     ReplicaStatus,
@@ -432,6 +433,9 @@ class Supervisor:
             if self._probe.healthy(replica.address):
                 # The engine's own figures for what it allocated, for the control plane to check its estimate.
                 replica.became_ready(now, read_engine_memory(replica.log_path))
+                if replica.spec.task != ModelTask.EMBED:  # a pooling model's inputs get no chat template
+                    replica.chat_template_tokens = self._probe.chat_template_tokens(
+                        replica.address, replica.spec.engine_api_key, replica.spec.served_model_name)
                 if self.on_ready is not None:
                     self.on_ready(replica.spec.replica_id)
                 logger.info(

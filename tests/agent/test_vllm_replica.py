@@ -77,6 +77,10 @@ def test_replica_reaches_ready_and_completion_returns_usage(engines):
     # what the agent asked: twice 32 sequences of 512 tokens at 2 KiB a token, 64 MiB (`engine.cpu_kv_cache_bytes`),
     # which vLLM logs in GiB to two decimals: 0.06.
     assert status.engine_memory is not None and status.engine_memory.kv_cache_mb == round(0.06 * 1024)
+    # What the tiny model's chat template adds, as the engine counted it at READY: "hi" is at most 2 tokens more.
+    template = status.chat_template_tokens
+    assert template is not None and 0 < template.per_conversation and template.per_message > 0
+    assert template.per_conversation <= chat.json()["usage"]["prompt_tokens"] <= template.per_conversation + 2
 
 
 def test_restarted_agent_adopts_its_healthy_engine(engines):

@@ -11,9 +11,13 @@ import pytest
 from django.db.models import Sum
 
 from billing import stripe_sync
+from billing.ledger import cost_of
 from billing.models import UsageRecord
 from billing.quota import reads
 from endpoints.gateway.estimate import worst_case
+from endpoints.models import Replica
+from endpoints.replicas import apply_replica_report
+from gpu_agent.protocol import ChatTemplateTokens, ReplicaState, ReplicaStatus
 from tests.conftest import start_web_server, wait_until
 from tests.fakes.stripe_server import FakeStripe, sign_webhook
 from tests.gateway.conftest import serve_endpoint
@@ -96,6 +100,30 @@ def test_an_answer_costing_more_than_its_reservation_is_billed_the_reservation(g
     assert row.completion_tokens == 200  # what happened stays on the row; the bill stops at the reservation
     assert row.cost == reserved
     wait_until(lambda: reads.counted_spend(tenant.org.pk) == reserved, 15, message="the settled spend")
+
+
+def test_a_chat_template_with_a_long_default_system_prompt_is_reserved_and_billed_for_it_once_an_engine_measured_it(
+        gateway, tenant, start_mock_upstream):
+    # The engine counts 400 prompt tokens for "Hello": its model's template adds a long default system prompt.
+    # The estimate's fixed allowance (64 + 16 per message) reserved far less, and the call was billed the
+    # reservation: every short call to such a model under-billed. A READY engine's count of the template
+    # (reported with its replica, kept in ModelFacts) now sets the allowance.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(prompt_tokens=400), price_input_per_million=PRICE,
+                              price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+    replica = endpoint.replicas.get()
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.STARTING)
+    apply_replica_report(replica.node, ReplicaStatus(
+        replica_id=str(replica.pk), state=ReplicaState.READY, address=replica.address,
+        chat_template_tokens=ChatTemplateTokens(per_conversation=395, per_message=5)))
+    assert endpoint.chat_template_tokens == (395, 5)
+
+    answer = httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"}, timeout=60,
+                        json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5})
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 400
+
+    row = wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).first(), 15, message="the usage row")
+    assert (row.prompt_tokens, row.completion_tokens) == (400, 5)
+    assert row.cost == cost_of(endpoint, 400, 0, 5)  # the whole of it, not a reservation that stopped short
 
 
 def test_without_a_card_calls_stop_at_the_limit_and_an_unpaid_invoice_stops_them_at_once(

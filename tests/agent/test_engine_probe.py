@@ -1,0 +1,88 @@
+"""`EngineProbe.chat_template_tokens`: what a model's chat template adds, from the engine's `/tokenize`.
+
+Against a stand-in for the engine's HTTP API (the real engine: `test_vllm_replica.py`)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from gpu_agent.protocol import ChatTemplateTokens, ReplicaState, ReplicaStatus
+from gpu_agent.runtime.probes import EngineProbe
+
+# A template that renders 40 tokens of its own around a conversation and 3 around each message.
+PREAMBLE, PER_MESSAGE = 40, 3
+
+
+def probe_with(answer) -> EngineProbe:
+    probe = EngineProbe(timeout_s=1)
+    probe._http = httpx.Client(transport=httpx.MockTransport(answer))
+    return probe
+
+
+def template(request: httpx.Request) -> httpx.Response:
+    assert request.url.path == "/tokenize" and request.headers["authorization"] == "Bearer key"
+    body = json.loads(request.content)
+    assert body["model"] == "m" and body["add_generation_prompt"] is True
+    assert all(message["content"] == "" for message in body["messages"])
+    return httpx.Response(200, json={"count": PREAMBLE + PER_MESSAGE * len(body["messages"]), "max_model_len": 2048})
+
+
+def test_the_template_is_counted_per_conversation_and_per_message():
+    measured = probe_with(template).chat_template_tokens("http://engine", "key", "m")
+    assert measured == ChatTemplateTokens(per_conversation=PREAMBLE + PER_MESSAGE, per_message=PER_MESSAGE)
+
+
+def test_a_template_that_refuses_a_system_role_is_measured_from_the_other_probes():
+    def no_system(request):
+        if any(message["role"] == "system" for message in json.loads(request.content)["messages"]):
+            return httpx.Response(400, json={"error": {"message": "System role not supported"}})
+        return template(request)
+
+    measured = probe_with(no_system).chat_template_tokens("http://engine", "key", "m")
+    assert measured == ChatTemplateTokens(per_conversation=PREAMBLE + PER_MESSAGE, per_message=PER_MESSAGE)
+
+
+def test_a_default_system_prompt_dropped_when_one_is_given_never_makes_a_message_count_below_zero():
+    def default_system_prompt(request):
+        messages = json.loads(request.content)["messages"]
+        preamble = 5 if messages[0]["role"] == "system" else 300  # the default is used only without a system message
+        return httpx.Response(200, json={"count": preamble + PER_MESSAGE * len(messages)})
+
+    measured = probe_with(default_system_prompt).chat_template_tokens("http://engine", "key", "m")
+    assert measured == ChatTemplateTokens(per_conversation=300 + PER_MESSAGE, per_message=PER_MESSAGE)
+
+
+@pytest.mark.parametrize("answer", [
+    httpx.Response(404, json={"detail": "Not Found"}),
+    httpx.Response(400, json={"error": {"message": "this model has no chat template"}}),
+    httpx.Response(200, content=b"not json"),
+    httpx.Response(200, json=["count", 5]),
+    httpx.Response(200, json={"count": -1}),
+    httpx.Response(200, json={"count": True}),
+], ids=["no-route", "no-template", "not-json", "not-an-object", "negative", "a-bool"])
+def test_an_engine_that_cannot_say_is_not_measured(answer):
+    assert probe_with(lambda request: answer).chat_template_tokens("http://engine", "key", "m") is None
+
+
+def test_a_report_of_the_template_is_clamped_and_checked():
+    status = ReplicaStatus.from_dict({"replica_id": "r", "state": "READY",
+                                      "chat_template_tokens": {"per_conversation": 2**40, "per_message": -3}})
+    assert status.state == ReplicaState.READY
+    assert status.chat_template_tokens == ChatTemplateTokens(per_conversation=2**31 - 1, per_message=0)
+    with pytest.raises(ValueError, match="integers"):
+        ReplicaStatus.from_dict({"replica_id": "r", "state": "READY", "chat_template_tokens": {"per_conversation": "9"}})
+    assert ReplicaStatus.from_dict({"replica_id": "r", "state": "READY"}).chat_template_tokens is None
+
+
+def test_an_engine_that_does_not_answer_in_time_costs_one_timeout_not_one_per_probe():
+    calls = []
+
+    def slow(request):
+        calls.append(request)
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    assert probe_with(slow).chat_template_tokens("http://engine", "key", "m") is None
+    assert len(calls) == 1
