@@ -22,6 +22,7 @@ once the current transaction commits.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from datetime import timedelta
 
@@ -61,6 +62,8 @@ RECONCILE_TASK = "endpoints.reconcile_endpoint"
 # make an event: the reservation is wrong, and the node may run out of memory or waste it.
 MEMORY_ESTIMATE_MARGIN = 0.25
 MEMORY_ESTIMATE_SLACK_MB = 256
+
+logger = logging.getLogger(__name__)
 
 
 def request_reconcile(endpoint_id) -> None:
@@ -338,10 +341,18 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
     that model allows at least this (`endpoints.gateway.estimate`).
 
     NOTE: taken when the control plane first hears a replica READY (a wake from sleep included), not every
-    heartbeat: the template is the model's, the same for each of its engines."""
+    heartbeat: the template is the model's, the same for each of its engines. And only while the endpoint still
+    reads the copy the engine was started on (the source and scope the agent reports with the count): an
+    endpoint edited since (its credential dropped, say: a tenant's own copy of a catalogue name now reads
+    the catalogue's) would otherwise file its old engine's count, a template the tenant wrote, as the
+    catalogue copy's, which every other tenant's reservations read."""
+    source, scope = endpoint.model_source, endpoint.weights_scope
+    if (measured.model_source, measured.weights_scope) != (source, scope):
+        logger.info("endpoint %s: a chat template count of another copy (%s in scope %r) is not kept", endpoint.pk,
+                    measured.model_source[:200], measured.weights_scope)
+        return
     values = {"template_tokens_per_conversation": measured.per_conversation,
               "template_tokens_per_message": measured.per_message}
-    source, scope = endpoint.model_source, endpoint.weights_scope
     if not ModelFacts.objects.filter(source=source, scope=scope, **values).exists():
         ModelFacts.objects.update_or_create(source=source, scope=scope, defaults=values)
 

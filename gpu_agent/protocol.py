@@ -271,10 +271,16 @@ class ChatTemplateTokens(Message):
     prompt is reserved, and billed, for it."""
 
     per_conversation: int = 0  # a one-message conversation with its generation prompt (BOS, default system prompt)
-    per_message: int = 0  # each further message (its role's markers)
+    per_message: int = 0  # each further message, of the role whose markers cost most
+    # The copy of the model the engine was started on (its spec's): the control plane keeps the count only while
+    # the endpoint still reads that copy (an endpoint edited since, its credential or source, reads another).
+    model_source: str = ""
+    weights_scope: str = ""
 
     def __post_init__(self) -> None:
         _require(_is_int(self.per_conversation) and _is_int(self.per_message), "template token counts must be integers")
+        _require(isinstance(self.model_source, str) and isinstance(self.weights_scope, str),
+                 "the measured copy's source and scope must be strings")
         # NOTE: the engine counted what a tenant's template renders: clamped to what a context can hold.
         self.per_conversation = min(max(self.per_conversation, 0), MAX_MODEL_CONTEXT_TOKENS)
         self.per_message = min(max(self.per_message, 0), MAX_MODEL_CONTEXT_TOKENS)

@@ -286,9 +286,19 @@ def test_what_an_engine_counts_of_a_chat_template_is_kept_in_the_scope_its_endpo
     # its count never stands for the catalogue copy's, which every other tenant's reservations read.
     catalogue = EndpointFactory(model_source=PUBLIC_REPO)
     own_copy = EndpointFactory(model_source=PUBLIC_REPO, credential=make_credential(OrganizationFactory(), kind="hf"))
-    record_chat_template_tokens(catalogue, ChatTemplateTokens(per_conversation=300, per_message=5))
-    record_chat_template_tokens(own_copy, ChatTemplateTokens(per_conversation=2, per_message=0))
+    own_scope = own_copy.weights_scope
+    record_chat_template_tokens(catalogue, ChatTemplateTokens(300, 5, model_source=PUBLIC_REPO, weights_scope=""))
+    record_chat_template_tokens(own_copy, ChatTemplateTokens(2, 0, model_source=PUBLIC_REPO, weights_scope=own_scope))
     assert catalogue.chat_template_tokens == (300, 5)
     assert own_copy.chat_template_tokens == (2, 0)
     assert EndpointFactory(model_source=PUBLIC_REPO).chat_template_tokens == (300, 5)  # any tenant's, no credential
     assert EndpointFactory(model_source="s3://our-bucket/llama").chat_template_tokens == (0, 0)  # not measured
+
+    # The tenant drops its credential: the endpoint now reads the catalogue's copy, while the engine started on its
+    # own copy (its own template) is still running; that engine's count, heard READY again (a wake, a restart),
+    # is not the catalogue's.
+    own_copy.credential = None
+    own_copy.save(update_fields=["credential"])
+    assert own_copy.weights_scope == ""
+    record_chat_template_tokens(own_copy, ChatTemplateTokens(100_000, 0, model_source=PUBLIC_REPO, weights_scope=own_scope))
+    assert catalogue.chat_template_tokens == (300, 5)

@@ -9,7 +9,6 @@ timeout is "not healthy", "no metrics", "not measured".
 from __future__ import annotations
 
 import collections
-import math
 import re
 from dataclasses import dataclass
 
@@ -17,11 +16,15 @@ import httpx
 
 from gpu_agent.protocol import ChatTemplateTokens
 
-# Conversations of empty messages: what a template renders for them is its own text alone. Some templates refuse
-# some shapes (a system role, say); those probes are left out.
-_ONE_MESSAGE = [{"role": "user", "content": ""}]
-_THREE_TURNS = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}, {"role": "user", "content": ""}]
-_WITH_SYSTEM = [{"role": "system", "content": ""}, *_THREE_TURNS]
+# Conversations of empty messages: what a template renders for them is its own text alone, and each probe adds one
+# message of one role to the one before. Some templates refuse some shapes (a system role, a conversation that ends
+# with the assistant); those are measured another way or left out.
+_USER = {"role": "user", "content": ""}
+_ASSISTANT = {"role": "assistant", "content": ""}
+_ONE = [_USER]
+_TWO = [_USER, _ASSISTANT]
+_THREE = [_USER, _ASSISTANT, _USER]
+_WITH_SYSTEM = [{"role": "system", "content": ""}, *_THREE]
 
 
 @dataclass(slots=True)
@@ -60,20 +63,30 @@ class EngineProbe:
         """What the model's chat template adds to a conversation, as the engine itself counts it (`/tokenize`
         of conversations of empty messages); None when it cannot say (no chat template, not answering).
 
-        NOTE: runs on the supervisor's loop: an engine that does not answer in time (a template slow to render)
-        costs one timeout, not one per probe."""
+        Per message: the most any role's message adds (an assistant's markers may cost more than a user's); a
+        system message that makes a default system prompt go away adds less than nothing, and counts nothing.
+        An engine that stops answering in time (a template slow to render some shape) ends the measure there,
+        with what was counted before it."""
+        counts: dict[int, int | None] = {}
         try:
-            one = self._count(address, engine_api_key, model, _ONE_MESSAGE)
-            if one is None:
+            counts[1] = self._count(address, engine_api_key, model, _ONE)
+            if counts[1] is None:
                 return None
-            per_message = 0
-            for messages in (_THREE_TURNS, _WITH_SYSTEM):
-                count = self._count(address, engine_api_key, model, messages)
-                if count is not None:
-                    per_message = max(per_message, math.ceil((count - one) / (len(messages) - 1)))
+            for size, messages in ((2, _TWO), (3, _THREE), (4, _WITH_SYSTEM)):
+                counts[size] = self._count(address, engine_api_key, model, messages)
         except httpx.TransportError:
+            pass
+        one, two, three, four = (counts.get(size) for size in (1, 2, 3, 4))
+        if one is None:
             return None
-        return ChatTemplateTokens(per_conversation=one, per_message=per_message)
+        added = []
+        if two is not None and three is not None:
+            added += [two - one, three - two]  # an assistant's message, a user's
+        elif three is not None:
+            added.append(three - one)  # both together: a bound on either
+        if four is not None and three is not None:
+            added.append(four - three)  # a system message's
+        return ChatTemplateTokens(per_conversation=one, per_message=max([0, *added]))
 
     def _count(self, address: str, engine_api_key: str, model: str, messages: list[dict]) -> int | None:
         """The engine's count of `messages` rendered; None when it refused them."""

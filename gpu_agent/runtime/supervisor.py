@@ -218,6 +218,20 @@ class Supervisor:
         threading.Thread(target=self._call_engine, args=(replica, "wake", 0), name=f"wake-{replica_id[:8]}",
                          daemon=True).start()
 
+    def _measure_chat_template(self, replica: ManagedReplica) -> None:
+        """What its model's chat template adds (`EngineProbe.chat_template_tokens`), measured on its own thread
+        with its own client: a template slow to render never holds the supervisor's lock, and so never the
+        heartbeat or another replica's step."""
+        spec = replica.spec
+        probe = EngineProbe(self.policy.health_timeout_s)
+        try:
+            measured = probe.chat_template_tokens(replica.address, spec.engine_api_key, spec.served_model_name)
+        finally:
+            probe.close()
+        if measured is not None:  # NOTE: one attribute set whole; `statuses()` reads it as it is
+            replica.chat_template_tokens = dataclasses.replace(measured, model_source=spec.model_source,
+                                                               weights_scope=spec.weights_scope)
+
     def _call_engine(self, replica: ManagedReplica, call: str, level: int) -> None:
         started = time.monotonic()
         client = EngineSleepClient(replica.address, replica.spec.engine_api_key, timeout_s=self.policy.sleep_call_timeout_s)
@@ -434,8 +448,8 @@ class Supervisor:
                 # The engine's own figures for what it allocated, for the control plane to check its estimate.
                 replica.became_ready(now, read_engine_memory(replica.log_path))
                 if replica.spec.task != ModelTask.EMBED:  # a pooling model's inputs get no chat template
-                    replica.chat_template_tokens = self._probe.chat_template_tokens(
-                        replica.address, replica.spec.engine_api_key, replica.spec.served_model_name)
+                    threading.Thread(target=self._measure_chat_template, args=(replica,), daemon=True,
+                                     name=f"template-{replica.spec.replica_id[:8]}").start()
                 if self.on_ready is not None:
                     self.on_ready(replica.spec.replica_id)
                 logger.info(

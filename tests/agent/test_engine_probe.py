@@ -12,8 +12,9 @@ import pytest
 from gpu_agent.protocol import ChatTemplateTokens, ReplicaState, ReplicaStatus
 from gpu_agent.runtime.probes import EngineProbe
 
-# A template that renders 40 tokens of its own around a conversation and 3 around each message.
-PREAMBLE, PER_MESSAGE = 40, 3
+# A template that renders 40 tokens of its own around a conversation, 3 around a user's or system message and 7
+# around an assistant's.
+PREAMBLE, PER_MESSAGE, PER_ASSISTANT = 40, 3, 7
 
 
 def probe_with(answer) -> EngineProbe:
@@ -27,12 +28,16 @@ def template(request: httpx.Request) -> httpx.Response:
     body = json.loads(request.content)
     assert body["model"] == "m" and body["add_generation_prompt"] is True
     assert all(message["content"] == "" for message in body["messages"])
-    return httpx.Response(200, json={"count": PREAMBLE + PER_MESSAGE * len(body["messages"]), "max_model_len": 2048})
+    return httpx.Response(200, json={"count": _rendered(body["messages"]), "max_model_len": 2048})
 
 
-def test_the_template_is_counted_per_conversation_and_per_message():
+def _rendered(messages, preamble=PREAMBLE) -> int:
+    return preamble + sum(PER_ASSISTANT if message["role"] == "assistant" else PER_MESSAGE for message in messages)
+
+
+def test_the_template_is_counted_per_conversation_and_per_message_of_the_costliest_role():
     measured = probe_with(template).chat_template_tokens("http://engine", "key", "m")
-    assert measured == ChatTemplateTokens(per_conversation=PREAMBLE + PER_MESSAGE, per_message=PER_MESSAGE)
+    assert measured == ChatTemplateTokens(per_conversation=PREAMBLE + PER_MESSAGE, per_message=PER_ASSISTANT)
 
 
 def test_a_template_that_refuses_a_system_role_is_measured_from_the_other_probes():
@@ -42,17 +47,27 @@ def test_a_template_that_refuses_a_system_role_is_measured_from_the_other_probes
         return template(request)
 
     measured = probe_with(no_system).chat_template_tokens("http://engine", "key", "m")
-    assert measured == ChatTemplateTokens(per_conversation=PREAMBLE + PER_MESSAGE, per_message=PER_MESSAGE)
+    assert measured == ChatTemplateTokens(per_conversation=PREAMBLE + PER_MESSAGE, per_message=PER_ASSISTANT)
+
+
+def test_a_template_that_refuses_to_end_with_the_assistant_bounds_a_message_by_a_user_and_assistant_pair():
+    def no_trailing_assistant(request):
+        if json.loads(request.content)["messages"][-1]["role"] == "assistant":
+            return httpx.Response(400, json={"error": {"message": "the last message must be the user's"}})
+        return template(request)
+
+    measured = probe_with(no_trailing_assistant).chat_template_tokens("http://engine", "key", "m")
+    assert measured == ChatTemplateTokens(per_conversation=PREAMBLE + PER_MESSAGE, per_message=PER_ASSISTANT + PER_MESSAGE)
 
 
 def test_a_default_system_prompt_dropped_when_one_is_given_never_makes_a_message_count_below_zero():
     def default_system_prompt(request):
         messages = json.loads(request.content)["messages"]
         preamble = 5 if messages[0]["role"] == "system" else 300  # the default is used only without a system message
-        return httpx.Response(200, json={"count": preamble + PER_MESSAGE * len(messages)})
+        return httpx.Response(200, json={"count": _rendered(messages, preamble)})
 
     measured = probe_with(default_system_prompt).chat_template_tokens("http://engine", "key", "m")
-    assert measured == ChatTemplateTokens(per_conversation=300 + PER_MESSAGE, per_message=PER_MESSAGE)
+    assert measured == ChatTemplateTokens(per_conversation=300 + PER_MESSAGE, per_message=PER_ASSISTANT)
 
 
 @pytest.mark.parametrize("answer", [
@@ -72,17 +87,24 @@ def test_a_report_of_the_template_is_clamped_and_checked():
                                       "chat_template_tokens": {"per_conversation": 2**40, "per_message": -3}})
     assert status.state == ReplicaState.READY
     assert status.chat_template_tokens == ChatTemplateTokens(per_conversation=2**31 - 1, per_message=0)
+    assert status.chat_template_tokens.model_source == ""  # an agent that does not say which copy: never kept
     with pytest.raises(ValueError, match="integers"):
         ReplicaStatus.from_dict({"replica_id": "r", "state": "READY", "chat_template_tokens": {"per_conversation": "9"}})
     assert ReplicaStatus.from_dict({"replica_id": "r", "state": "READY"}).chat_template_tokens is None
 
 
-def test_an_engine_that_does_not_answer_in_time_costs_one_timeout_not_one_per_probe():
+@pytest.mark.parametrize("answered", [0, 1, 3])
+def test_an_engine_that_stops_answering_in_time_ends_the_measure_with_what_it_counted(answered):
     calls = []
 
-    def slow(request):
+    def slow_after(request):
         calls.append(request)
-        raise httpx.ReadTimeout("timed out", request=request)
+        if len(calls) > answered:
+            raise httpx.ReadTimeout("timed out", request=request)
+        return template(request)
 
-    assert probe_with(slow).chat_template_tokens("http://engine", "key", "m") is None
-    assert len(calls) == 1
+    measured = probe_with(slow_after).chat_template_tokens("http://engine", "key", "m")
+    assert len(calls) == answered + 1
+    expected = {0: None, 1: ChatTemplateTokens(PREAMBLE + PER_MESSAGE, 0),
+                3: ChatTemplateTokens(PREAMBLE + PER_MESSAGE, PER_ASSISTANT)}
+    assert measured == expected[answered]

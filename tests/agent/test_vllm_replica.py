@@ -78,8 +78,12 @@ def test_replica_reaches_ready_and_completion_returns_usage(engines):
     # which vLLM logs in GiB to two decimals: 0.06.
     assert status.engine_memory is not None and status.engine_memory.kv_cache_mb == round(0.06 * 1024)
     # What the tiny model's chat template adds, as the engine counted it at READY: "hi" is at most 2 tokens more.
-    template = status.chat_template_tokens
-    assert template is not None and 0 < template.per_conversation and template.per_message > 0
+    # (Measured on a thread of its own once READY.)
+    wait_until(lambda: supervisor.get("r-plain").chat_template_tokens is not None, 30)
+    template = next(s for s in supervisor.statuses() if s.replica_id == "r-plain").chat_template_tokens
+    assert 0 < template.per_conversation and template.per_message > 0
+    spec = supervisor.get("r-plain").spec
+    assert (template.model_source, template.weights_scope) == (spec.model_source, spec.weights_scope)
     assert template.per_conversation <= chat.json()["usage"]["prompt_tokens"] <= template.per_conversation + 2
 
 

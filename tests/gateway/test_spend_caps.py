@@ -114,7 +114,8 @@ def test_a_chat_template_with_a_long_default_system_prompt_is_reserved_and_bille
     Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.STARTING)
     apply_replica_report(replica.node, ReplicaStatus(
         replica_id=str(replica.pk), state=ReplicaState.READY, address=replica.address,
-        chat_template_tokens=ChatTemplateTokens(per_conversation=395, per_message=5)))
+        chat_template_tokens=ChatTemplateTokens(per_conversation=395, per_message=5, model_source=endpoint.model_source,
+                                                weights_scope=endpoint.weights_scope)))
     assert endpoint.chat_template_tokens == (395, 5)
 
     answer = httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"}, timeout=60,
