@@ -64,7 +64,8 @@ class ReplicaInfo:
         return f"ReplicaInfo(id={self.id!r}, address={self.address!r})"
 
 
-def _endpoint_info(endpoint) -> EndpointInfo:
+def _endpoint_info(endpoint, *, for_calls: bool = True) -> EndpointInfo:
+    """`for_calls` False: for `/v1/models`, which reserves nothing (no look-up of the template's size)."""
     return EndpointInfo(
         id=str(endpoint.pk), name=endpoint.name, organization_id=endpoint.organization_id,
         paused=endpoint.paused_at is not None, max_model_len=endpoint.context_length,
@@ -75,7 +76,7 @@ def _endpoint_info(endpoint) -> EndpointInfo:
         created_at=endpoint.created_at.timestamp(),
         max_held_requests=endpoint.organization.quotas.max_held_requests,
         state=_blocking_state(endpoint), status_message=endpoint.status_message, task=endpoint.serving_task,
-        target_concurrency=endpoint.target_concurrency, template_tokens=endpoint.chat_template_tokens,
+        target_concurrency=endpoint.target_concurrency, template_tokens=endpoint.chat_template_tokens if for_calls else (0, 0),
     )
 
 
@@ -103,7 +104,7 @@ async def find_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
 
 def _load_models(organization_id: int) -> list[EndpointInfo]:
     endpoints = Endpoint.objects.live().select_related("organization__plan").filter(organization_id=organization_id)
-    return [_endpoint_info(e) for e in endpoints.order_by("name")]
+    return [_endpoint_info(e, for_calls=False) for e in endpoints.order_by("name")]
 
 
 async def list_endpoints(organization_id: int) -> list[EndpointInfo]:
