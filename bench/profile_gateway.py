@@ -239,8 +239,12 @@ def main() -> int:
         bench.run_wrk(gateway_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)  # warm up
         bench.run_wrk(bare_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)
         rows = []
-        for _ in range(0 if args.skip_wrk else args.rounds):
+        for round_index in range(0 if args.skip_wrk else args.rounds):
             floor = measure(bare_url, key, bare_pid, args.duration_s)
+            # NOTE: with `--compare-with`, the two gateways take turns at going first: the slot a run has in its
+            # round moves its figures more than most changes (two runs of the same pair of trees, swapped between
+            # slots, read the tree in the last slot 10-70 µs a request lower every time).
+            older = measure(before_url, key, before_pid, args.duration_s) if before_url and round_index % 2 else None
             through = measure(gateway_url, key, gateway_pid, args.duration_s)
             rows.append((floor, through))
             if other:
@@ -253,7 +257,7 @@ def main() -> int:
                       f"errors {other_through['errors']} | ratio {other_through['requests_per_s'] / other_floor['requests_per_s']:.1%}",
                       flush=True)
             if before_url:
-                older = measure(before_url, key, before_pid, args.duration_s)
+                older = older or measure(before_url, key, before_pid, args.duration_s)
                 if args.machine_cpu:
                     print(f"  µs per request elsewhere: before {older['others_us_per_request']}", flush=True)
                 print(f"before {older['requests_per_s']}/s {older['cpu_us_per_request']} µs/req p50 {older['p50_ms']} "
