@@ -74,6 +74,7 @@ def test_sign_up_deploy_chat_see_usage_and_drain(browser, platform, tiny_model_d
         page.get_by_role("button", name="Create key").click()
         secret = page.get_by_test_id("new-secret").input_value()
         page.get_by_role("button", name="Copy").click()
+        expect(page.get_by_role("button", name="Copied")).to_be_visible()  # the clipboard's write is done
         assert page.evaluate("navigator.clipboard.readText()") == secret
 
         # Deploy: a first attempt without a model source is refused inline, the second deploys.

@@ -1,0 +1,45 @@
+"""The Content-Security-Policy the control plane's pages are served with (`controlplane/content_security.py`).
+
+Every browser test in this folder fails on a script error, and a page that broke the policy logs one: the
+console's own pages keep to it. Here: that it is sent, and that a real browser enforces it (a script that got
+into a page, as injected text would, does not run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.content_security import HEADER
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.mark.parametrize("path", ["/login/", "/api/docs/", "/admin/login/"])
+def test_pages_are_served_with_the_policy(client, path):
+    policy = client.get(path)[HEADER]
+    assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy and "object-src 'none'" in policy
+    assert "unsafe-eval" not in policy and "script-src 'self' 'unsafe-inline'" not in policy
+
+
+@pytest.mark.browser
+@pytest.mark.django_db(transaction=True)
+def test_an_inline_script_in_a_page_does_not_run_and_the_pages_own_scripts_do(browser, live_server_url):
+    context = browser.new_context(base_url=live_server_url)
+    page = context.new_page()
+    violations = []
+    page.on("console", lambda message: "Content Security Policy" in message.text and violations.append(message.text))
+    page.goto("/login/")
+    page.wait_for_function("() => window.htmx !== undefined")  # our own script, from our own origin, ran
+    ran = page.evaluate("""() => {
+        window.injected = false;
+        const script = document.createElement("script");
+        script.textContent = "window.injected = true";
+        document.body.appendChild(script);
+        const img = document.createElement("img");
+        img.setAttribute("onerror", "window.injected = true");
+        img.src = "data:,not-an-image";
+        document.body.appendChild(img);
+        return new Promise(resolve => setTimeout(() => resolve(window.injected), 300));
+    }""")
+    context.close()
+    assert ran is False
+    assert violations, "the browser reported no refused script"
