@@ -324,7 +324,7 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
             if new_state == ReplicaState.FAILED:
                 fields["failure_reason"] = report.failure_reason[-2000:] or "engine failed"
         Replica.objects.filter(pk=replica.pk).update(**fields)
-    if new_state == ReplicaState.READY and new_state != previous and report.chat_template_tokens is not None:
+    if new_state == ReplicaState.READY and report.chat_template_tokens is not None:
         record_chat_template_tokens(replica.endpoint, report.chat_template_tokens)
     if memory_changed:
         problem = memory_estimate_problem(replica.endpoint, memory)
@@ -340,12 +340,16 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
     (as `fleet.services.record_model_facts` keeps a config's facts): the gateway's estimate of every prompt to
     that model allows at least this (`endpoints.gateway.estimate`).
 
-    NOTE: taken when the control plane first hears a replica READY (a wake from sleep included), not every
-    heartbeat: the template is the model's, the same for each of its engines. And only while the endpoint still
-    reads the copy the engine was started on (the source and scope the agent reports with the count): an
-    endpoint edited since (its credential dropped, say: a tenant's own copy of a catalogue name now reads
-    the catalogue's) would otherwise file its old engine's count, a template the tenant wrote, as the
-    catalogue copy's, which every other tenant's reservations read."""
+    NOTE: from any READY report that carries it, not only the one that says READY first: the agent measures on a
+    thread once the engine is READY, and its heartbeat says READY at once, before the count is in. Once kept, the
+    same count from the same endpoint is not looked up again (`_kept_template_counts`): a heartbeat pays nothing
+    for it. And only while the endpoint still reads the copy the engine was started on (the source and scope
+    the agent reports with the count): an endpoint edited since (its credential dropped, say: a tenant's own
+    copy of a catalogue name now reads the catalogue's) would otherwise file its old engine's count, a template
+    the tenant wrote, as the catalogue copy's, which every other tenant's reservations read."""
+    kept = (endpoint.pk, measured.model_source, measured.weights_scope, measured.per_conversation, measured.per_message)
+    if kept in _kept_template_counts:
+        return
     source, scope = endpoint.model_source, endpoint.weights_scope
     if (measured.model_source, measured.weights_scope) != (source, scope):
         logger.info("endpoint %s: a chat template count of another copy (%s in scope %r) is not kept", endpoint.pk,
@@ -355,6 +359,13 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
               "template_tokens_per_message": measured.per_message}
     if not ModelFacts.objects.filter(source=source, scope=scope, **values).exists():
         ModelFacts.objects.update_or_create(source=source, scope=scope, defaults=values)
+    if len(_kept_template_counts) >= 10_000:
+        _kept_template_counts.clear()
+    _kept_template_counts.add(kept)
+
+
+# (endpoint, measured copy, counts) this process has kept (`record_chat_template_tokens`).
+_kept_template_counts: set[tuple] = set()
 
 
 def memory_estimate_problem(endpoint: Endpoint, memory: protocol.EngineMemory) -> str:

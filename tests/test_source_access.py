@@ -14,7 +14,7 @@ from endpoints.fleet.services import create_join_token
 from endpoints.models import AllowedSource, ModelCredential, Replica, organization_scope
 from endpoints.nodes.models import Node
 from endpoints.replicas import record_chat_template_tokens
-from gpu_agent.protocol import ChatTemplateTokens, Heartbeat, HeartbeatResponse, ReplicaState
+from gpu_agent.protocol import ChatTemplateTokens, Heartbeat, HeartbeatResponse, ReplicaState, ReplicaStatus
 from tests.factories import AWS_SECRET, HF_SECRET, EndpointFactory, OrganizationFactory, make_credential
 
 pytestmark = pytest.mark.django_db
@@ -302,3 +302,28 @@ def test_what_an_engine_counts_of_a_chat_template_is_kept_in_the_scope_its_endpo
     assert own_copy.weights_scope == ""
     record_chat_template_tokens(own_copy, ChatTemplateTokens(100_000, 0, model_source=PUBLIC_REPO, weights_scope=own_scope))
     assert catalogue.chat_template_tokens == (300, 5)
+
+
+def test_a_chat_template_count_that_comes_after_the_heartbeat_that_said_ready_is_kept(client):
+    # The agent measures on a thread once the engine is READY and its heartbeat says READY at once: the count
+    # comes with a later report. Only the report that first said READY was read for it: it was never kept.
+    node, secret = register(client, "gpu-template")
+    endpoint = EndpointFactory(model_source=PUBLIC_REPO)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING)
+    address = f"http://{node.advertise_host}:{node.engine_port_min}"
+
+    def report(template):
+        status = ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY, address=address,
+                               chat_template_tokens=template)
+        body = Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000,
+                         replicas=[status]).to_dict()
+        answer = client.post("/agent/v1/heartbeat", body, content_type="application/json",
+                             HTTP_AUTHORIZATION=f"Bearer {secret}")
+        assert answer.status_code == 200
+
+    report(None)
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY and endpoint.chat_template_tokens == (0, 0)
+    report(ChatTemplateTokens(300, 5, model_source=PUBLIC_REPO, weights_scope=""))
+    assert endpoint.chat_template_tokens == (300, 5)
+    report(ChatTemplateTokens(300, 5, model_source=PUBLIC_REPO, weights_scope=""))  # kept once, read again for nothing
+    assert endpoint.chat_template_tokens == (300, 5)
