@@ -18,10 +18,17 @@ ENGINE = textwrap.dedent("""
 """)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # gone, also between a look-up and the read of its status
+        return False
+
+
 def _wait_gone(pids, timeout_s=60):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if _alive(p)]
         if not alive:
             return []
         time.sleep(0.1)
