@@ -328,6 +328,11 @@ API_KEY_CACHE_S = env_float("INFERPLANE_API_KEY_CACHE_S", 5.0, minimum=0)
 API_KEY_NEGATIVE_CACHE_S = env_float("INFERPLANE_API_KEY_NEGATIVE_CACHE_S", 300.0, minimum=0)
 AGENT_HEARTBEAT_INTERVAL_S = env_float("INFERPLANE_AGENT_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.2)
 NODE_HEARTBEAT_GRACE_S = env_float("INFERPLANE_NODE_HEARTBEAT_GRACE_S", 30.0, minimum=1)
+# The gateway gives up on a replica that sends no byte for this long, except before a non-streamed answer's
+# first byte while the replica's engine is generating (its agent's reports): that wait goes on up to
+# GATEWAY_MAX_ANSWER_WAIT_S from the call's start (`endpoints.gateway.call.InferenceCall._patience`).
+GATEWAY_UPSTREAM_READ_TIMEOUT_S = env_float("INFERPLANE_GATEWAY_UPSTREAM_READ_TIMEOUT_S", 600.0, minimum=0.1)
+GATEWAY_MAX_ANSWER_WAIT_S = env_float("INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S", 6 * 3600.0, minimum=1)
 REPLICA_DRAIN_TIMEOUT_S = env_float("INFERPLANE_REPLICA_DRAIN_TIMEOUT_S", 120.0, minimum=1)
 REPLICA_START_TIMEOUT_S = env_float("INFERPLANE_REPLICA_START_TIMEOUT_S", 900.0, minimum=5)
 # Identical replica failures of one endpoint back off (base, doubling) and, after this many, stop it

@@ -28,6 +28,8 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from decimal import Decimal
 
+from django.conf import settings
+
 from billing import usage_writer
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import outstanding_key
@@ -154,7 +156,7 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
     running: dict[asyncio.Task, Line] = {}
     ends_at = time.monotonic() + slice_s
     last_check, pause_until = 0.0, 0.0
-    client = upstream.UpstreamClient()
+    client = upstream.UpstreamClient(read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S)
     try:
         while pending or running:
             now = time.monotonic()

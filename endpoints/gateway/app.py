@@ -18,6 +18,8 @@ import logging
 import time
 from datetime import UTC, datetime
 
+from django.conf import settings
+
 from billing.usage_writer import writer_for_this_loop
 from controlplane.access_log import log_answer
 from endpoints.gateway import (
@@ -56,7 +58,7 @@ class Gateway:
         # NOTE: created lazily inside the server's event loop, one per process: the gateway's own
         # HTTP/1.1 client (`upstream`), leaner per request than aiohttp's (bench/results/gateway_profile.md, round 6).
         if self._client is None or self._client.closed:
-            self._client = upstream.UpstreamClient()
+            self._client = upstream.UpstreamClient(read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S)
         return self._client
 
     async def __call__(self, scope, receive, send):

@@ -9,11 +9,14 @@ row, the real cost settled, the replica released, whatever happened on the way.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+
+from django.conf import settings
 
 from billing import ledger, usage_writer
 from billing.quota.counters import QuotaExceeded
@@ -44,6 +47,9 @@ logger = logging.getLogger("inferplane.requests")
 WATCH_DISCONNECT_AFTER_S = 0.05
 # The most a stopping process waits for the finishes of calls its server cut at the graceful deadline.
 SHUTDOWN_FINISH_WAIT_S = 10.0
+# A replica silent past the read timeout before its answer's first byte is asked again this often
+# (`InferenceCall._patience`) while its engine is generating.
+PATIENCE_RECHECK_S = 30.0
 
 # Finishes (usage row, settlement) still running, so a stopping process waits for them (`finish_pending`).
 _finishing: set[asyncio.Task] = set()
@@ -267,7 +273,14 @@ class InferenceCall:
                 replica.address, self.request.path, self.request.upstream_body(),
                 {"content-type": "application/json", "x-request-id": self.request_id,
                  "authorization": replica.authorization},
+                patience=functools.partial(self._patience, replica),
             )
+        except upstream.UpstreamTimeout as exc:
+            # NOTE: never sent again elsewhere: the replica has the request, and an engine that was computing it
+            # computed it for nothing (twice, had it been retried). Given up only on an engine that stopped
+            # generating, or past the longest wait (`_patience`): billed nothing.
+            logger.warning("request %s: replica %s timed out: %s", self.request_id, replica.id, exc)
+            raise errors.upstream_timeout() from None
         except upstream.UpstreamError as exc:
             raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
         try:
@@ -286,6 +299,20 @@ class InferenceCall:
             # NOTE: a response read to the end returns its connection to the pool; one left
             # unread (a client gone mid-stream) closes it, which aborts the engine's request.
             response.close()
+
+    async def _patience(self, replica: ReplicaInfo) -> float | None:
+        """How much longer to wait for the first byte of an answer `replica` has been silent on past the read
+        timeout: a non-streamed answer comes whole when the engine is done, and a long one (a large `max_tokens`,
+        `n`, a slow model, a queue) takes longer than any fixed timeout. Giving up closed the connection, which
+        aborted the engine's request, and billed nothing for what it had generated: an answer asked to run
+        past the timeout was computed free. So the call waits on while the replica's engine generates (its
+        agent's last report: `directory.engine_generating`), up to `GATEWAY_MAX_ANSWER_WAIT_S` from its start,
+        and gives up (nothing billed) on an engine that stopped, a replica that left or a node gone silent."""
+        if time.monotonic() - self._started_monotonic >= settings.GATEWAY_MAX_ANSWER_WAIT_S:
+            return None
+        if not await directory.engine_generating(self.endpoint.id, replica.id, replica.address):
+            return None
+        return PATIENCE_RECHECK_S
 
     async def _relay_whole(self, response: upstream.Response) -> None:
         scanner = sse.UsageScanner()

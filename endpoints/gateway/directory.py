@@ -13,7 +13,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from decimal import Decimal
+
+from django.conf import settings
+from django.utils import timezone
 
 from endpoints.gateway.memo import Memo, in_worker_thread
 from endpoints.models import Adapter, Endpoint, Replica
@@ -205,3 +209,17 @@ def _load_progress(endpoint_id: str) -> str:
 
 async def cold_start_progress(endpoint_id: str) -> str:
     return await in_worker_thread(_load_progress)(endpoint_id)
+
+
+def _engine_generating(endpoint_id: str, replica_id: str, address: str) -> bool:
+    return Replica.objects.filter(
+        pk=replica_id, endpoint_id=endpoint_id, state=ReplicaState.READY, address=address, tokens_per_s__gt=0,
+        node__state=NodeState.READY,
+        node__last_heartbeat_at__gte=timezone.now() - timedelta(seconds=settings.NODE_HEARTBEAT_GRACE_S),
+    ).exists()
+
+
+async def engine_generating(endpoint_id: str, replica_id: str, address: str) -> bool:
+    """Whether the replica is READY at `address` on a node heard from lately, and its engine produced tokens in
+    its agent's last report (`Replica.tokens_per_s`): working, not wedged. Read from the database now."""
+    return await in_worker_thread(_engine_generating)(endpoint_id, replica_id, address)

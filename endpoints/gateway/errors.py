@@ -79,6 +79,11 @@ def upstream_failed(message: str = "The model's replica failed; please retry.") 
     return OpenAIError(502, message, type="server_error", code="upstream_error")
 
 
+def upstream_timeout() -> OpenAIError:
+    return OpenAIError(504, "The model's replica stopped answering the request; please retry.", type="server_error",
+                       code="upstream_timeout")
+
+
 def response_too_large(kind: str, limit_bytes: int) -> OpenAIError:
     """A non-streamed answer past what the gateway holds whole (`upstream.MAX_WHOLE_BODY_BYTES`)."""
     what = ("send fewer inputs in one request, or ask for encoding_format \"base64\"" if kind == "embedding"

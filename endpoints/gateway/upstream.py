@@ -15,7 +15,10 @@ tracing hooks, per-read timers, a stream reader) is not on the path.
   the caller decides (the gateway retries once elsewhere, as for a refused connection). Nothing is
   ever sent twice here.
 - Timeouts: connect `connect_timeout_s`; a read `read_timeout_s` between bytes, the answer's first
-  byte included (one timer per request, moved on as bytes arrive).
+  byte included (one timer per request, moved on as bytes arrive). A request sent with `patience` is asked,
+  when its wait for the answer's first byte passes the read timeout, how much longer to wait: a non-streamed
+  answer comes in one piece when the engine is done, which takes as long as its tokens take. A timeout is never
+  safe to send again (the replica has the request): `UpstreamTimeout.before_first_byte` is False.
 - Every failure is an `UpstreamError`.
 """
 
@@ -54,7 +57,8 @@ class UpstreamConnectError(UpstreamError):
 
 
 class UpstreamTimeout(UpstreamError):
-    pass
+    """No byte within the read timeout (and, before the first, no more `patience`). Never sent again: the replica
+    has the request, and its engine may be computing it."""
 
 
 class UpstreamClosed(UpstreamError):
@@ -80,10 +84,13 @@ class Response:
     """One answer as it arrives: `status` once its headers are in; the body by `read()` or `async for`."""
 
     __slots__ = ("status", "_conn", "_chunks", "_num_buffered", "_bounded", "_done", "_error", "_waiter",
-                 "_headers_seen", "_overflow", "_overflowed")
+                 "_headers_seen", "_overflow", "_overflowed", "_patience")
 
-    def __init__(self, conn: _Connection):
+    def __init__(self, conn: _Connection, patience=None):
         self.status = 0
+        # Asked (awaited, no argument) when the first byte is later than the read timeout: the seconds more to wait
+        # for it, or None to give up (`UpstreamTimeout`). It may ask again when those pass.
+        self._patience = patience
         self._conn = conn
         self._chunks: list[bytes] = []
         self._num_buffered = 0  # bytes in `_chunks`
@@ -189,7 +196,7 @@ class Response:
 
 class _Connection(asyncio.Protocol):
     __slots__ = ("loop", "pool", "transport", "parser", "response", "closed", "idle_since", "last_read", "timer",
-                 "read_timeout_s", "reusable", "paused")
+                 "read_timeout_s", "reusable", "paused", "patient_until", "asking")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pool: _Pool, read_timeout_s: float):
         self.loop = loop
@@ -204,6 +211,8 @@ class _Connection(asyncio.Protocol):
         self.read_timeout_s = read_timeout_s
         self.reusable = False
         self.paused = False
+        self.patient_until = 0.0  # the response's `patience` granted a wait for its first byte until then
+        self.asking: asyncio.Task | None = None  # the response's `patience`, being asked
 
     # --- asyncio ---------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -275,9 +284,10 @@ class _Connection(asyncio.Protocol):
         response._wake()
 
     # --- the client's side ---------------------------------------------------------------------
-    def send(self, data: bytes) -> Response:
-        self.response = response = Response(self)
+    def send(self, data: bytes, patience=None) -> Response:
+        self.response = response = Response(self, patience)
         self.reusable = False
+        self.patient_until = 0.0
         self.transport.write(data)
         self.last_read = now = self.loop.time()
         self.timer = self.loop.call_at(now + self.read_timeout_s, self._check_read)
@@ -297,12 +307,35 @@ class _Connection(asyncio.Protocol):
             return
         if self.paused:  # waiting on our own client, not on the replica
             self.last_read = self.loop.time()
-        due = self.last_read + self.read_timeout_s
+        due = max(self.last_read + self.read_timeout_s, self.patient_until)
         if self.loop.time() < due:
             self.timer = self.loop.call_at(due, self._check_read)
             return
-        error = UpstreamTimeout(f"no byte from the replica for {self.read_timeout_s:g} s")
-        error.before_first_byte = not response._headers_seen
+        if response._patience is not None and not response._headers_seen:
+            self.asking = self.loop.create_task(self._ask_patience(response))
+            return
+        self._time_out(response)
+
+    async def _ask_patience(self, response: Response) -> None:
+        try:
+            more_s = await response._patience()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a question that fails is a no: the timeout stands
+            more_s = None
+        finally:
+            self.asking = None
+        if self.response is not response or response._done or response._headers_seen or self.closed:
+            return  # answered (or given up) while asking: the reads' own timer, if any, runs
+        if not more_s or more_s <= 0:
+            self._time_out(response)
+            return
+        self.patient_until = self.loop.time() + more_s
+        self.timer = self.loop.call_at(self.patient_until, self._check_read)
+
+    def _time_out(self, response: Response) -> None:
+        waited_s = self.loop.time() - self.last_read
+        error = UpstreamTimeout(f"no byte from the replica for {waited_s:.0f} s")
         response._fail(error)
         self.close()
 
@@ -310,6 +343,9 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        if self.asking is not None:
+            self.asking.cancel()
+            self.asking = None
 
     def release(self, response: Response) -> None:
         if self.response is not response:
@@ -399,10 +435,11 @@ class UpstreamClient:
                                                  parts.port or (443 if parts.scheme == "https" else 80), parts.path)
         return pool
 
-    async def post(self, address: str, path: str, body: bytes, headers: dict[str, str]) -> Response:
+    async def post(self, address: str, path: str, body: bytes, headers: dict[str, str], *, patience=None) -> Response:
         """POST `body` to `address` + `path`; the `Response` once its status line and headers are in.
 
-        Raises `UpstreamError` (`before_first_byte` set when no byte of an answer arrived)."""
+        Raises `UpstreamError` (`before_first_byte` set when it is safe to send again elsewhere: nothing was sent,
+        or the replica closed the connection before answering). `patience`: see `Response`."""
         pool = self._pool(address)
         head = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
         if head.count("\n") != len(headers) or head.count("\r") != len(headers):
@@ -410,7 +447,8 @@ class UpstreamClient:
             raise MalformedRequest("a header name or value holds a line break")
         conn = await pool.connection()
         response = conn.send(b"".join((b"POST ", pool.prefix, path.encode("latin-1"), b" HTTP/1.1\r\n", pool.head,
-                                       f"{head}content-length: {len(body)}\r\n\r\n".encode("latin-1"), body)))
+                                       f"{head}content-length: {len(body)}\r\n\r\n".encode("latin-1"), body)),
+                             patience)
         try:
             while not response._headers_seen:
                 if response._error is not None:

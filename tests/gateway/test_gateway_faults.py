@@ -118,6 +118,58 @@ def test_a_non_streamed_answer_past_the_size_limit_is_refused_and_billed_for_wha
     wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
 
 
+def _slow_gateway(tmp_path, **env):
+    """A gateway giving up on a silent replica after 1 s (production: 600 s)."""
+    return start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_GATEWAY_UPSTREAM_READ_TIMEOUT_S": "1"} | env)
+
+
+def test_a_non_streamed_answer_longer_than_the_read_timeout_is_waited_for_while_its_engine_generates_and_billed(
+        tenant, start_mock_upstream, tmp_path):
+    # A non-streamed answer comes whole when the engine is done. One asked to take longer than the read timeout
+    # (a large max_tokens or n on a slow model) was given up on: its connection closed, the engine's request
+    # aborted after all that generating, nothing billed, and the call sent again to another replica.
+    upstream = start_mock_upstream(token_delay_ms=20)
+    endpoint = serve_endpoint(tenant.org, upstream)
+    Replica.objects.filter(endpoint=endpoint).update(tokens_per_s=50.0)  # its agent's last report: generating
+    child, gateway = _slow_gateway(tmp_path)
+    try:
+        response = httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                              json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 150}, timeout=60)
+    finally:
+        child.stop()
+
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 150
+    row = UsageRecord.objects.get()
+    assert (row.status, row.completion_tokens) == ("ok", 150) and row.cost > 0
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1
+
+
+@pytest.mark.parametrize("why", ["engine stopped generating", "longest wait passed"])
+def test_a_replica_silent_past_the_read_timeout_is_a_504_and_the_call_is_never_sent_again(
+        tenant, start_mock_upstream, tmp_path, why):
+    # Given up on, a call is never sent to another replica: the first has it (and may be computing it).
+    first, second = start_mock_upstream(token_delay_ms=20), start_mock_upstream(token_delay_ms=20)
+    endpoint = serve_endpoint(tenant.org, first, second)
+    env = {}
+    if why == "longest wait passed":
+        Replica.objects.filter(endpoint=endpoint).update(tokens_per_s=50.0)
+        env = {"INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S": "1"}
+    child, gateway = _slow_gateway(tmp_path, **env)
+    try:
+        response = httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                              json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 150}, timeout=60)
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["code"] == "upstream_timeout"
+        wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
+    finally:
+        child.stop()
+
+    sent = [httpx.get(f"{address}/_stats").json()["num_requests"] for address in (first, second)]
+    assert sorted(sent) == [0, 1]
+    assert not UsageRecord.objects.exists()
+
+
 def test_a_replica_down_before_the_first_byte_is_retried_once_on_another(gateway, tenant, start_mock_upstream):
     dead = f"http://127.0.0.1:{free_port()}"
     endpoint = serve_endpoint(tenant.org, dead, start_mock_upstream())

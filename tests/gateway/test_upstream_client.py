@@ -159,13 +159,63 @@ def test_a_silent_server_hits_the_read_timeout_before_and_after_its_headers():
             client = UpstreamClient(read_timeout_s=0.3)
             with pytest.raises(upstream.UpstreamTimeout) as failure:
                 await client.post(server.address, "/", b"{}", {})
-            assert failure.value.before_first_byte
+            assert not failure.value.before_first_byte  # the replica has the request: never safe to send again
             response = await client.post(server.address, "/", b"{}", {})
             chunks = []
             with pytest.raises(upstream.UpstreamTimeout) as failure:
                 async for chunk in response.chunks():
                     chunks.append(chunk)
             assert chunks == [SSE[0]] and not failure.value.before_first_byte
+            await client.close()
+    run(main())
+
+
+async def _answers_after_a_second(reader, writer, server):
+    server.requests.append(await _read_request(reader))
+    await asyncio.sleep(1.0)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+    await writer.drain()
+    await asyncio.sleep(1)
+
+
+def test_a_first_byte_later_than_the_read_timeout_is_waited_for_as_long_as_patience_grants():
+    asked = []
+
+    async def patience():
+        asked.append(asyncio.get_running_loop().time())
+        return 0.3
+
+    async def main():
+        async with Server(_answers_after_a_second) as server:
+            client = UpstreamClient(read_timeout_s=0.3)
+            response = await client.post(server.address, "/", b"{}", {}, patience=patience)
+            assert await response.read() == b"{}"
+            assert 2 <= len(asked) <= 4 and len(server.requests) == 1
+            await client.close()
+    run(main())
+
+
+@pytest.mark.parametrize("answer", ["no", "raises"])
+def test_a_first_byte_is_given_up_on_when_patience_says_no_or_fails(answer):
+    asked = []
+
+    async def patience():
+        asked.append(1)
+        if len(asked) == 1:
+            return 0.2
+        if answer == "raises":
+            raise RuntimeError("the database is away")
+        return None
+
+    async def main():
+        async with Server(_answers_after_a_second) as server:
+            client = UpstreamClient(read_timeout_s=0.2)
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(upstream.UpstreamTimeout) as failure:
+                await client.post(server.address, "/", b"{}", {}, patience=patience)
+            assert not failure.value.before_first_byte
+            assert len(asked) == 2 and 0.35 < asyncio.get_running_loop().time() - started < 0.9
+            await asyncio.wait_for(server.closed.wait(), 2)  # the connection dropped: the engine aborts its request
             await client.close()
     run(main())
 
