@@ -65,6 +65,10 @@ class ManagedReplica:
     sleep_call: str = ""  # "sleep" or "wake" while that call to the engine is in flight (its own thread)
     # What its model's chat template adds to a conversation, as its engine counted it once READY (`probes`).
     chat_template_tokens: ChatTemplateTokens | None = None
+    # Its measure (`Supervisor._measure_chat_template`): one on its thread now, tries so far, the next not before.
+    measuring: bool = False
+    num_template_measures: int = 0
+    measure_template_at: float = 0.0
 
     def set_state(self, state: ReplicaState) -> None:
         if state != self.state or not self.state_history:

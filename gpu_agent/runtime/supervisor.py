@@ -93,6 +93,8 @@ class SupervisorPolicy:
     # precision"); SIGKILL leaves no process behind either (the group, then strays by marker).
     idle_stop_grace_s: float = 1.0
     health_timeout_s: float = 2.0
+    # A chat template's measure that failed (an engine slow to answer at first) is tried again after each of these.
+    template_measure_retry_s: tuple[float, ...] = (10.0, 60.0, 300.0)
     # A READY engine's /metrics at most this often. NOTE: the loop polls every 0.1 s while any engine starts,
     # and each scrape costs the engine ~5 ms of CPU (py-spy, tiny CPU model): the engines already up took
     # ~8% of a core each away from the ones still starting at once. Heartbeats read them every few seconds.
@@ -218,19 +220,41 @@ class Supervisor:
         threading.Thread(target=self._call_engine, args=(replica, "wake", 0), name=f"wake-{replica_id[:8]}",
                          daemon=True).start()
 
+    def _measure_chat_template_soon(self, replica: ManagedReplica, now: float) -> None:
+        """Measures a READY engine's chat template unless it is measured, being measured, or out of tries: once READY,
+        once adopted from an earlier agent (whose measure died with it), and again after a measure that failed
+        (an engine slow to answer at first), `SupervisorPolicy.template_measure_retry_s` apart. Unmeasured, the gateway's estimate
+        keeps its defaults, which a template adding more outgrows."""
+        if (replica.chat_template_tokens is not None or replica.measuring or replica.spec.task == ModelTask.EMBED
+                or replica.num_template_measures >= len(self.policy.template_measure_retry_s) + 1 or now < replica.measure_template_at):
+            return  # NOTE: a pooling model's inputs get no chat template
+        replica.measuring = True
+        replica.num_template_measures += 1
+        threading.Thread(target=self._measure_chat_template, args=(replica,), daemon=True,
+                         name=f"template-{replica.spec.replica_id[:8]}").start()
+
     def _measure_chat_template(self, replica: ManagedReplica) -> None:
         """What its model's chat template adds (`EngineProbe.chat_template_tokens`), measured on its own thread
         with its own client: a template slow to render never holds the supervisor's lock, and so never the
         heartbeat or another replica's step."""
         spec = replica.spec
+        measured = None
         probe = EngineProbe(self.policy.health_timeout_s)
         try:
             measured = probe.chat_template_tokens(replica.address, spec.engine_api_key, spec.served_model_name)
+        except Exception:  # noqa: BLE001 - a measure that fails is tried again later; the thread never dies loud
+            logger.exception("replica %s: could not measure its chat template", spec.replica_id)
         finally:
             probe.close()
-        if measured is not None:  # NOTE: one attribute set whole; `statuses()` reads it as it is
-            replica.chat_template_tokens = dataclasses.replace(measured, model_source=spec.model_source,
-                                                               weights_scope=spec.weights_scope)
+            if measured is not None:  # NOTE: one attribute set whole; `statuses()` reads it as it is
+                replica.chat_template_tokens = dataclasses.replace(measured, model_source=spec.model_source,
+                                                                   weights_scope=spec.weights_scope)
+            else:
+                tries = replica.num_template_measures
+                retries = self.policy.template_measure_retry_s
+                if tries <= len(retries):
+                    replica.measure_template_at = time.monotonic() + retries[tries - 1]
+            replica.measuring = False
 
     def _call_engine(self, replica: ManagedReplica, call: str, level: int) -> None:
         started = time.monotonic()
@@ -447,9 +471,7 @@ class Supervisor:
             if self._probe.healthy(replica.address):
                 # The engine's own figures for what it allocated, for the control plane to check its estimate.
                 replica.became_ready(now, read_engine_memory(replica.log_path))
-                if replica.spec.task != ModelTask.EMBED:  # a pooling model's inputs get no chat template
-                    threading.Thread(target=self._measure_chat_template, args=(replica,), daemon=True,
-                                     name=f"template-{replica.spec.replica_id[:8]}").start()
+                self._measure_chat_template_soon(replica, now)
                 if self.on_ready is not None:
                     self.on_ready(replica.spec.replica_id)
                 logger.info(
@@ -460,6 +482,7 @@ class Supervisor:
                 logger.warning("replica %s: not healthy after %.0fs", replica.spec.replica_id, now - replica.started_at)
                 self._kill_group(replica, signal.SIGKILL)
         elif replica.state == ReplicaState.READY:
+            self._measure_chat_template_soon(replica, now)  # adopted, or an earlier try failed
             scraped_at = replica.metrics_scraped_at
             if scraped_at is None or time.monotonic() - scraped_at >= self.policy.metrics_interval_s:
                 self._scrape(replica)

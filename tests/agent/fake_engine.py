@@ -1,7 +1,7 @@
 """A stand-in for `vllm serve` that starts in milliseconds (supervisor and agent tests).
 
-Serves /health, /metrics (running requests read from --running-file) and
-/v1/completions, and with --sleep-mode vLLM's sleep routes (`/sleep?level=N`, `/wake_up`, `/is_sleeping`:
+Serves /health, /metrics (running requests read from --running-file),
+/tokenize (a chat template adding 3 tokens a conversation and 4 a message) and /v1/completions, and with --sleep-mode vLLM's sleep routes (`/sleep?level=N`, `/wake_up`, `/is_sleeping`:
 --wake-fails answers `/wake_up` with 500, as an engine whose GPU memory was taken meanwhile); like a real engine under `EngineKeyGuard`, everything but /health needs the
 replica's key from INFERPLANE_ENGINE_API_KEY; spawns a worker child like vLLM's EngineCore so that tests see
 whether the whole process group goes away.
@@ -27,10 +27,12 @@ parser.add_argument("--ignore-sigterm", action="store_true")
 parser.add_argument("--sleep-mode", action="store_true", help="serve /sleep, /wake_up and /is_sleeping")
 parser.add_argument("--wake-fails", action="store_true", help="/wake_up answers 500")
 parser.add_argument("--log-line", action="append", default=[], help="a line to write at start, as vLLM logs")
+parser.add_argument("--tokenize-fails", type=int, default=0, help="the first N /tokenize calls answer 503")
 args, _ = parser.parse_known_args()
 
 started_at = time.monotonic()
 sleeping_level = 0
+num_tokenize_calls = 0
 worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
 if args.ignore_sigterm:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -92,12 +94,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._send(404, "{}")
 
     def do_POST(self):
-        global sleeping_level
+        global sleeping_level, num_tokenize_calls
         length = int(self.headers.get("Content-Length", 0))
-        self.rfile.read(length)
+        request = self.rfile.read(length)
         if not self._authorized():
             return
         path, _, query = self.path.partition("?")
+        if path == "/tokenize":
+            num_tokenize_calls += 1
+            if num_tokenize_calls <= args.tokenize_fails:
+                self._send(503, '{"error": "busy"}')
+                return
+            messages = json.loads(request).get("messages", [])
+            self._send(200, json.dumps({"count": 3 + 4 * len(messages), "tokens": [], "max_model_len": 512}))
+            return
         if args.sleep_mode and path == "/sleep":
             sleeping_level = int(query.partition("level=")[2] or 1)
             print(f"==> fake engine sleeps (level {sleeping_level})", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -170,6 +171,43 @@ def test_new_supervisor_adopts_healthy_desired_and_kills_the_rest(make_superviso
     second.drain("r-keep", timeout_s=5)
     wait_until(lambda: state_of(second, "r-keep") == ReplicaState.STOPPED, 10, poll=second.poll)
     assert processes_with_marker("r-keep") == []
+
+
+def test_an_adopted_engine_has_its_chat_template_measured(make_supervisor, tmp_path):
+    # The measure ran only when an engine first became READY: an engine adopted by a restarted agent was never
+    # measured, and the gateway's estimate kept its defaults for its model however much its template adds.
+    data_dir = tmp_path / "agent"
+    first = make_supervisor("--tokenize-fails", "1", data_dir=data_dir)  # its first measure fails (the next is 10 s on)
+    first.start(make_spec("r-keep"), "/models/x")
+    wait_until(lambda: first.get("r-keep").num_template_measures == 1 and not first.get("r-keep").measuring, 10,
+               poll=first.poll)
+    assert first.get("r-keep").chat_template_tokens is None
+    first._probe.close()  # the old agent vanishes without stopping its engine, which was never measured
+    first._replicas.clear()
+
+    second = make_supervisor(data_dir=data_dir)
+    assert second.recover({"r-keep": make_spec("r-keep")})[0] == ["r-keep"]
+    wait_until(lambda: second.get("r-keep").chat_template_tokens is not None, 10, poll=second.poll)
+    measured = next(s for s in second.statuses() if s.replica_id == "r-keep").chat_template_tokens
+    assert (measured.per_conversation, measured.per_message) == (7, 4)
+
+
+def test_a_chat_template_measure_that_failed_is_tried_again_and_then_no_more(make_supervisor):
+    policy = dataclasses.replace(FAST, template_measure_retry_s=(0.2,))
+    once = make_supervisor("--tokenize-fails", "1", policy=policy)
+    once.start(make_spec("r-once"), "/models/x")
+    wait_until(lambda: once.get("r-once").chat_template_tokens is not None, 10, poll=once.poll)
+    assert once.get("r-once").num_template_measures == 2
+
+    never = make_supervisor("--tokenize-fails", "1000", policy=policy)
+    never.start(make_spec("r-never"), "/models/x")
+    wait_until(lambda: never.get("r-never").num_template_measures == 2 and not never.get("r-never").measuring, 10,
+               poll=never.poll)
+    deadline = time.monotonic() + 1
+    while time.monotonic() < deadline:
+        never.poll()
+        time.sleep(0.05)
+    assert never.get("r-never").num_template_measures == 2 and never.get("r-never").chat_template_tokens is None
 
 
 def test_killed_agent_leaves_no_engine_behind(tmp_path):
