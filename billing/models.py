@@ -193,6 +193,9 @@ class BillingAccount(models.Model):
     spend_cap = MoneyField(null=True, blank=True)
     stripe_customer_id = models.CharField(max_length=64, blank=True)
     stripe_subscription_id = models.CharField(max_length=64, blank=True)
+    # When that subscription's time began (its `start_date`): usage of an earlier hour pushed to it is dated from
+    # here (`stripe_sync.push_rollup`). None for one stored before this was kept.
+    stripe_subscription_started_at = models.DateTimeField(null=True, blank=True)
     # How much of the prepaid usage in the ledger has been drawn from credit grants (see billing.credits).
     credit_drawn = MoneyField(default=Decimal(0))
     created_at = models.DateTimeField(default=timezone.now)

@@ -119,8 +119,9 @@ def record_subscription_ended(subscription_id: str) -> BillingAccount | None:
         if account is None:
             return None
         account.stripe_subscription_id = ""
+        account.stripe_subscription_started_at = None
         account.stripe_key_generation += 1
-        account.save(update_fields=["stripe_subscription_id", "stripe_key_generation"])
+        account.save(update_fields=["stripe_subscription_id", "stripe_subscription_started_at", "stripe_key_generation"])
         record_audit(SYSTEM, account.organization, "billing.subscription_ended", account, subscription=subscription_id)
     return account
 
@@ -139,11 +140,13 @@ def record_customer_deleted(customer_id: str) -> BillingAccount | None:
             return None
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""
+        account.stripe_subscription_started_at = None
         account.payment_method_on_file = False
         account.payment_method_observed_ms = 0  # no customer: the limit without a payment method applies
         account.stripe_key_generation += 1
         account.limits_stale = True
-        account.save(update_fields=["stripe_customer_id", "stripe_subscription_id", "payment_method_on_file",
+        account.save(update_fields=["stripe_customer_id", "stripe_subscription_id", "stripe_subscription_started_at",
+                                    "payment_method_on_file",
                                     "payment_method_observed_ms", "stripe_key_generation", "limits_stale"])
         record_audit(SYSTEM, account.organization, "billing.customer_deleted", account, customer=customer_id)
     _refresh_quietly(account)

@@ -158,8 +158,13 @@ def _was_replayed(exc: stripe.StripeError) -> bool:
     return any(name.lower() == "idempotent-replayed" and value == "true" for name, value in (exc.headers or {}).items())
 
 
+def _reused_with_other_parameters(exc: stripe.StripeError) -> bool:
+    """Stripe refused a key it saved for a write with other parameters (a 400 `idempotency_error`)."""
+    return isinstance(exc, stripe.IdempotencyError) and exc.http_status == 400
+
+
 def _is_retryable(exc: stripe.StripeError) -> bool:
-    if isinstance(exc, stripe.APIConnectionError | stripe.RateLimitError):
+    if isinstance(exc, stripe.APIConnectionError | stripe.RateLimitError) or _reused_with_other_parameters(exc):
         return True
     if isinstance(exc, stripe.IdempotencyError) and exc.http_status == 409:
         return True  # the same key in flight from another worker: its answer is saved once it ends
@@ -173,7 +178,10 @@ def call_stripe(request, *, what: str, attempts: int = MAX_ATTEMPTS, key: Idempo
         try:
             return request({"idempotency_key": key.value} if key is not None else {})
         except stripe.StripeError as exc:
-            if key is not None and _is_server_error(exc) and _was_replayed(exc):
+            if key is not None and ((_is_server_error(exc) and _was_replayed(exc)) or _reused_with_other_parameters(exc)):
+                # NOTE: also a key an earlier run used for this write with other parameters (a meter event's date
+                # moves: `event_timestamp`): refused for 24 h, it held the write up as long. Under a new key,
+                # what the first try did is found first, as after a saved server error (`IdempotencyKey`).
                 key.renew()
             if not _is_retryable(exc) or attempt == attempts:
                 raise
@@ -370,14 +378,27 @@ def ensure_subscription(organization_id: int) -> str:
 
     subscription = call_stripe(find_else_create, what="subscription create",
                                key=_account_key(account, f"subscription-org-{organization_id}"))
-    return _store_once(account, "stripe_subscription_id", subscription.id)
+    # NOTE: with its start, in one conditional update: when two workers raced, the first stored wins whole.
+    BillingAccount.objects.filter(pk=account.pk, stripe_subscription_id="").update(
+        stripe_subscription_id=subscription.id,
+        stripe_subscription_started_at=datetime.fromtimestamp(subscription.start_date, tz=UTC))
+    return BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(pk=account.pk)
 
 
 # --- pushing rollups ---------------------------------------------------------------------------------
 
-def event_timestamp(hour_start) -> int:
-    """When Stripe is told usage happened: the hour, or for older late usage the oldest time it takes."""
-    return int(max(hour_start, timezone.now() - MAX_EVENT_AGE).timestamp())
+def event_timestamp(hour_start, subscription_started_at=None) -> int:
+    """When Stripe is told usage happened: the hour, or for older late usage the oldest time it takes; never
+    before the subscription it is pushed to began (`subscription_started_at`, when known).
+
+    NOTE: a subscription bills the meter events dated within its own time. Usage of an hour before a cancelled
+    subscription ended, pushed only after (its rollup closed late, or its push failed until then), went to the
+    next subscription dated before that one's start (the old one's end), and the old one's final invoice was
+    already made: billed by neither. Dated from the new start, it is on the new subscription's first invoice."""
+    earliest = timezone.now() - MAX_EVENT_AGE
+    if subscription_started_at is not None:
+        earliest = max(earliest, subscription_started_at)
+    return int(max(hour_start, earliest).timestamp())
 
 
 def meter_event_identifier(rollup_id: int, event_name: str) -> str:
@@ -403,8 +424,10 @@ def push_rollup(rollup_id: int) -> bool:
     try:
         customer_id = ensure_customer(rollup.organization_id)
         ensure_subscription(rollup.organization_id)  # also creates the meters and the price
+        started_at = BillingAccount.objects.values_list("stripe_subscription_started_at", flat=True).get(
+            organization_id=rollup.organization_id)
         done = set(MeterEventPush.objects.filter(rollup=rollup).values_list("event_name", flat=True))
-        timestamp = event_timestamp(rollup.hour_start)
+        timestamp = event_timestamp(rollup.hour_start, started_at)
         generation = rollup.push_key_generation
         for meter in METERS:
             value = getattr(rollup, meter.rollup_field)

@@ -80,6 +80,30 @@ def test_a_subscription_cancelled_in_stripe_is_replaced_at_the_next_push_and_usa
                                             for event in fake_stripe.meter_events.values())
 
 
+def test_usage_of_an_hour_before_a_cancellation_pushed_after_it_is_billed_by_the_next_subscription(fake_stripe):
+    # The ended subscription's final invoice is made when it ends: usage of an hour before that, pushed only
+    # after (its rollup closed late, its push failing until then), was dated that hour, before the next
+    # subscription's start (the old one's end): billed by neither.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    first = BillingAccount.objects.get(organization=endpoint.organization).stripe_subscription_id
+    record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=5)))
+    rollup_usage()  # closed, not pushed yet
+    billed_by_first = set(fake_stripe.meter_events)
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first, at=int(_hour(4).timestamp())))
+
+    record_usage(usage_report(endpoint, finished_at=_hour(3) + timedelta(minutes=5)))
+    rollup_usage()
+    assert stripe_sync.push_pending_rollups() == 2
+
+    account = BillingAccount.objects.get(organization=endpoint.organization)
+    second = fake_stripe.subscriptions[account.stripe_subscription_id]
+    assert second["start_date"] == fake_stripe.subscriptions[first]["ended_at"]
+    late = [event for identifier, event in fake_stripe.meter_events.items() if identifier not in billed_by_first]
+    assert len(late) == 6 and all(second["start_date"] <= event["timestamp"] for event in late)
+    assert account.stripe_subscription_started_at.timestamp() == second["start_date"]
+
+
 def test_a_cancellation_applies_once_whatever_the_order_and_only_to_the_subscription_it_names(fake_stripe):
     endpoint = EndpointFactory()
     _use_and_push(endpoint, num_hours_ago=5)

@@ -3,6 +3,7 @@
 The subscription, its price and the cost meter have their own tests in test_stripe_subscription.py.
 """
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -139,6 +140,27 @@ def test_a_push_that_died_after_stripe_accepted_is_finished_without_double_billi
     assert stripe_sync.push_pending_rollups() == 1
     assert _token_total(fake_stripe) == rollup.prompt_tokens + rollup.completion_tokens
     assert sum(event["event_name"] == "inferplane_usage_cost" for event in fake_stripe.meter_events.values()) == 1
+
+
+def test_a_meter_event_sent_again_with_another_date_under_its_earlier_key_is_not_held_up(fake_stripe, settings):
+    # Usage older than Stripe's 35 days is dated the oldest time Stripe takes, which moves with the clock (and a
+    # new subscription's start moves it too): sent again, under the key of the first try, with another
+    # timestamp, Stripe refused the key for 24 h (`idempotency_error`) and the rollup was stuck that long.
+    settings.BILLING_CLAIM_TIMEOUT_S = 0.1
+    endpoint = EndpointFactory()
+    record_usage(usage_report(endpoint, finished_at=timezone.now() - timedelta(days=36), prompt_tokens=120,
+                              cached_tokens=20, completion_tokens=30))
+    rollup_usage()
+    rollup = UsageRollup.objects.get(endpoint=endpoint)
+    assert stripe_sync.push_pending_rollups() == 1
+    # Forget locally that it was pushed, as if the worker died after Stripe answered.
+    MeterEventPush.objects.filter(rollup=rollup).delete()
+    UsageRollup.objects.filter(pk=rollup.pk).update(pushed_at=None, push_claimed_at=timezone.now() - timedelta(seconds=1))
+    time.sleep(1.1)  # the oldest time Stripe takes is a second later
+
+    assert stripe_sync.push_pending_rollups() == 1
+    assert _token_total(fake_stripe) == rollup.prompt_tokens + rollup.completion_tokens  # once
+    assert fake_stripe.num_duplicate_identifiers == 4  # found under the new keys, not sent twice
 
 
 def test_an_open_hour_is_not_pushed(fake_stripe):
