@@ -46,6 +46,10 @@ logger = logging.getLogger("inferplane.batches")
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 CHECK_EVERY_S = 1.0  # how often a run renews its lease, writes its counts and reads a cancel
 RETRY_PAUSE_S = 1.0  # after a transient refusal, no line starts for this long
+# A line's answer is waited for at most this long from its run's start, whatever its engine still generates
+# (`InferenceCall.answer_deadline`): under the run task's soft time limit (870 s, `endpoints.batches.tasks`),
+# with time left for the files' assembly. Given up on, it is a 504 and runs again in a later run.
+LINES_END_WITHIN_S = 780.0
 REPLAY_JOURNAL_FOR_S = 10.0  # at a run's end, the most it waits to replay usage journaled in this worker
 
 
@@ -108,7 +112,8 @@ async def _never_disconnects() -> dict:
     return {"type": "http.disconnect"}
 
 
-async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, client: upstream.UpstreamClient) -> LineOutcome:
+async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, client: upstream.UpstreamClient,
+                   answer_deadline: float | None = None) -> LineOutcome:
     request_id = line_request_id(work.batch_id, line.index)
     capture = _Capture()
     try:
@@ -116,7 +121,7 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
                           priority=scheduling.BATCH_ENGINE_PRIORITY)
         call = InferenceCall(request_id=request_id, request=request, caller=work.caller, endpoint=endpoint, client=client,
                              receive=_never_disconnects, send=capture.send, started_at=datetime.now(UTC),
-                             batch_id=work.batch_id, price_fraction=work.price_fraction)
+                             batch_id=work.batch_id, price_fraction=work.price_fraction, answer_deadline=answer_deadline)
         await call.run()
     except errors.OpenAIError as exc:
         return LineOutcome(line, exc.status, json.loads(exc.body()), request_id, retry=exc.status in RETRY_STATUSES)
@@ -155,6 +160,7 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
     pending: deque[Line] = deque(todo)
     running: dict[asyncio.Task, Line] = {}
     ends_at = time.monotonic() + slice_s
+    answer_deadline = time.monotonic() + LINES_END_WITHIN_S
     last_check, pause_until = 0.0, 0.0
     client = upstream.UpstreamClient(read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S)
     try:
@@ -175,7 +181,7 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
                     if not pending:
                         break
                     line = pending.popleft()
-                    running[asyncio.create_task(run_line(work, endpoint, line, client))] = line
+                    running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline))] = line
             if not running:
                 if progress.stopped or not pending:
                     break

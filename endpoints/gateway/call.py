@@ -50,6 +50,7 @@ SHUTDOWN_FINISH_WAIT_S = 10.0
 # A replica silent past the read timeout before its answer's first byte is asked again this often
 # (`InferenceCall._patience`) while its engine is generating.
 PATIENCE_RECHECK_S = 30.0
+PATIENCE_QUERY_TIMEOUT_S = 5.0
 
 # Finishes (usage row, settlement) still running, so a stopping process waits for them (`finish_pending`).
 _finishing: set[asyncio.Task] = set()
@@ -124,6 +125,9 @@ class InferenceCall:
     _ceiling: ledger.CostCeiling | None = None
     # The LoRA adapter the call names (`endpoint` is then priced at its prices): served only by replicas holding it.
     adapter: AdapterInfo | None = None
+    # The latest a non-streamed answer is waited for (monotonic), when sooner than `GATEWAY_MAX_ANSWER_WAIT_S` from
+    # the start: a batch line's run has a time limit of its own (`endpoints.batches.runner`).
+    answer_deadline: float | None = None
 
     async def run(self) -> None:
         self.metrics = metrics.of_endpoint(self.endpoint.id, self.endpoint.organization_id)
@@ -273,7 +277,7 @@ class InferenceCall:
                 replica.address, self.request.path, self.request.upstream_body(),
                 {"content-type": "application/json", "x-request-id": self.request_id,
                  "authorization": replica.authorization},
-                patience=functools.partial(self._patience, replica),
+                patience=None if self.request.stream else functools.partial(self._patience, replica),
             )
         except upstream.UpstreamTimeout as exc:
             # NOTE: never sent again elsewhere: the replica has the request, and an engine that was computing it
@@ -306,13 +310,26 @@ class InferenceCall:
         `n`, a slow model, a queue) takes longer than any fixed timeout. Giving up closed the connection, which
         aborted the engine's request, and billed nothing for what it had generated: an answer asked to run
         past the timeout was computed free. So the call waits on while the replica's engine generates (its
-        agent's last report: `directory.engine_generating`), up to `GATEWAY_MAX_ANSWER_WAIT_S` from its start,
-        and gives up (nothing billed) on an engine that stopped, a replica that left or a node gone silent."""
-        if time.monotonic() - self._started_monotonic >= settings.GATEWAY_MAX_ANSWER_WAIT_S:
+        agent's last report: `directory.engine_generating`), up to `GATEWAY_MAX_ANSWER_WAIT_S` from its start
+        (or its `answer_deadline`), and gives up (nothing billed) on an engine that stopped, a replica that
+        left or a node gone silent. Its reservation's hold lasts as long (`presence`). A database that does
+        not answer in time is not a no: the call waits on, asking again, within the same bounds."""
+        deadline = self._started_monotonic + settings.GATEWAY_MAX_ANSWER_WAIT_S
+        if self.answer_deadline is not None:
+            deadline = min(deadline, self.answer_deadline)
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
             return None
-        if not await directory.engine_generating(self.endpoint.id, replica.id, replica.address):
-            return None
-        return PATIENCE_RECHECK_S
+        try:
+            async with asyncio.timeout(PATIENCE_QUERY_TIMEOUT_S):
+                generating = await directory.engine_generating(self.endpoint.id, replica.id, replica.address)
+        except Exception as exc:  # noqa: BLE001 - unknown is not "stopped": the engine may well be generating
+            if not errors.is_outage(exc):  # an outage, the query's timeout included
+                raise
+            logger.warning("request %s: could not read whether replica %s still generates: %r", self.request_id,
+                           replica.id, exc)
+            generating = True
+        return min(PATIENCE_RECHECK_S, left_s) if generating else None
 
     async def _relay_whole(self, response: upstream.Response) -> None:
         scanner = sse.UsageScanner()
@@ -440,7 +457,7 @@ class InferenceCall:
         NOTE: a non-streamed answer's usage comes only with the whole answer. Cancelling it aborted the engine's
         request, whatever it had computed, and the call was billed nothing: a client could have any prompt
         prefilled and most of an answer generated for free by leaving just before the end. Such a call now
-        reads its answer to the end (bounded as any: its `max_tokens`, the read timeout; past the size cap
+        reads its answer to the end (bounded as any: its `max_tokens`, the read timeout or `_patience`; past the size cap
         through `sse.UsageScanner`), bills its usage and drops the body. A stream is billed for the events it
         sent, so it stops at once, unless none had come yet: its first event of each prompt comes once the
         engine has prefilled it and carries its prompt's tokens, so a stream left before them reads on to

@@ -213,13 +213,15 @@ async def cold_start_progress(endpoint_id: str) -> str:
 
 def _engine_generating(endpoint_id: str, replica_id: str, address: str) -> bool:
     return Replica.objects.filter(
-        pk=replica_id, endpoint_id=endpoint_id, state=ReplicaState.READY, address=address, tokens_per_s__gt=0,
+        pk=replica_id, endpoint_id=endpoint_id, state__in=(ReplicaState.READY, ReplicaState.DRAINING), address=address,
+        tokens_per_s__gt=0,
         node__state=NodeState.READY,
         node__last_heartbeat_at__gte=timezone.now() - timedelta(seconds=settings.NODE_HEARTBEAT_GRACE_S),
     ).exists()
 
 
 async def engine_generating(endpoint_id: str, replica_id: str, address: str) -> bool:
-    """Whether the replica is READY at `address` on a node heard from lately, and its engine produced tokens in
-    its agent's last report (`Replica.tokens_per_s`): working, not wedged. Read from the database now."""
+    """Whether the replica is READY (or DRAINING: it finishes what it has, within its drain timeout) at `address` on
+    a node heard from lately, and its engine produced tokens in its agent's last report (`Replica.tokens_per_s`):
+    working, not wedged. Read from the database now."""
     return await in_worker_thread(_engine_generating)(endpoint_id, replica_id, address)

@@ -16,6 +16,12 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
 
 Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat.
 
+A beat also pushes on the spend reservation deadlines (`billing.quota.sweeper`) of the requests this process
+has served for a while: a live gateway's long call (a stream of many tokens, a non-streamed answer waited for
+while its engine generates) keeps its hold on the caps and credit until its own end. Before, its hold was
+released at the deadline (`BILLING_RESERVATION_TTL_S`, 15 min) while it still ran, and the caller could have
+as much again admitted against the same credit. Only a gateway that died stops pushing its deadlines on.
+
 NOTE: a gateway that only froze past `ALIVE_TTL_S` (a stalled event loop) is swept like a dead one;
 when it beats again it finds its key gone and puts its requests back, so its counts come back and
 are released once, by the request's own end. The sweeper reads the alive key just before each
@@ -27,7 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import dataclass, field
+
+from django.conf import settings
 
 from controlplane import redis_keys
 from controlplane.per_loop import PerLoop
@@ -89,6 +99,7 @@ class Held:
     organization_id: int
     endpoint_id: str
     replica_id: str | None = None
+    since: float = field(default_factory=time.monotonic)  # when this process began serving it
 
     def value(self) -> str:
         counter = redis_keys.outstanding_key(self.organization_id, self.replica_id) if self.replica_id else ""
@@ -129,8 +140,33 @@ def end_later(organization_id: int, request_id: str) -> None:
     unfinished.add((organization_id, request_id))
 
 
+@dataclass(slots=True)
+class _Extended:
+    at: float = 0.0  # when the last beat pushed deadlines on (monotonic)
+
+
+_extended = _Extended()
+
+
+def _deadlines_due(now: float) -> dict[int, dict[str, int]]:
+    """The reservation deadlines to push on now (organisation -> request id -> new deadline, Unix s): those of the
+    requests served longer than a third of the reservation's time, every third of it at most (a minute at most)."""
+    ttl_s = settings.BILLING_RESERVATION_TTL_S
+    every_s = min(60.0, ttl_s / 3)
+    if now - _extended.at < every_s or not serving:
+        return {}
+    _extended.at = now
+    deadline = math.ceil(time.time() + ttl_s)
+    due: dict[int, dict[str, int]] = {}
+    for request_id, held in list(serving.items()):
+        if now - held.since >= every_s:
+            due.setdefault(held.organization_id, {})[request_id] = deadline
+    return due
+
+
 async def beat() -> None:
-    """One heartbeat: stay alive, put back what Redis forgot, end what could not be ended."""
+    """One heartbeat: stay alive, put back what Redis forgot, end what could not be ended, and push on the
+    reservation deadlines of long calls."""
     redis = get_async_redis()
     gateway = traffic.gateway_id()
     recent = traffic.take_recent()
@@ -162,6 +198,12 @@ async def beat() -> None:
             restored += await _RESTORE_REQUESTS(keys=keys, args=args)
         if restored:
             logger.warning("gateway %s: put back %d request(s) Redis had lost", gateway, restored)
+    if due := _deadlines_due(time.monotonic()):
+        # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never earlier (GT).
+        async with redis.pipeline(transaction=False) as pipe:
+            for organization_id, deadlines in due.items():
+                pipe.zadd(redis_keys.deadlines_key(organization_id), deadlines, xx=True, gt=True)
+            await pipe.execute()
     if unfinished:
         ended = list(unfinished)
         for organization_id in {organization_id for organization_id, _ in ended}:

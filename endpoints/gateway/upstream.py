@@ -325,8 +325,11 @@ class _Connection(asyncio.Protocol):
             more_s = None
         finally:
             self.asking = None
-        if self.response is not response or response._done or response._headers_seen or self.closed:
-            return  # answered (or given up) while asking: the reads' own timer, if any, runs
+        if self.response is not response or response._done or self.closed:
+            return  # answered, or given up, while asking
+        if response._headers_seen:  # its first byte came while asking: the reads' own timeout again, from the last
+            self.timer = self.loop.call_at(self.last_read + self.read_timeout_s, self._check_read)
+            return
         if not more_s or more_s <= 0:
             self._time_out(response)
             return

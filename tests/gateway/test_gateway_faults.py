@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from billing.models import UsageRecord
+from billing.quota.sweeper import sweep_expired_reservations
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import reservations_key
 from endpoints.gateway.estimate import worst_case
@@ -168,6 +169,29 @@ def test_a_replica_silent_past_the_read_timeout_is_a_504_and_the_call_is_never_s
     sent = [httpx.get(f"{address}/_stats").json()["num_requests"] for address in (first, second)]
     assert sorted(sent) == [0, 1]
     assert not UsageRecord.objects.exists()
+
+
+def test_a_call_that_runs_past_its_reservation_deadline_keeps_its_hold_until_its_own_end(
+        tenant, start_mock_upstream, tmp_path):
+    # A reservation's deadline is how long a dead gateway's hold lasts. A live gateway's call that ran longer (a
+    # long stream, a long non-streamed answer) had its hold released by the sweeper while it still ran: as much
+    # again could be admitted against the same credit and caps.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=40))
+    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
+    received = 0
+    try:
+        with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=150) as response:  # ~6 s
+            for line in response.iter_lines():
+                received += line.startswith("data: {")
+                if received == 110:  # ~4.4 s in, past the first deadline
+                    assert sweep_expired_reservations() == 0
+                    assert get_redis().hlen(reservations_key(tenant.org.pk)) == 1
+    finally:
+        child.stop()
+    assert received >= 150
+    row = UsageRecord.objects.get()
+    assert (row.status, row.completion_tokens) == ("ok", 150)
+    assert not get_redis().hlen(reservations_key(tenant.org.pk))  # settled by the call's own end
 
 
 def test_a_replica_down_before_the_first_byte_is_retried_once_on_another(gateway, tenant, start_mock_upstream):

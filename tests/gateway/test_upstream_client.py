@@ -195,6 +195,29 @@ def test_a_first_byte_later_than_the_read_timeout_is_waited_for_as_long_as_patie
     run(main())
 
 
+def test_a_first_byte_that_comes_while_patience_is_asked_leaves_the_read_timeout_running():
+    # Its timer was spent on the question: an answer whose headers came meanwhile and then stalled hung for ever.
+    async def headers_then_stall(reader, writer, server):
+        await _read_request(reader)
+        await asyncio.sleep(0.35)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 10\r\n\r\n{")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def slow_patience():
+        await asyncio.sleep(0.3)
+        return 10.0
+
+    async def main():
+        async with Server(headers_then_stall) as server:
+            client = UpstreamClient(read_timeout_s=0.2)
+            response = await client.post(server.address, "/", b"{}", {}, patience=slow_patience)
+            with pytest.raises(upstream.UpstreamTimeout):
+                await asyncio.wait_for(response.read(), 3)
+            await client.close()
+    run(main())
+
+
 @pytest.mark.parametrize("answer", ["no", "raises"])
 def test_a_first_byte_is_given_up_on_when_patience_says_no_or_fails(answer):
     asked = []

@@ -1,0 +1,81 @@
+"""How long the gateway waits for a non-streamed answer past the read timeout (`InferenceCall._patience`):
+while its replica's engine generates, by the database's account of it."""
+
+import asyncio
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import django.db
+import pytest
+from django.utils import timezone
+
+from endpoints.gateway import call as call_module
+from endpoints.gateway import directory
+from endpoints.gateway.call import PATIENCE_RECHECK_S, InferenceCall
+from endpoints.models import Replica
+from endpoints.nodes.models import Node
+from gpu_agent.protocol import ReplicaState
+from tests.conftest import free_port
+from tests.gateway.conftest import serve_endpoint
+
+ADDRESS = "http://127.0.0.1:9"
+
+
+def _replica(tenant, **fields) -> Replica:
+    endpoint = serve_endpoint(tenant.org, ADDRESS)
+    Replica.objects.filter(endpoint=endpoint).update(tokens_per_s=12.5)
+    replica = Replica.objects.get(endpoint=endpoint)
+    Replica.objects.filter(pk=replica.pk).update(**fields)
+    return replica
+
+
+def _generating(replica: Replica, address: str = ADDRESS) -> bool:
+    return directory._engine_generating(str(replica.endpoint_id), str(replica.pk), address)
+
+
+@pytest.mark.django_db
+def test_an_engine_counts_as_generating_only_while_its_replica_serves_there_on_a_live_node(tenant):
+    assert _generating(_replica(tenant))
+    assert _generating(_replica(tenant, state=ReplicaState.DRAINING))  # finishes what it has
+    assert not _generating(_replica(tenant, tokens_per_s=0.0))  # wedged, or the request is not in it
+    assert not _generating(_replica(tenant, state=ReplicaState.FAILED))
+    assert not _generating(_replica(tenant), address=f"http://127.0.0.1:{free_port()}")  # restarted elsewhere
+    stale = _replica(tenant)
+    Node.objects.filter(pk=stale.node_id).update(last_heartbeat_at=timezone.now() - timedelta(minutes=5))
+    assert not _generating(stale)
+
+
+def _call(**fields) -> InferenceCall:
+    call = object.__new__(InferenceCall)
+    call.request_id, call.answer_deadline, call._started_monotonic = "req", None, time.monotonic()
+    call.endpoint = SimpleNamespace(id="e")
+    for name, value in fields.items():
+        setattr(call, name, value)
+    return call
+
+
+REPLICA = SimpleNamespace(id="r", address=ADDRESS)
+
+
+def test_patience_grants_a_recheck_while_generating_and_never_past_the_deadline(monkeypatch):
+    async def generating(*_):
+        return True
+    monkeypatch.setattr(directory, "engine_generating", generating)
+    assert asyncio.run(_call()._patience(REPLICA)) == PATIENCE_RECHECK_S
+    left = asyncio.run(_call(answer_deadline=time.monotonic() + 2)._patience(REPLICA))
+    assert 1 < left <= 2  # never past the deadline
+    assert asyncio.run(_call(answer_deadline=time.monotonic() - 1)._patience(REPLICA)) is None
+
+
+@pytest.mark.parametrize("failure", ["database down", "database silent"])
+def test_a_database_that_cannot_say_is_not_a_no(monkeypatch, failure):
+    # A failover or a PgBouncer restart during the question gave up on every long call that asked: the
+    # engine's work aborted, billed nothing.
+    async def cannot_say(*_):
+        if failure == "database down":
+            raise django.db.OperationalError("server closed the connection unexpectedly")
+        await asyncio.sleep(60)
+    monkeypatch.setattr(directory, "engine_generating", cannot_say)
+    monkeypatch.setattr(call_module, "PATIENCE_QUERY_TIMEOUT_S", 0.2)
+    assert asyncio.run(_call()._patience(REPLICA)) == PATIENCE_RECHECK_S
