@@ -423,9 +423,8 @@ def push_rollup(rollup_id: int) -> bool:
     rollup = UsageRollup.objects.get(pk=rollup_id)
     try:
         customer_id = ensure_customer(rollup.organization_id)
-        ensure_subscription(rollup.organization_id)  # also creates the meters and the price
-        started_at = BillingAccount.objects.values_list("stripe_subscription_started_at", flat=True).get(
-            organization_id=rollup.organization_id)
+        subscription_id = ensure_subscription(rollup.organization_id)  # also creates the meters and the price
+        started_at = _subscription_start(rollup.organization_id, subscription_id)
         done = set(MeterEventPush.objects.filter(rollup=rollup).values_list("event_name", flat=True))
         timestamp = event_timestamp(rollup.hour_start, started_at)
         generation = rollup.push_key_generation
@@ -440,6 +439,21 @@ def push_rollup(rollup_id: int) -> bool:
     return UsageRollup.objects.filter(pk=rollup_id, pushed_at__isnull=True).update(
         pushed_at=timezone.now(), push_claimed_at=None, push_error=""
     ) == 1
+
+
+def _subscription_start(organization_id: int, subscription_id: str) -> datetime | None:
+    """When the organisation's subscription began: as stored with it, or, for one stored before its start was kept
+    (`billing/0009`), read from Stripe once and stored (only while it is still the account's subscription)."""
+    started_at = BillingAccount.objects.values_list("stripe_subscription_started_at", flat=True).get(
+        organization_id=organization_id, stripe_subscription_id=subscription_id)
+    if started_at is None:
+        subscription = call_stripe(lambda _options: stripe_client().v1.subscriptions.retrieve(subscription_id),
+                                   what="subscription read")
+        started_at = datetime.fromtimestamp(subscription.start_date, tz=UTC)
+        BillingAccount.objects.filter(organization_id=organization_id, stripe_subscription_id=subscription_id,
+                                      stripe_subscription_started_at__isnull=True).update(
+            stripe_subscription_started_at=started_at)
+    return started_at
 
 
 def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id: str, timestamp: int,

@@ -46,10 +46,14 @@ logger = logging.getLogger("inferplane.batches")
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 CHECK_EVERY_S = 1.0  # how often a run renews its lease, writes its counts and reads a cancel
 RETRY_PAUSE_S = 1.0  # after a transient refusal, no line starts for this long
-# A line's answer is waited for at most this long from its run's start, whatever its engine still generates
-# (`InferenceCall.answer_deadline`): under the run task's soft time limit (870 s, `endpoints.batches.tasks`),
-# with time left for the files' assembly. Given up on, it is a 504 and runs again in a later run.
-LINES_END_WITHIN_S = 780.0
+# A line's answer is waited for at most this long from its run task's start, whatever its engine still generates
+# (`InferenceCall.answer_deadline`): under the task's soft time limit (870 s, `endpoints.batches.tasks`), with
+# time left for the files' assembly. Past it the line fails for good (`answer_wait_exceeded`): run again, it
+# would be computed again and given up on again, unbilled, in every run until the batch expires.
+LINES_END_WITHIN_S = 720.0
+# The batch runner's read timeout: a line's engine is asked about this often whether it still generates, so
+# that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
+READ_TIMEOUT_S = 60.0
 REPLAY_JOURNAL_FOR_S = 10.0  # at a run's end, the most it waits to replay usage journaled in this worker
 
 
@@ -124,7 +128,8 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
                              batch_id=work.batch_id, price_fraction=work.price_fraction, answer_deadline=answer_deadline)
         await call.run()
     except errors.OpenAIError as exc:
-        return LineOutcome(line, exc.status, json.loads(exc.body()), request_id, retry=exc.status in RETRY_STATUSES)
+        retry = exc.status in RETRY_STATUSES and exc.code != errors.ANSWER_WAIT_EXCEEDED
+        return LineOutcome(line, exc.status, json.loads(exc.body()), request_id, retry=retry)
     except Exception as exc:
         if not errors.is_outage(exc):
             raise
@@ -148,7 +153,8 @@ async def free_slots(work: Work, endpoint_id: str, num_batch_in_flight: int) -> 
 
 
 async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: float,
-              keep_going: Callable[[Progress], str], store: Callable[[LineOutcome], None]) -> Progress:
+              keep_going: Callable[[Progress], str], store: Callable[[LineOutcome], None],
+              lines_end_by: float | None = None) -> Progress:
     """Run `todo` until done, stopped or out of time. `keep_going(progress)` (sync, ORM: renews the lease,
     writes the counts) returns "" to go on, or why to stop starting lines; `store` keeps a finished line."""
     endpoint = await directory.find_endpoint(work.organization_id, work.model)
@@ -160,9 +166,9 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
     pending: deque[Line] = deque(todo)
     running: dict[asyncio.Task, Line] = {}
     ends_at = time.monotonic() + slice_s
-    answer_deadline = time.monotonic() + LINES_END_WITHIN_S
+    answer_deadline = lines_end_by if lines_end_by is not None else time.monotonic() + LINES_END_WITHIN_S
     last_check, pause_until = 0.0, 0.0
-    client = upstream.UpstreamClient(read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S)
+    client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, READ_TIMEOUT_S))
     try:
         while pending or running:
             now = time.monotonic()

@@ -258,6 +258,7 @@ def _hold_lease_while_reading_the_input(batch_id: str, token: str) -> None:
 def run_batch(batch_id: str) -> str:
     """One worker's turn at a batch: validate it, run lines for up to `BATCH_RUN_SLICE_S`, and write its
     files once nothing is left to run. Returns what happened (for logs and tests)."""
+    started = time.monotonic()  # the run task's time limit counts from about here
     token = _claim(batch_id)
     if token is None:
         return "busy"
@@ -268,7 +269,7 @@ def run_batch(batch_id: str) -> str:
             batch = validate_batch(batch)
         outcome = batch.status
         if batch.status == BatchStatus.IN_PROGRESS:
-            outcome = _run_lines(batch, token)
+            outcome = _run_lines(batch, token, lines_end_by=started + runner.LINES_END_WITHIN_S)
             batch.refresh_from_db()
         if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at <= timezone.now():
             finalize_batch(batch, BatchStatus.EXPIRED)
@@ -369,7 +370,7 @@ def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:
                           "may no longer call the API (revoked, expired, removed or a viewer)", batch_id=batch.pk)
 
 
-def _run_lines(batch: Batch, token: str) -> str:
+def _run_lines(batch: Batch, token: str, *, lines_end_by: float) -> str:
     caller = caller_of(batch)
     if caller is None:
         _stop_as_its_caller_may_not_spend(batch)
@@ -408,7 +409,7 @@ def _run_lines(batch: Batch, token: str) -> str:
                            ok=outcome.status_code == 200)
 
     progress = asyncio.run(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
-                                      keep_going=keep_going, store=store))
+                                      keep_going=keep_going, store=store, lines_end_by=lines_end_by))
     if progress.stopped == "cold":
         wake = scheduling.wake_at(scheduling.BatchDemand(batch.num_total - progress.num_completed - progress.num_failed,
                                                          batch.expires_at.timestamp()),

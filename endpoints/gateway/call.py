@@ -128,6 +128,10 @@ class InferenceCall:
     # The latest a non-streamed answer is waited for (monotonic), when sooner than `GATEWAY_MAX_ANSWER_WAIT_S` from
     # the start: a batch line's run has a time limit of its own (`endpoints.batches.runner`).
     answer_deadline: float | None = None
+    # `_patience`'s state: the engine check still running (one at a time: a query stuck in a worker thread is
+    # waited on, never doubled), and how long the call had waited when it gave up at its deadline.
+    _engine_check: asyncio.Future | None = None
+    _waited_out_s: float | None = None
 
     async def run(self) -> None:
         self.metrics = metrics.of_endpoint(self.endpoint.id, self.endpoint.organization_id)
@@ -284,6 +288,8 @@ class InferenceCall:
             # computed it for nothing (twice, had it been retried). Given up only on an engine that stopped
             # generating, or past the longest wait (`_patience`): billed nothing.
             logger.warning("request %s: replica %s timed out: %s", self.request_id, replica.id, exc)
+            if self._waited_out_s is not None:
+                raise errors.answer_wait_exceeded(self._waited_out_s) from None
             raise errors.upstream_timeout() from None
         except upstream.UpstreamError as exc:
             raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
@@ -317,12 +323,19 @@ class InferenceCall:
         deadline = self._started_monotonic + settings.GATEWAY_MAX_ANSWER_WAIT_S
         if self.answer_deadline is not None:
             deadline = min(deadline, self.answer_deadline)
-        left_s = deadline - time.monotonic()
+        now = time.monotonic()
+        left_s = deadline - now
         if left_s <= 0:
+            self._waited_out_s = now - self._started_monotonic
             return None
+        check = self._engine_check
+        if check is None or check.done():
+            check = self._engine_check = asyncio.ensure_future(
+                directory.engine_generating(self.endpoint.id, replica.id, replica.address))
+            check.add_done_callback(_retrieve)
         try:
             async with asyncio.timeout(PATIENCE_QUERY_TIMEOUT_S):
-                generating = await directory.engine_generating(self.endpoint.id, replica.id, replica.address)
+                generating = await asyncio.shield(check)
         except Exception as exc:  # noqa: BLE001 - unknown is not "stopped": the engine may well be generating
             if not errors.is_outage(exc):  # an outage, the query's timeout included
                 raise
@@ -493,13 +506,19 @@ class InferenceCall:
     # --- the end -----------------------------------------------------------------------------
     async def _finish(self, admitted: admission.Admission) -> None:
         finished_at = datetime.now(UTC)
-        if self.held_at is not None and self.served:
-            await self._measure_cold_start()
-        if self.response_started and (self.request.stream or self.request.progress) and not self.disconnected.is_set():
-            try:
-                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
-            except Exception:  # noqa: BLE001 - the client may be gone already
-                pass
+        try:
+            if self.held_at is not None and self.served:
+                await self._measure_cold_start()
+            if self.response_started and (self.request.stream or self.request.progress) and not self.disconnected.is_set():
+                try:
+                    await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+                except Exception:  # noqa: BLE001 - the client may be gone already
+                    pass
+        except BaseException:
+            # NOTE: cancelled (a loop that ends: a batch run's) before its settlement: no longer this process's to
+            # serve, so its beat stops holding its reservation (`presence`), which the sweeper then releases.
+            presence.untrack(self.request_id)
+            raise
         # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.
         actual = self._cost() if self.served else Decimal(0)
         if actual > self.reserved:
@@ -563,6 +582,12 @@ class InferenceCall:
             self.replica.id if self.replica else "-", outcome, usage.prompt_tokens, usage.cached_tokens,
             usage.completion_tokens, self.cold_start_s, duration_s,
         )
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Takes a finished future's exception (one no caller awaited any more is otherwise logged as never retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 class _Watcher:

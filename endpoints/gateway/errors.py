@@ -79,9 +79,19 @@ def upstream_failed(message: str = "The model's replica failed; please retry.") 
     return OpenAIError(502, message, type="server_error", code="upstream_error")
 
 
+ANSWER_WAIT_EXCEEDED = "answer_wait_exceeded"
+
+
 def upstream_timeout() -> OpenAIError:
     return OpenAIError(504, "The model's replica stopped answering the request; please retry.", type="server_error",
                        code="upstream_timeout")
+
+
+def answer_wait_exceeded(wait_s: float) -> OpenAIError:
+    """A non-streamed answer still being generated after the longest a call (or a batch line) waits for one."""
+    return OpenAIError(504, f"The answer was still being generated after {wait_s:.0f} s, the longest a non-streamed "
+                            "answer is waited for here; ask for it with \"stream\": true, or for fewer tokens or choices.",
+                       type="server_error", code=ANSWER_WAIT_EXCEEDED)
 
 
 def response_too_large(kind: str, limit_bytes: int) -> OpenAIError:

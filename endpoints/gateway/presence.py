@@ -20,7 +20,8 @@ A beat also pushes on the spend reservation deadlines (`billing.quota.sweeper`) 
 has served for a while: a live gateway's long call (a stream of many tokens, a non-streamed answer waited for
 while its engine generates) keeps its hold on the caps and credit until its own end. Before, its hold was
 released at the deadline (`BILLING_RESERVATION_TTL_S`, 15 min) while it still ran, and the caller could have
-as much again admitted against the same credit. Only a gateway that died stops pushing its deadlines on.
+as much again admitted against the same credit. Only a gateway that stops beating (dead, or frozen past the
+deadline) has its calls' holds lapse, and none is held longer than `GATEWAY_MAX_ANSWER_WAIT_S`.
 
 NOTE: a gateway that only froze past `ALIVE_TTL_S` (a stalled event loop) is swept like a dead one;
 when it beats again it finds its key gone and puts its requests back, so its counts come back and
@@ -149,19 +150,32 @@ _extended = _Extended()
 
 
 def _deadlines_due(now: float) -> dict[int, dict[str, int]]:
-    """The reservation deadlines to push on now (organisation -> request id -> new deadline, Unix s): those of the
-    requests served longer than a third of the reservation's time, every third of it at most (a minute at most)."""
+    """The reservation deadlines to push on now (organisation -> request id -> new deadline, Unix s), every third
+    of the reservation's time (a minute at most): those of the requests served at least that long, and no longer
+    than the longest a call is waited for (`GATEWAY_MAX_ANSWER_WAIT_S`): one left here by a bug never holds a
+    caller's credit for good."""
     ttl_s = settings.BILLING_RESERVATION_TTL_S
     every_s = min(60.0, ttl_s / 3)
     if now - _extended.at < every_s or not serving:
         return {}
-    _extended.at = now
+    oldest = now - settings.GATEWAY_MAX_ANSWER_WAIT_S
     deadline = math.ceil(time.time() + ttl_s)
     due: dict[int, dict[str, int]] = {}
     for request_id, held in list(serving.items()):
-        if now - held.since >= every_s:
+        if oldest <= held.since <= now - every_s:
             due.setdefault(held.organization_id, {})[request_id] = deadline
     return due
+
+
+async def _push_deadlines_on(redis) -> None:
+    now = time.monotonic()
+    if due := _deadlines_due(now):
+        # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never earlier (GT).
+        async with redis.pipeline(transaction=False) as pipe:
+            for organization_id, deadlines in due.items():
+                pipe.zadd(redis_keys.deadlines_key(organization_id), deadlines, xx=True, gt=True)
+            await pipe.execute()
+    _extended.at = now
 
 
 async def beat() -> None:
@@ -198,12 +212,10 @@ async def beat() -> None:
             restored += await _RESTORE_REQUESTS(keys=keys, args=args)
         if restored:
             logger.warning("gateway %s: put back %d request(s) Redis had lost", gateway, restored)
-    if due := _deadlines_due(time.monotonic()):
-        # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never earlier (GT).
-        async with redis.pipeline(transaction=False) as pipe:
-            for organization_id, deadlines in due.items():
-                pipe.zadd(redis_keys.deadlines_key(organization_id), deadlines, xx=True, gt=True)
-            await pipe.execute()
+    try:
+        await _push_deadlines_on(redis)
+    except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on
+        logger.warning("gateway %s: could not push on its calls' reservation deadlines: %r", gateway, exc)
     if unfinished:
         ended = list(unfinished)
         for organization_id in {organization_id for organization_id, _ in ended}:

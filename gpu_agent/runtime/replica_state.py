@@ -122,6 +122,9 @@ class ManagedReplica:
         self.metrics_scraped_at = None
         self.engine_memory = None
         self.progress = "starting engine"
+        # A measure the last engine never finished, or whose tries ran out, is tried afresh on this one.
+        self.num_template_measures = 0
+        self.measure_template_at = 0.0
         self.set_state(ReplicaState.STARTING)
 
     def became_ready(self, now: float, engine_memory: EngineMemory | None = None) -> None:

@@ -252,7 +252,7 @@ class Supervisor:
             else:
                 tries = replica.num_template_measures
                 retries = self.policy.template_measure_retry_s
-                if tries <= len(retries):
+                if 1 <= tries <= len(retries):  # 0: its engine was relaunched meanwhile, and is measured afresh
                     replica.measure_template_at = time.monotonic() + retries[tries - 1]
             replica.measuring = False
 

@@ -104,6 +104,21 @@ def test_usage_of_an_hour_before_a_cancellation_pushed_after_it_is_billed_by_the
     assert account.stripe_subscription_started_at.timestamp() == second["start_date"]
 
 
+def test_a_subscription_stored_before_its_start_was_kept_has_it_read_from_stripe_once(fake_stripe):
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=5)
+    account = BillingAccount.objects.get(organization=endpoint.organization)
+    BillingAccount.objects.filter(pk=account.pk).update(stripe_subscription_started_at=None)  # as stored by older code
+    _use_and_push(endpoint, num_hours_ago=3)
+    _use_and_push(endpoint, num_hours_ago=2)
+
+    account.refresh_from_db()
+    start = fake_stripe.subscriptions[account.stripe_subscription_id]["start_date"]
+    assert account.stripe_subscription_started_at.timestamp() == start
+    reads = [call for call in fake_stripe.calls if call.method == "GET" and call.path.startswith("/v1/subscriptions/")]
+    assert len(reads) == 1
+
+
 def test_a_cancellation_applies_once_whatever_the_order_and_only_to_the_subscription_it_names(fake_stripe):
     endpoint = EndpointFactory()
     _use_and_push(endpoint, num_hours_ago=5)

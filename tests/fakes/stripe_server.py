@@ -239,6 +239,11 @@ class FakeStripe:
             return self._subscription(params, now)
         if (method, path) == ("GET", "/v1/subscriptions"):
             return 200, {"object": "list", "data": self._list_subscriptions(params), "has_more": False, "url": path}
+        if method == "GET" and path.startswith("/v1/subscriptions/"):
+            subscription = self.subscriptions.get(path.removeprefix("/v1/subscriptions/"))
+            if subscription is None:
+                return 404, _error("invalid_request_error", "No such subscription", code="resource_missing")
+            return 200, subscription
         if (method, path) == ("POST", "/v1/billing_portal/sessions"):
             if params.get("customer") not in self.customers:
                 return 400, _error("invalid_request_error", "No such customer", code="resource_missing")

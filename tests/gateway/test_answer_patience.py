@@ -49,6 +49,7 @@ def test_an_engine_counts_as_generating_only_while_its_replica_serves_there_on_a
 def _call(**fields) -> InferenceCall:
     call = object.__new__(InferenceCall)
     call.request_id, call.answer_deadline, call._started_monotonic = "req", None, time.monotonic()
+    call._engine_check = call._waited_out_s = None
     call.endpoint = SimpleNamespace(id="e")
     for name, value in fields.items():
         setattr(call, name, value)
@@ -79,3 +80,23 @@ def test_a_database_that_cannot_say_is_not_a_no(monkeypatch, failure):
     monkeypatch.setattr(directory, "engine_generating", cannot_say)
     monkeypatch.setattr(call_module, "PATIENCE_QUERY_TIMEOUT_S", 0.2)
     assert asyncio.run(_call()._patience(REPLICA)) == PATIENCE_RECHECK_S
+
+
+def test_a_question_the_database_has_not_answered_is_waited_on_not_asked_again(monkeypatch):
+    # Each question runs in a worker thread: asked again every 30 s while a stuck database held the last, the
+    # threads piled up, and with them every other look-up of the gateway that needs one.
+    asked = []
+
+    async def stuck(*_):
+        asked.append(1)
+        await asyncio.sleep(60)
+    monkeypatch.setattr(directory, "engine_generating", stuck)
+    monkeypatch.setattr(call_module, "PATIENCE_QUERY_TIMEOUT_S", 0.1)
+
+    async def main():
+        call = _call()
+        assert await call._patience(REPLICA) == PATIENCE_RECHECK_S
+        assert await call._patience(REPLICA) == PATIENCE_RECHECK_S
+        call._engine_check.cancel()
+    asyncio.run(main())
+    assert len(asked) == 1
