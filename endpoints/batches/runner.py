@@ -128,8 +128,7 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
                              batch_id=work.batch_id, price_fraction=work.price_fraction, answer_deadline=answer_deadline)
         await call.run()
     except errors.OpenAIError as exc:
-        retry = exc.status in RETRY_STATUSES and exc.code != errors.ANSWER_WAIT_EXCEEDED
-        return LineOutcome(line, exc.status, json.loads(exc.body()), request_id, retry=retry)
+        return LineOutcome(line, exc.status, json.loads(exc.body()), request_id, retry=exc.status in RETRY_STATUSES)
     except Exception as exc:
         if not errors.is_outage(exc):
             raise

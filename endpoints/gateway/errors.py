@@ -88,10 +88,13 @@ def upstream_timeout() -> OpenAIError:
 
 
 def answer_wait_exceeded(wait_s: float) -> OpenAIError:
-    """A non-streamed answer still being generated after the longest a call (or a batch line) waits for one."""
-    return OpenAIError(504, f"The answer was still being generated after {wait_s:.0f} s, the longest a non-streamed "
+    """A non-streamed answer still being generated after the longest a call (or a batch line) waits for one.
+
+    NOTE: a 400, not a 504: the OpenAI clients send a 5xx again by themselves (twice by default), and each try
+    would have the engine generate as long again, for nothing. As the size limit's, the fix is the request's."""
+    return OpenAIError(400, f"The answer was still being generated after {wait_s:.0f} s, the longest a non-streamed "
                             "answer is waited for here; ask for it with \"stream\": true, or for fewer tokens or choices.",
-                       type="server_error", code=ANSWER_WAIT_EXCEEDED)
+                       code=ANSWER_WAIT_EXCEEDED)
 
 
 def response_too_large(kind: str, limit_bytes: int) -> OpenAIError:

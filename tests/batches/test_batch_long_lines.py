@@ -36,7 +36,7 @@ def test_a_line_still_generating_at_the_runs_deadline_fails_once_and_is_not_run_
     batch = Batch.objects.get(pk=batch.pk)
     assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (0, 1)
     [error] = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
-    assert error["response"]["status_code"] == 504
+    assert error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["code"] == "answer_wait_exceeded"
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1  # sent once, never again
     assert not UsageRecord.objects.exists()
