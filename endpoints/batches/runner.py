@@ -51,9 +51,11 @@ RETRY_PAUSE_S = 1.0  # after a transient refusal, no line starts for this long
 # time left for the files' assembly. Past it the line fails for good (`answer_wait_exceeded`): run again, it
 # would be computed again and given up on again, unbilled, in every run until the batch expires.
 LINES_END_WITHIN_S = 720.0
-# The batch runner's read timeout: a line's engine is asked about this often whether it still generates, so
-# that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
-READ_TIMEOUT_S = 60.0
+# A line starts only this long before `LINES_END_WITHIN_S` at the latest (the old fixed read timeout): one that
+# fails for good at it has been waited for that long at least, never cut short for starting late in a run that
+# spent its time validating the batch.
+LINE_MIN_WAIT_S = 600.0
+
 REPLAY_JOURNAL_FOR_S = 10.0  # at a run's end, the most it waits to replay usage journaled in this worker
 
 
@@ -167,7 +169,9 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
     ends_at = time.monotonic() + slice_s
     answer_deadline = lines_end_by if lines_end_by is not None else time.monotonic() + LINES_END_WITHIN_S
     last_check, pause_until = 0.0, 0.0
-    client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, READ_TIMEOUT_S))
+    # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
+    # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
+    client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
     try:
         while pending or running:
             now = time.monotonic()
@@ -176,7 +180,7 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
                 last_check = now
                 reason = await check(progress)
                 if not progress.stopped:
-                    progress.stopped = reason or ("slice" if now >= ends_at else "") or (
+                    progress.stopped = reason or ("slice" if now >= min(ends_at, answer_deadline - LINE_MIN_WAIT_S) else "") or (
                         "expired" if time.time() >= work.expires_at else "")
             if not progress.stopped and pending and now >= pause_until:
                 slots = await free_slots(work, endpoint.id, len(running))

@@ -130,7 +130,7 @@ class InferenceCall:
     answer_deadline: float | None = None
     # `_patience`'s state: the engine check still running (one at a time: a query stuck in a worker thread is
     # waited on, never doubled), and how long the call had waited when it gave up at its deadline.
-    _engine_check: asyncio.Future | None = None
+    _engine_check: tuple[asyncio.Future, ReplicaInfo] | None = None
     _waited_out_s: float | None = None
 
     async def run(self) -> None:
@@ -318,7 +318,7 @@ class InferenceCall:
         past the timeout was computed free. So the call waits on while the replica's engine generates (its
         agent's last report: `directory.engine_generating`), up to `GATEWAY_MAX_ANSWER_WAIT_S` from its start
         (or its `answer_deadline`), and gives up (nothing billed) on an engine that stopped, a replica that
-        left or a node gone silent. Its reservation's hold lasts as long (`presence`). A database that does
+        left or a node gone silent. Its reservation is held as long (`presence`). A database that does
         not answer in time is not a no: the call waits on, asking again, within the same bounds."""
         deadline = self._started_monotonic + settings.GATEWAY_MAX_ANSWER_WAIT_S
         if self.answer_deadline is not None:
@@ -328,11 +328,11 @@ class InferenceCall:
         if left_s <= 0:
             self._waited_out_s = now - self._started_monotonic
             return None
-        check = self._engine_check
-        if check is None or check.done():
-            check = self._engine_check = asyncio.ensure_future(
-                directory.engine_generating(self.endpoint.id, replica.id, replica.address))
+        check, asked_of = self._engine_check or (None, None)
+        if check is None or check.done() or asked_of is not replica:
+            check = asyncio.ensure_future(directory.engine_generating(self.endpoint.id, replica.id, replica.address))
             check.add_done_callback(_retrieve)
+            self._engine_check = (check, replica)
         try:
             async with asyncio.timeout(PATIENCE_QUERY_TIMEOUT_S):
                 generating = await asyncio.shield(check)
@@ -515,9 +515,10 @@ class InferenceCall:
                 except Exception:  # noqa: BLE001 - the client may be gone already
                     pass
         except BaseException:
-            # NOTE: cancelled (a loop that ends: a batch run's) before its settlement: no longer this process's to
-            # serve, so its beat stops holding its reservation (`presence`), which the sweeper then releases.
-            presence.untrack(self.request_id)
+            # NOTE: cancelled (a loop that ends: a batch run's) before its settlement: a later beat of this process
+            # ends it in Redis (`presence.end_later`), and its beat no longer holds its reservation, which the sweeper
+            # then releases.
+            presence.end_later(self.caller.organization_id, self.request_id)
             raise
         # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.
         actual = self._cost() if self.served else Decimal(0)
@@ -552,6 +553,9 @@ class InferenceCall:
                                        num_tokens=usage.prompt_tokens + usage.completion_tokens if self.served else 0,
                                        cost=actual, served_by=self.replica.id if self.replica else None,
                                        cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id)
+            except asyncio.CancelledError:
+                presence.end_later(self.caller.organization_id, self.request_id)  # as below: its loop is ending
+                raise
             except Exception as exc:
                 if not errors.is_outage(exc):
                     raise

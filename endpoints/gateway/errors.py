@@ -92,9 +92,9 @@ def answer_wait_exceeded(wait_s: float) -> OpenAIError:
 
     NOTE: a 400, not a 504: the OpenAI clients send a 5xx again by themselves (twice by default), and each try
     would have the engine generate as long again, for nothing. As the size limit's, the fix is the request's."""
-    return OpenAIError(400, f"The answer was still being generated after {wait_s:.0f} s, the longest a non-streamed "
-                            "answer is waited for here; ask for it with \"stream\": true, or for fewer tokens or choices.",
-                       code=ANSWER_WAIT_EXCEEDED)
+    return OpenAIError(400, f"The answer was still being generated after {wait_s:.0f} s, as long as this call may wait "
+                            "for a whole answer; ask for fewer tokens or choices, or (not in a batch) for a stream "
+                            "(\"stream\": true).", code=ANSWER_WAIT_EXCEEDED)
 
 
 def response_too_large(kind: str, limit_bytes: int) -> OpenAIError:

@@ -21,7 +21,8 @@ has served for a while: a live gateway's long call (a stream of many tokens, a n
 while its engine generates) keeps its hold on the caps and credit until its own end. Before, its hold was
 released at the deadline (`BILLING_RESERVATION_TTL_S`, 15 min) while it still ran, and the caller could have
 as much again admitted against the same credit. Only a gateway that stops beating (dead, or frozen past the
-deadline) has its calls' holds lapse, and none is held longer than `GATEWAY_MAX_ANSWER_WAIT_S`.
+deadline) has its calls' holds lapse; a call is pushed on for `GATEWAY_MAX_ANSWER_WAIT_S` (6 h) at most, so
+its hold lasts that plus one deadline (a stream running longer loses it then).
 
 NOTE: a gateway that only froze past `ALIVE_TTL_S` (a stalled event loop) is swept like a dead one;
 when it beats again it finds its key gone and puts its requests back, so its counts come back and
@@ -149,15 +150,15 @@ class _Extended:
 _extended = _Extended()
 
 
-def _deadlines_due(now: float) -> dict[int, dict[str, int]]:
+def _deadlines_due(now: float) -> dict[int, dict[str, int]] | None:
     """The reservation deadlines to push on now (organisation -> request id -> new deadline, Unix s), every third
     of the reservation's time (a minute at most): those of the requests served at least that long, and no longer
     than the longest a call is waited for (`GATEWAY_MAX_ANSWER_WAIT_S`): one left here by a bug never holds a
     caller's credit for good."""
     ttl_s = settings.BILLING_RESERVATION_TTL_S
     every_s = min(60.0, ttl_s / 3)
-    if now - _extended.at < every_s or not serving:
-        return {}
+    if now - _extended.at < every_s:
+        return None  # not yet: the last push stands
     oldest = now - settings.GATEWAY_MAX_ANSWER_WAIT_S
     deadline = math.ceil(time.time() + ttl_s)
     due: dict[int, dict[str, int]] = {}
@@ -167,15 +168,18 @@ def _deadlines_due(now: float) -> dict[int, dict[str, int]]:
     return due
 
 
-async def _push_deadlines_on(redis) -> None:
-    now = time.monotonic()
-    if due := _deadlines_due(now):
+async def _push_deadlines_on(redis, now: float | None = None) -> None:
+    now = time.monotonic() if now is None else now
+    due = _deadlines_due(now)
+    if due is None:
+        return
+    if due:
         # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never earlier (GT).
         async with redis.pipeline(transaction=False) as pipe:
             for organization_id, deadlines in due.items():
                 pipe.zadd(redis_keys.deadlines_key(organization_id), deadlines, xx=True, gt=True)
             await pipe.execute()
-    _extended.at = now
+    _extended.at = now  # NOTE: only once due and pushed: a beat in between (every second) never moves it on
 
 
 async def beat() -> None:

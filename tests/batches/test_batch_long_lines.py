@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def test_a_line_still_generating_at_the_runs_deadline_fails_once_and_is_not_run_again(
         files_bucket, tenant, start_mock_upstream, monkeypatch):
     monkeypatch.setattr(runner, "LINES_END_WITHIN_S", 1.5)
-    monkeypatch.setattr(runner, "READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(runner, "LINE_MIN_WAIT_S", 0.5)
     upstream = start_mock_upstream(token_delay_ms=20)  # 150 tokens: a 3 s answer
     endpoint = serve_endpoint(tenant.org, upstream)
     Replica.objects.filter(endpoint=endpoint).update(tokens_per_s=50.0)  # its engine generates all along
@@ -40,3 +40,22 @@ def test_a_line_still_generating_at_the_runs_deadline_fails_once_and_is_not_run_
     assert error["response"]["body"]["error"]["code"] == "answer_wait_exceeded"
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1  # sent once, never again
     assert not UsageRecord.objects.exists()
+
+
+def test_a_run_left_too_little_time_to_wait_a_line_out_starts_none_and_leaves_them_to_the_next(
+        files_bucket, tenant, start_mock_upstream, monkeypatch):
+    # A line that starts late in a run (after a long validation) would fail for good at the run's deadline
+    # having been waited for far less than any other.
+    monkeypatch.setattr(runner, "LINES_END_WITHIN_S", 1.5)
+    monkeypatch.setattr(runner, "LINE_MIN_WAIT_S", 5.0)
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream)
+    line = {"custom_id": "late", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    batch = new_batch(endpoint, json.dumps(line).encode() + b"\n")
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.IN_PROGRESS and batch.num_pending == 1
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0

@@ -1,5 +1,6 @@
 """How long the gateway waits for a non-streamed answer past the read timeout (`InferenceCall._patience`):
-while its replica's engine generates, by the database's account of it."""
+while its replica's engine generates, by the database's account of it; and how a live gateway's beat keeps a
+long call's reservation held meanwhile (`presence`)."""
 
 import asyncio
 import time
@@ -10,8 +11,9 @@ import django.db
 import pytest
 from django.utils import timezone
 
+from controlplane.redis_keys import deadlines_key
 from endpoints.gateway import call as call_module
-from endpoints.gateway import directory
+from endpoints.gateway import directory, presence
 from endpoints.gateway.call import PATIENCE_RECHECK_S, InferenceCall
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
@@ -97,6 +99,50 @@ def test_a_question_the_database_has_not_answered_is_waited_on_not_asked_again(m
         call = _call()
         assert await call._patience(REPLICA) == PATIENCE_RECHECK_S
         assert await call._patience(REPLICA) == PATIENCE_RECHECK_S
-        call._engine_check.cancel()
+        call._engine_check[0].cancel()
     asyncio.run(main())
     assert len(asked) == 1
+
+
+class _Pipeline:
+    def __init__(self, pushed: list):
+        self.pushed = pushed
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    def zadd(self, key, mapping, xx=False, gt=False):
+        self.pushed.append((key, dict(mapping), xx, gt))
+
+    async def execute(self):
+        return []
+
+
+class _Redis:
+    def __init__(self):
+        self.pushed: list = []
+
+    def pipeline(self, transaction=True):
+        return _Pipeline(self.pushed)
+
+
+def test_a_beat_every_second_pushes_a_long_calls_reservation_deadline_on_once_a_minute(monkeypatch, settings):
+    # A first version moved its "last pushed" time on at every beat, due or not: with beats a second apart and
+    # pushes a minute apart, none was ever due again, and a call past 15 min lost its hold.
+    settings.BILLING_RESERVATION_TTL_S = 900.0
+    monkeypatch.setattr(presence, "_extended", presence._Extended())
+    monkeypatch.setattr(presence, "serving", {"long": presence.Held(7, "e", None, since=0.0),
+                                              "new": presence.Held(7, "e", None, since=1e9)})
+    redis = _Redis()
+
+    async def beats():
+        for second in range(100, 281):  # three minutes of beats, one a second
+            await presence._push_deadlines_on(redis, now=float(second))
+    asyncio.run(beats())
+
+    assert len(redis.pushed) == 4  # at 100, 160, 220 and 280 s
+    assert all(set(deadlines) == {"long"} and xx and gt for _, deadlines, xx, gt in redis.pushed)
+    assert {key for key, *_ in redis.pushed} == {deadlines_key(7)}
