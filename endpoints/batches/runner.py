@@ -35,7 +35,7 @@ from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import outstanding_key
 from endpoints.batches import scheduling
 from endpoints.batches.validation import Line
-from endpoints.gateway import directory, errors, upstream
+from endpoints.gateway import directory, errors, presence, upstream
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.memo import in_worker_thread
@@ -163,6 +163,9 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
         progress.stopped = "gone"
         return progress
     check = in_worker_thread(keep_going)
+    # NOTE: one beat before any line: it ends in Redis what an earlier run in this process left unended
+    # (`presence.end_later`), before a line of the same id (a retry) is admitted again and confused with it.
+    await presence.start()
     usage_writer.writer_for_this_loop().replay_soon()  # usage an earlier run (or a dead worker) journaled
     pending: deque[Line] = deque(todo)
     running: dict[asyncio.Task, Line] = {}

@@ -329,7 +329,7 @@ class InferenceCall:
             self._waited_out_s = now - self._started_monotonic
             return None
         check, asked_of = self._engine_check or (None, None)
-        if check is None or check.done() or asked_of is not replica:
+        if check is None or check.done() or asked_of != replica:
             check = asyncio.ensure_future(directory.engine_generating(self.endpoint.id, replica.id, replica.address))
             check.add_done_callback(_retrieve)
             self._engine_check = (check, replica)
