@@ -116,6 +116,13 @@ class FakeControlPlane:
                 return {}
             return {status.replica_id: status.state for status in self.heartbeats[-1].replicas}
 
+    def ever_reported(self, replica_id: str, state: ReplicaState) -> bool:
+        """Whether any heartbeat so far said `replica_id` was in `state` (a STOPPED replica is reported once or
+        twice, then forgotten: the last heartbeat alone may never be seen saying it)."""
+        with self.lock:
+            return any(status.replica_id == replica_id and status.state == state
+                       for heartbeat in self.heartbeats for status in heartbeat.replicas)
+
     def all_progress(self) -> list[str]:
         with self.lock:
             return [
@@ -362,7 +369,7 @@ def test_next_agent_adopts_engines_a_detached_agent_left_running(control_plane, 
         # The control plane meanwhile stopped wanting r-old.
         control_plane.desired = [make_spec("r-stay", model_source=str(model))]
         agent, _stop, _thread = running_agent()
-        wait_until(lambda: control_plane.last_states().get("r-old") == ReplicaState.STOPPED, 60)
+        wait_until(lambda: control_plane.ever_reported("r-old", ReplicaState.STOPPED), 60)
         replica = agent.supervisor.get("r-stay")
         assert (
             replica.state == ReplicaState.READY
