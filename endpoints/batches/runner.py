@@ -46,14 +46,14 @@ logger = logging.getLogger("inferplane.batches")
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 CHECK_EVERY_S = 1.0  # how often a run renews its lease, writes its counts and reads a cancel
 RETRY_PAUSE_S = 1.0  # after a transient refusal, no line starts for this long
-# A line's answer is waited for at most this long from its run task's start, whatever its engine still generates
-# (`InferenceCall.answer_deadline`): under the task's soft time limit (870 s, `endpoints.batches.tasks`), with
+# A line's answer is waited for at most this long from its run's read of the input, whatever its engine still
+# generates (`InferenceCall.answer_deadline`): under the task's time limit (`services.RUN_TIME_LIMIT_S`), with
 # time left for the files' assembly. Past it the line fails for good (`answer_wait_exceeded`): run again, it
 # would be computed again and given up on again, unbilled, in every run until the batch expires.
 LINES_END_WITHIN_S = 720.0
 # A line starts only this long before `LINES_END_WITHIN_S` at the latest (the old fixed read timeout): one that
 # fails for good at it has been waited for that long at least, never cut short for starting late in a run that
-# spent its time validating the batch.
+# spent its time reading the batch.
 LINE_MIN_WAIT_S = 600.0
 
 REPLAY_JOURNAL_FOR_S = 10.0  # at a run's end, the most it waits to replay usage journaled in this worker

@@ -58,12 +58,20 @@ MAX_DISPATCHED_PER_TICK = 500
 # A batch whose validation began this many times and never ended (the worker killed or the check
 # failing) fails: before, it was queued again every tick for ever.
 MAX_VALIDATION_ATTEMPTS = 3
-# How long a run holds its lease while it reads and checks the input file (under the run's 900 s time limit).
+# How long a run holds its lease while it reads and checks the input file: the longest read a run is given.
 INPUT_READ_LEASE_S = 600
+# What a run leaves, after its lines' deadline, for writing the batch's files.
+RUN_FINISH_MARGIN_S = 180
+# A run task's time limit (`tasks.run_batch`): the input's read, its lines (`runner.LINES_END_WITHIN_S` counted from
+# the read's end) and the files.
+# NOTE: the lines' time was counted from the task's start: a run whose read of a large input took over 120 s
+# (50,000 lines of many short messages: ~25 s to check on a quiet 2-core machine, twice in a batch's first run)
+# had no time left to start a line, and every later run read as long: the batch stalled until it expired.
+RUN_TIME_LIMIT_S = INPUT_READ_LEASE_S + int(runner.LINES_END_WITHIN_S) + RUN_FINISH_MARGIN_S
 # The line results of a batch that ended longer ago than this, still in S3 (its run died, or S3 failed,
 # between ending it and deleting them), are deleted by `sweep_ended_results`: longer than a run's time
-# limit (`tasks.run_batch`, 900 s), so no worker still writes one.
-RESULTS_SWEPT_AFTER = timedelta(minutes=20)
+# limit (`RUN_TIME_LIMIT_S`, 25 minutes), so no worker still writes one.
+RESULTS_SWEPT_AFTER = timedelta(minutes=30)
 NUM_RESULTS_SWEPT_PER_RUN = 50
 
 
@@ -264,12 +272,13 @@ def run_batch(batch_id: str) -> str:
         return "busy"
     try:
         batch = Batch.objects.select_related("input_file", "endpoint").get(pk=batch_id)
+        lines = None
         if batch.status == BatchStatus.VALIDATING:
             _hold_lease_while_reading_the_input(batch_id, token)
-            batch = validate_batch(batch)
+            batch, lines = validate_batch(batch)
         outcome = batch.status
         if batch.status == BatchStatus.IN_PROGRESS:
-            outcome = _run_lines(batch, token, lines_end_by=started + runner.LINES_END_WITHIN_S)
+            outcome = _run_lines(batch, token, lines=lines, started=started)
             batch.refresh_from_db()
         if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at <= timezone.now():
             finalize_batch(batch, BatchStatus.EXPIRED)
@@ -282,19 +291,19 @@ def run_batch(batch_id: str) -> str:
         _release(batch_id, token)
 
 
-def validate_batch(batch: Batch) -> Batch:
-    """Check every line (`validation.parse_lines`) and the model they name: `in_progress`, or `failed`
-    with one error per bad line. Nothing runs from a bad file. A batch whose check began
-    `MAX_VALIDATION_ATTEMPTS` times and never ended fails."""
+def validate_batch(batch: Batch) -> tuple[Batch, list[Line] | None]:
+    """Check every line (`validation.parse_lines`) and the model they name: `in_progress` (with its lines, read
+    once for the run that checked them), or `failed` with one error per bad line. Nothing runs from a bad file.
+    A batch whose check began `MAX_VALIDATION_ATTEMPTS` times and never ended fails."""
     Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
         num_validation_attempts=F("num_validation_attempts") + 1)
     batch.refresh_from_db()
     if batch.status != BatchStatus.VALIDATING:
-        return batch
+        return batch, None
     if batch.num_validation_attempts > MAX_VALIDATION_ATTEMPTS:
         return _fail_validation(batch, [LineError(1, "validation_failed", f"The input file could not be checked "
                                                   f"({MAX_VALIDATION_ATTEMPTS} attempts failed); check its lines and "
-                                                  "create the batch again.")])
+                                                  "create the batch again.")]), None
     try:
         data = storage.read_bytes(batch.input_file.s3_key)
     except Exception:  # noqa: BLE001 - a deleted or unreadable input fails the batch with the reason
@@ -310,11 +319,11 @@ def validate_batch(batch: Batch) -> Batch:
                 checked_errors = [LineError(1, "model_not_found", f"The model '{checked.model}' does not exist or you do "
                                                                   "not have access to it.", "body.model")]
     if checked_errors:
-        return _fail_validation(batch, checked_errors)
+        return _fail_validation(batch, checked_errors), None
     Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
         status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), endpoint=endpoint, num_total=len(lines))
     batch.refresh_from_db()
-    return batch
+    return batch, lines
 
 
 def _fail_validation(batch: Batch, problems: list[LineError]) -> Batch:
@@ -370,15 +379,21 @@ def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:
                           "may no longer call the API (revoked, expired, removed or a viewer)", batch_id=batch.pk)
 
 
-def _run_lines(batch: Batch, token: str, *, lines_end_by: float) -> str:
+def _run_lines(batch: Batch, token: str, *, lines: list[Line] | None, started: float) -> str:
+    """Run the lines not yet done, each waited for at most `runner.LINES_END_WITHIN_S` from the input's read (the
+    first run reuses the lines its validation read), and all of them ended within the task's time limit, counted
+    from `started`, less `RUN_FINISH_MARGIN_S`."""
     caller = caller_of(batch)
     if caller is None:
         _stop_as_its_caller_may_not_spend(batch)
         return "cancel"
     _hold_lease_while_reading_the_input(batch.pk, token)  # renewed each second once its lines run
-    lines = _lines_of(batch)
+    if lines is None:
+        lines = _lines_of(batch)
     done = storage.result_indices(batch.organization_id, batch.pk)
     todo = [line for line in lines if line.index not in done]
+    read_at = time.monotonic()
+    lines_end_by = min(read_at + runner.LINES_END_WITHIN_S, started + RUN_TIME_LIMIT_S - RUN_FINISH_MARGIN_S)
     progress = runner.Progress(num_completed=sum(1 for ok in done.values() if ok),
                                num_failed=sum(1 for ok in done.values() if not ok))
     endpoint = batch.endpoint
@@ -386,7 +401,10 @@ def _run_lines(batch: Batch, token: str, *, lines_end_by: float) -> str:
                        kind=BATCH_PATHS[batch.request_path], request_path=batch.request_path, caller=caller,
                        price_fraction=endpoint.batch_price_fraction, target_concurrency=endpoint.target_concurrency,
                        expires_at=batch.expires_at.timestamp())
-    if todo:
+    if todo and lines_end_by - runner.LINE_MIN_WAIT_S <= time.monotonic():
+        record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk}: reading its input took {read_at - started:.0f} s, "
+                          "too long for this run to start a line in time; the next run reads it again", batch_id=batch.pk)
+    elif todo:
         record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk}: {len(todo)} line(s) fill spare slots of READY replicas "
                              f"(engine priority {scheduling.BATCH_ENGINE_PRIORITY})", batch_id=batch.pk)
 

@@ -5,10 +5,11 @@ from celery import shared_task
 from endpoints.batches import services
 
 
-# NOTE: a run stops starting lines after `BATCH_RUN_SLICE_S` (default 120 s); the limit leaves room for
-# the lines still in flight (each waited for at most `runner.LINES_END_WITHIN_S` from the run's start) and
-# the files' assembly.
-@shared_task(name=services.RUN_BATCH_TASK, acks_late=True, time_limit=900, soft_time_limit=870, ignore_result=True)
+# NOTE: a run stops starting lines after `BATCH_RUN_SLICE_S` (default 120 s); the limit leaves room for the
+# input's read, the lines still in flight (each waited for at most `runner.LINES_END_WITHIN_S` from the read's
+# end) and the files' assembly (`services.RUN_TIME_LIMIT_S`).
+@shared_task(name=services.RUN_BATCH_TASK, acks_late=True, time_limit=services.RUN_TIME_LIMIT_S,
+             soft_time_limit=services.RUN_TIME_LIMIT_S - 30, ignore_result=True)
 def run_batch(batch_id: str) -> str:
     return services.run_batch(batch_id)
 

@@ -5,6 +5,7 @@ and run again in every run until the batch expired: the engine computed it again
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from billing.models import UsageRecord
 from endpoints.batches import runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
-from endpoints.models import Replica
+from endpoints.models import EndpointEvent, EventKind, Replica
 from tests.batches.conftest import new_batch
 from tests.gateway.conftest import serve_endpoint
 
@@ -42,20 +43,57 @@ def test_a_line_still_generating_at_the_runs_deadline_fails_once_and_is_not_run_
     assert not UsageRecord.objects.exists()
 
 
-def test_a_run_left_too_little_time_to_wait_a_line_out_starts_none_and_leaves_them_to_the_next(
-        files_bucket, tenant, start_mock_upstream, monkeypatch):
-    # A line that starts late in a run (after a long validation) would fail for good at the run's deadline
-    # having been waited for far less than any other.
-    monkeypatch.setattr(runner, "LINES_END_WITHIN_S", 1.5)
-    monkeypatch.setattr(runner, "LINE_MIN_WAIT_S", 5.0)
+def _slow_reads(monkeypatch, delay_s: float) -> list[str]:
+    """Every read of a stored file takes `delay_s` (a large input on a busy machine); returns the keys read."""
+    read_bytes, keys = storage.read_bytes, []
+
+    def slow(key: str) -> bytes:
+        keys.append(key)
+        time.sleep(delay_s)
+        return read_bytes(key)
+
+    monkeypatch.setattr(storage, "read_bytes", slow)
+    return keys
+
+
+def test_a_run_whose_input_read_took_long_still_has_its_lines_time(files_bucket, tenant, start_mock_upstream,
+                                                                   monkeypatch):
+    # The lines' time was counted from the task's start: a read of the input longer than the time left to start
+    # a line (read twice in a batch's first run) left none, and every later run read as long: a stall until expiry.
+    monkeypatch.setattr(runner, "LINES_END_WITHIN_S", 3.0)
+    monkeypatch.setattr(runner, "LINE_MIN_WAIT_S", 2.0)
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream)
+    line = {"custom_id": "big-file", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    batch = new_batch(endpoint, json.dumps(line).encode() + b"\n")
+    keys = _slow_reads(monkeypatch, 1.2)
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
+    assert keys.count(batch.input_file.s3_key) == 1  # checked and run from one read
+
+
+def test_a_run_past_its_time_limit_after_the_read_starts_no_line_and_says_why(files_bucket, tenant, start_mock_upstream,
+                                                                              monkeypatch):
+    # A line started late in a run would fail for good at the run's deadline, waited for far less than any other.
+    monkeypatch.setattr(runner, "LINES_END_WITHIN_S", 3.0)
+    monkeypatch.setattr(runner, "LINE_MIN_WAIT_S", 2.0)
+    monkeypatch.setattr(services, "RUN_FINISH_MARGIN_S", 0)
+    monkeypatch.setattr(services, "RUN_TIME_LIMIT_S", 3)
     upstream = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, upstream)
     line = {"custom_id": "late", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
     batch = new_batch(endpoint, json.dumps(line).encode() + b"\n")
+    _slow_reads(monkeypatch, 1.2)
 
     services.run_batch(batch.pk)
 
     batch = Batch.objects.get(pk=batch.pk)
     assert batch.status == BatchStatus.IN_PROGRESS and batch.num_pending == 1
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0
+    assert EndpointEvent.objects.filter(endpoint=endpoint, kind=EventKind.BATCH,
+                                        message__contains="too long for this run to start a line").exists()
