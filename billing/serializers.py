@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import date, timedelta
 from decimal import Decimal
 
 from django.utils import timezone
@@ -23,14 +23,40 @@ def format_money(amount: Decimal) -> str:
     return f"{whole}.{fraction.ljust(2, '0')}"
 
 
+# The days a usage report may name: a period's arithmetic (the day after its end, the days before a default start)
+# stays inside the dates Python can hold. NOTE: `?end=9999-12-31` was a 500 (`date value out of range`).
+EARLIEST_REPORT_DAY = date(2000, 1, 1)
+LATEST_REPORT_DAY = date(9998, 12, 31)
+
+
+class ReportDateField(serializers.DateField):
+    """A report's `YYYY-MM-DD`, from `EARLIEST_REPORT_DAY` to `LATEST_REPORT_DAY`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(input_formats=["%Y-%m-%d"], **kwargs)
+
+    def to_internal_value(self, value):
+        day = super().to_internal_value(value)
+        if not EARLIEST_REPORT_DAY <= day <= LATEST_REPORT_DAY:
+            raise serializers.ValidationError(f"Must be between {EARLIEST_REPORT_DAY} and {LATEST_REPORT_DAY}.")
+        return day
+
+
+def report_day_problem(day: date) -> str:
+    """Why the console's usage page does not take `day` ("" when it does)."""
+    if EARLIEST_REPORT_DAY <= day <= LATEST_REPORT_DAY:
+        return ""
+    return f"Dates run from {EARLIEST_REPORT_DAY} to {LATEST_REPORT_DAY}."
+
+
 class DatePeriodSerializer(serializers.Serializer):
     """`?start=YYYY-MM-DD&end=YYYY-MM-DD` (inclusive, UTC; default: this month), at most
     `max_days_apart` days from start to end: the one reading of a report's period."""
 
     max_days_apart = MAX_USAGE_RANGE.days
 
-    start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
-    end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
+    start = ReportDateField(required=False)
+    end = ReportDateField(required=False)
 
     def validate(self, data):
         today = timezone.now().date()

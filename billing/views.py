@@ -18,7 +18,7 @@ from billing import services, standing, stripe_sync
 from billing.ledger import GROUPINGS, period_spend, summarize_usage, tokens_by_day
 from billing.models import BillingAccount, CreditGrant, Invoice
 from billing.periods import period_containing
-from billing.serializers import SpendCapSerializer
+from billing.serializers import SpendCapSerializer, report_day_problem
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import Actor
@@ -39,10 +39,14 @@ def _date_range(request) -> tuple[date, date, list[str]]:
         end = date.fromisoformat(request.GET["end"]) if request.GET.get("end") else today
     except ValueError:
         end, errors = today, errors + ["The end date is not a date (YYYY-MM-DD)."]
+    if problem := report_day_problem(end):
+        end, errors = today, errors + [f"The end date was not taken: {problem}"]
     try:
         start = date.fromisoformat(request.GET["start"]) if request.GET.get("start") else end - timedelta(days=DEFAULT_RANGE_DAYS - 1)
     except ValueError:
         start, errors = end - timedelta(days=DEFAULT_RANGE_DAYS - 1), errors + ["The start date is not a date (YYYY-MM-DD)."]
+    if request.GET.get("start") and (problem := report_day_problem(start)):
+        start, errors = end - timedelta(days=DEFAULT_RANGE_DAYS - 1), errors + [f"The start date was not taken: {problem}"]
     if start > end:
         start, end, errors = end, start, errors + ["The start was after the end; they were swapped."]
     if (end - start).days >= MAX_RANGE_DAYS:

@@ -51,7 +51,7 @@ urlpatterns = [
     path("verify-email/resend/", views.verify_email_resend, name="verify-email-resend"),
     path("verify-email/<str:token>/", views.verify_email_confirm, name="verify-email-confirm"),
     path("invitations/<str:token>/", views.invitation, name="invitation"),
-    path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("login/", views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("password-reset/", auth_views.PasswordResetView.as_view(), name="password_reset"),
     path("password-reset/done/", auth_views.PasswordResetDoneView.as_view(), name="password_reset_done"),

@@ -14,6 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.accounts.services import Actor, record_audit
+from controlplane.integrity import unique_or_field_error
 from endpoints.credentials import source_credentials
 from endpoints.events import record_event
 from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica, organization_scope
@@ -32,9 +33,14 @@ def split_model_name(model: str) -> tuple[str, str]:
     return endpoint, adapter
 
 
+ADAPTER_NAME_TAKEN = "This endpoint already has an adapter with this name."
+
+
 @transaction.atomic
 def create_adapter(actor: Actor, endpoint: Endpoint, **spec) -> Adapter:
-    adapter = Adapter.objects.create(endpoint=endpoint, **spec)
+    # NOTE: the name may have been taken since the serializer's check
+    with unique_or_field_error({"adapter_name_unique_in_endpoint": ("name", ADAPTER_NAME_TAKEN)}):
+        adapter = Adapter.objects.create(endpoint=endpoint, **spec)
     record_event(endpoint, EventKind.CONFIG, f"Adapter {adapter.name} added")
     record_audit(actor, endpoint.organization, "adapter.create", adapter)
     return adapter

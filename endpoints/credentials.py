@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from controlplane import secrets
 from controlplane.accounts.services import Actor, record_audit
+from controlplane.integrity import unique_or_field_error
 from endpoints.models import (
     SECRET_FIELDS,
     Adapter,
@@ -76,6 +77,10 @@ def _store_secrets(credential: ModelCredential, plain: dict) -> None:
     credential.secret_fields = sorted(kept)
 
 
+CREDENTIAL_NAME_TAKEN = "A credential with this name already exists in your organisation."
+_NAME_CONSTRAINT = {"model_credential_name_unique_in_org": ("name", CREDENTIAL_NAME_TAKEN)}
+
+
 @transaction.atomic
 def create_credential(actor: Actor, organization, *, name: str, kind: str, **values) -> ModelCredential:
     """A new credential. The caller validated `values` (`CredentialSerializer`); secrets are encrypted here."""
@@ -86,7 +91,8 @@ def create_credential(actor: Actor, organization, *, name: str, kind: str, **val
     )
     build_source_credentials(kind, values | {"external_id": credential.external_id})
     _store_secrets(credential, values)
-    credential.save()
+    with unique_or_field_error(_NAME_CONSTRAINT):  # NOTE: the name may have been taken since the serializer's check
+        credential.save()
     # NOTE: names of the secret fields only, never their values.
     record_audit(actor, organization, "credential.create", credential, kind=kind, secret_fields=credential.secret_fields)
     return credential
@@ -108,7 +114,8 @@ def update_credential(actor: Actor, credential: ModelCredential, **changes) -> M
         changed.append("secrets")
     if not changed:
         return credential
-    credential.save()
+    with unique_or_field_error(_NAME_CONSTRAINT):  # NOTE: the name may have been taken since the serializer's check
+        credential.save()
     record_audit(actor, credential.organization, "credential.update", credential,
                  changed=changed, secret_fields=credential.secret_fields)
     return credential

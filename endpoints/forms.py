@@ -6,6 +6,7 @@ from django import forms
 from django.conf import settings
 
 from controlplane.accounts.forms import SerializerBackedForm
+from controlplane.plain_numbers import plain_int
 from endpoints.catalogue import AUTO_PARSER, GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS, TOOL_CALL_PARSERS
 from endpoints.models import CredentialKind, Endpoint, ModelCredential
 from endpoints.serializers import LIMITS
@@ -156,7 +157,8 @@ def _window_from_line(line: str) -> dict:
     *schedule, zone, minutes, replicas = tokens
 
     def number(text: str):
-        return int(text) if text.isdigit() else text
+        value = plain_int(text)
+        return text if value is None else value  # the API's own check says what is wrong with it
 
     return {"schedule": " ".join(schedule), "timezone": zone, "duration_minutes": number(minutes),
             "min_replicas": number(replicas)}

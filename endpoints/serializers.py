@@ -11,6 +11,7 @@ from rest_framework import serializers
 
 from controlplane.accounts.serializers import StrictModelSerializer
 from endpoints import prewarm, quotas, speculative
+from endpoints.adapters import ADAPTER_NAME_TAKEN
 from endpoints.catalogue import (
     AUTO_PARSER,
     GPU_TYPES,
@@ -19,7 +20,12 @@ from endpoints.catalogue import (
     TOOL_CALL_PARSERS,
     default_tool_call_parser,
 )
-from endpoints.credentials import PUBLIC_FIELDS, SECRETS_OF_KIND, build_source_credentials
+from endpoints.credentials import (
+    CREDENTIAL_NAME_TAKEN,
+    PUBLIC_FIELDS,
+    SECRETS_OF_KIND,
+    build_source_credentials,
+)
 from endpoints.models import (
     Adapter,
     CredentialKind,
@@ -33,6 +39,7 @@ from endpoints.models import (
     weights_scope_for,
 )
 from endpoints.placement import memory_needed_mb, smallest_gpu_count
+from endpoints.services import ENDPOINT_NAME_TAKEN
 from gpu_agent.protocol import (
     FINAL_REPLICA_STATES,
     ModelTask,
@@ -81,8 +88,8 @@ def validate_model_source(value: str) -> str:
     return value
 
 
-def validate_unique_name(value: str, siblings, instance, noun: str) -> str:
-    """A slug-like name, unique among `siblings` (the organisation's objects of that kind)."""
+def validate_unique_name(value: str, siblings, instance, taken: str) -> str:
+    """A slug-like name, unique among `siblings` (the organisation's objects of that kind); `taken` says it is not."""
     if not NAME.match(value):
         raise serializers.ValidationError(
             "Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit."
@@ -91,7 +98,7 @@ def validate_unique_name(value: str, siblings, instance, noun: str) -> str:
     if instance is not None:
         clash = clash.exclude(pk=instance.pk)
     if clash.exists():
-        raise serializers.ValidationError(f"{noun} with this name already exists in your organisation.")
+        raise serializers.ValidationError(taken)
     return value
 
 
@@ -297,7 +304,8 @@ class EndpointSerializer(StrictModelSerializer):
             self.fields["credential"].queryset = ModelCredential.objects.filter(organization=organization)
 
     def validate_name(self, value: str) -> str:
-        return validate_unique_name(value, Endpoint.objects.for_org(self.context["organization"]), self.instance, "An endpoint")
+        return validate_unique_name(value, Endpoint.objects.for_org(self.context["organization"]), self.instance,
+                                    ENDPOINT_NAME_TAKEN)
 
     def validate(self, attrs):
         def current(name):
@@ -391,7 +399,7 @@ class EndpointDetailSerializer(EndpointSerializer):
 
 # --- model credentials ------------------------------------------------------------------------
 
-ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]{1,512}$")
+ROLE_ARN = re.compile(r"^arn:aws(-[a-z]+){0,2}:iam::\d{12}:role/[\w+=,.@/-]{1,512}$")
 REGION = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 ACCESS_KEY_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII: S3-compatible stores use their own formats
 SECRET_VALUE = re.compile(r"^[\x21-\x7e]+$")
@@ -436,7 +444,7 @@ class CredentialSerializer(StrictModelSerializer):
     kind = serializers.ChoiceField(choices=CredentialKind.choices, help_text="s3 or hf; fixed once created.")
     access_key_id = serializers.RegexField(ACCESS_KEY_ID, required=False, allow_blank=True,
                                            help_text="S3 access key id (shown back).")
-    role_arn = serializers.RegexField(ROLE_ARN, required=False, allow_blank=True,
+    role_arn = serializers.RegexField(ROLE_ARN, required=False, allow_blank=True, max_length=2048,
                                       error_messages={"invalid": "Use arn:aws:iam::<12-digit account>:role/<name>."},
                                       help_text="An IAM role the platform assumes with `external_id`.")
     region = serializers.RegexField(REGION, required=False, allow_blank=True,
@@ -460,7 +468,7 @@ class CredentialSerializer(StrictModelSerializer):
 
     def validate_name(self, value: str) -> str:
         return validate_unique_name(
-            value, ModelCredential.objects.filter(organization=self.context["organization"]), self.instance, "A credential"
+            value, ModelCredential.objects.filter(organization=self.context["organization"]), self.instance, CREDENTIAL_NAME_TAKEN
         )
 
     def validate(self, attrs):
@@ -552,7 +560,7 @@ class AdapterSerializer(StrictModelSerializer):
                 "Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit."
             )
         if self.context["endpoint"].adapters.filter(name=value).exists():
-            raise serializers.ValidationError("This endpoint already has an adapter with this name.")
+            raise serializers.ValidationError(ADAPTER_NAME_TAKEN)
         return value
 
     def validate(self, attrs):

@@ -10,11 +10,15 @@ from django.db.models import Q
 from django.utils import timezone
 
 from controlplane.accounts.services import Actor, record_audit
+from controlplane.integrity import unique_or_field_error
 from endpoints import quotas
 from endpoints.catalogue import GPU_TYPES
 from endpoints.events import record_event
 from endpoints.models import Endpoint, EventKind
 from endpoints.replicas import drain_replicas, request_reconcile
+
+ENDPOINT_NAME_TAKEN = "An endpoint with this name already exists in your organisation."
+_NAME_CONSTRAINT = {"endpoint_name_unique_in_org": ("name", ENDPOINT_NAME_TAKEN)}
 
 
 @transaction.atomic
@@ -23,7 +27,8 @@ def create_endpoint(actor: Actor, organization, **spec) -> Endpoint:
     quotas.check_spec(quotas.lock_organization(organization.pk), spec)
     for name, price in _prices_of(spec["gpu_type"]).items():
         spec.setdefault(name, price)
-    endpoint = Endpoint.objects.create(organization=organization, **spec)
+    with unique_or_field_error(_NAME_CONSTRAINT):  # NOTE: the name may have been taken since the serializer's check
+        endpoint = Endpoint.objects.create(organization=organization, **spec)
     record_event(endpoint, EventKind.CONFIG, "Endpoint created", spec=_plain(spec))
     record_audit(actor, organization, "endpoint.create", endpoint)
     request_reconcile(endpoint.pk)
@@ -52,7 +57,8 @@ def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
     for name, value in changed.items():
         setattr(endpoint, name, value)
     _clear_failures(endpoint)  # a new spec deserves a fresh try
-    endpoint.save()
+    with unique_or_field_error(_NAME_CONSTRAINT):
+        endpoint.save()
     record_event(endpoint, EventKind.CONFIG, "Configuration changed: " + ", ".join(sorted(changed)), changes=_plain(changed))
     record_audit(actor, endpoint.organization, "endpoint.update", endpoint, changes=_plain(changed))
     request_reconcile(endpoint.pk)

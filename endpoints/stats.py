@@ -15,6 +15,7 @@ from rest_framework import serializers
 
 from billing import cost_truth
 from billing.models import UsageRecord
+from billing.serializers import ReportDateField
 from endpoints.gateway.anatomy import PHASES
 
 DEFAULT_DAYS = 14
@@ -24,8 +25,8 @@ NUM_RECENT_COLD_STARTS = 10
 class StatsQuerySerializer(serializers.Serializer):
     """`?start=YYYY-MM-DD&end=YYYY-MM-DD` (inclusive, UTC; default: the last 14 days)."""
 
-    start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
-    end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
+    start = ReportDateField(required=False)
+    end = ReportDateField(required=False)
 
     def validate(self, data):
         data.setdefault("end", timezone.now().date())

@@ -13,12 +13,14 @@ from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
+from rest_framework.exceptions import ValidationError
 
 from billing.ledger import BUCKET_ORIGIN, period_spend, summarize_usage, usage_by_bucket
 from billing.periods import period_containing
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import Actor
+from controlplane.plain_numbers import plain_int
 from endpoints import credentials, prewarm, quotas, services, stats
 from endpoints.adapters import adapters_with_holders
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
@@ -145,7 +147,7 @@ def endpoint_new(request):
         return _wizard(request, form, status=400)
     try:
         endpoint = services.create_endpoint(Actor.from_request(request), request.organization, **serializer.validated_data)
-    except quotas.QuotaExceeded as exc:  # another request took the last of the quota meanwhile
+    except ValidationError as exc:  # another request took the last of the quota, or the name, meanwhile
         form.show_errors(exc.detail)
         return _wizard(request, form, status=400)
     messages.success(request, f"{endpoint.name} is deployed. It starts on the first request"
@@ -168,7 +170,7 @@ def endpoint_edit(request, pk):
         return _wizard(request, form, endpoint=endpoint, status=400)
     try:
         services.update_endpoint(Actor.from_request(request), endpoint, **serializer.validated_data)
-    except quotas.QuotaExceeded as exc:
+    except ValidationError as exc:
         form.show_errors(exc.detail)
         return _wizard(request, form, endpoint=endpoint, status=400)
     messages.success(request, "Configuration saved. Replicas pick it up as they restart.")
@@ -219,7 +221,11 @@ def credential_list(request):
     if not serializer.is_valid():
         form.show_errors(serializer.errors)
         return _credentials_page(request, form, status=400)
-    credential = credentials.create_credential(Actor.from_request(request), request.organization, **serializer.validated_data)
+    try:
+        credential = credentials.create_credential(Actor.from_request(request), request.organization, **serializer.validated_data)
+    except ValidationError as exc:  # the name was taken meanwhile
+        form.show_errors(exc.detail)
+        return _credentials_page(request, form, status=400)
     messages.success(request, f"Credential {credential.name} saved. Its secrets are stored encrypted and are never shown again.")
     return redirect("console:credential-edit", pk=credential.pk)
 
@@ -239,7 +245,11 @@ def credential_edit(request, pk):
     if not serializer.is_valid():
         form.show_errors(serializer.errors)
         return _credential_page(request, credential, form, status=400)
-    credentials.update_credential(Actor.from_request(request), credential, **serializer.validated_data)
+    try:
+        credentials.update_credential(Actor.from_request(request), credential, **serializer.validated_data)
+    except ValidationError as exc:  # the name was taken meanwhile
+        form.show_errors(exc.detail)
+        return _credential_page(request, credential, form, status=400)
     messages.success(request, f"Credential {credential.name} saved.")
     return redirect("console:credential-edit", pk=credential.pk)
 
@@ -350,8 +360,8 @@ def endpoint_metrics(request, pk):
     seconds; a bucket without requests has zero requests and null latencies.
     """
     endpoint = _endpoint_or_404(request, pk)
-    minutes = request.GET.get("minutes", "60")
-    minutes = int(minutes) if minutes.isdigit() and int(minutes) in METRIC_WINDOWS_MIN else 60
+    minutes = plain_int(request.GET.get("minutes", ""))
+    minutes = minutes if minutes in METRIC_WINDOWS_MIN else 60
     bucket_s = METRIC_WINDOWS_MIN[minutes]
     now = timezone.now()
     num_buckets = minutes * 60 // bucket_s

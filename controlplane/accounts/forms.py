@@ -13,9 +13,12 @@ from django.utils import timezone
 from controlplane.accounts.backends import email_in_use
 from controlplane.accounts.models import Role, Scope
 
+EMAIL_IN_USE = "An account with this email exists; log in instead."
+
 
 class SignUpForm(forms.Form):
-    email = forms.EmailField(label="Work email", widget=forms.EmailInput(attrs={"autocomplete": "email"}))
+    # NOTE: an account's email is also its username (150 characters); a longer one was a 500 at the insert.
+    email = forms.EmailField(label="Work email", max_length=150, widget=forms.EmailInput(attrs={"autocomplete": "email"}))
     password = forms.CharField(
         label="Password", widget=forms.PasswordInput(attrs={"autocomplete": "new-password"}),
         help_text="At least 10 characters, not entirely numeric.",
@@ -31,7 +34,7 @@ class SignUpForm(forms.Form):
     def clean_email(self):
         email = self.cleaned_data["email"].lower()
         if email_in_use(email):
-            raise forms.ValidationError("An account with this email exists; log in instead.")
+            raise forms.ValidationError(EMAIL_IN_USE)
         return email
 
     def clean(self):
@@ -74,7 +77,7 @@ class SerializerBackedForm(forms.Form):
 
 
 class MemberInviteForm(forms.Form):
-    email = forms.EmailField(label="Email", widget=forms.EmailInput(attrs={"autocomplete": "off"}))
+    email = forms.EmailField(label="Email", max_length=254, widget=forms.EmailInput(attrs={"autocomplete": "off"}))
     role = forms.ChoiceField(label="Role", choices=Role.choices, initial=Role.MEMBER)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils.text import slugify
 
 from controlplane.accounts.models import ApiKey, AuditEvent, Membership, Organization, Plan, Role
@@ -68,9 +68,24 @@ def unique_org_slug(name: str) -> str:
     return slug
 
 
+SLUG_ATTEMPTS = 3
+
+
 @transaction.atomic
 def create_organization(actor: Actor, *, name: str, owner, slug: str | None = None) -> Organization:
-    organization = Organization.objects.create(name=name, slug=slug or unique_org_slug(name))
+    """A new organisation owned by `owner`, under `slug` or a free slug made from its name.
+
+    NOTE: two sign-ups with the same organisation name both found its slug free, and the second insert broke
+    its unique constraint (a 500): a slug made from the name is looked for again, past the one just taken."""
+    for attempt in range(1, SLUG_ATTEMPTS + 1):
+        chosen = slug or unique_org_slug(name)
+        try:
+            with transaction.atomic():
+                organization = Organization.objects.create(name=name, slug=chosen)
+            break
+        except IntegrityError:
+            if slug is not None or attempt == SLUG_ATTEMPTS or not Organization.objects.filter(slug=chosen).exists():
+                raise
     Membership.objects.create(organization=organization, user=owner, role=Role.OWNER)
     record_audit(actor, organization, "organization.create", organization, owner=owner.email)
     return organization

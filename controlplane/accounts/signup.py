@@ -9,11 +9,12 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core import signing
 from django.core.mail import send_mail
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 
+from controlplane.accounts.backends import email_in_use
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.members import add_member
 from controlplane.accounts.models import (
@@ -29,15 +30,25 @@ from controlplane.accounts.services import SYSTEM, Actor, create_organization, r
 User = get_user_model()
 
 
+class EmailTaken(Exception):
+    """Another sign-up took the address between the form's check and the insert."""
+
+
 def sign_up_user(*, email: str, password: str, organization_name: str, source_ip: str | None = None):
-    """A new user and their first organisation, which they own: nobody is ever without one.
+    """A new user and their first organisation, which they own: nobody is ever without one. Raises
+    `EmailTaken` when a concurrent sign-up with the same address won (the form checked it first).
 
     NOTE: the account is unverified: the console shows it nothing but the verify-email page,
     and it may join nothing, until the link mailed here is followed.
     """
-    with transaction.atomic():
-        user = User.objects.create_user(username=email.lower(), email=email.lower(), password=password)
-        organization = create_organization(Actor(user=user, source_ip=source_ip), name=organization_name, owner=user)
+    try:
+        with transaction.atomic():
+            user = User.objects.create_user(username=email.lower(), email=email.lower(), password=password)
+            organization = create_organization(Actor(user=user, source_ip=source_ip), name=organization_name, owner=user)
+    except IntegrityError:
+        if email_in_use(email):
+            raise EmailTaken(email) from None
+        raise
     send_verification_email(user)
     return user, organization
 

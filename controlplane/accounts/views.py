@@ -1,22 +1,26 @@
 """Console pages for accounts: home, sign-up, email verification, invitations, organisation switcher,
 members and API keys."""
 
+from urllib.parse import urlsplit
+
 from django.contrib import messages
 from django.contrib.auth import login
+from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from controlplane.accounts import invitations, keys, services
 from controlplane.accounts.console import member_required
-from controlplane.accounts.forms import ApiKeyForm, MemberInviteForm, SignUpForm
+from controlplane.accounts.forms import EMAIL_IN_USE, ApiKeyForm, MemberInviteForm, SignUpForm
 from controlplane.accounts.members import LastOwnerError, NotPermitted, change_member_role, remove_member
 from controlplane.accounts.models import ApiKey, Invitation, Membership, Role, Scope, email_is_verified
 from controlplane.accounts.serializers import ApiKeySerializer
 from controlplane.accounts.services import client_ip
-from controlplane.accounts.signup import InvalidLink, send_verification_email, sign_up_user
+from controlplane.accounts.signup import EmailTaken, InvalidLink, send_verification_email, sign_up_user
 from controlplane.accounts.signup import verify_email as verify_email_token
 from controlplane.accounts.tenancy import SESSION_KEY, memberships_of
+from controlplane.plain_numbers import INT64_MAX, plain_int
 
 
 def home(request):
@@ -30,12 +34,16 @@ def signup(request):
         return redirect("console:dashboard")
     form = SignUpForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        user, organization = sign_up_user(
-            email=form.cleaned_data["email"],
-            password=form.cleaned_data["password"],
-            organization_name=form.cleaned_data["organization_name"],
-            source_ip=client_ip(request),
-        )
+        try:
+            user, organization = sign_up_user(
+                email=form.cleaned_data["email"],
+                password=form.cleaned_data["password"],
+                organization_name=form.cleaned_data["organization_name"],
+                source_ip=client_ip(request),
+            )
+        except EmailTaken:
+            form.add_error("email", EMAIL_IN_USE)
+            return render(request, "controlplane/signup.html", {"form": form})
         login(request, user, backend="controlplane.accounts.backends.EmailBackend")
         request.session[SESSION_KEY] = organization.pk
         return redirect("verify-email")
@@ -43,6 +51,19 @@ def signup(request):
 
 
 # --- email verification ----------------------------------------------------------------
+
+
+class LoginView(auth_views.LoginView):
+    """Django's, for a user already signed in too: a `next` naming this page leads to the default page.
+
+    NOTE: `/login/?next=/login/` opened signed in was a 500 (Django refuses the redirect loop with a ValueError):
+    a link anyone could send."""
+
+    redirect_authenticated_user = True
+
+    def get_redirect_url(self):
+        url = super().get_redirect_url()
+        return "" if url and urlsplit(url).path == self.request.path else url
 
 
 @login_required
@@ -103,8 +124,9 @@ def invitation(request, token):
 @require_POST
 def switch_organization(request):
     chosen = request.POST.get("organization", "")
-    membership = memberships_of(request.user).filter(organization_id=int(chosen)).first() if chosen.isascii() and \
-        chosen.isdigit() and len(chosen) <= 18 else None
+    organization_id = plain_int(chosen, maximum=INT64_MAX)
+    membership = memberships_of(request.user).filter(organization_id=organization_id).first() \
+        if organization_id is not None else None
     if membership is not None:
         request.session[SESSION_KEY] = membership.organization_id
     return redirect("console:dashboard")

@@ -13,6 +13,7 @@ from django.views.decorators.http import require_POST
 from controlplane.accounts.console import staff_required
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import Actor
+from controlplane.plain_numbers import plain_int
 from endpoints.fleet import services
 from endpoints.fleet.pool_views import pools_context
 from endpoints.models import ACTIVE_REPLICA_STATES, Replica
@@ -98,11 +99,11 @@ EXPIRY_HOURS = {"1": 1, "24": 24, "168": 168}
 def join_token_create(request):
     name = request.POST.get("name", "").strip()[:100] or "join token"
     hours = EXPIRY_HOURS.get(request.POST.get("expires_in_hours", ""), None)
-    max_uses = request.POST.get("max_uses", "").strip()
+    max_uses = plain_int(request.POST.get("max_uses", ""))
     created = services.create_join_token(
         Actor.from_request(request), name=name,
         expires_at=timezone.now() + timedelta(hours=hours) if hours else None,
-        max_uses=int(max_uses) if max_uses.isdigit() and int(max_uses) > 0 else None,
+        max_uses=max_uses or None,
     )
     # NOTE: the token is rendered in this response only; only its hash is stored.
     return render(request, "gpu_agent/join_token_created.html", {
