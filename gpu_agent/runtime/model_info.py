@@ -44,6 +44,12 @@ CONTEXT_LENGTH_KEYS = (
 # RoPE scalings whose factor is already part of max_position_embeddings (as vLLM treats them).
 ROPE_TYPES_WITHOUT_EXTENSION = ("su", "longrope", "llama3", "mrope", "default")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# All of a model's safetensors headers together: past this the parameter count is unknown (None).
+MAX_HEADERS_BYTES_PER_MODEL = 64 * 1024 * 1024
+# A tensor size or offset in a safetensors header is a u64 (at most 20 digits, which safetensors itself checks).
+MAX_HEADER_INT_DIGITS = 20
+# Parameters are counted to here at most (past the control plane's `MAX_MODEL_NUM_PARAMS`, which clamps them).
+PARAMS_COUNTED_TO = 2**63
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
@@ -228,22 +234,41 @@ def kv_cache_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
     return 2 * values["num_hidden_layers"] * values["num_key_value_heads"] * head_dim * element_bytes
 
 
+class _IntegerTooLong(ValueError):
+    pass
+
+
+def _header_int(text: str) -> int:
+    if len(text) > MAX_HEADER_INT_DIGITS:
+        raise _IntegerTooLong(text[:8])
+    return int(text)
+
+
 def count_parameters(model_dir: Path) -> int | None:
-    """Parameters in the model's safetensors files, from their headers alone (no tensor is read).
+    """Parameters in the model's safetensors files, from their headers alone (no tensor is read), counted up to
+    `PARAMS_COUNTED_TO`.
 
     None when a header cannot be read; `MalformedModel` when one is not what safetensors would load.
+
+    NOTE: a tenant's header is read by the agent's heartbeat and before each launch. A shape of a few hundred
+    4,000-digit sizes was multiplied out in full (`math.prod`, quadratic, holding the GIL: a 4 MB header froze
+    every thread of the agent for a minute, its node went offline); sizes of more digits than a u64 are refused
+    as they are parsed, and a product stops growing at the cap.
     """
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         return None
-    total = 0
+    total, header_bytes = 0, 0
     for path in files:
         try:
             with open(path, "rb") as handle:
                 (header_len,) = struct.unpack("<Q", handle.read(8))
-                if header_len > MAX_HEADER_BYTES:
+                header_bytes += header_len
+                if header_len > MAX_HEADER_BYTES or header_bytes > MAX_HEADERS_BYTES_PER_MODEL:
                     return None
-                header = json.loads(handle.read(header_len))
+                header = json.loads(handle.read(header_len), parse_int=_header_int)
+        except _IntegerTooLong:
+            raise MalformedModel(f"the safetensors header of {path.name} has a number too large for safetensors") from None
         except (OSError, ValueError, RecursionError, struct.error):
             logger.warning("could not read the safetensors header of %s", path.name)
             return None
@@ -255,8 +280,16 @@ def count_parameters(model_dir: Path) -> int | None:
             shape = tensor.get("shape", [])
             if not isinstance(shape, list) or not all(_is_count(size) and size >= 0 for size in shape):
                 raise MalformedModel(f"a tensor in {path.name} has a shape that is not a list of sizes")
-            total += math.prod(shape)
+            total = min(total + _num_elements(shape), PARAMS_COUNTED_TO)
     return total
+
+
+def _num_elements(shape: list[int]) -> int:
+    """The product of `shape`'s sizes, or `PARAMS_COUNTED_TO` when it would pass it."""
+    count = 1
+    for size in shape:
+        count = min(count * size, PARAMS_COUNTED_TO)
+    return count
 
 
 def _is_count(value) -> bool:

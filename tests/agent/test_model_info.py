@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import time
 
 import pytest
 
@@ -162,6 +163,27 @@ def test_model_figures_past_what_the_control_plane_keeps_are_clamped(tmp_path):
     assert context_length(huge_rope) == MAX_MODEL_CONTEXT_TOKENS
     # An older agent's report, parsed by the control plane, is clamped alike.
     assert ModelInfo.from_dict({"max_model_len": 3_000_000_000, "num_params": 2**70}).max_model_len == 2**31 - 1
+
+
+def test_a_header_of_huge_sizes_is_refused_as_it_is_read_not_multiplied_out(tmp_path):
+    # The product of 600 sizes of 4,299 digits each took ~20 s of one C call holding the GIL: the agent's
+    # heartbeat, which reads the model, stopped with it, and its node went offline.
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    write_safetensors_header(tmp_path / "model.safetensors",
+                             {"w": {"dtype": "F32", "shape": [int("9" * 4299)] * 600, "data_offsets": [0, 0]}})
+    started = time.monotonic()
+    reading = read_model(tmp_path)
+    assert time.monotonic() - started < 5
+    assert reading.problem == ("the model's files cannot be served: the safetensors header of model.safetensors has "
+                               "a number too large for safetensors")
+
+
+def test_a_product_of_sizes_past_the_count_stops_at_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    write_safetensors_header(tmp_path / "a.safetensors", {"w": {"shape": [2**62, 2**62, 2**62, 0], "data_offsets": [0, 0]},
+                                                          "v": {"shape": [3, 4], "data_offsets": [0, 0]}})
+    write_safetensors_header(tmp_path / "b.safetensors", {"w": {"shape": [2**60] * 40, "data_offsets": [0, 0]}})
+    assert read_model_info(tmp_path).num_params == MAX_MODEL_NUM_PARAMS
 
 
 def test_a_malformed_model_fails_its_replica_before_launch_and_the_heartbeats_go_on(
