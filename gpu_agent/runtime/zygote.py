@@ -52,7 +52,10 @@ logger = logging.getLogger(__name__)
 STARTED_WORD = "started"  # `started <replica_id> <pid>`: the zygote forked this replica's engine
 EXITED_WORD = "exited"  # `exited <pid> <code>`: the zygote reaped one
 ZYGOTE_REAP_INTERVAL_S = 0.5  # how often the zygote reaps children while waiting for handoffs
-FORK_REPLY_TIMEOUT_S = 30.0  # a fork takes milliseconds; a zygote this slow to answer is stopped
+# A fork takes milliseconds, after at most one look-up the zygote loads ahead (`zygote_models.WARM_BUDGET_S`); a
+# zygote this slow to answer is stopped. NOTE: the agent's supervisor waits holding its lock, which its heartbeat
+# needs: a wait of 30 s (and 5 more to stop the zygote) outlasted the control plane's heartbeat grace.
+FORK_REPLY_TIMEOUT_S = 15.0
 
 
 class ForkedEngine:

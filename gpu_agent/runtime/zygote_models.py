@@ -31,8 +31,12 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER
@@ -41,6 +45,41 @@ RECORD_NAME = "zygote-model-lookups.jsonl"
 # The most recent distinct calls the zygote keeps warm (about three per model); older ones are dropped from the
 # record. NOTE: a large vocabulary's tokenizer takes tens of MB in the zygote (shared with its engines).
 MAX_RECORDED_CALLS = 24
+# NOTE: what the zygote loads ahead comes from tenants' files, and a handoff waits while it loads. A chat template
+# of a few MB took ~30 s to compile (~12 s a MB; real ones are a few KiB): every handoff of the node meanwhile
+# timed out with the agent's supervisor lock held, its heartbeats stopped and the node went offline. A look-up
+# repeated here is given up on after `WARM_BUDGET_S` (never tried again by this zygote: its engines load it
+# themselves), and a template longer than `MAX_WARMED_TEMPLATE_CHARS` is left to its engines.
+WARM_BUDGET_S = 5.0
+MAX_WARMED_TEMPLATE_CHARS = 64 * 1024
+
+
+class WarmTooLong(BaseException):
+    """A look-up the zygote repeated ran past `WARM_BUDGET_S`. NOTE: not an `Exception`: the libraries' own
+    `except Exception` fallbacks must not swallow it."""
+
+
+@contextmanager
+def _within(seconds: float) -> Iterator[None]:
+    """Raise `WarmTooLong` in the block once `seconds` of wall clock have passed (the main thread only: SIGALRM).
+
+    The zygote is single-threaded between handoffs; a C call (a JSON parse, a Rust tokenizer) ends before the
+    signal is seen. The signal comes again every half second until the block ends (a bare `except:` in a library
+    could take one)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(_signum, _frame):
+        raise WarmTooLong(f"over {seconds:g}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 0.5)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def files_key(path) -> tuple | None:
@@ -240,13 +279,14 @@ class Warmer:
                 continue
             started_at = time.process_time()
             try:
-                warmed = lookup.warm(call)
-                if warmed and name == "cached_get_tokenizer":
-                    _warm_chat_template(lookup.answers[call][1])
-            except Exception as exc:  # noqa: BLE001 - a model the zygote cannot load: its engines load it
+                with _within(WARM_BUDGET_S):
+                    warmed = lookup.warm(call)
+                    if warmed and name == "cached_get_tokenizer":
+                        _warm_chat_template(lookup.answers[call][1])
+            except (Exception, WarmTooLong) as exc:  # noqa: BLE001 - a model the zygote cannot load: its engines load it
                 self._failed.add((name, call))
                 print(f"zygote: could not load {name} ahead ({exc!r})", file=sys.stderr, flush=True)
-                continue
+                return True  # NOTE: one look-up per wake-up, failed or not: a handoff may be waiting
             if warmed:
                 self.num_warmed += 1
                 print(
@@ -309,7 +349,7 @@ def _warm_chat_template(tokenizer) -> None:
         template = tokenizer.get_chat_template(None, tools=None)
     except Exception:  # noqa: BLE001 - no chat template: nothing to warm
         return
-    if not isinstance(template, str):
+    if not isinstance(template, str) or len(template) > MAX_WARMED_TEMPLATE_CHARS:
         return
     from transformers.utils.chat_template_utils import _compile_jinja_template
     from vllm.renderers import hf

@@ -148,3 +148,43 @@ def test_a_recorded_call_with_any_trust_remote_code_but_false_is_never_repeated_
     honest = json.dumps([[str(tmp_path), False], {}], sort_keys=True)
     assert zygote_models._call_text((str(tmp_path), False), {}) == honest
     assert lookup.warm(honest) and len(loaded) == 1
+
+
+def test_a_huge_chat_template_or_a_slow_look_up_never_holds_the_zygote_past_its_budget(model_copy, tmp_path):
+    # A tenant's tokenizer_config.json with a 2 MB chat template took the zygote ~30 s to compile between
+    # handoffs: every handoff of the node meanwhile timed out, holding the agent's supervisor lock, and its
+    # heartbeats stopped. Its template is now left to its engines, and any look-up repeated here has a budget.
+    code = (
+        "import time\n"
+        "template = \"{% for m in messages %}\" + \"{% if m.role == 'x' %}{{ m.content }}{% endif %}\" * 40000 + \"{% endfor %}\"\n"
+        "rewrite('tokenizer_config.json', chat_template=template)\n"
+        "assert len(template) > zygote_models.MAX_WARMED_TEMPLATE_CHARS\n"
+        "call = json.dumps([[MODEL], {'revision': None, 'runner_type': 'generate', 'tokenizer_mode': 'auto',\n"
+        "                             'trust_remote_code': False}], sort_keys=True)\n"
+        "with open(zygote_models.record_path(), 'a') as handle:\n"
+        "    handle.write(json.dumps({'lookup': 'cached_get_tokenizer', 'call': call}) + '\\n')\n"
+        "warmer = zygote_models.Warmer()\n"
+        "started = time.monotonic()\n"
+        "assert warmer.warm_next() and warmer.num_warmed == 1\n"
+        "assert time.monotonic() - started < 10, time.monotonic() - started\n"
+        "# A look-up that runs long (swallowing what it can) is given up on at the budget, and not tried again.\n"
+        "zygote_models.WARM_BUDGET_S = 1.0\n"
+        "def stubborn(*args, **kwargs):\n"
+        "    while True:\n"
+        "        try:\n"
+        "            time.sleep(60)\n"
+        "        except Exception:\n"
+        "            pass\n"
+        "zygote_models.LOOKUPS['get_config'].function = stubborn\n"
+        "slow = json.dumps([[MODEL, False, None, None, 'auto'], {}], sort_keys=True)\n"
+        "with open(zygote_models.record_path(), 'a') as handle:\n"
+        "    handle.write(json.dumps({'lookup': 'get_config', 'call': slow}) + '\\n')\n"
+        "started = time.monotonic()\n"
+        "assert warmer.warm_next(), 'a failed look-up ends the wake-up too'\n"
+        "assert time.monotonic() - started < 5, time.monotonic() - started\n"
+        "assert ('get_config', slow) in warmer._failed\n"
+        "assert not warmer.warm_next()\n"
+    )
+    data_dir = tmp_path / "agent"
+    data_dir.mkdir()
+    run(code, model_copy, env={"INFERPLANE_DATA_DIR": str(data_dir)})
