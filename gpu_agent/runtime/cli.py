@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.join_token:
         print("--join-token (or INFERPLANE_JOIN_TOKEN) is required", file=sys.stderr)
         return 2
+    raise_open_files_limit()
     config = AgentConfig(
         control_plane_url=args.control_plane,
         join_token=args.join_token,
@@ -131,6 +133,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     run_until_signalled(Agent(config))
     return 0
+
+
+# The most open files the agent asks for (its soft limit raised up to the hard one, never past this).
+MAX_OPEN_FILES = 1_048_576
+
+
+def raise_open_files_limit() -> int:
+    """Raise the process's soft limit on open files to its hard limit (at most `MAX_OPEN_FILES`); returns it.
+
+    NOTE: a download holds a descriptor per file of the model (up to `MAX_MODEL_FILES`) while it runs, and a
+    tenant's store may drip its bytes for hours: under a container's default soft limit of 1,024 one such download
+    left the agent's other threads (other tenants' downloads, the heartbeat's sockets, engines' pipes and logs)
+    failing with EMFILE. The systemd unit sets the limit itself; a container's runtime does not."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError) as exc:
+        logging.getLogger(__name__).warning("could not raise the open-files limit from %d to %d (%s)", soft, wanted, exc)
+        return soft
+    return wanted
 
 
 def run_until_signalled(agent) -> None:

@@ -58,6 +58,14 @@ ZYGOTE_REAP_INTERVAL_S = 0.5  # how often the zygote reaps children while waitin
 FORK_REPLY_TIMEOUT_S = 15.0
 
 
+def wait_readable(file, timeout_s: float) -> None:
+    """Wait until `file` has something to read (or `timeout_s`). NOTE: `poll`, not `select`: the agent raises its
+    open-files limit (`cli.raise_open_files_limit`), and `select` refuses a descriptor numbered 1024 or more."""
+    poller = select.poll()
+    poller.register(file, select.POLLIN)
+    poller.poll(timeout_s * 1000)
+
+
 class ForkedEngine:
     """A replica's engine forked by the zygote, shaped like the `Popen` the supervisor otherwise holds.
 
@@ -214,6 +222,6 @@ class Zygote(Standby):
                 return self.started.pop(replica_id)
             if self.refused_reason is not None or self.process.poll() is not None:
                 return None
-            select.select([self.process.stdout], [], [], 0.1)
+            wait_readable(self.process.stdout, 0.1)
         logger.warning("zygote: no fork reported for replica %s in %.0fs", replica_id, FORK_REPLY_TIMEOUT_S)
         return None
