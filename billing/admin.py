@@ -4,9 +4,9 @@ and `billing.credits`, as in the API: each change is audited and the gateway's l
 from decimal import Decimal
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 
-from billing import credits, services
+from billing import credits, services, stripe_sync
 from billing.models import BillingAccount, CreditGrant, Invoice, SpendAlert, UsageRollup
 from billing.serializers import MAX_SPEND_CAP
 from controlplane.accounts.services import Actor
@@ -78,11 +78,33 @@ class CreditGrantAdmin(admin.ModelAdmin):
 @admin.register(UsageRollup)
 class UsageRollupAdmin(admin.ModelAdmin):
     list_display = ["organization", "endpoint", "hour_start", "billing_mode", "sequence", "kind", "num_requests", "cost",
-                    "closed_at", "pushed_at"]
-    list_filter = ["kind", "billing_mode"]
+                    "closed_at", "pushed_at", "push_held_at", "push_error"]
+    list_filter = ["kind", "billing_mode", ("push_held_at", admin.EmptyFieldListFilter)]
+    actions = ["release_held", "confirm_held"]
 
     def has_change_permission(self, request, obj=None):
         return False  # NOTE: closed hours never change; corrections are adjustments
+
+    @admin.action(description="Held: Stripe does NOT have the meter event named in its push error: send it again",
+                  permissions=["release_held"])
+    def release_held(self, request, queryset):
+        for rollup in queryset.filter(push_held_at__isnull=False):
+            self.log_change(request, rollup, "Released a held Stripe push")
+        self.message_user(request, f"Released {stripe_sync.release_held(queryset)} held rollup(s).", messages.SUCCESS)
+
+    @admin.action(description="Held: Stripe HAS the meter event named in its push error: record it, push the rest",
+                  permissions=["confirm_held"])
+    def confirm_held(self, request, queryset):
+        for rollup in queryset.filter(push_held_at__isnull=False):
+            self.log_change(request, rollup, "Confirmed a held Stripe meter event as in Stripe")
+        self.message_user(request, f"Confirmed the held event of {stripe_sync.confirm_held(queryset)} rollup(s).",
+                          messages.SUCCESS)
+
+    def has_release_held_permission(self, request):
+        return request.user.is_superuser
+
+    def has_confirm_held_permission(self, request):
+        return request.user.is_superuser
 
 
 @admin.register(Invoice)

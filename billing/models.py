@@ -127,6 +127,10 @@ class UsageRollup(models.Model):
     push_error = models.CharField(max_length=300, blank=True)
     # Part of its meter events' idempotency keys, raised after each Stripe server error (`stripe_sync.IdempotencyKey`).
     push_key_generation = models.PositiveIntegerField(default=0, db_default=0)
+    # When a meter event of it was first sent to Stripe, and when its push was held for an operator: an event not yet
+    # confirmed whose first try is older than Stripe's duplicate window (`stripe_sync.IDENTIFIER_TRUSTED_FOR`).
+    push_first_tried_at = models.DateTimeField(null=True, blank=True)
+    push_held_at = models.DateTimeField(null=True, blank=True)
 
     objects = UsageRollupQuerySet.as_manager()
 

@@ -71,6 +71,10 @@ USAGE_PRICE_UNIT_CENTS = "0.0001"
 MAX_EVENT_AGE = timedelta(days=34)
 # A subscription in one of these states never bills again (Stripe's `status`).
 ENDED_SUBSCRIPTION_STATUSES = frozenset({"canceled", "incomplete_expired"})
+# Stripe refuses a meter event's `identifier` again "for at least 24 hours". An event not confirmed (Stripe's answer
+# to it lost: a timeout, a 5xx after the work) and first sent longer ago than this may be in Stripe and no longer
+# refused: sent again, it could bill the customer twice. Its rollup is held for an operator instead.
+IDENTIFIER_TRUSTED_FOR = timedelta(hours=23)
 # How long one push run goes on claiming rollups. NOTE: under the task's soft time limit
 # (`billing.tasks.push_pending_rollups`, 570 s), with room for the rollup in hand to finish.
 PUSH_RUN_BUDGET_S = 400.0
@@ -407,7 +411,8 @@ def meter_event_identifier(rollup_id: int, event_name: str) -> str:
 
 def _claimable(now):
     stale = now - timedelta(seconds=settings.BILLING_CLAIM_TIMEOUT_S)
-    return UsageRollup.objects.pushable().filter(Q(push_claimed_at__isnull=True) | Q(push_claimed_at__lt=stale))
+    return UsageRollup.objects.pushable().filter(push_held_at__isnull=True).filter(
+        Q(push_claimed_at__isnull=True) | Q(push_claimed_at__lt=stale))
 
 
 def claim_rollup(rollup_id: int) -> bool:
@@ -416,29 +421,77 @@ def claim_rollup(rollup_id: int) -> bool:
     return _claimable(now).filter(pk=rollup_id).update(push_claimed_at=now) == 1
 
 
+def _unconfirmed(rollup: UsageRollup) -> list[Meter]:
+    """The meters of `rollup` with a value whose event Stripe has not confirmed (`MeterEventPush`)."""
+    done = set(MeterEventPush.objects.filter(rollup=rollup).values_list("event_name", flat=True))
+    return [meter for meter in METERS if getattr(rollup, meter.rollup_field) > 0 and meter.event_name not in done]
+
+
 def push_rollup(rollup_id: int) -> bool:
-    """Push one closed rollup's meter events; True if this call finished it."""
+    """Push one closed rollup's meter events; True if this call finished it.
+
+    Events go one by one in `METERS` order and a push stops at the first that fails, so at most one event of a
+    rollup was ever sent without an answer: the first unconfirmed one, first sent at `push_first_tried_at`. Once
+    that is over `IDENTIFIER_TRUSTED_FOR` ago, the rollup is held for an operator (`hold_for_review`)."""
     if not claim_rollup(rollup_id):
         return False
     rollup = UsageRollup.objects.get(pk=rollup_id)
     try:
+        due = _unconfirmed(rollup)
+        if due and rollup.push_first_tried_at is not None and timezone.now() - rollup.push_first_tried_at > IDENTIFIER_TRUSTED_FOR:
+            hold_for_review(rollup, due[0])
+            return False
         customer_id = ensure_customer(rollup.organization_id)
         subscription_id = ensure_subscription(rollup.organization_id)  # also creates the meters and the price
         started_at = _subscription_start(rollup.organization_id, subscription_id)
-        done = set(MeterEventPush.objects.filter(rollup=rollup).values_list("event_name", flat=True))
         timestamp = event_timestamp(rollup.hour_start, started_at)
         generation = rollup.push_key_generation
-        for meter in METERS:
-            value = getattr(rollup, meter.rollup_field)
-            if value <= 0 or meter.event_name in done:
-                continue
-            generation = _push_meter_event(rollup, meter, value, customer_id, timestamp, generation)
+        for meter in due:
+            UsageRollup.objects.filter(pk=rollup_id, push_first_tried_at__isnull=True).update(push_first_tried_at=timezone.now())
+            generation = _push_meter_event(rollup, meter, getattr(rollup, meter.rollup_field), customer_id, timestamp,
+                                           generation)
+            UsageRollup.objects.filter(pk=rollup_id).update(push_first_tried_at=None)  # confirmed: the next one's clock
     except Exception as exc:
         UsageRollup.objects.filter(pk=rollup_id).update(push_claimed_at=None, push_error=str(exc)[:300])
         raise
     return UsageRollup.objects.filter(pk=rollup_id, pushed_at__isnull=True).update(
         pushed_at=timezone.now(), push_claimed_at=None, push_error=""
     ) == 1
+
+
+def hold_for_review(rollup: UsageRollup, unknown: Meter) -> None:
+    """Stop pushing `rollup` until an operator says whether Stripe has its event `unknown` (`release_held`,
+    `confirm_held`: the admin's actions on usage rollups, after a look at the customer's meter events in Stripe)."""
+    identifier = meter_event_identifier(rollup.pk, unknown.event_name)
+    logger.error("rollup %s held: its meter event %s (value %s) was first sent at %s and Stripe's answer never came; "
+                 "sent again past Stripe's duplicate window it could bill twice. Look for it in Stripe, then release "
+                 "or confirm the rollup in the admin", rollup.pk, identifier, getattr(rollup, unknown.rollup_field),
+                 rollup.push_first_tried_at)
+    UsageRollup.objects.filter(pk=rollup.pk).update(
+        push_claimed_at=None, push_held_at=timezone.now(),
+        push_error=f"held: is {identifier} in Stripe? unanswered since {rollup.push_first_tried_at:%Y-%m-%d %H:%M} UTC"[:300])
+
+
+def release_held(rollups) -> int:
+    """Push these held rollups on: Stripe does not have the event each was held for (it is sent again, its
+    duplicate window begins anew)."""
+    return rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True).update(
+        push_held_at=None, push_first_tried_at=None, push_error="")
+
+
+def confirm_held(rollups) -> int:
+    """Push these held rollups on: Stripe has the event each was held for (recorded as accepted; the rollup's
+    later events, never sent, go at the next push)."""
+    num_confirmed = 0
+    for rollup in rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True):
+        due = _unconfirmed(rollup)
+        if due:
+            MeterEventPush.objects.get_or_create(
+                identifier=meter_event_identifier(rollup.pk, due[0].event_name),
+                defaults={"rollup": rollup, "event_name": due[0].event_name, "value": getattr(rollup, due[0].rollup_field)})
+        num_confirmed += UsageRollup.objects.filter(pk=rollup.pk, push_held_at__isnull=False).update(
+            push_held_at=None, push_first_tried_at=None, push_error="")
+    return num_confirmed
 
 
 def _subscription_start(organization_id: int, subscription_id: str) -> datetime | None:

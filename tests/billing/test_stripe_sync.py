@@ -7,6 +7,7 @@ import time
 from datetime import timedelta
 
 import pytest
+from django.db.models import F
 from django.utils import timezone
 
 from billing import stripe_sync
@@ -198,3 +199,99 @@ def test_a_push_run_claims_no_more_rollups_once_its_time_is_up(fake_stripe):
     assert UsageRollup.objects.filter(pushed_at__isnull=True, push_claimed_at__isnull=True).count() == len(rollups) - 1
     fake_stripe.latency_s = 0.0
     assert stripe_sync.push_pending_rollups() == len(rollups) - 1
+
+
+def _lose_the_answer_to_the_first_event_and_fail_on(fake_stripe) -> None:
+    """Stripe records the first meter event and answers 500; every retry of the run fails before Stripe's work."""
+    fake_stripe.fail_next("500_after_work", path="/v1/billing/meter_events")
+    fake_stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS - 1, path="/v1/billing/meter_events")
+
+
+def _a_day_passes(fake_stripe, rollup) -> None:
+    fake_stripe.age_meter_events(25 * 3600)
+    UsageRollup.objects.filter(pk=rollup.pk, push_first_tried_at__isnull=False).update(
+        push_first_tried_at=F("push_first_tried_at") - timedelta(hours=25))
+
+
+def test_an_event_unanswered_past_stripes_duplicate_window_is_held_for_an_operator_not_sent_again(fake_stripe):
+    # Stripe refuses a meter event's identifier again for 24 h only: an event it recorded whose answer was lost,
+    # sent again a day later (Stripe unreachable meanwhile), counted twice on the customer's invoice.
+    rollup = _closed_rollup(EndpointFactory())
+    _lose_the_answer_to_the_first_event_and_fail_on(fake_stripe)
+    assert stripe_sync.push_pending_rollups() == 0
+    _a_day_passes(fake_stripe, rollup)
+    sent_before = len(fake_stripe.calls_to("/v1/billing/meter_events"))
+
+    assert stripe_sync.push_pending_rollups() == 0
+    assert stripe_sync.push_pending_rollups() == 0  # and not claimed again while held
+
+    rollup.refresh_from_db()
+    assert len(fake_stripe.calls_to("/v1/billing/meter_events")) == sent_before
+    assert rollup.push_held_at is not None and rollup.pushed_at is None
+    assert rollup.push_error.startswith(f"held: is rollup-{rollup.pk}-input_tokens in Stripe?")
+    assert _token_total(fake_stripe) == rollup.input_tokens  # once, as Stripe recorded it
+
+
+def test_an_operator_who_finds_the_held_event_in_stripe_confirms_it_and_the_rest_is_pushed_once(fake_stripe):
+    rollup = _closed_rollup(EndpointFactory())
+    _lose_the_answer_to_the_first_event_and_fail_on(fake_stripe)
+    stripe_sync.push_pending_rollups()
+    _a_day_passes(fake_stripe, rollup)
+    stripe_sync.push_pending_rollups()
+
+    assert stripe_sync.confirm_held(UsageRollup.objects.filter(pk=rollup.pk)) == 1
+    assert stripe_sync.push_pending_rollups() == 1
+
+    account = BillingAccount.objects.get(organization=rollup.organization)
+    assert fake_stripe.meter_totals() == {
+        (account.stripe_customer_id, "inferplane_input_tokens"): rollup.input_tokens,
+        (account.stripe_customer_id, "inferplane_cached_input_tokens"): rollup.cached_tokens,
+        (account.stripe_customer_id, "inferplane_output_tokens"): rollup.completion_tokens,
+        (account.stripe_customer_id, "inferplane_usage_cost"): rollup.cost_micro_dollars,
+    }
+
+
+def test_an_operator_who_finds_no_held_event_in_stripe_releases_it_and_it_is_sent(fake_stripe):
+    rollup = _closed_rollup(EndpointFactory())
+    fake_stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS, path="/v1/billing/meter_events")  # nothing recorded
+    stripe_sync.push_pending_rollups()
+    _a_day_passes(fake_stripe, rollup)
+    stripe_sync.push_pending_rollups()
+
+    assert stripe_sync.release_held(UsageRollup.objects.filter(pk=rollup.pk)) == 1
+    assert stripe_sync.push_pending_rollups() == 1
+    assert _token_total(fake_stripe) == rollup.prompt_tokens + rollup.completion_tokens
+
+
+def test_an_event_confirmed_starts_the_next_events_clock(fake_stripe):
+    # A rollup whose first event went through a day ago and whose second keeps failing now is not held: the
+    # second was first sent now.
+    rollup = _closed_rollup(EndpointFactory())
+    fake_stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS, path="/v1/billing/meter_events")
+    stripe_sync.push_pending_rollups()
+    MeterEventPush.objects.create(rollup=rollup, event_name=stripe_sync.METERS[0].event_name, value=rollup.input_tokens,
+                                  identifier=stripe_sync.meter_event_identifier(rollup.pk, stripe_sync.METERS[0].event_name))
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=None)  # as its confirmation leaves it
+
+    assert stripe_sync.push_pending_rollups() == 1
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is None and rollup.push_first_tried_at is None
+
+
+def test_a_superuser_releases_a_held_rollup_from_the_admin(fake_stripe, client):
+    from django.contrib.auth import get_user_model
+
+    rollup = _closed_rollup(EndpointFactory())
+    fake_stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS, path="/v1/billing/meter_events")
+    stripe_sync.push_pending_rollups()
+    _a_day_passes(fake_stripe, rollup)
+    stripe_sync.push_pending_rollups()
+    client.force_login(get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase"))
+
+    listed = client.get("/django-admin/billing/usagerollup/", {"push_held_at__isnull": "False"})
+    released = client.post("/django-admin/billing/usagerollup/", {"action": "release_held", "_selected_action": [rollup.pk]})
+
+    assert listed.status_code == 200 and f"rollup-{rollup.pk}-input_tokens" in listed.content.decode()
+    assert released.status_code == 302
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is None and rollup.push_first_tried_at is None

@@ -8,7 +8,8 @@
 
 It records every call, replays the stored response for a repeated `Idempotency-Key` (as Stripe
 does for 24 h; a key sent again with other parameters is refused), refuses a meter event whose
-`identifier` it has already accepted, and can be told to fail:
+`identifier` it accepted in the last 24 h (`age_meter_events` moves them back in time; an older one's
+identifier is taken again, as a second event), and can be told to fail:
 
 - "500": a server error before Stripe's idempotency layer: nothing done, nothing saved;
 - "500_saved": the endpoint began and failed: nothing done, but the 500 is saved under the key and
@@ -37,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlparse
 
 FAILURE_KINDS = ("500", "500_saved", "500_after_work", "429", "timeout")
+IDENTIFIER_WINDOW_S = 24 * 3600  # Stripe refuses a meter event's identifier again "for at least 24 hours"
 
 
 @dataclass(slots=True)
@@ -131,6 +133,12 @@ class FakeStripe:
                 if subscription["customer"] == customer_id and subscription["status"] != "canceled":
                     subscription.update(status="canceled", canceled_at=now, ended_at=now)
             return dict(customer)
+
+    def age_meter_events(self, seconds: int) -> None:
+        """Make every meter event received so far `seconds` older (for Stripe's duplicate window)."""
+        with self._lock:
+            for event in self.meter_events.values():
+                event["created"] -= seconds
 
     def set_default_payment_method(self, customer_id: str, payment_method: str | None) -> dict:
         """What the Customer Portal does when a card is added (or removed): the customer as it is now."""
@@ -261,10 +269,13 @@ class FakeStripe:
         if not re.fullmatch(r"\d+", str(payload.get("value", ""))):
             return 400, _error("invalid_request_error", "value must be a whole number", code="parameter_invalid_integer")
         identifier = params.get("identifier") or _id("ident")
-        if identifier in self.meter_events:
+        earlier = self.meter_events.get(identifier)
+        if earlier is not None and now - earlier["created"] < IDENTIFIER_WINDOW_S:
             self.num_duplicate_identifiers += 1
             return 400, _error("invalid_request_error", f"An event with identifier {identifier} already exists.",
                                code="duplicate_meter_event")
+        if earlier is not None:  # past the window: Stripe takes it as a new event, and counts it again
+            self.meter_events[f"{identifier}@{earlier['created']}"] = self.meter_events.pop(identifier)
         event = {"object": "billing.meter_event", "created": now, "event_name": params["event_name"],
                  "identifier": identifier, "payload": payload, "timestamp": int(params.get("timestamp") or now),
                  "livemode": False}
