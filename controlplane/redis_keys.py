@@ -165,6 +165,10 @@ def throttle_key(limit_name: str, subject_digest: str, window: int) -> str:
 # --- autoscaler ------------------------------------------------------------------------------------
 
 TICK_LOCK_KEY = "as:tick-lock"
+# When `endpoints.scheduler.sweep_stuck` last ended, and since when the control plane has heard heartbeats again
+# after a gap in those sweeps (PostgreSQL or the worker down: no heartbeat could be written meanwhile).
+SWEPT_AT_KEY = "sweep:swept-at"
+LISTENING_SINCE_KEY = "sweep:listening-since"
 
 
 def idle_deadline_key(endpoint_id: str, deadline: float) -> str:

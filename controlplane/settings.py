@@ -328,6 +328,10 @@ API_KEY_CACHE_S = env_float("INFERPLANE_API_KEY_CACHE_S", 5.0, minimum=0)
 API_KEY_NEGATIVE_CACHE_S = env_float("INFERPLANE_API_KEY_NEGATIVE_CACHE_S", 300.0, minimum=0)
 AGENT_HEARTBEAT_INTERVAL_S = env_float("INFERPLANE_AGENT_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.2)
 NODE_HEARTBEAT_GRACE_S = env_float("INFERPLANE_NODE_HEARTBEAT_GRACE_S", 30.0, minimum=1)
+# After a time the control plane could not hear heartbeats (its sweeps stopped: PostgreSQL or the worker down), how
+# long agents backing off get to beat again before any node is judged silent: the agent's longest backoff (60 s)
+# and its request timeout (10 s).
+NODE_HEARTBEAT_RETRY_S = env_float("INFERPLANE_NODE_HEARTBEAT_RETRY_S", 70.0, minimum=0)
 # The gateway gives up on a replica that sends no byte for this long, except before a non-streamed answer's
 # first byte while the replica's engine is generating (its agent's reports): that wait goes on up to
 # GATEWAY_MAX_ANSWER_WAIT_S from the call's start (`endpoints.gateway.call.InferenceCall._patience`).

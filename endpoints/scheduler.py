@@ -25,7 +25,7 @@ from django.utils import timezone
 
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis
-from controlplane.redis_keys import TICK_LOCK_KEY
+from controlplane.redis_keys import LISTENING_SINCE_KEY, SWEPT_AT_KEY, TICK_LOCK_KEY
 from endpoints import autoscaler, quotas
 from endpoints.batches.demand import read_demand
 from endpoints.events import record_event, record_event_once
@@ -264,9 +264,43 @@ def autoscale_tick() -> int:
         redis.delete(TICK_LOCK_KEY)
 
 
+# Sweeps run every 5 s: one this long after the last one ended means nobody could hear heartbeats meanwhile.
+SWEEP_GAP_S = 20.0
+SWEEP_KEYS_TTL_S = 7 * 24 * 3600
+
+
+def _heard_long_enough(redis, now: float) -> bool:
+    """Whether the control plane has been able to hear heartbeats long enough to judge silence.
+
+    NOTE: a heartbeat is a PostgreSQL write. While PostgreSQL was down no agent could beat, and each backed off (up
+    to 60 s); the first sweep after it came back found every node silent past the grace period, marked the whole
+    fleet OFFLINE and failed every replica (told to stop when their nodes beat again: every tenant cold again). A
+    gap in the sweeps themselves (they read PostgreSQL too) starts a new listening period: no node, replica start
+    or drain is judged until agents had `NODE_HEARTBEAT_RETRY_S` to beat again and the grace period passed. A
+    missing key (Redis emptied) is no gap: a Redis restart alone must not slow node failure down."""
+    swept_at = redis.get(SWEPT_AT_KEY)
+    if swept_at is not None and now - float(swept_at) > SWEEP_GAP_S:
+        redis.set(LISTENING_SINCE_KEY, now, ex=SWEEP_KEYS_TTL_S)
+        logger.warning("no sweep for %.0f s (PostgreSQL or the worker was down): nodes get %.0f s to beat again before "
+                       "any is judged silent", now - float(swept_at),
+                       settings.NODE_HEARTBEAT_RETRY_S + settings.NODE_HEARTBEAT_GRACE_S)
+    since = redis.get(LISTENING_SINCE_KEY)
+    return since is None or now - float(since) >= settings.NODE_HEARTBEAT_RETRY_S + settings.NODE_HEARTBEAT_GRACE_S
+
+
 def sweep_stuck() -> None:
     """Nodes silent past the grace period go OFFLINE and their replicas FAILED (and are replaced);
-    replicas STARTING for too long fail with the reason."""
+    replicas STARTING for too long fail with the reason. Nothing is judged until the control plane has heard
+    heartbeats long enough after a time it could not (`_heard_long_enough`)."""
+    redis = get_redis()
+    if _heard_long_enough(redis, time.time()):
+        _sweep()
+    else:
+        Node.objects.exists()  # NOTE: PostgreSQL is read either way: a sweep that could not is part of the gap
+    redis.set(SWEPT_AT_KEY, time.time(), ex=SWEEP_KEYS_TTL_S)
+
+
+def _sweep() -> None:
     now = timezone.now()
     silent_since = now - timedelta(seconds=settings.NODE_HEARTBEAT_GRACE_S)
     for node in Node.objects.exclude(state=NodeState.OFFLINE).filter(last_heartbeat_at__lt=silent_since):

@@ -217,3 +217,59 @@ def test_no_reader_sees_an_offline_node_whose_replicas_still_look_ready(settings
     assert seen and all(not (node == NodeState.OFFLINE and state == ReplicaState.READY) for node, state in seen), seen
     replica.refresh_from_db()
     assert replica.state == ReplicaState.FAILED
+
+
+def _nodes_silent_since_an_outage(seconds: float):
+    """Two nodes, each with a READY replica, whose last heartbeats are `seconds` old: PostgreSQL was down that long
+    (no heartbeat could be written) and came back a moment ago; the agents are still backing off."""
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=2, max_replicas=2)
+    nodes = [make_node(memory_mb=80_000), make_node(memory_mb=80_000)]
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    Replica.objects.filter(endpoint=endpoint).update(state=ReplicaState.READY)
+    Node.objects.filter(pk__in=[node.pk for node in nodes]).update(last_heartbeat_at=timezone.now() - timedelta(seconds=seconds))
+    get_redis().set(redis_keys.SWEPT_AT_KEY, time.time() - seconds)  # the sweeps could not read PostgreSQL either
+    return endpoint, nodes
+
+
+def test_a_database_outage_longer_than_the_grace_period_takes_no_node_offline(settings, django_capture_on_commit_callbacks):
+    # Every agent's heartbeats failed while PostgreSQL was down, and each backed off (up to 60 s): the first sweep
+    # after it came back took the whole fleet OFFLINE and failed every replica, every tenant cold again.
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    endpoint, nodes = _nodes_silent_since_an_outage(45)
+
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+        scheduler.sweep_stuck()  # the next one, too: the agents still have time to beat again
+
+    assert set(Node.objects.filter(pk__in=[node.pk for node in nodes]).values_list("state", flat=True)) == {NodeState.READY}
+    assert set(Replica.objects.filter(endpoint=endpoint).values_list("state", flat=True)) == {ReplicaState.READY}
+
+
+def test_a_node_still_silent_once_agents_had_time_to_beat_again_goes_offline(settings, django_capture_on_commit_callbacks):
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    _, nodes = _nodes_silent_since_an_outage(45)
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    beating, dead = nodes
+    Node.objects.filter(pk=beating.pk).update(last_heartbeat_at=timezone.now())
+    redis = get_redis()
+    redis.set(redis_keys.LISTENING_SINCE_KEY,
+              float(redis.get(redis_keys.LISTENING_SINCE_KEY)) - settings.NODE_HEARTBEAT_RETRY_S - settings.NODE_HEARTBEAT_GRACE_S)
+
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+
+    assert Node.objects.get(pk=beating.pk).state == NodeState.READY
+    assert Node.objects.get(pk=dead.pk).state == NodeState.OFFLINE
+
+
+def test_redis_emptied_does_not_slow_node_failure_down(settings, django_capture_on_commit_callbacks):
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    node = make_node(memory_mb=80_000)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=31))
+    get_redis().flushdb()
+
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+
+    assert Node.objects.get(pk=node.pk).state == NodeState.OFFLINE
