@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 from decimal import Decimal
 
@@ -12,6 +13,8 @@ from billing.ledger import undrawn_prepaid_spend
 from billing.models import BillingAccount, CreditGrant
 from billing.quota.counters import refresh_limits
 from controlplane.accounts.services import Actor, record_audit
+
+logger = logging.getLogger(__name__)
 
 
 def grant_credits(actor: Actor, organization, *, amount: Decimal, expires_at: datetime | None = None,
@@ -32,6 +35,20 @@ def grant_credits(actor: Actor, organization, *, amount: Decimal, expires_at: da
     return grant
 
 
+def draw_due_credits() -> int:
+    """Draw credit for every account whose prepaid usage changed since its last draw (`credit_draw_due`, set with the
+    rollups), each on its own: one that fails stays due for the next run. Returns how many were drawn."""
+    num_drawn = 0
+    for organization_id in BillingAccount.objects.filter(credit_draw_due=True).values_list("organization_id", flat=True):
+        try:
+            draw_credits(organization_id)
+        except Exception:  # noqa: BLE001 - one account's failure must not leave the others undrawn
+            logger.exception("drawing the credit of organisation %s failed; the next run draws it", organization_id)
+            continue
+        num_drawn += 1
+    return num_drawn
+
+
 def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decimal:
     """Draw the ledger's prepaid spend not yet drawn from the active grants, soonest expiry first.
 
@@ -43,6 +60,7 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
     now = now or timezone.now()
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization_id)
+        BillingAccount.objects.filter(pk=account.pk, credit_draw_due=True).update(credit_draw_due=False)
         undrawn = undrawn_prepaid_spend(account)
         if undrawn <= 0:
             return Decimal(0)

@@ -202,6 +202,8 @@ class BillingAccount(models.Model):
     stripe_subscription_started_at = models.DateTimeField(null=True, blank=True)
     # How much of the prepaid usage in the ledger has been drawn from credit grants (see billing.credits).
     credit_drawn = MoneyField(default=Decimal(0))
+    # Its prepaid usage changed and has not been drawn since: set with the rollups, cleared by the draw.
+    credit_draw_due = models.BooleanField(default=False, db_default=False)
     created_at = models.DateTimeField(default=timezone.now)
     # Payment standing (`billing.standing`): whether the Stripe customer has a default payment method, as
     # read from Stripe at `payment_method_observed_ms` (Unix ms; 0: never read); staff may let an

@@ -22,7 +22,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from billing.ledger import HOURLY_TOTAL_FIELDS, hourly_totals
-from billing.models import RollupCursor, RollupKind, UsageRollup
+from billing.models import BillingAccount, BillingMode, RollupCursor, RollupKind, UsageRollup
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,10 @@ def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupRe
         result.num_groups = len(totals)
         if totals:
             _apply(totals, now, result)
+        # NOTE: with the rollups, in their transaction: the draw that follows (`billing.tasks.rollup_usage`) may not
+        # happen (the worker killed, a draw failing, the time limit), and a rerun finds nothing changed to draw for.
+        BillingAccount.objects.filter(organization_id__in=result.organization_ids, mode=BillingMode.PREPAID,
+                                      credit_draw_due=False).update(credit_draw_due=True)
         result.num_closed = UsageRollup.objects.filter(
             closed_at__isnull=True,
             hour_start__lte=now - close_delay(),

@@ -3,16 +3,13 @@
 from celery import shared_task
 
 from billing import alerts, credits, rollups, services, stripe_sync
-from billing.models import BillingAccount, BillingMode
 from billing.quota import sweeper
 
 
 @shared_task(name="billing.rollup_usage", acks_late=True, time_limit=600, soft_time_limit=570)
 def rollup_usage(full: bool = False) -> dict:
     result = rollups.rollup_usage(full=full)
-    prepaid = BillingAccount.objects.filter(organization_id__in=result.organization_ids, mode=BillingMode.PREPAID)
-    for organization_id in prepaid.values_list("organization_id", flat=True):
-        credits.draw_credits(organization_id)
+    credits.draw_due_credits()
     return {
         "groups": result.num_groups, "created": result.num_created, "updated": result.num_updated,
         "adjustments": result.num_adjustments, "closed": result.num_closed,

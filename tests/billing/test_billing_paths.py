@@ -180,3 +180,38 @@ def test_credit_granted_in_the_django_admin_is_audited_and_usable_at_once(staff_
 
     assert AuditEvent.objects.filter(organization=organization, action="billing.grant_credits", actor=staff_client.staff).exists()
     _reserve(organization, "after")
+
+
+def test_a_draw_that_failed_after_its_rollups_committed_is_made_by_the_next_run(monkeypatch):
+    # The draw came after the rollups' commit, for the organisations whose rollups changed in that run: a worker
+    # killed there, a draw failing (it also ended the loop for the organisations after it) or the time limit left
+    # the spend undrawn until the organisation had new usage, maybe never; an expiring grant then took it with it.
+    from billing import credits, tasks
+
+    first, second = EndpointFactory(), EndpointFactory()
+    for endpoint in (first, second):
+        set_billing_mode(SYSTEM, endpoint.organization, mode=BillingMode.PREPAID)
+        grant_credits(SYSTEM, endpoint.organization, amount=Decimal("10"))
+        record_usage(usage_report(endpoint, finished_at=_hours_ago(3)))
+    draw = credits.draw_credits
+    failed = []
+
+    def fails_once(organization_id, **kwargs):
+        if not failed:
+            failed.append(organization_id)
+            raise ConnectionError("the database went away")
+        return draw(organization_id, **kwargs)
+
+    monkeypatch.setattr(credits, "draw_credits", fails_once)
+    try:
+        tasks.rollup_usage()
+    except ConnectionError:
+        pass  # the task failed where it stood, as a killed worker would
+    monkeypatch.setattr(credits, "draw_credits", draw)
+    tasks.rollup_usage()  # the next run: no rollup changes
+
+    for endpoint in (first, second):
+        spent = UsageRecord.objects.get(organization=endpoint.organization).cost
+        assert BillingAccount.objects.get(organization=endpoint.organization).credit_drawn == spent
+        assert CreditGrant.objects.get(organization=endpoint.organization).consumed == spent
+    assert not BillingAccount.objects.filter(credit_draw_due=True).exists()
