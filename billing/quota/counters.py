@@ -157,9 +157,14 @@ end
 #   sweeper without a marker, so its late settlement counts its spend.
 #   NOTE: a day's marker per call was ~86 million keys (~9–11 GB of Redis) a day at 1,000 requests a second,
 #   each also in every snapshot and append-only rewrite; minutes' is ~300,000.
+# - none (a ttl of 0) for a try that recorded nothing (no ledger row: never served, or a batch line's try that
+#   failed with nothing counted): its settlement adds no spend, and a batch line's next try under the same id
+#   must settle its own. NOTE: the day's marker of such a try made the retry that succeeded add nothing to the
+#   organisation's spend in Redis (its ledger row was written): caps and prepaid credit lagged the ledger.
 SETTLE_LUA = UNRESERVE_LUA + """
 local function quota_settle(K, A)
-  local first = redis.call('SET', K[3], '1', 'NX', 'EX', A[4])
+  local first = true
+  if A[4] ~= '0' then first = redis.call('SET', K[3], '1', 'NX', 'EX', A[4]) end
   local has_key = A[3] == '1'
   local actual = A[2]
   local payload = redis.call('HGET', K[1], A[1])
@@ -241,16 +246,20 @@ def refusal(status: str, detail: str) -> QuotaExceeded | None:
     raise ValueError(f"not a final answer: {status} {detail}")
 
 
-def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, fresh_id: bool = False) -> tuple[list[str], list[str]]:
+def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, fresh_id: bool = False,
+                         recorded: bool = True) -> tuple[list[str], list[str]]:
     """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`; `fresh_id` when its request
-    id is a gateway call's own, which no caller settles again (its marker is kept minutes: see `SETTLE_LUA`)."""
+    id is a gateway call's own, which no caller settles again (its marker is kept minutes: see `SETTLE_LUA`);
+    not `recorded` when the try wrote no ledger row (no marker: `actual` must then be 0)."""
     if actual < 0:
         raise ValueError("a cost cannot be negative")
+    if not recorded and actual:
+        raise ValueError("a try that recorded nothing costs nothing")
     org, key = reservation.organization_id, reservation.api_key_id
     kept = _prepared(org, key, reservation.period_key)[1]
     keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:]]
     has_key = "1" if key is not None else "0"
-    marker_ttl_s = CALL_SETTLED_MARKER_TTL_S if fresh_id else SETTLED_MARKER_TTL_S
+    marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id else SETTLED_MARKER_TTL_S
     return keys, [reservation.request_id, str(to_units(actual)), has_key, str(marker_ttl_s)]
 
 

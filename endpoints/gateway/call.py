@@ -520,17 +520,22 @@ class InferenceCall:
             # then releases.
             presence.end_later(self.caller.organization_id, self.request_id)
             raise
+        # NOTE: a batch line's id is the same on its every try (exactly-once usage): a try that failed after its
+        # replica answered, with nothing counted (the body cut off), wrote an empty usage row, and the retry that
+        # succeeded was billed nothing (its row conflicted with the empty one; its settlement found the marker).
+        usage = self.usage
+        recorded = self.served and not (self.batch_id and self.status == "upstream_error"
+                                        and not (usage.prompt_tokens or usage.completion_tokens))
         # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.
-        actual = self._cost() if self.served else Decimal(0)
+        actual = self._cost() if recorded else Decimal(0)
         if actual > self.reserved:
             if self.status != "cut_off":  # a stream stopped at its reservation went past it by its last chunk only
                 self._note_usage_past_reservation(actual)
             actual = self.reserved
-        usage = self.usage
         try:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
-            if self.served:
+            if recorded:
                 await usage_writer.arecord_usage(ledger.UsageReport(
                     request_id=self.request_id, organization_id=self.caller.organization_id,
                     api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
@@ -550,9 +555,9 @@ class InferenceCall:
                 # NOTE: also releases the replica that served it (or was picked when the client left).
                 await admission.finish(caller=self.caller, endpoint_id=self.endpoint.id, admission=admitted,
                                        release=self.outstanding_replica_id,
-                                       num_tokens=usage.prompt_tokens + usage.completion_tokens if self.served else 0,
+                                       num_tokens=usage.prompt_tokens + usage.completion_tokens if recorded else 0,
                                        cost=actual, served_by=self.replica.id if self.replica else None,
-                                       cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id)
+                                       cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id, recorded=recorded)
             except asyncio.CancelledError:
                 presence.end_later(self.caller.organization_id, self.request_id)  # as below: its loop is ending
                 raise

@@ -55,12 +55,13 @@ async def reserve(*, organization_id: int, api_key_id: int | None, amount: Decim
                                  request_id=request_id, amount=amount, num_tokens=0, candidates=[])
 
 
-async def settle(admitted: admission.Admission, actual: Decimal, *, fresh_id: bool = False) -> None:
+async def settle(admitted: admission.Admission, actual: Decimal, *, fresh_id: bool = False, recorded: bool = True) -> None:
     """Replace the reservation by the real cost, as the gateway's finish does (`fresh_id`: for a call of its own,
-    not a batch line)."""
+    not a batch line; not `recorded`: a try that wrote no usage row)."""
     reservation = admitted.reservation
     await admission.finish(caller=_caller(reservation.organization_id, reservation.api_key_id), endpoint_id=ENDPOINT,
-                           admission=admitted, release=None, num_tokens=0, cost=actual, fresh_id=fresh_id)
+                           admission=admitted, release=None, num_tokens=0, cost=actual, fresh_id=fresh_id,
+                           recorded=recorded)
 
 
 def _cap(organization, amount: str | None):
@@ -278,6 +279,26 @@ def test_a_request_id_settled_before_releases_its_new_hold_and_adds_no_spend(set
     assert reads.counted_spend(organization.pk) == Decimal("0.30")
     assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 0
     assert reads.counted_spend(organization.pk) == Decimal("0.30")
+
+
+def test_a_batch_lines_try_that_recorded_nothing_leaves_its_retry_to_count_its_spend(settings):
+    # A try of a batch line that reached no engine (or whose answer was cut off: no usage row) settled 0 under a
+    # day's marker: the retry that succeeded, same id, wrote its row but its settlement found the marker and
+    # counted nothing, so the organisation's cap and credit in Redis lagged the ledger.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    organization = EndpointFactory().organization
+    _cap(organization, "1.00")
+    first = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                request_id="line-2"))
+    asyncio.run(settle(first, Decimal(0), recorded=False))
+    again = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                request_id="line-2"))
+    asyncio.run(settle(again, Decimal("0.30")))
+
+    assert reads.reserved_now(organization.pk) == 0
+    assert reads.counted_spend(organization.pk) == Decimal("0.30")
+    with pytest.raises(ValueError):
+        settle_keys_and_args(first.reservation, Decimal("0.10"), recorded=False)
 
 
 def test_a_gateway_calls_settled_marker_lasts_minutes_not_a_day(settings):

@@ -43,11 +43,13 @@ def _prefix(payload: dict) -> str:
 
 class MockOpenAI:
     def __init__(self, token_delay_s: float = 0.0, fail_after_chunks: int | None = None, one_write: bool = False,
-                 prefix_cache: bool = False, prefill_s: float = 0.0, whole_answer_bytes: int = 0):
+                 prefix_cache: bool = False, prefill_s: float = 0.0, whole_answer_bytes: int = 0,
+                 cut_whole_answers: int = 0):
         self.token_delay_s = token_delay_s
         self.prefill_s = prefill_s  # before the first token (a stream's first event comes after it)
         self.whole_answer_bytes = whole_answer_bytes  # a non-streamed answer padded to about this size (logprobs)
         self.fail_after_chunks = fail_after_chunks
+        self.cut_whole_answers = cut_whole_answers  # the first this many non-streamed answers: headers, half a body, gone
         self.one_write = one_write  # a whole stream in one write: what a fast engine looks like to a busy gateway
         self.num_requests = 0
         self.num_streams_left = 0  # streams whose client (the gateway) closed the connection before their end
@@ -93,10 +95,18 @@ class MockOpenAI:
                   else {"index": 0, "text": text, "finish_reason": "length"})
         if self.whole_answer_bytes:
             choice["logprobs"] = {"content": [{"token": "x" * 1000, "logprob": -1.0}] * (self.whole_answer_bytes // 1030)}
-        return await self._json(send, 200, {
+        answer = {
             "id": "cmpl-mock", "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": payload.get("model"), "choices": [choice], "usage": _usage(num_tokens, cached),
-        })
+        }
+        if self.cut_whole_answers > 0:
+            self.cut_whole_answers -= 1
+            body = _dumps(answer)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True})
+            raise RuntimeError("mock replica crashed mid-answer")  # uvicorn drops the connection
+        return await self._json(send, 200, answer)
 
     async def _stream(self, send, payload, num_tokens, chat, cached=0, receive=None):
         options = payload.get("stream_options") or {}
@@ -166,10 +176,12 @@ def main() -> None:
     parser.add_argument("--prefill-ms", type=float, default=0.0, help="time before the first token")
     parser.add_argument("--whole-answer-bytes", type=int, default=0, help="pad non-streamed answers to about this size")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="the prompt tokens every usage says")
+    parser.add_argument("--cut-whole-answers", type=int, default=0,
+                        help="the first N non-streamed answers stop half-way (headers sent, the connection dropped)")
     args = parser.parse_args()
     PROMPT_TOKENS = args.prompt_tokens
     app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks, args.one_write, args.prefix_cache,
-                     args.prefill_ms / 1000, args.whole_answer_bytes)
+                     args.prefill_ms / 1000, args.whole_answer_bytes, args.cut_whole_answers)
     if os.environ.get(ENGINE_API_KEY_ENV):
         app = EngineKeyGuard(app)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)

@@ -1,0 +1,53 @@
+"""A batch line runs under the same request id on every try (exactly-once usage): a try that recorded nothing
+must leave nothing that stops the try that succeeds from being billed, in the ledger and in Redis (a try that
+reached no engine: `tests/billing/test_quota.py`)."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+
+import httpx
+import pytest
+
+from billing.models import UsageRecord
+from billing.periods import period_containing
+from billing.quota import counters
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import org_period_key
+from endpoints.batches import runner, services
+from endpoints.batches.models import Batch, BatchStatus
+from tests.batches.conftest import new_batch
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _redis_spent(organization_id: int) -> Decimal:
+    spent = get_redis().hget(org_period_key(organization_id, period_containing().key), "spent")
+    return counters.from_units(int(spent or 0))
+
+
+def _one_line(endpoint) -> bytes:
+    return json.dumps({"custom_id": "only", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}],
+                                "max_tokens": 8}}).encode() + b"\n"
+
+
+def test_a_line_whose_first_answer_was_cut_off_is_billed_for_the_retry_that_succeeded(
+        files_bucket, tenant, start_mock_upstream, monkeypatch):
+    # The cut try wrote an empty usage row under the line's id and left a day's settled marker: the retry's row
+    # conflicted with it and its settlement added nothing. The answer the tenant got was never billed.
+    monkeypatch.setattr(runner, "RETRY_PAUSE_S", 0.1)
+    upstream = start_mock_upstream(cut_whole_answers=1)
+    endpoint = serve_endpoint(tenant.org, upstream)
+    batch = new_batch(endpoint, _one_line(endpoint))
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 2
+    [row] = UsageRecord.objects.filter(batch_id=batch.pk)
+    assert row.status == "ok" and row.completion_tokens == 8 and row.cost > 0
+    assert _redis_spent(tenant.org.pk) == row.cost
