@@ -107,6 +107,27 @@ def test_staff_revoke_api_keys_in_the_admin_through_the_service_which_audits_it(
     assert AuditEvent.objects.filter(action="api_key.revoke", target_id=str(key.pk)).exists()
 
 
+@pytest.mark.django_db
+def test_a_staff_member_who_may_only_view_api_keys_cannot_revoke_them(client):
+    # The action's superuser check (`has_revoke_permission`) was never asked: Django asks only for the
+    # permissions an action names.
+    from django.contrib.auth.models import Permission
+
+    organization = OrganizationFactory()
+    owner = UserFactory()
+    MembershipFactory(organization=organization, user=owner, role="owner")
+    key = create_api_key(Actor(user=owner), organization, name="kept", scopes=["inference"]).api_key
+    staff = UserFactory(is_staff=True)
+    staff.user_permissions.add(Permission.objects.get(codename="view_apikey"))
+    client.force_login(staff)
+
+    assert client.get("/django-admin/controlplane/apikey/").status_code == 200
+    response = client.post("/django-admin/controlplane/apikey/", {"action": "revoke", "_selected_action": [str(key.pk)]})
+
+    assert response.status_code in (200, 302)
+    assert ApiKey.objects.get(pk=key.pk).revoked_at is None
+
+
 def test_under_ci_a_skipped_test_fails_the_run(tmp_path, pytestconfig):
     assert pytestconfig.pluginmanager.has_plugin("tests.ci_skips")  # the suite loads the rule (tests/conftest.py)
     (tmp_path / "test_sample.py").write_text(textwrap.dedent("""

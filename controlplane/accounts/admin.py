@@ -96,7 +96,9 @@ class ApiKeyAdmin(ReadOnlyAdmin):
     def get_readonly_fields(self, request, obj=None):
         return [name for name in super().get_readonly_fields(request, obj) if name != "digest"]
 
-    @admin.action(description="Revoke selected API keys")
+    # NOTE: `permissions` is what makes Django ask `has_revoke_permission`: without it any staff member who may
+    # view keys could revoke every tenant's.
+    @admin.action(description="Revoke selected API keys", permissions=["revoke"])
     def revoke(self, request, queryset):
         # NOTE: staff act as the platform (no membership); Django's admin log names who clicked.
         actor = Actor(source_ip=client_ip(request))

@@ -33,19 +33,20 @@ class NodeAdmin(ReadOnlyAdmin):
             set_node_state(Actor.from_request(request), node, state)
         self.message_user(request, f"{queryset.count()} node(s) now {state.value.lower()}.", messages.SUCCESS)
 
-    @admin.action(description="Cordon selected nodes (no new replicas)")
+    @admin.action(description="Cordon selected nodes (no new replicas)", permissions=["cordon"])
     def cordon(self, request, queryset):
         self._set_state(request, queryset, NodeState.CORDONED)
 
-    @admin.action(description="Drain selected nodes (move replicas away)")
+    @admin.action(description="Drain selected nodes (move replicas away)", permissions=["drain"])
     def drain(self, request, queryset):
         self._set_state(request, queryset, NodeState.DRAINING)
 
-    @admin.action(description="Uncordon selected nodes")
+    @admin.action(description="Uncordon selected nodes", permissions=["uncordon"])
     def uncordon(self, request, queryset):
         self._set_state(request, queryset, NodeState.READY)
 
-    @admin.action(description="Retire selected nodes (revoke their secret: their agents can never come back)")
+    @admin.action(description="Retire selected nodes (revoke their secret: their agents can never come back)",
+                  permissions=["retire"])
     def retire(self, request, queryset):
         # NOTE: for a node that joined by hand, as pools retire theirs: a stolen or misbehaving machine is cut
         # off for good, its replicas failed and replaced elsewhere; it may join again only with a new join token.
