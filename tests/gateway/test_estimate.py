@@ -130,3 +130,27 @@ def test_a_stream_has_every_prompt_counted_once_each_prompt_has_an_event_with_us
     whole = UsageTally(num_prompts=3)
     whole.take_totals({"prompt_tokens": 9, "completion_tokens": 1})
     assert whole.every_prompt_counted
+
+
+def test_the_separators_between_text_parts_are_reserved():
+    # vLLM joins a message's text parts with "\n": 800 one-letter parts prompt ~1,600 tokens, and the estimate
+    # counted ~880, so nearly half the prefill was past the reservation, and billing stops at the reservation.
+    parts = [{"type": "text", "text": "a"}] * 800
+    case = worst_case({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": parts}]}, "chat", CONTEXT)
+    assert case.num_prompt_tokens >= len("\n".join(part["text"] for part in parts).encode())
+
+
+def test_tool_call_arguments_are_reserved_as_a_template_renders_them_parsed():
+    arguments = json.dumps({"a": [0] * 600}, separators=(",", ":"))
+    message = {"role": "assistant", "content": None,
+               "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+    case = worst_case({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}, message]}, "chat",
+                      CONTEXT)
+    assert case.num_prompt_tokens >= len(json.dumps(json.loads(arguments)))  # `tojson`'s ", " and ": "
+
+
+def test_a_completions_suffix_is_reserved_with_every_prompt():
+    # A fill-in-the-middle renderer prefills the suffix with each prompt of a list: 8 prompts of "a" with a 30 KB
+    # suffix reserved 9 tokens each.
+    case = worst_case({"model": "m", "prompt": ["a"] * 8, "suffix": "x" * 30_000, "max_tokens": 1}, "completion", CONTEXT)
+    assert case.prompt_bounds == (min(CONTEXT, 1 + 8 + 30_000 + 8),) * 8

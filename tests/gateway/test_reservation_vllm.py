@@ -140,6 +140,23 @@ def test_a_request_never_costs_more_than_its_reservation(engine, gateway, tenant
     assert actual <= reserved
 
 
+def test_a_message_of_many_text_parts_never_costs_more_than_its_reservation(engine, gateway, tenant):
+    # vLLM joins text parts with "\n": 600 one-letter parts prompted ~1,200 tokens against a bound of ~700, and the
+    # bill stops at the reservation: almost half the prompt was free.
+    endpoint = Endpoint.objects.filter(organization=tenant.org, name=NAME).first() or _endpoint(tenant.org, engine)
+    payload = {"model": NAME, "max_tokens": 1,
+               "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 600}]}
+
+    response = _call(gateway, tenant.key, "chat", payload)
+
+    assert response.status_code == 200, response.text[:300]
+    row = wait_until(lambda: UsageRecord.objects.filter(request_id=response.headers["x-request-id"]).first(), 30,
+                     message="the usage row")
+    assert row.prompt_tokens > 1_000 and row.status == "ok"
+    assert cost_of(endpoint, row.prompt_tokens, row.cached_tokens, row.completion_tokens) <= \
+        worst_case(payload, "chat", CONTEXT).max_cost(endpoint)
+
+
 # --- the n: 16 attack --------------------------------------------------------------------------------
 
 # One sequence of 40 tokens costs about $0.012: inside $0.05. Sixteen cost about $0.20.
