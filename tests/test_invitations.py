@@ -10,7 +10,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts import invitations, services
-from controlplane.accounts.models import AuditEvent, Invitation, Membership, Role
+from controlplane.accounts.models import AuditEvent, Invitation, Membership, Organization, Role
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -41,6 +41,14 @@ def _link_path(message) -> str:
 def _signed_in(client, user):
     client.force_login(user)
     return client
+
+
+def test_the_invitation_email_is_plain_text_with_the_organisation_name_as_written(owner):
+    # The plain-text mail was rendered with HTML escaping: "O'Reilly & <Co>" arrived as "O&#x27;Reilly &amp; &lt;Co&gt;".
+    Organization.objects.filter(pk=owner.organization.pk).update(name="O'Reilly & <Co>")
+    _invite(owner)
+    assert 'join the organisation "O\'Reilly & <Co>" on Inferplane' in mail.outbox[-1].body
+    assert "&amp;" not in mail.outbox[-1].body
 
 
 def test_an_admin_invites_by_email_and_the_invitation_is_pending_mailed_and_audited(owner):

@@ -21,6 +21,17 @@ def test_creating_a_key_shows_its_secret_once(owner):
     assert secret not in owner.get(reverse("console:keys")).content.decode()
 
 
+def test_the_page_that_shows_a_new_key_is_never_stored_by_the_browser(owner, client):
+    # Without `no-store` the browser kept it in its history: on a shared machine, Back after the owner logged out
+    # showed the secret again. Every page and API answer of an account is the same.
+    created = owner.post(reverse("console:keys"), {"name": "ci", "scopes": [Scope.INFERENCE], "expires_in_days": "30"})
+    listed = owner.get(reverse("console:keys"))
+    login_page = client.get(reverse("login"))
+
+    for response in (created, listed, login_page):
+        assert "no-store" in response["Cache-Control"] and "private" in response["Cache-Control"]
+
+
 def test_key_list_shows_scopes_expiry_and_last_use(owner):
     created = create_api_key(Actor(user=owner.user), owner.organization, name="batch job", scopes=[Scope.MANAGE])
     find_api_key(created.plain)  # marks it used
