@@ -11,6 +11,8 @@ from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
 WORKLOADS = ("Deployment", "DaemonSet", "Job")
 # Served by the web pods but never through the ingress.
 INTERNAL_PATHS = ("/metrics", "/readyz")
+# Routed only by the admin's Ingress, which admits the staff network alone.
+STAFF_PATHS = ("/django-admin/",)
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -132,13 +134,26 @@ def _public_paths() -> list[str]:
         assert isinstance(pattern, URLPattern | URLResolver)
         literal = str(pattern.pattern).split("<", 1)[0]
         examples.append("/" + literal + ("x/" if "<" in str(pattern.pattern) else ""))
-    return [path for path in examples if path not in INTERNAL_PATHS]
+    return [path for path in examples if path not in INTERNAL_PATHS + STAFF_PATHS]
 
 
 def test_the_ingress_routes_every_public_path_and_never_metrics(rendered):
     ingress = rendered.get("Ingress", "inferplane")
     for path in _public_paths():
         assert _routes(ingress, path), f"{path} is served by web but not routed by the ingress"
-    for path in (*INTERNAL_PATHS, "/metrics/", "/metrics/x", "/metricsx"):
+    for path in (*INTERNAL_PATHS, *STAFF_PATHS, "/metrics/", "/metrics/x", "/metricsx", "/django-admin/login/"):
         assert not _routes(ingress, path), path
     assert not _routes(ingress, "/v1x") and _routes(ingress, "/v1")
+
+
+def test_the_django_admin_is_routed_only_from_the_staff_network(rendered):
+    # The admin (every tenant's plans, prices, keys and nodes) was on the public ingress: one phished or guessed
+    # staff password was enough from anywhere.
+    public, admin = rendered.get("Ingress", "inferplane"), rendered.get("Ingress", "inferplane-admin")
+    assert admin["spec"]["rules"][0]["host"] == public["spec"]["rules"][0]["host"]
+    assert [path["path"] for path in admin["spec"]["rules"][0]["http"]["paths"]] == ["/django-admin"]
+    allowed = admin["metadata"]["annotations"]["nginx.ingress.kubernetes.io/whitelist-source-range"].split(",")
+    assert allowed and not {"0.0.0.0/0", "::/0"} & {network.strip() for network in allowed}
+    for path in STAFF_PATHS:
+        assert _routes(admin, path) and not _routes(public, path)
+    assert urls.urlpatterns and any(str(pattern.pattern) == STAFF_PATHS[0].lstrip("/") for pattern in urls.urlpatterns)
