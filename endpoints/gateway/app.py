@@ -36,11 +36,10 @@ from endpoints.gateway import (
 from endpoints.gateway.call import InferenceCall, finish_pending
 from endpoints.gateway.memo import in_worker_thread
 from endpoints.gateway.ratelimit_headers import RateLimitReport
-from endpoints.gateway.request import InferenceRequest, new_request_id
+from endpoints.gateway.request import MAX_BODY_BYTES, InferenceRequest, new_request_id
 
 logger = logging.getLogger("inferplane.gateway")
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
 GC_YOUNG_THRESHOLD = 20_000
 # Served by Django (`endpoints.batches.api`): uploads and bookkeeping, not the inference hot path.
 DJANGO_V1_PREFIXES = ("/v1/files", "/v1/batches")

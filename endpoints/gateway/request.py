@@ -23,6 +23,14 @@ from dataclasses import dataclass
 
 from endpoints.gateway import embeddings, errors, estimate, fields
 
+MAX_BODY_BYTES = 8 * 1024 * 1024
+# Objects, arrays and separators (`{`, `[`, `,`, counted in the raw bytes, strings included) a body may hold.
+# NOTE: decoding costs CPU and memory per element, before any limit of the key is counted: 8 MiB of `{},` took
+# 2.5 s of the event loop and ~390 MiB; at this cap ~0.4 s and ~70 MiB. A 128k-token prompt as token ids is ~128k.
+MAX_JSON_ITEMS = 500_000
+# Prompts in one /v1/completions call (as inputs of one /v1/embeddings call): 2.8 million empty prompts in 8 MiB
+# took ~12 s of the event loop to bound and price, refused only after that.
+MAX_PROMPTS = embeddings.MAX_INPUTS
 MAX_DEPTH = 32  # objects and arrays nested in one another; real requests use a handful
 MAX_MODEL_NAME = 256
 MAX_N = 16
@@ -61,6 +69,8 @@ _decoder = json.JSONDecoder(parse_int=_parse_int, parse_float=_parse_float, pars
 def parse_payload(body: bytes, kind: str) -> dict:
     """The request body, checked for shapes, types and ranges; the engine checks meaning (a stop
     sequence it cannot use, a tool schema it cannot follow)."""
+    if body.count(b",") + body.count(b"{") + body.count(b"[") > MAX_JSON_ITEMS:
+        raise errors.invalid_request(f"The JSON body of your request has more than {MAX_JSON_ITEMS:,} elements.")
     try:
         payload = _decoder.decode(body.decode("utf-8"))
     except _Unparsable as exc:
@@ -277,6 +287,9 @@ def _check_prompt(prompt) -> None:
         return
     if not isinstance(prompt, list) or not prompt:
         raise errors.invalid_request("'prompt' must be a string or a non-empty array.", param="prompt")
+    if len(prompt) > MAX_PROMPTS and not _are_token_ids(prompt):
+        raise errors.invalid_request(f"'prompt' has {len(prompt)} prompts; at most {MAX_PROMPTS} may be completed in one "
+                                     "request.", param="prompt")
     if all(isinstance(item, str) for item in prompt) or _are_token_ids(prompt):
         return
     if all(isinstance(item, list) and item and _are_token_ids(item) for item in prompt):

@@ -205,3 +205,21 @@ def test_batch_work_does_not_wake_a_sleeping_endpoint_and_says_so(gateway, tenan
     assert endpoint.replicas.count() == 0
     assert client.batches.retrieve(batch.id).request_counts.completed == 0
     assert [key for key in bucket_objects(files_bucket) if "/lines/" in key] == []
+
+
+def test_a_batch_line_larger_than_a_request_may_be_is_refused_before_it_is_decoded():
+    # One line of 15 MiB of `{},` took a batch worker ~1.2 GiB to check (its container's limit, shared with every
+    # other tenant's run): refused from its size, as the gateway refuses such a body.
+    import tracemalloc
+
+    from endpoints.batches.validation import parse_lines
+
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "x": [' + \
+        b"{}," * 3_000_000 + b'{}]}}'
+    tracemalloc.start()
+    checked = parse_lines(line + b"\n", request_path="/v1/completions", kind="completion", max_lines=10)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+
+    assert [error.code for error in checked.errors] == ["line_too_large"] and not checked.lines
+    assert peak < 4 * len(line)  # the file's text and its lines, never the line's elements (~1.2 GiB)

@@ -115,3 +115,41 @@ def test_the_earlier_rules_still_hold(body, kind, param):
         parse_payload(body, kind)
 
     assert (refused.value.status, refused.value.param) == (400, param)
+
+
+def _peak_bytes_of(call) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        call()
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return peak
+
+
+def test_a_body_of_millions_of_tiny_elements_is_refused_before_it_is_decoded():
+    # Decoding costs per element, before any limit of the key is counted: 8 MiB of `{},` took 2.5 s of the event
+    # loop and ~390 MiB. Refused from the raw bytes, it costs a scan.
+    body = b'{"model": "m", "prompt": "hi", "x": [' + b"{}," * 600_000 + b"{}]}"
+    refused = []
+
+    def parse():
+        try:
+            parse_payload(body, "completion")
+        except OpenAIError as exc:
+            refused.append(exc)
+
+    assert _peak_bytes_of(parse) < 8 * 1024 * 1024
+    [error] = refused
+    assert error.status == 400 and "elements" in error.message
+
+
+def test_a_completions_call_of_more_than_2048_prompts_is_refused():
+    # 2.8 million empty prompts in 8 MiB took ~12 s of the event loop to bound and price before any refusal.
+    with pytest.raises(OpenAIError) as refused:
+        parse_payload(json.dumps({"model": "m", "prompt": [""] * 2049, "max_tokens": 1}).encode(), "completion")
+    assert refused.value.status == 400 and refused.value.param == "prompt"
+    assert parse_payload(json.dumps({"model": "m", "prompt": ["a"] * 2048}).encode(), "completion")["prompt"] == ["a"] * 2048
+    assert parse_payload(json.dumps({"model": "m", "prompt": list(range(5000))}).encode(), "completion")  # one prompt of ids
