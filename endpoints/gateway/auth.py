@@ -33,6 +33,9 @@ from endpoints.gateway.memo import ExpiringSet, Memo, in_worker_thread
 
 KNOWN_KEYS_MAX = 10_000
 REFUSED_KEYS_MAX = 100_000
+# API keys looked up in PostgreSQL at once, per gateway process: anyone may send well-formed keys never seen before,
+# each a query (`_refused_keys` catches only a key sent again).
+MAX_KEY_LOOKUPS = 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,7 +73,8 @@ def _lookup_key(plain: str) -> Caller | None:
     )
 
 
-_callers_by_key = Memo(_lookup_key, lambda: settings.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX)
+_callers_by_key = Memo(_lookup_key, lambda: settings.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX,
+                       max_concurrent_loads=MAX_KEY_LOOKUPS)
 _refused_keys = ExpiringSet(lambda: settings.API_KEY_NEGATIVE_CACHE_S, max_entries=REFUSED_KEYS_MAX)
 
 

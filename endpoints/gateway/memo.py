@@ -21,6 +21,8 @@ from collections.abc import Callable, Hashable
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 
+from controlplane.per_loop import PerLoop
+
 logger = logging.getLogger("inferplane.gateway")
 
 STALE_FOR_S = 5.0
@@ -48,8 +50,12 @@ def in_worker_thread(function: Callable) -> Callable:
 
 class Memo:
     def __init__(self, load: Callable, ttl_s: float | Callable[[], float], *, wait_when_empty: bool = False,
-                 max_entries: int = 100_000):
+                 max_entries: int = 100_000, max_concurrent_loads: int | None = None):
         self._load = in_worker_thread(load)
+        # NOTE: each load holds a worker thread and its own PostgreSQL connection while it runs; where the keys are
+        # an attacker's to choose (API keys), a flood of new ones would take up to the pool's 32 threads and as many
+        # connections per process, queueing every other lookup behind them. At most this many load at once.
+        self._load_slots = PerLoop(lambda: asyncio.Semaphore(max_concurrent_loads)) if max_concurrent_loads else None
         self._ttl_s = ttl_s
         self.wait_when_empty = wait_when_empty
         self.max_entries = max_entries
@@ -84,7 +90,11 @@ class Memo:
     async def _reload(self, key, load_args: tuple):
         started = time.monotonic()
         try:
-            value = await self._load(*load_args)
+            if self._load_slots is None:
+                value = await self._load(*load_args)
+            else:
+                async with self._load_slots.get():
+                    value = await self._load(*load_args)
         finally:
             if self._loading.get(key) is asyncio.current_task():
                 del self._loading[key]

@@ -153,3 +153,30 @@ def test_a_full_cache_evicts_the_least_recently_used_entry_and_keeps_the_hot_one
 
     assert loads_after == loads_before  # "hot" stayed cached
     assert list(cache.entries) == ["new", "hot"]
+
+
+def test_a_flood_of_new_keys_loads_at_most_the_allowed_number_at_once():
+    # Anyone may send well-formed API keys never seen before, each a PostgreSQL query in a worker thread: a flood
+    # took up to the pool's 32 threads and as many connections per process, and queued every other lookup.
+    from endpoints.gateway import auth
+
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def load(key):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return None
+
+    lookups = Memo(load, 60, max_concurrent_loads=auth.MAX_KEY_LOOKUPS)
+
+    async def flood():
+        return await asyncio.gather(*(lookups.get(f"ip_bogus_{index}") for index in range(40)))
+
+    assert asyncio.run(flood()) == [None] * 40
+    assert peak[0] == auth.MAX_KEY_LOOKUPS
+    assert asyncio.run(flood()) == [None] * 40  # another loop (a test's, a script's) gets its own slots
+    assert auth._callers_by_key._load_slots is not None  # the gateway's key lookups are bounded so
