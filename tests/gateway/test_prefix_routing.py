@@ -26,6 +26,22 @@ def _chat(system: str, question: str) -> dict:
 
 
 # --- the routing function ---------------------------------------------------------------------
+def test_a_message_of_many_parts_is_read_only_as_far_as_its_prefix(monkeypatch):
+    # Every part of a message was dumped to JSON for a key that reads its first characters: 600,000 image parts
+    # took ~1.7 s of the event loop.
+    image = {"type": "image_url", "image_url": {"url": "https://example.test/x.png"}}
+    payload = {"model": "m", "messages": [{"role": "user", "content": [image] * 200_000}]}
+    dumped = []
+    real_dumps = routing.json.dumps
+    monkeypatch.setattr(routing.json, "dumps", lambda *args, **kwargs: dumped.append(1) or real_dumps(*args, **kwargs))
+
+    key = routing.prefix_key("chat", payload)
+
+    assert key is not None and len(dumped) <= routing.PREFIX_CHARS
+    monkeypatch.setattr(routing.json, "dumps", real_dumps)
+    assert key == routing.prefix_key("chat", {"model": "m", "messages": [{"role": "user", "content": [image] * 100}]})
+
+
 def test_chats_sharing_a_system_prompt_share_a_prefix_key_and_short_prompts_have_none():
     first = routing.prefix_key("chat", _chat(SYSTEM, "How do I rotate a key?"))
     assert first == routing.prefix_key("chat", _chat(SYSTEM, "Why was I billed twice?"))
