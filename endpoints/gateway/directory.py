@@ -111,8 +111,13 @@ def _load_models(organization_id: int) -> list[EndpointInfo]:
     return [_endpoint_info(e, for_calls=False) for e in endpoints.order_by("name")]
 
 
+# NOTE: `GET /v1/models` is not rate-limited (the OpenAI clients call it freely): it was a query of the endpoints
+# and one of each endpoint's adapters per call, in worker threads; now read as every lookup here is.
+_models = Memo(_load_models, ENDPOINT_CACHE_S)
+
+
 async def list_endpoints(organization_id: int) -> list[EndpointInfo]:
-    return await in_worker_thread(_load_models)(organization_id)
+    return await _models.get(organization_id)
 
 
 @dataclass(slots=True, frozen=True)

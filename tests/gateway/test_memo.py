@@ -180,3 +180,24 @@ def test_a_flood_of_new_keys_loads_at_most_the_allowed_number_at_once():
     assert peak[0] == auth.MAX_KEY_LOOKUPS
     assert asyncio.run(flood()) == [None] * 40  # another loop (a test's, a script's) gets its own slots
     assert auth._callers_by_key._load_slots is not None  # the gateway's key lookups are bounded so
+
+
+def test_listing_models_reads_the_database_once_per_organisation_and_ttl(monkeypatch):
+    # `GET /v1/models` is not rate-limited: each call was a query of the organisation's endpoints, however often
+    # a client (or an attacker with a key) asked.
+    from endpoints.gateway import directory
+
+    loads = []
+
+    async def load(organization_id):
+        loads.append(organization_id)
+        return []
+
+    monkeypatch.setattr(directory._models, "_load", load)
+    directory._models.clear()
+
+    async def list_often():
+        return [await directory.list_endpoints(7) for _ in range(20)]
+
+    assert asyncio.run(list_often()) == [[]] * 20
+    assert loads == [7]
