@@ -135,7 +135,7 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "controlplane.content_security.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
-    "controlplane.no_store.NoStoreMiddleware",
+    "controlplane.content_security.NoStoreMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
