@@ -37,13 +37,13 @@ class ReportDateField(serializers.DateField):
 
     def to_internal_value(self, value):
         day = super().to_internal_value(value)
-        if not EARLIEST_REPORT_DAY <= day <= LATEST_REPORT_DAY:
-            raise serializers.ValidationError(f"Must be between {EARLIEST_REPORT_DAY} and {LATEST_REPORT_DAY}.")
+        if problem := report_day_problem(day):
+            raise serializers.ValidationError(problem)
         return day
 
 
 def report_day_problem(day: date) -> str:
-    """Why the console's usage page does not take `day` ("" when it does)."""
+    """Why a report does not take `day` ("" when it does): the API's fields and the console's usage page."""
     if EARLIEST_REPORT_DAY <= day <= LATEST_REPORT_DAY:
         return ""
     return f"Dates run from {EARLIEST_REPORT_DAY} to {LATEST_REPORT_DAY}."

@@ -15,6 +15,8 @@ before this middleware runs (WhiteNoise) and keep their own caching.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.utils.cache import add_never_cache_headers
@@ -22,7 +24,7 @@ from django.utils.cache import add_never_cache_headers
 HEADER = "Content-Security-Policy"
 
 
-class _OnEveryResponse:
+class _OnEveryResponse(ABC):
     """A middleware that only adds to responses, sync or async (`_add`)."""
 
     sync_capable = True
@@ -41,8 +43,9 @@ class _OnEveryResponse:
     async def __acall__(self, request):
         return self._add(await self.get_response(request))
 
+    @abstractmethod
     def _add(self, response):
-        raise NotImplementedError
+        """`response`, with what this middleware adds."""
 
 
 class ContentSecurityPolicyMiddleware(_OnEveryResponse):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from endpoints.batches.text import is_plain, shown
 from endpoints.gateway import errors as gateway_errors
-from endpoints.gateway.request import MAX_BODY_BYTES, MAX_JSON_ITEMS, parse_payload
+from endpoints.gateway.request import MAX_BODY_BYTES, MAX_JSON_ITEMS, has_too_many_json_items, parse_payload
 
 MAX_ERRORS = 100  # errors reported per batch; the rest of a bad file is not listed
 MAX_CUSTOM_ID = 512
@@ -76,7 +76,7 @@ def parse_lines(data: bytes, *, request_path: str, kind: str, max_lines: int) ->
                                           and len(raw.encode("utf-8", "surrogatepass")) > MAX_BODY_BYTES):
             refuse(number, "line_too_large", f"A line may hold at most {MAX_BODY_BYTES} bytes, as a request may.")
             continue
-        if raw.count(",") + raw.count("{") + raw.count("[") > MAX_JSON_ITEMS:
+        if has_too_many_json_items(raw):
             refuse(number, "line_too_large", f"A line may hold at most {MAX_JSON_ITEMS:,} JSON elements, as a request may.")
             continue
         try:

@@ -38,7 +38,6 @@ this allows would cost the platform, never the customer's cap.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
@@ -91,11 +90,7 @@ class WorstCase:
     @property
     def num_tokens(self) -> int:
         """The most prompt and output tokens together."""
-        return sum(self._most(bound, 1, 1) * count for bound, count in self._bounds())
-
-    def _bounds(self) -> list[tuple[int, int]]:
-        """Each distinct prompt bound and how many prompts have it: a list of prompts is priced once per bound."""
-        return list(Counter(self.prompt_bounds).items())
+        return sum(self._most(bound, 1, 1) for bound in self.prompt_bounds)
 
     def max_cost(self, endpoint) -> Decimal:
         """The most the request can cost at `endpoint`'s prices (every prompt token at the dearer of the
@@ -103,7 +98,7 @@ class WorstCase:
         per_million = Decimal("0.000001")
         price_in = max(endpoint.price_input_per_million, endpoint.price_cached_input_per_million) * per_million
         price_out = endpoint.price_output_per_million * per_million
-        total = sum((self._most(bound, price_in, price_out) * count for bound, count in self._bounds()), Decimal(0))
+        total = sum((self._most(bound, price_in, price_out) for bound in self.prompt_bounds), Decimal(0))
         return min(total, MAX_RESERVATION).quantize(Decimal("1e-9"), rounding=ROUND_CEILING)
 
     def _most(self, bound: int, price_in, price_out):

@@ -66,10 +66,19 @@ def _refuse_constant(name: str):
 _decoder = json.JSONDecoder(parse_int=_parse_int, parse_float=_parse_float, parse_constant=_refuse_constant)
 
 
+def has_too_many_json_items(text: bytes | str) -> bool:
+    """Whether `text` (a body, or a batch line) holds more than `MAX_JSON_ITEMS` objects, arrays and separators,
+    counted without decoding it; each takes a character, so a shorter text is never counted."""
+    if len(text) <= MAX_JSON_ITEMS:
+        return False
+    marks = (b",", b"{", b"[") if isinstance(text, bytes) else (",", "{", "[")
+    return sum(text.count(mark) for mark in marks) > MAX_JSON_ITEMS
+
+
 def parse_payload(body: bytes, kind: str) -> dict:
     """The request body, checked for shapes, types and ranges; the engine checks meaning (a stop
     sequence it cannot use, a tool schema it cannot follow)."""
-    if body.count(b",") + body.count(b"{") + body.count(b"[") > MAX_JSON_ITEMS:
+    if has_too_many_json_items(body):
         raise errors.invalid_request(f"The JSON body of your request has more than {MAX_JSON_ITEMS:,} elements.")
     try:
         payload = _decoder.decode(body.decode("utf-8"))
