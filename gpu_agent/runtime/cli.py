@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import resource
@@ -158,17 +159,46 @@ def raise_open_files_limit() -> int:
     return wanted
 
 
-def run_until_signalled(agent) -> None:
-    """Run the agent until SIGTERM or SIGINT; engines are stopped (or detached) before this returns."""
+# How long the agent may take to stop after SIGTERM or SIGINT before it dumps every thread's stack and exits
+# anyway (`EXIT_STUCK_STOPPING`). Its own bounds add up to well under this (the monitor's join, the zygote's
+# wait, `SupervisorPolicy.stop_timeout_s` per engine); below the 180 s after which systemd and Kubernetes kill
+# the whole group, so a stuck stop leaves the stacks that explain it in the log, not only a SIGKILL.
+SHUTDOWN_DEADLINE_S = 120.0
+EXIT_STUCK_STOPPING = 3
+
+
+def run_until_signalled(agent, *, shutdown_deadline_s: float = SHUTDOWN_DEADLINE_S) -> None:
+    """Run the agent until SIGTERM or SIGINT; engines are stopped (or detached) before this returns.
+
+    A stop that outlasts `shutdown_deadline_s` ends the process with `EXIT_STUCK_STOPPING` after writing every
+    thread's stack to stderr. NOTE: the engines still go (the kernel's parent-death signal, `die_with_parent`,
+    unless they were meant to outlive the agent), and the next agent kills any left by marker (`recover`)."""
     stop = threading.Event()
+    stopped = threading.Event()
 
     def on_signal(signum, _frame) -> None:
         logging.getLogger(__name__).info("received %s: stopping engines", signal.Signals(signum).name)
         stop.set()
 
+    def exit_if_stuck() -> None:  # started before any signal: a handler never starts a thread
+        stop.wait()
+        if stopped.wait(shutdown_deadline_s):
+            return
+        logging.getLogger(__name__).error(
+            "still stopping %.0fs after the signal: exiting with code %d; every thread's stack follows",
+            shutdown_deadline_s, EXIT_STUCK_STOPPING,
+        )  # fmt: skip
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(EXIT_STUCK_STOPPING)
+
+    threading.Thread(target=exit_if_stuck, name="shutdown-deadline", daemon=True).start()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    agent.run(stop)  # stops every engine before returning
+    try:
+        agent.run(stop)  # stops every engine before returning
+    finally:
+        stopped.set()
 
 
 if __name__ == "__main__":

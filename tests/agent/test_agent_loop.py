@@ -28,6 +28,7 @@ from gpu_agent.protocol import (
     WatchResponse,
 )
 from gpu_agent.runtime.agent import Agent
+from gpu_agent.runtime.cli import EXIT_STUCK_STOPPING
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.supervisor import SupervisorPolicy
 
@@ -130,6 +131,12 @@ class FakeControlPlane:
             ]
 
 
+# A spawned agent still stopping this long after SIGTERM writes every thread's stack and exits with
+# `cli.EXIT_STUCK_STOPPING`; tests wait longer than this for its exit. NOTE: a loaded machine once took over 20 s
+# (the test's wait then) with nothing in its output to say why.
+SPAWNED_SHUTDOWN_DEADLINE_S = 40
+
+
 def spawn_agent_process(control_plane, data_dir, *, keep_engines_on_exit=False) -> subprocess.Popen:
     """An agent in its own process (fake engines), stopped by signals like the real CLI."""
     script = textwrap.dedent(
@@ -138,9 +145,12 @@ def spawn_agent_process(control_plane, data_dir, *, keep_engines_on_exit=False) 
         from gpu_agent.runtime.agent import Agent
         from gpu_agent.runtime.config import AgentConfig
         from gpu_agent.runtime.cli import run_until_signalled
+        import logging, sys
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)  # the test's captured stderr, on failure
         config = AgentConfig(control_plane_url={control_plane.url!r}, join_token={control_plane.join_token!r},
                              data_dir={str(data_dir)!r}, force_cpu=True, keep_engines_on_exit={keep_engines_on_exit})
-        run_until_signalled(Agent(config, command_factory=fake_engine_factory()))
+        run_until_signalled(Agent(config, command_factory=fake_engine_factory()),
+                            shutdown_deadline_s={SPAWNED_SHUTDOWN_DEADLINE_S})
         """
     )
     return subprocess.Popen([sys.executable, "-c", script], cwd=os.getcwd())
@@ -323,10 +333,45 @@ def test_sigterm_stops_the_agent_and_its_engines(control_plane, tmp_path):
         wait_until(lambda: control_plane.last_states().get("r-term") == ReplicaState.READY, 20)
         assert len(processes_with_marker("r-term")) == 2
         agent.send_signal(signal.SIGTERM)
-        assert agent.wait(timeout=20) == 0
+        assert agent.wait(timeout=SPAWNED_SHUTDOWN_DEADLINE_S + 15) == 0
         assert processes_with_marker("r-term") == []
     finally:
         agent.kill()
+
+
+def test_an_agent_stuck_stopping_exits_by_its_deadline_with_every_threads_stack(tmp_path):
+    """A stop that hangs (here a lock its shutdown waits for, held by a thread that never lets go) ends the
+    process at the deadline, with code `EXIT_STUCK_STOPPING` and the stacks that show where it hung."""
+    script = textwrap.dedent(
+        """
+        import threading, time
+        from gpu_agent.runtime.cli import run_until_signalled
+
+        class StuckAgent:
+            def run(self, stop):
+                held = threading.Lock()
+                held.acquire()
+                print("running", flush=True)
+                stop.wait()
+                self.shutdown_waiting_for_a_lock_nobody_releases(held)
+
+            def shutdown_waiting_for_a_lock_nobody_releases(self, lock):
+                lock.acquire()
+
+        run_until_signalled(StuckAgent(), shutdown_deadline_s=1.0)
+        """
+    )
+    agent = subprocess.Popen([sys.executable, "-c", script], cwd=os.getcwd(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert agent.stdout.readline() == "running\n"
+        agent.send_signal(signal.SIGTERM)
+        _, stderr = agent.communicate(timeout=30)
+    finally:
+        agent.kill()
+    assert agent.returncode == EXIT_STUCK_STOPPING
+    assert "still stopping 1s after the signal" in stderr
+    assert "shutdown_waiting_for_a_lock_nobody_releases" in stderr
 
 
 def test_reports_weight_loading_progress_while_fetching(control_plane, running_agent, tmp_path, monkeypatch):
@@ -362,7 +407,7 @@ def test_next_agent_adopts_engines_a_detached_agent_left_running(control_plane, 
                    and len(control_plane.last_states()) == 2, 20)  # fmt: skip
         pids = {s.replica_id: s.pid for s in control_plane.heartbeats[-1].replicas}
         first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=20) == 0
+        assert first.wait(timeout=SPAWNED_SHUTDOWN_DEADLINE_S + 15) == 0
         assert {p.pid for p in processes_with_marker("r-stay")} >= {pids["r-stay"]}, (
             "engines outlive the agent"
         )
