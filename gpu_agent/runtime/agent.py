@@ -71,7 +71,9 @@ class Agent:
             device=self.device,
             command_factory=command_factory,
             policy=policy,
-            standby=config.standby,
+            # NOTE: what a standby becomes, or a zygote forks, dies with the agent (its reaper is the agent's
+            # child): engines kept on exit are launched plainly.
+            standby=config.standby and not config.keep_engines_on_exit,
             zygote=config.zygote,
             engine_ports=config.engine_ports,
             on_ready=lambda _replica_id: self._wake.set(),

@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--keep-engines-on-exit",
         action="store_true",
-        help="leave engines running when the agent exits; the next agent adopts them",
+        help="leave engines running when the agent exits; the next agent adopts them (no standby: every"
+        " replica starts with a plain `vllm serve`, since what a standby becomes dies with the agent)",
     )
     run.add_argument(
         "--no-standby",

@@ -21,6 +21,7 @@ from pathlib import Path
 from gpu_agent.protocol import ModelTask, ReplicaSpec
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.model_info import kv_cache_bytes_per_token, model_task, read_model_info
+from gpu_agent.runtime.reaper import REAPER_MODULE
 from gpu_agent.runtime.sleep_mode import sleep_mode_flags
 from gpu_agent.runtime.speculative import speculative_args
 
@@ -223,7 +224,7 @@ def build_engine_command(
         dtype = "float32"
     argv = [
         # The reaper makes sure vLLM's own children die with the engine or the agent.
-        python, "-m", "gpu_agent.runtime.reaper", "--",
+        python, "-m", REAPER_MODULE, "--",
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path),
         "--served-model-name", spec.served_model_name,

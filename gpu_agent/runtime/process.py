@@ -22,7 +22,7 @@ import psutil
 
 from gpu_agent.runtime import shared_memory
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER
-from gpu_agent.runtime.reaper import group_members
+from gpu_agent.runtime.reaper import OUTLIVES_AGENT_ENV, group_members, runs_under_reaper
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,15 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def spawn(argv: list[str], env: dict[str, str], log: BinaryIO, *, die_with_agent: bool) -> subprocess.Popen:
-    """Start an engine in its own process group, its output appended to `log`."""
+    """Start an engine in its own process group, its output appended to `log`.
+
+    An engine under the reaper (every engine `engine.build_engine_command` makes) dies with the agent, or not,
+    as the reaper is told (`reaper.OUTLIVES_AGENT_ENV`); any other command is killed with the agent by the
+    kernel (`die_with_parent`). NOTE: only the latter runs Python between fork and exec, which a threaded parent
+    makes unsafe (a lock held by another thread at the fork is never released in the child)."""
+    under_reaper = runs_under_reaper(argv)
+    if under_reaper and not die_with_agent:
+        env = {**env, OUTLIVES_AGENT_ENV: "1"}
     return subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
@@ -44,7 +52,7 @@ def spawn(argv: list[str], env: dict[str, str], log: BinaryIO, *, die_with_agent
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,  # own process group: we signal the engine and its workers together
-        preexec_fn=die_with_parent if die_with_agent else None,
+        preexec_fn=die_with_parent if die_with_agent and not under_reaper else None,
         close_fds=True,
     )
 

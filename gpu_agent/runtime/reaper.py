@@ -7,8 +7,9 @@ those keep running for minutes, holding memory, when the API server is killed
 (measured here: still alive 120 s after a SIGKILL). So the agent starts this
 small reaper instead, as the leader of a new process group:
 
-- it asks the kernel for SIGUSR1 when the agent dies (PR_SET_PDEATHSIG) and
-  becomes a child subreaper, so every descendant stays in reach;
+- it asks the kernel for SIGUSR1 when the agent dies (PR_SET_PDEATHSIG), unless
+  the agent keeps its engines on exit (`OUTLIVES_AGENT_ENV`), and becomes a
+  child subreaper, so every descendant stays in reach;
 - it runs the engine in its own process group, forwards SIGTERM and SIGINT to
   it (a graceful stop), and exits with the engine's code;
 - whenever the engine exits, or the agent dies, it SIGKILLs the whole group and
@@ -28,6 +29,16 @@ from gpu_agent.runtime import shared_memory
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+
+REAPER_MODULE = "gpu_agent.runtime.reaper"
+# "1" in a reaper's environment: its engine outlives the agent (`--keep-engines-on-exit`, for the next agent to
+# adopt); the reaper still stops it with its group when the engine itself exits. Not passed on to the engine.
+OUTLIVES_AGENT_ENV = "INFERPLANE_ENGINE_OUTLIVES_AGENT"
+
+
+def runs_under_reaper(argv: list[str]) -> bool:
+    """Whether `argv` is `python -m gpu_agent.runtime.reaper -- …` (an engine's command, or a standby's)."""
+    return len(argv) >= 4 and argv[1:4] == ["-m", REAPER_MODULE, "--"]
 
 
 def _prctl(option: int, value: int) -> None:
@@ -53,12 +64,15 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m gpu_agent.runtime.reaper -- COMMAND …", file=sys.stderr)
         return 2
-    agent_pid = os.getppid()
-    signal.signal(signal.SIGUSR1, lambda *_: _kill_group())
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1)
+    # NOTE: armed here, after exec, rather than by the agent between its fork and exec (`preexec_fn`), where
+    # Python code in a child of a threaded process may deadlock.
+    if os.environ.pop(OUTLIVES_AGENT_ENV, "") != "1":
+        agent_pid = os.getppid()
+        signal.signal(signal.SIGUSR1, lambda *_: _kill_group())
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1)
+        if os.getppid() != agent_pid:  # the agent died before the death signal was armed
+            _kill_group()
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    if os.getppid() != agent_pid:  # the agent died before the death signal was armed
-        _kill_group()
     engine = subprocess.Popen(argv)
 
     def forward(signum, _frame):

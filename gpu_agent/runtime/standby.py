@@ -49,7 +49,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,12 +60,12 @@ from gpu_agent.runtime.engine import (
     cpu_openmp_env,
 )
 from gpu_agent.runtime.engine_environment import engine_environment
+from gpu_agent.runtime.reaper import REAPER_MODULE, runs_under_reaper
 
 logger = logging.getLogger(__name__)
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 STANDBY_MODULE = "gpu_agent.runtime.standby_process"
-REAPER_MODULE = "gpu_agent.runtime.reaper"
 # Reserved width of the replica marker in a standby's environment block.
 MARKER_WIDTH = 128
 STANDBY_MARKER_VALUE = "standby".ljust(MARKER_WIDTH, "_")
@@ -81,7 +80,7 @@ def server_args(command: EngineCommand) -> list[str] | None:
     The command may run under the reaper (`python -m gpu_agent.runtime.reaper -- python -m ...`).
     """
     argv = command.argv
-    if len(argv) >= 4 and argv[1:4] == ["-m", REAPER_MODULE, "--"] and argv[0] == sys.executable:
+    if runs_under_reaper(argv) and argv[0] == sys.executable:
         argv = argv[4:]
     if len(argv) >= 3 and argv[1:3] == ["-m", SERVER_MODULE] and argv[0] == sys.executable:
         return argv[3:]
@@ -118,14 +117,12 @@ class Standby:
         *,
         device: str,
         env: dict[str, str] | None = None,
-        preexec_fn: Callable[[], None] | None = None,
         min_respawn_backoff_s: float = 5.0,
         max_respawn_backoff_s: float = 300.0,
     ) -> None:
         self.data_dir = data_dir
         self.device = device
         self.env = env or {}
-        self.preexec_fn = preexec_fn
         self.log_path = data_dir / "logs" / "standby.log"
         self.min_respawn_backoff_s = min_respawn_backoff_s
         self.max_respawn_backoff_s = max_respawn_backoff_s
@@ -200,7 +197,6 @@ class Standby:
                 stderr=log,
                 env=env,
                 start_new_session=True,  # its own group, like every engine
-                preexec_fn=self.preexec_fn,
                 close_fds=True,
             )
         os.set_blocking(self.process.stdout.fileno(), False)

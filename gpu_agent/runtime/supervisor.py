@@ -150,9 +150,10 @@ class Supervisor:
         self._stop_monitor = threading.Event()
         # Set by start(): the monitor launches a new engine now, not at its next tick.
         self._poke = threading.Event()
-        die_with_agent = process.die_with_parent if self.policy.kill_children_on_agent_death else None
         standby_class = Zygote if zygote else Standby
-        self.standby = standby_class(self.data_dir, device=device, preexec_fn=die_with_agent) if standby else None
+        # NOTE: a standby (and every engine a zygote forks) dies with the agent, under its reaper: an agent that
+        # keeps its engines on exit keeps none (`Agent`).
+        self.standby = standby_class(self.data_dir, device=device) if standby else None
         self._engines_quiet_since = time.monotonic() - self.policy.standby_refill_quiet_s
 
     @property

@@ -13,6 +13,7 @@ import pytest
 from gpu_agent.protocol import ReplicaSpec, ReplicaState
 from gpu_agent.runtime.engine import EngineCommand
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
+from gpu_agent.runtime.reaper import REAPER_MODULE
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 
@@ -39,11 +40,13 @@ def make_spec(replica_id: str = "r-1", **overrides) -> ReplicaSpec:
     return ReplicaSpec(**values)
 
 
-def fake_engine_factory(*extra_args: str):
-    """A command factory for Supervisor/Agent that launches tests/agent/fake_engine.py."""
+def fake_engine_factory(*extra_args: str, under_reaper: bool = False):
+    """A command factory for Supervisor/Agent that launches tests/agent/fake_engine.py (under the reaper, as
+    every vLLM engine is, if `under_reaper`)."""
 
     def factory(spec: ReplicaSpec, model_path: Path, port: int) -> EngineCommand:
         argv = [
+            *([sys.executable, "-m", REAPER_MODULE, "--"] if under_reaper else []),
             sys.executable,
             str(FAKE_ENGINE),
             "--port",

@@ -30,6 +30,7 @@ from gpu_agent.protocol import (
 from gpu_agent.runtime.agent import Agent
 from gpu_agent.runtime.cli import EXIT_STUCK_STOPPING
 from gpu_agent.runtime.config import AgentConfig
+from gpu_agent.runtime.reaper import OUTLIVES_AGENT_ENV
 from gpu_agent.runtime.supervisor import SupervisorPolicy
 
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
@@ -137,7 +138,7 @@ class FakeControlPlane:
 SPAWNED_SHUTDOWN_DEADLINE_S = 40
 
 
-def spawn_agent_process(control_plane, data_dir, *, keep_engines_on_exit=False) -> subprocess.Popen:
+def spawn_agent_process(control_plane, data_dir, *, keep_engines_on_exit=False, under_reaper=False) -> subprocess.Popen:
     """An agent in its own process (fake engines), stopped by signals like the real CLI."""
     script = textwrap.dedent(
         f"""
@@ -149,7 +150,7 @@ def spawn_agent_process(control_plane, data_dir, *, keep_engines_on_exit=False) 
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)  # the test's captured stderr, on failure
         config = AgentConfig(control_plane_url={control_plane.url!r}, join_token={control_plane.join_token!r},
                              data_dir={str(data_dir)!r}, force_cpu=True, keep_engines_on_exit={keep_engines_on_exit})
-        run_until_signalled(Agent(config, command_factory=fake_engine_factory()),
+        run_until_signalled(Agent(config, command_factory=fake_engine_factory(under_reaper={under_reaper})),
                             shutdown_deadline_s={SPAWNED_SHUTDOWN_DEADLINE_S})
         """
     )
@@ -394,23 +395,29 @@ def test_reports_weight_loading_progress_while_fetching(control_plane, running_a
     wait_until(lambda: control_plane.last_states().get("r-slow") == ReplicaState.READY, 15)
 
 
-def test_next_agent_adopts_engines_a_detached_agent_left_running(control_plane, running_agent, tmp_path):
+@pytest.mark.parametrize("under_reaper", [False, True], ids=["plain", "under-the-reaper"])
+def test_next_agent_adopts_engines_a_detached_agent_left_running(control_plane, running_agent, tmp_path, under_reaper):
+    """Under the reaper too, as every vLLM engine runs: it killed its engine when the agent exited (its death
+    signal armed whatever the agent asked), so `--keep-engines-on-exit` kept no real engine."""
     model = tmp_path / "model"
     model.mkdir()
     control_plane.desired = [
         make_spec("r-stay", model_source=str(model)),
         make_spec("r-old", model_source=str(model)),
     ]
-    first = spawn_agent_process(control_plane, tmp_path / "agent", keep_engines_on_exit=True)
+    first = spawn_agent_process(control_plane, tmp_path / "agent", keep_engines_on_exit=True, under_reaper=under_reaper)
     try:
         wait_until(lambda: set(control_plane.last_states().values()) == {ReplicaState.READY}
                    and len(control_plane.last_states()) == 2, 20)  # fmt: skip
         pids = {s.replica_id: s.pid for s in control_plane.heartbeats[-1].replicas}
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=SPAWNED_SHUTDOWN_DEADLINE_S + 15) == 0
+        threading.Event().wait(1.0)  # a reaper told of the agent's death kills its group at once
         assert {p.pid for p in processes_with_marker("r-stay")} >= {pids["r-stay"]}, (
             "engines outlive the agent"
         )
+        assert all(OUTLIVES_AGENT_ENV not in p.environ() for p in processes_with_marker("r-stay")
+                   if p.pid != pids["r-stay"]), "the reaper keeps its instruction to itself"  # fmt: skip
         # The control plane meanwhile stopped wanting r-old.
         control_plane.desired = [make_spec("r-stay", model_source=str(model))]
         agent, _stop, _thread = running_agent()
