@@ -127,8 +127,12 @@ class Gateway:
                 raise errors.OpenAIError(404, f"Unknown URL {method} {path}.", code="unknown_url")
             if method != "POST":
                 raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
+            try:
+                caller = await auth.authenticate(headers)
+            except Exception:
+                await _discard_body(receive)
+                raise
             body = await _read_body(receive)
-            caller = await auth.authenticate(headers)
             ratelimit.for_caller(caller)
             inference = InferenceRequest.parse(body, kind=kind, path=path,
                                                wait_for_capacity=standing.wants_to_wait(headers),
@@ -231,6 +235,21 @@ async def _read_body(receive) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)
+
+
+async def _discard_body(receive) -> None:
+    """Read a refused caller's body to its end keeping none of it, so that its client reads the answer rather than
+    a connection reset mid-upload; past `MAX_BODY_BYTES` the answer goes and the server closes the connection.
+
+    NOTE: the key is checked before the body is kept: a caller without one held up to 8 MiB per connection."""
+    size = 0
+    while size <= MAX_BODY_BYTES:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError()
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
 
 
 async def _respond(send, status: int, body: bytes, *, content_type: str = "application/json", headers: dict | None = None,

@@ -153,3 +153,39 @@ def test_a_completions_call_of_more_than_2048_prompts_is_refused():
     assert refused.value.status == 400 and refused.value.param == "prompt"
     assert parse_payload(json.dumps({"model": "m", "prompt": ["a"] * 2048}).encode(), "completion")["prompt"] == ["a"] * 2048
     assert parse_payload(json.dumps({"model": "m", "prompt": list(range(5000))}).encode(), "completion")  # one prompt of ids
+
+
+def test_a_caller_without_a_valid_key_has_its_body_read_and_dropped_never_kept():
+    # The body was read whole before the key was checked: anyone could make a gateway process hold 8 MiB (and as much
+    # again at the join) per connection without any key. A refused caller's body is now read to its end and dropped.
+    import asyncio
+
+    from endpoints.gateway.app import Gateway
+    from endpoints.gateway.request import MAX_BODY_BYTES
+
+    chunk = b"x" * 65_536
+    num_chunks = MAX_BODY_BYTES // len(chunk)
+    received, sent = [], []
+
+    async def receive():
+        received.append(len(chunk))  # each chunk made when asked for: the test keeps none of them either
+        return {"type": "http.request", "body": bytes(chunk), "more_body": len(received) < num_chunks}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/chat/completions", "method": "POST", "client": ("203.0.113.9", 4000),
+             "headers": [(b"authorization", b"Basic bm90OmEta2V5"), (b"content-type", b"application/json")]}
+
+    assert _peak_bytes_of(lambda: asyncio.run(Gateway(fallback=None)._handle(scope, receive, send))) < 2 * 1024 * 1024
+    assert len(received) == num_chunks, "read to its end: the client reads the answer, not a reset connection"
+    assert sent[0]["status"] == 401 and json.loads(sent[1]["body"])["error"]["code"] == "invalid_api_key"
+
+
+def test_an_oversized_body_is_a_413_for_a_caller_and_a_401_without_a_valid_key(gateway, tenant):
+    oversized = b'{"model": "m", "messages": [], "x": "' + b"y" * (8 * 1024 * 1024) + b'"}'
+    for key, status, code in [("ip_000000000000_wrong", 401, "invalid_api_key"), (tenant.key, 413, None)]:
+        answer = httpx.post(f"{gateway}/v1/chat/completions", content=oversized, timeout=60,
+                            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        assert answer.status_code == status, (key, answer.text[:200])
+        assert answer.json()["error"]["code"] == code and answer.json()["error"]["message"]
