@@ -146,7 +146,15 @@ def sweep_abandoned_uploads(now=None) -> int:
 
 
 def delete_file(file: File) -> bool:
-    """Delete a file: its row is marked (batches keep naming it) and its bytes removed from S3."""
+    """Delete a file: its row is marked (batches keep naming it) and its bytes removed from S3.
+
+    Refused (409) while a batch that has not ended reads it as its input: a run reads the input again for the lines
+    it has still to run, and a batch whose input went never ended (its endpoint kept warm for it). A batch that
+    finds its input gone all the same (a delete racing its creation, an object lost) ends (`_end_without_input`)."""
+    reader = Batch.objects.open().filter(input_file_id=file.pk).values_list("pk", flat=True).first()
+    if reader is not None:
+        raise Refused(f"The file is the input of batch {reader}, which has not ended: cancel it or wait for it to "
+                      "end before deleting the file.", param="file_id", status=409, code="file_in_use")
     if not File.objects.filter(pk=file.pk, deleted_at__isnull=True).update(deleted_at=timezone.now()):
         return False
     storage.delete(file.s3_key)
@@ -278,7 +286,11 @@ def run_batch(batch_id: str) -> str:
             batch, lines = validate_batch(batch)
         outcome = batch.status
         if batch.status == BatchStatus.IN_PROGRESS:
-            outcome = _run_lines(batch, token, lines=lines, started=started)
+            try:
+                outcome = _run_lines(batch, token, lines=lines, started=started)
+            except storage.ObjectGone:
+                _end_without_input(batch)
+                return "input gone"
             batch.refresh_from_db()
         if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at <= timezone.now():
             finalize_batch(batch, BatchStatus.EXPIRED)
@@ -306,8 +318,8 @@ def validate_batch(batch: Batch) -> tuple[Batch, list[Line] | None]:
                                                   "create the batch again.")]), None
     try:
         data = storage.read_bytes(batch.input_file.s3_key)
-    except Exception:  # noqa: BLE001 - a deleted or unreadable input fails the batch with the reason
-        logger.exception("batch %s: input file unreadable", batch.pk)
+    except storage.ObjectGone:  # NOTE: only a missing object: S3 failing (retried by boto3) fails this attempt alone
+        logger.warning("batch %s: its input file is gone", batch.pk)
         checked_errors, lines, endpoint = [LineError(1, "file_not_found", "The input file could not be read.")], [], None
     else:
         checked = parse_lines(data, request_path=batch.request_path, kind=BATCH_PATHS[batch.request_path],
@@ -342,6 +354,17 @@ def _fail_validation(batch: Batch, problems: list[LineError]) -> Batch:
                                                     "its lines.").as_openai()], **ended)
     batch.refresh_from_db()
     return batch
+
+
+INPUT_GONE_MESSAGE = ("The input file was deleted or can no longer be read; the lines that ran are in the output "
+                      "and error files.")
+
+
+def _end_without_input(batch: Batch) -> None:
+    """A running batch whose input file is gone (no line left to run can be read): ended as `failed`, with the files
+    of the lines that ran. Before, every run failed reading it and the batch never ended, its endpoint kept warm."""
+    logger.warning("batch %s: its input file is gone; ending it with the lines that ran", batch.pk)
+    finalize_batch(batch, BatchStatus.FAILED, errors=[LineError(1, "file_not_found", INPUT_GONE_MESSAGE).as_openai()])
 
 
 def _lines_of(batch: Batch) -> list[Line]:
@@ -470,9 +493,10 @@ def sweep_ended_results(now=None) -> int:
     return sum(_delete_results(batch) for batch in ended)
 
 
-def finalize_batch(batch: Batch, final: str) -> None:
+def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None) -> None:
     """Write the output and error files from the line results kept in S3 and end the batch as
-    `final` (completed, expired or cancelled). Safe to repeat: a batch already ended is left as it is."""
+    `final` (completed, expired, cancelled, or failed with `errors`). Safe to repeat: a batch already ended is left
+    as it is."""
     now = timezone.now()
     if final == BatchStatus.COMPLETED:
         Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,
@@ -481,17 +505,21 @@ def finalize_batch(batch: Batch, final: str) -> None:
     outputs = [results[i] for i in sorted(results) if results[i]["response"]["status_code"] == 200]
     failures = [results[i] for i in sorted(results) if results[i]["response"]["status_code"] != 200]
     if final == BatchStatus.EXPIRED:
-        for line in _lines_of(batch):
-            if line.index not in results:
-                failures.append({"id": f"batch_req_{batch.pk.removeprefix('batch_')}_{line.index}", "custom_id": line.custom_id,
-                                 "response": None, "error": {"code": "batch_expired",
-                                                             "message": "This request could not be executed before the "
-                                                                        "completion window expired."}})
+        try:
+            unrun = [line for line in _lines_of(batch) if line.index not in results]
+        except storage.ObjectGone:  # their custom ids went with it: the batch still ends
+            logger.warning("batch %s expired with its input file gone: its unrun lines are not listed", batch.pk)
+            unrun = []
+        for line in unrun:
+            failures.append({"id": f"batch_req_{batch.pk.removeprefix('batch_')}_{line.index}", "custom_id": line.custom_id,
+                             "response": None, "error": {"code": "batch_expired",
+                                                         "message": "This request could not be executed before the "
+                                                                    "completion window expired."}})
     output = _store_output(batch.organization_id, f"{batch.pk}_output.jsonl", _jsonl(outputs)) if outputs else None
     error = _store_output(batch.organization_id, f"{batch.pk}_error.jsonl", _jsonl(failures)) if failures else None
     files = [file for file in (output, error) if file is not None]
     stamp = {BatchStatus.COMPLETED: "completed_at", BatchStatus.EXPIRED: "expired_at",
-             BatchStatus.CANCELLED: "cancelled_at"}[final]
+             BatchStatus.CANCELLED: "cancelled_at", BatchStatus.FAILED: "failed_at"}[final]
     with transaction.atomic():
         locked = Batch.objects.select_for_update().get(pk=batch.pk)
         ended_first = locked.status in FINAL_STATES
@@ -501,7 +529,8 @@ def finalize_batch(batch: Batch, final: str) -> None:
                 raise RuntimeError(f"the output files of {batch.pk} were swept as abandoned: the next run writes them")
             Batch.objects.filter(pk=batch.pk).update(
                 status=final, output_file=output, error_file=error, num_completed=len(outputs),
-                num_failed=sum(1 for f in failures if f["response"] is not None), **{stamp: now})
+                num_failed=sum(1 for f in failures if f["response"] is not None), **{stamp: now},
+                **({"errors": errors} if errors is not None else {}))
     if ended_first:  # another run finished it first: its files stand, these go
         _discard_outputs(files)
         return

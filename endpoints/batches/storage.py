@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import boto3
 from botocore.config import Config
+from botocore.exceptions import ClientError
 from django.conf import settings
 
 RESULT_DIGITS = 7
@@ -42,8 +43,22 @@ def put_bytes(key: str, data: bytes) -> None:
     _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=key, Body=data)
 
 
+class ObjectGone(Exception):
+    """The object is not in the bucket, or no longer readable with the fleet's credentials: reading it again will
+    not help (unlike a timeout or a 5xx, which boto3 already retried and which are raised as they are)."""
+
+
+# S3's codes for an object that is not there (or that the fleet may not read): a GetObject's, and a HEAD's.
+GONE_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "AccessDenied", "404", "403"})
+
+
 def read_bytes(key: str) -> bytes:
-    return _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)["Body"].read()
+    try:
+        return _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)["Body"].read()
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in GONE_CODES:
+            raise ObjectGone(key) from exc
+        raise
 
 
 def open_stream(key: str):
