@@ -269,6 +269,29 @@ SWEEP_GAP_S = 20.0
 SWEEP_KEYS_TTL_S = 7 * 24 * 3600
 
 
+# No web process beat for this long: the web tier, which hears the agents' heartbeats, is down (they beat every second).
+WEB_SILENT_AFTER_S = 10.0
+
+
+def web_tier_silent(redis, now: float) -> bool:
+    """Whether no web process has beaten (`redis_keys.WEB_BEATS_KEY`) for `WEB_SILENT_AFTER_S` of the sweeps' time.
+
+    False when none ever beat (Redis emptied, or a deployment without the gateway): a Redis restart alone must not
+    hold node failure back. NOTE: a count compared between sweeps, so that web and worker clocks apart by more than
+    the threshold never read as silence."""
+    beats = redis.get(redis_keys.WEB_BEATS_KEY)
+    if beats is None:
+        return False
+    seen = redis.hgetall(redis_keys.WEB_BEATS_SEEN_KEY)
+    if seen.get("beats") != beats:
+        with redis.pipeline(transaction=False) as pipe:
+            pipe.hset(redis_keys.WEB_BEATS_SEEN_KEY, mapping={"beats": beats, "at": now})
+            pipe.expire(redis_keys.WEB_BEATS_SEEN_KEY, SWEEP_KEYS_TTL_S)
+            pipe.execute()
+        return False
+    return now - float(seen["at"]) > WEB_SILENT_AFTER_S
+
+
 def _heard_long_enough(redis, now: float) -> bool:
     """Whether the control plane has been able to hear heartbeats long enough to judge silence.
 
@@ -277,12 +300,21 @@ def _heard_long_enough(redis, now: float) -> bool:
     fleet OFFLINE and failed every replica (told to stop when their nodes beat again: every tenant cold again). A
     gap in the sweeps themselves (they read PostgreSQL too) starts a new listening period: no node, replica start
     or drain is judged until agents had `NODE_HEARTBEAT_RETRY_S` to beat again and the grace period passed. A
-    missing key (Redis emptied) is no gap: a Redis restart alone must not slow node failure down."""
+    missing key (Redis emptied) is no gap: a Redis restart alone must not slow node failure down.
+
+    The same while the web tier is down (`web_tier_silent`: every web pod crashing after a bad deploy, say): nobody
+    hears the agents, whose silence says nothing of their nodes, and the period starts again at each sweep until a
+    web process beats again."""
     swept_at = redis.get(SWEPT_AT_KEY)
     if swept_at is not None and now - float(swept_at) > SWEEP_GAP_S:
         redis.set(LISTENING_SINCE_KEY, now, ex=SWEEP_KEYS_TTL_S)
         logger.warning("no sweep for %.0f s (PostgreSQL or the worker was down): nodes get %.0f s to beat again before "
                        "any is judged silent", now - float(swept_at),
+                       settings.NODE_HEARTBEAT_RETRY_S + settings.NODE_HEARTBEAT_GRACE_S)
+    if web_tier_silent(redis, now):
+        redis.set(LISTENING_SINCE_KEY, now, ex=SWEEP_KEYS_TTL_S)
+        logger.warning("no web process has beaten for over %.0f s: no node is judged silent until one has, and its "
+                       "agents have %.0f s to beat again", WEB_SILENT_AFTER_S,
                        settings.NODE_HEARTBEAT_RETRY_S + settings.NODE_HEARTBEAT_GRACE_S)
     since = redis.get(LISTENING_SINCE_KEY)
     return since is None or now - float(since) >= settings.NODE_HEARTBEAT_RETRY_S + settings.NODE_HEARTBEAT_GRACE_S

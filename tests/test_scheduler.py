@@ -263,6 +263,76 @@ def test_a_node_still_silent_once_agents_had_time_to_beat_again_goes_offline(set
     assert Node.objects.get(pk=dead.pk).state == NodeState.OFFLINE
 
 
+def _web_beats_stopped(seconds_ago: float) -> None:
+    """Web processes beat (`presence.beat`) until `seconds_ago`, as the sweeps saw; none since."""
+    redis = get_redis()
+    redis.set(redis_keys.WEB_BEATS_KEY, 500)
+    redis.hset(redis_keys.WEB_BEATS_SEEN_KEY, mapping={"beats": 500, "at": time.time() - seconds_ago})
+
+
+def _nodes_silent_while_the_web_tier_is_down(seconds: float):
+    """Two nodes with a READY replica each, unheard for `seconds` because every web pod is down (a bad deploy
+    crash-looping, say): the sweeps themselves ran all along."""
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=2, max_replicas=2)
+    nodes = [make_node(memory_mb=80_000), make_node(memory_mb=80_000)]
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    Replica.objects.filter(endpoint=endpoint).update(state=ReplicaState.READY)
+    Node.objects.filter(pk__in=[node.pk for node in nodes]).update(last_heartbeat_at=timezone.now() - timedelta(seconds=seconds))
+    get_redis().set(redis_keys.SWEPT_AT_KEY, time.time() - 5)
+    _web_beats_stopped(seconds)
+    return endpoint, nodes
+
+
+def test_the_web_tier_down_takes_no_node_offline_and_its_return_gives_agents_time_to_beat(settings, django_capture_on_commit_callbacks):
+    # The agents' heartbeats go to the web tier. With every web pod down past the grace period, the sweeps (on the
+    # worker, PostgreSQL fine) found every node silent: the whole fleet OFFLINE, every replica failed, every tenant
+    # cold again once the web tier came back.
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    endpoint, nodes = _nodes_silent_while_the_web_tier_is_down(300)
+
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    assert set(Node.objects.filter(pk__in=[node.pk for node in nodes]).values_list("state", flat=True)) == {NodeState.READY}
+    assert set(Replica.objects.filter(endpoint=endpoint).values_list("state", flat=True)) == {ReplicaState.READY}
+
+    # A web process beats again: one agent beats at once, the other never does.
+    get_redis().incr(redis_keys.WEB_BEATS_KEY)
+    beating, dead = nodes
+    Node.objects.filter(pk=beating.pk).update(last_heartbeat_at=timezone.now())
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    assert Node.objects.get(pk=dead.pk).state == NodeState.READY, "its agent has its retry and grace to beat again"
+
+    redis = get_redis()
+    redis.set(redis_keys.LISTENING_SINCE_KEY,
+              float(redis.get(redis_keys.LISTENING_SINCE_KEY)) - settings.NODE_HEARTBEAT_RETRY_S - settings.NODE_HEARTBEAT_GRACE_S)
+    redis.incr(redis_keys.WEB_BEATS_KEY)
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    assert Node.objects.get(pk=beating.pk).state == NodeState.READY
+    assert Node.objects.get(pk=dead.pk).state == NodeState.OFFLINE
+
+
+def test_a_silent_node_goes_offline_while_the_web_tier_beats(settings, django_capture_on_commit_callbacks):
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    _, nodes = _nodes_silent_while_the_web_tier_is_down(45)
+    get_redis().incr(redis_keys.WEB_BEATS_KEY)  # it was never down: its count moved since the last sweep
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    assert set(Node.objects.filter(pk__in=[node.pk for node in nodes]).values_list("state", flat=True)) == {NodeState.OFFLINE}
+
+
+def test_a_web_process_beat_counts_for_the_sweeps():
+    import asyncio
+
+    from endpoints.gateway import presence
+
+    asyncio.run(presence.beat())
+    asyncio.run(presence.beat())
+    assert get_redis().get(redis_keys.WEB_BEATS_KEY) == "2"
+    assert not scheduler.web_tier_silent(get_redis(), time.time())
+
+
 def test_redis_emptied_does_not_slow_node_failure_down(settings, django_capture_on_commit_callbacks):
     settings.NODE_HEARTBEAT_GRACE_S = 30
     node = make_node(memory_mb=80_000)

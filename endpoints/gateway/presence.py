@@ -191,6 +191,7 @@ async def beat() -> None:
     try:
         async with redis.pipeline(transaction=False) as pipe:
             pipe.set(redis_keys.gateway_alive_key(gateway), "1", ex=ALIVE_TTL_S, get=True)
+            pipe.incr(redis_keys.WEB_BEATS_KEY)  # the web tier is up (`scheduler.web_tier_silent`)
             if recent:
                 pipe.zadd(redis_keys.RECENT_ENDPOINTS_KEY, recent, gt=True)
             was_alive = (await pipe.execute())[0]
