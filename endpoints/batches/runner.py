@@ -96,7 +96,7 @@ class LineOutcome:
 class Progress:
     num_completed: int
     num_failed: int
-    stopped: str = ""  # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold"
+    stopped: str = ""  # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold", "full"
 
 
 class _Capture:
@@ -143,13 +143,19 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
     return LineOutcome(line, capture.status or 502, body, request_id, retry=capture.status in RETRY_STATUSES)
 
 
-async def free_slots(work: Work, endpoint_id: str, num_batch_in_flight: int) -> int | None:
+# A run that could start no line for this long (every slot of the endpoint's READY replicas taken by interactive
+# calls) stops: it held a batch worker doing nothing for its whole slice, one tenant's many batches every worker.
+NO_SLOT_GIVE_UP_S = 10.0
+
+
+async def free_slots(organization_id: int, endpoint_id: str, *, target_concurrency: int,
+                     num_batch_in_flight: int = 0) -> int | None:
     """Slots batch lines may use now on the endpoint's READY replicas; None when none is READY."""
     replicas = await directory.ready_replicas(endpoint_id)
     if not replicas:
         return None
-    counts = await get_async_redis().mget([outstanding_key(work.organization_id, r.id) for r in replicas])
-    return scheduling.batch_slots(num_ready=len(replicas), target_concurrency=work.target_concurrency,
+    counts = await get_async_redis().mget([outstanding_key(organization_id, r.id) for r in replicas])
+    return scheduling.batch_slots(num_ready=len(replicas), target_concurrency=target_concurrency,
                                   num_outstanding=sum(int(c or 0) for c in counts), num_batch_in_flight=num_batch_in_flight)
 
 
@@ -172,6 +178,7 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
     ends_at = time.monotonic() + slice_s
     answer_deadline = lines_end_by if lines_end_by is not None else time.monotonic() + LINES_END_WITHIN_S
     last_check, pause_until = 0.0, 0.0
+    no_slot_since: float | None = None  # since when no line could start and none ran
     # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
@@ -186,9 +193,16 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
                     progress.stopped = reason or ("slice" if now >= min(ends_at, answer_deadline - LINE_MIN_WAIT_S) else "") or (
                         "expired" if time.time() >= work.expires_at else "")
             if not progress.stopped and pending and now >= pause_until:
-                slots = await free_slots(work, endpoint.id, len(running))
+                slots = await free_slots(work.organization_id, endpoint.id, target_concurrency=work.target_concurrency,
+                                         num_batch_in_flight=len(running))
                 if slots is None and not running:
                     progress.stopped = "cold"  # nothing warm: batch work never wakes an endpoint here
+                if slots or running:
+                    no_slot_since = None
+                elif no_slot_since is None:
+                    no_slot_since = now
+                elif now - no_slot_since >= NO_SLOT_GIVE_UP_S:
+                    progress.stopped = "full"  # the worker goes back to the queue: other batches may use it
                 for _ in range(max(0, (slots or 0) - len(running))):
                     if not pending:
                         break

@@ -55,6 +55,14 @@ RUN_BATCH_TASK = "batches.run_batch"
 # An upload whose row is older than this and still not stored died with its process: swept by `tick`.
 UPLOAD_ABANDONED_AFTER = timedelta(hours=1)
 MAX_DISPATCHED_PER_TICK = 500
+# How long a queued run of a batch stands for it (`dispatch`): no other is queued meanwhile, and one not started by
+# then is dropped by the worker that takes it (`expires`). NOTE: it stood for the lease's 30 s only: a batch waiting
+# in a long queue was queued again every 30 s, and one tenant's hundreds of open batches grew the queue without end.
+# Ended early by the run's end (`_release`) or its death (`tick`); a queue lost with Redis is refilled after this.
+DISPATCH_HELD_S = 300
+# A run that found its endpoint's slots all taken by interactive calls (`runner.NO_SLOT_GIVE_UP_S`) gives its worker
+# back; its batch is queued again this long after.
+FULL_RETRY_S = 10
 # A batch whose validation began this many times and never ended (the worker killed or the check
 # failing) fails: before, it was queued again every tick for ever.
 MAX_VALIDATION_ATTEMPTS = 3
@@ -225,10 +233,10 @@ def cancel_batch(batch: Batch) -> Batch:
 
 
 def dispatch(batch_id: str) -> bool:
-    """Queue a run of the batch unless one is queued or running."""
-    if not get_redis().set(batch_dispatch_key(batch_id), "1", nx=True, ex=max(5, int(settings.BATCH_LEASE_S))):
+    """Queue a run of the batch unless one is queued or running (or its last run found no free slot lately)."""
+    if not get_redis().set(batch_dispatch_key(batch_id), "1", nx=True, ex=DISPATCH_HELD_S):
         return False
-    current_app.send_task(RUN_BATCH_TASK, args=[batch_id])
+    current_app.send_task(RUN_BATCH_TASK, args=[batch_id], expires=DISPATCH_HELD_S)
     return True
 
 
@@ -245,9 +253,14 @@ def tick() -> int:
     # NOTE: every organisation's oldest batch first, then every one's second, and so on: one organisation's
     # backlog (hundreds of batches, stuck or not) never fills the slice and starves all the others.
     turn = Window(RowNumber(), partition_by=[F("organization_id")], order_by=[F("created_at").asc(), F("id").asc()])
-    ids = list(due.annotate(turn=turn).order_by("turn", "created_at", "id")
-               .values_list("pk", flat=True)[:MAX_DISPATCHED_PER_TICK])
-    return sum(dispatch(batch_id) for batch_id in ids)
+    rows = list(due.annotate(turn=turn).order_by("turn", "created_at", "id")
+                .values_list("pk", "lease_token")[:MAX_DISPATCHED_PER_TICK])
+    # NOTE: a lease that lapsed with its token still set is a run that died (a released one clears it): its queued
+    # run stands for nothing any more, and its batch is queued again now, not `DISPATCH_HELD_S` later.
+    died = [batch_id for batch_id, token in rows if token]
+    if died:
+        get_redis().delete(*(batch_dispatch_key(batch_id) for batch_id in died))
+    return sum(dispatch(batch_id) for batch_id, _ in rows)
 
 
 def _claim(batch_id: str) -> str | None:
@@ -258,9 +271,12 @@ def _claim(batch_id: str) -> str | None:
     return token if claimed else None
 
 
-def _release(batch_id: str, token: str) -> None:
+def _release(batch_id: str, token: str, *, queue_again_in_s: int = 0) -> None:
     Batch.objects.filter(pk=batch_id, lease_token=token).update(lease_until=None, lease_token="")
-    get_redis().delete(batch_dispatch_key(batch_id))
+    if queue_again_in_s:
+        get_redis().set(batch_dispatch_key(batch_id), "1", ex=queue_again_in_s)
+    else:
+        get_redis().delete(batch_dispatch_key(batch_id))
 
 
 def _hold_lease_while_reading_the_input(batch_id: str, token: str) -> None:
@@ -278,6 +294,7 @@ def run_batch(batch_id: str) -> str:
     token = _claim(batch_id)
     if token is None:
         return "busy"
+    outcome = ""
     try:
         batch = Batch.objects.select_related("input_file", "endpoint").get(pk=batch_id)
         lines = None
@@ -300,7 +317,7 @@ def run_batch(batch_id: str) -> str:
             finalize_batch(batch, BatchStatus.COMPLETED)
         return outcome
     finally:
-        _release(batch_id, token)
+        _release(batch_id, token, queue_again_in_s=FULL_RETRY_S if outcome == "full" else 0)
 
 
 def validate_batch(batch: Batch) -> tuple[Batch, list[Line] | None]:
@@ -410,6 +427,9 @@ def _run_lines(batch: Batch, token: str, *, lines: list[Line] | None, started: f
     if caller is None:
         _stop_as_its_caller_may_not_spend(batch)
         return "cancel"
+    if lines is None and asyncio.run(runner.free_slots(batch.organization_id, batch.endpoint_id,
+                                                       target_concurrency=batch.endpoint.target_concurrency)) == 0:
+        return "full"  # NOTE: before its input is read: a run per `FULL_RETRY_S` must not read 200 MB each time
     _hold_lease_while_reading_the_input(batch.pk, token)  # renewed each second once its lines run
     if lines is None:
         lines = _lines_of(batch)
