@@ -43,6 +43,7 @@ logger = logging.getLogger("inferplane.gateway")
 GC_YOUNG_THRESHOLD = 20_000
 # Served by Django (`endpoints.batches.api`): uploads and bookkeeping, not the inference hot path.
 DJANGO_V1_PREFIXES = ("/v1/files", "/v1/batches")
+FILES_PREFIX = "/v1/files"
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 
 
@@ -66,12 +67,41 @@ class Gateway:
         if scope["type"] == "http":
             path = scope["path"]
             if path.startswith(DJANGO_V1_PREFIXES):
+                if scope["method"] == "POST" and path.startswith(FILES_PREFIX) and not await self._upload_may_start(
+                        scope, receive, send):
+                    return None
                 return await self.fallback(scope, receive, send)  # Files and Batch API: endpoints.batches.api
             if path.startswith("/v1/") or path == "/v1":
                 return await self._handle(scope, receive, send)
             if path == "/metrics":
                 return await self._metrics(scope, receive, send)
         return await self.fallback(scope, receive, send)
+
+    async def _upload_may_start(self, scope, receive, send) -> bool:
+        """Whether an upload to `/v1/files` may go on to Django: its caller's key is valid and its declared size within
+        `FILES_MAX_BYTES`; otherwise answered here (OpenAI's shape), its body dropped unread or read and dropped.
+
+        NOTE: Django reads a whole body (to a temporary file past 2.5 MB) before any view runs: anyone without a key
+        could have it write up to the upload limit (200 MiB) to the web pod's disk per request."""
+        started, request_id = time.monotonic(), new_request_id()
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        try:
+            await auth.authenticate(headers)
+            declared = headers.get("content-length", "")
+            if declared.isascii() and declared.isdigit() and int(declared) > settings.FILES_MAX_BYTES:
+                raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
+            return True
+        except Exception as exc:  # noqa: BLE001 - answered as the request's own answer would be
+            refusal = exc if isinstance(exc, errors.OpenAIError) else None
+            if refusal is None and errors.is_outage(exc):
+                refusal = errors.service_unavailable()
+            if refusal is None:
+                raise
+            await _discard_body(receive)  # at most `MAX_BODY_BYTES` of it: past that the connection closes
+            await _respond(send, refusal.status, refusal.body(), headers=refusal.headers | {"x-request-id": request_id},
+                           raw_headers=RateLimitReport.unauthenticated().headers())
+            log_answer(scope, refusal.status, started, request_id)
+            return False
 
     async def _metrics(self, scope, receive, send):
         started = time.monotonic()

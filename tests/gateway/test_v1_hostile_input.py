@@ -189,3 +189,36 @@ def test_an_oversized_body_is_a_413_for_a_caller_and_a_401_without_a_valid_key(g
                             headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
         assert answer.status_code == status, (key, answer.text[:200])
         assert answer.json()["error"]["code"] == code and answer.json()["error"]["message"]
+
+
+def test_an_upload_without_a_valid_key_or_past_the_size_limit_never_reaches_django(settings):
+    # Django reads a whole body (to a temporary file past 2.5 MB) before any view runs: anyone without a key could
+    # have a web pod write up to the upload limit to its disk per request.
+    import asyncio
+
+    from endpoints.gateway.app import Gateway
+
+    handed_to_django = []
+
+    async def django(scope, receive, send):
+        handed_to_django.append(scope["path"])
+
+    def upload(headers: list[tuple[bytes, bytes]]) -> list[dict]:
+        sent, chunks = [], iter([b"x" * 65_536] * 64)
+
+        async def receive():
+            chunk = next(chunks, b"")
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunk)}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/files", "method": "POST", "client": ("203.0.113.9", 4000),
+                 "headers": [(b"content-type", b"multipart/form-data; boundary=x"), *headers]}
+        asyncio.run(Gateway(fallback=django)(scope, receive, send))
+        return sent
+
+    for headers in ([], [(b"authorization", b"Basic bm90OmEta2V5")], [(b"authorization", b"Bearer ip_00000000_x")]):
+        sent = upload(headers)
+        assert sent[0]["status"] == 401 and json.loads(sent[1]["body"])["error"]["code"] == "invalid_api_key"
+    assert handed_to_django == []

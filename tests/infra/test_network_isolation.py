@@ -6,6 +6,7 @@ from __future__ import annotations
 from django.urls import URLPattern, URLResolver
 
 from controlplane import urls
+from endpoints.gateway.request import MAX_BODY_BYTES
 from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
 
 WORKLOADS = ("Deployment", "DaemonSet", "Job")
@@ -157,3 +158,24 @@ def test_the_django_admin_is_routed_only_from_the_staff_network(rendered):
     for path in STAFF_PATHS:
         assert _routes(admin, path) and not _routes(public, path)
     assert urls.urlpatterns and any(str(pattern.pattern) == STAFF_PATHS[0].lstrip("/") for pattern in urls.urlpatterns)
+
+
+def _nginx_size(text: str) -> int:
+    """An nginx size (`16m`, `201m`, `512k`, bytes) in bytes."""
+    units = {"k": 1024, "m": 1024**2, "g": 1024**3}
+    return int(text[:-1]) * units[text[-1].lower()] if text[-1].lower() in units else int(text)
+
+
+def test_uploads_have_an_ingress_whose_body_limit_admits_the_largest_file_and_streams_it(rendered):
+    # The public ingress's 16m refused, with nginx's own HTML page, every upload between it and the 200 MiB a file
+    # may be; and a buffered body is written whole to nginx's disk before the gateway can check the caller's key.
+    public, files = rendered.get("Ingress", "inferplane"), rendered.get("Ingress", "inferplane-files")
+    assert files["spec"]["rules"][0]["host"] == public["spec"]["rules"][0]["host"]
+    assert [path["path"] for path in files["spec"]["rules"][0]["http"]["paths"]] == ["/v1/files"]
+    assert _routes(files, "/v1/files") and _routes(files, "/v1/files/file-abc/content") and not _routes(files, "/v1/batches")
+    annotations = files["metadata"]["annotations"]
+    largest = int(rendered.config_map("inferplane-config")["data"]["INFERPLANE_FILES_MAX_BYTES"])
+    assert _nginx_size(annotations["nginx.ingress.kubernetes.io/proxy-body-size"]) > largest
+    assert annotations["nginx.ingress.kubernetes.io/proxy-request-buffering"] == "off"
+    request_limit = _nginx_size(public["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-body-size"])
+    assert MAX_BODY_BYTES < request_limit < largest, "every other path keeps the request's own limit"
