@@ -14,10 +14,12 @@ batch has ended, stamped `results_deleted_at`, or later by `sweep_ended_results`
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import secrets
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 
 from celery import current_app
@@ -169,15 +171,16 @@ def delete_file(file: File) -> bool:
     return True
 
 
-def _store_output(organization_id: int, filename: str, data: bytes) -> File:
-    """A batch's output or error file: its row is written first, as an upload in progress, then its
-    bytes go to S3; `finalize_batch` marks it stored as it ends the batch. A run killed in between
+def _store_output(organization_id: int, filename: str, rows: Iterable[bytes]) -> File:
+    """A batch's output or error file of JSON lines `rows`: its row is written first, as an upload in progress, then
+    its bytes go to S3 a part at a time; `finalize_batch` marks it stored as it ends the batch. A run killed in between
     leaves a row that `sweep_abandoned_uploads` removes with its bytes, never bytes no row names."""
     file_id = new_file_id()
     file = File.objects.create(id=file_id, organization_id=organization_id, purpose=FilePurpose.BATCH_OUTPUT,
-                               filename=filename, bytes=len(data), s3_key=storage.file_key(organization_id, file_id),
+                               filename=filename, bytes=0, s3_key=storage.file_key(organization_id, file_id),
                                stored_at=None)
-    storage.put_bytes(file.s3_key, data)
+    file.bytes = storage.put_lines(file.s3_key, rows)
+    File.objects.filter(pk=file.pk).update(bytes=file.bytes)
     return file
 
 
@@ -279,10 +282,11 @@ def _release(batch_id: str, token: str, *, queue_again_in_s: int = 0) -> None:
         get_redis().delete(batch_dispatch_key(batch_id))
 
 
-def _hold_lease_while_reading_the_input(batch_id: str, token: str) -> None:
-    """A run reads and checks the whole input file before it can renew its lease (validation, or a run's
-    list of lines): a large file takes longer than `BATCH_LEASE_S`, and another worker took the batch over
-    meanwhile (counting a validation attempt each time, until a valid batch failed). Held this long first."""
+def _hold_lease_through_a_long_step(batch_id: str, token: str) -> None:
+    """A run reads and checks the whole input file (validation, or a run's list of lines), and writes a batch's files
+    from every line's result, without renewing its lease: a large batch takes longer than `BATCH_LEASE_S`, and
+    another worker took the batch over meanwhile (counting a validation attempt each time, until a valid batch
+    failed; writing its files twice at once). Held this long first."""
     Batch.objects.filter(pk=batch_id, lease_token=token).update(
         lease_until=timezone.now() + timedelta(seconds=max(settings.BATCH_LEASE_S, INPUT_READ_LEASE_S)))
 
@@ -299,22 +303,27 @@ def run_batch(batch_id: str) -> str:
         batch = Batch.objects.select_related("input_file", "endpoint").get(pk=batch_id)
         lines = None
         if batch.status == BatchStatus.VALIDATING:
-            _hold_lease_while_reading_the_input(batch_id, token)
+            _hold_lease_through_a_long_step(batch_id, token)
             batch, lines = validate_batch(batch)
         outcome = batch.status
         if batch.status == BatchStatus.IN_PROGRESS:
             try:
                 outcome = _run_lines(batch, token, lines=lines, started=started)
             except storage.ObjectGone:
+                _hold_lease_through_a_long_step(batch_id, token)
                 _end_without_input(batch)
                 return "input gone"
             batch.refresh_from_db()
+        final = None
         if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at <= timezone.now():
-            finalize_batch(batch, BatchStatus.EXPIRED)
+            final = BatchStatus.EXPIRED
         elif batch.status == BatchStatus.CANCELLING:
-            finalize_batch(batch, BatchStatus.CANCELLED)
+            final = BatchStatus.CANCELLED
         elif batch.status == BatchStatus.FINALIZING or (batch.status == BatchStatus.IN_PROGRESS and batch.num_pending == 0):
-            finalize_batch(batch, BatchStatus.COMPLETED)
+            final = BatchStatus.COMPLETED
+        if final is not None:
+            _hold_lease_through_a_long_step(batch_id, token)
+            finalize_batch(batch, final)
         return outcome
     finally:
         _release(batch_id, token, queue_again_in_s=FULL_RETRY_S if outcome == "full" else 0)
@@ -430,7 +439,7 @@ def _run_lines(batch: Batch, token: str, *, lines: list[Line] | None, started: f
     if lines is None and asyncio.run(runner.free_slots(batch.organization_id, batch.endpoint_id,
                                                        target_concurrency=batch.endpoint.target_concurrency)) == 0:
         return "full"  # NOTE: before its input is read: a run per `FULL_RETRY_S` must not read 200 MB each time
-    _hold_lease_while_reading_the_input(batch.pk, token)  # renewed each second once its lines run
+    _hold_lease_through_a_long_step(batch.pk, token)  # renewed each second once its lines run
     if lines is None:
         lines = _lines_of(batch)
     done = storage.result_indices(batch.organization_id, batch.pk)
@@ -521,22 +530,28 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
     if final == BatchStatus.COMPLETED:
         Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,
                                                                                  finalizing_at=now)
-    results = storage.read_results(batch.organization_id, batch.pk)
-    outputs = [results[i] for i in sorted(results) if results[i]["response"]["status_code"] == 200]
-    failures = [results[i] for i in sorted(results) if results[i]["response"]["status_code"] != 200]
+    # NOTE: each result read, written on and dropped (`storage.result_bodies`): a batch's results were all parsed in
+    # memory, with both files whole beside them, and a large batch's took its worker past its memory limit (with the
+    # other tenants' runs in it) at every try, its lines billed and its files never written.
+    keys = storage.result_keys(batch.organization_id, batch.pk)
+    num_ok = sum(1 for _, ok in keys.values() if ok)
+    unrun: list[bytes] = []
     if final == BatchStatus.EXPIRED:
         try:
-            unrun = [line for line in _lines_of(batch) if line.index not in results]
+            lines = [line for line in _lines_of(batch) if line.index not in keys]
         except storage.ObjectGone:  # their custom ids went with it: the batch still ends
             logger.warning("batch %s expired with its input file gone: its unrun lines are not listed", batch.pk)
-            unrun = []
-        for line in unrun:
-            failures.append({"id": f"batch_req_{batch.pk.removeprefix('batch_')}_{line.index}", "custom_id": line.custom_id,
+            lines = []
+        unrun = [json.dumps({"id": f"batch_req_{batch.pk.removeprefix('batch_')}_{line.index}", "custom_id": line.custom_id,
                              "response": None, "error": {"code": "batch_expired",
                                                          "message": "This request could not be executed before the "
-                                                                    "completion window expired."}})
-    output = _store_output(batch.organization_id, f"{batch.pk}_output.jsonl", _jsonl(outputs)) if outputs else None
-    error = _store_output(batch.organization_id, f"{batch.pk}_error.jsonl", _jsonl(failures)) if failures else None
+                                                                    "completion window expired."}}).encode()
+                 for line in lines]
+    output = (_store_output(batch.organization_id, f"{batch.pk}_output.jsonl", storage.result_bodies(keys, ok=True))
+              if num_ok else None)
+    error = (_store_output(batch.organization_id, f"{batch.pk}_error.jsonl",
+                           itertools.chain(storage.result_bodies(keys, ok=False), unrun))
+             if len(keys) > num_ok or unrun else None)
     files = [file for file in (output, error) if file is not None]
     stamp = {BatchStatus.COMPLETED: "completed_at", BatchStatus.EXPIRED: "expired_at",
              BatchStatus.CANCELLED: "cancelled_at", BatchStatus.FAILED: "failed_at"}[final]
@@ -548,14 +563,11 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
                     stored_at=now) != len(files):
                 raise RuntimeError(f"the output files of {batch.pk} were swept as abandoned: the next run writes them")
             Batch.objects.filter(pk=batch.pk).update(
-                status=final, output_file=output, error_file=error, num_completed=len(outputs),
-                num_failed=sum(1 for f in failures if f["response"] is not None), **{stamp: now},
+                status=final, output_file=output, error_file=error, num_completed=num_ok, num_failed=len(keys) - num_ok,
+                **{stamp: now},
                 **({"errors": errors} if errors is not None else {}))
     if ended_first:  # another run finished it first: its files stand, these go
         _discard_outputs(files)
         return
     _delete_results(batch)
 
-
-def _jsonl(rows: list[dict]) -> bytes:
-    return b"".join(json.dumps(row).encode() + b"\n" for row in rows)

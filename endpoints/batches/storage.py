@@ -12,16 +12,22 @@ skips what is already done.
 from __future__ import annotations
 
 import functools
+import io
 import json
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import boto3
+from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import ClientError
 from django.conf import settings
 
 RESULT_DIGITS = 7
 READ_THREADS = 16  # within the client's connection pool (32)
+# A batch's output and error files go up two 8 MiB parts at a time (boto3's default sends ten at once: 80 MiB held).
+OUTPUT_TRANSFER = TransferConfig(multipart_chunksize=8 * 1024 * 1024, max_concurrency=2)
 
 
 @functools.cache
@@ -111,8 +117,60 @@ def delete_results(organization_id: int, batch_id: str) -> None:
 
 
 def read_results(organization_id: int, batch_id: str) -> dict[int, dict]:
-    """Every line result written so far, by line index (read `READ_THREADS` at a time)."""
+    """Every line result written so far, by line index (read `READ_THREADS` at a time). NOTE: all of them in memory:
+    for tests and small batches; a batch's files are written from `result_bodies`."""
     keys = _result_keys(organization_id, batch_id)
     with ThreadPoolExecutor(READ_THREADS) as pool:
         bodies = pool.map(read_bytes, [key for key, _ in keys.values()])
         return {index: json.loads(body) for index, body in zip(keys, bodies, strict=True)}
+
+
+def result_keys(organization_id: int, batch_id: str) -> dict[int, tuple[str, bool]]:
+    """The lines finished so far: index -> (the key of its result, whether it succeeded), in line order."""
+    return dict(sorted(_result_keys(organization_id, batch_id).items()))
+
+
+def result_bodies(keys: dict[int, tuple[str, bool]], *, ok: bool) -> Iterator[bytes]:
+    """The JSON of each result in `keys` that succeeded (or failed), as written, in line order; `READ_THREADS` read
+    at a time and at most twice that many held: a batch's results are never all in memory at once."""
+    wanted = [key for key, succeeded in keys.values() if succeeded == ok]
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        ahead: deque[Future] = deque()
+        for key in wanted:
+            ahead.append(pool.submit(read_bytes, key))
+            if len(ahead) >= 2 * READ_THREADS:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+
+class _JsonLines(io.RawIOBase):
+    """A file to read from an iterator of JSON texts, one per line: what `upload_fileobj` reads a part at a time."""
+
+    def __init__(self, rows: Iterable[bytes]) -> None:
+        self._rows = iter(rows)
+        self._pending = bytearray()
+        self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while len(self._pending) < len(buffer):  # NOTE: full reads but the last: S3's parts but the last are >= 5 MiB
+            row = next(self._rows, None)
+            if row is None:
+                break
+            self._pending += row
+            self._pending += b"\n"
+        num = min(len(buffer), len(self._pending))
+        buffer[:num] = self._pending[:num]
+        del self._pending[:num]
+        self.size += num
+        return num
+
+
+def put_lines(key: str, rows: Iterable[bytes]) -> int:
+    """Upload `rows` as JSON lines, a part at a time (never whole in memory); returns the object's size."""
+    body = _JsonLines(rows)
+    _client().upload_fileobj(body, settings.FILES_S3_BUCKET, key, Config=OUTPUT_TRANSFER)
+    return body.size

@@ -86,14 +86,14 @@ def test_output_bytes_of_a_run_killed_before_it_ended_the_batch_are_swept_as_an_
     batch = _running_batch()
     _finish_lines(batch, NUM_LINES)
     kept = set(bucket_objects(files_bucket, "files/"))  # the input file
-    put_bytes = storage.put_bytes
+    put_lines = storage.put_lines
 
-    def killed_after_the_put(key, data):
-        put_bytes(key, data)
+    def killed_after_the_put(key, rows):
+        put_lines(key, rows)
         raise Killed()
 
     with monkeypatch.context() as patched:
-        patched.setattr(storage, "put_bytes", killed_after_the_put)
+        patched.setattr(storage, "put_lines", killed_after_the_put)
         with pytest.raises(Killed):
             services.finalize_batch(batch, BatchStatus.COMPLETED)
 
