@@ -117,3 +117,22 @@ def test_garbage_tokens_are_401(db):
     for header in ["Bearer nope", "Bearer ip_123_abc", "Basic abc", "Bearer "]:
         client.credentials(HTTP_AUTHORIZATION=header)
         assert client.get("/api/v1/endpoints/").status_code == 401, header
+
+
+def test_a_key_that_expires_cannot_mint_a_key_that_outlives_it(owner_client):
+    # A manage key that expires (a leaked CI key, say) minted a key that never expired, for its creator: the leak
+    # outlived the expiry that was meant to end it.
+    expires = timezone.now() + timedelta(days=1)
+    created = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["manage"], "expires_at": expires.isoformat()},
+                                format="json").json()
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
+    for extra in ({}, {"expires_at": (expires + timedelta(days=30)).isoformat()}):
+        refused = client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"], **extra}, format="json")
+        assert refused.status_code == 400 and "expire no later" in refused.json()["expires_at"][0]
+    allowed = client.post("/api/v1/keys/", {"name": "child", "scopes": ["inference"],
+                                            "expires_at": (expires - timedelta(hours=1)).isoformat()}, format="json")
+    assert allowed.status_code == 201
+    assert ApiKey.objects.filter(name="child").count() == 1
+    # A key that never expires (and a signed-in owner) still mints either kind.
+    assert owner_client.post("/api/v1/keys/", {"name": "forever", "scopes": ["inference"]}, format="json").status_code == 201

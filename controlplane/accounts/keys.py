@@ -39,7 +39,7 @@ def create_api_key(
     """A new key; its secret is in the answer and nowhere else.
 
     NOTE: a key acts with its creator's role, and a `manage` key can do what its creator can,
-    so only owners and admins may mint one. Likewise only they may give a key a priority range (its calls
+    so only owners and admins may mint one; a key that expires mints only keys that expire no later. Likewise only they may give a key a priority range (its calls
     ahead of colleagues' and of batch work) or limits above the platform's defaults; a member may set
     stricter ones.
     """
@@ -52,6 +52,12 @@ def create_api_key(
                                       ("tokens_per_minute", tokens_per_minute, settings.DEFAULT_KEY_TOKENS_PER_MINUTE)):
             if value is not None and default and value > default:
                 raise NotPermitted(field, f"Only owners and admins may raise a key's limit above the platform's {default}.")
+    minting = actor.api_key
+    if minting is not None and minting.expires_at is not None and (expires_at is None or expires_at > minting.expires_at):
+        # NOTE: a key that expires could mint a key that never did, for its creator: a leaked key, revoked by
+        # nobody, outlived its own expiry through its child. Its keys expire no later than it does.
+        raise NotPermitted("expires_at", "A key that expires may only create keys that expire no later than it does "
+                                         f"({minting.expires_at.isoformat()}): set expires_at.")
     for _ in range(3):
         issued = tokens.issue_token(ApiKey.TOKEN_KIND)
         try:
