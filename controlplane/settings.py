@@ -420,6 +420,8 @@ SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000, m
 SECURE_HSTS_INCLUDE_SUBDOMAINS = not DEBUG
 SECURE_HSTS_PRELOAD = not DEBUG
 SESSION_COOKIE_SECURE = not DEBUG
+# A staff account's sign-in ends this long after it, however it is used (`controlplane.accounts.staff_sessions`).
+STAFF_SESSION_HOURS = env_float("INFERPLANE_STAFF_SESSION_HOURS", 12.0, minimum=0.1)
 CSRF_COOKIE_SECURE = not DEBUG
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"

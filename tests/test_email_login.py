@@ -82,3 +82,23 @@ def test_sign_up_refuses_an_email_a_staff_account_already_has(client, monkeypatc
     assert response.status_code == 200
     assert "An account with this email exists" in response.content.decode()
     assert get_user_model().objects.count() == 1
+
+
+def test_a_staff_sign_in_ends_within_hours_and_a_customers_lasts_as_before(client, settings):
+    # A staff session (every tenant's plans, prices, keys and nodes) lasted Django's two weeks like anyone's.
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    staff = UserFactory(email="ops@x.test", is_staff=True)
+    staff.set_password(PASSWORD)
+    staff.save()
+    assert client.post("/login/", {"username": "ops@x.test", "password": PASSWORD}).status_code == 302
+    assert client.session.get_expiry_date() <= timezone.now() + timedelta(hours=settings.STAFF_SESSION_HOURS)
+
+    client.logout()
+    customer = UserFactory(email="dev@x.test")
+    customer.set_password(PASSWORD)
+    customer.save()
+    assert client.post("/login/", {"username": "dev@x.test", "password": PASSWORD}).status_code == 302
+    assert client.session.get_expiry_date() > timezone.now() + timedelta(days=13)

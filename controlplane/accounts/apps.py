@@ -12,3 +12,6 @@ class AccountsConfig(AppConfig):
     label = "controlplane"
     verbose_name = "Accounts and organisations"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from controlplane.accounts import staff_sessions  # noqa: F401 - connects its receiver
