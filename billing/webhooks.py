@@ -74,11 +74,15 @@ def _moment(epoch: int | None) -> datetime | None:
 
 
 def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoice | None:
-    account = BillingAccount.objects.filter(stripe_customer_id=data.get("customer") or "-").first()
-    if account is None:
+    # NOTE: an invoice already mirrored is found by its own id first: once its customer was deleted in Stripe (the
+    # account's customer id cleared), its later events (paid, voided, uncollectible) were dropped, and an invoice left
+    # open with a failed payment held its organisation for ever. Only a new invoice needs the account.
+    invoice = Invoice.objects.select_for_update().filter(stripe_invoice_id=data["id"]).first()
+    account = None if invoice is not None else (
+        BillingAccount.objects.filter(stripe_customer_id=data.get("customer") or "-").first())
+    if invoice is None and account is None:
         logger.warning("stripe invoice %s for unknown customer %s", data.get("id"), data.get("customer"))
         return None
-    invoice = Invoice.objects.select_for_update().filter(stripe_invoice_id=data["id"]).first()
     if invoice is not None and invoice.stripe_event_created > event_created:
         # An older event arriving late never overwrites newer state, but a failure it reports still
         # dates the grace period (`billing.standing`) unless the invoice is paid by now.

@@ -89,3 +89,20 @@ def test_without_a_webhook_secret_every_webhook_is_refused(settings):
     settings.STRIPE_WEBHOOK_SECRET = ""
     assert _post(_event(), secret="").status_code == 400
     assert not StripeEvent.objects.exists()
+
+
+def test_an_invoice_already_mirrored_follows_its_events_after_its_customer_was_deleted(customer):
+    # Its later events were dropped once the customer was deleted in Stripe (the account's customer id cleared): an
+    # invoice left open with a failed payment held its organisation for ever.
+    now = int(time.time())
+    _post(_event(event_id="evt_failed", kind="invoice.payment_failed", created=now - 120))
+    assert Invoice.objects.get().payment_failed_at is not None
+    BillingAccount.objects.filter(pk=customer.pk).update(stripe_customer_id="")  # `customer.deleted`
+
+    _post(_event(event_id="evt_voided", kind="invoice.voided", status="void", created=now))
+
+    invoice = Invoice.objects.get()
+    assert (invoice.organization_id, invoice.status) == (customer.organization_id, "void")
+    assert _post(_event(event_id="evt_other", created=now) | {"data": {"object": {
+        **_event()["data"]["object"], "id": "in_2"}}}).status_code == 200
+    assert not Invoice.objects.filter(stripe_invoice_id="in_2").exists(), "a new invoice of no known customer is skipped"
