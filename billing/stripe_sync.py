@@ -67,8 +67,13 @@ COST_METER = METERS[-1]
 # The one price Stripe bills by: a micro-dollar of cost meter is 0.0001 cent.
 USAGE_PRICE_LOOKUP_KEY = "inferplane_usage_cost_usd_monthly"
 USAGE_PRICE_UNIT_CENTS = "0.0001"
-# Stripe takes meter event timestamps from the last 35 days only.
-MAX_EVENT_AGE = timedelta(days=34)
+# A meter event is dated no earlier than this before it is sent. NOTE: Stripe bills an event in the period its
+# timestamp falls in, and takes usage for a period that ended only during its invoice's finalization grace (one hour
+# by default). An hour dated at its start and pushed ~70 minutes later (its rollup closes 10 minutes after it ends)
+# missed the grace whenever a period ended within it, and any usage pushed late (Stripe or the worker down, a held
+# rollup released, a journal replayed) missed it by more: billed by no invoice. Dated at most 30 minutes back, every
+# event lands in the open period or within the grace of the one that just ended.
+LATEST_PERIOD_GRACE = timedelta(minutes=30)
 # A subscription in one of these states never bills again (Stripe's `status`).
 ENDED_SUBSCRIPTION_STATUSES = frozenset({"canceled", "incomplete_expired"})
 # Stripe refuses a meter event's `identifier` again "for at least 24 hours". An event not confirmed (Stripe's answer
@@ -392,14 +397,14 @@ def ensure_subscription(organization_id: int) -> str:
 # --- pushing rollups ---------------------------------------------------------------------------------
 
 def event_timestamp(hour_start, subscription_started_at=None) -> int:
-    """When Stripe is told usage happened: the hour, or for older late usage the oldest time it takes; never
-    before the subscription it is pushed to began (`subscription_started_at`, when known).
+    """When Stripe is told usage happened: the hour, or if it began over `LATEST_PERIOD_GRACE` ago, that long ago;
+    never before the subscription it is pushed to began (`subscription_started_at`, when known).
 
     NOTE: a subscription bills the meter events dated within its own time. Usage of an hour before a cancelled
     subscription ended, pushed only after (its rollup closed late, or its push failed until then), went to the
     next subscription dated before that one's start (the old one's end), and the old one's final invoice was
     already made: billed by neither. Dated from the new start, it is on the new subscription's first invoice."""
-    earliest = timezone.now() - MAX_EVENT_AGE
+    earliest = timezone.now() - LATEST_PERIOD_GRACE
     if subscription_started_at is not None:
         earliest = max(earliest, subscription_started_at)
     return int(max(hour_start, earliest).timestamp())

@@ -295,3 +295,17 @@ def test_a_superuser_releases_a_held_rollup_from_the_admin(fake_stripe, client):
     assert released.status_code == 302
     rollup.refresh_from_db()
     assert rollup.push_held_at is None and rollup.push_first_tried_at is None
+
+
+def test_usage_pushed_late_is_dated_within_the_grace_stripe_gives_a_period_that_just_ended(fake_stripe):
+    # Stripe bills an event in the period its timestamp falls in, and takes usage for a period that ended only during
+    # its invoice's finalization grace (an hour by default). Dated at the start of its hour, the last hour of every
+    # period reached Stripe ~70 minutes on, and any usage pushed late (Stripe down, a held rollup released) later
+    # still: billed by no invoice.
+    endpoint = EndpointFactory()
+    rollup = _closed_rollup(endpoint)  # an hour that began 3 h ago: its pushes failed until now
+    before = time.time()
+    assert stripe_sync.push_pending_rollups() == 1
+    stamps = {event["timestamp"] for event in fake_stripe.meter_events.values()}
+    assert len(stamps) == 1 and before - stripe_sync.LATEST_PERIOD_GRACE.total_seconds() - 1 <= stamps.pop() <= time.time()
+    assert rollup.hour_start.timestamp() < before - 2 * 3600
