@@ -130,7 +130,7 @@ def test_admission_and_finish_count_exactly_on_a_redis_cluster(on_cluster):
             "outstanding": sorted(int(on_cluster.get(redis_keys.outstanding_key(org, r)) or 0) for r in replicas),
             "reserved": reads.reserved_now(org),
         }
-        await presence.beat()  # a pipeline over several slots: alive key, gateways set, recent endpoints
+        await presence.beat(web=True)  # a pipeline over several slots: alive key, web beats, recent endpoints
         for one in admitted:
             await admission.finish(caller=caller, endpoint_id=endpoint, admission=one,
                                    release=replicas[one.picked], num_tokens=0, cost=Decimal("0.001"))

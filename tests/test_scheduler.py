@@ -327,8 +327,9 @@ def test_a_web_process_beat_counts_for_the_sweeps():
 
     from endpoints.gateway import presence
 
-    asyncio.run(presence.beat())
-    asyncio.run(presence.beat())
+    asyncio.run(presence.beat(web=True))
+    asyncio.run(presence.beat(web=True))
+    asyncio.run(presence.beat())  # a batch worker's: its lines say nothing of who hears the agents
     assert get_redis().get(redis_keys.WEB_BEATS_KEY) == "2"
     assert not scheduler.web_tier_silent(get_redis(), time.time())
 

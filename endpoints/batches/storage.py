@@ -116,15 +116,6 @@ def delete_results(organization_id: int, batch_id: str) -> None:
                 raise RuntimeError(f"S3 kept {len(answer['Errors'])} line results of {batch_id}: {answer['Errors'][0]}")
 
 
-def read_results(organization_id: int, batch_id: str) -> dict[int, dict]:
-    """Every line result written so far, by line index (read `READ_THREADS` at a time). NOTE: all of them in memory:
-    for tests and small batches; a batch's files are written from `result_bodies`."""
-    keys = _result_keys(organization_id, batch_id)
-    with ThreadPoolExecutor(READ_THREADS) as pool:
-        bodies = pool.map(read_bytes, [key for key, _ in keys.values()])
-        return {index: json.loads(body) for index, body in zip(keys, bodies, strict=True)}
-
-
 def result_keys(organization_id: int, batch_id: str) -> dict[int, tuple[str, bool]]:
     """The lines finished so far: index -> (the key of its result, whether it succeeded), in line order."""
     return dict(sorted(_result_keys(organization_id, batch_id).items()))

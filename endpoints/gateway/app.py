@@ -121,7 +121,7 @@ class Gateway:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 _freeze_startup_objects()
-                await presence.start()
+                await presence.start(web=True)
                 self._folding = asyncio.ensure_future(metrics.fold_every_second())
                 writer_for_this_loop().replay_soon()  # usage a previous gateway left in the journal
                 await send({"type": "lifespan.startup.complete"})

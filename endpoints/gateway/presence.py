@@ -182,16 +182,17 @@ async def _push_deadlines_on(redis, now: float | None = None) -> None:
     _extended.at = now  # NOTE: only once due and pushed: a beat in between (every second) never moves it on
 
 
-async def beat() -> None:
+async def beat(*, web: bool = False) -> None:
     """One heartbeat: stay alive, put back what Redis forgot, end what could not be ended, and push on the
-    reservation deadlines of long calls."""
+    reservation deadlines of long calls; a web process's (`web`) also counts for the web tier (`WEB_BEATS_KEY`)."""
     redis = get_async_redis()
     gateway = traffic.gateway_id()
     recent = traffic.take_recent()
     try:
         async with redis.pipeline(transaction=False) as pipe:
             pipe.set(redis_keys.gateway_alive_key(gateway), "1", ex=ALIVE_TTL_S, get=True)
-            pipe.incr(redis_keys.WEB_BEATS_KEY)  # the web tier is up (`scheduler.web_tier_silent`)
+            if web:  # NOTE: not a batch worker's: its lines say nothing of who hears the agents
+                pipe.incr(redis_keys.WEB_BEATS_KEY)  # the web tier is up (`scheduler.web_tier_silent`)
             if recent:
                 pipe.zadd(redis_keys.RECENT_ENDPOINTS_KEY, recent, gt=True)
             was_alive = (await pipe.execute())[0]
@@ -230,25 +231,26 @@ async def beat() -> None:
         unfinished.difference_update(ended)
 
 
-async def _beat_forever() -> None:
+async def _beat_forever(*, web: bool = False) -> None:
     while True:
         try:
-            await beat()
+            await beat(web=web)
         except Exception as exc:  # noqa: BLE001 - Redis down: beat again, the requests are still served
             logger.warning("gateway heartbeat failed: %r", exc)
         await asyncio.sleep(BEAT_S)
 
 
-async def start() -> None:
-    """Beat once now (so this gateway is known before it admits anything), then every `BEAT_S`."""
+async def start(*, web: bool = False) -> None:
+    """Beat once now (so this gateway is known before it admits anything), then every `BEAT_S`; `web`: this is a web
+    process (the gateway's server, which hears the agents too), not a batch worker."""
     beating = _beats.get()
     if beating.task is not None and not beating.task.done():
         return
     try:
-        await beat()
+        await beat(web=web)
     except Exception as exc:  # noqa: BLE001 - Redis may be down at start; the loop keeps trying
         logger.warning("gateway heartbeat failed: %r", exc)
-    beating.task = asyncio.get_running_loop().create_task(_beat_forever())
+    beating.task = asyncio.get_running_loop().create_task(_beat_forever(web=web))
 
 
 def ensure_started() -> None:

@@ -172,8 +172,8 @@ def run_until_signalled(agent, *, shutdown_deadline_s: float = SHUTDOWN_DEADLINE
     """Run the agent until SIGTERM or SIGINT; engines are stopped (or detached) before this returns.
 
     A stop that outlasts `shutdown_deadline_s` ends the process with `EXIT_STUCK_STOPPING` after writing every
-    thread's stack to stderr. NOTE: the engines still go (the kernel's parent-death signal, `die_with_parent`,
-    unless they were meant to outlive the agent), and the next agent kills any left by marker (`recover`)."""
+    thread's stack to stderr. NOTE: the engines still go (the parent-death signal their reapers arm, unless they
+    were meant to outlive the agent), and the next agent kills any left by marker (`recover`)."""
     stop = threading.Event()
     stopped = threading.Event()
 
