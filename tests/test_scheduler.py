@@ -219,16 +219,21 @@ def test_no_reader_sees_an_offline_node_whose_replicas_still_look_ready(settings
     assert replica.state == ReplicaState.FAILED
 
 
-def _nodes_silent_since_an_outage(seconds: float):
-    """Two nodes, each with a READY replica, whose last heartbeats are `seconds` old: PostgreSQL was down that long
-    (no heartbeat could be written) and came back a moment ago; the agents are still backing off."""
+def _two_silent_nodes(seconds: float, *, swept_ago: float):
+    """Two nodes, each with a READY replica, whose last heartbeats are `seconds` old; the last sweep `swept_ago`."""
     endpoint = EndpointFactory(gpu_type="l4", min_replicas=2, max_replicas=2)
     nodes = [make_node(memory_mb=80_000), make_node(memory_mb=80_000)]
     scheduler.reconcile_endpoint(str(endpoint.pk), load())
     Replica.objects.filter(endpoint=endpoint).update(state=ReplicaState.READY)
     Node.objects.filter(pk__in=[node.pk for node in nodes]).update(last_heartbeat_at=timezone.now() - timedelta(seconds=seconds))
-    get_redis().set(redis_keys.SWEPT_AT_KEY, time.time() - seconds)  # the sweeps could not read PostgreSQL either
+    get_redis().set(redis_keys.SWEPT_AT_KEY, time.time() - swept_ago)
     return endpoint, nodes
+
+
+def _nodes_silent_since_an_outage(seconds: float):
+    """PostgreSQL was down `seconds` (no heartbeat could be written, the sweeps could not read it either) and came
+    back a moment ago; the agents are still backing off."""
+    return _two_silent_nodes(seconds, swept_ago=seconds)
 
 
 def test_a_database_outage_longer_than_the_grace_period_takes_no_node_offline(settings, django_capture_on_commit_callbacks):
@@ -273,12 +278,7 @@ def _web_beats_stopped(seconds_ago: float) -> None:
 def _nodes_silent_while_the_web_tier_is_down(seconds: float):
     """Two nodes with a READY replica each, unheard for `seconds` because every web pod is down (a bad deploy
     crash-looping, say): the sweeps themselves ran all along."""
-    endpoint = EndpointFactory(gpu_type="l4", min_replicas=2, max_replicas=2)
-    nodes = [make_node(memory_mb=80_000), make_node(memory_mb=80_000)]
-    scheduler.reconcile_endpoint(str(endpoint.pk), load())
-    Replica.objects.filter(endpoint=endpoint).update(state=ReplicaState.READY)
-    Node.objects.filter(pk__in=[node.pk for node in nodes]).update(last_heartbeat_at=timezone.now() - timedelta(seconds=seconds))
-    get_redis().set(redis_keys.SWEPT_AT_KEY, time.time() - 5)
+    endpoint, nodes = _two_silent_nodes(seconds, swept_ago=5)
     _web_beats_stopped(seconds)
     return endpoint, nodes
 
