@@ -393,6 +393,7 @@ FILES_S3_ENDPOINT_URL = env_str("INFERPLANE_FILES_S3_ENDPOINT_URL")
 FILES_S3_REGION = env_str("INFERPLANE_FILES_S3_REGION", "us-east-1")
 FILES_MAX_BYTES = env_int("INFERPLANE_FILES_MAX_BYTES", 200 * 1024 * 1024, minimum=1)
 BATCH_MAX_LINES = env_int("INFERPLANE_BATCH_MAX_LINES", 50_000, minimum=1)
+BATCH_MAX_OPEN_PER_ORG = env_int("INFERPLANE_BATCH_MAX_OPEN_PER_ORG", 100, minimum=1)
 # A worker running a batch holds it this long between renewals; a killed worker's batch is taken over after.
 BATCH_LEASE_S = env_float("INFERPLANE_BATCH_LEASE_S", 30.0, minimum=1)
 # One run of a batch stops after this long and is queued again (tasks stay short, workers shared).

@@ -218,6 +218,14 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
     with transaction.atomic():
         _refuse_past_storage_quota(organization_id, input_file.bytes, param="input_file_id",
                                    doing="and each open batch keeps room for its output")
+        # NOTE: under the organisation's row lock (just taken): concurrent creates never pass the cap together. One
+        # tiny input reused kept almost no room, so nothing bounded how many batches one organisation kept open (each
+        # a run queued and a row the tick reads every 2 s).
+        num_open = Batch.objects.open().filter(organization_id=organization_id).count()
+        if num_open >= settings.BATCH_MAX_OPEN_PER_ORG:
+            raise Refused(f"Your organisation has {num_open} batches that have not ended, the most it may have "
+                          f"({settings.BATCH_MAX_OPEN_PER_ORG}): wait for some to end, or cancel some.",
+                          param="input_file_id", status=429, code="batch_limit_reached")
         batch = Batch.objects.create(organization_id=organization_id, api_key_id=api_key_id, created_by_id=user_id,
                                      request_path=request_path, input_file=input_file, completion_window=completion_window,
                                      metadata=metadata, created_at=now,

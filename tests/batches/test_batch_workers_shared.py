@@ -81,3 +81,29 @@ def test_a_batch_whose_endpoint_has_no_free_slot_gives_its_worker_back_without_r
         services.run_batch(batch.pk)
     batch = Batch.objects.get(pk=batch.pk)
     assert batch.status == BatchStatus.COMPLETED and batch.num_completed == 2
+
+
+def test_an_organisation_keeps_at_most_its_cap_of_open_batches(files_bucket, queued, settings):
+    # One tiny input reused kept almost no room against the storage quota: nothing bounded how many batches one
+    # organisation kept open, each a queued run and a row every tick reads.
+    settings.BATCH_MAX_OPEN_PER_ORG = 2
+    endpoint = EndpointFactory(max_model_len=2048)
+    first = new_batch(endpoint, _input(endpoint.name))
+    second = services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=None,
+                                   input_file_id=first.input_file_id, request_path="/v1/chat/completions",
+                                   completion_window="24h", metadata=None)
+    with pytest.raises(services.Refused) as refused:
+        services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=None,
+                              input_file_id=first.input_file_id, request_path="/v1/chat/completions",
+                              completion_window="24h", metadata=None)
+    assert (refused.value.status, refused.value.code) == (429, "batch_limit_reached")
+    assert "2 batches" in refused.value.message
+    other = EndpointFactory(max_model_len=2048)
+    assert new_batch(other, _input(other.name)), "another organisation's batches are its own"
+
+    services.cancel_batch(second)
+    services.run_batch(second.pk)
+    assert Batch.objects.get(pk=second.pk).status == BatchStatus.CANCELLED
+    assert services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=None,
+                                 input_file_id=first.input_file_id, request_path="/v1/chat/completions",
+                                 completion_window="24h", metadata=None)
