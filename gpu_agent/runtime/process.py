@@ -27,12 +27,14 @@ from gpu_agent.runtime.reaper import OUTLIVES_AGENT_ENV, group_members, runs_und
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# NOTE: looked up once, here: the child of a threaded process runs as little as it can between fork and exec (no
+# library loaded, no symbol looked up, no class made: a lock another thread held at the fork is never released there).
+_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def spawn(argv: list[str], env: dict[str, str], log: BinaryIO, *, die_with_agent: bool) -> subprocess.Popen:
