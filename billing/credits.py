@@ -50,7 +50,8 @@ def draw_due_credits() -> int:
 
 
 def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decimal:
-    """Draw the ledger's prepaid spend not yet drawn from the active grants, soonest expiry first.
+    """Draw the ledger's prepaid spend not yet drawn from the grants it was made under (`CreditGrantQuerySet.paying_for`),
+    soonest expiry first.
 
     Only usage rows written in prepaid mode draw credit (postpaid rows are metered to Stripe).
     Idempotent: the account remembers how much of the prepaid ledger it has drawn. The gateway never
@@ -60,12 +61,12 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
     now = now or timezone.now()
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization_id)
-        BillingAccount.objects.filter(pk=account.pk, credit_draw_due=True).update(credit_draw_due=False)
+        BillingAccount.objects.filter(pk=account.pk).update(credit_draw_due=False, credit_drawn_at=now)
         undrawn = undrawn_prepaid_spend(account)
         if undrawn <= 0:
             return Decimal(0)
         taken = Decimal(0)
-        for grant in CreditGrant.objects.select_for_update().filter(organization_id=organization_id).active(now):
+        for grant in CreditGrant.objects.paying_for(account, now).select_for_update():
             share = min(grant.remaining, undrawn - taken)
             if share > 0:
                 CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed + share)

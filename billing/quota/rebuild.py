@@ -57,15 +57,19 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
     raise ValueError(what)
 
 
-def credit_available(organization_id: int) -> tuple[Decimal, int]:
+def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
     """Prepaid credit left now (active grants less usage not yet drawn from them), and for how many
     seconds that figure holds before a grant starts or expires."""
-    now = timezone.now()
+    now = now or timezone.now()
     account = BillingAccount.objects.for_organization(organization_id)
     grants = list(CreditGrant.objects.filter(organization_id=organization_id))
     active = [grant for grant in grants if grant.is_active(now)]
     undrawn = undrawn_prepaid_spend(account)
-    available = sum((grant.remaining for grant in active), Decimal(0)) - max(undrawn, Decimal(0))
+    # NOTE: what expired since the last draw pays first for the usage not drawn yet, as the draw will take it
+    # (`CreditGrantQuerySet.paying_for`), and never for anything more.
+    lapsed = [grant for grant in CreditGrant.objects.paying_for(account, now) if not grant.is_active(now)]
+    undrawn_on_active = max(undrawn - sum((grant.remaining for grant in lapsed), Decimal(0)), Decimal(0))
+    available = sum((grant.remaining for grant in active), Decimal(0)) - undrawn_on_active
     changes = [g.expires_at for g in active if g.expires_at] + [g.granted_at for g in grants if g.granted_at > now]
     ttl_s = CREDIT_FIGURE_MAX_TTL_S
     if changes:

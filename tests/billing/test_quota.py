@@ -232,6 +232,36 @@ def test_usage_draws_credits_soonest_expiry_first_and_only_once():
     assert credit_available(organization.pk)[0] == Decimal("9")
 
 
+def test_usage_made_before_a_grant_expired_is_drawn_from_it_even_when_drawn_after(monkeypatch):
+    # Draws follow the rollups (every minute; later with the worker down). Usage made just before a grant expired but
+    # drawn after was drawn from the next grant while the expired one kept that amount as unspent: paid for twice.
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    started = timezone.now()
+    expiring = grant_credits(SYSTEM, organization, amount=Decimal("5"), expires_at=started + timedelta(hours=1))
+    lasting = grant_credits(SYSTEM, organization, amount=Decimal("10"), expires_at=started + timedelta(days=60))
+    assert draw_credits(organization.pk, now=started) == 0  # a draw before the usage: nothing to take
+    record_usage(usage_report(endpoint, prompt_tokens=3_000_000, completion_tokens=0))  # $3, while both were active
+
+    after_expiry = started + timedelta(hours=1, minutes=2)
+    monkeypatch.setattr(timezone, "now", lambda: after_expiry)
+    assert credit_available(organization.pk, now=after_expiry)[0] == Decimal("10"), "the expired grant pays for it"
+    assert draw_credits(organization.pk, now=after_expiry) == Decimal("3")
+    expiring.refresh_from_db()
+    lasting.refresh_from_db()
+    assert (expiring.consumed, lasting.consumed) == (Decimal("3"), Decimal("0"))
+    assert credit_available(organization.pk, now=after_expiry)[0] == Decimal("10")
+
+    # Past the next draw, the expired grant's remainder pays for nothing more.
+    record_usage(usage_report(endpoint, prompt_tokens=1_000_000, completion_tokens=0))
+    assert credit_available(organization.pk, now=after_expiry)[0] == Decimal("9")
+    assert draw_credits(organization.pk, now=after_expiry) == Decimal("1")
+    lasting.refresh_from_db()
+    assert lasting.consumed == Decimal("1")
+
+
 def test_an_organisation_starts_with_the_platform_default_cap(settings):
     settings.DEFAULT_MONTHLY_SPEND_CAP = Decimal("25")
     organization = OrganizationFactory()
