@@ -9,7 +9,7 @@ from decimal import Decimal
 from django.db import transaction
 from django.utils import timezone
 
-from billing.ledger import undrawn_prepaid_spend
+from billing.ledger import undrawn_prepaid_spend, undrawn_usage_began
 from billing.models import BillingAccount, CreditGrant
 from billing.quota.counters import refresh_limits
 from controlplane.accounts.services import Actor, record_audit
@@ -66,7 +66,8 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
         if undrawn <= 0:
             return Decimal(0)
         taken = Decimal(0)
-        for grant in CreditGrant.objects.paying_for(account, now).select_for_update():
+        since = undrawn_usage_began(account) or now
+        for grant in CreditGrant.objects.paying_for(organization_id, since=since, now=now).select_for_update():
             share = min(grant.remaining, undrawn - taken)
             if share > 0:
                 CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed + share)

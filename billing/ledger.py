@@ -28,6 +28,7 @@ from django.db.models import (
     F,
     FloatField,
     Func,
+    Min,
     Q,
     Sum,
     Value,
@@ -406,6 +407,18 @@ def period_spend(organization_id: int, period: Period, *, api_key_id: int | None
     if api_key_id is not None:
         rows = rows.filter(api_key_id=api_key_id)
     return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
+
+
+def undrawn_usage_began(account: BillingAccount) -> datetime | None:
+    """When the prepaid usage not drawn yet began: the earliest start of the prepaid rows that finished since the last
+    draw (all of them if there was none); None when there are none.
+
+    NOTE: not the last draw's time: draws run only for usage, so an account idle for months was last drawn months ago,
+    and every grant that expired meanwhile, unused, would have paid for its next usage."""
+    rows = UsageRecord.objects.filter(organization_id=account.organization_id, billing_mode=BillingMode.PREPAID)
+    if account.credit_drawn_at is not None:
+        rows = rows.filter(finished_at__gte=account.credit_drawn_at)
+    return rows.aggregate(began=Min("started_at"))["began"]
 
 
 def undrawn_prepaid_spend(account: BillingAccount) -> Decimal:

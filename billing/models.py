@@ -204,8 +204,7 @@ class BillingAccount(models.Model):
     credit_drawn = MoneyField(default=Decimal(0))
     # Its prepaid usage changed and has not been drawn since: set with the rollups, cleared by the draw.
     credit_draw_due = models.BooleanField(default=False, db_default=False)
-    # When credit was last drawn: grants that expired since may still pay for the usage not drawn yet, which was made
-    # while they were active (`CreditGrantQuerySet.paying_for`). None: never drawn.
+    # When credit was last drawn: the usage not drawn yet finished after it (`ledger.undrawn_usage_began`). None: never.
     credit_drawn_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     # Payment standing (`billing.standing`): whether the Stripe customer has a default payment method, as
@@ -251,18 +250,18 @@ class CreditGrantQuerySet(models.QuerySet):
         now = now or timezone.now()
         return self.filter(granted_at__lte=now).filter(models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=now))
 
-    def paying_for(self, account: BillingAccount, now):
-        """The grants the account's usage not drawn yet is drawn from, soonest expiry first: those active now, and
-        those that expired since the last draw (that usage was made while they were active, in part at least).
+    def paying_for(self, organization_id: int, *, since, now):
+        """The grants the organisation's usage not drawn yet is drawn from, soonest expiry first: those active now, and
+        those that expired after `since`, when that usage began (`ledger.undrawn_usage_began`): it was made while they
+        were active, in part at least.
 
         NOTE: draws follow the rollups (every minute, later with the worker down). Usage made just before a grant
         expired but drawn after was drawn from the next grant while the expired one kept that amount as unspent: the
         customer paid for it twice. Usage made after the expiry but before the draw is drawn from the expired grant
         too (at most one draw's delay, of credit the customer bought); the credit left (`quota.rebuild`) never counts
         an expired grant's remainder beyond the usage not drawn yet."""
-        since = min(account.credit_drawn_at or account.created_at, now)
-        return (self.filter(organization_id=account.organization_id, granted_at__lte=now)
-                .filter(models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=since))
+        return (self.filter(organization_id=organization_id, granted_at__lte=now)
+                .filter(models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=min(since, now)))
                 .order_by(models.F("expires_at").asc(nulls_last=True), "granted_at", "pk"))
 
 

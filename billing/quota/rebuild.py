@@ -10,7 +10,7 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from django.utils import timezone
 
-from billing.ledger import period_spend, undrawn_prepaid_spend
+from billing.ledger import period_spend, undrawn_prepaid_spend, undrawn_usage_began
 from billing.models import ApiKeySpendCap, BillingAccount, CreditGrant
 from billing.periods import Period, period_containing
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
@@ -67,7 +67,9 @@ def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
     undrawn = undrawn_prepaid_spend(account)
     # NOTE: what expired since the last draw pays first for the usage not drawn yet, as the draw will take it
     # (`CreditGrantQuerySet.paying_for`), and never for anything more.
-    lapsed = [grant for grant in CreditGrant.objects.paying_for(account, now) if not grant.is_active(now)]
+    since = undrawn_usage_began(account) or now
+    lapsed = [grant for grant in CreditGrant.objects.paying_for(organization_id, since=since, now=now)
+              if not grant.is_active(now)]
     undrawn_on_active = max(undrawn - sum((grant.remaining for grant in lapsed), Decimal(0)), Decimal(0))
     available = sum((grant.remaining for grant in active), Decimal(0)) - undrawn_on_active
     changes = [g.expires_at for g in active if g.expires_at] + [g.granted_at for g in grants if g.granted_at > now]

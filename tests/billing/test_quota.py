@@ -262,6 +262,26 @@ def test_usage_made_before_a_grant_expired_is_drawn_from_it_even_when_drawn_afte
     assert lasting.consumed == Decimal("1")
 
 
+def test_a_grant_that_expired_unused_while_an_account_was_idle_pays_for_none_of_its_later_usage():
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    started = timezone.now() - timedelta(days=3)
+    unused = grant_credits(SYSTEM, organization, amount=Decimal("5"), expires_at=started + timedelta(hours=1),
+                           granted_at=started)
+    lasting = grant_credits(SYSTEM, organization, amount=Decimal("10"), expires_at=started + timedelta(days=60),
+                            granted_at=started)
+    assert draw_credits(organization.pk, now=started) == 0  # its last draw, days ago; none since (no usage)
+    record_usage(usage_report(endpoint, prompt_tokens=1_000_000, completion_tokens=0))  # $1, now
+
+    assert credit_available(organization.pk)[0] == Decimal("9")
+    assert draw_credits(organization.pk) == Decimal("1")
+    unused.refresh_from_db()
+    lasting.refresh_from_db()
+    assert (unused.consumed, lasting.consumed) == (Decimal("0"), Decimal("1"))
+
+
 def test_an_organisation_starts_with_the_platform_default_cap(settings):
     settings.DEFAULT_MONTHLY_SPEND_CAP = Decimal("25")
     organization = OrganizationFactory()
