@@ -65,7 +65,7 @@ def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
     grants = list(CreditGrant.objects.filter(organization_id=organization_id))
     active = [grant for grant in grants if grant.is_active(now)]
     undrawn = undrawn_prepaid_spend(account)
-    # NOTE: what expired since the last draw pays first for the usage not drawn yet, as the draw will take it
+    # NOTE: what expired after the usage not drawn yet began pays first for it, as the draw will take it
     # (`CreditGrantQuerySet.paying_for`), and never for anything more.
     since = undrawn_usage_began(account) or now
     lapsed = [grant for grant in CreditGrant.objects.paying_for(organization_id, since=since, now=now)

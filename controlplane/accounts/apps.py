@@ -1,5 +1,8 @@
 from django.apps import AppConfig
 
+# NOTE: connects its `user_logged_in` receiver; it imports no model, so it loads before the app registry is ready.
+from controlplane.accounts import staff_sessions  # noqa: F401
+
 
 class AccountsConfig(AppConfig):
     """Organisations, members, invitations, API keys, plans and the audit log.
@@ -12,6 +15,3 @@ class AccountsConfig(AppConfig):
     label = "controlplane"
     verbose_name = "Accounts and organisations"
     default_auto_field = "django.db.models.BigAutoField"
-
-    def ready(self) -> None:
-        from controlplane.accounts import staff_sessions  # noqa: F401 - connects its receiver

@@ -84,24 +84,25 @@ class Gateway:
         NOTE: Django reads a whole body (to a temporary file past 2.5 MB) before any view runs: anyone without a key
         could have it write up to the upload limit (200 MiB) to the web pod's disk per request."""
         started, request_id = time.monotonic(), new_request_id()
-        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        headers = _headers_of(scope)
         try:
             await auth.authenticate(headers)
             declared = headers.get("content-length", "")
             if declared.isascii() and declared.isdigit() and int(declared) > settings.FILES_MAX_BYTES:
                 raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
             return True
-        except Exception as exc:  # noqa: BLE001 - answered as the request's own answer would be
-            refusal = exc if isinstance(exc, errors.OpenAIError) else None
-            if refusal is None and errors.is_outage(exc):
-                refusal = errors.service_unavailable()
-            if refusal is None:
+        except errors.OpenAIError as exc:
+            refusal = exc
+        except Exception as exc:
+            if not errors.is_outage(exc):
                 raise
-            await _discard_body(receive)  # at most `MAX_BODY_BYTES` of it: past that the connection closes
-            await _respond(send, refusal.status, refusal.body(), headers=refusal.headers | {"x-request-id": request_id},
-                           raw_headers=RateLimitReport.unauthenticated().headers())
-            log_answer(scope, refusal.status, started, request_id)
-            return False
+            logger.warning("gateway upload %s: %r", request_id, exc)
+            refusal = errors.service_unavailable()
+        await _discard_body(receive)  # at most `MAX_BODY_BYTES` of it: past that the connection closes
+        await _respond(send, refusal.status, refusal.body(), headers=refusal.headers | {"x-request-id": request_id},
+                       raw_headers=RateLimitReport.unauthenticated().headers())
+        log_answer(scope, refusal.status, started, request_id)
+        return False
 
     async def _metrics(self, scope, receive, send):
         started = time.monotonic()
@@ -138,7 +139,7 @@ class Gateway:
     async def _handle(self, scope, receive, send):
         started = time.monotonic()
         request_id = new_request_id()
-        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        headers = _headers_of(scope)
         path, method = scope["path"], scope["method"]
         ratelimit = RateLimitReport()  # every answer's x-ratelimit-* headers, filled in as the request goes
         try:
@@ -250,6 +251,10 @@ def _freeze_startup_objects() -> None:
     # NOTE: a request allocates a few thousand objects, nearly all freed by reference counting; at the
     # default threshold (700) a young-generation collection ran about once per request.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
+def _headers_of(scope) -> dict[str, str]:
+    return {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
 
 
 async def _read_body(receive) -> bytes:
