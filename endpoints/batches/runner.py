@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -159,11 +159,49 @@ async def free_slots(organization_id: int, endpoint_id: str, *, target_concurren
                                   num_outstanding=sum(int(c or 0) for c in counts), num_batch_in_flight=num_batch_in_flight)
 
 
-async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: float,
+class _Pending:
+    """The lines still to start: those to try again first, then the input's next, read (in a worker thread: the input
+    comes from S3 a part at a time) one ahead of its start. An error reading the input stops the reads; it is raised
+    once the lines that run have ended (`raise_failure`)."""
+
+    def __init__(self, fresh: Iterator[Line]):
+        self._fresh = fresh
+        self._again: deque[Line] = deque()
+        self._next: Line | None = None
+        self.failure: Exception | None = None
+
+    async def read_ahead(self) -> None:
+        if self._next is None and self.failure is None:
+            try:
+                self._next = await asyncio.to_thread(next, self._fresh, None)
+            except Exception as exc:  # raised by `raise_failure` once what runs has ended
+                self.failure = exc
+
+    def __bool__(self) -> bool:
+        return bool(self._again) or self._next is not None
+
+    async def take(self) -> Line:
+        if self._again:
+            return self._again.popleft()
+        line, self._next = self._next, None
+        await self.read_ahead()
+        return line
+
+    def again(self, line: Line) -> None:
+        self._again.append(line)
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+
+async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: float,
               keep_going: Callable[[Progress], str], store: Callable[[LineOutcome], None],
               lines_end_by: float | None = None) -> Progress:
-    """Run `todo` until done, stopped or out of time. `keep_going(progress)` (sync, ORM: renews the lease,
-    writes the counts) returns "" to go on, or why to stop starting lines; `store` keeps a finished line."""
+    """Run `todo` (read as lines start) until done, stopped or out of time: every line ends within `LINES_END_WITHIN_S`
+    of the first line's read, and by `lines_end_by` (monotonic). `keep_going(progress)` (sync, ORM: renews the lease,
+    writes the counts) returns "" to go on, or why to stop starting lines; `store` keeps a finished line. An error
+    reading `todo` stops the run's starts and is raised once its lines in flight have ended and been kept."""
     endpoint = await directory.find_endpoint(work.organization_id, work.model)
     if endpoint is None:
         progress.stopped = "gone"
@@ -173,16 +211,18 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
     # (`presence.end_later`), before a line of the same id (a retry) is admitted again and confused with it.
     await presence.start()
     usage_writer.writer_for_this_loop().replay_soon()  # usage an earlier run (or a dead worker) journaled
-    pending: deque[Line] = deque(todo)
+    pending = _Pending(todo)
     running: dict[asyncio.Task, Line] = {}
     ends_at = time.monotonic() + slice_s
-    answer_deadline = lines_end_by if lines_end_by is not None else time.monotonic() + LINES_END_WITHIN_S
     last_check, pause_until = 0.0, 0.0
     no_slot_since: float | None = None  # since when no line could start and none ran
     # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
     try:
+        await pending.read_ahead()  # NOTE: a slow read of the input (S3, a long skip) is not counted against the lines
+        answer_deadline = min(time.monotonic() + LINES_END_WITHIN_S,
+                              lines_end_by if lines_end_by is not None else float("inf"))
         while pending or running:
             now = time.monotonic()
             if now - last_check >= CHECK_EVERY_S:
@@ -206,7 +246,7 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
                 for _ in range(max(0, (slots or 0) - len(running))):
                     if not pending:
                         break
-                    line = pending.popleft()
+                    line = await pending.take()
                     running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline))] = line
             if not running:
                 if progress.stopped or not pending:
@@ -218,7 +258,7 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
                 line = running.pop(task)
                 outcome = task.result()
                 if outcome.retry:
-                    pending.append(line)
+                    pending.again(line)
                     pause_until = time.monotonic() + RETRY_PAUSE_S
                     continue
                 await asyncio.to_thread(store, outcome)
@@ -230,4 +270,5 @@ async def run(work: Work, todo: list[Line], progress: Progress, *, slice_s: floa
         await client.close()
         await usage_writer.replay_before_the_loop_ends(REPLAY_JOURNAL_FOR_S)
     await check(progress)  # the last counts
+    pending.raise_failure()
     return progress

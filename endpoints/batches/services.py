@@ -19,7 +19,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Iterator
 from datetime import timedelta
 
 from celery import current_app
@@ -45,7 +45,7 @@ from endpoints.batches.models import (
     new_file_id,
 )
 from endpoints.batches.text import storable
-from endpoints.batches.validation import Line, LineError, parse_lines
+from endpoints.batches.validation import Line, LineError, parse_lines, read_lines
 from endpoints.events import record_event_once
 from endpoints.gateway.auth import Caller
 from endpoints.models import Endpoint, EventKind, Replica
@@ -309,14 +309,13 @@ def run_batch(batch_id: str) -> str:
     outcome = ""
     try:
         batch = Batch.objects.select_related("input_file", "endpoint").get(pk=batch_id)
-        lines = None
         if batch.status == BatchStatus.VALIDATING:
             _hold_lease_through_a_long_step(batch_id, token)
-            batch, lines = validate_batch(batch)
+            batch = validate_batch(batch)
         outcome = batch.status
         if batch.status == BatchStatus.IN_PROGRESS:
             try:
-                outcome = _run_lines(batch, token, lines=lines, started=started)
+                outcome = _run_lines(batch, token, started=started)
             except storage.ObjectGone:
                 _hold_lease_through_a_long_step(batch_id, token)
                 _end_without_input(batch)
@@ -337,39 +336,38 @@ def run_batch(batch_id: str) -> str:
         _release(batch_id, token, queue_again_in_s=FULL_RETRY_S if outcome == "full" else 0)
 
 
-def validate_batch(batch: Batch) -> tuple[Batch, list[Line] | None]:
-    """Check every line (`validation.parse_lines`) and the model they name: `in_progress` (with its lines, read
-    once for the run that checked them), or `failed` with one error per bad line. Nothing runs from a bad file.
-    A batch whose check began `MAX_VALIDATION_ATTEMPTS` times and never ended fails."""
+def validate_batch(batch: Batch) -> Batch:
+    """Check every line (`validation.parse_lines`, a part of the file at a time) and the model they name: `in_progress`,
+    or `failed` with one error per bad line. Nothing runs from a bad file. A batch whose check began
+    `MAX_VALIDATION_ATTEMPTS` times and never ended fails."""
     Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
         num_validation_attempts=F("num_validation_attempts") + 1)
     batch.refresh_from_db()
     if batch.status != BatchStatus.VALIDATING:
-        return batch, None
+        return batch
     if batch.num_validation_attempts > MAX_VALIDATION_ATTEMPTS:
         return _fail_validation(batch, [LineError(1, "validation_failed", f"The input file could not be checked "
                                                   f"({MAX_VALIDATION_ATTEMPTS} attempts failed); check its lines and "
-                                                  "create the batch again.")]), None
+                                                  "create the batch again.")])
     try:
-        data = storage.read_bytes(batch.input_file.s3_key)
+        checked = parse_lines(storage.read_parts(batch.input_file.s3_key), request_path=batch.request_path,
+                              kind=BATCH_PATHS[batch.request_path], max_lines=settings.BATCH_MAX_LINES)
     except storage.ObjectGone:  # NOTE: only a missing object: S3 failing (retried by boto3) fails this attempt alone
         logger.warning("batch %s: its input file is gone", batch.pk)
-        checked_errors, lines, endpoint = [LineError(1, "file_not_found", "The input file could not be read.")], [], None
+        checked_errors, endpoint = [LineError(1, "file_not_found", "The input file could not be read.")], None
     else:
-        checked = parse_lines(data, request_path=batch.request_path, kind=BATCH_PATHS[batch.request_path],
-                              max_lines=settings.BATCH_MAX_LINES)
-        checked_errors, lines, endpoint = checked.errors, checked.lines, None
+        checked_errors, endpoint = checked.errors, None
         if not checked_errors:
             endpoint = Endpoint.objects.live().filter(organization_id=batch.organization_id, name=checked.model).first()
             if endpoint is None:
                 checked_errors = [LineError(1, "model_not_found", f"The model '{checked.model}' does not exist or you do "
                                                                   "not have access to it.", "body.model")]
     if checked_errors:
-        return _fail_validation(batch, checked_errors), None
+        return _fail_validation(batch, checked_errors)
     Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
-        status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), endpoint=endpoint, num_total=len(lines))
+        status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), endpoint=endpoint, num_total=checked.num_lines)
     batch.refresh_from_db()
-    return batch, lines
+    return batch
 
 
 def _fail_validation(batch: Batch, problems: list[LineError]) -> Batch:
@@ -401,10 +399,10 @@ def _end_without_input(batch: Batch) -> None:
     finalize_batch(batch, BatchStatus.FAILED, errors=[LineError(1, "file_not_found", INPUT_GONE_MESSAGE).as_openai()])
 
 
-def _lines_of(batch: Batch) -> list[Line]:
-    checked = parse_lines(storage.read_bytes(batch.input_file.s3_key), request_path=batch.request_path,
-                          kind=BATCH_PATHS[batch.request_path], max_lines=settings.BATCH_MAX_LINES)
-    return checked.lines
+def _input_lines(batch: Batch, *, skip: Container[int] = ()) -> Iterator[Line]:
+    """The batch's lines but those in `skip`, read from its input a part at a time as they are asked for
+    (`storage.ObjectGone` once it is gone)."""
+    return read_lines(storage.read_parts(batch.input_file.s3_key), skip=skip)
 
 
 def caller_of(batch: Batch) -> Caller | None:
@@ -436,24 +434,22 @@ def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:
                           "may no longer call the API (revoked, expired, removed or a viewer)", batch_id=batch.pk)
 
 
-def _run_lines(batch: Batch, token: str, *, lines: list[Line] | None, started: float) -> str:
-    """Run the lines not yet done, each waited for at most `runner.LINES_END_WITHIN_S` from the input's read (the
-    first run reuses the lines its validation read), and all of them ended within the task's time limit, counted
-    from `started`, less `RUN_FINISH_MARGIN_S`."""
+def _run_lines(batch: Batch, token: str, *, started: float) -> str:
+    """Run the lines not yet done, read from the input as slots free, each waited for at most
+    `runner.LINES_END_WITHIN_S` from the first one's read, and all of them ended within the task's time limit,
+    counted from `started` (before the input's check, in a batch's first run), less `RUN_FINISH_MARGIN_S`."""
     caller = caller_of(batch)
     if caller is None:
         _stop_as_its_caller_may_not_spend(batch)
         return "cancel"
-    if lines is None and asyncio.run(runner.free_slots(batch.organization_id, batch.endpoint_id,
-                                                       target_concurrency=batch.endpoint.target_concurrency)) == 0:
+    if asyncio.run(runner.free_slots(batch.organization_id, batch.endpoint_id,
+                                     target_concurrency=batch.endpoint.target_concurrency)) == 0:
         return "full"  # NOTE: before its input is read: a run per `FULL_RETRY_S` must not read 200 MB each time
     _hold_lease_through_a_long_step(batch.pk, token)  # renewed each second once its lines run
-    if lines is None:
-        lines = _lines_of(batch)
     done = storage.result_indices(batch.organization_id, batch.pk)
-    todo = [line for line in lines if line.index not in done]
-    read_at = time.monotonic()
-    lines_end_by = min(read_at + runner.LINES_END_WITHIN_S, started + RUN_TIME_LIMIT_S - RUN_FINISH_MARGIN_S)
+    todo = _input_lines(batch, skip=done)
+    num_todo = max(0, batch.num_total - len(done))
+    lines_end_by = started + RUN_TIME_LIMIT_S - RUN_FINISH_MARGIN_S
     progress = runner.Progress(num_completed=sum(1 for ok in done.values() if ok),
                                num_failed=sum(1 for ok in done.values() if not ok))
     endpoint = batch.endpoint
@@ -461,11 +457,11 @@ def _run_lines(batch: Batch, token: str, *, lines: list[Line] | None, started: f
                        kind=BATCH_PATHS[batch.request_path], request_path=batch.request_path, caller=caller,
                        price_fraction=endpoint.batch_price_fraction, target_concurrency=endpoint.target_concurrency,
                        expires_at=batch.expires_at.timestamp())
-    if todo and lines_end_by - runner.LINE_MIN_WAIT_S <= time.monotonic():
-        record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk}: reading its input took {read_at - started:.0f} s, "
-                          "too long for this run to start a line in time; the next run reads it again", batch_id=batch.pk)
-    elif todo:
-        record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk}: {len(todo)} line(s) fill spare slots of READY replicas "
+    if num_todo and lines_end_by - runner.LINE_MIN_WAIT_S <= time.monotonic():
+        record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk}: checking its input took {time.monotonic() - started:.0f} s, "
+                          "too long for this run to start a line in time; the next run starts them", batch_id=batch.pk)
+    elif num_todo:
+        record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk}: {num_todo} line(s) fill spare slots of READY replicas "
                              f"(engine priority {scheduling.BATCH_ENGINE_PRIORITY})", batch_id=batch.pk)
 
     def keep_going(progress: runner.Progress) -> str:
@@ -530,6 +526,18 @@ def sweep_ended_results(now=None) -> int:
     return sum(_delete_results(batch) for batch in ended)
 
 
+def _unrun_rows(batch: Batch, done: Container[int]) -> Iterator[bytes]:
+    """The error file's row of each line an expired batch never ran, read from its input as the file is written."""
+    try:
+        for line in _input_lines(batch, skip=done):
+            yield json.dumps({"id": f"batch_req_{batch.pk.removeprefix('batch_')}_{line.index}", "custom_id": line.custom_id,
+                              "response": None, "error": {"code": "batch_expired",
+                                                          "message": "This request could not be executed before the "
+                                                                     "completion window expired."}}).encode()
+    except storage.ObjectGone:  # their custom ids went with it: the batch still ends
+        logger.warning("batch %s expired with its input file gone: its unrun lines are not all listed", batch.pk)
+
+
 def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None) -> None:
     """Write the output and error files from the line results kept in S3 and end the batch as
     `final` (completed, expired, cancelled, or failed with `errors`). Safe to repeat: a batch already ended is left
@@ -543,23 +551,15 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
     # other tenants' runs in it) at every try, its lines billed and its files never written.
     keys = storage.result_keys(batch.organization_id, batch.pk)
     num_ok = sum(1 for _, ok in keys.values() if ok)
-    unrun: list[bytes] = []
-    if final == BatchStatus.EXPIRED:
-        try:
-            lines = [line for line in _lines_of(batch) if line.index not in keys]
-        except storage.ObjectGone:  # their custom ids went with it: the batch still ends
-            logger.warning("batch %s expired with its input file gone: its unrun lines are not listed", batch.pk)
-            lines = []
-        unrun = [json.dumps({"id": f"batch_req_{batch.pk.removeprefix('batch_')}_{line.index}", "custom_id": line.custom_id,
-                             "response": None, "error": {"code": "batch_expired",
-                                                         "message": "This request could not be executed before the "
-                                                                    "completion window expired."}}).encode()
-                 for line in lines]
+    unrun = _unrun_rows(batch, keys) if final == BatchStatus.EXPIRED else iter(())
+    first_unrun = next(unrun, None)
+    if first_unrun is not None:
+        unrun = itertools.chain((first_unrun,), unrun)
     output = (_store_output(batch.organization_id, f"{batch.pk}_output.jsonl", storage.result_bodies(keys, ok=True))
               if num_ok else None)
     error = (_store_output(batch.organization_id, f"{batch.pk}_error.jsonl",
                            itertools.chain(storage.result_bodies(keys, ok=False), unrun))
-             if len(keys) > num_ok or unrun else None)
+             if len(keys) > num_ok or first_unrun is not None else None)
     files = [file for file in (output, error) if file is not None]
     stamp = {BatchStatus.COMPLETED: "completed_at", BatchStatus.EXPIRED: "expired_at",
              BatchStatus.CANCELLED: "cancelled_at", BatchStatus.FAILED: "failed_at"}[final]

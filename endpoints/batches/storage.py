@@ -25,6 +25,9 @@ from botocore.exceptions import ClientError
 from django.conf import settings
 
 RESULT_DIGITS = 7
+# A batch's input is read in ranged parts of this size (`read_parts`): never whole in memory, and no connection
+# held open through a long run.
+INPUT_PART_BYTES = 8 * 1024 * 1024
 READ_THREADS = 16  # within the client's connection pool (32)
 # A batch's output and error files go up two 8 MiB parts at a time (boto3's default sends ten at once: 80 MiB held).
 OUTPUT_TRANSFER = TransferConfig(multipart_chunksize=8 * 1024 * 1024, max_concurrency=2)
@@ -58,13 +61,45 @@ class ObjectGone(Exception):
 GONE_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "AccessDenied", "404", "403"})
 
 
+def _error_code(exc: ClientError) -> str | None:
+    return exc.response.get("Error", {}).get("Code")
+
+
 def read_bytes(key: str) -> bytes:
     try:
         return _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)["Body"].read()
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in GONE_CODES:
+        if _error_code(exc) in GONE_CODES:
             raise ObjectGone(key) from exc
         raise
+
+
+def read_parts(key: str, *, part_bytes: int | None = None) -> Iterator[bytes]:
+    """The object's bytes in order, one ranged GET of `part_bytes` at a time, each asked as the one before is used: at
+    most a part in memory, and no connection held while the caller works. Every part is of the version the first
+    was (`If-Match` its ETag): an object replaced meanwhile is `ObjectGone`, never two versions spliced."""
+    part_bytes = part_bytes or INPUT_PART_BYTES
+    start, etag = 0, None
+    while True:
+        asked = {"IfMatch": etag} if etag else {}
+        try:
+            answer = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key,
+                                          Range=f"bytes={start}-{start + part_bytes - 1}", **asked)
+        except ClientError as exc:
+            code = _error_code(exc)
+            if code == "InvalidRange" and start == 0:
+                return  # an empty object has no range to ask for
+            if code in GONE_CODES or code in ("PreconditionFailed", "412"):
+                raise ObjectGone(key) from exc
+            raise
+        etag = answer["ETag"]
+        data = answer["Body"].read()
+        if data:
+            yield data
+        start += len(data)
+        total = int(answer.get("ContentRange", "").rpartition("/")[2] or start)
+        if not data or start >= total:
+            return
 
 
 def open_stream(key: str):

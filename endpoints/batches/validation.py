@@ -11,6 +11,7 @@ nothing runs.
 from __future__ import annotations
 
 import json
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from endpoints.batches.text import is_plain, shown
@@ -25,7 +26,7 @@ MAX_CUSTOM_ID = 512
 class Line:
     index: int  # 0-based line number among the file's non-empty lines
     custom_id: str
-    body: dict
+    body: dict  # the request's body as the file has it (the gateway's checks run on it again as it runs)
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,44 +44,79 @@ class LineError:
 
 @dataclass(slots=True, frozen=True)
 class Checked:
-    lines: list[Line]
+    num_lines: int  # the requests of a file without errors (0 with any)
     errors: list[LineError]
     model: str | None
 
 
-def parse_lines(data: bytes, *, request_path: str, kind: str, max_lines: int) -> Checked:
-    """The file's lines, or the errors that refuse it (model lookup is the caller's: `model`)."""
-    lines: list[Line] = []
+def split_lines(parts: Iterable[bytes], *, max_line_bytes: int = MAX_BODY_BYTES) -> Iterator[tuple[int, bytes | None]]:
+    """Each line of a file read in `parts` (split at `\\n` alone, as JSON Lines are), with its 1-based number; None
+    for one longer than `max_line_bytes`, whose bytes are dropped as they come: never more than a line held."""
+    number, carried, size, oversized = 0, [], 0, False
+    for part in parts:
+        start = 0
+        while (end := part.find(b"\n", start)) >= 0:
+            number += 1
+            piece = part[start:end]
+            if oversized or size + len(piece) > max_line_bytes:
+                yield number, None
+            else:
+                yield number, b"".join((*carried, piece)) if carried else piece
+            carried, size, oversized, start = [], 0, False, end + 1
+        rest = part[start:]
+        size += len(rest)
+        if size > max_line_bytes:
+            carried, oversized = [], True
+        elif rest and not oversized:
+            carried.append(rest)
+    if size:
+        yield number + 1, None if oversized else b"".join(carried)
+
+
+def _decoded(raw: bytes | None) -> str | None:
+    """A line's text, or None for one that is not UTF-8."""
+    try:
+        return raw.decode("utf-8") if raw is not None else None
+    except UnicodeDecodeError:
+        return None
+
+
+def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lines: int) -> Checked:
+    """Check a file read in `parts`, a line at a time (model lookup is the caller's: `model`). What is kept besides a
+    line is its custom id: a file is never held whole, nor its lines parsed (a 200 MiB input held as bytes, text and
+    lines, then parsed, took a batch worker several times its memory limit)."""
+    num_lines = 0
     problems: list[LineError] = []
     seen: set[str] = set()
     models: set[str] = set()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return Checked([], [LineError(1, "invalid_json", "The file is not UTF-8 text.")], None)
-    raw_lines = [(number, raw) for number, raw in enumerate(text.splitlines(), start=1) if raw.strip()]
-    if not raw_lines:
-        return Checked([], [LineError(1, "empty_file", "The input file has no requests.")], None)
-    if len(raw_lines) > max_lines:
-        return Checked([], [LineError(max_lines + 1, "too_many_requests",
-                                      f"A batch may hold at most {max_lines} requests.")], None)
 
     def refuse(number: int, code: str, message: str, param: str | None = None) -> None:
         if len(problems) < MAX_ERRORS:
             problems.append(LineError(number, code, message, param))
 
-    for number, raw in raw_lines:
-        # NOTE: before the line is decoded, as the gateway refuses such a body before decoding it: one line of 15 MiB
-        # of `{},` took a batch worker ~1.2 GiB (its container's limit, with every other tenant's run in it).
-        if len(raw) > MAX_BODY_BYTES or (len(raw) > MAX_BODY_BYTES // 4
-                                          and len(raw.encode("utf-8", "surrogatepass")) > MAX_BODY_BYTES):
+    for number, raw in split_lines(parts):
+        # NOTE: its size before the line is decoded, as the gateway refuses such a body before decoding it: one line
+        # of 15 MiB of `{},` took a batch worker ~1.2 GiB (its container's limit, with every other tenant's run in it).
+        if raw is None:
             refuse(number, "line_too_large", f"A line may hold at most {MAX_BODY_BYTES} bytes, as a request may.")
+            num_lines += 1
             continue
-        if has_too_many_json_items(raw):
+        text = _decoded(raw)
+        if text is None:
+            refuse(number, "invalid_json", "This line is not UTF-8 text.")
+            num_lines += 1
+            continue
+        if not text.strip():
+            continue
+        num_lines += 1
+        if num_lines > max_lines:
+            return Checked(0, [LineError(number, "too_many_requests", f"A batch may hold at most {max_lines} requests.")],
+                           None)
+        if has_too_many_json_items(text):
             refuse(number, "line_too_large", f"A line may hold at most {MAX_JSON_ITEMS:,} JSON elements, as a request may.")
             continue
         try:
-            request = json.loads(raw)
+            request = json.loads(text)
         except (ValueError, RecursionError):
             refuse(number, "invalid_json", "This line is not valid JSON.")
             continue
@@ -118,7 +154,29 @@ def parse_lines(data: bytes, *, request_path: str, kind: str, max_lines: int) ->
             refuse(number, exc.code or "invalid_request", exc.message, f"body.{exc.param}" if exc.param else "body")
             continue
         models.add(payload["model"])
-        lines.append(Line(len(lines), custom_id, payload))
+    if not num_lines:
+        return Checked(0, [LineError(1, "empty_file", "The input file has no requests.")], None)
     if not problems and len(models) > 1:
         problems.append(LineError(1, "mismatched_model", "Every request of a batch must name the same model.", "body.model"))
-    return Checked(lines if not problems else [], problems, next(iter(models)) if len(models) == 1 else None)
+    return Checked(num_lines if not problems else 0, problems, next(iter(models)) if len(models) == 1 else None)
+
+
+def read_lines(parts: Iterable[bytes], *, skip: Container[int] = ()) -> Iterator[Line]:
+    """The requests of a file `parse_lines` accepted, read a line at a time, but those whose index is in `skip` (parsed
+    only when not skipped). A line that no longer reads as it did gives an empty body: the gateway's own checks
+    refuse it when it runs, and it ends as a failed line rather than never ending."""
+    index = -1
+    for _, raw in split_lines(parts):
+        text = _decoded(raw)
+        if text is not None and not text.strip():
+            continue
+        index += 1
+        if index in skip:
+            continue
+        try:
+            request = json.loads(text) if text is not None else {}
+        except (ValueError, RecursionError):
+            request = {}
+        request = request if isinstance(request, dict) else {}
+        custom_id, body = request.get("custom_id"), request.get("body")
+        yield Line(index, custom_id if isinstance(custom_id, str) else "", body if isinstance(body, dict) else {})

@@ -77,16 +77,17 @@ def test_a_batch_past_its_window_whose_input_is_gone_still_ends(files_bucket):
 def test_s3_failing_while_a_batch_is_checked_fails_that_attempt_alone(files_bucket, monkeypatch):
     endpoint = EndpointFactory(max_model_len=2048)
     batch = new_batch(endpoint, _input(endpoint))
-    read_bytes = storage.read_bytes
+    read_parts = storage.read_parts
 
-    def unreachable(key):
+    def unreachable(key, **kwargs):
         raise EndpointConnectionError(endpoint_url="http://s3.invalid")
+        yield b""
 
-    monkeypatch.setattr(storage, "read_bytes", unreachable)
+    monkeypatch.setattr(storage, "read_parts", unreachable)
     with pytest.raises(EndpointConnectionError):
         services.run_batch(batch.pk)  # the task fails; the next tick runs the batch again
     assert Batch.objects.get(pk=batch.pk).status == BatchStatus.VALIDATING
 
-    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    monkeypatch.setattr(storage, "read_parts", read_parts)
     services.run_batch(batch.pk)
     assert Batch.objects.get(pk=batch.pk).status == BatchStatus.IN_PROGRESS

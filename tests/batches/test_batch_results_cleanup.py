@@ -6,6 +6,7 @@ a cancel that raced the endpoint's deletion keeps the results its files are writ
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from datetime import timedelta
 
@@ -40,7 +41,7 @@ def _running_batch() -> Batch:
 
 def _finish_lines(batch: Batch, count: int) -> None:
     """The first `count` lines' results in S3, as a run writes them."""
-    for line in services._lines_of(batch)[:count]:
+    for line in itertools.islice(services._input_lines(batch), count):
         outcome = runner.LineOutcome(line, 200, {"choices": [{"text": line.custom_id}]}, f"{batch.pk}-{line.index}")
         storage.put_result(batch.organization_id, batch.pk, line.index, outcome.output(batch.pk), ok=True)
 

@@ -71,8 +71,8 @@ def test_a_batch_whose_endpoint_has_no_free_slot_gives_its_worker_back_without_r
     assert 0 < get_redis().ttl(batch_dispatch_key(batch.pk)) <= services.FULL_RETRY_S, "queued again a little later"
 
     reads = []
-    read_bytes = storage.read_bytes
-    monkeypatch.setattr(storage, "read_bytes", lambda key: reads.append(key) or read_bytes(key))
+    read_parts = storage.read_parts
+    monkeypatch.setattr(storage, "read_parts", lambda key, **kwargs: reads.append(key) or read_parts(key, **kwargs))
     assert services.run_batch(batch.pk) == "full"
     assert reads == [], "a 200 MB input is not read again for a run that can start no line"
 

@@ -217,9 +217,9 @@ def test_a_batch_line_larger_than_a_request_may_be_is_refused_before_it_is_decod
     line = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "x": [' + \
         b"{}," * 3_000_000 + b'{}]}}'
     tracemalloc.start()
-    checked = parse_lines(line + b"\n", request_path="/v1/completions", kind="completion", max_lines=10)
+    checked = parse_lines([line + b"\n"], request_path="/v1/completions", kind="completion", max_lines=10)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
 
-    assert [error.code for error in checked.errors] == ["line_too_large"] and not checked.lines
+    assert [error.code for error in checked.errors] == ["line_too_large"] and not checked.num_lines
     assert peak < 4 * len(line)  # the file's text and its lines, never the line's elements (~1.2 GiB)

@@ -62,7 +62,7 @@ def test_errors_postgresql_refuses_still_fail_the_batch_with_an_error_that_says_
             return {"code": self.code, "message": "quoted \x00 as it came", "param": None, "line": self.line}
 
     monkeypatch.setattr(services, "parse_lines",
-                        lambda *args, **kwargs: Checked([], [QuotedAsItCame(1, "invalid_json", "x")], None))
+                        lambda *args, **kwargs: Checked(0, [QuotedAsItCame(1, "invalid_json", "x")], None))
 
     services.run_batch(batch.pk)
 
