@@ -11,6 +11,7 @@ from rest_framework.response import Response
 from controlplane.accounts.api import OrganizationScopedMixin
 from controlplane.accounts.models import Role
 from controlplane.accounts.tenancy import request_membership
+from controlplane.integrity import RowLockedUpdateMixin
 from endpoints import adapters, credentials, services
 from endpoints import stats as endpoint_stats
 from endpoints.models import Adapter, Endpoint, ModelCredential, Replica
@@ -25,7 +26,7 @@ from endpoints.serializers import (
 )
 
 
-class EndpointViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
+class EndpointViewSet(RowLockedUpdateMixin, OrganizationScopedMixin, viewsets.ModelViewSet):
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
     def get_queryset(self):
@@ -86,7 +87,7 @@ class EndpointViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
         return Response({"results": endpoint_stats.ColdStartSerializer(rows, many=True).data})
 
 
-class CredentialViewSet(OrganizationScopedMixin, viewsets.ModelViewSet):
+class CredentialViewSet(RowLockedUpdateMixin, OrganizationScopedMixin, viewsets.ModelViewSet):
     """Your organisation's credentials for model sources. Secrets are write-only: no answer ever
     contains them; `secrets_set` names the ones stored. Members read (to pick one for an endpoint);
     admins and owners create, replace and delete."""

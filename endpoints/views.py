@@ -8,6 +8,7 @@ from datetime import UTC, timedelta
 from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
+from django.db import transaction
 from django.db.models import Prefetch
 from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -157,10 +158,16 @@ def endpoint_new(request):
 
 @member_required(write=Role.MEMBER)
 def endpoint_edit(request, pk):
-    endpoint = _endpoint_or_404(request, pk)
     if request.method != "POST":
+        endpoint = _endpoint_or_404(request, pk)
         initial = EndpointForm.initial_for(endpoint)
         return _wizard(request, EndpointForm(initial=initial, organization=request.organization), endpoint=endpoint)
+    with transaction.atomic():  # NOTE: checked against the row as it is (`integrity.RowLockedUpdateMixin`)
+        return _save_endpoint_edit(request, get_object_or_404(_endpoints(request.organization).select_for_update(
+            of=("self",)), pk=pk))
+
+
+def _save_endpoint_edit(request, endpoint):
     form = EndpointForm(request.POST, organization=request.organization)
     serializer = EndpointSerializer(
         endpoint, data=form.serializer_data(request.POST), context={"organization": request.organization}
@@ -232,13 +239,19 @@ def credential_list(request):
 
 @member_required(write=Role.ADMIN)
 def credential_edit(request, pk):
-    credential = _credential_or_404(request, pk)
     if not request.membership.can(Role.ADMIN):
         raise PermissionDenied("This needs the admin role or higher.")
-    fields = ("name",) + credentials.PUBLIC_FIELDS[credential.kind]
     if request.method != "POST":
+        credential = _credential_or_404(request, pk)
+        fields = ("name",) + credentials.PUBLIC_FIELDS[credential.kind]
         form = CredentialForm(initial={name: getattr(credential, name) for name in fields})
         return _credential_page(request, credential, form)
+    with transaction.atomic():  # NOTE: checked against the row as it is (`integrity.RowLockedUpdateMixin`)
+        return _save_credential_edit(request, get_object_or_404(
+            ModelCredential.objects.filter(organization=request.organization).select_for_update(), pk=pk))
+
+
+def _save_credential_edit(request, credential):
     form = CredentialForm(request.POST)
     serializer = CredentialSerializer(credential, data=form.serializer_data(request.POST), partial=True,
                                       context={"organization": request.organization})

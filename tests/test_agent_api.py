@@ -8,7 +8,7 @@ from endpoints.fleet.services import create_join_token
 from endpoints.models import EndpointEvent, Replica
 from endpoints.nodes.models import JoinToken, Node
 from endpoints.scheduler import reconcile_endpoint
-from gpu_agent.protocol import Heartbeat, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import Heartbeat, NodeState, ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory
 
 pytestmark = pytest.mark.django_db
@@ -207,3 +207,24 @@ def test_a_heartbeat_with_model_figures_past_the_columns_is_taken_with_its_repli
     facts = ModelFacts.objects.get(source="/models/tenant")
     assert (facts.max_model_len, facts.num_params, facts.weights_bytes) == (2**31 - 1, 2**62, 2**62)
     assert facts.architecture == "LlamaForCausalLM" and facts.checkpoint_quantization["quant_method"] == "awq"
+
+
+def test_an_endpoint_whose_spec_cannot_be_built_fails_alone_and_the_nodes_heartbeat_is_answered(client, agent):
+    # Its row held what the protocol refuses (two PATCHes at once, each valid alone): every heartbeat of the node was
+    # a 500, the node went OFFLINE with every other tenant's replica on it, and the endpoint moved to the next node.
+    broken = EndpointFactory(gpu_type="cpu", min_replicas=1, max_replicas=1, model_source="/models/tiny",
+                             speculative_method="ngram")
+    other = EndpointFactory(gpu_type="cpu", min_replicas=1, max_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(broken.pk))
+    reconcile_endpoint(str(other.pk))
+    type(broken).objects.filter(pk=broken.pk).update(prompt_lookup_min=3, prompt_lookup_max=1)
+
+    response = beat(client, agent["node_secret"])
+
+    assert response.status_code == 200
+    assert [spec["endpoint_id"] for spec in response.json()["desired"]] == [str(other.pk)]
+    [replica] = Replica.objects.filter(endpoint=broken)
+    assert replica.state == ReplicaState.FAILED and "cannot run" in replica.failure_reason
+    broken.refresh_from_db()
+    assert broken.failed_at is not None and "cannot run" in broken.status_message
+    assert Node.objects.get(pk=agent["node_id"]).state == NodeState.READY

@@ -6,8 +6,11 @@ address or organisation name, and a login link that points back at itself."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection, transaction
 from django.test import Client
 
 from controlplane.accounts import forms as account_forms
@@ -158,3 +161,33 @@ def test_a_login_link_back_to_the_login_page_sends_a_signed_in_user_to_the_conso
     response = _console(owner_client.user, org).get("/login/", {"next": "/login/"})
 
     assert response.status_code == 302 and response["Location"] == "/console/"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_edit_is_checked_against_the_row_another_edit_leaves(owner_client):
+    # Both PATCHes were checked against the row as it was before either (each valid alone) and both applied: a
+    # lookup window whose minimum is above its maximum, refused by every heartbeat of the nodes running it.
+    endpoint = EndpointFactory(organization=owner_client.organization, speculative_method="ngram",
+                               prompt_lookup_min=2, prompt_lookup_max=4)
+    locked, release = threading.Event(), threading.Event()
+
+    def first_edit():
+        try:
+            with transaction.atomic():
+                Endpoint.objects.select_for_update().get(pk=endpoint.pk)
+                Endpoint.objects.filter(pk=endpoint.pk).update(prompt_lookup_min=1, prompt_lookup_max=1)
+                locked.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=first_edit)
+    thread.start()
+    assert locked.wait(10)
+    threading.Timer(0.5, release.set).start()  # the second edit is on its way meanwhile
+    response = owner_client.patch(f"/api/v1/endpoints/{endpoint.pk}/", {"prompt_lookup_min": 3}, format="json")
+    thread.join()
+
+    assert response.status_code == 400 and "prompt_lookup_min" in response.json()
+    endpoint.refresh_from_db()
+    assert (endpoint.prompt_lookup_min, endpoint.prompt_lookup_max) == (1, 1)

@@ -26,7 +26,7 @@ from endpoints.models import LIVE_REPLICA_STATES, IdleAction, ModelFacts, Replic
 from endpoints.nodes.models import JoinToken, Node, gpu_inventory
 from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
-from endpoints.replicas import apply_replica_report, drain_node, fail_replica
+from endpoints.replicas import apply_replica_report, drain_node, fail_replica, record_replica_failure
 from endpoints.speculative import speculative_spec
 from gpu_agent import protocol
 from gpu_agent.protocol import ModelTask, NodeState, ReplicaAction, ReplicaState
@@ -201,10 +201,22 @@ REPLICA_ACTIONS = {ReplicaState.DRAINING: ReplicaAction.DRAIN, ReplicaState.SLEE
 
 
 def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
+    """The specs of the node's live replicas. One whose spec cannot be built (its endpoint's row holds what the
+    protocol refuses) fails, with the reason on its endpoint, which stops until its configuration changes: it failed
+    the whole heartbeat, so the node went OFFLINE with every other tenant's replica on it, and the next node next."""
     if node.state == NodeState.OFFLINE:
         return []
     replicas = Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint", "endpoint__credential", "node")
-    return [replica_spec(replica) for replica in replicas]
+    specs = []
+    for replica in replicas:
+        try:
+            specs.append(replica_spec(replica))
+        except ValueError as exc:
+            logger.warning("replica %s of endpoint %s: its spec cannot be built: %s", replica.pk, replica.endpoint_id, exc)
+            reason = f"its configuration cannot run: {exc}"
+            if fail_replica(replica, reason):
+                record_replica_failure(replica.endpoint_id, reason, permanent=True)
+    return specs
 
 
 def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
