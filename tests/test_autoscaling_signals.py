@@ -116,6 +116,18 @@ def test_a_stored_window_whose_date_never_comes_never_opens_and_the_tick_still_s
     assert not Replica.objects.filter(endpoint=broken).exists()
 
 
+def test_a_stored_schedule_too_long_to_read_in_a_tick_never_opens_and_is_never_read(monkeypatch):
+    """Ten windows of 90,000 listed minutes took croniter ~6 s a read: every tick ~30 s, for every tenant."""
+    long_schedule = {"schedule": ",".join(["1"] * 90_000) + " * * * *", "timezone": "UTC", "duration_minutes": 60,
+                     "min_replicas": 1}
+    read = []
+    monkeypatch.setattr(prewarm, "croniter", lambda *args, **kwargs: read.append(args) or pytest.fail("read"))
+
+    assert prewarm.window_floor([long_schedule] * 10, datetime.now(UTC)).replicas == 0
+    assert prewarm.next_openings([long_schedule], datetime.now(UTC)) == [(long_schedule, None)]
+    assert read == []
+
+
 # -- what the engines feel --------------------------------------------------------------------------
 
 
@@ -255,6 +267,7 @@ def test_pre_warm_windows_and_keep_warm_round_trip_through_the_api(owner_client)
     ([OFFICE_HOURS, OFFICE_HOURS | {"min_replicas": 9}], "Window 2: min_replicas is above max_replicas (3)"),
     ([{"schedule": "0 9 * * *"}], "Window 1: missing duration_minutes, min_replicas, timezone"),
     ([OFFICE_HOURS] * 11, "At most 10 windows"),
+    ([OFFICE_HOURS | {"schedule": ",".join(["1"] * 5000) + " 9 * * *"}], "Window 1: schedule may be at most 200 characters"),
     ("0 9 * * *", "Must be a JSON list of windows"),
 ])
 def test_bad_pre_warm_windows_are_a_400_naming_the_window_and_field(owner_client, windows, message):
