@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from django.db import transaction
 from django.utils import timezone
+from rest_framework.exceptions import ValidationError
 
 from controlplane.accounts.services import Actor, record_audit
 from controlplane.integrity import unique_or_field_error
@@ -21,7 +22,12 @@ from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica
 from endpoints.nodes.notify import notify_node
 from gpu_agent.protocol import AdapterSpec, ReplicaState, ReplicaStatus
 
-MAX_REPORTED_ADAPTERS = 256
+# An endpoint's adapters: every one is in each of its replicas' specs, on every heartbeat of their nodes (its
+# credentials decrypted for it). NOTE: there was no limit: thousands of adapters made each heartbeat's answer
+# megabytes, past the agent's request timeout, and the node went OFFLINE with every tenant's replica on it.
+MAX_ADAPTERS = 256
+MAX_REPORTED_ADAPTERS = MAX_ADAPTERS
+TOO_MANY_ADAPTERS = f"An endpoint serves at most {MAX_ADAPTERS} adapters; delete one first."
 
 # A call model names an adapter as "<endpoint>:<adapter>".
 ADAPTER_SEPARATOR = ":"
@@ -38,7 +44,10 @@ ADAPTER_NAME_TAKEN = "This endpoint already has an adapter with this name."
 
 @transaction.atomic
 def create_adapter(actor: Actor, endpoint: Endpoint, **spec) -> Adapter:
-    # NOTE: the name may have been taken since the serializer's check
+    # NOTE: the count and the name, checked again under the endpoint's lock: both may have changed since the serializer
+    Endpoint.objects.select_for_update().filter(pk=endpoint.pk).first()
+    if Adapter.objects.filter(endpoint=endpoint).count() >= MAX_ADAPTERS:
+        raise ValidationError({"endpoint": [TOO_MANY_ADAPTERS]})
     with unique_or_field_error({"adapter_name_unique_in_endpoint": ("name", ADAPTER_NAME_TAKEN)}):
         adapter = Adapter.objects.create(endpoint=endpoint, **spec)
     record_event(endpoint, EventKind.CONFIG, f"Adapter {adapter.name} added")

@@ -11,7 +11,7 @@ from rest_framework import serializers
 
 from controlplane.accounts.serializers import StrictModelSerializer
 from endpoints import prewarm, quotas, speculative
-from endpoints.adapters import ADAPTER_NAME_TAKEN
+from endpoints.adapters import ADAPTER_NAME_TAKEN, MAX_ADAPTERS, TOO_MANY_ADAPTERS
 from endpoints.catalogue import (
     AUTO_PARSER,
     GPU_TYPES,
@@ -570,6 +570,8 @@ class AdapterSerializer(StrictModelSerializer):
             errors["endpoint"] = ["This endpoint serves no adapters: set its max_loras (and max_lora_rank) first."]
         elif endpoint.serving_task == ModelTask.EMBED:
             errors["endpoint"] = ["An embedding endpoint serves no LoRA adapters."]
+        elif endpoint.adapters.count() >= MAX_ADAPTERS:
+            errors["endpoint"] = [TOO_MANY_ADAPTERS]
         rank = attrs.get("rank")
         if rank is not None and rank > endpoint.max_lora_rank:
             errors["rank"] = [f"This endpoint accepts adapters up to rank {endpoint.max_lora_rank} (its max_lora_rank)."]

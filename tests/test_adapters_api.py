@@ -4,6 +4,8 @@ is a 404; the replica spec carries them to the agent, and an agent's reports sho
 
 import pytest
 
+from endpoints import adapters
+from endpoints import serializers as endpoint_serializers
 from endpoints.adapters import record_replica_adapters, want_adapter
 from endpoints.fleet.services import replica_spec
 from endpoints.models import Adapter, Replica
@@ -45,6 +47,22 @@ def test_an_endpoint_without_adapter_slots_refuses_adapters(owner_client, org):
     endpoint = EndpointFactory(organization=org, name="plain")
     refused = owner_client.post(url(endpoint), ADAPTER, format="json")
     assert refused.status_code == 400 and "max_loras" in refused.json()["endpoint"][0]
+
+
+def test_an_endpoint_keeps_at_most_its_cap_of_adapters(owner_client, lora_endpoint, monkeypatch):
+    # Nothing bounded them: thousands, each in every replica's spec on every heartbeat (credentials decrypted), made
+    # a heartbeat's answer megabytes, past the agent's timeout: the node went OFFLINE with every tenant's replica.
+    Adapter.objects.bulk_create(Adapter(endpoint=lora_endpoint, name=f"a{i}", source="s3://tuned-adapters/a")
+                                for i in range(adapters.MAX_ADAPTERS))
+
+    refused = owner_client.post(url(lora_endpoint), ADAPTER, format="json")
+    assert refused.status_code == 400 and "at most 256 adapters" in refused.json()["endpoint"][0]
+
+    # Two creations at once both pass the serializer's count: the service counts again under the endpoint's lock.
+    monkeypatch.setattr(endpoint_serializers, "MAX_ADAPTERS", adapters.MAX_ADAPTERS + 1)
+    raced = owner_client.post(url(lora_endpoint), ADAPTER, format="json")
+    assert raced.status_code == 400 and "at most 256 adapters" in raced.json()["endpoint"][0]
+    assert Adapter.objects.filter(endpoint=lora_endpoint).count() == adapters.MAX_ADAPTERS
 
 
 def test_bad_sources_names_and_credentials_are_field_errors(owner_client, org, lora_endpoint):
