@@ -37,10 +37,13 @@ from django.conf import settings
 from django.db import IntegrityError
 from django.db.models import Case, IntegerField, Q, Value, When
 from django.utils import timezone
+from redis.exceptions import LockError
 
 from billing import services, standing
 from billing.models import BillingAccount, BillingMode, MeterEventPush, StripeMeter, UsageRollup
 from controlplane.accounts.models import Organization
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,8 @@ IDENTIFIER_TRUSTED_FOR = timedelta(hours=23)
 # How long one push run goes on claiming rollups. NOTE: under the task's soft time limit
 # (`billing.tasks.push_pending_rollups`, 570 s), with room for the rollup in hand to finish.
 PUSH_RUN_BUDGET_S = 400.0
+# How long a run's lock is held at most: past the task's hard time limit (600 s), so a run killed there frees it.
+PUSH_RUN_LOCK_S = 630
 
 
 class StripeNotConfigured(RuntimeError):
@@ -557,6 +562,23 @@ def push_pending_rollups(*, limit: int = 500, budget_s: float = PUSH_RUN_BUDGET_
     if not is_configured():
         logger.info("billing sync off: STRIPE_SECRET_KEY is not set")
         return 0
+    # NOTE: one run at a time. With Stripe down, each run spent its whole budget failing (~55 s of retries a
+    # rollup), a new one began every minute beside it, and together they held every slot of the scheduler's
+    # workers: autoscaler ticks and sweeps expired in the queue, wakes and reconciles waited behind them.
+    lock = get_redis().lock(PUSH_RUN_LOCK_KEY, timeout=PUSH_RUN_LOCK_S, blocking=False)
+    if not lock.acquire():
+        logger.info("a push run is still going; this one leaves the rollups to it")
+        return 0
+    try:
+        return _push_claimable(limit=limit, budget_s=budget_s)
+    finally:
+        try:
+            lock.release()
+        except LockError:  # held past its timeout: another run may have it now, and keeps it
+            logger.warning("the push run outlived its lock (%d s)", PUSH_RUN_LOCK_S)
+
+
+def _push_claimable(*, limit: int, budget_s: float) -> int:
     started = time.monotonic()
     failed_before = Case(When(push_error="", then=Value(0)), default=Value(1), output_field=IntegerField())
     rollup_ids = list(_claimable(timezone.now()).order_by(failed_before, "hour_start", "sequence")

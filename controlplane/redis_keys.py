@@ -199,4 +199,6 @@ def batch_dispatch_key(batch_id: str) -> str:
 
 # --- node pools ------------------------------------------------------------------------------------
 
+# Held by one `billing.stripe_sync.push_pending_rollups` run at a time (a token lock: redis-py's `Lock`).
+PUSH_RUN_LOCK_KEY = "billing:push-run-lock"
 POOLS_TICK_LOCK_KEY = "pools:tick-lock"  # held by one `endpoints.fleet.pools.provision_tick` at a time

@@ -304,13 +304,16 @@ K8S_PLACEHOLDER_NAMESPACE = env_str("INFERPLANE_K8S_PLACEHOLDER_NAMESPACE", "")
 K8S_API_URL = env_str("INFERPLANE_K8S_API_URL", "")
 K8S_PLACEHOLDER_IMAGE = env_str("INFERPLANE_K8S_PLACEHOLDER_IMAGE", "inferplane/agent")
 CELERY_BEAT_SCHEDULE = {
-    "ping-scheduler": {"task": "controlplane.ping", "schedule": 60.0},
-    "billing-rollup-usage": {"task": "billing.rollup_usage", "schedule": 60.0},
-    "billing-push-rollups": {"task": "billing.push_pending_rollups", "schedule": 60.0},
-    "billing-sweep-reservations": {"task": "billing.sweep_expired_reservations", "schedule": 30.0},
-    "billing-spend-alerts": {"task": "billing.check_spend_alerts", "schedule": 60.0},
-    "billing-payment-standing": {"task": "billing.review_payment_standing", "schedule": 300.0},
-    # NOTE: expires keeps a backlog of ticks (a worker was down) from running all at once.
+    # NOTE: expires keeps a backlog of ticks (a worker was down, or busy) from running all at once: each entry's runs
+    # are dropped once the next is due.
+    "ping-scheduler": {"task": "controlplane.ping", "schedule": 60.0, "options": {"expires": 60}},
+    "billing-rollup-usage": {"task": "billing.rollup_usage", "schedule": 60.0, "options": {"expires": 60}},
+    "billing-push-rollups": {"task": "billing.push_pending_rollups", "schedule": 60.0, "options": {"expires": 60}},
+    "billing-sweep-reservations": {"task": "billing.sweep_expired_reservations", "schedule": 30.0,
+                                   "options": {"expires": 30}},
+    "billing-spend-alerts": {"task": "billing.check_spend_alerts", "schedule": 60.0, "options": {"expires": 60}},
+    "billing-payment-standing": {"task": "billing.review_payment_standing", "schedule": 300.0,
+                                 "options": {"expires": 300}},
     "autoscale": {"task": "endpoints.autoscale", "schedule": AUTOSCALER_TICK_S, "options": {"expires": AUTOSCALER_TICK_S * 2}},
     "sweep-stuck": {"task": "endpoints.sweep_stuck", "schedule": 5.0, "options": {"expires": 10}},
     "batches-tick": {"task": "batches.tick", "schedule": BATCH_TICK_S, "options": {"expires": BATCH_TICK_S * 2}},

@@ -7,6 +7,7 @@ import time
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
 from django.db.models import F
 from django.utils import timezone
 
@@ -14,6 +15,8 @@ from billing import stripe_sync
 from billing.ledger import record_usage
 from billing.models import BillingAccount, MeterEventPush, UsageRollup
 from billing.rollups import rollup_usage
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory
 
@@ -309,3 +312,25 @@ def test_usage_pushed_late_is_dated_within_the_grace_stripe_gives_a_period_that_
     stamps = {event["timestamp"] for event in fake_stripe.meter_events.values()}
     assert len(stamps) == 1 and before - stripe_sync.LATEST_PERIOD_GRACE.total_seconds() - 1 <= stamps.pop() <= time.time()
     assert rollup.hour_start.timestamp() < before - 2 * 3600
+
+
+def test_one_push_run_at_a_time(fake_stripe):
+    # With Stripe down each run spent its whole budget failing, a new one began every minute beside it, and together
+    # they held every slot of the scheduler's workers: autoscaler ticks and sweeps expired behind them.
+    endpoint = EndpointFactory()
+    _closed_rollup(endpoint)
+    running = get_redis().lock(PUSH_RUN_LOCK_KEY, timeout=60)
+    assert running.acquire(blocking=False)
+
+    assert stripe_sync.push_pending_rollups() == 0  # another run is going: this one leaves at once
+    assert fake_stripe.meter_events == {}
+
+    running.release()
+    assert stripe_sync.push_pending_rollups() == 1
+    assert get_redis().get(PUSH_RUN_LOCK_KEY) is None  # released when the run ends
+
+
+def test_every_beat_is_dropped_once_its_next_is_due():
+    # A backlog (a worker down or busy) ran all at once when it came back, each run beside the next.
+    for name, entry in settings.CELERY_BEAT_SCHEDULE.items():
+        assert 0 < entry.get("options", {}).get("expires", 0) <= max(entry["schedule"] * 2, 10), name
