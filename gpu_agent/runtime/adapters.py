@@ -15,7 +15,6 @@ engine never refuses a load for lack of a slot.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -24,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from gpu_agent.protocol import AdapterSpec, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.runtime.model_json import ModelJsonTooLarge, read_model_json
 from gpu_agent.runtime.weights_access import WeightsError
 
 logger = logging.getLogger(__name__)
@@ -119,10 +119,11 @@ def adapter_problem(path: str | Path, max_lora_rank: int) -> str:
     NOTE: checked before loading, because a load the engine refuses costs a slot: we unload the
     least recently used one to make room before the engine reads the files.
     """
-    config_path = Path(path) / "adapter_config.json"
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError):
+        config = read_model_json(Path(path) / "adapter_config.json")
+    except ModelJsonTooLarge as exc:
+        return f"the adapter cannot be loaded: {exc}"
+    except (OSError, ValueError, RecursionError):
         return "the adapter has no readable adapter_config.json (a PEFT LoRA adapter's files are expected)"
     if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
         return "the adapter is not a LoRA adapter (adapter_config.json peft_type)"

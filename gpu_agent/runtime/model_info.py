@@ -9,8 +9,9 @@ them as the endpoint's defaults and limits.
 NOTE: these files are the tenant's: any value may be of any type. A figure that is not what vLLM reads
 (`"architectures": 5`, a YaRN window of 0, an infinite RoPE factor, a negative tensor dimension) makes the
 model `MalformedModel`: it has no `ModelInfo`, and its replicas fail before launch with the reason
-(`ModelReading.problem`), since the engine would refuse it too. Nothing read here may raise into the
-heartbeat or the supervisor's loop: every reader returns None or a problem.
+(`ModelReading.problem`), since the engine would refuse it too; so does a config.json too large to read
+(`model_json.MAX_MODEL_JSON_BYTES`). Nothing read here may raise into the heartbeat or the supervisor's loop:
+every reader returns None or a problem.
 
 NOTE: imports nothing but the standard library and the protocol (the agent ships without Django).
 """
@@ -33,6 +34,7 @@ from gpu_agent.protocol import (
     checkpoint_quantization_problem,
     task_of_architecture,
 )
+from gpu_agent.runtime.model_json import ModelJsonTooLarge, read_model_json
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,11 @@ def read_model(model_dir: str | Path) -> ModelReading:
     Never raises: a directory without a readable config.json has neither (the engine says what is wrong).
     """
     model_dir = Path(model_dir)
-    config = load_config(model_dir)
+    try:
+        config = load_config(model_dir)
+    except ModelJsonTooLarge as exc:
+        logger.warning("model %s refused: %s", model_dir.name, exc)
+        return ModelReading(problem=f"the model's files cannot be served: {exc}")
     if config is None:
         return ModelReading()
     try:
@@ -97,9 +103,12 @@ def read_model_info(model_dir: str | Path) -> ModelInfo | None:
 
 
 def load_config(model_dir: str | Path) -> dict | None:
-    """The model's config.json as a JSON object; None when missing, unreadable or anything else."""
+    """The model's config.json as a JSON object; None when missing, unreadable or anything else.
+
+    Raises `ModelJsonTooLarge` past `model_json.MAX_MODEL_JSON_BYTES` (never read whole).
+    """
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        config = read_model_json(Path(model_dir) / "config.json")
     except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         return None
     return config if isinstance(config, dict) else None
@@ -211,7 +220,10 @@ def kv_cache_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
     dtype): the caller then keeps its fixed size. Sliding-window and latent (MLA) attention take less
     than this, so it is an upper bound for them.
     """
-    config = load_config(model_dir)
+    try:
+        config = load_config(model_dir)
+    except ModelJsonTooLarge:  # `read_model` refused the model: no engine is started on it
+        return None
     if config is None or "text_config" in config:
         return None
     layer_types = config.get("layer_types") or []

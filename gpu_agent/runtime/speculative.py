@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 
 from gpu_agent.protocol import ReplicaSpec, SpeculativeMethod
+from gpu_agent.runtime.model_info import load_config
+from gpu_agent.runtime.model_json import ModelJsonTooLarge
 
 
 def speculative_args(spec: ReplicaSpec) -> list[str]:
@@ -49,18 +51,23 @@ def with_local_draft(spec: ReplicaSpec, draft_dir: Path) -> ReplicaSpec:
 
 
 def _vocab_size(model_dir: Path) -> int | None:
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    """config.json's vocabulary size; None when it does not say. Raises `ModelJsonTooLarge`."""
+    config = load_config(model_dir) or {}
+    config = config.get("text_config", config)
     size = config.get("vocab_size") if isinstance(config, dict) else None
     return size if isinstance(size, int) else None
 
 
 def draft_problem(model_dir: Path, draft_dir: Path) -> str:
     """Why vLLM would refuse this draft for this model; "" when it would not (or cannot tell)."""
-    target, draft = _vocab_size(model_dir), _vocab_size(draft_dir)
+    try:
+        draft = _vocab_size(draft_dir)
+    except ModelJsonTooLarge as exc:
+        return f"the draft model's files cannot be served: {exc}"
+    try:
+        target = _vocab_size(model_dir)
+    except ModelJsonTooLarge as exc:  # NOTE: `read_model` refuses such a model first; kept for any other caller
+        return f"the model's files cannot be served: {exc}"
     if target is None or draft is None or target == draft:
         return ""
     return (

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import psutil
@@ -23,6 +25,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from gpu_agent.runtime.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def write_json_of_empty_objects(path: Path, fields: dict, num_bytes: int = 30 * 1024 * 1024) -> None:
+    """`fields` and a list of empty objects, `num_bytes` of JSON in all: what a tenant may write in its model's
+    metadata files. Parsed whole it takes ~25 times its size (~760 MB for these 30 MB)."""
+    head = json.dumps(fields)[:-1] + ', "x": ['
+    path.write_text(head + "{}," * ((num_bytes - len(head)) // 3) + "{}]}")
+
+
+def with_peak_memory(call):
+    """`call()`'s result and the most memory Python held while it ran, in bytes."""
+    tracemalloc.start()
+    try:
+        return call(), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def make_spec(replica_id: str = "r-1", **overrides) -> ReplicaSpec:

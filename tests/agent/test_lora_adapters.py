@@ -5,9 +5,10 @@ reports an engine that restarted (and so lost its adapters) gives."""
 from gpu_agent.protocol import AdapterSpec, ModelTask, ReplicaState, ReplicaStatus
 from gpu_agent.runtime.adapters import ReplicaAdapters, adapter_problem
 from gpu_agent.runtime.engine import build_engine_command
+from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
 from gpu_agent.runtime.tiny_model import build_tiny_lora_adapter
 
-from .conftest import make_spec
+from .conftest import make_spec, with_peak_memory, write_json_of_empty_objects
 
 
 def flag(argv, name):
@@ -34,6 +35,14 @@ def test_an_adapter_above_the_rank_limit_or_without_a_peft_config_is_refused_bef
     assert adapter_problem(tmp_path / "rank16", 16) == ""
     (tmp_path / "empty").mkdir()
     assert "adapter_config.json" in adapter_problem(tmp_path / "empty", 16)
+
+
+def test_an_adapter_config_past_the_size_cap_is_refused_unread(tmp_path):
+    (tmp_path / "huge").mkdir()
+    write_json_of_empty_objects(tmp_path / "huge" / "adapter_config.json", {"peft_type": "LORA", "r": 8})
+    problem, peak = with_peak_memory(lambda: adapter_problem(tmp_path / "huge", 16))
+    assert problem == "the adapter cannot be loaded: its adapter_config.json is larger than 4 MiB"
+    assert peak < MAX_MODEL_JSON_BYTES
 
 
 def test_a_replica_not_ready_or_unknown_reports_no_adapters():

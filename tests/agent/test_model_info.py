@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import time
@@ -11,10 +12,17 @@ import pytest
 
 from gpu_agent.protocol import MAX_MODEL_CONTEXT_TOKENS, MAX_MODEL_NUM_PARAMS, ModelInfo, ReplicaState
 from gpu_agent.runtime.model_info import context_length, kv_cache_bytes_per_token, read_model, read_model_info
+from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
 from gpu_agent.runtime.tiny_model import MAX_POSITION_EMBEDDINGS
 from gpu_agent.runtime.weights import WeightsCache
 
-from .conftest import make_spec, processes_with_marker, wait_until
+from .conftest import (
+    make_spec,
+    processes_with_marker,
+    wait_until,
+    with_peak_memory,
+    write_json_of_empty_objects,
+)
 from .test_agent_loop import control_plane, running_agent  # noqa: F401  (fixtures)
 from .test_weights_agent import reported
 from .test_weights_cache import s3, s3_endpoint  # noqa: F401  (fixtures)
@@ -140,6 +148,30 @@ def test_a_config_nested_past_the_parsers_depth_is_no_config(tmp_path):
     (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     assert read_model(tmp_path).info is None
     assert kv_cache_bytes_per_token(tmp_path, "float32") is None
+
+
+def test_a_config_past_the_size_cap_is_refused_unread_with_a_reason_and_the_heartbeat_goes_on(tiny_model_dir, tmp_path):
+    # Parsed whole on the heartbeat thread, these 30 MB took ~760 MB; a GB stalled the heartbeat for minutes.
+    model = shutil.copytree(tiny_model_dir, tmp_path / "huge-config")
+    write_json_of_empty_objects(model / "config.json", {"architectures": ["LlamaForCausalLM"]})
+    reading, peak = with_peak_memory(lambda: read_model(model))
+    assert reading.info is None
+    assert reading.problem == "the model's files cannot be served: its config.json is larger than 4 MiB"
+    assert peak < MAX_MODEL_JSON_BYTES
+    assert kv_cache_bytes_per_token(model, "float32") is None
+    cache = WeightsCache(tmp_path / "weights")
+    cache.fetch(str(model))
+    [status], peak = with_peak_memory(cache.statuses)
+    assert status.complete and status.model_info is None and peak < MAX_MODEL_JSON_BYTES
+
+
+def test_a_config_that_grows_after_its_size_is_read_is_read_no_further_than_the_cap(tmp_path, monkeypatch):
+    write_json_of_empty_objects(tmp_path / "config.json", {"architectures": ["LlamaForCausalLM"]},
+                                num_bytes=MAX_MODEL_JSON_BYTES + 1024)
+    fstat = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result((*fstat(fd)[:6], 100, *fstat(fd)[7:10])))
+    reading = read_model(tmp_path)
+    assert reading.info is None and reading.problem.endswith("its config.json is larger than 4 MiB")
 
 
 def test_layer_types_that_are_not_a_list_of_names_give_no_kv_cache_size(tmp_path):

@@ -7,8 +7,16 @@ from __future__ import annotations
 import json
 
 from gpu_agent.protocol import ReplicaState, SpeculativeSpec
+from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
+from gpu_agent.runtime.speculative import draft_problem
 
-from .conftest import make_spec, processes_with_marker, wait_until
+from .conftest import (
+    make_spec,
+    processes_with_marker,
+    wait_until,
+    with_peak_memory,
+    write_json_of_empty_objects,
+)
 from .test_agent_loop import control_plane, running_agent  # noqa: F401  (fixtures)
 from .test_weights_cache import s3, s3_endpoint  # noqa: F401  (fixtures)
 
@@ -53,3 +61,13 @@ def test_a_draft_that_cannot_be_fetched_fails_the_replica(control_plane, running
     wait_until(lambda: control_plane.last_states().get("r-nodraft") == ReplicaState.FAILED, 15)
     assert "no-such-bucket" in failure_of(control_plane, "r-nodraft")
     assert agent.supervisor.get("r-nodraft") is None
+
+
+def test_a_draft_config_past_the_size_cap_fails_the_check_unread(tmp_path):
+    model = model_dir(tmp_path / "model", 1024)
+    (tmp_path / "draft").mkdir()
+    write_json_of_empty_objects(tmp_path / "draft" / "config.json",
+                                {"architectures": ["LlamaForCausalLM"], "vocab_size": 1024})
+    problem, peak = with_peak_memory(lambda: draft_problem(model, tmp_path / "draft"))
+    assert problem == "the draft model's files cannot be served: its config.json is larger than 4 MiB"
+    assert peak < MAX_MODEL_JSON_BYTES

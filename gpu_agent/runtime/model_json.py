@@ -1,0 +1,49 @@
+"""A JSON file from a tenant's model folder (config.json, adapter_config.json), read only up to a size.
+
+NOTE: the tenant writes these files, and the agent reads them on its heartbeat thread (every cached model's
+config.json) and before each launch. `json.loads` of a whole file took memory and time in proportion to it,
+tens of times its size for a config of empty objects: 30 MB took ~760 MB, a GB stalled the heartbeat for
+minutes (the node went offline with every tenant's replicas), ten GB got the agent killed. A file past
+`MAX_MODEL_JSON_BYTES` is refused before it is read, and no more than that is ever read, as the safetensors
+headers are capped (`model_info.MAX_HEADER_BYTES`).
+
+NOTE: imports nothing but the standard library (the agent ships without Django).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+# Real configs are a few KB (the largest, per-layer quantization settings of big MoE models, some hundred KB);
+# parsing this much takes ~100 MB and under a second at worst (a file of nothing but `{},`).
+MAX_MODEL_JSON_BYTES = 4 * 1024 * 1024
+
+
+class ModelJsonTooLarge(Exception):
+    """A model's JSON file is past `MAX_MODEL_JSON_BYTES`; the message says which, for the replica's reason.
+
+    NOTE: not a ValueError, so a caller that treats unreadable JSON as absent cannot swallow it by accident.
+    """
+
+
+def read_model_json(path: str | Path) -> object:
+    """The parsed JSON of a file in a tenant's model folder.
+
+    Raises `ModelJsonTooLarge` past `MAX_MODEL_JSON_BYTES`, `OSError` when it cannot be read, `ValueError` or
+    `RecursionError` when it is not UTF-8 JSON.
+    """
+    path = Path(path)
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size > MAX_MODEL_JSON_BYTES:
+            raise _too_large(path)
+        # One byte more than the cap: a file that grew since the stat (or a device) is refused, not read whole.
+        data = handle.read(MAX_MODEL_JSON_BYTES + 1)
+    if len(data) > MAX_MODEL_JSON_BYTES:
+        raise _too_large(path)
+    return json.loads(data.decode("utf-8"))
+
+
+def _too_large(path: Path) -> ModelJsonTooLarge:
+    return ModelJsonTooLarge(f"its {path.name} is larger than {MAX_MODEL_JSON_BYTES // (1024 * 1024)} MiB")
