@@ -220,7 +220,9 @@ def _engine_generating(endpoint_id: str, replica_id: str, address: str) -> bool:
     return Replica.objects.filter(
         pk=replica_id, endpoint_id=endpoint_id, state__in=(ReplicaState.READY, ReplicaState.DRAINING), address=address,
         tokens_per_s__gt=0,
-        node__state=NodeState.READY,
+        # NOTE: a cordoned or draining node still runs its replicas: READY alone cut every long call on one at its
+        # first question (a 504, unbilled, the engine's work thrown away and sent again by the client)
+        node__state__in=(NodeState.READY, NodeState.CORDONED, NodeState.DRAINING),
         node__last_heartbeat_at__gte=timezone.now() - timedelta(seconds=settings.NODE_HEARTBEAT_GRACE_S),
     ).exists()
 

@@ -17,7 +17,7 @@ from endpoints.gateway import directory, presence
 from endpoints.gateway.call import PATIENCE_RECHECK_S, InferenceCall
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
-from gpu_agent.protocol import ReplicaState
+from gpu_agent.protocol import NodeState, ReplicaState
 from tests.conftest import free_port
 from tests.gateway.conftest import serve_endpoint
 
@@ -46,6 +46,10 @@ def test_an_engine_counts_as_generating_only_while_its_replica_serves_there_on_a
     stale = _replica(tenant)
     Node.objects.filter(pk=stale.node_id).update(last_heartbeat_at=timezone.now() - timedelta(minutes=5))
     assert not _generating(stale)
+    for state, generating in ((NodeState.CORDONED, True), (NodeState.DRAINING, True), (NodeState.OFFLINE, False)):
+        replica = _replica(tenant)
+        Node.objects.filter(pk=replica.node_id).update(state=state)
+        assert _generating(replica) == generating, state
 
 
 def _call(**fields) -> InferenceCall:
