@@ -70,10 +70,23 @@ class Load:
     engine_waiting: int = 0  # requests queued inside the READY replicas' engines
     kv_cache_usage: float = 0.0  # the READY replicas' average KV-cache use, 0..1
     engine_capacity: float | None = None  # sequences a replica ran when its engine last queued (stable window)
+    last_busy_at: float | None = None  # unix time: the stable window's last sample with load (None: none had any)
 
     @property
     def concurrency(self) -> int:
         return self.num_inflight + self.num_waiting
+
+    @property
+    def idle_since(self) -> float | None:
+        """When the endpoint was last seen with load or asked anything (None: never).
+
+        NOTE: not the last request's start or end alone: a call in flight for longer than the idle timeout whose
+        gateway's beats stopped for a few seconds (a stall, a Redis failover) had its count released, and the
+        endpoint read as idle since that call began: scaled to zero, its replica drained under its live streams.
+        """
+        if self.last_busy_at is None:
+            return self.last_request_at
+        return max(self.last_request_at or 0.0, self.last_busy_at)
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,7 +102,7 @@ class Decision:
 # samples TTL, panic window seconds, panic growth.
 # Returns per endpoint: in flight, waiting, last request time ("" if none), peak concurrency in the window,
 # surge ("" if none: the highest concurrency, samples and now, that was at least `growth` times the lowest of
-# the panic window before it), learned engine capacity ("" if none).
+# the panic window before it), learned engine capacity ("" if none), the window's last sample with load ("" if none).
 _READ_LOAD = Script("""
 local out = {}
 local panic, growth = tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -100,11 +113,13 @@ for i = 1, #KEYS, 5 do
   local concurrency = inflight + waiting
   local peak = concurrency
   local times, values = {}, {}
+  local busy = ''
   local raw = redis.call('ZRANGEBYSCORE', KEYS[i + 3], ARGV[2], '+inf', 'WITHSCORES')
   for j = 1, #raw, 2 do
     local value = tonumber(string.match(raw[j], ':(%d+)$'))
     if value then
       if value > peak then peak = value end
+      if value > 0 then busy = raw[j + 1] end
       times[#times + 1] = tonumber(raw[j + 1])
       values[#values + 1] = value
     end
@@ -133,6 +148,7 @@ for i = 1, #KEYS, 5 do
   out[#out + 1] = peak
   out[#out + 1] = surge
   out[#out + 1] = redis.call('GET', KEYS[i + 4]) or ''
+  out[#out + 1] = busy
 end
 return out
 """)
@@ -174,7 +190,7 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
             engines = _engine_signals([endpoint_id for endpoint_id, _ in batch])
             learned = {}
             for index, (endpoint_id, organization_id) in enumerate(batch):
-                inflight, waiting, last, peak, surge, capacity = raw[6 * index: 6 * index + 6]
+                inflight, waiting, last, peak, surge, capacity, busy = raw[7 * index: 7 * index + 7]
                 num_ready, engine_waiting, kv_cache_usage, running = engines.get(endpoint_id, (0, 0, 0.0, 0))
                 capacity = float(capacity) if capacity not in ("", None) else None
                 if record and num_ready and running and (engine_waiting > 0 or kv_cache_usage >= KV_CACHE_PRESSURE):
@@ -183,7 +199,8 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
                     learned[redis_keys.capacity_key(organization_id, endpoint_id)] = capacity
                 loads[endpoint_id] = Load(int(inflight), int(waiting), float(last) if last else None, int(peak),
                                           int(surge) if surge not in ("", None) else None,
-                                          num_ready, engine_waiting, kv_cache_usage, capacity)
+                                          num_ready, engine_waiting, kv_cache_usage, capacity,
+                                          float(busy) if busy not in ("", None) else None)
             if learned:
                 with redis.pipeline(transaction=False) as pipe:
                     for key, capacity in learned.items():
@@ -261,7 +278,7 @@ def idle_deadline(endpoint, load: Load, num_serving: int, now: float) -> float |
         return None
     if endpoint.paused_at is not None or endpoint.deleted_at is not None:
         return None
-    deadline = load.last_request_at + endpoint.idle_timeout_s
+    deadline = load.idle_since + endpoint.idle_timeout_s
     if not now < deadline < now + settings.AUTOSCALER_TICK_S:  # NOTE: first: `floor` reads pre-warm windows
         return None
     if min(floor(endpoint, deadline).replicas, endpoint.max_replicas) >= num_serving:
@@ -272,7 +289,7 @@ def idle_deadline(endpoint, load: Load, num_serving: int, now: float) -> float |
 def _decide_interactive(endpoint, load: Load, now: float) -> Decision:
     lowest = floor(endpoint, now)
     lowest_replicas = min(lowest.replicas, endpoint.max_replicas)
-    idle_s = None if load.last_request_at is None else now - load.last_request_at
+    idle_s = None if load.last_request_at is None else now - load.idle_since
     inputs = {"in_flight": load.num_inflight, "waiting": load.num_waiting, "peak": load.peak_concurrency,
               "surge": load.surge, "ready": load.num_ready, "engine_waiting": load.engine_waiting,
               "kv_cache_usage": round(load.kv_cache_usage, 3), "engine_capacity": load.engine_capacity,

@@ -65,6 +65,30 @@ def test_load_comes_from_the_gateways_redis_state_and_ignores_stale_entries():
     assert (current.num_inflight, current.num_waiting, current.peak_concurrency) == (2, 1, 3)
 
 
+def test_a_call_whose_count_was_released_meanwhile_keeps_its_endpoint_from_reading_as_idle():
+    # A stream in flight for longer than the idle timeout, its gateway's beats stopped for a few seconds (a stall, a
+    # Redis failover): the sweep released its count, and in the same tick the endpoint read as idle since the call
+    # began: scaled to zero, its replica drained under the live stream (its gateway put the count back a second later).
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=1, idle_timeout_s=300)
+    replica = Replica.objects.create(endpoint=endpoint, node=make_node(memory_mb=80_000), state=ReplicaState.READY,
+                                     address="http://127.0.0.1:9", ready_at=timezone.now())
+    endpoint_id, now, redis = str(endpoint.pk), time.time(), get_redis()
+    inflight = redis_keys.inflight_key(endpoint.organization_id, endpoint_id)
+    redis.zadd(inflight, {"long-stream": now - 400})
+    redis.set(redis_keys.last_request_key(endpoint.organization_id, endpoint_id), now - 400)
+    autoscaler.read_load([endpoint_id], now=now - 2)  # the tick before: the stream in flight
+    redis.zrem(inflight, "long-stream")  # released with its gateway's requests
+
+    current = autoscaler.read_load([endpoint_id], now=now)[endpoint_id]
+    scheduler.reconcile_endpoint(endpoint_id, current)
+
+    assert current.concurrency == 0 and current.idle_since == pytest.approx(now - 2, abs=0.01)
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY
+    later = autoscaler.read_load([endpoint_id], now=now + 300)[endpoint_id]  # idle the whole timeout since
+    scheduler.reconcile_endpoint(endpoint_id, later)
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.DRAINING
+
+
 def test_reconcile_scales_up_and_down_and_logs_each_decision():
     endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=3, target_concurrency=1)
     make_node(memory_mb=80_000)
