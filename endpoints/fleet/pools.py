@@ -44,7 +44,7 @@ from endpoints.fleet.pool_demand import (
 )
 from endpoints.fleet.pool_plan import LaunchPlan, Need, PoolCounts, plan_launches
 from endpoints.fleet.providers import get_provider, pool_spec
-from endpoints.fleet.providers.base import LaunchSpec, Provider, ProviderError
+from endpoints.fleet.providers.base import LaunchSpec, Provider, ProviderError, ProviderUnreachable
 from endpoints.fleet.services import create_join_token, revoke_join_token
 from endpoints.models import Endpoint
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
@@ -247,6 +247,12 @@ def send_launch(pool: NodePool, provider: Provider, launch: NodeLaunch, join_tok
                       control_plane_url=settings.AGENT_CONTROL_PLANE_URL, zone=launch.zone)
     try:
         [result] = provider.launch(pool_spec(pool), [spec])
+    except ProviderUnreachable as error:
+        # NOTE: the machine may have started (the answer was lost): failing the launch forgot it, and it ran unseen,
+        # paid for, its agent turned away. Left REQUESTED, it is sent again next tick (the same machine: launches are
+        # idempotent on the launch id), and one still unanswered at its deadline is found by its id and terminated.
+        logger.warning("node pool %s: launch %s got no answer (%s); sending it again", pool.name, launch.pk, error)
+        return
     except ProviderError as error:
         result_error, provider_id, zone = str(error), "", ""
     else:

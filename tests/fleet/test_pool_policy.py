@@ -21,7 +21,7 @@ from controlplane.accounts.services import SYSTEM, save_plan, set_organization_p
 from controlplane.demo import host_engine_memory_mb, seed_local_pool
 from endpoints.fleet import pool_release, pools
 from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE
-from endpoints.fleet.providers.base import LaunchResult, Machine, ProviderError
+from endpoints.fleet.providers.base import LaunchResult, Machine, ProviderError, ProviderUnreachable
 from endpoints.gateway import directory
 from endpoints.models import EndpointEvent, EventKind, Replica
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
@@ -44,6 +44,7 @@ class RecordingProvider:
         self.terminated: list[str] = []
         self.fail_with = ""
         self.crash = False
+        self.answer_lost = False
         self.delay_s = delay_s
         self.lock = threading.Lock()
 
@@ -61,6 +62,9 @@ class RecordingProvider:
         with self.lock:
             for spec in specs:
                 self.launched.append((spec.launch_id, spec.zone))
+                if self.answer_lost:  # the machine starts; its answer never comes back
+                    self.machines.setdefault(spec.launch_id, Machine(f"m-{spec.launch_id[:8]}", spec.launch_id, "running", spec.name))
+                    raise ProviderUnreachable("EC2 is unreachable: Read timeout on endpoint URL")
                 if self.fail_with:
                     results.append(LaunchResult(spec.launch_id, error=self.fail_with))
                     continue
@@ -221,6 +225,30 @@ def test_a_launch_left_requested_by_a_crash_is_sent_again_once_by_the_next_tick(
     assert provider.launched == [(str(launch.pk), "")]
     tick(provider)
     assert provider.launched == [(str(launch.pk), "")] and len(provider.machines) == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("answers_later", [True, False])
+def test_a_launch_whose_answer_was_lost_is_sent_again_and_never_left_running_unseen(answers_later):
+    # A launch whose call timed out after the provider started the machine was failed as refused: nothing looked for
+    # its machine again, and it ran unseen and paid for, its agent turned away (the launch was no longer booting).
+    pool, provider = make_pool(join_deadline_s=30), RecordingProvider()
+    waiting_endpoint()
+    provider.answer_lost = True
+    tick(provider)
+    [launch] = NodeLaunch.objects.filter(pool=pool)
+    assert launch.state == LaunchState.REQUESTED and len(provider.machines) == 1
+
+    provider.answer_lost = not answers_later
+    tick(provider)
+    launch.refresh_from_db()
+    if answers_later:  # the same machine (idempotent on the launch id), now tracked
+        assert launch.state == LaunchState.LAUNCHING and launch.provider_id == provider.machines[str(launch.pk)].provider_id
+        assert len(provider.machines) == 1
+    else:  # never answered: found by its launch id at the deadline and terminated
+        tick(provider, now=timezone.now() + timedelta(seconds=31))
+        launch.refresh_from_db()
+        assert launch.state == LaunchState.FAILED and provider.terminated and str(launch.pk) not in provider.machines
 
 
 @pytest.mark.django_db

@@ -15,6 +15,10 @@ class ProviderError(Exception):
     """The provider refused or failed; the message is safe to show staff and store in the event log."""
 
 
+class ProviderUnreachable(ProviderError):
+    """No answer came (a timeout, a connection lost): the provider may have done what it was asked or not."""
+
+
 @dataclass(slots=True, frozen=True)
 class PoolSpec:
     """What a provider needs of a pool (a plain copy of `NodePool`, so providers test without a database)."""

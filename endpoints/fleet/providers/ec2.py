@@ -27,7 +27,14 @@ from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
 
 from endpoints.fleet.providers.agent_flags import agent_args_errors, agent_argv
-from endpoints.fleet.providers.base import LaunchResult, LaunchSpec, Machine, PoolSpec, ProviderError
+from endpoints.fleet.providers.base import (
+    LaunchResult,
+    LaunchSpec,
+    Machine,
+    PoolSpec,
+    ProviderError,
+    ProviderUnreachable,
+)
 from endpoints.fleet.providers.ec2_user_data import render_user_data
 from endpoints.fleet.providers.template_fields import name_errors, unknown_field_errors, url_errors
 
@@ -144,8 +151,8 @@ class Ec2Provider:
             [instance] = client.run_instances(**request)["Instances"]
         except ClientError as error:
             return LaunchResult(launch_id=spec.launch_id, zone=subnet, error=_refusal(error, template, subnet))
-        except BotoCoreError as error:
-            raise ProviderError(f"EC2 is unreachable: {error}") from error
+        except BotoCoreError as error:  # NOTE: a read timeout too: the instance may have started
+            raise ProviderUnreachable(f"EC2 is unreachable: {error}") from error
         return LaunchResult(launch_id=spec.launch_id, provider_id=instance["InstanceId"],
                             zone=instance.get("SubnetId") or subnet)
 

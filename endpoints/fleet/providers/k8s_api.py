@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from endpoints.fleet.providers.base import ProviderError
+from endpoints.fleet.providers.base import ProviderError, ProviderUnreachable
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 TIMEOUT_S = 10.0
@@ -48,8 +48,8 @@ class KubernetesApi:
             with httpx.Client(base_url=self.base_url, headers=self._headers, verify=self._verify,
                               timeout=TIMEOUT_S) as client:
                 return client.request(method, path, **kwargs)
-        except httpx.HTTPError as error:
-            raise ProviderError(f"the Kubernetes API is unreachable: {error}") from error
+        except httpx.HTTPError as error:  # NOTE: a read timeout too: the API server may have done it
+            raise ProviderUnreachable(f"the Kubernetes API is unreachable: {error}") from error
 
     @staticmethod
     def _refusal(response: httpx.Response, doing: str) -> ProviderError:

@@ -24,7 +24,14 @@ import re
 
 from django.conf import settings
 
-from endpoints.fleet.providers.base import LaunchResult, LaunchSpec, Machine, PoolSpec, ProviderError
+from endpoints.fleet.providers.base import (
+    LaunchResult,
+    LaunchSpec,
+    Machine,
+    PoolSpec,
+    ProviderError,
+    ProviderUnreachable,
+)
 from endpoints.fleet.providers.k8s_api import KubernetesApi, service_account_namespace
 from endpoints.fleet.providers.k8s_placeholder import (
     LABEL_LAUNCH,
@@ -118,6 +125,8 @@ class KubernetesProvider:
             try:
                 found, _ = api.create_pod(namespace, pod)  # NOTE: a second create answers 409: the same pod
                 _check_ours(found, pool)
+            except ProviderUnreachable:
+                raise  # the pod may exist: not a refusal (`pools.send_launch` sends it again)
             except ProviderError as error:
                 results.append(LaunchResult(launch_id=spec.launch_id, zone=spec.zone, error=str(error)))
                 continue
