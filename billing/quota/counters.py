@@ -12,6 +12,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 
 from django.conf import settings
@@ -148,6 +149,9 @@ end
 
 # Replaces a reservation by the real cost, never more than the reservation, once per request id: the first
 # settlement leaves a settled marker (`settled_key`); one that finds it releases its hold and adds no spend.
+# The hold is released from the reserved sums (one per organisation and key, for every period); the spend goes to the
+# period counters of the month the ledger bills the call in (its row's `finished_at`: `settle_keys_and_args`), which
+# is not the month it was reserved in for a call that runs past midnight at a month's end.
 # The marker lives as long as a second settlement can come:
 # - a day (`SETTLED_MARKER_TTL_S`) for a request id that recurs (a batch line, run again under its id after a
 #   crash: its second usage row is a no-op) and for the sweeper's settlement (`billing.quota.sweeper`);
@@ -246,17 +250,23 @@ def refusal(status: str, detail: str) -> QuotaExceeded | None:
     raise ValueError(f"not a final answer: {status} {detail}")
 
 
-def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, fresh_id: bool = False,
-                         recorded: bool = True) -> tuple[list[str], list[str]]:
-    """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`; `fresh_id` when its request
-    id is a gateway call's own, which no caller settles again (its marker is kept minutes: see `SETTLE_LUA`);
-    not `recorded` when the try wrote no ledger row (no marker: `actual` must then be 0)."""
+def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_at: datetime | None = None,
+                         fresh_id: bool = False, recorded: bool = True) -> tuple[list[str], list[str]]:
+    """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`, spent in the period containing
+    `finished_at` (the ledger row's: now when None); `fresh_id` when its request id is a gateway call's own, which
+    no caller settles again (its marker is kept minutes: see `SETTLE_LUA`); not `recorded` when the try wrote no
+    ledger row (no marker: `actual` must then be 0).
+
+    NOTE: the ledger bills a row in the period of its `finished_at` (`billing.ledger.period_spend`), and the
+    counters are rebuilt from it: a call reserved on the 31st before midnight and finished after spends in the
+    new month's counters, as the ledger bills it. It spent in its reservation's month before, so the new month's
+    counters never counted it: its caps and the limit without a payment method held less than was spent."""
     if actual < 0:
         raise ValueError("a cost cannot be negative")
     if not recorded and actual:
         raise ValueError("a try that recorded nothing costs nothing")
     org, key = reservation.organization_id, reservation.api_key_id
-    kept = _prepared(org, key, reservation.period_key)[1]
+    kept = _prepared(org, key, period_containing(finished_at).key)[1]
     keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:]]
     has_key = "1" if key is not None else "0"
     marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id else SETTLED_MARKER_TTL_S

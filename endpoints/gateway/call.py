@@ -557,7 +557,8 @@ class InferenceCall:
                                        release=self.outstanding_replica_id,
                                        num_tokens=usage.prompt_tokens + usage.completion_tokens if recorded else 0,
                                        cost=actual, served_by=self.replica.id if self.replica else None,
-                                       cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id, recorded=recorded)
+                                       cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id, recorded=recorded,
+                                       finished_at=finished_at)
             except asyncio.CancelledError:
                 presence.end_later(self.caller.organization_id, self.request_id)  # as below: its loop is ending
                 raise

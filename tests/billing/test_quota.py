@@ -7,12 +7,13 @@ import dataclasses
 import itertools
 import json
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
 from django.utils import timezone
 
+from billing import periods
 from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage
 from billing.models import BillingAccount, BillingMode, UsageRecord
@@ -426,3 +427,109 @@ def test_a_call_that_outlived_its_reservation_still_counts_its_spend(settings):
     asyncio.run(settle(admitted, Decimal("0.40"), fresh_id=True))
 
     assert reads.counted_spend(organization.pk) == Decimal("0.40") and reads.reserved_now(organization.pk) == 0
+
+
+# --- a call that runs past midnight at a month's end ----------------------------------------------------------------
+
+LAST_SECOND_OF_JULY = datetime(2025, 7, 31, 23, 59, 59, tzinfo=UTC)
+FIRST_SECONDS_OF_AUGUST = datetime(2025, 8, 1, 0, 0, 5, tzinfo=UTC)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The moment `billing.periods` takes for now (the month a call is reserved and settled in); set `clock.now`."""
+
+    class Clock(datetime):
+        now_at = LAST_SECOND_OF_JULY
+
+        @classmethod
+        def now(cls, tz=None):
+            return cls.now_at
+
+    monkeypatch.setattr(periods, "datetime", Clock)
+    return Clock
+
+
+def _month_spend(organization_id: int, api_key_id: int | None, moment: datetime) -> tuple[Decimal | None, Decimal | None]:
+    """What Redis counts as spent in the month of `moment`: the organisation's, the key's (None: no counter)."""
+    period = periods.period_containing(moment)
+    key_spent = get_redis().hget(redis_keys.key_period_key(organization_id, api_key_id, period.key), "spent")
+    return reads.counted_spend(organization_id, period), Decimal(key_spent) / 10**9 if key_spent is not None else None
+
+
+def _reserved_before_midnight(request_id: str):
+    """A call with a key, reserved on the last second of July: its endpoint, organisation, key and admission."""
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup=request_id.removeprefix("req_"), digest="x")
+    _cap(organization, "1.00")
+    set_key_spend_cap(SYSTEM, key, spend_cap=Decimal("1.00"))
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.50"),
+                                   request_id=request_id))
+    assert admitted.reservation.period_key == "202507"
+    return endpoint, organization, key, admitted
+
+
+def _record_finished(endpoint, key, request_id: str, finished_at: datetime) -> Decimal:
+    record_usage(dataclasses.replace(usage_report(endpoint, api_key=key, request_id=request_id, finished_at=finished_at),
+                                     max_cost=Decimal("0.50")))
+    return UsageRecord.objects.get(request_id=request_id).cost
+
+
+def test_a_call_reserved_before_midnight_at_a_months_end_spends_in_the_month_the_ledger_bills_it(clock):
+    # August's counters were rebuilt (from a ledger without it) by August's first call while this one still ran;
+    # its settlement spent in July's counters, where it was reserved: August's cap, key cap and limit without a
+    # payment method never counted it, though the ledger bills it in August. Calls started just before midnight went
+    # uncounted for the whole month.
+    endpoint, organization, key, admitted = _reserved_before_midnight("req_midnight")
+    clock.now_at = FIRST_SECONDS_OF_AUGUST
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.10"), request_id="aug"))
+    assert _month_spend(organization.pk, key.pk, FIRST_SECONDS_OF_AUGUST) == (0, 0)
+
+    cost = _record_finished(endpoint, key, "req_midnight", FIRST_SECONDS_OF_AUGUST)
+    asyncio.run(settle(admitted, cost, fresh_id=True))
+
+    assert cost > 0
+    assert _month_spend(organization.pk, key.pk, FIRST_SECONDS_OF_AUGUST) == (cost, cost)
+    assert _month_spend(organization.pk, key.pk, LAST_SECOND_OF_JULY) == (0, 0)
+    assert reads.reserved_now(organization.pk) == Decimal("0.10")  # July's hold released, August's call's kept
+    assert int(get_redis().get(redis_keys.key_reserved_key(organization.pk, key.pk))) == 10**8
+
+
+def test_a_call_settled_after_midnight_that_finished_before_spends_in_the_month_it_finished(clock):
+    # The ledger bills the row's finished_at; the finish script may run a moment later, in the next month.
+    endpoint, organization, key, admitted = _reserved_before_midnight("req_before")
+    cost = _record_finished(endpoint, key, "req_before", LAST_SECOND_OF_JULY)
+    clock.now_at = FIRST_SECONDS_OF_AUGUST
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.10"), request_id="aug"))
+    asyncio.run(admission.finish(caller=_caller(organization.pk, key.pk), endpoint_id=ENDPOINT, admission=admitted,
+                                 release=None, num_tokens=0, cost=cost, fresh_id=True, finished_at=LAST_SECOND_OF_JULY))
+
+    assert _month_spend(organization.pk, key.pk, LAST_SECOND_OF_JULY) == (cost, cost)
+    assert _month_spend(organization.pk, key.pk, FIRST_SECONDS_OF_AUGUST) == (0, 0)
+
+
+def test_a_counter_rebuilt_after_a_call_settled_counts_its_row(clock):
+    # A call settled while no counter of its month existed (its settlement adds nothing): the rebuild counts its row.
+    endpoint, organization, key, admitted = _reserved_before_midnight("req_settled")
+    clock.now_at = FIRST_SECONDS_OF_AUGUST
+    cost = _record_finished(endpoint, key, "req_settled", FIRST_SECONDS_OF_AUGUST)
+    asyncio.run(settle(admitted, cost, fresh_id=True))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.10"), request_id="aug"))
+
+    assert _month_spend(organization.pk, key.pk, FIRST_SECONDS_OF_AUGUST) == (cost, cost)
+
+
+def test_the_sweeper_settles_a_call_reserved_before_midnight_in_the_month_its_row_finished(clock, settings):
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint, organization, key, admitted = _reserved_before_midnight("req_swept")
+    clock.now_at = FIRST_SECONDS_OF_AUGUST
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.10"), request_id="aug"))
+    cost = _record_finished(endpoint, key, "req_swept", FIRST_SECONDS_OF_AUGUST)
+
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 2  # "aug" has no row: released, no cost
+
+    assert _month_spend(organization.pk, key.pk, FIRST_SECONDS_OF_AUGUST) == (cost, cost)
+    assert _month_spend(organization.pk, key.pk, LAST_SECOND_OF_JULY) == (0, 0)
+    assert reads.reserved_now(organization.pk) == 0
+
