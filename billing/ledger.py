@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -403,10 +404,26 @@ def hourly_totals(*, recorded_since: datetime | None) -> dict[tuple, dict]:
 
 def period_spend(organization_id: int, period: Period, *, api_key_id: int | None = None) -> Decimal:
     """The ledger's spend in a billing period: the truth the Redis counters are rebuilt from."""
+    return _period_rows(organization_id, period, api_key_id).aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
+
+
+def _period_rows(organization_id: int, period: Period, api_key_id: int | None):
+    """The rows a period bills: those that finished in it (`finished_at`)."""
     rows = UsageRecord.objects.filter(organization_id=organization_id, finished_at__gte=period.start, finished_at__lt=period.end)
-    if api_key_id is not None:
-        rows = rows.filter(api_key_id=api_key_id)
-    return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
+    return rows.filter(api_key_id=api_key_id) if api_key_id is not None else rows
+
+
+def period_spend_and_pending(organization_id: int, period: Period, request_ids: Collection[str], *,
+                             api_key_id: int | None = None) -> tuple[Decimal, dict[str, Decimal]]:
+    """`period_spend`, and the cost of each of its rows whose request id is one of `request_ids` (calls still
+    reserved, which may settle after a counter is rebuilt: `billing.quota.rebuild`).
+
+    NOTE: the rows of `request_ids` are read apart from the sum of the others, after it: one committed between the
+    two statements is in the total and the costs both, or in neither, never in the total alone."""
+    rows = _period_rows(organization_id, period, api_key_id)
+    others = rows.exclude(request_id__in=request_ids).aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
+    pending = dict(rows.filter(request_id__in=request_ids).values_list("request_id", "cost")) if request_ids else {}
+    return others + sum(pending.values(), Decimal(0)), pending
 
 
 def undrawn_usage_began(account: BillingAccount) -> datetime | None:

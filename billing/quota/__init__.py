@@ -24,7 +24,9 @@ Redis holds, in nano-dollars (integers, exact in Lua's doubles up to $9M):
 Every name is built in `controlplane.redis_keys`; one organisation's keys share its hash tag, so the
 scripts run on Redis Cluster.
 
-NOTE: the gateway writes the ledger row *before* settling. Then a rebuild between the two counts
-the request from the ledger while its reservation still counts too (conservative for a moment), and
-the settlement skips counters that were rebuilt, so nothing is counted twice for long.
+NOTE: a call spends in the period the ledger bills it in, that of its row's `finished_at`, which is not
+the period it was reserved in when it runs past midnight at a month's end (the reserved sums are not per
+period). The gateway writes the ledger row *before* settling: a settlement that finds no counter adds
+nothing (the counter is rebuilt from the ledger, which has the row), and a counter rebuilt between the two
+leaves out the cost of the calls still reserved and not settled, which their settlements add.
 """

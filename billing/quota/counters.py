@@ -181,7 +181,8 @@ local function quota_settle(K, A)
     redis.call('ZREM', K[2], A[1])
   end
   if not first then return 0 end
-  -- A counter rebuilt from the ledger since the reservation already holds this request's cost.
+  -- A missing counter is rebuilt from the ledger, which has this call's row (written before); one rebuilt while the
+  -- call was still reserved and unsettled left its cost out for this settlement to add (`rebuild`).
   if redis.call('EXISTS', K[4]) == 1 then redis.call('HINCRBY', K[4], 'spent', actual) end
   if has_key and redis.call('EXISTS', K[6]) == 1 then redis.call('HINCRBY', K[6], 'spent', actual) end
   if redis.call('EXISTS', K[8]) == 1 then redis.call('DECRBY', K[8], actual) end

@@ -3,30 +3,47 @@ PostgreSQL: spend is the ledger's sum, credit what the grants leave after it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from django.utils import timezone
 
-from billing.ledger import period_spend, undrawn_prepaid_spend, undrawn_usage_began
+from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend, undrawn_usage_began
 from billing.models import ApiKeySpendCap, BillingAccount, CreditGrant
 from billing.periods import Period, period_containing
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
 from controlplane.redis_client import get_async_redis
-from controlplane.redis_keys import credit_key, key_period_key, limits_refreshed_key, org_period_key
+from controlplane.redis_keys import (
+    credit_key,
+    key_period_key,
+    limits_refreshed_key,
+    org_period_key,
+    reservations_key,
+    settled_key,
+)
 from controlplane.redis_scripts import Script
 
 CREDIT_FIGURE_MAX_TTL_S = 3600
 # At most one rewrite of an organisation counter's limits for a version mismatch in this long (`rebuild_missing`).
 LIMITS_REFRESH_INTERVAL_S = 10
 
-# KEYS: a hash; ARGV: ttl, then field/value pairs. Writes the hash only if nobody did meanwhile.
-_INIT_HASH = Script("""
+# KEYS: a period counter (a hash), the organisation's reservations, then the settled marker of each pending call;
+# ARGV: ttl, each pending call's request id, then each one's cost (units, > 0), then the hash's field/value pairs.
+# Writes the hash only if nobody did meanwhile, its spend less the cost of each pending call still reserved and not
+# settled, whose own settlement (`counters.SETTLE`) adds it once the counter exists.
+_INIT_SPEND = Script("""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+local pending = #KEYS - 2
+redis.call('HSET', KEYS[1], unpack(ARGV, 2 + 2 * pending))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+for i = 1, pending do
+  if redis.call('HEXISTS', KEYS[2], ARGV[1 + i]) == 1 and redis.call('EXISTS', KEYS[2 + i]) == 0 then
+    redis.call('HINCRBY', KEYS[1], 'spent', '-' .. ARGV[1 + pending + i])
+  end
+end
 return 1
 """)
 
@@ -37,20 +54,27 @@ class _Rebuild:
     fields: dict[str, str] | None  # a hash, or
     value: str | None  # a plain counter
     ttl_s: int
+    # a hash's: request id -> cost (units) of the rows in its spend whose calls were still reserved (`_INIT_SPEND`)
+    pending: dict[str, int] = field(default_factory=dict)
 
 
-def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period) -> _Rebuild:
+def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period,
+                           reserved_ids: Collection[str] = ()) -> _Rebuild:
+    """The counter `what` as PostgreSQL has it; `reserved_ids`: the organisation's reservations (read before),
+    whose calls may have a row in the period's spend and settle after the counter is written."""
     close_old_connections()  # NOTE: runs in a worker thread whose connection may have gone stale
+    if what in ("org", "key"):
+        spent, pending = period_spend_and_pending(organization_id, period, reserved_ids,
+                                                  api_key_id=api_key_id if what == "key" else None)
+        pending_units = {request_id: units for request_id, cost in pending.items() if (units := to_units(cost)) > 0}
     if what == "org":
         account = BillingAccount.objects.for_organization(organization_id)
-        spent = to_units(period_spend(organization_id, period))
-        return _Rebuild(org_period_key(organization_id, period.key), {"spent": str(spent)} | limit_fields(account),
-                        None, PERIOD_TTL_S)
+        return _Rebuild(org_period_key(organization_id, period.key), {"spent": str(to_units(spent))} | limit_fields(account),
+                        None, PERIOD_TTL_S, pending_units)
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
-        spent = to_units(period_spend(organization_id, period, api_key_id=api_key_id))
-        fields = {"spent": str(spent), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
-        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), fields, None, PERIOD_TTL_S)
+        fields = {"spent": str(to_units(spent)), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
+        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), fields, None, PERIOD_TTL_S, pending_units)
     if what == "credit":
         available, ttl_s = credit_available(organization_id)
         return _Rebuild(credit_key(organization_id), None, str(to_units(available, ROUND_HALF_UP)), ttl_s)
@@ -79,10 +103,14 @@ def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
     return available, ttl_s
 
 
-async def _write_rebuild(rebuild: _Rebuild) -> None:
+async def _write_rebuild(rebuild: _Rebuild, organization_id: int) -> None:
     if rebuild.fields is not None:
-        args = [rebuild.ttl_s, *[item for pair in rebuild.fields.items() for item in pair]]
-        await _INIT_HASH(keys=[rebuild.key], args=args)
+        request_ids = list(rebuild.pending)
+        keys = [rebuild.key, reservations_key(organization_id),
+                *[settled_key(organization_id, request_id) for request_id in request_ids]]
+        args = [rebuild.ttl_s, *request_ids, *[rebuild.pending[request_id] for request_id in request_ids],
+                *[item for pair in rebuild.fields.items() for item in pair]]
+        await _INIT_SPEND(keys=keys, args=args)
     else:
         await get_async_redis().set(rebuild.key, rebuild.value, nx=True, ex=rebuild.ttl_s)
 
@@ -103,9 +131,15 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
             limits_refreshed_key(reservation.organization_id), "1", nx=True, ex=LIMITS_REFRESH_INTERVAL_S):
         return True
     if what != "limits":  # 'limits': the counter exists, its spend stands; only its limits are written again
-        rebuild = await sync_to_async(_rebuild_from_database)(what, reservation.organization_id, reservation.api_key_id,
-                                                              period)
-        await _write_rebuild(rebuild)
+        organization_id = reservation.organization_id
+        # NOTE: read before the ledger. A call reserved then whose row the ledger has may settle after the counter is
+        # written (the row is written first; a call reserved in the last month spends in this one when it finishes
+        # in it), and adds its cost then: the counter is written without it (`_INIT_SPEND`). A call reserved since
+        # found this counter missing (its own rebuild wrote it first, or ours does) and reserved nothing.
+        reserved_ids = await get_async_redis().hkeys(reservations_key(organization_id)) if what != "credit" else ()
+        rebuild = await sync_to_async(_rebuild_from_database)(what, organization_id, reservation.api_key_id,
+                                                              period, reserved_ids)
+        await _write_rebuild(rebuild, organization_id)
     if what in ("org", "limits"):
         # NOTE: the limits read (again) after the counter exists, under the account's lock: a change committed
         # between the rebuild's read and its write refreshed nothing (no counter yet), and would otherwise stay

@@ -509,6 +509,21 @@ def test_a_call_settled_after_midnight_that_finished_before_spends_in_the_month_
     assert _month_spend(organization.pk, key.pk, FIRST_SECONDS_OF_AUGUST) == (0, 0)
 
 
+def test_a_new_months_counter_rebuilt_after_a_running_calls_row_was_written_counts_it_once(clock):
+    # The gateway writes the row, then settles: August's first call rebuilt August's counters between the two, from a
+    # ledger that already had the row, and the settlement added it again.
+    endpoint, organization, key, admitted = _reserved_before_midnight("req_between")
+    clock.now_at = FIRST_SECONDS_OF_AUGUST
+    cost = _record_finished(endpoint, key, "req_between", FIRST_SECONDS_OF_AUGUST)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.10"), request_id="aug"))
+    assert _month_spend(organization.pk, key.pk, FIRST_SECONDS_OF_AUGUST) == (0, 0)  # its settlement counts it
+
+    asyncio.run(settle(admitted, cost, fresh_id=True))
+
+    assert _month_spend(organization.pk, key.pk, FIRST_SECONDS_OF_AUGUST) == (cost, cost)
+    assert _month_spend(organization.pk, key.pk, LAST_SECOND_OF_JULY) == (0, 0)
+
+
 def test_a_counter_rebuilt_after_a_call_settled_counts_its_row(clock):
     # A call settled while no counter of its month existed (its settlement adds nothing): the rebuild counts its row.
     endpoint, organization, key, admitted = _reserved_before_midnight("req_settled")
@@ -533,3 +548,17 @@ def test_the_sweeper_settles_a_call_reserved_before_midnight_in_the_month_its_ro
     assert _month_spend(organization.pk, key.pk, LAST_SECOND_OF_JULY) == (0, 0)
     assert reads.reserved_now(organization.pk) == 0
 
+
+def test_a_counter_rebuilt_while_a_settled_request_id_is_reserved_again_counts_its_row(settings):
+    # A batch line run again under its id holds a reservation whose settlement adds nothing (its marker): a rebuild
+    # meanwhile counts its row, which no settlement adds.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    organization, admitted, cost = _served_and_reserved("line-3")
+    asyncio.run(settle(admitted, cost))
+    again = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                request_id="line-3"))
+    get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key))  # Redis lost it
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.10"), request_id="next"))
+    asyncio.run(settle(again, cost))
+
+    assert reads.counted_spend(organization.pk) == cost
