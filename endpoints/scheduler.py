@@ -39,7 +39,7 @@ from endpoints.models import (
     IdleAction,
     Replica,
 )
-from endpoints.nodes.models import Node
+from endpoints.nodes.models import Node, database_time_ago
 from endpoints.replicas import (
     RECONCILE_TASK,
     drain_replica,
@@ -334,7 +334,7 @@ def sweep_stuck() -> None:
 
 def _sweep() -> None:
     now = timezone.now()
-    silent_since = now - timedelta(seconds=settings.NODE_HEARTBEAT_GRACE_S)
+    silent_since = database_time_ago(settings.NODE_HEARTBEAT_GRACE_S)
     for node in Node.objects.exclude(state=NodeState.OFFLINE).filter(last_heartbeat_at__lt=silent_since):
         # NOTE: one transaction: nobody reads an OFFLINE node whose replicas still look READY (the gateway
         # would route to them, the console show them serving). The notices and reconciles go after commit.

@@ -13,10 +13,10 @@ from controlplane.redis_client import get_redis
 from controlplane.redis_keys import TICK_LOCK_KEY
 from endpoints import autoscaler, scheduler
 from endpoints.autoscaler import Load
-from endpoints.fleet.services import desired_replicas
+from endpoints.fleet.services import desired_replicas, record_heartbeat
 from endpoints.models import EndpointEvent, Replica
 from endpoints.nodes.models import Node
-from gpu_agent.protocol import NodeState, ReplicaState
+from gpu_agent.protocol import Heartbeat, NodeState, ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_placement import make_node
 
@@ -174,6 +174,21 @@ def test_a_silent_node_goes_offline_and_its_replicas_fail_and_are_replaced_elsew
     assert replacement.node == healthy
     # The node comes back: it is told to run nothing it had, so its stale replica stops.
     assert desired_replicas(silent) == []
+
+
+def test_a_worker_whose_clock_runs_ahead_takes_no_beating_node_offline(settings, monkeypatch, django_capture_on_commit_callbacks):
+    # Heartbeats were stamped by the web pod's clock and judged by the worker's: a worker ~25 s ahead took every node
+    # OFFLINE at every sweep (their replicas failed and replaced), and a web pod ahead kept dead ones alive as long.
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    node = make_node(memory_mb=80_000)
+    record_heartbeat(node, Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000))
+    ahead = timezone.now() + timedelta(seconds=60)
+    monkeypatch.setattr(scheduler.timezone, "now", lambda: ahead)  # the worker's clock (timezone is one module)
+
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler._sweep()
+
+    assert Node.objects.get(pk=node.pk).state == NodeState.READY
 
 
 @pytest.mark.parametrize("held", [NodeState.CORDONED, NodeState.DRAINING, NodeState.READY])

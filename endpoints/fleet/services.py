@@ -14,6 +14,7 @@ from datetime import datetime
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from controlplane import tokens
@@ -83,8 +84,9 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
             advertise_host=request.advertise_host, engine_port_min=request.engine_port_min,
             engine_port_max=request.engine_port_max,
             secret_lookup=issued.lookup, secret_digest=issued.digest, join_token=join_token,
-            last_heartbeat_at=timezone.now(),
+            last_heartbeat_at=Now(),  # NOTE: PostgreSQL's clock, as the sweeps judge it (`database_time_ago`)
         )
+        node.refresh_from_db(fields=["last_heartbeat_at"])
         record_audit(SYSTEM, None, "node.register", node, gpu_type=node.gpu_type, num_gpus=node.num_gpus)
     logger.info("node %s (%s) registered", node.name, node.pk)
     # NOTE: after the node's transaction: a machine a pool launched (its launch's one-use join
@@ -107,13 +109,12 @@ def authenticate_node(secret: str) -> Node:
 
 def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.HeartbeatResponse:
     """Take the agent's report, move replica states forward, and answer with the desired replicas."""
-    now = timezone.now()
     status = heartbeat.to_dict()
     status.pop("replicas", None)
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node.pk)
         came_back = node.state == NodeState.OFFLINE
-        node.last_heartbeat_at = now
+        node.last_heartbeat_at = Now()  # NOTE: PostgreSQL's clock, as the sweeps judge it (`database_time_ago`)
         node.last_status = status
         node.agent_version = heartbeat.agent_version
         fields = ["last_heartbeat_at", "last_status", "agent_version", "state"]

@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
 from decimal import Decimal
 
 from django.conf import settings
-from django.utils import timezone
 
 from endpoints.gateway.memo import Memo, in_worker_thread
 from endpoints.models import Adapter, Endpoint, Replica
+from endpoints.nodes.models import database_time_ago
 from gpu_agent.protocol import NodeState, ReplicaState
 
 logger = logging.getLogger(__name__)
@@ -223,7 +222,7 @@ def _engine_generating(endpoint_id: str, replica_id: str, address: str) -> bool:
         # NOTE: a cordoned or draining node still runs its replicas: READY alone cut every long call on one at its
         # first question (a 504, unbilled, the engine's work thrown away and sent again by the client)
         node__state__in=(NodeState.READY, NodeState.CORDONED, NodeState.DRAINING),
-        node__last_heartbeat_at__gte=timezone.now() - timedelta(seconds=settings.NODE_HEARTBEAT_GRACE_S),
+        node__last_heartbeat_at__gte=database_time_ago(settings.NODE_HEARTBEAT_GRACE_S),
     ).exists()
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ipaddress
 import uuid
+from datetime import timedelta
 from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from controlplane import tokens
@@ -43,6 +45,13 @@ def _normal_host(host: str) -> str:
     except ValueError:
         return host
 
+
+
+def database_time_ago(seconds: float) -> models.Expression:
+    """`seconds` before now by PostgreSQL's clock, as heartbeats are stamped (`Node.last_heartbeat_at`): a web pod
+    stamped them by its clock and a worker judged them by its own, so a worker ~25 s ahead took every node OFFLINE
+    at every sweep."""
+    return models.ExpressionWrapper(Now() - timedelta(seconds=seconds), output_field=models.DateTimeField())
 
 class JoinToken(models.Model):
     TOKEN_KIND = "jt"
