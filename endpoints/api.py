@@ -1,6 +1,5 @@
 """Management API for endpoints and model credentials: `/api/v1/endpoints/`, `/api/v1/credentials/`."""
 
-from django.db.models import Prefetch
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import mixins, viewsets
@@ -14,7 +13,7 @@ from controlplane.accounts.tenancy import request_membership
 from controlplane.integrity import RowLockedUpdateMixin
 from endpoints import adapters, credentials, services
 from endpoints import stats as endpoint_stats
-from endpoints.models import Adapter, Endpoint, ModelCredential, Replica
+from endpoints.models import Adapter, Endpoint, ModelCredential, shown_replicas_prefetch
 from endpoints.quotas import use_of
 from endpoints.serializers import (
     AdapterSerializer,
@@ -30,9 +29,7 @@ class EndpointViewSet(RowLockedUpdateMixin, OrganizationScopedMixin, viewsets.Mo
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
     def get_queryset(self):
-        return Endpoint.objects.for_org(self.organization).prefetch_related(
-            Prefetch("replicas", queryset=Replica.objects.select_related("node"))
-        )
+        return Endpoint.objects.for_org(self.organization).prefetch_related(*shown_replicas_prefetch())
 
     def get_serializer_class(self):
         return EndpointSerializer if self.action == "list" else EndpointDetailSerializer

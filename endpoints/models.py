@@ -16,12 +16,26 @@ from django.utils import timezone
 from controlplane import secrets as secrets_at_rest
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from gpu_agent.protocol import (
+    FINAL_REPLICA_STATES,
     CheckpointQuantization,
     ModelTask,
     ReplicaState,
     SpeculativeMethod,
     task_of_architecture,
 )
+
+# Replicas that ended shown with an endpoint (`Endpoint.shown_replicas`): the latest few, so a failure stays visible.
+RECENT_ENDED_REPLICAS = 5
+
+
+def shown_replicas_prefetch() -> tuple[models.Prefetch, models.Prefetch]:
+    """What a list or page of endpoints prefetches for `Endpoint.shown_replicas`: the alive replicas, and the latest
+    ended ones per endpoint (a window over each endpoint's), with their nodes."""
+    return (models.Prefetch("replicas", to_attr="alive_replicas",
+                            queryset=Replica.objects.exclude(state__in=FINAL_REPLICA_STATES).select_related("node")),
+            models.Prefetch("replicas", to_attr="recently_ended_replicas",
+                            queryset=Replica.objects.filter(state__in=FINAL_REPLICA_STATES).select_related("node")
+                            .order_by("-state_changed_at")[:RECENT_ENDED_REPLICAS]))
 
 
 class EndpointState(models.TextChoices):
@@ -271,12 +285,28 @@ class Endpoint(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def shown_replicas(self) -> tuple[list[Replica], list[Replica]]:
+        """Its replicas still alive, and the latest `RECENT_ENDED_REPLICAS` that ended, newest first (so a failure
+        stays visible); read without a query where `shown_replicas_prefetch()` was prefetched (lists, pages).
+
+        NOTE: not every replica it ever had: rows are kept, and an endpoint scaling up and down for months had tens of
+        thousands, all read (with their nodes) by every list, detail and console poll of every 3 s."""
+        alive = getattr(self, "alive_replicas", None)
+        if alive is None:
+            alive = list(self.replicas.exclude(state__in=FINAL_REPLICA_STATES).select_related("node"))
+        ended = getattr(self, "recently_ended_replicas", None)
+        if ended is None:
+            ended = list(self.replicas.filter(state__in=FINAL_REPLICA_STATES).select_related("node")
+                         .order_by("-state_changed_at")[:RECENT_ENDED_REPLICAS])
+        return alive, ended
+
     @property
     def state(self) -> str:
-        """The state a user sees, derived from the replicas (prefetch `replicas` in lists)."""
+        """The state a user sees, derived from the replicas (prefetch `shown_replicas_prefetch()` in lists)."""
         if self.paused_at is not None:
             return EndpointState.PAUSED
-        states = {replica.state for replica in self.replicas.all()}
+        alive, ended = self.shown_replicas()
+        states = {replica.state for replica in (*alive, *ended)}
         if ReplicaState.READY in states:
             return EndpointState.READY
         if self.failed_at is not None:

@@ -41,13 +41,10 @@ from endpoints.models import (
 from endpoints.placement import memory_needed_mb, smallest_gpu_count
 from endpoints.services import ENDPOINT_NAME_TAKEN
 from gpu_agent.protocol import (
-    FINAL_REPLICA_STATES,
     ModelTask,
     SpeculativeMethod,
     checkpoint_quantization_problem,
 )
-
-RECENT_ENDED_REPLICAS = 5
 
 HF_SOURCE = re.compile(r"^hf:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}(@[A-Za-z0-9._/-]{1,100})?$")
 S3_SOURCE = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
@@ -390,11 +387,9 @@ class EndpointDetailSerializer(EndpointSerializer):
 
     @extend_schema_field(ReplicaSerializer(many=True))
     def get_replicas(self, endpoint):
-        # Every replica still alive, and the last few that ended (so a failure stays visible).
-        replicas = list(endpoint.replicas.all())
-        alive = [r for r in replicas if r.state not in FINAL_REPLICA_STATES]
-        ended = sorted((r for r in replicas if r.state in FINAL_REPLICA_STATES), key=lambda r: r.state_changed_at)
-        return ReplicaSerializer(alive + ended[-RECENT_ENDED_REPLICAS:], many=True).data
+        # Every replica still alive, and the last few that ended, oldest first (so a failure stays visible).
+        alive, ended = endpoint.shown_replicas()
+        return ReplicaSerializer(alive + ended[::-1], many=True).data
 
 
 # --- model credentials ------------------------------------------------------------------------

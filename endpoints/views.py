@@ -9,7 +9,6 @@ from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
-from django.db.models import Prefetch
 from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -26,20 +25,17 @@ from endpoints import credentials, prewarm, quotas, services, stats
 from endpoints.adapters import adapters_with_holders
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from endpoints.forms import CredentialForm, EndpointForm
-from endpoints.models import Endpoint, ModelCredential, Replica
+from endpoints.models import Endpoint, ModelCredential, shown_replicas_prefetch
 from endpoints.nodes.models import Node
 from endpoints.placement import memory_needed_mb, smallest_gpu_count
 from endpoints.serializers import CredentialSerializer, EndpointSerializer
-from gpu_agent.protocol import FINAL_REPLICA_STATES
 
 NUM_EVENTS_SHOWN = 50
 METRIC_WINDOWS_MIN = {60: 60, 360: 300, 1440: 900}  # window (minutes) -> bucket (seconds)
 
 
 def _endpoints(organization):
-    return Endpoint.objects.for_org(organization).prefetch_related(
-        Prefetch("replicas", queryset=Replica.objects.select_related("node"))
-    )
+    return Endpoint.objects.for_org(organization).prefetch_related(*shown_replicas_prefetch())
 
 
 def _endpoint_or_404(request, pk):
@@ -293,12 +289,10 @@ def credential_delete(request, pk):
 
 
 def _live_context(endpoint) -> dict:
-    replicas = list(endpoint.replicas.all())
-    alive = [r for r in replicas if r.state not in FINAL_REPLICA_STATES]
-    ended = sorted((r for r in replicas if r.state in FINAL_REPLICA_STATES), key=lambda r: r.state_changed_at)[-5:]
+    alive, ended = endpoint.shown_replicas()
     return {
         "endpoint": endpoint,
-        "replicas": alive + ended[::-1],
+        "replicas": alive + ended,
         "num_alive": len(alive),
         "events": endpoint.events.select_related("replica")[:NUM_EVENTS_SHOWN],
     }

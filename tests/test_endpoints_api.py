@@ -1,7 +1,15 @@
+from datetime import timedelta
+
 import pytest
+from django.db import connection
+from django.test import Client
+from django.utils import timezone
 
 from controlplane.accounts.models import AuditEvent, Role
-from endpoints.models import Endpoint, EndpointEvent
+from endpoints.models import Endpoint, EndpointEvent, Replica
+from gpu_agent.protocol import ReplicaState
+from tests.factories import EndpointFactory
+from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
 
@@ -142,3 +150,35 @@ def test_viewers_read_but_cannot_write(org, member_client_factory):
     assert viewer.delete(f"/api/v1/endpoints/{endpoint['id']}/").status_code == 403
     member = member_client_factory(org, Role.MEMBER)
     assert member.patch(f"/api/v1/endpoints/{endpoint['id']}/", {"max_replicas": 3}, format="json").status_code == 200
+
+
+def test_lists_and_pages_read_the_live_replicas_and_the_latest_ended_not_every_one_ever(owner_client, org):
+    # Rows are kept: an endpoint scaling up and down for months had tens of thousands of ended replicas, all read with
+    # their nodes by every list, detail and console poll (every 3 s).
+    endpoint = EndpointFactory(organization=org, min_replicas=1)
+    node = make_node(memory_mb=80_000)
+    now = timezone.now()
+    Replica.objects.bulk_create(Replica(endpoint=endpoint, node=node, state=ReplicaState.STOPPED,
+                                        state_changed_at=now - timedelta(minutes=i)) for i in range(1, 301))
+    failed = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.FAILED, state_changed_at=now,
+                                    failure_reason="out of memory")
+    ready = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, address="http://127.0.0.1:9")
+    read = []
+
+    def count_replica_rows(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if '"endpoints_replica"' in sql.split(" FROM ", 1)[-1][:40]:
+            read.append(context["cursor"].rowcount)
+        return result
+
+    with connection.execute_wrapper(count_replica_rows):
+        detail = owner_client.get(f"/api/v1/endpoints/{endpoint.pk}/").json()
+        listed = owner_client.get("/api/v1/endpoints/").json()
+        console = Client()
+        console.force_login(owner_client.user)
+        page = console.get(f"/console/endpoints/{endpoint.pk}/")
+
+    assert [r["id"] for r in detail["replicas"]][0] == str(ready.pk) and str(failed.pk) == detail["replicas"][-1]["id"]
+    assert len(detail["replicas"]) == 1 + 5 and detail["state"] == listed["results"][0]["state"] == "READY"
+    assert page.status_code == 200 and "out of memory" in page.content.decode()
+    assert sum(read) <= 3 * (1 + 5), read
