@@ -441,5 +441,17 @@ def undrawn_usage_began(account: BillingAccount) -> datetime | None:
 def undrawn_prepaid_spend(account: BillingAccount) -> Decimal:
     """Prepaid usage in the ledger not yet drawn from credit grants (`billing.credits.draw_credits`
     draws it; until then it counts against the credit left)."""
+    return undrawn_prepaid_spend_and_pending(account, ())[0]
+
+
+def undrawn_prepaid_spend_and_pending(account: BillingAccount,
+                                      request_ids: Collection[str]) -> tuple[Decimal, dict[str, Decimal]]:
+    """`undrawn_prepaid_spend`, and the cost of each of its rows whose request id is one of `request_ids` (calls
+    still reserved, which may settle after the credit figure is rebuilt: `billing.quota.rebuild`).
+
+    NOTE: read as `period_spend_and_pending` reads: a row committed between the two statements is in the total and
+    the costs both, or in neither."""
     rows = UsageRecord.objects.filter(organization_id=account.organization_id, billing_mode=BillingMode.PREPAID)
-    return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"] - account.credit_drawn
+    others = rows.exclude(request_id__in=request_ids).aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
+    pending = dict(rows.filter(request_id__in=request_ids).values_list("request_id", "cost")) if request_ids else {}
+    return others + sum(pending.values(), Decimal(0)) - account.credit_drawn, pending

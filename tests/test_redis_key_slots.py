@@ -128,6 +128,9 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         period_key = period_containing().key
         redis.hset(redis_keys.org_period_key(with_key.pk, period_key), "lv", "older rules")
         await rebuild.rebuild_missing("limits", counters.Reservation("r-lv", with_key.pk, None, Decimal(0), period_key))
+        # a credit figure rebuilt (prepaid accounts: after a grant or mode change), calls still reserved given back
+        redis.delete(redis_keys.credit_key(with_key.pk))
+        await rebuild.rebuild_missing("credit", counters.Reservation("r-credit", with_key.pk, None, Decimal(0), period_key))
 
     try:
         asyncio.run(scenario())

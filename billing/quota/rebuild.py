@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from django.utils import timezone
 
-from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend, undrawn_usage_began
+from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_usage_began
 from billing.models import ApiKeySpendCap, BillingAccount, CreditGrant
 from billing.periods import Period, period_containing
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
@@ -48,6 +48,24 @@ return 1
 """)
 
 
+# KEYS: the credit figure, the organisation's reservations, then the settled marker of each pending call; ARGV: ttl,
+# the figure (units), each pending call's request id, then each one's cost (units, > 0). Writes the figure only if
+# nobody did meanwhile, with the cost of each pending call still reserved and not settled given back: its own
+# settlement (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure counted it, then the settlement
+# took it again: a prepaid account refused (402) early for up to an hour after any grant or mode change.
+_INIT_CREDIT = Script("""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
+local pending = #KEYS - 2
+for i = 1, pending do
+  if redis.call('HEXISTS', KEYS[2], ARGV[2 + i]) == 1 and redis.call('EXISTS', KEYS[2 + i]) == 0 then
+    redis.call('INCRBY', KEYS[1], ARGV[2 + pending + i])
+  end
+end
+return 1
+""")
+
+
 @dataclass(slots=True, frozen=True)
 class _Rebuild:
     key: str
@@ -76,19 +94,27 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
         fields = {"spent": str(to_units(spent)), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
         return _Rebuild(key_period_key(organization_id, api_key_id, period.key), fields, None, PERIOD_TTL_S, pending_units)
     if what == "credit":
-        available, ttl_s = credit_available(organization_id)
-        return _Rebuild(credit_key(organization_id), None, str(to_units(available, ROUND_HALF_UP)), ttl_s)
+        available, ttl_s, pending = _credit_and_pending(organization_id, reserved_ids)
+        return _Rebuild(credit_key(organization_id), None, str(to_units(available, ROUND_HALF_UP)), ttl_s,
+                        {request_id: units for request_id, cost in pending.items() if (units := to_units(cost)) > 0})
     raise ValueError(what)
 
 
 def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
     """Prepaid credit left now (active grants less usage not yet drawn from them), and for how many
     seconds that figure holds before a grant starts or expires."""
+    available, ttl_s, _ = _credit_and_pending(organization_id, (), now=now)
+    return available, ttl_s
+
+
+def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *,
+                        now=None) -> tuple[Decimal, int, dict[str, Decimal]]:
+    """`credit_available`, and the cost of each prepaid row in it whose call is one of `reserved_ids`."""
     now = now or timezone.now()
     account = BillingAccount.objects.for_organization(organization_id)
     grants = list(CreditGrant.objects.filter(organization_id=organization_id))
     active = [grant for grant in grants if grant.is_active(now)]
-    undrawn = undrawn_prepaid_spend(account)
+    undrawn, pending = undrawn_prepaid_spend_and_pending(account, reserved_ids)
     # NOTE: what expired after the usage not drawn yet began pays first for it, as the draw will take it
     # (`CreditGrantQuerySet.paying_for`), and never for anything more.
     since = undrawn_usage_began(account) or now
@@ -100,7 +126,7 @@ def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
     ttl_s = CREDIT_FIGURE_MAX_TTL_S
     if changes:
         ttl_s = max(1, min(ttl_s, int((min(changes) - now).total_seconds()) + 1))
-    return available, ttl_s
+    return available, ttl_s, pending
 
 
 async def _write_rebuild(rebuild: _Rebuild, organization_id: int) -> None:
@@ -112,7 +138,11 @@ async def _write_rebuild(rebuild: _Rebuild, organization_id: int) -> None:
                 *[item for pair in rebuild.fields.items() for item in pair]]
         await _INIT_SPEND(keys=keys, args=args)
     else:
-        await get_async_redis().set(rebuild.key, rebuild.value, nx=True, ex=rebuild.ttl_s)
+        request_ids = list(rebuild.pending)
+        keys = [rebuild.key, reservations_key(organization_id),
+                *[settled_key(organization_id, request_id) for request_id in request_ids]]
+        await _INIT_CREDIT(keys=keys, args=[rebuild.ttl_s, rebuild.value, *request_ids,
+                                            *[rebuild.pending[request_id] for request_id in request_ids]])
 
 
 async def rebuild_missing(what: str, reservation: Reservation) -> bool:
@@ -136,7 +166,7 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
         # written (the row is written first; a call reserved in the last month spends in this one when it finishes
         # in it), and adds its cost then: the counter is written without it (`_INIT_SPEND`). A call reserved since
         # found this counter missing (its own rebuild wrote it first, or ours does) and reserved nothing.
-        reserved_ids = await get_async_redis().hkeys(reservations_key(organization_id)) if what != "credit" else ()
+        reserved_ids = await get_async_redis().hkeys(reservations_key(organization_id))
         rebuild = await sync_to_async(_rebuild_from_database)(what, organization_id, reservation.api_key_id,
                                                               period, reserved_ids)
         await _write_rebuild(rebuild, organization_id)

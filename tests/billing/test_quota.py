@@ -22,6 +22,7 @@ from billing.quota.counters import (
     CALL_SETTLED_MARKER_TTL_S,
     QuotaExceeded,
     Reservation,
+    from_units,
     prepare_reservation,
     settle_keys_and_args,
 )
@@ -562,3 +563,26 @@ def test_a_counter_rebuilt_while_a_settled_request_id_is_reserved_again_counts_i
     asyncio.run(settle(again, cost))
 
     assert reads.counted_spend(organization.pk) == cost
+
+
+def test_a_credit_figure_rebuilt_between_a_calls_row_and_its_settlement_counts_its_cost_once():
+    # The row is written before the settlement: a figure rebuilt between the two (after any grant or mode change,
+    # or its hourly expiry) had the row's cost taken in it, and the settlement took it again: a prepaid account
+    # was refused (402) early for up to an hour.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("5.00"), expires_at=timezone.now() + timedelta(days=30))
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_credit"))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_credit"), max_cost=Decimal("0.50")))
+    [row] = UsageRecord.objects.filter(request_id="req_credit")
+    assert row.billing_mode == BillingMode.PREPAID and row.cost > 0
+    get_redis().delete(redis_keys.credit_key(organization.pk))  # a grant changed: the figure is rebuilt when next needed
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    asyncio.run(settle(admitted, row.cost, fresh_id=True))
+
+    credit = from_units(int(get_redis().get(redis_keys.credit_key(organization.pk))))
+    assert credit == Decimal("5.00") - row.cost
+    assert credit_available(organization.pk)[0] == Decimal("5.00") - row.cost
