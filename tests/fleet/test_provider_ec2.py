@@ -4,13 +4,14 @@ idempotency, ownership tags, the user-data boot script, terminating only the fle
 from __future__ import annotations
 
 import base64
+from types import SimpleNamespace
 
 import boto3
 import pytest
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, EndpointConnectionError
 
 from endpoints.fleet.providers import ec2, get_provider
-from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError
+from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
 from tests.processes import free_port
 
 TOKEN = "jt_ec2-one-use-join-token-0123456789"
@@ -170,6 +171,30 @@ def test_a_capacity_refusal_is_a_clear_error_for_that_launch(aws, monkeypatch):
     [result] = provider.launch(_pool(subnets, name), [_spec("5f0c2b8e-0000-4000-8000-000000000020", zone=subnets[0])])
     assert result.provider_id == "" and result.zone == subnets[0]
     assert result.error.startswith(f"EC2 has no capacity for g5.xlarge in {subnets[0]}")
+
+
+@pytest.mark.parametrize("failure", ["listing unreachable", "listing 503", "launch 500", "token used with a new join token"])
+def test_a_launch_ec2_may_have_started_is_never_answered_as_a_refusal(aws, monkeypatch, failure):
+    # A resend after a lost answer looks for its machine first: a listing EC2 did not answer was read as a refusal,
+    # the launch failed, and the machine the first call started ran unseen and paid for. So did a launch whose
+    # token EC2 had used (the resend carries a new join token) and a 5xx.
+    _, subnets, name = aws
+    client = ec2._client(REGION)
+
+    def fails(**request):
+        if failure == "listing unreachable":
+            raise EndpointConnectionError(endpoint_url="https://ec2.us-east-1.amazonaws.com")
+        code, status = {"listing 503": ("Unavailable", 503), "launch 500": ("InternalError", 500),
+                        "token used with a new join token": ("IdempotentParameterMismatch", 400)}[failure]
+        raise ClientError({"Error": {"Code": code, "Message": "..."}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                          "DescribeInstances" if failure.startswith("listing") else "RunInstances")
+
+    if failure.startswith("listing"):
+        monkeypatch.setattr(client, "get_paginator", lambda operation: SimpleNamespace(paginate=lambda **kw: fails()))
+    else:
+        monkeypatch.setattr(client, "run_instances", fails)
+    with pytest.raises(ProviderUnreachable):
+        get_provider("ec2").launch(_pool(subnets, name), [_spec("5f0c2b8e-0000-4000-8000-000000000021")])
 
 
 def test_templates_are_checked_field_by_field():

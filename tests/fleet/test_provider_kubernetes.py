@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from endpoints.fleet.providers import get_provider, k8s_api
-from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError
+from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
 from endpoints.fleet.providers.k8s_placeholder import placeholder_pod
 from tests.infra.conftest import render, run_tool, tool
 
@@ -106,6 +106,7 @@ class _ApiServer:
     def __init__(self, certificate, key):
         self.pods: dict[str, dict] = {}
         self.requests: list[tuple[str, str, str]] = []
+        self.time_out_creates = False
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -147,6 +148,8 @@ class _ApiServer:
                 pod["metadata"]["namespace"] = namespace
                 pod["status"] = {"phase": "Pending"}
                 server.pods[name] = pod
+                if server.time_out_creates:  # created, and the answer is a gateway's timeout
+                    return self._answer(504, {"kind": "Status", "reason": "Timeout", "message": "request timed out"})
                 self._answer(201, pod)
 
             def do_GET(self):
@@ -277,6 +280,17 @@ def test_an_api_server_that_refuses_is_a_clear_error(api_server, settings):
     with pytest.raises(ProviderError, match="not a Kubernetes namespace"):
         get_provider("kubernetes").launch(POOL, [_spec()])
     assert all("apis" not in path for _, path, _ in api_server.requests)
+
+
+def test_a_create_the_api_server_may_have_done_is_never_answered_as_a_refusal(api_server):
+    # A 5xx (a 504 from the API server's gateway) after the pod was created was a refusal: the launch failed and the
+    # placeholder held its GPU node, unseen. Raised as no answer, it is sent again (409: the same pod) and tracked.
+    api_server.time_out_creates = True
+    with pytest.raises(ProviderUnreachable):
+        get_provider("kubernetes").launch(POOL, [_spec()])
+    api_server.time_out_creates = False
+    [result] = get_provider("kubernetes").launch(POOL, [_spec()])
+    assert result.provider_id == f"inferplane-capacity-{LAUNCH_ID}" and len(api_server.pods) == 1
 
 
 def test_templates_are_checked_field_by_field():

@@ -150,6 +150,10 @@ class Ec2Provider:
         try:
             [instance] = client.run_instances(**request)["Instances"]
         except ClientError as error:
+            if _no_answer(error) or error.response.get("Error", {}).get("Code") == "IdempotentParameterMismatch":
+                # NOTE: EC2 failing, or an instance this launch id already started (a resend carries a new join token,
+                # so other parameters): not a refusal; its tag finds it next time, or the deadline ends it.
+                raise ProviderUnreachable(f"EC2 did not launch it, or did: {_refusal(error, template, subnet)}") from error
             return LaunchResult(launch_id=spec.launch_id, zone=subnet, error=_refusal(error, template, subnet))
         except BotoCoreError as error:  # NOTE: a read timeout too: the instance may have started
             raise ProviderUnreachable(f"EC2 is unreachable: {error}") from error
@@ -230,8 +234,16 @@ def _describe(client, filters: list[dict]) -> list[dict]:
     try:
         pages = client.get_paginator("describe_instances").paginate(Filters=filters)
         return [instance for page in pages for reservation in page["Reservations"] for instance in reservation["Instances"]]
-    except (ClientError, BotoCoreError) as error:
-        raise ProviderError(f"EC2 did not answer a listing: {error}") from error
+    except ClientError as error:
+        unanswered = ProviderUnreachable if _no_answer(error) else ProviderError
+        raise unanswered(f"EC2 did not answer a listing: {error}") from error
+    except BotoCoreError as error:  # NOTE: a launch looking for its machine first must not read this as a refusal
+        raise ProviderUnreachable(f"EC2 did not answer a listing: {error}") from error
+
+
+def _no_answer(error: ClientError) -> bool:
+    """EC2 failed on its side (a 5xx): what was asked may or may not have been done."""
+    return int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0) >= 500
 
 
 def _refusal(error: ClientError, template: dict, subnet: str) -> str:

@@ -66,6 +66,8 @@ class KubernetesApi:
             existing = self.get_pod(namespace, pod["metadata"]["name"])
             if existing is not None:
                 return existing, False
+        if response.status_code >= 500:  # NOTE: the API server failing, a 504 too: the pod may have been created
+            raise ProviderUnreachable(str(self._refusal(response, f"create pod {pod['metadata']['name']}")))
         if response.status_code not in (200, 201, 202):
             raise self._refusal(response, f"create pod {pod['metadata']['name']}")
         return response.json(), True
