@@ -11,11 +11,13 @@ names one no READY replica holds, and holds the call like a cold start until one
 from __future__ import annotations
 
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 from rest_framework.exceptions import ValidationError
 
 from controlplane.accounts.services import Actor, record_audit
 from controlplane.integrity import unique_or_field_error
+from controlplane.secrets import SecretUnreadable
 from endpoints.credentials import source_credentials
 from endpoints.events import record_event
 from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica, organization_scope
@@ -86,16 +88,32 @@ def _wake_nodes(endpoint_id) -> None:
 
 
 def adapter_specs(endpoint: Endpoint) -> list[AdapterSpec]:
-    """The endpoint's adapters as its replicas' specs carry them (with the credentials they are read with)."""
+    """The endpoint's adapters as its replicas' specs carry them (with the credentials they are read with): at most
+    `MAX_ADAPTERS`, the most recently wanted first (an endpoint may hold more, stored before the cap). One whose
+    credential cannot be used (incomplete, or encrypted with a key since dropped) fails alone, with the reason, and
+    is left out: it raised out of the node's heartbeat, a 500 for every tenant's replica on the node."""
     specs = []
-    for adapter in endpoint.adapters.select_related("credential"):
-        credentials = source_credentials(adapter.credential) if adapter.credential_id else None
+    adapters = (endpoint.adapters.select_related("credential")
+                .order_by(F("last_requested_at").desc(nulls_last=True), "name")[:MAX_ADAPTERS])
+    for adapter in adapters:
+        try:
+            credentials = source_credentials(adapter.credential) if adapter.credential_id else None
+        except (ValueError, SecretUnreadable) as exc:
+            _fail(adapter, f"its credential cannot be used: {exc}")
+            continue
         specs.append(AdapterSpec(
             name=adapter.name, source=adapter.source, credentials=credentials,
             weights_scope=organization_scope(endpoint.organization_id),
             wanted_at=adapter.last_requested_at.timestamp() if adapter.last_requested_at else 0.0,
         ))
     return specs
+
+
+def _fail(adapter: Adapter, reason: str) -> None:
+    reason = reason[:300]
+    if Adapter.objects.filter(pk=adapter.pk).exclude(state=AdapterState.FAILED, status_message=reason).update(
+            state=AdapterState.FAILED, status_message=reason):
+        record_event(adapter.endpoint, EventKind.FAILURE, f"Adapter {adapter.name} failed: {reason}")
 
 
 def record_replica_adapters(node, report: ReplicaStatus) -> None:

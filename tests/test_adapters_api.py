@@ -7,8 +7,8 @@ import pytest
 from endpoints import adapters
 from endpoints import serializers as endpoint_serializers
 from endpoints.adapters import record_replica_adapters, want_adapter
-from endpoints.fleet.services import replica_spec
-from endpoints.models import Adapter, Replica
+from endpoints.fleet.services import desired_replicas, replica_spec
+from endpoints.models import Adapter, ModelCredential, Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory, OrganizationFactory, make_credential
@@ -96,6 +96,37 @@ def test_the_replica_spec_carries_lora_slots_and_the_adapters_callers_want(org, 
     assert spec.adapters[0].credentials is not None and spec.without_secrets().adapters[0].credentials is None
     want_adapter(adapter.pk)
     assert replica_spec(Replica.objects.create(endpoint=lora_endpoint)).adapters[0].wanted_at > 0
+
+
+def test_a_replicas_spec_carries_at_most_the_cap_of_adapters_the_latest_wanted_first(lora_endpoint):
+    # Stored before the cap: every one was in every replica's spec on every heartbeat.
+    Adapter.objects.bulk_create(Adapter(endpoint=lora_endpoint, name=f"a{i}", source="s3://tuned-adapters/a")
+                                for i in range(adapters.MAX_ADAPTERS + 44))
+    wanted = Adapter.objects.get(endpoint=lora_endpoint, name="a299")
+    want_adapter(wanted.pk)
+
+    spec = replica_spec(Replica.objects.create(endpoint=lora_endpoint))
+
+    assert len(spec.adapters) == adapters.MAX_ADAPTERS and spec.adapters[0].name == "a299"
+
+
+def test_an_adapter_whose_credential_cannot_be_read_fails_alone_and_the_heartbeat_is_answered(lora_endpoint):
+    # Its credential encrypted with a key since dropped raised out of the node's heartbeat: a 500 for every tenant's
+    # replica on the node, until it went OFFLINE.
+    credential = make_credential(lora_endpoint.organization)
+    Adapter.objects.create(endpoint=lora_endpoint, name="locked", source="s3://tuned-adapters/locked",
+                           credential=credential)
+    Adapter.objects.create(endpoint=lora_endpoint, name="open", source="s3://tuned-adapters/open")
+    ModelCredential.objects.filter(pk=credential.pk).update(encrypted_secrets="gAAAAABnot-a-token-any-key-reads")
+    node = Node.objects.create(name="gpu-1", state="READY")
+    replica = Replica.objects.create(endpoint=lora_endpoint, node=node, state=ReplicaState.READY)
+
+    [spec] = desired_replicas(node)
+
+    assert [adapter.name for adapter in spec.adapters] == ["open"] and spec.replica_id == str(replica.pk)
+    locked = Adapter.objects.get(name="locked")
+    assert locked.state == "FAILED" and "cannot be used" in locked.status_message
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY
 
 
 def test_an_agents_report_marks_adapters_loaded_or_refused_with_the_engines_reason(lora_endpoint):

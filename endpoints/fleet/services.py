@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from controlplane import tokens
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
+from controlplane.secrets import SecretUnreadable
 from endpoints.adapters import adapter_specs, record_replica_adapters
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
@@ -212,7 +213,7 @@ def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
     for replica in replicas:
         try:
             specs.append(replica_spec(replica))
-        except ValueError as exc:
+        except (ValueError, SecretUnreadable) as exc:
             logger.warning("replica %s of endpoint %s: its spec cannot be built: %s", replica.pk, replica.endpoint_id, exc)
             reason = f"its configuration cannot run: {exc}"
             if fail_replica(replica, reason):
