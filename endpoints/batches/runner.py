@@ -160,31 +160,44 @@ async def free_slots(organization_id: int, endpoint_id: str, *, target_concurren
 
 
 class _Pending:
-    """The lines still to start: those to try again first, then the input's next, read (in a worker thread: the input
-    comes from S3 a part at a time) one ahead of its start. An error reading the input stops the reads; it is raised
-    once the lines that run have ended (`raise_failure`)."""
+    """The lines still to start: those to try again first, then the input's next, read one ahead in a worker thread
+    (the input comes from S3 a part at a time) while the run goes on. NOTE: never awaited in the run's loop: a slow
+    read (S3 retrying, a long skip over the lines done) held up the lease's renewal and the run's checks, and the
+    batch was taken over with its lines in flight. An error reading the input ends the reads; it is raised once the
+    lines that run have ended (`raise_failure`)."""
 
     def __init__(self, fresh: Iterator[Line]):
         self._fresh = fresh
         self._again: deque[Line] = deque()
         self._next: Line | None = None
+        self.reading: asyncio.Future | None = None  # the read under way
+        self._ended = False
         self.failure: Exception | None = None
 
-    async def read_ahead(self) -> None:
-        if self._next is None and self.failure is None:
+    def read_ahead(self) -> None:
+        """Keep a finished read's line; start the next read if no line waits and none is under way."""
+        if self.reading is not None and self.reading.done():
+            reading, self.reading = self.reading, None
             try:
-                self._next = await asyncio.to_thread(next, self._fresh, None)
+                line = reading.result()
             except Exception as exc:  # raised by `raise_failure` once what runs has ended
-                self.failure = exc
+                self.failure, self._ended = exc, True
+            else:
+                self._next, self._ended = line, line is None
+        if self._next is None and self.reading is None and not self._ended:
+            self.reading = asyncio.ensure_future(asyncio.to_thread(next, self._fresh, None))
 
-    def __bool__(self) -> bool:
+    def ready(self) -> bool:
         return bool(self._again) or self._next is not None
 
-    async def take(self) -> Line:
+    def __bool__(self) -> bool:  # a line may still come
+        return self.ready() or not self._ended
+
+    def take(self) -> Line:
         if self._again:
             return self._again.popleft()
         line, self._next = self._next, None
-        await self.read_ahead()
+        self.read_ahead()
         return line
 
     def again(self, line: Line) -> None:
@@ -198,10 +211,11 @@ class _Pending:
 async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: float,
               keep_going: Callable[[Progress], str], store: Callable[[LineOutcome], None],
               lines_end_by: float | None = None) -> Progress:
-    """Run `todo` (read as lines start) until done, stopped or out of time: every line ends within `LINES_END_WITHIN_S`
-    of the first line's read, and by `lines_end_by` (monotonic). `keep_going(progress)` (sync, ORM: renews the lease,
-    writes the counts) returns "" to go on, or why to stop starting lines; `store` keeps a finished line. An error
-    reading `todo` stops the run's starts and is raised once its lines in flight have ended and been kept."""
+    """Run `todo` (read as lines start) until done, stopped or out of time: lines start for `slice_s` and every line
+    ends within `LINES_END_WITHIN_S`, both from the first line's start, and by `lines_end_by` (monotonic).
+    `keep_going(progress)` (sync, ORM: renews the lease, writes the counts) returns "" to go on, or why to stop
+    starting lines; `store` keeps a finished line. An error reading `todo` stops the run's starts and is raised once
+    its lines in flight have ended and been kept."""
     endpoint = await directory.find_endpoint(work.organization_id, work.model)
     if endpoint is None:
         progress.stopped = "gone"
@@ -213,26 +227,29 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     usage_writer.writer_for_this_loop().replay_soon()  # usage an earlier run (or a dead worker) journaled
     pending = _Pending(todo)
     running: dict[asyncio.Task, Line] = {}
-    ends_at = time.monotonic() + slice_s
+    # NOTE: from the first line's start: a slow read of the input (S3, a long skip) is not counted against the lines
+    ends_at = answer_deadline = None
     last_check, pause_until = 0.0, 0.0
     no_slot_since: float | None = None  # since when no line could start and none ran
     # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
+    latest_end = lines_end_by if lines_end_by is not None else float("inf")
     try:
-        await pending.read_ahead()  # NOTE: a slow read of the input (S3, a long skip) is not counted against the lines
-        answer_deadline = min(time.monotonic() + LINES_END_WITHIN_S,
-                              lines_end_by if lines_end_by is not None else float("inf"))
         while pending or running:
+            pending.read_ahead()
             now = time.monotonic()
             if now - last_check >= CHECK_EVERY_S:
                 # NOTE: also while the last lines finish after a stop: the lease must outlive them.
                 last_check = now
                 reason = await check(progress)
+                # a line starts only while it has `LINE_MIN_WAIT_S` left to be waited for
+                starts_until = (latest_end - LINE_MIN_WAIT_S if ends_at is None
+                                else min(ends_at, answer_deadline - LINE_MIN_WAIT_S))
                 if not progress.stopped:
-                    progress.stopped = reason or ("slice" if now >= min(ends_at, answer_deadline - LINE_MIN_WAIT_S) else "") or (
+                    progress.stopped = reason or ("slice" if now >= starts_until else "") or (
                         "expired" if time.time() >= work.expires_at else "")
-            if not progress.stopped and pending and now >= pause_until:
+            if not progress.stopped and pending.ready() and now >= pause_until:
                 slots = await free_slots(work.organization_id, endpoint.id, target_concurrency=work.target_concurrency,
                                          num_batch_in_flight=len(running))
                 if slots is None and not running:
@@ -244,14 +261,19 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 elif now - no_slot_since >= NO_SLOT_GIVE_UP_S:
                     progress.stopped = "full"  # the worker goes back to the queue: other batches may use it
                 for _ in range(max(0, (slots or 0) - len(running))):
-                    if not pending:
+                    if not pending.ready():
                         break
-                    line = await pending.take()
+                    if answer_deadline is None:
+                        ends_at, answer_deadline = now + slice_s, min(now + LINES_END_WITHIN_S, latest_end)
+                    line = pending.take()
                     running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline))] = line
             if not running:
                 if progress.stopped or not pending:
                     break
-                await asyncio.sleep(0.2)
+                if pending.reading is not None:
+                    await asyncio.wait([pending.reading], timeout=0.2)
+                else:
+                    await asyncio.sleep(0.2)
                 continue
             done, _ = await asyncio.wait(running, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             for task in done:

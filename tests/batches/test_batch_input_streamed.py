@@ -8,12 +8,13 @@ small messages several GiB parsed: the worker was killed at every try, with the 
 from __future__ import annotations
 
 import json
+import time
 import tracemalloc
 
 import boto3
 import pytest
 
-from endpoints.batches import services, storage
+from endpoints.batches import runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.batches.validation import parse_lines, read_lines, split_lines
 from tests.batches.conftest import S3_KEY, S3_SECRET, new_batch
@@ -141,3 +142,38 @@ def test_a_run_reads_its_input_as_its_lines_start(files_bucket, parts_of_a_mib, 
     assert [json.loads(row)["custom_id"] for row in output] == [f"c{i}" for i in range(200)]
     # NOTE: ~10 MiB of it is the output file's upload (`storage.OUTPUT_TRANSFER`'s 8 MiB parts), whatever the input
     assert peak < 14 * MiB, f"{peak / MiB:.0f} MiB held to check, run and finalize a 19 MiB input"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slow_read_of_the_input_never_holds_up_the_lease(files_bucket, tenant, start_mock_upstream, monkeypatch):
+    # The run awaited each read of its input: a part's GET that S3 was slow to answer (or a long skip over the lines
+    # done) held up the lease's renewal, and the batch was taken over by another worker with its lines in flight.
+    upstream = start_mock_upstream(token_delay_ms=20)  # 150 tokens: a 3 s answer
+    endpoint = serve_endpoint(tenant.org, upstream)
+    data = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 150}}).encode() + b"\n" for i in range(2))
+    batch = new_batch(endpoint, data)
+    lines_of = services._input_lines
+
+    def slow_second_read(batch, **kwargs):
+        lines = lines_of(batch, **kwargs)
+        yield next(lines)
+        time.sleep(2.5)  # while the first line runs
+        yield from lines
+
+    checks, run = [], runner.run
+
+    async def recording(work, todo, progress, *, keep_going, **kwargs):
+        def renew(progress):
+            checks.append(time.monotonic())
+            return keep_going(progress)
+        return await run(work, todo, progress, keep_going=renew, **kwargs)
+
+    monkeypatch.setattr(services, "_input_lines", slow_second_read)
+    monkeypatch.setattr(runner, "run", recording)
+    services.run_batch(batch.pk)
+
+    assert Batch.objects.get(pk=batch.pk).status == BatchStatus.COMPLETED
+    gaps = [later - earlier for earlier, later in zip(checks, checks[1:], strict=False)]
+    assert max(gaps) < 2 * runner.CHECK_EVERY_S, gaps
