@@ -32,7 +32,7 @@ def check_payload(payload: dict) -> None:
     """The 400 that refuses an embeddings body, if any (which fields it may carry: `endpoints.gateway.fields`)."""
     _check_input(payload.get("input"))
     encoding = payload.get("encoding_format")
-    if encoding is not None and encoding not in ENCODING_FORMATS:
+    if encoding is not None and (not isinstance(encoding, str) or encoding not in ENCODING_FORMATS):  # a list: unhashable
         raise errors.invalid_request(
             f"Invalid value for 'encoding_format': expected one of {', '.join(sorted(ENCODING_FORMATS))}.",
             param="encoding_format", code="invalid_value")

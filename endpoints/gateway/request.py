@@ -425,7 +425,7 @@ def _tool_choice(value, param: str) -> None:
 
 def _response_format(value, param: str) -> None:
     _object(value, param)
-    if value.get("type") not in RESPONSE_FORMATS:
+    if not isinstance(value.get("type"), str) or value["type"] not in RESPONSE_FORMATS:  # a list: unhashable
         raise _out_of_range(f"{param}.type", f"one of {', '.join(sorted(RESPONSE_FORMATS))}")
     if value.get("json_schema") is not None:
         _object(value["json_schema"], f"{param}.json_schema")

@@ -35,6 +35,8 @@ def _raw(gateway, tenant) -> httpx.Client:
     ({"input": [-1]}, "input"),
     ({"input": {"text": "a"}}, "input"),
     ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
+    ({"input": "a", "encoding_format": []}, "encoding_format"),  # a 500 (unhashable), found by the fuzz test
+    ({"input": "a", "encoding_format": {"float": 1}}, "encoding_format"),
     ({"input": "a", "dimensions": 0}, "dimensions"),
     ({"input": "a", "dimensions": "64"}, "dimensions"),
     ({"input": "a", "user": 7}, "user"),

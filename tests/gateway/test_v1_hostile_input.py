@@ -54,6 +54,7 @@ def _bodies(model: str) -> dict[str, tuple[str, bytes]]:
         "tools that are not an array": (chat, _chat(model, b', "tools": {"type": "function"}')),
         "a tool without a name": (chat, _chat(model, b', "tools": [{"type": "function", "function": {}}]')),
         "a tool_choice that is a number": (chat, _chat(model, b', "tool_choice": 3')),
+        "a response_format type that is a list": (chat, _chat(model, b', "response_format": {"type": []}')),
         "a stop that is a number": (chat, _chat(model, b', "stop": 7')),
         "n as a float": (chat, _chat(model, b', "n": 2.0')),
         "max_tokens as a boolean": (chat, _chat(model, b', "max_tokens": true')),
