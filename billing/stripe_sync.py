@@ -27,6 +27,7 @@ import functools
 import logging
 import random
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ from django.conf import settings
 from django.db import IntegrityError
 from django.db.models import Case, IntegerField, Q, Value, When
 from django.utils import timezone
-from redis.exceptions import LockError
+from redis.exceptions import LockError, RedisError
+from redis.lock import Lock
 
 from billing import services, standing
 from billing.models import BillingAccount, BillingMode, MeterEventPush, StripeMeter, UsageRollup
@@ -86,8 +88,10 @@ IDENTIFIER_TRUSTED_FOR = timedelta(hours=23)
 # How long one push run goes on claiming rollups. NOTE: under the task's soft time limit
 # (`billing.tasks.push_pending_rollups`, 570 s), with room for the rollup in hand to finish.
 PUSH_RUN_BUDGET_S = 400.0
-# How long a run's lock is held at most: past the task's hard time limit (600 s), so a run killed there frees it.
-PUSH_RUN_LOCK_S = 630
+# A run's lock lasts this long unless renewed, and a thread of the run renews it every third of that while the run
+# lives. NOTE: not the task's whole time limit: a worker killed mid-run held it that long (10 minutes), and no push ran
+# meanwhile; now at most this long.
+PUSH_RUN_LOCK_S = 30
 
 
 class StripeNotConfigured(RuntimeError):
@@ -565,17 +569,34 @@ def push_pending_rollups(*, limit: int = 500, budget_s: float = PUSH_RUN_BUDGET_
     # NOTE: one run at a time. With Stripe down, each run spent its whole budget failing (~55 s of retries a
     # rollup), a new one began every minute beside it, and together they held every slot of the scheduler's
     # workers: autoscaler ticks and sweeps expired in the queue, wakes and reconciles waited behind them.
-    lock = get_redis().lock(PUSH_RUN_LOCK_KEY, timeout=PUSH_RUN_LOCK_S, blocking=False)
+    # NOTE: not thread-local (redis-py's default): the thread that renews it holds its token too
+    lock = get_redis().lock(PUSH_RUN_LOCK_KEY, timeout=PUSH_RUN_LOCK_S, blocking=False, thread_local=False)
     if not lock.acquire():
         logger.info("a push run is still going; this one leaves the rollups to it")
         return 0
+    done = threading.Event()
+    renewer = threading.Thread(target=_renew_while_running, args=(lock, done), name="push-run-lock", daemon=True)
+    renewer.start()
     try:
         return _push_claimable(limit=limit, budget_s=budget_s)
     finally:
+        done.set()
+        renewer.join()
         try:
             lock.release()
-        except LockError:  # held past its timeout: another run may have it now, and keeps it
+        except LockError:  # its renewals failed (Redis away) and another run has it now, and keeps it
             logger.warning("the push run outlived its lock (%d s)", PUSH_RUN_LOCK_S)
+
+
+def _renew_while_running(lock: Lock, done: threading.Event) -> None:
+    while not done.wait(PUSH_RUN_LOCK_S / 3):
+        try:
+            lock.reacquire()
+        except LockError:
+            logger.warning("the push run lost its lock: another run may start beside it")
+            return
+        except RedisError:
+            logger.warning("could not renew the push run's lock; trying again", exc_info=True)
 
 
 def _push_claimable(*, limit: int, budget_s: float) -> int:

@@ -334,3 +334,21 @@ def test_every_beat_is_dropped_once_its_next_is_due():
     # A backlog (a worker down or busy) ran all at once when it came back, each run beside the next.
     for name, entry in settings.CELERY_BEAT_SCHEDULE.items():
         assert 0 < entry.get("options", {}).get("expires", 0) <= max(entry["schedule"] * 2, 10), name
+
+
+def test_a_push_runs_lock_outlives_its_timeout_while_it_runs_and_not_its_worker(fake_stripe, monkeypatch):
+    # The lock was held for the task's whole time limit: a worker killed mid-run kept every push away for 10 minutes.
+    monkeypatch.setattr(stripe_sync, "PUSH_RUN_LOCK_S", 1.5)
+    endpoint = EndpointFactory()
+    _closed_rollup(endpoint)
+    push_rollup, ttls = stripe_sync.push_rollup, []
+
+    def slow_push(rollup_id):
+        time.sleep(2.5)  # past the lock's timeout: its renewals keep it
+        ttls.append(get_redis().pttl(PUSH_RUN_LOCK_KEY))
+        return push_rollup(rollup_id)
+
+    monkeypatch.setattr(stripe_sync, "push_rollup", slow_push)
+    assert stripe_sync.push_pending_rollups() == 1
+    assert ttls and ttls[0] > 0
+    assert get_redis().get(PUSH_RUN_LOCK_KEY) is None
