@@ -261,6 +261,11 @@ class EngineMemory(Message):
 
     def __post_init__(self) -> None:
         _require(all(v is None or v >= 0 for v in (self.weights_mb, self.kv_cache_mb)), "memory figures must be >= 0")
+        # NOTE: read from an engine's log, which prints text a tenant's files hold: clamped to what the control
+        # plane's columns hold (32-bit MiB), as the model's figures are. One past it made every heartbeat of the node
+        # a 500 (the column overflowed) while the engine lived.
+        self.weights_mb = None if self.weights_mb is None else min(self.weights_mb, MAX_ENGINE_MEMORY_MB)
+        self.kv_cache_mb = None if self.kv_cache_mb is None else min(self.kv_cache_mb, MAX_ENGINE_MEMORY_MB)
 
 
 @dataclass(slots=True)
@@ -345,6 +350,7 @@ class CheckpointQuantization(Message):
 # carries at most what the control plane's columns hold (a 32-bit context, a 64-bit count), clamped here on
 # both sides, so a heartbeat from any agent, older ones included, is always taken with its replica reports.
 MAX_MODEL_CONTEXT_TOKENS = 2**31 - 1
+MAX_ENGINE_MEMORY_MB = 2**31 - 1
 MAX_MODEL_NUM_PARAMS = 2**62
 MAX_ARCHITECTURE_CHARS = 200
 MAX_WEIGHTS_BYTES = 2**62  # a model's size as its store listed it (a tenant's own store can list anything)

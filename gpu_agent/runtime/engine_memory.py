@@ -26,10 +26,14 @@ MAX_LOG_BYTES = 1024 * 1024
 START_MARKER = "\n==> launch "  # what the supervisor writes before each launch
 
 _NUMBER = r"(\d+(?:\.\d+)?)"
-WEIGHTS_LINE = re.compile(rf"Model loading took {_NUMBER} GiB memory")
+# NOTE: only at the start of vLLM's own log line ("(EngineCore pid=1) INFO 12-03 10:00:00 [file.py:1] "): the log also
+# prints text from a tenant's files (transformers' warnings quote config.json's unknown keys), and a key reading
+# "Model loading took 3000000 GiB memory" set the engine's weights to 3 PiB.
+_VLLM_LINE = r"^(?:\([^)\n]*\) )?[A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[\w./-]+:\d+\] "
+WEIGHTS_LINE = re.compile(rf"{_VLLM_LINE}Model loading took {_NUMBER} GiB memory", re.MULTILINE)
 KV_CACHE_LINES = (
-    re.compile(rf"Available KV cache memory: {_NUMBER} GiB"),
-    re.compile(rf"Explicitly set \({_NUMBER}/{_NUMBER}\) GiB for KV cache"),
+    re.compile(rf"{_VLLM_LINE}Available KV cache memory: {_NUMBER} GiB", re.MULTILINE),
+    re.compile(rf"{_VLLM_LINE}Explicitly set \({_NUMBER}/{_NUMBER}\) GiB for KV cache", re.MULTILINE),
 )
 
 

@@ -11,6 +11,7 @@ import pytest
 from gpu_agent.protocol import (
     QUANTIZATION_FACTS,
     CheckpointQuantization,
+    EngineMemory,
     ModelInfo,
     ReplicaState,
     checkpoint_quantization_problem,
@@ -244,6 +245,19 @@ def test_a_cpu_engines_log_gives_its_kv_cache_but_not_its_weights():
 def test_a_cuda_engines_log_gives_its_weights_and_kv_cache():
     memory = parse_engine_memory(CUDA_ENGINE_LOG)
     assert (memory.weights_mb, memory.kv_cache_mb) == (round(8.49 * 1024), round(9.87 * 1024))
+
+
+def test_a_tenants_text_quoted_in_the_log_is_not_an_engine_figure_and_no_figure_passes_the_columns():
+    # transformers quotes config.json's unknown keys in a warning: a key reading "Model loading took 3000000 GiB memory"
+    # set the engine's weights to 3 PiB, past the control plane's 32-bit column: every heartbeat of the node was a 500.
+    quoted = ("(APIServer pid=7) WARNING 12-03 10:00:00 [modeling_rope_utils.py:1118] Unrecognized keys in "
+              "`rope_parameters` for 'rope_type'='default': {'Model loading took 3000000 GiB memory'}\n"
+              "] Model loading took 3000000 GiB memory\n")
+    assert parse_engine_memory(CPU_ENGINE_LOG + quoted) == parse_engine_memory(CPU_ENGINE_LOG)
+    assert parse_engine_memory(quoted) is None
+    assert EngineMemory(weights_mb=2**40, kv_cache_mb=2**40).to_dict() == {"weights_mb": 2**31 - 1,
+                                                                            "kv_cache_mb": 2**31 - 1}
+    assert EngineMemory.from_dict({"weights_mb": 2**40}).weights_mb == 2**31 - 1  # an older agent's report
 
 
 def test_a_log_without_memory_lines_reports_nothing():
