@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 
@@ -27,6 +28,17 @@ logger = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
 WATCH_TIMEOUT_S = 35.0  # the control plane answers a watch within 25 s
+DEFAULT_HEARTBEAT_INTERVAL_S = 5.0
+MIN_HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S = 0.2, 60.0
+
+
+def heartbeat_interval(value) -> float:
+    """The interval the control plane asks for, within bounds; the default for anything but a finite number. NOTE: a
+    null raised out of the heartbeat loop and the agent stopped every tenant's engine; 0 or NaN had it beat flat
+    out, infinity never again."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return DEFAULT_HEARTBEAT_INTERVAL_S
+    return min(max(float(value), MIN_HEARTBEAT_INTERVAL_S), MAX_HEARTBEAT_INTERVAL_S)
 
 
 class RegistrationRefused(Exception):
@@ -54,7 +66,7 @@ class ControlPlaneClient:
         self.credentials_path = config.data_dir / "node.json"
         self.node_id: str | None = None
         self.node_secret: str | None = None
-        self.heartbeat_interval_s = 5.0
+        self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
         self._load_credentials()
 
     def _load_credentials(self) -> None:
@@ -95,7 +107,7 @@ class ControlPlaneClient:
         response.raise_for_status()
         answer = RegisterResponse.from_dict(response.json())
         self.node_id, self.node_secret = answer.node_id, answer.node_secret
-        self.heartbeat_interval_s = answer.heartbeat_interval_s
+        self.heartbeat_interval_s = heartbeat_interval(answer.heartbeat_interval_s)
         data = {
             "control_plane_url": self.config.control_plane_url,
             "node_id": answer.node_id,
@@ -123,7 +135,7 @@ class ControlPlaneClient:
             response = self._post_heartbeat(heartbeat)
         response.raise_for_status()
         answer = HeartbeatResponse.from_dict(response.json())
-        self.heartbeat_interval_s = answer.heartbeat_interval_s
+        self.heartbeat_interval_s = heartbeat_interval(answer.heartbeat_interval_s)
         return answer
 
     def _post_heartbeat(self, heartbeat: Heartbeat) -> httpx.Response:

@@ -636,7 +636,14 @@ class Supervisor:
             for replica_id, record in records.items():
                 if replica_id in self._replicas:
                     continue
-                replica = state_file.replica_from_record(replica_id, record, self.logs_dir, desired)
+                try:
+                    replica = state_file.replica_from_record(replica_id, record, self.logs_dir, desired)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    # NOTE: a record this version cannot read (an upgrade changed the spec): its engine is not adopted
+                    # (the orphan sweep below kills it); raising here crash-looped the agent at every start.
+                    logger.exception("replica %s: its record cannot be read; its engine is not adopted", replica_id)
+                    killed.append(replica_id)
+                    continue
                 pid = replica.pid
                 wanted = desired is None or replica_id in desired
                 alive = pid is not None and process.is_replica_process(pid, replica_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import psutil
 import pytest
 
 from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime.control_plane import heartbeat_interval
 from gpu_agent.runtime.probes import parse_engine_metrics
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 from gpu_agent.runtime.zygote import Zygote
@@ -171,6 +173,34 @@ def test_new_supervisor_adopts_healthy_desired_and_kills_the_rest(make_superviso
     second.drain("r-keep", timeout_s=5)
     wait_until(lambda: state_of(second, "r-keep") == ReplicaState.STOPPED, 10, poll=second.poll)
     assert processes_with_marker("r-keep") == []
+
+
+def test_a_record_this_version_cannot_read_is_not_adopted_and_the_agent_starts(make_supervisor, tmp_path):
+    # An upgrade whose spec refuses an older record raised out of recover(): the agent crash-looped at every start.
+    data_dir = tmp_path / "agent"
+    first = make_supervisor(data_dir=data_dir)
+    first.start(make_spec("r-keep"), "/models/x")
+    first.start(make_spec("r-unreadable"), "/models/x")
+    wait_until(lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 10, poll=first.poll)
+    first._probe.close()  # the old agent vanishes without stopping its children
+    first._replicas.clear()
+    records = json.loads((data_dir / "replicas.json").read_text())
+    records["r-unreadable"]["spec"]["max_model_len"] = "no longer a number"
+    (data_dir / "replicas.json").write_text(json.dumps(records))
+
+    second = make_supervisor(data_dir=data_dir)
+    adopted, killed = second.recover(None)
+
+    assert adopted == ["r-keep"] and killed == ["r-unreadable"]
+    wait_until(lambda: processes_with_marker("r-unreadable") == [], 5)  # the orphan sweep ended its engine
+
+
+def test_the_heartbeat_interval_the_control_plane_asks_for_is_bounded():
+    # A null raised out of the heartbeat loop and the agent stopped every tenant's engine; 0 or NaN had it beat flat
+    # out, infinity never again.
+    for asked, taken in ((None, 5.0), ("5", 5.0), (True, 5.0), (float("nan"), 5.0), (float("inf"), 5.0),
+                         (0, 0.2), (-3, 0.2), (2.5, 2.5), (10**9, 60.0)):
+        assert heartbeat_interval(asked) == taken, asked
 
 
 def test_an_adopted_engine_has_its_chat_template_measured(make_supervisor, tmp_path):
