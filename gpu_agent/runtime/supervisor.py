@@ -78,6 +78,11 @@ logger = logging.getLogger(__name__)
 
 CommandFactory = Callable[[ReplicaSpec, Path, int], EngineCommand]
 
+# Logs of replicas that ended kept on the node (the newest; `Supervisor.forget` prunes the rest), and the logs that
+# are not a replica's.
+KEPT_ENDED_LOGS = 50
+STANDING_LOGS = frozenset({"standby.log", "zygote.log"})
+
 
 @dataclass(slots=True)
 class SupervisorPolicy:
@@ -311,12 +316,27 @@ class Supervisor:
             callback(replica_id)
 
     def forget(self, replica_id: str) -> None:
-        """Drop a terminal replica from reports."""
+        """Drop a terminal replica from reports; the logs of replicas that ended beyond the newest
+        `KEPT_ENDED_LOGS` go (its own is kept for a while, for whoever reads why it ended)."""
         with self._lock:
             replica = self._replicas.get(replica_id)
             if replica is not None and replica.is_final:
                 del self._replicas[replica_id]
                 self._save_state()
+                live = {replica.log_path.name for replica in self._replicas.values()}
+        if replica is not None and replica.is_final:
+            self._prune_logs(live)
+
+    def _prune_logs(self, live: set[str]) -> None:
+        """NOTE: every replica's log stayed: with scale-to-zero each cold start is a new replica with a log of its own,
+        outside the weights' disk budget, until the node's disk was full."""
+        try:
+            ended = sorted((path for path in self.logs_dir.glob("*.log") if path.name not in live
+                            and path.name not in STANDING_LOGS), key=lambda path: path.stat().st_mtime, reverse=True)
+            for path in ended[KEPT_ENDED_LOGS:]:
+                path.unlink(missing_ok=True)
+        except OSError:
+            logger.warning("could not prune the engines' logs", exc_info=True)
 
     def refresh_secrets(self, spec: ReplicaSpec) -> None:
         """Take a desired spec's secrets for a replica we already run.

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime import supervisor as supervisor_module
 from gpu_agent.runtime.control_plane import heartbeat_interval
 from gpu_agent.runtime.probes import parse_engine_metrics
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
@@ -193,6 +194,28 @@ def test_a_record_this_version_cannot_read_is_not_adopted_and_the_agent_starts(m
 
     assert adopted == ["r-keep"] and killed == ["r-unreadable"]
     wait_until(lambda: processes_with_marker("r-unreadable") == [], 5)  # the orphan sweep ended its engine
+
+
+def test_the_logs_of_replicas_that_ended_are_pruned_to_the_newest_few(make_supervisor, monkeypatch, tmp_path):
+    # Every replica's log stayed: with scale-to-zero each cold start is a new replica with its own log, outside the
+    # weights' disk budget, until the node's disk was full.
+    monkeypatch.setattr(supervisor_module, "KEPT_ENDED_LOGS", 2)
+    supervisor = make_supervisor()
+    logs = supervisor.logs_dir
+    for index in range(5):
+        (logs / f"r-ended-{index}.log").write_text("old engine output")
+        os.utime(logs / f"r-ended-{index}.log", (1_000 + index, 1_000 + index))
+    (logs / "zygote.log").write_text("the zygote's")
+    supervisor.start(make_spec("r-live"), "/models/x")
+    supervisor.start(make_spec("r-done"), "/models/x")
+    wait_until(lambda: {r.state for r in supervisor.statuses()} == {ReplicaState.READY}, 10, poll=supervisor.poll)
+    supervisor.drain("r-done", timeout_s=5)
+    wait_until(lambda: state_of(supervisor, "r-done") == ReplicaState.STOPPED, 10, poll=supervisor.poll)
+
+    supervisor.forget("r-done")
+
+    assert sorted(path.name for path in logs.glob("*.log")) == ["r-done.log", "r-ended-4.log", "r-live.log",
+                                                                  "zygote.log"]
 
 
 def test_the_heartbeat_interval_the_control_plane_asks_for_is_bounded():
