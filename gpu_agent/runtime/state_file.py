@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from gpu_agent.protocol import ReplicaSpec
+from gpu_agent.protocol import ReplicaSpec, ReplicaState
 from gpu_agent.runtime.engine import EngineCommand
 from gpu_agent.runtime.replica_state import ManagedReplica
 
@@ -34,6 +34,7 @@ def save(path: Path, replicas: Iterable[ManagedReplica]) -> None:
             "spec": replica.spec.without_secrets().to_dict(),
             "engine_api_key": replica.spec.engine_api_key,
             "num_restarts": replica.num_restarts,
+            "sleeping": replica.state == ReplicaState.SLEEPING,
         }
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -289,6 +289,7 @@ class Supervisor:
                     drain = True
                 else:
                     replica.fell_asleep()
+                    self._save_state()  # NOTE: an agent that adopts it must know it sleeps (`recover`)
                     logger.info("replica %s SLEEPING after %.2fs (level %d)", replica_id, took_s, level)
             elif call == "wake" and replica.state == ReplicaState.SLEEPING:
                 if error:
@@ -305,6 +306,7 @@ class Supervisor:
                     self._save_state()
                 else:
                     replica.woke(time.monotonic())
+                    self._save_state()
                     logger.info("replica %s woke (READY) after %.2fs", replica_id, took_s)
             else:
                 return
@@ -670,6 +672,10 @@ class Supervisor:
                 if wanted and alive and self._probe.healthy(replica.address):
                     replica.became_ready(time.monotonic())
                     replica.started_at = time.monotonic()
+                    if record.get("sleeping"):
+                        # NOTE: an asleep engine answers /health: adopted as READY, it was routed calls and never
+                        # woken (a RUN found it READY already).
+                        replica.fell_asleep()
                     self._replicas[replica_id] = replica
                     adopted.append(replica_id)
                     logger.info("adopted replica %s (pid %s)", replica_id, pid)

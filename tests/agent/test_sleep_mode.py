@@ -187,6 +187,28 @@ def test_a_sleeping_replica_keeps_its_process_and_wakes_ready(sleepy_supervisor)
     assert "fake engine sleeps (level 1)" in log and "fake engine wakes" in log
 
 
+def test_an_engine_asleep_when_its_agent_went_is_adopted_sleeping_and_woken_when_wanted(sleepy_supervisor):
+    # An asleep engine answers /health: the next agent adopted it as READY, the gateway routed calls to it, and a RUN
+    # found it READY already, so it was never woken (an upgrade with --keep-engines-on-exit on a node with sleepers).
+    first = sleepy_supervisor()
+    pid = _ready(first, "r-asleep")
+    first.sleep("r-asleep")
+    _poll_until(first, lambda: first.get("r-asleep").state == ReplicaState.SLEEPING)
+    first._probe.close()  # the agent vanishes without stopping its engine
+    first._replicas.clear()
+
+    second = Supervisor(first.data_dir, device=DEVICE_CUDA, command_factory=fake_engine_factory("--sleep-mode"),
+                        policy=SupervisorPolicy(restart_backoff_s=0.2, stop_timeout_s=2.0, sleep_call_timeout_s=5.0))
+    try:
+        assert second.recover(None)[0] == ["r-asleep"]
+        assert second.get("r-asleep").state == ReplicaState.SLEEPING and second.get("r-asleep").pid == pid
+        second.wake("r-asleep")
+        _poll_until(second, lambda: second.get("r-asleep").state == ReplicaState.READY)
+        assert "fake engine wakes" in second.get("r-asleep").log_path.read_text()
+    finally:
+        second.shutdown(timeout_s=1)
+
+
 def test_a_failed_wake_restarts_the_engine_with_the_reason(sleepy_supervisor):
     supervisor = sleepy_supervisor("--wake-fails")
     pid = _ready(supervisor, "r-wake")
