@@ -51,14 +51,20 @@ class AdapterSlots:
         return list(reversed(self._loaded))
 
     def ensure(self, name: str, path: str | Path) -> None:
-        """Make `name` loaded and the most recently used, unloading the least recently used if full."""
-        if name in self._loaded:
+        """Make `name` loaded from `path` and the most recently used, unloading the least recently used if full."""
+        path = str(path)
+        if self._loaded.get(name) == path:
             self._loaded.move_to_end(name)
             return
-        while len(self._loaded) >= self.max_loras:
-            self.unload(next(iter(self._loaded)))
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-        self._loaded[name] = str(path)
+        if name not in self._loaded:
+            while len(self._loaded) >= self.max_loras:
+                self.unload(next(iter(self._loaded)))
+        # NOTE: in place. The engine may hold the name already: adopted from a previous agent, or a load that outlived
+        # its timeout; it answered 400 "already been loaded", kept as a failure until the engine restarted. Or it
+        # holds another source under the name (an adapter deleted and created again), which it kept serving.
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+        self._loaded[name] = path
+        self._loaded.move_to_end(name)
         self.failures.pop(name, None)
         logger.info("loaded adapter %s into %s", name, self.address)
 

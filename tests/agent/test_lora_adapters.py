@@ -2,8 +2,12 @@
 CPU and on the CUDA path alike), the checks read from an adapter's files before a load, and the
 reports an engine that restarted (and so lost its adapters) gives."""
 
+import json
+
+import httpx
+
 from gpu_agent.protocol import AdapterSpec, ModelTask, ReplicaState, ReplicaStatus
-from gpu_agent.runtime.adapters import ReplicaAdapters, adapter_problem
+from gpu_agent.runtime.adapters import AdapterSlots, ReplicaAdapters, adapter_problem
 from gpu_agent.runtime.engine import build_engine_command
 from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
 from gpu_agent.runtime.tiny_model import build_tiny_lora_adapter
@@ -56,3 +60,37 @@ def test_a_replica_not_ready_or_unknown_reports_no_adapters():
 
 def tmp_path_never_used(adapter):
     raise AssertionError(f"{adapter.name} was fetched though nobody wanted it")
+
+
+class _LoRAEngine:
+    """vLLM's adapter endpoints as they answer (`vllm.entrypoints.openai.models.serving`): a name already loaded is a
+    400 unless loaded in place."""
+
+    def __init__(self, loaded: dict[str, str] | None = None):
+        self.loaded = dict(loaded or {})
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        name = body["lora_name"]
+        if request.url.path == "/v1/load_lora_adapter":
+            if name in self.loaded and not body.get("load_inplace"):
+                return httpx.Response(400, json={"error": {"message": f"The lora adapter '{name}' has already been "
+                                                                      "loaded."}})
+            self.loaded[name] = body["lora_path"]
+            return httpx.Response(200, text="Success")
+        self.loaded.pop(name, None)
+        return httpx.Response(200, text="Success")
+
+
+def test_an_adapter_the_engine_holds_already_is_loaded_again_not_failed_and_a_new_source_replaces_the_old():
+    # An engine adopted from a previous agent holds its adapters: loading one again was a 400 "already been loaded",
+    # kept as a failure (503 adapter_loading for every call naming it) until the engine restarted. An adapter deleted
+    # and created again under its name with another source kept serving the old weights.
+    engine = _LoRAEngine({"tone": "/cache/tone-v1"})
+    slots = AdapterSlots("http://engine", "key", max_loras=2, client=httpx.Client(transport=httpx.MockTransport(engine)))
+
+    slots.sync([AdapterSpec(name="tone", source="s3://b/tone", wanted_at=1.0)], lambda adapter: "/cache/tone-v1")
+    assert slots.names() == ["tone"] and slots.failures == {}
+
+    slots.ensure("tone", "/cache/tone-v2")
+    assert engine.loaded == {"tone": "/cache/tone-v2"} and slots.names() == ["tone"]

@@ -69,6 +69,18 @@ def test_the_agent_loads_adapters_on_demand_and_unloads_the_least_recently_used_
     assert not engine_models(lora_engine) & {"a1", "a2", "a3"}
 
 
+def test_a_new_agent_loads_an_adapter_the_engine_already_holds(lora_engine, adapters_dir):
+    # The agent that adopts an engine does not know its adapters: vLLM answered its load with a 400 "already been
+    # loaded", kept as the adapter's failure until the engine restarted. Loaded in place, it is the same adapter.
+    AdapterSlots(lora_engine, ENGINE_KEY, max_loras=2).ensure("a1", adapters_dir / "a1")
+    adopting = AdapterSlots(lora_engine, ENGINE_KEY, max_loras=2)
+    adopting.ensure("a1", adapters_dir / "a1")
+    adopting.ensure("a1", adapters_dir / "a2")  # its source changed: the engine now holds the other weights
+    assert adopting.names() == ["a1"] and "a1" in engine_models(lora_engine)
+    adopting.unload("a1")
+    assert "a1" not in engine_models(lora_engine)
+
+
 def test_the_engine_refuses_an_adapter_above_its_max_lora_rank_with_its_own_reason(lora_engine, adapters_dir):
     slots = AdapterSlots(lora_engine, ENGINE_KEY, max_loras=2)
     with pytest.raises(AdapterLoadError, match="greater than max_lora_rank"):
