@@ -122,7 +122,8 @@ class Agent:
         drained at the first heartbeat if the control plane no longer wants them); the
         rest are killed before anything else happens.
         """
-        self.supervisor.recover()
+        adopted, _ = self.supervisor.recover()
+        self.replicas.adopted(adopted)
         self.supervisor.start_monitor()
         threading.Thread(
             target=self.control_plane.watch, args=(stop, self._wake.set), name="watch", daemon=True

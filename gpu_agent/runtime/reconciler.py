@@ -66,6 +66,24 @@ class Reconciler:
         self._lock = threading.Lock()
         self.adapters = ReplicaAdapters(self._fetch_adapter, wake=wake)
 
+    def adopted(self, replica_ids: list[str]) -> None:
+        """Pin the weights (and draft) of engines adopted from a previous agent, as a pull pins its own until its
+        replica ends. NOTE: unpinned, a running engine's model was the cache's first victim under pressure (its
+        manifest as old as its last fetch), and its next crash restarted from a deleted folder."""
+        for replica_id in replica_ids:
+            replica = self.supervisor.get(replica_id)
+            if replica is None:
+                continue
+            paths = [replica.model_path]
+            if needs_draft(replica.spec):  # its spec names the local copy the pull made (`with_local_draft`)
+                paths.append(Path(replica.spec.speculative.draft_source))
+            for path in paths:
+                self.weights.pin(path)
+            with self._lock:
+                self._pins[replica_id] = paths[0]
+                if len(paths) > 1:
+                    self._draft_pins[replica_id] = paths[1]
+
     def mark_reported(self, statuses: list[ReplicaStatus]) -> None:
         """The control plane has heard these statuses: a final one may now be forgotten once dropped."""
         with self._lock:

@@ -429,6 +429,8 @@ def test_next_agent_adopts_engines_a_detached_agent_left_running(control_plane, 
             and replica.num_restarts == 0
         )
         assert processes_with_marker("r-old") == []
+        # Its weights are pinned as a pull pins them: unpinned, they were the cache's first victim under pressure.
+        assert agent.weights._pins.get(model.name, 0) >= 1
     finally:
         first.kill()
 
