@@ -262,14 +262,16 @@ class WeightsCache:
                     f"model is {_human(size_bytes)}; this node's weights disk is {_human(disk.total)}"
                 )
             entries = self._index.entries()
+            partials = self._idle_partials(exclude=key)
             need = size_bytes - (disk.free - pending)
             if self.budget_bytes is not None:
-                cached = sum(_charged(entry) for entry in entries)
+                cached = sum(_charged(entry) for entry in entries) + sum(used for _, _, used in partials)
                 need = max(need, cached + reserved + size_bytes - self.budget_bytes)
             if need <= 0:
                 return
-            evicted = set(self._evict_lru(entries, need))
-            freed = sum(_charged(entry) for entry in entries if entry["cache_key"] in evicted)
+            freed = self._drop_partials(partials, need)
+            evicted = set(self._evict_lru(entries, need - freed)) if freed < need else set()
+            freed += sum(_charged(entry) for entry in entries if entry["cache_key"] in evicted)
             if freed < need:
                 limit = (
                     f"this node's weights budget is {_human(self.budget_bytes)}"
@@ -279,6 +281,39 @@ class WeightsCache:
                 raise ModelTooLarge(
                     f"model is {_human(size_bytes)}; {limit} and the models in use leave no room for it"
                 )
+
+    def _idle_partials(self, *, exclude: str) -> list[tuple[str, float, int]]:
+        """Downloads stopped mid-way and kept for a resume that no fetch is resuming: (key, last written, bytes on disk),
+        oldest first. NOTE: they counted against nothing: a tenant could stop download after download of models whose
+        content then changed (a new cache key each time), each left nearly whole, until the disk was full."""
+        with self._mutex:
+            busy = set(self._downloads) | {exclude}
+        found = []
+        for folder in (self.root / ".tmp").glob("*.partial"):
+            key = folder.name.removesuffix(".partial")
+            if key in busy:
+                continue
+            try:
+                found.append((key, folder.stat().st_mtime, _disk_bytes(folder)))
+            except OSError:
+                continue
+        return sorted(found, key=lambda partial: partial[1])
+
+    def _drop_partials(self, partials: list[tuple[str, float, int]], num_bytes: int) -> int:
+        """Remove idle partial downloads, oldest first, until `num_bytes` are freed; returns the bytes freed."""
+        freed = 0
+        for key, _, used in partials:
+            if freed >= num_bytes:
+                break
+            lock = self._index.key_lock(key, blocking=False)
+            if lock is None:  # a fetch resumes it now
+                continue
+            with lock:
+                remove_path(self.root / ".tmp" / f"{key}.partial")
+                (self.root / ".parts" / f"{key}.json").unlink(missing_ok=True)
+            freed += used
+            logger.info("dropped the partial download %s to make room", key)
+        return freed
 
     def _evict_lru(self, entries: list[dict], num_bytes: int) -> list[str]:
         """Remove unpinned complete models, least recently used first, until `num_bytes` are freed."""
@@ -351,6 +386,11 @@ class WeightsCache:
             key = leftover.name.partition(".")[0]
             if not (self.root / ".parts" / f"{key}.json").exists() and leftover.stat().st_mtime < cutoff:
                 remove_path(leftover)
+
+
+def _disk_bytes(folder: Path) -> int:
+    """The blocks a folder's files take on disk (a partial download's files are sparse until written)."""
+    return sum(path.lstat().st_blocks * 512 for path in folder.rglob("*") if path.is_file() and not path.is_symlink())
 
 
 def _charged(entry: dict) -> int:

@@ -3,6 +3,7 @@ way the disk its listing reserved is released for the next model."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -179,3 +180,31 @@ def test_a_connection_reset_or_read_timeout_mid_part_stays_a_failure_the_transfe
     assert next(chunks) == b"first bytes"
     with pytest.raises(weights_transfer._TRANSIENT):
         next(chunks)
+
+
+def _stopped_partial(root, key: str, num_bytes: int, age_s: float) -> None:
+    """What a download stopped mid-way leaves to be resumed: its folder of written bytes and its journal."""
+    folder = root / ".tmp" / f"{key}.partial"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"p" * num_bytes)
+    (root / ".parts").mkdir(exist_ok=True)
+    (root / ".parts" / f"{key}.json").write_text("{}")
+    then = time.time() - age_s
+    os.utime(folder, (then, then))
+
+
+def test_downloads_stopped_mid_way_count_against_the_budget_and_go_first_when_room_is_needed(store, tmp_path):
+    # Kept for a resume, they counted against nothing: stopping download after download of models whose content then
+    # changed (a new cache key each time) left each nearly whole on the disk, until it was full and every other
+    # tenant's models were evicted and their downloads refused.
+    root = tmp_path / "weights"
+    cache = WeightsCache(root, budget_bytes=1000 * KIB, s3_endpoint_url=store.url)
+    _stopped_partial(root, "older", 300 * KIB, age_s=60)
+    _stopped_partial(root, "newer", 300 * KIB, age_s=1)
+
+    path = cache.fetch("s3://b/fast")
+
+    assert (path / "model.safetensors").stat().st_size == 600 * KIB
+    assert not (root / ".tmp" / "older.partial").exists() and (root / ".tmp" / "newer.partial").exists()
+    on_disk = sum(p.lstat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+    assert on_disk <= 1000 * KIB + 64 * KIB  # within the budget (a few blocks of manifests and journals)
