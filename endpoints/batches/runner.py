@@ -227,6 +227,9 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     usage_writer.writer_for_this_loop().replay_soon()  # usage an earlier run (or a dead worker) journaled
     pending = _Pending(todo)
     running: dict[asyncio.Task, Line] = {}
+    # NOTE: a finished line's result goes to S3 in a worker thread, never awaited in the loop: a put S3 was slow to
+    # answer (boto3 retrying) held up the lease's renewal as a slow read did. Counted once stored.
+    storing: dict[asyncio.Future, LineOutcome] = {}
     # NOTE: from the first line's start: a slow read of the input (S3, a long skip) is not counted against the lines
     ends_at = answer_deadline = None
     last_check, pause_until = 0.0, 0.0
@@ -236,7 +239,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
     latest_end = lines_end_by if lines_end_by is not None else float("inf")
     try:
-        while pending or running:
+        while pending or running or storing:
             pending.read_ahead()
             now = time.monotonic()
             if now - last_check >= CHECK_EVERY_S:
@@ -267,7 +270,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         ends_at, answer_deadline = now + slice_s, min(now + LINES_END_WITHIN_S, latest_end)
                     line = pending.take()
                     running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline))] = line
-            if not running:
+            if not running and not storing:
                 if progress.stopped or not pending:
                     break
                 if pending.reading is not None:
@@ -275,19 +278,23 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 else:
                     await asyncio.sleep(0.2)
                 continue
-            done, _ = await asyncio.wait(running, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([*running, *storing], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
+                if task in storing:
+                    outcome = storing.pop(task)
+                    task.result()  # a put S3 refused ends the run: the next one runs the line again, under its id
+                    if outcome.status_code == 200:
+                        progress.num_completed += 1
+                    else:
+                        progress.num_failed += 1
+                    continue
                 line = running.pop(task)
                 outcome = task.result()
                 if outcome.retry:
                     pending.again(line)
                     pause_until = time.monotonic() + RETRY_PAUSE_S
                     continue
-                await asyncio.to_thread(store, outcome)
-                if outcome.status_code == 200:
-                    progress.num_completed += 1
-                else:
-                    progress.num_failed += 1
+                storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome
     finally:
         await client.close()
         await usage_writer.replay_before_the_loop_ends(REPLAY_JOURNAL_FOR_S)

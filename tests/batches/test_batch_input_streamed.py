@@ -177,3 +177,36 @@ def test_a_slow_read_of_the_input_never_holds_up_the_lease(files_bucket, tenant,
     assert Batch.objects.get(pk=batch.pk).status == BatchStatus.COMPLETED
     gaps = [later - earlier for earlier, later in zip(checks, checks[1:], strict=False)]
     assert max(gaps) < 2 * runner.CHECK_EVERY_S, gaps
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slow_put_of_a_lines_result_never_holds_up_the_lease(files_bucket, tenant, start_mock_upstream, monkeypatch):
+    # The run awaited each result's put in its loop: a put S3 was slow to answer (boto3 retrying) held up the lease's
+    # renewal as a slow read did.
+    upstream = start_mock_upstream(token_delay_ms=20)  # 150 tokens: a 3 s answer
+    endpoint = serve_endpoint(tenant.org, upstream)
+    data = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 2 if i == 0 else 150}}).encode() + b"\n" for i in range(2))
+    batch = new_batch(endpoint, data)
+    put_result, checks, run = storage.put_result, [], runner.run
+
+    def slow_first_put(organization_id, batch_id, index, result, *, ok):
+        if index == 0:
+            time.sleep(2.5)  # while the second line runs
+        put_result(organization_id, batch_id, index, result, ok=ok)
+
+    async def recording(work, todo, progress, *, keep_going, **kwargs):
+        def renew(progress):
+            checks.append(time.monotonic())
+            return keep_going(progress)
+        return await run(work, todo, progress, keep_going=renew, **kwargs)
+
+    monkeypatch.setattr(storage, "put_result", slow_first_put)
+    monkeypatch.setattr(runner, "run", recording)
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and batch.num_completed == 2
+    gaps = [later - earlier for earlier, later in zip(checks, checks[1:], strict=False)]
+    assert max(gaps) < 2 * runner.CHECK_EVERY_S, gaps
