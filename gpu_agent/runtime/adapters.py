@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -29,10 +30,17 @@ from gpu_agent.runtime.weights_access import WeightsError
 logger = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 120.0
+# A load that failed for want of an answer (the engine unreachable, or slower than `LOAD_TIMEOUT_S`) is tried again
+# after this long; a refusal (the engine's own reason) is not tried again while the adapter stands.
+TRANSIENT_RETRY_S = 60.0
 
 
 class AdapterLoadError(Exception):
     """The engine refused an adapter; the message is the engine's own reason."""
+
+
+class AdapterUnanswered(AdapterLoadError):
+    """No answer came (unreachable, or past the timeout): the engine may have loaded it or not."""
 
 
 class AdapterSlots:
@@ -45,6 +53,7 @@ class AdapterSlots:
         self._http = client or httpx.Client(timeout=LOAD_TIMEOUT_S)
         self._loaded: collections.OrderedDict[str, str] = collections.OrderedDict()  # name -> path, LRU first
         self.failures: dict[str, str] = {}  # adapter name -> why the engine refused it
+        self._retry_at: dict[str, float] = {}  # adapter name -> when a failure for want of an answer is tried again
 
     def names(self) -> list[str]:
         """Loaded adapters, most recently used first."""
@@ -85,15 +94,22 @@ class AdapterSlots:
             self.unload(name)
         # A removed adapter's refusal goes with it: one created again under its name is tried afresh.
         self.failures = {name: reason for name, reason in self.failures.items() if name in known}
+        now = time.monotonic()
         wanted = sorted((a for a in adapters if a.wanted_at > 0), key=lambda a: a.wanted_at, reverse=True)
         # Oldest first, so the most recently wanted ends as the most recently used.
         for adapter in reversed(wanted[: self.max_loras]):
-            if adapter.name in self.failures and adapter.name not in self._loaded:
-                continue
+            if (adapter.name in self.failures and adapter.name not in self._loaded
+                    and now < self._retry_at.get(adapter.name, float("inf"))):
+                continue  # NOTE: a load left unanswered was kept as a failure for good (every call a 503) before
             try:
                 self.ensure(adapter.name, resolve(adapter))
+                self._retry_at.pop(adapter.name, None)
             except (AdapterLoadError, WeightsError, ValueError) as exc:  # NOTE: their messages carry no secrets
                 self.failures[adapter.name] = str(exc)[:300]
+                if isinstance(exc, AdapterUnanswered):
+                    self._retry_at[adapter.name] = now + TRANSIENT_RETRY_S
+                else:
+                    self._retry_at.pop(adapter.name, None)
                 logger.warning("adapter %s not loaded: %s", adapter.name, exc)
             except OSError as exc:
                 self.failures[adapter.name] = f"reading the adapter failed: {exc.strerror or 'I/O error'}"
@@ -103,7 +119,7 @@ class AdapterSlots:
         try:
             response = self._http.post(f"{self.address}{path}", json=body, headers=self._headers)
         except httpx.HTTPError as exc:
-            raise AdapterLoadError(f"engine unreachable: {exc}") from exc
+            raise AdapterUnanswered(f"engine unreachable: {exc}") from exc
         if response.status_code >= 400:
             raise AdapterLoadError(_engine_reason(response))
 

@@ -7,6 +7,7 @@ import json
 import httpx
 
 from gpu_agent.protocol import AdapterSpec, ModelTask, ReplicaState, ReplicaStatus
+from gpu_agent.runtime import adapters as adapters_module
 from gpu_agent.runtime.adapters import AdapterSlots, ReplicaAdapters, adapter_problem
 from gpu_agent.runtime.engine import build_engine_command
 from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
@@ -94,3 +95,32 @@ def test_an_adapter_the_engine_holds_already_is_loaded_again_not_failed_and_a_ne
 
     slots.ensure("tone", "/cache/tone-v2")
     assert engine.loaded == {"tone": "/cache/tone-v2"} and slots.names() == ["tone"]
+
+
+def test_a_load_left_unanswered_is_tried_again_and_a_refusal_is_not(monkeypatch):
+    # A load that outlived its timeout (the engine finished it anyway) was kept as a failure for good: every call
+    # naming the adapter a 503 until the engine restarted.
+    engine, times_out, refused = _LoRAEngine(), {"slow"}, []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        name = json.loads(request.content)["lora_name"]
+        if name in times_out:
+            times_out.discard(name)
+            engine(request)  # loaded, and the answer never came
+            raise httpx.ReadTimeout("timed out", request=request)
+        if name == "bad":
+            refused.append(name)
+            return httpx.Response(400, json={"error": {"message": "LoRA rank 64 is greater than max_lora_rank 16."}})
+        return engine(request)
+
+    clock = [1000.0]
+    monkeypatch.setattr(adapters_module.time, "monotonic", lambda: clock[0])
+    slots = AdapterSlots("http://engine", "key", max_loras=2, client=httpx.Client(transport=httpx.MockTransport(answer)))
+    wanted = [AdapterSpec(name="slow", source="s3://b/slow", wanted_at=2.0),
+              AdapterSpec(name="bad", source="s3://b/bad", wanted_at=1.0)]
+    slots.sync(wanted, lambda adapter: f"/cache/{adapter.name}")
+    assert set(slots.failures) == {"slow", "bad"} and slots.names() == []
+
+    clock[0] += adapters_module.TRANSIENT_RETRY_S + 1
+    slots.sync(wanted, lambda adapter: f"/cache/{adapter.name}")
+    assert slots.names() == ["slow"] and set(slots.failures) == {"bad"} and refused == ["bad"]
