@@ -420,7 +420,11 @@ def period_spend_and_pending(organization_id: int, period: Period, request_ids: 
 
     NOTE: the rows of `request_ids` are read apart from the sum of the others, after it: one committed between the
     two statements is in the total and the costs both, or in neither, never in the total alone."""
-    rows = _period_rows(organization_id, period, api_key_id)
+    return _total_and_pending(_period_rows(organization_id, period, api_key_id), request_ids)
+
+
+def _total_and_pending(rows, request_ids: Collection[str]) -> tuple[Decimal, dict[str, Decimal]]:
+    """The cost of `rows`, and of each of them whose request id is one of `request_ids`, read after the others' sum."""
     others = rows.exclude(request_id__in=request_ids).aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
     pending = dict(rows.filter(request_id__in=request_ids).values_list("request_id", "cost")) if request_ids else {}
     return others + sum(pending.values(), Decimal(0)), pending
@@ -452,6 +456,5 @@ def undrawn_prepaid_spend_and_pending(account: BillingAccount,
     NOTE: read as `period_spend_and_pending` reads: a row committed between the two statements is in the total and
     the costs both, or in neither."""
     rows = UsageRecord.objects.filter(organization_id=account.organization_id, billing_mode=BillingMode.PREPAID)
-    others = rows.exclude(request_id__in=request_ids).aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
-    pending = dict(rows.filter(request_id__in=request_ids).values_list("request_id", "cost")) if request_ids else {}
-    return others + sum(pending.values(), Decimal(0)) - account.credit_drawn, pending
+    total, pending = _total_and_pending(rows, request_ids)
+    return total - account.credit_drawn, pending

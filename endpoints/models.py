@@ -28,14 +28,20 @@ from gpu_agent.protocol import (
 RECENT_ENDED_REPLICAS = 5
 
 
+def _alive(replicas: models.QuerySet) -> models.QuerySet:
+    return replicas.exclude(state__in=FINAL_REPLICA_STATES).select_related("node")
+
+
+def _recently_ended(replicas: models.QuerySet) -> models.QuerySet:
+    return replicas.filter(state__in=FINAL_REPLICA_STATES).select_related("node").order_by("-state_changed_at")[
+        :RECENT_ENDED_REPLICAS]
+
+
 def shown_replicas_prefetch() -> tuple[models.Prefetch, models.Prefetch]:
     """What a list or page of endpoints prefetches for `Endpoint.shown_replicas`: the alive replicas, and the latest
     ended ones per endpoint (a window over each endpoint's), with their nodes."""
-    return (models.Prefetch("replicas", to_attr="alive_replicas",
-                            queryset=Replica.objects.exclude(state__in=FINAL_REPLICA_STATES).select_related("node")),
-            models.Prefetch("replicas", to_attr="recently_ended_replicas",
-                            queryset=Replica.objects.filter(state__in=FINAL_REPLICA_STATES).select_related("node")
-                            .order_by("-state_changed_at")[:RECENT_ENDED_REPLICAS]))
+    return (models.Prefetch("replicas", to_attr="alive_replicas", queryset=_alive(Replica.objects.all())),
+            models.Prefetch("replicas", to_attr="recently_ended_replicas", queryset=_recently_ended(Replica.objects.all())))
 
 
 class EndpointState(models.TextChoices):
@@ -292,13 +298,9 @@ class Endpoint(models.Model):
         NOTE: not every replica it ever had: rows are kept, and an endpoint scaling up and down for months had tens of
         thousands, all read (with their nodes) by every list, detail and console poll of every 3 s."""
         alive = getattr(self, "alive_replicas", None)
-        if alive is None:
-            alive = list(self.replicas.exclude(state__in=FINAL_REPLICA_STATES).select_related("node"))
         ended = getattr(self, "recently_ended_replicas", None)
-        if ended is None:
-            ended = list(self.replicas.filter(state__in=FINAL_REPLICA_STATES).select_related("node")
-                         .order_by("-state_changed_at")[:RECENT_ENDED_REPLICAS])
-        return alive, ended
+        return (alive if alive is not None else list(_alive(self.replicas.all())),
+                ended if ended is not None else list(_recently_ended(self.replicas.all())))
 
     @property
     def state(self) -> str:

@@ -84,20 +84,22 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
     if what in ("org", "key"):
         spent, pending = period_spend_and_pending(organization_id, period, reserved_ids,
                                                   api_key_id=api_key_id if what == "key" else None)
-        pending_units = {request_id: units for request_id, cost in pending.items() if (units := to_units(cost)) > 0}
     if what == "org":
         account = BillingAccount.objects.for_organization(organization_id)
         return _Rebuild(org_period_key(organization_id, period.key), {"spent": str(to_units(spent))} | limit_fields(account),
-                        None, PERIOD_TTL_S, pending_units)
+                        None, PERIOD_TTL_S, _units(pending))
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
         fields = {"spent": str(to_units(spent)), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
-        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), fields, None, PERIOD_TTL_S, pending_units)
+        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), fields, None, PERIOD_TTL_S, _units(pending))
     if what == "credit":
         available, ttl_s, pending = _credit_and_pending(organization_id, reserved_ids)
-        return _Rebuild(credit_key(organization_id), None, str(to_units(available, ROUND_HALF_UP)), ttl_s,
-                        {request_id: units for request_id, cost in pending.items() if (units := to_units(cost)) > 0})
+        return _Rebuild(credit_key(organization_id), None, str(to_units(available, ROUND_HALF_UP)), ttl_s, _units(pending))
     raise ValueError(what)
+
+
+def _units(pending: dict[str, Decimal]) -> dict[str, int]:
+    return {request_id: units for request_id, cost in pending.items() if (units := to_units(cost)) > 0}
 
 
 def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
@@ -130,19 +132,15 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *,
 
 
 async def _write_rebuild(rebuild: _Rebuild, organization_id: int) -> None:
+    request_ids = list(rebuild.pending)
+    keys = [rebuild.key, reservations_key(organization_id),
+            *[settled_key(organization_id, request_id) for request_id in request_ids]]
+    costs = [rebuild.pending[request_id] for request_id in request_ids]
     if rebuild.fields is not None:
-        request_ids = list(rebuild.pending)
-        keys = [rebuild.key, reservations_key(organization_id),
-                *[settled_key(organization_id, request_id) for request_id in request_ids]]
-        args = [rebuild.ttl_s, *request_ids, *[rebuild.pending[request_id] for request_id in request_ids],
-                *[item for pair in rebuild.fields.items() for item in pair]]
-        await _INIT_SPEND(keys=keys, args=args)
+        await _INIT_SPEND(keys=keys, args=[rebuild.ttl_s, *request_ids, *costs,
+                                           *[item for pair in rebuild.fields.items() for item in pair]])
     else:
-        request_ids = list(rebuild.pending)
-        keys = [rebuild.key, reservations_key(organization_id),
-                *[settled_key(organization_id, request_id) for request_id in request_ids]]
-        await _INIT_CREDIT(keys=keys, args=[rebuild.ttl_s, rebuild.value, *request_ids,
-                                            *[rebuild.pending[request_id] for request_id in request_ids]])
+        await _INIT_CREDIT(keys=keys, args=[rebuild.ttl_s, rebuild.value, *request_ids, *costs])
 
 
 async def rebuild_missing(what: str, reservation: Reservation) -> bool:

@@ -73,12 +73,16 @@ def split_lines(parts: Iterable[bytes], *, max_line_bytes: int = MAX_BODY_BYTES)
         yield number + 1, None if oversized else b"".join(carried)
 
 
-def _decoded(raw: bytes | None) -> str | None:
-    """A line's text, or None for one that is not UTF-8."""
-    try:
-        return raw.decode("utf-8") if raw is not None else None
-    except UnicodeDecodeError:
-        return None
+def _requests(parts: Iterable[bytes]) -> Iterator[tuple[int, bytes | None, str | None]]:
+    """Each line of a file but the blank ones (its requests, as `Line.index` counts them): its number, its bytes (None:
+    too large) and its text (None: too large, or not UTF-8)."""
+    for number, raw in split_lines(parts):
+        try:
+            text = raw.decode("utf-8") if raw is not None else None
+        except UnicodeDecodeError:
+            text = None
+        if text is None or text.strip():
+            yield number, raw, text
 
 
 def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lines: int) -> Checked:
@@ -94,24 +98,19 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
         if len(problems) < MAX_ERRORS:
             problems.append(LineError(number, code, message, param))
 
-    for number, raw in split_lines(parts):
-        # NOTE: its size before the line is decoded, as the gateway refuses such a body before decoding it: one line
-        # of 15 MiB of `{},` took a batch worker ~1.2 GiB (its container's limit, with every other tenant's run in it).
-        if raw is None:
-            refuse(number, "line_too_large", f"A line may hold at most {MAX_BODY_BYTES} bytes, as a request may.")
-            num_lines += 1
-            continue
-        text = _decoded(raw)
-        if text is None:
-            refuse(number, "invalid_json", "This line is not UTF-8 text.")
-            num_lines += 1
-            continue
-        if not text.strip():
-            continue
+    for number, raw, text in _requests(parts):
         num_lines += 1
         if num_lines > max_lines:
             return Checked(0, [LineError(number, "too_many_requests", f"A batch may hold at most {max_lines} requests.")],
                            None)
+        # NOTE: its size before the line is decoded, as the gateway refuses such a body before decoding it: one line
+        # of 15 MiB of `{},` took a batch worker ~1.2 GiB (its container's limit, with every other tenant's run in it).
+        if raw is None:
+            refuse(number, "line_too_large", f"A line may hold at most {MAX_BODY_BYTES} bytes, as a request may.")
+            continue
+        if text is None:
+            refuse(number, "invalid_json", "This line is not UTF-8 text.")
+            continue
         if has_too_many_json_items(text):
             refuse(number, "line_too_large", f"A line may hold at most {MAX_JSON_ITEMS:,} JSON elements, as a request may.")
             continue
@@ -165,12 +164,7 @@ def read_lines(parts: Iterable[bytes], *, skip: Container[int] = ()) -> Iterator
     """The requests of a file `parse_lines` accepted, read a line at a time, but those whose index is in `skip` (parsed
     only when not skipped). A line that no longer reads as it did gives an empty body: the gateway's own checks
     refuse it when it runs, and it ends as a failed line rather than never ending."""
-    index = -1
-    for _, raw in split_lines(parts):
-        text = _decoded(raw)
-        if text is not None and not text.strip():
-            continue
-        index += 1
+    for index, (_, _, text) in enumerate(_requests(parts)):
         if index in skip:
             continue
         try:

@@ -144,6 +144,20 @@ def test_a_run_reads_its_input_as_its_lines_start(files_bucket, parts_of_a_mib, 
     assert peak < 14 * MiB, f"{peak / MiB:.0f} MiB held to check, run and finalize a 19 MiB input"
 
 
+def _lease_checks(monkeypatch) -> list[float]:
+    """When each of the run's checks (its lease's renewal) ran, filled as the run goes."""
+    checks, run = [], runner.run
+
+    async def recording(work, todo, progress, *, keep_going, **kwargs):
+        def renew(progress):
+            checks.append(time.monotonic())
+            return keep_going(progress)
+        return await run(work, todo, progress, keep_going=renew, **kwargs)
+
+    monkeypatch.setattr(runner, "run", recording)
+    return checks
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_slow_read_of_the_input_never_holds_up_the_lease(files_bucket, tenant, start_mock_upstream, monkeypatch):
     # The run awaited each read of its input: a part's GET that S3 was slow to answer (or a long skip over the lines
@@ -162,16 +176,8 @@ def test_a_slow_read_of_the_input_never_holds_up_the_lease(files_bucket, tenant,
         time.sleep(2.5)  # while the first line runs
         yield from lines
 
-    checks, run = [], runner.run
-
-    async def recording(work, todo, progress, *, keep_going, **kwargs):
-        def renew(progress):
-            checks.append(time.monotonic())
-            return keep_going(progress)
-        return await run(work, todo, progress, keep_going=renew, **kwargs)
-
+    checks = _lease_checks(monkeypatch)
     monkeypatch.setattr(services, "_input_lines", slow_second_read)
-    monkeypatch.setattr(runner, "run", recording)
     services.run_batch(batch.pk)
 
     assert Batch.objects.get(pk=batch.pk).status == BatchStatus.COMPLETED
@@ -189,21 +195,15 @@ def test_a_slow_put_of_a_lines_result_never_holds_up_the_lease(files_bucket, ten
                                 "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}],
                                          "max_tokens": 2 if i == 0 else 150}}).encode() + b"\n" for i in range(2))
     batch = new_batch(endpoint, data)
-    put_result, checks, run = storage.put_result, [], runner.run
+    put_result = storage.put_result
 
     def slow_first_put(organization_id, batch_id, index, result, *, ok):
         if index == 0:
             time.sleep(2.5)  # while the second line runs
         put_result(organization_id, batch_id, index, result, ok=ok)
 
-    async def recording(work, todo, progress, *, keep_going, **kwargs):
-        def renew(progress):
-            checks.append(time.monotonic())
-            return keep_going(progress)
-        return await run(work, todo, progress, keep_going=renew, **kwargs)
-
+    checks = _lease_checks(monkeypatch)
     monkeypatch.setattr(storage, "put_result", slow_first_put)
-    monkeypatch.setattr(runner, "run", recording)
     services.run_batch(batch.pk)
 
     batch = Batch.objects.get(pk=batch.pk)
