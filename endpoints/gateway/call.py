@@ -25,6 +25,7 @@ from endpoints.gateway import (
     admission,
     anatomy,
     cold_start,
+    delivery,
     directory,
     errors,
     metrics,
@@ -132,8 +133,13 @@ class InferenceCall:
     # waited on, never doubled), and how long the call had waited when it gave up at its deadline.
     _engine_check: tuple[asyncio.Future, ReplicaInfo] | None = None
     _waited_out_s: float | None = None
+    # When the send to the client now waiting began (`delivery`'s watchdog cuts off a client that reads nothing).
+    sending_since: float | None = None
+    _task: asyncio.Task | None = None  # the task running the call
 
     async def run(self) -> None:
+        delivery.refuse_if_over(self.caller.organization_id)
+        self._task = asyncio.current_task()
         self.metrics = metrics.of_endpoint(self.endpoint.id, self.endpoint.organization_id)
         worst_case = self.request.worst_case(self.endpoint)
         if self.endpoint.paused:
@@ -211,6 +217,7 @@ class InferenceCall:
             await self._send_event_error(exc)
         finally:
             watcher.stop()
+            delivery.unwatch(self)
             finishing = asyncio.ensure_future(self._finish(admitted))
             _finishing.add(finishing)
             finishing.add_done_callback(_finishing.discard)
@@ -368,12 +375,38 @@ class InferenceCall:
         if self.held_at is not None:
             await self._measure_cold_start()
             headers.append(self.cold_start.header())
+        if len(body) > delivery.PIECE_BYTES:
+            await self._send_in_pieces(headers, body)
+            return
         if self.response_started:  # progress was asked for: the headers went out at the hold
             await self.send_body(body)
             return
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
         self.response_started = True
+
+    async def _send_in_pieces(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A large whole answer, handed to the server a piece at a time as its client takes them: what is not
+        handed over yet counts against the organisation, and a client that takes nothing is cut off (`delivery`)."""
+        organization_id, left = self.caller.organization_id, len(body)
+        delivery.hold(organization_id, left)
+        delivery.watch(self)
+        try:
+            if not self.response_started:
+                await self._send_watched({"type": "http.response.start", "status": 200, "headers": headers})
+                self.response_started = True
+            view = memoryview(body)
+            for start in range(0, len(body), delivery.PIECE_BYTES):
+                if self.disconnected.is_set():
+                    raise ClientGone()
+                piece = view[start:start + delivery.PIECE_BYTES]
+                # NOTE: the last piece ends the answer, unless progress was asked for (`_finish` ends it then).
+                more = start + delivery.PIECE_BYTES < len(body) or self.request.progress
+                await self._send_watched({"type": "http.response.body", "body": bytes(piece), "more_body": more})
+                delivery.release(organization_id, len(piece))
+                left -= len(piece)
+        finally:
+            delivery.release(organization_id, left)
 
     async def _relay_stream(self, response: upstream.Response) -> None:
         await self.start_stream()
@@ -452,11 +485,30 @@ class InferenceCall:
             return
         kind = sse.SSE_HEADERS if self.request.stream else [(b"content-type", b"application/json")]
         headers = [*kind, (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
-        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+        delivery.watch(self)
+        await self._send_watched({"type": "http.response.start", "status": 200, "headers": headers})
         self.response_started = True
 
     async def send_body(self, data: bytes) -> None:
-        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+        await self._send_watched({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def _send_watched(self, message: dict) -> None:
+        self.sending_since = time.monotonic()
+        try:
+            await self.send(message)
+        finally:
+            self.sending_since = None
+
+    def cut_off(self, waited_s: float) -> None:
+        """`delivery`'s watchdog: the client took none of its answer for the send deadline. It is treated as a client
+        that left (billed for what it was answered or its engine computed, its replica and reservation released),
+        and its connection dropped with what the server still buffers for it."""
+        logger.warning("request %s: its client took none of its answer for %.0f s; connection dropped", self.request_id,
+                       waited_s)
+        self.disconnected.set()
+        if not delivery.drop_connection(self.send) and self._task is not None:
+            self._cancelled_for_client = True
+            self._task.cancel()
 
     async def _send_event_error(self, exc: errors.OpenAIError) -> None:
         if self.disconnected.is_set():
@@ -511,7 +563,12 @@ class InferenceCall:
                 await self._measure_cold_start()
             if self.response_started and (self.request.stream or self.request.progress) and not self.disconnected.is_set():
                 try:
-                    await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+                    # NOTE: bounded as every send: a client that stops reading at the end must not keep its usage
+                    # unwritten and its reservation held.
+                    async with asyncio.timeout(settings.GATEWAY_SEND_TIMEOUT_S):
+                        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+                except TimeoutError:
+                    delivery.drop_connection(self.send)
                 except Exception:  # noqa: BLE001 - the client may be gone already
                     pass
         except BaseException:

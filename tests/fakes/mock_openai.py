@@ -47,7 +47,7 @@ class MockOpenAI:
                  cut_whole_answers: int = 0):
         self.token_delay_s = token_delay_s
         self.prefill_s = prefill_s  # before the first token (a stream's first event comes after it)
-        self.whole_answer_bytes = whole_answer_bytes  # a non-streamed answer padded to about this size (logprobs)
+        self.whole_answer_bytes = whole_answer_bytes  # an answer (or a whole stream) padded to about this size (logprobs)
         self.fail_after_chunks = fail_after_chunks
         self.cut_whole_answers = cut_whole_answers  # the first this many non-streamed answers: headers, half a body, gone
         self.one_write = one_write  # a whole stream in one write: what a fast engine looks like to a busy gateway
@@ -135,6 +135,9 @@ class MockOpenAI:
                 await asyncio.sleep(self.token_delay_s)
             choice = {"index": 0, "delta": {"content": "tok "}, "finish_reason": None} if chat else \
                      {"index": 0, "text": "tok ", "finish_reason": None}
+            if self.whole_answer_bytes:  # the whole stream padded to about this size
+                choice["logprobs"] = {"content": [{"token": "x" * 1000, "logprob": -1.0}]
+                                      * max(1, self.whole_answer_bytes // num_tokens // 1030)}
             chunk = base | {"choices": [choice]}
             if include_usage and continuous:
                 chunk["usage"] = _usage(index + 1, cached)
@@ -174,7 +177,7 @@ def main() -> None:
     parser.add_argument("--one-write", action="store_true", help="send each stream in one write")
     parser.add_argument("--prefix-cache", action="store_true", help="report cached tokens for a prefix seen before")
     parser.add_argument("--prefill-ms", type=float, default=0.0, help="time before the first token")
-    parser.add_argument("--whole-answer-bytes", type=int, default=0, help="pad non-streamed answers to about this size")
+    parser.add_argument("--whole-answer-bytes", type=int, default=0, help="pad answers (and whole streams) to about this size")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="the prompt tokens every usage says")
     parser.add_argument("--cut-whole-answers", type=int, default=0,
                         help="the first N non-streamed answers stop half-way (headers sent, the connection dropped)")

@@ -1,0 +1,128 @@
+"""Clients that stop reading their answers (`endpoints.gateway.delivery`): cut off after the send deadline, and the
+answers an organisation leaves unread in a gateway process bounded."""
+
+import contextlib
+import json
+import socket
+
+import httpx
+import pytest
+
+from billing.models import UsageRecord
+from controlplane.accounts.keys import create_api_key
+from controlplane.accounts.models import Role, Scope
+from controlplane.accounts.services import Actor
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import reservations_key
+from tests.conftest import start_web_server, wait_until
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ANSWER_BYTES = 24 * 2**20  # far past what the kernel's socket buffers take on loopback
+
+
+@contextlib.contextmanager
+def _unread_call(gateway_url: str, key: str, model: str, *, stream: bool = False, max_tokens: int = 5):
+    """A chat call whose client sends its request and then reads nothing (a receive window of a few KiB)."""
+    host, port = gateway_url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    payload = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens}
+    if stream:
+        payload |= {"stream": True, "stream_options": {"include_usage": True}}
+    body = json.dumps(payload).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"authorization: Bearer " + key.encode() + b"\r\ncontent-length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def gateway_with(tmp_path):
+    """`gateway_with(**env)`: a gateway started with these settings, stopped at the test's end."""
+    started = []
+
+    def start(**env) -> str:
+        child, base_url = start_web_server(tmp_path, name="gateway", extra_env=env)
+        started.append(child)
+        return base_url
+
+    yield start
+    for child in started:
+        child.stop()
+
+
+def _read_to_end(sock: socket.socket, timeout_s: float = 20) -> bytes:
+    sock.settimeout(timeout_s)
+    received = []
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(1 << 20):
+            received.append(chunk)
+    return b"".join(received)
+
+
+def test_a_client_that_reads_none_of_a_large_answer_is_cut_off_at_the_send_deadline_and_billed(
+        tenant, start_mock_upstream, gateway_with):
+    # Before, the whole answer went to the server's buffers and the call ended "ok" at once: the buffers stayed
+    # the gateway's for as long as the client held its connection open, reading nothing.
+    gateway = gateway_with(INFERPLANE_GATEWAY_SEND_TIMEOUT_S="2")
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(whole_answer_bytes=ANSWER_BYTES))
+    with _unread_call(gateway, tenant.key, endpoint.name) as sock:
+        row = wait_until(lambda: UsageRecord.objects.first(), 20, message="the usage row")
+        assert row.status == "client_aborted"
+        assert (row.prompt_tokens, row.completion_tokens) == (7, 5) and row.cost > 0  # the engine computed it
+        received = _read_to_end(sock)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert 0 < len(body) < ANSWER_BYTES  # dropped part-way: the rest was never the server's to hold
+    wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
+    assert UsageRecord.objects.count() == 1
+
+
+def test_a_stream_whose_client_stops_reading_is_cut_off_and_billed_for_what_it_was_sent(
+        tenant, start_mock_upstream, gateway_with):
+    # Before, the stream waited on its client for ever: its replica's engine request, its reservation and its usage
+    # row all held for as long as the client kept its connection open.
+    gateway = gateway_with(INFERPLANE_GATEWAY_SEND_TIMEOUT_S="2")
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(whole_answer_bytes=ANSWER_BYTES))
+    with _unread_call(gateway, tenant.key, endpoint.name, stream=True, max_tokens=200) as sock:
+        row = wait_until(lambda: UsageRecord.objects.first(), 20, message="the usage row")
+        received = _read_to_end(sock)
+    assert row.status == "client_aborted"
+    assert 0 < row.completion_tokens < 200  # the events it was sent
+    assert b"data: [DONE]" not in received
+    wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
+
+
+def test_an_organisation_whose_clients_leave_answers_unread_is_refused_new_calls_and_others_are_not(
+        tenant, start_mock_upstream, gateway_with):
+    gateway = gateway_with(INFERPLANE_GATEWAY_UNSENT_BYTES_PER_ORG=str(4 * 2**20))
+    upstream = start_mock_upstream(whole_answer_bytes=ANSWER_BYTES)
+    endpoint = serve_endpoint(tenant.org, upstream)
+    other_org, other_user = OrganizationFactory(), UserFactory()
+    MembershipFactory(organization=other_org, user=other_user, role=Role.OWNER)
+    other_key = create_api_key(Actor(user=other_user), other_org, name="k", scopes=[Scope.INFERENCE]).plain
+    other_endpoint = serve_endpoint(other_org, upstream)
+
+    def call(key, model):
+        return httpx.post(f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                          json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5},
+                          timeout=60)
+
+    with _unread_call(gateway, tenant.key, endpoint.name):
+        wait_until(lambda: get_redis().hlen(reservations_key(tenant.org.pk)) == 1, 10, message="the unread call")
+        # its answer read from the replica and handed over in part: the next call is refused
+        refused = wait_until(lambda: (r := call(tenant.key, endpoint.name)).status_code == 429 and r, 10,
+                             message="a refusal")
+        assert refused.json()["error"]["code"] == "unread_answers" and refused.headers["retry-after"]
+        served = call(other_key, other_endpoint.name)  # another organisation's calls are not held up
+        assert served.status_code == 200 and len(served.content) > ANSWER_BYTES // 2
+    # its client gone, the organisation is served again
+    wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the unread call to end")
+    assert call(tenant.key, endpoint.name).status_code == 200
