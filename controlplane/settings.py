@@ -338,7 +338,8 @@ NODE_HEARTBEAT_GRACE_S = env_float("INFERPLANE_NODE_HEARTBEAT_GRACE_S", 30.0, mi
 NODE_HEARTBEAT_RETRY_S = env_float("INFERPLANE_NODE_HEARTBEAT_RETRY_S", 70.0, minimum=0)
 # The gateway gives up on a replica that sends no byte for this long, except before a non-streamed answer's
 # first byte while the replica's engine is generating (its agent's reports): that wait goes on up to
-# GATEWAY_MAX_ANSWER_WAIT_S from the call's start (`endpoints.gateway.call.InferenceCall._patience`).
+# GATEWAY_MAX_ANSWER_WAIT_S from the call's start (`endpoints.gateway.call.InferenceCall._patience`), which is also
+# the longest any call runs (a stream still sending then is cut off: `endpoints.gateway.delivery`).
 GATEWAY_UPSTREAM_READ_TIMEOUT_S = env_float("INFERPLANE_GATEWAY_UPSTREAM_READ_TIMEOUT_S", 600.0, minimum=0.1)
 GATEWAY_MAX_ANSWER_WAIT_S = env_float("INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S", 6 * 3600.0, minimum=1)
 # A client that takes none of its answer for this long is cut off (`endpoints.gateway.delivery`), and the answers

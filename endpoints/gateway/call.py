@@ -499,12 +499,16 @@ class InferenceCall:
         finally:
             self.sending_since = None
 
-    def cut_off(self, waited_s: float) -> None:
-        """`delivery`'s watchdog: the client took none of its answer for the send deadline. It is treated as a client
-        that left (billed for what it was answered or its engine computed, its replica and reservation released),
-        and its connection dropped with what the server still buffers for it."""
-        logger.warning("request %s: its client took none of its answer for %.0f s; connection dropped", self.request_id,
-                       waited_s)
+    @property
+    def started_monotonic(self) -> float:
+        return self._started_monotonic
+
+    def cut_off(self, reason: str) -> None:
+        """`delivery`'s watchdog: the client took none of its answer for the send deadline, or the call ran for the
+        longest a call may. It is treated as a client that left (billed for what it was answered or its engine
+        computed, its replica and reservation released), and its connection dropped with what the server still
+        buffers for it."""
+        logger.warning("request %s: cut off: %s; connection dropped", self.request_id, reason)
         self.disconnected.set()
         if not delivery.drop_connection(self.send) and self._task is not None:
             self._cancelled_for_client = True

@@ -12,6 +12,9 @@ and its buffers give:
   what its engine computed (a whole answer) or for the events it was sent (a stream), its replica and
   reservation released. A watchdog per event loop checks the calls that are sending once a second; a
   send costs the call two attribute writes, no timer.
+- **The longest a call runs.** A call still sending its answer a third of a reservation's time past
+  `GATEWAY_MAX_ANSWER_WAIT_S` from its start (a stream read just fast enough never to meet the deadline above) is cut
+  off the same way, before its reservation lapses (`presence`).
 - **Unsent bytes per organisation.** A whole answer larger than `PIECE_BYTES` is handed to the server a
   piece at a time, each once the client has taken the one before, and what is not yet handed over is
   counted against its organisation (per process). Past `GATEWAY_UNSENT_BYTES_PER_ORG`, the
@@ -40,11 +43,13 @@ UNREAD_ANSWERS = "unread_answers"
 
 
 class Sending(Protocol):
-    """A call the watchdog watches: when its current send began (None between sends), and how to end it."""
+    """A call the watchdog watches: when it began and when its current send began (monotonic; None between sends),
+    and how to end it."""
 
+    started_monotonic: float
     sending_since: float | None
 
-    def cut_off(self, waited_s: float) -> None: ...
+    def cut_off(self, reason: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -102,13 +107,28 @@ async def _sweep(outbox: _Outbox) -> None:
     """Runs while some call is watched (then ends: an idle loop keeps no task)."""
     while outbox.watched:
         await asyncio.sleep(SWEEP_EVERY_S)
-        now, deadline_s = time.monotonic(), settings.GATEWAY_SEND_TIMEOUT_S
-        for call in [c for c in outbox.watched.values() if c.sending_since is not None and now - c.sending_since > deadline_s]:
+        now = time.monotonic()
+        for call in list(outbox.watched.values()):
+            reason = _why_cut(call, now)
+            if reason is None:
+                continue
             outbox.watched.pop(id(call), None)
             try:
-                call.cut_off(now - call.sending_since)
+                call.cut_off(reason)
             except Exception:  # noqa: BLE001 - one call's failure must not stop the watchdog of every other
-                logger.exception("could not cut off a call whose client stopped reading")
+                logger.exception("could not cut off a call (%s)", reason)
+
+
+def _why_cut(call: Sending, now: float) -> str | None:
+    if call.sending_since is not None and now - call.sending_since > settings.GATEWAY_SEND_TIMEOUT_S:
+        return f"its client took none of its answer for {now - call.sending_since:.0f} s"
+    # NOTE: the gateway holds a call's reservation up to `GATEWAY_MAX_ANSWER_WAIT_S` from its start, and it lapses one
+    # reservation time later (`presence`): a call still answering a client that reads just fast enough would go on
+    # with nothing held against the caps and credit. A third of that time is left for sending a whole answer that
+    # came at the longest wait, and for the call's end.
+    if now - call.started_monotonic > settings.GATEWAY_MAX_ANSWER_WAIT_S + settings.BILLING_RESERVATION_TTL_S / 3:
+        return f"it ran for {now - call.started_monotonic:.0f} s, the longest a call may"
+    return None
 
 
 def drop_connection(send) -> bool:

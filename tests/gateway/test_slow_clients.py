@@ -4,6 +4,7 @@ answers an organisation leaves unread in a gateway process bounded."""
 import contextlib
 import json
 import socket
+import time
 
 import httpx
 import pytest
@@ -126,3 +127,23 @@ def test_an_organisation_whose_clients_leave_answers_unread_is_refused_new_calls
     # its client gone, the organisation is served again
     wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the unread call to end")
     assert call(tenant.key, endpoint.name).status_code == 200
+
+
+def test_a_stream_read_just_fast_enough_is_cut_off_before_its_reservation_lapses(tenant, start_mock_upstream, gateway_with):
+    # The gateway holds a call's reservation up to the longest wait from its start, and it lapses one reservation
+    # time later: a stream read slowly enough to run on past both went on with nothing held against the caps and
+    # prepaid credit (hold many, let their holds lapse, start as many again). Here: 1 s, plus a third of 3 s.
+    gateway = gateway_with(INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S="1", INFERPLANE_RESERVATION_TTL_S="3")
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=50))
+    started, received = time.monotonic(), []
+    with (pytest.raises(httpx.RemoteProtocolError),  # its connection dropped part-way
+          httpx.stream("POST", f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {tenant.key}"},
+                       json={"model": endpoint.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200,
+                             "stream": True}, timeout=30) as response):
+        for chunk in response.iter_bytes():
+            received.append(chunk)
+    assert time.monotonic() - started < 6  # 200 tokens take 10 s
+    assert received and b"data: [DONE]" not in b"".join(received)
+    row = wait_until(lambda: UsageRecord.objects.first(), 10, message="the usage row")
+    assert row.status == "client_aborted" and 0 < row.completion_tokens < 200
+    wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
