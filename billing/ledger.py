@@ -68,6 +68,12 @@ class UsageReport:
     cold_start_ms: int | None = None
     cold_start_phases: dict[str, int] | None = None
     adapter: str = ""  # the LoRA adapter the call named: priced at its own prices where it has them
+    # The prices per million tokens the call was admitted at (its reservation's, the adapter's where it has its own):
+    # the row is priced by them, not by the endpoint's prices when the row is written, which a tenant may have
+    # changed meanwhile (another GPU type). None: the endpoint's (and adapter's) prices now (older journals).
+    price_input_per_million: Decimal | None = None
+    price_cached_input_per_million: Decimal | None = None
+    price_output_per_million: Decimal | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -163,9 +169,12 @@ INSERT INTO {UsageRecord._meta.db_table} (
 )
 SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_id, ''), r.prompt_tokens,
        r.cached_tokens, r.completion_tokens,
-       least(round(((r.prompt_tokens - r.cached_tokens) * coalesce(ad.price_input_per_million, e.price_input_per_million)
-                    + r.cached_tokens * least(ad.price_input_per_million, e.price_cached_input_per_million)
-                    + r.completion_tokens * coalesce(ad.price_output_per_million, e.price_output_per_million))
+       least(round(((r.prompt_tokens - r.cached_tokens)
+                    * coalesce(r.price_input, ad.price_input_per_million, e.price_input_per_million)
+                    + r.cached_tokens * coalesce(r.price_cached_input,
+                                                 least(ad.price_input_per_million, e.price_cached_input_per_million))
+                    + r.completion_tokens
+                    * coalesce(r.price_output, ad.price_output_per_million, e.price_output_per_million))
                    * (CASE WHEN r.batch_id <> '' THEN e.batch_price_fraction ELSE 1 END) * 0.000001, 9), r.max_cost),
        coalesce(a.mode, '{BillingMode.POSTPAID}'),
        r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id,
@@ -174,13 +183,18 @@ FROM json_to_recordset(%s::json)
      AS r(request_id text, organization_id bigint, api_key_id bigint, endpoint_id uuid, replica_id text,
           prompt_tokens integer, cached_tokens integer, completion_tokens integer, started_at timestamptz,
           first_token_at timestamptz, finished_at timestamptz, status text, cold_start_s float8, max_cost numeric,
-          batch_id text, cold_start_ms integer, cold_start_phases json, adapter text)
+          batch_id text, cold_start_ms integer, cold_start_phases json, adapter text, price_input numeric,
+          price_cached_input numeric, price_output numeric)
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
 LEFT JOIN endpoints_adapter ad ON ad.endpoint_id = e.id AND ad.name = r.adapter AND r.adapter <> ''
 LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
 ON CONFLICT (request_id) DO NOTHING
 RETURNING request_id
 """
+
+
+def _money(value: Decimal | None) -> str | None:
+    return str(value) if value is not None else None
 
 
 def _rows(reports: list[UsageReport]) -> list[str]:
@@ -199,7 +213,9 @@ def _rows(reports: list[UsageReport]) -> list[str]:
          "first_token_at": r.first_token_at.isoformat() if r.first_token_at is not None else None,
          "finished_at": r.finished_at.isoformat(), "status": r.status, "cold_start_s": float(r.cold_start_s),
          "max_cost": str(r.max_cost) if r.max_cost is not None else None, "batch_id": r.batch_id,
-         "cold_start_ms": r.cold_start_ms, "cold_start_phases": r.cold_start_phases, "adapter": r.adapter}
+         "cold_start_ms": r.cold_start_ms, "cold_start_phases": r.cold_start_phases, "adapter": r.adapter,
+         "price_input": _money(r.price_input_per_million), "price_cached_input": _money(r.price_cached_input_per_million),
+         "price_output": _money(r.price_output_per_million)}
         for r in reports], separators=(",", ":"))]
 
 

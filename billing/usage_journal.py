@@ -47,6 +47,8 @@ REJECTED_NAME = "rejected.jsonl"
 MAX_SEGMENT_BYTES = 64 * 1024 * 1024
 _TIMES = ("started_at", "first_token_at", "finished_at")
 _FIELDS = {f.name for f in fields(UsageReport)}
+# NOTE: exact money: a string in the journal, a Decimal again on replay.
+_MONEY = ("max_cost", "price_input_per_million", "price_cached_input_per_million", "price_output_per_million")
 
 
 def encode(report: UsageReport) -> bytes:
@@ -54,8 +56,8 @@ def encode(report: UsageReport) -> bytes:
     for name in _TIMES:
         row[name] = row[name].isoformat() if row[name] is not None else None
     row["endpoint_id"] = str(row["endpoint_id"])
-    # NOTE: the reserved cost is exact money: a string in the journal, a Decimal again on replay.
-    row["max_cost"] = str(row["max_cost"]) if row["max_cost"] is not None else None
+    for name in _MONEY:
+        row[name] = str(row[name]) if row[name] is not None else None
     return json.dumps(row, separators=(",", ":")).encode() + b"\n"
 
 
@@ -63,8 +65,9 @@ def decode(line: bytes) -> UsageReport:
     row = {key: value for key, value in json.loads(line).items() if key in _FIELDS}
     for name in _TIMES:
         row[name] = datetime.fromisoformat(row[name]) if row.get(name) else None
-    if row.get("max_cost") is not None:
-        row["max_cost"] = Decimal(row["max_cost"])
+    for name in _MONEY:
+        if row.get(name) is not None:
+            row[name] = Decimal(row[name])
     return UsageReport(**row)
 
 

@@ -609,6 +609,9 @@ class InferenceCall:
                     cold_start_phases=self.cold_start.phases if self.cold_start else None,
 
                     adapter=self.adapter.name if self.adapter else "",
+                    price_input_per_million=self.endpoint.price_input_per_million,
+                    price_cached_input_per_million=self.endpoint.price_cached_input_per_million,
+                    price_output_per_million=self.endpoint.price_output_per_million,
                 ))
         finally:
             presence.untrack(self.request_id)

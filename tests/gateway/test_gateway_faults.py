@@ -4,6 +4,7 @@ import contextlib
 import json
 import signal
 import time
+from decimal import Decimal
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ from billing.quota.sweeper import sweep_expired_reservations
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import reservations_key
 from endpoints.gateway.estimate import worst_case
-from endpoints.models import Replica
+from endpoints.models import Endpoint, Replica
 from tests.conftest import free_port, start_web_server, wait_until
 from tests.gateway.conftest import serve_endpoint
 from tests.outages import redis_out_of_memory
@@ -331,3 +332,22 @@ def test_a_stream_cut_at_the_graceful_shutdown_deadline_is_billed_for_what_was_s
     row = UsageRecord.objects.get()
     assert received <= row.completion_tokens < 100
     assert not get_redis().hlen(reservations_key(tenant.org.pk))  # settled, not left to the sweeper
+
+
+def test_a_call_in_flight_when_its_endpoints_prices_change_is_billed_at_the_prices_it_was_admitted_at(
+        gateway, tenant, start_mock_upstream):
+    # Its row was priced by the endpoint's prices when it was written: a tenant moving its endpoint to a cheaper
+    # GPU type (its prices follow) while long calls ran on the dearer replicas had them billed at the cheaper prices.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=40), gpu_type="h200")
+    admitted_at = (endpoint.price_input_per_million, endpoint.price_output_per_million)
+    with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=50) as response:
+        chunks = response.iter_bytes()
+        next(chunks)  # under way
+        Endpoint.objects.filter(pk=endpoint.pk).update(
+            price_input_per_million=Decimal("0.01"), price_cached_input_per_million=Decimal("0.01"),
+            price_output_per_million=Decimal("0.01"))
+        for _ in chunks:
+            pass
+    row = wait_until(lambda: UsageRecord.objects.first(), 15, message="the usage row")
+    assert row.status == "ok" and row.completion_tokens == 50
+    assert row.cost == (Decimal(row.prompt_tokens) * admitted_at[0] + 50 * admitted_at[1]) / 10**6
