@@ -205,6 +205,20 @@ def weights_scope_for(organization_id, credential_id, model_source: str) -> str:
     return organization_scope(organization_id)
 
 
+# The fields an engine is started with (its command line, its weights, the name it answers to; see
+# `endpoints.fleet.services.replica_spec`). A replica started before one of them changed serves the old
+# configuration for as long as it runs, while calls are checked, reserved and billed by the new one (a shorter
+# `max_model_len` reserved a 30k-token prompt as 16 tokens; another `gpu_type` billed an H200 at an L4's prices):
+# a change to any of them replaces the endpoint's replicas (`endpoints.services.update_endpoint`). Secrets,
+# adapters, prices and scaling are read live and replace nothing.
+ENGINE_FIELDS = frozenset({
+    "name", "model_source", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing", "idle_action",
+    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "speculative_method",
+    "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_model_source", "max_loras",
+    "max_lora_rank", "tool_call_parser", "task",
+})
+
+
 class Endpoint(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.PROTECT, related_name="endpoints")

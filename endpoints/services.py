@@ -14,7 +14,7 @@ from controlplane.integrity import unique_or_field_error
 from endpoints import quotas
 from endpoints.catalogue import GPU_TYPES
 from endpoints.events import record_event
-from endpoints.models import Endpoint, EventKind
+from endpoints.models import ENGINE_FIELDS, Endpoint, EventKind
 from endpoints.replicas import drain_replicas, request_reconcile
 
 ENDPOINT_NAME_TAKEN = "An endpoint with this name already exists in your organisation."
@@ -61,6 +61,11 @@ def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
         endpoint.save()
     record_event(endpoint, EventKind.CONFIG, "Configuration changed: " + ", ".join(sorted(changed)), changes=_plain(changed))
     record_audit(actor, endpoint.organization, "endpoint.update", endpoint, changes=_plain(changed))
+    if restarted := sorted(ENGINE_FIELDS & changed.keys()):
+        # NOTE: in the transaction that saves the change: no replica of the old configuration is READY once it
+        # commits (calls in flight on them finish there, billed at the prices they were admitted at; new calls
+        # wait for the new replicas as in a cold start).
+        drain_replicas(endpoint, reason=f"its engine started with the previous {', '.join(restarted)}; replaced")
     request_reconcile(endpoint.pk)
     return endpoint
 

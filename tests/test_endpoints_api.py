@@ -6,7 +6,7 @@ from django.test import Client
 from django.utils import timezone
 
 from controlplane.accounts.models import AuditEvent, Role
-from endpoints.models import Endpoint, EndpointEvent, Replica
+from endpoints.models import ENGINE_FIELDS, Endpoint, EndpointEvent, Replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_placement import make_node
@@ -182,3 +182,34 @@ def test_lists_and_pages_read_the_live_replicas_and_the_latest_ended_not_every_o
     assert len(detail["replicas"]) == 1 + 5 and detail["state"] == listed["results"][0]["state"] == "READY"
     assert page.status_code == 200 and "out of memory" in page.content.decode()
     assert sum(read) <= 3 * (1 + 5), read
+
+
+def test_a_change_to_what_the_engine_starts_with_replaces_the_replicas_and_a_scaling_change_does_not(owner_client, org):
+    # A replica keeps the configuration it started with for as long as it runs, while calls were checked, reserved
+    # and billed by the new one: a max_model_len lowered to 16 reserved a 30k-token prompt on a 32k engine as 16
+    # tokens, and an H200 replica of an endpoint moved to "l4" served at an L4's prices.
+    endpoint = EndpointFactory(organization=org, min_replicas=1, max_replicas=2, gpu_type="h200", max_model_len=8192)
+    node = make_node(memory_mb=80_000)
+    ready = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, address="http://127.0.0.1:9")
+
+    assert owner_client.patch(f"/api/v1/endpoints/{endpoint.pk}/", {"max_replicas": 3}, format="json").status_code == 200
+    ready.refresh_from_db()
+    assert ready.state == ReplicaState.READY  # scaling is read live: nothing restarts
+
+    answer = owner_client.patch(f"/api/v1/endpoints/{endpoint.pk}/", {"max_model_len": 1024}, format="json")
+    assert answer.status_code == 200, answer.json()
+    ready.refresh_from_db()
+    assert ready.state == ReplicaState.DRAINING
+    assert endpoint.events.filter(message__contains="previous max_model_len; replaced").exists()
+
+
+@pytest.mark.parametrize("field", sorted(ENGINE_FIELDS))
+def test_every_engine_field_is_an_endpoint_field_the_replica_spec_reads(field):
+    import inspect
+
+    from endpoints.fleet import services as fleet_services
+    from endpoints.speculative import speculative_spec
+
+    Endpoint._meta.get_field(field)
+    read = inspect.getsource(fleet_services.replica_spec) + inspect.getsource(speculative_spec)
+    assert f"endpoint.{field}" in read or field in ("gpu_type", "allow_gpu_sharing")  # placement's, not the spec's
