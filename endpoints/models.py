@@ -267,6 +267,9 @@ class Endpoint(models.Model):
     tool_call_parser = models.CharField(max_length=32, blank=True, default="")
     # What it serves (`protocol.ModelTask`): "auto" reads it from the model's config (`serving_task`).
     task = models.CharField(max_length=16, choices=[(t.value, t.value) for t in ModelTask], default=ModelTask.AUTO.value)
+    # Counts the changes to its `ENGINE_FIELDS`; a replica records the one it was placed under, and the gateway sends a
+    # call only to a replica of the configuration it checked and reserved the call by.
+    engine_generation = models.PositiveIntegerField(default=0, editable=False)
     price_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     price_cached_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6)
@@ -478,6 +481,8 @@ class Replica(models.Model):
     # is a wake, not a cold start (`endpoints.gateway.anatomy`).
     woken_at = models.DateTimeField(null=True, blank=True)
 
+    # Its endpoint's `engine_generation` when it was placed: the configuration its engine starts with.
+    engine_generation = models.PositiveIntegerField(default=0, editable=False)
     # LoRA adapters its engine holds now (as its agent reported), most recently used first.
     adapters = ArrayField(models.CharField(max_length=63), default=list, blank=True)
     created_at = models.DateTimeField(default=timezone.now)

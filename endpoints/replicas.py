@@ -100,7 +100,7 @@ def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
         if decision.node is None:
             return None, decision.reason
         replica = Replica.objects.create(
-            endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb,
+            endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb, engine_generation=endpoint.engine_generation,
             gpu_indices=list(decision.gpu_indices), gpu_memory_fraction=decision.gpu_memory_fraction,
         )
         notify_node(decision.node.pk)

@@ -57,14 +57,18 @@ def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
     for name, value in changed.items():
         setattr(endpoint, name, value)
     _clear_failures(endpoint)  # a new spec deserves a fresh try
+    restarted = sorted(ENGINE_FIELDS & changed.keys())
+    if restarted:
+        endpoint.engine_generation += 1  # NOTE: under the row lock taken above
     with unique_or_field_error(_NAME_CONSTRAINT):
         endpoint.save()
     record_event(endpoint, EventKind.CONFIG, "Configuration changed: " + ", ".join(sorted(changed)), changes=_plain(changed))
     record_audit(actor, endpoint.organization, "endpoint.update", endpoint, changes=_plain(changed))
-    if restarted := sorted(ENGINE_FIELDS & changed.keys()):
+    if restarted:
         # NOTE: in the transaction that saves the change: no replica of the old configuration is READY once it
         # commits (calls in flight on them finish there, billed at the prices they were admitted at; new calls
-        # wait for the new replicas as in a cold start).
+        # wait for the new replicas as in a cold start). A gateway's cached READY list may still name a drained
+        # replica for a moment: the generation keeps calls checked by the new configuration off it.
         drain_replicas(endpoint, reason=f"its engine started with the previous {', '.join(restarted)}; replaced")
     request_reconcile(endpoint.pk)
     return endpoint

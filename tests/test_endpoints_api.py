@@ -7,6 +7,7 @@ from django.utils import timezone
 
 from controlplane.accounts.models import AuditEvent, Role
 from endpoints.models import ENGINE_FIELDS, Endpoint, EndpointEvent, Replica
+from endpoints.replicas import place_replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_placement import make_node
@@ -189,7 +190,7 @@ def test_a_change_to_what_the_engine_starts_with_replaces_the_replicas_and_a_sca
     # and billed by the new one: a max_model_len lowered to 16 reserved a 30k-token prompt on a 32k engine as 16
     # tokens, and an H200 replica of an endpoint moved to "l4" served at an L4's prices.
     endpoint = EndpointFactory(organization=org, min_replicas=1, max_replicas=2, gpu_type="h200", max_model_len=8192)
-    node = make_node(memory_mb=80_000)
+    node = make_node(gpu_type="h200", memory_mb=141_000)
     ready = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, address="http://127.0.0.1:9")
 
     assert owner_client.patch(f"/api/v1/endpoints/{endpoint.pk}/", {"max_replicas": 3}, format="json").status_code == 200
@@ -201,6 +202,10 @@ def test_a_change_to_what_the_engine_starts_with_replaces_the_replicas_and_a_sca
     ready.refresh_from_db()
     assert ready.state == ReplicaState.DRAINING
     assert endpoint.events.filter(message__contains="previous max_model_len; replaced").exists()
+    endpoint.refresh_from_db()
+    assert (endpoint.engine_generation, ready.engine_generation) == (1, 0)  # the gateway sends it no call
+    replacement, _ = place_replica(endpoint)
+    assert replacement.node == node and replacement.engine_generation == 1
 
 
 @pytest.mark.parametrize("field", sorted(ENGINE_FIELDS))

@@ -49,4 +49,4 @@ async def holders(endpoint: directory.EndpointInfo, adapter: directory.AdapterIn
                 503, f"The adapter '{adapter.name}' is not loaded yet; see its state on the endpoint.",
                 type="server_error", code="adapter_loading", headers={"retry-after": "10"})
         await asyncio.sleep(POLL_S)
-        replicas = await directory.ready_replicas(endpoint.id, fresh=True) or replicas
+        replicas = await directory.ready_replicas(endpoint.id, fresh=True, generation=endpoint.engine_generation) or replicas

@@ -148,7 +148,7 @@ class InferenceCall:
         self.usage.num_choices_per_prompt = worst_case.num_sequences
         self.usage.num_prompts = max(1, len(worst_case.prompt_bounds))
         self.reserved = worst_case.max_cost(self.endpoint)
-        replicas = await directory.ready_replicas(self.endpoint.id)
+        replicas = await directory.ready_replicas(self.endpoint.id, generation=self.endpoint.engine_generation)
         if not replicas:  # a FAILED endpoint, or one waiting for capacity, says so now instead of holding the call
             standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.request.wait_for_capacity)
         # NOTE: a cold start's place in line (bounded per process, endpoint and organisation) comes
@@ -252,7 +252,8 @@ class InferenceCall:
         for _attempt in range(2):  # a failure before the first byte is retried once, elsewhere
             candidates = [r for r in replicas if (r.id, r.address) not in tried]
             if not candidates:
-                candidates = [r for r in await directory.ready_replicas(self.endpoint.id, fresh=True)
+                candidates = [r for r in await directory.ready_replicas(self.endpoint.id, fresh=True,
+                                                                        generation=self.endpoint.engine_generation)
                               if (r.id, r.address) not in tried]
             if not candidates:
                 break

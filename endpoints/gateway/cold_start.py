@@ -149,7 +149,7 @@ async def _wait_for_ready(call: HeldCall, ready_signal: pubsub.Signal, deadline:
     while True:
         if call.disconnected.is_set():
             return None
-        replicas = await directory.ready_replicas(endpoint.id, fresh=fresh)
+        replicas = await directory.ready_replicas(endpoint.id, fresh=fresh, generation=endpoint.engine_generation)
         if replicas:
             return replicas
         now = time.monotonic()

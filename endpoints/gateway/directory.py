@@ -17,6 +17,7 @@ from decimal import Decimal
 
 from django.conf import settings
 
+from endpoints.gateway import errors
 from endpoints.gateway.memo import Memo, in_worker_thread
 from endpoints.models import Adapter, Endpoint, Replica
 from endpoints.nodes.models import database_time_ago
@@ -53,6 +54,7 @@ class EndpointInfo:
     # What its model's chat template adds per conversation and per message, as an engine measured it
     # (`Endpoint.chat_template_tokens`; (0, 0) until then): the estimate allows at least this.
     template_tokens: tuple[int, int] = (0, 0)
+    engine_generation: int = 0  # `Endpoint.engine_generation`: calls go to replicas of this one only
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,6 +64,7 @@ class ReplicaInfo:
     authorization: str = ""  # "Bearer <the engine's key>", sent with every call to it
     # LoRA adapters its engine holds (as its agent last reported): calls naming one prefer it.
     adapters: frozenset[str] = frozenset()
+    generation: int = 0  # its endpoint's `engine_generation` when it was placed
 
     def __repr__(self) -> str:  # never print the key
         return f"ReplicaInfo(id={self.id!r}, address={self.address!r})"
@@ -80,6 +83,7 @@ def _endpoint_info(endpoint, *, for_calls: bool = True) -> EndpointInfo:
         max_held_requests=endpoint.organization.quotas.max_held_requests,
         state=_blocking_state(endpoint), status_message=endpoint.status_message, task=endpoint.serving_task,
         target_concurrency=endpoint.target_concurrency, template_tokens=endpoint.chat_template_tokens if for_calls else (0, 0),
+        engine_generation=endpoint.engine_generation,
     )
 
 
@@ -165,7 +169,7 @@ def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
     rows = Replica.objects.filter(
         endpoint_id=endpoint_id, state=ReplicaState.READY, node__state__in=[NodeState.READY, NodeState.CORDONED]
     ).exclude(address="").select_related("node").only(
-        "pk", "address", "encrypted_engine_key", "adapters",
+        "pk", "address", "encrypted_engine_key", "adapters", "engine_generation",
         "node__advertise_host", "node__engine_port_min", "node__engine_port_max",
     )
     replicas = []
@@ -178,7 +182,7 @@ def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
             continue
         replicas.append(ReplicaInfo(
             id=str(replica.pk), address=replica.address, authorization=f"Bearer {replica.engine_api_key}",
-            adapters=frozenset(replica.adapters),
+            adapters=frozenset(replica.adapters), generation=replica.engine_generation,
         ))
     return replicas
 
@@ -186,9 +190,21 @@ def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
 _replicas = Memo(_load_replicas, REPLICA_CACHE_S, wait_when_empty=True)
 
 
-async def ready_replicas(endpoint_id: str, *, fresh: bool = False) -> list[ReplicaInfo]:
-    """READY replicas of an endpoint; `fresh` reads the database now (a cold start's wait)."""
-    return await _replicas.get(endpoint_id, fresh=fresh)
+async def ready_replicas(endpoint_id: str, *, fresh: bool = False, generation: int | None = None) -> list[ReplicaInfo]:
+    """READY replicas of an endpoint; `fresh` reads the database now (a cold start's wait). With `generation` (the
+    `engine_generation` a call was checked and reserved by), only replicas started with that configuration.
+
+    NOTE: a cached list may still name a replica drained by a change of configuration a moment ago: a call checked
+    by the new one went to an engine of the old one (a context length lowered to 16 reserved a 30k-token prompt on
+    a 32k engine as 16 tokens). A replica of a newer configuration than the call's means the call's endpoint was
+    read before a change: a 503 to retry, rather than a wait for replicas of a configuration that is gone."""
+    replicas = await _replicas.get(endpoint_id, fresh=fresh)
+    if generation is None:
+        return replicas
+    current = [r for r in replicas if r.generation == generation]
+    if len(current) < len(replicas) and any(r.generation > generation for r in replicas):
+        raise errors.service_unavailable("The endpoint's configuration changed while this call was checked; please retry.")
+    return current
 
 
 def forget_replica(endpoint_id: str, replica_id: str) -> None:
