@@ -1,6 +1,7 @@
 """`/api/v1/fleet/pools/`: node pools for staff (list, create, read, change, delete) with their cost truth.
 
-Staff only: anyone else gets a 404, as if the route did not exist (a 403 would confirm it does).
+Staff signed in only, through a session (never an API key): anyone else gets a 404, as if the route did not exist
+(a 403 would confirm it does).
 Rules live in `endpoints.fleet.pool_services`; this module shapes and parses.
 """
 
@@ -12,7 +13,7 @@ from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.permissions import BasePermission
 
 from billing.serializers import DatePeriodSerializer
-from controlplane.accounts.models import ApiKey, Scope
+from controlplane.accounts.models import ApiKey
 from controlplane.accounts.serializers import StrictModelSerializer
 from controlplane.accounts.services import Actor
 from endpoints.fleet import pool_services
@@ -23,9 +24,13 @@ MAX_PERIOD_DAYS = 366
 
 
 class IsStaff(BasePermission):
-    """Staff users (or their API keys with the `manage` scope); everyone else sees a 404."""
+    """Staff signed in (a session); everyone else, and every API key, staff's own included, sees a 404.
 
-    message = "This API key lacks the 'manage' scope."
+    NOTE: staff powers come only with a staff session, which ends `INFERPLANE_STAFF_SESSION_HOURS` after its
+    sign-in (`controlplane.accounts.staff_sessions`). An API key never expires and this route is on the public
+    ingress: a staff member's key (or one a stolen staff session minted in any organisation it joined) would
+    be the fleet's launch templates for ever.
+    """
 
     def has_permission(self, request, view) -> bool:
         if not request.user or not request.user.is_authenticated:
@@ -33,9 +38,9 @@ class IsStaff(BasePermission):
         method = request.method.lower()
         if method not in view.http_method_names or not hasattr(view, method):
             return True  # NOTE: a method the route does not take is its 405, for anyone
-        if not request.user.is_staff:
+        if not request.user.is_staff or isinstance(request.auth, ApiKey):
             raise NotFound()
-        return not isinstance(request.auth, ApiKey) or request.auth.has_scope(Scope.MANAGE)
+        return True
 
 
 class PoolPeriodSerializer(DatePeriodSerializer):
@@ -88,8 +93,11 @@ class NodePoolSerializer(StrictModelSerializer):
 
 
 PERIOD = extend_schema(parameters=[PoolPeriodSerializer])
+# A staff session only (`IsStaff`): an API key is authenticated only to be answered a 404.
+SESSION_ONLY = extend_schema(auth=[{"cookieAuth": []}])
 
 
+@SESSION_ONLY
 @extend_schema_view(list=PERIOD, retrieve=PERIOD, destroy=extend_schema(responses={
     204: None, 400: OpenApiResponse(description="The pool still has live machines."),
 }))

@@ -24,13 +24,17 @@ POOL = {"name": "l4-local", "gpu_type": "l4", "provider": "local", "max_nodes": 
 
 
 @pytest.fixture
-def staff_client(org):
+def staff_member(org):
     user = UserFactory(is_staff=True)
     MembershipFactory(organization=org, user=user, role=Role.OWNER)
-    created = create_api_key(Actor(user=user), org, name="staff", scopes=[Scope.MANAGE])
+    return user
+
+
+@pytest.fixture
+def staff_client(staff_member):
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {created.plain}")
-    client.user = user
+    client.force_login(staff_member)  # a staff session, as the console's (it ends after STAFF_SESSION_HOURS)
+    client.user = staff_member
     return client
 
 
@@ -66,6 +70,25 @@ def test_non_staff_and_their_keys_find_no_pools_at_all(owner_client):
     assert [answer.status_code for answer in answers] == [404] * 5
     assert answers[0].json() == {"detail": "Not found."}
     assert NodePool.objects.get().max_nodes == 3 and not NodePool.objects.filter(name="mine").exists()
+
+
+def test_a_staff_members_api_key_has_no_staff_powers_and_finds_no_pools(org, staff_member):
+    """Staff powers come with a staff session alone: a key never expires and the route is on the public ingress."""
+    pool = make_pool()
+    created = create_api_key(Actor(user=staff_member), org, name="staff", scopes=[Scope.MANAGE])
+    keyed = APIClient()
+    keyed.credentials(HTTP_AUTHORIZATION=f"Bearer {created.plain}")
+
+    answers = [keyed.get(POOLS), keyed.post(POOLS, POOL | {"name": "mine"}, format="json"),
+               keyed.get(f"{POOLS}{pool.pk}/"), keyed.patch(f"{POOLS}{pool.pk}/", {"max_nodes": 9}, format="json"),
+               keyed.delete(f"{POOLS}{pool.pk}/")]
+
+    assert [answer.status_code for answer in answers] == [404] * 5
+    assert NodePool.objects.get().max_nodes == 3 and not NodePool.objects.filter(name="mine").exists()
+
+
+def test_a_staff_session_ends_hours_after_its_sign_in(staff_client, settings):
+    assert staff_client.session.get_expiry_age() <= settings.STAFF_SESSION_HOURS * 3600
 
 
 def test_without_credentials_the_pools_are_a_401(client):
@@ -186,3 +209,4 @@ def test_the_schema_documents_the_pools_404_for_non_staff(owner_client):
     assert set(paths[POOLS + "{id}/"]) == {"get", "patch", "delete"}
     assert "404" in paths[POOLS]["get"]["responses"] and "404" in paths[POOLS]["post"]["responses"]
     assert "400" in paths[POOLS + "{id}/"]["delete"]["responses"]
+    assert {str(paths[POOLS][method]["security"]) for method in ("get", "post")} == {"[{'cookieAuth': []}]"}
