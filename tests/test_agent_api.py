@@ -4,7 +4,7 @@ import pytest
 
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
-from endpoints.fleet.services import create_join_token
+from endpoints.fleet.services import authenticate_node, create_join_token, record_heartbeat, retire_node
 from endpoints.models import EndpointEvent, Replica
 from endpoints.nodes.models import JoinToken, Node
 from endpoints.scheduler import reconcile_endpoint
@@ -122,6 +122,25 @@ def test_an_agent_cannot_report_on_another_nodes_replica(client, agent):
     beat(client, intruder["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.FAILED)])
     replica.refresh_from_db()
     assert replica.state == "PENDING"
+
+
+def test_a_heartbeat_in_flight_while_its_node_is_retired_leaves_it_retired_and_is_told_to_run_nothing(client, agent):
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    in_flight = authenticate_node(agent["node_secret"])  # its secret checked, its row lock not yet taken
+    retire_node(SYSTEM, Node.objects.get(pk=agent["node_id"]), reason="stolen machine")
+
+    answer = record_heartbeat(in_flight, Heartbeat(
+        agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000,
+        replicas=[ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://127.0.0.1:20000")]))
+
+    node = Node.objects.get(pk=agent["node_id"])
+    assert node.state == NodeState.OFFLINE and node.secret_digest == "", "it stays retired"
+    assert answer.node_state == NodeState.OFFLINE and answer.desired == []
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.FAILED
+    assert not AuditEvent.objects.filter(action="node.online").exists()
+    assert beat(client, agent["node_secret"]).status_code == 401
 
 
 @pytest.mark.parametrize("address, why", [

@@ -113,7 +113,14 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     status = heartbeat.to_dict()
     status.pop("replicas", None)
     with transaction.atomic():
+        authenticated_digest = node.secret_digest
         node = Node.objects.select_for_update().get(pk=node.pk)
+        if node.secret_digest != authenticated_digest:
+            # NOTE: retired (`retire_node`) after this heartbeat's secret was checked, before its row lock:
+            # it stays retired, nothing it reports is taken, and it is told to run nothing. Read under the
+            # lock, so an OFFLINE that a retire wrote is never taken for a node coming back.
+            return protocol.HeartbeatResponse(
+                node_state=NodeState.OFFLINE, heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S, desired=[])
         came_back = node.state == NodeState.OFFLINE
         node.last_heartbeat_at = Now()  # NOTE: PostgreSQL's clock, as the sweeps judge it (`database_time_ago`)
         node.last_status = status
