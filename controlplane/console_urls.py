@@ -51,4 +51,5 @@ urlpatterns = [
     path("fleet/pools/<int:pk>/delete/", pool_views.pool_delete, name="pool-delete"),
     path("fleet/join-tokens/", fleet_views.join_token_create, name="join-token-create"),
     path("fleet/join-tokens/<int:pk>/revoke/", fleet_views.join_token_revoke, name="join-token-revoke"),
+    path("fleet/join-tokens/<int:pk>/rotate/", fleet_views.join_token_rotate, name="join-token-rotate"),
 ]

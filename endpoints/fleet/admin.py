@@ -8,6 +8,8 @@ Registered by `endpoints.admin` (Django looks for admin modules in apps only, an
 
 from django import forms
 from django.contrib import admin, messages
+from django.urls import reverse
+from django.utils.html import format_html
 
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
@@ -45,14 +47,29 @@ class NodeAdmin(ReadOnlyAdmin):
     def uncordon(self, request, queryset):
         self._set_state(request, queryset, NodeState.READY)
 
-    @admin.action(description="Retire selected nodes (revoke their secret: their agents can never come back)",
+    @admin.action(description="Retire selected nodes (void their secrets, revoke join tokens no other node uses)",
                   permissions=["retire"])
     def retire(self, request, queryset):
         # NOTE: for a node that joined by hand, as pools retire theirs: a stolen or misbehaving machine is cut
-        # off for good, its replicas failed and replaced elsewhere; it may join again only with a new join token.
-        retired = sum(retire_node(Actor.from_request(request), node, reason=f"retired by {request.user}")
-                      for node in queryset)
-        self.message_user(request, f"{retired} node(s) retired.", messages.SUCCESS)
+        # off, its replicas failed and replaced elsewhere. Its agent registers again with its join token unless
+        # that is revoked too (`retire_node`); a token other nodes share must be rotated, and staff are told so.
+        retirements = [retire_node(Actor.from_request(request), node, reason=f"retired by {request.user}")
+                       for node in queryset]
+        self.message_user(request, f"{sum(r.retired for r in retirements)} node(s) retired.", messages.SUCCESS)
+        for retirement in retirements:
+            if retirement.revoked_join_token is not None:
+                self.message_user(request, f"Join token “{retirement.revoked_join_token.name}”, which no other node "
+                                           "joined with, was revoked.", messages.SUCCESS)
+        revoked = {r.revoked_join_token.pk for r in retirements if r.revoked_join_token is not None}
+        open_tokens = {r.open_join_token.pk: r for r in retirements
+                       if r.open_join_token is not None and r.open_join_token.pk not in revoked}
+        for retirement in open_tokens.values():
+            self.message_user(request, format_html(
+                "Join token “{}” still admits machines: {} other node(s) joined with it. Until it is rotated "
+                "(<a href=\"{}\">fleet page</a>, Join tokens, Rotate), a retired node's machine can register "
+                "with it again as a new node.",
+                retirement.open_join_token.name, retirement.num_other_nodes,
+                reverse("console:fleet") + "#tokens-title"), messages.WARNING)
 
     def has_cordon_permission(self, request):
         return request.user.is_staff  # as the console's fleet pages

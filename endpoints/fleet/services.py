@@ -1,4 +1,4 @@
-"""Fleet writes: join tokens, node registration, heartbeats, cordon and drain.
+"""Fleet writes: join tokens, node registration, heartbeats, cordon, drain and retire.
 
 A node that registers with a pool launch's join token joins that launch (`endpoints.fleet.launches`).
 
@@ -60,6 +60,22 @@ def create_join_token(actor: Actor, *, name: str, expires_at: datetime | None = 
 def revoke_join_token(actor: Actor, join_token: JoinToken) -> None:
     if JoinToken.objects.filter(pk=join_token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()):
         record_audit(actor, None, "join_token.revoke", join_token)
+
+
+def rotate_join_token(actor: Actor, join_token: JoinToken) -> CreatedJoinToken:
+    """A new join token in place of `join_token`, which is revoked: the way to shut out a machine that joined with
+    a token other machines share (a retired node's agent registers again with it as a new node).
+
+    The new token keeps the old one's name, expiry and remaining uses. Nodes joined with the old token keep their
+    own node secrets and run on; a machine that must register again (a new one, or one that lost its state) needs
+    the new token.
+    """
+    remaining = None if join_token.max_uses is None else max(join_token.max_uses - join_token.num_uses, 0)
+    with transaction.atomic():
+        created = create_join_token(actor, name=join_token.name, expires_at=join_token.expires_at, max_uses=remaining)
+        revoke_join_token(actor, join_token)
+        record_audit(actor, None, "join_token.rotate", created.join_token, replaces=str(join_token))
+    return created
 
 
 def register_node(request: protocol.RegisterRequest) -> protocol.RegisterResponse:
@@ -294,20 +310,45 @@ def set_node_state(actor: Actor, node: Node, state: NodeState) -> Node:
     return node
 
 
-def retire_node(actor: Actor, node: Node, *, reason: str) -> bool:
-    """The node's machine is gone for good (a pool terminated it): OFFLINE, and its secret no longer
-    admits anyone, so its agent can never come back. Its replicas, if any, fail and are replaced.
+@dataclass(slots=True, frozen=True)
+class Retirement:
+    """What `retire_node` did.
 
-    Returns whether this call retired it.
+    `open_join_token`: the join token the node registered with, left usable because `num_other_nodes` other nodes
+    (not retired) joined with it too. Until staff rotate it (`rotate_join_token`), the retired machine's agent can
+    register with it again, as a new node.
+    """
+
+    retired: bool
+    revoked_join_token: JoinToken | None = None
+    open_join_token: JoinToken | None = None
+    num_other_nodes: int = 0
+
+
+def retire_node(actor: Actor, node: Node, *, reason: str) -> Retirement:
+    """The node's machine is gone for good (a pool terminated it, or staff shut it out): OFFLINE, its secret no
+    longer admits anyone, and its replicas, if any, fail and are replaced.
+
+    NOTE: a void secret alone does not keep its agent out: refused a heartbeat, the agent registers again with
+    its join token. So the join token goes too when no other node (not retired) joined with it; a token others
+    share is left usable and named in the answer (`Retirement.open_join_token`), to be rotated. A pool's one-use
+    token is spent already and stays as it is.
     """
     # NOTE: an empty digest matches no secret (`tokens.token_matches` compares hashes).
     retired = Node.objects.filter(pk=node.pk).exclude(state=NodeState.OFFLINE, secret_digest="").update(
         state=NodeState.OFFLINE, secret_digest="")
-    if not retired:
-        return False
-    notify_node(node.pk)
-    node.refresh_from_db()
-    record_audit(actor, None, "node.retire", node, reason=reason[:300])
-    for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
-        fail_replica(replica, reason)
-    return True
+    if retired:
+        notify_node(node.pk)
+        node.refresh_from_db()
+        record_audit(actor, None, "node.retire", node, reason=reason[:300])
+        for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
+            fail_replica(replica, reason)
+    # NOTE: also for a node retired before (retiring it again closes the token it left open).
+    join_token = JoinToken.objects.filter(pk=node.join_token_id).first() if node.join_token_id else None
+    if join_token is None or not join_token.is_usable():
+        return Retirement(retired=bool(retired))
+    num_other_nodes = Node.objects.admitted().filter(join_token=join_token).exclude(pk=node.pk).count()
+    if num_other_nodes:
+        return Retirement(retired=bool(retired), open_join_token=join_token, num_other_nodes=num_other_nodes)
+    revoke_join_token(actor, join_token)
+    return Retirement(retired=bool(retired), revoked_join_token=join_token)

@@ -65,7 +65,7 @@ def gpu_rows(node: Node, reported: list[dict], replicas: list[Replica]) -> list[
 @staff_required
 def fleet(request):
     return render(request, "gpu_agent/fleet.html", _fleet_context() | pools_context() | {
-        "join_tokens": JoinToken.objects.select_related("created_by")[:50],
+        "join_tokens": JoinToken.objects.with_num_nodes().select_related("created_by")[:50],
         "audit_events": AuditEvent.objects.select_related("actor", "organization", "api_key")[:NUM_AUDIT_EVENTS_SHOWN],
         "public_url": settings.PUBLIC_URL,
     })
@@ -118,3 +118,18 @@ def join_token_revoke(request, pk):
     services.revoke_join_token(Actor.from_request(request), join_token)
     messages.success(request, f"Join token “{join_token.name}” was revoked; nodes already joined keep running.")
     return redirect("console:fleet")
+
+
+@staff_required
+@require_POST
+def join_token_rotate(request, pk):
+    join_token = get_object_or_404(JoinToken.objects.with_num_nodes(), pk=pk)
+    if not join_token.is_usable():
+        messages.error(request, f"Join token “{join_token.name}” admits nobody already: there is nothing to rotate.")
+        return redirect("console:fleet")
+    created = services.rotate_join_token(Actor.from_request(request), join_token)
+    # NOTE: the token is rendered in this response only; only its hash is stored.
+    return render(request, "gpu_agent/join_token_created.html", {
+        "join_token": created.join_token, "secret": created.plain, "public_url": settings.PUBLIC_URL,
+        "replaced": join_token,
+    }, status=201)

@@ -53,6 +53,13 @@ def database_time_ago(seconds: float) -> models.Expression:
     at every sweep."""
     return models.ExpressionWrapper(Now() - timedelta(seconds=seconds), output_field=models.DateTimeField())
 
+
+class JoinTokenQuerySet(models.QuerySet):
+    def with_num_nodes(self):
+        """Each token with `num_nodes`: the nodes joined with it that are not retired (a retired node's secret is void)."""
+        return self.annotate(num_nodes=models.Count("nodes", filter=~models.Q(nodes__secret_digest="")))
+
+
 class JoinToken(models.Model):
     TOKEN_KIND = "jt"
 
@@ -65,6 +72,8 @@ class JoinToken(models.Model):
     num_uses = models.PositiveIntegerField(default=0)
     revoked_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = JoinTokenQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at"]
@@ -84,6 +93,10 @@ class JoinToken(models.Model):
 class NodeQuerySet(models.QuerySet):
     def schedulable(self):
         return self.filter(state=NodeState.READY)
+
+    def admitted(self):
+        """Nodes whose secret still admits their agent: all but the retired (`retire_node` voids the secret)."""
+        return self.exclude(secret_digest="")
 
 
 class Node(models.Model):

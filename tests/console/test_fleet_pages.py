@@ -90,9 +90,18 @@ def test_fleet_is_a_404_for_everyone_but_staff(owner):
     assert "Fleet" not in owner.get(reverse("console:dashboard")).content.decode()
 
 
-def test_staff_retire_a_hand_joined_node_in_the_admin_and_its_agent_is_shut_out(client):
-    """A stolen or misbehaving machine that joined by hand is cut off for good, as pools retire theirs."""
+def retire_in_the_admin(client, node):
     from django.contrib.auth import get_user_model
+
+    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
+    client.force_login(staff)
+    return client.post("/django-admin/gpu_agent/node/", {"action": "retire", "_selected_action": [str(node.pk)]},
+                       follow=True)
+
+
+def test_staff_retire_a_hand_joined_node_in_the_admin_and_its_machine_cannot_join_again(client):
+    """A stolen or misbehaving machine that joined by hand is cut off for good, as pools retire theirs: its secret
+    is void, and so is its join token, which no other node joined with (its agent registers again with it)."""
     from django.test import Client
 
     from controlplane.accounts.services import SYSTEM
@@ -100,16 +109,84 @@ def test_staff_retire_a_hand_joined_node_in_the_admin_and_its_agent_is_shut_out(
     from tests.test_agent_api import beat, register
 
     agent = Client()
-    joined = register(agent, create_join_token(SYSTEM, name="rack").plain).json()
+    token = create_join_token(SYSTEM, name="rack").plain
+    joined = register(agent, token).json()
     node = Node.objects.get(pk=joined["node_id"])
     replica = Replica.objects.create(endpoint=EndpointFactory(), node=node, state=ReplicaState.READY)
     assert beat(agent, joined["node_secret"]).status_code == 200
-    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
-    client.force_login(staff)
-    response = client.post("/django-admin/gpu_agent/node/", {"action": "retire", "_selected_action": [str(node.pk)]})
-    assert response.status_code == 302
+
+    response = retire_in_the_admin(client, node)
+
+    assert response.status_code == 200
     node.refresh_from_db()
     replica.refresh_from_db()
     assert node.state == NodeState.OFFLINE and replica.state == ReplicaState.FAILED
     assert AuditEvent.objects.filter(action="node.retire").exists()
     assert beat(agent, joined["node_secret"]).status_code == 401
+    assert register(agent, token).status_code == 401, "its agent's registration with the same token is refused"
+    assert Node.objects.count() == 1
+    assert "Join token “rack”, which no other node joined with, was revoked." in response.content.decode()
+
+
+def test_retiring_a_node_whose_join_token_others_share_says_so_and_a_rotation_shuts_its_machine_out(client, staff):
+    """A shared token is not revoked under the other nodes: staff are told it still admits the retired machine,
+    and rotating it does shut it out while the other nodes run on with their own secrets."""
+    from django.test import Client
+
+    from controlplane.accounts.services import SYSTEM
+    from endpoints.fleet.services import create_join_token
+    from tests.test_agent_api import beat, register
+
+    agent, neighbour = Client(), Client()
+    token = create_join_token(SYSTEM, name="daemonset").plain
+    joined = register(agent, token).json()
+    other = register(neighbour, token, name="gpu-2").json()
+    node = Node.objects.get(pk=joined["node_id"])
+
+    page = retire_in_the_admin(client, node).content.decode()
+
+    assert "Join token “daemonset” still admits machines: 1 other node(s) joined with it." in page
+    assert reverse("console:fleet") in page
+    join_token = JoinToken.objects.get(name="daemonset")
+    assert join_token.revoked_at is None
+    shown = staff.get(reverse("console:fleet"))
+    assert [token.num_nodes for token in shown.context["join_tokens"]] == [1]
+    assert f'data-testid="token-nodes-{join_token.pk}">1<' in shown.content.decode()
+
+    rotated = staff.post(reverse("console:join-token-rotate", args=[join_token.pk]))
+
+    assert rotated.status_code == 201 and rotated.context["secret"].startswith("jt_")
+    assert "now revoked: the 1 node joined with it keeps running" in rotated.content.decode()
+    assert register(agent, token).status_code == 401, "the retired machine cannot join again"
+    assert beat(neighbour, other["node_secret"]).status_code == 200, "the other node runs on with its own secret"
+    assert register(Client(), rotated.context["secret"], name="gpu-3").status_code == 201
+    assert AuditEvent.objects.filter(action="join_token.rotate").count() == 1
+
+
+def test_a_pool_machines_spent_join_token_is_left_as_it_is_when_its_node_retires():
+    from controlplane.accounts.services import SYSTEM
+    from endpoints.fleet.services import create_join_token, retire_node
+
+    spent = create_join_token(SYSTEM, name="pool l4 1234", max_uses=1).join_token
+    JoinToken.objects.filter(pk=spent.pk).update(num_uses=1)
+    node = make_node(join_token=spent)
+
+    retirement = retire_node(SYSTEM, node, reason="empty for 300 s")
+
+    assert retirement.retired and retirement.revoked_join_token is None and retirement.open_join_token is None
+    assert not AuditEvent.objects.filter(action="join_token.revoke").exists()
+
+
+def test_retiring_a_node_retired_before_revokes_the_join_token_it_left_open():
+    from controlplane.accounts.services import SYSTEM
+    from endpoints.fleet.services import create_join_token, retire_node
+
+    token = create_join_token(SYSTEM, name="rack").join_token
+    node = make_node(join_token=token, state=NodeState.OFFLINE)
+    Node.objects.filter(pk=node.pk).update(secret_digest="")  # retired when a retire left its join token open
+
+    retirement = retire_node(SYSTEM, node, reason="shut it out")
+
+    assert not retirement.retired and retirement.revoked_join_token == token
+    token.refresh_from_db()
+    assert token.revoked_at is not None
