@@ -22,7 +22,7 @@ while its engine generates) keeps its hold on the caps and credit until its own 
 released at the deadline (`BILLING_RESERVATION_TTL_S`, 15 min) while it still ran, and the caller could have
 as much again admitted against the same credit. Only a gateway that stops beating (dead, or frozen past the
 deadline) has its calls' holds lapse; a call is pushed on for `GATEWAY_MAX_ANSWER_WAIT_S` (6 h) at most, so
-its hold lasts that plus one deadline (a stream running longer loses it then).
+its hold lasts that plus one deadline, and the call is cut off a third of a deadline before that (`endpoints.gateway.delivery`).
 
 NOTE: a gateway that only froze past `ALIVE_TTL_S` (a stalled event loop) is swept like a dead one;
 when it beats again it finds its key gone and puts its requests back, so its counts come back and
