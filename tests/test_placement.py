@@ -166,3 +166,51 @@ def test_a_node_not_running_a_source_cannot_make_it_unplaceable():
     record_heartbeat(liar, Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24_000, memory_used_mb=1_000, weights=[
         WeightsStatus(source="hf:org/model-8B", cache_key="m", size_bytes=10**15, complete=True)]))
     assert weights_size_mb(endpoint) == guessed
+
+
+def _gpu(index, memory_mb):
+    from gpu_agent.protocol import GpuStatus
+
+    return GpuStatus(index=index, name="NVIDIA L4", utilization_percent=0.0, memory_used_mb=0, memory_total_mb=memory_mb,
+                     uuid=f"GPU-{index:04d}")
+
+
+def _beat(node, gpus=(), weights=()):
+    from endpoints.fleet.services import record_heartbeat
+    from gpu_agent.protocol import Heartbeat
+
+    record_heartbeat(node, Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24_000, memory_used_mb=1_000,
+                                     gpus=list(gpus), weights=list(weights)))
+    node.refresh_from_db()
+
+
+def test_a_heartbeat_cannot_give_a_node_more_gpus_or_memory_than_it_registered():
+    """A machine holding one node's secret lists 64 GPUs of a terabyte each: placement still sees the one L4 it
+    registered, and staff see what was ignored (before, the heartbeat's list replaced the node's, and the machine
+    won replicas, their specs and prompts, that no honest node could hold)."""
+    from controlplane.accounts.models import AuditEvent
+
+    node = make_node(memory_mb=23_034, gpus=[{"index": 0, "uuid": "GPU-0000", "name": "NVIDIA L4", "memory_mb": 23_034,
+                                              "mig_slices": []}])
+    _beat(node, gpus=[_gpu(0, 23_034)])
+    assert "gpus_ignored" not in node.last_status  # the honest report: nothing ignored
+    seventy_b = EndpointFactory(model_source="hf:org/model-70B", gpu_type="l4", gpus_per_replica=8)
+    for _ in range(2):
+        _beat(node, gpus=[_gpu(index, 10**9) for index in range(64)])
+    assert [(gpu["index"], gpu["memory_mb"]) for gpu in node.gpus] == [(0, 23_034)]
+    assert node.last_status["gpus_ignored"] == "63 GPU(s) past the 1 it may have; memory past 23034 MiB per GPU"
+    assert AuditEvent.objects.filter(action="node.gpus_ignored", target_id=str(node.pk)).count() == 1  # once, not per beat
+    replica, reason = place_replica(seventy_b)
+    assert replica is None and "needs 8 free GPUs on one node" in reason
+
+
+def test_a_pool_nodes_gpus_are_bounded_by_its_pools_shape():
+    """A pool's machine is what staff made the pool: one L4, whatever its agent registered or reports."""
+    from endpoints.nodes.models import LaunchState, NodeLaunch, NodePool
+
+    pool = NodePool.objects.create(name="l4s", gpu_type="l4", provider="local", gpus_per_node=1, gpu_memory_mb=23_034)
+    node = make_node(num_gpus=4, memory_mb=81_920)
+    NodeLaunch.objects.create(pool=pool, node=node, state=LaunchState.JOINED, deadline_at=timezone.now())
+    _beat(node, gpus=[_gpu(index, 81_920) for index in range(4)])
+    assert [(gpu["index"], gpu["memory_mb"]) for gpu in node.gpus] == [(0, 23_034)]
+

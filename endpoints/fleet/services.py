@@ -25,7 +25,7 @@ from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.fleet.launches import link_joined_node
 from endpoints.models import LIVE_REPLICA_STATES, IdleAction, ModelFacts, Replica, weights_scope_for
-from endpoints.nodes.models import JoinToken, Node, gpu_inventory
+from endpoints.nodes.models import JoinToken, Node, bounded_gpu_inventory, gpu_inventory
 from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
 from endpoints.replicas import apply_replica_report, drain_node, fail_replica, record_replica_failure
@@ -124,6 +124,10 @@ def authenticate_node(secret: str) -> Node:
     return node
 
 
+# The node's `last_status` key that says what of its heartbeat's GPU list was ignored (the fleet pages show it).
+GPUS_IGNORED = "gpus_ignored"
+
+
 def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.HeartbeatResponse:
     """Take the agent's report, move replica states forward, and answer with the desired replicas."""
     status = heartbeat.to_dict()
@@ -137,6 +141,7 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
             # lock, so an OFFLINE that a retire wrote is never taken for a node coming back.
             return protocol.HeartbeatResponse(
                 node_state=NodeState.OFFLINE, heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S, desired=[])
+        previous_status = node.last_status or {}
         came_back = node.state == NodeState.OFFLINE
         node.last_heartbeat_at = Now()  # NOTE: PostgreSQL's clock, as the sweeps judge it (`database_time_ago`)
         node.last_status = status
@@ -144,10 +149,17 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         fields = ["last_heartbeat_at", "last_status", "agent_version", "state"]
         inventory = gpu_inventory(heartbeat.gpus)
         # NOTE: only an agent that names its GPUs (by UUID) gets per-GPU placement; an older one
-        # keeps the pooled placement it was registered with.
-        if inventory and all(gpu["uuid"] for gpu in inventory) and inventory != node.gpus:
-            node.gpus = inventory
-            fields.append("gpus")
+        # keeps the pooled placement it was registered with. What it names is bounded by what the node
+        # registered (its pool's shape), the rest ignored with the reason on the node (`bounded_gpu_inventory`).
+        ignored = ""
+        if inventory and all(gpu["uuid"] for gpu in inventory):
+            inventory, ignored = bounded_gpu_inventory(inventory, node.gpu_shape())
+            if inventory != node.gpus:
+                node.gpus = inventory
+                fields.append("gpus")
+        newly_ignored = ignored and ignored != previous_status.get(GPUS_IGNORED)
+        if ignored:
+            status[GPUS_IGNORED] = ignored
         if came_back:
             # NOTE: its replicas were failed and replaced while it was gone; they are absent from
             # `desired` below, so the agent stops them: a returning node is reconciled, not trusted.
@@ -159,6 +171,9 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         node.save(update_fields=fields)
     if came_back:
         record_audit(SYSTEM, None, "node.online", node)
+    if newly_ignored:
+        logger.warning("node %s: its heartbeat's GPUs past its registration were ignored: %s", node.name, ignored)
+        record_audit(SYSTEM, None, "node.gpus_ignored", node, reason=ignored)
     record_model_facts(node, heartbeat.weights)
     for report in heartbeat.replicas:
         apply_replica_report(node, report)

@@ -42,6 +42,7 @@ def _fleet_context() -> dict:
         node.weights = status.get("weights") or []
         node.cpu_percent = status.get("cpu_percent")
         node.memory_used_mb = status.get("memory_used_mb")
+        node.gpus_ignored = status.get(services.GPUS_IGNORED, "")
         node.heartbeat_age_s = (now - node.last_heartbeat_at).total_seconds() if node.last_heartbeat_at else None
         node.heartbeat_late = node.heartbeat_age_s is None or node.heartbeat_age_s > 3 * settings.AGENT_HEARTBEAT_INTERVAL_S
     return {

@@ -149,6 +149,15 @@ class Node(models.Model):
     def total_gpu_memory_mb(self) -> int:
         return self.gpu_memory_mb * max(self.num_gpus, 1)
 
+    def gpu_shape(self) -> tuple[int, int]:
+        """(GPUs, MiB per GPU) this node may hold at most: what it registered with its join token, within its
+        pool's shape when a pool launched it (staff's figures, not the machine's)."""
+        num_gpus, memory_mb = self.num_gpus, self.gpu_memory_mb
+        pool_shape = NodeLaunch.objects.filter(node=self).values_list("pool__gpus_per_node", "pool__gpu_memory_mb").first()
+        if pool_shape is not None:
+            num_gpus, memory_mb = min(num_gpus, pool_shape[0]), min(memory_mb, pool_shape[1])
+        return num_gpus, memory_mb
+
 
 def gpu_inventory(gpus: list[GpuStatus]) -> list[dict]:
     """What a node keeps of its agent's GPU reports (`Node.gpus`): identity and size, not load."""
@@ -157,6 +166,24 @@ def gpu_inventory(gpus: list[GpuStatus]) -> list[dict]:
          "mig_slices": [slice_.to_dict() for slice_ in gpu.mig_slices]}
         for gpu in sorted(gpus, key=lambda gpu: gpu.index)
     ]
+
+
+def bounded_gpu_inventory(inventory: list[dict], shape: tuple[int, int]) -> tuple[list[dict], str]:
+    """`inventory` (`gpu_inventory`) within a node's `shape` (`Node.gpu_shape`), and what of it was ignored ("" if nothing).
+
+    NOTE: a heartbeat is the machine's word, and a machine holding one node's secret is trusted with nothing beyond
+    its own replicas: GPUs past the shape's count (the lowest indices stay) and memory past its size per GPU are
+    ignored, never placed on. Before, a heartbeat's list replaced the node's: 64 GPUs of any size pulled the first
+    replica of every endpoint (its spec, credentials and prompts) onto one machine.
+    """
+    num_gpus, memory_mb = shape
+    kept = [dict(gpu, memory_mb=min(gpu["memory_mb"], memory_mb)) for gpu in inventory[:num_gpus]]
+    ignored = []
+    if len(inventory) > num_gpus:
+        ignored.append(f"{len(inventory) - num_gpus} GPU(s) past the {num_gpus} it may have")
+    if any(gpu["memory_mb"] > memory_mb for gpu in inventory[:num_gpus]):
+        ignored.append(f"memory past {memory_mb} MiB per GPU")
+    return kept, "; ".join(ignored)
 
 
 class PoolProvider(models.TextChoices):
