@@ -2,7 +2,7 @@
 
 Best fit by free GPU memory on READY nodes of the endpoint's GPU type whose
 engine supports the endpoint's quantization, preferring nodes that already hold
-the weights and spreading one endpoint's replicas over nodes. Never
+the weights (a copy they were given: `nodes_holding_weights`) and spreading one endpoint's replicas over nodes. Never
 over-commits: a node's reservations never exceed its GPU memory.
 
 GPUs are units on nodes that reported them (`Node.gpus`): a replica gets
@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA
-from endpoints.models import Endpoint, ModelFacts
+from endpoints.models import Endpoint, ModelFacts, Replica, weights_scope_for
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import CPU_WEIGHT_FACTOR, QUANTIZATION_FACTS
 
@@ -153,8 +153,25 @@ class PlacementDecision:
     gpu_memory_fraction: float | None = None
 
 
-def node_holds_weights(node: Node, source: str) -> bool:
-    return any(w.get("source") == source and w.get("complete") for w in node.last_status.get("weights", []))
+def nodes_holding_weights(endpoint: Endpoint, candidates: list[Node]) -> set:
+    """The ids of `candidates` whose claim to hold a complete copy of the endpoint's weights counts.
+
+    NOTE: a node's claim (its heartbeat's weights cache) counts only for a copy the control plane gave it: the
+    endpoint's source, read in the endpoint's weights scope, of which the node was placed a replica (any state:
+    the cache outlives it). Before, any claim counted: a node holding one secret claimed every source complete and
+    was preferred for the first replica of every endpoint, another tenant's private model included (its spec's
+    credentials, its prompts).
+    """
+    source, scope = endpoint.model_source, endpoint.weights_scope
+    claiming = [node.pk for node in candidates if any(
+        w.get("source") == source and w.get("complete") and w.get("scope") in (None, scope)
+        for w in (node.last_status or {}).get("weights", []))]
+    if not claiming:
+        return set()
+    given = (Replica.objects.filter(node__in=claiming, endpoint__model_source=source).order_by()
+             .values_list("node", "endpoint__organization", "endpoint__credential").distinct())
+    return {node_id for node_id, organization_id, credential_id in given
+            if weights_scope_for(organization_id, credential_id, source) == scope}
 
 
 @dataclass(slots=True)
@@ -230,13 +247,15 @@ def _no_gpus_reason(endpoint: Endpoint, needed_mb: int, nodes: list[Node], holds
 
 
 def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used_mb: dict, replicas_here: dict,
-                holds: dict | None = None) -> PlacementDecision:
+                holds: dict | None = None, holding_weights: set | None = None) -> PlacementDecision:
     """The node (and on nodes that reported their GPUs, the GPUs) for a new replica of `endpoint`.
 
     `used_mb` and `holds` are what active replicas hold per node (`GpuHold`s). Nodes without a GPU
-    list (CPU nodes, older agents) are one pool of `num_gpus` × `gpu_memory_mb`.
+    list (CPU nodes, older agents) are one pool of `num_gpus` × `gpu_memory_mb`. `holding_weights`:
+    the ids of nodes that hold its weights (`nodes_holding_weights`), preferred.
     """
     holds = holds or {}
+    holding_weights = holding_weights or set()
     if not candidates:
         return PlacementDecision(None, f"no READY node of GPU type {endpoint.gpu_type}")
     supported = [n for n in candidates if endpoint.quantization in n.quantizations]
@@ -266,7 +285,7 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
 
     def preference(option):
         node, _, free_after = option
-        return (replicas_here.get(node.pk, 0), not node_holds_weights(node, endpoint.model_source), free_after, node.name)
+        return (replicas_here.get(node.pk, 0), node.pk not in holding_weights, free_after, node.name)
 
     node, assignment, _ = min(options, key=preference)
     if assignment is None:

@@ -51,6 +51,7 @@ from endpoints.placement import (
     choose_node,
     estimated_weights_mb,
     memory_needed_mb,
+    nodes_holding_weights,
     room_to_wake,
 )
 from gpu_agent import protocol
@@ -96,7 +97,8 @@ def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
         replicas_here = {}
         for node_id in active.filter(endpoint=endpoint).values_list("node", flat=True):
             replicas_here[node_id] = replicas_here.get(node_id, 0) + 1
-        decision = choose_node(endpoint, needed_mb, candidates, used_mb, replicas_here, holds)
+        decision = choose_node(endpoint, needed_mb, candidates, used_mb, replicas_here, holds,
+                               nodes_holding_weights(endpoint, candidates))
         if decision.node is None:
             return None, decision.reason
         replica = Replica.objects.create(

@@ -44,6 +44,7 @@ def test_prefers_spreading_then_nodes_holding_the_weights_then_best_fit():
     roomy = make_node(memory_mb=80_000)
     snug = make_node(memory_mb=24_000)
     warm = make_node(memory_mb=24_000, last_status={"weights": [{"source": "hf:org/model-1B", "complete": True}]})
+    Replica.objects.create(endpoint=endpoint, node=warm, state=ReplicaState.STOPPED)  # where its weights came from
     first, _ = place_replica(endpoint)
     assert first.node == warm  # holds the weights
     second, _ = place_replica(endpoint)
@@ -214,3 +215,28 @@ def test_a_pool_nodes_gpus_are_bounded_by_its_pools_shape():
     _beat(node, gpus=[_gpu(index, 81_920) for index in range(4)])
     assert [(gpu["index"], gpu["memory_mb"]) for gpu in node.gpus] == [(0, 23_034)]
 
+
+def test_a_nodes_claim_to_hold_weights_counts_only_for_a_copy_it_was_given():
+    """A node that claims a complete copy of a tenant's private model it was never given is not preferred for it:
+    best fit places the replica (before, the claim won the first replica of any endpoint, and with it the spec's
+    credentials and the prompts). A copy of that name it was given for another tenant does not count either; one
+    it was given for this tenant's endpoint does."""
+    from gpu_agent.protocol import WeightsStatus
+
+    source = "hf:tenant-a/private-1B"
+    endpoint = EndpointFactory(model_source=source, gpu_type="l4", max_replicas=3)
+    claim = WeightsStatus(source=source, cache_key="k", size_bytes=2 << 30, downloaded_bytes=2 << 30, complete=True)
+    snug = make_node(memory_mb=24_000)
+    liar = make_node(memory_mb=80_000)
+    _beat(liar, weights=[claim])
+
+    def first_placement():
+        replica, _ = place_replica(endpoint)
+        Replica.objects.filter(endpoint=endpoint).delete()
+        return replica.node
+
+    assert first_placement() == snug
+    Replica.objects.create(endpoint=EndpointFactory(model_source=source, gpu_type="l4"), node=liar, state=ReplicaState.STOPPED)
+    assert first_placement() == snug  # another tenant's copy of that name is not this one
+    Replica.objects.create(endpoint=endpoint, node=liar, state=ReplicaState.STOPPED)
+    assert place_replica(endpoint)[0].node == liar  # the copy it was given: its cache is worth a preference
