@@ -10,7 +10,7 @@ from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
-from django.db import models
+from django.db import models, transaction
 from django.utils import timezone
 
 from controlplane import secrets as secrets_at_rest
@@ -373,12 +373,46 @@ class Endpoint(models.Model):
 UNKNOWN_CONTEXT_LENGTH = 4096
 
 
+# NOTE: what a node reports of a model is what its machine says, and a machine holding one node's secret is trusted
+# with nothing beyond its own replicas: a report outside what a model can be (and vLLM can serve) is refused whole.
+# Before, a node set a shared model's context to 1 token or its size to 4 EiB, and every tenant's endpoint of it
+# failed its calls or could not be placed.
+MIN_PLAUSIBLE_CONTEXT_TOKENS = 256  # BERT-style encoders have 512; no servable model has less than this
+MAX_PLAUSIBLE_CONTEXT_TOKENS = 2**24  # the longest contexts vLLM serves are ~10M tokens
+MAX_PLAUSIBLE_NUM_PARAMS = 2**44  # ~17.6T parameters
+MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_CONVERSATION = 8192  # long default system prompts are a few hundred
+MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_MESSAGE = 1024
+# Nodes whose disputed reports of one shared copy are kept (`ModelFacts.disputed`); the oldest go first.
+MAX_DISPUTING_NODES = 16
+
+
+def implausible_model_facts(values: dict, *, max_weights_bytes: int | None = None) -> str:
+    """Why `values` (`ModelFacts` fields) are not what a model can be; "" when they are plausible.
+
+    `max_weights_bytes`: the most the reporting node could hold of the checkpoint (its GPUs' memory: it runs it).
+    """
+    context = values.get("max_model_len")
+    if context is not None and not MIN_PLAUSIBLE_CONTEXT_TOKENS <= context <= MAX_PLAUSIBLE_CONTEXT_TOKENS:
+        return f"a context of {context} tokens is outside {MIN_PLAUSIBLE_CONTEXT_TOKENS}..{MAX_PLAUSIBLE_CONTEXT_TOKENS}"
+    if (values.get("num_params") or 0) > MAX_PLAUSIBLE_NUM_PARAMS:
+        return f"{values['num_params']} parameters is past {MAX_PLAUSIBLE_NUM_PARAMS}"
+    size = values.get("weights_bytes")
+    if size is not None and max_weights_bytes is not None and size > max_weights_bytes:
+        return f"{size} bytes of weights is past the {max_weights_bytes} its node could hold"
+    for name, most in (("template_tokens_per_conversation", MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_CONVERSATION),
+                       ("template_tokens_per_message", MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_MESSAGE)):
+        if (values.get(name) or 0) > most:
+            return f"{values[name]} chat template tokens is past {most}"
+    return ""
+
+
 class ModelFacts(models.Model):
     """What agents read from a model source's own files (its config.json and safetensors headers).
 
-    NOTE: an agent's report is taken only for sources it was given replicas of (`endpoints.fleet.services`),
+    NOTE: an agent's report is taken only for sources it runs replicas of now (`endpoints.fleet.services`),
     and kept in the scope those replicas read the source in (`weights_scope_for`): what one tenant's
-    store served under a catalogue model's name is that tenant's fact, never every tenant's.
+    store served under a catalogue model's name is that tenant's fact, never every tenant's. How a report
+    becomes a fact, and why one node cannot change a shared one: `learn`.
     """
 
     source = models.CharField(max_length=500)
@@ -394,6 +428,9 @@ class ModelFacts(models.Model):
     # (`protocol.ChatTemplateTokens`); null until one has. The gateway's estimate allows at least this.
     template_tokens_per_conversation = models.PositiveIntegerField(null=True, blank=True)
     template_tokens_per_message = models.PositiveIntegerField(null=True, blank=True)
+    # Of a shared copy (scope ""): what nodes reported that differs from the facts kept, by node id, {node: {field:
+    # value}}; a value two nodes report replaces the kept one (`learn`).
+    disputed = models.JSONField(default=dict, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -409,6 +446,46 @@ class ModelFacts(models.Model):
         copy's, which no tenant writes), never another organisation's. Readers skip a row that lacks the
         fact they want (a copy still downloading has its size, not yet its config)."""
         return cls.objects.filter(source=source, scope__in={scope, ""}).order_by("-scope")
+
+    @classmethod
+    def learn(cls, source: str, scope: str, node_id, values: dict, *, max_weights_bytes: int | None = None) -> str:
+        """Keep what a node running a replica of this copy (`source` read in `scope`) read of it; returns why some or
+        all of it was not kept ("" when all was).
+
+        NOTE: a report outside what a model can be is refused whole (`implausible_model_facts`). A fact not known
+        yet is learned from the first node that reports it. In a tenant's own scope the latest report stands: only
+        nodes running that tenant's replicas report there. A shared copy's facts (scope "", every tenant's
+        catalogue endpoints read them) are never changed by one node: a value that differs from the one kept is held
+        as that node's dispute, and replaces it only once a second node reports the same value (a catalogue model
+        updated upstream, read afresh). Before, the last node to report set them: one node made every tenant's
+        endpoints of a model unplaceable (its size), refused their calls (its context) or over-reserved them (its
+        chat template).
+        """
+        problem = implausible_model_facts(values, max_weights_bytes=max_weights_bytes)
+        if problem:
+            return problem
+        node_key = str(node_id)
+        with transaction.atomic():
+            facts, created = cls.objects.get_or_create(source=source, scope=scope, defaults=values)
+            if created:
+                return ""
+            facts = cls.objects.select_for_update().get(pk=facts.pk)
+            changed = {name: value for name, value in values.items() if getattr(facts, name) != value}
+            if scope:
+                kept, disputed = changed, {}
+            else:
+                kept = {name: value for name, value in changed.items() if getattr(facts, name) in (None, "")}
+                others = [claims for node, claims in facts.disputed.items() if node != node_key]
+                kept |= {name: value for name, value in changed.items()
+                         if name not in kept and any(claims.get(name) == value for claims in others)}
+                disputed = {name: value for name, value in changed.items() if name not in kept}
+            disputes = {node: claims for node, claims in facts.disputed.items() if node != node_key}
+            if disputed:
+                disputes[node_key] = disputed
+            disputes = dict(list(disputes.items())[-MAX_DISPUTING_NODES:])
+            if kept or disputes != facts.disputed:
+                cls.objects.filter(pk=facts.pk).update(**kept, disputed=disputes, updated_at=timezone.now())
+        return f"disputed, kept until another node reports the same: {sorted(disputed)}" if disputed else ""
 
     @classmethod
     def context_length_of(cls, source: str, scope: str) -> int | None:

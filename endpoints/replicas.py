@@ -327,7 +327,7 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
                 fields["failure_reason"] = report.failure_reason[-2000:] or "engine failed"
         Replica.objects.filter(pk=replica.pk).update(**fields)
     if new_state == ReplicaState.READY and report.chat_template_tokens is not None:
-        record_chat_template_tokens(replica.endpoint, report.chat_template_tokens)
+        record_chat_template_tokens(replica.endpoint, report.chat_template_tokens, node_id=node.pk)
     if memory_changed:
         problem = memory_estimate_problem(replica.endpoint, memory)
         if problem:
@@ -337,7 +337,7 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
         _announce_transition(replica, previous, new_state, report)
 
 
-def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTemplateTokens) -> None:
+def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTemplateTokens, *, node_id) -> None:
     """Keep what a READY engine counted of its model's chat template, in the scope the endpoint reads the model in
     (as `fleet.services.record_model_facts` keeps a config's facts): the gateway's estimate of every prompt to
     that model allows at least this (`endpoints.gateway.estimate`).
@@ -348,8 +348,11 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
     for it. And only while the endpoint still reads the copy the engine was started on (the source and scope
     the agent reports with the count): an endpoint edited since (its credential dropped, say: a tenant's own
     copy of a catalogue name now reads the catalogue's) would otherwise file its old engine's count, a template
-    the tenant wrote, as the catalogue copy's, which every other tenant's reservations read."""
-    kept = (endpoint.pk, measured.model_source, measured.weights_scope, measured.per_conversation, measured.per_message)
+    the tenant wrote, as the catalogue copy's, which every other tenant's reservations read.
+    NOTE: a fact like the model's others (`ModelFacts.learn`): bounded to what a template can add, and a shared
+    copy's count is changed only by two nodes' agreeing reports; `node_id` is the node whose engine counted."""
+    kept = (endpoint.pk, str(node_id), measured.model_source, measured.weights_scope, measured.per_conversation,
+            measured.per_message)
     if kept in _kept_template_counts:
         return
     source, scope = endpoint.model_source, endpoint.weights_scope
@@ -359,14 +362,16 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
         return
     values = {"template_tokens_per_conversation": measured.per_conversation,
               "template_tokens_per_message": measured.per_message}
-    if not ModelFacts.objects.filter(source=source, scope=scope, **values).exists():
-        ModelFacts.objects.update_or_create(source=source, scope=scope, defaults=values)
+    problem = ModelFacts.learn(source, scope, node_id, values)
+    if problem:
+        logger.warning("endpoint %s: a chat template count (%s, %s) was not kept: %s", endpoint.pk,
+                       measured.per_conversation, measured.per_message, problem)
     if len(_kept_template_counts) >= 10_000:
         _kept_template_counts.clear()
     _kept_template_counts.add(kept)
 
 
-# (endpoint, measured copy, counts) this process has kept (`record_chat_template_tokens`).
+# (endpoint, node, measured copy, counts) this process has kept (`record_chat_template_tokens`).
 _kept_template_counts: set[tuple] = set()
 
 

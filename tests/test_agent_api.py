@@ -223,9 +223,39 @@ def test_a_heartbeat_with_model_figures_past_the_columns_is_taken_with_its_repli
     assert response.status_code == 200
     replica.refresh_from_db()
     assert (replica.state, replica.progress) == ("STARTING", "starting engine")
+    # Past what any model can be, the figures are not kept (`ModelFacts.learn`); text is kept without its NULs.
+    assert not ModelFacts.objects.filter(source="/models/tenant").exists()
+    body["weights"][0] |= {"size_bytes": 2**30, "downloaded_bytes": 2**30}
+    body["weights"][0]["model_info"] |= {"max_model_len": 4096, "num_params": 10**9}
+    response = client.post("/agent/v1/heartbeat", body, content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
+    assert response.status_code == 200
     facts = ModelFacts.objects.get(source="/models/tenant")
-    assert (facts.max_model_len, facts.num_params, facts.weights_bytes) == (2**31 - 1, 2**62, 2**62)
+    assert (facts.max_model_len, facts.num_params, facts.weights_bytes) == (4096, 10**9, 2**30)
     assert facts.architecture == "LlamaForCausalLM" and facts.checkpoint_quantization["quant_method"] == "awq"
+
+
+def test_a_chat_template_count_past_what_a_template_can_add_is_not_kept(client, agent):
+    """An engine's count of its chat template is what the node says; 2^31 tokens per conversation would make
+    every call to the model reserve a whole context's price (before, it was kept: calls refused for their caps)."""
+    from gpu_agent.protocol import ChatTemplateTokens
+
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tenant")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    node = replica.node
+
+    def report(per_conversation, per_message):
+        template = ChatTemplateTokens(per_conversation, per_message, model_source=endpoint.model_source,
+                                      weights_scope=endpoint.weights_scope)
+        status = ReplicaStatus(str(replica.pk), ReplicaState.READY, address=f"http://{node.advertise_host}:{node.engine_port_min}",
+                               chat_template_tokens=template)
+        assert beat(client, agent["node_secret"], [status]).status_code == 200
+
+    report(2**31 - 1, 2**31 - 1)
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY and endpoint.chat_template_tokens == (0, 0)
+    report(300, 5)
+    assert endpoint.chat_template_tokens == (300, 5)
 
 
 def test_an_endpoint_whose_spec_cannot_be_built_fails_alone_and_the_nodes_heartbeat_is_answered(client, agent):

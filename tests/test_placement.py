@@ -240,3 +240,71 @@ def test_a_nodes_claim_to_hold_weights_counts_only_for_a_copy_it_was_given():
     assert first_placement() == snug  # another tenant's copy of that name is not this one
     Replica.objects.create(endpoint=endpoint, node=liar, state=ReplicaState.STOPPED)
     assert place_replica(endpoint)[0].node == liar  # the copy it was given: its cache is worth a preference
+
+
+def _live_replica(source, node, **endpoint_fields):
+    endpoint = EndpointFactory(model_source=source, gpu_type=node.gpu_type, **endpoint_fields)
+    Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    return endpoint
+
+
+def _facts(size_bytes=16 << 30, context=8192, architecture="LlamaForCausalLM", source="hf:org/model-8B", scope=None):
+    from gpu_agent.protocol import ModelInfo, WeightsStatus
+
+    return WeightsStatus(source=source, cache_key="k", size_bytes=size_bytes, downloaded_bytes=size_bytes, complete=True,
+                         scope=scope, model_info=ModelInfo(max_model_len=context, architecture=architecture))
+
+
+def test_a_node_that_no_longer_runs_a_source_cannot_change_its_facts():
+    """Replica rows are kept for ever: a node that ran a model once is not one that runs it now."""
+    from endpoints.fleet.services import record_model_facts
+
+    endpoint = EndpointFactory(model_source="hf:org/model-8B", gpu_type="l4")
+    guessed = weights_size_mb(endpoint)
+    node = make_node(memory_mb=24_000)
+    Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STOPPED)
+    record_model_facts(node, [_facts(size_bytes=20 << 30, source=endpoint.model_source)])
+    assert weights_size_mb(endpoint) == guessed
+
+
+def test_a_model_fact_past_what_a_model_can_be_is_not_kept():
+    """A node running a model reports a context of one token and 4 EiB of weights: neither is kept (before, the
+    size made the model unplaceable for every endpoint of it, the context refused every call)."""
+    from endpoints.fleet.services import record_model_facts
+    from endpoints.models import UNKNOWN_CONTEXT_LENGTH
+
+    node = make_node(memory_mb=24_000)
+    endpoint = _live_replica("hf:org/model-8B", node)
+    guessed = weights_size_mb(endpoint)
+    record_model_facts(node, [_facts(size_bytes=2**62, context=1)])
+    endpoint.refresh_from_db()
+    assert (weights_size_mb(endpoint), endpoint.context_length) == (guessed, UNKNOWN_CONTEXT_LENGTH)
+    record_model_facts(node, [_facts(size_bytes=16 << 30, context=1)])  # one figure out of bounds: the report is refused whole
+    assert weights_size_mb(endpoint) == guessed
+    record_model_facts(node, [_facts(size_bytes=16 << 30, context=8192)])
+    endpoint.refresh_from_db()
+    assert (weights_size_mb(endpoint), endpoint.context_length) == (16 << 10, 8192)
+
+
+def test_one_node_cannot_change_a_shared_models_facts_but_two_agreeing_nodes_can():
+    """A catalogue model's facts are every tenant's. One node running a replica of it (another tenant's) reports a
+    larger size, a shorter context and another architecture: every tenant's endpoints keep what was learned (before,
+    the last report stood). A second node reporting the same (the model changed upstream, read afresh) changes it."""
+    from endpoints.fleet.services import record_model_facts
+    from endpoints.models import AllowedSource
+
+    AllowedSource.objects.create(pattern="hf:org/")
+    honest, liar, second = (make_node(memory_mb=24_000) for _ in range(3))
+    endpoint = _live_replica("hf:org/model-8B", honest)
+    assert endpoint.weights_scope == ""
+    record_model_facts(honest, [_facts(scope="")])
+    _live_replica("hf:org/model-8B", liar)
+    changed = _facts(size_bytes=20 << 30, context=512, architecture="BertModel", scope="")
+    for _ in range(2):
+        record_model_facts(liar, [changed])
+    endpoint.refresh_from_db()
+    assert (weights_size_mb(endpoint), endpoint.context_length, endpoint.serving_task) == (16 << 10, 8192, "generate")
+    _live_replica("hf:org/model-8B", second)
+    record_model_facts(second, [changed])
+    endpoint.refresh_from_db()
+    assert (weights_size_mb(endpoint), endpoint.context_length, endpoint.serving_task) == (20 << 10, 512, "embed")

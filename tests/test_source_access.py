@@ -21,6 +21,7 @@ pytestmark = pytest.mark.django_db
 
 PUBLIC_BUCKET = "s3://inferplane-public-models/"
 PUBLIC_REPO = "hf:meta-llama/Llama-3.1-8B-Instruct"
+NODE_ID = "9b1f0c1e-0000-4000-8000-000000000001"  # the node whose engine counted a chat template
 
 
 @pytest.fixture(autouse=True)
@@ -287,8 +288,10 @@ def test_what_an_engine_counts_of_a_chat_template_is_kept_in_the_scope_its_endpo
     catalogue = EndpointFactory(model_source=PUBLIC_REPO)
     own_copy = EndpointFactory(model_source=PUBLIC_REPO, credential=make_credential(OrganizationFactory(), kind="hf"))
     own_scope = own_copy.weights_scope
-    record_chat_template_tokens(catalogue, ChatTemplateTokens(300, 5, model_source=PUBLIC_REPO, weights_scope=""))
-    record_chat_template_tokens(own_copy, ChatTemplateTokens(2, 0, model_source=PUBLIC_REPO, weights_scope=own_scope))
+    record_chat_template_tokens(catalogue, ChatTemplateTokens(300, 5, model_source=PUBLIC_REPO, weights_scope=""),
+                                node_id=NODE_ID)
+    record_chat_template_tokens(own_copy, ChatTemplateTokens(2, 0, model_source=PUBLIC_REPO, weights_scope=own_scope),
+                                node_id=NODE_ID)
     assert catalogue.chat_template_tokens == (300, 5)
     assert own_copy.chat_template_tokens == (2, 0)
     assert EndpointFactory(model_source=PUBLIC_REPO).chat_template_tokens == (300, 5)  # any tenant's, no credential
@@ -300,7 +303,12 @@ def test_what_an_engine_counts_of_a_chat_template_is_kept_in_the_scope_its_endpo
     own_copy.credential = None
     own_copy.save(update_fields=["credential"])
     assert own_copy.weights_scope == ""
-    record_chat_template_tokens(own_copy, ChatTemplateTokens(100_000, 0, model_source=PUBLIC_REPO, weights_scope=own_scope))
+    # (Another node already disputes the catalogue's count with the same figures: were the old engine's count taken
+    # as the catalogue's, the two would agree and replace it.)
+    record_chat_template_tokens(catalogue, ChatTemplateTokens(1000, 0, model_source=PUBLIC_REPO, weights_scope=""),
+                                node_id="9b1f0c1e-0000-4000-8000-000000000002")
+    record_chat_template_tokens(own_copy, ChatTemplateTokens(1000, 0, model_source=PUBLIC_REPO, weights_scope=own_scope),
+                                node_id=NODE_ID)
     assert catalogue.chat_template_tokens == (300, 5)
 
 

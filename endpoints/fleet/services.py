@@ -27,7 +27,7 @@ from endpoints.fleet.launches import link_joined_node
 from endpoints.models import LIVE_REPLICA_STATES, IdleAction, ModelFacts, Replica, weights_scope_for
 from endpoints.nodes.models import JoinToken, Node, bounded_gpu_inventory, gpu_inventory
 from endpoints.nodes.notify import notify_node
-from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION
+from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION, weight_factor
 from endpoints.replicas import apply_replica_report, drain_node, fail_replica, record_replica_failure
 from endpoints.speculative import speculative_spec
 from gpu_agent import protocol
@@ -190,11 +190,13 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
     """Keep what the node read from its models' configs (context length, architecture, parameters, quantization)
     and the size of their files as stored (placement's estimate of the engine's weights).
 
-    NOTE: taken only for sources this node was given replicas of: a node cannot set the limits of
-    a model it was never asked to run (which would refuse or mislead other endpoints). And kept in the
+    NOTE: taken only for sources this node runs replicas of now (live states): a node cannot set the limits of
+    a model it was never asked to run, nor of one it ran once (its replica rows are kept for ever). And kept in the
     scope its replicas read the source in (`weights_scope_for`): a catalogue model's name served from one
     tenant's own store (its credential, its endpoint URL) sets that tenant's facts, not every tenant's.
     A source this node reads in two scopes at once is skipped: its report does not say which copy it read.
+    What a report may change, and what one node cannot, is `ModelFacts.learn`'s rule; a size is plausible only
+    up to what the node's GPUs could hold of it at its replicas' quantization.
     NOTE: only copies the node read in that same scope count (`WeightsStatus.scope`): a tenant's draft
     or adapter naming a catalogue source is read in the tenant's scope, so what the tenant's store said
     about it never becomes the catalogue's facts. Of several copies in one scope, the most recently used
@@ -207,10 +209,14 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
     if not copies:
         return
     scopes: dict[str, set[str]] = {}
-    for organization_id, credential_id, source in (
-            Replica.objects.filter(node=node, endpoint__model_source__in=list({source for source, _ in copies})).order_by()
-            .values_list("endpoint__organization_id", "endpoint__credential_id", "endpoint__model_source").distinct()):
+    quantizations: dict[str, set[str]] = {}
+    for organization_id, credential_id, source, quantization in (
+            Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES,
+                                   endpoint__model_source__in=list({source for source, _ in copies})).order_by()
+            .values_list("endpoint__organization_id", "endpoint__credential_id", "endpoint__model_source",
+                         "endpoint__quantization").distinct()):
         scopes.setdefault(source, set()).add(weights_scope_for(organization_id, credential_id, source))
+        quantizations.setdefault(source, set()).add(quantization)
     known = {(facts.source, facts.scope): facts for facts in ModelFacts.objects.filter(source__in=list(scopes))}
     for source, (scope, *others) in scopes.items():
         statuses = copies.get((source, scope)) or _unscoped_copy(copies.get((source, None)))
@@ -228,8 +234,20 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
         if not values:
             continue
         facts = known.get((source, scope))
-        if facts is None or any(getattr(facts, name) != value for name, value in values.items()):
-            ModelFacts.objects.update_or_create(source=source, scope=scope, defaults=values)
+        if facts is not None and facts.disputed.get(str(node.pk), {}) == {
+                name: value for name, value in values.items() if getattr(facts, name) != value}:
+            continue  # as kept, or as this node already disputes it: nothing to write
+        problem = ModelFacts.learn(source, scope, node.pk, values,
+                                   max_weights_bytes=_most_weights_bytes(node, quantizations[source]))
+        if problem:
+            logger.warning("node %s: its report of %s (scope %r) was not all kept: %s", node.name, source[:200], scope, problem)
+
+
+def _most_weights_bytes(node: Node, quantizations: set[str]) -> int:
+    """The largest checkpoint the node's GPUs (as registered: `Node.gpu_shape`) could hold at any of these quantizations."""
+    num_gpus, gpu_memory_mb = node.gpu_shape()
+    least_factor = min(weight_factor(quantization, node.gpu_type) for quantization in quantizations)
+    return int(max(num_gpus, 1) * gpu_memory_mb * 1024 * 1024 / least_factor)
 
 
 def _unscoped_copy(statuses: list[protocol.WeightsStatus] | None) -> list[protocol.WeightsStatus]:
