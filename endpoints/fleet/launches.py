@@ -7,12 +7,15 @@ join; both change launches only through here.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 
 from django.db import transaction
 from django.utils import timezone
 
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch
+
+logger = logging.getLogger(__name__)
 
 
 def link_joined_node(node: Node, launch: NodeLaunch | None = None, now: datetime | None = None) -> NodeLaunch | None:
@@ -39,6 +42,10 @@ def link_joined_node(node: Node, launch: NodeLaunch | None = None, now: datetime
         found.idle_s += max(0.0, (now - found.requested_at).total_seconds())
         found.idle_since = now
         found.save(update_fields=["node", "state", "joined_at", "idle_s", "idle_since"])
+        ignored = node.keep_within_shape()  # its pool's shape, not what the machine said of itself
+    if ignored:
+        logger.warning("node %s of pool %s: what it registered past its pool's shape was ignored: %s",
+                       node.name, found.pool_id, ignored)
     return found
 
 

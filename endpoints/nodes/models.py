@@ -158,6 +158,21 @@ class Node(models.Model):
             num_gpus, memory_mb = min(num_gpus, pool_shape[0]), min(memory_mb, pool_shape[1])
         return num_gpus, memory_mb
 
+    def keep_within_shape(self) -> str:
+        """Hold what it registered (its count, size per GPU and GPU list) to `gpu_shape`; returns what was ignored.
+
+        NOTE: a pool's machine registers with its launch's join token, which sits on the machine: what its agent
+        says of itself is held to what staff made the pool once it is linked to its launch, as its heartbeats are.
+        """
+        num_gpus, memory_mb = self.gpu_shape()
+        gpus, ignored = bounded_gpu_inventory(self.gpus, (num_gpus, memory_mb))
+        if (num_gpus, memory_mb, gpus) == (self.num_gpus, self.gpu_memory_mb, self.gpus):
+            return ""
+        ignored = ignored or f"registered past its shape ({num_gpus} GPUs of {memory_mb} MiB)"
+        Node.objects.filter(pk=self.pk).update(num_gpus=num_gpus, gpu_memory_mb=memory_mb, gpus=gpus)
+        self.num_gpus, self.gpu_memory_mb, self.gpus = num_gpus, memory_mb, gpus
+        return ignored
+
 
 def gpu_inventory(gpus: list[GpuStatus]) -> list[dict]:
     """What a node keeps of its agent's GPU reports (`Node.gpus`): identity and size, not load."""

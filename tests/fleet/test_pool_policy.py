@@ -475,3 +475,23 @@ def test_make_runs_demo_pool_starts_the_local_agent_and_no_agent_turns_it_off():
     assert seed_local_pool(enabled=True).max_nodes == 2
     provider = RecordingProvider()
     assert tick(provider) == 1  # its minimum: the agent `make run` no longer starts itself
+
+
+@pytest.mark.django_db
+def test_a_pool_machine_that_registers_more_than_its_pool_is_held_to_the_pools_shape(client):
+    """The launch's join token sits on the machine: whatever its agent says of itself at registration (four GPUs of
+    80 GB on a pool of one-L4 machines), placement sees what staff made the pool (before, what it registered stood
+    until a heartbeat named its GPUs, and for ever when none did)."""
+    pool = make_pool(name="l4-pool", gpu_type="l4", gpus_per_node=1, gpu_memory_mb=23_034)
+    launch = NodeLaunch.objects.create(pool=pool, state=LaunchState.LAUNCHING, deadline_at=timezone.now() + timedelta(minutes=10))
+    gpus = [{"index": index, "name": "NVIDIA A100", "utilization_percent": 0.0, "memory_used_mb": 0,
+             "memory_total_mb": 81_920, "uuid": f"GPU-{index:04d}"} for index in range(4)]
+    answer = client.post("/agent/v1/register", {
+        "join_token": pools.reissue_token(launch), "name": "m-1", "gpu_type": "l4", "num_gpus": 4, "gpu_memory_mb": 81_920,
+        "num_cpus": 8, "memory_mb": 64_000, "agent_version": "0.1.0", "gpus": gpus}, content_type="application/json")
+    assert answer.status_code == 201, answer.content
+    node = Node.objects.get(pk=answer.json()["node_id"])
+    assert (node.num_gpus, node.gpu_memory_mb) == (1, 23_034)
+    assert [(gpu["index"], gpu["memory_mb"]) for gpu in node.gpus] == [(0, 23_034)]
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and launch.node == node
