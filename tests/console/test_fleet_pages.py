@@ -50,6 +50,14 @@ def test_fleet_shows_nodes_with_bars_replicas_and_weights(staff):
     assert HEARTBEAT_AGE_S <= age_s < HEARTBEAT_AGE_S + 120  # rendered from the node's last heartbeat
 
 
+def test_fleet_says_what_a_nodes_heartbeat_listed_past_its_registration(staff):
+    Node.objects.filter(pk=make_node().pk).update(last_status=HEARTBEAT | {"gpus_ignored": "63 GPU(s) past the 1 it may have"})
+    make_node(name="gpu-2")
+    page = staff.get(reverse("console:fleet")).content.decode()
+    assert 'data-testid="gpus-ignored-gpu-1"' in page and "63 GPU(s) past the 1 it may have" in page
+    assert 'data-testid="gpus-ignored-gpu-2"' not in page
+
+
 def test_staff_cordon_uncordon_and_drain_a_node(staff):
     node = make_node()
     replica = Replica.objects.create(endpoint=EndpointFactory(), node=node, state=ReplicaState.READY)
