@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('endpoints', '0020_model_facts_chat_template_tokens'),
+        ('endpoints', '0021_engine_generation'),
     ]
 
     operations = [
