@@ -415,17 +415,51 @@ class InferenceCall:
         options = self.request.payload.get("stream_options") or {}
         wants_usage = bool(options.get("include_usage"))
         wants_continuous = wants_usage and bool(options.get("continuous_usage_stats"))
-        buffer = b""
+        # NOTE: the unfinished event's pieces, joined once it is complete: joining each piece onto it (and searching
+        # it again for its end) cost time quadratic in its size, the event loop held for seconds by one large event.
+        pending, pending_bytes = [], 0
+        chunks = response.chunks()
         try:
-            async for chunk in response.chunks():
-                buffer = await self._relay_events(buffer + chunk, wants_usage, wants_continuous)
+            async for chunk in chunks:
+                if pending and b"\n\n" not in pending[-1][-1:] + chunk:
+                    pending.append(chunk)
+                    pending_bytes += len(chunk)
+                    if pending_bytes > sse.MAX_EVENT_BYTES:
+                        await self._drop_large_event(pending, chunks)
+                    continue
+                rest = await self._relay_events(b"".join(pending) + chunk if pending else chunk, wants_usage,
+                                                wants_continuous)
+                pending, pending_bytes = ([rest], len(rest)) if rest else ([], 0)
+                if pending_bytes > sse.MAX_EVENT_BYTES:
+                    await self._drop_large_event(pending, chunks)
         except upstream.UpstreamError as exc:
             # Every event that arrived before the failure still reaches the client, and is billed.
-            await self._relay_events(buffer + response.arrived_before_failure(), wants_usage, wants_continuous)
+            await self._relay_events(b"".join(pending) + response.arrived_before_failure(), wants_usage, wants_continuous)
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-stream ({type(exc).__name__}).") from None
         if self.disconnected.is_set():  # read to its end after the client left, no event carrying usage
             self.status = "client_aborted"
+
+    async def _drop_large_event(self, pending: list[bytes], chunks) -> None:
+        """An event past `sse.MAX_EVENT_BYTES` (the echo of a long prompt with the logprobs of each of its tokens): read
+        to its end for its usage, keeping none of it, and the stream ends there with an error event (the engine's
+        request aborted). Held whole, one such event of ~100 MB a call held the gateway's memory and its loop."""
+        head = pending[0][:sse.EVENT_HEAD_BYTES]  # where its choice's index is
+        scanner = sse.UsageScanner()
+        for piece in pending:
+            scanner.feed(piece)
+        tail = pending[-1][-1:]
+        pending.clear()
+        async for chunk in chunks:
+            end = (tail + chunk).find(b"\n\n")
+            if end >= 0:
+                scanner.feed(chunk[:max(0, end + 1 - len(tail))])
+                break
+            scanner.feed(chunk)
+            tail = chunk[-1:]
+        self.usage.take_chunk(scanner.usage, head)
+        self.status = "upstream_error"
+        raise errors.event_too_large(sse.MAX_EVENT_BYTES)
 
     async def _relay_events(self, buffer: bytes, wants_usage: bool, wants_continuous: bool) -> bytes:
         """Sends the complete SSE events in `buffer` (in one write); returns the incomplete rest.

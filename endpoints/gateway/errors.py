@@ -105,6 +105,13 @@ def response_too_large(kind: str, limit_bytes: int) -> OpenAIError:
                             f"be. The engine computed it, so its tokens are billed: {what}.", code="response_too_large")
 
 
+def event_too_large(limit_bytes: int) -> OpenAIError:
+    """A streamed event past what the gateway relays (`sse.MAX_EVENT_BYTES`); its tokens are billed."""
+    return OpenAIError(400, f"An event of this stream is larger than {limit_bytes // 2**20} MiB, the most the gateway "
+                            "relays (an echoed prompt with logprobs?). The engine computed it, so its tokens are billed; "
+                            "ask for fewer logprobs, no echo, or a shorter prompt.", code="response_too_large")
+
+
 def service_unavailable(message: str = "The service is briefly unavailable; please retry.") -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="service_unavailable", headers={"retry-after": "1"})
 

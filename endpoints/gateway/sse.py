@@ -102,6 +102,13 @@ def _parsed_usage(body: bytes) -> dict | None:
     return usage if isinstance(usage, dict) else None
 
 
+# The largest event a stream relays: an event is held whole until its end (the blank line), and one can be as large
+# as a long prompt echoed with each token's logprobs (~600 bytes a token: 80 MB at 128k tokens). Past this, the stream
+# ends with an error event, the event's tokens billed (`endpoints.gateway.call.InferenceCall._drop_large_event`).
+MAX_EVENT_BYTES = 8 * 1024 * 1024
+EVENT_HEAD_BYTES = 4096  # an event's start, which names its choice
+
+
 class UsageScanner:
     """The `usage` of a compact JSON answer too large to hold, found as its bytes go by (`feed`).
 

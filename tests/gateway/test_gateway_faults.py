@@ -351,3 +351,23 @@ def test_a_call_in_flight_when_its_endpoints_prices_change_is_billed_at_the_pric
     row = wait_until(lambda: UsageRecord.objects.first(), 15, message="the usage row")
     assert row.status == "ok" and row.completion_tokens == 50
     assert row.cost == (Decimal(row.prompt_tokens) * admitted_at[0] + 50 * admitted_at[1]) / 10**6
+
+
+def test_a_streamed_event_past_the_largest_the_gateway_relays_ends_the_stream_billed_and_one_below_it_is_relayed(
+        gateway, tenant, start_mock_upstream):
+    # An event is held whole until its end: the echo of a long prompt with each token's logprobs is ~80 MB, and it
+    # was held (and joined piece by piece, seconds of the event loop) with no bound.
+    large = serve_endpoint(tenant.org, start_mock_upstream(whole_answer_bytes=20 * 2**20))
+    with _stream_request(gateway, tenant.key, large.name, max_tokens=1) as response:
+        received = b"".join(response.iter_bytes())
+    assert len(received) < 2**20 and b"data: [DONE]" not in received
+    error = json.loads(received.split(b"data: ")[-1])["error"]
+    assert error["code"] == "response_too_large" and "billed" in error["message"]
+    row = wait_until(lambda: UsageRecord.objects.first(), 15, message="the usage row")
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == ("upstream_error", 7, 1) and row.cost > 0
+
+    allowed = serve_endpoint(tenant.org, start_mock_upstream(whole_answer_bytes=6 * 2**20))
+    with _stream_request(gateway, tenant.key, allowed.name, max_tokens=2) as response:
+        events = [e for e in b"".join(response.iter_bytes()).split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and len(events) == 3  # two events of ~3 MiB, intact
+    assert all(json.loads(e[6:])["choices"][0]["logprobs"]["content"] for e in events[:2])
