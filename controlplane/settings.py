@@ -342,11 +342,12 @@ NODE_HEARTBEAT_RETRY_S = env_float("INFERPLANE_NODE_HEARTBEAT_RETRY_S", 70.0, mi
 # the longest any call runs (a stream still sending then is cut off: `endpoints.gateway.delivery`).
 GATEWAY_UPSTREAM_READ_TIMEOUT_S = env_float("INFERPLANE_GATEWAY_UPSTREAM_READ_TIMEOUT_S", 600.0, minimum=0.1)
 GATEWAY_MAX_ANSWER_WAIT_S = env_float("INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S", 6 * 3600.0, minimum=1)
-# A client that takes none of its answer for this long is cut off (`endpoints.gateway.delivery`), and the answers
-# an organisation's clients leave unread in a gateway process are bounded: past this many bytes, its new calls are
-# refused (429 `unread_answers`) until they read.
+# A client that takes none of its answer for this long is cut off (`endpoints.gateway.delivery`), and the bytes of
+# an organisation's whole answers in a gateway process (read from engines, not yet taken by its clients) are bounded:
+# past this many, its new calls are refused (429 `unread_answers`) and its answers still being read wait, but one.
+# The web pod runs two gateway processes in 1 GiB (`infra/k8s/base/web.yaml`).
 GATEWAY_SEND_TIMEOUT_S = env_float("INFERPLANE_GATEWAY_SEND_TIMEOUT_S", 60.0, minimum=1)
-GATEWAY_UNSENT_BYTES_PER_ORG = env_int("INFERPLANE_GATEWAY_UNSENT_BYTES_PER_ORG", 512 * 2**20, minimum=2**20)
+GATEWAY_ANSWER_BYTES_PER_ORG = env_int("INFERPLANE_GATEWAY_ANSWER_BYTES_PER_ORG", 128 * 2**20, minimum=2**20)
 REPLICA_DRAIN_TIMEOUT_S = env_float("INFERPLANE_REPLICA_DRAIN_TIMEOUT_S", 120.0, minimum=1)
 REPLICA_START_TIMEOUT_S = env_float("INFERPLANE_REPLICA_START_TIMEOUT_S", 900.0, minimum=5)
 # Identical replica failures of one endpoint back off (base, doubling) and, after this many, stop it

@@ -136,6 +136,7 @@ class InferenceCall:
     # When the send to the client now waiting began (`delivery`'s watchdog cuts off a client that reads nothing).
     sending_since: float | None = None
     _task: asyncio.Task | None = None  # the task running the call
+    _holding: delivery.Holding | None = None  # a whole answer's bytes, counted against its organisation
 
     async def run(self) -> None:
         delivery.refuse_if_over(self.caller.organization_id)
@@ -218,6 +219,8 @@ class InferenceCall:
         finally:
             watcher.stop()
             delivery.unwatch(self)
+            if self._holding is not None:
+                self._holding.close()
             finishing = asyncio.ensure_future(self._finish(admitted))
             _finishing.add(finishing)
             finishing.add_done_callback(_finishing.discard)
@@ -354,8 +357,9 @@ class InferenceCall:
 
     async def _relay_whole(self, response: upstream.Response) -> None:
         scanner = sse.UsageScanner()
+        self._holding = holding = delivery.Holding(self.caller.organization_id)
         try:
-            body = await response.read(overflow=scanner.feed)
+            body = await response.read(overflow=scanner.feed, holding=holding)
         except upstream.ResponseTooLarge:
             # NOTE: read to its end and billed for the usage it carries: the engine computed all of it for this
             # request's own `n`, `max_tokens` and logprobs, and dropping it at the limit billed nothing (a way to
@@ -366,6 +370,8 @@ class InferenceCall:
         except upstream.UpstreamError as exc:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None
+        finally:
+            holding.done_reading()
         self.usage.take_totals(sse.response_usage(body))
         self.first_token_at = datetime.now(UTC)
         if self.disconnected.is_set():  # read to its end for its usage (`_watch_disconnect`); nobody to answer
@@ -381,33 +387,30 @@ class InferenceCall:
             return
         if self.response_started:  # progress was asked for: the headers went out at the hold
             await self.send_body(body)
+            holding.give(len(body))
             return
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
         self.response_started = True
+        holding.give(len(body))
 
     async def _send_in_pieces(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A large whole answer, handed to the server a piece at a time as its client takes them: what is not
-        handed over yet counts against the organisation, and a client that takes nothing is cut off (`delivery`)."""
-        organization_id, left = self.caller.organization_id, len(body)
-        delivery.hold(organization_id, left)
+        handed over yet counts against the organisation (`self._holding`, from its first byte read), and a client that
+        takes nothing is cut off (`delivery`)."""
         delivery.watch(self)
-        try:
-            if not self.response_started:
-                await self._send_watched({"type": "http.response.start", "status": 200, "headers": headers})
-                self.response_started = True
-            view = memoryview(body)
-            for start in range(0, len(body), delivery.PIECE_BYTES):
-                if self.disconnected.is_set():
-                    raise ClientGone()
-                piece = view[start:start + delivery.PIECE_BYTES]
-                # NOTE: the last piece ends the answer, unless progress was asked for (`_finish` ends it then).
-                more = start + delivery.PIECE_BYTES < len(body) or self.request.progress
-                await self._send_watched({"type": "http.response.body", "body": bytes(piece), "more_body": more})
-                delivery.release(organization_id, len(piece))
-                left -= len(piece)
-        finally:
-            delivery.release(organization_id, left)
+        if not self.response_started:
+            await self._send_watched({"type": "http.response.start", "status": 200, "headers": headers})
+            self.response_started = True
+        view = memoryview(body)
+        for start in range(0, len(body), delivery.PIECE_BYTES):
+            if self.disconnected.is_set():
+                raise ClientGone()
+            piece = view[start:start + delivery.PIECE_BYTES]
+            # NOTE: the last piece ends the answer, unless progress was asked for (`_finish` ends it then).
+            more = start + delivery.PIECE_BYTES < len(body) or self.request.progress
+            await self._send_watched({"type": "http.response.body", "body": bytes(piece), "more_body": more})
+            self._holding.give(len(piece))
 
     async def _relay_stream(self, response: upstream.Response) -> None:
         await self.start_stream()

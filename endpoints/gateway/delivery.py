@@ -15,10 +15,14 @@ and its buffers give:
 - **The longest a call runs.** A call still sending its answer a third of a reservation's time past
   `GATEWAY_MAX_ANSWER_WAIT_S` from its start (a stream read just fast enough never to meet the deadline above) is cut
   off the same way, before its reservation lapses (`presence`).
-- **Unsent bytes per organisation.** A whole answer larger than `PIECE_BYTES` is handed to the server a
-  piece at a time, each once the client has taken the one before, and what is not yet handed over is
-  counted against its organisation (per process). Past `GATEWAY_UNSENT_BYTES_PER_ORG`, the
-  organisation's new calls are refused (429 `unread_answers`) until its clients read or leave.
+- **Answer bytes per organisation.** A whole answer counts against its organisation (per process) from its first
+  byte read from the engine until it is handed to the server: it goes out a piece of `PIECE_BYTES` at a time, each
+  once the client took the one before. Past `GATEWAY_ANSWER_BYTES_PER_ORG`, the organisation's new calls are refused
+  (429 `unread_answers`) and its answers still being read wait, their replicas' connections paused (the data waits in
+  the tenant's own engine, not in the shared gateway), except one at a time, so that one always finishes and goes
+  out: the bytes an organisation holds in a process stay near the bound (plus one answer), however many of its calls
+  answer at once. A first version counted an answer only once it was sent, and checked the bound only at a call's
+  start: calls sent together were all admitted, and their answers, read at once, passed the bound by as many.
 """
 
 from __future__ import annotations
@@ -53,8 +57,31 @@ class Sending(Protocol):
 
 
 @dataclass(slots=True)
+class _Share:
+    """What one organisation's whole answers hold in this process."""
+
+    held: int = 0
+    reading: int = 0  # of `held`, the bytes of answers still being read
+    reader: Holding | None = None  # the one answer read on while the organisation is past its bound
+    parked: list = field(default_factory=list)  # the paused connections of the others (`upstream._Connection`)
+
+    def over(self) -> bool:
+        return self.held >= settings.GATEWAY_ANSWER_BYTES_PER_ORG
+
+    def may_read_one(self) -> bool:
+        """Whether one more answer may be read on though the organisation is past its bound: its answers read whole
+        (waiting for its clients) are not, so what is past it is answers being read, of which one must go on."""
+        return self.held - self.reading < settings.GATEWAY_ANSWER_BYTES_PER_ORG
+
+    def resume_parked(self) -> None:
+        parked, self.parked = self.parked, []
+        for connection in parked:
+            connection.resume()  # NOTE: each reads on, or parks again at its next bytes
+
+
+@dataclass(slots=True)
 class _Outbox:
-    unsent: dict[int, int] = field(default_factory=dict)  # organisation → bytes of whole answers not handed over
+    shares: dict[int, _Share] = field(default_factory=dict)  # by organisation, while it holds anything
     watched: dict[int, Sending] = field(default_factory=dict)  # by id(): calls are dataclasses, not hashable
     sweeper: asyncio.Task | None = None
 
@@ -63,32 +90,90 @@ _outboxes: PerLoop[_Outbox] = PerLoop(_Outbox)
 
 
 def refuse_if_over(organization_id: int) -> None:
-    """A 429 for an organisation whose clients have left more than its share of answers unread here."""
-    held = _outboxes.get().unsent.get(organization_id)
-    if held is not None and held >= settings.GATEWAY_UNSENT_BYTES_PER_ORG:
+    """A 429 for an organisation whose answers in this process (read or waiting for its clients) are past its bound."""
+    share = _outboxes.get().shares.get(organization_id)
+    if share is not None and share.over():
         raise errors.OpenAIError(
-            429, f"This organisation's clients have {held // 2**20} MiB of answers they have not read yet on this server "
-                 f"(at most {settings.GATEWAY_UNSENT_BYTES_PER_ORG // 2**20} MiB): read them, or close their connections, "
-                 "before sending more.", type="requests", code=UNREAD_ANSWERS, headers={"retry-after": "5"})
+            429, f"This organisation's answers hold {share.held // 2**20} MiB on this server, answers its clients have "
+                 f"not read yet included (at most {settings.GATEWAY_ANSWER_BYTES_PER_ORG // 2**20} MiB): read them, or "
+                 "close their connections, before sending more.", type="requests", code=UNREAD_ANSWERS,
+            headers={"retry-after": "5"})
 
 
-def unsent_bytes(organization_id: int) -> int:
-    return _outboxes.get().unsent.get(organization_id, 0)
+def held_bytes(organization_id: int) -> int:
+    share = _outboxes.get().shares.get(organization_id)
+    return share.held if share is not None else 0
 
 
-def hold(organization_id: int, num_bytes: int) -> None:
-    """Count `num_bytes` of an answer not yet handed to the server against its organisation."""
-    unsent = _outboxes.get().unsent
-    unsent[organization_id] = unsent.get(organization_id, 0) + num_bytes
+class Holding:
+    """One whole answer's bytes, counted against its organisation from the first read to the last piece handed over
+    (`upstream.Response.read` takes them, `InferenceCall` gives them back); `close` gives back the rest.
 
+    NOTE: past the bound, an answer being read pauses its connection unless it is the organisation's one reader, a
+    slot taken only while the answers read whole (waiting for clients, cut off at the send deadline) are within the
+    bound: so what an organisation holds stays near the bound plus one answer, and something always moves (a
+    reader reads on; a client reads, leaves or is cut off)."""
 
-def release(organization_id: int, num_bytes: int) -> None:
-    unsent = _outboxes.get().unsent
-    left = unsent.get(organization_id, 0) - num_bytes
-    if left > 0:
-        unsent[organization_id] = left
-    else:
-        unsent.pop(organization_id, None)
+    __slots__ = ("_organization_id", "_outbox", "num_bytes", "_reading")
+
+    def __init__(self, organization_id: int):
+        self._organization_id = organization_id
+        self._outbox = _outboxes.get()
+        self.num_bytes = 0
+        self._reading = True
+
+    def _share(self) -> _Share:
+        share = self._outbox.shares.get(self._organization_id)
+        if share is None:
+            share = self._outbox.shares[self._organization_id] = _Share()
+        return share
+
+    def take(self, num_bytes: int, connection) -> bool:
+        """Count bytes just read on `connection`; True when it must pause (it is parked, resumed by `delivery`)."""
+        share = self._share()
+        share.held += num_bytes
+        share.reading += num_bytes
+        self.num_bytes += num_bytes
+        if not share.over() or share.reader is self:
+            return False
+        if share.reader is None and share.may_read_one():
+            share.reader = self
+            return False
+        share.parked.append(connection)
+        return True
+
+    def give(self, num_bytes: int) -> None:
+        num_bytes = min(num_bytes, self.num_bytes)
+        share = self._outbox.shares.get(self._organization_id)
+        if not num_bytes or share is None:
+            return
+        self.num_bytes -= num_bytes
+        share.held -= num_bytes
+        if self._reading:
+            share.reading -= num_bytes
+        self._settle(share)
+
+    def done_reading(self) -> None:
+        """Its read ended (whole, failed or abandoned): its bytes wait for its client now, and the reader's slot is free."""
+        share = self._outbox.shares.get(self._organization_id)
+        if not self._reading or share is None:
+            self._reading = False
+            return
+        self._reading = False
+        share.reading -= self.num_bytes
+        if share.reader is self:
+            share.reader = None
+        self._settle(share)
+
+    def close(self) -> None:
+        self.done_reading()
+        self.give(self.num_bytes)
+
+    def _settle(self, share: _Share) -> None:
+        if share.parked and (not share.over() or (share.reader is None and share.may_read_one())):
+            share.resume_parked()
+        if share.held <= 0 and share.reader is None and not share.parked:
+            self._outbox.shares.pop(self._organization_id, None)
 
 
 def watch(call: Sending) -> None:

@@ -84,7 +84,7 @@ class Response:
     """One answer as it arrives: `status` once its headers are in; the body by `read()` or `async for`."""
 
     __slots__ = ("status", "_conn", "_chunks", "_num_buffered", "_bounded", "_done", "_error", "_waiter",
-                 "_headers_seen", "_overflow", "_overflowed", "_patience")
+                 "_headers_seen", "_overflow", "_overflowed", "_patience", "_holding")
 
     def __init__(self, conn: _Connection, patience=None):
         self.status = 0
@@ -101,6 +101,7 @@ class Response:
         self._headers_seen = False
         self._overflow = None  # `read`'s callback for the bytes past MAX_WHOLE_BODY_BYTES
         self._overflowed = False  # past it: every byte goes to `_overflow`, none is kept
+        self._holding = None  # `read`'s count of the bytes it keeps against their organisation (`delivery.Holding`)
 
     # --- fed by the connection -------------------------------------------------------------
     def _wake(self) -> None:
@@ -123,6 +124,8 @@ class Response:
             return False
         self._overflowed = True
         chunks, self._chunks, self._num_buffered = self._chunks, [], 0
+        if self._holding is not None:
+            self._holding.give(sum(len(chunk) for chunk in chunks))  # none of it is kept from now on
         for chunk in chunks:
             self._overflow(chunk)
         return True
@@ -132,8 +135,11 @@ class Response:
         await self._waiter
 
     # --- the caller's side -------------------------------------------------------------------
-    async def read(self, overflow=None) -> bytes:
+    async def read(self, overflow=None, holding=None) -> bytes:
         """The whole body; `UpstreamError` if the connection fails before its end.
+
+        With `holding` (`delivery.Holding`), every byte kept is counted against its organisation as it arrives, and
+        the connection pauses while the organisation holds more than its bound (resumed by `delivery`).
 
         Past MAX_WHOLE_BODY_BYTES, `ResponseTooLarge`: at once, the connection dropped, without `overflow`; with
         it (a callable taking bytes), once the answer is read to its end, every byte of it passed to
@@ -141,6 +147,7 @@ class Response:
         """
         self._bounded = False
         self._overflow = overflow
+        self._holding = holding
         self._conn.resume()
         if self._num_buffered > MAX_WHOLE_BODY_BYTES and not self._overflowed:  # it came in before the read
             self._spill()
@@ -270,6 +277,9 @@ class _Connection(asyncio.Protocol):
             return
         if response._num_buffered > HIGH_WATER_BYTES and response._bounded and not self.paused:
             self.paused = True
+            self.transport.pause_reading()
+        elif response._holding is not None and response._holding.take(len(body), self) and not self.paused:
+            self.paused = True  # NOTE: the data waits in the replica's engine; `delivery` resumes it
             self.transport.pause_reading()
         if response._waiter is not None:
             response._wake()
