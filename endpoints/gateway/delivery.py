@@ -81,7 +81,7 @@ class _Share:
 
 @dataclass(slots=True)
 class _Outbox:
-    shares: dict[int, _Share] = field(default_factory=dict)  # by organisation, while it holds anything
+    shares: dict[int, _Share] = field(default_factory=dict)  # by organisation
     watched: dict[int, Sending] = field(default_factory=dict)  # by id(): calls are dataclasses, not hashable
     sweeper: asyncio.Task | None = None
 
@@ -170,10 +170,10 @@ class Holding:
         self.give(self.num_bytes)
 
     def _settle(self, share: _Share) -> None:
+        # NOTE: a share stays once made (one small object per organisation served by the process): made and dropped
+        # for each call, it cost the warm path more than its counting.
         if share.parked and (not share.over() or (share.reader is None and share.may_read_one())):
             share.resume_parked()
-        if share.held <= 0 and share.reader is None and not share.parked:
-            self._outbox.shares.pop(self._organization_id, None)
 
 
 def watch(call: Sending) -> None:
