@@ -122,6 +122,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django.contrib.humanize",
+    "django_otp",
+    "django_otp.plugins.otp_totp",
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
@@ -140,6 +142,9 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # NOTE: right after the user is known: every staff check asks `request.user.is_verified()`
+    # (controlplane.accounts.second_factor).
+    "django_otp.middleware.OTPMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "controlplane.accounts.middleware.ThrottleMiddleware",
@@ -433,6 +438,8 @@ SECURE_HSTS_PRELOAD = not DEBUG
 SESSION_COOKIE_SECURE = not DEBUG
 # A staff account's sign-in ends this long after it, however it is used (`controlplane.accounts.staff_sessions`).
 STAFF_SESSION_HOURS = env_float("INFERPLANE_STAFF_SESSION_HOURS", 12.0, minimum=0.1)
+# Staff's second factor (`controlplane.accounts.second_factor`): the name authenticator apps show.
+OTP_TOTP_ISSUER = "Inferplane"
 CSRF_COOKIE_SECURE = not DEBUG
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
