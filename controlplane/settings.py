@@ -115,7 +115,7 @@ INSTALLED_APPS = [
     # NOTE: first, so its management commands (`createsuperuser` by email) replace Django's.
     "controlplane.accounts",
     "controlplane",
-    "django.contrib.admin",
+    "controlplane.accounts.apps.StaffAdminConfig",  # Django's admin, staff only after the second factor
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",

@@ -9,6 +9,7 @@ from rest_framework.response import Response
 
 from controlplane.accounts.api import OrganizationScopedMixin
 from controlplane.accounts.models import Role
+from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.tenancy import request_membership
 from controlplane.integrity import RowLockedUpdateMixin
 from endpoints import adapters, credentials, services
@@ -73,7 +74,7 @@ class EndpointViewSet(RowLockedUpdateMixin, OrganizationScopedMixin, viewsets.Mo
         query = endpoint_stats.StatsQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         rows = endpoint_stats.daily(endpoint, start=query.validated_data["start"], end=query.validated_data["end"],
-                                    staff=request.user.is_staff)
+                                    staff=has_staff_powers(request.user))
         return Response({"results": endpoint_stats.DayStatsSerializer(rows, many=True).data})
 
     @extend_schema(responses=inline_serializer("EndpointColdStarts", {"results": endpoint_stats.ColdStartSerializer(many=True)}),

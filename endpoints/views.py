@@ -19,6 +19,7 @@ from billing.ledger import BUCKET_ORIGIN, period_spend, summarize_usage, usage_b
 from billing.periods import period_containing
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
+from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.services import Actor
 from controlplane.plain_numbers import plain_int
 from endpoints import credentials, prewarm, quotas, services, stats
@@ -311,8 +312,8 @@ def endpoint_detail(request, pk):
         "metric_windows": list(METRIC_WINDOWS_MIN),
         "cold_starts": stats.chart(stats.recent_cold_starts(endpoint)),
         "cost_days": stats.daily(endpoint, start=now.date() - timedelta(days=stats.DEFAULT_DAYS - 1), end=now.date(),
-                                 staff=request.user.is_staff),
-        "show_margin": request.user.is_staff,
+                                 staff=has_staff_powers(request.user)),
+        "show_margin": has_staff_powers(request.user),
         "adapters": adapters_with_holders(endpoint),
     })
 

@@ -1,5 +1,9 @@
+import time
+
 import factory
 from django.contrib.auth import get_user_model
+from django_otp.oath import TOTP
+from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from controlplane.accounts.models import EmailVerification, Membership, Organization, Role
 from controlplane.accounts.services import SYSTEM
@@ -65,3 +69,28 @@ def make_credential(organization, *, name="bucket", kind="s3", **values):
     else:
         values = {"hf_token": HF_SECRET} | values
     return create_credential(SYSTEM, organization, name=name, kind=kind, **values)
+
+
+def totp_code(device, *, steps_ahead: int = 0) -> str:
+    """The code `device`'s authenticator app shows now (or `steps_ahead` 30-second steps later)."""
+    totp = TOTP(device.bin_key, device.step, device.t0, device.digits, device.drift)
+    totp.time = time.time() + steps_ahead * device.step
+    return f"{totp.token():0{device.digits}d}"
+
+
+def sign_in_staff(client, user):
+    """Signs `user` in on `client` as staff sign in: a session (as after the password), then a code from a
+    real, confirmed TOTP device through the code page. Returns the device.
+
+    NOTE: the code page is the one way a session gets staff powers (no setting turns the check off), so a
+    test that signs staff in any other way tests a session with no staff powers. A device that already took
+    this step's code (signed in twice within 30 s) is given the next step's: the tolerance of one step takes it.
+    """
+    device = TOTPDevice.objects.filter(user=user, confirmed=True).first()
+    if device is None:
+        device = TOTPDevice.objects.create(user=user, name="test phone", confirmed=True)
+    client.force_login(user)
+    now_t = int((time.time() - device.t0) // device.step)
+    response = client.post("/login/code/", {"code": totp_code(device, steps_ahead=max(0, device.last_t + 1 - now_t))})
+    assert response.status_code == 302 and not response["Location"].startswith("/login/"), response
+    return device

@@ -9,7 +9,7 @@ from endpoints.models import EndpointEvent, Replica
 from endpoints.nodes.models import JoinToken, Node
 from endpoints.scheduler import reconcile_endpoint
 from gpu_agent.protocol import Heartbeat, NodeState, ReplicaState, ReplicaStatus
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, sign_in_staff
 
 pytestmark = pytest.mark.django_db
 
@@ -196,7 +196,7 @@ def test_staff_see_a_replica_in_the_admin_without_its_engine_key(client, agent, 
     endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
     reconcile_endpoint(str(endpoint.pk))
     replica = Replica.objects.get(endpoint=endpoint)
-    client.force_login(django_user_model.objects.create_superuser("ops@example.test", "ops@example.test", "pw"))
+    sign_in_staff(client, django_user_model.objects.create_superuser("ops@example.test", "ops@example.test", "pw"))
     page = client.get(f"/django-admin/endpoints/replica/{replica.pk}/change/").content.decode()
     assert str(replica.pk) in page
     assert replica.engine_api_key not in page and replica.encrypted_engine_key not in page

@@ -15,7 +15,7 @@ from controlplane.accounts.models import ApiKey, AuditEvent
 from controlplane.accounts.services import Actor
 from endpoints.nodes.models import Node
 from tests.conftest import REPO_ROOT
-from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
 from tests.test_settings import PRODUCTION_ENV
 
 
@@ -61,8 +61,7 @@ def test_production_collects_hashed_and_compressed_static_files_and_does_not_sea
 
 @pytest.fixture
 def superuser_client(client, db):
-    staff = UserFactory(is_staff=True, is_superuser=True)
-    client.force_login(staff)
+    sign_in_staff(client, UserFactory(is_staff=True, is_superuser=True))
     return client
 
 
@@ -119,7 +118,7 @@ def test_a_staff_member_who_may_only_view_api_keys_cannot_revoke_them(client):
     key = create_api_key(Actor(user=owner), organization, name="kept", scopes=["inference"]).api_key
     staff = UserFactory(is_staff=True)
     staff.user_permissions.add(Permission.objects.get(codename="view_apikey"))
-    client.force_login(staff)
+    sign_in_staff(client, staff)
 
     assert client.get("/django-admin/controlplane/apikey/").status_code == 200
     response = client.post("/django-admin/controlplane/apikey/", {"action": "revoke", "_selected_action": [str(key.pk)]})

@@ -7,8 +7,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django_otp.plugins.otp_totp.models import TOTPDevice
 
-from tests.factories import UserFactory
+from tests.factories import UserFactory, totp_code
 
 pytestmark = pytest.mark.django_db
 
@@ -32,6 +33,11 @@ def test_a_superuser_made_with_createsuperuser_logs_in_to_the_console_with_its_e
     _create_superuser(monkeypatch, username="admin", email="ops@x.test", password=PASSWORD)
     response = client.post("/login/", {"username": "OPS@x.test", "password": PASSWORD})
     assert response.status_code == 302, response.content.decode()[:2000]
+    # A new staff account sets up its authenticator before the fleet opens (tests/test_staff_second_factor.py).
+    enrol = client.get(response["Location"], follow=True).redirect_chain[-1][0]
+    assert enrol.startswith("/login/code/enrol/")
+    device = TOTPDevice.objects.get(user__username="admin", confirmed=False)
+    assert client.post(enrol, {"code": totp_code(device)}).status_code == 302
     fleet = client.get("/console/fleet/")
     assert fleet.status_code == 200
     assert "Fleet" in fleet.content.decode()

@@ -9,7 +9,7 @@ from django.urls import reverse
 
 from controlplane.accounts import invitations, services, signup
 from controlplane.accounts.models import ApiKey, Role, email_is_verified
-from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
 
 pytestmark = pytest.mark.django_db
 
@@ -126,7 +126,7 @@ def test_owners_made_by_operators_are_verified_and_can_log_in(client):
 def test_users_staff_create_in_the_django_admin_are_verified(client):
     staff = UserFactory(username="root@example.test", is_staff=True, is_superuser=True)
     MembershipFactory(user=staff, role=Role.OWNER)
-    client.force_login(staff)
+    sign_in_staff(client, staff)
     response = client.post("/django-admin/auth/user/add/", {
         "username": "colleague", "password1": "a long passphrase", "password2": "a long passphrase",
         "usable_password": "true",

@@ -7,6 +7,7 @@ from django.contrib.auth import get_user_model
 
 from billing.ledger import cost_of
 from endpoints.models import Endpoint, EventKind
+from tests.factories import sign_in_staff
 
 pytestmark = pytest.mark.django_db
 
@@ -25,8 +26,7 @@ def test_staff_edit_prices_in_the_admin_and_customers_cannot(owner_client, clien
     endpoint_id = owner_client.post("/api/v1/endpoints/", VALID, format="json").json()["id"]
     refused = owner_client.patch(f"/api/v1/endpoints/{endpoint_id}/", {"price_output_per_million": "0.01"}, format="json")
     assert refused.status_code == 400 and "read-only" in refused.json()["price_output_per_million"][0]
-    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
-    client.force_login(staff)
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase"))
     page = client.get(f"/django-admin/endpoints/endpoint/{endpoint_id}/change/")
     assert page.status_code == 200
     saved = client.post(f"/django-admin/endpoints/endpoint/{endpoint_id}/change/", {
@@ -64,8 +64,7 @@ def test_staff_price_an_adapter_in_the_admin(owner_client, client):
                                     format="json").json()["id"]
     adapter = owner_client.post(f"/api/v1/endpoints/{endpoint_id}/adapters/",
                                 {"name": "legal", "source": "s3://tuned-adapters/legal", "rank": 8}, format="json").json()
-    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
-    client.force_login(staff)
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase"))
     assert client.get(f"/django-admin/endpoints/adapter/{adapter['id']}/change/").status_code == 200
     saved = client.post(f"/django-admin/endpoints/adapter/{adapter['id']}/change/",
                         {"price_input_per_million": "0.9", "price_output_per_million": "2.7"})

@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.contrib.admin import apps as admin_apps
 
 # NOTE: connects its `user_logged_in` receiver; it imports no model, so it loads before the app registry is ready.
 from controlplane.accounts import staff_sessions  # noqa: F401
@@ -15,3 +16,10 @@ class AccountsConfig(AppConfig):
     label = "controlplane"
     verbose_name = "Accounts and organisations"
     default_auto_field = "django.db.models.BigAutoField"
+
+
+class StaffAdminConfig(admin_apps.AdminConfig):
+    """Django's admin, whose site lets in staff only in a session that passed the second factor."""
+
+    default = False  # NOTE: this module's default is AccountsConfig; the admin's inherited `default = True`
+    default_site = "controlplane.accounts.admin_site.StaffAdminSite"

@@ -3,7 +3,8 @@
 A console view is decorated with `member_required(write=<role>)`: any member of the
 session's organisation may read (GET/HEAD); a POST needs `write` or higher. The view
 then finds its objects from `request.organization`, so another tenant's object is a 404.
-Fleet pages are for staff only and are a 404 to everyone else.
+Fleet pages are for staff only, in a session that passed the second factor, and are a 404 to everyone
+else (a staff account signed in with its password alone included).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from django.http import Http404
 from django.shortcuts import render
 
 from controlplane.accounts.models import Role
+from controlplane.accounts.second_factor import has_staff_powers
 
 READ_METHODS = ("GET", "HEAD")
 
@@ -42,7 +44,7 @@ def staff_required(view):
     @login_required
     @wraps(view)
     def wrapper(request, *args, **kwargs):
-        if not request.user.is_staff:
+        if not has_staff_powers(request.user):
             raise Http404("No such page.")
         return view(request, *args, **kwargs)
 

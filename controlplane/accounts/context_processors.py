@@ -1,6 +1,7 @@
 """What every console template knows of its request: the organisation it acts in, and the others
-the user may switch to."""
+the user may switch to, and whether staff pages are open to this session."""
 
+from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.tenancy import memberships_of
 
 
@@ -13,4 +14,5 @@ def organization(request):
         "current_membership": membership if membership else None,
         "current_organization": membership.organization if membership else None,
         "all_memberships": memberships_of(user),
+        "staff_powers": has_staff_powers(user),
     }

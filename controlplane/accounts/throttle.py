@@ -47,6 +47,10 @@ RESEND_VERIFICATION = (Limit("verify-ip", "ip", 10, 3600), Limit("verify-user", 
 # Each invitation mails its address: an admin may not use the platform's mail to flood or phish anyone.
 INVITATIONS = (Limit("invite-org", "organization", 20, 3600), Limit("invite-email", "email", 3, 86_400))
 
+# Staff's second factor: a code has a million values, so a guess a second would find one in days; the
+# device's own throttle (django-otp: 1, 2, 4... seconds after each wrong code) slows it further.
+SECOND_FACTOR = (Limit("code-ip", "ip", 30, 600), Limit("code-user", "user", 10, 600))
+
 # URL name → the limits a POST to it takes.
 THROTTLED_VIEWS = {
     "login": LOGIN,
@@ -54,6 +58,8 @@ THROTTLED_VIEWS = {
     "signup": SIGNUP,
     "password_reset": PASSWORD_RESET,
     "verify-email-resend": RESEND_VERIFICATION,
+    "second-factor": SECOND_FACTOR,
+    "second-factor-enrol": SECOND_FACTOR,
 }
 
 

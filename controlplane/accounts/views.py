@@ -1,16 +1,19 @@
 """Console pages for accounts: home, sign-up, email verification, invitations, organisation switcher,
 members and API keys."""
 
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
+from django.conf import settings
 from django.contrib import messages
-from django.contrib.auth import login
+from django.contrib.auth import REDIRECT_FIELD_NAME, login
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
-from django.shortcuts import get_object_or_404, redirect, render
+from django.shortcuts import get_object_or_404, redirect, render, resolve_url
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from controlplane.accounts import invitations, keys, services
+from controlplane.accounts import invitations, keys, second_factor, services
 from controlplane.accounts.console import member_required
 from controlplane.accounts.forms import EMAIL_IN_USE, ApiKeyForm, MemberInviteForm, SignUpForm
 from controlplane.accounts.members import LastOwnerError, NotPermitted, change_member_role, remove_member
@@ -64,6 +67,71 @@ class LoginView(auth_views.LoginView):
     def get_redirect_url(self):
         url = super().get_redirect_url()
         return "" if url and urlsplit(url).path == self.request.path else url
+
+    def get_success_url(self):
+        """A staff account goes on to its code (or to enrol a device) before anything else."""
+        url = super().get_success_url()
+        if second_factor.needs_second_factor(self.request.user):
+            return f"{reverse('second-factor')}?{urlencode({REDIRECT_FIELD_NAME: url})}"
+        return url
+
+
+# --- staff's second factor (controlplane.accounts.second_factor) ----------------------------
+
+
+def _safe_next(request) -> str:
+    url = request.POST.get(REDIRECT_FIELD_NAME) or request.GET.get(REDIRECT_FIELD_NAME) or ""
+    if url and url_has_allowed_host_and_scheme(url, allowed_hosts={request.get_host()},
+                                               require_https=request.is_secure()):
+        return url
+    return resolve_url(settings.LOGIN_REDIRECT_URL)
+
+
+def _code_refused(request, check, template: str, context: dict):
+    if check.outcome is second_factor.Outcome.THROTTLED:
+        error = f"Too many wrong codes: wait {check.retry_after_s} s before the next try."
+    else:
+        error = "That code is wrong or was already used: enter the next one your app shows."
+    response = render(request, template, context | {"error": error}, status=429 if check.retry_after_s else 400)
+    if check.retry_after_s:
+        response["Retry-After"] = str(check.retry_after_s)
+    return response
+
+
+@login_required
+def second_factor_verify(request):
+    """After the password, a staff account enters a code from its device; the session is then staff."""
+    next_url = _safe_next(request)
+    if not second_factor.needs_second_factor(request.user):
+        return redirect(next_url)
+    if second_factor.confirmed_device(request.user) is None:
+        return redirect(f"{reverse('second-factor-enrol')}?{urlencode({REDIRECT_FIELD_NAME: next_url})}")
+    context = {"next": next_url}
+    if request.method == "POST":
+        check = second_factor.verify_staff_code(request, request.POST.get("code", ""))
+        if check.ok:
+            return redirect(next_url)
+        return _code_refused(request, check, "registration/second_factor.html", context)
+    return render(request, "registration/second_factor.html", context)
+
+
+@login_required
+def second_factor_enrol(request):
+    """A staff account without a device: the secret for an authenticator app, confirmed by a code from it."""
+    next_url = _safe_next(request)
+    if not second_factor.needs_second_factor(request.user):
+        return redirect(next_url)
+    if second_factor.confirmed_device(request.user) is not None:
+        return redirect(f"{reverse('second-factor')}?{urlencode({REDIRECT_FIELD_NAME: next_url})}")
+    device = second_factor.pending_device(request.user)
+    context = {"next": next_url, "secret": second_factor.base32_secret(device), "otpauth_url": device.config_url}
+    if request.method == "POST":
+        check = second_factor.confirm_enrolment(request, request.POST.get("code", ""))
+        if check.ok:
+            messages.success(request, "Your authenticator is set up: each sign-in now asks for a code from it.")
+            return redirect(next_url)
+        return _code_refused(request, check, "registration/second_factor_enrol.html", context)
+    return render(request, "registration/second_factor_enrol.html", context)
 
 
 @login_required

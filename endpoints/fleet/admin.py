@@ -12,6 +12,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from controlplane.accounts.admin import ReadOnlyAdmin
+from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.services import Actor
 from endpoints.fleet import pool_services
 from endpoints.fleet.services import retire_node, set_node_state
@@ -72,7 +73,7 @@ class NodeAdmin(ReadOnlyAdmin):
                 reverse("console:fleet") + "#tokens-title"), messages.WARNING)
 
     def has_cordon_permission(self, request):
-        return request.user.is_staff  # as the console's fleet pages
+        return has_staff_powers(request.user)  # as the console's fleet pages
 
     has_drain_permission = has_uncordon_permission = has_retire_permission = has_cordon_permission
 

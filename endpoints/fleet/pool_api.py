@@ -1,6 +1,6 @@
 """`/api/v1/fleet/pools/`: node pools for staff (list, create, read, change, delete) with their cost truth.
 
-Staff signed in only, through a session (never an API key): anyone else gets a 404, as if the route did not exist
+Staff signed in only, through a session that passed the second factor (never an API key): anyone else gets a 404, as if the route did not exist
 (a 403 would confirm it does).
 Rules live in `endpoints.fleet.pool_services`; this module shapes and parses.
 """
@@ -14,6 +14,7 @@ from rest_framework.permissions import BasePermission
 
 from billing.serializers import DatePeriodSerializer
 from controlplane.accounts.models import ApiKey
+from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.serializers import StrictModelSerializer
 from controlplane.accounts.services import Actor
 from endpoints.fleet import pool_services
@@ -24,7 +25,8 @@ MAX_PERIOD_DAYS = 366
 
 
 class IsStaff(BasePermission):
-    """Staff signed in (a session); everyone else, and every API key, staff's own included, sees a 404.
+    """Staff signed in (a session that passed the second factor); everyone else, a staff session without its
+    code, and every API key, staff's own included, sees a 404.
 
     NOTE: staff powers come only with a staff session, which ends `INFERPLANE_STAFF_SESSION_HOURS` after its
     sign-in (`controlplane.accounts.staff_sessions`). An API key never expires and this route is on the public
@@ -38,7 +40,7 @@ class IsStaff(BasePermission):
         method = request.method.lower()
         if method not in view.http_method_names or not hasattr(view, method):
             return True  # NOTE: a method the route does not take is its 405, for anyone
-        if not request.user.is_staff or isinstance(request.auth, ApiKey):
+        if not has_staff_powers(request.user) or isinstance(request.auth, ApiKey):
             raise NotFound()
         return True
 

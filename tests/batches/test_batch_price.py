@@ -13,7 +13,7 @@ from billing.ledger import cost_of, record_usage_batch
 from billing.models import UsageRecord
 from endpoints.models import Endpoint
 from tests.billing.conftest import usage_report
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, sign_in_staff
 
 pytestmark = pytest.mark.django_db
 
@@ -41,8 +41,7 @@ def test_staff_set_the_batch_fraction_in_the_admin_and_the_api_shows_it_read_onl
     refused = owner_client.patch(f"/api/v1/endpoints/{endpoint_id}/", {"batch_price_fraction": "0.01"}, format="json")
     assert refused.status_code == 400 and "read-only" in refused.json()["batch_price_fraction"][0]
 
-    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
-    client.force_login(staff)
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase"))
     form = {"price_input_per_million": "0.6", "price_cached_input_per_million": "0.3", "price_output_per_million": "1.8"}
     too_much = client.post(f"/django-admin/endpoints/endpoint/{endpoint_id}/change/", form | {"batch_price_fraction": "1.5"})
     assert too_much.status_code == 200  # the form again, with the error

@@ -25,7 +25,7 @@ from controlplane.accounts.services import SYSTEM
 from endpoints.gateway import admission
 from endpoints.gateway.auth import Caller
 from tests.billing.conftest import usage_report
-from tests.factories import EndpointFactory, UserFactory
+from tests.factories import EndpointFactory, UserFactory, sign_in_staff
 
 # NOTE: admission rebuilds the quota's counters in a worker thread, which sees only committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -104,7 +104,7 @@ def test_the_credit_left_counts_prepaid_usage_only():
 def staff_client():
     staff = UserFactory(is_staff=True, is_superuser=True)
     client = Client()
-    client.force_login(staff)
+    sign_in_staff(client, staff)
     client.staff = staff
     return client
 

@@ -18,7 +18,7 @@ from billing.rollups import rollup_usage
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 from tests.billing.conftest import usage_report
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, sign_in_staff
 
 pytestmark = pytest.mark.django_db
 
@@ -289,7 +289,7 @@ def test_a_superuser_releases_a_held_rollup_from_the_admin(fake_stripe, client):
     stripe_sync.push_pending_rollups()
     _a_day_passes(fake_stripe, rollup)
     stripe_sync.push_pending_rollups()
-    client.force_login(get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase"))
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase"))
 
     listed = client.get("/django-admin/billing/usagerollup/", {"push_held_at__isnull": "False"})
     released = client.post("/django-admin/billing/usagerollup/", {"action": "release_held", "_selected_action": [rollup.pk]})

@@ -11,18 +11,27 @@ from django.test import Client
 from controlplane.accounts.models import Role
 from controlplane.accounts.tenancy import SESSION_KEY
 from tests.conftest import ARTIFACTS_DIR
-from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
+from tests.factories import (
+    EndpointFactory,
+    MembershipFactory,
+    OrganizationFactory,
+    UserFactory,
+    sign_in_staff,
+)
 
 
 @pytest.fixture
 def console_client_factory(db):
-    """A Django test client logged in as a new user holding `role` in `organization`."""
+    """A Django test client logged in as a new user holding `role` in `organization` (staff: with their code)."""
 
     def make(organization, role=Role.OWNER, *, is_staff=False):
         user = UserFactory(is_staff=is_staff)
         MembershipFactory(organization=organization, user=user, role=role)
         client = Client()
-        client.force_login(user)
+        if is_staff:
+            sign_in_staff(client, user)
+        else:
+            client.force_login(user)
         session = client.session
         session[SESSION_KEY] = organization.pk
         session.save()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from billing.models import UsageRecord
 from controlplane.accounts.models import Role
@@ -27,7 +28,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.console.conftest import screenshot
-from tests.console.test_browser_pages import PASSWORD, nav, sign_up
+from tests.console.test_browser_pages import log_in_staff, nav, sign_up
 from tests.factories import MembershipFactory, UserFactory
 
 NEEDED = [REPO_ROOT / "gpu_agent" / "runtime" / "cli.py"]
@@ -127,10 +128,7 @@ def test_sign_up_deploy_chat_see_usage_and_drain(browser, platform, tiny_model_d
         # A staff user drains the node: its replica drains.
         staff = UserFactory(username="staff@example.test", is_staff=True)
         MembershipFactory(organization=endpoint.organization, user=staff, role=Role.VIEWER)
-        page.goto("/login/")
-        page.get_by_label("Email").fill("staff@example.test")
-        page.get_by_label("Password").fill(PASSWORD)
-        page.get_by_role("button", name="Log in").click()
+        log_in_staff(page, "staff@example.test", TOTPDevice.objects.create(user=staff, name="phone", confirmed=True))
         nav(page, "Fleet")
         card = page.get_by_test_id(f"node-{NODE}")
         expect(card).to_contain_text("tiny-chat")

@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import pytest
 from django.utils import timezone
+from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from billing.ledger import cost_of
 from billing.models import UsageRecord
@@ -19,7 +20,7 @@ from endpoints.models import Endpoint, EndpointEvent, EventKind, Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.console.conftest import screenshot
-from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
+from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory, totp_code
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -67,6 +68,18 @@ def log_in(page, email: str) -> None:
     page.get_by_label("Email").fill(email)
     page.get_by_label("Password").fill(PASSWORD)
     page.get_by_role("button", name="Log in").click()
+    expect(page.get_by_role("heading", name="Dashboard")).to_be_visible()
+
+
+def log_in_staff(page, email: str, device) -> None:
+    """Staff sign in: the password, then a code from their authenticator (`device`) on the code page."""
+    page.goto("/login/")
+    page.get_by_label("Email").fill(email)
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Log in").click()
+    expect(page.get_by_role("heading", name="Enter your code")).to_be_visible()
+    page.get_by_label("Code").fill(totp_code(device))
+    page.get_by_role("button", name="Verify").click()
     expect(page.get_by_role("heading", name="Dashboard")).to_be_visible()
 
 
@@ -208,7 +221,7 @@ def test_staff_cordon_and_drain_a_node(page):
     )
     replica = Replica.objects.create(endpoint=EndpointFactory(organization=organization, name="big-model"), node=node,
                                      state=ReplicaState.READY)
-    log_in(page, "ops@example.test")
+    log_in_staff(page, "ops@example.test", TOTPDevice.objects.create(user=staff, name="phone", confirmed=True))
     nav(page, "Fleet")
     card = page.get_by_test_id("node-gpu-h100-07")
     expect(card).to_contain_text("NVIDIA H100 80GB HBM3")

@@ -11,7 +11,7 @@ from controlplane.accounts.models import AuditEvent, Role
 from endpoints.models import Replica
 from endpoints.nodes.models import JoinToken, Node
 from gpu_agent.protocol import NodeState, ReplicaState
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, sign_in_staff
 
 pytestmark = pytest.mark.django_db
 
@@ -101,8 +101,7 @@ def test_fleet_is_a_404_for_everyone_but_staff(owner):
 def retire_in_the_admin(client, node):
     from django.contrib.auth import get_user_model
 
-    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
-    client.force_login(staff)
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase"))
     return client.post("/django-admin/gpu_agent/node/", {"action": "retire", "_selected_action": [str(node.pk)]},
                        follow=True)
 

@@ -14,7 +14,7 @@ from endpoints.catalogue import GPU_TYPES
 from endpoints.fleet import launches
 from endpoints.fleet.pool_services import create_node_pool
 from endpoints.nodes.models import LaunchState, NodeLaunch, NodePool
-from tests.factories import MembershipFactory, UserFactory
+from tests.factories import MembershipFactory, UserFactory, sign_in_staff
 
 pytestmark = pytest.mark.django_db
 
@@ -33,7 +33,7 @@ def staff_member(org):
 @pytest.fixture
 def staff_client(staff_member):
     client = APIClient()
-    client.force_login(staff_member)  # a staff session, as the console's (it ends after STAFF_SESSION_HOURS)
+    sign_in_staff(client, staff_member)  # a staff session, as the console's (it ends after STAFF_SESSION_HOURS)
     client.user = staff_member
     return client
 

@@ -24,7 +24,7 @@ from schemathesis.specs.openapi.checks import (
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import Actor
 from endpoints.fleet.pool_services import create_node_pool
-from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
 
 FUZZ_EXAMPLES = int(os.environ.get("INFERPLANE_FUZZ_EXAMPLES", "15"))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
@@ -41,13 +41,15 @@ CSRF_TOKEN = "a" * 32  # the session's writes need it, cookie and header alike, 
 def staff_session(db, settings):
     """A staff member's session cookie: the pools' API takes no API key (`pool_api.IsStaff`)."""
     settings.DEBUG = False
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
     user = UserFactory(is_staff=True)
     organization = OrganizationFactory()
     MembershipFactory(organization=organization, user=user, role=Role.OWNER)
     signed_in = Client()
-    signed_in.force_login(user)
+    sign_in_staff(signed_in, user)
+    # NOTE: after the sign-in's request: Django's test client connects close_old_connections again after each,
+    # and schemathesis's WSGI calls would then close the test's transaction.
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
     SEEDED[:] = [create_node_pool(Actor(user=user), name=name, gpu_type=gpu, provider=provider, max_nodes=2).pk
                  for name, gpu, provider in (("l4-local", "l4", "local"), ("cpu-local", "cpu", "local"))]
     yield {settings.SESSION_COOKIE_NAME: signed_in.cookies[settings.SESSION_COOKIE_NAME].value,

@@ -1,0 +1,33 @@
+"""`manage.py reset_staff_second_factor <email>`: a staff member lost their authenticator.
+
+Every device of theirs goes: sessions they verified lose staff powers at once, and their next sign-in
+sets up a new device. Audited (`staff.second_factor.reset`). Check who is asking first: until they enrol
+again, the account's password alone can set up its device.
+"""
+
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+
+from controlplane.accounts.backends import accounts_with_email
+from controlplane.accounts.second_factor import reset_second_factor
+from controlplane.accounts.services import Actor
+
+
+class Command(BaseCommand):
+    help = "Remove a staff member's second-factor devices; their next sign-in sets up a new one."
+
+    def add_arguments(self, parser):
+        parser.add_argument("email", help="the account's email (or exact username)")
+
+    def handle(self, *args, email: str, **options):
+        user = get_user_model()._default_manager.filter(username=email).first()
+        if user is None:
+            matches = list(accounts_with_email(email)[:2])
+            if len(matches) != 1:
+                raise CommandError(f"No single account has the email {email!r}.")
+            user = matches[0]
+        num_devices = reset_second_factor(Actor(), user)
+        self.stdout.write(f"Removed {num_devices} device(s) of {user.email or user.get_username()}: "
+                          "their next sign-in sets up a new authenticator.")

@@ -1,0 +1,142 @@
+"""Staff's second factor: a password alone is no staff session.
+
+A staff session reaches every tenant's plans, prices, keys, nodes and node pools, so staff powers (the
+console's fleet pages, the Django admin, the node pools' API, staff-only figures) need a session that also
+passed a TOTP code (RFC 6238) from the staff member's confirmed device: `has_staff_powers`, the one test
+every staff check makes. Until then a staff account is an ordinary user.
+
+The proof lives in the session (django-otp's `OTPMiddleware` reads the device's id from it and drops it
+when the device is gone or belongs to someone else), so it ends with the session
+(`controlplane.accounts.staff_sessions`), with a log-out, and with an operator's reset of the devices. A code
+is taken once (the device's `last_t`: only a later time step verifies next) under the device's row lock, and
+wrong codes slow the device down (django-otp's throttling: 1, 2, 4... seconds) on top of the per-user limit
+on posts (`controlplane.accounts.throttle`). Every accepted, refused and throttled code, every enrolment and
+every reset is in the audit log.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from base64 import b32encode
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.utils import timezone
+from django_otp import login as otp_login
+from django_otp.plugins.otp_totp.models import TOTPDevice
+
+from controlplane.accounts.services import Actor, record_audit
+
+
+def is_staff_account(user) -> bool:
+    """An account that holds staff powers once its session passed the second factor."""
+    return bool(user is not None and user.is_authenticated and user.is_staff)
+
+
+def has_staff_powers(user) -> bool:
+    """Staff, in a session that passed the second factor.
+
+    NOTE: `is_verified` is installed by `OTPMiddleware` on the session's user; a user an API key authenticated
+    has none, so a key never carries staff powers, whoever created it.
+    """
+    if not is_staff_account(user):
+        return False
+    is_verified = getattr(user, "is_verified", None)
+    return bool(is_verified is not None and is_verified())
+
+
+def needs_second_factor(user) -> bool:
+    return is_staff_account(user) and not has_staff_powers(user)
+
+
+def confirmed_device(user) -> TOTPDevice | None:
+    return TOTPDevice.objects.filter(user=user, confirmed=True).order_by("pk").first()
+
+
+def pending_device(user) -> TOTPDevice:
+    """The device being enrolled: not counted until a code from it is confirmed (`confirm_enrolment`)."""
+    device = TOTPDevice.objects.filter(user=user, confirmed=False).order_by("pk").first()
+    return device or TOTPDevice.objects.create(user=user, name="authenticator", confirmed=False)
+
+
+def base32_secret(device: TOTPDevice) -> str:
+    """The secret as authenticator apps take it typed in."""
+    return b32encode(device.bin_key).decode()
+
+
+class Outcome(enum.Enum):
+    VERIFIED = "verified"
+    WRONG = "wrong"
+    THROTTLED = "throttled"
+
+
+@dataclass(slots=True, frozen=True)
+class CodeCheck:
+    outcome: Outcome
+    retry_after_s: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.VERIFIED
+
+
+def _check_code(device_pk: int, code: str) -> tuple[TOTPDevice, CodeCheck]:
+    # NOTE: under the device's row lock: two requests with one code both read the same `last_t`
+    # otherwise, and both would verify.
+    with transaction.atomic():
+        device = TOTPDevice.objects.select_for_update().get(pk=device_pk)
+        allowed, why = device.verify_is_allowed()
+        if not allowed:
+            locked_until = (why or {}).get("locked_until")
+            wait_s = max(1, math.ceil((locked_until - timezone.now()).total_seconds())) if locked_until else 1
+            return device, CodeCheck(Outcome.THROTTLED, wait_s)
+        if device.verify_token(code.strip().replace(" ", "")):
+            return device, CodeCheck(Outcome.VERIFIED)
+        return device, CodeCheck(Outcome.WRONG)
+
+
+def verify_staff_code(request, code: str) -> CodeCheck:
+    """Checks a code from the staff member's confirmed device; a right one makes this session staff."""
+    device = confirmed_device(request.user)
+    if device is None:
+        return CodeCheck(Outcome.WRONG)
+    device, check = _check_code(device.pk, code)
+    actor = Actor.from_request(request)
+    if check.ok:
+        otp_login(request, device)
+        record_audit(actor, None, "staff.second_factor.verify", request.user)
+    else:
+        record_audit(actor, None, "staff.second_factor.refuse", request.user, reason=check.outcome.value,
+                     num_failures=device.throttling_failure_count)
+    return check
+
+
+def confirm_enrolment(request, code: str) -> CodeCheck:
+    """Confirms the pending device with a code from it: it then counts, and this session is staff.
+
+    NOTE: refused once a confirmed device exists: replacing it takes an operator's reset
+    (`manage.py reset_staff_second_factor`), never the password alone.
+    """
+    if confirmed_device(request.user) is not None:
+        return CodeCheck(Outcome.WRONG)
+    device, check = _check_code(pending_device(request.user).pk, code)
+    actor = Actor.from_request(request)
+    if check.ok:
+        TOTPDevice.objects.filter(pk=device.pk).update(confirmed=True)
+        device.confirmed = True
+        otp_login(request, device)
+        record_audit(actor, None, "staff.second_factor.enrol", request.user)
+    else:
+        record_audit(actor, None, "staff.second_factor.refuse", request.user, reason=check.outcome.value,
+                     enrolling=True, num_failures=device.throttling_failure_count)
+    return check
+
+
+def reset_second_factor(actor: Actor, user) -> int:
+    """Removes every device of `user` (a lost phone): the sessions they verified lose staff powers at once,
+    and the next sign-in enrols a new device. Returns how many devices went."""
+    num_devices, _ = TOTPDevice.objects.filter(user=user).delete()
+    record_audit(actor, None, "staff.second_factor.reset", user, num_devices=num_devices)
+    return num_devices
+

@@ -1,0 +1,197 @@
+"""Staff's second factor: a staff account's password alone opens no staff page, no admin and no pool API;
+a code from its confirmed TOTP device, entered in this session, does (`controlplane.accounts.second_factor`)."""
+
+from __future__ import annotations
+
+from base64 import b32encode
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import Client
+from django_otp.plugins.otp_totp.models import TOTPDevice
+
+from controlplane.accounts.models import AuditEvent, Role
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff, totp_code
+
+pytestmark = pytest.mark.django_db
+
+PASSWORD = "correct horse battery"  # UserFactory's
+FLEET = "/console/fleet/"
+ADMIN = "/django-admin/"
+POOLS = "/api/v1/fleet/pools/"
+CODE_PAGE = "/login/code/"
+ENROL_PAGE = "/login/code/enrol/"
+
+
+@pytest.fixture
+def staff():
+    user = UserFactory(username="ops@example.test", is_staff=True, is_superuser=True)
+    MembershipFactory(organization=OrganizationFactory(), user=user, role=Role.OWNER)
+    return user
+
+
+@pytest.fixture
+def device(staff):
+    return TOTPDevice.objects.create(user=staff, name="phone", confirmed=True)
+
+
+def staff_powers(client) -> dict[str, int]:
+    return {"fleet": client.get(FLEET).status_code, "admin": client.get(ADMIN).status_code,
+            "pools": client.get(POOLS).status_code}
+
+
+OPEN = {"fleet": 200, "admin": 200, "pools": 200}
+SHUT = {"fleet": 404, "admin": 302, "pools": 404}  # what a signed-in tenant gets
+
+
+def test_a_staff_member_signed_in_with_the_password_alone_gets_no_staff_page_no_admin_and_no_pool_api(staff, device):
+    client = Client()
+    assert client.post("/login/", {"username": staff.email, "password": PASSWORD}).status_code == 302
+
+    assert staff_powers(client) == SHUT
+    assert ">Fleet<" not in client.get("/console/").content.decode()
+
+
+def test_the_password_leads_staff_to_the_code_page_and_a_right_code_opens_the_staff_powers(staff, device):
+    client = Client()
+    response = client.post("/login/", {"username": staff.email, "password": PASSWORD, "next": "/console/fleet/"})
+    assert response["Location"] == f"{CODE_PAGE}?next=%2Fconsole%2Ffleet%2F"
+
+    verified = client.post(CODE_PAGE, {"code": totp_code(device), "next": "/console/fleet/"})
+
+    assert verified.status_code == 302 and verified["Location"] == "/console/fleet/"
+    assert staff_powers(client) == OPEN
+    assert AuditEvent.objects.filter(action="staff.second_factor.verify", actor=staff, target_id=str(staff.pk)).exists()
+
+
+def test_a_tenant_signs_in_with_the_password_alone_and_is_never_asked_for_a_code():
+    tenant = UserFactory()
+    MembershipFactory(organization=OrganizationFactory(), user=tenant, role=Role.OWNER)
+    client = Client()
+
+    response = client.post("/login/", {"username": tenant.email, "password": PASSWORD})
+
+    assert response["Location"] == "/console/"
+    assert client.get(CODE_PAGE)["Location"] == "/console/"
+    assert staff_powers(client) == SHUT
+
+
+def test_the_django_admins_log_in_leads_staff_on_to_the_code_page(staff, device):
+    client = Client()
+    response = client.post("/django-admin/login/?next=/django-admin/", {"username": staff.email, "password": PASSWORD,
+                                                                       "next": "/django-admin/"}, follow=True)
+
+    assert response.redirect_chain[-1][0] == f"{CODE_PAGE}?next=%2Fdjango-admin%2F"
+    assert client.get(ADMIN).status_code == 302
+
+
+def wrong_code(device) -> str:
+    """A code the device takes at no step of its tolerance."""
+    taken = {totp_code(device, steps_ahead=step) for step in (-1, 0, 1)}
+    return next(code for code in (f"{n:06d}" for n in range(1_000_000)) if code not in taken)
+
+
+def test_a_wrong_code_is_refused_audited_and_slows_the_device_down(staff, device):
+    client = Client()
+    client.force_login(staff)
+    wrong = wrong_code(device)
+
+    refused = client.post(CODE_PAGE, {"code": wrong})
+    right_too_soon = client.post(CODE_PAGE, {"code": totp_code(device)})
+
+    assert refused.status_code == 400 and "wrong" in refused.content.decode()
+    assert right_too_soon.status_code == 429 and int(right_too_soon["Retry-After"]) >= 1
+    assert staff_powers(client) == SHUT
+    reasons = list(AuditEvent.objects.filter(action="staff.second_factor.refuse").values_list("details__reason", flat=True))
+    assert sorted(reasons) == ["throttled", "wrong"]
+
+
+def test_posting_codes_is_limited_per_user_whatever_the_device_says(staff, device):
+    client = Client()
+    client.force_login(staff)
+    statuses = [client.post(CODE_PAGE, {"code": "000000"}).status_code for _ in range(11)]
+
+    assert statuses[-1] == 429
+    assert client.post(CODE_PAGE, {"code": totp_code(device)}).status_code == 429
+
+
+def test_a_code_is_taken_once_a_second_session_cannot_use_it_again(staff, device):
+    code = totp_code(device)
+    first, second = Client(), Client()
+    first.force_login(staff)
+    second.force_login(staff)
+
+    assert first.post(CODE_PAGE, {"code": code}).status_code == 302
+    assert second.post(CODE_PAGE, {"code": code}).status_code == 400
+    assert staff_powers(first) == OPEN and staff_powers(second) == SHUT
+
+
+def test_the_code_verifies_this_session_only_a_new_sign_in_with_the_password_has_no_staff_powers(staff, device):
+    verified = Client()
+    sign_in_staff(verified, staff)
+    other = Client()
+    other.post("/login/", {"username": staff.email, "password": PASSWORD})
+
+    assert staff_powers(verified) == OPEN
+    assert staff_powers(other) == SHUT
+
+
+def test_enrolment_shows_the_secret_and_the_device_counts_only_once_a_code_from_it_is_confirmed(staff):
+    client = Client()
+    client.post("/login/", {"username": staff.email, "password": PASSWORD})
+    assert client.get(CODE_PAGE)["Location"].startswith(ENROL_PAGE)
+
+    page = client.get(ENROL_PAGE).content.decode()
+    pending = TOTPDevice.objects.get(user=staff)
+    assert not pending.confirmed
+    assert "otpauth://totp/Inferplane%3Aops%40example.test?secret=" in page
+    assert b32encode(pending.bin_key).decode() in page
+    assert staff_powers(client) == SHUT
+
+    wrong = client.post(ENROL_PAGE, {"code": wrong_code(pending)})
+    assert wrong.status_code == 400 and not TOTPDevice.objects.get(pk=pending.pk).confirmed
+    TOTPDevice.objects.filter(pk=pending.pk).update(throttling_failure_count=0, throttling_failure_timestamp=None)
+
+    assert client.post(ENROL_PAGE, {"code": totp_code(pending)}).status_code == 302
+    assert TOTPDevice.objects.get(pk=pending.pk).confirmed
+    assert staff_powers(client) == OPEN
+    assert AuditEvent.objects.filter(action="staff.second_factor.enrol", actor=staff).exists()
+
+
+def test_a_staff_member_with_a_device_cannot_enrol_another_with_the_password_alone(staff, device):
+    client = Client()
+    client.force_login(staff)
+
+    assert client.get(ENROL_PAGE)["Location"].startswith(CODE_PAGE)
+    assert client.post(ENROL_PAGE, {"code": "123456"})["Location"].startswith(CODE_PAGE)
+    assert list(TOTPDevice.objects.filter(user=staff)) == [device]
+
+
+def test_the_reset_command_removes_the_devices_ends_verified_sessions_staff_powers_and_is_audited(staff, device):
+    verified = Client()
+    sign_in_staff(verified, staff)
+    assert staff_powers(verified) == OPEN
+
+    call_command("reset_staff_second_factor", "OPS@example.test")
+
+    assert not TOTPDevice.objects.filter(user=staff).exists()
+    assert staff_powers(verified) == SHUT
+    assert verified.get(CODE_PAGE)["Location"].startswith(ENROL_PAGE)
+    event = AuditEvent.objects.get(action="staff.second_factor.reset")
+    assert event.target_id == str(staff.pk) and event.details["num_devices"] == 1
+
+
+def test_the_reset_command_refuses_an_address_no_single_account_has():
+    with pytest.raises(CommandError, match="No single account"):
+        call_command("reset_staff_second_factor", "nobody@example.test")
+
+
+def test_a_verified_staff_session_logged_out_and_signed_in_again_needs_a_new_code(staff, device):
+    client = Client()
+    sign_in_staff(client, staff)
+    client.post("/logout/")
+    client.post("/login/", {"username": staff.email, "password": PASSWORD})
+
+    assert staff_powers(client) == SHUT
+
