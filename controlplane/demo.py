@@ -1,6 +1,6 @@
-"""The local demo that `make run` seeds: an organisation, a staff admin, an API key, a join token
-(for an agent started by hand), the `local` node pool whose policy starts the CPU agent, and an
-endpoint serving a tiny model built on this machine.
+"""The local demo that `make run` seeds: an organisation, a staff admin with its authenticator (the second
+factor staff pass before staff pages open), an API key, a join token (for an agent started by hand), the
+`local` node pool whose policy starts the CPU agent, and an endpoint serving a tiny model built on this machine.
 
 Its secrets are kept (mode 600) in the data folder so that a second `make run`
 prints the same working login and key instead of minting new ones.
@@ -18,6 +18,8 @@ from pathlib import Path
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
+from django_otp.oath import TOTP
+from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from controlplane.accounts.keys import find_api_key
 from controlplane.accounts.models import ApiKey, Organization
@@ -46,6 +48,24 @@ class DemoSecrets:
     password: str
     api_key: str
     join_token: str
+    totp_key: str  # the admin's authenticator (hex, as django-otp keeps it): `manage.py demo_code` reads it
+
+
+def seed_authenticator(owner, stored_key: str | None) -> TOTPDevice:
+    """The demo admin's confirmed TOTP device, with the key `demo.json` keeps (a new one the first time, or
+    after an operator's reset), so that `manage.py demo_code` prints the codes it takes."""
+    device = TOTPDevice.objects.filter(user=owner, confirmed=True).first()
+    if device is None or (stored_key and device.key != stored_key):
+        TOTPDevice.objects.filter(user=owner).delete()
+        fields = {"key": stored_key} if stored_key else {}
+        device = TOTPDevice.objects.create(user=owner, name="demo (make run)", confirmed=True, **fields)
+    return device
+
+
+def current_code(totp_key: str) -> tuple[str, int]:
+    """The demo admin's code now, and the seconds it has left."""
+    totp = TOTP(bytes.fromhex(totp_key))
+    return f"{totp.token():06d}", int(totp.step - (totp.time - totp.t0) % totp.step)
 
 
 def build_tiny_model(models_dir: Path) -> Path:
@@ -88,6 +108,7 @@ def seed_demo(data_dir: Path, *, local_pool: bool = True) -> DemoSecrets:
             owner.set_password(password)
         owner.is_staff = owner.is_superuser = True
         owner.save()
+        totp_key = seed_authenticator(owner, stored.get("totp_key")).key
 
         join_token = stored.get("join_token")
         if not join_token or not JoinToken.objects.filter(lookup=join_token.split("_")[1], revoked_at__isnull=True).exists():
@@ -104,7 +125,7 @@ def seed_demo(data_dir: Path, *, local_pool: bool = True) -> DemoSecrets:
 
     seed_local_pool(enabled=local_pool)
 
-    result = DemoSecrets(password=password, api_key=api_key, join_token=join_token)
+    result = DemoSecrets(password=password, api_key=api_key, join_token=join_token, totp_key=totp_key)
     secrets_file.write_text(json.dumps(asdict(result)))
     secrets_file.chmod(0o600)
     return result

@@ -4,6 +4,7 @@ a code from its confirmed TOTP device, entered in this session, does (`controlpl
 from __future__ import annotations
 
 from base64 import b32encode
+from io import StringIO
 
 import pytest
 from django.core.management import call_command
@@ -11,6 +12,7 @@ from django.core.management.base import CommandError
 from django.test import Client
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
+from controlplane import demo
 from controlplane.accounts.models import AuditEvent, Role
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff, totp_code
 
@@ -195,3 +197,16 @@ def test_a_verified_staff_session_logged_out_and_signed_in_again_needs_a_new_cod
 
     assert staff_powers(client) == SHUT
 
+
+def test_the_demo_admin_signs_in_with_the_password_and_the_code_demo_code_prints_and_keeps_it_across_runs(
+        client, tmp_path, monkeypatch):
+    monkeypatch.setattr(demo, "build_tiny_model", lambda models_dir: models_dir / "tiny-llama")
+    monkeypatch.setenv("INFERPLANE_DATA_DIR", str(tmp_path))
+    seeded = demo.seed_demo(tmp_path)
+    printed = StringIO()
+    call_command("demo_code", stdout=printed, stderr=StringIO())
+
+    assert client.post("/login/", {"username": demo.DEMO_EMAIL, "password": seeded.password})["Location"].startswith(CODE_PAGE)
+    assert client.post(CODE_PAGE, {"code": printed.getvalue().strip()}).status_code == 302
+    assert staff_powers(client) == OPEN
+    assert demo.seed_demo(tmp_path).totp_key == seeded.totp_key  # a second `make run` prints codes that still work

@@ -112,6 +112,7 @@ class Command(BaseCommand):
         raise SystemExit(f"the web server did not answer in 60 s; see {log}")
 
     def _print_banner(self, base_url: str, demo, logs_dir: Path, no_agent: bool) -> None:
+        python_cmd = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
         agents = (f"none (--no-agent); start one with: python -m gpu_agent run --cpu --control-plane {base_url} "
                   "--join-token <join_token in .data/demo.json>" if no_agent else
                   f"{settings.LOCAL_POOL_DIR}/<launch id>.log (started by the local node pool)")
@@ -122,6 +123,7 @@ class Command(BaseCommand):
 Inferplane is running.
 
   Console     {base_url}/            (log in as {DEMO_EMAIL} / {demo.password})
+  Staff code  {python_cmd} manage.py demo_code   (the code the console asks next: staff pass a second factor)
   API docs    {base_url}/api/docs/
   API key     {demo.api_key}
   Logs        {logs_dir}/{{web,worker,beat}}.log
