@@ -67,6 +67,28 @@ def test_the_password_leads_staff_to_the_code_page_and_a_right_code_opens_the_st
     assert AuditEvent.objects.filter(action="staff.second_factor.verify", actor=staff, target_id=str(staff.pk)).exists()
 
 
+def test_a_session_key_copied_before_the_code_was_entered_is_no_staff_session(staff, device):
+    client = Client()
+    client.post("/login/", {"username": staff.email, "password": PASSWORD})
+    copied = Client()
+    copied.cookies["sessionid"] = client.cookies["sessionid"].value
+
+    client.post(CODE_PAGE, {"code": totp_code(device)})
+
+    assert staff_powers(client) == OPEN
+    assert copied.get(FLEET)["Location"].startswith("/login/")  # signed out: its session key is gone
+    assert copied.get(POOLS).status_code in (401, 403)
+
+
+def test_the_code_page_sends_nobody_to_another_site(staff, device):
+    client = Client()
+    client.force_login(staff)
+
+    response = client.post(CODE_PAGE, {"code": totp_code(device), "next": "https://evil.example/"})
+
+    assert response.status_code == 302 and response["Location"] == "/console/"
+
+
 def test_a_tenant_signs_in_with_the_password_alone_and_is_never_asked_for_a_code():
     tenant = UserFactory()
     MembershipFactory(organization=OrganizationFactory(), user=tenant, role=Role.OWNER)

@@ -96,6 +96,16 @@ def _check_code(device_pk: int, code: str) -> tuple[TOTPDevice, CodeCheck]:
         return device, CodeCheck(Outcome.WRONG)
 
 
+def _elevate_session(request, device: TOTPDevice) -> None:
+    """Marks this session as past the second factor, under a new session key.
+
+    NOTE: the key changes as it does at the password step (`login()`): a cookie copied from this browser before
+    the code was entered (a shared machine, a proxy's log) does not become a staff session with it.
+    """
+    otp_login(request, device)
+    request.session.cycle_key()
+
+
 def verify_staff_code(request, code: str) -> CodeCheck:
     """Checks a code from the staff member's confirmed device; a right one makes this session staff."""
     device = confirmed_device(request.user)
@@ -104,7 +114,7 @@ def verify_staff_code(request, code: str) -> CodeCheck:
     device, check = _check_code(device.pk, code)
     actor = Actor.from_request(request)
     if check.ok:
-        otp_login(request, device)
+        _elevate_session(request, device)
         record_audit(actor, None, "staff.second_factor.verify", request.user)
     else:
         record_audit(actor, None, "staff.second_factor.refuse", request.user, reason=check.outcome.value,
@@ -125,7 +135,7 @@ def confirm_enrolment(request, code: str) -> CodeCheck:
     if check.ok:
         TOTPDevice.objects.filter(pk=device.pk).update(confirmed=True)
         device.confirmed = True
-        otp_login(request, device)
+        _elevate_session(request, device)
         record_audit(actor, None, "staff.second_factor.enrol", request.user)
     else:
         record_audit(actor, None, "staff.second_factor.refuse", request.user, reason=check.outcome.value,
