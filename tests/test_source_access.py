@@ -15,7 +15,14 @@ from endpoints.models import AllowedSource, ModelCredential, Replica, organizati
 from endpoints.nodes.models import Node
 from endpoints.replicas import record_chat_template_tokens
 from gpu_agent.protocol import ChatTemplateTokens, Heartbeat, HeartbeatResponse, ReplicaState, ReplicaStatus
-from tests.factories import AWS_SECRET, HF_SECRET, EndpointFactory, OrganizationFactory, make_credential
+from tests.factories import (
+    AWS_SECRET,
+    HF_SECRET,
+    EndpointFactory,
+    OrganizationFactory,
+    make_credential,
+    sign_in_staff,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -159,7 +166,7 @@ def test_a_stopped_replicas_credentials_are_not_sent_again(client):
 
 
 def test_staff_manage_the_catalogue_in_the_admin_and_each_change_is_audited(client, admin_user):
-    client.force_login(admin_user)
+    sign_in_staff(client, admin_user)
     added = client.post("/django-admin/endpoints/allowedsource/add/", {"pattern": "hf:Qwen/", "description": "Qwen models"})
     assert added.status_code == 302
     assert access("hf:Qwen/Qwen2.5-7B-Instruct").use_fleet_credentials is True
