@@ -550,7 +550,7 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
     # memory, with both files whole beside them, and a large batch's took its worker past its memory limit (with the
     # other tenants' runs in it) at every try, its lines billed and its files never written.
     keys = storage.result_keys(batch.organization_id, batch.pk)
-    num_ok = sum(1 for _, ok in keys.values() if ok)
+    num_ok = sum(1 for result in keys.values() if result.ok)
     unrun = _unrun_rows(batch, keys) if final == BatchStatus.EXPIRED else iter(())
     first_unrun = next(unrun, None)
     if first_unrun is not None:

@@ -17,6 +17,7 @@ import json
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -29,8 +30,16 @@ RESULT_DIGITS = 7
 # held open through a long run.
 INPUT_PART_BYTES = 8 * 1024 * 1024
 READ_THREADS = 16  # within the client's connection pool (32)
+# The most bytes of line results a batch's finalize reads ahead of the one it writes (`result_bodies`), with at least
+# one result in flight however large. NOTE: it read 2 × READ_THREADS results ahead whatever their size: lines whose
+# answers are 20–30 MB each (`n`, logprobs) held ~1 GB, past a batch worker's 1 GiB shared by four runs, and the
+# worker was killed at every try, the batch finalizing for ever (with the other tenants' runs in it).
+RESULTS_READ_AHEAD_BYTES = 32 * 1024 * 1024
 # A batch's output and error files go up two 8 MiB parts at a time (boto3's default sends ten at once: 80 MiB held).
 OUTPUT_TRANSFER = TransferConfig(multipart_chunksize=8 * 1024 * 1024, max_concurrency=2)
+# NOTE: and read ahead of the parts going up no more than two (s3transfer's default reads ten ahead of a stream that
+# cannot seek: up to 80 MiB held whatever `max_concurrency` is; boto3's own config does not name it).
+OUTPUT_TRANSFER.max_in_memory_upload_chunks = 2
 
 
 @functools.cache
@@ -123,20 +132,27 @@ def put_result(organization_id: int, batch_id: str, index: int, result: dict, *,
               json.dumps(result).encode())
 
 
-def _result_keys(organization_id: int, batch_id: str) -> dict[int, tuple[str, bool]]:
+@dataclass(slots=True, frozen=True)
+class StoredResult:
+    key: str
+    ok: bool
+    num_bytes: int
+
+
+def _result_keys(organization_id: int, batch_id: str) -> dict[int, StoredResult]:
     prefix = _results_prefix(organization_id, batch_id)
     paginator = _client().get_paginator("list_objects_v2")
     found = {}
     for page in paginator.paginate(Bucket=settings.FILES_S3_BUCKET, Prefix=prefix):
         for item in page.get("Contents", []):
             index, outcome, _ = item["Key"][len(prefix):].split(".")
-            found[int(index)] = (item["Key"], outcome == "ok")
+            found[int(index)] = StoredResult(item["Key"], outcome == "ok", item["Size"])
     return found
 
 
 def result_indices(organization_id: int, batch_id: str) -> dict[int, bool]:
     """The lines finished so far: index -> whether it succeeded."""
-    return {index: ok for index, (_, ok) in _result_keys(organization_id, batch_id).items()}
+    return {index: result.ok for index, result in _result_keys(organization_id, batch_id).items()}
 
 
 def delete_results(organization_id: int, batch_id: str) -> None:
@@ -151,46 +167,61 @@ def delete_results(organization_id: int, batch_id: str) -> None:
                 raise RuntimeError(f"S3 kept {len(answer['Errors'])} line results of {batch_id}: {answer['Errors'][0]}")
 
 
-def result_keys(organization_id: int, batch_id: str) -> dict[int, tuple[str, bool]]:
-    """The lines finished so far: index -> (the key of its result, whether it succeeded), in line order."""
+def result_keys(organization_id: int, batch_id: str) -> dict[int, StoredResult]:
+    """The lines finished so far: index -> its result (key, whether it succeeded, size), in line order."""
     return dict(sorted(_result_keys(organization_id, batch_id).items()))
 
 
-def result_bodies(keys: dict[int, tuple[str, bool]], *, ok: bool) -> Iterator[bytes]:
-    """The JSON of each result in `keys` that succeeded (or failed), as written, in line order; `READ_THREADS` read
-    at a time and at most twice that many held: a batch's results are never all in memory at once."""
-    wanted = [key for key, succeeded in keys.values() if succeeded == ok]
+def result_bodies(keys: dict[int, StoredResult], *, ok: bool) -> Iterator[bytes]:
+    """The JSON of each result in `keys` that succeeded (or failed), as written, in line order; up to `READ_THREADS`
+    read at a time, and those read ahead of the one handed on never more than `RESULTS_READ_AHEAD_BYTES` together
+    (but one at least): a batch's results are never all in memory at once, however large each is."""
+    wanted = [result for result in keys.values() if result.ok == ok]
     with ThreadPoolExecutor(READ_THREADS) as pool:
-        ahead: deque[Future] = deque()
-        for key in wanted:
-            ahead.append(pool.submit(read_bytes, key))
-            if len(ahead) >= 2 * READ_THREADS:
-                yield ahead.popleft().result()
+        ahead: deque[tuple[Future, int]] = deque()
+        num_ahead_bytes = 0
+        for result in wanted:
+            while ahead and (len(ahead) >= 2 * READ_THREADS
+                             or num_ahead_bytes + result.num_bytes > RESULTS_READ_AHEAD_BYTES):
+                future, num_bytes = ahead.popleft()
+                num_ahead_bytes -= num_bytes
+                yield future.result()
+            ahead.append((pool.submit(read_bytes, result.key), result.num_bytes))
+            num_ahead_bytes += result.num_bytes
         while ahead:
-            yield ahead.popleft().result()
+            yield ahead.popleft()[0].result()
 
 
 class _JsonLines(io.RawIOBase):
-    """A file to read from an iterator of JSON texts, one per line: what `upload_fileobj` reads a part at a time."""
+    """A file to read from an iterator of JSON texts, one per line: what `upload_fileobj` reads a part at a time.
+
+    NOTE: each row is copied straight into the reader's buffer: they were gathered in a buffer of their own first
+    and sliced out of it, three copies of a part held at once, and a row of 60 MiB (a long answer) a fourth."""
 
     def __init__(self, rows: Iterable[bytes]) -> None:
         self._rows = iter(rows)
-        self._pending = bytearray()
+        self._pieces: deque[memoryview] = deque()  # what is left of the row being read, and its line's end
         self.size = 0
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        while len(self._pending) < len(buffer):  # NOTE: full reads but the last: S3's parts but the last are >= 5 MiB
-            row = next(self._rows, None)
-            if row is None:
-                break
-            self._pending += row
-            self._pending += b"\n"
-        num = min(len(buffer), len(self._pending))
-        buffer[:num] = self._pending[:num]
-        del self._pending[:num]
+        view = memoryview(buffer).cast("B")
+        num = 0
+        while num < len(view):  # NOTE: full reads but the last: S3's parts but the last are >= 5 MiB
+            if not self._pieces:
+                row = next(self._rows, None)
+                if row is None:
+                    break
+                self._pieces.extend((memoryview(row), memoryview(b"\n")))
+                continue
+            piece = self._pieces.popleft()
+            taken = min(len(piece), len(view) - num)
+            view[num:num + taken] = piece[:taken]
+            num += taken
+            if taken < len(piece):
+                self._pieces.appendleft(piece[taken:])
         self.size += num
         return num
 

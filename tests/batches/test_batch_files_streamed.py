@@ -53,3 +53,38 @@ def test_a_batchs_files_are_written_a_result_at_a_time(files_bucket):
         assert file.bytes == len(data)
         assert [json.loads(row) for row in data.splitlines()] == [_result(i, i % 4 != 0) for i in wanted]
     assert storage.result_indices(batch.organization_id, batch.pk) == {}
+
+
+def test_a_batchs_files_read_ahead_a_budget_of_bytes_not_a_number_of_results(files_bucket, monkeypatch):
+    # It read 32 results ahead whatever their size: lines whose answers were 20–30 MB each (`n`, logprobs) held ~1 GB
+    # in a worker of 1 GiB shared by four runs, killed at every try, the batch finalizing for ever. Here a budget of
+    # 4 MiB (32 MiB in production) and results of 1.5 MiB: 48 MiB read ahead before, and one result past the budget.
+    monkeypatch.setattr(storage, "RESULTS_READ_AHEAD_BYTES", 4 * 2**20, raising=False)
+    endpoint = EndpointFactory(max_model_len=2048)
+    num_lines = 40
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}} for i in range(num_lines)]
+    batch = new_batch(endpoint, b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+    services.run_batch(batch.pk)
+
+    def result(index: int) -> dict:
+        answer = "y" * (6 * 2**20 if index == 7 else 3 * 2**19)
+        return {"id": f"batch_req_{index}", "custom_id": f"c{index}", "error": None,
+                "response": {"status_code": 200, "request_id": f"r{index}", "body": {"text": answer}}}
+
+    for index in range(num_lines):
+        storage.put_result(batch.organization_id, batch.pk, index, result(index), ok=True)
+
+    tracemalloc.start()
+    try:
+        services.finalize_batch(Batch.objects.get(pk=batch.pk), BatchStatus.COMPLETED)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed) == (BatchStatus.COMPLETED, num_lines)
+    data = storage.read_bytes(batch.output_file.s3_key)
+    assert [json.loads(row) for row in data.splitlines()] == [result(i) for i in range(num_lines)]
+    # NOTE: ~26 MiB of it is the file's upload (two 8 MiB parts and their reads), whatever the results
+    assert peak < 48 * 2**20, f"{peak / 2**20:.0f} MiB held to write results read ahead within 4 MiB"
