@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -126,10 +125,11 @@ def _results_prefix(organization_id: int, batch_id: str) -> str:
     return f"batches/{organization_id}/{batch_id}/lines/"
 
 
-def put_result(organization_id: int, batch_id: str, index: int, result: dict, *, ok: bool) -> None:
-    """One finished line (`<index>.ok.json` or `<index>.error.json`: counts come from the listing alone)."""
+def put_result(organization_id: int, batch_id: str, index: int, row: bytes, *, ok: bool) -> None:
+    """One finished line, its row of the output (or error) file as it will be written (`<index>.ok.json` or
+    `<index>.error.json`: counts come from the listing alone)."""
     put_bytes(f"{_results_prefix(organization_id, batch_id)}{index:0{RESULT_DIGITS}d}.{'ok' if ok else 'error'}.json",
-              json.dumps(result).encode())
+              row)
 
 
 @dataclass(slots=True, frozen=True)

@@ -35,7 +35,8 @@ def test_a_batchs_files_are_written_a_result_at_a_time(files_bucket):
     batch = new_batch(endpoint, b"".join(json.dumps(line).encode() + b"\n" for line in lines))
     services.run_batch(batch.pk)
     for index in range(NUM_LINES):
-        storage.put_result(batch.organization_id, batch.pk, index, _result(index, index % 4 != 0), ok=index % 4 != 0)
+        storage.put_result(batch.organization_id, batch.pk, index, json.dumps(_result(index, index % 4 != 0)).encode(),
+                           ok=index % 4 != 0)
 
     tracemalloc.start()
     try:
@@ -73,7 +74,7 @@ def test_a_batchs_files_read_ahead_a_budget_of_bytes_not_a_number_of_results(fil
                 "response": {"status_code": 200, "request_id": f"r{index}", "body": {"text": answer}}}
 
     for index in range(num_lines):
-        storage.put_result(batch.organization_id, batch.pk, index, result(index), ok=True)
+        storage.put_result(batch.organization_id, batch.pk, index, json.dumps(result(index)).encode(), ok=True)
 
     tracemalloc.start()
     try:

@@ -53,7 +53,7 @@ def test_a_running_batch_whose_input_is_gone_ends_failed_with_the_lines_that_ran
     batch = _running_batch()
     ran = {"id": "batch_req_x_0", "custom_id": "c0", "error": None,
            "response": {"status_code": 200, "request_id": "r0", "body": {"choices": [{"message": {"content": "hi"}}]}}}
-    storage.put_result(batch.organization_id, batch.pk, 0, ran, ok=True)
+    storage.put_result(batch.organization_id, batch.pk, 0, json.dumps(ran).encode(), ok=True)
     storage.delete(batch.input_file.s3_key)  # lost (a lifecycle rule, an operator), or deleted racing the batch's creation
 
     assert services.run_batch(batch.pk) == "input gone"

@@ -42,7 +42,8 @@ def _running_batch() -> Batch:
 def _finish_lines(batch: Batch, count: int) -> None:
     """The first `count` lines' results in S3, as a run writes them."""
     for line in itertools.islice(services._input_lines(batch), count):
-        outcome = runner.LineOutcome(line, 200, {"choices": [{"text": line.custom_id}]}, f"{batch.pk}-{line.index}")
+        outcome = runner.LineOutcome(line, 200, json.dumps({"choices": [{"text": line.custom_id}]}).encode(),
+                                     f"{batch.pk}-{line.index}")
         storage.put_result(batch.organization_id, batch.pk, line.index, outcome.output(batch.pk), ok=True)
 
 

@@ -44,10 +44,12 @@ def _prefix(payload: dict) -> str:
 class MockOpenAI:
     def __init__(self, token_delay_s: float = 0.0, fail_after_chunks: int | None = None, one_write: bool = False,
                  prefix_cache: bool = False, prefill_s: float = 0.0, whole_answer_bytes: int = 0,
-                 cut_whole_answers: int = 0):
+                 cut_whole_answers: int = 0, logprob_token_bytes: int = 1000):
         self.token_delay_s = token_delay_s
         self.prefill_s = prefill_s  # before the first token (a stream's first event comes after it)
         self.whole_answer_bytes = whole_answer_bytes  # an answer (or a whole stream) padded to about this size (logprobs)
+        # each padding logprob's token: long ones make few JSON objects, short ones (real tokens) many
+        self.logprob_token_bytes = logprob_token_bytes
         self.fail_after_chunks = fail_after_chunks
         self.cut_whole_answers = cut_whole_answers  # the first this many non-streamed answers: headers, half a body, gone
         self.one_write = one_write  # a whole stream in one write: what a fast engine looks like to a busy gateway
@@ -94,7 +96,8 @@ class MockOpenAI:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
                   else {"index": 0, "text": text, "finish_reason": "length"})
         if self.whole_answer_bytes:
-            choice["logprobs"] = {"content": [{"token": "x" * 1000, "logprob": -1.0}] * (self.whole_answer_bytes // 1030)}
+            entry = {"token": "x" * self.logprob_token_bytes, "logprob": -1.0}
+            choice["logprobs"] = {"content": [entry] * (self.whole_answer_bytes // len(_dumps(entry)))}
         answer = {
             "id": "cmpl-mock", "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": payload.get("model"), "choices": [choice], "usage": _usage(num_tokens, cached),
@@ -178,13 +181,15 @@ def main() -> None:
     parser.add_argument("--prefix-cache", action="store_true", help="report cached tokens for a prefix seen before")
     parser.add_argument("--prefill-ms", type=float, default=0.0, help="time before the first token")
     parser.add_argument("--whole-answer-bytes", type=int, default=0, help="pad answers (and whole streams) to about this size")
+    parser.add_argument("--logprob-token-bytes", type=int, default=1000, help="the length of each padding logprob's token")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="the prompt tokens every usage says")
     parser.add_argument("--cut-whole-answers", type=int, default=0,
                         help="the first N non-streamed answers stop half-way (headers sent, the connection dropped)")
     args = parser.parse_args()
     PROMPT_TOKENS = args.prompt_tokens
     app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks, args.one_write, args.prefix_cache,
-                     args.prefill_ms / 1000, args.whole_answer_bytes, args.cut_whole_answers)
+                     args.prefill_ms / 1000, args.whole_answer_bytes, args.cut_whole_answers,
+                     args.logprob_token_bytes)
     if os.environ.get(ENGINE_API_KEY_ENV):
         app = EngineKeyGuard(app)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)

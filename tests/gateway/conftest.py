@@ -37,7 +37,8 @@ def start_mock_upstream(tmp_path):
 
     def start(*, token_delay_ms: float = 0, fail_after_chunks: int | None = None, engine_key: str = "",
               one_write: bool = False, prefix_cache: bool = False, prefill_ms: float = 0,
-              whole_answer_bytes: int = 0, prompt_tokens: int | None = None, cut_whole_answers: int = 0) -> str:
+              whole_answer_bytes: int = 0, prompt_tokens: int | None = None, cut_whole_answers: int = 0,
+              logprob_token_bytes: int | None = None) -> str:
         port = free_port()
         args = [sys.executable, "-m", "tests.fakes.mock_openai", "--port", str(port), "--token-delay-ms", str(token_delay_ms)]
         if fail_after_chunks is not None:
@@ -50,6 +51,8 @@ def start_mock_upstream(tmp_path):
             args += ["--prefill-ms", str(prefill_ms)]
         if whole_answer_bytes:
             args += ["--whole-answer-bytes", str(whole_answer_bytes)]
+        if logprob_token_bytes is not None:
+            args += ["--logprob-token-bytes", str(logprob_token_bytes)]
         if prompt_tokens is not None:
             args += ["--prompt-tokens", str(prompt_tokens)]
         if cut_whole_answers:

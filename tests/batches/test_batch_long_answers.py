@@ -1,0 +1,73 @@
+"""A batch line's answer is kept as the engine's bytes: never parsed whole into Python objects, never grown on its way
+to S3.
+
+Before: a line's answer was joined from its pieces, parsed, and written again as JSON; a non-streamed answer may be up
+to 64 MiB (`n`, logprobs, `top_logprobs`), and parsed, one of many small logprobs took ~8 times that (a 64 MiB answer
+~500 MB): a batch worker has four runs in one 1 GiB container, and was killed with them all."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import pytest
+
+from endpoints.batches import runner, services, storage
+from endpoints.batches.models import Batch, BatchStatus
+from endpoints.batches.validation import Line
+from tests.batches.conftest import new_batch
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MiB = 2**20
+ANSWER_BYTES = 16 * MiB
+
+
+def _lines(model: str, num: int) -> bytes:
+    return b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 4, "logprobs": True}}).encode() + b"\n" for i in range(num))
+
+
+def test_a_lines_long_answer_is_kept_without_being_parsed_whole(files_bucket, tenant, start_mock_upstream):
+    # 16 MiB of logprobs of 4-byte tokens: ~490,000 small JSON objects, ~130 MiB parsed.
+    upstream = start_mock_upstream(whole_answer_bytes=ANSWER_BYTES, logprob_token_bytes=4)
+    endpoint = serve_endpoint(tenant.org, upstream)
+    batch = new_batch(endpoint, _lines(endpoint.name, 1))
+
+    tracemalloc.start()
+    try:
+        services.run_batch(batch.pk)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed) == (BatchStatus.COMPLETED, 1)
+    [row] = storage.read_bytes(batch.output_file.s3_key).splitlines()
+    result = json.loads(row)
+    assert result["custom_id"] == "c0" and result["response"]["status_code"] == 200
+    assert result["response"]["request_id"] == f"{batch.pk}-0" and result["error"] is None
+    logprobs = result["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(logprobs) > 400_000 and logprobs[-1] == {"token": "xxxx", "logprob": -1.0}
+    # NOTE: the gateway's own copy, the line's, its row and the output file's upload (~26 MiB): under 4 × the answer
+    assert peak < 4 * ANSWER_BYTES, f"{peak / MiB:.0f} MiB held for a line's {ANSWER_BYTES / MiB:.0f} MiB answer"
+
+
+def test_an_answer_is_written_to_its_file_as_one_line_of_the_same_json():
+    body = runner.json_text(b'{\r\n  "text": "a\\nb \\u2028",\n  "logprob": -Infinity,\n  "n": [1, {"x": null}]\n}\n')
+    line = Line(index=3, custom_id='c", "body": null}', body={})
+
+    row = runner.LineOutcome(line, 200, body, "batch_abc-3").output("batch_abc")
+
+    assert b"\n" not in row and b"\r" not in row
+    assert json.loads(row) == {"id": "batch_req_abc_3", "custom_id": 'c", "body": null}', "error": None,
+                               "response": {"status_code": 200, "request_id": "batch_abc-3",
+                                            "body": {"text": "a\nb \u2028", "logprob": float("-inf"),
+                                                     "n": [1, {"x": None}]}}}
+
+
+@pytest.mark.parametrize("answer", [b'{"text": "cut', b'{"a": 1} {"b": 2}', b'\xff{}', b'{"a": "\n"}', b""])
+def test_an_answer_that_is_not_one_json_text_is_refused(answer):
+    assert runner.json_text(answer) is None
