@@ -79,8 +79,9 @@ class File(models.Model):
 
 
 class BatchStatus(models.TextChoices):
-    """OpenAI's lifecycle: validating → in_progress → finalizing → completed; or failed (bad input),
-    expired (the completion window ended first), cancelling → cancelled."""
+    """OpenAI's lifecycle: validating → in_progress → finalizing → completed; or failed (bad input, its input gone,
+    or, through finalizing, its answers past the storage quota), expired (the completion window ended first),
+    cancelling → cancelled."""
 
     VALIDATING = "validating"
     FAILED = "failed"
@@ -140,6 +141,9 @@ class Batch(models.Model):
     # Runs that began validating it: a file whose check keeps dying (a killed worker, a bug) fails the
     # batch after `services.MAX_VALIDATION_ATTEMPTS` instead of holding a place in every tick.
     num_validation_attempts = models.PositiveSmallIntegerField(default=0, db_default=0)
+    # Bytes of its line results stored so far (each row and its line's end: what its output and error files will
+    # hold), counted against the organisation's `max_file_bytes` before each is stored (`services._take_result_room`).
+    num_result_bytes = models.PositiveBigIntegerField(default=0, db_default=0)
     # When its line results (`storage.put_result`) were deleted, once it ended; None while they may be in
     # S3: `services.sweep_ended_results` deletes those of batches ended a while ago (a run that died first).
     results_deleted_at = models.DateTimeField(null=True, blank=True)

@@ -97,6 +97,22 @@ class LineOutcome:
         return b"".join((head[:start].encode(), self.body, head[start + len("null"):].encode()))
 
 
+def error_row(batch_id: str, index: int, custom_id: str, *, code: str, message: str) -> bytes:
+    """The error file's row of a line that has no answer to give (never run, or its answer not kept), as OpenAI
+    writes one."""
+    return json.dumps({"id": f"batch_req_{batch_id.removeprefix('batch_')}_{index}", "custom_id": custom_id,
+                       "response": None, "error": {"code": code, "message": message}}).encode()
+
+
+@dataclass(slots=True, frozen=True)
+class Stored:
+    """What `store` did with a finished line: whether it counts as completed, and why the run should stop starting
+    lines ("" to go on)."""
+
+    ok: bool
+    stop: str = ""
+
+
 def _dropped(pairs: list) -> None:
     return None
 
@@ -120,7 +136,8 @@ def json_text(data: bytes | bytearray) -> bytes | None:
 class Progress:
     num_completed: int
     num_failed: int
-    stopped: str = ""  # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold", "full"
+    # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold", "full", "quota"
+    stopped: str = ""
 
 
 class _Capture:
@@ -233,13 +250,13 @@ class _Pending:
 
 
 async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: float,
-              keep_going: Callable[[Progress], str], store: Callable[[LineOutcome], None],
+              keep_going: Callable[[Progress], str], store: Callable[[LineOutcome], Stored],
               lines_end_by: float | None = None) -> Progress:
     """Run `todo` (read as lines start) until done, stopped or out of time: lines start for `slice_s` and every line
     ends within `LINES_END_WITHIN_S`, both from the first line's start, and by `lines_end_by` (monotonic).
     `keep_going(progress)` (sync, ORM: renews the lease, writes the counts) returns "" to go on, or why to stop
-    starting lines; `store` keeps a finished line. An error reading `todo` stops the run's starts and is raised once
-    its lines in flight have ended and been kept."""
+    starting lines; `store` keeps a finished line, and may stop the run's starts (`Stored.stop`). An error reading
+    `todo` stops the run's starts and is raised once its lines in flight have ended and been kept."""
     endpoint = await directory.find_endpoint(work.organization_id, work.model)
     if endpoint is None:
         progress.stopped = "gone"
@@ -305,12 +322,14 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             done, _ = await asyncio.wait([*running, *storing], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task in storing:
-                    outcome = storing.pop(task)
-                    task.result()  # a put S3 refused ends the run: the next one runs the line again, under its id
-                    if outcome.status_code == 200:
+                    storing.pop(task)
+                    stored = task.result()  # a put S3 refused ends the run: the next one runs the line again, under its id
+                    if stored.ok:
                         progress.num_completed += 1
                     else:
                         progress.num_failed += 1
+                    if stored.stop and not progress.stopped:
+                        progress.stopped = stored.stop
                     continue
                 line = running.pop(task)
                 outcome = task.result()

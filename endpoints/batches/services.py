@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import secrets
 import time
@@ -25,8 +24,8 @@ from datetime import timedelta
 from celery import current_app
 from django.conf import settings
 from django.db import DatabaseError, transaction
-from django.db.models import F, Q, Sum, Window
-from django.db.models.functions import RowNumber
+from django.db.models import BigIntegerField, F, Q, Sum, Window
+from django.db.models.functions import Greatest, RowNumber
 from django.utils import timezone
 
 from controlplane.accounts import keys
@@ -124,15 +123,20 @@ def create_file(*, organization_id: int, purpose: str, filename: str, stream, si
     return file
 
 
-def _refuse_past_storage_quota(organization_id: int, size: int, *, param: str, doing: str) -> None:
-    """Refuse `size` more bytes past the organisation's `max_file_bytes`: its files (uploads in progress
-    too) and the room its open batches keep for their outputs (each its input's size). Takes the
-    organisation's row lock, held by the caller's transaction until its row is written."""
+def _storage_use(organization_id: int) -> tuple[int, int, int]:
+    """The organisation's `max_file_bytes`, the bytes of its files (uploads in progress too), and the room its open
+    batches keep for their outputs (each its input's size, or its results' so far when larger: `num_result_bytes`).
+    Takes the organisation's row lock, held by the caller's transaction until what it counts is written."""
     organization = Organization.objects.select_for_update(of=("self",)).select_related("plan").get(pk=organization_id)
-    limit = organization.quotas.max_file_bytes
     used = File.objects.held_by(organization_id).aggregate(total=Sum("bytes"))["total"] or 0
     room = Batch.objects.open().filter(organization_id=organization_id).aggregate(
-        total=Sum("input_file__bytes"))["total"] or 0
+        total=Sum(Greatest("input_file__bytes", "num_result_bytes", output_field=BigIntegerField())))["total"] or 0
+    return organization.quotas.max_file_bytes, used, room
+
+
+def _refuse_past_storage_quota(organization_id: int, size: int, *, param: str, doing: str) -> None:
+    """Refuse `size` more bytes past the organisation's `max_file_bytes` (`_storage_use`), under its row lock."""
+    limit, used, room = _storage_use(organization_id)
     if used + room + size > limit:
         raise Refused(f"Your organisation keeps {used:,} bytes of files{f' ({room:,} more kept for open batches)' if room else ''}"
                       f" and may keep {limit:,} (quota max_file_bytes){f' {doing}' if doing else ''}: delete files it no "
@@ -173,14 +177,15 @@ def delete_file(file: File) -> bool:
 
 def _store_output(organization_id: int, filename: str, rows: Iterable[bytes]) -> File:
     """A batch's output or error file of JSON lines `rows`: its row is written first, as an upload in progress, then
-    its bytes go to S3 a part at a time; `finalize_batch` marks it stored as it ends the batch. A run killed in between
-    leaves a row that `sweep_abandoned_uploads` removes with its bytes, never bytes no row names."""
+    its bytes go to S3 a part at a time; `finalize_batch` marks it stored, with its size, as it ends the batch. A run
+    killed in between leaves a row that `sweep_abandoned_uploads` removes with its bytes, never bytes no row names.
+    NOTE: its size is written as the batch ends: till then the batch's room (`num_result_bytes`) counts those bytes,
+    and counted twice they made other batches' lines and uploads refused while it finalized."""
     file_id = new_file_id()
     file = File.objects.create(id=file_id, organization_id=organization_id, purpose=FilePurpose.BATCH_OUTPUT,
                                filename=filename, bytes=0, s3_key=storage.file_key(organization_id, file_id),
                                stored_at=None)
     file.bytes = storage.put_lines(file.s3_key, rows)
-    File.objects.filter(pk=file.pk).update(bytes=file.bytes)
     return file
 
 
@@ -326,6 +331,8 @@ def run_batch(batch_id: str) -> str:
             final = BatchStatus.EXPIRED
         elif batch.status == BatchStatus.CANCELLING:
             final = BatchStatus.CANCELLED
+        elif batch.status == BatchStatus.FINALIZING and batch.errors:  # stopped by its errors (`_fail_past_storage_quota`)
+            final = BatchStatus.FAILED
         elif batch.status == BatchStatus.FINALIZING or (batch.status == BatchStatus.IN_PROGRESS and batch.num_pending == 0):
             final = BatchStatus.COMPLETED
         if final is not None:
@@ -478,9 +485,24 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
             return "cancel"
         return ""
 
-    def store(outcome: runner.LineOutcome) -> None:
-        storage.put_result(batch.organization_id, batch.pk, outcome.line.index, outcome.output(batch.pk),
-                           ok=outcome.status_code == 200)
+    refused: list[int] = []  # the lines whose answers were not kept, past the storage quota
+
+    def store(outcome: runner.LineOutcome) -> runner.Stored:
+        row = outcome.output(batch.pk)
+        if _take_result_room(batch, len(row) + 1):
+            storage.put_result(batch.organization_id, batch.pk, outcome.line.index, row, ok=outcome.status_code == 200)
+            return runner.Stored(ok=outcome.status_code == 200)
+        # NOTE: its answer is dropped, not stored past the quota: the run stops starting lines (each would be billed
+        # for an answer it could not keep) and the batch fails with the lines that ran (`_fail_past_storage_quota`).
+        error = runner.error_row(batch.pk, outcome.line.index, outcome.line.custom_id, code="storage_quota_exceeded",
+                                 message=f"This request's answer ({len(row):,} bytes) was not kept: it would take your "
+                                         "organisation's files past its storage quota (max_file_bytes). It ran, and is "
+                                         "billed as any request that ran. Delete files the organisation no longer "
+                                         "needs, or ask for a larger plan, and send the request again.")
+        _take_result_room(batch, len(error) + 1, past_quota=True)
+        storage.put_result(batch.organization_id, batch.pk, outcome.line.index, error, ok=False)
+        refused.append(outcome.line.index)
+        return runner.Stored(ok=False, stop="quota")
 
     progress = asyncio.run(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
                                       keep_going=keep_going, store=store, lines_end_by=lines_end_by))
@@ -493,6 +515,8 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
         record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk} waits: no READY replica, and batch work does not wake the endpoint "
                              f"before {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(wake))} (its deadline's need)",
                    batch_id=batch.pk)
+    elif progress.stopped == "quota":
+        _fail_past_storage_quota(batch, min(refused))
     elif progress.stopped == "gone":
         # NOTE: only when this run failed it: a cancel that came first keeps the results for its files.
         if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(
@@ -500,6 +524,36 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
                 errors=[LineError(1, "model_not_found", "The batch's endpoint was deleted.", "body.model").as_openai()]):
             _delete_results(batch)
     return progress.stopped or "ran"
+
+
+def _take_result_room(batch: Batch, num_bytes: int, *, past_quota: bool = False) -> bool:
+    """Count `num_bytes` more of the batch's results (`num_result_bytes`) against its organisation's `max_file_bytes`,
+    under its row lock; False, counting nothing, when they would take it past the quota (unless `past_quota`: a line's
+    error row, a few hundred bytes). Results within the room the batch kept at its creation (its input's size) always
+    fit. NOTE: a batch kept room for its output equal to its input only, and its outputs were stored unchecked: a
+    300-byte line's answer may be 64 MiB, and 50,000 such lines took an organisation's S3 use far past its quota."""
+    with transaction.atomic():
+        limit, used, room = _storage_use(batch.organization_id)
+        num_input_bytes, num_result_bytes = Batch.objects.filter(pk=batch.pk).values_list(
+            "input_file__bytes", "num_result_bytes").get()
+        kept, wanted = max(num_input_bytes, num_result_bytes), max(num_input_bytes, num_result_bytes + num_bytes)
+        if not past_quota and wanted > kept and used + room - kept + wanted > limit:
+            return False
+        Batch.objects.filter(pk=batch.pk).update(num_result_bytes=F("num_result_bytes") + num_bytes)
+    return True
+
+
+def _fail_past_storage_quota(batch: Batch, index: int) -> None:
+    """A batch whose line `index`'s answer did not fit its organisation's storage quota: finalized as `failed`, with the
+    lines that ran (`run_batch` ends it), unless a cancel came first."""
+    message = (f"The batch stopped at line {index + 1}: its answer would have taken your organisation's files past its "
+               "storage quota (max_file_bytes). The lines that ran are in the output and error files; delete files "
+               "the organisation no longer needs, or ask for a larger plan, and send the others again.")
+    if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(
+            status=BatchStatus.FINALIZING, finalizing_at=timezone.now(),
+            errors=[LineError(index + 1, "storage_quota_exceeded", message).as_openai()]):
+        record_event_once(batch.endpoint, EventKind.BATCH, f"Batch {batch.pk} failed: line {index + 1}'s answer would "
+                          "have taken its organisation's files past its storage quota", batch_id=batch.pk)
 
 
 def _delete_results(batch: Batch) -> bool:
@@ -530,10 +584,8 @@ def _unrun_rows(batch: Batch, done: Container[int]) -> Iterator[bytes]:
     """The error file's row of each line an expired batch never ran, read from its input as the file is written."""
     try:
         for line in _input_lines(batch, skip=done):
-            yield json.dumps({"id": f"batch_req_{batch.pk.removeprefix('batch_')}_{line.index}", "custom_id": line.custom_id,
-                              "response": None, "error": {"code": "batch_expired",
-                                                          "message": "This request could not be executed before the "
-                                                                     "completion window expired."}}).encode()
+            yield runner.error_row(batch.pk, line.index, line.custom_id, code="batch_expired",
+                                   message="This request could not be executed before the completion window expired.")
     except storage.ObjectGone:  # their custom ids went with it: the batch still ends
         logger.warning("batch %s expired with its input file gone: its unrun lines are not all listed", batch.pk)
 
@@ -567,8 +619,8 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
         locked = Batch.objects.select_for_update().get(pk=batch.pk)
         ended_first = locked.status in FINAL_STATES
         if not ended_first:
-            if File.objects.filter(pk__in=[file.pk for file in files], stored_at__isnull=True).update(
-                    stored_at=now) != len(files):
+            if sum(File.objects.filter(pk=file.pk, stored_at__isnull=True).update(stored_at=now, bytes=file.bytes)
+                   for file in files) != len(files):
                 raise RuntimeError(f"the output files of {batch.pk} were swept as abandoned: the next run writes them")
             Batch.objects.filter(pk=batch.pk).update(
                 status=final, output_file=output, error_file=error, num_completed=num_ok, num_failed=len(keys) - num_ok,
