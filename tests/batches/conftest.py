@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import sys
+import tracemalloc
 import uuid
 
 import boto3
@@ -80,6 +81,16 @@ def new_batch(endpoint, data: bytes):
     return services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
                                  input_file_id=input_file.pk, request_path="/v1/chat/completions",
                                  completion_window="24h", metadata=None)
+
+
+def peak_bytes_while(work) -> int:
+    """The most memory (Python's allocations, `tracemalloc`) held at once while `work()` ran."""
+    tracemalloc.start()
+    try:
+        work()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def bucket_objects(bucket: str, prefix: str = "") -> dict[str, bytes]:

@@ -8,13 +8,12 @@ tenants' runs in it, at every try: its lines billed, its files never written."""
 from __future__ import annotations
 
 import json
-import tracemalloc
 
 import pytest
 
 from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, BatchStatus
-from tests.batches.conftest import new_batch
+from tests.batches.conftest import new_batch, peak_bytes_while
 from tests.factories import EndpointFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -38,12 +37,7 @@ def test_a_batchs_files_are_written_a_result_at_a_time(files_bucket):
         storage.put_result(batch.organization_id, batch.pk, index, json.dumps(_result(index, index % 4 != 0)).encode(),
                            ok=index % 4 != 0)
 
-    tracemalloc.start()
-    try:
-        services.finalize_batch(Batch.objects.get(pk=batch.pk), BatchStatus.COMPLETED)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = peak_bytes_while(lambda: services.finalize_batch(Batch.objects.get(pk=batch.pk), BatchStatus.COMPLETED))
 
     assert peak < 64 * 1024 * 1024, f"{peak / 2**20:.0f} MiB held to write 80 MB of results"
     batch = Batch.objects.get(pk=batch.pk)
@@ -76,12 +70,7 @@ def test_a_batchs_files_read_ahead_a_budget_of_bytes_not_a_number_of_results(fil
     for index in range(num_lines):
         storage.put_result(batch.organization_id, batch.pk, index, json.dumps(result(index)).encode(), ok=True)
 
-    tracemalloc.start()
-    try:
-        services.finalize_batch(Batch.objects.get(pk=batch.pk), BatchStatus.COMPLETED)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = peak_bytes_while(lambda: services.finalize_batch(Batch.objects.get(pk=batch.pk), BatchStatus.COMPLETED))
 
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_completed) == (BatchStatus.COMPLETED, num_lines)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import tracemalloc
 
 import boto3
 import pytest
@@ -17,20 +16,11 @@ import pytest
 from endpoints.batches import runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.batches.validation import parse_lines, read_lines, split_lines
-from tests.batches.conftest import S3_KEY, S3_SECRET, new_batch
+from tests.batches.conftest import S3_KEY, S3_SECRET, new_batch, peak_bytes_while
 from tests.factories import EndpointFactory
 from tests.gateway.conftest import serve_endpoint
 
 MiB = 1024 * 1024
-
-
-def _peak_while(work) -> int:
-    tracemalloc.start()
-    try:
-        work()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def _request_line(model: str, custom_id: str, messages: list[dict]) -> bytes:
@@ -117,7 +107,7 @@ def test_checking_a_large_input_holds_a_part_and_a_line_not_the_file(files_bucke
     batch = new_batch(endpoint, data)
     del data
 
-    peak = _peak_while(lambda: services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk)))
+    peak = peak_bytes_while(lambda: services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk)))
 
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_total) == (BatchStatus.IN_PROGRESS, 96)
@@ -134,7 +124,7 @@ def test_a_run_reads_its_input_as_its_lines_start(files_bucket, parts_of_a_mib, 
     batch = new_batch(endpoint, data)
     del data
 
-    peak = _peak_while(lambda: services.run_batch(batch.pk))
+    peak = peak_bytes_while(lambda: services.run_batch(batch.pk))
 
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_total, batch.num_completed) == (BatchStatus.COMPLETED, 200, 200)

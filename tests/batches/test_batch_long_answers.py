@@ -8,14 +8,13 @@ to 64 MiB (`n`, logprobs, `top_logprobs`), and parsed, one of many small logprob
 from __future__ import annotations
 
 import json
-import tracemalloc
 
 import pytest
 
 from endpoints.batches import runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.batches.validation import Line
-from tests.batches.conftest import new_batch
+from tests.batches.conftest import new_batch, peak_bytes_while
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,12 +35,7 @@ def test_a_lines_long_answer_is_kept_without_being_parsed_whole(files_bucket, te
     endpoint = serve_endpoint(tenant.org, upstream)
     batch = new_batch(endpoint, _lines(endpoint.name, 1))
 
-    tracemalloc.start()
-    try:
-        services.run_batch(batch.pk)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = peak_bytes_while(lambda: services.run_batch(batch.pk))
 
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_completed) == (BatchStatus.COMPLETED, 1)
