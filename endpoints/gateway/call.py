@@ -382,6 +382,10 @@ class InferenceCall:
         if self.held_at is not None:
             await self._measure_cold_start()
             headers.append(self.cold_start.header())
+        # NOTE: watched as every send: on a kept-alive connection whose last answer its client has not read, even the
+        # first send of the next waits (the server's buffer is full), and unwatched it waited for as long as the client
+        # kept the connection, holding the call's replica and reservation.
+        delivery.watch(self)
         if len(body) > delivery.PIECE_BYTES:
             await self._send_in_pieces(headers, body)
             return
@@ -389,16 +393,15 @@ class InferenceCall:
             await self.send_body(body)
             holding.give(len(body))
             return
-        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body})
+        await self._send_watched({"type": "http.response.start", "status": 200, "headers": headers})
         self.response_started = True
+        await self._send_watched({"type": "http.response.body", "body": body})
         holding.give(len(body))
 
     async def _send_in_pieces(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A large whole answer, handed to the server a piece at a time as its client takes them: what is not
         handed over yet counts against the organisation (`self._holding`, from its first byte read), and a client that
         takes nothing is cut off (`delivery`)."""
-        delivery.watch(self)
         if not self.response_started:
             await self._send_watched({"type": "http.response.start", "status": 200, "headers": headers})
             self.response_started = True
@@ -548,7 +551,10 @@ class InferenceCall:
         buffers for it."""
         logger.warning("request %s: cut off: %s; connection dropped", self.request_id, reason)
         self.disconnected.set()
-        if not delivery.drop_connection(self.send) and self._task is not None:
+        delivery.drop_connection(self.send)
+        # NOTE: cancelled too: the dropped connection wakes the send waiting on it before the server hears it is
+        # gone, and the send then wrote to the closed connection (a RuntimeError, answered as a 500).
+        if self._task is not None and not self._cancelled_for_client:
             self._cancelled_for_client = True
             self._task.cancel()
 
@@ -581,6 +587,8 @@ class InferenceCall:
             message = await self.receive()
             if message["type"] == "http.disconnect":
                 self.disconnected.set()
+                if self._cancelled_for_client:
+                    return  # cut off already (`cut_off`)
                 if not self.forwarded or (self.request.stream and self.usage.every_prompt_counted):
                     self._cancelled_for_client = True
                     work.cancel()

@@ -232,8 +232,13 @@ def drop_connection(send) -> bool:
     to send it first, and a client that reads nothing never lets it). Uvicorn's `send` is a bound method of the
     request's cycle, which holds the connection's transport; with another server, False (the caller's
     cancellation ends the call, and the server closes the connection its own way)."""
-    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    cycle = getattr(send, "__self__", None)
+    transport = getattr(cycle, "transport", None)
     if transport is None or not hasattr(transport, "abort"):
         return False
     transport.abort()
+    # NOTE: the server hears of it a loop turn later; until then it would write to the closed connection (its own
+    # 500 for a call cut off before its first byte, a RuntimeError in its task). Its own flag, as a lost connection sets.
+    if hasattr(cycle, "disconnected"):
+        cycle.disconnected = True
     return True

@@ -179,3 +179,26 @@ def test_answers_of_many_calls_sent_together_stay_near_the_organisations_bound(t
     served = httpx.post(f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {tenant.key}"},
                         json={"model": endpoint.name, "messages": [{"role": "user", "content": "Hi"}]}, timeout=30)
     assert served.status_code == 200 and len(served.content) > ANSWER_BYTES // 2
+
+
+def test_a_call_on_a_kept_alive_connection_whose_last_answer_is_unread_is_cut_off_not_held(
+        tenant, start_mock_upstream, gateway_with):
+    # Answers small enough to go out in one write were sent unwatched: once the server's buffer for the connection
+    # was full of answers its client had not read, the next call's first send waited for as long as the client kept
+    # the connection, holding its replica and its reservation.
+    gateway = gateway_with(INFERPLANE_GATEWAY_SEND_TIMEOUT_S="2")
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(whole_answer_bytes=200 * 1024))
+    host, port = gateway.removeprefix("http://").split(":")
+    body = json.dumps({"model": endpoint.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               f"authorization: Bearer {tenant.key}\r\ncontent-length: {len(body)}\r\n\r\n{body}").encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(request * 40)  # one after another on the one connection, none of their answers read
+        wait_until(lambda: UsageRecord.objects.filter(status="client_aborted").exists(), 30,
+                   message="the call whose first send waited to be cut off")
+        wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="no call held")
+    finally:
+        sock.close()
