@@ -209,10 +209,11 @@ def weights_scope_for(organization_id, credential_id, model_source: str) -> str:
 # `endpoints.fleet.services.replica_spec`). A replica started before one of them changed serves the old
 # configuration for as long as it runs, while calls are checked, reserved and billed by the new one (a shorter
 # `max_model_len` reserved a 30k-token prompt as 16 tokens; another `gpu_type` billed an H200 at an L4's prices):
-# a change to any of them replaces the endpoint's replicas (`endpoints.services.update_endpoint`). Secrets,
-# adapters, prices and scaling are read live and replace nothing.
+# a change to any of them replaces the endpoint's replicas (`endpoints.services.update_endpoint`). Another credential
+# is another copy of the weights (its scope: `weights_scope_for`) with facts of its own; a credential's secrets
+# changed in place, adapters, prices and scaling are read live and replace nothing.
 ENGINE_FIELDS = frozenset({
-    "name", "model_source", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing", "idle_action",
+    "name", "model_source", "credential", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing", "idle_action",
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "speculative_method",
     "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_model_source", "max_loras",
     "max_lora_rank", "tool_call_parser", "task",

@@ -9,7 +9,7 @@ from controlplane.accounts.models import AuditEvent, Role
 from endpoints.models import ENGINE_FIELDS, Endpoint, EndpointEvent, Replica
 from endpoints.replicas import place_replica
 from gpu_agent.protocol import ReplicaState
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, make_credential
 from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
@@ -217,4 +217,17 @@ def test_every_engine_field_is_an_endpoint_field_the_replica_spec_reads(field):
 
     Endpoint._meta.get_field(field)
     read = inspect.getsource(fleet_services.replica_spec) + inspect.getsource(speculative_spec)
-    assert f"endpoint.{field}" in read or field in ("gpu_type", "allow_gpu_sharing")  # placement's, not the spec's
+    # placement's, not the spec's; the credential is the spec's source access (`source_access(endpoint)`)
+    assert f"endpoint.{field}" in read or field in ("gpu_type", "allow_gpu_sharing", "credential")
+
+
+def test_another_credential_replaces_the_replicas(owner_client, org):
+    # Another credential is another copy of the weights (its own scope, its own facts): the replicas read the old one.
+    endpoint = EndpointFactory(organization=org, min_replicas=1)
+    ready = Replica.objects.create(endpoint=endpoint, node=make_node(), state=ReplicaState.READY, address="http://127.0.0.1:9")
+    credential = make_credential(org, kind="hf")
+    answer = owner_client.patch(f"/api/v1/endpoints/{endpoint.pk}/", {"credential": str(credential.pk)}, format="json")
+    assert answer.status_code == 200, answer.json()
+    ready.refresh_from_db()
+    endpoint.refresh_from_db()
+    assert ready.state == ReplicaState.DRAINING and endpoint.engine_generation == 1
