@@ -33,6 +33,7 @@ from botocore import UNSIGNED
 from botocore.config import Config
 
 from gpu_agent.protocol import ReplicaSpec, SourceCredentials
+from gpu_agent.runtime.weights_watchdog import guard_s3_connections
 
 # Statuses and codes that mean "the store is down or busy", not "you may not read this".
 _TRANSIENT_S3_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"}
@@ -207,7 +208,9 @@ def _new_s3_client(access: SourceAccess, credentials, endpoint_url, region, sour
             aws_session_token=credentials.session_token or None,
             region_name=region,
         )
-    return session.client("s3", endpoint_url=endpoint_url, config=config), lifetime_s
+    client = session.client("s3", endpoint_url=endpoint_url, config=config)
+    guard_s3_connections(client)  # a drain or a deadline can end its requests mid-read (`weights_watchdog`)
+    return client, lifetime_s
 
 
 def _assumed_role_session(credentials: SourceCredentials, source: str, region: str | None):

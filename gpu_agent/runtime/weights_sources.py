@@ -114,9 +114,10 @@ class FileRange:
     `chunks` yields the range's bytes, and never reads past the range.
     """
 
-    def __init__(self, chunks, total_bytes: int | None) -> None:
+    def __init__(self, chunks, total_bytes: int | None, num_skipped_bytes: int = 0) -> None:
         self.chunks = chunks
         self.total_bytes = total_bytes
+        self.num_skipped_bytes = num_skipped_bytes  # sent before the range by a store that ignored it
 
 
 @contextlib.contextmanager
@@ -237,7 +238,7 @@ def _s3_range(client, parsed, remote: RemoteFile, start: int, end: int) -> Itera
             chunks = _arriving_chunks(body)
             if total is None and not answer.get("ContentRange"):  # a store that ignored the range
                 total = int(answer.get("ContentLength") or 0)
-                yield FileRange(_skip(chunks, start), total)
+                yield FileRange(_skip(chunks, start), total, start)
             else:
                 yield FileRange(chunks, total)
         finally:
@@ -344,7 +345,7 @@ def _hf_range(client, parsed, remote: RemoteFile, start: int, end: int) -> Itera
         else:  # a mirror that ignores ranges sends the whole file
             length = response.headers.get("content-length")
             total = int(length) if length and length.isdigit() else None
-            yield FileRange(_skip(response.iter_bytes(_CHUNK_BYTES), start), total)
+            yield FileRange(_skip(response.iter_bytes(_CHUNK_BYTES), start), total, start)
 
 
 # -- what a file's bytes must hash to -------------------------------------------

@@ -9,9 +9,10 @@ set of credentials (`weights_access.s3_client`):
 Each part is written at its own offset and never past its own range; a store whose answer states
 a different size for the file than its listing did fails the download before the part is written.
 A part that fails for a transient reason (the store unreachable, a dropped connection, a short
-read, a read slower than `min_bytes_per_s`) is retried with backoff; a refusal fails the download at
-once. A download whose replica was drained (`stop`, checked between reads) ends with `FetchStopped`,
-so the disk its listing reserved is released.
+read, a store too slow for its deadline) is retried with backoff; a refusal fails the download at
+once. A download whose replica was drained (`stop`) ends with `FetchStopped`, so the disk its listing
+reserved is released. Both hold whatever the socket does: each request runs under a guard whose
+watchdog shuts its socket (`weights_watchdog`).
 
 Resume: the partial model lives in `.tmp/<cache key>.partial/` and the parts already written are
 recorded in `.parts/<cache key>.json` (rewritten atomically after each part). The cache key covers
@@ -29,6 +30,7 @@ what it writes by the listing, and the Hub needs the same path anyway.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,6 +38,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +51,7 @@ from gpu_agent.runtime.weights_access import FetchStopped, StoreUnreachable, Wei
 from gpu_agent.runtime.weights_index import remove_path
 from gpu_agent.runtime.weights_paths import DownloadFolder
 from gpu_agent.runtime.weights_sources import Download, ModelSource, RemoteFile
+from gpu_agent.runtime.weights_watchdog import FIRED_DEADLINE, RequestGuard, guarded
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +201,7 @@ class Transfer:
                         raise
                     raise StoreUnreachable(
                         f"cannot reach the store of {self.download.source} (a read failed "
-                        f"{attempt} times; the download resumes from what is on disk)"
+                        f"{attempt} times, the last: {_why(exc)}; the download resumes from what is on disk)"
                     ) from exc
                 logger.info("part %d of %s failed (%r); retrying in %.2f s", index, remote.name, exc, delay)
                 time.sleep(delay)
@@ -216,44 +220,71 @@ class Transfer:
             raise
 
     def _copy_range_at(self, remote: RemoteFile, start: int, end: int, fd: int, progress: list[int]) -> int:
-        source = self.download.source
+        # NOTE: the guard's deadline bounds the whole request, headers included, whatever the socket does, and a
+        # drain shuts the socket at once (`weights_watchdog`); the average below gives up sooner on a store that
+        # drips its body. The average is timed from the part's first byte and counts what has arrived, so a store
+        # that ignores the range (its bytes before this part are skipped unseen) or sends large chunks is not slow.
+        requested_at = time.monotonic()
+        guard = RequestGuard((self._stopped_by_owner, self._stop), requested_at + self.settings.slow_grace_s)
+        try:
+            with guarded(guard), weights_sources.open_range(self.parsed, self.client, remote, start, end) as part:
+                guard.extend_to(requested_at + self._deadline_s(part.num_skipped_bytes + end + 1 - start))
+                self._copy_chunks(remote, part, start, end, fd, progress, guard, requested_at)
+        except Exception:
+            self._raise_why_guard_fired(guard, remote, progress[0] - start, requested_at)
+            raise
+        if progress[0] != end + 1:
+            self._raise_why_guard_fired(guard, remote, progress[0] - start, requested_at)
+            raise _ShortRead(f"{remote.name}: got {progress[0] - start} of {end + 1 - start} bytes")
+        return progress[0] - start
+
+    def _copy_chunks(self, remote: RemoteFile, part, start: int, end: int, fd: int, progress: list[int],
+                     guard: RequestGuard, requested_at: float) -> None:
+        if part.total_bytes is not None and part.total_bytes != remote.size_bytes:
+            if part.total_bytes > remote.size_bytes:
+                raise self._larger(remote)
+            raise WeightsError(
+                f"{self.download.source}: {remote.name}: the store holds {part.total_bytes} bytes, "
+                f"its listing announced {remote.size_bytes}"
+            )
         offset = start
-        # NOTE: the throughput is timed from the part's first byte and counts what has arrived, so a store that
-        # ignores the range (its bytes before this part are skipped unseen) or sends large chunks is not slow.
         started: float | None = None
-        with weights_sources.open_range(self.parsed, self.client, remote, start, end) as part:
-            if part.total_bytes is not None and part.total_bytes != remote.size_bytes:
-                if part.total_bytes > remote.size_bytes:
+        for chunk in part.chunks:
+            self._raise_why_guard_fired(guard, remote, offset - start, requested_at, check_due=True)
+            if started is None:
+                started = time.monotonic()
+            else:
+                self._check_throughput(remote, offset - start + len(chunk), started)
+            room = end + 1 - offset
+            if len(chunk) > room:
+                # NOTE: checked before writing, so a store that sends more than it listed fills no disk.
+                if part.total_bytes is None and end + 1 == remote.size_bytes:
                     raise self._larger(remote)
-                raise WeightsError(
-                    f"{source}: {remote.name}: the store holds {part.total_bytes} bytes, "
-                    f"its listing announced {remote.size_bytes}"
-                )
-            for chunk in part.chunks:
-                if self._stop.is_set():
-                    raise _Stopped(offset - start)
-                self._check_wanted()
-                if started is None:
-                    started = time.monotonic()
-                else:
-                    self._check_throughput(remote, offset - start + len(chunk), started)
-                room = end + 1 - offset
-                if len(chunk) > room:
-                    # NOTE: checked before writing, so a store that sends more than it listed fills no disk.
-                    if part.total_bytes is None and end + 1 == remote.size_bytes:
-                        raise self._larger(remote)
-                    chunk = chunk[:room]  # a store that ignored the range: the rest is another part's
-                os.pwrite(fd, chunk, offset)
-                offset += len(chunk)
-                progress[0] = offset
-                self._advance(len(chunk))
-                if offset > end:
-                    if part.total_bytes is None and end + 1 == remote.size_bytes and any(part.chunks):
-                        raise self._larger(remote)
-                    break
-        if offset != end + 1:
-            raise _ShortRead(f"{remote.name}: got {offset - start} of {end + 1 - start} bytes")
-        return offset - start
+                chunk = chunk[:room]  # a store that ignored the range: the rest is another part's
+            os.pwrite(fd, chunk, offset)
+            offset += len(chunk)
+            progress[0] = offset
+            self._advance(len(chunk))
+            if offset > end:
+                if part.total_bytes is None and end + 1 == remote.size_bytes and any(part.chunks):
+                    raise self._larger(remote)
+                break
+
+    def _deadline_s(self, num_bytes: int) -> float:
+        """How long a request for `num_bytes` may take, headers to last byte, before the store is too slow."""
+        return self.settings.slow_grace_s + num_bytes / self.settings.min_bytes_per_s
+
+    def _raise_why_guard_fired(self, guard: RequestGuard, remote: RemoteFile, num_bytes: int, requested_at: float,
+                               *, check_due: bool = False) -> None:
+        """Say why a request ended from outside (its socket shut): a drain, another part's failure, or too slow."""
+        fired = guard.fired or (guard.due() if check_due else None)
+        if fired is None:
+            return
+        self._check_wanted()
+        if self._stop.is_set():
+            raise _Stopped(num_bytes)
+        if fired == FIRED_DEADLINE:
+            raise self._too_slow(remote, num_bytes, time.monotonic() - requested_at)
 
     def _check_wanted(self) -> None:
         if self._stopped_by_owner.is_set():
@@ -262,7 +293,13 @@ class Transfer:
     def _check_throughput(self, remote: RemoteFile, num_bytes: int, started: float) -> None:
         elapsed = time.monotonic() - started
         if elapsed > self.settings.slow_grace_s and num_bytes < self.settings.min_bytes_per_s * elapsed:
-            raise _SlowRead(f"{remote.name}: {num_bytes} bytes in {elapsed:.0f} s")
+            raise self._too_slow(remote, num_bytes, elapsed)
+
+    def _too_slow(self, remote: RemoteFile, num_bytes: int, elapsed_s: float) -> _SlowRead:
+        return _SlowRead(
+            f"the store sent {num_bytes} bytes of {remote.name} in {elapsed_s:.0f} s: too slow "
+            f"(at least {self.settings.min_bytes_per_s // 1024} KiB/s after {self.settings.slow_grace_s:.0f} s)"
+        )
 
     def _larger(self, remote: RemoteFile) -> WeightsError:
         return WeightsError(
@@ -307,14 +344,30 @@ class Transfer:
 
     # -- verification -------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _asking_the_store(self) -> Iterator[None]:
+        """A few small requests (HEADs) that a drain ends at once and that get `slow_grace_s` in all."""
+        guard = RequestGuard((self._stopped_by_owner,), time.monotonic() + self.settings.slow_grace_s)
+        try:
+            with guarded(guard):
+                yield
+        except Exception:
+            self._check_wanted()
+            if guard.fired == FIRED_DEADLINE:
+                raise StoreUnreachable(f"cannot reach the store of {self.download.source} (it answered no "
+                                       f"checksum within {self.settings.slow_grace_s:.0f} s)") from None
+            raise
+
     def _verify(self, remote: RemoteFile, fd: int) -> None:
         source = self.download.source
         if self.parsed.kind == "s3":
-            checksum = weights_sources.s3_checksum(self.client, self.parsed, remote)
+            with self._asking_the_store():
+                checksum = weights_sources.s3_checksum(self.client, self.parsed, remote)
             if checksum is None or _s3_etag_of(fd, checksum.part_sizes) == checksum.etag:
                 return
             if checksum.part_sizes:  # parts of differing sizes: ask the store for each one's
-                exact = weights_sources.s3_checksum(self.client, self.parsed, remote, exact_parts=True)
+                with self._asking_the_store():
+                    exact = weights_sources.s3_checksum(self.client, self.parsed, remote, exact_parts=True)
                 if exact is None or _s3_etag_of(fd, exact.part_sizes) == exact.etag:
                     return
         elif remote.digest is not None:
@@ -324,6 +377,13 @@ class Transfer:
         else:
             return
         raise WeightsError(f"{source}: {remote.name}: the downloaded bytes do not match the store's checksum")
+
+
+def _why(exc: BaseException) -> str:
+    """What a failed read is shown as: our own words, never a library's (which may name the request)."""
+    if isinstance(exc, (_SlowRead, _ShortRead, WeightsError)):
+        return str(exc)
+    return type(exc).__name__
 
 
 def _hash_range(fd: int, digest, start: int, length: int) -> None:

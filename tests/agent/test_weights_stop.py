@@ -25,11 +25,13 @@ KIB = 1024
 
 
 class DrippingStore:
-    """An S3-compatible store of `objects` (key -> bytes); the keys under `drip` arrive a byte at a time."""
+    """An S3-compatible store of `objects` (key -> bytes); the keys under `drip` arrive a byte every `interval_s`:
+    their bodies after a first byte sent at once, or with `headers` their answers' headers from the first byte."""
 
-    def __init__(self, objects: dict[str, bytes], drip: str) -> None:
+    def __init__(self, objects: dict[str, bytes], drip: str, *, interval_s: float = 0.05, headers: bool = False) -> None:
         store = self
         self.objects, self.drip, self.closing = objects, drip, threading.Event()
+        self.interval_s, self.headers = interval_s, headers
 
         class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
@@ -51,20 +53,28 @@ class DrippingStore:
                              drip=key.startswith(store.drip))
 
             def _answer(self, status, body, headers=None, *, drip=False):
-                self.send_response(status)
-                for name, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
-                    self.send_header(name, value)
-                self.end_headers()
+                head = f"HTTP/1.1 {status} OK\r\n" + "".join(
+                    f"{name}: {value}\r\n" for name, value in {"Content-Length": str(len(body)), **(headers or {})}.items())
+                head = (head + "\r\n").encode()
                 try:
-                    for index in range(0, len(body), 1 if drip else len(body) or 1):
-                        if store.closing.is_set():
-                            return
-                        self.wfile.write(body[index:index + (1 if drip else len(body))])
+                    if drip and store.headers:
+                        self._drip(head)
+                    else:
+                        self.wfile.write(head)
+                    if drip:
+                        self._drip(body)
+                    else:
+                        self.wfile.write(body)
                         self.wfile.flush()
-                        if drip:
-                            time.sleep(0.05)
                 except OSError:
                     pass
+
+            def _drip(self, data):
+                for index in range(len(data)):
+                    if index and store.closing.wait(store.interval_s):
+                        return
+                    self.wfile.write(data[index:index + 1])
+                    self.wfile.flush()
 
         self.http = LocalServer(Handler)
         self.url = self.http.url
@@ -154,6 +164,80 @@ def test_a_download_slower_than_the_minimum_throughput_fails_and_frees_its_disk(
     with pytest.raises(StoreUnreachable, match="a read failed 2 times"):
         cache.fetch("s3://b/slow")
     assert time.monotonic() - started < 10
+    assert cache.statuses() == []
+    assert (cache.fetch("s3://b/fast") / "model.safetensors").stat().st_size == 600 * KIB
+
+
+# A tenant's own store (its credential's endpoint_url) answering a byte at a time: its headers a byte a second, or
+# its body a byte every 20 s (each read well inside botocore's 60 s read timeout, so no timeout ever fired).
+_HOSTILE_STORES = {
+    "headers": {"interval_s": 1.0, "headers": True},
+    "body": {"interval_s": 20.0, "headers": False},
+}
+
+
+@pytest.fixture(params=list(_HOSTILE_STORES), ids=[f"dripping-{name}" for name in _HOSTILE_STORES])
+def hostile_store(request):
+    fake = DrippingStore({"b/slow/model.safetensors": b"s" * 600 * KIB, "b/fast/model.safetensors": b"f" * 600 * KIB},
+                         drip="b/slow/", **_HOSTILE_STORES[request.param])
+    yield fake
+    fake.close()
+
+
+def _pull_in_thread(cache: WeightsCache, source: str, stop: threading.Event | None = None):
+    failures: list[Exception] = []
+
+    def pull():
+        try:
+            cache.fetch(source, stop=stop)
+        except Exception as exc:  # noqa: BLE001 - what the pull thread ended with
+            failures.append(exc)
+
+    thread = threading.Thread(target=pull, daemon=True)
+    thread.start()
+    return thread, failures
+
+
+def _download_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("weights_")]
+
+
+def test_a_store_that_drips_its_answer_is_given_up_on_within_its_deadline_with_the_reason(hostile_store, tmp_path):
+    # Before, only a chunk's arrival was timed: dripping headers were never timed at all, and a body dripping a byte
+    # every 20 s was seen as slow only when its next byte came, so the part's thread (and the disk reserved for the
+    # model) was held for as long as the store went on.
+    settings = TransferSettings(attempts=2, first_backoff_s=0.01, min_bytes_per_s=1024 * KIB, slow_grace_s=1.0)
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=hostile_store.url,
+                         transfer=settings)
+    started = time.monotonic()
+    thread, failures = _pull_in_thread(cache, "s3://b/slow")
+    thread.join(timeout=15)  # the deadline: 1 s and 600 KiB at 1 MiB/s, twice, with the watchdog's and retries' time
+    assert not thread.is_alive() and time.monotonic() - started < 15
+    assert isinstance(failures[0], StoreUnreachable)
+    assert re.search(r"a read failed 2 times, the last: the store sent \d+ bytes of model.safetensors in \d+ s: too slow",
+                     str(failures[0]))
+    assert _download_threads() == []
+    assert cache.statuses() == []  # its reservation is released: the next model fits
+    assert (cache.fetch("s3://b/fast") / "model.safetensors").stat().st_size == 600 * KIB
+
+
+def test_a_drain_ends_a_download_from_a_dripping_store_within_seconds(hostile_store, tmp_path):
+    # Before, the stop was looked at between socket reads only: dripping headers are read inside botocore, and a body
+    # dripping a byte every 20 s was looked at every 20 s.
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=hostile_store.url)
+    stop = threading.Event()
+    thread, failures = _pull_in_thread(cache, "s3://b/slow", stop)
+    for _ in range(200):  # its request is out: the store has started to drip
+        if cache.statuses() and _download_threads():
+            break
+        time.sleep(0.02)
+    time.sleep(1.5)
+    stop.set()  # the reconciler's drain of the replica that wanted it
+    stopped_at = time.monotonic()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - stopped_at < 3
+    assert isinstance(failures[0], FetchStopped)
+    assert _download_threads() == []
     assert cache.statuses() == []
     assert (cache.fetch("s3://b/fast") / "model.safetensors").stat().st_size == 600 * KIB
 
