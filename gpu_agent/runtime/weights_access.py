@@ -134,6 +134,10 @@ def check_store_address(endpoint_url: str, source: str) -> None:
                                    "on the platform's own network")
 
 
+def fetch_stopped(source: str) -> FetchStopped:
+    return FetchStopped(f"the download of {source} stopped: its replica is no longer wanted")
+
+
 def unreadable(source: str) -> SourceUnreadable:
     return SourceUnreadable(
         f"cannot read {source}: it does not exist or the endpoint's credentials cannot read it"

@@ -33,12 +33,14 @@ from gpu_agent.runtime.weights_access import (
     ModelTooLarge,
     SourceUnreadable,
     WeightsError,
+    fetch_stopped,
     hf_errors,
     hf_raise_for_status,
     s3_errors,
     unreadable,
 )
 from gpu_agent.runtime.weights_paths import check_model_file_names
+from gpu_agent.runtime.weights_watchdog import FIRED_DEADLINE, FIRED_STOPPED, RequestGuard, guarded
 
 _CHUNK_BYTES = 8 * 1024 * 1024
 MAX_MODEL_FILES = 10_000  # a listing of a million tiny objects would exhaust inodes, not bytes
@@ -140,11 +142,13 @@ def _total_from_content_range(value: str | None) -> int | None:
 # -- S3 -------------------------------------------------------------------------
 
 
-def s3_listing(client, parsed: ModelSource, source: str, *, timeout_s: float = LISTING_TIMEOUT_S) -> list[RemoteFile]:
-    """The objects under the prefix (every name checked, "folder" markers skipped).
+def s3_listing(client, parsed: ModelSource, source: str, *, timeout_s: float = LISTING_TIMEOUT_S,
+               stop: threading.Event | None = None) -> list[RemoteFile]:
+    """The objects under the prefix (every name checked, "folder" markers skipped); `stop` ends it with `FetchStopped`.
 
     NOTE: bounded whatever the store answers: each page's bytes (read as they arrive), the number of
-    pages and the time the whole listing takes (`MAX_LISTING_PAGE_BYTES`, `MAX_LISTING_PAGES`, `timeout_s`).
+    pages and the time the whole listing takes (`MAX_LISTING_PAGE_BYTES`, `MAX_LISTING_PAGES`, `timeout_s`),
+    headers included, which a client made by `weights_access.s3_client` lets the watchdog enforce mid-read.
     """
     bucket, prefix = parsed.bucket_and_prefix
     prefix = prefix.rstrip("/") + "/" if prefix else ""
@@ -156,7 +160,9 @@ def s3_listing(client, parsed: ModelSource, source: str, *, timeout_s: float = L
         unique_id="inferplane-bounded-listing",
     )
     objects = []
-    with _refusal_naming(source), s3_errors(source), _listing_deadline(deadline):
+    guard = RequestGuard((stop,) if stop is not None else (), deadline)
+    with (_refusal_naming(source), _why_guard_fired(guard, source, timeout_s), s3_errors(source),
+          _listing_deadline(deadline), guarded(guard)):
         pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         for num_pages, page in enumerate(pages, start=1):
             if num_pages > MAX_LISTING_PAGES:
@@ -193,6 +199,21 @@ def _listing_deadline(deadline: float) -> Iterator[None]:
         yield
     finally:
         _listing.deadline = None
+
+
+@contextlib.contextmanager
+def _why_guard_fired(guard: RequestGuard, source: str, timeout_s: float) -> Iterator[None]:
+    """A listing whose socket the watchdog shut: drained (`FetchStopped`), or past its deadline."""
+    try:
+        yield
+    except ListingRefused:
+        raise  # already says why (the watchdog may have fired as the listing's own check refused it)
+    except Exception:
+        if guard.fired == FIRED_STOPPED:
+            raise fetch_stopped(source) from None
+        if guard.fired == FIRED_DEADLINE:
+            raise ListingRefused(f"listing it took longer than {timeout_s:.0f} s") from None
+        raise
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ import botocore.exceptions
 import httpx
 
 from gpu_agent.runtime import weights_sources
-from gpu_agent.runtime.weights_access import FetchStopped, StoreUnreachable, WeightsError
+from gpu_agent.runtime.weights_access import StoreUnreachable, WeightsError, fetch_stopped
 from gpu_agent.runtime.weights_index import remove_path
 from gpu_agent.runtime.weights_paths import DownloadFolder
 from gpu_agent.runtime.weights_sources import Download, ModelSource, RemoteFile
@@ -230,7 +230,7 @@ class Transfer:
             with guarded(guard), weights_sources.open_range(self.parsed, self.client, remote, start, end) as part:
                 guard.extend_to(requested_at + self._deadline_s(part.num_skipped_bytes + end + 1 - start))
                 self._copy_chunks(remote, part, start, end, fd, progress, guard, requested_at)
-        except Exception:
+        except _TRANSIENT:  # what a shut socket surfaces as (a refusal stays a refusal)
             self._raise_why_guard_fired(guard, remote, progress[0] - start, requested_at)
             raise
         if progress[0] != end + 1:
@@ -288,7 +288,7 @@ class Transfer:
 
     def _check_wanted(self) -> None:
         if self._stopped_by_owner.is_set():
-            raise FetchStopped(f"the download of {self.download.source} stopped: its replica is no longer wanted")
+            raise fetch_stopped(self.download.source)
 
     def _check_throughput(self, remote: RemoteFile, num_bytes: int, started: float) -> None:
         elapsed = time.monotonic() - started

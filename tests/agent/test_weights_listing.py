@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import boto3
@@ -11,7 +12,7 @@ from botocore.config import Config
 
 from gpu_agent.runtime import weights_sources
 from gpu_agent.runtime.weights import WeightsCache
-from gpu_agent.runtime.weights_access import SourceUnreadable
+from gpu_agent.runtime.weights_access import FetchStopped, SourceAccess, SourceUnreadable, s3_client
 from gpu_agent.runtime.weights_sources import MAX_LISTING_PAGES, ModelSource
 from tests.agent.local_store import LocalServer, QuietHandler
 
@@ -29,33 +30,41 @@ def _page(*, padding: int = 0, next_token: str = "") -> bytes:
 class FakeStore:
     """A store that answers every listing with what `answer(num_requests)` says, then counts requests."""
 
-    def __init__(self, answer) -> None:
+    def __init__(self, answer, *, drip_headers: bool = False) -> None:
         store = self
         self.num_requests = 0
+        self.closing = threading.Event()
 
         class Handler(QuietHandler):
             def do_GET(self):
                 store.num_requests += 1
                 body, drip_s = answer(store.num_requests)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
+                head = (f"HTTP/1.0 200 OK\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n\r\n"
+                        .encode())
                 try:
+                    if drip_s and drip_headers:
+                        self._drip(head, drip_s)
+                    else:
+                        self.wfile.write(head)
                     if drip_s:
-                        for index in range(len(body)):
-                            self.wfile.write(body[index:index + 1])
-                            self.wfile.flush()
-                            time.sleep(drip_s)
+                        self._drip(body, drip_s)
                     else:
                         self.wfile.write(body)
                 except OSError:  # the agent hung up: what it is meant to do
                     pass
 
+            def _drip(self, data, drip_s):
+                for index in range(len(data)):
+                    self.wfile.write(data[index:index + 1])
+                    self.wfile.flush()
+                    if store.closing.wait(drip_s):
+                        return
+
         self.http = LocalServer(Handler)
         self.url = self.http.url
 
     def close(self) -> None:
+        self.closing.set()
         self.http.close()
 
 
@@ -63,8 +72,8 @@ class FakeStore:
 def store():
     stores = []
 
-    def start(answer):
-        stores.append(FakeStore(answer))
+    def start(answer, **options):
+        stores.append(FakeStore(answer, **options))
         return stores[-1]
 
     yield start
@@ -96,3 +105,34 @@ def test_a_listing_slower_than_its_deadline_is_refused(store):
     with pytest.raises(SourceUnreadable, match="too slowly"):
         weights_sources.s3_listing(client, ModelSource.parse("s3://b/m"), "s3://b/m", timeout_s=1.0)
     assert time.monotonic() - started < 5
+
+
+def test_a_listing_whose_headers_drip_is_refused_at_its_deadline(store):
+    # Before, the deadline was looked at between the body's reads only: headers a byte a second (each read well inside
+    # botocore's 60 s read timeout) held the listing for as long as the store went on.
+    fake = store(lambda _: (_page(), 1.0), drip_headers=True)
+    client = s3_client(SourceAccess(), "s3://b/m", default_endpoint_url=fake.url)
+    started = time.monotonic()
+    with pytest.raises(SourceUnreadable, match="cannot list s3://b/m: listing it took longer than 1 s"):
+        weights_sources.s3_listing(client, ModelSource.parse("s3://b/m"), "s3://b/m", timeout_s=1.0)
+    assert time.monotonic() - started < 5
+
+
+def test_a_drain_ends_a_listing_whose_headers_drip_within_seconds(store, tmp_path):
+    fake = store(lambda _: (_page(), 1.0), drip_headers=True)
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=fake.url)
+    stop, failures = threading.Event(), []
+
+    def pull():
+        try:
+            cache.fetch("s3://b/m", stop=stop)
+        except Exception as exc:  # noqa: BLE001 - what the pull thread ended with
+            failures.append(exc)
+
+    thread = threading.Thread(target=pull, daemon=True)
+    thread.start()
+    time.sleep(1.5)  # its listing is out, its answer's headers dripping in
+    stop.set()  # the reconciler's drain of the replica that wanted it
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert isinstance(failures[0], FetchStopped)

@@ -110,8 +110,8 @@ def test_a_store_sending_more_than_it_listed_fills_no_disk(s3, s3_endpoint, tmp_
     cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
     listing = weights_sources.s3_listing
 
-    def shrunk_listing(*args):  # the object grows after it was listed
-        return [type(f)(f.name, f.parts, 10, f.location, f.etag) for f in listing(*args)]
+    def shrunk_listing(*args, **kwargs):  # the object grows after it was listed
+        return [type(f)(f.name, f.parts, 10, f.location, f.etag) for f in listing(*args, **kwargs)]
 
     monkeypatch.setattr(weights_sources, "s3_listing", shrunk_listing)
     with pytest.raises(WeightsError, match="larger than the 10 bytes its listing announced"):
