@@ -24,6 +24,7 @@ from gpu_agent.runtime.control_plane import AGENT_VERSION, ControlPlaneClient, R
 from gpu_agent.runtime.reconciler import Reconciler
 from gpu_agent.runtime.supervisor import CommandFactory, Supervisor, SupervisorPolicy
 from gpu_agent.runtime.weights import WeightsCache
+from gpu_agent.runtime.weights_transfer import TransferSettings
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Agent:
             budget_bytes=config.weights_budget_bytes,
             s3_endpoint_url=config.s3_endpoint_url,
             private_dirs=(config.data_dir,),  # a local model_source never reads the agent's own files
+            transfer=TransferSettings(min_bytes_per_s=config.min_download_bytes_per_s),
         )
         self.control_plane = ControlPlaneClient(config, self.hardware, device=self.device, transport=transport)
         self.replicas = Reconciler(self.supervisor, self.weights, wake=self._wake)

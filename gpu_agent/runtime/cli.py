@@ -69,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
         "--cpu-kv-cache-gib", type=int, default=1,
         help="KV cache per engine on CPU nodes, at most (less when its sequences fill less)",
     )  # fmt: skip
+    run.add_argument(
+        "--min-download-kib-per-s",
+        default=os.environ.get("INFERPLANE_AGENT_MIN_DOWNLOAD_KIB_PER_S", "64"),
+        type=_positive_int,
+        help="the slowest a store may send each of a download's (8 parallel) parts after its first 60 s before it"
+        " is given up on; the deadline of a part is 60 s plus its bytes at this rate",
+    )
     run.add_argument("--log-level", default=os.environ.get("INFERPLANE_AGENT_LOG_LEVEL", "INFO"))
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random Llama for tests (no download)")
@@ -76,6 +83,16 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--embedding", action="store_true", help="an embedding model (served on /v1/embeddings)")
     tiny.add_argument("--lora", action="store_true", help="a LoRA adapter for the tiny model (PEFT layout)")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, not {value}")
+    return value
 
 
 def _port_range(text: str) -> tuple[int, int]:
@@ -132,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_engines_on_exit=args.keep_engines_on_exit,
         standby=args.standby,
         zygote=args.zygote,
+        min_download_bytes_per_s=args.min_download_kib_per_s * 1024,
     )
     run_until_signalled(Agent(config))
     return 0

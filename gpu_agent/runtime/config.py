@@ -42,6 +42,8 @@ class AgentConfig:
     # With the standby on: a fork server (zygote.py) that forks every replica's engine, so concurrent
     # cold starts never wait for a refill; off, the one-shot standby that becomes the engine itself.
     zygote: bool = True
+    # The slowest a store may send each part of a download (`weights_transfer.TransferSettings.min_bytes_per_s`).
+    min_download_bytes_per_s: int = 64 * 1024
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).resolve()

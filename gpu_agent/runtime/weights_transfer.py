@@ -71,10 +71,20 @@ class TransferSettings:
     max_concurrency: int = 8
     attempts: int = 4
     first_backoff_s: float = 0.25
-    # NOTE: a store may drip its bytes (a tenant's own server): after `slow_grace_s`, a part read slower
-    # than this is retried, then the download fails, and the disk reserved for it is freed.
+    # NOTE: a store may drip its bytes (a tenant's own server). A part's headers must arrive within `slow_grace_s`
+    # and all of it within `slow_grace_s` plus its bytes at `min_bytes_per_s` (316 s for 16 MiB), and a part whose
+    # average after `slow_grace_s` is under `min_bytes_per_s` is given up on sooner; it is retried, then the
+    # download fails and the disk reserved for it is freed. The rate is per part and `max_concurrency` parts are
+    # read at once, so 64 KiB/s asks 512 KiB/s of the node's link: a slow but steady link fetches a 100 GB model,
+    # only a store that all but stops is given up on (`--min-download-kib-per-s`).
     min_bytes_per_s: int = 64 * 1024
     slow_grace_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.part_bytes < 1 or self.max_concurrency < 1 or self.attempts < 1 or self.min_bytes_per_s < 1:
+            raise ValueError(f"bad transfer settings: {self}")
+        if self.slow_grace_s <= 0 or self.first_backoff_s < 0:
+            raise ValueError(f"bad transfer settings: {self}")
 
 
 class _Stopped(Exception):

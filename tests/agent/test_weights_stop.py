@@ -13,12 +13,14 @@ import pytest
 import urllib3.exceptions
 
 from gpu_agent.protocol import ReplicaState
-from gpu_agent.runtime import weights_sources, weights_transfer
+from gpu_agent.runtime import cli, weights_sources, weights_transfer
+from gpu_agent.runtime.agent import Agent
+from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.reconciler import Reconciler
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import FetchStopped, StoreUnreachable
 from gpu_agent.runtime.weights_transfer import TransferSettings
-from tests.agent.conftest import make_spec
+from tests.agent.conftest import fake_engine_factory, make_spec
 from tests.agent.local_store import LocalServer, QuietHandler
 
 KIB = 1024
@@ -292,3 +294,18 @@ def test_downloads_stopped_mid_way_count_against_the_budget_and_go_first_when_ro
     assert not (root / ".tmp" / "older.partial").exists() and (root / ".tmp" / "newer.partial").exists()
     on_disk = sum(p.lstat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
     assert on_disk <= 1000 * KIB + 64 * KIB  # within the budget (a few blocks of manifests and journals)
+
+
+def test_an_operator_sets_the_slowest_rate_a_store_may_send_a_part_at(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFERPLANE_AGENT_MIN_DOWNLOAD_KIB_PER_S", "256")
+    args = cli._parser().parse_args(["run", "--control-plane", "http://127.0.0.1:9", "--join-token", "token"])
+    assert args.min_download_kib_per_s == 256
+    with pytest.raises(SystemExit):  # no rate at all would let a store drip for ever
+        cli._parser().parse_args(["run", "--control-plane", "http://127.0.0.1:9", "--min-download-kib-per-s", "0"])
+    config = AgentConfig("http://127.0.0.1:9", "token", tmp_path / "agent", force_cpu=True,
+                         min_download_bytes_per_s=args.min_download_kib_per_s * KIB)
+    agent = Agent(config, command_factory=fake_engine_factory())
+    try:
+        assert agent.weights.transfer.min_bytes_per_s == 256 * KIB
+    finally:
+        agent.shutdown()
