@@ -280,11 +280,14 @@ def hf_client(access: SourceAccess, source: str) -> httpx.Client:
         token = None  # the node's own token (HF_TOKEN or its stored login), if it has one
     else:
         token = False  # anonymous
-    # NOTE: httpx drops the Authorization header when a redirect leaves the Hub's origin (its CDN).
+    # NOTE: httpx drops the Authorization header when a redirect leaves the Hub's origin (its CDN). No connection
+    # is kept for reuse: a download's guard sees only the connections its request opens (`weights_watchdog`), and
+    # a 16 MiB range is worth its own.
     return httpx.Client(
         headers=build_hf_headers(token=token),
         follow_redirects=True,
         timeout=httpx.Timeout(60.0, connect=10.0),
+        limits=httpx.Limits(max_keepalive_connections=0),
     )
 
 

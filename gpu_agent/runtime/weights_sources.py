@@ -40,7 +40,13 @@ from gpu_agent.runtime.weights_access import (
     unreadable,
 )
 from gpu_agent.runtime.weights_paths import check_model_file_names
-from gpu_agent.runtime.weights_watchdog import FIRED_DEADLINE, FIRED_STOPPED, RequestGuard, guarded
+from gpu_agent.runtime.weights_watchdog import (
+    FIRED_DEADLINE,
+    FIRED_STOPPED,
+    RequestGuard,
+    guarded,
+    watch_new_connections,
+)
 
 _CHUNK_BYTES = 8 * 1024 * 1024
 MAX_MODEL_FILES = 10_000  # a listing of a million tiny objects would exhaust inodes, not bytes
@@ -355,18 +361,21 @@ def _hub_digest(entry: dict) -> tuple[str, str] | None:
 @contextlib.contextmanager
 def _hf_range(client, parsed, remote: RemoteFile, start: int, end: int) -> Iterator[FileRange]:
     # NOTE: the URL names the commit the listing saw, so every range comes from the same content.
+    # NOTE: each range opens its own connection (`hf_client` keeps none), whose socket the read's guard can shut
+    # (`weights_watchdog.watch_new_connections`); the body is taken as it arrives (`iter_bytes()` with no size
+    # waits for nothing more), so the transfer sees a dripping mirror's throughput and its stop between reads.
     source = f"hf:{parsed.location}@{parsed.revision}"
+    headers = {"Range": f"bytes={start}-{end}", "Accept-Encoding": "identity"}
     with hf_errors(source), client.stream(
-        "GET", remote.location, headers={"Range": f"bytes={start}-{end}", "Accept-Encoding": "identity"}
+        "GET", remote.location, headers=headers, extensions={"trace": watch_new_connections}
     ) as response:
         hf_raise_for_status(response, source)
         if response.status_code == 206:
-            yield FileRange(response.iter_bytes(_CHUNK_BYTES), _total_from_content_range(
-                response.headers.get("content-range")))
+            yield FileRange(response.iter_bytes(), _total_from_content_range(response.headers.get("content-range")))
         else:  # a mirror that ignores ranges sends the whole file
             length = response.headers.get("content-length")
             total = int(length) if length and length.isdigit() else None
-            yield FileRange(_skip(response.iter_bytes(_CHUNK_BYTES), start), total, start)
+            yield FileRange(_skip(response.iter_bytes(), start), total, start)
 
 
 # -- what a file's bytes must hash to -------------------------------------------

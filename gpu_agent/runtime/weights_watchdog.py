@@ -7,8 +7,9 @@ every few seconds held a download, its thread and the disk reserved for it for a
 drain or the agent's own stop.
 
 So a request is made inside `guarded(guard)`: every connection the thread uses while it is inside registers its
-socket with the guard (`watch_socket`; botocore's connections through `guard_s3_connections`), and one watchdog
-thread shuts that socket down the moment one of the guard's stop events is set or its deadline passes. The read blocked on it returns at once, the library raises its own
+socket with the guard (`watch_socket`; botocore's connections through `guard_s3_connections`, httpx's through
+the `trace` request extension `watch_new_connections`), and one watchdog thread shuts that socket down the moment
+one of the guard's stop events is set or its deadline passes. The read blocked on it returns at once, the library raises its own
 connection error, and the caller reads `guard.fired` to say why (`FIRED_STOPPED`, `FIRED_DEADLINE`).
 """
 
@@ -171,3 +172,18 @@ def guard_s3_connections(client) -> None:
     """
     classes = client._endpoint.http_session._pool_classes_by_scheme
     classes.update({"http": _GuardedHTTPConnectionPool, "https": _GuardedHTTPSConnectionPool})
+
+
+# -- httpx (the Hub) --------------------------------------------------------------------------------
+
+
+def watch_new_connections(event_name: str, info: dict) -> None:
+    """httpx's `trace` request extension: each connection the request opens registers its socket with the guard.
+
+    NOTE: only connections opened for the request are seen (a reused one opens nothing), so a guarded request's
+    client must keep none for reuse (`weights_access.hf_client`). TLS hands the socket to a new object, seen too.
+    """
+    if event_name in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+        stream = info.get("return_value")
+        if stream is not None:
+            watch_socket(stream.get_extra_info("socket"))

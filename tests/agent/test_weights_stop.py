@@ -3,6 +3,7 @@ way the disk its listing reserved is released for the next model."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -27,8 +28,9 @@ KIB = 1024
 
 
 class DrippingStore:
-    """An S3-compatible store of `objects` (key -> bytes); the keys under `drip` arrive a byte every `interval_s`:
-    their bodies after a first byte sent at once, or with `headers` their answers' headers from the first byte."""
+    """An S3-compatible store of `objects` (key -> bytes), and a Hub mirror of them (`hf:b/slow` is `b/slow/`); the
+    keys under `drip` arrive a byte every `interval_s`: their bodies after a first byte sent at once, or with
+    `headers` their answers' headers from the first byte."""
 
     def __init__(self, objects: dict[str, bytes], drip: str, *, interval_s: float = 0.05, headers: bool = False) -> None:
         store = self
@@ -47,7 +49,12 @@ class DrippingStore:
                         for key, body in store.objects.items() if key[len("b/"):].startswith(prefix))
                     return self._answer(200, (f'<?xml version="1.0"?><ListBucketResult><Name>b</Name>{items}'
                                               "<IsTruncated>false</IsTruncated></ListBucketResult>").encode())
-                key = path.lstrip("/")
+                if path.startswith("/api/models/"):  # the Hub's repo info, at its one commit
+                    repo = path[len("/api/models/"):].partition("/revision/")[0]
+                    siblings = [{"rfilename": key[len(repo) + 1:], "size": len(body)}
+                                for key, body in store.objects.items() if key.startswith(f"{repo}/")]
+                    return self._answer(200, json.dumps({"sha": "0" * 40, "siblings": siblings}).encode())
+                key = re.sub(r"/resolve/[0-9a-f]{40}/", "/", path).lstrip("/")  # a Hub file is its object
                 body = store.objects[key]
                 start, end = (int(n) for n in re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers["Range"]).groups())
                 part = body[start:end + 1]
@@ -170,6 +177,7 @@ def test_a_download_slower_than_the_minimum_throughput_fails_and_frees_its_disk(
     assert (cache.fetch("s3://b/fast") / "model.safetensors").stat().st_size == 600 * KIB
 
 
+_SOURCES = {"s3": ("s3://b/slow", "s3://b/fast"), "hf": ("hf:b/slow", "hf:b/fast")}  # (dripping, fine)
 # A tenant's own store (its credential's endpoint_url) answering a byte at a time: its headers a byte a second, or
 # its body a byte every 20 s (each read well inside botocore's 60 s read timeout, so no timeout ever fired).
 _HOSTILE_STORES = {
@@ -204,15 +212,16 @@ def _download_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name.startswith("weights_")]
 
 
-def test_a_store_that_drips_its_answer_is_given_up_on_within_its_deadline_with_the_reason(hostile_store, tmp_path):
+@pytest.mark.parametrize("kind", ["s3", "hf"])
+def test_a_store_that_drips_its_answer_is_given_up_on_within_its_deadline_with_the_reason(hostile_store, kind, tmp_path):
     # Before, only a chunk's arrival was timed: dripping headers were never timed at all, and a body dripping a byte
     # every 20 s was seen as slow only when its next byte came, so the part's thread (and the disk reserved for the
     # model) was held for as long as the store went on.
     settings = TransferSettings(attempts=2, first_backoff_s=0.01, min_bytes_per_s=1024 * KIB, slow_grace_s=1.0)
     cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=hostile_store.url,
-                         transfer=settings)
+                         hf_endpoint=hostile_store.url, transfer=settings)
     started = time.monotonic()
-    thread, failures = _pull_in_thread(cache, "s3://b/slow")
+    thread, failures = _pull_in_thread(cache, _SOURCES[kind][0])
     thread.join(timeout=15)  # the deadline: 1 s and 600 KiB at 1 MiB/s, twice, with the watchdog's and retries' time
     assert not thread.is_alive() and time.monotonic() - started < 15
     assert isinstance(failures[0], StoreUnreachable)
@@ -220,15 +229,17 @@ def test_a_store_that_drips_its_answer_is_given_up_on_within_its_deadline_with_t
                      str(failures[0]))
     assert _download_threads() == []
     assert cache.statuses() == []  # its reservation is released: the next model fits
-    assert (cache.fetch("s3://b/fast") / "model.safetensors").stat().st_size == 600 * KIB
+    assert (cache.fetch(_SOURCES[kind][1]) / "model.safetensors").stat().st_size == 600 * KIB
 
 
-def test_a_drain_ends_a_download_from_a_dripping_store_within_seconds(hostile_store, tmp_path):
+@pytest.mark.parametrize("kind", ["s3", "hf"])
+def test_a_drain_ends_a_download_from_a_dripping_store_within_seconds(hostile_store, kind, tmp_path):
     # Before, the stop was looked at between socket reads only: dripping headers are read inside botocore, and a body
     # dripping a byte every 20 s was looked at every 20 s.
-    cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=hostile_store.url)
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=hostile_store.url,
+                         hf_endpoint=hostile_store.url)
     stop = threading.Event()
-    thread, failures = _pull_in_thread(cache, "s3://b/slow", stop)
+    thread, failures = _pull_in_thread(cache, _SOURCES[kind][0], stop)
     for _ in range(200):  # its request is out: the store has started to drip
         if cache.statuses() and _download_threads():
             break
@@ -241,7 +252,7 @@ def test_a_drain_ends_a_download_from_a_dripping_store_within_seconds(hostile_st
     assert isinstance(failures[0], FetchStopped)
     assert _download_threads() == []
     assert cache.statuses() == []
-    assert (cache.fetch("s3://b/fast") / "model.safetensors").stat().st_size == 600 * KIB
+    assert (cache.fetch(_SOURCES[kind][1]) / "model.safetensors").stat().st_size == 600 * KIB
 
 
 @pytest.mark.parametrize("error", [urllib3.exceptions.ProtocolError("Connection broken: reset by peer"),
