@@ -355,9 +355,10 @@ class Transfer:
     # -- verification -------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _asking_the_store(self) -> Iterator[None]:
-        """A few small requests (HEADs) that a drain ends at once and that get `slow_grace_s` in all."""
-        guard = RequestGuard((self._stopped_by_owner,), time.monotonic() + self.settings.slow_grace_s)
+    def _asking_the_store(self, num_requests: int = 2) -> Iterator[None]:
+        """Small requests (HEADs) that a drain ends at once, given `slow_grace_s` and a second each in all."""
+        deadline_s = self.settings.slow_grace_s + num_requests
+        guard = RequestGuard((self._stopped_by_owner,), time.monotonic() + deadline_s)
         try:
             with guarded(guard):
                 yield
@@ -365,7 +366,7 @@ class Transfer:
             self._check_wanted()
             if guard.fired == FIRED_DEADLINE:
                 raise StoreUnreachable(f"cannot reach the store of {self.download.source} (it answered no "
-                                       f"checksum within {self.settings.slow_grace_s:.0f} s)") from None
+                                       f"checksum within {deadline_s:.0f} s)") from None
             raise
 
     def _verify(self, remote: RemoteFile, fd: int) -> None:
@@ -376,7 +377,7 @@ class Transfer:
             if checksum is None or _s3_etag_of(fd, checksum.part_sizes) == checksum.etag:
                 return
             if checksum.part_sizes:  # parts of differing sizes: ask the store for each one's
-                with self._asking_the_store():
+                with self._asking_the_store(len(checksum.part_sizes)):  # a HEAD per part
                     exact = weights_sources.s3_checksum(self.client, self.parsed, remote, exact_parts=True)
                 if exact is None or _s3_etag_of(fd, exact.part_sizes) == exact.etag:
                     return

@@ -3,6 +3,7 @@ way the disk its listing reserved is released for the next model."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,12 +31,17 @@ KIB = 1024
 class DrippingStore:
     """An S3-compatible store of `objects` (key -> bytes), and a Hub mirror of them (`hf:b/slow` is `b/slow/`); the
     keys under `drip` arrive a byte every `interval_s`: their bodies after a first byte sent at once, or with
-    `headers` their answers' headers from the first byte."""
+    `headers` their answers' headers from the first byte. With `checksums` it lists each object's MD5 as its ETag,
+    so the agent checks a whole file with a HEAD, and only those HEADs drip."""
 
-    def __init__(self, objects: dict[str, bytes], drip: str, *, interval_s: float = 0.05, headers: bool = False) -> None:
+    def __init__(self, objects: dict[str, bytes], drip: str, *, interval_s: float = 0.05, headers: bool = False,
+                 checksums: bool = False) -> None:
         store = self
         self.objects, self.drip, self.closing = objects, drip, threading.Event()
-        self.interval_s, self.headers = interval_s, headers
+        self.interval_s, self.headers, self.checksums = interval_s, headers, checksums
+
+        def etag(body: bytes) -> str:
+            return hashlib.md5(body, usedforsecurity=False).hexdigest() if checksums else "x"
 
         class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
@@ -45,7 +51,7 @@ class DrippingStore:
                 if "list-type=2" in query:
                     prefix = re.search(r"prefix=([^&]*)", query).group(1).replace("%2F", "/")
                     items = "".join(
-                        f"<Contents><Key>{escape(key[len('b/'):])}</Key><Size>{len(body)}</Size><ETag>&quot;x&quot;</ETag></Contents>"
+                        f"<Contents><Key>{escape(key[len('b/'):])}</Key><Size>{len(body)}</Size><ETag>&quot;{etag(body)}&quot;</ETag></Contents>"
                         for key, body in store.objects.items() if key[len("b/"):].startswith(prefix))
                     return self._answer(200, (f'<?xml version="1.0"?><ListBucketResult><Name>b</Name>{items}'
                                               "<IsTruncated>false</IsTruncated></ListBucketResult>").encode())
@@ -59,7 +65,11 @@ class DrippingStore:
                 start, end = (int(n) for n in re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers["Range"]).groups())
                 part = body[start:end + 1]
                 self._answer(206, part, {"Content-Range": f"bytes {start}-{end}/{len(body)}"},
-                             drip=key.startswith(store.drip))
+                             drip=key.startswith(store.drip) and not store.checksums)
+
+            def do_HEAD(self):
+                key = self.path.partition("?")[0].lstrip("/")
+                self._answer(200, b"", {"ETag": f'"{etag(store.objects[key])}"'}, drip=key.startswith(store.drip))
 
             def _answer(self, status, body, headers=None, *, drip=False):
                 head = f"HTTP/1.1 {status} OK\r\n" + "".join(
@@ -253,6 +263,45 @@ def test_a_drain_ends_a_download_from_a_dripping_store_within_seconds(hostile_st
     assert _download_threads() == []
     assert cache.statuses() == []
     assert (cache.fetch(_SOURCES[kind][1]) / "model.safetensors").stat().st_size == 600 * KIB
+
+
+@pytest.fixture
+def checksum_dripping_store():
+    fake = DrippingStore({"b/slow/model.safetensors": b"s" * 600 * KIB, "b/fast/model.safetensors": b"f" * 600 * KIB},
+                         drip="b/slow/", interval_s=1.0, headers=True, checksums=True)
+    yield fake
+    fake.close()
+
+
+def test_a_store_that_drips_a_files_checksum_is_given_up_on_or_drained_within_seconds(checksum_dripping_store,
+                                                                                       tmp_path):
+    # Before, the HEAD that reads a whole file's checksum was bounded only per socket read: a store answering it a
+    # byte a second held the download, whole on disk and still reserved, past its replica's drain.
+    settings = TransferSettings(slow_grace_s=1.0)
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=checksum_dripping_store.url,
+                         transfer=settings)
+    started = time.monotonic()
+    thread, failures = _pull_in_thread(cache, "s3://b/slow")
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - started < 10
+    assert isinstance(failures[0], StoreUnreachable) and "answered no checksum within 3 s" in str(failures[0])
+    assert cache.statuses() == []
+
+    cache = WeightsCache(tmp_path / "weights-2", budget_bytes=1000 * KIB, s3_endpoint_url=checksum_dripping_store.url)
+    stop = threading.Event()
+    thread, failures = _pull_in_thread(cache, "s3://b/slow", stop)
+    for _ in range(250):  # every byte is in: the agent is asking for the checksum
+        if any(status.downloaded_bytes == 600 * KIB for status in cache.statuses()):
+            break
+        time.sleep(0.02)
+    time.sleep(1.5)
+    stop.set()
+    stopped_at = time.monotonic()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - stopped_at < 3
+    assert isinstance(failures[0], FetchStopped)
+    assert cache.statuses() == []
+    assert (cache.fetch("s3://b/fast") / "model.safetensors").stat().st_size == 600 * KIB
 
 
 @pytest.mark.parametrize("error", [urllib3.exceptions.ProtocolError("Connection broken: reset by peer"),
