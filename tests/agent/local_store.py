@@ -23,3 +23,18 @@ class LocalServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def pull_in_thread(cache, source: str, stop: threading.Event | None = None):
+    """`cache.fetch(source, stop=stop)` on a thread of its own: (the thread, the failures it ended with)."""
+    failures: list[Exception] = []
+
+    def pull():
+        try:
+            cache.fetch(source, stop=stop)
+        except Exception as exc:  # noqa: BLE001 - what the pull thread ended with
+            failures.append(exc)
+
+    thread = threading.Thread(target=pull, daemon=True)
+    thread.start()
+    return thread, failures

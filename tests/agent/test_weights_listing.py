@@ -14,7 +14,7 @@ from gpu_agent.runtime import weights_sources
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import FetchStopped, SourceAccess, SourceUnreadable, s3_client
 from gpu_agent.runtime.weights_sources import MAX_LISTING_PAGES, ModelSource
-from tests.agent.local_store import LocalServer, QuietHandler
+from tests.agent.local_store import LocalServer, QuietHandler, pull_in_thread
 
 _HEAD = b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
 
@@ -121,16 +121,8 @@ def test_a_listing_whose_headers_drip_is_refused_at_its_deadline(store):
 def test_a_drain_ends_a_listing_whose_headers_drip_within_seconds(store, tmp_path):
     fake = store(lambda _: (_page(), 1.0), drip_headers=True)
     cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=fake.url)
-    stop, failures = threading.Event(), []
-
-    def pull():
-        try:
-            cache.fetch("s3://b/m", stop=stop)
-        except Exception as exc:  # noqa: BLE001 - what the pull thread ended with
-            failures.append(exc)
-
-    thread = threading.Thread(target=pull, daemon=True)
-    thread.start()
+    stop = threading.Event()
+    thread, failures = pull_in_thread(cache, "s3://b/m", stop)
     time.sleep(1.5)  # its listing is out, its answer's headers dripping in
     stop.set()  # the reconciler's drain of the replica that wanted it
     thread.join(timeout=10)

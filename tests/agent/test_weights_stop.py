@@ -23,7 +23,7 @@ from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import FetchStopped, StoreUnreachable
 from gpu_agent.runtime.weights_transfer import TransferSettings
 from tests.agent.conftest import fake_engine_factory, make_spec
-from tests.agent.local_store import LocalServer, QuietHandler
+from tests.agent.local_store import LocalServer, QuietHandler, pull_in_thread
 
 KIB = 1024
 
@@ -121,16 +121,8 @@ def _wait_for_download(cache: WeightsCache) -> None:
 
 def test_a_drained_replicas_dripping_download_ends_and_frees_its_disk_for_the_next_model(store, tmp_path):
     cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=store.url)
-    stop, failures = threading.Event(), []
-
-    def pull():
-        try:
-            cache.fetch("s3://b/slow", stop=stop)
-        except Exception as exc:  # noqa: BLE001 - what the pull thread ended with
-            failures.append(exc)
-
-    thread = threading.Thread(target=pull, daemon=True)
-    thread.start()
+    stop = threading.Event()
+    thread, failures = pull_in_thread(cache, "s3://b/slow", stop)
     _wait_for_download(cache)
     stop.set()  # the reconciler's drain of the replica that wanted it
     thread.join(timeout=10)
@@ -204,20 +196,6 @@ def hostile_store(request):
     fake.close()
 
 
-def _pull_in_thread(cache: WeightsCache, source: str, stop: threading.Event | None = None):
-    failures: list[Exception] = []
-
-    def pull():
-        try:
-            cache.fetch(source, stop=stop)
-        except Exception as exc:  # noqa: BLE001 - what the pull thread ended with
-            failures.append(exc)
-
-    thread = threading.Thread(target=pull, daemon=True)
-    thread.start()
-    return thread, failures
-
-
 def _download_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name.startswith("weights_")]
 
@@ -231,7 +209,7 @@ def test_a_store_that_drips_its_answer_is_given_up_on_within_its_deadline_with_t
     cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=hostile_store.url,
                          hf_endpoint=hostile_store.url, transfer=settings)
     started = time.monotonic()
-    thread, failures = _pull_in_thread(cache, _SOURCES[kind][0])
+    thread, failures = pull_in_thread(cache, _SOURCES[kind][0])
     thread.join(timeout=15)  # the deadline: 1 s and 600 KiB at 1 MiB/s, twice, with the watchdog's and retries' time
     assert not thread.is_alive() and time.monotonic() - started < 15
     assert isinstance(failures[0], StoreUnreachable)
@@ -249,7 +227,7 @@ def test_a_drain_ends_a_download_from_a_dripping_store_within_seconds(hostile_st
     cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=hostile_store.url,
                          hf_endpoint=hostile_store.url)
     stop = threading.Event()
-    thread, failures = _pull_in_thread(cache, _SOURCES[kind][0], stop)
+    thread, failures = pull_in_thread(cache, _SOURCES[kind][0], stop)
     for _ in range(200):  # its request is out: the store has started to drip
         if cache.statuses() and _download_threads():
             break
@@ -281,7 +259,7 @@ def test_a_store_that_drips_a_files_checksum_is_given_up_on_or_drained_within_se
     cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=checksum_dripping_store.url,
                          transfer=settings)
     started = time.monotonic()
-    thread, failures = _pull_in_thread(cache, "s3://b/slow")
+    thread, failures = pull_in_thread(cache, "s3://b/slow")
     thread.join(timeout=10)
     assert not thread.is_alive() and time.monotonic() - started < 10
     assert isinstance(failures[0], StoreUnreachable) and "answered no checksum within 3 s" in str(failures[0])
@@ -289,7 +267,7 @@ def test_a_store_that_drips_a_files_checksum_is_given_up_on_or_drained_within_se
 
     cache = WeightsCache(tmp_path / "weights-2", budget_bytes=1000 * KIB, s3_endpoint_url=checksum_dripping_store.url)
     stop = threading.Event()
-    thread, failures = _pull_in_thread(cache, "s3://b/slow", stop)
+    thread, failures = pull_in_thread(cache, "s3://b/slow", stop)
     for _ in range(250):  # every byte is in: the agent is asking for the checksum
         if any(status.downloaded_bytes == 600 * KIB for status in cache.statuses()):
             break
