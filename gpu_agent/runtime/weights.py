@@ -122,7 +122,7 @@ class WeightsCache:
                     fingerprint = json.dumps(sorted((f.location, f.size_bytes, f.etag) for f in files))
                 else:  # a branch moves: key by the commit it points at now
                     client = stack.enter_context(hf_client(access, source))
-                    files, fingerprint = weights_sources.hf_listing(client, parsed, source, endpoint)
+                    files, fingerprint = weights_sources.hf_listing(client, parsed, source, endpoint, stop=stop)
             except StoreUnreachable:
                 # NOTE: only when the store cannot be reached at all (never on a refusal), and only
                 # a copy this same scope fetched from this same endpoint: bad credentials get nothing.

@@ -316,13 +316,17 @@ def hub_endpoint(hf_endpoint: str | None) -> str:
     return (hf_endpoint or constants.ENDPOINT).rstrip("/")
 
 
-def hf_listing(client, parsed: ModelSource, source: str, hub: str) -> tuple[list[RemoteFile], str]:
-    """The repo's files at the revision (every name checked, every size known) and its commit."""
+def hf_listing(client, parsed: ModelSource, source: str, hub: str, *, timeout_s: float = LISTING_TIMEOUT_S,
+               stop: threading.Event | None = None) -> tuple[list[RemoteFile], str]:
+    """The repo's files at the revision (every name checked, every size known) and its commit.
+
+    NOTE: within `timeout_s` whatever the Hub does, and `stop` ends it with `FetchStopped` (`weights_watchdog`)."""
     from huggingface_hub import hf_hub_url
 
     url = f"{hub}/api/models/{parsed.location}/revision/{quote(parsed.revision, safe='')}"
-    with hf_errors(source):
-        response = client.get(url, params={"blobs": "true"})
+    guard = RequestGuard((stop,) if stop is not None else (), time.monotonic() + timeout_s)
+    with _refusal_naming(source), _why_guard_fired(guard, source, timeout_s), hf_errors(source), guarded(guard):
+        response = client.get(url, params={"blobs": "true"}, extensions={"trace": watch_new_connections})
     hf_raise_for_status(response, source)
     try:
         info = response.json()

@@ -20,7 +20,14 @@ from gpu_agent.runtime.agent import Agent
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.reconciler import Reconciler
 from gpu_agent.runtime.weights import WeightsCache
-from gpu_agent.runtime.weights_access import FetchStopped, StoreUnreachable
+from gpu_agent.runtime.weights_access import (
+    FetchStopped,
+    SourceAccess,
+    SourceUnreadable,
+    StoreUnreachable,
+    hf_client,
+)
+from gpu_agent.runtime.weights_sources import ModelSource
 from gpu_agent.runtime.weights_transfer import TransferSettings
 from tests.agent.conftest import fake_engine_factory, make_spec
 from tests.agent.local_store import LocalServer, QuietHandler, pull_in_thread
@@ -32,10 +39,11 @@ class DrippingStore:
     """An S3-compatible store of `objects` (key -> bytes), and a Hub mirror of them (`hf:b/slow` is `b/slow/`); the
     keys under `drip` arrive a byte every `interval_s`: their bodies after a first byte sent at once, or with
     `headers` their answers' headers from the first byte. With `checksums` it lists each object's MD5 as its ETag,
-    so the agent checks a whole file with a HEAD, and only those HEADs drip."""
+    so the agent checks a whole file with a HEAD, and only those HEADs drip; with `listing` the Hub's answer about a
+    dripping repo drips too."""
 
     def __init__(self, objects: dict[str, bytes], drip: str, *, interval_s: float = 0.05, headers: bool = False,
-                 checksums: bool = False) -> None:
+                 checksums: bool = False, listing: bool = False) -> None:
         store = self
         self.objects, self.drip, self.closing = objects, drip, threading.Event()
         self.interval_s, self.headers, self.checksums = interval_s, headers, checksums
@@ -59,7 +67,8 @@ class DrippingStore:
                     repo = path[len("/api/models/"):].partition("/revision/")[0]
                     siblings = [{"rfilename": key[len(repo) + 1:], "size": len(body)}
                                 for key, body in store.objects.items() if key.startswith(f"{repo}/")]
-                    return self._answer(200, json.dumps({"sha": "0" * 40, "siblings": siblings}).encode())
+                    return self._answer(200, json.dumps({"sha": "0" * 40, "siblings": siblings}).encode(),
+                                        drip=listing and f"{repo}/".startswith(store.drip))
                 key = re.sub(r"/resolve/[0-9a-f]{40}/", "/", path).lstrip("/")  # a Hub file is its object
                 body = store.objects[key]
                 start, end = (int(n) for n in re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers["Range"]).groups())
@@ -280,6 +289,37 @@ def test_a_store_that_drips_a_files_checksum_is_given_up_on_or_drained_within_se
     assert isinstance(failures[0], FetchStopped)
     assert cache.statuses() == []
     assert (cache.fetch("s3://b/fast") / "model.safetensors").stat().st_size == 600 * KIB
+
+
+@pytest.fixture
+def hub_dripping_its_listing():
+    fake = DrippingStore({"b/slow/model.safetensors": b"s" * KIB, "b/fast/model.safetensors": b"f" * KIB},
+                         drip="b/slow/", interval_s=1.0, headers=True, listing=True)
+    yield fake
+    fake.close()
+
+
+def test_a_hub_that_drips_its_answer_about_a_repo_is_given_up_on_or_drained_within_seconds(hub_dripping_its_listing,
+                                                                                           tmp_path):
+    # Before, the Hub's answer about a repo was bounded only per socket read (60 s), so its headers a byte a second
+    # held the pull for as long as the Hub went on, past its replica's drain.
+    hub = hub_dripping_its_listing.url
+    with hf_client(SourceAccess(), "hf:b/slow") as client:
+        started = time.monotonic()
+        with pytest.raises(SourceUnreadable, match="cannot list hf:b/slow: listing it took longer than 1 s"):
+            weights_sources.hf_listing(client, ModelSource.parse("hf:b/slow"), "hf:b/slow", hub, timeout_s=1.0)
+        assert time.monotonic() - started < 5
+
+    cache = WeightsCache(tmp_path / "weights", hf_endpoint=hub)
+    stop = threading.Event()
+    thread, failures = pull_in_thread(cache, "hf:b/slow", stop)
+    time.sleep(1.5)  # its answer's headers dripping in
+    stop.set()
+    stopped_at = time.monotonic()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - stopped_at < 3
+    assert isinstance(failures[0], FetchStopped)
+    assert cache.fetch("hf:b/fast").is_dir()
 
 
 @pytest.mark.parametrize("error", [urllib3.exceptions.ProtocolError("Connection broken: reset by peer"),
