@@ -387,19 +387,14 @@ MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_MESSAGE = 1024
 MAX_DISPUTING_NODES = 16
 
 
-def implausible_model_facts(values: dict, *, max_weights_bytes: int | None = None) -> str:
-    """Why `values` (`ModelFacts` fields) are not what a model can be; "" when they are plausible.
-
-    `max_weights_bytes`: the most the reporting node could hold of the checkpoint (its GPUs' memory: it runs it).
-    """
+def implausible_model_facts(values: dict) -> str:
+    """Why `values` (`ModelFacts` fields) are not what a model can be; "" when they are plausible (a size past what
+    its node could hold is `ModelFacts.learn`'s to leave out)."""
     context = values.get("max_model_len")
     if context is not None and not MIN_PLAUSIBLE_CONTEXT_TOKENS <= context <= MAX_PLAUSIBLE_CONTEXT_TOKENS:
         return f"a context of {context} tokens is outside {MIN_PLAUSIBLE_CONTEXT_TOKENS}..{MAX_PLAUSIBLE_CONTEXT_TOKENS}"
     if (values.get("num_params") or 0) > MAX_PLAUSIBLE_NUM_PARAMS:
         return f"{values['num_params']} parameters is past {MAX_PLAUSIBLE_NUM_PARAMS}"
-    size = values.get("weights_bytes")
-    if size is not None and max_weights_bytes is not None and size > max_weights_bytes:
-        return f"{size} bytes of weights is past the {max_weights_bytes} its node could hold"
     for name, most in (("template_tokens_per_conversation", MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_CONVERSATION),
                        ("template_tokens_per_message", MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_MESSAGE)):
         if (values.get(name) or 0) > most:
@@ -462,14 +457,24 @@ class ModelFacts(models.Model):
         endpoints of a model unplaceable (its size), refused their calls (its context) or over-reserved them (its
         chat template).
         """
-        problem = implausible_model_facts(values, max_weights_bytes=max_weights_bytes)
+        # NOTE: a size past what the node could hold leaves the size out, not the report: an agent's size is every file
+        # of the repository, and some hold the weights twice (`original/consolidated.00.pth` beside the safetensors),
+        # so a genuine 8B model on one L4 was past it, and its context, architecture and task were never learned.
+        left_out = ""
+        size = values.get("weights_bytes")
+        if size is not None and max_weights_bytes is not None and size > max_weights_bytes:
+            values = {name: value for name, value in values.items() if name != "weights_bytes"}
+            left_out = f"its size left out: {size} bytes is past the {max_weights_bytes} its node could hold"
+        problem = implausible_model_facts(values)
         if problem:
             return problem
+        if not values:
+            return left_out
         node_key = str(node_id)
         with transaction.atomic():
             facts, created = cls.objects.get_or_create(source=source, scope=scope, defaults=values)
             if created:
-                return ""
+                return left_out
             facts = cls.objects.select_for_update().get(pk=facts.pk)
             changed = {name: value for name, value in values.items() if getattr(facts, name) != value}
             if scope:
@@ -486,7 +491,8 @@ class ModelFacts(models.Model):
             disputes = dict(list(disputes.items())[-MAX_DISPUTING_NODES:])
             if kept or disputes != facts.disputed:
                 cls.objects.filter(pk=facts.pk).update(**kept, disputed=disputes, updated_at=timezone.now())
-        return f"disputed, kept until another node reports the same: {sorted(disputed)}" if disputed else ""
+        disputed_note = f"disputed, kept until another node reports the same: {sorted(disputed)}" if disputed else ""
+        return "; ".join(note for note in (left_out, disputed_note) if note)
 
     @classmethod
     def context_length_of(cls, source: str, scope: str) -> int | None:

@@ -286,6 +286,19 @@ def test_a_model_fact_past_what_a_model_can_be_is_not_kept():
     assert (weights_size_mb(endpoint), endpoint.context_length) == (16 << 10, 8192)
 
 
+def test_a_size_past_what_its_node_could_hold_leaves_out_the_size_not_the_rest_of_the_report():
+    """An agent's size is every file of the repository, and some hold the weights twice (a `.pth` beside the
+    safetensors: 32 GB for an 8B model on one 24 GB L4). The whole report was refused, and its context never learned."""
+    from endpoints.fleet.services import record_model_facts
+
+    node = make_node(memory_mb=24_000)
+    endpoint = _live_replica("hf:org/model-8B", node)
+    guessed = weights_size_mb(endpoint)
+    record_model_facts(node, [_facts(size_bytes=32 << 30, context=8192)])
+    endpoint.refresh_from_db()
+    assert (weights_size_mb(endpoint), endpoint.context_length) == (guessed, 8192)
+
+
 def test_one_node_cannot_change_a_shared_models_facts_but_two_agreeing_nodes_can():
     """A catalogue model's facts are every tenant's. One node running a replica of it (another tenant's) reports a
     larger size, a shorter context and another architecture: every tenant's endpoints keep what was learned (before,
