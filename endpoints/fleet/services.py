@@ -87,10 +87,11 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
     issued = tokens.issue_token(Node.SECRET_KIND)
     with transaction.atomic():
         # NOTE: the use count is claimed with a conditional update so a token with max_uses=1
-        # admits exactly one node even under concurrent registrations.
-        claimed = JoinToken.objects.filter(pk=join_token.pk).filter(
+        # admits exactly one node even under concurrent registrations; and a token revoked or expired since the
+        # check above admits nobody (a retire or a rotation revoking it under its row lock is waited for).
+        claimed = JoinToken.objects.filter(pk=join_token.pk, revoked_at__isnull=True).filter(
             Q(max_uses__isnull=True) | Q(num_uses__lt=F("max_uses"))
-        ).update(num_uses=F("num_uses") + 1)
+        ).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=Now())).update(num_uses=F("num_uses") + 1)
         if not claimed:
             raise AgentAuthError("join token is used up")
         node = Node.objects.create(
@@ -367,21 +368,29 @@ def retire_node(actor: Actor, node: Node, *, reason: str) -> Retirement:
     share is left usable and named in the answer (`Retirement.open_join_token`), to be rotated. A pool's one-use
     token is spent already and stays as it is.
     """
-    # NOTE: an empty digest matches no secret (`tokens.token_matches` compares hashes).
-    retired = Node.objects.filter(pk=node.pk).exclude(state=NodeState.OFFLINE, secret_digest="").update(
-        state=NodeState.OFFLINE, secret_digest="")
-    if retired:
-        notify_node(node.pk)
-        node.refresh_from_db()
-        record_audit(actor, None, "node.retire", node, reason=reason[:300])
-        for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
-            fail_replica(replica, reason)
-    # NOTE: also for a node retired before (retiring it again closes the token it left open).
-    join_token = JoinToken.objects.filter(pk=node.join_token_id).first() if node.join_token_id else None
-    if join_token is None or not join_token.is_usable():
-        return Retirement(retired=bool(retired))
-    num_other_nodes = Node.objects.admitted().filter(join_token=join_token).exclude(pk=node.pk).count()
-    if num_other_nodes:
-        return Retirement(retired=bool(retired), open_join_token=join_token, num_other_nodes=num_other_nodes)
-    revoke_join_token(actor, join_token)
-    return Retirement(retired=bool(retired), revoked_join_token=join_token)
+    # NOTE: one transaction, the join token first (under its row lock) and the agent told only once it commits: a
+    # secret voided and announced first woke the agent, which registered again with the token before it was revoked,
+    # and counted as one of the "other nodes" that kept it open.
+    with transaction.atomic():
+        join_token = (JoinToken.objects.select_for_update().filter(pk=node.join_token_id).first()
+                      if node.join_token_id else None)
+        outcome: dict = {}
+        if join_token is not None and join_token.is_usable():
+            # NOTE: also for a node retired before (retiring it again closes the token it left open).
+            num_other_nodes = Node.objects.admitted().filter(join_token=join_token).exclude(pk=node.pk).count()
+            if num_other_nodes:
+                outcome = {"open_join_token": join_token, "num_other_nodes": num_other_nodes}
+            else:
+                revoke_join_token(actor, join_token)
+                outcome = {"revoked_join_token": join_token}
+        # NOTE: an empty digest matches no secret (`tokens.token_matches` compares hashes).
+        retired = Node.objects.filter(pk=node.pk).exclude(state=NodeState.OFFLINE, secret_digest="").update(
+            state=NodeState.OFFLINE, secret_digest="")
+        if retired:
+            node.refresh_from_db()
+            record_audit(actor, None, "node.retire", node, reason=reason[:300])
+            for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
+                fail_replica(replica, reason)
+            node_id = node.pk
+            transaction.on_commit(lambda: notify_node(node_id))
+    return Retirement(retired=bool(retired), **outcome)

@@ -197,3 +197,30 @@ def test_retiring_a_node_retired_before_revokes_the_join_token_it_left_open():
     assert not retirement.retired and retirement.revoked_join_token == token
     token.refresh_from_db()
     assert token.revoked_at is not None
+
+
+def test_an_agent_that_registers_again_while_its_node_is_being_retired_is_refused(monkeypatch):
+    """The retire voided the secret and told the agent at once, and only then looked at the join token: the woken agent
+    registered again with it in between, and counted as the "other node" that kept the token open."""
+    from django.test import Client
+
+    from controlplane.accounts.services import SYSTEM
+    from endpoints.fleet import services
+    from tests.test_agent_api import register
+
+    agent = Client()
+    token = services.create_join_token(SYSTEM, name="rack").plain
+    node = Node.objects.get(pk=register(agent, token).json()["node_id"])
+    Replica.objects.create(endpoint=EndpointFactory(), node=node, state=ReplicaState.READY)
+    again = []
+    real_fail_replica = services.fail_replica
+
+    def the_agent_registers_meanwhile(replica, reason):
+        again.append(register(Client(), token).status_code)
+        return real_fail_replica(replica, reason)
+
+    monkeypatch.setattr(services, "fail_replica", the_agent_registers_meanwhile)
+    retirement = services.retire_node(SYSTEM, node, reason="shut it out")
+
+    assert again == [401] and Node.objects.count() == 1
+    assert retirement.revoked_join_token is not None and retirement.open_join_token is None
