@@ -3,9 +3,9 @@
 The gateway (`endpoints.gateway.app`) hands these paths to Django: they are bookkeeping and uploads,
 not the inference hot path. Callers authenticate as on every `/v1` path (`endpoints.gateway.auth`: the
 same keys, cache and refusals); answers and errors are in OpenAI's shape; another organisation's file
-or batch is a 404, as one that does not exist. Uploads are multipart; the file is spooled to a
-temporary file (never whole in memory), refused past `INFERPLANE_FILES_MAX_BYTES` as it streams in,
-then streamed to S3.
+or batch is a 404, as one that does not exist. Uploads are multipart; Django's ASGI handler spools the body to a
+temporary file (never whole in memory), then the file part goes to S3 as the body is parsed (`_StreamToStorage`), refused
+past `INFERPLANE_FILES_MAX_BYTES` as it streams in: one copy of an upload on the web pod's disk, never two.
 """
 
 from __future__ import annotations
@@ -16,11 +16,7 @@ import logging
 from asgiref.sync import async_to_sync
 from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
-from django.core.files.uploadhandler import (
-    FileUploadHandler,
-    MemoryFileUploadHandler,
-    TemporaryFileUploadHandler,
-)
+from django.core.files.uploadhandler import FileUploadHandler
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from django.utils.http import content_disposition_header
 from django.views.decorators.csrf import csrf_exempt
@@ -52,6 +48,48 @@ class _SizeLimit(FileUploadHandler):
 
     def file_complete(self, file_size):
         return None
+
+
+class _StreamToStorage(FileUploadHandler):
+    """Sends the upload's `file` part to S3 as Django parses the body (`storage.StreamedUpload`), its row started
+    (`services.start_upload`: the quota checked) as the part begins; other file parts are dropped.
+
+    NOTE: Django's ASGI handler has already written the whole body to a temporary file, in `/tmp` past 2.5 MB; its
+    `TemporaryFileUploadHandler` wrote the file a second time beside it, so that one upload of 130 MiB passed the web
+    pod's 256 MiB `/tmp` volume and had the pod evicted. The body's copy is now the only one on the disk
+    (`Gateway._upload_may_start` bounds how many there are)."""
+
+    def __init__(self, request, *, organization_id: int, reserved: int):
+        super().__init__(request)
+        self.organization_id, self.reserved = organization_id, reserved
+        self.file: File | None = None
+        self.stream: storage.StreamedUpload | None = None
+
+    def new_file(self, field_name, file_name, *args, **kwargs):
+        super().new_file(field_name, file_name, *args, **kwargs)
+        if field_name != "file":
+            return
+        if self.file is not None:
+            raise errors.invalid_request("Send one file, as the field 'file'.", param="file")
+        self.file = services.start_upload(organization_id=self.organization_id, filename=file_name, size=self.reserved)
+        self.stream = storage.StreamedUpload(self.file.s3_key)
+
+    def receive_data_chunk(self, raw_data, start):
+        if self.field_name == "file":
+            self.stream.write(raw_data)
+        return None
+
+    def file_complete(self, file_size):
+        return None
+
+    def finish(self) -> File:
+        self.stream.complete()
+        return services.finish_upload(self.file, size=self.stream.size)
+
+    def abandon(self) -> None:
+        if self.file is not None:
+            services.abandon_upload(self.file)
+            self.stream.abort()
 
 
 def _error(exc: errors.OpenAIError) -> HttpResponse:
@@ -137,19 +175,25 @@ def _upload(request, caller: Caller) -> HttpResponse:
     declared = int(request.META.get("CONTENT_LENGTH") or 0)
     if declared > settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD_BYTES:
         raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
-    request.upload_handlers = [_SizeLimit(request), MemoryFileUploadHandler(request), TemporaryFileUploadHandler(request)]
+    # NOTE: the file counts its whole body against the quota while it streams in (its size is known only at its end),
+    # at most the size limit (all of it for a body of no declared length); then its own size.
+    storing = _StreamToStorage(request, organization_id=caller.organization_id,
+                               reserved=min(declared or settings.FILES_MAX_BYTES, settings.FILES_MAX_BYTES))
+    request.upload_handlers = [_SizeLimit(request), storing]
     try:
-        upload = request.FILES.get("file")
-        purpose = request.POST.get("purpose", "")
-    except _TooLarge:
-        raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file") from None
-    if upload is None:
-        raise errors.invalid_request("Send the file as multipart form data, field 'file'.", param="file")
-    try:
-        file = services.create_file(organization_id=caller.organization_id, purpose=purpose, filename=upload.name,
-                                    stream=upload, size=upload.size)
-    finally:
-        upload.close()
+        try:
+            request.FILES  # noqa: B018 - parses the body, the file part going to S3 as it is read
+            purpose = request.POST.get("purpose", "")
+        except _TooLarge:
+            raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.",
+                                     param="file") from None
+        if storing.file is None:
+            raise errors.invalid_request("Send the file as multipart form data, field 'file'.", param="file")
+        services.refuse_unknown_purpose(purpose)
+        file = storing.finish()
+    except BaseException:
+        storing.abandon()
+        raise
     return JsonResponse(file.as_openai())
 
 

@@ -95,32 +95,53 @@ class Refused(Exception):
 # --- files -----------------------------------------------------------------------------------
 
 def create_file(*, organization_id: int, purpose: str, filename: str, stream, size: int) -> File:
-    """Store an uploaded file within the organisation's storage quota (`max_file_bytes`).
+    """Store a file of `size` bytes read from `stream` within the organisation's storage quota (`max_file_bytes`):
+    `start_upload`, its bytes to S3, `finish_upload`. A failed upload takes its row back."""
+    refuse_unknown_purpose(purpose)
+    file = start_upload(organization_id=organization_id, filename=filename, size=size)
+    try:
+        storage.put_stream(file.s3_key, stream)
+    except BaseException:
+        abandon_upload(file)
+        raise
+    return finish_upload(file, size=size)
 
-    Its row is written first, as an upload in progress that counts against the quota, checked and
-    written under the organisation's row lock, so concurrent uploads never overshoot it. Then its
-    bytes go to S3, outside any transaction, and the row is marked stored. A failed upload takes its
-    row back; one whose process died is swept by `tick`."""
+
+def refuse_unknown_purpose(purpose: str) -> None:
     if purpose != FilePurpose.BATCH:
         raise Refused("Only purpose 'batch' can be uploaded.", param="purpose")
+
+
+def start_upload(*, organization_id: int, filename: str, size: int) -> File:
+    """The row of an upload of at most `size` bytes about to be stored, or `Refused` past the size limit or the
+    organisation's storage quota (`max_file_bytes`).
+
+    The row is an upload in progress that counts `size` against the quota from now on, checked and written under the
+    organisation's row lock, so concurrent uploads never overshoot it. Its bytes go to S3 after, outside any
+    transaction (`file.s3_key`); then `finish_upload`, or `abandon_upload`. One whose process died is swept by
+    `tick`."""
     if size > settings.FILES_MAX_BYTES:
         raise Refused(f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file", status=413)
     file_id = new_file_id()
-    key = storage.file_key(organization_id, file_id)
     with transaction.atomic():
         _refuse_past_storage_quota(organization_id, size, param="file", doing="")
-        file = File.objects.create(id=file_id, organization_id=organization_id, purpose=purpose,
-                                   filename=(filename or "upload.jsonl")[:255], bytes=size, s3_key=key, stored_at=None)
-    try:
-        storage.put_stream(key, stream)
-    except BaseException:
-        File.objects.filter(pk=file_id).delete()
-        raise
-    file.stored_at = timezone.now()
-    if not File.objects.filter(pk=file_id, stored_at__isnull=True).update(stored_at=file.stored_at):
-        storage.delete(key)  # swept as abandoned meanwhile (an upload of over an hour): its bytes go too
+        return File.objects.create(id=file_id, organization_id=organization_id, purpose=FilePurpose.BATCH,
+                                   filename=(filename or "upload.jsonl")[:255], bytes=size,
+                                   s3_key=storage.file_key(organization_id, file_id), stored_at=None)
+
+
+def finish_upload(file: File, *, size: int) -> File:
+    """Mark an upload whose bytes are in S3 stored, counting its real `size` (at most what it was started with)."""
+    file.stored_at, file.bytes = timezone.now(), size
+    if not File.objects.filter(pk=file.pk, stored_at__isnull=True).update(stored_at=file.stored_at, bytes=size):
+        storage.delete(file.s3_key)  # swept as abandoned meanwhile (an upload of over an hour): its bytes go too
         raise Refused("The upload took too long; send it again.", param="file", status=408)
     return file
+
+
+def abandon_upload(file: File) -> None:
+    """Take back the row of an upload that failed before it was stored: it stops counting against the quota."""
+    File.objects.filter(pk=file.pk, stored_at__isnull=True).delete()
 
 
 def _storage_use(organization_id: int) -> tuple[int, int, int]:

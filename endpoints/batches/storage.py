@@ -28,6 +28,8 @@ RESULT_DIGITS = 7
 # A batch's input is read in ranged parts of this size (`read_parts`): never whole in memory, and no connection
 # held open through a long run.
 INPUT_PART_BYTES = 8 * 1024 * 1024
+# An upload streams to S3 in parts of this size as it is parsed (`StreamedUpload`; S3's parts but the last are >= 5 MiB).
+UPLOAD_PART_BYTES = 8 * 1024 * 1024
 READ_THREADS = 16  # within the client's connection pool (32)
 # The most bytes of line results a batch's finalize reads ahead of the one it writes (`result_bodies`), with at least
 # one result in flight however large. NOTE: it read 2 × READ_THREADS results ahead whatever their size: lines whose
@@ -54,6 +56,50 @@ def file_key(organization_id: int, file_id: str) -> str:
 def put_stream(key: str, stream) -> None:
     """Upload a readable binary stream (multipart for large ones, never whole in memory)."""
     _client().upload_fileobj(stream, settings.FILES_S3_BUCKET, key)
+
+
+class StreamedUpload:
+    """An object written as its bytes arrive (`write`), in parts of `UPLOAD_PART_BYTES` (S3's multipart upload): at
+    most a part of it in memory and none on disk. `complete` makes the object; `abort` leaves nothing of it (a killed
+    process leaves its parts to the bucket's rule for incomplete multipart uploads)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.size = 0
+        self._pending = bytearray()
+        self._upload_id: str | None = None  # asked with the first full part: a small file is one PUT
+        self._parts: list[dict] = []
+
+    def write(self, data: bytes) -> None:
+        self._pending += data
+        self.size += len(data)
+        while len(self._pending) >= UPLOAD_PART_BYTES:
+            self._send_part(UPLOAD_PART_BYTES)
+
+    def _send_part(self, num_bytes: int) -> None:
+        if self._upload_id is None:
+            self._upload_id = _client().create_multipart_upload(Bucket=settings.FILES_S3_BUCKET, Key=self.key)["UploadId"]
+        number = len(self._parts) + 1
+        answer = _client().upload_part(Bucket=settings.FILES_S3_BUCKET, Key=self.key, UploadId=self._upload_id,
+                                       PartNumber=number, Body=bytes(self._pending[:num_bytes]))
+        self._parts.append({"PartNumber": number, "ETag": answer["ETag"]})
+        del self._pending[:num_bytes]
+
+    def complete(self) -> None:
+        if self._upload_id is None:
+            put_bytes(self.key, bytes(self._pending))
+        else:
+            if self._pending:
+                self._send_part(len(self._pending))
+            _client().complete_multipart_upload(Bucket=settings.FILES_S3_BUCKET, Key=self.key, UploadId=self._upload_id,
+                                                MultipartUpload={"Parts": self._parts})
+        self._pending = bytearray()
+
+    def abort(self) -> None:
+        self._pending = bytearray()
+        if self._upload_id is not None:
+            _client().abort_multipart_upload(Bucket=settings.FILES_S3_BUCKET, Key=self.key, UploadId=self._upload_id)
+            self._upload_id = None
 
 
 def put_bytes(key: str, data: bytes) -> None:

@@ -137,15 +137,18 @@ def _on_plan(organization, *, max_file_bytes: int) -> None:
 
 
 def test_uploads_past_the_storage_quota_are_refused_even_all_at_once_and_deleting_frees_room(web, tenant, files_bucket):
-    """Before, an organisation could keep any number of 200 MB files in the fleet's bucket."""
+    """Before, an organisation could keep any number of 200 MB files in the fleet's bucket. An upload counts its whole
+    body (the file and its multipart framing, a few hundred bytes) while it streams in, then the file alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    _on_plan(tenant.org, max_file_bytes=3 * len(LINES))
+    data = LINES * 20
+    limit = 3 * len(data) + 1024
+    _on_plan(tenant.org, max_file_bytes=limit)
     client = tenant.client(web)
 
     def upload(n: int):
         try:
-            return client.files.create(file=(f"r{n}.jsonl", io.BytesIO(LINES)), purpose="batch")
+            return client.files.create(file=(f"r{n}.jsonl", io.BytesIO(data)), purpose="batch")
         except openai.APIStatusError as exc:
             return exc
 
@@ -159,8 +162,8 @@ def test_uploads_past_the_storage_quota_are_refused_even_all_at_once_and_deletin
     assert len(bucket_objects(files_bucket)) == 3
 
     quotas = httpx.get(f"{web}/api/v1/quotas/", headers={"Authorization": f"Bearer {tenant.key}"}).json()["quotas"]
-    assert {"quota": "max_file_bytes", "label": "File storage (batch inputs and outputs)", "limit": 3 * len(LINES),
-            "used": 3 * len(LINES), "unit": "bytes"} in quotas
+    assert {"quota": "max_file_bytes", "label": "File storage (batch inputs and outputs)", "limit": limit,
+            "used": 3 * len(data), "unit": "bytes"} in quotas
 
     client.files.delete(stored[0].id)
     assert not isinstance(upload(9), Exception)
