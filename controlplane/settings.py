@@ -407,6 +407,10 @@ FILES_S3_BUCKET = env_str("INFERPLANE_FILES_S3_BUCKET", "inferplane-files")
 FILES_S3_ENDPOINT_URL = env_str("INFERPLANE_FILES_S3_ENDPOINT_URL")
 FILES_S3_REGION = env_str("INFERPLANE_FILES_S3_REGION", "us-east-1")
 FILES_MAX_BYTES = env_int("INFERPLANE_FILES_MAX_BYTES", 200 * 1024 * 1024, minimum=1)
+# Uploads one gateway process reads at once (`Gateway._upload_may_start`; 429 past it): each holds its body on the web
+# pod's `/tmp` volume until stored. NOTE: the volume's `sizeLimit` (infra/k8s/base/web.yaml) is sized for
+# processes x this x `FILES_MAX_BYTES` (tests/infra/test_manifests.py): raise them together.
+FILES_UPLOADS_PER_PROCESS = env_int("INFERPLANE_FILES_UPLOADS_PER_PROCESS", 2, minimum=1)
 BATCH_MAX_LINES = env_int("INFERPLANE_BATCH_MAX_LINES", 50_000, minimum=1)
 BATCH_MAX_OPEN_PER_ORG = env_int("INFERPLANE_BATCH_MAX_OPEN_PER_ORG", 100, minimum=1)
 # A worker running a batch holds it this long between renewals; a killed worker's batch is taken over after.

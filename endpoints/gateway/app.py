@@ -44,6 +44,7 @@ GC_YOUNG_THRESHOLD = 20_000
 # Served by Django (`endpoints.batches.api`): uploads and bookkeeping, not the inference hot path.
 DJANGO_V1_PREFIXES = ("/v1/files", "/v1/batches")
 FILES_PREFIX = "/v1/files"
+UPLOAD_RETRY_AFTER_S = 5  # an upload refused while this process reads as many as it may (`_upload_may_start`)
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 
 
@@ -52,6 +53,7 @@ class Gateway:
         self.fallback = fallback
         self._client: upstream.UpstreamClient | None = None
         self._folding: asyncio.Task | None = None  # `metrics.fold_every_second`, from startup on
+        self._num_uploads = 0  # uploads to `/v1/files` this process is reading or storing now (`_upload`)
 
     @property
     def client(self) -> upstream.UpstreamClient:
@@ -67,9 +69,8 @@ class Gateway:
         if scope["type"] == "http":
             path = scope["path"]
             if path.startswith(DJANGO_V1_PREFIXES):
-                if scope["method"] == "POST" and path.startswith(FILES_PREFIX) and not await self._upload_may_start(
-                        scope, receive, send):
-                    return None
+                if scope["method"] == "POST" and path.startswith(FILES_PREFIX):
+                    return await self._upload(scope, receive, send)
                 return await self.fallback(scope, receive, send)  # Files and Batch API: endpoints.batches.api
             if path.startswith("/v1/") or path == "/v1":
                 return await self._handle(scope, receive, send)
@@ -77,12 +78,31 @@ class Gateway:
                 return await self._metrics(scope, receive, send)
         return await self.fallback(scope, receive, send)
 
+    async def _upload(self, scope, receive, send) -> None:
+        """An upload to `/v1/files`, handed to Django once `_upload_may_start` lets it, counted until Django answers;
+        its body cut at `FILES_MAX_BYTES` whatever it declared (a chunked one declares nothing), with a 413."""
+        if not await self._upload_may_start(scope, receive, send):
+            return
+        body = _BodyCut(receive, settings.FILES_MAX_BYTES)
+        try:
+            await self.fallback(scope, body.receive, send)  # endpoints.batches.api.files
+        finally:
+            self._num_uploads -= 1  # Django has closed the body's temporary file: its bytes are off the disk
+        if body.cut:  # Django took it for a client gone and answered nothing
+            refusal = errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
+            await _respond(send, refusal.status, refusal.body(), raw_headers=RateLimitReport.unauthenticated().headers())
+
     async def _upload_may_start(self, scope, receive, send) -> bool:
-        """Whether an upload to `/v1/files` may go on to Django: its caller's key is valid and its declared size within
-        `FILES_MAX_BYTES`; otherwise answered here (OpenAI's shape), its body dropped unread or read and dropped.
+        """Whether an upload to `/v1/files` may go on to Django: its caller's key is valid, its declared size within
+        `FILES_MAX_BYTES`, and this process reads fewer than `FILES_UPLOADS_PER_PROCESS` uploads (counted from here:
+        the caller must then call `_upload`); otherwise answered here (OpenAI's shape), its body dropped unread or
+        read and dropped.
 
         NOTE: Django reads a whole body (to a temporary file past 2.5 MB) before any view runs: anyone without a key
-        could have it write up to the upload limit (200 MiB) to the web pod's disk per request."""
+        could have it write up to the upload limit (200 MiB) to the web pod's disk per request, and any key as many
+        uploads at once as it liked, past the `/tmp` volume's size: the pod was evicted, every tenant's calls on it
+        cut. At most `FILES_UPLOADS_PER_PROCESS` bodies per process are on the disk at once
+        (tests/infra/test_manifests.py holds the volume to it)."""
         started, request_id = time.monotonic(), new_request_id()
         headers = _headers_of(scope)
         try:
@@ -90,6 +110,10 @@ class Gateway:
             declared = headers.get("content-length", "")
             if declared.isascii() and declared.isdigit() and int(declared) > settings.FILES_MAX_BYTES:
                 raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
+            if self._num_uploads >= settings.FILES_UPLOADS_PER_PROCESS:
+                raise errors.rate_limited("Too many uploads in progress on this server: try again in a few seconds.",
+                                          UPLOAD_RETRY_AFTER_S)
+            self._num_uploads += 1  # NOTE: no await since the check: two uploads cannot both take the last place
             return True
         except errors.OpenAIError as exc:
             refusal = exc
@@ -270,6 +294,26 @@ async def _read_body(receive) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)
+
+
+class _BodyCut:
+    """`receive` for Django, that ends a body past `max_bytes` as if its client had gone (`http.disconnect`): Django
+    spools a body whole before any view runs, and never stops one that declared no length."""
+
+    def __init__(self, receive, max_bytes: int):
+        self._receive, self._max_bytes = receive, max_bytes
+        self.num_bytes, self.cut = 0, False
+
+    async def receive(self):
+        if self.cut:
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.num_bytes += len(message.get("body", b""))
+            if self.num_bytes > self._max_bytes:
+                self.cut = True
+                return {"type": "http.disconnect"}
+        return message
 
 
 async def _discard_body(receive) -> None:

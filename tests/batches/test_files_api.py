@@ -21,7 +21,8 @@ LINES = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "b
 
 @pytest.fixture
 def web(files_bucket, transactional_db, tmp_path):
-    child, base_url = start_web_server(tmp_path, name="web", extra_env={"INFERPLANE_FILES_MAX_BYTES": "4096"})
+    child, base_url = start_web_server(tmp_path, name="web", extra_env={"INFERPLANE_FILES_MAX_BYTES": "4096",
+                                                                        "INFERPLANE_FILES_UPLOADS_PER_PROCESS": "8"})
     yield base_url
     child.stop()
 
