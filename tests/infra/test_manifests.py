@@ -152,6 +152,55 @@ def test_web_runs_one_gateway_process_per_cpu_of_its_limit_with_merged_metrics(r
     assert web["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+MiB = 1024 * 1024
+# What the web pod's /tmp held before uploads had a share of it: the workers' metrics files, the usage journal while
+# PostgreSQL is away, scratch.
+WEB_SCRATCH_BYTES = 256 * MiB
+QUANTITY_UNITS = {"Ki": 1024, "Mi": MiB, "Gi": 1024 * MiB, "K": 1000, "M": 1000**2, "G": 1000**3}
+
+
+def _bytes_of(quantity: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([KMG]i?)?", quantity).groups()
+    return int(number) * QUANTITY_UNITS.get(unit, 1)
+
+
+def _gateway_processes(web: dict, values: dict[str, str]) -> int:
+    """How many gateway processes a web pod runs: `--workers`, else WEB_CONCURRENCY, else one per CPU of its limit
+    (controlplane.serve)."""
+    import math
+
+    from controlplane import serve
+
+    workers = [arg.removeprefix("--workers=") for arg in web["command"] if arg.startswith("--workers=")]
+    if workers:
+        return int(workers[0])
+    if values.get("WEB_CONCURRENCY"):
+        return serve.num_workers({"WEB_CONCURRENCY": values["WEB_CONCURRENCY"]})
+    cpu = web["resources"]["limits"]["cpu"]
+    return math.ceil(int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))
+
+
+def test_the_web_pods_tmp_volume_holds_every_upload_its_processes_may_read_at_once(rendered):
+    """Past its size limit the pod is evicted, every tenant's calls on it cut. An upload holds one copy of its body
+    there, cut at INFERPLANE_FILES_MAX_BYTES (Django spools it; the file part goes on to S3), and each gateway process
+    reads at most INFERPLANE_FILES_UPLOADS_PER_PROCESS at once. Before, two copies of one upload of 130 MiB passed the
+    volume's 256 MiB."""
+    deployment = rendered.get("Deployment", "inferplane-web")
+    web = _pod_spec(deployment)["containers"][0]
+    values, _ = _environment(rendered, deployment)
+    assert values.get("TMPDIR", "/tmp") == "/tmp" and "FILE_UPLOAD_TEMP_DIR" not in values
+    mounted = {mount["mountPath"]: mount["name"] for mount in web["volumeMounts"]}
+    volume = {volume["name"]: volume for volume in _pod_spec(deployment)["volumes"]}[mounted["/tmp"]]
+    size_limit = _bytes_of(volume["emptyDir"]["sizeLimit"])
+
+    uploads_bytes = (_gateway_processes(web, values) * int(values["INFERPLANE_FILES_UPLOADS_PER_PROCESS"])
+                     * int(values["INFERPLANE_FILES_MAX_BYTES"]))
+    assert uploads_bytes + WEB_SCRATCH_BYTES <= size_limit, (
+        f"{rendered.overlay}: uploads may hold {uploads_bytes / MiB:.0f} MiB of the web pod's /tmp, with "
+        f"{WEB_SCRATCH_BYTES / MiB:.0f} MiB of scratch, past its {size_limit / MiB:.0f} MiB")
+    assert _bytes_of(web["resources"]["requests"]["ephemeral-storage"]) >= size_limit
+
+
 def test_probes_send_a_host_the_production_settings_accept(rendered, client, settings):
     # The kubelet would send Host: <pod IP>, which ALLOWED_HOSTS refuses with a 400.
     values, _ = _environment(rendered, rendered.get("Deployment", "inferplane-web"))
