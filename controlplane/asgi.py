@@ -13,6 +13,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 django_application = get_asgi_application()
 
 from controlplane.access_log import AccessLog  # noqa: E402
+from endpoints.batches.api import refuse_upload_before_its_body  # noqa: E402
 from endpoints.gateway.app import Gateway  # noqa: E402 - needs Django set up first
 
-application = Gateway(fallback=AccessLog(django_application))
+application = Gateway(fallback=AccessLog(django_application), refuse_upload=refuse_upload_before_its_body)

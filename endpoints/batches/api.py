@@ -171,14 +171,29 @@ def _page(queryset, request, *, default_limit: int) -> dict:
 
 # --- files -----------------------------------------------------------------------------------
 
+def _counted_bytes(declared: int) -> int:
+    """What an upload whose body declared `declared` bytes (0: none) counts against its organisation's storage quota
+    while it streams in.
+
+    NOTE: its whole body (its file's size is known only at its end), at most the size limit (all of it for a body of
+    no declared length); once stored, the file's own size."""
+    return min(declared or settings.FILES_MAX_BYTES, settings.FILES_MAX_BYTES)
+
+
+def refuse_upload_before_its_body(organization_id: int, declared: int) -> None:
+    """Refuse (`errors.OpenAIError`, as `_upload` would) an upload its organisation's storage quota has no room for,
+    from its declared size alone: the gateway asks before Django writes its body to the web pod's disk."""
+    try:
+        services.refuse_upload_past_storage_quota(organization_id, _counted_bytes(declared))
+    except services.Refused as exc:
+        raise errors.OpenAIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
+
+
 def _upload(request, caller: Caller) -> HttpResponse:
     declared = int(request.META.get("CONTENT_LENGTH") or 0)
     if declared > settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD_BYTES:
         raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
-    # NOTE: the file counts its whole body against the quota while it streams in (its size is known only at its end),
-    # at most the size limit (all of it for a body of no declared length); then its own size.
-    storing = _StreamToStorage(request, organization_id=caller.organization_id,
-                               reserved=min(declared or settings.FILES_MAX_BYTES, settings.FILES_MAX_BYTES))
+    storing = _StreamToStorage(request, organization_id=caller.organization_id, reserved=_counted_bytes(declared))
     request.upload_handlers = [_SizeLimit(request), storing]
     try:
         try:

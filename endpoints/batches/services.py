@@ -144,20 +144,29 @@ def abandon_upload(file: File) -> None:
     File.objects.filter(pk=file.pk, stored_at__isnull=True).delete()
 
 
-def _storage_use(organization_id: int) -> tuple[int, int, int]:
+def refuse_upload_past_storage_quota(organization_id: int, size: int) -> None:
+    """Refuse an upload of `size` bytes the organisation's storage quota has no room for, before its body is read
+    (`Gateway._upload_may_start`): no lock, `start_upload` checks again under it."""
+    _refuse_past_storage_quota(organization_id, size, param="file", doing="", lock=False)
+
+
+def _storage_use(organization_id: int, *, lock: bool = True) -> tuple[int, int, int]:
     """The organisation's `max_file_bytes`, the bytes of its files (uploads in progress too), and the room its open
     batches keep for their outputs (each its input's size, or its results' so far when larger: `num_result_bytes`).
-    Takes the organisation's row lock, held by the caller's transaction until what it counts is written."""
-    organization = Organization.objects.select_for_update(of=("self",)).select_related("plan").get(pk=organization_id)
+    Takes the organisation's row lock (unless not `lock`), held by the caller's transaction until what it counts is
+    written."""
+    organizations = Organization.objects.select_for_update(of=("self",)) if lock else Organization.objects
+    organization = organizations.select_related("plan").get(pk=organization_id)
     used = File.objects.held_by(organization_id).aggregate(total=Sum("bytes"))["total"] or 0
     room = Batch.objects.open().filter(organization_id=organization_id).aggregate(
         total=Sum(Greatest("input_file__bytes", "num_result_bytes", output_field=BigIntegerField())))["total"] or 0
     return organization.quotas.max_file_bytes, used, room
 
 
-def _refuse_past_storage_quota(organization_id: int, size: int, *, param: str, doing: str) -> None:
-    """Refuse `size` more bytes past the organisation's `max_file_bytes` (`_storage_use`), under its row lock."""
-    limit, used, room = _storage_use(organization_id)
+def _refuse_past_storage_quota(organization_id: int, size: int, *, param: str, doing: str, lock: bool = True) -> None:
+    """Refuse `size` more bytes past the organisation's `max_file_bytes` (`_storage_use`), under its row lock (unless
+    not `lock`)."""
+    limit, used, room = _storage_use(organization_id, lock=lock)
     if used + room + size > limit:
         raise Refused(f"Your organisation keeps {used:,} bytes of files{f' ({room:,} more kept for open batches)' if room else ''}"
                       f" and may keep {limit:,} (quota max_file_bytes){f' {doing}' if doing else ''}: delete files it no "

@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from django.conf import settings
@@ -49,8 +50,12 @@ INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completio
 
 
 class Gateway:
-    def __init__(self, fallback):
+    def __init__(self, fallback, *, refuse_upload: Callable[[int, int], None] | None = None):
         self.fallback = fallback
+        # (organisation, declared bytes) -> raises `errors.OpenAIError` for an upload its storage quota has no room
+        # for (`endpoints.batches.api.refuse_upload_before_its_body`, given by the wiring: the batches app imports the
+        # gateway, never the other way round). Uses the ORM: run in a worker thread.
+        self._refuse_upload = refuse_upload
         self._client: upstream.UpstreamClient | None = None
         self._folding: asyncio.Task | None = None  # `metrics.fold_every_second`, from startup on
         self._num_uploads = 0  # uploads to `/v1/files` this process is reading or storing now (`_upload`)
@@ -94,7 +99,7 @@ class Gateway:
 
     async def _upload_may_start(self, scope, receive, send) -> bool:
         """Whether an upload to `/v1/files` may go on to Django: its caller's key is valid, its declared size within
-        `FILES_MAX_BYTES`, and this process reads fewer than `FILES_UPLOADS_PER_PROCESS` uploads (counted from here:
+        `FILES_MAX_BYTES` and what its organisation's storage quota has left (`refuse_upload`), and this process reads fewer than `FILES_UPLOADS_PER_PROCESS` uploads (counted from here:
         the caller must then call `_upload`); otherwise answered here (OpenAI's shape), its body dropped unread or
         read and dropped.
 
@@ -106,10 +111,13 @@ class Gateway:
         started, request_id = time.monotonic(), new_request_id()
         headers = _headers_of(scope)
         try:
-            await auth.authenticate(headers)
+            caller = await auth.authenticate(headers)
             declared = headers.get("content-length", "")
-            if declared.isascii() and declared.isdigit() and int(declared) > settings.FILES_MAX_BYTES:
+            declared_bytes = int(declared) if declared.isascii() and declared.isdigit() else 0
+            if declared_bytes > settings.FILES_MAX_BYTES:
                 raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
+            if self._refuse_upload is not None:
+                await in_worker_thread(self._refuse_upload)(caller.organization_id, declared_bytes)
             if self._num_uploads >= settings.FILES_UPLOADS_PER_PROCESS:
                 raise errors.rate_limited("Too many uploads in progress on this server: try again in a few seconds.",
                                           UPLOAD_RETRY_AFTER_S)

@@ -27,37 +27,39 @@ def _file_of(num_bytes: int) -> bytes:
     return (LINE * (num_bytes // len(LINE) + 1))[:num_bytes]
 
 
+def held_files(pid: int, folder: Path) -> dict[int, int]:
+    """The files (inode: bytes) a process holds under `folder`: its open files there (Django's temporary files are
+    unnamed, `O_TMPFILE`) and those named there."""
+    sizes = {}
+    fd_dir = f"/proc/{pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            if os.readlink(f"{fd_dir}/{fd}").startswith(str(folder)):
+                stat = os.stat(f"{fd_dir}/{fd}")
+                sizes[stat.st_ino] = stat.st_size
+        except OSError:
+            continue  # closed meanwhile
+    for root, _, names in os.walk(folder):
+        for name in names:
+            try:
+                stat = os.stat(os.path.join(root, name))
+                sizes[stat.st_ino] = stat.st_size
+            except OSError:
+                continue
+    return sizes
+
+
 class DiskSampler:
-    """The most bytes a process held at once in files under `folder`: its open files there (Django's temporary files
-    are unnamed, `O_TMPFILE`) and those named there, sampled every few milliseconds."""
+    """The most bytes a process held at once in files under `folder` (`held_files`), sampled every few milliseconds."""
 
     def __init__(self, pid: int, folder: Path):
-        self.pid, self.folder, self.peak_bytes = pid, str(folder), 0
+        self.pid, self.folder, self.peak_bytes = pid, folder, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _held_bytes(self) -> int:
-        sizes = {}
-        fd_dir = f"/proc/{self.pid}/fd"
-        for fd in os.listdir(fd_dir):
-            try:
-                if os.readlink(f"{fd_dir}/{fd}").startswith(self.folder):
-                    stat = os.stat(f"{fd_dir}/{fd}")
-                    sizes[stat.st_ino] = stat.st_size
-            except OSError:
-                continue  # closed meanwhile
-        for root, _, names in os.walk(self.folder):
-            for name in names:
-                try:
-                    stat = os.stat(os.path.join(root, name))
-                    sizes[stat.st_ino] = stat.st_size
-                except OSError:
-                    continue
-        return sum(sizes.values())
-
     def _run(self):
         while not self._stop.is_set():
-            self.peak_bytes = max(self.peak_bytes, self._held_bytes())
+            self.peak_bytes = max(self.peak_bytes, sum(held_files(self.pid, self.folder).values()))
             time.sleep(0.002)
 
     def __enter__(self):
@@ -102,31 +104,26 @@ def _upload(web, key: str, data: bytes) -> httpx.Response:
 
 
 def _held_upload(web, key: str, *, declared: int) -> socket.socket:
-    """An upload whose client sent its headers and the first 64 KiB of its body, then waits."""
+    """An upload whose client sent its headers and the first 3 MiB of its body (past what Django keeps in memory),
+    then waits."""
     host, port = web.base_url.removeprefix("http://").split(":")
     connection = socket.create_connection((host, int(port)))
     connection.sendall(f"POST /v1/files HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
                        f"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: {declared}\r\n\r\n".encode()
                        + b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"r.jsonl\"\r\n\r\n"
-                       + b"x" * 65_536)
+                       + b"x" * (3 * MiB))
     return connection
 
 
 def test_uploads_past_what_one_process_may_read_at_once_are_refused_with_429_until_one_ends(web, tenant):
     """Before, any number of uploads went on at once: two of 70 MiB passed the pod's 256 MiB `/tmp`."""
     held = [_held_upload(web, tenant.key, declared=32 * MiB) for _ in range(2)]
-    refusals = []
+    wait_until(lambda: len(held_files(web.pid, web.temporary)) == 2, 10, message="both held uploads to be spooled")
 
-    def third_refused():
-        answer = _upload(web, tenant.key, LINE)
-        refusals.append(answer)
-        return answer.status_code == 429
-
-    wait_until(third_refused, 10, message="a third upload at once to be refused")
-    refused = refusals[-1]
+    refused = _upload(web, tenant.key, LINE)
+    assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(refused.headers["retry-after"]) >= 1
-    assert all(answer.status_code == 429 for answer in refusals)  # never stored while two were read
 
     for connection in held:
         connection.close()
@@ -152,3 +149,18 @@ def test_a_body_that_declares_no_length_is_cut_at_the_size_limit_before_it_fills
     if answer is not None:
         assert answer.status_code == 413 and "larger than" in answer.json()["error"]["message"], answer.text
     assert bucket_objects(files_bucket) == {}
+
+
+def test_an_upload_past_what_its_organisations_storage_quota_has_left_is_refused_before_its_body_is_written(
+        web, tenant, files_bucket):
+    """Before, the quota was checked once Django had written the whole body to the pod's disk (twice)."""
+    from tests.batches.test_files_api import _on_plan
+
+    _on_plan(tenant.org, max_file_bytes=MiB)
+    with DiskSampler(web.pid, web.temporary) as disk:
+        answer = _upload(web, tenant.key, _file_of(4 * MiB))
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == "storage_quota_exceeded" and answer.json()["error"]["param"] == "file"
+    assert disk.peak_bytes < 64 * 1024, f"{disk.peak_bytes / MiB:.1f} MiB on disk"
+    assert bucket_objects(files_bucket) == {}
+    assert _upload(web, tenant.key, _file_of(MiB // 2)).status_code == 200  # one it has room for goes on
