@@ -74,6 +74,9 @@ class UsageReport:
     price_input_per_million: Decimal | None = None
     price_cached_input_per_million: Decimal | None = None
     price_output_per_million: Decimal | None = None
+    # The fraction of those prices it pays (a batch line's, as its run read it); None: the endpoint's batch fraction now
+    # for a batch line, 1 otherwise.
+    price_fraction: Decimal | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -175,7 +178,8 @@ SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_i
                                                  least(ad.price_input_per_million, e.price_cached_input_per_million))
                     + r.completion_tokens
                     * coalesce(r.price_output, ad.price_output_per_million, e.price_output_per_million))
-                   * (CASE WHEN r.batch_id <> '' THEN e.batch_price_fraction ELSE 1 END) * 0.000001, 9), r.max_cost),
+                   * coalesce(r.price_fraction, CASE WHEN r.batch_id <> '' THEN e.batch_price_fraction ELSE 1 END)
+                   * 0.000001, 9), r.max_cost),
        coalesce(a.mode, '{BillingMode.POSTPAID}'),
        r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id,
        r.cold_start_ms, r.cold_start_phases::jsonb, r.adapter
@@ -184,7 +188,7 @@ FROM json_to_recordset(%s::json)
           prompt_tokens integer, cached_tokens integer, completion_tokens integer, started_at timestamptz,
           first_token_at timestamptz, finished_at timestamptz, status text, cold_start_s float8, max_cost numeric,
           batch_id text, cold_start_ms integer, cold_start_phases json, adapter text, price_input numeric,
-          price_cached_input numeric, price_output numeric)
+          price_cached_input numeric, price_output numeric, price_fraction numeric)
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
 LEFT JOIN endpoints_adapter ad ON ad.endpoint_id = e.id AND ad.name = r.adapter AND r.adapter <> ''
 LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
@@ -215,7 +219,7 @@ def _rows(reports: list[UsageReport]) -> list[str]:
          "max_cost": str(r.max_cost) if r.max_cost is not None else None, "batch_id": r.batch_id,
          "cold_start_ms": r.cold_start_ms, "cold_start_phases": r.cold_start_phases, "adapter": r.adapter,
          "price_input": _money(r.price_input_per_million), "price_cached_input": _money(r.price_cached_input_per_million),
-         "price_output": _money(r.price_output_per_million)}
+         "price_output": _money(r.price_output_per_million), "price_fraction": _money(r.price_fraction)}
         for r in reports], separators=(",", ":"))]
 
 

@@ -48,7 +48,8 @@ MAX_SEGMENT_BYTES = 64 * 1024 * 1024
 _TIMES = ("started_at", "first_token_at", "finished_at")
 _FIELDS = {f.name for f in fields(UsageReport)}
 # NOTE: exact money: a string in the journal, a Decimal again on replay.
-_MONEY = ("max_cost", "price_input_per_million", "price_cached_input_per_million", "price_output_per_million")
+_MONEY = ("max_cost", "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
+          "price_fraction")
 
 
 def encode(report: UsageReport) -> bytes:

@@ -657,7 +657,7 @@ class InferenceCall:
                     adapter=self.adapter.name if self.adapter else "",
                     price_input_per_million=self.endpoint.price_input_per_million,
                     price_cached_input_per_million=self.endpoint.price_cached_input_per_million,
-                    price_output_per_million=self.endpoint.price_output_per_million,
+                    price_output_per_million=self.endpoint.price_output_per_million, price_fraction=self.price_fraction,
                 ))
         finally:
             presence.untrack(self.request_id)

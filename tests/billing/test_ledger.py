@@ -206,3 +206,17 @@ def test_the_usage_writer_prepares_its_insert_unless_behind_a_transaction_pooler
         assert len(statements) == 1 and "INSERT INTO billing_usagerecord" in statements[0]
     else:
         assert statements == []
+
+
+def test_a_rows_prices_and_batch_fraction_are_the_ones_its_call_was_admitted_at():
+    # The row took the endpoint's prices (and a batch line its batch fraction) when it was written, while the call was
+    # reserved and settled at those it was admitted at: a change in between made the ledger and the counters differ.
+    endpoint = EndpointFactory(price_input_per_million=Decimal("9"), price_cached_input_per_million=Decimal("9"),
+                               price_output_per_million=Decimal("9"), batch_price_fraction=Decimal("0.9"))
+    admitted = dataclasses.replace(
+        usage_report(endpoint, request_id="line-1", prompt_tokens=1000, cached_tokens=0, completion_tokens=1000),
+        batch_id="batch_1", price_input_per_million=Decimal("1"), price_cached_input_per_million=Decimal("0.5"),
+        price_output_per_million=Decimal("2"), price_fraction=Decimal("0.5"), max_cost=None)
+    record_usage(admitted)
+    row = UsageRecord.objects.get(request_id="line-1")
+    assert row.cost == (1000 * Decimal("1") + 1000 * Decimal("2")) / 10**6 * Decimal("0.5")
