@@ -287,6 +287,10 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 # NOTE: also while the last lines finish after a stop: the lease must outlive them.
                 last_check = now
                 reason = await check(progress)
+                # NOTE: read again: a change to what its engines start with (`Endpoint.engine_generation`) refuses the
+                # lines of the configuration read before it (a 503, tried again), for the rest of the slice had the run
+                # kept it.
+                endpoint = await directory.find_endpoint(work.organization_id, work.model) or endpoint
                 # a line starts only while it has `LINE_MIN_WAIT_S` left to be waited for
                 starts_until = (latest_end - LINE_MIN_WAIT_S if ends_at is None
                                 else min(ends_at, answer_deadline - LINE_MIN_WAIT_S))

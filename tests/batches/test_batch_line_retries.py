@@ -51,3 +51,32 @@ def test_a_line_whose_first_answer_was_cut_off_is_billed_for_the_retry_that_succ
     [row] = UsageRecord.objects.filter(batch_id=batch.pk)
     assert row.status == "ok" and row.completion_tokens == 8 and row.cost > 0
     assert _redis_spent(tenant.org.pk) == row.cost
+
+
+def test_a_run_whose_endpoint_changed_configuration_meanwhile_goes_on_with_the_new_one(
+        files_bucket, tenant, start_mock_upstream, monkeypatch, settings):
+    # The run read its endpoint once: its replicas replaced by a change to what their engines start with, every line
+    # was refused as checked by the old configuration (a 503, tried again) for the rest of its slice.
+    import dataclasses
+
+    from endpoints.gateway import directory
+    from endpoints.models import Endpoint, Replica
+
+    monkeypatch.setattr(runner, "RETRY_PAUSE_S", 0.1)
+    settings.BATCH_RUN_SLICE_S = 8
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    batch = new_batch(endpoint, _one_line(endpoint))
+    Endpoint.objects.filter(pk=endpoint.pk).update(engine_generation=1)  # replaced: the replica is of the new one
+    Replica.objects.filter(endpoint=endpoint).update(engine_generation=1)
+    real_find, reads = directory.find_endpoint, []
+
+    async def read_before_the_change(organization_id, name):
+        found = await real_find(organization_id, name)
+        reads.append(found)
+        return dataclasses.replace(found, engine_generation=0) if len(reads) == 1 else found
+
+    monkeypatch.setattr(directory, "find_endpoint", read_before_the_change)
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
