@@ -99,9 +99,9 @@ class Gateway:
 
     async def _upload_may_start(self, scope, receive, send) -> bool:
         """Whether an upload to `/v1/files` may go on to Django: its caller's key is valid, its declared size within
-        `FILES_MAX_BYTES` and what its organisation's storage quota has left (`refuse_upload`), and this process reads fewer than `FILES_UPLOADS_PER_PROCESS` uploads (counted from here:
-        the caller must then call `_upload`); otherwise answered here (OpenAI's shape), its body dropped unread or
-        read and dropped.
+        `FILES_MAX_BYTES` and what its organisation's storage quota has left (`refuse_upload`), and this process reads
+        fewer than `FILES_UPLOADS_PER_PROCESS` uploads (counted from here: the caller, `_upload`, counts it out);
+        otherwise answered here (OpenAI's shape), its body dropped unread or read and dropped.
 
         NOTE: Django reads a whole body (to a temporary file past 2.5 MB) before any view runs: anyone without a key
         could have it write up to the upload limit (200 MiB) to the web pod's disk per request, and any key as many
