@@ -427,7 +427,8 @@ class InferenceCall:
         chunks = response.chunks()
         try:
             async for chunk in chunks:
-                if pending and b"\n\n" not in pending[-1][-1:] + chunk:
+                # NOTE: the end may straddle the pieces; tested without joining them (a copy of each piece)
+                if pending and b"\n\n" not in chunk and not (chunk[:1] == b"\n" and pending[-1][-1:] == b"\n"):
                     pending.append(chunk)
                     pending_bytes += len(chunk)
                     if pending_bytes > sse.MAX_EVENT_BYTES:

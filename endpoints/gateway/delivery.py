@@ -121,23 +121,19 @@ class Holding:
     bound and one answer (and a first piece of each answer), and something always moves (a reader reads on; a client
     reads, leaves or is cut off)."""
 
-    __slots__ = ("_organization_id", "_outbox", "num_bytes", "_reading")
+    __slots__ = ("_share", "num_bytes", "_reading")
 
     def __init__(self, organization_id: int):
-        self._organization_id = organization_id
-        self._outbox = _outboxes.get()
+        # NOTE: a share stays once made (one small object per organisation served by the process), so it is looked up
+        # once per answer, not per piece read.
+        shares = _outboxes.get().shares
+        self._share = shares.get(organization_id) or shares.setdefault(organization_id, _Share())
         self.num_bytes = 0
         self._reading = True
 
-    def _share(self) -> _Share:
-        share = self._outbox.shares.get(self._organization_id)
-        if share is None:
-            share = self._outbox.shares[self._organization_id] = _Share()
-        return share
-
     def take(self, num_bytes: int, connection) -> bool:
         """Count bytes just read on `connection`; True when it must pause (it is parked, resumed by `delivery`)."""
-        share = self._share()
+        share = self._share
         share.held += num_bytes
         share.reading += num_bytes
         self.num_bytes += num_bytes
@@ -155,9 +151,9 @@ class Holding:
 
     def give(self, num_bytes: int) -> None:
         num_bytes = min(num_bytes, self.num_bytes)
-        share = self._outbox.shares.get(self._organization_id)
-        if not num_bytes or share is None:
+        if not num_bytes:
             return
+        share = self._share
         self.num_bytes -= num_bytes
         share.held -= num_bytes
         if self._reading:
@@ -166,11 +162,10 @@ class Holding:
 
     def done_reading(self) -> None:
         """Its read ended (whole, failed or abandoned): its bytes wait for its client now, and the reader's slot is free."""
-        share = self._outbox.shares.get(self._organization_id)
-        if not self._reading or share is None:
-            self._reading = False
+        if not self._reading:
             return
         self._reading = False
+        share = self._share
         share.reading -= self.num_bytes
         if share.reader is self:
             share.reader = None
@@ -180,9 +175,8 @@ class Holding:
         self.done_reading()
         self.give(self.num_bytes)
 
-    def _settle(self, share: _Share) -> None:
-        # NOTE: a share stays once made (one small object per organisation served by the process): made and dropped
-        # for each call, it cost the warm path more than its counting.
+    @staticmethod
+    def _settle(share: _Share) -> None:
         if share.parked and (not share.over() or (share.reader is None and share.may_read_one())):
             share.resume_one()
 
