@@ -75,7 +75,8 @@ def test_the_zygote_whose_forks_are_engines_inherits_none_of_the_fleets_credenti
         zygote.ensure()
         [env] = spawned
         assert_engine_environment(env)
-        assert_engine_environment(psutil.Process(zygote.pid).environ())
+        # Popen returns once exec has begun; the kernel shows the new environment a moment later (empty until then).
+        assert_engine_environment(wait_until(lambda: psutil.Process(zygote.pid).environ(), 10, step_s=0.01))
         assert env[DATA_DIR_ENV_MARKER] == str(tmp_path / "agent")
     finally:
         zygote.stop()
