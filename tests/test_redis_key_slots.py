@@ -2,10 +2,10 @@
 
 The real code paths run here (on the test run's plain Redis) with every script call recorded: the
 gateway's admission and finish (with and without an API key, in flight and waiting), the balancer's
-pick and release, cold-start places, the heartbeat's restore and release, the dead-gateway sweep,
-the reservation sweep, counter rebuilds and refreshes, and the autoscaler's load read, for two
-organisations at once. Each call's keys must hash to one slot, and every script the project
-defines must have been called.
+pick and release, cold-start places, the heartbeat's restore (requests and reservations) and release,
+the dead-gateway sweep, the reservation sweep, counter rebuilds and refreshes, and the autoscaler's
+load read, for two organisations at once. Each call's keys must hash to one slot, and every script the
+project defines must have been called.
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api
     await admission.finish(caller=caller, endpoint_id=endpoint_id, admission=waiting, release=None, num_tokens=0,
                            cost=Decimal("0"))
     # one the heartbeat restores after Redis forgot it, then ends later
-    await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"held-{organization_id}",
-                          amount=Decimal("0.01"), num_tokens=10, candidates=replicas)
-    presence.track(f"held-{organization_id}", organization_id, endpoint_id, replicas[0])
+    held = await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"held-{organization_id}",
+                                 amount=Decimal("0.01"), num_tokens=10, candidates=replicas)
+    presence.track(f"held-{organization_id}", organization_id, endpoint_id, replicas[0], held.reservation)
     # one whose gateway dies: its reservation is swept after its deadline
     await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"orphan-{organization_id}",
                           amount=Decimal("0.01"), num_tokens=10, candidates=[])
@@ -120,6 +120,7 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         redis.delete(redis_keys.gateway_alive_key(traffic.gateway_id()))
         for organization_id in (with_key.pk, without_key.pk):
             redis.delete(traffic.gateway_requests_key(organization_id))  # Redis forgot them
+            redis.hdel(redis_keys.reservations_key(organization_id), f"held-{organization_id}")
         await presence.beat()  # puts them back
         for organization_id in (with_key.pk, without_key.pk):
             presence.end_later(organization_id, f"held-{organization_id}")

@@ -242,6 +242,51 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
     return reservation, keys, args
 
 
+# Puts back the reservations of calls a live gateway still serves after Redis lost them (a restart without persistence,
+# a flush, a failover: `endpoints.gateway.presence`), as `RESERVE` held them. KEYS: the reservations, the deadlines,
+# the organisation's reserved sum, then per call: its key's reserved sum (the organisation's again for a call without
+# a key) and its settled marker. ARGV: the deadline, then per call: request id, amount (units), has key (1/0), payload.
+# A reservation still there (Redis forgot only the gateway's own keys) or one whose call settled meanwhile is left.
+_RESTORE_RESERVATIONS = Script("""
+local restored = 0
+for i = 2, #ARGV, 4 do
+  local n = (i - 2) / 4
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[5 + 2 * n]) == 0 then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3])
+    redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i])
+    redis.call('INCRBY', KEYS[3], ARGV[i + 1])
+    if ARGV[i + 2] == '1' then redis.call('INCRBY', KEYS[4 + 2 * n], ARGV[i + 1]) end
+    restored = restored + 1
+  end
+end
+return restored
+""")
+
+
+async def restore_reservations(organization_id: int, reservations: list[Reservation]) -> int:
+    """Hold again the reservations of one organisation's calls that are still running, which Redis lost; returns how
+    many it held again. Each is held as its admission held it (its amount, its key, its period), with a new deadline.
+
+    NOTE: without this, a flushed or restarted Redis rebuilt the organisation's counters from the ledger with nothing
+    reserved, while its calls then running went on: until they ended, new calls were admitted against the caps and
+    prepaid credit those calls still held (a long stream: up to `GATEWAY_MAX_ANSWER_WAIT_S`)."""
+    if not reservations:
+        return 0
+    keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id)]
+    args = [str(math.ceil(time.time() + settings.BILLING_RESERVATION_TTL_S))]
+    for reservation in reservations:
+        if reservation.organization_id != organization_id:
+            raise ValueError("one organisation's reservations at a time (one Redis Cluster slot)")
+        api_key_id = reservation.api_key_id
+        units = to_units(reservation.amount, ROUND_CEILING)
+        _, _, payload_before, payload_after = _prepared(organization_id, api_key_id, reservation.period_key)
+        keys += [key_reserved_key(organization_id, api_key_id) if api_key_id is not None else keys[2],
+                 settled_key(organization_id, reservation.request_id)]
+        args += [reservation.request_id, str(units), "1" if api_key_id is not None else "0",
+                 f"{payload_before}{units}{payload_after}"]
+    return await _RESTORE_RESERVATIONS(keys=keys, args=args)
+
+
 def refusal(status: str, detail: str) -> QuotaExceeded | None:
     """What an answer of `quota_reserve` means for the caller: None when the reservation holds."""
     if status == "ok":

@@ -181,7 +181,7 @@ class InferenceCall:
         if admitted.picked is not None:
             self.outstanding_replica_id = replicas[admitted.picked].id
         self.held = presence.track(self.request_id, self.caller.organization_id, self.endpoint.id,
-                                   self.outstanding_replica_id)
+                                   self.outstanding_replica_id, admitted.reservation)
         # NOTE: a client that disconnects cancels this task wherever it waits, unless it is a non-streamed call
         # already sent to a replica (see `_watch_disconnect`); watched from `WATCH_DISCONNECT_AFTER_S` on: most
         # calls end sooner, and a timer costs a fraction of the task that watches (its steps, its cancellation).

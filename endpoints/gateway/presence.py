@@ -11,8 +11,11 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
   hour (`traffic.STALE_AFTER_S`), which kept the endpoint from scaling to zero.
 - **Redis lost its memory** (a restart without persistence, a flush, a failover). A live gateway's
   next beat finds its alive key gone and puts back every request it is still serving: in flight on
-  its endpoint, one outstanding on its replica. So the autoscaler sees the load that is really
-  there, instead of idle endpoints whose streams it would drain.
+  its endpoint, one outstanding on its replica, and its reservation against the caps and credit
+  (`billing.quota.counters.restore_reservations`). So the autoscaler sees the load that is really
+  there, instead of idle endpoints whose streams it would drain, and new calls are admitted against
+  what the running ones still hold, not against counters rebuilt from the ledger as if nothing ran.
+  Calls admitted in the second before that beat are not held back by them.
 
 Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat.
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
+from billing.quota import counters
 from controlplane import redis_keys
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
@@ -102,6 +106,7 @@ class Held:
     endpoint_id: str
     replica_id: str | None = None
     since: float = field(default_factory=time.monotonic)  # when this process began serving it
+    reservation: counters.Reservation | None = None  # what it holds against the caps and credit
 
     def value(self) -> str:
         counter = redis_keys.outstanding_key(self.organization_id, self.replica_id) if self.replica_id else ""
@@ -127,8 +132,9 @@ class _Beating:
 _beats: PerLoop[_Beating] = PerLoop(_Beating)
 
 
-def track(request_id: str, organization_id: int, endpoint_id: str, replica_id: str | None) -> Held:
-    held = serving[request_id] = Held(organization_id, endpoint_id, replica_id)
+def track(request_id: str, organization_id: int, endpoint_id: str, replica_id: str | None,
+          reservation: counters.Reservation | None = None) -> Held:
+    held = serving[request_id] = Held(organization_id, endpoint_id, replica_id, reservation=reservation)
     return held
 
 
@@ -182,6 +188,45 @@ async def _push_deadlines_on(redis, now: float | None = None) -> None:
     _extended.at = now  # NOTE: only once due and pushed: a beat in between (every second) never moves it on
 
 
+@dataclass(slots=True)
+class _Repair:
+    due: bool = False  # Redis forgot this gateway, and what it serves is not all put back yet
+
+
+_repair = _Repair()
+
+
+async def _put_back(gateway: str) -> None:
+    """Put back what Redis forgot of the requests this process still serves: each in flight on its endpoint and
+    outstanding on its replica, and its reservation against the caps and credit.
+
+    NOTE: the alive key is written by the beat that finds it gone, so a put-back that failed (Redis down again) is
+    tried again by the next beats (`_repair.due`) rather than never. A request that ends meanwhile is no longer in
+    `serving` when its organisation's turn comes; one whose end is on its way to Redis as its reservation is put back
+    either finds it (and releases it) or, settled first, left its marker, which the put-back respects; a try that
+    recorded nothing leaves no marker, and its reservation, put back after it settled, lapses at its deadline
+    (`billing.quota.sweeper`)."""
+    by_organization: dict[int, list[str]] = {}
+    for request_id, held in list(serving.items()):
+        by_organization.setdefault(held.organization_id, []).append(request_id)
+    restored = reserved = 0
+    for organization_id, request_ids in by_organization.items():
+        snapshot = [(request_id, held) for request_id in request_ids if (held := serving.get(request_id)) is not None]
+        if not snapshot:
+            continue
+        keys = [traffic.gateway_requests_key(organization_id), redis_keys.no_replica_placeholder(organization_id)]
+        args = [traffic.score_now(), traffic.OUTSTANDING_TTL_S]
+        for request_id, held in snapshot:
+            keys += [redis_keys.inflight_key(organization_id, held.endpoint_id), held.counter()]
+            args += [request_id, held.value()]
+        restored += await _RESTORE_REQUESTS(keys=keys, args=args)
+        reserved += await counters.restore_reservations(organization_id, [
+            held.reservation for request_id, held in snapshot if held.reservation is not None and request_id in serving])
+    if restored or reserved:
+        logger.warning("gateway %s: put back %d request(s) and %d reservation(s) Redis had lost", gateway, restored,
+                       reserved)
+
+
 async def beat(*, web: bool = False) -> None:
     """One heartbeat: stay alive, put back what Redis forgot, end what could not be ended, and push on the
     reservation deadlines of long calls; a web process's (`web`) also counts for the web tier (`WEB_BEATS_KEY`)."""
@@ -200,24 +245,15 @@ async def beat(*, web: bool = False) -> None:
         for endpoint_id in recent:
             traffic.note_recent(endpoint_id)  # the next beat writes them
         raise
-    if was_alive is None and (registered := traffic.registered_requests_keys()):
-        # NOTE: Redis lost the gateways set, or a sweeper dropped this gateway's emptied hashes
-        # while it was frozen: list them again (written before each organisation's first request).
-        await redis.sadd(redis_keys.GATEWAYS_KEY, *registered)
-    if was_alive is None and serving:
-        by_organization: dict[int, list[tuple[str, Held]]] = {}
-        for request_id, held in list(serving.items()):
-            by_organization.setdefault(held.organization_id, []).append((request_id, held))
-        restored = 0
-        for organization_id, snapshot in by_organization.items():
-            keys = [traffic.gateway_requests_key(organization_id), redis_keys.no_replica_placeholder(organization_id)]
-            args = [traffic.score_now(), traffic.OUTSTANDING_TTL_S]
-            for request_id, held in snapshot:
-                keys += [redis_keys.inflight_key(organization_id, held.endpoint_id), held.counter()]
-                args += [request_id, held.value()]
-            restored += await _RESTORE_REQUESTS(keys=keys, args=args)
-        if restored:
-            logger.warning("gateway %s: put back %d request(s) Redis had lost", gateway, restored)
+    if was_alive is None:
+        _repair.due = True
+    if _repair.due:
+        if registered := traffic.registered_requests_keys():
+            # NOTE: Redis lost the gateways set, or a sweeper dropped this gateway's emptied hashes
+            # while it was frozen: list them again (written before each organisation's first request).
+            await redis.sadd(redis_keys.GATEWAYS_KEY, *registered)
+        await _put_back(gateway)
+        _repair.due = False
     try:
         await _push_deadlines_on(redis)
     except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on

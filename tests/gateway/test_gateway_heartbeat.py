@@ -1,17 +1,27 @@
 """Gateways beat: a dead one's requests stop counting within seconds, and a live one puts back
 what Redis forgot."""
 
+import asyncio
 import threading
+from decimal import Decimal
 
 import httpx
 import pytest
 
+from billing.ledger import period_spend
+from billing.periods import period_containing
+from billing.quota.counters import QuotaExceeded, from_units, to_units
+from billing.services import set_spend_cap
 from controlplane import redis_keys
+from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
 from endpoints import scheduler
+from endpoints.gateway import presence
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
+from tests.billing.test_quota import reserve
 from tests.conftest import start_web_server, wait_until
+from tests.factories import OrganizationFactory
 from tests.gateway.conftest import serve_endpoint
 from tests.gateway.load import MESSAGES
 
@@ -78,3 +88,70 @@ def test_a_live_gateway_puts_back_its_requests_after_redis_forgets_them_and_rele
         wait_until(lambda: counts(endpoint, replica) == (0, 0), 10, message="both released once, never below zero")
     finally:
         child.stop()
+
+
+def held(organization_id: int, api_key_id: int) -> tuple[int, int, int]:
+    """The organisation's reservations, and its and its key's reserved sums (units)."""
+    redis = get_redis()
+    return (redis.hlen(redis_keys.reservations_key(organization_id)),
+            int(redis.get(redis_keys.org_reserved_key(organization_id)) or 0),
+            int(redis.get(redis_keys.key_reserved_key(organization_id, api_key_id)) or 0))
+
+
+def test_a_live_gateway_holds_its_calls_reservations_again_after_redis_forgets_them_and_settles_each_once(
+        tenant, start_mock_upstream, tmp_path):
+    """Before, Redis losing its memory lost the running calls' reservations for good: the counters were rebuilt from
+    the ledger with nothing reserved, and new calls were admitted against the cap their running calls still held."""
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=100))
+    replica = Replica.objects.get(endpoint=endpoint)
+    org, key = tenant.org.pk, tenant.api_key.pk
+    child, gateway = start_web_server(tmp_path, name="gateway")
+    try:
+        streams = start_streams(gateway, tenant.key, endpoint.name, 2, max_tokens=80)
+        wait_until(lambda: counts(endpoint, replica) == (2, 2) and held(org, key)[0] == 2, 30,
+                   message="two streams in flight, each reserved")
+        before = held(org, key)
+        assert before[1] == before[2] > 0
+        get_redis().flushdb()  # Redis restarted without persistence
+        wait_until(lambda: held(org, key) == before, 10, message="the gateway to hold its calls' reservations again")
+        # A cap of 1.5 times what the two running calls hold: a third holding as much again does not fit beside them
+        # (it would alone).
+        running = from_units(before[1])
+        set_spend_cap(SYSTEM, tenant.org, spend_cap=running * Decimal("1.5"))
+        with pytest.raises(QuotaExceeded):
+            asyncio.run(reserve(organization_id=org, api_key_id=key, amount=running, request_id="third"))
+        for thread in streams:
+            thread.join(60)
+        wait_until(lambda: held(org, key) == (0, 0, 0), 10, message="both reservations released once")
+        spent = get_redis().hget(redis_keys.org_period_key(org, period_containing().key), "spent")
+        assert int(spent) == to_units(period_spend(org, period_containing())) > 0  # each call's cost counted once
+    finally:
+        child.stop()
+
+
+def test_a_put_back_that_failed_is_tried_again_by_the_next_beat(monkeypatch):
+    """Before, the beat that found its alive key gone wrote it first: if putting its requests back then failed (Redis
+    down again), no later beat tried, and the requests and reservations stayed lost until they ended."""
+    org = OrganizationFactory().pk
+    admitted = asyncio.run(reserve(organization_id=org, api_key_id=None, amount=Decimal("0.02"), request_id="kept"))
+    restore, failures = presence._RESTORE_REQUESTS, []
+
+    async def failing_once(**kwargs):
+        if not failures:
+            failures.append(1)
+            raise ConnectionError("Redis went away again")
+        return await restore(**kwargs)
+
+    monkeypatch.setattr(presence, "_RESTORE_REQUESTS", failing_once)
+    monkeypatch.setattr(presence, "serving", {})
+    monkeypatch.setattr(presence, "unfinished", set())
+    monkeypatch.setattr(presence, "_repair", presence._Repair())
+    presence.track("kept", org, "e-kept", None, admitted.reservation)
+    redis = get_redis()
+    redis.flushdb()
+    with pytest.raises(ConnectionError):
+        asyncio.run(presence.beat())
+    asyncio.run(presence.beat())
+    assert redis.zscore(redis_keys.inflight_key(org, "e-kept"), "kept") is not None
+    assert redis.hexists(redis_keys.reservations_key(org), "kept")
+    assert int(redis.get(redis_keys.org_reserved_key(org))) == to_units(Decimal("0.02"))
