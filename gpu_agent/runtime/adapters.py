@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from gpu_agent.protocol import AdapterSpec, ReplicaSpec, ReplicaState, ReplicaStatus
+from gpu_agent.runtime import weights_formats
 from gpu_agent.runtime.model_json import ModelJsonTooLarge, read_model_json
 from gpu_agent.runtime.weights_access import WeightsError
 
@@ -154,7 +155,7 @@ def adapter_problem(path: str | Path, max_lora_rank: int) -> str:
         return "adapter_config.json declares no rank (r)"
     if rank > max_lora_rank:
         return f"the adapter's rank {rank} is above the endpoint's max_lora_rank {max_lora_rank}"
-    return ""
+    return weights_formats.adapter_problem(path)
 
 
 class ReplicaAdapters:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_agent.protocol import ModelTask, ReplicaSpec
+from gpu_agent.runtime import weights_formats
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.model_info import kv_cache_bytes_per_token, model_task, read_model_info
 from gpu_agent.runtime.reaper import REAPER_MODULE
@@ -240,6 +241,8 @@ def build_engine_command(
         "--scheduling-policy", "priority",
         # Every path but /health needs the replica's key (vLLM's own --api-key leaves most open).
         "--middleware", "gpu_agent.runtime.engine_guard.EngineKeyGuard",
+        # Safetensors only: never a pickle, which can run code when it is read (`weights_formats`).
+        *weights_formats.ENGINE_FLAGS,
         *plan.flags,
         *SCHEDULING_FLAGS,
     ]  # fmt: skip

@@ -8,7 +8,8 @@ of a private source while a public catalogue model ("" scope) is downloaded once
 manifests and per-model locks are `weights_index`'s; one lock per cache key makes concurrent
 requests for one model download once, across threads and processes.
 
-A download goes to `<root>/.tmp/<key>.partial/` (`weights_transfer`: parallel ranged reads,
+Pickles and other frameworks' weights are never fetched, and a model whose weights are pickles only is refused
+(`weights_formats`). A download goes to `<root>/.tmp/<key>.partial/` (`weights_transfer`: parallel ranged reads,
 retries, checksums; a download cut short resumes from the parts already there) and is renamed into
 place before its manifest is written, so a half-downloaded model never looks complete. Before downloading, every file name is checked
 (`weights_paths`) and the model's total size is compared with the disk budget and free space: what
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 from gpu_agent.protocol import ModelInfo, WeightsStatus
-from gpu_agent.runtime import weights_sources
+from gpu_agent.runtime import weights_formats, weights_sources
 from gpu_agent.runtime.model_info import ModelReading, read_model
 from gpu_agent.runtime.weights_access import (
     FetchStopped,
@@ -118,11 +119,12 @@ class WeightsCache:
             try:
                 if parsed.kind == "s3":
                     client = s3_client(access, source, default_endpoint_url=self.s3_endpoint_url)
-                    files = weights_sources.s3_listing(client, parsed, source, stop=stop)
+                    files = weights_formats.fetched(weights_sources.s3_listing(client, parsed, source, stop=stop))
                     fingerprint = json.dumps(sorted((f.location, f.size_bytes, f.etag) for f in files))
                 else:  # a branch moves: key by the commit it points at now
                     client = stack.enter_context(hf_client(access, source))
                     files, fingerprint = weights_sources.hf_listing(client, parsed, source, endpoint, stop=stop)
+                    files = weights_formats.fetched(files)
             except StoreUnreachable:
                 # NOTE: only when the store cannot be reached at all (never on a refusal), and only
                 # a copy this same scope fetched from this same endpoint: bad credentials get nothing.

@@ -187,3 +187,11 @@ def test_the_fixed_cpu_kv_cache_stays_where_the_need_is_unknown_or_larger(tiny_m
     assert command.env["VLLM_CPU_KVCACHE_SPACE"] == "3" and "--kv-cache-memory-bytes" not in command.argv
     gpu = build_engine_command(make_spec(max_num_seqs=8), tiny_model_dir, port=1, device="cuda")
     assert "--kv-cache-memory-bytes" not in gpu.argv and "VLLM_CPU_KVCACHE_SPACE" not in gpu.env
+
+
+def test_every_engine_loads_safetensors_only_on_cpu_and_cuda():
+    """Before, vLLM's "auto" load format fell back to `*.bin` and `*.pt` pickles where a directory had no safetensors:
+    a local model directory, or a cached copy fetched before pickles were left out."""
+    for device in ("cpu", "cuda"):
+        argv = build_engine_command(make_spec(), "/models/x", port=8000, device=device).argv
+        assert flag(argv, "--load-format") == "safetensors", device

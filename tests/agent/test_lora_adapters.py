@@ -42,6 +42,14 @@ def test_an_adapter_above_the_rank_limit_or_without_a_peft_config_is_refused_bef
     assert "adapter_config.json" in adapter_problem(tmp_path / "empty", 16)
 
 
+def test_an_adapter_whose_weights_are_a_pickle_is_refused_before_loading(tmp_path):
+    """Before, a folder with `adapter_model.bin` and no safetensors went to the engine, whose adapter loader reads
+    it with torch.load (a pickle can run code when it is read)."""
+    adapter = build_tiny_lora_adapter(tmp_path / "pickled", rank=8)
+    (adapter / "adapter_model.safetensors").rename(adapter / "adapter_model.bin")
+    assert "adapter_model.safetensors" in adapter_problem(adapter, 16)
+
+
 def test_an_adapter_config_past_the_size_cap_is_refused_unread(tmp_path):
     (tmp_path / "huge").mkdir()
     write_json_of_empty_objects(tmp_path / "huge" / "adapter_config.json", {"peft_type": "LORA", "r": 8})

@@ -193,3 +193,33 @@ def test_each_copy_is_reported_with_the_scope_it_was_read_in(s3, s3_endpoint, tm
     assert sorted((status.source, status.scope) for status in cache.statuses()) == [
         (str(model), "org-b"), ("s3://models-scoped/m", ""), ("s3://models-scoped/m", "org-a"),
     ]
+
+
+def test_a_model_listed_in_several_formats_is_fetched_as_safetensors_only(s3, s3_endpoint, tmp_path):
+    """Before, every file under the prefix was fetched: the PyTorch pickles beside the safetensors (which an engine
+    could load, and which can run code when read) and other frameworks' weights, each another copy of the model."""
+    size = upload_model(s3, "models-formats", "m", num_bytes=1000)
+    for name in ("pytorch_model.bin", "training_args.bin", "consolidated.pth", "tf_model.h5", "flax_model.msgpack",
+                 "onnx/model.onnx", "sub/optimizer.pt"):
+        s3.put_object(Bucket="models-formats", Key=f"m/{name}", Body=os.urandom(2000), ACL="public-read")
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
+    path = cache.fetch("s3://models-formats/m")
+    fetched = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    assert fetched == ["config.json", "model.safetensors", "sub/tokenizer.json"]
+    [status] = cache.statuses()
+    assert status.size_bytes == size
+
+
+def test_a_model_whose_weights_are_pickles_only_is_refused_before_any_byte_is_fetched(s3, s3_endpoint, tmp_path):
+    """Before, a tenant's bucket holding only `pytorch_model.bin` was fetched, and vLLM (load format "auto") read the
+    pickle with torch.load on a machine shared with other tenants' engines."""
+    from gpu_agent.runtime.weights_formats import PickledWeights
+
+    s3.create_bucket(Bucket="models-pickled")
+    for name in ("config.json", "pytorch_model.bin", "tokenizer.json"):
+        s3.put_object(Bucket="models-pickled", Key=f"m/{name}", Body=b"{}", ACL="public-read")
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
+    with pytest.raises(PickledWeights, match=r"PyTorch pickle files \(pytorch_model.bin\).*safetensors"):
+        cache.fetch("s3://models-pickled/m")
+    assert cache.num_downloads == 0 and cache.statuses() == []
+    assert list((tmp_path / "weights" / ".tmp").iterdir()) == []

@@ -1,0 +1,75 @@
+"""Which of a model's files an agent fetches and its engine loads: safetensors, never a pickle.
+
+PyTorch's `.bin`, `.pt` and `.pth` checkpoints (and `.ckpt`, `.pkl`) are Python pickles: loading one runs what its
+author put in it, held back only by torch's `weights_only` unpickler, which has been escaped before (CVE-2025-32434).
+A tenant's bucket is hostile input, and its engine runs on a machine shared with other tenants' engines, so:
+
+- **No pickle is downloaded** (`fetched`): a source listing both formats (most public repositories) costs one copy of
+  its weights, not two, and nothing on the node can load the other.
+- **A model whose weights are pickles only is refused before any byte is fetched** (`PickledWeights`), saying how to
+  convert it; vLLM would otherwise load them (`load_format` "auto" falls back to `*.bin` and `*.pt`).
+- **Engines load safetensors only** (`ENGINE_FLAGS`, `engine.build_command`): also for a local model directory, whose
+  files the agent does not choose, and a speculative draft, loaded with its target's settings.
+- **A LoRA adapter's weights must be `adapter_model.safetensors`** (`adapter_problem`): vLLM's adapter loader reads
+  `adapter_model.bin` with `torch.load` when the safetensors file is missing.
+
+Weights for other frameworks (TensorFlow's `.h5`, Flax's `.msgpack`, ONNX, GGUF, Core ML), which vLLM does not load from
+a model directory, are not fetched either.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TypeVar
+
+from gpu_agent.runtime.weights_access import WeightsError
+
+# The suffixes of PyTorch's (pickle) checkpoint files and of other pickles.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# Weights of other frameworks, and formats vLLM loads only as a single file named as the model.
+OTHER_FRAMEWORK_SUFFIXES = (".h5", ".msgpack", ".onnx", ".onnx_data", ".gguf", ".tflite", ".mlmodel", ".ot")
+SAFETENSORS_SUFFIX = ".safetensors"
+ENGINE_FLAGS = ("--load-format", "safetensors")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+_File = TypeVar("_File")
+
+
+class PickledWeights(WeightsError):
+    """The model's weights are pickles only: refused, with how to convert them."""
+
+
+def is_pickle(name: str) -> bool:
+    return name.lower().endswith(PICKLE_SUFFIXES)
+
+
+def _skipped(name: str) -> bool:
+    return name.lower().endswith(PICKLE_SUFFIXES + OTHER_FRAMEWORK_SUFFIXES)
+
+
+def fetched(files: Iterable[_File], *, name_of=lambda f: f.name) -> list[_File]:
+    """The files of a listing the agent downloads: all but pickles and other frameworks' weights.
+
+    `PickledWeights` when the listing holds pickled weights and no safetensors file: the engine would have nothing to
+    load but them."""
+    files = list(files)
+    kept = [f for f in files if not _skipped(name_of(f))]
+    pickles = [name_of(f) for f in files if is_pickle(name_of(f))]
+    if pickles and not any(name_of(f).lower().endswith(SAFETENSORS_SUFFIX) for f in kept):
+        shown = ", ".join(sorted(posixpath.basename(name) for name in pickles)[:3])
+        more = f" and {len(pickles) - 3} more" if len(pickles) > 3 else ""
+        raise PickledWeights(
+            f"the model's weights are PyTorch pickle files ({shown}{more}), which Inferplane never loads: a pickle can "
+            "run code when it is read. Convert them to safetensors (transformers: save_pretrained(..., "
+            "safe_serialization=True); PEFT adapters the same) and point the endpoint at the converted copy.")
+    return kept
+
+
+def adapter_problem(path: str | Path) -> str:
+    """Why an adapter folder's weights are refused ("" if they are safetensors)."""
+    if (Path(path) / ADAPTER_WEIGHTS).is_file():
+        return ""
+    return (f"the adapter has no {ADAPTER_WEIGHTS}: Inferplane loads adapter weights in safetensors only (a pickled "
+            "adapter_model.bin can run code when it is read); save it with safe_serialization=True")
