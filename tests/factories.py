@@ -1,7 +1,9 @@
 import time
+from io import StringIO
 
 import factory
 from django.contrib.auth import get_user_model
+from django.core.management import call_command
 from django_otp.oath import TOTP
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
@@ -94,3 +96,11 @@ def sign_in_staff(client, user):
     response = client.post("/login/code/", {"code": totp_code(device, steps_ahead=max(0, device.last_t + 1 - now_t))})
     assert response.status_code == 302 and not response["Location"].startswith("/login/"), response
     return device
+
+
+def enrolment_code_for(user) -> str:
+    """An enrolment code for `user`, as an operator's `reset_staff_second_factor` prints it (the account's
+    devices go with it)."""
+    printed = StringIO()
+    call_command("reset_staff_second_factor", user.username, stdout=printed)
+    return printed.getvalue().split()[-1]

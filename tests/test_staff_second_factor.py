@@ -14,7 +14,14 @@ from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from controlplane import demo
 from controlplane.accounts.models import AuditEvent, Role
-from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff, totp_code
+from tests.factories import (
+    MembershipFactory,
+    OrganizationFactory,
+    UserFactory,
+    enrolment_code_for,
+    sign_in_staff,
+    totp_code,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -165,6 +172,8 @@ def test_enrolment_shows_the_secret_and_the_device_counts_only_once_a_code_from_
     client = Client()
     client.post("/login/", {"username": staff.email, "password": PASSWORD})
     assert client.get(CODE_PAGE)["Location"].startswith(ENROL_PAGE)
+    # The password alone shows no secret: an enrolment code comes first (tests/test_staff_enrolment_codes.py).
+    assert client.post(ENROL_PAGE, {"enrolment_code": enrolment_code_for(staff)}).status_code == 302
 
     page = client.get(ENROL_PAGE).content.decode()
     pending = TOTPDevice.objects.get(user=staff)
@@ -197,7 +206,7 @@ def test_the_reset_command_removes_the_devices_ends_verified_sessions_staff_powe
     sign_in_staff(verified, staff)
     assert staff_powers(verified) == OPEN
 
-    call_command("reset_staff_second_factor", "OPS@example.test")
+    call_command("reset_staff_second_factor", "OPS@example.test", stdout=StringIO())
 
     assert not TOTPDevice.objects.filter(user=staff).exists()
     assert staff_powers(verified) == SHUT

@@ -1,4 +1,4 @@
-"""Organisations, members, invitations, verified emails, API keys and the audit log."""
+"""Organisations, members, invitations, verified emails, API keys, staff's enrolment codes and the audit log."""
 
 from __future__ import annotations
 
@@ -184,6 +184,29 @@ class Invitation(models.Model):
         if self.expires_at <= timezone.now():
             return "expired"
         return "pending"
+
+
+class StaffEnrolmentCode(models.Model):
+    """Proof from outside the password that lets a staff account with no authenticator enrol one: mailed to the
+    account's address or printed by an operator (`controlplane.accounts.enrolment_codes`). Taken once, before
+    `expires_at`; only a digest of it is kept (`tokens.typed_code_digest`)."""
+
+    class Channel(models.TextChoices):
+        EMAIL = "email", "Mailed to the account's address"
+        OPERATOR = "operator", "Printed by an operator's command"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    digest = models.CharField(max_length=16)
+    channel = models.CharField(max_length=16, choices=Channel.choices)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+    used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["user", "digest"])]
+
+    def __str__(self) -> str:
+        return f"enrolment code for {self.user} ({self.channel})"
 
 
 class Scope(models.TextChoices):

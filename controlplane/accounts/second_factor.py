@@ -12,6 +12,10 @@ is taken once (the device's `last_t`: only a later time step verifies next) unde
 wrong codes slow the device down (django-otp's throttling: 1, 2, 4... seconds) on top of the per-user limit
 on posts (`controlplane.accounts.throttle`). Every accepted, refused and throttled code, every enrolment and
 every reset is in the audit log.
+
+Enrolling a device takes more than the password: first an enrolment code from outside it (mailed to the account or
+printed by an operator, `controlplane.accounts.enrolment_codes`), which lets this session, for a while, see a new
+device's secret and confirm it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ from django.utils import timezone
 from django_otp import login as otp_login
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
+from controlplane.accounts import enrolment_codes
 from controlplane.accounts.services import Actor, record_audit
+
+# The session's proof that it took an enrolment code: {"device": the pending device's pk, "until": epoch seconds}.
+ENROLMENT_SESSION_KEY = "second_factor_enrolment"
 
 
 def is_staff_account(user) -> bool:
@@ -54,10 +62,15 @@ def confirmed_device(user) -> TOTPDevice | None:
     return TOTPDevice.objects.filter(user=user, confirmed=True).order_by("pk").first()
 
 
-def pending_device(user) -> TOTPDevice:
-    """The device being enrolled: not counted until a code from it is confirmed (`confirm_enrolment`)."""
-    device = TOTPDevice.objects.filter(user=user, confirmed=False).order_by("pk").first()
-    return device or TOTPDevice.objects.create(user=user, name="authenticator", confirmed=False)
+def enrolling_device(request) -> TOTPDevice | None:
+    """The device this session may enrol, once it took an enrolment code (`take_enrolment_code`) and for
+    `ENROLMENT_CODE_TTL` after: not counted until a code from it is confirmed (`confirm_enrolment`)."""
+    claim = request.session.get(ENROLMENT_SESSION_KEY)
+    if not isinstance(claim, dict) or not isinstance(claim.get("until"), int | float):
+        return None
+    if claim["until"] <= timezone.now().timestamp():
+        return None
+    return TOTPDevice.objects.filter(pk=claim.get("device"), user=request.user, confirmed=False).first()
 
 
 def base32_secret(device: TOTPDevice) -> str:
@@ -81,7 +94,7 @@ class CodeCheck:
         return self.outcome is Outcome.VERIFIED
 
 
-def _check_code(device_pk: int, code: str) -> tuple[TOTPDevice, CodeCheck]:
+def _check_code(device_pk: int, token: str) -> tuple[TOTPDevice, CodeCheck]:
     # NOTE: under the device's row lock: two requests with one code both read the same `last_t`
     # otherwise, and both would verify.
     with transaction.atomic():
@@ -91,7 +104,7 @@ def _check_code(device_pk: int, code: str) -> tuple[TOTPDevice, CodeCheck]:
             locked_until = (why or {}).get("locked_until")
             wait_s = max(1, math.ceil((locked_until - timezone.now()).total_seconds())) if locked_until else 1
             return device, CodeCheck(Outcome.THROTTLED, wait_s)
-        if device.verify_token(code.strip().replace(" ", "")):
+        if device.verify_token(token):
             return device, CodeCheck(Outcome.VERIFIED)
         return device, CodeCheck(Outcome.WRONG)
 
@@ -111,7 +124,7 @@ def verify_staff_code(request, code: str) -> CodeCheck:
     device = confirmed_device(request.user)
     if device is None:
         return CodeCheck(Outcome.WRONG)
-    device, check = _check_code(device.pk, code)
+    device, check = _check_code(device.pk, "".join(code.split()))
     actor = Actor.from_request(request)
     if check.ok:
         _elevate_session(request, device)
@@ -122,31 +135,59 @@ def verify_staff_code(request, code: str) -> CodeCheck:
     return check
 
 
+def take_enrolment_code(request, code: str) -> CodeCheck:
+    """Takes an enrolment code issued for this account (`enrolment_codes`): this session may then, for
+    `ENROLMENT_CODE_TTL`, see a new device's secret and confirm the device (`confirm_enrolment`).
+
+    NOTE: the device is new here, and any earlier pending one goes: a secret shown before (to whoever held
+    the password then) is never the one enrolled.
+    """
+    user = request.user
+    actor = Actor.from_request(request)
+    if confirmed_device(user) is not None:
+        return CodeCheck(Outcome.WRONG)
+    refusal = enrolment_codes.take_enrolment_code(user, code)
+    if refusal is not None:
+        record_audit(actor, None, "staff.second_factor.enrolment_code.refuse", user, reason=refusal)
+        return CodeCheck(Outcome.WRONG)
+    TOTPDevice.objects.filter(user=user, confirmed=False).delete()
+    device = TOTPDevice.objects.create(user=user, name="authenticator", confirmed=False)
+    request.session[ENROLMENT_SESSION_KEY] = {
+        "device": device.pk, "until": (timezone.now() + enrolment_codes.ENROLMENT_CODE_TTL).timestamp()}
+    record_audit(actor, None, "staff.second_factor.enrolment_code.accept", user)
+    return CodeCheck(Outcome.VERIFIED)
+
+
 def confirm_enrolment(request, code: str) -> CodeCheck:
-    """Confirms the pending device with a code from it: it then counts, and this session is staff.
+    """Confirms the device this session enrols (`enrolling_device`) with a code from it: it then counts, and
+    this session is staff.
 
     NOTE: refused once a confirmed device exists: replacing it takes an operator's reset
     (`manage.py reset_staff_second_factor`), never the password alone.
     """
-    if confirmed_device(request.user) is not None:
+    pending = enrolling_device(request)
+    if pending is None or confirmed_device(request.user) is not None:
         return CodeCheck(Outcome.WRONG)
-    device, check = _check_code(pending_device(request.user).pk, code)
+    device, check = _check_code(pending.pk, "".join(code.split()))
     actor = Actor.from_request(request)
-    if check.ok:
-        TOTPDevice.objects.filter(pk=device.pk).update(confirmed=True)
-        device.confirmed = True
-        _elevate_session(request, device)
-        record_audit(actor, None, "staff.second_factor.enrol", request.user)
-    else:
+    if not check.ok:
         record_audit(actor, None, "staff.second_factor.refuse", request.user, reason=check.outcome.value,
                      enrolling=True, num_failures=device.throttling_failure_count)
+        return check
+    TOTPDevice.objects.filter(pk=device.pk).update(confirmed=True)
+    device.confirmed = True
+    request.session.pop(ENROLMENT_SESSION_KEY, None)
+    _elevate_session(request, device)
+    record_audit(actor, None, "staff.second_factor.enrol", request.user)
     return check
 
 
 def reset_second_factor(actor: Actor, user) -> int:
-    """Removes every device of `user` (a lost phone): the sessions they verified lose staff powers at once,
-    and the next sign-in enrols a new device. Returns how many devices went."""
+    """Removes every device of `user` (a lost phone) and the enrolment codes they have not taken: the sessions
+    they verified lose staff powers at once, and the next sign-in enrols a new device (with a new enrolment
+    code). Returns how many devices went."""
     num_devices, _ = TOTPDevice.objects.filter(user=user).delete()
-    record_audit(actor, None, "staff.second_factor.reset", user, num_devices=num_devices)
+    num_enrolment_codes = enrolment_codes.void_enrolment_codes(user)
+    record_audit(actor, None, "staff.second_factor.reset", user, num_devices=num_devices,
+                 num_enrolment_codes=num_enrolment_codes)
     return num_devices
-

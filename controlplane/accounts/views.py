@@ -13,7 +13,7 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from controlplane.accounts import invitations, keys, second_factor, services
+from controlplane.accounts import enrolment_codes, invitations, keys, second_factor, services
 from controlplane.accounts.console import member_required
 from controlplane.accounts.forms import EMAIL_IN_USE, ApiKeyForm, MemberInviteForm, SignUpForm
 from controlplane.accounts.members import LastOwnerError, NotPermitted, change_member_role, remove_member
@@ -105,7 +105,7 @@ def second_factor_verify(request):
     if not second_factor.needs_second_factor(request.user):
         return redirect(next_url)
     if second_factor.confirmed_device(request.user) is None:
-        return redirect(f"{reverse('second-factor-enrol')}?{urlencode({REDIRECT_FIELD_NAME: next_url})}")
+        return redirect(_with_next("second-factor-enrol", next_url))
     context = {"next": next_url}
     if request.method == "POST":
         check = second_factor.verify_staff_code(request, request.POST.get("code", ""))
@@ -115,15 +115,22 @@ def second_factor_verify(request):
     return render(request, "registration/second_factor.html", context)
 
 
+def _with_next(url_name: str, next_url: str) -> str:
+    return f"{reverse(url_name)}?{urlencode({REDIRECT_FIELD_NAME: next_url})}"
+
+
 @login_required
 def second_factor_enrol(request):
-    """A staff account without a device: the secret for an authenticator app, confirmed by a code from it."""
+    """A staff account without a device: first an enrolment code from outside the password (mailed, or from an
+    operator), then the secret for an authenticator app, confirmed by a code from it."""
     next_url = _safe_next(request)
     if not second_factor.needs_second_factor(request.user):
         return redirect(next_url)
     if second_factor.confirmed_device(request.user) is not None:
-        return redirect(f"{reverse('second-factor')}?{urlencode({REDIRECT_FIELD_NAME: next_url})}")
-    device = second_factor.pending_device(request.user)
+        return redirect(_with_next("second-factor", next_url))
+    device = second_factor.enrolling_device(request)
+    if device is None:
+        return _enrolment_code_step(request, next_url)
     context = {"next": next_url, "secret": second_factor.base32_secret(device), "otpauth_url": device.config_url}
     if request.method == "POST":
         check = second_factor.confirm_enrolment(request, request.POST.get("code", ""))
@@ -132,6 +139,30 @@ def second_factor_enrol(request):
             return redirect(next_url)
         return _code_refused(request, check, "registration/second_factor_enrol.html", context)
     return render(request, "registration/second_factor_enrol.html", context)
+
+
+def _enrolment_code_step(request, next_url: str):
+    context = {"next": next_url, "ttl_min": int(enrolment_codes.ENROLMENT_CODE_TTL.total_seconds() // 60)}
+    if request.method == "POST":
+        check = second_factor.take_enrolment_code(request, request.POST.get("enrolment_code", ""))
+        if check.ok:
+            return redirect(_with_next("second-factor-enrol", next_url))
+        error = "That enrolment code is wrong, expired or already used: ask for a new one."
+        return render(request, "registration/second_factor_enrolment_code.html", context | {"error": error}, status=400)
+    return render(request, "registration/second_factor_enrolment_code.html", context)
+
+
+@login_required
+@require_POST
+def second_factor_enrol_email(request):
+    """Mails an enrolment code to the staff account's own address (throttled: `throttle.ENROLMENT_EMAIL`)."""
+    next_url = _safe_next(request)
+    if second_factor.needs_second_factor(request.user) and second_factor.confirmed_device(request.user) is None:
+        if enrolment_codes.email_enrolment_code(services.Actor.from_request(request), request.user):
+            messages.success(request, f"We mailed an enrolment code to {request.user.email}.")
+        else:
+            messages.error(request, "This account has no email address: ask an operator for an enrolment code.")
+    return redirect(_with_next("second-factor-enrol", next_url))
 
 
 @login_required

@@ -1,8 +1,10 @@
-"""`manage.py reset_staff_second_factor <email>`: a staff member lost their authenticator.
+"""`manage.py reset_staff_second_factor <email>`: a staff member lost their authenticator, or a new staff
+account needs its first enrolment code.
 
-Every device of theirs goes: sessions they verified lose staff powers at once, and their next sign-in
-sets up a new device. Audited (`staff.second_factor.reset`). Check who is asking first: until they enrol
-again, the account's password alone can set up its device.
+Every device of theirs goes: sessions they verified lose staff powers at once, and their next sign-in sets up
+a new device. It prints the enrolment code (single use, for 30 minutes) that the new enrolment needs besides
+the password: hand it over yourself, by a channel that proves who asked (not the email a stolen password could
+have asked for). Audited (`staff.second_factor.reset`, `...enrolment_code.issue`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.accounts.backends import accounts_with_email
+from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL, Channel, issue_enrolment_code
 from controlplane.accounts.second_factor import reset_second_factor
 from controlplane.accounts.services import Actor
 
 
 class Command(BaseCommand):
-    help = "Remove a staff member's second-factor devices; their next sign-in sets up a new one."
+    help = ("Remove a staff member's second-factor devices, and print the enrolment code their next sign-in sets "
+            "up a new authenticator with.")
 
     def add_arguments(self, parser):
         parser.add_argument("email", help="the account's email (or exact username)")
@@ -29,5 +33,7 @@ class Command(BaseCommand):
                 raise CommandError(f"No single account has the email {email!r}.")
             user = matches[0]
         num_devices = reset_second_factor(Actor(), user)
+        code = issue_enrolment_code(Actor(), user, channel=Channel.OPERATOR)
         self.stdout.write(f"Removed {num_devices} device(s) of {user.email or user.get_username()}: "
-                          "their next sign-in sets up a new authenticator.")
+                          "their next sign-in sets up a new authenticator with this enrolment code "
+                          f"(once, within {int(ENROLMENT_CODE_TTL.total_seconds() // 60)} minutes):\n{code}")
