@@ -124,6 +124,7 @@ INSTALLED_APPS = [
     "django.contrib.humanize",
     "django_otp",
     "django_otp.plugins.otp_totp",
+    "django_otp.plugins.otp_static",  # staff's recovery codes, stored hashed (controlplane.accounts.recovery_codes)
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",

@@ -4,6 +4,7 @@ from io import StringIO
 import factory
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.test import Client
 from django_otp.oath import TOTP
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
@@ -96,6 +97,21 @@ def sign_in_staff(client, user):
     response = client.post("/login/code/", {"code": totp_code(device, steps_ahead=max(0, device.last_t + 1 - now_t))})
     assert response.status_code == 302 and not response["Location"].startswith("/login/"), response
     return device
+
+
+def staff_member(username: str = "ops@example.test"):
+    """A staff account (a superuser) that owns an organisation and has no second-factor device yet."""
+    user = UserFactory(username=username, is_staff=True, is_superuser=True)
+    MembershipFactory(organization=OrganizationFactory(), user=user, role=Role.OWNER)
+    return user
+
+
+def signed_in_with_the_password(user) -> Client:
+    """A browser past the log-in form with `user`'s password (UserFactory's), before any second factor."""
+    client = Client()
+    response = client.post("/login/", {"username": user.email, "password": "correct horse battery"})
+    assert response.status_code == 302, response
+    return client
 
 
 def enrolment_code_for(user) -> str:

@@ -20,6 +20,7 @@ from tests.factories import (
     UserFactory,
     enrolment_code_for,
     sign_in_staff,
+    staff_member,
     totp_code,
 )
 
@@ -35,9 +36,7 @@ ENROL_PAGE = "/login/code/enrol/"
 
 @pytest.fixture
 def staff():
-    user = UserFactory(username="ops@example.test", is_staff=True, is_superuser=True)
-    MembershipFactory(organization=OrganizationFactory(), user=user, role=Role.OWNER)
-    return user
+    return staff_member()
 
 
 @pytest.fixture
@@ -186,7 +185,8 @@ def test_enrolment_shows_the_secret_and_the_device_counts_only_once_a_code_from_
     assert wrong.status_code == 400 and not TOTPDevice.objects.get(pk=pending.pk).confirmed
     TOTPDevice.objects.filter(pk=pending.pk).update(throttling_failure_count=0, throttling_failure_timestamp=None)
 
-    assert client.post(ENROL_PAGE, {"code": totp_code(pending)}).status_code == 302
+    confirmed = client.post(ENROL_PAGE, {"code": totp_code(pending)})
+    assert confirmed.status_code == 200 and 'data-testid="recovery-codes"' in confirmed.content.decode()
     assert TOTPDevice.objects.get(pk=pending.pk).confirmed
     assert staff_powers(client) == OPEN
     assert AuditEvent.objects.filter(action="staff.second_factor.enrol", actor=staff).exists()

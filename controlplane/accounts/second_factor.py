@@ -2,8 +2,8 @@
 
 A staff session reaches every tenant's plans, prices, keys, nodes and node pools, so staff powers (the
 console's fleet pages, the Django admin, the node pools' API, staff-only figures) need a session that also
-passed a TOTP code (RFC 6238) from the staff member's confirmed device: `has_staff_powers`, the one test
-every staff check makes. Until then a staff account is an ordinary user.
+passed a TOTP code (RFC 6238) from the staff member's confirmed device, or one of their recovery codes:
+`has_staff_powers`, the one test every staff check makes. Until then a staff account is an ordinary user.
 
 The proof lives in the session (django-otp's `OTPMiddleware` reads the device's id from it and drops it
 when the device is gone or belongs to someone else), so it ends with the session
@@ -15,7 +15,8 @@ every reset is in the audit log.
 
 Enrolling a device takes more than the password: first an enrolment code from outside it (mailed to the account or
 printed by an operator, `controlplane.accounts.enrolment_codes`), which lets this session, for a while, see a new
-device's secret and confirm it.
+device's secret and confirm it. A confirmed enrolment issues recovery codes (`controlplane.accounts.recovery_codes`),
+each of which passes the code page once in place of a code from the device.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from dataclasses import dataclass
 from django.db import transaction
 from django.utils import timezone
 from django_otp import login as otp_login
+from django_otp.models import Device
+from django_otp.plugins.otp_static.models import StaticDevice
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
-from controlplane.accounts import enrolment_codes
+from controlplane.accounts import enrolment_codes, recovery_codes
 from controlplane.accounts.services import Actor, record_audit
 
 # The session's proof that it took an enrolment code: {"device": the pending device's pk, "until": epoch seconds}.
@@ -88,17 +91,25 @@ class Outcome(enum.Enum):
 class CodeCheck:
     outcome: Outcome
     retry_after_s: int = 0
+    recovery_codes: tuple[str, ...] = ()  # issued by a confirmed enrolment: shown once, kept nowhere
+    num_recovery_codes_left: int | None = None  # once a recovery code passed
 
     @property
     def ok(self) -> bool:
         return self.outcome is Outcome.VERIFIED
 
 
-def _check_code(device_pk: int, token: str) -> tuple[TOTPDevice, CodeCheck]:
-    # NOTE: under the device's row lock: two requests with one code both read the same `last_t`
-    # otherwise, and both would verify.
+def is_recovery_code(typed: str) -> bool:
+    """A code from the app is digits alone; a recovery code has letters (`tokens.issue_typed_code`)."""
+    compact = "".join(typed.split())
+    return bool(compact) and not (compact.isdigit() and len(compact) <= 8)
+
+
+def _check_code(model: type[Device], device_pk: int, token: str) -> tuple[Device, CodeCheck]:
+    # NOTE: under the device's row lock: two requests with one code both read the same `last_t` (or the same
+    # static token) otherwise, and both would verify.
     with transaction.atomic():
-        device = TOTPDevice.objects.select_for_update().get(pk=device_pk)
+        device = model.objects.select_for_update().get(pk=device_pk)
         allowed, why = device.verify_is_allowed()
         if not allowed:
             locked_until = (why or {}).get("locked_until")
@@ -109,7 +120,7 @@ def _check_code(device_pk: int, token: str) -> tuple[TOTPDevice, CodeCheck]:
         return device, CodeCheck(Outcome.WRONG)
 
 
-def _elevate_session(request, device: TOTPDevice) -> None:
+def _elevate_session(request, device: Device) -> None:
     """Marks this session as past the second factor, under a new session key.
 
     NOTE: the key changes as it does at the password step (`login()`): a cookie copied from this browser before
@@ -120,11 +131,14 @@ def _elevate_session(request, device: TOTPDevice) -> None:
 
 
 def verify_staff_code(request, code: str) -> CodeCheck:
-    """Checks a code from the staff member's confirmed device; a right one makes this session staff."""
+    """Checks a code from the staff member's confirmed device, or one of their recovery codes; a right one
+    makes this session staff."""
     device = confirmed_device(request.user)
     if device is None:
         return CodeCheck(Outcome.WRONG)
-    device, check = _check_code(device.pk, "".join(code.split()))
+    if is_recovery_code(code):
+        return _verify_recovery_code(request, code)
+    device, check = _check_code(TOTPDevice, device.pk, "".join(code.split()))
     actor = Actor.from_request(request)
     if check.ok:
         _elevate_session(request, device)
@@ -133,6 +147,24 @@ def verify_staff_code(request, code: str) -> CodeCheck:
         record_audit(actor, None, "staff.second_factor.refuse", request.user, reason=check.outcome.value,
                      num_failures=device.throttling_failure_count)
     return check
+
+
+def _verify_recovery_code(request, code: str) -> CodeCheck:
+    actor = Actor.from_request(request)
+    device = recovery_codes.recovery_device(request.user)
+    if device is None:
+        record_audit(actor, None, "staff.second_factor.refuse", request.user, reason=Outcome.WRONG.value,
+                     recovery_code=True, num_failures=0)
+        return CodeCheck(Outcome.WRONG)
+    device, check = _check_code(StaticDevice, device.pk, recovery_codes.recovery_token(code))
+    if not check.ok:
+        record_audit(actor, None, "staff.second_factor.refuse", request.user, reason=check.outcome.value,
+                     recovery_code=True, num_failures=device.throttling_failure_count)
+        return check
+    num_left = recovery_codes.num_recovery_codes_left(request.user)
+    _elevate_session(request, device)
+    record_audit(actor, None, "staff.second_factor.recovery_code.use", request.user, num_left=num_left)
+    return CodeCheck(Outcome.VERIFIED, num_recovery_codes_left=num_left)
 
 
 def take_enrolment_code(request, code: str) -> CodeCheck:
@@ -159,8 +191,8 @@ def take_enrolment_code(request, code: str) -> CodeCheck:
 
 
 def confirm_enrolment(request, code: str) -> CodeCheck:
-    """Confirms the device this session enrols (`enrolling_device`) with a code from it: it then counts, and
-    this session is staff.
+    """Confirms the device this session enrols (`enrolling_device`) with a code from it: it then counts, new
+    recovery codes are issued (in the answer only), and this session is staff.
 
     NOTE: refused once a confirmed device exists: replacing it takes an operator's reset
     (`manage.py reset_staff_second_factor`), never the password alone.
@@ -168,26 +200,44 @@ def confirm_enrolment(request, code: str) -> CodeCheck:
     pending = enrolling_device(request)
     if pending is None or confirmed_device(request.user) is not None:
         return CodeCheck(Outcome.WRONG)
-    device, check = _check_code(pending.pk, "".join(code.split()))
+    device, check = _check_code(TOTPDevice, pending.pk, "".join(code.split()))
     actor = Actor.from_request(request)
     if not check.ok:
         record_audit(actor, None, "staff.second_factor.refuse", request.user, reason=check.outcome.value,
                      enrolling=True, num_failures=device.throttling_failure_count)
         return check
-    TOTPDevice.objects.filter(pk=device.pk).update(confirmed=True)
+    # NOTE: one confirmation issues codes: a second request with the next step's code (a double submit) finds
+    # the device confirmed and issues none that would void the ones the first answer shows.
+    with transaction.atomic():
+        if not TOTPDevice.objects.filter(pk=device.pk, confirmed=False).update(confirmed=True):
+            return CodeCheck(Outcome.WRONG)
+        codes = recovery_codes.replace_recovery_codes(request.user)
     device.confirmed = True
     request.session.pop(ENROLMENT_SESSION_KEY, None)
     _elevate_session(request, device)
-    record_audit(actor, None, "staff.second_factor.enrol", request.user)
-    return check
+    record_audit(actor, None, "staff.second_factor.enrol", request.user, num_recovery_codes=len(codes))
+    return CodeCheck(Outcome.VERIFIED, recovery_codes=tuple(codes))
+
+
+def replace_recovery_codes(request) -> list[str]:
+    """New recovery codes for the signed-in staff member, whose session passed the second factor; the old ones
+    are void. Returns the plain codes, to be shown once."""
+    if not has_staff_powers(request.user):
+        raise PermissionError("only a session that passed the second factor replaces its recovery codes")
+    num_void = recovery_codes.num_recovery_codes_left(request.user)
+    codes = recovery_codes.replace_recovery_codes(request.user)
+    record_audit(Actor.from_request(request), None, "staff.second_factor.recovery_codes.replace", request.user,
+                 num_void=num_void)
+    return codes
 
 
 def reset_second_factor(actor: Actor, user) -> int:
-    """Removes every device of `user` (a lost phone) and the enrolment codes they have not taken: the sessions
-    they verified lose staff powers at once, and the next sign-in enrols a new device (with a new enrolment
-    code). Returns how many devices went."""
+    """Removes every device of `user` (a lost phone), their recovery codes and the enrolment codes they have not
+    taken: the sessions they verified lose staff powers at once, and the next sign-in enrols a new device (with
+    a new enrolment code). Returns how many authenticators went."""
     num_devices, _ = TOTPDevice.objects.filter(user=user).delete()
+    num_recovery_codes = recovery_codes.remove_recovery_codes(user)
     num_enrolment_codes = enrolment_codes.void_enrolment_codes(user)
     record_audit(actor, None, "staff.second_factor.reset", user, num_devices=num_devices,
-                 num_enrolment_codes=num_enrolment_codes)
+                 num_recovery_codes=num_recovery_codes, num_enrolment_codes=num_enrolment_codes)
     return num_devices

@@ -8,12 +8,14 @@ from django.contrib import messages
 from django.contrib.auth import REDIRECT_FIELD_NAME, login
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
+from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render, resolve_url
 from django.urls import reverse
+from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from controlplane.accounts import enrolment_codes, invitations, keys, second_factor, services
+from controlplane.accounts import enrolment_codes, invitations, keys, recovery_codes, second_factor, services
 from controlplane.accounts.console import member_required
 from controlplane.accounts.forms import EMAIL_IN_USE, ApiKeyForm, MemberInviteForm, SignUpForm
 from controlplane.accounts.members import LastOwnerError, NotPermitted, change_member_role, remove_member
@@ -100,7 +102,8 @@ def _code_refused(request, check, template: str, context: dict):
 
 @login_required
 def second_factor_verify(request):
-    """After the password, a staff account enters a code from its device; the session is then staff."""
+    """After the password, a staff account enters a code from its device, or a recovery code; the session is then
+    staff."""
     next_url = _safe_next(request)
     if not second_factor.needs_second_factor(request.user):
         return redirect(next_url)
@@ -110,6 +113,11 @@ def second_factor_verify(request):
     if request.method == "POST":
         check = second_factor.verify_staff_code(request, request.POST.get("code", ""))
         if check.ok:
+            if check.num_recovery_codes_left is not None:
+                messages.warning(request, format_html(
+                    "You signed in with a recovery code, which no longer works; {} left. "
+                    '<a href="{}">Make new ones</a> before they run out.',
+                    check.num_recovery_codes_left, reverse("second-factor-recovery")))
             return redirect(next_url)
         return _code_refused(request, check, "registration/second_factor.html", context)
     return render(request, "registration/second_factor.html", context)
@@ -122,7 +130,7 @@ def _with_next(url_name: str, next_url: str) -> str:
 @login_required
 def second_factor_enrol(request):
     """A staff account without a device: first an enrolment code from outside the password (mailed, or from an
-    operator), then the secret for an authenticator app, confirmed by a code from it."""
+    operator), then the secret for an authenticator app, confirmed by a code from it; then its recovery codes."""
     next_url = _safe_next(request)
     if not second_factor.needs_second_factor(request.user):
         return redirect(next_url)
@@ -136,7 +144,9 @@ def second_factor_enrol(request):
         check = second_factor.confirm_enrolment(request, request.POST.get("code", ""))
         if check.ok:
             messages.success(request, "Your authenticator is set up: each sign-in now asks for a code from it.")
-            return redirect(next_url)
+            # NOTE: the codes are in this answer only; nothing keeps them in plain (recovery_codes).
+            return render(request, "registration/recovery_codes.html",
+                          {"codes": check.recovery_codes, "next": next_url})
         return _code_refused(request, check, "registration/second_factor_enrol.html", context)
     return render(request, "registration/second_factor_enrol.html", context)
 
@@ -163,6 +173,20 @@ def second_factor_enrol_email(request):
         else:
             messages.error(request, "This account has no email address: ask an operator for an enrolment code.")
     return redirect(_with_next("second-factor-enrol", next_url))
+
+
+@login_required
+def second_factor_recovery(request):
+    """A staff member's recovery codes: how many are left, and new ones (the old ones then void), shown once."""
+    if not second_factor.has_staff_powers(request.user):
+        if second_factor.needs_second_factor(request.user):
+            return redirect(_with_next("second-factor", request.path))
+        raise Http404
+    if request.method == "POST":
+        codes = second_factor.replace_recovery_codes(request)
+        return render(request, "registration/recovery_codes.html", {"codes": codes, "next": _safe_next(request)})
+    return render(request, "registration/recovery_codes.html",
+                  {"num_left": recovery_codes.num_recovery_codes_left(request.user), "next": _safe_next(request)})
 
 
 @login_required

@@ -20,7 +20,14 @@ from endpoints.models import Endpoint, EndpointEvent, EventKind, Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.console.conftest import screenshot
-from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory, totp_code
+from tests.factories import (
+    EndpointFactory,
+    MembershipFactory,
+    OrganizationFactory,
+    UserFactory,
+    enrolment_code_for,
+    totp_code,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -249,3 +256,40 @@ def test_staff_cordon_and_drain_a_node(page):
     expect(page.get_by_role("heading", name="Audit log")).to_be_visible()
     expect(page.locator(".events")).to_contain_text("node.draining")
     screenshot(page, "16-fleet-after")
+
+
+def test_a_new_staff_member_enrols_with_an_operators_code_and_signs_in_later_with_a_recovery_code(page):
+    staff = UserFactory(username="new-ops@example.test", is_staff=True)
+    MembershipFactory(organization=OrganizationFactory(name="Platform team"), user=staff, role=Role.OWNER)
+    enrolment_code = enrolment_code_for(staff)  # what the operator's `reset_staff_second_factor` printed
+
+    page.goto("/login/")
+    page.get_by_label("Email").fill("new-ops@example.test")
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Log in").click()
+    expect(page.get_by_role("heading", name="Your enrolment code")).to_be_visible()
+    screenshot(page, "staff-01-enrolment-code")
+    page.get_by_label("Enrolment code").fill(enrolment_code)
+    page.get_by_role("button", name="Continue").click()
+    expect(page.get_by_role("heading", name="Set up your authenticator")).to_be_visible()
+    device = TOTPDevice.objects.get(user=staff, confirmed=False)
+    page.get_by_label("Code from the app").fill(totp_code(device))
+    page.get_by_role("button", name="Confirm").click()
+
+    expect(page.get_by_role("heading", name="Recovery codes")).to_be_visible()
+    codes = page.get_by_test_id("recovery-codes").locator("li code").all_inner_texts()
+    assert len(set(codes)) == 10
+    screenshot(page, "staff-02-recovery-codes")
+    page.get_by_role("link", name="I copied them, continue").click()
+    expect(page.get_by_role("heading", name="Dashboard")).to_be_visible()
+    page.get_by_role("button", name="Log out").click()
+
+    page.goto("/login/")
+    page.get_by_label("Email").fill("new-ops@example.test")
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Log in").click()
+    page.get_by_label("Code").fill(codes[0])
+    page.get_by_role("button", name="Verify").click()
+    expect(page.get_by_role("heading", name="Dashboard")).to_be_visible()
+    expect(page.get_by_text("You signed in with a recovery code, which no longer works; 9 left.")).to_be_visible()
+    nav(page, "Fleet")

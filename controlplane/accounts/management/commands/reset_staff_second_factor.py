@@ -1,8 +1,8 @@
-"""`manage.py reset_staff_second_factor <email>`: a staff member lost their authenticator, or a new staff
-account needs its first enrolment code.
+"""`manage.py reset_staff_second_factor <email>`: a staff member lost their authenticator and their recovery
+codes, or a new staff account needs its first enrolment code.
 
-Every device of theirs goes: sessions they verified lose staff powers at once, and their next sign-in sets up
-a new device. It prints the enrolment code (single use, for 30 minutes) that the new enrolment needs besides
+Every device of theirs goes, with their recovery codes: sessions they verified lose staff powers at once, and
+their next sign-in sets up a new device. It prints the enrolment code (single use, for 30 minutes) that the new enrolment needs besides
 the password: hand it over yourself, by a channel that proves who asked (not the email a stolen password could
 have asked for). Audited (`staff.second_factor.reset`, `...enrolment_code.issue`).
 """
@@ -19,8 +19,8 @@ from controlplane.accounts.services import Actor
 
 
 class Command(BaseCommand):
-    help = ("Remove a staff member's second-factor devices, and print the enrolment code their next sign-in sets "
-            "up a new authenticator with.")
+    help = ("Remove a staff member's second-factor devices and recovery codes, and print the enrolment code their "
+            "next sign-in sets up a new authenticator with.")
 
     def add_arguments(self, parser):
         parser.add_argument("email", help="the account's email (or exact username)")
