@@ -445,6 +445,8 @@ SESSION_COOKIE_SECURE = not DEBUG
 STAFF_SESSION_HOURS = env_float("INFERPLANE_STAFF_SESSION_HOURS", 12.0, minimum=0.1)
 # Staff's second factor (`controlplane.accounts.second_factor`): the name authenticator apps show.
 OTP_TOTP_ISSUER = "Inferplane"
+# The admin never shows a device's secret (a TOTP key, its QR code): one staff member could otherwise read another's.
+OTP_ADMIN_HIDE_SENSITIVE_DATA = True
 CSRF_COOKIE_SECURE = not DEBUG
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"

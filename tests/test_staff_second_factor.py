@@ -241,3 +241,14 @@ def test_the_demo_admin_signs_in_with_the_password_and_the_code_demo_code_prints
     assert client.post(CODE_PAGE, {"code": printed.getvalue().strip()}).status_code == 302
     assert staff_powers(client) == OPEN
     assert demo.seed_demo(tmp_path).totp_key == seeded.totp_key  # a second `make run` prints codes that still work
+
+
+def test_the_admin_never_shows_another_staff_members_authenticator_secret(staff, device):
+    """Before, any staff member with the admin saw every staff member's TOTP key and QR code (and could sign in as
+    them with their password)."""
+    colleague = UserFactory(is_staff=True, is_superuser=True)
+    sign_in_staff(client := Client(), colleague)
+    page = client.get(f"{ADMIN}otp_totp/totpdevice/{device.pk}/change/")
+    assert page.status_code == 200
+    assert device.key not in page.content.decode() and b32encode(device.bin_key).decode() not in page.content.decode()
+    assert client.get(f"{ADMIN}otp_totp/totpdevice/{device.pk}/config/").status_code in (403, 404)
