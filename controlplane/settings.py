@@ -412,6 +412,11 @@ FILES_MAX_BYTES = env_int("INFERPLANE_FILES_MAX_BYTES", 200 * 1024 * 1024, minim
 # pod's `/tmp` volume until stored. NOTE: the volume's `sizeLimit` (infra/k8s/base/web.yaml) is sized for
 # processes x this x `FILES_MAX_BYTES` (tests/infra/test_manifests.py): raise them together.
 FILES_UPLOADS_PER_PROCESS = env_int("INFERPLANE_FILES_UPLOADS_PER_PROCESS", 2, minimum=1)
+# An upload's body is cut off with a 408 (`endpoints.gateway.app._BodyCut`) when no byte of it comes for this long, or
+# when it comes slower than this many bytes a second on average (after the first `FILES_UPLOAD_IDLE_S`): a client
+# dripping a byte a second held a place above for ever.
+FILES_UPLOAD_IDLE_S = env_float("INFERPLANE_FILES_UPLOAD_IDLE_S", 30.0, minimum=0.1)
+FILES_UPLOAD_MIN_BYTES_PER_S = env_int("INFERPLANE_FILES_UPLOAD_MIN_BYTES_PER_S", 64 * 1024, minimum=1)
 BATCH_MAX_LINES = env_int("INFERPLANE_BATCH_MAX_LINES", 50_000, minimum=1)
 BATCH_MAX_OPEN_PER_ORG = env_int("INFERPLANE_BATCH_MAX_OPEN_PER_ORG", 100, minimum=1)
 # A worker running a batch holds it this long between renewals; a killed worker's batch is taken over after.

@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -59,6 +60,7 @@ class Gateway:
         self._client: upstream.UpstreamClient | None = None
         self._folding: asyncio.Task | None = None  # `metrics.fold_every_second`, from startup on
         self._num_uploads = 0  # uploads to `/v1/files` this process is reading or storing now (`_upload`)
+        self._uploads_by_organization: Counter[int] = Counter()  # those uploads, by their caller's organisation
 
     @property
     def client(self) -> upstream.UpstreamClient:
@@ -85,23 +87,32 @@ class Gateway:
 
     async def _upload(self, scope, receive, send) -> None:
         """An upload to `/v1/files`, handed to Django once `_upload_may_start` lets it, counted until Django answers;
-        its body cut at `FILES_MAX_BYTES` whatever it declared (a chunked one declares nothing), with a 413."""
-        if not await self._upload_may_start(scope, receive, send):
+        its body cut at `FILES_MAX_BYTES` whatever it declared (a chunked one declares nothing), with a 413, and when
+        it comes too slowly (`_BodyCut`), with a 408."""
+        organization_id = await self._upload_may_start(scope, receive, send)
+        if organization_id is None:
             return
-        body = _BodyCut(receive, settings.FILES_MAX_BYTES)
+        body = _BodyCut(receive, settings.FILES_MAX_BYTES, idle_s=settings.FILES_UPLOAD_IDLE_S,
+                        min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S)
         try:
             await self.fallback(scope, body.receive, send)  # endpoints.batches.api.files
         finally:
-            self._num_uploads -= 1  # Django has closed the body's temporary file: its bytes are off the disk
-        if body.cut:  # Django took it for a client gone and answered nothing
-            refusal = errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
-            await _respond(send, refusal.status, refusal.body(), raw_headers=RateLimitReport.unauthenticated().headers())
+            # Django has closed the body's temporary file: its bytes are off the disk.
+            self._num_uploads -= 1
+            self._uploads_by_organization[organization_id] -= 1
+            if not self._uploads_by_organization[organization_id]:
+                del self._uploads_by_organization[organization_id]
+        if body.cut is not None:  # Django took it for a client gone and answered nothing
+            # NOTE: the connection closes after the answer: a dripping client's body is not read on to its end.
+            await _respond(send, body.cut.status, body.cut.body(), headers={"connection": "close"},
+                           raw_headers=RateLimitReport.unauthenticated().headers())
 
-    async def _upload_may_start(self, scope, receive, send) -> bool:
-        """Whether an upload to `/v1/files` may go on to Django: its caller's key is valid, its declared size within
-        `FILES_MAX_BYTES` and what its organisation's storage quota has left (`refuse_upload`), and this process reads
-        fewer than `FILES_UPLOADS_PER_PROCESS` uploads (counted from here: the caller, `_upload`, counts it out);
-        otherwise answered here (OpenAI's shape), its body dropped unread or read and dropped.
+    async def _upload_may_start(self, scope, receive, send) -> int | None:
+        """The organisation of an upload to `/v1/files` that may go on to Django: its caller's key is valid, its
+        declared size within `FILES_MAX_BYTES` and what its organisation's storage quota has left (`refuse_upload`),
+        and this process reads fewer than `FILES_UPLOADS_PER_PROCESS` uploads, the last place kept for an organisation
+        that reads none (`_may_take_an_upload_place`; counted from here: the caller, `_upload`, counts it out);
+        otherwise None, answered here (OpenAI's shape), its body dropped unread or read and dropped.
 
         NOTE: Django reads a whole body (to a temporary file past 2.5 MB) before any view runs: anyone without a key
         could have it write up to the upload limit (200 MiB) to the web pod's disk per request, and any key as many
@@ -118,11 +129,8 @@ class Gateway:
                 raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
             if self._refuse_upload is not None:
                 await in_worker_thread(self._refuse_upload)(caller.organization_id, declared_bytes)
-            if self._num_uploads >= settings.FILES_UPLOADS_PER_PROCESS:
-                raise errors.rate_limited("Too many uploads in progress on this server: try again in a few seconds.",
-                                          UPLOAD_RETRY_AFTER_S)
-            self._num_uploads += 1  # NOTE: no await since the check: two uploads cannot both take the last place
-            return True
+            self._take_an_upload_place(caller.organization_id)
+            return caller.organization_id
         except errors.OpenAIError as exc:
             refusal = exc
         except Exception as exc:
@@ -134,7 +142,24 @@ class Gateway:
         await _respond(send, refusal.status, refusal.body(), headers=refusal.headers | {"x-request-id": request_id},
                        raw_headers=RateLimitReport.unauthenticated().headers())
         log_answer(scope, refusal.status, started, request_id)
-        return False
+        return None
+
+    def _take_an_upload_place(self, organization_id: int) -> None:
+        """Count an upload of the organisation in, or refuse it (429) when this process reads as many as it may, or
+        when the last place is free but the organisation already reads one here.
+
+        NOTE: one organisation took every place: two uploads dripped a byte a second refused every other tenant's
+        uploads on the process. Now it holds all but the last (one of the default two), and a slow body is cut
+        (`_BodyCut`). No await between the check and the count: two uploads cannot both take the last place."""
+        num_free = settings.FILES_UPLOADS_PER_PROCESS - self._num_uploads
+        if num_free <= 0:
+            raise errors.rate_limited("Too many uploads in progress on this server: try again in a few seconds.",
+                                      UPLOAD_RETRY_AFTER_S)
+        if num_free == 1 and self._uploads_by_organization[organization_id] and settings.FILES_UPLOADS_PER_PROCESS > 1:
+            raise errors.rate_limited("Your organisation already has an upload in progress on this server, whose last "
+                                      "place is kept for others: try again once it ends.", UPLOAD_RETRY_AFTER_S)
+        self._num_uploads += 1
+        self._uploads_by_organization[organization_id] += 1
 
     async def _metrics(self, scope, receive, send):
         started = time.monotonic()
@@ -305,22 +330,44 @@ async def _read_body(receive) -> bytes:
 
 
 class _BodyCut:
-    """`receive` for Django, that ends a body past `max_bytes` as if its client had gone (`http.disconnect`): Django
-    spools a body whole before any view runs, and never stops one that declared no length."""
+    """`receive` for Django, that ends a body (as if its client had gone: `http.disconnect`) past `max_bytes`, or
+    when its next message has not come by `_deadline`: none for `idle_s`, or fewer than `min_bytes_per_s` a second on
+    average after the first `idle_s`. `cut` is then the error to answer with (413, or 408). Django spools a body whole
+    before any view runs, and never stops one that declared no length, or one that comes a byte at a time.
 
-    def __init__(self, receive, max_bytes: int):
+    NOTE: a body cut here never reached S3: Django parses a body, its file going to S3, only once it has it whole. Once
+    the body has ended, what comes (Django waits for the client's going as it answers) is passed on untimed."""
+
+    def __init__(self, receive, max_bytes: int, *, idle_s: float, min_bytes_per_s: int):
         self._receive, self._max_bytes = receive, max_bytes
-        self.num_bytes, self.cut = 0, False
+        self._idle_s, self._min_bytes_per_s = idle_s, min_bytes_per_s
+        self._started = time.monotonic()
+        self._ended = False
+        self.num_bytes = 0
+        self.cut: errors.OpenAIError | None = None
+
+    def _deadline(self, now: float) -> float:
+        return min(now + self._idle_s, self._started + self._idle_s + self.num_bytes / self._min_bytes_per_s)
 
     async def receive(self):
-        if self.cut:
+        if self.cut is not None:
             return {"type": "http.disconnect"}
-        message = await self._receive()
+        if self._ended:
+            return await self._receive()
+        now = time.monotonic()
+        try:
+            message = await asyncio.wait_for(self._receive(), max(0.0, self._deadline(now) - now))
+        except TimeoutError:
+            self.cut = errors.OpenAIError(
+                408, f"The upload was too slow: its body must come at {self._min_bytes_per_s} bytes a second or more, "
+                f"with no pause of {self._idle_s:g} s. Send it again.", param="file", code="upload_too_slow")
+            return {"type": "http.disconnect"}
         if message["type"] == "http.request":
             self.num_bytes += len(message.get("body", b""))
             if self.num_bytes > self._max_bytes:
-                self.cut = True
+                self.cut = errors.OpenAIError(413, f"The file is larger than {self._max_bytes} bytes.", param="file")
                 return {"type": "http.disconnect"}
+            self._ended = not message.get("more_body")
         return message
 
 

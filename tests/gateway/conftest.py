@@ -94,6 +94,11 @@ def gateway(transactional_db, tmp_path, web_zygote):
 @pytest.fixture
 def tenant(transactional_db):
     """An organisation with an owner and an inference+manage key; `.client(base_url)` is an openai client."""
+    return new_tenant()
+
+
+def new_tenant():
+    """What `tenant` gives: another organisation's each time."""
     organization = OrganizationFactory()
     user = UserFactory()
     MembershipFactory(organization=organization, user=user, role=Role.OWNER)

@@ -1,0 +1,131 @@
+"""Uploads to `/v1/files` share a gateway process's few places fairly: one organisation never takes the last one, and a
+body that comes too slowly (dripped, or stopped) is cut off with a 408, its place given back."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+
+import pytest
+
+from endpoints.batches import storage
+from tests.batches.conftest import bucket_objects
+from tests.batches.test_upload_disk_use import LINE, MiB, _held_upload, _upload, held_files
+from tests.conftest import start_web_server, wait_until
+from tests.gateway.conftest import new_tenant
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+IDLE_S = 2
+
+
+def _web(tmp_path, **extra_env):
+    temporary = tmp_path / "web-tmp"
+    temporary.mkdir()
+    child, base_url = start_web_server(tmp_path, name="web", extra_env={
+        "TMPDIR": str(temporary), "INFERPLANE_FILES_MAX_BYTES": str(64 * MiB),
+        "INFERPLANE_FILES_UPLOADS_PER_PROCESS": "2", **extra_env})
+    child.temporary, child.base_url = temporary, base_url
+    return child
+
+
+@pytest.fixture
+def web(files_bucket, transactional_db, tmp_path):
+    child = _web(tmp_path)
+    yield child
+    child.stop()
+
+
+@pytest.fixture
+def impatient_web(files_bucket, transactional_db, tmp_path):
+    """A web server that cuts an upload off after `IDLE_S` without a byte, or at under 64 KiB a second."""
+    child = _web(tmp_path, INFERPLANE_FILES_UPLOAD_IDLE_S=str(IDLE_S), INFERPLANE_FILES_UPLOAD_MIN_BYTES_PER_S="65536")
+    yield child
+    child.stop()
+
+
+def test_one_organisation_never_takes_the_last_upload_place_of_a_process(web, tenant):
+    """Before, one organisation's two slow uploads took both places: every other tenant's upload was a 429."""
+    held = _held_upload(web, tenant.key, declared=32 * MiB)
+    wait_until(lambda: len(held_files(web.pid, web.temporary)) == 1, 10, message="the held upload to be spooled")
+
+    refused = _upload(web, tenant.key, LINE)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded" and "kept for others" in refused.text
+    assert int(refused.headers["retry-after"]) >= 1
+
+    other = new_tenant()
+    assert _upload(web, other.key, LINE).status_code == 200  # the last place, kept for it
+    held.close()
+    wait_until(lambda: _upload(web, tenant.key, LINE).status_code == 200, 10,
+               message="the organisation's upload to go on once its held one ended")
+
+
+def _answer_of(connection: socket.socket, *, drip_every_s: float | None, within_s: float) -> tuple[bytes, float]:
+    """The server's answer on `connection` (its status line and body), and how long it took; meanwhile a byte of the
+    body sent every `drip_every_s` (None: nothing more sent)."""
+    started = time.monotonic()
+    received = b""
+    while time.monotonic() - started < within_s:
+        readable, _, _ = select.select([connection], [], [], drip_every_s or 0.2)
+        if readable:
+            chunk = connection.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+            if b"\r\n\r\n" in received and received.split(b"\r\n\r\n", 1)[1].endswith(b"}}"):
+                break
+        elif drip_every_s is not None:
+            try:
+                connection.sendall(b"x")
+            except OSError:
+                break
+    return received, time.monotonic() - started
+
+
+def _assert_too_slow(answer: bytes) -> None:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer[:300]
+    error = json.loads(body)["error"]
+    assert error["code"] == "upload_too_slow" and error["param"] == "file", error
+    assert "too slow" in error["message"]
+
+
+def _no_upload_left_in(bucket: str) -> bool:
+    return (bucket_objects(bucket) == {}
+            and not storage._client().list_multipart_uploads(Bucket=bucket).get("Uploads"))
+
+
+def test_an_upload_dripped_a_byte_at_a_time_is_cut_off_with_408_and_gives_its_place_back(
+        impatient_web, tenant, files_bucket):
+    """Before, a body dripped a byte every fraction of a second held its place for ever (two such held every place of
+    the process)."""
+    host, port = impatient_web.base_url.removeprefix("http://").split(":")
+    connection = socket.create_connection((host, int(port)))
+    connection.sendall(f"POST /v1/files HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {tenant.key}\r\n"
+                       f"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: {MiB}\r\n\r\n".encode()
+                       + b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"r.jsonl\"\r\n\r\n")
+    answer, took_s = _answer_of(connection, drip_every_s=0.2, within_s=20)
+    connection.close()
+
+    _assert_too_slow(answer)
+    assert took_s < IDLE_S + 5, f"cut after {took_s:.1f} s"
+    assert _upload(impatient_web, tenant.key, LINE).status_code == 200  # its place is free again
+    assert _upload(impatient_web, tenant.key, LINE).status_code == 200
+    assert len(bucket_objects(files_bucket)) == 2
+
+
+def test_an_upload_that_stops_sending_its_body_is_cut_off_with_408(impatient_web, tenant, files_bucket):
+    """Before, a client that sent part of its body and then nothing held its place until it closed the connection."""
+    connection = _held_upload(impatient_web, tenant.key, declared=32 * MiB)  # 3 MiB, then nothing
+    answer, took_s = _answer_of(connection, drip_every_s=None, within_s=20)
+    connection.close()
+
+    _assert_too_slow(answer)
+    assert took_s < IDLE_S + 5, f"cut after {took_s:.1f} s"
+    assert _no_upload_left_in(files_bucket)
+    wait_until(lambda: held_files(impatient_web.pid, impatient_web.temporary) == {}, 10,
+               message="the cut body's temporary file to go")
+    assert _upload(impatient_web, tenant.key, LINE).status_code == 200
