@@ -4,7 +4,7 @@ The gateway (`endpoints.gateway.app`) hands these paths to Django: they are book
 not the inference hot path. Callers authenticate as on every `/v1` path (`endpoints.gateway.auth`: the
 same keys, cache and refusals); answers and errors are in OpenAI's shape; another organisation's file
 or batch is a 404, as one that does not exist. Uploads are multipart; Django's ASGI handler spools the body to a
-temporary file (never whole in memory), then the file part goes to S3 as the body is parsed (`_StreamToStorage`), refused
+temporary file (never whole in memory), then the file part goes to S3 as the body is parsed (`uploads`), refused
 past `INFERPLANE_FILES_MAX_BYTES` as it streams in: one copy of an upload on the web pod's disk, never two.
 """
 
@@ -16,12 +16,11 @@ import logging
 from asgiref.sync import async_to_sync
 from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
-from django.core.files.uploadhandler import FileUploadHandler
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from django.utils.http import content_disposition_header
 from django.views.decorators.csrf import csrf_exempt
 
-from endpoints.batches import services, storage
+from endpoints.batches import services, storage, uploads
 from endpoints.batches.models import Batch, File
 from endpoints.batches.text import storable
 from endpoints.gateway import auth, errors
@@ -32,64 +31,6 @@ logger = logging.getLogger("inferplane.batches")
 
 MAX_LIST = 100
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
-
-
-class _TooLarge(Exception):
-    pass
-
-
-class _SizeLimit(FileUploadHandler):
-    """Refuses an upload as soon as it passes the limit, before the rest is read."""
-
-    def receive_data_chunk(self, raw_data, start):
-        if start + len(raw_data) > settings.FILES_MAX_BYTES:
-            raise _TooLarge()
-        return raw_data
-
-    def file_complete(self, file_size):
-        return None
-
-
-class _StreamToStorage(FileUploadHandler):
-    """Sends the upload's `file` part to S3 as Django parses the body (`storage.StreamedUpload`), its row started
-    (`services.start_upload`: the quota checked) as the part begins; other file parts are dropped.
-
-    NOTE: Django's ASGI handler has already written the whole body to a temporary file, in `/tmp` past 2.5 MB; its
-    `TemporaryFileUploadHandler` wrote the file a second time beside it, so that one upload of 130 MiB passed the web
-    pod's 256 MiB `/tmp` volume and had the pod evicted. The body's copy is now the only one on the disk
-    (`Gateway._upload_may_start` bounds how many there are)."""
-
-    def __init__(self, request, *, organization_id: int, reserved: int):
-        super().__init__(request)
-        self.organization_id, self.reserved = organization_id, reserved
-        self.file: File | None = None
-        self.stream: storage.StreamedUpload | None = None
-
-    def new_file(self, field_name, file_name, *args, **kwargs):
-        super().new_file(field_name, file_name, *args, **kwargs)
-        if field_name != "file":
-            return
-        if self.file is not None:
-            raise errors.invalid_request("Send one file, as the field 'file'.", param="file")
-        self.file = services.start_upload(organization_id=self.organization_id, filename=file_name, size=self.reserved)
-        self.stream = storage.StreamedUpload(self.file.s3_key)
-
-    def receive_data_chunk(self, raw_data, start):
-        if self.field_name == "file":
-            self.stream.write(raw_data)
-        return None
-
-    def file_complete(self, file_size):
-        return None
-
-    def finish(self) -> File:
-        self.stream.complete()
-        return services.finish_upload(self.file, size=self.stream.size)
-
-    def abandon(self) -> None:
-        if self.file is not None:
-            services.abandon_upload(self.file)
-            self.stream.abort()
 
 
 def _error(exc: errors.OpenAIError) -> HttpResponse:
@@ -171,20 +112,11 @@ def _page(queryset, request, *, default_limit: int) -> dict:
 
 # --- files -----------------------------------------------------------------------------------
 
-def _counted_bytes(declared: int) -> int:
-    """What an upload whose body declared `declared` bytes (0: none) counts against its organisation's storage quota
-    while it streams in.
-
-    NOTE: its whole body (its file's size is known only at its end), at most the size limit (all of it for a body of
-    no declared length); once stored, the file's own size."""
-    return min(declared or settings.FILES_MAX_BYTES, settings.FILES_MAX_BYTES)
-
-
 def refuse_upload_before_its_body(organization_id: int, declared: int) -> None:
     """Refuse (`errors.OpenAIError`, as `_upload` would) an upload its organisation's storage quota has no room for,
     from its declared size alone: the gateway asks before Django writes its body to the web pod's disk."""
     try:
-        services.refuse_upload_past_storage_quota(organization_id, _counted_bytes(declared))
+        services.refuse_upload_past_storage_quota(organization_id, uploads.counted_bytes(declared))
     except services.Refused as exc:
         raise errors.OpenAIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
 
@@ -193,15 +125,11 @@ def _upload(request, caller: Caller) -> HttpResponse:
     declared = int(request.META.get("CONTENT_LENGTH") or 0)
     if declared > settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD_BYTES:
         raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
-    storing = _StreamToStorage(request, organization_id=caller.organization_id, reserved=_counted_bytes(declared))
-    request.upload_handlers = [_SizeLimit(request), storing]
+    storing = uploads.StreamToStorage.handle(request, organization_id=caller.organization_id,
+                                             reserved=uploads.counted_bytes(declared))
     try:
-        try:
-            request.FILES  # noqa: B018 - parses the body, the file part going to S3 as it is read
-            purpose = request.POST.get("purpose", "")
-        except _TooLarge:
-            raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.",
-                                     param="file") from None
+        request.FILES  # noqa: B018 - parses the body, the file part going to S3 as it is read
+        purpose = request.POST.get("purpose", "")
         if storing.file is None:
             raise errors.invalid_request("Send the file as multipart form data, field 'file'.", param="file")
         services.refuse_unknown_purpose(purpose)

@@ -82,6 +82,11 @@ RUN_TIME_LIMIT_S = INPUT_READ_LEASE_S + int(runner.LINES_END_WITHIN_S) + RUN_FIN
 # limit (`RUN_TIME_LIMIT_S`, 25 minutes), so no worker still writes one.
 RESULTS_SWEPT_AFTER = timedelta(minutes=30)
 NUM_RESULTS_SWEPT_PER_RUN = 50
+# S3's unfinished multipart uploads of files begun longer ago than this are aborted by `sweep_incomplete_uploads`: an
+# hour past the longest any live one lasts (an upload's row is swept after `UPLOAD_ABANDONED_AFTER`, whose bytes are
+# refused once it ends; a batch's output files go up within its run's `RUN_TIME_LIMIT_S`).
+INCOMPLETE_UPLOADS_ABORTED_AFTER = (max(UPLOAD_ABANDONED_AFTER, timedelta(seconds=RUN_TIME_LIMIT_S))
+                                    + timedelta(hours=1))
 
 
 class Refused(Exception):
@@ -187,6 +192,17 @@ def sweep_abandoned_uploads(now=None) -> int:
         except Exception:
             logger.exception("could not sweep the abandoned upload %s", file_id)
     return num_swept
+
+
+def sweep_incomplete_uploads(now=None) -> int:
+    """Abort the multipart uploads of files that S3 holds unfinished past `INCOMPLETE_UPLOADS_ABORTED_AFTER`: a
+    process killed mid-upload (an upload's parse, a run writing its output files) never aborts its own, whose parts
+    are stored and paid for for ever, named by no object or row and counted by no quota. Returns how many it aborted.
+
+    NOTE: a bucket lifecycle rule (`AbortIncompleteMultipartUpload`) would do the same, but the bucket is the
+    operator's, not created here: its configuration is replaced whole by a put (their own rules lost), and the fleet's
+    credentials need not be allowed to set it. The README suggests the rule as well."""
+    return storage.abort_incomplete_uploads(initiated_before=(now or timezone.now()) - INCOMPLETE_UPLOADS_ABORTED_AFTER)
 
 
 def delete_file(file: File) -> bool:

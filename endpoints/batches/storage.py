@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -30,6 +31,7 @@ RESULT_DIGITS = 7
 INPUT_PART_BYTES = 8 * 1024 * 1024
 # An upload streams to S3 in parts of this size as it is parsed (`StreamedUpload`; S3's parts but the last are >= 5 MiB).
 UPLOAD_PART_BYTES = 8 * 1024 * 1024
+FILES_PREFIX = "files/"  # every file's key (`file_key`)
 READ_THREADS = 16  # within the client's connection pool (32)
 # The most bytes of line results a batch's finalize reads ahead of the one it writes (`result_bodies`), with at least
 # one result in flight however large. NOTE: it read 2 × READ_THREADS results ahead whatever their size: lines whose
@@ -50,7 +52,7 @@ def _client():
 
 
 def file_key(organization_id: int, file_id: str) -> str:
-    return f"files/{organization_id}/{file_id}"
+    return f"{FILES_PREFIX}{organization_id}/{file_id}"
 
 
 def put_stream(key: str, stream) -> None:
@@ -61,7 +63,7 @@ def put_stream(key: str, stream) -> None:
 class StreamedUpload:
     """An object written as its bytes arrive (`write`), in parts of `UPLOAD_PART_BYTES` (S3's multipart upload): at
     most a part of it in memory and none on disk. `complete` makes the object; `abort` leaves nothing of it (a killed
-    process leaves its parts to the bucket's rule for incomplete multipart uploads)."""
+    process leaves its parts to `abort_incomplete_uploads`)."""
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -93,6 +95,9 @@ class StreamedUpload:
                 self._send_part(len(self._pending))
             _client().complete_multipart_upload(Bucket=settings.FILES_S3_BUCKET, Key=self.key, UploadId=self._upload_id,
                                                 MultipartUpload={"Parts": self._parts})
+            # NOTE: a completed upload is no longer S3's to abort: an abort after it (its row swept meanwhile, then
+            # `abort` as the upload is abandoned) was S3's NoSuchUpload, and the caller's 408 became a 503.
+            self._upload_id = None
         self._pending = bytearray()
 
     def abort(self) -> None:
@@ -100,6 +105,27 @@ class StreamedUpload:
         if self._upload_id is not None:
             _client().abort_multipart_upload(Bucket=settings.FILES_S3_BUCKET, Key=self.key, UploadId=self._upload_id)
             self._upload_id = None
+
+
+def abort_incomplete_uploads(*, initiated_before: datetime) -> int:
+    """Abort the multipart uploads under `files/` that S3 still holds unfinished, begun before `initiated_before`:
+    those of a process killed mid-upload (an upload's parse, a batch's output file going up). Their parts are stored
+    and paid for, yet no object nor row names them, and no quota counts them. Returns how many it aborted."""
+    num_aborted = 0
+    paginator = _client().get_paginator("list_multipart_uploads")
+    for page in paginator.paginate(Bucket=settings.FILES_S3_BUCKET, Prefix=FILES_PREFIX):
+        for upload in page.get("Uploads", []):
+            if not upload["Key"].startswith(FILES_PREFIX) or upload["Initiated"] >= initiated_before:
+                continue
+            try:
+                _client().abort_multipart_upload(Bucket=settings.FILES_S3_BUCKET, Key=upload["Key"],
+                                                 UploadId=upload["UploadId"])
+            except ClientError as exc:
+                if _error_code(exc) != "NoSuchUpload":  # completed or aborted since it was listed
+                    raise
+                continue
+            num_aborted += 1
+    return num_aborted
 
 
 def put_bytes(key: str, data: bytes) -> None:

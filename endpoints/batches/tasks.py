@@ -22,3 +22,9 @@ def tick() -> int:
 @shared_task(name="batches.sweep_ended_results", acks_late=True, time_limit=300, soft_time_limit=270, ignore_result=True)
 def sweep_ended_results() -> int:
     return services.sweep_ended_results()
+
+
+@shared_task(name="batches.sweep_incomplete_uploads", acks_late=True, time_limit=300, soft_time_limit=270,
+             ignore_result=True)
+def sweep_incomplete_uploads() -> int:
+    return services.sweep_incomplete_uploads()

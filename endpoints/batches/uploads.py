@@ -1,0 +1,102 @@
+"""An upload's file part, sent to S3 as Django parses the body: `/v1/files` (`api`) and the console's batch form
+(`views`) store a file the same way, with one copy of it on the web pod's disk.
+
+NOTE: Django's ASGI handler has already written the whole body to a temporary file, in `/tmp` past 2.5 MB; its
+`TemporaryFileUploadHandler` wrote the file a second time beside it, so that one upload of 130 MiB passed the web
+pod's 256 MiB `/tmp` volume and had the pod evicted. The body's copy is now the only one on the disk
+(`Gateway._upload_may_start` bounds how many there are on `/v1/files`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from botocore.exceptions import BotoCoreError, ClientError
+from django.conf import settings
+from django.core.files.uploadhandler import FileUploadHandler
+
+from endpoints.batches import services, storage
+from endpoints.batches.models import File
+
+logger = logging.getLogger("inferplane.batches")
+
+FILE_FIELD = "file"
+
+
+def counted_bytes(declared: int) -> int:
+    """What an upload whose body declared `declared` bytes (0: none) counts against its organisation's storage quota
+    while it streams in.
+
+    NOTE: its whole body (its file's size is known only at its end), at most the size limit (all of it for a body of
+    no declared length); once stored, the file's own size."""
+    return min(declared or settings.FILES_MAX_BYTES, settings.FILES_MAX_BYTES)
+
+
+class SizeLimit(FileUploadHandler):
+    """Refuses an upload (413, `services.Refused`) as soon as it passes the limit, before the rest is read."""
+
+    def receive_data_chunk(self, raw_data, start):
+        if start + len(raw_data) > settings.FILES_MAX_BYTES:
+            raise services.Refused(f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file",
+                                   status=413)
+        return raw_data
+
+    def file_complete(self, file_size):
+        return None
+
+
+class StreamToStorage(FileUploadHandler):
+    """Sends the body's `file` part to S3 as Django parses it (`storage.StreamedUpload`), its row started
+    (`services.start_upload`: the quota checked) as the part begins; other file parts are dropped. Install it
+    (`handle`) before anything reads `request.POST` or `request.FILES`; then `finish` it, or `abandon` it on every
+    other way out (`finished` says which)."""
+
+    def __init__(self, request, *, organization_id: int, reserved: int):
+        super().__init__(request)
+        self.organization_id, self.reserved = organization_id, reserved
+        self.file: File | None = None
+        self.stream: storage.StreamedUpload | None = None
+        self.finished = False
+
+    @classmethod
+    def handle(cls, request, *, organization_id: int, reserved: int) -> StreamToStorage:
+        """The request's upload handlers made `SizeLimit` and a new `StreamToStorage`, which it returns."""
+        storing = cls(request, organization_id=organization_id, reserved=reserved)
+        request.upload_handlers = [SizeLimit(request), storing]
+        return storing
+
+    def new_file(self, field_name, file_name, *args, **kwargs):
+        super().new_file(field_name, file_name, *args, **kwargs)
+        if field_name != FILE_FIELD:
+            return
+        if self.file is not None:
+            raise services.Refused("Send one file, as the field 'file'.", param="file")
+        self.file = services.start_upload(organization_id=self.organization_id, filename=file_name, size=self.reserved)
+        self.stream = storage.StreamedUpload(self.file.s3_key)
+
+    def receive_data_chunk(self, raw_data, start):
+        if self.field_name == FILE_FIELD:
+            self.stream.write(raw_data)
+        return None
+
+    def file_complete(self, file_size):
+        return None
+
+    def finish(self) -> File:
+        self.stream.complete()
+        file = services.finish_upload(self.file, size=self.stream.size)
+        self.finished = True
+        return file
+
+    def abandon(self) -> None:
+        """Leave nothing of an upload that will not be stored: its parts in S3 first, then its row.
+
+        NOTE: the parts went after the row: a failure to take the row back (PostgreSQL away) left them in S3 for
+        ever; now a failure to abort them is logged and left to `services.sweep_incomplete_uploads`."""
+        if self.file is None or self.finished:
+            return
+        try:
+            self.stream.abort()
+        except (BotoCoreError, ClientError):
+            logger.warning("could not abort the upload of %s: its parts are swept later", self.file.pk, exc_info=True)
+        services.abandon_upload(self.file)
