@@ -7,22 +7,31 @@ from django import forms
 from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, StreamingHttpResponse
+from django.http import Http404, HttpResponse, StreamingHttpResponse
+from django.middleware.csrf import CsrfViewMiddleware
 from django.shortcuts import redirect, render
 from django.utils.http import content_disposition_header
+from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
-from endpoints.batches import services, storage
-from endpoints.batches.models import BATCH_PATHS, Batch, BatchStatus, File, FilePurpose
+from endpoints.batches import services, storage, uploads
+from endpoints.batches.models import BATCH_PATHS, Batch, BatchStatus, File
 from endpoints.models import EndpointEvent, EventKind
 
 NUM_BATCHES_SHOWN = 50
 
 
+class _StoredFileField(forms.FileField):
+    """The form's file: what `uploads.StreamToStorage` started storing as the body was parsed (a `File` row)."""
+
+    def to_python(self, data):
+        return data or None
+
+
 class BatchForm(forms.Form):
-    file = forms.FileField(label="Requests (JSONL)", help_text="One request per line: custom_id, method, url, body.")
+    file = _StoredFileField(label="Requests (JSONL)", help_text="One request per line: custom_id, method, url, body.")
     endpoint = forms.ChoiceField(label="Endpoint path", choices=[(path, path) for path in BATCH_PATHS])
 
 
@@ -33,30 +42,54 @@ def _batch_or_404(request, batch_id: str) -> Batch:
     return batch
 
 
+@csrf_exempt  # NOTE: checked once the upload's handlers are installed (`_create_batch`), never before
 @member_required()
 def batch_list(request):
     form = BatchForm()
     if request.method == "POST":
-        form = BatchForm(request.POST, request.FILES)
-        if form.is_valid():
-            upload = form.cleaned_data["file"]
-            try:
-                input_file = services.create_file(organization_id=request.organization.pk, purpose=FilePurpose.BATCH,
-                                                  filename=upload.name, stream=upload, size=upload.size)
-                batch = services.create_batch(organization_id=request.organization.pk, api_key_id=None,
-                                              user_id=request.user.pk, input_file_id=input_file.pk,
-                                              request_path=form.cleaned_data["endpoint"], completion_window="24h",
-                                              metadata=None)
-            except services.Refused as exc:
-                form.add_error("file", exc.message)
-            else:
-                messages.success(request, f"Batch {batch.pk} created: its lines are being checked.")
-                return redirect("console:batch", batch_id=batch.pk)
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+        storing = uploads.StreamToStorage.handle(request, organization_id=request.organization.pk,
+                                                 reserved=uploads.counted_bytes(declared))
+        try:
+            created = _create_batch(request, storing)
+        finally:
+            storing.abandon()  # nothing once its file is stored
+        if isinstance(created, HttpResponse):
+            return created
+        if isinstance(created, Batch):
+            messages.success(request, f"Batch {created.pk} created: its lines are being checked.")
+            return redirect("console:batch", batch_id=created.pk)
+        form = created
     batches = Batch.objects.for_org(request.organization.pk).select_related("endpoint").order_by("-created_at")
     return render(request, "batches/batch_list.html", {
         "batches": batches[:NUM_BATCHES_SHOWN], "form": form, "can_write": request.membership.can(Role.MEMBER),
         "max_mb": settings.FILES_MAX_BYTES // (1024 * 1024),
     }, status=400 if form.errors else 200)
+
+
+def _create_batch(request, storing: uploads.StreamToStorage) -> Batch | BatchForm | HttpResponse:
+    """The batch the form starts, its file streamed to S3 as the body is parsed (`storing`, as on `/v1/files`); or
+    the form with its errors; or the CSRF check's refusal. The caller abandons the upload unless it is stored.
+
+    NOTE: the file went through Django's `TemporaryFileUploadHandler`, a second copy of the body's file on the web
+    pod's disk beside the one Django's ASGI handler spools, then from there to S3. The CSRF check reads the form:
+    the view is exempt from the middleware's, which ran before the handlers could be installed, and checks here."""
+    form = BatchForm()
+    try:
+        request.FILES  # noqa: B018 - parses the body, the file part going to S3 as it is read
+        refusal = CsrfViewMiddleware(lambda request: None).process_view(request, None, (), {})
+        if refusal is not None:
+            return refusal
+        form = BatchForm(request.POST, {uploads.FILE_FIELD: storing.file} if storing.file else {})
+        if not form.is_valid():
+            return form
+        input_file = storing.finish()
+        return services.create_batch(organization_id=request.organization.pk, api_key_id=None, user_id=request.user.pk,
+                                     input_file_id=input_file.pk, request_path=form.cleaned_data["endpoint"],
+                                     completion_window="24h", metadata=None)
+    except services.Refused as exc:
+        form.add_error("file", exc.message)
+        return form
 
 
 def _detail_context(request, batch: Batch) -> dict:

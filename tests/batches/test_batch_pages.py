@@ -4,6 +4,7 @@ another organisation's batch or file is a 404."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -73,3 +74,40 @@ def test_another_organisations_batch_and_files_are_404s(console_client_factory, 
     assert stranger.post(reverse("console:batch-cancel", args=[batch.pk])).status_code == 404
     assert batch.pk not in stranger.get(reverse("console:batches")).content.decode()
     assert Batch.objects.get(pk=batch.pk).status == BatchStatus.VALIDATING
+
+
+def test_a_console_upload_goes_to_s3_as_it_is_parsed_with_no_copy_on_disk_and_still_needs_its_csrf_token(
+        console_client_factory, files_bucket, org, tmp_path, settings):
+    """Before, the console's form wrote its file to a temporary file (Django's `TemporaryFileUploadHandler`, a second
+    copy beside the body's own), then from there to S3; `/v1/files` streamed it."""
+    from endpoints.batches import storage
+    from endpoints.batches.models import File
+    from tests.batches.test_upload_disk_use import DiskSampler
+
+    settings.FILE_UPLOAD_TEMP_DIR = str(tmp_path)
+    member = console_client_factory(org, Role.MEMBER)
+    member.handler.enforce_csrf_checks = True
+    line = json.dumps(LINE).encode() + b"\n"
+    data = line * (10 * 1024 * 1024 // len(line))
+
+    def post(**fields):
+        upload = SimpleUploadedFile("requests.jsonl", data, content_type="application/jsonl")
+        return member.post(reverse("console:batches"), {"file": upload, "endpoint": "/v1/chat/completions", **fields})
+
+    def nothing_stored() -> bool:
+        unfinished = storage._client().list_multipart_uploads(Bucket=files_bucket).get("Uploads")
+        return not File.objects.exists() and bucket_objects(files_bucket) == {} and not unfinished
+
+    assert post().status_code == 403  # no CSRF token: refused, its upload abandoned
+    assert nothing_stored()
+    token = member.get(reverse("console:batches")).cookies["csrftoken"].value
+    refused = post(csrfmiddlewaretoken=token, endpoint="/v1/nope")
+    assert refused.status_code == 400 and "/v1/nope" in refused.content.decode()
+    assert nothing_stored()
+
+    with DiskSampler(os.getpid(), tmp_path) as disk:
+        started = post(csrfmiddlewaretoken=token)
+    assert started.status_code == 302, started.content.decode()[:2000]
+    batch = Batch.objects.get(organization=org)
+    assert batch.input_file.bytes == len(data) and list(bucket_objects(files_bucket).values()) == [data]
+    assert disk.peak_bytes == 0, f"{disk.peak_bytes / 1024 / 1024:.1f} MiB written to disk"
