@@ -46,6 +46,9 @@ GC_YOUNG_THRESHOLD = 20_000
 # Served by Django (`endpoints.batches.api`): uploads and bookkeeping, not the inference hot path.
 DJANGO_V1_PREFIXES = ("/v1/files", "/v1/batches")
 FILES_PREFIX = "/v1/files"
+# The largest body of the Files and Batch APIs but an upload (`_files_and_batches`): a batch's creation, its metadata
+# at most 16 pairs of 64 + 512 characters.
+DJANGO_V1_MAX_BODY_BYTES = 1024 * 1024
 UPLOAD_RETRY_AFTER_S = 5  # an upload refused while this process reads as many as it may (`_upload_may_start`)
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 
@@ -78,7 +81,7 @@ class Gateway:
             if path.startswith(DJANGO_V1_PREFIXES):
                 if scope["method"] == "POST" and path.startswith(FILES_PREFIX):
                     return await self._upload(scope, receive, send)
-                return await self.fallback(scope, receive, send)  # Files and Batch API: endpoints.batches.api
+                return await self._files_and_batches(scope, receive, send)
             if path.startswith("/v1/") or path == "/v1":
                 return await self._handle(scope, receive, send)
             if path == "/metrics":
@@ -92,20 +95,49 @@ class Gateway:
         organization_id = await self._upload_may_start(scope, receive, send)
         if organization_id is None:
             return
-        body = _BodyCut(receive, settings.FILES_MAX_BYTES, idle_s=settings.FILES_UPLOAD_IDLE_S,
-                        min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S)
         try:
-            await self.fallback(scope, body.receive, send)  # endpoints.batches.api.files
+            await self._to_django(scope, receive, send, settings.FILES_MAX_BYTES)  # endpoints.batches.api.files
         finally:
             # Django has closed the body's temporary file: its bytes are off the disk.
             self._num_uploads -= 1
             self._uploads_by_organization[organization_id] -= 1
             if not self._uploads_by_organization[organization_id]:
                 del self._uploads_by_organization[organization_id]
+
+    async def _to_django(self, scope, receive, send, max_bytes: int, *, what: str = "file") -> None:
+        """Hand a request of the Files or Batch API to Django, its body cut past `max_bytes` (413) or when it comes too
+        slowly (408, `_BodyCut`)."""
+        body = _BodyCut(receive, max_bytes, idle_s=settings.FILES_UPLOAD_IDLE_S,
+                        min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what=what)
+        await self.fallback(scope, body.receive, send)
         if body.cut is not None:  # Django took it for a client gone and answered nothing
             # NOTE: the connection closes after the answer: a dripping client's body is not read on to its end.
             await _respond(send, body.cut.status, body.cut.body(), headers={"connection": "close"},
                            raw_headers=RateLimitReport.unauthenticated().headers())
+
+    async def _files_and_batches(self, scope, receive, send) -> None:
+        """Every other request of the Files and Batch APIs (`endpoints.batches.api`): handed to Django once its caller
+        is authenticated, with its body cut at `DJANGO_V1_MAX_BODY_BYTES` (the largest is a batch's creation, a few
+        KiB of JSON); otherwise answered here, as an upload refused (`_refuse`).
+
+        NOTE: Django writes a whole body to a temporary file before any view runs, and only an upload (`POST
+        /v1/files`) was checked here: a `PUT` or `PATCH` to `/v1/files` (or a body sent to any of these paths) without
+        a key had Django spool as much as the ingress lets through (200 MiB) to the web pod's disk, each connection
+        then held open (a review's attack: seven such filled the `/tmp` volume)."""
+        started, request_id = time.monotonic(), new_request_id()
+        headers = _headers_of(scope)
+        try:
+            await auth.authenticate(headers)
+            if _declared_bytes(headers) > DJANGO_V1_MAX_BODY_BYTES:
+                raise errors.OpenAIError(413, f"The request body is larger than {DJANGO_V1_MAX_BODY_BYTES} bytes.")
+        except errors.OpenAIError as exc:
+            return await _refuse(scope, receive, send, exc, started, request_id)
+        except Exception as exc:
+            if not errors.is_outage(exc):
+                raise
+            logger.warning("gateway %s %s: %r", scope["method"], request_id, exc)
+            return await _refuse(scope, receive, send, errors.service_unavailable(), started, request_id)
+        await self._to_django(scope, receive, send, DJANGO_V1_MAX_BODY_BYTES, what="request body")
 
     async def _upload_may_start(self, scope, receive, send) -> int | None:
         """The organisation of an upload to `/v1/files` that may go on to Django: its caller's key is valid, its
@@ -123,8 +155,7 @@ class Gateway:
         headers = _headers_of(scope)
         try:
             caller = await auth.authenticate(headers)
-            declared = headers.get("content-length", "")
-            declared_bytes = int(declared) if declared.isascii() and declared.isdigit() else 0
+            declared_bytes = _declared_bytes(headers)
             if declared_bytes > settings.FILES_MAX_BYTES:
                 raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
             if self._refuse_upload is not None:
@@ -138,10 +169,7 @@ class Gateway:
                 raise
             logger.warning("gateway upload %s: %r", request_id, exc)
             refusal = errors.service_unavailable()
-        await _discard_body(receive)  # at most `MAX_BODY_BYTES` of it: past that the connection closes
-        await _respond(send, refusal.status, refusal.body(), headers=refusal.headers | {"x-request-id": request_id},
-                       raw_headers=RateLimitReport.unauthenticated().headers())
-        log_answer(scope, refusal.status, started, request_id)
+        await _refuse(scope, receive, send, refusal, started, request_id)
         return None
 
     def _take_an_upload_place(self, organization_id: int) -> None:
@@ -338,8 +366,9 @@ class _BodyCut:
     NOTE: a body cut here never reached S3: Django parses a body, its file going to S3, only once it has it whole. Once
     the body has ended, what comes (Django waits for the client's going as it answers) is passed on untimed."""
 
-    def __init__(self, receive, max_bytes: int, *, idle_s: float, min_bytes_per_s: int):
-        self._receive, self._max_bytes = receive, max_bytes
+    def __init__(self, receive, max_bytes: int, *, idle_s: float, min_bytes_per_s: int, what: str = "file"):
+        self._receive, self._max_bytes, self._what = receive, max_bytes, what
+        self._param = "file" if what == "file" else None
         self._idle_s, self._min_bytes_per_s = idle_s, min_bytes_per_s
         self._started = time.monotonic()
         self._ended = False
@@ -359,16 +388,31 @@ class _BodyCut:
             message = await asyncio.wait_for(self._receive(), max(0.0, self._deadline(now) - now))
         except TimeoutError:
             self.cut = errors.OpenAIError(
-                408, f"The upload was too slow: its body must come at {self._min_bytes_per_s} bytes a second or more, "
-                f"with no pause of {self._idle_s:g} s. Send it again.", param="file", code="upload_too_slow")
+                408, f"The {self._what} came too slowly: a body must come at {self._min_bytes_per_s} bytes a second or "
+                f"more, with no pause of {self._idle_s:g} s. Send it again.", param=self._param, code="upload_too_slow")
             return {"type": "http.disconnect"}
         if message["type"] == "http.request":
             self.num_bytes += len(message.get("body", b""))
             if self.num_bytes > self._max_bytes:
-                self.cut = errors.OpenAIError(413, f"The file is larger than {self._max_bytes} bytes.", param="file")
+                self.cut = errors.OpenAIError(413, f"The {self._what} is larger than {self._max_bytes} bytes.",
+                                              param=self._param)
                 return {"type": "http.disconnect"}
             self._ended = not message.get("more_body")
         return message
+
+
+def _declared_bytes(headers: dict[str, str]) -> int:
+    """The body's declared length (0 when it declares none: chunked, cut by `_BodyCut`)."""
+    declared = headers.get("content-length", "")
+    return int(declared) if declared.isascii() and declared.isdigit() else 0
+
+
+async def _refuse(scope, receive, send, refusal: errors.OpenAIError, started: float, request_id: str) -> None:
+    """Answer a Files or Batch API request here, in OpenAI's shape, its body dropped unread or read and dropped."""
+    await _discard_body(receive)  # at most `MAX_BODY_BYTES` of it: past that the connection closes
+    await _respond(send, refusal.status, refusal.body(), headers=refusal.headers | {"x-request-id": request_id},
+                   raw_headers=RateLimitReport.unauthenticated().headers())
+    log_answer(scope, refusal.status, started, request_id)
 
 
 async def _discard_body(receive) -> None:

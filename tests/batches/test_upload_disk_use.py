@@ -167,3 +167,44 @@ def test_an_upload_past_what_its_organisations_storage_quota_has_left_is_refused
     assert disk.peak_bytes < 64 * 1024, f"{disk.peak_bytes / MiB:.1f} MiB on disk"
     assert bucket_objects(files_bucket) == {}
     assert _upload(web, tenant.key, _file_of(MiB // 2)).status_code == 200  # one it has room for goes on
+
+
+def _held_body(web, method: str, path: str, headers: str) -> socket.socket:
+    """A request whose client sent its headers (a 200 MiB body declared) and 12 MiB of its body, then waits."""
+    host, port = web.base_url.removeprefix("http://").split(":")
+    connection = socket.create_connection((host, int(port)))
+    connection.sendall(f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Content-Type: application/json\r\n"
+                       f"Content-Length: {200 * MiB}\r\n\r\n".encode())
+    try:
+        for _ in range(12):
+            connection.sendall(b"x" * MiB)
+    except OSError:
+        pass  # the server answered and closed: what it has read is all it read
+    return connection
+
+
+@pytest.mark.parametrize(("method", "path"), [("PUT", "/v1/files"), ("PATCH", "/v1/files/file-abc"),
+                                              ("POST", "/v1/batches"), ("GET", "/v1/batches")])
+def test_a_body_to_the_files_or_batch_api_that_is_no_upload_is_never_spooled_with_or_without_a_key(
+        web, tenant, method, path):
+    """Before, only an upload (`POST /v1/files`) was checked before Django read its body: a `PUT` or `PATCH` to
+    `/v1/files`, or any body sent to `/v1/batches`, had Django spool as much as the ingress let through (200 MiB) to the
+    web pod's disk, with no key at all, and the connection held open (seven such filled the pod's `/tmp`)."""
+    for headers in ("", f"Authorization: Bearer {tenant.key}\r\n"):
+        with DiskSampler(web.pid, web.temporary) as disk:
+            connection = _held_body(web, method, path, headers)
+            connection.settimeout(10)
+            answer = connection.recv(4096).decode(errors="replace")
+            connection.close()
+        assert answer.startswith("HTTP/1.1 401" if not headers else "HTTP/1.1 413"), answer[:200]
+        assert disk.peak_bytes < MiB, f"{disk.peak_bytes / MiB:.1f} MiB spooled for a {method} {path}"
+
+
+def test_the_batch_api_still_takes_its_own_bodies(web, tenant):
+    created = httpx.post(f"{web.base_url}/v1/batches", headers={"authorization": f"Bearer {tenant.key}"},
+                         json={"input_file_id": "file-none", "endpoint": "/v1/chat/completions",
+                               "completion_window": "24h"}, timeout=30)
+    assert created.status_code in (400, 404) and created.json()["error"]["message"], created.text
+    listed = httpx.get(f"{web.base_url}/v1/batches", headers={"authorization": f"Bearer {tenant.key}"}, timeout=30)
+    assert listed.status_code == 200 and listed.json()["object"] == "list"
+    assert httpx.get(f"{web.base_url}/v1/batches", timeout=30).status_code == 401
