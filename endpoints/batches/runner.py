@@ -19,6 +19,7 @@ later try; anything else is the line's answer, kept in the error file.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import time
@@ -117,19 +118,38 @@ def _dropped(pairs: list) -> None:
     return None
 
 
-def json_text(data: bytes | bytearray) -> bytes | None:
+UTF8_CHECKED_BYTES = 1024 * 1024  # an answer's UTF-8 is checked this many bytes at a time (`json_text`)
+
+
+def _utf8(data: bytes) -> bool:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(data)
+    try:
+        for start in range(0, len(view), UTF8_CHECKED_BYTES):
+            decoder.decode(view[start:start + UTF8_CHECKED_BYTES], final=start + UTF8_CHECKED_BYTES >= len(view))
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def json_text(data: bytes) -> bytes | None:
     """`data` if it is one JSON text in UTF-8, on one line (line ends between its tokens taken out), or None.
 
-    NOTE: checked without building it: each object is dropped as it closes (`object_pairs_hook`), so what is held is
-    one object's fields and the arrays of plain values around it, not the answer's ~8 times its size in objects."""
-    try:
-        json.loads(data.decode("utf-8"), object_pairs_hook=_dropped)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+    NOTE: checked without building it, with one copy of its size beside it: each object is dropped as it closes
+    (`object_pairs_hook`), so what is held is one object's fields and the arrays of plain values around it, not the
+    answer's ~8 times its size in objects; and its text is read as Latin-1, a character a byte, its UTF-8 checked
+    apart a piece at a time (JSON's own characters are ASCII, which no byte of a longer UTF-8 character is): decoded
+    whole, an answer with one emoji took 4 bytes a character, a 64 MiB answer 256 MiB. The same `data` is returned
+    when it is on one line already (no copy)."""
+    if not data.isascii() and not _utf8(data):
         return None
-    data = bytes(data)
+    try:
+        json.loads(str(data, "latin-1"), object_pairs_hook=_dropped)
+    except (ValueError, RecursionError):
+        return None
     if b"\n" in data or b"\r" in data:  # outside its strings (where JSON allows no raw control character): spacing
-        data = data.replace(b"\r", b"").replace(b"\n", b"")
-    return data
+        data = data.translate(None, b"\r\n")
+    return bytes(data)
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ whose address every child process (web server, Celery worker) inherits, and the 
 from __future__ import annotations
 
 import io
+import json
 import sys
 import tracemalloc
 import uuid
@@ -81,6 +82,13 @@ def new_batch(endpoint, data: bytes):
     return services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
                                  input_file_id=input_file.pk, request_path="/v1/chat/completions",
                                  completion_window="24h", metadata=None)
+
+
+def logprob_lines(model: str, num: int) -> bytes:
+    """An input of `num` chat lines for `model` that ask for logprobs (the mock pads its answers with them)."""
+    return b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 4, "logprobs": True}}).encode() + b"\n" for i in range(num))
 
 
 def peak_bytes_while(work) -> int:

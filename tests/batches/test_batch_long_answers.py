@@ -14,7 +14,7 @@ import pytest
 from endpoints.batches import runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.batches.validation import Line
-from tests.batches.conftest import new_batch, peak_bytes_while
+from tests.batches.conftest import logprob_lines, new_batch, peak_bytes_while
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -23,17 +23,11 @@ MiB = 2**20
 ANSWER_BYTES = 16 * MiB
 
 
-def _lines(model: str, num: int) -> bytes:
-    return b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
-                                "body": {"model": model, "messages": [{"role": "user", "content": "hi"}],
-                                         "max_tokens": 4, "logprobs": True}}).encode() + b"\n" for i in range(num))
-
-
 def test_a_lines_long_answer_is_kept_without_being_parsed_whole(files_bucket, tenant, start_mock_upstream):
     # 16 MiB of logprobs of 4-byte tokens: ~490,000 small JSON objects, ~130 MiB parsed.
     upstream = start_mock_upstream(whole_answer_bytes=ANSWER_BYTES, logprob_token_bytes=4)
     endpoint = serve_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, _lines(endpoint.name, 1))
+    batch = new_batch(endpoint, logprob_lines(endpoint.name, 1))
 
     peak = peak_bytes_while(lambda: services.run_batch(batch.pk))
 
@@ -65,3 +59,28 @@ def test_an_answer_is_written_to_its_file_as_one_line_of_the_same_json():
 @pytest.mark.parametrize("answer", [b'{"text": "cut', b'{"a": 1} {"b": 2}', b'\xff{}', b'{"a": "\n"}', b""])
 def test_an_answer_that_is_not_one_json_text_is_refused(answer):
     assert runner.json_text(answer) is None
+
+
+def test_an_answer_with_characters_past_latin_1_is_checked_without_a_text_of_4_bytes_a_character():
+    # one emoji among 8 MiB of logprobs: decoded whole, every character of the text took 4 bytes (32 MiB)
+    answer = json.dumps({"logprobs": [{"token": "xxxx", "logprob": -1.0}] * 240_000 + [{"token": "🙂"}]},
+                        ensure_ascii=False).encode()
+    assert len(answer) > 7 * MiB
+
+    peak = peak_bytes_while(lambda: runner.json_text(answer))
+
+    assert runner.json_text(answer) is answer  # on one line already: the engine's bytes themselves, no copy
+    assert peak < 2 * len(answer), f"{peak / MiB:.0f} MiB to check an answer of {len(answer) / MiB:.0f} MiB"
+
+
+@pytest.mark.parametrize(("answer", "is_json"), [
+    ('{"a": "é€🙂"}'.encode(), True),
+    (b'{"a": "' + b"x" * (runner.UTF8_CHECKED_BYTES - 9) + "🙂".encode() + b'"}', True),  # across two pieces
+    (b'{"a": "\xc3"}', False),  # not UTF-8
+    (b'{"a": "\xed\xa0\x80"}', False),  # a surrogate, encoded
+    ('{"a": 1}\u00a0'.encode(), False),  # a space JSON does not know, outside the text's strings
+    ('{"a": é}'.encode(), False),
+    ('\ufeff{"a": 1}'.encode(), False),  # a byte-order mark
+])
+def test_an_answer_is_checked_as_utf_8_json(answer, is_json):
+    assert (runner.json_text(answer) is not None) == is_json
