@@ -12,7 +12,8 @@ interactive call. What differs is only what a batch line is:
   replicas have spare slots (`scheduling.batch_slots`), never held through a cold start.
 
 A line's result is written to S3 as it finishes (`storage.put_result`); a run that is taken over
-skips the lines already there. Transient refusals (429, 5xx, an outage) leave the line pending for a
+skips the lines already there. Its answer counts against the worker process's bound on the bytes of answers its lines
+hold (`answer_bytes`), from its first byte read until its row is stored. Transient refusals (429, 5xx, an outage) leave the line pending for a
 later try; anything else is the line's answer, kept in the error file.
 """
 
@@ -34,7 +35,7 @@ from django.conf import settings
 from billing import usage_writer
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import outstanding_key
-from endpoints.batches import scheduling
+from endpoints.batches import answer_bytes, scheduling
 from endpoints.batches.validation import Line
 from endpoints.gateway import directory, errors, presence, upstream
 from endpoints.gateway.auth import Caller
@@ -78,24 +79,26 @@ class Work:
     expires_at: float  # unix time: no line starts after it
 
 
+def answer_row(batch_id: str, line: Line, status_code: int, request_id: str, body: bytes) -> bytes:
+    """The line as OpenAI writes it to the output (or error) file, one JSON text on one line, `body` (the answer's JSON
+    text, on one line: `json_text`) its response's body."""
+    head = json.dumps({"id": f"batch_req_{batch_id.removeprefix('batch_')}_{line.index}", "custom_id": line.custom_id,
+                       "response": {"status_code": status_code, "request_id": request_id, "body": None},
+                       "error": None})
+    # NOTE: the body goes in as it came, in place of the `null` written for it: a 64 MiB answer written again
+    # from its parsed objects took ~8 times its size.
+    start = head.rindex(', "body": null}') + len(', "body": ')
+    return b"".join((head[:start].encode(), body, head[start + len("null"):].encode()))
+
+
 @dataclass(slots=True, frozen=True)
 class LineOutcome:
     line: Line
     status_code: int
-    body: bytes  # the answer's JSON text, on one line (`json_text`): never parsed whole, spliced into `output`
-    request_id: str
+    # its row of the output (or error) file (`answer_row`): the one copy of its answer the line keeps, made in the loop
+    # (the answer was kept, and its row made beside it in the thread storing it: two copies a line, many lines at once)
+    row: bytes
     retry: bool = False
-
-    def output(self, batch_id: str) -> bytes:
-        """The line as OpenAI writes it to the output (or error) file, one JSON text on one line."""
-        head = json.dumps({"id": f"batch_req_{batch_id.removeprefix('batch_')}_{self.line.index}",
-                           "custom_id": self.line.custom_id,
-                           "response": {"status_code": self.status_code, "request_id": self.request_id, "body": None},
-                           "error": None})
-        # NOTE: the body goes in as it came, in place of the `null` written for it: a 64 MiB answer written again
-        # from its parsed objects took ~8 times its size.
-        start = head.rindex(', "body": null}') + len(', "body": ')
-        return b"".join((head[:start].encode(), self.body, head[start + len("null"):].encode()))
 
 
 def error_row(batch_id: str, index: int, custom_id: str, *, code: str, message: str) -> bytes:
@@ -161,17 +164,22 @@ class Progress:
 
 
 class _Capture:
-    """The ASGI `send` of a batch line: keeps the status and the body."""
+    """The ASGI `send` of a batch line: keeps the status and the body (handed whole by `InferenceCall`: kept as it
+    came, not copied)."""
 
     def __init__(self):
         self.status = 0
-        self.body = bytearray()
+        self.pieces: list[bytes] = []
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
-        elif message["type"] == "http.response.body":
-            self.body += message.get("body", b"")
+        elif message["type"] == "http.response.body" and message.get("body"):
+            self.pieces.append(message["body"])
+
+    def take_body(self) -> bytes:
+        pieces, self.pieces = self.pieces, []
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 async def _never_disconnects() -> dict:
@@ -180,28 +188,40 @@ async def _never_disconnects() -> dict:
 
 
 async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, client: upstream.UpstreamClient,
-                   answer_deadline: float | None = None) -> LineOutcome:
+                   answer_deadline: float | None = None, answer: answer_bytes.LineAnswer | None = None) -> LineOutcome:
+    """Run one line; its answer's bytes are counted by `answer` from the first read (`answer_bytes`), then as its row
+    (`LineAnswer.keep`) until the caller releases it.
+
+    NOTE: the answer's check (`json_text`) and its row are made here, in the run's event loop, one line at a time: the
+    copies each takes beside the answer are never made by many lines at once."""
     request_id = line_request_id(work.batch_id, line.index)
+    answer = answer or answer_bytes.LineAnswer()
     capture = _Capture()
     try:
         request = replace(InferenceRequest.parse(json.dumps(line.body).encode(), kind=work.kind, path=work.request_path),
                           priority=scheduling.BATCH_ENGINE_PRIORITY)
         call = InferenceCall(request_id=request_id, request=request, caller=work.caller, endpoint=endpoint, client=client,
                              receive=_never_disconnects, send=capture.send, started_at=datetime.now(UTC),
-                             batch_id=work.batch_id, price_fraction=work.price_fraction, answer_deadline=answer_deadline)
+                             batch_id=work.batch_id, price_fraction=work.price_fraction, answer_deadline=answer_deadline,
+                             answer_holding=answer)
         await call.run()
     except errors.OpenAIError as exc:
-        return LineOutcome(line, exc.status, exc.body(), request_id, retry=exc.status in RETRY_STATUSES)
+        status, body, retry = exc.status, exc.body(), exc.status in RETRY_STATUSES
     except Exception as exc:
         if not errors.is_outage(exc):
             raise
         logger.warning("batch line %s: %r", request_id, exc)
-        return LineOutcome(line, 503, errors.service_unavailable().body(), request_id, retry=True)
-    body = json_text(capture.body or b"{}")
-    del capture.body[:]  # NOTE: kept as bytes (`json_text`): the line holds one copy of its answer from here on
-    if body is None:
-        body = json.dumps({"error": {"message": "The engine's answer was not JSON.", "type": "server_error"}}).encode()
-    return LineOutcome(line, capture.status or 502, body, request_id, retry=capture.status in RETRY_STATUSES)
+        status, body, retry = 503, errors.service_unavailable().body(), True
+    else:
+        status, retry = capture.status or 502, capture.status in RETRY_STATUSES
+        body = json_text(capture.take_body() or b"{}")
+        if body is None:
+            body = json.dumps({"error": {"message": "The engine's answer was not JSON.",
+                                         "type": "server_error"}}).encode()
+    row = answer_row(work.batch_id, line, status, request_id, body)
+    del body  # NOTE: the row is the one copy of the answer the line keeps from here on
+    answer.keep(len(row))
+    return LineOutcome(line, status, row, retry=retry)
 
 
 # A run that could start no line for this long (every slot of the endpoint's READY replicas taken by interactive
@@ -287,10 +307,12 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     await presence.start()
     usage_writer.writer_for_this_loop().replay_soon()  # usage an earlier run (or a dead worker) journaled
     pending = _Pending(todo)
-    running: dict[asyncio.Task, Line] = {}
+    # each line's answer counted against the process's bound (`answer_bytes`) from its first byte read until it is
+    # stored, tried again or the run ends
+    running: dict[asyncio.Task, tuple[Line, answer_bytes.LineAnswer]] = {}
     # NOTE: a finished line's result goes to S3 in a worker thread, never awaited in the loop: a put S3 was slow to
     # answer (boto3 retrying) held up the lease's renewal as a slow read did. Counted once stored.
-    storing: dict[asyncio.Future, LineOutcome] = {}
+    storing: dict[asyncio.Future, answer_bytes.LineAnswer] = {}
     # NOTE: from the first line's start: a slow read of the input (S3, a long skip) is not counted against the lines
     ends_at = answer_deadline = None
     last_check, pause_until = 0.0, 0.0
@@ -317,7 +339,9 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 if not progress.stopped:
                     progress.stopped = reason or ("slice" if now >= starts_until else "") or (
                         "expired" if time.time() >= work.expires_at else "")
-            if not progress.stopped and pending.ready() and now >= pause_until:
+            # NOTE: past the process's bound of answer bytes no line starts (those running may still answer: each
+            # reads on once bytes are given back, or alone)
+            if not progress.stopped and pending.ready() and now >= pause_until and answer_bytes.room():
                 slots = await free_slots(work.organization_id, endpoint.id, target_concurrency=work.target_concurrency,
                                          num_batch_in_flight=len(running))
                 if slots is None and not running:
@@ -333,8 +357,9 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         break
                     if answer_deadline is None:
                         ends_at, answer_deadline = now + slice_s, min(now + LINES_END_WITHIN_S, latest_end)
-                    line = pending.take()
-                    running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline))] = line
+                    line, answer = pending.take(), answer_bytes.LineAnswer()
+                    running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline, answer))] = (
+                        line, answer)
             if not running and not storing:
                 if progress.stopped or not pending:
                     break
@@ -346,7 +371,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             done, _ = await asyncio.wait([*running, *storing], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task in storing:
-                    storing.pop(task)
+                    storing.pop(task).release()
                     stored = task.result()  # a put S3 refused ends the run: the next one runs the line again, under its id
                     if stored.ok:
                         progress.num_completed += 1
@@ -355,14 +380,24 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     if stored.stop and not progress.stopped:
                         progress.stopped = stored.stop
                     continue
-                line = running.pop(task)
-                outcome = task.result()
+                line, answer = running.pop(task)
+                try:
+                    outcome = task.result()
+                except BaseException:
+                    answer.release()
+                    raise
                 if outcome.retry:
+                    answer.release()
                     pending.again(line)
                     pause_until = time.monotonic() + RETRY_PAUSE_S
                     continue
-                storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome
+                storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = answer
+            # NOTE: a line's task holds its outcome (its row) as long as the task is named: not till the next ends
+            done = task = outcome = None
     finally:
+        # NOTE: a run that ends with lines running or storing (an error) gives their bytes back: the process runs others
+        for answer in [*(answer for _, answer in running.values()), *storing.values()]:
+            answer.release()
         await client.close()
         await usage_writer.replay_before_the_loop_ends(REPLAY_JOURNAL_FOR_S)
     await check(progress)  # the last counts

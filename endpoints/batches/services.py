@@ -534,7 +534,7 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     refused: list[int] = []  # the lines whose answers were not kept, past the storage quota
 
     def store(outcome: runner.LineOutcome) -> runner.Stored:
-        row = outcome.output(batch.pk)
+        row = outcome.row
         if _take_result_room(batch, len(row) + 1):
             storage.put_result(batch.organization_id, batch.pk, outcome.line.index, row, ok=outcome.status_code == 200)
             return runner.Stored(ok=outcome.status_code == 200)

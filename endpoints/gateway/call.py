@@ -136,7 +136,11 @@ class InferenceCall:
     # When the send to the client now waiting began (`delivery`'s watchdog cuts off a client that reads nothing).
     sending_since: float | None = None
     _task: asyncio.Task | None = None  # the task running the call
-    _holding: delivery.Holding | None = None  # a whole answer's bytes, counted against its organisation
+    # What counts a whole answer's bytes from its first byte read: its organisation's share of this process
+    # (`delivery.Holding`), or a batch line's own (`endpoints.batches.answer_bytes.LineAnswer`, which the line keeps
+    # counted after it was sent, until its result is stored).
+    answer_holding: delivery.AnswerHolding | None = None
+    _holding: delivery.AnswerHolding | None = None  # the one counting this call's answer
 
     async def run(self) -> None:
         delivery.refuse_if_over(self.caller.organization_id)
@@ -357,7 +361,10 @@ class InferenceCall:
 
     async def _relay_whole(self, response: upstream.Response) -> None:
         scanner = sse.UsageScanner()
-        self._holding = holding = delivery.Holding(self.caller.organization_id)
+        holding = self.answer_holding
+        if holding is None:
+            holding = delivery.Holding(self.caller.organization_id)
+        self._holding = holding
         try:
             body = await response.read(overflow=scanner.feed, holding=holding)
         except upstream.ResponseTooLarge:
@@ -386,17 +393,19 @@ class InferenceCall:
         # first send of the next waits (the server's buffer is full), and unwatched it waited for as long as the client
         # kept the connection, holding the call's replica and reservation.
         delivery.watch(self)
-        if len(body) > delivery.PIECE_BYTES:
+        # NOTE: a batch line's `send` keeps its answer (`endpoints.batches.runner`): handed whole, the engine's bytes
+        # themselves, as pieces copied for it the answer was held twice until the last.
+        if len(body) > delivery.PIECE_BYTES and not self.batch_id:
             await self._send_in_pieces(headers, body)
             return
         if self.response_started:  # progress was asked for: the headers went out at the hold
             await self.send_body(body)
-            holding.give(len(body))
+            holding.sent(len(body))
             return
         await self._send_watched({"type": "http.response.start", "status": 200, "headers": headers})
         self.response_started = True
         await self._send_watched({"type": "http.response.body", "body": body})
-        holding.give(len(body))
+        holding.sent(len(body))
 
     async def _send_in_pieces(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A large whole answer, handed to the server a piece at a time as its client takes them: what is not
@@ -413,7 +422,7 @@ class InferenceCall:
             # NOTE: the last piece ends the answer, unless progress was asked for (`_finish` ends it then).
             more = start + delivery.PIECE_BYTES < len(body) or self.request.progress
             await self._send_watched({"type": "http.response.body", "body": bytes(piece), "more_body": more})
-            self._holding.give(len(piece))
+            self._holding.sent(len(piece))
 
     async def _relay_stream(self, response: upstream.Response) -> None:
         await self.start_stream()

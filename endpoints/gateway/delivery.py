@@ -111,6 +111,21 @@ def held_bytes(organization_id: int) -> int:
     return share.held if share is not None else 0
 
 
+class AnswerHolding(Protocol):
+    """What counts a whole answer's bytes as it is read (`upstream.Response.read`: `take`, `give` for bytes dropped,
+    `done_reading`) and sent (`InferenceCall`: `sent`, `close` at the call's end)."""
+
+    def take(self, num_bytes: int, connection) -> bool: ...
+
+    def give(self, num_bytes: int) -> None: ...
+
+    def sent(self, num_bytes: int) -> None: ...
+
+    def done_reading(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Holding:
     """One whole answer's bytes, counted against its organisation from the first read to the last piece handed over
     (`upstream.Response.read` takes them, `InferenceCall` gives them back); `close` gives back the rest.
@@ -159,6 +174,10 @@ class Holding:
         if self._reading:
             share.reading -= num_bytes
         self._settle(share)
+
+    def sent(self, num_bytes: int) -> None:
+        """Bytes handed to the server: no longer this process's to hold (a client that takes none is cut off)."""
+        self.give(num_bytes)
 
     def done_reading(self) -> None:
         """Its read ended (whole, failed or abandoned): its bytes wait for its client now, and the reader's slot is free."""

@@ -47,7 +47,7 @@ def test_an_answer_is_written_to_its_file_as_one_line_of_the_same_json():
     body = runner.json_text(b'{\r\n  "text": "a\\nb \\u2028",\n  "logprob": -Infinity,\n  "n": [1, {"x": null}]\n}\n')
     line = Line(index=3, custom_id='c", "body": null}', body={})
 
-    row = runner.LineOutcome(line, 200, body, "batch_abc-3").output("batch_abc")
+    row = runner.answer_row("batch_abc", line, 200, "batch_abc-3", body)
 
     assert b"\n" not in row and b"\r" not in row
     assert json.loads(row) == {"id": "batch_req_abc_3", "custom_id": 'c", "body": null}', "error": None,

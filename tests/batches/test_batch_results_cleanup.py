@@ -42,9 +42,9 @@ def _running_batch() -> Batch:
 def _finish_lines(batch: Batch, count: int) -> None:
     """The first `count` lines' results in S3, as a run writes them."""
     for line in itertools.islice(services._input_lines(batch), count):
-        outcome = runner.LineOutcome(line, 200, json.dumps({"choices": [{"text": line.custom_id}]}).encode(),
-                                     f"{batch.pk}-{line.index}")
-        storage.put_result(batch.organization_id, batch.pk, line.index, outcome.output(batch.pk), ok=True)
+        row = runner.answer_row(batch.pk, line, 200, f"{batch.pk}-{line.index}",
+                                json.dumps({"choices": [{"text": line.custom_id}]}).encode())
+        storage.put_result(batch.organization_id, batch.pk, line.index, row, ok=True)
 
 
 def _results(bucket: str, batch: Batch) -> list[str]:

@@ -1,0 +1,204 @@
+"""The bytes of line answers a batch worker holds are bounded across its lines in flight (`answer_bytes`).
+
+Before: a run kept as many lines in flight as its endpoint had spare slots, each holding its answer (up to 64 MiB) two
+or three times while it was read, checked and written, and nothing bounded them together: a few lines answering at once
+took a batch worker (1 GiB, four runs) past its memory limit, with every run in it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tracemalloc
+
+import pytest
+
+from endpoints.batches import answer_bytes, runner, services, storage
+from endpoints.batches.models import Batch, BatchStatus
+from tests.batches.conftest import logprob_lines, new_batch
+from tests.gateway.conftest import serve_endpoint
+
+MiB = 2**20
+
+
+class _Connection:
+    """What `answer_bytes` sees of an upstream connection: it pauses when told to, and resumes."""
+
+    def __init__(self):
+        self.loop = None
+        self.paused = self.closed = False
+
+    def resume(self):
+        self.paused = False
+
+
+def _read(answer: answer_bytes.LineAnswer, connection: _Connection, num_bytes: int) -> None:
+    """`num_bytes` more read on `connection`, paused as `upstream` pauses it."""
+    if answer.take(num_bytes, connection):
+        connection.paused = True
+
+
+@pytest.fixture
+def bound(settings):
+    settings.BATCH_ANSWER_BYTES = 8 * MiB
+    assert answer_bytes.held_bytes() == 0
+    yield
+    try:
+        assert answer_bytes.held_bytes() == 0, "a line's bytes were never given back"
+    finally:
+        answer_bytes._budget.__init__()
+
+
+def test_a_lines_answer_counts_once_from_its_first_byte_until_it_is_released(bound):
+    answer, connection = answer_bytes.LineAnswer(), _Connection()
+    _read(answer, connection, 3 * MiB)
+    _read(answer, connection, 1 * MiB)
+    assert answer_bytes.held_bytes() == 4 * MiB
+    answer.done_reading()
+    answer.sent(4 * MiB)  # handed to the line's own `send`, which keeps it: still held, counted once
+    answer.close()
+    assert answer_bytes.held_bytes() == 4 * MiB
+    answer.keep(4 * MiB + 200)  # its row, in place of the engine's bytes
+    assert answer_bytes.held_bytes() == 4 * MiB + 200
+    answer.release()
+    answer.release()
+    assert answer_bytes.held_bytes() == 0
+
+
+def test_past_the_bound_no_line_starts_one_answer_reads_on_and_the_others_wait_for_bytes_given_back(bound):
+    first, second, third = (answer_bytes.LineAnswer() for _ in range(3))
+    connections = [_Connection() for _ in range(3)]
+    _read(first, connections[0], 5 * MiB)
+    _read(second, connections[1], 5 * MiB)  # past the bound: read on, as the one reader
+    assert not answer_bytes.room()
+    _read(first, connections[0], 1 * MiB)  # another's read waits
+    _read(third, connections[2], 64 * 1024)  # and a first one
+    assert [c.paused for c in connections] == [True, False, True]
+    _read(second, connections[1], 20 * MiB)  # larger than the bound itself: read to its end, alone
+    second.done_reading()
+    assert [c.paused for c in connections] == [True, False, True]
+    second.release()  # stored: the one parked first reads on, one at a time
+    assert [c.paused for c in connections] == [False, False, True]
+    _read(first, connections[0], 1 * MiB)  # under the bound again: the next parked reads on as it reads
+    first.release()
+    assert [c.paused for c in connections] == [False, False, False] and answer_bytes.room()
+    third.release()
+
+
+def test_a_read_that_fails_or_is_dropped_gives_its_bytes_back_and_the_waiting_read_on(bound):
+    failed, dropped, waiting = (answer_bytes.LineAnswer() for _ in range(3))
+    connections = [_Connection() for _ in range(3)]
+    _read(failed, connections[0], 6 * MiB)
+    _read(dropped, connections[1], 6 * MiB)
+    _read(waiting, connections[2], 1 * MiB)
+    assert connections[2].paused
+    dropped.give(6 * MiB)  # past the largest answer: read on without being held
+    failed.close()  # its read failed: nothing was handed to the line
+    assert answer_bytes.held_bytes() == 1 * MiB and not connections[2].paused
+    waiting.release()
+    _read(waiting, connections[2], 1 * MiB)  # a line still running as its run ended counts nothing more
+    waiting.keep(1 * MiB)
+    assert answer_bytes.held_bytes() == 0
+    dropped.release()
+    failed.release()
+
+
+def test_a_closed_connection_never_takes_the_turn_of_one_that_waits(bound):
+    holder, gone, waiting = (answer_bytes.LineAnswer() for _ in range(3))
+    connections = [_Connection() for _ in range(3)]
+    _read(holder, connections[0], 9 * MiB)
+    holder.done_reading()  # read whole, past the bound: no answer reads on
+    _read(gone, connections[1], 1 * MiB)
+    _read(waiting, connections[2], 1 * MiB)
+    assert connections[1].paused and connections[2].paused
+    connections[1].closed = True
+    gone.close()
+    holder.keep(7 * MiB)
+    assert not connections[2].paused
+    for answer in (holder, gone, waiting):
+        answer.release()
+
+
+def test_a_parked_read_of_another_event_loop_is_resumed_in_its_own(bound):
+    holder, waiting = answer_bytes.LineAnswer(), answer_bytes.LineAnswer()
+    loop = asyncio.new_event_loop()
+    try:
+        connection = _Connection()
+        connection.loop = loop
+        _read(holder, _Connection(), 9 * MiB)
+        holder.done_reading()
+        _read(waiting, connection, 1 * MiB)
+        assert connection.paused
+        holder.release()  # no loop runs here: resumed by the connection's own, when it runs
+        assert connection.paused
+        loop.run_until_complete(asyncio.sleep(0))
+        assert not connection.paused
+    finally:
+        loop.close()
+        waiting.release()
+
+
+# --- a run's lines ------------------------------------------------------------------------------
+
+ANSWER_BYTES = 6 * MiB
+NUM_LINES = 6
+
+
+def _peak_of_runs(monkeypatch) -> list[int]:
+    """The most memory (`tracemalloc`, which the caller starts) held at once while each of the batch's runs ran its
+    lines, above what was held as it began (the files' assembly after is bounded apart: `RESULTS_READ_AHEAD_BYTES`)."""
+    peaks = []
+    run = runner.run
+
+    async def measured(*args, **kwargs):
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        try:
+            return await run(*args, **kwargs)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1] - base)
+
+    monkeypatch.setattr(runner, "run", measured)
+    return peaks
+
+
+@pytest.mark.django_db(transaction=True)
+def test_lines_answering_at_once_hold_their_answers_within_the_bound(files_bucket, tenant, start_mock_upstream,
+                                                                     settings, monkeypatch):
+    settings.BATCH_ANSWER_BYTES = ANSWER_BYTES
+    # every line starts at once (six slots) and answers 6 MiB of logprobs after the same short wait
+    upstream = start_mock_upstream(whole_answer_bytes=ANSWER_BYTES, token_delay_ms=50)
+    endpoint = serve_endpoint(tenant.org, upstream, target_concurrency=NUM_LINES)
+    batch = new_batch(endpoint, logprob_lines(endpoint.name, NUM_LINES))
+    peaks = _peak_of_runs(monkeypatch)
+
+    tracemalloc.start()
+    try:
+        services.run_batch(batch.pk)
+    finally:
+        tracemalloc.stop()
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed) == (BatchStatus.COMPLETED, NUM_LINES)
+    rows = [json.loads(row) for row in storage.read_bytes(batch.output_file.s3_key).splitlines()]
+    assert sorted(row["custom_id"] for row in rows) == [f"c{i}" for i in range(NUM_LINES)]
+    assert all(len(row["response"]["body"]["choices"][0]["logprobs"]["content"]) > 5000 for row in rows)
+    assert answer_bytes.held_bytes() == 0
+    # NOTE: at most the bound (an answer here), one answer read past it, one copy made in the loop (an answer's read
+    # joined, its check or its row) and the first read of each other line (~12 MiB measured); before, the answers
+    # read at once, each held two or three times (32-39 MiB measured)
+    limit = 3 * ANSWER_BYTES + NUM_LINES * 256 * 1024
+    assert max(peaks) < limit, f"{max(peaks) / MiB:.0f} MiB held by {NUM_LINES} lines of {ANSWER_BYTES // MiB} MiB"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_lines_larger_than_the_bound_each_complete(files_bucket, tenant, start_mock_upstream, settings):
+    settings.BATCH_ANSWER_BYTES = 1 * MiB
+    upstream = start_mock_upstream(whole_answer_bytes=3 * MiB, token_delay_ms=20)
+    endpoint = serve_endpoint(tenant.org, upstream, target_concurrency=4)
+    batch = new_batch(endpoint, logprob_lines(endpoint.name, 4))
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 4, 0)
+    assert answer_bytes.held_bytes() == 0
