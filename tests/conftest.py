@@ -55,6 +55,17 @@ def _clean_redis(request):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _forget_refused_credentials():
+    """Each test starts with no credential remembered as refused (`controlplane.credential_lookups`)."""
+    from controlplane.accounts.keys import API_KEY_LOOKUPS
+    from endpoints.gateway.auth import _session_lookups
+
+    for lookups in (API_KEY_LOOKUPS, _session_lookups):
+        lookups.clear()
+    yield
+
+
 @pytest.fixture
 def org():
     return OrganizationFactory()

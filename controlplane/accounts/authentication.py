@@ -3,6 +3,16 @@
 from rest_framework import authentication, exceptions
 
 from controlplane.accounts.keys import authenticate_api_key
+from controlplane.credential_lookups import LookupsBusy
+
+
+class KeyLookupsBusy(exceptions.APIException):
+    """Every key-lookup slot stayed taken (a flood of new keys): a 503 that says when to retry."""
+
+    status_code = 503
+    default_detail = "Too many API keys are being checked at once; retry in a moment."
+    default_code = "key_lookups_busy"
+    wait = 1  # NOTE: DRF's exception handler sends it as Retry-After.
 
 
 class ApiKeyAuthentication(authentication.BaseAuthentication):
@@ -15,7 +25,10 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         keyword, _, plain = header.partition(" ")
         if keyword != self.keyword or not plain.strip():
             raise exceptions.AuthenticationFailed("Use 'Authorization: Bearer <API key>'.")
-        api_key = authenticate_api_key(plain.strip())
+        try:
+            api_key = authenticate_api_key(plain.strip())
+        except LookupsBusy:
+            raise KeyLookupsBusy() from None
         if api_key is None:
             raise exceptions.AuthenticationFailed("Invalid, expired or revoked API key.")
         return api_key.created_by, api_key

@@ -14,9 +14,15 @@ from controlplane import tokens
 from controlplane.accounts.members import NotPermitted, actor_role
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
 from controlplane.accounts.services import Actor, record_audit
+from controlplane.credential_lookups import CredentialLookups
 
 # last_used_at is written at most this often per key, so hot keys cost no write per call.
 LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+# NOTE: anyone may send well-formed keys never seen before, each a query: refused ones are remembered for
+# `INFERPLANE_API_KEY_NEGATIVE_CACHE_S`, and at most this many are looked up at once per process (the gateway's
+# key cache and `/api/v1` alike; see `controlplane.credential_lookups`).
+API_KEY_LOOKUPS = CredentialLookups(max_concurrent=4, refused_for_s=lambda: settings.API_KEY_NEGATIVE_CACHE_S)
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,9 +133,19 @@ def find_api_key(plain: str) -> ApiKey | None:
 
 
 def authenticate_api_key(plain: str) -> ApiKey | None:
-    """The key, if it is usable and its creator still belongs to its organisation."""
-    authenticated = authenticate_api_key_with_role(plain)
-    return authenticated[0] if authenticated else None
+    """The key, if it is usable and its creator still belongs to its organisation (`/api/v1`).
+
+    A malformed key, or one refused within `INFERPLANE_API_KEY_NEGATIVE_CACHE_S`, costs no query; raises
+    `LookupsBusy` when other lookups hold every slot for longer than a caller may wait.
+    """
+    if tokens.split_token(plain, ApiKey.TOKEN_KIND) is None or API_KEY_LOOKUPS.is_refused(plain):
+        return None
+    with API_KEY_LOOKUPS.slots.held():
+        authenticated = authenticate_api_key_with_role(plain)
+    if authenticated is None:
+        API_KEY_LOOKUPS.refuse(plain)
+        return None
+    return authenticated[0]
 
 
 def authenticate_api_key_with_role(plain: str) -> tuple[ApiKey, str] | None:

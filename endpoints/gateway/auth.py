@@ -9,11 +9,15 @@ Bogus keys cost no more: a malformed token (wrong prefix, length or characters) 
 any lookup, and a well-formed one that names no usable key is remembered as refused for
 `INFERPLANE_API_KEY_NEGATIVE_CACHE_S`, apart from the known keys, so sending it again costs no
 query and a flood of different ones never pushes a real key out of the cache.
+
+Bogus session cookies likewise (`controlplane.credential_lookups`): an id that names no logged-in
+session is remembered as refused, and at most `MAX_SESSION_LOOKUPS` sessions are looked up at once,
+so a flood of made-up cookies (with a made-up CSRF pair, which anyone can forge) holds a few worker
+threads and connections, never the pool that key and endpoint lookups need.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
 
@@ -24,18 +28,24 @@ from django.middleware.csrf import InvalidTokenFormat, _check_token_format, _doe
 from django.utils.crypto import constant_time_compare
 
 from controlplane import tokens
-from controlplane.accounts.keys import authenticate_api_key_with_role
+from controlplane.accounts.keys import API_KEY_LOOKUPS, authenticate_api_key_with_role
 from controlplane.accounts.models import Scope, email_is_verified
 from controlplane.accounts.tenancy import SESSION_KEY as ORG_SESSION_KEY
 from controlplane.accounts.tenancy import memberships_of
+from controlplane.credential_lookups import CredentialLookups, LookupsBusy
 from endpoints.gateway import errors
-from endpoints.gateway.memo import ExpiringSet, Memo, in_worker_thread
+from endpoints.gateway.memo import Memo, in_worker_thread
 
 KNOWN_KEYS_MAX = 10_000
-REFUSED_KEYS_MAX = 100_000
 # API keys looked up in PostgreSQL at once, per gateway process: anyone may send well-formed keys never seen before,
 # each a query (`_refused_keys` catches only a key sent again).
-MAX_KEY_LOOKUPS = 4
+MAX_KEY_LOOKUPS = API_KEY_LOOKUPS.slots.max_concurrent
+# Console sessions looked up at once, per gateway process (the playground's traffic is light); the rest wait
+# briefly, then get a 503.
+MAX_SESSION_LOOKUPS = 4
+# NOTE: only an id that names no logged-in session is remembered: login always issues a new id, so such an id
+# never becomes valid. A real session refused for now (its e-mail not yet verified, no organisation yet) is not.
+REFUSED_SESSIONS_FOR_S = 60.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,13 +85,14 @@ def _lookup_key(plain: str) -> Caller | None:
 
 _callers_by_key = Memo(_lookup_key, lambda: settings.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX,
                        max_concurrent_loads=MAX_KEY_LOOKUPS)
-_refused_keys = ExpiringSet(lambda: settings.API_KEY_NEGATIVE_CACHE_S, max_entries=REFUSED_KEYS_MAX)
+_refused_keys = API_KEY_LOOKUPS.refused
+_session_lookups = CredentialLookups(max_concurrent=MAX_SESSION_LOOKUPS, refused_for_s=REFUSED_SESSIONS_FOR_S)
 
 
 async def caller_from_key(plain: str) -> Caller | None:
     if tokens.split_token(plain, tokens.API_KEY_KIND) is None:
         return None
-    digest = hashlib.sha256(plain.encode()).hexdigest()
+    digest = API_KEY_LOOKUPS.digest(plain)
     if digest in _refused_keys:
         return None
     caller = await _callers_by_key.get(digest, plain)
@@ -92,11 +103,15 @@ async def caller_from_key(plain: str) -> Caller | None:
     return caller
 
 
+class _NotLoggedIn(Exception):
+    """The session id names no logged-in session: none, expired, or an anonymous one."""
+
+
 def _lookup_session(session_key: str) -> Caller | None:
     session = SessionStore(session_key=session_key)
     user_id = session.get(SESSION_KEY)
     if user_id is None:
-        return None
+        raise _NotLoggedIn()
     user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
     if user is None:
         return None
@@ -132,7 +147,16 @@ async def caller_from_session(headers: dict[str, str]) -> Caller | None:
             return None
     except InvalidTokenFormat:
         return None
-    return await in_worker_thread(_lookup_session)(session.value)
+    if _session_lookups.is_refused(session.value):
+        return None
+    try:
+        async with _session_lookups.slots.held_async():
+            return await in_worker_thread(_lookup_session)(session.value)
+    except _NotLoggedIn:
+        _session_lookups.refuse(session.value)
+        return None
+    except LookupsBusy:
+        raise errors.service_unavailable("Too many sessions are being checked at once; please retry.") from None
 
 
 async def authenticate(headers: dict[str, str]) -> Caller:

@@ -6,8 +6,9 @@ it lands (at most `STALE_FOR_S` longer). An entry never loaded (or, with `wait_w
 empty answer) waits for the load, and concurrent waiters share it. So the hot path never queues
 behind the database, and a cache expiry under load costs one query, not one per request.
 
-Both caches here are bounded and evict the least recently used entry, never everything at once:
-a flood of new keys costs the oldest entries, not the hot ones.
+The cache is bounded and evicts the least recently used entry, never everything at once: a flood
+of new keys costs the oldest entries, not the hot ones. (Refused credentials are remembered apart,
+in `controlplane.credential_lookups`.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Hashable
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 
-from controlplane.per_loop import PerLoop
+from controlplane.credential_lookups import LookupSlots
 
 logger = logging.getLogger("inferplane.gateway")
 
@@ -55,7 +56,7 @@ class Memo:
         # NOTE: each load holds a worker thread and its own PostgreSQL connection while it runs; where the keys are
         # an attacker's to choose (API keys), a flood of new ones would take up to the pool's 32 threads and as many
         # connections per process, queueing every other lookup behind them. At most this many load at once.
-        self._load_slots = PerLoop(lambda: asyncio.Semaphore(max_concurrent_loads)) if max_concurrent_loads else None
+        self._load_slots = LookupSlots(max_concurrent_loads) if max_concurrent_loads else None
         self._ttl_s = ttl_s
         self.wait_when_empty = wait_when_empty
         self.max_entries = max_entries
@@ -93,7 +94,7 @@ class Memo:
             if self._load_slots is None:
                 value = await self._load(*load_args)
             else:
-                async with self._load_slots.get():
+                async with self._load_slots.held_async():
                     value = await self._load(*load_args)
         finally:
             if self._loading.get(key) is asyncio.current_task():
@@ -111,44 +112,6 @@ class Memo:
 
     def clear(self) -> None:
         self.entries.clear()
-
-
-class ExpiringSet:
-    """A bounded set whose members expire after `ttl_s`, evicting the least recently added first.
-
-    The gateway remembers tokens it has refused here, so that the same bogus token sent again
-    costs no query, and a flood of different ones pushes out only each other.
-    """
-
-    def __init__(self, ttl_s: float | Callable[[], float], *, max_entries: int):
-        self._ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._expires_at: OrderedDict = OrderedDict()  # member -> monotonic expiry, oldest first
-
-    def __contains__(self, member: Hashable) -> bool:
-        expires_at = self._expires_at.get(member)
-        if expires_at is None:
-            return False
-        if expires_at < time.monotonic():
-            del self._expires_at[member]
-            return False
-        return True
-
-    def __len__(self) -> int:
-        return len(self._expires_at)
-
-    def add(self, member: Hashable) -> None:
-        ttl_s = self._ttl_s() if callable(self._ttl_s) else self._ttl_s
-        self._expires_at[member] = time.monotonic() + ttl_s
-        self._expires_at.move_to_end(member)
-        while len(self._expires_at) > self.max_entries:
-            self._expires_at.popitem(last=False)
-
-    def discard(self, member: Hashable) -> None:
-        self._expires_at.pop(member, None)
-
-    def clear(self) -> None:
-        self._expires_at.clear()
 
 
 def _note_failure(task: asyncio.Task) -> None:

@@ -1,0 +1,137 @@
+"""What a credential the anonymous internet may send costs before it is known to be bogus.
+
+Every surface that takes a credential (API keys on `/v1` and `/api/v1`, console sessions on the gateway's
+playground path, node secrets and join tokens on the agent API) looks it up in PostgreSQL, and anyone may send
+well-formed ones never seen before. So each kind has one `CredentialLookups`:
+
+- a bogus credential sent again costs no query: its SHA-256 (never the credential) is remembered as refused for
+  a short while, in a bounded set where a flood of different ones pushes out only each other. A credential issued
+  later is random and new, so it is never among them;
+- at most `max_concurrent` lookups of the kind run at once per process, each holding a worker thread and a
+  database connection; the rest wait (a coroutine, no thread) at most `wait_s`, then are refused with
+  `LookupsBusy`, which each surface answers with its own 503. So a flood of bogus credentials holds a few
+  threads and connections, never the pool every other lookup needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+from controlplane.per_loop import PerLoop
+
+REFUSED_MAX = 100_000
+# How long a lookup waits for a slot before its request is refused (a 503 that says to retry).
+WAIT_S = 2.0
+
+
+class LookupsBusy(Exception):
+    """Too many lookups of this kind are running for longer than a caller may wait: retry shortly."""
+
+
+class ExpiringSet:
+    """A bounded set whose members expire after `ttl_s`, evicting the least recently added first.
+
+    NOTE: safe to share between threads (the control plane's sync views) and coroutines (the gateway).
+    """
+
+    def __init__(self, ttl_s: float | Callable[[], float], *, max_entries: int):
+        self._ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._expires_at: OrderedDict = OrderedDict()  # member -> monotonic expiry, oldest first
+        self._lock = threading.Lock()
+
+    def __contains__(self, member: Hashable) -> bool:
+        with self._lock:
+            expires_at = self._expires_at.get(member)
+            if expires_at is None:
+                return False
+            if expires_at < time.monotonic():
+                del self._expires_at[member]
+                return False
+            return True
+
+    def __len__(self) -> int:
+        return len(self._expires_at)
+
+    def add(self, member: Hashable) -> None:
+        ttl_s = self._ttl_s() if callable(self._ttl_s) else self._ttl_s
+        with self._lock:
+            self._expires_at[member] = time.monotonic() + ttl_s
+            self._expires_at.move_to_end(member)
+            while len(self._expires_at) > self.max_entries:
+                self._expires_at.popitem(last=False)
+
+    def discard(self, member: Hashable) -> None:
+        with self._lock:
+            self._expires_at.pop(member, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._expires_at.clear()
+
+
+class LookupSlots:
+    """At most `max_concurrent` lookups at once: per event loop for coroutines (`held_async`, waiting costs no
+    thread) and per process for threads (`held`). A caller waits at most `wait_s` (None: as long as it takes)."""
+
+    def __init__(self, max_concurrent: int, *, wait_s: float | None = None):
+        self.max_concurrent = max_concurrent
+        self.wait_s = wait_s
+        self._per_loop = PerLoop(lambda: asyncio.Semaphore(max_concurrent))
+        self._threads = threading.BoundedSemaphore(max_concurrent)
+
+    @asynccontextmanager
+    async def held_async(self):
+        slots = self._per_loop.get()
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await slots.acquire()
+        except TimeoutError:
+            raise LookupsBusy() from None
+        try:
+            yield
+        finally:
+            slots.release()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        if not self._threads.acquire(timeout=self.wait_s):
+            raise LookupsBusy()
+        try:
+            yield
+        finally:
+            self._threads.release()
+
+
+class CredentialLookups:
+    """One kind of credential's refused hashes and lookup slots (see the module's docstring)."""
+
+    def __init__(
+        self,
+        *,
+        max_concurrent: int,
+        refused_for_s: float | Callable[[], float],
+        wait_s: float | None = WAIT_S,
+        max_refused: int = REFUSED_MAX,
+    ):
+        self.slots = LookupSlots(max_concurrent, wait_s=wait_s)
+        self.refused = ExpiringSet(refused_for_s, max_entries=max_refused)
+
+    @staticmethod
+    def digest(plain: str) -> str:
+        return hashlib.sha256(plain.encode()).hexdigest()
+
+    def is_refused(self, plain: str) -> bool:
+        return self.digest(plain) in self.refused
+
+    def refuse(self, plain: str) -> None:
+        self.refused.add(self.digest(plain))
+
+    def clear(self) -> None:
+        self.refused.clear()

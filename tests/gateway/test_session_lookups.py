@@ -1,0 +1,118 @@
+"""Made-up session cookies on the gateway's playground path (with a made-up CSRF pair, which anyone can forge) cost
+one lookup at most, and a flood of them holds a few worker threads, never the pool that key lookups need."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+
+import pytest
+from django.conf import settings
+from django.middleware.csrf import _get_new_csrf_string
+from django.test import Client
+
+from controlplane.accounts.models import EmailVerification, Role
+from controlplane.credential_lookups import CredentialLookups
+from endpoints.gateway import auth
+from endpoints.gateway.errors import OpenAIError
+from endpoints.gateway.memo import in_worker_thread
+from tests.factories import MembershipFactory, UserFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PASSWORD = "correct horse battery"
+
+
+def _headers(session_id: str) -> dict[str, str]:
+    csrf = _get_new_csrf_string()
+    return {
+        "cookie": f"{settings.SESSION_COOKIE_NAME}={session_id}; {settings.CSRF_COOKIE_NAME}={csrf}",
+        "x-csrftoken": csrf,
+    }
+
+
+async def _status(session_id: str) -> int:
+    try:
+        await auth.authenticate(_headers(session_id))
+    except OpenAIError as exc:
+        return exc.status
+    return 200
+
+
+@pytest.fixture
+def counted_lookups(monkeypatch):
+    """The session lookups the gateway makes (each a query), how many at once at most, each a little slow."""
+    real, lock = auth._lookup_session, threading.Lock()
+    counts = {"calls": 0, "active": 0, "peak": 0}
+
+    def counted(session_key):
+        with lock:
+            counts["calls"] += 1
+            counts["active"] += 1
+            counts["peak"] = max(counts["peak"], counts["active"])
+        try:
+            time.sleep(0.1)
+            return real(session_key)
+        finally:
+            with lock:
+                counts["active"] -= 1
+
+    monkeypatch.setattr(auth, "_lookup_session", counted)
+    return counts
+
+
+def test_a_made_up_session_sent_again_costs_no_second_lookup(counted_lookups):
+    bogus = secrets.token_hex(16)
+
+    async def scenario():
+        return [await _status(bogus) for _ in range(10)]
+
+    assert asyncio.run(scenario()) == [401] * 10
+    assert counted_lookups["calls"] == 1
+
+
+def test_a_flood_of_made_up_sessions_runs_a_few_lookups_and_never_queues_a_key_lookup(counted_lookups):
+    async def key_lookup_wait_s():
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await in_worker_thread(lambda: None)()
+        return time.monotonic() - started
+
+    async def flood():
+        victim = asyncio.ensure_future(key_lookup_wait_s())
+        statuses = await asyncio.gather(*(_status(secrets.token_hex(16)) for _ in range(60)))
+        return statuses, await victim
+
+    statuses, waited_s = asyncio.run(flood())
+    assert set(statuses) <= {401, 503}
+    assert counted_lookups["peak"] <= auth.MAX_SESSION_LOOKUPS
+    assert waited_s < 0.5
+
+
+def test_a_session_waits_briefly_for_a_lookup_slot_then_gets_a_503(monkeypatch):
+    busy = CredentialLookups(max_concurrent=1, refused_for_s=60, wait_s=0.05)
+    monkeypatch.setattr(auth, "_session_lookups", busy)
+
+    async def scenario():
+        async with busy.slots.held_async():  # another lookup holds the only slot
+            with pytest.raises(OpenAIError) as refused:
+                await auth.authenticate(_headers(secrets.token_hex(16)))
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert refused.status == 503 and refused.code == "service_unavailable"
+
+
+def test_a_real_session_refused_for_now_is_not_remembered(counted_lookups):
+    user = UserFactory(username="new@example.test")
+    MembershipFactory(user=user, role=Role.MEMBER)
+    client = Client()
+    assert client.login(username=user.username, password=PASSWORD)
+    session_id = client.cookies[settings.SESSION_COOKIE_NAME].value
+    verification = list(EmailVerification.objects.filter(user=user).values())
+    EmailVerification.objects.filter(user=user).delete()
+    assert asyncio.run(_status(session_id)) == 401  # not verified yet
+    EmailVerification.objects.bulk_create(EmailVerification(**row) for row in verification)
+    assert asyncio.run(_status(session_id)) == 200  # verified: the same session works at once

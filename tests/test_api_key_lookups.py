@@ -1,0 +1,75 @@
+"""Made-up API keys on `/api/v1` cost one query at most, and a flood of them holds a few lookups at once."""
+
+import secrets
+import threading
+import time
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from rest_framework.test import APIClient
+
+from controlplane.accounts import keys
+from controlplane.accounts.services import Actor
+from controlplane.credential_lookups import CredentialLookups
+
+pytestmark = pytest.mark.django_db
+
+
+def _bogus_key() -> str:
+    return f"ip_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)}"
+
+
+def _client(plain: str) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {plain}")
+    return client
+
+
+def test_a_made_up_key_sent_again_costs_no_query():
+    client = _client(_bogus_key())
+    with CaptureQueriesContext(connection) as queries:
+        statuses = [client.get("/api/v1/keys/").status_code for _ in range(10)]
+    assert statuses == [401] * 10
+    assert len(queries) == 1
+
+
+def test_a_key_created_after_refusals_works_at_once_and_a_revoked_one_stops(owner_client):
+    for _ in range(3):
+        assert _client(_bogus_key()).get("/api/v1/keys/").status_code == 401
+    created = keys.create_api_key(
+        Actor(user=owner_client.user), owner_client.organization, name="new", scopes=["manage"]
+    )
+    assert _client(created.plain).get("/api/v1/keys/").status_code == 200
+    keys.revoke_api_key(Actor(user=owner_client.user), created.api_key)
+    assert _client(created.plain).get("/api/v1/keys/").status_code == 401
+
+
+def test_a_flood_of_made_up_keys_runs_a_few_lookups_at_once(monkeypatch):
+    active, peak, lock = [0], [0], threading.Lock()
+
+    def slow_lookup(plain):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.2)
+        with lock:
+            active[0] -= 1
+
+    monkeypatch.setattr(keys, "find_api_key", slow_lookup)
+    threads = [threading.Thread(target=keys.authenticate_api_key, args=(_bogus_key(),)) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert 1 <= peak[0] <= keys.API_KEY_LOOKUPS.slots.max_concurrent
+
+
+def test_a_key_waits_briefly_for_a_lookup_slot_then_gets_a_503_that_says_when_to_retry(monkeypatch):
+    busy = CredentialLookups(max_concurrent=1, refused_for_s=60, wait_s=0.05)
+    monkeypatch.setattr(keys, "API_KEY_LOOKUPS", busy)
+    with busy.slots.held():  # another lookup holds the only slot
+        response = _client(_bogus_key()).get("/api/v1/keys/")
+    assert response.status_code == 503
+    assert response["Retry-After"] == "1"
+    assert "retry" in response.json()["detail"]
