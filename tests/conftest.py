@@ -59,9 +59,10 @@ def _clean_redis(request):
 def _forget_refused_credentials():
     """Each test starts with no credential remembered as refused (`controlplane.credential_lookups`)."""
     from controlplane.accounts.keys import API_KEY_LOOKUPS
+    from endpoints.fleet.services import JOIN_TOKEN_LOOKUPS, NODE_SECRET_LOOKUPS
     from endpoints.gateway.auth import _session_lookups
 
-    for lookups in (API_KEY_LOOKUPS, _session_lookups):
+    for lookups in (API_KEY_LOOKUPS, JOIN_TOKEN_LOOKUPS, NODE_SECRET_LOOKUPS, _session_lookups):
         lookups.clear()
     yield
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 
-from asgiref.sync import sync_to_async
 from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
 from controlplane import pubsub
+from controlplane.credential_lookups import LookupsBusy
 from endpoints.fleet import services
 from endpoints.nodes.notify import node_channel
 from gpu_agent import protocol
@@ -21,6 +21,13 @@ from gpu_agent import protocol
 
 def _error(status: int, message: str) -> JsonResponse:
     return JsonResponse({"error": {"message": message}}, status=status)
+
+
+def _busy() -> JsonResponse:
+    """Too many credentials being checked at once (a flood of made-up ones): the agent retries, as after any 5xx."""
+    response = _error(503, "too many credentials are being checked at once; retry shortly")
+    response["Retry-After"] = "1"
+    return response
 
 
 def _parse(request, message_class):
@@ -44,6 +51,8 @@ def register(request):
         return _error(400, f"invalid registration: {exc}")
     except services.AgentAuthError as exc:
         return _error(401, str(exc))
+    except LookupsBusy:
+        return _busy()
     return JsonResponse(answer.to_dict(), status=201)
 
 
@@ -58,6 +67,8 @@ def heartbeat(request):
         report = _parse(request, protocol.Heartbeat)
     except services.AgentAuthError as exc:
         return _error(401, str(exc))
+    except LookupsBusy:
+        return _busy()
     except _BadRequest as exc:
         return _error(400, f"invalid heartbeat: {exc}")
     return JsonResponse(services.record_heartbeat(node, report).to_dict())
@@ -79,8 +90,10 @@ async def watch(request):
     try:
         if keyword != "Bearer":
             raise services.AgentAuthError("send 'Authorization: Bearer <node secret>'")
-        node = await sync_to_async(services.authenticate_node, thread_sensitive=False)(secret.strip())
+        node = await services.authenticate_node_async(secret.strip())
     except services.AgentAuthError as exc:
         return _error(401, str(exc))
+    except LookupsBusy:
+        return _busy()
     async with pubsub.subscribe(node_channel(node.pk)) as changes:
         return JsonResponse(protocol.WatchResponse(changed=await changes.wait(WATCH_TIMEOUT_S)).to_dict())

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Q
@@ -19,6 +20,7 @@ from django.utils import timezone
 
 from controlplane import tokens
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
+from controlplane.credential_lookups import CredentialLookups
 from controlplane.secrets import SecretUnreadable
 from endpoints.adapters import adapter_specs, record_replica_adapters
 from endpoints.catalogue import default_reasoning_parser
@@ -78,11 +80,36 @@ def rotate_join_token(actor: Actor, join_token: JoinToken) -> CreatedJoinToken:
     return created
 
 
+# NOTE: the agent API is public: anyone may send well-formed node secrets and join tokens never seen before, each a
+# query. One that names no node or token is remembered as refused (by its hash; a secret or token issued later is
+# random and new, so never among them), and at most this many of each kind are looked up at once per process; the
+# rest wait briefly, then get a 503 (`LookupsBusy`), which an agent retries. A node secret once valid and refused
+# later (a retired node) never becomes valid again; a real join token refused for now (expired, used up) is not
+# remembered, as staff may extend it.
+MAX_AGENT_LOOKUPS = 4
+REFUSED_AGENT_CREDENTIALS_S = 60.0
+NODE_SECRET_LOOKUPS = CredentialLookups(max_concurrent=MAX_AGENT_LOOKUPS, refused_for_s=REFUSED_AGENT_CREDENTIALS_S)
+JOIN_TOKEN_LOOKUPS = CredentialLookups(max_concurrent=MAX_AGENT_LOOKUPS, refused_for_s=REFUSED_AGENT_CREDENTIALS_S)
+
+
+def _find_join_token(plain: str) -> JoinToken | None:
+    """The join token `plain` names, usable or not; None (and remembered) if it names none."""
+    lookup = tokens.split_token(plain, JoinToken.TOKEN_KIND)
+    if lookup is None or JOIN_TOKEN_LOOKUPS.is_refused(plain):
+        return None
+    with JOIN_TOKEN_LOOKUPS.slots.held():
+        join_token = JoinToken.objects.filter(lookup=lookup).first()
+    if join_token is None or not tokens.token_matches(plain, join_token.digest):
+        JOIN_TOKEN_LOOKUPS.refuse(plain)
+        return None
+    return join_token
+
+
 def register_node(request: protocol.RegisterRequest) -> protocol.RegisterResponse:
-    """Admit a node with a join token; the answer carries its secret, which is stored only as a hash."""
-    lookup = tokens.split_token(request.join_token, JoinToken.TOKEN_KIND)
-    join_token = JoinToken.objects.filter(lookup=lookup).first() if lookup else None
-    if join_token is None or not tokens.token_matches(request.join_token, join_token.digest) or not join_token.is_usable():
+    """Admit a node with a join token; the answer carries its secret, which is stored only as a hash.
+    Raises `LookupsBusy` when other join tokens hold every lookup slot for longer than a caller may wait."""
+    join_token = _find_join_token(request.join_token)
+    if join_token is None or not join_token.is_usable():
         raise AgentAuthError("invalid, expired, revoked or used-up join token")
     issued = tokens.issue_token(Node.SECRET_KIND)
     with transaction.atomic():
@@ -118,11 +145,26 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
 
 
 def authenticate_node(secret: str) -> Node:
+    """The node whose secret this is. Raises `AgentAuthError` if none (a refused secret sent again costs no query),
+    `LookupsBusy` when other secrets hold every lookup slot for longer than a caller may wait."""
     lookup = tokens.split_token(secret, Node.SECRET_KIND)
-    node = Node.objects.filter(secret_lookup=lookup).first() if lookup else None
+    if lookup is None or NODE_SECRET_LOOKUPS.is_refused(secret):
+        raise AgentAuthError("invalid node secret")
+    with NODE_SECRET_LOOKUPS.slots.held():
+        node = Node.objects.filter(secret_lookup=lookup).first()
     if node is None or not tokens.token_matches(secret, node.secret_digest):
+        NODE_SECRET_LOOKUPS.refuse(secret)
         raise AgentAuthError("invalid node secret")
     return node
+
+
+async def authenticate_node_async(secret: str) -> Node:
+    """`authenticate_node` for an async view: a refused secret costs no thread, and callers beyond the lookup
+    slots wait as coroutines, not as threads."""
+    if tokens.split_token(secret, Node.SECRET_KIND) is None or NODE_SECRET_LOOKUPS.is_refused(secret):
+        raise AgentAuthError("invalid node secret")
+    async with NODE_SECRET_LOOKUPS.slots.held_async():
+        return await sync_to_async(authenticate_node, thread_sensitive=False)(secret)
 
 
 # The node's `last_status` key that says what of its heartbeat's GPU list was ignored (the fleet pages show it).

@@ -1,0 +1,113 @@
+"""Made-up node secrets and join tokens on the public agent API cost one query at most, and a flood of them holds a
+few lookups at once, never every thread and database connection."""
+
+import asyncio
+import secrets
+import threading
+import time
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from controlplane.accounts.services import SYSTEM
+from controlplane.credential_lookups import CredentialLookups
+from endpoints.fleet import services
+from endpoints.nodes.models import Node
+from tests.test_agent_api import beat, register
+
+pytestmark = pytest.mark.django_db
+
+
+def _bogus(kind: str) -> str:
+    return f"{kind}_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)}"
+
+
+class _PeakLookups:
+    """Stands in for the node lookup (a slow query) and counts how many run at once."""
+
+    def __init__(self):
+        self.active = self.peak = self.calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, **_filters):
+        with self._lock:
+            self.active += 1
+            self.calls += 1
+            self.peak = max(self.peak, self.active)
+        time.sleep(0.2)
+        with self._lock:
+            self.active -= 1
+        return Node.objects.none()
+
+
+def test_a_made_up_node_secret_sent_again_costs_no_query(client):
+    bogus = _bogus("nd")
+    with CaptureQueriesContext(connection) as queries:
+        statuses = [beat(client, bogus).status_code for _ in range(10)]
+    assert statuses == [401] * 10
+    assert len(queries) == 1
+
+
+def test_a_made_up_join_token_sent_again_costs_no_query(client):
+    bogus = _bogus("jt")
+    with CaptureQueriesContext(connection) as queries:
+        statuses = [register(client, bogus).status_code for _ in range(10)]
+    assert statuses == [401] * 10
+    assert len(queries) == 1
+
+
+def test_a_node_secret_issued_after_refusals_works_at_once_and_a_retired_one_stays_refused(client):
+    for _ in range(3):
+        assert beat(client, _bogus("nd")).status_code == 401
+        assert register(client, _bogus("jt")).status_code == 401
+    answer = register(client, services.create_join_token(SYSTEM, name="fresh").plain).json()
+    assert beat(client, answer["node_secret"]).status_code == 200
+    services.retire_node(SYSTEM, Node.objects.get(pk=answer["node_id"]), reason="test")
+    assert beat(client, answer["node_secret"]).status_code == 401
+
+
+def test_a_flood_of_made_up_node_secrets_runs_a_few_lookups_at_once(monkeypatch):
+    lookups = _PeakLookups()
+    monkeypatch.setattr(Node.objects, "filter", lookups)
+
+    def one():
+        with pytest.raises(services.AgentAuthError):
+            services.authenticate_node(_bogus("nd"))
+
+    threads = [threading.Thread(target=one) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert lookups.calls == 20
+    assert lookups.peak <= services.MAX_AGENT_LOOKUPS
+
+
+def test_a_flood_of_made_up_node_secrets_on_the_long_poll_runs_a_few_lookups_at_once(monkeypatch):
+    lookups = _PeakLookups()
+    monkeypatch.setattr(Node.objects, "filter", lookups)
+
+    async def one():
+        try:
+            await services.authenticate_node_async(_bogus("nd"))
+        except services.AgentAuthError:
+            return "refused"
+
+    async def flood():
+        return await asyncio.gather(*(one() for _ in range(20)))
+
+    assert asyncio.run(flood()) == ["refused"] * 20
+    assert lookups.peak <= services.MAX_AGENT_LOOKUPS
+
+
+def test_an_agent_waits_briefly_for_a_lookup_slot_then_gets_a_503_it_retries(client, monkeypatch):
+    busy = CredentialLookups(max_concurrent=1, refused_for_s=60, wait_s=0.05)
+    monkeypatch.setattr(services, "NODE_SECRET_LOOKUPS", busy)
+    monkeypatch.setattr(services, "JOIN_TOKEN_LOOKUPS", busy)
+    with busy.slots.held():  # another lookup holds the only slot
+        heartbeat, registration = beat(client, _bogus("nd")), register(client, _bogus("jt"))
+    assert heartbeat.status_code == registration.status_code == 503
+    assert heartbeat["Retry-After"] == "1"
+    assert "retry" in heartbeat.json()["error"]["message"]
+    assert beat(client, _bogus("nd")).status_code == 401
