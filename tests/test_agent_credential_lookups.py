@@ -41,18 +41,13 @@ class _PeakLookups:
         return Node.objects.none()
 
 
-def test_a_made_up_node_secret_sent_again_costs_no_query(client):
-    bogus = _bogus("nd")
+@pytest.mark.parametrize(
+    ("kind", "send"), [("nd", beat), ("jt", register)], ids=["node secret", "join token"]
+)
+def test_a_made_up_node_secret_or_join_token_sent_again_costs_no_query(client, kind, send):
+    bogus = _bogus(kind)
     with CaptureQueriesContext(connection) as queries:
-        statuses = [beat(client, bogus).status_code for _ in range(10)]
-    assert statuses == [401] * 10
-    assert len(queries) == 1
-
-
-def test_a_made_up_join_token_sent_again_costs_no_query(client):
-    bogus = _bogus("jt")
-    with CaptureQueriesContext(connection) as queries:
-        statuses = [register(client, bogus).status_code for _ in range(10)]
+        statuses = [send(client, bogus).status_code for _ in range(10)]
     assert statuses == [401] * 10
     assert len(queries) == 1
 
