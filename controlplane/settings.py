@@ -353,9 +353,14 @@ GATEWAY_MAX_ANSWER_WAIT_S = env_float("INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S", 6 
 # A client that takes none of its answer for this long is cut off (`endpoints.gateway.delivery`), and the bytes of
 # an organisation's whole answers in a gateway process (read from engines, not yet taken by its clients) are bounded:
 # past this many, its new calls are refused (429 `unread_answers`) and its answers still being read wait, but one.
-# The web pod runs two gateway processes in 1 GiB (`infra/k8s/base/web.yaml`).
+# Every organisation's together are bounded the same way per process (sign-up is open: many organisations, each
+# within its bound, would hold more than the process has): past it, answers being read wait, one at a time going on,
+# organisations in turn, and only an organisation holding an equal share of the process or more is refused. What a
+# process holds stays within about twice the bound and an answer (`endpoints.gateway.delivery`): the web pod runs two
+# gateway processes in 1 GiB (`infra/k8s/base/web.yaml`; `tests/infra/test_manifests.py` holds the default to it).
 GATEWAY_SEND_TIMEOUT_S = env_float("INFERPLANE_GATEWAY_SEND_TIMEOUT_S", 60.0, minimum=1)
 GATEWAY_ANSWER_BYTES_PER_ORG = env_int("INFERPLANE_GATEWAY_ANSWER_BYTES_PER_ORG", 128 * 2**20, minimum=2**20)
+GATEWAY_ANSWER_BYTES_PER_PROCESS = env_int("INFERPLANE_GATEWAY_ANSWER_BYTES_PER_PROCESS", 96 * 2**20, minimum=2**20)
 REPLICA_DRAIN_TIMEOUT_S = env_float("INFERPLANE_REPLICA_DRAIN_TIMEOUT_S", 120.0, minimum=1)
 REPLICA_START_TIMEOUT_S = env_float("INFERPLANE_REPLICA_START_TIMEOUT_S", 900.0, minimum=5)
 # Identical replica failures of one endpoint back off (base, doubling) and, after this many, stop it

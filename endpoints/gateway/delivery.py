@@ -4,8 +4,8 @@ A client that stops reading holds what the gateway still has to send it: a whole
 `upstream.MAX_WHOLE_BODY_BYTES`) sits in the process's memory, a stream stops reading its replica (whose
 engine goes on generating into its own buffers), and the call holds its replica and its reservation. Cheap
 answers can be large (embeddings of many inputs), so a tenant with a few hundred requests a minute could
-fill a gateway process's memory for every other tenant. Two bounds, as a reverse proxy's `send_timeout`
-and its buffers give:
+fill a gateway process's memory for every other tenant. Bounds, as a reverse proxy's `send_timeout` and its
+buffers give:
 
 - **A send deadline.** A client that takes none of its answer for `GATEWAY_SEND_TIMEOUT_S` is cut off:
   its connection is dropped and its call ends as if it had left (`InferenceCall.cut_off`): billed for
@@ -23,6 +23,19 @@ and its buffers give:
   out: the bytes an organisation holds in a process stay within about twice the bound, one answer and a first piece
   (≤ 256 KiB) of each answer being read, however many of its calls answer at once (`tests/gateway/test_delivery_bound.py`). A first version counted an answer only once it was sent, and checked the bound only at a call's
   start: calls sent together were all admitted, and their answers, read at once, passed the bound by as many.
+- **Answer bytes per process.** Sign-up is open, so many organisations (one tenant's, or many tenants' at once), each
+  within its bound, held together far more than a process has (40 × 128 MiB in a pod of 1 GiB). Every whole answer
+  counts against its process too, and past `GATEWAY_ANSWER_BYTES_PER_PROCESS` answers being read wait the same way,
+  one (the process's reader) going on at a time while the answers read whole are within it. Paused answers go on as
+  bytes are freed, one at a time and organisations in turn (round robin: an organisation with many paused answers gets
+  no more turns than one with a single one), so none starves another. A new call is refused (429 `unread_answers`)
+  only to an organisation holding an equal share of the process or more (its bytes times the organisations with
+  answers open, at least the process's): an organisation under that is not refused for what others hold, and its
+  answers wait their turn in its own engine instead. What a process holds stays within about twice this bound, an
+  answer (and its copy joined as it is read whole) and a first piece of each answer being read, however many
+  organisations answer at once. The first piece of an answer is read before it can be paused (counted, but held
+  however many answers come at once), and a stream's buffer (`upstream.HIGH_WATER_BYTES`) is not counted: both grow
+  with the calls in flight, which rate limits and reservations bound, not these bounds.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,31 +77,82 @@ class _Share:
     held: int = 0
     reading: int = 0  # of `held`, the bytes of answers still being read
     reader: Holding | None = None  # the one answer read on while the organisation is past its bound
-    parked: list = field(default_factory=list)  # the paused connections of the others, oldest first (`upstream`)
+    # Its answers paused, oldest first (its reader, paused by the process's bound, first of all). One whose read ended
+    # while paused is dropped when it comes up (its `_parked` is False then).
+    parked: deque[Holding] = field(default_factory=deque)
+    num_answers: int = 0  # its answers with a `Holding` open
+    in_line: bool = False  # in the process's `line`
+
+    def next_to_read(self) -> Holding | None:
+        """The paused answer that the organisation's own bound lets read on now, if any: its oldest while it is under
+        the bound; past it, its reader, or its oldest to be the reader while its answers read whole are within it."""
+        parked = self.parked
+        while parked and not parked[0]._parked:
+            parked.popleft()
+        if not parked:
+            return None
+        first = parked[0]
+        if self.held < settings.GATEWAY_ANSWER_BYTES_PER_ORG or first is self.reader:
+            return first
+        if self.reader is None and self.held - self.reading < settings.GATEWAY_ANSWER_BYTES_PER_ORG:
+            return first
+        return None
+
+
+@dataclass(slots=True)
+class _Process:
+    """What every organisation's whole answers hold in this process (its event loop's: a gateway process runs one)."""
+
+    held: int = 0
+    waiting: int = 0  # of `held`, the bytes of answers read whole, waiting for their clients
+    reader: Holding | None = None  # the one answer read on while the process is past its bound
+    # The organisations with paused answers, in turn (one whose own bound holds them leaves the line when it comes up,
+    # and is put back by its own answers' next step).
+    line: deque[_Share] = field(default_factory=deque)
+    num_parked: int = 0  # answers paused, every organisation's
+    num_orgs: int = 0  # organisations with an answer open (`refuse_if_over`'s equal share)
 
     def over(self) -> bool:
-        return self.held >= settings.GATEWAY_ANSWER_BYTES_PER_ORG
-
-    def may_read_one(self) -> bool:
-        """Whether one more answer may be read on though the organisation is past its bound: its answers read whole
-        (waiting for its clients) are not, so what is past it is answers being read, of which one must go on."""
-        return self.held - self.reading < settings.GATEWAY_ANSWER_BYTES_PER_ORG
+        return self.held >= settings.GATEWAY_ANSWER_BYTES_PER_PROCESS
 
     def resume_one(self) -> None:
-        """The longest-parked connection reads on (it reads one piece at least before it may park again).
+        """The next organisation in line whose own bound lets one of its paused answers read on resumes that one, if
+        the process's bound lets one: round robin, so that an organisation with many paused answers gets no more turns
+        than one with a single one, and none waits behind another's.
 
         NOTE: one at a time: resuming all at once had each read a piece before parking again, every time a slot
         freed, and those pieces piled up past the bound (437 MiB against 8 in a review's simulation)."""
-        while self.parked:
-            connection = self.parked.pop(0)
-            if not connection.closed:
-                connection.resume()
-                return
+        over = self.over()
+        if over and (self.reader is not None or self.waiting >= settings.GATEWAY_ANSWER_BYTES_PER_PROCESS):
+            return
+        line = self.line
+        while line:
+            share = line.popleft()
+            holding = share.next_to_read()
+            if holding is None:
+                share.in_line = False
+                continue
+            share.parked.popleft()
+            if share.parked:
+                line.append(share)
+            else:
+                share.in_line = False
+            holding._parked = False
+            self.num_parked -= 1
+            # NOTE: the slots are taken now, not at its next piece: another answer reading could take one first, and
+            # this one would read a piece and park again.
+            if share.held >= settings.GATEWAY_ANSWER_BYTES_PER_ORG:
+                share.reader = holding
+            if over:
+                self.reader = holding
+            holding._connection.resume()
+            return
 
 
 @dataclass(slots=True)
 class _Outbox:
     shares: dict[int, _Share] = field(default_factory=dict)  # by organisation
+    process: _Process = field(default_factory=_Process)
     watched: dict[int, Sending] = field(default_factory=dict)  # by id(): calls are dataclasses, not hashable
     sweeper: asyncio.Task | None = None
 
@@ -96,14 +161,26 @@ _outboxes: PerLoop[_Outbox] = PerLoop(_Outbox)
 
 
 def refuse_if_over(organization_id: int) -> None:
-    """A 429 for an organisation whose answers in this process (read or waiting for its clients) are past its bound."""
-    share = _outboxes.get().shares.get(organization_id)
-    if share is not None and share.over():
+    """A 429 for an organisation whose answers in this process (read or waiting for its clients) are past its bound, or
+    that holds an equal share or more of a process past the process's bound (`Holding`)."""
+    outbox = _outboxes.get()
+    share = outbox.shares.get(organization_id)
+    if share is None or not share.held:
+        return
+    if share.held >= settings.GATEWAY_ANSWER_BYTES_PER_ORG:
         raise errors.OpenAIError(
             429, f"This organisation's answers hold {share.held // 2**20} MiB on this server, answers its clients have "
                  f"not read yet included (at most {settings.GATEWAY_ANSWER_BYTES_PER_ORG // 2**20} MiB): read them, or "
                  "close their connections, before sending more.", type="requests", code=UNREAD_ANSWERS,
             headers={"retry-after": "5"})
+    process = outbox.process
+    if process.over() and share.held * process.num_orgs >= process.held:
+        raise errors.OpenAIError(
+            429, f"This server holds {process.held // 2**20} MiB of answers (at most "
+                 f"{settings.GATEWAY_ANSWER_BYTES_PER_PROCESS // 2**20} MiB), and this organisation's, "
+                 f"{share.held // 2**20} MiB with those its clients have not read yet, are an equal share of it or "
+                 "more: read them, or close their connections, before sending more.", type="requests",
+            code=UNREAD_ANSWERS, headers={"retry-after": "5"})
 
 
 def held_bytes(organization_id: int) -> int:
@@ -127,77 +204,140 @@ class AnswerHolding(Protocol):
 
 
 class Holding:
-    """One whole answer's bytes, counted against its organisation from the first read to the last piece handed over
-    (`upstream.Response.read` takes them, `InferenceCall` gives them back); `close` gives back the rest.
+    """One whole answer's bytes, counted against its organisation and the process from the first read to the last
+    piece handed over (`upstream.Response.read` takes them, `InferenceCall` gives them back); `close` gives back the
+    rest.
 
-    NOTE: past the bound, an answer being read pauses its connection unless it is the organisation's one reader, a
-    slot taken only while the answers read whole (waiting for clients, cut off at the send deadline) are within the
-    bound, and parked connections go on one at a time: so what an organisation holds stays within about twice the
-    bound and one answer (and a first piece of each answer), and something always moves (a reader reads on; a client
-    reads, leaves or is cut off)."""
+    NOTE: past a bound, an answer being read pauses its connection unless it is that bound's one reader (the
+    organisation's, or the process's), a slot taken only while the answers read whole (waiting for clients, cut off at
+    the send deadline) are within the bound, and paused connections go on one at a time: so what an organisation, and
+    the process, holds stays within about twice the bound and one answer (and a first piece of each answer), and
+    something always moves (a reader reads on; a client reads, leaves or is cut off). The process's reader reads on
+    past its organisation's bound too (an answer more for that organisation): it was let read while within it, and
+    paused there it would hold the process's one slot, each bound waiting on the other."""
 
-    __slots__ = ("_share", "num_bytes", "_reading")
+    __slots__ = ("_share", "_process", "num_bytes", "_reading", "_parked", "_connection", "_open")
 
     def __init__(self, organization_id: int):
         # NOTE: a share stays once made (one small object per organisation served by the process), so it is looked up
         # once per answer, not per piece read.
-        shares = _outboxes.get().shares
-        self._share = shares.get(organization_id) or shares.setdefault(organization_id, _Share())
+        outbox = _outboxes.get()
+        shares = outbox.shares
+        self._share = share = shares.get(organization_id) or shares.setdefault(organization_id, _Share())
+        self._process = process = outbox.process
         self.num_bytes = 0
         self._reading = True
+        self._parked = False  # in its share's `parked`, its connection paused
+        self._connection = None  # the connection to resume, while parked
+        self._open = True
+        share.num_answers += 1
+        if share.num_answers == 1:
+            process.num_orgs += 1
 
     def take(self, num_bytes: int, connection) -> bool:
         """Count bytes just read on `connection`; True when it must pause (it is parked, resumed by `delivery`)."""
         share = self._share
+        process = self._process
         share.held += num_bytes
         share.reading += num_bytes
+        process.held += num_bytes
         self.num_bytes += num_bytes
-        if not share.over():
-            if share.parked:
-                share.resume_one()  # NOTE: under the bound again: the parked go on one by one, each as one reads
+        if (share.held < settings.GATEWAY_ANSWER_BYTES_PER_ORG
+                and process.held < settings.GATEWAY_ANSWER_BYTES_PER_PROCESS):
+            if process.num_parked:
+                _settle(share, process)  # NOTE: under the bounds again: the paused go on one by one, each as one reads
             return False
-        if share.reader is self:
-            return False
-        if share.reader is None and share.may_read_one():
-            share.reader = self
-            return False
-        share.parked.append(connection)
-        return True
+        return self._past_a_bound(connection)
+
+    def _past_a_bound(self, connection) -> bool:
+        if self._parked:  # NOTE: more of the read that paused it (a chunk parsed after the pause): parked once only
+            return True
+        share = self._share
+        process = self._process
+        if (share.held >= settings.GATEWAY_ANSWER_BYTES_PER_ORG and share.reader is not self
+                and process.reader is not self):
+            if share.reader is None and share.held - share.reading < settings.GATEWAY_ANSWER_BYTES_PER_ORG:
+                share.reader = self
+            else:
+                self._park(connection, first=False)
+                return True
+        if process.over() and process.reader is not self:
+            if process.reader is None and process.waiting < settings.GATEWAY_ANSWER_BYTES_PER_PROCESS:
+                process.reader = self
+            else:
+                # NOTE: its organisation's reader goes first when its turn comes: no other of its answers may read.
+                self._park(connection, first=share.reader is self)
+                if not share.in_line:
+                    share.in_line = True
+                    process.line.append(share)
+                return True
+        return False
+
+    def _park(self, connection, *, first: bool) -> None:
+        self._parked = True
+        self._connection = connection
+        self._process.num_parked += 1
+        if first:
+            self._share.parked.appendleft(self)
+        else:
+            self._share.parked.append(self)
 
     def give(self, num_bytes: int) -> None:
         num_bytes = min(num_bytes, self.num_bytes)
         if not num_bytes:
             return
         share = self._share
+        process = self._process
         self.num_bytes -= num_bytes
         share.held -= num_bytes
+        process.held -= num_bytes
         if self._reading:
             share.reading -= num_bytes
-        self._settle(share)
+        else:
+            process.waiting -= num_bytes
+        if process.num_parked:
+            _settle(share, process)
 
     def sent(self, num_bytes: int) -> None:
         """Bytes handed to the server: no longer this process's to hold (a client that takes none is cut off)."""
         self.give(num_bytes)
 
     def done_reading(self) -> None:
-        """Its read ended (whole, failed or abandoned): its bytes wait for its client now, and the reader's slot is free."""
+        """Its read ended (whole, failed or abandoned): its bytes wait for its client now, and its slots are free."""
         if not self._reading:
             return
         self._reading = False
         share = self._share
+        process = self._process
         share.reading -= self.num_bytes
+        process.waiting += self.num_bytes
         if share.reader is self:
             share.reader = None
-        self._settle(share)
+        if process.reader is self:
+            process.reader = None
+        if self._parked:  # given up while paused (its call cut off, its replica failed): its turn is skipped
+            self._parked = False
+            process.num_parked -= 1
+        self._connection = None
+        if process.num_parked:
+            _settle(share, process)
 
     def close(self) -> None:
         self.done_reading()
         self.give(self.num_bytes)
+        if self._open:
+            self._open = False
+            self._share.num_answers -= 1
+            if not self._share.num_answers:
+                self._process.num_orgs -= 1
 
-    @staticmethod
-    def _settle(share: _Share) -> None:
-        if share.parked and (not share.over() or (share.reader is None and share.may_read_one())):
-            share.resume_one()
+
+def _settle(share: _Share, process: _Process) -> None:
+    """Bytes were freed, a slot given back, or a piece read under the bounds: one paused answer may go on."""
+    if share.parked and not share.in_line:
+        share.in_line = True
+        process.line.append(share)
+    process.resume_one()
 
 
 def watch(call: Sending) -> None:

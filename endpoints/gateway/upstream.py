@@ -138,8 +138,9 @@ class Response:
     async def read(self, overflow=None, holding=None) -> bytes:
         """The whole body; `UpstreamError` if the connection fails before its end.
 
-        With `holding` (`delivery.Holding`), every byte kept is counted against its organisation as it arrives, and
-        the connection pauses while the organisation holds more than its bound (resumed by `delivery`).
+        With `holding` (`delivery.Holding`), every byte kept is counted against its organisation and the process as it
+        arrives (those that came before the read at its start), and the connection pauses while they hold more than
+        their bounds (resumed by `delivery`).
 
         Past MAX_WHOLE_BODY_BYTES, `ResponseTooLarge`: at once, the connection dropped, without `overflow`; with
         it (a callable taking bytes), once the answer is read to its end, every byte of it passed to
@@ -148,7 +149,12 @@ class Response:
         self._bounded = False
         self._overflow = overflow
         self._holding = holding
-        self._conn.resume()
+        # NOTE: what came with the headers counts too, and may pause the connection at once: uncounted, it (up to
+        # HIGH_WATER_BYTES and a read more) went unseen by the bounds, and the connection read a piece more.
+        if holding is not None and self._num_buffered and holding.take(self._num_buffered, self._conn):
+            self._conn.pause()
+        else:
+            self._conn.resume()
         if self._num_buffered > MAX_WHOLE_BODY_BYTES and not self._overflowed:  # it came in before the read
             self._spill()
         while not self._done or self._error is not None:
@@ -302,6 +308,12 @@ class _Connection(asyncio.Protocol):
         self.last_read = now = self.loop.time()
         self.timer = self.loop.call_at(now + self.read_timeout_s, self._check_read)
         return response
+
+    def pause(self) -> None:
+        """Reads wait (the data waits in the replica's engine) until `resume`."""
+        if not self.paused and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
 
     def resume(self) -> None:
         """Reads go on after a pause (the gateway took what was buffered); the read timeout counts from now."""
