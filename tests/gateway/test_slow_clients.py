@@ -4,6 +4,7 @@ answers an organisation leaves unread in a gateway process bounded."""
 import contextlib
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -179,6 +180,55 @@ def test_answers_of_many_calls_sent_together_stay_near_the_organisations_bound(t
     served = httpx.post(f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {tenant.key}"},
                         json={"model": endpoint.name, "messages": [{"role": "user", "content": "Hi"}]}, timeout=30)
     assert served.status_code == 200 and len(served.content) > ANSWER_BYTES // 2
+
+
+def _organisation(upstream: str) -> tuple[str, str, int]:
+    """Another organisation with an inference key and an endpoint on `upstream`: (key, model, organisation id)."""
+    organization, user = OrganizationFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=user, role=Role.OWNER)
+    key = create_api_key(Actor(user=user), organization, name="k", scopes=[Scope.INFERENCE]).plain
+    return key, serve_endpoint(organization, upstream).name, organization.pk
+
+
+def test_many_organisations_each_within_their_own_bound_are_held_together_to_the_process_bound(
+        tenant, start_mock_upstream, gateway_with):
+    # Sign-up is open, and the bound was per organisation only: five organisations' unread answers, each within its
+    # own bound (128 MiB), were all read into the gateway at once (120 MiB and more; forty such held 5 GiB in a pod of
+    # 1 GiB). Past the process's bound they wait in their engines, and an organisation holding nothing is not refused
+    # for what the others hold: its answer waits its turn.
+    gateway = gateway_with(INFERPLANE_GATEWAY_ANSWER_BYTES_PER_PROCESS=str(8 * 2**20))
+    upstream = start_mock_upstream(whole_answer_bytes=ANSWER_BYTES, prefill_ms=1500)
+    unread = [_organisation(upstream) for _ in range(5)]
+    fresh_key, fresh_model, fresh_id = _organisation(upstream)
+    before = _rss_bytes(gateway_with.pid)
+    fresh = {}
+
+    def call_fresh():
+        fresh["answer"] = httpx.post(f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {fresh_key}"},
+                                     json={"model": fresh_model, "messages": [{"role": "user", "content": "Hi"}]},
+                                     timeout=60)
+
+    with contextlib.ExitStack() as calls:
+        for key, model, _ in unread:
+            calls.enter_context(_unread_call(gateway, key, model))
+        wait_until(lambda: all(get_redis().hlen(reservations_key(org_id)) == 1 for _, _, org_id in unread), 10,
+                   message="five calls admitted")
+        time.sleep(4)  # every answer came: one read whole and sent in part, the others wait in their engines
+        grown = _rss_bytes(gateway_with.pid) - before
+        caller = threading.Thread(target=call_fresh)
+        caller.start()
+        wait_until(lambda: get_redis().hlen(reservations_key(fresh_id)) == 1, 10, message="the fresh call admitted")
+    assert grown < 3 * ANSWER_BYTES, f"the gateway grew by {grown // 2**20} MiB"  # five answers: 120 MiB and more
+    # their clients gone, the answers waiting go on in turn; the fresh organisation's is served whole
+    caller.join(60)
+    assert fresh["answer"].status_code == 200, fresh["answer"].text
+    assert len(fresh["answer"].content) > ANSWER_BYTES // 2
+    wait_until(lambda: not any(get_redis().hlen(reservations_key(org_id)) for _, _, org_id in unread), 20,
+               message="the unread calls to end")
+    for key, model, _ in unread:  # nothing of theirs is left counted
+        served = httpx.post(f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                            json={"model": model, "messages": [{"role": "user", "content": "Hi"}]}, timeout=30)
+        assert served.status_code == 200 and len(served.content) > ANSWER_BYTES // 2
 
 
 def test_a_call_on_a_kept_alive_connection_whose_last_answer_is_unread_is_cut_off_not_held(
