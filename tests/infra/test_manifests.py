@@ -201,6 +201,31 @@ def test_the_web_pods_tmp_volume_holds_every_upload_its_processes_may_read_at_on
     assert _bytes_of(web["resources"]["requests"]["ephemeral-storage"]) >= size_limit
 
 
+# What a gateway process holds besides whole answers: ~120 MiB resident at rest in the tests (Django, the gateway's
+# caches), with room for streams' buffers (256 KiB each at most) and what the allocator keeps.
+GATEWAY_PROCESS_BYTES = 160 * MiB
+
+
+def test_the_web_pods_memory_holds_the_answers_its_processes_may_hold_at_once(rendered, settings):
+    """Past its memory limit the web container is killed, every tenant's calls on it cut. Each gateway process holds
+    at most about twice INFERPLANE_GATEWAY_ANSWER_BYTES_PER_PROCESS of whole answers, and one answer more with its copy
+    joined as it is read whole (endpoints.gateway.delivery). Bounded per organisation only, forty organisations held
+    5 GiB in a pod of 1 GiB."""
+    from endpoints.gateway import upstream
+
+    deployment = rendered.get("Deployment", "inferplane-web")
+    web = _pod_spec(deployment)["containers"][0]
+    values, _ = _environment(rendered, deployment)
+    processes = _gateway_processes(web, values)
+    limit = _bytes_of(web["resources"]["limits"]["memory"])
+    for source, bound in (("config.env", int(values["INFERPLANE_GATEWAY_ANSWER_BYTES_PER_PROCESS"])),
+                          ("the default", settings.GATEWAY_ANSWER_BYTES_PER_PROCESS)):
+        per_process = 2 * bound + 2 * upstream.MAX_WHOLE_BODY_BYTES + GATEWAY_PROCESS_BYTES
+        assert processes * per_process <= limit, (
+            f"{rendered.overlay}: {processes} gateway processes may hold {per_process / MiB:.0f} MiB each with "
+            f"{source}'s {bound / MiB:.0f} MiB of answers, past the web container's {limit / MiB:.0f} MiB")
+
+
 def test_probes_send_a_host_the_production_settings_accept(rendered, client, settings):
     # The kubelet would send Host: <pod IP>, which ALLOWED_HOSTS refuses with a 400.
     values, _ = _environment(rendered, rendered.get("Deployment", "inferplane-web"))
