@@ -21,6 +21,11 @@ from endpoints.batches.models import BATCH_PATHS, Batch, BatchStatus, File
 from endpoints.models import EndpointEvent, EventKind
 
 NUM_BATCHES_SHOWN = 50
+# What a file sent through this form may weigh: its body goes through the public ingress, whose limit is 16 MiB
+# (infra/k8s/base/ingress.yaml; tests/infra/test_network_isolation.py keeps the two in step), not the files
+# ingress's. NOTE: the form said "up to 200 MB" (the Files API's limit), and nginx answered a larger file with its own
+# HTML 413 page.
+CONSOLE_FILE_MAX_BYTES = 15 * 1024 * 1024
 
 
 class _StoredFileField(forms.FileField):
@@ -63,7 +68,8 @@ def batch_list(request):
     batches = Batch.objects.for_org(request.organization.pk).select_related("endpoint").order_by("-created_at")
     return render(request, "batches/batch_list.html", {
         "batches": batches[:NUM_BATCHES_SHOWN], "form": form, "can_write": request.membership.can(Role.MEMBER),
-        "max_mb": settings.FILES_MAX_BYTES // (1024 * 1024),
+        "max_mb": min(settings.FILES_MAX_BYTES, CONSOLE_FILE_MAX_BYTES) // (1024 * 1024),
+        "api_max_mb": settings.FILES_MAX_BYTES // (1024 * 1024),
     }, status=400 if form.errors else 200)
 
 

@@ -47,6 +47,13 @@ def test_a_member_uploads_a_file_starts_a_batch_and_follows_it(console_client_fa
     assert "cancelling" in member.get(reverse("console:batch-live", args=[batch.pk])).content.decode()
 
 
+def test_the_form_states_the_size_the_console_takes_and_where_larger_files_go(console_client_factory, org):
+    """Before, the form said "Up to 200 MB" (the Files API's limit), and the public ingress (16 MiB) answered a larger
+    file with nginx's own HTML page."""
+    page = console_client_factory(org, Role.MEMBER).get(reverse("console:batches")).content.decode()
+    assert "Up to 15 MB here (up to 200 MB through the Files API" in page
+
+
 def test_a_viewer_sees_batches_but_cannot_start_or_cancel_one(console_client_factory, files_bucket, org):
     batch = _start(console_client_factory(org, Role.MEMBER))
     viewer = console_client_factory(org, Role.VIEWER)

@@ -179,3 +179,7 @@ def test_uploads_have_an_ingress_whose_body_limit_admits_the_largest_file_and_st
     assert annotations["nginx.ingress.kubernetes.io/proxy-request-buffering"] == "off"
     request_limit = _nginx_size(public["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-body-size"])
     assert MAX_BODY_BYTES < request_limit < largest, "every other path keeps the request's own limit"
+    # The console's batch form goes through the public ingress: the size it states fits it, with the form's other parts.
+    from endpoints.batches.views import CONSOLE_FILE_MAX_BYTES
+
+    assert CONSOLE_FILE_MAX_BYTES + 64 * 1024 <= request_limit
