@@ -44,6 +44,37 @@ def test_guessing_one_accounts_password_is_throttled_even_from_many_addresses(cl
     assert "_auth_user_id" not in client.session  # even the right password waits
 
 
+def test_guessing_from_one_address_stops_after_its_failures_even_with_the_right_password(client, victim):
+    for attempt in range(_limit(throttle.LOGIN, "username+ip").num_attempts):
+        response = client.post(reverse("login"), {"username": victim.email, "password": f"guess {attempt}"},
+                               REMOTE_ADDR="10.0.5.1")
+        assert response.status_code == 200
+    _assert_throttled(client.post(reverse("login"), {"username": victim.email, "password": PASSWORD},
+                                  REMOTE_ADDR="10.0.5.1"))
+    assert "_auth_user_id" not in client.session
+
+
+def test_an_attacker_elsewhere_cannot_lock_the_owner_out(victim):
+    """Before, 11 posts naming the owner's account from anywhere (right password or not) answered the owner 429 for
+    10 minutes, on the console and the Django admin alike."""
+    attacker = Client()
+    for attempt in range(_limit(throttle.LOGIN, "username+ip").num_attempts + 1):
+        attacker.post(reverse("login"), {"username": victim.email, "password": f"x{attempt}"}, REMOTE_ADDR="10.0.6.1")
+    _assert_throttled(attacker.post(reverse("login"), {"username": victim.email, "password": "x"}, REMOTE_ADDR="10.0.6.1"))
+    owner = Client()
+    response = owner.post(reverse("login"), {"username": victim.email, "password": PASSWORD}, REMOTE_ADDR="10.0.7.1")
+    assert response.status_code == 302
+    assert owner.session["_auth_user_id"] == str(victim.pk)
+    assert Client().post("/django-admin/login/", {"username": victim.email, "password": PASSWORD},
+                         REMOTE_ADDR="10.0.7.2").status_code != 429
+
+
+def test_logging_in_successfully_uses_up_no_accounts_budget(victim):
+    for _ in range(_limit(throttle.LOGIN, "username+ip").num_attempts + 1):
+        assert Client().post(reverse("login"), {"username": victim.email, "password": PASSWORD},
+                             REMOTE_ADDR="10.0.8.1").status_code == 302
+
+
 def test_spellings_that_log_into_the_same_account_share_its_throttle(client, victim):
     """Before, "ｖictim@…" (fullwidth, which Django's form folds to "v") or "vıctim@…" (dotless ı, which
     PostgreSQL's case-insensitive match takes for "i") each had a throttle of their own."""

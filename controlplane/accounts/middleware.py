@@ -102,25 +102,38 @@ def _throttled_paths() -> dict[str, tuple[throttle.Limit, ...]]:
 
 
 class ThrottleMiddleware(_AsyncCapable):
-    """Log-in, sign-up, password reset and resending a verification: over a limit is a 429 page."""
+    """Log-in, sign-up, password reset and resending a verification: over a limit is a 429 page.
+
+    A log-in form answers a wrong password with the form again (200) and a right one with a redirect:
+    after the view, a 200 to a POST counts as a failure against the limits that count failures only.
+    """
 
     def __call__(self, request):
         if iscoroutinefunction(self):
             return self.__acall__(request)
-        return (self._check(request) if _throttled(request) else None) or self.get_response(request)
+        if not _throttled(request):
+            return self.get_response(request)
+        subjects = _subjects(request)
+        refusal = self._check(request, subjects)
+        if refusal is not None:
+            return refusal
+        response = self.get_response(request)
+        self._note(request, subjects, response)
+        return response
 
     async def __acall__(self, request):
-        if _throttled(request):
-            refusal = await sync_to_async(self._check)(request)
-            if refusal is not None:
-                return refusal
-        return await self.get_response(request)
+        if not _throttled(request):
+            return await self.get_response(request)
+        subjects = await sync_to_async(_subjects)(request)
+        refusal = await sync_to_async(self._check)(request, subjects)
+        if refusal is not None:
+            return refusal
+        response = await self.get_response(request)
+        await sync_to_async(self._note)(request, subjects, response)
+        return response
 
     @staticmethod
-    def _check(request):
-        subjects = {name: value for name, value in request.POST.items() if isinstance(value, str)}
-        subjects["ip"] = client_ip(request) or ""
-        subjects["user"] = str(request.user.pk) if request.user.is_authenticated else ""
+    def _check(request, subjects):
         retry_after_s = throttle.take(_throttled_paths()[request.path], subjects)
         if retry_after_s is None:
             return None
@@ -128,6 +141,19 @@ class ThrottleMiddleware(_AsyncCapable):
                           {"retry_after_min": max(1, math.ceil(retry_after_s / 60))}, status=429)
         response["Retry-After"] = str(retry_after_s)
         return response
+
+    @staticmethod
+    def _note(request, subjects, response):
+        if response.status_code == 200:
+            throttle.record_failure(_throttled_paths()[request.path], subjects)
+
+
+def _subjects(request) -> dict[str, str]:
+    """What the limits count by: the posted fields, the client address and the signed-in user, read before the view."""
+    subjects = {name: value for name, value in request.POST.items() if isinstance(value, str)}
+    subjects["ip"] = client_ip(request) or ""
+    subjects["user"] = str(request.user.pk) if request.user.is_authenticated else ""
+    return subjects
 
 
 def _throttled(request) -> bool:

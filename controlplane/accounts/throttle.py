@@ -6,6 +6,11 @@ spreading a password guess over many addresses does not help), in fixed windows 
 shared Redis: every web process sees the same counts. Subjects are hashed, so Redis holds no
 email addresses. An attempt over any limit is answered 429 with `Retry-After` and never reaches
 the view.
+
+Log-in counts an account's failed attempts only, and per account and address: an attacker who
+names someone's account from elsewhere uses up their own budget, not the owner's, and a correct
+password is never what locks an account. The account's failures from all addresses together
+have a much higher limit, which bounds a guesser spread over many addresses.
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ logger = logging.getLogger("inferplane.throttle")
 @dataclass(slots=True, frozen=True)
 class Limit:
     """At most `num_attempts` per `window_s` for one subject; `per` says what the subject is:
-    "ip" (the client address), "user" (the signed-in user) or the name of a posted field."""
+    "ip" (the client address), "user" (the signed-in user), the name of a posted field, or several
+    of these joined by "+" (the pair together). With `failures_only`, only attempts the view
+    refused count (`record_failure`); past the limit every attempt is refused all the same."""
 
     name: str
     per: str
     num_attempts: int
     window_s: int
+    failures_only: bool = False
 
     def __post_init__(self):
         if self.num_attempts < 1 or self.window_s < 1:
@@ -40,8 +48,12 @@ class Limit:
 
 
 # NOTE: log-in on the console and on the Django admin share their counters: switching forms
-# gives an attacker no second budget.
-LOGIN = (Limit("login-ip", "ip", 30, 600), Limit("login-account", "username", 10, 600))
+# gives an attacker no second budget. An account's limits count failures only, per address and in
+# all: guesses at one account from one address stop after 10; an attacker elsewhere cannot use up the
+# owner's 10, only the account's 100 from all addresses together (a guesser spread over many addresses).
+LOGIN = (Limit("login-ip", "ip", 30, 600),
+         Limit("login-account-address", "username+ip", 10, 600, failures_only=True),
+         Limit("login-account", "username", 100, 600, failures_only=True))
 SIGNUP = (Limit("signup-ip", "ip", 10, 3600), Limit("signup-email", "email", 5, 3600))
 PASSWORD_RESET = (Limit("reset-ip", "ip", 10, 3600), Limit("reset-email", "email", 3, 3600))
 RESEND_VERIFICATION = (Limit("verify-ip", "ip", 10, 3600), Limit("verify-user", "user", 3, 600))
@@ -79,26 +91,61 @@ def _redis_key(limit: Limit, subject: str, window: int) -> str:
     return throttle_key(limit.name, digest, window)
 
 
+def _subject(limit: Limit, subjects: dict[str, str]) -> str:
+    """The limit's subject, "" when a part of it is unknown (the limit then does not apply)."""
+    parts = [subjects.get(name) or "" for name in limit.per.split("+")]
+    return "\x00".join(parts) if all(parts) else ""
+
+
 def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> int | None:
-    """Counts one attempt against each limit whose subject is known; the seconds to wait if any is exceeded.
+    """Counts one attempt against each limit whose subject is known (a `failures_only` one is only
+    read); the seconds to wait if any is exceeded.
 
     NOTE: Redis being down lets attempts through (logged): a throttle must not lock every
     user out of the console.
     """
     now = time.time()
-    counted = [(limit, int(now // limit.window_s)) for limit in limits if subjects.get(limit.per)]
+    counted = [(limit, subject, int(now // limit.window_s)) for limit in limits if (subject := _subject(limit, subjects))]
     if not counted:
         return None
     try:
         pipe = get_redis().pipeline(transaction=False)
-        for limit, window in counted:
-            key = _redis_key(limit, subjects[limit.per], window)
-            pipe.incr(key)
-            pipe.expire(key, limit.window_s + 1)
-        replies = pipe.execute()
+        for limit, subject, window in counted:
+            key = _redis_key(limit, subject, window)
+            if limit.failures_only:
+                pipe.get(key)
+            else:
+                pipe.incr(key)
+                pipe.expire(key, limit.window_s + 1)
+        replies = iter(pipe.execute())
     except redis.RedisError:
         logger.warning("throttle counters unavailable; letting the attempt through", exc_info=True)
         return None
-    waits = [int((window + 1) * limit.window_s - now) + 1
-             for (limit, window), num_attempts in zip(counted, replies[::2], strict=True) if num_attempts > limit.num_attempts]
+    waits = []
+    for limit, _, window in counted:
+        if limit.failures_only:  # the failures before this attempt: at the limit, no more tries
+            is_over = int(next(replies) or 0) >= limit.num_attempts
+        else:  # this attempt counted with the others: past the limit
+            is_over = next(replies) > limit.num_attempts
+            next(replies)  # EXPIRE's reply
+        if is_over:
+            waits.append(int((window + 1) * limit.window_s - now) + 1)
     return max(waits) if waits else None
+
+
+def record_failure(limits: tuple[Limit, ...], subjects: dict[str, str]) -> None:
+    """Counts a refused attempt (a wrong password) against each `failures_only` limit whose subject is known."""
+    now = time.time()
+    counted = [(limit, subject, int(now // limit.window_s)) for limit in limits
+               if limit.failures_only and (subject := _subject(limit, subjects))]
+    if not counted:
+        return
+    try:
+        pipe = get_redis().pipeline(transaction=False)
+        for limit, subject, window in counted:
+            key = _redis_key(limit, subject, window)
+            pipe.incr(key)
+            pipe.expire(key, limit.window_s + 1)
+        pipe.execute()
+    except redis.RedisError:
+        logger.warning("throttle counters unavailable; a failed attempt went uncounted", exc_info=True)
