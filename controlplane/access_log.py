@@ -8,15 +8,57 @@ already says. Everything else is logged here, refusals on `/v1` included (a bad 
 an operator still sees every request that reached the pod.
 
 The line is `<client> "<METHOD> <path>" <status> <duration_ms>ms`, plus the request id where there is one,
-on the `inferplane.access` logger. The query string is never logged: it may carry a token.
+on the `inferplane.access` logger. The query string is never logged: it may carry a token. Nor is a token
+in the path (a password reset's, an email verification's, an invitation's link): every URL pattern with a
+parameter named in `SECRET_PATH_PARAMETERS` has it written as `<name>` (`/reset/MQ/<token>/`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 import time
 
+from django.urls import Resolver404, URLResolver, get_resolver, resolve
+
 logger = logging.getLogger("inferplane.access")
+
+# URL parameters whose value is a secret: a link mailed to one person.
+SECRET_PATH_PARAMETERS = frozenset({"token"})
+_PARAMETER = re.compile(r"<(?:\w+:)?(\w+)>|\(\?P<(\w+)>")
+
+
+def _routes(patterns, prefix: str = ""):
+    for pattern in patterns:
+        route = prefix + str(pattern.pattern)
+        if isinstance(pattern, URLResolver):
+            yield from _routes(pattern.url_patterns, route)
+        else:
+            yield route
+
+
+@functools.cache
+def _secret_prefixes() -> tuple[str, ...]:
+    """The literal start of each route with a secret parameter (`/reset/`): only paths starting so are resolved."""
+    prefixes = set()
+    for route in _routes(get_resolver().url_patterns):
+        parameters = {name for match in _PARAMETER.finditer(route) for name in match.groups() if name}
+        if parameters & SECRET_PATH_PARAMETERS:
+            prefixes.add("/" + re.split(r"[<(\[\\^$?*+]", route.lstrip("^"), maxsplit=1)[0])
+    return tuple(sorted(prefixes))
+
+
+def redacted_path(path: str) -> str:
+    """`path` with the value of each secret parameter of the URL pattern it matches written as `<name>`."""
+    if not path.startswith(_secret_prefixes()):
+        return path
+    try:
+        match = resolve(path)
+    except Resolver404:
+        return path
+    secrets = {str(value): name for name, value in match.kwargs.items() if name in SECRET_PATH_PARAMETERS}
+    return "/".join(f"<{secrets[segment]}>" if segment in secrets else segment for segment in path.split("/"))
 
 
 def log_answer(scope: dict, status: int, started_monotonic: float, request_id: str = "") -> None:
@@ -26,7 +68,7 @@ def log_answer(scope: dict, status: int, started_monotonic: float, request_id: s
     client = scope.get("client")
     logger.info(
         '%s "%s %s" %d %.1fms%s', f"{client[0]}:{client[1]}" if client else "-", scope.get("method", "-"),
-        scope.get("path", "-"), status, (time.monotonic() - started_monotonic) * 1000,
+        redacted_path(scope.get("path", "-")), status, (time.monotonic() - started_monotonic) * 1000,
         f" request_id={request_id}" if request_id else "",
     )
 

@@ -65,3 +65,25 @@ def test_an_app_that_fails_before_answering_is_logged_with_status_0(caplog):
         asyncio.run(AccessLog(broken)(_scope("GET", "/x"), None, None))
     (line,) = _lines(caplog)
     assert re.fullmatch(r'10\.1\.2\.3:40000 "GET /x" 0 \d+\.\dms', line)
+
+
+@pytest.mark.parametrize("path, logged", [
+    ("/reset/MQ/c5xyz7-0a1b2c3d4e5f60718293a4b5c6d7e8f9/", "/reset/MQ/<token>/"),
+    ("/verify-email/Mg:1tSx0q:s3cr3t-signature-value/", "/verify-email/<token>/"),
+    ("/invitations/inv_4Fh8sEcReTvAlUe_9/", "/invitations/<token>/"),
+])
+def test_a_token_in_the_path_is_never_logged(caplog, path, logged):
+    """Before, the path was logged as it came: a password reset's, an email verification's or an invitation's link,
+    each of which signs its bearer in or into an organisation, was in the access log."""
+    caplog.set_level(logging.INFO, logger="inferplane.access")
+    asyncio.run(_answer(application, _scope("GET", path)))
+    (line,) = _lines(caplog)
+    token = path.rstrip("/").rsplit("/", 1)[1]
+    assert f'"GET {logged}" ' in line and token not in line
+
+
+def test_paths_without_a_token_are_logged_as_they_came(caplog):
+    caplog.set_level(logging.INFO, logger="inferplane.access")
+    asyncio.run(_answer(application, _scope("GET", "/verify-email/resend/")))
+    asyncio.run(_answer(application, _scope("GET", "/invitations/")))
+    assert [line.split('"')[1] for line in _lines(caplog)] == ["GET /verify-email/resend/", "GET /invitations/"]
