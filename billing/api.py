@@ -11,7 +11,7 @@ from django.conf import settings
 from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import serializers, status
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import PermissionDenied, ValidationError
 from rest_framework.generics import GenericAPIView, get_object_or_404
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
@@ -29,6 +29,7 @@ from billing.serializers import (
 )
 from billing.webhooks import InvalidWebhook, handle_stripe_webhook
 from controlplane.accounts.api import OrganizationScopedMixin
+from controlplane.accounts.members import NotPermitted
 from controlplane.accounts.models import ApiKey, Role
 
 logger = logging.getLogger(__name__)
@@ -159,14 +160,18 @@ class BillingView(OrganizationScopedMixin, GenericAPIView):
 
 
 class KeySpendCapView(OrganizationScopedMixin, GenericAPIView):
-    """PATCH `{"spend_cap": "5.00" | null}`: a monthly cap for one API key (owners and admins)."""
+    """PATCH `{"spend_cap": "5.00" | null}`: a monthly cap for one API key (owners and admins; 403 for an admin on
+    an owner's key, or raising or removing a cap an owner set)."""
 
     serializer_class = SpendCapSerializer
     required_role = Role.ADMIN
 
     def patch(self, request, key_id: int):
         api_key = get_object_or_404(ApiKey.objects.for_org(self.organization), pk=key_id)
-        cap = services.set_key_spend_cap(self.actor, api_key, spend_cap=_spend_cap_of(request))
+        try:
+            cap = services.set_key_spend_cap(self.actor, api_key, spend_cap=_spend_cap_of(request))
+        except NotPermitted as exc:
+            raise PermissionDenied(str(exc)) from None
         return Response({"key": api_key.display_prefix, "spend_cap": format_money(cap.spend_cap) if cap else None})
 
 

@@ -11,6 +11,9 @@ from django.db import transaction
 from billing import alerts, standing
 from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, Invoice
 from billing.quota.counters import refresh_limits
+from controlplane.accounts import keys
+from controlplane.accounts.members import NotPermitted
+from controlplane.accounts.models import Role
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 
 logger = logging.getLogger(__name__)
@@ -36,19 +39,62 @@ def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> B
 
 def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> ApiKeySpendCap | None:
     """Set (or with None remove) a key's monthly cap; marked `limits_stale` with it, so the refresh (now,
-    or the beat task's after a process killed meanwhile) writes every key's cap of the organisation."""
+    or the beat task's after a process killed meanwhile) writes every key's cap of the organisation.
+
+    Raises `NotPermitted` where the actor may not (`ensure_may_set_key_spend_cap`)."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(api_key.organization_id)
+        current = ApiKeySpendCap.objects.filter(api_key=api_key).first()  # NOTE: read under the account's lock
+        ensure_may_set_key_spend_cap(actor, api_key, current=current, spend_cap=spend_cap)
         if spend_cap is None:
             ApiKeySpendCap.objects.filter(api_key=api_key).delete()
             cap = None
         else:
-            cap, _ = ApiKeySpendCap.objects.update_or_create(api_key=api_key, defaults={"spend_cap": spend_cap})
+            cap, _ = ApiKeySpendCap.objects.update_or_create(
+                api_key=api_key, defaults={"spend_cap": spend_cap, "set_by": actor.user})
         account.limits_stale = True
         account.save(update_fields=["limits_stale"])
         record_audit(actor, api_key.organization, "billing.set_key_spend_cap", api_key, spend_cap=_plain(spend_cap))
     refresh_limits(account)
     return cap
+
+
+def ensure_may_set_key_spend_cap(actor: Actor, api_key, *, current: ApiKeySpendCap | None,
+                                 spend_cap: Decimal | None) -> None:
+    """Who may set a key's cap: whoever may revoke it (`keys.may_revoke_api_key`: an admin not an owner's key);
+    only an owner may raise or remove a cap an owner set; and a key with a cap may set no key's cap above its own.
+
+    NOTE: a cap of 0 stops a key as revoking it does, and lifting a cap gives a key what its owner held back:
+    each was a way round the rule that an admin may not revoke an owner's key.
+    """
+    if actor.user is None:
+        return
+    roles = keys.member_roles(api_key.organization)
+    actor_role = roles.get(actor.user.pk)
+    if not keys.may_revoke_api_key(actor, api_key, actor_role=actor_role, creator_role=roles.get(api_key.created_by_id)):
+        raise NotPermitted("spend_cap", "Only owners may set the spend cap of an owner's key.")
+    loosens = current is not None and (spend_cap is None or spend_cap > current.spend_cap)
+    if loosens and actor_role != Role.OWNER and roles.get(current.set_by_id) == Role.OWNER:
+        raise NotPermitted("spend_cap", f"An owner capped this key at {_plain(current.spend_cap)}: only owners may "
+                                        "raise or remove that cap.")
+    own_cap = ApiKeySpendCap.objects.filter(api_key_id=actor.api_key.pk).first() if actor.api_key is not None else None
+    if own_cap is not None and (spend_cap is None or spend_cap > own_cap.spend_cap):
+        raise NotPermitted("spend_cap", f"This key is capped at {_plain(own_cap.spend_cap)}: it may set no key's cap "
+                                        "above that, nor remove one.")
+
+
+def inherit_key_spend_cap(sender, *, api_key, minting_key, **kwargs) -> None:
+    """A key minted by a key with a spend cap gets the same cap (`keys.api_key_created`, in its transaction)."""
+    if minting_key is None:
+        return
+    own_cap = ApiKeySpendCap.objects.filter(api_key=minting_key).first()
+    if own_cap is None:
+        return
+    account = BillingAccount.objects.select_for_update().for_organization(api_key.organization_id)
+    ApiKeySpendCap.objects.create(api_key=api_key, spend_cap=own_cap.spend_cap, set_by_id=own_cap.set_by_id)
+    account.limits_stale = True
+    account.save(update_fields=["limits_stale"])
+    refresh_limits(account)  # once the key's transaction commits
 
 
 def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount:

@@ -1,4 +1,5 @@
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from django.db import connection
@@ -100,9 +101,41 @@ def test_only_owners_and_admins_give_a_key_a_priority_range_or_limits_above_the_
                                             "tokens_per_minute": 10_000}, format="json")
     assert stricter.status_code == 201
     admin = member_client_factory(org, Role.ADMIN)
+    admin.credentials()  # signed in, not with a key: a key mints no key beyond its own limits and priority range
+    admin.force_login(admin.user)
     granted = admin.post("/api/v1/keys/", {"name": "a", "scopes": ["inference"], "max_priority_boost": 5,
                                           "requests_per_minute": 1_000_000}, format="json")
     assert granted.status_code == 201 and granted.json()["api_key"]["max_priority_boost"] == 5
+
+
+def test_a_key_mints_only_keys_within_its_own_scopes_limits_and_spend_cap(owner_client):
+    """Before, a `manage`-only key with low limits and a spend cap minted an `inference` key with the platform's
+    limits and no cap: a leaked key, revoked by nobody, escaped every bound through its child."""
+    created = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["manage"], "requests_per_minute": 100,
+                                                  "tokens_per_minute": 5000}, format="json").json()
+    ci_key = ApiKey.objects.get(pk=created["api_key"]["id"])
+    assert owner_client.patch(f"/api/v1/billing/keys/{ci_key.pk}/", {"spend_cap": "2.00"}, format="json").status_code == 200
+    ci = APIClient()
+    ci.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
+    for field, extra in (("scopes", {"scopes": ["inference"]}), ("scopes", {"scopes": ["manage", "inference"]}),
+                         ("requests_per_minute", {"requests_per_minute": 101}),
+                         ("tokens_per_minute", {"tokens_per_minute": 5001}),
+                         ("max_priority_boost", {"max_priority_boost": 1})):
+        refused = ci.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"], **extra}, format="json")
+        assert refused.status_code == 400 and list(refused.json()) == [field], refused.json()
+    assert not ApiKey.objects.filter(name="child").exists()
+
+    inherited = ci.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"]}, format="json")
+    assert inherited.status_code == 201
+    child = ApiKey.objects.get(name="child")
+    assert (child.scopes, child.requests_per_minute, child.tokens_per_minute) == (["manage"], 100, 5000)
+    assert child.spend_cap.spend_cap == Decimal("2.00")
+    stricter = ci.post("/api/v1/keys/", {"name": "stricter", "scopes": ["manage"], "requests_per_minute": 10},
+                       format="json")
+    assert stricter.status_code == 201 and stricter.json()["api_key"]["requests_per_minute"] == 10
+    # The minting key cannot lift its child's cap either.
+    refused = ci.patch(f"/api/v1/billing/keys/{child.pk}/", {"spend_cap": None}, format="json")
+    assert refused.status_code == 403 and "capped at 2.00" in refused.json()["detail"]
 
 
 def test_a_key_dies_with_its_creators_membership(org, member_client_factory):
@@ -123,8 +156,8 @@ def test_a_key_that_expires_cannot_mint_a_key_that_outlives_it(owner_client):
     # A manage key that expires (a leaked CI key, say) minted a key that never expired, for its creator: the leak
     # outlived the expiry that was meant to end it.
     expires = timezone.now() + timedelta(days=1)
-    created = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["manage"], "expires_at": expires.isoformat()},
-                                format="json").json()
+    created = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["manage", "inference"],
+                                                  "expires_at": expires.isoformat()}, format="json").json()
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
     for extra in ({}, {"expires_at": (expires + timedelta(days=30)).isoformat()}):

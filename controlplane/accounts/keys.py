@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.dispatch import Signal
 from django.utils import timezone
 
 from controlplane import tokens
@@ -23,6 +24,10 @@ LAST_USED_RESOLUTION = timedelta(seconds=60)
 # `INFERPLANE_API_KEY_NEGATIVE_CACHE_S`, and at most this many are looked up at once per process (the gateway's
 # key cache and `/api/v1` alike; see `controlplane.credential_lookups`).
 API_KEY_LOOKUPS = CredentialLookups(max_concurrent=4, refused_for_s=lambda: settings.API_KEY_NEGATIVE_CACHE_S)
+
+# Sent in the transaction that creates a key, with `api_key` and `minting_key` (the key that created it, or None):
+# billing gives a key minted by a key with a spend cap the same cap (`billing.services.inherit_key_spend_cap`).
+api_key_created = Signal()
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,9 +50,10 @@ def create_api_key(
     """A new key; its secret is in the answer and nowhere else.
 
     NOTE: a key acts with its creator's role, and a `manage` key can do what its creator can,
-    so only owners and admins may mint one; a key that expires mints only keys that expire no later. Likewise only they may give a key a priority range (its calls
-    ahead of colleagues' and of batch work) or limits above the platform's defaults; a member may set
-    stricter ones.
+    so only owners and admins may mint one; a key mints only keys within its own bounds (expiry, scopes,
+    limits, priority range, spend cap: `_bounded_by_minting_key`). Likewise only owners and admins may give
+    a key a priority range (its calls ahead of colleagues' and of batch work) or limits above the platform's
+    defaults; a member may set stricter ones.
     """
     if actor.user is not None and actor_role(actor, organization) not in (Role.OWNER, Role.ADMIN):
         if Scope.MANAGE in scopes:
@@ -59,11 +65,10 @@ def create_api_key(
             if value is not None and default and value > default:
                 raise NotPermitted(field, f"Only owners and admins may raise a key's limit above the platform's {default}.")
     minting = actor.api_key
-    if minting is not None and minting.expires_at is not None and (expires_at is None or expires_at > minting.expires_at):
-        # NOTE: a key that expires could mint a key that never did, for its creator: a leaked key, revoked by
-        # nobody, outlived its own expiry through its child. Its keys expire no later than it does.
-        raise NotPermitted("expires_at", "A key that expires may only create keys that expire no later than it does "
-                                         f"({minting.expires_at.isoformat()}): set expires_at.")
+    if minting is not None:
+        requests_per_minute, tokens_per_minute = _bounded_by_minting_key(
+            minting, scopes=scopes, expires_at=expires_at, requests_per_minute=requests_per_minute,
+            tokens_per_minute=tokens_per_minute, max_priority_boost=max_priority_boost)
     for _ in range(3):
         issued = tokens.issue_token(ApiKey.TOKEN_KIND)
         try:
@@ -81,14 +86,55 @@ def create_api_key(
                     max_priority_boost=max_priority_boost,
                 )
                 record_audit(actor, organization, "api_key.create", api_key, scopes=api_key.scopes)
+                api_key_created.send(sender=ApiKey, api_key=api_key, minting_key=minting)
             return CreatedApiKey(api_key=api_key, plain=issued.plain)
         except IntegrityError:  # a lookup collision: astronomically rare, try a new one
             continue
     raise RuntimeError("could not allocate a unique API key lookup")
 
 
+def _bounded_by_minting_key(
+    minting: ApiKey,
+    *,
+    scopes: list[str],
+    expires_at: datetime | None,
+    requests_per_minute: int | None,
+    tokens_per_minute: int | None,
+    max_priority_boost: int | None,
+) -> tuple[int | None, int | None]:
+    """The rate limits of a key that `minting` creates: its own when not given; refuses anything beyond its own.
+
+    NOTE: a key minted by a key is bounded by it: a leaked key, revoked by nobody, must not outlive its expiry,
+    widen its scopes (a `manage`-only key minting an `inference` key), or lift its rate limits or spend cap
+    (billing copies the cap) through its child.
+    """
+    if minting.expires_at is not None and (expires_at is None or expires_at > minting.expires_at):
+        raise NotPermitted("expires_at", "A key that expires may only create keys that expire no later than it does "
+                                         f"({minting.expires_at.isoformat()}): set expires_at.")
+    beyond = sorted(set(scopes) - set(minting.scopes))
+    if beyond:
+        raise NotPermitted("scopes", f"A key may only create keys with scopes it has itself ({', '.join(minting.scopes)}),"
+                                     f" not {', '.join(beyond)}.")
+    if max_priority_boost is not None and (minting.max_priority_boost is None
+                                           or max_priority_boost > minting.max_priority_boost):
+        raise NotPermitted("max_priority_boost", "A key may only let the keys it creates set their calls' priority "
+                                                 f"as far as it may itself ({minting.max_priority_boost or 'not at all'}).")
+    limits = []
+    for field, value, own, own_effective in (
+        ("requests_per_minute", requests_per_minute, minting.requests_per_minute, minting.effective_requests_per_minute),
+        ("tokens_per_minute", tokens_per_minute, minting.tokens_per_minute, minting.effective_tokens_per_minute),
+    ):
+        if value is None:
+            value = own  # its own limit; None is the platform's default, which is then its own as well
+        elif own_effective and value > own_effective:
+            raise NotPermitted(field, f"A key may only create keys with limits no higher than its own ({own_effective}).")
+        limits.append(value)
+    return limits[0], limits[1]
+
+
 def may_revoke_api_key(actor: Actor, api_key: ApiKey, *, actor_role: str | None, creator_role: str | None) -> bool:
-    """Members revoke their own keys, admins any key but an owner's, owners every key.
+    """Members revoke their own keys, admins any key but an owner's, owners every key. The same rule says who
+    may set a key's spend cap (`billing.services.set_key_spend_cap`).
 
     `creator_role` is the key creator's role now (None once they left: anyone who may revoke
     others' keys may revoke it). The system (actor without a user) may revoke any key.

@@ -73,6 +73,8 @@ def test_the_engine_gets_the_calls_engine_priority():
 
 @pytest.mark.django_db
 def test_the_api_sets_a_keys_priority_range_with_field_errors(owner_client):
+    owner_client.credentials()  # signed in, not with a key: a key mints no key beyond its own priority range
+    owner_client.force_login(owner_client.user)
     for bad in (-1, 100, "wide"):
         refused = owner_client.post("/api/v1/keys/", {"name": "p", "scopes": ["inference"], "max_priority_boost": bad},
                                     format="json")
