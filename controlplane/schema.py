@@ -15,6 +15,10 @@ so they are added here once, from what the view is made of, rather than by hand 
 A view that answers anything else (a 400 from a DELETE, a 503) says so with
 `extend_schema(responses={503: OpenApiResponse(description="…")})`; a documented 4xx or 5xx without
 a body gets the error body here.
+
+The served schema (`/api/schema/`, public: third-party OpenAPI tools read it) leaves out staff-only views
+(`leave_out_staff_only`), which answer anyone else a 404 as if the route did not exist, and is built once
+per process and per format (`controlplane.schema_view`): it changes only with a deploy.
 """
 
 from __future__ import annotations
@@ -87,3 +91,12 @@ class AutoSchema(openapi.AutoSchema):
                                       schema=VALIDATION_ERROR_SCHEMA)
         self.registry.register_on_missing(component)
         return component.ref
+
+
+def leave_out_staff_only(endpoints, **kwargs):
+    """drf-spectacular's preprocessing hook: no operation of a staff-only view (`staff_only = True`) in the schema.
+
+    NOTE: such a view answers anyone but staff a 404, as if the route did not exist; a public schema listing it
+    said it did, and what it takes.
+    """
+    return [endpoint for endpoint in endpoints if not getattr(getattr(endpoint[3], "cls", None), "staff_only", False)]

@@ -256,6 +256,8 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Endpoints, API keys, usage, billing and fleet. Inference itself is the OpenAI-compatible /v1 API.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Staff-only views answer anyone else a 404 as if they did not exist: the public schema leaves them out.
+    "PREPROCESSING_HOOKS": ["controlplane.schema.leave_out_staff_only"],
     # Swagger UI served from our own static files, never a CDN.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",

@@ -6,12 +6,13 @@ which the gateway hands over (`endpoints.batches.api`)."""
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from controlplane import health
 from controlplane.accounts import api as accounts_api
 from controlplane.accounts import views
+from controlplane.schema_view import CachedSchemaView
 from endpoints import api as endpoints_api
 from endpoints.fleet import pool_api
 
@@ -43,7 +44,7 @@ urlpatterns = [
     path("api/v1/", include(api_v1)),
     path("agent/v1/", include("endpoints.fleet.urls")),
     path("v1/", include("endpoints.batches.urls")),
-    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/schema/", CachedSchemaView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("", views.home, name="home"),
     path("signup/", views.signup, name="signup"),

@@ -1,5 +1,6 @@
 """Shapes of the endpoints API. Validation of an endpoint spec lives here, once, for API and console."""
 
+import functools
 import ipaddress
 import json
 import re
@@ -9,7 +10,9 @@ from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from controlplane.accounts.models import Role
 from controlplane.accounts.serializers import StrictModelSerializer
+from controlplane.accounts.tenancy import request_membership
 from endpoints import prewarm, quotas, speculative
 from endpoints.adapters import ADAPTER_NAME_TAKEN, MAX_ADAPTERS, TOO_MANY_ADAPTERS
 from endpoints.catalogue import (
@@ -136,19 +139,36 @@ def gpu_count_errors(spec: Endpoint, *, automatic: bool) -> dict:
 
 
 class ReplicaSerializer(serializers.ModelSerializer):
-    node = serializers.CharField(source="node.name", default=None, allow_null=True, read_only=True)
-    node_id = serializers.UUIDField(allow_null=True, read_only=True)
+    """A replica as its endpoint's detail shows it: its node (name and id) to owners and admins only, and never the
+    engine's address (a node's host and port): nothing but the gateway calls an engine."""
+
+    node = serializers.CharField(source="node.name", default=None, allow_null=True, read_only=True,
+                                 help_text="The node it runs on: owners and admins only (null for other roles).")
+    node_id = serializers.UUIDField(allow_null=True, read_only=True,
+                                    help_text="The node's id: owners and admins only (null for other roles).")
 
     class Meta:
         model = Replica
         fields = [
-            "id", "state", "node", "node_id", "gpu_indices", "gpu_memory_fraction", "address", "failure_reason", "num_restarts",
+            "id", "state", "node", "node_id", "gpu_indices", "gpu_memory_fraction", "failure_reason", "num_restarts",
             "num_running", "num_waiting", "kv_cache_usage", "tokens_per_s",
             "num_prefix_cache_queries", "num_prefix_cache_hits", "progress", "progress_percent",
             "engine_weights_mb", "engine_kv_cache_mb",
             "created_at", "state_changed_at", "ready_at", "stopped_at",
         ]
         read_only_fields = fields
+
+    def to_representation(self, replica):
+        data = super().to_representation(replica)
+        if not self._shows_nodes:
+            data["node"] = data["node_id"] = None
+        return data
+
+    @functools.cached_property
+    def _shows_nodes(self) -> bool:
+        request = self.context.get("request")
+        membership = request_membership(request) if request is not None else None
+        return membership is not None and membership.role in (Role.OWNER, Role.ADMIN)
 
 
 class EndpointEventSerializer(serializers.ModelSerializer):
@@ -389,7 +409,7 @@ class EndpointDetailSerializer(EndpointSerializer):
     def get_replicas(self, endpoint):
         # Every replica still alive, and the last few that ended, oldest first (so a failure stays visible).
         alive, ended = endpoint.shown_replicas()
-        return ReplicaSerializer(alive + ended[::-1], many=True).data
+        return ReplicaSerializer(alive + ended[::-1], many=True, context=self.context).data
 
 
 # --- model credentials ------------------------------------------------------------------------

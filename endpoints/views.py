@@ -289,11 +289,12 @@ def credential_delete(request, pk):
 # --- endpoint page --------------------------------------------------------------------------
 
 
-def _live_context(endpoint) -> dict:
+def _live_context(request, endpoint) -> dict:
     alive, ended = endpoint.shown_replicas()
     return {
         "endpoint": endpoint,
         "replicas": alive + ended,
+        "shows_nodes": request.membership.can(Role.ADMIN),  # which node runs a replica: owners and admins, as the API
         "num_alive": len(alive),
         "events": endpoint.events.select_related("replica")[:NUM_EVENTS_SHOWN],
     }
@@ -303,7 +304,7 @@ def _live_context(endpoint) -> dict:
 def endpoint_detail(request, pk):
     endpoint = _endpoint_or_404(request, pk)
     now = timezone.now()
-    return render(request, "endpoints/endpoint_detail.html", _live_context(endpoint) | {
+    return render(request, "endpoints/endpoint_detail.html", _live_context(request, endpoint) | {
         "prewarm_windows": prewarm.next_openings(endpoint.prewarm_windows, now),
         "open_windows": prewarm.open_windows(endpoint.prewarm_windows, now),
         "gpu": GPU_TYPES.get(endpoint.gpu_type),
@@ -321,7 +322,7 @@ def endpoint_detail(request, pk):
 @member_required()
 def endpoint_live(request, pk):
     endpoint = _endpoint_or_404(request, pk)
-    return render(request, "endpoints/_endpoint_live.html", _live_context(endpoint))
+    return render(request, "endpoints/_endpoint_live.html", _live_context(request, endpoint))
 
 
 @member_required(write=Role.MEMBER)

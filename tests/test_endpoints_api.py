@@ -153,6 +153,19 @@ def test_viewers_read_but_cannot_write(org, member_client_factory):
     assert member.patch(f"/api/v1/endpoints/{endpoint['id']}/", {"max_replicas": 3}, format="json").status_code == 200
 
 
+def test_a_replicas_node_is_shown_to_owners_and_admins_only_and_its_engine_address_to_nobody(org, member_client_factory):
+    """Before, every role, viewers included, was shown each replica's engine address (a node's host and port) and its
+    node's name and id."""
+    endpoint = EndpointFactory(organization=org, min_replicas=1)
+    node = make_node(memory_mb=80_000)
+    Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, address="http://10.20.30.40:8101")
+    for role, shows_node in ((Role.OWNER, True), (Role.ADMIN, True), (Role.MEMBER, False), (Role.VIEWER, False)):
+        detail = member_client_factory(org, role).get(f"/api/v1/endpoints/{endpoint.pk}/")
+        (replica,) = detail.json()["replicas"]
+        assert "address" not in replica and "10.20.30.40" not in detail.content.decode(), role
+        assert (replica["node"], replica["node_id"]) == ((node.name, str(node.pk)) if shows_node else (None, None)), role
+
+
 def test_lists_and_pages_read_the_live_replicas_and_the_latest_ended_not_every_one_ever(owner_client, org):
     # Rows are kept: an endpoint scaling up and down for months had tens of thousands of ended replicas, all read with
     # their nodes by every list, detail and console poll (every 3 s).

@@ -8,9 +8,11 @@ from django.urls import reverse
 from django.utils import timezone
 
 from billing.models import UsageRecord
+from controlplane.accounts.models import Role
 from endpoints.models import Endpoint, EndpointEvent, EventKind, Replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
+from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
 
@@ -231,3 +233,16 @@ def test_writes_to_another_organisations_endpoint_are_404s(owner, other_endpoint
 def test_console_needs_a_login(client):
     response = client.get(reverse("console:dashboard"))
     assert response.status_code == 302 and response.url.startswith(reverse("login"))
+
+
+@pytest.mark.parametrize("role, shows_node", [(Role.OWNER, True), (Role.ADMIN, True), (Role.MEMBER, False),
+                                              (Role.VIEWER, False)])
+def test_the_replica_table_names_its_nodes_to_owners_and_admins_only(org, console_client_factory, role, shows_node):
+    """As the API: before, every role was shown which node runs each replica."""
+    endpoint = EndpointFactory(organization=org)
+    node = make_node()
+    Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    client = console_client_factory(org, role)
+    for url in (reverse("console:endpoint", args=[endpoint.pk]), reverse("console:endpoint-live", args=[endpoint.pk])):
+        page = client.get(url).content.decode()
+        assert (node.name in page) is shows_node, url
