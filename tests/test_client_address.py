@@ -46,7 +46,7 @@ def _manage_key() -> str:
 
 def _create_key_through(base_url: str, key: str, forwarded_for: str) -> str:
     """Creates an API key through the real web server; the address its audit event records."""
-    response = httpx.post(f"{base_url}/api/v1/keys/", json={"name": "from-afar", "scopes": ["inference"]},
+    response = httpx.post(f"{base_url}/api/v1/keys/", json={"name": "from-afar", "scopes": ["manage"]},
                           headers={"Authorization": f"Bearer {key}", "X-Forwarded-For": forwarded_for}, timeout=30)
     assert response.status_code == 201, response.text
     return AuditEvent.objects.filter(action="api_key.create").latest("created_at").source_ip
