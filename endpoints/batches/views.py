@@ -94,6 +94,10 @@ def _create_batch(request, storing: uploads.StreamToStorage) -> Batch | BatchFor
                                      input_file_id=input_file.pk, request_path=form.cleaned_data["endpoint"],
                                      completion_window="24h", metadata=None)
     except services.Refused as exc:
+        # NOTE: refused as the body was parsed (past the storage quota, or the size), the form was never bound, and
+        # `add_error` on it raised (a 500): a form with nothing clean yet takes the error.
+        if not hasattr(form, "cleaned_data"):
+            form.cleaned_data = {}
         form.add_error("file", exc.message)
         return form
 

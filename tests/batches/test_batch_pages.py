@@ -118,3 +118,19 @@ def test_a_console_upload_goes_to_s3_as_it_is_parsed_with_no_copy_on_disk_and_st
     batch = Batch.objects.get(organization=org)
     assert batch.input_file.bytes == len(data) and list(bucket_objects(files_bucket).values()) == [data]
     assert disk.peak_bytes == 0, f"{disk.peak_bytes / 1024 / 1024:.1f} MiB written to disk"
+
+
+def test_a_console_upload_past_the_storage_quota_is_a_form_error_leaving_no_row_or_parts(
+        console_client_factory, files_bucket, org):
+    """Before, the refusal came as the body was parsed, before the form was bound, and answered 500."""
+    from endpoints.batches import storage
+    from endpoints.batches.models import File
+    from tests.batches.test_files_api import _on_plan
+
+    _on_plan(org, max_file_bytes=10)
+    member = console_client_factory(org, Role.MEMBER)
+    upload = SimpleUploadedFile("requests.jsonl", json.dumps(LINE).encode() * 4, content_type="application/jsonl")
+    refused = member.post(reverse("console:batches"), {"file": upload, "endpoint": "/v1/chat/completions"})
+    assert refused.status_code == 400 and "max_file_bytes" in refused.content.decode()
+    assert not File.objects.exists() and bucket_objects(files_bucket) == {}
+    assert not storage._client().list_multipart_uploads(Bucket=files_bucket).get("Uploads")
