@@ -13,7 +13,7 @@ from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, Invoice
 from billing.quota.counters import refresh_limits
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
-from controlplane.accounts.models import Role
+from controlplane.accounts.models import Role, Scope
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,13 @@ def inherit_key_spend_cap(sender, *, api_key, minting_key, **kwargs) -> None:
     own_cap = ApiKeySpendCap.objects.filter(api_key=minting_key).first()
     if own_cap is None:
         return
+    # NOTE: a key's spend is counted per key: a child given its parent's cap starts the month with nothing spent, so a
+    # capped key that had spent its cap minted a child and spent as much again, and so on, up to the organisation's
+    # own cap or credit (a review's finding). A capped key creates keys that do not infer.
+    if Scope.INFERENCE in api_key.scopes:
+        raise NotPermitted("scopes", f"A key with a spend cap (${own_cap.spend_cap}) may not create keys that run "
+                                     "inference: each would have a cap of its own, and together they could spend past "
+                                     "it. Create inference keys in the console, or with a key without a spend cap.")
     account = BillingAccount.objects.select_for_update().for_organization(api_key.organization_id)
     ApiKeySpendCap.objects.create(api_key=api_key, spend_cap=own_cap.spend_cap, set_by_id=own_cap.set_by_id)
     account.limits_stale = True

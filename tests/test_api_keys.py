@@ -138,6 +138,21 @@ def test_a_key_mints_only_keys_within_its_own_scopes_limits_and_spend_cap(owner_
     assert refused.status_code == 403 and "capped at 2.00" in refused.json()["detail"]
 
 
+def test_a_key_with_a_spend_cap_creates_no_key_that_infers(owner_client):
+    """Before, a child got its parent's cap with nothing spent against it (spend is counted per key): a capped key that
+    had spent its cap minted a child and spent as much again, and the child a grandchild, up to the organisation's cap."""
+    created = owner_client.post("/api/v1/keys/", {"name": "capped", "scopes": ["manage", "inference"]},
+                                format="json").json()
+    capped = ApiKey.objects.get(pk=created["api_key"]["id"])
+    assert owner_client.patch(f"/api/v1/billing/keys/{capped.pk}/", {"spend_cap": "5.00"}, format="json").status_code == 200
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
+    refused = client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage", "inference"]}, format="json")
+    assert refused.status_code == 400 and list(refused.json()) == ["scopes"], refused.json()
+    assert "spend cap" in refused.json()["scopes"][0] and not ApiKey.objects.filter(name="child").exists()
+    assert client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"]}, format="json").status_code == 201
+
+
 def test_a_key_dies_with_its_creators_membership(org, member_client_factory):
     member = member_client_factory(org, Role.ADMIN)
     assert member.get("/api/v1/endpoints/").status_code == 200
