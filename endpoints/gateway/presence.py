@@ -248,12 +248,17 @@ async def beat(*, web: bool = False) -> None:
     if was_alive is None:
         _repair.due = True
     if _repair.due:
-        if registered := traffic.registered_requests_keys():
-            # NOTE: Redis lost the gateways set, or a sweeper dropped this gateway's emptied hashes
-            # while it was frozen: list them again (written before each organisation's first request).
-            await redis.sadd(redis_keys.GATEWAYS_KEY, *registered)
-        await _put_back(gateway)
-        _repair.due = False
+        # NOTE: a put-back that fails leaves the rest of the beat to go on (deadlines pushed on, ends released): one
+        # failing the same way every time stopped the long calls' deadlines, and the sweeper released live holds.
+        try:
+            if registered := traffic.registered_requests_keys():
+                # NOTE: Redis lost the gateways set, or a sweeper dropped this gateway's emptied hashes
+                # while it was frozen: list them again (written before each organisation's first request).
+                await redis.sadd(redis_keys.GATEWAYS_KEY, *registered)
+            await _put_back(gateway)
+            _repair.due = False
+        except Exception as exc:  # noqa: BLE001 - tried again by the next beat
+            logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
     try:
         await _push_deadlines_on(redis)
     except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on

@@ -149,9 +149,30 @@ def test_a_put_back_that_failed_is_tried_again_by_the_next_beat(monkeypatch):
     presence.track("kept", org, "e-kept", None, admitted.reservation)
     redis = get_redis()
     redis.flushdb()
-    with pytest.raises(ConnectionError):
-        asyncio.run(presence.beat())
+    asyncio.run(presence.beat())  # its put-back fails, the rest of the beat goes on
+    assert failures and presence._repair.due
     asyncio.run(presence.beat())
     assert redis.zscore(redis_keys.inflight_key(org, "e-kept"), "kept") is not None
     assert redis.hexists(redis_keys.reservations_key(org), "kept")
     assert int(redis.get(redis_keys.org_reserved_key(org))) == to_units(Decimal("0.02"))
+
+
+def test_a_put_back_that_keeps_failing_leaves_the_rest_of_the_beat_to_go_on(monkeypatch):
+    """A put-back failing the same way on every beat stopped each beat before the long calls' deadlines were pushed
+    on: the sweeper would have released the holds of calls still running."""
+    async def failing(**kwargs):
+        raise ConnectionError("a script that fails every time")
+
+    pushed = []
+
+    async def push(redis, now=None):
+        pushed.append(now)
+
+    monkeypatch.setattr(presence, "_RESTORE_REQUESTS", failing)
+    monkeypatch.setattr(presence, "_push_deadlines_on", push)
+    monkeypatch.setattr(presence, "serving", {"long": presence.Held(OrganizationFactory().pk, "e-long")})
+    monkeypatch.setattr(presence, "unfinished", set())
+    monkeypatch.setattr(presence, "_repair", presence._Repair(due=True))
+    for _ in range(2):
+        asyncio.run(presence.beat())
+    assert len(pushed) == 2 and presence._repair.due
