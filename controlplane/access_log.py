@@ -56,7 +56,10 @@ def redacted_path(path: str) -> str:
     try:
         match = resolve(path)
     except Resolver404:
-        return path
+        # NOTE: a link cut short or lengthened (a mail client drops the last slash: `/reset/MQ/<token>`) resolves to
+        # nothing, and was logged whole: everything after the route's literal start is written as `<redacted>`.
+        prefix = max((p for p in _secret_prefixes() if path.startswith(p)), key=len)
+        return prefix + "<redacted>" if len(path) > len(prefix) else path
     secrets = {str(value): name for name, value in match.kwargs.items() if name in SECRET_PATH_PARAMETERS}
     return "/".join(f"<{secrets[segment]}>" if segment in secrets else segment for segment in path.split("/"))
 
