@@ -312,6 +312,9 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
             # NOTE: a node may only point the gateway at its own registered host and port range; an
             # engine elsewhere (a stolen node secret, a misconfigured agent) is failed, never routed to.
             new_state = ReplicaState.FAILED.value
+            logger.warning("node %s reported replica %s's engine at %r, refused: %s (its host %s, ports %d-%d)", node.pk,
+                           replica.pk, report.address[:200], refused_address, node.advertise_host, node.engine_port_min,
+                           node.engine_port_max)
             report = dataclasses.replace(report, failure_reason=f"refused: {refused_address}")
         if new_state != previous:
             fields["state"] = new_state

@@ -162,6 +162,10 @@ def test_an_engine_address_off_the_nodes_host_or_port_range_is_refused_and_the_r
     replica.refresh_from_db()
     assert replica.state == "FAILED" and replica.address == ""
     assert why in replica.failure_reason and "refused" in replica.failure_reason
+    # Shown to every member: it names neither the address reported nor where the node's engines listen.
+    node = Replica.objects.select_related("node").get(pk=replica.pk).node
+    assert address not in replica.failure_reason and node.advertise_host not in replica.failure_reason
+    assert str(node.engine_port_min) not in replica.failure_reason
     assert EndpointEvent.objects.filter(replica=replica, kind="failure", message__contains=why).exists()
 
 

@@ -178,7 +178,7 @@ def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
         # prompt to an address outside the node's registered host and engine ports.
         problem = replica.node.engine_address_problem(replica.address)
         if problem:
-            logger.warning("not routing to replica %s: %s", replica.pk, problem)
+            logger.warning("not routing to replica %s at %r: %s", replica.pk, replica.address[:200], problem)
             continue
         replicas.append(ReplicaInfo(
             id=str(replica.pk), address=replica.address, authorization=f"Bearer {replica.engine_api_key}",

@@ -23,18 +23,20 @@ def engine_address_problem(address: str, host: str, port_min: int, port_max: int
     NOTE: the one rule for where the gateway may send customers' prompts: plain `http://host:port`
     on the node's own registered host and inside its port range; no path, user, query or fragment.
     """
+    # NOTE: the reasons name neither the address nor the node's host or ports: a replica's failure reason is shown to
+    # every member of its organisation, and where the fleet's machines listen is the operator's (`replicas` logs it).
     try:
         parts = urlsplit(address)
         port = parts.port
     except ValueError:
-        return f"engine address {address[:100]!r} is not a URL"
+        return "the engine's address is not a URL"
     if parts.scheme != "http" or parts.username or parts.password or parts.path not in ("", "/") or parts.query or parts.fragment:
-        return f"engine address {address[:100]!r} is not of the form http://host:port"
+        return "the engine's address is not of the form http://host:port"
     reported_host = (parts.hostname or "").lower()
     if not reported_host or reported_host != _normal_host(host):
-        return f"engine address {address[:100]!r} is not on the node's registered host {host}"
+        return "the engine's address is not on the node's registered host"
     if port is None or not port_min <= port <= port_max:
-        return f"engine address {address[:100]!r} is outside the node's engine ports {port_min}-{port_max}"
+        return "the engine's address is outside the node's engine ports"
     return ""
 
 
