@@ -60,8 +60,11 @@ class _Budget:
             return []
         while self.parked:
             connection = self.parked.pop(0)
-            # NOTE: one no longer paused (closed, or read on since) would take the turn of one that is
-            if connection.paused and not connection.closed:
+            # NOTE: a closed one would take the turn of one that reads on. Not whether it is paused yet: it is parked
+            # here under the lock and paused just after, outside it, on its own loop; another run's thread in between
+            # dropped it as "not paused", and it was never resumed. Its resume runs on its own loop (`_resume`), so
+            # after its pause.
+            if not connection.closed:
                 return [connection]
         return []
 

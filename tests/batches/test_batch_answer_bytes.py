@@ -137,6 +137,26 @@ def test_a_parked_read_of_another_event_loop_is_resumed_in_its_own(bound):
         waiting.release()
 
 
+def test_a_read_parked_by_another_run_just_before_it_paused_is_still_resumed(bound):
+    """Runs in threads share the budget: a read is parked under its lock and paused just after, on its own loop. Another
+    run's thread freeing bytes in between dropped it as "not paused", and it was never resumed (a review's finding)."""
+    holder, waiting = answer_bytes.LineAnswer(), answer_bytes.LineAnswer()
+    loop = asyncio.new_event_loop()
+    try:
+        connection = _Connection()
+        connection.loop = loop
+        _read(holder, _Connection(), 9 * MiB)
+        holder.done_reading()
+        assert waiting.take(1 * MiB, connection)  # parked; its loop has not paused it yet
+        holder.release()  # another thread frees bytes in that moment
+        connection.paused = True  # its own loop pauses it now
+        loop.run_until_complete(asyncio.sleep(0))
+        assert not connection.paused
+    finally:
+        loop.close()
+        waiting.release()
+
+
 # --- a run's lines ------------------------------------------------------------------------------
 
 ANSWER_BYTES = 6 * MiB
