@@ -7,7 +7,8 @@ A tenant's bucket is hostile input, and its engine runs on a machine shared with
 - **No pickle is downloaded** (`fetched`): a source listing both formats (most public repositories) costs one copy of
   its weights, not two, and nothing on the node can load the other.
 - **A model whose weights are pickles only is refused before any byte is fetched** (`PickledWeights`), saying how to
-  convert it; vLLM would otherwise load them (`load_format` "auto" falls back to `*.bin` and `*.pt`).
+  convert it; vLLM would otherwise load them (`load_format` "auto" falls back to `*.bin` and `*.pt`). So is one with a
+  sentence-transformers module (`2_Dense/`) in pickles only: left out, its embeddings would change, unsaid.
 - **Engines load safetensors only** (`ENGINE_FLAGS`, `engine.build_command`): also for a local model directory, whose
   files the agent does not choose, and a speculative draft, loaded with its target's settings.
 - **A LoRA adapter's weights must be `adapter_model.safetensors`** (`adapter_problem`): vLLM's adapter loader reads
@@ -20,6 +21,7 @@ a model directory, are not fetched either.
 from __future__ import annotations
 
 import posixpath
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TypeVar
@@ -31,6 +33,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Weights of other frameworks, and formats vLLM loads only as a single file named as the model.
 OTHER_FRAMEWORK_SUFFIXES = (".h5", ".msgpack", ".onnx", ".onnx_data", ".gguf", ".tflite", ".mlmodel", ".ot")
 SAFETENSORS_SUFFIX = ".safetensors"
+# A trainer's own state beside a checkpoint: pickles, never weights (left out, never a reason to refuse).
+_TRAINING_STATE = frozenset({"training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
+_SENTENCE_TRANSFORMERS_MODULE = re.compile(r"\d+_[A-Za-z]\w*")
 ENGINE_FLAGS = ("--load-format", "safetensors")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -49,16 +54,27 @@ def _skipped(name: str) -> bool:
     return name.lower().endswith(PICKLE_SUFFIXES + OTHER_FRAMEWORK_SUFFIXES)
 
 
+def _loaded_from(folder: str) -> bool:
+    """Whether vLLM loads weights from this folder of a model: its root, and a sentence-transformers module's
+    (`2_Dense`: an embedding model's projection, read by its pooler). Others (`original/`, a checkpoint's copy for
+    another runtime) it never reads."""
+    return folder == "" or _SENTENCE_TRANSFORMERS_MODULE.fullmatch(folder) is not None
+
+
 def fetched(files: Iterable[_File], *, name_of=lambda f: f.name) -> list[_File]:
     """The files of a listing the agent downloads: all but pickles and other frameworks' weights.
 
-    `PickledWeights` when the listing holds pickled weights and no safetensors file: the engine would have nothing to
-    load but them."""
+    `PickledWeights` when a folder the engine loads weights from (`_loaded_from`) holds pickled weights and no
+    safetensors file: the engine would have nothing to load there but them (or, for a sentence-transformers module,
+    would leave the module out and answer other vectors, unsaid)."""
     files = list(files)
     kept = [f for f in files if not _skipped(name_of(f))]
-    pickles = [name_of(f) for f in files if is_pickle(name_of(f))]
-    if pickles and not any(name_of(f).lower().endswith(SAFETENSORS_SUFFIX) for f in kept):
-        shown = ", ".join(sorted(posixpath.basename(name) for name in pickles)[:3])
+    with_safetensors = {posixpath.dirname(name_of(f)) for f in kept if name_of(f).lower().endswith(SAFETENSORS_SUFFIX)}
+    pickles = [name for f in files if is_pickle(name := name_of(f)) and posixpath.basename(name) not in _TRAINING_STATE
+               and not posixpath.basename(name).startswith("rng_state")
+               and _loaded_from(posixpath.dirname(name)) and posixpath.dirname(name) not in with_safetensors]
+    if pickles:
+        shown = ", ".join(sorted(pickles)[:3])
         more = f" and {len(pickles) - 3} more" if len(pickles) > 3 else ""
         raise PickledWeights(
             f"the model's weights are PyTorch pickle files ({shown}{more}), which Inferplane never loads: a pickle can "

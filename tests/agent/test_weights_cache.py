@@ -223,3 +223,25 @@ def test_a_model_whose_weights_are_pickles_only_is_refused_before_any_byte_is_fe
         cache.fetch("s3://models-pickled/m")
     assert cache.num_downloads == 0 and cache.statuses() == []
     assert list((tmp_path / "weights" / ".tmp").iterdir()) == []
+
+
+def test_a_pickled_module_the_engine_loads_is_refused_and_another_runtimes_copy_is_left_out(s3, s3_endpoint, tmp_path):
+    """A sentence-transformers module (`2_Dense/`) in pickles only, left out silently, would change an embedding model's
+    vectors: refused. A copy for another runtime (`original/consolidated.00.pth`, beside the safetensors at the root, as
+    Llama repositories hold) is never read by the engine: left out, not refused."""
+    from gpu_agent.runtime.weights_formats import PickledWeights
+
+    upload_model(s3, "models-modules", "embed", num_bytes=1000)
+    s3.put_object(Bucket="models-modules", Key="embed/2_Dense/config.json", Body=b"{}", ACL="public-read")
+    s3.put_object(Bucket="models-modules", Key="embed/2_Dense/pytorch_model.bin", Body=b"x", ACL="public-read")
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
+    with pytest.raises(PickledWeights, match=r"\(2_Dense/pytorch_model.bin\)"):
+        cache.fetch("s3://models-modules/embed")
+    s3.put_object(Bucket="models-modules", Key="embed/2_Dense/model.safetensors", Body=b"y", ACL="public-read")
+    assert not (cache.fetch("s3://models-modules/embed") / "2_Dense" / "pytorch_model.bin").exists()
+
+    upload_model(s3, "models-original", "llama", num_bytes=1000)
+    s3.put_object(Bucket="models-original", Key="llama/original/consolidated.00.pth", Body=b"x", ACL="public-read")
+    s3.put_object(Bucket="models-original", Key="llama/original/params.json", Body=b"{}", ACL="public-read")
+    path = cache.fetch("s3://models-original/llama")
+    assert (path / "original" / "params.json").exists() and not (path / "original" / "consolidated.00.pth").exists()
