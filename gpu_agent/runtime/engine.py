@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_agent.protocol import ModelTask, ReplicaSpec
-from gpu_agent.runtime import weights_formats
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.model_info import kv_cache_bytes_per_token, model_task, read_model_info
 from gpu_agent.runtime.reaper import REAPER_MODULE
@@ -54,6 +53,9 @@ CPU_KV_CACHE_HEADROOM = 2
 # NOTE: every engine schedules by the request's `priority` (lower runs sooner; vLLM's default 0 is
 # interactive work), so batch work sent at a higher number waits behind interactive calls.
 SCHEDULING_FLAGS = ("--scheduling-policy", "priority")
+# What every engine loads a model's weights from: safetensors, never a pickle (`weights_formats`, which also keeps
+# pickles out of every download). Here, not there: the control plane imports this module, which stays import-light.
+LOAD_FORMAT_FLAGS = ("--load-format", "safetensors")
 # An embedding model runs on vLLM's pooling runner (`/v1/embeddings`); `--convert embed` also turns
 # a generative checkpoint into an embedder (last-token pooling), as vLLM does for e5-mistral.
 EMBEDDING_FLAGS = ("--runner", "pooling", "--convert", "embed")
@@ -240,9 +242,9 @@ def build_engine_command(
         # Requests carry `priority` (lower runs sooner): batch lines run behind interactive calls.
         "--scheduling-policy", "priority",
         # Every path but /health needs the replica's key (vLLM's own --api-key leaves most open).
-        "--middleware", "gpu_agent.runtime.engine_guard.EngineKeyGuard",
         # Safetensors only: never a pickle, which can run code when it is read (`weights_formats`).
-        *weights_formats.ENGINE_FLAGS,
+        *LOAD_FORMAT_FLAGS,
+        "--middleware", "gpu_agent.runtime.engine_guard.EngineKeyGuard",
         *plan.flags,
         *SCHEDULING_FLAGS,
     ]  # fmt: skip

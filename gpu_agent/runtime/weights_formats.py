@@ -9,7 +9,7 @@ A tenant's bucket is hostile input, and its engine runs on a machine shared with
 - **A model whose weights are pickles only is refused before any byte is fetched** (`PickledWeights`), saying how to
   convert it; vLLM would otherwise load them (`load_format` "auto" falls back to `*.bin` and `*.pt`). So is one with a
   sentence-transformers module (`2_Dense/`) in pickles only: left out, its embeddings would change, unsaid.
-- **Engines load safetensors only** (`ENGINE_FLAGS`, `engine.build_command`): also for a local model directory, whose
+- **Engines load safetensors only** (`engine.LOAD_FORMAT_FLAGS`): also for a local model directory, whose
   files the agent does not choose, and a speculative draft, loaded with its target's settings.
 - **A LoRA adapter's weights must be `adapter_model.safetensors`** (`adapter_problem`): vLLM's adapter loader reads
   `adapter_model.bin` with `torch.load` when the safetensors file is missing.
@@ -36,7 +36,6 @@ SAFETENSORS_SUFFIX = ".safetensors"
 # A trainer's own state beside a checkpoint: pickles, never weights (left out, never a reason to refuse).
 _TRAINING_STATE = frozenset({"training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
 _SENTENCE_TRANSFORMERS_MODULE = re.compile(r"\d+_[A-Za-z]\w*")
-ENGINE_FLAGS = ("--load-format", "safetensors")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 _File = TypeVar("_File")
