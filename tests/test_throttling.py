@@ -3,6 +3,8 @@ in the shared Redis; an attempt over the limit is a 429 page that says how long 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.core import mail
 from django.test import Client
@@ -10,6 +12,7 @@ from django.urls import reverse
 
 from controlplane.accounts import throttle
 from controlplane.accounts.models import Membership, Role
+from controlplane.redis_client import get_redis
 from tests.factories import MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -67,6 +70,26 @@ def test_an_attacker_elsewhere_cannot_lock_the_owner_out(victim):
     assert owner.session["_auth_user_id"] == str(victim.pk)
     assert Client().post("/django-admin/login/", {"username": victim.email, "password": PASSWORD},
                          REMOTE_ADDR="10.0.7.2").status_code != 429
+
+
+def test_wrong_passwords_sent_at_once_never_pass_an_accounts_limit_from_one_address(victim):
+    """Before, failures were counted after the view: attempts sent together all read the failures before any of them,
+    and 30 wrong passwords posted at once from one address (its own limit: 30) passed the account's limit of 10."""
+    subjects = {"username": victim.email, "ip": "10.0.9.1"}
+    attempts = [throttle.take(throttle.LOGIN, subjects) for _ in range(30)]  # all taken before any view answered
+    passed = [getattr(attempt, "retry_after_s", attempt) is None for attempt in attempts]
+    assert sum(passed) == _limit(throttle.LOGIN, "username+ip").num_attempts
+
+
+def test_attempts_refused_by_the_throttle_add_nothing_to_the_accounts_failures(victim):
+    """Counted before the view, an attempt the throttle refuses is taken out again: an attacker past their own limits
+    cannot go on adding to the count that, at 100, locks the account from every address."""
+    attacker = Client()
+    for attempt in range(40):
+        attacker.post(reverse("login"), {"username": victim.email, "password": f"x{attempt}"}, REMOTE_ADDR="10.0.9.2")
+    account = _limit(throttle.LOGIN, "username")
+    key = throttle._redis_key(account, victim.email, int(time.time() // account.window_s))
+    assert int(get_redis().get(key)) == _limit(throttle.LOGIN, "username+ip").num_attempts
 
 
 def test_logging_in_successfully_uses_up_no_accounts_budget(victim):

@@ -10,7 +10,7 @@ import functools
 import math
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
-from django.http import JsonResponse
+from django.http import HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils.functional import SimpleLazyObject
@@ -104,8 +104,9 @@ def _throttled_paths() -> dict[str, tuple[throttle.Limit, ...]]:
 class ThrottleMiddleware(_AsyncCapable):
     """Log-in, sign-up, password reset and resending a verification: over a limit is a 429 page.
 
-    A log-in form answers a wrong password with the form again (200) and a right one with a redirect:
-    after the view, a 200 to a POST counts as a failure against the limits that count failures only.
+    A log-in form answers a wrong password with the form again (200) and a right one with a redirect: every attempt
+    counts against the limits that count failures only before the view runs, and is taken out again unless the view
+    answered 200 (`throttle.Attempt.refund`).
     """
 
     def __call__(self, request):
@@ -114,38 +115,48 @@ class ThrottleMiddleware(_AsyncCapable):
         if not _throttled(request):
             return self.get_response(request)
         subjects = _subjects(request)
-        refusal = self._check(request, subjects)
+        attempt, refusal = self._check(request, subjects)
         if refusal is not None:
             return refusal
-        response = self.get_response(request)
-        self._note(request, subjects, response)
+        try:
+            response = self.get_response(request)
+        except BaseException:
+            attempt.refund()
+            raise
+        self._note(attempt, response)
         return response
 
     async def __acall__(self, request):
         if not _throttled(request):
             return await self.get_response(request)
         subjects = await sync_to_async(_subjects)(request)
-        refusal = await sync_to_async(self._check)(request, subjects)
+        attempt, refusal = await sync_to_async(self._check)(request, subjects)
         if refusal is not None:
             return refusal
-        response = await self.get_response(request)
-        await sync_to_async(self._note)(request, subjects, response)
+        try:
+            response = await self.get_response(request)
+        except BaseException:
+            await sync_to_async(attempt.refund)()
+            raise
+        await sync_to_async(self._note)(attempt, response)
         return response
 
     @staticmethod
-    def _check(request, subjects):
-        retry_after_s = throttle.take(_throttled_paths()[request.path], subjects)
-        if retry_after_s is None:
-            return None
+    def _check(request, subjects) -> tuple[throttle.Attempt, HttpResponse | None]:
+        attempt = throttle.take(_throttled_paths()[request.path], subjects)
+        if attempt.retry_after_s is None:
+            return attempt, None
+        attempt.refund()  # refused here: no failure of the account's (nor an attacker's way to add to its count)
         response = render(request, "controlplane/throttled.html",
-                          {"retry_after_min": max(1, math.ceil(retry_after_s / 60))}, status=429)
-        response["Retry-After"] = str(retry_after_s)
-        return response
+                          {"retry_after_min": max(1, math.ceil(attempt.retry_after_s / 60))}, status=429)
+        response["Retry-After"] = str(attempt.retry_after_s)
+        return attempt, response
 
     @staticmethod
-    def _note(request, subjects, response):
-        if response.status_code == 200:
-            throttle.record_failure(_throttled_paths()[request.path], subjects)
+    def _note(attempt: throttle.Attempt, response) -> None:
+        """The form again (200) is a refused attempt: it stays counted; anything else (a log-in's redirect) is not."""
+        if response.status_code != 200:
+            attempt.refund()
 
 
 def _subjects(request) -> dict[str, str]:

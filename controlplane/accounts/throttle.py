@@ -19,7 +19,7 @@ import hashlib
 import logging
 import time
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -34,7 +34,7 @@ class Limit:
     """At most `num_attempts` per `window_s` for one subject; `per` says what the subject is:
     "ip" (the client address), "user" (the signed-in user), the name of a posted field, or several
     of these joined by "+" (the pair together). With `failures_only`, only attempts the view
-    refused count (`record_failure`); past the limit every attempt is refused all the same."""
+    refused count (`Attempt.refund` takes the others out); past the limit every attempt is refused all the same."""
 
     name: str
     per: str
@@ -97,9 +97,34 @@ def _subject(limit: Limit, subjects: dict[str, str]) -> str:
     return "\x00".join(parts) if all(parts) else ""
 
 
-def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> int | None:
-    """Counts one attempt against each limit whose subject is known (a `failures_only` one is only
-    read); the seconds to wait if any is exceeded.
+@dataclass(slots=True)
+class Attempt:
+    """One attempt counted by `take`: the seconds to wait if a limit refused it (None: it may go on), and the
+    `failures_only` counters it was counted in provisionally, until the view says it failed (`refund` otherwise)."""
+
+    retry_after_s: int | None = None
+    provisional: list[str] = field(default_factory=list)
+
+    def refund(self) -> None:
+        """Not a failure (a right password, or refused before the view): out of the failure counters again."""
+        if not self.provisional:
+            return
+        keys, self.provisional = self.provisional, []
+        try:
+            pipe = get_redis().pipeline(transaction=False)
+            for key in keys:
+                pipe.decr(key)
+            pipe.execute()
+        except redis.RedisError:
+            logger.warning("throttle counters unavailable; an attempt stays counted as failed", exc_info=True)
+
+
+def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> Attempt:
+    """Counts one attempt against each limit whose subject is known; its `retry_after_s` when any is exceeded.
+
+    A `failures_only` limit counts the attempt too, provisionally, as a failure: the caller refunds it unless the view
+    refused it (`Attempt.refund`). NOTE: counted only after the view, attempts sent at once all read the failures
+    before any of them: 30 wrong passwords posted together from one address passed its limit of 10.
 
     NOTE: Redis being down lets attempts through (logged): a throttle must not lock every
     user out of the console.
@@ -107,45 +132,21 @@ def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> int | None:
     now = time.time()
     counted = [(limit, subject, int(now // limit.window_s)) for limit in limits if (subject := _subject(limit, subjects))]
     if not counted:
-        return None
+        return Attempt()
+    keys = [_redis_key(limit, subject, window) for limit, subject, window in counted]
     try:
         pipe = get_redis().pipeline(transaction=False)
-        for limit, subject, window in counted:
-            key = _redis_key(limit, subject, window)
-            if limit.failures_only:
-                pipe.get(key)
-            else:
-                pipe.incr(key)
-                pipe.expire(key, limit.window_s + 1)
+        for (limit, _, _), key in zip(counted, keys, strict=True):
+            pipe.incr(key)
+            pipe.expire(key, limit.window_s + 1)
         replies = iter(pipe.execute())
     except redis.RedisError:
         logger.warning("throttle counters unavailable; letting the attempt through", exc_info=True)
-        return None
+        return Attempt()
     waits = []
     for limit, _, window in counted:
-        if limit.failures_only:  # the failures before this attempt: at the limit, no more tries
-            is_over = int(next(replies) or 0) >= limit.num_attempts
-        else:  # this attempt counted with the others: past the limit
-            is_over = next(replies) > limit.num_attempts
-            next(replies)  # EXPIRE's reply
-        if is_over:
+        if next(replies) > limit.num_attempts:  # this attempt counted with the others: past the limit
             waits.append(int((window + 1) * limit.window_s - now) + 1)
-    return max(waits) if waits else None
-
-
-def record_failure(limits: tuple[Limit, ...], subjects: dict[str, str]) -> None:
-    """Counts a refused attempt (a wrong password) against each `failures_only` limit whose subject is known."""
-    now = time.time()
-    counted = [(limit, subject, int(now // limit.window_s)) for limit in limits
-               if limit.failures_only and (subject := _subject(limit, subjects))]
-    if not counted:
-        return
-    try:
-        pipe = get_redis().pipeline(transaction=False)
-        for limit, subject, window in counted:
-            key = _redis_key(limit, subject, window)
-            pipe.incr(key)
-            pipe.expire(key, limit.window_s + 1)
-        pipe.execute()
-    except redis.RedisError:
-        logger.warning("throttle counters unavailable; a failed attempt went uncounted", exc_info=True)
+        next(replies)  # EXPIRE's reply
+    return Attempt(max(waits) if waits else None,
+                   [key for (limit, _, _), key in zip(counted, keys, strict=True) if limit.failures_only])
