@@ -94,7 +94,7 @@ def inherit_key_spend_cap(sender, *, api_key, minting_key, **kwargs) -> None:
     # capped key that had spent its cap minted a child and spent as much again, and so on, up to the organisation's
     # own cap or credit (a review's finding). A capped key creates keys that do not infer.
     if Scope.INFERENCE in api_key.scopes:
-        raise NotPermitted("scopes", f"A key with a spend cap (${own_cap.spend_cap}) may not create keys that run "
+        raise NotPermitted("scopes", f"A key with a spend cap ({_plain(own_cap.spend_cap)}) may not create keys that run "
                                      "inference: each would have a cap of its own, and together they could spend past "
                                      "it. Create inference keys in the console, or with a key without a spend cap.")
     account = BillingAccount.objects.select_for_update().for_organization(api_key.organization_id)

@@ -143,7 +143,7 @@ class Gateway:
         """The organisation of an upload to `/v1/files` that may go on to Django: its caller's key is valid, its
         declared size within `FILES_MAX_BYTES` and what its organisation's storage quota has left (`refuse_upload`),
         and this process reads fewer than `FILES_UPLOADS_PER_PROCESS` uploads, the last place kept for an organisation
-        that reads none (`_may_take_an_upload_place`; counted from here: the caller, `_upload`, counts it out);
+        that reads none (`_take_an_upload_place`; counted from here: the caller, `_upload`, counts it out);
         otherwise None, answered here (OpenAI's shape), its body dropped unread or read and dropped.
 
         NOTE: Django reads a whole body (to a temporary file past 2.5 MB) before any view runs: anyone without a key

@@ -60,18 +60,24 @@ def _loaded_from(folder: str) -> bool:
     return folder == "" or _SENTENCE_TRANSFORMERS_MODULE.fullmatch(folder) is not None
 
 
-def fetched(files: Iterable[_File], *, name_of=lambda f: f.name) -> list[_File]:
-    """The files of a listing the agent downloads: all but pickles and other frameworks' weights.
+def _pickled_weights(name: str, with_safetensors: set[str]) -> bool:
+    """Whether `name` is a pickle the engine would load weights from: in a folder it loads from, with no safetensors
+    there, and not a trainer's own state."""
+    folder, base = posixpath.split(name)
+    return (is_pickle(name) and base not in _TRAINING_STATE and not base.startswith("rng_state")
+            and _loaded_from(folder) and folder not in with_safetensors)
+
+
+def fetched(files: Iterable[_File]) -> list[_File]:
+    """The files of a listing (each with its `name`) the agent downloads: all but pickles and other frameworks' weights.
 
     `PickledWeights` when a folder the engine loads weights from (`_loaded_from`) holds pickled weights and no
     safetensors file: the engine would have nothing to load there but them (or, for a sentence-transformers module,
     would leave the module out and answer other vectors, unsaid)."""
     files = list(files)
-    kept = [f for f in files if not _skipped(name_of(f))]
-    with_safetensors = {posixpath.dirname(name_of(f)) for f in kept if name_of(f).lower().endswith(SAFETENSORS_SUFFIX)}
-    pickles = [name for f in files if is_pickle(name := name_of(f)) and posixpath.basename(name) not in _TRAINING_STATE
-               and not posixpath.basename(name).startswith("rng_state")
-               and _loaded_from(posixpath.dirname(name)) and posixpath.dirname(name) not in with_safetensors]
+    kept = [f for f in files if not _skipped(f.name)]
+    with_safetensors = {posixpath.dirname(f.name) for f in kept if f.name.lower().endswith(SAFETENSORS_SUFFIX)}
+    pickles = [f.name for f in files if _pickled_weights(f.name, with_safetensors)]
     if pickles:
         shown = ", ".join(sorted(pickles)[:3])
         more = f" and {len(pickles) - 3} more" if len(pickles) > 3 else ""
