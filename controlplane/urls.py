@@ -55,7 +55,6 @@ urlpatterns = [
     path("login/", views.LoginView.as_view(), name="login"),
     path("login/code/", views.second_factor_verify, name="second-factor"),
     path("login/code/enrol/", views.second_factor_enrol, name="second-factor-enrol"),
-    path("login/code/enrol/email/", views.second_factor_enrol_email, name="second-factor-enrol-email"),
     path("login/code/recovery/", views.second_factor_recovery, name="second-factor-recovery"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("password-reset/", auth_views.PasswordResetView.as_view(), name="password_reset"),

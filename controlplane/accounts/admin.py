@@ -4,15 +4,24 @@ services that audit (`save_plan`, `set_organization_plan`).
 
 Users that staff create here count as verified. Everything else is read-only: organisations,
 members, keys and the audit log change only through the services the API and console use
-(a key is revoked with the "Revoke" action, which calls `revoke_api_key`).
+(a key is revoked with the "Revoke" action, which calls `revoke_api_key`). A staff account without an
+authenticator gets its enrolment code from the users' "Issue an enrolment code" action
+(`second_factor.issue_staff_enrolment_code`), shown once to the staff member who issued it.
 """
 
 from django.contrib import admin, messages
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
+from django.template.response import TemplateResponse
 
+from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
 from controlplane.accounts.keys import revoke_api_key
 from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
+from controlplane.accounts.second_factor import (
+    EnrolmentCodeRefused,
+    has_staff_powers,
+    issue_staff_enrolment_code,
+)
 from controlplane.accounts.services import Actor, client_ip, save_plan, set_organization_plan
 from controlplane.accounts.signup import mark_email_verified
 
@@ -20,11 +29,41 @@ User = get_user_model()
 
 
 class UserAdmin(auth_admin.UserAdmin):
+    actions = ["issue_enrolment_code"]
+
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
         # NOTE: staff vouch for the address they type; only self-service sign-ups must prove theirs.
         if obj.email and (not change or "email" in form.changed_data):
             mark_email_verified(obj)
+
+    @admin.action(description="Issue an enrolment code (staff accounts without an authenticator)",
+                  permissions=["issue_enrolment_code"])
+    def issue_enrolment_code(self, request, queryset):
+        """Shows each selected staff account's new enrolment code, once: the issuer hands it over themselves."""
+        actor = Actor.from_request(request)
+        issued = []
+        for user in queryset.order_by("pk"):
+            try:
+                issued.append((user, issue_staff_enrolment_code(actor, user)))
+            except EnrolmentCodeRefused as exc:
+                self.message_user(request, str(exc), messages.WARNING)
+                continue
+            self.log_change(request, user, "Issued a second-factor enrolment code")
+        if not issued:
+            return None
+        # NOTE: the codes are in this answer only (no-store, as every page); a message would keep them in the
+        # session.
+        return TemplateResponse(request, "controlplane/enrolment_codes_issued.html", {
+            **self.admin_site.each_context(request),
+            "title": "Enrolment codes",
+            "issued": issued,
+            "ttl_min": int(ENROLMENT_CODE_TTL.total_seconds() // 60),
+        })
+
+    def has_issue_enrolment_code_permission(self, request):
+        # NOTE: whoever may change accounts, in a session past their own second factor (as the admin site asks).
+        return has_staff_powers(request.user) and self.has_change_permission(request)
 
 
 admin.site.unregister(User)

@@ -2,20 +2,20 @@
 
 A staff account with no authenticator (a new one, or one an operator reset) would otherwise enrol one with its
 password alone, and whoever first held a leaked password would own the account's second factor. So enrolling
-takes a code issued out of band: mailed to the account's address (on the enrol page's request) or printed by an
-operator (`manage.py reset_staff_second_factor`). A code is 80 random bits, kept only as a digest, taken once,
-within `ENROLMENT_CODE_TTL`; taking one voids the account's others. Issuing, taking and refusing one are audited;
-posts are throttled with the second factor's codes (`throttle.SECOND_FACTOR`) and mails on their own
-(`throttle.ENROLMENT_EMAIL`).
+takes a code issued out of band, by someone who can tell who asked: printed by an operator
+(`manage.py reset_staff_second_factor`) or issued in the admin by a staff member who passed their own second
+factor (`second_factor.issue_staff_enrolment_code`). A code is never mailed to the account: its password and its
+mailbox are what one phishing page takes together. A code is 80 random bits, kept only as a digest, taken once,
+within `ENROLMENT_CODE_TTL`; taking one voids the account's others. Issuing, taking and refusing one are audited
+(`staff.second_factor.enrolment_code.*`, with the channel); posts are throttled with the second factor's codes
+(`throttle.SECOND_FACTOR`).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from django.core.mail import send_mail
 from django.db import transaction
-from django.template.loader import render_to_string
 from django.utils import timezone
 
 from controlplane import tokens
@@ -28,7 +28,8 @@ Channel = StaffEnrolmentCode.Channel
 
 def issue_enrolment_code(actor: Actor, user, *, channel: Channel) -> str:
     """A new code for `user` (the account's codes already issued stay usable until they expire). Returns the
-    plain code: the caller mails or prints it, and nothing keeps it."""
+    plain code: the caller prints or shows it, and nothing keeps it."""
+    channel = Channel(channel)  # NOTE: only the out-of-band channels exist; a mailed code is never issued.
     now = timezone.now()
     plain = tokens.issue_typed_code()
     StaffEnrolmentCode.objects.filter(user=user, expires_at__lte=now).delete()
@@ -43,22 +44,10 @@ def issue_enrolment_code(actor: Actor, user, *, channel: Channel) -> str:
     return plain
 
 
-def email_enrolment_code(actor: Actor, user) -> bool:
-    """Mails a new code to the account's own address; False when it has none (an operator prints one then)."""
-    if not user.email:
-        return False
-    plain = issue_enrolment_code(actor, user, channel=Channel.EMAIL)
-    body = render_to_string(
-        "registration/second_factor_enrolment_email.txt",
-        {"user": user, "code": plain, "ttl_min": int(ENROLMENT_CODE_TTL.total_seconds() // 60)},
-    )
-    send_mail("Your Inferplane staff enrolment code", body, None, [user.email])
-    return True
-
-
-def take_enrolment_code(user, typed: str) -> str | None:
-    """Takes `user`'s code `typed`: None when it was theirs, unused and unexpired (the account's other codes are
-    then void), else why not: "wrong", "expired" or "used".
+def take_enrolment_code(actor: Actor, user, typed: str) -> bool:
+    """Takes `user`'s code `typed`: True when it was theirs, issued out of band, unused and unexpired (the
+    account's other codes are then void). Audited either way: the channel it came by, or why it was refused
+    ("wrong", "expired", "used", or "mailed" for a code mailed before mailing stopped).
 
     NOTE: taken by a conditional update: of two requests with one code, exactly one changes the row.
     """
@@ -66,14 +55,23 @@ def take_enrolment_code(user, typed: str) -> str | None:
     digest = tokens.typed_code_digest(typed)
     with transaction.atomic():
         num_taken = StaffEnrolmentCode.objects.filter(
-            user=user, digest=digest, used_at__isnull=True, expires_at__gt=now
+            user=user, digest=digest, channel__in=Channel.values, used_at__isnull=True, expires_at__gt=now
         ).update(used_at=now)
         if num_taken == 1:
             StaffEnrolmentCode.objects.filter(user=user, used_at__isnull=True).delete()
-            return None
     code = StaffEnrolmentCode.objects.filter(user=user, digest=digest).first()
+    if num_taken == 1:
+        record_audit(actor, None, "staff.second_factor.enrolment_code.accept", user, channel=code.channel)
+        return True
+    record_audit(actor, None, "staff.second_factor.enrolment_code.refuse", user, reason=_refusal(code))
+    return False
+
+
+def _refusal(code: StaffEnrolmentCode | None) -> str:
     if code is None:
         return "wrong"
+    if code.channel not in Channel.values:
+        return "mailed"
     return "used" if code.used_at is not None else "expired"
 
 

@@ -187,13 +187,18 @@ class Invitation(models.Model):
 
 
 class StaffEnrolmentCode(models.Model):
-    """Proof from outside the password that lets a staff account with no authenticator enrol one: mailed to the
-    account's address or printed by an operator (`controlplane.accounts.enrolment_codes`). Taken once, before
-    `expires_at`; only a digest of it is kept (`tokens.typed_code_digest`)."""
+    """Proof from outside the password and the mailbox that lets a staff account with no authenticator enrol one:
+    printed by an operator's command or issued in the admin by a staff member who passed their own second factor
+    (`controlplane.accounts.enrolment_codes`). Taken once, before `expires_at`; only a digest of it is kept
+    (`tokens.typed_code_digest`).
+
+    NOTE: rows with the channel "email" are codes once mailed to the account's own address, taken ones kept (until
+    the account is issued a new code) as the record of who enrolled with one; none is issued or taken any more
+    (migration 0008_staff_enrolment_code_channels voided those never taken)."""
 
     class Channel(models.TextChoices):
-        EMAIL = "email", "Mailed to the account's address"
         OPERATOR = "operator", "Printed by an operator's command"
+        STAFF = "staff", "Issued in the admin by a verified staff member"
 
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
     digest = models.CharField(max_length=16)

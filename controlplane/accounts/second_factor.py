@@ -13,9 +13,10 @@ wrong codes slow the device down (django-otp's throttling: 1, 2, 4... seconds) o
 on posts (`controlplane.accounts.throttle`). Every accepted, refused and throttled code, every enrolment and
 every reset is in the audit log.
 
-Enrolling a device takes more than the password: first an enrolment code from outside it (mailed to the account or
-printed by an operator, `controlplane.accounts.enrolment_codes`), which lets this session, for a while, see a new
-device's secret and confirm it. A confirmed enrolment issues recovery codes (`controlplane.accounts.recovery_codes`),
+Enrolling a device takes more than the password: first an enrolment code from outside it and the account's mailbox
+(printed by an operator, or issued by a verified staff member: `issue_staff_enrolment_code`,
+`controlplane.accounts.enrolment_codes`), which lets this session, for a while, see a new device's secret and
+confirm it. A confirmed enrolment issues recovery codes (`controlplane.accounts.recovery_codes`),
 each of which passes the code page once in place of a code from the device.
 """
 
@@ -175,19 +176,37 @@ def take_enrolment_code(request, code: str) -> CodeCheck:
     the password then) is never the one enrolled.
     """
     user = request.user
-    actor = Actor.from_request(request)
     if confirmed_device(user) is not None:
         return CodeCheck(Outcome.WRONG)
-    refusal = enrolment_codes.take_enrolment_code(user, code)
-    if refusal is not None:
-        record_audit(actor, None, "staff.second_factor.enrolment_code.refuse", user, reason=refusal)
+    if not enrolment_codes.take_enrolment_code(Actor.from_request(request), user, code):
         return CodeCheck(Outcome.WRONG)
     TOTPDevice.objects.filter(user=user, confirmed=False).delete()
     device = TOTPDevice.objects.create(user=user, name="authenticator", confirmed=False)
     request.session[ENROLMENT_SESSION_KEY] = {
         "device": device.pk, "until": (timezone.now() + enrolment_codes.ENROLMENT_CODE_TTL).timestamp()}
-    record_audit(actor, None, "staff.second_factor.enrolment_code.accept", user)
     return CodeCheck(Outcome.VERIFIED)
+
+
+class EnrolmentCodeRefused(Exception):
+    """Why a staff member may not issue an enrolment code for an account; the message says it to them."""
+
+
+def issue_staff_enrolment_code(actor: Actor, user) -> str:
+    """An enrolment code for the staff account `user`, issued by a staff member whose session passed their own
+    second factor (the admin's action): they hand it over themselves, by a channel that proves who asked.
+    Returns the plain code, to be shown once; the issue is audited with the issuer as its actor.
+
+    NOTE: only for an active staff account without a confirmed device: one with a device enrols no other
+    without an operator's reset, and a tenant is never asked for a code.
+    """
+    if not has_staff_powers(actor.user):
+        raise EnrolmentCodeRefused("Only a staff member who passed their own second factor issues enrolment codes.")
+    if not (user.is_active and user.is_staff):
+        raise EnrolmentCodeRefused(f"{user} is not an active staff account: it enrols no authenticator.")
+    if confirmed_device(user) is not None:
+        raise EnrolmentCodeRefused(f"{user} already has an authenticator: a new one takes an operator's reset "
+                                   "(manage.py reset_staff_second_factor).")
+    return enrolment_codes.issue_enrolment_code(actor, user, channel=enrolment_codes.Channel.STAFF)
 
 
 def confirm_enrolment(request, code: str) -> CodeCheck:

@@ -1,5 +1,5 @@
 """Throttles for the forms an attacker hammers: log-in, sign-up, password reset, resending a verification, staff's
-second-factor codes and the enrolment codes they have mailed.
+second-factor codes and enrolment codes.
 
 Each posted attempt counts against its client address and against the account it names (so
 spreading a password guess over many addresses does not help), in fixed windows kept in the
@@ -64,8 +64,6 @@ INVITATIONS = (Limit("invite-org", "organization", 20, 3600), Limit("invite-emai
 # device's own throttle (django-otp: 1, 2, 4... seconds after each wrong code) slows it further.
 # NOTE: the enrolment page's codes (taking an enrolment code, confirming the device) count here too.
 SECOND_FACTOR = (Limit("code-ip", "ip", 30, 600), Limit("code-user", "user", 10, 600))
-# Each mails the staff account's own address: a leaked password may not flood its owner's mailbox.
-ENROLMENT_EMAIL = (Limit("enrol-mail-ip", "ip", 10, 3600), Limit("enrol-mail-user", "user", 3, 3600))
 
 # URL name → the limits a POST to it takes.
 THROTTLED_VIEWS = {
@@ -76,7 +74,6 @@ THROTTLED_VIEWS = {
     "verify-email-resend": RESEND_VERIFICATION,
     "second-factor": SECOND_FACTOR,
     "second-factor-enrol": SECOND_FACTOR,
-    "second-factor-enrol-email": ENROLMENT_EMAIL,
 }
 
 

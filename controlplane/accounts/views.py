@@ -129,8 +129,9 @@ def _with_next(url_name: str, next_url: str) -> str:
 
 @login_required
 def second_factor_enrol(request):
-    """A staff account without a device: first an enrolment code from outside the password (mailed, or from an
-    operator), then the secret for an authenticator app, confirmed by a code from it; then its recovery codes."""
+    """A staff account without a device: first an enrolment code from outside the password and the mailbox (from an
+    operator or a verified staff member, never mailed), then the secret for an authenticator app, confirmed by a
+    code from it; then its recovery codes."""
     next_url = _safe_next(request)
     if not second_factor.needs_second_factor(request.user):
         return redirect(next_url)
@@ -160,19 +161,6 @@ def _enrolment_code_step(request, next_url: str):
         error = "That enrolment code is wrong, expired or already used: ask for a new one."
         return render(request, "registration/second_factor_enrolment_code.html", context | {"error": error}, status=400)
     return render(request, "registration/second_factor_enrolment_code.html", context)
-
-
-@login_required
-@require_POST
-def second_factor_enrol_email(request):
-    """Mails an enrolment code to the staff account's own address (throttled: `throttle.ENROLMENT_EMAIL`)."""
-    next_url = _safe_next(request)
-    if second_factor.needs_second_factor(request.user) and second_factor.confirmed_device(request.user) is None:
-        if enrolment_codes.email_enrolment_code(services.Actor.from_request(request), request.user):
-            messages.success(request, f"We mailed an enrolment code to {request.user.email}.")
-        else:
-            messages.error(request, "This account has no email address: ask an operator for an enrolment code.")
-    return redirect(_with_next("second-factor-enrol", next_url))
 
 
 @login_required

@@ -2,9 +2,11 @@
 codes, or a new staff account needs its first enrolment code.
 
 Every device of theirs goes, with their recovery codes: sessions they verified lose staff powers at once, and
-their next sign-in sets up a new device. It prints the enrolment code (single use, for 30 minutes) that the new enrolment needs besides
-the password: hand it over yourself, by a channel that proves who asked (not the email a stolen password could
-have asked for). Audited (`staff.second_factor.reset`, `...enrolment_code.issue`).
+their next sign-in sets up a new device. It prints the enrolment code (single use, for 30 minutes) that the new
+enrolment needs besides the password: hand it over yourself, by a channel that proves who asked (never by email:
+a phishing page takes the password and the mailbox together). A verified staff member issues one in the Django
+admin instead (Users, "Issue an enrolment code"), which resets nothing. Audited (`staff.second_factor.reset`,
+`...enrolment_code.issue`).
 """
 
 from __future__ import annotations
