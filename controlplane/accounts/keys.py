@@ -84,6 +84,7 @@ def create_api_key(
                     requests_per_minute=requests_per_minute,
                     tokens_per_minute=tokens_per_minute,
                     max_priority_boost=max_priority_boost,
+                    rate_limit_root_id=minting.rate_limit_key_id if minting is not None else None,
                 )
                 record_audit(actor, organization, "api_key.create", api_key, scopes=api_key.scopes)
                 api_key_created.send(sender=ApiKey, api_key=api_key, minting_key=minting)
@@ -106,7 +107,8 @@ def _bounded_by_minting_key(
 
     NOTE: a key minted by a key is bounded by it: a leaked key, revoked by nobody, must not outlive its expiry,
     widen its scopes (a `manage`-only key minting an `inference` key), or lift its rate limits or spend cap
-    (billing copies the cap) through its child.
+    (billing copies the cap) through its child. Its calls count in the window of the first key of its line
+    (`ApiKey.rate_limit_root`): its children together never call more often than it may.
     """
     if minting.expires_at is not None and (expires_at is None or expires_at > minting.expires_at):
         raise NotPermitted("expires_at", "A key that expires may only create keys that expire no later than it does "
