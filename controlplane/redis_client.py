@@ -13,7 +13,9 @@ scripts need their keys in one slot: `controlplane.redis_keys` names them so.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import redis
 import redis.asyncio
@@ -86,3 +88,23 @@ _async_clients: PerLoop[redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
 
 def get_async_redis() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster:
     return _async_clients.get()
+
+
+@contextlib.contextmanager
+def held_alone(key: str, ttl_s: float) -> Iterator[bool]:
+    """Yields whether this caller holds `key` (taken for `ttl_s`, not waited for): a periodic job's run at a time.
+
+    NOTE: released only if still this caller's (redis-py's `Lock`: a random token, compared in Redis). A run slower
+    than `ttl_s` lost the key when it expired, and the next run took it; a plain DELETE at the slow run's end then
+    freed the next run's key, and a third run went beside it.
+    """
+    lock = get_redis().lock(key, timeout=ttl_s, blocking=False, thread_local=False)
+    held = lock.acquire()
+    try:
+        yield held
+    finally:
+        if held:
+            try:
+                lock.release()
+            except redis.exceptions.LockError:  # expired meanwhile: perhaps another run's now, left alone
+                pass

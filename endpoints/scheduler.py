@@ -24,7 +24,7 @@ from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from controlplane import redis_keys
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import get_redis, held_alone
 from controlplane.redis_keys import LISTENING_SINCE_KEY, SWEPT_AT_KEY, TICK_LOCK_KEY
 from endpoints import autoscaler, quotas
 from endpoints.batches.demand import read_demand
@@ -243,25 +243,24 @@ def schedule_idle_deadlines(idle_deadlines: dict[str, float], now: float) -> int
 
 def autoscale_tick() -> int:
     """One autoscaler pass over the active endpoints; a second beat's overlapping tick does nothing."""
-    redis = get_redis()
-    if not redis.set(TICK_LOCK_KEY, "1", nx=True, ex=max(1, int(settings.AUTOSCALER_TICK_S * 5))):
-        return 0
-    try:
-        presence.sweep_dead_gateways()  # first, so a dead gateway's requests do not count as load
-        endpoint_ids = active_endpoint_ids()
-        now = time.time()
-        loads = autoscaler.read_load(endpoint_ids, now=now)
-        idle_deadlines: dict[str, float] = {}
-        changing = endpoints_to_reconcile(endpoint_ids, loads, idle_deadlines=idle_deadlines, now=now)
-        schedule_idle_deadlines(idle_deadlines, now)
-        for endpoint_id in changing:
-            try:
-                reconcile_endpoint(endpoint_id, loads[endpoint_id])
-            except Exception:  # noqa: BLE001 - one broken endpoint must not stall the others
-                logger.exception("reconciling endpoint %s failed", endpoint_id)
-        return len(endpoint_ids)
-    finally:
-        redis.delete(TICK_LOCK_KEY)
+    with held_alone(TICK_LOCK_KEY, max(1, int(settings.AUTOSCALER_TICK_S * 5))) as held:
+        return _tick() if held else 0
+
+
+def _tick() -> int:
+    presence.sweep_dead_gateways()  # first, so a dead gateway's requests do not count as load
+    endpoint_ids = active_endpoint_ids()
+    now = time.time()
+    loads = autoscaler.read_load(endpoint_ids, now=now)
+    idle_deadlines: dict[str, float] = {}
+    changing = endpoints_to_reconcile(endpoint_ids, loads, idle_deadlines=idle_deadlines, now=now)
+    schedule_idle_deadlines(idle_deadlines, now)
+    for endpoint_id in changing:
+        try:
+            reconcile_endpoint(endpoint_id, loads[endpoint_id])
+        except Exception:  # noqa: BLE001 - one broken endpoint must not stall the others
+            logger.exception("reconciling endpoint %s failed", endpoint_id)
+    return len(endpoint_ids)
 
 
 # Sweeps run every 5 s: one this long after the last one ended means nobody could hear heartbeats meanwhile.

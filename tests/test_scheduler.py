@@ -125,6 +125,23 @@ def test_a_second_overlapping_tick_does_nothing():
     assert Replica.objects.count() == 1
 
 
+def test_a_tick_that_outlived_its_lock_leaves_the_next_ticks_lock_alone(monkeypatch):
+    # A tick slower than its lock's expiry (a slow database, a stalled worker): the lock expired, the next beat's
+    # tick took it, and the slow tick's end deleted it, so a third tick ran beside the second.
+    EndpointFactory(min_replicas=1)
+    redis = get_redis()
+
+    def slow_sweep():
+        redis.delete(TICK_LOCK_KEY)  # expired meanwhile
+        redis.set(TICK_LOCK_KEY, "the next tick", ex=10)
+
+    monkeypatch.setattr(scheduler.presence, "sweep_dead_gateways", slow_sweep)
+    scheduler.autoscale_tick()
+
+    assert redis.get(TICK_LOCK_KEY) in ("the next tick", b"the next tick")
+    assert scheduler.autoscale_tick() == 0  # the next tick holds it: a third does nothing
+
+
 def test_an_endpoint_whose_decision_fails_does_not_stop_the_tick_for_the_others(monkeypatch, caplog):
     broken = EndpointFactory(gpu_type="l4", min_replicas=1)
     idle = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=1, idle_timeout_s=60)

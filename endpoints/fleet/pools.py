@@ -21,7 +21,6 @@ launch twice for the same demand.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -31,7 +30,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.accounts.services import SYSTEM, record_audit
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import held_alone
 from controlplane.redis_keys import POOLS_TICK_LOCK_KEY
 from endpoints.fleet import launches, pool_release
 from endpoints.fleet.pool_demand import (
@@ -64,10 +63,9 @@ def provision_tick(now: datetime | None = None, provider_for: Callable[[str], Pr
 
     `provider_for` maps a pool's provider name to the provider (`providers.get_provider`).
     """
-    redis, owner = get_redis(), secrets.token_hex(8)
-    if not redis.set(POOLS_TICK_LOCK_KEY, owner, nx=True, ex=TICK_LOCK_S):
-        return 0
-    try:
+    with held_alone(POOLS_TICK_LOCK_KEY, TICK_LOCK_S) as held:
+        if not held:
+            return 0
         pools = list(NodePool.objects.order_by("pk"))
         demand = assign_demand(pools)
         num_launched = 0
@@ -77,9 +75,6 @@ def provision_tick(now: datetime | None = None, provider_for: Callable[[str], Pr
             except Exception:  # noqa: BLE001 - one broken pool (a provider down) must not stall the others
                 logger.exception("node pool %s: tick failed", pool.name)
         return num_launched
-    finally:
-        if redis.get(POOLS_TICK_LOCK_KEY) in (owner, owner.encode()):
-            redis.delete(POOLS_TICK_LOCK_KEY)
 
 
 def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
