@@ -8,6 +8,7 @@ with its line in the access log (`controlplane.access_log`).
 import os
 
 from django.core.asgi import get_asgi_application
+from django.urls import reverse
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 django_application = get_asgi_application()
@@ -16,4 +17,8 @@ from controlplane.access_log import AccessLog  # noqa: E402
 from endpoints.batches.api import refuse_upload_before_its_body  # noqa: E402
 from endpoints.gateway.app import Gateway  # noqa: E402 - needs Django set up first
 
-application = Gateway(fallback=AccessLog(django_application), refuse_upload=refuse_upload_before_its_body)
+application = Gateway(
+    fallback=AccessLog(django_application),
+    refuse_upload=refuse_upload_before_its_body,
+    console_upload_paths=(reverse("console:batches"),),
+)

@@ -417,9 +417,10 @@ FILES_S3_BUCKET = env_str("INFERPLANE_FILES_S3_BUCKET", "inferplane-files")
 FILES_S3_ENDPOINT_URL = env_str("INFERPLANE_FILES_S3_ENDPOINT_URL")
 FILES_S3_REGION = env_str("INFERPLANE_FILES_S3_REGION", "us-east-1")
 FILES_MAX_BYTES = env_int("INFERPLANE_FILES_MAX_BYTES", 200 * 1024 * 1024, minimum=1)
-# Uploads one gateway process reads at once (`Gateway._upload_may_start`; 429 past it): each holds its body on the web
-# pod's `/tmp` volume until stored. NOTE: the volume's `sizeLimit` (infra/k8s/base/web.yaml) is sized for
-# processes x this x `FILES_MAX_BYTES` (tests/infra/test_manifests.py): raise them together.
+# Uploads one gateway process reads at once, to `/v1/files` and through the console's batch form together
+# (`endpoints.gateway.upload_places`; 429 past it): each holds its body on the web pod's `/tmp` volume until stored.
+# NOTE: the volume's `sizeLimit` (infra/k8s/base/web.yaml) is sized for processes x this x `FILES_MAX_BYTES`
+# (tests/infra/test_manifests.py): raise them together.
 FILES_UPLOADS_PER_PROCESS = env_int("INFERPLANE_FILES_UPLOADS_PER_PROCESS", 2, minimum=1)
 # An upload's body is cut off with a 408 (`endpoints.gateway.app._BodyCut`) when no byte of it comes for this long, or
 # when it comes slower than this many bytes a second on average (after the first `FILES_UPLOAD_IDLE_S`): a client

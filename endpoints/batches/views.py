@@ -18,6 +18,7 @@ from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from endpoints.batches import services, storage, uploads
 from endpoints.batches.models import BATCH_PATHS, Batch, BatchStatus, File
+from endpoints.gateway import upload_places
 from endpoints.models import EndpointEvent, EventKind
 
 NUM_BATCHES_SHOWN = 50
@@ -50,8 +51,11 @@ def _batch_or_404(request, batch_id: str) -> Batch:
 @csrf_exempt  # NOTE: checked once the upload's handlers are installed (`_create_batch`), never before
 @member_required()
 def batch_list(request):
-    form = BatchForm()
-    if request.method == "POST":
+    form, refusal = BatchForm(), None
+    if request.method == "POST" and (refusal := upload_places.refusal_in(getattr(request, "scope", {}))):
+        # The gateway gave the upload no place (`Gateway._console_upload`) and dropped its body: the form says why.
+        form = _with_file_error(form, refusal.message)
+    elif request.method == "POST":
         declared = int(request.META.get("CONTENT_LENGTH") or 0)
         storing = uploads.StreamToStorage.handle(request, organization_id=request.organization.pk,
                                                  reserved=uploads.counted_bytes(declared))
@@ -66,11 +70,24 @@ def batch_list(request):
             return redirect("console:batch", batch_id=created.pk)
         form = created
     batches = Batch.objects.for_org(request.organization.pk).select_related("endpoint").order_by("-created_at")
-    return render(request, "batches/batch_list.html", {
+    response = render(request, "batches/batch_list.html", {
         "batches": batches[:NUM_BATCHES_SHOWN], "form": form, "can_write": request.membership.can(Role.MEMBER),
         "max_mb": min(settings.FILES_MAX_BYTES, CONSOLE_FILE_MAX_BYTES) // (1024 * 1024),
         "api_max_mb": settings.FILES_MAX_BYTES // (1024 * 1024),
-    }, status=400 if form.errors else 200)
+    }, status=refusal.status if refusal else 400 if form.errors else 200)
+    for name, value in (refusal.headers if refusal else {}).items():
+        response[name] = value  # a 429's Retry-After
+    return response
+
+
+def _with_file_error(form: BatchForm, message: str) -> BatchForm:
+    """`form` with `message` as its file's error, bound or not.
+
+    NOTE: a form refused before it was bound (or cleaned) has no `cleaned_data`, and `add_error` on it raised."""
+    if not hasattr(form, "cleaned_data"):
+        form.cleaned_data = {}
+    form.add_error("file", message)
+    return form
 
 
 def _create_batch(request, storing: uploads.StreamToStorage) -> Batch | BatchForm | HttpResponse:
@@ -95,11 +112,8 @@ def _create_batch(request, storing: uploads.StreamToStorage) -> Batch | BatchFor
                                      completion_window="24h", metadata=None)
     except services.Refused as exc:
         # NOTE: refused as the body was parsed (past the storage quota, or the size), the form was never bound, and
-        # `add_error` on it raised (a 500): a form with nothing clean yet takes the error.
-        if not hasattr(form, "cleaned_data"):
-            form.cleaned_data = {}
-        form.add_error("file", exc.message)
-        return form
+        # `add_error` on it raised (a 500).
+        return _with_file_error(form, exc.message)
 
 
 def _detail_context(request, batch: Batch) -> dict:

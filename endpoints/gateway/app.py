@@ -16,7 +16,6 @@ import gc
 import json
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -24,6 +23,7 @@ from django.conf import settings
 
 from billing.usage_writer import writer_for_this_loop
 from controlplane.access_log import log_answer
+from controlplane.accounts.models import Role
 from endpoints.gateway import (
     adapter_hold,
     anatomy,
@@ -39,6 +39,7 @@ from endpoints.gateway.call import InferenceCall, finish_pending
 from endpoints.gateway.memo import in_worker_thread
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import MAX_BODY_BYTES, InferenceRequest, new_request_id
+from endpoints.gateway.upload_places import REFUSAL_SCOPE_KEY, UploadPlaces
 
 logger = logging.getLogger("inferplane.gateway")
 
@@ -49,12 +50,12 @@ FILES_PREFIX = "/v1/files"
 # The largest body of the Files and Batch APIs but an upload (`_files_and_batches`): a batch's creation, its metadata
 # at most 16 pairs of 64 + 512 characters.
 DJANGO_V1_MAX_BODY_BYTES = 1024 * 1024
-UPLOAD_RETRY_AFTER_S = 5  # an upload refused while this process reads as many as it may (`_upload_may_start`)
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 
 
 class Gateway:
-    def __init__(self, fallback, *, refuse_upload: Callable[[int, int], None] | None = None):
+    def __init__(self, fallback, *, refuse_upload: Callable[[int, int], None] | None = None,
+                 console_upload_paths: tuple[str, ...] = ()):
         self.fallback = fallback
         # (organisation, declared bytes) -> raises `errors.OpenAIError` for an upload its storage quota has no room
         # for (`endpoints.batches.api.refuse_upload_before_its_body`, given by the wiring: the batches app imports the
@@ -62,8 +63,10 @@ class Gateway:
         self._refuse_upload = refuse_upload
         self._client: upstream.UpstreamClient | None = None
         self._folding: asyncio.Task | None = None  # `metrics.fold_every_second`, from startup on
-        self._num_uploads = 0  # uploads to `/v1/files` this process is reading or storing now (`_upload`)
-        self._uploads_by_organization: Counter[int] = Counter()  # those uploads, by their caller's organisation
+        # The console's pages whose form posts a file (the batch form, `endpoints.batches.views.batch_list`), given by
+        # the wiring: a `POST` to one takes an upload place as `/v1/files` does (`_console_upload`).
+        self._console_upload_paths = frozenset(console_upload_paths)
+        self.upload_places = UploadPlaces()  # uploads this process is reading or storing now, of both kinds
 
     @property
     def client(self) -> upstream.UpstreamClient:
@@ -86,6 +89,8 @@ class Gateway:
                 return await self._handle(scope, receive, send)
             if path == "/metrics":
                 return await self._metrics(scope, receive, send)
+            if path in self._console_upload_paths and scope["method"] == "POST":
+                return await self._console_upload(scope, receive, send)
         return await self.fallback(scope, receive, send)
 
     async def _upload(self, scope, receive, send) -> None:
@@ -99,10 +104,37 @@ class Gateway:
             await self._to_django(scope, receive, send, settings.FILES_MAX_BYTES)  # endpoints.batches.api.files
         finally:
             # Django has closed the body's temporary file: its bytes are off the disk.
-            self._num_uploads -= 1
-            self._uploads_by_organization[organization_id] -= 1
-            if not self._uploads_by_organization[organization_id]:
-                del self._uploads_by_organization[organization_id]
+            self.upload_places.give_back(organization_id)
+
+    async def _console_upload(self, scope, receive, send) -> None:
+        """A console form that posts a file (`console_upload_paths`): handed to Django once its session's organisation
+        has taken an upload place (`UploadPlaces.take`), given back once Django has answered; its body cut as an
+        upload's to `/v1/files` is (`_to_django`). Otherwise its body is dropped and Django answers a request without
+        one: the refusal (no place free, or the session not checked) in its scope (`REFUSAL_SCOPE_KEY`), which the
+        form shows; or, for a session that may not post the form (none, a viewer's), what it answers any such.
+
+        NOTE: console uploads took no place: through the public ingress a tenant could run any number of them at once,
+        each up to 16 MiB spooled on the web pod's disk before the view runs, beside its uploads to `/v1/files`."""
+        uploader, refusal = None, None  # the session's caller, once it holds a place
+        try:
+            caller = await auth.caller_from_console_form(_headers_of(scope))
+            if caller is not None and caller.role != Role.VIEWER:
+                self.upload_places.take(caller.organization_id)
+                uploader = caller
+        except errors.OpenAIError as exc:
+            refusal = exc
+        except Exception as exc:
+            if not errors.is_outage(exc):
+                raise
+            logger.warning("console upload to %s: %r", scope["path"], exc)
+            refusal = errors.service_unavailable()
+        if uploader is None:
+            await _discard_body(receive)
+            return await self.fallback(_without_body(scope, refusal), _after_an_empty_body(receive), send)
+        try:
+            await self._to_django(scope, receive, send, settings.FILES_MAX_BYTES)  # endpoints.batches.views
+        finally:
+            self.upload_places.give_back(uploader.organization_id)
 
     async def _to_django(self, scope, receive, send, max_bytes: int, *, what: str = "file") -> None:
         """Hand a request of the Files or Batch API to Django, its body cut past `max_bytes` (413) or when it comes too
@@ -143,7 +175,7 @@ class Gateway:
         """The organisation of an upload to `/v1/files` that may go on to Django: its caller's key is valid, its
         declared size within `FILES_MAX_BYTES` and what its organisation's storage quota has left (`refuse_upload`),
         and this process reads fewer than `FILES_UPLOADS_PER_PROCESS` uploads, the last place kept for an organisation
-        that reads none (`_take_an_upload_place`; counted from here: the caller, `_upload`, counts it out);
+        that reads none (`UploadPlaces.take`; taken here: the caller, `_upload`, gives it back);
         otherwise None, answered here (OpenAI's shape), its body dropped unread or read and dropped.
 
         NOTE: Django reads a whole body (to a temporary file past 2.5 MB) before any view runs: anyone without a key
@@ -160,7 +192,7 @@ class Gateway:
                 raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
             if self._refuse_upload is not None:
                 await in_worker_thread(self._refuse_upload)(caller.organization_id, declared_bytes)
-            self._take_an_upload_place(caller.organization_id)
+            self.upload_places.take(caller.organization_id)
             return caller.organization_id
         except errors.OpenAIError as exc:
             refusal = exc
@@ -171,23 +203,6 @@ class Gateway:
             refusal = errors.service_unavailable()
         await _refuse(scope, receive, send, refusal, started, request_id)
         return None
-
-    def _take_an_upload_place(self, organization_id: int) -> None:
-        """Count an upload of the organisation in, or refuse it (429) when this process reads as many as it may, or
-        when the last place is free but the organisation already reads one here.
-
-        NOTE: one organisation took every place: two uploads dripped a byte a second refused every other tenant's
-        uploads on the process. Now it holds all but the last (one of the default two), and a slow body is cut
-        (`_BodyCut`). No await between the check and the count: two uploads cannot both take the last place."""
-        num_free = settings.FILES_UPLOADS_PER_PROCESS - self._num_uploads
-        if num_free <= 0:
-            raise errors.rate_limited("Too many uploads in progress on this server: try again in a few seconds.",
-                                      UPLOAD_RETRY_AFTER_S)
-        if num_free == 1 and self._uploads_by_organization[organization_id] and settings.FILES_UPLOADS_PER_PROCESS > 1:
-            raise errors.rate_limited("Your organisation already has an upload in progress on this server, whose last "
-                                      "place is kept for others: try again once it ends.", UPLOAD_RETRY_AFTER_S)
-        self._num_uploads += 1
-        self._uploads_by_organization[organization_id] += 1
 
     async def _metrics(self, scope, receive, send):
         started = time.monotonic()
@@ -413,6 +428,32 @@ async def _refuse(scope, receive, send, refusal: errors.OpenAIError, started: fl
     await _respond(send, refusal.status, refusal.body(), headers=refusal.headers | {"x-request-id": request_id},
                    raw_headers=RateLimitReport.unauthenticated().headers())
     log_answer(scope, refusal.status, started, request_id)
+
+
+def _without_body(scope, refusal: errors.OpenAIError | None) -> dict:
+    """`scope` of a request whose body is dropped (`_after_an_empty_body`), with the refusal of its upload if any."""
+    headers = [(name, value) for name, value in scope["headers"]
+               if name not in (b"content-length", b"transfer-encoding")]
+    scope = scope | {"headers": [*headers, (b"content-length", b"0")]}
+    return scope if refusal is None else scope | {REFUSAL_SCOPE_KEY: refusal}
+
+
+def _after_an_empty_body(receive):
+    """`receive` for Django, of an empty body, then of the client's going alone: what is left of a body that
+    `_discard_body` stopped reading is dropped."""
+    sent = False
+
+    async def receive_without_body():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+
+    return receive_without_body
 
 
 async def _discard_body(receive) -> None:

@@ -151,13 +151,27 @@ async def caller_from_session(headers: dict[str, str]) -> Caller | None:
             return None
     except InvalidTokenFormat:
         return None
-    if _session_lookups.is_refused(session.value):
+    return await _caller_of_session(session.value)
+
+
+async def caller_from_console_form(headers: dict[str, str]) -> Caller | None:
+    """The console session that posts a form (its session cookie alone), or None: none, not logged in, unverified,
+    in no organisation. For what must be known before the body is read (`Gateway._console_upload`): the form's CSRF
+    token is in its body, and its view checks it."""
+    cookies = SimpleCookie()
+    cookies.load(headers.get("cookie", ""))
+    session = cookies.get(settings.SESSION_COOKIE_NAME)
+    return None if session is None else await _caller_of_session(session.value)
+
+
+async def _caller_of_session(session_key: str) -> Caller | None:
+    if _session_lookups.is_refused(session_key):
         return None
     try:
         async with _session_lookups.slots.held_async():
-            return await in_worker_thread(_lookup_session)(session.value)
+            return await in_worker_thread(_lookup_session)(session_key)
     except _NotLoggedIn:
-        _session_lookups.refuse(session.value)
+        _session_lookups.refuse(session_key)
         return None
     except LookupsBusy:
         raise errors.service_unavailable("Too many sessions are being checked at once; please retry.") from None

@@ -1,16 +1,23 @@
-"""Uploads to `/v1/files` share a gateway process's few places fairly: one organisation never takes the last one, and a
-body that comes too slowly (dripped, or stopped) is cut off with a 408, its place given back."""
+"""Uploads share a gateway process's few places fairly, those to `/v1/files` and those of the console's batch form
+alike: one organisation never takes the last one, a form refused one says why (429, Retry-After), and a body that
+comes too slowly (dripped, or stopped) is cut off with a 408; a place is given back however its upload ends."""
 
 from __future__ import annotations
 
 import json
+import re
 import select
 import socket
 import time
 
+import httpx
 import pytest
+from django.conf import settings
+from django.middleware.csrf import _get_new_csrf_string
 
+from controlplane.accounts.models import Role
 from endpoints.batches import storage
+from endpoints.batches.models import Batch
 from tests.batches.conftest import bucket_objects
 from tests.batches.test_upload_disk_use import LINE, MiB, _held_upload, _upload, held_files
 from tests.conftest import start_web_server, wait_until
@@ -129,3 +136,112 @@ def test_an_upload_that_stops_sending_its_body_is_cut_off_with_408(impatient_web
     wait_until(lambda: held_files(impatient_web.pid, impatient_web.temporary) == {}, 10,
                message="the cut body's temporary file to go")
     assert _upload(impatient_web, tenant.key, LINE).status_code == 200
+
+
+CONSOLE_BATCHES = "/console/batches/"
+
+
+class _Member:
+    """A console session of a member of `tenant`'s organisation, with its CSRF cookie."""
+
+    def __init__(self, console_client_factory, tenant, role=Role.MEMBER):
+        client = console_client_factory(tenant.org, role)
+        self.csrf = _get_new_csrf_string()
+        self.cookie = (f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}; "
+                       f"{settings.CSRF_COOKIE_NAME}={self.csrf}")
+
+    def post(self, web, data: bytes, *, endpoint: str = "/v1/chat/completions") -> httpx.Response:
+        """The batch form posted with `data` as its file."""
+        return httpx.post(f"{web.base_url}{CONSOLE_BATCHES}", headers={"cookie": self.cookie},
+                          files={"file": ("requests.jsonl", data)},
+                          data={"endpoint": endpoint, "csrfmiddlewaretoken": self.csrf}, timeout=60)
+
+    def held(self, web, *, declared: int = 12 * MiB) -> socket.socket:
+        """The batch form's upload, whose client sent its headers and the first 3 MiB of its file, then waits."""
+        host, port = web.base_url.removeprefix("http://").split(":")
+        connection = socket.create_connection((host, int(port)))
+        head = (f"POST {CONSOLE_BATCHES} HTTP/1.1\r\nHost: {host}\r\nCookie: {self.cookie}\r\n"
+                f"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: {declared}\r\n\r\n")
+        fields = (f"--b\r\nContent-Disposition: form-data; name=\"csrfmiddlewaretoken\"\r\n\r\n{self.csrf}\r\n"
+                  "--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"r.jsonl\"\r\n\r\n")
+        connection.sendall(head.encode() + fields.encode() + b"x" * (3 * MiB))
+        return connection
+
+
+def _form_error(answer: httpx.Response) -> str:
+    return " ".join(re.findall(r'<small class="error" role="alert">(.*?)</small>', answer.text, re.S))
+
+
+def test_a_console_upload_holds_a_place_that_the_same_organisation_cannot_add_the_last_one_to(
+        web, tenant, console_client_factory):
+    """Before, console uploads took no place: beside one held on the form, the organisation took the process's last
+    place through `/v1/files`, and ran any number of form uploads at once."""
+    member = _Member(console_client_factory, tenant)
+    held = member.held(web)
+    wait_until(lambda: len(held_files(web.pid, web.temporary)) == 1, 10, message="the held form upload to be spooled")
+
+    refused = _upload(web, tenant.key, LINE)
+    assert refused.status_code == 429, refused.text
+    assert "kept for others" in refused.json()["error"]["message"]
+
+    refused = member.post(web, LINE)
+    assert refused.status_code == 429, refused.text
+    assert int(refused.headers["retry-after"]) >= 1
+    assert "kept for others" in _form_error(refused)  # the form says why, its page whole
+    assert not Batch.objects.filter(organization=tenant.org).exists()
+
+    other = new_tenant()
+    assert _upload(web, other.key, LINE).status_code == 200  # the last place, kept for it
+    held.close()
+    wait_until(lambda: member.post(web, LINE).status_code == 302, 10,
+               message="the form's upload to go on once the held one ended")
+    assert Batch.objects.filter(organization=tenant.org).count() == 1
+
+
+def test_a_console_upload_that_stops_sending_is_cut_off_with_408_and_gives_its_place_back(
+        impatient_web, tenant, console_client_factory):
+    """Before, a form upload whose client stopped sending held its spooled body (and a connection) for ever."""
+    member = _Member(console_client_factory, tenant)
+    connection = member.held(impatient_web)
+    answer, took_s = _answer_of(connection, drip_every_s=None, within_s=20)
+    connection.close()
+
+    _assert_too_slow(answer)
+    assert took_s < IDLE_S + 5, f"cut after {took_s:.1f} s"
+    wait_until(lambda: held_files(impatient_web.pid, impatient_web.temporary) == {}, 10,
+               message="the cut body's temporary file to go")
+    # Had the cut upload kept its place, the organisation's next would be refused the last one.
+    assert member.post(impatient_web, LINE).status_code == 302
+    assert _upload(impatient_web, tenant.key, LINE).status_code == 200
+
+
+def test_a_console_upload_gives_its_place_back_when_the_form_refuses_it_or_its_client_goes(
+        web, tenant, console_client_factory):
+    member = _Member(console_client_factory, tenant)
+    refused = member.post(web, LINE, endpoint="/v1/nowhere")
+    assert refused.status_code == 400 and "valid choice" in _form_error(refused), _form_error(refused)
+    gone = member.held(web)
+    wait_until(lambda: len(held_files(web.pid, web.temporary)) == 1, 10, message="the held form upload to be spooled")
+    gone.close()
+    wait_until(lambda: held_files(web.pid, web.temporary) == {}, 10, message="the gone upload's body to go")
+
+    # Both places free again: one held by the organisation, the last kept for another, which takes it.
+    held = member.held(web)
+    wait_until(lambda: len(held_files(web.pid, web.temporary)) == 1, 10, message="the held form upload to be spooled")
+    assert _upload(web, new_tenant().key, LINE).status_code == 200
+    held.close()
+
+
+def test_a_member_still_starts_a_batch_from_the_form_and_others_are_answered_as_before(
+        web, tenant, console_client_factory):
+    member = _Member(console_client_factory, tenant)
+    answer = member.post(web, LINE)
+    assert answer.status_code == 302, answer.text
+    batch = Batch.objects.get(organization=tenant.org)
+    assert answer.headers["location"] == f"/console/batches/{batch.pk}/"
+
+    viewer = _Member(console_client_factory, tenant, Role.VIEWER)
+    assert viewer.post(web, LINE).status_code == 403
+    anonymous = httpx.post(f"{web.base_url}{CONSOLE_BATCHES}", files={"file": ("r.jsonl", LINE)}, timeout=60)
+    assert anonymous.status_code == 302 and "/login/" in anonymous.headers["location"]
+    assert Batch.objects.filter(organization=tenant.org).count() == 1
