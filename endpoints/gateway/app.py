@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -91,7 +92,28 @@ class Gateway:
                 return await self._metrics(scope, receive, send)
             if path in self._console_upload_paths and scope["method"] == "POST":
                 return await self._console_upload(scope, receive, send)
+            return await self._to_django_in_memory(scope, receive, send)
         return await self.fallback(scope, receive, send)
+
+    async def _to_django_in_memory(self, scope, receive, send) -> None:
+        """Any other request for Django (the console, `/api/`, the agents' API, the admin, Stripe's webhooks, a page
+        that does not exist): its body cut (413) past what Django keeps in memory (`_django_body_bytes`), or when it
+        comes too slowly (408), as an upload's is; answered `{"detail": ...}`, as the management API answers.
+
+        NOTE: only the Files and Batch APIs and the console's batch form were cut before Django read a body: anyone,
+        with no session or key, could post as much as the ingress lets through to the log-in page or any path, and
+        Django spooled it whole to the web pod's disk before any view ran, the connection held open (found by the
+        review of console uploads). No other view takes a body past Django's `DATA_UPLOAD_MAX_MEMORY_SIZE`."""
+        max_bytes = _django_body_bytes()
+        if _declared_bytes(_headers_of(scope)) > max_bytes:
+            await _discard_body(receive)  # at most `MAX_BODY_BYTES` of it: past that the connection closes
+            return await _respond(send, 413, _detail(f"The request body is larger than {max_bytes} bytes."),
+                                  headers={"connection": "close"})
+        body = _BodyCut(receive, max_bytes, idle_s=settings.FILES_UPLOAD_IDLE_S,
+                        min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what="request body")
+        await self.fallback(scope, body.receive, send)
+        if body.cut is not None:  # Django took it for a client gone and answered nothing
+            await _respond(send, body.cut.status, _detail(body.cut.message), headers={"connection": "close"})
 
     async def _upload(self, scope, receive, send) -> None:
         """An upload to `/v1/files`, handed to Django once `_upload_may_start` lets it, counted until Django answers;
@@ -414,6 +436,16 @@ class _BodyCut:
                 return {"type": "http.disconnect"}
             self._ended = not message.get("more_body")
         return message
+
+
+def _django_body_bytes() -> int:
+    """The largest body Django keeps in memory (its ASGI handler spools one past `FILE_UPLOAD_MAX_MEMORY_SIZE` to a
+    temporary file) and lets a view read (`DATA_UPLOAD_MAX_MEMORY_SIZE`): 2.5 MiB by default."""
+    return min(settings.FILE_UPLOAD_MAX_MEMORY_SIZE, settings.DATA_UPLOAD_MAX_MEMORY_SIZE or sys.maxsize)
+
+
+def _detail(message: str) -> bytes:
+    return json.dumps({"detail": message}).encode()
 
 
 def _declared_bytes(headers: dict[str, str]) -> int:

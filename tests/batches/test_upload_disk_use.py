@@ -208,3 +208,46 @@ def test_the_batch_api_still_takes_its_own_bodies(web, tenant):
     listed = httpx.get(f"{web.base_url}/v1/batches", headers={"authorization": f"Bearer {tenant.key}"}, timeout=30)
     assert listed.status_code == 200 and listed.json()["object"] == "list"
     assert httpx.get(f"{web.base_url}/v1/batches", timeout=30).status_code == 401
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/login/"), ("POST", "/api/v1/endpoints/"),
+                                              ("POST", "/console/batches"), ("PUT", "/console/batches/"),
+                                              ("POST", "/agent/v1/heartbeat/"), ("POST", "/no/such/page")])
+def test_a_body_to_any_other_page_is_never_spooled_past_what_django_reads_in_memory(web, method, path):
+    """Before, only the Files and Batch APIs and the console's batch form were cut before Django read a body: a body
+    posted to any other path (the log-in page, the management API, a page that does not exist), by anyone, had Django
+    spool as much as the ingress let through to the web pod's disk before any view ran, the connection held open
+    (found by the review of console uploads). Such bodies are now cut at Django's own `DATA_UPLOAD_MAX_MEMORY_SIZE`,
+    below which they stay in memory."""
+    with DiskSampler(web.pid, web.temporary) as disk:
+        connection = _held_body(web, method, path, "")
+        connection.settimeout(10)
+        answer = b""
+        while b"larger than" not in answer and (piece := connection.recv(4096)):  # the server closes after it
+            answer += piece
+        connection.close()
+    assert answer.startswith(b"HTTP/1.1 413") and b'{"detail": "The request body is larger than' in answer, answer[:300]
+    assert disk.peak_bytes < MiB, f"{disk.peak_bytes / MiB:.1f} MiB spooled for a {method} {path}"
+
+
+def test_a_body_that_declares_no_length_to_any_other_page_is_cut_at_the_bound(web):
+    def body():
+        for _ in range(12):
+            yield b"x" * MiB
+
+    try:
+        answer = httpx.post(f"{web.base_url}/api/v1/endpoints/", content=body(), timeout=30,
+                            headers={"content-type": "application/json"})
+    except httpx.TransportError:
+        return  # the server answered and closed the connection while the body was still being sent
+    assert answer.status_code == 413 and "larger than" in answer.json()["detail"], answer.text
+
+
+def test_ordinary_pages_still_take_their_bodies(web):
+    page = httpx.get(f"{web.base_url}/login/", timeout=30)
+    assert page.status_code == 200
+    refused = httpx.post(f"{web.base_url}/login/", data={"username": "nobody@example.com", "password": "x" * 10},
+                         timeout=30)
+    assert refused.status_code in (200, 403)  # the form again, or the CSRF refusal: Django read the body either way
+    api = httpx.post(f"{web.base_url}/api/v1/endpoints/", json={"name": "x" * (1024 * 1024)}, timeout=30)
+    assert api.status_code in (401, 403), api.text  # a 1 MiB body reaches the API, which wants a key
