@@ -98,6 +98,15 @@ def env_list(name: str, default: list[str] | None = None) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+def env_aws_account_ids(name: str) -> frozenset[str]:
+    """Comma-separated AWS account ids, twelve digits each (`111122223333,444455556666`); unset means none."""
+    ids = env_list(name)
+    for item in ids:
+        if not (len(item) == 12 and item.isascii() and item.isdigit()):
+            raise ImproperlyConfiguredEnv(f"{name} must list 12-digit AWS account ids, comma-separated, not {item!r}")
+    return frozenset(ids)
+
+
 def env_counts(name: str) -> dict[str, int]:
     """`name=count,name=count` (e.g. `h100=2,a100=4`) as a dict; unset means empty."""
     counts = {}

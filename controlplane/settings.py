@@ -24,6 +24,7 @@ from kombu import Exchange, Queue
 from controlplane import embedded
 from controlplane.env import (
     ImproperlyConfiguredEnv,
+    env_aws_account_ids,
     env_bool,
     env_choice,
     env_counts,
@@ -336,6 +337,12 @@ CELERY_BEAT_SCHEDULE = {
 # Local model paths let an endpoint serve weights from the agent's own disk: right for a
 # single machine (the embedded default), wrong for a shared fleet.
 ALLOW_LOCAL_MODEL_PATHS = env_bool("INFERPLANE_ALLOW_LOCAL_MODEL_PATHS", DEBUG or env_str("DATABASE_URL") is None)
+# The AWS accounts the platform itself runs in (the control plane's, each node pool's, the files bucket's). A tenant's
+# S3 credential may name a role for the GPU nodes to assume with their own credentials; a role in one of these
+# accounts is refused when saved and when a replica's spec is built (`endpoints.credentials.check_role_arn`): if any
+# role there trusted the nodes without checking the external id, a tenant would read through it as the platform
+# (a confused deputy). Agents also refuse a role in their own node's account, which they learn from STS.
+PLATFORM_AWS_ACCOUNT_IDS = env_aws_account_ids("INFERPLANE_PLATFORM_AWS_ACCOUNT_IDS")
 API_KEY_CACHE_S = env_float("INFERPLANE_API_KEY_CACHE_S", 5.0, minimum=0)
 # A token that names no usable key is refused without a query for this long (tokens are random:
 # one refused now cannot become valid later, except a key whose creator rejoins the organisation).

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -32,7 +33,7 @@ from endpoints.models import (
     source_kind,
     weights_scope_for,
 )
-from gpu_agent.protocol import SourceCredentials
+from gpu_agent.protocol import SourceCredentials, role_account
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +55,43 @@ class CredentialInUse(ValueError):
     """A credential that live endpoints or their adapters still name cannot be deleted."""
 
 
+class RoleNotAllowed(ValueError):
+    """A role ARN the platform will not assume for a tenant; the message is for the tenant."""
+
+
+ROLE_ARN_FORMAT = "Use arn:aws:iam::<12-digit account>:role/<name>."
+PLATFORM_ROLE = ("This role is in one of the platform's own AWS accounts, so it is never assumed for you: "
+                 "name a role in your own account.")
+
+
+def check_role_arn(role_arn: str) -> None:
+    """Refuse a role ARN that is not a role in an account, or whose account is one the platform runs in.
+
+    NOTE: the GPU nodes assume a tenant's role with their own credentials. A role in the platform's own
+    account (`INFERPLANE_PLATFORM_AWS_ACCOUNT_IDS`) that trusts the nodes, or the account, without checking
+    the external id would let the tenant read what the platform can: IAM policy is not in this repository,
+    so such a role is never assumed, whatever its trust policy says. Checked when a credential is saved and
+    each time a replica's spec is built, for rows stored before the check or the setting.
+    """
+    account = role_account(role_arn)
+    if account is None:
+        raise RoleNotAllowed(ROLE_ARN_FORMAT)
+    if account in settings.PLATFORM_AWS_ACCOUNT_IDS:
+        raise RoleNotAllowed(PLATFORM_ROLE)
+
+
 def build_source_credentials(kind: str, values: dict) -> SourceCredentials:
-    """The protocol's credentials from non-secret and secret values; raises ValueError if incomplete.
+    """The protocol's credentials from non-secret and secret values; raises ValueError if incomplete,
+    `RoleNotAllowed` for a role the platform will not assume (`check_role_arn`).
 
     NOTE: the completeness rules (keys or a role for S3, a token for Hugging Face) are the
     protocol's own, so what the API accepts is exactly what an agent can use.
     """
     wanted = PUBLIC_FIELDS[kind] + SECRETS_OF_KIND[kind] + ("external_id",)
-    return SourceCredentials(kind=kind, **{name: values.get(name) or "" for name in wanted})
+    credentials = SourceCredentials(kind=kind, **{name: values.get(name) or "" for name in wanted})
+    if credentials.role_arn:
+        check_role_arn(credentials.role_arn)
+    return credentials
 
 
 # --- writes -------------------------------------------------------------------------------------
@@ -179,6 +209,9 @@ def source_access(endpoint: Endpoint) -> SourceAccess:
     - Without, a source on the public catalogue: the fleet's own credentials; one cached copy for all.
     - Without, anything else (a public repo we cannot prove public, a local path): an anonymous
       read, cached for the organisation only, since another tenant must not get it from our cache.
+
+    Raises `RoleNotAllowed` for a credential whose role the platform will not assume (stored before
+    `check_role_arn` refused it): its replicas then fail with the reason, and the role never reaches a node.
     """
     scope = weights_scope_for(endpoint.organization_id, endpoint.credential_id, endpoint.model_source)
     if endpoint.credential_id is not None:
@@ -187,6 +220,8 @@ def source_access(endpoint: Endpoint) -> SourceAccess:
             return SourceAccess(None, False, scope)
         try:
             credentials = source_credentials(credential)
+        except RoleNotAllowed:
+            raise  # the replica fails with the reason on its endpoint (`desired_replicas`); the role is never sent
         except (secrets.SecretUnreadable, ValueError):
             # The download then fails as unauthorised; the operator fixes the keys (see rotate_encryption_keys).
             logger.error("credential %s of endpoint %s cannot be read with the configured keys", credential.pk, endpoint.pk)

@@ -179,7 +179,8 @@ class CredentialForm(SerializerBackedForm):
     secret_access_key = _secret_input("Secret access key", "S3 only. Stored encrypted, never shown again.")
     session_token = _secret_input("Session token", "S3 temporary keys only.")
     role_arn = forms.CharField(label="Role ARN", required=False,
-                               help_text="S3 only, instead of keys: a role we assume with the external id shown after saving.")
+                               help_text="S3 only, instead of keys: a role in your own AWS account, which we assume "
+                                         "with the external id shown after saving.")
     region = forms.CharField(label="Region", required=False, widget=forms.TextInput(attrs={"placeholder": "us-east-1"}))
     endpoint_url = forms.CharField(label="Endpoint URL", required=False,
                                    help_text="An S3-compatible store's https address; empty for AWS S3.")

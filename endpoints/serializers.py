@@ -27,7 +27,9 @@ from endpoints.credentials import (
     CREDENTIAL_NAME_TAKEN,
     PUBLIC_FIELDS,
     SECRETS_OF_KIND,
+    RoleNotAllowed,
     build_source_credentials,
+    check_role_arn,
 )
 from endpoints.models import (
     Adapter,
@@ -414,7 +416,6 @@ class EndpointDetailSerializer(EndpointSerializer):
 
 # --- model credentials ------------------------------------------------------------------------
 
-ROLE_ARN = re.compile(r"^arn:aws(-[a-z]+){0,2}:iam::\d{12}:role/[\w+=,.@/-]{1,512}$")
 REGION = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 ACCESS_KEY_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII: S3-compatible stores use their own formats
 SECRET_VALUE = re.compile(r"^[\x21-\x7e]+$")
@@ -445,6 +446,15 @@ def validate_endpoint_url(value: str) -> str:
     return value
 
 
+def validate_role_arn(value: str) -> str:
+    """A role in an account, not one of the platform's own (`endpoints.credentials.check_role_arn`)."""
+    try:
+        check_role_arn(value)
+    except RoleNotAllowed as exc:
+        raise serializers.ValidationError(str(exc)) from None
+    return value
+
+
 def _secret(label: str, max_length: int) -> serializers.CharField:
     return serializers.CharField(
         write_only=True, required=False, max_length=max_length, style={"input_type": "password"},
@@ -459,9 +469,9 @@ class CredentialSerializer(StrictModelSerializer):
     kind = serializers.ChoiceField(choices=CredentialKind.choices, help_text="s3 or hf; fixed once created.")
     access_key_id = serializers.RegexField(ACCESS_KEY_ID, required=False, allow_blank=True,
                                            help_text="S3 access key id (shown back).")
-    role_arn = serializers.RegexField(ROLE_ARN, required=False, allow_blank=True, max_length=2048,
-                                      error_messages={"invalid": "Use arn:aws:iam::<12-digit account>:role/<name>."},
-                                      help_text="An IAM role the platform assumes with `external_id`.")
+    role_arn = serializers.CharField(required=False, allow_blank=True, max_length=2048, validators=[validate_role_arn],
+                                     help_text="An IAM role in your own AWS account, which the platform assumes with "
+                                               "`external_id`; a role in the platform's own accounts is refused.")
     region = serializers.RegexField(REGION, required=False, allow_blank=True,
                                     error_messages={"invalid": "Use a region name such as eu-west-1."})
     endpoint_url = serializers.CharField(required=False, allow_blank=True, max_length=500, validators=[validate_endpoint_url],
@@ -520,6 +530,8 @@ class CredentialSerializer(StrictModelSerializer):
             raise serializers.ValidationError(errors)
         try:
             build_source_credentials(kind, values)
+        except RoleNotAllowed as exc:  # a stored role, refused since it was saved: the change would keep it
+            raise serializers.ValidationError({"role_arn": [str(exc)]}) from None
         except ValueError as exc:
             raise serializers.ValidationError(str(exc)) from None
         return attrs

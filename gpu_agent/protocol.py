@@ -417,6 +417,28 @@ class Heartbeat(Message):
         _require_distinct_gpus(self.gpus)
 
 
+# An IAM role in one account of a partition the fleet can run in: `arn:aws:iam::<12-digit account>:role/<path/><name>`.
+# NOTE: ASCII only (`re.ASCII`, `[0-9]`): a Unicode digit in the account would not be equal, as text, to the
+# platform's own account that it names for AWS.
+_ROLE_ARN = re.compile(
+    r"arn:(?:aws|aws-cn|aws-us-gov):iam::(?P<account>[0-9]{12}):role/(?P<path>(?:[\w+=,.@-]+/)*)[\w+=,.@-]{1,64}",
+    re.ASCII,
+)
+_MAX_ROLE_PATH = 512  # IAM's: the path between `role` and the name, both slashes included
+
+
+def role_account(role_arn: str) -> str | None:
+    """The AWS account a role ARN names, or None when it is not a role in an account.
+
+    Both sides use it: the control plane to refuse a tenant's role in the platform's own accounts, the agent to
+    refuse one in its node's own account before it lends the node's credentials to assume it.
+    """
+    match = _ROLE_ARN.fullmatch(role_arn)
+    if match is None or len(match["path"]) + 1 > _MAX_ROLE_PATH:
+        return None
+    return match["account"]
+
+
 @dataclass(slots=True)
 class SourceCredentials(Message):
     """An organisation's own credentials for one replica's model source.

@@ -120,6 +120,12 @@ def test_viewers_cannot_list_credentials(org, member_client_factory):
     ({"kind": "hf"}, "hf_token"),
     ({"kind": "hf", "hf_token": HF_SECRET, "access_key_id": "AKIA1"}, "access_key_id"),
     ({"kind": "s3", "role_arn": "arn:aws:iam::123:role/x"}, "role_arn"),
+    # Not a role in an account, though the pattern before took them (the account must be what AWS reads).
+    ({"kind": "s3", "role_arn": "arn:aws-made-up:iam::123456789012:role/x"}, "role_arn"),
+    ({"kind": "s3", "role_arn": "arn:aws:iam::" + "\u0661" * 12 + ":role/x"}, "role_arn"),  # Arabic-Indic digits
+    ({"kind": "s3", "role_arn": "arn:aws:iam::123456789012:role//"}, "role_arn"),
+    ({"kind": "s3", "role_arn": "arn:aws:iam::123456789012:role/r\u00e9ader"}, "role_arn"),
+    ({"kind": "s3", "role_arn": "arn:aws:iam::123456789012:role/" + "r" * 65}, "role_arn"),
     ({"kind": "gcs", "hf_token": HF_SECRET}, "kind"),
     ({"kind": "hf", "hf_token": "has a space"}, "hf_token"),
     ({"kind": "s3", "role_arn": "arn:aws:iam::123456789012:role/reader", "extra": 1}, "extra"),
@@ -138,6 +144,46 @@ def test_a_role_needs_no_secret_and_gets_our_external_id(owner_client):
     }, format="json")
     assert response.status_code == 201, response.json()
     assert response.json()["secrets_set"] == [] and response.json()["external_id"].startswith("inferplane-")
+
+
+PLATFORM_ACCOUNTS = frozenset({"111122223333", "444455556666"})
+
+
+@pytest.mark.parametrize("role_arn", [
+    "arn:aws:iam::444455556666:role/inferplane-node",
+    "arn:aws:iam::111122223333:role/path/to/admin",
+    "arn:aws-us-gov:iam::111122223333:role/reader",
+])
+def test_a_role_in_one_of_the_platforms_own_accounts_is_a_400_on_role_arn(owner_client, settings, role_arn):
+    # The GPU nodes assume the role with their own credentials: one in the platform's account that trusts them
+    # without checking the external id read, for the tenant, whatever the platform can.
+    settings.PLATFORM_AWS_ACCOUNT_IDS = PLATFORM_ACCOUNTS
+    response = owner_client.post("/api/v1/credentials/", {"name": "role", "kind": "s3", "role_arn": role_arn},
+                                 format="json")
+    assert response.status_code == 400
+    assert response.json()["role_arn"] == [
+        "This role is in one of the platform's own AWS accounts, so it is never assumed for you: "
+        "name a role in your own account."
+    ]
+    assert not ModelCredential.objects.exists()
+
+
+def test_a_credential_cannot_be_changed_to_a_role_in_the_platforms_account_and_one_elsewhere_still_works(
+    owner_client, settings
+):
+    settings.PLATFORM_AWS_ACCOUNT_IDS = PLATFORM_ACCOUNTS
+    created = owner_client.post("/api/v1/credentials/", {
+        "name": "role", "kind": "s3", "role_arn": "arn:aws:iam::123456789012:role/inferplane-reader",
+    }, format="json")
+    assert created.status_code == 201, created.json()
+    url = f"/api/v1/credentials/{created.json()['id']}/"
+    changed = owner_client.patch(url, {"role_arn": "arn:aws:iam::111122223333:role/reader"}, format="json")
+    assert changed.status_code == 400 and "platform's own AWS accounts" in changed.json()["role_arn"][0]
+    assert ModelCredential.objects.get().role_arn == "arn:aws:iam::123456789012:role/inferplane-reader"
+    # Stored before the platform's accounts were named: any change says why, on the field to change.
+    settings.PLATFORM_AWS_ACCOUNT_IDS = frozenset({"123456789012"})
+    renamed = owner_client.patch(url, {"name": "renamed"}, format="json")
+    assert renamed.status_code == 400 and "platform's own AWS accounts" in renamed.json()["role_arn"][0]
 
 
 @pytest.mark.parametrize("url", ["http://169.254.169.254", "https://169.254.169.254/latest", "https://10.0.0.5:9000",

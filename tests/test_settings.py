@@ -5,7 +5,14 @@ import sys
 import pytest
 
 from controlplane import env
-from controlplane.env import ImproperlyConfiguredEnv, env_bool, env_int, env_list, parse_database_url
+from controlplane.env import (
+    ImproperlyConfiguredEnv,
+    env_aws_account_ids,
+    env_bool,
+    env_int,
+    env_list,
+    parse_database_url,
+)
 from tests.conftest import REPO_ROOT
 
 
@@ -25,6 +32,17 @@ def test_env_helpers_fail_loudly_on_bad_values(monkeypatch):
     assert env_list("X_LIST") == ["a", "b", "c"]
     with pytest.raises(ImproperlyConfiguredEnv):
         parse_database_url("mysql://db/x")
+
+
+def test_the_platforms_aws_accounts_are_twelve_digit_ids_or_the_setting_refuses_to_start(monkeypatch):
+    monkeypatch.setattr(env, "SETTINGS_ENV_VARS", set(env.SETTINGS_ENV_VARS))
+    assert env_aws_account_ids("X_ACCOUNTS") == frozenset()
+    monkeypatch.setenv("X_ACCOUNTS", " 111122223333, 444455556666 ,")
+    assert env_aws_account_ids("X_ACCOUNTS") == {"111122223333", "444455556666"}
+    for bad in ("1111-2222-3333", "11112222333", "arn:aws:iam::111122223333:root", "\u0661" * 12):
+        monkeypatch.setenv("X_ACCOUNTS", f"111122223333,{bad}")
+        with pytest.raises(ImproperlyConfiguredEnv, match="X_ACCOUNTS must list 12-digit AWS account ids"):
+            env_aws_account_ids("X_ACCOUNTS")
 
 
 def test_database_url_parses_sockets_and_tcp():

@@ -11,7 +11,7 @@ from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
 from endpoints.credentials import source_access
 from endpoints.fleet.services import create_join_token
-from endpoints.models import AllowedSource, ModelCredential, Replica, organization_scope
+from endpoints.models import Adapter, AllowedSource, ModelCredential, Replica, organization_scope
 from endpoints.nodes.models import Node
 from endpoints.replicas import record_chat_template_tokens
 from gpu_agent.protocol import ChatTemplateTokens, Heartbeat, HeartbeatResponse, ReplicaState, ReplicaStatus
@@ -163,6 +163,40 @@ def test_a_stopped_replicas_credentials_are_not_sent_again(client):
     endpoint = EndpointFactory(organization=credential.organization, model_source="s3://our-bucket/llama", credential=credential)
     Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STOPPED)
     assert AWS_SECRET not in beat(client, secret).content.decode()
+
+
+def test_a_stored_role_in_the_platforms_account_fails_its_replica_with_the_reason_and_is_never_sent(client, settings):
+    # Stored before the platform's accounts were refused: the node was told to assume a role in the platform's own
+    # account with its own credentials, for a tenant.
+    node, secret = register(client, "gpu-1")
+    organization = OrganizationFactory()
+    platform_role = "arn:aws:iam::111122223333:role/inferplane-node"
+    stored = make_credential(organization, name="stored", access_key_id="", secret_access_key="",
+                             role_arn="arn:aws:iam::123456789012:role/reader")
+    ModelCredential.objects.filter(pk=stored.pk).update(role_arn=platform_role)
+    elsewhere = make_credential(organization, name="elsewhere", access_key_id="", secret_access_key="",
+                                role_arn="arn:aws:iam::123456789012:role/reader")
+    broken = EndpointFactory(organization=organization, name="broken", model_source="s3://b/m", credential=stored,
+                             max_loras=2, max_lora_rank=16)
+    working = EndpointFactory(organization=organization, name="working", model_source="s3://b/m", credential=elsewhere,
+                              max_loras=2, max_lora_rank=16)
+    Adapter.objects.create(endpoint=working, name="tuned", source="s3://b/tuned", credential=stored)
+    failing = Replica.objects.create(endpoint=broken, node=node, state=ReplicaState.STARTING)
+    Replica.objects.create(endpoint=working, node=node, state=ReplicaState.STARTING)
+    settings.PLATFORM_AWS_ACCOUNT_IDS = frozenset({"111122223333"})
+
+    answer = beat(client, secret)
+
+    assert platform_role not in answer.content.decode()
+    [spec] = HeartbeatResponse.from_dict(answer.json()).desired
+    assert spec.endpoint_id == str(working.pk) and spec.credentials.role_arn == "arn:aws:iam::123456789012:role/reader"
+    assert spec.adapters == []
+    failing.refresh_from_db()
+    broken.refresh_from_db()
+    assert failing.state == ReplicaState.FAILED and "platform's own AWS accounts" in failing.failure_reason
+    assert broken.failed_at is not None and "platform's own AWS accounts" in broken.status_message
+    adapter = Adapter.objects.get(name="tuned")
+    assert adapter.state == "FAILED" and "platform's own AWS accounts" in adapter.status_message
 
 
 def test_staff_manage_the_catalogue_in_the_admin_and_each_change_is_audited(client, admin_user):

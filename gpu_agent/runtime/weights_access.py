@@ -32,7 +32,7 @@ import httpx
 from botocore import UNSIGNED
 from botocore.config import Config
 
-from gpu_agent.protocol import ReplicaSpec, SourceCredentials
+from gpu_agent.protocol import ReplicaSpec, SourceCredentials, role_account
 from gpu_agent.runtime.weights_watchdog import guard_s3_connections
 
 # Statuses and codes that mean "the store is down or busy", not "you may not read this".
@@ -45,6 +45,9 @@ _ROLE_CLIENT_LIFETIME_S = 15 * 60
 _MAX_CLIENTS = 64
 _clients: OrderedDict[tuple, tuple[object, float]] = OrderedDict()
 _clients_lock = threading.Lock()
+# The node's own AWS account by the access key id of its credentials (STS GetCallerIdentity, asked once per key).
+_MAX_NODE_ACCOUNTS = 16
+_node_accounts: dict[str, str] = {}
 
 
 class WeightsError(Exception):
@@ -218,16 +221,28 @@ def _new_s3_client(access: SourceAccess, credentials, endpoint_url, region, sour
 
 
 def _assumed_role_session(credentials: SourceCredentials, source: str, region: str | None):
-    """The organisation's role, assumed with the node's own credentials: only the temporary keys read the source."""
+    """The organisation's role, assumed with the node's own credentials: only the temporary keys read the source.
+
+    NOTE: never a role in the node's own account. If a role there trusted the node (or the account) without
+    checking the external id, the tenant would read what the platform can (a confused deputy). The control plane
+    refuses the platform's accounts it is told of (`INFERPLANE_PLATFORM_AWS_ACCOUNT_IDS`); the node knows its
+    own account without being told, from the very credentials it would lend, so it refuses that one itself.
+    """
+    account = role_account(credentials.role_arn)
+    if account is None:
+        raise SourceUnreadable(f"cannot read {source}: the credential's role_arn is not an IAM role in an account")
+    node = boto3.session.Session(region_name=region)
+    sts = node.client("sts", config=_S3_CONFIG)
     arguments = {"RoleArn": credentials.role_arn, "RoleSessionName": _ROLE_SESSION_NAME}
     if credentials.external_id:
         arguments["ExternalId"] = credentials.external_id
     with s3_errors(source):
-        answer = (
-            boto3.session.Session(region_name=region)
-            .client("sts", config=_S3_CONFIG)
-            .assume_role(**arguments)
-        )
+        if account == _node_account(node, sts):
+            raise SourceUnreadable(
+                f"cannot read {source}: the credential's role is in the platform's own AWS account, so it is never "
+                "assumed; name a role in your own account"
+            )
+        answer = sts.assume_role(**arguments)
     temporary = answer["Credentials"]
     return boto3.session.Session(
         aws_access_key_id=temporary["AccessKeyId"],
@@ -235,6 +250,24 @@ def _assumed_role_session(credentials: SourceCredentials, source: str, region: s
         aws_session_token=temporary["SessionToken"],
         region_name=region,
     )
+
+
+def _node_account(node, sts) -> str:
+    """The AWS account of the node's own credentials. GetCallerIdentity needs no permission; it is asked once for
+    each access key id the node's credentials have (an instance role's keys rotate, its account does not)."""
+    node_credentials = node.get_credentials()
+    if node_credentials is None:
+        raise botocore.exceptions.NoCredentialsError()
+    key = node_credentials.get_frozen_credentials().access_key
+    with _clients_lock:
+        account = _node_accounts.get(key)
+    if account is None:
+        account = sts.get_caller_identity()["Account"]
+        with _clients_lock:
+            if len(_node_accounts) >= _MAX_NODE_ACCOUNTS:
+                _node_accounts.clear()
+            _node_accounts[key] = account
+    return account
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """Whose credentials read a model: the organisation's own, the fleet's for the catalogue only, else none.
 
 The S3 tests run against a moto server in its own process that enforces IAM, with three parties:
-tenant A (keys for `tenant-a-*`), tenant B (a role the fleet assumes, for `tenant-b-models`) and the
-fleet itself (the agent's own environment keys, for `fleet-catalogue` and `sts:AssumeRole`).
+tenant A (keys for `tenant-a-*`), tenant B (a role in its own account that the fleet assumes, for
+`tenant-b-models`) and the fleet itself (the agent's own environment keys, for `fleet-catalogue` and
+`sts:AssumeRole`, in the platform's account, which also holds a role that trusts anyone).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import boto3
+import botocore.client
 import httpx
 import pytest
 from botocore.exceptions import ClientError
@@ -26,6 +28,8 @@ from gpu_agent.runtime.weights_access import SourceAccess, SourceUnreadable, Sto
 from .test_weights_cache import s3, s3_endpoint, upload_model  # noqa: F401  (fixtures)
 from .test_weights_hf import FakeHub
 
+TENANT_B_ACCOUNT = "210987654321"  # moto's own default account, 123456789012, is the platform's here
+
 
 @dataclass
 class IamStore:
@@ -33,6 +37,7 @@ class IamStore:
     tenant_a: tuple[str, str]
     fleet: tuple[str, str]
     tenant_b_role: str
+    platform_role: str
 
     def keys(self, pair: tuple[str, str], **extra) -> SourceCredentials:
         return SourceCredentials(
@@ -92,13 +97,20 @@ def iam_store():
             _s3_allow("fleet-catalogue"),
             {"Effect": "Allow", "Action": "sts:AssumeRole", "Resource": "*"},
         )
+        # NOTE: moto checks no trust policy nor external id, as a careless role in the platform's account would not.
         trust = _policy({"Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "sts:AssumeRole"})
-        role = iam.create_role(RoleName="tenant-b-reader", AssumeRolePolicyDocument=trust)["Role"]["Arn"]
-        iam.put_role_policy(
+        tenant_b_iam = boto3.client("iam", **admin)
+        tenant_b_iam.meta.events.register(
+            "before-sign.iam.*", lambda request, **_: request.headers.__setitem__("x-moto-account-id", TENANT_B_ACCOUNT)
+        )
+        role = tenant_b_iam.create_role(RoleName="tenant-b-reader", AssumeRolePolicyDocument=trust)["Role"]["Arn"]
+        tenant_b_iam.put_role_policy(
             RoleName="tenant-b-reader", PolicyName="p", PolicyDocument=_policy(_s3_allow("tenant-b-models"))
         )
+        platform_role = iam.create_role(RoleName="platform-reader", AssumeRolePolicyDocument=trust)["Role"]["Arn"]
+        iam.put_role_policy(RoleName="platform-reader", PolicyName="p", PolicyDocument=_policy(_s3_allow("*")))
         httpx.post(f"{url}/moto-api/reset-auth", content=b"0")  # from now on every request is checked
-        yield IamStore(url=url, tenant_a=tenant_a, fleet=fleet, tenant_b_role=role)
+        yield IamStore(url=url, tenant_a=tenant_a, fleet=fleet, tenant_b_role=role, platform_role=platform_role)
     finally:
         server.terminate()
         server.wait(timeout=20)
@@ -163,6 +175,37 @@ def test_a_role_is_assumed_with_the_nodes_keys_and_only_its_temporary_keys_read(
     for source in ("s3://fleet-catalogue/m", "s3://tenant-a-models/m"):
         with pytest.raises(SourceUnreadable):
             cache.fetch(source, access=access)
+
+
+def test_a_role_in_the_nodes_own_account_is_never_assumed_whatever_its_trust_policy(
+    iam_store, fleet_environment, tmp_path, monkeypatch
+):
+    # A tenant named a role in the platform's account that trusts anyone: the node assumed it with its own keys and
+    # the tenant read every bucket the role could (here, all of them), tenant A's included.
+    assert iam_store.platform_role.startswith("arn:aws:iam::123456789012:role/")
+    calls = []
+    make_api_call = botocore.client.BaseClient._make_api_call
+
+    def recorded(client, operation_name, api_params):
+        calls.append(operation_name)
+        return make_api_call(client, operation_name, api_params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", recorded)
+    role = SourceCredentials(
+        kind="s3", role_arn=iam_store.platform_role, external_id="org-b-external", endpoint_url=iam_store.url
+    )
+    cache = WeightsCache(tmp_path / "weights")
+    with pytest.raises(SourceUnreadable, match="role is in the platform's own AWS account"):
+        cache.fetch("s3://tenant-a-models/m", access=SourceAccess(credentials=role, scope="org-b"))
+    assert "AssumeRole" not in calls and "ListObjectsV2" not in calls
+    assert cache.num_downloads == 0
+    # The same node still assumes a role in the tenant's own account.
+    tenant_role = SourceCredentials(
+        kind="s3", role_arn=iam_store.tenant_b_role, external_id="org-b-external", endpoint_url=iam_store.url
+    )
+    assert iam_store.tenant_b_role.startswith(f"arn:aws:iam::{TENANT_B_ACCOUNT}:role/")
+    fetched = cache.fetch("s3://tenant-b-models/m", access=SourceAccess(credentials=tenant_role, scope="org-b"))
+    assert owner(fetched) == "tenant-b-models"
 
 
 def test_fleet_credentials_serve_catalogue_sources_only_when_the_spec_says_so(

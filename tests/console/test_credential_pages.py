@@ -37,6 +37,20 @@ def test_form_errors_are_inline_and_the_typed_secret_is_not_echoed(owner):
     assert not ModelCredential.objects.exists()
 
 
+def test_a_role_in_the_platforms_own_account_is_refused_on_the_form_with_the_reason(owner, settings):
+    settings.PLATFORM_AWS_ACCOUNT_IDS = frozenset({"111122223333"})
+    role = NEW_S3 | {"name": "role", "access_key_id": "", "secret_access_key": "",
+                     "role_arn": "arn:aws:iam::111122223333:role/inferplane-node"}
+    response = owner.post(reverse("console:credentials"), role)
+    assert response.status_code == 400
+    assert "This role is in one of the platform&#x27;s own AWS accounts" in response.content.decode()
+    assert "platform's own AWS accounts" in response.context["form"].errors["role_arn"][0]  # next to its field
+    assert not ModelCredential.objects.exists()
+    elsewhere = owner.post(reverse("console:credentials"), role | {"role_arn": "arn:aws:iam::123456789012:role/reader"})
+    assert elsewhere.status_code == 302
+    assert ModelCredential.objects.get().role_arn == "arn:aws:iam::123456789012:role/reader"
+
+
 def test_a_blank_secret_box_keeps_the_stored_secret_and_a_typed_one_replaces_it(owner):
     credential = make_credential(owner.organization)
     url = reverse("console:credential-edit", args=[credential.pk])
