@@ -90,6 +90,54 @@ def test_switching_mode_mid_period_bills_usage_before_the_switch_one_way_and_aft
     assert CreditGrant.objects.get(organization=organization).remaining == Decimal("10") - prepaid_cost
 
 
+def test_prepaid_usage_recorded_before_a_switch_to_postpaid_is_drawn_from_credit(fake_stripe):
+    # A rollup run flagged for a draw only the organisations prepaid when it ran: usage recorded in prepaid mode and
+    # rolled up after a switch to postpaid was never drawn, and never metered to Stripe either (free usage).
+    from billing import tasks
+
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("10"))
+    record_usage(usage_report(endpoint, finished_at=_hours_ago(3), prompt_tokens=100_000, completion_tokens=0))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.POSTPAID)
+
+    tasks.rollup_usage()
+
+    assert UsageRecord.objects.get(organization=organization).cost == Decimal("0.10")
+    assert CreditGrant.objects.get(organization=organization).consumed == Decimal("0.10")
+    assert BillingAccount.objects.get(organization=organization).credit_drawn == Decimal("0.10")
+    assert stripe_sync.push_pending_rollups() == 0 and _customer_usage_cost(fake_stripe, organization) == 0
+
+
+def test_the_migration_flags_for_a_draw_the_prepaid_usage_a_switch_to_postpaid_left_undrawn():
+    import importlib
+
+    from django.apps import apps
+
+    from billing import tasks
+
+    left, drawn = (EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+                   for _ in range(2))
+    for endpoint in (left, drawn):
+        set_billing_mode(SYSTEM, endpoint.organization, mode=BillingMode.PREPAID)
+        grant_credits(SYSTEM, endpoint.organization, amount=Decimal("10"))
+        record_usage(usage_report(endpoint, finished_at=_hours_ago(3), prompt_tokens=100_000, completion_tokens=0))
+    draw_credits(drawn.organization_id)
+    set_billing_mode(SYSTEM, left.organization, mode=BillingMode.POSTPAID)
+    rollup_usage()
+    BillingAccount.objects.update(credit_draw_due=False)  # as the rollups left it before this change
+
+    migration = importlib.import_module("billing.migrations.0014_draw_prepaid_usage_left_by_a_switch")
+    migration.flag_undrawn_prepaid_usage(apps, None)
+
+    assert set(BillingAccount.objects.filter(credit_draw_due=True).values_list("organization_id", flat=True)) == {
+        left.organization_id}
+    tasks.rollup_usage()
+    for endpoint in (left, drawn):
+        assert CreditGrant.objects.get(organization=endpoint.organization).consumed == Decimal("0.10")
+
+
 def test_the_credit_left_counts_prepaid_usage_only():
     endpoint = EndpointFactory()
     organization = endpoint.organization
