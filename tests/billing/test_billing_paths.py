@@ -15,7 +15,7 @@ from django.utils import timezone
 from billing import stripe_sync
 from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage
-from billing.models import BillingAccount, BillingMode, CreditGrant, UsageRecord, UsageRollup
+from billing.models import BillingAccount, BillingMode, CreditGrant, Invoice, UsageRecord, UsageRollup
 from billing.quota.counters import QuotaExceeded
 from billing.quota.rebuild import credit_available
 from billing.rollups import rollup_usage
@@ -228,6 +228,31 @@ def test_credit_granted_in_the_django_admin_is_audited_and_usable_at_once(staff_
 
     assert AuditEvent.objects.filter(organization=organization, action="billing.grant_credits", actor=staff_client.staff).exists()
     _reserve(organization, "after")
+
+
+def test_stripes_invoices_are_read_only_in_the_django_admin(staff_client):
+    # They decide an organisation's payment standing: marked paid in the admin, an unpaid invoice lifted a past-due
+    # hold at the next review, and one marked uncollectible held an organisation, with no audit event.
+    organization = EndpointFactory().organization
+    failed_at = timezone.now() - timedelta(days=10)
+    invoice = Invoice.objects.create(organization=organization, stripe_invoice_id="in_unpaid", number="INV-1",
+                                     status="open", amount_due=5000, payment_failed_at=failed_at)
+    url = f"/django-admin/billing/invoice/{invoice.pk}/change/"
+    paid = {"organization": organization.pk, "stripe_invoice_id": "in_unpaid", "number": "INV-1", "status": "paid",
+            "currency": "usd", "amount_due": "5000", "amount_paid": "5000", "period_start_0": "", "period_start_1": "",
+            "period_end_0": "", "period_end_1": "", "hosted_invoice_url": "", "payment_failed_at_0": "",
+            "payment_failed_at_1": "", "stripe_event_created": "0"}
+
+    shown = staff_client.get(url)
+    changed = staff_client.post(url, paid)
+    added = staff_client.post("/django-admin/billing/invoice/add/", paid | {"stripe_invoice_id": "in_made_up"})
+    deleted = staff_client.post(f"/django-admin/billing/invoice/{invoice.pk}/delete/", {"post": "yes"})
+
+    assert shown.status_code == 200 and "INV-1" in shown.content.decode()
+    assert (changed.status_code, added.status_code, deleted.status_code) == (403, 403, 403)
+    invoice.refresh_from_db()
+    assert (invoice.status, invoice.amount_paid, invoice.payment_failed_at) == ("open", 0, failed_at)
+    assert list(Invoice.objects.values_list("stripe_invoice_id", flat=True)) == ["in_unpaid"]
 
 
 def test_a_draw_that_failed_after_its_rollups_committed_is_made_by_the_next_run(monkeypatch):
