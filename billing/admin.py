@@ -111,5 +111,17 @@ class UsageRollupAdmin(admin.ModelAdmin):
 class InvoiceAdmin(admin.ModelAdmin):
     list_display = ["organization", "number", "status", "amount_due", "amount_paid", "period_start"]
 
+    # NOTE: Stripe's invoices as its webhooks last told them; they decide an organisation's payment standing
+    # (`billing.standing`). Edited here, one marked paid lifted a past-due hold and one marked uncollectible held an
+    # organisation, with no audit event. Corrections are made in Stripe and come back by webhook.
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
 
 admin.site.register(SpendAlert)

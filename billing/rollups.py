@@ -39,7 +39,8 @@ class RollupResult:
     num_updated: int = 0
     num_adjustments: int = 0
     num_closed: int = 0
-    organization_ids: set[int] = field(default_factory=set)
+    # The organisations whose prepaid rollups changed: their credit is drawn next (`credit_draw_due`).
+    prepaid_organization_ids: set[int] = field(default_factory=set)
 
 
 def close_delay() -> timedelta:
@@ -63,7 +64,9 @@ def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupRe
             _apply(totals, now, result)
         # NOTE: with the rollups, in their transaction: the draw that follows (`billing.tasks.rollup_usage`) may not
         # happen (the worker killed, a draw failing, the time limit), and a rerun finds nothing changed to draw for.
-        BillingAccount.objects.filter(organization_id__in=result.organization_ids, mode=BillingMode.PREPAID,
+        # Chosen by the rollups' mode, not the account's: prepaid rows recorded before a switch to postpaid are still
+        # drawn from credit (`draw_credits` reads the ledger's prepaid rows), and are never pushed to Stripe.
+        BillingAccount.objects.filter(organization_id__in=result.prepaid_organization_ids,
                                       credit_draw_due=False).update(credit_draw_due=True)
         result.num_closed = UsageRollup.objects.filter(
             closed_at__isnull=True,
@@ -73,6 +76,12 @@ def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupRe
         state.last_run_at = now
         state.save()
     return result
+
+
+def _note_changed_group(result: RollupResult, organization_id: int, mode: str) -> None:
+    """A rollup of the organisation in `mode` was made or changed: a prepaid one has usage to draw from credit."""
+    if mode == BillingMode.PREPAID:
+        result.prepaid_organization_ids.add(organization_id)
 
 
 def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
@@ -93,7 +102,7 @@ def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
         if not rollups:
             to_create.append(UsageRollup(organization_id=org, endpoint_id=endpoint, hour_start=hour, billing_mode=mode,
                                          computed_at=now, **total))
-            result.organization_ids.add(org)
+            _note_changed_group(result, org, mode)
             continue
         primary = rollups[0]
         if primary.closed_at is None:
@@ -103,7 +112,7 @@ def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
                     setattr(primary, name, value)
                 primary.computed_at = now
                 to_update.append(primary)
-                result.organization_ids.add(org)
+                _note_changed_group(result, org, mode)
             continue
         difference = {name: total[name] - sum(getattr(r, name) for r in rollups) for name in HOURLY_TOTAL_FIELDS}
         if not any(difference.values()):
@@ -117,7 +126,7 @@ def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
             kind=RollupKind.ADJUSTMENT, computed_at=now, closed_at=now, **difference,
         ))
         result.num_adjustments += 1
-        result.organization_ids.add(org)
+        _note_changed_group(result, org, mode)
 
     UsageRollup.objects.bulk_create(to_create, batch_size=1000)
     UsageRollup.objects.bulk_update(to_update, [*HOURLY_TOTAL_FIELDS, "computed_at"], batch_size=1000)

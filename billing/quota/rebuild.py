@@ -4,11 +4,12 @@ PostgreSQL: spend is the ledger's sum, credit what the grants leave after it."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
 from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_usage_began
@@ -113,15 +114,21 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *,
                         now=None) -> tuple[Decimal, int, dict[str, Decimal]]:
     """`credit_available`, and the cost of each prepaid row in it whose call is one of `reserved_ids`."""
     now = now or timezone.now()
-    account = BillingAccount.objects.for_organization(organization_id)
-    grants = list(CreditGrant.objects.filter(organization_id=organization_id))
+    BillingAccount.objects.for_organization(organization_id)  # made first if need be: the snapshot only reads
+    with _one_snapshot():
+        # NOTE: one snapshot for the account's `credit_drawn`, the grants and the ledger. A draw (`draw_credits`)
+        # committed between two of these reads was counted twice: the grants had taken it while `credit_drawn`
+        # still left it undrawn, and a prepaid account near the end of its credit was refused (402) early for up
+        # to the figure's TTL.
+        account = BillingAccount.objects.get(organization_id=organization_id)
+        grants = list(CreditGrant.objects.filter(organization_id=organization_id))
+        undrawn, pending = undrawn_prepaid_spend_and_pending(account, reserved_ids)
+        # NOTE: what expired after the usage not drawn yet began pays first for it, as the draw will take it
+        # (`CreditGrantQuerySet.paying_for`), and never for anything more.
+        since = undrawn_usage_began(account) or now
+        lapsed = [grant for grant in CreditGrant.objects.paying_for(organization_id, since=since, now=now)
+                  if not grant.is_active(now)]
     active = [grant for grant in grants if grant.is_active(now)]
-    undrawn, pending = undrawn_prepaid_spend_and_pending(account, reserved_ids)
-    # NOTE: what expired after the usage not drawn yet began pays first for it, as the draw will take it
-    # (`CreditGrantQuerySet.paying_for`), and never for anything more.
-    since = undrawn_usage_began(account) or now
-    lapsed = [grant for grant in CreditGrant.objects.paying_for(organization_id, since=since, now=now)
-              if not grant.is_active(now)]
     undrawn_on_active = max(undrawn - sum((grant.remaining for grant in lapsed), Decimal(0)), Decimal(0))
     available = sum((grant.remaining for grant in active), Decimal(0)) - undrawn_on_active
     changes = [g.expires_at for g in active if g.expires_at] + [g.granted_at for g in grants if g.granted_at > now]
@@ -129,6 +136,22 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *,
     if changes:
         ttl_s = max(1, min(ttl_s, int((min(changes) - now).total_seconds()) + 1))
     return available, ttl_s, pending
+
+
+@contextmanager
+def _one_snapshot():
+    """A read-only transaction whose reads all see the database as it was at the first of them (REPEATABLE READ):
+    what others commit meanwhile stays unseen, and nothing is locked. Inside a caller's transaction, its reads are
+    that one's. NOTE: `SET LOCAL` (as `SET TRANSACTION`, before the first read) keeps no session state
+    (`DATABASE_POOLER=transaction`)."""
+    if connection.in_atomic_block:
+        yield
+        return
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL transaction_isolation = 'repeatable read'")
+            cursor.execute("SET LOCAL transaction_read_only = on")
+        yield
 
 
 async def _write_rebuild(rebuild: _Rebuild, organization_id: int) -> None:

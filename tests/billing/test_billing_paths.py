@@ -15,7 +15,7 @@ from django.utils import timezone
 from billing import stripe_sync
 from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage
-from billing.models import BillingAccount, BillingMode, CreditGrant, UsageRecord, UsageRollup
+from billing.models import BillingAccount, BillingMode, CreditGrant, Invoice, UsageRecord, UsageRollup
 from billing.quota.counters import QuotaExceeded
 from billing.quota.rebuild import credit_available
 from billing.rollups import rollup_usage
@@ -88,6 +88,54 @@ def test_switching_mode_mid_period_bills_usage_before_the_switch_one_way_and_aft
     assert _customer_usage_cost(fake_stripe, organization) == int((postpaid_cost * micro).to_integral_value())
     assert draw_credits(organization.pk) == prepaid_cost
     assert CreditGrant.objects.get(organization=organization).remaining == Decimal("10") - prepaid_cost
+
+
+def test_prepaid_usage_recorded_before_a_switch_to_postpaid_is_drawn_from_credit(fake_stripe):
+    # A rollup run flagged for a draw only the organisations prepaid when it ran: usage recorded in prepaid mode and
+    # rolled up after a switch to postpaid was never drawn, and never metered to Stripe either (free usage).
+    from billing import tasks
+
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("10"))
+    record_usage(usage_report(endpoint, finished_at=_hours_ago(3), prompt_tokens=100_000, completion_tokens=0))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.POSTPAID)
+
+    tasks.rollup_usage()
+
+    assert UsageRecord.objects.get(organization=organization).cost == Decimal("0.10")
+    assert CreditGrant.objects.get(organization=organization).consumed == Decimal("0.10")
+    assert BillingAccount.objects.get(organization=organization).credit_drawn == Decimal("0.10")
+    assert stripe_sync.push_pending_rollups() == 0 and _customer_usage_cost(fake_stripe, organization) == 0
+
+
+def test_the_migration_flags_for_a_draw_the_prepaid_usage_a_switch_to_postpaid_left_undrawn():
+    import importlib
+
+    from django.apps import apps
+
+    from billing import tasks
+
+    left, drawn = (EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+                   for _ in range(2))
+    for endpoint in (left, drawn):
+        set_billing_mode(SYSTEM, endpoint.organization, mode=BillingMode.PREPAID)
+        grant_credits(SYSTEM, endpoint.organization, amount=Decimal("10"))
+        record_usage(usage_report(endpoint, finished_at=_hours_ago(3), prompt_tokens=100_000, completion_tokens=0))
+    draw_credits(drawn.organization_id)
+    set_billing_mode(SYSTEM, left.organization, mode=BillingMode.POSTPAID)
+    rollup_usage()
+    BillingAccount.objects.update(credit_draw_due=False)  # as the rollups left it before this change
+
+    migration = importlib.import_module("billing.migrations.0014_draw_prepaid_usage_left_by_a_switch")
+    migration.flag_undrawn_prepaid_usage(apps, None)
+
+    assert set(BillingAccount.objects.filter(credit_draw_due=True).values_list("organization_id", flat=True)) == {
+        left.organization_id}
+    tasks.rollup_usage()
+    for endpoint in (left, drawn):
+        assert CreditGrant.objects.get(organization=endpoint.organization).consumed == Decimal("0.10")
 
 
 def test_the_credit_left_counts_prepaid_usage_only():
@@ -180,6 +228,31 @@ def test_credit_granted_in_the_django_admin_is_audited_and_usable_at_once(staff_
 
     assert AuditEvent.objects.filter(organization=organization, action="billing.grant_credits", actor=staff_client.staff).exists()
     _reserve(organization, "after")
+
+
+def test_stripes_invoices_are_read_only_in_the_django_admin(staff_client):
+    # They decide an organisation's payment standing: marked paid in the admin, an unpaid invoice lifted a past-due
+    # hold at the next review, and one marked uncollectible held an organisation, with no audit event.
+    organization = EndpointFactory().organization
+    failed_at = timezone.now() - timedelta(days=10)
+    invoice = Invoice.objects.create(organization=organization, stripe_invoice_id="in_unpaid", number="INV-1",
+                                     status="open", amount_due=5000, payment_failed_at=failed_at)
+    url = f"/django-admin/billing/invoice/{invoice.pk}/change/"
+    paid = {"organization": organization.pk, "stripe_invoice_id": "in_unpaid", "number": "INV-1", "status": "paid",
+            "currency": "usd", "amount_due": "5000", "amount_paid": "5000", "period_start_0": "", "period_start_1": "",
+            "period_end_0": "", "period_end_1": "", "hosted_invoice_url": "", "payment_failed_at_0": "",
+            "payment_failed_at_1": "", "stripe_event_created": "0"}
+
+    shown = staff_client.get(url)
+    changed = staff_client.post(url, paid)
+    added = staff_client.post("/django-admin/billing/invoice/add/", paid | {"stripe_invoice_id": "in_made_up"})
+    deleted = staff_client.post(f"/django-admin/billing/invoice/{invoice.pk}/delete/", {"post": "yes"})
+
+    assert shown.status_code == 200 and "INV-1" in shown.content.decode()
+    assert (changed.status_code, added.status_code, deleted.status_code) == (403, 403, 403)
+    invoice.refresh_from_db()
+    assert (invoice.status, invoice.amount_paid, invoice.payment_failed_at) == ("open", 0, failed_at)
+    assert list(Invoice.objects.values_list("stripe_invoice_id", flat=True)) == ["in_unpaid"]
 
 
 def test_a_draw_that_failed_after_its_rollups_committed_is_made_by_the_next_run(monkeypatch):

@@ -7,16 +7,18 @@ import dataclasses
 import itertools
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.db import connections
 from django.utils import timezone
 
 from billing import periods
 from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage
-from billing.models import BillingAccount, BillingMode, UsageRecord
+from billing.models import BillingAccount, BillingMode, CreditGrant, UsageRecord
 from billing.quota import reads, sweeper
 from billing.quota.counters import (
     CALL_SETTLED_MARKER_TTL_S,
@@ -282,6 +284,46 @@ def test_a_grant_that_expired_unused_while_an_account_was_idle_pays_for_none_of_
     unused.refresh_from_db()
     lasting.refresh_from_db()
     assert (unused.consumed, lasting.consumed) == (Decimal("0"), Decimal("1"))
+
+
+def test_a_draw_committed_while_the_credit_left_is_read_is_counted_once(monkeypatch):
+    # The figure was read in three statements: the account's `credit_drawn`, the grants, the ledger. A draw committed
+    # between the first two was subtracted twice (the grants had taken it, `credit_drawn` still left it undrawn): an
+    # account near the end of its credit was refused (402) early for up to the figure's TTL.
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("10"))
+    record_usage(usage_report(endpoint, prompt_tokens=4_000_000, completion_tokens=0))  # $4, not drawn yet
+    grants_filter = CreditGrant.objects.filter
+    drawn = []
+
+    def grants_read_after_a_draw(*args, **kwargs):
+        if not drawn:  # NOTE: first, as the draw's own statements filter grants too
+            drawn.append(None)
+            drawn[0] = _in_another_connection(draw_credits, organization.pk)
+        return grants_filter(*args, **kwargs)
+
+    monkeypatch.setattr(CreditGrant.objects, "filter", grants_read_after_a_draw)
+    available, _ = credit_available(organization.pk)
+
+    assert drawn == [Decimal("4")], "the draw committed while the figure was read"
+    assert available == Decimal("6")
+    monkeypatch.undo()
+    assert credit_available(organization.pk)[0] == Decimal("6")
+
+
+def _in_another_connection(function, *args):
+    """`function(*args)` in a thread of its own, so on a database connection of its own: what it writes commits."""
+    def run():
+        try:
+            return function(*args)
+        finally:
+            connections.close_all()
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(run).result(timeout=30)
 
 
 def test_an_organisation_starts_with_the_platform_default_cap(settings):
