@@ -9,6 +9,7 @@ from django.contrib import admin, messages
 from billing import credits, services, stripe_sync
 from billing.models import BillingAccount, CreditGrant, Invoice, SpendAlert, UsageRollup
 from billing.serializers import MAX_SPEND_CAP
+from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
 
 
@@ -82,8 +83,14 @@ class UsageRollupAdmin(admin.ModelAdmin):
     list_filter = ["kind", "billing_mode", ("push_held_at", admin.EmptyFieldListFilter)]
     actions = ["release_held", "confirm_held"]
 
+    def has_add_permission(self, request):
+        return False  # NOTE: made by the rollups alone; one added here was pushed to Stripe and billed
+
     def has_change_permission(self, request, obj=None):
         return False  # NOTE: closed hours never change; corrections are adjustments
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # NOTE: the sum over an hour's rollups is the ledger's; the next run made a deleted one again
 
     @admin.action(description="Held: Stripe does NOT have the meter event named in its push error: send it again",
                   permissions=["release_held"])
@@ -124,4 +131,8 @@ class InvoiceAdmin(admin.ModelAdmin):
         return False
 
 
-admin.site.register(SpendAlert)
+@admin.register(SpendAlert)
+class SpendAlertAdmin(ReadOnlyAdmin):
+    """The alerts sent: one per threshold and period (edited or deleted here, one was suppressed or sent twice)."""
+
+    list_display = ["organization", "period_start", "threshold_percent", "spend", "spend_cap", "sent_at"]

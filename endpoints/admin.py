@@ -5,6 +5,7 @@ from django.contrib import admin
 
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor, record_audit
+from endpoints import services
 from endpoints.fleet import admin as fleet_admin  # noqa: F401 - registers the nodes' admin
 from endpoints.models import Adapter, AllowedSource, Endpoint, EndpointEvent, ModelCredential, Replica
 
@@ -64,6 +65,10 @@ class EndpointAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None):
         return False
 
+    def save_model(self, request, obj, form, change):
+        services.set_prices(Actor.from_request(request), obj,
+                            **{name: form.cleaned_data[name] for name in services.ENDPOINT_PRICE_FIELDS})
+
 
 @admin.register(Adapter)
 class AdapterAdmin(admin.ModelAdmin):
@@ -81,6 +86,10 @@ class AdapterAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None):
         return False
 
+    def save_model(self, request, obj, form, change):
+        services.set_prices(Actor.from_request(request), obj,
+                            **{name: form.cleaned_data[name] for name in services.ADAPTER_PRICE_FIELDS})
+
 
 @admin.register(Replica)
 class ReplicaAdmin(admin.ModelAdmin):
@@ -94,9 +103,13 @@ class ReplicaAdmin(admin.ModelAdmin):
     def has_add_permission(self, request):
         return False
 
+    def has_delete_permission(self, request, obj=None):
+        return False  # NOTE: its rows are the record of the GPU-seconds counted (`billing.cost_truth`)
+
 
 @admin.register(EndpointEvent)
-class EndpointEventAdmin(admin.ModelAdmin):
+class EndpointEventAdmin(ReadOnlyAdmin):
+    """The customer's endpoint log: staff read it, never write in it or take from it."""
+
     list_display = ["created_at", "endpoint", "kind", "message"]
     list_filter = ["kind"]
-    readonly_fields = [field.name for field in EndpointEvent._meta.fields]

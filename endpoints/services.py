@@ -14,7 +14,7 @@ from controlplane.integrity import unique_or_field_error
 from endpoints import quotas
 from endpoints.catalogue import GPU_TYPES
 from endpoints.events import record_event
-from endpoints.models import ENGINE_FIELDS, Endpoint, EventKind
+from endpoints.models import ENGINE_FIELDS, Adapter, Endpoint, EventKind
 from endpoints.replicas import drain_replicas, request_reconcile
 
 ENDPOINT_NAME_TAKEN = "An endpoint with this name already exists in your organisation."
@@ -72,6 +72,41 @@ def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
         drain_replicas(endpoint, reason=f"its engine started with the previous {', '.join(restarted)}; replaced")
     request_reconcile(endpoint.pk)
     return endpoint
+
+
+# What staff price in the admin: an endpoint's (its GPU type's by default) and an adapter's (the endpoint's by default).
+ENDPOINT_PRICE_FIELDS = ("price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
+                         "batch_price_fraction")
+ADAPTER_PRICE_FIELDS = ("price_input_per_million", "price_output_per_million")
+
+
+@transaction.atomic
+def set_prices(actor: Actor, priced: Endpoint | Adapter, **prices) -> dict[str, dict[str, str | None]]:
+    """Staff's prices for an endpoint or an adapter (`ENDPOINT_PRICE_FIELDS`, `ADAPTER_PRICE_FIELDS`; an adapter's
+    None: its endpoint's): saved, audited (`endpoint.prices`, `adapter.prices`) and written on the endpoint's log for
+    its owner to read. Returns what changed, `{field: {"from", "to"}}`; nothing is recorded when nothing did.
+
+    NOTE: the admin saved them as a plain form: a customer's prices changed with no audit event and nothing on the
+    endpoint's log. The gateway reads them anew within `directory.ENDPOINT_CACHE_S`."""
+    model = type(priced)
+    row = model.objects.select_for_update().get(pk=priced.pk)
+    changes = {}
+    for name, value in prices.items():
+        places = model._meta.get_field(name).decimal_places
+        before, after = (None if v is None else format(v, f".{places}f") for v in (getattr(row, name), value))
+        if before != after:
+            changes[name] = {"from": before, "to": after}
+            setattr(row, name, value)
+    if not changes:
+        return changes
+    row.save(update_fields=list(changes))
+    endpoint = row if isinstance(row, Endpoint) else row.endpoint
+    what = "" if isinstance(row, Endpoint) else f" of adapter {row.name}"
+    record_audit(actor, endpoint.organization, f"{'endpoint' if what == '' else 'adapter'}.prices", row, changes=changes)
+    shown = ", ".join(f"{name} {change['from'] or 'the endpoint’s'} → {change['to'] or 'the endpoint’s'}"
+                      for name, change in changes.items())
+    record_event(endpoint, EventKind.CONFIG, f"Prices changed{what} by the platform: {shown}"[:300], changes=changes)
+    return changes
 
 
 @transaction.atomic

@@ -72,3 +72,9 @@ def test_staff_price_an_adapter_in_the_admin(owner_client, client):
     assert (Adapter.objects.get(pk=adapter["id"]).price_output_per_million) == Decimal("2.7")
     listed = owner_client.get(f"/api/v1/endpoints/{endpoint_id}/adapters/{adapter['id']}/").json()
     assert (listed["price_input_per_million"], listed["price_output_per_million"]) == ("0.900000", "2.700000")
+    # Audited, and on the endpoint's log for its owner (tests/test_admin_records.py for an endpoint's own prices).
+    from controlplane.accounts.models import AuditEvent
+
+    audit = AuditEvent.objects.get(action="adapter.prices", target_id=adapter["id"])
+    assert audit.details["changes"]["price_output_per_million"] == {"from": None, "to": "2.700000"}
+    assert Endpoint.objects.get(pk=endpoint_id).events.filter(message__startswith="Prices changed of adapter legal").exists()

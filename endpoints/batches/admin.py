@@ -2,22 +2,12 @@
 
 from django.contrib import admin
 
+from controlplane.accounts.admin import ReadOnlyAdmin
 from endpoints.batches.models import Batch, File
 
 
-class ReadOnly(admin.ModelAdmin):
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
-
-
 @admin.register(Batch)
-class BatchAdmin(ReadOnly):
+class BatchAdmin(ReadOnlyAdmin):
     list_display = ["id", "organization", "endpoint", "status", "num_total", "num_completed", "num_failed", "created_at",
                     "expires_at"]
     list_filter = ["status"]
@@ -26,7 +16,7 @@ class BatchAdmin(ReadOnly):
 
 
 @admin.register(File)
-class FileAdmin(ReadOnly):
+class FileAdmin(ReadOnlyAdmin):
     list_display = ["id", "organization", "purpose", "filename", "bytes", "created_at", "deleted_at"]
     list_filter = ["purpose"]
     search_fields = ["id", "filename", "organization__slug"]

@@ -1,0 +1,81 @@
+"""The Django admin changes nothing behind the services' backs: prices staff set are audited and told to the tenant,
+and the records the platform keeps (hourly rollups, spend alerts, replicas, the endpoint's log) are staff's to read,
+never to add, edit or delete."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from billing.models import SpendAlert, UsageRollup
+from controlplane.accounts.models import AuditEvent
+from endpoints.models import EndpointEvent, EventKind, Replica
+from tests.factories import EndpointFactory, UserFactory, sign_in_staff
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def staff_client():
+    client = Client()
+    sign_in_staff(client, UserFactory(is_staff=True, is_superuser=True))
+    return client
+
+
+def test_prices_staff_set_on_an_endpoint_are_audited_and_told_to_its_owner(staff_client):
+    # Before, the admin saved the prices as a plain form: no audit event, and nothing on the endpoint's log, so a
+    # customer's price could change with no record of who changed it or when.
+    endpoint = EndpointFactory(price_input_per_million=Decimal("0.6"), price_output_per_million=Decimal("1.8"))
+    saved = staff_client.post(f"/django-admin/endpoints/endpoint/{endpoint.pk}/change/", {
+        "price_input_per_million": "0.6", "price_cached_input_per_million": str(endpoint.price_cached_input_per_million),
+        "price_output_per_million": "2.4", "batch_price_fraction": str(endpoint.batch_price_fraction)})
+    assert saved.status_code == 302, saved.content.decode()[:500]
+
+    audit = AuditEvent.objects.get(action="endpoint.prices")
+    assert audit.organization_id == endpoint.organization_id and audit.target_id == str(endpoint.pk)
+    assert audit.details["changes"] == {"price_output_per_million": {"from": "1.800000", "to": "2.400000"}}
+    event = EndpointEvent.objects.get(endpoint=endpoint, kind=EventKind.CONFIG, message__startswith="Prices changed")
+    assert "price_output_per_million" in event.message and "2.4" in event.message
+    # Saved with nothing changed: nothing recorded.
+    staff_client.post(f"/django-admin/endpoints/endpoint/{endpoint.pk}/change/", {
+        "price_input_per_million": "0.6", "price_cached_input_per_million": str(endpoint.price_cached_input_per_million),
+        "price_output_per_million": "2.4", "batch_price_fraction": str(endpoint.batch_price_fraction)})
+    assert AuditEvent.objects.filter(action="endpoint.prices").count() == 1
+
+
+def test_the_platforms_records_are_read_only_in_the_admin(staff_client):
+    # Before, staff could add a made-up rollup (pushed to Stripe and billed), delete one, edit or delete a spend alert
+    # (an alert suppressed or sent twice), and delete a replica (its GPU-seconds gone from the cost record) or an
+    # event from a customer's endpoint log, none of it audited.
+    endpoint = EndpointFactory()
+    now = timezone.now().replace(minute=0, second=0, microsecond=0)
+    rollup = UsageRollup.objects.create(organization=endpoint.organization, endpoint_id=endpoint.pk,
+                                        hour_start=now - timedelta(hours=2), cost=Decimal("1.5"), num_requests=3)
+    alert = SpendAlert.objects.create(organization=endpoint.organization, period_start=now.replace(day=1),
+                                      threshold_percent=50, spend=Decimal("5"), spend_cap=Decimal("10"))
+    replica = Replica.objects.create(endpoint=endpoint)
+    event = EndpointEvent.objects.create(endpoint=endpoint, kind=EventKind.SCALE, message="Scale up 0 → 1")
+
+    answers = {
+        "rollup add": staff_client.post("/django-admin/billing/usagerollup/add/", {}).status_code,
+        "rollup delete": staff_client.post(f"/django-admin/billing/usagerollup/{rollup.pk}/delete/", {"post": "yes"}).status_code,
+        "alert add": staff_client.post("/django-admin/billing/spendalert/add/", {}).status_code,
+        "alert change": staff_client.post(f"/django-admin/billing/spendalert/{alert.pk}/change/", {
+            "organization": endpoint.organization_id, "period_start_0": "", "period_start_1": "",
+            "threshold_percent": 80, "spend": "5", "spend_cap": "10"}).status_code,
+        "alert delete": staff_client.post(f"/django-admin/billing/spendalert/{alert.pk}/delete/", {"post": "yes"}).status_code,
+        "replica delete": staff_client.post(f"/django-admin/endpoints/replica/{replica.pk}/delete/", {"post": "yes"}).status_code,
+        "event add": staff_client.post("/django-admin/endpoints/endpointevent/add/", {}).status_code,
+        "event delete": staff_client.post(f"/django-admin/endpoints/endpointevent/{event.pk}/delete/", {"post": "yes"}).status_code,
+    }
+
+    assert answers == dict.fromkeys(answers, 403)
+    assert UsageRollup.objects.filter(pk=rollup.pk).exists() and UsageRollup.objects.count() == 1
+    assert SpendAlert.objects.get(pk=alert.pk).threshold_percent == 50
+    assert Replica.objects.filter(pk=replica.pk).exists() and EndpointEvent.objects.filter(pk=event.pk).exists()
+    for page in ("billing/usagerollup", "billing/spendalert", "endpoints/replica", "endpoints/endpointevent"):
+        assert staff_client.get(f"/django-admin/{page}/").status_code == 200  # still staff's to read
