@@ -7,7 +7,7 @@ from django import forms
 from django.contrib import admin, messages
 
 from billing import credits, services, stripe_sync
-from billing.models import BillingAccount, CreditGrant, Invoice, SpendAlert, UsageRollup
+from billing.models import BillingAccount, CreditGrant, Dispute, Invoice, SpendAlert, UsageRollup
 from billing.serializers import MAX_SPEND_CAP
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
@@ -33,12 +33,13 @@ class CreditGrantForm(forms.ModelForm):
 @admin.register(BillingAccount)
 class BillingAccountAdmin(admin.ModelAdmin):
     form = BillingAccountForm
-    list_display = ["organization", "mode", "spend_cap", "payment_method_on_file", "past_due_since", "stripe_customer_id"]
+    list_display = ["organization", "mode", "spend_cap", "payment_method_on_file", "past_due_since", "hold_reason",
+                    "stripe_customer_id"]
     list_filter = ["mode", "payment_method_on_file", "invoiced_without_card"]
     search_fields = ["organization__slug", "stripe_customer_id"]
     fields = ["organization", "mode", "spend_cap", "payment_method_on_file", "invoiced_without_card", "past_due_since",
-              "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
-    readonly_fields = ["organization", "payment_method_on_file", "past_due_since", "stripe_customer_id",
+              "hold_reason", "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
+    readonly_fields = ["organization", "payment_method_on_file", "past_due_since", "hold_reason", "stripe_customer_id",
                        "stripe_subscription_id", "credit_drawn", "created_at"]
 
     def has_add_permission(self, request):
@@ -129,6 +130,41 @@ class InvoiceAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+@admin.register(Dispute)
+class DisputeAdmin(admin.ModelAdmin):
+    """Disputed payments as Stripe's webhooks mirror them; an open or lost one stops its organisation's inference
+    (`billing.standing`). The one change staff make is to lift a hold, audited, through `billing.services`."""
+
+    list_display = ["organization", "stripe_dispute_id", "status", "reason", "amount", "currency", "disputed_at",
+                    "hold_lifted_at", "hold_lifted_by"]
+    list_filter = ["status", ("hold_lifted_at", admin.EmptyFieldListFilter)]
+    search_fields = ["organization__slug", "stripe_dispute_id", "stripe_charge_id"]
+    actions = ["lift_hold"]
+
+    def has_add_permission(self, request):
+        return False  # NOTE: only Stripe's webhooks make them
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    @admin.action(description="Settled with the organisation (a lost dispute repaid, say): lift its hold on inference",
+                  permissions=["lift_hold"])
+    def lift_hold(self, request, queryset):
+        actor = Actor.from_request(request)
+        lifted = 0
+        for dispute in queryset.filter(hold_lifted_at__isnull=True):
+            services.lift_dispute_hold(actor, dispute)
+            self.log_change(request, dispute, "Lifted its hold on inference")
+            lifted += 1
+        self.message_user(request, f"Lifted the hold of {lifted} dispute(s).", messages.SUCCESS)
+
+    def has_lift_hold_permission(self, request):
+        return request.user.is_superuser
 
 
 @admin.register(SpendAlert)

@@ -1,5 +1,5 @@
 """Spend alerts: an email to owners and admins at 50, 80 and 100% of the monthly cap, once each per
-period; and one when an unpaid invoice stops inference (`billing.standing`)."""
+period; and one when an unpaid invoice or a disputed payment stops inference (`billing.standing`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from django.db.models import Exists, OuterRef, Q
 from django.urls import reverse
 from django.utils import timezone
 
+from billing import standing
 from billing.ledger import period_spend
 from billing.models import BillingAccount, BillingMode, SpendAlert, UsageRecord
 from billing.periods import period_containing
@@ -68,18 +69,32 @@ def _recipients(organization) -> list[str]:
     )
 
 
-def send_past_due(account: BillingAccount) -> None:
-    """Tell owners and admins that an unpaid invoice has stopped their inference."""
+def send_hold(account: BillingAccount) -> None:
+    """Tell owners and admins that an unpaid invoice or a disputed payment has stopped their inference
+    (`billing.standing.hold_reason`)."""
     organization = account.organization
     recipients = _recipients(organization)
-    if recipients:
+    if not recipients:
+        return
+    billing_page = f"{settings.PUBLIC_URL}{reverse('console:billing')}"
+    if standing.hold_reason(account) == standing.DISPUTED:
         send_mail(
-            f"{organization.name}: inference is stopped until an unpaid invoice is paid",
-            "A payment for one of your invoices failed and the invoice is still unpaid, so inference calls are "
+            f"{organization.name}: inference is stopped because a payment is disputed",
+            "A payment of your organisation was disputed with the card's bank (a chargeback), so inference calls are "
             "refused (HTTP 402). Your endpoints, keys and data are kept.\n\n"
-            f"Pay the invoice from the billing page: {settings.PUBLIC_URL}{reverse('console:billing')}\n",
+            "If the dispute was made in error, ask the card's bank to withdraw it: calls resume when it closes in our "
+            "favour. Otherwise contact us to settle the payment: we lift the hold once it is settled.\n\n"
+            f"Billing page: {billing_page}\n",
             None, recipients,
         )
+        return
+    send_mail(
+        f"{organization.name}: inference is stopped until an unpaid invoice is paid",
+        "A payment for one of your invoices failed and the invoice is still unpaid, so inference calls are "
+        "refused (HTTP 402). Your endpoints, keys and data are kept.\n\n"
+        f"Pay the invoice from the billing page: {billing_page}\n",
+        None, recipients,
+    )
 
 
 def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Decimal) -> None:

@@ -105,6 +105,7 @@ def _standing_fields(account: BillingAccount) -> dict:
         "limit_without_payment_method": _money_or_none(shown["limit_without_payment_method"]),
         "effective_spend_cap": _money_or_none(shown["effective_spend_cap"]),
         "past_due_since": shown["past_due_since"].isoformat() if shown["past_due_since"] else None,
+        "hold_reason": shown["hold_reason"] or None,
     }
 
 
@@ -135,7 +136,12 @@ BILLING_OVERVIEW = inline_serializer("BillingOverview", {
         "effective_spend_cap": serializers.CharField(
             allow_null=True, help_text="The lower of the cap and that limit: where calls stop (USD); null: none"),
         "past_due_since": serializers.DateTimeField(
-            allow_null=True, help_text="Since when an unpaid invoice stops inference; null: in good standing"),
+            allow_null=True,
+            help_text="Since when an unpaid invoice or a disputed payment stops inference; null: in good standing"),
+        "hold_reason": serializers.ChoiceField(
+            choices=["past_due", "disputed"], allow_null=True,
+            help_text="What stops inference: past_due (an unpaid invoice) or disputed (a payment disputed with "
+                      "the card's bank); null: in good standing"),
     }),
     "credits": CreditGrantSerializer(many=True),
     "invoices": InvoiceSerializer(many=True),
@@ -212,7 +218,7 @@ class StripeWebhookView(APIView):
             applied = handle_stripe_webhook(request.body, request.headers.get("Stripe-Signature"))
         except InvalidWebhook as exc:
             return Response({"detail": f"Invalid webhook: {exc}"}, status=status.HTTP_400_BAD_REQUEST)
-        except stripe.StripeError:  # the customer could not be read back: Stripe sends the event again later
+        except stripe.StripeError:  # a customer or charge could not be read back: Stripe sends the event again later
             logger.exception("a Stripe webhook could not be applied now")
             return Response({"detail": "Try again later."}, status=status.HTTP_503_SERVICE_UNAVAILABLE,
                             headers={"Retry-After": "60"})

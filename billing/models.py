@@ -216,8 +216,11 @@ class BillingAccount(models.Model):
     invoiced_without_card = models.BooleanField(
         default=False, db_default=False, help_text="Staff: this organisation pays its invoices without a card on file (bank transfer); "
                                  "it is not held to the limit of accounts without a payment method.")
-    # Since when an unpaid invoice has stopped inference (None: in good standing).
+    # Since when an unpaid invoice or a disputed payment has stopped inference (None: in good standing), and which
+    # (`hold_reason`, the gateway's refusal reason: `past_due` or `disputed`; empty on a hold kept before it was
+    # stored, which is `past_due`).
     past_due_since = models.DateTimeField(null=True, blank=True)
+    hold_reason = models.CharField(max_length=16, blank=True, default="", db_default="")
     # A change of its limits has not reached Redis yet (set with the change, cleared by the refresh).
     limits_stale = models.BooleanField(default=False, db_default=False)
     # Part of the idempotency keys that create its customer and subscription, raised after a Stripe server
@@ -369,6 +372,36 @@ class Invoice(models.Model):
 
     def __str__(self) -> str:
         return self.number or self.stripe_invoice_id
+
+
+class Dispute(models.Model):
+    """Our mirror of a Stripe dispute on one of the organisation's payments (a chargeback, or the inquiry before
+    one), kept up to date by `charge.dispute.*` webhooks. An open or lost one stops its inference
+    (`billing.standing.disputed_since`) until it is won, or staff lift its hold (`services.lift_dispute_hold`)."""
+
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="disputes")
+    stripe_dispute_id = models.CharField(max_length=64, unique=True)
+    stripe_charge_id = models.CharField(max_length=64, blank=True)
+    # Stripe's: warning_needs_response, warning_under_review, warning_closed, needs_response, under_review, won,
+    # lost or prevented.
+    status = models.CharField(max_length=32)
+    reason = models.CharField(max_length=64, blank=True)  # fraudulent, product_not_received, ...
+    currency = models.CharField(max_length=8, default="usd")
+    amount = models.BigIntegerField(default=0)  # in the currency's minor unit, as Stripe sends it
+    disputed_at = models.DateTimeField(null=True, blank=True)  # Stripe's `created` of the dispute
+    updated_at = models.DateTimeField(auto_now=True)
+    # Stripe's `created` of the newest event applied: an older event never overwrites a newer one.
+    stripe_event_created = models.BigIntegerField(default=0)
+    # Staff settled it with the organisation (a lost dispute repaid, say): it holds nothing any more.
+    hold_lifted_at = models.DateTimeField(null=True, blank=True)
+    hold_lifted_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True,
+                                       related_name="+")
+
+    class Meta:
+        ordering = ["-disputed_at", "-id"]
+
+    def __str__(self) -> str:
+        return self.stripe_dispute_id
 
 
 class InvoiceLine(models.Model):

@@ -7,9 +7,10 @@ from datetime import datetime
 from decimal import Decimal
 
 from django.db import transaction
+from django.utils import timezone
 
 from billing import alerts, standing
-from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, Invoice
+from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, Dispute, Invoice
 from billing.quota.counters import refresh_limits
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
@@ -216,38 +217,45 @@ def _refresh_quietly(account: BillingAccount, *, credit: bool = False) -> None:
 
 
 def review_payment_standing(organization_id: int, *, now: datetime | None = None) -> BillingAccount:
-    """Apply `billing.standing.past_due_since` to the organisation: put on hold or released, audited,
-    owners and admins told of a hold, and the gateway sees it at once. The gateway's limits are written
-    on every review, so a refresh that failed is made good by the next (the beat task's, within minutes)."""
+    """Apply `billing.standing.hold` to the organisation: put on hold or released, audited, owners and admins
+    told of a hold (and of what holds it, when that changes), and the gateway sees it at once. The gateway's
+    limits are written on every review, so a refresh that failed is made good by the next (the beat task's,
+    within minutes)."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization_id)
-        since = standing.past_due_since(organization_id, now)
-        changed = (since is None) != (account.past_due_since is None)
-        if since != account.past_due_since:
+        hold = standing.hold(organization_id, now)
+        since, reason = (hold.since, hold.reason) if hold is not None else (None, "")
+        previous = standing.hold_reason(account)
+        changed = reason != previous
+        if since != account.past_due_since or reason != account.hold_reason:
             account.past_due_since = since
+            account.hold_reason = reason
             account.limits_stale = account.limits_stale or changed
-            account.save(update_fields=["past_due_since", "limits_stale"])
+            account.save(update_fields=["past_due_since", "hold_reason", "limits_stale"])
         if changed:
-            record_audit(SYSTEM, account.organization, "billing.past_due" if since else "billing.past_due_cleared",
+            record_audit(SYSTEM, account.organization, f"billing.{reason}" if reason else f"billing.{previous}_cleared",
                          account, since=since.isoformat() if since else None)
     _refresh_quietly(account)
     if changed and since is not None:
         try:
-            alerts.send_past_due(account)
+            alerts.send_hold(account)
         except Exception:  # the hold stands; the email is a courtesy
-            logger.exception("could not email organisation %s about its unpaid invoice", organization_id)
+            logger.exception("could not email organisation %s about its hold", organization_id)
     return account
 
 
 def review_all_payment_standing(*, now: datetime | None = None) -> int:
-    """`review_payment_standing` for every organisation on hold or with an unpaid, failed invoice
-    (a grace period ends with no webhook). Returns how many are on hold."""
+    """`review_payment_standing` for every organisation on hold, with an unpaid, failed invoice (a grace period
+    ends with no webhook) or with a disputed payment (its webhook's review may have failed). Returns how many are
+    on hold."""
     failed = Invoice.objects.filter(status__in=standing.UNPAID_STATUSES).filter(
         payment_failed_at__isnull=False).values_list("organization_id", flat=True)
     uncollectible = Invoice.objects.filter(status="uncollectible").values_list("organization_id", flat=True)
+    disputed = Dispute.objects.filter(status__in=standing.HOLDING_DISPUTE_STATUSES, hold_lifted_at__isnull=True
+                                      ).values_list("organization_id", flat=True)
     held = BillingAccount.objects.filter(past_due_since__isnull=False).values_list("organization_id", flat=True)
     on_hold = 0
-    for organization_id in sorted({*failed, *uncollectible, *held}):
+    for organization_id in sorted({*failed, *uncollectible, *disputed, *held}):
         try:
             on_hold += review_payment_standing(organization_id, now=now).past_due_since is not None
         except Exception:
@@ -257,6 +265,22 @@ def review_all_payment_standing(*, now: datetime | None = None) -> int:
     for account in BillingAccount.objects.filter(limits_stale=True)[:500]:
         _refresh_quietly(account, credit=True)
     return on_hold
+
+
+def lift_dispute_hold(actor: Actor, dispute: Dispute) -> Dispute:
+    """Staff: the dispute is settled with its organisation (a lost one repaid, or an open one staff vouch for), so
+    it stops nothing any more; audited, and the organisation reviewed at once. A dispute won needs no lifting."""
+    with transaction.atomic():
+        dispute = Dispute.objects.select_for_update().get(pk=dispute.pk)
+        if dispute.hold_lifted_at is not None:
+            return dispute
+        dispute.hold_lifted_at = timezone.now()
+        dispute.hold_lifted_by = actor.user
+        dispute.save(update_fields=["hold_lifted_at", "hold_lifted_by", "updated_at"])
+        record_audit(actor, dispute.organization, "billing.lift_dispute_hold", dispute, status=dispute.status,
+                     amount=dispute.amount, currency=dispute.currency)
+    review_payment_standing(dispute.organization_id)
+    return dispute
 
 
 def _plain(value: Decimal | None) -> str | None:

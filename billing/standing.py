@@ -12,6 +12,11 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
 - **Past due.** An invoice whose payment failed and that is still unpaid `PAST_DUE_GRACE_DAYS` after
   the failure (Stripe retries meanwhile), or that Stripe marked uncollectible, stops every call of the
   organisation until it is paid or voided. Endpoints, keys and data stay; only inference stops.
+- **Disputed.** A payment disputed with the card's bank (a chargeback, or the inquiry before one) stops
+  every call at once, while the dispute is open and after it is lost: a dispute leaves its invoice `paid`,
+  so without this a stolen card ran a month, was disputed, and ran the next. A dispute won, an inquiry
+  closed without a chargeback, or one prevented releases it; staff lift the hold of a lost one once it is
+  settled (`billing.services.lift_dispute_hold`, audited).
 
 Without Stripe, nothing is invoiced, so neither rule applies (caps and credit still do).
 """
@@ -25,10 +30,16 @@ from decimal import Decimal
 from django.conf import settings
 from django.utils import timezone
 
-from billing.models import BillingAccount, Invoice
+from billing.models import BillingAccount, Dispute, Invoice
 
 # Invoice states that still owe money (Stripe's `status`).
 UNPAID_STATUSES = ("open", "uncollectible")
+# Dispute states that stop the organisation (Stripe's `status`): open (an inquiry, or a chargeback not decided
+# yet) and lost. NOTE: a state not named (won, warning_closed, prevented, or one Stripe adds) stops nothing.
+HOLDING_DISPUTE_STATUSES = ("warning_needs_response", "warning_under_review", "needs_response", "under_review", "lost")
+# The gateway's refusal reasons for a hold (`billing.quota.counters.QuotaExceeded`).
+PAST_DUE = "past_due"
+DISPUTED = "disputed"
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +100,45 @@ def past_due_since(organization_id: int, now: datetime | None = None) -> datetim
     return min(moments, default=None)
 
 
+def disputed_since(organization_id: int) -> datetime | None:
+    """Since when the organisation's disputed payments stop its inference, or None when none does."""
+    if not bills_through_stripe():
+        return None
+    holding = Dispute.objects.filter(organization_id=organization_id, status__in=HOLDING_DISPUTE_STATUSES,
+                                     hold_lifted_at__isnull=True)
+    moments = holding.values_list("disputed_at", "updated_at")
+    return min((disputed_at or updated_at for disputed_at, updated_at in moments), default=None)
+
+
+@dataclass(slots=True, frozen=True)
+class Hold:
+    """Why and since when every call of an organisation is refused."""
+
+    since: datetime
+    reason: str  # DISPUTED or PAST_DUE
+
+    def __post_init__(self) -> None:
+        if self.reason not in (DISPUTED, PAST_DUE):
+            raise ValueError(f"not a hold reason: {self.reason}")
+
+
+def hold(organization_id: int, now: datetime | None = None) -> Hold | None:
+    """The organisation's hold, or None. A disputed payment names the hold before an unpaid invoice: paying the
+    invoice would not lift it."""
+    disputed = disputed_since(organization_id)
+    if disputed is not None:
+        return Hold(disputed, DISPUTED)
+    past_due = past_due_since(organization_id, now)
+    return Hold(past_due, PAST_DUE) if past_due is not None else None
+
+
+def hold_reason(account: BillingAccount) -> str:
+    """The reason of the account's hold as reviewed last (`services.review_payment_standing`), or empty."""
+    if account.past_due_since is None:
+        return ""
+    return account.hold_reason or PAST_DUE  # NOTE: a hold kept before its reason was stored is an unpaid invoice's
+
+
 def has_payment_method(customer) -> bool:
     """Whether Stripe will charge this customer's invoices (a Stripe customer object, or its webhook
     JSON): a default payment method, what the Customer Portal sets when a card is added, or a default
@@ -104,4 +154,5 @@ def standing(account: BillingAccount) -> dict:
         "limit_without_payment_method": limit_without_payment_method(account),
         "effective_spend_cap": limit.cap,
         "past_due_since": account.past_due_since,
+        "hold_reason": hold_reason(account),
     }

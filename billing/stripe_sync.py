@@ -265,6 +265,25 @@ def observe_payment_method(customer_id: str, *, attempts: int = MAX_ATTEMPTS) ->
     return on_file
 
 
+def charge_payer(charge_id: str, *, attempts: int = MAX_ATTEMPTS) -> tuple[str, str]:
+    """The customer and invoice ids of Stripe's charge `charge_id` (each empty when it has none), as Stripe has
+    it: a dispute names only its charge. ("", "") for a charge Stripe does not know. Charges carry no `invoice`
+    since API version 2025-03-31; an older one's is taken when there."""
+    try:
+        charge = call_stripe(lambda options: stripe_client().v1.charges.retrieve(charge_id, options=options),
+                             what="charge read", attempts=attempts).to_dict()
+    except stripe.InvalidRequestError as exc:
+        if exc.code != "resource_missing":
+            raise
+        return "", ""
+    return reference_id(charge.get("customer")), reference_id(charge.get("invoice"))
+
+
+def reference_id(reference) -> str:
+    """A Stripe reference's id, whether the object is expanded or not."""
+    return (reference.get("id") if isinstance(reference, dict) else reference) or ""
+
+
 def observe_unknown_payment_methods(*, limit: int = 10) -> int:
     """`observe_payment_method` for postpaid customers never read (made before payment standing), a few
     per run, one try each: a customer Stripe cannot answer for now is asked again at the next run."""

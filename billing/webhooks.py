@@ -1,9 +1,9 @@
-"""Stripe webhooks: verified by signature, applied once per event id, mirroring invoices and whether a
-customer has a payment method (`billing.standing`), and forgetting subscriptions and customers that
-Stripe ended (`billing.services.record_subscription_ended`, `record_customer_deleted`).
+"""Stripe webhooks: verified by signature, applied once per event id, mirroring invoices, disputed payments
+and whether a customer has a payment method (`billing.standing`), and forgetting subscriptions and customers
+that Stripe ended (`billing.services.record_subscription_ended`, `record_customer_deleted`).
 
 The Stripe webhook endpoint must send: invoice.*, customer.created, customer.updated, customer.deleted,
-customer.subscription.updated and customer.subscription.deleted."""
+customer.subscription.updated, customer.subscription.deleted and charge.dispute.*."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from billing import services, stripe_sync
-from billing.models import BillingAccount, Invoice, InvoiceLine, StripeEvent
+from billing.models import BillingAccount, Dispute, Invoice, InvoiceLine, StripeEvent
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,12 @@ INVOICE_EVENTS = {
 }
 CUSTOMER_EVENTS = {"customer.created", "customer.updated"}
 SUBSCRIPTION_EVENTS = {"customer.subscription.updated", "customer.subscription.deleted"}
+DISPUTE_EVENTS = {
+    "charge.dispute.created", "charge.dispute.updated", "charge.dispute.closed", "charge.dispute.funds_withdrawn",
+    "charge.dispute.funds_reinstated",
+}
+# Dispute states that end it: at the same second as one of them, an event that says it is open is the older.
+CLOSED_DISPUTE_STATUSES = ("won", "lost", "warning_closed", "prevented")
 
 
 class InvalidWebhook(ValueError):
@@ -49,6 +55,9 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
         seen = StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()
         if not seen and BillingAccount.objects.filter(stripe_customer_id=customer_id).exists():
             stripe_sync.observe_payment_method(customer_id, attempts=1)
+    payer = ("", "")
+    if event["type"] in DISPUTE_EVENTS:
+        payer = _dispute_payer(event)
     with transaction.atomic():
         _, created = StripeEvent.objects.get_or_create(stripe_event_id=event["id"], defaults={"type": event["type"]})
         if not created:
@@ -57,6 +66,11 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
             invoice = mirror_invoice(event["data"]["object"], event_type=event["type"], event_created=event.get("created", 0))
             if invoice is not None:
                 organization_id = invoice.organization_id
+                transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
+        elif event["type"] in DISPUTE_EVENTS:
+            dispute = mirror_dispute(event["data"]["object"], payer=payer, event_created=event.get("created", 0))
+            if dispute is not None:
+                organization_id = dispute.organization_id
                 transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
         elif event["type"] in SUBSCRIPTION_EVENTS:
             # NOTE: an ended subscription is final, so the event itself is enough, in whatever order it comes.
@@ -117,3 +131,54 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
         for line in lines
     ])
     return invoice
+
+
+def _dispute_payer(event: dict) -> tuple[str, str]:
+    """The customer and invoice ids that a new dispute's charge was paid by, read from Stripe with no transaction
+    open (a dispute names only its charge); ("", "") when it need not be read: the event was applied before, or
+    the dispute is mirrored already (its organisation is known). If Stripe cannot answer, this webhook fails and
+    Stripe sends it again."""
+    data = event["data"]["object"]
+    charge_id = stripe_sync.reference_id(data.get("charge"))
+    if not charge_id or not stripe_sync.is_configured():
+        return "", ""
+    if (StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()
+            or Dispute.objects.filter(stripe_dispute_id=data.get("id") or "-").exists()):
+        return "", ""
+    return stripe_sync.charge_payer(charge_id, attempts=1)
+
+
+def mirror_dispute(data: dict, *, payer: tuple[str, str], event_created: int) -> Dispute | None:
+    """Mirror the dispute of a `charge.dispute.*` event. A dispute already mirrored is found by its own id; a new
+    one's organisation by its charge's customer (`payer`), or else its charge's invoice. One whose organisation is
+    not known (a charge of another product on the same Stripe account, say) is logged and left."""
+    dispute = Dispute.objects.filter(stripe_dispute_id=data["id"]).first()
+    if dispute is None:
+        customer_id, invoice_id = payer
+        by_customer = BillingAccount.objects.filter(stripe_customer_id=customer_id or "-")
+        by_invoice = Invoice.objects.filter(stripe_invoice_id=invoice_id or "-")
+        organization_id = (by_customer.values_list("organization_id", flat=True).first()
+                           or by_invoice.values_list("organization_id", flat=True).first())
+        if organization_id is None:
+            logger.warning("stripe dispute %s of charge %s for unknown customer %s", data.get("id"), data.get("charge"),
+                           customer_id or "(none)")
+            return None
+        # NOTE: two events of a new dispute may arrive together: the row is made once, then both take its lock.
+        dispute, _ = Dispute.objects.get_or_create(
+            stripe_dispute_id=data["id"],
+            defaults={"organization_id": organization_id, "status": data.get("status") or ""})
+    dispute = Dispute.objects.select_for_update().get(pk=dispute.pk)
+    status = data.get("status") or ""
+    if dispute.stripe_event_created > event_created or (
+            dispute.stripe_event_created == event_created and dispute.status in CLOSED_DISPUTE_STATUSES
+            and status not in CLOSED_DISPUTE_STATUSES):
+        return dispute  # an older event arriving late never overwrites newer state
+    dispute.stripe_charge_id = stripe_sync.reference_id(data.get("charge"))
+    dispute.status = status
+    dispute.reason = data.get("reason") or ""
+    dispute.currency = data.get("currency") or "usd"
+    dispute.amount = data.get("amount") or 0
+    dispute.disputed_at = _moment(data.get("created")) or dispute.disputed_at or _moment(event_created)
+    dispute.stripe_event_created = event_created
+    dispute.save()
+    return dispute

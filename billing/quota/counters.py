@@ -20,7 +20,7 @@ from django.db import transaction
 
 from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingAccount
 from billing.periods import period_containing
-from billing.standing import bills_through_stripe, spend_limit
+from billing.standing import bills_through_stripe, hold_reason, spend_limit
 from controlplane.accounts.models import ApiKey
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import (
@@ -58,6 +58,10 @@ class QuotaExceeded(Exception):
                 f"Your organisation has reached the ${settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD:,.2f} a month that "
                 "accounts without a payment method may spend. Add one in the console (Billing) to continue."),
             "past_due": "Your organisation has an unpaid invoice. Pay it in the console (Billing) to continue.",
+            "disputed": (
+                "A payment of your organisation is disputed with its card's bank (a chargeback). If that was a "
+                "mistake, ask the bank to withdraw the dispute; otherwise contact us to settle the payment. Calls "
+                "resume once it is settled."),
         }.get(reason, "You exceeded your current quota.")
         super().__init__(self.message)
 
@@ -333,7 +337,7 @@ def limit_fields(account: BillingAccount) -> dict[str, str]:
     return {
         "lv": limits_version(), "cap": str(to_units(limit.cap) if limit.cap is not None else -1),
         "capr": limit.reason, "prepaid": "1" if account.is_prepaid else "0",
-        "hold": "past_due" if account.past_due_since else "",
+        "hold": hold_reason(account),
     }
 
 

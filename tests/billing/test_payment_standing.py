@@ -158,6 +158,155 @@ def test_an_invoice_left_unpaid_past_its_grace_stops_every_call_until_it_is_paid
     assert AuditEvent.objects.filter(action="billing.past_due_cleared").count() == 1
 
 
+def _dispute_event(kind: str, dispute: dict, *, created: int | None = None) -> None:
+    _webhook(kind, dispute, created=created)
+
+
+def _billing_page(organization, user) -> str:
+    from django.test import Client
+
+    from controlplane.accounts.tenancy import SESSION_KEY
+
+    console = Client()
+    console.force_login(user)
+    session = console.session
+    session[SESSION_KEY] = organization.pk
+    session.save()
+    return console.get("/console/billing/").content.decode()
+
+
+def _paid_by_card(billed) -> dict:
+    """A card on file, and an invoice paid by it: the charge a cardholder may dispute."""
+    _customer_event(billed, "pm_card_visa")
+    _invoice_event(billed, "invoice.paid", "paid", invoice_id="in_paid")
+    return billed.stripe.charge(billed.customer)
+
+
+def test_a_disputed_payment_stops_every_call_at_once_and_a_won_dispute_releases_it(billed, member_client_factory):
+    """Before, a dispute left its invoice paid and was ignored: a stolen card ran a month, was disputed, and ran the
+    next."""
+    charge = _paid_by_card(billed)
+    _spend(billed.org, "0.01")
+
+    dispute = billed.stripe.dispute(charge["id"])
+    _dispute_event("charge.dispute.created", dispute)
+    refused = _refusal(billed.org, "0.01")
+    assert refused.reason == "disputed" and "disputed" in refused.message and "withdraw" in refused.message
+    assert AuditEvent.objects.filter(action="billing.disputed").count() == 1
+    assert [message.to for message in mail.outbox] == [["owner@example.com"]]
+    assert "disputed" in mail.outbox[0].subject
+    client = member_client_factory(billed.org, Role.ADMIN)
+    shown = client.get("/api/v1/billing/").json()["standing"]
+    assert shown["hold_reason"] == "disputed" and shown["past_due_since"] is not None
+    assert 'data-testid="disputed"' in _billing_page(billed.org, client.user)
+
+    _dispute_event("charge.dispute.funds_withdrawn", dispute)  # the same dispute: nothing changes, nobody emailed twice
+    get_redis().delete(redis_keys.org_period_key(billed.org.pk, period_containing().key))  # Redis lost the counter
+    services.review_all_payment_standing()
+    assert _refusal(billed.org, "0.01").reason == "disputed"
+    assert len(mail.outbox) == 1
+
+    _dispute_event("charge.dispute.closed", billed.stripe.close_dispute(dispute["id"], "won"))
+    _spend(billed.org, "0.01")
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since is None
+    assert AuditEvent.objects.filter(action="billing.disputed_cleared").count() == 1
+    assert client.get("/api/v1/billing/").json()["standing"]["hold_reason"] is None
+
+
+def test_a_lost_dispute_holds_until_a_superuser_lifts_its_hold_in_the_admin_audited(billed, client):
+    from django.contrib.auth import get_user_model
+
+    from tests.factories import sign_in_staff
+
+    dispute = billed.stripe.dispute(_paid_by_card(billed)["id"])
+    _dispute_event("charge.dispute.created", dispute)
+    _dispute_event("charge.dispute.closed", billed.stripe.close_dispute(dispute["id"], "lost"))
+    _invoice_event(billed, "invoice.paid", "paid", invoice_id="in_next_month")  # a newer invoice paid lifts nothing
+    assert _refusal(billed.org, "0.01").reason == "disputed"
+
+    from billing.models import Dispute
+
+    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
+    sign_in_staff(client, staff)
+    mirrored = Dispute.objects.get(stripe_dispute_id=dispute["id"])
+    assert client.get("/django-admin/billing/dispute/").status_code == 200
+    lifted = client.post("/django-admin/billing/dispute/", {"action": "lift_hold", "_selected_action": [mirrored.pk]})
+    assert lifted.status_code == 302
+
+    _spend(billed.org, "0.01")
+    audit = AuditEvent.objects.get(action="billing.lift_dispute_hold")
+    assert audit.actor == staff and audit.organization_id == billed.org.pk and audit.details["status"] == "lost"
+    mirrored.refresh_from_db()
+    assert mirrored.hold_lifted_by == staff and mirrored.hold_lifted_at is not None
+    # Stripe's later events of the dispute (it stays lost) do not put the hold back.
+    _dispute_event("charge.dispute.updated", billed.stripe.disputes[dispute["id"]])
+    _spend(billed.org, "0.01")
+
+
+def test_dispute_events_delivered_twice_or_out_of_order_change_nothing(billed):
+    dispute = billed.stripe.dispute(_paid_by_card(billed)["id"])
+    now = int(time.time())
+    opened = {"id": "evt_dispute_opened", "object": "event", "type": "charge.dispute.created", "created": now - 60,
+              "data": {"object": dict(dispute)}}
+    body = json.dumps(opened).encode()
+
+    def post_opened():
+        return APIClient().post(WEBHOOK, body, content_type="application/json",
+                                HTTP_STRIPE_SIGNATURE=sign_webhook(body, "whsec_test_secret"))
+
+    assert post_opened().json()["duplicate"] is False
+    assert _refusal(billed.org, "0.01").reason == "disputed"
+    _dispute_event("charge.dispute.closed", billed.stripe.close_dispute(dispute["id"], "won"), created=now)
+    _spend(billed.org, "0.01")
+
+    assert post_opened().json()["duplicate"] is True  # Stripe sends an event again: applied once
+    # An older event arriving late, and one of the same second as the close, say it is open: the won dispute stands.
+    _dispute_event("charge.dispute.updated", {**dispute, "status": "under_review"}, created=now - 30)
+    _dispute_event("charge.dispute.updated", {**dispute, "status": "under_review"}, created=now)
+    _spend(billed.org, "0.01")
+    assert len(billed.stripe.calls_to(f"/v1/charges/{dispute['charge']}", "GET")) == 1  # read for the new dispute only
+    assert AuditEvent.objects.filter(action="billing.disputed").count() == 1
+
+
+def test_a_dispute_of_a_charge_or_customer_not_ours_is_accepted_and_ignored(billed):
+    from billing.models import Dispute
+
+    _customer_event(billed, "pm_card_visa")
+    another_product, no_customer = billed.stripe.charge("cus_another_product"), billed.stripe.charge(None)
+    for charge_id in (another_product["id"], no_customer["id"], "ch_unknown"):
+        _dispute_event("charge.dispute.created", {"id": f"dp_{charge_id}", "object": "dispute", "charge": charge_id,
+                                                  "amount": 4200, "currency": "usd", "status": "needs_response",
+                                                  "reason": "fraudulent", "created": int(time.time())})
+    assert not Dispute.objects.exists()
+    _spend(billed.org, "0.01")
+
+
+def test_a_dispute_whose_charge_cannot_be_read_is_a_503_and_holds_when_stripe_sends_it_again(billed):
+    dispute = billed.stripe.dispute(_paid_by_card(billed)["id"])
+    event = {"id": "evt_dispute", "object": "event", "type": "charge.dispute.created", "created": int(time.time()),
+             "data": {"object": dispute}}
+    body = json.dumps(event).encode()
+
+    def post():
+        return APIClient().post(WEBHOOK, body, content_type="application/json",
+                                HTTP_STRIPE_SIGNATURE=sign_webhook(body, "whsec_test_secret"))
+
+    billed.stripe.fail_next("500", path=f"/v1/charges/{dispute['charge']}")
+    refused = post()
+    assert refused.status_code == 503 and refused["Retry-After"] == "60"
+    _spend(billed.org, "0.01")
+    assert post().status_code == 200
+    assert _refusal(billed.org, "0.01").reason == "disputed"
+
+
+def test_a_dispute_is_found_by_its_charge_invoice_when_the_charge_names_no_customer(billed):
+    # Charges named their invoice before API version 2025-03-31: a guest charge of a mirrored invoice is ours.
+    _paid_by_card(billed)
+    dispute = billed.stripe.dispute(billed.stripe.charge(None, invoice="in_paid")["id"])
+    _dispute_event("charge.dispute.created", dispute)
+    assert _refusal(billed.org, "0.01").reason == "disputed"
+
+
 def test_the_grace_period_runs_from_the_first_failure_whatever_fails_after(billed):
     """Before, each failed attempt restarted it: a held tenant paying with a declined card was released."""
     _customer_event(billed, "pm_card_visa")
@@ -290,7 +439,7 @@ def test_the_billing_api_and_page_show_the_standing_and_a_card_added_in_the_port
     client = member_client_factory(billed.org, Role.ADMIN)
     standing = client.get("/api/v1/billing/").json()["standing"]
     assert standing == {"payment_method_on_file": False, "limit_without_payment_method": "1.00",
-                        "effective_spend_cap": "1.00", "past_due_since": None}
+                        "effective_spend_cap": "1.00", "past_due_since": None, "hold_reason": None}
 
     console = Client()
     console.force_login(client.user)

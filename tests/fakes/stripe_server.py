@@ -5,6 +5,7 @@
     fake.meter_totals()                  # {(customer id, event name): total value}
     fake.prices, fake.subscriptions      # what was created, by id
     fake.cancel_subscription(id), fake.delete_customer(id)   # what the Dashboard does
+    fake.charge(customer id), fake.dispute(charge id), fake.close_dispute(id, "won")   # a payment, and its chargeback
 
 It records every call, replays the stored response for a repeated `Idempotency-Key` (as Stripe
 does for 24 h; a key sent again with other parameters is refused), refuses a meter event whose
@@ -70,6 +71,8 @@ class FakeStripe:
     prices: dict[str, dict] = field(default_factory=dict)
     subscriptions: dict[str, dict] = field(default_factory=dict)
     deleted_customers: set[str] = field(default_factory=set)
+    charges: dict[str, dict] = field(default_factory=dict)
+    disputes: dict[str, dict] = field(default_factory=dict)
     num_duplicate_identifiers: int = 0
     unexpected: list[str] = field(default_factory=list)
 
@@ -146,6 +149,37 @@ class FakeStripe:
             customer = self.customers[customer_id]
             customer["invoice_settings"] = {"default_payment_method": payment_method}
             return dict(customer)
+
+    def charge(self, customer_id: str | None, *, amount: int = 4200, invoice: str | None = None) -> dict:
+        """A card payment (an invoice's, as Stripe makes it) by `customer_id`; `invoice` only as API versions before
+        2025-03-31 show it."""
+        with self._lock:
+            charge = {"id": _id("ch"), "object": "charge", "created": int(time.time()), "customer": customer_id,
+                      "amount": amount, "currency": "usd", "payment_intent": _id("pi"), "disputed": False,
+                      "status": "succeeded", "livemode": False}
+            if invoice is not None:
+                charge["invoice"] = invoice
+            self.charges[charge["id"]] = charge
+            return dict(charge)
+
+    def dispute(self, charge_id: str, *, status: str = "needs_response", reason: str = "fraudulent") -> dict:
+        """What the cardholder's bank does: the charge is disputed. The dispute as its webhooks carry it (its
+        charge by id, no customer or invoice)."""
+        with self._lock:
+            charge = self.charges[charge_id]
+            charge["disputed"] = True
+            dispute = {"id": _id("dp"), "object": "dispute", "created": int(time.time()), "charge": charge_id,
+                       "payment_intent": charge["payment_intent"], "amount": charge["amount"],
+                       "currency": charge["currency"], "status": status, "reason": reason, "livemode": False}
+            self.disputes[dispute["id"]] = dispute
+            return dict(dispute)
+
+    def close_dispute(self, dispute_id: str, status: str) -> dict:
+        """The bank's decision (`won` or `lost`): the dispute as its `charge.dispute.closed` webhook carries it."""
+        with self._lock:
+            dispute = self.disputes[dispute_id]
+            dispute["status"] = status
+            return dict(dispute)
 
     # --- inspection ------------------------------------------------------------------------------
     def meter_totals(self) -> dict[tuple[str, str], int]:
@@ -227,6 +261,11 @@ class FakeStripe:
             if customer is None:
                 return 404, _error("invalid_request_error", "No such customer", code="resource_missing")
             return 200, customer
+        if method == "GET" and path.startswith("/v1/charges/"):
+            charge = self.charges.get(path.removeprefix("/v1/charges/"))
+            if charge is None:
+                return 404, _error("invalid_request_error", "No such charge", code="resource_missing")
+            return 200, charge
         if (method, path) == ("POST", "/v1/billing/meters"):
             meter = {"id": _id("mtr"), "object": "billing.meter", "created": now, "status": "active",
                      "event_name": params["event_name"], "display_name": params.get("display_name"),
