@@ -15,10 +15,11 @@ django_application = get_asgi_application()
 
 from controlplane.access_log import AccessLog  # noqa: E402
 from endpoints.batches.api import refuse_upload_before_its_body  # noqa: E402
+from endpoints.batches.views import console_upload_max_body_bytes  # noqa: E402
 from endpoints.gateway.app import Gateway  # noqa: E402 - needs Django set up first
 
 application = Gateway(
     fallback=AccessLog(django_application),
     refuse_upload=refuse_upload_before_its_body,
-    console_upload_paths=(reverse("console:batches"),),
+    console_uploads={reverse("console:batches"): console_upload_max_body_bytes()},
 )

@@ -30,7 +30,6 @@ from endpoints.gateway.ratelimit_headers import RateLimitReport
 logger = logging.getLogger("inferplane.batches")
 
 MAX_LIST = 100
-MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 
 def _error(exc: errors.OpenAIError) -> HttpResponse:
@@ -123,7 +122,7 @@ def refuse_upload_before_its_body(organization_id: int, declared: int) -> None:
 
 def _upload(request, caller: Caller) -> HttpResponse:
     declared = int(request.META.get("CONTENT_LENGTH") or 0)
-    if declared > settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD_BYTES:
+    if declared > settings.FILES_MAX_BYTES + uploads.MULTIPART_OVERHEAD_BYTES:
         raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
     storing = uploads.StreamToStorage.handle(request, organization_id=caller.organization_id,
                                              reserved=uploads.counted_bytes(declared))

@@ -21,6 +21,9 @@ from endpoints.batches.models import File
 logger = logging.getLogger("inferplane.batches")
 
 FILE_FIELD = "file"
+# What a multipart body adds to its file (boundaries, part headers, the other fields) at most: a body declaring more
+# than a size limit plus this is refused before it is read.
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 
 def counted_bytes(declared: int) -> int:

@@ -29,6 +29,12 @@ NUM_BATCHES_SHOWN = 50
 CONSOLE_FILE_MAX_BYTES = 15 * 1024 * 1024
 
 
+def console_upload_max_body_bytes() -> int:
+    """The largest body the batch form takes (the file, and its multipart framing): what the gateway cuts its uploads
+    at, and refuses one declaring more (`Gateway._console_upload`)."""
+    return min(settings.FILES_MAX_BYTES, CONSOLE_FILE_MAX_BYTES) + uploads.MULTIPART_OVERHEAD_BYTES
+
+
 class _StoredFileField(forms.FileField):
     """The form's file: what `uploads.StreamToStorage` started storing as the body was parsed (a `File` row)."""
 

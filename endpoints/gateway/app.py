@@ -17,7 +17,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 
 from django.conf import settings
@@ -56,7 +56,7 @@ INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completio
 
 class Gateway:
     def __init__(self, fallback, *, refuse_upload: Callable[[int, int], None] | None = None,
-                 console_upload_paths: tuple[str, ...] = ()):
+                 console_uploads: Mapping[str, int] | None = None):
         self.fallback = fallback
         # (organisation, declared bytes) -> raises `errors.OpenAIError` for an upload its storage quota has no room
         # for (`endpoints.batches.api.refuse_upload_before_its_body`, given by the wiring: the batches app imports the
@@ -64,9 +64,10 @@ class Gateway:
         self._refuse_upload = refuse_upload
         self._client: upstream.UpstreamClient | None = None
         self._folding: asyncio.Task | None = None  # `metrics.fold_every_second`, from startup on
-        # The console's pages whose form posts a file (the batch form, `endpoints.batches.views.batch_list`), given by
-        # the wiring: a `POST` to one takes an upload place as `/v1/files` does (`_console_upload`).
-        self._console_upload_paths = frozenset(console_upload_paths)
+        # The console's pages whose form posts a file (the batch form, `endpoints.batches.views.batch_list`), each with
+        # the largest body it takes, given by the wiring: a `POST` to one takes an upload place as `/v1/files` does
+        # (`_console_upload`).
+        self._console_uploads = dict(console_uploads or {})
         self.upload_places = UploadPlaces()  # uploads this process is reading or storing now, of both kinds
 
     @property
@@ -90,7 +91,7 @@ class Gateway:
                 return await self._handle(scope, receive, send)
             if path == "/metrics":
                 return await self._metrics(scope, receive, send)
-            if path in self._console_upload_paths and scope["method"] == "POST":
+            if path in self._console_uploads and scope["method"] == "POST":
                 return await self._console_upload(scope, receive, send)
             return await self._to_django_in_memory(scope, receive, send)
         return await self.fallback(scope, receive, send)
@@ -129,18 +130,29 @@ class Gateway:
             self.upload_places.give_back(organization_id)
 
     async def _console_upload(self, scope, receive, send) -> None:
-        """A console form that posts a file (`console_upload_paths`): handed to Django once its session's organisation
+        """A console form that posts a file (`console_uploads`): handed to Django once its session's organisation
         has taken an upload place (`UploadPlaces.take`), given back once Django has answered; its body cut as an
-        upload's to `/v1/files` is (`_to_django`). Otherwise its body is dropped and Django answers a request without
-        one: the refusal (no place free, or the session not checked) in its scope (`REFUSAL_SCOPE_KEY`), which the
-        form shows; or, for a session that may not post the form (none, a viewer's), what it answers any such.
+        upload's to `/v1/files` is (`_to_django`), past the form's own limit. Otherwise its body is dropped and Django
+        answers a request without one: the refusal (a body declared past the form's limit or past what the
+        organisation's storage quota has left, no place free, or the session not checked) in its scope
+        (`REFUSAL_SCOPE_KEY`), which the form shows; or, for a session that may not post the form (none, a viewer's),
+        what it answers any such.
 
         NOTE: console uploads took no place: through the public ingress a tenant could run any number of them at once,
-        each up to 16 MiB spooled on the web pod's disk before the view runs, beside its uploads to `/v1/files`."""
+        each up to 16 MiB spooled on the web pod's disk before the view runs, beside its uploads to `/v1/files`. And
+        their bodies were cut only at the Files API's limit, the quota asked only by the view: a form upload past
+        the console's limit, or one its organisation had no room for, was spooled whole first."""
+        max_bytes = self._console_uploads[scope["path"]]
         uploader, refusal = None, None  # the session's caller, once it holds a place
         try:
             caller = await auth.caller_from_console_form(_headers_of(scope))
             if caller is not None and caller.role != Role.VIEWER:
+                declared_bytes = _declared_bytes(_headers_of(scope))
+                if declared_bytes > max_bytes:
+                    raise errors.OpenAIError(413, f"The file is larger than {_in_mb(max_bytes)} MB, the most the "
+                                                  "console uploads: send a larger one with the Files API.", param="file")
+                if self._refuse_upload is not None:
+                    await in_worker_thread(self._refuse_upload)(caller.organization_id, declared_bytes)
                 self.upload_places.take(caller.organization_id)
                 uploader = caller
         except errors.OpenAIError as exc:
@@ -154,7 +166,7 @@ class Gateway:
             await _discard_body(receive)
             return await self.fallback(_without_body(scope, refusal), _after_an_empty_body(receive), send)
         try:
-            await self._to_django(scope, receive, send, settings.FILES_MAX_BYTES)  # endpoints.batches.views
+            await self._to_django(scope, receive, send, max_bytes)  # endpoints.batches.views
         finally:
             self.upload_places.give_back(uploader.organization_id)
 
@@ -442,6 +454,10 @@ def _django_body_bytes() -> int:
     """The largest body Django keeps in memory (its ASGI handler spools one past `FILE_UPLOAD_MAX_MEMORY_SIZE` to a
     temporary file) and lets a view read (`DATA_UPLOAD_MAX_MEMORY_SIZE`): 2.5 MiB by default."""
     return min(settings.FILE_UPLOAD_MAX_MEMORY_SIZE, settings.DATA_UPLOAD_MAX_MEMORY_SIZE or sys.maxsize)
+
+
+def _in_mb(num_bytes: int) -> int:
+    return num_bytes // (1024 * 1024)
 
 
 def _detail(message: str) -> bytes:

@@ -245,3 +245,36 @@ def test_a_member_still_starts_a_batch_from_the_form_and_others_are_answered_as_
     anonymous = httpx.post(f"{web.base_url}{CONSOLE_BATCHES}", files={"file": ("r.jsonl", LINE)}, timeout=60)
     assert anonymous.status_code == 302 and "/login/" in anonymous.headers["location"]
     assert Batch.objects.filter(organization=tenant.org).count() == 1
+
+
+def test_a_console_upload_past_the_forms_limit_or_the_storage_quota_is_refused_before_its_body_is_spooled(
+        web, tenant, console_client_factory):
+    """Before, the gateway cut a form's body only at the Files API's limit (64 MiB on this server, 200 MB by default)
+    and never asked the storage quota: a form upload the console states a 15 MB limit for, or one its organisation
+    had no room for, was spooled whole to the web pod's disk before the view refused it."""
+    from tests.batches.test_files_api import _on_plan
+    from tests.batches.test_upload_disk_use import DiskSampler
+
+    member = _Member(console_client_factory, tenant)
+    with DiskSampler(web.pid, web.temporary) as disk:
+        connection = member.held(web, declared=40 * MiB)
+        try:
+            connection.sendall(b"x" * (10 * MiB))  # a browser sends on: the answer comes once the gateway stops reading
+        except OSError:
+            pass  # the server answered and closed
+        connection.settimeout(10)
+        answer = b""
+        while b"</html>" not in answer and (piece := connection.recv(65536)):
+            answer += piece
+        connection.close()
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert b"larger than 15 MB" in answer
+    assert disk.peak_bytes < MiB, f"{disk.peak_bytes / MiB:.1f} MiB spooled"
+
+    _on_plan(tenant.org, max_file_bytes=MiB)
+    with DiskSampler(web.pid, web.temporary) as disk:
+        refused = member.post(web, (LINE * (4 * MiB // len(LINE) + 1))[:4 * MiB])
+    assert refused.status_code == 400, refused.text[:300]
+    assert "max_file_bytes" in _form_error(refused), _form_error(refused)
+    assert disk.peak_bytes < MiB, f"{disk.peak_bytes / MiB:.1f} MiB spooled"
+    assert member.post(web, LINE).status_code == 302  # one it has room for goes on
