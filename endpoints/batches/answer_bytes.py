@@ -80,11 +80,11 @@ class _Budget:
         NOTE: one at a time, as `delivery` does: all at once, each read a piece before parking again, every time."""
         while self.parked:
             connection, answer = self.parked[0]
-            # NOTE: a closed one would take the turn of one that reads on. Not whether it is paused yet: it is parked
-            # here under the lock and paused just after, outside it, on its own loop; another run's thread in between
-            # dropped it as "not paused", and it was never resumed. Its resume runs on its own loop (`_resume`), so
-            # after its pause.
-            if connection.closed:
+            # NOTE: a closed one, or one whose read ended while it waited (failed, or its run ended), would take the
+            # turn of one that reads on. Not whether it is paused yet: it is parked here under the lock and paused just
+            # after, outside it, on its own loop; another run's thread in between dropped it as "not paused", and it
+            # was never resumed. Its resume runs on its own loop (`_resume`), so after its pause.
+            if connection.closed or not answer._reading:
                 self.parked.pop(0)
                 continue
             if self.over() and not (self.reader is None and self.may_read_one(answer)):

@@ -201,6 +201,21 @@ def test_a_closed_connection_never_takes_the_turn_of_one_that_waits(bound):
         answer.release()
 
 
+def test_a_parked_read_that_ended_never_takes_the_turn_of_one_that_waits(bound):
+    holder, failed, waiting = (answer_bytes.LineAnswer() for _ in range(3))
+    connections = [_Connection() for _ in range(3)]
+    _read(holder, connections[0], 4 * MiB)
+    holder.done_reading()
+    _read(failed, connections[1], 1 * MiB)
+    _read(waiting, connections[2], 1 * MiB)
+    assert connections[1].paused and connections[2].paused
+    failed.close()  # its read failed while it waited, its connection not closed yet
+    holder.keep(2 * MiB)
+    assert not connections[2].paused
+    for answer in (holder, failed, waiting):
+        answer.release()
+
+
 def test_a_parked_read_of_another_event_loop_is_resumed_in_its_own(bound):
     holder, waiting = answer_bytes.LineAnswer(), answer_bytes.LineAnswer()
     loop = asyncio.new_event_loop()
