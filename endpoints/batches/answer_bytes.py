@@ -24,7 +24,7 @@ everything the process's lines hold, the largest answer included:
 
 So the lines' answers hold at most the bound and the first read (up to 256 KiB) of each answer being read; what a line
 copies beside its answer (its read joined, its check, its row: an answer at most) is made in the run's event loop, one
-line at a time (`runner.run_line`). One budget per process, shared by every run in it (a prefork child runs one at a
+line at a time (`runner.run_line`), and boto3 holds up to 2 MiB beside each row it stores. One budget per process, shared by every run in it (a prefork child runs one at a
 time; runs in threads share it under its lock, a parked read resumed in its own event loop).
 """
 

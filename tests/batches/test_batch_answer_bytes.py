@@ -260,6 +260,7 @@ def test_a_read_parked_by_another_run_just_before_it_paused_is_still_resumed(bou
 ANSWER_BYTES = 6 * MiB
 NUM_LINES = 6
 BOUND_OF_RUNS = 2 * ANSWER_BYTES + 2 * MiB  # the largest answer, half of it, a little more than one of these
+S3_PUT_BYTES = 2 * MiB  # what boto3 holds beside a row it puts (measured: 2 MiB for rows of 6 MiB and more)
 
 
 def _peak_of_runs(monkeypatch) -> list[int]:
@@ -303,9 +304,10 @@ def test_lines_answering_at_once_hold_their_answers_within_the_bound(files_bucke
     assert all(len(row["response"]["body"]["choices"][0]["logprobs"]["content"]) > 5000 for row in rows)
     assert answer_bytes.held_bytes() == 0
     # NOTE: at most the bound (the largest answer included), one copy made in the loop (an answer's read joined, its
-    # check or its row) and the first read of each other line; before, the answers read at once, each held two or
-    # three times (32-39 MiB measured)
-    limit = BOUND_OF_RUNS + answer_bytes.largest_answer_bytes() + NUM_LINES * 256 * 1024
+    # check or its row), the first read of each other line, and what boto3 buffers for each row being stored (22-24
+    # MiB measured); before, the answers read at once, each held two or three times (32-39 MiB measured)
+    limit = (BOUND_OF_RUNS + answer_bytes.largest_answer_bytes() + NUM_LINES * 256 * 1024
+             + BOUND_OF_RUNS // ANSWER_BYTES * S3_PUT_BYTES)
     assert max(peaks) < limit, f"{max(peaks) / MiB:.0f} MiB held by {NUM_LINES} lines of {ANSWER_BYTES // MiB} MiB"
 
 

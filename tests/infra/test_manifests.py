@@ -228,7 +228,9 @@ def test_the_web_pods_memory_holds_the_answers_its_processes_may_hold_at_once(re
 
 # What a batch worker process holds besides its lines' answers: ~130 MiB resident at rest with its tasks, boto3's S3
 # client and the gateway's call path imported (measured), with room for the first read of each line in flight (256 KiB
-# each at most), S3's buffers and what the allocator keeps. Celery's parent process, which runs no task, counts once.
+# each at most), what boto3 holds beside each row it stores (up to 2 MiB a put, measured: ~11 MiB when the bound's
+# 32 MiB are rows being stored) and what the allocator keeps. Celery's parent process, which runs no task, counts as
+# much again, though its children share much of its memory (forked from it).
 BATCH_WORKER_PROCESS_BYTES = 160 * MiB
 
 
