@@ -368,8 +368,11 @@ GATEWAY_MAX_ANSWER_WAIT_S = env_float("INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S", 6 
 # process holds stays within about twice the bound and an answer (`endpoints.gateway.delivery`): the web pod runs two
 # gateway processes in 1 GiB (`infra/k8s/base/web.yaml`; `tests/infra/test_manifests.py` holds the default to it).
 GATEWAY_SEND_TIMEOUT_S = env_float("INFERPLANE_GATEWAY_SEND_TIMEOUT_S", 60.0, minimum=1)
-GATEWAY_ANSWER_BYTES_PER_ORG = env_int("INFERPLANE_GATEWAY_ANSWER_BYTES_PER_ORG", 128 * 2**20, minimum=2**20)
 GATEWAY_ANSWER_BYTES_PER_PROCESS = env_int("INFERPLANE_GATEWAY_ANSWER_BYTES_PER_PROCESS", 96 * 2**20, minimum=2**20)
+# NOTE: below the process's bound, or it never acts before it and one organisation holds the process's whole budget
+# from every other tenant: a quarter of it unless set (a system check, `controlplane.checks`, refuses one at or past it).
+GATEWAY_ANSWER_BYTES_PER_ORG = env_int("INFERPLANE_GATEWAY_ANSWER_BYTES_PER_ORG", GATEWAY_ANSWER_BYTES_PER_PROCESS // 4,
+                                       minimum=2**20)
 REPLICA_DRAIN_TIMEOUT_S = env_float("INFERPLANE_REPLICA_DRAIN_TIMEOUT_S", 120.0, minimum=1)
 REPLICA_START_TIMEOUT_S = env_float("INFERPLANE_REPLICA_START_TIMEOUT_S", 900.0, minimum=5)
 # Identical replica failures of one endpoint back off (base, doubling) and, after this many, stop it
@@ -442,9 +445,11 @@ BATCH_LEASE_S = env_float("INFERPLANE_BATCH_LEASE_S", 30.0, minimum=1)
 BATCH_RUN_SLICE_S = env_float("INFERPLANE_BATCH_RUN_SLICE_S", 120.0, minimum=1)
 # The scheduler's estimate of one line's seconds on one slot, for waking a sleeping endpoint in time.
 BATCH_SECONDS_PER_LINE = env_float("INFERPLANE_BATCH_SECONDS_PER_LINE", 2.0, minimum=0.001)
-# The bytes of line answers a batch worker process holds at once (`endpoints.batches.answer_bytes`): past it its runs
-# start no line and their answers being read wait, but one. A line's answer may be 64 MiB, and a worker of 1 GiB runs
-# four runs (infra/k8s/base/batch-worker.yaml).
+# The bytes of line answers a batch worker process holds at once, the largest included
+# (`endpoints.batches.answer_bytes`): a line's answer may be half of it (64 MiB at most; one larger fails with
+# `response_too_large`), and past the other half its runs start no line and their answers being read wait, but one.
+# A worker of 1 GiB runs four processes (infra/k8s/base/batch-worker.yaml; `tests/infra/test_manifests.py` holds the
+# default to it).
 BATCH_ANSWER_BYTES = env_int("INFERPLANE_BATCH_ANSWER_BYTES", 32 * 2**20, minimum=2**20)
 
 # --- email -----------------------------------------------------------------------------

@@ -373,7 +373,9 @@ class InferenceCall:
             # have up to n × max_tokens generated free). A 400, not a 5xx: the same request would fail again.
             self.usage.take_totals(scanner.usage)
             self.status = "upstream_error"
-            raise errors.response_too_large(self.request.kind, upstream.MAX_WHOLE_BODY_BYTES) from None
+            if self.batch_id:
+                raise errors.batch_answer_too_large(self.request.kind, holding.max_answer_bytes) from None
+            raise errors.response_too_large(self.request.kind, holding.max_answer_bytes) from None
         except upstream.UpstreamError as exc:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None

@@ -50,7 +50,7 @@ from typing import Protocol
 from django.conf import settings
 
 from controlplane.per_loop import PerLoop
-from endpoints.gateway import errors
+from endpoints.gateway import errors, upstream
 
 logger = logging.getLogger("inferplane.gateway")
 
@@ -190,7 +190,10 @@ def held_bytes(organization_id: int) -> int:
 
 class AnswerHolding(Protocol):
     """What counts a whole answer's bytes as it is read (`upstream.Response.read`: `take`, `give` for bytes dropped,
-    `done_reading`) and sent (`InferenceCall`: `sent`, `close` at the call's end)."""
+    `done_reading`) and sent (`InferenceCall`: `sent`, `close` at the call's end); `max_answer_bytes` is the most
+    the answer may be (past it, `upstream.ResponseTooLarge`)."""
+
+    max_answer_bytes: int
 
     def take(self, num_bytes: int, connection) -> bool: ...
 
@@ -217,6 +220,8 @@ class Holding:
     paused there it would hold the process's one slot, each bound waiting on the other."""
 
     __slots__ = ("_share", "_process", "num_bytes", "_reading", "_parked", "_connection", "_open")
+
+    max_answer_bytes = upstream.MAX_WHOLE_BODY_BYTES
 
     def __init__(self, organization_id: int):
         # NOTE: a share stays once made (one small object per organisation served by the process), so it is looked up

@@ -322,6 +322,19 @@ class _Connection(asyncio.Protocol):
             self.last_read = self.loop.time()
             self.transport.resume_reading()
 
+    def drop_whole_answer(self) -> None:
+        """The answer being read whole is larger than its holding may keep (a batch line's past the largest its worker
+        process holds: `endpoints.batches.answer_bytes`): as past MAX_WHOLE_BODY_BYTES, what is held and every byte
+        after goes to `read`'s `overflow`, none of it kept, and `ResponseTooLarge` is raised at its end; without an
+        `overflow`, it fails now, the connection dropped."""
+        response = self.response
+        if response is None or response._overflowed or response._spill():
+            return
+        response._chunks, response._num_buffered = [], 0
+        self.reusable = False
+        response._fail(ResponseTooLarge("the answer passed the most its holder keeps"))
+        self.transport.close()  # NOTE: not `close`: the parser may call back again with this read's rest
+
     def _check_read(self) -> None:
         self.timer = None
         response = self.response

@@ -23,7 +23,8 @@ MiB = 2**20
 ANSWER_BYTES = 16 * MiB
 
 
-def test_a_lines_long_answer_is_kept_without_being_parsed_whole(files_bucket, tenant, start_mock_upstream):
+def test_a_lines_long_answer_is_kept_without_being_parsed_whole(files_bucket, tenant, start_mock_upstream, settings):
+    settings.BATCH_ANSWER_BYTES = 3 * ANSWER_BYTES  # a line's answer may be half of it (`answer_bytes`)
     # 16 MiB of logprobs of 4-byte tokens: ~490,000 small JSON objects, ~130 MiB parsed.
     upstream = start_mock_upstream(whole_answer_bytes=ANSWER_BYTES, logprob_token_bytes=4)
     endpoint = serve_endpoint(tenant.org, upstream)

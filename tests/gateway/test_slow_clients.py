@@ -231,6 +231,32 @@ def test_many_organisations_each_within_their_own_bound_are_held_together_to_the
         assert served.status_code == 200 and len(served.content) > ANSWER_BYTES // 2
 
 
+def test_by_default_one_organisations_unread_answers_leave_the_process_to_the_others(
+        tenant, start_mock_upstream, gateway_with):
+    # The organisation's bound was 128 MiB by default, above the process's 96: it never acted first, and one
+    # organisation's unread answers took the process's whole budget, another organisation's answer waiting behind
+    # them until the send deadline (60 s). Its bound is a share of the process's now (here 8 MiB of 32).
+    gateway = gateway_with(INFERPLANE_GATEWAY_ANSWER_BYTES_PER_PROCESS=str(32 * 2**20))
+    upstream = start_mock_upstream(whole_answer_bytes=ANSWER_BYTES, prefill_ms=1500)
+    endpoint = serve_endpoint(tenant.org, upstream)
+    other_key, other_model, _ = _organisation(upstream)
+    with contextlib.ExitStack() as unread:
+        for _ in range(4):
+            unread.enter_context(_unread_call(gateway, tenant.key, endpoint.name))
+        wait_until(lambda: get_redis().hlen(reservations_key(tenant.org.pk)) == 4, 10, message="four calls admitted")
+        time.sleep(4)  # every answer came: the organisation's first read whole and sent in part, the others waiting
+        started = time.monotonic()
+        try:
+            served = httpx.post(f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {other_key}"},
+                                json={"model": other_model, "messages": [{"role": "user", "content": "Hi"}]},
+                                timeout=20)
+        except httpx.TimeoutException:
+            pytest.fail("another organisation's answer waited behind the unread answers of one")
+        waited_s = time.monotonic() - started
+    assert served.status_code == 200, served.text
+    assert len(served.content) > ANSWER_BYTES // 2 and waited_s < 10
+
+
 def test_a_call_on_a_kept_alive_connection_whose_last_answer_is_unread_is_cut_off_not_held(
         tenant, start_mock_upstream, gateway_with):
     # Answers small enough to go out in one write were sent unwatched: once the server's buffer for the connection

@@ -226,6 +226,39 @@ def test_the_web_pods_memory_holds_the_answers_its_processes_may_hold_at_once(re
             f"{source}'s {bound / MiB:.0f} MiB of answers, past the web container's {limit / MiB:.0f} MiB")
 
 
+# What a batch worker process holds besides its lines' answers: ~130 MiB resident at rest with its tasks, boto3's S3
+# client and the gateway's call path imported (measured), with room for the first read of each line in flight (256 KiB
+# each at most), what boto3 holds beside each row it stores (up to 2 MiB a put, measured: ~11 MiB when the bound's
+# 32 MiB are rows being stored) and what the allocator keeps. Celery's parent process, which runs no task, counts as
+# much again, though its children share much of its memory (forked from it).
+BATCH_WORKER_PROCESS_BYTES = 160 * MiB
+
+
+def test_the_batch_workers_memory_holds_the_answers_its_processes_may_hold_at_once(rendered, settings):
+    """Past its memory limit the batch worker is killed, every run in it cut. Each of its `--concurrency` processes
+    holds its lines' answers within INFERPLANE_BATCH_ANSWER_BYTES, the largest answer included, and one copy of one
+    answer beside them as it is read whole, checked or written (endpoints.batches.answer_bytes). Before, one answer of
+    up to 64 MiB was read past the bound, with its copy: four processes at their worst held 4 x (32 + 64 + 64) MiB of
+    answers beside their own memory, past the container's 1 GiB."""
+    from endpoints.batches import answer_bytes
+
+    deployment = rendered.get("Deployment", "inferplane-batch-worker")
+    worker = _pod_spec(deployment)["containers"][0]
+    values, _ = _environment(rendered, deployment)
+    assert "--pool" not in " ".join(worker["command"]), "a prefork pool: each process runs one run at a time"
+    concurrency = [arg.removeprefix("--concurrency=") for arg in worker["command"] if arg.startswith("--concurrency=")]
+    assert concurrency, "without --concurrency Celery starts a process per CPU of the node, not of the limit"
+    processes = int(concurrency[0])
+    limit = _bytes_of(worker["resources"]["limits"]["memory"])
+    for source, bound in (("config.env", int(values["INFERPLANE_BATCH_ANSWER_BYTES"])),
+                          ("the default", settings.BATCH_ANSWER_BYTES)):
+        per_process = bound + answer_bytes.largest_answer_bytes(bound) + BATCH_WORKER_PROCESS_BYTES
+        assert processes * per_process + BATCH_WORKER_PROCESS_BYTES <= limit, (
+            f"{rendered.overlay}: {processes} batch worker processes may hold {per_process / MiB:.0f} MiB each with "
+            f"{source}'s {bound / MiB:.0f} MiB of answers, and Celery's parent process its own, past the batch "
+            f"worker's {limit / MiB:.0f} MiB")
+
+
 def test_probes_send_a_host_the_production_settings_accept(rendered, client, settings):
     # The kubelet would send Host: <pod IP>, which ALLOWED_HOSTS refuses with a 400.
     values, _ = _environment(rendered, rendered.get("Deployment", "inferplane-web"))
