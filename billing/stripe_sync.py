@@ -8,12 +8,15 @@ meters stay, for token-level detail.
 Only postpaid usage is metered: prepaid usage is paid from credit (`billing.credits`), and its
 rollups are never pushed (`UsageRollup.objects.pushable`). Each closed postpaid rollup becomes up to
 four meter events (uncached input, cached input and output tokens, and cost) whose `identifier` is
-derived from the rollup id, so a retry after a crash can never bill twice: Stripe refuses an
+made of the rollup's random `push_uid`, so a retry after a crash can never bill twice: Stripe refuses an
 identifier it has (`duplicate_meter_event`), and `MeterEventPush` records what was accepted so we do
-not even ask again. A worker claims a rollup with a conditional update (a lease that a dead worker's
-successor may take over), calls Stripe with no database transaction open, and retries 5xx, 429 and
-timeouts with exponential backoff and jitter, under idempotency keys that move on after a server
-error (`IdempotencyKey`). A run pushes rollups never tried before ahead of those that failed, for a
+not even ask again. NOTE: not of the rollup's id, which PostgreSQL hands out again after a restore to a
+point in time or a failover to a replica that was behind: a new rollup (another tenant's, maybe) had an
+identifier Stripe had taken within the day, was refused as a duplicate, recorded as pushed, never billed.
+A worker claims a rollup with a conditional update (a lease that a dead worker's successor may take
+over), calls Stripe with no database transaction open, and retries 5xx, 429 and timeouts with
+exponential backoff and jitter, under idempotency keys that move on after a server error
+(`IdempotencyKey`). A run pushes rollups never tried before ahead of those that failed, for a
 bounded time, so a few that keep failing never hold up the rest.
 
 A subscription Stripe ends (cancelled in the Dashboard, or with its customer deleted) is forgotten by
@@ -438,8 +441,10 @@ def event_timestamp(hour_start, subscription_started_at=None) -> int:
     return int(max(hour_start, earliest).timestamp())
 
 
-def meter_event_identifier(rollup_id: int, event_name: str) -> str:
-    return f"rollup-{rollup_id}-{event_name.removeprefix('inferplane_')}"
+def meter_event_identifier(rollup: UsageRollup, event_name: str) -> str:
+    """The `identifier` of the rollup's event for `event_name`: made of its random `push_uid`, or of its id for a
+    rollup made before it had one (`billing/0016`: its events may be in Stripe under that identifier already)."""
+    return f"rollup-{rollup.push_uid or rollup.pk}-{event_name.removeprefix('inferplane_')}"
 
 
 def _claimable(now):
@@ -495,7 +500,7 @@ def push_rollup(rollup_id: int) -> bool:
 def hold_for_review(rollup: UsageRollup, unknown: Meter) -> None:
     """Stop pushing `rollup` until an operator says whether Stripe has its event `unknown` (`release_held`,
     `confirm_held`: the admin's actions on usage rollups, after a look at the customer's meter events in Stripe)."""
-    identifier = meter_event_identifier(rollup.pk, unknown.event_name)
+    identifier = meter_event_identifier(rollup, unknown.event_name)
     logger.error("rollup %s held: its meter event %s (value %s) was first sent at %s and Stripe's answer never came; "
                  "sent again past Stripe's duplicate window it could bill twice. Look for it in Stripe, then release "
                  "or confirm the rollup in the admin", rollup.pk, identifier, getattr(rollup, unknown.rollup_field),
@@ -520,7 +525,7 @@ def confirm_held(rollups) -> int:
         due = _unconfirmed(rollup)
         if due:
             MeterEventPush.objects.get_or_create(
-                identifier=meter_event_identifier(rollup.pk, due[0].event_name),
+                identifier=meter_event_identifier(rollup, due[0].event_name),
                 defaults={"rollup": rollup, "event_name": due[0].event_name, "value": getattr(rollup, due[0].rollup_field)})
         num_confirmed += UsageRollup.objects.filter(pk=rollup.pk, push_held_at__isnull=False).update(
             push_held_at=None, push_first_tried_at=None, push_error="")
@@ -549,7 +554,7 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
     NOTE: the `identifier` never changes, whatever the idempotency key: it is what keeps an event Stripe
     recorded despite a server error from counting twice (Stripe refuses it, for at least 24 h).
     """
-    identifier = meter_event_identifier(rollup.pk, meter.event_name)
+    identifier = meter_event_identifier(rollup, meter.event_name)
     key = _generation_key(UsageRollup, rollup.pk, "push_key_generation", identifier, generation)
     try:
         call_stripe(
