@@ -348,6 +348,85 @@ def test_a_rollup_made_before_push_uids_keeps_the_identifiers_made_of_its_id(fak
     assert _token_total(fake_stripe) == rollup.prompt_tokens + rollup.completion_tokens  # the first event once
 
 
+def _a_rollup_of_an_organisation_in_stripe() -> UsageRollup:
+    """A closed rollup of an organisation whose customer, subscription and meters are in Stripe already: the first
+    call of its push is its first meter event."""
+    endpoint = EndpointFactory()
+    _closed_rollup(endpoint)
+    assert stripe_sync.push_pending_rollups() == 1
+    return _closed_rollup(EndpointFactory(organization=endpoint.organization))
+
+
+def test_a_push_refused_for_a_revoked_key_is_sent_once_the_key_is_good_again_not_held(fake_stripe, settings):
+    # A definite refusal ran the 23 h clock kept for answers that never came: after a weekend with a rolled or revoked
+    # key, every rollup was held for an operator ("held: is rollup-… in Stripe?"), though Stripe had recorded nothing.
+    rollup = _a_rollup_of_an_organisation_in_stripe()
+    fake_stripe.revoke_key(settings.STRIPE_SECRET_KEY)
+
+    assert stripe_sync.push_pending_rollups() == 0
+    rollup.refresh_from_db()
+    assert "Expired API Key provided" in rollup.push_error  # why it is not pushed, for whoever looks
+    _a_day_passes(fake_stripe, rollup)
+    fake_stripe.restore_key(settings.STRIPE_SECRET_KEY)
+
+    assert stripe_sync.push_pending_rollups() == 1
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is None and rollup.pushed_at is not None and rollup.push_error == ""
+    assert _token_total(fake_stripe) == 2 * (rollup.prompt_tokens + rollup.completion_tokens)
+
+
+@pytest.mark.parametrize("refusal", ["400", "401", "403", "429"])
+def test_an_event_stripe_refused_outright_starts_no_unanswered_clock(fake_stripe, refusal):
+    rollup = _a_rollup_of_an_organisation_in_stripe()
+    tries = stripe_sync.MAX_ATTEMPTS if refusal == "429" else 1  # a 429 is retried, the rest are not
+    fake_stripe.fail_next(refusal, times=tries, path="/v1/billing/meter_events")
+
+    assert stripe_sync.push_pending_rollups() == 0
+    rollup.refresh_from_db()
+    assert rollup.push_first_tried_at is None and f"injected {refusal}" in rollup.push_error
+    _a_day_passes(fake_stripe, rollup)
+
+    assert stripe_sync.push_pending_rollups() == 1
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is None and rollup.pushed_at is not None
+
+
+@pytest.mark.parametrize("unanswered_try", ["this run", "an earlier run"])
+def test_a_refusal_after_a_try_whose_answer_was_lost_leaves_that_trys_clock_running(fake_stripe, unanswered_try):
+    # The lost answer's event may be in Stripe: a refusal of a later try (the key revoked meanwhile) says nothing of
+    # it. Sent again past Stripe's duplicate window, it could bill twice: held, as before.
+    rollup = _a_rollup_of_an_organisation_in_stripe()
+    fake_stripe.fail_next("500_after_work", path="/v1/billing/meter_events")  # in Stripe, its answer a 500
+    if unanswered_try == "an earlier run":
+        fake_stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS - 1, path="/v1/billing/meter_events")
+        assert stripe_sync.push_pending_rollups() == 0
+    fake_stripe.fail_next("401", path="/v1/billing/meter_events")
+
+    assert stripe_sync.push_pending_rollups() == 0
+    rollup.refresh_from_db()
+    assert rollup.push_first_tried_at is not None and "injected 401" in rollup.push_error
+    _a_day_passes(fake_stripe, rollup)
+
+    assert stripe_sync.push_pending_rollups() == 0
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is not None and rollup.push_error.startswith("held:")
+
+
+def test_a_push_run_stops_at_the_first_refusal_of_its_key(fake_stripe, settings):
+    # Every rollup would be refused the same way: a call each, every minute, for as long as the key stays bad.
+    organization = _a_rollup_of_an_organisation_in_stripe().organization
+    for _ in range(2):
+        _closed_rollup(EndpointFactory(organization=organization))
+    fake_stripe.revoke_key(settings.STRIPE_SECRET_KEY)
+    num_calls = len(fake_stripe.calls)
+
+    assert stripe_sync.push_pending_rollups() == 0
+
+    assert len(fake_stripe.calls) == num_calls + 1
+    fake_stripe.restore_key(settings.STRIPE_SECRET_KEY)
+    assert stripe_sync.push_pending_rollups() == 3
+
+
 def test_usage_pushed_late_is_dated_within_the_grace_stripe_gives_a_period_that_just_ended(fake_stripe):
     # Stripe bills an event in the period its timestamp falls in, and takes usage for a period that ended only during
     # its invoice's finalization grace (an hour by default). Dated at the start of its hour, the last hour of every
