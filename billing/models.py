@@ -6,6 +6,7 @@ which is also the unit of the Redis counters in `billing.quota`.
 
 from __future__ import annotations
 
+import uuid
 from decimal import ROUND_HALF_EVEN, Decimal
 
 from django.conf import settings
@@ -131,6 +132,10 @@ class UsageRollup(models.Model):
     # confirmed whose first try is older than Stripe's duplicate window (`stripe_sync.IDENTIFIER_TRUSTED_FOR`).
     push_first_tried_at = models.DateTimeField(null=True, blank=True)
     push_held_at = models.DateTimeField(null=True, blank=True)
+    # What its meter events' `identifier`s are made of (`stripe_sync.meter_event_identifier`): random, never the row's
+    # id, which PostgreSQL hands out again after a point-in-time restore or a failover to a replica that was behind.
+    # Null only for rollups made before it (`billing/0016`), whose events keep the identifiers made of their id.
+    push_uid = models.UUIDField(null=True, blank=True, unique=True, default=uuid.uuid4, editable=False)
 
     objects = UsageRollupQuerySet.as_manager()
 

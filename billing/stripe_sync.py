@@ -8,12 +8,15 @@ meters stay, for token-level detail.
 Only postpaid usage is metered: prepaid usage is paid from credit (`billing.credits`), and its
 rollups are never pushed (`UsageRollup.objects.pushable`). Each closed postpaid rollup becomes up to
 four meter events (uncached input, cached input and output tokens, and cost) whose `identifier` is
-derived from the rollup id, so a retry after a crash can never bill twice: Stripe refuses an
+made of the rollup's random `push_uid`, so a retry after a crash can never bill twice: Stripe refuses an
 identifier it has (`duplicate_meter_event`), and `MeterEventPush` records what was accepted so we do
-not even ask again. A worker claims a rollup with a conditional update (a lease that a dead worker's
-successor may take over), calls Stripe with no database transaction open, and retries 5xx, 429 and
-timeouts with exponential backoff and jitter, under idempotency keys that move on after a server
-error (`IdempotencyKey`). A run pushes rollups never tried before ahead of those that failed, for a
+not even ask again. NOTE: not of the rollup's id, which PostgreSQL hands out again after a restore to a
+point in time or a failover to a replica that was behind: a new rollup (another tenant's, maybe) had an
+identifier Stripe had taken within the day, was refused as a duplicate, recorded as pushed, never billed.
+A worker claims a rollup with a conditional update (a lease that a dead worker's successor may take
+over), calls Stripe with no database transaction open, and retries 5xx, 429 and timeouts with
+exponential backoff and jitter, under idempotency keys that move on after a server error
+(`IdempotencyKey`). A run pushes rollups never tried before ahead of those that failed, for a
 bounded time, so a few that keep failing never hold up the rest.
 
 A subscription Stripe ends (cancelled in the Dashboard, or with its customer deleted) is forgotten by
@@ -438,8 +441,10 @@ def event_timestamp(hour_start, subscription_started_at=None) -> int:
     return int(max(hour_start, earliest).timestamp())
 
 
-def meter_event_identifier(rollup_id: int, event_name: str) -> str:
-    return f"rollup-{rollup_id}-{event_name.removeprefix('inferplane_')}"
+def meter_event_identifier(rollup: UsageRollup, event_name: str) -> str:
+    """The `identifier` of the rollup's event for `event_name`: made of its random `push_uid`, or of its id for a
+    rollup made before it had one (`billing/0016`: its events may be in Stripe under that identifier already)."""
+    return f"rollup-{rollup.push_uid or rollup.pk}-{event_name.removeprefix('inferplane_')}"
 
 
 def _claimable(now):
@@ -465,7 +470,8 @@ def push_rollup(rollup_id: int) -> bool:
 
     Events go one by one in `METERS` order and a push stops at the first that fails, so at most one event of a
     rollup was ever sent without an answer: the first unconfirmed one, first sent at `push_first_tried_at`. Once
-    that is over `IDENTIFIER_TRUSTED_FOR` ago, the rollup is held for an operator (`hold_for_review`)."""
+    that is over `IDENTIFIER_TRUSTED_FOR` ago, the rollup is held for an operator (`hold_for_review`). An event
+    Stripe refused outright, every time it was sent, has no such clock (`_push_meter_event`)."""
     if not claim_rollup(rollup_id):
         return False
     rollup = UsageRollup.objects.get(pk=rollup_id)
@@ -480,10 +486,8 @@ def push_rollup(rollup_id: int) -> bool:
         timestamp = event_timestamp(rollup.hour_start, started_at)
         generation = rollup.push_key_generation
         for meter in due:
-            UsageRollup.objects.filter(pk=rollup_id, push_first_tried_at__isnull=True).update(push_first_tried_at=timezone.now())
             generation = _push_meter_event(rollup, meter, getattr(rollup, meter.rollup_field), customer_id, timestamp,
                                            generation)
-            UsageRollup.objects.filter(pk=rollup_id).update(push_first_tried_at=None)  # confirmed: the next one's clock
     except Exception as exc:
         UsageRollup.objects.filter(pk=rollup_id).update(push_claimed_at=None, push_error=str(exc)[:300])
         raise
@@ -495,7 +499,7 @@ def push_rollup(rollup_id: int) -> bool:
 def hold_for_review(rollup: UsageRollup, unknown: Meter) -> None:
     """Stop pushing `rollup` until an operator says whether Stripe has its event `unknown` (`release_held`,
     `confirm_held`: the admin's actions on usage rollups, after a look at the customer's meter events in Stripe)."""
-    identifier = meter_event_identifier(rollup.pk, unknown.event_name)
+    identifier = meter_event_identifier(rollup, unknown.event_name)
     logger.error("rollup %s held: its meter event %s (value %s) was first sent at %s and Stripe's answer never came; "
                  "sent again past Stripe's duplicate window it could bill twice. Look for it in Stripe, then release "
                  "or confirm the rollup in the admin", rollup.pk, identifier, getattr(rollup, unknown.rollup_field),
@@ -520,7 +524,7 @@ def confirm_held(rollups) -> int:
         due = _unconfirmed(rollup)
         if due:
             MeterEventPush.objects.get_or_create(
-                identifier=meter_event_identifier(rollup.pk, due[0].event_name),
+                identifier=meter_event_identifier(rollup, due[0].event_name),
                 defaults={"rollup": rollup, "event_name": due[0].event_name, "value": getattr(rollup, due[0].rollup_field)})
         num_confirmed += UsageRollup.objects.filter(pk=rollup.pk, push_held_at__isnull=False).update(
             push_held_at=None, push_first_tried_at=None, push_error="")
@@ -548,12 +552,23 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
 
     NOTE: the `identifier` never changes, whatever the idempotency key: it is what keeps an event Stripe
     recorded despite a server error from counting twice (Stripe refuses it, for at least 24 h).
+
+    The rollup's `push_first_tried_at` is set before the event is first sent (a worker may die before its answer)
+    and cleared once Stripe confirms it. NOTE: also cleared when this call started it and Stripe refused every try
+    outright (`_refused_outright`): nothing of the event is in Stripe, so there is no answer to wait for. Before,
+    such a refusal ran the clock as a lost answer does, and a key rolled or revoked over a weekend held every rollup
+    for an operator. An earlier try's clock stays, whatever Stripe answers now: that try may be in Stripe.
     """
-    identifier = meter_event_identifier(rollup.pk, meter.event_name)
+    identifier = meter_event_identifier(rollup, meter.event_name)
     key = _generation_key(UsageRollup, rollup.pk, "push_key_generation", identifier, generation)
-    try:
-        call_stripe(
-            lambda options: stripe_client().v1.billing.meter_events.create(
+    first_tried_at = timezone.now()
+    started_clock = UsageRollup.objects.filter(pk=rollup.pk, push_first_tried_at__isnull=True).update(
+        push_first_tried_at=first_tried_at) == 1
+    refusals: list[bool] = []  # for each try that failed: whether Stripe refused it outright
+
+    def send(options):
+        try:
+            return stripe_client().v1.billing.meter_events.create(
                 params={
                     "event_name": meter.event_name,
                     "identifier": identifier,
@@ -561,17 +576,35 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
                     "payload": {"stripe_customer_id": customer_id, "value": str(value)},
                 },
                 options=options,
-            ),
-            what="meter event", key=key,
-        )
-    except stripe.InvalidRequestError as exc:
-        if exc.code not in DUPLICATE_EVENT_CODES:
+            )
+        except BaseException as exc:
+            refusals.append(isinstance(exc, stripe.StripeError) and _refused_outright(exc))
+            raise
+
+    try:
+        call_stripe(send, what="meter event", key=key)
+    except stripe.StripeError as exc:
+        if not (isinstance(exc, stripe.InvalidRequestError) and exc.code in DUPLICATE_EVENT_CODES):
+            if started_clock and all(refusals):
+                UsageRollup.objects.filter(pk=rollup.pk, push_first_tried_at=first_tried_at).update(
+                    push_first_tried_at=None)
             raise
         logger.info("stripe already has meter event %s", identifier)
     MeterEventPush.objects.get_or_create(
         identifier=identifier, defaults={"rollup": rollup, "event_name": meter.event_name, "value": value}
     )
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=None)  # confirmed: the next one's clock
     return int(key.suffix or 0)
+
+
+def _refused_outright(exc: stripe.StripeError) -> bool:
+    """Whether Stripe answered that it did nothing with the request: its key refused (401, 403), the request refused
+    as invalid (a 4xx other than the refusal of a duplicate identifier, which says Stripe has the event, or an
+    idempotency error, which replays or refuses another try's request), or rate limited (429, before any work)."""
+    if isinstance(exc, stripe.AuthenticationError | stripe.PermissionError | stripe.RateLimitError):
+        return True
+    return (isinstance(exc, stripe.InvalidRequestError) and (exc.http_status or 500) < 500
+            and exc.code not in DUPLICATE_EVENT_CODES)
 
 
 def push_pending_rollups(*, limit: int = 500, budget_s: float = PUSH_RUN_BUDGET_S) -> int:
@@ -631,6 +664,11 @@ def _push_claimable(*, limit: int, budget_s: float) -> int:
             break
         try:
             num_pushed += push_rollup(rollup_id)
+        except (stripe.AuthenticationError, stripe.PermissionError):
+            # NOTE: the key, not the rollup: every other rollup would be refused the same way, a call each, every
+            # minute. The next run tries again with the key it is configured with then.
+            logger.exception("Stripe refused the API key pushing rollup %s; this run pushes no more", rollup_id)
+            break
         except stripe.StripeError:
             logger.exception("could not push rollup %s; the next run retries it", rollup_id)
     return num_pushed

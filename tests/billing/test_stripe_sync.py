@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from billing import stripe_sync
 from billing.ledger import record_usage
-from billing.models import BillingAccount, MeterEventPush, UsageRollup
+from billing.models import BillingAccount, MeterEventPush, UsageRecord, UsageRollup
 from billing.rollups import rollup_usage
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
@@ -50,7 +50,8 @@ def test_a_closed_rollup_becomes_meter_events_for_input_cached_and_output_tokens
     }
     assert rollup.cost_micro_dollars > 0
     assert sorted(fake_stripe.meter_events) == sorted(
-        f"rollup-{rollup.pk}-{name}" for name in ("input_tokens", "cached_input_tokens", "output_tokens", "usage_cost"))
+        f"rollup-{rollup.push_uid}-{name}"
+        for name in ("input_tokens", "cached_input_tokens", "output_tokens", "usage_cost"))
     rollup.refresh_from_db()
     assert rollup.pushed_at is not None
 
@@ -231,7 +232,7 @@ def test_an_event_unanswered_past_stripes_duplicate_window_is_held_for_an_operat
     rollup.refresh_from_db()
     assert len(fake_stripe.calls_to("/v1/billing/meter_events")) == sent_before
     assert rollup.push_held_at is not None and rollup.pushed_at is None
-    assert rollup.push_error.startswith(f"held: is rollup-{rollup.pk}-input_tokens in Stripe?")
+    assert rollup.push_error.startswith(f"held: is rollup-{rollup.push_uid}-input_tokens in Stripe?")
     assert _token_total(fake_stripe) == rollup.input_tokens  # once, as Stripe recorded it
 
 
@@ -272,8 +273,9 @@ def test_an_event_confirmed_starts_the_next_events_clock(fake_stripe):
     rollup = _closed_rollup(EndpointFactory())
     fake_stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS, path="/v1/billing/meter_events")
     stripe_sync.push_pending_rollups()
-    MeterEventPush.objects.create(rollup=rollup, event_name=stripe_sync.METERS[0].event_name, value=rollup.input_tokens,
-                                  identifier=stripe_sync.meter_event_identifier(rollup.pk, stripe_sync.METERS[0].event_name))
+    first = stripe_sync.METERS[0]
+    MeterEventPush.objects.create(rollup=rollup, event_name=first.event_name, value=rollup.input_tokens,
+                                  identifier=stripe_sync.meter_event_identifier(rollup, first.event_name))
     UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=None)  # as its confirmation leaves it
 
     assert stripe_sync.push_pending_rollups() == 1
@@ -294,10 +296,135 @@ def test_a_superuser_releases_a_held_rollup_from_the_admin(fake_stripe, client):
     listed = client.get("/django-admin/billing/usagerollup/", {"push_held_at__isnull": "False"})
     released = client.post("/django-admin/billing/usagerollup/", {"action": "release_held", "_selected_action": [rollup.pk]})
 
-    assert listed.status_code == 200 and f"rollup-{rollup.pk}-input_tokens" in listed.content.decode()
+    assert listed.status_code == 200 and f"rollup-{rollup.push_uid}-input_tokens" in listed.content.decode()
     assert released.status_code == 302
     rollup.refresh_from_db()
     assert rollup.push_held_at is None and rollup.push_first_tried_at is None
+
+
+def test_a_rollup_id_handed_out_again_after_the_database_went_back_in_time_is_billed_to_its_own_customer(fake_stripe):
+    # PostgreSQL restored to a point in time, or failed over to a replica that was behind, hands out ids it had handed
+    # out before. Identifiers made of the id (`rollup-{id}-…`) were ones Stripe had taken within the day: another
+    # organisation's new rollup was refused as a duplicate, recorded as pushed, and never billed.
+    first = _closed_rollup(EndpointFactory())
+    assert stripe_sync.push_pending_rollups() == 1
+    reused_id = first.pk
+    # What the rewind lost: the rollup, its pushes and its usage.
+    MeterEventPush.objects.filter(rollup=first).delete()
+    UsageRollup.objects.filter(pk=reused_id).delete()
+    UsageRecord.objects.filter(organization_id=first.organization_id).delete()
+    second = _closed_rollup(EndpointFactory())  # another organisation's
+    UsageRollup.objects.filter(pk=second.pk).update(id=reused_id)
+    second = UsageRollup.objects.get(pk=reused_id)
+    assert second.organization_id != first.organization_id
+
+    assert stripe_sync.push_pending_rollups() == 1
+
+    customer_id = BillingAccount.objects.get(organization=second.organization).stripe_customer_id
+    billed = {event_name: value for (customer, event_name), value in fake_stripe.meter_totals().items()
+              if customer == customer_id}
+    assert billed == {
+        "inferplane_input_tokens": second.input_tokens,
+        "inferplane_cached_input_tokens": second.cached_tokens,
+        "inferplane_output_tokens": second.completion_tokens,
+        "inferplane_usage_cost": second.cost_micro_dollars,
+    }
+    assert fake_stripe.num_duplicate_identifiers == 0
+
+
+def test_a_rollup_made_before_push_uids_keeps_the_identifiers_made_of_its_id(fake_stripe):
+    # Its events may be in Stripe already under those identifiers (sent by a push whose answer was lost): only the same
+    # identifier keeps Stripe refusing one a second time (billing/0016 leaves such rows' push_uid null).
+    rollup = _closed_rollup(EndpointFactory())
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_uid=None)
+    fake_stripe.fail_next("500_after_work", path="/v1/billing/meter_events")  # the first event is in Stripe
+    fake_stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS - 1, path="/v1/billing/meter_events")
+    assert stripe_sync.push_pending_rollups() == 0
+
+    assert stripe_sync.push_pending_rollups() == 1
+
+    assert sorted(fake_stripe.meter_events) == sorted(
+        f"rollup-{rollup.pk}-{name}" for name in ("input_tokens", "cached_input_tokens", "output_tokens", "usage_cost"))
+    assert _token_total(fake_stripe) == rollup.prompt_tokens + rollup.completion_tokens  # the first event once
+
+
+def _a_rollup_of_an_organisation_in_stripe() -> UsageRollup:
+    """A closed rollup of an organisation whose customer, subscription and meters are in Stripe already: the first
+    call of its push is its first meter event."""
+    endpoint = EndpointFactory()
+    _closed_rollup(endpoint)
+    assert stripe_sync.push_pending_rollups() == 1
+    return _closed_rollup(EndpointFactory(organization=endpoint.organization))
+
+
+def test_a_push_refused_for_a_revoked_key_is_sent_once_the_key_is_good_again_not_held(fake_stripe, settings):
+    # A definite refusal ran the 23 h clock kept for answers that never came: after a weekend with a rolled or revoked
+    # key, every rollup was held for an operator ("held: is rollup-… in Stripe?"), though Stripe had recorded nothing.
+    rollup = _a_rollup_of_an_organisation_in_stripe()
+    fake_stripe.revoke_key(settings.STRIPE_SECRET_KEY)
+
+    assert stripe_sync.push_pending_rollups() == 0
+    rollup.refresh_from_db()
+    assert "Expired API Key provided" in rollup.push_error  # why it is not pushed, for whoever looks
+    _a_day_passes(fake_stripe, rollup)
+    fake_stripe.restore_key(settings.STRIPE_SECRET_KEY)
+
+    assert stripe_sync.push_pending_rollups() == 1
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is None and rollup.pushed_at is not None and rollup.push_error == ""
+    assert _token_total(fake_stripe) == 2 * (rollup.prompt_tokens + rollup.completion_tokens)
+
+
+@pytest.mark.parametrize("refusal", ["400", "401", "403", "429"])
+def test_an_event_stripe_refused_outright_starts_no_unanswered_clock(fake_stripe, refusal):
+    rollup = _a_rollup_of_an_organisation_in_stripe()
+    tries = stripe_sync.MAX_ATTEMPTS if refusal == "429" else 1  # a 429 is retried, the rest are not
+    fake_stripe.fail_next(refusal, times=tries, path="/v1/billing/meter_events")
+
+    assert stripe_sync.push_pending_rollups() == 0
+    rollup.refresh_from_db()
+    assert rollup.push_first_tried_at is None and f"injected {refusal}" in rollup.push_error
+    _a_day_passes(fake_stripe, rollup)
+
+    assert stripe_sync.push_pending_rollups() == 1
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is None and rollup.pushed_at is not None
+
+
+@pytest.mark.parametrize("unanswered_try", ["this run", "an earlier run"])
+def test_a_refusal_after_a_try_whose_answer_was_lost_leaves_that_trys_clock_running(fake_stripe, unanswered_try):
+    # The lost answer's event may be in Stripe: a refusal of a later try (the key revoked meanwhile) says nothing of
+    # it. Sent again past Stripe's duplicate window, it could bill twice: held, as before.
+    rollup = _a_rollup_of_an_organisation_in_stripe()
+    fake_stripe.fail_next("500_after_work", path="/v1/billing/meter_events")  # in Stripe, its answer a 500
+    if unanswered_try == "an earlier run":
+        fake_stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS - 1, path="/v1/billing/meter_events")
+        assert stripe_sync.push_pending_rollups() == 0
+    fake_stripe.fail_next("401", path="/v1/billing/meter_events")
+
+    assert stripe_sync.push_pending_rollups() == 0
+    rollup.refresh_from_db()
+    assert rollup.push_first_tried_at is not None and "injected 401" in rollup.push_error
+    _a_day_passes(fake_stripe, rollup)
+
+    assert stripe_sync.push_pending_rollups() == 0
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is not None and rollup.push_error.startswith("held:")
+
+
+def test_a_push_run_stops_at_the_first_refusal_of_its_key(fake_stripe, settings):
+    # Every rollup would be refused the same way: a call each, every minute, for as long as the key stays bad.
+    organization = _a_rollup_of_an_organisation_in_stripe().organization
+    for _ in range(2):
+        _closed_rollup(EndpointFactory(organization=organization))
+    fake_stripe.revoke_key(settings.STRIPE_SECRET_KEY)
+    num_calls = len(fake_stripe.calls)
+
+    assert stripe_sync.push_pending_rollups() == 0
+
+    assert len(fake_stripe.calls) == num_calls + 1
+    fake_stripe.restore_key(settings.STRIPE_SECRET_KEY)
+    assert stripe_sync.push_pending_rollups() == 3
 
 
 def test_usage_pushed_late_is_dated_within_the_grace_stripe_gives_a_period_that_just_ended(fake_stripe):

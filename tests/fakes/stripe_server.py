@@ -6,6 +6,7 @@
     fake.prices, fake.subscriptions      # what was created, by id
     fake.cancel_subscription(id), fake.delete_customer(id)   # what the Dashboard does
     fake.charge(customer id), fake.dispute(charge id), fake.close_dispute(id, "won")   # a payment, and its chargeback
+    fake.revoke_key(key), fake.restore_key(key)              # a secret key rolled or revoked: 401 to every call
 
 It records every call, replays the stored response for a repeated `Idempotency-Key` (as Stripe
 does for 24 h; a key sent again with other parameters is refused), refuses a meter event whose
@@ -18,6 +19,8 @@ identifier is taken again, as a second event), and can be told to fail:
 - "500_after_work": the work is done (an object created, an event recorded), then the 500 is saved
   under the key as above: the client cannot tell it from "500_saved";
 - "429": refused by the rate limiter, before the idempotency layer: nothing saved;
+- "400", "401", "403": refused outright (an invalid request, the key refused, a permission the key lacks), before
+  the idempotency layer: nothing done, nothing saved;
 - "timeout": the request is handled, then its answer held until the client gives up and hangs up,
   so the client sees a timeout although Stripe did the work: the case idempotency keys exist for.
   (It waits for the hang-up, not for a fixed time: the client's timeout can be generous, so that an
@@ -38,7 +41,13 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlparse
 
-FAILURE_KINDS = ("500", "500_saved", "500_after_work", "429", "timeout")
+FAILURE_KINDS = ("500", "500_saved", "500_after_work", "429", "400", "401", "403", "timeout")
+# What Stripe answers each refusal with: status, error type, code.
+_REFUSALS = {
+    "400": (400, "invalid_request_error", "parameter_invalid_empty"),
+    "401": (401, "invalid_request_error", None),
+    "403": (403, "invalid_request_error", "secret_key_required"),
+}
 IDENTIFIER_WINDOW_S = 24 * 3600  # Stripe refuses a meter event's identifier again "for at least 24 hours"
 
 
@@ -73,6 +82,7 @@ class FakeStripe:
     deleted_customers: set[str] = field(default_factory=set)
     charges: dict[str, dict] = field(default_factory=dict)
     disputes: dict[str, dict] = field(default_factory=dict)
+    revoked_keys: set[str] = field(default_factory=set)
     num_duplicate_identifiers: int = 0
     unexpected: list[str] = field(default_factory=list)
 
@@ -136,6 +146,15 @@ class FakeStripe:
                 if subscription["customer"] == customer_id and subscription["status"] != "canceled":
                     subscription.update(status="canceled", canceled_at=now, ended_at=now)
             return dict(customer)
+
+    def revoke_key(self, secret_key: str) -> None:
+        """What rolling or deleting the key in the Dashboard does: every call with it is answered 401, none done."""
+        with self._lock:
+            self.revoked_keys.add(secret_key)
+
+    def restore_key(self, secret_key: str) -> None:
+        with self._lock:
+            self.revoked_keys.discard(secret_key)
 
     def age_meter_events(self, seconds: int) -> None:
         """Make every meter event received so far `seconds` older (for Stripe's duplicate window)."""
@@ -203,11 +222,19 @@ class FakeStripe:
         call = Call(method, path, _nested(parse_qsl(query, keep_blank_values=True)), request.headers.get("Idempotency-Key"))
         if self.latency_s:
             time.sleep(self.latency_s)
+        authorization = request.headers.get("Authorization") or ""
         with self._lock:
             self.calls.append(call)
             failure = self._take_failure(method, path)
-        if not (request.headers.get("Authorization") or "").startswith("Bearer sk_"):
+            revoked = authorization.removeprefix("Bearer ") in self.revoked_keys
+        if not authorization.startswith("Bearer sk_"):
             return self._answer(request, call, 401, _error("invalid_request_error", "Invalid API Key provided"))
+        if revoked:
+            return self._answer(request, call, 401, _error("invalid_request_error", "Expired API Key provided"))
+        if failure is not None and failure.kind in _REFUSALS:  # before the idempotency layer
+            call.injected = failure.kind
+            status, kind, code = _REFUSALS[failure.kind]
+            return self._answer(request, call, status, _error(kind, f"injected {failure.kind}", code=code))
         if failure is not None and failure.kind in ("500", "429"):  # before the idempotency layer
             call.injected = failure.kind
             status = 500 if failure.kind == "500" else 429
