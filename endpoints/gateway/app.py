@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 
 from django.conf import settings
 
-from billing.usage_writer import writer_for_this_loop
+from billing.usage_writer import usage_recordable, writer_for_this_loop
 from controlplane.access_log import log_answer
 from controlplane.accounts.models import Role
 from endpoints.gateway import (
@@ -280,6 +280,11 @@ class Gateway:
                 raise errors.OpenAIError(404, f"Unknown URL {method} {path}.", code="unknown_url")
             if method != "POST":
                 raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
+            # NOTE: a flag, no I/O: its row could only go to a journal already at its limit. Calls admitted before
+            # still write theirs (into the journal's headroom); this one is never proxied.
+            if not usage_recordable():
+                await _discard_body(receive)
+                raise errors.usage_unrecordable()
             try:
                 caller = await auth.authenticate(headers)
             except Exception:
