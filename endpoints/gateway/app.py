@@ -6,6 +6,8 @@ Everything else goes to Django, `/v1/files*` and `/v1/batches*` too (`endpoints.
     authenticate → endpoint by `model` → admit (rate limits, reserve its largest cost, pick a
     READY replica: one Redis round trip) → hold while one cold-starts if none is READY → proxy,
     streaming unchanged → one usage row, whatever happened → settle the real cost.
+
+A call whose usage row could not be recorded (the usage journal at its limit: `usage_recordable`) is refused first.
 """
 
 from __future__ import annotations
