@@ -19,6 +19,14 @@ only segments it can lock: those of dead processes and its own sealed ones, neve
 A replayed segment is deleted; rows the ledger refuses (their endpoint is gone) move to
 `rejected.jsonl` for an operator, never retried forever.
 
+Its size is bounded, without a look at the folder per write: `num_bytes` is the bytes of the folder's segments as
+this process last listed them (`list_segments`: every replay lists, at start and every retry of an outage) plus
+what this process appended since, less the segments it replayed. Past `max_bytes` (`INFERPLANE_USAGE_JOURNAL_MAX_BYTES`)
+the journal is `full`: the gateway refuses new calls (their usage could not be recorded) and `/readyz` says not
+ready, while calls already admitted still append here, into the headroom below the volume's limit
+(`ADMITTED_HEADROOM_BYTES`). Before, a database that took no writes for half an hour filled the web pod's volume,
+the kubelet evicted the pod and deleted the journal with it: every call answered in the outage went unbilled.
+
 NOTE: usage sitting in a journal is not in the ledger yet, so spend rebuilt from the ledger during
 an outage (a Redis flush at the same time) misses it until it is replayed.
 """
@@ -45,6 +53,12 @@ logger = logging.getLogger("inferplane.billing")
 SEGMENT_SUFFIX = ".jsonl"
 REJECTED_NAME = "rejected.jsonl"
 MAX_SEGMENT_BYTES = 64 * 1024 * 1024
+# NOTE: what the journal's volume holds past `max_bytes`, for the calls admitted before the journal was full, which
+# still journal their rows as they end (none is ever lost), and for another process's appends this one has not listed
+# yet (`list_segments`, every 5 s at most during an outage). A row takes 0.7 to 1 KiB: 64 MiB hold some 65,000 rows,
+# the calls a pod's processes may have in flight many times over (tests/infra/test_manifests.py holds the web pod's
+# volume to `INFERPLANE_USAGE_JOURNAL_MAX_BYTES` plus this).
+ADMITTED_HEADROOM_BYTES = 64 * 1024 * 1024
 _TIMES = ("started_at", "first_token_at", "finished_at")
 _FIELDS = {f.name for f in fields(UsageReport)}
 # NOTE: exact money: a string in the journal, a Decimal again on replay.
@@ -87,12 +101,19 @@ def read_segment(handle) -> list[UsageReport]:
 
 
 class UsageJournal:
-    """One process's journal in `directory` (blocking file I/O: call it from a worker thread)."""
+    """One process's journal in `directory` (blocking file I/O: call it from a worker thread; `full` and
+    `num_bytes` are plain attributes, read on any thread without I/O)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, max_bytes: int | None = None):
         self.directory = Path(directory)
+        self.max_bytes = max_bytes  # None: never full
         self._segment = None  # the open segment this process appends to, flock'd
         self._lock = threading.Lock()  # writers of several event loops share one journal
+        self._listed_bytes: dict[str, int] = {}  # segment name -> its bytes when this process last listed the folder
+        self._num_bytes_listed = 0  # their sum
+        self._num_bytes_appended = 0  # what this process appended since
+        self.num_bytes = 0  # the folder's segments, as far as this process knows (see the module's docstring)
+        self.full = False  # num_bytes reached max_bytes: no new call may be admitted (`usage_writer.usage_recordable`)
 
     def append(self, reports: list[UsageReport]) -> None:
         """Append reports and fsync: when this returns, they survive a crash of this process or machine."""
@@ -107,11 +128,25 @@ class UsageJournal:
             fcntl.flock(segment, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._segment = segment
             _fsync_directory(self.directory)
-        self._segment.write(b"".join(encode(report) for report in reports))
+        data = b"".join(encode(report) for report in reports)
+        # NOTE: counted before the write: bytes that may have reached the disk are never left out of the count.
+        self._num_bytes_appended += len(data)
+        self._count()
+        self._segment.write(data)
         self._segment.flush()
         os.fsync(self._segment.fileno())
         if self._segment.tell() >= MAX_SEGMENT_BYTES:
             self._seal()
+
+    def _count(self) -> None:
+        self.num_bytes = self._num_bytes_listed + self._num_bytes_appended
+        was_full, self.full = self.full, self.max_bytes is not None and self.num_bytes >= self.max_bytes
+        if self.full and not was_full:
+            logger.error("usage journal: %d bytes in %s, at its limit of %d: new calls are refused until PostgreSQL "
+                         "takes them", self.num_bytes, self.directory, self.max_bytes)
+        elif was_full and not self.full:
+            logger.warning("usage journal: %d bytes, below its limit of %d again: calls are admitted",
+                           self.num_bytes, self.max_bytes)
 
     def seal(self) -> None:
         """Close the current segment (releasing its lock): the next append starts a new one."""
@@ -130,6 +165,20 @@ class UsageJournal:
         if not self.directory.is_dir():
             return []
         return sorted(path for path in self.directory.glob(f"*{SEGMENT_SUFFIX}") if path.name != REJECTED_NAME)
+
+    def list_segments(self) -> list[Path]:
+        """`segments`, and the count taken again from their sizes: every process's, live or dead (a container that
+        restarted left its segments), so that `num_bytes` is the folder's. `rejected.jsonl` is not counted: no replay
+        empties it, an operator does."""
+        with self._lock:
+            paths, sizes = [], {}
+            for path in self.segments():
+                with contextlib.suppress(FileNotFoundError):  # replayed by another process meanwhile
+                    sizes[path.name] = path.stat().st_size
+                    paths.append(path)
+            self._listed_bytes, self._num_bytes_listed, self._num_bytes_appended = sizes, sum(sizes.values()), 0
+            self._count()
+            return paths
 
     @contextlib.contextmanager
     def claim(self, path: Path):
@@ -157,6 +206,10 @@ class UsageJournal:
             logger.error("usage journal: %d report(s) refused by the ledger kept in %s", len(rejected), REJECTED_NAME)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+        with self._lock:
+            # NOTE: bytes another process appended to it after this one listed it were never counted here.
+            self._num_bytes_listed -= self._listed_bytes.pop(path.name, 0)
+            self._count()
 
     def backlog(self) -> int:
         """Reports waiting in every segment of the folder (all processes of this machine)."""

@@ -16,6 +16,9 @@ straight to the journal (a dead database is not waited for on every request) whi
 per writer probes the database and, once it answers, writes the journal into the ledger (exactly
 once: the unique request id) and deletes it. The gateway also replays at start (`replay_soon`), so
 a process that died with a backlog leaves it to the next one.
+
+A journal past its limit (`UsageJournal.full`) stops the gateway admitting calls (`usage_recordable`, a flag read per
+call, no I/O) until a replay brings it below again: the replay task goes on, listing the folder, while it is full.
 """
 
 from __future__ import annotations
@@ -82,7 +85,13 @@ def _as_outage(exc: psycopg.Error) -> Exception:
 @functools.cache
 def journal() -> UsageJournal:
     """This process's usage journal (one for every event loop's writer)."""
-    return UsageJournal(settings.USAGE_JOURNAL_DIR)
+    return UsageJournal(settings.USAGE_JOURNAL_DIR, max_bytes=settings.USAGE_JOURNAL_MAX_BYTES)
+
+
+def usage_recordable() -> bool:
+    """Whether a new call's usage row can be recorded: false while the journal is past its limit (PostgreSQL has
+    taken no writes for a while). An attribute read: the gateway asks it on every call."""
+    return not journal().full
 
 
 PREPARE_ONLY_WHEN_ASKED = 2**31 - 1  # psycopg's prepare_threshold: never reached by a count of executions
@@ -219,7 +228,12 @@ class UsageWriter:
                 delay_s = min(delay_s * 2, REPLAY_RETRY_MAX_S)
                 continue
             self._down_until = 0.0
-            # NOTE: a batch journaled while this replay ran opened a new segment: replay it too.
+            # NOTE: a batch journaled while this replay ran opened a new segment: replay it too. A journal still full
+            # (another live process's segments, which it replays itself) is listed again until it is not: its calls
+            # are refused meanwhile.
+            if journal().full:
+                await asyncio.sleep(delay_s)
+                continue
             if not journal().has_open_segment():
                 return
 
@@ -229,7 +243,7 @@ class UsageWriter:
         usage_journal = journal()
         await asyncio.to_thread(usage_journal.seal)
         num_left = 0
-        for path in await asyncio.to_thread(usage_journal.segments):
+        for path in await asyncio.to_thread(usage_journal.list_segments):
             with usage_journal.claim(path) as handle:
                 if handle is None:
                     num_left += 1

@@ -1,9 +1,13 @@
 """Liveness and readiness probes.
 
 `/readyz` also reports `usage_backlog`: usage rows waiting in this machine's journal for the
-ledger (`billing.usage_journal`). A backlog alone keeps the gateway ready: the rows are safe on
-disk and replayed as soon as PostgreSQL answers, and taking every gateway out of rotation over a
+ledger (`billing.usage_journal`), and `usage_journal_bytes`. A backlog alone keeps the gateway ready: the rows are safe
+on disk and replayed as soon as PostgreSQL answers, and taking every gateway out of rotation over a
 database blip would turn a billing delay into an outage. An operator alerts on a backlog that stays.
+
+A journal past its limit (`INFERPLANE_USAGE_JOURNAL_MAX_BYTES`) is not ready: the gateway refuses new calls then
+(their usage could not be recorded), and the load balancer should send them to a server whose journal has room. It is
+ready again once the journal is replayed below its limit.
 """
 
 import asyncio
@@ -29,7 +33,7 @@ def _database_answers() -> None:
 
 
 async def readyz(request):
-    """Ready for traffic: the database and Redis both answer."""
+    """Ready for traffic: the database and Redis both answer, and the usage journal has room."""
     checks = {}
     try:
         await asyncio.wait_for(sync_to_async(_database_answers)(), timeout=2)
@@ -41,7 +45,9 @@ async def readyz(request):
         checks["redis"] = "ok"
     except Exception as exc:  # noqa: BLE001
         checks["redis"] = f"error: {type(exc).__name__}"
+    usage_journal = journal()
+    checks["usage_journal"] = "full" if usage_journal.full else "ok"
     ready = all(value == "ok" for value in checks.values())
-    backlog = await asyncio.to_thread(journal().backlog)
-    return JsonResponse({"status": "ok" if ready else "unavailable", "checks": checks, "usage_backlog": backlog},
-                        status=200 if ready else 503)
+    backlog = await asyncio.to_thread(usage_journal.backlog)
+    return JsonResponse({"status": "ok" if ready else "unavailable", "checks": checks, "usage_backlog": backlog,
+                         "usage_journal_bytes": usage_journal.num_bytes}, status=200 if ready else 503)

@@ -419,6 +419,10 @@ BILLING_CLAIM_TIMEOUT_S = env_float("INFERPLANE_BILLING_CLAIM_TIMEOUT_S", 300.0,
 
 # Usage rows PostgreSQL cannot take go to this folder (fsync'd) and are replayed when it is back.
 USAGE_JOURNAL_DIR = env_str("INFERPLANE_USAGE_JOURNAL_DIR") or str(embedded.data_dir() / "usage-journal")
+# Past this many bytes in that folder the gateway refuses new calls (503) and /readyz says not ready, until the journal
+# is replayed into PostgreSQL; calls already admitted still journal into the volume's headroom above it
+# (`billing.usage_journal.ADMITTED_HEADROOM_BYTES`; infra/k8s/base/web.yaml sizes the volume for both).
+USAGE_JOURNAL_MAX_BYTES = env_int("INFERPLANE_USAGE_JOURNAL_MAX_BYTES", 192 * 2**20, minimum=1)
 
 # --- files and batches (endpoints.batches) ------------------------------------------
 # File bytes live in S3 (any S3-compatible store), never in PostgreSQL; the fleet's credentials are

@@ -6,6 +6,8 @@ Everything else goes to Django, `/v1/files*` and `/v1/batches*` too (`endpoints.
     authenticate → endpoint by `model` → admit (rate limits, reserve its largest cost, pick a
     READY replica: one Redis round trip) → hold while one cold-starts if none is READY → proxy,
     streaming unchanged → one usage row, whatever happened → settle the real cost.
+
+A call whose usage row could not be recorded (the usage journal at its limit: `usage_recordable`) is refused first.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from datetime import UTC, datetime
 
 from django.conf import settings
 
-from billing.usage_writer import writer_for_this_loop
+from billing.usage_writer import usage_recordable, writer_for_this_loop
 from controlplane.access_log import log_answer
 from controlplane.accounts.models import Role
 from endpoints.gateway import (
@@ -292,6 +294,11 @@ class Gateway:
                 raise errors.OpenAIError(404, f"Unknown URL {method} {path}.", code="unknown_url")
             if method != "POST":
                 raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
+            # NOTE: a flag, no I/O: its row could only go to a journal already at its limit. Calls admitted before
+            # still write theirs (into the journal's headroom); this one is never proxied.
+            if not usage_recordable():
+                await _discard_body(receive)
+                raise errors.usage_unrecordable()
             try:
                 caller = await auth.authenticate(headers)
             except Exception:

@@ -125,6 +125,18 @@ def service_unavailable(message: str = "The service is briefly unavailable; plea
     return OpenAIError(503, message, type="server_error", code="service_unavailable", headers={"retry-after": "1"})
 
 
+USAGE_UNRECORDABLE_RETRY_AFTER_S = 5
+
+
+def usage_unrecordable() -> OpenAIError:
+    """A new call refused because its usage could not be recorded: the billing database has taken no writes for a
+    while and this server's journal of usage is full (`billing.usage_writer.usage_recordable`). Its `/readyz` says not
+    ready meanwhile, so a retry goes to another server."""
+    return OpenAIError(503, "Usage cannot be recorded on this server now (its billing database takes no writes), so "
+                            "no new call is taken; please retry.", type="server_error", code="service_unavailable",
+                       headers={"retry-after": str(USAGE_UNRECORDABLE_RETRY_AFTER_S)})
+
+
 def engine_refused(status: int, body: bytes) -> OpenAIError:
     """The engine refused the request (a 4xx): relay its message in OpenAI's shape."""
     try:

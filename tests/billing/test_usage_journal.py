@@ -1,11 +1,20 @@
-"""The usage journal keeps every field of a report exactly, money included."""
+"""The usage journal keeps every field of a report exactly, money included, and is bounded: past its limit the
+gateway admits no new call until it is replayed."""
 
+import asyncio
 import dataclasses
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from pathlib import Path
+
+import psycopg
+import pytest
 
 from billing.ledger import UsageReport
-from billing.usage_journal import decode, encode
+from billing.models import UsageRecord
+from billing.usage_journal import REJECTED_NAME, UsageJournal, decode, encode
+from tests.billing.conftest import usage_report
+from tests.factories import EndpointFactory
 
 
 def test_a_journalled_report_comes_back_exactly_with_its_reserved_cost():
@@ -19,3 +28,108 @@ def test_a_journalled_report_comes_back_exactly_with_its_reserved_cost():
     assert decode(encode(report)) == report
     unreserved = dataclasses.replace(report, max_cost=None)
     assert decode(encode(unreserved)) == unreserved
+
+
+def _segment_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.glob("*.jsonl") if path.name != REJECTED_NAME)
+
+
+def _report(number: int) -> UsageReport:
+    now = datetime(2026, 12, 3, 18, 0, tzinfo=UTC)
+    return UsageReport(request_id=f"req-{number:04d}", organization_id=7, api_key_id=3,
+                       endpoint_id="6f0c3f5e-0000-4000-8000-000000000001", replica_id=None, prompt_tokens=12,
+                       cached_tokens=0, completion_tokens=30, started_at=now, first_token_at=now, finished_at=now,
+                       status="ok")
+
+
+def test_the_journal_counts_its_folders_bytes_and_is_full_past_its_limit(tmp_path):
+    """The count is the folder's: what a dead process left (listed once, at a replay), and what this one appends since
+    (counted as it appends, no listing); a replayed segment leaves it."""
+    row_bytes = len(encode(_report(0)))
+    left = UsageJournal(tmp_path, max_bytes=10 * row_bytes)
+    left.append([_report(number) for number in range(4)])
+    left.seal()  # its process died
+    journal = UsageJournal(tmp_path, max_bytes=10 * row_bytes)
+    assert (journal.num_bytes, journal.full) == (0, False)  # nothing listed yet
+
+    segments = journal.list_segments()
+    assert journal.num_bytes == 4 * row_bytes == _segment_bytes(tmp_path)
+    journal.append([_report(number) for number in range(4, 9)])
+    assert (journal.num_bytes, journal.full) == (9 * row_bytes, False)
+    journal.append([_report(9)])
+    assert (journal.num_bytes, journal.full) == (10 * row_bytes, True) and journal.num_bytes == _segment_bytes(tmp_path)
+    journal.append([_report(10)])  # a call admitted before: it still journals
+    assert journal.num_bytes == 11 * row_bytes == _segment_bytes(tmp_path)
+
+    journal.done(segments[0], [])  # the dead process's segment, replayed
+    assert (journal.num_bytes, journal.full) == (7 * row_bytes, False)
+    assert journal.num_bytes == _segment_bytes(tmp_path)
+    assert UsageJournal(tmp_path).full is False  # no limit
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_full_journal_refuses_new_calls_and_readiness_until_it_is_replayed_losing_no_admitted_call(
+        settings, tmp_path, monkeypatch, client):
+    """PostgreSQL serves reads and refuses writes (a demoted primary): every row goes to the journal. Before, the
+    journal grew without a bound until the pod's volume was full and the pod evicted, its journal deleted with it."""
+    from billing import usage_writer
+
+    endpoint = EndpointFactory()
+    reports = [usage_report(endpoint, request_id=f"full-{number:03d}") for number in range(40)]
+    row_bytes = max(len(encode(report)) for report in reports)
+    journal_dir = tmp_path / "journal"
+    settings.USAGE_JOURNAL_DIR = str(journal_dir)
+    settings.USAGE_JOURNAL_MAX_BYTES = 10 * row_bytes
+    usage_writer.journal.cache_clear()
+    monkeypatch.setattr(usage_writer, "OUTAGE_PROBE_S", 0.05)
+    monkeypatch.setattr(usage_writer, "REPLAY_RETRY_MAX_S", 0.1)
+    writable = False
+    insert = usage_writer.record_usage_batch_on
+
+    async def insert_unless_read_only(connection, batch):
+        if not writable:
+            raise psycopg.errors.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction")
+        return await insert(connection, batch)
+
+    monkeypatch.setattr(usage_writer, "record_usage_batch_on", insert_unless_read_only)
+
+    async def calls_while_read_only():
+        """Each call is admitted (as the gateway does) only while its usage can be recorded; the first three admitted
+        are still streaming when the journal fills, and end after."""
+        writer = usage_writer.writer_for_this_loop()
+        admitted, streaming = [], []
+        for report in reports:
+            if not usage_writer.usage_recordable():
+                continue
+            admitted.append(report)
+            if len(streaming) < 3:
+                streaming.append(report)
+            else:
+                assert await writer.write(report) is True
+        assert not usage_writer.usage_recordable()
+        assert await asyncio.gather(*(writer.write(report) for report in streaming)) == [True] * 3
+        return admitted
+
+    async def replay_until_empty():
+        await asyncio.wait_for(usage_writer.writer_for_this_loop().replay_soon(), 10)
+
+    try:
+        admitted = asyncio.run(calls_while_read_only())
+
+        assert len(admitted) == 13  # 10 rows reach the limit, and the 3 admitted before them
+        assert _segment_bytes(journal_dir) == usage_writer.journal().num_bytes <= 13 * row_bytes
+        assert UsageRecord.objects.count() == 0
+        response = client.get("/readyz")
+        assert response.status_code == 503 and response.json()["checks"]["usage_journal"] == "full"
+
+        writable = True
+        asyncio.run(replay_until_empty())
+
+        assert usage_writer.usage_recordable() and usage_writer.journal().num_bytes == 0
+        assert _segment_bytes(journal_dir) == 0
+        assert client.get("/readyz").status_code == 200
+        assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == [r.request_id for r in admitted]
+        asyncio.run(replay_until_empty())  # a second replay writes nothing twice
+        assert UsageRecord.objects.count() == len(admitted)
+    finally:
+        usage_writer.journal.cache_clear()

@@ -90,3 +90,63 @@ def test_a_gateway_killed_with_a_journal_backlog_leaves_it_to_the_next_gateway(t
         assert load.outcomes()["hung"] == 0
     finally:
         first.stop()
+
+
+def journal_bytes(journal_dir) -> int:
+    return sum(path.stat().st_size for path in journal_dir.glob("*.jsonl") if path.name != "rejected.jsonl")
+
+
+ROW_MAX_BYTES = 1024  # a usage row in the journal: some 700 bytes
+
+
+def test_a_gateway_whose_usage_journal_is_full_refuses_new_calls_and_is_not_ready_until_postgresql_takes_writes(
+        tenant, start_mock_upstream, tmp_path):
+    """A demoted primary serves reads and refuses writes: the gateway answers from its caches and every usage row goes
+    to the journal. Before, the journal grew without a bound (some 42 MB a minute at 1,000 calls a second) until the
+    pod's volume was full: the pod was evicted, its journal deleted, and every call answered in the outage unbilled.
+    Now, past INFERPLANE_USAGE_JOURNAL_MAX_BYTES, new calls get a 503 before they are proxied and /readyz is not ready
+    (the load balancer drains the pod); calls already admitted still journal, and the gateway admits calls again by
+    itself once the journal is replayed."""
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=5))
+    journal_dir, max_bytes = tmp_path / "journal", 32 * 1024
+    env = {"INFERPLANE_USAGE_JOURNAL_DIR": str(journal_dir), "INFERPLANE_API_KEY_CACHE_S": "60",
+           "INFERPLANE_USAGE_JOURNAL_MAX_BYTES": str(max_bytes)}
+    child, gateway = start_web_server(tmp_path, name="gateway", extra_env=env)
+    num_clients = 4
+    try:
+        with Load(gateway, tenant.key, endpoint.name, num_clients=num_clients) as load:
+            wait_until(lambda: load.outcomes()["ok"] >= 8, 30, message="traffic before the outage")
+            with database_read_only():
+                outage_at = time.monotonic()
+                wait_until(lambda: load.num_since(outage_at, "clean", "service_unavailable"), 60,
+                           message="new calls refused once the journal is full")
+                ready = httpx.get(f"{gateway}/readyz", timeout=10)
+                assert ready.status_code == 503, ready.text
+                assert ready.json()["checks"] == {"database": "ok", "redis": "ok", "usage_journal": "full"}, ready.text
+                refused = httpx.post(f"{gateway}/v1/chat/completions", timeout=10,
+                                     headers={"Authorization": f"Bearer {tenant.key}"},
+                                     json={"model": endpoint.name, "messages": [{"role": "user", "content": "Hi"}]})
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+                error = refused.json()["error"]
+                assert error["code"] == "service_unavailable" and "Usage cannot be recorded" in error["message"]
+
+                time.sleep(2)  # the calls admitted before it was full end, and journal their rows
+                settled, settled_at = journal_bytes(journal_dir), time.monotonic()
+                # A client's next call may be admitted while its last call's row is still on its way to the disk.
+                assert max_bytes <= settled <= max_bytes + 4 * num_clients * ROW_MAX_BYTES
+                time.sleep(2)
+                assert journal_bytes(journal_dir) == settled  # it grows no more
+                assert load.num_since(settled_at, "ok") == 0
+                assert load.num_since(settled_at, "clean", "service_unavailable") >= num_clients
+            # NOTE: polled slowly: each /readyz leaves a PostgreSQL session open behind it (found here, not changed).
+            wait_until(lambda: httpx.get(f"{gateway}/readyz", timeout=10).status_code == 200, 30, interval_s=0.5,
+                       message="/readyz ready again once the journal is replayed")
+            assert usage_backlog(gateway) == 0
+            back = time.monotonic()
+            wait_until(lambda: load.num_ok_since(back) >= 4, 30, message="calls admitted again after the outage")
+        outcomes = load.outcomes()
+        assert outcomes["hung"] == 0 and outcomes["broken"] == 0, outcomes
+        assert_one_row_per_success(load.snapshot())
+        assert not list(journal_dir.glob("*.jsonl"))
+    finally:
+        child.stop()

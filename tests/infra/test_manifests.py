@@ -153,9 +153,8 @@ def test_web_runs_one_gateway_process_per_cpu_of_its_limit_with_merged_metrics(r
 
 
 MiB = 1024 * 1024
-# What the web pod's /tmp held before uploads had a share of it: the workers' metrics files, the usage journal while
-# PostgreSQL is away, scratch.
-WEB_SCRATCH_BYTES = 256 * MiB
+# What the web pod's /tmp holds besides uploads and the usage journal: the workers' metrics files, scratch.
+WEB_SCRATCH_BYTES = 128 * MiB
 QUANTITY_UNITS = {"Ki": 1024, "Mi": MiB, "Gi": 1024 * MiB, "K": 1000, "M": 1000**2, "G": 1000**3}
 
 
@@ -180,24 +179,42 @@ def _gateway_processes(web: dict, values: dict[str, str]) -> int:
     return math.ceil(int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))
 
 
-def test_the_web_pods_tmp_volume_holds_every_upload_its_processes_may_read_at_once(rendered):
+def _web_tmp_size_limit(deployment: dict) -> int:
+    web = _pod_spec(deployment)["containers"][0]
+    mounted = {mount["mountPath"]: mount["name"] for mount in web["volumeMounts"]}
+    volume = {volume["name"]: volume for volume in _pod_spec(deployment)["volumes"]}[mounted["/tmp"]]
+    return _bytes_of(volume["emptyDir"]["sizeLimit"])
+
+
+def test_the_web_pods_tmp_volume_holds_every_upload_its_processes_may_read_at_once_and_a_full_usage_journal(
+        rendered, settings):
     """Past its size limit the pod is evicted, every tenant's calls on it cut. An upload holds one copy of its body
     there, cut at INFERPLANE_FILES_MAX_BYTES (Django spools it; the file part goes on to S3), and each gateway process
     reads at most INFERPLANE_FILES_UPLOADS_PER_PROCESS at once. Before, two copies of one upload of 130 MiB passed the
-    volume's 256 MiB."""
+    volume's 256 MiB.
+
+    The usage journal is there too: the gateway admits no new call past INFERPLANE_USAGE_JOURNAL_MAX_BYTES (the
+    folder's, every process's together), and the calls admitted before still journal into the headroom above it.
+    Before, the journal had no bound: a database refusing writes for half an hour filled the volume, and the pod's
+    eviction deleted every usage row of the outage."""
+    from billing.usage_journal import ADMITTED_HEADROOM_BYTES
+
     deployment = rendered.get("Deployment", "inferplane-web")
     web = _pod_spec(deployment)["containers"][0]
     values, _ = _environment(rendered, deployment)
     assert values.get("TMPDIR", "/tmp") == "/tmp" and "FILE_UPLOAD_TEMP_DIR" not in values
-    mounted = {mount["mountPath"]: mount["name"] for mount in web["volumeMounts"]}
-    volume = {volume["name"]: volume for volume in _pod_spec(deployment)["volumes"]}[mounted["/tmp"]]
-    size_limit = _bytes_of(volume["emptyDir"]["sizeLimit"])
+    assert values["INFERPLANE_USAGE_JOURNAL_DIR"].startswith("/tmp/")
+    size_limit = _web_tmp_size_limit(deployment)
 
     uploads_bytes = (_gateway_processes(web, values) * int(values["INFERPLANE_FILES_UPLOADS_PER_PROCESS"])
                      * int(values["INFERPLANE_FILES_MAX_BYTES"]))
-    assert uploads_bytes + WEB_SCRATCH_BYTES <= size_limit, (
-        f"{rendered.overlay}: uploads may hold {uploads_bytes / MiB:.0f} MiB of the web pod's /tmp, with "
-        f"{WEB_SCRATCH_BYTES / MiB:.0f} MiB of scratch, past its {size_limit / MiB:.0f} MiB")
+    for source, journal_max_bytes in (("config.env", int(values["INFERPLANE_USAGE_JOURNAL_MAX_BYTES"])),
+                                      ("the default", settings.USAGE_JOURNAL_MAX_BYTES)):
+        journal_bytes = journal_max_bytes + ADMITTED_HEADROOM_BYTES
+        assert uploads_bytes + journal_bytes + WEB_SCRATCH_BYTES <= size_limit, (
+            f"{rendered.overlay}: uploads may hold {uploads_bytes / MiB:.0f} MiB of the web pod's /tmp and the usage "
+            f"journal {journal_bytes / MiB:.0f} MiB ({source}'s limit and the headroom above it), with "
+            f"{WEB_SCRATCH_BYTES / MiB:.0f} MiB of scratch, past its {size_limit / MiB:.0f} MiB")
     assert _bytes_of(web["resources"]["requests"]["ephemeral-storage"]) >= size_limit
 
 
