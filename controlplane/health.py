@@ -27,9 +27,14 @@ async def healthz(request):
 
 def _database_answers() -> None:
     # NOTE: runs in the request's own thread, where Django's request signals already dropped a
-    # connection left dead by a PostgreSQL restart.
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT 1")
+    # connection left dead by a PostgreSQL restart. Closed after: that thread ends with the request, and a
+    # connection kept for reuse (CONN_MAX_AGE) stayed open with nobody to reuse it, one idle session per probe
+    # (every 5 s per pod) until PostgreSQL refused clients.
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    finally:
+        connection.close()
 
 
 async def readyz(request):
