@@ -184,3 +184,37 @@ def test_a_key_that_expires_cannot_mint_a_key_that_outlives_it(owner_client):
     assert ApiKey.objects.filter(name="child").count() == 1
     # A key that never expires (and a signed-in owner) still mints either kind.
     assert owner_client.post("/api/v1/keys/", {"name": "forever", "scopes": ["inference"]}, format="json").status_code == 201
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_still_authenticates_while_postgresql_refuses_writes():
+    # A failover's demoted primary serves reads and refuses writes: the gateway keeps answering from what it reads, its
+    # usage going to the journal. But a key looked up again (its cache lasts seconds) whose last use was over a minute
+    # ago was marked used with an UPDATE, which raised: every such key was refused (503) for the rest of the outage.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connections
+
+    from controlplane.accounts.keys import authenticate_api_key, create_api_key
+    from controlplane.accounts.services import Actor
+    from tests.factories import MembershipFactory
+    from tests.outages import database_read_only
+
+    membership = MembershipFactory(role=Role.OWNER)
+    created = create_api_key(Actor(user=membership.user), membership.organization, name="k", scopes=["inference"])
+    long_ago = timezone.now() - timedelta(hours=1)
+    ApiKey.objects.filter(pk=created.api_key.pk).update(last_used_at=long_ago)
+
+    def look_up():  # another connection than the test's own, which keeps writing
+        try:
+            return authenticate_api_key(created.plain)
+        finally:
+            connections.close_all()
+
+    with database_read_only(), ThreadPoolExecutor(1) as pool:
+        found = pool.submit(look_up).result(timeout=30)
+    assert found is not None and found.pk == created.api_key.pk
+    assert ApiKey.objects.get(pk=created.api_key.pk).last_used_at == long_ago  # not recorded meanwhile: no harm
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(look_up).result(timeout=30) is not None
+    assert ApiKey.objects.get(pk=created.api_key.pk).last_used_at > long_ago  # recorded once writes are taken again

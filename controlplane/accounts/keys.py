@@ -3,11 +3,12 @@ authenticating a key from its plain secret, with its creator's current role."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 from django.dispatch import Signal
 from django.utils import timezone
 
@@ -16,6 +17,8 @@ from controlplane.accounts.members import NotPermitted, actor_role
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
 from controlplane.accounts.services import Actor, record_audit
 from controlplane.credential_lookups import CredentialLookups
+
+logger = logging.getLogger(__name__)
 
 # last_used_at is written at most this often per key, so hot keys cost no write per call.
 LAST_USED_RESOLUTION = timedelta(seconds=60)
@@ -220,7 +223,18 @@ def creator_role(api_key: ApiKey) -> str | None:
 
 
 def touch_api_key(api_key: ApiKey) -> None:
+    """Record the key's use, at most once per `LAST_USED_RESOLUTION`; a database refusing the write leaves it unrecorded.
+
+    NOTE: a failover's demoted primary (or a full disk) serves reads and refuses writes, and the gateway goes on
+    answering from what it reads, its usage going to the journal. The write raised instead, so every key looked up
+    again (its cache lasts seconds) whose last use was over a minute old was refused for the rest of the outage. In a
+    savepoint, so a caller's transaction goes on."""
     now = timezone.now()
     if api_key.last_used_at is None or now - api_key.last_used_at > LAST_USED_RESOLUTION:
-        ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
+        try:
+            with transaction.atomic():
+                ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
+        except DatabaseError as exc:
+            logger.warning("API key %s: its last use is not recorded (%s)", api_key.pk, type(exc).__name__)
+            return
         api_key.last_used_at = now
