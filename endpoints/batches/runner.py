@@ -342,8 +342,10 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             # NOTE: past the process's bound of answer bytes no line starts (those running may still answer: each
             # reads on once bytes are given back, or alone)
             if not progress.stopped and pending.ready() and now >= pause_until and answer_bytes.room():
+                # NOTE: none while the usage journal is past its limit (PostgreSQL took no writes for a while): a
+                # line's row could only go to it, as an interactive call's, which the gateway refuses then.
                 slots = await free_slots(work.organization_id, endpoint.id, target_concurrency=work.target_concurrency,
-                                         num_batch_in_flight=len(running))
+                                         num_batch_in_flight=len(running)) if usage_writer.usage_recordable() else 0
                 if slots is None and not running:
                     progress.stopped = "cold"  # nothing warm: batch work never wakes an endpoint here
                 if slots or running:

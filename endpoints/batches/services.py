@@ -28,6 +28,7 @@ from django.db.models import BigIntegerField, F, Q, Sum, Window
 from django.db.models.functions import Greatest, RowNumber
 from django.utils import timezone
 
+from billing import usage_writer
 from controlplane.accounts import keys
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
 from controlplane.redis_client import get_redis
@@ -496,8 +497,8 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     if caller is None:
         _stop_as_its_caller_may_not_spend(batch)
         return "cancel"
-    if asyncio.run(runner.free_slots(batch.organization_id, batch.endpoint_id,
-                                     target_concurrency=batch.endpoint.target_concurrency)) == 0:
+    if not usage_writer.usage_recordable() or asyncio.run(runner.free_slots(
+            batch.organization_id, batch.endpoint_id, target_concurrency=batch.endpoint.target_concurrency)) == 0:
         return "full"  # NOTE: before its input is read: a run per `FULL_RETRY_S` must not read 200 MB each time
     _hold_lease_through_a_long_step(batch.pk, token)  # renewed each second once its lines run
     done = storage.result_indices(batch.organization_id, batch.pk)

@@ -107,3 +107,25 @@ def test_an_organisation_keeps_at_most_its_cap_of_open_batches(files_bucket, que
     assert services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=None,
                                  input_file_id=first.input_file_id, request_path="/v1/chat/completions",
                                  completion_window="24h", metadata=None)
+
+
+def test_a_batch_starts_no_line_while_its_workers_usage_journal_is_full(files_bucket, queued, tenant,
+                                                                         start_mock_upstream, monkeypatch):
+    # The gateway refuses new calls while the usage journal is past its limit (their rows could only go to a journal
+    # already full); batch lines went on being run, each a usage row more in the batch worker's journal.
+    from billing import usage_writer
+
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(), target_concurrency=2)
+    batch = new_batch(endpoint, _input(endpoint.name))
+    monkeypatch.setattr(runner, "NO_SLOT_GIVE_UP_S", 0.5)
+    monkeypatch.setattr(usage_writer.journal(), "full", True)
+
+    assert services.run_batch(batch.pk) == "full"
+    assert Batch.objects.get(pk=batch.pk).num_completed == 0
+    assert 0 < get_redis().ttl(batch_dispatch_key(batch.pk)) <= services.FULL_RETRY_S, "queued again a little later"
+
+    monkeypatch.setattr(usage_writer.journal(), "full", False)
+    for _ in range(3):
+        services.run_batch(batch.pk)
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and batch.num_completed == 2
