@@ -109,7 +109,8 @@ class Gateway:
         review of console uploads). No other view takes a body past Django's `DATA_UPLOAD_MAX_MEMORY_SIZE`."""
         max_bytes = _django_body_bytes()
         if _declared_bytes(_headers_of(scope)) > max_bytes:
-            await _discard_body(receive)  # at most `MAX_BODY_BYTES` of it: past that the connection closes
+            # NOTE: answered at once, the body unread, the connection closed after: no page takes such a body, and
+            # reading it to drop it was a wait its client set the pace of.
             return await _respond(send, 413, _detail(f"The request body is larger than {max_bytes} bytes."),
                                   headers={"connection": "close"})
         body = _BodyCut(receive, max_bytes, idle_s=settings.FILES_UPLOAD_IDLE_S,
@@ -515,10 +516,15 @@ async def _discard_body(receive) -> None:
     """Read a refused caller's body to its end keeping none of it, so that its client reads the answer rather than
     a connection reset mid-upload; past `MAX_BODY_BYTES` the answer goes and the server closes the connection.
 
-    NOTE: the key is checked before the body is kept: a caller without one held up to 8 MiB per connection."""
+    NOTE: the key is checked before the body is kept: a caller without one held up to 8 MiB per connection. A body
+    that pauses for `FILES_UPLOAD_IDLE_S` is read no further (the answer goes, the connection closes): a client that
+    sent a few bytes and then nothing held its connection for as long as it liked."""
     size = 0
     while size <= MAX_BODY_BYTES:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), settings.FILES_UPLOAD_IDLE_S)
+        except TimeoutError:
+            return
         if message["type"] == "http.disconnect":
             raise asyncio.CancelledError()
         size += len(message.get("body", b""))

@@ -251,3 +251,29 @@ def test_ordinary_pages_still_take_their_bodies(web):
     assert refused.status_code in (200, 403)  # the form again, or the CSRF refusal: Django read the body either way
     api = httpx.post(f"{web.base_url}/api/v1/endpoints/", json={"name": "x" * (1024 * 1024)}, timeout=30)
     assert api.status_code in (401, 403), api.text  # a 1 MiB body reaches the API, which wants a key
+
+
+@pytest.fixture
+def impatient(files_bucket, transactional_db, tmp_path):
+    """A web server that stops reading a body after 2 s without a byte."""
+    child, base_url = start_web_server(tmp_path, name="web", extra_env={"INFERPLANE_FILES_UPLOAD_IDLE_S": "2"})
+    child.base_url = base_url
+    yield child
+    child.stop()
+
+
+@pytest.mark.parametrize(("path", "status"), [("/login/", b"413"), ("/v1/files", b"401"), ("/v1/batches", b"401")])
+def test_a_refused_body_that_stops_coming_never_holds_its_connection(impatient, path, status):
+    """Before, a body refused before Django (past the pages' bound, or without a key) was read on to drop it, with no
+    deadline: anyone who declared a large body, sent a few bytes and then nothing held the connection open for as long
+    as they liked (found by the review of this change)."""
+    host, port = impatient.base_url.removeprefix("http://").split(":")
+    connection = socket.create_connection((host, int(port)))
+    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {200 * MiB}\r\n\r\n".encode() + b"{}" * 5)
+    connection.settimeout(15)
+    started = time.monotonic()
+    answer = connection.recv(4096)
+    connection.close()
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
+    assert time.monotonic() - started < 10
