@@ -299,7 +299,8 @@ async def replay_before_the_loop_ends(timeout_s: float) -> None:
     NOTE: a writer's replay task lives on its loop, and `asyncio.run` cancels it as the loop ends. In a
     Celery worker nothing else replays: before, usage journaled during a database blip in a batch run
     stayed in the worker's journal, and was lost with its pod."""
-    if not await asyncio.to_thread(journal().segments) and not journal().has_open_segment():
+    # NOTE: `list_segments` counts the folder again: a journal that another process replayed is not full any more.
+    if not await asyncio.to_thread(journal().list_segments) and not journal().has_open_segment():
         return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(writer_for_this_loop().replay_soon(), timeout_s)

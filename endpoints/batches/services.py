@@ -497,6 +497,11 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     if caller is None:
         _stop_as_its_caller_may_not_spend(batch)
         return "cancel"
+    if not usage_writer.usage_recordable():
+        # NOTE: its journal past its limit (PostgreSQL took no writes for a while), the worker replays what it may and
+        # counts the folder again first: only a replay or a count clears it, and a run that went no further never
+        # made one, so the worker's batches waited for ever with the journal's rows unwritten.
+        asyncio.run(usage_writer.replay_before_the_loop_ends(runner.REPLAY_JOURNAL_FOR_S))
     if not usage_writer.usage_recordable() or asyncio.run(runner.free_slots(
             batch.organization_id, batch.endpoint_id, target_concurrency=batch.endpoint.target_concurrency)) == 0:
         return "full"  # NOTE: before its input is read: a run per `FULL_RETRY_S` must not read 200 MB each time

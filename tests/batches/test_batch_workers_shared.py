@@ -110,22 +110,47 @@ def test_an_organisation_keeps_at_most_its_cap_of_open_batches(files_bucket, que
 
 
 def test_a_batch_starts_no_line_while_its_workers_usage_journal_is_full(files_bucket, queued, tenant,
-                                                                         start_mock_upstream, monkeypatch):
+                                                                         start_mock_upstream, monkeypatch, settings,
+                                                                         tmp_path):
     # The gateway refuses new calls while the usage journal is past its limit (their rows could only go to a journal
-    # already full); batch lines went on being run, each a usage row more in the batch worker's journal.
+    # already full); batch lines went on being run, each a usage row more in the batch worker's journal. And a worker
+    # that found its journal full never replayed it nor counted it again (a review's finding): its batches waited for
+    # ever, the journal's rows unwritten.
     from billing import usage_writer
+    from billing.models import UsageRecord
+    from tests.billing.conftest import usage_report
 
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(), target_concurrency=2)
     batch = new_batch(endpoint, _input(endpoint.name))
     monkeypatch.setattr(runner, "NO_SLOT_GIVE_UP_S", 0.5)
-    monkeypatch.setattr(usage_writer.journal(), "full", True)
+    settings.USAGE_JOURNAL_DIR = str(tmp_path / "journal")
+    settings.USAGE_JOURNAL_MAX_BYTES = 100
+    usage_writer.journal.cache_clear()
+    try:
+        journaled = usage_report(endpoint, request_id="journaled-in-an-outage")
+        usage_writer.journal().append([journaled])  # PostgreSQL took no writes meanwhile: the journal is full
+        usage_writer.journal().seal()
+        assert not usage_writer.usage_recordable()
+        monkeypatch.setattr(usage_writer.UsageWriter, "replay", _refused_replay)
+        monkeypatch.setattr(runner, "REPLAY_JOURNAL_FOR_S", 1.0)
 
-    assert services.run_batch(batch.pk) == "full"
-    assert Batch.objects.get(pk=batch.pk).num_completed == 0
-    assert 0 < get_redis().ttl(batch_dispatch_key(batch.pk)) <= services.FULL_RETRY_S, "queued again a little later"
+        assert services.run_batch(batch.pk) == "full"
+        assert Batch.objects.get(pk=batch.pk).num_completed == 0
+        assert 0 < get_redis().ttl(batch_dispatch_key(batch.pk)) <= services.FULL_RETRY_S, "queued again a little later"
 
-    monkeypatch.setattr(usage_writer.journal(), "full", False)
-    for _ in range(3):
-        services.run_batch(batch.pk)
-    batch = Batch.objects.get(pk=batch.pk)
-    assert batch.status == BatchStatus.COMPLETED and batch.num_completed == 2
+        monkeypatch.undo()  # PostgreSQL takes writes again
+        monkeypatch.setattr(runner, "NO_SLOT_GIVE_UP_S", 0.5)
+        for _ in range(3):
+            services.run_batch(batch.pk)
+        batch = Batch.objects.get(pk=batch.pk)
+        assert batch.status == BatchStatus.COMPLETED and batch.num_completed == 2
+        assert UsageRecord.objects.filter(request_id="journaled-in-an-outage").count() == 1
+        assert usage_writer.usage_recordable()
+    finally:
+        usage_writer.journal.cache_clear()
+
+
+async def _refused_replay(self) -> int:
+    import psycopg
+
+    raise psycopg.OperationalError("the database is down")
