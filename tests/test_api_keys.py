@@ -153,6 +153,27 @@ def test_a_key_with_a_spend_cap_creates_no_key_that_infers(owner_client):
     assert client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"]}, format="json").status_code == 201
 
 
+def test_a_key_with_rate_limits_of_its_own_creates_no_key_that_infers(owner_client):
+    """Before, a child got its parent's limits in a window of its own (limits are counted per key): a key limited to
+    3 calls a minute that may create keys made two children and called 9 times a minute, and so on. A key at the
+    platform's limits may (its children get those, as a key made in the console does)."""
+    created = owner_client.post("/api/v1/keys/", {"name": "limited", "scopes": ["manage", "inference"],
+                                                  "requests_per_minute": 3}, format="json").json()
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
+    refused = client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage", "inference"]}, format="json")
+    assert refused.status_code == 400 and list(refused.json()) == ["scopes"], refused.json()
+    assert "rate limits" in refused.json()["scopes"][0] and not ApiKey.objects.filter(name="child").exists()
+    assert client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"]}, format="json").status_code == 201
+
+    unlimited = owner_client.post("/api/v1/keys/", {"name": "at defaults", "scopes": ["manage", "inference"]},
+                                  format="json").json()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {unlimited['secret']}")
+    minted = client.post("/api/v1/keys/", {"name": "per customer", "scopes": ["inference"], "requests_per_minute": 10},
+                         format="json")
+    assert minted.status_code == 201 and minted.json()["api_key"]["requests_per_minute"] == 10
+
+
 def test_a_key_dies_with_its_creators_membership(org, member_client_factory):
     member = member_client_factory(org, Role.ADMIN)
     assert member.get("/api/v1/endpoints/").status_code == 200

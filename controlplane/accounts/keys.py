@@ -87,7 +87,6 @@ def create_api_key(
                     requests_per_minute=requests_per_minute,
                     tokens_per_minute=tokens_per_minute,
                     max_priority_boost=max_priority_boost,
-                    rate_limit_root_id=minting.rate_limit_key_id if minting is not None else None,
                 )
                 record_audit(actor, organization, "api_key.create", api_key, scopes=api_key.scopes)
                 api_key_created.send(sender=ApiKey, api_key=api_key, minting_key=minting)
@@ -110,8 +109,7 @@ def _bounded_by_minting_key(
 
     NOTE: a key minted by a key is bounded by it: a leaked key, revoked by nobody, must not outlive its expiry,
     widen its scopes (a `manage`-only key minting an `inference` key), or lift its rate limits or spend cap
-    (billing copies the cap) through its child. Its calls count in the window of the first key of its line
-    (`ApiKey.rate_limit_root`): its children together never call more often than it may.
+    (billing copies the cap) through its child.
     """
     if minting.expires_at is not None and (expires_at is None or expires_at > minting.expires_at):
         raise NotPermitted("expires_at", "A key that expires may only create keys that expire no later than it does "
@@ -124,6 +122,16 @@ def _bounded_by_minting_key(
                                            or max_priority_boost > minting.max_priority_boost):
         raise NotPermitted("max_priority_boost", "A key may only let the keys it creates set their calls' priority "
                                                  f"as far as it may itself ({minting.max_priority_boost or 'not at all'}).")
+    # NOTE: a key's limits are counted per key: a child given its parent's limits has a window of its own, so a key
+    # limited to N calls a minute that may create keys made two children and called 3N times a minute (a review's
+    # finding). As with a spend cap (`billing.services.inherit_key_spend_cap`), a key with limits of its own creates
+    # no key that runs inference; a key at the platform's limits may, each child getting what a key made in the
+    # console gets.
+    if Scope.INFERENCE in scopes and (minting.requests_per_minute is not None or minting.tokens_per_minute is not None):
+        raise NotPermitted("scopes", "A key with rate limits of its own (requests_per_minute or tokens_per_minute) may "
+                                     "not create keys that run inference: each would have limits of its own, and "
+                                     "together they could call past them. Create inference keys in the console, or "
+                                     "with a key at the platform's limits.")
     limits = []
     for field, value, own, own_effective in (
         ("requests_per_minute", requests_per_minute, minting.requests_per_minute, minting.effective_requests_per_minute),

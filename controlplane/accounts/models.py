@@ -244,11 +244,6 @@ class ApiKey(models.Model):
     # How far a call with this key may move its own engine priority (`priority` in the body, from
     # -N, sooner, to N, later; lower runs sooner); null: the key may not pass `priority` at all.
     max_priority_boost = models.PositiveSmallIntegerField(null=True, blank=True)
-    # The key whose rate-limit window this one counts in: the first of the keys that created it, one from another
-    # (`keys.create_api_key`); null, its own. NOTE: each key had a window of its own, so a key limited to N calls a
-    # minute that may create keys made two children (each given its limits) and called 3N times a minute.
-    rate_limit_root = models.ForeignKey("self", on_delete=models.SET_NULL, null=True, blank=True, editable=False,
-                                        related_name="+")
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
@@ -268,11 +263,6 @@ class ApiKey(models.Model):
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes
-
-    @property
-    def rate_limit_key_id(self) -> int:
-        """The key whose window this key's calls count in (`endpoints.gateway.limits.Window`)."""
-        return self.rate_limit_root_id or self.pk
 
     @property
     def effective_requests_per_minute(self) -> int:

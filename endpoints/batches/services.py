@@ -477,8 +477,7 @@ def caller_of(batch: Batch) -> Caller | None:
         return None
     return Caller(organization_id=batch.organization_id, api_key_id=batch.api_key_id, user_id=batch.created_by_id,
                   can_infer=True, role=role, requests_per_minute=key.requests_per_minute if key else None,
-                  tokens_per_minute=key.tokens_per_minute if key else None,
-                  rate_limit_key_id=key.rate_limit_key_id if key else None)
+                  tokens_per_minute=key.tokens_per_minute if key else None)
 
 
 def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:

@@ -58,13 +58,10 @@ class Caller:
     tokens_per_minute: int | None
     role: str | None = None  # the key creator's (or session user's) current role in the organisation
     max_priority_boost: int | None = None  # the key's `ApiKey.max_priority_boost`: None, no `priority` allowed
-    rate_limit_key_id: int | None = None  # `ApiKey.rate_limit_key_id`: the key whose window its calls count in
 
     @property
     def limit_subject(self) -> str:
-        if self.api_key_id is None:
-            return f"user:{self.user_id}"
-        return f"key:{self.rate_limit_key_id or self.api_key_id}"
+        return f"key:{self.api_key_id}" if self.api_key_id is not None else f"user:{self.user_id}"
 
 
 
@@ -83,7 +80,6 @@ def _lookup_key(plain: str) -> Caller | None:
         requests_per_minute=api_key.requests_per_minute,
         tokens_per_minute=api_key.tokens_per_minute,
         max_priority_boost=api_key.max_priority_boost,
-        rate_limit_key_id=api_key.rate_limit_key_id,
     )
 
 
