@@ -101,6 +101,9 @@ class UsageRollupQuerySet(models.QuerySet):
         return self.filter(closed_at__isnull=False, pushed_at__isnull=True, billing_mode=BillingMode.POSTPAID)
 
 
+_PUSH_UID_NAMESPACE = uuid.UUID("5b2c1a9e-3f0d-4c57-9b1e-7d0f2e6a8c41")  # `UsageRollup.push_uid_of`'s, fixed for ever
+
+
 class UsageRollup(models.Model):
     """Usage of one organisation on one endpoint in one hour, in one billing mode.
 
@@ -132,12 +135,22 @@ class UsageRollup(models.Model):
     # confirmed whose first try is older than Stripe's duplicate window (`stripe_sync.IDENTIFIER_TRUSTED_FOR`).
     push_first_tried_at = models.DateTimeField(null=True, blank=True)
     push_held_at = models.DateTimeField(null=True, blank=True)
-    # What its meter events' `identifier`s are made of (`stripe_sync.meter_event_identifier`): random, never the row's
-    # id, which PostgreSQL hands out again after a point-in-time restore or a failover to a replica that was behind.
-    # Null only for rollups made before it (`billing/0016`), whose events keep the identifiers made of their id.
+    # What its meter events' `identifier`s are made of (`stripe_sync.meter_event_identifier`): what the rollup is
+    # (`push_uid_of`: its endpoint, a random UUID, its hour, billing mode and sequence), never the row's id, which
+    # PostgreSQL hands out again after a point-in-time restore or a failover to a replica that was behind (another
+    # rollup's events were then refused as duplicates and never billed); and not random either, since a rollup pushed
+    # after the point the database went back to is made again from the usage that is still there, and its events,
+    # new to Stripe, billed the hour twice. Null only for rollups made before it (`billing/0016`), whose events keep
+    # the identifiers made of their id.
     push_uid = models.UUIDField(null=True, blank=True, unique=True, default=uuid.uuid4, editable=False)
 
     objects = UsageRollupQuerySet.as_manager()
+
+    @staticmethod
+    def push_uid_of(endpoint_id, hour_start, billing_mode: str, sequence: int) -> uuid.UUID:
+        """The `push_uid` of the rollup of `endpoint_id`'s hour `hour_start` in `billing_mode` with `sequence`: the
+        same whenever that rollup is made (the endpoint's id is a random UUID: another installation's never match)."""
+        return uuid.uuid5(_PUSH_UID_NAMESPACE, f"{endpoint_id}/{hour_start.timestamp():.0f}/{billing_mode}/{sequence}")
 
     class Meta:
         ordering = ["hour_start", "sequence"]

@@ -101,7 +101,8 @@ def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
         rollups = existing.get(group)
         if not rollups:
             to_create.append(UsageRollup(organization_id=org, endpoint_id=endpoint, hour_start=hour, billing_mode=mode,
-                                         computed_at=now, **total))
+                                         computed_at=now, push_uid=UsageRollup.push_uid_of(endpoint, hour, mode, 0),
+                                         **total))
             _note_changed_group(result, org, mode)
             continue
         primary = rollups[0]
@@ -121,9 +122,11 @@ def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
             # The ledger is append-only, so this means someone deleted usage: never bill it backwards silently.
             logger.error("ledger shrank under closed rollup %s: %s", primary, difference)
             continue
+        sequence = rollups[-1].sequence + 1
         to_create.append(UsageRollup(
-            organization_id=org, endpoint_id=endpoint, hour_start=hour, billing_mode=mode, sequence=rollups[-1].sequence + 1,
-            kind=RollupKind.ADJUSTMENT, computed_at=now, closed_at=now, **difference,
+            organization_id=org, endpoint_id=endpoint, hour_start=hour, billing_mode=mode, sequence=sequence,
+            kind=RollupKind.ADJUSTMENT, computed_at=now, closed_at=now,
+            push_uid=UsageRollup.push_uid_of(endpoint, hour, mode, sequence), **difference,
         ))
         result.num_adjustments += 1
         _note_changed_group(result, org, mode)

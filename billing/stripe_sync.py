@@ -8,11 +8,13 @@ meters stay, for token-level detail.
 Only postpaid usage is metered: prepaid usage is paid from credit (`billing.credits`), and its
 rollups are never pushed (`UsageRollup.objects.pushable`). Each closed postpaid rollup becomes up to
 four meter events (uncached input, cached input and output tokens, and cost) whose `identifier` is
-made of the rollup's random `push_uid`, so a retry after a crash can never bill twice: Stripe refuses an
+made of the rollup's `push_uid` (what the rollup is: `UsageRollup.push_uid_of`), so a retry after a crash can never
+bill twice: Stripe refuses an
 identifier it has (`duplicate_meter_event`), and `MeterEventPush` records what was accepted so we do
 not even ask again. NOTE: not of the rollup's id, which PostgreSQL hands out again after a restore to a
 point in time or a failover to a replica that was behind: a new rollup (another tenant's, maybe) had an
-identifier Stripe had taken within the day, was refused as a duplicate, recorded as pushed, never billed.
+identifier Stripe had taken within the day, was refused as a duplicate, recorded as pushed, never billed; nor random,
+which billed twice a rollup lost in such a rewind and made again from the usage still there.
 A worker claims a rollup with a conditional update (a lease that a dead worker's successor may take
 over), calls Stripe with no database transaction open, and retries 5xx, 429 and timeouts with
 exponential backoff and jitter, under idempotency keys that move on after a server error
@@ -442,7 +444,7 @@ def event_timestamp(hour_start, subscription_started_at=None) -> int:
 
 
 def meter_event_identifier(rollup: UsageRollup, event_name: str) -> str:
-    """The `identifier` of the rollup's event for `event_name`: made of its random `push_uid`, or of its id for a
+    """The `identifier` of the rollup's event for `event_name`: made of its `push_uid`, or of its id for a
     rollup made before it had one (`billing/0016`: its events may be in Stripe under that identifier already)."""
     return f"rollup-{rollup.push_uid or rollup.pk}-{event_name.removeprefix('inferplane_')}"
 

@@ -332,6 +332,27 @@ def test_a_rollup_id_handed_out_again_after_the_database_went_back_in_time_is_bi
     assert fake_stripe.num_duplicate_identifiers == 0
 
 
+def test_a_rollup_made_again_after_the_database_went_back_in_time_is_not_billed_twice(fake_stripe):
+    # The other side of a rewind: a rollup pushed after the point the database went back to is gone with its pushes,
+    # but the usage it summed was recorded before that point and is still there, so the next run makes the rollup
+    # again. With a random push_uid its events were new to Stripe, and the hour was billed twice (found by the review
+    # of this change). Made of what the rollup is (its endpoint, hour, billing mode and sequence), the identifier is
+    # the same, and Stripe refuses the events it has.
+    endpoint = EndpointFactory()
+    first = _closed_rollup(endpoint)
+    assert stripe_sync.push_pending_rollups() == 1
+    MeterEventPush.objects.filter(rollup=first).delete()
+    UsageRollup.objects.filter(pk=first.pk).delete()
+
+    rollup_usage(full=True)
+    again = UsageRollup.objects.get(endpoint=endpoint, sequence=0)
+    assert again.pk != first.pk and again.push_uid == first.push_uid
+    assert stripe_sync.push_pending_rollups() == 1
+
+    assert _token_total(fake_stripe) == first.prompt_tokens + first.completion_tokens  # once
+    assert len(fake_stripe.meter_events) == 4  # Stripe took each event once (the same idempotency key, or identifier)
+
+
 def test_a_rollup_made_before_push_uids_keeps_the_identifiers_made_of_its_id(fake_stripe):
     # Its events may be in Stripe already under those identifiers (sent by a push whose answer was lost): only the same
     # identifier keeps Stripe refusing one a second time (billing/0016 leaves such rows' push_uid null).
