@@ -11,7 +11,8 @@ NOTE: engines are offline (`HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE`). The agent 
 needs, with the replica's own credentials (`weights.py`), before its engine starts; a model whose files name
 another model for vLLM to load (a hub name it would download into the node's cache, with whatever token it
 found) gets nothing from the network. `model_info.refuse_model_redirect` refuses the one such field vLLM
-follows for a primary model before anything else (a speculators checkpoint's verifier).
+follows for a primary model before anything else (a speculators checkpoint's verifier), and
+`model_info.refuse_paths_outside_model` the fields that name files outside the model's folder on the node.
 """
 
 from __future__ import annotations

@@ -13,7 +13,11 @@ model `MalformedModel`: it has no `ModelInfo`, and its replicas fail before laun
 (`model_json.MAX_MODEL_JSON_BYTES`). Nothing read here may raise into the heartbeat or the supervisor's loop:
 every reader returns None or a problem.
 
-NOTE: imports nothing but the standard library and the protocol (the agent ships without Django).
+NOTE: a model whose files send its engine to read files outside its folder (`MODEL_FILE_PATHS`: another tenant's
+cached weights, anything on the node) is refused the same way, before anything else is read.
+
+NOTE: imports nothing but the standard library, the protocol and the agent's own path checks (the agent ships
+without Django).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import logging
 import math
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,9 +80,13 @@ def read_model(model_dir: str | Path) -> ModelReading:
     model_dir = Path(model_dir)
     try:
         config = load_config(model_dir)
-    except ModelJsonTooLarge as exc:
+        refuse_paths_outside_model(model_dir)
+    except (ModelJsonTooLarge, MalformedModel) as exc:
         logger.warning("model %s refused: %s", model_dir.name, exc)
         return ModelReading(problem=f"the model's files cannot be served: {exc}")
+    except Exception:  # noqa: BLE001 - NOTE: a reader's bug must not stop the heartbeat: the replica fails instead
+        logger.exception("reading the files of model %s failed", model_dir.name)
+        return ModelReading(problem="the model's files could not be read (the node's log has details)")
     if config is None:
         return ModelReading()
     try:
@@ -127,6 +136,99 @@ def refuse_model_redirect(config: dict) -> None:
             "its config.json is a speculators checkpoint (speculators_config), which makes the engine load "
             "another model (its verifier); serve the verifier model and set speculative decoding on the endpoint"
         )
+
+
+# vLLM's `_ST_POOLING_MODULE_TYPES`.
+ST_POOLING_MODULE_TYPES = (
+    "sentence_transformers.models.Pooling",
+    "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+)
+
+
+def _sentence_transformers_module_paths(modules: object) -> Iterator[str]:
+    """The folder of each sentence-transformers module in a modules.json (a list, or an object with `modules`).
+
+    vLLM reads `{path}/config.json` of its Pooling module (`get_pooling_config`) and `{path}/config.json` and
+    `{path}/model.safetensors` of each Dense one (`try_get_dense_modules`, `adapters._load_st_projector`).
+    """
+    if isinstance(modules, dict):
+        modules = modules.get("modules")
+    if not isinstance(modules, list):
+        return  # vLLM finds no module in it either
+    for module in modules:
+        if not isinstance(module, dict):
+            continue
+        path = module.get("path", "")
+        if not isinstance(path, str):
+            raise MalformedModel("its modules.json gives a module a path that is not a folder name")
+        if path == "" and module.get("type") in ST_POOLING_MODULE_TYPES:
+            # NOTE: vLLM reads `"{path}/config.json"` of a Pooling module: "/config.json", at the node's root.
+            raise MalformedModel("its modules.json gives its Pooling module no folder (path)")
+        if path:  # "": the model's folder itself
+            yield path
+
+
+def _fast_tokenizer_files(tokenizer_config: object) -> Iterator[str]:
+    """The versioned tokenizer files of a tokenizer_config.json: transformers loads the newest one it supports
+    (`tokenization_utils_base.get_fast_tokenizer_file`) in place of tokenizer.json."""
+    names = tokenizer_config.get("fast_tokenizer_files") if isinstance(tokenizer_config, dict) else None
+    if names is None:
+        return
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise MalformedModel("fast_tokenizer_files in its tokenizer_config.json is not a list of file names")
+    yield from names
+
+
+# NOTE: every field of a model's own files that its engine (vLLM 0.32, transformers 5.19) joins to the model's
+# folder and reads, by the file that holds it. `Path(model) / name` takes an absolute name as it is and follows
+# `..` and links, so a tenant's `"path": "../<another tenant's folder>/2_Dense"` loaded that tenant's tensor
+# into its own projection layer, to read back through /v1/embeddings; each must name a file inside the folder
+# (`refuse_paths_outside_model`). Harmless, as read: the other files vLLM reads name none (config.json's
+# `_name_or_path` is replaced by the folder; sentence_bert_config.json and config_sentence_transformers.json
+# hold settings; jina's adapter folder is one of four task names; a safetensors index only narrows the files
+# found in the folder); a tokenizer_config.json's `tokenizer_file`, `vocab_file` and the like are replaced by
+# the folder's own files (transformers' `_from_pretrained`); an adapter's `base_model_name_or_path` is never
+# loaded; `auto_map` needs trust_remote_code, which no engine gets; a speculators checkpoint's verifier is
+# refused by `refuse_model_redirect`.
+MODEL_FILE_PATHS = {
+    "modules.json": _sentence_transformers_module_paths,
+    "tokenizer_config.json": _fast_tokenizer_files,
+}
+
+
+def refuse_paths_outside_model(model_dir: Path) -> None:
+    """Raise `MalformedModel` when a file named in `MODEL_FILE_PATHS` sends the engine outside `model_dir`.
+
+    A name must be one the agent would download (`weights_paths.model_file_parts`: relative, normal, no `..`)
+    and, links followed, stay inside the folder. Raises `ModelJsonTooLarge` for such a file too large to read.
+    """
+    # NOTE: imported here, not with the module: engine.py imports this module into the standby and every
+    # engine, which import neither boto3 nor httpx (weights_access's, where UnsafeModelPath lives).
+    from gpu_agent.runtime.weights_access import UnsafeModelPath
+    from gpu_agent.runtime.weights_paths import model_file_parts
+
+    root = model_dir.resolve()
+    for file_name, paths_in in MODEL_FILE_PATHS.items():
+        try:
+            content = read_model_json(model_dir / file_name)
+        except OSError:
+            continue  # absent, or not a file: the engine reads nothing from it either
+        except (ValueError, RecursionError):
+            raise MalformedModel(f"its {file_name} is not JSON") from None
+        for name in paths_in(content):
+            try:
+                model_file_parts(name)
+                resolved = (model_dir / name).resolve()
+            except UnsafeModelPath as exc:
+                raise MalformedModel(
+                    f"its {file_name} names a file outside the model's folder ({exc})"
+                ) from None
+            except (OSError, RuntimeError):  # RuntimeError: a loop of links
+                resolved = None
+            if resolved is None or (resolved != root and root not in resolved.parents):
+                raise MalformedModel(
+                    f"its {file_name} names a file outside the model's folder ({name[:200]!r} leads out of it)"
+                )
 
 
 def architecture(config: dict) -> str:

@@ -1,0 +1,154 @@
+"""A model whose own files send its engine to read files outside its folder is refused before its engine starts.
+
+vLLM joins a sentence-transformers module's `path` (modules.json) to the model's folder and reads that module's
+config.json and model.safetensors: `"../<another tenant's folder>/2_Dense"` or an absolute path loaded another
+tenant's cached tensor into this tenant's projection layer, readable through /v1/embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gpu_agent.protocol import ModelTask, ReplicaState
+from gpu_agent.runtime.model_info import read_model
+
+from .conftest import make_spec, processes_with_marker
+from .test_agent_loop import control_plane, running_agent  # noqa: F401  (fixtures)
+from .test_weights_agent import reported
+from .test_weights_cache import s3, s3_endpoint  # noqa: F401  (fixtures)
+
+TRANSFORMER = "sentence_transformers.models.Transformer"
+POOLING = "sentence_transformers.models.Pooling"
+DENSE = "sentence_transformers.models.Dense"
+SERVED_NOT = "the model's files cannot be served:"
+REFUSED = f"{SERVED_NOT} its modules.json names a file outside the model's folder"
+
+
+def write_dense(folder: Path, seed: int) -> object:
+    """A sentence-transformers Dense layer (8 to 4 features) in `folder`; its weight tensor."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    weight = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+    save_file({"linear.weight": weight}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"in_features": 8, "out_features": 4, "bias": False}))
+    return weight
+
+
+def write_modules(model: Path, *modules: tuple[str, str], wrapped: bool = False) -> None:
+    """A modules.json of a Transformer at the folder's root, then `modules` as (type, path)."""
+    entries = [{"idx": 0, "name": "0", "path": "", "type": TRANSFORMER}] + [
+        {"idx": idx, "name": str(idx), "path": path, "type": kind}
+        for idx, (kind, path) in enumerate(modules, 1)
+    ]
+    (model / "modules.json").write_text(json.dumps({"modules": entries} if wrapped else entries))
+
+
+def st_projector(model: Path):
+    """The projection layers vLLM's engine builds from the model's Dense modules (`adapters._load_st_projector`)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.model_executor.models.adapters import _load_st_projector
+    from vllm.transformers_utils.config import try_get_dense_modules
+
+    try_get_dense_modules.cache_clear()
+    return _load_st_projector(SimpleNamespace(model=str(model), revision=None, head_dtype=torch.float32))
+
+
+@pytest.fixture
+def node_weights(tiny_embedding_model_dir, tmp_path) -> dict:
+    """Two tenants' cached models side by side, as in a node's weights folder: the victim's has a Dense layer."""
+    weights = tmp_path / "weights"
+    victim = shutil.copytree(tiny_embedding_model_dir, weights / "b0c1d2-victim-cache-key")
+    victim_weight = write_dense(victim / "2_Dense", seed=1)
+    (victim / "1_Pooling").mkdir()
+    (victim / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    attacker = shutil.copytree(tiny_embedding_model_dir, weights / "a9f8-attacker-cache-key")
+    return {"victim": victim, "attacker": attacker, "victim_weight": victim_weight}
+
+
+def test_a_sentence_transformers_layout_inside_its_folder_is_read_and_vllm_loads_its_own_dense_layer(
+    node_weights,
+):
+    import torch
+
+    model = node_weights["attacker"]
+    own_weight = write_dense(model / "2_Dense", seed=2)
+    (model / "1_Pooling").mkdir()
+    (model / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    write_modules(model, (POOLING, "1_Pooling"), (DENSE, "2_Dense"))
+    reading = read_model(model)
+    assert reading.problem == "" and reading.info.architecture == "LlamaModel"
+    assert torch.equal(st_projector(model)[0].weight.data, own_weight)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["a relative path up", "an absolute path", "an object of modules", "a pooling folder up", "a link out"],
+)
+def test_a_module_path_that_leads_out_of_the_models_folder_is_refused_with_a_reason(node_weights, layout):
+    model, victim = node_weights["attacker"], node_weights["victim"]
+    if layout == "a relative path up":
+        write_modules(model, (POOLING, "1_Pooling"), (DENSE, f"../{victim.name}/2_Dense"))
+    elif layout == "an absolute path":
+        write_modules(model, (POOLING, "1_Pooling"), (DENSE, str(victim / "2_Dense")))
+    elif layout == "an object of modules":
+        write_modules(model, (DENSE, f"../{victim.name}/2_Dense"), wrapped=True)
+    elif layout == "a pooling folder up":
+        write_modules(model, (POOLING, f"../{victim.name}/1_Pooling"))
+    else:
+        os.symlink(victim / "2_Dense", model / "2_Dense")
+        write_modules(model, (POOLING, "1_Pooling"), (DENSE, "2_Dense"))
+    reading = read_model(model)
+    assert reading.info is None and reading.problem.startswith(REFUSED)
+    if layout in ("a relative path up", "an absolute path", "a link out"):
+        import torch
+
+        # What the engine would have served: the other tenant's tensor as this tenant's projection layer.
+        assert torch.equal(st_projector(model)[0].weight.data, node_weights["victim_weight"])
+
+
+def test_a_pooling_module_without_a_folder_is_refused_since_vllm_would_read_the_nodes_root(node_weights):
+    # vLLM reads `f"{path}/config.json"` of the Pooling module: "/config.json".
+    write_modules(node_weights["attacker"], (POOLING, ""))
+    reading = read_model(node_weights["attacker"])
+    assert reading.problem == f"{SERVED_NOT} its modules.json gives its Pooling module no folder (path)"
+
+
+def test_versioned_tokenizer_files_outside_the_folder_are_refused(node_weights):
+    # transformers loads the newest of `fast_tokenizer_files` in place of tokenizer.json, joined to the folder.
+    model, victim = node_weights["attacker"], node_weights["victim"]
+    shutil.copy(victim / "tokenizer.json", victim / "tokenizer.4.0.json")
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    tokenizer_config["fast_tokenizer_files"] = [f"../{victim.name}/tokenizer.4.0.json"]
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert read_model(model).problem.startswith(
+        f"{SERVED_NOT} its tokenizer_config.json names a file outside the model's folder"
+    )
+    tokenizer_config["fast_tokenizer_files"] = ["tokenizer.4.0.json"]
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert read_model(model).problem == ""
+
+
+def test_an_embedding_model_reading_another_tenants_dense_layer_fails_its_replica_before_launch(
+    control_plane,  # noqa: F811
+    running_agent,  # noqa: F811
+    node_weights,
+):
+    model, victim = node_weights["attacker"], node_weights["victim"]
+    write_modules(model, (POOLING, "1_Pooling"), (DENSE, f"../{victim.name}/2_Dense"))
+    control_plane.desired = [
+        make_spec("r-st-paths", model_source=str(model), task=ModelTask.EMBED, max_model_len=None)
+    ]
+    running_agent()
+    status = reported(control_plane, "r-st-paths", ReplicaState.FAILED)
+    assert status.failure_permanent and status.failure_reason.startswith(REFUSED)
+    assert f"../{victim.name}/2_Dense" in status.failure_reason
+    assert processes_with_marker("r-st-paths") == []
