@@ -5,7 +5,8 @@ is looked up or a byte reaches the engine: JSON the gateway could not re-encode 
 64 bits or past a float, nesting deeper than `MAX_DEPTH`), a body that is not an object, and a
 wrong type or range for any field OpenAI's API defines, and any field not on the allowlist of
 `endpoints.gateway.fields`. vLLM's sampling extensions on it (`top_k`, `min_p`, …) pass through for
-the engine to judge. An embeddings body is checked by `endpoints.gateway.embeddings`.
+the engine to judge. An embeddings body is checked by `endpoints.gateway.embeddings`. Media (an image,
+audio or a video in a message's content) comes inline, as a `data:` URL: engines never fetch it.
 
 `priority` is the engine's (vLLM's priority scheduling, lower runs sooner; interactive calls 0): a
 client may pass one only within what its key allows (`ApiKey.max_priority_boost`), a 400 naming
@@ -39,6 +40,10 @@ MAX_TOKEN_ID = 2**31 - 1
 INT64 = 2**63
 TOOL_CHOICES = frozenset({"none", "auto", "required"})
 RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema", "structural_tag"})
+# Content-part fields that name media by URL, whatever the part's `type` (vLLM reads them from any part
+# with a `uuid`): an object with a `url` or, in vLLM's shorthand and `input_image` parts, the URL itself.
+# NOTE: `input_audio` carries its data inline; vLLM turns it into a `data:` URL itself.
+MEDIA_URL_FIELDS = frozenset({"image_url", "audio_url", "video_url"})
 
 
 class _Unparsable(ValueError):
@@ -289,6 +294,31 @@ def _check_content_parts(parts: list, param: str) -> None:
             raise _wrong_type(f"{part_param}.type", "a string")
         if (part["type"] == "text" or "text" in part) and not isinstance(part.get("text"), str):
             raise _wrong_type(f"{part_param}.text", "a string")
+        if not MEDIA_URL_FIELDS.isdisjoint(part):  # one test in C for the common part, text (issue #20)
+            for name in sorted(MEDIA_URL_FIELDS & part.keys()):
+                _check_media_url(part[name], f"{part_param}.{name}")
+
+
+def _check_media_url(value, param: str) -> None:
+    """A media URL must be a `data:` URL, told apart as vLLM does (its first five characters, any case).
+
+    NOTE: engines never fetch media. vLLM loads an `http(s)://` URL a caller names from wherever it
+    points (another tenant's engine on the node, the cloud's metadata service) and a `file:` URL from
+    the node's disk; engines refuse both (`engine.MEDIA_URL_FLAGS`), and this tells the caller why.
+    """
+    if isinstance(value, dict):  # {"url": ...}; the bare string is vLLM's shorthand
+        value, param = value.get("url"), f"{param}.url"
+    if value is None:  # vLLM takes the item the part's `uuid` names from its cache, or refuses
+        return
+    if not isinstance(value, str):
+        raise _wrong_type(param, "a string")
+    if value[:5].lower() != "data:":
+        raise errors.invalid_request(
+            f"'{param}' must be a data: URL (for example 'data:image/png;base64,...'): media is not "
+            "fetched from URLs here; send it inline, base64-encoded.",
+            param=param,
+            code="unsupported_value",
+        )
 
 
 def _check_prompt(prompt) -> None:

@@ -56,6 +56,16 @@ SCHEDULING_FLAGS = ("--scheduling-policy", "priority")
 # What every engine loads a model's weights from: safetensors, never a pickle (`weights_formats`, which also keeps
 # pickles out of every download). Here, not there: the control plane imports this module, which stays import-light.
 LOAD_FORMAT_FLAGS = ("--load-format", "safetensors")
+# NOTE: engines never fetch media. vLLM loads an `http(s)://` image, audio or video URL a request names
+# from any host unless `--allowed-media-domains` lists some (none: every host), and follows redirects
+# (`VLLM_MEDIA_URL_ALLOW_REDIRECTS`): a tenant's request made its engine send GETs to other tenants' engines
+# on the node, internal services and the cloud's metadata service. A host never holds `/` (it ends a URL's
+# authority), so no URL's host is on this list. A `data:` URL (inline base64, what OpenAI's SDKs send for
+# a local file) is decoded without a fetch; a `file:` URL is refused while `--allowed-local-media-path`
+# stays unset. The gateway refuses both first, saying why (`endpoints.gateway.request`), and the engine's
+# environment leaves out vLLM's media cache and connector (`engine_environment`).
+MEDIA_URL_FLAGS = ("--allowed-media-domains", "no-remote-media/")
+MEDIA_URL_ENV = {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}
 # An embedding model runs on vLLM's pooling runner (`/v1/embeddings`); `--convert embed` also turns
 # a generative checkpoint into an embedder (last-token pooling), as vLLM does for e5-mistral.
 EMBEDDING_FLAGS = ("--runner", "pooling", "--convert", "embed")
@@ -247,6 +257,7 @@ def build_engine_command(
         "--middleware", "gpu_agent.runtime.engine_guard.EngineKeyGuard",
         *plan.flags,
         *SCHEDULING_FLAGS,
+        *MEDIA_URL_FLAGS,
     ]  # fmt: skip
     task = model_task(model_path) if spec.task == ModelTask.AUTO else spec.task
     if task == ModelTask.EMBED:
@@ -269,6 +280,7 @@ def build_engine_command(
     # writes the title over the environment block that /proc/<pid>/environ shows, and with it the replica's
     # marker that orphan cleanup finds an engine's processes by; with it set, the title stays in argv's space.
     env = {REPLICA_ENV_MARKER: spec.replica_id, ENGINE_API_KEY_ENV: spec.engine_api_key, "SPT_NOENV": "1"}
+    env.update(MEDIA_URL_ENV)
     if spec.max_loras and task != ModelTask.EMBED:
         # Adapters load and unload at runtime (/v1/load_lora_adapter), without restarting the engine.
         argv += ["--enable-lora", "--max-loras", str(spec.max_loras), "--max-lora-rank", str(spec.max_lora_rank)]

@@ -4,8 +4,9 @@ The agent's own environment holds the node's join token (`INFERPLANE_JOIN_TOKEN`
 Face token and S3 keys (`HF_TOKEN`, `AWS_*`: `infra/k8s/base/agent-daemonset.yaml`). An engine runs one
 tenant's model and reads that tenant's files (config.json, tokenizer files, a chat template), so it inherits
 none of them: every engine, the warm standby and the zygote (whose forks are engines) start from the names
-and prefixes below, what vLLM, torch, CUDA, OpenMP and Python read, plus their own variables (the replica's
-key and markers, `engine.build_engine_command`).
+and prefixes below, what vLLM, torch, CUDA, OpenMP and Python read, less vLLM's that fetch from the network
+or share files between tenants (`ENGINE_ENV_LEFT_OUT`), plus their own variables (the replica's key and
+markers, `engine.build_engine_command`).
 
 NOTE: engines are offline (`HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE`). The agent fetches every file a replica
 needs, with the replica's own credentials (`weights.py`), before its engine starts; a model whose files name
@@ -34,6 +35,30 @@ ENGINE_ENV_PREFIXES = (
     "TRITON_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "ONEDNN_", "DNNL_", "LD_", "MALLOC_",
 )  # fmt: skip
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# vLLM's variables no engine inherits, though they start with `VLLM_`: each makes an engine fetch from the
+# network, or share files on the node with other tenants' engines under names a request chooses. (vLLM's
+# own caches and kernel tunings, `VLLM_CACHE_ROOT` and the like, still pass: what vLLM computes, shared
+# under HOME anyway.)
+ENGINE_ENV_LEFT_OUT = frozenset({
+    # One folder of fetched media for every engine, keyed by URL (moot while engines fetch none).
+    "VLLM_MEDIA_CACHE",
+    # A plug-in's media loader in place of vLLM's, which keeps to `--allowed-media-domains`.
+    "VLLM_MEDIA_CONNECTOR",
+    # `engine.MEDIA_URL_ENV` sets it off.
+    "VLLM_MEDIA_URL_ALLOW_REDIRECTS",
+    # `engine.build_engine_command` sets it for an engine with adapters; on every engine it would also turn on
+    # the LoRA resolvers below, which load a request's unknown `model` as an adapter.
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "VLLM_LORA_RESOLVER_CACHE_DIR",  # ... from a folder of the node: every tenant's adapters, if shared
+    "VLLM_LORA_RESOLVER_HF_REPO_LIST",  # ... downloaded from these hub repositories
+    # A file that maps a model's name to another folder on the node than the replica's own.
+    "VLLM_MODEL_REDIRECT_PATH",
+    # Models from ModelScope, which `HF_HUB_OFFLINE` does not stop.
+    "VLLM_USE_MODELSCOPE",
+    # One unbounded disk cache of compiled grammars for every engine: "not safe to use in an environment with
+    # potentially malicious users", vLLM's own words.
+    "VLLM_V1_USE_OUTLINES_CACHE",
+})  # fmt: skip
 
 
 def engine_environment(agent_env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -42,6 +67,7 @@ def engine_environment(agent_env: Mapping[str, str] | None = None) -> dict[str, 
     agent_env = os.environ if agent_env is None else agent_env
     inherited = {
         name: value for name, value in agent_env.items()
-        if name in ENGINE_ENV_NAMES or name.startswith(ENGINE_ENV_PREFIXES)
+        if (name in ENGINE_ENV_NAMES or name.startswith(ENGINE_ENV_PREFIXES))
+        and name not in ENGINE_ENV_LEFT_OUT
     }  # fmt: skip
     return inherited | OFFLINE_ENV

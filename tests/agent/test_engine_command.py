@@ -195,3 +195,64 @@ def test_every_engine_loads_safetensors_only_on_cpu_and_cuda():
     for device in ("cpu", "cuda"):
         argv = build_engine_command(make_spec(), "/models/x", port=8000, device=device).argv
         assert flag(argv, "--load-format") == "safetensors", device
+
+
+PNG = (  # one pixel
+    "data:image/png;base64,"
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg=="
+)
+
+
+def test_every_engine_fetches_no_media_url_and_follows_no_redirect_on_cpu_and_cuda():
+    """Before, vLLM's empty `--allowed-media-domains` let an engine fetch a media URL from any host, and follow
+    redirects: a tenant's request made its engine send GETs to other tenants' engines and the metadata
+    service."""
+    for device in ("cpu", "cuda"):
+        command = build_engine_command(make_spec(), "/models/x", port=8000, device=device)
+        assert flag(command.argv, "--allowed-media-domains") == "no-remote-media/", device
+        assert command.env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0", device
+        assert not any(arg.startswith("--allowed-local-media-path") for arg in command.argv), device
+
+
+def test_the_shipped_vllm_refuses_every_media_url_before_fetching_and_still_decodes_data_urls(monkeypatch):
+    pytest.importorskip("vllm.multimodal.media.connector")
+    from urllib3.util import parse_url
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.multimodal.media.connector import MediaConnector
+    from vllm.multimodal.media.image import ImageMediaIO
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    command = build_engine_command(make_spec(), "/models/x", port=8000, device="cpu")
+    server_argv = command.argv[command.argv.index("vllm.entrypoints.openai.api_server") + 1 :]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(server_argv)
+    fetched = []
+
+    class Connection:  # vLLM's HTTP client, recording what it was asked to fetch
+        def get_bytes(self, url, **options):
+            fetched.append(url)
+            raise AssertionError(f"fetched {url}")
+
+    connector = MediaConnector(
+        connection=Connection(),
+        allowed_media_domains=args.allowed_media_domains,
+        allowed_local_media_path=args.allowed_local_media_path,
+    )
+    [domain] = args.allowed_media_domains
+    for url in (
+        "http://169.254.169.254/latest/meta-data/",
+        "http://127.0.0.1:8001/health",
+        "HTTPS://Example.com/a.png",
+        f"http://{domain}",
+        f"https://{domain}/x.png",
+        f"http://{domain.rstrip('/')}/",
+        "file:///etc/passwd",
+    ):
+        assert parse_url(url).hostname != domain, url
+        with pytest.raises((ValueError, RuntimeError)):
+            connector.load_from_url(url, ImageMediaIO())
+    assert fetched == []
+    assert connector.load_from_url(PNG, ImageMediaIO()).size == (1, 1)
+    monkeypatch.setenv("VLLM_MEDIA_URL_ALLOW_REDIRECTS", command.env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"])
+    from vllm import envs
+
+    assert envs.VLLM_MEDIA_URL_ALLOW_REDIRECTS is False

@@ -1,4 +1,9 @@
-"""Engines (and the zygote they are forked from) inherit none of the fleet's credentials, and are offline."""
+"""Engines (and the zygote they are forked from) inherit none of the fleet's credentials, and are offline.
+
+Nor vLLM's variables that make an engine fetch from the network or share files with other tenants'
+engines: before, every `VLLM_*` of the agent passed, so an operator's `VLLM_MEDIA_CACHE` gave every
+tenant's engine on a node one cache of fetched media keyed by URL.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import pytest
 from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime import standby
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER
+from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 from gpu_agent.runtime.zygote import Zygote
@@ -26,11 +32,25 @@ FLEET_SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "fleet-secret",
     "AWS_SESSION_TOKEN": "fleet-session",
 }
+# vLLM's variables an operator may set on the agent that no engine gets (`ENGINE_ENV_LEFT_OUT`).
+SHARED_OR_REMOTE = {
+    "VLLM_MEDIA_CACHE": "/var/cache/vllm-media",
+    "VLLM_MEDIA_CONNECTOR": "my_connector",
+    "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "1",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+    "VLLM_LORA_RESOLVER_CACHE_DIR": "/var/lib/adapters",
+    "VLLM_LORA_RESOLVER_HF_REPO_LIST": "someone/adapters",
+    "VLLM_MODEL_REDIRECT_PATH": "/etc/vllm/redirects.json",
+    "VLLM_USE_MODELSCOPE": "1",
+    "VLLM_V1_USE_OUTLINES_CACHE": "1",
+}
 
 
 @pytest.fixture
 def fleet_secrets(monkeypatch):
     for name, value in FLEET_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    for name, value in SHARED_OR_REMOTE.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the operator's engine settings still pass
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -41,6 +61,17 @@ def assert_engine_environment(environ: dict[str, str]) -> None:
     assert not any(value in FLEET_SECRETS.values() for value in environ.values())
     assert environ["HF_HUB_OFFLINE"] == "1" and environ["TRANSFORMERS_OFFLINE"] == "1"
     assert environ["VLLM_CPU_KVCACHE_SPACE"] == "1" and environ["PATH"]
+    # None of the operator's values (an engine sets VLLM_MEDIA_URL_ALLOW_REDIRECTS off itself).
+    assert not [name for name, value in SHARED_OR_REMOTE.items() if environ.get(name) == value]
+
+
+def test_vllms_variables_that_fetch_or_share_files_between_tenants_are_left_out_and_the_rest_pass():
+    # vLLM's own caches, a plug-in filter (which only narrows what loads) and its settings still pass.
+    passed = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CACHE_ROOT": "/cache/vllm", "VLLM_PLUGINS": "", "PATH": "/bin"}
+
+    environ = engine_environment(SHARED_OR_REMOTE | passed)
+
+    assert environ == passed | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def test_an_engine_inherits_none_of_the_fleets_credentials_and_is_offline(fleet_secrets, tmp_path):
