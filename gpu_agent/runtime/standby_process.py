@@ -702,8 +702,9 @@ def become_engine(handoff: Handoff, device: str, started_at: float) -> int:
     # zygote's own before it loaded anything ahead: a look-up's library code may set variables process-wide
     # (vLLM's `get_config` does, for one tenant's config), which every engine forked later would inherit.
     if _engine_environ is not None:
-        os.environ.clear()
-        os.environ.update(_engine_environ)
+        from gpu_agent.runtime.zygote_models import restore_environ
+
+        restore_environ(_engine_environ)
     nvml_check_before = os.environ.pop(NVML_CHECK_BEFORE_ENV, None)  # None: the standby did not set it
     if nvml_check_before == "":
         os.environ.pop(NVML_BASED_CUDA_CHECK_ENV, None)

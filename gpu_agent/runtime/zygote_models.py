@@ -119,14 +119,7 @@ class _InheritedState:
         """Put back what changed since `__init__`; returns what that was (empty when nothing did)."""
         if self._register is not None:
             self._config_module._register_config_class = self._register
-        changed = []
-        environ = dict(os.environ)
-        for name in sorted(set(environ) | set(self.environ)):
-            if environ.get(name) != self.environ.get(name):
-                changed.append(f"environment variable {name}")
-        if changed:
-            os.environ.clear()
-            os.environ.update(self.environ)
+        changed = [f"environment variable {name}" for name in restore_environ(self.environ)]
         if self.registry is not None and self.registry._extra_content != self.auto_configs:
             added = sorted(set(self.registry._extra_content) - set(self.auto_configs))
             changed.append(f"AutoConfig registry ({', '.join(added) or 'replaced entries'})")
@@ -143,6 +136,22 @@ class _InheritedState:
                     changed.append(f"{cls.__qualname__}.{name}")
                     _set_own_attribute(cls, name, before.get(name, _MISSING))
         return changed
+
+
+def restore_environ(saved: dict[str, str]) -> list[str]:
+    """Make `os.environ` equal to `saved` again; returns the names that differed.
+
+    NOTE: only those are set or removed, never `os.environ.clear()`: `setproctitle` (vLLM names its processes
+    with it) finds the process's arguments from where the first environment string lies, and a cleared and
+    refilled environment lies elsewhere: every engine forked afterwards kept the zygote's command line as title.
+    """
+    changed = sorted(name for name in set(os.environ) | set(saved) if os.environ.get(name) != saved.get(name))
+    for name in changed:
+        if name in saved:
+            os.environ[name] = saved[name]
+        else:
+            del os.environ[name]
+    return changed
 
 
 def _config_registry():

@@ -101,7 +101,11 @@ class LeakyWarmer:
 
 
 def serve(handoff, device):
-    (out.parent / "environ.tmp").write_text(json.dumps(dict(os.environ)))
+    import setproctitle  # as vLLM names its processes
+
+    setproctitle.setproctitle("VLLM::probe")
+    title = Path("/proc/self/cmdline").read_bytes().split(b"\0")[0].decode()
+    (out.parent / "environ.tmp").write_text(json.dumps({**os.environ, "TITLE_SET": title}))
     (out.parent / "environ.tmp").rename(out)
 
 
@@ -146,3 +150,6 @@ def test_an_engine_forked_after_a_look_up_changed_the_zygotes_environment_starts
     assert "VLLM_USE_DEEP_GEMM_E8M0" not in environ
     assert environ["INFERPLANE_ZYGOTE_OWN"] == "kept" and environ["INFERPLANE_HANDOFF_OWN"] == "given"
     assert environ[REPLICA_ENV_MARKER] == "replica-b"
+    # NOTE: `setproctitle` finds the command line from where the environment lies: refilled elsewhere, vLLM's
+    # processes kept the zygote's command line as their title.
+    assert environ["TITLE_SET"].startswith("VLLM::probe"), environ["TITLE_SET"]
