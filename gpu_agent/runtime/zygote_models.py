@@ -95,7 +95,8 @@ class _InheritedState:
     types: another tenant's cached config's `to_dict()` then gave the last one's), and patches `PreTrainedConfig`
     for some model types. Made before a look-up; `restore`, after it with the alarm off, compares and puts it back.
     NOTE: a config class first imported during the look-up is seen only through vLLM's `_register_config_class`
-    (its `model_type` before the first registration is kept); other changes to such a class are not.
+    (its `model_type` before the first registration is kept); other changes to such a class are not. An AutoConfig
+    entry a module added as it was imported is kept: engines forked from here have the module and would not add it.
     """
 
     def __init__(self) -> None:
@@ -106,6 +107,7 @@ class _InheritedState:
         self.classes = {cls: _own_attributes(cls) for cls in _config_classes()}
         # A config class vLLM registered during the look-up -> its own `model_type` before the first registration.
         self.registered: dict[type, object] = {}
+        self.registered_types: set[str] = set()  # the model types vLLM registered them under
         self._config_module = sys.modules.get("vllm.transformers_utils.config")
         self._register = getattr(self._config_module, "_register_config_class", None)
         if self._register is not None:
@@ -113,6 +115,7 @@ class _InheritedState:
 
     def _registering(self, model_type, config_class) -> None:
         self.registered.setdefault(config_class, vars(config_class).get("model_type", _MISSING))
+        self.registered_types.add(model_type)
         self._register(model_type, config_class)
 
     def restore(self) -> list[str]:
@@ -120,11 +123,21 @@ class _InheritedState:
         if self._register is not None:
             self._config_module._register_config_class = self._register
         changed = [f"environment variable {name}" for name in restore_environ(self.environ)]
-        if self.registry is not None and self.registry._extra_content != self.auto_configs:
-            added = sorted(set(self.registry._extra_content) - set(self.auto_configs))
-            changed.append(f"AutoConfig registry ({', '.join(added) or 'replaced entries'})")
-            self.registry._extra_content.clear()
-            self.registry._extra_content.update(self.auto_configs)
+        if self.registry is not None:
+            entries, imported = self.registry._extra_content, len(sys.modules) != self.num_modules
+            for model_type in sorted(set(entries) | set(self.auto_configs)):
+                before = self.auto_configs.get(model_type, _MISSING)
+                if entries.get(model_type, _MISSING) is before:
+                    continue
+                if before is _MISSING and imported and model_type not in self.registered_types:
+                    # NOTE: kept: registered by a module as it was imported (vLLM's Ovis config registers its
+                    # sub-configs), which every engine has from here, imported, and would not register again.
+                    continue
+                changed.append(f"AutoConfig registry entry {model_type!r}")
+                if before is _MISSING:
+                    del entries[model_type]
+                else:
+                    entries[model_type] = before
         for cls, before in self.registered.items():
             if cls not in self.classes and vars(cls).get("model_type", _MISSING) is not before:
                 changed.append(f"{cls.__qualname__}.model_type")

@@ -293,3 +293,41 @@ def test_a_look_up_interrupted_at_its_budget_leaves_none_of_its_changes_to_the_e
     assert warmer.warm_next()
     assert "VLLM_USE_DEEP_GEMM_E8M0" not in os.environ
     assert ("get_config", call) in warmer._failed and lookup.answers == {}
+
+
+def test_a_config_a_module_registers_as_the_zygote_imports_it_during_a_look_up_stays_registered(tmp_path, monkeypatch):
+    # vLLM's Ovis config registers its sub-configs with AutoConfig when imported. Imported during a look-up in the
+    # zygote, the module stays imported in every engine forked afterwards, which would never register them again:
+    # put back, an Ovis model's engines could not load their config.
+    import sys
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from gpu_agent.runtime import zygote_models
+
+    (tmp_path / "inferplane_probe_configs.py").write_text(
+        "from transformers import AutoConfig, PretrainedConfig\n"
+        "class ProbeSubConfig(PretrainedConfig):\n"
+        "    model_type = 'inferplane_probe_sub'\n"
+        "AutoConfig.register('inferplane_probe_sub', ProbeSubConfig)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(CONFIG_MAPPING, "_extra_content", dict(CONFIG_MAPPING._extra_content))
+    monkeypatch.delitem(sys.modules, "inferplane_probe_configs", raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def load(*args, **kwargs):
+        import inferplane_probe_configs  # noqa: F401
+
+        return {"loaded": True}
+
+    monkeypatch.setenv("INFERPLANE_DATA_DIR", str(tmp_path))
+    lookup = zygote_models._Lookup("get_config", load, copy_answer=True)
+    monkeypatch.setitem(zygote_models.LOOKUPS, "get_config", lookup)
+    call = json.dumps([[str(model), False], {}], sort_keys=True)
+    zygote_models.record_path().write_text(json.dumps({"lookup": "get_config", "call": call}) + "\n")
+    warmer = zygote_models.Warmer()
+    assert warmer.warm_next() and warmer.num_warmed == 1 and lookup.answers
+    assert "inferplane_probe_sub" in CONFIG_MAPPING._extra_content
