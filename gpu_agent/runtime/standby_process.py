@@ -617,6 +617,9 @@ def serve_forks(status, device: str, started_at: float) -> int:
     """
     from gpu_agent.runtime import zygote_models
 
+    global _engine_environ
+    # NOTE: taken before the first look-up is loaded ahead: each engine starts from this, plus its handoff's env.
+    _engine_environ = dict(os.environ)
     warmer = zygote_models.Warmer()
     buffer = b""
     busy = False  # whether the last idle wake-up loaded something (there may be more to load)
@@ -686,12 +689,22 @@ def _report_exits(status) -> None:
         status.write(f"{EXITED_WORD} {pid} {os.waitstatus_to_exitcode(wait_status)}\n".encode())
 
 
+# A zygote's environment as it was before it loaded anything ahead (`serve_forks`); None in a plain standby.
+_engine_environ: dict[str, str] | None = None
+
+
 def become_engine(handoff: Handoff, device: str, started_at: float) -> int:
     """Take the replica's identity and run its engine in this process (a standby, or a zygote's child)."""
     if not rewrite_environ_block(REPLICA_ENV_MARKER, handoff.replica_id):
         print("standby: cannot set the replica marker; refusing the handoff", file=sys.stderr, flush=True)
         return 75  # the agent sees an early exit and launches this replica naively
-    # The engine sees the environment a plain launch would give it.
+    # The engine sees the environment a plain launch would give it. NOTE: in a zygote's child, rebuilt from the
+    # zygote's own before it loaded anything ahead: a look-up's library code may set variables process-wide
+    # (vLLM's `get_config` does, for one tenant's config), which every engine forked later would inherit.
+    if _engine_environ is not None:
+        from gpu_agent.runtime.zygote_models import restore_environ
+
+        restore_environ(_engine_environ)
     nvml_check_before = os.environ.pop(NVML_CHECK_BEFORE_ENV, None)  # None: the standby did not set it
     if nvml_check_before == "":
         os.environ.pop(NVML_BASED_CUDA_CHECK_ENV, None)

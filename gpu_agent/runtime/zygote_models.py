@@ -82,6 +82,126 @@ def _within(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+_MISSING = object()
+
+
+class _InheritedState:
+    """What a look-up repeated here can change for the whole process, so for every engine forked afterwards.
+
+    In a plain launch such a change stays in the one engine whose model caused it; here it would reach every
+    tenant's engine forked after the warm-up. vLLM's `get_config` sets `VLLM_USE_DEEP_GEMM_E8M0` in `os.environ`
+    for a config whose `quantization_config.scale_fmt` is "ue8m0", registers its config classes with transformers'
+    `AutoConfig` (`CONFIG_MAPPING`) and sets their `model_type` to the checkpoint's (one class serves several model
+    types: another tenant's cached config's `to_dict()` then gave the last one's), and patches `PreTrainedConfig`
+    for some model types. Made before a look-up; `restore`, after it with the alarm off, compares and puts it back.
+    NOTE: a config class first imported during the look-up is seen only through vLLM's `_register_config_class`
+    (its `model_type` before the first registration is kept); other changes to such a class are not. An AutoConfig
+    entry a module added as it was imported is kept: engines forked from here have the module and would not add it.
+    """
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.num_modules = len(sys.modules)
+        self.registry = _config_registry()
+        self.auto_configs = dict(self.registry._extra_content) if self.registry is not None else None
+        self.classes = {cls: _own_attributes(cls) for cls in _config_classes()}
+        # A config class vLLM registered during the look-up -> its own `model_type` before the first registration.
+        self.registered: dict[type, object] = {}
+        self.registered_types: set[str] = set()  # the model types vLLM registered them under
+        self._config_module = sys.modules.get("vllm.transformers_utils.config")
+        self._register = getattr(self._config_module, "_register_config_class", None)
+        if self._register is not None:
+            self._config_module._register_config_class = self._registering
+
+    def _registering(self, model_type, config_class) -> None:
+        self.registered.setdefault(config_class, vars(config_class).get("model_type", _MISSING))
+        self.registered_types.add(model_type)
+        self._register(model_type, config_class)
+
+    def restore(self) -> list[str]:
+        """Put back what changed since `__init__`; returns what that was (empty when nothing did)."""
+        if self._register is not None:
+            self._config_module._register_config_class = self._register
+        changed = [f"environment variable {name}" for name in restore_environ(self.environ)]
+        if self.registry is not None:
+            entries, imported = self.registry._extra_content, len(sys.modules) != self.num_modules
+            for model_type in sorted(set(entries) | set(self.auto_configs)):
+                before = self.auto_configs.get(model_type, _MISSING)
+                if entries.get(model_type, _MISSING) is before:
+                    continue
+                if before is _MISSING and imported and model_type not in self.registered_types:
+                    # NOTE: kept: registered by a module as it was imported (vLLM's Ovis config registers its
+                    # sub-configs), which every engine has from here, imported, and would not register again.
+                    continue
+                changed.append(f"AutoConfig registry entry {model_type!r}")
+                if before is _MISSING:
+                    del entries[model_type]
+                else:
+                    entries[model_type] = before
+        for cls, before in self.registered.items():
+            if cls not in self.classes and vars(cls).get("model_type", _MISSING) is not before:
+                changed.append(f"{cls.__qualname__}.model_type")
+                _set_own_attribute(cls, "model_type", before)
+        for cls, before in self.classes.items():
+            after = _own_attributes(cls)
+            for name in sorted(set(before) | set(after)):
+                if after.get(name, _MISSING) is not before.get(name, _MISSING):
+                    changed.append(f"{cls.__qualname__}.{name}")
+                    _set_own_attribute(cls, name, before.get(name, _MISSING))
+        return changed
+
+
+def restore_environ(saved: dict[str, str]) -> list[str]:
+    """Make `os.environ` equal to `saved` again; returns the names that differed.
+
+    NOTE: only those are set or removed, never `os.environ.clear()`: `setproctitle` (vLLM names its processes
+    with it) finds the process's arguments from where the first environment string lies, and a cleared and
+    refilled environment lies elsewhere: every engine forked afterwards kept the zygote's command line as title.
+    """
+    changed = sorted(name for name in set(os.environ) | set(saved) if os.environ.get(name) != saved.get(name))
+    for name in changed:
+        if name in saved:
+            os.environ[name] = saved[name]
+        else:
+            del os.environ[name]
+    return changed
+
+
+def _config_registry():
+    """transformers' `CONFIG_MAPPING` (what `AutoConfig.register` adds to), when transformers is imported."""
+    module = sys.modules.get("transformers.models.auto.configuration_auto")
+    registry = getattr(module, "CONFIG_MAPPING", None)
+    return registry if isinstance(getattr(registry, "_extra_content", None), dict) else None
+
+
+def _config_classes() -> list[type]:
+    """`PreTrainedConfig` and every subclass of it imported so far."""
+    module = sys.modules.get("transformers.configuration_utils")
+    base = getattr(module, "PreTrainedConfig", None)
+    if not isinstance(base, type):
+        return []
+    found, pending = {base}, [base]
+    while pending:
+        for subclass in type.__subclasses__(pending.pop()):
+            if subclass not in found:
+                found.add(subclass)
+                pending.append(subclass)
+    return list(found)
+
+
+def _own_attributes(cls: type) -> dict:
+    # NOTE: dunder names left out: copying an instance caches `__slotnames__` on its class, harmlessly.
+    return {name: value for name, value in vars(cls).items() if not name.startswith("__")}
+
+
+def _set_own_attribute(cls: type, name: str, value) -> None:
+    if value is _MISSING:
+        if name in vars(cls):
+            delattr(cls, name)
+    else:
+        setattr(cls, name, value)
+
+
 def files_key(path) -> tuple | None:
     """What a cached answer for a local model directory depends on: every file's relative path, size and mtime.
 
@@ -259,6 +379,8 @@ class Warmer:
         self._seen_size = -1
         self._pending: list[tuple[str, str]] = []
         self._failed: set[tuple[str, str]] = set()
+        # Calls loaded once more after they changed what engines inherit: an import on the way may have done it.
+        self._retried: set[tuple[str, str]] = set()
         self.num_warmed = 0
 
     def warm_next(self) -> bool:
@@ -278,14 +400,39 @@ class Warmer:
             if lookup is None or (name, call) in self._failed:
                 continue
             started_at = time.process_time()
+            state = _InheritedState()
+            failure = None
             try:
                 with _within(WARM_BUDGET_S):
                     warmed = lookup.warm(call)
                     if warmed and name == "cached_get_tokenizer":
                         _warm_chat_template(lookup.answers[call][1])
             except (Exception, WarmTooLong) as exc:  # noqa: BLE001 - a model the zygote cannot load: its engines load it
+                failure = exc
+            finally:
+                changed = state.restore()  # NOTE: after `_within`: the alarm cannot interrupt putting it back
+            if changed:
+                # NOTE: its answer goes too: it was made with the changes, which its own engines must make for
+                # themselves (a cached answer skips them), as a plain launch does. A module imported on the way may
+                # have made them instead (OpenCV's import extends LD_LIBRARY_PATH): loaded once more, with the
+                # module imported, the look-up shows what it changes itself.
+                lookup.answers.pop(call, None)
+                again = state.num_modules != len(sys.modules) and (name, call) not in self._retried
+                print(
+                    f"zygote: warning: loading {name} ahead changed what every engine forked from here inherits "
+                    f"({', '.join(changed)}); put back, "
+                    + ("loading it once more" if again else "and left to its engines"),
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if again:
+                    self._retried.add((name, call))
+                    self._pending.insert(0, (name, call))
+                    return True
+            if failure is not None or changed:
                 self._failed.add((name, call))
-                print(f"zygote: could not load {name} ahead ({exc!r})", file=sys.stderr, flush=True)
+                if failure is not None:
+                    print(f"zygote: could not load {name} ahead ({failure!r})", file=sys.stderr, flush=True)
                 return True  # NOTE: one look-up per wake-up, failed or not: a handoff may be waiting
             if warmed:
                 self.num_warmed += 1

@@ -111,3 +111,76 @@ def test_the_zygote_whose_forks_are_engines_inherits_none_of_the_fleets_credenti
         assert env[DATA_DIR_ENV_MARKER] == str(tmp_path / "agent")
     finally:
         zygote.stop()
+
+
+# A zygote whose idle-time look-up (`zygote_models.Warmer`) sets a variable process-wide, as vLLM's `get_config` does
+# for a config asking for UE8M0 scales, then forks an engine; `_serve` writes the engine's environment out instead.
+LEAKY_ZYGOTE = r"""
+import json, os, sys, time
+from pathlib import Path
+from gpu_agent.runtime import standby_process, zygote_models
+
+out = Path(sys.argv[1])
+
+
+class LeakyWarmer:
+    def warm_next(self):
+        if not (out.parent / "warmed").exists():
+            os.environ["VLLM_USE_DEEP_GEMM_E8M0"] = "1"
+            (out.parent / "warmed").touch()
+        return False
+
+
+def serve(handoff, device):
+    import setproctitle  # as vLLM names its processes
+
+    setproctitle.setproctitle("VLLM::probe")
+    title = Path("/proc/self/cmdline").read_bytes().split(b"\0")[0].decode()
+    (out.parent / "environ.tmp").write_text(json.dumps({**os.environ, "TITLE_SET": title}))
+    (out.parent / "environ.tmp").rename(out)
+
+
+zygote_models.Warmer = LeakyWarmer
+standby_process._serve = serve
+sys.exit(standby_process.serve_forks(os.fdopen(os.dup(1), "wb", buffering=0), "cpu", time.monotonic()))
+"""
+
+
+def test_an_engine_forked_after_a_look_up_changed_the_zygotes_environment_starts_from_the_zygotes_own(
+    tmp_path,
+):
+    # One tenant's config.json made the zygote's environment carry VLLM_USE_DEEP_GEMM_E8M0=1 (vLLM sets it while
+    # loading such a config), and every engine forked afterwards, any tenant's, inherited it: the handoff's
+    # variables were added to the zygote's environment, never a fresh copy of it.
+    import dataclasses
+    import json
+    import os
+
+    out = tmp_path / "environ.json"
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", LEAKY_ZYGOTE, str(out)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, REPLICA_ENV_MARKER: standby.STANDBY_MARKER_VALUE, "INFERPLANE_ZYGOTE_OWN": "kept"},
+    )
+    try:
+        assert wait_until(lambda: (tmp_path / "warmed").exists(), timeout_s=60)
+        handoff = standby.Handoff(
+            replica_id="replica-b",
+            args=[],
+            env={"INFERPLANE_HANDOFF_OWN": "given"},
+            log_path=str(tmp_path / "b.log"),
+        )
+        zygote.stdin.write(json.dumps(dataclasses.asdict(handoff)).encode() + b"\n")
+        zygote.stdin.flush()
+        assert wait_until(out.exists, timeout_s=60), (tmp_path / "b.log").read_text()
+    finally:
+        zygote.stdin.close()
+        zygote.wait(timeout=30)
+    environ = json.loads(out.read_text())
+    assert "VLLM_USE_DEEP_GEMM_E8M0" not in environ
+    assert environ["INFERPLANE_ZYGOTE_OWN"] == "kept" and environ["INFERPLANE_HANDOFF_OWN"] == "given"
+    assert environ[REPLICA_ENV_MARKER] == "replica-b"
+    # NOTE: `setproctitle` finds the command line from where the environment lies: refilled elsewhere, vLLM's
+    # processes kept the zygote's command line as their title.
+    assert environ["TITLE_SET"].startswith("VLLM::probe"), environ["TITLE_SET"]

@@ -38,6 +38,25 @@ PRELUDE = (
 )
 
 
+IN_CHILD = (
+    "def in_child(body):\n"
+    "    pid = os.fork()\n"
+    "    if pid == 0:\n"
+    "        code = 1\n"
+    "        try:\n"
+    "            body(); code = 0\n"
+    "        except BaseException as exc:\n"
+    "            print('child:', repr(exc), file=sys.stderr)\n"
+    "        os._exit(code)\n"
+    "    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+    "def warm_all():\n"
+    "    warmer = zygote_models.Warmer()\n"
+    "    while warmer.warm_next():\n"
+    "        pass\n"
+    "    return warmer\n"
+)
+
+
 def run(code: str, model_dir, env: dict | None = None) -> None:
     import os
 
@@ -188,3 +207,127 @@ def test_a_huge_chat_template_or_a_slow_look_up_never_holds_the_zygote_past_its_
     data_dir = tmp_path / "agent"
     data_dir.mkdir()
     run(code, model_copy, env={"INFERPLANE_DATA_DIR": str(data_dir)})
+
+
+def test_a_config_that_sets_a_variable_while_loading_leaves_no_trace_in_engines_forked_after_the_zygote_loaded_it(
+    model_copy, tmp_path
+):
+    # vLLM's `get_config` sets VLLM_USE_DEEP_GEMM_E8M0=1 in `os.environ` for a config asking for UE8M0 scales: the
+    # zygote loading tenant A's config ahead put it in the environment of every engine forked after, any tenant's.
+    code = IN_CHILD + (
+        "rewrite('config.json', quantization_config={'scale_fmt': 'ue8m0'})\n"
+        "assert 'VLLM_USE_DEEP_GEMM_E8M0' not in os.environ\n"
+        "assert in_child(config) == 0, 'its first engine records the call'\n"
+        "warmer = warm_all()\n"
+        "assert 'VLLM_USE_DEEP_GEMM_E8M0' not in os.environ, 'the zygote keeps its own environment'\n"
+        "assert in_child(lambda: 'VLLM_USE_DEEP_GEMM_E8M0' not in os.environ or sys.exit(3)) == 0\n"
+        "# Its answer is not kept: its own engines load it, and set the variable for themselves as a plain launch.\n"
+        "assert zygote_models.LOOKUPS['get_config'].answers == {} and warmer.num_warmed == 0\n"
+        "assert in_child(lambda: config() and os.environ.get('VLLM_USE_DEEP_GEMM_E8M0') == '1' or sys.exit(3)) == 0\n"
+        "assert not warmer.warm_next(), 'not tried again'\n"
+    )
+    data_dir = tmp_path / "agent"
+    data_dir.mkdir()
+    run(code, model_copy, env={"INFERPLANE_DATA_DIR": str(data_dir)})
+
+
+def test_one_tenants_config_loaded_ahead_never_changes_the_model_type_another_tenants_engine_sees(
+    model_copy, tmp_path
+):
+    # vLLM registers its own config classes for some model types and sets the class's `model_type` to the
+    # checkpoint's: "deepseek_v32" and "kimi_k2" share transformers' DeepseekV3Config. Loaded ahead one after the
+    # other in the zygote, tenant B's cached deepseek_v32 config then said "kimi_k2" in its `to_dict()` (what vLLM
+    # serialises and hashes) in every engine forked after, and AutoConfig kept both tenants' registrations.
+    other = shutil.copytree(model_copy, tmp_path / "other")
+    code = IN_CHILD + (
+        "OTHER = os.environ['OTHER_MODEL']\n"
+        "def config_of(model):\n"
+        "    return hf.get_config(model, False, None, None, 'auto', hf_overrides_kw={}, hf_overrides_fn=None,\n"
+        "                         token=None)\n"
+        "rewrite('config.json', model_type='deepseek_v32')\n"
+        "path = Path(OTHER) / 'config.json'\n"
+        "path.write_text(json.dumps({**json.loads(path.read_text()), 'model_type': 'kimi_k2'}))\n"
+        "assert in_child(lambda: config_of(MODEL)) == 0 and in_child(lambda: config_of(OTHER)) == 0\n"
+        "warm_all()\n"
+        "def sees(model, model_type):\n"
+        "    config = config_of(model)\n"
+        "    assert (config.model_type, config.to_dict()['model_type']) == (model_type, model_type), config.to_dict()\n"
+        "assert in_child(lambda: sees(MODEL, 'deepseek_v32')) == 0 and in_child(lambda: sees(OTHER, 'kimi_k2')) == 0\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+        "assert not {'deepseek_v32', 'kimi_k2'} & set(CONFIG_MAPPING._extra_content), CONFIG_MAPPING._extra_content\n"
+        "from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config\n"
+        "assert DeepseekV3Config.model_type == 'deepseek_v3', DeepseekV3Config.model_type\n"
+    )
+    data_dir = tmp_path / "agent"
+    data_dir.mkdir()
+    run(code, model_copy, env={"INFERPLANE_DATA_DIR": str(data_dir), "OTHER_MODEL": str(other)})
+
+
+def test_a_look_up_interrupted_at_its_budget_leaves_none_of_its_changes_to_the_engines(tmp_path, monkeypatch):
+    # The alarm (`WarmTooLong`) can stop library code halfway through a change every engine forked afterwards
+    # would inherit; what the zygote knows to watch is put back after the alarm is off.
+    import os
+    import time
+
+    from gpu_agent.runtime import zygote_models
+
+    def stubborn(*args, **kwargs):
+        os.environ["VLLM_USE_DEEP_GEMM_E8M0"] = "1"
+        while True:
+            try:
+                time.sleep(60)
+            except Exception:  # noqa: BLE001 - as a library's own fallback would
+                pass
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setenv("INFERPLANE_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("VLLM_USE_DEEP_GEMM_E8M0", raising=False)
+    monkeypatch.setattr(zygote_models, "WARM_BUDGET_S", 0.5)
+    lookup = zygote_models._Lookup("get_config", stubborn, copy_answer=True)
+    monkeypatch.setitem(zygote_models.LOOKUPS, "get_config", lookup)
+    call = json.dumps([[str(model), False], {}], sort_keys=True)
+    zygote_models.record_path().write_text(json.dumps({"lookup": "get_config", "call": call}) + "\n")
+    warmer = zygote_models.Warmer()
+    assert warmer.warm_next()
+    assert "VLLM_USE_DEEP_GEMM_E8M0" not in os.environ
+    assert ("get_config", call) in warmer._failed and lookup.answers == {}
+
+
+def test_a_config_a_module_registers_as_the_zygote_imports_it_during_a_look_up_stays_registered(tmp_path, monkeypatch):
+    # vLLM's Ovis config registers its sub-configs with AutoConfig when imported. Imported during a look-up in the
+    # zygote, the module stays imported in every engine forked afterwards, which would never register them again:
+    # put back, an Ovis model's engines could not load their config.
+    import sys
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from gpu_agent.runtime import zygote_models
+
+    (tmp_path / "inferplane_probe_configs.py").write_text(
+        "from transformers import AutoConfig, PretrainedConfig\n"
+        "class ProbeSubConfig(PretrainedConfig):\n"
+        "    model_type = 'inferplane_probe_sub'\n"
+        "AutoConfig.register('inferplane_probe_sub', ProbeSubConfig)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(CONFIG_MAPPING, "_extra_content", dict(CONFIG_MAPPING._extra_content))
+    monkeypatch.delitem(sys.modules, "inferplane_probe_configs", raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def load(*args, **kwargs):
+        import inferplane_probe_configs  # noqa: F401
+
+        return {"loaded": True}
+
+    monkeypatch.setenv("INFERPLANE_DATA_DIR", str(tmp_path))
+    lookup = zygote_models._Lookup("get_config", load, copy_answer=True)
+    monkeypatch.setitem(zygote_models.LOOKUPS, "get_config", lookup)
+    call = json.dumps([[str(model), False], {}], sort_keys=True)
+    zygote_models.record_path().write_text(json.dumps({"lookup": "get_config", "call": call}) + "\n")
+    warmer = zygote_models.Warmer()
+    assert warmer.warm_next() and warmer.num_warmed == 1 and lookup.answers
+    assert "inferplane_probe_sub" in CONFIG_MAPPING._extra_content
