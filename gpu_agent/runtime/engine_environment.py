@@ -34,7 +34,10 @@ ENGINE_ENV_PREFIXES = (
     "LC_", "XDG_", "VLLM_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "UCX_", "CUDNN_", "TORCH", "PYTORCH_",
     "TRITON_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "ONEDNN_", "DNNL_", "LD_", "MALLOC_",
 )  # fmt: skip
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# NOTE: vLLM also reports usage statistics to its makers' server unless told not to: an engine that is offline sends
+# nothing anywhere (found by the review of engines' media fetches).
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+               "DO_NOT_TRACK": "1"}
 # vLLM's variables no engine inherits, though they start with `VLLM_`: each makes an engine fetch from the
 # network, or share files on the node with other tenants' engines under names a request chooses. (vLLM's
 # own caches and kernel tunings, `VLLM_CACHE_ROOT` and the like, still pass: what vLLM computes, shared

@@ -16,7 +16,7 @@ import pytest
 from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime import standby
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER
-from gpu_agent.runtime.engine_environment import engine_environment
+from gpu_agent.runtime.engine_environment import OFFLINE_ENV, engine_environment
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 from gpu_agent.runtime.zygote import Zygote
@@ -60,6 +60,7 @@ def assert_engine_environment(environ: dict[str, str]) -> None:
     assert not set(FLEET_SECRETS) & set(environ), sorted(set(FLEET_SECRETS) & set(environ))
     assert not any(value in FLEET_SECRETS.values() for value in environ.values())
     assert environ["HF_HUB_OFFLINE"] == "1" and environ["TRANSFORMERS_OFFLINE"] == "1"
+    assert environ["VLLM_NO_USAGE_STATS"] == environ["VLLM_DO_NOT_TRACK"] == environ["DO_NOT_TRACK"] == "1"  # no reports
     assert environ["VLLM_CPU_KVCACHE_SPACE"] == "1" and environ["PATH"]
     # None of the operator's values (an engine sets VLLM_MEDIA_URL_ALLOW_REDIRECTS off itself).
     assert not [name for name, value in SHARED_OR_REMOTE.items() if environ.get(name) == value]
@@ -71,7 +72,7 @@ def test_vllms_variables_that_fetch_or_share_files_between_tenants_are_left_out_
 
     environ = engine_environment(SHARED_OR_REMOTE | passed)
 
-    assert environ == passed | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    assert environ == passed | OFFLINE_ENV
 
 
 def test_an_engine_inherits_none_of_the_fleets_credentials_and_is_offline(fleet_secrets, tmp_path):
