@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from gpu_agent.protocol import ReplicaSpec, SpeculativeMethod
-from gpu_agent.runtime.model_info import load_config
+from gpu_agent.runtime.model_info import MalformedModel, load_config, refuse_paths_outside_model
 from gpu_agent.runtime.model_json import ModelJsonTooLarge
 
 
@@ -61,8 +61,9 @@ def _vocab_size(model_dir: Path) -> int | None:
 def draft_problem(model_dir: Path, draft_dir: Path) -> str:
     """Why vLLM would refuse this draft for this model; "" when it would not (or cannot tell)."""
     try:
+        refuse_paths_outside_model(draft_dir)  # NOTE: a draft is a tenant's files too, as the model's own are checked
         draft = _vocab_size(draft_dir)
-    except ModelJsonTooLarge as exc:
+    except (ModelJsonTooLarge, MalformedModel) as exc:
         return f"the draft model's files cannot be served: {exc}"
     try:
         target = _vocab_size(model_dir)

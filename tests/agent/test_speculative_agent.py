@@ -71,3 +71,16 @@ def test_a_draft_config_past_the_size_cap_fails_the_check_unread(tmp_path):
     problem, peak = with_peak_memory(lambda: draft_problem(model, tmp_path / "draft"))
     assert problem == "the draft model's files cannot be served: its config.json is larger than 4 MiB"
     assert peak < MAX_MODEL_JSON_BYTES
+
+
+def test_a_draft_whose_files_name_a_file_outside_its_folder_fails_the_check(tmp_path):
+    # As a model's own (`model_info.refuse_paths_outside_model`): a draft is a tenant's files too, and its
+    # modules.json or tokenizer_config.json could send the engine to another tenant's folder.
+    model = model_dir(tmp_path / "model", 1024)
+    draft = model_dir(tmp_path / "draft", 1024)
+    (draft / "tokenizer_config.json").write_text(json.dumps({"fast_tokenizer_files": ["../victim/tokenizer.9.json"]}))
+    problem = draft_problem(model, draft)
+    assert problem.startswith("the draft model's files cannot be served: its tokenizer_config.json names a file "
+                              "outside the model's folder"), problem
+    (draft / "tokenizer_config.json").write_text(json.dumps({"fast_tokenizer_files": ["tokenizer.9.json"]}))
+    assert draft_problem(model, draft) == ""
