@@ -186,11 +186,20 @@ def _reused_with_other_parameters(exc: stripe.StripeError) -> bool:
     return isinstance(exc, stripe.IdempotencyError) and exc.http_status == 400
 
 
+def _error_type(exc: stripe.StripeError) -> str:
+    """The `type` of Stripe's error answer (`api_error`, `idempotency_error`, ...), or empty."""
+    body = exc.json_body if isinstance(exc.json_body, dict) else {}
+    error = body.get("error")
+    return error.get("type", "") if isinstance(error, dict) else ""
+
+
 def _is_retryable(exc: stripe.StripeError) -> bool:
     if isinstance(exc, stripe.APIConnectionError | stripe.RateLimitError) or _reused_with_other_parameters(exc):
         return True
-    if isinstance(exc, stripe.IdempotencyError) and exc.http_status == 409:
-        return True  # the same key in flight from another worker: its answer is saved once it ends
+    if exc.http_status == 409 and _error_type(exc) == "idempotency_error":
+        # NOTE: the same key in flight from another worker: its answer is saved once it ends. The library raises
+        # this one as a plain APIError (an IdempotencyError only for a 400 or 404), so its type is read.
+        return True
     return _is_server_error(exc)
 
 

@@ -500,3 +500,16 @@ def test_a_push_runs_lock_outlives_its_timeout_while_it_runs_and_not_its_worker(
     assert stripe_sync.push_pending_rollups() == 1
     assert ttls and ttls[0] > 0
     assert get_redis().get(PUSH_RUN_LOCK_KEY) is None
+
+
+def test_a_meter_event_whose_key_is_in_flight_elsewhere_is_tried_again(fake_stripe):
+    # Stripe answers a request whose idempotency key another request is still using (a second worker's push of the
+    # same event) with a 409 `idempotency_error`, which the library raises as a plain APIError: the retry meant for it
+    # never ran, and the push failed at once (found by the meter identifiers' helper).
+    rollup = _closed_rollup(EndpointFactory())
+    fake_stripe.fail_next("409_in_flight", path="/v1/billing/meter_events")
+
+    assert stripe_sync.push_pending_rollups() == 1
+
+    assert _token_total(fake_stripe) == rollup.prompt_tokens + rollup.completion_tokens
+    assert [call.injected for call in fake_stripe.calls if call.injected] == ["409_in_flight"]

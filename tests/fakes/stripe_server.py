@@ -21,6 +21,8 @@ identifier is taken again, as a second event), and can be told to fail:
 - "429": refused by the rate limiter, before the idempotency layer: nothing saved;
 - "400", "401", "403": refused outright (an invalid request, the key refused, a permission the key lacks), before
   the idempotency layer: nothing done, nothing saved;
+- "409_in_flight": another request with the same idempotency key is in flight (a second worker): a 409
+  `idempotency_error`, nothing done, nothing saved;
 - "timeout": the request is handled, then its answer held until the client gives up and hangs up,
   so the client sees a timeout although Stripe did the work: the case idempotency keys exist for.
   (It waits for the hang-up, not for a fixed time: the client's timeout can be generous, so that an
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlparse
 
-FAILURE_KINDS = ("500", "500_saved", "500_after_work", "429", "400", "401", "403", "timeout")
+FAILURE_KINDS = ("500", "500_saved", "500_after_work", "429", "400", "401", "403", "409_in_flight", "timeout")
 # What Stripe answers each refusal with: status, error type, code.
 _REFUSALS = {
     "400": (400, "invalid_request_error", "parameter_invalid_empty"),
@@ -241,6 +243,11 @@ class FakeStripe:
             kind = "api_error" if status == 500 else "invalid_request_error"
             return self._answer(request, call, status, _error(kind, f"injected {failure.kind}", code="rate_limit" if status == 429 else None))
         idempotent = method == "POST" and bool(call.idempotency_key)
+        if failure is not None and failure.kind == "409_in_flight" and idempotent:
+            call.injected = failure.kind
+            return self._answer(request, call, 409, _error(
+                "idempotency_error", "There is currently another in-progress request using this Stripe-Idempotency-Key. "
+                "Please try again later."))
         with self._lock:
             stored = self._idempotent.get(call.idempotency_key) if idempotent else None
             if stored is not None:
