@@ -179,6 +179,24 @@ def _fast_tokenizer_files(tokenizer_config: object) -> Iterator[str]:
     yield from names
 
 
+def _audio_tokenizer(processor_config: object) -> Iterator[str]:
+    """None: transformers' processors load an audio tokenizer from a processor_config.json's
+    `audio_tokenizer.audio_tokenizer_name_or_path` (`ProcessorMixin.get_processor_dict`), with whatever class it
+    names (AutoModel: any model's weights), resolved against the engine's working folder, not the model's: refused
+    whatever it names (no model served here needs one)."""
+    if isinstance(processor_config, dict) and "audio_tokenizer" in processor_config:
+        raise MalformedModel("its processor_config.json names an audio tokenizer to load (audio_tokenizer), which a "
+                             "processor would read from outside the model's folder: refused")
+    yield from ()
+
+
+def _audio_tokenizer_file(_content: object) -> Iterator[str]:
+    """The same, named by a file of its own (`audio_tokenizer_config.json`, which transformers prefers)."""
+    raise MalformedModel("its audio_tokenizer_config.json names an audio tokenizer to load, which a processor would "
+                         "read from outside the model's folder: refused")
+    yield from ()
+
+
 # NOTE: every field of a model's own files that its engine (vLLM 0.32, transformers 5.19) joins to the model's
 # folder and reads, by the file that holds it. `Path(model) / name` takes an absolute name as it is and follows
 # `..` and links, so a tenant's `"path": "../<another tenant's folder>/2_Dense"` loaded that tenant's tensor
@@ -189,10 +207,14 @@ def _fast_tokenizer_files(tokenizer_config: object) -> Iterator[str]:
 # found in the folder); a tokenizer_config.json's `tokenizer_file`, `vocab_file` and the like are replaced by
 # the folder's own files (transformers' `_from_pretrained`); an adapter's `base_model_name_or_path` is never
 # loaded; `auto_map` needs trust_remote_code, which no engine gets; a speculators checkpoint's verifier is
-# refused by `refuse_model_redirect`.
+# refused by `refuse_model_redirect`; a processor's audio tokenizer, which names a folder to load anything from, is
+# refused whatever it names. Each file's entry: its reader, and the key its paths are under (a file past
+# `MAX_MODEL_JSON_BYTES` that holds no such key leads nowhere: a tokenizer_config.json grows with its added tokens).
 MODEL_FILE_PATHS = {
-    "modules.json": _sentence_transformers_module_paths,
-    "tokenizer_config.json": _fast_tokenizer_files,
+    "modules.json": (_sentence_transformers_module_paths, b'"path"'),
+    "tokenizer_config.json": (_fast_tokenizer_files, b'"fast_tokenizer_files"'),
+    "processor_config.json": (_audio_tokenizer, b'"audio_tokenizer"'),
+    "audio_tokenizer_config.json": (_audio_tokenizer_file, b""),
 }
 
 
@@ -208,13 +230,17 @@ def refuse_paths_outside_model(model_dir: Path) -> None:
     from gpu_agent.runtime.weights_paths import model_file_parts
 
     root = model_dir.resolve()
-    for file_name, paths_in in MODEL_FILE_PATHS.items():
+    for file_name, (paths_in, key) in MODEL_FILE_PATHS.items():
         try:
             content = read_model_json(model_dir / file_name)
         except OSError:
             continue  # absent, or not a file: the engine reads nothing from it either
         except (ValueError, RecursionError):
             raise MalformedModel(f"its {file_name} is not JSON") from None
+        except ModelJsonTooLarge:
+            if not key or _holds(model_dir / file_name, key):
+                raise
+            continue  # NOTE: names no path: read whole by transformers alone, as before
         for name in paths_in(content):
             try:
                 model_file_parts(name)
@@ -229,6 +255,20 @@ def refuse_paths_outside_model(model_dir: Path) -> None:
                 raise MalformedModel(
                     f"its {file_name} names a file outside the model's folder ({name[:200]!r} leads out of it)"
                 )
+
+
+def _holds(path: Path, key: bytes) -> bool:
+    """Whether the file's bytes hold `key` (read a MiB at a time, never whole); True when it cannot be read."""
+    try:
+        with open(path, "rb") as handle:
+            tail = b""
+            while chunk := handle.read(1024 * 1024):
+                if key in tail + chunk:
+                    return True
+                tail = chunk[-len(key):]
+    except OSError:
+        return True
+    return False
 
 
 def architecture(config: dict) -> str:

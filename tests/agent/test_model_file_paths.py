@@ -152,3 +152,43 @@ def test_an_embedding_model_reading_another_tenants_dense_layer_fails_its_replic
     assert status.failure_permanent and status.failure_reason.startswith(REFUSED)
     assert f"../{victim.name}/2_Dense" in status.failure_reason
     assert processes_with_marker("r-st-paths") == []
+
+
+def _llama(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    return folder
+
+
+@pytest.mark.parametrize("files", [
+    {"processor_config.json": {"audio_tokenizer": {"audio_tokenizer_class": "AutoModel",
+                                                   "audio_tokenizer_name_or_path": "/data/weights/victim"}}},
+    {"processor_config.json": {"audio_tokenizer": {"audio_tokenizer_class": "AutoConfig",
+                                                   "audio_tokenizer_name_or_path": "audio"}}},
+    {"audio_tokenizer_config.json": {"audio_tokenizer_class": "AutoModel", "audio_tokenizer_name_or_path": "../victim"}},
+], ids=["processor-absolute", "processor-relative", "audio-tokenizer-file"])
+def test_an_audio_tokenizer_a_processor_would_load_from_elsewhere_is_refused(tmp_path, files):
+    # transformers' processors load an audio tokenizer from `audio_tokenizer_name_or_path` with whatever class the
+    # file names (AutoModel: any model's weights), resolved against the engine's working folder, not the model's
+    # (found by the review of this stop's last merges).
+    model = _llama(tmp_path / "model")
+    for name, content in files.items():
+        (model / name).write_text(json.dumps(content))
+    problem = read_model(model).problem
+    assert problem is not None and "audio tokenizer" in problem, problem
+
+
+def test_a_tokenizer_config_past_the_size_cap_is_refused_only_if_it_names_tokenizer_files(tmp_path):
+    # A tokenizer_config.json grows with its added tokens (some are megabytes): one past the cap that names no
+    # versioned tokenizer file leads nowhere and is served; one that does is refused unread.
+    model = _llama(tmp_path / "model")
+    tokens = {str(n): {"content": f"<tok{n:07d}>" + "x" * 40, "special": True} for n in range(80_000)}
+    (model / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": tokens}))
+    assert (model / "tokenizer_config.json").stat().st_size > 4 * 1024 * 1024
+    assert not read_model(model).problem
+
+    other = _llama(tmp_path / "other")
+    (other / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": tokens,
+                                                             "fast_tokenizer_files": ["tokenizer.9.json"]}))
+    problem = read_model(other).problem
+    assert problem is not None and "tokenizer_config.json" in problem, problem
