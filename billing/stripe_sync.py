@@ -32,7 +32,6 @@ import functools
 import logging
 import random
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,13 +42,11 @@ from django.conf import settings
 from django.db import IntegrityError
 from django.db.models import Case, IntegerField, Q, Value, When
 from django.utils import timezone
-from redis.exceptions import LockError, RedisError
-from redis.lock import Lock
 
 from billing import services, standing
 from billing.models import BillingAccount, BillingMode, MeterEventPush, StripeMeter, UsageRollup
 from controlplane.accounts.models import Organization
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import held_alone
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 
 logger = logging.getLogger(__name__)
@@ -186,17 +183,10 @@ def _reused_with_other_parameters(exc: stripe.StripeError) -> bool:
     return isinstance(exc, stripe.IdempotencyError) and exc.http_status == 400
 
 
-def _error_type(exc: stripe.StripeError) -> str:
-    """The `type` of Stripe's error answer (`api_error`, `idempotency_error`, ...), or empty."""
-    body = exc.json_body if isinstance(exc.json_body, dict) else {}
-    error = body.get("error")
-    return error.get("type", "") if isinstance(error, dict) else ""
-
-
 def _is_retryable(exc: stripe.StripeError) -> bool:
     if isinstance(exc, stripe.APIConnectionError | stripe.RateLimitError) or _reused_with_other_parameters(exc):
         return True
-    if exc.http_status == 409 and _error_type(exc) == "idempotency_error":
+    if exc.http_status == 409 and getattr(exc.error, "type", None) == "idempotency_error":
         # NOTE: the same key in flight from another worker: its answer is saved once it ends. The library raises
         # this one as a plain APIError (an IdempotencyError only for a 400 or 404), so its type is read.
         return True
@@ -632,34 +622,11 @@ def push_pending_rollups(*, limit: int = 500, budget_s: float = PUSH_RUN_BUDGET_
     # NOTE: one run at a time. With Stripe down, each run spent its whole budget failing (~55 s of retries a
     # rollup), a new one began every minute beside it, and together they held every slot of the scheduler's
     # workers: autoscaler ticks and sweeps expired in the queue, wakes and reconciles waited behind them.
-    # NOTE: not thread-local (redis-py's default): the thread that renews it holds its token too
-    lock = get_redis().lock(PUSH_RUN_LOCK_KEY, timeout=PUSH_RUN_LOCK_S, blocking=False, thread_local=False)
-    if not lock.acquire():
-        logger.info("a push run is still going; this one leaves the rollups to it")
-        return 0
-    done = threading.Event()
-    renewer = threading.Thread(target=_renew_while_running, args=(lock, done), name="push-run-lock", daemon=True)
-    renewer.start()
-    try:
+    with held_alone(PUSH_RUN_LOCK_KEY, PUSH_RUN_LOCK_S, renewed=True) as held:
+        if not held:
+            logger.info("a push run is still going; this one leaves the rollups to it")
+            return 0
         return _push_claimable(limit=limit, budget_s=budget_s)
-    finally:
-        done.set()
-        renewer.join()
-        try:
-            lock.release()
-        except LockError:  # its renewals failed (Redis away) and another run has it now, and keeps it
-            logger.warning("the push run outlived its lock (%d s)", PUSH_RUN_LOCK_S)
-
-
-def _renew_while_running(lock: Lock, done: threading.Event) -> None:
-    while not done.wait(PUSH_RUN_LOCK_S / 3):
-        try:
-            lock.reacquire()
-        except LockError:
-            logger.warning("the push run lost its lock: another run may start beside it")
-            return
-        except RedisError:
-            logger.warning("could not renew the push run's lock; trying again", exc_info=True)
 
 
 def _push_claimable(*, limit: int, budget_s: float) -> int:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import threading
 from collections.abc import Iterator
 
 import redis
@@ -28,6 +30,8 @@ import redis.retry
 from django.conf import settings
 
 from controlplane.per_loop import PerLoop
+
+logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_INTERVAL_S = 10
 MIN_CONNECT_TIMEOUT_S = 5.0  # a burst of new pooled connections on a busy machine needs more than one reply's time
@@ -91,20 +95,41 @@ def get_async_redis() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluste
 
 
 @contextlib.contextmanager
-def held_alone(key: str, ttl_s: float) -> Iterator[bool]:
+def held_alone(key: str, ttl_s: float, *, renewed: bool = False) -> Iterator[bool]:
     """Yields whether this caller holds `key` (taken for `ttl_s`, not waited for): a periodic job's run at a time.
+    `renewed`: kept for `ttl_s` more every third of it while the run goes on (a run that may outlast `ttl_s`).
 
     NOTE: released only if still this caller's (redis-py's `Lock`: a random token, compared in Redis). A run slower
     than `ttl_s` lost the key when it expired, and the next run took it; a plain DELETE at the slow run's end then
-    freed the next run's key, and a third run went beside it.
+    freed the next run's key, and a third run went beside it. Not thread-local (redis-py's default): the thread
+    that renews it holds its token too.
     """
     lock = get_redis().lock(key, timeout=ttl_s, blocking=False, thread_local=False)
     held = lock.acquire()
+    done, renewer = threading.Event(), None
+    if held and renewed:
+        renewer = threading.Thread(target=_renew_while_running, args=(lock, key, ttl_s, done), name=f"lock {key}",
+                                   daemon=True)
+        renewer.start()
     try:
         yield held
     finally:
+        if renewer is not None:
+            done.set()
+            renewer.join()
         if held:
             try:
                 lock.release()
             except redis.exceptions.LockError:  # expired meanwhile: perhaps another run's now, left alone
-                pass
+                logger.warning("%s: the run outlived its lock (%.0f s)", key, ttl_s)
+
+
+def _renew_while_running(lock, key: str, ttl_s: float, done: threading.Event) -> None:
+    while not done.wait(ttl_s / 3):
+        try:
+            lock.reacquire()
+        except redis.exceptions.LockError:
+            logger.warning("%s: the run lost its lock: another run may start beside it", key)
+            return
+        except redis.exceptions.RedisError:
+            logger.warning("%s: could not renew the run's lock; trying again", key, exc_info=True)
