@@ -169,6 +169,8 @@ TICK_LOCK_KEY = "as:tick-lock"
 # after a gap in those sweeps (PostgreSQL or the worker down: no heartbeat could be written meanwhile).
 SWEPT_AT_KEY = "sweep:swept-at"
 LISTENING_SINCE_KEY = "sweep:listening-since"
+# Since when (the sweeps' clock) every node has been silent at once (`endpoints.scheduler.whole_fleet_silent`).
+FLEET_SILENT_SINCE_KEY = "sweep:fleet-silent-since"
 # How many beats web processes have made (`endpoints.gateway.presence.beat`), and the count the sweeps last saw with
 # when they first saw it: the web tier, which hears the agents' heartbeats, is down when the count stops moving
 # (`endpoints.scheduler.web_tier_silent`). NOTE: a count, not times: only the sweeps' clock is read.

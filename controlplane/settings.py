@@ -353,6 +353,9 @@ NODE_HEARTBEAT_GRACE_S = env_float("INFERPLANE_NODE_HEARTBEAT_GRACE_S", 30.0, mi
 # long agents backing off get to beat again before any node is judged silent: the agent's longest backoff (60 s)
 # and its request timeout (10 s).
 NODE_HEARTBEAT_RETRY_S = env_float("INFERPLANE_NODE_HEARTBEAT_RETRY_S", 70.0, minimum=0)
+# Every node silent at once (two or more) is held from judgement this long: the web tier refusing heartbeats, or the
+# network to it cut, is the likelier fault (`endpoints.scheduler.whole_fleet_silent`); after it, they are judged.
+NODE_FLEET_SILENCE_HOLD_S = env_float("INFERPLANE_NODE_FLEET_SILENCE_HOLD_S", 600.0, minimum=0)
 # The gateway gives up on a replica that sends no byte for this long, except before a non-streamed answer's
 # first byte while the replica's engine is generating (its agent's reports): that wait goes on up to
 # GATEWAY_MAX_ANSWER_WAIT_S from the call's start (`endpoints.gateway.call.InferenceCall._patience`), which is also

@@ -25,7 +25,7 @@ from django.utils import timezone
 
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis, held_alone
-from controlplane.redis_keys import LISTENING_SINCE_KEY, SWEPT_AT_KEY, TICK_LOCK_KEY
+from controlplane.redis_keys import FLEET_SILENT_SINCE_KEY, LISTENING_SINCE_KEY, SWEPT_AT_KEY, TICK_LOCK_KEY
 from endpoints import autoscaler, quotas
 from endpoints.batches.demand import read_demand
 from endpoints.events import record_event, record_event_once
@@ -331,10 +331,42 @@ def sweep_stuck() -> None:
     redis.set(SWEPT_AT_KEY, time.time(), ex=SWEEP_KEYS_TTL_S)
 
 
+def whole_fleet_silent(redis, now: float) -> bool:
+    """Whether every node went silent together and has been held from judgement less than
+    `NODE_FLEET_SILENCE_HOLD_S` (`_sweep`).
+
+    NOTE: the web tier up but refusing heartbeats (a bad deploy whose heartbeat view fails, a network policy between
+    the nodes and the web pods) reads as every node silent at once while web processes beat (`web_tier_silent` sees
+    nothing wrong): the sweeps took the whole fleet OFFLINE and failed every replica, every tenant cold once the fault
+    was fixed. Every node falling silent within a few heartbeats is far likelier the control plane's fault, or the
+    network's, than every machine's, as Kubernetes' node controller also judges (no evictions in a zone whose every
+    node is unready). Held while at least two live nodes are all unheard for three heartbeat intervals (agents beat
+    at staggered times, so one node passes the grace period a few seconds before the others); one node alone is
+    judged as before. Bounded: a fleet truly lost (a region down) is judged after the hold, so that its endpoints
+    are placed again (new machines from the pools)."""
+    recently = database_time_ago(min(settings.NODE_HEARTBEAT_GRACE_S, 3 * settings.AGENT_HEARTBEAT_INTERVAL_S))
+    live = Node.objects.exclude(state=NodeState.OFFLINE)
+    if live.filter(Q(last_heartbeat_at__gte=recently) | Q(last_heartbeat_at__isnull=True)).exists() or live.count() < 2:
+        redis.delete(FLEET_SILENT_SINCE_KEY)
+        return False
+    if redis.set(FLEET_SILENT_SINCE_KEY, now, nx=True, ex=SWEEP_KEYS_TTL_S):
+        logger.error("every node is silent at once (%d nodes): the web tier refusing heartbeats, or the network to it, "
+                     "is the likelier fault; no node is judged for up to %.0f s", live.count(),
+                     settings.NODE_FLEET_SILENCE_HOLD_S)
+    since = float(redis.get(FLEET_SILENT_SINCE_KEY) or now)
+    if now - since < settings.NODE_FLEET_SILENCE_HOLD_S:
+        return True
+    logger.error("every node has been silent for %.0f s: judging them now", now - since)
+    return False
+
+
 def _sweep() -> None:
     now = timezone.now()
     silent_since = database_time_ago(settings.NODE_HEARTBEAT_GRACE_S)
-    for node in Node.objects.exclude(state=NodeState.OFFLINE).filter(last_heartbeat_at__lt=silent_since):
+    silent = Node.objects.exclude(state=NodeState.OFFLINE).filter(last_heartbeat_at__lt=silent_since)
+    if silent.exists() and whole_fleet_silent(get_redis(), time.time()):
+        silent = Node.objects.none()
+    for node in silent:
         # NOTE: one transaction: nobody reads an OFFLINE node whose replicas still look READY (the gateway
         # would route to them, the console show them serving). The notices and reconciles go after commit.
         with transaction.atomic():

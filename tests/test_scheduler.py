@@ -373,9 +373,48 @@ def test_a_silent_node_goes_offline_while_the_web_tier_beats(settings, django_ca
     settings.NODE_HEARTBEAT_GRACE_S = 30
     _, nodes = _nodes_silent_while_the_web_tier_is_down(45)
     get_redis().incr(redis_keys.WEB_BEATS_KEY)  # it was never down: its count moved since the last sweep
+    make_node(memory_mb=80_000)  # and a third node is heard (every node silent at once is held: the next test)
     with django_capture_on_commit_callbacks(execute=False):
         scheduler.sweep_stuck()
     assert set(Node.objects.filter(pk__in=[node.pk for node in nodes]).values_list("state", flat=True)) == {NodeState.OFFLINE}
+
+
+def test_every_node_silent_at_once_while_the_web_tier_beats_takes_no_node_offline(settings, django_capture_on_commit_callbacks):
+    # The web tier up but refusing heartbeats (a bad deploy whose heartbeat view fails; a network policy cutting the
+    # nodes off from the web pods): web processes beat, every agent's heartbeat fails, and the sweeps took the whole
+    # fleet OFFLINE and failed every replica, every tenant cold once the fault was fixed.
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    settings.NODE_FLEET_SILENCE_HOLD_S = 600
+    endpoint, nodes = _two_silent_nodes(45, swept_ago=5)
+    # The agents beat at staggered times: the second was last heard a few seconds after the first.
+    Node.objects.filter(pk=nodes[1].pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=27))
+    get_redis().incr(redis_keys.WEB_BEATS_KEY)
+
+    for _ in range(2):
+        with django_capture_on_commit_callbacks(execute=False):
+            scheduler.sweep_stuck()
+        get_redis().incr(redis_keys.WEB_BEATS_KEY)
+    assert set(Node.objects.filter(pk__in=[node.pk for node in nodes]).values_list("state", flat=True)) == {NodeState.READY}
+    assert set(Replica.objects.filter(endpoint=endpoint).values_list("state", flat=True)) == {ReplicaState.READY}
+
+    # Bounded: a fleet truly lost is judged once the hold has passed, so that its endpoints are placed again.
+    redis = get_redis()
+    redis.set(redis_keys.FLEET_SILENT_SINCE_KEY, float(redis.get(redis_keys.FLEET_SILENT_SINCE_KEY)) - 601)
+    Node.objects.filter(pk=nodes[1].pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=45))
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    assert set(Node.objects.filter(pk__in=[node.pk for node in nodes]).values_list("state", flat=True)) == {NodeState.OFFLINE}
+
+
+def test_one_node_silent_among_beating_ones_goes_offline_at_once(settings, django_capture_on_commit_callbacks):
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    _, (beating, dead) = _two_silent_nodes(45, swept_ago=5)
+    Node.objects.filter(pk=beating.pk).update(last_heartbeat_at=timezone.now())
+    get_redis().incr(redis_keys.WEB_BEATS_KEY)
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    assert Node.objects.get(pk=beating.pk).state == NodeState.READY
+    assert Node.objects.get(pk=dead.pk).state == NodeState.OFFLINE
 
 
 def test_a_web_process_beat_counts_for_the_sweeps():
