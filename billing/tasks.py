@@ -2,7 +2,7 @@
 
 from celery import shared_task
 
-from billing import alerts, credits, rollups, services, stripe_sync
+from billing import alerts, credits, journal_shipping, rollups, services, stripe_sync
 from billing.quota import sweeper
 
 
@@ -19,6 +19,11 @@ def rollup_usage(full: bool = False) -> dict:
 @shared_task(name="billing.push_pending_rollups", acks_late=True, time_limit=600, soft_time_limit=570)
 def push_pending_rollups() -> int:
     return stripe_sync.push_pending_rollups()
+
+
+@shared_task(name="billing.replay_shipped_usage", acks_late=True, time_limit=600, soft_time_limit=570)
+def replay_shipped_usage() -> int:
+    return journal_shipping.replay_shipped()
 
 
 @shared_task(name="billing.push_rollup", acks_late=True, time_limit=120, soft_time_limit=100)

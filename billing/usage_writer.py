@@ -34,6 +34,7 @@ import psycopg
 from django.conf import settings
 from django.db import connections
 
+from billing import journal_shipping
 from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch_on
 from billing.usage_journal import UsageJournal, read_segment
 from controlplane.per_loop import PerLoop
@@ -218,12 +219,17 @@ class UsageWriter:
 
     async def _replay_until_empty(self) -> None:
         delay_s = OUTAGE_PROBE_S
+        refused_since = None
         while True:
             try:
                 await self.replay()
             except OUTAGES as exc:
                 logger.info("usage journal replay waits for the database: %r", exc)
                 self.close_now()
+                refused_since = time.monotonic() if refused_since is None else refused_since
+                if time.monotonic() - refused_since >= settings.USAGE_JOURNAL_SHIP_AFTER_S:
+                    # NOTE: what this pod holds is in the bucket, should the pod go before the database is back.
+                    await asyncio.to_thread(journal_shipping.ship, journal())
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, REPLAY_RETRY_MAX_S)
                 continue
@@ -304,6 +310,18 @@ async def replay_before_the_loop_ends(timeout_s: float) -> None:
         return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(writer_for_this_loop().replay_soon(), timeout_s)
+    await ship_what_is_left()
+
+
+async def ship_what_is_left() -> int:
+    """For a process about to stop (a gateway's shutdown, a batch run's end): what it could not replay goes to the
+    files bucket (`journal_shipping`), since the pod, and the journal on its volume, may go before the database is
+    back. Returns how many segments went."""
+    usage_journal = journal()
+    await asyncio.to_thread(usage_journal.seal)
+    if not await asyncio.to_thread(usage_journal.list_segments):
+        return 0
+    return await asyncio.to_thread(journal_shipping.ship, usage_journal)
 
 
 async def arecord_usage(report: UsageReport) -> bool:

@@ -318,6 +318,8 @@ CELERY_BEAT_SCHEDULE = {
     "ping-scheduler": {"task": "controlplane.ping", "schedule": 60.0, "options": {"expires": 60}},
     "billing-rollup-usage": {"task": "billing.rollup_usage", "schedule": 60.0, "options": {"expires": 60}},
     "billing-push-rollups": {"task": "billing.push_pending_rollups", "schedule": 60.0, "options": {"expires": 60}},
+    "billing-replay-shipped-usage": {"task": "billing.replay_shipped_usage", "schedule": 60.0,
+                                     "options": {"expires": 60}},
     "billing-sweep-reservations": {"task": "billing.sweep_expired_reservations", "schedule": 30.0,
                                    "options": {"expires": 30}},
     "billing-spend-alerts": {"task": "billing.check_spend_alerts", "schedule": 60.0, "options": {"expires": 60}},
@@ -426,6 +428,11 @@ USAGE_JOURNAL_DIR = env_str("INFERPLANE_USAGE_JOURNAL_DIR") or str(embedded.data
 # is replayed into PostgreSQL; calls already admitted still journal into the volume's headroom above it
 # (`billing.usage_journal.ADMITTED_HEADROOM_BYTES`; infra/k8s/base/web.yaml sizes the volume for both).
 USAGE_JOURNAL_MAX_BYTES = env_int("INFERPLANE_USAGE_JOURNAL_MAX_BYTES", 192 * 2**20, minimum=1)
+# Once the ledger has refused writes this long, and when a process stops with segments it could not replay, the
+# journal's sealed segments go to the files bucket and the worker replays them from there (`billing.journal_shipping`):
+# a pod deleted during a database outage takes no usage along. Off on the embedded local stack (no bucket there).
+USAGE_JOURNAL_SHIP = env_bool("INFERPLANE_USAGE_JOURNAL_SHIP", not LOCAL_STACK)
+USAGE_JOURNAL_SHIP_AFTER_S = env_float("INFERPLANE_USAGE_JOURNAL_SHIP_AFTER_S", 30.0, minimum=0)
 
 # --- files and batches (endpoints.batches) ------------------------------------------
 # File bytes live in S3 (any S3-compatible store), never in PostgreSQL; the fleet's credentials are

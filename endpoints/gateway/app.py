@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 
 from django.conf import settings
 
-from billing.usage_writer import usage_recordable, writer_for_this_loop
+from billing.usage_writer import replay_before_the_loop_ends, usage_recordable, writer_for_this_loop
 from controlplane.access_log import log_answer
 from controlplane.accounts.models import Role
 from endpoints.gateway import (
@@ -47,6 +47,8 @@ from endpoints.gateway.upload_places import REFUSAL_SCOPE_KEY, UploadPlaces
 logger = logging.getLogger("inferplane.gateway")
 
 GC_YOUNG_THRESHOLD = 20_000
+# At shutdown, how long the usage journal may take to reach the database before what is left is shipped to the bucket.
+SHUTDOWN_REPLAY_S = 5.0
 # Served by Django (`endpoints.batches.api`): uploads and bookkeeping, not the inference hot path.
 DJANGO_V1_PREFIXES = ("/v1/files", "/v1/batches")
 FILES_PREFIX = "/v1/files"
@@ -265,6 +267,9 @@ class Gateway:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await finish_pending()  # calls cut at the graceful deadline still write their usage
+                # NOTE: what the database would not take is shipped to the files bucket if it is still down: the pod,
+                # and the journal on its volume, may go before it is back (`billing.journal_shipping`).
+                await replay_before_the_loop_ends(SHUTDOWN_REPLAY_S)
                 if self._folding is not None:
                     self._folding.cancel()
                 metrics.fold()  # the last counts, before the process goes

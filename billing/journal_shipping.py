@@ -1,0 +1,114 @@
+"""Usage journal segments shipped to the files bucket while PostgreSQL stays down, and replayed from there.
+
+The usage journal (`billing.usage_journal`) is on the pod's scratch volume: it survives a container restart, not the
+pod. A pod deleted during a database outage (a rollout, a scale-down: a pod whose journal is full is not ready, and
+Kubernetes removes those first; a lost node) took its journal along, and every call it had answered meanwhile went
+unbilled. So once the ledger has refused writes for `INFERPLANE_USAGE_JOURNAL_SHIP_AFTER_S`, and whenever a process
+stops with segments it could not replay, each sealed segment this process may take is uploaded to the files bucket
+(`usage-journal/<segment name>`, the name unique to its host, process and time) and deleted here only once the bucket
+has it. The scheduler's worker replays the bucket's segments every minute (`replay_shipped`, the task
+`billing.replay_shipped_usage`) and deletes each after its rows are in the ledger.
+
+Exactly once: every row is written by its request id (the ledger's unique constraint), so a segment replayed twice (a
+process killed between its upload and its local delete, a task run twice) counts once. Rows the ledger refuses (their
+endpoint is gone) go to `usage-journal-rejected/` for an operator, as the local replay's go to `rejected.jsonl`.
+
+A bucket that cannot be reached changes nothing: the segments stay in the local journal, bounded as before. The
+client has short timeouts and few retries: shipping runs on the writer's replay loop and in a process's shutdown.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+from django.conf import settings
+
+from billing.ledger import UnknownEndpointError, record_usage_batch
+from billing.usage_journal import UsageJournal, encode, read_segment
+
+logger = logging.getLogger("inferplane.billing")
+
+PREFIX = "usage-journal/"
+REJECTED_PREFIX = "usage-journal-rejected/"
+REPLAY_BATCH = 500  # rows a statement, as the gateway's writer (`usage_writer.MAX_BATCH`)
+_CLIENT_CONFIG = Config(connect_timeout=3, read_timeout=10, retries={"max_attempts": 2, "mode": "standard"})
+FAILURES = (BotoCoreError, ClientError, OSError)
+
+
+@functools.cache
+def _client():
+    return boto3.client("s3", endpoint_url=settings.FILES_S3_ENDPOINT_URL, region_name=settings.FILES_S3_REGION,
+                        config=_CLIENT_CONFIG)
+
+
+def enabled() -> bool:
+    return settings.USAGE_JOURNAL_SHIP
+
+
+def ship(journal: UsageJournal) -> int:
+    """Upload every segment of `journal`'s folder this process may take (sealed: its own, and dead processes'),
+    deleting each here once the bucket has it; returns how many went. A live writer's segment is left to it.
+    Blocking I/O: call it from a worker thread."""
+    if not enabled():
+        return 0
+    num_shipped = 0
+    for path in journal.list_segments():
+        with journal.claim(path) as handle:
+            if handle is None:
+                continue
+            handle.seek(0)
+            data = handle.read()
+            if data:
+                try:
+                    _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=PREFIX + path.name, Body=data)
+                except FAILURES as exc:
+                    logger.warning("usage journal: could not ship %s to the files bucket (%r); it stays here",
+                                   path.name, exc)
+                    return num_shipped
+            journal.done(path, [])
+            num_shipped += 1
+            logger.warning("usage journal: %s (%d bytes) shipped to the files bucket; the worker replays it",
+                           path.name, len(data))
+    return num_shipped
+
+
+def replay_shipped() -> int:
+    """Write every shipped segment's rows into the ledger and delete it from the bucket; returns the rows written
+    now. Raises while the database or the bucket cannot be read: the next run tries again."""
+    if not enabled():
+        return 0
+    num_written = 0
+    paginator = _client().get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=settings.FILES_S3_BUCKET, Prefix=PREFIX):
+        for item in page.get("Contents", []):
+            num_written += _replay_one(item["Key"])
+    return num_written
+
+
+def _replay_one(key: str) -> int:
+    body = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)["Body"].read()
+    handle = io.BytesIO(body)
+    handle.name = key
+    reports = read_segment(handle)
+    num_written, rejected = 0, []
+    for first in range(0, len(reports), REPLAY_BATCH):
+        batch = reports[first:first + REPLAY_BATCH]
+        try:
+            num_written += len(record_usage_batch(batch))
+        except UnknownEndpointError as exc:
+            num_written += len(exc.written_ids)
+            refused = set(exc.refused_ids)
+            rejected += [report for report in batch if report.request_id in refused]
+    if rejected:
+        _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=REJECTED_PREFIX + key.removeprefix(PREFIX),
+                             Body=b"".join(encode(report) for report in rejected))
+        logger.error("usage journal: %d shipped report(s) refused by the ledger kept in %s", len(rejected),
+                     REJECTED_PREFIX)
+    _client().delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+    logger.info("usage journal: %d report(s) replayed from the bucket's %s (%d new)", len(reports), key, num_written)
+    return num_written

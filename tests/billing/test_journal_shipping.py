@@ -1,0 +1,158 @@
+"""Usage journaled during a database outage outlives the pod that journaled it: its segments go to the files bucket,
+and the worker replays them from there, each row once."""
+
+import asyncio
+import shutil
+
+import boto3
+import psycopg
+import pytest
+
+from billing import journal_shipping, usage_writer
+from billing.models import UsageRecord
+from billing.usage_journal import REJECTED_NAME
+from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_server  # noqa: F401 - fixtures used here
+from tests.billing.conftest import usage_report
+from tests.factories import EndpointFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def outage(settings, tmp_path, monkeypatch, files_bucket):  # noqa: F811
+    """PostgreSQL refusing writes (a demoted primary) until `outage.end()`; the journal in a folder of this test,
+    shipped to the test's bucket once the outage has lasted `USAGE_JOURNAL_SHIP_AFTER_S` (0 here)."""
+    settings.USAGE_JOURNAL_DIR = str(tmp_path / "journal")
+    settings.USAGE_JOURNAL_SHIP, settings.USAGE_JOURNAL_SHIP_AFTER_S = True, 0.0
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+    monkeypatch.setattr(usage_writer, "OUTAGE_PROBE_S", 0.05)
+    monkeypatch.setattr(usage_writer, "REPLAY_RETRY_MAX_S", 0.1)
+    insert = usage_writer.record_usage_batch_on
+
+    class Outage:
+        on = True
+
+        def end(self):
+            self.on = False
+
+    state = Outage()
+
+    async def insert_unless_read_only(connection, batch):
+        if state.on:
+            raise psycopg.errors.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction")
+        return await insert(connection, batch)
+
+    monkeypatch.setattr(usage_writer, "record_usage_batch_on", insert_unless_read_only)
+    yield state
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+
+
+def _bucket_keys(bucket: str, prefix: str) -> list[str]:
+    s3 = boto3.client("s3", endpoint_url=journal_shipping.settings.FILES_S3_ENDPOINT_URL, region_name="us-east-1",
+                      aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
+    return [item["Key"] for item in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+
+
+def _journal_rows_while_down(reports, *, replay_for_s: float) -> None:
+    async def calls():
+        writer = usage_writer.writer_for_this_loop()
+        assert await asyncio.gather(*(writer.write(report) for report in reports)) == [True] * len(reports)
+        # The writer's replay loop meets the outage again and again meanwhile.
+        await asyncio.sleep(replay_for_s)
+
+    asyncio.run(calls())
+
+
+def _replay_here() -> None:
+    """The local journal replayed into the ledger (a gateway's writer, once the database is back)."""
+
+    async def replay():
+        await asyncio.wait_for(usage_writer.writer_for_this_loop().replay_soon(), 10)
+
+    asyncio.run(replay())
+
+
+def test_usage_journaled_in_an_outage_outlives_the_pod(outage, files_bucket, settings):  # noqa: F811
+    # A web pod journaled its calls' usage while PostgreSQL took no writes, and was deleted (a rollout; a scale-down
+    # takes the pods that are not ready first, and a pod whose journal is full is not ready) before it came back:
+    # its journal went with its volume, and every call it had answered went unbilled.
+    endpoint = EndpointFactory()
+    reports = [usage_report(endpoint, request_id=f"ship-{number:02d}") for number in range(6)]
+    _journal_rows_while_down(reports, replay_for_s=0.5)
+
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX), "the outage lasted: the segments are in the bucket"
+    shutil.rmtree(settings.USAGE_JOURNAL_DIR, ignore_errors=True)  # the pod is gone, its volume with it
+    outage.end()
+
+    assert journal_shipping.replay_shipped() == len(reports)
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == [r.request_id for r in reports]
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+    assert journal_shipping.replay_shipped() == 0 and UsageRecord.objects.count() == len(reports)
+
+
+def test_a_process_stopping_in_an_outage_ships_what_it_could_not_replay(outage, files_bucket, settings):  # noqa: F811
+    settings.USAGE_JOURNAL_SHIP_AFTER_S = 3600.0  # a short outage: nothing shipped while the process runs
+    endpoint = EndpointFactory()
+    reports = [usage_report(endpoint, request_id=f"stop-{number:02d}") for number in range(3)]
+
+    async def calls_then_stop():
+        writer = usage_writer.writer_for_this_loop()
+        assert await asyncio.gather(*(writer.write(report) for report in reports)) == [True] * len(reports)
+        await asyncio.sleep(0.2)
+        assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+        await usage_writer.replay_before_the_loop_ends(0.2)  # the gateway's shutdown, a batch run's end
+
+    asyncio.run(calls_then_stop())
+
+    assert usage_writer.journal().segments() == []
+    assert len(_bucket_keys(files_bucket, journal_shipping.PREFIX)) >= 1
+    outage.end()
+    assert journal_shipping.replay_shipped() == len(reports)
+    assert UsageRecord.objects.count() == len(reports)
+
+
+def test_a_segment_both_shipped_and_replayed_here_counts_once(outage, files_bucket):  # noqa: F811
+    # A process killed between its upload and its local delete leaves the segment in both places.
+    endpoint = EndpointFactory()
+    reports = [usage_report(endpoint, request_id=f"twice-{number:02d}") for number in range(4)]
+    _journal_rows_while_down(reports, replay_for_s=0.0)
+    usage_writer.journal().seal()
+    [segment] = usage_writer.journal().segments()
+    kept = segment.read_bytes()
+    assert journal_shipping.ship(usage_writer.journal()) == 1
+    segment.write_bytes(kept)
+    outage.end()
+
+    _replay_here()
+    assert journal_shipping.replay_shipped() == 0
+    assert UsageRecord.objects.count() == len(reports)
+
+
+def test_an_unreachable_bucket_keeps_the_segments_here(outage, settings):
+    settings.FILES_S3_ENDPOINT_URL = "http://127.0.0.1:9"  # nothing listens
+    journal_shipping._client.cache_clear()
+    endpoint = EndpointFactory()
+    reports = [usage_report(endpoint, request_id=f"kept-{number:02d}") for number in range(2)]
+    _journal_rows_while_down(reports, replay_for_s=0.3)
+
+    assert usage_writer.journal().backlog() == len(reports)
+    outage.end()
+    _replay_here()
+    assert UsageRecord.objects.count() == len(reports)
+
+
+def test_rows_the_ledger_refuses_are_kept_aside_in_the_bucket(outage, files_bucket, settings):  # noqa: F811
+    endpoint = EndpointFactory()
+    gone = EndpointFactory(organization=endpoint.organization)
+    reports = [usage_report(endpoint, request_id="kept-ok"), usage_report(gone, request_id="kept-gone")]
+    _journal_rows_while_down(reports, replay_for_s=0.3)
+    gone.delete()
+    outage.end()
+
+    assert journal_shipping.replay_shipped() == 1
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["kept-ok"]
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+    assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1
+    assert not (usage_writer.journal().directory / REJECTED_NAME).exists()
