@@ -21,9 +21,9 @@ exponential backoff and jitter, under idempotency keys that move on after a serv
 (`IdempotencyKey`). A run pushes rollups never tried before ahead of those that failed, for a
 bounded time, so a few that keep failing never hold up the rest.
 
-A subscription Stripe ends (cancelled in the Dashboard, or with its customer deleted) is forgotten by
-its webhook (`billing.webhooks`); the next push subscribes the organisation again, starting where the
-ended one stopped.
+A subscription Stripe ends (cancelled in the Dashboard, by Stripe after failed payments, or with its customer
+deleted) is forgotten by its webhook (`billing.webhooks`); the next push subscribes the organisation again, starting
+where the ended one's invoices stopped (`_invoiced_until`).
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def ensure_subscription(organization_id: int) -> str:
     workers racing send the same idempotency key besides (`BillingAccount.stripe_key_generation`), and
     the first conditional update stores the subscription. A subscription that Stripe ended is
     forgotten by its webhook (`billing.services.record_subscription_ended`); the next one starts where
-    it ended, so that usage is billed once: not again, and not never.
+    its invoices stopped (`_invoiced_until`), so that usage is billed once: not again, and not never.
     """
     account = BillingAccount.objects.for_organization(organization_id)
     if account.stripe_subscription_id:
@@ -406,15 +406,20 @@ def ensure_subscription(organization_id: int) -> str:
         if live:
             return live[0]  # the newest: Stripe lists newest first
         params = {"customer": customer_id, "items": [{"price": price_id}], "metadata": {"organization_id": str(organization_id)}}
-        if oldest_hour is not None:
+        invoiced_until = max((_invoiced_until(subscription) for subscription in subscriptions), default=0)
+        if invoiced_until:
+            # After an ended subscription, from where its invoices stopped (`_invoiced_until`): what it invoiced is
+            # not billed twice, and what it did not is billed. NOTE: not from the day of the usage pushed now, as
+            # before: a subscription that ended before midnight and was replaced after it left the usage sent to it
+            # between its end and midnight (its webhook late) billed by no invoice.
+            params["backdate_start_date"] = invoiced_until
+        elif oldest_hour is not None:
             # Usage rolled up before the subscription existed is billed only if the subscription starts
-            # before it, but usage an ended subscription billed must not be billed twice. NOTE: the day,
-            # not the second, and the end as Stripe has it, so that a retry from another worker sends the
+            # before it. NOTE: the day, not the second, so that a retry from another worker sends the
             # same parameters with the same idempotency key, as Stripe requires.
             oldest_event_at = datetime.fromtimestamp(event_timestamp(oldest_hour), tz=UTC)
-            oldest_day = int(oldest_event_at.replace(hour=0, minute=0, second=0, microsecond=0).timestamp())
-            ended_at = max((subscription.ended_at or 0 for subscription in subscriptions), default=0)
-            params["backdate_start_date"] = max(oldest_day, ended_at)
+            params["backdate_start_date"] = int(oldest_event_at.replace(hour=0, minute=0, second=0, microsecond=0)
+                                                .timestamp())
         return stripe_client().v1.subscriptions.create(params=params, options=options)
 
     subscription = call_stripe(find_else_create, what="subscription create",
@@ -424,6 +429,33 @@ def ensure_subscription(organization_id: int) -> str:
         stripe_subscription_id=subscription.id,
         stripe_subscription_started_at=datetime.fromtimestamp(subscription.start_date, tz=UTC))
     return BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(pk=account.pk)
+
+
+def _invoiced_until(subscription) -> int:
+    """Up to when the ended `subscription`'s usage is invoiced: where the next subscription starts, so that each
+    meter event is billed by one invoice, neither by none nor by two.
+
+    A subscription that ended at the end of its period (cancelled at the period's end) bills that period's usage in
+    a final invoice then, as Stripe documents: up to its end. One that ended within its period (cancelled at once in
+    the Dashboard or the API, or by Stripe after failed payments) bills what it had not invoiced only if it was
+    cancelled with `invoice_now`, which defaults to false; without it, Stripe discards that usage. So its invoices
+    are read (Stripe makes an `invoice_now` invoice with the cancellation), and it is invoiced up to the latest end
+    of their lines' periods, or, with none, its start (a backdated subscription ended before its first invoice).
+    Before, the next subscription always started at the ended one's end: the usage of the ended period was billed
+    by no invoice.
+
+    NOTE: a line's period that ends after the subscription does (a first invoice's line for the period ahead) bills
+    no usage of it, and is not counted.
+    """
+    ended_at = subscription.ended_at or 0
+    if subscription.status not in ENDED_SUBSCRIPTION_STATUSES or not ended_at:
+        return 0
+    period_ends = [item.current_period_end for item in subscription["items"].data]
+    if subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends)):
+        return ended_at
+    invoices = stripe_client().v1.invoices.list(params={"subscription": subscription.id, "limit": 100}).data
+    return max((line.period.end for invoice in invoices for line in invoice.lines.data if line.period.end <= ended_at),
+               default=subscription.start_date)
 
 
 # --- pushing rollups ---------------------------------------------------------------------------------
