@@ -23,7 +23,8 @@ bounded time, so a few that keep failing never hold up the rest.
 
 A subscription Stripe ends (cancelled in the Dashboard, by Stripe after failed payments, or with its customer
 deleted) is forgotten by its webhook (`billing.webhooks`); the next push subscribes the organisation again, starting
-where the ended one's invoices stopped (`_invoiced_until`).
+where the ended one's invoices stopped (`_invoiced_until`). The Customer Portal that customers are sent to uses the
+platform's own configuration, which offers no cancellation, pause or change of plan (`ensure_portal_configuration`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ USAGE_PRICE_UNIT_CENTS = "0.0001"
 # rollup released, a journal replayed) missed it by more: billed by no invoice. Dated at most 30 minutes back, every
 # event lands in the open period or within the grace of the one that just ended.
 LATEST_PERIOD_GRACE = timedelta(minutes=30)
+# The platform's Customer Portal configuration (`ensure_portal_configuration`), found by this metadata; a new version
+# makes a new one. Customers add and change cards, their billing email and address, and see invoices.
+PORTAL_CONFIGURATION_MARK = "inferplane_portal"
+PORTAL_CONFIGURATION_VERSION = "1"
+PORTAL_FEATURES_OFF = ("subscription_cancel", "subscription_pause", "subscription_update")
+PORTAL_FEATURES = {
+    "customer_update": {"enabled": True, "allowed_updates": ["email", "address"]},
+    "invoice_history": {"enabled": True},
+    "payment_method_update": {"enabled": True},
+    **{name: {"enabled": False} for name in PORTAL_FEATURES_OFF},
+}
 # A subscription in one of these states never bills again (Stripe's `status`).
 ENDED_SUBSCRIPTION_STATUSES = frozenset({"canceled", "incomplete_expired"})
 # Stripe refuses a meter event's `identifier` again "for at least 24 hours". An event not confirmed (Stripe's answer
@@ -687,12 +699,53 @@ def _push_claimable(*, limit: int, budget_s: float) -> int:
 # --- links for the console ----------------------------------------------------------------------------
 
 def create_portal_link(organization_id: int, *, return_url: str) -> str:
-    """A Stripe Customer Portal session where the organisation adds a payment method and sees invoices."""
+    """A Stripe Customer Portal session where the organisation adds a payment method and sees invoices, with the
+    platform's own configuration (`ensure_portal_configuration`)."""
     customer_id = ensure_customer(organization_id)
+    configuration_id = ensure_portal_configuration()
     session = call_stripe(
         lambda options: stripe_client().v1.billing_portal.sessions.create(
-            params={"customer": customer_id, "return_url": return_url}, options=options,
+            params={"customer": customer_id, "configuration": configuration_id, "return_url": return_url},
+            options=options,
         ),
         what="portal session",
     )
     return session.url
+
+
+def _portal_configuration():
+    configurations = stripe_client().v1.billing_portal.configurations.list(params={"active": True, "limit": 100})
+    return next((configuration for configuration in configurations.data
+                 if (configuration.to_dict().get("metadata") or {}).get(PORTAL_CONFIGURATION_MARK)
+                 == PORTAL_CONFIGURATION_VERSION), None)
+
+
+def ensure_portal_configuration() -> str:
+    """The id of the platform's Customer Portal configuration: found in Stripe by its metadata, else created once;
+    set back if a feature it keeps off was turned on (in the Dashboard).
+
+    NOTE: a session without one uses the account's default configuration, whatever the Dashboard says there: a
+    cancellation at once (`subscription_cancel.mode`, which a portal never makes with `invoice_now`) discarded the
+    period's usage, and a pause could void its invoices. The subscription is how usage is billed, made again at the
+    next push, so the portal offers neither, nor a change of plan; an organisation stops by using nothing more.
+    """
+    configuration = _find_or_create(
+        _portal_configuration,
+        lambda options: stripe_client().v1.billing_portal.configurations.create(
+            params={"name": "Inferplane", "features": PORTAL_FEATURES,
+                    "metadata": {PORTAL_CONFIGURATION_MARK: PORTAL_CONFIGURATION_VERSION}},
+            options=options,
+        ),
+        key=IdempotencyKey(f"portal-configuration-{PORTAL_CONFIGURATION_VERSION}"), what="portal configuration create",
+    )
+    features = configuration.to_dict().get("features") or {}
+    if any((features.get(name) or {}).get("enabled") for name in PORTAL_FEATURES_OFF):
+        logger.warning("the Customer Portal configuration %s offered %s; turned off again", configuration.id,
+                       ", ".join(name for name in PORTAL_FEATURES_OFF if (features.get(name) or {}).get("enabled")))
+        # NOTE: a key of its own each time: a key used before would replay the earlier answer for a day.
+        configuration = call_stripe(
+            lambda options: stripe_client().v1.billing_portal.configurations.update(
+                configuration.id, params={"features": {name: PORTAL_FEATURES[name] for name in PORTAL_FEATURES_OFF}},
+                options=options),
+            what="portal configuration update", key=IdempotencyKey(f"portal-configuration-off-{secrets.token_hex(8)}"))
+    return configuration.id
