@@ -161,7 +161,7 @@ def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) 
 def record_subscription_ended(subscription_id: str) -> BillingAccount | None:
     """Stripe ended the subscription `subscription_id` (cancelled, or expired before its first payment):
     the account billed through it forgets it, and its next push subscribes it again
-    (`stripe_sync.ensure_subscription`, from where this one ended). Before, usage went on being pushed
+    (`stripe_sync.ensure_subscription`, from where this one's invoices stopped). Before, usage went on being pushed
     to a customer nothing billed, silently.
 
     NOTE: an ended subscription never comes back, so this is safe in any order: it clears only the

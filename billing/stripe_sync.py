@@ -21,9 +21,10 @@ exponential backoff and jitter, under idempotency keys that move on after a serv
 (`IdempotencyKey`). A run pushes rollups never tried before ahead of those that failed, for a
 bounded time, so a few that keep failing never hold up the rest.
 
-A subscription Stripe ends (cancelled in the Dashboard, or with its customer deleted) is forgotten by
-its webhook (`billing.webhooks`); the next push subscribes the organisation again, starting where the
-ended one stopped.
+A subscription Stripe ends (cancelled in the Dashboard, by Stripe after failed payments, or with its customer
+deleted) is forgotten by its webhook (`billing.webhooks`); the next push subscribes the organisation again, starting
+where the ended one's invoices stopped (`_invoiced_until`). The Customer Portal that customers are sent to uses the
+platform's own configuration, which offers no cancellation, pause or change of plan (`ensure_portal_configuration`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ USAGE_PRICE_UNIT_CENTS = "0.0001"
 # rollup released, a journal replayed) missed it by more: billed by no invoice. Dated at most 30 minutes back, every
 # event lands in the open period or within the grace of the one that just ended.
 LATEST_PERIOD_GRACE = timedelta(minutes=30)
+# The platform's Customer Portal configuration (`ensure_portal_configuration`), found by this metadata; a new version
+# makes a new one. Customers add and change cards, their billing email and address, and see invoices.
+PORTAL_CONFIGURATION_MARK = "inferplane_portal"
+PORTAL_CONFIGURATION_VERSION = "1"
+PORTAL_FEATURES_OFF = ("subscription_cancel", "subscription_pause", "subscription_update")
+PORTAL_FEATURES = {
+    "customer_update": {"enabled": True, "allowed_updates": ["email", "address"]},
+    "invoice_history": {"enabled": True},
+    "payment_method_update": {"enabled": True},
+    **{name: {"enabled": False} for name in PORTAL_FEATURES_OFF},
+}
 # A subscription in one of these states never bills again (Stripe's `status`).
 ENDED_SUBSCRIPTION_STATUSES = frozenset({"canceled", "incomplete_expired"})
 # Stripe refuses a meter event's `identifier` again "for at least 24 hours". An event not confirmed (Stripe's answer
@@ -389,7 +401,7 @@ def ensure_subscription(organization_id: int) -> str:
     workers racing send the same idempotency key besides (`BillingAccount.stripe_key_generation`), and
     the first conditional update stores the subscription. A subscription that Stripe ended is
     forgotten by its webhook (`billing.services.record_subscription_ended`); the next one starts where
-    it ended, so that usage is billed once: not again, and not never.
+    its invoices stopped (`_invoiced_until`), so that usage is billed once: not again, and not never.
     """
     account = BillingAccount.objects.for_organization(organization_id)
     if account.stripe_subscription_id:
@@ -406,15 +418,20 @@ def ensure_subscription(organization_id: int) -> str:
         if live:
             return live[0]  # the newest: Stripe lists newest first
         params = {"customer": customer_id, "items": [{"price": price_id}], "metadata": {"organization_id": str(organization_id)}}
-        if oldest_hour is not None:
+        invoiced_until = max((_invoiced_until(subscription) for subscription in subscriptions), default=0)
+        if invoiced_until:
+            # After an ended subscription, from where its invoices stopped (`_invoiced_until`): what it invoiced is
+            # not billed twice, and what it did not is billed. NOTE: not from the day of the usage pushed now, as
+            # before: a subscription that ended before midnight and was replaced after it left the usage sent to it
+            # between its end and midnight (its webhook late) billed by no invoice.
+            params["backdate_start_date"] = invoiced_until
+        elif oldest_hour is not None:
             # Usage rolled up before the subscription existed is billed only if the subscription starts
-            # before it, but usage an ended subscription billed must not be billed twice. NOTE: the day,
-            # not the second, and the end as Stripe has it, so that a retry from another worker sends the
+            # before it. NOTE: the day, not the second, so that a retry from another worker sends the
             # same parameters with the same idempotency key, as Stripe requires.
             oldest_event_at = datetime.fromtimestamp(event_timestamp(oldest_hour), tz=UTC)
-            oldest_day = int(oldest_event_at.replace(hour=0, minute=0, second=0, microsecond=0).timestamp())
-            ended_at = max((subscription.ended_at or 0 for subscription in subscriptions), default=0)
-            params["backdate_start_date"] = max(oldest_day, ended_at)
+            params["backdate_start_date"] = int(oldest_event_at.replace(hour=0, minute=0, second=0, microsecond=0)
+                                                .timestamp())
         return stripe_client().v1.subscriptions.create(params=params, options=options)
 
     subscription = call_stripe(find_else_create, what="subscription create",
@@ -424,6 +441,33 @@ def ensure_subscription(organization_id: int) -> str:
         stripe_subscription_id=subscription.id,
         stripe_subscription_started_at=datetime.fromtimestamp(subscription.start_date, tz=UTC))
     return BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(pk=account.pk)
+
+
+def _invoiced_until(subscription) -> int:
+    """Up to when the ended `subscription`'s usage is invoiced: where the next subscription starts, so that each
+    meter event is billed by one invoice, neither by none nor by two.
+
+    A subscription that ended at the end of its period (cancelled at the period's end) bills that period's usage in
+    a final invoice then, as Stripe documents: up to its end. One that ended within its period (cancelled at once in
+    the Dashboard or the API, or by Stripe after failed payments) bills what it had not invoiced only if it was
+    cancelled with `invoice_now`, which defaults to false; without it, Stripe discards that usage. So its invoices
+    are read (Stripe makes an `invoice_now` invoice with the cancellation), and it is invoiced up to the latest end
+    of their lines' periods, or, with none, its start (a backdated subscription ended before its first invoice).
+    Before, the next subscription always started at the ended one's end: the usage of the ended period was billed
+    by no invoice.
+
+    NOTE: a line's period that ends after the subscription does (a first invoice's line for the period ahead) bills
+    no usage of it, and is not counted.
+    """
+    ended_at = subscription.ended_at or 0
+    if subscription.status not in ENDED_SUBSCRIPTION_STATUSES or not ended_at:
+        return 0
+    period_ends = [item.current_period_end for item in subscription["items"].data]
+    if subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends)):
+        return ended_at
+    invoices = stripe_client().v1.invoices.list(params={"subscription": subscription.id, "limit": 100}).data
+    return max((line.period.end for invoice in invoices for line in invoice.lines.data if line.period.end <= ended_at),
+               default=subscription.start_date)
 
 
 # --- pushing rollups ---------------------------------------------------------------------------------
@@ -655,12 +699,53 @@ def _push_claimable(*, limit: int, budget_s: float) -> int:
 # --- links for the console ----------------------------------------------------------------------------
 
 def create_portal_link(organization_id: int, *, return_url: str) -> str:
-    """A Stripe Customer Portal session where the organisation adds a payment method and sees invoices."""
+    """A Stripe Customer Portal session where the organisation adds a payment method and sees invoices, with the
+    platform's own configuration (`ensure_portal_configuration`)."""
     customer_id = ensure_customer(organization_id)
+    configuration_id = ensure_portal_configuration()
     session = call_stripe(
         lambda options: stripe_client().v1.billing_portal.sessions.create(
-            params={"customer": customer_id, "return_url": return_url}, options=options,
+            params={"customer": customer_id, "configuration": configuration_id, "return_url": return_url},
+            options=options,
         ),
         what="portal session",
     )
     return session.url
+
+
+def _portal_configuration():
+    configurations = stripe_client().v1.billing_portal.configurations.list(params={"active": True, "limit": 100})
+    return next((configuration for configuration in configurations.data
+                 if (configuration.to_dict().get("metadata") or {}).get(PORTAL_CONFIGURATION_MARK)
+                 == PORTAL_CONFIGURATION_VERSION), None)
+
+
+def ensure_portal_configuration() -> str:
+    """The id of the platform's Customer Portal configuration: found in Stripe by its metadata, else created once;
+    set back if a feature it keeps off was turned on (in the Dashboard).
+
+    NOTE: a session without one uses the account's default configuration, whatever the Dashboard says there: a
+    cancellation at once (`subscription_cancel.mode`, which a portal never makes with `invoice_now`) discarded the
+    period's usage, and a pause could void its invoices. The subscription is how usage is billed, made again at the
+    next push, so the portal offers neither, nor a change of plan; an organisation stops by using nothing more.
+    """
+    configuration = _find_or_create(
+        _portal_configuration,
+        lambda options: stripe_client().v1.billing_portal.configurations.create(
+            params={"name": "Inferplane", "features": PORTAL_FEATURES,
+                    "metadata": {PORTAL_CONFIGURATION_MARK: PORTAL_CONFIGURATION_VERSION}},
+            options=options,
+        ),
+        key=IdempotencyKey(f"portal-configuration-{PORTAL_CONFIGURATION_VERSION}"), what="portal configuration create",
+    )
+    features = configuration.to_dict().get("features") or {}
+    if any((features.get(name) or {}).get("enabled") for name in PORTAL_FEATURES_OFF):
+        logger.warning("the Customer Portal configuration %s offered %s; turned off again", configuration.id,
+                       ", ".join(name for name in PORTAL_FEATURES_OFF if (features.get(name) or {}).get("enabled")))
+        # NOTE: a key of its own each time: a key used before would replay the earlier answer for a day.
+        configuration = call_stripe(
+            lambda options: stripe_client().v1.billing_portal.configurations.update(
+                configuration.id, params={"features": {name: PORTAL_FEATURES[name] for name in PORTAL_FEATURES_OFF}},
+                options=options),
+            what="portal configuration update", key=IdempotencyKey(f"portal-configuration-off-{secrets.token_hex(8)}"))
+    return configuration.id

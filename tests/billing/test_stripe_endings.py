@@ -1,8 +1,10 @@
 """A subscription or a customer that Stripe ends (cancelled or deleted in the Dashboard, or a
-subscription cancelled in the Customer Portal) is forgotten by its webhook: the next push subscribes
-the organisation again, from where the ended subscription stopped, and an organisation whose customer
+subscription cancelled by Stripe after failed payments) is forgotten by its webhook: the next push subscribes
+the organisation again, from where the ended subscription's invoices stopped, and an organisation whose customer
 is gone has no payment method. Before, usage went on being pushed to a customer nothing billed, or
-failed against a customer that no longer existed, and a card that went with it still lifted the limit."""
+failed against a customer that no longer existed, and a card that went with it still lifted the limit; and a
+subscription cancelled at once, which bills none of its unfinished period's usage unless told to (`invoice_now`),
+was followed by one starting at its end: that usage was billed by no invoice."""
 
 import asyncio
 import json
@@ -63,8 +65,9 @@ def test_a_subscription_cancelled_in_stripe_is_replaced_at_the_next_push_and_usa
     account = BillingAccount.objects.get(organization=endpoint.organization)
     first = account.stripe_subscription_id
 
+    # Cancelled at once with its usage invoiced (`invoice_now`), as the Dashboard does when told to.
     _webhook("customer.subscription.deleted",
-             fake_stripe.cancel_subscription(first, at=int(_hour(4).timestamp())))
+             fake_stripe.cancel_subscription(first, at=int(_hour(4).timestamp()), invoice_now=True))
 
     account.refresh_from_db()
     assert account.stripe_subscription_id == ""
@@ -90,7 +93,8 @@ def test_usage_of_an_hour_before_a_cancellation_pushed_after_it_is_billed_by_the
     record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=5)))
     rollup_usage()  # closed, not pushed yet
     billed_by_first = set(fake_stripe.meter_events)
-    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first, at=int(_hour(4).timestamp())))
+    _webhook("customer.subscription.deleted",
+             fake_stripe.cancel_subscription(first, at=int(_hour(4).timestamp()), invoice_now=True))
 
     record_usage(usage_report(endpoint, finished_at=_hour(3) + timedelta(minutes=5)))
     rollup_usage()
@@ -177,3 +181,100 @@ def test_a_customer_deleted_in_stripe_is_forgotten_and_its_organisation_held_to_
                   if event["payload"]["stripe_customer_id"] == account.stripe_customer_id]
     assert new_events and all(len(_billed_by(fake_stripe, event)) == 1 for event in new_events)
     assert AuditEvent.objects.filter(action="billing.customer_deleted", details__customer=old_customer).count() == 1
+
+
+def _cost_pushed(fake_stripe, customer_id: str) -> int:
+    return sum(int(event["payload"]["value"]) for event in fake_stripe.meter_events.values()
+               if event["payload"]["stripe_customer_id"] == customer_id and event["event_name"] == "inferplane_usage_cost")
+
+
+def _end_period_after_what_was_pushed(fake_stripe, subscription_id: str) -> int:
+    """End the subscription's period (its invoice made) just after the meter events sent so far, and wait until an
+    event sent now is dated after it (events are dated up to `LATEST_PERIOD_GRACE` back). Returns the period's end."""
+    end = max(event["timestamp"] for event in fake_stripe.meter_events.values()) + 1
+    fake_stripe.end_period(subscription_id, at=end)
+    while int(time.time() - stripe_sync.LATEST_PERIOD_GRACE.total_seconds()) < end:
+        time.sleep(0.05)
+    return end
+
+
+def _subscribed(endpoint) -> tuple[str, str]:
+    account = BillingAccount.objects.get(organization=endpoint.organization)
+    return account.stripe_customer_id, account.stripe_subscription_id
+
+
+def _invoice_the_rest(fake_stripe, subscription_id: str) -> None:
+    fake_stripe.end_period(subscription_id, at=int(time.time()) + 1)
+
+
+def test_usage_of_a_period_cancelled_at_once_without_an_invoice_is_billed_by_the_next_subscription(fake_stripe):
+    # Cancelled at once (by Stripe after failed payments, in the Dashboard, or in a Customer Portal configured so),
+    # a subscription bills none of its unfinished period's usage (`invoice_now` defaults to false). The next one
+    # started at its end: that usage, pushed already or pushed after, was billed by no invoice.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    invoiced_until = _end_period_after_what_was_pushed(fake_stripe, first)
+    _use_and_push(endpoint, num_hours_ago=5)  # in the period the cancellation cuts short
+
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoiced_until
+    _invoice_the_rest(fake_stripe, second)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+
+
+def test_a_subscription_cancelled_before_its_first_invoice_is_followed_by_one_from_its_start(fake_stripe):
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    _use_and_push(endpoint, num_hours_ago=5)
+
+    _, second = _subscribed(endpoint)
+    assert fake_stripe.subscriptions[second]["start_date"] == fake_stripe.subscriptions[first]["start_date"]
+    _invoice_the_rest(fake_stripe, second)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+
+
+def test_a_subscription_cancelled_at_once_with_its_usage_invoiced_is_not_billed_again(fake_stripe):
+    # A guard: what the cancellation invoiced (`invoice_now`) the next subscription does not bill again.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    _use_and_push(endpoint, num_hours_ago=5)
+
+    cancelled = fake_stripe.cancel_subscription(first, invoice_now=True)
+    _webhook("customer.subscription.deleted", cancelled)
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    assert fake_stripe.subscriptions[second]["start_date"] == cancelled["ended_at"]
+    _invoice_the_rest(fake_stripe, second)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+
+
+def test_a_subscription_cancelled_at_its_period_end_is_followed_by_one_from_that_end_and_usage_is_billed_once(
+        fake_stripe):
+    # A guard: cancelled at the period's end, a subscription bills that period's usage in a final invoice then; the
+    # next one starts there (read from the subscription: its final invoice may not be made yet when it is read).
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    _webhook("customer.subscription.updated", fake_stripe.cancel_at_period_end(first))  # still live: nothing changes
+    assert _subscribed(endpoint)[1] == first
+    _use_and_push(endpoint, num_hours_ago=5)
+
+    ended_at = _end_period_after_what_was_pushed(fake_stripe, first)
+    _webhook("customer.subscription.deleted", fake_stripe.subscriptions[first])
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    assert fake_stripe.subscriptions[first]["ended_at"] == ended_at == fake_stripe.subscriptions[second]["start_date"]
+    assert not fake_stripe.calls_to("/v1/invoices", "GET")
+    _invoice_the_rest(fake_stripe, second)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0

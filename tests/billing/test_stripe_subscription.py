@@ -47,9 +47,9 @@ def test_the_first_push_for_an_organisation_creates_its_customer_and_subscriptio
     assert subscription["customer"] == account.stripe_customer_id
     [item] = subscription["items"]["data"]
     assert item["price"]["id"] == StripeMeter.objects.get(event_name="inferplane_usage_cost").stripe_price_id
-    # Backdated, so that the usage pushed with it falls inside its first period.
-    first_hour = UsageRollup.objects.filter(organization=endpoint.organization).order_by("hour_start").first().hour_start
-    assert subscription["start_date"] <= first_hour.timestamp()
+    # Backdated, so that the usage pushed with it falls inside its first period. NOTE: the events' dates, not their
+    # hours': an event is dated at most `LATEST_PERIOD_GRACE` back, and an hour before midnight is dated after it.
+    assert subscription["start_date"] <= min(event["timestamp"] for event in fake_stripe.meter_events.values())
 
 
 def test_a_subscription_stored_by_nobody_is_found_again_not_made_twice(fake_stripe):

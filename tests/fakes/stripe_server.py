@@ -5,13 +5,23 @@
     fake.meter_totals()                  # {(customer id, event name): total value}
     fake.prices, fake.subscriptions      # what was created, by id
     fake.cancel_subscription(id), fake.delete_customer(id)   # what the Dashboard does
+    fake.cancel_at_period_end(id), fake.end_period(id, at=...)   # a cancellation scheduled, a period's end and invoice
+    fake.invoiced_usage(customer id)                          # what the subscriptions' invoices billed, in meter units
+    fake.cancel_in_portal(session id, subscription id)        # the customer's click, as the session's configuration says
     fake.charge(customer id), fake.dispute(charge id), fake.close_dispute(id, "won")   # a payment, and its chargeback
     fake.revoke_key(key), fake.restore_key(key)              # a secret key rolled or revoked: 401 to every call
 
 It records every call, replays the stored response for a repeated `Idempotency-Key` (as Stripe
 does for 24 h; a key sent again with other parameters is refused), refuses a meter event whose
 `identifier` it accepted in the last 24 h (`age_meter_events` moves them back in time; an older one's
-identifier is taken again, as a second event), and can be told to fail:
+identifier is taken again, as a second event), and bills as Stripe documents a subscription to a metered price
+does: each invoice of a subscription bills the sum of its price's meter events for the customer dated from where
+the last one stopped (from the subscription's `start_date` for the first, which may be backdated) to the end of the
+period it closes (`end_period`). A subscription cancelled at once bills what it has not invoiced yet only with
+`invoice_now` (Stripe's default is not to: that usage is discarded); one cancelled at its period's end bills it in a
+final invoice then. A Customer Portal session uses the configuration it names, or else the account's default one
+(`default_portal_features`: cancellation at once, the case this models), and `cancel_in_portal` does what that
+configuration lets the customer do. It can be told to fail:
 
 - "500": a server error before Stripe's idempotency layer: nothing done, nothing saved;
 - "500_saved": the endpoint began and failed: nothing done, but the 500 is saved under the key and
@@ -31,6 +41,7 @@ identifier is taken again, as a second event), and can be told to fail:
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import hmac
 import json
@@ -40,6 +51,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlparse
 
@@ -85,6 +97,14 @@ class FakeStripe:
     charges: dict[str, dict] = field(default_factory=dict)
     disputes: dict[str, dict] = field(default_factory=dict)
     revoked_keys: set[str] = field(default_factory=set)
+    invoices: dict[str, dict] = field(default_factory=dict)
+    portal_configurations: dict[str, dict] = field(default_factory=dict)
+    portal_sessions: dict[str, dict] = field(default_factory=dict)
+    # What the account's default portal configuration (set in the Dashboard) lets a customer do.
+    default_portal_features: dict = field(default_factory=lambda: {
+        "invoice_history": {"enabled": True}, "payment_method_update": {"enabled": True},
+        "subscription_cancel": {"enabled": True, "mode": "immediately", "proration_behavior": "none"},
+        "subscription_pause": {"enabled": False}, "subscription_update": {"enabled": False}})
     num_duplicate_identifiers: int = 0
     unexpected: list[str] = field(default_factory=list)
 
@@ -129,14 +149,53 @@ class FakeStripe:
         with self._lock:
             self._failures.extend(_Failure(kind, path, method) for _ in range(times))
 
-    def cancel_subscription(self, subscription_id: str, *, at: int | None = None) -> dict:
-        """What cancelling it at once in the Dashboard does (`at`: when, now by default): the subscription
-        as it is now (its webhook's object)."""
+    def cancel_subscription(self, subscription_id: str, *, at: int | None = None, invoice_now: bool = False) -> dict:
+        """What cancelling it at once does (`at`: when, now by default): the subscription as it is now (its webhook's
+        object). Its usage not invoiced yet is invoiced now only with `invoice_now` (Stripe's default is false)."""
         with self._lock:
             subscription = self.subscriptions[subscription_id]
             at = int(time.time()) if at is None else at
+            if invoice_now:
+                self._invoice(subscription, at)
             subscription.update(status="canceled", canceled_at=at, ended_at=at)
             return dict(subscription)
+
+    def cancel_at_period_end(self, subscription_id: str) -> dict:
+        """What a cancellation at the period's end does (the Dashboard's, or a portal's set so): still active, it
+        ends when its period does (`end_period`). The subscription as it is now."""
+        with self._lock:
+            subscription = self.subscriptions[subscription_id]
+            subscription.update(cancel_at_period_end=True, canceled_at=int(time.time()))
+            return dict(subscription)
+
+    def end_period(self, subscription_id: str, *, at: int | None = None) -> dict:
+        """What Stripe does when the subscription's period ends (`at`: when, its `current_period_end` by default):
+        an invoice of the usage since the last one, then a new period, or, if it was to cancel at the period's end,
+        its end. The subscription as it is now (its webhook's object)."""
+        with self._lock:
+            subscription = self.subscriptions[subscription_id]
+            [item] = subscription["items"]["data"]
+            at = item["current_period_end"] if at is None else at
+            self._invoice(subscription, at)
+            if subscription["cancel_at_period_end"]:
+                item["current_period_end"] = at
+                subscription.update(status="canceled", ended_at=at)
+            else:
+                item.update(current_period_start=at, current_period_end=_month_after(at))
+            return dict(subscription)
+
+    def cancel_in_portal(self, session_id: str, subscription_id: str) -> dict:
+        """What the customer's "Cancel" in the Customer Portal session `session_id` does, as its configuration's
+        `features.subscription_cancel` says (its `proration_behavior` can never be `always_invoice`, so a portal
+        never invoices usage at the cancellation). Raises PortalRefused where it offers no cancellation."""
+        with self._lock:
+            cancel = self.portal_configurations[self.portal_sessions[session_id]["configuration"]]["features"].get(
+                "subscription_cancel", {})
+        if not cancel.get("enabled"):
+            raise PortalRefused("this portal offers no cancellation")
+        if cancel.get("mode") == "at_period_end":
+            return self.cancel_at_period_end(subscription_id)
+        return self.cancel_subscription(subscription_id)
 
     def delete_customer(self, customer_id: str) -> dict:
         """What deleting it in the Dashboard does (its subscriptions end with it): the webhook's object."""
@@ -210,6 +269,12 @@ class FakeStripe:
                 key = (event["payload"]["stripe_customer_id"], event["event_name"])
                 totals[key] = totals.get(key, 0) + int(event["payload"]["value"])
         return totals
+
+    def invoiced_usage(self, customer_id: str) -> int:
+        """What the invoices of the customer's subscriptions billed, in units of their price's meter."""
+        with self._lock:
+            return sum(line["quantity"] for invoice in self.invoices.values() if invoice["customer"] == customer_id
+                       for line in invoice["lines"]["data"])
 
     def calls_to(self, path: str, method: str = "POST") -> list[Call]:
         with self._lock:
@@ -325,13 +390,85 @@ class FakeStripe:
             if subscription is None:
                 return 404, _error("invalid_request_error", "No such subscription", code="resource_missing")
             return 200, subscription
+        if (method, path) == ("GET", "/v1/invoices"):
+            found = [invoice for invoice in reversed(self.invoices.values())  # newest first
+                     if params.get("customer") in (None, invoice["customer"])
+                     and params.get("subscription") in (None, invoice["parent"]["subscription_details"]["subscription"])]
+            return 200, {"object": "list", "data": found[:int(params.get("limit") or 10)], "has_more": False, "url": path}
+        if path.startswith("/v1/billing_portal/configurations"):
+            return self._portal_configuration(method, path.removeprefix("/v1/billing_portal/configurations"),
+                                              _typed(params), now)
         if (method, path) == ("POST", "/v1/billing_portal/sessions"):
             if params.get("customer") not in self.customers:
                 return 400, _error("invalid_request_error", "No such customer", code="resource_missing")
-            return 200, {"id": _id("bps"), "object": "billing_portal.session", "customer": params["customer"],
-                         "return_url": params.get("return_url"), "url": f"https://billing.stripe.test/p/{_id('session')}"}
+            configuration_id = params.get("configuration") or self._default_portal_configuration(now)
+            if not self.portal_configurations.get(configuration_id, {}).get("active"):
+                return 400, _error("invalid_request_error", "No such configuration", code="resource_missing")
+            session = {"id": _id("bps"), "object": "billing_portal.session", "customer": params["customer"],
+                       "configuration": configuration_id, "return_url": params.get("return_url"),
+                       "url": f"https://billing.stripe.test/p/{_id('session')}"}
+            self.portal_sessions[session["id"]] = session
+            return 200, session
         self.unexpected.append(f"{method} {path}")
         return 404, _error("invalid_request_error", f"Unrecognized request URL ({method}: {path})")
+
+    def _portal_configuration(self, method: str, rest: str, params: dict, now: int) -> tuple[int, dict]:
+        if (method, rest) == ("GET", ""):
+            found = [configuration for configuration in reversed(self.portal_configurations.values())
+                     if params.get("active") is None or configuration["active"] == params["active"]]
+            return 200, {"object": "list", "data": found[:int(params.get("limit") or 10)], "has_more": False,
+                         "url": "/v1/billing_portal/configurations"}
+        if (method, rest) == ("POST", ""):
+            configuration = {"id": _id("bpc"), "object": "billing_portal.configuration", "active": True,
+                             "is_default": False, "created": now, "livemode": False,
+                             "metadata": params.get("metadata", {}), "features": {}}
+            self.portal_configurations[configuration["id"]] = configuration
+            rest = "/" + configuration["id"]
+        configuration = self.portal_configurations.get(rest.removeprefix("/"))
+        if configuration is None:
+            return 404, _error("invalid_request_error", "No such configuration", code="resource_missing")
+        if method == "POST":
+            cancel = (params.get("features") or {}).get("subscription_cancel") or {}
+            if cancel.get("proration_behavior") == "always_invoice":
+                return 400, _error("invalid_request_error", "always_invoice is not supported for cancellations",
+                                   code="parameter_invalid")
+            for name, feature in (params.get("features") or {}).items():
+                configuration["features"].setdefault(name, {}).update(feature)
+            configuration["metadata"].update(params.get("metadata") or {})
+        return 200, configuration
+
+    def _default_portal_configuration(self, now: int) -> str:
+        """The account's default configuration, made as the Dashboard makes it the first time it is needed."""
+        default = next((configuration for configuration in self.portal_configurations.values()
+                        if configuration["is_default"]), None)
+        if default is None:
+            default = {"id": _id("bpc"), "object": "billing_portal.configuration", "active": True, "is_default": True,
+                       "created": now, "livemode": False, "metadata": {},
+                       "features": json.loads(json.dumps(self.default_portal_features))}
+            self.portal_configurations[default["id"]] = default
+        return default["id"]
+
+    def _invoice(self, subscription: dict, end: int) -> dict:
+        """The subscription's invoice of its price's usage from where its last invoice stopped (its start for the
+        first) to `end`: the sum of the customer's meter events dated in that time."""
+        [item] = subscription["items"]["data"]
+        event_name = self.meters[item["price"]["recurring"]["meter"]]["event_name"]
+        invoiced = [invoice["lines"]["data"][0]["period"]["end"] for invoice in self.invoices.values()
+                    if invoice["parent"]["subscription_details"]["subscription"] == subscription["id"]]
+        start = max(invoiced, default=subscription["start_date"])
+        quantity = sum(int(event["payload"]["value"]) for event in self.meter_events.values()
+                       if event["event_name"] == event_name
+                       and event["payload"]["stripe_customer_id"] == subscription["customer"]
+                       and start <= event["timestamp"] < end)
+        line = {"id": _id("il"), "object": "line_item", "quantity": quantity, "period": {"start": start, "end": end},
+                "amount": round(quantity * float(item["price"]["unit_amount_decimal"]))}
+        invoice = {"id": _id("in"), "object": "invoice", "created": int(time.time()), "status": "draft",
+                   "customer": subscription["customer"], "period_start": start, "period_end": end,
+                   "parent": {"type": "subscription_details", "subscription_details": {"subscription": subscription["id"]}},
+                   "amount_due": line["amount"], "lines": {"object": "list", "data": [line], "has_more": False},
+                   "livemode": False}
+        self.invoices[invoice["id"]] = invoice
+        return invoice
 
     def _meter_event(self, params: dict, now: int) -> tuple[int, dict]:
         if params.get("event_name") not in {meter["event_name"] for meter in self.meters.values()}:
@@ -375,11 +512,15 @@ class FakeStripe:
         items = [item for _, item in sorted((params.get("items") or {}).items(), key=lambda pair: int(pair[0]))]
         if not items or any(item.get("price") not in self.prices for item in items):
             return 400, _error("invalid_request_error", "No such price", code="resource_missing")
+        # NOTE: a backdated subscription's first period begins now (its billing cycle anchor); its first invoice
+        # bills the usage since its start all the same.
         subscription = {
             "id": _id("sub"), "object": "subscription", "created": now, "status": "active", "customer": params["customer"],
             "start_date": int(params.get("backdate_start_date") or now), "canceled_at": None, "ended_at": None,
-            "metadata": params.get("metadata", {}),
-            "items": {"object": "list", "data": [{"id": _id("si"), "object": "subscription_item", "price": self.prices[item["price"]]}
+            "cancel_at_period_end": False, "billing_cycle_anchor": now, "metadata": params.get("metadata", {}),
+            "items": {"object": "list", "data": [{"id": _id("si"), "object": "subscription_item",
+                                                  "price": self.prices[item["price"]], "current_period_start": now,
+                                                  "current_period_end": _month_after(now)}
                                                  for item in items]},
             "livemode": False,
         }
@@ -443,6 +584,26 @@ def _error(kind: str, message: str, *, code: str | None = None) -> dict:
     if code:
         error["code"] = code
     return {"error": error}
+
+
+class PortalRefused(Exception):
+    """The Customer Portal offers no such action (its configuration's feature is off)."""
+
+
+def _month_after(epoch: int) -> int:
+    """The same day and time a calendar month on (the last day of a shorter month), as Stripe's monthly periods."""
+    moment = datetime.fromtimestamp(epoch, tz=UTC)
+    year, month = (moment.year + 1, 1) if moment.month == 12 else (moment.year, moment.month + 1)
+    return int(moment.replace(year=year, month=month, day=min(moment.day, calendar.monthrange(year, month)[1])).timestamp())
+
+
+def _typed(value):
+    """Form-encoded values as Stripe reads them: "true"/"false" as booleans, `a[0]=x` as lists."""
+    if isinstance(value, dict):
+        if value and all(key.isdigit() for key in value):
+            return [_typed(value[key]) for key in sorted(value, key=int)]
+        return {key: _typed(item) for key, item in value.items()}
+    return {"true": True, "false": False}.get(value, value)
 
 
 def _nested(pairs: list[tuple[str, str]]) -> dict:
