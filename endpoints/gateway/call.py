@@ -293,7 +293,7 @@ class InferenceCall:
         self.forwarded = True  # NOTE: no await since the check: the watcher cancels until this is set
         try:
             response = await self.client.post(
-                replica.address, self.request.path, self.request.upstream_body(),
+                replica.address, self.request.path, self.request.upstream_body(media_scope=self.caller.limit_subject),
                 {"content-type": "application/json", "x-request-id": self.request_id,
                  "authorization": replica.authorization},
                 patience=None if self.request.stream else functools.partial(self._patience, replica),
