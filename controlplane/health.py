@@ -5,6 +5,9 @@ ledger (`billing.usage_journal`), and `usage_journal_bytes`. A backlog alone kee
 on disk and replayed as soon as PostgreSQL answers, and taking every gateway out of rotation over a
 database blip would turn a billing delay into an outage. An operator alerts on a backlog that stays.
 
+A process told to stop (SIGTERM) is not ready while it drains its calls in flight (`endpoints.gateway.drain`): it
+takes no new call.
+
 A journal past its limit (`INFERPLANE_USAGE_JOURNAL_MAX_BYTES`) is not ready: the gateway refuses new calls then
 (their usage could not be recorded), and the load balancer should send them to a server whose journal has room. It is
 ready again once the journal is replayed below its limit.
@@ -18,6 +21,7 @@ from django.http import JsonResponse
 
 from billing.usage_writer import journal
 from controlplane.redis_client import get_async_redis
+from endpoints.gateway import drain
 
 
 async def healthz(request):
@@ -38,7 +42,8 @@ def _database_answers() -> None:
 
 
 async def readyz(request):
-    """Ready for traffic: the database and Redis both answer, and the usage journal has room."""
+    """Ready for traffic: the database and Redis both answer, the usage journal has room and the process is not
+    stopping."""
     checks = {}
     try:
         await asyncio.wait_for(sync_to_async(_database_answers)(), timeout=2)
@@ -52,6 +57,7 @@ async def readyz(request):
         checks["redis"] = f"error: {type(exc).__name__}"
     usage_journal = journal()
     checks["usage_journal"] = "full" if usage_journal.full else "ok"
+    checks["process"] = "stopping" if drain.draining() else "ok"
     ready = all(value == "ok" for value in checks.values())
     backlog = await asyncio.to_thread(usage_journal.backlog)
     return JsonResponse({"status": "ok" if ready else "unavailable", "checks": checks, "usage_backlog": backlog,

@@ -7,7 +7,7 @@ def test_healthz_answers_without_touching_the_database(client):
 def test_readyz_checks_database_redis_and_the_usage_journals_room(db, client):
     response = client.get("/readyz")
     assert response.status_code == 200
-    assert response.json()["checks"] == {"database": "ok", "redis": "ok", "usage_journal": "ok"}
+    assert response.json()["checks"] == {"database": "ok", "redis": "ok", "usage_journal": "ok", "process": "ok"}
 
 
 def test_readiness_probes_leave_no_database_session_behind(transactional_db, tmp_path):

@@ -32,6 +32,7 @@ from endpoints.gateway import (
     anatomy,
     auth,
     directory,
+    drain,
     errors,
     metrics,
     presence,
@@ -92,7 +93,8 @@ class Gateway:
                     return await self._upload(scope, receive, send)
                 return await self._files_and_batches(scope, receive, send)
             if path.startswith("/v1/") or path == "/v1":
-                return await self._handle(scope, receive, send)
+                with drain.handling():  # a stopping process waits for it (`drain`)
+                    return await self._handle(scope, receive, send)
             if path == "/metrics":
                 return await self._metrics(scope, receive, send)
             if path in self._console_uploads and scope["method"] == "POST":
@@ -261,6 +263,7 @@ class Gateway:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 _freeze_startup_objects()
+                drain.install()  # the first SIGTERM drains the calls in flight before the server hears it
                 await presence.start(web=True)
                 self._folding = asyncio.ensure_future(metrics.fold_every_second())
                 writer_for_this_loop().replay_soon()  # usage a previous gateway left in the journal
@@ -300,6 +303,9 @@ class Gateway:
                 raise errors.OpenAIError(404, f"Unknown URL {method} {path}.", code="unknown_url")
             if method != "POST":
                 raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
+            if drain.draining():
+                await _discard_body(receive)
+                raise errors.server_stopping()
             # NOTE: a flag, no I/O: its row could only go to a journal already at its limit. Calls admitted before
             # still write theirs (into the journal's headroom); this one is never proxied.
             if not usage_recordable():

@@ -27,6 +27,7 @@ from endpoints.gateway import (
     cold_start,
     delivery,
     directory,
+    drain,
     errors,
     metrics,
     presence,
@@ -113,6 +114,7 @@ class InferenceCall:
     # Sent to a replica: from then on a client leaving a non-streamed call no longer stops it (`_watch_disconnect`).
     forwarded: bool = False
     _cancelled_for_client: bool = False  # the disconnect watcher cancelled the call (not the server stopping)
+    _stopped_for_shutdown: bool = False  # still running at the end of its process's drain (`drain`)
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
     held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -190,6 +192,7 @@ class InferenceCall:
         # already sent to a replica (see `_watch_disconnect`); watched from `WATCH_DISCONNECT_AFTER_S` on: most
         # calls end sooner, and a timer costs a fraction of the task that watches (its steps, its cancellation).
         watcher = _Watcher(self)
+        drain.running[self.request_id] = self  # stopped there if still running at the end of its process's drain
         try:
             if not replicas:
                 held = await cold_start.hold(self, place)
@@ -204,10 +207,14 @@ class InferenceCall:
                 replicas = await self._adapter_holders(replicas)
             await self._proxy(replicas)
         except asyncio.CancelledError:
-            if not self._cancelled_for_client:
+            if self._stopped_for_shutdown and not self._cancelled_for_client:
+                asyncio.current_task().uncancel()
+                await self._answer_stopped()
+            elif not self._cancelled_for_client:
                 raise  # the server is stopping, not the client leaving
-            asyncio.current_task().uncancel()
-            self.status = "client_aborted"
+            else:
+                asyncio.current_task().uncancel()
+                self.status = "client_aborted"
         except ClientGone:
             self.status = "client_aborted"
         except errors.OpenAIError as exc:
@@ -222,6 +229,7 @@ class InferenceCall:
             await self._send_event_error(exc)
         finally:
             watcher.stop()
+            drain.running.pop(self.request_id, None)
             delivery.unwatch(self)
             if self._holding is not None:
                 self._holding.close()
@@ -231,9 +239,23 @@ class InferenceCall:
             try:
                 await asyncio.shield(finishing)
             except asyncio.CancelledError:
-                if not self._cancelled_for_client:
+                if not (self._cancelled_for_client or self._stopped_for_shutdown):
                     raise
-                await finishing  # NOTE: the client's cancellation, delivered late: finish all the same
+                await finishing  # NOTE: the client's (or the drain's) cancellation, delivered late: finish all the same
+
+    def stop_for_shutdown(self) -> None:
+        """Stop the call: its process is stopping and the drain's bound has come (`drain`)."""
+        if self._task is not None and not self._cancelled_for_client and not self._stopped_for_shutdown:
+            self._stopped_for_shutdown = True
+            self._task.cancel()
+
+    async def _answer_stopped(self) -> None:
+        """A call stopped at the drain's bound: a stream ends with an error event (billed for what it sent), a call
+        whose answer has not started is answered 503 (nothing was served: billed nothing)."""
+        stopped = errors.server_stopping()
+        if not self.response_started:
+            raise stopped
+        await self._send_event_error(stopped)
 
     def _adapter_preference(self, replicas: list[ReplicaInfo]) -> frozenset[str]:
         """The replicas the pick ranks first: those already holding the call's adapter."""
@@ -293,7 +315,7 @@ class InferenceCall:
         self.forwarded = True  # NOTE: no await since the check: the watcher cancels until this is set
         try:
             response = await self.client.post(
-                replica.address, self.request.path, self.request.upstream_body(),
+                replica.address, self.request.path, self.request.upstream_body(media_scope=self.caller.limit_subject),
                 {"content-type": "application/json", "x-request-id": self.request_id,
                  "authorization": replica.authorization},
                 patience=None if self.request.stream else functools.partial(self._patience, replica),

@@ -137,6 +137,13 @@ def usage_unrecordable() -> OpenAIError:
                        headers={"retry-after": str(USAGE_UNRECORDABLE_RETRY_AFTER_S)})
 
 
+def server_stopping() -> OpenAIError:
+    """A call this server will not finish: it is stopping (`endpoints.gateway.drain`). Its connection is closed, so a
+    retry goes to another server."""
+    return OpenAIError(503, "This server is restarting and takes no new call; please retry.", type="server_error",
+                       code="server_stopping", headers={"retry-after": "1", "connection": "close"})
+
+
 def engine_refused(status: int, body: bytes) -> OpenAIError:
     """The engine refused the request (a 4xx): relay its message in OpenAI's shape."""
     try:

@@ -6,7 +6,8 @@ is looked up or a byte reaches the engine: JSON the gateway could not re-encode 
 wrong type or range for any field OpenAI's API defines, and any field not on the allowlist of
 `endpoints.gateway.fields`. vLLM's sampling extensions on it (`top_k`, `min_p`, …) pass through for
 the engine to judge. An embeddings body is checked by `endpoints.gateway.embeddings`. Media (an image,
-audio or a video in a message's content) comes inline, as a `data:` URL: engines never fetch it.
+audio or a video in a message's content) comes inline, as a `data:` URL: engines never fetch it; a media part's
+`uuid` (vLLM's cache key for it) reaches the engine scoped to the calling key (`endpoints.gateway.media_uuids`).
 
 `priority` is the engine's (vLLM's priority scheduling, lower runs sooner; interactive calls 0): a
 client may pass one only within what its key allows (`ApiKey.max_priority_boost`), a 400 naming
@@ -22,7 +23,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from endpoints.gateway import embeddings, errors, estimate, fields
+from endpoints.gateway import embeddings, errors, estimate, fields, media_uuids
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Objects, arrays and separators (`{`, `[`, `,`, counted in the raw bytes, strings included) a body may hold.
@@ -168,6 +169,8 @@ class InferenceRequest:
     # A non-streaming client sent X-Inferplane-Progress: held, its answer starts at once and whitespace
     # keeps it alive until the JSON comes (`endpoints.gateway.anatomy`).
     progress: bool = False
+    # A content part names a `uuid`: the engine gets it scoped to the caller (`endpoints.gateway.media_uuids`).
+    names_media_uuids: bool = False
 
     # The `model` the engine gets when it is not the caller's: a LoRA adapter's name (its `lora_name`).
     engine_model: str = ""
@@ -182,7 +185,8 @@ class InferenceRequest:
         """The request, or the 400 that refuses its body; `max_priority_boost` is the caller key's."""
         payload = parse_payload(body, kind)
         return cls(kind, path, body, payload, wait_for_capacity, client_priority(payload, max_priority_boost),
-                   progress=progress and not payload.get("stream"))
+                   progress=progress and not payload.get("stream"),
+                   names_media_uuids=kind == "chat" and media_uuids.named_in(payload))
 
     @property
     def model(self) -> str:
@@ -204,12 +208,15 @@ class InferenceRequest:
             )
         return estimate.worst_case(self.payload, self.kind, endpoint.max_model_len, endpoint.template_tokens)
 
-    def upstream_body(self) -> bytes:
-        """The body the engine gets."""
+    def upstream_body(self, media_scope: str) -> bytes:
+        """The body the engine gets; `media_scope` is the caller's (`Caller.limit_subject`), which its media parts'
+        uuids are scoped to (`endpoints.gateway.media_uuids`)."""
         reprioritised = self.priority != self.payload.get("priority", INTERACTIVE_PRIORITY)
-        if not self.stream and not reprioritised and not self.engine_model:
+        if not self.stream and not reprioritised and not self.engine_model and not self.names_media_uuids:
             return self.body  # `model` is already the endpoint's name, the engine's served name
         payload = self.payload | {"priority": self.priority} if reprioritised else self.payload
+        if self.names_media_uuids:
+            payload = media_uuids.scoped(payload, media_scope)
         if self.engine_model:
             payload = payload | {"model": self.engine_model}
         if self.stream:
@@ -294,6 +301,7 @@ def _check_content_parts(parts: list, param: str) -> None:
             raise _wrong_type(f"{part_param}.type", "a string")
         if (part["type"] == "text" or "text" in part) and not isinstance(part.get("text"), str):
             raise _wrong_type(f"{part_param}.text", "a string")
+        media_uuids.check_part(part, part_param)
         if not MEDIA_URL_FIELDS.isdisjoint(part):  # one test in C for the common part, text (issue #20)
             for name in sorted(MEDIA_URL_FIELDS & part.keys()):
                 _check_media_url(part[name], f"{part_param}.{name}")

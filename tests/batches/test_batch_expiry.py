@@ -42,6 +42,6 @@ def test_a_batch_past_its_window_expires_with_every_unrun_line_in_the_error_file
 def test_a_batch_line_asks_the_engine_for_its_low_priority_and_an_interactive_call_does_not():
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
     interactive = InferenceRequest.parse(body, kind="chat", path="/v1/chat/completions")
-    assert "priority" not in json.loads(interactive.upstream_body())
+    assert "priority" not in json.loads(interactive.upstream_body(media_scope="key:1"))
     batch_line = InferenceRequest(interactive.kind, interactive.path, body, interactive.payload, priority=BATCH_ENGINE_PRIORITY)
-    assert json.loads(batch_line.upstream_body())["priority"] == BATCH_ENGINE_PRIORITY == 100
+    assert json.loads(batch_line.upstream_body(media_scope="key:1"))["priority"] == BATCH_ENGINE_PRIORITY == 100

@@ -7,8 +7,8 @@ It speaks what the gateway relies on from vLLM: `/health`, non-streaming answers
 `usage`, streaming SSE with `stream_options.include_usage` / `continuous_usage_stats`.
 Each completion has `max_tokens` tokens (default 16), one per chunk. With INFERPLANE_ENGINE_API_KEY
 set it runs behind the same `EngineKeyGuard` as a real engine; `GET /_stats` counts the requests
-that reached it. With `--prefix-cache`, a modelled prefix cache reports `cached_tokens` for a prompt whose first message (or
-first 256 characters) it has seen before.
+that reached it and gives the last one's body (`last_payload`). With `--prefix-cache`, a modelled prefix cache
+reports `cached_tokens` for a prompt whose first message (or first 256 characters) it has seen before.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class MockOpenAI:
         self.cut_whole_answers = cut_whole_answers  # the first this many non-streamed answers: headers, half a body, gone
         self.one_write = one_write  # a whole stream in one write: what a fast engine looks like to a busy gateway
         self.num_requests = 0
+        self.last_payload: dict | None = None  # the body of the last request that reached it, as the engine read it
         self.num_streams_left = 0  # streams whose client (the gateway) closed the connection before their end
         self.prefix_cache = prefix_cache
         self.prefixes_seen: set[str] = set()  # a modelled prefix cache: a prefix seen before is reported cached
@@ -71,7 +72,8 @@ class MockOpenAI:
         if path == "/health":
             return await self._json(send, 200, {})
         if path == "/_stats":
-            return await self._json(send, 200, {"num_requests": self.num_requests, "num_streams_left": self.num_streams_left})
+            return await self._json(send, 200, {"num_requests": self.num_requests, "num_streams_left": self.num_streams_left,
+                                                "last_payload": self.last_payload})
         self.num_requests += 1
         body = b""
         while True:
@@ -79,7 +81,7 @@ class MockOpenAI:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        payload = json.loads(body or b"{}")
+        payload = self.last_payload = json.loads(body or b"{}")
         if payload.get("max_tokens") == 999_999:
             return await self._json(send, 400, {"error": {"message": "max_tokens too large", "type": "BadRequestError",
                                                            "param": "max_tokens", "code": 400}})

@@ -122,7 +122,8 @@ def test_a_gateway_whose_usage_journal_is_full_refuses_new_calls_and_is_not_read
                            message="new calls refused once the journal is full")
                 ready = httpx.get(f"{gateway}/readyz", timeout=10)
                 assert ready.status_code == 503, ready.text
-                assert ready.json()["checks"] == {"database": "ok", "redis": "ok", "usage_journal": "full"}, ready.text
+                assert ready.json()["checks"] == {"database": "ok", "redis": "ok", "usage_journal": "full",
+                                                  "process": "ok"}, ready.text
                 refused = httpx.post(f"{gateway}/v1/chat/completions", timeout=10,
                                      headers={"Authorization": f"Bearer {tenant.key}"},
                                      json={"model": endpoint.name, "messages": [{"role": "user", "content": "Hi"}]})

@@ -311,26 +311,29 @@ def test_a_redis_out_of_memory_is_a_503_with_retry_after_and_the_next_call_is_se
 
 
 def test_a_stream_cut_at_the_graceful_shutdown_deadline_is_billed_for_what_was_sent(tenant, start_mock_upstream, tmp_path):
-    # A pod stopping in a rolling deploy cancels the calls still streaming at its graceful deadline. Their
+    # A pod stopping in a rolling deploy stops the calls still streaming at the end of its drain. Their
     # finishes (usage row, settlement) then ran on a loop that was ending: the process exited without them,
     # the stream served and never billed, its reservation held until the sweeper.
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=200))
-    child, gateway = start_web_server(tmp_path, name="gateway", server_args=("--timeout-graceful-shutdown", "1"))
-    received = 0
+    child, gateway = start_web_server(tmp_path, name="gateway", server_args=("--timeout-graceful-shutdown", "1"),
+                                      extra_env={"INFERPLANE_GATEWAY_DRAIN_S": "1"})
+    received, last = 0, ""
     try:
         with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=100) as response:
             with contextlib.suppress(httpx.HTTPError):
                 for line in response.iter_lines():
-                    if line.startswith("data: {"):
+                    if line.startswith("data: {") and '"choices"' in line:
                         received += 1
                         if received == 3:
-                            child.kill(signal.SIGTERM)  # once: a second signal is uvicorn's "quit now"
+                            child.kill(signal.SIGTERM)
+                    last = line or last
         child.process.wait(30)
     finally:
         child.stop()
 
     row = UsageRecord.objects.get()
     assert received <= row.completion_tokens < 100
+    assert json.loads(last[6:])["error"]["code"] == "server_stopping"  # the stream says why it ended
     assert not get_redis().hlen(reservations_key(tenant.org.pk))  # settled, not left to the sweeper
 
 

@@ -61,13 +61,13 @@ def test_a_key_may_pass_priority_within_its_range_only(gateway, tenant, start_mo
 def test_the_engine_gets_the_calls_engine_priority():
     body = json.dumps({"model": "m", "messages": MESSAGES, "priority": -3}).encode()
     asked = InferenceRequest.parse(body, kind="chat", path="/v1/chat/completions", max_priority_boost=3)
-    assert asked.priority == -3 and asked.upstream_body() == body  # passed through unchanged
+    assert asked.priority == -3 and asked.upstream_body(media_scope="key:1") == body  # passed through unchanged
     plain = InferenceRequest.parse(json.dumps({"model": "m", "messages": MESSAGES}).encode(), kind="chat",
                                    path="/v1/chat/completions")
-    assert plain.priority == 0 and "priority" not in json.loads(plain.upstream_body())
+    assert plain.priority == 0 and "priority" not in json.loads(plain.upstream_body(media_scope="key:1"))
     # Batch work sets the engine priority itself: the engine gets it, streamed or not.
     batch = InferenceRequest(plain.kind, plain.path, plain.body, plain.payload | {"stream": True}, priority=100)
-    upstream = json.loads(batch.upstream_body())
+    upstream = json.loads(batch.upstream_body(media_scope="key:1"))
     assert upstream["priority"] == 100 and upstream["stream_options"]["include_usage"] is True
 
 

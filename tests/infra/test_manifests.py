@@ -404,12 +404,15 @@ def test_gpu_agent_runs_on_every_gpu_node_with_its_gpus_cache_and_join_token(ren
     assert pod["terminationGracePeriodSeconds"] > 120, "longer than a replica's drain timeout"
 
 
-def test_a_stopping_web_pod_has_time_to_bill_the_calls_its_graceful_deadline_cut(rendered):
+def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain_cut(rendered, settings):
     from endpoints.gateway.call import SHUTDOWN_FINISH_WAIT_S
 
-    pod = _pod_spec(rendered.get("Deployment", "inferplane-web"))
+    deployment = rendered.get("Deployment", "inferplane-web")
+    pod = _pod_spec(deployment)
     (container,) = pod["containers"]
     graceful = next(int(arg.split("=", 1)[1]) for arg in container["command"] + container.get("args", [])
                     if arg.startswith("--timeout-graceful-shutdown="))
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert pod["terminationGracePeriodSeconds"] > pre_stop + graceful + SHUTDOWN_FINISH_WAIT_S
+    values, _ = _environment(rendered, deployment)
+    for drain_s in (float(values["INFERPLANE_GATEWAY_DRAIN_S"]), settings.GATEWAY_DRAIN_S):
+        assert pod["terminationGracePeriodSeconds"] > pre_stop + drain_s + graceful + SHUTDOWN_FINISH_WAIT_S

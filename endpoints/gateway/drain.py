@@ -1,0 +1,109 @@
+"""A gateway process asked to stop (SIGTERM: a rolling deploy, a scale-down) drains before its server stops.
+
+uvicorn, told to stop, closes its listening socket at once, waits for the connections still open up to its
+`--timeout-graceful-shutdown` and then cancels what still runs. A non-streamed answer may be waited for up to
+`GATEWAY_MAX_ANSWER_WAIT_S` (hours), and one cancelled there was answered uvicorn's plain-text 500 and billed nothing
+for what its engine had computed (its usage comes only with the whole answer); without the flag (the image's own
+command) the pod's grace period ran out and the kernel's SIGKILL cut every call, its usage unwritten and its
+reservation left to the sweeper.
+
+So the first SIGTERM starts a drain here, and uvicorn hears it only when the drain ends: the inference calls this
+process is handling run on up to `GATEWAY_DRAIN_S` from the signal (the manifests' `terminationGracePeriodSeconds`
+less the preStop pause, uvicorn's own graceful wait for what is left and the finishes of the calls cut,
+`call.SHUTDOWN_FINISH_WAIT_S`). Meanwhile a new inference call is answered 503 `server_stopping` with its
+connection closed (a retry goes to another server) and `/readyz` says not ready. Calls still running at the bound are
+stopped (`InferenceCall.stop_for_shutdown`): a stream ends with an error event and is billed for what it sent, a call
+not yet answered gets the 503 and is billed nothing (the client has no answer, and the engine says its usage only with
+the whole answer); each settles its reservation once, as any call ends. A second SIGINT (Ctrl-C twice) still stops
+the server at once, as uvicorn does.
+
+The hook is installed at startup (`install`) on a uvicorn server's own handler, in its main thread; anywhere else
+(a test's in-process app, a batch worker) nothing changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import uvicorn
+from django.conf import settings
+
+logger = logging.getLogger("inferplane.requests")
+
+POLL_S = 0.1  # how often the drain looks whether the calls it waits for are done
+
+_draining_since: float | None = None  # monotonic
+_num_handling = 0  # inference requests being handled by this process (`handling`)
+# The calls running now by request id (`endpoints.gateway.call.InferenceCall`): the ones stopped at the bound.
+running: dict = {}
+_drain_task: asyncio.Task | None = None
+
+
+def draining() -> bool:
+    """This process was asked to stop: it takes no new inference call."""
+    return _draining_since is not None
+
+
+class handling:  # noqa: N801 - used as a statement: `with drain.handling():`
+    """Counts an inference request from its first byte to its answer, so the drain waits for it."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        global _num_handling
+        _num_handling += 1
+
+    def __exit__(self, *exc_info) -> None:
+        global _num_handling
+        _num_handling -= 1
+
+
+def install() -> bool:
+    """Drain on the first SIGTERM before the uvicorn server running this loop hears it; whether it was installed."""
+    server_exit = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not isinstance(
+        getattr(server_exit, "__self__", None), uvicorn.Server
+    ):
+        return False
+    loop = asyncio.get_running_loop()
+
+    def on_sigterm(signum, frame) -> None:
+        global _draining_since
+        # NOTE: once: a SIGTERM to the process group reaches a worker twice (again from its supervisor), and uvicorn
+        # too stops at once only on a second SIGINT, which still reaches it unchanged.
+        if _draining_since is not None:
+            return
+        _draining_since = time.monotonic()
+        loop.call_soon_threadsafe(_start, lambda: server_exit(signum, None))
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return True
+
+
+def _start(stop_server: Callable[[], None]) -> None:
+    global _drain_task
+    _drain_task = asyncio.ensure_future(_drain(stop_server))
+
+
+async def _drain(stop_server: Callable[[], None]) -> None:
+    deadline = _draining_since + settings.GATEWAY_DRAIN_S
+    if _num_handling:
+        logger.warning(
+            "stopping: %d call(s) in flight, waited for up to %.0f s", _num_handling, settings.GATEWAY_DRAIN_S
+        )
+    try:
+        while _num_handling and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        if running:
+            logger.warning(
+                "stopping: %d call(s) still running at the drain's bound are stopped", len(running)
+            )
+            for call in list(running.values()):
+                call.stop_for_shutdown()
+    finally:
+        stop_server()
