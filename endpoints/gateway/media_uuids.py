@@ -14,6 +14,11 @@ given uuid keyed by the calling key (`Caller.limit_subject`): a key's repeated u
 every gateway process and replica, and can never name another key's. No secret is needed: every uuid reaches an
 engine through `scoped`, so the values a caller can produce are its own key's HMACs, and matching another key's
 (or a hash vLLM computes of media bytes) would take finding a preimage.
+
+A body's `cache_salt` (vLLM's, for chat and completions) is the same kind of name: prefix-cache blocks are shared
+only between requests with the same salt, which is how a caller keeps its prompts' cached blocks (and the timing
+they reveal) from others. Passed through, another key that sent the same salt shared them. It is scoped the same way
+(`scoped_cache_salt`), after the checks vLLM makes of it (a 400 here, as the engine would answer).
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ import hmac
 from endpoints.gateway import errors
 
 FIELD = "uuid"
+CACHE_SALT = "cache_salt"
+# vLLM's own bounds of a salt (`vllm/entrypoints/generate/base/protocol.py`), checked before it is rewritten.
+CACHE_SALT_MAX_LENGTH = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 def check_part(part: dict, param: str) -> bool:
@@ -69,3 +78,23 @@ def scoped(payload: dict, scope: str) -> dict:
             message = message | {"content": content}
         messages.append(message)
     return payload | {"messages": messages}
+
+
+def check_cache_salt(payload: dict) -> bool:
+    """Whether a body names a `cache_salt` (a 400 when vLLM would refuse it)."""
+    salt = payload.get(CACHE_SALT)
+    if salt is None:
+        return False
+    if not isinstance(salt, str) or not salt or len(salt) > CACHE_SALT_MAX_LENGTH or not CACHE_SALT_FORBIDDEN.isdisjoint(
+            salt):
+        raise errors.invalid_request(
+            f"'{CACHE_SALT}' must be a non-empty string of at most {CACHE_SALT_MAX_LENGTH} characters, without '@', "
+            "'/', '\\' or NUL.",
+            param=CACHE_SALT,
+        )
+    return True
+
+
+def scoped_cache_salt(payload: dict, scope: str) -> dict:
+    """A copy of a body whose `cache_salt` is scoped to the caller `scope`, as a media part's uuid is."""
+    return payload | {CACHE_SALT: scoped_uuid(scope, payload[CACHE_SALT])}

@@ -7,7 +7,8 @@ wrong type or range for any field OpenAI's API defines, and any field not on the
 `endpoints.gateway.fields`. vLLM's sampling extensions on it (`top_k`, `min_p`, …) pass through for
 the engine to judge. An embeddings body is checked by `endpoints.gateway.embeddings`. Media (an image,
 audio or a video in a message's content) comes inline, as a `data:` URL: engines never fetch it; a media part's
-`uuid` (vLLM's cache key for it) reaches the engine scoped to the calling key (`endpoints.gateway.media_uuids`).
+`uuid` (vLLM's cache key for it) and a body's `cache_salt` reach the engine scoped to the calling key
+(`endpoints.gateway.media_uuids`).
 
 `priority` is the engine's (vLLM's priority scheduling, lower runs sooner; interactive calls 0): a
 client may pass one only within what its key allows (`ApiKey.max_priority_boost`), a 400 naming
@@ -171,6 +172,8 @@ class InferenceRequest:
     progress: bool = False
     # A content part names a `uuid`: the engine gets it scoped to the caller (`endpoints.gateway.media_uuids`).
     names_media_uuids: bool = False
+    # The body names a `cache_salt`: the engine gets it scoped to the caller, as a uuid.
+    names_cache_salt: bool = False
 
     # The `model` the engine gets when it is not the caller's: a LoRA adapter's name (its `lora_name`).
     engine_model: str = ""
@@ -186,7 +189,8 @@ class InferenceRequest:
         payload = parse_payload(body, kind)
         return cls(kind, path, body, payload, wait_for_capacity, client_priority(payload, max_priority_boost),
                    progress=progress and not payload.get("stream"),
-                   names_media_uuids=kind == "chat" and media_uuids.named_in(payload))
+                   names_media_uuids=kind == "chat" and media_uuids.named_in(payload),
+                   names_cache_salt=kind != embeddings.EMBEDDING and media_uuids.check_cache_salt(payload))
 
     @property
     def model(self) -> str:
@@ -212,11 +216,13 @@ class InferenceRequest:
         """The body the engine gets; `media_scope` is the caller's (`Caller.limit_subject`), which its media parts'
         uuids are scoped to (`endpoints.gateway.media_uuids`)."""
         reprioritised = self.priority != self.payload.get("priority", INTERACTIVE_PRIORITY)
-        if not self.stream and not reprioritised and not self.engine_model and not self.names_media_uuids:
+        if not (self.stream or reprioritised or self.engine_model or self.names_media_uuids or self.names_cache_salt):
             return self.body  # `model` is already the endpoint's name, the engine's served name
         payload = self.payload | {"priority": self.priority} if reprioritised else self.payload
         if self.names_media_uuids:
             payload = media_uuids.scoped(payload, media_scope)
+        if self.names_cache_salt:
+            payload = media_uuids.scoped_cache_salt(payload, media_scope)
         if self.engine_model:
             payload = payload | {"model": self.engine_model}
         if self.stream:

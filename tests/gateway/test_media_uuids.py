@@ -115,3 +115,30 @@ def test_two_keys_naming_the_same_media_uuid_never_reach_the_same_engine_item(
     assert owner_named == owner_sent  # the owner's own key still can
     assert "holiday-photo" not in {owner_sent, colleague_named}
     assert seen[0]["image_url"] == {"url": PNG}
+
+
+def _salt_reaching_the_engine(body: dict, scope: str, kind: str = "chat") -> str | None:
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    request = InferenceRequest.parse(json.dumps(body).encode(), kind=kind, path=path)
+    return json.loads(request.upstream_body(media_scope=scope)).get("cache_salt")
+
+
+def test_a_cache_salt_reaches_the_engine_as_one_of_the_calling_keys_own():
+    # vLLM shares prefix-cache blocks only between requests with the same `cache_salt`: a caller salts its prompts to
+    # keep their cached blocks, and the timing they reveal, from others. Passed through, another key of the endpoint
+    # that sent the same salt shared them.
+    chat = _chat() | {"cache_salt": "tenant-a"}
+    completion = {"model": "m", "prompt": "Once upon a time", "cache_salt": "tenant-a"}
+
+    assert _salt_reaching_the_engine(chat, "key:1") == scoped_uuid("key:1", "tenant-a")
+    assert _salt_reaching_the_engine(chat, "key:2") == scoped_uuid("key:2", "tenant-a") != scoped_uuid("key:1", "tenant-a")
+    assert _salt_reaching_the_engine(completion, "key:1", "completion") == scoped_uuid("key:1", "tenant-a")
+    assert _salt_reaching_the_engine(_chat(), "key:1") is None
+
+
+@pytest.mark.parametrize("salt", [7, "", "a/b", "x" * 129])
+def test_a_cache_salt_the_engine_would_refuse_is_a_400(salt):
+    with pytest.raises(OpenAIError) as refused:
+        InferenceRequest.parse(json.dumps(_chat() | {"cache_salt": salt}).encode(), kind="chat",
+                               path="/v1/chat/completions")
+    assert refused.value.status == 400 and refused.value.param == "cache_salt"
