@@ -282,7 +282,7 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
                                      request_path=request_path, input_file=input_file, completion_window=completion_window,
                                      metadata=metadata, created_at=now,
                                      expires_at=now + COMPLETION_WINDOWS[completion_window])
-    transaction.on_commit(lambda: dispatch(batch.pk))
+    _dispatch_after_commit(batch.pk)
     return batch
 
 
@@ -291,15 +291,43 @@ def cancel_batch(batch: Batch) -> Batch:
     now = timezone.now()
     Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
         status=BatchStatus.CANCELLING, cancelling_at=now)
-    transaction.on_commit(lambda: dispatch(batch.pk))
+    _dispatch_after_commit(batch.pk)
     return Batch.objects.get(pk=batch.pk)
+
+
+def _dispatch_after_commit(batch_id: str) -> None:
+    """Queue a run of the batch once the caller's transaction commits, if Redis and the broker take it now.
+
+    NOTE: best-effort: the batch is written whatever happens here, and `tick` queues any open batch without a live run
+    within `BATCH_TICK_S`. A queueing that failed answered 500 or 503 for a batch that was created (requests are not
+    atomic: the callback ran right after the commit, in the request), and the openai client, which sends a request
+    again after a 5xx, created three batches, each run and billed."""
+
+    def queue() -> None:
+        try:
+            dispatch(batch_id)
+        except Exception:
+            logger.warning("batch %s: its run could not be queued now; the batch tick queues it", batch_id,
+                           exc_info=True)
+
+    transaction.on_commit(queue)
 
 
 def dispatch(batch_id: str) -> bool:
     """Queue a run of the batch unless one is queued or running (or its last run found no free slot lately)."""
-    if not get_redis().set(batch_dispatch_key(batch_id), "1", nx=True, ex=DISPATCH_HELD_S):
+    key = batch_dispatch_key(batch_id)
+    if not get_redis().set(key, "1", nx=True, ex=DISPATCH_HELD_S):
         return False
-    current_app.send_task(RUN_BATCH_TASK, args=[batch_id], expires=DISPATCH_HELD_S)
+    try:
+        current_app.send_task(RUN_BATCH_TASK, args=[batch_id], expires=DISPATCH_HELD_S)
+    except Exception:
+        # NOTE: the key stands for a run in the queue: left with none there, it kept the tick from queueing the batch
+        # for `DISPATCH_HELD_S`.
+        try:
+            get_redis().delete(key)
+        except Exception:
+            logger.warning("batch %s: its dispatch key stays until it lapses", batch_id, exc_info=True)
+        raise
     return True
 
 
