@@ -25,7 +25,8 @@ from celery import current_app
 from django.conf import settings
 from django.db import DatabaseError, transaction
 from django.db.models import BigIntegerField, F, Q, Sum, Window
-from django.db.models.functions import Greatest, RowNumber
+from django.db.models.expressions import CombinedExpression
+from django.db.models.functions import Greatest, Now, RowNumber
 from django.utils import timezone
 
 from billing import usage_writer
@@ -338,7 +339,7 @@ def tick() -> int:
     (`scheduling.apply` wakes it when their deadline needs it)."""
     now = timezone.now()
     sweep_abandoned_uploads(now)
-    unleased = Batch.objects.open().filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
+    unleased = Batch.objects.open().filter(_lease_lapsed())
     warm = Replica.objects.filter(state=ReplicaState.READY).values("endpoint_id")
     due = unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=now))
     # NOTE: every organisation's oldest batch first, then every one's second, and so on: one organisation's
@@ -354,11 +355,24 @@ def tick() -> int:
     return sum(dispatch(batch_id) for batch_id, _ in rows)
 
 
+def _lease_lapsed() -> Q:
+    """Batches no run holds: never leased, released, or their lease lapsed by PostgreSQL's clock."""
+    return Q(lease_until__isnull=True) | Q(lease_until__lt=Now())
+
+
+def _lease_for(seconds: float) -> CombinedExpression:
+    """A lease's end `seconds` from now by PostgreSQL's clock.
+
+    NOTE: leases are set and compared on the database's clock, never a worker's: each worker wrote and judged them by
+    its own, and one 60 s ahead took over a batch whose run was alive and renewing, running its lines in flight again
+    (GPU work twice, their answers counted twice against the storage quota)."""
+    return Now() + timedelta(seconds=seconds)
+
+
 def _claim(batch_id: str) -> str | None:
     token = secrets.token_hex(8)
-    now = timezone.now()
-    claimed = Batch.objects.open().filter(pk=batch_id).filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now)).update(
-        lease_until=now + timedelta(seconds=settings.BATCH_LEASE_S), lease_token=token)
+    claimed = Batch.objects.open().filter(pk=batch_id).filter(_lease_lapsed()).update(
+        lease_until=_lease_for(settings.BATCH_LEASE_S), lease_token=token)
     return token if claimed else None
 
 
@@ -376,7 +390,7 @@ def _hold_lease_through_a_long_step(batch_id: str, token: str) -> None:
     another worker took the batch over meanwhile (counting a validation attempt each time, until a valid batch
     failed; writing its files twice at once). Held this long first."""
     Batch.objects.filter(pk=batch_id, lease_token=token).update(
-        lease_until=timezone.now() + timedelta(seconds=max(settings.BATCH_LEASE_S, INPUT_READ_LEASE_S)))
+        lease_until=_lease_for(max(settings.BATCH_LEASE_S, INPUT_READ_LEASE_S)))
 
 
 def run_batch(batch_id: str) -> str:
@@ -553,7 +567,7 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
 
     def keep_going(progress: runner.Progress) -> str:
         renewed = Batch.objects.filter(pk=batch.pk, lease_token=token).update(
-            lease_until=timezone.now() + timedelta(seconds=settings.BATCH_LEASE_S),
+            lease_until=_lease_for(settings.BATCH_LEASE_S),
             num_completed=progress.num_completed, num_failed=progress.num_failed)
         if not renewed:
             return "lease"
