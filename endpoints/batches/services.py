@@ -352,6 +352,9 @@ def tick() -> int:
     died = [batch_id for batch_id, token in rows if token]
     if died:
         get_redis().delete(*(batch_dispatch_key(batch_id) for batch_id in died))
+        # NOTE: the dead run's token goes with its queued run (unless a new run claimed the batch meanwhile): left
+        # there, the batch read as a dead run's at every tick and was queued again every 2 s until a worker took it.
+        Batch.objects.filter(pk__in=died).filter(_lease_lapsed()).update(lease_token="")
     return sum(dispatch(batch_id) for batch_id, _ in rows)
 
 
