@@ -25,7 +25,8 @@ from celery import current_app
 from django.conf import settings
 from django.db import DatabaseError, transaction
 from django.db.models import BigIntegerField, F, Q, Sum, Window
-from django.db.models.functions import Greatest, RowNumber
+from django.db.models.expressions import CombinedExpression
+from django.db.models.functions import Greatest, Now, RowNumber
 from django.utils import timezone
 
 from billing import usage_writer
@@ -282,7 +283,7 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
                                      request_path=request_path, input_file=input_file, completion_window=completion_window,
                                      metadata=metadata, created_at=now,
                                      expires_at=now + COMPLETION_WINDOWS[completion_window])
-    transaction.on_commit(lambda: dispatch(batch.pk))
+    _dispatch_after_commit(batch.pk)
     return batch
 
 
@@ -291,15 +292,43 @@ def cancel_batch(batch: Batch) -> Batch:
     now = timezone.now()
     Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
         status=BatchStatus.CANCELLING, cancelling_at=now)
-    transaction.on_commit(lambda: dispatch(batch.pk))
+    _dispatch_after_commit(batch.pk)
     return Batch.objects.get(pk=batch.pk)
+
+
+def _dispatch_after_commit(batch_id: str) -> None:
+    """Queue a run of the batch once the caller's transaction commits, if Redis and the broker take it now.
+
+    NOTE: best-effort: the batch is written whatever happens here, and `tick` queues any open batch without a live run
+    within `BATCH_TICK_S`. A queueing that failed answered 500 or 503 for a batch that was created (requests are not
+    atomic: the callback ran right after the commit, in the request), and the openai client, which sends a request
+    again after a 5xx, created three batches, each run and billed."""
+
+    def queue() -> None:
+        try:
+            dispatch(batch_id)
+        except Exception:
+            logger.warning("batch %s: its run could not be queued now; the batch tick queues it", batch_id,
+                           exc_info=True)
+
+    transaction.on_commit(queue)
 
 
 def dispatch(batch_id: str) -> bool:
     """Queue a run of the batch unless one is queued or running (or its last run found no free slot lately)."""
-    if not get_redis().set(batch_dispatch_key(batch_id), "1", nx=True, ex=DISPATCH_HELD_S):
+    key = batch_dispatch_key(batch_id)
+    if not get_redis().set(key, "1", nx=True, ex=DISPATCH_HELD_S):
         return False
-    current_app.send_task(RUN_BATCH_TASK, args=[batch_id], expires=DISPATCH_HELD_S)
+    try:
+        current_app.send_task(RUN_BATCH_TASK, args=[batch_id], expires=DISPATCH_HELD_S)
+    except Exception:
+        # NOTE: the key stands for a run in the queue: left with none there, it kept the tick from queueing the batch
+        # for `DISPATCH_HELD_S`.
+        try:
+            get_redis().delete(key)
+        except Exception:
+            logger.warning("batch %s: its dispatch key stays until it lapses", batch_id, exc_info=True)
+        raise
     return True
 
 
@@ -310,7 +339,7 @@ def tick() -> int:
     (`scheduling.apply` wakes it when their deadline needs it)."""
     now = timezone.now()
     sweep_abandoned_uploads(now)
-    unleased = Batch.objects.open().filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
+    unleased = Batch.objects.open().filter(_lease_lapsed())
     warm = Replica.objects.filter(state=ReplicaState.READY).values("endpoint_id")
     due = unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=now))
     # NOTE: every organisation's oldest batch first, then every one's second, and so on: one organisation's
@@ -323,14 +352,30 @@ def tick() -> int:
     died = [batch_id for batch_id, token in rows if token]
     if died:
         get_redis().delete(*(batch_dispatch_key(batch_id) for batch_id in died))
+        # NOTE: the dead run's token goes with its queued run (unless a new run claimed the batch meanwhile): left
+        # there, the batch read as a dead run's at every tick and was queued again every 2 s until a worker took it.
+        Batch.objects.filter(pk__in=died).filter(_lease_lapsed()).update(lease_token="")
     return sum(dispatch(batch_id) for batch_id, _ in rows)
+
+
+def _lease_lapsed() -> Q:
+    """Batches no run holds: never leased, released, or their lease lapsed by PostgreSQL's clock."""
+    return Q(lease_until__isnull=True) | Q(lease_until__lt=Now())
+
+
+def _lease_for(seconds: float) -> CombinedExpression:
+    """A lease's end `seconds` from now by PostgreSQL's clock.
+
+    NOTE: leases are set and compared on the database's clock, never a worker's: each worker wrote and judged them by
+    its own, and one 60 s ahead took over a batch whose run was alive and renewing, running its lines in flight again
+    (GPU work twice, their answers counted twice against the storage quota)."""
+    return Now() + timedelta(seconds=seconds)
 
 
 def _claim(batch_id: str) -> str | None:
     token = secrets.token_hex(8)
-    now = timezone.now()
-    claimed = Batch.objects.open().filter(pk=batch_id).filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now)).update(
-        lease_until=now + timedelta(seconds=settings.BATCH_LEASE_S), lease_token=token)
+    claimed = Batch.objects.open().filter(pk=batch_id).filter(_lease_lapsed()).update(
+        lease_until=_lease_for(settings.BATCH_LEASE_S), lease_token=token)
     return token if claimed else None
 
 
@@ -348,7 +393,7 @@ def _hold_lease_through_a_long_step(batch_id: str, token: str) -> None:
     another worker took the batch over meanwhile (counting a validation attempt each time, until a valid batch
     failed; writing its files twice at once). Held this long first."""
     Batch.objects.filter(pk=batch_id, lease_token=token).update(
-        lease_until=timezone.now() + timedelta(seconds=max(settings.BATCH_LEASE_S, INPUT_READ_LEASE_S)))
+        lease_until=_lease_for(max(settings.BATCH_LEASE_S, INPUT_READ_LEASE_S)))
 
 
 def run_batch(batch_id: str) -> str:
@@ -525,7 +570,7 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
 
     def keep_going(progress: runner.Progress) -> str:
         renewed = Batch.objects.filter(pk=batch.pk, lease_token=token).update(
-            lease_until=timezone.now() + timedelta(seconds=settings.BATCH_LEASE_S),
+            lease_until=_lease_for(settings.BATCH_LEASE_S),
             num_completed=progress.num_completed, num_failed=progress.num_failed)
         if not renewed:
             return "lease"

@@ -5,19 +5,23 @@ from __future__ import annotations
 import json
 
 import django.db
+import kombu.exceptions
 import psycopg
 import redis.exceptions
 
 from controlplane.redis_scripts import says_unavailable
 
-# What a missing or silent Redis or PostgreSQL raises: the request gets a clean 503, never a 500 or a hang.
+# What a missing or silent Redis, PostgreSQL or Celery broker raises: the request gets a clean 503, never a 500 or a
+# hang.
 # NOTE: redis-py's replies that say the server cannot serve now (out of memory, a replica, a cluster
 # reshaping) are outages too; this process's own Redis client raises `RedisUnavailable` (a
-# ConnectionError) for the same replies (`controlplane.redis_scripts`).
+# ConnectionError) for the same replies (`controlplane.redis_scripts`). Celery's `send_task` raises kombu's
+# `OperationalError` (no `ConnectionError`) once it gives up on the broker.
 OUTAGES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.OutOfMemoryError,
            redis.exceptions.ReadOnlyError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
            redis.exceptions.MasterDownError, ConnectionError, TimeoutError,
-           django.db.OperationalError, django.db.InterfaceError, psycopg.OperationalError)
+           django.db.OperationalError, django.db.InterfaceError, psycopg.OperationalError,
+           kombu.exceptions.OperationalError)
 
 
 def is_outage(exc: BaseException) -> bool:

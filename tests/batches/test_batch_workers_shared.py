@@ -58,6 +58,19 @@ def test_a_run_that_died_has_its_batch_queued_again_at_once(files_bucket, queued
     assert [kwargs["args"] for kwargs in queued] == [[batch.pk]]
 
 
+def test_a_run_that_died_has_its_batch_queued_again_once_not_at_every_tick(files_bucket, queued):
+    # The dead run's token stayed: every tick read the batch as a dead run's, dropped its queued run and queued
+    # another, every 2 s until a worker took it.
+    endpoint = EndpointFactory(max_model_len=2048)
+    batch = new_batch(endpoint, _input(endpoint.name))
+    get_redis().set(batch_dispatch_key(batch.pk), "1", ex=services.DISPATCH_HELD_S)
+    Batch.objects.filter(pk=batch.pk).update(lease_token="dead-run", lease_until=timezone.now() - timedelta(seconds=1))
+    queued.clear()
+    for _ in range(10):
+        services.tick()
+    assert [kwargs["args"] for kwargs in queued] == [[batch.pk]]
+
+
 def test_a_batch_whose_endpoint_has_no_free_slot_gives_its_worker_back_without_reading_its_input_again(
         files_bucket, queued, tenant, start_mock_upstream, monkeypatch):
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(), target_concurrency=2)
