@@ -73,7 +73,9 @@ def request_reconcile(endpoint_id) -> None:
     After commit, so the reconcile reads what this transaction wrote.
     """
     endpoint_id = str(endpoint_id)
-    transaction.on_commit(lambda: current_app.send_task(RECONCILE_TASK, args=[endpoint_id]))
+    # NOTE: robust: a hint, the autoscaler's tick reconciles every endpoint anyway. A broker out of reach raised
+    # here after the request's writes had committed: a 500 for an endpoint created, changed or deleted.
+    transaction.on_commit(lambda: current_app.send_task(RECONCILE_TASK, args=[endpoint_id]), robust=True)
 
 
 def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:

@@ -78,7 +78,7 @@ def provisioning_pool(endpoint: Endpoint) -> NodePool | None:
 
 def request_provisioning() -> None:
     """Run the pool tick once the current transaction commits, rather than at the next beat."""
-    transaction.on_commit(lambda: current_app.send_task(PROVISION_TASK, expires=60))
+    transaction.on_commit(lambda: current_app.send_task(PROVISION_TASK, expires=60), robust=True)  # the beat's tick too
 
 
 def tell_endpoints(endpoint_ids: Iterable[str], message: str, *, once: bool = False) -> None:

@@ -434,5 +434,5 @@ def retire_node(actor: Actor, node: Node, *, reason: str) -> Retirement:
             for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
                 fail_replica(replica, reason)
             node_id = node.pk
-            transaction.on_commit(lambda: notify_node(node_id))
+            transaction.on_commit(lambda: notify_node(node_id), robust=True)
     return Retirement(retired=bool(retired), **outcome)

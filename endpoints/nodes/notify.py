@@ -24,7 +24,7 @@ def endpoint_ready_channel(endpoint_id) -> str:
 
 
 def _publish_after_commit(channel: str) -> None:
-    transaction.on_commit(lambda: get_redis().publish(channel, "1"))
+    transaction.on_commit(lambda: get_redis().publish(channel, "1"), robust=True)  # a wake-up: its listeners poll too
 
 
 def notify_node(node_id) -> None:
