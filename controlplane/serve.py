@@ -14,7 +14,8 @@ any worker starts, so a restarted container never adds a previous run's counts o
 the variable a private folder is made under the temporary directory and removed on exit.
 
 uvicorn's access line is off unless `--access-log` is passed: the application writes its own
-(`controlplane.access_log`), and none on an inference call, which has the gateway's request line.
+(`controlplane.access_log`), and none on an inference call, which has the gateway's request line. uvicorn's graceful
+wait after the gateway's drain is `GRACEFUL_SHUTDOWN_S` unless `--timeout-graceful-shutdown` is passed.
 
 NOTE: uvicorn (uvloop, httptools), not granian: granian cost the gateway more CPU per request, not less,
 measured side by side (`bench/results/gateway_profile.md`, round 4).
@@ -37,6 +38,7 @@ from pathlib import Path
 import uvicorn
 
 APPLICATION = "controlplane.asgi:application"
+GRACEFUL_SHUTDOWN_S = 10  # unless `--timeout-graceful-shutdown` is passed (infra/k8s/base/web.yaml passes the same)
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>", or "max <period>"
 # cgroup v1 (nodes and Docker hosts still on it): the same limit in two files, quota -1 for none.
 CGROUP_V1_CPU_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
@@ -104,6 +106,10 @@ def main(argv: list[str] | None = None) -> None:
         # The application writes its own access lines (`controlplane.access_log`); uvicorn's cost the
         # gateway ~150-300 us of CPU per inference call and repeated the gateway's own request line.
         uvicorn_args.append("--no-access-log")
+    if not any(arg.startswith("--timeout-graceful-shutdown") for arg in uvicorn_args):
+        # NOTE: what is left after the gateway's own drain of its inference calls (`endpoints.gateway.drain`):
+        # uploads and console requests. uvicorn's default waits for them for ever, until the pod's SIGKILL.
+        uvicorn_args.append(f"--timeout-graceful-shutdown={GRACEFUL_SHUTDOWN_S}")
     uvicorn.main([APPLICATION, "--workers", str(workers), *uvicorn_args])
 
 

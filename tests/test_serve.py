@@ -73,3 +73,16 @@ def test_uvicorns_access_line_is_off_unless_asked_for(monkeypatch, given, expect
     serve.main(["--workers", "1", "--port", "0", *given])
     (args,) = started
     assert expected in args and ("--access-log" in args) != ("--no-access-log" in args)
+
+
+@pytest.mark.parametrize(("given", "expected"), [((), "--timeout-graceful-shutdown=10"),
+                                                 (("--timeout-graceful-shutdown=30",), "--timeout-graceful-shutdown=30")])
+def test_uvicorns_graceful_wait_is_bounded_unless_given(monkeypatch, given, expected):
+    # After the gateway's drain (endpoints.gateway.drain) uvicorn waits for the connections left; by default for ever,
+    # so the image's own command (which passes no bound) waited for an upload or a console request until SIGKILL.
+    started = []
+    monkeypatch.setattr(serve.uvicorn, "main", lambda args: started.append(args))
+    monkeypatch.setattr(serve, "prepare_metrics_dir", lambda workers: None)
+    serve.main(["--workers", "1", "--port", "0", *given])
+    (args,) = started
+    assert [arg for arg in args if arg.startswith("--timeout-graceful-shutdown")] == [expected]
