@@ -1,5 +1,6 @@
 """API keys: minting (the secret shown once), who may revoke whose key, revoking (a key with the keys it
-minted), and finding and authenticating a key from its plain secret, with its creator's current role."""
+minted, a person's keys where their membership ends), and finding and authenticating a key from its plain
+secret, with its creator's current role."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from controlplane import tokens
-from controlplane.accounts.members import NotPermitted, actor_role
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
-from controlplane.accounts.services import Actor, record_audit
+from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
 from controlplane.credential_lookups import CredentialLookups
 
 logger = logging.getLogger(__name__)
@@ -189,6 +189,21 @@ def revoke_api_key(actor: Actor, api_key: ApiKey) -> ApiKey:
     _revoke_with_minted(actor, api_key, now=timezone.now())
     api_key.refresh_from_db()
     return api_key
+
+
+@transaction.atomic
+def revoke_api_keys_of(actor: Actor, user, *, organization: Organization | None = None, reason: str) -> int:
+    """Revokes every key `user` created (in `organization`, or in every organisation), and the keys those minted,
+    each audited with `reason`; the number revoked.
+
+    NOTE: called wherever a person's membership ends (`members.remove_member`) or staff deactivate their account. A
+    key acts with its creator's current role, so a removed member's keys only seemed dead: invited back, even as a
+    viewer, every key they had made came back, `manage` keys included (a review's finding)."""
+    created = ApiKey.objects.filter(created_by=user, revoked_at__isnull=True).select_related("organization")
+    if organization is not None:
+        created = created.filter(organization=organization)
+    now = timezone.now()
+    return sum(_revoke_with_minted(actor, api_key, now=now, reason=reason) for api_key in created.order_by("pk"))
 
 
 def _revoke_with_minted(actor: Actor, api_key: ApiKey, *, now, **details) -> int:

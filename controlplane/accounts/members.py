@@ -1,31 +1,18 @@
-"""Members of an organisation and their roles: who may do what (`actor_role`, `NotPermitted`), the
-owner role's guard, and adding, re-roling and removing members, always leaving an owner."""
+"""Members of an organisation and their roles: who may do what (`actor_role`, `NotPermitted`, defined in
+`services` and named here as before), the owner role's guard, and adding, re-roling and removing members,
+always leaving an owner; a removed member's keys are revoked with their membership."""
 
 from __future__ import annotations
 
 from django.db import transaction
 
+from controlplane.accounts import keys
 from controlplane.accounts.models import Membership, Organization, Role
-from controlplane.accounts.services import Actor, record_audit
-
-
-class NotPermitted(ValueError):
-    """The actor's role does not allow this; `field` names the input at fault."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
+from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
 
 
 class LastOwnerError(ValueError):
     pass
-
-
-def actor_role(actor: Actor, organization: Organization) -> str | None:
-    """The acting user's role in the organisation; None for the system (scripts, bootstrap)."""
-    if actor.user is None:
-        return None
-    return Membership.objects.filter(organization=organization, user=actor.user).values_list("role", flat=True).first()
 
 
 def ensure_may_touch_owner_role(actor: Actor, organization: Organization, *roles: str) -> None:
@@ -62,10 +49,13 @@ def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Me
 
 @transaction.atomic
 def remove_member(actor: Actor, membership: Membership) -> None:
+    """Ends the membership and revokes, audited, every key the member created in the organisation (and the keys
+    those minted): a key acts with its creator's role, so without this the keys came back with a new invitation."""
     membership = _lock_membership(membership)
     ensure_may_touch_owner_role(actor, membership.organization, membership.role)
     _ensure_an_owner_remains(membership, leaving=True)
     record_audit(actor, membership.organization, "member.remove", membership, email=membership.user.email)
+    keys.revoke_api_keys_of(actor, membership.user, organization=membership.organization, reason="member.remove")
     membership.delete()
 
 
