@@ -1,5 +1,5 @@
 """Roles on keys and owners: who may revoke which key, a demotion reaches existing keys, a removal revokes them,
-and an organisation keeps an owner however many demotions race."""
+roles change only when signed in, and an organisation keeps an owner however many demotions race."""
 
 from __future__ import annotations
 
@@ -76,6 +76,29 @@ def test_the_console_offers_revoke_only_where_it_is_allowed(org, member_client_f
     response = console.post(reverse("console:key-revoke", args=[_key_of(clients["owner"]).pk]), follow=True)
     assert "only their own keys" in response.content.decode()
     assert _key_of(clients["owner"]).revoked_at is None
+
+
+@pytest.mark.django_db
+def test_roles_change_and_members_are_removed_only_when_signed_in_never_with_an_api_key(org, member_client_factory):
+    """Before, a leaked key invited a stranger as owner, who then removed the real owners (tests/test_invitations.py):
+    a key changes no membership at all."""
+    clients = _clients(org, member_client_factory)
+    member = Membership.objects.get(organization=org, user=clients["member"].user)
+    owner = Membership.objects.get(organization=org, user=clients["owner"].user)
+    for with_key, role in ((clients["owner"], Role.ADMIN), (clients["admin"], Role.VIEWER)):
+        refused = with_key.patch(f"/api/v1/members/{member.pk}/", {"role": role}, format="json")
+        assert refused.status_code == 403 and "never with an API key" in refused.json()["detail"]
+    assert clients["owner"].delete(f"/api/v1/members/{owner.pk}/").status_code == 403
+    assert clients["admin"].delete(f"/api/v1/members/{member.pk}/").status_code == 403
+    assert Membership.objects.get(pk=member.pk).role == Role.MEMBER and Membership.objects.filter(pk=owner.pk).exists()
+    assert not AuditEvent.objects.filter(action__startswith="member.").exists()
+    with pytest.raises(members.SessionRequired):
+        members.add_member(services.Actor(user=clients["owner"].user, api_key=_key_of(clients["owner"])), org,
+                           user=UserFactory(), role=Role.OWNER)
+
+    signed_in = signed_in_api_client(clients["admin"].user)
+    assert signed_in.patch(f"/api/v1/members/{member.pk}/", {"role": Role.VIEWER}, format="json").status_code == 200
+    assert signed_in.delete(f"/api/v1/members/{member.pk}/").status_code == 204
 
 
 @pytest.mark.django_db
