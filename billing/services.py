@@ -67,6 +67,11 @@ def ensure_may_set_key_spend_cap(actor: Actor, api_key, *, current: ApiKeySpendC
 
     NOTE: a cap of 0 stops a key as revoking it does, and lifting a cap gives a key what its owner held back:
     each was a way round the rule that an admin may not revoke an owner's key.
+
+    NOTE: a cap bounds its key (and the keys that key mints), not the person who made it: an admin whose key an owner
+    capped may create another key when signed in, uncapped, as any admin may (README, "Roles on keys"). Bounding a
+    person would take a cap of their own, across their keys and their playground; their role (viewer) or the
+    organisation's cap bounds them now.
     """
     if actor.user is None:
         return

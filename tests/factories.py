@@ -7,6 +7,7 @@ from django.core.management import call_command
 from django.test import Client
 from django_otp.oath import TOTP
 from django_otp.plugins.otp_totp.models import TOTPDevice
+from rest_framework.test import APIClient
 
 from controlplane.accounts.models import EmailVerification, Membership, Organization, Role
 from controlplane.accounts.services import SYSTEM
@@ -111,6 +112,16 @@ def signed_in_with_the_password(user) -> Client:
     client = Client()
     response = client.post("/login/", {"username": user.email, "password": "correct horse battery"})
     assert response.status_code == 302, response
+    return client
+
+
+def signed_in_api_client(user) -> APIClient:
+    """An API client with `user`'s signed-in session, as the console's own calls, not an API key: members, roles and
+    invitations change only so (`members.ensure_in_a_session`). Its `user` and `organization` are `user`'s first."""
+    client = APIClient()
+    client.force_login(user)
+    client.user = user
+    client.organization = Organization.objects.filter(memberships__user=user).order_by("memberships__pk").first()
     return client
 
 

@@ -1,6 +1,6 @@
 """The Django admin changes nothing behind the services' backs: prices staff set are audited and told to the tenant,
-and the records the platform keeps (hourly rollups, spend alerts, replicas, the endpoint's log) are staff's to read,
-never to add, edit or delete."""
+a user staff deactivate or delete loses their keys, and the records the platform keeps (hourly rollups, spend
+alerts, replicas, the endpoint's log) are staff's to read, never to add, edit or delete."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ from decimal import Decimal
 
 import pytest
 from django.test import Client
+from django.urls import reverse
 from django.utils import timezone
 
 from billing.models import SpendAlert, UsageRollup
-from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.keys import create_api_key
+from controlplane.accounts.models import ApiKey, AuditEvent, Role, Scope
+from controlplane.accounts.services import Actor
 from endpoints.models import EndpointEvent, EventKind, Replica
-from tests.factories import EndpointFactory, UserFactory, sign_in_staff
+from tests.factories import EndpointFactory, MembershipFactory, UserFactory, sign_in_staff
 
 pytestmark = pytest.mark.django_db
 
@@ -79,3 +82,36 @@ def test_the_platforms_records_are_read_only_in_the_admin(staff_client):
     assert Replica.objects.filter(pk=replica.pk).exists() and EndpointEvent.objects.filter(pk=event.pk).exists()
     for page in ("billing/usagerollup", "billing/spendalert", "endpoints/replica", "endpoints/endpointevent"):
         assert staff_client.get(f"/django-admin/{page}/").status_code == 200  # still staff's to read
+
+
+def _keys_in_two_organisations(user) -> list[ApiKey]:
+    made = []
+    for membership in (MembershipFactory(user=user, role=Role.OWNER), MembershipFactory(user=user, role=Role.MEMBER)):
+        made.append(create_api_key(Actor(user=user), membership.organization, name="k", scopes=[Scope.INFERENCE]).api_key)
+    return made
+
+
+def test_a_user_staff_deactivate_loses_every_key_they_made_audited_and_reactivating_brings_none_back(staff_client):
+    """Before, an inactive creator's keys were only refused: reactivated, the account had every key back."""
+    user = UserFactory()
+    made = _keys_in_two_organisations(user)
+    joined = user.date_joined
+    response = staff_client.post(reverse("admin:auth_user_change", args=[user.pk]), {
+        "username": user.username, "email": user.email, "first_name": "", "last_name": "",
+        "date_joined_0": joined.strftime("%Y-%m-%d"), "date_joined_1": joined.strftime("%H:%M:%S"),
+    })  # is_active left out: unticked
+    assert response.status_code == 302, response.content.decode()[:2000]
+    user.refresh_from_db()
+    assert not user.is_active
+    assert all(ApiKey.objects.get(pk=key.pk).revoked_at is not None for key in made)
+    events = AuditEvent.objects.filter(action="api_key.revoke")
+    assert sorted((event.organization_id, event.details["reason"]) for event in events) == sorted(
+        (key.organization_id, "user.deactivate") for key in made)
+
+
+def test_a_user_staff_delete_has_their_keys_revoked_first(staff_client):
+    user = UserFactory()
+    made = _keys_in_two_organisations(user)
+    response = staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"})
+    assert response.status_code == 302
+    assert all(ApiKey.objects.get(pk=key.pk).revoked_at is not None for key in made)

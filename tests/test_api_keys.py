@@ -1,13 +1,21 @@
+import importlib
 from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.apps import apps
 from django.db import connection
+from django.test import Client
+from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.accounts.models import ApiKey, Role
+from controlplane.accounts import keys
+from controlplane.accounts.members import NotPermitted
+from controlplane.accounts.models import ApiKey, AuditEvent, Role, Scope
+from controlplane.accounts.services import Actor
 from controlplane.tokens import hash_token
+from tests.factories import signed_in_api_client
 
 pytestmark = pytest.mark.django_db
 
@@ -179,6 +187,87 @@ def test_a_key_dies_with_its_creators_membership(org, member_client_factory):
     assert member.get("/api/v1/endpoints/").status_code == 200
     org.memberships.filter(user=member.user).delete()
     assert member.get("/api/v1/endpoints/").status_code == 401
+
+
+def _key_client(secret: str) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    return client
+
+
+def test_revoking_a_key_revokes_the_keys_it_minted_and_theirs_each_audited(owner_client):
+    """Before, revoking a leaked key left the keys its holder had minted with it working: same power, no expiry."""
+    owner_client = signed_in_api_client(owner_client.user)  # its keys are minted by no key
+    leaked = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["manage", "inference"]}, format="json").json()
+    child = _key_client(leaked["secret"]).post("/api/v1/keys/", {"name": "ci", "scopes": ["manage", "inference"]},
+                                               format="json").json()
+    grandchild = _key_client(child["secret"]).post("/api/v1/keys/", {"name": "gc", "scopes": ["inference"]},
+                                                   format="json").json()
+    elsewhere = owner_client.post("/api/v1/keys/", {"name": "prod", "scopes": ["inference"]}, format="json").json()
+    listed = {row["id"]: row for row in owner_client.get("/api/v1/keys/").json()["results"]}
+    assert listed[child["api_key"]["id"]]["minted_by"] == leaked["api_key"]["id"]
+    assert listed[grandchild["api_key"]["id"]]["minted_by"] == child["api_key"]["id"]
+    assert listed[leaked["api_key"]["id"]]["minted_by"] is None and listed[elsewhere["api_key"]["id"]]["minted_by"] is None
+
+    assert owner_client.post(f"/api/v1/keys/{leaked['api_key']['id']}/revoke/").status_code == 200
+
+    for made in (leaked, child, grandchild):
+        assert _key_client(made["secret"]).get("/api/v1/endpoints/").status_code == 401
+        assert owner_client.get(f"/api/v1/keys/{made['api_key']['id']}/").json()["revoked_at"] is not None
+    assert ApiKey.objects.get(pk=elsewhere["api_key"]["id"]).revoked_at is None
+    events = AuditEvent.objects.filter(action="api_key.revoke").order_by("pk")
+    assert [(event.target_id, event.details.get("minted_by")) for event in events] == [
+        (str(leaked["api_key"]["id"]), None), (str(child["api_key"]["id"]), leaked["api_key"]["id"]),
+        (str(grandchild["api_key"]["id"]), child["api_key"]["id"])]
+
+
+def test_the_console_shows_which_key_minted_a_key_and_that_it_was_revoked_with_it(owner_client):
+    parent = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["manage", "inference"]}, format="json").json()
+    _key_client(parent["secret"]).post("/api/v1/keys/", {"name": "made-by-ci", "scopes": ["inference"]}, format="json")
+    console = Client()
+    console.force_login(owner_client.user)
+    assert console.post(reverse("console:key-revoke", args=[parent["api_key"]["id"]])).status_code == 302
+    page = console.get(reverse("console:keys")).content.decode()
+    row = page[page.index("made-by-ci"):].split("</tr>")[0]
+    assert f"{parent['api_key']['prefix']}…" in row and "Revoked" in row
+
+
+def test_revoking_a_revoked_key_again_revokes_the_keys_it_minted_that_still_work(owner_client):
+    """Keys minted before the link was recorded were not revoked with their parent; the migration links them, and
+    revoking the parent again revokes them."""
+    owner_client = signed_in_api_client(owner_client.user)
+    parent = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["manage", "inference"]}, format="json").json()
+    child = _key_client(parent["secret"]).post("/api/v1/keys/", {"name": "c", "scopes": ["inference"]},
+                                               format="json").json()
+    ApiKey.objects.filter(pk=parent["api_key"]["id"]).update(revoked_at=timezone.now())  # as revoked before
+    assert ApiKey.objects.get(pk=child["api_key"]["id"]).revoked_at is None
+    assert owner_client.post(f"/api/v1/keys/{parent['api_key']['id']}/revoke/").status_code == 200
+    assert ApiKey.objects.get(pk=child["api_key"]["id"]).revoked_at is not None
+
+
+def test_the_migration_links_each_key_to_the_key_that_minted_it_from_the_audit_log(owner_client):
+    owners_key = ApiKey.objects.get(created_by=owner_client.user)  # made when signed in (the fixture's)
+    parent = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["manage", "inference"]}, format="json").json()
+    child = _key_client(parent["secret"]).post("/api/v1/keys/", {"name": "c", "scopes": ["inference"]},
+                                               format="json").json()
+    ApiKey.objects.update(minted_by=None)  # as before the link was recorded
+
+    migration = importlib.import_module("controlplane.accounts.migrations.0009_api_key_minted_by")
+    migration.link_minted_keys(apps, None)
+
+    assert ApiKey.objects.get(pk=child["api_key"]["id"]).minted_by_id == parent["api_key"]["id"]
+    assert ApiKey.objects.get(pk=parent["api_key"]["id"]).minted_by_id == owners_key.pk
+    assert ApiKey.objects.get(pk=owners_key.pk).minted_by_id is None
+
+
+def test_a_key_revoked_after_its_call_was_authenticated_mints_nothing(owner_client):
+    parent = ApiKey.objects.get(created_by=owner_client.user)
+    authenticated = ApiKey.objects.get(pk=parent.pk)  # as the call's authentication read it
+    keys.revoke_api_key(Actor(user=owner_client.user), parent)
+    with pytest.raises(NotPermitted, match="was revoked"):
+        keys.create_api_key(Actor(user=owner_client.user, api_key=authenticated), owner_client.organization,
+                            name="late", scopes=[Scope.INFERENCE])
+    assert not ApiKey.objects.filter(name="late").exists()
 
 
 def test_garbage_tokens_are_401(db):

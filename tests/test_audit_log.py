@@ -50,9 +50,10 @@ def test_admins_read_the_audit_log_and_members_do_not(org, member_client_factory
 
 
 def test_members_and_roles_are_managed_by_admins_and_an_owner_always_remains(org, member_client_factory):
-    owner = member_client_factory(org, Role.OWNER)
-    member = member_client_factory(org, Role.MEMBER)
-    from tests.factories import UserFactory
+    from tests.factories import UserFactory, signed_in_api_client
+
+    owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
+    member = signed_in_api_client(member_client_factory(org, Role.MEMBER).user)
 
     newcomer = UserFactory()
     assert member.post("/api/v1/invitations/", {"email": newcomer.email, "role": "viewer"}, format="json").status_code == 403

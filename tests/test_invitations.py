@@ -1,17 +1,22 @@
-"""Members join by invitation: a signed, expiring link that a verified user with the invited email accepts."""
+"""Members join by invitation: a signed, expiring link that a verified user with the invited email accepts. Only a
+signed-in admin invites, never an API key."""
 
+import importlib
 import threading
+from datetime import timedelta
 
 import pytest
+from django.apps import apps
 from django.core import mail
 from django.db import connection
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
+from rest_framework.test import APIClient
 
 from controlplane.accounts import invitations, services
 from controlplane.accounts.models import AuditEvent, Invitation, Membership, Organization, Role
-from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, signed_in_api_client
 
 pytestmark = pytest.mark.django_db
 
@@ -177,7 +182,7 @@ def test_one_pending_invitation_per_email(owner):
 def test_invitations_are_throttled_per_address_and_per_organisation_revoked_ones_too(org, member_client_factory):
     """Before, invite and revoke in a loop mailed one address without end, and any number of addresses got
     mail naming an organisation the sender chose."""
-    owner = member_client_factory(org, Role.OWNER)
+    owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
 
     def invite(email):
         return owner.post("/api/v1/invitations/", {"email": email, "role": "viewer"}, format="json")
@@ -202,8 +207,8 @@ def test_members_are_no_longer_added_directly_by_email(owner_client):
 
 
 def test_the_api_creates_lists_and_revokes_invitations(org, member_client_factory):
-    owner = member_client_factory(org, Role.OWNER)
-    member = member_client_factory(org, Role.MEMBER)
+    owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
+    member = signed_in_api_client(member_client_factory(org, Role.MEMBER).user)
     created = owner.post("/api/v1/invitations/", {"email": "New@Example.test", "role": "viewer"}, format="json")
     assert created.status_code == 201
     body = created.json()
@@ -221,6 +226,7 @@ def test_the_api_creates_lists_and_revokes_invitations(org, member_client_factor
 
 
 def test_the_api_refuses_bad_input_and_unknown_fields(owner_client):
+    owner_client = signed_in_api_client(owner_client.user)
     assert owner_client.post("/api/v1/invitations/", {"email": "nope", "role": "viewer"}, format="json").status_code == 400
     assert owner_client.post("/api/v1/invitations/", {"email": "a@b.test", "role": "god"}, format="json").status_code == 400
     response = owner_client.post("/api/v1/invitations/", {"email": "a@b.test", "role": "viewer", "status": "accepted"},
@@ -229,7 +235,7 @@ def test_the_api_refuses_bad_input_and_unknown_fields(owner_client):
 
 
 def test_only_owners_invite_owners(org, member_client_factory):
-    admin = member_client_factory(org, Role.ADMIN)
+    admin = signed_in_api_client(member_client_factory(org, Role.ADMIN).user)
     response = admin.post("/api/v1/invitations/", {"email": "boss@example.test", "role": "owner"}, format="json")
     assert response.status_code == 400 and "owner" in response.json()["role"][0]
 
@@ -244,6 +250,7 @@ def test_another_organisations_invitation_is_a_404(owner_client):
 def test_the_schema_documents_invitations(owner_client):
     paths = owner_client.get("/api/schema/?format=json").json()["paths"]
     assert {"get", "post"} <= set(paths["/api/v1/invitations/"])
+    assert "change only when signed in" in paths["/api/v1/invitations/"]["post"]["responses"]["403"]["description"]
     assert "post" in paths["/api/v1/invitations/{id}/revoke/"]
     assert "post" not in paths["/api/v1/members/"]
 
@@ -280,3 +287,59 @@ def test_an_invitation_does_not_change_an_existing_members_role(owner):
     MembershipFactory(organization=owner.organization, user=colleague, role=Role.VIEWER)
     membership = invitations.accept_invitation(services.Actor(user=colleague), invitation)
     assert membership.role == Role.VIEWER
+
+
+def _key_client(secret: str) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    return client
+
+
+@pytest.mark.parametrize("role", [Role.OWNER, Role.ADMIN])
+def test_no_api_key_invites_anyone_only_a_signed_in_admin_does(org, member_client_factory, role):
+    """Before, any `manage` key of an admin or owner invited, and the seat outlived the key (see the next test)."""
+    with_key = member_client_factory(org, role)  # an unbounded key: no expiry, the platform's limits, no cap
+    refused = with_key.post("/api/v1/invitations/", {"email": "new@example.test", "role": "member"}, format="json")
+    assert refused.status_code == 403
+    assert "never with an API key" in refused.json()["detail"] and "console" in refused.json()["detail"]
+    assert not Invitation.objects.exists() and mail.outbox == []
+    signed_in = signed_in_api_client(with_key.user)
+    created = signed_in.post("/api/v1/invitations/", {"email": "new@example.test", "role": "member"}, format="json")
+    assert created.status_code == 201 and Invitation.objects.get().invited_by == with_key.user
+
+
+def test_a_leaked_key_that_expires_gives_its_holder_no_seat_that_outlives_it(owner_client):
+    """The review's attack: a key bounded by an expiry, rate limits and a spend cap invited an address its holder
+    controlled, as owner; once accepted, the stranger removed the real owner and held the organisation for good."""
+    made = signed_in_api_client(owner_client.user).post("/api/v1/keys/", {
+        "name": "ci", "scopes": ["manage"], "requests_per_minute": 5,
+        "expires_at": (timezone.now() + timedelta(minutes=30)).isoformat()}, format="json")
+    assert made.status_code == 201, made.json()
+    leaked = _key_client(made.json()["secret"])
+    for role in (Role.OWNER, Role.ADMIN, Role.VIEWER):
+        invited = leaked.post("/api/v1/invitations/", {"email": "stranger@evil.test", "role": role}, format="json")
+        assert invited.status_code == 403, invited.json()
+    assert not Invitation.objects.filter(email="stranger@evil.test").exists()
+    assert not AuditEvent.objects.filter(action="invitation.create").exists()
+
+
+def test_the_migration_revokes_the_pending_invitations_keys_made_and_audits_each(org, member_client_factory):
+    with_key = member_client_factory(org, Role.OWNER)
+    made_with_key = invitations.invite_member(services.SYSTEM, org, email="by-key@example.test", role=Role.OWNER)
+    accepted_with_key = invitations.invite_member(services.SYSTEM, org, email="joined@example.test", role=Role.MEMBER)
+    made_in_session = invitations.invite_member(services.SYSTEM, org, email="by-hand@example.test", role=Role.MEMBER)
+    # As invitations made with a key before this change were audited: the event names the key.
+    made_with_keys = [str(made_with_key.pk), str(accepted_with_key.pk)]
+    AuditEvent.objects.filter(action="invitation.create", target_id__in=made_with_keys).update(
+        api_key=org.api_keys.get(created_by=with_key.user))
+    Invitation.objects.filter(pk=accepted_with_key.pk).update(accepted_at=timezone.now())
+
+    migration = importlib.import_module("controlplane.accounts.migrations.0010_revoke_invitations_made_with_keys")
+    migration.revoke_invitations_made_with_keys(apps, None)
+
+    assert Invitation.objects.get(pk=made_with_key.pk).status == "revoked"
+    assert Invitation.objects.get(pk=accepted_with_key.pk).status == "accepted"
+    assert Invitation.objects.get(pk=made_in_session.pk).status == "pending"
+    event = AuditEvent.objects.get(action="invitation.revoke")
+    assert (event.organization, event.target_id, event.details) == (
+        org, str(made_with_key.pk), {"email": "by-key@example.test", "reason": "made with an API key"})

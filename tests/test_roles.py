@@ -1,5 +1,5 @@
-"""Roles on keys and owners: who may revoke which key, a demotion reaches existing keys, and an
-organisation keeps an owner however many demotions race."""
+"""Roles on keys and owners: who may revoke which key, a demotion reaches existing keys, a removal revokes them,
+roles change only when signed in, and an organisation keeps an owner however many demotions race."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from controlplane.accounts import keys, members, services
-from controlplane.accounts.models import ApiKey, Membership, Role, Scope
+from controlplane.accounts import invitations, keys, members, services
+from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Membership, Role, Scope
 from endpoints.gateway.auth import authenticate
 from endpoints.gateway.errors import OpenAIError
 from tests.conftest import wait_until
-from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, signed_in_api_client
 
 
 def _clients(org, member_client_factory):
@@ -76,6 +76,74 @@ def test_the_console_offers_revoke_only_where_it_is_allowed(org, member_client_f
     response = console.post(reverse("console:key-revoke", args=[_key_of(clients["owner"]).pk]), follow=True)
     assert "only their own keys" in response.content.decode()
     assert _key_of(clients["owner"]).revoked_at is None
+
+
+@pytest.mark.django_db
+def test_roles_change_and_members_are_removed_only_when_signed_in_never_with_an_api_key(org, member_client_factory):
+    """Before, a leaked key invited a stranger as owner, who then removed the real owners (tests/test_invitations.py):
+    a key changes no membership at all."""
+    clients = _clients(org, member_client_factory)
+    member = Membership.objects.get(organization=org, user=clients["member"].user)
+    owner = Membership.objects.get(organization=org, user=clients["owner"].user)
+    for with_key, role in ((clients["owner"], Role.ADMIN), (clients["admin"], Role.VIEWER)):
+        refused = with_key.patch(f"/api/v1/members/{member.pk}/", {"role": role}, format="json")
+        assert refused.status_code == 403 and "never with an API key" in refused.json()["detail"]
+    assert clients["owner"].delete(f"/api/v1/members/{owner.pk}/").status_code == 403
+    assert clients["admin"].delete(f"/api/v1/members/{member.pk}/").status_code == 403
+    assert Membership.objects.get(pk=member.pk).role == Role.MEMBER and Membership.objects.filter(pk=owner.pk).exists()
+    assert not AuditEvent.objects.filter(action__startswith="member.").exists()
+    with pytest.raises(members.SessionRequired):
+        members.add_member(services.Actor(user=clients["owner"].user, api_key=_key_of(clients["owner"])), org,
+                           user=UserFactory(), role=Role.OWNER)
+
+    signed_in = signed_in_api_client(clients["admin"].user)
+    assert signed_in.patch(f"/api/v1/members/{member.pk}/", {"role": Role.VIEWER}, format="json").status_code == 200
+    assert signed_in.delete(f"/api/v1/members/{member.pk}/").status_code == 204
+
+
+@pytest.mark.django_db
+def test_a_removed_members_keys_are_revoked_and_an_invitation_back_brings_none_of_them_back(org, member_client_factory):
+    """Before, removal deleted the membership only: the keys looked live in the list, and came back, `manage` keys
+    made as an admin included, when the person was invited again, even as a viewer."""
+    clients = _clients(org, member_client_factory)
+    bob = clients["admin"]
+    child = bob.post("/api/v1/keys/", {"name": "made by bob's key", "scopes": ["inference"]}, format="json").json()
+    owner = signed_in_api_client(clients["owner"].user)
+    bobs_membership = Membership.objects.get(organization=org, user=bob.user)
+
+    assert owner.delete(f"/api/v1/members/{bobs_membership.pk}/").status_code == 204
+
+    listed = {row["id"]: row for row in owner.get("/api/v1/keys/").json()["results"]}
+    bobs_keys = ApiKey.objects.filter(organization=org, created_by=bob.user)
+    assert bobs_keys.count() == 2 and all(listed[key.pk]["revoked_at"] is not None for key in bobs_keys)
+    assert _key_of(clients["member"]).revoked_at is None
+    assert sorted((event.target_id, event.details["reason"]) for event in AuditEvent.objects.filter(
+        action="api_key.revoke")) == sorted((str(key.pk), "member.remove") for key in bobs_keys)
+
+    invited = owner.post("/api/v1/invitations/", {"email": bob.user.email, "role": Role.VIEWER}, format="json")
+    assert invited.status_code == 201
+    invitations.accept_invitation(services.Actor(user=bob.user), Invitation.objects.get(pk=invited.json()["id"]))
+    keys.API_KEY_LOOKUPS.clear()
+    assert bob.get("/api/v1/endpoints/").status_code == 401
+    bob.credentials(HTTP_AUTHORIZATION=f"Bearer {child['secret']}")
+    assert bob.get("/api/v1/endpoints/").status_code == 401
+
+
+@pytest.mark.django_db
+def test_removing_a_member_revokes_only_their_keys_in_that_organisation(org, member_client_factory):
+    clients = _clients(org, member_client_factory)
+    elsewhere = OrganizationFactory()
+    MembershipFactory(organization=elsewhere, user=clients["member"].user, role=Role.OWNER)
+    kept = keys.create_api_key(services.Actor(user=clients["member"].user), elsewhere, name="theirs",
+                               scopes=[Scope.INFERENCE])
+    members.remove_member(services.Actor(user=clients["owner"].user),
+                          Membership.objects.get(organization=org, user=clients["member"].user))
+    assert _key_of_in(clients["member"], org).revoked_at is not None
+    assert ApiKey.objects.get(pk=kept.api_key.pk).revoked_at is None
+
+
+def _key_of_in(client, organization) -> ApiKey:
+    return ApiKey.objects.get(created_by=client.user, organization=organization)
 
 
 @pytest.mark.django_db(transaction=True)

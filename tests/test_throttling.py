@@ -1,5 +1,5 @@
-"""Log-in, sign-up, password reset and resending a verification are throttled per address and per account,
-in the shared Redis; an attempt over the limit is a 429 page that says how long to wait."""
+"""Log-in, sign-up, password reset and change, and resending a verification are throttled per address and per
+account, in the shared Redis; an attempt over the limit is a 429 page that says how long to wait."""
 
 from __future__ import annotations
 
@@ -133,6 +133,34 @@ def test_a_login_page_get_is_never_throttled(client, victim):
     for attempt in range(_limit(throttle.LOGIN, "username").num_attempts + 1):
         client.post(reverse("login"), {"username": victim.email, "password": "guess"}, REMOTE_ADDR=f"10.0.4.{attempt}")
     assert client.get(reverse("login")).status_code == 200
+
+
+def _change_password(client, old_password, **extra):
+    new_password = "Another-passphrase-123!"
+    return client.post(reverse("password_change"), {"old_password": old_password, "new_password1": new_password,
+                                                     "new_password2": new_password}, **extra)
+
+
+def test_guessing_the_current_password_on_the_change_form_stops_after_its_failures(client, victim):
+    """Before, a borrowed or stolen session guessed the current password here without end, then set its own."""
+    client.force_login(victim)
+    for attempt in range(_limit(throttle.PASSWORD_CHANGE, "user").num_attempts):
+        response = _change_password(client, f"guess {attempt}", REMOTE_ADDR=f"10.6.0.{attempt}")
+        assert response.status_code == 200  # the form again, with its error
+    _assert_throttled(_change_password(client, PASSWORD, REMOTE_ADDR="10.6.1.1"))  # even the right one waits
+    victim.refresh_from_db()
+    assert victim.check_password(PASSWORD)
+
+
+def test_changing_the_password_successfully_uses_up_no_budget(client, victim):
+    client.force_login(victim)
+    allowed = _limit(throttle.PASSWORD_CHANGE, "user").num_attempts
+    for _ in range(allowed - 1):
+        assert _change_password(client, "a wrong guess").status_code == 200
+    response = _change_password(client, PASSWORD)
+    assert response.status_code == 302 and response.url == reverse("password_change_done")
+    # The right password counted as no failure: one more mistake is still the form, not a 429.
+    assert _change_password(client, "a wrong guess").status_code == 200
 
 
 def test_sign_up_is_throttled_per_address(client):

@@ -2,7 +2,8 @@
 here count as verified; plans (quotas) and which plan each organisation is on are saved through the
 services that audit (`save_plan`, `set_organization_plan`).
 
-Users that staff create here count as verified. Everything else is read-only: organisations,
+Users that staff create here count as verified; deactivating or deleting one revokes every key they created
+(`keys.revoke_api_keys_of`), as removing a member does. Everything else is read-only: organisations,
 members, keys and the audit log change only through the services the API and console use
 (a key is revoked with the "Revoke" action, which calls `revoke_api_key`). A staff account without an
 authenticator gets its enrolment code from the users' "Issue an enrolment code" action
@@ -15,7 +16,7 @@ from django.contrib.auth import get_user_model
 from django.template.response import TemplateResponse
 
 from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
-from controlplane.accounts.keys import revoke_api_key
+from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
 from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
 from controlplane.accounts.second_factor import (
     EnrolmentCodeRefused,
@@ -36,6 +37,18 @@ class UserAdmin(auth_admin.UserAdmin):
         # NOTE: staff vouch for the address they type; only self-service sign-ups must prove theirs.
         if obj.email and (not change or "email" in form.changed_data):
             mark_email_verified(obj)
+        # NOTE: an inactive creator's keys are refused, and would work again with the account: they end with it.
+        if change and "is_active" in form.changed_data and not obj.is_active:
+            revoke_api_keys_of(Actor(source_ip=client_ip(request)), obj, reason="user.deactivate")
+
+    def delete_model(self, request, obj):
+        revoke_api_keys_of(Actor(source_ip=client_ip(request)), obj, reason="user.delete")
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request, queryset):
+        for user in queryset:
+            revoke_api_keys_of(Actor(source_ip=client_ip(request)), user, reason="user.delete")
+        super().delete_queryset(request, queryset)
 
     @admin.action(description="Issue an enrolment code (staff accounts without an authenticator)",
                   permissions=["issue_enrolment_code"])

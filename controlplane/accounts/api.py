@@ -102,11 +102,18 @@ class MemberInputSerializer(serializers.Serializer):
     role = serializers.ChoiceField(choices=Role.choices)
 
 
+# NOTE: members, roles and invitations change only in a signed-in session (`members.ensure_in_a_session`).
+SESSION_ONLY = OpenApiResponse(description="The caller's role does not allow this, or it called with an API key: "
+                                           "members, roles and invitations change only when signed in (the console).")
+
+
 @extend_schema_view(destroy=extend_schema(responses={
     204: None, 400: OpenApiResponse(description="The organisation's last owner cannot leave, or the caller may not remove an owner."),
+    403: SESSION_ONLY,
 }))
 class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
-    """Members and their roles. Nobody is added here: people join by accepting an invitation."""
+    """Members and their roles. Nobody is added here: people join by accepting an invitation. Roles are changed and
+    members removed only when signed in, never with an API key (403); a removed member's keys are revoked."""
 
     serializer_class = MembershipSerializer
     required_role = Role.ADMIN
@@ -115,7 +122,7 @@ class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.D
         return Membership.objects.filter(organization=self.organization).select_related("user")
 
     @extend_schema(request=inline_serializer("MemberRoleInput", {"role": serializers.ChoiceField(choices=Role.choices)}),
-                   responses=MembershipSerializer)
+                   responses={200: MembershipSerializer, 403: SESSION_ONLY})
     def partial_update(self, request, pk=None):
         data = MemberInputSerializer(data=request.data, partial=True)
         data.is_valid(raise_exception=True)
@@ -124,6 +131,8 @@ class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.D
         membership = get_object_or_404(self.get_queryset(), pk=pk)
         try:
             membership = members.change_member_role(self.actor, membership, role=data.validated_data["role"])
+        except members.SessionRequired as exc:
+            raise PermissionDenied(str(exc)) from None
         except (members.LastOwnerError, members.NotPermitted) as exc:
             raise ValidationError({"role": [str(exc)]}) from None
         return Response(MembershipSerializer(membership).data)
@@ -131,6 +140,8 @@ class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.D
     def perform_destroy(self, membership):
         try:
             members.remove_member(self.actor, membership)
+        except members.SessionRequired as exc:
+            raise PermissionDenied(str(exc)) from None
         except (members.LastOwnerError, members.NotPermitted) as exc:
             raise ValidationError({"role": [str(exc)]}) from None
 
@@ -139,7 +150,8 @@ class InvitationViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.C
                         mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Invitations to the organisation: admins create (the link is emailed to the invitee), list and revoke them.
 
-    The invitee accepts in the console, signed in as a verified user with the invited email.
+    Created only when signed in, never with an API key (403). The invitee accepts in the console, signed in as a
+    verified user with the invited email.
     """
 
     serializer_class = InvitationSerializer
@@ -155,13 +167,15 @@ class InvitationViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.C
     def list(self, request, *args, **kwargs):
         return super().list(request, *args, **kwargs)
 
-    @extend_schema(responses={201: InvitationSerializer, 429: OpenApiResponse(
+    @extend_schema(responses={201: InvitationSerializer, 403: SESSION_ONLY, 429: OpenApiResponse(
         description="Too many invitations from this organisation, or to this address: wait `Retry-After` seconds.")})
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
             invitation = invitations.invite_member(self.actor, self.organization, **serializer.validated_data)
+        except members.SessionRequired as exc:
+            raise PermissionDenied(str(exc)) from None
         except invitations.TooManyInvitations as exc:
             raise Throttled(wait=exc.retry_after_s, detail=str(exc)) from None
         except members.NotPermitted as exc:

@@ -14,7 +14,12 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts import throttle
-from controlplane.accounts.members import NotPermitted, actor_role, ensure_may_touch_owner_role
+from controlplane.accounts.members import (
+    NotPermitted,
+    actor_role,
+    ensure_in_a_session,
+    ensure_may_touch_owner_role,
+)
 from controlplane.accounts.models import (
     ROLE_RANK,
     Invitation,
@@ -70,9 +75,11 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     """A pending invitation, audited, and its signed link mailed to `email`.
 
     NOTE: nobody joins by being named: whoever accepts must be signed in as a verified
-    user with this email, so registering an address first gains nothing.
+    user with this email, so registering an address first gains nothing. And nobody is invited with an API key
+    (`members.ensure_in_a_session`): a seat would outlive the key's bounds and its revocation.
     """
     email = email.strip().lower()
+    ensure_in_a_session(actor, "email")
     _ensure_admin(actor, organization, "email")
     ensure_may_touch_owner_role(actor, organization, role)
     if Membership.objects.filter(organization=organization, user__email__iexact=email).exists():

@@ -1,5 +1,6 @@
-"""API keys: minting (the secret shown once), who may revoke whose key, revoking, and finding and
-authenticating a key from its plain secret, with its creator's current role."""
+"""API keys: minting (the secret shown once), who may revoke whose key, revoking (a key with the keys it
+minted, a person's keys where their membership ends), and finding and authenticating a key from its plain
+secret, with its creator's current role."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from controlplane import tokens
-from controlplane.accounts.members import NotPermitted, actor_role
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
-from controlplane.accounts.services import Actor, record_audit
+from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
 from controlplane.credential_lookups import CredentialLookups
 
 logger = logging.getLogger(__name__)
@@ -76,9 +76,16 @@ def create_api_key(
         issued = tokens.issue_token(ApiKey.TOKEN_KIND)
         try:
             with transaction.atomic():
+                # NOTE: the minting key's row stays locked until its child is committed, so revoking it
+                # (`revoke_api_key`, which looks for its children once it has updated it) waits and finds the child;
+                # a key revoked since this call was authenticated mints nothing.
+                if minting is not None and ApiKey.objects.select_for_update().filter(
+                        pk=minting.pk, revoked_at__isnull=True).values_list("pk", flat=True).first() is None:
+                    raise NotPermitted("non_field_errors", "The key this call was made with was revoked.")
                 api_key = ApiKey.objects.create(
                     organization=organization,
                     created_by=actor.user,
+                    minted_by=minting,
                     name=name,
                     lookup=issued.lookup,
                     digest=issued.digest,
@@ -168,15 +175,55 @@ def member_roles(organization: Organization) -> dict[int, str]:
 
 @transaction.atomic
 def revoke_api_key(actor: Actor, api_key: ApiKey) -> ApiKey:
+    """Revokes the key and every key it minted (`ApiKey.minted_by`), and theirs, in one transaction, with one audit
+    event each.
+
+    NOTE: a key minted by a key has that key's power: revoking a leaked key left the keys its holder had minted
+    with it working, unbounded in time (a review's finding). Revoking a key already revoked revokes what it minted
+    that still works (keys minted before their parent was recorded, then linked from the audit log by migration
+    0009, were not revoked with it)."""
     roles = member_roles(api_key.organization)
     if not may_revoke_api_key(actor, api_key, actor_role=roles.get(actor.user.pk) if actor.user else None,
                               creator_role=roles.get(api_key.created_by_id)):
         raise NotPermitted("api_key", "Members may revoke only their own keys, and only owners may revoke an owner's key.")
-    updated = ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    _revoke_with_minted(actor, api_key, now=timezone.now())
     api_key.refresh_from_db()
-    if updated:
-        record_audit(actor, api_key.organization, "api_key.revoke", api_key)
     return api_key
+
+
+@transaction.atomic
+def revoke_api_keys_of(actor: Actor, user, *, organization: Organization | None = None, reason: str) -> int:
+    """Revokes every key `user` created (in `organization`, or in every organisation), and the keys those minted,
+    each audited with `reason`; the number revoked.
+
+    NOTE: called wherever a person's membership ends (`members.remove_member`) or staff deactivate their account. A
+    key acts with its creator's current role, so a removed member's keys only seemed dead: invited back, even as a
+    viewer, every key they had made came back, `manage` keys included (a review's finding)."""
+    created = ApiKey.objects.filter(created_by=user, revoked_at__isnull=True).select_related("organization")
+    if organization is not None:
+        created = created.filter(organization=organization)
+    now = timezone.now()
+    return sum(_revoke_with_minted(actor, api_key, now=now, reason=reason) for api_key in created.order_by("pk"))
+
+
+def _revoke_with_minted(actor: Actor, api_key: ApiKey, *, now, **details) -> int:
+    """Revokes `api_key` and the keys minted from it, generation by generation; the number revoked here."""
+    num_revoked = ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now)
+    if num_revoked:
+        record_audit(actor, api_key.organization, "api_key.revoke", api_key, **details)
+    seen, generation = {api_key.pk}, [api_key.pk]
+    while generation:
+        # NOTE: each generation is read after the one before it is updated: a child being minted by one of those
+        # (its row locked by `create_api_key`) made that update wait for its commit, so it is read here.
+        children = list(ApiKey.objects.filter(minted_by_id__in=generation).exclude(pk__in=seen).order_by("pk"))
+        for child in children:
+            if ApiKey.objects.filter(pk=child.pk, revoked_at__isnull=True).update(revoked_at=now):
+                num_revoked += 1
+                record_audit(actor, api_key.organization, "api_key.revoke", child,
+                             **(details or {"reason": "minted by a revoked key"}), minted_by=child.minted_by_id)
+        seen.update(child.pk for child in children)
+        generation = [child.pk for child in children]
+    return num_revoked
 
 
 def find_api_key(plain: str) -> ApiKey | None:

@@ -1,31 +1,34 @@
-"""Members of an organisation and their roles: who may do what (`actor_role`, `NotPermitted`), the
-owner role's guard, and adding, re-roling and removing members, always leaving an owner."""
+"""Members of an organisation and their roles: who may do what (`actor_role`, `NotPermitted`, defined in
+`services` and named here as before), the owner role's guard, the rule that only a signed-in person changes
+who belongs (`ensure_in_a_session`), and adding, re-roling and removing members, always leaving an owner; a
+removed member's keys are revoked with their membership."""
 
 from __future__ import annotations
 
 from django.db import transaction
 
+from controlplane.accounts import keys
 from controlplane.accounts.models import Membership, Organization, Role
-from controlplane.accounts.services import Actor, record_audit
-
-
-class NotPermitted(ValueError):
-    """The actor's role does not allow this; `field` names the input at fault."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
+from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
 
 
 class LastOwnerError(ValueError):
     pass
 
 
-def actor_role(actor: Actor, organization: Organization) -> str | None:
-    """The acting user's role in the organisation; None for the system (scripts, bootstrap)."""
-    if actor.user is None:
-        return None
-    return Membership.objects.filter(organization=organization, user=actor.user).values_list("role", flat=True).first()
+class SessionRequired(NotPermitted):
+    """Asked with an API key: members, roles and invitations change only in a signed-in session."""
+
+
+def ensure_in_a_session(actor: Actor, field: str) -> None:
+    """NOTE: who belongs to an organisation, and as what, changes only in a signed-in session (the console, or
+    `/api/v1` with its session), never with an API key. A key is bounded (its expiry, scopes, limits, spend cap,
+    its revocation) and a seat is not: a leaked key that expired, was capped or was revoked within the hour had
+    invited an address its holder controlled, as admin or owner, and that person then held the organisation for
+    good, and could remove its owners (a review's finding)."""
+    if actor.api_key is not None:
+        raise SessionRequired(field, "Members, roles and invitations change only when signed in, never with an API "
+                                     "key: invite, change roles and remove members from the console.")
 
 
 def ensure_may_touch_owner_role(actor: Actor, organization: Organization, *roles: str) -> None:
@@ -39,6 +42,7 @@ def ensure_may_touch_owner_role(actor: Actor, organization: Organization, *roles
 
 @transaction.atomic
 def add_member(actor: Actor, organization: Organization, *, user, role: str) -> Membership:
+    ensure_in_a_session(actor, "role")
     existing = Membership.objects.filter(organization=organization, user=user).values_list("role", flat=True).first()
     ensure_may_touch_owner_role(actor, organization, role, existing or "")
     membership, created = Membership.objects.get_or_create(organization=organization, user=user, defaults={"role": role})
@@ -51,6 +55,7 @@ def add_member(actor: Actor, organization: Organization, *, user, role: str) -> 
 
 @transaction.atomic
 def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Membership:
+    ensure_in_a_session(actor, "role")
     membership = _lock_membership(membership)
     ensure_may_touch_owner_role(actor, membership.organization, role, membership.role)
     _ensure_an_owner_remains(membership, leaving=role != Role.OWNER)
@@ -62,10 +67,14 @@ def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Me
 
 @transaction.atomic
 def remove_member(actor: Actor, membership: Membership) -> None:
+    """Ends the membership and revokes, audited, every key the member created in the organisation (and the keys
+    those minted): a key acts with its creator's role, so without this the keys came back with a new invitation."""
+    ensure_in_a_session(actor, "role")
     membership = _lock_membership(membership)
     ensure_may_touch_owner_role(actor, membership.organization, membership.role)
     _ensure_an_owner_remains(membership, leaving=True)
     record_audit(actor, membership.organization, "member.remove", membership, email=membership.user.email)
+    keys.revoke_api_keys_of(actor, membership.user, organization=membership.organization, reason="member.remove")
     membership.delete()
 
 

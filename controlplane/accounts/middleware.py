@@ -102,9 +102,10 @@ def _throttled_paths() -> dict[str, tuple[throttle.Limit, ...]]:
 
 
 class ThrottleMiddleware(_AsyncCapable):
-    """Log-in, sign-up, password reset and resending a verification: over a limit is a 429 page.
+    """Log-in, sign-up, password reset and change, resending a verification: over a limit is a 429 page.
 
-    A log-in form answers a wrong password with the form again (200) and a right one with a redirect: every attempt
+    A log-in form (and the password change's) answers a wrong password with the form again (200) and a right one with
+    a redirect: every attempt
     counts against the limits that count failures only before the view runs, and is taken out again unless the view
     answered 200 (`throttle.Attempt.refund`).
     """

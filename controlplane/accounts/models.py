@@ -234,6 +234,9 @@ class ApiKey(models.Model):
 
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="api_keys")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
+    # The key that created this one (with `manage`); null for a key made in a signed-in session. Revoking a key
+    # revokes the keys it minted (`keys.revoke_api_key`).
+    minted_by = models.ForeignKey("self", on_delete=models.SET_NULL, null=True, blank=True, related_name="minted_keys")
     name = models.CharField(max_length=100)
     lookup = models.CharField(max_length=tokens.LOOKUP_LENGTH, unique=True)
     digest = models.CharField(max_length=64)

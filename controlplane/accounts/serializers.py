@@ -68,16 +68,20 @@ class ApiKeySerializer(StrictModelSerializer):
     scopes = serializers.ListField(
         child=serializers.ChoiceField(choices=Scope.choices), allow_empty=False, default=[Scope.INFERENCE]
     )
+    minted_by = serializers.PrimaryKeyRelatedField(
+        read_only=True, allow_null=True,
+        help_text="The id of the key that created this one (with `manage`); null for a key created when signed in. "
+                  "Revoking a key revokes the keys it created, and theirs.")
 
     class Meta:
         model = ApiKey
         fields = [
             "id", "name", "prefix", "scopes", "requests_per_minute", "tokens_per_minute", "max_priority_boost",
             "effective_requests_per_minute", "effective_tokens_per_minute",
-            "expires_at", "revoked_at", "last_used_at", "created_at",
+            "expires_at", "revoked_at", "last_used_at", "created_at", "minted_by",
         ]
         read_only_fields = ["id", "prefix", "effective_requests_per_minute", "effective_tokens_per_minute",
-                            "revoked_at", "last_used_at", "created_at"]
+                            "revoked_at", "last_used_at", "created_at", "minted_by"]
         extra_kwargs = {
             "requests_per_minute": {"min_value": 1, "max_value": 1_000_000},
             "tokens_per_minute": {"min_value": 1, "max_value": 1_000_000_000},

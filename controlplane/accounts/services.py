@@ -1,5 +1,6 @@
-"""Who acts and what they did, organisations and plans: the `Actor` every write names, the audit
-log it writes to, creating an organisation, and staff's plans (quotas).
+"""Who acts and what they did, organisations and plans: the `Actor` every write names, its role
+(`actor_role`) and the refusal of what that role does not allow (`NotPermitted`), the audit log it writes
+to, creating an organisation, and staff's plans (quotas).
 
 Everything else in accounts that writes builds on this: sign-up and email verification
 (`signup`), members and their roles (`members`), invitations (`invitations`) and API keys (`keys`).
@@ -31,6 +32,21 @@ class Actor:
 
 
 SYSTEM = Actor()
+
+
+class NotPermitted(ValueError):
+    """The actor's role does not allow this; `field` names the input at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def actor_role(actor: Actor, organization: Organization) -> str | None:
+    """The acting user's role in the organisation; None for the system (scripts, bootstrap)."""
+    if actor.user is None:
+        return None
+    return Membership.objects.filter(organization=organization, user=actor.user).values_list("role", flat=True).first()
 
 
 def client_ip(request) -> str | None:

@@ -1,5 +1,5 @@
-"""Throttles for the forms an attacker hammers: log-in, sign-up, password reset, resending a verification, staff's
-second-factor codes and enrolment codes.
+"""Throttles for the forms an attacker hammers: log-in, sign-up, password reset, password change, resending a
+verification, staff's second-factor codes and enrolment codes.
 
 Each posted attempt counts against its client address and against the account it names (so
 spreading a password guess over many addresses does not help), in fixed windows kept in the
@@ -57,6 +57,10 @@ LOGIN = (Limit("login-ip", "ip", 30, 600),
 SIGNUP = (Limit("signup-ip", "ip", 10, 3600), Limit("signup-email", "email", 5, 3600))
 PASSWORD_RESET = (Limit("reset-ip", "ip", 10, 3600), Limit("reset-email", "email", 3, 3600))
 RESEND_VERIFICATION = (Limit("verify-ip", "ip", 10, 3600), Limit("verify-user", "user", 3, 600))
+# NOTE: the password change form asks for the current password: unthrottled, a borrowed or stolen session
+# guessed it without end and, once right, set its own (a review's finding). As the log-in's, only wrong answers
+# count (the form again), so a right one never locks the account; the console's and the admin's forms share it.
+PASSWORD_CHANGE = (Limit("password-change-user", "user", 10, 600, failures_only=True),)
 # Each invitation mails its address: an admin may not use the platform's mail to flood or phish anyone.
 INVITATIONS = (Limit("invite-org", "organization", 20, 3600), Limit("invite-email", "email", 3, 86_400))
 
@@ -71,6 +75,8 @@ THROTTLED_VIEWS = {
     "admin:login": LOGIN,
     "signup": SIGNUP,
     "password_reset": PASSWORD_RESET,
+    "password_change": PASSWORD_CHANGE,
+    "admin:password_change": PASSWORD_CHANGE,
     "verify-email-resend": RESEND_VERIFICATION,
     "second-factor": SECOND_FACTOR,
     "second-factor-enrol": SECOND_FACTOR,

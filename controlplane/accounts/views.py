@@ -323,7 +323,7 @@ def member_remove(request, pk):
 
 
 def _keys_page(request, form, status=200):
-    api_keys = list(ApiKey.objects.for_org(request.organization).select_related("created_by"))
+    api_keys = list(ApiKey.objects.for_org(request.organization).select_related("created_by", "minted_by"))
     roles = keys.member_roles(request.organization)
     actor = services.Actor.from_request(request)
     for api_key in api_keys:
@@ -363,5 +363,6 @@ def api_key_revoke(request, pk):
     except NotPermitted as exc:
         messages.error(request, str(exc))
         return redirect("console:keys")
-    messages.success(request, f"Key “{api_key.name}” ({api_key.display_prefix}…) was revoked; calls with it now fail.")
+    messages.success(request, f"Key “{api_key.name}” ({api_key.display_prefix}…) was revoked, with the keys it "
+                              "created; calls with them now fail.")
     return redirect("console:keys")
