@@ -78,18 +78,19 @@ return {released, redis.call('HLEN', KEYS[1])}
 
 # One organisation's keys per call. KEYS: the gateway's requests hash of the organisation, the
 # no-replica placeholder, then per request: in-flight set, the outstanding counter (or the placeholder).
-# ARGV: now, counter TTL, then per request: request id, hash value. Puts back each request the hash
-# does not hold (Redis forgot it, or a sweeper released it).
-_RESTORE_REQUESTS = Script("""
+# ARGV: counter TTL, then per request: request id, hash value. Puts back each request the hash
+# does not hold (Redis forgot it, or a sweeper released it), in flight since now (Redis's clock, `traffic`).
+_RESTORE_REQUESTS = Script(traffic.TRAFFIC_LUA + """
 local restored = 0
-for i = 3, #ARGV, 2 do
-  local base = 3 + 2 * ((i - 3) / 2)
+local now = traffic_now()
+for i = 2, #ARGV, 2 do
+  local base = 3 + 2 * ((i - 2) / 2)
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-    redis.call('ZADD', KEYS[base], ARGV[1], ARGV[i])
+    redis.call('ZADD', KEYS[base], now, ARGV[i])
     if KEYS[base + 1] ~= KEYS[2] then
       redis.call('INCR', KEYS[base + 1])
-      redis.call('EXPIRE', KEYS[base + 1], ARGV[2])
+      redis.call('EXPIRE', KEYS[base + 1], ARGV[1])
     end
     restored = restored + 1
   end
@@ -215,7 +216,7 @@ async def _put_back(gateway: str) -> None:
         if not snapshot:
             continue
         keys = [traffic.gateway_requests_key(organization_id), redis_keys.no_replica_placeholder(organization_id)]
-        args = [traffic.score_now(), traffic.OUTSTANDING_TTL_S]
+        args = [traffic.OUTSTANDING_TTL_S]
         for request_id, held in snapshot:
             keys += [redis_keys.inflight_key(organization_id, held.endpoint_id), held.counter()]
             args += [request_id, held.value()]
