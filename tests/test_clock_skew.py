@@ -2,27 +2,33 @@
 
 A gateway stamps an endpoint's last request, and its calls in flight, in Redis; the autoscaler tick, on a worker,
 measures idleness from them; sweeps on any worker read what the last sweep wrote. Each with its own clock, a
-worker whose clock stepped ahead (NTP, a VM resumed) scaled to zero endpoints used seconds before.
+worker whose clock stepped ahead (NTP, a VM resumed) scaled to zero endpoints used seconds before. Celery's task
+expiry compares beat's clock with a worker's, which cannot be helped: each process checks its own against Redis's.
 """
 
 import asyncio
+import logging
+import os
+import socket
 import time
 import uuid
 from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from celery.signals import task_revoked
 from django.utils import timezone
 
-from controlplane import redis_keys
+from controlplane import clock, redis_keys
 from controlplane.redis_client import get_redis, redis_time
+from controlplane.tasks import ping
 from endpoints import scheduler
-from endpoints.gateway import admission
+from endpoints.gateway import admission, metrics
 from endpoints.gateway.auth import Caller
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 from tests.factories import OrganizationFactory
 from tests.gateway.conftest import serve_endpoint
 from tests.test_placement import make_node
@@ -146,3 +152,29 @@ def test_a_silent_node_goes_offline_when_the_sweeps_alternate_between_workers_cl
         scheduler.sweep_stuck()
 
     assert Node.objects.get(pk=node.pk).state == NodeState.OFFLINE
+
+
+def test_a_worker_dropping_a_task_as_expired_on_a_clock_ahead_logs_an_error_and_metrics_show_it(monkeypatch, caplog):
+    # Celery's `expires` is a time on beat's clock, judged by the worker's: a worker 30 s ahead dropped every run of
+    # `sweep-stuck` (expires 10 s) unrun, saying so at INFO only.
+    monkeypatch.setattr(clock._Checked, "at", float("-inf"))
+    _clock_moved(monkeypatch, 30)
+
+    task_revoked.send(sender=ping, request=None, terminated=False, signum=None, expired=True)
+
+    errors = [record.getMessage() for record in caplog.records if record.levelno == logging.ERROR]
+    assert len(errors) == 1 and "30.0 s ahead of Redis's (controlplane.ping dropped unrun as expired)" in errors[0]
+    mine = f"worker:{socket.gethostname()}-{os.getpid()}"
+    assert clock.recorded_skews()[mine] == pytest.approx(30, abs=1)
+    metrics.refresh_fleet_gauges()
+    assert f'inferplane_clock_skew_seconds{{process="{mine}"}} 30.' in metrics.render().decode()
+
+
+def test_a_worker_within_a_second_of_redis_logs_nothing(caplog):
+    assert abs(clock.check("worker")) < clock.SKEW_ERROR_S
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+def test_a_real_worker_compares_its_clock_with_redis_when_it_starts(celery_worker):
+    wait_until(lambda: any(name.startswith("worker:") for name in clock.recorded_skews()), 60,
+               message="the worker's clock check")
