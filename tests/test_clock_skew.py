@@ -19,11 +19,12 @@ import pytest
 from celery.signals import task_revoked
 from django.utils import timezone
 
+from billing.quota import reads, sweeper
 from controlplane import clock, redis_keys
-from controlplane.redis_client import get_redis, redis_time
+from controlplane.redis_client import get_async_redis, get_redis, redis_time
 from controlplane.tasks import ping
 from endpoints import scheduler
-from endpoints.gateway import admission, metrics
+from endpoints.gateway import admission, metrics, presence
 from endpoints.gateway.auth import Caller
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
@@ -178,3 +179,37 @@ def test_a_worker_within_a_second_of_redis_logs_nothing(caplog):
 def test_a_real_worker_compares_its_clock_with_redis_when_it_starts(celery_worker):
     wait_until(lambda: any(name.startswith("worker:") for name in clock.recorded_skews()), 60,
                message="the worker's clock check")
+
+
+def test_a_worker_clock_past_a_running_calls_reservation_deadline_keeps_its_hold(monkeypatch, settings):
+    # A call's hold on the caps and credit lapses at its deadline (its gateway died); the deadline was the gateway's
+    # clock and the sweep judged it by the worker's: one a deadline's 15 minutes ahead let a caller spend it again.
+    endpoint = _idle_endpoint()
+    _call(endpoint, ended=False)
+
+    _clock_moved(monkeypatch, settings.BILLING_RESERVATION_TTL_S + 60)
+    assert sweeper.sweep_expired_reservations() == 0
+
+    assert reads.reserved_now(endpoint.organization_id) == Decimal("0.01")
+
+
+def test_a_gateway_clock_behind_holds_its_calls_reservations_their_whole_time(monkeypatch, settings):
+    endpoint = _idle_endpoint()
+    with monkeypatch.context() as gateway:
+        _clock_moved(gateway, -settings.BILLING_RESERVATION_TTL_S - 60)
+        _call(endpoint, ended=False)  # admitted
+        monkeypatch.setattr(presence, "_extended", presence._Extended())
+        monkeypatch.setattr(presence, "serving", {})
+        presence.track("long", endpoint.organization_id, str(endpoint.pk), None)
+        presence.serving["long"].since -= 120  # served for two minutes
+        get_redis().zadd(redis_keys.deadlines_key(endpoint.organization_id), {"long": 1})
+
+        async def beat():
+            await presence._push_deadlines_on(get_async_redis())  # its deadline pushed on by the gateway's beat
+
+        asyncio.run(beat())
+
+    assert sweeper.sweep_expired_reservations() == 0
+    assert reads.reserved_now(endpoint.organization_id) == Decimal("0.01")
+    deadline = get_redis().zscore(redis_keys.deadlines_key(endpoint.organization_id), "long")
+    assert deadline == pytest.approx(redis_time() + settings.BILLING_RESERVATION_TTL_S, abs=5)
