@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+import types
 import uuid
 from datetime import timedelta
 from decimal import Decimal
@@ -24,7 +25,7 @@ from controlplane import clock, redis_keys
 from controlplane.redis_client import get_async_redis, get_redis, redis_time
 from controlplane.tasks import ping
 from endpoints import scheduler
-from endpoints.gateway import admission, metrics, presence
+from endpoints.gateway import admission, cold_start, errors, metrics, presence
 from endpoints.gateway.auth import Caller
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
@@ -213,3 +214,30 @@ def test_a_gateway_clock_behind_holds_its_calls_reservations_their_whole_time(mo
     assert reads.reserved_now(endpoint.organization_id) == Decimal("0.01")
     deadline = get_redis().zscore(redis_keys.deadlines_key(endpoint.organization_id), "long")
     assert deadline == pytest.approx(redis_time() + settings.BILLING_RESERVATION_TTL_S, abs=5)
+
+
+def test_a_gateway_clock_ahead_counts_the_other_gateways_cold_start_places(monkeypatch):
+    # An organisation's calls held for cold starts are bounded across gateways (`max_held_requests`); each place
+    # lapsed at a time on the gateway's clock that took it, and a gateway 10 minutes ahead read the others' as lapsed.
+    organization = OrganizationFactory()
+    info = types.SimpleNamespace(id="e", name="m", organization_id=organization.pk, cold_start_timeout_s=60,
+                                 max_held_requests=1)
+    places = []
+
+    async def take(request_id):
+        places.append(await cold_start.take_place(info, organization.pk, request_id))
+
+    async def give_up():
+        for place in places:
+            await cold_start.give_up(place)
+
+    try:
+        asyncio.run(take("first"))
+        with monkeypatch.context() as gateway:
+            _clock_moved(gateway, 600)  # another gateway
+            with pytest.raises(errors.OpenAIError) as refused:
+                asyncio.run(take("second"))
+    finally:
+        asyncio.run(give_up())
+
+    assert refused.value.status == 429 and len(places) == 1
