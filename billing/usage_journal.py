@@ -13,7 +13,8 @@ lost by a Redis restart without persistence; a file under the data folder surviv
 gateway process and the database alike. Its cost is one fsync per batch, paid only during an outage.
 
 Layout: `<INFERPLANE_USAGE_JOURNAL_DIR>/<host>-<pid>-<ns>.jsonl`, one segment per process at a time,
-held under an exclusive `flock` while its process appends to it. A segment rotates past
+held under an exclusive `flock` while its process appends to it (taken before the segment has that name: created
+as a hidden `.<name>.tmp`, locked, then renamed). A segment rotates past
 `MAX_SEGMENT_BYTES` and whenever its process replays (so what it replays is sealed). A replayer takes
 only segments it can lock: those of dead processes and its own sealed ones, never a live writer's.
 A replayed segment is deleted; rows the ledger refuses (their endpoint is gone) move to
@@ -51,6 +52,9 @@ from billing.ledger import UsageReport
 logger = logging.getLogger("inferplane.billing")
 
 SEGMENT_SUFFIX = ".jsonl"
+NEW_SUFFIX = ".tmp"  # a segment being created: `.<name>.tmp` until it is locked (`UsageJournal._new_segment`)
+# A new segment's hidden file older than this was left by a process that died creating it (it takes microseconds).
+LEFT_NEW_AFTER_S = 60.0
 REJECTED_NAME = "rejected.jsonl"
 MAX_SEGMENT_BYTES = 64 * 1024 * 1024
 # NOTE: what the journal's volume holds past `max_bytes`, for the calls admitted before the journal was full, which
@@ -122,12 +126,7 @@ class UsageJournal:
 
     def _append(self, reports: list[UsageReport]) -> None:
         if self._segment is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            name = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}{SEGMENT_SUFFIX}"
-            segment = open(self.directory / name, "ab")
-            fcntl.flock(segment, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._segment = segment
-            _fsync_directory(self.directory)
+            self._segment = self._new_segment()
         data = b"".join(encode(report) for report in reports)
         # NOTE: counted before the write: bytes that may have reached the disk are never left out of the count.
         self._num_bytes_appended += len(data)
@@ -137,6 +136,48 @@ class UsageJournal:
         os.fsync(self._segment.fileno())
         if self._segment.tell() >= MAX_SEGMENT_BYTES:
             self._seal()
+
+    def _new_segment(self):
+        """A new segment, open and locked, under its final name.
+
+        NOTE: locked before it has a name `segments` lists: created under it, a replayer in another process could
+        lock the new empty file between its creation and this process's lock, find nothing in it and delete it; the
+        rows then appended went into a deleted file, reported written. Renamed before anything is appended, so the
+        hidden file of a process that died creating one is empty (`_clear_left_new`)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for _attempt in range(3):
+            name = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}{SEGMENT_SUFFIX}"
+            hidden = self.directory / f".{name}{NEW_SUFFIX}"
+            segment = open(hidden, "ab")
+            try:
+                fcntl.flock(segment, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.rename(hidden, self.directory / name)
+            except FileNotFoundError:  # cleared as left behind meanwhile (`_clear_left_new`): a new one
+                segment.close()
+                continue
+            except BaseException:
+                segment.close()
+                raise
+            _fsync_directory(self.directory)
+            return segment
+        raise FileNotFoundError(f"usage journal: could not create a segment in {self.directory}")
+
+    def _clear_left_new(self) -> None:
+        """Delete the new segments' hidden files that processes left when they died creating them (never one a
+        process holds). Each is empty; one that is not (it cannot be) becomes a segment, replayed as any."""
+        for path in self.directory.glob(f".*{SEGMENT_SUFFIX}{NEW_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its process is creating it now
+                status = os.fstat(handle.fileno())
+                if time.time() - status.st_mtime < LEFT_NEW_AFTER_S:
+                    continue  # perhaps opened, not locked yet, by a process creating it now
+                if status.st_size:
+                    os.rename(path, path.with_name(path.name[1:].removesuffix(NEW_SUFFIX)))
+                else:
+                    path.unlink()
 
     def _count(self) -> None:
         self.num_bytes = self._num_bytes_listed + self._num_bytes_appended
@@ -171,6 +212,8 @@ class UsageJournal:
         restarted left its segments), so that `num_bytes` is the folder's. `rejected.jsonl` is not counted: no replay
         empties it, an operator does."""
         with self._lock:
+            if self.directory.is_dir():
+                self._clear_left_new()
             paths, sizes = [], {}
             for path in self.segments():
                 with contextlib.suppress(FileNotFoundError):  # replayed by another process meanwhile

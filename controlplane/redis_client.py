@@ -133,3 +133,15 @@ def _renew_while_running(lock, key: str, ttl_s: float, done: threading.Event) ->
             return
         except redis.exceptions.RedisError:
             logger.warning("%s: could not renew the run's lock; trying again", key, exc_info=True)
+
+
+def redis_time(client=None) -> float:
+    """Redis's clock (`TIME`), in Unix seconds: the one clock for times that one process writes to Redis and another
+    compares with its own "now" (the gateways' last requests and the autoscaler, the sweeps of several workers).
+
+    NOTE: a process's own clock may step (NTP, a VM resumed) or drift apart from the others'; Redis's is one for all
+    of them. On Redis Cluster each node keeps its own (the gateways' scripts read the one holding their keys, this
+    the node redis-py asks): a few servers kept in step, rather than every gateway and worker.
+    """
+    seconds, microseconds = (client or get_redis()).time()
+    return seconds + microseconds / 1_000_000

@@ -176,6 +176,8 @@ FLEET_SILENT_SINCE_KEY = "sweep:fleet-silent-since"
 # (`endpoints.scheduler.web_tier_silent`). NOTE: a count, not times: only the sweeps' clock is read.
 WEB_BEATS_KEY = "web:beats"
 WEB_BEATS_SEEN_KEY = "sweep:web-beats-seen"
+# What each Celery process (beat, a worker) found its clock ahead of Redis's, when it last checked (`controlplane.clock`).
+CLOCK_SKEWS_KEY = "clock:skews"
 
 
 def idle_deadline_key(endpoint_id: str, deadline: float) -> str:

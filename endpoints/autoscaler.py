@@ -23,6 +23,10 @@ for a serverless one outside its pre-warm windows. Every decision carries its in
 which the scheduler writes with each scale event. Queued batch work then holds warm replicas, or
 wakes a sleeping endpoint when its deadline needs it (`endpoints.batches.scheduling.apply`).
 
+One clock: the gateways stamp requests with Redis's (`TIME` in their scripts, `endpoints.gateway.traffic`) and
+the tick reads the load and decides at Redis's "now" (`redis_time`), never the worker's own, so a clock that stepped
+on either side (NTP, a VM resumed) changes no endpoint's idle time.
+
 Redis is a cache of this state, not its record: an endpoint that has replicas but no last-request
 time in Redis (a restart without persistence, a flush) is read as "a request just now", never as
 idle, and that time is written back, so its replicas get a whole `idle_timeout_s` before any
@@ -43,7 +47,7 @@ from django.conf import settings
 from django.db.models import Count, Q, Sum
 
 from controlplane import redis_keys
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import key_slot, org_tag, samples_key
 from controlplane.redis_scripts import Script
 from endpoints import prewarm
@@ -159,16 +163,17 @@ READ_LOAD_BATCH = 1000
 def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool = True) -> dict[str, Load]:
     """Current load of each endpoint, in one Redis call per thousand endpoints of one Redis Cluster
     slot; records a sample for the stable window. An endpoint that no longer exists reads as idle.
+    `now`: Redis's clock (`redis_time`, read here when None), which the gateways stamp requests with.
 
     NOTE: the work runs in Redis (a script) because a tick reads hundreds of endpoints: seven
     pipelined commands each cost the tick far more in the client than in Redis.
     """
     if not endpoint_ids:
         return {}
-    now = now or time.time()
+    redis = get_redis()
+    now = redis_time(redis) if now is None else now
     since = now - traffic.STALE_AFTER_S
     window_start = now - settings.AUTOSCALER_STABLE_WINDOW_S
-    redis = get_redis()
     args = [since, window_start, now, f"{now:.3f}:", "1" if record else "0", int(settings.AUTOSCALER_STABLE_WINDOW_S) + 60,
             settings.AUTOSCALER_PANIC_WINDOW_S, PANIC_GROWTH]
     organizations = {str(pk): organization_id for pk, organization_id in
@@ -251,7 +256,8 @@ def floor(endpoint, now: float) -> prewarm.Floor:
 def decide(endpoint, load: Load, *, now: float | None = None, batch: BatchDemand | None = None, num_ready: int = 0,
            num_serving: int = 0) -> Decision:
     """Replicas the endpoint should have for its interactive `load`, then for its queued `batch` work
-    given its `num_ready` READY (of `num_serving` serving) replicas."""
+    given its `num_ready` READY (of `num_serving` serving) replicas, at `now`: the clock `load` was read at
+    (`read_load`'s, Redis's; the process's own only where no Redis is, as in the benchmarks)."""
     now = now or time.time()
     if endpoint.paused_at is not None or endpoint.deleted_at is not None:
         return Decision(0, "paused" if endpoint.deleted_at is None else "deleted")

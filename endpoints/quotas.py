@@ -15,14 +15,13 @@ The numbers come from the organisation's plan, or the platform defaults
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from django.db.models import Count, Sum
 from rest_framework.exceptions import ValidationError
 
 from controlplane.accounts.models import Organization, Quotas
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
 from endpoints.batches.models import File
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
@@ -96,7 +95,7 @@ def use_of(organization: Organization) -> QuotaUse:
         held.values("endpoint__gpu_type").annotate(num=Sum("endpoint__gpus_per_replica"))
         .values_list("endpoint__gpu_type", "num")
     )
-    num_held = get_redis().zcount(held_key(organization.pk), f"({time.time()}", "+inf")
+    num_held = get_redis().zcount(held_key(organization.pk), f"({redis_time()}", "+inf")  # `cold_start`'s clock
     file_bytes = File.objects.held_by(organization.pk).aggregate(total=Sum("bytes"))["total"] or 0
     return QuotaUse(organization.plan.name if organization.plan_id else None, organization.quotas, totals["num"],
                     held.count(), _num_warm(endpoints), num_held, file_bytes, gpus_by_type)

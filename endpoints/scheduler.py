@@ -14,7 +14,6 @@ Sleep mode (an endpoint's `idle_action` "sleep"): a READY replica let go sleeps 
 from __future__ import annotations
 
 import logging
-import time
 from datetime import timedelta
 
 from celery import current_app
@@ -24,7 +23,7 @@ from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from controlplane import redis_keys
-from controlplane.redis_client import get_redis, held_alone
+from controlplane.redis_client import get_redis, held_alone, redis_time
 from controlplane.redis_keys import FLEET_SILENT_SINCE_KEY, LISTENING_SINCE_KEY, SWEPT_AT_KEY, TICK_LOCK_KEY
 from endpoints import autoscaler, quotas
 from endpoints.batches.demand import read_demand
@@ -60,16 +59,19 @@ DRAIN_ORDER = {ReplicaState.PENDING: 0, ReplicaState.STARTING: 1, ReplicaState.R
 IDLE_DEADLINE_MARGIN_S = 0.05
 
 
-def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) -> autoscaler.Decision | None:
-    """Place missing replicas and drain surplus ones."""
+def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
+                       now: float | None = None) -> autoscaler.Decision | None:
+    """Place missing replicas and drain surplus ones, for the `load` read at `now` (Redis's clock; both read here
+    when None)."""
+    now = redis_time() if now is None else now
     if load is None:
-        load = autoscaler.read_load([str(endpoint_id)])[str(endpoint_id)]
+        load = autoscaler.read_load([str(endpoint_id)], now=now)[str(endpoint_id)]
     with transaction.atomic():
         endpoint = Endpoint.objects.select_for_update(skip_locked=True).filter(pk=endpoint_id).first()
         if endpoint is None:  # gone, or another worker is reconciling it right now
             return None
         serving = list(Replica.objects.filter(endpoint=endpoint, state__in=SERVING_REPLICA_STATES).select_related("endpoint"))
-        decision = autoscaler.decide(endpoint, load, batch=read_demand([str(endpoint.pk)]).get(str(endpoint.pk)),
+        decision = autoscaler.decide(endpoint, load, now=now, batch=read_demand([str(endpoint.pk)]).get(str(endpoint.pk)),
                                      num_ready=sum(1 for r in serving if r.state == ReplicaState.READY),
                                      num_serving=len(serving))
         if decision.batch_rule in ("hold", "wait"):
@@ -142,11 +144,11 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None) ->
 
 
 def active_endpoint_ids(now: float | None = None) -> list[str]:
-    """Endpoints the tick must look at: with replicas, with a floor, or with recent traffic.
+    """Endpoints the tick must look at: with replicas, with a floor, or with recent traffic (at `now`, Redis's clock).
 
     NOTE: the cost of a tick grows with these, not with every endpoint ever created.
     """
-    now = now or time.time()
+    now = redis_time() if now is None else now
     # NOTE: `order_by()` drops the models' default ordering: with it, DISTINCT would run over
     # (endpoint, created_at), one row per replica, and the floor query would sort every match by name.
     with_replicas = (Replica.objects.filter(state__in=LIVE_REPLICA_STATES).order_by()
@@ -169,11 +171,12 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
     "waiting for capacity" message, would be locked, read and left as it is: the tick skips it, so a
     steady fleet costs two queries, not four per endpoint. The reconcile itself re-reads under its lock.
     Of the ones skipped, those that will be allowed to scale down once idle long enough go into
-    `idle_deadlines` (endpoint id -> that moment, `autoscaler.idle_deadline`).
+    `idle_deadlines` (endpoint id -> that moment, `autoscaler.idle_deadline`). `now`: the clock `loads` were read at
+    (Redis's).
     """
     if not endpoint_ids:
         return []
-    now = now or time.time()
+    now = redis_time() if now is None else now
     endpoints = Endpoint.objects.filter(pk__in=endpoint_ids).order_by().only(
         "pk", "paused_at", "deleted_at", "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
         "status_message", "failed_at", "prewarm_windows", "keep_warm_after_cold_start_s", "last_cold_start_at",
@@ -195,7 +198,7 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
     changing = {str(pk) for pk in sleepers.values_list("endpoint_id", flat=True).distinct()}
     for endpoint in endpoints:
         try:
-            decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)], batch=demand.get(str(endpoint.pk)),
+            decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)], now=now, batch=demand.get(str(endpoint.pk)),
                                          num_ready=num_ready.get(endpoint.pk, 0), num_serving=num_serving.get(endpoint.pk, 0))
             if endpoint.failed_at is not None:
                 continue  # stopped until a spec change or resume: nothing to place
@@ -249,15 +252,16 @@ def autoscale_tick() -> int:
 
 def _tick() -> int:
     presence.sweep_dead_gateways()  # first, so a dead gateway's requests do not count as load
-    endpoint_ids = active_endpoint_ids()
-    now = time.time()
+    # NOTE: Redis's clock, which the gateways stamp requests with (`autoscaler`), never this worker's own.
+    now = redis_time()
+    endpoint_ids = active_endpoint_ids(now)
     loads = autoscaler.read_load(endpoint_ids, now=now)
     idle_deadlines: dict[str, float] = {}
     changing = endpoints_to_reconcile(endpoint_ids, loads, idle_deadlines=idle_deadlines, now=now)
     schedule_idle_deadlines(idle_deadlines, now)
     for endpoint_id in changing:
         try:
-            reconcile_endpoint(endpoint_id, loads[endpoint_id])
+            reconcile_endpoint(endpoint_id, loads[endpoint_id], now=now)
         except Exception:  # noqa: BLE001 - one broken endpoint must not stall the others
             logger.exception("reconciling endpoint %s failed", endpoint_id)
     return len(endpoint_ids)
@@ -322,13 +326,16 @@ def _heard_long_enough(redis, now: float) -> bool:
 def sweep_stuck() -> None:
     """Nodes silent past the grace period go OFFLINE and their replicas FAILED (and are replaced);
     replicas STARTING for too long fail with the reason. Nothing is judged until the control plane has heard
-    heartbeats long enough after a time it could not (`_heard_long_enough`)."""
+    heartbeats long enough after a time it could not (`_heard_long_enough`).
+
+    NOTE: the times the sweeps keep in Redis are Redis's clock (`redis_time`): sweeps run on any worker, and one whose
+    clock ran 20 s ahead of the last sweeper's read a gap in the sweeps every time, so no node was ever judged."""
     redis = get_redis()
-    if _heard_long_enough(redis, time.time()):
+    if _heard_long_enough(redis, redis_time(redis)):
         _sweep()
     else:
         Node.objects.exists()  # NOTE: PostgreSQL is read either way: a sweep that could not is part of the gap
-    redis.set(SWEPT_AT_KEY, time.time(), ex=SWEEP_KEYS_TTL_S)
+    redis.set(SWEPT_AT_KEY, redis_time(redis), ex=SWEEP_KEYS_TTL_S)
 
 
 def whole_fleet_silent(redis, now: float) -> bool:
@@ -364,7 +371,7 @@ def _sweep() -> None:
     now = timezone.now()
     silent_since = database_time_ago(settings.NODE_HEARTBEAT_GRACE_S)
     silent = Node.objects.exclude(state=NodeState.OFFLINE).filter(last_heartbeat_at__lt=silent_since)
-    if silent.exists() and whole_fleet_silent(get_redis(), time.time()):
+    if silent.exists() and whole_fleet_silent(get_redis(), redis_time()):
         silent = Node.objects.none()
     for node in silent:
         # NOTE: one transaction: nobody reads an OFFLINE node whose replicas still look READY (the gateway

@@ -96,6 +96,7 @@ async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api
     waiting = await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"waiting-{organization_id}",
                                     amount=Decimal("0.01"), num_tokens=10, candidates=[])
     await cold_start.give_up(place)
+    await traffic.promote_request(organization_id, endpoint_id, f"waiting-{organization_id}")  # a replica came up
     await admission.finish(caller=caller, endpoint_id=endpoint_id, admission=waiting, release=None, num_tokens=0,
                            cost=Decimal("0"))
     # one the heartbeat restores after Redis forgot it, then ends later

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
@@ -132,7 +131,8 @@ local function quota_reserve(K, A)
   redis.call('INCRBY', K[2], A[2])
   if has_key then redis.call('INCRBY', K[4], A[2]) end
   redis.call('HSET', K[6], A[1], A[5])
-  redis.call('ZADD', K[7], A[3], A[1])
+  -- NOTE: the deadline on Redis's clock, which the sweeper reads too (`sweeper`), never the gateway's
+  redis.call('ZADD', K[7], tonumber(redis.call('TIME')[1]) + 1 + tonumber(A[3]), A[1])
   return {'ok', 'new'}
 end
 """
@@ -140,7 +140,8 @@ end
 RESERVE = ScriptPart(
     "quota_reserve",
     keys=("org period", "org reserved", "key period", "key reserved", "credit", "reservations", "deadlines"),
-    args=("request id", "amount (units)", "deadline", "has key (1/0)", "payload", "limits version"), lua=RESERVE_LUA)
+    args=("request id", "amount (units)", "seconds it holds (its deadline: Redis's clock plus these)", "has key (1/0)",
+          "payload", "limits version"), lua=RESERVE_LUA)
 
 # A reserved counter less a reservation's amount, never below zero: one it would take below (a counter Redis
 # lost, or one rebuilt since) is no key, as a counter never written (read as zero). Used by `SETTLE` and the
@@ -239,9 +240,8 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
     period = period_containing()
     reservation = Reservation(request_id, organization_id, api_key_id, amount, period.key)
     units = to_units(amount, ROUND_CEILING)
-    deadline = time.time() + settings.BILLING_RESERVATION_TTL_S
     keys, _, payload_before, payload_after = _prepared(organization_id, api_key_id, period.key)
-    args = [request_id, str(units), str(math.ceil(deadline)), "1" if api_key_id is not None else "0",
+    args = [request_id, str(units), str(math.ceil(settings.BILLING_RESERVATION_TTL_S)), "1" if api_key_id is not None else "0",
             f"{payload_before}{units}{payload_after}", "*" if any_limits else limits_version()]
     return reservation, keys, args
 
@@ -249,15 +249,17 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # Puts back the reservations of calls a live gateway still serves after Redis lost them (a restart without persistence,
 # a flush, a failover: `endpoints.gateway.presence`), as `RESERVE` held them. KEYS: the reservations, the deadlines,
 # the organisation's reserved sum, then per call: its key's reserved sum (the organisation's again for a call without
-# a key) and its settled marker. ARGV: the deadline, then per call: request id, amount (units), has key (1/0), payload.
+# a key) and its settled marker. ARGV: the seconds a reservation holds (its deadline: Redis's clock plus these), then
+# per call: request id, amount (units), has key (1/0), payload.
 # A reservation still there (Redis forgot only the gateway's own keys) or one whose call settled meanwhile is left.
 _RESTORE_RESERVATIONS = Script("""
 local restored = 0
+local deadline = tonumber(redis.call('TIME')[1]) + 1 + tonumber(ARGV[1])
 for i = 2, #ARGV, 4 do
   local n = (i - 2) / 4
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[5 + 2 * n]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3])
-    redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i])
+    redis.call('ZADD', KEYS[2], deadline, ARGV[i])
     redis.call('INCRBY', KEYS[3], ARGV[i + 1])
     if ARGV[i + 2] == '1' then redis.call('INCRBY', KEYS[4 + 2 * n], ARGV[i + 1]) end
     restored = restored + 1
@@ -277,7 +279,7 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
     if not reservations:
         return 0
     keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id)]
-    args = [str(math.ceil(time.time() + settings.BILLING_RESERVATION_TTL_S))]
+    args = [str(math.ceil(settings.BILLING_RESERVATION_TTL_S))]
     for reservation in reservations:
         if reservation.organization_id != organization_id:
             raise ValueError("one organisation's reservations at a time (one Redis Cluster slot)")

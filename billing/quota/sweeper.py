@@ -13,13 +13,12 @@ organisation's deadlines, `ORGS_PER_PIPELINE` organisations per round trip."""
 from __future__ import annotations
 
 import json
-import time
 from decimal import Decimal
 
 from billing.models import UsageRecord
 from billing.quota import counters
 from controlplane.accounts.models import Organization
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import deadlines_key, key_reserved_key, org_reserved_key, reservations_key
 from controlplane.redis_scripts import Script
 from controlplane.script_parts import ComposedScript
@@ -51,8 +50,10 @@ ORGS_PER_PIPELINE = 1000
 
 
 def sweep_expired_reservations(now: float | None = None, *, batch_size: int = 1000) -> int:
-    """Release reservations whose deadline passed (their gateway died mid-request). Returns how many."""
-    now = time.time() if now is None else now
+    """Release reservations whose deadline passed (their gateway died mid-request) at `now`, Redis's clock (read here
+    when None), which the deadlines are set on: a worker whose own clock ran a deadline's 15 minutes ahead released the
+    holds of calls still running. Returns how many."""
+    now = redis_time() if now is None else now
     organization_ids = Organization.objects.order_by("pk").values_list("pk", flat=True)
     released = 0
     batch: list[int] = []

@@ -38,13 +38,15 @@ MAX_WAITING_PER_ENDPOINT = 256
 # A place outlives its hold's deadline by this much before it stops counting (its gateway died).
 PLACE_GRACE_S = 30
 
-# K: the organisation's held set (request id scored by the time its place lapses).
-# A: request id, lapses at, now, quota. Returns 1 when the place is taken, 0 when the quota is full.
+# K: the organisation's held set (request id scored by the time its place lapses, Redis's clock: every gateway's
+# places are judged by one clock, so one whose clock ran ahead never read the others' as lapsed and held past the quota).
+# A: request id, seconds the place lasts, quota. Returns 1 when the place is taken, 0 when the quota is full.
 _TAKE_PLACE = Script("""
-if redis.call('ZCOUNT', KEYS[1], '(' .. ARGV[3], '+inf') >= tonumber(ARGV[4]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
-redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[3])))
+local now = tonumber(redis.call('TIME')[1])
+if redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf') >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])))
 return 1
 """)
 _LEAVE_PLACE = Script("return redis.call('ZREM', KEYS[1], ARGV[1])")
@@ -68,10 +70,9 @@ async def take_place(endpoint: EndpointInfo, organization_id: int, request_id: s
     global _num_held_here
     if await traffic.num_waiting(endpoint.organization_id, endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
         raise errors.no_capacity(f"Too many requests are waiting for '{endpoint.name}' to start.", 10)
-    now = time.time()
-    lapses_at = now + endpoint.cold_start_timeout_s + PLACE_GRACE_S
     if not int(await _TAKE_PLACE(keys=[held_key(organization_id)],
-                                 args=[request_id, lapses_at, now, endpoint.max_held_requests])):
+                                 args=[request_id, endpoint.cold_start_timeout_s + PLACE_GRACE_S,
+                                       endpoint.max_held_requests])):
         raise errors.OpenAIError(
             429, f"Your organisation already has {endpoint.max_held_requests} requests waiting for cold starts "
                  "(quota max_held_requests); retry when they are served.",

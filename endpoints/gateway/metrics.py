@@ -26,12 +26,14 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import redis.exceptions
 from django.conf import settings
 from django.db.models import Count
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from controlplane import clock
 from endpoints.fleet.pool_costs import usage_by_pool
 from endpoints.models import LIVE_REPLICA_STATES, Endpoint, Replica
 from endpoints.nodes.models import LIVE_LAUNCH_STATES, Node, NodeLaunch, NodePool
@@ -258,7 +260,21 @@ def refresh_fleet_gauges() -> None:
         for gpu in (status or {}).get("gpus", []):
             node_gpu_utilization.add_metric([str(node_id), str(gpu.get("index", 0))],
                                             float(gpu.get("utilization_percent", 0)) / 100)
-    fleet.families = [replicas, node_gpu_utilization, endpoint_info, node_info, *pool_families()]
+    fleet.families = [replicas, node_gpu_utilization, endpoint_info, node_info, *pool_families(), *clock_families()]
+
+
+def clock_families() -> list[GaugeMetricFamily]:
+    """How far each Celery process's clock was from Redis's when it last checked (`controlplane.clock`)."""
+    skews = GaugeMetricFamily("inferplane_clock_skew_seconds", "Seconds each Celery process's clock was ahead of "
+                              "Redis's (negative: behind) when it last checked; a worker ahead of beat by more than a "
+                              "task's expiry drops its runs.", labels=["process"])
+    try:
+        recorded = clock.recorded_skews()
+    except redis.exceptions.RedisError:
+        return []  # NOTE: Redis down: the database's series are still reported
+    for process, skew in sorted(recorded.items()):
+        skews.add_metric([process], skew)
+    return [skews]
 
 
 def pool_families() -> list[GaugeMetricFamily]:

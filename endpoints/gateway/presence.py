@@ -78,18 +78,19 @@ return {released, redis.call('HLEN', KEYS[1])}
 
 # One organisation's keys per call. KEYS: the gateway's requests hash of the organisation, the
 # no-replica placeholder, then per request: in-flight set, the outstanding counter (or the placeholder).
-# ARGV: now, counter TTL, then per request: request id, hash value. Puts back each request the hash
-# does not hold (Redis forgot it, or a sweeper released it).
-_RESTORE_REQUESTS = Script("""
+# ARGV: counter TTL, then per request: request id, hash value. Puts back each request the hash
+# does not hold (Redis forgot it, or a sweeper released it), in flight since now (Redis's clock, `traffic`).
+_RESTORE_REQUESTS = Script(traffic.TRAFFIC_LUA + """
 local restored = 0
-for i = 3, #ARGV, 2 do
-  local base = 3 + 2 * ((i - 3) / 2)
+local now = traffic_now()
+for i = 2, #ARGV, 2 do
+  local base = 3 + 2 * ((i - 2) / 2)
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-    redis.call('ZADD', KEYS[base], ARGV[1], ARGV[i])
+    redis.call('ZADD', KEYS[base], now, ARGV[i])
     if KEYS[base + 1] ~= KEYS[2] then
       redis.call('INCR', KEYS[base + 1])
-      redis.call('EXPIRE', KEYS[base + 1], ARGV[2])
+      redis.call('EXPIRE', KEYS[base + 1], ARGV[1])
     end
     restored = restored + 1
   end
@@ -156,21 +157,18 @@ class _Extended:
 _extended = _Extended()
 
 
-def _deadlines_due(now: float) -> dict[int, dict[str, int]] | None:
-    """The reservation deadlines to push on now (organisation -> request id -> new deadline, Unix s), every third
-    of the reservation's time (a minute at most): those of the requests served at least that long, and no longer
-    than the longest a call is waited for (`GATEWAY_MAX_ANSWER_WAIT_S`): one left here by a bug never holds a
-    caller's credit for good."""
-    ttl_s = settings.BILLING_RESERVATION_TTL_S
-    every_s = min(60.0, ttl_s / 3)
+def _deadlines_due(now: float) -> dict[int, list[str]] | None:
+    """The requests whose reservation deadlines to push on now (organisation -> request ids), every third of the
+    reservation's time (a minute at most): those served at least that long, and no longer than the longest a call is
+    waited for (`GATEWAY_MAX_ANSWER_WAIT_S`): one left here by a bug never holds a caller's credit for good."""
+    every_s = min(60.0, settings.BILLING_RESERVATION_TTL_S / 3)
     if now - _extended.at < every_s:
         return None  # not yet: the last push stands
     oldest = now - settings.GATEWAY_MAX_ANSWER_WAIT_S
-    deadline = math.ceil(time.time() + ttl_s)
-    due: dict[int, dict[str, int]] = {}
+    due: dict[int, list[str]] = {}
     for request_id, held in list(serving.items()):
         if oldest <= held.since <= now - every_s:
-            due.setdefault(held.organization_id, {})[request_id] = deadline
+            due.setdefault(held.organization_id, []).append(request_id)
     return due
 
 
@@ -180,10 +178,14 @@ async def _push_deadlines_on(redis, now: float | None = None) -> None:
     if due is None:
         return
     if due:
+        # NOTE: Redis's clock, as the admission's own deadline and the sweeper's (`billing.quota.sweeper`).
+        seconds, _ = await redis.time()
+        deadline = int(seconds) + 1 + math.ceil(settings.BILLING_RESERVATION_TTL_S)
         # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never earlier (GT).
         async with redis.pipeline(transaction=False) as pipe:
-            for organization_id, deadlines in due.items():
-                pipe.zadd(redis_keys.deadlines_key(organization_id), deadlines, xx=True, gt=True)
+            for organization_id, request_ids in due.items():
+                pipe.zadd(redis_keys.deadlines_key(organization_id), dict.fromkeys(request_ids, deadline), xx=True,
+                          gt=True)
             await pipe.execute()
     _extended.at = now  # NOTE: only once due and pushed: a beat in between (every second) never moves it on
 
@@ -215,7 +217,7 @@ async def _put_back(gateway: str) -> None:
         if not snapshot:
             continue
         keys = [traffic.gateway_requests_key(organization_id), redis_keys.no_replica_placeholder(organization_id)]
-        args = [traffic.score_now(), traffic.OUTSTANDING_TTL_S]
+        args = [traffic.OUTSTANDING_TTL_S]
         for request_id, held in snapshot:
             keys += [redis_keys.inflight_key(organization_id, held.endpoint_id), held.counter()]
             args += [request_id, held.value()]

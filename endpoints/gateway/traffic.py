@@ -15,6 +15,12 @@
 
 Every key a script here touches carries its organisation's hash tag (`controlplane.redis_keys`): an
 endpoint, its replicas and its callers belong to one organisation, so the scripts run on Redis Cluster.
+
+NOTE: the times written here (a request's start, an endpoint's last request) are Redis's clock (`TIME`, read
+inside the scripts), never the gateway's, and their readers read Redis's clock too (`autoscaler.read_load`,
+the autoscaler tick): a gateway or worker whose clock stepped (NTP, a VM resumed) changed how long an endpoint
+looked idle by as much. A worker 300 s ahead scaled to zero every endpoint with a 300 s idle timeout used
+seconds before, and one an hour ahead no longer saw the calls in flight (`STALE_AFTER_S`).
 """
 
 from __future__ import annotations
@@ -50,10 +56,19 @@ OUTSTANDING_TTL_S = 3600
 # NOTE: a counter is released only by whoever removes the request from its gateway's hash, so the
 # request's own end and a sweeper releasing a dead gateway's entries never both release it.
 TRAFFIC_LUA = """
+-- Redis's clock: whole seconds (a request's score), and the time with its microseconds (a last-request time).
+-- NOTE: scores are whole seconds: Redis keeps a small sorted set as a packed list, where an integer score is
+-- stored as one and a fractional one as text, parsed again by every insertion's walk (an in-flight set's ZADD
+-- cost ~10x more at concurrency 16). Staleness is judged in minutes.
+local function traffic_now()
+  local now = redis.call('TIME')
+  return tonumber(now[1]), now[1] .. '.' .. string.format('%06d', tonumber(now[2]))
+end
 local function traffic_begin(K, A, held)
-  redis.call('ZADD', K[1], math.floor(tonumber(A[2])), A[1])
-  redis.call('SET', K[2], A[2])
-  redis.call('HSET', K[3], A[1], A[3] .. '|' .. held)
+  local seconds, now = traffic_now()
+  redis.call('ZADD', K[1], seconds, A[1])
+  redis.call('SET', K[2], now)
+  redis.call('HSET', K[3], A[1], A[2] .. '|' .. held)
 end
 local function traffic_hold(K, A)
   redis.call('HSET', K[1], A[1], A[2] .. '|' .. A[3])
@@ -97,16 +112,17 @@ end
 local function traffic_end(K, A)
   redis.call('ZREM', K[1], A[1])
   redis.call('ZREM', K[2], A[1])
-  redis.call('SET', K[3], A[2])
+  local _, now = traffic_now()
+  redis.call('SET', K[3], now)
   local held = redis.call('HGET', K[5], A[1])
   redis.call('HDEL', K[5], A[1])
-  if A[3] == '1' and held and string.sub(held, -string.len(K[4]) - 1) == '|' .. K[4] then traffic_release({K[4]}) end
+  if A[2] == '1' and held and string.sub(held, -string.len(K[4]) - 1) == '|' .. K[4] then traffic_release({K[4]}) end
 end
 """
 BEGIN = ScriptPart("traffic_begin",
                    keys=("the endpoint's in-flight (or waiting) set", "its last-request key",
                          "this gateway's requests hash (of the endpoint's organisation)"),
-                   args=("request id", "now", "endpoint id"), lua=TRAFFIC_LUA)
+                   args=("request id", "endpoint id"), lua=TRAFFIC_LUA)
 # Counts one more on the candidate chosen (`endpoints.gateway.routing`: the first in the order of
 # preference, the hinted one moved first, whose count is within the margin of the least loaded; else the
 # least loaded) and returns its 1-based index among the candidates' counters (the keys after the hint).
@@ -117,7 +133,7 @@ PICK = ScriptPart("traffic_pick", keys=("the prefix's hint key (or a placeholder
 END = ScriptPart("traffic_end",
                  keys=("the endpoint's in-flight set", "its waiting set", "its last-request key",
                        "the outstanding counter held (or a placeholder)", "this gateway's requests hash"),
-                 args=("request id", "now", "release (1: drop the counter by one)"), lua=TRAFFIC_LUA)
+                 args=("request id", "release (1: drop the counter by one)"), lua=TRAFFIC_LUA)
 
 # KEYS: this gateway's requests hash, a hint placeholder, then the candidates' counters; ARGV: TTL,
 # request id, endpoint id.
@@ -135,16 +151,15 @@ if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] .. '|' .. KEYS[2] then return
 traffic_hold({KEYS[1]}, {ARGV[1], ARGV[2], ''})
 return traffic_release({KEYS[2]})
 """)
-
-
-def score_now() -> int:
-    """A request's start time as its score in the in-flight and waiting sets: whole seconds.
-
-    NOTE: Redis keeps a small sorted set as a packed list, where a score that is an integer is stored as one
-    and a fractional one as text, parsed again (strtod) by every insertion's walk: with fractional scores
-    an in-flight set's ZADD cost ~10x more at concurrency 16. Staleness is judged in minutes.
-    """
-    return int(time.time())
+# KEYS: the endpoint's waiting set, its in-flight set; ARGV: request id. A held request got a replica.
+_PROMOTE = Script(TRAFFIC_LUA + """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], traffic_now(), ARGV[1])
+""")
+# KEYS: the endpoint's waiting set; ARGV: `STALE_AFTER_S`. The requests waiting, less those left by a dead gateway.
+_NUM_WAITING = Script(TRAFFIC_LUA + """
+return redis.call('ZCOUNT', KEYS[1], traffic_now() - tonumber(ARGV[1]), '+inf')
+""")
 
 
 _gateway_id: tuple[int, str] = (0, "")
@@ -240,14 +255,14 @@ def _outstanding_keys(organization_id: int, replica_ids: tuple[str, ...]) -> tup
 def begin_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *,
                         waiting: bool) -> tuple[tuple[str, ...], list]:
     """`BEGIN`'s keys and arguments: the request counted in flight, or waiting for a cold start."""
-    return _begin_keys(organization_id, endpoint_id, waiting, gateway_id()), [request_id, time.time(), endpoint_id]
+    return _begin_keys(organization_id, endpoint_id, waiting, gateway_id()), [request_id, endpoint_id]
 
 
 def end_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *,
                       release: str | None) -> tuple[tuple[str, ...], list]:
     """`END`'s keys and arguments; with `release`, that replica's outstanding count drops too."""
     return (_end_keys(organization_id, endpoint_id, release, gateway_id()),
-            [request_id, time.time(), "1" if release is not None else "0"])
+            [request_id, "1" if release is not None else "0"])
 
 
 def pick_keys_and_args(organization_id: int, replica_ids: list[str],
@@ -263,13 +278,9 @@ def pick_keys_and_args(organization_id: int, replica_ids: list[str],
 
 async def promote_request(organization_id: int, endpoint_id: str, request_id: str) -> None:
     """A held request got a replica: it stops waiting and is in flight."""
-    redis = get_async_redis()
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.zrem(waiting_key(organization_id, endpoint_id), request_id)
-        pipe.zadd(inflight_key(organization_id, endpoint_id), {request_id: score_now()})
-        await pipe.execute()
+    await _PROMOTE(keys=[waiting_key(organization_id, endpoint_id), inflight_key(organization_id, endpoint_id)],
+                   args=[request_id])
 
 
 async def num_waiting(organization_id: int, endpoint_id: str) -> int:
-    return await get_async_redis().zcount(waiting_key(organization_id, endpoint_id), time.time() - STALE_AFTER_S,
-                                          "+inf")
+    return int(await _NUM_WAITING(keys=[waiting_key(organization_id, endpoint_id)], args=[STALE_AFTER_S]))

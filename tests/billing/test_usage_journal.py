@@ -3,6 +3,9 @@ gateway admits no new call until it is replayed."""
 
 import asyncio
 import dataclasses
+import fcntl
+import os
+import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -10,9 +13,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from billing import usage_journal
 from billing.ledger import UsageReport
 from billing.models import UsageRecord
-from billing.usage_journal import REJECTED_NAME, UsageJournal, decode, encode
+from billing.usage_journal import REJECTED_NAME, UsageJournal, decode, encode, read_segment
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory
 
@@ -133,3 +137,47 @@ def test_a_full_journal_refuses_new_calls_and_readiness_until_it_is_replayed_los
         assert UsageRecord.objects.count() == len(admitted)
     finally:
         usage_writer.journal.cache_clear()
+
+
+def test_a_segment_claimed_between_its_creation_and_its_lock_loses_no_row(tmp_path, monkeypatch):
+    # A replayer in another process lists the folder just as a writer creates its new segment: created under its
+    # final name, the replayer locked it before the writer did, found it empty and deleted it; the writer's rows
+    # then went into a deleted file, reported written.
+    writer, replayer = UsageJournal(tmp_path), UsageJournal(tmp_path)
+    real_flock, raced = fcntl.flock, []
+
+    def flock(handle, operation):
+        if not raced:
+            raced.append(True)
+            for path in replayer.list_segments():
+                with replayer.claim(path) as claimed:
+                    if claimed is not None:
+                        replayer.done(path, [])
+        return real_flock(handle, operation)
+
+    monkeypatch.setattr(usage_journal.fcntl, "flock", flock)
+    writer.append([_report(1)])
+    monkeypatch.setattr(usage_journal.fcntl, "flock", real_flock)
+    writer.seal()
+
+    reports = []
+    for path in UsageJournal(tmp_path).segments():
+        with open(path, "rb") as handle:
+            reports += read_segment(handle)
+    assert raced and [report.request_id for report in reports] == ["req-0001"]
+
+
+def test_a_new_segments_hidden_file_left_by_a_dead_process_is_cleared_and_a_live_ones_kept(tmp_path):
+    writer = UsageJournal(tmp_path)
+    writer.append([_report(1)])  # a live process's segment
+    left = tmp_path / f".host-1-1{usage_journal.SEGMENT_SUFFIX}{usage_journal.NEW_SUFFIX}"
+    left.touch()  # a process died creating its segment
+    long_ago = time.time() - usage_journal.LEFT_NEW_AFTER_S - 1
+    os.utime(left, (long_ago, long_ago))
+    young = tmp_path / f".host-2-2{usage_journal.SEGMENT_SUFFIX}{usage_journal.NEW_SUFFIX}"
+    young.touch()  # one being created now, not locked yet
+
+    assert UsageJournal(tmp_path).list_segments() == writer.segments()
+
+    assert not left.exists() and young.exists()
+    assert [path.name.startswith(".") for path in writer.segments()] == [False]

@@ -1,0 +1,85 @@
+"""How far this process's clock is from Redis's, checked where Celery compares two machines' clocks.
+
+Celery turns a task's `expires` (seconds) into a time on its sender's clock (beat's: `celery.app.amqp`), and a worker
+drops the task unrun once its own clock has passed that time (`celery.worker.request.Request.maybe_expire`), saying so
+at INFO only. A worker more than `expires` ahead of beat (10 s for `sweep-stuck`, twice the pools' tick for
+`provision-nodes`) dropped every run: no silent node judged, no machine launched, nothing in the logs above INFO.
+
+Beat and each worker compare their clock with Redis's when they start, beat again every `CHECK_EVERY_S` as it sends,
+and a worker whenever it drops a task as expired (`controlplane.celery_app`). Past `SKEW_ERROR_S` the process logs an
+ERROR; each records what it found in Redis (`CLOCK_SKEWS_KEY`), which `/metrics` reports as
+`inferplane_clock_skew_seconds` per process, for an alert.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+
+import redis.exceptions
+
+from controlplane.redis_client import get_redis, redis_time
+from controlplane.redis_keys import CLOCK_SKEWS_KEY
+
+logger = logging.getLogger(__name__)
+
+# `CLOCK_SKEWS_KEY`, a hash: "<role>:<host>-<pid>" -> {"s": seconds ahead of Redis, "at": when (Redis's clock)}.
+# Ahead of or behind Redis by more than this: an ERROR. Beat and a worker each this far off on either side stay within
+# the shortest beat entry's expiry (10 s) of each other.
+SKEW_ERROR_S = 2.0
+CHECK_EVERY_S = 60.0  # a process checks at most this often (beat, as it sends; a worker, as it drops expired tasks)
+FORGET_AFTER_S = 86400.0  # a process not heard from for this long (gone) leaves the hash
+
+
+class _Checked:
+    at: float = float("-inf")  # when this process last checked (monotonic)
+
+
+def skew_s(client=None) -> float:
+    """Seconds this process's clock is ahead of Redis's (negative: behind), to within half a round trip."""
+    client = client or get_redis()
+    before = time.time()
+    now = redis_time(client)
+    return (before + time.time()) / 2 - now
+
+
+def check(role: str, *, reason: str = "") -> float | None:
+    """Compare this process's clock with Redis's: an ERROR past `SKEW_ERROR_S`, recorded for `/metrics` either way.
+    Returns the skew (None when Redis could not be read). `reason`: what prompted the check, for the log."""
+    _Checked.at = time.monotonic()
+    client = get_redis()
+    try:
+        skew = skew_s(client)
+        now = redis_time(client)
+        gone = [name for name, value in client.hgetall(CLOCK_SKEWS_KEY).items()
+                if now - json.loads(value)["at"] > FORGET_AFTER_S]
+        with client.pipeline(transaction=False) as pipe:
+            if gone:
+                pipe.hdel(CLOCK_SKEWS_KEY, *gone)
+            pipe.hset(CLOCK_SKEWS_KEY, f"{role}:{socket.gethostname()}-{os.getpid()}",
+                      json.dumps({"s": round(skew, 3), "at": now}))
+            pipe.execute()
+    except (redis.exceptions.RedisError, ValueError, KeyError) as exc:
+        logger.warning("could not compare this %s's clock with Redis's: %r", role, exc)
+        return None
+    if abs(skew) > SKEW_ERROR_S:
+        logger.error("this %s's clock is %.1f s %s Redis's%s: Celery drops a task unrun once a worker's clock passes "
+                     "its expiry set on beat's, so beat's runs (sweep-stuck, provision-nodes, the autoscaler) may never "
+                     "run; keep the machines' clocks in step (NTP)", role, abs(skew),
+                     "ahead of" if skew > 0 else "behind", f" ({reason})" if reason else "")
+    return skew
+
+
+def check_now_and_then(role: str, *, reason: str = "") -> float | None:
+    """`check`, unless this process checked less than `CHECK_EVERY_S` ago (None then)."""
+    if time.monotonic() - _Checked.at < CHECK_EVERY_S:
+        return None
+    return check(role, reason=reason)
+
+
+def recorded_skews() -> dict[str, float]:
+    """What each process found when it last checked ("<role>:<host>-<pid>" -> seconds ahead of Redis)."""
+    return {name: json.loads(value)["s"] for name, value in get_redis().hgetall(CLOCK_SKEWS_KEY).items()}
