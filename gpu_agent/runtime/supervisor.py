@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -64,7 +65,7 @@ from gpu_agent.protocol import (
     ReplicaState,
     ReplicaStatus,
 )
-from gpu_agent.runtime import engine, process, state_file
+from gpu_agent.runtime import engine, process, sandbox, state_file
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, EngineCommand
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.engine_memory import read_engine_memory
@@ -134,6 +135,7 @@ class Supervisor:
         on_ready: Callable[[str], None] | None = None,
         on_stopped: Callable[[str], None] | None = None,
         engine_ports: tuple[int, int] = (DEFAULT_ENGINE_PORT_MIN, DEFAULT_ENGINE_PORT_MAX),
+        sandbox_mode: sandbox.SandboxMode = sandbox.DEFAULT_MODE,
     ) -> None:
         # NOTE: absolute, because engines carry it as a marker the next agent matches on.
         self.data_dir = Path(data_dir).resolve()
@@ -160,6 +162,11 @@ class Supervisor:
         # keeps its engines on exit keeps none (`Agent`).
         self.standby = standby_class(self.data_dir, device=device) if standby else None
         self._engines_quiet_since = time.monotonic() - self.policy.standby_refill_quiet_s
+        # What confines each engine (`sandbox.py`): the agent's setting, and what the kernel offers.
+        self.sandbox_mode = sandbox_mode
+        self.sandbox_abi, self.sandbox_missing = sandbox.landlock_abi()
+        self._scratch_dirs: dict[str, Path] = {}  # replica id -> its running engine's scratch folder
+        self._adapter_dirs: dict[str, Path] = {}  # replica id -> where its running engine reads its adapters
 
     @property
     def standby_ready(self) -> bool:
@@ -421,6 +428,7 @@ class Supervisor:
                 orphan = self.standby.hand_off(replica_id, command, self._handoff_env(command), os.devnull)
                 if orphan is not None:
                     process.kill_group(orphan.pid, None, replica_id, self.data_dir, signal.SIGKILL)
+                self._drop_scratch(replica_id)
             if self.standby is not None:
                 self._step_standby(replicas)
 
@@ -460,7 +468,7 @@ class Supervisor:
         for replica in due:
             try:
                 port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
-                command = self.command_factory(replica.spec, replica.model_path, port)
+                command = self._confined(replica, self.command_factory(replica.spec, replica.model_path, port))
             except Exception:  # noqa: BLE001 - one bad replica must not stop the poll: its `_launch` fails it
                 logger.exception("replica %s: preparing its command failed", replica.spec.replica_id)
                 continue
@@ -477,6 +485,49 @@ class Supervisor:
 
     def _handoff_env(self, command: EngineCommand) -> dict[str, str]:
         return {**command.env, DATA_DIR_ENV_MARKER: str(self.data_dir)}
+
+    def _confined(self, replica: ManagedReplica, command: EngineCommand) -> EngineCommand:
+        """The command with what confines its engine (`sandbox.py`): its own folders, and the policy it applies.
+
+        Each launch gets a new scratch folder (HOME, TMPDIR) and adapters folder (`stage_adapter`), removed when
+        its engine is gone; its endpoint's cache folder (`<data dir>/engine-caches/<endpoint>`) stays for its next
+        cold start. With the sandbox off, the command is left as it is.
+        """
+        if self.sandbox_mode == sandbox.SandboxMode.OFF:
+            return command
+        spec = replica.spec
+        self._drop_scratch(spec.replica_id)
+        scratch_dir = sandbox.make_scratch_folder()
+        self._scratch_dirs[spec.replica_id] = scratch_dir
+        adapter_dir = self.data_dir / "engine-adapters" / spec.replica_id
+        shutil.rmtree(adapter_dir, ignore_errors=True)  # NOTE: left behind by an agent that was killed
+        adapter_dir.mkdir(parents=True)
+        self._adapter_dirs[spec.replica_id] = adapter_dir
+        cache_dir = self.data_dir / "engine-caches" / spec.endpoint_id
+        shared_cache = sandbox.shared_vllm_cache_root()
+        sandbox.prepare_cache_folder(cache_dir, shared_cache)
+        model_dirs = [replica.model_path, adapter_dir]
+        if spec.speculative is not None and os.path.isabs(spec.speculative.draft_source):
+            model_dirs.append(spec.speculative.draft_source)  # NOTE: the cached copy (`speculative.with_local_draft`)
+        policy = sandbox.engine_policy(
+            self.sandbox_mode, model_dirs=model_dirs, own_dirs=[scratch_dir, cache_dir],
+            shared_read=[shared_cache / "modelinfos"],
+        )  # fmt: skip
+        env = {**command.env, **sandbox.engine_folder_env(scratch_dir, cache_dir), sandbox.POLICY_ENV: policy.to_json()}
+        return dataclasses.replace(command, env=env)
+
+    def _drop_scratch(self, replica_id: str) -> None:
+        for folders in (self._scratch_dirs, self._adapter_dirs):
+            folder = folders.pop(replica_id, None)
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def stage_adapter(self, replica_id: str, source: Path) -> Path:
+        """Where the replica's running engine reads an adapter from: a copy in its own adapters folder
+        (`sandbox.stage_adapter`), or `source` itself when its engine is not confined."""
+        with self._lock:
+            folder = self._adapter_dirs.get(replica_id)
+        return source if folder is None else sandbox.stage_adapter(Path(source), folder)
 
     def _step(self, replica: ManagedReplica) -> None:
         now = time.monotonic()
@@ -534,10 +585,13 @@ class Supervisor:
 
     def _launch(self, replica: ManagedReplica) -> None:
         spec = replica.spec
+        if self.sandbox_mode == sandbox.SandboxMode.REQUIRED and not self.sandbox_abi:
+            self._fail(replica, f"the engine cannot be confined ({sandbox.MODE_ENV}=required): {self.sandbox_missing}")
+            return
         command = self._prepared.pop(spec.replica_id, None)  # sent to the zygote ahead (`_send_due_to_zygote`)
         if command is None:
             port = engine.free_port_in_range(*self.engine_ports, exclude=self._ports_in_use())
-            command = self.command_factory(spec, replica.model_path, port)
+            command = self._confined(replica, self.command_factory(spec, replica.model_path, port))
         port = command.port
         if self.standby is not None and not replica.avoid_standby and server_args(command) is not None:
             if self.standby.process is None:
@@ -574,6 +628,7 @@ class Supervisor:
     def _on_exit(self, replica: ManagedReplica, exit_code: int) -> None:
         now = time.monotonic()
         self._kill_group(replica, signal.SIGKILL)  # reap workers the engine left behind
+        self._drop_scratch(replica.spec.replica_id)
         if replica.state == ReplicaState.DRAINING:
             logger.info(
                 "replica %s STOPPED: drain began %.2fs ago, SIGTERM %s, exit seen %.2fs after it (%s, code %s)",
@@ -601,6 +656,7 @@ class Supervisor:
 
     def _fail(self, replica: ManagedReplica, reason: str) -> None:
         self._kill_group(replica, signal.SIGKILL)
+        self._drop_scratch(replica.spec.replica_id)
         replica.failed(reason)
         logger.error("replica %s FAILED: %s", replica.spec.replica_id, reason.splitlines()[0] if reason else "")
         self._save_state()
@@ -631,6 +687,7 @@ class Supervisor:
                 while process.exit_code(replica.process, replica.pid) is None and time.monotonic() < deadline:
                     time.sleep(0.1)
                 self._kill_group(replica, signal.SIGKILL)
+                self._drop_scratch(replica.spec.replica_id)
                 replica.stopped()
             for replica in self._replicas.values():
                 if not replica.is_final:
