@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpu_agent.protocol import ReplicaState
+from gpu_agent.protocol import RegisterRequest, ReplicaState
 from gpu_agent.runtime import sandbox
 from gpu_agent.runtime.adapters import AdapterLoadError, AdapterSlots
 from gpu_agent.runtime.engine import build_engine_command
@@ -93,6 +93,24 @@ def test_a_policy_travels_as_json_and_a_bad_mode_is_refused_with_the_choices():
         sandbox.parse_mode("strict")
     with pytest.raises(ValueError, match="absolute"):
         SandboxPolicy(read=("relative",))
+
+
+def test_the_node_says_what_confines_its_engines_when_it_registers():
+    assert sandbox.node_fact(SandboxMode.OFF).startswith("none: ")
+    fact = sandbox.node_fact(SandboxMode.BEST_EFFORT)
+    assert fact == f"landlock abi {LANDLOCK_ABI}" if LANDLOCK_ABI else fact.startswith("none: ")
+    request = RegisterRequest(
+        join_token="t",
+        name="n",
+        gpu_type="cpu",
+        num_gpus=0,
+        gpu_memory_mb=0,
+        num_cpus=1,
+        memory_mb=1,
+        agent_version="1",
+        engine_sandbox=fact + "\x00" * 3 + "x" * 300,
+    )
+    assert "\x00" not in request.engine_sandbox and len(request.engine_sandbox) == 200
 
 
 # --- A confined process -----------------------------------------------------------------------------------
