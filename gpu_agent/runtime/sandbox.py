@@ -382,13 +382,23 @@ def shared_vllm_cache_root(environ=None) -> Path:
     return Path(os.path.expanduser(environ.get("VLLM_CACHE_ROOT", default)))
 
 
+SCRATCH_PREFIX = "inferplane-engine-"
+
+
 def make_scratch_folder() -> Path:
     """A new folder of one launch (its HOME and TMPDIR), private to the agent's user.
 
     NOTE: short, in the system's temporary folder rather than the data dir: vLLM's processes talk over Unix
     sockets made in TMPDIR, whose paths may be at most 107 bytes.
     """
-    return Path(tempfile.mkdtemp(prefix="inferplane-engine-"))
+    return Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
+
+
+def is_scratch_folder(path: Path) -> bool:
+    """Whether `path` is a folder `make_scratch_folder` makes (an adopted engine's, to be removed with it)."""
+    return (
+        path.parent == Path(tempfile.gettempdir()) and path.name.startswith(SCRATCH_PREFIX) and path.is_dir()
+    )
 
 
 def prepare_cache_folder(cache_dir: Path, shared_cache_root: Path) -> None:

@@ -57,6 +57,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
@@ -522,6 +524,20 @@ class Supervisor:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
 
+    def _adopt_folders(self, replica_id: str, pid: int) -> None:
+        """Take on the folders of an engine a previous agent started: its adapters are staged there from now on,
+        and both go when it does. NOTE: only a plain launch outlives its agent, and its TMPDIR is in its
+        environment block; a scratch folder is taken only where this agent would have made it."""
+        adapter_dir = self.data_dir / "engine-adapters" / replica_id
+        if adapter_dir.is_dir():
+            self._adapter_dirs[replica_id] = adapter_dir
+        try:
+            scratch_dir = Path(psutil.Process(pid).environ().get("TMPDIR", ""))
+        except (psutil.Error, OSError):
+            return
+        if sandbox.is_scratch_folder(scratch_dir):
+            self._scratch_dirs[replica_id] = scratch_dir
+
     def stage_adapter(self, replica_id: str, source: Path) -> Path:
         """Where the replica's running engine reads an adapter from: a copy in its own adapters folder
         (`sandbox.stage_adapter`), or `source` itself when its engine is not confined."""
@@ -734,6 +750,7 @@ class Supervisor:
                         # woken (a RUN found it READY already).
                         replica.fell_asleep()
                     self._replicas[replica_id] = replica
+                    self._adopt_folders(replica_id, pid)
                     adopted.append(replica_id)
                     logger.info("adopted replica %s (pid %s)", replica_id, pid)
                 else:
@@ -745,6 +762,9 @@ class Supervisor:
             if self.standby is not None and self.standby.pid is not None:
                 owned.add(self.standby.pid)
             process.kill_orphans(self.data_dir, owned)
+            for folder in (self.data_dir / "engine-adapters").glob("*"):  # of engines no longer running
+                if folder.name not in self._adapter_dirs:
+                    shutil.rmtree(folder, ignore_errors=True)
             self._save_state()
         if killed:
             logger.info("killed replicas left by a previous agent: %s", killed)

@@ -27,7 +27,7 @@ from gpu_agent.runtime.standby import server_args
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 from gpu_agent.runtime.tiny_model import build_tiny_lora_adapter
 
-from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_for_state
+from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_for_state, wait_until
 
 LANDLOCK_ABI = sandbox.landlock_abi()[0]
 needs_landlock = pytest.mark.skipif(not LANDLOCK_ABI, reason="this kernel has no Landlock")
@@ -278,6 +278,26 @@ def test_an_adapter_is_staged_in_the_engines_own_folder_and_read_only_there(tmp_
     assert supervisor.stage_adapter("r-adapters", adapter) == staged
     supervisor.shutdown(timeout_s=5)
     assert not staged.exists() and (adapter / "adapter_config.json").exists()
+
+
+def test_an_engine_adopted_by_a_new_agent_keeps_its_folders_and_they_go_with_it(tmp_path):
+    data_dir = tmp_path / "agent"
+    first = Supervisor(data_dir, command_factory=fake_engine_factory())
+    first.start(make_spec("r-kept"), tmp_path / "model")
+    first.start(make_spec("r-gone"), tmp_path / "model")
+    wait_until(lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 30, poll=first.poll)
+    scratch = Path(first.get("r-kept").command.env["TMPDIR"])
+    first._probe.close()  # the old agent vanishes without stopping its engines
+    first._replicas.clear()
+
+    second = Supervisor(data_dir, command_factory=fake_engine_factory())
+    assert second.recover({"r-kept": make_spec("r-kept")}) == (["r-kept"], ["r-gone"])
+    adapter = build_tiny_lora_adapter(tmp_path / "cache" / "adapter-key")
+    # Staged where the adopted engine may read, not handed over from the weights cache it may not.
+    assert second.stage_adapter("r-kept", adapter).parent == data_dir / "engine-adapters" / "r-kept"
+    assert not (data_dir / "engine-adapters" / "r-gone").exists()
+    second.shutdown(timeout_s=5)
+    assert not scratch.exists() and not (data_dir / "engine-adapters" / "r-kept").exists()
 
 
 # --- Real engines ---------------------------------------------------------------------------------------------
