@@ -41,9 +41,11 @@ from __future__ import annotations
 import ctypes
 import enum
 import glob
+import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -383,6 +385,15 @@ def shared_vllm_cache_root(environ=None) -> Path:
 
 
 SCRATCH_PREFIX = "inferplane-engine-"
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
+
+
+def folder_name(identifier: str) -> str:
+    """A replica's or endpoint's id as one folder's name: as it is when plain (the control plane's UUIDs), else a
+    digest of it, so that no id the control plane sends names a folder elsewhere in the data dir."""
+    if _PLAIN_NAME.fullmatch(identifier):
+        return identifier
+    return "id-" + hashlib.sha256(identifier.encode()).hexdigest()[:32]
 
 
 def make_scratch_folder() -> Path:
@@ -419,6 +430,7 @@ def engine_folder_env(scratch_dir: Path, cache_dir: Path) -> dict[str, str]:
         "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"), "VLLM_CONFIG_ROOT": os.path.join(scratch, ".config", "vllm"),
         "VLLM_RPC_BASE_PATH": scratch,
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "torchinductor"),
+        "FLASHINFER_WORKSPACE_BASE": cache,
         "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
         "CUDA_CACHE_PATH": os.path.join(cache, "nv"),
         "HF_HOME": os.path.join(scratch, "huggingface"),

@@ -501,11 +501,11 @@ class Supervisor:
         self._drop_scratch(spec.replica_id)
         scratch_dir = sandbox.make_scratch_folder()
         self._scratch_dirs[spec.replica_id] = scratch_dir
-        adapter_dir = self.data_dir / "engine-adapters" / spec.replica_id
+        adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(spec.replica_id)
         shutil.rmtree(adapter_dir, ignore_errors=True)  # NOTE: left behind by an agent that was killed
         adapter_dir.mkdir(parents=True)
         self._adapter_dirs[spec.replica_id] = adapter_dir
-        cache_dir = self.data_dir / "engine-caches" / spec.endpoint_id
+        cache_dir = self.data_dir / "engine-caches" / sandbox.folder_name(spec.endpoint_id)
         shared_cache = sandbox.shared_vllm_cache_root()
         sandbox.prepare_cache_folder(cache_dir, shared_cache)
         model_dirs = [replica.model_path, adapter_dir]
@@ -528,7 +528,7 @@ class Supervisor:
         """Take on the folders of an engine a previous agent started: its adapters are staged there from now on,
         and both go when it does. NOTE: only a plain launch outlives its agent, and its TMPDIR is in its
         environment block; a scratch folder is taken only where this agent would have made it."""
-        adapter_dir = self.data_dir / "engine-adapters" / replica_id
+        adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(replica_id)
         if adapter_dir.is_dir():
             self._adapter_dirs[replica_id] = adapter_dir
         try:
@@ -762,8 +762,9 @@ class Supervisor:
             if self.standby is not None and self.standby.pid is not None:
                 owned.add(self.standby.pid)
             process.kill_orphans(self.data_dir, owned)
+            kept = set(self._adapter_dirs.values())
             for folder in (self.data_dir / "engine-adapters").glob("*"):  # of engines no longer running
-                if folder.name not in self._adapter_dirs:
+                if folder not in kept:
                     shutil.rmtree(folder, ignore_errors=True)
             self._save_state()
         if killed:

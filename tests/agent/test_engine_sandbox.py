@@ -265,6 +265,16 @@ def test_an_engine_gets_its_own_folders_and_policy_and_they_go_with_it(tmp_path)
     assert not scratch.exists()
 
 
+def test_an_endpoint_id_that_is_not_a_plain_name_makes_its_cache_folder_inside_the_caches_folder(tmp_path):
+    supervisor = Supervisor(tmp_path / "agent", command_factory=fake_engine_factory())
+    supervisor.start(make_spec("r-odd", endpoint_id="../../weights"), tmp_path / "model")
+    wait_for_state(supervisor, "r-odd", ReplicaState.READY, timeout_s=30)
+    cache = Path(supervisor.get("r-odd").command.env["XDG_CACHE_HOME"])
+    assert cache.parent == supervisor.data_dir / "engine-caches" and cache.name.startswith("id-")
+    assert sandbox.folder_name("0b6f3c52-2a4e-4c4e-9d7e-3f1e1a2b3c4d") == "0b6f3c52-2a4e-4c4e-9d7e-3f1e1a2b3c4d"
+    supervisor.shutdown(timeout_s=5)
+
+
 def test_an_adapter_is_staged_in_the_engines_own_folder_and_read_only_there(tmp_path):
     supervisor = Supervisor(tmp_path / "agent", command_factory=fake_engine_factory())
     adapter = build_tiny_lora_adapter(tmp_path / "cache" / "adapter-key")
