@@ -396,13 +396,18 @@ def folder_name(identifier: str) -> str:
     return "id-" + hashlib.sha256(identifier.encode()).hexdigest()[:32]
 
 
-def make_scratch_folder() -> Path:
-    """A new folder of one launch (its HOME and TMPDIR), private to the agent's user.
+SCRATCH_OWNER_FILE = ".inferplane-data-dir"  # in a scratch folder: the data dir of the agent that made it
+
+
+def make_scratch_folder(data_dir: Path) -> Path:
+    """A new folder of one launch (its HOME and TMPDIR), private to the agent's user, that names its agent.
 
     NOTE: short, in the system's temporary folder rather than the data dir: vLLM's processes talk over Unix
     sockets made in TMPDIR, whose paths may be at most 107 bytes.
     """
-    return Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
+    folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
+    (folder / SCRATCH_OWNER_FILE).write_text(str(data_dir))
+    return folder
 
 
 def is_scratch_folder(path: Path) -> bool:
@@ -410,6 +415,20 @@ def is_scratch_folder(path: Path) -> bool:
     return (
         path.parent == Path(tempfile.gettempdir()) and path.name.startswith(SCRATCH_PREFIX) and path.is_dir()
     )
+
+
+def scratch_folders_of(data_dir: Path) -> list[Path]:
+    """The scratch folders the agent of `data_dir` made: what a killed agent's engines left is removed by the next.
+
+    NOTE: an engine can write only its own folder's owner file; it cannot make a folder here."""
+    found = []
+    for folder in Path(tempfile.gettempdir()).glob(SCRATCH_PREFIX + "*"):
+        try:
+            if (folder / SCRATCH_OWNER_FILE).read_text() == str(data_dir):
+                found.append(folder)
+        except OSError:
+            continue
+    return found
 
 
 def prepare_cache_folder(cache_dir: Path, shared_cache_root: Path) -> None:

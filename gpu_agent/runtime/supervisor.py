@@ -499,7 +499,7 @@ class Supervisor:
             return command
         spec = replica.spec
         self._drop_scratch(spec.replica_id)
-        scratch_dir = sandbox.make_scratch_folder()
+        scratch_dir = sandbox.make_scratch_folder(self.data_dir)
         self._scratch_dirs[spec.replica_id] = scratch_dir
         adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(spec.replica_id)
         shutil.rmtree(adapter_dir, ignore_errors=True)  # NOTE: left behind by an agent that was killed
@@ -762,8 +762,9 @@ class Supervisor:
             if self.standby is not None and self.standby.pid is not None:
                 owned.add(self.standby.pid)
             process.kill_orphans(self.data_dir, owned)
-            kept = set(self._adapter_dirs.values())
-            for folder in (self.data_dir / "engine-adapters").glob("*"):  # of engines no longer running
+            # The folders of engines no longer running (a killed agent's, and those killed above) go.
+            kept = {*self._adapter_dirs.values(), *self._scratch_dirs.values()}
+            for folder in [*(self.data_dir / "engine-adapters").glob("*"), *sandbox.scratch_folders_of(self.data_dir)]:
                 if folder not in kept:
                     shutil.rmtree(folder, ignore_errors=True)
             self._save_state()

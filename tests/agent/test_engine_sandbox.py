@@ -271,7 +271,9 @@ def test_an_endpoint_id_that_is_not_a_plain_name_makes_its_cache_folder_inside_t
     wait_for_state(supervisor, "r-odd", ReplicaState.READY, timeout_s=30)
     cache = Path(supervisor.get("r-odd").command.env["XDG_CACHE_HOME"])
     assert cache.parent == supervisor.data_dir / "engine-caches" and cache.name.startswith("id-")
-    assert sandbox.folder_name("0b6f3c52-2a4e-4c4e-9d7e-3f1e1a2b3c4d") == "0b6f3c52-2a4e-4c4e-9d7e-3f1e1a2b3c4d"
+    assert (
+        sandbox.folder_name("0b6f3c52-2a4e-4c4e-9d7e-3f1e1a2b3c4d") == "0b6f3c52-2a4e-4c4e-9d7e-3f1e1a2b3c4d"
+    )
     supervisor.shutdown(timeout_s=5)
 
 
@@ -297,6 +299,7 @@ def test_an_engine_adopted_by_a_new_agent_keeps_its_folders_and_they_go_with_it(
     first.start(make_spec("r-gone"), tmp_path / "model")
     wait_until(lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 30, poll=first.poll)
     scratch = Path(first.get("r-kept").command.env["TMPDIR"])
+    killed_scratch = Path(first.get("r-gone").command.env["TMPDIR"])
     first._probe.close()  # the old agent vanishes without stopping its engines
     first._replicas.clear()
 
@@ -305,7 +308,8 @@ def test_an_engine_adopted_by_a_new_agent_keeps_its_folders_and_they_go_with_it(
     adapter = build_tiny_lora_adapter(tmp_path / "cache" / "adapter-key")
     # Staged where the adopted engine may read, not handed over from the weights cache it may not.
     assert second.stage_adapter("r-kept", adapter).parent == data_dir / "engine-adapters" / "r-kept"
-    assert not (data_dir / "engine-adapters" / "r-gone").exists()
+    assert not (data_dir / "engine-adapters" / "r-gone").exists() and not killed_scratch.exists()
+    assert scratch.exists()
     second.shutdown(timeout_s=5)
     assert not scratch.exists() and not (data_dir / "engine-adapters" / "r-kept").exists()
 
