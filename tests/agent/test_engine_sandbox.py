@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from gpu_agent.protocol import RegisterRequest, ReplicaState
-from gpu_agent.runtime import sandbox
+from gpu_agent.runtime import process, sandbox
 from gpu_agent.runtime.adapters import AdapterLoadError, AdapterSlots
 from gpu_agent.runtime.engine import build_engine_command
 from gpu_agent.runtime.sandbox import SandboxMode, SandboxPolicy
@@ -121,7 +121,7 @@ def run_confined(tmp_path: Path, policy: SandboxPolicy, body: str) -> dict:
     script = (
         textwrap.dedent("""
         import json, os, signal, sys
-        from gpu_agent.runtime import sandbox
+        from gpu_agent.runtime import process, sandbox
         seen = {"confined_by": sandbox.apply(sandbox.SandboxPolicy.from_json(sys.argv[1]))}
         def attempt(name, call):
             try:
@@ -208,7 +208,7 @@ def test_a_confined_process_cannot_signal_a_process_outside_but_signals_its_own_
 def confine_from_environment(mode: SandboxMode, landlock_missing: bool) -> subprocess.CompletedProcess:
     """An engine's start (`apply_from_environment`) as it runs where Landlock is missing, or not."""
     script = textwrap.dedent(f"""
-        from gpu_agent.runtime import sandbox
+        from gpu_agent.runtime import process, sandbox
         if {landlock_missing}:
             sandbox.landlock_abi = lambda: (0, "the kernel has no Landlock (ENOSYS)")
         sandbox.apply_from_environment()
@@ -228,13 +228,28 @@ def test_an_engine_that_cannot_be_confined_stops_if_required_and_says_so_either_
     assert "running unconfined" in best_effort.stderr
 
 
+@pytest.fixture
+def make_supervisor(tmp_path):
+    """Supervisors of fake engines; whatever they started is gone after the test, passed or failed."""
+    made = []
+
+    def make(data_dir: Path | None = None, **options) -> Supervisor:
+        made.append(
+            Supervisor(data_dir or tmp_path / "agent", command_factory=fake_engine_factory(), **options)
+        )
+        return made[-1]
+
+    yield make
+    for supervisor in made:
+        supervisor.shutdown(timeout_s=5)
+        process.kill_orphans(supervisor.data_dir, set())
+
+
 def test_a_replica_fails_with_the_reason_when_its_engine_must_be_confined_and_cannot_be(
-    tmp_path, monkeypatch
+    make_supervisor, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(sandbox, "landlock_abi", lambda: (0, "Landlock is not enabled at boot (EOPNOTSUPP)"))
-    supervisor = Supervisor(
-        tmp_path / "agent", command_factory=fake_engine_factory(), sandbox_mode=SandboxMode.REQUIRED
-    )
+    supervisor = make_supervisor(sandbox_mode=SandboxMode.REQUIRED)
     supervisor.start(make_spec("r-required"), tmp_path)
     wait_for_state(supervisor, "r-required", ReplicaState.FAILED, timeout_s=10)
     reason = supervisor.get("r-required").failure_reason
@@ -248,10 +263,8 @@ def test_every_engine_is_started_through_the_entry_point_that_confines_it(tmp_pa
     assert server_args(command)[:2] == ["--model", str(tmp_path)]  # the standby and zygote take it too
 
 
-def test_an_engine_gets_its_own_folders_and_policy_and_they_go_with_it(tmp_path):
-    supervisor = Supervisor(
-        tmp_path / "agent", command_factory=fake_engine_factory(), policy=SupervisorPolicy()
-    )
+def test_an_engine_gets_its_own_folders_and_policy_and_they_go_with_it(make_supervisor, tmp_path):
+    supervisor = make_supervisor()
     supervisor.start(make_spec("r-folders"), tmp_path / "model")
     wait_for_state(supervisor, "r-folders", ReplicaState.READY, timeout_s=30)
     env = supervisor.get("r-folders").command.env
@@ -265,8 +278,10 @@ def test_an_engine_gets_its_own_folders_and_policy_and_they_go_with_it(tmp_path)
     assert not scratch.exists()
 
 
-def test_an_endpoint_id_that_is_not_a_plain_name_makes_its_cache_folder_inside_the_caches_folder(tmp_path):
-    supervisor = Supervisor(tmp_path / "agent", command_factory=fake_engine_factory())
+def test_an_endpoint_id_that_is_not_a_plain_name_makes_its_cache_folder_inside_the_caches_folder(
+    make_supervisor, tmp_path
+):
+    supervisor = make_supervisor()
     supervisor.start(make_spec("r-odd", endpoint_id="../../weights"), tmp_path / "model")
     wait_for_state(supervisor, "r-odd", ReplicaState.READY, timeout_s=30)
     cache = Path(supervisor.get("r-odd").command.env["XDG_CACHE_HOME"])
@@ -277,8 +292,8 @@ def test_an_endpoint_id_that_is_not_a_plain_name_makes_its_cache_folder_inside_t
     supervisor.shutdown(timeout_s=5)
 
 
-def test_an_adapter_is_staged_in_the_engines_own_folder_and_read_only_there(tmp_path):
-    supervisor = Supervisor(tmp_path / "agent", command_factory=fake_engine_factory())
+def test_an_adapter_is_staged_in_the_engines_own_folder_and_read_only_there(make_supervisor, tmp_path):
+    supervisor = make_supervisor()
     adapter = build_tiny_lora_adapter(tmp_path / "cache" / "adapter-key")
     supervisor.start(make_spec("r-adapters"), tmp_path / "model")
     wait_for_state(supervisor, "r-adapters", ReplicaState.READY, timeout_s=30)
@@ -292,9 +307,9 @@ def test_an_adapter_is_staged_in_the_engines_own_folder_and_read_only_there(tmp_
     assert not staged.exists() and (adapter / "adapter_config.json").exists()
 
 
-def test_an_engine_adopted_by_a_new_agent_keeps_its_folders_and_they_go_with_it(tmp_path):
+def test_an_engine_adopted_by_a_new_agent_keeps_its_folders_and_they_go_with_it(make_supervisor, tmp_path):
     data_dir = tmp_path / "agent"
-    first = Supervisor(data_dir, command_factory=fake_engine_factory())
+    first = make_supervisor(data_dir)
     first.start(make_spec("r-kept"), tmp_path / "model")
     first.start(make_spec("r-gone"), tmp_path / "model")
     wait_until(lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 30, poll=first.poll)
@@ -303,7 +318,7 @@ def test_an_engine_adopted_by_a_new_agent_keeps_its_folders_and_they_go_with_it(
     first._probe.close()  # the old agent vanishes without stopping its engines
     first._replicas.clear()
 
-    second = Supervisor(data_dir, command_factory=fake_engine_factory())
+    second = make_supervisor(data_dir)
     assert second.recover({"r-kept": make_spec("r-kept")}) == (["r-kept"], ["r-gone"])
     adapter = build_tiny_lora_adapter(tmp_path / "cache" / "adapter-key")
     # Staged where the adopted engine may read, not handed over from the weights cache it may not.
