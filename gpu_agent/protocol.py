@@ -157,6 +157,7 @@ def _printable(text: str) -> str:
 
 
 _GPU_UUID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9/_-]{0,99}$")  # "GPU-5d5b…", "MIG-c6d4…", "MIG-GPU-…/7/0"
+MAX_ENGINE_SANDBOX_CHARS = 200  # a node's `engine_sandbox` fact, at most
 # NOTE: CUDA enumerates at most this many devices per process; an index past it is a lie or a bug.
 MAX_GPUS_PER_NODE = 64
 
@@ -224,9 +225,14 @@ class RegisterRequest(Message):
     # Each GPU (index, UUID, memory, MIG slices): placement assigns replicas to them. Empty from CPU
     # nodes and agents older than per-GPU placement, whose GPU memory placement treats as one pool.
     gpus: list[GpuStatus] = field(default_factory=list)
+    # What confines each engine on the node: "landlock abi 6", or "none: <why>" (`runtime.sandbox.node_fact`).
+    # Empty from agents older than the engine sandbox.
+    engine_sandbox: str = ""
 
     def __post_init__(self) -> None:
         _require(bool(self.join_token), "join_token is required")
+        _require(isinstance(self.engine_sandbox, str), "engine_sandbox must be a string")
+        self.engine_sandbox = _printable(self.engine_sandbox)[:MAX_ENGINE_SANDBOX_CHARS]
         _require_distinct_gpus(self.gpus)
         _require(not self.gpus or len(self.gpus) == self.num_gpus, "gpus must list num_gpus GPUs")
         _require(bool(self.name) and len(self.name) <= 128, "name must be 1-128 characters")

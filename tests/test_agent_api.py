@@ -182,6 +182,17 @@ def test_a_node_registers_its_engine_host_and_port_range_and_bad_ones_are_400(cl
         assert register(client, token, name="bad", **bad).status_code == 400, bad
 
 
+def test_a_node_registers_what_confines_its_engines_and_staff_see_it(client, django_user_model):
+    token = create_join_token(SYSTEM, name="t").plain
+    answer = register(client, token, engine_sandbox="landlock abi 7").json()
+    assert Node.objects.get(pk=answer["node_id"]).engine_sandbox == "landlock abi 7"
+    unconfined = register(client, token, name="old-kernel", engine_sandbox="none: the kernel has no Landlock").json()
+    assert Node.objects.get(pk=unconfined["node_id"]).engine_sandbox == "none: the kernel has no Landlock"
+    assert register(client, token, name="bad", engine_sandbox=["landlock"]).status_code == 400
+    sign_in_staff(client, django_user_model.objects.create_superuser("ops@example.test", "ops@example.test", "pw"))
+    assert "none: the kernel has no Landlock" in client.get("/django-admin/gpu_agent/node/").content.decode()
+
+
 def test_each_replica_gets_its_own_engine_key_only_in_its_nodes_desired_spec(client, agent):
     endpoint = EndpointFactory(gpu_type="cpu", min_replicas=2, max_replicas=2, model_source="/models/tiny")
     reconcile_endpoint(str(endpoint.pk))

@@ -22,7 +22,9 @@ from gpu_agent.protocol import NodeState
 
 @admin.register(Node)
 class NodeAdmin(ReadOnlyAdmin):
-    list_display = ["name", "gpu_type", "num_gpus", "gpu_memory_mb", "state", "last_heartbeat_at", "agent_version"]
+    list_display = [
+        "name", "gpu_type", "num_gpus", "gpu_memory_mb", "state", "last_heartbeat_at", "agent_version", "engine_sandbox"
+    ]
     list_filter = ["state", "gpu_type"]
     search_fields = ["name"]
     exclude = ["secret_lookup", "secret_digest"]

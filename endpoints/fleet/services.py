@@ -126,6 +126,7 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
             gpu_memory_mb=request.gpu_memory_mb, num_cpus=request.num_cpus, memory_mb=request.memory_mb,
             labels=request.labels, quantizations=list(request.supported_quantizations), gpus=gpu_inventory(request.gpus),
             agent_version=request.agent_version, engine_version=request.engine_version,
+            engine_sandbox=request.engine_sandbox,
             advertise_host=request.advertise_host, engine_port_min=request.engine_port_min,
             engine_port_max=request.engine_port_max,
             secret_lookup=issued.lookup, secret_digest=issued.digest, join_token=join_token,

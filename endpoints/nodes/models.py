@@ -119,6 +119,8 @@ class Node(models.Model):
     state_before_offline = models.CharField(max_length=16, blank=True, default="")
     agent_version = models.CharField(max_length=64, blank=True)
     engine_version = models.CharField(max_length=64, blank=True)
+    # What confines each engine on the node, as its agent found it: "landlock abi 6", or "none: <why>".
+    engine_sandbox = models.CharField(max_length=200, blank=True)
     secret_lookup = models.CharField(max_length=tokens.LOOKUP_LENGTH, unique=True)
     secret_digest = models.CharField(max_length=64)
     join_token = models.ForeignKey(JoinToken, on_delete=models.SET_NULL, null=True, related_name="nodes")

@@ -166,8 +166,17 @@ class ReplicaAdapters:
     the replica's status. An engine that restarted lost its adapters: its slots start empty again.
     """
 
-    def __init__(self, fetch: Callable[[AdapterSpec], Path], *, wake: threading.Event | None = None):
+    def __init__(
+        self,
+        fetch: Callable[[AdapterSpec], Path],
+        *,
+        wake: threading.Event | None = None,
+        stage: Callable[[str, Path], Path] | None = None,
+    ):
         self._fetch = fetch  # an adapter's local folder, downloaded if need be
+        # Where a replica's engine reads a checked adapter from (`Supervisor.stage_adapter`: a confined engine
+        # reads no folder of the weights cache but its model's).
+        self._stage = stage
         self._wake = wake
         self._lock = threading.Lock()
         self._slots: dict[str, tuple[tuple[str, int], AdapterSlots]] = {}  # replica -> ((address, restarts), slots)
@@ -199,7 +208,7 @@ class ReplicaAdapters:
             problem = adapter_problem(path, spec.max_lora_rank)
             if problem:
                 raise ValueError(problem)
-            return path
+            return path if self._stage is None else self._stage(spec.replica_id, path)
 
         try:
             slots.sync(spec.adapters, resolve)

@@ -77,6 +77,7 @@ class Agent:
             standby=config.standby and not config.keep_engines_on_exit,
             zygote=config.zygote,
             engine_ports=config.engine_ports,
+            sandbox_mode=config.engine_sandbox,
             on_ready=lambda _replica_id: self._wake.set(),
             on_stopped=lambda _replica_id: self._wake.set(),
         )

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
+from gpu_agent.runtime.sandbox import DEFAULT_MODE, MODE_ENV, SandboxMode, parse_mode
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the slowest a store may send each of a download's (8 parallel) parts after its first 60 s before it"
         " is given up on; the deadline of a part is 60 s plus its bytes at this rate",
     )
+    run.add_argument(
+        "--engine-sandbox",
+        default=os.environ.get(MODE_ENV, DEFAULT_MODE.value),
+        type=_sandbox_mode,
+        help="confine each engine with Landlock: required (a replica fails where the kernel cannot), best-effort"
+        " (engines run unconfined there, as the node's facts say) or off",
+    )
     run.add_argument("--log-level", default=os.environ.get("INFERPLANE_AGENT_LOG_LEVEL", "INFO"))
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random Llama for tests (no download)")
@@ -93,6 +101,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number of at least 1, not {value}")
     return value
+
+
+def _sandbox_mode(text: str) -> SandboxMode:
+    try:
+        return parse_mode(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _port_range(text: str) -> tuple[int, int]:
@@ -150,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         standby=args.standby,
         zygote=args.zygote,
         min_download_bytes_per_s=args.min_download_kib_per_s * 1024,
+        engine_sandbox=args.engine_sandbox,
     )
     run_until_signalled(Agent(config))
     return 0

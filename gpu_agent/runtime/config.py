@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
-from gpu_agent.runtime import engine
+from gpu_agent.runtime import engine, sandbox
 
 
 @dataclass(slots=True)
@@ -44,6 +44,9 @@ class AgentConfig:
     zygote: bool = True
     # The slowest a store may send each part of a download (`weights_transfer.TransferSettings.min_bytes_per_s`).
     min_download_bytes_per_s: int = 64 * 1024
+    # What confines each engine (`sandbox.py`): where Landlock is missing, `best-effort` starts engines unconfined
+    # (said in their logs and the node's facts), `required` fails their replicas, `off` confines none.
+    engine_sandbox: sandbox.SandboxMode = sandbox.DEFAULT_MODE
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).resolve()

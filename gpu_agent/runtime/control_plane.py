@@ -20,7 +20,7 @@ import threading
 import httpx
 
 from gpu_agent.protocol import Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse, WatchResponse
-from gpu_agent.runtime import engine
+from gpu_agent.runtime import engine, sandbox
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.hardware import HardwareReport
 
@@ -100,6 +100,7 @@ class ControlPlaneClient:
             engine_port_min=self.config.engine_ports[0],
             engine_port_max=self.config.engine_ports[1],
             gpus=list(self.machine.gpus),
+            engine_sandbox=sandbox.node_fact(self.config.engine_sandbox),
         )
         response = self.http.post("/agent/v1/register", json=request.to_dict())
         if response.status_code in (400, 401, 403):

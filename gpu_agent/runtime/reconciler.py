@@ -64,7 +64,7 @@ class Reconciler:
         self._draft_pins: dict[str, Path] = {}  # replica id -> cached draft model it uses
         self._reported_terminal: set[str] = set()
         self._lock = threading.Lock()
-        self.adapters = ReplicaAdapters(self._fetch_adapter, wake=wake)
+        self.adapters = ReplicaAdapters(self._fetch_adapter, wake=wake, stage=supervisor.stage_adapter)
 
     def adopted(self, replica_ids: list[str]) -> None:
         """Pin the weights (and draft) of engines adopted from a previous agent, as a pull pins its own until its

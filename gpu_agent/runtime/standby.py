@@ -55,16 +55,17 @@ from pathlib import Path
 from gpu_agent.runtime.engine import (
     DATA_DIR_ENV_MARKER,
     DEVICE_CPU,
+    ENGINE_MODULE,
     REPLICA_ENV_MARKER,
     EngineCommand,
     cpu_openmp_env,
 )
 from gpu_agent.runtime.engine_environment import engine_environment
+from gpu_agent.runtime.engine_main import SERVER_MODULE
 from gpu_agent.runtime.reaper import REAPER_MODULE, runs_under_reaper
 
 logger = logging.getLogger(__name__)
 
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 STANDBY_MODULE = "gpu_agent.runtime.standby_process"
 # Reserved width of the replica marker in a standby's environment block.
 MARKER_WIDTH = 128
@@ -75,14 +76,15 @@ EXIT_CUDA_INITIALISED = 78  # its exit status then (EX_CONFIG): CUDA was initial
 
 
 def server_args(command: EngineCommand) -> list[str] | None:
-    """The arguments of `python -m vllm.entrypoints.openai.api_server ...`, or None for other commands.
+    """The arguments of `python -m vllm.entrypoints.openai.api_server ...` (or of `engine_main`, which runs it
+    confined), or None for other commands.
 
     The command may run under the reaper (`python -m gpu_agent.runtime.reaper -- python -m ...`).
     """
     argv = command.argv
     if runs_under_reaper(argv) and argv[0] == sys.executable:
         argv = argv[4:]
-    if len(argv) >= 3 and argv[1:3] == ["-m", SERVER_MODULE] and argv[0] == sys.executable:
+    if len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in (SERVER_MODULE, ENGINE_MODULE):
         return argv[3:]
     return None
 

@@ -25,10 +25,13 @@ import json
 import logging
 import os
 import select
+import signal
 import sys
+import tempfile
 import time
 import traceback
 
+from gpu_agent.runtime import sandbox
 from gpu_agent.runtime.engine import DEVICE_CPU, REPLICA_ENV_MARKER
 from gpu_agent.runtime.standby import EXIT_CUDA_INITIALISED, READY_LINE, REFUSED_PREFIX, Handoff
 from gpu_agent.runtime.zygote import EXITED_WORD, STARTED_WORD, ZYGOTE_REAP_INTERVAL_S
@@ -693,6 +696,27 @@ def _report_exits(status) -> None:
 _engine_environ: dict[str, str] | None = None
 
 
+def _go_on_in_a_child() -> None:
+    """In a one-shot standby with threads of its own (its imports started them): go on as a forked child, which
+    has only this thread, and make this process wait for it and exit with its code.
+
+    NOTE: the child stays in this process group, which the supervisor signals (a drain's SIGTERM reaches the
+    engine itself), and this process ignores SIGTERM and SIGINT so that it outlives the engine's graceful stop.
+    """
+    pid = os.fork()
+    if pid == 0:
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+        except InterruptedError:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(code if code >= 0 else 128 - code)
+
+
 def become_engine(handoff: Handoff, device: str, started_at: float) -> int:
     """Take the replica's identity and run its engine in this process (a standby, or a zygote's child)."""
     if not rewrite_environ_block(REPLICA_ENV_MARKER, handoff.replica_id):
@@ -712,6 +736,9 @@ def become_engine(handoff: Handoff, device: str, started_at: float) -> int:
         os.environ[NVML_BASED_CUDA_CHECK_ENV] = nvml_check_before
     os.environ.update(handoff.env)
     os.environ[REPLICA_ENV_MARKER] = handoff.replica_id
+    # NOTE: `tempfile` keeps the first answer of `gettempdir()`, the zygote's: the engine's TMPDIR is its own
+    # folder (`sandbox.engine_folder_env`), where vLLM's rendezvous file and sockets must go.
+    tempfile.tempdir = None
     sys.stdout.flush()
     sys.stderr.flush()
     log_fd = os.open(handoff.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -731,6 +758,11 @@ def become_engine(handoff: Handoff, device: str, started_at: float) -> int:
     if refusal is not None:
         print(f"standby: {refusal}", flush=True)
         return EXIT_CUDA_INITIALISED
+    # NOTE: confined here, before vLLM reads anything of the tenant's (`sandbox.py`); a zygote's child is
+    # single-threaded this soon after its fork, as Landlock needs, and a one-shot standby forks one.
+    if _engine_environ is None and os.environ.get(sandbox.POLICY_ENV) and sandbox.num_threads() > 1:
+        _go_on_in_a_child()
+    sandbox.apply_from_environment()
     _serve(handoff, device)
     # The server has shut down and stopped its engine processes. Skip the interpreter's teardown
     # (seconds of vLLM's and Triton's module finalisers on CPU): the replica counts as STOPPED only

@@ -49,12 +49,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
@@ -64,7 +67,7 @@ from gpu_agent.protocol import (
     ReplicaState,
     ReplicaStatus,
 )
-from gpu_agent.runtime import engine, process, state_file
+from gpu_agent.runtime import engine, process, sandbox, state_file
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, EngineCommand
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.engine_memory import read_engine_memory
@@ -134,6 +137,7 @@ class Supervisor:
         on_ready: Callable[[str], None] | None = None,
         on_stopped: Callable[[str], None] | None = None,
         engine_ports: tuple[int, int] = (DEFAULT_ENGINE_PORT_MIN, DEFAULT_ENGINE_PORT_MAX),
+        sandbox_mode: sandbox.SandboxMode = sandbox.DEFAULT_MODE,
     ) -> None:
         # NOTE: absolute, because engines carry it as a marker the next agent matches on.
         self.data_dir = Path(data_dir).resolve()
@@ -160,6 +164,11 @@ class Supervisor:
         # keeps its engines on exit keeps none (`Agent`).
         self.standby = standby_class(self.data_dir, device=device) if standby else None
         self._engines_quiet_since = time.monotonic() - self.policy.standby_refill_quiet_s
+        # What confines each engine (`sandbox.py`): the agent's setting, and what the kernel offers.
+        self.sandbox_mode = sandbox_mode
+        self.sandbox_abi, self.sandbox_missing = sandbox.landlock_abi()
+        self._scratch_dirs: dict[str, Path] = {}  # replica id -> its running engine's scratch folder
+        self._adapter_dirs: dict[str, Path] = {}  # replica id -> where its running engine reads its adapters
 
     @property
     def standby_ready(self) -> bool:
@@ -421,6 +430,7 @@ class Supervisor:
                 orphan = self.standby.hand_off(replica_id, command, self._handoff_env(command), os.devnull)
                 if orphan is not None:
                     process.kill_group(orphan.pid, None, replica_id, self.data_dir, signal.SIGKILL)
+                self._drop_scratch(replica_id)
             if self.standby is not None:
                 self._step_standby(replicas)
 
@@ -460,7 +470,7 @@ class Supervisor:
         for replica in due:
             try:
                 port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
-                command = self.command_factory(replica.spec, replica.model_path, port)
+                command = self._confined(replica, self.command_factory(replica.spec, replica.model_path, port))
             except Exception:  # noqa: BLE001 - one bad replica must not stop the poll: its `_launch` fails it
                 logger.exception("replica %s: preparing its command failed", replica.spec.replica_id)
                 continue
@@ -477,6 +487,63 @@ class Supervisor:
 
     def _handoff_env(self, command: EngineCommand) -> dict[str, str]:
         return {**command.env, DATA_DIR_ENV_MARKER: str(self.data_dir)}
+
+    def _confined(self, replica: ManagedReplica, command: EngineCommand) -> EngineCommand:
+        """The command with what confines its engine (`sandbox.py`): its own folders, and the policy it applies.
+
+        Each launch gets a new scratch folder (HOME, TMPDIR) and adapters folder (`stage_adapter`), removed when
+        its engine is gone; its endpoint's cache folder (`<data dir>/engine-caches/<endpoint>`) stays for its next
+        cold start. With the sandbox off, the command is left as it is.
+        """
+        if self.sandbox_mode == sandbox.SandboxMode.OFF:
+            return command
+        spec = replica.spec
+        self._drop_scratch(spec.replica_id)
+        scratch_dir = sandbox.make_scratch_folder(self.data_dir)
+        self._scratch_dirs[spec.replica_id] = scratch_dir
+        adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(spec.replica_id)
+        shutil.rmtree(adapter_dir, ignore_errors=True)  # NOTE: left behind by an agent that was killed
+        adapter_dir.mkdir(parents=True)
+        self._adapter_dirs[spec.replica_id] = adapter_dir
+        cache_dir = self.data_dir / "engine-caches" / sandbox.folder_name(spec.endpoint_id)
+        shared_cache = sandbox.shared_vllm_cache_root()
+        sandbox.prepare_cache_folder(cache_dir, shared_cache)
+        model_dirs = [replica.model_path, adapter_dir]
+        if spec.speculative is not None and os.path.isabs(spec.speculative.draft_source):
+            model_dirs.append(spec.speculative.draft_source)  # NOTE: the cached copy (`speculative.with_local_draft`)
+        policy = sandbox.engine_policy(
+            self.sandbox_mode, model_dirs=model_dirs, own_dirs=[scratch_dir, cache_dir],
+            shared_read=[shared_cache / "modelinfos"],
+        )  # fmt: skip
+        env = {**command.env, **sandbox.engine_folder_env(scratch_dir, cache_dir), sandbox.POLICY_ENV: policy.to_json()}
+        return dataclasses.replace(command, env=env)
+
+    def _drop_scratch(self, replica_id: str) -> None:
+        for folders in (self._scratch_dirs, self._adapter_dirs):
+            folder = folders.pop(replica_id, None)
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def _adopt_folders(self, replica_id: str, pid: int) -> None:
+        """Take on the folders of an engine a previous agent started: its adapters are staged there from now on,
+        and both go when it does. NOTE: only a plain launch outlives its agent, and its TMPDIR is in its
+        environment block; a scratch folder is taken only where this agent would have made it."""
+        adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(replica_id)
+        if adapter_dir.is_dir():
+            self._adapter_dirs[replica_id] = adapter_dir
+        try:
+            scratch_dir = Path(psutil.Process(pid).environ().get("TMPDIR", ""))
+        except (psutil.Error, OSError):
+            return
+        if sandbox.is_scratch_folder(scratch_dir):
+            self._scratch_dirs[replica_id] = scratch_dir
+
+    def stage_adapter(self, replica_id: str, source: Path) -> Path:
+        """Where the replica's running engine reads an adapter from: a copy in its own adapters folder
+        (`sandbox.stage_adapter`), or `source` itself when its engine is not confined."""
+        with self._lock:
+            folder = self._adapter_dirs.get(replica_id)
+        return source if folder is None else sandbox.stage_adapter(Path(source), folder)
 
     def _step(self, replica: ManagedReplica) -> None:
         now = time.monotonic()
@@ -534,10 +601,13 @@ class Supervisor:
 
     def _launch(self, replica: ManagedReplica) -> None:
         spec = replica.spec
+        if self.sandbox_mode == sandbox.SandboxMode.REQUIRED and not self.sandbox_abi:
+            self._fail(replica, f"the engine cannot be confined ({sandbox.MODE_ENV}=required): {self.sandbox_missing}")
+            return
         command = self._prepared.pop(spec.replica_id, None)  # sent to the zygote ahead (`_send_due_to_zygote`)
         if command is None:
             port = engine.free_port_in_range(*self.engine_ports, exclude=self._ports_in_use())
-            command = self.command_factory(spec, replica.model_path, port)
+            command = self._confined(replica, self.command_factory(spec, replica.model_path, port))
         port = command.port
         if self.standby is not None and not replica.avoid_standby and server_args(command) is not None:
             if self.standby.process is None:
@@ -574,6 +644,7 @@ class Supervisor:
     def _on_exit(self, replica: ManagedReplica, exit_code: int) -> None:
         now = time.monotonic()
         self._kill_group(replica, signal.SIGKILL)  # reap workers the engine left behind
+        self._drop_scratch(replica.spec.replica_id)
         if replica.state == ReplicaState.DRAINING:
             logger.info(
                 "replica %s STOPPED: drain began %.2fs ago, SIGTERM %s, exit seen %.2fs after it (%s, code %s)",
@@ -601,6 +672,7 @@ class Supervisor:
 
     def _fail(self, replica: ManagedReplica, reason: str) -> None:
         self._kill_group(replica, signal.SIGKILL)
+        self._drop_scratch(replica.spec.replica_id)
         replica.failed(reason)
         logger.error("replica %s FAILED: %s", replica.spec.replica_id, reason.splitlines()[0] if reason else "")
         self._save_state()
@@ -631,6 +703,7 @@ class Supervisor:
                 while process.exit_code(replica.process, replica.pid) is None and time.monotonic() < deadline:
                     time.sleep(0.1)
                 self._kill_group(replica, signal.SIGKILL)
+                self._drop_scratch(replica.spec.replica_id)
                 replica.stopped()
             for replica in self._replicas.values():
                 if not replica.is_final:
@@ -677,6 +750,7 @@ class Supervisor:
                         # woken (a RUN found it READY already).
                         replica.fell_asleep()
                     self._replicas[replica_id] = replica
+                    self._adopt_folders(replica_id, pid)
                     adopted.append(replica_id)
                     logger.info("adopted replica %s (pid %s)", replica_id, pid)
                 else:
@@ -688,6 +762,11 @@ class Supervisor:
             if self.standby is not None and self.standby.pid is not None:
                 owned.add(self.standby.pid)
             process.kill_orphans(self.data_dir, owned)
+            # The folders of engines no longer running (a killed agent's, and those killed above) go.
+            kept = {*self._adapter_dirs.values(), *self._scratch_dirs.values()}
+            for folder in [*(self.data_dir / "engine-adapters").glob("*"), *sandbox.scratch_folders_of(self.data_dir)]:
+                if folder not in kept:
+                    shutil.rmtree(folder, ignore_errors=True)
             self._save_state()
         if killed:
             logger.info("killed replicas left by a previous agent: %s", killed)

@@ -22,7 +22,7 @@ def test_cpu_command_runs_eager_single_process_on_loopback():
     command = build_engine_command(spec, "/models/tiny", port=8123, device="cpu")
     argv = command.argv
     assert argv[1:4] == ["-m", "gpu_agent.runtime.reaper", "--"]
-    assert argv[5:7] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[5:7] == ["-m", "gpu_agent.runtime.engine_main"]  # it confines the engine, then runs vLLM's server
     assert "--enable-prompt-tokens-details" in argv
     assert flag(argv, "--model") == "/models/tiny" and flag(argv, "--served-model-name") == "tiny"
     assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", "8123")
@@ -223,7 +223,7 @@ def test_the_shipped_vllm_refuses_every_media_url_before_fetching_and_still_deco
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     command = build_engine_command(make_spec(), "/models/x", port=8000, device="cpu")
-    server_argv = command.argv[command.argv.index("vllm.entrypoints.openai.api_server") + 1 :]
+    server_argv = command.argv[command.argv.index("gpu_agent.runtime.engine_main") + 1 :]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(server_argv)
     fetched = []
 

@@ -43,12 +43,15 @@ def lora_engine(engine_node, tiny_model_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def adapters_dir(tmp_path_factory) -> Path:
+def adapters_dir(tmp_path_factory, engine_node, lora_engine) -> Path:
+    """The adapters where the engine reads them: staged in its own folder, as the agent stages each it loads
+    (`Supervisor.stage_adapter`); a confined engine reads no other folder of the node but its model's."""
     root = tmp_path_factory.mktemp("adapters")
     for number in (1, 2, 3):
         build_tiny_lora_adapter(root / f"a{number}", seed=number)
     build_tiny_lora_adapter(root / "rank16", rank=16)
-    return root
+    staged = [engine_node.stage_adapter("lora-engine", root / name) for name in ("a1", "a2", "a3", "rank16")]
+    return staged[0].parent
 
 
 def engine_models(address: str) -> set[str]:

@@ -1,0 +1,481 @@
+"""Each engine confined with Linux Landlock: it reads its own model, writes its own folder, and nothing else.
+
+Every engine on a node runs as the agent's Unix user, so without this an engine (vLLM reading one tenant's
+files, or tricked by them) could read every other tenant's cached weights, the agent's state, other engines'
+logs, open other engines' `/dev/shm` segments, and signal or trace other engines. The agent describes what
+one engine may touch (`engine_policy`) and hands it to the engine in its environment (`POLICY_ENV`); the
+engine applies it to itself (`apply_from_environment`) before vLLM reads anything of the tenant's: in
+`engine_main` (a plain launch) and in `standby_process.become_engine` (a standby's handoff, a zygote's fork).
+vLLM's own children (EngineCore, workers) inherit it. No root is needed; Landlock only ever takes rights away.
+
+What an engine may do (`rules`):
+- read and execute the system (/usr, /lib*, /bin, /sbin, /opt), Python's prefixes and the venv, and the agent's
+  own package; read /proc and /sys, and each entry of /etc but the agent's settings (`ETC_LEFT_OUT`);
+- read its model's folder, its draft model's, and the folder its LoRA adapters are staged in;
+- read and write its own folders: a scratch folder made for each launch (HOME, TMPDIR: vLLM's sockets between
+  its processes go there) and its endpoint's cache folder (`engine_folder_env`);
+- read, write and ioctl the device nodes a GPU needs (`DEVICE_NODES`, `DEVICE_FOLDERS`), and create, open
+  and remove files in /dev/shm, which it cannot list: the names there are random, so another engine's
+  segments are out of reach without a listing;
+- signal and connect to abstract Unix sockets only within its own processes (Landlock's scopes, ABI 6).
+
+What stays shared, and why: vLLM's facts about its own model classes (`<VLLM_CACHE_ROOT>/modelinfos`, written
+by the zygote before any engine starts and keyed by the hash of vLLM's code, not by anything a tenant names)
+are read-only to engines: without them each cold start inspected its model class again (~20 s on CPU). vLLM's
+and torch's compile caches (torch.compile, Inductor, Triton, CUDA's JIT cache) are per endpoint: a cache
+written by one tenant's engine and loaded by another's would run the first tenant's code in the second's
+engine, and a per-launch cache would compile again at every cold start. Nothing else an engine writes is seen
+by another endpoint's engine.
+
+The kernel's ABI decides what can be confined ("best effort", as the kernel's documentation advises): ABI 1
+leaves renames across folders always refused (REFER comes with ABI 2), truncation unconfined before ABI 3,
+device ioctls before ABI 5, signals and abstract sockets before ABI 6. The agent's `INFERPLANE_ENGINE_SANDBOX`
+chooses what happens where Landlock is missing: `best-effort` (the default) starts engines unconfined and says
+so in one log line and in the node's facts, `required` fails the replica with the reason, `off` confines
+nothing. GPU paths (/dev/nvidia*, CUDA's caches, NCCL's /dev/shm segments) are allowed by reasoning: no GPU
+runs the tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import glob
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import gpu_agent
+
+MODE_ENV = "INFERPLANE_ENGINE_SANDBOX"  # the agent's setting: a `SandboxMode`
+POLICY_ENV = "INFERPLANE_ENGINE_SANDBOX_POLICY"  # one engine's `SandboxPolicy` as JSON, set by the agent
+APPLIED_LINE = "inferplane: engine sandbox:"  # how the engine's log says what confines it
+
+
+class SandboxMode(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
+    REQUIRED = "required"  # an engine that cannot be confined does not start
+    BEST_EFFORT = "best-effort"  # confined where the kernel can; one clear line where it cannot
+    OFF = "off"
+
+
+DEFAULT_MODE = SandboxMode.BEST_EFFORT
+
+
+class SandboxUnavailable(Exception):
+    """Landlock cannot confine this process; the message says why."""
+
+
+def parse_mode(text: str) -> SandboxMode:
+    try:
+        return SandboxMode(text.strip().lower())
+    except ValueError:
+        choices = ", ".join(mode.value for mode in SandboxMode)
+        raise ValueError(f"{MODE_ENV} must be one of {choices}, not {text!r}") from None
+
+
+# --- Landlock's interface (include/uapi/linux/landlock.h) ---------------------------------------------------
+
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # x86_64 and aarch64 alike
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS = 38
+
+EXECUTE = 1 << 0
+WRITE_FILE = 1 << 1
+READ_FILE = 1 << 2
+READ_DIR = 1 << 3
+REMOVE_DIR = 1 << 4
+REMOVE_FILE = 1 << 5
+MAKE_CHAR = 1 << 6
+MAKE_DIR = 1 << 7
+MAKE_REG = 1 << 8
+MAKE_SOCK = 1 << 9
+MAKE_FIFO = 1 << 10
+MAKE_BLOCK = 1 << 11
+MAKE_SYM = 1 << 12
+REFER = 1 << 13  # ABI 2
+TRUNCATE = 1 << 14  # ABI 3
+IOCTL_DEV = 1 << 15  # ABI 5
+SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
+SCOPE_SIGNAL = 1 << 1  # ABI 6
+
+# Rights that make sense on a file (the kernel refuses a file's rule with any other).
+FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
+READ = READ_FILE | READ_DIR
+READ_EXECUTE = READ | EXECUTE
+READ_WRITE = (
+    READ | WRITE_FILE | REMOVE_DIR | REMOVE_FILE | MAKE_DIR | MAKE_REG | MAKE_SOCK | MAKE_FIFO | MAKE_SYM
+    | REFER | TRUNCATE
+)  # fmt: skip
+DEVICE = READ_FILE | WRITE_FILE | IOCTL_DEV
+# NOTE: no READ_DIR: an engine creates and opens its segments by name, and never learns another engine's.
+SHARED_MEMORY = READ_FILE | WRITE_FILE | MAKE_REG | REMOVE_FILE | TRUNCATE
+
+
+def handled_rights(abi: int) -> int:
+    """Every file right this ABI knows: what the ruleset takes away unless a rule gives it back."""
+    rights = (MAKE_SYM << 1) - 1
+    if abi >= 2:
+        rights |= REFER
+    if abi >= 3:
+        rights |= TRUNCATE
+    if abi >= 5:
+        rights |= IOCTL_DEV
+    return rights
+
+
+def scopes(abi: int) -> int:
+    return SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]  # fmt: skip
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def landlock_abi() -> tuple[int, str]:
+    """Landlock's ABI version here, and why there is none (0) otherwise."""
+    if not sys.platform.startswith("linux"):
+        return 0, f"not Linux ({sys.platform})"
+    if platform.machine() not in ("x86_64", "aarch64"):
+        return 0, f"Landlock's system call numbers are not known here for {platform.machine()}"
+    libc = _libc()
+    abi = libc.syscall(
+        _SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION)
+    )
+    if abi < 0:
+        errno = ctypes.get_errno()
+        why = {38: "the kernel has no Landlock (ENOSYS)", 95: "Landlock is not enabled at boot (EOPNOTSUPP)"}
+        return 0, why.get(errno, f"landlock_create_ruleset failed: {os.strerror(errno)}")
+    return abi, ""
+
+
+def node_fact(mode: SandboxMode) -> str:
+    """What confines this node's engines, for the node's facts: "landlock abi 6", or "none: <reason>"."""
+    if mode == SandboxMode.OFF:
+        return f"none: {MODE_ENV}=off"
+    abi, why = landlock_abi()
+    return f"landlock abi {abi}" if abi else f"none: {why}"
+
+
+# --- What one engine may touch ------------------------------------------------------------------------------
+
+SYSTEM_PATHS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/opt")
+# /etc's entries that no engine reads: the agent's own settings (its join token; infra/systemd).
+ETC_LEFT_OUT = frozenset({"inferplane"})
+DEVICE_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+# GPUs' device nodes and folders (NVIDIA's, DRM's, InfiniBand's for NCCL): allowed by reasoning, no GPU here.
+DEVICE_GLOBS = ("/dev/nvidia*",)
+DEVICE_FOLDERS = ("/dev/nvidia-caps", "/dev/dri", "/dev/infiniband")
+SHARED_MEMORY_DIR = "/dev/shm"
+
+
+@dataclass(slots=True, frozen=True)
+class SandboxPolicy:
+    """What one engine may touch; the rest of the machine is out of its reach once applied."""
+
+    mode: SandboxMode = DEFAULT_MODE
+    read_execute: tuple[str, ...] = ()
+    read: tuple[str, ...] = ()
+    read_write: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    shared_memory: str = SHARED_MEMORY_DIR
+
+    def __post_init__(self) -> None:
+        for path in (*self.read_execute, *self.read, *self.read_write, *self.devices, self.shared_memory):
+            if not os.path.isabs(path):
+                raise ValueError(f"a sandbox path must be absolute, not {path!r}")
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "mode": self.mode.value, "read_execute": self.read_execute, "read": self.read,
+            "read_write": self.read_write, "devices": self.devices, "shared_memory": self.shared_memory,
+        })  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> SandboxPolicy:
+        data = json.loads(text)
+        return cls(
+            mode=SandboxMode(data["mode"]),
+            **{name: tuple(data[name]) for name in ("read_execute", "read", "read_write", "devices")},
+            shared_memory=data["shared_memory"],
+        )
+
+
+def system_read_execute() -> list[str]:
+    """The system's programs and libraries, Python's prefixes (the venv's and the interpreter's) and the agent."""
+    paths = [*SYSTEM_PATHS, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix]
+    paths.append(os.path.dirname(os.path.realpath(sys.executable)))
+    # NOTE: the agent's package alone, never the folder above it: run from a checkout, that holds its data too.
+    paths.append(os.path.dirname(os.path.abspath(gpu_agent.__file__)))
+    return paths
+
+
+def system_read() -> list[str]:
+    """/proc, /sys and /etc, less the agent's settings in /etc."""
+    paths = ["/proc", "/sys"]
+    try:
+        paths += [entry.path for entry in os.scandir("/etc") if entry.name not in ETC_LEFT_OUT]
+    except OSError:
+        pass
+    return paths
+
+
+def device_nodes() -> list[str]:
+    found = [*DEVICE_NODES, *DEVICE_FOLDERS]
+    for pattern in DEVICE_GLOBS:
+        found += glob.glob(pattern)
+    return found
+
+
+def engine_policy(mode: SandboxMode, *, model_dirs, own_dirs, shared_read=()) -> SandboxPolicy:
+    """The policy of one engine: its model folders (`model_dirs`: model, draft, adapters) and shared read-only
+    caches to read, its own folders (`own_dirs`) to write, and what every engine needs of the system."""
+    return SandboxPolicy(
+        mode=mode,
+        read_execute=tuple(_unique(system_read_execute())),
+        read=tuple(_unique([*system_read(), *map(str, model_dirs), *map(str, shared_read)])),
+        read_write=tuple(_unique(map(str, own_dirs))),
+        devices=tuple(_unique(device_nodes())),
+    )
+
+
+def _unique(paths) -> list[str]:
+    return list(dict.fromkeys(os.path.abspath(path) for path in paths))
+
+
+@dataclass(slots=True, frozen=True)
+class Ruleset:
+    handled: int
+    scoped: int
+    rules: tuple[tuple[str, int], ...]  # (path, rights), paths that exist only
+
+
+def rules(policy: SandboxPolicy, abi: int) -> Ruleset:
+    """The Landlock rules of `policy` under this ABI: rights it does not know are dropped, a file's rule keeps
+    only a file's rights, and a path that does not exist gets no rule (nothing to reach)."""
+    handled = handled_rights(abi)
+    wanted = [
+        *((path, READ_EXECUTE) for path in policy.read_execute),
+        *((path, READ) for path in policy.read),
+        *((path, READ_WRITE) for path in policy.read_write),
+        *((path, DEVICE) for path in policy.devices),
+        (policy.shared_memory, SHARED_MEMORY),
+    ]
+    found = []
+    for path, rights in wanted:
+        try:
+            is_dir = os.path.isdir(path)  # NOTE: follows links, as opening the path for the rule does
+            if not (is_dir or os.path.exists(path)):
+                continue
+        except OSError:
+            continue
+        rights &= handled if is_dir else handled & FILE_RIGHTS
+        if rights:
+            found.append((path, rights))
+    return Ruleset(handled=handled, scoped=scopes(abi), rules=tuple(found))
+
+
+def num_threads() -> int:
+    """How many threads this process has (Landlock confines only the thread that asks)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def apply(policy: SandboxPolicy) -> str:
+    """Confine this process and everything it starts from now on; returns what confines it ("landlock abi 6").
+
+    NOTE: the process must be single-threaded (a fork's child right after the fork, or a fresh interpreter):
+    `landlock_restrict_self` confines the calling thread only, and a thread left out would keep every right.
+    Raises SandboxUnavailable (nothing changed) when Landlock is missing or the process has threads.
+    """
+    abi, why = landlock_abi()
+    if not abi:
+        raise SandboxUnavailable(why)
+    threads = num_threads()
+    if threads != 1:
+        raise SandboxUnavailable(f"the process has {threads} threads, and Landlock would confine one")
+    ruleset = rules(policy, abi)
+    libc = _libc()
+    attr = _RulesetAttr(ruleset.handled, 0, ruleset.scoped)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24  # the fields this ABI knows
+    ruleset_fd = libc.syscall(
+        _SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)
+    )
+    if ruleset_fd < 0:
+        raise SandboxUnavailable(f"landlock_create_ruleset failed: {os.strerror(ctypes.get_errno())}")
+    try:
+        for path, rights in ruleset.rules:
+            try:
+                path_fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # gone since `rules` looked: nothing to reach there
+            try:
+                beneath = _PathBeneathAttr(rights, path_fd)
+                if libc.syscall(_SYS_ADD_RULE, ruleset_fd, _RULE_PATH_BENEATH, ctypes.byref(beneath), 0) < 0:
+                    raise SandboxUnavailable(
+                        f"landlock_add_rule({path}) failed: {os.strerror(ctypes.get_errno())}"
+                    )
+            finally:
+                os.close(path_fd)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0:
+            raise SandboxUnavailable(f"PR_SET_NO_NEW_PRIVS failed: {os.strerror(ctypes.get_errno())}")
+        if libc.syscall(_SYS_RESTRICT_SELF, ruleset_fd, 0) < 0:
+            raise SandboxUnavailable(f"landlock_restrict_self failed: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(ruleset_fd)
+    scoped = ", signals and abstract sockets scoped" if ruleset.scoped else ""
+    return f"landlock abi {abi} ({len(ruleset.rules)} rules{scoped})"
+
+
+def apply_from_environment() -> None:
+    """In an engine, before vLLM reads anything of the tenant's: apply the policy the agent set in `POLICY_ENV`.
+
+    Writes one line saying what confines the engine (`APPLIED_LINE`). Where Landlock cannot confine it, a
+    `required` policy ends the process with the reason (the replica fails with it); `best-effort` goes on.
+    """
+    text = os.environ.pop(POLICY_ENV, None)
+    if not text:
+        return  # not an engine the agent confines (sandbox off, or a command it did not build)
+    policy = SandboxPolicy.from_json(text)
+    try:
+        confined_by = apply(policy)
+    except SandboxUnavailable as exc:
+        if policy.mode == SandboxMode.REQUIRED:
+            print(
+                f"{APPLIED_LINE} none: {exc}; {MODE_ENV}=required: not starting", file=sys.stderr, flush=True
+            )
+            sys.stderr.flush()
+            os._exit(78)
+        print(
+            f"{APPLIED_LINE} none: {exc} ({MODE_ENV}=best-effort: running unconfined)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    print(f"{APPLIED_LINE} {confined_by}", file=sys.stderr, flush=True)
+
+
+# --- An engine's own folders ----------------------------------------------------------------------------------
+
+
+def shared_vllm_cache_root(environ=None) -> Path:
+    """vLLM's cache folder of the agent (and its zygote), as vLLM computes it."""
+    environ = os.environ if environ is None else environ
+    default = os.path.join(environ.get("XDG_CACHE_HOME", "~/.cache"), "vllm")
+    return Path(os.path.expanduser(environ.get("VLLM_CACHE_ROOT", default)))
+
+
+SCRATCH_PREFIX = "inferplane-engine-"
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
+
+
+def folder_name(identifier: str) -> str:
+    """A replica's or endpoint's id as one folder's name: as it is when plain (the control plane's UUIDs), else a
+    digest of it, so that no id the control plane sends names a folder elsewhere in the data dir."""
+    if _PLAIN_NAME.fullmatch(identifier):
+        return identifier
+    return "id-" + hashlib.sha256(identifier.encode()).hexdigest()[:32]
+
+
+SCRATCH_OWNER_FILE = ".inferplane-data-dir"  # in a scratch folder: the data dir of the agent that made it
+
+
+def make_scratch_folder(data_dir: Path) -> Path:
+    """A new folder of one launch (its HOME and TMPDIR), private to the agent's user, that names its agent.
+
+    NOTE: short, in the system's temporary folder rather than the data dir: vLLM's processes talk over Unix
+    sockets made in TMPDIR, whose paths may be at most 107 bytes.
+    """
+    folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
+    (folder / SCRATCH_OWNER_FILE).write_text(str(data_dir))
+    return folder
+
+
+def is_scratch_folder(path: Path) -> bool:
+    """Whether `path` is a folder `make_scratch_folder` makes (an adopted engine's, to be removed with it)."""
+    return (
+        path.parent == Path(tempfile.gettempdir()) and path.name.startswith(SCRATCH_PREFIX) and path.is_dir()
+    )
+
+
+def scratch_folders_of(data_dir: Path) -> list[Path]:
+    """The scratch folders the agent of `data_dir` made: what a killed agent's engines left is removed by the next.
+
+    NOTE: an engine can write only its own folder's owner file; it cannot make a folder here."""
+    found = []
+    for folder in Path(tempfile.gettempdir()).glob(SCRATCH_PREFIX + "*"):
+        try:
+            if (folder / SCRATCH_OWNER_FILE).read_text() == str(data_dir):
+                found.append(folder)
+        except OSError:
+            continue
+    return found
+
+
+def prepare_cache_folder(cache_dir: Path, shared_cache_root: Path) -> None:
+    """An endpoint's cache folder, with vLLM's model facts shared read-only from the zygote's cache."""
+    vllm_cache = cache_dir / "vllm"
+    vllm_cache.mkdir(parents=True, exist_ok=True)
+    link = vllm_cache / "modelinfos"
+    if not link.is_symlink() and not link.exists():
+        link.symlink_to(shared_cache_root / "modelinfos", target_is_directory=True)
+
+
+def engine_folder_env(scratch_dir: Path, cache_dir: Path) -> dict[str, str]:
+    """Where an engine's programs write: its scratch folder, and its endpoint's caches."""
+    scratch, cache = str(scratch_dir), str(cache_dir)
+    return {
+        "HOME": scratch, "TMPDIR": scratch, "TMP": scratch, "TEMP": scratch,
+        "XDG_CACHE_HOME": cache, "XDG_CONFIG_HOME": os.path.join(scratch, ".config"),
+        "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"), "VLLM_CONFIG_ROOT": os.path.join(scratch, ".config", "vllm"),
+        "VLLM_RPC_BASE_PATH": scratch,
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "torchinductor"),
+        "FLASHINFER_WORKSPACE_BASE": cache,
+        "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+        "CUDA_CACHE_PATH": os.path.join(cache, "nv"),
+        "HF_HOME": os.path.join(scratch, "huggingface"),
+        "OUTLINES_CACHE_DIR": os.path.join(scratch, "outlines"),
+    }  # fmt: skip
+
+
+def stage_adapter(source: Path, folder: Path) -> Path:
+    """A copy of an adapter's cached folder in an engine's own adapters folder (`folder`, which it may only read):
+    its files hard-linked where the file system allows, copied where it does not.
+
+    NOTE: a confined engine reads no folder of the weights cache but its model's, and an adapter is loaded while
+    the engine runs, after its rules are set. The same adapter's copy is kept for the engine's next load.
+    """
+    target = folder / source.name
+    if target.is_dir():
+        return target
+    partial = folder / f".{source.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    for root, _dirs, files in os.walk(source):  # NOTE: links are not followed: the cache holds none
+        into = partial / os.path.relpath(root, source)
+        into.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            try:
+                os.link(os.path.join(root, name), into / name)
+            except OSError:
+                shutil.copyfile(os.path.join(root, name), into / name)
+    partial.rename(target)
+    return target

@@ -1,0 +1,393 @@
+"""Each engine is confined with Landlock: it reads its own model and writes its own folders, and nothing else.
+
+Before, every engine on a node ran as the agent's user with all of its reach: it could read every other tenant's
+cached weights, the agent's state and other engines' logs, list and open other engines' /dev/shm segments, and
+signal other engines. Rules are checked as built (`sandbox.rules`), then applied in a plain child process, then
+on real engines started the plain way and by the zygote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gpu_agent.protocol import RegisterRequest, ReplicaState
+from gpu_agent.runtime import process, sandbox
+from gpu_agent.runtime.adapters import AdapterLoadError, AdapterSlots
+from gpu_agent.runtime.engine import build_engine_command
+from gpu_agent.runtime.sandbox import SandboxMode, SandboxPolicy
+from gpu_agent.runtime.standby import server_args
+from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+from gpu_agent.runtime.tiny_model import build_tiny_lora_adapter
+
+from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_for_state, wait_until
+
+LANDLOCK_ABI = sandbox.landlock_abi()[0]
+needs_landlock = pytest.mark.skipif(not LANDLOCK_ABI, reason="this kernel has no Landlock")
+
+
+def policy_for(tmp_path: Path, **overrides) -> SandboxPolicy:
+    values = {"model_dirs": [tmp_path / "own-model"], "own_dirs": [tmp_path / "own-work"]}
+    values.update(overrides)
+    return sandbox.engine_policy(SandboxMode.REQUIRED, **values)
+
+
+# --- The rules as built ---------------------------------------------------------------------------------------
+
+
+def test_rights_an_older_kernel_does_not_know_are_left_out_of_every_rule(tmp_path):
+    (tmp_path / "own-model").mkdir()
+    (tmp_path / "own-work").mkdir()
+    policy = policy_for(tmp_path)
+    for abi in (1, 2, 3, 4, 5, 6, 7):
+        ruleset = sandbox.rules(policy, abi)
+        assert ruleset.handled == sandbox.handled_rights(abi)
+        assert all(rights & ~ruleset.handled == 0 for _path, rights in ruleset.rules)
+    assert not sandbox.handled_rights(1) & (sandbox.REFER | sandbox.TRUNCATE | sandbox.IOCTL_DEV)
+    assert sandbox.handled_rights(5) & sandbox.IOCTL_DEV and not sandbox.rules(policy, 5).scoped
+    assert sandbox.rules(policy, 6).scoped == sandbox.SCOPE_SIGNAL | sandbox.SCOPE_ABSTRACT_UNIX_SOCKET
+
+
+def test_a_files_rule_keeps_only_a_files_rights_and_a_missing_path_gets_none(tmp_path):
+    (tmp_path / "own-model").mkdir()
+    weights = tmp_path / "own-model" / "model.safetensors"
+    weights.write_bytes(b"x")
+    policy = policy_for(tmp_path, model_dirs=[weights, tmp_path / "gone"], own_dirs=[tmp_path])
+    rules = dict(sandbox.rules(policy, 6).rules)
+    assert rules[str(weights)] == sandbox.READ_FILE
+    assert str(tmp_path / "gone") not in rules
+    assert (
+        rules[str(tmp_path)] & sandbox.MAKE_SOCK
+    )  # vLLM's sockets between its processes go in its own folder
+
+
+def test_shared_memory_is_never_listable_nor_anything_above_it_granted():
+    rules = dict(sandbox.rules(SandboxPolicy(devices=tuple(sandbox.device_nodes())), 6).rules)
+    assert rules["/dev/shm"] == sandbox.SHARED_MEMORY and not rules["/dev/shm"] & sandbox.READ_DIR
+    assert not [path for path in rules if path in ("/", "/dev")]
+
+
+def test_no_rule_reaches_the_agents_data_another_models_folder_or_its_settings(tmp_path):
+    data_dir = tmp_path / "agent"
+    other_model = data_dir / "weights" / "other-tenant"
+    own_model = data_dir / "weights" / "own-tenant"
+    for folder in (other_model, own_model):
+        folder.mkdir(parents=True)
+    policy = policy_for(tmp_path, model_dirs=[own_model])
+    for path, _rights in sandbox.rules(policy, 6).rules:
+        for private in (other_model, data_dir, Path("/etc/inferplane"), Path.home()):
+            assert not private.is_relative_to(path), (path, private)
+
+
+def test_a_policy_travels_as_json_and_a_bad_mode_is_refused_with_the_choices():
+    policy = SandboxPolicy(mode=SandboxMode.BEST_EFFORT, read=("/a",), read_write=("/b",))
+    assert SandboxPolicy.from_json(policy.to_json()) == policy
+    with pytest.raises(ValueError, match="required, best-effort, off"):
+        sandbox.parse_mode("strict")
+    with pytest.raises(ValueError, match="absolute"):
+        SandboxPolicy(read=("relative",))
+
+
+def test_the_node_says_what_confines_its_engines_when_it_registers():
+    assert sandbox.node_fact(SandboxMode.OFF).startswith("none: ")
+    fact = sandbox.node_fact(SandboxMode.BEST_EFFORT)
+    assert fact == f"landlock abi {LANDLOCK_ABI}" if LANDLOCK_ABI else fact.startswith("none: ")
+    request = RegisterRequest(
+        join_token="t",
+        name="n",
+        gpu_type="cpu",
+        num_gpus=0,
+        gpu_memory_mb=0,
+        num_cpus=1,
+        memory_mb=1,
+        agent_version="1",
+        engine_sandbox=fact + "\x00" * 3 + "x" * 300,
+    )
+    assert "\x00" not in request.engine_sandbox and len(request.engine_sandbox) == 200
+
+
+# --- A confined process -----------------------------------------------------------------------------------
+
+
+def run_confined(tmp_path: Path, policy: SandboxPolicy, body: str) -> dict:
+    """Run `body` in a fresh Python after `sandbox.apply(policy)`; it fills `seen` with what it could do."""
+    script = (
+        textwrap.dedent("""
+        import json, os, signal, sys
+        from gpu_agent.runtime import process, sandbox
+        seen = {"confined_by": sandbox.apply(sandbox.SandboxPolicy.from_json(sys.argv[1]))}
+        def attempt(name, call):
+            try:
+                seen[name] = call()
+            except OSError as exc:
+                seen[name] = f"refused: {exc.strerror}"
+    """)
+        + textwrap.dedent(body)
+        + "\nprint(json.dumps(seen))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, policy.to_json()], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@needs_landlock
+def test_a_confined_process_reads_its_own_model_and_not_another_tenants_beside_it(tmp_path):
+    for folder in ("own-model", "other-model", "own-work"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(folder)
+    seen = run_confined(
+        tmp_path,
+        policy_for(tmp_path),
+        f"""
+        attempt("own", lambda: open("{tmp_path}/own-model/config.json").read())
+        attempt("other", lambda: open("{tmp_path}/other-model/config.json").read())
+        attempt("list_other", lambda: os.listdir("{tmp_path}/other-model"))
+        attempt("write_own_model", lambda: open("{tmp_path}/own-model/x", "w").close())
+        attempt("write_work", lambda: open("{tmp_path}/own-work/x", "w").write("done") == 4)
+        attempt("agent_state", lambda: open("{tmp_path}/replicas.json", "w").close())
+    """,
+    )
+    assert seen["confined_by"].startswith(f"landlock abi {LANDLOCK_ABI}")
+    assert seen["own"] == "own-model" and seen["write_work"] is True
+    assert seen["other"] == seen["list_other"] == "refused: Permission denied"
+    assert seen["write_own_model"] == seen["agent_state"] == "refused: Permission denied"
+
+
+@needs_landlock
+def test_a_confined_process_cannot_list_shared_memory_but_uses_its_own_segments(tmp_path):
+    seen = run_confined(
+        tmp_path,
+        policy_for(tmp_path),
+        """
+        from multiprocessing import shared_memory
+        attempt("listing", lambda: os.listdir("/dev/shm"))
+        def own_segment():
+            segment = shared_memory.SharedMemory(create=True, size=4096)
+            segment.buf[:2] = b"ok"
+            again = shared_memory.SharedMemory(name=segment.name)
+            value = bytes(again.buf[:2]).decode()
+            again.close(); segment.close(); segment.unlink()
+            return value
+        attempt("own_segment", own_segment)
+    """,
+    )
+    assert seen["listing"] == "refused: Permission denied"
+    assert seen["own_segment"] == "ok"
+
+
+@pytest.mark.skipif(LANDLOCK_ABI < 6, reason="Landlock scopes signals from ABI 6")
+def test_a_confined_process_cannot_signal_a_process_outside_but_signals_its_own_child(tmp_path):
+    outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        seen = run_confined(
+            tmp_path,
+            policy_for(tmp_path),
+            f"""
+            import subprocess
+            attempt("outside", lambda: os.kill({outside.pid}, signal.SIGTERM))
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            attempt("own_child", lambda: os.kill(child.pid, signal.SIGKILL))
+            child.wait()
+        """,
+        )
+        assert seen["outside"] == "refused: Operation not permitted" and outside.poll() is None
+        assert seen["own_child"] is None
+    finally:
+        outside.kill()
+        outside.wait()
+
+
+def confine_from_environment(mode: SandboxMode, landlock_missing: bool) -> subprocess.CompletedProcess:
+    """An engine's start (`apply_from_environment`) as it runs where Landlock is missing, or not."""
+    script = textwrap.dedent(f"""
+        from gpu_agent.runtime import process, sandbox
+        if {landlock_missing}:
+            sandbox.landlock_abi = lambda: (0, "the kernel has no Landlock (ENOSYS)")
+        sandbox.apply_from_environment()
+        print("vLLM would start now")
+    """)
+    env = {**os.environ, sandbox.POLICY_ENV: SandboxPolicy(mode=mode).to_json()}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60,
+                          cwd=Path(__file__).parents[2])  # fmt: skip
+
+
+def test_an_engine_that_cannot_be_confined_stops_if_required_and_says_so_either_way():
+    required = confine_from_environment(SandboxMode.REQUIRED, landlock_missing=True)
+    assert required.returncode == 78 and "vLLM would start now" not in required.stdout
+    assert f"{sandbox.APPLIED_LINE} none: the kernel has no Landlock (ENOSYS)" in required.stderr
+    best_effort = confine_from_environment(SandboxMode.BEST_EFFORT, landlock_missing=True)
+    assert best_effort.returncode == 0 and "vLLM would start now" in best_effort.stdout
+    assert "running unconfined" in best_effort.stderr
+
+
+@pytest.fixture
+def make_supervisor(tmp_path):
+    """Supervisors of fake engines; whatever they started is gone after the test, passed or failed."""
+    made = []
+
+    def make(data_dir: Path | None = None, **options) -> Supervisor:
+        made.append(
+            Supervisor(data_dir or tmp_path / "agent", command_factory=fake_engine_factory(), **options)
+        )
+        return made[-1]
+
+    yield make
+    for supervisor in made:
+        supervisor.shutdown(timeout_s=5)
+        process.kill_orphans(supervisor.data_dir, set())
+
+
+def test_a_replica_fails_with_the_reason_when_its_engine_must_be_confined_and_cannot_be(
+    make_supervisor, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: (0, "Landlock is not enabled at boot (EOPNOTSUPP)"))
+    supervisor = make_supervisor(sandbox_mode=SandboxMode.REQUIRED)
+    supervisor.start(make_spec("r-required"), tmp_path)
+    wait_for_state(supervisor, "r-required", ReplicaState.FAILED, timeout_s=10)
+    reason = supervisor.get("r-required").failure_reason
+    assert "INFERPLANE_ENGINE_SANDBOX=required" in reason and "EOPNOTSUPP" in reason
+    supervisor.shutdown(timeout_s=5)
+
+
+def test_every_engine_is_started_through_the_entry_point_that_confines_it(tmp_path):
+    command = build_engine_command(make_spec(), tmp_path, port=8123, device="cpu")
+    assert command.argv[5:7] == ["-m", "gpu_agent.runtime.engine_main"]
+    assert server_args(command)[:2] == ["--model", str(tmp_path)]  # the standby and zygote take it too
+
+
+def test_an_engine_gets_its_own_folders_and_policy_and_they_go_with_it(make_supervisor, tmp_path):
+    supervisor = make_supervisor()
+    supervisor.start(make_spec("r-folders"), tmp_path / "model")
+    wait_for_state(supervisor, "r-folders", ReplicaState.READY, timeout_s=30)
+    env = supervisor.get("r-folders").command.env
+    scratch = Path(env["TMPDIR"])
+    policy = SandboxPolicy.from_json(env[sandbox.POLICY_ENV])
+    assert env["HOME"] == str(scratch) and scratch.is_dir()
+    assert env["VLLM_CACHE_ROOT"] == str(supervisor.data_dir / "engine-caches" / "e-1" / "vllm")
+    assert str(scratch) in policy.read_write and str(tmp_path / "model") in policy.read
+    assert not [path for path in policy.read + policy.read_write if Path(path) == supervisor.data_dir]
+    supervisor.shutdown(timeout_s=5)
+    assert not scratch.exists()
+
+
+def test_an_endpoint_id_that_is_not_a_plain_name_makes_its_cache_folder_inside_the_caches_folder(
+    make_supervisor, tmp_path
+):
+    supervisor = make_supervisor()
+    supervisor.start(make_spec("r-odd", endpoint_id="../../weights"), tmp_path / "model")
+    wait_for_state(supervisor, "r-odd", ReplicaState.READY, timeout_s=30)
+    cache = Path(supervisor.get("r-odd").command.env["XDG_CACHE_HOME"])
+    assert cache.parent == supervisor.data_dir / "engine-caches" and cache.name.startswith("id-")
+    assert (
+        sandbox.folder_name("0b6f3c52-2a4e-4c4e-9d7e-3f1e1a2b3c4d") == "0b6f3c52-2a4e-4c4e-9d7e-3f1e1a2b3c4d"
+    )
+    supervisor.shutdown(timeout_s=5)
+
+
+def test_an_adapter_is_staged_in_the_engines_own_folder_and_read_only_there(make_supervisor, tmp_path):
+    supervisor = make_supervisor()
+    adapter = build_tiny_lora_adapter(tmp_path / "cache" / "adapter-key")
+    supervisor.start(make_spec("r-adapters"), tmp_path / "model")
+    wait_for_state(supervisor, "r-adapters", ReplicaState.READY, timeout_s=30)
+    staged = supervisor.stage_adapter("r-adapters", adapter)
+    policy = SandboxPolicy.from_json(supervisor.get("r-adapters").command.env[sandbox.POLICY_ENV])
+    assert staged.parent == supervisor.data_dir / "engine-adapters" / "r-adapters"
+    assert str(staged.parent) in policy.read and str(staged.parent) not in policy.read_write
+    assert (staged / "adapter_config.json").read_bytes() == (adapter / "adapter_config.json").read_bytes()
+    assert supervisor.stage_adapter("r-adapters", adapter) == staged
+    supervisor.shutdown(timeout_s=5)
+    assert not staged.exists() and (adapter / "adapter_config.json").exists()
+
+
+def test_an_engine_adopted_by_a_new_agent_keeps_its_folders_and_they_go_with_it(make_supervisor, tmp_path):
+    data_dir = tmp_path / "agent"
+    first = make_supervisor(data_dir)
+    first.start(make_spec("r-kept"), tmp_path / "model")
+    first.start(make_spec("r-gone"), tmp_path / "model")
+    wait_until(lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 30, poll=first.poll)
+    scratch = Path(first.get("r-kept").command.env["TMPDIR"])
+    killed_scratch = Path(first.get("r-gone").command.env["TMPDIR"])
+    first._probe.close()  # the old agent vanishes without stopping its engines
+    first._replicas.clear()
+
+    second = make_supervisor(data_dir)
+    assert second.recover({"r-kept": make_spec("r-kept")}) == (["r-kept"], ["r-gone"])
+    adapter = build_tiny_lora_adapter(tmp_path / "cache" / "adapter-key")
+    # Staged where the adopted engine may read, not handed over from the weights cache it may not.
+    assert second.stage_adapter("r-kept", adapter).parent == data_dir / "engine-adapters" / "r-kept"
+    assert not (data_dir / "engine-adapters" / "r-gone").exists() and not killed_scratch.exists()
+    assert scratch.exists()
+    second.shutdown(timeout_s=5)
+    assert not scratch.exists() and not (data_dir / "engine-adapters" / "r-kept").exists()
+
+
+# --- Real engines ---------------------------------------------------------------------------------------------
+
+
+def complete(replica) -> dict:
+    body = {"model": replica.spec.served_model_name, "prompt": "hello world", "max_tokens": 4}
+    response = httpx.post(f"{replica.address}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {replica.spec.engine_api_key}"})  # fmt: skip
+    response.raise_for_status()
+    return response.json()
+
+
+def confinement_line(replica) -> str:
+    lines = [
+        line for line in replica.log_path.read_text().splitlines() if line.startswith(sandbox.APPLIED_LINE)
+    ]
+    return lines[-1] if lines else ""
+
+
+def no_new_privileges(pid: int) -> bool:
+    """Whether the process set no_new_privs, which Landlock needs (nothing else in an engine sets it)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return "NoNewPrivs:\t1" in status
+
+
+@pytest.mark.vllm
+@needs_landlock
+def test_an_engine_started_plainly_serves_while_confined(tmp_path, tiny_model_dir):
+    supervisor = Supervisor(tmp_path / "agent", policy=SupervisorPolicy(stop_timeout_s=20))
+    spec = make_spec("r-plain", endpoint_id="e-plain", served_model_name="tiny", max_num_seqs=4)
+    try:
+        supervisor.start(spec, tiny_model_dir)
+        wait_for_state(supervisor, "r-plain", ReplicaState.READY, timeout_s=600)
+        replica = supervisor.get("r-plain")
+        assert complete(replica)["usage"]["completion_tokens"] == 4
+        assert confinement_line(replica).startswith(f"{sandbox.APPLIED_LINE} landlock abi {LANDLOCK_ABI}")
+        # The API server, its EngineCore and worker; the reaper above them is the agent's, and stays unconfined.
+        engines = [
+            found for found in processes_with_marker("r-plain") if "reaper" not in " ".join(found.cmdline())
+        ]
+        assert len(engines) >= 2 and all(no_new_privileges(found.pid) for found in engines)
+    finally:
+        supervisor.shutdown(timeout_s=20)
+
+
+@pytest.mark.vllm
+@needs_landlock
+def test_an_engine_forked_by_the_zygote_serves_confined_and_reads_no_adapter_outside_its_own_folder(
+    engine_node, tiny_model_dir, tmp_path
+):
+    from tests.engines import serve_engine
+
+    outside = build_tiny_lora_adapter(tmp_path / "another-tenants-folder")
+    spec = make_spec("r-zygote-confined", endpoint_id="e-zygote", served_model_name="tiny", max_num_seqs=4,
+                     max_loras=1, max_lora_rank=8)  # fmt: skip
+    with serve_engine(engine_node, spec, tiny_model_dir) as replica:
+        assert replica.from_standby and complete(replica)["usage"]["completion_tokens"] == 4
+        assert confinement_line(replica).startswith(f"{sandbox.APPLIED_LINE} landlock abi {LANDLOCK_ABI}")
+        slots = AdapterSlots(replica.address, spec.engine_api_key, max_loras=1)
+        # NOTE: what the agent's own loads go through (`ReplicaAdapters`): a copy in the engine's folder.
+        slots.ensure("staged", engine_node.stage_adapter(spec.replica_id, outside))
+        with pytest.raises(AdapterLoadError):
+            slots.ensure("outside", outside)  # a folder the engine may not read, as any other tenant's
