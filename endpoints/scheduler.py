@@ -371,7 +371,11 @@ def _sweep() -> None:
     now = timezone.now()
     silent_since = database_time_ago(settings.NODE_HEARTBEAT_GRACE_S)
     silent = Node.objects.exclude(state=NodeState.OFFLINE).filter(last_heartbeat_at__lt=silent_since)
-    if silent.exists() and whole_fleet_silent(get_redis(), redis_time()):
+    if not silent.exists():
+        # NOTE: a silence that healed ends here: its start left in Redis made the next one, days later, judged at
+        # once as if held for its whole bound already.
+        get_redis().delete(FLEET_SILENT_SINCE_KEY)
+    elif whole_fleet_silent(get_redis(), redis_time()):
         silent = Node.objects.none()
     for node in silent:
         # NOTE: one transaction: nobody reads an OFFLINE node whose replicas still look READY (the gateway

@@ -406,6 +406,31 @@ def test_every_node_silent_at_once_while_the_web_tier_beats_takes_no_node_offlin
     assert set(Node.objects.filter(pk__in=[node.pk for node in nodes]).values_list("state", flat=True)) == {NodeState.OFFLINE}
 
 
+def test_a_second_fleet_silence_after_one_that_healed_is_held_again(settings, django_capture_on_commit_callbacks):
+    # The first silence's start stayed in Redis once every node beat again: a second one, an hour later, was judged
+    # at once, the whole fleet taken OFFLINE (the review of this change).
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    settings.NODE_FLEET_SILENCE_HOLD_S = 600
+    _, nodes = _two_silent_nodes(45, swept_ago=5)
+    ids = [node.pk for node in nodes]
+    get_redis().incr(redis_keys.WEB_BEATS_KEY)
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    Node.objects.filter(pk__in=ids).update(last_heartbeat_at=timezone.now())  # the fault is fixed: every node beats
+    get_redis().incr(redis_keys.WEB_BEATS_KEY)
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    redis = get_redis()
+    if redis.get(redis_keys.FLEET_SILENT_SINCE_KEY) is not None:  # an hour passes
+        redis.set(redis_keys.FLEET_SILENT_SINCE_KEY, float(redis.get(redis_keys.FLEET_SILENT_SINCE_KEY)) - 3600)
+
+    Node.objects.filter(pk__in=ids).update(last_heartbeat_at=timezone.now() - timedelta(seconds=45))  # again
+    get_redis().incr(redis_keys.WEB_BEATS_KEY)
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    assert set(Node.objects.filter(pk__in=ids).values_list("state", flat=True)) == {NodeState.READY}
+
+
 def test_one_node_silent_among_beating_ones_goes_offline_at_once(settings, django_capture_on_commit_callbacks):
     settings.NODE_HEARTBEAT_GRACE_S = 30
     _, (beating, dead) = _two_silent_nodes(45, swept_ago=5)
