@@ -2,6 +2,7 @@
 and the worker replays them from there, each row once."""
 
 import asyncio
+import dataclasses
 import shutil
 
 import boto3
@@ -10,7 +11,7 @@ import pytest
 
 from billing import journal_shipping, usage_writer
 from billing.models import UsageRecord
-from billing.usage_journal import REJECTED_NAME
+from billing.usage_journal import REJECTED_NAME, encode
 from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_server  # noqa: F401 - fixtures used here
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory
@@ -156,3 +157,39 @@ def test_rows_the_ledger_refuses_are_kept_aside_in_the_bucket(outage, files_buck
     assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
     assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1
     assert not (usage_writer.journal().directory / REJECTED_NAME).exists()
+
+
+def _put(bucket: str, key: str, data: bytes, **metadata) -> None:
+    s3 = boto3.client("s3", endpoint_url=journal_shipping.settings.FILES_S3_ENDPOINT_URL, region_name="us-east-1",
+                      aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
+    s3.put_object(Bucket=bucket, Key=key, Body=data, Metadata=metadata)
+
+
+def test_a_segment_the_platform_did_not_sign_is_never_billed(outage, files_bucket):  # noqa: F811
+    # Whoever may write to the files bucket could put usage there for any organisation at any price.
+    endpoint = EndpointFactory()
+    forged = encode(dataclasses.replace(usage_report(endpoint, request_id="forged-1"), prompt_tokens=10**6))
+    _put(files_bucket, journal_shipping.PREFIX + "evil-1-1.jsonl", forged)
+    _put(files_bucket, journal_shipping.PREFIX + "evil-1-2.jsonl", forged,
+         **{journal_shipping.SIGNATURE: "0" * 64})
+    outage.end()
+
+    assert journal_shipping.replay_shipped() == 0
+    assert UsageRecord.objects.count() == 0
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+    assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 2
+
+
+def test_rows_the_ledger_refuses_for_what_they_hold_do_not_block_the_segments_after(outage, files_bucket):  # noqa: F811
+    endpoint = EndpointFactory()
+    poisoned = encode(dataclasses.replace(usage_report(endpoint, request_id="poison-1"), prompt_tokens=2**31))
+    good = encode(usage_report(endpoint, request_id="after-1"))
+    for name, data in (("a-1-1.jsonl", poisoned), ("b-1-1.jsonl", good)):
+        _put(files_bucket, journal_shipping.PREFIX + name, data,
+             **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+    outage.end()
+
+    assert journal_shipping.replay_shipped() == 1
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["after-1"]
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+    assert _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX) == [journal_shipping.REJECTED_PREFIX + "a-1-1.jsonl"]
