@@ -89,16 +89,20 @@ class Gateway:
         if scope["type"] == "http":
             path = scope["path"]
             if path.startswith(DJANGO_V1_PREFIXES):
-                if scope["method"] == "POST" and path.startswith(FILES_PREFIX):
-                    return await self._upload(scope, receive, send)
-                return await self._files_and_batches(scope, receive, send)
+                # NOTE: a stopping process waits for these too (`drain`): a 200 MB upload or a batch's output read
+                # had only uvicorn's graceful wait after the drain, 10 s (the review of the drain).
+                with drain.handling():
+                    if scope["method"] == "POST" and path.startswith(FILES_PREFIX):
+                        return await self._upload(scope, receive, send)
+                    return await self._files_and_batches(scope, receive, send)
             if path.startswith("/v1/") or path == "/v1":
                 with drain.handling():  # a stopping process waits for it (`drain`)
                     return await self._handle(scope, receive, send)
             if path == "/metrics":
                 return await self._metrics(scope, receive, send)
             if path in self._console_uploads and scope["method"] == "POST":
-                return await self._console_upload(scope, receive, send)
+                with drain.handling():
+                    return await self._console_upload(scope, receive, send)
             return await self._to_django_in_memory(scope, receive, send)
         return await self.fallback(scope, receive, send)
 

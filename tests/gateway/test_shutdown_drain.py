@@ -122,3 +122,28 @@ def test_a_non_streamed_call_still_running_at_the_drains_bound_gets_a_503_and_it
     assert response.status_code == 503 and response.json()["error"]["code"] == "server_stopping"
     assert not UsageRecord.objects.exists()
     assert not get_redis().hlen(reservations_key(tenant.org.pk))
+
+
+@pytest.mark.parametrize(("method", "path", "handler"), [
+    ("POST", "/v1/files", "_upload"),
+    ("GET", "/v1/files/file-abc/content", "_files_and_batches"),
+    ("GET", "/v1/batches", "_files_and_batches"),
+    ("POST", "/console/batches/new/", "_console_upload"),
+])
+def test_a_stopping_process_waits_for_uploads_and_downloads_too(monkeypatch, method, path, handler):
+    # Only inference calls were counted: a 200 MB upload or a batch's output being read at SIGTERM had uvicorn's
+    # graceful wait after the drain, 10 s, and was cut with a 500 (the review of the drain).
+    import asyncio
+
+    from endpoints.gateway import app as gateway_app
+    from endpoints.gateway import drain
+
+    seen = []
+
+    async def handled(self, scope, receive, send):
+        seen.append(drain._num_handling)
+
+    monkeypatch.setattr(gateway_app.Gateway, handler, handled)
+    gateway = gateway_app.Gateway(fallback=None, console_uploads={"/console/batches/new/": 15 * 2**20})
+    asyncio.run(gateway({"type": "http", "method": method, "path": path, "headers": []}, None, None))
+    assert seen == [1] and drain._num_handling == 0
