@@ -39,7 +39,7 @@ READ_THREADS = 16  # within the client's connection pool (32)
 # worker was killed at every try, the batch finalizing for ever (with the other tenants' runs in it).
 RESULTS_READ_AHEAD_BYTES = 32 * 1024 * 1024
 # A result larger than `INPUT_PART_BYTES` goes into its file in ranged reads of this size, each as the one before is
-# used (`result_bodies`): a line's answer may be 64 MiB.
+# used (`result_bodies`): a line's answer may be 64 MiB (`spool`).
 RESULT_PART_BYTES = 2 * 1024 * 1024
 # A batch's output and error files go up two 8 MiB parts at a time (boto3's default sends ten at once: 80 MiB held).
 OUTPUT_TRANSFER = TransferConfig(multipart_chunksize=8 * 1024 * 1024, max_concurrency=2)
@@ -200,9 +200,10 @@ def _results_prefix(organization_id: int, batch_id: str) -> str:
     return f"batches/{organization_id}/{batch_id}/lines/"
 
 
-def put_result(organization_id: int, batch_id: str, index: int, row: bytes, *, ok: bool) -> None:
+def put_result(organization_id: int, batch_id: str, index: int, row, *, ok: bool) -> None:
     """One finished line, its row of the output (or error) file as it will be written (`<index>.ok.json` or
-    `<index>.error.json`: counts come from the listing alone)."""
+    `<index>.error.json`: counts come from the listing alone): bytes, or a seekable file of a known `len()` read as it
+    is sent (`spool.SpooledRow`: an answer larger than a worker keeps in memory)."""
     put_bytes(f"{_results_prefix(organization_id, batch_id)}{index:0{RESULT_DIGITS}d}.{'ok' if ok else 'error'}.json",
               row)
 
@@ -252,7 +253,7 @@ def result_bodies(keys: dict[int, StoredResult], *, ok: bool) -> Iterator[bytes 
     read at a time, and those read ahead of the one handed on never more than `RESULTS_READ_AHEAD_BYTES` together
     (but one at least): a batch's results are never all in memory at once, however large each is. One larger than
     `INPUT_PART_BYTES` is handed on as its parts of `RESULT_PART_BYTES`, each read as the one before is used
-    (`read_parts`): a line's answer may be 64 MiB, and was read whole beside the file's upload."""
+    (`read_parts`): a line's answer may be 64 MiB (`spool`), and was read whole beside the file's upload."""
     wanted = [result for result in keys.values() if result.ok == ok]
     with ThreadPoolExecutor(READ_THREADS) as pool:
         ahead: deque[tuple[Future, int]] = deque()
