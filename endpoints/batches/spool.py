@@ -17,6 +17,7 @@ import io
 import json
 import os
 import tempfile
+import threading
 
 from endpoints.gateway import upstream
 
@@ -28,16 +29,25 @@ class Spool:
     """An answer's bytes in an unnamed temporary file, at most `upstream.MAX_WHOLE_BODY_BYTES` of them: past that the
     answer is too large, as it would be outside a batch, and the file is emptied (`too_large`)."""
 
-    __slots__ = ("file", "num_bytes", "too_large", "failed", "_has_line_ends")
+    __slots__ = ("file", "num_bytes", "too_large", "failed", "_has_line_ends", "_lock")
 
     def __init__(self) -> None:
+        # NOTE: held while a worker thread reads or writes the file (`check_and_clean`, `SpooledRow`), and by `close`:
+        # a run that ends on an error gives back the answers of lines still being checked or stored, and a descriptor
+        # closed under them may be another file's by the time they read it (another line's answer, put to S3 as this
+        # one's).
+        self._lock = threading.Lock()
         self.num_bytes = 0
         self.too_large = False
-        self.failed: OSError | None = None  # the disk refused the file or a write (full): the line is tried again
+        self.failed: OSError | None = (
+            None  # the disk refused the file or a write (full): the line is tried again
+        )
         self._has_line_ends = False
         try:
             self.file = tempfile.TemporaryFile(prefix="inferplane-answer-")
-        except OSError as exc:  # NOTE: made as a read comes in (`answer_bytes`): never raised into the connection's
+        except (
+            OSError
+        ) as exc:  # NOTE: made as a read comes in (`answer_bytes`): never raised into the connection's
             self.file = None
             self.failed = exc
 
@@ -49,7 +59,9 @@ class Spool:
     def write(self, data: bytes) -> None:
         """More of the answer, as read (called in its run's event loop: a write to the page cache)."""
         self.num_bytes += len(data)
-        if not self.whole:
+        if (
+            not self.whole or self.file is None
+        ):  # dropped, or given back (its run ended while its line still read)
             return
         if self.num_bytes > upstream.MAX_WHOLE_BODY_BYTES:
             self.too_large = True
@@ -70,14 +82,34 @@ class Spool:
             pass
 
     def close(self) -> None:
-        """Its disk given back."""
-        if self.file is not None:
-            self.file.close()
+        """Its disk given back (once the worker thread reading it, if any, is done with it)."""
+        with self._lock:
+            if self.file is not None:
+                self.file.close()
+                self.file = None
+
+    def pread(self, num_bytes: int, offset: int) -> bytes:
+        """`num_bytes` of the file from `offset` (fewer at its end); `OSError` once it was given back."""
+        with self._lock:
+            if self.file is None:
+                raise OSError("the spooled answer was given back")
+            return os.pread(self.file.fileno(), num_bytes, offset)
+
+    def size(self) -> int:
+        with self._lock:
+            if self.file is None:
+                raise OSError("the spooled answer was given back")
+            self.file.flush()
+            return os.fstat(self.file.fileno()).st_size
 
     def check_and_clean(self) -> bool:
         """Whether the file holds one JSON text in UTF-8, as `runner.json_text` checks an answer held in memory; its
         line ends (between its tokens) are taken out in place. Read a piece at a time (`_JsonPieces`): never whole in
-        memory. Run in a worker thread: the check of 64 MiB takes a second or two."""
+        memory. Run in a worker thread: the check of 64 MiB takes a few seconds."""
+        with self._lock:
+            return self.file is not None and self._check_and_clean()
+
+    def _check_and_clean(self) -> bool:
         self.file.flush()
         descriptor = self.file.fileno()
         size = os.fstat(descriptor).st_size
@@ -229,7 +261,7 @@ class SpooledRow(io.RawIOBase):
 
     def __init__(self, head: bytes, spool: Spool, tail: bytes) -> None:
         self._head, self._spool, self._tail = head, spool, tail
-        self._body_bytes = os.fstat(spool.file.fileno()).st_size
+        self._body_bytes = spool.size()
         self._size = len(head) + self._body_bytes + len(tail)
         self._at = 0
 
@@ -261,9 +293,7 @@ class SpooledRow(io.RawIOBase):
             if at < head_end:
                 piece = self._head[at : at + want]
             elif at < body_end:
-                piece = os.pread(
-                    self._spool.file.fileno(), min(want, body_end - at, PIECE_BYTES), at - head_end
-                )
+                piece = self._spool.pread(min(want, body_end - at, PIECE_BYTES), at - head_end)
                 if not piece:
                     raise OSError(f"the spooled answer ended at {at - head_end} of {self._body_bytes} bytes")
             else:

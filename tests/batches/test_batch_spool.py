@@ -86,3 +86,16 @@ def test_a_row_as_runner_writes_it_around_a_spooled_answer_is_the_row_it_writes_
     head, tail = runner._row_around("batch_abc", line, 200, "batch_abc-3")
     assert spool.SpooledRow(head, answer, tail).read() == runner.answer_row("batch_abc", line, 200, "batch_abc-3", body)
     answer.close()
+
+
+def test_a_spool_given_back_is_read_and_written_no_more():
+    """A run that ends on an error gives back the answers of lines still being checked or stored (in worker threads):
+    their file's descriptor, closed, may be another file's by the time they read it."""
+    answer = _spooled(b'{"a": 1}')
+    assert answer.check_and_clean()
+    row = spool.SpooledRow(b"[", answer, b"]")
+    answer.close()
+    with pytest.raises(OSError):
+        row.read()
+    assert not answer.check_and_clean()
+    answer.write(b"more")  # its connection still reading: nothing to write to, and no error raised into it
