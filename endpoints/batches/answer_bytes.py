@@ -44,8 +44,9 @@ from endpoints.batches import spool
 from endpoints.gateway import upstream
 
 # NOTE: the most one read of an upstream connection brings (asyncio's selector transports read up to 256 KiB at a
-# time; an answer's headers come in the same read as its first bytes, and `upstream` pauses no connection before its
-# answer's read begins under `upstream.HIGH_WATER_BYTES`, the same size): taken from the bound before each read.
+# time): taken from the bound before each read. What came in with an answer's headers, before its read began, is one
+# read (the call reads on in the step of its task that its headers woke); were it more (up to
+# `upstream.HIGH_WATER_BYTES` and a read), the rest is counted all the same as it is taken, past the room taken for it.
 READ_BYTES = 256 * 1024
 
 
@@ -93,7 +94,7 @@ class _Budget:
     def may_read_one(self, answer: LineAnswer) -> bool:
         """Whether `answer` may read on though the process is past its starts' half: while what the others hold leaves
         it the room of the largest answer, or when none of it was read whole (nothing would be given back: they are
-        all waiting for a reader, and hold within their half but for their first reads)."""
+        all waiting for a reader)."""
         return self.held - answer.num_bytes < _starts_below() or self.held == self.reading
 
     def grant(self, answer: LineAnswer) -> bool:
