@@ -463,12 +463,17 @@ BATCH_LEASE_S = env_float("INFERPLANE_BATCH_LEASE_S", 30.0, minimum=1)
 BATCH_RUN_SLICE_S = env_float("INFERPLANE_BATCH_RUN_SLICE_S", 120.0, minimum=1)
 # The scheduler's estimate of one line's seconds on one slot, for waking a sleeping endpoint in time.
 BATCH_SECONDS_PER_LINE = env_float("INFERPLANE_BATCH_SECONDS_PER_LINE", 2.0, minimum=0.001)
-# The bytes of line answers a batch worker process holds at once, the largest included
-# (`endpoints.batches.answer_bytes`): a line's answer may be half of it (64 MiB at most; one larger fails with
-# `response_too_large`), and past the other half its runs start no line and their answers being read wait, but one.
+# The bytes of line answers a batch worker process holds in memory at once, every read included
+# (`endpoints.batches.answer_bytes`): a line's answer may hold half of it (one larger goes on to disk,
+# BATCH_SPOOL_BYTES), and past the other half its runs start no line and their answers being read wait, but one.
 # A worker of 1 GiB runs four processes (infra/k8s/base/batch-worker.yaml; `tests/infra/test_manifests.py` holds the
 # default to it).
 BATCH_ANSWER_BYTES = env_int("INFERPLANE_BATCH_ANSWER_BYTES", 32 * 2**20, minimum=2**20)
+# The disk a batch worker process keeps line answers larger than it holds in memory on (half of BATCH_ANSWER_BYTES),
+# in temporary files of up to 64 MiB (the gateway's limit on a whole answer) each: this over 64 MiB of them at once, a
+# larger answer waiting for one to be stored; under 64 MiB, none, and such answers fail `response_too_large`
+# (`endpoints.batches.spool`). The worker's /tmp holds its processes' (`tests/infra/test_manifests.py`).
+BATCH_SPOOL_BYTES = env_int("INFERPLANE_BATCH_SPOOL_BYTES", 128 * 2**20, minimum=0)
 
 # --- email -----------------------------------------------------------------------------
 EMAIL_HOST = env_str("EMAIL_HOST")

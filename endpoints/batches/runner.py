@@ -13,8 +13,9 @@ interactive call. What differs is only what a batch line is:
 
 A line's result is written to S3 as it finishes (`storage.put_result`); a run that is taken over
 skips the lines already there. Its answer counts against the worker process's bound on the bytes of answers its lines
-hold (`answer_bytes`), from its first byte read until its row is stored. Transient refusals (429, 5xx, an outage) leave the line pending for a
-later try; anything else is the line's answer, kept in the error file.
+hold in memory (`answer_bytes`), from before its first byte is read until its row is stored; one larger than a line may
+hold there goes on to disk (`spool`). Transient refusals (429, 5xx, an outage) leave the line pending for a later try;
+anything else is the line's answer, kept in the error file.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from django.conf import settings
 from billing import usage_writer
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import outstanding_key
-from endpoints.batches import answer_bytes, scheduling
+from endpoints.batches import answer_bytes, scheduling, spool
 from endpoints.batches.validation import Line
 from endpoints.gateway import directory, errors, presence, upstream
 from endpoints.gateway.auth import Caller
@@ -79,16 +80,22 @@ class Work:
     expires_at: float  # unix time: no line starts after it
 
 
-def answer_row(batch_id: str, line: Line, status_code: int, request_id: str, body: bytes) -> bytes:
-    """The line as OpenAI writes it to the output (or error) file, one JSON text on one line, `body` (the answer's JSON
-    text, on one line: `json_text`) its response's body."""
+def _row_around(batch_id: str, line: Line, status_code: int, request_id: str) -> tuple[bytes, bytes]:
+    """What goes before and after a line's answer in its row (`answer_row`)."""
     head = json.dumps({"id": f"batch_req_{batch_id.removeprefix('batch_')}_{line.index}", "custom_id": line.custom_id,
                        "response": {"status_code": status_code, "request_id": request_id, "body": None},
                        "error": None})
     # NOTE: the body goes in as it came, in place of the `null` written for it: a 64 MiB answer written again
     # from its parsed objects took ~8 times its size.
     start = head.rindex(', "body": null}') + len(', "body": ')
-    return b"".join((head[:start].encode(), body, head[start + len("null"):].encode()))
+    return head[:start].encode(), head[start + len("null"):].encode()
+
+
+def answer_row(batch_id: str, line: Line, status_code: int, request_id: str, body: bytes) -> bytes:
+    """The line as OpenAI writes it to the output (or error) file, one JSON text on one line, `body` (the answer's JSON
+    text, on one line: `json_text`) its response's body."""
+    head, tail = _row_around(batch_id, line, status_code, request_id)
+    return b"".join((head, body, tail))
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,8 +103,9 @@ class LineOutcome:
     line: Line
     status_code: int
     # its row of the output (or error) file (`answer_row`): the one copy of its answer the line keeps, made in the loop
-    # (the answer was kept, and its row made beside it in the thread storing it: two copies a line, many lines at once)
-    row: bytes
+    # (the answer was kept, and its row made beside it in the thread storing it: two copies a line, many lines at once),
+    # or read from the file its answer is in when it is stored (one larger than a worker keeps in memory: `spool`)
+    row: bytes | spool.SpooledRow
     retry: bool = False
 
 
@@ -214,10 +222,24 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
         status, body, retry = 503, errors.service_unavailable().body(), True
     else:
         status, retry = capture.status or 502, capture.status in RETRY_STATUSES
-        body = json_text(capture.take_body() or b"{}")
+        if answer.kept_on_disk and not retry:
+            # NOTE: checked a piece at a time in a worker thread (never whole in memory), its row read from the file
+            # when it is stored
+            if await asyncio.to_thread(answer.spool.check_and_clean):
+                head, tail = _row_around(work.batch_id, line, status, request_id)
+                answer.keep(0)  # none of it in memory
+                return LineOutcome(line, status, spool.SpooledRow(head, answer.spool, tail))
+            body = None
+        else:
+            body = json_text(capture.take_body() or b"{}")
         if body is None:
             body = json.dumps({"error": {"message": "The engine's answer was not JSON.",
                                          "type": "server_error"}}).encode()
+    if answer.spool is not None and answer.spool.failed is not None and status == 400:
+        # NOTE: the worker's disk refused the answer (full): not the line's fault, tried again (its usage row, written
+        # once under its request id, is not written again)
+        logger.warning("batch line %s: its answer could not be spooled: %r", request_id, answer.spool.failed)
+        status, body, retry = 503, errors.service_unavailable().body(), True
     row = answer_row(work.batch_id, line, status, request_id, body)
     del body  # NOTE: the row is the one copy of the answer the line keeps from here on
     answer.keep(len(row))
@@ -355,7 +377,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 elif now - no_slot_since >= NO_SLOT_GIVE_UP_S:
                     progress.stopped = "full"  # the worker goes back to the queue: other batches may use it
                 for _ in range(max(0, (slots or 0) - len(running))):
-                    if not pending.ready():
+                    if not pending.ready() or not answer_bytes.room():  # NOTE: each takes the room of its first read
                         break
                     if answer_deadline is None:
                         ends_at, answer_deadline = now + slice_s, min(now + LINES_END_WITHIN_S, latest_end)

@@ -38,6 +38,9 @@ READ_THREADS = 16  # within the client's connection pool (32)
 # answers are 20–30 MB each (`n`, logprobs) held ~1 GB, past a batch worker's 1 GiB shared by four runs, and the
 # worker was killed at every try, the batch finalizing for ever (with the other tenants' runs in it).
 RESULTS_READ_AHEAD_BYTES = 32 * 1024 * 1024
+# A result larger than `INPUT_PART_BYTES` goes into its file in ranged reads of this size, each as the one before is
+# used (`result_bodies`): a line's answer may be 64 MiB (`spool`).
+RESULT_PART_BYTES = 2 * 1024 * 1024
 # A batch's output and error files go up two 8 MiB parts at a time (boto3's default sends ten at once: 80 MiB held).
 OUTPUT_TRANSFER = TransferConfig(multipart_chunksize=8 * 1024 * 1024, max_concurrency=2)
 # NOTE: and read ahead of the parts going up no more than two (s3transfer's default reads ten ahead of a stream that
@@ -197,9 +200,10 @@ def _results_prefix(organization_id: int, batch_id: str) -> str:
     return f"batches/{organization_id}/{batch_id}/lines/"
 
 
-def put_result(organization_id: int, batch_id: str, index: int, row: bytes, *, ok: bool) -> None:
+def put_result(organization_id: int, batch_id: str, index: int, row, *, ok: bool) -> None:
     """One finished line, its row of the output (or error) file as it will be written (`<index>.ok.json` or
-    `<index>.error.json`: counts come from the listing alone)."""
+    `<index>.error.json`: counts come from the listing alone): bytes, or a seekable file of a known `len()` read as it
+    is sent (`spool.SpooledRow`: an answer larger than a worker keeps in memory)."""
     put_bytes(f"{_results_prefix(organization_id, batch_id)}{index:0{RESULT_DIGITS}d}.{'ok' if ok else 'error'}.json",
               row)
 
@@ -244,20 +248,26 @@ def result_keys(organization_id: int, batch_id: str) -> dict[int, StoredResult]:
     return dict(sorted(_result_keys(organization_id, batch_id).items()))
 
 
-def result_bodies(keys: dict[int, StoredResult], *, ok: bool) -> Iterator[bytes]:
+def result_bodies(keys: dict[int, StoredResult], *, ok: bool) -> Iterator[bytes | Iterator[bytes]]:
     """The JSON of each result in `keys` that succeeded (or failed), as written, in line order; up to `READ_THREADS`
     read at a time, and those read ahead of the one handed on never more than `RESULTS_READ_AHEAD_BYTES` together
-    (but one at least): a batch's results are never all in memory at once, however large each is."""
+    (but one at least): a batch's results are never all in memory at once, however large each is. One larger than
+    `INPUT_PART_BYTES` is handed on as its parts of `RESULT_PART_BYTES`, each read as the one before is used
+    (`read_parts`): a line's answer may be 64 MiB (`spool`), and was read whole beside the file's upload."""
     wanted = [result for result in keys.values() if result.ok == ok]
     with ThreadPoolExecutor(READ_THREADS) as pool:
         ahead: deque[tuple[Future, int]] = deque()
         num_ahead_bytes = 0
         for result in wanted:
-            while ahead and (len(ahead) >= 2 * READ_THREADS
+            large = result.num_bytes > INPUT_PART_BYTES
+            while ahead and (large or len(ahead) >= 2 * READ_THREADS
                              or num_ahead_bytes + result.num_bytes > RESULTS_READ_AHEAD_BYTES):
                 future, num_bytes = ahead.popleft()
                 num_ahead_bytes -= num_bytes
                 yield future.result()
+            if large:
+                yield read_parts(result.key, part_bytes=RESULT_PART_BYTES)
+                continue
             ahead.append((pool.submit(read_bytes, result.key), result.num_bytes))
             num_ahead_bytes += result.num_bytes
         while ahead:
@@ -265,14 +275,16 @@ def result_bodies(keys: dict[int, StoredResult], *, ok: bool) -> Iterator[bytes]
 
 
 class _JsonLines(io.RawIOBase):
-    """A file to read from an iterator of JSON texts, one per line: what `upload_fileobj` reads a part at a time.
+    """A file to read from an iterator of JSON texts, one per line: what `upload_fileobj` reads a part at a time. A row
+    is bytes, or an iterator of its pieces in order (a large result read a part at a time: `result_bodies`).
 
     NOTE: each row is copied straight into the reader's buffer: they were gathered in a buffer of their own first
     and sliced out of it, three copies of a part held at once, and a row of 60 MiB (a long answer) a fourth."""
 
-    def __init__(self, rows: Iterable[bytes]) -> None:
+    def __init__(self, rows: Iterable[bytes | Iterator[bytes]]) -> None:
         self._rows = iter(rows)
         self._pieces: deque[memoryview] = deque()  # what is left of the row being read, and its line's end
+        self._parts: Iterator[bytes] | None = None  # the pieces still to come of a row handed on in pieces
         self.size = 0
 
     def readable(self) -> bool:
@@ -282,11 +294,22 @@ class _JsonLines(io.RawIOBase):
         view = memoryview(buffer).cast("B")
         num = 0
         while num < len(view):  # NOTE: full reads but the last: S3's parts but the last are >= 5 MiB
+            if not self._pieces and self._parts is not None:
+                part = next(self._parts, None)
+                if part is None:
+                    self._parts = None
+                    self._pieces.append(memoryview(b"\n"))
+                else:
+                    self._pieces.append(memoryview(part))
+                continue
             if not self._pieces:
                 row = next(self._rows, None)
                 if row is None:
                     break
-                self._pieces.extend((memoryview(row), memoryview(b"\n")))
+                if isinstance(row, bytes):
+                    self._pieces.extend((memoryview(row), memoryview(b"\n")))
+                else:  # its pieces, read as they are used: one part held at a time
+                    self._parts = iter(row)
                 continue
             piece = self._pieces.popleft()
             taken = min(len(piece), len(view) - num)

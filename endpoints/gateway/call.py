@@ -394,16 +394,22 @@ class InferenceCall:
             # request's own `n`, `max_tokens` and logprobs, and dropping it at the limit billed nothing (a way to
             # have up to n × max_tokens generated free). A 400, not a 5xx: the same request would fail again.
             self.usage.take_totals(scanner.usage)
-            self.status = "upstream_error"
-            if self.batch_id:
-                raise errors.batch_answer_too_large(self.request.kind, holding.max_answer_bytes) from None
-            raise errors.response_too_large(self.request.kind, holding.max_answer_bytes) from None
+            if not holding.kept_on_disk:
+                self.status = "upstream_error"
+                if self.batch_id:
+                    raise errors.batch_answer_too_large(self.request.kind, holding.max_answer_bytes, as_outside=(
+                        holding.max_answer_bytes >= upstream.MAX_WHOLE_BODY_BYTES)) from None
+                raise errors.response_too_large(self.request.kind, holding.max_answer_bytes) from None
+            # NOTE: a batch line's answer past what its worker keeps in memory, whole in its holding's file
+            # (`endpoints.batches.answer_bytes`): the line reads it from there, and is sent no body here.
+            body = b""
         except upstream.UpstreamError as exc:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None
+        else:
+            self.usage.take_totals(sse.response_usage(body))
         finally:
             holding.done_reading()
-        self.usage.take_totals(sse.response_usage(body))
         self.first_token_at = datetime.now(UTC)
         if self.disconnected.is_set():  # read to its end for its usage (`_watch_disconnect`); nobody to answer
             self.status = "client_aborted"

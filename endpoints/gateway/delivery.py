@@ -191,9 +191,12 @@ def held_bytes(organization_id: int) -> int:
 class AnswerHolding(Protocol):
     """What counts a whole answer's bytes as it is read (`upstream.Response.read`: `take`, `give` for bytes dropped,
     `done_reading`) and sent (`InferenceCall`: `sent`, `close` at the call's end); `max_answer_bytes` is the most
-    the answer may be (past it, `upstream.ResponseTooLarge`)."""
+    the answer may be (past it, `upstream.ResponseTooLarge`). `kept_on_disk`: the answer, past what the holding keeps
+    in memory, was read whole into a file of its own (a batch line's, `endpoints.batches.answer_bytes`), though the
+    read raised `ResponseTooLarge`: the call answers, and its holder hands the file on."""
 
     max_answer_bytes: int
+    kept_on_disk: bool
 
     def take(self, num_bytes: int, connection) -> bool: ...
 
@@ -222,6 +225,7 @@ class Holding:
     __slots__ = ("_share", "_process", "num_bytes", "_reading", "_parked", "_connection", "_open")
 
     max_answer_bytes = upstream.MAX_WHOLE_BODY_BYTES
+    kept_on_disk = False
 
     def __init__(self, organization_id: int):
         # NOTE: a share stays once made (one small object per organisation served by the process), so it is looked up

@@ -109,13 +109,15 @@ def response_too_large(kind: str, limit_bytes: int) -> OpenAIError:
                             f"be. The engine computed it, so its tokens are billed: {what}.", code="response_too_large")
 
 
-def batch_answer_too_large(kind: str, limit_bytes: int) -> OpenAIError:
-    """A batch line's answer past the most a batch worker holds of one (`endpoints.batches.answer_bytes`); a 400, the
-    line's own error: run again, it would be as large."""
+def batch_answer_too_large(kind: str, limit_bytes: int, *, as_outside: bool = True) -> OpenAIError:
+    """A batch line's answer past the most one may be (`endpoints.batches.answer_bytes`): as outside a batch
+    (`upstream.MAX_WHOLE_BODY_BYTES`), or, not `as_outside`, the most a batch worker that keeps no answer on disk holds
+    of one. A 400, the line's own error: run again, it would be as large."""
     what = "send fewer inputs in one line" if kind == "embedding" else "ask for fewer choices, tokens or logprobs"
+    where = "" if as_outside else ", or send the request on its own, outside a batch"
     return OpenAIError(400, f"The answer is larger than {limit_bytes / 2**20:g} MiB, the most a batch line's answer may "
-                            f"be. The engine computed it, so its tokens are billed: {what}, or send the request on its "
-                            "own, outside a batch.", code="response_too_large")
+                            f"be. The engine computed it, so its tokens are billed: {what}{where}.",
+                       code="response_too_large")
 
 
 def event_too_large(limit_bytes: int) -> OpenAIError:

@@ -322,13 +322,25 @@ class _Connection(asyncio.Protocol):
             self.last_read = self.loop.time()
             self.transport.resume_reading()
 
-    def drop_whole_answer(self) -> None:
-        """The answer being read whole is larger than its holding may keep (a batch line's past the largest its worker
-        process holds: `endpoints.batches.answer_bytes`): as past MAX_WHOLE_BODY_BYTES, what is held and every byte
-        after goes to `read`'s `overflow`, none of it kept, and `ResponseTooLarge` is raised at its end; without an
-        `overflow`, it fails now, the connection dropped."""
+    def drop_whole_answer(self, keep=None) -> None:
+        """The answer being read whole is larger than its holding may keep in memory (a batch line's past the largest
+        its worker process holds: `endpoints.batches.answer_bytes`): as past MAX_WHOLE_BODY_BYTES, what is held and
+        every byte after goes to `read`'s `overflow`, none of it kept, and `ResponseTooLarge` is raised at its end;
+        without an `overflow`, it fails now, the connection dropped. With `keep` (a callable taking bytes), each of them
+        goes to it too, before `overflow`: the holding keeps the answer elsewhere (on disk), and says so to the caller
+        of `read`."""
         response = self.response
-        if response is None or response._overflowed or response._spill():
+        if response is None or response._overflowed:
+            return
+        if keep is not None and response._overflow is not None:
+            overflow = response._overflow
+
+            def kept(data: bytes) -> None:
+                keep(data)
+                overflow(data)
+
+            response._overflow = kept
+        if response._spill():
             return
         response._chunks, response._num_buffered = [], 0
         self.reusable = False

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import tracemalloc
 
 import pytest
 
+from billing.models import UsageRecord
 from endpoints.batches import answer_bytes, runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.gateway import upstream
@@ -22,18 +24,20 @@ MiB = 2**20
 
 
 class _Connection:
-    """What `answer_bytes` sees of an upstream connection: it pauses when told to, resumes, and drops an answer too
-    large to hold (read on without being held)."""
+    """What `answer_bytes` sees of an upstream connection: it pauses when told to, resumes, and hands an answer too
+    large to hold in memory on (to its holding's spool, or dropped)."""
 
     def __init__(self):
         self.loop = None
         self.paused = self.closed = self.dropped = False
+        self.kept = None  # where the rest of its answer goes, past the largest held in memory
 
     def resume(self):
         self.paused = False
 
-    def drop_whole_answer(self):
+    def drop_whole_answer(self, keep=None):
         self.dropped = True
+        self.kept = keep
 
 
 def _read(answer: answer_bytes.LineAnswer, connection: _Connection, num_bytes: int) -> None:
@@ -43,15 +47,18 @@ def _read(answer: answer_bytes.LineAnswer, connection: _Connection, num_bytes: i
 
 
 BOUND = 8 * MiB
+READ = 256 * 1024  # the most a connection reads at a time (`answer_bytes.READ_BYTES`)
 
 
 @pytest.fixture
 def bound(settings):
     settings.BATCH_ANSWER_BYTES = BOUND
+    settings.BATCH_SPOOL_BYTES = 2 * upstream.MAX_WHOLE_BODY_BYTES
     assert answer_bytes.held_bytes() == 0
     yield
     try:
         assert answer_bytes.held_bytes() == 0, "a line's bytes were never given back"
+        assert answer_bytes.num_spooled() == 0, "a line's spool was never given back"
     finally:
         answer_bytes._budget.__init__()
 
@@ -62,12 +69,15 @@ def test_the_largest_answer_is_half_the_bound_and_never_past_the_gateways_own_li
     assert answer_bytes.largest_answer_bytes(1024 * MiB) == upstream.MAX_WHOLE_BODY_BYTES
 
 
-def test_a_lines_answer_counts_once_from_its_first_byte_until_it_is_released(bound):
+def test_a_lines_answer_counts_once_from_before_its_first_byte_until_it_is_released(bound):
+    assert answer_bytes.READ_BYTES == READ
     answer, connection = answer_bytes.LineAnswer(), _Connection()
+    assert answer_bytes.held_bytes() == READ  # the room of its first read, taken before it
     _read(answer, connection, 3 * MiB)
     _read(answer, connection, 1 * MiB)
-    assert answer_bytes.held_bytes() == 4 * MiB
+    assert answer_bytes.held_bytes() == 4 * MiB + READ  # and of its next
     answer.done_reading()
+    assert answer_bytes.held_bytes() == 4 * MiB
     answer.sent(4 * MiB)  # handed to the line's own `send`, which keeps it: still held, counted once
     answer.close()
     assert answer_bytes.held_bytes() == 4 * MiB
@@ -78,17 +88,32 @@ def test_a_lines_answer_counts_once_from_its_first_byte_until_it_is_released(bou
     assert answer_bytes.held_bytes() == 0
 
 
+def test_a_line_starts_only_with_the_room_of_its_first_read(bound):
+    """Before, a line's first read came in before its connection could be paused, in no bound: many lines in flight,
+    answering at once, each held one past it."""
+    answers = []
+    while answer_bytes.room() and len(answers) < 100:
+        answers.append(answer_bytes.LineAnswer())
+    starts_below = BOUND - answer_bytes.largest_answer_bytes() - READ
+    assert len(answers) == starts_below // READ - 1
+    assert answer_bytes.held_bytes() == len(answers) * READ
+    answers[0].release()
+    assert answer_bytes.room()
+    for answer in answers:
+        answer.release()
+
+
 def test_past_half_the_bound_no_line_starts_one_answer_reads_on_within_it_and_the_others_wait(bound):
     first, second, third = (answer_bytes.LineAnswer() for _ in range(3))
     connections = [_Connection() for _ in range(3)]
-    _read(first, connections[0], 3 * MiB)
-    _read(second, connections[1], 2 * MiB)  # past half the bound: read on, as the one reader
+    _read(first, connections[0], 2 * MiB)
+    _read(second, connections[1], 1 * MiB + READ)  # past half the bound: read on, as the one reader
     assert not answer_bytes.room()
-    _read(first, connections[0], 1 * MiB)  # another's read waits
-    _read(third, connections[2], 64 * 1024)  # and a first one
+    _read(first, connections[0], 512 * 1024)  # another's read waits
+    _read(third, connections[2], 64 * 1024)  # and a first one, its next read given no room
     assert [c.paused for c in connections] == [True, False, True]
-    _read(second, connections[1], 2 * MiB)  # the largest answer, in the half kept for it
-    assert answer_bytes.held_bytes() <= BOUND + 64 * 1024
+    _read(second, connections[1], 2 * MiB + READ)  # the largest answer, in the half kept for it
+    assert answer_bytes.held_bytes() <= BOUND
     second.done_reading()  # read whole: the next reads on only once what it holds is given back
     assert [c.paused for c in connections] == [True, False, True]
     second.release()  # stored: the one parked first reads on, one at a time
@@ -99,30 +124,69 @@ def test_past_half_the_bound_no_line_starts_one_answer_reads_on_within_it_and_th
     assert not any(c.dropped for c in connections)
 
 
-def test_an_answer_larger_than_the_largest_is_read_on_without_being_held(bound):
-    """Before, one answer read on past the bound, up to 64 MiB: four worker processes each holding their bound, such an
-    answer and its copy passed the batch worker's 1 GiB together."""
-    large, reader, waiting = (answer_bytes.LineAnswer() for _ in range(3))
-    connections = [_Connection() for _ in range(3)]
-    _read(large, connections[0], 3 * MiB)
-    _read(reader, connections[1], 1 * MiB + 512 * 1024)  # past half the bound: the one reader
-    _read(waiting, connections[2], 512 * 1024)
-    assert connections[2].paused
-    _read(large, connections[0], 2 * MiB)  # past half the bound: its bytes given back, the rest read on unheld
+def test_an_answer_larger_than_the_largest_goes_on_to_disk_its_bytes_in_memory_given_back(bound):
+    """Before, it failed with `response_too_large` (billed) though the same request succeeds outside a batch."""
+    large, waiting = answer_bytes.LineAnswer(), answer_bytes.LineAnswer()
+    connections = [_Connection(), _Connection()]
+    _read(large, connections[0], 3 * MiB + READ)  # past half the bound: the one reader
+    _read(waiting, connections[1], 1 * MiB)
+    assert connections[1].paused
+    _read(large, connections[0], 1 * MiB)  # past the largest: its bytes given back, the rest of it to its spool
     assert connections[0].dropped and not connections[0].paused
-    assert answer_bytes.held_bytes() == 2 * MiB and not connections[2].paused
-    large.give(5 * MiB)  # the connection hands its buffered bytes on (`upstream`): nothing more to give back
+    assert connections[0].kept == large.spool.write and answer_bytes.num_spooled() == 1
+    assert answer_bytes.held_bytes() == 1 * MiB + READ and not connections[1].paused
+    large.give(4 * MiB)  # the connection hands its buffered bytes on (`upstream`): nothing more to give back
     _read(large, connections[0], 1 * MiB)  # nor to count
+    large.spool.write(b"{}")
+    large.done_reading()
+    assert large.kept_on_disk and large.max_answer_bytes == upstream.MAX_WHOLE_BODY_BYTES
+    large.keep(0)
+    assert answer_bytes.held_bytes() == 1 * MiB + READ
+    for answer in (large, waiting):
+        answer.release()
+    assert answer_bytes.num_spooled() == 0
+
+
+def test_past_its_spools_an_answer_larger_than_the_largest_waits_for_one(bound, settings):
+    settings.BATCH_SPOOL_BYTES = upstream.MAX_WHOLE_BODY_BYTES  # one at a time
+    spooled, waiting = answer_bytes.LineAnswer(), answer_bytes.LineAnswer()
+    connections = [_Connection(), _Connection()]
+    _read(spooled, connections[0], 4 * MiB + 1)
+    assert connections[0].dropped and answer_bytes.num_spooled() == 1
+    _read(waiting, connections[1], 4 * MiB + 1)  # no spool left: it waits, its bytes held
+    assert connections[1].paused and not connections[1].dropped
+    assert answer_bytes.held_bytes() <= BOUND
+    spooled.done_reading()
+    spooled.keep(0)
+    assert connections[1].paused
+    spooled.release()  # stored: its spool given back, the one waiting reads on
+    assert not connections[1].paused and not connections[1].dropped
+    _read(waiting, connections[1], 64 * 1024)  # and goes on to disk with its next read
+    assert connections[1].dropped and answer_bytes.num_spooled() == 1
+    assert answer_bytes.held_bytes() == 0
+    waiting.release()
+
+
+def test_without_spools_an_answer_larger_than_the_largest_is_read_on_without_being_held(bound, settings):
+    settings.BATCH_SPOOL_BYTES = 0
+    large, other = answer_bytes.LineAnswer(), answer_bytes.LineAnswer()
+    connections = [_Connection(), _Connection()]
+    _read(large, connections[0], 4 * MiB + 1)
+    assert connections[0].dropped and connections[0].kept is None and large.spool is None
+    assert answer_bytes.held_bytes() == READ
+    assert not large.kept_on_disk and large.max_answer_bytes == answer_bytes.largest_answer_bytes()
     large.keep(300)  # its error row
-    assert answer_bytes.held_bytes() == 2 * MiB + 300
-    for answer in (large, reader, waiting):
+    for answer in (large, other):
         answer.release()
 
 
 def test_answers_read_at_once_hold_within_the_bound_and_all_finish(bound):
-    """Lines each answering the largest answer, read a piece at a time and stored a round after they are read whole."""
-    piece, largest = 256 * 1024, BOUND // 2
-    answers = [answer_bytes.LineAnswer() for _ in range(6)]
+    """Lines each answering the largest answer, read a piece at a time and stored a round after they are read whole.
+    Before, each answer read on a piece past the bound before it could be paused: its first read, in no bound."""
+    piece, largest = READ, BOUND // 2
+    answers = []
+    while len(answers) < 6 and answer_bytes.room():
+        answers.append(answer_bytes.LineAnswer())
     connections = [_Connection() for _ in answers]
     num_read = [0] * len(answers)
     stored: list[answer_bytes.LineAnswer] = []
@@ -143,26 +207,24 @@ def test_answers_read_at_once_hold_within_the_bound_and_all_finish(bound):
                 stored.append(answer)
         if not stored and all(n >= largest for n in num_read):
             break
+    assert len(answers) == 6
     assert all(n == largest for n in num_read), "a read waited for ever"
     assert not any(c.dropped for c in connections)
-    # the keeps' rows (200 bytes each) and a first piece of each other answer past it at most
-    assert most_held <= BOUND + len(answers) * (piece + 200), f"{most_held / MiB:.1f} MiB held"
+    assert most_held <= BOUND + len(answers) * 200, f"{most_held / MiB:.2f} MiB held"  # and the keeps' rows
 
 
-def test_when_every_byte_held_waits_for_a_reader_the_first_parked_reads_on(bound):
-    """None of what is held was read whole, so none of it will be given back: the first parked reads on, though what
-    the others hold (a first read each past half the bound) leaves it less than the largest answer."""
+def test_when_the_readers_read_fails_the_first_parked_reads_on(bound):
     answers = [answer_bytes.LineAnswer() for _ in range(4)]
     connections = [_Connection() for _ in answers]
-    _read(answers[0], connections[0], 3584 * 1024)
+    _read(answers[0], connections[0], 2 * MiB)
     _read(answers[1], connections[1], 460 * 1024)
-    _read(answers[2], connections[2], 300 * 1024)  # past half the bound: the reader
+    _read(answers[2], connections[2], 600 * 1024)  # past half the bound: the reader
     _read(answers[3], connections[3], 200 * 1024)  # parked first
     _read(answers[0], connections[0], 100 * 1024)
     _read(answers[1], connections[1], 100 * 1024)
     assert [c.paused for c in connections] == [True, True, False, True]
     answers[2].close()  # the reader's read failed
-    assert [c.paused for c in connections] == [True, True, False, False]
+    assert not connections[3].paused
     for answer in answers:
         answer.release()
 
@@ -170,19 +232,19 @@ def test_when_every_byte_held_waits_for_a_reader_the_first_parked_reads_on(bound
 def test_a_read_that_fails_or_is_dropped_gives_its_bytes_back_and_the_waiting_read_on(bound):
     failed, dropped, waiting = (answer_bytes.LineAnswer() for _ in range(3))
     connections = [_Connection() for _ in range(3)]
-    _read(failed, connections[0], 3 * MiB)
+    _read(failed, connections[0], 2 * MiB)
     _read(dropped, connections[1], 3 * MiB)
     _read(waiting, connections[2], 1 * MiB)
     assert connections[2].paused
-    dropped.give(3 * MiB)  # past the largest answer: read on without being held
+    dropped.give(3 * MiB)  # handed on past what it keeps in memory
     failed.close()  # its read failed: nothing was handed to the line
-    assert answer_bytes.held_bytes() == 1 * MiB and not connections[2].paused
+    assert answer_bytes.held_bytes() == 1 * MiB + 2 * READ and not connections[2].paused
     waiting.release()
     _read(waiting, connections[2], 1 * MiB)  # a line still running as its run ended counts nothing more
     waiting.keep(1 * MiB)
-    assert answer_bytes.held_bytes() == 0
     dropped.release()
     failed.release()
+    assert answer_bytes.held_bytes() == 0
 
 
 def test_a_closed_connection_never_takes_the_turn_of_one_that_waits(bound):
@@ -195,7 +257,7 @@ def test_a_closed_connection_never_takes_the_turn_of_one_that_waits(bound):
     assert connections[1].paused and connections[2].paused
     connections[1].closed = True
     gone.close()
-    holder.keep(2 * MiB)
+    holder.keep(1 * MiB)
     assert not connections[2].paused
     for answer in (holder, gone, waiting):
         answer.release()
@@ -210,7 +272,7 @@ def test_a_parked_read_that_ended_never_takes_the_turn_of_one_that_waits(bound):
     _read(waiting, connections[2], 1 * MiB)
     assert connections[1].paused and connections[2].paused
     failed.close()  # its read failed while it waited, its connection not closed yet
-    holder.keep(2 * MiB)
+    holder.keep(1 * MiB)
     assert not connections[2].paused
     for answer in (holder, failed, waiting):
         answer.release()
@@ -311,25 +373,86 @@ def test_lines_answering_at_once_hold_their_answers_within_the_bound(files_bucke
     assert max(peaks) < limit, f"{max(peaks) / MiB:.0f} MiB held by {NUM_LINES} lines of {ANSWER_BYTES // MiB} MiB"
 
 
+def _deleted_files_open() -> int:
+    """This process's open files that have no name (a spool's, unlinked as it is made)."""
+    return sum(os.readlink(f"/proc/self/fd/{fd}").endswith(" (deleted)") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
 @pytest.mark.django_db(transaction=True)
-def test_lines_larger_than_the_largest_answer_each_fail_with_their_error_and_the_batch_completes(
+def test_lines_larger_than_the_largest_answer_held_in_memory_go_on_to_disk_and_succeed(
         files_bucket, tenant, start_mock_upstream, settings):
-    """Before, a line larger than the bound read on past it, alone, up to 64 MiB: with the bound and its copy, four
-    worker processes at their worst passed the batch worker's memory limit together."""
+    """Before, such a line failed with `response_too_large`, billed, though the same request succeeds outside a batch
+    (the gateway keeps a whole answer of up to 64 MiB): with the default bound, every answer between 16 and 64 MiB."""
     settings.BATCH_ANSWER_BYTES = 1 * MiB
-    upstream = start_mock_upstream(whole_answer_bytes=3 * MiB, token_delay_ms=20)
-    endpoint = serve_endpoint(tenant.org, upstream, target_concurrency=4)
+    settings.BATCH_SPOOL_BYTES = 2 * upstream.MAX_WHOLE_BODY_BYTES
+    engine = start_mock_upstream(whole_answer_bytes=3 * MiB, token_delay_ms=20)
+    endpoint = serve_endpoint(tenant.org, engine, target_concurrency=4)
+    batch = new_batch(endpoint, logprob_lines(endpoint.name, 4))
+    files_open = _deleted_files_open()
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 4, 0)
+    assert answer_bytes.held_bytes() == 0 and answer_bytes.num_spooled() == 0
+    assert _deleted_files_open() == files_open, "a spool's file was left open"
+    text = storage.read_bytes(batch.output_file.s3_key)
+    rows = [json.loads(row) for row in text.splitlines()]
+    assert len(text) > 4 * 3 * MiB and batch.error_file is None
+    assert sorted(row["custom_id"] for row in rows) == [f"c{i}" for i in range(4)]
+    for row in rows:
+        assert row["response"]["status_code"] == 200 and row["error"] is None
+        assert len(row["response"]["body"]["choices"][0]["logprobs"]["content"]) > 3000  # of 1 KiB tokens
+    usage = UsageRecord.objects.filter(batch_id=batch.pk)
+    assert len(usage) == 4 and all(record.status == "ok" and record.completion_tokens > 0 for record in usage)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_lines_larger_than_the_gateways_own_limit_each_fail_with_their_error_and_the_batch_completes(
+        files_bucket, tenant, start_mock_upstream, settings, monkeypatch):
+    """As outside a batch: read to its end for the usage it carries (billed: the engine computed it, and the line's
+    error says so), none of it kept, in memory or on disk."""
+    monkeypatch.setattr(upstream, "MAX_WHOLE_BODY_BYTES", 2 * MiB)
+    settings.BATCH_ANSWER_BYTES = 1 * MiB
+    settings.BATCH_SPOOL_BYTES = 2 * upstream.MAX_WHOLE_BODY_BYTES
+    engine = start_mock_upstream(whole_answer_bytes=3 * MiB, token_delay_ms=20)
+    endpoint = serve_endpoint(tenant.org, engine, target_concurrency=4)
     batch = new_batch(endpoint, logprob_lines(endpoint.name, 4))
 
     services.run_batch(batch.pk)
 
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 0, 4)
-    assert answer_bytes.held_bytes() == 0
+    assert answer_bytes.held_bytes() == 0 and answer_bytes.num_spooled() == 0
     rows = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
     assert sorted(row["custom_id"] for row in rows) == [f"c{i}" for i in range(4)]
     for row in rows:
         assert row["response"]["status_code"] == 400
         error = row["response"]["body"]["error"]
         assert error["code"] == "response_too_large"
+        assert "larger than 2 MiB, the most a batch line's answer may be" in error["message"]
+        assert "its tokens are billed" in error["message"] and "outside a batch" not in error["message"]
+    usage = UsageRecord.objects.filter(batch_id=batch.pk)
+    assert len(usage) == 4 and all(record.completion_tokens > 0 and record.cost > 0 for record in usage)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_spools_lines_larger_than_the_largest_answer_fail_with_their_error(
+        files_bucket, tenant, start_mock_upstream, settings):
+    settings.BATCH_ANSWER_BYTES = 1 * MiB
+    settings.BATCH_SPOOL_BYTES = 0
+    engine = start_mock_upstream(whole_answer_bytes=3 * MiB, token_delay_ms=20)
+    endpoint = serve_endpoint(tenant.org, engine, target_concurrency=4)
+    batch = new_batch(endpoint, logprob_lines(endpoint.name, 2))
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 0, 2)
+    rows = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
+    for row in rows:
+        error = row["response"]["body"]["error"]
+        assert error["code"] == "response_too_large"
         assert "larger than 0.5 MiB, the most a batch line's answer may be" in error["message"]
+        assert "outside a batch" in error["message"]

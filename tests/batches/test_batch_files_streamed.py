@@ -78,3 +78,31 @@ def test_a_batchs_files_read_ahead_a_budget_of_bytes_not_a_number_of_results(fil
     assert [json.loads(row) for row in data.splitlines()] == [result(i) for i in range(num_lines)]
     # NOTE: ~26 MiB of it is the file's upload (two 8 MiB parts and their reads), whatever the results
     assert peak < 48 * 2**20, f"{peak / 2**20:.0f} MiB held to write results read ahead within 4 MiB"
+
+
+def test_a_result_larger_than_a_part_goes_into_its_file_a_part_at_a_time(files_bucket):
+    """A line's answer may be 64 MiB (kept on disk while its line ran: `endpoints.batches.spool`). Before, each result
+    was read whole into memory to be written, however large, beside the parts of the file's upload."""
+    endpoint = EndpointFactory(max_model_len=2048)
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}} for i in range(3)]
+    batch = new_batch(endpoint, b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+    services.run_batch(batch.pk)
+
+    def result(index: int) -> bytes:
+        answer = "z" * (40 * 2**20 if index != 1 else 1000)
+        return json.dumps({"id": f"batch_req_{index}", "custom_id": f"c{index}", "error": None,
+                           "response": {"status_code": 200, "request_id": f"r{index}", "body": {"text": answer}}}
+                          ).encode()
+
+    for index in range(3):
+        storage.put_result(batch.organization_id, batch.pk, index, result(index), ok=True)
+
+    peak = peak_bytes_while(lambda: services.finalize_batch(Batch.objects.get(pk=batch.pk), BatchStatus.COMPLETED))
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed) == (BatchStatus.COMPLETED, 3)
+    data = storage.read_bytes(batch.output_file.s3_key)
+    assert data.splitlines() == [result(index) for index in range(3)] and batch.output_file.bytes == len(data)
+    # NOTE: ~26 MiB of it is the file's upload (two 8 MiB parts and their reads), and a part of the result read
+    assert peak < 40 * 2**20, f"{peak / 2**20:.0f} MiB held to write results of 40 MiB"

@@ -179,9 +179,9 @@ def _gateway_processes(web: dict, values: dict[str, str]) -> int:
     return math.ceil(int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))
 
 
-def _web_tmp_size_limit(deployment: dict) -> int:
-    web = _pod_spec(deployment)["containers"][0]
-    mounted = {mount["mountPath"]: mount["name"] for mount in web["volumeMounts"]}
+def _tmp_size_limit(deployment: dict) -> int:
+    container = _pod_spec(deployment)["containers"][0]
+    mounted = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
     volume = {volume["name"]: volume for volume in _pod_spec(deployment)["volumes"]}[mounted["/tmp"]]
     return _bytes_of(volume["emptyDir"]["sizeLimit"])
 
@@ -204,7 +204,7 @@ def test_the_web_pods_tmp_volume_holds_every_upload_its_processes_may_read_at_on
     values, _ = _environment(rendered, deployment)
     assert values.get("TMPDIR", "/tmp") == "/tmp" and "FILE_UPLOAD_TEMP_DIR" not in values
     assert values["INFERPLANE_USAGE_JOURNAL_DIR"].startswith("/tmp/")
-    size_limit = _web_tmp_size_limit(deployment)
+    size_limit = _tmp_size_limit(deployment)
 
     uploads_bytes = (_gateway_processes(web, values) * int(values["INFERPLANE_FILES_UPLOADS_PER_PROCESS"])
                      * int(values["INFERPLANE_FILES_MAX_BYTES"]))
@@ -244,9 +244,9 @@ def test_the_web_pods_memory_holds_the_answers_its_processes_may_hold_at_once(re
 
 
 # What a batch worker process holds besides its lines' answers: ~130 MiB resident at rest with its tasks, boto3's S3
-# client and the gateway's call path imported (measured), with room for the first read of each line in flight (256 KiB
-# each at most), what boto3 holds beside each row it stores (up to 2 MiB a put, measured: ~11 MiB when the bound's
-# 32 MiB are rows being stored) and what the allocator keeps. Celery's parent process, which runs no task, counts as
+# client and the gateway's call path imported (measured), with room for what boto3 holds beside each row it stores (up
+# to 2 MiB a put, measured: ~11 MiB when the bound's 32 MiB are rows being stored) and what the allocator keeps (the
+# first read of each line in flight is in the bound: `answer_bytes.READ_BYTES`). Celery's parent process, which runs no task, counts as
 # much again, though its children share much of its memory (forked from it).
 BATCH_WORKER_PROCESS_BYTES = 160 * MiB
 
@@ -274,6 +274,30 @@ def test_the_batch_workers_memory_holds_the_answers_its_processes_may_hold_at_on
             f"{rendered.overlay}: {processes} batch worker processes may hold {per_process / MiB:.0f} MiB each with "
             f"{source}'s {bound / MiB:.0f} MiB of answers, and Celery's parent process its own, past the batch "
             f"worker's {limit / MiB:.0f} MiB")
+
+
+# What else a batch worker's /tmp holds: Python's and the libraries' scratch files.
+BATCH_WORKER_SCRATCH_BYTES = 128 * MiB
+
+
+def test_the_batch_workers_tmp_volume_holds_the_answers_its_processes_may_spool_at_once(rendered, settings):
+    """Past its size limit the pod is evicted, every run in it cut. Each of the batch worker's processes keeps the line
+    answers larger than it holds in memory in unnamed files in /tmp, INFERPLANE_BATCH_SPOOL_BYTES of them at most
+    (endpoints.batches.spool)."""
+    deployment = rendered.get("Deployment", "inferplane-batch-worker")
+    worker = _pod_spec(deployment)["containers"][0]
+    values, _ = _environment(rendered, deployment)
+    assert values.get("TMPDIR", "/tmp") == "/tmp"
+    concurrency = [arg.removeprefix("--concurrency=") for arg in worker["command"] if arg.startswith("--concurrency=")]
+    processes = int(concurrency[0])
+    size_limit = _tmp_size_limit(deployment)
+    for source, spool_bytes in (("config.env", int(values["INFERPLANE_BATCH_SPOOL_BYTES"])),
+                                ("the default", settings.BATCH_SPOOL_BYTES)):
+        assert processes * spool_bytes + BATCH_WORKER_SCRATCH_BYTES <= size_limit, (
+            f"{rendered.overlay}: {processes} batch worker processes may spool {spool_bytes / MiB:.0f} MiB each "
+            f"({source}'s), with {BATCH_WORKER_SCRATCH_BYTES / MiB:.0f} MiB of scratch, past its /tmp's "
+            f"{size_limit / MiB:.0f} MiB")
+    assert _bytes_of(worker["resources"]["requests"]["ephemeral-storage"]) >= size_limit
 
 
 def test_probes_send_a_host_the_production_settings_accept(rendered, client, settings):
