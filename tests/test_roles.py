@@ -218,3 +218,25 @@ def test_two_owners_demoting_each_other_at_once_leave_one_owner(monkeypatch, cha
         thread.join(timeout=120)
     assert sorted(str(outcome) == "done" for outcome in outcomes.values()) == [False, True], outcomes
     assert Membership.objects.filter(organization=organization, role=Role.OWNER).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_key_created_while_its_creator_is_being_removed_is_refused(monkeypatch):
+    # The role was read before the removal committed and the key inserted after the removal had listed the keys to
+    # revoke: an unrevoked manage key of a non-member, working again once they were invited back (the review of this
+    # stop's diff).
+    org = OrganizationFactory()
+    owner, bob = UserFactory(), UserFactory()
+    MembershipFactory(organization=org, user=owner, role=Role.OWNER)
+    bobs = MembershipFactory(organization=org, user=bob, role=Role.ADMIN)
+    read_role = keys.actor_role
+
+    def role_then_removed(actor, organization):
+        role = read_role(actor, organization)
+        members.remove_member(services.Actor(user=owner), Membership.objects.get(pk=bobs.pk))
+        return role
+
+    monkeypatch.setattr(keys, "actor_role", role_then_removed)
+    with pytest.raises(members.NotPermitted):
+        keys.create_api_key(services.Actor(user=bob), org, name="x", scopes=[Scope.MANAGE, Scope.INFERENCE])
+    assert not ApiKey.objects.filter(organization=org, created_by=bob, revoked_at__isnull=True).exists()

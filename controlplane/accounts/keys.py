@@ -58,15 +58,9 @@ def create_api_key(
     a key a priority range (its calls ahead of colleagues' and of batch work) or limits above the platform's
     defaults; a member may set stricter ones.
     """
-    if actor.user is not None and actor_role(actor, organization) not in (Role.OWNER, Role.ADMIN):
-        if Scope.MANAGE in scopes:
-            raise NotPermitted("scopes", "Only owners and admins may create keys with the 'manage' scope.")
-        if max_priority_boost is not None:
-            raise NotPermitted("max_priority_boost", "Only owners and admins may let a key set its calls' priority.")
-        for field, value, default in (("requests_per_minute", requests_per_minute, settings.DEFAULT_KEY_REQUESTS_PER_MINUTE),
-                                      ("tokens_per_minute", tokens_per_minute, settings.DEFAULT_KEY_TOKENS_PER_MINUTE)):
-            if value is not None and default and value > default:
-                raise NotPermitted(field, f"Only owners and admins may raise a key's limit above the platform's {default}.")
+    if actor.user is not None:
+        _ensure_role_may_mint(actor_role(actor, organization), scopes=scopes, requests_per_minute=requests_per_minute,
+                              tokens_per_minute=tokens_per_minute, max_priority_boost=max_priority_boost)
     minting = actor.api_key
     if minting is not None:
         requests_per_minute, tokens_per_minute = _bounded_by_minting_key(
@@ -82,6 +76,17 @@ def create_api_key(
                 if minting is not None and ApiKey.objects.select_for_update().filter(
                         pk=minting.pk, revoked_at__isnull=True).values_list("pk", flat=True).first() is None:
                     raise NotPermitted("non_field_errors", "The key this call was made with was revoked.")
+                if actor.user is not None:
+                    # NOTE: the creator's membership stays locked until the key is committed, so removing them
+                    # (`members.remove_member`, which lists their keys to revoke) waits and finds it; a member removed
+                    # (or demoted) since the check above gets no key. Before, a key created while its creator was
+                    # being removed outlived the removal, and came back with them (the review of this stop's diff).
+                    role = Membership.objects.select_for_update().filter(
+                        organization=organization, user=actor.user).values_list("role", flat=True).first()
+                    if role is None:
+                        raise NotPermitted("non_field_errors", "You are no longer a member of this organisation.")
+                    _ensure_role_may_mint(role, scopes=scopes, requests_per_minute=requests_per_minute,
+                                          tokens_per_minute=tokens_per_minute, max_priority_boost=max_priority_boost)
                 api_key = ApiKey.objects.create(
                     organization=organization,
                     created_by=actor.user,
@@ -101,6 +106,20 @@ def create_api_key(
         except IntegrityError:  # a lookup collision: astronomically rare, try a new one
             continue
     raise RuntimeError("could not allocate a unique API key lookup")
+
+
+def _ensure_role_may_mint(role: str | None, *, scopes: list[str], requests_per_minute: int | None,
+                          tokens_per_minute: int | None, max_priority_boost: int | None) -> None:
+    if role in (Role.OWNER, Role.ADMIN):
+        return
+    if Scope.MANAGE in scopes:
+        raise NotPermitted("scopes", "Only owners and admins may create keys with the 'manage' scope.")
+    if max_priority_boost is not None:
+        raise NotPermitted("max_priority_boost", "Only owners and admins may let a key set its calls' priority.")
+    for field, value, default in (("requests_per_minute", requests_per_minute, settings.DEFAULT_KEY_REQUESTS_PER_MINUTE),
+                                  ("tokens_per_minute", tokens_per_minute, settings.DEFAULT_KEY_TOKENS_PER_MINUTE)):
+        if value is not None and default and value > default:
+            raise NotPermitted(field, f"Only owners and admins may raise a key's limit above the platform's {default}.")
 
 
 def _bounded_by_minting_key(
