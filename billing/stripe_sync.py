@@ -714,7 +714,10 @@ def create_portal_link(organization_id: int, *, return_url: str) -> str:
 
 
 def _portal_configuration():
-    configurations = stripe_client().v1.billing_portal.configurations.list(params={"active": True, "limit": 100})
+    # NOTE: inactive ones too: one deactivated in the Dashboard is made active again (`ensure_portal_configuration`);
+    # looked for among the active ones only, it was created again under the same idempotency key, whose answer (the
+    # inactive configuration) Stripe replays for a day, and every portal session was refused meanwhile.
+    configurations = stripe_client().v1.billing_portal.configurations.list(params={"limit": 100})
     return next((configuration for configuration in configurations.data
                  if (configuration.to_dict().get("metadata") or {}).get(PORTAL_CONFIGURATION_MARK)
                  == PORTAL_CONFIGURATION_VERSION), None)
@@ -739,13 +742,15 @@ def ensure_portal_configuration() -> str:
         key=IdempotencyKey(f"portal-configuration-{PORTAL_CONFIGURATION_VERSION}"), what="portal configuration create",
     )
     features = configuration.to_dict().get("features") or {}
-    if any((features.get(name) or {}).get("enabled") for name in PORTAL_FEATURES_OFF):
-        logger.warning("the Customer Portal configuration %s offered %s; turned off again", configuration.id,
-                       ", ".join(name for name in PORTAL_FEATURES_OFF if (features.get(name) or {}).get("enabled")))
+    offered = [name for name in PORTAL_FEATURES_OFF if (features.get(name) or {}).get("enabled")]
+    inactive = not configuration.to_dict().get("active", True)
+    if offered or inactive:
+        logger.warning("the Customer Portal configuration %s %s; set back", configuration.id,
+                       "was deactivated" if inactive else "offered " + ", ".join(offered))
+        params = {"active": True, "features": {name: PORTAL_FEATURES[name] for name in PORTAL_FEATURES_OFF}}
         # NOTE: a key of its own each time: a key used before would replay the earlier answer for a day.
         configuration = call_stripe(
             lambda options: stripe_client().v1.billing_portal.configurations.update(
-                configuration.id, params={"features": {name: PORTAL_FEATURES[name] for name in PORTAL_FEATURES_OFF}},
-                options=options),
+                configuration.id, params=params, options=options),
             what="portal configuration update", key=IdempotencyKey(f"portal-configuration-off-{secrets.token_hex(8)}"))
     return configuration.id

@@ -86,3 +86,17 @@ def test_a_portal_configuration_changed_in_the_dashboard_to_cancel_at_once_is_se
     )
     with pytest.raises(PortalRefused):
         fake_stripe.cancel_in_portal(_session(fake_stripe)["id"], subscription_id)
+
+
+def test_a_portal_configuration_deactivated_in_the_dashboard_is_made_active_again(owner_client, fake_stripe):
+    # Looked for among the active ones only, it was created again under the same idempotency key, whose answer (the
+    # inactive configuration) Stripe replays for a day: every portal session refused meanwhile (the review of this
+    # stop's diff).
+    _subscribe(owner_client.organization)
+    assert owner_client.post(PORTAL).status_code == 200
+    [configuration] = _ours(fake_stripe)
+    configuration["active"] = False  # in the Dashboard
+
+    assert owner_client.post(PORTAL).status_code == 200
+    assert _ours(fake_stripe) == [configuration] and configuration["active"]
+    assert _session(fake_stripe)["configuration"] == configuration["id"]

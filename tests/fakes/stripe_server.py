@@ -434,6 +434,8 @@ class FakeStripe:
                                    code="parameter_invalid")
             for name, feature in (params.get("features") or {}).items():
                 configuration["features"].setdefault(name, {}).update(feature)
+            if "active" in params:
+                configuration["active"] = params["active"] in (True, "true")
             configuration["metadata"].update(params.get("metadata") or {})
         return 200, configuration
 
