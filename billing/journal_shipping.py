@@ -43,7 +43,11 @@ logger = logging.getLogger("inferplane.billing")
 PREFIX = "usage-journal/"
 REJECTED_PREFIX = "usage-journal-rejected/"
 REPLAY_BATCH = 500  # rows a statement, as the gateway's writer (`usage_writer.MAX_BATCH`)
-_CLIENT_CONFIG = Config(connect_timeout=3, read_timeout=10, retries={"max_attempts": 2, "mode": "standard"})
+CONNECT_TIMEOUT_S, READ_TIMEOUT_S, ATTEMPTS = 3, 10, 2
+# The longest one upload may take before it fails (a pod's grace period leaves room for it: infra/k8s/base/web.yaml).
+ONE_PUT_BOUND_S = ATTEMPTS * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S)
+_CLIENT_CONFIG = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                        retries={"max_attempts": ATTEMPTS, "mode": "standard"})
 FAILURES = (BotoCoreError, ClientError, OSError)
 SIGNATURE = "inferplane-signature"  # the object's metadata: `_signature` of its bytes
 _SIGNATURE_SALT = "billing.journal_shipping"

@@ -429,6 +429,10 @@ def test_gpu_agent_runs_on_every_gpu_node_with_its_gpus_cache_and_join_token(ren
 
 
 def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain_cut(rendered, settings):
+    # NOTE: and then to replay its usage journal or ship it to the bucket (`billing.journal_shipping`), which the
+    # grace period did not count (the review of this stop's diff): a SIGKILL there lost what was not shipped.
+    from billing.journal_shipping import ONE_PUT_BOUND_S
+    from endpoints.gateway.app import SHUTDOWN_REPLAY_S
     from endpoints.gateway.call import SHUTDOWN_FINISH_WAIT_S
 
     deployment = rendered.get("Deployment", "inferplane-web")
@@ -439,4 +443,5 @@ def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     values, _ = _environment(rendered, deployment)
     for drain_s in (float(values["INFERPLANE_GATEWAY_DRAIN_S"]), settings.GATEWAY_DRAIN_S):
-        assert pod["terminationGracePeriodSeconds"] > pre_stop + drain_s + graceful + SHUTDOWN_FINISH_WAIT_S
+        assert pod["terminationGracePeriodSeconds"] > (pre_stop + drain_s + graceful + SHUTDOWN_FINISH_WAIT_S
+                                                       + SHUTDOWN_REPLAY_S + ONE_PUT_BOUND_S)
