@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--join-token (or INFERPLANE_JOIN_TOKEN) is required", file=sys.stderr)
         return 2
     raise_open_files_limit()
+    keep_memory_from_engines()
     config = AgentConfig(
         control_plane_url=args.control_plane,
         join_token=args.join_token,
@@ -169,6 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     run_until_signalled(Agent(config))
     return 0
+
+
+_PR_SET_DUMPABLE = 4
+
+
+def keep_memory_from_engines() -> bool:
+    """Make the agent's process not dumpable; whether it could.
+
+    NOTE: engines run as the agent's user, and a process of the same user reads another's `/proc/<pid>/environ`,
+    `maps` and `mem` unless that one is not dumpable (then only a holder of CAP_SYS_PTRACE does, which a container's
+    root lacks by default). Landlock leaves `/proc` readable to engines (`sandbox.py`): a compromised engine read the
+    agent's environment, its join token and any cloud credentials given there among them (found by the sandbox's
+    helper). Not inherited across `execve`: the engines and helpers the agent starts stay dumpable, so the agent still
+    reads their environments (each engine's replica marker) to adopt them."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
 
 
 # The most open files the agent asks for (its soft limit raised up to the hard one, never past this).
