@@ -55,6 +55,9 @@ STALE_PARTIAL_S = 24 * 3600
 DEFAULT_ADAPTER_MAX_BYTES = 8 * 10**9
 # What a cached adapter's manifest says it is (`kind`; a model's says nothing).
 ADAPTER_KIND = "adapter"
+# An organisation's cached adapters on a node take at most this many times the bound for one: its next adapter evicts
+# its own least recently used ones first (`_keep_adapters_within_share`).
+ADAPTER_SHARE = 4
 
 
 class AdapterTooLarge(ModelTooLarge):
@@ -191,6 +194,8 @@ class WeightsCache:
                 with self._mutex:
                     self._downloads[key] = download
                 try:
+                    if kind == ADAPTER_KIND:
+                        self._keep_adapters_within_share(access.scope, download.disk_bytes)
                     self._make_room(key, download.disk_bytes)
                     self._download_into_place(parsed, client, files, path, download, on_progress, stop)
                     manifest = {
@@ -325,6 +330,22 @@ class WeightsCache:
                 raise ModelTooLarge(
                     f"model is {_human(size_bytes)}; {limit} and the models in use leave no room for it"
                 )
+
+    def _keep_adapters_within_share(self, scope: str, size_bytes: int) -> None:
+        """Evict this scope's least recently used cached adapters until they and `size_bytes` more fit its share
+        (`ADAPTER_SHARE` adapters at the bound). NOTE: without it, each adapter of a tenant's that no engine needs
+        any more stayed cached while the next one evicted other tenants' models, however many adapters it cycled
+        through; now what a scope's adapters take from others is bounded, and they make room among themselves."""
+        if self.adapter_max_bytes is None:
+            return
+        with self._space_lock:
+            own = [
+                entry for entry in self._index.entries()
+                if entry.get("kind") == ADAPTER_KIND and entry.get("scope", "") == scope
+            ]
+            excess = sum(_charged(entry) for entry in own) + size_bytes - ADAPTER_SHARE * self.adapter_max_bytes
+            if excess > 0:
+                self._evict_lru(own, excess)
 
     def _idle_partials(self, *, exclude: str) -> list[tuple[str, float, int]]:
         """Downloads stopped mid-way and kept for a resume that no fetch is resuming: (key, last written, bytes on disk),

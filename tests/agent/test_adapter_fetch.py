@@ -98,6 +98,27 @@ def test_an_adapter_past_the_nodes_bound_is_refused_before_any_byte_is_fetched(s
     assert not any((tmp_path / "weights" / ".tmp").iterdir())
 
 
+def test_a_tenants_adapters_make_room_among_themselves_before_evicting_another_tenants_model(
+    s3, s3_endpoint, tmp_path
+):
+    """An organisation's cached adapters take at most `ADAPTER_SHARE` times the bound for one: cycling through
+    adapters within the bound, a tenant evicted other tenants' models with each new one."""
+    cache = WeightsCache(
+        tmp_path / "weights", budget_bytes=140_000, s3_endpoint_url=s3_endpoint, adapter_max_bytes=30_000
+    )
+    victim = _victim(s3, cache)
+    paths = []
+    # Each adapter is charged 24 kB on disk (its config at least 4 kB), the victim too: five are past the share of
+    # 4 x 30 kB, and past the budget beside the victim; four are within both.
+    for number in range(5):
+        files = {"adapter_config.json": CONFIG, "adapter_model.safetensors": os.urandom(20_000)}
+        _upload(s3, "tenant", f"a{number}", files)
+        paths.append(_fetch_as_the_agent_does(cache, f"s3://tenant/a{number}"))
+
+    assert victim.exists()
+    assert [path.exists() for path in paths] == [False, True, True, True, True]  # the tenant's oldest went
+
+
 def test_the_refusal_is_the_adapters_failure_reason_and_no_load_is_tried(s3, s3_endpoint, tmp_path):
     cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint, adapter_max_bytes=1_000)
     _upload(
