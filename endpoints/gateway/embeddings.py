@@ -5,10 +5,10 @@ reservation, one usage row, settlement); only its body and its task differ, and 
 
 - `check_payload`: OpenAI's shapes and limits, a 400 in OpenAI's shape naming the parameter:
   `input` a non-empty string, an array of at most `MAX_INPUTS` non-empty strings, an array of
-  token ids, or an array of at most `MAX_INPUTS` non-empty arrays of token ids; `encoding_format`
-  "float" or "base64"; `dimensions` a positive integer. Whether the model can shorten its vectors
-  to `dimensions` (Matryoshka) only its engine knows: its refusal is relayed naming `dimensions`
-  (`engine_refusal`).
+  token ids (one input, however long), or an array of at most `MAX_INPUTS` non-empty arrays of
+  token ids; `encoding_format` "float" or "base64"; `dimensions` a positive integer. Whether the
+  model can shorten its vectors to `dimensions` (Matryoshka) only its engine knows: its refusal is
+  relayed naming `dimensions` (`engine_refusal`).
 - `refuse_wrong_task`: an embedding endpoint serves no chat or completions, a generating one no
   embeddings (an engine runs one runner); a clear 400 either way, before anything is reserved.
 
@@ -53,7 +53,9 @@ def _check_input(value) -> None:
         return
     if not isinstance(value, list) or not value:
         raise _invalid_input("'input' must be a non-empty string or array.")
-    if len(value) > MAX_INPUTS:
+    # NOTE: a flat array of token ids is one input, as a string is: its length is the engine's to judge (OpenAI takes
+    # 8191 tokens an input), not a count of inputs.
+    if len(value) > MAX_INPUTS and not _are_token_ids(value):
         raise _invalid_input(f"'input' has {len(value)} items; at most {MAX_INPUTS} may be embedded in one request.")
     if all(isinstance(item, str) for item in value):
         if not all(value):

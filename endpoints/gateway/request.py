@@ -38,6 +38,14 @@ MAX_DEPTH = 32  # objects and arrays nested in one another; real requests use a 
 MAX_MODEL_NAME = 256
 MAX_N = 16
 MAX_STOP_SEQUENCES = 64
+# vLLM's sampling lists, which it bounds only deep in the engine, or not at all. NOTE: its V2 model runner (the default
+# on CUDA) raises in the worker past 1,024 allowed token ids or logit_bias entries and past 128 stop token ids with
+# min_tokens (eos included: `vllm/v1/worker/gpu/sample/logit_bias.py`), and every bad word is tokenized twice, then
+# checked against the output at every step. Stop token ids and bad words are capped as stop sequences are.
+MAX_STOP_TOKEN_IDS = MAX_STOP_SEQUENCES
+MAX_BAD_WORDS = MAX_STOP_SEQUENCES
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
 MAX_TOKEN_ID = 2**31 - 1
 INT64 = 2**63
 TOOL_CHOICES = frozenset({"none", "auto", "required"})
@@ -417,6 +425,23 @@ def _stop(value, param: str) -> None:
         raise _out_of_range(param, f"at most {MAX_STOP_SEQUENCES} sequences")
 
 
+def _bad_words(value, param: str) -> None:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise _wrong_type(param, "an array of strings")
+    if len(value) > MAX_BAD_WORDS:
+        raise _out_of_range(param, f"at most {MAX_BAD_WORDS} words")
+
+
+def _token_id_list(max_items: int) -> Callable:
+    def check(value, param: str) -> None:
+        if not isinstance(value, list) or not _are_token_ids(value):
+            raise _wrong_type(param, "an array of token ids")
+        if len(value) > max_items:
+            raise _out_of_range(param, f"at most {max_items} token ids")
+
+    return check
+
+
 def _stream_options(value, param: str) -> None:
     if not isinstance(value, dict):
         raise errors.invalid_request("'stream_options' must be an object.", param=param, code="invalid_type")
@@ -427,6 +452,8 @@ def _stream_options(value, param: str) -> None:
 
 def _logit_bias(value, param: str) -> None:
     _object(value, param)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _out_of_range(param, f"at most {MAX_LOGIT_BIAS} tokens")
     for token, bias in value.items():
         if not _is_number(bias) or not -100 <= bias <= 100:
             raise _out_of_range(f"{param}.{token}", "a number from -100 to 100")
@@ -489,6 +516,9 @@ _COMMON_FIELDS: dict[str, Callable] = {
     "stop": _stop,
     "user": _string,
     "logit_bias": _logit_bias,
+    "bad_words": _bad_words,
+    "stop_token_ids": _token_id_list(MAX_STOP_TOKEN_IDS),
+    "allowed_token_ids": _token_id_list(MAX_ALLOWED_TOKEN_IDS),
 }
 def _modalities(value, param: str) -> None:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):

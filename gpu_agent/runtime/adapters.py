@@ -143,11 +143,11 @@ def adapter_problem(path: str | Path, max_lora_rank: int) -> str:
     least recently used one to make room before the engine reads the files.
     """
     try:
-        config = read_model_json(Path(path) / "adapter_config.json")
+        config = read_model_json(Path(path) / weights_formats.ADAPTER_CONFIG)
     except ModelJsonTooLarge as exc:
         return f"the adapter cannot be loaded: {exc}"
     except (OSError, ValueError, RecursionError):
-        return "the adapter has no readable adapter_config.json (a PEFT LoRA adapter's files are expected)"
+        return weights_formats.NO_ADAPTER_CONFIG
     if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
         return "the adapter is not a LoRA adapter (adapter_config.json peft_type)"
     rank = config.get("r")

@@ -84,6 +84,7 @@ class Agent:
         self.weights = WeightsCache(
             config.data_dir / "weights",
             budget_bytes=config.weights_budget_bytes,
+            adapter_max_bytes=config.adapter_max_bytes,
             s3_endpoint_url=config.s3_endpoint_url,
             private_dirs=(config.data_dir,),  # a local model_source never reads the agent's own files
             transfer=TransferSettings(min_bytes_per_s=config.min_download_bytes_per_s),

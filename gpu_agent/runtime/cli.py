@@ -33,6 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--cpu", action="store_true", help="run engines on CPU even if GPUs are present")
     run.add_argument("--weights-budget-gb", type=float, default=None, help="disk budget of the weights cache")
     run.add_argument(
+        "--adapter-max-gb",
+        default=os.environ.get("INFERPLANE_AGENT_ADAPTER_MAX_GB"),
+        type=_positive_float,
+        help="the most a LoRA adapter's files may take (default 8); a larger one is refused before it is downloaded",
+    )
+    run.add_argument(
         "--s3-endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3)"
     )
     run.add_argument(
@@ -110,6 +116,16 @@ def _sandbox_mode(text: str) -> SandboxMode:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {text}")
+    return value
+
+
 def _port_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition("-")
     try:
@@ -158,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         name=args.name,
         force_cpu=args.cpu,
         weights_budget_bytes=int(args.weights_budget_gb * 1e9) if args.weights_budget_gb else None,
+        **({"adapter_max_bytes": int(args.adapter_max_gb * 1e9)} if args.adapter_max_gb else {}),
         s3_endpoint_url=args.s3_endpoint_url,
         cpu_kv_cache_gib=args.cpu_kv_cache_gib,
         advertise_host=args.advertise_host,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
 from gpu_agent.runtime import engine, sandbox
+from gpu_agent.runtime.weights import DEFAULT_ADAPTER_MAX_BYTES
 
 
 @dataclass(slots=True)
@@ -23,6 +24,8 @@ class AgentConfig:
     name: str = ""
     force_cpu: bool = False
     weights_budget_bytes: int | None = None
+    # The most an adapter's files may take (`WeightsCache.fetch_adapter`; None: no bound).
+    adapter_max_bytes: int | None = DEFAULT_ADAPTER_MAX_BYTES
     s3_endpoint_url: str | None = None
     request_timeout_s: float = 10.0
     min_backoff_s: float = 1.0

@@ -266,7 +266,7 @@ class Reconciler:
 
     def _fetch_adapter(self, adapter: AdapterSpec) -> Path:
         access = SourceAccess(credentials=adapter.credentials, scope=adapter.weights_scope)
-        return self.weights.fetch(adapter.source, access=access)
+        return self.weights.fetch_adapter(adapter.source, access=access)
 
     def replica_statuses(self) -> list[ReplicaStatus]:
         statuses = self.supervisor.statuses()

@@ -50,6 +50,18 @@ logger = logging.getLogger(__name__)
 
 # A partial download nobody resumed for this long is removed when a cache opens.
 STALE_PARTIAL_S = 24 * 3600
+# The most an adapter's files may take (`fetch_adapter`), unless the agent is told otherwise: a rank 256 LoRA of every
+# linear layer of a 70B model is about 6.6 GB in bf16.
+DEFAULT_ADAPTER_MAX_BYTES = 8 * 10**9
+# What a cached adapter's manifest says it is (`kind`; a model's says nothing).
+ADAPTER_KIND = "adapter"
+# An organisation's cached adapters on a node take at most this many times the bound for one: its next adapter evicts
+# its own least recently used ones first (`_keep_adapters_within_share`).
+ADAPTER_SHARE = 4
+
+
+class AdapterTooLarge(ModelTooLarge):
+    """An adapter's files, as listed, are past the node's bound for adapters."""
 
 
 class WeightsCache:
@@ -64,9 +76,11 @@ class WeightsCache:
         hf_endpoint: str | None = None,
         private_dirs: tuple[Path, ...] = (),
         transfer: TransferSettings | None = None,
+        adapter_max_bytes: int | None = DEFAULT_ADAPTER_MAX_BYTES,
     ) -> None:
         self.root = Path(root).resolve()
         self.budget_bytes = budget_bytes
+        self.adapter_max_bytes = adapter_max_bytes
         self.s3_endpoint_url = (
             s3_endpoint_url
             or os.environ.get("AWS_ENDPOINT_URL_S3")
@@ -103,7 +117,34 @@ class WeightsCache:
         once `stop` is set the download ends with `FetchStopped` and its disk reservation is released.
         Failures a customer may see are `WeightsError`s, whose messages carry no secrets.
         """
-        access = access or SourceAccess()
+        return self._fetch(source, access or SourceAccess(), weights_formats.fetched, "", on_progress, stop)
+
+    def fetch_adapter(
+        self, source: str, *, access: SourceAccess | None = None, stop: threading.Event | None = None
+    ) -> Path:
+        """Return a local directory holding a LoRA adapter's files, downloading them if needed.
+
+        Only the files vLLM reads from an adapter folder are fetched (`weights_formats.adapter_fetched`), and an
+        adapter whose listing puts them over `adapter_max_bytes` is refused (`AdapterTooLarge`) before any byte is.
+        NOTE: an adapter fetch is a side line of a replica already placed, asked for by any call naming the adapter;
+        unbounded, a tenant's prefix of a tiny adapter beside hundreds of gigabytes of padding evicted other tenants'
+        cached models from the node at every call.
+        """
+
+        def select(files: list) -> list:
+            files = weights_formats.adapter_fetched(files)
+            size_bytes = sum(f.size_bytes for f in files)
+            if self.adapter_max_bytes is not None and size_bytes > self.adapter_max_bytes:
+                raise AdapterTooLarge(
+                    f"the adapter's files are {_human(size_bytes)}; this node loads adapters of at most "
+                    f"{_human(self.adapter_max_bytes)}"
+                )
+            return files
+
+        return self._fetch(source, access or SourceAccess(), select, ADAPTER_KIND, None, stop)
+
+    def _fetch(self, source: str, access: SourceAccess, select, kind: str, on_progress, stop) -> Path:
+        """`fetch` for the files `select` keeps of a listing; `kind` ("" for a model) keeps each kind's copies apart."""
         parsed = ModelSource.parse(source)
         if parsed.kind == "local":
             path = check_local_model_dir(parsed.location, self.private_dirs)
@@ -119,16 +160,16 @@ class WeightsCache:
             try:
                 if parsed.kind == "s3":
                     client = s3_client(access, source, default_endpoint_url=self.s3_endpoint_url)
-                    files = weights_formats.fetched(weights_sources.s3_listing(client, parsed, source, stop=stop))
+                    files = select(weights_sources.s3_listing(client, parsed, source, stop=stop))
                     fingerprint = json.dumps(sorted((f.location, f.size_bytes, f.etag) for f in files))
                 else:  # a branch moves: key by the commit it points at now
                     client = stack.enter_context(hf_client(access, source))
                     files, fingerprint = weights_sources.hf_listing(client, parsed, source, endpoint, stop=stop)
-                    files = weights_formats.fetched(files)
+                    files = select(files)
             except StoreUnreachable:
                 # NOTE: only when the store cannot be reached at all (never on a refusal), and only
                 # a copy this same scope fetched from this same endpoint: bad credentials get nothing.
-                cached = self._index.newest(source, access.scope, endpoint_digest)
+                cached = self._index.newest(source, access.scope, endpoint_digest, kind=kind)
                 if cached is None:
                     raise
                 logger.warning("cannot reach the store of %s; using the cached copy %s", source, cached.name)
@@ -136,6 +177,8 @@ class WeightsCache:
                 with self._mutex:
                     self.num_hits += 1
                 return cached
+            if kind:  # a Hub commit fingerprints a model's files and an adapter's alike
+                fingerprint = f"{kind}\n{fingerprint}"
             key = cache_key(source, fingerprint, scope=access.scope, endpoint=endpoint or "")
             with self._index.key_lock(key):
                 path = self.root / key
@@ -151,6 +194,8 @@ class WeightsCache:
                 with self._mutex:
                     self._downloads[key] = download
                 try:
+                    if kind == ADAPTER_KIND:
+                        self._keep_adapters_within_share(access.scope, download.disk_bytes)
                     self._make_room(key, download.disk_bytes)
                     self._download_into_place(parsed, client, files, path, download, on_progress, stop)
                     manifest = {
@@ -163,6 +208,8 @@ class WeightsCache:
                         "fingerprint": fingerprint,
                         "created_at": time.time(),
                     }
+                    if kind:
+                        manifest["kind"] = kind
                     self._index.write_manifest(key, manifest)
                     with self._mutex:
                         self.num_downloads += 1
@@ -283,6 +330,22 @@ class WeightsCache:
                 raise ModelTooLarge(
                     f"model is {_human(size_bytes)}; {limit} and the models in use leave no room for it"
                 )
+
+    def _keep_adapters_within_share(self, scope: str, size_bytes: int) -> None:
+        """Evict this scope's least recently used cached adapters until they and `size_bytes` more fit its share
+        (`ADAPTER_SHARE` adapters at the bound). NOTE: without it, each adapter of a tenant's that no engine needs
+        any more stayed cached while the next one evicted other tenants' models, however many adapters it cycled
+        through; now what a scope's adapters take from others is bounded, and they make room among themselves."""
+        if self.adapter_max_bytes is None:
+            return
+        with self._space_lock:
+            own = [
+                entry for entry in self._index.entries()
+                if entry.get("kind") == ADAPTER_KIND and entry.get("scope", "") == scope
+            ]
+            excess = sum(_charged(entry) for entry in own) + size_bytes - ADAPTER_SHARE * self.adapter_max_bytes
+            if excess > 0:
+                self._evict_lru(own, excess)
 
     def _idle_partials(self, *, exclude: str) -> list[tuple[str, float, int]]:
         """Downloads stopped mid-way and kept for a resume that no fetch is resuming: (key, last written, bytes on disk),

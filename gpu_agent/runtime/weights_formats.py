@@ -13,6 +13,8 @@ A tenant's bucket is hostile input, and its engine runs on a machine shared with
   files the agent does not choose, and a speculative draft, loaded with its target's settings.
 - **A LoRA adapter's weights must be `adapter_model.safetensors`** (`adapter_problem`): vLLM's adapter loader reads
   `adapter_model.bin` with `torch.load` when the safetensors file is missing.
+- **Of an adapter's source, only what vLLM reads from an adapter folder is fetched** (`adapter_fetched`): its
+  `adapter_config.json` and `adapter_model.safetensors`, refused before any byte is fetched when either is missing.
 
 Weights for other frameworks (TensorFlow's `.h5`, Flax's `.msgpack`, ONNX, GGUF, Core ML), which vLLM does not load from
 a model directory, are not fetched either.
@@ -37,12 +39,24 @@ SAFETENSORS_SUFFIX = ".safetensors"
 _TRAINING_STATE = frozenset({"training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
 _SENTENCE_TRANSFORMERS_MODULE = re.compile(r"\d+_[A-Za-z]\w*")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# What vLLM reads from an adapter folder: the config (`vllm.lora.peft_helper.PEFTHelper.from_local_dir`) and the
+# weights (`vllm.lora.lora_model.LoRAModel.from_local_checkpoint`, whose pickled fallbacks are never fetched). It
+# loads no tokenizer of an adapter's (the base model's serves every adapter).
+ADAPTER_FILES = frozenset({ADAPTER_CONFIG, ADAPTER_WEIGHTS})
+NO_ADAPTER_CONFIG = f"the adapter has no readable {ADAPTER_CONFIG} (a PEFT LoRA adapter's files are expected)"
+NO_ADAPTER_WEIGHTS = (f"the adapter has no {ADAPTER_WEIGHTS}: Inferplane loads adapter weights in safetensors only (a "
+                      "pickled adapter_model.bin can run code when it is read); save it with safe_serialization=True")
 
 _File = TypeVar("_File")
 
 
 class PickledWeights(WeightsError):
     """The model's weights are pickles only: refused, with how to convert them."""
+
+
+class AdapterRefused(WeightsError):
+    """An adapter's source lacks a file the engine needs, or its files are past the node's bound."""
 
 
 def is_pickle(name: str) -> bool:
@@ -88,9 +102,23 @@ def fetched(files: Iterable[_File]) -> list[_File]:
     return kept
 
 
+def adapter_fetched(files: Iterable[_File]) -> list[_File]:
+    """The files of an adapter's listing the agent downloads: its `ADAPTER_FILES` at the top of the source, no other.
+
+    NOTE: the whole prefix was fetched before, so a tenant's adapter with a tiny config and weights beside hundreds of
+    gigabytes of other files filled the node's cache, evicting other tenants' models. `PickledWeights` as `fetched`
+    says (pickled weights only), `AdapterRefused` when the config or the safetensors weights are not listed."""
+    kept = [f for f in fetched(files) if f.name in ADAPTER_FILES]
+    names = {f.name for f in kept}
+    if ADAPTER_WEIGHTS not in names:
+        raise AdapterRefused(NO_ADAPTER_WEIGHTS)
+    if ADAPTER_CONFIG not in names:
+        raise AdapterRefused(NO_ADAPTER_CONFIG)
+    return kept
+
+
 def adapter_problem(path: str | Path) -> str:
     """Why an adapter folder's weights are refused ("" if they are safetensors)."""
     if (Path(path) / ADAPTER_WEIGHTS).is_file():
         return ""
-    return (f"the adapter has no {ADAPTER_WEIGHTS}: Inferplane loads adapter weights in safetensors only (a pickled "
-            "adapter_model.bin can run code when it is read); save it with safe_serialization=True")
+    return NO_ADAPTER_WEIGHTS

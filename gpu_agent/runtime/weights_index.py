@@ -66,14 +66,16 @@ class CacheIndex:
             entries.append(entry)
         return entries
 
-    def newest(self, source: str, scope: str, endpoint_digest: str) -> Path | None:
-        """The newest copy of `source` this scope fetched from this endpoint, if any."""
+    def newest(self, source: str, scope: str, endpoint_digest: str, *, kind: str = "") -> Path | None:
+        """The newest copy of `source` this scope fetched from this endpoint, if any, as a model or (`kind`) an
+        adapter."""
         entries = [
             entry
             for entry in self.entries()
             if entry.get("source") == source
             and entry.get("scope", "") == scope
             and entry.get("endpoint_digest", "") == endpoint_digest
+            and entry.get("kind", "") == kind
         ]
         if not entries:
             return None

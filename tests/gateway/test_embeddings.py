@@ -59,6 +59,15 @@ def test_2048_inputs_are_within_openais_limit_and_2049_are_not(gateway, tenant):
     assert past_limit.status_code == 400 and "2048" in past_limit.json()["error"]["message"]
 
 
+def test_one_input_of_more_than_2048_token_ids_is_one_input_and_2049_arrays_of_them_are_too_many(gateway, tenant):
+    # A flat array of token ids was counted as 2049 inputs and refused; OpenAI takes up to 8191 tokens an input.
+    with _raw(gateway, tenant) as client:
+        one_input = client.post("/v1/embeddings", json={"model": "no-such-model", "input": list(range(5000))})
+        past_limit = client.post("/v1/embeddings", json={"model": "no-such-model", "input": [[1, 2]] * 2049})
+    assert one_input.status_code == 404  # its body passed; the model does not exist
+    assert past_limit.status_code == 400 and "2048" in past_limit.json()["error"]["message"]
+
+
 def test_chat_on_an_embedding_endpoint_is_a_clear_400(gateway, tenant, start_mock_upstream):
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(), task="embed")
     client = tenant.client(gateway)
