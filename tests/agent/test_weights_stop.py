@@ -155,6 +155,9 @@ class NoEngines:
     def statuses(self):
         return []
 
+    def stage_adapter(self, replica_id, source):
+        return source  # no engine, so none confined (`Supervisor.stage_adapter`)
+
 
 def test_draining_a_replica_while_its_weights_drip_in_ends_the_download(store, tmp_path):
     cache = WeightsCache(tmp_path / "weights", budget_bytes=1000 * KIB, s3_endpoint_url=store.url)
