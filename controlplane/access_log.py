@@ -49,6 +49,15 @@ def _secret_prefixes() -> tuple[str, ...]:
     return tuple(sorted(prefixes))
 
 
+def prepare() -> None:
+    """Read the URL conf now (a web process's startup), not at the first access line.
+
+    NOTE: the URL conf imports every view, the schema's and the admin's (megabytes, seconds): read at the first line
+    written, that request paid for it (a refused caller's first 401 took 5 s here, and a test of the memory a refused
+    body takes measured the imports when it ran alone)."""
+    _secret_prefixes()
+
+
 def redacted_path(path: str) -> str:
     """`path` with the value of each secret parameter of the URL pattern it matches written as `<name>`."""
     if not path.startswith(_secret_prefixes()):

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from django.conf import settings
 
 from billing.usage_writer import replay_before_the_loop_ends, usage_recordable, writer_for_this_loop
+from controlplane import access_log
 from controlplane.access_log import log_answer
 from controlplane.accounts.models import Role
 from endpoints.gateway import (
@@ -266,6 +267,7 @@ class Gateway:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                access_log.prepare()  # the URL conf, read now rather than by the first request logged
                 _freeze_startup_objects()
                 drain.install()  # the first SIGTERM drains the calls in flight before the server hears it
                 await presence.start(web=True)

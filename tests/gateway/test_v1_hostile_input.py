@@ -161,9 +161,11 @@ def test_a_caller_without_a_valid_key_has_its_body_read_and_dropped_never_kept()
     # again at the join) per connection without any key. A refused caller's body is now read to its end and dropped.
     import asyncio
 
+    from controlplane import access_log
     from endpoints.gateway.app import Gateway
     from endpoints.gateway.request import MAX_BODY_BYTES
 
+    access_log.prepare()  # as a web process's startup does: its imports are not this request's
     chunk = b"x" * 65_536
     num_chunks = MAX_BODY_BYTES // len(chunk)
     received, sent = [], []
