@@ -208,7 +208,8 @@ class ReplicaAdapters:
             problem = adapter_problem(path, spec.max_lora_rank)
             if problem:
                 raise ValueError(problem)
-            return path if self._stage is None else self._stage(spec.replica_id, path)
+            # NOTE: as many copies as the engine holds adapters at once.
+            return path if self._stage is None else self._stage(spec.replica_id, path, keep=spec.max_loras)
 
         try:
             slots.sync(spec.adapters, resolve)

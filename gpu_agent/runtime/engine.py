@@ -34,6 +34,8 @@ REPLICA_ENV_MARKER = "INFERPLANE_REPLICA_ID"
 # Every engine starts here: it confines itself (`sandbox.py`), then runs vLLM's OpenAI server (`SERVER_MODULE`).
 ENGINE_MODULE = "gpu_agent.runtime.engine_main"
 DATA_DIR_ENV_MARKER = "INFERPLANE_DATA_DIR"
+# "0" in the zygote's environment: it loads no tenant's look-ups ahead (`zygote_models`), as while engines are confined.
+ZYGOTE_WARM_ENV = "INFERPLANE_ZYGOTE_WARM"
 
 # vLLM's KV cache on CPU is a fixed allocation, not a fraction of GPU memory: at most this much.
 DEFAULT_CPU_KV_CACHE_GIB = 1

@@ -399,22 +399,35 @@ def folder_name(identifier: str) -> str:
 SCRATCH_OWNER_FILE = ".inferplane-data-dir"  # in a scratch folder: the data dir of the agent that made it
 
 
-def make_scratch_folder(data_dir: Path) -> Path:
-    """A new folder of one launch (its HOME and TMPDIR), private to the agent's user, that names its agent.
+def _scratch_prefix(replica_id: str) -> str:
+    return f"{SCRATCH_PREFIX}{hashlib.sha256(replica_id.encode()).hexdigest()[:12]}-"
+
+
+def make_scratch_folder(data_dir: Path, replica_id: str) -> Path:
+    """A new folder of one launch of `replica_id` (its HOME and TMPDIR), private to the agent's user, that names its
+    agent, and whose name names the replica.
 
     NOTE: short, in the system's temporary folder rather than the data dir: vLLM's processes talk over Unix
     sockets made in TMPDIR, whose paths may be at most 107 bytes.
     """
-    folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
+    folder = Path(tempfile.mkdtemp(prefix=_scratch_prefix(replica_id)))
     (folder / SCRATCH_OWNER_FILE).write_text(str(data_dir))
     return folder
 
 
-def is_scratch_folder(path: Path) -> bool:
-    """Whether `path` is a folder `make_scratch_folder` makes (an adopted engine's, to be removed with it)."""
-    return (
-        path.parent == Path(tempfile.gettempdir()) and path.name.startswith(SCRATCH_PREFIX) and path.is_dir()
-    )
+def is_scratch_folder(path: Path, replica_id: str, data_dir: Path) -> bool:
+    """Whether `path` is a folder `make_scratch_folder` made for `replica_id` by the agent of `data_dir` (an adopted
+    engine's, to be removed with it).
+
+    NOTE: the path comes from the engine's environment block, which the engine may rewrite: one that named another
+    engine's live folder there had it removed when it ended itself (the review of the sandbox). Its name must be
+    `replica_id`'s, which no other engine's is."""
+    try:
+        owner = (path / SCRATCH_OWNER_FILE).read_text()
+    except OSError:
+        return False
+    return (path.parent == Path(tempfile.gettempdir()) and path.name.startswith(_scratch_prefix(replica_id))
+            and owner == str(data_dir))
 
 
 def scratch_folders_of(data_dir: Path) -> list[Path]:
@@ -457,15 +470,21 @@ def engine_folder_env(scratch_dir: Path, cache_dir: Path) -> dict[str, str]:
     }  # fmt: skip
 
 
-def stage_adapter(source: Path, folder: Path) -> Path:
+def stage_adapter(source: Path, folder: Path, *, keep: int | None = None) -> Path:
     """A copy of an adapter's cached folder in an engine's own adapters folder (`folder`, which it may only read):
-    its files hard-linked where the file system allows, copied where it does not.
+    its files hard-linked where the file system allows, copied where it does not. With `keep`, at most that many
+    copies stay in `folder` (the most recently staged): the engine reads an adapter's files when it loads it.
 
     NOTE: a confined engine reads no folder of the weights cache but its model's, and an adapter is loaded while
-    the engine runs, after its rules are set. The same adapter's copy is kept for the engine's next load.
+    the engine runs, after its rules are set. The same adapter's copy is kept for the engine's next load. Unbounded,
+    the copies outlived their cache entries (a hard link keeps the bytes the cache counted as freed): a tenant
+    naming adapter after adapter filled the node's disk outside the cache's budget, and the cache then evicted other
+    tenants' models to make room (the review of the sandbox).
     """
     target = folder / source.name
     if target.is_dir():
+        os.utime(target)
+        _keep_newest(folder, keep)
         return target
     partial = folder / f".{source.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -478,4 +497,14 @@ def stage_adapter(source: Path, folder: Path) -> Path:
             except OSError:
                 shutil.copyfile(os.path.join(root, name), into / name)
     partial.rename(target)
+    _keep_newest(folder, keep)
     return target
+
+
+def _keep_newest(folder: Path, keep: int | None) -> None:
+    if keep is None:
+        return
+    staged = sorted((path for path in folder.iterdir() if path.is_dir() and not path.name.startswith(".")),
+                    key=lambda path: path.stat().st_mtime_ns, reverse=True)
+    for path in staged[max(keep, 1):]:
+        shutil.rmtree(path, ignore_errors=True)

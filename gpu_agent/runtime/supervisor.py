@@ -68,7 +68,7 @@ from gpu_agent.protocol import (
     ReplicaStatus,
 )
 from gpu_agent.runtime import engine, process, sandbox, state_file
-from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, EngineCommand
+from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, ZYGOTE_WARM_ENV, EngineCommand
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.engine_memory import read_engine_memory
 from gpu_agent.runtime.probes import EngineProbe
@@ -76,6 +76,7 @@ from gpu_agent.runtime.replica_state import ManagedReplica
 from gpu_agent.runtime.sleep_mode import SLEEP_LEVEL_OFFLOAD_WEIGHTS, EngineSleepClient, EngineSleepError
 from gpu_agent.runtime.standby import Standby, server_args
 from gpu_agent.runtime.zygote import Zygote
+from gpu_agent.runtime.zygote_models import RECORD_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +161,14 @@ class Supervisor:
         # Set by start(): the monitor launches a new engine now, not at its next tick.
         self._poke = threading.Event()
         standby_class = Zygote if zygote else Standby
+        standby_env = {}
+        if sandbox_mode != sandbox.SandboxMode.OFF:
+            # NOTE: confined engines share no tenant's parsed files through the zygote (`zygote_models`).
+            standby_env[ZYGOTE_WARM_ENV] = "0"
+            (self.data_dir / RECORD_NAME).unlink(missing_ok=True)
         # NOTE: a standby (and every engine a zygote forks) dies with the agent, under its reaper: an agent that
         # keeps its engines on exit keeps none (`Agent`).
-        self.standby = standby_class(self.data_dir, device=device) if standby else None
+        self.standby = standby_class(self.data_dir, device=device, env=standby_env) if standby else None
         self._engines_quiet_since = time.monotonic() - self.policy.standby_refill_quiet_s
         # What confines each engine (`sandbox.py`): the agent's setting, and what the kernel offers.
         self.sandbox_mode = sandbox_mode
@@ -499,7 +505,7 @@ class Supervisor:
             return command
         spec = replica.spec
         self._drop_scratch(spec.replica_id)
-        scratch_dir = sandbox.make_scratch_folder(self.data_dir)
+        scratch_dir = sandbox.make_scratch_folder(self.data_dir, spec.replica_id)
         self._scratch_dirs[spec.replica_id] = scratch_dir
         adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(spec.replica_id)
         shutil.rmtree(adapter_dir, ignore_errors=True)  # NOTE: left behind by an agent that was killed
@@ -527,7 +533,8 @@ class Supervisor:
     def _adopt_folders(self, replica_id: str, pid: int) -> None:
         """Take on the folders of an engine a previous agent started: its adapters are staged there from now on,
         and both go when it does. NOTE: only a plain launch outlives its agent, and its TMPDIR is in its
-        environment block; a scratch folder is taken only where this agent would have made it."""
+        environment block, which the engine may rewrite: a scratch folder is taken only if this agent made it for
+        this replica (`sandbox.is_scratch_folder`)."""
         adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(replica_id)
         if adapter_dir.is_dir():
             self._adapter_dirs[replica_id] = adapter_dir
@@ -535,15 +542,15 @@ class Supervisor:
             scratch_dir = Path(psutil.Process(pid).environ().get("TMPDIR", ""))
         except (psutil.Error, OSError):
             return
-        if sandbox.is_scratch_folder(scratch_dir):
+        if sandbox.is_scratch_folder(scratch_dir, replica_id, self.data_dir):
             self._scratch_dirs[replica_id] = scratch_dir
 
-    def stage_adapter(self, replica_id: str, source: Path) -> Path:
+    def stage_adapter(self, replica_id: str, source: Path, *, keep: int | None = None) -> Path:
         """Where the replica's running engine reads an adapter from: a copy in its own adapters folder
-        (`sandbox.stage_adapter`), or `source` itself when its engine is not confined."""
+        (`sandbox.stage_adapter`, at most `keep` copies there), or `source` itself when its engine is not confined."""
         with self._lock:
             folder = self._adapter_dirs.get(replica_id)
-        return source if folder is None else sandbox.stage_adapter(Path(source), folder)
+        return source if folder is None else sandbox.stage_adapter(Path(source), folder, keep=keep)
 
     def _step(self, replica: ManagedReplica) -> None:
         now = time.monotonic()

@@ -23,7 +23,10 @@ Trust: the record is written by engines (vLLM's own code, never the tenant's) in
 zygote repeats only the three look-ups below, with `trust_remote_code` false, on existing directories, and
 CUDA stays untouched (none of them initialises it; the zygote checks before every fork anyway). The answers
 of one tenant's model (its config, tokenizer, chat template) are in the memory of every engine forked after
-the zygote loaded them, as the model files are readable by every engine on the node already.
+the zygote loaded them. NOTE: so the agent turns this off while it confines its engines (`sandbox.py`: an engine reads
+no other tenant's model folder): a confined engine could not append to the record anyway, and one tenant's parsed
+files in every engine's heap would undo what the confinement keeps apart (the review of the sandbox). The agent
+then gives the zygote `ZYGOTE_WARM_ENV` "0" and deletes a record left from before.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER
+from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, ZYGOTE_WARM_ENV
 
 RECORD_NAME = "zygote-model-lookups.jsonl"
 # The most recent distinct calls the zygote keeps warm (about three per model); older ones are dropped from the
@@ -354,8 +357,11 @@ def rebind(replaced: dict, modules) -> None:
 
 
 def record_path() -> Path | None:
+    """The node's record of look-ups; None where nothing is recorded nor loaded ahead (`ZYGOTE_WARM_ENV` "0")."""
     data_dir = os.environ.get(DATA_DIR_ENV_MARKER)
-    return Path(data_dir) / RECORD_NAME if data_dir else None
+    if not data_dir or os.environ.get(ZYGOTE_WARM_ENV) == "0":
+        return None
+    return Path(data_dir) / RECORD_NAME
 
 
 def _record(name: str, call: str) -> None:

@@ -45,7 +45,7 @@ def _victim(s3, cache: WeightsCache):
 def _fetch_as_the_agent_does(cache: WeightsCache, source: str):
     """The folder the agent hands the engine for an adapter of org-2's."""
     spec = AdapterSpec(name="a", source=source, credentials=None, weights_scope="org-2", wanted_at=1.0)
-    no_engines = SimpleNamespace(stage_adapter=lambda replica_id, source: source)
+    no_engines = SimpleNamespace(stage_adapter=lambda replica_id, source, keep=None: source)
     return Reconciler(no_engines, cache, wake=threading.Event())._fetch_adapter(spec)
 
 

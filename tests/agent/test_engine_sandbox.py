@@ -329,6 +329,73 @@ def test_an_engine_adopted_by_a_new_agent_keeps_its_folders_and_they_go_with_it(
     assert not scratch.exists() and not (data_dir / "engine-adapters" / "r-kept").exists()
 
 
+def test_an_engines_staged_adapters_are_bounded_to_what_it_holds_at_once(tmp_path):
+    # Each adapter named was staged (hard-linked) for the engine and kept: the copies outlived their cache entries,
+    # whose bytes the cache counted as freed, and a tenant naming adapter after adapter filled the node's disk outside
+    # the cache's budget (the review of the sandbox).
+    folder = tmp_path / "engine-adapters" / "r1"
+    folder.mkdir(parents=True)
+    adapters = [build_tiny_lora_adapter(tmp_path / "cache" / f"key-{number}") for number in range(6)]
+    for adapter in adapters:
+        sandbox.stage_adapter(adapter, folder, keep=2)
+    assert sorted(path.name for path in folder.iterdir()) == ["key-4", "key-5"]
+    sandbox.stage_adapter(adapters[4], folder, keep=2)  # used again: kept ahead of key-5
+    sandbox.stage_adapter(adapters[0], folder, keep=2)
+    assert sorted(path.name for path in folder.iterdir()) == ["key-0", "key-4"]
+
+
+def test_a_replicas_adapters_are_staged_with_its_engines_adapter_slots_as_the_bound(tmp_path):
+    from gpu_agent.protocol import AdapterSpec
+    from gpu_agent.runtime.adapters import ReplicaAdapters
+
+    adapter = build_tiny_lora_adapter(tmp_path / "cache" / "key")
+    staged = []
+    adapters = ReplicaAdapters(lambda spec: adapter,
+                               stage=lambda replica_id, path, keep=None: staged.append(keep) or path)
+    spec = make_spec("r-slots", max_loras=3, max_lora_rank=16,
+                     adapters=[AdapterSpec(name="a", source="s3://b/a", credentials=None, weights_scope="org-1",
+                                           wanted_at=1.0)])
+    adapters._run(spec, AdapterSlots("http://127.0.0.1:9", "key", 3))
+    assert staged == [3]
+
+
+def test_a_new_agent_adopts_no_scratch_folder_an_engine_names_but_its_own(make_supervisor, tmp_path):
+    # The folder comes from the engine's environment block, which a compromised engine may rewrite: one naming another
+    # engine's live folder had it removed when it ended itself (the review of the sandbox).
+    data_dir = tmp_path / "agent"
+    own = sandbox.make_scratch_folder(data_dir, "r-a")
+    victim = sandbox.make_scratch_folder(data_dir, "r-b")
+    try:
+        assert sandbox.is_scratch_folder(own, "r-a", data_dir)
+        assert not sandbox.is_scratch_folder(victim, "r-a", data_dir)
+        assert not sandbox.is_scratch_folder(own, "r-a", tmp_path / "another-agent")
+    finally:
+        for folder in (own, victim):
+            subprocess.run(["rm", "-rf", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("mode", [SandboxMode.BEST_EFFORT, SandboxMode.OFF])
+def test_while_engines_are_confined_the_zygote_loads_no_tenants_look_ups_ahead(tmp_path, monkeypatch, mode):
+    # The zygote loaded the look-ups engines recorded (one tenant's config, tokenizer, chat template) and every engine
+    # it forked afterwards had them in its heap, which the confinement otherwise keeps apart; a confined engine could
+    # not append to the record either (the review of the sandbox).
+    from gpu_agent.runtime import zygote_models
+    from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, ZYGOTE_WARM_ENV
+
+    data_dir = tmp_path / "agent"
+    data_dir.mkdir()
+    (data_dir / zygote_models.RECORD_NAME).write_text('{"lookup": "get_config", "call": "[]"}\n')  # from before
+    supervisor = Supervisor(data_dir, command_factory=fake_engine_factory(), standby=True, zygote=True,
+                            sandbox_mode=mode)
+    confined = mode != SandboxMode.OFF
+    assert (supervisor.standby.env.get(ZYGOTE_WARM_ENV) == "0") == confined
+    assert (data_dir / zygote_models.RECORD_NAME).exists() != confined
+    monkeypatch.setenv(DATA_DIR_ENV_MARKER, str(data_dir))
+    for name, value in supervisor.standby.env.items():
+        monkeypatch.setenv(name, value)
+    assert (zygote_models.record_path() is None) == confined
+
+
 # --- Real engines ---------------------------------------------------------------------------------------------
 
 

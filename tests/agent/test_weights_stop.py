@@ -155,7 +155,7 @@ class NoEngines:
     def statuses(self):
         return []
 
-    def stage_adapter(self, replica_id, source):
+    def stage_adapter(self, replica_id, source, *, keep=None):
         return source  # no engine, so none confined (`Supervisor.stage_adapter`)
 
 
