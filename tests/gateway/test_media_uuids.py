@@ -18,18 +18,7 @@ from endpoints.gateway.errors import OpenAIError
 from endpoints.gateway.media_uuids import scoped_uuid
 from endpoints.gateway.request import InferenceRequest
 from tests.gateway.conftest import serve_endpoint
-
-PNG = (  # one pixel
-    "data:image/png;base64,"
-    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg=="
-)
-
-
-def _chat(*parts: dict) -> dict:
-    return {"model": "m", "messages": [
-        {"role": "system", "content": "Describe what you are shown."},
-        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, *parts]},
-    ]}  # fmt: skip
+from tests.gateway.test_media_urls import PNG, _chat
 
 
 def _parts_reaching_the_engine(body: dict, scope: str) -> list[dict]:
