@@ -38,12 +38,13 @@ class _Checked:
     at: float = float("-inf")  # when this process last checked (monotonic)
 
 
-def skew_s(client=None) -> float:
-    """Seconds this process's clock is ahead of Redis's (negative: behind), to within half a round trip."""
+def skew_s(client=None) -> tuple[float, float]:
+    """Seconds this process's clock is ahead of Redis's (negative: behind), to within half a round trip, and Redis's
+    clock when it was read."""
     client = client or get_redis()
     before = time.time()
     now = redis_time(client)
-    return (before + time.time()) / 2 - now
+    return (before + time.time()) / 2 - now, now
 
 
 def check(role: str, *, reason: str = "") -> float | None:
@@ -52,8 +53,7 @@ def check(role: str, *, reason: str = "") -> float | None:
     _Checked.at = time.monotonic()
     client = get_redis()
     try:
-        skew = skew_s(client)
-        now = redis_time(client)
+        skew, now = skew_s(client)
         gone = [name for name, value in client.hgetall(CLOCK_SKEWS_KEY).items()
                 if now - json.loads(value)["at"] > FORGET_AFTER_S]
         with client.pipeline(transaction=False) as pipe:

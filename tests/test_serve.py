@@ -64,14 +64,20 @@ def test_several_workers_without_a_configured_folder_get_a_private_one():
     assert serve.prepare_metrics_dir(1, {}) is None  # one process keeps its metrics in memory
 
 
-@pytest.mark.parametrize(("given", "expected"), [((), "--no-access-log"), (("--access-log",), "--access-log")])
-def test_uvicorns_access_line_is_off_unless_asked_for(monkeypatch, given, expected):
-    # The application logs each request itself (controlplane.access_log); uvicorn's line cost the gateway CPU.
+def _uvicorn_args(monkeypatch, given: tuple[str, ...]) -> list[str]:
+    """The arguments `controlplane.serve` hands uvicorn for `given`."""
     started = []
     monkeypatch.setattr(serve.uvicorn, "main", lambda args: started.append(args))
     monkeypatch.setattr(serve, "prepare_metrics_dir", lambda workers: None)
     serve.main(["--workers", "1", "--port", "0", *given])
     (args,) = started
+    return args
+
+
+@pytest.mark.parametrize(("given", "expected"), [((), "--no-access-log"), (("--access-log",), "--access-log")])
+def test_uvicorns_access_line_is_off_unless_asked_for(monkeypatch, given, expected):
+    # The application logs each request itself (controlplane.access_log); uvicorn's line cost the gateway CPU.
+    args = _uvicorn_args(monkeypatch, given)
     assert expected in args and ("--access-log" in args) != ("--no-access-log" in args)
 
 
@@ -80,9 +86,5 @@ def test_uvicorns_access_line_is_off_unless_asked_for(monkeypatch, given, expect
 def test_uvicorns_graceful_wait_is_bounded_unless_given(monkeypatch, given, expected):
     # After the gateway's drain (endpoints.gateway.drain) uvicorn waits for the connections left; by default for ever,
     # so the image's own command (which passes no bound) waited for an upload or a console request until SIGKILL.
-    started = []
-    monkeypatch.setattr(serve.uvicorn, "main", lambda args: started.append(args))
-    monkeypatch.setattr(serve, "prepare_metrics_dir", lambda workers: None)
-    serve.main(["--workers", "1", "--port", "0", *given])
-    (args,) = started
+    args = _uvicorn_args(monkeypatch, given)
     assert [arg for arg in args if arg.startswith("--timeout-graceful-shutdown")] == [expected]
