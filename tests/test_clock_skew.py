@@ -241,3 +241,15 @@ def test_a_gateway_clock_ahead_counts_the_other_gateways_cold_start_places(monke
         asyncio.run(give_up())
 
     assert refused.value.status == 429 and len(places) == 1
+
+
+def test_a_slow_reading_of_redis_clock_keeps_a_tighter_offset_and_a_contradicting_one_replaces_it(monkeypatch):
+    monkeypatch.setattr(clock, "_offset", clock._Offset())
+    clock.note_redis_time(100.0, 140.001, 100.002)  # 40 s behind Redis, read in 2 ms
+    clock.note_redis_time(200.0, 240.5, 201.0)  # a stalled loop: read in 1 s, agreeing
+    assert clock._offset.s == pytest.approx(40.0, abs=0.001)
+
+    clock.note_redis_time(300.0, 300.001, 300.002)  # the clock stepped: Redis's and this one agree now
+    assert clock._offset.s == pytest.approx(0.0, abs=0.001)
+    monkeypatch.setattr(time, "time", lambda: 1000.0)
+    assert clock.redis_now() == pytest.approx(1000.0, abs=0.001)
