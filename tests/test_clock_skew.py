@@ -345,6 +345,17 @@ def test_a_gateways_offset_to_redis_clock_holds_across_a_redis_restart(monkeypat
     assert reset_second == pytest.approx(reset_first, abs=1)
 
 
+def test_a_gateway_clock_behind_stamps_its_endpoints_recent_traffic_in_redis_time(monkeypatch, gateways):
+    # The tick lists endpoints with a request in the last day by Redis's clock; the gateway stamped them by its own.
+    endpoint = _idle_endpoint()
+    _turn_of_gateway(monkeypatch, endpoint, clock_off_by_s=-400, num_calls=1)
+
+    asyncio.run(presence.beat())  # the next beat writes the endpoint's last request
+
+    stamped = get_redis().zscore(redis_keys.RECENT_ENDPOINTS_KEY, str(endpoint.pk))
+    assert stamped == pytest.approx(redis_time(), abs=5)
+
+
 def test_a_slow_reading_of_redis_clock_keeps_a_tighter_offset_and_a_contradicting_one_replaces_it(monkeypatch):
     monkeypatch.setattr(clock, "_offset", clock._Offset())
     clock.note_redis_time(100.0, 140.001, 100.002)  # 40 s behind Redis, read in 2 ms
