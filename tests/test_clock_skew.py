@@ -35,6 +35,7 @@ from gpu_agent.protocol import NodeState, ReplicaState
 from tests.conftest import free_port, wait_until
 from tests.factories import OrganizationFactory
 from tests.gateway.conftest import serve_endpoint
+from tests.gateway.test_ratelimit_headers import reset_s
 from tests.test_placement import make_node
 
 # NOTE: a missing spend counter is rebuilt in a worker thread, which sees only committed rows.
@@ -300,14 +301,7 @@ def _turn_of_gateway(monkeypatch, endpoint, *, clock_off_by_s: float, num_calls:
         _clock_moved(gateway, clock_off_by_s)
         num_admitted, report = asyncio.run(turn())
         reset = dict(report.headers())[b"x-ratelimit-reset-requests"].decode()
-    return num_admitted, format_reset_seconds(reset)
-
-
-def format_reset_seconds(text: str) -> float:
-    """`x-ratelimit-reset-*` (Go's duration format, under a minute) in seconds."""
-    if text == "1m0s":
-        return 60.0
-    return int(text[:-2]) / 1000 if text.endswith("ms") else float(text[:-1])
+    return num_admitted, reset_s(reset)
 
 
 def test_two_gateways_with_clocks_40_s_apart_count_a_keys_requests_in_one_minute(monkeypatch, gateways):
