@@ -9,6 +9,10 @@ Beat and each worker compare their clock with Redis's when they start, beat agai
 and a worker whenever it drops a task as expired (`controlplane.celery_app`). Past `SKEW_ERROR_S` the process logs an
 ERROR; each records what it found in Redis (`CLOCK_SKEWS_KEY`), which `/metrics` reports as
 `inferplane_clock_skew_seconds` per process, for an alert.
+
+A gateway process needs Redis's clock on every request (the rate limits' minutes, `endpoints.gateway.limits`) and
+cannot spend a round trip on it: it keeps its offset to Redis's clock, read with `TIME` on each of its heartbeats
+(`read_offset`, `endpoints.gateway.presence`), and `redis_now` adds it to its own clock.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 
 import redis.exceptions
 
@@ -36,6 +41,47 @@ FORGET_AFTER_S = 86400.0  # a process not heard from for this long (gone) leaves
 
 class _Checked:
     at: float = float("-inf")  # when this process last checked (monotonic)
+
+
+@dataclass(slots=True)
+class _Offset:
+    s: float = 0.0  # Redis's clock minus this process's: 0 (this process's own) until first read
+    round_trip_s: float = float("inf")  # how long the reading it came from took: half of it bounds its error
+
+
+_offset = _Offset()
+
+
+def redis_now() -> float:
+    """Redis's clock, in Unix seconds, without a round trip: this process's own plus its offset to Redis's, as last
+    read (`note_redis_time`). Where the offset was never read, this process's own clock."""
+    return time.time() + _offset.s
+
+
+def note_redis_time(sent_at: float, redis_at: float, received_at: float) -> None:
+    """Redis's `TIME` (`redis_at`), read by a command sent at `sent_at` and answered at `received_at` (this process's
+    clock): the offset `redis_now` adds lies between `redis_at - received_at` and `redis_at - sent_at`.
+
+    NOTE: the offset kept is the one read in the shortest round trip, as long as every later reading agrees with it (a
+    stalled event loop answers late: its reading is loose, not wrong); one that cannot hold it (this process's clock
+    stepped or drifted, or Redis restarted on another server's clock, a failover) replaces it at once."""
+    round_trip_s = received_at - sent_at
+    if round_trip_s < 0:  # this process's clock stepped back while it waited: no bound on either side
+        return
+    agrees = redis_at - received_at <= _offset.s <= redis_at - sent_at
+    if not agrees or round_trip_s <= _offset.round_trip_s:
+        _offset.s = redis_at - (sent_at + received_at) / 2
+        _offset.round_trip_s = round_trip_s
+
+
+async def read_offset(client) -> None:
+    """Read Redis's clock (`TIME`, on the async `client`) for this process's offset to it (`redis_now`).
+
+    NOTE: a command of its own, in no pipeline: Redis Cluster's clients refuse TIME in one, and alone its round trip,
+    which bounds the offset's error, is the shortest."""
+    sent_at = time.time()
+    seconds, microseconds = await client.time()
+    note_redis_time(sent_at, seconds + microseconds / 1_000_000, time.time())
 
 
 def skew_s(client=None) -> tuple[float, float]:

@@ -17,22 +17,25 @@ from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+import redis.exceptions
 from celery.signals import task_revoked
 from django.utils import timezone
 
 from billing.quota import reads, sweeper
-from controlplane import clock, redis_keys
+from controlplane import clock, embedded, redis_keys
 from controlplane.redis_client import get_async_redis, get_redis, redis_time
 from controlplane.tasks import ping
 from endpoints import scheduler
 from endpoints.gateway import admission, cold_start, errors, metrics, presence
 from endpoints.gateway.auth import Caller
+from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.conftest import free_port, wait_until
 from tests.factories import OrganizationFactory
 from tests.gateway.conftest import serve_endpoint
+from tests.gateway.test_ratelimit_headers import reset_s
 from tests.test_placement import make_node
 
 # NOTE: a missing spend counter is rebuilt in a worker thread, which sees only committed rows.
@@ -241,3 +244,119 @@ def test_a_gateway_clock_ahead_counts_the_other_gateways_cold_start_places(monke
         asyncio.run(give_up())
 
     assert refused.value.status == 429 and len(places) == 1
+
+
+# --- the rate limits' minutes: Redis's, whichever gateway counts ---------------------------------------------------
+
+REQUESTS_PER_MINUTE = 3
+
+
+@pytest.fixture
+def gateways(monkeypatch):
+    """Gateway processes taking turns in this one (`_turn_of_gateway`), each beating as its turn begins: it reads its
+    offset to Redis's clock, as a process does when it starts and on every beat after."""
+    monkeypatch.setattr(presence, "serving", {})
+    monkeypatch.setattr(presence, "unfinished", set())
+    monkeypatch.setattr(presence, "_repair", presence._Repair())
+    yield
+    asyncio.run(presence.beat())  # NOTE: this process's offset read again on its own clock, for the tests after
+
+
+def _way_to_another_minute() -> int:
+    """Once 5 to 45 s into a minute (15 s of it left at least): 1 if a clock 40 s or 50 s ahead of Redis's is in
+    another minute than Redis's, -1 if one behind is."""
+    wait_until(lambda: 5 <= redis_time() % 60 <= 45, 45, message="a moment 5 to 45 s into a minute")
+    return -1 if redis_time() % 60 < 30 else 1
+
+
+def _limited_caller(endpoint) -> Caller:
+    return Caller(organization_id=endpoint.organization_id, api_key_id=None, user_id=7, can_infer=True,
+                  requests_per_minute=REQUESTS_PER_MINUTE, tokens_per_minute=None)
+
+
+def _turn_of_gateway(monkeypatch, endpoint, *, clock_off_by_s: float, num_calls: int) -> tuple[int, float]:
+    """A gateway whose clock is `clock_off_by_s` from Redis's beats, then makes `num_calls` calls of the limited
+    caller: how many it admitted, and the `x-ratelimit-reset-requests` of its last answer (seconds)."""
+    caller = _limited_caller(endpoint)
+    replica_id = str(Replica.objects.get(endpoint=endpoint).pk)
+
+    async def turn() -> tuple[int, RateLimitReport]:
+        await presence.beat()
+        num_admitted, report = 0, RateLimitReport()
+        for _ in range(num_calls):
+            report = RateLimitReport()
+            try:
+                admitted = await admission.admit(caller=caller, endpoint_id=str(endpoint.pk), report=report,
+                                                 request_id=uuid.uuid4().hex, amount=Decimal("0.01"), num_tokens=20,
+                                                 candidates=[replica_id])
+            except errors.OpenAIError as refused:
+                assert refused.status == 429
+                continue
+            num_admitted += 1
+            await admission.finish(caller=caller, endpoint_id=str(endpoint.pk), admission=admitted,
+                                   release=replica_id, num_tokens=20, cost=Decimal("0.001"))
+        return num_admitted, report
+
+    with monkeypatch.context() as gateway:
+        _clock_moved(gateway, clock_off_by_s)
+        num_admitted, report = asyncio.run(turn())
+        reset = dict(report.headers())[b"x-ratelimit-reset-requests"].decode()
+    return num_admitted, reset_s(reset)
+
+
+def test_two_gateways_with_clocks_40_s_apart_count_a_keys_requests_in_one_minute(monkeypatch, gateways):
+    # Each gateway took the minute from its own clock: two 40 s apart counted the same moment's calls in two minutes'
+    # counters, so a key limited to 3 requests a minute had 3 admitted by each, and their reset headers disagreed.
+    endpoint = _idle_endpoint()
+    way = _way_to_another_minute()
+    num_first, reset_first = _turn_of_gateway(monkeypatch, endpoint, clock_off_by_s=0, num_calls=3)
+    num_second, reset_second = _turn_of_gateway(monkeypatch, endpoint, clock_off_by_s=40 * way, num_calls=3)
+
+    assert (num_first, num_second) == (REQUESTS_PER_MINUTE, 0)
+    assert reset_second == pytest.approx(reset_first, abs=1)
+    assert reset_first == pytest.approx(60 - redis_time() % 60, abs=1)
+
+
+def test_a_gateways_offset_to_redis_clock_holds_across_a_redis_restart(monkeypatch, gateways):
+    # The offset is read again on every beat: a gateway whose clock stepped while Redis was down (NTP, a VM resumed)
+    # counts in Redis's minute once Redis is back, as before it went.
+    endpoint = _idle_endpoint()
+    way = _way_to_another_minute()
+    assert _turn_of_gateway(monkeypatch, endpoint, clock_off_by_s=40 * way, num_calls=2)[0] == 2
+
+    embedded.stop_redis()
+    try:
+        with monkeypatch.context() as gateway, pytest.raises(redis.exceptions.ConnectionError):
+            _clock_moved(gateway, 50 * way)
+            asyncio.run(presence.beat())  # Redis down: the beat fails, the offset it had stands
+    finally:
+        embedded.ensure_redis()
+
+    num_second, reset_second = _turn_of_gateway(monkeypatch, endpoint, clock_off_by_s=50 * way, num_calls=2)
+    num_first, reset_first = _turn_of_gateway(monkeypatch, endpoint, clock_off_by_s=0, num_calls=2)
+
+    assert (num_second, num_first) == (1, 0)  # 3 in Redis's minute, whichever gateway counted them
+    assert reset_second == pytest.approx(reset_first, abs=1)
+
+
+def test_a_gateway_clock_behind_stamps_its_endpoints_recent_traffic_in_redis_time(monkeypatch, gateways):
+    # The tick lists endpoints with a request in the last day by Redis's clock; the gateway stamped them by its own.
+    endpoint = _idle_endpoint()
+    _turn_of_gateway(monkeypatch, endpoint, clock_off_by_s=-400, num_calls=1)
+
+    asyncio.run(presence.beat())  # the next beat writes the endpoint's last request
+
+    stamped = get_redis().zscore(redis_keys.RECENT_ENDPOINTS_KEY, str(endpoint.pk))
+    assert stamped == pytest.approx(redis_time(), abs=5)
+
+
+def test_a_slow_reading_of_redis_clock_keeps_a_tighter_offset_and_a_contradicting_one_replaces_it(monkeypatch):
+    monkeypatch.setattr(clock, "_offset", clock._Offset())
+    clock.note_redis_time(100.0, 140.001, 100.002)  # 40 s behind Redis, read in 2 ms
+    clock.note_redis_time(200.0, 240.5, 201.0)  # a stalled loop: read in 1 s, agreeing
+    assert clock._offset.s == pytest.approx(40.0, abs=0.001)
+
+    clock.note_redis_time(300.0, 300.001, 300.002)  # the clock stepped: Redis's and this one agree now
+    assert clock._offset.s == pytest.approx(0.0, abs=0.001)
+    monkeypatch.setattr(time, "time", lambda: 1000.0)
+    assert clock.redis_now() == pytest.approx(1000.0, abs=0.001)

@@ -1,7 +1,13 @@
 """Per-key rate limits: requests and tokens per minute, atomic in Redis across gateway processes.
 
-Fixed one-minute windows. A key (or console session) that sets no limit of its own gets the
-platform's (`INFERPLANE_DEFAULT_KEY_RPM`, `INFERPLANE_DEFAULT_KEY_TPM`); 0 means none.
+Fixed one-minute windows of Redis's clock: each gateway process counts a request in the minute that
+`controlplane.clock.redis_now` says (its own clock plus its offset to Redis's, read on every heartbeat),
+so gateways whose clocks are tens of seconds apart count the same moment's requests in the same minute's
+counters. Before, each took the minute from its own clock: with two gateways 40 s apart, a key limited
+to N requests a minute had N admitted by each, and their `x-ratelimit-reset-*` headers disagreed.
+
+A key (or console session) that sets no limit of its own gets the platform's
+(`INFERPLANE_DEFAULT_KEY_RPM`, `INFERPLANE_DEFAULT_KEY_TPM`); 0 means none.
 
 Tokens are reserved before the call, not counted after it: admission adds the request's worst
 case (its prompt estimate plus every output token it may ask for) to the minute's token counter in
@@ -13,12 +19,11 @@ ends, the part it did not use is given back to the minute it was admitted in.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
 from django.conf import settings
 
-from controlplane import redis_keys
+from controlplane import clock, redis_keys
 from controlplane.script_parts import ScriptPart
 from endpoints.gateway import errors
 
@@ -100,7 +105,7 @@ class Window:
             requests_per_minute = settings.DEFAULT_KEY_REQUESTS_PER_MINUTE
         if tokens_per_minute is None:
             tokens_per_minute = settings.DEFAULT_KEY_TOKENS_PER_MINUTE
-        now = time.time()
+        now = clock.redis_now()  # NOTE: every gateway's minutes are Redis's: see the module's docstring
         minute = int(now // 60)
         requests_key, tokens_key = _window_keys(organization_id, subject, minute)
         return cls(requests_key, tokens_key, requests_per_minute, tokens_per_minute, int((minute + 1) * 60 - now) + 1,

@@ -1,6 +1,7 @@
 """Gateway processes' heartbeats, and what happens to the requests of one that dies or that Redis forgot.
 
-Each gateway process refreshes `gw:alive:<gateway>` (TTL `ALIVE_TTL_S`) every `BEAT_S`; its
+Each gateway process refreshes `gw:alive:<gateway>` (TTL `ALIVE_TTL_S`) every `BEAT_S`, and reads
+Redis's clock for its offset to it (`controlplane.clock.redis_now`: the rate limits' minutes); its
 requests sit in one hash per organisation, `gw:{org:<id>}:requests:<gateway>` (written by the
 admission and finish scripts, `endpoints.gateway.traffic`), each listed in `gw:gateways`. The beat
 also writes the endpoints it served since the last one to `gw:recent_endpoints`. Two repairs follow:
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from billing.quota import counters
-from controlplane import redis_keys
+from controlplane import clock, redis_keys
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_scripts import Script
@@ -247,6 +248,10 @@ async def beat(*, web: bool = False) -> None:
         for endpoint_id in recent:
             traffic.note_recent(endpoint_id)  # the next beat writes them
         raise
+    try:
+        await clock.read_offset(redis)
+    except Exception as exc:  # noqa: BLE001 - the offset last read stands until the next beat reads it
+        logger.warning("gateway %s: could not read Redis's clock: %r", gateway, exc)
     if was_alive is None:
         _repair.due = True
     if _repair.due:

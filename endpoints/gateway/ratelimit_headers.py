@@ -5,8 +5,9 @@ this minute, and when they reset.
     x-ratelimit-limit-tokens   / -remaining-tokens   / -reset-tokens
 
 The limits are the key's own (or, where it sets none, the platform's: `endpoints.gateway.limits`),
-counted in fixed one-minute windows, so both resets are the time to the end of the current minute,
-written as OpenAI writes them (Go's duration format: `20ms`, `1s`, `6.5s`, `1m0s`). Tokens
+counted in fixed one-minute windows of Redis's clock, so both resets are the time to the end of the
+current minute, the same from every gateway, written as OpenAI writes them (Go's duration format:
+`20ms`, `1s`, `6.5s`, `1m0s`). Tokens
 remaining count what running requests have reserved (their worst case) until they end.
 
 Where the numbers come from:
@@ -24,9 +25,9 @@ headers for it: a client reads their absence as "no limit". When Redis cannot be
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
+from controlplane.clock import redis_now
 from controlplane.redis_client import get_async_redis
 from endpoints.gateway import limits
 from endpoints.gateway.auth import Caller
@@ -105,7 +106,7 @@ class RateLimitReport:
     def headers(self) -> list[tuple[bytes, bytes]]:
         """The `x-ratelimit-*` headers, raw, for an ASGI response."""
         raw: list[tuple[bytes, bytes]] = []
-        reset = format_reset(self.resets_at - time.time()).encode()
+        reset = format_reset(self.resets_at - redis_now()).encode()  # `resets_at` is Redis's clock
         for name, limit, used in (("requests", self.requests_per_minute, self.num_requests),
                                   ("tokens", self.tokens_per_minute, self.num_tokens)):
             if not limit:

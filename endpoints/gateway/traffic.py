@@ -28,10 +28,9 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import time
 import uuid
 
-from controlplane import redis_keys
+from controlplane import clock, redis_keys
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import (
     GATEWAYS_KEY,
@@ -204,7 +203,7 @@ def note_recent(endpoint_id: str) -> None:
     global _recent
     if _recent[0] != os.getpid():
         _recent = (os.getpid(), {})
-    _recent[1][endpoint_id] = time.time()
+    _recent[1][endpoint_id] = clock.redis_now()  # the tick compares it with Redis's clock
 
 
 def take_recent() -> dict[str, float]:
