@@ -410,8 +410,8 @@ def make_scratch_folder(data_dir: Path, replica_id: str) -> Path:
     """A new folder of one launch of `replica_id` (its HOME and TMPDIR), private to the agent's user, that names its
     agent, and whose name names the replica.
 
-    NOTE: short, in the system's temporary folder rather than the data dir: vLLM's processes talk over Unix
-    sockets made in TMPDIR, whose paths may be at most 107 bytes.
+    NOTE: short, in the system's temporary folder rather than the data dir: below Landlock ABI 6, vLLM's processes
+    talk over Unix sockets made here (`rpc_base_path`), whose paths may be at most 107 bytes.
     """
     folder = Path(tempfile.mkdtemp(prefix=_scratch_prefix(replica_id)))
     (folder / SCRATCH_OWNER_FILE).write_text(str(data_dir))
