@@ -12,12 +12,15 @@ What an engine may do (`rules`):
 - read and execute the system (/usr, /lib*, /bin, /sbin, /opt), Python's prefixes and the venv, and the agent's
   own package; read /proc and /sys, and each entry of /etc but the agent's settings (`ETC_LEFT_OUT`);
 - read its model's folder, its draft model's, and the folder its LoRA adapters are staged in;
-- read and write its own folders: a scratch folder made for each launch (HOME, TMPDIR: vLLM's sockets between
-  its processes go there) and its endpoint's cache folder (`engine_folder_env`);
+- read and write its own folders: a scratch folder made for each launch (HOME, TMPDIR) and its endpoint's cache
+  folder (`engine_folder_env`);
 - read, write and ioctl the device nodes a GPU needs (`DEVICE_NODES`, `DEVICE_FOLDERS`), and create, open
   and remove files in /dev/shm, which it cannot list: the names there are random, so another engine's
   segments are out of reach without a listing;
-- signal and connect to abstract Unix sockets only within its own processes (Landlock's scopes, ABI 6).
+- signal and connect to abstract Unix sockets only within its own processes (Landlock's scopes, ABI 6). vLLM's
+  ZeroMQ sockets between its processes are made abstract there (`rpc_base_path`), so no other engine reaches
+  them: Landlock does not govern connecting to a socket bound to a path, and below ABI 6 they are bound in the
+  scratch folder, where another engine that learns their paths (`/proc/net/unix`) connects to them.
 
 What stays shared, and why: vLLM's facts about its own model classes (`<VLLM_CACHE_ROOT>/modelinfos`, written
 by the zygote before any engine starts and keyed by the hash of vLLM's code, not by anything a tenant names)
@@ -407,8 +410,8 @@ def make_scratch_folder(data_dir: Path, replica_id: str) -> Path:
     """A new folder of one launch of `replica_id` (its HOME and TMPDIR), private to the agent's user, that names its
     agent, and whose name names the replica.
 
-    NOTE: short, in the system's temporary folder rather than the data dir: vLLM's processes talk over Unix
-    sockets made in TMPDIR, whose paths may be at most 107 bytes.
+    NOTE: short, in the system's temporary folder rather than the data dir: below Landlock ABI 6, vLLM's processes
+    talk over Unix sockets made here (`rpc_base_path`), whose paths may be at most 107 bytes.
     """
     folder = Path(tempfile.mkdtemp(prefix=_scratch_prefix(replica_id)))
     (folder / SCRATCH_OWNER_FILE).write_text(str(data_dir))
@@ -453,14 +456,37 @@ def prepare_cache_folder(cache_dir: Path, shared_cache_root: Path) -> None:
         link.symlink_to(shared_cache_root / "modelinfos", target_is_directory=True)
 
 
+# The start of vLLM's IPC sockets' base in the abstract namespace (`rpc_base_path`).
+ABSTRACT_SOCKET_PREFIX = "@inferplane-"
+
+
+def rpc_base_path(scratch_dir: Path) -> str:
+    """Where one launch's vLLM makes the ZeroMQ `ipc://` sockets between its processes (`VLLM_RPC_BASE_PATH`).
+
+    Where Landlock scopes abstract Unix sockets (ABI 6), an abstract name of this launch (`@inferplane-<digest of its
+    scratch folder>`, which libzmq binds in the abstract namespace): another engine, in its own Landlock domain, is
+    refused connecting to it. Below, the scratch folder: Landlock does not govern connecting to a socket bound to a
+    path, so another engine that learns its path (`/proc/net/unix` lists them) reaches it.
+
+    NOTE: an abstract socket has no file permissions: a process of another Unix user in the node's network namespace,
+    and not confined, may connect to it, where the scratch folder (0700, under the agent's private /tmp) kept it out.
+    vLLM's `make_zmq_listener` binds with Python's socket module, which takes "@" as a folder's name; only `vllm serve`
+    with several API servers uses it, and an engine runs one (`engine_main`, the standby's handoff).
+    """
+    if scopes(landlock_abi()[0]) & SCOPE_ABSTRACT_UNIX_SOCKET:
+        return ABSTRACT_SOCKET_PREFIX + hashlib.sha256(str(scratch_dir).encode()).hexdigest()[:16]
+    return str(scratch_dir)
+
+
 def engine_folder_env(scratch_dir: Path, cache_dir: Path) -> dict[str, str]:
-    """Where an engine's programs write: its scratch folder, and its endpoint's caches."""
+    """Where an engine's programs write: its scratch folder, and its endpoint's caches; and where vLLM's processes
+    talk (`rpc_base_path`)."""
     scratch, cache = str(scratch_dir), str(cache_dir)
     return {
         "HOME": scratch, "TMPDIR": scratch, "TMP": scratch, "TEMP": scratch,
         "XDG_CACHE_HOME": cache, "XDG_CONFIG_HOME": os.path.join(scratch, ".config"),
         "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"), "VLLM_CONFIG_ROOT": os.path.join(scratch, ".config", "vllm"),
-        "VLLM_RPC_BASE_PATH": scratch,
+        "VLLM_RPC_BASE_PATH": rpc_base_path(scratch_dir),
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "torchinductor"),
         "FLASHINFER_WORKSPACE_BASE": cache,
         "TRITON_CACHE_DIR": os.path.join(cache, "triton"),

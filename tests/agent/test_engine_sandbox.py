@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from gpu_agent.protocol import RegisterRequest, ReplicaState
@@ -116,9 +119,9 @@ def test_the_node_says_what_confines_its_engines_when_it_registers():
 # --- A confined process -----------------------------------------------------------------------------------
 
 
-def run_confined(tmp_path: Path, policy: SandboxPolicy, body: str) -> dict:
-    """Run `body` in a fresh Python after `sandbox.apply(policy)`; it fills `seen` with what it could do."""
-    script = (
+def confined_script(body: str) -> str:
+    """`body` after `sandbox.apply` of the policy in argv[1], with `attempt` to fill `seen` with what it could do."""
+    return (
         textwrap.dedent("""
         import json, os, signal, sys
         from gpu_agent.runtime import process, sandbox
@@ -132,8 +135,12 @@ def run_confined(tmp_path: Path, policy: SandboxPolicy, body: str) -> dict:
         + textwrap.dedent(body)
         + "\nprint(json.dumps(seen))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script, policy.to_json()], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).parents[2])  # fmt: skip
+
+
+def run_confined(tmp_path: Path, policy: SandboxPolicy, body: str, env: dict[str, str] | None = None) -> dict:
+    """Run `body` in a fresh Python after `sandbox.apply(policy)`; it fills `seen` with what it could do."""
+    done = subprocess.run([sys.executable, "-c", confined_script(body), policy.to_json()], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).parents[2], env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -203,6 +210,90 @@ def test_a_confined_process_cannot_signal_a_process_outside_but_signals_its_own_
     finally:
         outside.kill()
         outside.wait()
+
+
+def confined_as_an_engine(tmp_path: Path, name: str) -> tuple[SandboxPolicy, dict[str, str]]:
+    """The policy and environment the supervisor gives one launch (`Supervisor._confined`), with its own folders."""
+    scratch = sandbox.make_scratch_folder(tmp_path / "agent", f"r-{name}")
+    cache = tmp_path / "engine-caches" / name
+    cache.mkdir(parents=True)
+    policy = policy_for(tmp_path, model_dirs=[], own_dirs=[scratch, cache])
+    return policy, {**os.environ, **sandbox.engine_folder_env(scratch, cache)}
+
+
+@pytest.mark.skipif(LANDLOCK_ABI < 6, reason="Landlock scopes abstract Unix sockets from ABI 6")
+def test_a_confined_engine_cannot_reach_another_engines_vllm_sockets_and_its_own_processes_still_do(tmp_path):
+    # vLLM's processes talk over unauthenticated ZeroMQ `ipc://` sockets. Bound to a path in the scratch folder, they
+    # were open to every engine on the node (Landlock does not govern connecting to a path's socket, and
+    # /proc/net/unix lists them): one tenant's engine could send requests into another's, or read its outputs.
+    policy_b, env_b = confined_as_an_engine(tmp_path, "b")
+    policy_a, env_a = confined_as_an_engine(tmp_path, "a")
+    engine_b = confined_script("""
+        import subprocess, zmq
+        from vllm.utils.network_utils import get_open_zmq_ipc_path
+        address = get_open_zmq_ipc_path()
+        server = zmq.Context().socket(zmq.REP)
+        server.bind(address)
+        client = ("import zmq; client = zmq.Context().socket(zmq.REQ); client.setsockopt(zmq.RCVTIMEO, 10000); "
+                  f"client.connect({address!r}); client.send(b'own process'); print(client.recv().decode())")
+        child = subprocess.Popen([sys.executable, "-c", client], stdout=subprocess.PIPE, text=True)
+        server.setsockopt(zmq.RCVTIMEO, 10000)
+        received = [server.recv().decode()]
+        server.send(b"answered")
+        seen["own_child"] = child.communicate(timeout=30)[0].strip()
+        print(address, flush=True)
+        sys.stdin.read()  # until the other engine has tried
+        while server.poll(500):
+            received.append(server.recv().decode())
+            server.send(b"answered")
+        seen["received"] = received
+    """)
+    b = subprocess.Popen([sys.executable, "-c", engine_b, policy_b.to_json()], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env_b, cwd=Path(__file__).parents[2])  # fmt: skip
+    try:
+        address = b.stdout.readline().strip()
+        assert address.startswith("ipc://"), address
+        seen = run_confined(
+            tmp_path,
+            policy_a,
+            f"""
+            import socket, zmq
+            name = {address!r}.removeprefix("ipc://")
+            raw = socket.socket(socket.AF_UNIX)
+            attempt("connect", lambda: raw.connect("\\0" + name[1:] if name.startswith("@") else name))
+            intruder = zmq.Context().socket(zmq.REQ)
+            intruder.setsockopt(zmq.RCVTIMEO, 2000)
+            intruder.setsockopt(zmq.LINGER, 0)
+            intruder.connect({address!r})
+            intruder.send(b"another engine")
+            try:
+                seen["answer"] = intruder.recv().decode()
+            except zmq.Again:
+                seen["answer"] = None
+            """,
+            env=env_a,
+        )
+        b_seen = json.loads(b.communicate(timeout=60)[0].splitlines()[-1])
+    finally:
+        b.kill()
+        b.wait()
+        for env in (env_a, env_b):
+            shutil.rmtree(env["TMPDIR"], ignore_errors=True)
+    assert b_seen["own_child"] == "answered"  # the engine's own processes still talk
+    assert seen["connect"] == "refused: Operation not permitted" and seen["answer"] is None
+    assert b_seen["received"] == ["own process"]
+
+
+def test_vllms_sockets_are_abstract_where_landlock_scopes_them_and_in_the_scratch_folder_below(
+    tmp_path, monkeypatch
+):
+    scratch, other = tmp_path / "inferplane-engine-1", tmp_path / "inferplane-engine-2"
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: (6, ""))
+    base = sandbox.engine_folder_env(scratch, tmp_path)["VLLM_RPC_BASE_PATH"]
+    assert base.startswith(sandbox.ABSTRACT_SOCKET_PREFIX) and base != sandbox.rpc_base_path(other)
+    assert len(f"{base}/{uuid.uuid4()}".encode()) <= 108  # sun_path's size ("@" stands for its leading NUL)
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: (5, ""))
+    assert sandbox.engine_folder_env(scratch, tmp_path)["VLLM_RPC_BASE_PATH"] == str(scratch)
 
 
 def confine_from_environment(mode: SandboxMode, landlock_missing: bool) -> subprocess.CompletedProcess:
@@ -420,6 +511,41 @@ def no_new_privileges(pid: int) -> bool:
     return "NoNewPrivs:\t1" in status
 
 
+def unix_socket_names(processes) -> set[str]:
+    """The names of the Unix sockets `processes` hold open ("@..." abstract, "/..." bound to a path)."""
+    inodes = set()
+    for found in processes:
+        for fd in Path(f"/proc/{found.pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    names = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 8 and fields[6] in inodes:
+            names.add(fields[7])
+    return names
+
+
+def engine_processes(replica) -> list[psutil.Process]:
+    """The API server, its EngineCore and worker; the reaper above them is the agent's, and stays unconfined."""
+    top = psutil.Process(replica.pid)
+    found = [top, *top.children(recursive=True)]
+    return [process for process in found if "reaper" not in " ".join(process.cmdline())]
+
+
+def assert_only_abstract_sockets_of_its_own(replica) -> None:
+    # NOTE: a socket bound to a path is reachable by every engine on the node (Landlock does not govern connecting to
+    # it); an abstract one only from the engine's own Landlock domain.
+    base = replica.command.env["VLLM_RPC_BASE_PATH"]
+    names = unix_socket_names(engine_processes(replica))
+    assert base.startswith(sandbox.ABSTRACT_SOCKET_PREFIX) and names
+    assert all(name.startswith(base + "/") for name in names), names
+
+
 @pytest.mark.vllm
 @needs_landlock
 def test_an_engine_started_plainly_serves_while_confined(tmp_path, tiny_model_dir):
@@ -436,6 +562,8 @@ def test_an_engine_started_plainly_serves_while_confined(tmp_path, tiny_model_di
             found for found in processes_with_marker("r-plain") if "reaper" not in " ".join(found.cmdline())
         ]
         assert len(engines) >= 2 and all(no_new_privileges(found.pid) for found in engines)
+        if LANDLOCK_ABI >= 6:
+            assert_only_abstract_sockets_of_its_own(replica)
     finally:
         supervisor.shutdown(timeout_s=20)
 
@@ -453,6 +581,8 @@ def test_an_engine_forked_by_the_zygote_serves_confined_and_reads_no_adapter_out
     with serve_engine(engine_node, spec, tiny_model_dir) as replica:
         assert replica.from_standby and complete(replica)["usage"]["completion_tokens"] == 4
         assert confinement_line(replica).startswith(f"{sandbox.APPLIED_LINE} landlock abi {LANDLOCK_ABI}")
+        if LANDLOCK_ABI >= 6:
+            assert_only_abstract_sockets_of_its_own(replica)
         slots = AdapterSlots(replica.address, spec.engine_api_key, max_loras=1)
         # NOTE: what the agent's own loads go through (`ReplicaAdapters`): a copy in the engine's folder.
         slots.ensure("staged", engine_node.stage_adapter(spec.replica_id, outside))
