@@ -460,25 +460,27 @@ def prepare_cache_folder(cache_dir: Path, shared_cache_root: Path) -> None:
 ABSTRACT_SOCKET_PREFIX = "@inferplane-"
 
 
-def rpc_base_path(scratch_dir: Path) -> str:
+def rpc_base_path(scratch_dir: Path, mode: SandboxMode) -> str:
     """Where one launch's vLLM makes the ZeroMQ `ipc://` sockets between its processes (`VLLM_RPC_BASE_PATH`).
 
-    Where Landlock scopes abstract Unix sockets (ABI 6), an abstract name of this launch (`@inferplane-<digest of its
+    Where the engine is to be confined (`mode` not off) and Landlock scopes abstract Unix sockets (ABI 6), an abstract
+    name of this launch (`@inferplane-<digest of its
     scratch folder>`, which libzmq binds in the abstract namespace): another engine, in its own Landlock domain, is
     refused connecting to it. Below, the scratch folder: Landlock does not govern connecting to a socket bound to a
-    path, so another engine that learns its path (`/proc/net/unix` lists them) reaches it.
+    path, so another engine that learns its path (`/proc/net/unix` lists them) reaches it. An engine left unconfined
+(the mode off) keeps the scratch folder too: nothing would scope an abstract name.
 
     NOTE: an abstract socket has no file permissions: a process of another Unix user in the node's network namespace,
     and not confined, may connect to it, where the scratch folder (0700, under the agent's private /tmp) kept it out.
     vLLM's `make_zmq_listener` binds with Python's socket module, which takes "@" as a folder's name; only `vllm serve`
     with several API servers uses it, and an engine runs one (`engine_main`, the standby's handoff).
     """
-    if scopes(landlock_abi()[0]) & SCOPE_ABSTRACT_UNIX_SOCKET:
+    if mode is not SandboxMode.OFF and scopes(landlock_abi()[0]) & SCOPE_ABSTRACT_UNIX_SOCKET:
         return ABSTRACT_SOCKET_PREFIX + hashlib.sha256(str(scratch_dir).encode()).hexdigest()[:16]
     return str(scratch_dir)
 
 
-def engine_folder_env(scratch_dir: Path, cache_dir: Path) -> dict[str, str]:
+def engine_folder_env(scratch_dir: Path, cache_dir: Path, mode: SandboxMode) -> dict[str, str]:
     """Where an engine's programs write: its scratch folder, and its endpoint's caches; and where vLLM's processes
     talk (`rpc_base_path`)."""
     scratch, cache = str(scratch_dir), str(cache_dir)
@@ -486,7 +488,7 @@ def engine_folder_env(scratch_dir: Path, cache_dir: Path) -> dict[str, str]:
         "HOME": scratch, "TMPDIR": scratch, "TMP": scratch, "TEMP": scratch,
         "XDG_CACHE_HOME": cache, "XDG_CONFIG_HOME": os.path.join(scratch, ".config"),
         "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"), "VLLM_CONFIG_ROOT": os.path.join(scratch, ".config", "vllm"),
-        "VLLM_RPC_BASE_PATH": rpc_base_path(scratch_dir),
+        "VLLM_RPC_BASE_PATH": rpc_base_path(scratch_dir, mode),
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "torchinductor"),
         "FLASHINFER_WORKSPACE_BASE": cache,
         "TRITON_CACHE_DIR": os.path.join(cache, "triton"),

@@ -521,7 +521,7 @@ class Supervisor:
             self.sandbox_mode, model_dirs=model_dirs, own_dirs=[scratch_dir, cache_dir],
             shared_read=[shared_cache / "modelinfos"],
         )  # fmt: skip
-        env = {**command.env, **sandbox.engine_folder_env(scratch_dir, cache_dir), sandbox.POLICY_ENV: policy.to_json()}
+        env = {**command.env, **sandbox.engine_folder_env(scratch_dir, cache_dir, self.sandbox_mode), sandbox.POLICY_ENV: policy.to_json()}
         return dataclasses.replace(command, env=env)
 
     def _drop_scratch(self, replica_id: str) -> None:

@@ -218,7 +218,7 @@ def confined_as_an_engine(tmp_path: Path, name: str) -> tuple[SandboxPolicy, dic
     cache = tmp_path / "engine-caches" / name
     cache.mkdir(parents=True)
     policy = policy_for(tmp_path, model_dirs=[], own_dirs=[scratch, cache])
-    return policy, {**os.environ, **sandbox.engine_folder_env(scratch, cache)}
+    return policy, {**os.environ, **sandbox.engine_folder_env(scratch, cache, policy.mode)}
 
 
 @pytest.mark.skipif(LANDLOCK_ABI < 6, reason="Landlock scopes abstract Unix sockets from ABI 6")
@@ -289,11 +289,14 @@ def test_vllms_sockets_are_abstract_where_landlock_scopes_them_and_in_the_scratc
 ):
     scratch, other = tmp_path / "inferplane-engine-1", tmp_path / "inferplane-engine-2"
     monkeypatch.setattr(sandbox, "landlock_abi", lambda: (6, ""))
-    base = sandbox.engine_folder_env(scratch, tmp_path)["VLLM_RPC_BASE_PATH"]
-    assert base.startswith(sandbox.ABSTRACT_SOCKET_PREFIX) and base != sandbox.rpc_base_path(other)
+    base = sandbox.engine_folder_env(scratch, tmp_path, SandboxMode.BEST_EFFORT)["VLLM_RPC_BASE_PATH"]
+    assert base.startswith(sandbox.ABSTRACT_SOCKET_PREFIX)
+    assert base != sandbox.rpc_base_path(other, SandboxMode.REQUIRED)
     assert len(f"{base}/{uuid.uuid4()}".encode()) <= 108  # sun_path's size ("@" stands for its leading NUL)
+    # an engine left unconfined: no scope would guard an abstract name
+    assert sandbox.engine_folder_env(scratch, tmp_path, SandboxMode.OFF)["VLLM_RPC_BASE_PATH"] == str(scratch)
     monkeypatch.setattr(sandbox, "landlock_abi", lambda: (5, ""))
-    assert sandbox.engine_folder_env(scratch, tmp_path)["VLLM_RPC_BASE_PATH"] == str(scratch)
+    assert sandbox.engine_folder_env(scratch, tmp_path, SandboxMode.BEST_EFFORT)["VLLM_RPC_BASE_PATH"] == str(scratch)
 
 
 def confine_from_environment(mode: SandboxMode, landlock_missing: bool) -> subprocess.CompletedProcess:
