@@ -78,6 +78,7 @@ class Agent:
             zygote=config.zygote,
             engine_ports=config.engine_ports,
             sandbox_mode=config.engine_sandbox,
+            disk_bounds=config.engine_disk,
             on_ready=lambda _replica_id: self._wake.set(),
             on_stopped=lambda _replica_id: self._wake.set(),
         )

@@ -13,6 +13,12 @@ import threading
 from pathlib import Path
 
 from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
+from gpu_agent.runtime.engine_disk import (
+    DEFAULT_ENGINE_CACHE_BYTES,
+    DEFAULT_ENGINE_CACHE_MAX_AGE_S,
+    DEFAULT_ENGINE_MAX_BYTES,
+    EngineDiskBounds,
+)
 from gpu_agent.runtime.sandbox import DEFAULT_MODE, MODE_ENV, SandboxMode, parse_mode
 
 
@@ -89,6 +95,26 @@ def _parser() -> argparse.ArgumentParser:
         type=_sandbox_mode,
         help="confine each engine with Landlock: required (a replica fails where the kernel cannot), best-effort"
         " (engines run unconfined there, as the node's facts say) or off",
+    )
+    run.add_argument(
+        "--engine-disk-gb",
+        default=os.environ.get("INFERPLANE_AGENT_ENGINE_DISK_GB", str(DEFAULT_ENGINE_MAX_BYTES / 1e9)),
+        type=_positive_float,
+        help="the most one running engine may keep in its scratch folder and its endpoint's cache folder together"
+        " (default 20); past it its replica fails and both are emptied",
+    )
+    run.add_argument(
+        "--engine-cache-gb",
+        default=os.environ.get("INFERPLANE_AGENT_ENGINE_CACHE_GB", str(DEFAULT_ENGINE_CACHE_BYTES / 1e9)),
+        type=_positive_float,
+        help="the most all endpoints' engine cache folders may take together (default 50); past it those of endpoints"
+        " with no replica here go, least recently used first",
+    )
+    run.add_argument(
+        "--engine-cache-days",
+        default=os.environ.get("INFERPLANE_AGENT_ENGINE_CACHE_DAYS", str(DEFAULT_ENGINE_CACHE_MAX_AGE_S / 86400)),
+        type=_positive_float,
+        help="an endpoint's engine cache folder unused this long goes (default 14)",
     )
     run.add_argument("--log-level", default=os.environ.get("INFERPLANE_AGENT_LOG_LEVEL", "INFO"))
 
@@ -184,9 +210,19 @@ def main(argv: list[str] | None = None) -> int:
         zygote=args.zygote,
         min_download_bytes_per_s=args.min_download_kib_per_s * 1024,
         engine_sandbox=args.engine_sandbox,
+        engine_disk=engine_disk_bounds(args),
     )
     run_until_signalled(Agent(config))
     return 0
+
+
+def engine_disk_bounds(args: argparse.Namespace) -> EngineDiskBounds:
+    """What engines may keep on the disk, as the command line (or the environment) says."""
+    return EngineDiskBounds(
+        engine_max_bytes=int(args.engine_disk_gb * 1e9),
+        cache_budget_bytes=int(args.engine_cache_gb * 1e9),
+        cache_max_age_s=args.engine_cache_days * 86400,
+    )
 
 
 _PR_SET_DUMPABLE = 4

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
 from gpu_agent.runtime import engine, sandbox
+from gpu_agent.runtime.engine_disk import EngineDiskBounds
 from gpu_agent.runtime.weights import DEFAULT_ADAPTER_MAX_BYTES
 
 
@@ -50,6 +51,8 @@ class AgentConfig:
     # What confines each engine (`sandbox.py`): where Landlock is missing, `best-effort` starts engines unconfined
     # (said in their logs and the node's facts), `required` fails their replicas, `off` confines none.
     engine_sandbox: sandbox.SandboxMode = sandbox.DEFAULT_MODE
+    # What engines may keep on the disk (`engine_disk.py`): each live engine's folders, and the endpoints' caches.
+    engine_disk: EngineDiskBounds = EngineDiskBounds()
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).resolve()

@@ -4,7 +4,8 @@ One `ManagedReplica` per replica. `poll()` advances every replica one step and
 never blocks for long: launch, health check (STARTING -> READY), metrics scrape,
 restart after a crash with exponential backoff, FAILED after too many crashes,
 drain (DRAINING -> SIGTERM -> SIGKILL -> STOPPED). The monitor thread calls
-`poll()` about once a second, ten times a second while an engine starts or is being stopped.
+`poll()` about once a second, ten times a second while an engine starts or is being stopped. A second
+thread bounds what engines keep on the disk (`check_disk`, `engine_disk.py`), away from the health checks.
 
 Scale to zero is on the clock (issue #17: zero replicas within the idle timeout + 5 s), so a drain
 acts at once (`drain` wakes the monitor), an idle engine is stopped without a drain wait: SIGTERM
@@ -67,7 +68,7 @@ from gpu_agent.protocol import (
     ReplicaState,
     ReplicaStatus,
 )
-from gpu_agent.runtime import engine, process, sandbox, state_file
+from gpu_agent.runtime import engine, engine_disk, process, sandbox, state_file
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, ZYGOTE_WARM_ENV, EngineCommand
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.engine_memory import read_engine_memory
@@ -139,6 +140,7 @@ class Supervisor:
         on_stopped: Callable[[str], None] | None = None,
         engine_ports: tuple[int, int] = (DEFAULT_ENGINE_PORT_MIN, DEFAULT_ENGINE_PORT_MAX),
         sandbox_mode: sandbox.SandboxMode = sandbox.DEFAULT_MODE,
+        disk_bounds: engine_disk.EngineDiskBounds | None = None,
     ) -> None:
         # NOTE: absolute, because engines carry it as a marker the next agent matches on.
         self.data_dir = Path(data_dir).resolve()
@@ -157,6 +159,7 @@ class Supervisor:
         self._lock = threading.RLock()
         self._probe = EngineProbe(self.policy.health_timeout_s)
         self._monitor: threading.Thread | None = None
+        self._disk_monitor: threading.Thread | None = None  # `check_disk`, every `interval_s` of the monitor
         self._stop_monitor = threading.Event()
         # Set by start(): the monitor launches a new engine now, not at its next tick.
         self._poke = threading.Event()
@@ -175,6 +178,10 @@ class Supervisor:
         self.sandbox_abi, self.sandbox_missing = sandbox.landlock_abi()
         self._scratch_dirs: dict[str, Path] = {}  # replica id -> its running engine's scratch folder
         self._adapter_dirs: dict[str, Path] = {}  # replica id -> where its running engine reads its adapters
+        # What engines may keep on the disk (`engine_disk.py`): their endpoints' cache folders, and when each was used.
+        self.disk_bounds = disk_bounds or engine_disk.EngineDiskBounds()
+        self._caches = engine_disk.CacheFolders(self.data_dir / "engine-caches")
+        self._caches_swept_at: float | None = None
 
     @property
     def standby_ready(self) -> bool:
@@ -400,8 +407,18 @@ class Supervisor:
                 except Exception:
                     logger.exception("supervisor poll failed")
 
+        def check_disk_loop() -> None:
+            # NOTE: its own thread: a walk of many files must never hold up the health checks of engines starting.
+            while not self._stop_monitor.wait(interval_s):
+                try:
+                    self.check_disk()
+                except Exception:
+                    logger.exception("supervisor disk check failed")
+
         self._monitor = threading.Thread(target=loop, name="supervisor", daemon=True)
         self._monitor.start()
+        self._disk_monitor = threading.Thread(target=check_disk_loop, name="supervisor-disk", daemon=True)
+        self._disk_monitor.start()
 
     def _any_engine_changing(self) -> bool:
         with self._lock:
@@ -420,6 +437,9 @@ class Supervisor:
         if self._monitor is not None:
             self._monitor.join(timeout=10)
             self._monitor = None
+        if self._disk_monitor is not None:
+            self._disk_monitor.join(timeout=10)
+            self._disk_monitor = None
 
     def poll(self) -> None:
         with self._lock:
@@ -499,7 +519,7 @@ class Supervisor:
 
         Each launch gets a new scratch folder (HOME, TMPDIR) and adapters folder (`stage_adapter`), removed when
         its engine is gone; its endpoint's cache folder (`<data dir>/engine-caches/<endpoint>`) stays for its next
-        cold start. With the sandbox off, the command is left as it is.
+        cold start (bounded and pruned: `check_disk`). With the sandbox off, the command is left as it is.
         """
         if self.sandbox_mode == sandbox.SandboxMode.OFF:
             return command
@@ -511,9 +531,10 @@ class Supervisor:
         shutil.rmtree(adapter_dir, ignore_errors=True)  # NOTE: left behind by an agent that was killed
         adapter_dir.mkdir(parents=True)
         self._adapter_dirs[spec.replica_id] = adapter_dir
-        cache_dir = self.data_dir / "engine-caches" / sandbox.folder_name(spec.endpoint_id)
+        cache_dir = self._cache_dir(spec.endpoint_id)
         shared_cache = sandbox.shared_vllm_cache_root()
         sandbox.prepare_cache_folder(cache_dir, shared_cache)
+        self._caches.touch(cache_dir.name)
         model_dirs = [replica.model_path, adapter_dir]
         if spec.speculative is not None and os.path.isabs(spec.speculative.draft_source):
             model_dirs.append(spec.speculative.draft_source)  # NOTE: the cached copy (`speculative.with_local_draft`)
@@ -526,9 +547,77 @@ class Supervisor:
 
     def _drop_scratch(self, replica_id: str) -> None:
         for folders in (self._scratch_dirs, self._adapter_dirs):
-            folder = folders.pop(replica_id, None)
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
+            engine_disk.remove_tree(folders.pop(replica_id, None))
+
+    def _cache_dir(self, endpoint_id: str) -> Path:
+        """An endpoint's cache folder (`<data dir>/engine-caches/<endpoint>`), kept across its engines' launches."""
+        return self._caches.root / sandbox.folder_name(endpoint_id)
+
+    def _caches_in_use(self) -> set[str]:
+        """The cache folders (names) of endpoints with a replica here that is not STOPPED or FAILED: starting
+        (scheduled, sent to the zygote, launching), running, asleep or draining. NOTE: under the lock, which every
+        launch holds: what it does not name now, no engine uses until that lock is let go."""
+        return {sandbox.folder_name(replica.spec.endpoint_id) for replica in self._replicas.values()
+                if not replica.is_final}  # fmt: skip
+
+    def check_disk(self) -> None:
+        """Bound what engines keep on the node's disk (`engine_disk.py`), every second on a thread of its own.
+
+        Each live engine's scratch and cache folders are measured every `check_interval_s`: past its bound its replica
+        FAILS with the reason (reported as any failure is) and both folders are emptied (its cache only once no other
+        replica of its endpoint runs here). Every `sweep_interval_s` the cache folders of endpoints with no replica
+        here go when too old, or least recently used first while all of them are over the budget. The walks run
+        outside the lock (thousands of files take a while); what goes is chosen again and renamed aside under it,
+        then deleted outside it. Nothing with the sandbox off: engines then get no folders of their own.
+        """
+        if self.sandbox_mode == sandbox.SandboxMode.OFF:
+            return
+        bounds = self.disk_bounds
+        now = time.monotonic()
+        with self._lock:
+            due = [
+                (replica, [*filter(None, [self._scratch_dirs.get(replica.spec.replica_id)]),
+                           self._cache_dir(replica.spec.endpoint_id)])
+                for replica in self._replicas.values()
+                if replica.pid is not None
+                and (replica.disk_checked_at is None or now - replica.disk_checked_at >= bounds.check_interval_s)
+            ]  # fmt: skip
+            for replica, _folders in due:
+                replica.disk_checked_at = now
+            sweep = self._caches_swept_at is None or now - self._caches_swept_at >= bounds.sweep_interval_s
+            if sweep:
+                self._caches_swept_at = now
+        over = []
+        for replica, folders in due:
+            usage = engine_disk.measure(folders, max_bytes=bounds.engine_max_bytes, max_files=bounds.engine_max_files)
+            why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
+            if why:
+                over.append((replica, why))
+        caches = self._caches.listing(max_bytes=bounds.cache_budget_bytes, max_files=bounds.engine_max_files) if sweep else []
+        removed = []
+        with self._lock:
+            for replica, why in over:
+                if self._replicas.get(replica.spec.replica_id) is not replica or replica.pid is None:
+                    continue  # stopped or relaunched meanwhile: its next engine is measured afresh
+                removed.append(self._scratch_dirs.pop(replica.spec.replica_id, None))  # deleted once it is killed
+                self._fail(replica, f"its engine wrote {why} to its own folders (its scratch folder and its endpoint's"
+                                    " cache, this node's bound for one engine): stopped, and its folders emptied")
+                name = self._cache_dir(replica.spec.endpoint_id).name
+                if name not in self._caches_in_use():
+                    removed.append(engine_disk.set_aside(self._caches.folder(name)))
+                    self._caches.forget(name)
+            if sweep:
+                in_use = self._caches_in_use()
+                removed += self._caches.leftovers(keep=in_use)
+                for name in in_use:
+                    self._caches.touch(name)
+                for folder in engine_disk.to_prune(caches, in_use, bounds, time.time()):
+                    removed.append(engine_disk.set_aside(folder.path))
+                    self._caches.forget(folder.name)
+                    logger.info("pruned the engine cache of endpoint folder %s (%d bytes, last used %.0fs ago)",
+                                folder.name, folder.usage.num_bytes, time.time() - folder.last_used_at)  # fmt: skip
+        for path in removed:
+            engine_disk.remove_tree(path)
 
     def _adopt_folders(self, replica_id: str, pid: int) -> None:
         """Take on the folders of an engine a previous agent started: its adapters are staged there from now on,
@@ -773,7 +862,7 @@ class Supervisor:
             kept = {*self._adapter_dirs.values(), *self._scratch_dirs.values()}
             for folder in [*(self.data_dir / "engine-adapters").glob("*"), *sandbox.scratch_folders_of(self.data_dir)]:
                 if folder not in kept:
-                    shutil.rmtree(folder, ignore_errors=True)
+                    engine_disk.remove_tree(folder)
             self._save_state()
         if killed:
             logger.info("killed replicas left by a previous agent: %s", killed)

@@ -3,7 +3,8 @@
 Serves /health, /metrics (running requests read from --running-file),
 /tokenize (a chat template adding 3 tokens a conversation and 4 a message) and /v1/completions, and with --sleep-mode vLLM's sleep routes (`/sleep?level=N`, `/wake_up`, `/is_sleeping`:
 --wake-fails answers `/wake_up` with 500, as an engine whose GPU memory was taken meanwhile); like a real engine under `EngineKeyGuard`, everything but /health needs the
-replica's key from INFERPLANE_ENGINE_API_KEY; spawns a worker child like vLLM's EngineCore so that tests see
+replica's key from INFERPLANE_ENGINE_API_KEY; with --fill-cache-bytes/--fill-scratch-bytes writes that much into its
+cache folder (XDG_CACHE_HOME) and scratch folder (TMPDIR) before it answers /health; spawns a worker child like vLLM's EngineCore so that tests see
 whether the whole process group goes away.
 """
 
@@ -28,6 +29,8 @@ parser.add_argument("--sleep-mode", action="store_true", help="serve /sleep, /wa
 parser.add_argument("--wake-fails", action="store_true", help="/wake_up answers 500")
 parser.add_argument("--log-line", action="append", default=[], help="a line to write at start, as vLLM logs")
 parser.add_argument("--tokenize-fails", type=int, default=0, help="the first N /tokenize calls answer 503")
+parser.add_argument("--fill-cache-bytes", type=int, default=0, help="write this many bytes to its cache folder")
+parser.add_argument("--fill-scratch-bytes", type=int, default=0, help="write this many bytes to its scratch folder")
 args, _ = parser.parse_known_args()
 
 started_at = time.monotonic()
@@ -133,6 +136,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 print(f"==> fake engine started at {time.time():.3f}", flush=True)
+for folder_env, num_bytes in (("XDG_CACHE_HOME", args.fill_cache_bytes), ("TMPDIR", args.fill_scratch_bytes)):
+    if num_bytes:  # what an engine's compile caches and temporary files take, on disk (not sparse)
+        with open(os.path.join(os.environ[folder_env], "fill.bin"), "wb") as fill:
+            fill.write(os.urandom(num_bytes))
 for line in args.log_line:
     print(line, flush=True)
 

@@ -6,7 +6,7 @@ import sys
 MODULES = [
     "agent", "cli", "config", "control_plane", "engine", "hardware", "reconciler", "standby",
     "standby_process", "supervisor", "tiny_model", "weights", "weights_index", "weights_sources", "zygote",
-    "sleep_mode", "shared_memory", "reaper", "process",
+    "sleep_mode", "shared_memory", "reaper", "process", "engine_disk",
 ]
 
 

@@ -1,0 +1,247 @@
+"""What engines write to a node's disk, bounded: each live engine's folders, and the caches endpoints leave behind.
+
+A confined engine writes two folders (`sandbox.engine_folder_env`): its launch's scratch folder (HOME, TMPDIR;
+removed when its engine ends) and its endpoint's cache folder (`<data dir>/engine-caches/<endpoint>`: vLLM's,
+torch's and Triton's compile caches, kept for the endpoint's next cold start). Both were outside every budget: a
+tenant's engine writing without end, or a node that served thousands of endpoints over months, filled the node's
+disk, and then weights downloads and other tenants' engines failed. Now:
+
+- a live engine's scratch and cache folders together are measured every `EngineDiskBounds.check_interval_s` and
+  its replica fails past `engine_max_bytes` or `engine_max_files` (the supervisor empties both);
+- the cache folders of endpoints with no replica on the node go when their last use is older than `cache_max_age_s`,
+  and least recently used first while all cache folders together are past `cache_budget_bytes`.
+
+A folder is measured by what it holds on disk (blocks; a file with several names once, and only when all of them are
+inside), never following a link, and the walk stops once past its bound: an engine cannot make the agent count, walk
+or delete anything outside its folders. A folder is removed by renaming it aside first (`set_aside`, under the supervisor's
+lock, which every launch holds) and deleting the renamed copy after: a replica of the endpoint starting meanwhile
+makes a new folder, never one half deleted. `CacheFolders` is the record of the cache folders; the supervisor
+decides when (`Supervisor.check_disk`).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_agent.runtime.weights_index import remove_path
+
+# The defaults an operator changes with the agent's `--engine-cache-gb`, `--engine-cache-days`, `--engine-disk-gb`.
+DEFAULT_ENGINE_CACHE_BYTES = 50 * 10**9
+DEFAULT_ENGINE_CACHE_MAX_AGE_S = 14 * 24 * 3600.0
+DEFAULT_ENGINE_MAX_BYTES = 20 * 10**9
+# Files and folders one engine's folders may hold (the walk that measures them stops here): a torch and Triton cache
+# of a large model holds tens of thousands; a million empty files would exhaust the disk's inodes, not its bytes.
+DEFAULT_ENGINE_MAX_FILES = 200_000
+
+USED_DIR = ".used"  # in the caches folder: one empty file per cache folder, its mtime the folder's last use
+SET_ASIDE_PREFIX = ".removing-"  # a cache folder being deleted (renamed aside first)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineDiskBounds:
+    """How much engines may keep on the node's disk (None: no bound)."""
+
+    # One live engine's scratch and cache folders together.
+    engine_max_bytes: int | None = DEFAULT_ENGINE_MAX_BYTES
+    engine_max_files: int = DEFAULT_ENGINE_MAX_FILES
+    # Every endpoint's cache folder together, and how long ago an unused one may have been used last.
+    cache_budget_bytes: int | None = DEFAULT_ENGINE_CACHE_BYTES
+    cache_max_age_s: float | None = DEFAULT_ENGINE_CACHE_MAX_AGE_S
+    check_interval_s: float = 30.0  # a live engine's folders measured at most this often
+    sweep_interval_s: float = 300.0  # unused cache folders looked at at most this often
+
+    def __post_init__(self) -> None:
+        for name in ("engine_max_bytes", "cache_budget_bytes", "cache_max_age_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, not {value}")
+        if self.engine_max_files < 1:
+            raise ValueError(f"engine_max_files must be at least 1, not {self.engine_max_files}")
+
+
+@dataclass(slots=True, frozen=True)
+class DiskUsage:
+    num_bytes: int
+    num_files: int
+    complete: bool  # False: the walk stopped at its bound, and there is more
+
+    def over(self, max_bytes: int | None, max_files: int) -> str:
+        """Why this usage is past the bounds ("" when it is not)."""
+        if max_bytes is not None and self.num_bytes > max_bytes:
+            return f"more than {max_bytes / 1e9:g} GB"
+        if self.num_files > max_files:
+            return f"more than {max_files:,} files and folders"
+        return ""
+
+
+def measure(folders, *, max_bytes: int | None = None, max_files: int = DEFAULT_ENGINE_MAX_FILES) -> DiskUsage:
+    """The blocks `folders` hold on disk, and their files and folders, counted until past `max_bytes` or
+    `max_files` (then `complete` is False).
+
+    NOTE: no link is followed (a symbolic link counts as itself: one to `/` or to another tenant's weights counts a
+    few bytes, not what it names), and a file with several names counts once, when all of them are in `folders`: one
+    whose other names are outside is not theirs (removing the folders removes only their names). The walk holds no
+    recursion, so no depth of folders stops it."""
+    seen: set[tuple[int, int]] = set()
+    names_left: dict[tuple[int, int], int] = {}  # a file with several names -> those not met yet
+    num_bytes = num_files = 0
+    pending = []
+    for folder in folders:
+        try:
+            info = os.lstat(folder)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) not in seen:
+            seen.add((info.st_dev, info.st_ino))
+            num_bytes += info.st_blocks * 512
+            pending.append(os.fspath(folder))
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # removed meanwhile
+                    num_files += 1
+                    inode = (info.st_dev, info.st_ino)
+                    if stat.S_ISDIR(info.st_mode):
+                        if inode not in seen:
+                            seen.add(inode)
+                            num_bytes += info.st_blocks * 512
+                            pending.append(entry.path)
+                    elif info.st_nlink <= 1:
+                        num_bytes += info.st_blocks * 512
+                    else:
+                        names_left[inode] = names_left.get(inode, info.st_nlink) - 1
+                        if names_left[inode] == 0:  # its last name met here: all of them are inside
+                            num_bytes += info.st_blocks * 512
+                    if (max_bytes is not None and num_bytes > max_bytes) or num_files > max_files:
+                        return DiskUsage(num_bytes, num_files, complete=False)
+        except OSError:
+            continue  # a folder removed or unreadable meanwhile
+    return DiskUsage(num_bytes, num_files, complete=True)
+
+
+def set_aside(folder: Path) -> Path | None:
+    """Rename `folder` (never what a link there names) aside in its parent, to be deleted with `remove_tree`;
+    None when there is nothing to rename. NOTE: called under the lock every launch takes, so that no engine starts
+    with a folder being deleted: the next launch makes a new one."""
+    aside = folder.with_name(f"{SET_ASIDE_PREFIX}{folder.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return None
+    return aside
+
+
+def remove_tree(path: Path | None) -> None:
+    """Remove a folder an engine wrote (or a link there, never what it names), however the engine left it.
+
+    NOTE: Landlock leaves chmod to an engine: one that took the write permission off folders inside its own made
+    a plain `rmtree` leave them, and their bytes, behind. Links are removed, never followed (`remove_path`)."""
+    if path is None:
+        return
+    remove_path(path)
+    if path.is_symlink() or not path.exists():
+        return
+    try:
+        os.chmod(path, 0o700)
+    except OSError:
+        return
+    for root, dirs, _files in os.walk(path):  # NOTE: top-down, and links to folders are not followed
+        for name in dirs:
+            child = os.path.join(root, name)
+            try:
+                if stat.S_ISDIR(os.lstat(child).st_mode):
+                    os.chmod(child, 0o700)
+            except OSError:
+                continue
+    remove_path(path)
+
+
+@dataclass(slots=True, frozen=True)
+class CacheFolder:
+    name: str
+    path: Path
+    last_used_at: float  # wall clock
+    usage: DiskUsage
+
+
+class CacheFolders:
+    """The endpoints' cache folders under `root` (`<data dir>/engine-caches`) and when each was last used.
+
+    NOTE: a folder's last use is the agent's record (`<root>/.used/<name>`, which no engine may write), not the
+    folder's own times: an engine sets those at will, and one dated years ahead was never pruned for its age."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def folder(self, name: str) -> Path:
+        return self.root / name
+
+    def touch(self, name: str) -> None:
+        """Record a use of the folder `name` now (a launch, and every sweep while a replica of its endpoint lives)."""
+        used = self.root / USED_DIR
+        used.mkdir(parents=True, exist_ok=True)
+        (used / name).touch()
+
+    def listing(self, *, max_bytes: int | None, max_files: int) -> list[CacheFolder]:
+        """Every cache folder, measured (each up to the bounds given), least recently used first."""
+        found = []
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return []
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path = Path(entry.path)
+            record = self.root / USED_DIR / entry.name
+            try:
+                last_used_at = os.stat(record).st_mtime
+            except OSError:
+                try:  # a folder made before the record was kept: its own time (never ahead of now), once
+                    last_used_at = min(entry.stat(follow_symlinks=False).st_mtime, time.time())
+                    self.touch(entry.name)
+                    os.utime(record, (last_used_at, last_used_at))
+                except OSError:
+                    continue
+            found.append(CacheFolder(entry.name, path, last_used_at,
+                                     measure([path], max_bytes=max_bytes, max_files=max_files)))  # fmt: skip
+        return sorted(found, key=lambda folder: folder.last_used_at)
+
+    def forget(self, name: str) -> None:
+        (self.root / USED_DIR / name).unlink(missing_ok=True)
+
+    def leftovers(self, *, keep: set[str]) -> list[Path]:
+        """Folders set aside and never deleted (an agent killed mid-way), and the records of folders that are gone
+        but for those in `keep`."""
+        found = list(self.root.glob(SET_ASIDE_PREFIX + "*"))
+        found += [path for path in (self.root / USED_DIR).glob("*")
+                  if path.name not in keep and not (self.root / path.name).exists()]  # fmt: skip
+        return found
+
+
+def to_prune(
+    folders: list[CacheFolder], in_use: set[str], bounds: EngineDiskBounds, now: float
+) -> list[CacheFolder]:
+    """Which cache folders go: of those no replica uses (`in_use`: names), any whose walk stopped at its bound, any
+    last used more than `cache_max_age_s` ago, then the least recently used while all of them together are past
+    `cache_budget_bytes`. `folders` is least recently used first."""
+    chosen = []
+    total = sum(folder.usage.num_bytes for folder in folders)
+    for folder in folders:
+        if folder.name in in_use:
+            continue
+        too_old = bounds.cache_max_age_s is not None and now - folder.last_used_at > bounds.cache_max_age_s
+        over_budget = bounds.cache_budget_bytes is not None and total > bounds.cache_budget_bytes
+        if not folder.usage.complete or too_old or over_budget:
+            chosen.append(folder)
+            total -= folder.usage.num_bytes
+    return chosen

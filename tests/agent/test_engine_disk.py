@@ -1,0 +1,247 @@
+"""An engine cannot fill its node's disk: a live engine's folders are bounded, and unused endpoint caches are pruned.
+
+Before, a confined engine's scratch folder and its endpoint's cache folder (`<data dir>/engine-caches/<endpoint>`)
+were outside every budget and the cache folders were never removed: a tenant's engine writing without end, or a node
+that served thousands of endpoints over months, filled the disk, and weights downloads and other tenants' engines
+failed. Real fake engines (child processes writing into their folders) and real folders; no vLLM is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime import cli, engine_disk, process
+from gpu_agent.runtime.engine_disk import CacheFolders, EngineDiskBounds
+from gpu_agent.runtime.supervisor import Supervisor
+
+from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_for_state, wait_until
+from .test_agent_loop import control_plane, running_agent  # noqa: F401  (fixtures)
+from .test_weights_cache import s3_endpoint  # noqa: F401  (a fixture of running_agent's)
+
+MB = 1_000_000
+DAY_S = 86400.0
+NO_CHECKS = {"check_interval_s": 3600.0, "sweep_interval_s": 3600.0}
+
+
+@pytest.fixture
+def make_supervisor(tmp_path):
+    """Supervisors of fake engines (those of replica "r-big" write 3 MB into their cache folder); whatever they
+    started is gone after the test, passed or failed."""
+    made = []
+    filling = fake_engine_factory("--fill-cache-bytes", str(3 * MB), "--fill-scratch-bytes", str(MB // 10))
+    plain = fake_engine_factory()
+
+    def factory(spec, model_path, port):
+        return (filling if spec.replica_id == "r-big" else plain)(spec, model_path, port)
+
+    def make(**bounds) -> Supervisor:
+        made.append(
+            Supervisor(tmp_path / "agent", command_factory=factory, disk_bounds=EngineDiskBounds(**bounds))
+        )
+        return made[-1]
+
+    yield make
+    for supervisor in made:
+        supervisor.shutdown(timeout_s=5)
+        process.kill_orphans(supervisor.data_dir, set())
+
+
+def fill(folder: Path, num_bytes: int) -> Path:
+    """`num_bytes` on disk in `folder` (random, so no file system stores them sparse)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "fill.bin").write_bytes(os.urandom(num_bytes))
+    return folder
+
+
+def last_used(caches: CacheFolders, name: str, days_ago: float) -> None:
+    caches.touch(name)
+    at = time.time() - days_ago * DAY_S
+    os.utime(caches.root / engine_disk.USED_DIR / name, (at, at))
+
+
+def cache_names(caches: CacheFolders) -> set[str]:
+    return {path.name for path in caches.root.iterdir()} - {engine_disk.USED_DIR}
+
+
+# --- Caches of endpoints with no replica here ---------------------------------------------------------------
+
+
+def test_unused_endpoint_caches_go_least_recently_used_first_past_the_budget_and_one_in_use_stays(
+    make_supervisor, tmp_path
+):
+    supervisor = make_supervisor(cache_budget_bytes=int(3.5 * MB), cache_max_age_s=None, sweep_interval_s=0,
+                                 check_interval_s=3600)  # fmt: skip
+    supervisor.start(make_spec("r-live", endpoint_id="e-in-use"), tmp_path / "model")
+    wait_for_state(supervisor, "r-live", ReplicaState.READY, timeout_s=30)
+    caches = CacheFolders(supervisor.data_dir / "engine-caches")
+    for days_ago, name in [(5, "e-in-use"), (4, "e-oldest"), (3, "e-older"), (2, "e-newer"), (1, "e-newest")]:
+        fill(caches.folder(name), MB)
+        last_used(caches, name, days_ago)
+
+    supervisor.check_disk()
+
+    # 5 MB in all, 3.5 allowed: the two least recently used unused ones go; the oldest of all is in use and stays.
+    assert cache_names(caches) == {"e-in-use", "e-newer", "e-newest"}
+    assert (caches.folder("e-in-use") / "fill.bin").exists()
+    assert supervisor.get("r-live").state == ReplicaState.READY
+    assert not (caches.root / engine_disk.USED_DIR / "e-oldest").exists()  # its record goes with it
+
+
+def test_an_unused_endpoint_cache_older_than_the_age_goes_within_the_budget(make_supervisor):
+    supervisor = make_supervisor(cache_max_age_s=7 * DAY_S, sweep_interval_s=0, check_interval_s=3600)
+    caches = CacheFolders(supervisor.data_dir / "engine-caches")
+    for days_ago, name in [(8, "e-stale"), (6, "e-fresh")]:
+        fill(caches.folder(name), 1000)
+        last_used(caches, name, days_ago)
+    made_before_records = fill(
+        caches.folder("e-from-before"), 1000
+    )  # no record: the folder's own time counts
+    month_ago = time.time() - 30 * DAY_S
+    os.utime(made_before_records, (month_ago, month_ago))
+    # Dated ahead by its engine, the folder's own time is not its last use: the agent's record is.
+    os.utime(caches.folder("e-stale"), (time.time() + 365 * DAY_S,) * 2)
+    leftover = fill(
+        caches.root / f"{engine_disk.SET_ASIDE_PREFIX}e-gone-1234", 1000
+    )  # an agent killed mid-delete
+
+    supervisor.check_disk()
+
+    assert cache_names(caches) == {"e-fresh"} and not leftover.exists()
+
+
+def test_a_replica_starting_while_its_endpoints_cache_is_pruned_keeps_that_cache(
+    make_supervisor, tmp_path, monkeypatch
+):
+    supervisor = make_supervisor(cache_max_age_s=7 * DAY_S, sweep_interval_s=0, check_interval_s=3600)
+    caches = CacheFolders(supervisor.data_dir / "engine-caches")
+    fill(caches.folder("e-back"), 1000)
+    last_used(caches, "e-back", 30)
+    measure = engine_disk.measure
+
+    def measure_while_a_replica_arrives(folders, **bounds):
+        # The walk runs outside the supervisor's lock: a replica of the endpoint is placed here meanwhile.
+        if any(Path(folder).name == "e-back" for folder in folders):
+            supervisor.start(make_spec("r-back", endpoint_id="e-back"), tmp_path / "model")
+        return measure(folders, **bounds)
+
+    monkeypatch.setattr(engine_disk, "measure", measure_while_a_replica_arrives)
+    supervisor.check_disk()
+    monkeypatch.setattr(engine_disk, "measure", measure)
+
+    assert (caches.folder("e-back") / "fill.bin").exists()
+    wait_for_state(supervisor, "r-back", ReplicaState.READY, timeout_s=30)
+    assert Path(supervisor.get("r-back").command.env["XDG_CACHE_HOME"]) == caches.folder("e-back")
+    # A folder being deleted is one renamed aside: a launch meanwhile makes a new one, which the deletion never reaches.
+    aside = engine_disk.set_aside(caches.folder("e-back"))
+    supervisor.start(make_spec("r-next", endpoint_id="e-back"), tmp_path / "model")
+    wait_for_state(supervisor, "r-next", ReplicaState.READY, timeout_s=30)
+    engine_disk.remove_tree(aside)
+    assert not aside.exists() and (caches.folder("e-back") / "vllm").is_dir()
+
+
+# --- A live engine's folders ------------------------------------------------------------------------------
+
+
+def test_an_engine_past_its_disk_bound_fails_with_the_reason_and_its_folders_are_emptied(
+    make_supervisor, tmp_path
+):
+    supervisor = make_supervisor(engine_max_bytes=2 * MB, check_interval_s=0, sweep_interval_s=3600)
+    supervisor.start(make_spec("r-big", endpoint_id="e-big"), tmp_path / "model")
+    supervisor.start(make_spec("r-small", endpoint_id="e-small"), tmp_path / "model")
+    wait_until(
+        lambda: {s.state for s in supervisor.statuses()} == {ReplicaState.READY}, 30, poll=supervisor.poll
+    )
+    big = supervisor.get("r-big").command.env
+    scratch, cache = Path(big["TMPDIR"]), Path(big["XDG_CACHE_HOME"])
+    assert (cache / "fill.bin").stat().st_size == 3 * MB  # what the engine wrote itself
+    # Another tenant's engine holds a link to 5 MB outside its folders: that is not its disk.
+    (Path(supervisor.get("r-small").command.env["XDG_CACHE_HOME"]) / "weights").symlink_to(
+        fill(tmp_path / "outside", 5 * MB), target_is_directory=True
+    )
+
+    supervisor.check_disk()
+
+    status = next(status for status in supervisor.statuses() if status.replica_id == "r-big")
+    assert status.state == ReplicaState.FAILED
+    assert "wrote more than 0.002 GB to its own folders" in status.failure_reason
+    wait_until(lambda: processes_with_marker("r-big") == [], 10)
+    assert not scratch.exists() and not cache.exists()
+    assert supervisor.get("r-small").state == ReplicaState.READY
+    assert (tmp_path / "outside" / "fill.bin").stat().st_size == 5 * MB
+
+
+def test_an_engine_past_its_bound_is_reported_failed_with_the_reason_to_the_control_plane(
+    control_plane,  # noqa: F811
+    running_agent,  # noqa: F811
+    tmp_path,
+):
+    model = tmp_path / "model"
+    model.mkdir()
+    control_plane.desired = [make_spec("r-fills", model_source=str(model))]
+    agent, _stop, _thread = running_agent(
+        engine_disk=EngineDiskBounds(engine_max_bytes=MB, check_interval_s=0.2, sweep_interval_s=3600)
+    )
+    wait_until(lambda: control_plane.last_states().get("r-fills") == ReplicaState.READY, 15)
+    fill(Path(agent.supervisor.get("r-fills").command.env["XDG_CACHE_HOME"]) / "torchinductor", 2 * MB)
+
+    wait_until(lambda: control_plane.last_states().get("r-fills") == ReplicaState.FAILED, 15)
+    status = next(s for s in control_plane.heartbeats[-1].replicas if s.replica_id == "r-fills")
+    assert "wrote more than 0.001 GB to its own folders" in status.failure_reason
+    assert processes_with_marker("r-fills") == []
+
+
+def test_links_in_an_engines_folders_are_never_followed_to_count_or_to_delete(tmp_path):
+    outside = fill(tmp_path / "other-tenants-weights", 5 * MB)
+    cache = tmp_path / "engine-caches" / "e-1"
+    cache.mkdir(parents=True)
+    (cache / "to-folder").symlink_to(outside, target_is_directory=True)
+    (cache / "to-file").symlink_to(outside / "fill.bin")
+    (cache / "to-root").symlink_to("/", target_is_directory=True)
+    os.link(outside / "fill.bin", cache / "hard-link")  # its other name is outside: not this folder's
+    own = fill(cache / "own", MB) / "fill.bin"
+    os.link(own, cache / "own-again")  # both names inside: counted once
+    locked = fill(cache / "locked", 1000)
+    locked.chmod(0o500)  # an engine may take its own write permission away
+
+    usage = engine_disk.measure([cache])
+    assert usage.complete and MB < usage.num_bytes < MB + 100_000
+    assert not engine_disk.measure([cache], max_bytes=MB // 2).complete
+
+    engine_disk.remove_tree(engine_disk.set_aside(cache))
+
+    assert not cache.exists() and not list(cache.parent.iterdir())
+    assert (outside / "fill.bin").stat().st_size == 5 * MB and os.stat(outside / "fill.bin").st_nlink == 1
+
+
+def test_the_walk_stops_at_its_bound_on_files(tmp_path):
+    for number in range(50):
+        (tmp_path / f"f{number}").touch()
+    usage = engine_disk.measure([tmp_path], max_files=20)
+    assert not usage.complete and usage.num_files == 21
+    assert usage.over(None, 20) == "more than 20 files and folders"
+
+
+def test_an_operator_sets_the_engines_disk_bounds_on_the_command_line_or_environment(monkeypatch):
+    def parse(argv):
+        return cli._parser().parse_args(argv)  # the environment is read as the parser is made
+
+    defaults = cli.engine_disk_bounds(parse(["run", "--control-plane", "http://cp"]))
+    assert defaults == EngineDiskBounds()
+    assert (defaults.engine_max_bytes, defaults.cache_budget_bytes) == (20 * 10**9, 50 * 10**9)
+    assert defaults.cache_max_age_s == 14 * DAY_S
+    monkeypatch.setenv("INFERPLANE_AGENT_ENGINE_DISK_GB", "5")
+    monkeypatch.setenv("INFERPLANE_AGENT_ENGINE_CACHE_GB", "200")
+    monkeypatch.setenv("INFERPLANE_AGENT_ENGINE_CACHE_DAYS", "0.5")
+    bounds = cli.engine_disk_bounds(parse(["run", "--control-plane", "http://cp"]))
+    assert (bounds.engine_max_bytes, bounds.cache_budget_bytes, bounds.cache_max_age_s) == (
+        5e9,
+        200e9,
+        DAY_S / 2,
+    )
+    with pytest.raises(SystemExit):
+        parse(["run", "--control-plane", "http://cp", "--engine-disk-gb", "0"])
