@@ -12,7 +12,9 @@ ERROR; each records what it found in Redis (`CLOCK_SKEWS_KEY`), which `/metrics`
 
 A gateway process needs Redis's clock on every request (the rate limits' minutes, `endpoints.gateway.limits`) and
 cannot spend a round trip on it: it keeps its offset to Redis's clock, read with `TIME` on each of its heartbeats
-(`read_offset`, `endpoints.gateway.presence`), and `redis_now` adds it to its own clock.
+(`read_offset`, `endpoints.gateway.presence`), and `redis_now` adds it to its own clock. The offset is its skew: the
+beat records it as `check` does, every `CHECK_EVERY_S` (`record_offset`, role "gateway"), with an ERROR past
+`SKEW_ERROR_S`: a gateway's usage rows are stamped, and its calls' billing months picked, on its own clock.
 """
 
 from __future__ import annotations
@@ -82,6 +84,21 @@ async def read_offset(client) -> None:
     sent_at = time.time()
     seconds, microseconds = await client.time()
     note_redis_time(sent_at, seconds + microseconds / 1_000_000, time.time())
+
+
+async def record_offset(client) -> None:
+    """A gateway process's `check`, from the offset its beat read (`read_offset`; no other round trip): recorded for
+    `/metrics` (role "gateway") every `CHECK_EVERY_S`, an ERROR past `SKEW_ERROR_S`. `client`: the async client."""
+    if _offset.round_trip_s == float("inf") or time.monotonic() - _Checked.at < CHECK_EVERY_S:
+        return  # never read, or recorded less than a minute ago
+    _Checked.at = time.monotonic()
+    skew = -_offset.s
+    await client.hset(CLOCK_SKEWS_KEY, f"gateway:{socket.gethostname()}-{os.getpid()}",
+                      json.dumps({"s": round(skew, 3), "at": redis_now()}))
+    if abs(skew) > SKEW_ERROR_S:
+        logger.error("this gateway's clock is %.1f s %s Redis's: its rate limits and reservations follow Redis's, but "
+                     "it stamps its usage rows' times and picks its calls' billing months on its own; keep the "
+                     "machines' clocks in step (NTP)", abs(skew), "ahead of" if skew > 0 else "behind")
 
 
 def skew_s(client=None) -> tuple[float, float]:

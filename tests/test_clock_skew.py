@@ -350,6 +350,26 @@ def test_a_gateway_clock_behind_stamps_its_endpoints_recent_traffic_in_redis_tim
     assert stamped == pytest.approx(redis_time(), abs=5)
 
 
+def test_a_gateway_clock_ahead_records_its_skew_for_metrics_and_logs_an_error(monkeypatch, caplog, gateways):
+    # A gateway's usage rows and its calls' billing months follow its own clock: its skew is on `/metrics` as the
+    # Celery processes' is, from the offset its beat reads (no other round trip), once a minute.
+    monkeypatch.setattr(clock._Checked, "at", float("-inf"))
+    monkeypatch.setattr(clock, "_offset", clock._Offset())
+    mine = f"gateway:{socket.gethostname()}-{os.getpid()}"
+    try:
+        with monkeypatch.context() as gateway:
+            _clock_moved(gateway, 30)
+            asyncio.run(presence.beat())
+            asyncio.run(presence.beat())  # within the minute: recorded once
+        errors = [record.getMessage() for record in caplog.records if record.levelno == logging.ERROR]
+        assert len(errors) == 1 and "this gateway's clock is 30.0 s ahead of Redis's" in errors[0]
+        assert clock.recorded_skews()[mine] == pytest.approx(30, abs=1)
+        metrics.refresh_fleet_gauges()
+        assert f'inferplane_clock_skew_seconds{{process="{mine}"}} 30.' in metrics.render().decode()
+    finally:
+        get_redis().hdel(redis_keys.CLOCK_SKEWS_KEY, mine)
+
+
 def test_a_slow_reading_of_redis_clock_keeps_a_tighter_offset_and_a_contradicting_one_replaces_it(monkeypatch):
     monkeypatch.setattr(clock, "_offset", clock._Offset())
     clock.note_redis_time(100.0, 140.001, 100.002)  # 40 s behind Redis, read in 2 ms

@@ -250,6 +250,7 @@ async def beat(*, web: bool = False) -> None:
         raise
     try:
         await clock.read_offset(redis)
+        await clock.record_offset(redis)  # for `/metrics`, once a minute
     except Exception as exc:  # noqa: BLE001 - the offset last read stands until the next beat reads it
         logger.warning("gateway %s: could not read Redis's clock: %r", gateway, exc)
     if was_alive is None:
