@@ -138,9 +138,21 @@ def _encode(parts: tuple) -> bytes:
 
 
 def _encode_evalsha(head: bytes, keys: list, args: list) -> bytes:
-    """`EVALSHA <sha> <number of keys> <keys> <args>` in RESP; `head` is its first two parts, encoded."""
-    return b"".join([b"*%d\r\n" % (3 + len(keys) + len(args)), head, _bulk(b"%d" % len(keys)),
-                     *[_key_bulk(key) for key in keys], *[_bulk_of(arg) for arg in args]])
+    """`EVALSHA <sha> <number of keys> <keys> <args>` in RESP; `head` is its first two parts, encoded.
+
+    NOTE: the arguments as `_bulk_of` encodes them, inline: two scripts a request pass ~30, and the two calls
+    per argument were a third of the encoding's time."""
+    parts = [b"*%d\r\n" % (3 + len(keys) + len(args)), head, _bulk(b"%d" % len(keys))]
+    parts += map(_key_bulk, keys)
+    for arg in args:
+        if type(arg) is int:
+            arg = b"%d" % arg
+        elif type(arg) is str:
+            arg = arg.encode()
+        elif type(arg) is not bytes:
+            arg = _as_bytes(arg)
+        parts.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
+    return b"".join(parts)
 
 
 def _parse(buffer: bytearray, position: int):

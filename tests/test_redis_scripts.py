@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from decimal import Decimal
 
 import pytest
 from django.conf import settings
@@ -81,6 +82,10 @@ def test_an_evalsha_with_cached_key_encodings_is_byte_for_byte_the_generic_comma
     for _ in range(2):  # the second time the keys' encodings come from the cache
         assert (redis_scripts._encode_evalsha(script._evalsha, keys, args)
                 == _encode((b"EVALSHA", script.sha, len(keys), *keys, *args)))
+    # what the generic encoding refuses, the EVALSHA's own refuses too
+    for odd in (True, None, Decimal("1.5")):
+        with pytest.raises(TypeError):
+            redis_scripts._encode_evalsha(script._evalsha, keys, [*args, odd])
 
 
 @pytest.mark.parametrize("reply, outage", [

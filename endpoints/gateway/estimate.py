@@ -59,6 +59,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 JSON_INDENT = 4
 # No request reserves more than this many dollars (keeps Redis's integers exact).
 MAX_RESERVATION = Decimal(1_000_000)
+_PER_MILLION = Decimal("0.000001")
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,7 +75,7 @@ class WorstCase:
     def __post_init__(self) -> None:
         if self.num_sequences < 1 or self.max_output_tokens < 0 or self.max_model_len < 1:
             raise ValueError("a worst case needs a sequence, a non-negative output and a context")
-        if any(not 0 <= bound <= self.max_model_len for bound in self.prompt_bounds):
+        if self.prompt_bounds and not (0 <= min(self.prompt_bounds) and max(self.prompt_bounds) <= self.max_model_len):
             raise ValueError("a prompt bound lies within the context")
 
     @property
@@ -95,9 +96,8 @@ class WorstCase:
     def max_cost(self, endpoint) -> Decimal:
         """The most the request can cost at `endpoint`'s prices (every prompt token at the dearer of the
         input and cached rates), rounded up to the nano-dollar and at most MAX_RESERVATION."""
-        per_million = Decimal("0.000001")
-        price_in = max(endpoint.price_input_per_million, endpoint.price_cached_input_per_million) * per_million
-        price_out = endpoint.price_output_per_million * per_million
+        price_in = max(endpoint.price_input_per_million, endpoint.price_cached_input_per_million) * _PER_MILLION
+        price_out = endpoint.price_output_per_million * _PER_MILLION
         total = sum((self._most(bound, price_in, price_out) for bound in self.prompt_bounds), Decimal(0))
         return min(total, MAX_RESERVATION).quantize(Decimal("1e-9"), rounding=ROUND_CEILING)
 
@@ -106,9 +106,13 @@ class WorstCase:
 
         NOTE: a concave piecewise-linear function of p: its maximum is at an end or at the kink p = L − M.
         """
-        limit, n = self.max_model_len, self.num_sequences
-        candidates = {0, bound, min(bound, max(0, limit - self.max_output_tokens))}
-        return max(p * price_in + n * min(self.max_output_tokens, limit - p) * price_out for p in candidates)
+        limit, n, output = self.max_model_len, self.num_sequences, self.max_output_tokens
+        kink = min(bound, max(0, limit - output))
+        # NOTE: written out, not a generator over a set of the three: every request computes it twice (its tokens,
+        # its cost), and the generator and set were most of the time.
+        return max(n * min(output, limit) * price_out,
+                   bound * price_in + n * min(output, limit - bound) * price_out,
+                   kink * price_in + n * min(output, limit - kink) * price_out)
 
 
 def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int] = (0, 0)) -> WorstCase:

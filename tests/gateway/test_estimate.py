@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from decimal import Decimal
+from decimal import ROUND_CEILING, Decimal
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from endpoints.gateway.estimate import MAX_RESERVATION, worst_case
+from endpoints.gateway.estimate import MAX_RESERVATION, WorstCase, worst_case
 from endpoints.gateway.tally import UsageTally
 
 CONTEXT = 2048
@@ -78,6 +79,32 @@ def test_the_cost_is_the_most_over_every_prompt_length_the_context_allows():
     bound = case.prompt_bounds[0]
     brute = max(p + 3 * min(case.max_output_tokens, 100 - p) for p in range(bound + 1)) * Decimal("0.000001")
     assert case.max_cost(prices) == brute
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 4), st.integers(0, 400), st.data())
+def test_tokens_and_cost_are_the_most_over_every_prompt_length_at_any_prices(context, n, max_output, data):
+    # A guard of `WorstCase._most` (its three candidates written out for speed): against every length, by brute force.
+    bounds = tuple(data.draw(st.lists(st.integers(0, context), max_size=3)))
+    prices = SimpleNamespace(**{name: data.draw(st.decimals(0, 1000, places=4)) for name in (
+        "price_input_per_million", "price_cached_input_per_million", "price_output_per_million")})
+    case = WorstCase(prompt_bounds=bounds, num_sequences=n, max_output_tokens=max_output, max_model_len=context)
+    price_in = max(prices.price_input_per_million, prices.price_cached_input_per_million) * Decimal("0.000001")
+    price_out = prices.price_output_per_million * Decimal("0.000001")
+
+    def most(bound, a, b):
+        return max(p * a + n * min(max_output, context - p) * b for p in range(bound + 1))
+
+    assert case.num_tokens == sum(most(bound, 1, 1) for bound in bounds)
+    assert case.max_cost(prices) == min(sum((most(bound, price_in, price_out) for bound in bounds), Decimal(0)),
+                                        MAX_RESERVATION).quantize(Decimal("1e-9"), rounding=ROUND_CEILING)
+
+
+def test_a_prompt_bound_outside_the_context_is_refused_wherever_it_is_listed():
+    for bounds in ((11,), (-1,), (0, 11), (11, 0), (3, -1, 4)):
+        with pytest.raises(ValueError):
+            WorstCase(prompt_bounds=bounds, num_sequences=1, max_output_tokens=1, max_model_len=10)
+    assert WorstCase(prompt_bounds=(), num_sequences=1, max_output_tokens=1, max_model_len=10).num_tokens == 0
 
 
 @settings(max_examples=200, deadline=None)
