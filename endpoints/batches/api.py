@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import timedelta
 
 from asgiref.sync import async_to_sync
 from botocore.exceptions import BotoCoreError, ClientError
@@ -20,7 +21,7 @@ from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from django.utils.http import content_disposition_header
 from django.views.decorators.csrf import csrf_exempt
 
-from endpoints.batches import services, storage, uploads
+from endpoints.batches import idempotency, services, storage, uploads
 from endpoints.batches.models import Batch, File
 from endpoints.batches.text import storable
 from endpoints.gateway import auth, errors
@@ -30,6 +31,9 @@ from endpoints.gateway.ratelimit_headers import RateLimitReport
 logger = logging.getLogger("inferplane.batches")
 
 MAX_LIST = 100
+# How long a batch's creation holds its idempotency key (`idempotency.begin`): a few queries, under its organisation's
+# row lock; a request that died holding it leaves it to the next past this.
+BATCH_CREATION_HELD_FOR = timedelta(minutes=1)
 
 
 def _error(exc: errors.OpenAIError) -> HttpResponse:
@@ -124,19 +128,57 @@ def _upload(request, caller: Caller) -> HttpResponse:
     declared = int(request.META.get("CONTENT_LENGTH") or 0)
     if declared > settings.FILES_MAX_BYTES + uploads.MULTIPART_OVERHEAD_BYTES:
         raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
-    storing = uploads.StreamToStorage.handle(request, organization_id=caller.organization_id,
-                                             reserved=uploads.counted_bytes(declared))
-    try:
-        request.FILES  # noqa: B018 - parses the body, the file part going to S3 as it is read
-        purpose = request.POST.get("purpose", "")
-        if storing.file is None:
-            raise errors.invalid_request("Send the file as multipart form data, field 'file'.", param="file")
-        services.refuse_unknown_purpose(purpose)
-        file = storing.finish()
-    except BaseException:
-        storing.abandon()
-        raise
+    claim = None
+    if (key := idempotency.key_of(request)) is not None:
+        # NOTE: claimed before the body is parsed (an upload's digest is known only at its end): a retry while the
+        # first streams to S3 is a 409 at once; one after it is replayed, its file read for its digest, never stored.
+        started = idempotency.begin(caller, key, digest="", held_for=services.UPLOAD_ABANDONED_AFTER)
+        if isinstance(started, idempotency.Saved):
+            return _replay_upload(request, started)
+        claim = started
+    with idempotency.held(claim):
+        storing = uploads.StreamToStorage.handle(request, organization_id=caller.organization_id,
+                                                 reserved=uploads.counted_bytes(declared))
+        try:
+            request.FILES  # noqa: B018 - parses the body, the file part going to S3 as it is read
+            purpose = _upload_purpose(request, storing)
+            if claim is not None:
+                claim.request_digest = _upload_digest(request, purpose, storing)
+            file = storing.finish(claim=claim)
+        except BaseException:
+            storing.abandon()
+            raise
     return JsonResponse(file.as_openai())
+
+
+def _upload_purpose(request, parsed: uploads.FileDigest) -> str:
+    """The purpose of an upload whose body `parsed` read, refused unless it sent a file to store as a batch's input."""
+    if parsed.digest is None:
+        raise errors.invalid_request("Send the file as multipart form data, field 'file'.", param="file")
+    purpose = request.POST.get("purpose", "")
+    services.refuse_unknown_purpose(purpose)
+    return purpose
+
+
+def _upload_digest(request, purpose: str, parsed: uploads.FileDigest) -> str:
+    """What an upload asks for, under its idempotency key: its file's bytes and purpose."""
+    return idempotency.request_digest(request.method, request.path, purpose, parsed.digest)
+
+
+def _replay_upload(request, saved: idempotency.Saved) -> HttpResponse:
+    """The saved answer of an upload sent again with its key, once its file is read (not stored) and found the same."""
+    parsed = uploads.FileDigest.handle(request)
+    request.FILES  # noqa: B018 - parses the body, the file part only hashed
+    purpose = _upload_purpose(request, parsed)
+    return _replayed(saved, _upload_digest(request, purpose, parsed))
+
+
+def _replayed(saved: idempotency.Saved, digest: str) -> HttpResponse:
+    """The answer saved under a key, to a request that sent it again asking for the same (`digest`); else a 422."""
+    status, body = saved.answer_for(digest)
+    response = JsonResponse(body, status=status)
+    response["Idempotent-Replayed"] = "true"
+    return response
 
 
 @_openai_view
@@ -188,6 +230,7 @@ def batches(request, caller: Caller):
         return JsonResponse(_page(Batch.objects.for_org(caller.organization_id), request, default_limit=20))
     if request.method != "POST":
         return _method_not_allowed(request)
+    key = idempotency.key_of(request)
     try:
         payload = json.loads(request.body or b"{}")
     except (ValueError, RecursionError):
@@ -198,10 +241,18 @@ def batches(request, caller: Caller):
         if not isinstance(payload.get(name), str) or not payload[name]:
             raise errors.invalid_request(f"Missing required parameter: '{name}'.", param=name,
                                          code="missing_required_parameter")
-    batch = services.create_batch(organization_id=caller.organization_id, api_key_id=caller.api_key_id,
-                                  user_id=caller.user_id, input_file_id=payload["input_file_id"],
-                                  request_path=payload["endpoint"], completion_window=payload["completion_window"],
-                                  metadata=payload.get("metadata"))
+    claim = None
+    if key is not None:
+        digest = idempotency.request_digest(request.method, request.path, request.body)
+        started = idempotency.begin(caller, key, digest=digest, held_for=BATCH_CREATION_HELD_FOR)
+        if isinstance(started, idempotency.Saved):
+            return _replayed(started, digest)
+        claim = started
+    with idempotency.held(claim):
+        batch = services.create_batch(organization_id=caller.organization_id, api_key_id=caller.api_key_id,
+                                      user_id=caller.user_id, input_file_id=payload["input_file_id"],
+                                      request_path=payload["endpoint"], completion_window=payload["completion_window"],
+                                      metadata=payload.get("metadata"), claim=claim)
     return JsonResponse(batch.as_openai())
 
 
@@ -221,6 +272,9 @@ def batch_detail(request, caller: Caller, batch_id: str):
 
 @_openai_view
 def batch_cancel(request, caller: Caller, batch_id: str):
+    """Cancel a batch: idempotent as it is (a batch cancelled again is answered as it is now), so an `Idempotency-Key`
+    is checked but saves nothing."""
     if request.method != "POST":
         return _method_not_allowed(request)
+    idempotency.key_of(request)
     return JsonResponse(services.cancel_batch(_batch_of(caller, batch_id)).as_openai())

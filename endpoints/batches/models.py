@@ -184,3 +184,35 @@ class Batch(models.Model):
             "request_counts": {"total": self.num_total, "completed": self.num_completed, "failed": self.num_failed},
             "metadata": self.metadata,
         }
+
+
+class IdempotentRequest(models.Model):
+    """A creation sent with an `Idempotency-Key` (`endpoints.batches.idempotency`): claimed by the request making it
+    (`token`, until `locked_until`), then the answer it gave, replayed to a request sending the key again.
+
+    NOTE: one row per organisation, caller and key, held by the database's unique constraint: of two requests sending
+    one key at once, one inserts the row and the other finds it, never both creating."""
+
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
+    # The caller that sent the key (`Caller.limit_subject`: `key:<id>`, or `user:<id>` for a console session).
+    subject = models.CharField(max_length=40)
+    key = models.CharField(max_length=255)
+    # What the request asked for (`idempotency.request_digest`); "" until an upload's file has been read.
+    request_digest = models.CharField(max_length=64, blank=True)
+    token = models.CharField(max_length=32)
+    # The claim lapses then, by PostgreSQL's clock (a process that died creating): another request takes the key over.
+    locked_until = models.DateTimeField()
+    # The answer of the object created, None while the creation runs (failures save nothing: the key is freed).
+    response_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    response_body = models.JSONField(null=True, blank=True)
+    # Set by PostgreSQL's clock; the key is kept `idempotency.KEPT_FOR` from then.
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "subject", "key"], name="idempotent_request_key"),
+        ]
+        indexes = [models.Index(fields=["created_at"], name="idempotent_request_created")]
+
+    def __str__(self) -> str:
+        return f"{self.subject} {self.key}"

@@ -34,7 +34,7 @@ from controlplane.accounts import keys
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
-from endpoints.batches import runner, scheduling, storage
+from endpoints.batches import idempotency, runner, scheduling, storage
 from endpoints.batches.models import (
     BATCH_PATHS,
     COMPLETION_WINDOWS,
@@ -137,12 +137,20 @@ def start_upload(*, organization_id: int, filename: str, size: int) -> File:
                                    s3_key=storage.file_key(organization_id, file_id), stored_at=None)
 
 
-def finish_upload(file: File, *, size: int) -> File:
-    """Mark an upload whose bytes are in S3 stored, counting its real `size` (at most what it was started with)."""
+def finish_upload(file: File, *, size: int, claim: idempotency.Claim | None = None) -> File:
+    """Mark an upload whose bytes are in S3 stored, counting its real `size` (at most what it was started with), and
+    save its answer under the request's idempotency key (`claim`) in the same transaction."""
     file.stored_at, file.bytes = timezone.now(), size
-    if not File.objects.filter(pk=file.pk, stored_at__isnull=True).update(stored_at=file.stored_at, bytes=size):
-        storage.delete(file.s3_key)  # swept as abandoned meanwhile (an upload of over an hour): its bytes go too
-        raise Refused("The upload took too long; send it again.", param="file", status=408)
+    try:
+        with transaction.atomic():
+            if not File.objects.filter(pk=file.pk, stored_at__isnull=True).update(stored_at=file.stored_at, bytes=size):
+                # swept as abandoned meanwhile (an upload of over an hour)
+                raise Refused("The upload took too long; send it again.", param="file", status=408)
+            if claim is not None:
+                idempotency.save_answer(claim, file.as_openai())
+    except (Refused, idempotency.InProgress):
+        storage.delete(file.s3_key)  # no stored row names its bytes: they go too
+        raise
     return file
 
 
@@ -251,8 +259,10 @@ def _discard_outputs(files: list[File]) -> None:
 # --- batches ---------------------------------------------------------------------------------
 
 def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int | None, input_file_id: str,
-                 request_path: str, completion_window: str, metadata: dict | None) -> Batch:
-    """A new batch, `validating`; a worker checks its lines and runs it."""
+                 request_path: str, completion_window: str, metadata: dict | None,
+                 claim: idempotency.Claim | None = None) -> Batch:
+    """A new batch, `validating`; a worker checks its lines and runs it. Its answer is saved under the request's
+    idempotency key (`claim`) in the transaction that creates it: never a batch whose key forgot it."""
     if request_path not in BATCH_PATHS:
         raise Refused(f"endpoint must be one of {', '.join(BATCH_PATHS)}.", param="endpoint")
     if completion_window not in COMPLETION_WINDOWS:
@@ -283,6 +293,8 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
                                      request_path=request_path, input_file=input_file, completion_window=completion_window,
                                      metadata=metadata, created_at=now,
                                      expires_at=now + COMPLETION_WINDOWS[completion_window])
+        if claim is not None:
+            idempotency.save_answer(claim, batch.as_openai())
     _dispatch_after_commit(batch.pk)
     return batch
 
@@ -336,9 +348,11 @@ def tick() -> int:
     """Queue a run of every open batch that has something to do now and no live worker: validating,
     cancelling or finalizing ones, and running ones whose endpoint has a READY replica or whose
     completion window has ended. Running batches of a sleeping endpoint wait for the autoscaler
-    (`scheduling.apply` wakes it when their deadline needs it)."""
+    (`scheduling.apply` wakes it when their deadline needs it). Sweeps abandoned uploads and idempotency keys past
+    their day first."""
     now = timezone.now()
     sweep_abandoned_uploads(now)
+    idempotency.sweep_expired()
     unleased = Batch.objects.open().filter(_lease_lapsed())
     warm = Replica.objects.filter(state=ReplicaState.READY).values("endpoint_id")
     due = unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=now))

@@ -9,13 +9,14 @@ pod's 256 MiB `/tmp` volume and had the pod evicted. The body's copy is now the 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
 from django.core.files.uploadhandler import FileUploadHandler
 
-from endpoints.batches import services, storage
+from endpoints.batches import idempotency, services, storage
 from endpoints.batches.models import File
 
 logger = logging.getLogger("inferplane.batches")
@@ -48,10 +49,46 @@ class SizeLimit(FileUploadHandler):
         return None
 
 
-class StreamToStorage(FileUploadHandler):
+class FileDigest(FileUploadHandler):
+    """The SHA-256 of the body's `file` part (`digest`, None when it has none), read as Django parses the body; other
+    file parts are dropped. Install it (`handle`) before anything reads `request.POST` or `request.FILES`."""
+
+    def __init__(self, request):
+        super().__init__(request)
+        self.sha256 = None
+
+    @classmethod
+    def handle(cls, request, **kwargs):
+        """The request's upload handlers made `SizeLimit` and a new handler of this class, which it returns."""
+        handler = cls(request, **kwargs)
+        request.upload_handlers = [SizeLimit(request), handler]
+        return handler
+
+    @property
+    def digest(self) -> str | None:
+        return self.sha256.hexdigest() if self.sha256 is not None else None
+
+    def new_file(self, field_name, file_name, *args, **kwargs):
+        super().new_file(field_name, file_name, *args, **kwargs)
+        if field_name != FILE_FIELD:
+            return
+        if self.sha256 is not None:
+            raise services.Refused("Send one file, as the field 'file'.", param="file")
+        self.sha256 = hashlib.sha256()
+
+    def receive_data_chunk(self, raw_data, start):
+        if self.field_name == FILE_FIELD:
+            self.sha256.update(raw_data)
+        return None
+
+    def file_complete(self, file_size):
+        return None
+
+
+class StreamToStorage(FileDigest):
     """Sends the body's `file` part to S3 as Django parses it (`storage.StreamedUpload`), its row started
-    (`services.start_upload`: the quota checked) as the part begins; other file parts are dropped. Install it
-    (`handle`) before anything reads `request.POST` or `request.FILES`; then `finish` it, or `abandon` it on every
+    (`services.start_upload`: the quota checked) as the part begins, its digest taken on the way (`FileDigest`). Install
+    it (`handle`) before anything reads `request.POST` or `request.FILES`; then `finish` it, or `abandon` it on every
     other way out (`finished` says which)."""
 
     def __init__(self, request, *, organization_id: int, reserved: int):
@@ -61,33 +98,23 @@ class StreamToStorage(FileUploadHandler):
         self.stream: storage.StreamedUpload | None = None
         self.finished = False
 
-    @classmethod
-    def handle(cls, request, *, organization_id: int, reserved: int) -> StreamToStorage:
-        """The request's upload handlers made `SizeLimit` and a new `StreamToStorage`, which it returns."""
-        storing = cls(request, organization_id=organization_id, reserved=reserved)
-        request.upload_handlers = [SizeLimit(request), storing]
-        return storing
-
     def new_file(self, field_name, file_name, *args, **kwargs):
         super().new_file(field_name, file_name, *args, **kwargs)
         if field_name != FILE_FIELD:
             return
-        if self.file is not None:
-            raise services.Refused("Send one file, as the field 'file'.", param="file")
         self.file = services.start_upload(organization_id=self.organization_id, filename=file_name, size=self.reserved)
         self.stream = storage.StreamedUpload(self.file.s3_key)
 
     def receive_data_chunk(self, raw_data, start):
+        super().receive_data_chunk(raw_data, start)
         if self.field_name == FILE_FIELD:
             self.stream.write(raw_data)
         return None
 
-    def file_complete(self, file_size):
-        return None
-
-    def finish(self) -> File:
+    def finish(self, *, claim: idempotency.Claim | None = None) -> File:
+        """Store the file, its answer saved under the request's idempotency key (`claim`)."""
         self.stream.complete()
-        file = services.finish_upload(self.file, size=self.stream.size)
+        file = services.finish_upload(self.file, size=self.stream.size, claim=claim)
         self.finished = True
         return file
 

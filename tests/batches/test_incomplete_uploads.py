@@ -71,9 +71,9 @@ def test_an_upload_swept_while_it_was_stored_is_a_408_and_leaves_nothing(tenant,
     the 408 a 503."""
     finish_upload = services.finish_upload
 
-    def swept_meanwhile(file, *, size):
+    def swept_meanwhile(file, *, size, **kwargs):
         File.objects.filter(pk=file.pk).delete()  # what `sweep_abandoned_uploads` does to an upload of over an hour
-        return finish_upload(file, size=size)
+        return finish_upload(file, size=size, **kwargs)
 
     monkeypatch.setattr(services, "finish_upload", swept_meanwhile)
     answer = _post_file(tenant, LINE * (9 * MiB // len(LINE)))
