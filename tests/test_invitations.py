@@ -106,6 +106,7 @@ def test_whoever_registers_the_invited_address_first_gains_nothing_without_the_m
     # The attacker signs up with the colleague's address before the colleague does.
     client.post(reverse("signup"), {"email": "colleague@victim.example", "password": "a long passphrase",
                                     "organization_name": "Squatter"})
+    assert client.login(username="colleague@victim.example", password="a long passphrase")
     response = client.post(link)
     assert response.status_code == 302 and response.url == reverse("verify-email")
     assert not Membership.objects.filter(organization=owner.organization, user__email="colleague@victim.example").exists()
