@@ -83,6 +83,13 @@ def test_a_link_followed_in_another_accounts_session_is_refused(client):
     assert not email_is_verified(user)
 
 
+def test_the_link_in_the_accounts_own_session_confirms_a_verification_from_before(client):
+    user = _sign_up(client)
+    EmailVerification.objects.create(user=user, email=user.email, confirmed_by_owner=False)
+    assert client.get(_emailed_link(mail.outbox[0])).url == reverse("console:dashboard")
+    assert EmailVerification.objects.get(user=user).confirmed_by_owner
+
+
 def test_a_stranger_who_signs_up_with_an_address_never_gets_a_verified_session(client):
     """A review's finding: the owner of the mailbox, signed out, followed the link mailed to them, and the stranger's
     sign-up session became a verified owner's, which made a manage + inference key that outlived the owner's reset."""

@@ -132,6 +132,8 @@ def verify_email(token: str, *, signed_in_as):
         mark_email_verified(user)
         for membership in Membership.objects.filter(user=user).select_related("organization"):
             record_audit(Actor(user=user), membership.organization, "user.verify_email", user, email=user.email)
+    elif not EmailVerification.objects.filter(user=user, confirmed_by_owner=True).exists():
+        mark_email_verified(user)  # verified before links counted only in the account's session: its owner's now
     return user
 
 
