@@ -48,6 +48,7 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("", views.home, name="home"),
     path("signup/", views.signup, name="signup"),
+    path("signup/done/", views.signup_done, name="signup-done"),
     path("verify-email/", views.verify_email, name="verify-email"),
     path("verify-email/resend/", views.verify_email_resend, name="verify-email-resend"),
     path("verify-email/<str:token>/", views.verify_email_confirm, name="verify-email-confirm"),
@@ -59,7 +60,8 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("password-reset/", auth_views.PasswordResetView.as_view(), name="password_reset"),
     path("password-reset/done/", auth_views.PasswordResetDoneView.as_view(), name="password_reset_done"),
-    path("reset/<uidb64>/<token>/", auth_views.PasswordResetConfirmView.as_view(), name="password_reset_confirm"),
+    # NOTE: a forgotten password's reset revokes the keys of an account whose address its owner never confirmed.
+    path("reset/<uidb64>/<token>/", views.PasswordResetConfirmView.as_view(), name="password_reset_confirm"),
     path("reset/done/", auth_views.PasswordResetCompleteView.as_view(), name="password_reset_complete"),
     # NOTE: changing the password ends every other session (the session hash), keeping this one.
     path("password-change/", auth_views.PasswordChangeView.as_view(), name="password_change"),

@@ -108,7 +108,9 @@ def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
             gpu_indices=list(decision.gpu_indices), gpu_memory_fraction=decision.gpu_memory_fraction,
         )
         notify_node(decision.node.pk)
-        return replica, f"placed on {decision.node.name} ({decision.reason}, {needed_mb} MB)"
+        # NOTE: no node name: this reason becomes an event every member reads, and a node's name is a host name of the
+        # fleet; owners and admins see the replica's node on the replica itself.
+        return replica, f"placed ({decision.reason}, {needed_mb} MB)"
 
 
 def drain_replica(replica: Replica, *, reason: str) -> bool:

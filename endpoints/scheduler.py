@@ -384,7 +384,9 @@ def _sweep() -> None:
             if not Node.objects.filter(pk=node.pk, last_heartbeat_at__lt=silent_since).exclude(state=NodeState.OFFLINE).update(
                     state=NodeState.OFFLINE, state_before_offline=F("state")):
                 continue  # it beat in the meantime, or another sweeper won
-            reason = f"node {node.name} stopped sending heartbeats"
+            # NOTE: the replica's failure reason is shown to every member: the node's name (a host name of the fleet)
+            # stays in the log below and on the replica's node, which owners and admins see.
+            reason = "its node stopped sending heartbeats"
             for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
                 fail_replica(replica, reason)
         logger.warning("node %s went OFFLINE (no heartbeat since %s)", node.name, node.last_heartbeat_at)

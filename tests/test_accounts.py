@@ -1,5 +1,6 @@
 import pytest
 from django.contrib.auth import get_user_model
+from django.core import mail
 
 from controlplane.accounts.models import Membership
 from controlplane.accounts.signup import mark_email_verified
@@ -22,12 +23,27 @@ def test_sign_up_creates_the_user_and_an_organisation_they_own(client):
     response = client.post(
         "/signup/", {"email": "Ada@Example.test", "password": "a long passphrase", "organization_name": "Analytical Engines"}
     )
-    assert response.status_code == 302 and response["Location"] == "/verify-email/"
+    assert response.status_code == 302 and response["Location"] == "/signup/done/"
     user = get_user_model().objects.get(email="ada@example.test")
     membership = Membership.objects.get(user=user)
     assert membership.role == "owner" and membership.organization.slug == "analytical-engines"
     mark_email_verified(user)
+    assert client.login(username="ada@example.test", password="a long passphrase")
     assert "Analytical Engines" in client.get("/console/").content.decode()
+
+
+def test_sign_up_answers_the_same_whether_the_email_has_an_account_and_mails_its_owner(client):
+    """A review's finding: "An account with this email exists" told a stranger who had an account."""
+    get_user_model().objects.create_user(username="ceo@victim.test", email="ceo@victim.test", password="x" * 12)
+    answers = [client.post("/signup/", {"email": email, "password": "a long passphrase 1", "organization_name": "Probe"})
+               for email in ("CEO@victim.test", "nobody@victim.test")]
+    assert [(answer.status_code, answer["Location"]) for answer in answers] == [(302, "/signup/done/")] * 2
+    assert not any(answer.cookies.get("sessionid") for answer in answers)  # nobody is signed in by signing up
+    assert "Check your email" in client.get("/signup/done/").content.decode()
+    assert [(message.to, message.subject) for message in mail.outbox] == [
+        (["ceo@victim.test"], "You already have an Inferplane account"),
+        (["nobody@victim.test"], "Verify your email for Inferplane")]
+    assert "/password-reset/" in mail.outbox[0].body and not Membership.objects.filter(user__email="ceo@victim.test")
 
 
 def test_sign_up_shows_field_errors_and_creates_nothing(client):
@@ -41,7 +57,7 @@ def test_sign_up_shows_field_errors_and_creates_nothing(client):
 def test_log_in_and_out(client):
     from controlplane.accounts.signup import sign_up_user
 
-    user, _ = sign_up_user(email="bob@example.test", password="a long passphrase", organization_name="Bob's")
+    user = sign_up_user(email="bob@example.test", password="a long passphrase", organization_name="Bob's")
     mark_email_verified(user)
     response = client.post("/login/", {"username": "bob@example.test", "password": "a long passphrase"})
     assert response.status_code == 302

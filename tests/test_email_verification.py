@@ -8,7 +8,8 @@ from django.core.management import call_command
 from django.urls import reverse
 
 from controlplane.accounts import invitations, services, signup
-from controlplane.accounts.models import ApiKey, Role, email_is_verified
+from controlplane.accounts.keys import create_api_key
+from controlplane.accounts.models import ApiKey, EmailVerification, Role, email_is_verified
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
 
 pytestmark = pytest.mark.django_db
@@ -21,8 +22,11 @@ def _emailed_link(message) -> str:
 
 
 def _sign_up(client):
+    """Signs up, then logs in: signing up signs nobody in (it answers the same for an address that has an account)."""
     response = client.post(reverse("signup"), SIGN_UP)
-    assert response.status_code == 302 and response.url == reverse("verify-email")
+    assert response.status_code == 302 and response.url == reverse("signup-done")
+    assert client.get(reverse("console:dashboard")).url.startswith(reverse("login"))
+    assert client.login(username="new@example.test", password=SIGN_UP["password"])
     return signup.User.objects.get(email="new@example.test")
 
 
@@ -57,11 +61,93 @@ def test_the_emailed_link_verifies_the_account_and_opens_the_console(client):
     assert client.get(reverse("console:dashboard")).status_code == 200
 
 
-def test_the_link_works_in_another_browser_and_then_asks_to_log_in(client):
-    _sign_up(client)
+def test_the_link_followed_signed_out_verifies_nothing_until_the_account_logs_in(client):
+    user = _sign_up(client)
     other_browser = client.__class__()
-    response = other_browser.get(_emailed_link(mail.outbox[0]))
-    assert response.status_code == 302 and response.url == reverse("login")
+    link = _emailed_link(mail.outbox[0])
+    response = other_browser.get(link, follow=True)
+    login_url, _ = response.redirect_chain[-1]
+    assert login_url.startswith(reverse("login")) and "Log in as new@example.test to verify" in response.content.decode()
+    assert not email_is_verified(user)
+    response = other_browser.post(login_url, {"username": "new@example.test", "password": SIGN_UP["password"]},
+                                  follow=True)
+    assert response.redirect_chain[-1][0] == reverse("console:dashboard") and email_is_verified(user)
+
+
+def test_a_link_followed_in_another_accounts_session_is_refused(client):
+    user = _sign_up(client)
+    other = client.__class__()
+    other.force_login(UserFactory(username="someone@example.test"))
+    response = other.get(_emailed_link(mail.outbox[0]))
+    assert response.status_code == 400 and "log in as new@example.test" in response.content.decode()
+    assert not email_is_verified(user)
+
+
+def test_the_link_in_the_accounts_own_session_confirms_a_verification_from_before(client):
+    user = _sign_up(client)
+    EmailVerification.objects.create(user=user, email=user.email, confirmed_by_owner=False)
+    assert client.get(_emailed_link(mail.outbox[0])).url == reverse("console:dashboard")
+    assert EmailVerification.objects.get(user=user).confirmed_by_owner
+
+
+def test_a_stranger_who_signs_up_with_an_address_never_gets_a_verified_session(client):
+    """A review's finding: the owner of the mailbox, signed out, followed the link mailed to them, and the stranger's
+    sign-up session became a verified owner's, which made a manage + inference key that outlived the owner's reset."""
+    stranger = client
+    _sign_up(stranger)
+    owner = client.__class__()
+    owner.get(_emailed_link(mail.outbox[-1]))
+    response = stranger.post(reverse("console:keys"), {"name": "default", "scopes": ["manage", "inference"]})
+    assert response.status_code == 302 and response.url == reverse("verify-email")
+    assert not ApiKey.objects.exists()
+    # The owner takes the account back by resetting its password: the stranger's session ends with it.
+    owner.post(reverse("password_reset"), {"email": "new@example.test"})
+    response = owner.get(_reset_link(mail.outbox[-1]), follow=True)
+    owner.post(response.redirect_chain[-1][0], {"new_password1": "the owner's own one", "new_password2": "the owner's own one"})
+    assert stranger.get(reverse("console:dashboard")).url.startswith(reverse("login"))
+    assert owner.login(username="new@example.test", password="the owner's own one")
+    # The reset's link went to the address, which proves it.
+    assert owner.get(reverse("console:dashboard")).status_code == 200
+
+
+def _reset_link(message) -> str:
+    return next(line.strip() for line in message.body.splitlines() if "/reset/" in line).split("testserver", 1)[-1]
+
+
+def _reset_password(client, email: str, password: str = "a brand new passphrase"):
+    client.post(reverse("password_reset"), {"email": email})
+    form = client.get(_reset_link(mail.outbox[-1]), follow=True)
+    return client.post(form.redirect_chain[-1][0], {"new_password1": password, "new_password2": password}, follow=True)
+
+
+def test_a_reset_revokes_the_keys_of_an_account_its_owner_never_confirmed(client):
+    """Rows from before a link counted only in the account's own session (`confirmed_by_owner` False) may be a
+    stranger's sign-up verified by the owner's click: the stranger's keys end with the owner's reset, audited."""
+    user = UserFactory(username="legacy@example.test")
+    EmailVerification.objects.filter(user=user).update(confirmed_by_owner=False)
+    organization = MembershipFactory(user=user, role=Role.OWNER).organization
+    made = create_api_key(services.Actor(user=user), organization, name="default", scopes=["manage", "inference"])
+    minted = create_api_key(services.Actor(user=user, api_key=made.api_key), organization, name="child", scopes=["inference"])
+    page = _reset_password(client, user.email).content.decode()
+    assert "2 API key(s) of this account were revoked" in page
+    assert set(ApiKey.objects.filter(revoked_at__isnull=False).values_list("pk", flat=True)) == {made.api_key.pk,
+                                                                                               minted.api_key.pk}
+    assert organization.audit_events.filter(action="api_key.revoke", details__reason="password.reset").count() == 2
+    user.email_verification.refresh_from_db()
+    assert user.email_verification.confirmed_by_owner
+    # Confirmed now: the next reset keeps the keys made since.
+    create_api_key(services.Actor(user=user), organization, name="new", scopes=["inference"])
+    assert "revoked" not in _reset_password(client, user.email, "another new passphrase").content.decode()
+    assert ApiKey.objects.filter(name="new", revoked_at__isnull=True).exists()
+
+
+def test_a_reset_keeps_the_keys_of_an_account_its_owner_confirmed(client):
+    user = _sign_up(client)
+    client.get(_emailed_link(mail.outbox[-1]))
+    client.post(reverse("console:keys"), {"name": "mine", "scopes": ["inference"]})
+    assert ApiKey.objects.filter(name="mine").exists()
+    page = _reset_password(client.__class__(), user.email).content.decode()
+    assert "revoked" not in page and ApiKey.objects.get(name="mine").revoked_at is None
 
 
 def test_a_tampered_link_is_refused(client):

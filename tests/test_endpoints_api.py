@@ -5,8 +5,9 @@ from django.db import connection
 from django.test import Client
 from django.utils import timezone
 
-from controlplane.accounts.models import AuditEvent, Role
+from controlplane.accounts.models import AuditEvent, Membership, Role
 from endpoints.models import ENGINE_FIELDS, Endpoint, EndpointEvent, Replica
+from endpoints.nodes.models import Node
 from endpoints.replicas import place_replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory, make_credential
@@ -164,6 +165,31 @@ def test_a_replicas_node_is_shown_to_owners_and_admins_only_and_its_engine_addre
         (replica,) = detail.json()["replicas"]
         assert "address" not in replica and "10.20.30.40" not in detail.content.decode(), role
         assert (replica["node"], replica["node_id"]) == ((node.name, str(node.pk)) if shows_node else (None, None)), role
+
+
+def test_no_text_a_member_reads_names_the_node_a_replica_ran_on(org, member_client_factory, settings):
+    """Before, the placement event said "placed on <node>" and a silent node's replicas failed with "node <node> stopped
+    sending heartbeats": node names (host names of the fleet) reached members and viewers, past the rule above."""
+    from endpoints.scheduler import reconcile_endpoint, sweep_stuck
+
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    endpoint = EndpointFactory(organization=org, min_replicas=1, model_source="hf:org/tiny-model", gpu_type="l4")
+    node = make_node(memory_mb=80_000)
+    reconcile_endpoint(str(endpoint.pk))
+    Replica.objects.filter(endpoint=endpoint).update(state=ReplicaState.READY)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=31))
+    sweep_stuck()
+    assert Replica.objects.get(endpoint=endpoint).state == ReplicaState.FAILED
+    for role in (Role.MEMBER, Role.VIEWER):
+        client = member_client_factory(org, role)
+        detail = client.get(f"/api/v1/endpoints/{endpoint.pk}/").content.decode()
+        events = client.get(f"/api/v1/endpoints/{endpoint.pk}/events/").content.decode()
+        assert "placed (" in events and "its node stopped sending heartbeats" in detail, role
+        assert node.name not in detail and node.name not in events, role
+    console = Client()
+    console.force_login(Membership.objects.filter(organization=org, role=Role.VIEWER).first().user)
+    page = console.get(f"/console/endpoints/{endpoint.pk}/").content.decode()
+    assert "placed (" in page and node.name not in page
 
 
 def test_lists_and_pages_read_the_live_replicas_and_the_latest_ended_not_every_one_ever(owner_client, org):

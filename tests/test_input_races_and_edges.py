@@ -10,11 +10,12 @@ import threading
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.core import mail
 from django.db import connection, transaction
 from django.test import Client
 
-from controlplane.accounts import forms as account_forms
 from controlplane.accounts import services as account_services
+from controlplane.accounts import signup as account_signup
 from controlplane.accounts.models import Organization
 from controlplane.accounts.tenancy import SESSION_KEY
 from controlplane.plain_numbers import plain_int
@@ -133,15 +134,17 @@ def test_an_email_longer_than_its_column_is_a_form_error(org, owner_client, clie
     assert not get_user_model().objects.filter(email__startswith="a" * 140).exists()
 
 
-def test_a_sign_up_that_lost_the_race_for_its_email_is_a_form_error(client, monkeypatch):
+def test_a_sign_up_that_lost_the_race_for_its_email_answers_as_any_sign_up_and_mails_the_address(client, monkeypatch):
     get_user_model().objects.create_user("taken@example.test", "taken@example.test", "a long passphrase 1")
-    monkeypatch.setattr(account_forms, "email_in_use", lambda email: False)  # the form's check ran first
+    in_use = iter([False])  # the first look found the address free: another sign-up took it before the insert
+    monkeypatch.setattr(account_signup, "email_in_use", lambda email: next(in_use, True))
 
     response = client.post("/signup/", {"email": "taken@example.test", "password": "a long passphrase 2",
                                         "organization_name": "Acme"})
 
-    assert response.status_code == 200 and account_forms.EMAIL_IN_USE in response.content.decode().replace("&#x27;", "'")
+    assert response.status_code == 302 and response.url == "/signup/done/"
     assert get_user_model().objects.filter(username="taken@example.test").count() == 1
+    assert [message.subject for message in mail.outbox] == ["You already have an Inferplane account"]
 
 
 def test_a_sign_up_that_lost_the_race_for_its_organisation_slug_gets_the_next_one(client, monkeypatch):

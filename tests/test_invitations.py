@@ -106,6 +106,7 @@ def test_whoever_registers_the_invited_address_first_gains_nothing_without_the_m
     # The attacker signs up with the colleague's address before the colleague does.
     client.post(reverse("signup"), {"email": "colleague@victim.example", "password": "a long passphrase",
                                     "organization_name": "Squatter"})
+    assert client.login(username="colleague@victim.example", password="a long passphrase")
     response = client.post(link)
     assert response.status_code == 302 and response.url == reverse("verify-email")
     assert not Membership.objects.filter(organization=owner.organization, user__email="colleague@victim.example").exists()
@@ -197,6 +198,35 @@ def test_invitations_are_throttled_per_address_and_per_organisation_revoked_ones
         assert invite(f"person-{n}@example.test").status_code == 201
     assert invite("one-more@example.test").status_code == 429
     assert len(mail.outbox) == 19
+
+
+def test_invitations_are_throttled_per_inviting_user_and_per_client_address_across_organisations():
+    """Sign-up makes organisations freely: before, each new one had 20 invitations an hour of its own."""
+    from controlplane.accounts import throttle
+
+    def limit(per):
+        return next(limit for limit in throttle.INVITATIONS if limit.per == per).num_attempts
+
+    def own_organisations(user, number):
+        return [MembershipFactory(user=user, role=Role.OWNER).organization for _ in range(number)]
+
+    inviter = UserFactory()
+    organisations = own_organisations(inviter, limit("user") // limit("organization") + 1)
+    for n in range(limit("user")):
+        invitations.invite_member(services.Actor(user=inviter, source_ip=f"10.9.{n // 200}.{n % 200 + 1}"),
+                                  organisations[n // limit("organization")], email=f"p{n}@example.test", role=Role.VIEWER)
+    with pytest.raises(invitations.TooManyInvitations):
+        invitations.invite_member(services.Actor(user=inviter, source_ip="10.9.99.1"), organisations[-1],
+                                  email="one-more@example.test", role=Role.VIEWER)
+    for n in range(limit("ip")):
+        someone = UserFactory()
+        invitations.invite_member(services.Actor(user=someone, source_ip="10.8.0.1"), own_organisations(someone, 1)[0],
+                                  email=f"q{n}@example.test", role=Role.VIEWER)
+    someone = UserFactory()
+    with pytest.raises(invitations.TooManyInvitations):
+        invitations.invite_member(services.Actor(user=someone, source_ip="10.8.0.1"), own_organisations(someone, 1)[0],
+                                  email="one-more@example.test", role=Role.VIEWER)
+    assert len(mail.outbox) == limit("user") + limit("ip")
 
 
 def test_members_are_no_longer_added_directly_by_email(owner_client):

@@ -183,11 +183,29 @@ def test_password_reset_mails_one_address_a_few_times_only(client, victim):
 
 def test_resending_the_verification_is_throttled(client):
     client.post(reverse("signup"), {"email": "new@example.test", "password": "a long passphrase", "organization_name": "N"})
+    assert client.login(username="new@example.test", password="a long passphrase")
     allowed = _limit(throttle.RESEND_VERIFICATION, "user").num_attempts
     for attempt in range(allowed):
         assert client.post(reverse("verify-email-resend"), REMOTE_ADDR=f"10.3.0.{attempt}").status_code == 302
     _assert_throttled(client.post(reverse("verify-email-resend"), REMOTE_ADDR="10.3.1.1"))
     assert len(mail.outbox) == 1 + allowed
+
+
+def test_an_address_gets_a_few_account_mails_a_day_whoever_asks(client):
+    """Before, sign-up (5 an hour per address) and resends (3 per 10 minutes per user) mailed one address hundreds of
+    times a day: verification links and "you already have an account" mails now share a daily bound per address."""
+    from controlplane.accounts import signup
+
+    client.post(reverse("signup"), {"email": "new@example.test", "password": "a long passphrase", "organization_name": "N"})
+    user = signup.User.objects.get(email="new@example.test")
+    allowed = _limit(throttle.ACCOUNT_MAILS, "email").num_attempts
+    for _ in range(allowed - 2):
+        assert signup.send_verification_email(user)
+    assert signup.send_account_exists_email("New@Example.test")
+    assert not signup.send_account_exists_email("new@example.test")
+    assert client.login(username="new@example.test", password="a long passphrase")
+    page = client.post(reverse("verify-email-resend"), follow=True).content.decode()
+    assert "as many links as we send an address in a day" in page and len(mail.outbox) == allowed
 
 
 def test_counters_hold_no_email_addresses(client, victim):

@@ -10,10 +10,7 @@ from django.forms.utils import ErrorDict
 from django.http import QueryDict
 from django.utils import timezone
 
-from controlplane.accounts.backends import email_in_use
 from controlplane.accounts.models import Role, Scope
-
-EMAIL_IN_USE = "An account with this email exists; log in instead."
 
 
 class SignUpForm(forms.Form):
@@ -32,10 +29,9 @@ class SignUpForm(forms.Form):
         return name
 
     def clean_email(self):
-        email = self.cleaned_data["email"].lower()
-        if email_in_use(email):
-            raise forms.ValidationError(EMAIL_IN_USE)
-        return email
+        # NOTE: an address in use is no error here: the answer would tell a stranger who has an account
+        # (`signup.sign_up_user` mails the address instead).
+        return self.cleaned_data["email"].lower()
 
     def clean(self):
         cleaned = super().clean()

@@ -84,8 +84,10 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     ensure_may_touch_owner_role(actor, organization, role)
     if Membership.objects.filter(organization=organization, user__email__iexact=email).exists():
         raise NotPermitted("email", "This person is already a member; change their role in the table.")
-    retry_after_s = throttle.take(throttle.INVITATIONS,
-                                  {"organization": str(organization.pk), "email": email}).retry_after_s
+    retry_after_s = throttle.take(throttle.INVITATIONS, {
+        "organization": str(organization.pk), "email": email, "user": str(actor.user.pk) if actor.user else "",
+        "ip": actor.source_ip or "",
+    }).retry_after_s
     if retry_after_s is not None:
         raise TooManyInvitations(retry_after_s)
     with transaction.atomic():

@@ -1,5 +1,6 @@
 """How users and their first organisation come to be: self-service sign-up, proving the email
-address (the signed link mailed, verifying it), and the operators' and tests' one-shot bootstrap."""
+address (the signed link mailed, verifying it), what a forgotten password's reset secures, and the operators' and
+tests' one-shot bootstrap."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 
+from controlplane.accounts import throttle
 from controlplane.accounts.backends import email_in_use
-from controlplane.accounts.keys import create_api_key
+from controlplane.accounts.keys import create_api_key, revoke_api_keys_of
 from controlplane.accounts.members import add_member
 from controlplane.accounts.models import (
     EmailVerification,
@@ -30,27 +32,46 @@ from controlplane.accounts.services import SYSTEM, Actor, create_organization, r
 User = get_user_model()
 
 
-class EmailTaken(Exception):
-    """Another sign-up took the address between the form's check and the insert."""
-
-
 def sign_up_user(*, email: str, password: str, organization_name: str, source_ip: str | None = None):
-    """A new user and their first organisation, which they own: nobody is ever without one. Raises
-    `EmailTaken` when a concurrent sign-up with the same address won (the form checked it first).
+    """A new user and their first organisation, which they own (nobody is ever without one), and the link that
+    verifies the address mailed to it; None when the address has an account already, which is mailed instead.
 
-    NOTE: the account is unverified: the console shows it nothing but the verify-email page,
-    and it may join nothing, until the link mailed here is followed.
+    NOTE: the answer a stranger sees is the same either way ("check your inbox"), and nobody is signed in by signing
+    up: sign-up must not tell who has an account. The account is unverified: the console shows it nothing but the
+    verify-email page, and it may join nothing, until its owner follows the link signed in as it.
     """
+    if email_in_use(email):
+        send_account_exists_email(email)
+        return None
     try:
         with transaction.atomic():
             user = User.objects.create_user(username=email.lower(), email=email.lower(), password=password)
-            organization = create_organization(Actor(user=user, source_ip=source_ip), name=organization_name, owner=user)
+            create_organization(Actor(user=user, source_ip=source_ip), name=organization_name, owner=user)
     except IntegrityError:
-        if email_in_use(email):
-            raise EmailTaken(email) from None
+        if email_in_use(email):  # a concurrent sign-up with the same address won
+            send_account_exists_email(email)
+            return None
         raise
     send_verification_email(user)
-    return user, organization
+    return user
+
+
+def _may_mail(email: str) -> bool:
+    """Whether one more account mail (a verification link, "you already have an account") may go to `email` today:
+    `throttle.ACCOUNT_MAILS`, whoever asks for it."""
+    return throttle.take(throttle.ACCOUNT_MAILS, {"email": email}).retry_after_s is None
+
+
+def send_account_exists_email(email: str) -> bool:
+    """Tells the address that signed up again that it has an account; whether it was mailed."""
+    if not _may_mail(email):
+        return False
+    body = render_to_string("registration/account_exists_email.txt", {
+        "email": email, "login": settings.PUBLIC_URL + reverse("login"),
+        "reset": settings.PUBLIC_URL + reverse("password_reset"),
+    })
+    send_mail("You already have an Inferplane account", body, None, [email])
+    return True
 
 
 VERIFY_EMAIL_SALT = "inferplane.verify-email"
@@ -66,22 +87,26 @@ def email_verification_token(user) -> str:
     return signing.TimestampSigner(salt=VERIFY_EMAIL_SALT).sign_object({"user": user.pk, "email": user.email.lower()})
 
 
-def send_verification_email(user) -> None:
+def send_verification_email(user) -> bool:
+    """Mails `user` a link that verifies their address; whether it was mailed (`throttle.ACCOUNT_MAILS`)."""
+    if not _may_mail(user.email):
+        return False
     link = settings.PUBLIC_URL + reverse("verify-email-confirm", args=[email_verification_token(user)])
     body = render_to_string("registration/verify_email_email.txt", {"user": user, "link": link,
                                                                      "max_age_days": VERIFY_EMAIL_MAX_AGE.days})
     send_mail("Verify your email for Inferplane", body, None, [user.email])
+    return True
 
 
 def mark_email_verified(user) -> EmailVerification:
     verification, _ = EmailVerification.objects.update_or_create(
-        user=user, defaults={"email": user.email.lower(), "verified_at": timezone.now()}
+        user=user, defaults={"email": user.email.lower(), "verified_at": timezone.now(), "confirmed_by_owner": True}
     )
     return verification
 
 
-def verify_email(token: str):
-    """The user whose email the signed `token` proves, now verified; `InvalidLink` otherwise."""
+def verification_link_user(token: str):
+    """The user whose address the signed `token` proves (verified or not); `InvalidLink` otherwise."""
     try:
         claim = signing.TimestampSigner(salt=VERIFY_EMAIL_SALT).unsign_object(token, max_age=VERIFY_EMAIL_MAX_AGE)
         user = User.objects.get(pk=claim["user"], is_active=True)
@@ -89,11 +114,48 @@ def verify_email(token: str):
         raise InvalidLink("This verification link is invalid or has expired. Log in and send a new one.") from None
     if user.email.lower() != claim["email"]:
         raise InvalidLink("This verification link was sent to an address that is no longer yours.")
+    return user
+
+
+def verify_email(token: str, *, signed_in_as):
+    """The user whose email the signed `token` proves, now verified; `InvalidLink` otherwise, and when
+    `signed_in_as` (the user whose session followed the link) is someone else.
+
+    NOTE: the link counts only in the account's own session. Before, a link followed signed out verified whoever it
+    named: a stranger who signed up with someone's address and kept the session had a verified owner's session (and
+    made keys with it) as soon as the address's owner clicked the link in their mailbox.
+    """
+    user = verification_link_user(token)
+    if signed_in_as is None or signed_in_as.pk != user.pk:
+        raise InvalidLink(f"This link verifies {user.email}: log out, and log in as {user.email} to follow it.")
     if not email_is_verified(user):
         mark_email_verified(user)
         for membership in Membership.objects.filter(user=user).select_related("organization"):
             record_audit(Actor(user=user), membership.organization, "user.verify_email", user, email=user.email)
+    elif not EmailVerification.objects.filter(user=user, confirmed_by_owner=True).exists():
+        mark_email_verified(user)  # verified before links counted only in the account's session: its owner's now
     return user
+
+
+def secure_after_password_reset(user, *, source_ip: str | None = None) -> int:
+    """What a forgotten password's reset (its link followed, the new password saved) does besides: the address is
+    proven (the link went to it), and if its owner had not confirmed it before, every key the account made is
+    revoked, each audited (reason "password.reset"); the number revoked.
+
+    NOTE: an address not confirmed by its owner (a link followed signed out, before that was refused: rows from
+    before `confirmed_by_owner`) may have been someone else's sign-up whose session became verified: its keys,
+    made by that session, outlived the reset that ended the session. An owner's own confirmation (the link in the
+    account's session, an operator's or a reset) keeps the keys: a password stolen and used is not this case.
+    """
+    with transaction.atomic():
+        verification = EmailVerification.objects.select_for_update().filter(user=user).first()
+        confirmed = user.is_staff or (verification is not None and verification.confirmed_by_owner
+                                      and verification.email.lower() == user.email.lower())
+        num_revoked = 0 if confirmed else revoke_api_keys_of(Actor(user=user, source_ip=source_ip), user,
+                                                             reason="password.reset")
+        if user.email and not confirmed:
+            mark_email_verified(user)
+    return num_revoked
 
 
 def bootstrap_organization(*, slug: str, owner_email: str, name: str | None = None, password: str | None = None):

@@ -61,8 +61,14 @@ RESEND_VERIFICATION = (Limit("verify-ip", "ip", 10, 3600), Limit("verify-user", 
 # guessed it without end and, once right, set its own (a review's finding). As the log-in's, only wrong answers
 # count (the form again), so a right one never locks the account; the console's and the admin's forms share it.
 PASSWORD_CHANGE = (Limit("password-change-user", "user", 10, 600, failures_only=True),)
-# Each invitation mails its address: an admin may not use the platform's mail to flood or phish anyone.
-INVITATIONS = (Limit("invite-org", "organization", 20, 3600), Limit("invite-email", "email", 3, 86_400))
+# Each invitation mails its address: an admin may not use the platform's mail to flood or phish anyone. Sign-up makes
+# organisations freely, so the inviting user's and the client address's counts bound what many organisations send.
+INVITATIONS = (Limit("invite-org", "organization", 20, 3600), Limit("invite-user", "user", 50, 86_400),
+               Limit("invite-ip", "ip", 50, 86_400), Limit("invite-email", "email", 3, 86_400))
+# The mails an address gets without asking for each (verification links, "you already have an account"), however
+# many accounts, sessions and addresses ask: sign-up's (5 an hour per address) and the resend's (3 per 10 minutes per
+# user) alone allowed hundreds a day.
+ACCOUNT_MAILS = (Limit("account-mail-email", "email", 10, 86_400),)
 
 # Staff's second factor: a code has a million values, so a guess a second would find one in days; the
 # device's own throttle (django-otp: 1, 2, 4... seconds after each wrong code) slows it further.

@@ -5,7 +5,7 @@ from urllib.parse import urlencode, urlsplit
 
 from django.conf import settings
 from django.contrib import messages
-from django.contrib.auth import REDIRECT_FIELD_NAME, login
+from django.contrib.auth import REDIRECT_FIELD_NAME
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.http import Http404
@@ -17,12 +17,18 @@ from django.views.decorators.http import require_POST
 
 from controlplane.accounts import enrolment_codes, invitations, keys, recovery_codes, second_factor, services
 from controlplane.accounts.console import member_required
-from controlplane.accounts.forms import EMAIL_IN_USE, ApiKeyForm, MemberInviteForm, SignUpForm
+from controlplane.accounts.forms import ApiKeyForm, MemberInviteForm, SignUpForm
 from controlplane.accounts.members import LastOwnerError, NotPermitted, change_member_role, remove_member
 from controlplane.accounts.models import ApiKey, Invitation, Membership, Role, Scope, email_is_verified
 from controlplane.accounts.serializers import ApiKeySerializer
 from controlplane.accounts.services import client_ip
-from controlplane.accounts.signup import EmailTaken, InvalidLink, send_verification_email, sign_up_user
+from controlplane.accounts.signup import (
+    InvalidLink,
+    secure_after_password_reset,
+    send_verification_email,
+    sign_up_user,
+    verification_link_user,
+)
 from controlplane.accounts.signup import verify_email as verify_email_token
 from controlplane.accounts.tenancy import SESSION_KEY, memberships_of
 from controlplane.plain_numbers import INT64_MAX, plain_int
@@ -39,20 +45,19 @@ def signup(request):
         return redirect("console:dashboard")
     form = SignUpForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        try:
-            user, organization = sign_up_user(
-                email=form.cleaned_data["email"],
-                password=form.cleaned_data["password"],
-                organization_name=form.cleaned_data["organization_name"],
-                source_ip=client_ip(request),
-            )
-        except EmailTaken:
-            form.add_error("email", EMAIL_IN_USE)
-            return render(request, "controlplane/signup.html", {"form": form})
-        login(request, user, backend="controlplane.accounts.backends.EmailBackend")
-        request.session[SESSION_KEY] = organization.pk
-        return redirect("verify-email")
+        # NOTE: the same answer whether the address had an account (then mailed so) or not: no enumeration.
+        sign_up_user(
+            email=form.cleaned_data["email"],
+            password=form.cleaned_data["password"],
+            organization_name=form.cleaned_data["organization_name"],
+            source_ip=client_ip(request),
+        )
+        return redirect("signup-done")
     return render(request, "controlplane/signup.html", {"form": form})
+
+
+def signup_done(request):
+    return render(request, "controlplane/signup_done.html")
 
 
 # --- email verification ----------------------------------------------------------------
@@ -190,20 +195,41 @@ def verify_email(request):
 def verify_email_resend(request):
     # NOTE: throttled per user and address (controlplane.accounts.throttle), so this cannot mail-bomb anyone.
     if not email_is_verified(request.user):
-        send_verification_email(request.user)
-        messages.success(request, f"We sent a new link to {request.user.email}.")
+        if send_verification_email(request.user):
+            messages.success(request, f"We sent a new link to {request.user.email}.")
+        else:
+            messages.error(request, f"{request.user.email} got as many links as we send an address in a day: use the "
+                                    "last one, or try again tomorrow.")
     return redirect("verify-email")
 
 
 def verify_email_confirm(request, token):
+    """The emailed link: it verifies the address only in the account's own session (`signup.verify_email`)."""
     try:
-        user = verify_email_token(token)
+        if not request.user.is_authenticated:
+            user = verification_link_user(token)
+            messages.info(request, format_html(
+                "Log in as {} to verify your email. Did you not sign up, or forget the password? "
+                '<a href="{}">Reset the password</a>: it signs out every session of this account.',
+                user.email, reverse("password_reset")))
+            return redirect(f"{reverse('login')}?{urlencode({REDIRECT_FIELD_NAME: request.path})}")
+        user = verify_email_token(token, signed_in_as=request.user)
     except InvalidLink as exc:
         return render(request, "registration/verify_email_failed.html", {"reason": str(exc)}, status=400)
     messages.success(request, f"Thank you: {user.email} is verified.")
-    if request.user.is_authenticated and request.user.pk == user.pk:
-        return redirect("console:dashboard")
-    return redirect("login")
+    return redirect("console:dashboard")
+
+
+class PasswordResetConfirmView(auth_views.PasswordResetConfirmView):
+    """Django's, and then what a forgotten password's reset secures (`signup.secure_after_password_reset`)."""
+
+    def form_valid(self, form):
+        response = super().form_valid(form)
+        num_revoked = secure_after_password_reset(form.user, source_ip=client_ip(self.request))
+        if num_revoked:
+            messages.warning(self.request, f"{num_revoked} API key(s) of this account were revoked: the address had not "
+                                           "been confirmed by you, and someone else may have made them. Make new ones.")
+        return response
 
 
 # --- invitations -------------------------------------------------------------------------

@@ -17,16 +17,18 @@ def test_home_invites_visitors_to_sign_up_or_log_in(client):
 
 def test_sign_up_creates_an_owned_organisation_and_asks_to_verify_the_email(client):
     response = client.post(reverse("signup"), {"email": "Ada@Example.test", "password": "a long passphrase", "organization_name": "Analytical"})
-    assert response.status_code == 302 and response.url == reverse("verify-email")
+    assert response.status_code == 302 and response.url == reverse("signup-done")
     membership = Membership.objects.get(user__email="ada@example.test")
     assert membership.role == Role.OWNER and membership.organization.name == "Analytical"
+    assert "Check your email" in client.get(response.url).content.decode()
+    assert client.login(username="ada@example.test", password="a long passphrase")
     assert "We sent a link to <strong>ada@example.test</strong>" in client.get(reverse("verify-email")).content.decode()
 
 
 def test_sign_up_errors_show_next_to_their_fields(client):
     UserFactory(username="taken@example.test")
     page = client.post(reverse("signup"), {"email": "taken@example.test", "password": "123", "organization_name": ""}).content.decode()
-    assert "An account with this email exists" in page
+    assert "An account with this email exists" not in page  # said before: it told strangers who has an account
     assert "This field is required." in page
     assert page.count('class="error"') >= 3
     assert '<label for="id_organization_name">' in page

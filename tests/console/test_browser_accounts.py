@@ -7,7 +7,14 @@ import pytest
 from controlplane.accounts.invitations import invitation_token
 from controlplane.accounts.models import Invitation, Membership, Role
 from tests.console.conftest import screenshot
-from tests.console.test_browser_pages import PASSWORD, expect, log_in, nav, verification_path
+from tests.console.test_browser_pages import (
+    PASSWORD,
+    expect,
+    log_in,
+    log_in_unverified,
+    nav,
+    verification_path,
+)
 from tests.factories import MembershipFactory, UserFactory
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -25,6 +32,8 @@ def test_a_new_account_verifies_its_email_then_invites_a_colleague_who_accepts(p
     page.get_by_label("Password").fill(PASSWORD)
     page.get_by_label("Organisation name").fill("Analytical Engines")
     page.get_by_role("button", name="Create account").click()
+    expect(page.get_by_role("heading", name="Check your email")).to_be_visible()
+    log_in_unverified(page, "ada@example.test")
     expect(page.get_by_role("heading", name="Verify your email")).to_be_visible()
     expect(page.get_by_test_id("verify-email")).to_contain_text("ada@example.test")
     screenshot(page, "accounts-01-verify-email")
