@@ -13,7 +13,10 @@ does not throw replicas away. Two signals are an LLM server's own:
     full) or their KV cache is above `KV_CACHE_PRESSURE` on average, the sequences each one runs
     right then is what a replica really holds; it is remembered for the stable window (Redis) and
     replaces `target_concurrency` while lower, for the load now, the window's peak and the engines'
-    queue (n READY replicas queueing q want n + ceil(q / capacity));
+    queue (n READY replicas queueing q want n + ceil(q / capacity)). What a node reports only refines
+    what the gateways count themselves: a replica's engine is believed to run and queue no more than the
+    requests the gateways have outstanding on it (their counters in Redis, which no node can write), and
+    a report that claims more teaches no capacity (`_engine_signals`);
   * panic: while a load that at least doubled (`PANIC_GROWTH`) within the panic window (default
     6 s) is in the stable window, no READY replica is let go, as in Knative's panic mode: the
     next burst of a bursty endpoint finds them warm. (Sizing one doubling ahead was measured too,
@@ -44,7 +47,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from django.conf import settings
-from django.db.models import Count, Q, Sum
 
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis, redis_time
@@ -192,19 +194,19 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
                          redis_keys.last_request_key(organization_id, endpoint_id), samples_key(organization_id, endpoint_id),
                          redis_keys.capacity_key(organization_id, endpoint_id)]
             raw = _READ_LOAD.run_sync(keys=keys, args=args)
-            engines = _engine_signals([endpoint_id for endpoint_id, _ in batch])
+            engines = _engine_signals(redis, batch)
             learned = {}
             for index, (endpoint_id, organization_id) in enumerate(batch):
                 inflight, waiting, last, peak, surge, capacity, busy = raw[7 * index: 7 * index + 7]
-                num_ready, engine_waiting, kv_cache_usage, running = engines.get(endpoint_id, (0, 0, 0.0, 0))
+                engine = engines.get(endpoint_id, _NO_ENGINES)
                 capacity = float(capacity) if capacity not in ("", None) else None
-                if record and num_ready and running and (engine_waiting > 0 or kv_cache_usage >= KV_CACHE_PRESSURE):
+                if record and engine.can_teach_capacity():
                     # The engines are full at this many sequences each: that is what a replica holds now.
-                    capacity = running / num_ready
+                    capacity = engine.num_running / engine.num_ready
                     learned[redis_keys.capacity_key(organization_id, endpoint_id)] = capacity
                 loads[endpoint_id] = Load(int(inflight), int(waiting), float(last) if last else None, int(peak),
                                           int(surge) if surge not in ("", None) else None,
-                                          num_ready, engine_waiting, kv_cache_usage, capacity,
+                                          engine.num_ready, engine.num_waiting, engine.kv_cache_usage, capacity,
                                           float(busy) if busy not in ("", None) else None)
             if learned:
                 with redis.pipeline(transaction=False) as pipe:
@@ -217,21 +219,53 @@ def read_load(endpoint_ids: list[str], *, now: float | None = None, record: bool
     return loads
 
 
-def _engine_signals(endpoint_ids: list[str]) -> dict[str, tuple[int, int, float, int]]:
-    """Per endpoint: READY replicas, requests queued in their engines, their average KV-cache use and the
-    sequences they run (one query).
+@dataclass(slots=True, frozen=True)
+class _Engines:
+    """What an endpoint's READY replicas' engines report, as far as the gateways' own counts bear it out."""
 
-    From the replicas' last heartbeats (`endpoints.replicas.record_report`), a few seconds old at most.
+    num_ready: int = 0
+    num_running: int = 0  # sequences decoded, each replica's at most the requests the gateways have on it
+    num_waiting: int = 0  # requests queued, each replica's at most those of its requests it does not run
+    kv_cache_usage: float = 0.0  # average; a replica that runs none of the gateways' requests holds none
+    contradicted: bool = False  # a replica reported more requests than the gateways have on it
+
+    def can_teach_capacity(self) -> bool:
+        """The engines are full (they queue, or their KV cache is) at the sequences they run, and no replica's
+        report claims more than the gateways sent it: a lie or a stale report teaches no capacity."""
+        return (bool(self.num_ready and self.num_running) and not self.contradicted
+                and (self.num_waiting > 0 or self.kv_cache_usage >= KV_CACHE_PRESSURE))
+
+
+_NO_ENGINES = _Engines()
+
+
+def _engine_signals(redis, batch: list[tuple[str, int]]) -> dict[str, _Engines]:
+    """Per endpoint of `batch` ((endpoint id, organisation id), one Redis Cluster slot): its READY replicas'
+    engines (one query, one MGET).
+
+    From the replicas' last heartbeats (`endpoints.replicas.record_report`), a few seconds old at most, bounded by
+    each replica's outstanding count (`endpoints.gateway.traffic`: the requests the gateways sent it and have not
+    seen end, every interactive call and batch line). NOTE: a node writes its own reports, never those counters:
+    one hosting a replica of another tenant's endpoint reported two billion queued requests and a full KV cache at
+    one sequence, and the endpoint was scaled to `max_replicas`, all placed on that node, with a learned capacity
+    of one for the stable window.
     """
-    ready = Q(replicas__state=ReplicaState.READY)
-    rows = (Endpoint.objects.filter(pk__in=endpoint_ids).order_by()
-            .annotate(num_ready=Count("replicas", filter=ready),
-                      engine_waiting=Sum("replicas__num_waiting", filter=ready),
-                      kv_cache_total=Sum("replicas__kv_cache_usage", filter=ready),
-                      running=Sum("replicas__num_running", filter=ready))
-            .values_list("pk", "num_ready", "engine_waiting", "kv_cache_total", "running"))
-    return {str(pk): (num, waiting or 0, (kv or 0.0) / num if num else 0.0, running or 0)
-            for pk, num, waiting, kv, running in rows}
+    organizations = dict(batch)
+    rows = list(Replica.objects.filter(endpoint_id__in=list(organizations), state=ReplicaState.READY).order_by()
+                .values_list("pk", "endpoint_id", "num_running", "num_waiting", "kv_cache_usage"))
+    reporting = [row for row in rows if row[2] or row[3] or row[4]]  # an idle engine's report needs no count
+    counters = [redis_keys.outstanding_key(organizations[str(row[1])], str(row[0])) for row in reporting]
+    counts = redis.mget(counters) if counters else []
+    outstanding = {row[0]: int(count or 0) for row, count in zip(reporting, counts, strict=True)}
+    believed: dict[str, list[tuple[int, int, float, bool]]] = {}
+    for pk, endpoint_id, running, waiting, kv_cache_usage in rows:
+        sent = outstanding.get(pk, 0)
+        runs = min(running, sent)
+        believed.setdefault(str(endpoint_id), []).append(
+            (runs, min(waiting, sent - runs), kv_cache_usage if runs else 0.0, running + waiting > sent))
+    return {endpoint_id: _Engines(len(replicas), sum(r[0] for r in replicas), sum(r[1] for r in replicas),
+                                  sum(r[2] for r in replicas) / len(replicas), any(r[3] for r in replicas))
+            for endpoint_id, replicas in believed.items()}
 
 
 def _unknown_is_now(redis, loads: dict[str, Load], unknown: list[str], now: float, organizations: dict) -> None:

@@ -16,12 +16,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane import redis_keys
-from controlplane.redis_client import get_redis
+from controlplane.accounts.services import SYSTEM
+from controlplane.redis_client import get_redis, redis_time
 from endpoints import autoscaler, prewarm, scheduler
 from endpoints.autoscaler import Load
+from endpoints.fleet.services import create_join_token
 from endpoints.models import Endpoint, EndpointEvent, Replica
-from gpu_agent.protocol import ReplicaState
+from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory
+from tests.test_agent_api import beat, register
 from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
@@ -158,13 +161,19 @@ def test_a_surge_in_the_stable_window_lets_no_ready_replica_go():
     assert "panic: load doubled to 12" in surged.reason
 
 
+def outstanding(replica, count):
+    """The gateways' count of requests sent to `replica` and not yet ended (`endpoints.gateway.traffic`)."""
+    get_redis().set(redis_keys.outstanding_key(replica.endpoint.organization_id, str(replica.pk)), count)
+
+
 def test_engine_signals_the_learned_capacity_and_surges_come_from_heartbeats_and_redis(settings):
     settings.AUTOSCALER_PANIC_WINDOW_S = 6
     endpoint = EndpointFactory(max_replicas=4)
     node = make_node(memory_mb=80_000)
     for running, waiting, kv in ((3, 3, 0.5), (5, 1, 0.9)):
-        Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, num_running=running,
-                               num_waiting=waiting, kv_cache_usage=kv)
+        replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, num_running=running,
+                                         num_waiting=waiting, kv_cache_usage=kv)
+        outstanding(replica, running + waiting)  # the gateways sent each engine what it runs and queues
     Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING, num_waiting=50, kv_cache_usage=1.0)
     now = time.time()
     samples = redis_keys.samples_key(endpoint.organization_id, str(endpoint.pk))
@@ -180,6 +189,67 @@ def test_engine_signals_the_learned_capacity_and_surges_come_from_heartbeats_and
     # Remembered for the stable window, after the queues are gone.
     Replica.objects.filter(endpoint=endpoint).update(num_waiting=0, kv_cache_usage=0.2)
     assert autoscaler.read_load([str(endpoint.pk)], now=now + 2)[str(endpoint.pk)].engine_capacity == pytest.approx(4.0)
+
+
+# -- what a node may not make the autoscaler believe -------------------------------------------------
+
+
+def test_a_node_lying_about_its_engine_queue_does_not_scale_a_victims_endpoint(client, django_capture_on_commit_callbacks):
+    hostile = register(client, create_join_token(SYSTEM, name="h").plain, name="hostile",
+                       gpu_memory_mb=200000, memory_mb=400000, num_cpus=64).json()
+    victim = EndpointFactory(gpu_type="cpu", min_replicas=0, max_replicas=6, model_source="/models/tiny",
+                             max_model_len=1024, max_num_seqs=4)
+    # The victim called its endpoint a moment ago (nothing in flight now); its one replica lands on the hostile node.
+    get_redis().set(redis_keys.last_request_key(victim.organization_id, str(victim.pk)), redis_time(get_redis()))
+    scheduler.reconcile_endpoint(str(victim.pk))
+    replica = Replica.objects.get(endpoint=victim)
+    assert str(replica.node_id) == hostile["node_id"]
+    lie = ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://127.0.0.1:20001", num_running=1,
+                        num_waiting=2_000_000_000, kv_cache_usage=1.0)
+    assert beat(client, hostile["node_secret"], [lie]).status_code == 200
+    scheduler.reconcile_endpoint(str(victim.pk))
+    live = Replica.objects.filter(endpoint=victim).exclude(state__in=[ReplicaState.STOPPED, ReplicaState.FAILED])
+    assert live.count() == 1
+    assert get_redis().get(redis_keys.capacity_key(victim.organization_id, str(victim.pk))) is None
+
+
+def test_an_engine_report_past_the_gateways_count_teaches_no_capacity_and_queues_at_most_that_count():
+    endpoint = EndpointFactory(max_replicas=10, target_concurrency=8)
+    replica = Replica.objects.create(endpoint=endpoint, node=make_node(memory_mb=80_000), state=ReplicaState.READY,
+                                     num_running=1, num_waiting=50, kv_cache_usage=1.0)
+    now = time.time()
+    get_redis().set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), now)
+    capacity_key = redis_keys.capacity_key(endpoint.organization_id, str(endpoint.pk))
+    # Nothing sent to it: an engine running nothing queues nothing and holds no KV cache.
+    load = autoscaler.read_load([str(endpoint.pk)], now=now)[str(endpoint.pk)]
+    assert (load.num_ready, load.engine_waiting, load.kv_cache_usage, load.engine_capacity) == (1, 0, 0.0, None)
+    # Three sent to it: it queues two at most, and a report of 51 is a lie (or stale) that teaches nothing.
+    get_redis().zadd(redis_keys.inflight_key(endpoint.organization_id, str(endpoint.pk)),
+                     {f"request-{n}": int(now) for n in range(3)})
+    outstanding(replica, 3)
+    load = autoscaler.read_load([str(endpoint.pk)], now=now + 1)[str(endpoint.pk)]
+    assert (load.engine_waiting, load.kv_cache_usage, load.engine_capacity) == (2, 1.0, None)
+    assert get_redis().get(capacity_key) is None
+    # As an engine that truly queued two of its three: one replica more, not one per request.
+    assert autoscaler.decide(endpoint, load, now=now + 1).desired == 2
+
+
+def test_an_honest_engine_queue_within_the_gateways_count_still_scales_up_and_teaches_capacity():
+    endpoint = EndpointFactory(max_replicas=10, target_concurrency=8)
+    node = make_node(memory_mb=80_000)
+    for _ in range(2):
+        # Each engine runs 4 (its KV cache is full) and queues 3 of the 7 the gateways sent it.
+        replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, num_running=4,
+                                         num_waiting=3, kv_cache_usage=0.95)
+        outstanding(replica, 7)
+    now = time.time()
+    get_redis().zadd(redis_keys.inflight_key(endpoint.organization_id, str(endpoint.pk)),
+                     {f"request-{n}": int(now) for n in range(14)})
+    get_redis().set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), now)
+    load = autoscaler.read_load([str(endpoint.pk)], now=now)[str(endpoint.pk)]
+    assert (load.num_ready, load.engine_waiting, load.engine_capacity) == (2, 6, pytest.approx(4.0))
+    decision = autoscaler.decide(endpoint, load, now=now)
+    assert decision.desired == 4 and "engines hold 4.0 each" in decision.reason  # 14 in flight at 4 each
 
 
 def test_each_scale_event_records_the_inputs_of_its_decision():

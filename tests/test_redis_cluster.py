@@ -21,8 +21,11 @@ from controlplane.redis_keys import key_slot
 from endpoints import autoscaler
 from endpoints.gateway import admission, errors, presence, traffic
 from endpoints.gateway.auth import Caller
+from endpoints.models import Replica
+from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory, OrganizationFactory
 from tests.processes import ChildProcess, free_port, wait_until
+from tests.test_placement import make_node
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -149,6 +152,17 @@ def test_admission_and_finish_count_exactly_on_a_redis_cluster(on_cluster):
     assert on_cluster.zscore(redis_keys.RECENT_ENDPOINTS_KEY, endpoint) is not None
     load = autoscaler.read_load([endpoint], record=False)[endpoint]
     assert (load.num_inflight, load.num_waiting) == (0, 0) and load.last_request_at is not None
+
+
+def test_the_autoscaler_bounds_each_engine_report_by_its_replicas_count_in_its_own_slot_on_a_redis_cluster(on_cluster):
+    endpoints = [EndpointFactory(organization=OrganizationFactory()) for _ in range(6)]
+    node = make_node(memory_mb=80_000)
+    for endpoint in endpoints:
+        replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, num_running=2,
+                                         num_waiting=50, kv_cache_usage=0.5)
+        on_cluster.set(redis_keys.outstanding_key(endpoint.organization_id, str(replica.pk)), 4)
+    loads = autoscaler.read_load([str(endpoint.pk) for endpoint in endpoints], record=False)
+    assert [loads[str(endpoint.pk)].engine_waiting for endpoint in endpoints] == [2] * 6  # 4 sent, 2 of them run
 
 
 def test_concurrent_admissions_never_pass_the_rate_limit_on_a_redis_cluster(on_cluster):
