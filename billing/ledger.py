@@ -45,6 +45,7 @@ PER_MILLION = Decimal("0.000001")
 # NOTE: read once: Django computes `Choices.values` anew on every access, and the gateway checks
 # every request's report.
 _USAGE_STATUSES = frozenset(UsageStatus.values)
+_BILLING_MODES = frozenset(BillingMode.values)
 
 
 @dataclass(slots=True)
@@ -77,6 +78,10 @@ class UsageReport:
     # The fraction of those prices it pays (a batch line's, as its run read it); None: the endpoint's batch fraction now
     # for a batch line, 1 otherwise.
     price_fraction: Decimal | None = None
+    # The billing mode the call was admitted under (`BillingMode`'s value, `billing.quota.counters.RESERVE_LUA`): the
+    # row is billed in it, not in the organisation's mode when the row is written (a call admitted postpaid and ended
+    # after a switch to prepaid was metered to no invoice and paid by no credit). None: the mode now (older journals).
+    billing_mode: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -87,6 +92,8 @@ class UsageReport:
             raise ValueError("cached_tokens cannot exceed prompt_tokens")
         if self.status not in _USAGE_STATUSES:
             raise ValueError(f"status must be one of {UsageStatus.values}, not {self.status!r}")
+        if self.billing_mode is not None and self.billing_mode not in _BILLING_MODES:
+            raise ValueError(f"billing_mode must be one of {BillingMode.values}, not {self.billing_mode!r}")
         if self.finished_at < self.started_at:
             raise ValueError("finished_at is before started_at")
         for name in ("started_at", "finished_at", "first_token_at"):
@@ -161,9 +168,9 @@ class CostCeiling:
                 + completion_tokens * self.per_completion) >= self.threshold
 
 
-# NOTE: the billing mode is read in the same statement that writes the row, so `set_billing_mode`
-# (which locks the account row) splits usage exactly: a row is in one billing path, never both.
-# `least` ignores a NULL max_cost.
+# NOTE: a row is billed in the mode its call was admitted under (the report's), so each call is in one billing path,
+# never both and never neither. A report without one (an older journal's) takes the mode read in the same statement
+# that writes the row (`set_billing_mode` locks the account row). `least` ignores a NULL max_cost.
 _INSERT_SQL = f"""
 INSERT INTO {UsageRecord._meta.db_table} (
     request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
@@ -180,7 +187,7 @@ SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_i
                     * coalesce(r.price_output, ad.price_output_per_million, e.price_output_per_million))
                    * coalesce(r.price_fraction, CASE WHEN r.batch_id <> '' THEN e.batch_price_fraction ELSE 1 END)
                    * 0.000001, 9), r.max_cost),
-       coalesce(a.mode, '{BillingMode.POSTPAID}'),
+       coalesce(r.billing_mode, a.mode, '{BillingMode.POSTPAID}'),
        r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id,
        r.cold_start_ms, r.cold_start_phases::jsonb, r.adapter
 FROM json_to_recordset(%s::json)
@@ -188,7 +195,7 @@ FROM json_to_recordset(%s::json)
           prompt_tokens integer, cached_tokens integer, completion_tokens integer, started_at timestamptz,
           first_token_at timestamptz, finished_at timestamptz, status text, cold_start_s float8, max_cost numeric,
           batch_id text, cold_start_ms integer, cold_start_phases json, adapter text, price_input numeric,
-          price_cached_input numeric, price_output numeric, price_fraction numeric)
+          price_cached_input numeric, price_output numeric, price_fraction numeric, billing_mode text)
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
 LEFT JOIN endpoints_adapter ad ON ad.endpoint_id = e.id AND ad.name = r.adapter AND r.adapter <> ''
 LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
@@ -219,7 +226,8 @@ def _rows(reports: list[UsageReport]) -> list[str]:
          "max_cost": str(r.max_cost) if r.max_cost is not None else None, "batch_id": r.batch_id,
          "cold_start_ms": r.cold_start_ms, "cold_start_phases": r.cold_start_phases, "adapter": r.adapter,
          "price_input": _money(r.price_input_per_million), "price_cached_input": _money(r.price_cached_input_per_million),
-         "price_output": _money(r.price_output_per_million), "price_fraction": _money(r.price_fraction)}
+         "price_output": _money(r.price_output_per_million), "price_fraction": _money(r.price_fraction),
+         "billing_mode": r.billing_mode}
         for r in reports], separators=(",", ":"))]
 
 

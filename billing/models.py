@@ -143,6 +143,10 @@ class UsageRollup(models.Model):
     # new to Stripe, billed the hour twice. Null only for rollups made before it (`billing/0016`), whose events keep
     # the identifiers made of their id.
     push_uid = models.UUIDField(null=True, blank=True, unique=True, default=uuid.uuid4, editable=False)
+    # Part of its meter events' `identifier`s from 1 on: raised when the Stripe customer its events went to was deleted
+    # before invoicing them (`billing.services.push_again`), so that they go again, to the next customer, as new
+    # events (Stripe would drop a known identifier as a duplicate).
+    push_generation = models.PositiveIntegerField(default=0, db_default=0)
 
     objects = UsageRollupQuerySet.as_manager()
 
@@ -349,6 +353,11 @@ class MeterEventPush(models.Model):
     identifier = models.CharField(max_length=100, unique=True)
     value = models.PositiveBigIntegerField()
     pushed_at = models.DateTimeField(default=timezone.now)
+    # The customer it went to and the time it was dated at (what decides which invoice bills it); blank and null for
+    # events recorded before they were kept (`billing/0017`).
+    stripe_customer_id = models.CharField(max_length=64, blank=True, default="", db_default="")
+    event_at = models.DateTimeField(null=True, blank=True)
+    push_generation = models.PositiveIntegerField(default=0, db_default=0)  # its rollup's when it was pushed
 
 
 class StripeEvent(models.Model):

@@ -7,10 +7,19 @@ from datetime import datetime
 from decimal import Decimal
 
 from django.db import transaction
+from django.db.models import F, Max, Q
 from django.utils import timezone
 
 from billing import alerts, standing
-from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, Dispute, Invoice
+from billing.models import (
+    ApiKeySpendCap,
+    BillingAccount,
+    BillingMode,
+    Dispute,
+    Invoice,
+    MeterEventPush,
+    UsageRollup,
+)
 from billing.quota.counters import refresh_limits
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
@@ -191,12 +200,16 @@ def record_customer_deleted(customer_id: str) -> BillingAccount | None:
     the gateway), and its next push or portal link makes a new customer. Before, usage was pushed to
     a customer that no longer existed, and a card on file that went with it still lifted the limit.
 
+    The usage pushed to it that its invoices did not bill goes again, to the next customer (`push_again`): Stripe
+    cancels the subscriptions of a deleted customer without a final invoice, and drops the events sent to it since.
+
     NOTE: a deleted customer never comes back: safe in any order, and only for the customer it names.
     """
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().filter(stripe_customer_id=customer_id).first()
         if account is None:
             return None
+        num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id))
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""
         account.stripe_subscription_started_at = None
@@ -207,9 +220,34 @@ def record_customer_deleted(customer_id: str) -> BillingAccount | None:
         account.save(update_fields=["stripe_customer_id", "stripe_subscription_id", "stripe_subscription_started_at",
                                     "payment_method_on_file",
                                     "payment_method_observed_ms", "stripe_key_generation", "limits_stale"])
-        record_audit(SYSTEM, account.organization, "billing.customer_deleted", account, customer=customer_id)
+        record_audit(SYSTEM, account.organization, "billing.customer_deleted", account, customer=customer_id,
+                     num_rollups_pushed_again=num_again)
     _refresh_quietly(account)
     return account
+
+
+def _pushed_uninvoiced(organization_id: int, customer_id: str):
+    """The organisation's postpaid rollups with an event of their push generation that went to `customer_id` (or,
+    recorded before the customer was kept, `billing/0017`, to whichever it had then) dated after every invoice it has
+    that Stripe finalised (not a draft): those no invoice bills whole."""
+    events = MeterEventPush.objects.filter(
+        Q(stripe_customer_id=customer_id) | Q(stripe_customer_id=""), rollup__organization_id=organization_id,
+        rollup__billing_mode=BillingMode.POSTPAID, push_generation=F("rollup__push_generation"))
+    invoiced_until = (Invoice.objects.filter(organization_id=organization_id).exclude(status="draft")
+                      .aggregate(until=Max("period_end"))["until"])
+    if invoiced_until is not None:
+        events = events.filter(Q(event_at__gte=invoiced_until)
+                               | Q(event_at__isnull=True, rollup__hour_start__gte=invoiced_until))
+    return UsageRollup.objects.filter(pk__in=events.values("rollup_id"))
+
+
+def push_again(rollups) -> int:
+    """Push `rollups` again from the start, under their next push generation: new meter-event identifiers (Stripe
+    would drop the old ones as duplicates), no clock or hold of a try made under the old ones (`stripe_sync`'s
+    23 h hold is for an answer that never came to an identifier of its own). For usage whose events went to a
+    customer deleted since; the next push sends it to the account's customer of then. Returns how many."""
+    return rollups.update(push_generation=F("push_generation") + 1, pushed_at=None, push_claimed_at=None,
+                          push_first_tried_at=None, push_held_at=None, push_error="")
 
 
 def _refresh_quietly(account: BillingAccount, *, credit: bool = False) -> None:

@@ -23,7 +23,9 @@ bounded time, so a few that keep failing never hold up the rest.
 
 A subscription Stripe ends (cancelled in the Dashboard, by Stripe after failed payments, or with its customer
 deleted) is forgotten by its webhook (`billing.webhooks`); the next push subscribes the organisation again, starting
-where the ended one's invoices stopped (`_invoiced_until`). The Customer Portal that customers are sent to uses the
+where the ended one's invoices stopped (`_invoiced_until`). Usage pushed to a deleted customer that none of its
+invoices billed goes again to the next, under new identifiers (`UsageRollup.push_generation`,
+`billing.services.push_again`). The Customer Portal that customers are sent to uses the
 platform's own configuration, which offers no cancellation, pause or change of plan (`ensure_portal_configuration`).
 """
 
@@ -40,7 +42,7 @@ from datetime import UTC, datetime, timedelta
 
 import stripe
 from django.conf import settings
-from django.db import IntegrityError
+from django.db import IntegrityError, transaction
 from django.db.models import Case, IntegerField, Q, Value, When
 from django.utils import timezone
 
@@ -488,8 +490,10 @@ def event_timestamp(hour_start, subscription_started_at=None) -> int:
 
 def meter_event_identifier(rollup: UsageRollup, event_name: str) -> str:
     """The `identifier` of the rollup's event for `event_name`: made of its `push_uid`, or of its id for a
-    rollup made before it had one (`billing/0016`: its events may be in Stripe under that identifier already)."""
-    return f"rollup-{rollup.push_uid or rollup.pk}-{event_name.removeprefix('inferplane_')}"
+    rollup made before it had one (`billing/0016`: its events may be in Stripe under that identifier already), and of
+    its `push_generation` from 1 on (its events pushed again, to a new customer: `billing.services.push_again`)."""
+    generation = f"-g{rollup.push_generation}" if rollup.push_generation else ""
+    return f"rollup-{rollup.push_uid or rollup.pk}{generation}-{event_name.removeprefix('inferplane_')}"
 
 
 def _claimable(now):
@@ -505,8 +509,10 @@ def claim_rollup(rollup_id: int) -> bool:
 
 
 def _unconfirmed(rollup: UsageRollup) -> list[Meter]:
-    """The meters of `rollup` with a value whose event Stripe has not confirmed (`MeterEventPush`)."""
-    done = set(MeterEventPush.objects.filter(rollup=rollup).values_list("event_name", flat=True))
+    """The meters of `rollup` with a value whose event of its push generation Stripe has not confirmed
+    (`MeterEventPush`)."""
+    identifiers = [meter_event_identifier(rollup, meter.event_name) for meter in METERS]
+    done = set(MeterEventPush.objects.filter(rollup=rollup, identifier__in=identifiers).values_list("event_name", flat=True))
     return [meter for meter in METERS if getattr(rollup, meter.rollup_field) > 0 and meter.event_name not in done]
 
 
@@ -536,9 +542,16 @@ def push_rollup(rollup_id: int) -> bool:
     except Exception as exc:
         UsageRollup.objects.filter(pk=rollup_id).update(push_claimed_at=None, push_error=str(exc)[:300])
         raise
-    return UsageRollup.objects.filter(pk=rollup_id, pushed_at__isnull=True).update(
-        pushed_at=timezone.now(), push_claimed_at=None, push_error=""
-    ) == 1
+    with transaction.atomic():
+        # NOTE: under the account's lock, which `services.record_customer_deleted` takes first: either it sees the
+        # events recorded above, or this sees the customer gone, and the events it took go again (`push_again`).
+        current = BillingAccount.objects.select_for_update().filter(organization_id=rollup.organization_id)
+        this_push = UsageRollup.objects.filter(pk=rollup_id, push_generation=rollup.push_generation)
+        if current.values_list("stripe_customer_id", flat=True).first() != customer_id:
+            services.push_again(this_push)
+            return False
+        return this_push.filter(pushed_at__isnull=True).update(
+            pushed_at=timezone.now(), push_claimed_at=None, push_error="") == 1
 
 
 def hold_for_review(rollup: UsageRollup, unknown: Meter) -> None:
@@ -570,7 +583,10 @@ def confirm_held(rollups) -> int:
         if due:
             MeterEventPush.objects.get_or_create(
                 identifier=meter_event_identifier(rollup, due[0].event_name),
-                defaults={"rollup": rollup, "event_name": due[0].event_name, "value": getattr(rollup, due[0].rollup_field)})
+                defaults={"rollup": rollup, "event_name": due[0].event_name, "value": getattr(rollup, due[0].rollup_field),
+                          "push_generation": rollup.push_generation,
+                          "stripe_customer_id": BillingAccount.objects.filter(organization_id=rollup.organization_id)
+                          .values_list("stripe_customer_id", flat=True).first() or ""})
         num_confirmed += UsageRollup.objects.filter(pk=rollup.pk, push_held_at__isnull=False).update(
             push_held_at=None, push_first_tried_at=None, push_error="")
     return num_confirmed
@@ -636,8 +652,9 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
             raise
         logger.info("stripe already has meter event %s", identifier)
     MeterEventPush.objects.get_or_create(
-        identifier=identifier, defaults={"rollup": rollup, "event_name": meter.event_name, "value": value}
-    )
+        identifier=identifier, defaults={"rollup": rollup, "event_name": meter.event_name, "value": value,
+                                         "stripe_customer_id": customer_id, "push_generation": rollup.push_generation,
+                                         "event_at": datetime.fromtimestamp(timestamp, tz=UTC)})
     UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=None)  # confirmed: the next one's clock
     return int(key.suffix or 0)
 

@@ -33,6 +33,9 @@ DISPUTE_EVENTS = {
 }
 # Dispute states that end it: at the same second as one of them, an event that says it is open is the older.
 CLOSED_DISPUTE_STATUSES = ("won", "lost", "warning_closed", "prevented")
+# Invoice states Stripe never leaves for draft or open: at the same second as one of them, an event that says the
+# invoice is draft or open is the older (a retry's invoice.updated and its invoice.paid share a second).
+FINAL_INVOICE_STATUSES = ("paid", "void", "uncollectible")
 
 
 class InvalidWebhook(ValueError):
@@ -97,9 +100,13 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
     if invoice is None and account is None:
         logger.warning("stripe invoice %s for unknown customer %s", data.get("id"), data.get("customer"))
         return None
-    if invoice is not None and invoice.stripe_event_created > event_created:
+    status = data.get("status") or "draft"
+    if invoice is not None and (invoice.stripe_event_created > event_created or (
+            invoice.stripe_event_created == event_created and invoice.status in FINAL_INVOICE_STATUSES
+            and status not in FINAL_INVOICE_STATUSES)):
         # An older event arriving late never overwrites newer state, but a failure it reports still
-        # dates the grace period (`billing.standing`) unless the invoice is paid by now.
+        # dates the grace period (`billing.standing`) unless the invoice is paid by now: a paid invoice
+        # is never reopened, so a failure reported after the payment is one from before it.
         failed_at = _moment(event_created)
         if event_type == "invoice.payment_failed" and invoice.status != "paid" and failed_at and (
                 invoice.payment_failed_at is None or failed_at < invoice.payment_failed_at):
@@ -108,7 +115,7 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
         return invoice
     invoice = invoice or Invoice(organization_id=account.organization_id, stripe_invoice_id=data["id"])
     invoice.number = data.get("number") or ""
-    invoice.status = data.get("status") or "draft"
+    invoice.status = status
     invoice.currency = data.get("currency") or "usd"
     invoice.amount_due = data.get("amount_due") or 0
     invoice.amount_paid = data.get("amount_paid") or 0

@@ -17,7 +17,7 @@ from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 from django.conf import settings
 from django.db import transaction
 
-from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingAccount
+from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingAccount, BillingMode
 from billing.periods import period_containing
 from billing.standing import bills_through_stripe, hold_reason, spend_limit
 from controlplane.accounts.models import ApiKey
@@ -89,7 +89,10 @@ def from_units(units: int) -> Decimal:
 # --- Redis scripts (key names: `controlplane.redis_keys`, all in the organisation's slot) ------------
 
 # The checks and holds of one reservation, as a Lua function of `RESERVE`'s keys and arguments.
-# Returns {'ok', 'new'|'existing'}, {'refused', reason} or {'missing', what}; only 'ok' changes anything.
+# Returns {'ok', 'new'|'existing', billing mode}, {'refused', reason} or {'missing', what}; only 'ok' changes anything.
+# The billing mode ('prepaid' or 'postpaid', `BillingMode`'s values) is the one the call is admitted under, read from
+# the counter the checks read: its usage row is billed in it (`billing.ledger.UsageReport.billing_mode`), whatever
+# the mode is when the row is written.
 # An organisation counter whose limits were worked out under other rules (`lv`, the limits version:
 # written by an older version, or before the limit without a payment method or Stripe's set-up changed)
 # has its 'limits' missing: they are written again from the account, its spend kept. A version of '*'
@@ -111,7 +114,8 @@ local function quota_reserve(K, A)
     credit = redis.call('GET', K[5])
     if not credit then return {'missing', 'credit'} end
   end
-  if redis.call('HEXISTS', K[6], A[1]) == 1 then return {'ok', 'existing'} end
+  local mode = prepaid and 'prepaid' or 'postpaid'
+  if redis.call('HEXISTS', K[6], A[1]) == 1 then return {'ok', 'existing', mode} end
   if org[3] and org[3] ~= '' then return {'refused', org[3]} end
   local amount = tonumber(A[2])
   local org_reserved = tonumber(redis.call('GET', K[2]) or '0')
@@ -133,7 +137,7 @@ local function quota_reserve(K, A)
   redis.call('HSET', K[6], A[1], A[5])
   -- NOTE: the deadline on Redis's clock, which the sweeper reads too (`sweeper`), never the gateway's
   redis.call('ZADD', K[7], tonumber(redis.call('TIME')[1]) + 1 + tonumber(A[3]), A[1])
-  return {'ok', 'new'}
+  return {'ok', 'new', mode}
 end
 """
 
@@ -190,7 +194,7 @@ local function quota_settle(K, A)
   -- call was still reserved and unsettled left its cost out for this settlement to add (`rebuild`).
   if redis.call('EXISTS', K[4]) == 1 then redis.call('HINCRBY', K[4], 'spent', actual) end
   if has_key and redis.call('EXISTS', K[6]) == 1 then redis.call('HINCRBY', K[6], 'spent', actual) end
-  if redis.call('EXISTS', K[8]) == 1 then redis.call('DECRBY', K[8], actual) end
+  if A[5] == '1' and redis.call('EXISTS', K[8]) == 1 then redis.call('DECRBY', K[8], actual) end
   return 1
 end
 """
@@ -199,7 +203,7 @@ SETTLE = ScriptPart(
     "quota_settle",
     keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
           "key reserved", "credit"),
-    args=("request id", "actual (units)", "has key (1/0)", "marker ttl"), lua=SETTLE_LUA)
+    args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "draws credit (1/0)"), lua=SETTLE_LUA)
 
 # KEYS: a hash; ARGV: field/value pairs. Changes the hash only if it exists.
 _UPDATE_HASH = Script("""
@@ -303,11 +307,13 @@ def refusal(status: str, detail: str) -> QuotaExceeded | None:
 
 
 def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_at: datetime | None = None,
-                         fresh_id: bool = False, recorded: bool = True) -> tuple[list[str], list[str]]:
+                         fresh_id: bool = False, recorded: bool = True,
+                         billing_mode: str = BillingMode.PREPAID) -> tuple[list[str], list[str]]:
     """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`, spent in the period containing
     `finished_at` (the ledger row's: now when None); `fresh_id` when its request id is a gateway call's own, which
     no caller settles again (its marker is kept minutes: see `SETTLE_LUA`); not `recorded` when the try wrote no
-    ledger row (no marker: `actual` must then be 0).
+    ledger row (no marker: `actual` must then be 0). Prepaid credit is drawn only for a call billed prepaid
+    (`billing_mode`, its row's): one admitted postpaid and settled after a switch to prepaid drew credit it never uses.
 
     NOTE: the ledger bills a row in the period of its `finished_at` (`billing.ledger.period_spend`), and the
     counters are rebuilt from it: a call reserved on the 31st before midnight and finished after spends in the
@@ -322,7 +328,8 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_
     keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:]]
     has_key = "1" if key is not None else "0"
     marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id else SETTLED_MARKER_TTL_S
-    return keys, [reservation.request_id, str(to_units(actual)), has_key, str(marker_ttl_s)]
+    draws_credit = "1" if billing_mode == BillingMode.PREPAID else "0"
+    return keys, [reservation.request_id, str(to_units(actual)), has_key, str(marker_ttl_s), draws_credit]
 
 
 def limits_version() -> str:

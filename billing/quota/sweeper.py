@@ -3,7 +3,8 @@ holds a cap forever). Run by the `billing.sweep_expired_reservations` task.
 
 A reservation whose request has a usage row was served and never settled: its gateway lost Redis (a
 failover, a freeze past the timeout) or died between writing the row and settling. It is settled with
-the row's cost in the period of the row's `finished_at`, as its finish would have (`counters.SETTLE`, once per
+the row's cost in the period of the row's `finished_at` (drawing credit only for a row billed prepaid), as its
+finish would have (`counters.SETTLE`, once per
 request id by its settled marker), so the spend it made counts against caps and credit; released without it, caps
 were passed for the month.
 
@@ -84,16 +85,17 @@ def _sweep_organizations(organization_ids: list[int], now: float, batch_size: in
 
 def _release(client, organization_id: int, expired: list[str], now: float) -> int:
     released = 0
-    rows = {request_id: (cost, finished_at) for request_id, cost, finished_at
+    rows = {request_id: (cost, finished_at, billing_mode) for request_id, cost, finished_at, billing_mode
             in UsageRecord.objects.filter(organization_id=organization_id, request_id__in=expired)
-            .values_list("request_id", "cost", "finished_at")}
+            .values_list("request_id", "cost", "finished_at", "billing_mode")}
     for request_id in expired:
         payload = client.hget(reservations_key(organization_id), request_id)
         held = json.loads(payload) if payload else None
         if held is not None and request_id in rows:
-            cost, finished_at = rows[request_id]
+            cost, finished_at, billing_mode = rows[request_id]
             reservation = counters.Reservation(request_id, organization_id, held["k"], Decimal(0), held["p"])
-            _SETTLE_SERVED.run_sync(quota_settle=counters.settle_keys_and_args(reservation, cost, finished_at=finished_at))
+            _SETTLE_SERVED.run_sync(quota_settle=counters.settle_keys_and_args(
+                reservation, cost, finished_at=finished_at, billing_mode=billing_mode))
             released += 1
             continue
         api_key_id = held["k"] if held else None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 
+from billing.models import BillingMode
 from billing.quota import counters, rebuild
 from controlplane.redis_keys import outstanding_key
 from controlplane.script_parts import ComposedScript
@@ -25,7 +26,8 @@ from endpoints.gateway import limits, routing, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 
-# Returns {'ok', index of the candidate picked (1-based; 0 without candidates)},
+# Returns {'ok', index of the candidate picked (1-based; 0 without candidates)} (followed, after the counts, by the
+# billing mode it is admitted under: `counters.RESERVE_LUA`),
 # {'rate_limited', '1'|'2'|'3'}, {'refused', reason} or {'missing', counter to rebuild}, each followed
 # by this minute's request and token counts as the script left them (the rate-limit headers).
 # NOTE: on the pipelined connection of `controlplane.redis_scripts`, not redis-py's pool: these two
@@ -44,7 +46,7 @@ if #traffic_pick_K > 1 then
 end
 -- this gateway's requests hash holds the request as in flight on the replica picked (or as waiting: none)
 traffic_begin(traffic_begin_K, traffic_begin_A, held)
-return {'ok', tostring(picked), used[1], used[2]}
+return {'ok', tostring(picked), used[1], used[2], reserved[3]}
 """)
 
 _FINISH = ComposedScript([traffic.END, limits.GIVE_BACK, routing.LEARN, counters.SETTLE], glue="""
@@ -63,6 +65,8 @@ class Admission:
     picked: int | None  # index into the candidates, or None when there were none (a cold start)
     window: limits.Window  # the minute its request and worst-case tokens were counted in
     prefix_key: str | None = None  # the prompt's prefix (`routing.prefix_key`), learned from at the finish
+    # The billing mode it was admitted under (`BillingMode`'s value): its usage row is billed in it.
+    billing_mode: str = BillingMode.POSTPAID
 
 
 async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: Decimal, num_tokens: int,
@@ -88,7 +92,7 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
         reservation, reserve_keys, reserve_args = counters.prepare_reservation(
             organization_id=caller.organization_id, api_key_id=caller.api_key_id, amount=amount, request_id=request_id,
             any_limits=any_limits)
-        status, detail, num_requests, num_tokens_counted = await _ADMIT(
+        status, detail, num_requests, num_tokens_counted, *admitted_under = await _ADMIT(
             limits_check=window.check_keys_and_args(),
             quota_reserve=(reserve_keys, reserve_args),
             traffic_begin=traffic.begin_keys_and_args(caller.organization_id, endpoint_id, request_id,
@@ -106,7 +110,7 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
         if (refused := counters.refusal(status, detail)) is not None:
             raise refused
         traffic.note_recent(endpoint_id)
-        return Admission(reservation, int(detail) - 1 if candidates else None, window, prefix_key)
+        return Admission(reservation, int(detail) - 1 if candidates else None, window, prefix_key, *admitted_under)
     raise RuntimeError("billing counters kept vanishing while admitting a request")
 
 
@@ -128,5 +132,6 @@ async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, rele
             caller.organization_id, endpoint_id, admission.prefix_key,
             outstanding_key(caller.organization_id, served_by) if served_by else None, cached_tokens),
         quota_settle=counters.settle_keys_and_args(admission.reservation, cost, finished_at=finished_at,
-                                                  fresh_id=fresh_id, recorded=recorded),
+                                                  fresh_id=fresh_id, recorded=recorded,
+                                                  billing_mode=admission.billing_mode),
     )

@@ -698,6 +698,7 @@ class InferenceCall:
                     price_input_per_million=self.endpoint.price_input_per_million,
                     price_cached_input_per_million=self.endpoint.price_cached_input_per_million,
                     price_output_per_million=self.endpoint.price_output_per_million, price_fraction=self.price_fraction,
+                    billing_mode=admitted.billing_mode,
                 ))
         finally:
             presence.untrack(self.request_id)

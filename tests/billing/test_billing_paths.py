@@ -90,6 +90,42 @@ def test_switching_mode_mid_period_bills_usage_before_the_switch_one_way_and_aft
     assert CreditGrant.objects.get(organization=organization).remaining == Decimal("10") - prepaid_cost
 
 
+def test_a_call_admitted_postpaid_and_ended_after_a_switch_to_prepaid_is_invoiced_and_draws_no_credit(fake_stripe):
+    """Before, its row took the mode of its end: prepaid, so never metered, and the credit draw wrote off what no grant
+    paid (none was bought yet): a long stream was billed by nobody; and its settlement drew the new credit. Its mode comes from its admission, through the
+    usage journal too (a row replayed later, from a shipped journal)."""
+    from billing.usage_journal import decode, encode
+    from controlplane.redis_client import get_redis
+    from controlplane.redis_keys import credit_key
+    from tests.billing.test_quota import reserve, settle
+
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("5.00"),
+                                   request_id="long-stream"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)  # while it streams
+    grant_credits(SYSTEM, organization, amount=Decimal("100"))
+    prepaid_call = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"),
+                                       request_id="prepaid-call"))  # admitted on the credit, still running
+    assert prepaid_call.billing_mode == BillingMode.PREPAID
+    report = usage_report(endpoint, request_id="long-stream", prompt_tokens=1000, completion_tokens=100_000,
+                          finished_at=_hours_ago(3))
+    report.billing_mode = admitted.billing_mode  # as the gateway's call writes it
+    record_usage(decode(encode(report)))
+    row = UsageRecord.objects.get(request_id="long-stream")
+    credit_before = get_redis().get(credit_key(organization.pk))
+    assert credit_before is not None
+    asyncio.run(settle(admitted, row.cost, fresh_id=True))
+
+    assert (row.billing_mode, row.cost > 0) == (BillingMode.POSTPAID, True)
+    assert get_redis().get(credit_key(organization.pk)) == credit_before, "the prepaid credit is not drawn for it"
+    rollup_usage()
+    assert stripe_sync.push_pending_rollups() == 1
+    assert _customer_usage_cost(fake_stripe, organization) == int((row.cost * Decimal(1_000_000)).to_integral_value())
+    assert draw_credits(organization.pk) == 0
+    assert CreditGrant.objects.get(organization=organization).consumed == 0
+
+
 def test_prepaid_usage_recorded_before_a_switch_to_postpaid_is_drawn_from_credit(fake_stripe):
     # A rollup run flagged for a draw only the organisations prepaid when it ran: usage recorded in prepaid mode and
     # rolled up after a switch to postpaid was never drawn, and never metered to Stripe either (free usage).

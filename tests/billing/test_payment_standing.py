@@ -327,6 +327,21 @@ def test_a_first_failure_reported_after_a_newer_invoice_event_still_dates_the_gr
     assert _refusal(billed.org, "0.01").reason == "past_due"
 
 
+def test_a_paid_invoice_stays_paid_when_an_open_event_of_the_same_second_and_a_late_failure_come_after_it(billed):
+    """Before, Stripe's retry's invoice.updated (open) and invoice.paid shared a second, paid delivered first: the
+    open one was applied too, then the first failure's late webhook dated a grace that held a paying customer."""
+    _customer_event(billed, "pm_card_visa")
+    now = int(time.time())
+    _invoice_event(billed, "invoice.paid", "paid", created=now - 60)
+    _invoice_event(billed, "invoice.updated", "open", created=now - 60)
+    _invoice_event(billed, "invoice.payment_failed", "open", created=now - 8 * 86_400)  # the first attempt's, late
+
+    invoice = Invoice.objects.get()
+    assert (invoice.status, invoice.payment_failed_at) == ("paid", None)
+    assert services.review_payment_standing(billed.org.pk).past_due_since is None
+    _spend(billed.org, "0.01")
+
+
 def test_a_hold_that_did_not_reach_redis_is_written_by_the_next_review(billed, monkeypatch):
     from billing.quota import counters
 

@@ -18,7 +18,7 @@ from rest_framework.test import APIClient
 
 from billing import stripe_sync
 from billing.ledger import record_usage
-from billing.models import BillingAccount, StripeEvent
+from billing.models import BillingAccount, StripeEvent, UsageRollup
 from billing.quota.counters import QuotaExceeded
 from billing.rollups import rollup_usage
 from controlplane.accounts.models import AuditEvent
@@ -172,7 +172,9 @@ def test_a_customer_deleted_in_stripe_is_forgotten_and_its_organisation_held_to_
     _webhook("customer.updated", {**deleted, "invoice_settings": {"default_payment_method": "pm_card_visa"}})
     assert not BillingAccount.objects.get(pk=account.pk).payment_method_on_file
 
-    _use_and_push(endpoint, num_hours_ago=3)  # a new customer, subscribed, billed
+    record_usage(usage_report(endpoint, finished_at=_hour(3) + timedelta(minutes=5)))
+    rollup_usage()
+    assert stripe_sync.push_pending_rollups() == 2  # a new customer, subscribed, billed (the 5th hour's again too)
 
     account.refresh_from_db()
     assert account.stripe_customer_id not in ("", old_customer)
@@ -181,6 +183,65 @@ def test_a_customer_deleted_in_stripe_is_forgotten_and_its_organisation_held_to_
                   if event["payload"]["stripe_customer_id"] == account.stripe_customer_id]
     assert new_events and all(len(_billed_by(fake_stripe, event)) == 1 for event in new_events)
     assert AuditEvent.objects.filter(action="billing.customer_deleted", details__customer=old_customer).count() == 1
+
+
+def test_usage_pushed_to_a_customer_deleted_before_invoicing_it_is_billed_once_by_the_next(fake_stripe):
+    """Before, Stripe cancelled the deleted customer's subscription with no final invoice, and the usage already pushed
+    to it (and pushed to it until the webhook came: Stripe accepts those events and drops them) was billed by nobody.
+    It goes again to the next customer under new identifiers, once; usage its invoices billed does not."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    account = BillingAccount.objects.get(organization=endpoint.organization)
+    old_customer, old_subscription = account.stripe_customer_id, account.stripe_subscription_id
+    invoiced = _end_period_after_what_was_pushed(fake_stripe, old_subscription)  # the 7th hour's invoice, finalised
+    [invoice] = fake_stripe.invoices.values()
+    _webhook("invoice.finalized", {**invoice, "status": "open"})
+    _use_and_push(endpoint, num_hours_ago=5)
+
+    deleted = fake_stripe.delete_customer(old_customer)
+    _use_and_push(endpoint, num_hours_ago=4)  # pushed to the deleted customer before its webhook came
+    _webhook("customer.deleted", deleted)
+    _webhook("customer.deleted", deleted)  # delivered twice: pushed again once
+    _webhook("customer.subscription.deleted", fake_stripe.subscriptions[old_subscription])
+    record_usage(usage_report(endpoint, finished_at=_hour(3) + timedelta(minutes=5)))
+    rollup_usage()
+    assert stripe_sync.push_pending_rollups() == 3  # the 3rd hour's, and the 5th and 4th hours' again
+
+    account.refresh_from_db()
+    new_customer = account.stripe_customer_id
+    fake_stripe.end_period(account.stripe_subscription_id)
+    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
+    assert fake_stripe.invoiced_usage(old_customer) == costs[0] and invoiced
+    assert fake_stripe.invoiced_usage(new_customer) == sum(costs[1:]) == _cost_pushed(fake_stripe, new_customer)
+    assert stripe_sync.push_pending_rollups() == 0
+
+
+def test_usage_pushed_while_its_customers_deletion_is_recorded_goes_again_to_the_next(fake_stripe, monkeypatch):
+    """A push that read the customer before its `customer.deleted` webhook was applied, and sent its events after:
+    the deletion found none of them, and the rollup was marked pushed. It is pushed again instead."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=5)
+    account = BillingAccount.objects.get(organization=endpoint.organization)
+    old_customer = account.stripe_customer_id
+    record_usage(usage_report(endpoint, finished_at=_hour(4) + timedelta(minutes=5)))
+    rollup_usage()
+    read_customer = stripe_sync.ensure_customer
+
+    def read_then_deleted(organization_id):
+        customer_id = read_customer(organization_id)
+        if customer_id == old_customer:
+            _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+        return customer_id
+
+    monkeypatch.setattr(stripe_sync, "ensure_customer", read_then_deleted)
+    assert stripe_sync.push_pending_rollups() == 0
+    monkeypatch.undo()
+    assert stripe_sync.push_pending_rollups() == 2  # the 4th hour's, and the 5th hour's found by the deletion
+
+    account.refresh_from_db()
+    fake_stripe.end_period(account.stripe_subscription_id)
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert fake_stripe.invoiced_usage(account.stripe_customer_id) == costs
 
 
 def _cost_pushed(fake_stripe, customer_id: str) -> int:

@@ -476,7 +476,8 @@ class FakeStripe:
         if params.get("event_name") not in {meter["event_name"] for meter in self.meters.values()}:
             return 400, _error("invalid_request_error", "No active meter found for this event_name", code="resource_missing")
         payload = params.get("payload") or {}
-        if payload.get("stripe_customer_id") not in self.customers:
+        # NOTE: Stripe processes meter events later: one for a deleted customer is accepted, and billed by nothing.
+        if payload.get("stripe_customer_id") not in self.customers.keys() | self.deleted_customers:
             return 400, _error("invalid_request_error", "No such customer", code="resource_missing")
         if not re.fullmatch(r"\d+", str(payload.get("value", ""))):
             return 400, _error("invalid_request_error", "value must be a whole number", code="parameter_invalid_integer")

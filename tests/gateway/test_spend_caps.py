@@ -12,8 +12,10 @@ from django.db.models import Sum
 
 from billing import stripe_sync
 from billing.ledger import cost_of
-from billing.models import UsageRecord
+from billing.models import BillingMode, UsageRecord
 from billing.quota import reads
+from billing.services import set_billing_mode
+from controlplane.accounts.services import SYSTEM
 from endpoints.gateway.estimate import worst_case
 from endpoints.models import Replica
 from endpoints.replicas import apply_replica_report
@@ -195,3 +197,21 @@ def test_usage_past_the_reservation_is_logged_and_counted_so_the_loss_is_seen(te
     finally:
         child.stop()
     assert f'inferplane_usage_past_reservation_total{{endpoint_id="{endpoint.pk}"' in metrics
+
+
+def test_a_stream_admitted_postpaid_that_ends_after_a_switch_to_prepaid_is_billed_postpaid(gateway, tenant,
+                                                                                            start_mock_upstream):
+    """Its row took the mode of its end before: prepaid, never metered, and written off by the credit draw (no credit
+    was bought yet). The admission's mode comes with the call to its row."""
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=50))
+    body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 40, "stream": True}
+    with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {tenant.key}"}) as response:
+        assert response.status_code == 200
+        chunks = response.iter_bytes()
+        next(chunks)  # admitted and streaming
+        set_billing_mode(SYSTEM, tenant.org, mode=BillingMode.PREPAID)
+        assert b"[DONE]" in b"".join(chunks)
+
+    wait_until(lambda: UsageRecord.objects.exists(), 15, message="its usage row")
+    assert UsageRecord.objects.get().billing_mode == BillingMode.POSTPAID
