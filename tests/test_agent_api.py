@@ -182,6 +182,48 @@ def test_a_node_registers_its_engine_host_and_port_range_and_bad_ones_are_400(cl
         assert register(client, token, name="bad", **bad).status_code == 400, bad
 
 
+UNREACHABLE_HOSTS = ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "::ffff:127.0.0.1", "0.0.0.0", "::", "169.254.169.254",
+                     "fe80::1", "224.0.0.251", "ff02::1", "localhost", "gateway.example"]
+
+
+def test_a_node_whose_host_is_the_gateways_own_or_link_local_is_400_and_spends_no_use_of_its_token(client, settings):
+    # Production: any holder of a shared join token could otherwise aim the gateway (and prompts) at its loopback
+    # or the cloud's metadata service; a host name may resolve to either, later.
+    settings.ALLOW_LOOPBACK_NODES = False
+    created = create_join_token(SYSTEM, name="rack", max_uses=2)
+    for host in UNREACHABLE_HOSTS:
+        response = register(client, created.plain, name="minted", advertise_host=host)
+        assert response.status_code == 400, host
+        assert "advertise_host" in response.json()["error"]["message"], host
+    assert JoinToken.objects.get(pk=created.join_token.pk).num_uses == 0 and not Node.objects.exists()
+    # A VPC's private addresses are where fleet nodes live.
+    for host in ("10.0.3.7", "fd00:1::7"):
+        assert register(client, created.plain, name=host, advertise_host=host).status_code == 201, host
+
+
+def test_the_local_stack_admits_loopback_nodes_but_never_link_local_ones(client, settings):
+    settings.ALLOW_LOOPBACK_NODES = True
+    token = create_join_token(SYSTEM, name="local").plain
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert register(client, token, name=host, advertise_host=host).status_code == 201, host
+    for host in ("169.254.169.254", "fe80::1", "0.0.0.0", "224.0.0.251"):
+        assert register(client, token, name=host, advertise_host=host).status_code == 400, host
+
+
+def test_the_gateway_stops_routing_to_a_loopback_node_once_the_deployment_refuses_them(
+        client, agent, settings, django_capture_on_commit_callbacks):
+    from endpoints.gateway.directory import _load_replicas
+
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://127.0.0.1:20001")])
+    assert [info.id for info in _load_replicas(str(endpoint.pk))] == [str(replica.pk)]
+    # Registered on loopback where it was allowed (or before the rule): the gateway checks the host again.
+    settings.ALLOW_LOOPBACK_NODES = False
+    assert _load_replicas(str(endpoint.pk)) == []
+
+
 def test_a_node_registers_what_confines_its_engines_and_staff_see_it(client, django_user_model):
     token = create_join_token(SYSTEM, name="t").plain
     answer = register(client, token, engine_sandbox="landlock abi 7").json()

@@ -47,7 +47,7 @@ def register(request):
     try:
         registration = _parse(request, protocol.RegisterRequest)
         answer = services.register_node(registration)
-    except _BadRequest as exc:
+    except (_BadRequest, services.ReportRefused) as exc:
         return _error(400, f"invalid registration: {exc}")
     except services.AgentAuthError as exc:
         return _error(401, str(exc))

@@ -27,7 +27,13 @@ from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.fleet.launches import link_joined_node
 from endpoints.models import LIVE_REPLICA_STATES, IdleAction, ModelFacts, Replica, weights_scope_for
-from endpoints.nodes.models import JoinToken, Node, bounded_gpu_inventory, gpu_inventory
+from endpoints.nodes.models import (
+    JoinToken,
+    Node,
+    advertise_host_problem,
+    bounded_gpu_inventory,
+    gpu_inventory,
+)
 from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION, weight_factor
 from endpoints.replicas import apply_replica_report, drain_node, fail_replica, record_replica_failure
@@ -40,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 class AgentAuthError(Exception):
     """The agent's join token or node secret is not valid."""
+
+
+class ReportRefused(ValueError):
+    """A registration or heartbeat the control plane refuses whole, whatever its credentials (a 400 naming the field)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -107,7 +117,12 @@ def _find_join_token(plain: str) -> JoinToken | None:
 
 def register_node(request: protocol.RegisterRequest) -> protocol.RegisterResponse:
     """Admit a node with a join token; the answer carries its secret, which is stored only as a hash.
-    Raises `LookupsBusy` when other join tokens hold every lookup slot for longer than a caller may wait."""
+    Raises `ReportRefused` for a host the gateway may not reach (`advertise_host_problem`), before the token
+    is looked up or a use of it spent; `LookupsBusy` when other join tokens hold every lookup slot for longer than a
+    caller may wait."""
+    host_problem = advertise_host_problem(request.advertise_host)
+    if host_problem:
+        raise ReportRefused(f"advertise_host: {host_problem}")
     join_token = _find_join_token(request.join_token)
     if join_token is None or not join_token.is_usable():
         raise AgentAuthError("invalid, expired, revoked or used-up join token")
