@@ -62,10 +62,10 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 DATA_DIR = REPO / ".data" / "bench"
-# NOTE: production settings (DEBUG off), as a deployed gateway runs; on plain HTTP, on localhost.
+# NOTE: production settings (DEBUG off), as a deployed gateway runs; on plain HTTP, on localhost (its engines too).
 ENV = {"INFERPLANE_DATA_DIR": str(DATA_DIR), "DJANGO_SETTINGS_MODULE": "controlplane.settings", "DJANGO_DEBUG": "0",
        "DJANGO_SECRET_KEY": "bench-gateway-only-" + "x" * 40, "ALLOWED_HOSTS": "127.0.0.1,localhost",
-       "SECURE_SSL_REDIRECT": "0"}
+       "SECURE_SSL_REDIRECT": "0", "INFERPLANE_ALLOW_LOOPBACK_NODES": "1"}
 os.environ.update(ENV)
 
 from controlplane import embedded  # noqa: E402 - after sys.path is set

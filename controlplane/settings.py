@@ -339,6 +339,9 @@ CELERY_BEAT_SCHEDULE = {
 # Local model paths let an endpoint serve weights from the agent's own disk: right for a
 # single machine (the embedded default), wrong for a shared fleet.
 ALLOW_LOCAL_MODEL_PATHS = env_bool("INFERPLANE_ALLOW_LOCAL_MODEL_PATHS", DEBUG or env_str("DATABASE_URL") is None)
+# Nodes whose engines are on the control plane's own machine (loopback, or a host name): the local stack's agents
+# are; a fleet's never are, and any holder of a shared join token could otherwise aim the gateway at its loopback.
+ALLOW_LOOPBACK_NODES = env_bool("INFERPLANE_ALLOW_LOOPBACK_NODES", DEBUG or env_str("DATABASE_URL") is None)
 # The AWS accounts the platform itself runs in (the control plane's, each node pool's, the files bucket's). A tenant's
 # S3 credential may name a role for the GPU nodes to assume with their own credentials; a role in one of these
 # accounts is refused when saved and when a replica's spec is built (`endpoints.credentials.check_role_arn`): if any

@@ -22,7 +22,7 @@ from endpoints.credentials import source_credentials
 from endpoints.events import record_event
 from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica, organization_scope
 from endpoints.nodes.notify import notify_node
-from gpu_agent.protocol import AdapterSpec, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import FINAL_REPLICA_STATES, AdapterSpec, ReplicaState, ReplicaStatus
 
 # An endpoint's adapters: every one is in each of its replicas' specs, on every heartbeat of their nodes (its
 # credentials decrypted for it). NOTE: there was no limit: thousands of adapters made each heartbeat's answer
@@ -118,8 +118,10 @@ def _fail(adapter: Adapter, reason: str) -> None:
 
 def record_replica_adapters(node, report: ReplicaStatus) -> None:
     """What an agent reported of one of its replicas' adapters: the replica's `adapters` (what the
-    gateway routes on), adapters it loaded READY, refused ones FAILED with the engine's reason."""
-    replica = Replica.objects.filter(pk=report.replica_id, node=node).only("pk", "endpoint_id", "adapters").first()
+    gateway routes on), adapters it loaded READY, refused ones FAILED with the engine's reason. Nothing of a replica
+    stopped or failed already (as `replicas.apply_replica_report`)."""
+    replica = (Replica.objects.filter(pk=report.replica_id, node=node).exclude(state__in=FINAL_REPLICA_STATES)
+               .only("pk", "endpoint_id", "adapters").first())
     if replica is None:
         return
     endpoint_id = replica.endpoint_id

@@ -275,11 +275,14 @@ def state_after_report(current: str, reported: ReplicaState) -> str:
 def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
     """Take what the node's agent says of one of its replicas: its load, address, restarts and state.
 
-    A report about another node's replica, or one that no longer exists, is ignored.
+    A report about another node's replica, one that no longer exists, or one stopped or failed already, is ignored:
+    a final state is the control plane's, and nothing a node says of it afterwards (a restart, its reason, its load)
+    reaches the replica's row or its endpoint's event log.
     """
     with transaction.atomic():
         replica = (
-            Replica.objects.select_for_update().select_related("endpoint").filter(pk=report.replica_id, node=node).first()
+            Replica.objects.select_for_update().select_related("endpoint").filter(pk=report.replica_id, node=node)
+            .exclude(state__in=FINAL_REPLICA_STATES).first()
         )
         if replica is None:
             return

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -151,6 +152,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _finite(value: Any, name: str) -> float:
+    """`value` as a float; a ValueError unless it is a finite number (JSON's NaN and Infinity, as Python reads them, are not)."""
+    _require(isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
+             f"{name} must be a finite number")
+    return float(value)
+
+
+def _clamped(value: Any, name: str, low: float, high: float) -> float:
+    return min(max(_finite(value, name), low), high)
+
+
 def _printable(text: str) -> str:
     """`text` without control characters (a NUL is refused by PostgreSQL, in text and JSON columns alike)."""
     return text if text.isprintable() else "".join(ch for ch in text if ch.isprintable())
@@ -192,6 +204,10 @@ class GpuStatus(Message):
         _require(not self.uuid or bool(_GPU_UUID.match(self.uuid)), "GPU uuid must look like GPU-…")
         _require(self.memory_total_mb >= 0 and self.memory_used_mb >= 0, "GPU memory figures must be >= 0")
         _require(len(self.mig_slices) <= 7, "a GPU has at most 7 MIG slices")
+        # NOTE: kept in the node's `last_status` (jsonb, which has no NaN or Infinity).
+        self.utilization_percent = _clamped(self.utilization_percent, "utilization_percent", 0.0, 100.0)
+        if self.temperature_c is not None:
+            self.temperature_c = _finite(self.temperature_c, "temperature_c")
 
 
 def _require_distinct_gpus(gpus: list[GpuStatus]) -> None:
@@ -297,6 +313,12 @@ class ChatTemplateTokens(Message):
         self.per_message = min(max(self.per_message, 0), MAX_MODEL_CONTEXT_TOKENS)
 
 
+MAX_REPORTED_COUNT = 2**31 - 1  # requests, restarts: a 32-bit column
+MAX_REPORTED_TOKENS = 2**63 - 1  # an engine's cumulative prefix-cache tokens: a 64-bit column
+MAX_TOKENS_PER_S = 1e9
+MAX_MEASURED_S = 1e6  # a cold start's download or engine start, as the agent measured it (~11.6 days)
+
+
 @dataclass(slots=True)
 class ReplicaStatus(Message):
     replica_id: str
@@ -332,10 +354,28 @@ class ReplicaStatus(Message):
     chat_template_tokens: ChatTemplateTokens | None = None
 
     def __post_init__(self) -> None:
-        _require(bool(self.replica_id), "replica_id is required")
-        _require(0.0 <= self.kv_cache_usage <= 1.0, "kv_cache_usage must be within 0..1")
+        _require(isinstance(self.replica_id, str) and bool(self.replica_id), "replica_id is required")
+        _require(0.0 <= _finite(self.kv_cache_usage, "kv_cache_usage") <= 1.0, "kv_cache_usage must be within 0..1")
+        _require(all(_is_int(n) for n in (self.num_running, self.num_waiting, self.num_restarts,
+                                          self.num_prefix_cache_queries, self.num_prefix_cache_hits)),
+                 "counts must be integers")
         _require(self.num_running >= 0 and self.num_waiting >= 0, "request counts must be >= 0")
         _require(min(self.num_prefix_cache_queries, self.num_prefix_cache_hits) >= 0, "prefix-cache counts must be >= 0")
+        # NOTE: the engine's and the agent's figures, kept and computed with by the control plane and the gateway
+        # (`endpoints.gateway.anatomy`): a non-finite one is refused; the rest clamped to what the columns hold and a
+        # measure can mean. A NaN duration stored made every cold-start answer of the replica's endpoint fail
+        # unbilled; a count past 32 bits made every heartbeat of the node a 500.
+        self.num_running, self.num_waiting, self.num_restarts = (
+            min(n, MAX_REPORTED_COUNT) for n in (self.num_running, self.num_waiting, self.num_restarts))
+        self.num_prefix_cache_queries = min(self.num_prefix_cache_queries, MAX_REPORTED_TOKENS)
+        self.num_prefix_cache_hits = min(self.num_prefix_cache_hits, MAX_REPORTED_TOKENS)
+        self.tokens_per_s = _clamped(self.tokens_per_s, "tokens_per_s", 0.0, MAX_TOKENS_PER_S)
+        if self.progress_percent is not None:
+            self.progress_percent = _clamped(self.progress_percent, "progress_percent", 0.0, 100.0)
+        if self.download_s is not None:
+            self.download_s = _clamped(self.download_s, "download_s", 0.0, MAX_MEASURED_S)
+        if self.engine_start_s is not None:
+            self.engine_start_s = _clamped(self.engine_start_s, "engine_start_s", 0.0, MAX_MEASURED_S)
 
 
 @dataclass(slots=True)
@@ -421,6 +461,25 @@ class Heartbeat(Message):
 
     def __post_init__(self) -> None:
         _require_distinct_gpus(self.gpus)
+        _require_few_replica_reports(self.replicas)
+        self.cpu_percent = _clamped(self.cpu_percent, "cpu_percent", 0.0, 100.0)  # NOTE: kept in jsonb: no NaN
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        # NOTE: counted before any report is parsed: a made-up heartbeat's reports cost the parse alone otherwise.
+        if isinstance(data, dict) and isinstance(data.get("replicas"), list):
+            _require_few_replica_reports(data["replicas"])
+        return super(Heartbeat, cls).from_dict(data)
+
+
+# NOTE: the most replica reports one heartbeat may carry, far above what a node runs (64 GPUs of 7 MIG slices each,
+# one replica a slice, with as many stopping): a heartbeat of more is refused whole. A hostile node's 33,000 made-up
+# reports held a web thread for minutes.
+MAX_REPLICA_REPORTS = 1024
+
+
+def _require_few_replica_reports(replicas: list) -> None:
+    _require(len(replicas) <= MAX_REPLICA_REPORTS, f"a heartbeat carries at most {MAX_REPLICA_REPORTS} replica reports")
 
 
 # An IAM role in one account of a partition the fleet can run in: `arn:aws:iam::<12-digit account>:role/<path/><name>`.

@@ -1,5 +1,8 @@
 """The fleet side of the agent protocol, spoken by hand (the real agent process is tested in tests/agent/)."""
 
+import json
+import uuid
+
 import pytest
 
 from controlplane.accounts.models import AuditEvent
@@ -8,7 +11,15 @@ from endpoints.fleet.services import authenticate_node, create_join_token, recor
 from endpoints.models import EndpointEvent, Replica
 from endpoints.nodes.models import JoinToken, Node
 from endpoints.scheduler import reconcile_endpoint
-from gpu_agent.protocol import Heartbeat, NodeState, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import (
+    MAX_MEASURED_S,
+    MAX_REPLICA_REPORTS,
+    MAX_TOKENS_PER_S,
+    Heartbeat,
+    NodeState,
+    ReplicaState,
+    ReplicaStatus,
+)
 from tests.factories import EndpointFactory, sign_in_staff
 
 pytestmark = pytest.mark.django_db
@@ -182,6 +193,48 @@ def test_a_node_registers_its_engine_host_and_port_range_and_bad_ones_are_400(cl
         assert register(client, token, name="bad", **bad).status_code == 400, bad
 
 
+UNREACHABLE_HOSTS = ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "::ffff:127.0.0.1", "0.0.0.0", "::", "169.254.169.254",
+                     "fe80::1", "224.0.0.251", "ff02::1", "localhost", "gateway.example"]
+
+
+def test_a_node_whose_host_is_the_gateways_own_or_link_local_is_400_and_spends_no_use_of_its_token(client, settings):
+    # Production: any holder of a shared join token could otherwise aim the gateway (and prompts) at its loopback
+    # or the cloud's metadata service; a host name may resolve to either, later.
+    settings.ALLOW_LOOPBACK_NODES = False
+    created = create_join_token(SYSTEM, name="rack", max_uses=2)
+    for host in UNREACHABLE_HOSTS:
+        response = register(client, created.plain, name="minted", advertise_host=host)
+        assert response.status_code == 400, host
+        assert "advertise_host" in response.json()["error"]["message"], host
+    assert JoinToken.objects.get(pk=created.join_token.pk).num_uses == 0 and not Node.objects.exists()
+    # A VPC's private addresses are where fleet nodes live.
+    for host in ("10.0.3.7", "fd00:1::7"):
+        assert register(client, created.plain, name=host, advertise_host=host).status_code == 201, host
+
+
+def test_the_local_stack_admits_loopback_nodes_but_never_link_local_ones(client, settings):
+    settings.ALLOW_LOOPBACK_NODES = True
+    token = create_join_token(SYSTEM, name="local").plain
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert register(client, token, name=host, advertise_host=host).status_code == 201, host
+    for host in ("169.254.169.254", "fe80::1", "0.0.0.0", "224.0.0.251"):
+        assert register(client, token, name=host, advertise_host=host).status_code == 400, host
+
+
+def test_the_gateway_stops_routing_to_a_loopback_node_once_the_deployment_refuses_them(
+        client, agent, settings, django_capture_on_commit_callbacks):
+    from endpoints.gateway.directory import _load_replicas
+
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://127.0.0.1:20001")])
+    assert [info.id for info in _load_replicas(str(endpoint.pk))] == [str(replica.pk)]
+    # Registered on loopback where it was allowed (or before the rule): the gateway checks the host again.
+    settings.ALLOW_LOOPBACK_NODES = False
+    assert _load_replicas(str(endpoint.pk)) == []
+
+
 def test_a_node_registers_what_confines_its_engines_and_staff_see_it(client, django_user_model):
     token = create_join_token(SYSTEM, name="t").plain
     answer = register(client, token, engine_sandbox="landlock abi 7").json()
@@ -292,3 +345,80 @@ def test_an_endpoint_whose_spec_cannot_be_built_fails_alone_and_the_nodes_heartb
     broken.refresh_from_db()
     assert broken.failed_at is not None and "cannot run" in broken.status_message
     assert Node.objects.get(pk=agent["node_id"]).state == NodeState.READY
+
+
+def test_reports_on_a_stopped_replica_write_no_event_and_set_no_adapter(client, agent):
+    from endpoints.models import Adapter
+    from endpoints.replicas import drain_replica
+
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny", max_loras=2,
+                                max_lora_rank=16)
+    Adapter.objects.create(endpoint=endpoint, name="tone", source="/a/tone")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    drain_replica(replica, reason="scaled down")  # PENDING: STOPPED at once
+    replica.refresh_from_db()
+    assert replica.state == "STOPPED"
+    before = EndpointEvent.objects.filter(endpoint=endpoint).count()
+    for num_restarts in range(1, 4):
+        response = beat(client, agent["node_secret"], [ReplicaStatus(
+            str(replica.pk), ReplicaState.READY, num_restarts=num_restarts, num_running=3,
+            failure_reason="Security notice: your key leaked, sign in at https://evil.example",
+            adapters=["tone"], adapter_failures={"tone": "see https://evil.example"})])
+        assert response.status_code == 200
+    assert EndpointEvent.objects.filter(endpoint=endpoint).count() == before
+    replica.refresh_from_db()
+    assert (replica.state, replica.num_restarts, replica.num_running, replica.adapters) == ("STOPPED", 0, 0, [])
+    assert Adapter.objects.get(endpoint=endpoint, name="tone").status_message == ""
+
+
+def test_a_replica_report_with_a_non_finite_figure_is_400_and_nothing_of_it_is_kept(client, agent):
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    base = {"agent_version": "x", "num_cpus": 2, "memory_mb": 24000, "memory_used_mb": 1}
+    for figure in ({"tokens_per_s": float("inf")}, {"download_s": float("nan")}, {"engine_start_s": float("-inf")},
+                   {"progress_percent": float("nan")}, {"kv_cache_usage": float("nan")}):
+        body = base | {"replicas": [{"replica_id": str(replica.pk), "state": "STARTING"} | figure]}
+        response = client.post("/agent/v1/heartbeat", json.dumps(body), content_type="application/json",
+                               HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
+        assert response.status_code == 400, figure
+        assert next(iter(figure)) in response.json()["error"]["message"]
+    for figure in ({"cpu_percent": float("nan")},
+                   {"gpus": [{"index": 0, "name": "x", "utilization_percent": float("inf"), "memory_used_mb": 0,
+                              "memory_total_mb": 1}]}):
+        response = client.post("/agent/v1/heartbeat", json.dumps(base | figure), content_type="application/json",
+                               HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
+        assert response.status_code == 400, figure  # kept in the node's jsonb status, which has no NaN
+    # Finite but absurd: clamped to what a measure can mean.
+    beat(client, agent["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.STARTING, download_s=-1e308,
+                                                      engine_start_s=1e308, progress_percent=1e9, tokens_per_s=1e300,
+                                                      num_waiting=2**40)])
+    replica.refresh_from_db()
+    assert (replica.state, replica.download_s, replica.engine_start_s, replica.progress_percent) == (
+        "STARTING", 0.0, MAX_MEASURED_S, 100.0)
+    assert replica.tokens_per_s == MAX_TOKENS_PER_S and replica.num_waiting == 2**31 - 1
+
+
+def test_a_made_up_replica_id_or_json_nested_past_the_parser_is_400(client, agent):
+    assert beat(client, agent["node_secret"], [ReplicaStatus("not-a-uuid", ReplicaState.READY)]).status_code == 400
+    nested = '{"agent_version": "x", "num_cpus": 2, "memory_mb": 1, "memory_used_mb": 1, "labels": ' + "[" * 100_000
+    for path, headers in (("/agent/v1/heartbeat", {"HTTP_AUTHORIZATION": f"Bearer {agent['node_secret']}"}),
+                          ("/agent/v1/register", {})):
+        response = client.post(path, nested + "]" * 100_000 + "}", content_type="application/json", **headers)
+        assert response.status_code == 400, path
+
+
+def test_a_heartbeat_reads_its_nodes_replicas_in_one_query_and_past_its_cap_is_refused_whole(
+        client, agent, django_assert_max_num_queries):
+    base = {"agent_version": "x", "num_cpus": 2, "memory_mb": 24000, "memory_used_mb": 1}
+    made_up = [{"replica_id": str(uuid.uuid4()), "state": "READY", "num_restarts": 1, "failure_reason": "x"}
+               for _ in range(MAX_REPLICA_REPORTS)]
+    with django_assert_max_num_queries(20):  # one per report before: a transaction and a row lock each
+        response = client.post("/agent/v1/heartbeat", json.dumps(base | {"replicas": made_up}),
+                               content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
+    assert response.status_code == 200
+    too_many = made_up + [{"replica_id": str(uuid.uuid4()), "state": "READY"}]
+    response = client.post("/agent/v1/heartbeat", json.dumps(base | {"replicas": too_many}),
+                           content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
+    assert response.status_code == 400 and str(MAX_REPLICA_REPORTS) in response.json()["error"]["message"]

@@ -35,6 +35,8 @@ def _parse(request, message_class):
         return message_class.from_dict(json.loads(request.body or b"null"))
     except (ValueError, TypeError) as exc:
         raise _BadRequest(str(exc)) from None
+    except RecursionError:  # JSON nested past what the parser takes: no message is shaped so
+        raise _BadRequest("the body is nested too deeply") from None
 
 
 class _BadRequest(Exception):
@@ -47,7 +49,7 @@ def register(request):
     try:
         registration = _parse(request, protocol.RegisterRequest)
         answer = services.register_node(registration)
-    except _BadRequest as exc:
+    except (_BadRequest, services.ReportRefused) as exc:
         return _error(400, f"invalid registration: {exc}")
     except services.AgentAuthError as exc:
         return _error(401, str(exc))
@@ -71,7 +73,10 @@ def heartbeat(request):
         return _busy()
     except _BadRequest as exc:
         return _error(400, f"invalid heartbeat: {exc}")
-    return JsonResponse(services.record_heartbeat(node, report).to_dict())
+    try:
+        return JsonResponse(services.record_heartbeat(node, report).to_dict())
+    except services.ReportRefused as exc:
+        return _error(400, f"invalid heartbeat: {exc}")
 
 
 WATCH_TIMEOUT_S = 25.0

@@ -8,6 +8,7 @@ What a heartbeat says of each replica, and a node's drain, change replicas throu
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -27,19 +28,29 @@ from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.fleet.launches import link_joined_node
 from endpoints.models import LIVE_REPLICA_STATES, IdleAction, ModelFacts, Replica, weights_scope_for
-from endpoints.nodes.models import JoinToken, Node, bounded_gpu_inventory, gpu_inventory
+from endpoints.nodes.models import (
+    JoinToken,
+    Node,
+    advertise_host_problem,
+    bounded_gpu_inventory,
+    gpu_inventory,
+)
 from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION, weight_factor
 from endpoints.replicas import apply_replica_report, drain_node, fail_replica, record_replica_failure
 from endpoints.speculative import speculative_spec
 from gpu_agent import protocol
-from gpu_agent.protocol import ModelTask, NodeState, ReplicaAction, ReplicaState
+from gpu_agent.protocol import FINAL_REPLICA_STATES, ModelTask, NodeState, ReplicaAction, ReplicaState
 
 logger = logging.getLogger(__name__)
 
 
 class AgentAuthError(Exception):
     """The agent's join token or node secret is not valid."""
+
+
+class ReportRefused(ValueError):
+    """A registration or heartbeat the control plane refuses whole, whatever its credentials (a 400 naming the field)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -107,7 +118,12 @@ def _find_join_token(plain: str) -> JoinToken | None:
 
 def register_node(request: protocol.RegisterRequest) -> protocol.RegisterResponse:
     """Admit a node with a join token; the answer carries its secret, which is stored only as a hash.
-    Raises `LookupsBusy` when other join tokens hold every lookup slot for longer than a caller may wait."""
+    Raises `ReportRefused` for a host the gateway may not reach (`advertise_host_problem`), before the token
+    is looked up or a use of it spent; `LookupsBusy` when other join tokens hold every lookup slot for longer than a
+    caller may wait."""
+    host_problem = advertise_host_problem(request.advertise_host)
+    if host_problem:
+        raise ReportRefused(f"advertise_host: {host_problem}")
     join_token = _find_join_token(request.join_token)
     if join_token is None or not join_token.is_usable():
         raise AgentAuthError("invalid, expired, revoked or used-up join token")
@@ -173,7 +189,13 @@ GPUS_IGNORED = "gpus_ignored"
 
 
 def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.HeartbeatResponse:
-    """Take the agent's report, move replica states forward, and answer with the desired replicas."""
+    """Take the agent's report, move replica states forward, and answer with the desired replicas.
+
+    Raises `ReportRefused` (nothing taken) when a report names no replica id the control plane could have issued.
+    Only reports on the node's own replicas in live states are taken, found in one query (`apply_replica_report`):
+    one on a replica stopped or failed, or another node's, or made up, changes nothing, its events and adapters included.
+    """
+    reported_ids = _reported_replica_ids(heartbeat.replicas)
     status = heartbeat.to_dict()
     status.pop("replicas", None)
     with transaction.atomic():
@@ -219,15 +241,28 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         logger.warning("node %s: its heartbeat's GPUs past its registration were ignored: %s", node.name, ignored)
         record_audit(SYSTEM, None, "node.gpus_ignored", node, reason=ignored)
     record_model_facts(node, heartbeat.weights)
-    for report in heartbeat.replicas:
-        apply_replica_report(node, report)
+    live = set(Replica.objects.filter(node=node, pk__in=reported_ids).exclude(state__in=FINAL_REPLICA_STATES)
+               .values_list("pk", flat=True)) if reported_ids else set()
+    for report, replica_id in zip(heartbeat.replicas, reported_ids, strict=True):
+        if replica_id not in live:
+            continue
+        # NOTE: adapters first: a report that fails its replica still says which adapters the engine refused.
         if report.adapters or report.adapter_failures:
             record_replica_adapters(node, report)
+        apply_replica_report(node, report)
     return protocol.HeartbeatResponse(
         node_state=NodeState(node.state),
         heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S,
         desired=desired_replicas(node),
     )
+
+
+def _reported_replica_ids(reports: list[protocol.ReplicaStatus]) -> list[uuid.UUID]:
+    """Each report's replica id as a UUID, the form the control plane issues them in (`ReportRefused` if not)."""
+    try:
+        return [uuid.UUID(report.replica_id) for report in reports]
+    except ValueError:
+        raise ReportRefused("replica_id: each must be a replica's UUID") from None
 
 
 def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> None:

@@ -92,19 +92,24 @@ def node_state(request, pk):
     return redirect("console:fleet")
 
 
-EXPIRY_HOURS = {"1": 1, "24": 24, "168": 168}
+EXPIRY_HOURS = {"1": 1, "24": 24, "168": 168, "never": None}
+# NOTE: a console-made token admits one node within a day unless staff choose otherwise ("never", an empty
+# "max_uses"): any holder of a token may register nodes, so a token shared by a rack is a choice, not a default.
+DEFAULT_EXPIRY_HOURS = "24"
+DEFAULT_MAX_USES = 1
 
 
 @staff_required
 @require_POST
 def join_token_create(request):
     name = request.POST.get("name", "").strip()[:100] or "join token"
-    hours = EXPIRY_HOURS.get(request.POST.get("expires_in_hours", ""), None)
-    max_uses = plain_int(request.POST.get("max_uses", ""))
+    hours = EXPIRY_HOURS.get(request.POST.get("expires_in_hours", DEFAULT_EXPIRY_HOURS), EXPIRY_HOURS[DEFAULT_EXPIRY_HOURS])
+    uses = request.POST.get("max_uses", str(DEFAULT_MAX_USES)).strip()
+    max_uses = None if uses == "" else plain_int(uses) or DEFAULT_MAX_USES
     created = services.create_join_token(
         Actor.from_request(request), name=name,
         expires_at=timezone.now() + timedelta(hours=hours) if hours else None,
-        max_uses=max_uses or None,
+        max_uses=max_uses,
     )
     # NOTE: the token is rendered in this response only; only its hash is stored.
     return render(request, "gpu_agent/join_token_created.html", {

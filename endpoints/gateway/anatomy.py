@@ -18,12 +18,13 @@ request waited (`x-inferplane-cold-start-ms`, `UsageRecord.cold_start_ms`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from endpoints.gateway.memo import in_worker_thread
 from endpoints.models import Replica
-from gpu_agent.protocol import ReplicaState
+from gpu_agent.protocol import MAX_MEASURED_S, ReplicaState
 
 PHASES = ("queue", "placement", "download", "engine", "wake", "first_token")
 HEADER = b"x-inferplane-cold-start-ms"
@@ -69,8 +70,8 @@ def split(held_at: datetime, first_token_at: datetime, replica: ReplicaTimeline 
         ready = max(replica.ready_at, woken)
         boundaries = [woken, woken, woken, woken, ready]
     else:
-        engine = timedelta(seconds=replica.engine_start_s or 0.0)
-        download = timedelta(seconds=replica.download_s or 0.0)
+        engine = timedelta(seconds=_measured_s(replica.engine_start_s))
+        download = timedelta(seconds=_measured_s(replica.download_s))
         placed = replica.placed_at
         ready = max(replica.ready_at, placed)
         fetch_from = max(placed, ready - engine - download)
@@ -85,6 +86,15 @@ def split(held_at: datetime, first_token_at: datetime, replica: ReplicaTimeline 
     # NOTE: rounding may leave a millisecond over or under: the last phase absorbs it.
     phases["first_token"] = max(phases["first_token"] + total - sum(phases.values()), 0)
     return ColdStart(total_ms=total, phases=phases)
+
+
+def _measured_s(value: float | None) -> float:
+    """An agent's measure as kept, 0 when unknown. NOTE: rows stored before the protocol bounded these may hold NaN,
+    infinity or 1e308, which `timedelta` refuses (it raised past the held call's usage row): a non-finite one counts
+    as unknown, the rest within 0..`MAX_MEASURED_S`, as the protocol clamps them now."""
+    if value is None or not math.isfinite(value):
+        return 0.0
+    return min(max(value, 0.0), MAX_MEASURED_S)
 
 
 def _load_timeline(endpoint_id: str, replica_id: str | None) -> ReplicaTimeline | None:

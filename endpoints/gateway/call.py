@@ -642,7 +642,12 @@ class InferenceCall:
         except Exception:  # noqa: BLE001 - the anatomy is a measure: never fail the answer for it
             logger.exception("request %s: could not read its replica's cold start", self.request_id)
             timeline = None
-        self.cold_start = anatomy.split(self.held_at, self.first_token_at or datetime.now(UTC), timeline)
+        first_token_at = self.first_token_at or datetime.now(UTC)
+        try:
+            self.cold_start = anatomy.split(self.held_at, first_token_at, timeline)
+        except (ValueError, OverflowError):  # NOTE: a measure: an odd one never fails the answer or loses its usage row
+            logger.exception("request %s: its replica's cold start could not be split", self.request_id)
+            self.cold_start = anatomy.split(self.held_at, first_token_at, None)
         metrics.observe_cold_start_phases(self.cold_start.phases)
 
     # --- the end -----------------------------------------------------------------------------

@@ -35,9 +35,38 @@ def engine_address_problem(address: str, host: str, port_min: int, port_max: int
     reported_host = (parts.hostname or "").lower()
     if not reported_host or reported_host != _normal_host(host):
         return "the engine's address is not on the node's registered host"
+    if advertise_host_problem(host):
+        return "the node's registered host is not one the gateway may reach"
     if port is None or not port_min <= port <= port_max:
         return "the engine's address is outside the node's engine ports"
     return ""
+
+
+def advertise_host_problem(host: str) -> str:
+    """Why the gateway may not send prompts to engines on `host`, a node's advertised host ("" if it may).
+
+    NOTE: the one rule for a node's host, applied when it registers and again by the gateway before it routes
+    (`engine_address_problem`): any holder of a shared join token can register a node, so its host must not be the
+    gateway's own machine (loopback, the unspecified address), a link-local address (169.254.169.254 is the cloud's
+    metadata service) or a multicast one. Private addresses (RFC 1918, IPv6 ULA) are where fleet nodes live. A
+    host name is taken only where loopback nodes are (`ALLOW_LOOPBACK_NODES`, the local stack): the gateway connects
+    by name, and a name may resolve to anything, later as well as now; a fleet node advertises its IP (pod, instance).
+    """
+    try:
+        address = ipaddress.ip_address(_normal_host(host))
+    except ValueError:
+        return "" if settings.ALLOW_LOOPBACK_NODES else "it must be an IP address, not a host name"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:  # NOTE: first: ::1 is also in IPv6's reserved ::/8
+        return "" if settings.ALLOW_LOOPBACK_NODES else "it is a loopback address"
+    if address.is_unspecified or address.is_link_local or address.is_multicast or address.is_reserved or (
+            address.version == 4 and address in _THIS_NETWORK):
+        return "it is an unspecified, link-local, multicast or reserved address"
+    return ""
+
+
+_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")  # "this host on this network": never a node's address
 
 
 def _normal_host(host: str) -> str:

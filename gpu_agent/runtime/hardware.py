@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import math
 import os
 import re
 import shutil
@@ -60,11 +61,13 @@ _MIG_PROFILE_MEMORY = re.compile(r"\.(\d+)gb", re.IGNORECASE)
 
 
 def _number(text: str) -> float | None:
-    """A figure of nvidia-smi's CSV, None for "[N/A]", "[Not Supported]" and the like."""
+    """A figure of nvidia-smi's CSV, None for "[N/A]", "[Not Supported]" and the like (and a non-finite one, which the
+    protocol refuses)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         return None
+    return value if math.isfinite(value) else None
 
 
 def parse_mig_listing(listing: str) -> dict[str, list[MigSlice]]:

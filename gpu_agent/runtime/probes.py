@@ -9,6 +9,7 @@ timeout is "not healthy", "no metrics", "not measured".
 from __future__ import annotations
 
 import collections
+import math
 import re
 from dataclasses import dataclass
 
@@ -116,9 +117,12 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         match = _METRIC_LINE.match(line)
         if match:
             try:
-                values[match["name"]] += float(match["value"])
+                value = float(match["value"])
             except ValueError:
                 continue
+            # NOTE: Prometheus writes NaN and +Inf; the protocol refuses a report that carries one (whole heartbeat).
+            if math.isfinite(value):
+                values[match["name"]] += value
     kv_cache = values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc", 0.0))
     return EngineMetrics(
         num_running=int(values.get("vllm:num_requests_running", 0)),

@@ -77,6 +77,11 @@ def test_one_gpu_is_reported_with_its_uuid_and_memory():
     assert catalogue_gpu_type(gpu.name) == "h200"
 
 
+def test_a_non_finite_figure_from_nvidia_smi_is_reported_as_unknown():
+    (gpu,) = parse_gpu_query(ONE_H200.replace("0, 0, 28", "0, nan, inf"))
+    assert (gpu.utilization_percent, gpu.temperature_c) == (0.0, None)
+
+
 def test_two_gpus_are_reported_each_with_its_own_load():
     gpus = parse_gpu_query(TWO_L4)
     assert [gpu.index for gpu in gpus] == [0, 1] and len({gpu.uuid for gpu in gpus}) == 2

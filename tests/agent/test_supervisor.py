@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from gpu_agent.protocol import ReplicaState
+from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from gpu_agent.runtime import supervisor as supervisor_module
 from gpu_agent.runtime.control_plane import heartbeat_interval
 from gpu_agent.runtime.probes import parse_engine_metrics
@@ -313,6 +313,21 @@ vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 128.0
     assert (metrics.num_running, metrics.num_waiting, metrics.kv_cache_usage) == (3, 1, 0.5)
     assert metrics.generation_tokens_total == 24.0
     assert (metrics.prefix_cache_queries_total, metrics.prefix_cache_hits_total) == (512.0, 128.0)
+
+
+def test_an_engines_nan_or_infinite_gauge_is_skipped_so_its_replicas_report_is_always_taken():
+    # Prometheus writes NaN and +Inf; the protocol refuses a report that carries one, and with it the heartbeat.
+    text = """vllm:num_requests_running{engine="0"} NaN
+vllm:num_requests_waiting{engine="0"} +Inf
+vllm:kv_cache_usage_perc{engine="0"} NaN
+vllm:generation_tokens_total{engine="0"} +Inf
+vllm:prefix_cache_queries_total{engine="0"} -Inf
+"""
+    metrics = parse_engine_metrics(text)
+    assert (metrics.num_running, metrics.num_waiting, metrics.kv_cache_usage, metrics.generation_tokens_total) == (
+        0, 0, 0.0, 0.0)
+    ReplicaStatus(replica_id="r", state=ReplicaState.READY, kv_cache_usage=metrics.kv_cache_usage,
+                  num_running=metrics.num_running, num_waiting=metrics.num_waiting)
 
 
 class _IdleZygote(Zygote):

@@ -88,6 +88,20 @@ def test_join_token_is_shown_once_and_can_be_revoked(staff):
     assert token.revoked_at is not None
 
 
+def test_a_console_join_token_admits_one_node_within_a_day_unless_staff_choose_otherwise(staff):
+    # Any holder of a token may register nodes: a token shared by a rack must be a choice.
+    staff.post(reverse("console:join-token-create"), {"name": "one machine"})
+    token = JoinToken.objects.get(name="one machine")
+    assert token.max_uses == 1
+    assert timedelta(hours=23) < token.expires_at - timezone.now() <= timedelta(hours=24)
+    staff.post(reverse("console:join-token-create"), {"name": "the rack", "expires_in_hours": "never", "max_uses": ""})
+    token = JoinToken.objects.get(name="the rack")
+    assert token.max_uses is None and token.expires_at is None
+    # The form offers exactly those defaults.
+    page = staff.get(reverse("console:fleet")).content.decode()
+    assert '<option value="24" selected>' in page and 'name="max_uses" type="number" min="1" value="1"' in page
+
+
 def test_fleet_is_a_404_for_everyone_but_staff(owner):
     node = make_node()
     assert owner.get(reverse("console:fleet")).status_code == 404

@@ -66,6 +66,31 @@ def test_a_wake_from_sleep_is_recorded_as_a_wake_not_a_start():
     assert cold.phases == {"queue": 200, "placement": 0, "download": 0, "engine": 0, "wake": 800, "first_token": 500}
 
 
+@pytest.mark.parametrize(("download_s", "engine_start_s"), [
+    (float("nan"), 3.0), (4.0, float("inf")), (1e308, -1e308), (-5.0, float("-inf")),
+])
+def test_an_agents_odd_measure_stored_before_the_protocol_refused_it_splits_as_if_unknown(download_s, engine_start_s):
+    replica = anatomy.ReplicaTimeline(placed_at=at(1), ready_at=at(10), download_s=download_s, engine_start_s=engine_start_s)
+    cold = anatomy.split(at(0), at(10.5), replica)
+    assert sum(cold.phases.values()) == cold.total_ms == 10_500 and cold.phases["queue"] == 1000
+
+
+def test_a_held_answer_whose_replica_holds_non_finite_measures_is_answered_and_billed(
+        gateway, tenant, start_mock_upstream):
+    # Stored by an agent before the protocol refused them: the cold start's split raised past the usage row.
+    cold = EndpointFactory(organization=tenant.org, max_model_len=2048)
+    answer = held_chat(gateway, tenant.key, cold)
+    ready = serve_endpoint(tenant.org, start_mock_upstream())
+    now = timezone.now()
+    Replica.objects.filter(endpoint=ready).update(endpoint=cold, created_at=now, ready_at=now, download_s=float("nan"),
+                                                  engine_start_s=1e308)
+    get_redis().publish(endpoint_ready_channel(cold.pk), "1")
+    response = answer.result(60)
+    assert response.status_code == 200, response.text
+    row = wait_until(lambda: UsageRecord.objects.filter(endpoint=cold).first(), 30, message="the usage row")
+    assert row.completion_tokens > 0 and sum(row.cold_start_phases.values()) == row.cold_start_ms
+
+
 @pytest.fixture
 def gateway_with_metrics(transactional_db, tmp_path):
     child, base_url = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_METRICS_TOKEN": METRICS_TOKEN})

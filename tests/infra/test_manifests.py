@@ -94,6 +94,7 @@ def test_every_setting_reaches_every_django_process(rendered, settings):
         assert not SECRET_SETTINGS & values.keys(), f"{rendered.overlay} {name}: a secret sits in a ConfigMap"
         assert values["DJANGO_DEBUG"] == "0"
         assert values["INFERPLANE_ALLOW_LOCAL_MODEL_PATHS"] == "0"
+        assert values["INFERPLANE_ALLOW_LOOPBACK_NODES"] == "0"
 
 
 def test_every_variable_in_the_readme_configuration_table_is_set(rendered):
