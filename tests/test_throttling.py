@@ -3,6 +3,7 @@ account, in the shared Redis; an attempt over the limit is a 429 page that says 
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -10,9 +11,11 @@ from django.core import mail
 from django.test import Client
 from django.urls import reverse
 
+from controlplane import clock
 from controlplane.accounts import throttle
 from controlplane.accounts.models import Membership, Role
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import get_async_redis, get_redis, redis_time
+from tests.conftest import wait_until
 from tests.factories import MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -229,3 +232,26 @@ def test_attempts_pass_when_redis_is_unreachable(client, victim, monkeypatch):
     for _ in range(_limit(throttle.LOGIN, "username").num_attempts + 1):
         response = client.post(reverse("login"), {"username": victim.email, "password": "guess"})
         assert response.status_code == 200
+
+
+async def _read_offset() -> None:
+    await clock.read_offset(get_async_redis())  # as a web process's heartbeat does (`endpoints.gateway.presence`)
+
+
+def test_two_web_processes_with_clocks_40_s_apart_count_in_one_window(monkeypatch):
+    # Each web process took its windows from its own clock: two 40 s apart (NTP broken on one machine) counted the
+    # same moment's attempts in two windows, a limit's attempts allowed by each. Their windows are Redis's now.
+    limits = (throttle.Limit("clock-test", "ip", 1, 60),)
+    wait_until(lambda: 5 <= redis_time() % 60 <= 45, 45, message="a moment 5 to 45 s into a minute")
+    way = -1 if redis_time() % 60 < 30 else 1  # a clock 40 s that way is in another minute than Redis's
+    ip = f"192.0.2.{int(time.time()) % 200}"
+    monkeypatch.setattr(clock, "_offset", clock._Offset())
+    asyncio.run(_read_offset())
+    first = throttle.take(limits, {"ip": ip})
+    with monkeypatch.context() as other_process:
+        real = time.time
+        other_process.setattr(time, "time", lambda: real() + 40 * way)
+        other_process.setattr(clock, "_offset", clock._Offset())
+        asyncio.run(_read_offset())  # its heartbeat's reading
+        second = throttle.take(limits, {"ip": ip})
+    assert first.retry_after_s is None and second.retry_after_s is not None

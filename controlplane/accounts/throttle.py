@@ -3,7 +3,8 @@ verification, staff's second-factor codes and enrolment codes.
 
 Each posted attempt counts against its client address and against the account it names (so
 spreading a password guess over many addresses does not help), in fixed windows kept in the
-shared Redis: every web process sees the same counts. Subjects are hashed, so Redis holds no
+shared Redis, of Redis's clock (`controlplane.clock.redis_now`): every web process sees the same
+counts, in the same windows, however far apart their own clocks are. Subjects are hashed, so Redis holds no
 email addresses. An attempt over any limit is answered 429 with `Retry-After` and never reaches
 the view.
 
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 import unicodedata
 from dataclasses import dataclass, field
 
 import redis
 
+from controlplane import clock
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import throttle_key
 
@@ -138,7 +139,7 @@ def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> Attempt:
     NOTE: Redis being down lets attempts through (logged): a throttle must not lock every
     user out of the console.
     """
-    now = time.time()
+    now = clock.redis_now()  # NOTE: every web process's windows are Redis's (its offset, read on its heartbeat)
     counted = [(limit, subject, int(now // limit.window_s)) for limit in limits if (subject := _subject(limit, subjects))]
     if not counted:
         return Attempt()
