@@ -224,8 +224,8 @@ class _Engines:
     """What an endpoint's READY replicas' engines report, as far as the gateways' own counts bear it out."""
 
     num_ready: int = 0
-    num_running: int = 0  # sequences decoded, each replica's at most the requests the gateways have on it
-    num_waiting: int = 0  # requests queued, each replica's at most those of its requests it does not run
+    num_running: int = 0  # sequences decoded, each replica's at most `SEQUENCES_PER_CALL` a call the gateways have on it
+    num_waiting: int = 0  # sequences queued, each replica's at most that bound less what it runs
     kv_cache_usage: float = 0.0  # average; a replica that runs none of the gateways' requests holds none
     contradicted: bool = False  # a replica reported more requests than the gateways have on it
 
@@ -237,6 +237,8 @@ class _Engines:
 
 
 _NO_ENGINES = _Engines()
+# The most engine requests one gateway call makes: its `n` (at most `endpoints.gateway.request.MAX_N`).
+SEQUENCES_PER_CALL = 16
 
 
 def _engine_signals(redis, batch: list[tuple[str, int]]) -> dict[str, _Engines]:
@@ -260,9 +262,12 @@ def _engine_signals(redis, batch: list[tuple[str, int]]) -> dict[str, _Engines]:
     believed: dict[str, list[tuple[int, int, float, bool]]] = {}
     for pk, endpoint_id, running, waiting, kv_cache_usage in rows:
         sent = outstanding.get(pk, 0)
-        runs = min(running, sent)
+        # NOTE: vLLM runs a call of `n` sequences as `n` requests: an honest engine saturated by 4 calls of n=8
+        # reports 32; bounded by the calls alone, its queue was dropped and the endpoint never scaled up on it.
+        bound = sent * SEQUENCES_PER_CALL
+        runs = min(running, bound)
         believed.setdefault(str(endpoint_id), []).append(
-            (runs, min(waiting, sent - runs), kv_cache_usage if runs else 0.0, running + waiting > sent))
+            (runs, min(waiting, bound - runs), kv_cache_usage if runs else 0.0, running + waiting > sent))
     return {endpoint_id: _Engines(len(replicas), sum(r[0] for r in replicas), sum(r[1] for r in replicas),
                                   sum(r[2] for r in replicas) / len(replicas), any(r[3] for r in replicas))
             for endpoint_id, replicas in believed.items()}

@@ -223,15 +223,32 @@ def test_an_engine_report_past_the_gateways_count_teaches_no_capacity_and_queues
     # Nothing sent to it: an engine running nothing queues nothing and holds no KV cache.
     load = autoscaler.read_load([str(endpoint.pk)], now=now)[str(endpoint.pk)]
     assert (load.num_ready, load.engine_waiting, load.kv_cache_usage, load.engine_capacity) == (1, 0, 0.0, None)
-    # Three sent to it: it queues two at most, and a report of 51 is a lie (or stale) that teaches nothing.
+    # Three sent to it: it queues at most 3 x 16 sequences (n at most 16 each) less the one it runs, and a report of
+    # 51 is more than its calls (a lie, a stale report, or calls of n > 1) that teaches nothing.
     get_redis().zadd(redis_keys.inflight_key(endpoint.organization_id, str(endpoint.pk)),
                      {f"request-{n}": int(now) for n in range(3)})
     outstanding(replica, 3)
     load = autoscaler.read_load([str(endpoint.pk)], now=now + 1)[str(endpoint.pk)]
-    assert (load.engine_waiting, load.kv_cache_usage, load.engine_capacity) == (2, 1.0, None)
+    assert (load.engine_waiting, load.kv_cache_usage, load.engine_capacity) == (47, 1.0, None)
     assert get_redis().get(capacity_key) is None
-    # As an engine that truly queued two of its three: one replica more, not one per request.
-    assert autoscaler.decide(endpoint, load, now=now + 1).desired == 2
+    # Bounded by what three calls can run, never by the two billion a node may claim.
+    assert autoscaler.decide(endpoint, load, now=now + 1).desired <= 1 + -(-3 * 16 // 8)
+
+
+def test_an_engine_saturated_by_calls_of_n_8_still_scales_up_on_its_queue():
+    # vLLM runs each of n=8's sequences as a request: 4 calls run 16 sequences and queue 16 more, KV cache full. A
+    # bound of one engine request per call dropped that queue, and the endpoint stayed at one replica.
+    endpoint = EndpointFactory(max_replicas=10, target_concurrency=8)
+    replica = Replica.objects.create(endpoint=endpoint, node=make_node(memory_mb=80_000), state=ReplicaState.READY,
+                                     num_running=16, num_waiting=16, kv_cache_usage=0.99)
+    now = time.time()
+    get_redis().set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), now)
+    get_redis().zadd(redis_keys.inflight_key(endpoint.organization_id, str(endpoint.pk)),
+                     {f"request-{n}": int(now) for n in range(4)})
+    outstanding(replica, 4)
+    load = autoscaler.read_load([str(endpoint.pk)], now=now)[str(endpoint.pk)]
+    assert load.engine_waiting == 16
+    assert autoscaler.decide(endpoint, load, now=now).desired > 1
 
 
 def test_an_honest_engine_queue_within_the_gateways_count_still_scales_up_and_teaches_capacity():

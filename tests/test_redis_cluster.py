@@ -159,10 +159,10 @@ def test_the_autoscaler_bounds_each_engine_report_by_its_replicas_count_in_its_o
     node = make_node(memory_mb=80_000)
     for endpoint in endpoints:
         replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, num_running=2,
-                                         num_waiting=50, kv_cache_usage=0.5)
+                                         num_waiting=500, kv_cache_usage=0.5)
         on_cluster.set(redis_keys.outstanding_key(endpoint.organization_id, str(replica.pk)), 4)
     loads = autoscaler.read_load([str(endpoint.pk) for endpoint in endpoints], record=False)
-    assert [loads[str(endpoint.pk)].engine_waiting for endpoint in endpoints] == [2] * 6  # 4 sent, 2 of them run
+    assert [loads[str(endpoint.pk)].engine_waiting for endpoint in endpoints] == [62] * 6  # 4 calls sent: 64 sequences, 2 run
 
 
 def test_concurrent_admissions_never_pass_the_rate_limit_on_a_redis_cluster(on_cluster):
