@@ -44,7 +44,7 @@ from endpoints.gateway.call import InferenceCall, finish_pending
 from endpoints.gateway.memo import in_worker_thread
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import MAX_BODY_BYTES, InferenceRequest, new_request_id
-from endpoints.gateway.upload_places import REFUSAL_SCOPE_KEY, UploadPlaces
+from endpoints.gateway.upload_places import REFUSAL_SCOPE_KEY, Place, UploadPlaces
 
 logger = logging.getLogger("inferplane.gateway")
 
@@ -132,14 +132,14 @@ class Gateway:
         """An upload to `/v1/files`, handed to Django once `_upload_may_start` lets it, counted until Django answers;
         its body cut at `FILES_MAX_BYTES` whatever it declared (a chunked one declares nothing), with a 413, and when
         it comes too slowly (`_BodyCut`), with a 408."""
-        organization_id = await self._upload_may_start(scope, receive, send)
-        if organization_id is None:
+        place = await self._upload_may_start(scope, receive, send)
+        if place is None:
             return
         try:
-            await self._to_django(scope, receive, send, settings.FILES_MAX_BYTES)  # endpoints.batches.api.files
+            await self._to_django(scope, receive, send, settings.FILES_MAX_BYTES, place=place)  # endpoints.batches.api
         finally:
             # Django has closed the body's temporary file: its bytes are off the disk.
-            self.upload_places.give_back(organization_id)
+            self.upload_places.give_back(place)
 
     async def _console_upload(self, scope, receive, send) -> None:
         """A console form that posts a file (`console_uploads`): handed to Django once its session's organisation
@@ -155,7 +155,7 @@ class Gateway:
         their bodies were cut only at the Files API's limit, the quota asked only by the view: a form upload past
         the console's limit, or one its organisation had no room for, was spooled whole first."""
         max_bytes = self._console_uploads[scope["path"]]
-        uploader, refusal = None, None  # the session's caller, once it holds a place
+        place, refusal = None, None  # the session's organisation's place, once it holds one
         try:
             caller = await auth.caller_from_console_form(_headers_of(scope))
             if caller is not None and caller.role != Role.VIEWER:
@@ -165,8 +165,7 @@ class Gateway:
                                                   "console uploads: send a larger one with the Files API.", param="file")
                 if self._refuse_upload is not None:
                     await in_worker_thread(self._refuse_upload)(caller.organization_id, declared_bytes)
-                self.upload_places.take(caller.organization_id)
-                uploader = caller
+                place = await self.upload_places.take(caller.organization_id)
         except errors.OpenAIError as exc:
             refusal = exc
         except Exception as exc:
@@ -174,17 +173,21 @@ class Gateway:
                 raise
             logger.warning("console upload to %s: %r", scope["path"], exc)
             refusal = errors.service_unavailable()
-        if uploader is None:
+        if place is None:
             await _discard_body(receive)
             return await self.fallback(_without_body(scope, refusal), _after_an_empty_body(receive), send)
         try:
-            await self._to_django(scope, receive, send, max_bytes)  # endpoints.batches.views
+            await self._to_django(scope, receive, send, max_bytes, place=place)  # endpoints.batches.views
         finally:
-            self.upload_places.give_back(uploader.organization_id)
+            self.upload_places.give_back(place)
 
-    async def _to_django(self, scope, receive, send, max_bytes: int, *, what: str = "file") -> None:
+    async def _to_django(self, scope, receive, send, max_bytes: int, *, what: str = "file",
+                         place: Place | None = None) -> None:
         """Hand a request of the Files or Batch API to Django, its body cut past `max_bytes` (413) or when it comes too
-        slowly (408, `_BodyCut`)."""
+        slowly (408, `_BodyCut`); the upload's `place`, if any, marked answered as the answer's last byte goes
+        (`UploadPlaces.take`)."""
+        if place is not None:
+            send = self._marking_answered(send, place)
         body = _BodyCut(receive, max_bytes, idle_s=settings.FILES_UPLOAD_IDLE_S,
                         min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what=what)
         await self.fallback(scope, body.receive, send)
@@ -192,6 +195,14 @@ class Gateway:
             # NOTE: the connection closes after the answer: a dripping client's body is not read on to its end.
             await _respond(send, body.cut.status, body.cut.body(), headers={"connection": "close"},
                            raw_headers=RateLimitReport.unauthenticated().headers())
+
+    def _marking_answered(self, send, place: Place):
+        async def sending(message):
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self.upload_places.answered(place)  # before it goes: its client may send its next upload at once
+            await send(message)
+
+        return sending
 
     async def _files_and_batches(self, scope, receive, send) -> None:
         """Every other request of the Files and Batch APIs (`endpoints.batches.api`): handed to Django once its caller
@@ -217,8 +228,8 @@ class Gateway:
             return await _refuse(scope, receive, send, errors.service_unavailable(), started, request_id)
         await self._to_django(scope, receive, send, DJANGO_V1_MAX_BODY_BYTES, what="request body")
 
-    async def _upload_may_start(self, scope, receive, send) -> int | None:
-        """The organisation of an upload to `/v1/files` that may go on to Django: its caller's key is valid, its
+    async def _upload_may_start(self, scope, receive, send) -> Place | None:
+        """The place of an upload to `/v1/files` that may go on to Django: its caller's key is valid, its
         declared size within `FILES_MAX_BYTES` and what its organisation's storage quota has left (`refuse_upload`),
         and this process reads fewer than `FILES_UPLOADS_PER_PROCESS` uploads, the last place kept for an organisation
         that reads none (`UploadPlaces.take`; taken here: the caller, `_upload`, gives it back);
@@ -238,8 +249,7 @@ class Gateway:
                 raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
             if self._refuse_upload is not None:
                 await in_worker_thread(self._refuse_upload)(caller.organization_id, declared_bytes)
-            self.upload_places.take(caller.organization_id)
-            return caller.organization_id
+            return await self.upload_places.take(caller.organization_id)
         except errors.OpenAIError as exc:
             refusal = exc
         except Exception as exc:

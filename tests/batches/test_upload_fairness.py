@@ -278,3 +278,76 @@ def test_a_console_upload_past_the_forms_limit_or_the_storage_quota_is_refused_b
     assert "max_file_bytes" in _form_error(refused), _form_error(refused)
     assert disk.peak_bytes < MiB, f"{disk.peak_bytes / MiB:.1f} MiB spooled"
     assert member.post(web, LINE).status_code == 302  # one it has room for goes on
+
+
+@pytest.mark.parametrize("places", [1, 2])
+def test_an_upload_sent_as_soon_as_the_last_one_is_answered_waits_for_django_to_close_it_rather_than_a_429(
+        monkeypatch, settings, places):
+    """Django closes an upload's body file after its answer's last byte is sent: a client that sent its next upload
+    as soon as it read the answer (the openai client's `files.create` twice) was refused now and then with a 429, its
+    own previous upload still counted (a CI run's failure). Here Django takes 0.3 s to close after answering."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from endpoints.gateway import app as gateway_app
+
+    settings.FILES_UPLOADS_PER_PROCESS = places
+
+    async def authenticate(headers):
+        return SimpleNamespace(organization_id=7)
+
+    monkeypatch.setattr(gateway_app.auth, "authenticate", authenticate)
+
+    async def django(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+        await asyncio.sleep(0.3)  # the body's temporary file and the response closed, in Django's thread
+
+    gateway = gateway_app.Gateway(fallback=django)
+    scope = {"type": "http", "path": "/v1/files", "method": "POST", "client": ("203.0.113.9", 4000),
+             "headers": [(b"content-type", b"multipart/form-data; boundary=x"), (b"authorization", b"Bearer k")]}
+
+    async def upload(answered: asyncio.Event | None = None) -> int:
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"x", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+            if answered is not None and message["type"] == "http.response.body":
+                answered.set()
+
+        await gateway(scope, receive, send)
+        return sent[0]["status"]
+
+    async def one_after_the_other() -> tuple[int, int, int]:
+        answered = asyncio.Event()
+        first = asyncio.ensure_future(upload(answered))
+        await answered.wait()  # the client has read its answer; Django has not returned yet
+        second = await upload()
+        return await first, second, gateway.upload_places.num_taken
+
+    assert asyncio.run(one_after_the_other()) == (200, 200, 0)
+
+
+def test_an_upload_waits_for_an_answered_place_only_so_long_then_is_refused(monkeypatch, settings):
+    import asyncio
+
+    from endpoints.gateway import errors, upload_places
+
+    settings.FILES_UPLOADS_PER_PROCESS = 1
+    monkeypatch.setattr(upload_places, "CLOSING_WAIT_S", 0.2)
+    places = upload_places.UploadPlaces()
+
+    async def take_while_one_is_answered_and_never_closed():
+        places.answered(await places.take(7))
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(errors.OpenAIError) as refused:
+            await places.take(8)
+        return refused.value.status, asyncio.get_running_loop().time() - started
+
+    status, waited_s = asyncio.run(take_while_one_is_answered_and_never_closed())
+    assert status == 429 and 0.2 <= waited_s < 2
