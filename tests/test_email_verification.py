@@ -141,6 +141,27 @@ def test_a_reset_revokes_the_keys_of_an_account_its_owner_never_confirmed(client
     assert ApiKey.objects.filter(name="new", revoked_at__isnull=True).exists()
 
 
+def test_a_reset_revokes_the_pending_invitations_an_account_its_owner_never_confirmed_sent(client):
+    """The stranger's session, verified by the owner's click, invited a second address of the stranger's: the reset
+    that ended the session left the invitation pending, and the second address joined the owner's organisation."""
+    user = UserFactory(username="legacy@example.test")
+    EmailVerification.objects.filter(user=user).update(confirmed_by_owner=False)
+    organization = MembershipFactory(user=user, role=Role.OWNER).organization
+    colleague = MembershipFactory(organization=organization, role=Role.ADMIN).user
+    sent = invitations.invite_member(services.Actor(user=user), organization, email="second@evil.test",
+                                     role=Role.ADMIN)
+    kept = invitations.invite_member(services.Actor(user=colleague), organization, email="friend@example.test",
+                                     role=Role.MEMBER)
+    page = _reset_password(client, user.email).content.decode()
+    assert "1 pending invitation(s) it sent were revoked" in page
+    second = UserFactory(username="second@evil.test")
+    with pytest.raises(invitations.InvitationRefused, match="revoked"):
+        invitations.accept_invitation(services.Actor(user=second), sent)
+    assert invitations.find_invitation(invitations.invitation_token(kept)).status == "pending"
+    event = organization.audit_events.get(action="invitation.revoke")
+    assert (event.target_id, event.details) == (str(sent.pk), {"email": "second@evil.test", "reason": "password.reset"})
+
+
 def test_a_reset_keeps_the_keys_of_an_account_its_owner_confirmed(client):
     user = _sign_up(client)
     client.get(_emailed_link(mail.outbox[-1]))

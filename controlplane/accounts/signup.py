@@ -4,6 +4,7 @@ tests' one-shot bootstrap."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
@@ -17,6 +18,7 @@ from django.utils import timezone
 
 from controlplane.accounts import throttle
 from controlplane.accounts.backends import email_in_use
+from controlplane.accounts.invitations import revoke_invitations_sent_by
 from controlplane.accounts.keys import create_api_key, revoke_api_keys_of
 from controlplane.accounts.members import add_member
 from controlplane.accounts.models import (
@@ -137,25 +139,39 @@ def verify_email(token: str, *, signed_in_as):
     return user
 
 
-def secure_after_password_reset(user, *, source_ip: str | None = None) -> int:
+@dataclass(slots=True, frozen=True)
+class ResetSecured:
+    """What a forgotten password's reset revoked (`secure_after_password_reset`)."""
+
+    num_keys_revoked: int
+    num_invitations_revoked: int
+
+
+def secure_after_password_reset(user, *, source_ip: str | None = None) -> ResetSecured:
     """What a forgotten password's reset (its link followed, the new password saved) does besides: the address is
-    proven (the link went to it), and if its owner had not confirmed it before, every key the account made is
-    revoked, each audited (reason "password.reset"); the number revoked.
+    proven (the link went to it), and if its owner had not confirmed it before, every key the account made and
+    every pending invitation it sent are revoked, each audited (reason "password.reset"); how many.
 
     NOTE: an address not confirmed by its owner (a link followed signed out, before that was refused: rows from
-    before `confirmed_by_owner`) may have been someone else's sign-up whose session became verified: its keys,
-    made by that session, outlived the reset that ended the session. An owner's own confirmation (the link in the
-    account's session, an operator's or a reset) keeps the keys: a password stolen and used is not this case.
+    before `confirmed_by_owner`) may have been someone else's sign-up whose session became verified: its keys and
+    its invitations (to a second address of its own), made by that session, outlived the reset that ended the
+    session. An owner's own confirmation (the link in the account's session, an operator's or a reset) keeps them:
+    a password stolen and used is not this case.
     """
     with transaction.atomic():
         verification = EmailVerification.objects.select_for_update().filter(user=user).first()
         confirmed = user.is_staff or (verification is not None and verification.confirmed_by_owner
                                       and verification.email.lower() == user.email.lower())
-        num_revoked = 0 if confirmed else revoke_api_keys_of(Actor(user=user, source_ip=source_ip), user,
-                                                             reason="password.reset")
-        if user.email and not confirmed:
+        if confirmed:
+            return ResetSecured(num_keys_revoked=0, num_invitations_revoked=0)
+        actor = Actor(user=user, source_ip=source_ip)
+        secured = ResetSecured(
+            num_keys_revoked=revoke_api_keys_of(actor, user, reason="password.reset"),
+            num_invitations_revoked=revoke_invitations_sent_by(actor, user, reason="password.reset"),
+        )
+        if user.email:
             mark_email_verified(user)
-    return num_revoked
+    return secured
 
 
 def bootstrap_organization(*, slug: str, owner_email: str, name: str | None = None, password: str | None = None):
