@@ -58,15 +58,16 @@ def sign_up_user(*, email: str, password: str, organization_name: str, source_ip
     return user
 
 
-def _may_mail(email: str) -> bool:
-    """Whether one more account mail (a verification link, "you already have an account") may go to `email` today:
-    `throttle.ACCOUNT_MAILS`, whoever asks for it."""
-    return throttle.take(throttle.ACCOUNT_MAILS, {"email": email}).retry_after_s is None
+def _may_mail(limits: tuple[throttle.Limit, ...], email: str) -> bool:
+    """Whether one more account mail of a kind (`throttle.VERIFICATION_MAILS`, `throttle.ACCOUNT_EXISTS_MAILS`) may
+    go to `email` today, whoever asks for it."""
+    return throttle.take(limits, {"email": email}).retry_after_s is None
 
 
 def send_account_exists_email(email: str) -> bool:
-    """Tells the address that signed up again that it has an account; whether it was mailed."""
-    if not _may_mail(email):
+    """Tells the address that signed up again that it has an account; whether it was mailed
+    (`throttle.ACCOUNT_EXISTS_MAILS`, a budget of its own: these never spend the address's verification links)."""
+    if not _may_mail(throttle.ACCOUNT_EXISTS_MAILS, email):
         return False
     body = render_to_string("registration/account_exists_email.txt", {
         "email": email, "login": settings.PUBLIC_URL + reverse("login"),
@@ -90,8 +91,8 @@ def email_verification_token(user) -> str:
 
 
 def send_verification_email(user) -> bool:
-    """Mails `user` a link that verifies their address; whether it was mailed (`throttle.ACCOUNT_MAILS`)."""
-    if not _may_mail(user.email):
+    """Mails `user` a link that verifies their address; whether it was mailed (`throttle.VERIFICATION_MAILS`)."""
+    if not _may_mail(throttle.VERIFICATION_MAILS, user.email):
         return False
     link = settings.PUBLIC_URL + reverse("verify-email-confirm", args=[email_verification_token(user)])
     body = render_to_string("registration/verify_email_email.txt", {"user": user, "link": link,
