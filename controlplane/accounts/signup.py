@@ -9,6 +9,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.hashers import make_password
 from django.core import signing
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
@@ -39,10 +40,14 @@ def sign_up_user(*, email: str, password: str, organization_name: str, source_ip
     verifies the address mailed to it; None when the address has an account already, which is mailed instead.
 
     NOTE: the answer a stranger sees is the same either way ("check your inbox"), and nobody is signed in by signing
-    up: sign-up must not tell who has an account. The account is unverified: the console shows it nothing but the
-    verify-email page, and it may join nothing, until its owner follows the link signed in as it.
+    up: sign-up must not tell who has an account. Nor may its time: the password is hashed either way (the hash is
+    most of a new account's time; before, an address with an account was answered without one, at once). What it
+    cannot hide is that the new account logs in with the password given, and an existing one does not. The account
+    is unverified: the console shows it nothing but the verify-email page, and it may join nothing, until its owner
+    follows the link signed in as it.
     """
     if email_in_use(email):
+        make_password(password)  # NOTE: the work a new account's hash costs, thrown away (see above)
         send_account_exists_email(email)
         return None
     try:
