@@ -276,3 +276,31 @@ def test_accounts_from_before_verification_are_marked_verified_by_the_migration(
     migration = importlib.import_module("controlplane.accounts.migrations.0002_accounts_invitations_email_verification")
     migration.verify_existing_users(apps, None)
     assert email_is_verified(old)
+
+
+def test_the_migration_confirms_the_verifications_operators_made_and_not_those_a_link_made(client):
+    """Migration 0011 left every existing row unconfirmed: an owner made by `create_org` (or the admin) lost their
+    keys on their first reset. Rows whose address the account signed up with or verified by a link stay
+    unconfirmed: whose session followed that link was never recorded."""
+    import importlib
+
+    from django.apps import apps
+
+    call_command("create_org", "acme", "--owner", "ops@acme.test", "--password", "a long passphrase")
+    operators = signup.User.objects.get(email="ops@acme.test")
+    staffs = UserFactory(username="made-in-the-admin@example.test")
+    linked = signup.sign_up_user(email="linked@example.test", password="a long passphrase", organization_name="L")
+    signup.verify_email(signup.email_verification_token(linked), signed_in_as=linked)
+    signed_up = signup.sign_up_user(email="Early@Example.test", password="a long passphrase", organization_name="E")
+    signup.mark_email_verified(signed_up)  # as migration 0002 verified accounts from before verification
+    EmailVerification.objects.update(confirmed_by_owner=False)  # as migration 0011 left every row
+
+    migration = importlib.import_module("controlplane.accounts.migrations.0012_confirm_email_verifications_operators_made")
+    migration.confirm_email_verifications_operators_made(apps, None)
+
+    confirmed = dict(EmailVerification.objects.values_list("user__email", "confirmed_by_owner"))
+    assert confirmed == {"ops@acme.test": True, staffs.email: True, "linked@example.test": False,
+                         "early@example.test": False}
+    # The operator's owner keeps their keys through a reset.
+    assert "revoked" not in _reset_password(client, operators.email).content.decode()
+    assert not ApiKey.objects.filter(created_by=operators, revoked_at__isnull=False).exists()
