@@ -1,14 +1,14 @@
 """Migration 0011 marked every existing verification not confirmed by its owner, so a forgotten password's reset
-revoked the keys of owners no sign-up could have made: those made by operators (`create_org`, the demo's seed, the
-Django admin, `createsuperuser`) and accounts from before sign-up verified anything. Here a row is confirmed unless
-its address is one the account signed up with or verified by a link (`signup.secure_after_password_reset`).
+revoked the keys of owners no sign-up made: those made by operators (`create_org`, the demo's seed, the Django
+admin), before verification existed (migration 0002 verified them) or since. Here a row is confirmed unless its
+address is one the account signed up with or verified by a link (`signup.secure_after_password_reset`).
 
 NOTE: whether such a link was followed in the account's own session (its owner's) or signed out (perhaps for a
 stranger's kept sign-up session) was never recorded: the `user.verify_email` event names the account either way,
-with no session or address. Those rows stay unconfirmed, the safe side: the account's next reset revokes its keys
-and pending invitations, and the link followed signed in confirms it meanwhile (`signup.verify_email`). An account
-signed up with an address is known by its `organization.create` event: sign-up is the one path that makes an
-organisation with its new owner as the actor (operators' paths act as the platform)."""
+with no session or client address. Those rows stay unconfirmed, the safe side: the account's next reset revokes
+its keys and pending invitations, and confirms it. An account signed up with an address is known by its
+`organization.create` event: sign-up is the one path that makes an organisation with its new owner as the actor
+(operators' paths act as the platform)."""
 
 from django.db import migrations
 
