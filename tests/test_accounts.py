@@ -1,5 +1,6 @@
 import pytest
 from django.contrib.auth import get_user_model
+from django.contrib.auth.hashers import MD5PasswordHasher
 from django.core import mail
 
 from controlplane.accounts.models import Membership
@@ -44,6 +45,30 @@ def test_sign_up_answers_the_same_whether_the_email_has_an_account_and_mails_its
         (["ceo@victim.test"], "You already have an Inferplane account"),
         (["nobody@victim.test"], "Verify your email for Inferplane")]
     assert "/password-reset/" in mail.outbox[0].body and not Membership.objects.filter(user__email="ceo@victim.test")
+
+
+class CountingHasher(MD5PasswordHasher):
+    """The tests' hasher, counting the passwords it hashes."""
+
+    algorithm = "counting_md5"
+    num_hashed = 0
+
+    def encode(self, password, salt):
+        CountingHasher.num_hashed += 1
+        return super().encode(password, salt)
+
+
+def test_sign_up_hashes_the_password_whether_the_email_has_an_account_or_not(client, settings):
+    """Its time must not tell either: before, a new address's sign-up hashed the password (most of its time, with
+    production's hasher) and an address with an account was answered without hashing anything."""
+    settings.PASSWORD_HASHERS = ["tests.test_accounts.CountingHasher"]
+    get_user_model().objects.create_user(username="ceo@victim.test", email="ceo@victim.test", password="x" * 12)
+    num_hashed = []
+    for email in ("nobody@victim.test", "CEO@victim.test"):
+        CountingHasher.num_hashed = 0
+        client.post("/signup/", {"email": email, "password": "a long passphrase 1", "organization_name": "Probe"})
+        num_hashed.append(CountingHasher.num_hashed)
+    assert num_hashed == [1, 1] and len(mail.outbox) == 2
 
 
 def test_sign_up_shows_field_errors_and_creates_nothing(client):

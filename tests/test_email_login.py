@@ -10,7 +10,11 @@ from django.core.management.base import CommandError
 from django.urls import reverse
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
-from tests.factories import UserFactory, enrolment_code_for, totp_code
+from controlplane.accounts.keys import create_api_key
+from controlplane.accounts.models import Role, email_is_verified
+from controlplane.accounts.services import Actor
+from controlplane.accounts.signup import ResetSecured, secure_after_password_reset
+from tests.factories import MembershipFactory, UserFactory, enrolment_code_for, totp_code
 
 pytestmark = pytest.mark.django_db
 
@@ -51,6 +55,21 @@ def test_createsuperuser_without_a_username_uses_the_email(monkeypatch):
     _create_superuser(monkeypatch, email="Ops@X.test", password=PASSWORD)
     user = get_user_model().objects.get()
     assert (user.username, user.email, user.is_staff, user.is_superuser) == ("ops@x.test", "ops@x.test", True, True)
+
+
+def test_a_superuser_made_with_createsuperuser_has_its_address_confirmed_by_an_operator(monkeypatch):
+    """Before, it had no verification row at all (staff count as verified): made no longer staff, it was unverified,
+    and its first reset revoked every key it had made as never confirmed by its owner."""
+    _create_superuser(monkeypatch, email="ops@x.test", password=PASSWORD)
+    user = get_user_model().objects.get()
+    organization = MembershipFactory(user=user, role=Role.OWNER).organization
+    made = create_api_key(Actor(user=user), organization, name="ops", scopes=["inference"])
+    user.is_staff = user.is_superuser = False
+    user.save()
+    assert email_is_verified(user)
+    assert secure_after_password_reset(user) == ResetSecured(num_keys_revoked=0, num_invitations_revoked=0)
+    made.api_key.refresh_from_db()
+    assert made.api_key.revoked_at is None
 
 
 def test_createsuperuser_asks_for_the_email_first_and_makes_it_the_username(monkeypatch):

@@ -141,6 +141,27 @@ def test_a_reset_revokes_the_keys_of_an_account_its_owner_never_confirmed(client
     assert ApiKey.objects.filter(name="new", revoked_at__isnull=True).exists()
 
 
+def test_a_reset_revokes_the_pending_invitations_an_account_its_owner_never_confirmed_sent(client):
+    """The stranger's session, verified by the owner's click, invited a second address of the stranger's: the reset
+    that ended the session left the invitation pending, and the second address joined the owner's organisation."""
+    user = UserFactory(username="legacy@example.test")
+    EmailVerification.objects.filter(user=user).update(confirmed_by_owner=False)
+    organization = MembershipFactory(user=user, role=Role.OWNER).organization
+    colleague = MembershipFactory(organization=organization, role=Role.ADMIN).user
+    sent = invitations.invite_member(services.Actor(user=user), organization, email="second@evil.test",
+                                     role=Role.ADMIN)
+    kept = invitations.invite_member(services.Actor(user=colleague), organization, email="friend@example.test",
+                                     role=Role.MEMBER)
+    page = _reset_password(client, user.email).content.decode()
+    assert "1 pending invitation(s) it sent were revoked" in page
+    second = UserFactory(username="second@evil.test")
+    with pytest.raises(invitations.InvitationRefused, match="revoked"):
+        invitations.accept_invitation(services.Actor(user=second), sent)
+    assert invitations.find_invitation(invitations.invitation_token(kept)).status == "pending"
+    event = organization.audit_events.get(action="invitation.revoke")
+    assert (event.target_id, event.details) == (str(sent.pk), {"email": "second@evil.test", "reason": "password.reset"})
+
+
 def test_a_reset_keeps_the_keys_of_an_account_its_owner_confirmed(client):
     user = _sign_up(client)
     client.get(_emailed_link(mail.outbox[-1]))
@@ -255,3 +276,31 @@ def test_accounts_from_before_verification_are_marked_verified_by_the_migration(
     migration = importlib.import_module("controlplane.accounts.migrations.0002_accounts_invitations_email_verification")
     migration.verify_existing_users(apps, None)
     assert email_is_verified(old)
+
+
+def test_the_migration_confirms_the_verifications_operators_made_and_not_those_a_link_made(client):
+    """Migration 0011 left every existing row unconfirmed: an owner made by `create_org` (or the admin) lost their
+    keys on their first reset. Rows whose address the account signed up with or verified by a link stay
+    unconfirmed: whose session followed that link was never recorded."""
+    import importlib
+
+    from django.apps import apps
+
+    call_command("create_org", "acme", "--owner", "ops@acme.test", "--password", "a long passphrase")
+    operators = signup.User.objects.get(email="ops@acme.test")
+    staffs = UserFactory(username="made-in-the-admin@example.test")
+    linked = signup.sign_up_user(email="linked@example.test", password="a long passphrase", organization_name="L")
+    signup.verify_email(signup.email_verification_token(linked), signed_in_as=linked)
+    signed_up = signup.sign_up_user(email="Early@Example.test", password="a long passphrase", organization_name="E")
+    signup.mark_email_verified(signed_up)  # as migration 0002 verified accounts from before verification
+    EmailVerification.objects.update(confirmed_by_owner=False)  # as migration 0011 left every row
+
+    migration = importlib.import_module("controlplane.accounts.migrations.0012_confirm_email_verifications_operators_made")
+    migration.confirm_email_verifications_operators_made(apps, None)
+
+    confirmed = dict(EmailVerification.objects.values_list("user__email", "confirmed_by_owner"))
+    assert confirmed == {"ops@acme.test": True, staffs.email: True, "linked@example.test": False,
+                         "early@example.test": False}
+    # The operator's owner keeps their keys through a reset.
+    assert "revoked" not in _reset_password(client, operators.email).content.decode()
+    assert not ApiKey.objects.filter(created_by=operators, revoked_at__isnull=False).exists()

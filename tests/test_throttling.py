@@ -196,19 +196,35 @@ def test_resending_the_verification_is_throttled(client):
 
 def test_an_address_gets_a_few_account_mails_a_day_whoever_asks(client):
     """Before, sign-up (5 an hour per address) and resends (3 per 10 minutes per user) mailed one address hundreds of
-    times a day: verification links and "you already have an account" mails now share a daily bound per address."""
+    times a day: verification links and "you already have an account" mails each have a daily bound per address."""
     from controlplane.accounts import signup
 
     client.post(reverse("signup"), {"email": "new@example.test", "password": "a long passphrase", "organization_name": "N"})
     user = signup.User.objects.get(email="new@example.test")
-    allowed = _limit(throttle.ACCOUNT_MAILS, "email").num_attempts
-    for _ in range(allowed - 2):
+    num_links = _limit(throttle.VERIFICATION_MAILS, "email").num_attempts
+    num_exists = _limit(throttle.ACCOUNT_EXISTS_MAILS, "email").num_attempts
+    for _ in range(num_links - 1):
         assert signup.send_verification_email(user)
-    assert signup.send_account_exists_email("New@Example.test")
+    for _ in range(num_exists):
+        assert signup.send_account_exists_email("New@Example.test")
     assert not signup.send_account_exists_email("new@example.test")
     assert client.login(username="new@example.test", password="a long passphrase")
     page = client.post(reverse("verify-email-resend"), follow=True).content.decode()
-    assert "as many links as we send an address in a day" in page and len(mail.outbox) == allowed
+    assert "as many links as we send an address in a day" in page and len(mail.outbox) == num_links + num_exists
+
+
+def test_sign_ups_with_an_owners_address_leave_them_their_verification_links(client):
+    """A stranger signing up again and again with an owner's address (5 an hour) sends "you already have an account": before,
+    those shared the address's 10 a day with verification links, and 10 of them left the owner none that day."""
+    from controlplane.accounts import signup
+
+    client.post(reverse("signup"), {"email": "owner@example.test", "password": "a long passphrase", "organization_name": "O"})
+    for _ in range(10):
+        signup.sign_up_user(email="owner@example.test", password="the stranger's", organization_name="Probe")
+    assert client.login(username="owner@example.test", password="a long passphrase")
+    page = client.post(reverse("verify-email-resend"), follow=True).content.decode()
+    assert "We sent a new link to owner@example.test" in page and "Verify your email" in mail.outbox[-1].subject
+    assert sum("already have" in message.subject for message in mail.outbox) == 3
 
 
 def test_counters_hold_no_email_addresses(client, victim):

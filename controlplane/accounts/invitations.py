@@ -118,6 +118,23 @@ def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
     return invitation
 
 
+def revoke_invitations_sent_by(actor: Actor, user, *, reason: str) -> int:
+    """Revokes every pending invitation `user` sent, in every organisation, each audited with `reason`; the number
+    revoked.
+
+    NOTE: a forgotten password's reset of an address its owner never confirmed (`signup.secure_after_password_reset`)
+    ends a stranger's sessions and keys: the invitations those sessions sent (to a second address of the stranger's)
+    must end with them, or one is accepted after the owner took the account back."""
+    num_revoked, now = 0, timezone.now()
+    for invitation in Invitation.objects.pending().filter(invited_by=user).select_related("organization").order_by("pk"):
+        if Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
+                revoked_at=now):
+            num_revoked += 1
+            record_audit(actor, invitation.organization, "invitation.revoke", invitation, email=invitation.email,
+                         reason=reason)
+    return num_revoked
+
+
 def invitation_refusal(invitation: Invitation, user) -> str | None:
     """Why `user` may not accept `invitation` now, in words for that user; None if they may (or did)."""
     if user is None or not email_is_verified(user):

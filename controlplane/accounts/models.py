@@ -129,7 +129,8 @@ class EmailVerification(models.Model):
     email = models.EmailField()
     verified_at = models.DateTimeField(default=timezone.now)
     # NOTE: False only on rows from before a link counted in the account's own session alone: such a link followed
-    # signed out may have verified a stranger's sign-up; a password reset then revokes the account's keys.
+    # signed out may have verified a stranger's sign-up; a password reset then revokes the account's keys and
+    # pending invitations (migration 0012 confirmed the rows operators made).
     confirmed_by_owner = models.BooleanField(
         default=True, help_text="Proven by the address's owner: the link followed in the account's own session, a "
                                 "password reset, or an operator's word (False: followed signed out, before that was refused).")

@@ -4,10 +4,12 @@ tests' one-shot bootstrap."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.hashers import make_password
 from django.core import signing
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
@@ -17,6 +19,7 @@ from django.utils import timezone
 
 from controlplane.accounts import throttle
 from controlplane.accounts.backends import email_in_use
+from controlplane.accounts.invitations import revoke_invitations_sent_by
 from controlplane.accounts.keys import create_api_key, revoke_api_keys_of
 from controlplane.accounts.members import add_member
 from controlplane.accounts.models import (
@@ -37,10 +40,14 @@ def sign_up_user(*, email: str, password: str, organization_name: str, source_ip
     verifies the address mailed to it; None when the address has an account already, which is mailed instead.
 
     NOTE: the answer a stranger sees is the same either way ("check your inbox"), and nobody is signed in by signing
-    up: sign-up must not tell who has an account. The account is unverified: the console shows it nothing but the
-    verify-email page, and it may join nothing, until its owner follows the link signed in as it.
+    up: sign-up must not tell who has an account. Nor may its time: the password is hashed either way (the hash is
+    most of a new account's time; before, an address with an account was answered without one, at once). What it
+    cannot hide is that the new account logs in with the password given, and an existing one does not. The account
+    is unverified: the console shows it nothing but the verify-email page, and it may join nothing, until its owner
+    follows the link signed in as it.
     """
     if email_in_use(email):
+        make_password(password)  # NOTE: the work a new account's hash costs, thrown away (see above)
         send_account_exists_email(email)
         return None
     try:
@@ -56,15 +63,16 @@ def sign_up_user(*, email: str, password: str, organization_name: str, source_ip
     return user
 
 
-def _may_mail(email: str) -> bool:
-    """Whether one more account mail (a verification link, "you already have an account") may go to `email` today:
-    `throttle.ACCOUNT_MAILS`, whoever asks for it."""
-    return throttle.take(throttle.ACCOUNT_MAILS, {"email": email}).retry_after_s is None
+def _may_mail(limits: tuple[throttle.Limit, ...], email: str) -> bool:
+    """Whether one more account mail of a kind (`throttle.VERIFICATION_MAILS`, `throttle.ACCOUNT_EXISTS_MAILS`) may
+    go to `email` today, whoever asks for it."""
+    return throttle.take(limits, {"email": email}).retry_after_s is None
 
 
 def send_account_exists_email(email: str) -> bool:
-    """Tells the address that signed up again that it has an account; whether it was mailed."""
-    if not _may_mail(email):
+    """Tells the address that signed up again that it has an account; whether it was mailed
+    (`throttle.ACCOUNT_EXISTS_MAILS`, a budget of its own: these never spend the address's verification links)."""
+    if not _may_mail(throttle.ACCOUNT_EXISTS_MAILS, email):
         return False
     body = render_to_string("registration/account_exists_email.txt", {
         "email": email, "login": settings.PUBLIC_URL + reverse("login"),
@@ -88,8 +96,8 @@ def email_verification_token(user) -> str:
 
 
 def send_verification_email(user) -> bool:
-    """Mails `user` a link that verifies their address; whether it was mailed (`throttle.ACCOUNT_MAILS`)."""
-    if not _may_mail(user.email):
+    """Mails `user` a link that verifies their address; whether it was mailed (`throttle.VERIFICATION_MAILS`)."""
+    if not _may_mail(throttle.VERIFICATION_MAILS, user.email):
         return False
     link = settings.PUBLIC_URL + reverse("verify-email-confirm", args=[email_verification_token(user)])
     body = render_to_string("registration/verify_email_email.txt", {"user": user, "link": link,
@@ -137,25 +145,39 @@ def verify_email(token: str, *, signed_in_as):
     return user
 
 
-def secure_after_password_reset(user, *, source_ip: str | None = None) -> int:
+@dataclass(slots=True, frozen=True)
+class ResetSecured:
+    """What a forgotten password's reset revoked (`secure_after_password_reset`)."""
+
+    num_keys_revoked: int
+    num_invitations_revoked: int
+
+
+def secure_after_password_reset(user, *, source_ip: str | None = None) -> ResetSecured:
     """What a forgotten password's reset (its link followed, the new password saved) does besides: the address is
-    proven (the link went to it), and if its owner had not confirmed it before, every key the account made is
-    revoked, each audited (reason "password.reset"); the number revoked.
+    proven (the link went to it), and if its owner had not confirmed it before, every key the account made and
+    every pending invitation it sent are revoked, each audited (reason "password.reset"); how many.
 
     NOTE: an address not confirmed by its owner (a link followed signed out, before that was refused: rows from
-    before `confirmed_by_owner`) may have been someone else's sign-up whose session became verified: its keys,
-    made by that session, outlived the reset that ended the session. An owner's own confirmation (the link in the
-    account's session, an operator's or a reset) keeps the keys: a password stolen and used is not this case.
+    before `confirmed_by_owner`) may have been someone else's sign-up whose session became verified: its keys and
+    its invitations (to a second address of its own), made by that session, outlived the reset that ended the
+    session. An owner's own confirmation (the link in the account's session, an operator's or a reset) keeps them:
+    a password stolen and used is not this case.
     """
     with transaction.atomic():
         verification = EmailVerification.objects.select_for_update().filter(user=user).first()
         confirmed = user.is_staff or (verification is not None and verification.confirmed_by_owner
                                       and verification.email.lower() == user.email.lower())
-        num_revoked = 0 if confirmed else revoke_api_keys_of(Actor(user=user, source_ip=source_ip), user,
-                                                             reason="password.reset")
-        if user.email and not confirmed:
+        if confirmed:
+            return ResetSecured(num_keys_revoked=0, num_invitations_revoked=0)
+        actor = Actor(user=user, source_ip=source_ip)
+        secured = ResetSecured(
+            num_keys_revoked=revoke_api_keys_of(actor, user, reason="password.reset"),
+            num_invitations_revoked=revoke_invitations_sent_by(actor, user, reason="password.reset"),
+        )
+        if user.email:
             mark_email_verified(user)
-    return num_revoked
+    return secured
 
 
 def bootstrap_organization(*, slug: str, owner_email: str, name: str | None = None, password: str | None = None):

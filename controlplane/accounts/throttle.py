@@ -66,10 +66,12 @@ PASSWORD_CHANGE = (Limit("password-change-user", "user", 10, 600, failures_only=
 # organisations freely, so the inviting user's and the client address's counts bound what many organisations send.
 INVITATIONS = (Limit("invite-org", "organization", 20, 3600), Limit("invite-user", "user", 50, 86_400),
                Limit("invite-ip", "ip", 50, 86_400), Limit("invite-email", "email", 3, 86_400))
-# The mails an address gets without asking for each (verification links, "you already have an account"), however
-# many accounts, sessions and addresses ask: sign-up's (5 an hour per address) and the resend's (3 per 10 minutes per
-# user) alone allowed hundreds a day.
-ACCOUNT_MAILS = (Limit("account-mail-email", "email", 10, 86_400),)
+# The mails an address gets without asking for each, however many accounts, sessions and addresses ask: sign-up's
+# (5 an hour per address) and the resend's (3 per 10 minutes per user) alone allowed hundreds a day. Verification
+# links and "you already have an account" have a budget each: a stranger signing up with an owner's address sends
+# the latter, and spent the owner's verification links for the day when they shared one.
+VERIFICATION_MAILS = (Limit("verification-mail-email", "email", 10, 86_400),)
+ACCOUNT_EXISTS_MAILS = (Limit("account-exists-mail-email", "email", 3, 86_400),)
 
 # Staff's second factor: a code has a million values, so a guess a second would find one in days; the
 # device's own throttle (django-otp: 1, 2, 4... seconds after each wrong code) slows it further.

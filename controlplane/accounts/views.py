@@ -225,10 +225,13 @@ class PasswordResetConfirmView(auth_views.PasswordResetConfirmView):
 
     def form_valid(self, form):
         response = super().form_valid(form)
-        num_revoked = secure_after_password_reset(form.user, source_ip=client_ip(self.request))
-        if num_revoked:
-            messages.warning(self.request, f"{num_revoked} API key(s) of this account were revoked: the address had not "
-                                           "been confirmed by you, and someone else may have made them. Make new ones.")
+        secured = secure_after_password_reset(form.user, source_ip=client_ip(self.request))
+        revoked = [f"{secured.num_keys_revoked} API key(s) of this account"] if secured.num_keys_revoked else []
+        if secured.num_invitations_revoked:
+            revoked.append(f"{secured.num_invitations_revoked} pending invitation(s) it sent")
+        if revoked:
+            messages.warning(self.request, f"{' and '.join(revoked)} were revoked: the address had not been "
+                                           "confirmed by you, and someone else may have made them. Make new ones.")
         return response
 
 

@@ -15,6 +15,7 @@ from django.core import exceptions
 from django.core.management.base import CommandError
 
 from controlplane.accounts.backends import email_in_use
+from controlplane.accounts.signup import mark_email_verified
 
 
 class Command(createsuperuser.Command):
@@ -31,7 +32,11 @@ class Command(createsuperuser.Command):
         options["email"] = email
         if not options.get(username_field) and not os.environ.get(f"DJANGO_SUPERUSER_{username_field.upper()}"):
             options[username_field] = email
-        return super().handle(*args, **options)
+        result = super().handle(*args, **options)
+        # NOTE: an operator names this address: confirmed by its owner, so the account stays verified (and its
+        # first reset keeps its keys) if it is ever no longer staff.
+        mark_email_verified(self.UserModel._default_manager.db_manager(options["database"]).get(email=email))
+        return result
 
     def _can_prompt(self) -> bool:
         return hasattr(self.stdin, "isatty") and self.stdin.isatty()
