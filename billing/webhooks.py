@@ -33,9 +33,11 @@ DISPUTE_EVENTS = {
 }
 # Dispute states that end it: at the same second as one of them, an event that says it is open is the older.
 CLOSED_DISPUTE_STATUSES = ("won", "lost", "warning_closed", "prevented")
-# Invoice states Stripe never leaves for draft or open: at the same second as one of them, an event that says the
-# invoice is draft or open is the older (a retry's invoice.updated and its invoice.paid share a second).
-FINAL_INVOICE_STATUSES = ("paid", "void", "uncollectible")
+# Invoice states (Stripe's `status`) in the order Stripe moves through them: at the same second, an event that says a
+# lower one is the older (a retry's invoice.updated and its invoice.paid share a second; so may a marked_uncollectible
+# and the invoice.paid or invoice.voided that ended it). Stripe never leaves paid or void; it leaves uncollectible
+# only for them, so an uncollectible invoice paid a later second is paid. A state not named ranks as draft.
+INVOICE_STATUS_RANKS = {"draft": 0, "open": 0, "uncollectible": 1, "paid": 2, "void": 2}
 
 
 class InvalidWebhook(ValueError):
@@ -102,8 +104,8 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
         return None
     status = data.get("status") or "draft"
     if invoice is not None and (invoice.stripe_event_created > event_created or (
-            invoice.stripe_event_created == event_created and invoice.status in FINAL_INVOICE_STATUSES
-            and status not in FINAL_INVOICE_STATUSES)):
+            invoice.stripe_event_created == event_created
+            and INVOICE_STATUS_RANKS.get(status, 0) < INVOICE_STATUS_RANKS.get(invoice.status, 0))):
         # An older event arriving late never overwrites newer state, but a failure it reports still
         # dates the grace period (`billing.standing`) unless the invoice is paid by now: a paid invoice
         # is never reopened, so a failure reported after the payment is one from before it.
