@@ -63,6 +63,9 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
     payer = ("", "")
     if event["type"] in DISPUTE_EVENTS:
         payer = _dispute_payer(event)
+    invoiced_until = None
+    if event["type"] == "customer.deleted":
+        invoiced_until = _deleted_customer_invoiced_until(event)
     with transaction.atomic():
         _, created = StripeEvent.objects.get_or_create(stripe_event_id=event["id"], defaults={"type": event["type"]})
         if not created:
@@ -84,7 +87,7 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
                     subscription.get("status") in stripe_sync.ENDED_SUBSCRIPTION_STATUSES):
                 services.record_subscription_ended(subscription["id"])
         elif event["type"] == "customer.deleted":
-            services.record_customer_deleted(event["data"]["object"]["id"])
+            services.record_customer_deleted(event["data"]["object"]["id"], invoiced_until=invoiced_until)
     return True
 
 
@@ -155,6 +158,18 @@ def _dispute_payer(event: dict) -> tuple[str, str]:
             or Dispute.objects.filter(stripe_dispute_id=data.get("id") or "-").exists()):
         return "", ""
     return stripe_sync.charge_payer(charge_id, attempts=1)
+
+
+def _deleted_customer_invoiced_until(event: dict) -> datetime | None:
+    """Up to when Stripe's finalised invoices of the deleted customer bill its usage (`stripe_sync.
+    customer_invoiced_until`), read with no transaction open; None when it need not be read: the event was applied
+    before, or the customer is not an account's. If Stripe cannot answer, this webhook fails and Stripe sends it
+    again."""
+    customer_id = event["data"]["object"].get("id") or "-"
+    if (not stripe_sync.is_configured() or StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()
+            or not BillingAccount.objects.filter(stripe_customer_id=customer_id).exists()):
+        return None
+    return stripe_sync.customer_invoiced_until(customer_id, attempts=1)
 
 
 def mirror_dispute(data: dict, *, payer: tuple[str, str], event_created: int) -> Dispute | None:
