@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from billing import alerts, standing
 from billing.models import (
+    SET_MODE_AUDIT_ACTION,
     ApiKeySpendCap,
     BillingAccount,
     BillingMode,
@@ -134,7 +135,7 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
         account.mode = mode
         account.limits_stale = True
         account.save(update_fields=["mode", "limits_stale"])
-        record_audit(actor, organization, "billing.set_mode", account, mode=mode, previous=previous)
+        record_audit(actor, organization, SET_MODE_AUDIT_ACTION, account, mode=mode, previous=previous)
     refresh_limits(account)
     return account
 
