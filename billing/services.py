@@ -121,11 +121,15 @@ def inherit_key_spend_cap(sender, *, api_key, minting_key, **kwargs) -> None:
 
 
 def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount:
-    """Switch between prepaid credit and monthly invoices, from the next usage row written.
+    """Switch between prepaid credit and monthly invoices, for the calls admitted from now on.
 
-    NOTE: each usage row takes the mode of its organisation in the statement that writes it
-    (`billing.ledger`), and this update holds the account's row lock until it commits: every row is
-    in exactly one billing path, prepaid rows drawing credit, postpaid rows metered to Stripe.
+    NOTE: the gateway admits a call under the mode of its organisation's quota counter, which `refresh_limits`
+    rewrites once this commits, and its usage row is billed in that mode whenever it is written
+    (`billing.ledger.UsageReport.billing_mode`, through the usage journal too), and its settlement draws credit only
+    if that mode is prepaid: every call is in exactly one billing path, prepaid rows drawing credit, postpaid rows
+    metered to Stripe. A call admitted before the switch and ended after it keeps the mode it was admitted under. A
+    journal's report that does not say its mode (written before reports carried it) is billed in the mode this
+    switch's audit event says was in effect when the call started.
     """
     if mode not in BillingMode.values:
         raise ValueError(f"mode must be one of {BillingMode.values}")
