@@ -38,8 +38,17 @@ from django.db.models.aggregates import Aggregate
 from django.db.models.functions import Cast, Coalesce, Extract, TruncDate
 from django.utils import timezone
 
-from billing.models import MONEY_PLACES, MONEY_QUANTUM, BillingAccount, BillingMode, UsageRecord, UsageStatus
+from billing.models import (
+    MONEY_PLACES,
+    MONEY_QUANTUM,
+    SET_MODE_AUDIT_ACTION,
+    BillingAccount,
+    BillingMode,
+    UsageRecord,
+    UsageStatus,
+)
 from billing.periods import Period
+from controlplane.accounts.models import AuditEvent
 
 PER_MILLION = Decimal("0.000001")
 # NOTE: read once: Django computes `Choices.values` anew on every access, and the gateway checks
@@ -80,8 +89,12 @@ class UsageReport:
     price_fraction: Decimal | None = None
     # The billing mode the call was admitted under (`BillingMode`'s value, `billing.quota.counters.RESERVE_LUA`): the
     # row is billed in it, not in the organisation's mode when the row is written (a call admitted postpaid and ended
-    # after a switch to prepaid was metered to no invoice and paid by no credit). None: the mode now (older journals).
+    # after a switch to prepaid was metered to no invoice and paid by no credit). None: the mode now, or with
+    # `mode_when_started`, the mode in effect when the call started (`_INSERT_SQL`).
     billing_mode: str | None = None
+    # A report of a journal written before reports carried `billing_mode` (`billing.usage_journal.decode`): replayed
+    # after a switch of mode, it took the mode of the replay, not the one its call was admitted under.
+    mode_when_started: bool = False
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -94,6 +107,8 @@ class UsageReport:
             raise ValueError(f"status must be one of {UsageStatus.values}, not {self.status!r}")
         if self.billing_mode is not None and self.billing_mode not in _BILLING_MODES:
             raise ValueError(f"billing_mode must be one of {BillingMode.values}, not {self.billing_mode!r}")
+        if self.mode_when_started and self.billing_mode is not None:
+            raise ValueError("a report with its billing_mode is billed in it, not in the mode when it started")
         if self.finished_at < self.started_at:
             raise ValueError("finished_at is before started_at")
         for name in ("started_at", "finished_at", "first_token_at"):
@@ -169,8 +184,11 @@ class CostCeiling:
 
 
 # NOTE: a row is billed in the mode its call was admitted under (the report's), so each call is in one billing path,
-# never both and never neither. A report without one (an older journal's) takes the mode read in the same statement
-# that writes the row (`set_billing_mode` locks the account row). `least` ignores a NULL max_cost.
+# never both and never neither. A journal's report without one (`mode_when_started`, written before reports carried
+# it) takes the mode in effect when its call started: the `previous` mode of the organisation's first switch after that
+# (`SET_MODE_AUDIT_ACTION`, audited in the switch's transaction), or the mode now if none came after. Any other report
+# without one takes the mode read in the same statement that writes the row (`set_billing_mode` locks the account
+# row). `least` ignores a NULL max_cost.
 _INSERT_SQL = f"""
 INSERT INTO {UsageRecord._meta.db_table} (
     request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
@@ -187,7 +205,13 @@ SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_i
                     * coalesce(r.price_output, ad.price_output_per_million, e.price_output_per_million))
                    * coalesce(r.price_fraction, CASE WHEN r.batch_id <> '' THEN e.batch_price_fraction ELSE 1 END)
                    * 0.000001, 9), r.max_cost),
-       coalesce(r.billing_mode, a.mode, '{BillingMode.POSTPAID}'),
+       coalesce(r.billing_mode,
+                CASE WHEN r.mode_when_started THEN (
+                    SELECT switch.details ->> 'previous' FROM {AuditEvent._meta.db_table} switch
+                    WHERE switch.organization_id = r.organization_id AND switch.action = '{SET_MODE_AUDIT_ACTION}'
+                      AND switch.created_at > r.started_at
+                    ORDER BY switch.created_at LIMIT 1) END,
+                a.mode, '{BillingMode.POSTPAID}'),
        r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id,
        r.cold_start_ms, r.cold_start_phases::jsonb, r.adapter
 FROM json_to_recordset(%s::json)
@@ -195,7 +219,8 @@ FROM json_to_recordset(%s::json)
           prompt_tokens integer, cached_tokens integer, completion_tokens integer, started_at timestamptz,
           first_token_at timestamptz, finished_at timestamptz, status text, cold_start_s float8, max_cost numeric,
           batch_id text, cold_start_ms integer, cold_start_phases json, adapter text, price_input numeric,
-          price_cached_input numeric, price_output numeric, price_fraction numeric, billing_mode text)
+          price_cached_input numeric, price_output numeric, price_fraction numeric, billing_mode text,
+          mode_when_started boolean)
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
 LEFT JOIN endpoints_adapter ad ON ad.endpoint_id = e.id AND ad.name = r.adapter AND r.adapter <> ''
 LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
@@ -227,7 +252,7 @@ def _rows(reports: list[UsageReport]) -> list[str]:
          "cold_start_ms": r.cold_start_ms, "cold_start_phases": r.cold_start_phases, "adapter": r.adapter,
          "price_input": _money(r.price_input_per_million), "price_cached_input": _money(r.price_cached_input_per_million),
          "price_output": _money(r.price_output_per_million), "price_fraction": _money(r.price_fraction),
-         "billing_mode": r.billing_mode}
+         "billing_mode": r.billing_mode, "mode_when_started": r.mode_when_started}
         for r in reports], separators=(",", ":"))]
 
 

@@ -35,6 +35,11 @@ class BillingMode(models.TextChoices):
     PREPAID = "prepaid", "Prepaid credits"
 
 
+# The audit action of a switch of billing mode (`billing.services.set_billing_mode`): its details' `previous` is the
+# mode before it, which `billing.ledger` reads for a journal's report that does not say the mode of its admission.
+SET_MODE_AUDIT_ACTION = "billing.set_mode"
+
+
 class UsageRecord(models.Model):
     """One inference request, written exactly once (keyed by the gateway's request id)."""
 

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from billing import alerts, standing
 from billing.models import (
+    SET_MODE_AUDIT_ACTION,
     ApiKeySpendCap,
     BillingAccount,
     BillingMode,
@@ -120,11 +121,15 @@ def inherit_key_spend_cap(sender, *, api_key, minting_key, **kwargs) -> None:
 
 
 def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount:
-    """Switch between prepaid credit and monthly invoices, from the next usage row written.
+    """Switch between prepaid credit and monthly invoices, for the calls admitted from now on.
 
-    NOTE: each usage row takes the mode of its organisation in the statement that writes it
-    (`billing.ledger`), and this update holds the account's row lock until it commits: every row is
-    in exactly one billing path, prepaid rows drawing credit, postpaid rows metered to Stripe.
+    NOTE: the gateway admits a call under the mode of its organisation's quota counter, which `refresh_limits`
+    rewrites once this commits, and its usage row is billed in that mode whenever it is written
+    (`billing.ledger.UsageReport.billing_mode`, through the usage journal too), and its settlement draws credit only
+    if that mode is prepaid: every call is in exactly one billing path, prepaid rows drawing credit, postpaid rows
+    metered to Stripe. A call admitted before the switch and ended after it keeps the mode it was admitted under. A
+    journal's report that does not say its mode (written before reports carried it) is billed in the mode this
+    switch's audit event says was in effect when the call started.
     """
     if mode not in BillingMode.values:
         raise ValueError(f"mode must be one of {BillingMode.values}")
@@ -134,7 +139,7 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
         account.mode = mode
         account.limits_stale = True
         account.save(update_fields=["mode", "limits_stale"])
-        record_audit(actor, organization, "billing.set_mode", account, mode=mode, previous=previous)
+        record_audit(actor, organization, SET_MODE_AUDIT_ACTION, account, mode=mode, previous=previous)
     refresh_limits(account)
     return account
 
@@ -194,7 +199,7 @@ def record_subscription_ended(subscription_id: str) -> BillingAccount | None:
     return account
 
 
-def record_customer_deleted(customer_id: str) -> BillingAccount | None:
+def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None = None) -> BillingAccount | None:
     """Stripe's customer `customer_id` was deleted (its subscriptions end with it): the account forgets
     both, has no payment method from now (`billing.standing`: the limit without one applies, at once in
     the gateway), and its next push or portal link makes a new customer. Before, usage was pushed to
@@ -202,6 +207,9 @@ def record_customer_deleted(customer_id: str) -> BillingAccount | None:
 
     The usage pushed to it that its invoices did not bill goes again, to the next customer (`push_again`): Stripe
     cancels the subscriptions of a deleted customer without a final invoice, and drops the events sent to it since.
+    What its invoices billed is known by those mirrored and by `invoiced_until`, the end of the latest one Stripe
+    has finalised (`stripe_sync.customer_invoiced_until`, read before): an invoice's webhook may come after the
+    deletion's, and the usage it billed, pushed again, was billed twice.
 
     NOTE: a deleted customer never comes back: safe in any order, and only for the customer it names.
     """
@@ -209,7 +217,7 @@ def record_customer_deleted(customer_id: str) -> BillingAccount | None:
         account = BillingAccount.objects.select_for_update().filter(stripe_customer_id=customer_id).first()
         if account is None:
             return None
-        num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id))
+        num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id, invoiced_until))
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""
         account.stripe_subscription_started_at = None
@@ -226,15 +234,16 @@ def record_customer_deleted(customer_id: str) -> BillingAccount | None:
     return account
 
 
-def _pushed_uninvoiced(organization_id: int, customer_id: str):
+def _pushed_uninvoiced(organization_id: int, customer_id: str, stripe_invoiced_until: datetime | None = None):
     """The organisation's postpaid rollups with an event of their push generation that went to `customer_id` (or,
     recorded before the customer was kept, `billing/0017`, to whichever it had then) dated after every invoice it has
-    that Stripe finalised (not a draft): those no invoice bills whole."""
+    that Stripe finalised (not a draft), mirrored or up to `stripe_invoiced_until`: those no invoice bills whole."""
     events = MeterEventPush.objects.filter(
         Q(stripe_customer_id=customer_id) | Q(stripe_customer_id=""), rollup__organization_id=organization_id,
         rollup__billing_mode=BillingMode.POSTPAID, push_generation=F("rollup__push_generation"))
-    invoiced_until = (Invoice.objects.filter(organization_id=organization_id).exclude(status="draft")
+    mirrored_until = (Invoice.objects.filter(organization_id=organization_id).exclude(status="draft")
                       .aggregate(until=Max("period_end"))["until"])
+    invoiced_until = max((until for until in (mirrored_until, stripe_invoiced_until) if until is not None), default=None)
     if invoiced_until is not None:
         events = events.filter(Q(event_at__gte=invoiced_until)
                                | Q(event_at__isnull=True, rollup__hour_start__gte=invoiced_until))

@@ -297,6 +297,18 @@ def charge_payer(charge_id: str, *, attempts: int = MAX_ATTEMPTS) -> tuple[str, 
     return reference_id(charge.get("customer")), reference_id(charge.get("invoice"))
 
 
+def customer_invoiced_until(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> datetime | None:
+    """The latest end of the periods of Stripe's invoices of `customer_id` that are not drafts (finalised: they bill
+    the usage of their period), or None. Read for a customer just deleted (`billing.webhooks`): its invoices' own
+    webhooks may come after its deletion's, and the usage they bill must not go again to the next customer."""
+    invoices = call_stripe(
+        lambda options: stripe_client().v1.invoices.list(params={"customer": customer_id, "limit": 100}, options=options),
+        what="invoice list", attempts=attempts)
+    ends = [invoice.period_end for invoice in invoices.auto_paging_iter()
+            if invoice.status != "draft" and invoice.period_end]
+    return datetime.fromtimestamp(max(ends), tz=UTC) if ends else None
+
+
 def reference_id(reference) -> str:
     """A Stripe reference's id, whether the object is expanded or not."""
     return (reference.get("id") if isinstance(reference, dict) else reference) or ""

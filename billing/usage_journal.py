@@ -82,6 +82,9 @@ def encode(report: UsageReport) -> bytes:
 
 def decode(line: bytes) -> UsageReport:
     row = {key: value for key, value in json.loads(line).items() if key in _FIELDS}
+    # NOTE: every journal line is a gateway call's, admitted under a billing mode; one that does not say it was written
+    # before reports carried it, and is billed in the mode in effect when its call started (`UsageReport`).
+    row["mode_when_started"] = row.get("billing_mode") is None
     for name in _TIMES:
         row[name] = datetime.fromisoformat(row[name]) if row.get(name) else None
     for name in _MONEY:

@@ -33,9 +33,11 @@ DISPUTE_EVENTS = {
 }
 # Dispute states that end it: at the same second as one of them, an event that says it is open is the older.
 CLOSED_DISPUTE_STATUSES = ("won", "lost", "warning_closed", "prevented")
-# Invoice states Stripe never leaves for draft or open: at the same second as one of them, an event that says the
-# invoice is draft or open is the older (a retry's invoice.updated and its invoice.paid share a second).
-FINAL_INVOICE_STATUSES = ("paid", "void", "uncollectible")
+# Invoice states (Stripe's `status`) in the order Stripe moves through them: at the same second, an event that says a
+# lower one is the older (a retry's invoice.updated and its invoice.paid share a second; so may a marked_uncollectible
+# and the invoice.paid or invoice.voided that ended it). Stripe never leaves paid or void; it leaves uncollectible
+# only for them, so an uncollectible invoice paid a later second is paid. A state not named ranks as draft.
+INVOICE_STATUS_RANKS = {"draft": 0, "open": 0, "uncollectible": 1, "paid": 2, "void": 2}
 
 
 class InvalidWebhook(ValueError):
@@ -61,6 +63,9 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
     payer = ("", "")
     if event["type"] in DISPUTE_EVENTS:
         payer = _dispute_payer(event)
+    invoiced_until = None
+    if event["type"] == "customer.deleted":
+        invoiced_until = _deleted_customer_invoiced_until(event)
     with transaction.atomic():
         _, created = StripeEvent.objects.get_or_create(stripe_event_id=event["id"], defaults={"type": event["type"]})
         if not created:
@@ -82,7 +87,7 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
                     subscription.get("status") in stripe_sync.ENDED_SUBSCRIPTION_STATUSES):
                 services.record_subscription_ended(subscription["id"])
         elif event["type"] == "customer.deleted":
-            services.record_customer_deleted(event["data"]["object"]["id"])
+            services.record_customer_deleted(event["data"]["object"]["id"], invoiced_until=invoiced_until)
     return True
 
 
@@ -102,8 +107,8 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
         return None
     status = data.get("status") or "draft"
     if invoice is not None and (invoice.stripe_event_created > event_created or (
-            invoice.stripe_event_created == event_created and invoice.status in FINAL_INVOICE_STATUSES
-            and status not in FINAL_INVOICE_STATUSES)):
+            invoice.stripe_event_created == event_created
+            and INVOICE_STATUS_RANKS.get(status, 0) < INVOICE_STATUS_RANKS.get(invoice.status, 0))):
         # An older event arriving late never overwrites newer state, but a failure it reports still
         # dates the grace period (`billing.standing`) unless the invoice is paid by now: a paid invoice
         # is never reopened, so a failure reported after the payment is one from before it.
@@ -153,6 +158,18 @@ def _dispute_payer(event: dict) -> tuple[str, str]:
             or Dispute.objects.filter(stripe_dispute_id=data.get("id") or "-").exists()):
         return "", ""
     return stripe_sync.charge_payer(charge_id, attempts=1)
+
+
+def _deleted_customer_invoiced_until(event: dict) -> datetime | None:
+    """Up to when Stripe's finalised invoices of the deleted customer bill its usage (`stripe_sync.
+    customer_invoiced_until`), read with no transaction open; None when it need not be read: the event was applied
+    before, or the customer is not an account's. If Stripe cannot answer, this webhook fails and Stripe sends it
+    again."""
+    customer_id = event["data"]["object"].get("id") or "-"
+    if (not stripe_sync.is_configured() or StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()
+            or not BillingAccount.objects.filter(stripe_customer_id=customer_id).exists()):
+        return None
+    return stripe_sync.customer_invoiced_until(customer_id, attempts=1)
 
 
 def mirror_dispute(data: dict, *, payer: tuple[str, str], event_created: int) -> Dispute | None:

@@ -342,6 +342,34 @@ def test_a_paid_invoice_stays_paid_when_an_open_event_of_the_same_second_and_a_l
     _spend(billed.org, "0.01")
 
 
+def test_a_paid_or_voided_invoice_is_not_made_uncollectible_by_an_event_of_the_same_second(billed):
+    """Before, a marked_uncollectible of the same second as the invoice.paid (or invoice.voided) applied before it was
+    applied too: a paid invoice was uncollectible, and its organisation was held at once."""
+    _customer_event(billed, "pm_card_visa")
+    now = int(time.time())
+    _invoice_event(billed, "invoice.paid", "paid", invoice_id="in_paid", created=now - 60)
+    _invoice_event(billed, "invoice.marked_uncollectible", "uncollectible", invoice_id="in_paid", created=now - 60)
+    _invoice_event(billed, "invoice.voided", "void", invoice_id="in_void", created=now - 60)
+    _invoice_event(billed, "invoice.marked_uncollectible", "uncollectible", invoice_id="in_void", created=now - 60)
+
+    assert dict(Invoice.objects.values_list("stripe_invoice_id", "status")) == {"in_paid": "paid", "in_void": "void"}
+    assert services.review_payment_standing(billed.org.pk).past_due_since is None
+    _spend(billed.org, "0.01")
+
+
+def test_an_uncollectible_invoice_paid_a_later_second_is_paid_and_an_older_uncollectible_event_changes_nothing(billed):
+    _customer_event(billed, "pm_card_visa")
+    now = int(time.time())
+    _invoice_event(billed, "invoice.marked_uncollectible", "uncollectible", created=now - 60)
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+    _invoice_event(billed, "invoice.paid", "paid", created=now - 59)
+    _invoice_event(billed, "invoice.marked_uncollectible", "uncollectible", created=now - 60)  # delivered again, late
+    _invoice_event(billed, "invoice.updated", "uncollectible", created=now - 59)  # the same second, ranked lower
+
+    assert Invoice.objects.get().status == "paid"
+    _spend(billed.org, "0.01")
+
+
 def test_a_hold_that_did_not_reach_redis_is_written_by_the_next_review(billed, monkeypatch):
     from billing.quota import counters
 

@@ -216,6 +216,37 @@ def test_usage_pushed_to_a_customer_deleted_before_invoicing_it_is_billed_once_b
     assert stripe_sync.push_pending_rollups() == 0
 
 
+def test_usage_a_deleted_customers_invoice_billed_is_not_pushed_again_when_the_invoice_webhook_comes_after(fake_stripe):
+    """Before, the deletion knew only the invoices whose webhooks had come: the invoice Stripe finalised before the
+    customer was deleted, its `invoice.finalized` late, billed the 7th hour, and the 7th hour went again to the next
+    customer, billed twice. Stripe's own invoices of the deleted customer say what they billed."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+    [invoice] = fake_stripe.invoices.values()
+    finalized = fake_stripe.finalize_invoice(invoice["id"])  # its webhook not sent yet
+    _use_and_push(endpoint, num_hours_ago=5)
+
+    deleted = fake_stripe.delete_customer(old_customer)
+    fake_stripe.fail_next("500", path="/v1/invoices", method="GET")  # one try: Stripe sends the event again
+    body = json.dumps({"id": "evt_deleted", "object": "event", "type": "customer.deleted", "created": int(time.time()),
+                       "data": {"object": deleted}}).encode()
+    refused = APIClient().post(WEBHOOK, body, content_type="application/json",
+                               HTTP_STRIPE_SIGNATURE=sign_webhook(body, "whsec_test_secret"))
+    assert refused.status_code == 503 and BillingAccount.objects.get(stripe_customer_id=old_customer)
+    _webhook("customer.deleted", deleted, event_id="evt_deleted")
+    _webhook("customer.subscription.deleted", fake_stripe.subscriptions[old_subscription])
+    _webhook("invoice.finalized", finalized)  # late
+    assert stripe_sync.push_pending_rollups() == 1  # the 5th hour's again, not the 7th's
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
+    assert fake_stripe.invoiced_usage(old_customer) == costs[0]
+    assert fake_stripe.invoiced_usage(new_customer) == costs[1] == _cost_pushed(fake_stripe, new_customer)
+
+
 def test_usage_pushed_while_its_customers_deletion_is_recorded_goes_again_to_the_next(fake_stripe, monkeypatch):
     """A push that read the customer before its `customer.deleted` webhook was applied, and sent its events after:
     the deletion found none of them, and the rollup was marked pushed. It is pushed again instead."""

@@ -4,6 +4,7 @@ gateway admits no new call until it is replayed."""
 import asyncio
 import dataclasses
 import fcntl
+import json
 import os
 import time
 from datetime import UTC, datetime, timedelta
@@ -12,10 +13,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from django.utils import timezone
 
 from billing import usage_journal
 from billing.ledger import UsageReport
-from billing.models import UsageRecord
+from billing.models import BillingMode, UsageRecord
 from billing.usage_journal import REJECTED_NAME, UsageJournal, decode, encode, read_segment
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory
@@ -27,11 +29,64 @@ def test_a_journalled_report_comes_back_exactly_with_its_reserved_cost():
         request_id="req-1", organization_id=7, api_key_id=3, endpoint_id="6f0c3f5e-0000-4000-8000-000000000001",
         replica_id=None, prompt_tokens=12, cached_tokens=4, completion_tokens=30, started_at=started,
         first_token_at=started + timedelta(seconds=1), finished_at=started + timedelta(seconds=2), status="ok",
-        cold_start_s=0.5, max_cost=Decimal("0.000123456789"),
+        cold_start_s=0.5, max_cost=Decimal("0.000123456789"), billing_mode=BillingMode.PREPAID,
     )
     assert decode(encode(report)) == report
     unreserved = dataclasses.replace(report, max_cost=None)
     assert decode(encode(unreserved)) == unreserved
+    assert decode(_without_mode(encode(report))) == dataclasses.replace(report, billing_mode=None,
+                                                                         mode_when_started=True)
+
+
+def _without_mode(line: bytes) -> bytes:
+    """A journal line as gateways wrote it before reports carried the billing mode of their admission."""
+    row = json.loads(line)
+    for name in ("billing_mode", "mode_when_started"):
+        row.pop(name, None)
+    return json.dumps(row).encode() + b"\n"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_journal_replayed_after_switches_of_mode_bills_each_call_in_the_mode_it_was_admitted_under(
+        settings, tmp_path):
+    """Before, a line without the mode (a journal of gateways before reports carried it) took the mode of the replay:
+    a call admitted postpaid before a switch to prepaid was drawn from credit and never invoiced. It takes the mode in
+    effect when the call started, from the switches' audit; a line that says its mode keeps it."""
+    from billing import usage_writer
+    from billing.services import set_billing_mode
+    from controlplane.accounts.services import SYSTEM
+
+    endpoint = EndpointFactory()
+
+    def call(name: str, **fields) -> UsageReport:
+        started_at = timezone.now()
+        return dataclasses.replace(usage_report(endpoint, request_id=name), started_at=started_at,
+                                   first_token_at=started_at, finished_at=started_at + timedelta(seconds=1), **fields)
+
+    before = call("before-the-switches")  # admitted postpaid
+    set_billing_mode(SYSTEM, endpoint.organization, mode=BillingMode.PREPAID)
+    between = call("between-the-switches")  # admitted prepaid
+    set_billing_mode(SYSTEM, endpoint.organization, mode=BillingMode.POSTPAID)
+    set_billing_mode(SYSTEM, endpoint.organization, mode=BillingMode.PREPAID)
+    after = call("after-the-switches")  # admitted prepaid: the mode now
+    said = call("says-its-mode", billing_mode=BillingMode.POSTPAID)  # as the gateway writes it now
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    (journal_dir / "gone-1-1.jsonl").write_bytes(
+        b"".join(_without_mode(encode(report)) for report in (before, between, after)) + encode(said))
+    settings.USAGE_JOURNAL_DIR = str(journal_dir)
+    usage_writer.journal.cache_clear()
+
+    async def replay():
+        return await asyncio.wait_for(usage_writer.writer_for_this_loop().replay(), 10)
+
+    try:
+        assert asyncio.run(replay()) == 0  # none left
+    finally:
+        usage_writer.journal.cache_clear()
+    assert dict(UsageRecord.objects.values_list("request_id", "billing_mode")) == {
+        "before-the-switches": BillingMode.POSTPAID, "between-the-switches": BillingMode.PREPAID,
+        "after-the-switches": BillingMode.PREPAID, "says-its-mode": BillingMode.POSTPAID}
 
 
 def _segment_bytes(directory: Path) -> int:

@@ -6,6 +6,7 @@
     fake.prices, fake.subscriptions      # what was created, by id
     fake.cancel_subscription(id), fake.delete_customer(id)   # what the Dashboard does
     fake.cancel_at_period_end(id), fake.end_period(id, at=...)   # a cancellation scheduled, a period's end and invoice
+    fake.finalize_invoice(id)                                 # an invoice finalised (a draft for its first hour)
     fake.invoiced_usage(customer id)                          # what the subscriptions' invoices billed, in meter units
     fake.cancel_in_portal(session id, subscription id)        # the customer's click, as the session's configuration says
     fake.charge(customer id), fake.dispute(charge id), fake.close_dispute(id, "won")   # a payment, and its chargeback
@@ -183,6 +184,14 @@ class FakeStripe:
             else:
                 item.update(current_period_start=at, current_period_end=_month_after(at))
             return dict(subscription)
+
+    def finalize_invoice(self, invoice_id: str) -> dict:
+        """What Stripe does an hour after it made a subscription's invoice (a draft until then): the invoice, open,
+        as it is now (its `invoice.finalized` webhook's object)."""
+        with self._lock:
+            invoice = self.invoices[invoice_id]
+            invoice["status"] = "open"
+            return dict(invoice)
 
     def cancel_in_portal(self, session_id: str, subscription_id: str) -> dict:
         """What the customer's "Cancel" in the Customer Portal session `session_id` does, as its configuration's
