@@ -234,11 +234,16 @@ def _release_unserved(unserved: dict[tuple[int, str], str]) -> int:
                for organization_id, request_ids in by_organization.items())
 
 
-async def _reconcile(gateway: str) -> None:
+async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
     """Make what Redis holds for this gateway what it serves: put back the requests it still serves that Redis does
     not hold (each in flight on its endpoint and outstanding on its replica, and its reservation against the caps and
     credit), list its requests hashes again in `GATEWAYS_KEY`, and release the requests Redis holds that it no longer
-    serves. One round trip per organisation it serves, and one for the others it has served.
+    serves. One round trip per organisation it serves, and one for the others it has served. `forgotten`: Redis
+    forgot this gateway's alive key, so every reservation of what it serves is held again where missing, not only
+    those of the requests put back.
+
+    NOTE: the alive key is written by the beat that finds it gone, so a reconcile that failed then (Redis down again)
+    is tried again by the next beats (`_repair.due`) rather than only `RECONCILE_EVERY_BEATS` later.
 
     NOTE: Redis may forget part of what it held, not only all of it: restarted from an append-only file fsynced every
     second, or a replica promoted with lag, it comes back a moment in the past with this gateway's alive key still
@@ -283,7 +288,7 @@ async def _reconcile(gateway: str) -> None:
             await asyncio.to_thread(_release_unserved, ended)
         reserved += await counters.restore_reservations(organization_id, [
             held.reservation for request_id, held in snapshot
-            if held.reservation is not None and request_id in put_back and request_id in serving])
+            if held.reservation is not None and (forgotten or request_id in put_back) and request_id in serving])
     others = [key for key in registered if redis_keys.organization_of_key(key) not in by_organization]
     if others:
         async with redis.pipeline(transaction=False) as pipe:
@@ -301,8 +306,9 @@ async def _reconcile(gateway: str) -> None:
 
 
 async def beat(*, web: bool = False) -> None:
-    """One heartbeat: stay alive, put back what Redis forgot, end what could not be ended, and push on the
-    reservation deadlines of long calls; a web process's (`web`) also counts for the web tier (`WEB_BEATS_KEY`)."""
+    """One heartbeat: stay alive, reconcile what Redis holds for this gateway with what it serves (`_reconcile`), end
+    what could not be ended, and push on the reservation deadlines of long calls; a web process's (`web`) also counts
+    for the web tier (`WEB_BEATS_KEY`)."""
     redis = get_async_redis()
     gateway = traffic.gateway_id()
     recent = traffic.take_recent()
@@ -330,7 +336,7 @@ async def beat(*, web: bool = False) -> None:
         # NOTE: a reconcile that fails leaves the rest of the beat to go on (deadlines pushed on, ends released): one
         # failing the same way every time stopped the long calls' deadlines, and the sweeper released live holds.
         try:
-            await _reconcile(gateway)
+            await _reconcile(gateway, forgotten=_repair.due)
             _repair.due, _repair.num_beats = False, 0
         except Exception as exc:  # noqa: BLE001 - tried again by the next beat
             logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
