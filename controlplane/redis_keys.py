@@ -165,9 +165,8 @@ def throttle_key(limit_name: str, subject_digest: str, window: int) -> str:
 # --- autoscaler ------------------------------------------------------------------------------------
 
 TICK_LOCK_KEY = "as:tick-lock"
-# When `endpoints.scheduler.sweep_stuck` last ended, and since when the control plane has heard heartbeats again
-# after a gap in those sweeps (PostgreSQL or the worker down: no heartbeat could be written meanwhile).
-SWEPT_AT_KEY = "sweep:swept-at"
+# Since when the control plane has heard heartbeats again after a gap in the sweeps (`endpoints.scheduler.sweep_stuck`;
+# when they last ended is kept in PostgreSQL, `endpoints.nodes.models.NodeSweep`).
 LISTENING_SINCE_KEY = "sweep:listening-since"
 # Since when (the sweeps' clock) every node has been silent at once (`endpoints.scheduler.whole_fleet_silent`).
 FLEET_SILENT_SINCE_KEY = "sweep:fleet-silent-since"

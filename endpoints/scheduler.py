@@ -19,12 +19,13 @@ from datetime import timedelta
 from celery import current_app
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, F, Q
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis, held_alone, redis_time
-from controlplane.redis_keys import FLEET_SILENT_SINCE_KEY, LISTENING_SINCE_KEY, SWEPT_AT_KEY, TICK_LOCK_KEY
+from controlplane.redis_keys import FLEET_SILENT_SINCE_KEY, LISTENING_SINCE_KEY, TICK_LOCK_KEY
 from endpoints import autoscaler, quotas
 from endpoints.batches.demand import read_demand
 from endpoints.events import record_event, record_event_once
@@ -38,7 +39,7 @@ from endpoints.models import (
     IdleAction,
     Replica,
 )
-from endpoints.nodes.models import Node, database_time_ago
+from endpoints.nodes.models import Node, NodeSweep, database_time_ago
 from endpoints.replicas import (
     RECONCILE_TASK,
     drain_replica,
@@ -302,17 +303,19 @@ def _heard_long_enough(redis, now: float) -> bool:
     to 60 s); the first sweep after it came back found every node silent past the grace period, marked the whole
     fleet OFFLINE and failed every replica (told to stop when their nodes beat again: every tenant cold again). A
     gap in the sweeps themselves (they read PostgreSQL too) starts a new listening period: no node, replica start
-    or drain is judged until agents had `NODE_HEARTBEAT_RETRY_S` to beat again and the grace period passed. A
-    missing key (Redis emptied) is no gap: a Redis restart alone must not slow node failure down.
+    or drain is judged until agents had `NODE_HEARTBEAT_RETRY_S` to beat again and the grace period passed. When the
+    sweeps last ended is PostgreSQL's (`NodeSweep`, its clock): Redis may lose its memory in the same outage, and a
+    missing key read as no gap. No record at all (the first sweep) is no gap, and a Redis restart alone is none either:
+    it must not slow node failure down.
 
     The same while the web tier is down (`web_tier_silent`: every web pod crashing after a bad deploy, say): nobody
     hears the agents, whose silence says nothing of their nodes, and the period starts again at each sweep until a
     web process beats again."""
-    swept_at = redis.get(SWEPT_AT_KEY)
-    if swept_at is not None and now - float(swept_at) > SWEEP_GAP_S:
+    last = NodeSweep.objects.annotate(gap=ExpressionWrapper(Now() - F("swept_at"), output_field=DurationField())).first()
+    if last is not None and last.gap.total_seconds() > SWEEP_GAP_S:
         redis.set(LISTENING_SINCE_KEY, now, ex=SWEEP_KEYS_TTL_S)
         logger.warning("no sweep for %.0f s (PostgreSQL or the worker was down): nodes get %.0f s to beat again before "
-                       "any is judged silent", now - float(swept_at),
+                       "any is judged silent", last.gap.total_seconds(),
                        settings.NODE_HEARTBEAT_RETRY_S + settings.NODE_HEARTBEAT_GRACE_S)
     if web_tier_silent(redis, now):
         redis.set(LISTENING_SINCE_KEY, now, ex=SWEEP_KEYS_TTL_S)
@@ -328,14 +331,15 @@ def sweep_stuck() -> None:
     replicas STARTING for too long fail with the reason. Nothing is judged until the control plane has heard
     heartbeats long enough after a time it could not (`_heard_long_enough`).
 
-    NOTE: the times the sweeps keep in Redis are Redis's clock (`redis_time`): sweeps run on any worker, and one whose
-    clock ran 20 s ahead of the last sweeper's read a gap in the sweeps every time, so no node was ever judged."""
+    NOTE: the times the sweeps keep are PostgreSQL's clock (when they ended) and Redis's (since when they listen), never
+    a worker's: sweeps run on any worker, and one whose clock ran 20 s ahead of the last sweeper's read a gap in the
+    sweeps every time, so no node was ever judged. A sweep that could not reach PostgreSQL records nothing: it is part
+    of the gap."""
     redis = get_redis()
     if _heard_long_enough(redis, redis_time(redis)):
         _sweep()
-    else:
-        Node.objects.exists()  # NOTE: PostgreSQL is read either way: a sweep that could not is part of the gap
-    redis.set(SWEPT_AT_KEY, redis_time(redis), ex=SWEEP_KEYS_TTL_S)
+    if not NodeSweep.objects.filter(pk=NodeSweep.ROW).update(swept_at=Now()):
+        NodeSweep.objects.get_or_create(pk=NodeSweep.ROW, defaults={"swept_at": Now()})
 
 
 def whole_fleet_silent(redis, now: float) -> bool:

@@ -15,7 +15,7 @@ from endpoints import autoscaler, scheduler
 from endpoints.autoscaler import Load
 from endpoints.fleet.services import desired_replicas, record_heartbeat
 from endpoints.models import EndpointEvent, Replica
-from endpoints.nodes.models import Node
+from endpoints.nodes.models import Node, NodeSweep
 from gpu_agent.protocol import Heartbeat, NodeState, ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_placement import make_node
@@ -282,7 +282,7 @@ def _two_silent_nodes(seconds: float, *, swept_ago: float):
     scheduler.reconcile_endpoint(str(endpoint.pk), load())
     Replica.objects.filter(endpoint=endpoint).update(state=ReplicaState.READY)
     Node.objects.filter(pk__in=[node.pk for node in nodes]).update(last_heartbeat_at=timezone.now() - timedelta(seconds=seconds))
-    get_redis().set(redis_keys.SWEPT_AT_KEY, time.time() - swept_ago)
+    NodeSweep.objects.update_or_create(pk=NodeSweep.ROW, defaults={"swept_at": timezone.now() - timedelta(seconds=swept_ago)})
     return endpoint, nodes
 
 
@@ -303,6 +303,23 @@ def test_a_database_outage_longer_than_the_grace_period_takes_no_node_offline(se
         scheduler.sweep_stuck()  # the next one, too: the agents still have time to beat again
 
     assert set(Node.objects.filter(pk__in=[node.pk for node in nodes]).values_list("state", flat=True)) == {NodeState.READY}
+    assert set(Replica.objects.filter(endpoint=endpoint).values_list("state", flat=True)) == {ReplicaState.READY}
+
+
+def test_a_database_outage_during_which_redis_lost_its_memory_takes_no_node_offline(settings,
+                                                                                     django_capture_on_commit_callbacks):
+    # When the sweeps last ended was kept in Redis: restarted without its data during the outage, it read as no gap.
+    # The first agent to beat again ended the whole-fleet hold, and one still in its backoff went OFFLINE, its
+    # replicas FAILED.
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    endpoint, (beating, backing_off) = _nodes_silent_since_an_outage(45)
+    get_redis().flushdb()  # Redis restarted without its data while PostgreSQL was down
+    Node.objects.filter(pk=beating.pk).update(last_heartbeat_at=timezone.now())  # its agent's retry came first
+
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+
+    assert Node.objects.get(pk=backing_off.pk).state == NodeState.READY
     assert set(Replica.objects.filter(endpoint=endpoint).values_list("state", flat=True)) == {ReplicaState.READY}
 
 

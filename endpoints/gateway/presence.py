@@ -17,6 +17,11 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
   there, instead of idle endpoints whose streams it would drain, and new calls are admitted against
   what the running ones still hold, not against counters rebuilt from the ledger as if nothing ran.
   Calls admitted in the second before that beat are not held back by them.
+- **Redis came back a moment in the past** (an append-only file fsynced every second, a replica
+  promoted with lag): the alive key is kept, the last moment's writes are not. Every
+  `RECONCILE_EVERY_BEATS` beats the gateway compares what Redis holds for it with what it serves
+  (`_reconcile`): it puts back what is missing, as above, and releases what it no longer serves
+  (a call that ended in the lost moment, back in flight) once two reconciles found it unchanged.
 
 Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat.
 
@@ -32,7 +37,7 @@ NOTE: a gateway that only froze past `ALIVE_TTL_S` (a stalled event loop) is swe
 when it beats again it finds its key gone and puts its requests back, so its counts come back and
 are released once, by the request's own end. The sweeper reads the alive key just before each
 organisation's release script, not inside it (another slot on Redis Cluster): a gateway that resumes
-in between has requests released that it still serves, which then count as ended until they end.
+in between has requests released that it still serves, which its next reconcile puts back.
 """
 
 from __future__ import annotations
@@ -81,11 +86,13 @@ return {released, redis.call('HLEN', KEYS[1])}
 # no-replica placeholder, then per request: in-flight set, the outstanding counter (or the placeholder).
 # ARGV: counter TTL, then per request: request id, hash value. Puts back each request the hash
 # does not hold (Redis forgot it, or a sweeper released it), in flight since now (Redis's clock, `traffic`).
+# Returns the ids put back, and the hash's other entries (id, value, ...): requests this gateway no longer serves.
 _RESTORE_REQUESTS = Script(traffic.TRAFFIC_LUA + """
-local restored = 0
+local restored, served = {}, {}
 local now = traffic_now()
 for i = 2, #ARGV, 2 do
   local base = 3 + 2 * ((i - 2) / 2)
+  served[ARGV[i]] = true
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
     redis.call('ZADD', KEYS[base], now, ARGV[i])
@@ -93,10 +100,18 @@ for i = 2, #ARGV, 2 do
       redis.call('INCR', KEYS[base + 1])
       redis.call('EXPIRE', KEYS[base + 1], ARGV[1])
     end
-    restored = restored + 1
+    restored[#restored + 1] = ARGV[i]
   end
 end
-return restored
+local unserved = {}
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  if not served[entries[i]] then
+    unserved[#unserved + 1] = entries[i]
+    unserved[#unserved + 1] = entries[i + 1]
+  end
+end
+return {restored, unserved}
 """)
 
 
@@ -191,27 +206,68 @@ async def _push_deadlines_on(redis, now: float | None = None) -> None:
     _extended.at = now  # NOTE: only once due and pushed: a beat in between (every second) never moves it on
 
 
+# A beat compares what Redis holds for this gateway with what it serves every this many beats (and at once when Redis
+# forgot its alive key).
+RECONCILE_EVERY_BEATS = 5
+
+
 @dataclass(slots=True)
 class _Repair:
     due: bool = False  # Redis forgot this gateway, and what it serves is not all put back yet
+    num_beats: int = 0  # beats since the last reconcile
+    # What the last reconcile found in this gateway's requests hashes that it does not serve ((organisation id,
+    # request id) -> hash value): released if the next one finds it still there, unchanged.
+    unserved: dict[tuple[int, str], str] = field(default_factory=dict)
 
 
 _repair = _Repair()
 
 
-async def _put_back(gateway: str) -> None:
-    """Put back what Redis forgot of the requests this process still serves: each in flight on its endpoint and
-    outstanding on its replica, and its reservation against the caps and credit.
+def _release_unserved(unserved: dict[tuple[int, str], str]) -> int:
+    """Release requests found in this gateway's requests hashes that it no longer serves (each only if its hash
+    still holds the value it was found with, and only once: `release_requests`)."""
+    by_organization: dict[int, list[str]] = {}
+    for (organization_id, request_id), _ in unserved.items():
+        if request_id not in serving:
+            by_organization.setdefault(organization_id, []).append(request_id)
+    return sum(release_requests(traffic.gateway_requests_key(organization_id), request_ids, only_if_dead=False)
+               for organization_id, request_ids in by_organization.items())
 
-    NOTE: the alive key is written by the beat that finds it gone, so a put-back that failed (Redis down again) is
-    tried again by the next beats (`_repair.due`) rather than never. A request that ends meanwhile is no longer in
-    `serving` when its organisation's turn comes; one whose end is on its way to Redis as its reservation is put back
-    either finds it (and releases it) or, settled first, left its marker, which the put-back respects; a try that
-    recorded nothing leaves no marker, and its reservation, put back after it settled, lapses at its deadline
-    (`billing.quota.sweeper`)."""
+
+async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
+    """Make what Redis holds for this gateway what it serves: put back the requests it still serves that Redis does
+    not hold (each in flight on its endpoint and outstanding on its replica, and its reservation against the caps and
+    credit), list its requests hashes again in `GATEWAYS_KEY`, and release the requests Redis holds that it no longer
+    serves. One round trip per organisation it serves, and one for the others it has served. `forgotten`: Redis
+    forgot this gateway's alive key, so every reservation of what it serves is held again where missing, not only
+    those of the requests put back.
+
+    NOTE: the alive key is written by the beat that finds it gone, so a reconcile that failed then (Redis down again)
+    is tried again by the next beats (`_repair.due`) rather than only `RECONCILE_EVERY_BEATS` later.
+
+    NOTE: Redis may forget part of what it held, not only all of it: restarted from an append-only file fsynced every
+    second, or a replica promoted with lag, it comes back a moment in the past with this gateway's alive key still
+    there. A call that ended in the lost moment is back in flight and outstanding (for `traffic.STALE_AFTER_S`, an
+    hour, the endpoint never scaled to zero); one admitted in it and still running counts nowhere (the autoscaler could
+    drain its replica under it) and its reservation is gone (new calls were admitted against what it holds).
+
+    NOTE: races with calls that start or end meanwhile. A call's hash entry is written by its admission before this
+    process tracks it, and its end untracks it before its finish removes the entry: an entry not served is released
+    only when two reconciles (`RECONCILE_EVERY_BEATS` apart) found it with the same value. A call that ends between the
+    snapshot and its organisation's script is put back by it: released at once (no longer in `serving`); the
+    release and the call's own finish each remove the entry only if it is there, so its counter drops once. Its
+    reservation is held again only while it is still served; one put back as it settled either finds its marker
+    (and is not held again) or, a try that recorded nothing, lapses at its deadline (`billing.quota.sweeper`), as
+    does a call's that ended in the lost moment."""
+    redis = get_async_redis()
+    if registered := traffic.registered_requests_keys():
+        # NOTE: Redis lost the gateways set (or the moment an organisation's hash was listed in it), or a sweeper
+        # dropped this gateway's emptied hashes while it was frozen: list them again.
+        await redis.sadd(redis_keys.GATEWAYS_KEY, *registered)
     by_organization: dict[int, list[str]] = {}
     for request_id, held in list(serving.items()):
         by_organization.setdefault(held.organization_id, []).append(request_id)
+    unserved: dict[tuple[int, str], str] = {}
     restored = reserved = 0
     for organization_id, request_ids in by_organization.items():
         snapshot = [(request_id, held) for request_id in request_ids if (held := serving.get(request_id)) is not None]
@@ -222,17 +278,37 @@ async def _put_back(gateway: str) -> None:
         for request_id, held in snapshot:
             keys += [redis_keys.inflight_key(organization_id, held.endpoint_id), held.counter()]
             args += [request_id, held.value()]
-        restored += await _RESTORE_REQUESTS(keys=keys, args=args)
+        put_back, found = await _RESTORE_REQUESTS(keys=keys, args=args)
+        restored += len(put_back)
+        for request_id, value in zip(found[::2], found[1::2], strict=True):
+            unserved[(organization_id, request_id)] = value
+        ended = {(organization_id, request_id): held.value() for request_id, held in snapshot
+                 if request_id in put_back and request_id not in serving}
+        if ended:  # it ended after the snapshot: its own end found nothing to release
+            await asyncio.to_thread(_release_unserved, ended)
         reserved += await counters.restore_reservations(organization_id, [
-            held.reservation for request_id, held in snapshot if held.reservation is not None and request_id in serving])
-    if restored or reserved:
-        logger.warning("gateway %s: put back %d request(s) and %d reservation(s) Redis had lost", gateway, restored,
-                       reserved)
+            held.reservation for request_id, held in snapshot
+            if held.reservation is not None and (forgotten or request_id in put_back) and request_id in serving])
+    others = [key for key in registered if redis_keys.organization_of_key(key) not in by_organization]
+    if others:
+        async with redis.pipeline(transaction=False) as pipe:
+            for requests_key in others:
+                pipe.hgetall(requests_key)
+            for requests_key, entries in zip(others, await pipe.execute(), strict=True):
+                for request_id, value in entries.items():
+                    unserved[(redis_keys.organization_of_key(requests_key), request_id)] = value
+    confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
+    released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
+    _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed}
+    if restored or reserved or released:
+        logger.warning("gateway %s: put back %d request(s) and %d reservation(s) Redis had lost, released %d it had "
+                       "kept after they ended", gateway, restored, reserved, released)
 
 
 async def beat(*, web: bool = False) -> None:
-    """One heartbeat: stay alive, put back what Redis forgot, end what could not be ended, and push on the
-    reservation deadlines of long calls; a web process's (`web`) also counts for the web tier (`WEB_BEATS_KEY`)."""
+    """One heartbeat: stay alive, reconcile what Redis holds for this gateway with what it serves (`_reconcile`), end
+    what could not be ended, and push on the reservation deadlines of long calls; a web process's (`web`) also counts
+    for the web tier (`WEB_BEATS_KEY`)."""
     redis = get_async_redis()
     gateway = traffic.gateway_id()
     recent = traffic.take_recent()
@@ -255,16 +331,13 @@ async def beat(*, web: bool = False) -> None:
         logger.warning("gateway %s: could not read Redis's clock: %r", gateway, exc)
     if was_alive is None:
         _repair.due = True
-    if _repair.due:
-        # NOTE: a put-back that fails leaves the rest of the beat to go on (deadlines pushed on, ends released): one
+    _repair.num_beats += 1
+    if _repair.due or _repair.num_beats >= RECONCILE_EVERY_BEATS:
+        # NOTE: a reconcile that fails leaves the rest of the beat to go on (deadlines pushed on, ends released): one
         # failing the same way every time stopped the long calls' deadlines, and the sweeper released live holds.
         try:
-            if registered := traffic.registered_requests_keys():
-                # NOTE: Redis lost the gateways set, or a sweeper dropped this gateway's emptied hashes
-                # while it was frozen: list them again (written before each organisation's first request).
-                await redis.sadd(redis_keys.GATEWAYS_KEY, *registered)
-            await _put_back(gateway)
-            _repair.due = False
+            await _reconcile(gateway, forgotten=_repair.due)
+            _repair.due, _repair.num_beats = False, 0
         except Exception as exc:  # noqa: BLE001 - tried again by the next beat
             logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
     try:

@@ -335,3 +335,15 @@ class NodeLaunch(models.Model):
         elif self.idle_since is not None:
             idle += max(0.0, (end - self.idle_since).total_seconds())
         return total, min(idle, total)
+
+
+class NodeSweep(models.Model):
+    """When the node sweeps (`endpoints.scheduler.sweep_stuck`) last ended, by PostgreSQL's clock: one row.
+
+    NOTE: kept in PostgreSQL, not Redis: a gap in the sweeps (PostgreSQL or the workers down, so no heartbeat could
+    be written either) must still be seen when Redis lost its memory in the same outage. A missing key read as no gap,
+    and the first agent to beat again ended the whole-fleet hold while the others were still backing off: OFFLINE."""
+
+    ROW = 1
+
+    swept_at = models.DateTimeField()

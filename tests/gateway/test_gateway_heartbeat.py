@@ -3,6 +3,7 @@ what Redis forgot."""
 
 import asyncio
 import threading
+import time
 from decimal import Decimal
 
 import httpx
@@ -16,11 +17,12 @@ from controlplane import redis_keys
 from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
 from endpoints import scheduler
-from endpoints.gateway import presence
+from endpoints.gateway import admission, presence, traffic
+from endpoints.gateway.auth import Caller
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
 from tests.billing.test_quota import reserve
-from tests.conftest import start_web_server, wait_until
+from tests.conftest import free_port, start_web_server, wait_until
 from tests.factories import OrganizationFactory
 from tests.gateway.conftest import serve_endpoint
 from tests.gateway.load import MESSAGES
@@ -176,3 +178,158 @@ def test_a_put_back_that_keeps_failing_leaves_the_rest_of_the_beat_to_go_on(monk
     for _ in range(2):
         asyncio.run(presence.beat())
     assert len(pushed) == 2 and presence._repair.due
+
+
+# --- Redis back a moment in the past (an append-only file fsynced every second, a replica promoted with lag) ---
+
+def redis_state() -> list:
+    """What Redis holds now, as its last fsync (or the replica's last replicated write) would keep it."""
+    redis = get_redis()
+    return [(key, redis.dump(key), redis.pttl(key)) for key in redis.keys("*")]
+
+
+def come_back_as(state: list) -> None:
+    """Redis restarts from `state`: the writes since are lost, this gateway's alive key among what is kept."""
+    redis = get_redis()
+    redis.flushdb()
+    for key, value, ttl in state:
+        if value is not None:
+            redis.restore(key, max(ttl, 0), value, replace=True)
+
+
+@pytest.fixture
+def idle_endpoint_call(monkeypatch):
+    """An endpoint with one READY replica, no minimum, idle after 5 min; a caller; this process's gateway alone."""
+    monkeypatch.setattr(presence, "serving", {})
+    monkeypatch.setattr(presence, "unfinished", set())
+    monkeypatch.setattr(presence, "_repair", presence._Repair())
+    organization = OrganizationFactory()
+    endpoint = serve_endpoint(organization, f"http://127.0.0.1:{free_port()}", min_replicas=0, idle_timeout_s=300)
+    caller = Caller(organization_id=organization.pk, api_key_id=None, user_id=1, can_infer=True,
+                    requests_per_minute=0, tokens_per_minute=0)
+    return endpoint, Replica.objects.get(endpoint=endpoint), caller
+
+
+async def admit(caller, endpoint, replica, request_id: str) -> admission.Admission:
+    admitted = await admission.admit(caller=caller, endpoint_id=str(endpoint.pk), request_id=request_id,
+                                     amount=Decimal("0.01"), num_tokens=0, candidates=[str(replica.pk)])
+    presence.track(request_id, caller.organization_id, str(endpoint.pk), str(replica.pk), admitted.reservation)
+    return admitted
+
+
+async def finish(caller, endpoint, replica, request_id: str, admitted: admission.Admission) -> None:
+    presence.untrack(request_id)
+    await admission.finish(caller=caller, endpoint_id=str(endpoint.pk), admission=admitted, release=str(replica.pk),
+                           num_tokens=0, cost=Decimal(0), fresh_id=True, recorded=False)
+
+
+async def reconciled(times: int = 2) -> None:
+    """Beat until this gateway compared what Redis holds with what it serves `times` times."""
+    for _ in range(times * presence.RECONCILE_EVERY_BEATS):
+        await presence.beat(web=True)
+
+
+def idle_five_minutes(endpoint) -> None:
+    """Five minutes pass with no request (the last-request time moved back past the idle timeout)."""
+    redis = get_redis()
+    redis.set(redis_keys.last_request_key(endpoint.organization_id, str(endpoint.pk)), time.time() - 301)
+    redis.delete(redis_keys.samples_key(endpoint.organization_id, str(endpoint.pk)))
+
+
+def test_a_call_that_ended_in_the_second_redis_lost_stops_counting_and_the_endpoint_scales_to_zero(idle_endpoint_call):
+    """Before, Redis back a second in the past held a call that had ended in flight and outstanding on its replica,
+    its gateway still alive: nothing released it for an hour (`traffic.STALE_AFTER_S`), and the endpoint idle for five
+    minutes did not scale to zero."""
+    endpoint, replica, caller = idle_endpoint_call
+
+    async def scenario():
+        await presence.beat(web=True)
+        admitted = await admit(caller, endpoint, replica, "ended")
+        state = redis_state()
+        await finish(caller, endpoint, replica, "ended", admitted)
+        come_back_as(state)  # the call's end is lost
+        await reconciled()
+    asyncio.run(scenario())
+
+    assert counts(endpoint, replica) == (0, 0)
+    assert not get_redis().hlen(traffic.gateway_requests_key(endpoint.organization_id))
+    idle_five_minutes(endpoint)
+    scheduler.autoscale_tick()
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.DRAINING
+
+
+def test_a_call_admitted_in_the_second_redis_lost_counts_again_while_it_runs(idle_endpoint_call):
+    """Before, a running call whose admission Redis lost (back a second in the past, its gateway's alive key kept)
+    counted nowhere: its replica was drained under it, its reservation was gone (new calls were admitted against what
+    it held), and its organisation's requests hash, listed in that second, was unknown to the sweeper."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+
+    async def scenario():
+        await presence.beat(web=True)
+        state = redis_state()
+        admitted = await admit(caller, endpoint, replica, "live")
+        reserved = get_redis().get(redis_keys.org_reserved_key(org))
+        come_back_as(state)  # the call's admission is lost; it streams on
+        await reconciled(1)
+        return admitted, reserved
+    admitted, reserved = asyncio.run(scenario())
+
+    redis = get_redis()
+    assert counts(endpoint, replica) == (1, 1)
+    assert redis.get(redis_keys.org_reserved_key(org)) == reserved and int(reserved) > 0
+    assert redis.sismember(redis_keys.GATEWAYS_KEY, traffic.gateway_requests_key(org))
+    idle_five_minutes(endpoint)
+    scheduler.autoscale_tick()
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY
+
+    asyncio.run(finish(caller, endpoint, replica, "live", admitted))
+    assert counts(endpoint, replica) == (0, 0)  # released once by its own end
+    assert int(redis.get(redis_keys.org_reserved_key(org)) or 0) == 0
+
+
+def test_a_call_that_ends_while_its_gateway_puts_it_back_is_released_once(idle_endpoint_call, monkeypatch):
+    """A call ending between the reconcile's snapshot and its organisation's script is put back by the script (its end
+    found nothing to release): it must not stay in flight for good."""
+    endpoint, replica, caller = idle_endpoint_call
+    restore = presence._RESTORE_REQUESTS
+
+    async def scenario():
+        await presence.beat(web=True)
+        state = redis_state()
+        admitted = await admit(caller, endpoint, replica, "ending")
+        come_back_as(state)
+
+        async def ending_meanwhile(**kwargs):
+            await finish(caller, endpoint, replica, "ending", admitted)
+            return await restore(**kwargs)
+
+        monkeypatch.setattr(presence, "_RESTORE_REQUESTS", ending_meanwhile)
+        presence._repair.due = True
+        await presence.beat(web=True)
+        monkeypatch.setattr(presence, "_RESTORE_REQUESTS", restore)
+        assert counts(endpoint, replica) == (0, 0)  # released at once, by the reconcile
+        await reconciled()
+    asyncio.run(scenario())
+
+    assert counts(endpoint, replica) == (0, 0)
+    assert not get_redis().hlen(traffic.gateway_requests_key(endpoint.organization_id))
+
+
+def test_a_call_admitted_but_not_yet_tracked_is_not_released(idle_endpoint_call):
+    """A call's hash entry is written by its admission before its gateway tracks it: one reconcile that finds it
+    unserved releases nothing (the next, finding it served, keeps it)."""
+    endpoint, replica, caller = idle_endpoint_call
+
+    async def scenario():
+        await presence.beat(web=True)
+        admitted = await admission.admit(caller=caller, endpoint_id=str(endpoint.pk), request_id="starting",
+                                         amount=Decimal("0.01"), num_tokens=0, candidates=[str(replica.pk)])
+        await reconciled(1)  # between the admission's reply and its tracking
+        presence.track("starting", caller.organization_id, str(endpoint.pk), str(replica.pk), admitted.reservation)
+        await reconciled(2)
+        assert counts(endpoint, replica) == (1, 1)
+        await finish(caller, endpoint, replica, "starting", admitted)
+    asyncio.run(scenario())
+
+    assert counts(endpoint, replica) == (0, 0)
