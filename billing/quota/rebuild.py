@@ -3,13 +3,14 @@ PostgreSQL: spend is the ledger's sum, credit what the grants leave after it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections, connection, transaction
+from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.utils import timezone
 
 from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_usage_began
@@ -26,6 +27,8 @@ from controlplane.redis_keys import (
     settled_key,
 )
 from controlplane.redis_scripts import Script
+
+logger = logging.getLogger("inferplane.billing")
 
 CREDIT_FIGURE_MAX_TTL_S = 3600
 # At most one rewrite of an organisation counter's limits for a version mismatch in this long (`rebuild_missing`).
@@ -200,5 +203,13 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
 
 
 def _limits_again(organization_id: int) -> None:
+    """NOTE: a database that serves reads and refuses writes (a failover's demoted primary, a full disk) refuses the
+    refresh's row lock: the limits just rebuilt from it stand, as good as it can tell, and the call goes on. It raised
+    `InternalError` (read-only transaction), not an outage: every call that found its counter missing was a 500 for
+    the rest of the outage."""
     close_old_connections()
-    refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
+    try:
+        refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
+    except DatabaseError as exc:
+        logger.warning("organisation %s: its limits are not read again under its lock (%s); the rebuilt ones stand",
+                       organization_id, type(exc).__name__)
