@@ -19,6 +19,7 @@ from billing.periods import Period, period_containing
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import (
+    credit_journaled_key,
     credit_key,
     key_period_key,
     limits_refreshed_key,
@@ -52,17 +53,19 @@ return 1
 """)
 
 
-# KEYS: the credit figure, the organisation's reservations, then the settled marker of each pending call; ARGV: ttl,
-# the figure (units), each pending call's request id, then each one's cost (units, > 0). Writes the figure only if
-# nobody did meanwhile, with the cost of each pending call still reserved and not settled given back: its own
-# settlement (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure counted it, then the settlement
-# took it again: a prepaid account refused (402) early for up to an hour after any grant or mode change.
+# KEYS: the credit figure, the organisation's reservations, the journaled calls the figure counted, then the settled
+# marker of each pending call; ARGV: ttl, the figure (units), each pending call's request id, then each one's cost
+# (units, > 0). Writes the figure only if nobody did meanwhile, with the cost of each pending call still reserved and
+# not settled given back: its own settlement (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure
+# counted it, then the settlement took it again: a prepaid account refused (402) early for up to an hour after any
+# grant or mode change. A new figure has counted no journaled call (`replayed`): what the last one had is dropped.
 _INIT_CREDIT = Script("""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
-local pending = #KEYS - 2
+redis.call('DEL', KEYS[3])
+local pending = #KEYS - 3
 for i = 1, pending do
-  if redis.call('HEXISTS', KEYS[2], ARGV[2 + i]) == 1 and redis.call('EXISTS', KEYS[2 + i]) == 0 then
+  if redis.call('HEXISTS', KEYS[2], ARGV[2 + i]) == 1 and redis.call('EXISTS', KEYS[3 + i]) == 0 then
     redis.call('INCRBY', KEYS[1], ARGV[2 + pending + i])
   end
 end
@@ -159,14 +162,15 @@ def _one_snapshot():
 
 async def _write_rebuild(rebuild: _Rebuild, organization_id: int) -> None:
     request_ids = list(rebuild.pending)
-    keys = [rebuild.key, reservations_key(organization_id),
-            *[settled_key(organization_id, request_id) for request_id in request_ids]]
+    markers = [settled_key(organization_id, request_id) for request_id in request_ids]
     costs = [rebuild.pending[request_id] for request_id in request_ids]
     if rebuild.fields is not None:
-        await _INIT_SPEND(keys=keys, args=[rebuild.ttl_s, *request_ids, *costs,
-                                           *[item for pair in rebuild.fields.items() for item in pair]])
+        await _INIT_SPEND(keys=[rebuild.key, reservations_key(organization_id), *markers],
+                          args=[rebuild.ttl_s, *request_ids, *costs,
+                                *[item for pair in rebuild.fields.items() for item in pair]])
     else:
-        await _INIT_CREDIT(keys=keys, args=[rebuild.ttl_s, rebuild.value, *request_ids, *costs])
+        await _INIT_CREDIT(keys=[rebuild.key, reservations_key(organization_id), credit_journaled_key(organization_id),
+                                 *markers], args=[rebuild.ttl_s, rebuild.value, *request_ids, *costs])
 
 
 async def rebuild_missing(what: str, reservation: Reservation) -> bool:
