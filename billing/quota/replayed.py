@@ -18,9 +18,10 @@ and is not counted again: only the request ids a replay wrote now come here.
 
 NOTE: before, the replay wrote the ledger and told no counter: one rebuilt while rows waited in the journal never
 counted them, for the rest of the month (the credit figure: until it expired), and caps, the limit without a payment
-method and prepaid credit admitted that much more. A counter rebuilt from the ledger between a replay's commit and
-its count here counts the row twice until it is next rebuilt (a window of one round trip); a worker killed in the same
-window leaves it uncounted likewise.
+method and prepaid credit admitted that much more. Left open, each a window of one round trip between a replay's
+commit and its count here: a counter rebuilt from a ledger read after the commit and written before the count counts
+the row twice; one read before the commit and written after the count lacks it; a replayer killed there counts it
+nowhere. Each holds until the counter is next rebuilt.
 """
 
 from __future__ import annotations
