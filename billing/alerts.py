@@ -4,6 +4,7 @@ period; and one when an unpaid invoice or a disputed payment stops inference (`b
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from decimal import Decimal
 
 from django.conf import settings
@@ -23,6 +24,9 @@ from controlplane.accounts.models import Membership, Role
 logger = logging.getLogger(__name__)
 
 THRESHOLDS_PERCENT = (50, 80, 100)
+# An alert claimed and not sent this long ago was left by a worker that died: well past the task's hard time limit
+# (`billing.tasks.check_spend_alerts`), so the worker that claimed it is gone.
+CLAIM_LEFT_AFTER = timedelta(minutes=5)
 
 
 def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
@@ -42,14 +46,8 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
         return []
     sent_now = []
     for threshold in crossed:
-        # NOTE: the unique row is the claim: whoever inserts it sends; a rerun finds it and skips.
-        try:
-            with transaction.atomic():
-                alert = SpendAlert.objects.create(
-                    organization_id=organization_id, period_start=period.start, threshold_percent=threshold,
-                    spend=spend, spend_cap=limit.cap,
-                )
-        except IntegrityError:
+        alert = _claim(organization_id, period.start, threshold, spend, limit.cap)
+        if alert is None:
             continue
         try:
             _send(account, limit, threshold, spend)
@@ -59,6 +57,30 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
         SpendAlert.objects.filter(pk=alert.pk).update(sent_at=timezone.now())
         sent_now.append(threshold)
     return sent_now
+
+
+def _claim(organization_id: int, period_start, threshold: int, spend: Decimal, spend_cap: Decimal) -> SpendAlert | None:
+    """The alert's row, claimed by this run to send it; None when it was sent or another run is sending it.
+
+    NOTE: the unique row is the claim: whoever inserts it sends; a rerun finds it and skips. A claim left unsent for
+    `CLAIM_LEFT_AFTER` (its worker was killed between the claim and the email: SIGKILL, OOM, the task's hard time
+    limit, where no except clause runs) is taken again by a conditional update, its `created_at` the new claim's
+    time: the alert was never sent otherwise. At least once: a worker killed after the mail went and before `sent_at`
+    was written sends it twice."""
+    try:
+        with transaction.atomic():
+            return SpendAlert.objects.create(organization_id=organization_id, period_start=period_start,
+                                             threshold_percent=threshold, spend=spend, spend_cap=spend_cap)
+    except IntegrityError:
+        pass
+    now = timezone.now()
+    left = SpendAlert.objects.filter(organization_id=organization_id, period_start=period_start,
+                                     threshold_percent=threshold, sent_at__isnull=True,
+                                     created_at__lt=now - CLAIM_LEFT_AFTER)
+    if left.update(created_at=now, spend=spend, spend_cap=spend_cap) != 1:
+        return None
+    return SpendAlert.objects.get(organization_id=organization_id, period_start=period_start,
+                                  threshold_percent=threshold)
 
 
 def _recipients(organization) -> list[str]:

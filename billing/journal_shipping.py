@@ -36,6 +36,7 @@ from django.db import DataError, IntegrityError
 from django.utils.crypto import constant_time_compare, salted_hmac
 
 from billing.ledger import UnknownEndpointError, record_usage_batch
+from billing.quota import replayed
 from billing.usage_journal import UsageJournal, encode, read_segment
 
 logger = logging.getLogger("inferplane.billing")
@@ -129,9 +130,9 @@ def _replay_one(key: str) -> int:
     for first in range(0, len(reports), REPLAY_BATCH):
         batch = reports[first:first + REPLAY_BATCH]
         try:
-            num_written += len(record_usage_batch(batch))
+            written = record_usage_batch(batch)
         except UnknownEndpointError as exc:
-            num_written += len(exc.written_ids)
+            written = exc.written_ids
             refused = set(exc.refused_ids)
             rejected += [report for report in batch if report.request_id in refused]
         except (DataError, IntegrityError) as exc:
@@ -139,6 +140,9 @@ def _replay_one(key: str) -> int:
             # segment failed every run, and every segment listed after it waited for ever.
             logger.error("usage journal: a shipped batch refused by the ledger (%r) set aside", exc)
             rejected += batch
+            written = set()
+        num_written += len(written)
+        replayed.count_replayed(written)  # NOTE: as the gateway's replay (`usage_writer`): only what was written now
     if rejected:
         _set_aside(key, b"".join(encode(report) for report in rejected))
         logger.error("usage journal: %d shipped report(s) refused by the ledger kept in %s", len(rejected),

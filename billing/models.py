@@ -334,7 +334,7 @@ class SpendAlert(models.Model):
     spend = MoneyField()
     spend_cap = MoneyField()
     sent_at = models.DateTimeField(null=True, blank=True)
-    created_at = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(default=timezone.now)  # claimed then (again, if left unsent: `billing.alerts`)
 
     class Meta:
         constraints = [

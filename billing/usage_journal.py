@@ -28,8 +28,10 @@ ready, while calls already admitted still append here, into the headroom below t
 (`ADMITTED_HEADROOM_BYTES`). Before, a database that took no writes for half an hour filled the web pod's volume,
 the kubelet evicted the pod and deleted the journal with it: every call answered in the outage went unbilled.
 
-NOTE: usage sitting in a journal is not in the ledger yet, so spend rebuilt from the ledger during
-an outage (a Redis flush at the same time) misses it until it is replayed.
+NOTE: usage sitting in a journal is not in the ledger yet, so a spend counter or credit figure rebuilt from the ledger
+meanwhile (Redis flushed, restarted, the figure expired) lacks it; the replay counts each row it writes in the counters
+that lack it, once (`billing.quota.replayed`). Before, the counter never learnt it: it was written into the ledger and
+nowhere else, and caps, the limit without a payment method and prepaid credit admitted that much more for the month.
 """
 
 from __future__ import annotations

@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import functools
 import logging
 import time
 from dataclasses import dataclass, field
 
 import psycopg
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connections
 
 from billing import journal_shipping
 from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch_on
+from billing.quota import replayed
 from billing.usage_journal import UsageJournal, read_segment
 from controlplane.per_loop import PerLoop
 
@@ -51,6 +54,16 @@ WRITE_TIMEOUT_S = 5.0  # a database that does not commit a batch in this long is
 CONNECT_TIMEOUT_S = 3
 OUTAGE_PROBE_S = 1.0  # after a failure, batches go to the journal this long before PostgreSQL is tried again
 REPLAY_RETRY_MAX_S = 5.0
+
+
+class Recorded(enum.IntEnum):
+    """What `arecord_usage` did with a report: false only for a request id written before."""
+
+    DUPLICATE = 0
+    WRITTEN = 1  # committed into the ledger
+    # In the journal, owed to the ledger: its settlement marks the counters it counts it in, for its replay
+    # (`billing.quota.replayed`), which counts it in those Redis rebuilt meanwhile from a ledger without it.
+    JOURNALED = 2
 
 
 class DatabaseUnavailable(Exception):
@@ -120,11 +133,12 @@ async def _connect() -> psycopg.AsyncConnection:
     return await psycopg.AsyncConnection.connect(**params, autocommit=True, cursor_factory=psycopg.AsyncClientCursor)
 
 
-def _outcomes(reports: list[UsageReport], written: set[str], refused: dict[str, Exception]) -> list[bool | Exception]:
-    outcomes: list[bool | Exception] = []
+def _outcomes(reports: list[UsageReport], written: set[str], refused: dict[str, Exception]) -> list[Recorded | Exception]:
+    outcomes: list[Recorded | Exception] = []
     seen = set()
     for report in reports:  # NOTE: a request id twice in one batch: only the first caller wrote it
-        outcomes.append(refused.get(report.request_id) or (report.request_id in written and report.request_id not in seen))
+        outcomes.append(refused.get(report.request_id)
+                        or Recorded(report.request_id in written and report.request_id not in seen))
         seen.add(report.request_id)
     return outcomes
 
@@ -138,15 +152,16 @@ class UsageWriter:
     _down_until: float = 0.0  # monotonic: until then, batches go to the journal
     _replayer: asyncio.Task | None = None
 
-    async def write(self, report: UsageReport) -> bool:
-        """True once the row is committed (or journaled, to be replayed), False if its id was written before."""
+    async def write(self, report: UsageReport) -> Recorded:
+        """WRITTEN once the row is committed, JOURNALED once journaled (to be replayed), DUPLICATE if its id was
+        written before."""
         future = asyncio.get_running_loop().create_future()
         self._pending.append((report, future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
         return await future
 
-    async def _write_batch(self, reports: list[UsageReport]) -> list[bool | Exception]:
+    async def _write_batch(self, reports: list[UsageReport]) -> list[Recorded | Exception]:
         """One statement for the batch; a refused report fails alone.
 
         NOTE: a connection that dropped (a PostgreSQL restart, a failover, an idle timeout) is
@@ -159,7 +174,7 @@ class UsageWriter:
         except psycopg.OperationalError:
             return await self._write_once(reports)
 
-    async def _write_once(self, reports: list[UsageReport]) -> list[bool | Exception]:
+    async def _write_once(self, reports: list[UsageReport]) -> list[Recorded | Exception]:
         try:
             written, refused = await asyncio.wait_for(self._insert(reports), WRITE_TIMEOUT_S), {}
         except UnknownEndpointError as exc:
@@ -178,10 +193,10 @@ class UsageWriter:
             self._connection = await _connect()
         return await record_usage_batch_on(self._connection, reports)
 
-    async def _journal(self, reports: list[UsageReport]) -> list[bool]:
+    async def _journal(self, reports: list[UsageReport]) -> list[Recorded]:
         await asyncio.to_thread(journal().append, reports)
         self.replay_soon()
-        return [True] * len(reports)  # owed and durable: counted as written
+        return [Recorded.JOURNALED] * len(reports)  # owed and durable: counted as written
 
     async def _flush(self) -> None:
         # NOTE: every coroutine that is ready to write, or gets there within the window, joins this batch.
@@ -259,10 +274,11 @@ class UsageWriter:
                 for first in range(0, len(reports), self.max_batch):
                     batch = reports[first:first + self.max_batch]
                     try:
-                        await asyncio.wait_for(self._insert(batch), WRITE_TIMEOUT_S)
+                        written = await asyncio.wait_for(self._insert(batch), WRITE_TIMEOUT_S)
                     except UnknownEndpointError as exc:
                         refused = set(exc.refused_ids)
                         rejected += [report for report in batch if report.request_id in refused]
+                        written = exc.written_ids
                     except psycopg.DatabaseError as exc:
                         if not _about_the_rows(exc):  # down, read-only, shutting down: the segment waits
                             outage = _as_outage(exc)
@@ -273,6 +289,8 @@ class UsageWriter:
                         logger.error("usage journal: a batch refused by the ledger (%r) set aside", exc)
                         self.close_now()
                         rejected += batch
+                        continue
+                    await _count_replayed(written)
                 await asyncio.to_thread(usage_journal.done, path, rejected)
                 logger.info("usage journal: %d report(s) replayed from %s", len(reports) - len(rejected), path.name)
         return num_left
@@ -287,6 +305,14 @@ class UsageWriter:
         connection, self._connection = self._connection, None
         if connection is not None and not connection.closed:
             connection.pgconn.finish()
+
+
+async def _count_replayed(request_ids: set[str]) -> None:
+    """The rows a replay wrote now, counted in the quota counters rebuilt without them (`billing.quota.replayed`)."""
+    try:
+        await sync_to_async(replayed.count_replayed)(request_ids)
+    except Exception as exc:  # noqa: BLE001 - the rows are in the ledger: a counter rebuilt from it later counts them
+        logger.warning("usage journal: %d replayed row(s) not counted in the quota counters: %r", len(request_ids), exc)
 
 
 # NOTE: a loop that closes (asyncio.run in a script or a test) takes its writer's connection along.
@@ -324,9 +350,9 @@ async def ship_what_is_left() -> int:
     return await asyncio.to_thread(journal_shipping.ship, usage_journal)
 
 
-async def arecord_usage(report: UsageReport) -> bool:
+async def arecord_usage(report: UsageReport) -> Recorded:
     """`billing.ledger.record_usage` for async callers: returns once the row is committed (or
-    journaled). Concurrent calls in one event loop share a statement and a commit."""
+    journaled: `Recorded`). Concurrent calls in one event loop share a statement and a commit."""
     return await writer_for_this_loop().write(report)
 
 

@@ -75,6 +75,11 @@ def credit_key(organization_id: int) -> str:
     return f"billing:{org_tag(organization_id)}:credit"
 
 
+def credit_journaled_key(organization_id: int) -> str:
+    """The journaled calls whose settlement the credit figure counted (`billing.quota.replayed`)."""
+    return f"billing:{org_tag(organization_id)}:credit:journaled"
+
+
 def limits_refreshed_key(organization_id: int) -> str:
     """Set for a few seconds after a gateway wrote the organisation counter's limits for a version mismatch."""
     return f"billing:{org_tag(organization_id)}:limits_refreshed"

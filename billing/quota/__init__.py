@@ -11,6 +11,7 @@ any number of gateway processes can never overshoot a cap.
   a cap, billing mode or credit grant changes;
 - `rebuild`: a missing counter rebuilt from PostgreSQL (the ledger's spend, the credit left);
 - `sweeper`: reservations whose gateway died, released after their deadline;
+- `replayed`: usage rows replayed from the journal, counted in the counters rebuilt without them;
 - `reads`: what Redis counts now (for the console and tests).
 
 Redis holds, in nano-dollars (integers, exact in Lua's doubles up to $9M):
@@ -20,6 +21,7 @@ Redis holds, in nano-dollars (integers, exact in Lua's doubles up to $9M):
   billing:{org:<id>}:key:<key id>:period:<YYYYMM>  hash {spent, cap}
   billing:{org:<id>}:reserved, billing:{org:<id>}:key:<key id>:reserved   sums of outstanding reservations
   billing:{org:<id>}:credit   prepaid credit left after settled spend; expires at the next grant expiry
+  billing:{org:<id>}:credit:journaled   journaled calls the credit figure counted (a period hash's: `j:<id>` fields)
   billing:{org:<id>}:reservations   request id -> reservation (JSON); billing:{org:<id>}:reservation_deadlines (zset)
 
 Every name is built in `controlplane.redis_keys`; one organisation's keys share its hash tag, so the

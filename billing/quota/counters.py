@@ -23,6 +23,7 @@ from billing.standing import bills_through_stripe, hold_reason, spend_limit
 from controlplane.accounts.models import ApiKey
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import (
+    credit_journaled_key,
     credit_key,
     deadlines_key,
     key_period_key,
@@ -174,6 +175,8 @@ end
 #   failed with nothing counted): its settlement adds no spend, and a batch line's next try under the same id
 #   must settle its own. NOTE: the day's marker of such a try made the retry that succeeded add nothing to the
 #   organisation's spend in Redis (its ledger row was written): caps and prepaid credit lagged the ledger.
+# - a day, whatever its id, for a call whose row went to the usage journal (`journaled`): its replay, which may come
+#   after minutes of outage, finds it (`billing.quota.replayed`).
 SETTLE_LUA = UNRESERVE_LUA + """
 local function quota_settle(K, A)
   local first = true
@@ -191,10 +194,26 @@ local function quota_settle(K, A)
   end
   if not first then return 0 end
   -- A missing counter is rebuilt from the ledger, which has this call's row (written before); one rebuilt while the
-  -- call was still reserved and unsettled left its cost out for this settlement to add (`rebuild`).
-  if redis.call('EXISTS', K[4]) == 1 then redis.call('HINCRBY', K[4], 'spent', actual) end
-  if has_key and redis.call('EXISTS', K[6]) == 1 then redis.call('HINCRBY', K[6], 'spent', actual) end
-  if A[5] == '1' and redis.call('EXISTS', K[8]) == 1 then redis.call('DECRBY', K[8], actual) end
+  -- call was still reserved and unsettled left its cost out for this settlement to add (`rebuild`). A row in the
+  -- journal is in no ledger yet: each counter this adds it to says so (`replayed`), its replay adds it to the others.
+  local journaled = A[6] == '1'
+  local field = 'j:' .. A[1]
+  if redis.call('EXISTS', K[4]) == 1 then
+    redis.call('HINCRBY', K[4], 'spent', actual)
+    if journaled then redis.call('HSET', K[4], field, '1') end
+  end
+  if has_key and redis.call('EXISTS', K[6]) == 1 then
+    redis.call('HINCRBY', K[6], 'spent', actual)
+    if journaled then redis.call('HSET', K[6], field, '1') end
+  end
+  if A[5] == '1' and redis.call('EXISTS', K[8]) == 1 then
+    redis.call('DECRBY', K[8], actual)
+    if journaled then
+      redis.call('HSET', K[9], A[1], '1')
+      local ttl = redis.call('PTTL', K[8])
+      if ttl > 0 then redis.call('PEXPIRE', K[9], ttl) end
+    end
+  end
   return 1
 end
 """
@@ -202,8 +221,9 @@ end
 SETTLE = ScriptPart(
     "quota_settle",
     keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
-          "key reserved", "credit"),
-    args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "draws credit (1/0)"), lua=SETTLE_LUA)
+          "key reserved", "credit", "credit journaled"),
+    args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "draws credit (1/0)", "journaled (1/0)"),
+    lua=SETTLE_LUA)
 
 # KEYS: a hash; ARGV: field/value pairs. Changes the hash only if it exists.
 _UPDATE_HASH = Script("""
@@ -307,13 +327,15 @@ def refusal(status: str, detail: str) -> QuotaExceeded | None:
 
 
 def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_at: datetime | None = None,
-                         fresh_id: bool = False, recorded: bool = True,
-                         billing_mode: str = BillingMode.PREPAID) -> tuple[list[str], list[str]]:
+                         fresh_id: bool = False, recorded: bool = True, billing_mode: str = BillingMode.PREPAID,
+                         journaled: bool = False) -> tuple[list[str], list[str]]:
     """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`, spent in the period containing
     `finished_at` (the ledger row's: now when None); `fresh_id` when its request id is a gateway call's own, which
     no caller settles again (its marker is kept minutes: see `SETTLE_LUA`); not `recorded` when the try wrote no
     ledger row (no marker: `actual` must then be 0). Prepaid credit is drawn only for a call billed prepaid
     (`billing_mode`, its row's): one admitted postpaid and settled after a switch to prepaid drew credit it never uses.
+    `journaled`: its row went to the usage journal, not the ledger (`billing.usage_writer.Recorded.JOURNALED`): the
+    counters it is added to are marked as counting it, for its replay (`billing.quota.replayed`).
 
     NOTE: the ledger bills a row in the period of its `finished_at` (`billing.ledger.period_spend`), and the
     counters are rebuilt from it: a call reserved on the 31st before midnight and finished after spends in the
@@ -325,11 +347,12 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_
         raise ValueError("a try that recorded nothing costs nothing")
     org, key = reservation.organization_id, reservation.api_key_id
     kept = _prepared(org, key, period_containing(finished_at).key)[1]
-    keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:]]
+    keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:], credit_journaled_key(org)]
     has_key = "1" if key is not None else "0"
-    marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id else SETTLED_MARKER_TTL_S
+    marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id and not journaled else SETTLED_MARKER_TTL_S
     draws_credit = "1" if billing_mode == BillingMode.PREPAID else "0"
-    return keys, [reservation.request_id, str(to_units(actual)), has_key, str(marker_ttl_s), draws_credit]
+    return keys, [reservation.request_id, str(to_units(actual)), has_key, str(marker_ttl_s), draws_credit,
+                  "1" if journaled and recorded else "0"]
 
 
 def limits_version() -> str:

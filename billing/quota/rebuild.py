@@ -3,13 +3,14 @@ PostgreSQL: spend is the ledger's sum, credit what the grants leave after it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections, connection, transaction
+from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.utils import timezone
 
 from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_usage_began
@@ -18,6 +19,7 @@ from billing.periods import Period, period_containing
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import (
+    credit_journaled_key,
     credit_key,
     key_period_key,
     limits_refreshed_key,
@@ -26,6 +28,8 @@ from controlplane.redis_keys import (
     settled_key,
 )
 from controlplane.redis_scripts import Script
+
+logger = logging.getLogger("inferplane.billing")
 
 CREDIT_FIGURE_MAX_TTL_S = 3600
 # At most one rewrite of an organisation counter's limits for a version mismatch in this long (`rebuild_missing`).
@@ -49,17 +53,19 @@ return 1
 """)
 
 
-# KEYS: the credit figure, the organisation's reservations, then the settled marker of each pending call; ARGV: ttl,
-# the figure (units), each pending call's request id, then each one's cost (units, > 0). Writes the figure only if
-# nobody did meanwhile, with the cost of each pending call still reserved and not settled given back: its own
-# settlement (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure counted it, then the settlement
-# took it again: a prepaid account refused (402) early for up to an hour after any grant or mode change.
+# KEYS: the credit figure, the organisation's reservations, the journaled calls the figure counted, then the settled
+# marker of each pending call; ARGV: ttl, the figure (units), each pending call's request id, then each one's cost
+# (units, > 0). Writes the figure only if nobody did meanwhile, with the cost of each pending call still reserved and
+# not settled given back: its own settlement (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure
+# counted it, then the settlement took it again: a prepaid account refused (402) early for up to an hour after any
+# grant or mode change. A new figure has counted no journaled call (`replayed`): what the last one had is dropped.
 _INIT_CREDIT = Script("""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
-local pending = #KEYS - 2
+redis.call('DEL', KEYS[3])
+local pending = #KEYS - 3
 for i = 1, pending do
-  if redis.call('HEXISTS', KEYS[2], ARGV[2 + i]) == 1 and redis.call('EXISTS', KEYS[2 + i]) == 0 then
+  if redis.call('HEXISTS', KEYS[2], ARGV[2 + i]) == 1 and redis.call('EXISTS', KEYS[3 + i]) == 0 then
     redis.call('INCRBY', KEYS[1], ARGV[2 + pending + i])
   end
 end
@@ -156,14 +162,15 @@ def _one_snapshot():
 
 async def _write_rebuild(rebuild: _Rebuild, organization_id: int) -> None:
     request_ids = list(rebuild.pending)
-    keys = [rebuild.key, reservations_key(organization_id),
-            *[settled_key(organization_id, request_id) for request_id in request_ids]]
+    markers = [settled_key(organization_id, request_id) for request_id in request_ids]
     costs = [rebuild.pending[request_id] for request_id in request_ids]
     if rebuild.fields is not None:
-        await _INIT_SPEND(keys=keys, args=[rebuild.ttl_s, *request_ids, *costs,
-                                           *[item for pair in rebuild.fields.items() for item in pair]])
+        await _INIT_SPEND(keys=[rebuild.key, reservations_key(organization_id), *markers],
+                          args=[rebuild.ttl_s, *request_ids, *costs,
+                                *[item for pair in rebuild.fields.items() for item in pair]])
     else:
-        await _INIT_CREDIT(keys=keys, args=[rebuild.ttl_s, rebuild.value, *request_ids, *costs])
+        await _INIT_CREDIT(keys=[rebuild.key, reservations_key(organization_id), credit_journaled_key(organization_id),
+                                 *markers], args=[rebuild.ttl_s, rebuild.value, *request_ids, *costs])
 
 
 async def rebuild_missing(what: str, reservation: Reservation) -> bool:
@@ -200,5 +207,13 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
 
 
 def _limits_again(organization_id: int) -> None:
+    """NOTE: a database that serves reads and refuses writes (a failover's demoted primary, a full disk) refuses the
+    refresh's row lock: the limits just rebuilt from it stand, as good as it can tell, and the call goes on. It raised
+    `InternalError` (read-only transaction), not an outage: every call that found its counter missing was a 500 for
+    the rest of the outage."""
     close_old_connections()
-    refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
+    try:
+        refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
+    except DatabaseError as exc:
+        logger.warning("organisation %s: its limits are not read again under its lock (%s); the rebuilt ones stand",
+                       organization_id, type(exc).__name__)

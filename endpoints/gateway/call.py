@@ -684,11 +684,12 @@ class InferenceCall:
             if self.status != "cut_off":  # a stream stopped at its reservation went past it by its last chunk only
                 self._note_usage_past_reservation(actual)
             actual = self.reserved
+        journaled = False
         try:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
             if recorded:
-                await usage_writer.arecord_usage(ledger.UsageReport(
+                journaled = usage_writer.Recorded.JOURNALED == await usage_writer.arecord_usage(ledger.UsageReport(
                     request_id=self.request_id, organization_id=self.caller.organization_id,
                     api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
                     replica_id=self.replica.id if self.replica else None,
@@ -714,7 +715,7 @@ class InferenceCall:
                                        num_tokens=usage.prompt_tokens + usage.completion_tokens if recorded else 0,
                                        cost=actual, served_by=self.replica.id if self.replica else None,
                                        cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id, recorded=recorded,
-                                       finished_at=finished_at)
+                                       finished_at=finished_at, journaled=journaled)
             except asyncio.CancelledError:
                 presence.end_later(self.caller.organization_id, self.request_id)  # as below: its loop is ending
                 raise

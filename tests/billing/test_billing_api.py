@@ -7,10 +7,11 @@ import pytest
 from django.core import mail
 from django.utils import timezone
 
+from billing import alerts
 from billing.alerts import check_spend_alerts
 from billing.credits import grant_credits
 from billing.ledger import record_usage
-from billing.models import ApiKeySpendCap, BillingAccount, Invoice, InvoiceLine
+from billing.models import ApiKeySpendCap, BillingAccount, Invoice, InvoiceLine, SpendAlert
 from billing.services import set_spend_cap
 from controlplane.accounts.models import ApiKey, AuditEvent, Role
 from controlplane.accounts.services import SYSTEM
@@ -112,6 +113,33 @@ def test_spend_alerts_go_out_at_50_80_and_100_percent_once_each_per_period(owner
         "used 50% of its monthly spend cap", "used 80% of its monthly spend cap", "reached its monthly spend cap",
     ]
     assert all(m.to == [owner_client.user.email] for m in mail.outbox)  # owners and admins, not members
+
+
+class _WorkerKilled(BaseException):
+    """The worker dies here (SIGKILL, OOM, the task's hard time limit): no except clause runs."""
+
+
+def test_a_spend_alert_whose_worker_died_before_sending_it_is_sent_by_a_later_run(owner_client, monkeypatch):
+    organization = owner_client.organization
+    set_spend_cap(SYSTEM, organization, spend_cap=Decimal("1.00"))
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=600_000, completion_tokens=0))
+    send = alerts._send
+
+    def killed(*args, **kwargs):
+        raise _WorkerKilled()
+
+    monkeypatch.setattr(alerts, "_send", killed)
+    with pytest.raises(_WorkerKilled):
+        check_spend_alerts(organization.pk)
+    monkeypatch.setattr(alerts, "_send", send)
+    assert check_spend_alerts(organization.pk) == []  # the claim may still be sending: not twice at once
+
+    SpendAlert.objects.filter(organization=organization).update(created_at=timezone.now() - timedelta(hours=1))
+    assert check_spend_alerts(organization.pk) == [50]
+    assert check_spend_alerts(organization.pk) == []
+    assert [m.subject.removeprefix(organization.name + " ") for m in mail.outbox] == ["used 50% of its monthly spend cap"]
+    assert SpendAlert.objects.get(organization=organization).sent_at is not None
 
 
 def test_the_portal_link_creates_the_customer_once(owner_client, fake_stripe):

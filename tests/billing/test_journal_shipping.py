@@ -4,6 +4,7 @@ and the worker replays them from there, each row once."""
 import asyncio
 import dataclasses
 import shutil
+from decimal import Decimal
 
 import boto3
 import psycopg
@@ -11,9 +12,12 @@ import pytest
 
 from billing import journal_shipping, usage_writer
 from billing.models import UsageRecord
+from billing.quota import reads
 from billing.usage_journal import REJECTED_NAME, encode
+from controlplane.redis_client import get_redis
 from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_server  # noqa: F401 - fixtures used here
 from tests.billing.conftest import usage_report
+from tests.billing.test_quota import reserve
 from tests.factories import EndpointFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -59,7 +63,7 @@ def _bucket_keys(bucket: str, prefix: str) -> list[str]:
 def _journal_rows_while_down(reports, *, replay_for_s: float) -> None:
     async def calls():
         writer = usage_writer.writer_for_this_loop()
-        assert await asyncio.gather(*(writer.write(report) for report in reports)) == [True] * len(reports)
+        assert await asyncio.gather(*(writer.write(report) for report in reports)) == [usage_writer.Recorded.JOURNALED] * len(reports)
         # The writer's replay loop meets the outage again and again meanwhile.
         await asyncio.sleep(replay_for_s)
 
@@ -100,7 +104,7 @@ def test_a_process_stopping_in_an_outage_ships_what_it_could_not_replay(outage, 
 
     async def calls_then_stop():
         writer = usage_writer.writer_for_this_loop()
-        assert await asyncio.gather(*(writer.write(report) for report in reports)) == [True] * len(reports)
+        assert await asyncio.gather(*(writer.write(report) for report in reports)) == [usage_writer.Recorded.JOURNALED] * len(reports)
         await asyncio.sleep(0.2)
         assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
         await usage_writer.replay_before_the_loop_ends(0.2)  # the gateway's shutdown, a batch run's end
@@ -129,6 +133,26 @@ def test_a_segment_both_shipped_and_replayed_here_counts_once(outage, files_buck
     _replay_here()
     assert journal_shipping.replay_shipped() == 0
     assert UsageRecord.objects.count() == len(reports)
+
+
+def test_a_counter_rebuilt_while_rows_wait_in_the_bucket_counts_them_once_the_worker_replays_them(
+        outage, files_bucket):  # noqa: F811
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    organization_id = endpoint.organization_id
+    reports = [usage_report(endpoint, request_id=f"spent-{number}", prompt_tokens=100_000, completion_tokens=0)
+               for number in range(3)]  # $0.10 each
+    _journal_rows_while_down(reports, replay_for_s=0.5)
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX)
+
+    # Redis lost its counters; PostgreSQL is back; a call rebuilds them from a ledger the rows are not in yet.
+    get_redis().flushdb()
+    outage.end()
+    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+    assert reads.counted_spend(organization_id) == 0
+
+    assert journal_shipping.replay_shipped() == len(reports)
+    assert reads.counted_spend(organization_id) == Decimal("0.30")
+    assert journal_shipping.replay_shipped() == 0 and reads.counted_spend(organization_id) == Decimal("0.30")
 
 
 def test_an_unreachable_bucket_keeps_the_segments_here(outage, settings):

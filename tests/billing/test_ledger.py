@@ -11,7 +11,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 
 from billing.ledger import CostCeiling, UnknownEndpointError, cost_of, record_usage, record_usage_batch
 from billing.models import UsageRecord
-from billing.usage_writer import arecord_usage, writer_for_this_loop
+from billing.usage_writer import Recorded, arecord_usage, writer_for_this_loop
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory, OrganizationFactory
 
@@ -115,8 +115,8 @@ def test_the_async_variant_writes_exactly_once_too():
     endpoint = EndpointFactory()
     report = usage_report(endpoint, request_id="async-once")
 
-    assert async_to_sync(arecord_usage)(report) is True
-    assert async_to_sync(arecord_usage)(report) is False
+    assert async_to_sync(arecord_usage)(report) is Recorded.WRITTEN
+    assert async_to_sync(arecord_usage)(report) is Recorded.DUPLICATE
     assert UsageRecord.objects.filter(request_id="async-once").count() == 1
 
 
@@ -132,7 +132,7 @@ def test_concurrent_async_writes_share_statements_and_still_write_each_request_o
 
     outcomes = asyncio.run(storm())
 
-    assert sum(outcome is True for outcome in outcomes) == 150
+    assert sum(outcome is Recorded.WRITTEN for outcome in outcomes) == 150
     assert isinstance(outcomes[-1], UnknownEndpointError)
     assert UsageRecord.objects.count() == 150
 
@@ -160,7 +160,7 @@ def test_the_async_writer_survives_its_connection_being_dropped():
             cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = %s AND pid <> pg_backend_pid()",
                            [pid])
 
-    assert asyncio.run(scenario()) is True
+    assert asyncio.run(scenario()) is Recorded.WRITTEN
     assert set(UsageRecord.objects.values_list("request_id", flat=True)) == {"before-drop", "after-drop"}
 
 
@@ -195,7 +195,7 @@ def test_the_usage_writer_prepares_its_insert_unless_behind_a_transaction_pooler
     async def write_and_look() -> list:
         writer = writer_for_this_loop()
         for number in range(8):
-            assert await writer.write(usage_report(endpoint, request_id=f"prepared-{pooler}-{number}")) is True
+            assert await writer.write(usage_report(endpoint, request_id=f"prepared-{pooler}-{number}")) is Recorded.WRITTEN
         async with writer._connection.cursor() as cursor:
             await cursor.execute("SELECT statement FROM pg_prepared_statements")
             return [row[0] for row in await cursor.fetchall()]

@@ -39,6 +39,7 @@ from endpoints.gateway.auth import Caller
 from tests.billing.conftest import usage_report
 from tests.conftest import wait_until
 from tests.factories import EndpointFactory, OrganizationFactory
+from tests.outages import database_read_only
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -150,6 +151,22 @@ def test_counters_are_rebuilt_from_the_ledger_after_a_redis_flush():
     with pytest.raises(QuotaExceeded):
         asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("3.01"), request_id="over"))
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("3.00"), request_id="fits"))
+    assert reads.counted_spend(organization.pk) == Decimal("7")
+
+
+def test_a_counter_rebuilt_while_postgresql_refuses_writes_admits_the_call():
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    _cap(organization, "10.00")
+    record_usage(usage_report(endpoint, prompt_tokens=7_000_000, completion_tokens=0))  # $7 this month
+    get_redis().flushdb()  # Redis lost its counters
+
+    with database_read_only():  # a failover's demoted primary: reads answered, the limits' row lock refused
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("3.00"), request_id="fits"))
+        with pytest.raises(QuotaExceeded):
+            asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"),
+                                request_id="over"))
     assert reads.counted_spend(organization.pk) == Decimal("7")
 
 
@@ -351,7 +368,7 @@ def test_a_reservations_prepared_keys_and_payload_are_those_built_in_full():
                 redis_keys.reservations_key(3), redis_keys.deadlines_key(3), redis_keys.settled_key(3, "req_x"),
                 redis_keys.org_period_key(3, period), redis_keys.org_reserved_key(3),
                 redis_keys.key_period_key(3, api_key_id, period), redis_keys.key_reserved_key(3, api_key_id),
-                redis_keys.credit_key(3)]
+                redis_keys.credit_key(3), redis_keys.credit_journaled_key(3)]
 
 
 def test_a_request_id_settled_before_releases_its_new_hold_and_adds_no_spend(settings):

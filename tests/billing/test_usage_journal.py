@@ -164,9 +164,9 @@ def test_a_full_journal_refuses_new_calls_and_readiness_until_it_is_replayed_los
             if len(streaming) < 3:
                 streaming.append(report)
             else:
-                assert await writer.write(report) is True
+                assert await writer.write(report) is usage_writer.Recorded.JOURNALED
         assert not usage_writer.usage_recordable()
-        assert await asyncio.gather(*(writer.write(report) for report in streaming)) == [True] * 3
+        assert await asyncio.gather(*(writer.write(report) for report in streaming)) == [usage_writer.Recorded.JOURNALED] * 3
         return admitted
 
     async def replay_until_empty():

@@ -1,0 +1,144 @@
+"""Spend whose usage rows wait in the journal (the ledger refused them) counts in the quota counters exactly once: in
+those that counted it at its settlement, and, once its replay writes it, in those Redis rebuilt meanwhile from a
+ledger without it (`billing.quota.replayed`)."""
+
+import asyncio
+import dataclasses
+from decimal import Decimal
+
+import pytest
+
+from billing import periods, usage_writer
+from billing.credits import grant_credits
+from billing.models import BillingMode, UsageRecord
+from billing.quota import reads
+from billing.quota.counters import QuotaExceeded, from_units
+from billing.services import set_billing_mode
+from billing.usage_writer import Recorded
+from controlplane import redis_keys
+from controlplane.accounts.models import ApiKey
+from controlplane.accounts.services import SYSTEM
+from controlplane.redis_client import get_redis
+from endpoints.gateway import admission
+from tests.billing.conftest import usage_report
+from tests.billing.test_quota import ENDPOINT, _caller, _cap, reserve
+from tests.factories import EndpointFactory
+from tests.outages import database_refusing_connections
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def journal_dir(tmp_path, settings):
+    settings.USAGE_JOURNAL_DIR = str(tmp_path / "journal")
+    settings.USAGE_JOURNAL_SHIP = False
+    usage_writer.journal.cache_clear()
+    yield tmp_path / "journal"
+    usage_writer.journal.cache_clear()
+
+
+def _priced_endpoint():
+    return EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+
+
+def _served_in_a_ledger_outage(endpoint, request_id: str, *, api_key=None) -> tuple[admission.Admission, Recorded]:
+    """A $0.60 call admitted ($0.70 held) and answered while PostgreSQL is down: its row goes to the journal."""
+    admitted = asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=api_key.pk if api_key else None,
+                                   amount=Decimal("0.70"), request_id=request_id))
+    report = dataclasses.replace(usage_report(endpoint, api_key=api_key, request_id=request_id, prompt_tokens=600_000,
+                                              completion_tokens=0), max_cost=Decimal("0.70"))
+    with database_refusing_connections():
+        recorded = asyncio.run(usage_writer.arecord_usage(report))
+    return admitted, recorded
+
+
+def _settle(admitted: admission.Admission, recorded: Recorded) -> None:
+    """The call's finish, as the gateway's (`InferenceCall`): told whether its row was journaled."""
+    reservation = admitted.reservation
+    asyncio.run(admission.finish(caller=_caller(reservation.organization_id, reservation.api_key_id),
+                                 endpoint_id=ENDPOINT, admission=admitted, release=None, num_tokens=0,
+                                 cost=Decimal("0.60"), fresh_id=True, journaled=recorded == Recorded.JOURNALED))
+
+
+def _replay() -> None:
+    """PostgreSQL is back: the writer replays the journal into the ledger."""
+
+    async def replay():
+        await usage_writer.writer_for_this_loop().replay()
+
+    asyncio.run(replay())
+
+
+def _key_spend(organization_id: int, api_key_id: int) -> Decimal:
+    period_key = periods.period_containing().key
+    return from_units(int(get_redis().hget(redis_keys.key_period_key(organization_id, api_key_id, period_key), "spent")))
+
+
+def test_a_counter_rebuilt_while_rows_wait_in_the_journal_counts_them_once_replayed():
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    _cap(organization, "1.00")
+    admitted, recorded = _served_in_a_ledger_outage(endpoint, "journaled", api_key=key)
+    assert recorded is Recorded.JOURNALED
+    _settle(admitted, recorded)
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
+
+    # Redis loses its memory; PostgreSQL is back; a call rebuilds the counters before the journal is replayed (its
+    # replay backs off up to 5 s; a dead pod's shipped segments wait for the worker's minute).
+    get_redis().flushdb()
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"), request_id="first"))
+    assert reads.counted_spend(organization.pk) == 0
+    _replay()
+
+    assert UsageRecord.objects.filter(request_id="journaled").exists()
+    assert reads.counted_spend(organization.pk) == Decimal("0.60") == _key_spend(organization.pk, key.pk)
+    with pytest.raises(QuotaExceeded):  # $0.60 spent and $0.01 held of a $1.00 cap
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.80"),
+                            request_id="over-the-cap"))
+    _replay()  # nothing left to write: nothing counted again
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
+
+
+def test_a_journaled_row_its_settlement_counted_is_not_counted_again_by_its_replay():
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    admitted, recorded = _served_in_a_ledger_outage(endpoint, "journaled", api_key=key)
+    _settle(admitted, recorded)
+    # The outage outlasts the call's settled marker of minutes (`CALL_SETTLED_MARKER_TTL_S`).
+    get_redis().delete(redis_keys.settled_key(organization.pk, "journaled"))
+
+    _replay()
+    assert reads.counted_spend(organization.pk) == Decimal("0.60") == _key_spend(organization.pk, key.pk)
+
+
+def test_a_journaled_row_replayed_before_its_call_settles_counts_once():
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    admitted, recorded = _served_in_a_ledger_outage(endpoint, "journaled")
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="other"))
+
+    _replay()  # the writer's replay ran before the call's own finish
+    _settle(admitted, recorded)
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
+    assert reads.reserved_now(organization.pk) == Decimal("0.01")  # its hold released, the other's kept
+
+
+def test_a_credit_figure_rebuilt_while_rows_wait_in_the_journal_draws_them_once_replayed():
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("1.00"))
+    admitted, recorded = _served_in_a_ledger_outage(endpoint, "journaled")
+    _settle(admitted, recorded)
+
+    get_redis().delete(redis_keys.credit_key(organization.pk))  # the figure expired (it lasts an hour at most)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+    _replay()
+
+    with pytest.raises(QuotaExceeded) as refused:  # $0.40 left, $0.01 of it held
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                            request_id="over-the-credit"))
+    assert refused.value.reason == "credit"
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.39"), request_id="fits"))
