@@ -46,7 +46,8 @@ def _served_in_a_ledger_outage(endpoint, request_id: str, *, api_key=None) -> tu
     admitted = asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=api_key.pk if api_key else None,
                                    amount=Decimal("0.70"), request_id=request_id))
     report = dataclasses.replace(usage_report(endpoint, api_key=api_key, request_id=request_id, prompt_tokens=600_000,
-                                              completion_tokens=0), max_cost=Decimal("0.70"))
+                                              completion_tokens=0), max_cost=Decimal("0.70"),
+                                 billing_mode=admitted.billing_mode)  # as the gateway's report says
     with database_refusing_connections():
         recorded = asyncio.run(usage_writer.arecord_usage(report))
     return admitted, recorded
