@@ -325,17 +325,39 @@ def _heard_long_enough(redis, now: float) -> bool:
 
 def sweep_stuck() -> None:
     """Nodes silent past the grace period go OFFLINE and their replicas FAILED (and are replaced);
-    replicas STARTING for too long fail with the reason. Nothing is judged until the control plane has heard
+    replicas STARTING for too long fail with the reason; replicas on nodes the gateway may not reach move
+    (`move_off_unreachable_nodes`). Nothing is judged until the control plane has heard
     heartbeats long enough after a time it could not (`_heard_long_enough`).
 
     NOTE: the times the sweeps keep in Redis are Redis's clock (`redis_time`): sweeps run on any worker, and one whose
     clock ran 20 s ahead of the last sweeper's read a gap in the sweeps every time, so no node was ever judged."""
     redis = get_redis()
+    move_off_unreachable_nodes()
     if _heard_long_enough(redis, redis_time(redis)):
         _sweep()
     else:
         Node.objects.exists()  # NOTE: PostgreSQL is read either way: a sweep that could not is part of the gap
     redis.set(SWEPT_AT_KEY, redis_time(redis), ex=SWEEP_KEYS_TTL_S)
+
+
+def move_off_unreachable_nodes() -> int:
+    """Live replicas on a node whose registered host the gateway refuses (`Node.host_problem`) fail, as on a node
+    gone OFFLINE, and their endpoints place them elsewhere (placement skips such a node); returns how many failed.
+
+    NOTE: a node registered before the rule, or before `ALLOW_LOOPBACK_NODES` was turned off: the gateway never
+    routes to its engines, so a replica there serves nothing however long it runs. Judged whatever the heartbeats
+    say: it is the node's registration, not its silence. Not counted as the endpoint's failure (no back-off)."""
+    unreachable = [node for node in Node.objects.exclude(state=NodeState.OFFLINE).filter(
+        replicas__state__in=LIVE_REPLICA_STATES).distinct().only("pk", "name", "advertise_host") if node.host_problem()]
+    num_failed = 0
+    for node in unreachable:
+        # NOTE: the reason is shown to every member: it names neither the node nor its host (the log below does).
+        reason = "its node's registered host is not one the gateway may reach"
+        for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
+            num_failed += fail_replica(replica, reason)
+        logger.warning("node %s: its registered host %r is refused (%s): its replicas were moved", node.name,
+                       node.advertise_host, node.host_problem())
+    return num_failed
 
 
 def whole_fleet_silent(redis, now: float) -> bool:

@@ -178,6 +178,15 @@ class Node(models.Model):
     def engine_address_problem(self, address: str) -> str:
         return engine_address_problem(address, self.advertise_host, self.engine_port_min, self.engine_port_max)
 
+    def host_problem(self) -> str:
+        """Why the gateway may not reach this node's engines at all ("" if it may): its registered host as
+        `advertise_host_problem` judges it now.
+
+        NOTE: a node registered before that rule, or before `ALLOW_LOOPBACK_NODES` was turned off, keeps a host the
+        gateway refuses (`engine_address_problem`): placement skips it (`placement.choose_node`) and the sweeps move
+        its replicas elsewhere (`scheduler.move_off_unreachable_nodes`), rather than fail them there in a loop."""
+        return advertise_host_problem(self.advertise_host)
+
     @property
     def total_gpu_memory_mb(self) -> int:
         return self.gpu_memory_mb * max(self.num_gpus, 1)
