@@ -93,10 +93,20 @@ def _coerce(tp: Any, value: Any) -> Any:
     origin = typing.get_origin(tp)
     if value is None:
         return None
-    # NOTE: JSON's shapes are checked before any length is: a number where text belongs was stored as text (or failed
-    # a slice, a 500), and a string where a list belongs was taken letter by letter.
+    # NOTE: JSON's shapes are checked before any length or range is: a number where text belongs was stored as text (or
+    # failed a slice, a 500), a string where a number belongs was kept in the node's status, and a string where a list
+    # belongs was taken letter by letter.
     if tp is str:
         _require(isinstance(value, str), "must be a string")
+        return value
+    if tp is int:
+        _require(_is_int(value), "must be an integer")
+        return value
+    if tp is float:
+        _require(isinstance(value, int | float) and not isinstance(value, bool), "must be a number")
+        return value
+    if tp is bool:
+        _require(isinstance(value, bool), "must be true or false")
         return value
     if origin is list:
         _require(isinstance(value, list), "must be a list")
@@ -525,6 +535,8 @@ class Heartbeat(Message):
         _require_distinct_gpus(self.gpus)
         _require_few_reports(self.replicas, self.weights)
         _require_length(self.agent_version, "agent_version", MAX_VERSION_CHARS)
+        _require(min(self.num_cpus, self.memory_mb, self.memory_used_mb, self.disk_free_mb or 0) >= 0,
+                 "CPU, memory and disk figures must be >= 0")
         self.cpu_percent = _clamped(self.cpu_percent, "cpu_percent", 0.0, 100.0)  # NOTE: kept in jsonb: no NaN
 
     @classmethod

@@ -455,6 +455,9 @@ def _replica_report(client, agent, **fields):
 HOSTILE_HEARTBEATS = {
     "a version past its column (a 500 before)": ({"agent_version": "v" * 65}, "agent_version must be at most 64 characters"),
     "a number for text": ({"agent_version": 5}, "agent_version: must be a string"),
+    "text for a number (kept in the node's status before)": ({"memory_used_mb": "lots"}, "memory_used_mb: must be an integer"),
+    "a negative figure": ({"memory_used_mb": -5}, "memory and disk figures must be >= 0"),
+    "text for a weights report's flag": ({"weights": [{"source": "s", "cache_key": "k", "complete": "yes"}]}, "complete: must be true or false"),
     "a weights source past a model source's": ({"weights": [{"source": "s" * 501, "cache_key": "k"}]}, "source must be at most 500"),
     "a weights cache key past a content address": ({"weights": [{"source": "s", "cache_key": "k" * 65}]}, "cache_key must be at most 64"),
     "a weights scope past an organisation's": ({"weights": [{"source": "s", "cache_key": "k", "scope": "o" * 65}]}, "scope must be at most 64"),
