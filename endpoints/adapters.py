@@ -22,12 +22,18 @@ from endpoints.credentials import source_credentials
 from endpoints.events import record_event
 from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica, organization_scope
 from endpoints.nodes.notify import notify_node
-from gpu_agent.protocol import FINAL_REPLICA_STATES, AdapterSpec, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import (
+    FINAL_REPLICA_STATES,
+    MAX_ADAPTERS_PER_REPLICA,
+    AdapterSpec,
+    ReplicaState,
+    ReplicaStatus,
+)
 
 # An endpoint's adapters: every one is in each of its replicas' specs, on every heartbeat of their nodes (its
 # credentials decrypted for it). NOTE: there was no limit: thousands of adapters made each heartbeat's answer
 # megabytes, past the agent's request timeout, and the node went OFFLINE with every tenant's replica on it.
-MAX_ADAPTERS = 256
+MAX_ADAPTERS = MAX_ADAPTERS_PER_REPLICA  # the protocol's: an agent reports at most as many per replica
 MAX_REPORTED_ADAPTERS = MAX_ADAPTERS
 TOO_MANY_ADAPTERS = f"An endpoint serves at most {MAX_ADAPTERS} adapters; delete one first."
 

@@ -1,7 +1,7 @@
 """Placement: which node runs a new replica (the policy; `replicas.place_replica` creates it).
 
 Best fit by free GPU memory on READY nodes of the endpoint's GPU type whose
-engine supports the endpoint's quantization, preferring nodes that already hold
+engine supports the endpoint's quantization and whose registered host the gateway may reach (`Node.host_problem`), preferring nodes that already hold
 the weights (a copy they were given: `nodes_holding_weights`) and spreading one endpoint's replicas over nodes. Never
 over-commits: a node's reservations never exceed its GPU memory.
 
@@ -258,7 +258,12 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
     holding_weights = holding_weights or set()
     if not candidates:
         return PlacementDecision(None, f"no READY node of GPU type {endpoint.gpu_type}")
-    supported = [n for n in candidates if endpoint.quantization in n.quantizations]
+    # NOTE: a node whose registered host the gateway refuses (`Node.host_problem`) would fail every replica it
+    # got (its engine's address is refused) and win the next placement again: it takes none.
+    reachable = [n for n in candidates if not n.host_problem()]
+    if not reachable:
+        return PlacementDecision(None, f"no READY node of GPU type {endpoint.gpu_type} the gateway may reach")
+    supported = [n for n in reachable if endpoint.quantization in n.quantizations]
     if not supported:
         return PlacementDecision(None, f"no {endpoint.gpu_type} node supports quantization {endpoint.quantization}")
     num_gpus = endpoint.gpus_per_replica

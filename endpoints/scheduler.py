@@ -328,7 +328,8 @@ def _heard_long_enough(redis, now: float) -> bool:
 
 def sweep_stuck() -> None:
     """Nodes silent past the grace period go OFFLINE and their replicas FAILED (and are replaced);
-    replicas STARTING for too long fail with the reason. Nothing is judged until the control plane has heard
+    replicas STARTING for too long fail with the reason; replicas on nodes the gateway may not reach move
+    (`move_off_unreachable_nodes`). Nothing is judged until the control plane has heard
     heartbeats long enough after a time it could not (`_heard_long_enough`).
 
     NOTE: the times the sweeps keep are PostgreSQL's clock (when they ended) and Redis's (since when they listen), never
@@ -336,10 +337,31 @@ def sweep_stuck() -> None:
     sweeps every time, so no node was ever judged. A sweep that could not reach PostgreSQL records nothing: it is part
     of the gap."""
     redis = get_redis()
+    move_off_unreachable_nodes()
     if _heard_long_enough(redis, redis_time(redis)):
         _sweep()
     if not NodeSweep.objects.filter(pk=NodeSweep.ROW).update(swept_at=Now()):
         NodeSweep.objects.get_or_create(pk=NodeSweep.ROW, defaults={"swept_at": Now()})
+
+
+def move_off_unreachable_nodes() -> int:
+    """Live replicas on a node whose registered host the gateway refuses (`Node.host_problem`) fail, as on a node
+    gone OFFLINE, and their endpoints place them elsewhere (placement skips such a node); returns how many failed.
+
+    NOTE: a node registered before the rule, or before `ALLOW_LOOPBACK_NODES` was turned off: the gateway never
+    routes to its engines, so a replica there serves nothing however long it runs. Judged whatever the heartbeats
+    say: it is the node's registration, not its silence. Not counted as the endpoint's failure (no back-off)."""
+    unreachable = [node for node in Node.objects.exclude(state=NodeState.OFFLINE).filter(
+        replicas__state__in=LIVE_REPLICA_STATES).distinct().only("pk", "name", "advertise_host") if node.host_problem()]
+    num_failed = 0
+    for node in unreachable:
+        # NOTE: the reason is shown to every member: it names neither the node nor its host (the log below does).
+        reason = "its node's registered host is not one the gateway may reach"
+        for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
+            num_failed += fail_replica(replica, reason)
+        logger.warning("node %s: its registered host %r is refused (%s): its replicas were moved", node.name,
+                       node.advertise_host, node.host_problem())
+    return num_failed
 
 
 def whole_fleet_silent(redis, now: float) -> bool:

@@ -93,11 +93,29 @@ def _coerce(tp: Any, value: Any) -> Any:
     origin = typing.get_origin(tp)
     if value is None:
         return None
+    # NOTE: JSON's shapes are checked before any length or range is: a number where text belongs was stored as text (or
+    # failed a slice, a 500), a string where a number belongs was kept in the node's status, and a string where a list
+    # belongs was taken letter by letter.
+    if tp is str:
+        _require(isinstance(value, str), "must be a string")
+        return value
+    if tp is int:
+        _require(_is_int(value), "must be an integer")
+        return value
+    if tp is float:
+        _require(isinstance(value, int | float) and not isinstance(value, bool), "must be a number")
+        return value
+    if tp is bool:
+        _require(isinstance(value, bool), "must be true or false")
+        return value
     if origin is list:
+        _require(isinstance(value, list), "must be a list")
         (inner,) = typing.get_args(tp)
         return [_coerce(inner, item) for item in value]
     if origin is dict:
-        return dict(value)
+        _require(isinstance(value, dict), "must be an object")
+        key_type, value_type = typing.get_args(tp)
+        return {_coerce(key_type, key): _coerce(value_type, item) for key, item in value.items()}
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         args = [arg for arg in typing.get_args(tp) if arg is not type(None)]
         return _coerce(args[0], value) if len(args) == 1 else value
@@ -133,7 +151,10 @@ class Message:
         kwargs = {}
         for f in dataclasses.fields(cls):
             if f.name in data:
-                kwargs[f.name] = _coerce(hints[f.name], data[f.name])
+                try:
+                    kwargs[f.name] = _coerce(hints[f.name], data[f.name])
+                except ValueError as exc:
+                    raise ValueError(f"{f.name}: {exc}") from None
         try:
             return cls(**kwargs)
         except TypeError as exc:  # a required field is missing
@@ -163,6 +184,10 @@ def _clamped(value: Any, name: str, low: float, high: float) -> float:
     return min(max(_finite(value, name), low), high)
 
 
+def _require_length(text: str, name: str, most: int) -> None:
+    _require(len(text) <= most, f"{name} must be at most {most} characters")
+
+
 def _printable(text: str) -> str:
     """`text` without control characters (a NUL is refused by PostgreSQL, in text and JSON columns alike)."""
     return text if text.isprintable() else "".join(ch for ch in text if ch.isprintable())
@@ -170,6 +195,27 @@ def _printable(text: str) -> str:
 
 _GPU_UUID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9/_-]{0,99}$")  # "GPU-5d5b…", "MIG-c6d4…", "MIG-GPU-…/7/0"
 MAX_ENGINE_SANDBOX_CHARS = 200  # a node's `engine_sandbox` fact, at most
+# NOTE: what an agent's messages may carry, each the most its column or its use holds (a node's versions and GPU
+# type are 64- and 32-character columns: past them a registration or a heartbeat was a 500); anything longer or
+# more numerous is refused with the field's name, a 400, never stored cut.
+MAX_VERSION_CHARS = 64  # `Node.agent_version`, `Node.engine_version`
+MAX_GPU_TYPE_CHARS = 32  # `Node.gpu_type`
+MAX_QUANTIZATIONS = 32
+MAX_QUANTIZATION_CHARS = 32  # `Node.quantizations`' items
+MAX_LABELS = 64
+MAX_LABEL_KEY_CHARS = 317  # Kubernetes': a 253-character prefix, a slash, a 63-character name
+MAX_LABEL_VALUE_CHARS = 256
+MAX_MODEL_SOURCE_CHARS = 500  # `Endpoint.model_source`
+MAX_CACHE_KEY_CHARS = 64  # a content address (32 hex digits) or "local-<16 hex digits>"
+MAX_WEIGHTS_SCOPE_CHARS = 64  # "" or "org-<uuid>"
+MAX_ENGINE_ADDRESS_CHARS = 200  # `Replica.address`
+MAX_REPLICA_ID_CHARS = 36  # a UUID's text
+MAX_ADAPTER_NAME_CHARS = 63  # `Adapter.name`
+MAX_ADAPTERS_PER_REPLICA = 256  # every adapter of an endpoint is in each of its replicas' specs
+# Free text an agent reports is kept cut, not refused: an engine's failure is worth its last lines.
+MAX_FAILURE_REASON_CHARS = 2000
+MAX_PROGRESS_CHARS = 100  # `Replica.progress`
+MAX_ADAPTER_FAILURE_CHARS = 300  # `Adapter.status_message`
 # NOTE: CUDA enumerates at most this many devices per process; an index past it is a lie or a bug.
 MAX_GPUS_PER_NODE = 64
 
@@ -249,6 +295,18 @@ class RegisterRequest(Message):
         _require(bool(self.join_token), "join_token is required")
         _require(isinstance(self.engine_sandbox, str), "engine_sandbox must be a string")
         self.engine_sandbox = _printable(self.engine_sandbox)[:MAX_ENGINE_SANDBOX_CHARS]
+        _require_length(self.join_token, "join_token", 200)
+        _require_length(self.agent_version, "agent_version", MAX_VERSION_CHARS)
+        _require_length(self.engine_version, "engine_version", MAX_VERSION_CHARS)
+        _require_length(self.gpu_type, "gpu_type", MAX_GPU_TYPE_CHARS)
+        _require(len(self.supported_quantizations) <= MAX_QUANTIZATIONS,
+                 f"supported_quantizations lists at most {MAX_QUANTIZATIONS}")
+        for quantization in self.supported_quantizations:
+            _require_length(quantization, "each supported quantization", MAX_QUANTIZATION_CHARS)
+        _require(len(self.labels) <= MAX_LABELS, f"labels holds at most {MAX_LABELS}")
+        for key, value in self.labels.items():
+            _require_length(key, "each label's key", MAX_LABEL_KEY_CHARS)
+            _require_length(value, "each label's value", MAX_LABEL_VALUE_CHARS)
         _require_distinct_gpus(self.gpus)
         _require(not self.gpus or len(self.gpus) == self.num_gpus, "gpus must list num_gpus GPUs")
         _require(bool(self.name) and len(self.name) <= 128, "name must be 1-128 characters")
@@ -308,6 +366,8 @@ class ChatTemplateTokens(Message):
         _require(_is_int(self.per_conversation) and _is_int(self.per_message), "template token counts must be integers")
         _require(isinstance(self.model_source, str) and isinstance(self.weights_scope, str),
                  "the measured copy's source and scope must be strings")
+        _require_length(self.model_source, "model_source", MAX_MODEL_SOURCE_CHARS)
+        _require_length(self.weights_scope, "weights_scope", MAX_WEIGHTS_SCOPE_CHARS)
         # NOTE: the engine counted what a tenant's template renders: clamped to what a context can hold.
         self.per_conversation = min(max(self.per_conversation, 0), MAX_MODEL_CONTEXT_TOKENS)
         self.per_message = min(max(self.per_message, 0), MAX_MODEL_CONTEXT_TOKENS)
@@ -355,6 +415,15 @@ class ReplicaStatus(Message):
 
     def __post_init__(self) -> None:
         _require(isinstance(self.replica_id, str) and bool(self.replica_id), "replica_id is required")
+        _require_length(self.replica_id, "replica_id", MAX_REPLICA_ID_CHARS)
+        _require_length(self.address, "address", MAX_ENGINE_ADDRESS_CHARS)
+        _require(len(self.adapters) <= MAX_ADAPTERS_PER_REPLICA and len(self.adapter_failures) <= MAX_ADAPTERS_PER_REPLICA,
+                 f"a replica reports at most {MAX_ADAPTERS_PER_REPLICA} adapters and as many refused")
+        for name in (*self.adapters, *self.adapter_failures):
+            _require_length(name, "each adapter's name", MAX_ADAPTER_NAME_CHARS)
+        self.adapter_failures = {name: reason[:MAX_ADAPTER_FAILURE_CHARS] for name, reason in self.adapter_failures.items()}
+        self.failure_reason = self.failure_reason[-MAX_FAILURE_REASON_CHARS:]
+        self.progress = self.progress[:MAX_PROGRESS_CHARS]
         _require(0.0 <= _finite(self.kv_cache_usage, "kv_cache_usage") <= 1.0, "kv_cache_usage must be within 0..1")
         _require(all(_is_int(n) for n in (self.num_running, self.num_waiting, self.num_restarts,
                                           self.num_prefix_cache_queries, self.num_prefix_cache_hits)),
@@ -442,6 +511,9 @@ class WeightsStatus(Message):
     def __post_init__(self) -> None:
         _require(_is_int(self.size_bytes) and _is_int(self.downloaded_bytes), "weights sizes must be integers")
         _require(self.scope is None or isinstance(self.scope, str), "weights scope must be a string")
+        _require_length(self.source, "a weights report's source", MAX_MODEL_SOURCE_CHARS)
+        _require_length(self.cache_key, "a weights report's cache_key", MAX_CACHE_KEY_CHARS)
+        _require_length(self.scope or "", "a weights report's scope", MAX_WEIGHTS_SCOPE_CHARS)
         self.size_bytes = min(max(self.size_bytes, 0), MAX_WEIGHTS_BYTES)
         self.downloaded_bytes = min(max(self.downloaded_bytes, 0), MAX_WEIGHTS_BYTES)
 
@@ -461,14 +533,17 @@ class Heartbeat(Message):
 
     def __post_init__(self) -> None:
         _require_distinct_gpus(self.gpus)
-        _require_few_replica_reports(self.replicas)
+        _require_few_reports(self.replicas, self.weights)
+        _require_length(self.agent_version, "agent_version", MAX_VERSION_CHARS)
+        _require(min(self.num_cpus, self.memory_mb, self.memory_used_mb, self.disk_free_mb or 0) >= 0,
+                 "CPU, memory and disk figures must be >= 0")
         self.cpu_percent = _clamped(self.cpu_percent, "cpu_percent", 0.0, 100.0)  # NOTE: kept in jsonb: no NaN
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
         # NOTE: counted before any report is parsed: a made-up heartbeat's reports cost the parse alone otherwise.
-        if isinstance(data, dict) and isinstance(data.get("replicas"), list):
-            _require_few_replica_reports(data["replicas"])
+        if isinstance(data, dict):
+            _require_few_reports(*(data.get(name) if isinstance(data.get(name), list) else () for name in ("replicas", "weights")))
         return super(Heartbeat, cls).from_dict(data)
 
 
@@ -476,10 +551,15 @@ class Heartbeat(Message):
 # one replica a slice, with as many stopping): a heartbeat of more is refused whole. A hostile node's 33,000 made-up
 # reports held a web thread for minutes.
 MAX_REPLICA_REPORTS = 1024
+# NOTE: and at most this many weights reports: copies in a node's cache, far more than a disk holds (the agent sends
+# its most recently used, `WeightsCache.statuses`). Every one was parsed, kept in the node's `last_status` and read
+# by each placement (`placement.nodes_holding_weights`): 80,000 made-up ones fit in a heartbeat's body.
+MAX_WEIGHTS_REPORTS = 1024
 
 
-def _require_few_replica_reports(replicas: list) -> None:
+def _require_few_reports(replicas: typing.Sized, weights: typing.Sized) -> None:
     _require(len(replicas) <= MAX_REPLICA_REPORTS, f"a heartbeat carries at most {MAX_REPLICA_REPORTS} replica reports")
+    _require(len(weights) <= MAX_WEIGHTS_REPORTS, f"a heartbeat carries at most {MAX_WEIGHTS_REPORTS} weights reports")
 
 
 # An IAM role in one account of a partition the fleet can run in: `arn:aws:iam::<12-digit account>:role/<path/><name>`.

@@ -15,6 +15,7 @@ from gpu_agent.protocol import (
     MAX_MEASURED_S,
     MAX_REPLICA_REPORTS,
     MAX_TOKENS_PER_S,
+    MAX_WEIGHTS_REPORTS,
     Heartbeat,
     NodeState,
     ReplicaState,
@@ -422,3 +423,90 @@ def test_a_heartbeat_reads_its_nodes_replicas_in_one_query_and_past_its_cap_is_r
     response = client.post("/agent/v1/heartbeat", json.dumps(base | {"replicas": too_many}),
                            content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
     assert response.status_code == 400 and str(MAX_REPLICA_REPORTS) in response.json()["error"]["message"]
+
+
+def test_a_heartbeat_past_its_weights_reports_cap_is_refused_whole(client, agent):
+    # Each report was parsed, kept in the node's last_status and read by every placement: 80,000 fit in a body.
+    base = {"agent_version": "x", "num_cpus": 2, "memory_mb": 24000, "memory_used_mb": 1}
+    weights = [{"source": f"hf:org/m-{i}", "cache_key": f"{i:032x}"} for i in range(MAX_WEIGHTS_REPORTS)]
+    response = client.post("/agent/v1/heartbeat", json.dumps(base | {"weights": weights}),
+                           content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
+    assert response.status_code == 200
+    too_many = weights + [{"source": "hf:org/one-more", "cache_key": "f" * 32}]
+    response = client.post("/agent/v1/heartbeat", json.dumps(base | {"weights": too_many, "agent_version": "y"}),
+                           content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == f"invalid heartbeat: a heartbeat carries at most {MAX_WEIGHTS_REPORTS} weights reports"
+    assert Node.objects.get(pk=agent["node_id"]).agent_version == "x"  # nothing of it was taken
+
+
+def beat_raw(client, agent, changes):
+    body = {"agent_version": "x", "num_cpus": 2, "memory_mb": 24000, "memory_used_mb": 1} | changes
+    return client.post("/agent/v1/heartbeat", json.dumps(body), content_type="application/json",
+                       HTTP_AUTHORIZATION=f"Bearer {agent['node_secret']}")
+
+
+def _replica_report(client, agent, **fields):
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    return {"replica_id": str(Replica.objects.get(endpoint=endpoint).pk), "state": "STARTING"} | fields
+
+
+HOSTILE_HEARTBEATS = {
+    "a version past its column (a 500 before)": ({"agent_version": "v" * 65}, "agent_version must be at most 64 characters"),
+    "a number for text": ({"agent_version": 5}, "agent_version: must be a string"),
+    "text for a number (kept in the node's status before)": ({"memory_used_mb": "lots"}, "memory_used_mb: must be an integer"),
+    "a negative figure": ({"memory_used_mb": -5}, "memory and disk figures must be >= 0"),
+    "text for a weights report's flag": ({"weights": [{"source": "s", "cache_key": "k", "complete": "yes"}]}, "complete: must be true or false"),
+    "a weights source past a model source's": ({"weights": [{"source": "s" * 501, "cache_key": "k"}]}, "source must be at most 500"),
+    "a weights cache key past a content address": ({"weights": [{"source": "s", "cache_key": "k" * 65}]}, "cache_key must be at most 64"),
+    "a weights scope past an organisation's": ({"weights": [{"source": "s", "cache_key": "k", "scope": "o" * 65}]}, "scope must be at most 64"),
+    "a replica's engine address past its column": ("address", "address must be at most 200 characters"),
+    "an adapter name past its column": ("adapters", "each adapter's name must be at most 63 characters"),
+    "more adapters than an endpoint holds": ("many adapters", "at most 256 adapters"),
+    "a failure reason that is an object": ("failure_reason", "failure_reason: must be a string"),
+    "a chat template count's source past a model source's": ("chat_template_tokens", "model_source must be at most 500"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_HEARTBEATS)
+def test_a_heartbeat_with_text_past_its_bound_or_of_the_wrong_shape_is_a_clear_400(client, agent, case):
+    changes, message = HOSTILE_HEARTBEATS[case]
+    if isinstance(changes, str):
+        report = {"address": {"address": "http://127.0.0.1:20000/" + "a" * 200}, "adapters": {"adapters": ["a" * 64]},
+                  "many adapters": {"adapters": [f"a{i}" for i in range(257)]}, "failure_reason": {"failure_reason": {"a": 1}},
+                  "chat_template_tokens": {"chat_template_tokens": {"model_source": "s" * 501}}}[changes]
+        changes = {"replicas": [_replica_report(client, agent, **report)]}
+    response = beat_raw(client, agent, changes)
+    assert response.status_code == 400 and message in response.json()["error"]["message"], response.content[:300]
+
+
+HOSTILE_REGISTRATIONS = {
+    "agent_version": ({"agent_version": "a" * 65}, "agent_version must be at most 64 characters"),  # a 500 before
+    "engine_version": ({"engine_version": "e" * 65}, "engine_version must be at most 64 characters"),  # a 500 before
+    "gpu_type": ({"gpu_type": "g" * 33}, "gpu_type must be at most 32 characters"),  # a 500 before
+    "a long quantization": ({"supported_quantizations": ["q" * 33]}, "each supported quantization must be at most 32"),
+    "many quantizations": ({"supported_quantizations": ["none"] * 33}, "supported_quantizations lists at most 32"),
+    "many labels": ({"labels": {f"k{i}": "v" for i in range(65)}}, "labels holds at most 64"),
+    "a long label": ({"labels": {"k": "v" * 257}}, "each label's value must be at most 256"),
+    "a nested label": ({"labels": {"k": {"nested": ["x"]}}}, "labels: must be a string"),
+    "a name that is a number": ({"name": 5}, "name: must be a string"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_REGISTRATIONS)
+def test_a_registration_with_text_past_its_bound_or_of_the_wrong_shape_is_a_clear_400(client, case):
+    changes, message = HOSTILE_REGISTRATIONS[case]
+    created = create_join_token(SYSTEM, name="rack", max_uses=1)
+    response = register(client, created.plain, **changes)
+    assert response.status_code == 400 and message in response.json()["error"]["message"], response.content[:300]
+    assert not Node.objects.exists() and JoinToken.objects.get(pk=created.join_token.pk).num_uses == 0
+
+
+def test_free_text_an_agent_reports_is_kept_cut_not_refused(client, agent):
+    report = _replica_report(client, agent, state="FAILED", failure_reason="x" * 100_000 + "the last line",
+                             progress="p" * 1_000)
+    assert beat_raw(client, agent, {"replicas": [report]}).status_code == 200
+    replica = Replica.objects.get(pk=report["replica_id"])
+    assert replica.state == "FAILED" and replica.failure_reason.endswith("the last line")
+    assert len(replica.failure_reason) <= 2000

@@ -63,6 +63,15 @@ def test_refuses_wrong_gpu_type_cordoned_offline_and_unsupported_quantization_wi
     assert place_replica(endpoint) == (None, "no h100-80gb node supports quantization awq")
 
 
+def test_skips_a_node_whose_registered_host_the_gateway_refuses(settings):
+    settings.ALLOW_LOOPBACK_NODES = False  # registered on loopback before the deployment refused it
+    endpoint = EndpointFactory(gpu_type="l4")
+    make_node(memory_mb=40_000, advertise_host="127.0.0.1")
+    assert place_replica(endpoint) == (None, "no READY node of GPU type l4 the gateway may reach")
+    reachable = make_node(memory_mb=80_000, advertise_host="10.0.3.7")  # a looser fit than the refused one
+    assert place_replica(endpoint)[0].node == reachable
+
+
 def test_says_how_much_memory_is_missing():
     endpoint = EndpointFactory(model_source="hf:org/big-70B", gpu_type="l4")
     make_node(memory_mb=24_000)

@@ -193,6 +193,31 @@ def test_a_silent_node_goes_offline_and_its_replicas_fail_and_are_replaced_elsew
     assert desired_replicas(silent) == []
 
 
+def test_a_node_whose_host_the_gateway_now_refuses_takes_no_replicas_and_its_replicas_move(
+        settings, django_capture_on_commit_callbacks):
+    # Registered on loopback where the local stack allowed it (or before the rule); the deployment now refuses it,
+    # so the gateway never routes to its engines: its replicas failed there and were placed there again, forever.
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1)
+    refused = make_node(memory_mb=40_000, advertise_host="127.0.0.1")
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    replica = Replica.objects.get(endpoint=endpoint)
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.READY)
+    settings.ALLOW_LOOPBACK_NODES = False
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    replica.refresh_from_db()
+    assert replica.state == "FAILED" and replica.failure_reason == "its node's registered host is not one the gateway may reach"
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    assert not Replica.objects.filter(endpoint=endpoint, state="PENDING").exists()
+    endpoint.refresh_from_db()
+    assert endpoint.status_message == "waiting for capacity: no READY node of GPU type l4 the gateway may reach"
+    # Best fit would pick the refused node (it fits more snugly): placement skips it.
+    reachable = make_node(memory_mb=80_000, advertise_host="10.0.3.7")
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    assert Replica.objects.get(endpoint=endpoint, state="PENDING").node == reachable
+    assert desired_replicas(refused) == []
+
+
 def test_a_worker_whose_clock_runs_ahead_takes_no_beating_node_offline(settings, monkeypatch, django_capture_on_commit_callbacks):
     # Heartbeats were stamped by the web pod's clock and judged by the worker's: a worker ~25 s ahead took every node
     # OFFLINE at every sweep (their replicas failed and replaced), and a web pod ahead kept dead ones alive as long.

@@ -14,7 +14,14 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from controlplane import tokens
-from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN, GpuStatus, NodeState
+from gpu_agent.protocol import (
+    DEFAULT_ENGINE_PORT_MAX,
+    DEFAULT_ENGINE_PORT_MIN,
+    MAX_GPU_TYPE_CHARS,
+    MAX_VERSION_CHARS,
+    GpuStatus,
+    NodeState,
+)
 
 
 def engine_address_problem(address: str, host: str, port_min: int, port_max: int) -> str:
@@ -135,7 +142,7 @@ class Node(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     name = models.CharField(max_length=128)
-    gpu_type = models.CharField(max_length=32)
+    gpu_type = models.CharField(max_length=MAX_GPU_TYPE_CHARS)
     num_gpus = models.PositiveIntegerField(default=0)
     gpu_memory_mb = models.PositiveIntegerField(default=0)  # per GPU (CPU nodes: memory for the KV cache)
     num_cpus = models.PositiveIntegerField(default=1)
@@ -146,8 +153,8 @@ class Node(models.Model):
     # What staff had made of it (READY, CORDONED or DRAINING) when it went silent: it comes back to that,
     # so falling silent for a while never undoes a cordon or a drain. Empty while it is not OFFLINE.
     state_before_offline = models.CharField(max_length=16, blank=True, default="")
-    agent_version = models.CharField(max_length=64, blank=True)
-    engine_version = models.CharField(max_length=64, blank=True)
+    agent_version = models.CharField(max_length=MAX_VERSION_CHARS, blank=True)
+    engine_version = models.CharField(max_length=MAX_VERSION_CHARS, blank=True)
     # What confines each engine on the node, as its agent found it: "landlock abi 6", or "none: <why>".
     engine_sandbox = models.CharField(max_length=200, blank=True)
     secret_lookup = models.CharField(max_length=tokens.LOOKUP_LENGTH, unique=True)
@@ -177,6 +184,15 @@ class Node(models.Model):
 
     def engine_address_problem(self, address: str) -> str:
         return engine_address_problem(address, self.advertise_host, self.engine_port_min, self.engine_port_max)
+
+    def host_problem(self) -> str:
+        """Why the gateway may not reach this node's engines at all ("" if it may): its registered host as
+        `advertise_host_problem` judges it now.
+
+        NOTE: a node registered before that rule, or before `ALLOW_LOOPBACK_NODES` was turned off, keeps a host the
+        gateway refuses (`engine_address_problem`): placement skips it (`placement.choose_node`) and the sweeps move
+        its replicas elsewhere (`scheduler.move_off_unreachable_nodes`), rather than fail them there in a loop."""
+        return advertise_host_problem(self.advertise_host)
 
     @property
     def total_gpu_memory_mb(self) -> int:

@@ -6,8 +6,9 @@ torch's and Triton's compile caches, kept for the endpoint's next cold start). B
 tenant's engine writing without end, or a node that served thousands of endpoints over months, filled the node's
 disk, and then weights downloads and other tenants' engines failed. Now:
 
-- a live engine's scratch and cache folders together are measured every `EngineDiskBounds.check_interval_s` and
-  its replica fails past `engine_max_bytes` or `engine_max_files` (the supervisor empties both);
+- a live engine's scratch and cache folders together are measured every `EngineDiskBounds.check_interval_s`, sooner
+  the nearer they are to their bound (`next_check_in_s`), and its replica fails past `engine_max_bytes` or
+  `engine_max_files` (the supervisor empties both);
 - the cache folders of endpoints with no replica on the node go when their last use is older than `cache_max_age_s`,
   and least recently used first while all cache folders together are past `cache_budget_bytes`.
 
@@ -77,6 +78,23 @@ class DiskUsage:
         if self.num_files > max_files:
             return f"more than {max_files:,} files and folders"
         return ""
+
+
+# NOTE: an engine writes what it likes between two measures: one at 90% of its bound is measured again in a tenth of
+# `check_interval_s`, never sooner than this (each measure walks its folders), so what it can write past its bound is
+# what it writes in a few seconds, not in half a minute.
+MIN_CHECK_INTERVAL_S = 2.0
+
+
+def next_check_in_s(usage: DiskUsage, bounds: EngineDiskBounds) -> float:
+    """How long until an engine's folders, measured at `usage`, are measured again: `check_interval_s` times the
+    share of its bounds (bytes or files, the nearer) it has left, at least `MIN_CHECK_INTERVAL_S` (or the interval
+    itself when that is shorter)."""
+    used = usage.num_files / bounds.engine_max_files
+    if bounds.engine_max_bytes is not None:
+        used = max(used, usage.num_bytes / bounds.engine_max_bytes)
+    shortest = min(bounds.check_interval_s, MIN_CHECK_INTERVAL_S)
+    return max(shortest, bounds.check_interval_s * max(0.0, 1.0 - used))
 
 
 def measure(folders, *, max_bytes: int | None = None, max_files: int = DEFAULT_ENGINE_MAX_FILES) -> DiskUsage:

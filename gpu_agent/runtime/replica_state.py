@@ -56,7 +56,7 @@ class ManagedReplica:
     killed: bool = False  # SIGKILL sent because the engine outlived its grace
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     metrics_scraped_at: float | None = None
-    disk_checked_at: float | None = None  # its engine's folders last measured (`Supervisor.check_disk`)
+    disk_check_due_at: float | None = None  # its engine's folders measured next (monotonic; `Supervisor.check_disk`)
     tokens_per_s: float = 0.0
     from_standby: bool = False  # the running engine is a standby that took this replica
     avoid_standby: bool = False  # a standby start never got READY: launch naively from now on

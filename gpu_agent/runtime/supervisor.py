@@ -563,7 +563,8 @@ class Supervisor:
     def check_disk(self) -> None:
         """Bound what engines keep on the node's disk (`engine_disk.py`), every second on a thread of its own.
 
-        Each live engine's scratch and cache folders are measured every `check_interval_s`: past its bound its replica
+        Each live engine's scratch and cache folders are measured every `check_interval_s`, sooner the nearer they
+        are to their bound (`engine_disk.next_check_in_s`): past its bound its replica
         FAILS with the reason (reported as any failure is) and both folders are emptied (its cache only once no other
         replica of its endpoint runs here). Every `sweep_interval_s` the cache folders of endpoints with no replica
         here go when too old, or least recently used first while all of them are over the budget. The walks run
@@ -579,11 +580,10 @@ class Supervisor:
                 (replica, [*filter(None, [self._scratch_dirs.get(replica.spec.replica_id)]),
                            self._cache_dir(replica.spec.endpoint_id)])
                 for replica in self._replicas.values()
-                if replica.pid is not None
-                and (replica.disk_checked_at is None or now - replica.disk_checked_at >= bounds.check_interval_s)
+                if replica.pid is not None and (replica.disk_check_due_at is None or now >= replica.disk_check_due_at)
             ]  # fmt: skip
             for replica, _folders in due:
-                replica.disk_checked_at = now
+                replica.disk_check_due_at = now + bounds.check_interval_s
             sweep = self._caches_swept_at is None or now - self._caches_swept_at >= bounds.sweep_interval_s
             if sweep:
                 self._caches_swept_at = now
@@ -593,6 +593,8 @@ class Supervisor:
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
             if why:
                 over.append((replica, why))
+            else:
+                replica.disk_check_due_at = now + engine_disk.next_check_in_s(usage, bounds)  # sooner when near
         caches = self._caches.listing(max_bytes=bounds.cache_budget_bytes, max_files=bounds.engine_max_files) if sweep else []
         removed = []
         with self._lock:

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from gpu_agent.protocol import ModelInfo, WeightsStatus
+from gpu_agent.protocol import MAX_WEIGHTS_REPORTS, ModelInfo, WeightsStatus
 from gpu_agent.runtime import weights_formats, weights_sources
 from gpu_agent.runtime.model_info import ModelReading, read_model
 from gpu_agent.runtime.weights_access import (
@@ -289,6 +289,11 @@ class WeightsCache:
             )
             for download in downloads
         ]
+        if len(statuses) > MAX_WEIGHTS_REPORTS:
+            # NOTE: a heartbeat carries at most this many (the control plane refuses it whole past it): what is being
+            # fetched and the local models first, then the most recently used copies.
+            statuses.sort(key=lambda status: (status.last_used_at is not None, -(status.last_used_at or 0.0)))
+            del statuses[MAX_WEIGHTS_REPORTS:]
         return statuses
 
     # -- disk -------------------------------------------------------------------

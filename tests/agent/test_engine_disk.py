@@ -175,6 +175,27 @@ def test_an_engine_past_its_disk_bound_fails_with_the_reason_and_its_folders_are
     assert (tmp_path / "outside" / "fill.bin").stat().st_size == 5 * MB
 
 
+def test_an_engine_near_its_disk_bound_is_measured_sooner_and_fails_soon_after_it_passes_it(make_supervisor, tmp_path):
+    # Measured every 30 s whatever it held: an engine at 90% of its bound wrote for half a minute past it unseen.
+    supervisor = make_supervisor(engine_max_bytes=int(3.5 * MB), check_interval_s=20, sweep_interval_s=3600)
+    supervisor.start(make_spec("r-big", endpoint_id="e-big"), tmp_path / "model")
+    wait_until(lambda: supervisor.get("r-big").state == ReplicaState.READY, 30, poll=supervisor.poll)
+    supervisor.check_disk()  # ~3.1 MB of its 3.5: within its bound, near it
+    assert supervisor.get("r-big").state == ReplicaState.READY
+    fill(Path(supervisor.get("r-big").command.env["XDG_CACHE_HOME"]) / "more", MB)
+    time.sleep(engine_disk.MIN_CHECK_INTERVAL_S + 0.2)
+    supervisor.check_disk()
+    assert supervisor.get("r-big").state == ReplicaState.FAILED
+
+
+def test_the_next_measure_comes_sooner_the_nearer_an_engine_is_to_its_bound():
+    bounds = EngineDiskBounds(engine_max_bytes=100 * MB, engine_max_files=1000, check_interval_s=30)
+    assert engine_disk.next_check_in_s(engine_disk.DiskUsage(0, 0, True), bounds) == 30
+    assert engine_disk.next_check_in_s(engine_disk.DiskUsage(50 * MB, 10, True), bounds) == 15
+    assert engine_disk.next_check_in_s(engine_disk.DiskUsage(MB, 900, True), bounds) == pytest.approx(3)  # files
+    assert engine_disk.next_check_in_s(engine_disk.DiskUsage(99 * MB, 10, True), bounds) == engine_disk.MIN_CHECK_INTERVAL_S
+
+
 def test_an_engine_past_its_bound_is_reported_failed_with_the_reason_to_the_control_plane(
     control_plane,  # noqa: F811
     running_agent,  # noqa: F811

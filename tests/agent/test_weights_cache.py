@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -245,3 +246,20 @@ def test_a_pickled_module_the_engine_loads_is_refused_and_another_runtimes_copy_
     s3.put_object(Bucket="models-original", Key="llama/original/params.json", Body=b"{}", ACL="public-read")
     path = cache.fetch("s3://models-original/llama")
     assert (path / "original" / "params.json").exists() and not (path / "original" / "consolidated.00.pth").exists()
+
+
+def test_a_heartbeat_reports_at_most_the_protocols_cap_of_copies_the_most_recently_used_first(tmp_path, monkeypatch):
+    # The control plane refuses a heartbeat of more weights reports whole (`protocol.MAX_WEIGHTS_REPORTS`).
+    from gpu_agent.runtime import weights
+
+    monkeypatch.setattr(weights, "MAX_WEIGHTS_REPORTS", 3)
+    cache = WeightsCache(tmp_path / "weights")
+    for age_s in range(5):
+        key = f"{age_s:032x}"
+        manifest = cache.root / f"{key}.json"
+        manifest.write_text(json.dumps({"source": f"hf:org/m-{age_s}", "cache_key": key, "size_bytes": 1, "created_at": 0}))
+        os.utime(manifest, (1_000_000 - age_s, 1_000_000 - age_s))
+    model = tmp_path / "my-model"
+    model.mkdir()
+    cache.fetch(str(model))
+    assert [status.source for status in cache.statuses()] == [str(model), "hf:org/m-0", "hf:org/m-1"]

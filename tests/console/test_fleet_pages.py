@@ -58,6 +58,15 @@ def test_fleet_says_what_a_nodes_heartbeat_listed_past_its_registration(staff):
     assert 'data-testid="gpus-ignored-gpu-2"' not in page
 
 
+def test_fleet_says_why_a_node_whose_host_the_gateway_refuses_takes_no_replicas(staff, settings):
+    settings.ALLOW_LOOPBACK_NODES = False
+    make_node(advertise_host="127.0.0.1")
+    make_node(name="gpu-2", advertise_host="10.0.3.7")
+    page = staff.get(reverse("console:fleet")).content.decode()
+    assert 'data-testid="host-refused-gpu-1"' in page and "127.0.0.1 is refused (it is a loopback address)" in page
+    assert 'data-testid="host-refused-gpu-2"' not in page
+
+
 def test_staff_cordon_uncordon_and_drain_a_node(staff):
     node = make_node()
     replica = Replica.objects.create(endpoint=EndpointFactory(), node=node, state=ReplicaState.READY)
