@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,19 +45,24 @@ KEPT_FOR = timedelta(hours=24)
 NUM_SWEPT_PER_RUN = 1000
 
 
-def key_of(request) -> str | None:
-    """The request's `Idempotency-Key` (None when it sends none), or a 400 in OpenAI's shape for a value that is not 1
-    to 255 printable ASCII characters."""
-    key = request.headers.get(HEADER)
+def key_of(headers: Mapping[str, str]) -> str | None:
+    """The `Idempotency-Key` of a request whose `headers` are given (Django's `request.headers`, or the gateway's, their
+    names lower case; None when it sends none), or a 400 in OpenAI's shape for a value that is not a key (`is_key`)."""
+    key = headers.get(HEADER.lower())
     if key is None:
         return None
-    if not 1 <= len(key) <= MAX_KEY_LENGTH or not all(" " <= character <= "~" for character in key):
+    if not is_key(key):
         raise errors.invalid_request(
             f"The {HEADER} header must be 1 to {MAX_KEY_LENGTH} printable ASCII characters.",
             param=HEADER,
             code="invalid_idempotency_key",
         )
     return key
+
+
+def is_key(value: str) -> bool:
+    """Whether `value` may be an idempotency key: 1 to 255 printable ASCII characters."""
+    return 1 <= len(value) <= MAX_KEY_LENGTH and all(" " <= character <= "~" for character in value)
 
 
 def request_digest(method: str, path: str, *parts: bytes | str) -> str:
