@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from datetime import timedelta
 
 from asgiref.sync import async_to_sync
 from botocore.exceptions import BotoCoreError, ClientError
@@ -32,9 +31,6 @@ from endpoints.gateway.ratelimit_headers import RateLimitReport
 logger = logging.getLogger("inferplane.batches")
 
 MAX_LIST = 100
-# How long a batch's creation holds its idempotency key (`idempotency.begin`): a few queries, under its organisation's
-# row lock; a request that died holding it leaves it to the next past this.
-BATCH_CREATION_HELD_FOR = timedelta(minutes=1)
 
 
 def _error(exc: errors.OpenAIError) -> HttpResponse:
@@ -138,7 +134,7 @@ def _upload(request, caller: Caller) -> HttpResponse:
     if (key := idempotency.key_of(request.headers)) is not None:
         # NOTE: claimed before the body is parsed (an upload's digest is known only at its end): a retry while the
         # first streams to S3 is a 409 at once; one after it is replayed, its file read for its digest, never stored.
-        started = idempotency.begin(caller, key, digest="", held_for=services.UPLOAD_ABANDONED_AFTER)
+        started = idempotency.begin(caller, key, digest="")
         if isinstance(started, idempotency.Saved):
             return _replay_upload(request, started)
         claim = started
@@ -250,7 +246,7 @@ def batches(request, caller: Caller):
     claim = None
     if key is not None:
         digest = idempotency.request_digest(request.method, request.path, request.body)
-        started = idempotency.begin(caller, key, digest=digest, held_for=BATCH_CREATION_HELD_FOR)
+        started = idempotency.begin(caller, key, digest=digest)
         if isinstance(started, idempotency.Saved):
             return _replayed(started, digest)
         claim = started

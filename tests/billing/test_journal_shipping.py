@@ -12,7 +12,7 @@ import pytest
 from billing import journal_shipping, usage_writer
 from billing.models import UsageRecord
 from billing.usage_journal import REJECTED_NAME, encode
-from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_server  # noqa: F401 - fixtures used here
+from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_child, s3_server  # noqa: F401 - fixtures used here
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory
 
