@@ -458,6 +458,9 @@ FILES_UPLOADS_PER_PROCESS = env_int("INFERPLANE_FILES_UPLOADS_PER_PROCESS", 2, m
 # dripping a byte a second held a place above for ever.
 FILES_UPLOAD_IDLE_S = env_float("INFERPLANE_FILES_UPLOAD_IDLE_S", 30.0, minimum=0.1)
 FILES_UPLOAD_MIN_BYTES_PER_S = env_int("INFERPLANE_FILES_UPLOAD_MIN_BYTES_PER_S", 64 * 1024, minimum=1)
+# A creation under an `Idempotency-Key` (`endpoints.batches.idempotency`: a batch, an upload streaming to S3) leases
+# its key this long, renewed every third of it while it goes on: a dead process's key is taken over after.
+IDEMPOTENCY_LEASE_S = env_float("INFERPLANE_IDEMPOTENCY_LEASE_S", 30.0, minimum=1)
 BATCH_MAX_LINES = env_int("INFERPLANE_BATCH_MAX_LINES", 50_000, minimum=1)
 BATCH_MAX_OPEN_PER_ORG = env_int("INFERPLANE_BATCH_MAX_OPEN_PER_ORG", 100, minimum=1)
 # A worker running a batch holds it this long between renewals; a killed worker's batch is taken over after.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import timedelta
+from collections.abc import Mapping
 
 from asgiref.sync import async_to_sync
 from botocore.exceptions import BotoCoreError, ClientError
@@ -31,9 +31,6 @@ from endpoints.gateway.ratelimit_headers import RateLimitReport
 logger = logging.getLogger("inferplane.batches")
 
 MAX_LIST = 100
-# How long a batch's creation holds its idempotency key (`idempotency.begin`): a few queries, under its organisation's
-# row lock; a request that died holding it leaves it to the next past this.
-BATCH_CREATION_HELD_FOR = timedelta(minutes=1)
 
 
 def _error(exc: errors.OpenAIError) -> HttpResponse:
@@ -115,9 +112,14 @@ def _page(queryset, request, *, default_limit: int) -> dict:
 
 # --- files -----------------------------------------------------------------------------------
 
-def refuse_upload_before_its_body(organization_id: int, declared: int) -> None:
-    """Refuse (`errors.OpenAIError`, as `_upload` would) an upload its organisation's storage quota has no room for,
-    from its declared size alone: the gateway asks before Django writes its body to the web pod's disk."""
+def refuse_upload_before_its_body(organization_id: int, declared: int, *,
+                                  headers: Mapping[str, str] | None = None) -> None:
+    """Refuse (`errors.OpenAIError`, as `_upload` would) an upload to `/v1/files` whose `headers` send an
+    `Idempotency-Key` that is none (`idempotency.key_of`), or one its organisation's storage quota has no room for,
+    from its declared size alone: the gateway asks before Django writes its body to the web pod's disk (a console
+    form's upload sends no `headers`: its view takes no key)."""
+    if headers is not None:
+        idempotency.key_of(headers)
     try:
         services.refuse_upload_past_storage_quota(organization_id, uploads.counted_bytes(declared))
     except services.Refused as exc:
@@ -129,10 +131,10 @@ def _upload(request, caller: Caller) -> HttpResponse:
     if declared > settings.FILES_MAX_BYTES + uploads.MULTIPART_OVERHEAD_BYTES:
         raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
     claim = None
-    if (key := idempotency.key_of(request)) is not None:
+    if (key := idempotency.key_of(request.headers)) is not None:
         # NOTE: claimed before the body is parsed (an upload's digest is known only at its end): a retry while the
         # first streams to S3 is a 409 at once; one after it is replayed, its file read for its digest, never stored.
-        started = idempotency.begin(caller, key, digest="", held_for=services.UPLOAD_ABANDONED_AFTER)
+        started = idempotency.begin(caller, key, digest="")
         if isinstance(started, idempotency.Saved):
             return _replay_upload(request, started)
         claim = started
@@ -230,7 +232,7 @@ def batches(request, caller: Caller):
         return JsonResponse(_page(Batch.objects.for_org(caller.organization_id), request, default_limit=20))
     if request.method != "POST":
         return _method_not_allowed(request)
-    key = idempotency.key_of(request)
+    key = idempotency.key_of(request.headers)
     try:
         payload = json.loads(request.body or b"{}")
     except (ValueError, RecursionError):
@@ -244,7 +246,7 @@ def batches(request, caller: Caller):
     claim = None
     if key is not None:
         digest = idempotency.request_digest(request.method, request.path, request.body)
-        started = idempotency.begin(caller, key, digest=digest, held_for=BATCH_CREATION_HELD_FOR)
+        started = idempotency.begin(caller, key, digest=digest)
         if isinstance(started, idempotency.Saved):
             return _replayed(started, digest)
         claim = started
@@ -276,5 +278,5 @@ def batch_cancel(request, caller: Caller, batch_id: str):
     is checked but saves nothing."""
     if request.method != "POST":
         return _method_not_allowed(request)
-    idempotency.key_of(request)
+    idempotency.key_of(request.headers)
     return JsonResponse(services.cancel_batch(_batch_of(caller, batch_id)).as_openai())

@@ -14,8 +14,11 @@ request naming a key (Stripe's header and rules, which SDKs send on retried `POS
 - A request sending the key again, with the same request (`request_digest`), gets the saved answer: the same status
   and body as the first (the object as it was created, Stripe's replay), with `Idempotent-Replayed: true`; with
   another request, a 422 `idempotency_key_reused`; while the first still runs, a 409 `idempotency_key_in_use`
-  (Stripe's answer to concurrent requests; the openai client retries a 409). A claim whose process died lapses
-  (`locked_until`, by PostgreSQL's clock) and the next request takes the key over.
+  (Stripe's answer to concurrent requests; the openai client retries a 409).
+- A claim is a lease (`locked_until`, by PostgreSQL's clock) of `IDEMPOTENCY_LEASE_S`, renewed every third of it while
+  its creation goes on (`held`): the claim of a process that died lapses within the lease, and the next request takes
+  the key over. NOTE: an upload's claim was held an hour (as long as its row may take to be stored): a client whose
+  upload's web process died mid-upload got a 409 for its retry for an hour.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import threading
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django.db import DatabaseError, IntegrityError, transaction
+from django.conf import settings
+from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
@@ -44,19 +50,24 @@ KEPT_FOR = timedelta(hours=24)
 NUM_SWEPT_PER_RUN = 1000
 
 
-def key_of(request) -> str | None:
-    """The request's `Idempotency-Key` (None when it sends none), or a 400 in OpenAI's shape for a value that is not 1
-    to 255 printable ASCII characters."""
-    key = request.headers.get(HEADER)
+def key_of(headers: Mapping[str, str]) -> str | None:
+    """The `Idempotency-Key` of a request whose `headers` are given (Django's `request.headers`, or the gateway's, their
+    names lower case; None when it sends none), or a 400 in OpenAI's shape for a value that is not a key (`is_key`)."""
+    key = headers.get(HEADER.lower())
     if key is None:
         return None
-    if not 1 <= len(key) <= MAX_KEY_LENGTH or not all(" " <= character <= "~" for character in key):
+    if not is_key(key):
         raise errors.invalid_request(
             f"The {HEADER} header must be 1 to {MAX_KEY_LENGTH} printable ASCII characters.",
             param=HEADER,
             code="invalid_idempotency_key",
         )
     return key
+
+
+def is_key(value: str) -> bool:
+    """Whether `value` may be an idempotency key: 1 to 255 printable ASCII characters."""
+    return 1 <= len(value) <= MAX_KEY_LENGTH and all(" " <= character <= "~" for character in value)
 
 
 def request_digest(method: str, path: str, *parts: bytes | str) -> str:
@@ -117,11 +128,12 @@ class InProgress(errors.OpenAIError):
         )
 
 
-def begin(caller: Caller, key: str, *, digest: str, held_for: timedelta) -> Claim | Saved:
-    """Claim `key` for a creation this request makes (`Claim`, held for `held_for`), or the answer saved under it
-    (`Saved`). Raises `InProgress` while another request holds it, and the 422 of `reused` when that one is known to
-    ask for something else. A key past `KEPT_FOR`, or whose claim lapsed, is taken over."""
-    token = secrets.token_hex(16)
+def begin(caller: Caller, key: str, *, digest: str) -> Claim | Saved:
+    """Claim `key` for a creation this request makes (`Claim`, leased for `IDEMPOTENCY_LEASE_S`: create under `held`),
+    or the answer saved under it (`Saved`). Raises `InProgress` while another request holds it, and the 422 of
+    `reused` when that one is known to ask for something else. A key past `KEPT_FOR`, or whose lease lapsed, is taken
+    over."""
+    token, lease = secrets.token_hex(16), _lease()
     try:
         with transaction.atomic():
             row = IdempotentRequest.objects.create(
@@ -130,7 +142,7 @@ def begin(caller: Caller, key: str, *, digest: str, held_for: timedelta) -> Clai
                 key=key,
                 request_digest=digest,
                 token=token,
-                locked_until=Now() + held_for,
+                locked_until=Now() + lease,
             )
         return Claim(row.pk, token, digest)
     except IntegrityError:
@@ -148,7 +160,7 @@ def begin(caller: Caller, key: str, *, digest: str, held_for: timedelta) -> Clai
         .update(
             token=token,
             request_digest=digest,
-            locked_until=Now() + held_for,
+            locked_until=Now() + lease,
             created_at=Now(),
             response_status=None,
             response_body=None,
@@ -184,15 +196,53 @@ def release(claim: Claim) -> None:
         logger.warning("could not free idempotency key %s: it lapses with its claim", claim.pk, exc_info=True)
 
 
+def renew(claim: Claim) -> bool:
+    """Lease the key of a creation still going on for `IDEMPOTENCY_LEASE_S` more; False when its claim is no longer
+    this creation's (its answer saved, the key freed, or taken over once its lease lapsed)."""
+    return bool(
+        IdempotentRequest.objects.filter(pk=claim.pk, token=claim.token, response_status__isnull=True).update(
+            locked_until=Now() + _lease()
+        )
+    )
+
+
 @contextmanager
 def held(claim: Claim | None):
-    """The creation under `claim` (or under no key), which frees the key when it fails."""
+    """The creation under `claim` (or under no key): its claim renewed every third of `IDEMPOTENCY_LEASE_S` while it
+    goes on (an upload streams to S3 for as long as it takes), the key freed when it fails."""
+    if claim is None:
+        yield None
+        return
+    done = threading.Event()
+    renewer = threading.Thread(
+        target=_renew_while_held, args=(claim, done), name=f"idempotency key {claim.pk}", daemon=True
+    )
+    renewer.start()
     try:
-        yield claim
+        try:
+            yield claim
+        finally:
+            done.set()
+            renewer.join()
     except BaseException:
-        if claim is not None:
-            release(claim)
+        release(claim)
         raise
+
+
+def _renew_while_held(claim: Claim, done: threading.Event) -> None:
+    try:
+        while not done.wait(settings.IDEMPOTENCY_LEASE_S / 3):
+            try:
+                if not renew(claim):
+                    return  # answered meanwhile, or its lease lapsed and another request took it over
+            except DatabaseError:
+                logger.warning("could not renew idempotency key %s; trying again", claim.pk, exc_info=True)
+    finally:
+        connections.close_all()  # this thread's own
+
+
+def _lease() -> timedelta:
+    return timedelta(seconds=settings.IDEMPOTENCY_LEASE_S)
 
 
 def sweep_expired() -> int:

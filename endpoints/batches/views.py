@@ -3,6 +3,8 @@ its output and error files, cancel it. They call the same services as `/v1/files
 
 from __future__ import annotations
 
+import secrets
+
 from django import forms
 from django.conf import settings
 from django.contrib import messages
@@ -16,9 +18,10 @@ from django.views.decorators.http import require_POST
 
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
-from endpoints.batches import services, storage, uploads
+from endpoints.batches import idempotency, services, storage, uploads
 from endpoints.batches.models import BATCH_PATHS, Batch, BatchStatus, File
-from endpoints.gateway import upload_places
+from endpoints.gateway import errors, upload_places
+from endpoints.gateway.auth import Caller
 from endpoints.models import EndpointEvent, EventKind
 
 NUM_BATCHES_SHOWN = 50
@@ -45,6 +48,20 @@ class _StoredFileField(forms.FileField):
 class BatchForm(forms.Form):
     file = _StoredFileField(label="Requests (JSONL)", help_text="One request per line: custom_id, method, url, body.")
     endpoint = forms.ChoiceField(label="Endpoint path", choices=[(path, path) for path in BATCH_PATHS])
+    # The form's one-time key (`new_batch_form`), its batch's `Idempotency-Key`: sent again, the form leads to the batch
+    # it started. NOTE: a form sent twice (a double click, a resend after a timeout) started two batches, each run and
+    # billed. Optional: a page rendered before it came still starts its batch.
+    idempotency_key = forms.CharField(widget=forms.HiddenInput, required=False)
+
+    def clean(self):
+        cleaned = super().clean()
+        if (key := cleaned.get("idempotency_key")) and not idempotency.is_key(key):
+            raise forms.ValidationError("This form's key is not one the console gives: reload the page.")
+        return cleaned
+
+
+def new_batch_form() -> BatchForm:
+    return BatchForm(initial={"idempotency_key": secrets.token_urlsafe(24)})
 
 
 def _batch_or_404(request, batch_id: str) -> Batch:
@@ -57,7 +74,7 @@ def _batch_or_404(request, batch_id: str) -> Batch:
 @csrf_exempt  # NOTE: checked once the upload's handlers are installed (`_create_batch`), never before
 @member_required()
 def batch_list(request):
-    form, refusal = BatchForm(), None
+    form, refusal = new_batch_form(), None
     if request.method == "POST" and (refusal := upload_places.refusal_in(getattr(request, "scope", {}))):
         # The gateway gave the upload no place (`Gateway._console_upload`) and dropped its body: the form says why.
         form = _with_file_error(form, refusal.message)
@@ -71,9 +88,9 @@ def batch_list(request):
             storing.abandon()  # nothing once its file is stored
         if isinstance(created, HttpResponse):
             return created
-        if isinstance(created, Batch):
-            messages.success(request, f"Batch {created.pk} created: its lines are being checked.")
-            return redirect("console:batch", batch_id=created.pk)
+        if isinstance(created, str):
+            messages.success(request, f"Batch {created} created: its lines are being checked.")
+            return redirect("console:batch", batch_id=created)
         form = created
     batches = Batch.objects.for_org(request.organization.pk).select_related("endpoint").order_by("-created_at")
     response = render(request, "batches/batch_list.html", {
@@ -96,9 +113,20 @@ def _with_file_error(form: BatchForm, message: str) -> BatchForm:
     return form
 
 
-def _create_batch(request, storing: uploads.StreamToStorage) -> Batch | BatchForm | HttpResponse:
-    """The batch the form starts, its file streamed to S3 as the body is parsed (`storing`, as on `/v1/files`); or
-    the form with its errors; or the CSRF check's refusal. The caller abandons the upload unless it is stored.
+# What the form says when its key (`BatchForm.idempotency_key`) refuses it, by the refusal's code.
+_KEY_REFUSALS = {
+    "idempotency_key_in_use": "This form was sent already and its batch is still starting: it appears below in a "
+                              "moment.",
+    "idempotency_key_reused": "This form already started a batch, with another file or endpoint: reload the page to "
+                              "start another.",
+}
+
+
+def _create_batch(request, storing: uploads.StreamToStorage) -> str | BatchForm | HttpResponse:
+    """The id of the batch the form starts, its file streamed to S3 as the body is parsed (`storing`, as on
+    `/v1/files`), or that it started already when sent again (its key, `BatchForm.idempotency_key`, as a creation's
+    `Idempotency-Key`: this upload is then left unstored); or the form with its errors; or the CSRF check's refusal.
+    The caller abandons the upload unless it is stored.
 
     NOTE: the file went through Django's `TemporaryFileUploadHandler`, a second copy of the body's file on the web
     pod's disk beside the one Django's ASGI handler spools, then from there to S3. The CSRF check reads the form:
@@ -112,14 +140,35 @@ def _create_batch(request, storing: uploads.StreamToStorage) -> Batch | BatchFor
         form = BatchForm(request.POST, {uploads.FILE_FIELD: storing.file} if storing.file else {})
         if not form.is_valid():
             return form
-        input_file = storing.finish()
-        return services.create_batch(organization_id=request.organization.pk, api_key_id=None, user_id=request.user.pk,
-                                     input_file_id=input_file.pk, request_path=form.cleaned_data["endpoint"],
-                                     completion_window="24h", metadata=None)
+        claim = None
+        if key := form.cleaned_data["idempotency_key"]:
+            digest = idempotency.request_digest(request.method, request.path, form.cleaned_data["endpoint"],
+                                                storing.digest)
+            started = idempotency.begin(_form_caller(request), key, digest=digest)
+            if isinstance(started, idempotency.Saved):
+                return started.answer_for(digest)[1]["id"]
+            claim = started
+        with idempotency.held(claim):
+            input_file = storing.finish()
+            return services.create_batch(organization_id=request.organization.pk, api_key_id=None,
+                                         user_id=request.user.pk, input_file_id=input_file.pk,
+                                         request_path=form.cleaned_data["endpoint"], completion_window="24h",
+                                         metadata=None, claim=claim).pk
     except services.Refused as exc:
         # NOTE: refused as the body was parsed (past the storage quota, or the size), the form was never bound, and
         # `add_error` on it raised (a 500).
         return _with_file_error(form, exc.message)
+    except errors.OpenAIError as exc:  # refused by its key, once the form was cleaned
+        if exc.code not in _KEY_REFUSALS:
+            raise
+        form.add_error(None, _KEY_REFUSALS[exc.code])
+        return form
+
+
+def _form_caller(request) -> Caller:
+    """The session posting the batch form, as an idempotency key names its caller (`Caller.limit_subject`)."""
+    return Caller(organization_id=request.organization.pk, api_key_id=None, user_id=request.user.pk, can_infer=False,
+                  requests_per_minute=None, tokens_per_minute=None)
 
 
 def _detail_context(request, batch: Batch) -> dict:

@@ -61,11 +61,12 @@ INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completio
 
 
 class Gateway:
-    def __init__(self, fallback, *, refuse_upload: Callable[[int, int], None] | None = None,
+    def __init__(self, fallback, *, refuse_upload: Callable[..., None] | None = None,
                  console_uploads: Mapping[str, int] | None = None):
         self.fallback = fallback
-        # (organisation, declared bytes) -> raises `errors.OpenAIError` for an upload its storage quota has no room
-        # for (`endpoints.batches.api.refuse_upload_before_its_body`, given by the wiring: the batches app imports the
+        # (organisation, declared bytes[, headers=an upload to /v1/files's]) -> raises `errors.OpenAIError` for an
+        # upload its storage quota has no room for, or whose `Idempotency-Key` is none
+        # (`endpoints.batches.api.refuse_upload_before_its_body`, given by the wiring: the batches app imports the
         # gateway, never the other way round). Uses the ORM: run in a worker thread.
         self._refuse_upload = refuse_upload
         self._client: upstream.UpstreamClient | None = None
@@ -230,7 +231,8 @@ class Gateway:
 
     async def _upload_may_start(self, scope, receive, send) -> Place | None:
         """The place of an upload to `/v1/files` that may go on to Django: its caller's key is valid, its
-        declared size within `FILES_MAX_BYTES` and what its organisation's storage quota has left (`refuse_upload`),
+        declared size within `FILES_MAX_BYTES` and what its organisation's storage quota has left, its
+        `Idempotency-Key` if any one the view would take (`refuse_upload`),
         and this process reads fewer than `FILES_UPLOADS_PER_PROCESS` uploads, the last place kept for an organisation
         that reads none (`UploadPlaces.take`; taken here: the caller, `_upload`, gives it back);
         otherwise None, answered here (OpenAI's shape), its body dropped unread or read and dropped.
@@ -239,7 +241,8 @@ class Gateway:
         could have it write up to the upload limit (200 MiB) to the web pod's disk per request, and any key as many
         uploads at once as it liked, past the `/tmp` volume's size: the pod was evicted, every tenant's calls on it
         cut. At most `FILES_UPLOADS_PER_PROCESS` bodies per process are on the disk at once
-        (tests/infra/test_manifests.py holds the volume to it)."""
+        (tests/infra/test_manifests.py holds the volume to it). NOTE: a bad `Idempotency-Key` too was refused only
+        by the view, once Django had spooled the whole body."""
         started, request_id = time.monotonic(), new_request_id()
         headers = _headers_of(scope)
         try:
@@ -248,7 +251,7 @@ class Gateway:
             if declared_bytes > settings.FILES_MAX_BYTES:
                 raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
             if self._refuse_upload is not None:
-                await in_worker_thread(self._refuse_upload)(caller.organization_id, declared_bytes)
+                await in_worker_thread(self._refuse_upload)(caller.organization_id, declared_bytes, headers=headers)
             return await self.upload_places.take(caller.organization_id)
         except errors.OpenAIError as exc:
             refusal = exc

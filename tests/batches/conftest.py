@@ -3,8 +3,10 @@ whose address every child process (web server, Celery worker) inherits, and the 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import signal
 import sys
 import tracemalloc
 import uuid
@@ -30,12 +32,13 @@ S3_KEY, S3_SECRET = "testing", "testing"
 
 
 @pytest.fixture(scope="package")
-def s3_server(tmp_path_factory) -> str:
+def s3_child(tmp_path_factory) -> ChildProcess:
+    """moto's S3 server (its address `url`), one per package."""
     port = free_port()
     log_dir = tmp_path_factory.mktemp("moto")
     child = ChildProcess([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], child_env(),
                          log_dir / "moto.log")
-    url = f"http://127.0.0.1:{port}"
+    child.url = url = f"http://127.0.0.1:{port}"
 
     def up():
         try:
@@ -44,8 +47,24 @@ def s3_server(tmp_path_factory) -> str:
             return False
 
     wait_until(up, 60, message="moto's S3 server")
-    yield url
+    yield child
     child.stop()
+
+
+@pytest.fixture(scope="package")
+def s3_server(s3_child) -> str:
+    return s3_child.url
+
+
+@contextlib.contextmanager
+def s3_stalled(s3_child: ChildProcess):
+    """S3 answering nothing (moto's server stopped, SIGSTOP: it takes connections, and a request waits) until the
+    block ends."""
+    s3_child.kill(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        s3_child.kill(signal.SIGCONT)
 
 
 @pytest.fixture

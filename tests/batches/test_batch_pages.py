@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -81,6 +82,60 @@ def test_another_organisations_batch_and_files_are_404s(console_client_factory, 
     assert stranger.post(reverse("console:batch-cancel", args=[batch.pk])).status_code == 404
     assert batch.pk not in stranger.get(reverse("console:batches")).content.decode()
     assert Batch.objects.get(pk=batch.pk).status == BatchStatus.VALIDATING
+
+
+def _form_as_rendered(client) -> dict[str, str]:
+    """The hidden fields of the batch form on the page, as a browser sends them."""
+    page = client.get(reverse("console:batches")).content.decode()
+    return dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', page))
+
+
+def test_a_batch_form_sent_twice_starts_one_batch_and_both_answers_lead_to_it(
+        console_client_factory, files_bucket, org):
+    """Before, the form took no key: sent twice (a double click, a resend after a timeout), it started two batches,
+    each run and billed."""
+    from endpoints.batches import storage
+    from endpoints.batches.models import File
+
+    member = console_client_factory(org, Role.MEMBER)
+    line = json.dumps(LINE).encode() + b"\n"
+
+    def send(form: dict[str, str], data: bytes = line, endpoint: str = "/v1/chat/completions"):
+        upload = SimpleUploadedFile("requests.jsonl", data, content_type="application/jsonl")
+        return member.post(reverse("console:batches"), {**form, "file": upload, "endpoint": endpoint})
+
+    form = _form_as_rendered(member)
+    first, again = send(form), send(form)
+    assert first.status_code == again.status_code == 302
+    batch = Batch.objects.get(organization=org)
+    assert first.headers["location"] == again.headers["location"] == reverse("console:batch", args=[batch.pk])
+    assert list(File.objects.values_list("pk", flat=True)) == [batch.input_file_id]
+    assert list(bucket_objects(files_bucket).values()) == [line]  # the second file left unstored, no parts left
+    assert not storage._client().list_multipart_uploads(Bucket=files_bucket).get("Uploads")
+
+    refused = send(form, data=line * 2)  # the same form, with another file: it says so, and starts nothing
+    assert refused.status_code == 400 and "already started a batch" in refused.content.decode()
+    another = _form_as_rendered(member)  # a page loaded again is a new form
+    assert another["idempotency_key"] != form["idempotency_key"]
+    assert send(another, data=line * 2).status_code == 302
+    assert Batch.objects.filter(organization=org).count() == 2
+
+
+def test_a_batch_form_sent_again_while_its_first_sending_still_starts_its_batch_says_so_and_starts_nothing(
+        console_client_factory, files_bucket, org):
+    from endpoints.batches import idempotency
+    from endpoints.gateway.auth import Caller
+
+    member = console_client_factory(org, Role.MEMBER)
+    form = _form_as_rendered(member)
+    caller = Caller(organization_id=org.pk, api_key_id=None, user_id=member.user.pk, can_infer=False,
+                    requests_per_minute=None, tokens_per_minute=None)
+    idempotency.begin(caller, form["idempotency_key"], digest="")  # the first sending, still creating
+
+    upload = SimpleUploadedFile("requests.jsonl", json.dumps(LINE).encode() + b"\n", content_type="application/jsonl")
+    answer = member.post(reverse("console:batches"), {**form, "file": upload, "endpoint": "/v1/chat/completions"})
+    assert answer.status_code == 400 and "its batch is still starting" in answer.content.decode()
+    assert not Batch.objects.exists() and bucket_objects(files_bucket) == {}
 
 
 def test_a_console_upload_goes_to_s3_as_it_is_parsed_with_no_copy_on_disk_and_still_needs_its_csrf_token(

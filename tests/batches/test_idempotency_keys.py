@@ -8,6 +8,7 @@ Before, the gateway ignored the header: a client that timed out and sent its bat
 from __future__ import annotations
 
 import io
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -19,9 +20,10 @@ from billing.models import UsageRecord
 from endpoints.batches import idempotency, services
 from endpoints.batches.models import Batch, File, IdempotentRequest
 from endpoints.gateway.auth import Caller
-from tests.batches.conftest import bucket_objects
+from tests.batches.conftest import bucket_objects, s3_stalled
 from tests.batches.test_batches_api import _chat_line, _jsonl, _wait_for
 from tests.batches.test_files_api import LINES, _on_plan
+from tests.conftest import start_web_server, wait_until
 from tests.gateway.conftest import new_tenant, serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -119,7 +121,7 @@ def test_two_creations_at_once_with_one_key_make_one_batch(gateway, tenant):
 def test_a_key_held_by_a_creation_in_progress_is_a_409_until_it_ends_or_its_claim_lapses(gateway, tenant):
     client = tenant.client(gateway)
     input_file = client.files.create(file=("in.jsonl", _jsonl([_chat_line("a", "m")])), purpose="batch")
-    claim = idempotency.begin(_caller_of(tenant), "held", digest="", held_for=timedelta(minutes=1))
+    claim = idempotency.begin(_caller_of(tenant), "held", digest="")
 
     with pytest.raises(openai.ConflictError) as in_progress:
         _create(client, input_file.id, "held")
@@ -238,3 +240,95 @@ def test_keys_are_swept_a_day_after_their_first_use_by_the_batch_tick(gateway, t
     services.tick()
     assert not IdempotentRequest.objects.exists()
     assert _create(client, input_file.id, "daily").parse().id not in {first.id, second.id}
+
+
+# The web servers of the tests of a creation's lease: a key leased for 3 s, renewed every second.
+LEASE_S = 3
+
+
+def _leased_web(tmp_path, name: str):
+    child, child.base_url = start_web_server(
+        tmp_path,
+        name=name,
+        extra_env={
+            "INFERPLANE_IDEMPOTENCY_LEASE_S": str(LEASE_S),
+            "INFERPLANE_FILES_UPLOADS_PER_PROCESS": "4",
+        },
+    )
+    return child
+
+
+def _upload_to(web, tenant, key: str) -> httpx.Response:
+    return httpx.post(
+        f"{web.base_url}/v1/files",
+        files={"file": ("in.jsonl", LINES)},
+        data={"purpose": "batch"},
+        headers={"authorization": f"Bearer {tenant.key}"} | _key(key),
+        timeout=60,
+    )
+
+
+def _claimed(key: str) -> bool:
+    return IdempotentRequest.objects.filter(key=key, response_status__isnull=True).exists()
+
+
+def test_an_uploads_key_is_free_again_soon_after_its_web_process_dies_mid_upload(
+    files_bucket, s3_child, tenant, tmp_path
+):
+    """Before, an upload's claim was held an hour: the retry of an upload whose web process died mid-upload got a
+    409 for an hour. Here the process is killed (SIGKILL) while it stores the file (S3 stalled)."""
+    dying, other = _leased_web(tmp_path, "dying"), _leased_web(tmp_path, "other")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            with s3_stalled(s3_child):
+                first = pool.submit(_upload_to, dying, tenant, "crash-1")
+                wait_until(lambda: _claimed("crash-1"), 30, message="the upload to claim its key")
+                dying.kill()
+                killed_at = time.monotonic()
+            with pytest.raises(httpx.TransportError):
+                first.result()
+
+        refusals = []
+        while (retried := _upload_to(other, tenant, "crash-1")).status_code == 409:
+            refusals.append(retried.json()["error"]["code"])
+            assert time.monotonic() - killed_at < 30, "the dead process's key is still held"
+            time.sleep(0.5)
+        assert retried.status_code == 200, retried.text
+        assert time.monotonic() - killed_at < LEASE_S + 10
+        assert set(refusals) <= {"idempotency_key_in_use"}
+        stored = retried.json()["id"]
+        assert list(File.objects.filter(stored_at__isnull=False).values_list("pk", flat=True)) == [stored]
+        again = _upload_to(other, tenant, "crash-1")
+        assert again.json()["id"] == stored and again.headers["idempotent-replayed"] == "true"
+    finally:
+        dying.stop()
+        other.stop()
+
+
+def test_a_retry_while_the_upload_with_its_key_still_goes_on_is_a_409_however_long_it_takes(
+    files_bucket, s3_child, tenant, tmp_path
+):
+    """The lease is renewed while the upload goes on: with S3 stalled for three leases, its retry is still refused;
+    once it is stored, the retry is answered with it."""
+    web = _leased_web(tmp_path, "web")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            with s3_stalled(s3_child):
+                first = pool.submit(_upload_to, web, tenant, "slow-1")
+                wait_until(lambda: _claimed("slow-1"), 30, message="the upload to claim its key")
+                time.sleep(3 * LEASE_S)
+                refused = _upload_to(web, tenant, "slow-1")
+                assert refused.status_code == 409, refused.text
+                assert refused.json()["error"]["code"] == "idempotency_key_in_use"
+            assert first.result().status_code == 200, first.result().text
+        again = _upload_to(web, tenant, "slow-1")
+        assert (
+            again.json()["id"] == first.result().json()["id"]
+            and again.headers["idempotent-replayed"] == "true"
+        )
+        assert (
+            File.objects.filter(stored_at__isnull=False).count() == 1
+            and len(bucket_objects(files_bucket)) == 1
+        )
+    finally:
+        web.stop()

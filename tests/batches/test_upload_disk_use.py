@@ -169,6 +169,23 @@ def test_an_upload_past_what_its_organisations_storage_quota_has_left_is_refused
     assert _upload(web, tenant.key, _file_of(MiB // 2)).status_code == 200  # one it has room for goes on
 
 
+def test_an_upload_with_a_bad_idempotency_key_is_refused_before_its_body_is_written(web, tenant, files_bucket):
+    """Before, the gateway let it through, and the view refused the key once Django had written the whole body (up to
+    200 MiB) to the pod's disk."""
+    from endpoints.batches.models import IdempotentRequest
+
+    with DiskSampler(web.pid, web.temporary) as disk:
+        answer = httpx.post(f"{web.base_url}/v1/files", files={"file": ("r.jsonl", _file_of(4 * MiB))},
+                            data={"purpose": "batch"}, timeout=60,
+                            headers={"authorization": f"Bearer {tenant.key}", "idempotency-key": "k" * 256})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == (
+        "invalid_idempotency_key", "Idempotency-Key", "invalid_request_error")
+    assert disk.peak_bytes < 64 * 1024, f"{disk.peak_bytes / MiB:.1f} MiB on disk"
+    assert bucket_objects(files_bucket) == {} and not IdempotentRequest.objects.exists()
+
+
 def _held_body(web, method: str, path: str, headers: str) -> socket.socket:
     """A request whose client sent its headers (a 200 MiB body declared) and 12 MiB of its body, then waits."""
     host, port = web.base_url.removeprefix("http://").split(":")

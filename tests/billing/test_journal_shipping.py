@@ -15,7 +15,7 @@ from billing.models import UsageRecord
 from billing.quota import reads
 from billing.usage_journal import REJECTED_NAME, encode
 from controlplane.redis_client import get_redis
-from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_server  # noqa: F401 - fixtures used here
+from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_child, s3_server  # noqa: F401 - fixtures used here
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import reserve
 from tests.factories import EndpointFactory
