@@ -102,6 +102,37 @@ def test_roles_change_and_members_are_removed_only_when_signed_in_never_with_an_
 
 
 @pytest.mark.django_db
+def test_what_the_callers_role_does_not_allow_is_a_403_as_the_schema_says_and_a_conflict_a_400(org, member_client_factory):
+    """Before, an admin demoting an owner, promoting itself to owner, removing an owner, inviting an owner or revoking an
+    owner's invitation had a 400 (`{"role": [...]}`), where the schema (and the keys' revoke) say 403."""
+    owner_client = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
+    admin = signed_in_api_client(member_client_factory(org, Role.ADMIN).user)
+    owner = Membership.objects.get(organization=org, user=owner_client.user)
+    own = Membership.objects.get(organization=org, user=admin.user)
+    invited_owner = owner_client.post("/api/v1/invitations/", {"email": "boss@example.test", "role": Role.OWNER},
+                                      format="json").json()
+    for refused in (admin.patch(f"/api/v1/members/{owner.pk}/", {"role": Role.MEMBER}, format="json"),
+                    admin.patch(f"/api/v1/members/{own.pk}/", {"role": Role.OWNER}, format="json"),
+                    admin.delete(f"/api/v1/members/{owner.pk}/"),
+                    admin.post("/api/v1/invitations/", {"email": "boss2@example.test", "role": Role.OWNER}, format="json"),
+                    admin.post(f"/api/v1/invitations/{invited_owner['id']}/revoke/")):
+        assert refused.status_code == 403 and "Only owners may grant" in refused.json()["detail"]
+    assert (Membership.objects.get(pk=owner.pk).role, Membership.objects.get(pk=own.pk).role) == (Role.OWNER, Role.ADMIN)
+    assert [invitation.email for invitation in org.invitations.pending()] == ["boss@example.test"]
+    paths = owner_client.get("/api/schema/?format=json").json()["paths"]
+    for path, method in (("/api/v1/members/{id}/", "patch"), ("/api/v1/members/{id}/", "delete"),
+                         ("/api/v1/invitations/", "post")):
+        assert "role does not allow" in paths[path][method]["responses"]["403"]["description"]
+
+    # What no role changes stays a 400 on its field: an address already invited, the last owner leaving.
+    again = admin.post("/api/v1/invitations/", {"email": "boss@example.test", "role": Role.MEMBER}, format="json")
+    assert again.status_code == 400 and "pending" in again.json()["email"][0]
+    last = owner_client.patch(f"/api/v1/members/{owner.pk}/", {"role": Role.ADMIN}, format="json")
+    assert last.status_code == 400 and "at least one owner" in last.json()["role"][0]
+    assert owner_client.delete(f"/api/v1/members/{owner.pk}/").status_code == 400
+
+
+@pytest.mark.django_db
 def test_a_removed_members_keys_are_revoked_and_an_invitation_back_brings_none_of_them_back(org, member_client_factory):
     """Before, removal deleted the membership only: the keys looked live in the list, and came back, `manage` keys
     made as an admin included, when the person was invited again, even as a viewer."""

@@ -108,7 +108,7 @@ SESSION_ONLY = OpenApiResponse(description="The caller's role does not allow thi
 
 
 @extend_schema_view(destroy=extend_schema(responses={
-    204: None, 400: OpenApiResponse(description="The organisation's last owner cannot leave, or the caller may not remove an owner."),
+    204: None, 400: OpenApiResponse(description="The organisation's last owner cannot leave."),
     403: SESSION_ONLY,
 }))
 class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
@@ -131,18 +131,18 @@ class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.D
         membership = get_object_or_404(self.get_queryset(), pk=pk)
         try:
             membership = members.change_member_role(self.actor, membership, role=data.validated_data["role"])
-        except members.SessionRequired as exc:
+        except members.NotPermitted as exc:  # an API key's (`SessionRequired`), or the caller's role's
             raise PermissionDenied(str(exc)) from None
-        except (members.LastOwnerError, members.NotPermitted) as exc:
+        except members.LastOwnerError as exc:
             raise ValidationError({"role": [str(exc)]}) from None
         return Response(MembershipSerializer(membership).data)
 
     def perform_destroy(self, membership):
         try:
             members.remove_member(self.actor, membership)
-        except members.SessionRequired as exc:
+        except members.NotPermitted as exc:
             raise PermissionDenied(str(exc)) from None
-        except (members.LastOwnerError, members.NotPermitted) as exc:
+        except members.LastOwnerError as exc:
             raise ValidationError({"role": [str(exc)]}) from None
 
 
@@ -174,11 +174,11 @@ class InvitationViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.C
         serializer.is_valid(raise_exception=True)
         try:
             invitation = invitations.invite_member(self.actor, self.organization, **serializer.validated_data)
-        except members.SessionRequired as exc:
-            raise PermissionDenied(str(exc)) from None
         except invitations.TooManyInvitations as exc:
             raise Throttled(wait=exc.retry_after_s, detail=str(exc)) from None
-        except members.NotPermitted as exc:
+        except members.NotPermitted as exc:  # an API key's (`SessionRequired`), or the caller's role's
+            raise PermissionDenied(str(exc)) from None
+        except invitations.AlreadyInvited as exc:
             raise ValidationError({exc.field: [str(exc)]}) from None
         return Response(InvitationSerializer(invitation).data, status=status.HTTP_201_CREATED)
 
@@ -188,7 +188,7 @@ class InvitationViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.C
         try:
             invitation = invitations.revoke_invitation(self.actor, self.get_object())
         except members.NotPermitted as exc:
-            raise ValidationError({"role": [str(exc)]}) from None
+            raise PermissionDenied(str(exc)) from None
         return Response(InvitationSerializer(invitation).data)
 
 

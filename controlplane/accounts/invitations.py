@@ -38,6 +38,15 @@ class InvitationRefused(ValueError):
     """The invitation cannot be accepted by this user now; the message says why, to that user."""
 
 
+class AlreadyInvited(ValueError):
+    """The invitation is not sent: its address is already a member's, or has one pending; `field` names the input.
+    Not a refusal of the actor's role (`NotPermitted`, a 403 on the API): the same invitation by anyone is refused."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class TooManyInvitations(NotPermitted):
     """Past `throttle.INVITATIONS` (invitations revoked count too): try again in `retry_after_s`."""
 
@@ -77,13 +86,16 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     NOTE: nobody joins by being named: whoever accepts must be signed in as a verified
     user with this email, so registering an address first gains nothing. And nobody is invited with an API key
     (`members.ensure_in_a_session`): a seat would outlive the key's bounds and its revocation.
+
+    Raises `NotPermitted` where the actor's role does not allow it, `AlreadyInvited` where the address is a member's
+    or has one pending, `TooManyInvitations` past the throttle.
     """
     email = email.strip().lower()
     ensure_in_a_session(actor, "email")
     _ensure_admin(actor, organization, "email")
     ensure_may_touch_owner_role(actor, organization, role)
     if Membership.objects.filter(organization=organization, user__email__iexact=email).exists():
-        raise NotPermitted("email", "This person is already a member; change their role in the table.")
+        raise AlreadyInvited("email", "This person is already a member; change their role in the table.")
     retry_after_s = throttle.take(throttle.INVITATIONS, {
         "organization": str(organization.pk), "email": email, "user": str(actor.user.pk) if actor.user else "",
         "ip": actor.source_ip or "",
@@ -94,7 +106,7 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
         Organization.objects.select_for_update().filter(pk=organization.pk).first()
         if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
-            raise NotPermitted("email", "An invitation to this email is pending; revoke it to send a new one.")
+            raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
         invitation = Invitation.objects.create(organization=organization, email=email, role=role, invited_by=actor.user,
                                                expires_at=timezone.now() + INVITATION_TTL)
         record_audit(actor, organization, "invitation.create", invitation, email=email, role=role)

@@ -297,7 +297,7 @@ def members(request):
         email, role = form.cleaned_data["email"], form.cleaned_data["role"]
         try:
             invitations.invite_member(services.Actor.from_request(request), request.organization, email=email, role=role)
-        except NotPermitted as exc:
+        except (NotPermitted, invitations.AlreadyInvited) as exc:
             form.add_error(exc.field, str(exc))
         else:
             messages.success(request, f"We emailed an invitation to {email.lower()}; it is valid for "

@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from asgiref.sync import async_to_sync
 from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http.multipartparser import MultiPartParserError
 from django.utils.http import content_disposition_header
 from django.views.decorators.csrf import csrf_exempt
 
@@ -67,11 +69,22 @@ def _openai_view(handler):
             return _error(exc)
         except services.Refused as exc:
             return _error(errors.OpenAIError(exc.status, exc.message, param=exc.param, code=exc.code))
+        except (MultiPartParserError, TooManyFieldsSent, TooManyFilesSent, RequestDataTooBig) as exc:
+            # NOTE: what Django's parser refuses in a body (a part's headers past its limit, a broken boundary, too
+            # many parts) reached Django's 400 page, with no body at all, not OpenAI's shape.
+            return _error(_unparsable_body(exc))
         except (*errors.OUTAGES, BotoCoreError, ClientError):
             logger.exception("files and batches: %s %s", request.method, request.path)
             return _error(errors.service_unavailable())
 
     return view
+
+
+def _unparsable_body(exc: Exception) -> errors.OpenAIError:
+    """The refusal of a body Django's multipart parser would not read (`exc`, its reason)."""
+    if isinstance(exc, RequestDataTooBig):
+        return errors.OpenAIError(413, f"The form fields are larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes.")
+    return errors.invalid_request(f"We could not parse the multipart form data of your request: {exc}")
 
 
 def _method_not_allowed(request) -> HttpResponse:
@@ -108,6 +121,12 @@ def _page(queryset, request, *, default_limit: int) -> dict:
     data = [row.as_openai() for row in rows[:limit]]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+
+
+@_openai_view
+def unknown_url(request, caller: Caller):
+    """Any other path under `/v1/files` or `/v1/batches` (`urls`)."""
+    raise errors.unknown_url(request.method, request.path)
 
 
 # --- files -----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Every line must be a JSON object `{"custom_id", "method": "POST", "url", "body"}` whose `custom_id` is a
 unique string without control characters or lone surrogates, whose `url` is the batch's endpoint, and whose `body` the gateway would accept for that
 path (`endpoints.gateway.request.parse_payload`: the same checks as an interactive call) with a
-`model` naming one of the organisation's endpoints, the same for every line, and no `stream`. A file
+`model` naming one of the organisation's endpoints, the same for every line, and no `stream` or `priority`. A file
 with any bad line fails the whole batch with one error per bad line (OpenAI's `errors.data`), and
 nothing runs.
 """
@@ -146,6 +146,13 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
             continue
         if body.get("stream"):
             refuse(number, "invalid_request", "Batch requests cannot stream.", "body.stream")
+            continue
+        if body.get("priority") is not None:
+            # NOTE: a line runs at the batch's engine priority (`scheduling.BATCH_ENGINE_PRIORITY`), never its own: one
+            # that named any, 0 included, passed here and then failed as it ran (`priority_not_allowed`, the runner
+            # parsing it as a key that may set none), every line of the batch.
+            refuse(number, "priority_not_allowed", "Batch requests cannot set 'priority': a batch's lines run at the "
+                                                   "batch priority, after interactive calls.", "body.priority")
             continue
         try:
             payload = parse_payload(json.dumps(body).encode(), kind)

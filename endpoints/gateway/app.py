@@ -319,7 +319,7 @@ class Gateway:
                 return log_answer(scope, 200, started, request_id)
             kind = INFERENCE_PATHS.get(path)
             if kind is None:
-                raise errors.OpenAIError(404, f"Unknown URL {method} {path}.", code="unknown_url")
+                raise errors.unknown_url(method, path)
             if method != "POST":
                 raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
             if drain.draining():

@@ -49,6 +49,11 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return OpenAIError(400, message, param=param, code=code)
 
 
+def unknown_url(method: str, path: str) -> OpenAIError:
+    """A `/v1` path nothing serves: the gateway's own, or one under `/v1/files` or `/v1/batches` that Django does not."""
+    return OpenAIError(404, f"Unknown URL {method} {path}.", code="unknown_url")
+
+
 def invalid_api_key(message: str = "Incorrect API key provided.") -> OpenAIError:
     return OpenAIError(401, message, type="invalid_request_error", code="invalid_api_key")
 

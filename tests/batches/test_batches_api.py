@@ -90,6 +90,7 @@ def test_a_batch_with_malformed_lines_fails_with_an_error_per_line_and_runs_noth
     lines = (json.dumps(good) + "\n" + "{not json\n" + json.dumps(good) + "\n"
              + json.dumps(good | {"custom_id": "m", "method": "GET"}) + "\n"
              + json.dumps(good | {"custom_id": "u", "url": "/v1/completions"}) + "\n"
+             + json.dumps(good | {"custom_id": "p", "body": good["body"] | {"priority": 0}}) + "\n"
              + json.dumps(_chat_line("x", "no-such-model")) + "\n")
     input_file = client.files.create(file=("in.jsonl", io.BytesIO(lines.encode())), purpose="batch")
     batch = _wait_for(client, client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
@@ -97,7 +98,8 @@ def test_a_batch_with_malformed_lines_fails_with_an_error_per_line_and_runs_noth
 
     assert batch.status == "failed" and batch.failed_at is not None
     assert [(e.line, e.code) for e in batch.errors.data] == [
-        (2, "invalid_json"), (3, "duplicate_custom_id"), (4, "invalid_method"), (5, "invalid_url")]
+        (2, "invalid_json"), (3, "duplicate_custom_id"), (4, "invalid_method"), (5, "invalid_url"),
+        (6, "priority_not_allowed")]
     assert batch.output_file_id is None and batch.request_counts.total == 0
     assert not UsageRecord.objects.exists()
 
@@ -223,3 +225,18 @@ def test_a_batch_line_larger_than_a_request_may_be_is_refused_before_it_is_decod
 
     assert [error.code for error in checked.errors] == ["line_too_large"] and not checked.num_lines
     assert peak < 4 * len(line)  # the file's text and its lines, never the line's elements (~1.2 GiB)
+
+
+def test_a_batch_line_setting_priority_is_refused_before_any_line_runs():
+    """Before, a line with `priority` (0 included) passed validation, then every such line failed as it ran
+    (`priority_not_allowed`: the runner sets the batch's own engine priority)."""
+    from endpoints.batches.validation import parse_lines
+
+    lines = [_chat_line("zero", "m") | {"body": _chat_line("zero", "m")["body"] | {"priority": 0}},
+             _chat_line("five", "m") | {"body": _chat_line("five", "m")["body"] | {"priority": 5}},
+             _chat_line("none", "m") | {"body": _chat_line("none", "m")["body"] | {"priority": None}},
+             _chat_line("plain", "m")]
+    checked = parse_lines([_jsonl(lines).getvalue()], request_path="/v1/chat/completions", kind="chat", max_lines=10)
+    assert [(error.line, error.code, error.param) for error in checked.errors] == [
+        (1, "priority_not_allowed", "body.priority"), (2, "priority_not_allowed", "body.priority")]
+    assert "batch priority" in checked.errors[0].message and not checked.num_lines

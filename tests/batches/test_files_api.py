@@ -110,7 +110,12 @@ def test_a_malformed_upload_is_a_400_in_openais_shape_not_a_500(web, tenant):
                         content=b"--xyz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n\r\nabc")
     assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
     no_boundary = httpx.post(f"{web}/v1/files", headers=headers | {"content-type": "multipart/form-data"}, content=b"x")
-    assert no_boundary.status_code == 400
+    assert no_boundary.status_code == 400 and no_boundary.json()["error"]["type"] == "invalid_request_error"
+    # A part's headers past Django's limit (a file name of 2,000 characters; 1,024 bytes at most): before, Django's 400 with no body at all.
+    long_name = httpx.post(f"{web}/v1/files", headers=headers | {"content-type": "multipart/form-data; boundary=xyz"},
+                           content=b'--xyz\r\nContent-Disposition: form-data; name="file"; filename="' + b"x" * 2000
+                           + b'"\r\n\r\n' + LINES + b"\r\n--xyz--\r\n")
+    assert long_name.status_code == 400 and "header size" in long_name.json()["error"]["message"]
     not_multipart = httpx.post(f"{web}/v1/files", headers=headers, json={"purpose": "batch"})
     assert not_multipart.status_code == 400 and not_multipart.json()["error"]["param"] == "file"
     wrong_purpose = httpx.post(f"{web}/v1/files", headers=headers, files={"file": ("a.jsonl", b"{}")},
@@ -129,6 +134,19 @@ def test_files_and_batches_answers_carry_the_callers_rate_limit_headers(web, ten
     assert missing.status_code == 404 and "x-ratelimit-limit-requests" in missing.headers
     anonymous = httpx.get(f"{web}/v1/files")
     assert anonymous.status_code == 401 and "x-ratelimit-limit-requests" in anonymous.headers
+
+
+def test_paths_under_files_and_batches_that_nothing_serves_are_openais_404(web, tenant):
+    """Before, Django's HTML page, where the gateway answers every other unknown `/v1` path `unknown_url`."""
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    for method, path in (("GET", "/v1/files/"), ("GET", "/v1/batches/"), ("GET", "/v1/files/file-x/content/more"),
+                         ("POST", "/v1/batches/batch_x/cancel/"), ("GET", "/v1/filesystem")):
+        answer = httpx.request(method, f"{web}{path}", headers=headers)
+        assert answer.status_code == 404 and answer.headers["content-type"] == "application/json", (path, answer.text)
+        assert answer.json()["error"] == {"message": f"Unknown URL {method} {path}.", "type": "invalid_request_error",
+                                          "param": None, "code": "unknown_url"}
+        assert "x-ratelimit-limit-requests" in answer.headers
+    assert httpx.get(f"{web}/v1/files/", headers={"authorization": "Bearer ip_nope"}).status_code == 401
 
 
 def _on_plan(organization, *, max_file_bytes: int) -> None:
