@@ -688,23 +688,8 @@ class InferenceCall:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
             if recorded:
-                await usage_writer.arecord_usage(ledger.UsageReport(
-                    request_id=self.request_id, organization_id=self.caller.organization_id,
-                    api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
-                    replica_id=self.replica.id if self.replica else None,
-                    prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-                    completion_tokens=usage.completion_tokens, started_at=self.started_at,
-                    first_token_at=self.first_token_at, finished_at=finished_at, status=self.status,
-                    cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved, batch_id=self.batch_id,
-                    cold_start_ms=self.cold_start.total_ms if self.cold_start else None,
-                    cold_start_phases=self.cold_start.phases if self.cold_start else None,
-
-                    adapter=self.adapter.name if self.adapter else "",
-                    price_input_per_million=self.endpoint.price_input_per_million,
-                    price_cached_input_per_million=self.endpoint.price_cached_input_per_million,
-                    price_output_per_million=self.endpoint.price_output_per_million, price_fraction=self.price_fraction,
-                    billing_mode=admitted.billing_mode,
-                ))
+                await usage_writer.arecord_usage(self.usage_report(finished_at=finished_at, status=self.status,
+                                                                   billing_mode=admitted.billing_mode))
         finally:
             presence.untrack(self.request_id)
             try:
@@ -727,6 +712,26 @@ class InferenceCall:
                 presence.end_later(self.caller.organization_id, self.request_id)
             finally:
                 self._observe(outcome=self.status if self.served else "not_served")
+
+    def usage_report(self, *, finished_at: datetime, status: str, billing_mode: str) -> ledger.UsageReport:
+        """The call's usage row as it stands (`_finish` writes it at its end)."""
+        usage = self.usage
+        return ledger.UsageReport(
+            request_id=self.request_id, organization_id=self.caller.organization_id,
+            api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
+            replica_id=self.replica.id if self.replica else None,
+            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens, started_at=self.started_at,
+            first_token_at=self.first_token_at, finished_at=finished_at, status=status,
+            cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved, batch_id=self.batch_id,
+            cold_start_ms=self.cold_start.total_ms if self.cold_start else None,
+            cold_start_phases=self.cold_start.phases if self.cold_start else None,
+            adapter=self.adapter.name if self.adapter else "",
+            price_input_per_million=self.endpoint.price_input_per_million,
+            price_cached_input_per_million=self.endpoint.price_cached_input_per_million,
+            price_output_per_million=self.endpoint.price_output_per_million, price_fraction=self.price_fraction,
+            billing_mode=billing_mode,
+        )
 
     def _note_usage_past_reservation(self, cost: Decimal) -> None:
         """The engine reported more than the estimate bounds (`endpoints.gateway.estimate`): billed the
