@@ -351,7 +351,7 @@ def test_a_reservations_prepared_keys_and_payload_are_those_built_in_full():
                 redis_keys.reservations_key(3), redis_keys.deadlines_key(3), redis_keys.settled_key(3, "req_x"),
                 redis_keys.org_period_key(3, period), redis_keys.org_reserved_key(3),
                 redis_keys.key_period_key(3, api_key_id, period), redis_keys.key_reserved_key(3, api_key_id),
-                redis_keys.credit_key(3)]
+                redis_keys.credit_key(3), redis_keys.progress_key(3)]
 
 
 def test_a_request_id_settled_before_releases_its_new_hold_and_adds_no_spend(settings):
