@@ -52,7 +52,7 @@ def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sw
             request_id = response.headers["x-request-id"]
             for line in response.iter_lines():
                 received += line.startswith("data: {")
-                if received == 70:  # ~3.5 s in: three beats or so
+                if received == 120:  # ~6 s in: some six beats
                     child.kill()
                     break
     finally:
@@ -65,8 +65,9 @@ def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sw
     row = UsageRecord.objects.get()
     assert (row.request_id, row.status, row.api_key_id) == (request_id, "gateway_lost", key)
     assert row.prompt_tokens == 7
-    # What it delivered, less at most a beat's worth (and what was on its way to the client when it was killed).
-    assert received - 2 * 1000 // TOKEN_DELAY_MS <= row.completion_tokens <= received + 10
+    # What it delivered, less what came after its last beat (a beat's worth: 20 tokens, three allowed for a loaded
+    # machine), and at most what was on its way to the client when it was killed.
+    assert received - 3 * 1000 // TOKEN_DELAY_MS <= row.completion_tokens <= received + 10
     assert row.completion_tokens < 400
     assert row.billing_mode == "postpaid"  # the mode it was admitted under
     assert row.cost > 0
