@@ -28,6 +28,8 @@ class UsageStatus(models.TextChoices):
     CLIENT_ABORTED = "client_aborted", "Client aborted"
     UPSTREAM_ERROR = "upstream_error", "Upstream error"
     CUT_OFF = "cut_off", "Stopped at its reserved cost"
+    # Its gateway was lost mid-call (killed, OOM): billed by the sweeper for its last progress (`billing.quota.sweeper`).
+    GATEWAY_LOST = "gateway_lost", "Cut: its gateway was lost"
 
 
 class BillingMode(models.TextChoices):

@@ -99,6 +99,11 @@ def reservations_key(organization_id: int) -> str:
     return f"billing:{org_tag(organization_id)}:reservations"
 
 
+def progress_key(organization_id: int) -> str:
+    """Hash: request id -> the usage so far of a call still running (an encoded `UsageReport`), for the sweeper."""
+    return f"billing:{org_tag(organization_id)}:progress"
+
+
 def deadlines_key(organization_id: int) -> str:
     """Sorted set: request id scored by the time its reservation lapses."""
     return f"billing:{org_tag(organization_id)}:reservation_deadlines"

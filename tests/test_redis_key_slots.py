@@ -20,7 +20,7 @@ from decimal import Decimal
 import pytest
 
 from billing.ledger import record_usage
-from billing.models import BillingAccount
+from billing.models import BillingAccount, UsageRecord
 from billing.periods import period_containing
 from billing.quota import counters, rebuild, sweeper
 from controlplane import redis_keys
@@ -77,7 +77,8 @@ def _caller(organization_id: int, api_key_id: int | None) -> Caller:
                   requests_per_minute=100, tokens_per_minute=100_000)
 
 
-async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api_key_id: int | None) -> None:
+async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api_key_id: int | None,
+                                     progress=None) -> None:
     caller = _caller(organization_id, api_key_id)
     replicas = [str(uuid.uuid4()), str(uuid.uuid4())]
     info = types.SimpleNamespace(id=endpoint_id, name="m", organization_id=organization_id, cold_start_timeout_s=60,
@@ -99,10 +100,11 @@ async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api
     await traffic.promote_request(organization_id, endpoint_id, f"waiting-{organization_id}")  # a replica came up
     await admission.finish(caller=caller, endpoint_id=endpoint_id, admission=waiting, release=None, num_tokens=0,
                            cost=Decimal("0"))
-    # one the heartbeat restores after Redis forgot it, then ends later
+    # one the heartbeat restores after Redis forgot it (and records its progress), then ends later
     held = await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"held-{organization_id}",
                                  amount=Decimal("0.01"), num_tokens=10, candidates=replicas)
-    presence.track(f"held-{organization_id}", organization_id, endpoint_id, replicas[0], held.reservation)
+    presence.track(f"held-{organization_id}", organization_id, endpoint_id, replicas[0], held.reservation,
+                   progress=progress)
     # one whose gateway dies: its reservation is swept after its deadline
     await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"orphan-{organization_id}",
                           amount=Decimal("0.01"), num_tokens=10, candidates=[])
@@ -116,13 +118,16 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
     presence.unfinished.clear()
 
     async def scenario():
-        await _one_organisations_traffic(with_key.pk, str(endpoints[0].pk), api_key_id=4242)
-        await _one_organisations_traffic(without_key.pk, str(endpoints[1].pk), api_key_id=None)
+        for organization, endpoint, api_key_id in ((with_key, endpoints[0], 4242), (without_key, endpoints[1], None)):
+            report = usage_report(endpoint, request_id=f"held-{organization.pk}", status="gateway_lost")
+            await _one_organisations_traffic(organization.pk, str(endpoint.pk), api_key_id=api_key_id,
+                                             progress=lambda report=report: report)
         redis.delete(redis_keys.gateway_alive_key(traffic.gateway_id()))
         for organization_id in (with_key.pk, without_key.pk):
             redis.delete(traffic.gateway_requests_key(organization_id))  # Redis forgot them
             redis.hdel(redis_keys.reservations_key(organization_id), f"held-{organization_id}")
-        await presence.beat()  # puts them back
+        await presence.beat()  # puts them back, and records their progress
+        assert redis.hlen(redis_keys.progress_key(with_key.pk)) == redis.hlen(redis_keys.progress_key(without_key.pk)) == 1
         for organization_id in (with_key.pk, without_key.pk):
             presence.end_later(organization_id, f"held-{organization_id}")
         await presence.beat()  # ends them
@@ -143,9 +148,11 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
             redis.sadd(redis_keys.GATEWAYS_KEY, dead)
         assert presence.sweep_dead_gateways() == 2
         # the orphans' reservations and those of the requests ended later (never settled); one orphan was
-        # served (its usage row written), so it is settled with its cost
+        # served (its usage row written), so it is settled with its cost, as are those ended later, billed from
+        # their progress
         record_usage(usage_report(endpoints[0], request_id=f"orphan-{with_key.pk}"))
         assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 4
+        assert UsageRecord.objects.filter(status="gateway_lost").count() == 2
         counters.refresh_limits(BillingAccount.objects.for_organization(with_key.pk))
         counters.refresh_key_limit(with_key.pk, 4242, Decimal("5"))
         autoscaler.read_load([str(e.pk) for e in endpoints])

@@ -10,7 +10,7 @@ any number of gateway processes can never overshoot a cap.
 - `counters`: the Redis keys, the Lua parts and their keys and arguments, and `refresh_limits` when
   a cap, billing mode or credit grant changes;
 - `rebuild`: a missing counter rebuilt from PostgreSQL (the ledger's spend, the credit left);
-- `sweeper`: reservations whose gateway died, released after their deadline;
+- `sweeper`: reservations whose gateway died, released after their deadline (a call with progress billed from it);
 - `replayed`: usage rows replayed from the journal, counted in the counters rebuilt without them;
 - `reads`: what Redis counts now (for the console and tests).
 
@@ -23,6 +23,7 @@ Redis holds, in nano-dollars (integers, exact in Lua's doubles up to $9M):
   billing:{org:<id>}:credit   prepaid credit left after settled spend; expires at the next grant expiry
   billing:{org:<id>}:credit:journaled   journaled calls the credit figure counted (a period hash's: `j:<id>` fields)
   billing:{org:<id>}:reservations   request id -> reservation (JSON); billing:{org:<id>}:reservation_deadlines (zset)
+  billing:{org:<id>}:progress       request id -> a running call's usage so far (`counters.record_progress`)
 
 Every name is built in `controlplane.redis_keys`; one organisation's keys share its hash tag, so the
 scripts run on Redis Cluster.

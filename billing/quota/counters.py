@@ -17,9 +17,11 @@ from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 from django.conf import settings
 from django.db import transaction
 
+from billing.ledger import UsageReport
 from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingAccount, BillingMode
 from billing.periods import period_containing
 from billing.standing import bills_through_stripe, hold_reason, spend_limit
+from billing.usage_journal import encode
 from controlplane.accounts.models import ApiKey
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import (
@@ -30,6 +32,7 @@ from controlplane.redis_keys import (
     key_reserved_key,
     org_period_key,
     org_reserved_key,
+    progress_key,
     reservations_key,
     settled_key,
 )
@@ -192,6 +195,7 @@ local function quota_settle(K, A)
     redis.call('HDEL', K[1], A[1])
     redis.call('ZREM', K[2], A[1])
   end
+  redis.call('HDEL', K[10], A[1])  -- its progress (`record_progress`): the call is over
   if not first then return 0 end
   -- A missing counter is rebuilt from the ledger, which has this call's row (written before); one rebuilt while the
   -- call was still reserved and unsettled left its cost out for this settlement to add (`rebuild`). A row in the
@@ -221,7 +225,7 @@ end
 SETTLE = ScriptPart(
     "quota_settle",
     keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
-          "key reserved", "credit", "credit journaled"),
+          "key reserved", "credit", "credit journaled", "progress"),
     args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "draws credit (1/0)", "journaled (1/0)"),
     lua=SETTLE_LUA)
 
@@ -317,6 +321,42 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
     return await _RESTORE_RESERVATIONS(keys=keys, args=args)
 
 
+# The usage so far of one organisation's calls still running, written by their gateway's beat so that a gateway lost
+# mid-call (killed, OOM) leaves what its calls were already answered: the sweeper writes their usage rows from it when
+# their holds lapse (`billing.quota.sweeper`). KEYS: the reservations, the progress. ARGV: the progress's TTL, then per
+# call: request id, its report (`usage_journal.encode`).
+# NOTE: only for a call still reserved: a beat's write that reaches Redis after its call's settlement (which deletes
+# its progress, `SETTLE_LUA`) writes nothing, so a call that ended leaves no progress behind.
+_RECORD_PROGRESS = Script("""
+local recorded = 0
+for i = 2, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+    recorded = recorded + 1
+  end
+end
+if recorded > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+return recorded
+""")
+
+# How long a call's progress outlives the organisation's last write of one: its hold lapses a reservation's time
+# (`BILLING_RESERVATION_TTL_S`) after its gateway's last beat, and the sweeper may be down for a while past that.
+PROGRESS_TTL_S = 86_400
+
+
+async def record_progress(organization_id: int, reports: list[UsageReport]) -> int:
+    """Record the usage so far (`reports`, as their rows would be written now) of one organisation's calls still
+    running; returns how many were still reserved, and so recorded. Their settlement deletes them."""
+    if not reports:
+        return 0
+    args = [str(PROGRESS_TTL_S)]
+    for report in reports:
+        if report.organization_id != organization_id:
+            raise ValueError("one organisation's calls at a time (one Redis Cluster slot)")
+        args += [report.request_id, encode(report).rstrip(b"\n")]
+    return await _RECORD_PROGRESS(keys=[reservations_key(organization_id), progress_key(organization_id)], args=args)
+
+
 def refusal(status: str, detail: str) -> QuotaExceeded | None:
     """What an answer of `quota_reserve` means for the caller: None when the reservation holds."""
     if status == "ok":
@@ -347,7 +387,8 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_
         raise ValueError("a try that recorded nothing costs nothing")
     org, key = reservation.organization_id, reservation.api_key_id
     kept = _prepared(org, key, period_containing(finished_at).key)[1]
-    keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:], credit_journaled_key(org)]
+    keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:], credit_journaled_key(org),
+            progress_key(org)]
     has_key = "1" if key is not None else "0"
     marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id and not journaled else SETTLED_MARKER_TTL_S
     draws_credit = "1" if billing_mode == BillingMode.PREPAID else "0"

@@ -8,23 +8,39 @@ finish would have (`counters.SETTLE`, once per
 request id by its settled marker), so the spend it made counts against caps and credit; released without it, caps
 were passed for the month.
 
+A reservation whose request has no usage row but a progress (`counters.record_progress`: its gateway's beat wrote the
+usage its stream had been answered so far) was a call whose gateway was lost mid-stream (killed, OOM): its row is
+written from that progress, marked `gateway_lost`, in the billing mode it was admitted under, and settled as above.
+Once: the ledger's unique request id writes one row whoever writes it (the call's own, if its gateway only froze,
+is then a no-op), and the settlement's marker counts its spend once. Before, such a call was billed nothing for what
+it had streamed (up to `GATEWAY_MAX_ANSWER_WAIT_S`). What was answered after the gateway's last beat is not billed.
+
 Reservations live per organisation (in its Redis Cluster slot), so the sweep reads each
 organisation's deadlines, `ORGS_PER_PIPELINE` organisations per round trip."""
 
 from __future__ import annotations
 
 import json
+import logging
 from decimal import Decimal
 
+from billing.ledger import UnknownEndpointError, record_usage_batch
 from billing.models import UsageRecord
 from billing.quota import counters
+from billing.usage_journal import decode
 from controlplane.accounts.models import Organization
 from controlplane.redis_client import get_redis, redis_time
-from controlplane.redis_keys import deadlines_key, key_reserved_key, org_reserved_key, reservations_key
+from controlplane.redis_keys import (
+    deadlines_key,
+    key_reserved_key,
+    org_reserved_key,
+    progress_key,
+    reservations_key,
+)
 from controlplane.redis_scripts import Script
 from controlplane.script_parts import ComposedScript
 
-# KEYS: reservations, deadlines, org reserved, key reserved; ARGV: request id, has key, now
+# KEYS: reservations, deadlines, org reserved, key reserved, progress; ARGV: request id, has key, now
 _RELEASE_EXPIRED = Script(counters.UNRESERVE_LUA + """
 local deadline = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not deadline or tonumber(deadline) > tonumber(ARGV[3]) then return 0 end
@@ -36,6 +52,7 @@ if payload then
   redis.call('HDEL', KEYS[1], ARGV[1])
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[5], ARGV[1])
 return 1
 """)
 
@@ -48,6 +65,8 @@ return quota_settle(quota_settle_K, quota_settle_A)
 """)
 
 ORGS_PER_PIPELINE = 1000
+
+logger = logging.getLogger("inferplane.billing")
 
 
 def sweep_expired_reservations(now: float | None = None, *, batch_size: int = 1000) -> int:
@@ -85,9 +104,10 @@ def _sweep_organizations(organization_ids: list[int], now: float, batch_size: in
 
 def _release(client, organization_id: int, expired: list[str], now: float) -> int:
     released = 0
-    rows = {request_id: (cost, finished_at, billing_mode) for request_id, cost, finished_at, billing_mode
-            in UsageRecord.objects.filter(organization_id=organization_id, request_id__in=expired)
-            .values_list("request_id", "cost", "finished_at", "billing_mode")}
+    rows = _rows(organization_id, expired)
+    if missing := [request_id for request_id in expired if request_id not in rows]:
+        if _record_lost_calls(client, organization_id, missing):
+            rows = _rows(organization_id, expired)
     for request_id in expired:
         payload = client.hget(reservations_key(organization_id), request_id)
         held = json.loads(payload) if payload else None
@@ -100,7 +120,37 @@ def _release(client, organization_id: int, expired: list[str], now: float) -> in
             continue
         api_key_id = held["k"] if held else None
         keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id),
-                key_reserved_key(organization_id, api_key_id)]
+                key_reserved_key(organization_id, api_key_id), progress_key(organization_id)]
         has_key = "1" if api_key_id is not None else "0"
         released += _RELEASE_EXPIRED.run_sync(keys=keys, args=[request_id, has_key, f"{now:.3f}"])
     return released
+
+
+def _rows(organization_id: int, request_ids: list[str]) -> dict[str, tuple]:
+    return {request_id: (cost, finished_at, billing_mode) for request_id, cost, finished_at, billing_mode
+            in UsageRecord.objects.filter(organization_id=organization_id, request_id__in=request_ids)
+            .values_list("request_id", "cost", "finished_at", "billing_mode")}
+
+
+def _record_lost_calls(client, organization_id: int, request_ids: list[str]) -> int:
+    """Write the usage rows of the calls (no row yet) whose gateway recorded their progress: it was lost mid-call.
+    Returns how many rows it wrote (a row written meanwhile by the call's own gateway is kept, not doubled)."""
+    reports = []
+    for request_id, payload in zip(request_ids, client.hmget(progress_key(organization_id), request_ids), strict=True):
+        if payload is None:
+            continue
+        try:
+            reports.append(decode(payload))
+        except (ValueError, TypeError, KeyError):
+            logger.exception("call %s: its progress cannot be read; its hold is released unbilled", request_id)
+    if not reports:
+        return 0
+    try:
+        written = record_usage_batch(reports)
+    except UnknownEndpointError as exc:  # its endpoint was deleted since: the others are written
+        logger.error("calls %s of a lost gateway name an endpoint no longer there: not billed", exc.refused_ids)
+        written = exc.written_ids
+    if written:
+        logger.warning("organisation %s: billed %d call(s) cut by a lost gateway from their last progress",
+                       organization_id, len(written))
+    return len(written)

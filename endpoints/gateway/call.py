@@ -19,6 +19,7 @@ from decimal import Decimal
 from django.conf import settings
 
 from billing import ledger, usage_writer
+from billing.models import UsageStatus
 from billing.quota.counters import QuotaExceeded
 from endpoints.gateway import (
     adapter_hold,
@@ -187,7 +188,8 @@ class InferenceCall:
         if admitted.picked is not None:
             self.outstanding_replica_id = replicas[admitted.picked].id
         self.held = presence.track(self.request_id, self.caller.organization_id, self.endpoint.id,
-                                   self.outstanding_replica_id, admitted.reservation)
+                                   self.outstanding_replica_id, admitted.reservation,
+                                   progress=functools.partial(self.progress, admitted.billing_mode))
         # NOTE: a client that disconnects cancels this task wherever it waits, unless it is a non-streamed call
         # already sent to a replica (see `_watch_disconnect`); watched from `WATCH_DISCONNECT_AFTER_S` on: most
         # calls end sooner, and a timer costs a fraction of the task that watches (its steps, its cancellation).
@@ -689,23 +691,8 @@ class InferenceCall:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
             if recorded:
-                journaled = usage_writer.Recorded.JOURNALED == await usage_writer.arecord_usage(ledger.UsageReport(
-                    request_id=self.request_id, organization_id=self.caller.organization_id,
-                    api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
-                    replica_id=self.replica.id if self.replica else None,
-                    prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-                    completion_tokens=usage.completion_tokens, started_at=self.started_at,
-                    first_token_at=self.first_token_at, finished_at=finished_at, status=self.status,
-                    cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved, batch_id=self.batch_id,
-                    cold_start_ms=self.cold_start.total_ms if self.cold_start else None,
-                    cold_start_phases=self.cold_start.phases if self.cold_start else None,
-
-                    adapter=self.adapter.name if self.adapter else "",
-                    price_input_per_million=self.endpoint.price_input_per_million,
-                    price_cached_input_per_million=self.endpoint.price_cached_input_per_million,
-                    price_output_per_million=self.endpoint.price_output_per_million, price_fraction=self.price_fraction,
-                    billing_mode=admitted.billing_mode,
-                ))
+                journaled = usage_writer.Recorded.JOURNALED == await usage_writer.arecord_usage(
+                    self.usage_report(finished_at=finished_at, status=self.status, billing_mode=admitted.billing_mode))
         finally:
             presence.untrack(self.request_id)
             try:
@@ -728,6 +715,37 @@ class InferenceCall:
                 presence.end_later(self.caller.organization_id, self.request_id)
             finally:
                 self._observe(outcome=self.status if self.served else "not_served")
+
+    def usage_report(self, *, finished_at: datetime, status: str, billing_mode: str) -> ledger.UsageReport:
+        """The call's usage row as it stands: at its end (`_finish`), or while it streams, as its progress
+        (`progress`)."""
+        usage = self.usage
+        return ledger.UsageReport(
+            request_id=self.request_id, organization_id=self.caller.organization_id,
+            api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
+            replica_id=self.replica.id if self.replica else None,
+            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens, started_at=self.started_at,
+            first_token_at=self.first_token_at, finished_at=finished_at, status=status,
+            cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved, batch_id=self.batch_id,
+            cold_start_ms=self.cold_start.total_ms if self.cold_start else None,
+            cold_start_phases=self.cold_start.phases if self.cold_start else None,
+            adapter=self.adapter.name if self.adapter else "",
+            price_input_per_million=self.endpoint.price_input_per_million,
+            price_cached_input_per_million=self.endpoint.price_cached_input_per_million,
+            price_output_per_million=self.endpoint.price_output_per_million, price_fraction=self.price_fraction,
+            billing_mode=billing_mode,
+        )
+
+    def progress(self, billing_mode: str) -> ledger.UsageReport | None:
+        """What the sweeper bills if this call's gateway is lost now (`presence`'s beat records it): the usage it was
+        answered so far, as a row cut by a lost gateway; None while it has none (not served yet, or a non-streamed
+        answer, whose usage comes with its end). A batch line has none: its next try, under its id, bills it whole."""
+        usage = self.usage
+        if not self.served or self.batch_id or not (usage.prompt_tokens or usage.completion_tokens):
+            return None
+        return self.usage_report(finished_at=datetime.now(UTC), status=UsageStatus.GATEWAY_LOST,
+                                 billing_mode=billing_mode)
 
     def _note_usage_past_reservation(self, cost: Decimal) -> None:
         """The engine reported more than the estimate bounds (`endpoints.gateway.estimate`): billed the

@@ -25,6 +25,10 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
 
 Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat.
 
+A beat also records, next to each call's reservation, the usage its stream has been answered so far (`_record_progress`,
+`billing.quota.counters.record_progress`): a gateway killed mid-stream (SIGKILL, OOM) then leaves what it delivered,
+which the sweeper bills when the call's hold lapses (`billing.quota.sweeper`), less what was answered after its last beat.
+
 A beat also pushes on the spend reservation deadlines (`billing.quota.sweeper`) of the requests this process
 has served for a while: a live gateway's long call (a stream of many tokens, a non-streamed answer waited for
 while its engine generates) keeps its hold on the caps and credit until its own end. Before, its hold was
@@ -46,10 +50,12 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from django.conf import settings
 
+from billing.ledger import UsageReport
 from billing.quota import counters
 from controlplane import clock, redis_keys
 from controlplane.per_loop import PerLoop
@@ -124,6 +130,10 @@ class Held:
     replica_id: str | None = None
     since: float = field(default_factory=time.monotonic)  # when this process began serving it
     reservation: counters.Reservation | None = None  # what it holds against the caps and credit
+    # Its usage row as it would be written if this process were lost now (None while it has none to bill), and the
+    # tokens (prompt, cached, completion) of the last one a beat recorded (`_record_progress`).
+    progress: Callable[[], UsageReport | None] | None = None
+    progress_recorded: tuple[int, int, int] | None = None
 
     def value(self) -> str:
         counter = redis_keys.outstanding_key(self.organization_id, self.replica_id) if self.replica_id else ""
@@ -150,8 +160,10 @@ _beats: PerLoop[_Beating] = PerLoop(_Beating)
 
 
 def track(request_id: str, organization_id: int, endpoint_id: str, replica_id: str | None,
-          reservation: counters.Reservation | None = None) -> Held:
-    held = serving[request_id] = Held(organization_id, endpoint_id, replica_id, reservation=reservation)
+          reservation: counters.Reservation | None = None,
+          progress: Callable[[], UsageReport | None] | None = None) -> Held:
+    held = serving[request_id] = Held(organization_id, endpoint_id, replica_id, reservation=reservation,
+                                      progress=progress)
     return held
 
 
@@ -204,6 +216,33 @@ async def _push_deadlines_on(redis, now: float | None = None) -> None:
                           gt=True)
             await pipe.execute()
     _extended.at = now  # NOTE: only once due and pushed: a beat in between (every second) never moves it on
+
+
+async def _record_progress() -> int:
+    """Record, next to their reservations, the usage so far of the calls this process serves whose tokens grew since
+    the last beat recorded them (`counters.record_progress`): one script per organisation, all on one connection in one
+    round trip. Returns how many were recorded.
+
+    NOTE: on the beat, never per chunk: a stream's chunks cost no Redis write. What a call is answered after the last
+    beat before its gateway is lost (a second's worth, `BEAT_S`) is not billed."""
+    due: dict[int, list[tuple[Held, tuple[int, int, int], UsageReport]]] = {}
+    for held in list(serving.values()):
+        try:
+            if held.progress is None or (report := held.progress()) is None:
+                continue
+        except ValueError:  # NOTE: one odd call (the wall clock stepped back past its start) stops no other's
+            continue
+        tokens = (report.prompt_tokens, report.cached_tokens, report.completion_tokens)
+        if tokens != held.progress_recorded:
+            due.setdefault(held.organization_id, []).append((held, tokens, report))
+    if not due:
+        return 0
+    counts = await asyncio.gather(*(counters.record_progress(organization_id, [report for _, _, report in calls])
+                                    for organization_id, calls in due.items()))
+    for calls in due.values():
+        for held, tokens, _ in calls:
+            held.progress_recorded = tokens
+    return sum(counts)
 
 
 # A beat compares what Redis holds for this gateway with what it serves every this many beats (and at once when Redis
@@ -336,7 +375,11 @@ async def beat(*, web: bool = False) -> None:
         # NOTE: a reconcile that fails leaves the rest of the beat to go on (deadlines pushed on, ends released): one
         # failing the same way every time stopped the long calls' deadlines, and the sweeper released live holds.
         try:
-            await _reconcile(gateway, forgotten=_repair.due)
+            forgotten = _repair.due
+            await _reconcile(gateway, forgotten=forgotten)
+            if forgotten:
+                for held in list(serving.values()):
+                    held.progress_recorded = None  # recorded again by this beat: Redis forgot it with the reservations
             _repair.due, _repair.num_beats = False, 0
         except Exception as exc:  # noqa: BLE001 - tried again by the next beat
             logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
@@ -344,6 +387,10 @@ async def beat(*, web: bool = False) -> None:
         await _push_deadlines_on(redis)
     except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on
         logger.warning("gateway %s: could not push on its calls' reservation deadlines: %r", gateway, exc)
+    try:
+        await _record_progress()
+    except Exception as exc:  # noqa: BLE001 - the next beat records it; the calls' own ends bill them whole
+        logger.warning("gateway %s: could not record its calls' progress: %r", gateway, exc)
     if unfinished:
         ended = list(unfinished)
         for organization_id in {organization_id for organization_id, _ in ended}:

@@ -26,7 +26,9 @@ from billing.quota.counters import (
     Reservation,
     from_units,
     prepare_reservation,
+    record_progress,
     settle_keys_and_args,
+    to_units,
 )
 from billing.quota.rebuild import credit_available
 from billing.services import set_billing_mode, set_key_spend_cap, set_spend_cap
@@ -201,6 +203,76 @@ def test_a_served_request_whose_settlement_never_ran_is_settled_with_its_ledger_
     assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 0  # settled once
 
 
+def _progress(admitted: admission.Admission, endpoint, **fields) -> None:
+    """Record a running call's progress as its gateway's beat does (`presence._record_progress`)."""
+    report = dataclasses.replace(usage_report(endpoint, request_id=admitted.reservation.request_id, **fields),
+                                 status="gateway_lost", max_cost=admitted.reservation.amount,
+                                 billing_mode=admitted.billing_mode)
+    assert asyncio.run(record_progress(report.organization_id, [report])) == 1
+
+
+def test_a_lost_gateways_call_is_billed_from_its_progress_in_the_mode_it_was_admitted_under(settings):
+    # Admitted prepaid, its gateway killed mid-stream, and the organisation switched to postpaid before its hold
+    # lapsed: its row is billed prepaid and its settlement draws the credit it held, once.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="lost"))
+    assert admitted.billing_mode == BillingMode.PREPAID
+    _progress(admitted, endpoint, prompt_tokens=100, completion_tokens=20)
+    credit_before = int(get_redis().get(redis_keys.credit_key(organization.pk)))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.POSTPAID)
+    get_redis().set(redis_keys.credit_key(organization.pk), credit_before)  # the figure as it stood (a switch drops it)
+
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+
+    row = UsageRecord.objects.get()
+    assert (row.request_id, row.status, row.billing_mode) == ("lost", "gateway_lost", BillingMode.PREPAID)
+    assert (row.prompt_tokens, row.completion_tokens) == (100, 20) and row.cost > 0
+    assert reads.counted_spend(organization.pk) == row.cost and reads.reserved_now(organization.pk) == 0
+    assert int(get_redis().get(redis_keys.credit_key(organization.pk))) == credit_before - to_units(row.cost)
+    assert not get_redis().hlen(redis_keys.progress_key(organization.pk))
+    assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 0  # once
+    assert UsageRecord.objects.count() == 1
+
+
+def test_a_call_with_a_usage_row_and_a_progress_is_billed_by_its_row_only(settings):
+    # Its gateway wrote its row, then died before settling: the sweeper settles it with the row's cost, and its
+    # progress (fewer tokens, from the last beat) writes nothing.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="served"))
+    _progress(admitted, endpoint, prompt_tokens=100, completion_tokens=20)
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="served", prompt_tokens=100, completion_tokens=50),
+                                     max_cost=Decimal("0.50")))
+
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+
+    row = UsageRecord.objects.get()
+    assert (row.status, row.completion_tokens) == ("ok", 50)
+    assert reads.counted_spend(organization.pk) == row.cost and reads.reserved_now(organization.pk) == 0
+    assert not get_redis().hlen(redis_keys.progress_key(organization.pk))
+
+
+def test_a_progress_recorded_after_its_call_settled_is_not_written():
+    # A beat's write that reaches Redis after its call's own end would leave a progress nothing deletes.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="ended"))
+    _progress(admitted, endpoint)
+    asyncio.run(settle(admitted, Decimal("0.01"), fresh_id=True))
+    assert not get_redis().hlen(redis_keys.progress_key(organization.pk))  # deleted by its settlement
+    report = usage_report(endpoint, request_id="ended", status="gateway_lost")
+    assert asyncio.run(record_progress(organization.pk, [report])) == 0
+    assert not get_redis().hlen(redis_keys.progress_key(organization.pk))
+
+
 def test_a_prepaid_organisation_spends_only_its_credit():
     organization = OrganizationFactory()
     set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
@@ -368,7 +440,7 @@ def test_a_reservations_prepared_keys_and_payload_are_those_built_in_full():
                 redis_keys.reservations_key(3), redis_keys.deadlines_key(3), redis_keys.settled_key(3, "req_x"),
                 redis_keys.org_period_key(3, period), redis_keys.org_reserved_key(3),
                 redis_keys.key_period_key(3, api_key_id, period), redis_keys.key_reserved_key(3, api_key_id),
-                redis_keys.credit_key(3), redis_keys.credit_journaled_key(3)]
+                redis_keys.credit_key(3), redis_keys.credit_journaled_key(3), redis_keys.progress_key(3)]
 
 
 def test_a_request_id_settled_before_releases_its_new_hold_and_adds_no_spend(settings):

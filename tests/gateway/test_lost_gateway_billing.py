@@ -1,0 +1,104 @@
+"""A gateway lost mid-stream (SIGKILL, OOM kill): what its streams delivered is billed once, by the sweeper, from the
+progress its beats recorded; a call that ended normally is billed by its own row only."""
+
+import httpx
+import pytest
+
+from billing.ledger import period_spend
+from billing.models import UsageRecord
+from billing.periods import period_containing
+from billing.quota.counters import to_units
+from billing.quota.sweeper import sweep_expired_reservations
+from controlplane import redis_keys
+from controlplane.redis_client import get_redis, redis_time
+from tests.conftest import start_web_server, wait_until
+from tests.gateway.conftest import serve_endpoint
+from tests.gateway.load import MESSAGES
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TOKEN_DELAY_MS = 50  # the mock's pace: a beat (1 s) is 20 tokens
+
+
+def _stream(gateway: str, key: str, model: str, max_tokens: int):
+    return httpx.stream("POST", f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                        json={"model": model, "messages": MESSAGES, "stream": True, "max_tokens": max_tokens},
+                        timeout=30)
+
+
+def _spent_counted(organization_id: int) -> int:
+    return int(get_redis().hget(redis_keys.org_period_key(organization_id, period_containing().key), "spent") or 0)
+
+
+def _holds(organization_id: int, api_key_id: int) -> tuple[int, int, int, int]:
+    """The organisation's reservations, its and its key's reserved sums (units), and its calls' progress."""
+    redis = get_redis()
+    return (redis.hlen(redis_keys.reservations_key(organization_id)),
+            int(redis.get(redis_keys.org_reserved_key(organization_id)) or 0),
+            int(redis.get(redis_keys.key_reserved_key(organization_id, api_key_id)) or 0),
+            redis.hlen(redis_keys.progress_key(organization_id)))
+
+
+def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sweeper(
+        tenant, start_mock_upstream, tmp_path):
+    # Before, a gateway killed mid-stream wrote no usage row: its call's hold lapsed at its deadline and the sweeper,
+    # finding no row, released it. Every token the stream had delivered (up to 6 h of them) was never billed.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=TOKEN_DELAY_MS))
+    org, key = tenant.org.pk, tenant.api_key.pk
+    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
+    received = 0
+    try:
+        with _stream(gateway, tenant.key, endpoint.name, max_tokens=400) as response:  # ~20 s
+            request_id = response.headers["x-request-id"]
+            for line in response.iter_lines():
+                received += line.startswith("data: {")
+                if received == 120:  # ~6 s in: some six beats
+                    child.kill()
+                    break
+    finally:
+        child.stop()
+    assert not UsageRecord.objects.exists()  # nobody wrote its row
+    assert _spent_counted(org) == 0
+
+    # Its hold lapses a reservation's time (3 s here) after the dead gateway's last push.
+    wait_until(lambda: sweep_expired_reservations() == 1, 15, interval_s=0.5, message="the lapsed hold swept")
+    row = UsageRecord.objects.get()
+    assert (row.request_id, row.status, row.api_key_id) == (request_id, "gateway_lost", key)
+    assert row.prompt_tokens == 7
+    # What it delivered, less what came after its last beat (a beat's worth: 20 tokens, three allowed for a loaded
+    # machine), and at most what was on its way to the client when it was killed.
+    assert received - 3 * 1000 // TOKEN_DELAY_MS <= row.completion_tokens <= received + 10
+    assert row.completion_tokens < 400
+    assert row.billing_mode == "postpaid"  # the mode it was admitted under
+    assert row.cost > 0
+    # Settled with its cost, once: its spend counted, its hold and its progress gone.
+    assert _spent_counted(org) == to_units(period_spend(org, period_containing())) == to_units(row.cost)
+    assert _holds(org, key) == (0, 0, 0, 0)
+
+    assert sweep_expired_reservations(now=redis_time() + 86_400) == 0  # swept again: nothing more
+    assert UsageRecord.objects.count() == 1
+    assert _spent_counted(org) == to_units(row.cost)
+
+
+def test_a_call_that_ended_normally_leaves_no_progress_and_a_later_sweep_writes_no_second_row(
+        tenant, start_mock_upstream, tmp_path):
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=TOKEN_DELAY_MS))
+    org, key = tenant.org.pk, tenant.api_key.pk
+    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
+    received, progress_seen = 0, False
+    try:
+        with _stream(gateway, tenant.key, endpoint.name, max_tokens=60) as response:  # ~3 s
+            for line in response.iter_lines():
+                received += line.startswith("data: {")
+                progress_seen = progress_seen or bool(get_redis().hlen(redis_keys.progress_key(org)))
+    finally:
+        child.stop()
+    assert received >= 60
+    assert progress_seen  # its beats recorded its progress while it streamed
+    row = UsageRecord.objects.get()
+    assert (row.status, row.completion_tokens) == ("ok", 60)
+    assert _holds(org, key) == (0, 0, 0, 0)  # settled by its own end, its progress deleted with it
+
+    assert sweep_expired_reservations(now=redis_time() + 86_400) == 0
+    assert UsageRecord.objects.count() == 1
+    assert _spent_counted(org) == to_units(row.cost)
