@@ -174,9 +174,14 @@ def _is_int(value: Any) -> bool:
 
 
 def _finite(value: Any, name: str) -> float:
-    """`value` as a float; a ValueError unless it is a finite number (JSON's NaN and Infinity, as Python reads them, are not)."""
-    _require(isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
-             f"{name} must be a finite number")
+    """`value` as a float; a ValueError unless it is a finite number (JSON's NaN and Infinity, as Python reads them, are
+    not; nor is an integer past a float's range, whose `isfinite` raised OverflowError: a 500 before any token was
+    checked)."""
+    try:
+        finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:
+        finite = False
+    _require(finite, f"{name} must be a finite number")
     return float(value)
 
 
@@ -533,7 +538,8 @@ class Heartbeat(Message):
 
     def __post_init__(self) -> None:
         _require_distinct_gpus(self.gpus)
-        _require_few_reports(self.replicas, self.weights)
+        _require_few_reports(self.replicas)
+        del self.weights[MAX_WEIGHTS_REPORTS:]
         _require_length(self.agent_version, "agent_version", MAX_VERSION_CHARS)
         _require(min(self.num_cpus, self.memory_mb, self.memory_used_mb, self.disk_free_mb or 0) >= 0,
                  "CPU, memory and disk figures must be >= 0")
@@ -543,7 +549,9 @@ class Heartbeat(Message):
     def from_dict(cls, data: dict[str, Any]):
         # NOTE: counted before any report is parsed: a made-up heartbeat's reports cost the parse alone otherwise.
         if isinstance(data, dict):
-            _require_few_reports(*(data.get(name) if isinstance(data.get(name), list) else () for name in ("replicas", "weights")))
+            _require_few_reports(data["replicas"] if isinstance(data.get("replicas"), list) else ())
+            if isinstance(data.get("weights"), list) and len(data["weights"]) > MAX_WEIGHTS_REPORTS:
+                data = data | {"weights": data["weights"][:MAX_WEIGHTS_REPORTS]}
         return super(Heartbeat, cls).from_dict(data)
 
 
@@ -551,15 +559,16 @@ class Heartbeat(Message):
 # one replica a slice, with as many stopping): a heartbeat of more is refused whole. A hostile node's 33,000 made-up
 # reports held a web thread for minutes.
 MAX_REPLICA_REPORTS = 1024
-# NOTE: and at most this many weights reports: copies in a node's cache, far more than a disk holds (the agent sends
-# its most recently used, `WeightsCache.statuses`). Every one was parsed, kept in the node's `last_status` and read
-# by each placement (`placement.nodes_holding_weights`): 80,000 made-up ones fit in a heartbeat's body.
+# NOTE: and the first this many weights reports are read, the rest ignored: copies in a node's cache (the agent sends
+# its downloads and local models first, then its most recently used, `WeightsCache.statuses`). Every one was parsed,
+# kept in the node's `last_status` and read by each placement (`placement.nodes_holding_weights`): 80,000 made-up ones
+# fit in a heartbeat's body. Ignored, not refused: an agent from before the cap sends every copy it holds (LoRA
+# adapters count, with no count bound), and a refused heartbeat took its honest node OFFLINE.
 MAX_WEIGHTS_REPORTS = 1024
 
 
-def _require_few_reports(replicas: typing.Sized, weights: typing.Sized) -> None:
+def _require_few_reports(replicas: typing.Sized) -> None:
     _require(len(replicas) <= MAX_REPLICA_REPORTS, f"a heartbeat carries at most {MAX_REPLICA_REPORTS} replica reports")
-    _require(len(weights) <= MAX_WEIGHTS_REPORTS, f"a heartbeat carries at most {MAX_WEIGHTS_REPORTS} weights reports")
 
 
 # An IAM role in one account of a partition the fleet can run in: `arn:aws:iam::<12-digit account>:role/<path/><name>`.

@@ -131,7 +131,9 @@ def _create_batch(request, storing: uploads.StreamToStorage) -> str | BatchForm 
     NOTE: the file went through Django's `TemporaryFileUploadHandler`, a second copy of the body's file on the web
     pod's disk beside the one Django's ASGI handler spools, then from there to S3. The CSRF check reads the form:
     the view is exempt from the middleware's, which ran before the handlers could be installed, and checks here."""
-    form = BatchForm()
+    # NOTE: a form refused before it is bound is shown again with a key of its own: it had none, and sent twice from
+    # there started two batches (found by the review of the form's key).
+    form = new_batch_form()
     try:
         request.FILES  # noqa: B018 - parses the body, the file part going to S3 as it is read
         refusal = CsrfViewMiddleware(lambda request: None).process_view(request, None, (), {})

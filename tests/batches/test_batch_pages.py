@@ -121,6 +121,22 @@ def test_a_batch_form_sent_twice_starts_one_batch_and_both_answers_lead_to_it(
     assert Batch.objects.filter(organization=org).count() == 2
 
 
+def test_a_batch_form_refused_as_its_file_is_read_comes_back_with_a_key_of_its_own(console_client_factory, files_bucket,
+                                                                                   org):
+    """Refused before it was bound (past the storage quota), the form came back with no key: sent twice from there, it
+    started two batches (found by the review of the form's key)."""
+    from tests.batches.test_files_api import _on_plan
+
+    _on_plan(org, max_file_bytes=10)
+    member = console_client_factory(org, Role.MEMBER)
+    form = _form_as_rendered(member)
+    upload = SimpleUploadedFile("requests.jsonl", json.dumps(LINE).encode() * 4, content_type="application/jsonl")
+    refused = member.post(reverse("console:batches"), {**form, "file": upload, "endpoint": "/v1/chat/completions"})
+    assert refused.status_code == 400
+    shown = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', refused.content.decode()))
+    assert shown.get("idempotency_key")
+
+
 def test_a_batch_form_sent_again_while_its_first_sending_still_starts_its_batch_says_so_and_starts_nothing(
         console_client_factory, files_bucket, org):
     from endpoints.batches import idempotency
