@@ -589,12 +589,16 @@ class Supervisor:
                 self._caches_swept_at = now
         over = []
         for replica, folders in due:
+            walk_started = time.monotonic()
             usage = engine_disk.measure(folders, max_bytes=bounds.engine_max_bytes, max_files=bounds.engine_max_files)
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
             if why:
                 over.append((replica, why))
             else:
-                replica.disk_check_due_at = now + engine_disk.next_check_in_s(usage, bounds)  # sooner when near
+                walked = time.monotonic()
+                # sooner when near, never sooner than its walk's cost allows, from the walk's end
+                replica.disk_check_due_at = walked + engine_disk.next_check_in_s(usage, bounds,
+                                                                                 walked_s=walked - walk_started)
         caches = self._caches.listing(max_bytes=bounds.cache_budget_bytes, max_files=bounds.engine_max_files) if sweep else []
         removed = []
         with self._lock:

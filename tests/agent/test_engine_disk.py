@@ -196,6 +196,16 @@ def test_the_next_measure_comes_sooner_the_nearer_an_engine_is_to_its_bound():
     assert engine_disk.next_check_in_s(engine_disk.DiskUsage(99 * MB, 10, True), bounds) == engine_disk.MIN_CHECK_INTERVAL_S
 
 
+def test_an_engine_near_its_bound_is_walked_again_no_sooner_than_ten_times_its_walk_took():
+    # An engine holding 190,000 files (95 % of the bound) took 1.1 s to walk and was walked every 2 s: half a core, and
+    # the other engines' checks waited behind it (the review of the sooner checks).
+    bounds = EngineDiskBounds(engine_max_bytes=None, engine_max_files=200_000, check_interval_s=30)
+    near = engine_disk.DiskUsage(MB, 190_000, True)
+    assert engine_disk.next_check_in_s(near, bounds, walked_s=1.1) == pytest.approx(11)
+    assert engine_disk.next_check_in_s(near, bounds, walked_s=0.01) == engine_disk.MIN_CHECK_INTERVAL_S
+    assert engine_disk.next_check_in_s(near, bounds, walked_s=9) == 30  # never past the interval itself
+
+
 def test_an_engine_past_its_bound_is_reported_failed_with_the_reason_to_the_control_plane(
     control_plane,  # noqa: F811
     running_agent,  # noqa: F811
