@@ -127,7 +127,7 @@ def test_made_up_names_are_looked_up_a_few_at_a_time(endpoint_loads, monkeypatch
     assert peak[0] == directory.MAX_ENDPOINT_LOOKUPS
 
 
-@pytest.mark.parametrize("name", ["\x00", "bad\x00name", "tab\tname", "\ud800", "a" * (MAX_MODEL_NAME + 1)])
+@pytest.mark.parametrize("name", ["\x00", "bad\x00name", "tab\tname", "a" * (MAX_MODEL_NAME + 1)])
 def test_retrieving_a_name_no_model_could_bear_is_not_found_without_a_lookup(endpoint_loads, tenant, name):
     # `GET /v1/models/%00` was looked up: PostgreSQL refused the NUL, a 500 and a traceback each time; and a name of
     # any length was looked up and cached (a body's `model` is capped at `MAX_MODEL_NAME`).
