@@ -17,12 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
+from typing import NoReturn
 
 from billing.models import BillingMode
 from billing.quota import counters, rebuild
 from controlplane.redis_keys import outstanding_key
 from controlplane.script_parts import ComposedScript
-from endpoints.gateway import limits, routing, traffic
+from endpoints.gateway import errors, limits, routing, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 
@@ -54,6 +55,15 @@ traffic_end(traffic_end_K, traffic_end_A)
 limits_give_back(limits_give_back_K, limits_give_back_A)
 routing_learn(routing_learn_K, routing_learn_A)
 return quota_settle(quota_settle_K, quota_settle_A)
+""")
+
+# A call that names no model of its caller's: counted as one request in the key's minute, or refused past it.
+_COUNT_UNKNOWN_MODEL = ComposedScript([limits.CHECK], glue="""
+local used = limits_read(limits_check_K)
+local verdict = limits_check(limits_check_K, limits_check_A, used)
+if verdict ~= 0 then return {'rate_limited', tostring(verdict), used[1], used[2]} end
+used = limits_take(limits_check_K, limits_check_A, used)
+return {'ok', '0', used[1], used[2]}
 """)
 
 MAX_REBUILDS = 4
@@ -137,3 +147,19 @@ async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, rele
                                                   fresh_id=fresh_id, recorded=recorded,
                                                   billing_mode=admission.billing_mode, journaled=journaled),
     )
+
+
+async def refuse_unknown_model(*, caller: Caller, model: str, report: RateLimitReport) -> NoReturn:
+    """Refuse a call (or `GET /v1/models/{id}`) whose `model` names none of its caller's organisation's: OpenAI's 404,
+    counted as one request against the key's requests per minute as an admitted call is; past them, the 429.
+
+    NOTE: unknown names were counted against no limit, and each new one is a PostgreSQL query: one key could send
+    them as fast as the gateway answered. A known model's call is counted by `admit` alone, its hot path unchanged;
+    this is the Redis round trip the 404's rate-limit headers read anyway (`RateLimitReport.read_counts`)."""
+    window = limits.Window.now(caller.organization_id, caller.limit_subject, caller.requests_per_minute,
+                               caller.tokens_per_minute)
+    status, detail, num_requests, num_tokens = await _COUNT_UNKNOWN_MODEL(limits_check=window.check_keys_and_args())
+    report.counted(window, num_requests, num_tokens)
+    if status == "rate_limited":
+        raise window.refusal(int(detail))
+    raise errors.model_not_found(model)

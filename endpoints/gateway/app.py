@@ -30,11 +30,13 @@ from controlplane.access_log import log_answer
 from controlplane.accounts.models import Role
 from endpoints.gateway import (
     adapter_hold,
+    admission,
     anatomy,
     auth,
     directory,
     drain,
     errors,
+    fields,
     metrics,
     presence,
     standing,
@@ -43,7 +45,7 @@ from endpoints.gateway import (
 from endpoints.gateway.call import InferenceCall, finish_pending
 from endpoints.gateway.memo import in_worker_thread
 from endpoints.gateway.ratelimit_headers import RateLimitReport
-from endpoints.gateway.request import MAX_BODY_BYTES, InferenceRequest, new_request_id
+from endpoints.gateway.request import MAX_BODY_BYTES, InferenceRequest, is_model_name, new_request_id
 from endpoints.gateway.upload_places import REFUSAL_SCOPE_KEY, Place, UploadPlaces
 
 logger = logging.getLogger("inferplane.gateway")
@@ -343,7 +345,7 @@ class Gateway:
                                                progress=anatomy.wants_progress(headers))
             resolved = await adapter_hold.resolve(caller.organization_id, inference.model)
             if resolved is None:
-                raise errors.model_not_found(inference.model)
+                await admission.refuse_unknown_model(caller=caller, model=inference.model, report=ratelimit)
             endpoint, adapter = resolved
             if adapter is not None:
                 inference = dataclasses.replace(inference, engine_model=adapter.name)
@@ -388,9 +390,11 @@ class Gateway:
         """`GET /v1/models/{id}` (`client.models.retrieve`): one of the caller's organisation's endpoints."""
         caller = await auth.authenticate(headers)
         ratelimit.for_caller(caller)
-        resolved = await adapter_hold.resolve(caller.organization_id, name) if name else None
+        if not name or not is_model_name(name):  # never looked up (`parse_payload` checks a body's `model` so)
+            raise errors.model_not_found(fields.printable(name))
+        resolved = await adapter_hold.resolve(caller.organization_id, name)
         if resolved is None:
-            raise errors.model_not_found(name)
+            await admission.refuse_unknown_model(caller=caller, model=name, report=ratelimit)
         endpoint, adapter = resolved
         model = _model_object(endpoint)
         if adapter is not None:

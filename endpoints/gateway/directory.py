@@ -17,6 +17,7 @@ from decimal import Decimal
 
 from django.conf import settings
 
+from controlplane.credential_lookups import ExpiringSet
 from endpoints.gateway import errors
 from endpoints.gateway.memo import Memo, in_worker_thread
 from endpoints.models import Adapter, Endpoint, Replica
@@ -27,6 +28,12 @@ logger = logging.getLogger(__name__)
 
 ENDPOINT_CACHE_S = 2.0
 REPLICA_CACHE_S = 0.5
+KNOWN_ENDPOINTS_MAX = 100_000
+# Unknown (organisation, name) pairs remembered per process: each at most ~1 KB (a name is at most
+# `request.MAX_MODEL_NAME` characters), so a few MB at most.
+UNKNOWN_ENDPOINTS_MAX = 4096
+# Endpoints looked up in PostgreSQL at once per gateway process (as API keys are: `auth.MAX_KEY_LOOKUPS`).
+MAX_ENDPOINT_LOOKUPS = 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,11 +109,27 @@ def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
     return _endpoint_info(endpoint) if endpoint else None
 
 
-_endpoints = Memo(_load_endpoint, ENDPOINT_CACHE_S)
+# NOTE: the names are the callers' to choose: an unknown one is remembered apart (`_unknown_endpoints`), never in
+# `_endpoints`, which so holds only endpoints that exist; a stream of made-up names (each a first load) holds at most
+# `MAX_ENDPOINT_LOOKUPS` worker threads and connections. They kept up to 100,000 entries of up to 8 KB each (a
+# name in `/v1/models/{id}` was unbounded): one key could fill the web pod's memory, every tenant's calls with it.
+_endpoints = Memo(_load_endpoint, ENDPOINT_CACHE_S, max_entries=KNOWN_ENDPOINTS_MAX,
+                  max_concurrent_loads=MAX_ENDPOINT_LOOKUPS)
+# (organisation, name) that named no live endpoint, for as long as a cached endpoint is trusted: a name sent again
+# costs no query; a flood of different ones pushes out only each other. An endpoint created since is found once its
+# name's entry expires, as a change to a cached one is.
+_unknown_endpoints = ExpiringSet(ENDPOINT_CACHE_S, max_entries=UNKNOWN_ENDPOINTS_MAX)
 
 
 async def find_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
-    return await _endpoints.get((organization_id, name), organization_id, name)
+    key = (organization_id, name)
+    if key in _unknown_endpoints:
+        return None
+    endpoint = await _endpoints.get(key, organization_id, name)
+    if endpoint is None:
+        _endpoints.forget(key)
+        _unknown_endpoints.add(key)
+    return endpoint
 
 
 def _load_models(organization_id: int) -> list[EndpointInfo]:

@@ -83,7 +83,7 @@ def check(payload: dict, kind: str) -> None:
         reason = REFUSED_WITH_REASON.get(name)
         if reason is not None:
             raise errors.invalid_request(f"'{name}' {reason}.", param=name, code="unsupported_parameter")
-        raise errors.invalid_request(f"Unrecognized request argument supplied: {_printable(name)}", param=_printable(name),
+        raise errors.invalid_request(f"Unrecognized request argument supplied: {printable(name)}", param=printable(name),
                                      code="unknown_parameter")
     if kind == "completion":
         _refuse_best_of_past_n(payload)
@@ -97,7 +97,7 @@ def _refuse_best_of_past_n(payload: dict) -> None:
                                      "'n' choices; ask for more with 'n'.", param="best_of", code="unsupported_parameter")
 
 
-def _printable(name: str) -> str:
-    """A field name as the error may quote it: at most 64 characters, nothing unprintable."""
+def printable(name: str) -> str:
+    """A field name (or a model's) as an error may quote it: at most 64 characters, nothing unprintable."""
     shown = name[:64]
     return shown if shown.isprintable() else ascii(shown)[1:-1]

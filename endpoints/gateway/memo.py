@@ -55,7 +55,7 @@ class Memo:
         self._load = in_worker_thread(load)
         # NOTE: each load holds a worker thread and its own PostgreSQL connection while it runs; where the keys are
         # an attacker's to choose (API keys), a flood of new ones would take up to the pool's 32 threads and as many
-        # connections per process, queueing every other lookup behind them. At most this many load at once.
+        # connections per process, queueing every other lookup behind them. At most this many first loads at once.
         self._load_slots = LookupSlots(max_concurrent_loads) if max_concurrent_loads else None
         self._ttl_s = ttl_s
         self.wait_when_empty = wait_when_empty
@@ -91,7 +91,9 @@ class Memo:
     async def _reload(self, key, load_args: tuple):
         started = time.monotonic()
         try:
-            if self._load_slots is None:
+            # NOTE: only a first load takes a slot: the reload of an entry in use (an endpoint, a key that exists)
+            # never queues behind a flood of made-up ones; reloads are at most one per entry and `ttl_s`.
+            if self._load_slots is None or key in self.entries:
                 value = await self._load(*load_args)
             else:
                 async with self._load_slots.held_async():

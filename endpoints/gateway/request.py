@@ -108,7 +108,7 @@ def parse_payload(body: bytes, kind: str) -> dict:
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise errors.invalid_request("You must provide a model parameter.", param="model")
-    if len(model) > MAX_MODEL_NAME or not model.isprintable() or not _is_utf8(model):
+    if not is_model_name(model):
         raise errors.invalid_request("'model' is not a model name.", param="model", code="invalid_value")
     fields.check(payload, kind)
     if kind == embeddings.EMBEDDING:
@@ -257,6 +257,12 @@ def _depth(value) -> int:
         children = item.values() if isinstance(item, dict) else item
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return deepest
+
+
+def is_model_name(name: str) -> bool:
+    """Whether `name` may name a model (in a body's `model`, or `GET /v1/models/{id}`): at most `MAX_MODEL_NAME`
+    characters, each printable. Checked before any lookup of it: PostgreSQL refuses a NUL or a lone surrogate."""
+    return len(name) <= MAX_MODEL_NAME and name.isprintable() and _is_utf8(name)
 
 
 def _is_utf8(text: str) -> bool:

@@ -182,6 +182,33 @@ def test_a_flood_of_new_keys_loads_at_most_the_allowed_number_at_once():
     assert auth._callers_by_key._load_slots is not None  # the gateway's key lookups are bounded so
 
 
+def test_the_reload_of_an_entry_in_use_never_waits_behind_a_flood_of_first_loads():
+    # The loads were capped together: an endpoint's reload (every 2 s) queued behind every made-up name looked up
+    # before it, another tenant's flood stalling its calls. Only first loads take a slot now.
+    released = threading.Event()
+
+    def load(key):
+        if key.startswith("made-up"):
+            released.wait(10)
+            return None
+        return key
+
+    lookups = Memo(load, 60, max_concurrent_loads=1)
+
+    async def scenario():
+        await lookups.get("in-use")
+        flood = [asyncio.ensure_future(lookups.get(f"made-up-{index}")) for index in range(5)]
+        await asyncio.sleep(0.05)  # the first made-up name holds the one slot, the others wait for it
+        try:
+            reloaded = await asyncio.wait_for(lookups.get("in-use", fresh=True), 5)
+            return reloaded, sum(task.done() for task in flood)
+        finally:
+            released.set()
+            await asyncio.gather(*flood)
+
+    assert asyncio.run(scenario()) == ("in-use", 0)
+
+
 def test_listing_models_reads_the_database_once_per_organisation_and_ttl(monkeypatch):
     # `GET /v1/models` is not rate-limited: each call was a query of the organisation's endpoints, however often
     # a client (or an attacker with a key) asked.

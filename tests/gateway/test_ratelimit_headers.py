@@ -92,8 +92,8 @@ def test_a_stream_carries_the_headers_before_its_first_event(gateway, limited_ke
     assert int(headers["remaining-tokens"]) < 20_000 and RESET.match(headers["reset-tokens"])
 
 
-def test_errors_and_the_model_list_carry_the_headers_without_counting_a_request(gateway, limited_key,
-                                                                                start_mock_upstream):
+def test_errors_and_the_model_list_carry_the_headers_only_an_unknown_model_counting_a_request(gateway, limited_key,
+                                                                                             start_mock_upstream):
     endpoint = serve_endpoint(limited_key.org, start_mock_upstream())
     client = limited_key.client(gateway)
     client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=5)  # one counted
@@ -104,12 +104,13 @@ def test_errors_and_the_model_list_carry_the_headers_without_counting_a_request(
 
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=5)
-    assert ratelimit(unknown.value.response.headers)["remaining-requests"] == "2"
+    # counted as a call is: made-up names, each a lookup, are limited as calls are (`admission.refuse_unknown_model`)
+    assert ratelimit(unknown.value.response.headers)["remaining-requests"] == "1"
     assert ratelimit(unknown.value.response.headers)["limit-tokens"] == "20000"
 
     bad_json = httpx.post(f"{gateway}/v1/chat/completions", content=b"{", timeout=30,
                           headers={"authorization": f"Bearer {limited_key.key}", "content-type": "application/json"})
-    assert bad_json.status_code == 400 and ratelimit(bad_json.headers)["remaining-requests"] == "2"
+    assert bad_json.status_code == 400 and ratelimit(bad_json.headers)["remaining-requests"] == "1"
 
     unknown_url = httpx.get(f"{gateway}/v1/nothing-here", timeout=30, headers={"authorization": f"Bearer {limited_key.key}"})
     assert unknown_url.status_code == 404 and ratelimit(unknown_url.headers)["limit-requests"] is not None

@@ -1,0 +1,155 @@
+"""Model names the caller makes up: counted against its key's limit, remembered in a small bounded cache apart from
+the endpoints that exist, looked up a few at a time, and never looked up at all when no model could bear them."""
+
+import asyncio
+import json
+import secrets
+
+import httpx
+import pytest
+
+from controlplane import access_log
+from controlplane.accounts.models import ApiKey
+from endpoints.gateway import directory
+from endpoints.gateway.app import Gateway
+from endpoints.gateway.request import MAX_MODEL_NAME
+from tests.factories import EndpointFactory
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture
+def endpoint_loads(monkeypatch):
+    """The endpoint names the gateway looks up in PostgreSQL (in this process), with empty caches."""
+    loads = []
+    real = directory._endpoints._load
+
+    async def counted(organization_id, name):
+        loads.append(name)
+        return await real(organization_id, name)
+
+    monkeypatch.setattr(directory._endpoints, "_load", counted)
+    directory._endpoints.clear()
+    directory._unknown_endpoints.clear()
+    yield loads
+    directory._endpoints.clear()
+    directory._unknown_endpoints.clear()
+
+
+def test_unknown_models_count_against_the_keys_requests_per_minute(gateway, tenant, start_mock_upstream):
+    # Unknown names were counted against no limit: one key could send them as fast as the gateway answered, each a
+    # PostgreSQL query, each kept in the cache.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    ApiKey.objects.filter(pk=tenant.api_key.pk).update(requests_per_minute=3)
+    with httpx.Client(
+        base_url=gateway, headers={"Authorization": f"Bearer {tenant.key}"}, timeout=60
+    ) as client:
+        unknown = client.post("/v1/chat/completions", json={"model": "no-such-model", "messages": MESSAGES})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        assert unknown.headers["x-ratelimit-remaining-requests"] == "2"
+        # the real model still answers while the key is within its limit, counted once
+        known = client.post(
+            "/v1/chat/completions", json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 2}
+        )
+        assert known.status_code == 200, known.text
+        assert known.headers["x-ratelimit-remaining-requests"] == "1"
+        retrieved = client.get(f"/v1/models/{secrets.token_hex(8)}")
+        assert retrieved.status_code == 404 and retrieved.headers["x-ratelimit-remaining-requests"] == "0"
+
+        for made_up in (
+            client.get(f"/v1/models/{secrets.token_hex(8)}"),
+            client.post("/v1/chat/completions", json={"model": secrets.token_hex(8), "messages": MESSAGES}),
+        ):
+            assert made_up.status_code == 429, made_up.text
+            assert made_up.json()["error"]["code"] == "rate_limit_exceeded"
+            assert int(made_up.headers["retry-after"]) >= 1
+
+
+def test_unknown_names_are_remembered_apart_in_a_bounded_cache(endpoint_loads, monkeypatch):
+    # Each unknown (organisation, name) stayed in the endpoint cache, up to 100,000 of them of up to 8 KB each: a
+    # stream of made-up names grew the web pod's memory until it was killed, every tenant's calls with it.
+    monkeypatch.setattr(directory._unknown_endpoints, "max_entries", 50)
+    endpoint = EndpointFactory(name="support-chat")
+    organization_id = endpoint.organization_id
+
+    async def scenario():
+        found = await directory.find_endpoint(organization_id, "support-chat")
+        missing = [await directory.find_endpoint(organization_id, f"made-up-{index}") for index in range(200)]
+        again = [await directory.find_endpoint(organization_id, "made-up-199") for _ in range(5)]
+        return found, missing, again
+
+    found, missing, again = asyncio.run(scenario())
+
+    assert found.name == "support-chat" and missing == [None] * 200 and again == [None] * 5
+    assert list(directory._endpoints.entries) == [(organization_id, "support-chat")]
+    assert len(directory._unknown_endpoints) == 50
+    assert endpoint_loads.count("made-up-199") == 1  # sent again: no query
+
+
+def test_an_endpoint_created_after_its_name_was_unknown_is_found_once_that_expires(
+    endpoint_loads, monkeypatch
+):
+    monkeypatch.setattr(directory._unknown_endpoints, "_ttl_s", 0.2)
+    organization_id = EndpointFactory(name="other").organization_id
+
+    async def before():
+        return await directory.find_endpoint(organization_id, "new-model")
+
+    assert asyncio.run(before()) is None
+    EndpointFactory(organization_id=organization_id, name="new-model")
+
+    async def after():
+        await asyncio.sleep(0.3)
+        return await directory.find_endpoint(organization_id, "new-model")
+
+    assert asyncio.run(after()).name == "new-model"
+
+
+def test_made_up_names_are_looked_up_a_few_at_a_time(endpoint_loads, monkeypatch):
+    # A flood of new names took a worker thread and a PostgreSQL connection each, up to the pool's 32 per process.
+    running, peak = [0], [0]
+
+    async def slow(organization_id, name):
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        await asyncio.sleep(0.02)
+        running[0] -= 1
+
+    monkeypatch.setattr(directory._endpoints, "_load", slow)
+
+    async def flood():
+        return await asyncio.gather(*(directory.find_endpoint(1, f"made-up-{index}") for index in range(40)))
+
+    assert asyncio.run(flood()) == [None] * 40
+    assert peak[0] == directory.MAX_ENDPOINT_LOOKUPS
+
+
+@pytest.mark.parametrize("name", ["\x00", "bad\x00name", "tab\tname", "a" * (MAX_MODEL_NAME + 1)])
+def test_retrieving_a_name_no_model_could_bear_is_not_found_without_a_lookup(endpoint_loads, tenant, name):
+    # `GET /v1/models/%00` was looked up: PostgreSQL refused the NUL, a 500 and a traceback each time; and a name of
+    # any length was looked up and cached (a body's `model` is capped at `MAX_MODEL_NAME`).
+    access_log.prepare()
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "path": f"/v1/models/{name}",
+        "method": "GET",
+        "client": ("203.0.113.9", 4000),
+        "headers": [(b"authorization", f"Bearer {tenant.key}".encode())],
+    }
+    asyncio.run(Gateway(fallback=None)._handle(scope, receive, send))
+
+    error = json.loads(sent[1]["body"])["error"]
+    assert (sent[0]["status"], error["code"], error["param"]) == (404, "model_not_found", "model")
+    assert error["message"].isprintable() and len(error["message"]) < 200
+    assert endpoint_loads == []
