@@ -2,7 +2,7 @@
 
 The real code paths run here (on the test run's plain Redis) with every script call recorded: the
 gateway's admission and finish (with and without an API key, in flight and waiting), the balancer's
-pick and release, cold-start places, the heartbeat's restore (requests and reservations) and release,
+pick and release, an unknown model's count, cold-start places, the heartbeat's restore (requests and reservations) and release,
 the dead-gateway sweep, the reservation sweep, the journal replay's count, counter rebuilds and refreshes, and the autoscaler's
 load read, for two organisations at once. Each call's keys must hash to one slot, and every script the
 project defines must have been called.
@@ -28,8 +28,9 @@ from controlplane.redis_client import get_redis
 from controlplane.redis_scripts import Script
 from controlplane.script_parts import ComposedScript
 from endpoints import autoscaler
-from endpoints.gateway import admission, cold_start, presence, traffic
+from endpoints.gateway import admission, cold_start, errors, presence, traffic
 from endpoints.gateway.auth import Caller
+from endpoints.gateway.ratelimit_headers import RateLimitReport
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory, OrganizationFactory
 
@@ -121,7 +122,7 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         for organization, endpoint, api_key_id in ((with_key, endpoints[0], 4242), (without_key, endpoints[1], None)):
             report = usage_report(endpoint, request_id=f"held-{organization.pk}", status="gateway_lost")
             await _one_organisations_traffic(organization.pk, str(endpoint.pk), api_key_id=api_key_id,
-                                             progress=lambda report=report: report)
+                                             progress=lambda recorded, report=report: report)
         redis.delete(redis_keys.gateway_alive_key(traffic.gateway_id()))
         for organization_id in (with_key.pk, without_key.pk):
             redis.delete(traffic.gateway_requests_key(organization_id))  # Redis forgot them
@@ -131,6 +132,10 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         for organization_id in (with_key.pk, without_key.pk):
             presence.end_later(organization_id, f"held-{organization_id}")
         await presence.beat()  # ends them
+        # a call naming no model of its organisation, counted against its key's requests
+        with pytest.raises(errors.OpenAIError):
+            await admission.refuse_unknown_model(caller=_caller(with_key.pk, 4242), model="no-such-model",
+                                                 report=RateLimitReport())
         # a counter whose limits were worked out under other rules: written again, its spend kept
         period_key = period_containing().key
         redis.hset(redis_keys.org_period_key(with_key.pk, period_key), "lv", "older rules")

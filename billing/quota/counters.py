@@ -255,7 +255,7 @@ def _prepared(organization_id: int, api_key_id: int | None, period_key: str) -> 
         reservations_key(organization_id), deadlines_key(organization_id),
         org_period_key(organization_id, period_key), org_reserved_key(organization_id),
         key_period_key(organization_id, api_key_id, period_key), key_reserved_key(organization_id, api_key_id),
-        credit_key(organization_id),
+        credit_key(organization_id), credit_journaled_key(organization_id), progress_key(organization_id),
     )
     before, _, after = json.dumps({"o": organization_id, "k": api_key_id, "a": "#", "p": period_key}).partition('"#"')
     return reserve, settle, before + '"', '"' + after
@@ -387,8 +387,7 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_
         raise ValueError("a try that recorded nothing costs nothing")
     org, key = reservation.organization_id, reservation.api_key_id
     kept = _prepared(org, key, period_containing(finished_at).key)[1]
-    keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:], credit_journaled_key(org),
-            progress_key(org)]
+    keys = [kept[0], kept[1], settled_key(org, reservation.request_id), *kept[2:]]
     has_key = "1" if key is not None else "0"
     marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id and not journaled else SETTLED_MARKER_TTL_S
     draws_credit = "1" if billing_mode == BillingMode.PREPAID else "0"

@@ -737,12 +737,18 @@ class InferenceCall:
             billing_mode=billing_mode,
         )
 
-    def progress(self, billing_mode: str) -> ledger.UsageReport | None:
+    def progress(self, billing_mode: str, recorded: tuple[int, int, int] | None = None) -> ledger.UsageReport | None:
         """What the sweeper bills if this call's gateway is lost now (`presence`'s beat records it): the usage it was
         answered so far, as a row cut by a lost gateway; None while it has none (not served yet, or a non-streamed
-        answer, whose usage comes with its end). A batch line has none: its next try, under its id, bills it whole."""
+        answer, whose usage comes with its end), or while its tokens (prompt, cached, completion) are still those a
+        beat `recorded`. A batch line has none: its next try, under its id, bills it whole.
+
+        NOTE: its tokens are compared before any row is built: a beat built and checked a whole row for every stream,
+        changed or not, on the event loop (~110 µs each: 0.1 s a second at 1,000 streams; the review of the beat)."""
         usage = self.usage
         if not self.served or self.batch_id or not (usage.prompt_tokens or usage.completion_tokens):
+            return None
+        if recorded == (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens):
             return None
         return self.usage_report(finished_at=datetime.now(UTC), status=UsageStatus.GATEWAY_LOST,
                                  billing_mode=billing_mode)

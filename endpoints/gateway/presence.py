@@ -132,7 +132,7 @@ class Held:
     reservation: counters.Reservation | None = None  # what it holds against the caps and credit
     # Its usage row as it would be written if this process were lost now (None while it has none to bill), and the
     # tokens (prompt, cached, completion) of the last one a beat recorded (`_record_progress`).
-    progress: Callable[[], UsageReport | None] | None = None
+    progress: Callable[[tuple[int, int, int] | None], UsageReport | None] | None = None
     progress_recorded: tuple[int, int, int] | None = None
 
     def value(self) -> str:
@@ -161,7 +161,7 @@ _beats: PerLoop[_Beating] = PerLoop(_Beating)
 
 def track(request_id: str, organization_id: int, endpoint_id: str, replica_id: str | None,
           reservation: counters.Reservation | None = None,
-          progress: Callable[[], UsageReport | None] | None = None) -> Held:
+          progress: Callable[[tuple[int, int, int] | None], UsageReport | None] | None = None) -> Held:
     held = serving[request_id] = Held(organization_id, endpoint_id, replica_id, reservation=reservation,
                                       progress=progress)
     return held
@@ -228,7 +228,7 @@ async def _record_progress() -> int:
     due: dict[int, list[tuple[Held, tuple[int, int, int], UsageReport]]] = {}
     for held in list(serving.values()):
         try:
-            if held.progress is None or (report := held.progress()) is None:
+            if held.progress is None or (report := held.progress(held.progress_recorded)) is None:
                 continue
         except ValueError:  # NOTE: one odd call (the wall clock stepped back past its start) stops no other's
             continue

@@ -102,3 +102,21 @@ def test_a_call_that_ended_normally_leaves_no_progress_and_a_later_sweep_writes_
     assert sweep_expired_reservations(now=redis_time() + 86_400) == 0
     assert UsageRecord.objects.count() == 1
     assert _spent_counted(org) == to_units(row.cost)
+
+
+def test_a_beat_builds_no_row_for_a_stream_whose_tokens_it_already_recorded():
+    # A beat built and checked a whole usage row for every stream, changed or not, on the event loop (~110 µs each:
+    # 0.1 s a second at 1,000 streams; the review of the beat): its tokens are compared first.
+    from types import SimpleNamespace
+
+    from endpoints.gateway.call import InferenceCall
+
+    built = []
+    call = SimpleNamespace(served=True, batch_id="", usage=SimpleNamespace(prompt_tokens=10, cached_tokens=0,
+                                                                           completion_tokens=5),
+                           usage_report=lambda **fields: built.append(fields) or "a row")
+    assert InferenceCall.progress(call, "postpaid", None) == "a row"
+    assert InferenceCall.progress(call, "postpaid", (10, 0, 5)) is None  # as the last beat recorded it
+    call.usage.completion_tokens = 6
+    assert InferenceCall.progress(call, "postpaid", (10, 0, 5)) == "a row"
+    assert len(built) == 2
