@@ -704,7 +704,8 @@ class InferenceCall:
                                        cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id, recorded=recorded,
                                        finished_at=finished_at, journaled=journaled)
             except asyncio.CancelledError:
-                presence.end_later(self.caller.organization_id, self.request_id)  # as below: its loop is ending
+                # as below: its loop is ending
+                presence.end_later(self.caller.organization_id, self.request_id, row_journaled=journaled)
                 raise
             except Exception as exc:
                 if not errors.is_outage(exc):
@@ -712,7 +713,7 @@ class InferenceCall:
                 # NOTE: the answer is given and its usage row written; the heartbeat ends it in Redis
                 # later, and the reservation expires (`billing.quota.sweeper`).
                 logger.warning("request %s: could not end it in Redis now: %r", self.request_id, exc)
-                presence.end_later(self.caller.organization_id, self.request_id)
+                presence.end_later(self.caller.organization_id, self.request_id, row_journaled=journaled)
             finally:
                 self._observe(outcome=self.status if self.served else "not_served")
 

@@ -149,6 +149,9 @@ class Held:
 # ((organisation id, request id)).
 serving: dict[str, Held] = {}
 unfinished: set[tuple[int, str]] = set()
+# Those of them whose usage row waits in this process's journal (the ledger refused it): their progress is dropped
+# with their end, so the sweeper never bills them from it (`end_later`).
+unfinished_journaled: set[tuple[int, str]] = set()
 
 
 @dataclass(slots=True)
@@ -171,10 +174,18 @@ def untrack(request_id: str) -> None:
     serving.pop(request_id, None)
 
 
-def end_later(organization_id: int, request_id: str) -> None:
-    """The request's end could not reach Redis: a later beat releases it (as a sweeper would)."""
+def end_later(organization_id: int, request_id: str, *, row_journaled: bool = False) -> None:
+    """The request's end could not reach Redis: a later beat releases it (as a sweeper would); `row_journaled`: its
+    usage row is in this process's journal, and that beat also drops its progress.
+
+    NOTE: its reservation is left to lapse, and the sweeper bills a lapsed hold with no ledger row from its progress
+    (`billing.quota.sweeper`): a stream whose row waited in the journal (PostgreSQL down) when its settlement failed
+    was billed from its last beat's progress, and the journal's replay of its whole row, coming after, was refused
+    as a duplicate (found by the review of the lost-gateway billing). Its row is the one that bills it."""
     serving.pop(request_id, None)
     unfinished.add((organization_id, request_id))
+    if row_journaled:
+        unfinished_journaled.add((organization_id, request_id))
 
 
 @dataclass(slots=True)
@@ -397,7 +408,10 @@ async def beat(*, web: bool = False) -> None:
             ids = [request_id for org, request_id in ended if org == organization_id]
             await asyncio.to_thread(release_requests, traffic.gateway_requests_key(organization_id, gateway), ids,
                                     only_if_dead=False)
+            if journaled := [request_id for request_id in ids if (organization_id, request_id) in unfinished_journaled]:
+                await redis.hdel(redis_keys.progress_key(organization_id), *journaled)
         unfinished.difference_update(ended)
+        unfinished_journaled.difference_update(ended)
 
 
 async def _beat_forever(*, web: bool = False) -> None:

@@ -259,6 +259,38 @@ def test_a_call_with_a_usage_row_and_a_progress_is_billed_by_its_row_only(settin
     assert not get_redis().hlen(redis_keys.progress_key(organization.pk))
 
 
+def test_a_stream_whose_row_waits_in_the_journal_when_its_settlement_fails_is_billed_by_that_row_whole(settings):
+    # Its row went to the journal (PostgreSQL down), its settlement then failed (Redis): its hold lapsed, the sweeper
+    # billed it from its last beat's progress (20 of 500 tokens), and the replay of its whole row was refused as a
+    # duplicate (found by the review of the lost-gateway billing). The beat that ends it drops its progress now.
+    from billing.ledger import record_usage_batch
+    from billing.quota import replayed
+    from endpoints.gateway import presence
+
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="journaled"))
+    _progress(admitted, endpoint, prompt_tokens=100, completion_tokens=20)
+    whole = dataclasses.replace(usage_report(endpoint, request_id="journaled", prompt_tokens=100, completion_tokens=500),
+                                max_cost=Decimal("0.50"), billing_mode=admitted.billing_mode)
+    presence.end_later(organization.pk, "journaled", row_journaled=True)  # its settlement met Redis down
+    try:
+        asyncio.run(presence.beat())  # Redis back: the beat ends it
+    finally:
+        presence.unfinished.clear()
+        presence.unfinished_journaled.clear()
+
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1  # the hold lapses: released, nothing billed
+    assert not UsageRecord.objects.exists()
+    replayed.count_replayed(record_usage_batch([whole]))  # PostgreSQL back: the journal's replay
+
+    row = UsageRecord.objects.get()
+    assert row.completion_tokens == 500
+    assert reads.counted_spend(organization.pk) == row.cost and reads.reserved_now(organization.pk) == 0
+
+
 def test_a_progress_recorded_after_its_call_settled_is_not_written():
     # A beat's write that reaches Redis after its call's own end would leave a progress nothing deletes.
     endpoint = EndpointFactory()
