@@ -88,7 +88,7 @@ def test_a_report_of_the_template_is_clamped_and_checked():
     assert status.state == ReplicaState.READY
     assert status.chat_template_tokens == ChatTemplateTokens(per_conversation=2**31 - 1, per_message=0)
     assert status.chat_template_tokens.model_source == ""  # an agent that does not say which copy: never kept
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(ValueError, match="per_conversation: must be an integer"):
         ReplicaStatus.from_dict({"replica_id": "r", "state": "READY", "chat_template_tokens": {"per_conversation": "9"}})
     assert ReplicaStatus.from_dict({"replica_id": "r", "state": "READY"}).chat_template_tokens is None
 
