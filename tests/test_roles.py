@@ -206,6 +206,9 @@ def test_a_member_demoted_to_viewer_has_keys_that_stop_inferring_within_the_cach
 
 def _waiting_on_a_lock() -> bool:
     with connection.cursor() as cursor:
+        # NOTE: asked inside the change's transaction, pg_stat_activity answers the snapshot its first read took: the
+        # other change, blocked a moment after that read, was never seen waiting (60 s, then a failure now and then).
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
         cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()")
         return cursor.fetchone()[0] > 0
 
