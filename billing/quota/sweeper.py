@@ -24,6 +24,8 @@ import json
 import logging
 from decimal import Decimal
 
+from django.db import DataError, IntegrityError, transaction
+
 from billing.ledger import UnknownEndpointError, record_usage_batch
 from billing.models import UsageRecord
 from billing.quota import counters
@@ -145,12 +147,29 @@ def _record_lost_calls(client, organization_id: int, request_ids: list[str]) -> 
             logger.exception("call %s: its progress cannot be read; its hold is released unbilled", request_id)
     if not reports:
         return 0
-    try:
-        written = record_usage_batch(reports)
-    except UnknownEndpointError as exc:  # its endpoint was deleted since: the others are written
-        logger.error("calls %s of a lost gateway name an endpoint no longer there: not billed", exc.refused_ids)
-        written = exc.written_ids
+    written = _write_lost_rows(reports)
     if written:
         logger.warning("organisation %s: billed %d call(s) cut by a lost gateway from their last progress",
                        organization_id, len(written))
     return len(written)
+
+
+def _write_lost_rows(reports: list) -> set[str]:
+    """Write the rows of lost calls (`_record_lost_calls`); the request ids written.
+
+    NOTE: a row PostgreSQL refuses (its data, or a key it names gone) is left unbilled, logged, and the others are
+    written, one at a time once their batch was refused: raised, it stopped the sweep of every organisation after
+    this one, on every run, for as long as its progress lasted (a day; found by the review of the lost-gateway
+    billing). An outage (`OperationalError`) is raised: the next run tries again."""
+    try:
+        with transaction.atomic():
+            try:
+                return record_usage_batch(reports)
+            except UnknownEndpointError as exc:  # its endpoint was deleted since: the others are written (committed)
+                logger.error("calls %s of a lost gateway name an endpoint no longer there: not billed", exc.refused_ids)
+                return exc.written_ids
+    except (DataError, IntegrityError):
+        if len(reports) == 1:
+            logger.exception("call %s of a lost gateway: its row was refused; not billed", reports[0].request_id)
+            return set()
+    return set().union(*(_write_lost_rows([report]) for report in reports))

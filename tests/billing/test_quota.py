@@ -239,6 +239,29 @@ def test_a_lost_gateways_call_is_billed_from_its_progress_in_the_mode_it_was_adm
     assert UsageRecord.objects.count() == 1
 
 
+def test_a_lost_calls_row_that_postgresql_refuses_is_left_unbilled_and_the_sweep_goes_on(settings):
+    # A row PostgreSQL refused (here: a key no longer there) raised out of the sweep, and stopped it for every
+    # organisation after this one, on every run, for as long as the progress lasted (found by the review of the
+    # lost-gateway billing).
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint, elsewhere = EndpointFactory(), EndpointFactory()
+    refused = asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=None, amount=Decimal("0.50"),
+                                  request_id="refused"))
+    report = dataclasses.replace(usage_report(endpoint, request_id="refused", prompt_tokens=100, completion_tokens=20),
+                                 status="gateway_lost", max_cost=Decimal("0.50"), billing_mode=refused.billing_mode,
+                                 api_key_id=987654321)
+    assert asyncio.run(record_progress(report.organization_id, [report])) == 1
+    for request_id, at in (("kept", endpoint), ("next-organisation", elsewhere)):
+        admitted = asyncio.run(reserve(organization_id=at.organization_id, api_key_id=None, amount=Decimal("0.50"),
+                                       request_id=request_id))
+        _progress(admitted, at, prompt_tokens=100, completion_tokens=20)
+
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 3
+
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == ["kept", "next-organisation"]
+    assert reads.reserved_now(endpoint.organization_id) == reads.reserved_now(elsewhere.organization_id) == 0
+
+
 def test_a_call_with_a_usage_row_and_a_progress_is_billed_by_its_row_only(settings):
     # Its gateway wrote its row, then died before settling: the sweeper settles it with the row's cost, and its
     # progress (fewer tokens, from the last beat) writes nothing.
