@@ -189,7 +189,9 @@ class InferenceCall:
             self.outstanding_replica_id = replicas[admitted.picked].id
         self.held = presence.track(self.request_id, self.caller.organization_id, self.endpoint.id,
                                    self.outstanding_replica_id, admitted.reservation,
-                                   progress=functools.partial(self.progress, admitted.billing_mode))
+                                   # a batch line has none (`progress`): no callback to call every beat
+                                   progress=None if self.batch_id else functools.partial(self.progress,
+                                                                                          admitted.billing_mode))
         # NOTE: a client that disconnects cancels this task wherever it waits, unless it is a non-streamed call
         # already sent to a replica (see `_watch_disconnect`); watched from `WATCH_DISCONNECT_AFTER_S` on: most
         # calls end sooner, and a timer costs a fraction of the task that watches (its steps, its cancellation).
