@@ -67,7 +67,7 @@ def test_a_superuser_made_with_createsuperuser_has_its_address_confirmed_by_an_o
     user.is_staff = user.is_superuser = False
     user.save()
     assert email_is_verified(user)
-    assert secure_after_password_reset(user) == ResetSecured(num_keys_revoked=0, num_invitations_revoked=0)
+    assert secure_after_password_reset(user) == ResetSecured(num_keys_revoked=0, num_invitations_revoked=0, num_members_removed=0)
     made.api_key.refresh_from_db()
     assert made.api_key.revoked_at is None
 

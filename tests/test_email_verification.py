@@ -8,6 +8,7 @@ from django.core.management import call_command
 from django.urls import reverse
 
 from controlplane.accounts import invitations, services, signup
+from controlplane.accounts import members as members_api
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import ApiKey, EmailVerification, Role, email_is_verified
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
@@ -160,6 +161,43 @@ def test_a_reset_revokes_the_pending_invitations_an_account_its_owner_never_conf
     assert invitations.find_invitation(invitations.invitation_token(kept)).status == "pending"
     event = organization.audit_events.get(action="invitation.revoke")
     assert (event.target_id, event.details) == (str(sent.pk), {"email": "second@evil.test", "reason": "password.reset"})
+
+
+def test_a_reset_removes_the_members_who_joined_through_invitations_an_unconfirmed_account_sent(client):
+    """The stranger's session invited a second address of the stranger's as owner, and it accepted before the owner's
+    reset: revoking pending invitations left that seat, and the seat's own invitee, in the organisation the owner
+    took back (a review's finding). A colleague someone else invited, and a member the stranger invited whom an
+    admin invited too, stay."""
+    user = UserFactory(username="legacy@example.test")
+    EmailVerification.objects.filter(user=user).update(confirmed_by_owner=False)
+    organization = MembershipFactory(user=user, role=Role.OWNER).organization
+    colleague = MembershipFactory(organization=organization, role=Role.ADMIN).user
+
+    def joins(inviter, email, role):
+        invitation = invitations.invite_member(services.Actor(user=inviter), organization, email=email, role=role)
+        invitee = signup.User.objects.filter(email=email).first() or UserFactory(username=email)
+        invitations.accept_invitation(services.Actor(user=invitee), invitation)
+        return invitee
+
+    seat = joins(user, "second@evil.test", Role.OWNER)
+    seat_key = create_api_key(services.Actor(user=seat), organization, name="theirs", scopes=["inference"])
+    joins(seat, "third@evil.test", Role.MEMBER)
+    friend = joins(colleague, "friend@example.test", Role.MEMBER)
+    both = joins(user, "both@example.test", Role.MEMBER)
+    # An admin removed them and invited them again: vouched for by someone else since.
+    members_api.remove_member(services.Actor(user=colleague), organization.memberships.get(user=both))
+    joins(colleague, "both@example.test", Role.MEMBER)
+    page = _reset_password(client, user.email).content.decode()
+    assert "2 member(s) who joined through invitations this account sent were removed" in page
+    members = set(organization.memberships.values_list("user__email", flat=True))
+    assert members == {user.email, colleague.email, friend.email, both.email}
+    assert ApiKey.objects.get(pk=seat_key.api_key.pk).revoked_at is not None
+    removed = organization.audit_events.filter(action="member.remove", details__reason="password.reset")
+    assert sorted(removed.values_list("details__email", flat=True)) == ["second@evil.test", "third@evil.test"]
+    # The used links bring nobody back.
+    seat_invitation = organization.invitations.get(email="second@evil.test")
+    with pytest.raises(invitations.InvitationRefused, match="removed"):
+        invitations.accept_invitation(services.Actor(user=seat), seat_invitation)
 
 
 def test_a_reset_keeps_the_keys_of_an_account_its_owner_confirmed(client):

@@ -19,6 +19,7 @@ from controlplane.accounts.members import (
     actor_role,
     ensure_in_a_session,
     ensure_may_touch_owner_role,
+    remove_member_for_security,
 )
 from controlplane.accounts.models import (
     ROLE_RANK,
@@ -145,6 +146,42 @@ def revoke_invitations_sent_by(actor: Actor, user, *, reason: str) -> int:
             record_audit(actor, invitation.organization, "invitation.revoke", invitation, email=invitation.email,
                          reason=reason)
     return num_revoked
+
+
+def remove_members_invited_by(actor: Actor, user, *, reason: str) -> int:
+    """Removes, in every organisation, the members who joined through an invitation `user` sent, and those who
+    joined through theirs (and so on), each audited with `reason` and their keys revoked; the number removed. A
+    member who also accepted an invitation from someone else in that organisation (or one the platform made) stays,
+    as does one whose removal would leave no owner.
+
+    NOTE: a forgotten password's reset of an address its owner never confirmed (`signup.secure_after_password_reset`)
+    ends a stranger's session, keys and pending invitations; an invitation that session sent to a second address of
+    the stranger's and that was already accepted had left the stranger a seat (perhaps an owner's) in the
+    organisation the owner took back (a review's finding). Whoever that seat invited in turn is the stranger's too."""
+    num_removed = 0
+    suspects = [(organization_id, user.pk) for organization_id in
+                Invitation.objects.filter(invited_by=user, accepted_by__isnull=False)
+                .values_list("organization_id", flat=True).distinct()]
+    seen = set(suspects)
+    while suspects:
+        organization_id, inviter_id = suspects.pop()
+        let_in_by_suspects = {inviter for (org, inviter) in seen if org == organization_id}
+        accepted = (Invitation.objects.filter(organization_id=organization_id, invited_by_id=inviter_id,
+                                              accepted_by__isnull=False)
+                    .exclude(accepted_by=user).order_by("pk").values_list("accepted_by_id", flat=True))
+        for member_id in accepted:
+            if (organization_id, member_id) in seen:
+                continue
+            vouched_for = (Invitation.objects.filter(organization_id=organization_id, accepted_by_id=member_id)
+                           .exclude(invited_by_id__in=let_in_by_suspects).exists())
+            membership = Membership.objects.filter(organization_id=organization_id, user_id=member_id).first()
+            if vouched_for or membership is None:
+                continue
+            if remove_member_for_security(actor, membership, reason=reason):
+                num_removed += 1
+                seen.add((organization_id, member_id))
+                suspects.append((organization_id, member_id))
+    return num_removed
 
 
 def invitation_refusal(invitation: Invitation, user) -> str | None:

@@ -1,7 +1,7 @@
 """Members of an organisation and their roles: who may do what (`actor_role`, `NotPermitted`, defined in
 `services` and named here as before), the owner role's guard, the rule that only a signed-in person changes
 who belongs (`ensure_in_a_session`), and adding, re-roling and removing members, always leaving an owner; a
-removed member's keys are revoked with their membership."""
+removed member's keys are revoked with their membership (also when the platform removes one: `remove_member_for_security`)."""
 
 from __future__ import annotations
 
@@ -73,8 +73,29 @@ def remove_member(actor: Actor, membership: Membership) -> None:
     membership = _lock_membership(membership)
     ensure_may_touch_owner_role(actor, membership.organization, membership.role)
     _ensure_an_owner_remains(membership, leaving=True)
-    record_audit(actor, membership.organization, "member.remove", membership, email=membership.user.email)
-    keys.revoke_api_keys_of(actor, membership.user, organization=membership.organization, reason="member.remove")
+    _end(actor, membership, reason="member.remove")
+
+
+def remove_member_for_security(actor: Actor, membership: Membership, *, reason: str) -> bool:
+    """Ends a membership the platform's own rule found was granted by someone who had no right to grant it (a
+    forgotten password's reset of an address its owner never confirmed: `invitations.remove_members_invited_by`),
+    whatever the actor's role, as `remove_member` does; False, and nothing changed, where it would leave the
+    organisation with no owner."""
+    membership = _lock_membership(membership)
+    try:
+        _ensure_an_owner_remains(membership, leaving=True)
+    except LastOwnerError:
+        return False
+    _end(actor, membership, reason=reason)
+    return True
+
+
+def _end(actor: Actor, membership: Membership, *, reason: str) -> None:
+    details = {"email": membership.user.email}
+    if reason != "member.remove":
+        details["reason"] = reason
+    record_audit(actor, membership.organization, "member.remove", membership, **details)
+    keys.revoke_api_keys_of(actor, membership.user, organization=membership.organization, reason=reason)
     membership.delete()
 
 

@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from controlplane.accounts import throttle
 from controlplane.accounts.backends import email_in_use
-from controlplane.accounts.invitations import revoke_invitations_sent_by
+from controlplane.accounts.invitations import remove_members_invited_by, revoke_invitations_sent_by
 from controlplane.accounts.keys import create_api_key, revoke_api_keys_of
 from controlplane.accounts.members import add_member
 from controlplane.accounts.models import (
@@ -151,12 +151,14 @@ class ResetSecured:
 
     num_keys_revoked: int
     num_invitations_revoked: int
+    num_members_removed: int = 0
 
 
 def secure_after_password_reset(user, *, source_ip: str | None = None) -> ResetSecured:
     """What a forgotten password's reset (its link followed, the new password saved) does besides: the address is
     proven (the link went to it), and if its owner had not confirmed it before, every key the account made and
-    every pending invitation it sent are revoked, each audited (reason "password.reset"); how many.
+    every pending invitation it sent are revoked, and the members who joined through its accepted invitations (and
+    through theirs) removed, each audited (reason "password.reset"); how many.
 
     NOTE: an address not confirmed by its owner (a link followed signed out, before that was refused: rows from
     before `confirmed_by_owner`) may have been someone else's sign-up whose session became verified: its keys and
@@ -174,6 +176,7 @@ def secure_after_password_reset(user, *, source_ip: str | None = None) -> ResetS
         secured = ResetSecured(
             num_keys_revoked=revoke_api_keys_of(actor, user, reason="password.reset"),
             num_invitations_revoked=revoke_invitations_sent_by(actor, user, reason="password.reset"),
+            num_members_removed=remove_members_invited_by(actor, user, reason="password.reset"),
         )
         if user.email:
             mark_email_verified(user)

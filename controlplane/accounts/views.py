@@ -232,6 +232,11 @@ class PasswordResetConfirmView(auth_views.PasswordResetConfirmView):
         if revoked:
             messages.warning(self.request, f"{' and '.join(revoked)} were revoked: the address had not been "
                                            "confirmed by you, and someone else may have made them. Make new ones.")
+        if secured.num_members_removed:
+            messages.warning(self.request, f"{secured.num_members_removed} member(s) who joined through invitations "
+                                           "this account sent were removed: the address had not been confirmed by "
+                                           "you, and someone else may have invited them. The audit log names them; "
+                                           "invite again those you know.")
         return response
 
 
