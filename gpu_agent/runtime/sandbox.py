@@ -35,8 +35,9 @@ leaves renames across folders always refused (REFER comes with ABI 2), truncatio
 device ioctls before ABI 5, signals and abstract sockets before ABI 6. The agent's `INFERPLANE_ENGINE_SANDBOX`
 chooses what happens where Landlock is missing: `best-effort` (the default) starts engines unconfined and says
 so in one log line and in the node's facts, `required` fails the replica with the reason, `off` confines
-nothing. GPU paths (/dev/nvidia*, CUDA's caches, NCCL's /dev/shm segments) are allowed by reasoning: no GPU
-runs the tests.
+nothing. GPU paths (/dev/nvidia*, CUDA's caches, NCCL's /dev/shm segments, and writes in /proc: `PROC_WRITE`) were
+checked on an H200 by `bench/gpu_sandbox_check.py` (CUDA, a CUDA graph, Triton, Inductor, a spawned CUDA child, CUDA
+IPC, NCCL, NVML, all confined); no GPU runs the tests.
 """
 
 from __future__ import annotations
@@ -120,6 +121,14 @@ READ_WRITE = (
 DEVICE = READ_FILE | WRITE_FILE | IOCTL_DEV
 # NOTE: no READ_DIR: an engine creates and opens its segments by name, and never learns another engine's.
 SHARED_MEMORY = READ_FILE | WRITE_FILE | MAKE_REG | REMOVE_FILE | TRUNCATE
+# NOTE: CUDA's driver names the threads it starts by writing `/proc/self/task/<tid>/comm`, and its cuInit fails
+# (CUDA_ERROR_OPERATING_SYSTEM, 304: "no CUDA device" to PyTorch and vLLM) where that write is refused: seen on an
+# H200 (`bench/gpu_sandbox_check.py`), where every engine confined with /proc read-only ran without its GPU. A
+# rule names a path, and /proc/self resolves when the rule is made, to the process that makes it, never to
+# vLLM's EngineCore and workers it spawns later: so an engine with GPUs may write files in /proc (never create or
+# remove: /proc has no such thing). What that leaves: it may raise (never lower) another dumpable process's
+# `oom_score_adj` of the same user, another engine's (the agent is not dumpable: its /proc files are root's).
+PROC_WRITE = READ_FILE | WRITE_FILE | TRUNCATE
 
 
 def handled_rights(abi: int) -> int:
@@ -199,6 +208,7 @@ class SandboxPolicy:
     read_write: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
     shared_memory: str = SHARED_MEMORY_DIR
+    proc_writable: bool = False  # an engine with GPUs: CUDA writes its threads' names (`PROC_WRITE`)
 
     def __post_init__(self) -> None:
         for path in (*self.read_execute, *self.read, *self.read_write, *self.devices, self.shared_memory):
@@ -209,6 +219,7 @@ class SandboxPolicy:
         return json.dumps({
             "mode": self.mode.value, "read_execute": self.read_execute, "read": self.read,
             "read_write": self.read_write, "devices": self.devices, "shared_memory": self.shared_memory,
+            "proc_writable": self.proc_writable,
         })  # fmt: skip
 
     @classmethod
@@ -218,6 +229,7 @@ class SandboxPolicy:
             mode=SandboxMode(data["mode"]),
             **{name: tuple(data[name]) for name in ("read_execute", "read", "read_write", "devices")},
             shared_memory=data["shared_memory"],
+            proc_writable=bool(data.get("proc_writable", False)),
         )
 
 
@@ -250,13 +262,24 @@ def device_nodes() -> list[str]:
 def engine_policy(mode: SandboxMode, *, model_dirs, own_dirs, shared_read=()) -> SandboxPolicy:
     """The policy of one engine: its model folders (`model_dirs`: model, draft, adapters) and shared read-only
     caches to read, its own folders (`own_dirs`) to write, and what every engine needs of the system."""
+    devices = tuple(_unique(device_nodes()))
     return SandboxPolicy(
         mode=mode,
         read_execute=tuple(_unique(system_read_execute())),
         read=tuple(_unique([*system_read(), *map(str, model_dirs), *map(str, shared_read)])),
         read_write=tuple(_unique(map(str, own_dirs))),
-        devices=tuple(_unique(device_nodes())),
+        devices=devices,
+        proc_writable=has_nvidia_gpu(devices),
     )
+
+
+def has_nvidia_gpu(devices) -> bool:
+    """Whether a GPU's or NVIDIA's control device node is among `devices` (found by `DEVICE_GLOBS`, so present):
+    an engine here may run CUDA (`PROC_WRITE`)."""
+    return any(_NVIDIA_NODE.fullmatch(os.path.basename(path)) for path in devices)
+
+
+_NVIDIA_NODE = re.compile(r"nvidia(?:\d+|ctl)")
 
 
 def _unique(paths) -> list[str]:
@@ -280,6 +303,7 @@ def rules(policy: SandboxPolicy, abi: int) -> Ruleset:
         *((path, READ_WRITE) for path in policy.read_write),
         *((path, DEVICE) for path in policy.devices),
         (policy.shared_memory, SHARED_MEMORY),
+        *((("/proc", PROC_WRITE),) if policy.proc_writable else ()),
     ]
     found = []
     for path, rights in wanted:

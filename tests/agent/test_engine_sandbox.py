@@ -190,6 +190,34 @@ def test_a_confined_process_cannot_list_shared_memory_but_uses_its_own_segments(
     assert seen["own_segment"] == "ok"
 
 
+@needs_landlock
+def test_an_engine_with_gpus_lets_its_later_children_name_their_threads_as_cudas_driver_does(tmp_path, monkeypatch):
+    """CUDA's driver names each thread it starts by opening `/proc/self/task/<tid>/comm` to write (and truncate):
+    where that was refused its cuInit failed (304), and every engine confined on an H200 saw no GPU
+    (`bench/results/gpu_sandbox_check-h200-before.json`; read-only /proc). The write happens in vLLM's EngineCore
+    and workers, processes started after the rule was made: an engine with NVIDIA's device nodes may write files in
+    /proc, one without GPUs may not."""
+    monkeypatch.setattr(sandbox, "device_nodes", lambda: [*sandbox.DEVICE_NODES, "/dev/nvidia0", "/dev/nvidiactl"])
+    gpu_policy = policy_for(tmp_path)
+    monkeypatch.undo()
+    cpu_policy = policy_for(tmp_path)
+    assert gpu_policy.proc_writable and not cpu_policy.proc_writable
+    assert SandboxPolicy.from_json(gpu_policy.to_json()) == gpu_policy
+    assert not SandboxPolicy.from_json(json.dumps({**json.loads(gpu_policy.to_json()), "proc_writable": None})).proc_writable
+    body = """
+        import subprocess
+        def a_child_names_a_thread():
+            script = ("import threading, time; thread = threading.Thread(target=time.sleep, args=(2,)); thread.start(); "
+                      "path = f'/proc/self/task/{thread.native_id}/comm'; open(path, 'w').write('cuda-EvtHandlr'); "
+                      "print(open(path).read().strip())")
+            done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+            return done.stdout.strip() or done.stderr.strip().splitlines()[-1]
+        attempt("named", a_child_names_a_thread)
+    """
+    assert run_confined(tmp_path, gpu_policy, body)["named"] == "cuda-EvtHandlr"
+    assert "Permission denied" in run_confined(tmp_path, cpu_policy, body)["named"]
+
+
 @pytest.mark.skipif(LANDLOCK_ABI < 6, reason="Landlock scopes signals from ABI 6")
 def test_a_confined_process_cannot_signal_a_process_outside_but_signals_its_own_child(tmp_path):
     outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
