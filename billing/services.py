@@ -16,6 +16,7 @@ from billing.models import (
     ApiKeySpendCap,
     BillingAccount,
     BillingMode,
+    DeletedStripeCustomer,
     Dispute,
     Invoice,
     MeterEventPush,
@@ -217,6 +218,10 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
         account = BillingAccount.objects.select_for_update().filter(stripe_customer_id=customer_id).first()
         if account is None:
             return None
+        # NOTE: with its organisation and what its invoices bill, in the transaction that forgets it: an invoice's
+        # webhook that comes after this is mirrored to the organisation.
+        DeletedStripeCustomer.objects.get_or_create(stripe_customer_id=customer_id, defaults={
+            "organization_id": account.organization_id, "invoiced_until": invoiced_until})
         num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id, invoiced_until))
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""

@@ -18,7 +18,7 @@ from rest_framework.test import APIClient
 
 from billing import stripe_sync
 from billing.ledger import record_usage
-from billing.models import BillingAccount, StripeEvent, UsageRollup
+from billing.models import BillingAccount, DeletedStripeCustomer, Invoice, StripeEvent, UsageRollup
 from billing.quota.counters import QuotaExceeded
 from billing.rollups import rollup_usage
 from controlplane.accounts.models import AuditEvent
@@ -273,6 +273,29 @@ def test_usage_pushed_while_its_customers_deletion_is_recorded_goes_again_to_the
     fake_stripe.end_period(account.stripe_subscription_id)
     costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
     assert fake_stripe.invoiced_usage(account.stripe_customer_id) == costs
+
+
+def test_an_invoice_webhook_that_comes_after_its_customers_deletion_is_mirrored_to_its_organisation_once(fake_stripe):
+    """Before, an invoice not mirrored yet was found by its customer's account, which the deletion had cleared: its
+    late `invoice.finalized` or `invoice.paid` was dropped, and the organisation's invoices missed it. The deleted
+    customer keeps its organisation (`DeletedStripeCustomer`)."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+    [invoice] = fake_stripe.invoices.values()
+    fake_stripe.finalize_invoice(invoice["id"])
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+
+    paid = {**invoice, "status": "paid", "amount_paid": invoice["amount_due"]}
+    _webhook("invoice.paid", paid, event_id="evt_paid_late")
+    _webhook("invoice.paid", paid, event_id="evt_paid_late")  # delivered twice: applied once
+    _webhook("invoice.paid", {**paid, "id": "in_of_someone_else", "customer": "cus_unknown"})
+
+    [mirrored] = Invoice.objects.all()
+    assert (mirrored.organization_id, mirrored.stripe_invoice_id, mirrored.status, mirrored.amount_paid) == (
+        endpoint.organization_id, invoice["id"], "paid", invoice["amount_due"])
+    assert DeletedStripeCustomer.objects.get(stripe_customer_id=old_customer).organization_id == endpoint.organization_id
 
 
 def _cost_pushed(fake_stripe, customer_id: str) -> int:
