@@ -275,6 +275,45 @@ def test_usage_pushed_while_its_customers_deletion_is_recorded_goes_again_to_the
     assert fake_stripe.invoiced_usage(account.stripe_customer_id) == costs
 
 
+def test_usage_on_a_draft_invoice_at_its_customers_deletion_is_billed_once_by_that_invoice(fake_stripe):
+    """Before, a draft invoice at the deletion counted as billing nothing, and the 7th hour on it went again to the
+    next customer: Stripe keeps a deleted customer's invoices and finalises its subscription's drafts (it cannot
+    delete them), so the 7th hour was billed twice. The deletion's webhook finalises the draft, which bills it."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+    [draft] = fake_stripe.invoices.values()
+    _use_and_push(endpoint, num_hours_ago=5)
+
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+    assert stripe_sync.push_pending_rollups() == 1  # the 5th hour's again, not the 7th's
+    assert fake_stripe.invoices[draft["id"]]["status"] == "open"
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
+    assert fake_stripe.invoiced_usage(old_customer) == costs[0]
+    assert fake_stripe.invoiced_usage(new_customer) == costs[1] == _cost_pushed(fake_stripe, new_customer)
+
+
+@pytest.mark.parametrize("advanced_by_stripe", [True, False])
+def test_a_draft_stripe_refuses_to_finalise_bills_its_usage_only_if_stripe_advances_it(fake_stripe, advanced_by_stripe):
+    """A draft Stripe will finalise itself an hour after making it (`auto_advance`) bills its period; one it leaves
+    for us to finalise, refused, bills nothing, and its usage goes again to the next customer."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+    [draft] = fake_stripe.invoices.values()
+    draft["auto_advance"] = advanced_by_stripe
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+    assert draft["status"] == "draft"
+    assert stripe_sync.push_pending_rollups() == (0 if advanced_by_stripe else 1)
+
+
 def test_an_invoice_webhook_that_comes_after_its_customers_deletion_is_mirrored_to_its_organisation_once(fake_stripe):
     """Before, an invoice not mirrored yet was found by its customer's account, which the deletion had cleared: its
     late `invoice.finalized` or `invoice.paid` was dropped, and the organisation's invoices missed it. The deleted
