@@ -585,11 +585,13 @@ def push_rollup(rollup_id: int) -> bool:
         raise
     with transaction.atomic():
         # NOTE: under the account's lock, which `services.record_customer_deleted` takes first: either it sees the
-        # events recorded above, or this sees the customer gone, and the events it took go again (`push_again`).
+        # events recorded above, or this sees the customer gone, and the events it took go again unless the deleted
+        # customer's invoices bill them, as the deletion decides for those it sees (`push_again_uninvoiced`). Before,
+        # they went again whatever: usage its finalised invoice billed was billed by the next customer too.
         current = BillingAccount.objects.select_for_update().filter(organization_id=rollup.organization_id)
         this_push = UsageRollup.objects.filter(pk=rollup_id, push_generation=rollup.push_generation)
-        if current.values_list("stripe_customer_id", flat=True).first() != customer_id:
-            services.push_again(this_push)
+        if (current.values_list("stripe_customer_id", flat=True).first() != customer_id
+                and services.push_again_uninvoiced(this_push, customer_id)):
             return False
         return this_push.filter(pushed_at__isnull=True).update(
             pushed_at=timezone.now(), push_claimed_at=None, push_error="") == 1

@@ -337,6 +337,39 @@ def test_an_invoice_webhook_that_comes_after_its_customers_deletion_is_mirrored_
     assert DeletedStripeCustomer.objects.get(stripe_customer_id=old_customer).organization_id == endpoint.organization_id
 
 
+def test_a_push_that_raced_its_customers_deletion_is_not_billed_again_when_the_deleted_customers_invoice_bills_it(
+        fake_stripe, monkeypatch):
+    """A push sends the 6th hour's events; before it records them pushed, Stripe invoices them (finalised), the
+    customer is deleted and its webhook applied, which finds them billed. Before, the push, seeing the customer gone,
+    pushed them again whatever its invoices billed: to the next customer, billed twice. It decides by the deleted
+    customer's invoices as the deletion does, under the same lock."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    send = stripe_sync._push_meter_event
+
+    def sent_then_invoiced_and_deleted(rollup, meter, *args):
+        generation = send(rollup, meter, *args)
+        if meter is stripe_sync.COST_METER:  # the rollup's last event is in Stripe; the push is not done
+            _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+            [invoice] = fake_stripe.invoices.values()
+            fake_stripe.finalize_invoice(invoice["id"])
+            _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+        return generation
+
+    monkeypatch.setattr(stripe_sync, "_push_meter_event", sent_then_invoiced_and_deleted)
+    assert stripe_sync.push_pending_rollups() == 1  # billed by the deleted customer's invoice
+    monkeypatch.undo()
+    assert stripe_sync.push_pending_rollups() == 0  # nothing goes again
+
+    assert BillingAccount.objects.get(organization=endpoint.organization).stripe_customer_id == ""
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert fake_stripe.invoiced_usage(old_customer) == costs
+    assert list(fake_stripe.customers) == []  # no next customer, billed nothing
+
+
 def _cost_pushed(fake_stripe, customer_id: str) -> int:
     return sum(int(event["payload"]["value"]) for event in fake_stripe.meter_events.values()
                if event["payload"]["stripe_customer_id"] == customer_id and event["event_name"] == "inferplane_usage_cost")
