@@ -266,6 +266,23 @@ class BillingAccount(models.Model):
         return self.mode == BillingMode.PREPAID
 
 
+class DeletedStripeCustomer(models.Model):
+    """A Stripe customer of the organisation that Stripe deleted (`billing.services.record_customer_deleted`): the
+    account forgets it, this keeps whose it was and up to when its invoices bill its usage. An invoice's webhook that
+    comes after the deletion's is mirrored to this organisation (`billing.webhooks.mirror_invoice`), and a push that
+    sent usage to it while it was deleted goes again only if its invoices do not bill it (`stripe_sync.push_rollup`)."""
+
+    stripe_customer_id = models.CharField(max_length=64, unique=True)
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
+    # The latest period end of its invoices that Stripe finalised, as read with the deletion's webhook (None: none,
+    # or not read: Stripe not configured, or recorded from the audit log by `billing/0019`).
+    invoiced_until = models.DateTimeField(null=True, blank=True)
+    deleted_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return self.stripe_customer_id
+
+
 class ApiKeySpendCap(models.Model):
     """An optional monthly hard cap for one API key, under the organisation's."""
 

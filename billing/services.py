@@ -16,6 +16,7 @@ from billing.models import (
     ApiKeySpendCap,
     BillingAccount,
     BillingMode,
+    DeletedStripeCustomer,
     Dispute,
     Invoice,
     MeterEventPush,
@@ -217,6 +218,11 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
         account = BillingAccount.objects.select_for_update().filter(stripe_customer_id=customer_id).first()
         if account is None:
             return None
+        # NOTE: with its organisation and what its invoices bill, in the transaction that forgets it: an invoice's
+        # webhook that comes after this is mirrored to the organisation, and a push that sent usage to it meanwhile
+        # decides by it (`push_again_uninvoiced`).
+        DeletedStripeCustomer.objects.get_or_create(stripe_customer_id=customer_id, defaults={
+            "organization_id": account.organization_id, "invoiced_until": invoiced_until})
         num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id, invoiced_until))
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""
@@ -248,6 +254,18 @@ def _pushed_uninvoiced(organization_id: int, customer_id: str, stripe_invoiced_u
         events = events.filter(Q(event_at__gte=invoiced_until)
                                | Q(event_at__isnull=True, rollup__hour_start__gte=invoiced_until))
     return UsageRollup.objects.filter(pk__in=events.values("rollup_id"))
+
+
+def push_again_uninvoiced(rollups, customer_id: str) -> int:
+    """`push_again` those of `rollups` whose events went to `customer_id`, deleted since, and that none of its
+    invoices bills (as `record_customer_deleted` found them: `DeletedStripeCustomer.invoiced_until`, with those
+    mirrored). For a push that sent its events before the deletion was recorded and found the customer gone once
+    done (`stripe_sync.push_rollup`, under the account's lock, which the deletion takes too). Returns how many."""
+    deleted = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id).first()
+    if deleted is None:  # forgotten by nothing we know of: what billed it is not known
+        return push_again(rollups)
+    return push_again(rollups.filter(
+        pk__in=_pushed_uninvoiced(deleted.organization_id, customer_id, deleted.invoiced_until).values("pk")))
 
 
 def push_again(rollups) -> int:

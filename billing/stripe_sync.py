@@ -299,14 +299,43 @@ def charge_payer(charge_id: str, *, attempts: int = MAX_ATTEMPTS) -> tuple[str, 
 
 def customer_invoiced_until(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> datetime | None:
     """The latest end of the periods of Stripe's invoices of `customer_id` that are not drafts (finalised: they bill
-    the usage of their period), or None. Read for a customer just deleted (`billing.webhooks`): its invoices' own
-    webhooks may come after its deletion's, and the usage they bill must not go again to the next customer."""
+    the usage of their period), or None, once its drafts are finalised. Read for a customer just deleted
+    (`billing.webhooks`): its invoices' own webhooks may come after its deletion's, and the usage they bill must not
+    go again to the next customer.
+
+    NOTE: Stripe keeps a deleted customer's invoices (it cancels its subscriptions, without a final invoice, and
+    voids nothing), and a subscription's draft cannot be deleted, only finalised: Stripe finalises it itself an hour
+    after making it (`auto_advance`), with the usage of its period. Counted as billing nothing, as before, its usage
+    went again to the next customer and was billed twice. So each draft is finalised now: it bills its period, and no
+    usage of that period goes again. A draft Stripe refuses to finalise counts as it is read then: billed if Stripe
+    still advances it itself, else not (logged)."""
     invoices = call_stripe(
         lambda options: stripe_client().v1.invoices.list(params={"customer": customer_id, "limit": 100}, options=options),
         what="invoice list", attempts=attempts)
-    ends = [invoice.period_end for invoice in invoices.auto_paging_iter()
-            if invoice.status != "draft" and invoice.period_end]
+    ends = []
+    for invoice in invoices.auto_paging_iter():
+        if invoice.status == "draft":
+            invoice = _finalized(invoice.id, attempts=attempts)
+        if (invoice.status != "draft" or invoice.to_dict().get("auto_advance")) and invoice.period_end:
+            ends.append(invoice.period_end)
+        elif invoice.status == "draft":
+            logger.warning("the draft invoice %s of the deleted customer %s cannot be finalised and is not advanced "
+                           "by Stripe: the usage of its period goes again to the next customer", invoice.id, customer_id)
     return datetime.fromtimestamp(max(ends), tz=UTC) if ends else None
+
+
+def _finalized(invoice_id: str, *, attempts: int):
+    """The invoice once finalised, or as Stripe has it if it refuses (finalised already, say).
+
+    NOTE: no idempotency key: finalising again what is finalised is refused, and the invoice read instead. Under a
+    key, a server error Stripe saved would be replayed to every later delivery of the webhook for a day."""
+    try:
+        return call_stripe(lambda options: stripe_client().v1.invoices.finalize_invoice(invoice_id, options=options),
+                           what="invoice finalize", attempts=attempts)
+    except stripe.InvalidRequestError as exc:
+        logger.info("stripe did not finalise invoice %s (%s); read as it is", invoice_id, exc.code)
+        return call_stripe(lambda options: stripe_client().v1.invoices.retrieve(invoice_id, options=options),
+                           what="invoice read", attempts=attempts)
 
 
 def reference_id(reference) -> str:
@@ -556,11 +585,13 @@ def push_rollup(rollup_id: int) -> bool:
         raise
     with transaction.atomic():
         # NOTE: under the account's lock, which `services.record_customer_deleted` takes first: either it sees the
-        # events recorded above, or this sees the customer gone, and the events it took go again (`push_again`).
+        # events recorded above, or this sees the customer gone, and the events it took go again unless the deleted
+        # customer's invoices bill them, as the deletion decides for those it sees (`push_again_uninvoiced`). Before,
+        # they went again whatever: usage its finalised invoice billed was billed by the next customer too.
         current = BillingAccount.objects.select_for_update().filter(organization_id=rollup.organization_id)
         this_push = UsageRollup.objects.filter(pk=rollup_id, push_generation=rollup.push_generation)
-        if current.values_list("stripe_customer_id", flat=True).first() != customer_id:
-            services.push_again(this_push)
+        if (current.values_list("stripe_customer_id", flat=True).first() != customer_id
+                and services.push_again_uninvoiced(this_push, customer_id)):
             return False
         return this_push.filter(pushed_at__isnull=True).update(
             pushed_at=timezone.now(), push_claimed_at=None, push_error="") == 1

@@ -17,7 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from billing import services, stripe_sync
-from billing.models import BillingAccount, Dispute, Invoice, InvoiceLine, StripeEvent
+from billing.models import BillingAccount, DeletedStripeCustomer, Dispute, Invoice, InvoiceLine, StripeEvent
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +99,11 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
     # NOTE: an invoice already mirrored is found by its own id first: once its customer was deleted in Stripe (the
     # account's customer id cleared), its later events (paid, voided, uncollectible) were dropped, and an invoice left
     # open with a failed payment held its organisation for ever. Only a new invoice needs the account.
+    # A new invoice of a customer deleted since is its organisation's all the same (`DeletedStripeCustomer`): its
+    # webhook may come after the deletion's, and was dropped.
     invoice = Invoice.objects.select_for_update().filter(stripe_invoice_id=data["id"]).first()
-    account = None if invoice is not None else (
-        BillingAccount.objects.filter(stripe_customer_id=data.get("customer") or "-").first())
-    if invoice is None and account is None:
+    organization_id = None if invoice is not None else _organization_of_customer(data.get("customer") or "-")
+    if invoice is None and organization_id is None:
         logger.warning("stripe invoice %s for unknown customer %s", data.get("id"), data.get("customer"))
         return None
     status = data.get("status") or "draft"
@@ -118,7 +119,7 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
             invoice.payment_failed_at = failed_at
             invoice.save(update_fields=["payment_failed_at"])
         return invoice
-    invoice = invoice or Invoice(organization_id=account.organization_id, stripe_invoice_id=data["id"])
+    invoice = invoice or Invoice(organization_id=organization_id, stripe_invoice_id=data["id"])
     invoice.number = data.get("number") or ""
     invoice.status = status
     invoice.currency = data.get("currency") or "usd"
@@ -143,6 +144,13 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
         for line in lines
     ])
     return invoice
+
+
+def _organization_of_customer(customer_id: str) -> int | None:
+    """The organisation whose Stripe customer `customer_id` is, or was until Stripe deleted it; None if none."""
+    return (BillingAccount.objects.filter(stripe_customer_id=customer_id).values_list("organization_id", flat=True).first()
+            or DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id)
+            .values_list("organization_id", flat=True).first())
 
 
 def _dispute_payer(event: dict) -> tuple[str, str]:

@@ -18,7 +18,7 @@ from rest_framework.test import APIClient
 
 from billing import stripe_sync
 from billing.ledger import record_usage
-from billing.models import BillingAccount, StripeEvent, UsageRollup
+from billing.models import BillingAccount, DeletedStripeCustomer, Invoice, StripeEvent, UsageRollup
 from billing.quota.counters import QuotaExceeded
 from billing.rollups import rollup_usage
 from controlplane.accounts.models import AuditEvent
@@ -273,6 +273,101 @@ def test_usage_pushed_while_its_customers_deletion_is_recorded_goes_again_to_the
     fake_stripe.end_period(account.stripe_subscription_id)
     costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
     assert fake_stripe.invoiced_usage(account.stripe_customer_id) == costs
+
+
+def test_usage_on_a_draft_invoice_at_its_customers_deletion_is_billed_once_by_that_invoice(fake_stripe):
+    """Before, a draft invoice at the deletion counted as billing nothing, and the 7th hour on it went again to the
+    next customer: Stripe keeps a deleted customer's invoices and finalises its subscription's drafts (it cannot
+    delete them), so the 7th hour was billed twice. The deletion's webhook finalises the draft, which bills it."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+    [draft] = fake_stripe.invoices.values()
+    _use_and_push(endpoint, num_hours_ago=5)
+
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+    assert stripe_sync.push_pending_rollups() == 1  # the 5th hour's again, not the 7th's
+    assert fake_stripe.invoices[draft["id"]]["status"] == "open"
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
+    assert fake_stripe.invoiced_usage(old_customer) == costs[0]
+    assert fake_stripe.invoiced_usage(new_customer) == costs[1] == _cost_pushed(fake_stripe, new_customer)
+
+
+@pytest.mark.parametrize("advanced_by_stripe", [True, False])
+def test_a_draft_stripe_refuses_to_finalise_bills_its_usage_only_if_stripe_advances_it(fake_stripe, advanced_by_stripe):
+    """A draft Stripe will finalise itself an hour after making it (`auto_advance`) bills its period; one it leaves
+    for us to finalise, refused, bills nothing, and its usage goes again to the next customer."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+    [draft] = fake_stripe.invoices.values()
+    draft["auto_advance"] = advanced_by_stripe
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+    assert draft["status"] == "draft"
+    assert stripe_sync.push_pending_rollups() == (0 if advanced_by_stripe else 1)
+
+
+def test_an_invoice_webhook_that_comes_after_its_customers_deletion_is_mirrored_to_its_organisation_once(fake_stripe):
+    """Before, an invoice not mirrored yet was found by its customer's account, which the deletion had cleared: its
+    late `invoice.finalized` or `invoice.paid` was dropped, and the organisation's invoices missed it. The deleted
+    customer keeps its organisation (`DeletedStripeCustomer`)."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+    [invoice] = fake_stripe.invoices.values()
+    fake_stripe.finalize_invoice(invoice["id"])
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+
+    paid = {**invoice, "status": "paid", "amount_paid": invoice["amount_due"]}
+    _webhook("invoice.paid", paid, event_id="evt_paid_late")
+    _webhook("invoice.paid", paid, event_id="evt_paid_late")  # delivered twice: applied once
+    _webhook("invoice.paid", {**paid, "id": "in_of_someone_else", "customer": "cus_unknown"})
+
+    [mirrored] = Invoice.objects.all()
+    assert (mirrored.organization_id, mirrored.stripe_invoice_id, mirrored.status, mirrored.amount_paid) == (
+        endpoint.organization_id, invoice["id"], "paid", invoice["amount_due"])
+    assert DeletedStripeCustomer.objects.get(stripe_customer_id=old_customer).organization_id == endpoint.organization_id
+
+
+def test_a_push_that_raced_its_customers_deletion_is_not_billed_again_when_the_deleted_customers_invoice_bills_it(
+        fake_stripe, monkeypatch):
+    """A push sends the 6th hour's events; before it records them pushed, Stripe invoices them (finalised), the
+    customer is deleted and its webhook applied, which finds them billed. Before, the push, seeing the customer gone,
+    pushed them again whatever its invoices billed: to the next customer, billed twice. It decides by the deleted
+    customer's invoices as the deletion does, under the same lock."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    send = stripe_sync._push_meter_event
+
+    def sent_then_invoiced_and_deleted(rollup, meter, *args):
+        generation = send(rollup, meter, *args)
+        if meter is stripe_sync.COST_METER:  # the rollup's last event is in Stripe; the push is not done
+            _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+            [invoice] = fake_stripe.invoices.values()
+            fake_stripe.finalize_invoice(invoice["id"])
+            _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+        return generation
+
+    monkeypatch.setattr(stripe_sync, "_push_meter_event", sent_then_invoiced_and_deleted)
+    assert stripe_sync.push_pending_rollups() == 1  # billed by the deleted customer's invoice
+    monkeypatch.undo()
+    assert stripe_sync.push_pending_rollups() == 0  # nothing goes again
+
+    assert BillingAccount.objects.get(organization=endpoint.organization).stripe_customer_id == ""
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert fake_stripe.invoiced_usage(old_customer) == costs
+    assert list(fake_stripe.customers) == []  # no next customer, billed nothing
 
 
 def _cost_pushed(fake_stripe, customer_id: str) -> int:

@@ -1,12 +1,15 @@
 """Stripe webhooks: verified by signature, applied once per event id, mirroring invoices and their lines."""
 
+import importlib
 import json
 import time
 
 import pytest
+from django.apps import apps
 from rest_framework.test import APIClient
 
-from billing.models import BillingAccount, Invoice, InvoiceLine, StripeEvent
+from billing.models import BillingAccount, DeletedStripeCustomer, Invoice, InvoiceLine, StripeEvent
+from controlplane.accounts.services import SYSTEM, record_audit
 from tests.factories import OrganizationFactory
 from tests.fakes.stripe_server import sign_webhook
 
@@ -106,3 +109,20 @@ def test_an_invoice_already_mirrored_follows_its_events_after_its_customer_was_d
     assert _post(_event(event_id="evt_other", created=now) | {"data": {"object": {
         **_event()["data"]["object"], "id": "in_2"}}}).status_code == 200
     assert not Invoice.objects.filter(stripe_invoice_id="in_2").exists(), "a new invoice of no known customer is skipped"
+
+
+def test_a_customer_deleted_before_its_organisation_was_kept_is_taken_from_the_audit_log(customer):
+    """`billing/0019` records the customers deleted before it from their audit events: their late invoices too are
+    mirrored to the organisation."""
+    migration = importlib.import_module("billing.migrations.0019_deleted_stripe_customer")
+    BillingAccount.objects.filter(pk=customer.pk).update(stripe_customer_id="")  # deleted before 0019
+    record_audit(SYSTEM, customer.organization, "billing.customer_deleted", customer, customer="cus_webhook")
+    record_audit(SYSTEM, None, "billing.customer_deleted", customer, customer="cus_of_no_organisation")
+
+    migration.record_customers_deleted_before(apps, None)
+    migration.record_customers_deleted_before(apps, None)  # a second run changes nothing
+
+    [deleted] = DeletedStripeCustomer.objects.all()
+    assert (deleted.stripe_customer_id, deleted.organization_id) == ("cus_webhook", customer.organization_id)
+    assert _post(_event(event_id="evt_late", kind="invoice.paid", status="paid", amount_paid=1234)).status_code == 200
+    assert Invoice.objects.get(stripe_invoice_id="in_1").organization_id == customer.organization_id

@@ -7,6 +7,7 @@
     fake.cancel_subscription(id), fake.delete_customer(id)   # what the Dashboard does
     fake.cancel_at_period_end(id), fake.end_period(id, at=...)   # a cancellation scheduled, a period's end and invoice
     fake.finalize_invoice(id)                                 # an invoice finalised (a draft for its first hour)
+    fake.invoices[id]["auto_advance"] = False                 # a draft Stripe leaves for us to finalise
     fake.invoiced_usage(customer id)                          # what the subscriptions' invoices billed, in meter units
     fake.cancel_in_portal(session id, subscription id)        # the customer's click, as the session's configuration says
     fake.charge(customer id), fake.dispute(charge id), fake.close_dispute(id, "won")   # a payment, and its chargeback
@@ -404,6 +405,17 @@ class FakeStripe:
                      if params.get("customer") in (None, invoice["customer"])
                      and params.get("subscription") in (None, invoice["parent"]["subscription_details"]["subscription"])]
             return 200, {"object": "list", "data": found[:int(params.get("limit") or 10)], "has_more": False, "url": path}
+        if path.startswith("/v1/invoices/"):
+            invoice_id, _, action = path.removeprefix("/v1/invoices/").partition("/")
+            invoice = self.invoices.get(invoice_id)
+            if invoice is None or (method, action) not in (("GET", ""), ("POST", "finalize")):
+                return 404, _error("invalid_request_error", "No such invoice", code="resource_missing")
+            if action == "finalize":  # NOTE: a deleted customer's too: Stripe keeps its invoices
+                if invoice["status"] != "draft":
+                    return 400, _error("invalid_request_error", "This invoice is already finalized",
+                                       code="invoice_not_editable")
+                invoice["status"] = "open"
+            return 200, invoice
         if path.startswith("/v1/billing_portal/configurations"):
             return self._portal_configuration(method, path.removeprefix("/v1/billing_portal/configurations"),
                                               _typed(params), now)
@@ -473,7 +485,7 @@ class FakeStripe:
                        and start <= event["timestamp"] < end)
         line = {"id": _id("il"), "object": "line_item", "quantity": quantity, "period": {"start": start, "end": end},
                 "amount": round(quantity * float(item["price"]["unit_amount_decimal"]))}
-        invoice = {"id": _id("in"), "object": "invoice", "created": int(time.time()), "status": "draft",
+        invoice = {"id": _id("in"), "object": "invoice", "created": int(time.time()), "status": "draft", "auto_advance": True,
                    "customer": subscription["customer"], "period_start": start, "period_end": end,
                    "parent": {"type": "subscription_details", "subscription_details": {"subscription": subscription["id"]}},
                    "amount_due": line["amount"], "lines": {"object": "list", "data": [line], "has_more": False},
