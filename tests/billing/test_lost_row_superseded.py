@@ -13,9 +13,9 @@ import pytest
 from django.db.models import Sum
 from django.utils import timezone
 
-from billing import ledger, usage_writer
+from billing import ledger, stripe_sync, usage_writer
 from billing.credits import grant_credits
-from billing.models import BillingMode, RollupKind, UsageRecord, UsageRollup
+from billing.models import BillingAccount, BillingMode, RollupKind, UsageRecord, UsageRollup
 from billing.quota import reads, replayed, sweeper
 from billing.quota.counters import to_units
 from billing.rollups import rollup_usage
@@ -99,8 +99,8 @@ def test_a_journaled_row_replayed_after_the_sweep_supersedes_the_lost_row_and_is
     assert reads.counted_spend(organization.pk) == Decimal("0.50")
 
 
-def test_the_difference_of_a_closed_hour_is_an_adjustment_of_its_own(settings):
-    # PostgreSQL back after the lost row's hour closed (and its rollup was pushed to Stripe): the difference is a new
+def test_the_difference_of_a_closed_hour_is_an_adjustment_pushed_to_stripe_on_its_own(settings, fake_stripe):
+    # PostgreSQL back after the lost row's hour closed and its rollup was pushed to Stripe: the difference is a new
     # ADJUSTMENT rollup, pushed as its own meter events; the closed one never changes.
     settings.BILLING_RESERVATION_TTL_S = 600
     settings.BILLING_ROLLUP_CLOSE_AFTER_S = 0
@@ -111,6 +111,7 @@ def test_the_difference_of_a_closed_hour_is_an_adjustment_of_its_own(settings):
     rollup_usage()
     closed = UsageRollup.objects.get()
     assert closed.closed_at is not None and closed.cost == Decimal("0.14")
+    assert stripe_sync.push_pending_rollups() == 1
 
     _replay()
     rollup_usage()
@@ -122,6 +123,11 @@ def test_the_difference_of_a_closed_hour_is_an_adjustment_of_its_own(settings):
     assert (adjustment.completion_tokens, adjustment.cost) == (180_000, Decimal("0.36"))
     assert adjustment.push_uid != primary.push_uid
     _assert_rollups_equal_the_ledger()
+    assert stripe_sync.push_pending_rollups() == 1 and stripe_sync.push_pending_rollups() == 0
+    customer_id = BillingAccount.objects.get(organization=endpoint.organization).stripe_customer_id
+    totals = fake_stripe.meter_totals()
+    assert totals[customer_id, "inferplane_output_tokens"] == 200_000
+    assert totals[customer_id, "inferplane_usage_cost"] == 500_000  # micro-dollars: $0.50, not $0.14 + $0.50
 
 
 def test_a_lost_row_not_settled_yet_is_counted_whole_by_the_replay_and_its_settlement_adds_nothing(settings):
