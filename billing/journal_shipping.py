@@ -35,7 +35,7 @@ from django.conf import settings
 from django.db import DataError, IntegrityError
 from django.utils.crypto import constant_time_compare, salted_hmac
 
-from billing.ledger import UnknownEndpointError, record_usage_batch
+from billing.ledger import UnknownEndpointError, record_usage_batch, supersede_lost_rows
 from billing.quota import replayed
 from billing.usage_journal import UsageJournal, encode, read_segment
 
@@ -140,9 +140,10 @@ def _replay_one(key: str) -> int:
             # segment failed every run, and every segment listed after it waited for ever.
             logger.error("usage journal: a shipped batch refused by the ledger (%r) set aside", exc)
             rejected += batch
-            written = set()
+            continue
         num_written += len(written)
         replayed.count_replayed(written)  # NOTE: as the gateway's replay (`usage_writer`): only what was written now
+        replayed.count_superseded(supersede_lost_rows(batch, written))
     if rejected:
         _set_aside(key, b"".join(encode(report) for report in rejected))
         logger.error("usage journal: %d shipped report(s) refused by the ledger kept in %s", len(rejected),

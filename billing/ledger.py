@@ -4,7 +4,8 @@ The gateway records each request once (`billing.usage_writer.arecord_usage`, whi
 `record_usage_batch_on`), also for aborted streams; synchronous callers use `record_usage`. A retry
 with the same request id writes nothing: the unique constraint on `request_id` and
 `INSERT … ON CONFLICT DO NOTHING` make the write exactly-once, whoever calls. A caller that holds
-many reports may hand them to `record_usage_batch` directly.
+many reports may hand them to `record_usage_batch` directly. One exception, for a journal's replay only: its row
+supersedes the sweeper's `gateway_lost` row of the same call (`supersede_lost_rows`).
 
 Every query that reads the ledger lives here too: the usage API and its CSV (`summarize_usage`), the
 console's charts and metrics, period spend (what the spend caps are rebuilt from), prepaid spend not yet
@@ -183,20 +184,17 @@ class CostCeiling:
                 + completion_tokens * self.per_completion) >= self.threshold
 
 
+_TABLE = UsageRecord._meta.db_table
+
 # NOTE: a row is billed in the mode its call was admitted under (the report's), so each call is in one billing path,
 # never both and never neither. A journal's report without one (`mode_when_started`, written before reports carried
 # it) takes the mode in effect when its call started: the `previous` mode of the organisation's first switch after that
 # (`SET_MODE_AUDIT_ACTION`, audited in the switch's transaction), or the mode now if none came after. Any other report
 # without one takes the mode read in the same statement that writes the row (`set_billing_mode` locks the account
 # row). `least` ignores a NULL max_cost.
-_INSERT_SQL = f"""
-INSERT INTO {UsageRecord._meta.db_table} (
-    request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
-    completion_tokens, cost, billing_mode, started_at, first_token_at, finished_at, status, cold_start_s, recorded_at,
-    batch_id, cold_start_ms, cold_start_phases, adapter
-)
-SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_id, ''), r.prompt_tokens,
-       r.cached_tokens, r.completion_tokens,
+_PRICED_SQL = f"""
+SELECT r.request_id, r.organization_id, r.api_key_id, e.id AS endpoint_id, coalesce(r.replica_id, '') AS replica_id,
+       r.prompt_tokens, r.cached_tokens, r.completion_tokens,
        least(round(((r.prompt_tokens - r.cached_tokens)
                     * coalesce(r.price_input, ad.price_input_per_million, e.price_input_per_million)
                     + r.cached_tokens * coalesce(r.price_cached_input,
@@ -204,14 +202,14 @@ SELECT r.request_id, r.organization_id, r.api_key_id, e.id, coalesce(r.replica_i
                     + r.completion_tokens
                     * coalesce(r.price_output, ad.price_output_per_million, e.price_output_per_million))
                    * coalesce(r.price_fraction, CASE WHEN r.batch_id <> '' THEN e.batch_price_fraction ELSE 1 END)
-                   * 0.000001, 9), r.max_cost),
+                   * 0.000001, 9), r.max_cost) AS cost,
        coalesce(r.billing_mode,
                 CASE WHEN r.mode_when_started THEN (
                     SELECT switch.details ->> 'previous' FROM {AuditEvent._meta.db_table} switch
                     WHERE switch.organization_id = r.organization_id AND switch.action = '{SET_MODE_AUDIT_ACTION}'
                       AND switch.created_at > r.started_at
                     ORDER BY switch.created_at LIMIT 1) END,
-                a.mode, '{BillingMode.POSTPAID}'),
+                a.mode, '{BillingMode.POSTPAID}') AS billing_mode,
        r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id,
        r.cold_start_ms, r.cold_start_phases::jsonb, r.adapter
 FROM json_to_recordset(%s::json)
@@ -224,8 +222,34 @@ FROM json_to_recordset(%s::json)
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
 LEFT JOIN endpoints_adapter ad ON ad.endpoint_id = e.id AND ad.name = r.adapter AND r.adapter <> ''
 LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
+"""
+_INSERT_SQL = f"""
+INSERT INTO {_TABLE} (
+    request_id, organization_id, api_key_id, endpoint_id, replica_id, prompt_tokens, cached_tokens,
+    completion_tokens, cost, billing_mode, started_at, first_token_at, finished_at, status, cold_start_s, recorded_at,
+    batch_id, cold_start_ms, cold_start_phases, adapter
+)
+{_PRICED_SQL}
 ON CONFLICT (request_id) DO NOTHING
 RETURNING request_id
+"""
+
+# NOTE: a row the sweeper wrote for a call cut by a lost gateway (`gateway_lost`, from its last progress) is superseded
+# by the call's own row, replayed from its gateway's journal (`supersede_lost_rows`): its tokens, cost and status
+# become the journal's, priced as the insert prices them. It keeps its `finished_at` (its last progress's, a beat or so
+# before the call's end) and its billing mode (the call's admission's, as the journal's): it stays in the hour and the
+# month it was billed in, so what counted it counts the difference (`billing.quota.replayed.count_superseded`, the
+# rollups: `recorded_at` is now). Only a `gateway_lost` row, only by a row that is not one, and only once: the row is
+# no longer `gateway_lost` after it (concurrent replays: PostgreSQL rechecks the condition on the row it locked).
+# `lost` is the row as the statement found it: its cost, already counted.
+_SUPERSEDE_SQL = f"""
+UPDATE {_TABLE} u
+SET prompt_tokens = p.prompt_tokens, cached_tokens = p.cached_tokens, completion_tokens = p.completion_tokens,
+    cost = p.cost, status = p.status, recorded_at = now()
+FROM ({_PRICED_SQL}) p, {_TABLE} lost
+WHERE u.request_id = p.request_id AND u.organization_id = p.organization_id AND u.endpoint_id = p.endpoint_id
+  AND lost.id = u.id AND u.status = '{UsageStatus.GATEWAY_LOST}' AND p.status <> '{UsageStatus.GATEWAY_LOST}'
+RETURNING u.request_id, lost.cost
 """
 
 
@@ -301,6 +325,30 @@ async def record_usage_batch_on(connection, reports: list[UsageReport]) -> set[s
             await cursor.execute(_EXISTING_SQL, [[r.request_id for r in skipped]])
             _raise_if_lost(skipped, written, {row[0] for row in await cursor.fetchall()})
     return written
+
+
+def _superseding(reports: list[UsageReport], written: Collection[str]) -> list[UsageReport]:
+    return [r for r in reports if r.request_id not in written and r.status != UsageStatus.GATEWAY_LOST]
+
+
+def supersede_lost_rows(reports: list[UsageReport], written: Collection[str] = ()) -> dict[str, Decimal]:
+    """Replace the `gateway_lost` rows of `reports`' request ids by the reports (`_SUPERSEDE_SQL`): a journal's rows,
+    replayed, whose insert found the row the sweeper had written for their call (`written`: the ids it wrote, which
+    have none). Returns each superseded request id's cost as it was (counted already: `replayed.count_superseded`)."""
+    if not (reports := _superseding(reports, written)):
+        return {}
+    with connection.cursor() as cursor:
+        cursor.execute(_SUPERSEDE_SQL, _rows(reports))
+        return dict(cursor.fetchall())
+
+
+async def supersede_lost_rows_on(connection, reports: list[UsageReport], written: Collection[str] = ()) -> dict[str, Decimal]:
+    """`supersede_lost_rows` on an async psycopg connection in autocommit (`billing.usage_writer`'s replay)."""
+    if not (reports := _superseding(reports, written)):
+        return {}
+    async with connection.cursor() as cursor:
+        await cursor.execute(_SUPERSEDE_SQL, _rows(reports))
+        return dict(await cursor.fetchall())
 
 
 def record_usage(report: UsageReport) -> bool:
@@ -418,7 +466,6 @@ def usage_by_bucket(endpoint, *, since: datetime, bucket_s: int) -> dict[datetim
 
 HOURLY_TOTAL_FIELDS = ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost")
 
-_TABLE = UsageRecord._meta.db_table
 _HOURLY_ALL = f"""
 SELECT organization_id, endpoint_id, date_trunc('hour', finished_at, 'UTC') AS hour_start, billing_mode,
        count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), sum(cost)

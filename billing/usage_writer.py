@@ -30,6 +30,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 import psycopg
 from asgiref.sync import sync_to_async
@@ -37,7 +38,7 @@ from django.conf import settings
 from django.db import connections
 
 from billing import journal_shipping
-from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch_on
+from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch_on, supersede_lost_rows_on
 from billing.quota import replayed
 from billing.usage_journal import UsageJournal, read_segment
 from controlplane.per_loop import PerLoop
@@ -193,6 +194,15 @@ class UsageWriter:
             self._connection = await _connect()
         return await record_usage_batch_on(self._connection, reports)
 
+    async def _replay_batch(self, reports: list[UsageReport]) -> tuple[set[str], set[str], dict[str, Decimal]]:
+        """A journal's batch into the ledger: the request ids written now, those refused (`UnknownEndpointError`), and
+        the cost of each `gateway_lost` row it superseded (`billing.ledger.supersede_lost_rows`)."""
+        try:
+            written, refused = await self._insert(reports), set()
+        except UnknownEndpointError as exc:
+            written, refused = exc.written_ids, set(exc.refused_ids)
+        return written, refused, await supersede_lost_rows_on(self._connection, reports, written)
+
     async def _journal(self, reports: list[UsageReport]) -> list[Recorded]:
         await asyncio.to_thread(journal().append, reports)
         self.replay_soon()
@@ -274,11 +284,8 @@ class UsageWriter:
                 for first in range(0, len(reports), self.max_batch):
                     batch = reports[first:first + self.max_batch]
                     try:
-                        written = await asyncio.wait_for(self._insert(batch), WRITE_TIMEOUT_S)
-                    except UnknownEndpointError as exc:
-                        refused = set(exc.refused_ids)
-                        rejected += [report for report in batch if report.request_id in refused]
-                        written = exc.written_ids
+                        written, refused, superseded = await asyncio.wait_for(self._replay_batch(batch),
+                                                                              WRITE_TIMEOUT_S)
                     except psycopg.DatabaseError as exc:
                         if not _about_the_rows(exc):  # down, read-only, shutting down: the segment waits
                             outage = _as_outage(exc)
@@ -290,7 +297,9 @@ class UsageWriter:
                         self.close_now()
                         rejected += batch
                         continue
+                    rejected += [report for report in batch if report.request_id in refused]
                     await _count_replayed(written)
+                    await _count_superseded(superseded)
                 await asyncio.to_thread(usage_journal.done, path, rejected)
                 logger.info("usage journal: %d report(s) replayed from %s", len(reports) - len(rejected), path.name)
         return num_left
@@ -305,6 +314,17 @@ class UsageWriter:
         connection, self._connection = self._connection, None
         if connection is not None and not connection.closed:
             connection.pgconn.finish()
+
+
+async def _count_superseded(lost_costs: dict[str, Decimal]) -> None:
+    """The `gateway_lost` rows a replay superseded now, their difference counted (`replayed.count_superseded`)."""
+    if not lost_costs:
+        return
+    try:
+        await sync_to_async(replayed.count_superseded)(lost_costs)
+    except Exception as exc:  # noqa: BLE001 - as `_count_replayed`: a counter rebuilt from the ledger later counts them
+        logger.warning("usage journal: %d superseded lost row(s) not counted in the quota counters: %r",
+                       len(lost_costs), exc)
 
 
 async def _count_replayed(request_ids: set[str]) -> None:

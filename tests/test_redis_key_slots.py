@@ -19,7 +19,7 @@ from decimal import Decimal
 
 import pytest
 
-from billing.ledger import record_usage
+from billing.ledger import record_usage, supersede_lost_rows
 from billing.models import BillingAccount, UsageRecord
 from billing.periods import period_containing
 from billing.quota import counters, rebuild, replayed, sweeper
@@ -160,6 +160,9 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         assert replayed.count_replayed([f"orphan-{with_key.pk}"]) == 1
         assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 4
         assert UsageRecord.objects.filter(status="gateway_lost").count() == 2
+        # a lost call's journaled row, replayed after the sweeper wrote its row from the progress: the difference
+        whole = usage_report(endpoints[0], request_id=f"held-{with_key.pk}", completion_tokens=60)
+        assert replayed.count_superseded(supersede_lost_rows([whole])) == 1
         counters.refresh_limits(BillingAccount.objects.for_organization(with_key.pk))
         counters.refresh_key_limit(with_key.pk, 4242, Decimal("5"))
         autoscaler.read_load([str(e.pk) for e in endpoints])

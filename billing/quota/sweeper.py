@@ -12,8 +12,9 @@ A reservation whose request has no usage row but a progress (`counters.record_pr
 usage its stream had been answered so far) was a call whose gateway was lost mid-stream (killed, OOM): its row is
 written from that progress, marked `gateway_lost`, in the billing mode it was admitted under, and settled as above.
 Once: the ledger's unique request id writes one row whoever writes it (the call's own, if its gateway only froze,
-is then a no-op), and the settlement's marker counts its spend once. Before, such a call was billed nothing for what
-it had streamed (up to `GATEWAY_MAX_ANSWER_WAIT_S`). What was answered after the gateway's last beat is not billed.
+is then a no-op; one replayed from its gateway's journal supersedes it: `billing.ledger.supersede_lost_rows`), and
+the settlement's marker counts its spend once. Before, such a call was billed nothing for what it had streamed
+(up to `GATEWAY_MAX_ANSWER_WAIT_S`). What was answered after the gateway's last beat is not billed.
 
 Reservations live per organisation (in its Redis Cluster slot), so the sweep reads each
 organisation's deadlines, `ORGS_PER_PIPELINE` organisations per round trip."""

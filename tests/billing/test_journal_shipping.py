@@ -4,6 +4,7 @@ and the worker replays them from there, each row once."""
 import asyncio
 import dataclasses
 import shutil
+import time
 from decimal import Decimal
 
 import boto3
@@ -12,12 +13,12 @@ import pytest
 
 from billing import journal_shipping, usage_writer
 from billing.models import UsageRecord
-from billing.quota import reads
+from billing.quota import reads, sweeper
 from billing.usage_journal import REJECTED_NAME, encode
 from controlplane.redis_client import get_redis
 from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_child, s3_server  # noqa: F401 - fixtures used here
 from tests.billing.conftest import usage_report
-from tests.billing.test_quota import reserve
+from tests.billing.test_quota import _progress, reserve
 from tests.factories import EndpointFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -153,6 +154,31 @@ def test_a_counter_rebuilt_while_rows_wait_in_the_bucket_counts_them_once_the_wo
     assert journal_shipping.replay_shipped() == len(reports)
     assert reads.counted_spend(organization_id) == Decimal("0.30")
     assert journal_shipping.replay_shipped() == 0 and reads.counted_spend(organization_id) == Decimal("0.30")
+
+
+def test_a_shipped_row_supersedes_the_row_the_sweeper_wrote_from_its_progress_once(outage, files_bucket, settings):  # noqa: F811
+    # Its gateway journaled the call's whole row, shipped it, and was killed before settling; PostgreSQL came back after
+    # the hold lapsed, and the sweeper billed the call from its last progress (20,000 of 200,000 tokens).
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("2"))
+    organization_id = endpoint.organization_id
+    admitted = asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.70"),
+                                   request_id="shipped"))
+    _progress(admitted, endpoint, prompt_tokens=100_000, completion_tokens=20_000)
+    whole = dataclasses.replace(usage_report(endpoint, request_id="shipped", prompt_tokens=100_000,
+                                             completion_tokens=200_000),
+                                max_cost=Decimal("0.70"), billing_mode=admitted.billing_mode)
+    _journal_rows_while_down([whole], replay_for_s=0.5)
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX)
+    outage.end()
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    assert reads.counted_spend(organization_id) == Decimal("0.14")
+
+    assert journal_shipping.replay_shipped() == 0  # no row written: one superseded
+
+    row = UsageRecord.objects.get()
+    assert (row.status, row.completion_tokens, row.cost) == ("ok", 200_000, Decimal("0.50"))
+    assert reads.counted_spend(organization_id) == Decimal("0.50") and reads.reserved_now(organization_id) == 0
 
 
 def test_an_unreachable_bucket_keeps_the_segments_here(outage, settings):

@@ -1,0 +1,166 @@
+"""A call whose gateway journaled its whole row (PostgreSQL down) and was killed before settling, with PostgreSQL back
+only after its hold lapsed: the sweeper bills it from its last progress (`gateway_lost`), and the journal's replay of
+its whole row supersedes that row, its difference counted once in the counters and the rollups
+(`billing.ledger.supersede_lost_rows`, `billing.quota.replayed.count_superseded`)."""
+
+import asyncio
+import dataclasses
+import time
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.db.models import Sum
+from django.utils import timezone
+
+from billing import ledger, stripe_sync, usage_writer
+from billing.credits import grant_credits
+from billing.models import BillingAccount, BillingMode, RollupKind, UsageRecord, UsageRollup
+from billing.quota import reads, replayed, sweeper
+from billing.quota.counters import to_units
+from billing.rollups import rollup_usage
+from billing.services import set_billing_mode
+from billing.usage_writer import Recorded
+from controlplane import redis_keys
+from controlplane.accounts.models import ApiKey
+from controlplane.accounts.services import SYSTEM
+from controlplane.redis_client import get_redis
+from tests.billing.conftest import usage_report
+from tests.billing.test_journaled_spend import _key_spend, _replay, journal_dir  # noqa: F401 - a fixture used here
+from tests.billing.test_quota import _progress, reserve
+from tests.factories import EndpointFactory
+from tests.outages import database_refusing_connections
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+HELD = Decimal("0.70")
+
+
+def _priced_endpoint():
+    return EndpointFactory(price_input_per_million=Decimal("1"), price_cached_input_per_million=Decimal("1"),
+                           price_output_per_million=Decimal("2"))
+
+
+def _killed_after_its_journal_append(endpoint, request_id: str, *, api_key=None, lost_at=None):
+    """A stream admitted ($0.70 held) whose last beat recorded 20,000 of its 200,000 tokens ($0.14), whose whole row
+    ($0.50) went to the journal (PostgreSQL down), and whose gateway was killed before it settled. Returns the row."""
+    admitted = asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=api_key.pk if api_key else None,
+                                   amount=HELD, request_id=request_id))
+    lost_at = lost_at or timezone.now() - timedelta(seconds=1)
+    _progress(admitted, endpoint, api_key=api_key, prompt_tokens=100_000, completion_tokens=20_000, finished_at=lost_at)
+    whole = dataclasses.replace(usage_report(endpoint, api_key=api_key, request_id=request_id, prompt_tokens=100_000,
+                                             completion_tokens=200_000, finished_at=lost_at + timedelta(seconds=1)),
+                                max_cost=HELD, billing_mode=admitted.billing_mode)
+    with database_refusing_connections():
+        assert asyncio.run(usage_writer.arecord_usage(whole)) is Recorded.JOURNALED
+    return whole
+
+
+def _sweep_after_the_hold_lapsed() -> None:
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+
+
+def _assert_rollups_equal_the_ledger():
+    fields = ["prompt_tokens", "cached_tokens", "completion_tokens", "cost"]
+    ledger = UsageRecord.objects.aggregate(*(Sum(f) for f in fields))
+    rollups = UsageRollup.objects.aggregate(*(Sum(f) for f in fields))
+    assert list(ledger.values()) == list(rollups.values())
+    assert UsageRollup.objects.aggregate(n=Sum("num_requests"))["n"] == UsageRecord.objects.count()
+
+
+def test_a_journaled_row_replayed_after_the_sweep_supersedes_the_lost_row_and_is_counted_once(settings):
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    whole = _killed_after_its_journal_append(endpoint, "streamed", api_key=key)
+    _sweep_after_the_hold_lapsed()  # PostgreSQL back: the sweeper first
+    lost = UsageRecord.objects.get()
+    assert (lost.status, lost.completion_tokens, lost.cost) == ("gateway_lost", 20_000, Decimal("0.14"))
+    assert reads.counted_spend(organization.pk) == Decimal("0.14")
+    rollup_usage()
+
+    _replay()  # then the journal's replay
+
+    row = UsageRecord.objects.get()
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == ("ok", 100_000, 200_000)
+    assert row.cost == ledger.cost_of(endpoint, 100_000, 0, 200_000) == Decimal("0.50")
+    assert row.finished_at == lost.finished_at  # billed in the hour and month it was
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+    assert reads.reserved_now(organization.pk) == 0
+    rollup_usage()
+    _assert_rollups_equal_the_ledger()
+
+    # The same line again (a segment both shipped and replayed here), or the lost row's progress: nothing changes.
+    lost_report = dataclasses.replace(whole, completion_tokens=20_000, status="gateway_lost")
+    assert ledger.supersede_lost_rows([whole]) == ledger.supersede_lost_rows([lost_report]) == {}
+    assert replayed.count_superseded({}) == 0
+    assert UsageRecord.objects.get().completion_tokens == 200_000
+    assert reads.counted_spend(organization.pk) == Decimal("0.50")
+
+
+def test_the_difference_of_a_closed_hour_is_an_adjustment_pushed_to_stripe_on_its_own(settings, fake_stripe):
+    # PostgreSQL back after the lost row's hour closed and its rollup was pushed to Stripe: the difference is a new
+    # ADJUSTMENT rollup, pushed as its own meter events; the closed one never changes.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    settings.BILLING_ROLLUP_CLOSE_AFTER_S = 0
+    endpoint = _priced_endpoint()
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=2)
+    _killed_after_its_journal_append(endpoint, "streamed", lost_at=hour + timedelta(minutes=10))
+    _sweep_after_the_hold_lapsed()
+    rollup_usage()
+    closed = UsageRollup.objects.get()
+    assert closed.closed_at is not None and closed.cost == Decimal("0.14")
+    assert stripe_sync.push_pending_rollups() == 1
+
+    _replay()
+    rollup_usage()
+    rollup_usage()  # and again: still one adjustment
+
+    primary, adjustment = UsageRollup.objects.order_by("sequence")
+    assert (primary.cost, primary.completion_tokens) == (Decimal("0.14"), 20_000)
+    assert (adjustment.kind, adjustment.sequence, adjustment.num_requests) == (RollupKind.ADJUSTMENT, 1, 0)
+    assert (adjustment.completion_tokens, adjustment.cost) == (180_000, Decimal("0.36"))
+    assert adjustment.push_uid != primary.push_uid
+    _assert_rollups_equal_the_ledger()
+    assert stripe_sync.push_pending_rollups() == 1 and stripe_sync.push_pending_rollups() == 0
+    customer_id = BillingAccount.objects.get(organization=endpoint.organization).stripe_customer_id
+    totals = fake_stripe.meter_totals()
+    assert totals[customer_id, "inferplane_output_tokens"] == 200_000
+    assert totals[customer_id, "inferplane_usage_cost"] == 500_000  # micro-dollars: $0.50, not $0.14 + $0.50
+
+
+def test_a_lost_row_not_settled_yet_is_counted_whole_by_the_replay_and_its_settlement_adds_nothing(settings):
+    # The sweeper wrote the lost row and was killed before it settled the hold; the replay comes before its next run.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"))
+    _killed_after_its_journal_append(endpoint, "streamed")
+    credit_before = int(get_redis().get(redis_keys.credit_key(organization.pk)))
+    assert sweeper._record_lost_calls(get_redis(), organization.pk, ["streamed"]) == 1
+    assert reads.reserved_now(organization.pk) == HELD
+
+    _replay()
+    _sweep_after_the_hold_lapsed()
+
+    assert UsageRecord.objects.get().cost == Decimal("0.50")
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") and reads.reserved_now(organization.pk) == 0
+    assert int(get_redis().get(redis_keys.credit_key(organization.pk))) == credit_before - to_units(Decimal("0.50"))
+
+
+def test_a_journaled_row_replayed_before_the_sweep_leaves_no_lost_row(settings):
+    # The reverse order (the replay first: PostgreSQL back before the hold lapsed): the sweeper settles the row.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    _killed_after_its_journal_append(endpoint, "streamed")
+
+    _replay()
+    _sweep_after_the_hold_lapsed()
+
+    row = UsageRecord.objects.get()
+    assert (row.status, row.completion_tokens, row.cost) == ("ok", 200_000, Decimal("0.50"))
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") and reads.reserved_now(organization.pk) == 0
+    assert not get_redis().hlen(redis_keys.progress_key(organization.pk))
