@@ -1,4 +1,5 @@
-"""The shared-memory segments an engine leaves behind when it is killed.
+"""Engines' shared memory (/dev/shm): the segments one leaves behind when it is killed, what a live one holds
+(counted in its bound), and the files nobody holds.
 
 vLLM's API server, EngineCore and workers talk through `multiprocessing.shared_memory` segments
 (`/dev/shm/psm_*`), which only a graceful exit unlinks: every SIGKILLed engine used to leave its own
