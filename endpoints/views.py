@@ -88,8 +88,8 @@ def endpoints_live(request):
 
 def _wizard(request, form, *, endpoint=None, status=200):
     ready_nodes = {}
-    for gpu_type in Node.objects.schedulable().values_list("gpu_type", flat=True):
-        ready_nodes[gpu_type] = ready_nodes.get(gpu_type, 0) + 1
+    for node in Node.objects.placeable():
+        ready_nodes[node.gpu_type] = ready_nodes.get(node.gpu_type, 0) + 1
     selected = form["gpu_type"].value()
     gpus = [{"gpu": gpu, "num_ready_nodes": ready_nodes.get(name, 0), "selected": name == selected}
             for name, gpu in GPU_TYPES.items()]
@@ -130,7 +130,7 @@ def gpu_suggestion(values: dict) -> dict | None:
 
 def _default_gpu_type() -> str:
     # A platform with capacity of one kind (a CPU development box) gets that kind pre-selected.
-    return Node.objects.schedulable().values_list("gpu_type", flat=True).first() or "l4"
+    return next((node.gpu_type for node in Node.objects.placeable()), "l4")
 
 
 @member_required(write=Role.MEMBER)

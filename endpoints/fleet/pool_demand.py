@@ -42,15 +42,25 @@ def pool_shape(pool: NodePool) -> NodeShape:
 
 
 def pool_counts(pool: NodePool) -> PoolCounts:
-    """The pool's live, booting and empty machines (empty: joined, READY, no active replica)."""
-    launches = NodeLaunch.objects.filter(pool=pool, state__in=COUNTED_STATES)
-    totals = launches.aggregate(
+    """The pool's live, booting and empty machines (empty: `spare_launches`)."""
+    totals = NodeLaunch.objects.filter(pool=pool, state__in=COUNTED_STATES).aggregate(
         num_live=Count("pk"), num_booting=Count("pk", filter=Q(state__in=BOOTING_STATES)))
-    busy_nodes = Replica.objects.filter(state__in=ACTIVE_REPLICA_STATES).values("node_id")
-    num_empty = launches.filter(state=LaunchState.JOINED, node__state=NodeState.READY).exclude(
-        node_id__in=busy_nodes).count()
     return PoolCounts(min_nodes=pool.min_nodes, max_nodes=pool.max_nodes, warm_nodes=pool.warm_nodes,
-                      num_live=totals["num_live"], num_booting=totals["num_booting"], num_empty=num_empty)
+                      num_live=totals["num_live"], num_booting=totals["num_booting"],
+                      num_empty=len(spare_launches(pool)))
+
+
+def spare_launches(pool: NodePool) -> list[NodeLaunch]:
+    """The pool's joined machines placement could give a replica now: READY, no active replica, and a registered
+    host the gateway may reach (`Node.host_problem`, the rule `placement.choose_node` applies).
+
+    NOTE: a machine whose host the gateway refuses is no spare capacity: counted as empty it was the pool's warm
+    machine, kept for ever, and a pool at its maximum never launched a usable one (`pool_plan.nodes_to_release`
+    releases it instead)."""
+    busy_nodes = Replica.objects.filter(state__in=ACTIVE_REPLICA_STATES).values("node_id")
+    empty = NodeLaunch.objects.filter(pool=pool, state=LaunchState.JOINED, node__state=NodeState.READY).exclude(
+        node_id__in=busy_nodes).select_related("node")
+    return [launch for launch in empty if not launch.node.host_problem()]
 
 
 def choose_pool(need: Need, pools: Iterable[tuple[NodePool, PoolCounts]]) -> NodePool | None:

@@ -166,17 +166,23 @@ def _packs(order: list[int], capacity: int, num_bins: int) -> bool:
 class IdleNode:
     launch_id: str
     idle_since: float  # epoch seconds
+    placeable: bool = True  # False: placement never gives it a replica (its host refused), not in `num_empty`
 
 
 def nodes_to_release(idle: Sequence[IdleNode], counts: PoolCounts, idle_timeout_s: float, now: float) -> list[str]:
     """Launch ids of nodes empty for `idle_timeout_s`, longest idle first, keeping `min_nodes`
-    plus `warm_nodes` live, and `warm_nodes` empty (the most recently idle stay warm)."""
+    plus `warm_nodes` live, and `warm_nodes` empty (the most recently idle stay warm).
+
+    A node placement never uses is released once timed out whatever min and warm say: it is neither,
+    and the plan launches a usable one in its place."""
     if idle_timeout_s < 0:
         raise ValueError("an idle timeout is never negative")
     timed_out = sorted((node for node in idle if now - node.idle_since >= idle_timeout_s),
                        key=lambda node: (node.idle_since, node.launch_id))
-    num_releasable = max(0, min(counts.num_live - counts.min_nodes - counts.warm_nodes, counts.num_empty - counts.warm_nodes))
-    return [node.launch_id for node in timed_out[:num_releasable]]
+    unusable = [node.launch_id for node in timed_out if not node.placeable]
+    num_live = counts.num_live - len(unusable)
+    num_releasable = max(0, min(num_live - counts.min_nodes - counts.warm_nodes, counts.num_empty - counts.warm_nodes))
+    return unusable + [node.launch_id for node in timed_out if node.placeable][:num_releasable]
 
 
 def _plural(count: int, noun: str) -> str:

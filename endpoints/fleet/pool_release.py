@@ -2,7 +2,8 @@
 
 Part of the pool tick (`endpoints.fleet.pools`): each joined launch's node is busy or idle
 (`launches.record_occupancy`, node-hours); `pool_plan.nodes_to_release` picks the nodes empty past
-the pool's idle timeout, down to min plus warm. Each is cordoned under its row lock after checking
+the pool's idle timeout, down to min plus warm (a node placement never uses, its host refused, goes whatever they
+say: `pool_demand.spare_launches`). Each is cordoned under its row lock after checking
 again that it holds no replica (placement locks READY node rows too: a replica placed meanwhile keeps
 the node), marked RELEASING and committed; the provider terminates it outside the transaction; its
 node then goes OFFLINE with its secret void and the launch TERMINATED. A RELEASING launch whose
@@ -53,9 +54,9 @@ def release_idle(pool: NodePool, provider: Provider, now: datetime) -> list[str]
             continue
         if launches.start_release(launch, reason):
             record_audit(SYSTEM, None, "node_launch.dead", launch, pool=pool.name, reason=reason)
-    idle = [IdleNode(str(launch.pk), launch.idle_since.timestamp()) for launch in joined
-            if launch.state == LaunchState.JOINED and launch.idle_since is not None and launch.node is not None
-            and launch.node.state == NodeState.READY]
+    idle = [IdleNode(str(launch.pk), launch.idle_since.timestamp(), placeable=not launch.node.host_problem())
+            for launch in joined if launch.state == LaunchState.JOINED and launch.idle_since is not None
+            and launch.node is not None and launch.node.state == NodeState.READY]
     for launch_id in nodes_to_release(idle, pool_counts(pool), pool.idle_timeout_s, now.timestamp()):
         cordon_for_release(pool, launch_id)
     return finish_releases(pool, provider, now)
@@ -72,6 +73,8 @@ def cordon_for_release(pool: NodePool, launch_id: str) -> bool:
         if node is None or Replica.objects.filter(node=node, state__in=ACTIVE_REPLICA_STATES).exists():
             return False
         reason = f"empty for {pool.idle_timeout_s} s (pool {pool.name})"
+        if node.host_problem():
+            reason = f"{reason}; the gateway refuses its registered host: {node.host_problem()}"
         set_node_state(SYSTEM, node, NodeState.CORDONED)
         launches.start_release(launch, reason)
         record_audit(SYSTEM, None, "node_launch.release", launch, pool=pool.name, node=node.name, reason=reason)

@@ -39,6 +39,7 @@ from endpoints.fleet.pool_demand import (
     need_of,
     pool_counts,
     pool_shape,
+    spare_launches,
     tell_endpoints,
 )
 from endpoints.fleet.pool_plan import LaunchPlan, Need, PoolCounts, plan_launches
@@ -191,9 +192,8 @@ def settled_counts(pool: NodePool, joined_after: datetime) -> PoolCounts:
     """`pool_counts`, with nodes that joined since `joined_after` and are still empty counted as booting:
     the scheduler has not had a tick to place the replicas they came for."""
     counts = pool_counts(pool)
-    num_fresh = NodeLaunch.objects.filter(pool=pool, state=LaunchState.JOINED, joined_at__gt=joined_after,
-                                          idle_since__isnull=False).count()
-    num_fresh = min(num_fresh, counts.num_empty)
+    num_fresh = sum(launch.joined_at is not None and launch.joined_at > joined_after and launch.idle_since is not None
+                    for launch in spare_launches(pool))
     return PoolCounts(min_nodes=counts.min_nodes, max_nodes=counts.max_nodes, warm_nodes=counts.warm_nodes,
                       num_live=counts.num_live, num_booting=counts.num_booting + num_fresh,
                       num_empty=counts.num_empty - num_fresh)

@@ -132,6 +132,14 @@ class NodeQuerySet(models.QuerySet):
     def schedulable(self):
         return self.filter(state=NodeState.READY)
 
+    def placeable(self) -> list[Node]:
+        """The READY nodes placement may give a replica: those whose registered host the gateway may reach
+        (`Node.host_problem`, as `placement.choose_node` skips the others). A list: the rule is Python's.
+
+        NOTE: what the console offers and what a node pool counts as spare come from here, so neither counts a node
+        that placement never uses (a pool kept it as its warm machine and never launched a usable one)."""
+        return [node for node in self.schedulable().order_by("pk") if not node.host_problem()]
+
     def admitted(self):
         """Nodes whose secret still admits their agent: all but the retired (`retire_node` voids the secret)."""
         return self.exclude(secret_digest="")

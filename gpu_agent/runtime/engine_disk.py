@@ -6,9 +6,11 @@ torch's and Triton's compile caches, kept for the endpoint's next cold start). B
 tenant's engine writing without end, or a node that served thousands of endpoints over months, filled the node's
 disk, and then weights downloads and other tenants' engines failed. Now:
 
-- a live engine's scratch and cache folders together are measured every `EngineDiskBounds.check_interval_s`, sooner
+- a live engine's scratch and cache folders together, with what its processes hold in /dev/shm (RAM, which it may
+  write but not list: `shared_memory.held_by`), are measured every `EngineDiskBounds.check_interval_s`, sooner
   the nearer they are to their bound (`next_check_in_s`), and its replica fails past `engine_max_bytes` or
-  `engine_max_files` (the supervisor empties both);
+  `engine_max_files` (the supervisor empties both, and removes the /dev/shm files it held); a /dev/shm file of the
+  agent's user that no process held at the sweeps of `shared_memory_orphan_age_s` goes;
 - the cache folders of endpoints with no replica on the node go when their last use is older than `cache_max_age_s`,
   and least recently used first while all cache folders together are past `cache_budget_bytes`.
 
@@ -55,9 +57,11 @@ class EngineDiskBounds:
     cache_max_age_s: float | None = DEFAULT_ENGINE_CACHE_MAX_AGE_S
     check_interval_s: float = 30.0  # a live engine's folders measured at most this often
     sweep_interval_s: float = 300.0  # unused cache folders looked at at most this often
+    # A file in /dev/shm that no process held at the sweeps of this long goes (`shared_memory.remove_orphans`).
+    shared_memory_orphan_age_s: float = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("engine_max_bytes", "cache_budget_bytes", "cache_max_age_s"):
+        for name in ("engine_max_bytes", "cache_budget_bytes", "cache_max_age_s", "shared_memory_orphan_age_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive or None, not {value}")

@@ -1,4 +1,5 @@
-"""The shared-memory segments an engine leaves behind when it is killed.
+"""Engines' shared memory (/dev/shm): the segments one leaves behind when it is killed, what a live one holds
+(counted in its bound), and the files nobody holds.
 
 vLLM's API server, EngineCore and workers talk through `multiprocessing.shared_memory` segments
 (`/dev/shm/psm_*`), which only a graceful exit unlinks: every SIGKILLed engine used to leave its own
@@ -9,6 +10,9 @@ segments its processes hold first and unlinks them after. Standard library only:
 from __future__ import annotations
 
 import os
+import stat
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 SHARED_MEMORY_DIR = Path("/dev/shm")
@@ -45,3 +49,151 @@ def unlink(segments) -> None:
             segment.unlink()
         except OSError:  # already unlinked by the engine itself
             pass
+
+
+# --- What a live engine holds there, and what nobody holds ---------------------------------------------------
+#
+# An engine may create files in /dev/shm (`sandbox.SHARED_MEMORY`; vLLM's ring buffers, NCCL's segments) but not
+# list it: RAM (tmpfs), outside its folders' disk bound, until the machine rebooted. The agent, unconfined, reads
+# what each engine's processes hold open (`/proc/<pid>/fd`) or map (`/proc/<pid>/maps`, a file unlinked but still
+# mapped included) and counts it in that engine's bound (`Supervisor.check_disk`); a file no process holds goes
+# after a grace period (`remove_orphans`).
+
+
+@dataclass(slots=True, frozen=True)
+class HeldMemory:
+    """What some processes hold in the shared-memory folder."""
+
+    num_bytes: int  # each file once: its blocks, or for one unlinked and only mapped, its largest mapping
+    paths: frozenset[Path]  # the names they hold that still exist (removed when their engine is stopped)
+    inodes: frozenset[tuple[int, int]]  # (device, inode) of every file they hold
+    hidden: bool  # a process of theirs would not show its files (not dumpable): what it holds is unknown
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid`, every process below it and every process of its group: an engine's processes (its reaper is a
+    subreaper, so what its children orphan stays below it). One pass over /proc."""
+    parents: dict[int, list[int]] = {}
+    group = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat_file:
+                fields = stat_file.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parents.setdefault(int(fields[1]), []).append(int(entry))
+        if int(fields[2]) == pid:
+            group.add(int(entry))
+    found, pending = {pid}, [pid]
+    while pending:
+        for child in parents.get(pending.pop(), ()):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found | group
+
+
+def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
+    """What `pids` hold open or mapped in `folder` (files directly in it: an engine may make no folder there)."""
+    sizes: dict[tuple[int, int], int] = {}
+    mapped: dict[tuple[int, int], int] = {}  # unlinked files known only by their mappings: the largest
+    paths = set()
+    hidden = False
+    prefix = f"{folder}/"
+    for pid in set(pids):
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except PermissionError:
+            hidden = True
+            continue
+        except OSError:
+            continue  # gone
+        for fd in fds:
+            try:
+                target = os.readlink(f"{fd_dir}/{fd}")
+                if not target.startswith(prefix):
+                    continue
+                info = os.stat(f"{fd_dir}/{fd}")  # the open file itself, unlinked or not
+            except OSError:
+                continue
+            sizes[(info.st_dev, info.st_ino)] = info.st_blocks * 512
+            if not target.endswith(" (deleted)"):
+                paths.add(Path(target))
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                lines = [line for line in maps if prefix in line]
+        except PermissionError:
+            hidden = True
+            continue
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith(prefix):
+                continue
+            start, end = (int(value, 16) for value in parts[0].split("-"))
+            major, minor = (int(value, 16) for value in parts[3].split(":"))
+            inode = (os.makedev(major, minor), int(parts[4]))
+            path = parts[5].rstrip("\n")
+            if inode in sizes:
+                continue
+            if not path.endswith(" (deleted)"):
+                try:
+                    info = os.stat(path)
+                except OSError:
+                    info = None
+                if info is not None and (info.st_dev, info.st_ino) == inode:
+                    sizes[inode] = info.st_blocks * 512
+                    paths.add(Path(path))
+                    continue
+            mapped[inode] = max(mapped.get(inode, 0), end - start)
+    num_bytes = sum(sizes.values()) + sum(size for inode, size in mapped.items() if inode not in sizes)
+    return HeldMemory(num_bytes, frozenset(paths), frozenset(sizes) | frozenset(mapped), hidden)
+
+
+def remove_orphans(
+    folder: Path, unheld_since: dict[tuple[int, int], float], *, older_than_s: float, now: float | None = None
+) -> list[Path]:
+    """Remove this user's files in `folder` that no process this user can read has held open or mapped at any of
+    these calls for `older_than_s`: what an engine created and closed, or left when it was killed.
+
+    `unheld_since` is the caller's record, (device, inode) -> when a call first found the file held by nobody
+    (monotonic), updated here. NOTE: the agent's record, not the file's times, which its engine sets at will: one
+    that touched its closed files kept them for ever. Every process readable is asked, not only engines: the agent's
+    own, a zygote's or another program's of this user keep theirs. A file held only by another user's process loses
+    its name, not its memory."""
+    now = time.monotonic() if now is None else now
+    uid = os.getuid()
+    files: dict[tuple[int, int], Path] = {}
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        entries = []
+    for entry in entries:
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if info.st_uid == uid and stat.S_ISREG(info.st_mode):
+            files[(info.st_dev, info.st_ino)] = Path(entry.path)
+    held = frozenset()
+    if files:
+        held = held_by([int(entry) for entry in os.listdir("/proc") if entry.isdigit()], folder).inodes
+    for inode in [inode for inode in unheld_since if inode not in files or inode in held]:
+        del unheld_since[inode]
+    removed = []
+    for inode, path in files.items():
+        if inode in held or now - unheld_since.setdefault(inode, now) < older_than_s:
+            continue
+        try:
+            info = os.stat(path, follow_symlinks=False)
+            if (info.st_dev, info.st_ino) == inode:  # not replaced meanwhile
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            pass
+        del unheld_since[inode]
+    return removed

@@ -68,7 +68,7 @@ from gpu_agent.protocol import (
     ReplicaState,
     ReplicaStatus,
 )
-from gpu_agent.runtime import engine, engine_disk, process, sandbox, state_file
+from gpu_agent.runtime import engine, engine_disk, process, sandbox, shared_memory, state_file
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER, ZYGOTE_WARM_ENV, EngineCommand
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.engine_memory import read_engine_memory
@@ -182,6 +182,8 @@ class Supervisor:
         self.disk_bounds = disk_bounds or engine_disk.EngineDiskBounds()
         self._caches = engine_disk.CacheFolders(self.data_dir / "engine-caches")
         self._caches_swept_at: float | None = None
+        self.shared_memory_dir = shared_memory.SHARED_MEMORY_DIR  # what engines hold there counts in their bound
+        self._shm_unheld_since: dict[tuple[int, int], float] = {}  # its files held by nobody, since when (sweeps)
 
     @property
     def standby_ready(self) -> bool:
@@ -591,23 +593,37 @@ class Supervisor:
         for replica, folders in due:
             walk_started = time.monotonic()
             usage = engine_disk.measure(folders, max_bytes=bounds.engine_max_bytes, max_files=bounds.engine_max_files)
+            # NOTE: what its processes hold in /dev/shm is RAM it may write but not list (`sandbox.SHARED_MEMORY`).
+            held = shared_memory.held_by(shared_memory.process_tree(replica.pid), self.shared_memory_dir)
+            usage = engine_disk.DiskUsage(usage.num_bytes + held.num_bytes, usage.num_files, usage.complete)
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
-            if why:
-                over.append((replica, why))
+            if held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
+                over.append((replica, "its engine hid the files it holds from the agent (a process not dumpable): "
+                                      "stopped, and its folders emptied", held.paths))
+            elif why:
+                over.append((replica, f"its engine wrote {why} to its own folders and /dev/shm (its scratch folder, "
+                                      "its endpoint's cache and the shared memory its processes hold, this node's "
+                                      "bound for one engine): stopped, and its folders emptied", held.paths))
             else:
                 walked = time.monotonic()
                 # sooner when near, never sooner than its walk's cost allows, from the walk's end
                 replica.disk_check_due_at = walked + engine_disk.next_check_in_s(usage, bounds,
                                                                                  walked_s=walked - walk_started)
         caches = self._caches.listing(max_bytes=bounds.cache_budget_bytes, max_files=bounds.engine_max_files) if sweep else []
+        if sweep:
+            orphans = shared_memory.remove_orphans(self.shared_memory_dir, self._shm_unheld_since,
+                                                   older_than_s=bounds.shared_memory_orphan_age_s)
+            if orphans:
+                logger.info("removed %d files from %s that no process held", len(orphans), self.shared_memory_dir)
         removed = []
+        unheld = []
         with self._lock:
-            for replica, why in over:
+            for replica, reason, held_paths in over:
                 if self._replicas.get(replica.spec.replica_id) is not replica or replica.pid is None:
                     continue  # stopped or relaunched meanwhile: its next engine is measured afresh
                 removed.append(self._scratch_dirs.pop(replica.spec.replica_id, None))  # deleted once it is killed
-                self._fail(replica, f"its engine wrote {why} to its own folders (its scratch folder and its endpoint's"
-                                    " cache, this node's bound for one engine): stopped, and its folders emptied")
+                unheld += held_paths
+                self._fail(replica, reason)
                 name = self._cache_dir(replica.spec.endpoint_id).name
                 if name not in self._caches_in_use():
                     removed.append(engine_disk.set_aside(self._caches.folder(name)))
@@ -624,6 +640,7 @@ class Supervisor:
                                 folder.name, folder.usage.num_bytes, time.time() - folder.last_used_at)  # fmt: skip
         for path in removed:
             engine_disk.remove_tree(path)
+        shared_memory.unlink(unheld)  # their memory is freed as the stopped engine's processes exit
 
     def _adopt_folders(self, replica_id: str, pid: int) -> None:
         """Take on the folders of an engine a previous agent started: its adapters are staged there from now on,

@@ -4,13 +4,15 @@ Serves /health, /metrics (running requests read from --running-file),
 /tokenize (a chat template adding 3 tokens a conversation and 4 a message) and /v1/completions, and with --sleep-mode vLLM's sleep routes (`/sleep?level=N`, `/wake_up`, `/is_sleeping`:
 --wake-fails answers `/wake_up` with 500, as an engine whose GPU memory was taken meanwhile); like a real engine under `EngineKeyGuard`, everything but /health needs the
 replica's key from INFERPLANE_ENGINE_API_KEY; with --fill-cache-bytes/--fill-scratch-bytes writes that much into its
-cache folder (XDG_CACHE_HOME) and scratch folder (TMPDIR) before it answers /health; spawns a worker child like vLLM's EngineCore so that tests see
+cache folder (XDG_CACHE_HOME) and scratch folder (TMPDIR) before it answers /health (with --fill-shm-bytes holds a file that
+big in /dev/shm, open and mapped, or with --shm-unlinked only mapped); spawns a worker child like vLLM's EngineCore so that tests see
 whether the whole process group goes away.
 """
 
 import argparse
 import http.server
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -31,6 +33,9 @@ parser.add_argument("--log-line", action="append", default=[], help="a line to w
 parser.add_argument("--tokenize-fails", type=int, default=0, help="the first N /tokenize calls answer 503")
 parser.add_argument("--fill-cache-bytes", type=int, default=0, help="write this many bytes to its cache folder")
 parser.add_argument("--fill-scratch-bytes", type=int, default=0, help="write this many bytes to its scratch folder")
+parser.add_argument("--fill-shm-bytes", type=int, default=0, help="write and hold (open, mapped) a file this big in --shm-dir")
+parser.add_argument("--shm-dir", default="/dev/shm")
+parser.add_argument("--shm-unlinked", action="store_true", help="then remove its name: only the mapping holds it")
 args, _ = parser.parse_known_args()
 
 started_at = time.monotonic()
@@ -140,6 +145,17 @@ for folder_env, num_bytes in (("XDG_CACHE_HOME", args.fill_cache_bytes), ("TMPDI
     if num_bytes:  # what an engine's compile caches and temporary files take, on disk (not sparse)
         with open(os.path.join(os.environ[folder_env], "fill.bin"), "wb") as fill:
             fill.write(os.urandom(num_bytes))
+held_shm = []
+if args.fill_shm_bytes:  # what vLLM's ring buffers and NCCL's segments take, in RAM
+    shm_path = os.path.join(args.shm_dir, f"inferplane-test-{os.getpid()}-{os.urandom(4).hex()}")
+    shm_fd = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(os.dup(shm_fd), "wb") as shm_file:
+        shm_file.write(os.urandom(args.fill_shm_bytes))
+    held_shm.append(mmap.mmap(shm_fd, args.fill_shm_bytes))
+    if args.shm_unlinked:
+        os.close(shm_fd)
+        os.unlink(shm_path)
+    print(f"==> shared memory {shm_path}", flush=True)
 for line in args.log_line:
     print(line, flush=True)
 

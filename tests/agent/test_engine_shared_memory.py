@@ -1,4 +1,4 @@
-"""A killed engine leaves no shared memory behind (`process.kill_group`).
+"""A killed engine leaves no shared memory behind (`process.kill_group`), and a live one holds no more than its bound.
 
 vLLM's API server, EngineCore and workers talk through `multiprocessing.shared_memory` segments
 (`/dev/shm/psm_*`), unlinked only when the engine exits gracefully; an engine SIGKILLed (an idle drain
@@ -7,13 +7,26 @@ busy node. The engine here is a real process group doing what vLLM's does: a par
 process, each holding a segment it created.
 """
 
+import os
 import signal
+import subprocess
 import sys
 import time
+import uuid
 from multiprocessing import shared_memory
 from pathlib import Path
 
+import pytest
+
+from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime import process
+from gpu_agent.runtime import shared_memory as engine_shared_memory
+from gpu_agent.runtime.engine_disk import EngineDiskBounds
+from gpu_agent.runtime.supervisor import Supervisor
+
+from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
+
+MB = 1_000_000
 
 ENGINE = """
 import multiprocessing as mp, sys, time
@@ -75,3 +88,117 @@ def test_a_gentle_signal_unlinks_nothing(tmp_path):
         assert all(segment.exists() for segment in segments)
     finally:
         process.kill_group(engine.pid, engine, "replica-shm", tmp_path, signal.SIGKILL)
+
+
+# --- What a live engine holds in /dev/shm counts in its bound -------------------------------------------------
+# An engine may create files in /dev/shm but not list it (`sandbox.SHARED_MEMORY`): RAM outside its disk bound, so a
+# hostile model's engine filled the machine's memory there, unseen, until the machine rebooted.
+
+
+@pytest.fixture
+def make_supervisor(tmp_path):
+    """Supervisors of fake engines: those of replica "r-shm" hold 3 MB in /dev/shm (open and mapped), those of
+    "r-unlinked" 3 MB only mapped, its name removed; whatever they started is gone after the test."""
+    made = []
+    factories = {
+        "r-shm": fake_engine_factory("--fill-shm-bytes", str(3 * MB)),
+        "r-unlinked": fake_engine_factory("--fill-shm-bytes", str(3 * MB), "--shm-unlinked"),
+    }
+    plain = fake_engine_factory()
+
+    def factory(spec, model_path, port):
+        return factories.get(spec.replica_id, plain)(spec, model_path, port)
+
+    def make(**bounds) -> Supervisor:
+        made.append(Supervisor(tmp_path / "agent", command_factory=factory, disk_bounds=EngineDiskBounds(**bounds)))
+        return made[-1]
+
+    yield make
+    for supervisor in made:
+        supervisor.shutdown(timeout_s=5)
+        process.kill_orphans(supervisor.data_dir, set())
+        for log in supervisor.logs_dir.glob("*.log"):  # a killed engine's file waits for the sweep: not here
+            for line in log.read_text().splitlines():
+                if line.startswith("==> shared memory "):
+                    Path(line.removeprefix("==> shared memory ")).unlink(missing_ok=True)
+
+
+def _held_path(supervisor: Supervisor, replica_id: str) -> Path:
+    log = (supervisor.logs_dir / f"{replica_id}.log").read_text()
+    return Path(log.split("==> shared memory ", 1)[1].split()[0])
+
+
+@pytest.mark.parametrize("replica_id", ["r-shm", "r-unlinked"])
+def test_an_engine_holding_shared_memory_past_its_bound_fails_with_the_reason_and_its_files_go(
+    make_supervisor, replica_id
+):
+    supervisor = make_supervisor(engine_max_bytes=2 * MB, check_interval_s=0, sweep_interval_s=3600)
+    supervisor.start(make_spec(replica_id, endpoint_id="e-shm"), Path("/nonexistent"))
+    supervisor.start(make_spec("r-small", endpoint_id="e-small"), Path("/nonexistent"))
+    wait_until(lambda: {s.state for s in supervisor.statuses()} == {ReplicaState.READY}, 30, poll=supervisor.poll)
+    held = _held_path(supervisor, replica_id)
+    assert held.exists() == (replica_id == "r-shm")  # the other holds it only mapped, its name removed
+
+    supervisor.check_disk()
+
+    status = next(status for status in supervisor.statuses() if status.replica_id == replica_id)
+    assert status.state == ReplicaState.FAILED
+    assert "wrote more than 0.002 GB to its own folders and /dev/shm" in status.failure_reason
+    wait_until(lambda: processes_with_marker(replica_id) == [], 10)
+    assert not held.exists()
+    assert supervisor.get("r-small").state == ReplicaState.READY
+
+
+def test_an_engine_holding_shared_memory_within_its_bound_runs_on(make_supervisor):
+    supervisor = make_supervisor(engine_max_bytes=4 * MB, check_interval_s=0, sweep_interval_s=3600)
+    supervisor.start(make_spec("r-shm", endpoint_id="e-shm"), Path("/nonexistent"))
+    wait_until(lambda: supervisor.get("r-shm").state == ReplicaState.READY, 30, poll=supervisor.poll)
+    held = _held_path(supervisor, "r-shm")
+    supervisor.check_disk()
+    assert supervisor.get("r-shm").state == ReplicaState.READY and held.exists()
+    usage = engine_shared_memory.held_by(engine_shared_memory.process_tree(supervisor.get("r-shm").pid))
+    assert usage.num_bytes >= 3 * MB and held in usage.paths and not usage.hidden
+
+
+HOLDER = """
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+os.write(fd, b"x" * 4096)
+kept = mmap.mmap(fd, 4096)
+os.close(fd)  # held by its mapping alone
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def shm_folder():
+    """A folder of this test's own in /dev/shm (the same tmpfs), so that no other program's files are swept."""
+    folder = Path("/dev/shm") / f"inferplane-test-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    yield folder
+    for path in folder.iterdir():
+        path.unlink()
+    folder.rmdir()
+
+
+def test_files_no_process_holds_go_after_the_grace_period_whatever_their_times_and_held_ones_stay(
+    make_supervisor, shm_folder
+):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(shm_folder / "held")], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        (shm_folder / "left").write_bytes(b"x" * 4096)  # what an engine created and closed, or left when killed
+        supervisor = make_supervisor(shared_memory_orphan_age_s=0.5, check_interval_s=0, sweep_interval_s=0)
+        supervisor.shared_memory_dir = shm_folder
+        supervisor.check_disk()
+        assert sorted(path.name for path in shm_folder.iterdir()) == ["held", "left"]  # not held since long enough
+        os.utime(shm_folder / "left")  # its engine touching it keeps it no longer: the agent's record counts
+        time.sleep(0.6)
+
+        supervisor.check_disk()
+
+        assert sorted(path.name for path in shm_folder.iterdir()) == ["held"]
+    finally:
+        holder.kill()
+        holder.wait()

@@ -1,5 +1,6 @@
 """Dashboard, deploy wizard and endpoint page, through Django's test client."""
 
+import uuid
 from datetime import timedelta
 from decimal import Decimal
 
@@ -60,6 +61,16 @@ def test_wizard_shows_gpu_memory_and_hourly_cost(owner):
     page = owner.get(reverse("console:endpoint-new")).content.decode()
     assert "141 GB" in page and "$5.00/h" in page
     assert "NVIDIA L4 24 GB" in page
+
+
+def test_wizard_counts_no_node_whose_host_the_gateway_refuses(owner, settings):
+    settings.ALLOW_LOOPBACK_NODES = False  # registered on loopback before the deployment refused it
+    make_node(gpu_type="h100-80gb", memory_mb=80_000, advertise_host="127.0.0.1", id=uuid.UUID(int=1))  # first by id
+    make_node(gpu_type="l4", advertise_host="10.0.3.7")
+    page = owner.get(reverse("console:endpoint-new")).content.decode()
+    h100 = page[page.index('id="gpu-h100-80gb"'):]
+    assert h100[:h100.index("</label>")].count("no nodes ready now") == 1
+    assert 'id="gpu-l4" value="l4" checked' in page  # placement would use the l4 node, not the h100 one
 
 
 def test_wizard_offers_only_quantizations_of_the_gpu_type(owner):

@@ -290,6 +290,34 @@ def test_min_and_warm_nodes_are_launched_without_demand_and_kept():
 
 
 @pytest.mark.django_db
+def test_an_idle_node_whose_host_the_gateway_refuses_is_not_the_pools_warm_node(settings):
+    pool, provider = make_pool(warm_nodes=1), RecordingProvider()
+    assert tick(provider) == 1
+    refused = join(NodeLaunch.objects.get(pool=pool))  # on loopback, the default host
+    settings.ALLOW_LOOPBACK_NODES = False  # then the deployment refused it: placement never uses it
+    assert tick(provider, now=timezone.now() + timedelta(seconds=10)) == 1
+    assert NodeLaunch.objects.filter(pool=pool).exclude(node=refused).get().state == LaunchState.LAUNCHING
+
+
+@pytest.mark.django_db
+def test_a_pool_at_its_maximum_releases_an_idle_node_whose_host_the_gateway_refuses_and_launches_a_usable_one(settings):
+    pool, provider = make_pool(max_nodes=1, warm_nodes=1, idle_timeout_s=60), RecordingProvider()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    join(launch)
+    tick(provider)
+    settings.ALLOW_LOOPBACK_NODES = False
+    endpoint = waiting_endpoint()
+    assert endpoint.unplaced_replicas == 1
+    assert tick(provider, now=timezone.now() + timedelta(seconds=61)) == 0  # at its maximum until the release
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.TERMINATED and "the gateway refuses its registered host" in launch.reason
+    assert provider.terminated == [launch.provider_id]
+    assert tick(provider, now=timezone.now() + timedelta(seconds=62)) == 1
+    assert NodeLaunch.objects.exclude(pk=launch.pk).get(pool=pool).state == LaunchState.LAUNCHING
+
+
+@pytest.mark.django_db
 def test_a_launch_that_never_joins_is_terminated_at_its_deadline_and_replaced_in_another_zone():
     pool, provider = make_pool(join_deadline_s=30), RecordingProvider(zones=["zone-a", "zone-b"])
     endpoint = waiting_endpoint()
