@@ -129,6 +129,7 @@ def _replay_one(key: str) -> int:
     num_written, rejected = 0, []
     for first in range(0, len(reports), REPLAY_BATCH):
         batch = reports[first:first + REPLAY_BATCH]
+        replayed.register_replaying_sync(batch)
         try:
             written = record_usage_batch(batch)
         except UnknownEndpointError as exc:

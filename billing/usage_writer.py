@@ -273,6 +273,7 @@ class UsageWriter:
                 rejected = []
                 for first in range(0, len(reports), self.max_batch):
                     batch = reports[first:first + self.max_batch]
+                    await _register_replaying(batch)
                     try:
                         written = await asyncio.wait_for(self._insert(batch), WRITE_TIMEOUT_S)
                     except UnknownEndpointError as exc:
@@ -305,6 +306,14 @@ class UsageWriter:
         connection, self._connection = self._connection, None
         if connection is not None and not connection.closed:
             connection.pgconn.finish()
+
+
+async def _register_replaying(reports: list[UsageReport]) -> None:
+    """Before a replay writes `reports`: a counter rebuilt meanwhile counts each once (`billing.quota.replayed`)."""
+    try:
+        await replayed.register_replaying(reports)
+    except Exception as exc:  # noqa: BLE001 - the ledger comes first: a counter rebuilt meanwhile may count one twice
+        logger.warning("usage journal: %d row(s) replayed unregistered (%r)", len(reports), exc)
 
 
 async def _count_replayed(request_ids: set[str]) -> None:
