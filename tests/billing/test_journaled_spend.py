@@ -255,3 +255,20 @@ def test_a_credit_figure_rebuilt_during_a_replay_draws_its_row_once(monkeypatch,
 
     assert _credit_left(organization.pk) == Decimal("0.40")  # $1.00 granted, $0.60 spent ($0.01 held apart)
 
+
+def test_a_row_an_older_pod_settled_unmarked_is_counted_by_its_replay_never_left_out():
+    # A pod from before the marks settles its journaled calls as any (no `j:` marks); its rows replayed by a newer
+    # one are counted again where it counted them (the platform errs toward refusing, as with a call's worst case), and
+    # in every counter rebuilt since, where skipping them would let spend past the cap. A guard: passes either way.
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    admitted, _ = _served_in_a_ledger_outage(endpoint, "journaled", api_key=key)
+    _settle(admitted, Recorded.WRITTEN)  # as an older pod settled it: unmarked
+    get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key))  # rebuilt since
+
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"), request_id="first"))
+    _replay()
+
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")  # rebuilt without it: counted once
+    assert _key_spend(organization.pk, key.pk) == Decimal("1.20")  # counted at its settlement, and again
