@@ -4,12 +4,14 @@ ledger without it (`billing.quota.replayed`)."""
 
 import asyncio
 import dataclasses
+import threading
 from decimal import Decimal
 
 import pytest
 
 from billing import periods, usage_writer
 from billing.credits import grant_credits
+from billing.ledger import record_usage_batch
 from billing.models import BillingMode, UsageRecord
 from billing.quota import reads, rebuild, replayed
 from billing.quota.counters import QuotaExceeded, from_units
@@ -272,3 +274,46 @@ def test_a_row_an_older_pod_settled_unmarked_is_counted_by_its_replay_never_left
 
     assert reads.counted_spend(organization.pk) == Decimal("0.60")  # rebuilt without it: counted once
     assert _key_spend(organization.pk, key.pk) == Decimal("1.20")  # counted at its settlement, and again
+
+
+def test_a_replay_written_and_counted_while_a_rebuild_reads_the_ledger_counts_once(monkeypatch):
+    # The worker's replay of a shipped segment (register, write, count: `journal_shipping`) runs whole after the
+    # rebuild's snapshot began and before it reads the registrations: the snapshot lacks the row, its count found no
+    # counter, and the rebuild adds the cost the count left it.
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    report = dataclasses.replace(usage_report(endpoint, request_id="journaled", prompt_tokens=600_000,
+                                              completion_tokens=0), billing_mode=BillingMode.POSTPAID)
+    ask = replayed.replays_to_ask_about
+
+    def replayed_then_asked(organization_id, counter):
+        def replay():  # a thread of its own: another connection than the rebuild's snapshot
+            replayed.register_replaying_sync([report])
+            replayed.count_replayed(record_usage_batch([report]))
+
+        thread = threading.Thread(target=replay)
+        thread.start()
+        thread.join()
+        return ask(organization_id, counter)
+
+    monkeypatch.setattr(replayed, "replays_to_ask_about", replayed_then_asked)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+
+    assert UsageRecord.objects.filter(request_id="journaled").exists()
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
+
+
+def test_a_row_replayed_while_its_call_is_still_reserved_counts_once_when_a_rebuild_lands_before_its_count(
+        monkeypatch):
+    # The rebuild leaves the row's cost out (its call is reserved, not settled), the count adds it and sets its settled
+    # marker, and the call's own settlement then adds nothing. A guard: passes on HEAD's source too.
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    admitted, recorded = _served_in_a_ledger_outage(endpoint, "journaled")
+    get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key))
+
+    _rebuilt_on_insert(monkeypatch, organization.pk, None)
+    _replay()
+    _settle(admitted, recorded)
+
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
