@@ -3,7 +3,7 @@
 The real code paths run here (on the test run's plain Redis) with every script call recorded: the
 gateway's admission and finish (with and without an API key, in flight and waiting), the balancer's
 pick and release, an unknown model's count, cold-start places, the heartbeat's restore (requests and reservations) and release,
-the dead-gateway sweep, the reservation sweep, the journal replay's count, counter rebuilds and refreshes, and the autoscaler's
+the dead-gateway sweep, the reservation sweep, the journal replay's registration and count, counter rebuilds and refreshes, and the autoscaler's
 load read, for two organisations at once. Each call's keys must hash to one slot, and every script the
 project defines must have been called.
 """
