@@ -283,6 +283,7 @@ class UsageWriter:
                 rejected = []
                 for first in range(0, len(reports), self.max_batch):
                     batch = reports[first:first + self.max_batch]
+                    await _register_replaying(batch)
                     try:
                         written, refused, superseded = await asyncio.wait_for(self._replay_batch(batch),
                                                                               WRITE_TIMEOUT_S)
@@ -325,6 +326,14 @@ async def _count_superseded(lost_costs: dict[str, Decimal]) -> None:
     except Exception as exc:  # noqa: BLE001 - as `_count_replayed`: a counter rebuilt from the ledger later counts them
         logger.warning("usage journal: %d superseded lost row(s) not counted in the quota counters: %r",
                        len(lost_costs), exc)
+
+
+async def _register_replaying(reports: list[UsageReport]) -> None:
+    """Before a replay writes `reports`: a counter rebuilt meanwhile counts each once (`billing.quota.replayed`)."""
+    try:
+        await replayed.register_replaying(reports)
+    except Exception as exc:  # noqa: BLE001 - the ledger comes first: a counter rebuilt meanwhile may count one twice
+        logger.warning("usage journal: %d row(s) replayed unregistered (%r)", len(reports), exc)
 
 
 async def _count_replayed(request_ids: set[str]) -> None:

@@ -80,6 +80,18 @@ def credit_journaled_key(organization_id: int) -> str:
     return f"billing:{org_tag(organization_id)}:credit:journaled"
 
 
+def replaying_key(organization_id: int) -> str:
+    """Hash: request id -> until when (Redis's clock, seconds) a replay of the journal may still commit its row and
+    count it (`billing.quota.replayed`)."""
+    return f"billing:{org_tag(organization_id)}:replaying"
+
+
+def rebuilding_key(organization_id: int) -> str:
+    """Hash: `c:<counter key>` -> until when a rebuild of that counter may write it, and `m:<counter key>|<request
+    id>` -> the cost a replay's count could not add to it, missing then (`billing.quota.rebuild`)."""
+    return f"billing:{org_tag(organization_id)}:rebuilding"
+
+
 def limits_refreshed_key(organization_id: int) -> str:
     """Set for a few seconds after a gateway wrote the organisation counter's limits for a version mismatch."""
     return f"billing:{org_tag(organization_id)}:limits_refreshed"

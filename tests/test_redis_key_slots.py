@@ -3,7 +3,7 @@
 The real code paths run here (on the test run's plain Redis) with every script call recorded: the
 gateway's admission and finish (with and without an API key, in flight and waiting), the balancer's
 pick and release, an unknown model's count, cold-start places, the heartbeat's restore (requests and reservations) and release,
-the dead-gateway sweep, the reservation sweep, the journal replay's count, counter rebuilds and refreshes, and the autoscaler's
+the dead-gateway sweep, the reservation sweep, the journal replay's registration and count, counter rebuilds and refreshes, and the autoscaler's
 load read, for two organisations at once. Each call's keys must hash to one slot, and every script the
 project defines must have been called.
 """
@@ -155,8 +155,9 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         # the orphans' reservations and those of the requests ended later (never settled); one orphan was
         # served (its usage row written), so it is settled with its cost, as are those ended later, billed from
         # their progress
+        # a row the journal's replay registers, writes, and counts in the counters that lack it
+        replayed.register_replaying_sync([usage_report(endpoints[0], request_id=f"orphan-{with_key.pk}")])
         record_usage(usage_report(endpoints[0], request_id=f"orphan-{with_key.pk}"))
-        # a row the journal's replay wrote, counted in the counters that lack it
         assert replayed.count_replayed([f"orphan-{with_key.pk}"]) == 1
         assert sweeper.sweep_expired_reservations(now=time.time() + 10**6) == 4
         assert UsageRecord.objects.filter(status="gateway_lost").count() == 2

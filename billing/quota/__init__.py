@@ -24,6 +24,8 @@ Redis holds, in nano-dollars (integers, exact in Lua's doubles up to $9M):
   billing:{org:<id>}:credit:journaled   journaled calls the credit figure counted (a period hash's: `j:<id>` fields)
   billing:{org:<id>}:reservations   request id -> reservation (JSON); billing:{org:<id>}:reservation_deadlines (zset)
   billing:{org:<id>}:progress       request id -> a running call's usage so far (`counters.record_progress`)
+  billing:{org:<id>}:replaying      request id -> until when a replay of the journal writes and counts its row
+  billing:{org:<id>}:rebuilding     counters being rebuilt, and the costs replays could not add to them (`replayed`)
 
 Every name is built in `controlplane.redis_keys`; one organisation's keys share its hash tag, so the
 scripts run on Redis Cluster.

@@ -14,8 +14,9 @@ from django.db import DatabaseError, close_old_connections, connection, transact
 from django.utils import timezone
 
 from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_usage_began
-from billing.models import ApiKeySpendCap, BillingAccount, CreditGrant
+from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, CreditGrant, UsageRecord
 from billing.periods import Period, period_containing
+from billing.quota import replayed
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import (
@@ -24,6 +25,8 @@ from controlplane.redis_keys import (
     key_period_key,
     limits_refreshed_key,
     org_period_key,
+    rebuilding_key,
+    replaying_key,
     reservations_key,
     settled_key,
 )
@@ -35,40 +38,111 @@ CREDIT_FIGURE_MAX_TTL_S = 3600
 # At most one rewrite of an organisation counter's limits for a version mismatch in this long (`rebuild_missing`).
 LIMITS_REFRESH_INTERVAL_S = 10
 
-# KEYS: a period counter (a hash), the organisation's reservations, then the settled marker of each pending call;
-# ARGV: ttl, each pending call's request id, then each one's cost (units, > 0), then the hash's field/value pairs.
-# Writes the hash only if nobody did meanwhile, its spend less the cost of each pending call still reserved and not
-# settled, whose own settlement (`counters.SETTLE`) adds it once the counter exists.
-_INIT_SPEND = Script("""
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local pending = #KEYS - 2
-redis.call('HSET', KEYS[1], unpack(ARGV, 2 + 2 * pending))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-for i = 1, pending do
-  if redis.call('HEXISTS', KEYS[2], ARGV[1 + i]) == 1 and redis.call('EXISTS', KEYS[2 + i]) == 0 then
-    redis.call('HINCRBY', KEYS[1], 'spent', '-' .. ARGV[1 + pending + i])
+# The longest a rebuild may take from its start (`_BEGIN_REBUILD`) to its write: one slower writes nothing (the caller
+# rebuilds again), so the counts that found its counter missing meanwhile were all told to it (`replayed`).
+REBUILD_MAX_S = 60
+
+# KEYS: the rebuilds under way, the organisation's reservations; ARGV: the counter's key, `REBUILD_MAX_S`.
+# Says a rebuild of the counter is under way (a replay's count that finds it missing leaves it the cost: `replayed`),
+# and returns Redis's clock (s) and the calls reserved now, read before the ledger.
+_BEGIN_REBUILD = Script("""
+local now = tonumber(redis.call('TIME')[1])
+local field = 'c:' .. ARGV[1]
+local until_s = now + tonumber(ARGV[2])
+if tonumber(redis.call('HGET', KEYS[1], field) or '0') < until_s then redis.call('HSET', KEYS[1], field, until_s) end
+if redis.call('TTL', KEYS[1]) < 2 * tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[1], 2 * tonumber(ARGV[2])) end
+return {now, redis.call('HKEYS', KEYS[2])}
+""")
+
+# The rows replayed from the journal, as a rebuilt counter must count them (`replayed`): its ledger snapshot has each
+# of `present` (A[first..first+num_present-1]: the rows it was asked about and holds); one whose count is still to come
+# (registered, its registration live) is marked as counted (`marks`, under `mark_prefix`), so the count drops the
+# mark and adds nothing, unless `left` (its cost left to its settlement). Returns the costs of the rows whose count
+# found the counter missing while it was rebuilt and the snapshot lacks: the caller adds them. Those are dropped.
+REPLAYED_ROWS_LUA = """
+local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrations, now, A, first, num_present, left)
+  local present = {}
+  for i = first, first + num_present - 1 do
+    local request_id = A[i]
+    present[request_id] = true
+    local until_s = redis.call('HGET', registrations, request_id)
+    if not left[request_id] and until_s and tonumber(until_s) >= now then
+      redis.call('HSET', marks, mark_prefix .. request_id, '1')
+    end
   end
+  local prefix = 'm:' .. counter .. '|'
+  local missed = {}
+  local fields = redis.call('HGETALL', rebuilding)
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, #prefix) == prefix then
+      if not present[string.sub(fields[i], #prefix + 1)] then missed[#missed + 1] = fields[i + 1] end
+      redis.call('HDEL', rebuilding, fields[i])
+    end
+  end
+  return missed
+end
+"""
+
+# KEYS: a period counter (a hash), the organisation's reservations, the rebuilds under way, the replays' registrations,
+# then the settled marker of each pending call; ARGV: ttl, the rebuild's start (`_BEGIN_REBUILD`), `REBUILD_MAX_S`,
+# the number of replayed rows present, their request ids, then each pending call's request id, then each one's cost
+# (units, > 0), then the hash's field/value pairs. Writes the hash only if nobody did meanwhile (0) and the rebuild is
+# not too old (-1), its spend less the cost of each pending call still reserved and not settled, whose own settlement
+# (`counters.SETTLE`) adds it once the counter exists, and with the journal's replayed rows counted once
+# (`REPLAYED_ROWS_LUA`).
+_INIT_SPEND = Script(REPLAYED_ROWS_LUA + """
+local now = tonumber(redis.call('TIME')[1])
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if now > tonumber(ARGV[2]) + tonumber(ARGV[3]) then return -1 end
+local pending = #KEYS - 4
+local num_present = tonumber(ARGV[4])
+local ids_at = 5 + num_present
+redis.call('HSET', KEYS[1], unpack(ARGV, ids_at + 2 * pending))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+local left = {}
+for i = 1, pending do
+  local request_id = ARGV[ids_at + i - 1]
+  if redis.call('HEXISTS', KEYS[2], request_id) == 1 and redis.call('EXISTS', KEYS[4 + i]) == 0 then
+    redis.call('HINCRBY', KEYS[1], 'spent', '-' .. ARGV[ids_at + pending + i - 1])
+    left[request_id] = true
+  end
+end
+for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[1], 'j:', KEYS[3], KEYS[4], now, ARGV, 5, num_present, left)) do
+  redis.call('HINCRBY', KEYS[1], 'spent', cost)
 end
 return 1
 """)
 
 
-# KEYS: the credit figure, the organisation's reservations, the journaled calls the figure counted, then the settled
-# marker of each pending call; ARGV: ttl, the figure (units), each pending call's request id, then each one's cost
-# (units, > 0). Writes the figure only if nobody did meanwhile, with the cost of each pending call still reserved and
-# not settled given back: its own settlement (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure
-# counted it, then the settlement took it again: a prepaid account refused (402) early for up to an hour after any
-# grant or mode change. A new figure has counted no journaled call (`replayed`): what the last one had is dropped.
-_INIT_CREDIT = Script("""
+# KEYS: the credit figure, the organisation's reservations, the journaled calls the figure counted, the rebuilds under
+# way, the replays' registrations, then the settled marker of each pending call; ARGV: ttl, the figure (units), the
+# rebuild's start, `REBUILD_MAX_S`, the number of replayed rows present, their request ids, then each pending call's
+# request id, then each one's cost (units, > 0). Writes the figure only if nobody did meanwhile (0) and the rebuild is
+# not too old (-1), with the cost of each pending call still reserved and not settled given back: its own settlement
+# (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure counted it, then the settlement took it again:
+# a prepaid account refused (402) early for up to an hour after any grant or mode change. A new figure has counted no
+# journaled call but the replayed rows it marks (`REPLAYED_ROWS_LUA`): what the last one had is dropped.
+_INIT_CREDIT = Script(REPLAYED_ROWS_LUA + """
+local now = tonumber(redis.call('TIME')[1])
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if now > tonumber(ARGV[3]) + tonumber(ARGV[4]) then return -1 end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
 redis.call('DEL', KEYS[3])
-local pending = #KEYS - 3
+local pending = #KEYS - 5
+local num_present = tonumber(ARGV[5])
+local ids_at = 6 + num_present
+local left = {}
 for i = 1, pending do
-  if redis.call('HEXISTS', KEYS[2], ARGV[2 + i]) == 1 and redis.call('EXISTS', KEYS[3 + i]) == 0 then
-    redis.call('INCRBY', KEYS[1], ARGV[2 + pending + i])
+  local request_id = ARGV[ids_at + i - 1]
+  if redis.call('HEXISTS', KEYS[2], request_id) == 1 and redis.call('EXISTS', KEYS[5 + i]) == 0 then
+    redis.call('INCRBY', KEYS[1], ARGV[ids_at + pending + i - 1])
+    left[request_id] = true
   end
 end
+for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[3], '', KEYS[4], KEYS[5], now, ARGV, 6, num_present, left)) do
+  redis.call('DECRBY', KEYS[1], cost)
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[1]) end
 return 1
 """)
 
@@ -79,8 +153,10 @@ class _Rebuild:
     fields: dict[str, str] | None  # a hash, or
     value: str | None  # a plain counter
     ttl_s: int
-    # a hash's: request id -> cost (units) of the rows in its spend whose calls were still reserved (`_INIT_SPEND`)
+    # request id -> cost (units) of the rows in it whose calls were still reserved (`_INIT_SPEND`, `_INIT_CREDIT`)
     pending: dict[str, int] = field(default_factory=dict)
+    # the rows replayed from the journal it was asked about and holds (`replayed.replays_to_ask_about`)
+    present: tuple[str, ...] = ()
 
 
 def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period,
@@ -88,21 +164,47 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
     """The counter `what` as PostgreSQL has it; `reserved_ids`: the organisation's reservations (read before),
     whose calls may have a row in the period's spend and settle after the counter is written."""
     close_old_connections()  # NOTE: runs in a worker thread whose connection may have gone stale
+    counter = _counter_key(what, organization_id, api_key_id, period)
     if what in ("org", "key"):
-        spent, pending = period_spend_and_pending(organization_id, period, reserved_ids,
-                                                  api_key_id=api_key_id if what == "key" else None)
+        # made first if need be: the snapshot only reads
+        account = BillingAccount.objects.for_organization(organization_id) if what == "org" else None
+        with _one_snapshot():
+            asked = _replays_in_snapshot(organization_id, counter)
+            spent, costs = period_spend_and_pending(organization_id, period, {*reserved_ids, *asked},
+                                                    api_key_id=api_key_id if what == "key" else None)
+        pending = {request_id: cost for request_id, cost in costs.items() if request_id in reserved_ids}
+        present = tuple(request_id for request_id in costs if request_id in asked)
     if what == "org":
-        account = BillingAccount.objects.for_organization(organization_id)
-        return _Rebuild(org_period_key(organization_id, period.key), {"spent": str(to_units(spent))} | limit_fields(account),
-                        None, PERIOD_TTL_S, _units(pending))
+        return _Rebuild(counter, {"spent": str(to_units(spent))} | limit_fields(account), None, PERIOD_TTL_S,
+                        _units(pending), present)
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
         fields = {"spent": str(to_units(spent)), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
-        return _Rebuild(key_period_key(organization_id, api_key_id, period.key), fields, None, PERIOD_TTL_S, _units(pending))
+        return _Rebuild(counter, fields, None, PERIOD_TTL_S, _units(pending), present)
     if what == "credit":
-        available, ttl_s, pending = _credit_and_pending(organization_id, reserved_ids)
-        return _Rebuild(credit_key(organization_id), None, str(to_units(available, ROUND_HALF_UP)), ttl_s, _units(pending))
+        available, ttl_s, pending, present = _credit_and_pending(organization_id, reserved_ids, counter=counter)
+        return _Rebuild(counter, None, str(to_units(available, ROUND_HALF_UP)), ttl_s, _units(pending), present)
     raise ValueError(what)
+
+
+def _counter_key(what: str, organization_id: int, api_key_id: int | None, period: Period) -> str:
+    if what == "org":
+        return org_period_key(organization_id, period.key)
+    if what == "key":
+        return key_period_key(organization_id, api_key_id, period.key)
+    if what == "credit":
+        return credit_key(organization_id)
+    raise ValueError(what)
+
+
+def _replays_in_snapshot(organization_id: int, counter: str) -> set[str]:
+    """The snapshot taken (`_one_snapshot`), the journal's replayed rows a rebuild of `counter` asks it about.
+
+    NOTE: read from Redis after the snapshot began: a row registered later is committed after it, so the snapshot
+    lacks it and its count adds it (`replayed`); one registered before is asked about, and counted as it holds it."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")  # the snapshot's first read: it begins here
+    return replayed.replays_to_ask_about(organization_id, counter)
 
 
 def _units(pending: dict[str, Decimal]) -> dict[str, int]:
@@ -112,13 +214,14 @@ def _units(pending: dict[str, Decimal]) -> dict[str, int]:
 def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
     """Prepaid credit left now (active grants less usage not yet drawn from them), and for how many
     seconds that figure holds before a grant starts or expires."""
-    available, ttl_s, _ = _credit_and_pending(organization_id, (), now=now)
+    available, ttl_s, _, _ = _credit_and_pending(organization_id, (), now=now)
     return available, ttl_s
 
 
-def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *,
-                        now=None) -> tuple[Decimal, int, dict[str, Decimal]]:
-    """`credit_available`, and the cost of each prepaid row in it whose call is one of `reserved_ids`."""
+def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, now=None,
+                        counter: str | None = None) -> tuple[Decimal, int, dict[str, Decimal], tuple[str, ...]]:
+    """`credit_available`, the cost of each prepaid row in it whose call is one of `reserved_ids`, and, to rebuild the
+    figure (`counter`), the journal's replayed prepaid rows it holds (`_replays_in_snapshot`)."""
     now = now or timezone.now()
     BillingAccount.objects.for_organization(organization_id)  # made first if need be: the snapshot only reads
     with _one_snapshot():
@@ -127,6 +230,10 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *,
         # still left it undrawn, and a prepaid account near the end of its credit was refused (402) early for up
         # to the figure's TTL.
         account = BillingAccount.objects.get(organization_id=organization_id)
+        asked = _replays_in_snapshot(organization_id, counter) if counter is not None else set()
+        present = tuple(UsageRecord.objects.filter(organization_id=organization_id, billing_mode=BillingMode.PREPAID,
+                                                   request_id__in=asked).values_list("request_id", flat=True)
+                        ) if asked else ()
         grants = list(CreditGrant.objects.filter(organization_id=organization_id))
         undrawn, pending = undrawn_prepaid_spend_and_pending(account, reserved_ids)
         # NOTE: what expired after the usage not drawn yet began pays first for it, as the draw will take it
@@ -141,7 +248,7 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *,
     ttl_s = CREDIT_FIGURE_MAX_TTL_S
     if changes:
         ttl_s = max(1, min(ttl_s, int((min(changes) - now).total_seconds()) + 1))
-    return available, ttl_s, pending
+    return available, ttl_s, pending, present
 
 
 @contextmanager
@@ -160,17 +267,20 @@ def _one_snapshot():
         yield
 
 
-async def _write_rebuild(rebuild: _Rebuild, organization_id: int) -> None:
+async def _write_rebuild(rebuild: _Rebuild, organization_id: int, started_at: int) -> int:
+    """1 when written, 0 when another wrote the counter first, -1 when the rebuild is too old (`REBUILD_MAX_S`)."""
     request_ids = list(rebuild.pending)
     markers = [settled_key(organization_id, request_id) for request_id in request_ids]
     costs = [rebuild.pending[request_id] for request_id in request_ids]
+    replays = [rebuilding_key(organization_id), replaying_key(organization_id)]
+    began = [started_at, REBUILD_MAX_S, len(rebuild.present), *rebuild.present]
     if rebuild.fields is not None:
-        await _INIT_SPEND(keys=[rebuild.key, reservations_key(organization_id), *markers],
-                          args=[rebuild.ttl_s, *request_ids, *costs,
-                                *[item for pair in rebuild.fields.items() for item in pair]])
-    else:
-        await _INIT_CREDIT(keys=[rebuild.key, reservations_key(organization_id), credit_journaled_key(organization_id),
-                                 *markers], args=[rebuild.ttl_s, rebuild.value, *request_ids, *costs])
+        return await _INIT_SPEND(keys=[rebuild.key, reservations_key(organization_id), *replays, *markers],
+                                 args=[rebuild.ttl_s, *began, *request_ids, *costs,
+                                       *[item for pair in rebuild.fields.items() for item in pair]])
+    return await _INIT_CREDIT(keys=[rebuild.key, reservations_key(organization_id),
+                                    credit_journaled_key(organization_id), *replays, *markers],
+                              args=[rebuild.ttl_s, rebuild.value, *began, *request_ids, *costs])
 
 
 async def rebuild_missing(what: str, reservation: Reservation) -> bool:
@@ -194,10 +304,14 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
         # written (the row is written first; a call reserved in the last month spends in this one when it finishes
         # in it), and adds its cost then: the counter is written without it (`_INIT_SPEND`). A call reserved since
         # found this counter missing (its own rebuild wrote it first, or ours does) and reserved nothing.
-        reserved_ids = await get_async_redis().hkeys(reservations_key(organization_id))
+        counter = _counter_key(what, organization_id, reservation.api_key_id, period)
+        started_at, reserved_ids = await _BEGIN_REBUILD(
+            keys=[rebuilding_key(organization_id), reservations_key(organization_id)], args=[counter, REBUILD_MAX_S])
         rebuild = await sync_to_async(_rebuild_from_database)(what, organization_id, reservation.api_key_id,
                                                               period, reserved_ids)
-        await _write_rebuild(rebuild, organization_id)
+        if await _write_rebuild(rebuild, organization_id, int(started_at)) < 0:
+            logger.warning("organisation %s: its %s counter's rebuild took over %d s; not written (rebuilt again)",
+                           organization_id, what, REBUILD_MAX_S)
     if what in ("org", "limits"):
         # NOTE: the limits read (again) after the counter exists, under the account's lock: a change committed
         # between the rebuild's read and its write refreshed nothing (no counter yet), and would otherwise stay

@@ -3,43 +3,58 @@
 A call whose row went to the usage journal (`billing.usage_journal`: the ledger refused it) is settled as any, into
 the counters that exist then (`counters.SETTLE`), and marks each one it was added to as counting it (`j:<request id>`
 in a period counter, its id in the credit figure's `credit_journaled_key`). A counter Redis lost meanwhile (a flush,
-a restart, an expired credit figure) was rebuilt from a ledger without the row: only its replay can teach it. So once
-a replay writes rows (the gateway's writer, the worker's replay of shipped segments), each is counted here, once:
+a restart, an expired credit figure) was rebuilt from a ledger without the row: only its replay can teach it. So a
+replay (the gateway's writer, the worker's replay of shipped segments) goes in three steps per batch:
 
-- in each of its counters that exists and is not marked for it: a counter rebuilt since its settlement, or one that
-  existed when it settled and was not marked (its settlement found none and adds nothing);
-- in none that is marked for it (its settlement counted it there: the mark is dropped), nor in one that does not
-  exist (rebuilt from the ledger, which has the row now);
-- its settled marker is set for a day: a call replayed before its own settlement (the gateway's replay runs
-  beside its calls) is then settled as one counted already, its hold released and nothing added.
+1. `register_replaying`: before its rows are written, each one's request id is registered (`replaying_key`, for
+   `REGISTRATION_TTL_S`): a rebuild that reads the ledger before the count knows to ask about it;
+2. the ledger's INSERT (exactly once: the unique request id);
+3. `count_replayed`: each row written now is counted, once:
+   - in each of its counters that exists and is not marked for it (a mark: its settlement counted it there, or a
+     rebuild that read the row did), the mark dropped;
+   - in none that does not exist; a counter being rebuilt then (`rebuilding_key`) is told the cost, and its rebuild
+     adds it if the ledger it read lacked the row (`billing.quota.rebuild`);
+   - its settled marker is set for a day: a call replayed before its own settlement (the gateway's replay runs
+     beside its calls) is then settled as one counted already, its hold released and nothing added;
+   and its registration is dropped.
 
-A row written again (a second replay, a segment replayed from the bucket after the pod replayed it) writes nothing,
-and is not counted again: only the request ids a replay wrote now come here.
+A rebuild, for its part, reads the registrations and what counts told it only after it took its ledger snapshot, asks
+that snapshot which of those rows it holds, and writes the counter with each such row marked (its count drops the
+mark) and each it lacks whose count already came added: every interleaving of a rebuild with a replay counts the row
+once (`tests/billing/test_journaled_spend.py`). A row written again (a second replay, a segment replayed from the
+bucket after the pod replayed it) writes nothing, and is not counted again: only the request ids a replay wrote now
+are counted.
 
-NOTE: before, the replay wrote the ledger and told no counter: one rebuilt while rows waited in the journal never
-counted them, for the rest of the month (the credit figure: until it expired), and caps, the limit without a payment
-method and prepaid credit admitted that much more. Left open, each a window of one round trip between a replay's
-commit and its count here: a counter rebuilt from a ledger read after the commit and written before the count counts
-the row twice; one read before the commit and written after the count lacks it; a replayer killed there counts it
-nowhere. Each holds until the counter is next rebuilt.
+One script per organisation (one Redis Cluster slot) and batch, each step: a replay of 500 rows was 500 round trips in
+asgiref's one thread for sync code, which every other sync call of the gateway process waited behind.
+
+NOTE: left open, a replayer killed between its commit and its count (or an INSERT cut short by its timeout that
+commits after): its rows are counted in no counter that existed then, until each is next rebuilt (a counter rebuilt
+while their registration lasts, `REGISTRATION_TTL_S`, counts them, marked). A count later than that (an INSERT that
+took minutes) may count a row twice in a counter rebuilt after the registration lapsed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Mapping
 from decimal import Decimal
 
 from django.db import close_old_connections
 
+from billing.ledger import UsageReport
 from billing.models import BillingMode, UsageRecord
 from billing.periods import period_containing
 from billing.quota.counters import SETTLED_MARKER_TTL_S, to_units
+from controlplane.redis_client import get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
     credit_key,
     key_period_key,
     org_period_key,
+    rebuilding_key,
+    replaying_key,
     reservations_key,
     settled_key,
 )
@@ -47,44 +62,96 @@ from controlplane.redis_scripts import Script
 
 logger = logging.getLogger("inferplane.billing")
 
-# KEYS: the settled marker, the org period counter, the key period counter, the credit figure, the journaled calls the
-# figure counted; ARGV: request id, cost (units), has key (1/0), draws credit (1/0), marker ttl.
+# How long a registration lasts: far longer than a replay's batch takes between it and its count (its INSERT is
+# bounded by `usage_writer.WRITE_TIMEOUT_S`).
+REGISTRATION_TTL_S = 300
+MISSED_PREFIX = "m:"  # `rebuilding_key`'s fields of costs counts could not add: m:<counter key>|<request id>
+REBUILDING_PREFIX = "c:"  # and of rebuilds under way: c:<counter key> -> until when
+
+# KEYS: the organisation's registrations; ARGV: their ttl (s), then each request id.
+_REGISTER = Script("""
+local deadline = tonumber(redis.call('TIME')[1]) + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], deadline) end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return #ARGV - 1
+""")
+
+# KEYS: the credit figure, the journaled calls the figure counted, the rebuilds under way, the registrations, then per
+# row: its settled marker, its org period counter, its key period counter (the no-key placeholder without a key);
+# ARGV: marker ttl, then per row: request id, cost (units), has key (1/0), draws credit (1/0). Returns the rows.
 _COUNT_REPLAYED = Script("""
-redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[5])
-local field = 'j:' .. ARGV[1]
-local function count(counter)
-  if redis.call('EXISTS', counter) == 1 and redis.call('HDEL', counter, field) == 0 then
-    redis.call('HINCRBY', counter, 'spent', ARGV[2])
+local now = tonumber(redis.call('TIME')[1])
+local function missed(counter, request_id, cost)
+  local until_s = redis.call('HGET', KEYS[3], 'c:' .. counter)
+  if until_s and tonumber(until_s) >= now then
+    redis.call('HSET', KEYS[3], 'm:' .. counter .. '|' .. request_id, cost)
   end
 end
-count(KEYS[2])
-if ARGV[3] == '1' then count(KEYS[3]) end
-if ARGV[4] == '1' and redis.call('EXISTS', KEYS[4]) == 1 and redis.call('HDEL', KEYS[5], ARGV[1]) == 0 then
-  redis.call('DECRBY', KEYS[4], ARGV[2])
+local function count(counter, request_id, cost)
+  if redis.call('EXISTS', counter) == 0 then return missed(counter, request_id, cost) end
+  if redis.call('HDEL', counter, 'j:' .. request_id) == 0 then redis.call('HINCRBY', counter, 'spent', cost) end
 end
-return 1
+local num_rows = (#ARGV - 1) / 4
+for n = 0, num_rows - 1 do
+  local request_id, cost = ARGV[2 + 4 * n], ARGV[3 + 4 * n]
+  redis.call('SET', KEYS[5 + 3 * n], '1', 'NX', 'EX', ARGV[1])
+  count(KEYS[6 + 3 * n], request_id, cost)
+  if ARGV[4 + 4 * n] == '1' then count(KEYS[7 + 3 * n], request_id, cost) end
+  if ARGV[5 + 4 * n] == '1' then
+    if redis.call('EXISTS', KEYS[1]) == 0 then
+      missed(KEYS[1], request_id, cost)
+    elseif redis.call('HDEL', KEYS[2], request_id) == 0 then
+      redis.call('DECRBY', KEYS[1], cost)
+    end
+  end
+  redis.call('HDEL', KEYS[4], request_id)
+end
+return num_rows
 """)
+
+
+def _registrations(reports: Iterable[UsageReport]) -> list[tuple[list[str], list[str]]]:
+    """`_REGISTER`'s keys and arguments, one call per organisation."""
+    by_organization: dict[int, list[str]] = defaultdict(list)
+    for report in reports:
+        by_organization[report.organization_id].append(report.request_id)
+    return [([replaying_key(organization_id)], [str(REGISTRATION_TTL_S), *request_ids])
+            for organization_id, request_ids in by_organization.items()]
+
+
+async def register_replaying(reports: Collection[UsageReport]) -> None:
+    """Step 1 of a replay, before `reports` are written into the ledger (see the module's docstring)."""
+    for keys, args in _registrations(reports):
+        await _REGISTER(keys=keys, args=args)
+
+
+def register_replaying_sync(reports: Collection[UsageReport]) -> None:
+    """`register_replaying` from synchronous code (the worker's replay of shipped segments)."""
+    for keys, args in _registrations(reports):
+        _REGISTER.run_sync(keys=keys, args=args)
 
 
 def count_replayed(request_ids: Collection[str]) -> int:
     """Count the rows of `request_ids`, just written into the ledger by a replay of the journal, in the quota counters
-    that lack them; returns how many rows. Blocking I/O (the ORM, Redis)."""
+    that lack them; returns how many rows. One query, and one script per organisation. Blocking I/O (the ORM, Redis)."""
     if not request_ids:
         return 0
     close_old_connections()
     rows = UsageRecord.objects.filter(request_id__in=list(request_ids)).values_list(
         "request_id", "organization_id", "api_key_id", "cost", "finished_at", "billing_mode")
-    num_counted = 0
+    calls: dict[int, tuple[list[str], list[str]]] = {}
     for request_id, organization_id, api_key_id, cost, finished_at, billing_mode in rows:
+        if organization_id not in calls:
+            calls[organization_id] = ([credit_key(organization_id), credit_journaled_key(organization_id),
+                                       rebuilding_key(organization_id), replaying_key(organization_id)],
+                                      [str(SETTLED_MARKER_TTL_S)])
+        keys, args = calls[organization_id]
         period_key = period_containing(finished_at).key
-        _COUNT_REPLAYED.run_sync(
-            keys=[settled_key(organization_id, request_id), org_period_key(organization_id, period_key),
-                  key_period_key(organization_id, api_key_id, period_key), credit_key(organization_id),
-                  credit_journaled_key(organization_id)],
-            args=[request_id, str(to_units(cost)), "1" if api_key_id is not None else "0",
-                  "1" if billing_mode == BillingMode.PREPAID else "0", str(SETTLED_MARKER_TTL_S)])
-        num_counted += 1
-    return num_counted
+        keys += [settled_key(organization_id, request_id), org_period_key(organization_id, period_key),
+                 key_period_key(organization_id, api_key_id, period_key)]
+        args += [request_id, str(to_units(cost)), "1" if api_key_id is not None else "0",
+                 "1" if billing_mode == BillingMode.PREPAID else "0"]
+    return sum(_COUNT_REPLAYED.run_sync(keys=keys, args=args) for keys, args in calls.values())
 
 
 # KEYS: the settled marker, the org period counter, the key period counter, the credit figure, the journaled calls the
@@ -141,3 +208,20 @@ def count_superseded(lost_costs: Mapping[str, Decimal]) -> int:
                   str(SETTLED_MARKER_TTL_S)])
         num_counted += 1
     return num_counted
+
+
+def replays_to_ask_about(organization_id: int, counter_key: str) -> set[str]:
+    """The request ids a rebuild of `counter_key` must ask its ledger snapshot about, read after it took it: the rows
+    a replay registered (written, or about to be, and not counted yet), and those whose count found the counter
+    missing while it was being rebuilt. Blocking I/O (Redis)."""
+    pipeline = get_redis().pipeline(transaction=False)
+    pipeline.hkeys(replaying_key(organization_id))
+    pipeline.hkeys(rebuilding_key(organization_id))
+    registered, rebuilding = pipeline.execute()
+    prefix = f"{MISSED_PREFIX}{counter_key}|"
+    return {_text(request_id) for request_id in registered} | {
+        _text(field)[len(prefix):] for field in rebuilding if _text(field).startswith(prefix)}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

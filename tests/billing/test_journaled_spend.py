@@ -4,14 +4,16 @@ ledger without it (`billing.quota.replayed`)."""
 
 import asyncio
 import dataclasses
+import threading
 from decimal import Decimal
 
 import pytest
 
 from billing import periods, usage_writer
 from billing.credits import grant_credits
+from billing.ledger import record_usage_batch
 from billing.models import BillingMode, UsageRecord
-from billing.quota import reads
+from billing.quota import reads, rebuild, replayed
 from billing.quota.counters import QuotaExceeded, from_units
 from billing.services import set_billing_mode
 from billing.usage_writer import Recorded
@@ -19,6 +21,7 @@ from controlplane import redis_keys
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
+from controlplane.redis_scripts import Script
 from endpoints.gateway import admission
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import ENDPOINT, _caller, _cap, reserve
@@ -143,3 +146,174 @@ def test_a_credit_figure_rebuilt_while_rows_wait_in_the_journal_draws_them_once_
                             request_id="over-the-credit"))
     assert refused.value.reason == "credit"
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.39"), request_id="fits"))
+
+
+def _credit_left(organization_id: int) -> Decimal:
+    return from_units(int(get_redis().get(redis_keys.credit_key(organization_id))))
+
+
+def test_a_replay_counts_each_organisations_rows_in_one_script_call(monkeypatch):
+    # One script per organisation (one Redis Cluster slot) and batch: a round trip per row, in asgiref's one thread
+    # for sync code, held every other sync call of the gateway process behind a large replay.
+    endpoints = [_priced_endpoint(), _priced_endpoint()]
+    usage_writer.journal().append([  # one segment: a batch of the replay
+        dataclasses.replace(usage_report(endpoints[n % 2], request_id=f"journaled-{n}", prompt_tokens=600_000,
+                                         completion_tokens=0), billing_mode=BillingMode.POSTPAID) for n in range(6)])
+    for endpoint in endpoints:  # their counters are built before the replay, from a ledger without them
+        asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=None, amount=Decimal("0.01"),
+                            request_id=f"first-{endpoint.organization_id}"))
+    counts = []
+    run_sync = Script.run_sync
+
+    def recording_run_sync(self, *, keys, args):
+        if self.sha == replayed._COUNT_REPLAYED.sha:
+            counts.append(keys)
+        return run_sync(self, keys=keys, args=args)
+
+    monkeypatch.setattr(Script, "run_sync", recording_run_sync)
+    _replay()
+
+    assert len(counts) == 2
+    for endpoint in endpoints:
+        assert reads.counted_spend(endpoint.organization_id) == Decimal("1.80")
+
+
+def _rebuilt_on_insert(monkeypatch, organization_id: int, api_key_id: int | None) -> None:
+    """The replay's INSERT commits, then a call rebuilds the counters Redis lost, before the replay counts its rows."""
+    insert = usage_writer.UsageWriter._insert
+
+    async def insert_then_rebuild(self, reports):
+        written = await insert(self, reports)
+        await reserve(organization_id=organization_id, api_key_id=api_key_id, amount=Decimal("0.01"),
+                      request_id="rebuilds")
+        return written
+
+    monkeypatch.setattr(usage_writer.UsageWriter, "_insert", insert_then_rebuild)
+
+
+def _replayed_on_write(monkeypatch) -> None:
+    """A rebuild reads the ledger, then the journal's replay writes and counts its rows, then the rebuild writes the
+    counter it read."""
+    write = rebuild._write_rebuild
+
+    async def replay_then_write(*args, **kwargs):
+        if journal_segments():
+            await usage_writer.writer_for_this_loop().replay()
+        return await write(*args, **kwargs)
+
+    monkeypatch.setattr(rebuild, "_write_rebuild", replay_then_write)
+
+
+def journal_segments():
+    journal = usage_writer.journal()
+    journal.seal()
+    return journal.list_segments()
+
+
+@pytest.mark.parametrize("interleaving", ["rebuilt between the commit and the count",
+                                          "read before the commit, written after the count"])
+def test_a_counter_rebuilt_during_a_replay_counts_its_row_once(monkeypatch, interleaving):
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    admitted, recorded = _served_in_a_ledger_outage(endpoint, "journaled", api_key=key)
+    _settle(admitted, recorded)
+    get_redis().flushdb()  # Redis lost its counters while the row waited in the journal
+
+    if interleaving == "rebuilt between the commit and the count":
+        _rebuilt_on_insert(monkeypatch, organization.pk, key.pk)
+        _replay()
+    else:
+        _replayed_on_write(monkeypatch)
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"),
+                            request_id="rebuilds"))
+        assert not journal_segments()
+
+    assert UsageRecord.objects.filter(request_id="journaled").exists()
+    assert reads.counted_spend(organization.pk) == Decimal("0.60") == _key_spend(organization.pk, key.pk)
+    _replay()  # nothing left: nothing counted again
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"), request_id="next"))
+    assert reads.counted_spend(organization.pk) == Decimal("0.60") == _key_spend(organization.pk, key.pk)
+
+
+@pytest.mark.parametrize("interleaving", ["rebuilt between the commit and the count",
+                                          "read before the commit, written after the count"])
+def test_a_credit_figure_rebuilt_during_a_replay_draws_its_row_once(monkeypatch, interleaving):
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("1.00"))
+    admitted, recorded = _served_in_a_ledger_outage(endpoint, "journaled")
+    _settle(admitted, recorded)
+    get_redis().delete(redis_keys.credit_key(organization.pk))  # the figure expired (it lasts an hour at most)
+
+    if interleaving == "rebuilt between the commit and the count":
+        _rebuilt_on_insert(monkeypatch, organization.pk, None)
+        _replay()
+    else:
+        _replayed_on_write(monkeypatch)
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"),
+                            request_id="rebuilds"))
+
+    assert _credit_left(organization.pk) == Decimal("0.40")  # $1.00 granted, $0.60 spent ($0.01 held apart)
+
+
+def test_a_row_an_older_pod_settled_unmarked_is_counted_by_its_replay_never_left_out():
+    # A pod from before the marks settles its journaled calls as any (no `j:` marks); its rows replayed by a newer
+    # one are counted again where it counted them (the platform errs toward refusing, as with a call's worst case), and
+    # in every counter rebuilt since, where skipping them would let spend past the cap. A guard: passes either way.
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    admitted, _ = _served_in_a_ledger_outage(endpoint, "journaled", api_key=key)
+    _settle(admitted, Recorded.WRITTEN)  # as an older pod settled it: unmarked
+    get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key))  # rebuilt since
+
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"), request_id="first"))
+    _replay()
+
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")  # rebuilt without it: counted once
+    assert _key_spend(organization.pk, key.pk) == Decimal("1.20")  # counted at its settlement, and again
+
+
+def test_a_replay_written_and_counted_while_a_rebuild_reads_the_ledger_counts_once(monkeypatch):
+    # The worker's replay of a shipped segment (register, write, count: `journal_shipping`) runs whole after the
+    # rebuild's snapshot began and before it reads the registrations: the snapshot lacks the row, its count found no
+    # counter, and the rebuild adds the cost the count left it.
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    report = dataclasses.replace(usage_report(endpoint, request_id="journaled", prompt_tokens=600_000,
+                                              completion_tokens=0), billing_mode=BillingMode.POSTPAID)
+    ask = replayed.replays_to_ask_about
+
+    def replayed_then_asked(organization_id, counter):
+        def replay():  # a thread of its own: another connection than the rebuild's snapshot
+            replayed.register_replaying_sync([report])
+            replayed.count_replayed(record_usage_batch([report]))
+
+        thread = threading.Thread(target=replay)
+        thread.start()
+        thread.join()
+        return ask(organization_id, counter)
+
+    monkeypatch.setattr(replayed, "replays_to_ask_about", replayed_then_asked)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+
+    assert UsageRecord.objects.filter(request_id="journaled").exists()
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
+
+
+def test_a_row_replayed_while_its_call_is_still_reserved_counts_once_when_a_rebuild_lands_before_its_count(
+        monkeypatch):
+    # The rebuild leaves the row's cost out (its call is reserved, not settled), the count adds it and sets its settled
+    # marker, and the call's own settlement then adds nothing. A guard: passes on HEAD's source too.
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    admitted, recorded = _served_in_a_ledger_outage(endpoint, "journaled")
+    get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key))
+
+    _rebuilt_on_insert(monkeypatch, organization.pk, None)
+    _replay()
+    _settle(admitted, recorded)
+
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
