@@ -342,8 +342,8 @@ async def _forget_idle(empty: set[int]) -> set[int]:
 async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
     """Make what Redis holds for this gateway what it serves: put back the requests it still serves that Redis does
     not hold (each in flight on its endpoint and outstanding on its replica, and its reservation against the caps and
-    credit), list its requests hashes again in `GATEWAYS_KEY`, and release the requests Redis holds that it no longer
-    serves. One script per organisation it serves and a read of each other
+    credit, with its progress: `_record_progress`), list its requests hashes again in `GATEWAYS_KEY`, and release the
+    requests Redis holds that it no longer serves. One script per organisation it serves and a read of each other
     hash it registered, all sent at once (a round trip, and one more per organisation whose reservations it holds
     again). `forgotten`: Redis forgot this gateway's alive key, so every reservation of what it serves is held again
     where missing, not only those of the requests put back.
@@ -362,7 +362,9 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
     second, or a replica promoted with lag, it comes back a moment in the past with this gateway's alive key still
     there. A call that ended in the lost moment is back in flight and outstanding (for `traffic.STALE_AFTER_S`, an
     hour, the endpoint never scaled to zero); one admitted in it and still running counts nowhere (the autoscaler could
-    drain its replica under it) and its reservation is gone (new calls were admitted against what it holds).
+    drain its replica under it), its reservation is gone (new calls were admitted against what it holds), and so is
+    its progress (recorded again only once its tokens grew: a stream stalled across the loss, its gateway then lost,
+    had what it delivered unbilled).
 
     NOTE: races with calls that start or end meanwhile. A call's hash entry is written by its admission before this
     process tracks it, and its end untracks it before its finish removes the entry: an entry not served is released
@@ -404,6 +406,9 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
         await asyncio.to_thread(_release_unserved, ended)
     held_again = await asyncio.gather(*(counters.restore_reservations(
         organization_id, [held.reservation for held in holds]) for organization_id, holds in to_hold.items()))
+    for holds in to_hold.values():
+        for held in holds:
+            held.progress_recorded = None  # recorded again by this beat (`_record_progress`): lost with its reservation
     confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
     released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
     _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed}
@@ -444,11 +449,7 @@ async def beat(*, web: bool = False) -> None:
         # NOTE: a reconcile that fails leaves the rest of the beat to go on (deadlines pushed on, ends released): one
         # failing the same way every time stopped the long calls' deadlines, and the sweeper released live holds.
         try:
-            forgotten = _repair.due
-            await _reconcile(gateway, forgotten=forgotten)
-            if forgotten:
-                for held in list(serving.values()):
-                    held.progress_recorded = None  # recorded again by this beat: Redis forgot it with the reservations
+            await _reconcile(gateway, forgotten=_repair.due)
             _repair.due, _repair.num_beats = False, 0
         except Exception as exc:  # noqa: BLE001 - tried again by the next beat
             logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)

@@ -3,6 +3,7 @@ what Redis forgot."""
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -25,6 +26,7 @@ from endpoints.gateway import admission, presence, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
+from tests.billing.conftest import usage_report
 from tests.billing.test_quota import reserve
 from tests.conftest import free_port, start_web_server, wait_until
 from tests.factories import OrganizationFactory
@@ -418,3 +420,35 @@ def test_an_organisation_is_kept_while_an_admission_writes_its_requests_hash(idl
         assert org not in traffic.registered_organizations()
     asyncio.run(scenario())
 
+
+def test_a_stalled_stream_whose_admission_redis_lost_has_its_progress_put_back_with_its_reservation(
+        idle_endpoint_call):
+    """Before, a call's progress (its would-be usage row, for the sweeper if its gateway is lost) was recorded again
+    only once its tokens grew: a stream stalled across Redis coming back a moment in the past (a long prefill, a slow
+    upstream) had its reservation put back but no progress, and its delivered tokens went unbilled if its gateway
+    then died."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+    redis = get_redis()
+
+    async def scenario():
+        await presence.beat(web=True)
+        state = redis_state()
+        admitted = await admit(caller, endpoint, replica, "stalled")
+        report = dataclasses.replace(usage_report(endpoint, request_id="stalled", prompt_tokens=100,
+                                                  completion_tokens=20), status="gateway_lost",
+                                     max_cost=admitted.reservation.amount, billing_mode=admitted.billing_mode)
+        tokens = (report.prompt_tokens, report.cached_tokens, report.completion_tokens)
+        # As `InferenceCall.progress`: nothing new since the last beat recorded it.
+        presence.serving["stalled"].progress = lambda recorded: None if recorded == tokens else report
+        await presence.beat(web=True)
+        assert redis.hexists(redis_keys.progress_key(org), "stalled")
+        come_back_as(state)  # its admission, reservation and progress lost; it streams nothing more
+        await reconciled(1)
+        return admitted
+    admitted = asyncio.run(scenario())
+
+    assert redis.hexists(redis_keys.reservations_key(org), "stalled")
+    assert redis.hexists(redis_keys.progress_key(org), "stalled")
+    asyncio.run(finish(caller, endpoint, replica, "stalled", admitted))
+    assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # its own end deletes it
