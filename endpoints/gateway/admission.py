@@ -94,34 +94,37 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
     """
     # NOTE: every key below carries the caller's organisation's hash tag (`controlplane.redis_keys`);
     # the endpoint and its replicas are the caller's organisation's, so both scripts run on Redis Cluster.
-    await traffic.register_requests_key(caller.organization_id)
-    any_limits = False
-    for _attempt in range(MAX_REBUILDS):
-        window = limits.Window.now(caller.organization_id, caller.limit_subject, caller.requests_per_minute, caller.tokens_per_minute,
-                                   num_tokens)
-        reservation, reserve_keys, reserve_args = counters.prepare_reservation(
-            organization_id=caller.organization_id, api_key_id=caller.api_key_id, amount=amount, request_id=request_id,
-            any_limits=any_limits)
-        status, detail, num_requests, num_tokens_counted, *admitted_under = await _ADMIT(
-            limits_check=window.check_keys_and_args(),
-            quota_reserve=(reserve_keys, reserve_args),
-            traffic_begin=traffic.begin_keys_and_args(caller.organization_id, endpoint_id, request_id,
-                                                      waiting=not candidates),
-            traffic_pick=traffic.pick_keys_and_args(caller.organization_id, candidates, routing.route(
-                caller.organization_id, endpoint_id, prefix_key, candidates, margin=margin, prefer=prefer)),
-        )
-        if report is not None:
-            report.counted(window, num_requests, num_tokens_counted)
-        if status == "missing":
-            any_limits = await rebuild.rebuild_missing(detail, reservation) or any_limits
-            continue
-        if status == "rate_limited":
-            raise window.refusal(int(detail))
-        if (refused := counters.refusal(status, detail)) is not None:
-            raise refused
-        traffic.note_recent(endpoint_id)
-        return Admission(reservation, int(detail) - 1 if candidates else None, window, prefix_key, *admitted_under)
-    raise RuntimeError("billing counters kept vanishing while admitting a request")
+    await traffic.register_requests_key(caller.organization_id)  # its requests hash listed before the script writes it
+    try:
+        any_limits = False
+        for _attempt in range(MAX_REBUILDS):
+            window = limits.Window.now(caller.organization_id, caller.limit_subject, caller.requests_per_minute,
+                                       caller.tokens_per_minute, num_tokens)
+            reservation, reserve_keys, reserve_args = counters.prepare_reservation(
+                organization_id=caller.organization_id, api_key_id=caller.api_key_id, amount=amount,
+                request_id=request_id, any_limits=any_limits)
+            status, detail, num_requests, num_tokens_counted, *admitted_under = await _ADMIT(
+                limits_check=window.check_keys_and_args(),
+                quota_reserve=(reserve_keys, reserve_args),
+                traffic_begin=traffic.begin_keys_and_args(caller.organization_id, endpoint_id, request_id,
+                                                          waiting=not candidates),
+                traffic_pick=traffic.pick_keys_and_args(caller.organization_id, candidates, routing.route(
+                    caller.organization_id, endpoint_id, prefix_key, candidates, margin=margin, prefer=prefer)),
+            )
+            if report is not None:
+                report.counted(window, num_requests, num_tokens_counted)
+            if status == "missing":
+                any_limits = await rebuild.rebuild_missing(detail, reservation) or any_limits
+                continue
+            if status == "rate_limited":
+                raise window.refusal(int(detail))
+            if (refused := counters.refusal(status, detail)) is not None:
+                raise refused
+            traffic.note_recent(endpoint_id)
+            return Admission(reservation, int(detail) - 1 if candidates else None, window, prefix_key, *admitted_under)
+        raise RuntimeError("billing counters kept vanishing while admitting a request")
+    finally:
+        traffic.admitted(caller.organization_id)
 
 
 async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, release: str | None,

@@ -21,7 +21,8 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
   promoted with lag): the alive key is kept, the last moment's writes are not. Every
   `RECONCILE_EVERY_BEATS` beats the gateway compares what Redis holds for it with what it serves
   (`_reconcile`): it puts back what is missing, as above, and releases what it no longer serves
-  (a call that ended in the lost moment, back in flight) once two reconciles found it unchanged.
+  (a call that ended in the lost moment, back in flight) once two reconciles found it unchanged. It reads
+  the organisations it serves, and those it served until two reconciles found nothing of theirs.
 
 Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat.
 
@@ -276,6 +277,9 @@ class _Repair:
     # What the last reconcile found in this gateway's requests hashes that it does not serve ((organisation id,
     # request id) -> hash value): released if the next one finds it still there, unchanged.
     unserved: dict[tuple[int, str], str] = field(default_factory=dict)
+    # The organisations it serves nothing for whose requests hashes the last reconcile found empty: forgotten if the
+    # next one finds them empty too (`traffic.unregister_requests_key`).
+    empty: set[int] = field(default_factory=set)
 
 
 _repair = _Repair()
@@ -292,13 +296,64 @@ def _release_unserved(unserved: dict[tuple[int, str], str]) -> int:
                for organization_id, request_ids in by_organization.items())
 
 
+async def _restore_requests(organization_id: int, snapshot: list[tuple[str, Held]]) -> tuple[list[str], list[str]]:
+    """`_RESTORE_REQUESTS` for the requests of one organisation this process serves: the ids put back, and the hash's
+    other entries (id, value, ...)."""
+    keys = [traffic.gateway_requests_key(organization_id), redis_keys.no_replica_placeholder(organization_id)]
+    args = [traffic.OUTSTANDING_TTL_S]
+    for request_id, held in snapshot:
+        keys += [redis_keys.inflight_key(organization_id, held.endpoint_id), held.counter()]
+        args += [request_id, held.value()]
+    return await _RESTORE_REQUESTS(keys=keys, args=args)
+
+
+async def _read_idle(registered: list[int], idle: list[int]) -> list[dict[str, str]]:
+    """List this process's requests hashes (`registered`) in `GATEWAYS_KEY` again, and read those of the organisations
+    it serves nothing for (`idle`): one pipeline (one round trip per Cluster node)."""
+    if not registered:
+        return []
+    redis = get_async_redis()
+    async with redis.pipeline(transaction=False) as pipe:
+        # NOTE: Redis lost the gateways set (or the moment an organisation's hash was listed in it), or a sweeper
+        # dropped this gateway's emptied hashes while it was frozen: list them again.
+        pipe.sadd(redis_keys.GATEWAYS_KEY, *[traffic.gateway_requests_key(organization_id)
+                                             for organization_id in registered])
+        for organization_id in idle:
+            pipe.hgetall(traffic.gateway_requests_key(organization_id))
+        return (await pipe.execute())[1:]
+
+
+async def _forget_idle(empty: set[int]) -> set[int]:
+    """Forget this process's requests hashes of the organisations two reconciles found empty (`empty`) and that it
+    still serves nothing for, and take them out of `GATEWAYS_KEY`; returns those forgotten.
+
+    NOTE: a call admitted for one of them meanwhile lists its hash again (`traffic.register_requests_key`); should that reach Redis
+    before this takes it out (another pooled connection), the next reconcile lists it again (`_read_idle`)."""
+    busy = {held.organization_id for held in list(serving.values())} | {
+        organization_id for organization_id, _ in unfinished}
+    forgotten = {organization_id for organization_id in empty - busy
+                 if traffic.unregister_requests_key(organization_id)}
+    if forgotten:
+        await get_async_redis().srem(redis_keys.GATEWAYS_KEY, *[traffic.gateway_requests_key(organization_id)
+                                                                for organization_id in forgotten])
+    return forgotten
+
+
 async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
     """Make what Redis holds for this gateway what it serves: put back the requests it still serves that Redis does
     not hold (each in flight on its endpoint and outstanding on its replica, and its reservation against the caps and
-    credit), list its requests hashes again in `GATEWAYS_KEY`, and release the requests Redis holds that it no longer
-    serves. One round trip per organisation it serves, and one for the others it has served. `forgotten`: Redis
-    forgot this gateway's alive key, so every reservation of what it serves is held again where missing, not only
-    those of the requests put back.
+    credit, with its progress: `_record_progress`), list its requests hashes again in `GATEWAYS_KEY`, and release the
+    requests Redis holds that it no longer serves. One script per organisation it serves and a read of each other
+    hash it registered, all sent at once (a round trip, and one more per organisation whose reservations it holds
+    again). `forgotten`: Redis forgot this gateway's alive key, so every reservation of what it serves is held again
+    where missing, not only those of the requests put back.
+
+    NOTE: what it reads is bounded by what it serves: an organisation it serves nothing for, whose requests hash two
+    reconciles found empty, is forgotten (`traffic.unregister_requests_key`, registered again by its next call). Every
+    organisation it had ever served was read every `RECONCILE_EVERY_BEATS` beats: a gateway up a week that had served
+    50,000 of them read 50,000 hashes every 5 s. Left: Redis coming back more than two reconciles in the past (a replica
+    promoted with that much lag) with an entry of an organisation forgotten since is not released by this process
+    (its in-flight readers ignore it after `traffic.STALE_AFTER_S`; a sweeper releases it when this process dies).
 
     NOTE: the alive key is written by the beat that finds it gone, so a reconcile that failed then (Redis down again)
     is tried again by the next beats (`_repair.due`) rather than only `RECONCILE_EVERY_BEATS` later.
@@ -307,7 +362,9 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
     second, or a replica promoted with lag, it comes back a moment in the past with this gateway's alive key still
     there. A call that ended in the lost moment is back in flight and outstanding (for `traffic.STALE_AFTER_S`, an
     hour, the endpoint never scaled to zero); one admitted in it and still running counts nowhere (the autoscaler could
-    drain its replica under it) and its reservation is gone (new calls were admitted against what it holds).
+    drain its replica under it), its reservation is gone (new calls were admitted against what it holds), and so is
+    its progress (recorded again only once its tokens grew: a stream stalled across the loss, its gateway then lost,
+    had what it delivered unbilled).
 
     NOTE: races with calls that start or end meanwhile. A call's hash entry is written by its admission before this
     process tracks it, and its end untracks it before its finish removes the entry: an entry not served is released
@@ -317,50 +374,48 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
     reservation is held again only while it is still served; one put back as it settled either finds its marker
     (and is not held again) or, a try that recorded nothing, lapses at its deadline (`billing.quota.sweeper`), as
     does a call's that ended in the lost moment."""
-    redis = get_async_redis()
-    if registered := traffic.registered_requests_keys():
-        # NOTE: Redis lost the gateways set (or the moment an organisation's hash was listed in it), or a sweeper
-        # dropped this gateway's emptied hashes while it was frozen: list them again.
-        await redis.sadd(redis_keys.GATEWAYS_KEY, *registered)
-    by_organization: dict[int, list[str]] = {}
+    by_organization: dict[int, list[tuple[str, Held]]] = {}
     for request_id, held in list(serving.items()):
-        by_organization.setdefault(held.organization_id, []).append(request_id)
+        by_organization.setdefault(held.organization_id, []).append((request_id, held))
+    registered = traffic.registered_organizations()
+    idle = [organization_id for organization_id in registered if organization_id not in by_organization]
+    *results, idle_entries = await asyncio.gather(
+        *(_restore_requests(organization_id, snapshot) for organization_id, snapshot in by_organization.items()),
+        _read_idle(registered, idle))
     unserved: dict[tuple[int, str], str] = {}
-    restored = reserved = 0
-    for organization_id, request_ids in by_organization.items():
-        snapshot = [(request_id, held) for request_id in request_ids if (held := serving.get(request_id)) is not None]
-        if not snapshot:
-            continue
-        keys = [traffic.gateway_requests_key(organization_id), redis_keys.no_replica_placeholder(organization_id)]
-        args = [traffic.OUTSTANDING_TTL_S]
-        for request_id, held in snapshot:
-            keys += [redis_keys.inflight_key(organization_id, held.endpoint_id), held.counter()]
-            args += [request_id, held.value()]
-        put_back, found = await _RESTORE_REQUESTS(keys=keys, args=args)
+    ended: dict[tuple[int, str], str] = {}
+    to_hold: dict[int, list[Held]] = {}
+    restored = 0
+    for (organization_id, snapshot), (put_back, found) in zip(by_organization.items(), results, strict=True):
         restored += len(put_back)
         for request_id, value in zip(found[::2], found[1::2], strict=True):
             unserved[(organization_id, request_id)] = value
-        ended = {(organization_id, request_id): held.value() for request_id, held in snapshot
-                 if request_id in put_back and request_id not in serving}
-        if ended:  # it ended after the snapshot: its own end found nothing to release
-            await asyncio.to_thread(_release_unserved, ended)
-        reserved += await counters.restore_reservations(organization_id, [
-            held.reservation for request_id, held in snapshot
-            if held.reservation is not None and (forgotten or request_id in put_back) and request_id in serving])
-    others = [key for key in registered if redis_keys.organization_of_key(key) not in by_organization]
-    if others:
-        async with redis.pipeline(transaction=False) as pipe:
-            for requests_key in others:
-                pipe.hgetall(requests_key)
-            for requests_key, entries in zip(others, await pipe.execute(), strict=True):
-                for request_id, value in entries.items():
-                    unserved[(redis_keys.organization_of_key(requests_key), request_id)] = value
+        for request_id, held in snapshot:
+            if request_id not in serving:
+                if request_id in put_back:  # it ended after the snapshot: its own end found nothing to release
+                    ended[(organization_id, request_id)] = held.value()
+            elif held.reservation is not None and (forgotten or request_id in put_back):
+                to_hold.setdefault(organization_id, []).append(held)
+    empty: set[int] = set()
+    for organization_id, entries in zip(idle, idle_entries, strict=True):
+        if not entries:
+            empty.add(organization_id)
+        for request_id, value in entries.items():
+            unserved[(organization_id, request_id)] = value
+    if ended:
+        await asyncio.to_thread(_release_unserved, ended)
+    held_again = await asyncio.gather(*(counters.restore_reservations(
+        organization_id, [held.reservation for held in holds]) for organization_id, holds in to_hold.items()))
+    for holds in to_hold.values():
+        for held in holds:
+            held.progress_recorded = None  # recorded again by this beat (`_record_progress`): lost with its reservation
     confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
     released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
     _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed}
-    if restored or reserved or released:
+    _repair.empty = empty - await _forget_idle(empty & _repair.empty)
+    if restored or sum(held_again) or released:
         logger.warning("gateway %s: put back %d request(s) and %d reservation(s) Redis had lost, released %d it had "
-                       "kept after they ended", gateway, restored, reserved, released)
+                       "kept after they ended", gateway, restored, sum(held_again), released)
 
 
 async def beat(*, web: bool = False) -> None:
@@ -394,11 +449,7 @@ async def beat(*, web: bool = False) -> None:
         # NOTE: a reconcile that fails leaves the rest of the beat to go on (deadlines pushed on, ends released): one
         # failing the same way every time stopped the long calls' deadlines, and the sweeper released live holds.
         try:
-            forgotten = _repair.due
-            await _reconcile(gateway, forgotten=forgotten)
-            if forgotten:
-                for held in list(serving.values()):
-                    held.progress_recorded = None  # recorded again by this beat: Redis forgot it with the reservations
+            await _reconcile(gateway, forgotten=_repair.due)
             _repair.due, _repair.num_beats = False, 0
         except Exception as exc:  # noqa: BLE001 - tried again by the next beat
             logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)

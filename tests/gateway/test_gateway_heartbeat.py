@@ -2,12 +2,17 @@
 what Redis forgot."""
 
 import asyncio
+import contextlib
+import dataclasses
+import os
 import threading
 import time
 from decimal import Decimal
 
 import httpx
 import pytest
+from django.conf import settings
+from redis import Redis
 
 from billing.ledger import period_spend
 from billing.periods import period_containing
@@ -21,6 +26,7 @@ from endpoints.gateway import admission, presence, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
+from tests.billing.conftest import usage_report
 from tests.billing.test_quota import reserve
 from tests.conftest import free_port, start_web_server, wait_until
 from tests.factories import OrganizationFactory
@@ -203,6 +209,7 @@ def idle_endpoint_call(monkeypatch):
     monkeypatch.setattr(presence, "serving", {})
     monkeypatch.setattr(presence, "unfinished", set())
     monkeypatch.setattr(presence, "_repair", presence._Repair())
+    monkeypatch.setattr(traffic, "_registered", (os.getpid(), set()))  # no organisation of another test's
     organization = OrganizationFactory()
     endpoint = serve_endpoint(organization, f"http://127.0.0.1:{free_port()}", min_replicas=0, idle_timeout_s=300)
     caller = Caller(organization_id=organization.pk, api_key_id=None, user_id=1, can_infer=True,
@@ -333,3 +340,115 @@ def test_a_call_admitted_but_not_yet_tracked_is_not_released(idle_endpoint_call)
     asyncio.run(scenario())
 
     assert counts(endpoint, replica) == (0, 0)
+
+
+@contextlib.contextmanager
+def commands_naming(key: str):
+    """The commands Redis runs that name `key` meanwhile (MONITOR: a script's own commands too)."""
+    seen: list[str] = []
+    client = Redis.from_url(settings.REDIS_URL, decode_responses=True)  # no read timeout: it waits on commands
+    started, stop = threading.Event(), threading.Event()
+
+    def watch():
+        with client.monitor() as monitor:
+            started.set()
+            while not stop.is_set():
+                command = monitor.next_command()["command"]
+                if key in command:
+                    seen.append(command)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert started.wait(5)
+    try:
+        yield seen
+    finally:
+        stop.set()
+        client.echo("stop watching")  # the watcher's last command
+        watcher.join(5)
+        client.close()
+
+
+def test_an_organisation_served_once_is_no_longer_read_once_two_reconciles_found_nothing_of_it(idle_endpoint_call):
+    """Before, the reconcile read the requests hash of every organisation its process had ever served, every
+    `RECONCILE_EVERY_BEATS` beats: a gateway up a week that served 50,000 of them read 50,000 hashes every 5 s."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+    requests_key = traffic.gateway_requests_key(org)
+    redis = get_redis()
+
+    async def scenario():
+        await presence.beat(web=True)
+        await finish(caller, endpoint, replica, "once", await admit(caller, endpoint, replica, "once"))
+        await reconciled(2)  # the two that find its hash empty
+        with commands_naming(requests_key) as read:
+            await reconciled(3)
+        assert read == []
+        assert not redis.sismember(redis_keys.GATEWAYS_KEY, requests_key)  # nothing of this gateway's there
+
+        # Served again: listed before its admission writes it, and its hash compared while the call runs.
+        admitted = await admit(caller, endpoint, replica, "again")
+        assert redis.sismember(redis_keys.GATEWAYS_KEY, requests_key)
+        state = redis_state()
+        await finish(caller, endpoint, replica, "again", admitted)
+        come_back_as(state)  # the call's end is lost, as in the test above: still released
+        with commands_naming(requests_key) as read:
+            await reconciled(2)
+        assert read
+    asyncio.run(scenario())
+
+    assert counts(endpoint, replica) == (0, 0)
+    assert not redis.hlen(requests_key)
+
+
+def test_an_organisation_is_kept_while_an_admission_writes_its_requests_hash(idle_endpoint_call):
+    """An admission lists the hash before its script writes it, and may wait meanwhile (the rate limits' rebuilds):
+    a hash forgotten then would be written unlisted, and never read again by its gateway."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+
+    async def scenario():
+        await presence.beat(web=True)
+        await finish(caller, endpoint, replica, "once", await admit(caller, endpoint, replica, "once"))
+        await traffic.register_requests_key(org)  # an admission of the organisation waits on PostgreSQL
+        try:
+            await reconciled(3)
+            assert org in traffic.registered_organizations()
+        finally:
+            traffic.admitted(org)
+        await reconciled(1)
+        assert org not in traffic.registered_organizations()
+    asyncio.run(scenario())
+
+
+def test_a_stalled_stream_whose_admission_redis_lost_has_its_progress_put_back_with_its_reservation(
+        idle_endpoint_call):
+    """Before, a call's progress (its would-be usage row, for the sweeper if its gateway is lost) was recorded again
+    only once its tokens grew: a stream stalled across Redis coming back a moment in the past (a long prefill, a slow
+    upstream) had its reservation put back but no progress, and its delivered tokens went unbilled if its gateway
+    then died."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+    redis = get_redis()
+
+    async def scenario():
+        await presence.beat(web=True)
+        state = redis_state()
+        admitted = await admit(caller, endpoint, replica, "stalled")
+        report = dataclasses.replace(usage_report(endpoint, request_id="stalled", prompt_tokens=100,
+                                                  completion_tokens=20), status="gateway_lost",
+                                     max_cost=admitted.reservation.amount, billing_mode=admitted.billing_mode)
+        tokens = (report.prompt_tokens, report.cached_tokens, report.completion_tokens)
+        # As `InferenceCall.progress`: nothing new since the last beat recorded it.
+        presence.serving["stalled"].progress = lambda recorded: None if recorded == tokens else report
+        await presence.beat(web=True)
+        assert redis.hexists(redis_keys.progress_key(org), "stalled")
+        come_back_as(state)  # its admission, reservation and progress lost; it streams nothing more
+        await reconciled(1)
+        return admitted
+    admitted = asyncio.run(scenario())
+
+    assert redis.hexists(redis_keys.reservations_key(org), "stalled")
+    assert redis.hexists(redis_keys.progress_key(org), "stalled")
+    asyncio.run(finish(caller, endpoint, replica, "stalled", admitted))
+    assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # its own end deletes it

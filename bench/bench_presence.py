@@ -1,0 +1,141 @@
+"""The gateway's heartbeat and its reconcile (`endpoints.gateway.presence`): cost with N organisations in flight or idle.
+
+A gateway process beats every second (`presence.beat`) and every `RECONCILE_EVERY_BEATS` beats compares what Redis
+holds for it with what it serves (`presence._reconcile`). Measured on the embedded Redis of the data folder
+(`INFERPLANE_DATA_DIR`, default `.data/bench`; its database is flushed), the process acting as one gateway:
+  * in flight: N organisations with one call each, tracked and held in Redis: a reconcile, and a beat that does not
+    reconcile (the calls' progress asked for, unchanged since the last beat, as a stalled stream's);
+  * idle: N organisations this process served once and serves nothing for now, nothing of theirs in Redis: the first
+    reconcile after they went idle, and a later one (once two reconciles found nothing of theirs, they are no longer
+    read; before, every one of them was read by every reconcile, forever).
+
+    .venv/bin/python bench/bench_presence.py [--organizations 100,1000,10000] [--repeat 7]
+
+Prints a markdown table (µs per call, and per organisation) and writes `bench/results/presence.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("INFERPLANE_DATA_DIR", str(REPO / ".data" / "bench"))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+
+FIRST_ORGANIZATION = 9_000_000  # far from any real row: nothing here is in PostgreSQL
+
+
+def _reset(presence, traffic) -> None:
+    from controlplane.redis_client import get_redis
+
+    get_redis().flushdb()
+    presence.serving.clear()
+    presence.unfinished.clear()
+    presence._repair = presence._Repair()
+    traffic._registered = (os.getpid(), set())
+
+
+async def _timed(call, repeat: int) -> list[float]:
+    """Microseconds of each of `repeat` awaits of `call()`."""
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        await call()
+        times.append((time.perf_counter() - started) * 1e6)
+    return times
+
+
+async def in_flight(num_organizations: int, repeat: int) -> dict:
+    from controlplane.redis_client import get_async_redis
+    from endpoints.gateway import presence, traffic
+
+    _reset(presence, traffic)
+    gateway = traffic.gateway_id()
+    redis = get_async_redis()
+    await presence.beat()
+    async with redis.pipeline(transaction=False) as pipe:
+        for organization_id in range(FIRST_ORGANIZATION, FIRST_ORGANIZATION + num_organizations):
+            held = presence.track(f"call-{organization_id}", organization_id, f"endpoint-{organization_id}", None,
+                                  progress=lambda recorded: None)  # nothing new since the last beat
+            traffic._registered[1].add(organization_id)
+            pipe.hset(traffic.gateway_requests_key(organization_id), f"call-{organization_id}", held.value())
+        await pipe.execute()
+    reconcile = await _timed(lambda: presence._reconcile(gateway), repeat)
+    presence._repair.num_beats = -10 * repeat  # the beats below do not reconcile
+    beat = await _timed(presence.beat, repeat)
+    _reset(presence, traffic)
+    return {"num_organizations": num_organizations, "state": "in flight",
+            "reconcile_us": round(statistics.median(reconcile)), "beat_us": round(statistics.median(beat))}
+
+
+async def idle(num_organizations: int, repeat: int) -> dict:
+    from endpoints.gateway import presence, traffic
+
+    _reset(presence, traffic)
+    gateway = traffic.gateway_id()
+    await presence.beat()
+    traffic._registered[1].update(range(FIRST_ORGANIZATION, FIRST_ORGANIZATION + num_organizations))
+    first = await _timed(lambda: presence._reconcile(gateway), 1)
+    await presence._reconcile(gateway)
+    later = await _timed(lambda: presence._reconcile(gateway), repeat)
+    _reset(presence, traffic)
+    return {"num_organizations": num_organizations, "state": "idle",
+            "first_reconcile_us": round(first[0]), "later_reconcile_us": round(statistics.median(later))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--organizations", default="100,1000,10000")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--output", default=str(REPO / "bench" / "results" / "presence.json"))
+    args = parser.parse_args()
+    import django
+
+    django.setup()
+    import logging
+
+    logging.getLogger("inferplane.gateway").setLevel(logging.ERROR)
+    levels = [int(value) for value in args.organizations.split(",")]
+
+    async def run() -> list[dict]:
+        results = []
+        for num_organizations in levels:
+            results.append(await in_flight(num_organizations, args.repeat))
+            print(results[-1], flush=True)
+            results.append(await idle(num_organizations, args.repeat))
+            print(results[-1], flush=True)
+        return results
+
+    results = asyncio.run(run())
+    document = {"benchmark": "presence", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                "machine": platform.platform(), "num_cpus": os.cpu_count(),
+                "note": "embedded Redis on the same cores; medians of --repeat calls", "results": results}
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(document, indent=2) + "\n")
+
+    print("\n| organisations | state | reconcile µs | µs per organisation | beat µs (no reconcile) | later reconcile µs |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for result in results:
+        n = result["num_organizations"]
+        if result["state"] == "in flight":
+            print(f"| {n:,} | in flight | {result['reconcile_us']:,} | {result['reconcile_us'] / n:.1f} "
+                  f"| {result['beat_us']:,} | |")
+        else:
+            print(f"| {n:,} | idle | {result['first_reconcile_us']:,} | {result['first_reconcile_us'] / n:.1f} | "
+                  f"| {result['later_reconcile_us']:,} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
