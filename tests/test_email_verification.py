@@ -200,6 +200,28 @@ def test_a_reset_removes_the_members_who_joined_through_invitations_an_unconfirm
         invitations.accept_invitation(services.Actor(user=seat), seat_invitation)
 
 
+def test_a_reset_removes_nobody_where_the_account_no_longer_invites(client):
+    """An ex-admin who never confirmed their address resets its password: the owner they invited long ago, and that
+    owner's team, stay in the organisation that removed (or demoted) the ex-admin since (found by this stop's
+    review: the reset removed the organisation's whole team but its founder)."""
+    founder = UserFactory(username="founder@example.test")
+    organization = MembershipFactory(user=founder, role=Role.OWNER).organization
+    others = MembershipFactory(user=founder, role=Role.OWNER).organization
+    leaver = UserFactory(username="leaver@example.test")
+    EmailVerification.objects.filter(user=leaver).update(confirmed_by_owner=False)
+    for place, role in ((organization, Role.ADMIN), (others, Role.ADMIN)):
+        MembershipFactory(organization=place, user=leaver, role=role)
+        invitation = invitations.invite_member(services.Actor(user=leaver), place, email=f"cto@{place.slug}.test",
+                                               role=Role.MEMBER)
+        invitations.accept_invitation(services.Actor(user=UserFactory(username=f"cto@{place.slug}.test")), invitation)
+    members_api.remove_member(services.Actor(user=founder), organization.memberships.get(user=leaver))
+    members_api.change_member_role(services.Actor(user=founder), others.memberships.get(user=leaver), role=Role.MEMBER)
+    page = _reset_password(client, leaver.email).content.decode()
+    assert "removed" not in page
+    assert organization.memberships.filter(user__email=f"cto@{organization.slug}.test").exists()
+    assert others.memberships.filter(user__email=f"cto@{others.slug}.test").exists()
+
+
 def test_a_reset_keeps_the_keys_of_an_account_its_owner_confirmed(client):
     user = _sign_up(client)
     client.get(_emailed_link(mail.outbox[-1]))

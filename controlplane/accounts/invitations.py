@@ -149,18 +149,23 @@ def revoke_invitations_sent_by(actor: Actor, user, *, reason: str) -> int:
 
 
 def remove_members_invited_by(actor: Actor, user, *, reason: str) -> int:
-    """Removes, in every organisation, the members who joined through an invitation `user` sent, and those who
-    joined through theirs (and so on), each audited with `reason` and their keys revoked; the number removed. A
-    member who also accepted an invitation from someone else in that organisation (or one the platform made) stays,
-    as does one whose removal would leave no owner.
+    """Removes, in each organisation where `user` is still an owner or admin, the members who joined through an
+    invitation `user` sent, and those who joined through theirs (and so on), each audited with `reason` and their
+    keys revoked; the number removed. A member who also accepted an invitation from someone else in that
+    organisation (or one the platform made) stays, as does one whose removal would leave no owner.
 
     NOTE: a forgotten password's reset of an address its owner never confirmed (`signup.secure_after_password_reset`)
     ends a stranger's session, keys and pending invitations; an invitation that session sent to a second address of
     the stranger's and that was already accepted had left the stranger a seat (perhaps an owner's) in the
     organisation the owner took back (a review's finding). Whoever that seat invited in turn is the stranger's too."""
     num_removed = 0
+    # NOTE: only where the account still holds a seat that invites (the organisation its owner takes back): where it
+    # was removed or demoted since, the organisation's other admins kept its invitees, and a reset (perhaps by an
+    # ex-admin who never confirmed their address) must not remove them (found by this stop's review).
+    still_inviting = Membership.objects.filter(user=user, role__in=[Role.OWNER, Role.ADMIN]).values("organization_id")
     suspects = [(organization_id, user.pk) for organization_id in
-                Invitation.objects.filter(invited_by=user, accepted_by__isnull=False)
+                Invitation.objects.filter(invited_by=user, accepted_by__isnull=False,
+                                          organization_id__in=still_inviting)
                 .values_list("organization_id", flat=True).distinct()]
     seen = set(suspects)
     while suspects:
