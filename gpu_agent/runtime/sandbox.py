@@ -126,8 +126,9 @@ SHARED_MEMORY = READ_FILE | WRITE_FILE | MAKE_REG | REMOVE_FILE | TRUNCATE
 # H200 (`bench/gpu_sandbox_check.py`), where every engine confined with /proc read-only ran without its GPU. A
 # rule names a path, and /proc/self resolves when the rule is made, to the process that makes it, never to
 # vLLM's EngineCore and workers it spawns later: so an engine with GPUs may write files in /proc (never create or
-# remove: /proc has no such thing). What that leaves: it may raise (never lower) another dumpable process's
-# `oom_score_adj` of the same user, another engine's (the agent is not dumpable: its /proc files are root's).
+# remove: /proc has no such thing). What that leaves, on another dumpable process of the same user (another
+# engine's; the agent is not dumpable, its /proc files are root's): raising (never lowering) its `oom_score_adj`,
+# its `coredump_filter` and `clear_refs`, and renicing its autogroup (CPU, where engines share the root cpu cgroup).
 PROC_WRITE = READ_FILE | WRITE_FILE | TRUNCATE
 
 
