@@ -42,13 +42,20 @@ def _holds(organization_id: int, api_key_id: int) -> tuple[int, int, int, int]:
             redis.hlen(redis_keys.progress_key(organization_id)))
 
 
+def _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path):
+    """An endpoint whose engine streams at `TOKEN_DELAY_MS`, and a gateway process whose calls' holds last 3 s past
+    its last beat."""
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=TOKEN_DELAY_MS))
+    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
+    return endpoint, child, gateway
+
+
 def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sweeper(
         tenant, start_mock_upstream, tmp_path):
     # Before, a gateway killed mid-stream wrote no usage row: its call's hold lapsed at its deadline and the sweeper,
     # finding no row, released it. Every token the stream had delivered (up to 6 h of them) was never billed.
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=TOKEN_DELAY_MS))
+    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
     org, key = tenant.org.pk, tenant.api_key.pk
-    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
     received = 0
     try:
         with _stream(gateway, tenant.key, endpoint.name, max_tokens=400) as response:  # ~20 s
@@ -87,9 +94,8 @@ def test_a_gateway_frozen_past_its_calls_hold_bills_the_whole_call_by_its_own_ro
         tenant, start_mock_upstream, tmp_path):
     # Before, the woken gateway's row was refused as a duplicate of the sweeper's: the call stayed gateway_lost, billed
     # from its last beat, and the rest of what it streamed was never billed.
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=TOKEN_DELAY_MS))
+    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
     org, key = tenant.org.pk, tenant.api_key.pk
-    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
     received = 0
     try:
         with _stream(gateway, tenant.key, endpoint.name, max_tokens=200) as response:  # ~10 s
@@ -126,9 +132,8 @@ def test_a_gateway_frozen_past_its_calls_hold_bills_the_whole_call_by_its_own_ro
 
 def test_a_call_that_ended_normally_leaves_no_progress_and_a_later_sweep_writes_no_second_row(
         tenant, start_mock_upstream, tmp_path):
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=TOKEN_DELAY_MS))
+    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
     org, key = tenant.org.pk, tenant.api_key.pk
-    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
     received, progress_seen = 0, False
     try:
         with _stream(gateway, tenant.key, endpoint.name, max_tokens=60) as response:  # ~3 s
