@@ -4,8 +4,8 @@ The gateway records each request once (`billing.usage_writer.arecord_usage`, whi
 `record_usage_batch_on`), also for aborted streams; synchronous callers use `record_usage`. A retry
 with the same request id writes nothing: the unique constraint on `request_id` and
 `INSERT … ON CONFLICT DO NOTHING` make the write exactly-once, whoever calls. A caller that holds
-many reports may hand them to `record_usage_batch` directly. One exception, for a journal's replay only: its row
-supersedes the sweeper's `gateway_lost` row of the same call (`supersede_lost_rows`).
+many reports may hand them to `record_usage_batch` directly. One exception: a call's own row (written by its gateway
+late, or replayed from its journal) supersedes the sweeper's `gateway_lost` row of the same call (`supersede_lost_rows`).
 
 Every query that reads the ledger lives here too: the usage API and its CSV (`summarize_usage`), the
 console's charts and metrics, period spend (what the spend caps are rebuilt from), prepaid spend not yet
@@ -235,12 +235,13 @@ RETURNING request_id
 """
 
 # NOTE: a row the sweeper wrote for a call cut by a lost gateway (`gateway_lost`, from its last progress) is superseded
-# by the call's own row, replayed from its gateway's journal (`supersede_lost_rows`): its tokens, cost and status
-# become the journal's, priced as the insert prices them. It keeps its `finished_at` (its last progress's, a beat or so
-# before the call's end) and its billing mode (the call's admission's, as the journal's): it stays in the hour and the
-# month it was billed in, so what counted it counts the difference (`billing.quota.replayed.count_superseded`, the
-# rollups: `recorded_at` is now). Only a `gateway_lost` row, only by a row that is not one, and only once: the row is
-# no longer `gateway_lost` after it (concurrent replays: PostgreSQL rechecks the condition on the row it locked).
+# by the call's own row, replayed from its gateway's journal or written by a gateway that froze past its call's hold and
+# woke (`supersede_lost_rows`): its tokens, cost and status become the call's, priced as the insert prices them. It keeps
+# its `finished_at` (its last progress's, before the call's end) and its billing mode (the call's admission's, as the
+# call's row has it): it stays in the hour and the month it was billed in, so what counted it counts the difference
+# (`billing.quota.replayed.count_superseded`, the rollups: `recorded_at` is now). Only a `gateway_lost` row, only by a
+# row that is not one, and only once: the row is no longer `gateway_lost` after it (concurrent writes: PostgreSQL
+# rechecks the condition on the row it locked).
 # `lost` is the row as the statement found it: its cost, already counted.
 _SUPERSEDE_SQL = f"""
 UPDATE {_TABLE} u
@@ -332,9 +333,9 @@ def _superseding(reports: list[UsageReport], written: Collection[str]) -> list[U
 
 
 def supersede_lost_rows(reports: list[UsageReport], written: Collection[str] = ()) -> dict[str, Decimal]:
-    """Replace the `gateway_lost` rows of `reports`' request ids by the reports (`_SUPERSEDE_SQL`): a journal's rows,
-    replayed, whose insert found the row the sweeper had written for their call (`written`: the ids it wrote, which
-    have none). Returns each superseded request id's cost as it was (counted already: `replayed.count_superseded`)."""
+    """Replace the `gateway_lost` rows of `reports`' request ids by the reports (`_SUPERSEDE_SQL`): calls' own rows (a
+    journal's, replayed, or a late gateway's) whose insert found the row the sweeper had written for their call
+    (`written`: the ids it wrote, which have none). Returns each superseded request id's cost as it was (counted already: `replayed.count_superseded`)."""
     if not (reports := _superseding(reports, written)):
         return {}
     with connection.cursor() as cursor:
@@ -343,7 +344,7 @@ def supersede_lost_rows(reports: list[UsageReport], written: Collection[str] = (
 
 
 async def supersede_lost_rows_on(connection, reports: list[UsageReport], written: Collection[str] = ()) -> dict[str, Decimal]:
-    """`supersede_lost_rows` on an async psycopg connection in autocommit (`billing.usage_writer`'s replay)."""
+    """`supersede_lost_rows` on an async psycopg connection in autocommit (`billing.usage_writer`)."""
     if not (reports := _superseding(reports, written)):
         return {}
     async with connection.cursor() as cursor:

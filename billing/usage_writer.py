@@ -61,7 +61,7 @@ class Recorded(enum.IntEnum):
     """What `arecord_usage` did with a report: false only for a request id written before."""
 
     DUPLICATE = 0
-    WRITTEN = 1  # committed into the ledger
+    WRITTEN = 1  # committed into the ledger (also over the sweeper's `gateway_lost` row of its call, superseded)
     # In the journal, owed to the ledger: its settlement marks the counters it counts it in, for its replay
     # (`billing.quota.replayed`), which counts it in those Redis rebuilt meanwhile from a ledger without it.
     JOURNALED = 2
@@ -177,9 +177,7 @@ class UsageWriter:
 
     async def _write_once(self, reports: list[UsageReport]) -> list[Recorded | Exception]:
         try:
-            written, refused = await asyncio.wait_for(self._insert(reports), WRITE_TIMEOUT_S), {}
-        except UnknownEndpointError as exc:
-            written, refused = exc.written_ids, dict.fromkeys(exc.refused_ids, exc)
+            written, refused, superseded = await asyncio.wait_for(self._write_rows(reports), WRITE_TIMEOUT_S)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             # NOTE: a statement cut short by the timeout may still commit; its replay is then a no-op.
             self.close_now()  # the next write starts on a new connection
@@ -187,20 +185,25 @@ class UsageWriter:
             if outage is not exc:
                 raise outage from exc
             raise
-        return _outcomes(reports, written, refused)
+        # NOTE: counted before its caller settles: a lost row the sweeper has not settled yet is counted whole here,
+        # and the call's settlement then finds the marker set and only releases its hold (`replayed.count_superseded`).
+        await _count_superseded(superseded)
+        return _outcomes(reports, written | superseded.keys(), refused)
 
-    async def _insert(self, reports: list[UsageReport]) -> set[str]:
+    async def _write_rows(self, reports: list[UsageReport]) -> tuple[set[str], dict[str, Exception], dict[str, Decimal]]:
+        """A batch into the ledger, a call's own or a journal's: the request ids written now, those refused
+        (`UnknownEndpointError`), and the cost of each `gateway_lost` row it superseded
+        (`billing.ledger.supersede_lost_rows`).
+
+        NOTE: a call's own row supersedes the sweeper's as a replayed one does: a gateway that froze (a long pause, a
+        VM paused, cut from Redis and PostgreSQL) past its call's hold, then woke and finished the call, had its row
+        refused as a duplicate, the tokens after its last beat never billed and the row marked lost."""
         if self._connection is None or self._connection.closed:
             self._connection = await _connect()
-        return await record_usage_batch_on(self._connection, reports)
-
-    async def _replay_batch(self, reports: list[UsageReport]) -> tuple[set[str], set[str], dict[str, Decimal]]:
-        """A journal's batch into the ledger: the request ids written now, those refused (`UnknownEndpointError`), and
-        the cost of each `gateway_lost` row it superseded (`billing.ledger.supersede_lost_rows`)."""
         try:
-            written, refused = await self._insert(reports), set()
+            written, refused = await record_usage_batch_on(self._connection, reports), {}
         except UnknownEndpointError as exc:
-            written, refused = exc.written_ids, set(exc.refused_ids)
+            written, refused = exc.written_ids, dict.fromkeys(exc.refused_ids, exc)
         return written, refused, await supersede_lost_rows_on(self._connection, reports, written)
 
     async def _journal(self, reports: list[UsageReport]) -> list[Recorded]:
@@ -285,7 +288,7 @@ class UsageWriter:
                     batch = reports[first:first + self.max_batch]
                     await _register_replaying(batch)
                     try:
-                        written, refused, superseded = await asyncio.wait_for(self._replay_batch(batch),
+                        written, refused, superseded = await asyncio.wait_for(self._write_rows(batch),
                                                                               WRITE_TIMEOUT_S)
                     except psycopg.DatabaseError as exc:
                         if not _about_the_rows(exc):  # down, read-only, shutting down: the segment waits
@@ -318,13 +321,14 @@ class UsageWriter:
 
 
 async def _count_superseded(lost_costs: dict[str, Decimal]) -> None:
-    """The `gateway_lost` rows a replay superseded now, their difference counted (`replayed.count_superseded`)."""
+    """The `gateway_lost` rows a write or a replay superseded now, their difference counted
+    (`replayed.count_superseded`)."""
     if not lost_costs:
         return
     try:
         await sync_to_async(replayed.count_superseded)(lost_costs)
     except Exception as exc:  # noqa: BLE001 - as `_count_replayed`: a counter rebuilt from the ledger later counts them
-        logger.warning("usage journal: %d superseded lost row(s) not counted in the quota counters: %r",
+        logger.warning("usage writer: %d superseded lost row(s) not counted in the quota counters: %r",
                        len(lost_costs), exc)
 
 

@@ -178,18 +178,19 @@ return 1
 
 
 def count_superseded(lost_costs: Mapping[str, Decimal]) -> int:
-    """Count the rows a replay of the journal wrote over the sweeper's `gateway_lost` rows of the same calls
-    (`billing.ledger.supersede_lost_rows`; `lost_costs`: each request id's cost as the lost row had it) in the quota
-    counters, once; returns how many rows. Blocking I/O (the ORM, Redis).
+    """Count the rows a replay of the journal, or a gateway woken from a freeze past its call's hold, wrote over the
+    sweeper's `gateway_lost` rows of the same calls (`billing.ledger.supersede_lost_rows`; `lost_costs`: each request
+    id's cost as the lost row had it) in the quota counters, once; returns how many rows. Blocking I/O (the ORM, Redis).
 
     The row keeps its `finished_at`, so it is counted in the same period as the lost row was, under the rules of
     `count_replayed`, but for the difference alone: the lost row's settlement (the sweeper's) counted its cost in the
     counters that existed then, and a counter rebuilt since read it from the ledger. Whole while the call's hold is still
-    there (the sweeper wrote the lost row and has not settled it: its settlement then finds the marker set here and adds
-    nothing). A counter that counted the journaled row at the call's own settlement (marked) adds nothing.
+    there (the sweeper wrote the lost row and has not settled it: its settlement, or the woken call's own, then finds the
+    marker set here and adds nothing). A counter that counted the journaled row at the call's own settlement (marked)
+    adds nothing.
 
-    NOTE: left open, a window of one round trip: a sweeper that settles the row after the replay's commit and before
-    this count settles the journal's cost, and this adds the difference again."""
+    NOTE: left open, a window of one round trip: a sweeper that settles the row after the superseding commit and before
+    this count settles the call's own cost, and this adds the difference again."""
     if not lost_costs:
         return 0
     close_old_connections()

@@ -11,9 +11,10 @@ were passed for the month.
 A reservation whose request has no usage row but a progress (`counters.record_progress`: its gateway's beat wrote the
 usage its stream had been answered so far) was a call whose gateway was lost mid-stream (killed, OOM): its row is
 written from that progress, marked `gateway_lost`, in the billing mode it was admitted under, and settled as above.
-Once: the ledger's unique request id writes one row whoever writes it (the call's own, if its gateway only froze,
-is then a no-op; one replayed from its gateway's journal supersedes it: `billing.ledger.supersede_lost_rows`), and
-the settlement's marker counts its spend once. Before, such a call was billed nothing for what it had streamed
+Once: the ledger's unique request id writes one row whoever writes it (the call's own, written by its gateway woken
+from a freeze or replayed from its journal, supersedes it: `billing.ledger.supersede_lost_rows`, the difference counted
+by `billing.quota.replayed.count_superseded`), and the settlement's marker counts its spend once (a woken gateway's
+settlement finds it, and releases nothing twice). Before, such a call was billed nothing for what it had streamed
 (up to `GATEWAY_MAX_ANSWER_WAIT_S`). What was answered after the gateway's last beat is not billed.
 
 Reservations live per organisation (in its Redis Cluster slot), so the sweep reads each

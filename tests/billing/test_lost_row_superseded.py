@@ -1,7 +1,9 @@
 """A call whose gateway journaled its whole row (PostgreSQL down) and was killed before settling, with PostgreSQL back
 only after its hold lapsed: the sweeper bills it from its last progress (`gateway_lost`), and the journal's replay of
 its whole row supersedes that row, its difference counted once in the counters and the rollups
-(`billing.ledger.supersede_lost_rows`, `billing.quota.replayed.count_superseded`)."""
+(`billing.ledger.supersede_lost_rows`, `billing.quota.replayed.count_superseded`). So does the row of a gateway that
+froze past the hold (not killed), woke and finished the call: its own write supersedes the lost row, and its
+settlement adds nothing and releases nothing twice."""
 
 import asyncio
 import dataclasses
@@ -27,7 +29,7 @@ from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
 from tests.billing.conftest import usage_report
 from tests.billing.test_journaled_spend import _key_spend, _replay, journal_dir  # noqa: F401 - a fixture used here
-from tests.billing.test_quota import _progress, reserve
+from tests.billing.test_quota import _progress, reserve, settle
 from tests.factories import EndpointFactory
 from tests.outages import database_refusing_connections
 
@@ -41,9 +43,17 @@ def _priced_endpoint():
                            price_output_per_million=Decimal("2"))
 
 
-def _killed_after_its_journal_append(endpoint, request_id: str, *, api_key=None, lost_at=None):
-    """A stream admitted ($0.70 held) whose last beat recorded 20,000 of its 200,000 tokens ($0.14), whose whole row
-    ($0.50) went to the journal (PostgreSQL down), and whose gateway was killed before it settled. Returns the row."""
+def _prepaid_endpoint():
+    """`_priced_endpoint` of an organisation billed prepaid, with $2 of credit."""
+    endpoint = _priced_endpoint()
+    set_billing_mode(SYSTEM, endpoint.organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, endpoint.organization, amount=Decimal("2.00"))
+    return endpoint
+
+
+def _streaming_with_progress(endpoint, request_id: str, *, api_key=None, lost_at=None):
+    """A stream admitted ($0.70 held) whose last beat recorded 20,000 of its 200,000 tokens ($0.14). Returns its
+    admission and its whole row ($0.50)."""
     admitted = asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=api_key.pk if api_key else None,
                                    amount=HELD, request_id=request_id))
     lost_at = lost_at or timezone.now() - timedelta(seconds=1)
@@ -51,6 +61,13 @@ def _killed_after_its_journal_append(endpoint, request_id: str, *, api_key=None,
     whole = dataclasses.replace(usage_report(endpoint, api_key=api_key, request_id=request_id, prompt_tokens=100_000,
                                              completion_tokens=200_000, finished_at=lost_at + timedelta(seconds=1)),
                                 max_cost=HELD, billing_mode=admitted.billing_mode)
+    return admitted, whole
+
+
+def _killed_after_its_journal_append(endpoint, request_id: str, *, api_key=None, lost_at=None):
+    """A stream (`_streaming_with_progress`) whose whole row went to the journal (PostgreSQL down), and whose gateway
+    was killed before it settled. Returns the row."""
+    _, whole = _streaming_with_progress(endpoint, request_id, api_key=api_key, lost_at=lost_at)
     with database_refusing_connections():
         assert asyncio.run(usage_writer.arecord_usage(whole)) is Recorded.JOURNALED
     return whole
@@ -133,10 +150,8 @@ def test_the_difference_of_a_closed_hour_is_an_adjustment_pushed_to_stripe_on_it
 def test_a_lost_row_not_settled_yet_is_counted_whole_by_the_replay_and_its_settlement_adds_nothing(settings):
     # The sweeper wrote the lost row and was killed before it settled the hold; the replay comes before its next run.
     settings.BILLING_RESERVATION_TTL_S = 600
-    endpoint = _priced_endpoint()
+    endpoint = _prepaid_endpoint()
     organization = endpoint.organization
-    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
-    grant_credits(SYSTEM, organization, amount=Decimal("2.00"))
     _killed_after_its_journal_append(endpoint, "streamed")
     credit_before = int(get_redis().get(redis_keys.credit_key(organization.pk)))
     assert sweeper._record_lost_calls(get_redis(), organization.pk, ["streamed"]) == 1
@@ -164,3 +179,66 @@ def test_a_journaled_row_replayed_before_the_sweep_leaves_no_lost_row(settings):
     assert (row.status, row.completion_tokens, row.cost) == ("ok", 200_000, Decimal("0.50"))
     assert reads.counted_spend(organization.pk) == Decimal("0.50") and reads.reserved_now(organization.pk) == 0
     assert not get_redis().hlen(redis_keys.progress_key(organization.pk))
+
+
+def _wakes_and_finishes(admitted, whole) -> Recorded:
+    """A stream's gateway froze (a long pause, its VM paused), then wakes and ends its call as `InferenceCall._finish`
+    does: its row, then its settlement."""
+    recorded = asyncio.run(usage_writer.arecord_usage(whole))
+    asyncio.run(settle(admitted, Decimal("0.50"), fresh_id=True))  # its cost, as it priced its row
+    return recorded
+
+
+def test_a_frozen_gateways_own_row_written_after_the_sweep_supersedes_the_lost_row_and_is_counted_once(settings):
+    # Before, its row was refused as a duplicate: the call stayed gateway_lost with 20,000 tokens, billed $0.14.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    admitted, whole = _streaming_with_progress(endpoint, "frozen", api_key=key)
+    _sweep_after_the_hold_lapsed()  # the hold lapsed while it was frozen: lost row written and settled
+    lost = UsageRecord.objects.get()
+    assert (lost.status, lost.cost) == ("gateway_lost", Decimal("0.14"))
+    assert reads.counted_spend(organization.pk) == Decimal("0.14") and reads.reserved_now(organization.pk) == 0
+    rollup_usage()
+
+    recorded = _wakes_and_finishes(admitted, whole)
+
+    row = UsageRecord.objects.get()
+    assert (row.status, row.prompt_tokens, row.completion_tokens, row.cost) == ("ok", 100_000, 200_000, Decimal("0.50"))
+    assert recorded is Recorded.WRITTEN
+    assert row.finished_at == lost.finished_at and row.api_key_id == key.pk
+    # Counted once: the lost row's $0.14 and the difference, not the settlement's $0.50 on top; nothing released twice.
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+    assert reads.reserved_now(organization.pk) == 0
+    assert int(get_redis().get(redis_keys.key_reserved_key(organization.pk, key.pk)) or 0) == 0
+    rollup_usage()
+    _assert_rollups_equal_the_ledger()
+
+    # A second attempt (the same finish again), and the sweeper again: nothing changes.
+    assert _wakes_and_finishes(admitted, whole) is Recorded.DUPLICATE
+    assert sweeper.sweep_expired_reservations(now=time.time() + 86_400) == 0
+    row = UsageRecord.objects.get()
+    assert (row.status, row.completion_tokens, row.cost) == ("ok", 200_000, Decimal("0.50"))
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+    assert reads.reserved_now(organization.pk) == 0
+
+
+def test_a_frozen_gateways_row_over_a_lost_row_not_settled_yet_is_counted_whole_and_its_hold_released_once(settings):
+    # The sweeper wrote the lost row and was killed before it settled; the gateway wakes before its next run: its write
+    # counts the whole cost (and marks it settled), its settlement only releases the hold, and the sweep finds nothing.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _prepaid_endpoint()
+    organization = endpoint.organization
+    admitted, whole = _streaming_with_progress(endpoint, "frozen")
+    credit_before = int(get_redis().get(redis_keys.credit_key(organization.pk)))
+    assert sweeper._record_lost_calls(get_redis(), organization.pk, ["frozen"]) == 1
+
+    recorded = _wakes_and_finishes(admitted, whole)
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 0
+
+    row = UsageRecord.objects.get()
+    assert (row.status, row.completion_tokens, row.cost) == ("ok", 200_000, Decimal("0.50"))
+    assert recorded is Recorded.WRITTEN
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") and reads.reserved_now(organization.pk) == 0
+    assert int(get_redis().get(redis_keys.credit_key(organization.pk))) == credit_before - to_units(Decimal("0.50"))

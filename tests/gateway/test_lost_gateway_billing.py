@@ -1,5 +1,8 @@
 """A gateway lost mid-stream (SIGKILL, OOM kill): what its streams delivered is billed once, by the sweeper, from the
-progress its beats recorded; a call that ended normally is billed by its own row only."""
+progress its beats recorded; a call that ended normally is billed by its own row only; a gateway that only froze past
+its call's hold (SIGSTOP) and woke bills the whole call by its own row, once."""
+
+import signal
 
 import httpx
 import pytest
@@ -39,13 +42,20 @@ def _holds(organization_id: int, api_key_id: int) -> tuple[int, int, int, int]:
             redis.hlen(redis_keys.progress_key(organization_id)))
 
 
+def _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path):
+    """An endpoint whose engine streams at `TOKEN_DELAY_MS`, and a gateway process whose calls' holds last 3 s past
+    its last beat."""
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=TOKEN_DELAY_MS))
+    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
+    return endpoint, child, gateway
+
+
 def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sweeper(
         tenant, start_mock_upstream, tmp_path):
     # Before, a gateway killed mid-stream wrote no usage row: its call's hold lapsed at its deadline and the sweeper,
     # finding no row, released it. Every token the stream had delivered (up to 6 h of them) was never billed.
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=TOKEN_DELAY_MS))
+    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
     org, key = tenant.org.pk, tenant.api_key.pk
-    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
     received = 0
     try:
         with _stream(gateway, tenant.key, endpoint.name, max_tokens=400) as response:  # ~20 s
@@ -80,11 +90,50 @@ def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sw
     assert _spent_counted(org) == to_units(row.cost)
 
 
+def test_a_gateway_frozen_past_its_calls_hold_bills_the_whole_call_by_its_own_row_once_it_wakes(
+        tenant, start_mock_upstream, tmp_path):
+    # Before, the woken gateway's row was refused as a duplicate of the sweeper's: the call stayed gateway_lost, billed
+    # from its last beat, and the rest of what it streamed was never billed.
+    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
+    org, key = tenant.org.pk, tenant.api_key.pk
+    received = 0
+    try:
+        with _stream(gateway, tenant.key, endpoint.name, max_tokens=200) as response:  # ~10 s
+            request_id = response.headers["x-request-id"]
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                received += 1
+                if received == 60:  # ~3 s in: some three beats
+                    child.kill(signal.SIGSTOP)  # a stop-the-world pause, a VM paused: its beats stop
+                    try:
+                        wait_until(lambda: sweep_expired_reservations() == 1, 15, interval_s=0.5,
+                                   message="the frozen gateway's lapsed hold swept")
+                    finally:
+                        child.kill(signal.SIGCONT)
+                    lost = UsageRecord.objects.get()
+                    assert (lost.status, lost.request_id) == ("gateway_lost", request_id)
+                    assert lost.completion_tokens < 200
+                    assert _spent_counted(org) == to_units(lost.cost)
+            # It wakes and finishes the call: its row, then its settlement.
+            wait_until(lambda: UsageRecord.objects.get().status == "ok", 15, message="the woken gateway's row")
+    finally:
+        child.stop()
+    assert received >= 200
+    row = UsageRecord.objects.get()
+    assert (row.request_id, row.completion_tokens, row.api_key_id) == (request_id, 200, key)
+    assert row.finished_at == lost.finished_at and row.cost > lost.cost
+    # Counted once, its whole cost (not the lost row's and the whole row's); nothing held, nothing released twice.
+    assert _spent_counted(org) == to_units(period_spend(org, period_containing())) == to_units(row.cost)
+    assert _holds(org, key) == (0, 0, 0, 0)
+    assert sweep_expired_reservations(now=redis_time() + 86_400) == 0
+    assert _spent_counted(org) == to_units(row.cost)
+
+
 def test_a_call_that_ended_normally_leaves_no_progress_and_a_later_sweep_writes_no_second_row(
         tenant, start_mock_upstream, tmp_path):
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=TOKEN_DELAY_MS))
+    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
     org, key = tenant.org.pk, tenant.api_key.pk
-    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
     received, progress_seen = 0, False
     try:
         with _stream(gateway, tenant.key, endpoint.name, max_tokens=60) as response:  # ~3 s
