@@ -190,7 +190,8 @@ class UsageWriter:
         await _count_superseded(superseded)
         return _outcomes(reports, written | superseded.keys(), refused)
 
-    async def _write_rows(self, reports: list[UsageReport]) -> tuple[set[str], dict[str, Exception], dict[str, Decimal]]:
+    async def _write_rows(self, reports: list[UsageReport], *, supersede: bool = True,
+                          ) -> tuple[set[str], dict[str, Exception], dict[str, Decimal]]:
         """A batch into the ledger, a call's own or a journal's: the request ids written now, those refused
         (`UnknownEndpointError`), and the cost of each `gateway_lost` row it superseded
         (`billing.ledger.supersede_lost_rows`).
@@ -204,7 +205,13 @@ class UsageWriter:
             written, refused = await record_usage_batch_on(self._connection, reports), {}
         except UnknownEndpointError as exc:
             written, refused = exc.written_ids, dict.fromkeys(exc.refused_ids, exc)
-        return written, refused, await supersede_lost_rows_on(self._connection, reports, written)
+        return written, refused, await self._supersede(reports, written) if supersede else {}
+
+    async def _supersede(self, reports: list[UsageReport], written: set[str]) -> dict[str, Decimal]:
+        """The cost of each `gateway_lost` row that the rows of `reports` not written now superseded."""
+        if self._connection is None or self._connection.closed:
+            self._connection = await _connect()
+        return await supersede_lost_rows_on(self._connection, reports, written)
 
     async def _journal(self, reports: list[UsageReport]) -> list[Recorded]:
         await asyncio.to_thread(journal().append, reports)
@@ -288,14 +295,11 @@ class UsageWriter:
                     batch = reports[first:first + self.max_batch]
                     await _register_replaying(batch)
                     try:
-                        written, refused, superseded = await asyncio.wait_for(self._write_rows(batch),
-                                                                              WRITE_TIMEOUT_S)
+                        written, refused, _ = await asyncio.wait_for(self._write_rows(batch, supersede=False),
+                                                                     WRITE_TIMEOUT_S)
                     except psycopg.DatabaseError as exc:
                         if not _about_the_rows(exc):  # down, read-only, shutting down: the segment waits
-                            outage = _as_outage(exc)
-                            if outage is exc:
-                                raise
-                            raise outage from exc
+                            _raise_outage(exc)
                         # NOTE: rows the database refuses for what they hold would block the journal forever.
                         logger.error("usage journal: a batch refused by the ledger (%r) set aside", exc)
                         self.close_now()
@@ -303,6 +307,17 @@ class UsageWriter:
                         continue
                     rejected += [report for report in batch if report.request_id in refused]
                     await _count_replayed(written)
+                    # NOTE: the rows written now are counted before the lost rows are superseded, never after both: a
+                    # supersede that failed once the insert had committed left them uncounted for good (their retry
+                    # writes nothing new; found by this stop's review). The segment waits, and its retry supersedes.
+                    try:
+                        superseded = await asyncio.wait_for(self._supersede(batch, written), WRITE_TIMEOUT_S)
+                    except psycopg.DatabaseError as exc:
+                        self.close_now()
+                        if not _about_the_rows(exc):
+                            _raise_outage(exc)
+                        logger.error("usage journal: a batch's lost rows not superseded (%r): billed as lost", exc)
+                        continue
                     await _count_superseded(superseded)
                 await asyncio.to_thread(usage_journal.done, path, rejected)
                 logger.info("usage journal: %d report(s) replayed from %s", len(reports) - len(rejected), path.name)
@@ -318,6 +333,14 @@ class UsageWriter:
         connection, self._connection = self._connection, None
         if connection is not None and not connection.closed:
             connection.pgconn.finish()
+
+
+def _raise_outage(exc: psycopg.DatabaseError) -> None:
+    """Raise `exc` as the outage it is (`_as_outage`): the segment waits for the next replay."""
+    outage = _as_outage(exc)
+    if outage is exc:
+        raise exc
+    raise outage from exc
 
 
 async def _count_superseded(lost_costs: dict[str, Decimal]) -> None:

@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 from decimal import Decimal
 
+import psycopg
 import pytest
 from django.db.models import Sum
 from django.utils import timezone
@@ -242,3 +243,39 @@ def test_a_frozen_gateways_row_over_a_lost_row_not_settled_yet_is_counted_whole_
     assert recorded is Recorded.WRITTEN
     assert reads.counted_spend(organization.pk) == Decimal("0.50") and reads.reserved_now(organization.pk) == 0
     assert int(get_redis().get(redis_keys.credit_key(organization.pk))) == credit_before - to_units(Decimal("0.50"))
+
+
+def test_rows_a_replay_wrote_are_counted_though_its_supersede_failed_after_the_insert(settings, monkeypatch):
+    """The replay's insert and its supersede ran as one step, and its rows were counted after both: a supersede that
+    failed (PostgreSQL gone again) after the insert committed left the rows written then uncounted for good, since
+    their retry writes nothing new (found by this stop's review)."""
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    _, whole = _streaming_with_progress(endpoint, "streamed")
+    _sweep_after_the_hold_lapsed()  # the lost row, $0.14
+    fresh = usage_report(endpoint, request_id="fresh", prompt_tokens=100_000, completion_tokens=100_000)
+
+    async def journaled_together():
+        return await asyncio.gather(usage_writer.arecord_usage(whole), usage_writer.arecord_usage(fresh))
+
+    with database_refusing_connections():
+        assert asyncio.run(journaled_together()) == [Recorded.JOURNALED] * 2
+    assert reads.counted_spend(organization.pk) == Decimal("0.14")
+    supersede, calls = usage_writer.supersede_lost_rows_on, []
+
+    async def gone_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise psycopg.OperationalError("the connection is lost")
+        return await supersede(*args, **kwargs)
+
+    monkeypatch.setattr(usage_writer, "supersede_lost_rows_on", gone_once)
+    with pytest.raises(psycopg.OperationalError):
+        _replay()
+    assert UsageRecord.objects.get(request_id="fresh").cost == Decimal("0.30")
+    assert reads.counted_spend(organization.pk) == Decimal("0.14") + Decimal("0.30")  # the fresh row counted
+
+    _replay()  # the segment waited: its retry supersedes the lost row
+    assert UsageRecord.objects.get(request_id="streamed").status == "ok"
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") + Decimal("0.30")
