@@ -281,6 +281,23 @@ def test_a_dispute_of_a_charge_or_customer_not_ours_is_accepted_and_ignored(bill
     _spend(billed.org, "0.01")
 
 
+def test_a_dispute_of_a_payment_by_a_customer_deleted_since_holds_its_organisation(billed):
+    """Before, a new dispute's organisation was found only by the account's customer: a chargeback of a payment by a
+    customer Stripe deleted since was dropped, no hold and no audit. The deleted customer keeps its organisation."""
+    from billing.models import Dispute
+
+    charge = _paid_by_card(billed)
+    _webhook("customer.deleted", billed.stripe.delete_customer(billed.customer))
+    _spend(billed.org, "0.01")
+    dispute = billed.stripe.dispute(charge["id"])
+    _dispute_event("charge.dispute.created", dispute)
+    _dispute_event("charge.dispute.created", dispute)  # another delivery: mirrored once
+
+    assert Dispute.objects.get(stripe_dispute_id=dispute["id"]).organization_id == billed.org.pk
+    assert _refusal(billed.org, "0.01").reason == "disputed"
+    assert AuditEvent.objects.filter(action="billing.disputed").count() == 1
+
+
 def test_a_dispute_whose_charge_cannot_be_read_is_a_503_and_holds_when_stripe_sends_it_again(billed):
     dispute = billed.stripe.dispute(_paid_by_card(billed)["id"])
     event = {"id": "evt_dispute", "object": "event", "type": "charge.dispute.created", "created": int(time.time()),
