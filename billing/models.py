@@ -414,6 +414,9 @@ class Invoice(models.Model):
 
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="invoices")
     stripe_invoice_id = models.CharField(max_length=64, unique=True)
+    # The Stripe customer it bills (empty: mirrored before it was kept, `billing/0020`): one deleted since
+    # (`DeletedStripeCustomer`) has no card to charge (`billing.standing.past_due_since`).
+    stripe_customer_id = models.CharField(max_length=64, blank=True, db_index=True)
     number = models.CharField(max_length=64, blank=True)
     status = models.CharField(max_length=32)  # draft, open, paid, uncollectible, void
     currency = models.CharField(max_length=8, default="usd")

@@ -120,6 +120,7 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
             invoice.save(update_fields=["payment_failed_at"])
         return invoice
     invoice = invoice or Invoice(organization_id=organization_id, stripe_invoice_id=data["id"])
+    invoice.stripe_customer_id = stripe_sync.reference_id(data.get("customer")) or invoice.stripe_customer_id
     invoice.number = data.get("number") or ""
     invoice.status = status
     invoice.currency = data.get("currency") or "usd"

@@ -387,6 +387,37 @@ def test_an_uncollectible_invoice_paid_a_later_second_is_paid_and_an_older_uncol
     _spend(billed.org, "0.01")
 
 
+def test_a_deleted_customers_unpaid_invoice_holds_its_organisation_only_while_it_has_no_card(
+        billed, member_client_factory):
+    """The deletion finalises the deleted customer's draft, which no card can pay: its payment fails. Before, that
+    failure ran the grace period like any other, and a week on an organisation paying with its new customer's card
+    was held. It holds only an organisation with no way to pay now; it stays owed, shown, and is never forgiven."""
+    client = member_client_factory(billed.org, Role.ADMIN)
+    _customer_event(billed, "pm_card_visa")
+    old_customer = billed.customer
+    _webhook("customer.deleted", billed.stripe.delete_customer(old_customer))
+    _webhook("invoice.payment_failed", {"id": "in_final", "object": "invoice", "customer": old_customer,
+                                        "status": "open", "currency": "usd", "amount_due": 4200, "amount_paid": 0,
+                                        "lines": {"object": "list", "data": []}})
+    billed.customer = stripe_sync.ensure_customer(billed.org.pk)  # the next push's, or the portal link's
+    _customer_event(billed, "pm_card_visa")
+
+    assert services.review_all_payment_standing(now=timezone.now() + timedelta(days=8)) == 0
+    _spend(billed.org, "2.00")  # past the limit without a card: the new card counts
+    assert client.get("/api/v1/billing/").json()["standing"]["num_unpaid_invoices_without_card"] == 1
+    assert 'data-testid="unpaid-without-card"' in _billing_page(billed.org, client.user)
+
+    _customer_event(billed, None)  # no card any more: the invoice owed holds, as any other
+    assert services.review_all_payment_standing(now=timezone.now() + timedelta(days=8)) == 1
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+
+    _webhook("invoice.paid", {"id": "in_final", "object": "invoice", "customer": old_customer, "status": "paid",
+                              "currency": "usd", "amount_due": 4200, "amount_paid": 4200,
+                              "lines": {"object": "list", "data": []}})
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since is None
+    assert client.get("/api/v1/billing/").json()["standing"]["num_unpaid_invoices_without_card"] == 0
+
+
 def test_a_hold_that_did_not_reach_redis_is_written_by_the_next_review(billed, monkeypatch):
     from billing.quota import counters
 
@@ -499,7 +530,8 @@ def test_the_billing_api_and_page_show_the_standing_and_a_card_added_in_the_port
     client = member_client_factory(billed.org, Role.ADMIN)
     standing = client.get("/api/v1/billing/").json()["standing"]
     assert standing == {"payment_method_on_file": False, "limit_without_payment_method": "1.00",
-                        "effective_spend_cap": "1.00", "past_due_since": None, "hold_reason": None}
+                        "effective_spend_cap": "1.00", "past_due_since": None, "hold_reason": None,
+                        "num_unpaid_invoices_without_card": 0}
 
     console = Client()
     console.force_login(client.user)
