@@ -106,6 +106,7 @@ def _standing_fields(account: BillingAccount) -> dict:
         "effective_spend_cap": _money_or_none(shown["effective_spend_cap"]),
         "past_due_since": shown["past_due_since"].isoformat() if shown["past_due_since"] else None,
         "hold_reason": shown["hold_reason"] or None,
+        "num_unpaid_invoices_without_card": shown["num_unpaid_invoices_without_card"],
     }
 
 
@@ -142,6 +143,9 @@ BILLING_OVERVIEW = inline_serializer("BillingOverview", {
             choices=["past_due", "disputed"], allow_null=True,
             help_text="What stops inference: past_due (an unpaid invoice) or disputed (a payment disputed with "
                       "the card's bank); null: in good standing"),
+        "num_unpaid_invoices_without_card": serializers.IntegerField(
+            help_text="Unpaid invoices of a Stripe customer deleted since: still owed, no card charges them; pay each "
+                      "from its page (`hosted_invoice_url`). They stop inference only while no payment method is on file"),
     }),
     "credits": CreditGrantSerializer(many=True),
     "invoices": InvoiceSerializer(many=True),

@@ -392,9 +392,21 @@ class StripeEvent(models.Model):
     received_at = models.DateTimeField(default=timezone.now)
 
 
+# Invoice states (Stripe's `status`) of an invoice that bills the usage of its period: finalised, and paid or owed.
+# NOTE: not void: Stripe's void is a deletion that keeps a paper trail, owed by nobody, so it bills nothing and the
+# usage of its period goes to the next invoice that can (`billing.services.push_again`). An uncollectible one is still
+# owed (Stripe takes a payment of it, and its hold stands: `billing.standing`): billed, as an open one. A draft bills
+# its period once finalised (`billing.stripe_sync.customer_invoiced_until`).
+BILLING_INVOICE_STATUSES = ("open", "paid", "uncollectible")
+
+
 class InvoiceQuerySet(models.QuerySet):
     def for_org(self, organization):
         return self.filter(organization=organization)
+
+    def billing(self):
+        """Those that bill the usage of their period (`BILLING_INVOICE_STATUSES`)."""
+        return self.filter(status__in=BILLING_INVOICE_STATUSES)
 
 
 class Invoice(models.Model):
@@ -402,6 +414,9 @@ class Invoice(models.Model):
 
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="invoices")
     stripe_invoice_id = models.CharField(max_length=64, unique=True)
+    # The Stripe customer it bills (empty: mirrored before it was kept, `billing/0020`): one deleted since
+    # (`DeletedStripeCustomer`) has no card to charge (`billing.standing.past_due_since`).
+    stripe_customer_id = models.CharField(max_length=64, blank=True, db_index=True)
     number = models.CharField(max_length=64, blank=True)
     status = models.CharField(max_length=32)  # draft, open, paid, uncollectible, void
     currency = models.CharField(max_length=8, default="usd")

@@ -242,12 +242,13 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
 
 def _pushed_uninvoiced(organization_id: int, customer_id: str, stripe_invoiced_until: datetime | None = None):
     """The organisation's postpaid rollups with an event of their push generation that went to `customer_id` (or,
-    recorded before the customer was kept, `billing/0017`, to whichever it had then) dated after every invoice it has
-    that Stripe finalised (not a draft), mirrored or up to `stripe_invoiced_until`: those no invoice bills whole."""
+    recorded before the customer was kept, `billing/0017`, to whichever it had then) dated after every invoice of it
+    that bills its period (`Invoice.objects.billing()`: finalised, not void), mirrored or up to `stripe_invoiced_until`:
+    those no invoice bills whole."""
     events = MeterEventPush.objects.filter(
         Q(stripe_customer_id=customer_id) | Q(stripe_customer_id=""), rollup__organization_id=organization_id,
         rollup__billing_mode=BillingMode.POSTPAID, push_generation=F("rollup__push_generation"))
-    mirrored_until = (Invoice.objects.filter(organization_id=organization_id).exclude(status="draft")
+    mirrored_until = (Invoice.objects.filter(organization_id=organization_id).billing()
                       .aggregate(until=Max("period_end"))["until"])
     invoiced_until = max((until for until in (mirrored_until, stripe_invoiced_until) if until is not None), default=None)
     if invoiced_until is not None:

@@ -11,7 +11,11 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   account that pays by bank transfer `invoiced_without_card`. Prepaid accounts spend only credit.
 - **Past due.** An invoice whose payment failed and that is still unpaid `PAST_DUE_GRACE_DAYS` after
   the failure (Stripe retries meanwhile), or that Stripe marked uncollectible, stops every call of the
-  organisation until it is paid or voided. Endpoints, keys and data stay; only inference stops.
+  organisation until it is paid or voided. Endpoints, keys and data stay; only inference stops. An
+  invoice of a customer Stripe deleted since (`DeletedStripeCustomer`: its drafts finalised by the deletion)
+  has no card to charge, and the organisation did not delete it: it stops the organisation only while the
+  organisation has no way to pay now (`can_pay_now`). Otherwise it stays owed, shown on the billing page
+  (`num_unpaid_invoices_without_card`), and paid from its page; it holds again if the card goes.
 - **Disputed.** A payment disputed with the card's bank (a chargeback, or the inquiry before one) stops
   every call at once, while the dispute is open and after it is lost: a dispute leaves its invoice `paid`,
   so without this a stolen card ran a month, was disputed, and ran the next. A dispute won, an inquiry
@@ -30,7 +34,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.utils import timezone
 
-from billing.models import BillingAccount, Dispute, Invoice
+from billing.models import BillingAccount, DeletedStripeCustomer, Dispute, Invoice
 
 # Invoice states that still owe money (Stripe's `status`).
 UNPAID_STATUSES = ("open", "uncollectible")
@@ -81,6 +85,19 @@ def spend_limit(account: BillingAccount) -> SpendLimit:
     return SpendLimit(own, "org_cap")
 
 
+def can_pay_now(account: BillingAccount) -> bool:
+    """Whether the organisation's invoices from now on are collected: a card on its Stripe customer, or staff's word
+    that it pays by bank transfer."""
+    return account.payment_method_on_file or account.invoiced_without_card
+
+
+def unpaid_invoices_without_card(organization_id: int):
+    """The organisation's unpaid invoices of Stripe customers deleted since: no card charges them."""
+    deleted = DeletedStripeCustomer.objects.filter(organization_id=organization_id).values("stripe_customer_id")
+    return Invoice.objects.filter(organization_id=organization_id, status__in=UNPAID_STATUSES,
+                                  stripe_customer_id__in=deleted)
+
+
 def past_due_since(organization_id: int, now: datetime | None = None) -> datetime | None:
     """Since when the organisation's unpaid invoices stop its inference, or None when none does."""
     if not bills_through_stripe():
@@ -88,6 +105,12 @@ def past_due_since(organization_id: int, now: datetime | None = None) -> datetim
     now = now or timezone.now()
     grace = timedelta(days=settings.PAST_DUE_GRACE_DAYS)
     unpaid = Invoice.objects.filter(organization_id=organization_id, status__in=UNPAID_STATUSES)
+    account = BillingAccount.objects.filter(organization_id=organization_id).first()
+    if account is not None and can_pay_now(account):
+        # NOTE: a deleted customer's invoice fails for want of a card, whatever the organisation does: it does not
+        # hold an organisation that pays (before, its failure ran the grace period, and a paying customer with a
+        # new card was held). It is not forgiven: still owed, and it holds again if the card goes.
+        unpaid = unpaid.exclude(pk__in=unpaid_invoices_without_card(organization_id).values("pk"))
     moments = []
     for status, failed_at, updated_at, due, paid in unpaid.values_list(
             "status", "payment_failed_at", "updated_at", "amount_due", "amount_paid"):
@@ -155,4 +178,5 @@ def standing(account: BillingAccount) -> dict:
         "effective_spend_cap": limit.cap,
         "past_due_since": account.past_due_since,
         "hold_reason": hold_reason(account),
+        "num_unpaid_invoices_without_card": unpaid_invoices_without_card(account.organization_id).count(),
     }

@@ -47,7 +47,14 @@ from django.db.models import Case, IntegerField, Q, Value, When
 from django.utils import timezone
 
 from billing import services, standing
-from billing.models import BillingAccount, BillingMode, MeterEventPush, StripeMeter, UsageRollup
+from billing.models import (
+    BILLING_INVOICE_STATUSES,
+    BillingAccount,
+    BillingMode,
+    MeterEventPush,
+    StripeMeter,
+    UsageRollup,
+)
 from controlplane.accounts.models import Organization
 from controlplane.redis_client import held_alone
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
@@ -298,8 +305,9 @@ def charge_payer(charge_id: str, *, attempts: int = MAX_ATTEMPTS) -> tuple[str, 
 
 
 def customer_invoiced_until(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> datetime | None:
-    """The latest end of the periods of Stripe's invoices of `customer_id` that are not drafts (finalised: they bill
-    the usage of their period), or None, once its drafts are finalised. Read for a customer just deleted
+    """The latest end of the periods of Stripe's invoices of `customer_id` that bill the usage of their period
+    (`billing.models.BILLING_INVOICE_STATUSES`: finalised, not void), or None, once its drafts are finalised. Before, a
+    void one counted too, though it bills nothing: its usage went to no customer, never billed. Read for a customer just deleted
     (`billing.webhooks`): its invoices' own webhooks may come after its deletion's, and the usage they bill must not
     go again to the next customer.
 
@@ -316,7 +324,8 @@ def customer_invoiced_until(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -
     for invoice in invoices.auto_paging_iter():
         if invoice.status == "draft":
             invoice = _finalized(invoice.id, attempts=attempts)
-        if (invoice.status != "draft" or invoice.to_dict().get("auto_advance")) and invoice.period_end:
+        if (invoice.status in BILLING_INVOICE_STATUSES or (invoice.status == "draft" and invoice.to_dict().get(
+                "auto_advance"))) and invoice.period_end:
             ends.append(invoice.period_end)
         elif invoice.status == "draft":
             logger.warning("the draft invoice %s of the deleted customer %s cannot be finalised and is not advanced "

@@ -120,6 +120,7 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
             invoice.save(update_fields=["payment_failed_at"])
         return invoice
     invoice = invoice or Invoice(organization_id=organization_id, stripe_invoice_id=data["id"])
+    invoice.stripe_customer_id = stripe_sync.reference_id(data.get("customer")) or invoice.stripe_customer_id
     invoice.number = data.get("number") or ""
     invoice.status = status
     invoice.currency = data.get("currency") or "usd"
@@ -182,14 +183,17 @@ def _deleted_customer_invoiced_until(event: dict) -> datetime | None:
 
 def mirror_dispute(data: dict, *, payer: tuple[str, str], event_created: int) -> Dispute | None:
     """Mirror the dispute of a `charge.dispute.*` event. A dispute already mirrored is found by its own id; a new
-    one's organisation by its charge's customer (`payer`), or else its charge's invoice. One whose organisation is
-    not known (a charge of another product on the same Stripe account, say) is logged and left."""
+    one's organisation by its charge's customer (`payer`), the account's or one Stripe deleted since
+    (`DeletedStripeCustomer`), or else its charge's invoice. One whose organisation is not known (a charge of another
+    product on the same Stripe account, say) is logged and left.
+
+    NOTE: before, only the account's customer: a chargeback of a payment by a customer deleted since was dropped,
+    and held nobody."""
     dispute = Dispute.objects.filter(stripe_dispute_id=data["id"]).first()
     if dispute is None:
         customer_id, invoice_id = payer
-        by_customer = BillingAccount.objects.filter(stripe_customer_id=customer_id or "-")
         by_invoice = Invoice.objects.filter(stripe_invoice_id=invoice_id or "-")
-        organization_id = (by_customer.values_list("organization_id", flat=True).first()
+        organization_id = (_organization_of_customer(customer_id or "-")
                            or by_invoice.values_list("organization_id", flat=True).first())
         if organization_id is None:
             logger.warning("stripe dispute %s of charge %s for unknown customer %s", data.get("id"), data.get("charge"),

@@ -281,6 +281,23 @@ def test_a_dispute_of_a_charge_or_customer_not_ours_is_accepted_and_ignored(bill
     _spend(billed.org, "0.01")
 
 
+def test_a_dispute_of_a_payment_by_a_customer_deleted_since_holds_its_organisation(billed):
+    """Before, a new dispute's organisation was found only by the account's customer: a chargeback of a payment by a
+    customer Stripe deleted since was dropped, no hold and no audit. The deleted customer keeps its organisation."""
+    from billing.models import Dispute
+
+    charge = _paid_by_card(billed)
+    _webhook("customer.deleted", billed.stripe.delete_customer(billed.customer))
+    _spend(billed.org, "0.01")
+    dispute = billed.stripe.dispute(charge["id"])
+    _dispute_event("charge.dispute.created", dispute)
+    _dispute_event("charge.dispute.created", dispute)  # another delivery: mirrored once
+
+    assert Dispute.objects.get(stripe_dispute_id=dispute["id"]).organization_id == billed.org.pk
+    assert _refusal(billed.org, "0.01").reason == "disputed"
+    assert AuditEvent.objects.filter(action="billing.disputed").count() == 1
+
+
 def test_a_dispute_whose_charge_cannot_be_read_is_a_503_and_holds_when_stripe_sends_it_again(billed):
     dispute = billed.stripe.dispute(_paid_by_card(billed)["id"])
     event = {"id": "evt_dispute", "object": "event", "type": "charge.dispute.created", "created": int(time.time()),
@@ -368,6 +385,37 @@ def test_an_uncollectible_invoice_paid_a_later_second_is_paid_and_an_older_uncol
 
     assert Invoice.objects.get().status == "paid"
     _spend(billed.org, "0.01")
+
+
+def test_a_deleted_customers_unpaid_invoice_holds_its_organisation_only_while_it_has_no_card(
+        billed, member_client_factory):
+    """The deletion finalises the deleted customer's draft, which no card can pay: its payment fails. Before, that
+    failure ran the grace period like any other, and a week on an organisation paying with its new customer's card
+    was held. It holds only an organisation with no way to pay now; it stays owed, shown, and is never forgiven."""
+    client = member_client_factory(billed.org, Role.ADMIN)
+    _customer_event(billed, "pm_card_visa")
+    old_customer = billed.customer
+    _webhook("customer.deleted", billed.stripe.delete_customer(old_customer))
+    _webhook("invoice.payment_failed", {"id": "in_final", "object": "invoice", "customer": old_customer,
+                                        "status": "open", "currency": "usd", "amount_due": 4200, "amount_paid": 0,
+                                        "lines": {"object": "list", "data": []}})
+    billed.customer = stripe_sync.ensure_customer(billed.org.pk)  # the next push's, or the portal link's
+    _customer_event(billed, "pm_card_visa")
+
+    assert services.review_all_payment_standing(now=timezone.now() + timedelta(days=8)) == 0
+    _spend(billed.org, "2.00")  # past the limit without a card: the new card counts
+    assert client.get("/api/v1/billing/").json()["standing"]["num_unpaid_invoices_without_card"] == 1
+    assert 'data-testid="unpaid-without-card"' in _billing_page(billed.org, client.user)
+
+    _customer_event(billed, None)  # no card any more: the invoice owed holds, as any other
+    assert services.review_all_payment_standing(now=timezone.now() + timedelta(days=8)) == 1
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+
+    _webhook("invoice.paid", {"id": "in_final", "object": "invoice", "customer": old_customer, "status": "paid",
+                              "currency": "usd", "amount_due": 4200, "amount_paid": 4200,
+                              "lines": {"object": "list", "data": []}})
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since is None
+    assert client.get("/api/v1/billing/").json()["standing"]["num_unpaid_invoices_without_card"] == 0
 
 
 def test_a_hold_that_did_not_reach_redis_is_written_by_the_next_review(billed, monkeypatch):
@@ -482,7 +530,8 @@ def test_the_billing_api_and_page_show_the_standing_and_a_card_added_in_the_port
     client = member_client_factory(billed.org, Role.ADMIN)
     standing = client.get("/api/v1/billing/").json()["standing"]
     assert standing == {"payment_method_on_file": False, "limit_without_payment_method": "1.00",
-                        "effective_spend_cap": "1.00", "past_due_since": None, "hold_reason": None}
+                        "effective_spend_cap": "1.00", "past_due_since": None, "hold_reason": None,
+                        "num_unpaid_invoices_without_card": 0}
 
     console = Client()
     console.force_login(client.user)

@@ -314,6 +314,32 @@ def test_a_draft_stripe_refuses_to_finalise_bills_its_usage_only_if_stripe_advan
     assert stripe_sync.push_pending_rollups() == (0 if advanced_by_stripe else 1)
 
 
+@pytest.mark.parametrize("mirrored", [True, False])
+def test_usage_a_deleted_customers_void_invoice_billed_goes_again_to_the_next(fake_stripe, mirrored):
+    """A void invoice bills nothing (Stripe's void is a deletion that keeps a paper trail). Before, the deletion
+    counted its period as billed, mirrored or as Stripe lists it, and its 7th hour went to no customer: never billed.
+    It goes again, with the 5th, to the next customer, whether its webhooks came before the deletion or not yet."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+    [invoice] = fake_stripe.invoices.values()
+    finalized = fake_stripe.finalize_invoice(invoice["id"])
+    voided = fake_stripe.void_invoice(invoice["id"])
+    if mirrored:
+        _webhook("invoice.finalized", finalized)
+        _webhook("invoice.voided", voided)
+    _use_and_push(endpoint, num_hours_ago=5)
+
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+    assert stripe_sync.push_pending_rollups() == 2  # the 7th and the 5th hours' again
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert fake_stripe.invoiced_usage(new_customer) == costs == _cost_pushed(fake_stripe, new_customer)
+
+
 def test_an_invoice_webhook_that_comes_after_its_customers_deletion_is_mirrored_to_its_organisation_once(fake_stripe):
     """Before, an invoice not mirrored yet was found by its customer's account, which the deletion had cleared: its
     late `invoice.finalized` or `invoice.paid` was dropped, and the organisation's invoices missed it. The deleted

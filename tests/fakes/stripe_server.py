@@ -7,6 +7,7 @@
     fake.cancel_subscription(id), fake.delete_customer(id)   # what the Dashboard does
     fake.cancel_at_period_end(id), fake.end_period(id, at=...)   # a cancellation scheduled, a period's end and invoice
     fake.finalize_invoice(id)                                 # an invoice finalised (a draft for its first hour)
+    fake.void_invoice(id)                                     # a finalised invoice voided in the Dashboard
     fake.invoices[id]["auto_advance"] = False                 # a draft Stripe leaves for us to finalise
     fake.invoiced_usage(customer id)                          # what the subscriptions' invoices billed, in meter units
     fake.cancel_in_portal(session id, subscription id)        # the customer's click, as the session's configuration says
@@ -192,6 +193,14 @@ class FakeStripe:
         with self._lock:
             invoice = self.invoices[invoice_id]
             invoice["status"] = "open"
+            return dict(invoice)
+
+    def void_invoice(self, invoice_id: str) -> dict:
+        """What an operator's "Void invoice" in the Dashboard does to a finalised invoice: void, owed by nobody (its
+        `invoice.voided` webhook's object)."""
+        with self._lock:
+            invoice = self.invoices[invoice_id]
+            invoice["status"] = "void"
             return dict(invoice)
 
     def cancel_in_portal(self, session_id: str, subscription_id: str) -> dict:
