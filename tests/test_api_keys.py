@@ -93,7 +93,7 @@ def test_rejects_invalid_keys(owner_client, payload, field):
 def test_members_cannot_mint_manage_keys_and_viewers_cannot_mint_any(org, member_client_factory):
     member = member_client_factory(org, Role.MEMBER)
     refused = member.post("/api/v1/keys/", {"name": "m", "scopes": ["manage"]}, format="json")
-    assert refused.status_code == 400 and "scopes" in refused.json()
+    assert refused.status_code == 403 and "'manage' scope" in refused.json()["detail"]
     assert member.post("/api/v1/keys/", {"name": "i", "scopes": ["inference"]}, format="json").status_code == 201
     viewer = member_client_factory(org, Role.VIEWER)
     assert viewer.post("/api/v1/keys/", {"name": "v", "scopes": ["inference"]}, format="json").status_code == 403
@@ -104,7 +104,8 @@ def test_only_owners_and_admins_give_a_key_a_priority_range_or_limits_above_the_
     member = member_client_factory(org, Role.MEMBER)
     for field, value in (("max_priority_boost", 5), ("requests_per_minute", 1_000_000), ("tokens_per_minute", 1_000_000_000)):
         refused = member.post("/api/v1/keys/", {"name": "m", "scopes": ["inference"], field: value}, format="json")
-        assert refused.status_code == 400 and list(refused.json()) == [field], refused.json()
+        assert refused.status_code == 403 and list(refused.json()) == ["detail"], refused.json()
+        assert "Only owners and admins" in refused.json()["detail"]
     stricter = member.post("/api/v1/keys/", {"name": "s", "scopes": ["inference"], "requests_per_minute": 60,
                                             "tokens_per_minute": 10_000}, format="json")
     assert stricter.status_code == 201
@@ -125,12 +126,14 @@ def test_a_key_mints_only_keys_within_its_own_scopes_limits_and_spend_cap(owner_
     assert owner_client.patch(f"/api/v1/billing/keys/{ci_key.pk}/", {"spend_cap": "2.00"}, format="json").status_code == 200
     ci = APIClient()
     ci.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
-    for field, extra in (("scopes", {"scopes": ["inference"]}), ("scopes", {"scopes": ["manage", "inference"]}),
-                         ("requests_per_minute", {"requests_per_minute": 101}),
-                         ("tokens_per_minute", {"tokens_per_minute": 5001}),
-                         ("max_priority_boost", {"max_priority_boost": 1})):
+    for said, extra in (("scopes it has itself", {"scopes": ["inference"]}),
+                        ("scopes it has itself", {"scopes": ["manage", "inference"]}),
+                        ("no higher than its own (100)", {"requests_per_minute": 101}),
+                        ("no higher than its own (5000)", {"tokens_per_minute": 5001}),
+                        ("priority", {"max_priority_boost": 1})):
         refused = ci.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"], **extra}, format="json")
-        assert refused.status_code == 400 and list(refused.json()) == [field], refused.json()
+        assert refused.status_code == 403 and list(refused.json()) == ["detail"], refused.json()
+        assert said in refused.json()["detail"], refused.json()
     assert not ApiKey.objects.filter(name="child").exists()
 
     inherited = ci.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"]}, format="json")
@@ -156,8 +159,8 @@ def test_a_key_with_a_spend_cap_creates_no_key_that_infers(owner_client):
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
     refused = client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage", "inference"]}, format="json")
-    assert refused.status_code == 400 and list(refused.json()) == ["scopes"], refused.json()
-    assert "spend cap" in refused.json()["scopes"][0] and not ApiKey.objects.filter(name="child").exists()
+    assert refused.status_code == 403 and list(refused.json()) == ["detail"], refused.json()
+    assert "spend cap" in refused.json()["detail"] and not ApiKey.objects.filter(name="child").exists()
     assert client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"]}, format="json").status_code == 201
 
 
@@ -170,8 +173,8 @@ def test_a_key_with_rate_limits_of_its_own_creates_no_key_that_infers(owner_clie
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
     refused = client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage", "inference"]}, format="json")
-    assert refused.status_code == 400 and list(refused.json()) == ["scopes"], refused.json()
-    assert "rate limits" in refused.json()["scopes"][0] and not ApiKey.objects.filter(name="child").exists()
+    assert refused.status_code == 403 and list(refused.json()) == ["detail"], refused.json()
+    assert "rate limits" in refused.json()["detail"] and not ApiKey.objects.filter(name="child").exists()
     assert client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"]}, format="json").status_code == 201
 
     unlimited = owner_client.post("/api/v1/keys/", {"name": "at defaults", "scopes": ["manage", "inference"]},
@@ -287,7 +290,7 @@ def test_a_key_that_expires_cannot_mint_a_key_that_outlives_it(owner_client):
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
     for extra in ({}, {"expires_at": (expires + timedelta(days=30)).isoformat()}):
         refused = client.post("/api/v1/keys/", {"name": "child", "scopes": ["manage"], **extra}, format="json")
-        assert refused.status_code == 400 and "expire no later" in refused.json()["expires_at"][0]
+        assert refused.status_code == 403 and "expire no later" in refused.json()["detail"]
     allowed = client.post("/api/v1/keys/", {"name": "child", "scopes": ["inference"],
                                             "expires_at": (expires - timedelta(hours=1)).isoformat()}, format="json")
     assert allowed.status_code == 201
@@ -328,3 +331,22 @@ def test_a_key_still_authenticates_while_postgresql_refuses_writes():
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(look_up).result(timeout=30) is not None
     assert ApiKey.objects.get(pk=created.api_key.pk).last_used_at > long_ago  # recorded once writes are taken again
+
+
+def test_a_role_refused_a_key_gets_the_403_a_refused_revoke_gets_and_the_schema_says_so(org, member_client_factory):
+    # Creating a key the caller's role does not allow was a 400 naming a field, where revoking one it may not revoke,
+    # and every other refusal of a role, is a 403 with a `detail`.
+    owner = member_client_factory(org, Role.OWNER)
+    owners_key = owner.post("/api/v1/keys/", {"name": "o", "scopes": ["inference"]}, format="json").json()["api_key"]
+    member = member_client_factory(org, Role.MEMBER)
+
+    created = member.post("/api/v1/keys/", {"name": "m", "scopes": ["manage"]}, format="json")
+    revoked = member.post(f"/api/v1/keys/{owners_key['id']}/revoke/")
+
+    assert (created.status_code, revoked.status_code) == (403, 403)
+    assert list(created.json()) == list(revoked.json()) == ["detail"]
+    assert "Only owners and admins" in created.json()["detail"]
+    operation = owner.get("/api/schema/", {"format": "json"}).json()["paths"]["/api/v1/keys/"]["post"]
+    forbidden = operation["responses"]["403"]
+    assert "may not create this key" in forbidden["description"]
+    assert forbidden["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}

@@ -132,10 +132,10 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         for organization_id in (with_key.pk, without_key.pk):
             presence.end_later(organization_id, f"held-{organization_id}")
         await presence.beat()  # ends them
-        # a call naming no model of its organisation, counted against its key's requests
+        # a call naming no model of its organisation: its key's limits read before the lookup, then counted
         with pytest.raises(errors.OpenAIError):
-            await admission.refuse_unknown_model(caller=_caller(with_key.pk, 4242), model="no-such-model",
-                                                 report=RateLimitReport())
+            await admission.resolve_model(caller=_caller(with_key.pk, 4242), model=f"no-such-model-{uuid.uuid4()}",
+                                          report=RateLimitReport())
         # a counter whose limits were worked out under other rules: written again, its spend kept
         period_key = period_containing().key
         redis.hset(redis_keys.org_period_key(with_key.pk, period_key), "lv", "older rules")

@@ -63,6 +63,14 @@ def current_organization(request):
     return Response(data)
 
 
+# NOTE: was a 400 naming the field at fault, where every other refusal of a role (revoking a key, members,
+# invitations) is a 403.
+KEY_BEYOND_THE_CALLER = OpenApiResponse(description=(
+    "The caller may not create this key: its role (a viewer none; a member none with the 'manage' scope, a priority "
+    "range or limits above the platform's), or the API key it calls with (none beyond its own scopes, limits, "
+    "priority range or expiry; none that infers from a key with a spend cap or limits of its own)."))
+
+
 class ApiKeyViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.CreateModelMixin,
                     mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = ApiKeySerializer
@@ -71,15 +79,18 @@ class ApiKeyViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.Creat
         return ApiKey.objects.for_org(self.organization)
 
     @extend_schema(
-        responses=inline_serializer("CreatedApiKey", {"api_key": ApiKeySerializer(), "secret": serializers.CharField()})
+        responses={
+            201: inline_serializer("CreatedApiKey", {"api_key": ApiKeySerializer(), "secret": serializers.CharField()}),
+            403: KEY_BEYOND_THE_CALLER,
+        }
     )
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
             created = keys.create_api_key(self.actor, self.organization, **serializer.validated_data)
-        except members.NotPermitted as exc:
-            raise ValidationError({exc.field: [str(exc)]}) from None
+        except members.NotPermitted as exc:  # the caller's role's, or its key's bounds: a 403, as revoking's
+            raise PermissionDenied(str(exc)) from None
         # NOTE: the only response that ever contains the secret.
         return Response(
             {"api_key": ApiKeySerializer(created.api_key).data, "secret": created.plain},

@@ -43,8 +43,10 @@ class FileQuerySet(NamedQuerySet):
         return self.filter(organization_id=organization_id, stored_at__isnull=False, deleted_at__isnull=True)
 
     def held_by(self, organization_id: int):
-        """What counts against the organisation's storage quota: its files not deleted, uploads in progress too."""
-        return self.filter(organization_id=organization_id, deleted_at__isnull=True)
+        """What counts against the organisation's storage quota: its files not deleted, and its uploads in progress
+        while their lease is live (`File.upload_lease_until`)."""
+        return self.filter(models.Q(stored_at__isnull=False) | models.Q(upload_lease_until__gt=Now()),
+                           organization_id=organization_id, deleted_at__isnull=True)
 
 
 class File(models.Model):
@@ -59,6 +61,11 @@ class File(models.Model):
     # database's default (now) keeps a row written any other way stored, by older code during a deploy too.
     stored_at = models.DateTimeField(null=True, blank=True, db_default=Now())
     deleted_at = models.DateTimeField(null=True, blank=True)
+    # An upload in progress counts against the storage quota until then (PostgreSQL's clock), a lease renewed while
+    # its body is read (`uploads.StreamToStorage`). NOTE: the row of an upload whose process died counted its whole
+    # declared size until the hourly sweep (`services.sweep_abandoned_uploads`), which still removes it; now it
+    # stops counting once its lease lapses.
+    upload_lease_until = models.DateTimeField(null=True, blank=True)
 
     objects = FileQuerySet.as_manager()
 

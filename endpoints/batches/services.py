@@ -124,9 +124,10 @@ def start_upload(*, organization_id: int, filename: str, size: int) -> File:
     organisation's storage quota (`max_file_bytes`).
 
     The row is an upload in progress that counts `size` against the quota from now on, checked and written under the
-    organisation's row lock, so concurrent uploads never overshoot it. Its bytes go to S3 after, outside any
-    transaction (`file.s3_key`); then `finish_upload`, or `abandon_upload`. One whose process died is swept by
-    `tick`."""
+    organisation's row lock, so concurrent uploads never overshoot it, for as long as its lease lasts
+    (`FILES_UPLOAD_LEASE_S`, renewed by `renew_upload` while its body is read). Its bytes go to S3 after, outside any
+    transaction (`file.s3_key`); then `finish_upload`, or `abandon_upload`. One whose process died stops counting once
+    its lease lapses, and is swept by `tick`."""
     if size > settings.FILES_MAX_BYTES:
         raise Refused(f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file", status=413)
     file_id = new_file_id()
@@ -134,7 +135,17 @@ def start_upload(*, organization_id: int, filename: str, size: int) -> File:
         _refuse_past_storage_quota(organization_id, size, param="file", doing="")
         return File.objects.create(id=file_id, organization_id=organization_id, purpose=FilePurpose.BATCH,
                                    filename=(filename or "upload.jsonl")[:255], bytes=size,
-                                   s3_key=storage.file_key(organization_id, file_id), stored_at=None)
+                                   s3_key=storage.file_key(organization_id, file_id), stored_at=None,
+                                   upload_lease_until=Now() + _upload_lease())
+
+
+def renew_upload(file: File) -> None:
+    """Lease an upload in progress for `FILES_UPLOAD_LEASE_S` more: it keeps counting against the storage quota."""
+    File.objects.filter(pk=file.pk, stored_at__isnull=True).update(upload_lease_until=Now() + _upload_lease())
+
+
+def _upload_lease() -> timedelta:
+    return timedelta(seconds=settings.FILES_UPLOAD_LEASE_S)
 
 
 def finish_upload(file: File, *, size: int, claim: idempotency.Claim | None = None) -> File:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 
 from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
@@ -87,7 +88,8 @@ class FileDigest(FileUploadHandler):
 
 class StreamToStorage(FileDigest):
     """Sends the body's `file` part to S3 as Django parses it (`storage.StreamedUpload`), its row started
-    (`services.start_upload`: the quota checked) as the part begins, its digest taken on the way (`FileDigest`). Install
+    (`services.start_upload`: the quota checked) as the part begins, its lease renewed as it is read, its digest taken
+    on the way (`FileDigest`). Install
     it (`handle`) before anything reads `request.POST` or `request.FILES`; then `finish` it, or `abandon` it on every
     other way out (`finished` says which)."""
 
@@ -97,6 +99,7 @@ class StreamToStorage(FileDigest):
         self.file: File | None = None
         self.stream: storage.StreamedUpload | None = None
         self.finished = False
+        self._leased_at = 0.0  # when its row's lease was last taken (`time.monotonic`): renewed every third of it
 
     def new_file(self, field_name, file_name, *args, **kwargs):
         super().new_file(field_name, file_name, *args, **kwargs)
@@ -104,11 +107,17 @@ class StreamToStorage(FileDigest):
             return
         self.file = services.start_upload(organization_id=self.organization_id, filename=file_name, size=self.reserved)
         self.stream = storage.StreamedUpload(self.file.s3_key)
+        self._leased_at = time.monotonic()
 
     def receive_data_chunk(self, raw_data, start):
         super().receive_data_chunk(raw_data, start)
         if self.field_name == FILE_FIELD:
             self.stream.write(raw_data)
+            # NOTE: the body is on the pod's disk already (Django spools it whole before the view runs): its chunks
+            # come as fast as the disk and S3 take them, so renewing between them keeps a live upload's lease.
+            if time.monotonic() - self._leased_at >= settings.FILES_UPLOAD_LEASE_S / 3:
+                services.renew_upload(self.file)
+                self._leased_at = time.monotonic()
         return None
 
     def finish(self, *, claim: idempotency.Claim | None = None) -> File:

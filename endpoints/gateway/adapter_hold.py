@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from endpoints.adapters import split_model_name, want_adapter
 from endpoints.gateway import directory, errors
@@ -19,12 +20,21 @@ from endpoints.gateway.memo import in_worker_thread
 POLL_S = 0.25
 
 
-async def resolve(organization_id: int, model: str) -> tuple[directory.EndpointInfo, directory.AdapterInfo | None] | None:
-    """The endpoint (priced for the adapter) and the adapter a call's `model` names; None if unknown."""
+async def resolve(organization_id: int, model: str, *, before_lookup: Callable[[], Awaitable[None]] | None = None,
+                  ) -> tuple[directory.EndpointInfo, directory.AdapterInfo | None] | None:
+    """The endpoint (priced for the adapter) and the adapter a call's `model` names; None if unknown.
+
+    `before_lookup` is awaited once before the first database lookup (a name, or an endpoint's adapters, not cached)
+    and may raise to refuse the call before it costs a query (`admission.resolve_model`)."""
     endpoint_name, adapter_name = split_model_name(model)
+    if before_lookup is not None and not directory.knows_endpoint(organization_id, endpoint_name):
+        await before_lookup()
+        before_lookup = None
     endpoint = await directory.find_endpoint(organization_id, endpoint_name)
     if endpoint is None or not adapter_name:
         return (endpoint, None) if endpoint is not None else None
+    if before_lookup is not None and not directory.knows_adapters(endpoint.id):
+        await before_lookup()
     adapter = (await directory.endpoint_adapters(endpoint.id)).get(adapter_name)
     if adapter is None:
         return None

@@ -23,7 +23,7 @@ from billing.models import BillingMode
 from billing.quota import counters, rebuild
 from controlplane.redis_keys import outstanding_key
 from controlplane.script_parts import ComposedScript
-from endpoints.gateway import errors, limits, routing, traffic
+from endpoints.gateway import adapter_hold, directory, errors, limits, routing, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 
@@ -64,6 +64,13 @@ local verdict = limits_check(limits_check_K, limits_check_A, used)
 if verdict ~= 0 then return {'rate_limited', tostring(verdict), used[1], used[2]} end
 used = limits_take(limits_check_K, limits_check_A, used)
 return {'ok', '0', used[1], used[2]}
+""")
+
+# A key's rate state, changed in nothing ('0' or the verdict, then this minute's counts): before a model's name is
+# looked up in PostgreSQL (`resolve_model`).
+_CHECK_LIMITS = ComposedScript([limits.CHECK], glue="""
+local used = limits_read(limits_check_K)
+return {tostring(limits_check(limits_check_K, limits_check_A, used)), used[1], used[2]}
 """)
 
 MAX_REBUILDS = 4
@@ -150,6 +157,32 @@ async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, rele
                                                   fresh_id=fresh_id, recorded=recorded,
                                                   billing_mode=admission.billing_mode, journaled=journaled),
     )
+
+
+async def resolve_model(*, caller: Caller, model: str, report: RateLimitReport,
+                        ) -> tuple[directory.EndpointInfo, directory.AdapterInfo | None]:
+    """The endpoint and adapter a call's (or `GET /v1/models/{id}`'s) `model` names among its caller's organisation's,
+    or the 404 (`refuse_unknown_model`); a key past its rate limit gets its 429 before any name is looked up.
+
+    NOTE: a name the gateway has not cached (one made up, each new one) is a PostgreSQL query: a key already past its
+    limit could still send new names as fast as the gateway answered, each a query before its 429. So before a lookup
+    its counters are read (one Redis round trip, changing nothing); a cached name, every known model's warm call,
+    costs none."""
+
+    async def refuse_past_limit() -> None:
+        window = limits.Window.now(caller.organization_id, caller.limit_subject, caller.requests_per_minute,
+                                   caller.tokens_per_minute)
+        if not window.requests_per_minute and not window.tokens_per_minute:
+            return
+        verdict, num_requests, num_tokens = await _CHECK_LIMITS(limits_check=window.check_keys_and_args())
+        report.counted(window, num_requests, num_tokens)
+        if verdict != "0":
+            raise window.refusal(int(verdict))
+
+    resolved = await adapter_hold.resolve(caller.organization_id, model, before_lookup=refuse_past_limit)
+    if resolved is None:
+        await refuse_unknown_model(caller=caller, model=model, report=report)
+    return resolved
 
 
 async def refuse_unknown_model(*, caller: Caller, model: str, report: RateLimitReport) -> NoReturn:

@@ -29,7 +29,6 @@ from controlplane import access_log
 from controlplane.access_log import log_answer
 from controlplane.accounts.models import Role
 from endpoints.gateway import (
-    adapter_hold,
     admission,
     anatomy,
     auth,
@@ -343,10 +342,7 @@ class Gateway:
                                                wait_for_capacity=standing.wants_to_wait(headers),
                                                max_priority_boost=caller.max_priority_boost,
                                                progress=anatomy.wants_progress(headers))
-            resolved = await adapter_hold.resolve(caller.organization_id, inference.model)
-            if resolved is None:
-                await admission.refuse_unknown_model(caller=caller, model=inference.model, report=ratelimit)
-            endpoint, adapter = resolved
+            endpoint, adapter = await admission.resolve_model(caller=caller, model=inference.model, report=ratelimit)
             if adapter is not None:
                 inference = dataclasses.replace(inference, engine_model=adapter.name)
             call = InferenceCall(
@@ -392,10 +388,7 @@ class Gateway:
         ratelimit.for_caller(caller)
         if not name or not is_model_name(name):  # never looked up (`parse_payload` checks a body's `model` so)
             raise errors.model_not_found(fields.printable(name))
-        resolved = await adapter_hold.resolve(caller.organization_id, name)
-        if resolved is None:
-            await admission.refuse_unknown_model(caller=caller, model=name, report=ratelimit)
-        endpoint, adapter = resolved
+        endpoint, adapter = await admission.resolve_model(caller=caller, model=name, report=ratelimit)
         model = _model_object(endpoint)
         if adapter is not None:
             model |= {"id": f"{endpoint.name}:{adapter.name}", "parent": endpoint.name}

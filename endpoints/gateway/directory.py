@@ -132,6 +132,17 @@ async def find_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
     return endpoint
 
 
+def knows_endpoint(organization_id: int, name: str) -> bool:
+    """`find_endpoint` answers without a lookup: the name is cached, as an endpoint or as unknown."""
+    key = (organization_id, name)
+    return _endpoints.answers_at_once(key) or key in _unknown_endpoints
+
+
+def knows_adapters(endpoint_id: str) -> bool:
+    """`endpoint_adapters` answers without a lookup."""
+    return _adapters.answers_at_once(endpoint_id)
+
+
 def _load_models(organization_id: int) -> list[EndpointInfo]:
     endpoints = Endpoint.objects.live().select_related("organization__plan").filter(organization_id=organization_id)
     return [_endpoint_info(e, for_calls=False) for e in endpoints.order_by("name")]

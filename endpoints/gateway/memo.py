@@ -67,6 +67,12 @@ class Memo:
     def ttl_s(self) -> float:
         return self._ttl_s() if callable(self._ttl_s) else self._ttl_s
 
+    def answers_at_once(self, key: Hashable) -> bool:
+        """`get(key)` answers from this cache, never waiting for a load (the database)."""
+        entry = self.entries.get(key)
+        return (entry is not None and time.monotonic() - entry[0] < self.ttl_s + STALE_FOR_S
+                and not (self.wait_when_empty and not entry[1]))
+
     async def get(self, key: Hashable, *load_args, fresh: bool = False):
         """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`)."""
         entry = self.entries.get(key)

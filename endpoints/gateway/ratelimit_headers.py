@@ -13,7 +13,8 @@ remaining count what running requests have reserved (their worst case) until the
 Where the numbers come from:
 - an admitted request, or one refused with a 429: the admission script's own reply (the counters
   right after it counted this request), so the hot path makes no extra Redis call; a 404 for an unknown
-  model likewise (`admission.refuse_unknown_model` counts it);
+  model likewise (`admission.refuse_unknown_model` counts it), and a 429 before a name is looked up from the read
+  that refused it (`admission.resolve_model`);
 - any other answer to a known caller (`/v1/models`, a 400, a 402): one read of the two counters;
 - an answer to no known caller (a 401): the platform's default limits, untouched.
 

@@ -208,10 +208,10 @@ def test_an_upload_that_fails_or_dies_stops_counting_against_the_quota(tenant, f
                              size=len(LINES))
     assert not File.objects.exists()
 
-    # A process that died mid-upload left its row: not listed, counted until swept an hour on.
+    # A process that died mid-upload left its row: not listed, counted while its lease lasts, swept an hour on.
     File.objects.create(organization=tenant.org, purpose="batch", filename="r.jsonl", bytes=len(LINES),
                         s3_key=f"files/{tenant.org.pk}/file-dead", created_at=timezone.now() - timedelta(minutes=61),
-                        stored_at=None)
+                        stored_at=None, upload_lease_until=timezone.now() + timedelta(minutes=1))
     assert not File.objects.for_org(tenant.org.pk).exists()
     with pytest.raises(services.Refused):
         services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl", stream=io.BytesIO(LINES),

@@ -153,3 +153,49 @@ def test_retrieving_a_name_no_model_could_bear_is_not_found_without_a_lookup(end
     assert (sent[0]["status"], error["code"], error["param"]) == (404, "model_not_found", "model")
     assert error["message"].isprintable() and len(error["message"]) < 200
     assert endpoint_loads == []
+
+
+def test_a_key_past_its_limit_is_refused_before_any_name_is_looked_up(endpoint_loads, tenant):
+    # A key already past its requests per minute still cost a PostgreSQL query for each new name it made up, before
+    # its 429 (`refuse_unknown_model` counted it after the lookup).
+    access_log.prepare()
+    ApiKey.objects.filter(pk=tenant.api_key.pk).update(requests_per_minute=1)
+    endpoint = EndpointFactory(organization=tenant.org, name="support-chat")
+    gateway = Gateway(fallback=None)
+
+    async def call(method, path, payload=None):
+        sent = []
+        body = json.dumps(payload).encode() if payload is not None else b""
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "path": path, "method": method, "client": ("203.0.113.9", 4000),
+                 "headers": [(b"authorization", f"Bearer {tenant.key}".encode()),
+                             (b"content-type", b"application/json")]}
+        await gateway._handle(scope, receive, send)
+        return sent[0]["status"], dict(sent[0]["headers"]), json.loads(sent[1]["body"])
+
+    async def scenario():
+        known = await call("GET", f"/v1/models/{endpoint.name}")  # looked up and cached; retrieving counts nothing
+        first = await call("GET", "/v1/models/first-made-up")  # within the limit: looked up, counted, a 404
+        cached = await call("GET", f"/v1/models/{endpoint.name}")  # past the limit, a cached name still answers
+        made_up = [await call("GET", f"/v1/models/{secrets.token_hex(8)}"),
+                   await call("POST", "/v1/chat/completions", {"model": secrets.token_hex(8), "messages": MESSAGES}),
+                   await call("POST", "/v1/chat/completions",
+                              {"model": f"{endpoint.name}:{secrets.token_hex(4)}", "messages": MESSAGES})]
+        return first, known, cached, made_up
+
+    first, known, cached, made_up = asyncio.run(scenario())
+
+    assert first[0] == 404 and first[1][b"x-ratelimit-remaining-requests"] == b"0"
+    assert known[0] == cached[0] == 200
+    for status, headers, answer in made_up:
+        assert status == 429, answer
+        assert answer["error"]["code"] == "rate_limit_exceeded" and answer["error"]["type"] == "requests"
+        assert int(headers[b"retry-after"]) >= 1
+        assert headers[b"x-ratelimit-limit-requests"] == b"1" and headers[b"x-ratelimit-remaining-requests"] == b"0"
+    assert endpoint_loads == ["support-chat", "first-made-up"]
