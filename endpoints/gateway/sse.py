@@ -80,10 +80,29 @@ def find_usage(data: bytes) -> tuple[dict | None, int, int]:
     if end < 0:
         return None, -1, -1
     try:
-        usage = json.loads(data[value:end])
+        usage = _object_of(data[value:end])
     except ValueError:
         return None, -1, -1
     return (usage if isinstance(usage, dict) else None), start, end
+
+
+_scan_object = json.JSONDecoder().raw_decode
+
+
+def _object_of(text: bytes) -> object:
+    """`json.loads(text)` for the bytes of one JSON object (from its `{` to its `}`, as `_object_end` bounds it), on the
+    json module's C scanner directly: it runs on every streamed event, and `json.loads`'s own steps around the scan
+    (the bytes' encoding guessed, the whitespace around the value matched) were a third of its time.
+
+    NOTE: the same answer or the same refusal (a ValueError) as `json.loads`: an object ended before the last byte is
+    extra data there; bytes that could be UTF-16 or UTF-32 to its guess (a NUL byte) go to it."""
+    if b"\x00" in text:
+        return json.loads(text)
+    decoded = text.decode("utf-8", "surrogatepass")
+    value, end = _scan_object(decoded)
+    if end != len(decoded):
+        raise ValueError("extra data after the object")
+    return value
 
 
 def response_usage(body: bytes) -> dict | None:

@@ -183,6 +183,23 @@ def test_the_cost_ceiling_agrees_with_cost_of_to_the_nano_dollar(seed):
         assert exceeded == (cost > ceiling), (prices, fraction, prompt, cached, completion, ceiling, cost)
 
 
+def test_a_cost_ceiling_is_the_same_for_prices_worked_out_once_and_for_equal_prices_written_otherwise():
+    """An endpoint's price ratios are worked out once per set of prices (`_price_ratios`), not at each stream's start:
+    prices equal in value (0.5 and 0.500000, an integer) give the same ceiling as when first seen."""
+    first = EndpointFactory.build(price_input_per_million=Decimal("0.5"), price_cached_input_per_million=Decimal(2),
+                                  price_output_per_million=Decimal("1.25"))
+    written_otherwise = EndpointFactory.build(price_input_per_million=Decimal("0.500000"),
+                                              price_cached_input_per_million=Decimal("2.00"),
+                                              price_output_per_million=Decimal("1.250"))
+    for ceiling in (Decimal(0), Decimal("0.000001234"), Decimal("0.5")):
+        for fraction in (Decimal(1), Decimal("0.5")):
+            assert (CostCeiling.of(first, ceiling, fraction=fraction)
+                    == CostCeiling.of(written_otherwise, ceiling, fraction=fraction))
+            for tokens in ((1000, 0, 10), (10**6, 10**5, 10**5), (0, 0, 1)):
+                cost = cost_of(written_otherwise, *tokens, fraction=fraction)
+                assert CostCeiling.of(written_otherwise, ceiling, fraction=fraction).exceeded(*tokens) == (cost > ceiling)
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("pooler", ["none", "transaction"])
 def test_the_usage_writer_prepares_its_insert_unless_behind_a_transaction_pooler(settings, pooler):

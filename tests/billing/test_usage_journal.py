@@ -38,6 +38,30 @@ def test_a_journalled_report_comes_back_exactly_with_its_reserved_cost():
                                                                          mode_when_started=True)
 
 
+def test_a_journal_line_is_every_field_of_its_report_and_leaves_the_report_as_it_was():
+    """A line holds each field (a cold start's phases, money as text, times with their offset) as the deep copy it was
+    encoded from before; the report it came from, and the phases it names, are left unchanged."""
+    started = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    phases = {"queue": 120, "load": 3400}
+    report = UsageReport(
+        request_id="req-2", organization_id=7, api_key_id=None, endpoint_id="6f0c3f5e-0000-4000-8000-000000000002",
+        replica_id="r-1", prompt_tokens=12, cached_tokens=4, completion_tokens=30, started_at=started,
+        first_token_at=None, finished_at=started + timedelta(seconds=2), status="ok", cold_start_s=3.52,
+        max_cost=Decimal("0.000123456789"), batch_id="batch_1", cold_start_ms=3520, cold_start_phases=phases,
+        adapter="sql", price_input_per_million=Decimal("0.5"), price_cached_input_per_million=Decimal("0.25"),
+        price_output_per_million=Decimal("1.50"), price_fraction=Decimal("0.5"), billing_mode=BillingMode.POSTPAID,
+    )
+    expected = dataclasses.asdict(report) | {
+        "started_at": "2026-11-30T12:00:00+00:00", "first_token_at": None, "finished_at": "2026-11-30T12:00:02+00:00",
+        "max_cost": "0.000123456789", "price_input_per_million": "0.5", "price_cached_input_per_million": "0.25",
+        "price_output_per_million": "1.50", "price_fraction": "0.5"}
+    line = encode(report)
+    assert line == json.dumps(expected, separators=(",", ":")).encode() + b"\n"
+    assert decode(line) == report
+    assert report.started_at == started and report.max_cost == Decimal("0.000123456789")
+    assert report.cold_start_phases is phases and phases == {"queue": 120, "load": 3400}
+
+
 def _without_mode(line: bytes) -> bytes:
     """A journal line as gateways wrote it before reports carried the billing mode of their admission."""
     row = json.loads(line)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from endpoints.gateway import sse
 from endpoints.gateway.sse import UsageScanner, find_usage, rewrite_event
 
 USAGE = {"prompt_tokens": 7, "total_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
@@ -96,3 +97,20 @@ def test_an_answer_without_usage_scans_to_none():
     for piece in (b'{"choices":[{"text":"a ,\\"usage\\":{\\"prompt_tokens\\":3}"}]', b',"usage":null}'):
         scanner.feed(piece)
     assert scanner.usage is None
+
+
+
+@pytest.mark.parametrize("usage", [
+    b'{"prompt_tokens":7,"completion_tokens":3}', b'{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":4}}',
+    b'{}', b'{"a":"\xc3\xa9\\u00e9"}', b'{"a":1} }', b'{"a":1 }', b'{"a":"}"}', b'{"a":1,}', b'{"a":\xff}',
+    b'{"a":"\xed\xa0\x80"}', b'{\x00"\x00a\x00"\x00:\x001\x00}', b'{"a":NaN}', b'{"a":1e400}', b'{"a":[1,{"b":2}]}',
+    b'{"a":1}\n', b'{"a":{"b":1}} ', b'[1]', b'{"a":1', b'{"a":"{"}}',
+], ids=lambda usage: usage.decode("latin-1"))
+def test_a_usage_object_reads_as_json_loads_reads_it_or_not_at_all(usage, monkeypatch):
+    """The usage is read on the json module's scanner directly (every streamed event has one): the same object, or
+    none, and the same place as with `json.loads`, whatever the bytes."""
+    for event in (b'data: {"choices":[{"index":0}],"usage":' + usage + b"}", b'{"usage":0,"usage":' + usage):
+        found = find_usage(event)
+        monkeypatch.setattr(sse, "_object_of", json.loads)
+        assert found == find_usage(event)
+        monkeypatch.undo()
