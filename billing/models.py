@@ -277,6 +277,8 @@ class DeletedStripeCustomer(models.Model):
     # The latest period end of its invoices that Stripe finalised, as read with the deletion's webhook (None: none,
     # or not read: Stripe not configured, or recorded from the audit log by `billing/0019`).
     invoiced_until = models.DateTimeField(null=True, blank=True)
+    # Stripe's `created` of the deletion's event (or when it was recorded, if the event had none), on the clock that
+    # dates its invoices' failures: one that failed before it keeps holding (`billing.standing.past_due_since`).
     deleted_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:
@@ -427,6 +429,9 @@ class Invoice(models.Model):
     period_end = models.DateTimeField(null=True, blank=True)
     hosted_invoice_url = models.URLField(max_length=500, blank=True)
     payment_failed_at = models.DateTimeField(null=True, blank=True)
+    # When Stripe first marked it uncollectible (its event's `created`; before `billing/0021`, its failure or last
+    # change): one owed before its customer was deleted keeps holding (`billing.standing.past_due_since`).
+    uncollectible_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
     # Stripe's `created` of the newest event applied: an older event never overwrites a newer one.
     stripe_event_created = models.BigIntegerField(default=0)

@@ -200,7 +200,8 @@ def record_subscription_ended(subscription_id: str) -> BillingAccount | None:
     return account
 
 
-def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None = None) -> BillingAccount | None:
+def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None = None,
+                            deleted_at: datetime | None = None) -> BillingAccount | None:
     """Stripe's customer `customer_id` was deleted (its subscriptions end with it): the account forgets
     both, has no payment method from now (`billing.standing`: the limit without one applies, at once in
     the gateway), and its next push or portal link makes a new customer. Before, usage was pushed to
@@ -210,7 +211,8 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
     cancels the subscriptions of a deleted customer without a final invoice, and drops the events sent to it since.
     What its invoices billed is known by those mirrored and by `invoiced_until`, the end of the latest one Stripe
     has finalised (`stripe_sync.customer_invoiced_until`, read before): an invoice's webhook may come after the
-    deletion's, and the usage it billed, pushed again, was billed twice.
+    deletion's, and the usage it billed, pushed again, was billed twice. `deleted_at` is Stripe's time of the
+    deletion (its event's `created`; now if none), the clock that dates its invoices' failures (`billing.standing`).
 
     NOTE: a deleted customer never comes back: safe in any order, and only for the customer it names.
     """
@@ -222,7 +224,8 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
         # webhook that comes after this is mirrored to the organisation, and a push that sent usage to it meanwhile
         # decides by it (`push_again_uninvoiced`).
         DeletedStripeCustomer.objects.get_or_create(stripe_customer_id=customer_id, defaults={
-            "organization_id": account.organization_id, "invoiced_until": invoiced_until})
+            "organization_id": account.organization_id, "invoiced_until": invoiced_until,
+            "deleted_at": deleted_at or timezone.now()})
         num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id, invoiced_until))
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""

@@ -13,9 +13,11 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   the failure (Stripe retries meanwhile), or that Stripe marked uncollectible, stops every call of the
   organisation until it is paid or voided. Endpoints, keys and data stay; only inference stops. An
   invoice of a customer Stripe deleted since (`DeletedStripeCustomer`: its drafts finalised by the deletion)
-  has no card to charge, and the organisation did not delete it: it stops the organisation only while the
-  organisation has no way to pay now (`can_pay_now`). Otherwise it stays owed, shown on the billing page
-  (`num_unpaid_invoices_without_card`), and paid from its page; it holds again if the card goes.
+  has no card to charge, and the organisation did not delete it: one that neither failed nor was marked
+  uncollectible before the deletion stops the organisation only while the organisation has no way to pay now
+  (`can_pay_now`). Otherwise it stays owed, shown on the billing page (`num_unpaid_invoices_without_card`), and
+  paid from its page; it holds again if the card goes. One that failed or was uncollectible before the deletion
+  holds as any other: deleting the customer and adding a new card does not pay it.
 - **Disputed.** A payment disputed with the card's bank (a chargeback, or the inquiry before one) stops
   every call at once, while the dispute is open and after it is lost: a dispute leaves its invoice `paid`,
   so without this a stolen card ran a month, was disputed, and ran the next. A dispute won, an inquiry
@@ -32,6 +34,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
+from django.db.models import F, OuterRef, Subquery
 from django.utils import timezone
 
 from billing.models import BillingAccount, DeletedStripeCustomer, Dispute, Invoice
@@ -98,6 +101,17 @@ def unpaid_invoices_without_card(organization_id: int):
                                   stripe_customer_id__in=deleted)
 
 
+def unpaid_invoices_left_without_card(organization_id: int):
+    """Those of `unpaid_invoices_without_card` that the deletion left unpaid: neither failed nor marked uncollectible
+    before it (the drafts it finalised, and any that first failed after), so only the want of a card failed them."""
+    deleted_at = Subquery(DeletedStripeCustomer.objects.filter(stripe_customer_id=OuterRef("stripe_customer_id"))
+                          .values("deleted_at")[:1])
+    # NOTE: both clocks are Stripe's (events' `created`, in seconds): a failure in the deletion's second is after it.
+    return (unpaid_invoices_without_card(organization_id).annotate(customer_deleted_at=deleted_at)
+            .exclude(payment_failed_at__lt=F("customer_deleted_at"))
+            .exclude(uncollectible_at__lt=F("customer_deleted_at")))
+
+
 def past_due_since(organization_id: int, now: datetime | None = None) -> datetime | None:
     """Since when the organisation's unpaid invoices stop its inference, or None when none does."""
     if not bills_through_stripe():
@@ -107,10 +121,11 @@ def past_due_since(organization_id: int, now: datetime | None = None) -> datetim
     unpaid = Invoice.objects.filter(organization_id=organization_id, status__in=UNPAID_STATUSES)
     account = BillingAccount.objects.filter(organization_id=organization_id).first()
     if account is not None and can_pay_now(account):
-        # NOTE: a deleted customer's invoice fails for want of a card, whatever the organisation does: it does not
-        # hold an organisation that pays (before, its failure ran the grace period, and a paying customer with a
-        # new card was held). It is not forgiven: still owed, and it holds again if the card goes.
-        unpaid = unpaid.exclude(pk__in=unpaid_invoices_without_card(organization_id).values("pk"))
+        # NOTE: an invoice the deletion left without a card fails for want of one, whatever the organisation does: it
+        # does not hold an organisation that pays (before, its failure ran the grace period, and a paying customer
+        # with a new card was held). It is not forgiven: still owed, and it holds again if the card goes. One past
+        # due or uncollectible before the deletion holds as ever: a new customer and card do not pay it.
+        unpaid = unpaid.exclude(pk__in=unpaid_invoices_left_without_card(organization_id).values("pk"))
     moments = []
     for status, failed_at, updated_at, due, paid in unpaid.values_list(
             "status", "payment_failed_at", "updated_at", "amount_due", "amount_paid"):

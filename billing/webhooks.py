@@ -87,7 +87,8 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
                     subscription.get("status") in stripe_sync.ENDED_SUBSCRIPTION_STATUSES):
                 services.record_subscription_ended(subscription["id"])
         elif event["type"] == "customer.deleted":
-            services.record_customer_deleted(event["data"]["object"]["id"], invoiced_until=invoiced_until)
+            services.record_customer_deleted(event["data"]["object"]["id"], invoiced_until=invoiced_until,
+                                             deleted_at=_moment(event.get("created")))
     return True
 
 
@@ -136,6 +137,8 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
         invoice.payment_failed_at = invoice.payment_failed_at or _moment(event_created) or timezone.now()
     elif invoice.status == "paid":
         invoice.payment_failed_at = None
+    if invoice.status == "uncollectible":
+        invoice.uncollectible_at = invoice.uncollectible_at or _moment(event_created) or timezone.now()
     invoice.save()
     lines = (data.get("lines") or {}).get("data") or []
     invoice.lines.all().delete()

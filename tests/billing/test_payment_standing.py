@@ -418,6 +418,61 @@ def test_a_deleted_customers_unpaid_invoice_holds_its_organisation_only_while_it
     assert client.get("/api/v1/billing/").json()["standing"]["num_unpaid_invoices_without_card"] == 0
 
 
+def test_an_invoice_past_due_or_uncollectible_before_its_customer_was_deleted_holds_whatever_card_comes_after(
+        billed, member_client_factory):
+    """Only the want of a card excuses a deleted customer's invoice. Before, every unpaid invoice of a deleted customer
+    was left out while a card was on file: an organisation held for a $4,200 invoice its card had declined, whose
+    customer was then deleted in Stripe's Dashboard and a new card added, was released, and the invoice never
+    charged. One marked uncollectible before the deletion holds too."""
+    client = member_client_factory(billed.org, Role.ADMIN)
+    _customer_event(billed, "pm_card_visa")
+    old_customer = billed.customer
+    week_ago = int(time.time()) - 8 * 86400
+    for invoice_id, kind, status, amount in (("in_declined", "invoice.payment_failed", "open", 420000),
+                                             ("in_written_off", "invoice.marked_uncollectible", "uncollectible", 900)):
+        _webhook(kind, {"id": invoice_id, "object": "invoice", "customer": old_customer, "status": status,
+                        "currency": "usd", "amount_due": amount, "amount_paid": 0,
+                        "lines": {"object": "list", "data": []}}, created=week_ago)
+    assert services.review_all_payment_standing() == 1  # the declined card's grace ran out: held
+    held_since = BillingAccount.objects.get(organization=billed.org).past_due_since
+
+    _webhook("customer.deleted", billed.stripe.delete_customer(old_customer))  # support tidying up, say
+    billed.customer = stripe_sync.ensure_customer(billed.org.pk)
+    _customer_event(billed, "pm_card_visa")
+    services.review_all_payment_standing()
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since == held_since, \
+        "a debt past due before the deletion was released by a new card"
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+    assert 'data-testid="past-due"' in _billing_page(billed.org, client.user)  # what is owed is shown
+    assert client.get("/api/v1/billing/").json()["standing"]["num_unpaid_invoices_without_card"] == 2
+
+    _webhook("invoice.paid", {"id": "in_declined", "object": "invoice", "customer": old_customer, "status": "paid",
+                              "currency": "usd", "amount_due": 420000, "amount_paid": 420000,
+                              "lines": {"object": "list", "data": []}})
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since is not None  # the uncollectible one
+    _webhook("invoice.voided", {"id": "in_written_off", "object": "invoice", "customer": old_customer, "status": "void",
+                                "currency": "usd", "amount_due": 900, "amount_paid": 0,
+                                "lines": {"object": "list", "data": []}})
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since is None
+    _spend(billed.org, "0.01")
+
+
+def test_a_draft_the_deletion_finalised_is_excused_when_its_failure_arrives_before_the_deletions_webhook(billed):
+    """Stripe does not order webhooks, and the deletion's may come late (sent again after a 503): the deletion is
+    dated by its event, on Stripe's clock, so the failure of a draft it finalised is after it, not before."""
+    _customer_event(billed, "pm_card_visa")
+    old_customer = billed.customer
+    deleted = billed.stripe.delete_customer(old_customer)
+    deleted_at = int(time.time()) - 120
+    _webhook("invoice.payment_failed", {"id": "in_final", "object": "invoice", "customer": old_customer,
+                                        "status": "open", "currency": "usd", "amount_due": 4200, "amount_paid": 0,
+                                        "lines": {"object": "list", "data": []}}, created=deleted_at + 5)
+    _webhook("customer.deleted", deleted, created=deleted_at)
+    billed.customer = stripe_sync.ensure_customer(billed.org.pk)
+    _customer_event(billed, "pm_card_visa")
+    assert services.review_all_payment_standing(now=timezone.now() + timedelta(days=8)) == 0
+
+
 def test_a_hold_that_did_not_reach_redis_is_written_by_the_next_review(billed, monkeypatch):
     from billing.quota import counters
 

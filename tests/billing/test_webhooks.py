@@ -3,9 +3,11 @@
 import importlib
 import json
 import time
+from datetime import timedelta
 
 import pytest
 from django.apps import apps
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from billing.models import BillingAccount, DeletedStripeCustomer, Invoice, InvoiceLine, StripeEvent
@@ -126,3 +128,22 @@ def test_a_customer_deleted_before_its_organisation_was_kept_is_taken_from_the_a
     assert (deleted.stripe_customer_id, deleted.organization_id) == ("cus_webhook", customer.organization_id)
     assert _post(_event(event_id="evt_late", kind="invoice.paid", status="paid", amount_paid=1234)).status_code == 200
     assert Invoice.objects.get(stripe_invoice_id="in_1").organization_id == customer.organization_id
+
+
+def test_invoices_marked_uncollectible_before_their_time_was_kept_are_dated_as_the_standing_dated_them(customer):
+    """`billing/0021` dates the uncollectible invoices mirrored before it by their failure, or else their last change:
+    one owed before its customer's deletion keeps holding (`billing.standing.past_due_since`)."""
+    migration = importlib.import_module("billing.migrations.0021_invoice_uncollectible_at")
+    failed_at = timezone.now() - timedelta(days=30)
+    organization_id = customer.organization_id
+    Invoice.objects.create(organization_id=organization_id, stripe_invoice_id="in_failed", status="uncollectible",
+                           payment_failed_at=failed_at)
+    written_off = Invoice.objects.create(organization_id=organization_id, stripe_invoice_id="in_written_off",
+                                         status="uncollectible")
+    Invoice.objects.create(organization_id=organization_id, stripe_invoice_id="in_open", status="open",
+                           payment_failed_at=failed_at)
+
+    migration.date_uncollectible_invoices(apps, None)
+
+    assert dict(Invoice.objects.values_list("stripe_invoice_id", "uncollectible_at")) == {
+        "in_failed": failed_at, "in_written_off": written_off.updated_at, "in_open": None}
