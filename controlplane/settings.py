@@ -459,7 +459,8 @@ FILES_UPLOADS_PER_PROCESS = env_int("INFERPLANE_FILES_UPLOADS_PER_PROCESS", 2, m
 FILES_UPLOAD_IDLE_S = env_float("INFERPLANE_FILES_UPLOAD_IDLE_S", 30.0, minimum=0.1)
 FILES_UPLOAD_MIN_BYTES_PER_S = env_int("INFERPLANE_FILES_UPLOAD_MIN_BYTES_PER_S", 64 * 1024, minimum=1)
 # An upload in progress counts against its organisation's storage quota this long past its last renewal (every third
-# of it while its body is read): one whose process died stops counting after it (`File.upload_lease_until`).
+# of it, by a thread, while its process works on it): one whose process died stops counting after it
+# (`File.upload_lease_until`).
 FILES_UPLOAD_LEASE_S = env_float("INFERPLANE_FILES_UPLOAD_LEASE_S", 30.0, minimum=1)
 # A creation under an `Idempotency-Key` (`endpoints.batches.idempotency`: a batch, an upload streaming to S3) leases
 # its key this long, renewed every third of it while it goes on: a dead process's key is taken over after.

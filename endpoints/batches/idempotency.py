@@ -26,17 +26,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-import threading
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, connections, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
+from endpoints.batches import renewal
 from endpoints.batches.models import IdempotentRequest
 from endpoints.gateway import errors
 from endpoints.gateway.auth import Caller
@@ -213,32 +213,14 @@ def held(claim: Claim | None):
     if claim is None:
         yield None
         return
-    done = threading.Event()
-    renewer = threading.Thread(
-        target=_renew_while_held, args=(claim, done), name=f"idempotency key {claim.pk}", daemon=True
-    )
-    renewer.start()
     try:
-        try:
+        with renewal.Renewal(
+            lambda: renew(claim), lease_s=settings.IDEMPOTENCY_LEASE_S, name=f"idempotency key {claim.pk}"
+        ):
             yield claim
-        finally:
-            done.set()
-            renewer.join()
     except BaseException:
         release(claim)
         raise
-
-
-def _renew_while_held(claim: Claim, done: threading.Event) -> None:
-    try:
-        while not done.wait(settings.IDEMPOTENCY_LEASE_S / 3):
-            try:
-                if not renew(claim):
-                    return  # answered meanwhile, or its lease lapsed and another request took it over
-            except DatabaseError:
-                logger.warning("could not renew idempotency key %s; trying again", claim.pk, exc_info=True)
-    finally:
-        connections.close_all()  # this thread's own
 
 
 def _lease() -> timedelta:

@@ -62,7 +62,7 @@ class File(models.Model):
     stored_at = models.DateTimeField(null=True, blank=True, db_default=Now())
     deleted_at = models.DateTimeField(null=True, blank=True)
     # An upload in progress counts against the storage quota until then (PostgreSQL's clock), a lease renewed while
-    # its body is read (`uploads.StreamToStorage`). NOTE: the row of an upload whose process died counted its whole
+    # its process works on it (`services.upload_held`). NOTE: the row of an upload whose process died counted its whole
     # declared size until the hourly sweep (`services.sweep_abandoned_uploads`), which still removes it; now it
     # stops counting once its lease lapses.
     upload_lease_until = models.DateTimeField(null=True, blank=True)

@@ -24,7 +24,7 @@ from datetime import timedelta
 from celery import current_app
 from django.conf import settings
 from django.db import DatabaseError, transaction
-from django.db.models import BigIntegerField, F, Q, Sum, Window
+from django.db.models import BigIntegerField, DateTimeField, F, Func, Q, Sum, Window
 from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Greatest, Now, RowNumber
 from django.utils import timezone
@@ -34,7 +34,7 @@ from controlplane.accounts import keys
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
-from endpoints.batches import idempotency, runner, scheduling, storage
+from endpoints.batches import idempotency, renewal, runner, scheduling, storage
 from endpoints.batches.models import (
     BATCH_PATHS,
     COMPLETION_WINDOWS,
@@ -107,7 +107,8 @@ def create_file(*, organization_id: int, purpose: str, filename: str, stream, si
     refuse_unknown_purpose(purpose)
     file = start_upload(organization_id=organization_id, filename=filename, size=size)
     try:
-        storage.put_stream(file.s3_key, stream)
+        with upload_held(file):
+            storage.put_stream(file.s3_key, stream)
     except BaseException:
         abandon_upload(file)
         raise
@@ -125,9 +126,9 @@ def start_upload(*, organization_id: int, filename: str, size: int) -> File:
 
     The row is an upload in progress that counts `size` against the quota from now on, checked and written under the
     organisation's row lock, so concurrent uploads never overshoot it, for as long as its lease lasts
-    (`FILES_UPLOAD_LEASE_S`, renewed by `renew_upload` while its body is read). Its bytes go to S3 after, outside any
-    transaction (`file.s3_key`); then `finish_upload`, or `abandon_upload`. One whose process died stops counting once
-    its lease lapses, and is swept by `tick`."""
+    (`FILES_UPLOAD_LEASE_S`, renewed while its process works on it: `upload_held`). Its bytes go to S3 after, outside
+    any transaction (`file.s3_key`); then `finish_upload`, or `abandon_upload`. One whose process died stops counting
+    once its lease lapses, and is swept by `tick`."""
     if size > settings.FILES_MAX_BYTES:
         raise Refused(f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file", status=413)
     file_id = new_file_id()
@@ -139,9 +140,18 @@ def start_upload(*, organization_id: int, filename: str, size: int) -> File:
                                    upload_lease_until=Now() + _upload_lease())
 
 
-def renew_upload(file: File) -> None:
-    """Lease an upload in progress for `FILES_UPLOAD_LEASE_S` more: it keeps counting against the storage quota."""
-    File.objects.filter(pk=file.pk, stored_at__isnull=True).update(upload_lease_until=Now() + _upload_lease())
+def upload_held(file: File) -> renewal.Renewal:
+    """The lease of an upload in progress, renewed by a thread every third of `FILES_UPLOAD_LEASE_S` from `start` (or
+    a `with` block) to `stop`: it keeps counting against the storage quota however long S3 takes with a part or
+    with its completion."""
+    return renewal.Renewal(lambda: renew_upload(file), lease_s=settings.FILES_UPLOAD_LEASE_S, name=f"upload {file.pk}")
+
+
+def renew_upload(file: File) -> bool:
+    """Lease an upload in progress for `FILES_UPLOAD_LEASE_S` more: it keeps counting against the storage quota. False
+    when it is no longer in progress (stored, taken back or swept)."""
+    return bool(File.objects.filter(pk=file.pk, stored_at__isnull=True).update(
+        upload_lease_until=Now() + _upload_lease()))
 
 
 def _upload_lease() -> timedelta:
@@ -150,19 +160,48 @@ def _upload_lease() -> timedelta:
 
 def finish_upload(file: File, *, size: int, claim: idempotency.Claim | None = None) -> File:
     """Mark an upload whose bytes are in S3 stored, counting its real `size` (at most what it was started with), and
-    save its answer under the request's idempotency key (`claim`) in the same transaction."""
+    save its answer under the request's idempotency key (`claim`) in the same transaction. One whose lease lapsed
+    (its renewal late) is checked against the storage quota again: `Refused` past it, its bytes deleted.
+
+    NOTE: a row whose lease lapsed stopped counting, and another upload may have been let in meanwhile; stored without
+    a check, two uploads kept twice the quota."""
     file.stored_at, file.bytes = timezone.now(), size
     try:
         with transaction.atomic():
-            if not File.objects.filter(pk=file.pk, stored_at__isnull=True).update(stored_at=file.stored_at, bytes=size):
+            leased = _upload_leased(file)
+            if leased is None or not File.objects.filter(pk=file.pk, stored_at__isnull=True).update(
+                    stored_at=file.stored_at, bytes=size):
                 # swept as abandoned meanwhile (an upload of over an hour)
                 raise Refused("The upload took too long; send it again.", param="file", status=408)
+            if not leased:  # counted from now on with its size, beside what came in while it did not count
+                _refuse_past_storage_quota(file.organization_id, 0, param="file", doing="")
             if claim is not None:
                 idempotency.save_answer(claim, file.as_openai())
     except (Refused, idempotency.InProgress):
         storage.delete(file.s3_key)  # no stored row names its bytes: they go too
+        abandon_upload(file)
         raise
     return file
+
+
+def _upload_leased(file: File) -> bool | None:
+    """Whether an upload in progress still holds its lease (None: its row is gone), read under its organisation's row
+    lock, taken for the caller's transaction.
+
+    NOTE: by PostgreSQL's clock at this moment (`clock_timestamp()`), not at the transaction's start (`Now()`): every
+    upload let in before this took the lock counted the row if its lease outlived that upload's own start, earlier."""
+    list(Organization.objects.select_for_update().filter(pk=file.organization_id).values_list("pk", flat=True))
+    in_progress = File.objects.filter(pk=file.pk, stored_at__isnull=True)
+    if not in_progress.exists():
+        return None
+    return in_progress.filter(upload_lease_until__gt=_ClockNow()).exists()
+
+
+class _ClockNow(Func):
+    """PostgreSQL's clock as the statement reads it (`clock_timestamp()`), not its transaction's start (`Now()`)."""
+
+    template = "CLOCK_TIMESTAMP()"
+    output_field = DateTimeField()
 
 
 def abandon_upload(file: File) -> None:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 
 from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
 from django.core.files.uploadhandler import FileUploadHandler
 
-from endpoints.batches import idempotency, services, storage
+from endpoints.batches import idempotency, renewal, services, storage
 from endpoints.batches.models import File
 
 logger = logging.getLogger("inferplane.batches")
@@ -88,10 +87,10 @@ class FileDigest(FileUploadHandler):
 
 class StreamToStorage(FileDigest):
     """Sends the body's `file` part to S3 as Django parses it (`storage.StreamedUpload`), its row started
-    (`services.start_upload`: the quota checked) as the part begins, its lease renewed as it is read, its digest taken
-    on the way (`FileDigest`). Install
-    it (`handle`) before anything reads `request.POST` or `request.FILES`; then `finish` it, or `abandon` it on every
-    other way out (`finished` says which)."""
+    (`services.start_upload`: the quota checked) as the part begins, its lease held till it is stored or taken back
+    (`services.upload_held`), its digest taken on the way (`FileDigest`). Install it (`handle`) before anything reads
+    `request.POST` or `request.FILES`; then `finish` it, or `abandon` it on every other way out (`finished` says
+    which)."""
 
     def __init__(self, request, *, organization_id: int, reserved: int):
         super().__init__(request)
@@ -99,7 +98,7 @@ class StreamToStorage(FileDigest):
         self.file: File | None = None
         self.stream: storage.StreamedUpload | None = None
         self.finished = False
-        self._leased_at = 0.0  # when its row's lease was last taken (`time.monotonic`): renewed every third of it
+        self.held: renewal.Renewal | None = None
 
     def new_file(self, field_name, file_name, *args, **kwargs):
         super().new_file(field_name, file_name, *args, **kwargs)
@@ -107,23 +106,23 @@ class StreamToStorage(FileDigest):
             return
         self.file = services.start_upload(organization_id=self.organization_id, filename=file_name, size=self.reserved)
         self.stream = storage.StreamedUpload(self.file.s3_key)
-        self._leased_at = time.monotonic()
+        # NOTE: renewed by a thread, not between the body's chunks: S3 slow with a part, or with the last part and the
+        # completion (`finish`), outlasted the lease, and a concurrent upload was let in beside it past the quota.
+        self.held = services.upload_held(self.file).start()
 
     def receive_data_chunk(self, raw_data, start):
         super().receive_data_chunk(raw_data, start)
         if self.field_name == FILE_FIELD:
             self.stream.write(raw_data)
-            # NOTE: the body is on the pod's disk already (Django spools it whole before the view runs): its chunks
-            # come as fast as the disk and S3 take them, so renewing between them keeps a live upload's lease.
-            if time.monotonic() - self._leased_at >= settings.FILES_UPLOAD_LEASE_S / 3:
-                services.renew_upload(self.file)
-                self._leased_at = time.monotonic()
         return None
 
     def finish(self, *, claim: idempotency.Claim | None = None) -> File:
         """Store the file, its answer saved under the request's idempotency key (`claim`)."""
-        self.stream.complete()
-        file = services.finish_upload(self.file, size=self.stream.size, claim=claim)
+        try:
+            self.stream.complete()
+            file = services.finish_upload(self.file, size=self.stream.size, claim=claim)
+        finally:
+            self.held.stop()
         self.finished = True
         return file
 
@@ -134,6 +133,7 @@ class StreamToStorage(FileDigest):
         ever; now a failure to abort them is logged and left to `services.sweep_incomplete_uploads`."""
         if self.file is None or self.finished:
             return
+        self.held.stop()
         try:
             self.stream.abort()
         except (BotoCoreError, ClientError):

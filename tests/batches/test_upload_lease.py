@@ -1,7 +1,10 @@
-"""An upload in progress counts against its organisation's storage quota while its lease is live: renewed as its body
-is read, lapsed within `FILES_UPLOAD_LEASE_S` of its process's death. Before, a dead upload's row counted its whole
-declared size until the hourly sweep removed it: a web process killed mid-upload (a deploy, an OOM) kept the
-organisation's uploads refused for up to an hour."""
+"""An upload in progress counts against its organisation's storage quota while its lease is live: renewed while its
+process works on it (its body read, its parts and completion sent to S3), lapsed within `FILES_UPLOAD_LEASE_S` of its
+process's death. Before, a dead upload's row counted its whole declared size until the hourly sweep removed it: a web
+process killed mid-upload (a deploy, an OOM) kept the organisation's uploads refused for up to an hour. Then its lease
+was renewed between its body's chunks only: a slow S3 completion outlasted it, and a second upload was stored beside
+it past the quota (found by a review); one whose lease lapsed all the same is checked against the quota again as it
+is stored."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import time
 import pytest
 
 from controlplane.accounts.models import Plan
-from endpoints.batches import services, uploads
+from endpoints.batches import services, storage, uploads
 from endpoints.batches.models import File
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -61,3 +64,78 @@ def test_a_live_upload_keeps_counting_while_its_body_is_read_past_its_lease(file
         time.sleep(LEASE_S / 10)
     storing.abandon()
     services.refuse_upload_past_storage_quota(tenant.org.pk, len(LINES))  # taken back: it counts no more
+
+
+def test_a_live_upload_keeps_its_place_while_s3_completes_it_past_its_lease(files_bucket, tenant, short_lease,
+                                                                           monkeypatch):
+    _on_plan(tenant.org, max_file_bytes=len(LINES))
+    storing = uploads.StreamToStorage(None, organization_id=tenant.org.pk, reserved=len(LINES))
+    storing.new_file(uploads.FILE_FIELD, "a.jsonl", "application/jsonl", len(LINES))
+    storing.receive_data_chunk(LINES, 0)  # the whole body parsed
+    complete, refusals = storing.stream.complete, []
+
+    def slow_complete():  # S3's last part and CompleteMultipartUpload (SlowDown retries) taking longer than the lease
+        time.sleep(LEASE_S + 0.3)
+        try:  # meanwhile another upload of the organisation
+            services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="b.jsonl",
+                                 stream=io.BytesIO(LINES), size=len(LINES))
+        except services.Refused as exc:
+            refusals.append(exc.code)
+        complete()
+
+    monkeypatch.setattr(storing.stream, "complete", slow_complete)
+    stored = storing.finish()
+    assert refusals == ["storage_quota_exceeded"]
+    assert list(File.objects.for_org(tenant.org.pk)) == [stored]
+    assert storage.read_bytes(stored.s3_key) == LINES
+
+
+def test_a_file_put_whole_keeps_its_place_while_s3_reads_it_past_its_lease(files_bucket, tenant, short_lease):
+    _on_plan(tenant.org, max_file_bytes=len(LINES))
+    refusals = []
+
+    class SlowToRead(io.BytesIO):
+        def read(self, *args):
+            if not refusals:  # S3 slow to take its first part: another upload meanwhile
+                time.sleep(LEASE_S + 0.3)
+                try:
+                    services.refuse_upload_past_storage_quota(tenant.org.pk, len(LINES))
+                    refusals.append("let in")
+                except services.Refused as exc:
+                    refusals.append(exc.code)
+            return super().read(*args)
+
+    stored = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="a.jsonl",
+                                  stream=SlowToRead(LINES), size=len(LINES))
+    assert refusals == ["storage_quota_exceeded"]
+    assert list(File.objects.for_org(tenant.org.pk)) == [stored]
+
+
+def test_an_upload_whose_lease_lapsed_is_refused_as_it_is_stored_past_the_quota(files_bucket, tenant, short_lease):
+    _on_plan(tenant.org, max_file_bytes=len(LINES))
+    # a renewal late (its process stalled): the row stops counting, and another upload is let in and stored
+    late = services.start_upload(organization_id=tenant.org.pk, filename="late.jsonl", size=len(LINES))
+    storage.put_bytes(late.s3_key, LINES)
+    time.sleep(LEASE_S + 0.2)
+    other = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="other.jsonl",
+                                 stream=io.BytesIO(LINES), size=len(LINES))
+
+    with pytest.raises(services.Refused) as refused:
+        services.finish_upload(late, size=len(LINES))
+    assert refused.value.code == "storage_quota_exceeded"
+    assert list(File.objects.filter(organization_id=tenant.org.pk)) == [other]  # its row taken back
+    with pytest.raises(storage.ObjectGone):
+        storage.read_bytes(late.s3_key)
+
+
+def test_an_upload_whose_lease_lapsed_is_stored_while_the_quota_has_room(files_bucket, tenant, short_lease):
+    _on_plan(tenant.org, max_file_bytes=2 * len(LINES))
+    late = services.start_upload(organization_id=tenant.org.pk, filename="late.jsonl", size=len(LINES))
+    storage.put_bytes(late.s3_key, LINES)
+    time.sleep(LEASE_S + 0.2)
+    other = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="other.jsonl",
+                                 stream=io.BytesIO(LINES), size=len(LINES))
+
+    stored = services.finish_upload(late, size=len(LINES))
+    assert set(File.objects.for_org(tenant.org.pk)) == {stored, other}
+    assert storage.read_bytes(stored.s3_key) == LINES
