@@ -180,15 +180,15 @@ def test_a_replay_counts_each_organisations_rows_in_one_script_call(monkeypatch)
 
 def _rebuilt_on_insert(monkeypatch, organization_id: int, api_key_id: int | None) -> None:
     """The replay's INSERT commits, then a call rebuilds the counters Redis lost, before the replay counts its rows."""
-    insert = usage_writer.UsageWriter._insert
+    insert = usage_writer.UsageWriter._write_rows
 
-    async def insert_then_rebuild(self, reports):
-        written = await insert(self, reports)
+    async def insert_then_rebuild(self, reports, **kwargs):
+        written = await insert(self, reports, **kwargs)
         await reserve(organization_id=organization_id, api_key_id=api_key_id, amount=Decimal("0.01"),
                       request_id="rebuilds")
         return written
 
-    monkeypatch.setattr(usage_writer.UsageWriter, "_insert", insert_then_rebuild)
+    monkeypatch.setattr(usage_writer.UsageWriter, "_write_rows", insert_then_rebuild)
 
 
 def _replayed_on_write(monkeypatch) -> None:
