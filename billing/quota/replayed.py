@@ -123,7 +123,8 @@ def _registrations(reports: Iterable[UsageReport]) -> list[tuple[list[str], list
 
 
 async def register_replaying(reports: Collection[UsageReport]) -> None:
-    """Step 1 of a replay, before `reports` are written into the ledger (see the module's docstring)."""
+    """Step 1 of a replay, before `reports` are written into the ledger (see the module's docstring); so too before a
+    write's rows not written now may supersede lost rows (`count_superseded`)."""
     for keys, args in _registrations(reports):
         await _REGISTER(keys=keys, args=args)
 
