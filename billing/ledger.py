@@ -337,7 +337,8 @@ async def record_usage_batch_on(connection, reports: list[UsageReport]) -> set[s
     return written
 
 
-def _superseding(reports: list[UsageReport], written: Collection[str]) -> list[UsageReport]:
+def superseding(reports: list[UsageReport], written: Collection[str]) -> list[UsageReport]:
+    """The reports of `reports` that may supersede a `gateway_lost` row (`supersede_lost_rows`): those not written now."""
     return [r for r in reports if r.request_id not in written and r.status != UsageStatus.GATEWAY_LOST]
 
 
@@ -345,7 +346,7 @@ def supersede_lost_rows(reports: list[UsageReport], written: Collection[str] = (
     """Replace the `gateway_lost` rows of `reports`' request ids by the reports (`_SUPERSEDE_SQL`): calls' own rows (a
     journal's, replayed, or a late gateway's) whose insert found the row the sweeper had written for their call
     (`written`: the ids it wrote, which have none). Returns each superseded request id's cost as it was (counted already: `replayed.count_superseded`)."""
-    if not (reports := _superseding(reports, written)):
+    if not (reports := superseding(reports, written)):
         return {}
     with connection.cursor() as cursor:
         cursor.execute(_SUPERSEDE_SQL, _rows(reports))
@@ -354,7 +355,7 @@ def supersede_lost_rows(reports: list[UsageReport], written: Collection[str] = (
 
 async def supersede_lost_rows_on(connection, reports: list[UsageReport], written: Collection[str] = ()) -> dict[str, Decimal]:
     """`supersede_lost_rows` on an async psycopg connection in autocommit (`billing.usage_writer`)."""
-    if not (reports := _superseding(reports, written)):
+    if not (reports := superseding(reports, written)):
         return {}
     async with connection.cursor() as cursor:
         await cursor.execute(_SUPERSEDE_SQL, _rows(reports))

@@ -38,7 +38,13 @@ from django.conf import settings
 from django.db import connections
 
 from billing import journal_shipping
-from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch_on, supersede_lost_rows_on
+from billing.ledger import (
+    UnknownEndpointError,
+    UsageReport,
+    record_usage_batch_on,
+    supersede_lost_rows_on,
+    superseding,
+)
 from billing.quota import replayed
 from billing.usage_journal import UsageJournal, read_segment
 from controlplane.per_loop import PerLoop
@@ -208,10 +214,17 @@ class UsageWriter:
         return written, refused, await self._supersede(reports, written) if supersede else {}
 
     async def _supersede(self, reports: list[UsageReport], written: set[str]) -> dict[str, Decimal]:
-        """The cost of each `gateway_lost` row that the rows of `reports` not written now superseded."""
+        """The cost of each `gateway_lost` row that the rows of `reports` not written now superseded.
+
+        NOTE: each row that may supersede one is registered first, as a replay registers its rows (`replayed`): a
+        counter rebuilt between the supersede and its count then counts the difference once (a replay's rows were
+        registered before its INSERT; again here, cheap: only rows not written now)."""
+        if not (candidates := superseding(reports, written)):
+            return {}
+        await _register_replaying(candidates)
         if self._connection is None or self._connection.closed:
             self._connection = await _connect()
-        return await supersede_lost_rows_on(self._connection, reports, written)
+        return await supersede_lost_rows_on(self._connection, candidates)
 
     async def _journal(self, reports: list[UsageReport]) -> list[Recorded]:
         await asyncio.to_thread(journal().append, reports)

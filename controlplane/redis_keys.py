@@ -81,14 +81,15 @@ def credit_journaled_key(organization_id: int) -> str:
 
 
 def replaying_key(organization_id: int) -> str:
-    """Hash: request id -> until when (Redis's clock, seconds) a replay of the journal may still commit its row and
-    count it (`billing.quota.replayed`)."""
+    """Hash: request id -> until when (Redis's clock, seconds) a replay of the journal, or a write that may supersede a
+    lost row, may still commit its row and count it (`billing.quota.replayed`)."""
     return f"billing:{org_tag(organization_id)}:replaying"
 
 
 def rebuilding_key(organization_id: int) -> str:
     """Hash: `c:<counter key>` -> until when a rebuild of that counter may write it, and `m:<counter key>|<request
-    id>` -> the cost a replay's count could not add to it, missing then (`billing.quota.rebuild`)."""
+    id>` -> the cost (a superseded row's difference) a replay's count could not add to it, missing then
+    (`billing.quota.rebuild`)."""
     return f"billing:{org_tag(organization_id)}:rebuilding"
 
 

@@ -14,7 +14,7 @@ from django.db import DatabaseError, close_old_connections, connection, transact
 from django.utils import timezone
 
 from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_usage_began
-from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, CreditGrant, UsageRecord
+from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, CreditGrant, UsageRecord, UsageStatus
 from billing.periods import Period, period_containing
 from billing.quota import replayed
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
@@ -55,7 +55,8 @@ return {now, redis.call('HKEYS', KEYS[2])}
 """)
 
 # The rows replayed from the journal, as a rebuilt counter must count them (`replayed`): its ledger snapshot has each
-# of `present` (A[first..first+num_present-1]: the rows it was asked about and holds); one whose count is still to come
+# of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, a superseded one only as such:
+# `_held`); one whose count is still to come
 # (registered, its registration live) is marked as counted (`marks`, under `mark_prefix`), so the count drops the
 # mark and adds nothing, unless `left` (its cost left to its settlement). Returns the costs of the rows whose count
 # found the counter missing while it was rebuilt and the snapshot lacks: the caller adds them. Those are dropped.
@@ -172,8 +173,9 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
             asked = _replays_in_snapshot(organization_id, counter)
             spent, costs = period_spend_and_pending(organization_id, period, {*reserved_ids, *asked},
                                                     api_key_id=api_key_id if what == "key" else None)
+            held = _held(organization_id, asked)
         pending = {request_id: cost for request_id, cost in costs.items() if request_id in reserved_ids}
-        present = tuple(request_id for request_id in costs if request_id in asked)
+        present = tuple(request_id for request_id in costs if request_id in held)
     if what == "org":
         return _Rebuild(counter, {"spent": str(to_units(spent))} | limit_fields(account), None, PERIOD_TTL_S,
                         _units(pending), present)
@@ -207,6 +209,16 @@ def _replays_in_snapshot(organization_id: int, counter: str) -> set[str]:
     return replayed.replays_to_ask_about(organization_id, counter)
 
 
+def _held(organization_id: int, asked: set[str]) -> set[str]:
+    """Of the rows `asked` about, those the snapshot holds as their replay or supersede counts them: a `gateway_lost`
+    row is not held, since a replay's row that supersedes it (`replayed.count_superseded`) counts the difference its
+    snapshot lacks. NOTE: a lost row is never itself replayed: the sweeper writes it straight into the ledger."""
+    if not asked:
+        return set()
+    return set(UsageRecord.objects.filter(organization_id=organization_id, request_id__in=asked)
+               .exclude(status=UsageStatus.GATEWAY_LOST).values_list("request_id", flat=True))
+
+
 def _units(pending: dict[str, Decimal]) -> dict[str, int]:
     return {request_id: units for request_id, cost in pending.items() if (units := to_units(cost)) > 0}
 
@@ -232,8 +244,8 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
         account = BillingAccount.objects.get(organization_id=organization_id)
         asked = _replays_in_snapshot(organization_id, counter) if counter is not None else set()
         present = tuple(UsageRecord.objects.filter(organization_id=organization_id, billing_mode=BillingMode.PREPAID,
-                                                   request_id__in=asked).values_list("request_id", flat=True)
-                        ) if asked else ()
+                                                   request_id__in=_held(organization_id, asked)
+                                                   ).values_list("request_id", flat=True)) if asked else ()
         grants = list(CreditGrant.objects.filter(organization_id=organization_id))
         undrawn, pending = undrawn_prepaid_spend_and_pending(account, reserved_ids)
         # NOTE: what expired after the usage not drawn yet began pays first for it, as the draw will take it

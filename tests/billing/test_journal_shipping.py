@@ -10,10 +10,11 @@ from decimal import Decimal
 import boto3
 import psycopg
 import pytest
+from asgiref.sync import sync_to_async
 
 from billing import journal_shipping, usage_writer
 from billing.models import UsageRecord
-from billing.quota import reads, sweeper
+from billing.quota import reads, rebuild, sweeper
 from billing.usage_journal import REJECTED_NAME, encode
 from controlplane.redis_client import get_redis
 from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_child, s3_server  # noqa: F401 - fixtures used here
@@ -156,9 +157,10 @@ def test_a_counter_rebuilt_while_rows_wait_in_the_bucket_counts_them_once_the_wo
     assert journal_shipping.replay_shipped() == 0 and reads.counted_spend(organization_id) == Decimal("0.30")
 
 
-def test_a_shipped_row_supersedes_the_row_the_sweeper_wrote_from_its_progress_once(outage, files_bucket, settings):  # noqa: F811
-    # Its gateway journaled the call's whole row, shipped it, and was killed before settling; PostgreSQL came back after
-    # the hold lapsed, and the sweeper billed the call from its last progress (20,000 of 200,000 tokens).
+def _shipped_then_billed_lost(outage, files_bucket, settings) -> int:  # noqa: F811
+    """A stream's gateway journaled its whole row ($0.50), shipped it, and was killed before settling; PostgreSQL came
+    back after the hold lapsed, and the sweeper billed the call from its last progress (20,000 of 200,000 tokens:
+    $0.14). Returns its organisation."""
     settings.BILLING_RESERVATION_TTL_S = 600
     endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("2"))
     organization_id = endpoint.organization_id
@@ -172,6 +174,11 @@ def test_a_shipped_row_supersedes_the_row_the_sweeper_wrote_from_its_progress_on
     assert _bucket_keys(files_bucket, journal_shipping.PREFIX)
     outage.end()
     assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    return organization_id
+
+
+def test_a_shipped_row_supersedes_the_row_the_sweeper_wrote_from_its_progress_once(outage, files_bucket, settings):  # noqa: F811
+    organization_id = _shipped_then_billed_lost(outage, files_bucket, settings)
     assert reads.counted_spend(organization_id) == Decimal("0.14")
 
     assert journal_shipping.replay_shipped() == 0  # no row written: one superseded
@@ -243,3 +250,41 @@ def test_rows_the_ledger_refuses_for_what_they_hold_do_not_block_the_segments_af
     assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["after-1"]
     assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
     assert _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX) == [journal_shipping.REJECTED_PREFIX + "a-1-1.jsonl"]
+
+
+@pytest.mark.parametrize("interleaving", ["rebuilt before the supersede",
+                                          "read before the supersede, written after its count"])
+def test_a_counter_rebuilt_while_a_shipped_row_supersedes_a_lost_row_counts_its_difference_once(
+        outage, files_bucket, settings, monkeypatch, interleaving):  # noqa: F811
+    # As the gateway's replay (tests/billing/test_lost_row_superseded.py): the worker's replay registered the row, so a
+    # rebuild that read the lost row ($0.14) marked it counted, and a count that found the counter missing told its
+    # rebuild nothing: $0.14 counted for $0.50.
+    organization_id = _shipped_then_billed_lost(outage, files_bucket, settings)
+    get_redis().flushdb()  # Redis lost its counters
+
+    async def rebuilds():
+        await reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="rebuilds")
+
+    if interleaving == "rebuilt before the supersede":
+        supersede = journal_shipping.supersede_lost_rows
+
+        def rebuild_then_supersede(*args, **kwargs):
+            asyncio.run(rebuilds())
+            return supersede(*args, **kwargs)
+
+        monkeypatch.setattr(journal_shipping, "supersede_lost_rows", rebuild_then_supersede)
+        assert journal_shipping.replay_shipped() == 0
+    else:
+        write, done = rebuild._write_rebuild, []
+
+        async def replay_then_write(*args, **kwargs):
+            if not done:  # the organisation counter's rebuild read the lost row
+                done.append(await sync_to_async(journal_shipping.replay_shipped)())
+            return await write(*args, **kwargs)
+
+        monkeypatch.setattr(rebuild, "_write_rebuild", replay_then_write)
+        asyncio.run(rebuilds())
+        assert done == [0]
+
+    assert UsageRecord.objects.get().cost == Decimal("0.50")
+    assert reads.counted_spend(organization_id) == Decimal("0.50")

@@ -180,10 +180,10 @@ def test_a_replay_counts_each_organisations_rows_in_one_script_call(monkeypatch)
 
 def _rebuilt_on_insert(monkeypatch, organization_id: int, api_key_id: int | None) -> None:
     """The replay's INSERT commits, then a call rebuilds the counters Redis lost, before the replay counts its rows."""
-    write_rows = usage_writer.UsageWriter._write_rows
+    insert = usage_writer.UsageWriter._write_rows
 
     async def insert_then_rebuild(self, reports, **kwargs):
-        written = await write_rows(self, reports, **kwargs)
+        written = await insert(self, reports, **kwargs)
         await reserve(organization_id=organization_id, api_key_id=api_key_id, amount=Decimal("0.01"),
                       request_id="rebuilds")
         return written

@@ -16,11 +16,11 @@ import pytest
 from django.db.models import Sum
 from django.utils import timezone
 
-from billing import ledger, stripe_sync, usage_writer
+from billing import ledger, periods, stripe_sync, usage_writer
 from billing.credits import grant_credits
 from billing.models import BillingAccount, BillingMode, RollupKind, UsageRecord, UsageRollup
-from billing.quota import reads, replayed, sweeper
-from billing.quota.counters import to_units
+from billing.quota import reads, rebuild, replayed, sweeper
+from billing.quota.counters import from_units, to_units
 from billing.rollups import rollup_usage
 from billing.services import set_billing_mode
 from billing.usage_writer import Recorded
@@ -279,3 +279,131 @@ def test_rows_a_replay_wrote_are_counted_though_its_supersede_failed_after_the_i
     _replay()  # the segment waited: its retry supersedes the lost row
     assert UsageRecord.objects.get(request_id="streamed").status == "ok"
     assert reads.counted_spend(organization.pk) == Decimal("0.50") + Decimal("0.30")
+
+
+# --- a counter rebuilt while a lost row is superseded ------------------------------------------------------------------
+# The row's difference is counted once whichever way the rebuild (its ledger snapshot, then its write) and the supersede
+# (its commit, then its count) interleave, for a journal's replayed row and for a woken gateway's own row (found by a
+# review: the replay's registration of the row made a rebuild that read the lost row mark it counted, and a count that
+# found the counter missing told its rebuild nothing; both left $0.14 counted for $0.50).
+INTERLEAVINGS = ["rebuilt before the supersede", "rebuilt between the supersede and its count",
+                 "read before the supersede, written after its count", "read after the supersede, written after its count"]
+
+
+def _lost_then_counters_lost(endpoint, path: str, api_key=None):
+    """A stream billed lost by the sweeper ($0.14), its whole row ($0.50) in the journal (`path` "replayed") or in a
+    frozen gateway about to wake ("woken"), then Redis lost the spend counters and the credit figure. Returns the
+    supersede to come: the journal's replay, or the gateway's own write."""
+    if path == "replayed":
+        _killed_after_its_journal_append(endpoint, "streamed", api_key=api_key)
+    else:
+        _, whole = _streaming_with_progress(endpoint, "streamed", api_key=api_key)
+    _sweep_after_the_hold_lapsed()
+    assert UsageRecord.objects.get().cost == Decimal("0.14")
+    period_key = periods.period_containing().key
+    organization_id = endpoint.organization_id
+    get_redis().delete(redis_keys.org_period_key(organization_id, period_key),
+                       redis_keys.key_period_key(organization_id, api_key.pk if api_key else None, period_key),
+                       redis_keys.credit_key(organization_id))
+
+    async def supersede():
+        if path == "replayed":
+            await usage_writer.writer_for_this_loop().replay()
+        else:
+            assert await usage_writer.arecord_usage(whole) is Recorded.WRITTEN
+
+    return supersede
+
+
+def _rebuilt_during(monkeypatch, interleaving: str, supersede, organization_id: int, api_key_id: int | None,
+                    counter: str) -> None:
+    """Run `supersede` with a call that rebuilds the lost counters interleaved as `interleaving` says (a rebuild of
+    `counter` read before the supersede: its write waits for the supersede's count)."""
+
+    async def rebuilds():
+        await reserve(organization_id=organization_id, api_key_id=api_key_id, amount=Decimal("0.01"),
+                      request_id="rebuilds")
+
+    if interleaving == "rebuilt before the supersede":
+        original = usage_writer.UsageWriter._supersede
+
+        async def rebuild_then_supersede(self, reports, written):
+            await rebuilds()
+            return await original(self, reports, written)
+
+        monkeypatch.setattr(usage_writer.UsageWriter, "_supersede", rebuild_then_supersede)
+    elif interleaving == "rebuilt between the supersede and its count":
+        count = usage_writer._count_superseded
+
+        async def rebuild_then_count(lost_costs):
+            await rebuilds()
+            await count(lost_costs)
+
+        monkeypatch.setattr(usage_writer, "_count_superseded", rebuild_then_count)
+    elif interleaving == "read after the supersede, written after its count":
+        count, write, counts = usage_writer._count_superseded, rebuild._write_rebuild, []
+
+        async def rebuild_before_the_count(lost_costs):
+            counts.append(lost_costs)
+            await rebuilds()
+
+        async def count_then_write(rebuilt, *args, **kwargs):
+            if rebuilt.key == counter and counts:  # its rebuild read the row superseded; the count finds it missing
+                await count(counts.pop())
+            return await write(rebuilt, *args, **kwargs)
+
+        monkeypatch.setattr(usage_writer, "_count_superseded", rebuild_before_the_count)
+        monkeypatch.setattr(rebuild, "_write_rebuild", count_then_write)
+        asyncio.run(supersede())
+        assert not counts
+        return
+    else:
+        write, done = rebuild._write_rebuild, []
+
+        async def supersede_then_write(rebuilt, *args, **kwargs):
+            if rebuilt.key == counter and not done:  # its rebuild read the lost row; the supersede commits and counts
+                done.append(await supersede())
+            return await write(rebuilt, *args, **kwargs)
+
+        monkeypatch.setattr(rebuild, "_write_rebuild", supersede_then_write)
+        asyncio.run(rebuilds())
+        assert done
+        return
+    asyncio.run(supersede())
+
+
+@pytest.mark.parametrize("interleaving", INTERLEAVINGS)
+@pytest.mark.parametrize("path", ["replayed", "woken"])
+def test_a_counter_rebuilt_while_a_lost_row_is_superseded_counts_its_difference_once(settings, monkeypatch, path,
+                                                                                     interleaving):
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    supersede = _lost_then_counters_lost(endpoint, path, api_key=key)
+
+    period_key = periods.period_containing().key
+    _rebuilt_during(monkeypatch, interleaving, supersede, organization.pk, key.pk,
+                    redis_keys.org_period_key(organization.pk, period_key))
+
+    assert UsageRecord.objects.get(request_id="streamed").cost == Decimal("0.50")
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+    monkeypatch.undo()
+    _replay()  # nothing left: nothing counted again
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+
+
+@pytest.mark.parametrize("interleaving", INTERLEAVINGS)
+@pytest.mark.parametrize("path", ["replayed", "woken"])
+def test_a_credit_figure_rebuilt_while_a_lost_row_is_superseded_draws_its_difference_once(settings, monkeypatch, path,
+                                                                                           interleaving):
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _prepaid_endpoint()
+    organization = endpoint.organization
+    supersede = _lost_then_counters_lost(endpoint, path)
+
+    _rebuilt_during(monkeypatch, interleaving, supersede, organization.pk, None, redis_keys.credit_key(organization.pk))
+
+    assert UsageRecord.objects.get(request_id="streamed").cost == Decimal("0.50")
+    # $2.00 granted, $0.50 spent (the rebuilding call's $0.01 held apart)
+    assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("1.50")
