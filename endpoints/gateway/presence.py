@@ -280,6 +280,9 @@ class _Repair:
     # The organisations it serves nothing for whose requests hashes the last reconcile found empty: forgotten if the
     # next one finds them empty too (`traffic.unregister_requests_key`).
     empty: set[int] = field(default_factory=set)
+    # The requests put back whose reservations are not yet held again (`counters.restore_reservations` failed, or has
+    # not answered yet): the next reconcile holds them again while they are served (`_hold_again`).
+    unheld: set[str] = field(default_factory=set)
 
 
 _repair = _Repair()
@@ -305,6 +308,17 @@ async def _restore_requests(organization_id: int, snapshot: list[tuple[str, Held
         keys += [redis_keys.inflight_key(organization_id, held.endpoint_id), held.counter()]
         args += [request_id, held.value()]
     return await _RESTORE_REQUESTS(keys=keys, args=args)
+
+
+async def _hold_again(organization_id: int, holds: list[tuple[str, Held]]) -> int:
+    """`counters.restore_reservations` for the calls of one organisation this process serves (`holds`): once held
+    again, each is no longer left to the next reconcile (`_Repair.unheld`), and its progress is recorded again by this
+    beat (`_record_progress`: lost with its reservation). Returns how many it held again."""
+    held_again = await counters.restore_reservations(organization_id, [held.reservation for _, held in holds])
+    for request_id, held in holds:
+        held.progress_recorded = None
+        _repair.unheld.discard(request_id)
+    return held_again
 
 
 async def _read_idle(registered: list[int], idle: list[int]) -> list[dict[str, str]]:
@@ -346,7 +360,8 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
     requests Redis holds that it no longer serves. One script per organisation it serves and a read of each other
     hash it registered, all sent at once (a round trip, and one more per organisation whose reservations it holds
     again). `forgotten`: Redis forgot this gateway's alive key, so every reservation of what it serves is held again
-    where missing, not only those of the requests put back.
+    where missing, not only those of the requests put back; and a reservation a reconcile failed to hold again (a Redis
+    error, a timeout, after its request was put back) is held again by the next (`_Repair.unheld`).
 
     NOTE: what it reads is bounded by what it serves: an organisation it serves nothing for, whose requests hash two
     reconciles found empty, is forgotten (`traffic.unregister_requests_key`, registered again by its next call). Every
@@ -384,7 +399,7 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
         _read_idle(registered, idle))
     unserved: dict[tuple[int, str], str] = {}
     ended: dict[tuple[int, str], str] = {}
-    to_hold: dict[int, list[Held]] = {}
+    to_hold: dict[int, list[tuple[str, Held]]] = {}
     restored = 0
     for (organization_id, snapshot), (put_back, found) in zip(by_organization.items(), results, strict=True):
         restored += len(put_back)
@@ -394,8 +409,8 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
             if request_id not in serving:
                 if request_id in put_back:  # it ended after the snapshot: its own end found nothing to release
                     ended[(organization_id, request_id)] = held.value()
-            elif held.reservation is not None and (forgotten or request_id in put_back):
-                to_hold.setdefault(organization_id, []).append(held)
+            elif held.reservation is not None and (forgotten or request_id in put_back or request_id in _repair.unheld):
+                to_hold.setdefault(organization_id, []).append((request_id, held))
     empty: set[int] = set()
     for organization_id, entries in zip(idle, idle_entries, strict=True):
         if not entries:
@@ -404,11 +419,13 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
             unserved[(organization_id, request_id)] = value
     if ended:
         await asyncio.to_thread(_release_unserved, ended)
-    held_again = await asyncio.gather(*(counters.restore_reservations(
-        organization_id, [held.reservation for held in holds]) for organization_id, holds in to_hold.items()))
-    for holds in to_hold.values():
-        for held in holds:
-            held.progress_recorded = None  # recorded again by this beat (`_record_progress`): lost with its reservation
+    # NOTE: remembered before they are tried: its entry is back, so a later reconcile no longer finds it missing; a
+    # restore that failed (a Redis error, a timeout) left the call in flight holding nothing against the caps and
+    # credit (new calls admitted against what it held; no hold for the sweeper should its gateway die). Trying one
+    # again holds it at most once (the script leaves a reservation still there, or one whose call settled).
+    _repair.unheld.intersection_update(serving)
+    _repair.unheld.update(request_id for holds in to_hold.values() for request_id, _ in holds)
+    held_again = await asyncio.gather(*(_hold_again(organization_id, holds) for organization_id, holds in to_hold.items()))
     confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
     released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
     _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed}

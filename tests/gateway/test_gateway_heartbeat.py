@@ -16,6 +16,7 @@ from redis import Redis
 
 from billing.ledger import period_spend
 from billing.periods import period_containing
+from billing.quota import counters
 from billing.quota.counters import QuotaExceeded, from_units, to_units
 from billing.services import set_spend_cap
 from controlplane import redis_keys
@@ -290,6 +291,44 @@ def test_a_call_admitted_in_the_second_redis_lost_counts_again_while_it_runs(idl
     scheduler.autoscale_tick()
     assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY
 
+    asyncio.run(finish(caller, endpoint, replica, "live", admitted))
+    assert counts(endpoint, replica) == (0, 0)  # released once by its own end
+    assert int(redis.get(redis_keys.org_reserved_key(org)) or 0) == 0
+
+
+def test_a_reservation_whose_hold_again_failed_is_held_by_the_next_reconcile(idle_endpoint_call, monkeypatch):
+    """Before, a reconcile that put back a running call's entry and then failed to hold its reservation again (a Redis
+    error, a timeout) left it for good: the next reconcile found its entry there, so it counted in flight holding
+    nothing against the caps and credit (new calls admitted against what it held; no hold for the sweeper)."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+    restore, failures = counters.restore_reservations, []
+
+    async def failing_once(organization_id, reservations):
+        if not failures:
+            failures.append(organization_id)
+            raise ConnectionError("Redis timed out")
+        return await restore(organization_id, reservations)
+
+    monkeypatch.setattr(counters, "restore_reservations", failing_once)
+
+    async def scenario():
+        await presence.beat(web=True)
+        state = redis_state()
+        admitted = await admit(caller, endpoint, replica, "live")
+        reserved = get_redis().get(redis_keys.org_reserved_key(org))
+        come_back_as(state)  # the call's admission and reservation are lost; it streams on
+        await reconciled(1)  # its entry is put back, holding its reservation again fails
+        assert failures == [org] and counts(endpoint, replica) == (1, 1)
+        assert not get_redis().hexists(redis_keys.reservations_key(org), "live")
+        await presence.beat(web=True)  # the next reconcile (the failed one is tried again at once)
+        return admitted, reserved
+    admitted, reserved = asyncio.run(scenario())
+
+    redis = get_redis()
+    assert redis.hexists(redis_keys.reservations_key(org), "live")
+    assert redis.get(redis_keys.org_reserved_key(org)) == reserved and int(reserved) > 0
+    assert not presence._repair.unheld
     asyncio.run(finish(caller, endpoint, replica, "live", admitted))
     assert counts(endpoint, replica) == (0, 0)  # released once by its own end
     assert int(redis.get(redis_keys.org_reserved_key(org)) or 0) == 0
