@@ -159,7 +159,10 @@ def set_invoiced_without_card(actor: Actor, organization, *, allowed: bool) -> B
 
 def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) -> BillingAccount | None:
     """Stripe's customer `customer_id`, read at `observed_ms`, has (or has not) a default payment method;
-    a reading older than the one recorded changes nothing. The gateway sees a change at once."""
+    a reading older than the one recorded changes nothing. The gateway sees a change at once, and its hold too: the
+    organisation's standing is reviewed then (`review_payment_standing`), as a card decides whether an invoice its
+    deleted customer left unpaid holds it (`billing.standing.can_pay_now`). Before, a held organisation that added a
+    card was refused until the beat task's next review, minutes later."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().filter(stripe_customer_id=customer_id).first()
         if account is None or account.payment_method_observed_ms >= observed_ms:
@@ -174,7 +177,9 @@ def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) 
         if flipped:
             record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file)
     if changed:
-        _refresh_quietly(account)
+        # NOTE: after the commit, from the rows as they are then: the same whatever order Stripe's events come in,
+        # and reviewing twice changes nothing.
+        account = _review_quietly(account)
     return account
 
 
@@ -288,6 +293,17 @@ def _refresh_quietly(account: BillingAccount, *, credit: bool = False) -> None:
         refresh_limits(account, credit=credit)
     except Exception:
         logger.exception("could not refresh the gateway's limits of organisation %s", account.organization_id)
+
+
+def _review_quietly(account: BillingAccount) -> BillingAccount:
+    """`review_payment_standing` after a change that is already committed: a failure is logged, not raised, and the
+    limits refreshed all the same; the beat task reviews a held organisation, or one with a failed invoice, again."""
+    try:
+        return review_payment_standing(account.organization_id)
+    except Exception:
+        logger.exception("could not review the payment standing of organisation %s", account.organization_id)
+        _refresh_quietly(account)
+        return account
 
 
 def review_payment_standing(organization_id: int, *, now: datetime | None = None) -> BillingAccount:

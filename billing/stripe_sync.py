@@ -324,8 +324,7 @@ def customer_invoiced_until(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -
     for invoice in invoices.auto_paging_iter():
         if invoice.status == "draft":
             invoice = _finalized(invoice.id, attempts=attempts)
-        if (invoice.status in BILLING_INVOICE_STATUSES or (invoice.status == "draft" and invoice.to_dict().get(
-                "auto_advance"))) and invoice.period_end:
+        if _bills_its_period(invoice) and invoice.period_end:
             ends.append(invoice.period_end)
         elif invoice.status == "draft":
             logger.warning("the draft invoice %s of the deleted customer %s cannot be finalised and is not advanced "
@@ -518,8 +517,17 @@ def _invoiced_until(subscription) -> int:
     if subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends)):
         return ended_at
     invoices = stripe_client().v1.invoices.list(params={"subscription": subscription.id, "limit": 100}).data
-    return max((line.period.end for invoice in invoices for line in invoice.lines.data if line.period.end <= ended_at),
+    return max((line.period.end for invoice in invoices if _bills_its_period(invoice)
+                for line in invoice.lines.data if line.period.end <= ended_at),
                default=subscription.start_date)
+
+
+def _bills_its_period(invoice) -> bool:
+    """Whether Stripe's `invoice` bills the usage of its period: finalised and not void
+    (`billing.models.BILLING_INVOICE_STATUSES`), or a draft that Stripe finalises itself an hour after making it
+    (`auto_advance`), with that usage."""
+    return invoice.status in BILLING_INVOICE_STATUSES or (
+        invoice.status == "draft" and bool(invoice.to_dict().get("auto_advance")))
 
 
 # --- pushing rollups ---------------------------------------------------------------------------------

@@ -457,6 +457,34 @@ def test_an_invoice_past_due_or_uncollectible_before_its_customer_was_deleted_ho
     _spend(billed.org, "0.01")
 
 
+def test_a_held_organisation_that_adds_a_card_is_served_at_once_without_waiting_for_the_review(billed):
+    """A card lifts a hold that only the want of one made (`billing.standing.can_pay_now`). Before, the card was
+    recorded and the hold stood until the beat task's next review, minutes later: the customer who had just added it
+    was refused meanwhile. Its removal puts the hold back at once, and a late, older reading changes nothing."""
+    old_customer = billed.customer
+    deleted_at = int(time.time()) - 9 * 86400
+    _webhook("customer.deleted", billed.stripe.delete_customer(old_customer), created=deleted_at)
+    _webhook("invoice.payment_failed", {"id": "in_final", "object": "invoice", "customer": old_customer,
+                                        "status": "open", "currency": "usd", "amount_due": 4200, "amount_paid": 0,
+                                        "lines": {"object": "list", "data": []}}, created=deleted_at + 86400)
+    assert services.review_all_payment_standing() == 1  # no card, and the grace ran out: held
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+
+    billed.customer = stripe_sync.ensure_customer(billed.org.pk)
+    observed_before_card_ms = time.time_ns() // 1_000_000
+    _customer_event(billed, "pm_card_visa")  # no review of the beat task's after this
+    _spend(billed.org, "0.01")
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since is None
+
+    # An older reading of no card, delivered late, changes nothing; the event again neither.
+    services.record_payment_method(billed.customer, on_file=False, observed_ms=observed_before_card_ms)
+    _customer_event(billed, "pm_card_visa")
+    _spend(billed.org, "0.01")
+
+    _customer_event(billed, None)  # the card removed: held again, at once
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+
+
 def test_a_draft_the_deletion_finalised_is_excused_when_its_failure_arrives_before_the_deletions_webhook(billed):
     """Stripe does not order webhooks, and the deletion's may come late (sent again after a 503): the deletion is
     dated by its event, on Stripe's clock, so the failure of a draft it finalised is after it, not before."""

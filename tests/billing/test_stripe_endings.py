@@ -439,6 +439,29 @@ def test_usage_of_a_period_cancelled_at_once_without_an_invoice_is_billed_by_the
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
 
 
+def test_usage_of_a_void_invoice_of_a_subscription_cancelled_at_once_is_billed_by_the_next_subscription(fake_stripe):
+    # A void invoice bills nothing (`billing.models.BILLING_INVOICE_STATUSES`). Before, its lines counted where the
+    # ended subscription's invoices stopped: the next one started after its period, whose usage no invoice billed.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    [invoice] = [invoice for invoice in fake_stripe.invoices.values() if invoice["customer"] == customer]
+    fake_stripe.finalize_invoice(invoice["id"])
+    fake_stripe.void_invoice(invoice["id"])  # in the Dashboard
+    _use_and_push(endpoint, num_hours_ago=5)
+
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoice["period_start"]
+    _invoice_the_rest(fake_stripe, second)
+    billed = sum(line["quantity"] for each in fake_stripe.invoices.values()
+                 if each["customer"] == customer and each["status"] != "void" for line in each["lines"]["data"])
+    assert billed == _cost_pushed(fake_stripe, customer) > 0
+
+
 def test_a_subscription_cancelled_before_its_first_invoice_is_followed_by_one_from_its_start(fake_stripe):
     endpoint = EndpointFactory()
     _use_and_push(endpoint, num_hours_ago=6)
