@@ -21,9 +21,12 @@ no step failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -271,8 +274,6 @@ def _folders(root: Path) -> dict[str, Path]:
 
 
 def run_engine(mode: str, root: Path, quick: bool) -> dict:
-    import shutil
-
     from gpu_agent.runtime import sandbox
 
     folders = _folders(root / mode)
@@ -344,8 +345,6 @@ def _nvidia_smi_lists_a_gpu() -> bool:
 
 
 def _has(program: str) -> bool:
-    import shutil
-
     return shutil.which(program) is not None
 
 
@@ -391,8 +390,6 @@ def _cu_init() -> str:
 
 def _probe_confined(paths: list[str]) -> dict:
     """Confined (the policy in the environment): which of `paths` open, and whether CUDA initialises."""
-    import stat
-
     from gpu_agent.runtime import sandbox
 
     forced_abi = int(os.environ.get("INFERPLANE_CHECK_ABI", "0"))
@@ -412,14 +409,10 @@ def _probe_confined(paths: list[str]) -> dict:
 
 def diagnose(root: Path) -> dict:
     """Which files CUDA needs that the engine's policy refuses, and whether allowing them mends it."""
-    import stat
-
     from gpu_agent.runtime import sandbox
 
     folders = _folders(root / "diagnose")
     script = folders["scratch"] / ENGINE_SCRIPT
-    import shutil
-
     shutil.copyfile(__file__, script)
     base_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
                 **sandbox.engine_folder_env(folders["scratch"], folders["cache"], sandbox.SandboxMode.OFF)}
@@ -448,10 +441,9 @@ def diagnose(root: Path) -> dict:
     if refused:
         devices = tuple(path for path in refused if stat.S_ISCHR(os.stat(path).st_mode))
         files = tuple(path for path in refused if path not in devices)
-        mended = SandboxPolicyWith(policy, files=files, devices=devices)
+        mended = dataclasses.replace(policy, read_execute=(*policy.read_execute, *files),
+                                     devices=(*policy.devices, *devices))
         report["confined_with_refused_allowed"] = child("--probe", json.dumps(paths), mended)
-    import dataclasses
-
     variants = {
         "abi 5: no scopes": ({"INFERPLANE_CHECK_ABI": "5"}, policy),
         "abi 4: no device ioctl rights, no scopes": ({"INFERPLANE_CHECK_ABI": "4"}, policy),
@@ -481,12 +473,6 @@ def diagnose(root: Path) -> dict:
             base_env.pop(key)
     return report
 
-
-def SandboxPolicyWith(policy, *, files, devices):  # noqa: N802 - reads as the policy it makes
-    import dataclasses
-
-    return dataclasses.replace(policy, read_execute=(*policy.read_execute, *files),
-                               devices=(*policy.devices, *devices))
 
 
 def main(argv: list[str] | None = None) -> int:
