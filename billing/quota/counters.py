@@ -202,8 +202,7 @@ local function quota_settle(K, A)
   end
   redis.call('HDEL', K[10], A[1])  -- its progress (`record_progress`): the call is over
   if not first then return 0 end
-  local has_lapsed = A[7] ~= '' and tonumber(redis.call('TIME')[1]) > tonumber(A[7])
-  if not payload and A[4] ~= '0' and has_lapsed then
+  if not payload and A[4] ~= '0' and A[7] ~= '' and tonumber(redis.call('TIME')[1]) > tonumber(A[7]) then
     redis.call('DEL', K[4])
     if has_key then redis.call('DEL', K[6]) end
     if A[5] == '1' then redis.call('DEL', K[8], K[9]) end
