@@ -35,7 +35,7 @@ from django.conf import settings
 from django.db import DataError, IntegrityError
 from django.utils.crypto import constant_time_compare, salted_hmac
 
-from billing.ledger import UnknownEndpointError, record_usage_batch, supersede_lost_rows
+from billing.ledger import UnknownEndpointError, supersede_lost_rows
 from billing.quota import replayed
 from billing.usage_journal import UsageJournal, encode, read_segment
 
@@ -134,7 +134,7 @@ def _replay_one(key: str) -> int:
         except Exception as exc:  # noqa: BLE001 - the ledger comes first: a counter rebuilt meanwhile may count one twice
             logger.warning("usage journal: %d shipped row(s) replayed unregistered (%r)", len(batch), exc)
         try:
-            written = record_usage_batch(batch)
+            written = replayed.record_registered_batch(batch)
         except UnknownEndpointError as exc:
             written = exc.written_ids
             refused = set(exc.refused_ids)

@@ -172,6 +172,11 @@ end
 #   for a resend of the same finish script (a client retrying after a lost reply) and for the sweeper racing
 #   the call's own settlement. A call that outlived its reservation's deadline had its hold released by the
 #   sweeper without a marker, so its late settlement counts its spend.
+# A settlement that finds its hold gone, no marker, and its deadline past (`lapsed_at`: its gateway froze past it,
+# and longer than any marker lives) cannot tell whether the sweeper released the hold (nothing counted) or settled it
+# (counted, its marker expired since): it counts nothing and drops the counters it would have counted in, which the
+# next call rebuilds from the ledger (its row is there, once; a journaled one is counted by its replay).
+# NOTE: it counted its cost, again after the sweeper's settlement, once a gateway woke from a freeze over a day.
 #   NOTE: a day's marker per call was ~86 million keys (~9–11 GB of Redis) a day at 1,000 requests a second,
 #   each also in every snapshot and append-only rewrite; minutes' is ~300,000.
 # - none (a ttl of 0) for a try that recorded nothing (no ledger row: never served, or a batch line's try that
@@ -197,6 +202,12 @@ local function quota_settle(K, A)
   end
   redis.call('HDEL', K[10], A[1])  -- its progress (`record_progress`): the call is over
   if not first then return 0 end
+  if not payload and A[4] ~= '0' and A[7] ~= '' and tonumber(redis.call('TIME')[1]) > tonumber(A[7]) then
+    redis.call('DEL', K[4])
+    if has_key then redis.call('DEL', K[6]) end
+    if A[5] == '1' then redis.call('DEL', K[8], K[9]) end
+    return 2
+  end
   -- A missing counter is rebuilt from the ledger, which has this call's row (written before); one rebuilt while the
   -- call was still reserved and unsettled left its cost out for this settlement to add (`rebuild`). A row in the
   -- journal is in no ledger yet: each counter this adds it to says so (`replayed`), its replay adds it to the others.
@@ -226,7 +237,8 @@ SETTLE = ScriptPart(
     "quota_settle",
     keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
           "key reserved", "credit", "credit journaled", "progress"),
-    args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "draws credit (1/0)", "journaled (1/0)"),
+    args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "draws credit (1/0)", "journaled (1/0)",
+          "when its hold may have lapsed (Redis's clock, s; empty: not known)"),
     lua=SETTLE_LUA)
 
 # KEYS: a hash; ARGV: field/value pairs. Changes the hash only if it exists.
@@ -278,14 +290,20 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # a flush, a failover: `endpoints.gateway.presence`), as `RESERVE` held them. KEYS: the reservations, the deadlines,
 # the organisation's reserved sum, then per call: its key's reserved sum (the organisation's again for a call without
 # a key) and its settled marker. ARGV: the seconds a reservation holds (its deadline: Redis's clock plus these), then
-# per call: request id, amount (units), has key (1/0), payload.
-# A reservation still there (Redis forgot only the gateway's own keys) or one whose call settled meanwhile is left.
+# per call: request id, amount (units), has key (1/0), payload, when its hold may have lapsed (Redis's clock, s; empty:
+# not known).
+# A reservation still there (Redis forgot only the gateway's own keys), one whose call settled meanwhile, or one past
+# its deadline (its gateway froze past it: the sweeper released or settled it, `SETTLE_LUA`) is left.
+# NOTE: a gateway woken from a freeze longer than the sweeper's marker lives held its swept calls again, and their
+# settlement then counted their cost a second time.
 _RESTORE_RESERVATIONS = Script("""
 local restored = 0
-local deadline = tonumber(redis.call('TIME')[1]) + 1 + tonumber(ARGV[1])
-for i = 2, #ARGV, 4 do
-  local n = (i - 2) / 4
-  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[5 + 2 * n]) == 0 then
+local now = tonumber(redis.call('TIME')[1])
+local deadline = now + 1 + tonumber(ARGV[1])
+for i = 2, #ARGV, 5 do
+  local n = (i - 2) / 5
+  local lapsed = ARGV[i + 4] ~= '' and now > tonumber(ARGV[i + 4])
+  if not lapsed and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[5 + 2 * n]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3])
     redis.call('ZADD', KEYS[2], deadline, ARGV[i])
     redis.call('INCRBY', KEYS[3], ARGV[i + 1])
@@ -297,9 +315,11 @@ return restored
 """)
 
 
-async def restore_reservations(organization_id: int, reservations: list[Reservation]) -> int:
+async def restore_reservations(organization_id: int, reservations: list[Reservation],
+                               lapsed_at: list[float | None] | None = None) -> int:
     """Hold again the reservations of one organisation's calls that are still running, which Redis lost; returns how
-    many it held again. Each is held as its admission held it (its amount, its key, its period), with a new deadline.
+    many it held again. Each is held as its admission held it (its amount, its key, its period), with a new deadline,
+    unless past `lapsed_at` (each one's, Redis's clock: when its hold may have lapsed; None: not known).
 
     NOTE: without this, a flushed or restarted Redis rebuilt the organisation's counters from the ledger with nothing
     reserved, while its calls then running went on: until they ended, new calls were admitted against the caps and
@@ -308,7 +328,7 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
         return 0
     keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id)]
     args = [str(math.ceil(settings.BILLING_RESERVATION_TTL_S))]
-    for reservation in reservations:
+    for reservation, lapses in zip(reservations, lapsed_at or [None] * len(reservations), strict=True):
         if reservation.organization_id != organization_id:
             raise ValueError("one organisation's reservations at a time (one Redis Cluster slot)")
         api_key_id = reservation.api_key_id
@@ -317,7 +337,7 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
         keys += [key_reserved_key(organization_id, api_key_id) if api_key_id is not None else keys[2],
                  settled_key(organization_id, reservation.request_id)]
         args += [reservation.request_id, str(units), "1" if api_key_id is not None else "0",
-                 f"{payload_before}{units}{payload_after}"]
+                 f"{payload_before}{units}{payload_after}", "" if lapses is None else str(int(lapses))]
     return await _RESTORE_RESERVATIONS(keys=keys, args=args)
 
 
@@ -368,14 +388,16 @@ def refusal(status: str, detail: str) -> QuotaExceeded | None:
 
 def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_at: datetime | None = None,
                          fresh_id: bool = False, recorded: bool = True, billing_mode: str = BillingMode.PREPAID,
-                         journaled: bool = False) -> tuple[list[str], list[str]]:
+                         journaled: bool = False, lapsed_at: float | None = None) -> tuple[list[str], list[str]]:
     """The keys and arguments of `SETTLE` for replacing `reservation` by `actual`, spent in the period containing
     `finished_at` (the ledger row's: now when None); `fresh_id` when its request id is a gateway call's own, which
     no caller settles again (its marker is kept minutes: see `SETTLE_LUA`); not `recorded` when the try wrote no
     ledger row (no marker: `actual` must then be 0). Prepaid credit is drawn only for a call billed prepaid
     (`billing_mode`, its row's): one admitted postpaid and settled after a switch to prepaid drew credit it never uses.
     `journaled`: its row went to the usage journal, not the ledger (`billing.usage_writer.Recorded.JOURNALED`): the
-    counters it is added to are marked as counting it, for its replay (`billing.quota.replayed`).
+    counters it is added to are marked as counting it, for its replay (`billing.quota.replayed`). `lapsed_at`: from when
+    (Redis's clock) its hold may have lapsed, as its gateway last pushed its deadline (`Held.lapses_at`): a settlement
+    past it that finds its hold gone and no marker drops its counters rather than count (see `SETTLE_LUA`).
 
     NOTE: the ledger bills a row in the period of its `finished_at` (`billing.ledger.period_spend`), and the
     counters are rebuilt from it: a call reserved on the 31st before midnight and finished after spends in the
@@ -392,7 +414,7 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_
     marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id and not journaled else SETTLED_MARKER_TTL_S
     draws_credit = "1" if billing_mode == BillingMode.PREPAID else "0"
     return keys, [reservation.request_id, str(to_units(actual)), has_key, str(marker_ttl_s), draws_credit,
-                  "1" if journaled and recorded else "0"]
+                  "1" if journaled and recorded else "0", "" if lapsed_at is None else str(int(lapsed_at))]
 
 
 def limits_version() -> str:

@@ -38,21 +38,47 @@ CREDIT_FIGURE_MAX_TTL_S = 3600
 # At most one rewrite of an organisation counter's limits for a version mismatch in this long (`rebuild_missing`).
 LIMITS_REFRESH_INTERVAL_S = 10
 
-# The longest a rebuild may take from its start (`_BEGIN_REBUILD`) to its write: one slower writes nothing (the caller
-# rebuilds again), so the counts that found its counter missing meanwhile were all told to it (`replayed`).
+# The longest a rebuild may take from its start (`_BEGIN_REBUILD`) to its write, its window: one slower writes nothing,
+# so the counts that found its counter missing meanwhile were all told to it (`replayed`: they are, while a rebuild's
+# window lasts). A rebuild's window is `REBUILD_MAX_S`, or twice what the last one of its counter that was too slow
+# took (`s:<counter key>` in the rebuilds under way, `TOO_SLOW_PREFIX`), at most `REBUILD_LONGEST_S`: so an
+# organisation whose ledger takes longer than a minute to read has its counter written by the next rebuild.
+# NOTE: every rebuild of such a counter wrote nothing, and every call that needed it failed (after four rebuilds in a
+# row, a 500), for as long as its ledger took that long to read.
 REBUILD_MAX_S = 60
+REBUILD_LONGEST_S = 3600
+TOO_SLOW_PREFIX = "s:"
 
-# KEYS: the rebuilds under way, the organisation's reservations; ARGV: the counter's key, `REBUILD_MAX_S`.
-# Says a rebuild of the counter is under way (a replay's count that finds it missing leaves it the cost: `replayed`),
-# and returns Redis's clock (s) and the calls reserved now, read before the ledger.
+
+class RebuildTooSlow(TimeoutError):
+    """A counter's rebuild took longer than its window and wrote nothing: the call is answered as in an outage (503,
+    retry), and the counter's next rebuild is given twice as long as this one took."""
+
+
+# KEYS: the rebuilds under way, the organisation's reservations; ARGV: the counter's key, `REBUILD_MAX_S`,
+# `REBUILD_LONGEST_S`. Says a rebuild of the counter is under way for its window (a replay's count that finds it missing
+# leaves it the cost: `replayed`), and returns Redis's clock (s), the window (s) and the calls reserved now, read before
+# the ledger.
 _BEGIN_REBUILD = Script("""
 local now = tonumber(redis.call('TIME')[1])
 local field = 'c:' .. ARGV[1]
-local until_s = now + tonumber(ARGV[2])
+local took = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[1]) or '0')
+local window = math.min(math.max(tonumber(ARGV[2]), 2 * took), tonumber(ARGV[3]))
+local until_s = now + window
 if tonumber(redis.call('HGET', KEYS[1], field) or '0') < until_s then redis.call('HSET', KEYS[1], field, until_s) end
-if redis.call('TTL', KEYS[1]) < 2 * tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[1], 2 * tonumber(ARGV[2])) end
-return {now, redis.call('HKEYS', KEYS[2])}
+if redis.call('TTL', KEYS[1]) < 2 * window then redis.call('EXPIRE', KEYS[1], 2 * window) end
+return {now, window, redis.call('HKEYS', KEYS[2])}
 """)
+
+# A rebuild older than its window (`_BEGIN_REBUILD`): how long it took is kept for the counter's next rebuild, in the
+# rebuilds under way, which last long enough for it.
+TOO_SLOW_LUA = """
+local function too_slow(rebuilding, counter, took, longest)
+  redis.call('HSET', rebuilding, 's:' .. counter, took)
+  if redis.call('TTL', rebuilding) < 2 * longest then redis.call('EXPIRE', rebuilding, 2 * longest) end
+  return -1
+end
+"""
 
 # The rows replayed from the journal, as a rebuilt counter must count them (`replayed`): its ledger snapshot has each
 # of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, a superseded one only as such:
@@ -85,19 +111,19 @@ end
 """
 
 # KEYS: a period counter (a hash), the organisation's reservations, the rebuilds under way, the replays' registrations,
-# then the settled marker of each pending call; ARGV: ttl, the rebuild's start (`_BEGIN_REBUILD`), `REBUILD_MAX_S`,
-# the number of replayed rows present, their request ids, then each pending call's request id, then each one's cost
+# then the settled marker of each pending call; ARGV: ttl, the rebuild's start and window (`_BEGIN_REBUILD`),
+# `REBUILD_LONGEST_S`, the number of replayed rows present, their request ids, then each pending call's request id, then each one's cost
 # (units, > 0), then the hash's field/value pairs. Writes the hash only if nobody did meanwhile (0) and the rebuild is
 # not too old (-1), its spend less the cost of each pending call still reserved and not settled, whose own settlement
 # (`counters.SETTLE`) adds it once the counter exists, and with the journal's replayed rows counted once
 # (`REPLAYED_ROWS_LUA`).
-_INIT_SPEND = Script(REPLAYED_ROWS_LUA + """
+_INIT_SPEND = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + """
 local now = tonumber(redis.call('TIME')[1])
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if now > tonumber(ARGV[2]) + tonumber(ARGV[3]) then return -1 end
+if now > tonumber(ARGV[2]) + tonumber(ARGV[3]) then return too_slow(KEYS[3], KEYS[1], now - tonumber(ARGV[2]), ARGV[4]) end
 local pending = #KEYS - 4
-local num_present = tonumber(ARGV[4])
-local ids_at = 5 + num_present
+local num_present = tonumber(ARGV[5])
+local ids_at = 6 + num_present
 redis.call('HSET', KEYS[1], unpack(ARGV, ids_at + 2 * pending))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 local left = {}
@@ -108,7 +134,7 @@ for i = 1, pending do
     left[request_id] = true
   end
 end
-for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[1], 'j:', KEYS[3], KEYS[4], now, ARGV, 5, num_present, left)) do
+for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[1], 'j:', KEYS[3], KEYS[4], now, ARGV, 6, num_present, left)) do
   redis.call('HINCRBY', KEYS[1], 'spent', cost)
 end
 return 1
@@ -117,21 +143,21 @@ return 1
 
 # KEYS: the credit figure, the organisation's reservations, the journaled calls the figure counted, the rebuilds under
 # way, the replays' registrations, then the settled marker of each pending call; ARGV: ttl, the figure (units), the
-# rebuild's start, `REBUILD_MAX_S`, the number of replayed rows present, their request ids, then each pending call's
+# rebuild's start and window, `REBUILD_LONGEST_S`, the number of replayed rows present, their request ids, then each pending call's
 # request id, then each one's cost (units, > 0). Writes the figure only if nobody did meanwhile (0) and the rebuild is
 # not too old (-1), with the cost of each pending call still reserved and not settled given back: its own settlement
 # (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure counted it, then the settlement took it again:
 # a prepaid account refused (402) early for up to an hour after any grant or mode change. A new figure has counted no
 # journaled call but the replayed rows it marks (`REPLAYED_ROWS_LUA`): what the last one had is dropped.
-_INIT_CREDIT = Script(REPLAYED_ROWS_LUA + """
+_INIT_CREDIT = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + """
 local now = tonumber(redis.call('TIME')[1])
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if now > tonumber(ARGV[3]) + tonumber(ARGV[4]) then return -1 end
+if now > tonumber(ARGV[3]) + tonumber(ARGV[4]) then return too_slow(KEYS[4], KEYS[1], now - tonumber(ARGV[3]), ARGV[5]) end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
 redis.call('DEL', KEYS[3])
 local pending = #KEYS - 5
-local num_present = tonumber(ARGV[5])
-local ids_at = 6 + num_present
+local num_present = tonumber(ARGV[6])
+local ids_at = 7 + num_present
 local left = {}
 for i = 1, pending do
   local request_id = ARGV[ids_at + i - 1]
@@ -140,7 +166,7 @@ for i = 1, pending do
     left[request_id] = true
   end
 end
-for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[3], '', KEYS[4], KEYS[5], now, ARGV, 6, num_present, left)) do
+for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[3], '', KEYS[4], KEYS[5], now, ARGV, 7, num_present, left)) do
   redis.call('DECRBY', KEYS[1], cost)
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[1]) end
@@ -279,13 +305,13 @@ def _one_snapshot():
         yield
 
 
-async def _write_rebuild(rebuild: _Rebuild, organization_id: int, started_at: int) -> int:
-    """1 when written, 0 when another wrote the counter first, -1 when the rebuild is too old (`REBUILD_MAX_S`)."""
+async def _write_rebuild(rebuild: _Rebuild, organization_id: int, started_at: int, window_s: int) -> int:
+    """1 when written, 0 when another wrote the counter first, -1 when the rebuild is older than its window."""
     request_ids = list(rebuild.pending)
     markers = [settled_key(organization_id, request_id) for request_id in request_ids]
     costs = [rebuild.pending[request_id] for request_id in request_ids]
     replays = [rebuilding_key(organization_id), replaying_key(organization_id)]
-    began = [started_at, REBUILD_MAX_S, len(rebuild.present), *rebuild.present]
+    began = [started_at, window_s, REBUILD_LONGEST_S, len(rebuild.present), *rebuild.present]
     if rebuild.fields is not None:
         return await _INIT_SPEND(keys=[rebuild.key, reservations_key(organization_id), *replays, *markers],
                                  args=[rebuild.ttl_s, *began, *request_ids, *costs,
@@ -317,13 +343,15 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
         # in it), and adds its cost then: the counter is written without it (`_INIT_SPEND`). A call reserved since
         # found this counter missing (its own rebuild wrote it first, or ours does) and reserved nothing.
         counter = _counter_key(what, organization_id, reservation.api_key_id, period)
-        started_at, reserved_ids = await _BEGIN_REBUILD(
-            keys=[rebuilding_key(organization_id), reservations_key(organization_id)], args=[counter, REBUILD_MAX_S])
+        started_at, window_s, reserved_ids = await _BEGIN_REBUILD(
+            keys=[rebuilding_key(organization_id), reservations_key(organization_id)],
+            args=[counter, REBUILD_MAX_S, REBUILD_LONGEST_S])
         rebuild = await sync_to_async(_rebuild_from_database)(what, organization_id, reservation.api_key_id,
                                                               period, reserved_ids)
-        if await _write_rebuild(rebuild, organization_id, int(started_at)) < 0:
-            logger.warning("organisation %s: its %s counter's rebuild took over %d s; not written (rebuilt again)",
-                           organization_id, what, REBUILD_MAX_S)
+        if await _write_rebuild(rebuild, organization_id, int(started_at), int(window_s)) < 0:
+            logger.warning("organisation %s: its %s counter's rebuild took over %d s; not written (the next is given "
+                           "longer)", organization_id, what, window_s)
+            raise RebuildTooSlow(f"the {what} counter's rebuild took over {window_s} s")
     if what in ("org", "limits"):
         # NOTE: the limits read (again) after the counter exists, under the account's lock: a change committed
         # between the rebuild's read and its write refreshed nothing (no counter yet), and would otherwise stay

@@ -31,10 +31,13 @@ rebuild holds the row only once superseded (`billing.quota.rebuild`).
 One script per organisation (one Redis Cluster slot) and batch, each step: a replay of 500 rows was 500 round trips in
 asgiref's one thread for sync code, which every other sync call of the gateway process waited behind.
 
-NOTE: left open, a replayer killed between its commit and its count (or an INSERT cut short by its timeout that
-commits after): its rows are counted in no counter that existed then, until each is next rebuilt (a counter rebuilt
-while their registration lasts, `REGISTRATION_TTL_S`, counts them, marked). A count later than that (an INSERT that
-took minutes) may count a row twice in a counter rebuilt after the registration lapsed.
+Each INSERT is bounded well inside a registration's life (`REGISTRATION_TTL_S`): the gateway's gives up after
+`usage_writer.WRITE_TIMEOUT_S`, the worker's is cancelled by PostgreSQL after `WRITE_TIMEOUT_S` (`record_registered_batch`).
+
+NOTE: left open, a replayer killed between its commit and its count (or an INSERT cut short by the gateway's timeout
+that commits after): its rows are counted in no counter that existed then, until each is next rebuilt (a counter rebuilt
+while their registration lasts counts them, marked). A count later than the registration (its process frozen minutes
+between its commit and its count) may count a row twice in a counter rebuilt after the registration lapsed.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
 from decimal import Decimal
 
-from django.db import close_old_connections
+from django.db import close_old_connections, connection, transaction
 
-from billing.ledger import UsageReport
+from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch
 from billing.models import BillingMode, UsageRecord
 from billing.periods import period_containing
 from billing.quota.counters import SETTLED_MARKER_TTL_S, to_units
@@ -66,8 +69,11 @@ from controlplane.redis_scripts import Script
 logger = logging.getLogger("inferplane.billing")
 
 # How long a registration lasts: far longer than a replay's batch takes between it and its count (its INSERT is
-# bounded by `usage_writer.WRITE_TIMEOUT_S`).
+# bounded: the gateway's by `usage_writer.WRITE_TIMEOUT_S`, the worker's by `WRITE_TIMEOUT_S`).
 REGISTRATION_TTL_S = 300
+# The longest each statement of the worker's replay INSERT may run (`record_registered_batch`), PostgreSQL's own bound:
+# the batch commits well inside its registration's life, or not at all (the segment waits for the next run).
+WRITE_TIMEOUT_S = 30
 MISSED_PREFIX = "m:"  # `rebuilding_key`'s fields of costs counts could not add: m:<counter key>|<request id>
 REBUILDING_PREFIX = "c:"  # and of rebuilds under way: c:<counter key> -> until when
 
@@ -133,6 +139,25 @@ def register_replaying_sync(reports: Collection[UsageReport]) -> None:
     """`register_replaying` from synchronous code (the worker's replay of shipped segments)."""
     for keys, args in _registrations(reports):
         _REGISTER.run_sync(keys=keys, args=args)
+
+
+def record_registered_batch(reports: list[UsageReport]) -> set[str]:
+    """Step 2 of a replay from synchronous code (the worker's replay of shipped segments): `record_usage_batch` in a
+    transaction whose statements PostgreSQL cancels past `WRITE_TIMEOUT_S` (`statement_timeout`), raising
+    `OperationalError`. Raises `UnknownEndpointError` once the rows it could write are committed.
+
+    NOTE: on Django's connection, which has no statement timeout, an INSERT held up for minutes (a lock, a stalled
+    disk) committed after its registration lapsed; a counter rebuilt then read the rows without asking about them, and
+    their count added them again."""
+    refused = None
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET LOCAL statement_timeout = {int(WRITE_TIMEOUT_S * 1000)}")
+        try:
+            return record_usage_batch(reports)
+        except UnknownEndpointError as exc:  # the others are written: committed with the transaction
+            refused = exc
+    raise refused
 
 
 def count_replayed(request_ids: Collection[str]) -> int:

@@ -14,7 +14,8 @@ written from that progress, marked `gateway_lost`, in the billing mode it was ad
 Once: the ledger's unique request id writes one row whoever writes it (the call's own, written by its gateway woken
 from a freeze or replayed from its journal, supersedes it: `billing.ledger.supersede_lost_rows`, the difference counted
 by `billing.quota.replayed.count_superseded`), and the settlement's marker counts its spend once (a woken gateway's
-settlement finds it, and releases nothing twice). Before, such a call was billed nothing for what it had streamed
+settlement finds it, and releases nothing twice; one woken after the marker expired drops the counters it cannot tell
+counted it, rebuilt from the ledger: `counters.SETTLE_LUA`). Before, such a call was billed nothing for what it had streamed
 (up to `GATEWAY_MAX_ANSWER_WAIT_S`). What was answered after the gateway's last beat is not billed.
 
 Reservations live per organisation (in its Redis Cluster slot), so the sweep reads each

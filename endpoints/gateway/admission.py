@@ -137,7 +137,7 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
 async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, release: str | None,
                  num_tokens: int, cost: Decimal, served_by: str | None = None, cached_tokens: int = 0,
                  fresh_id: bool = False, recorded: bool = True, finished_at: datetime | None = None,
-                 journaled: bool = False) -> None:
+                 journaled: bool = False, lapsed_at: float | None = None) -> None:
     """The request is over: out of flight, its replica released, the tokens it reserved replaced by
     the `num_tokens` it used, its cost settled in the period of `finished_at` (its usage row's, where the ledger
     bills it; now when None); if `served_by` (a replica id) reported `cached_tokens`,
@@ -145,7 +145,8 @@ async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, rele
     only a resend or the sweeper can settle again, so its settled marker is kept minutes, not a day
     (`billing.quota.counters.SETTLE_LUA`); a batch line's id recurs. Not `recorded`: the try wrote no ledger row
     (`cost` 0) and leaves no marker, so the next try under its id settles its own. `journaled`: its row went to the
-    usage journal, whose replay counts it where this settlement could not (`billing.quota.replayed`)."""
+    usage journal, whose replay counts it where this settlement could not (`billing.quota.replayed`). `lapsed_at`: from
+    when its hold may have lapsed (`presence.Held.lapses_at`)."""
     await _FINISH(
         traffic_end=traffic.end_keys_and_args(caller.organization_id, endpoint_id, admission.reservation.request_id,
                                               release=release),
@@ -155,7 +156,8 @@ async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, rele
             outstanding_key(caller.organization_id, served_by) if served_by else None, cached_tokens),
         quota_settle=counters.settle_keys_and_args(admission.reservation, cost, finished_at=finished_at,
                                                   fresh_id=fresh_id, recorded=recorded,
-                                                  billing_mode=admission.billing_mode, journaled=journaled),
+                                                  billing_mode=admission.billing_mode, journaled=journaled,
+                                                  lapsed_at=lapsed_at),
     )
 
 

@@ -704,7 +704,7 @@ class InferenceCall:
                                        num_tokens=usage.prompt_tokens + usage.completion_tokens if recorded else 0,
                                        cost=actual, served_by=self.replica.id if self.replica else None,
                                        cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id, recorded=recorded,
-                                       finished_at=finished_at, journaled=journaled)
+                                       finished_at=finished_at, journaled=journaled, lapsed_at=self.held.lapses_at)
             except asyncio.CancelledError:
                 # as below: its loop is ending
                 presence.end_later(self.caller.organization_id, self.request_id, row_journaled=journaled)

@@ -131,6 +131,10 @@ class Held:
     replica_id: str | None = None
     since: float = field(default_factory=time.monotonic)  # when this process began serving it
     reservation: counters.Reservation | None = None  # what it holds against the caps and credit
+    # From when (Redis's clock, s) its reservation may have lapsed: a second before the deadline its admission, or the
+    # last beat that pushed it on, set. Past it, the sweeper may have swept the hold, so it is not held again
+    # (`_hold_again`) and its settlement drops what it cannot tell it counted (`counters.SETTLE_LUA`).
+    lapses_at: float | None = None
     # Its usage row as it would be written if this process were lost now (None while it has none to bill), and the
     # tokens (prompt, cached, completion) of the last one a beat recorded (`_record_progress`).
     progress: Callable[[tuple[int, int, int] | None], UsageReport | None] | None = None
@@ -168,6 +172,8 @@ def track(request_id: str, organization_id: int, endpoint_id: str, replica_id: s
           progress: Callable[[tuple[int, int, int] | None], UsageReport | None] | None = None) -> Held:
     held = serving[request_id] = Held(organization_id, endpoint_id, replica_id, reservation=reservation,
                                       progress=progress)
+    if reservation is not None:
+        held.lapses_at = clock.redis_now() + settings.BILLING_RESERVATION_TTL_S - 1
     return held
 
 
@@ -235,6 +241,13 @@ async def _push_deadlines_on(redis, now: float | None = None) -> None:
                 pipe.zadd(redis_keys.deadlines_key(organization_id), dict.fromkeys(request_ids, deadline), xx=True,
                           gt=True)
             await pipe.execute()
+        # NOTE: only a hold that had not lapsed when pushed is known to be there still (the sweeper takes one only past
+        # its deadline): a push after a freeze past it (XX) made nothing again, and its call must not think it holds.
+        for request_ids in due.values():
+            for request_id in request_ids:
+                held = serving.get(request_id)
+                if held is not None and held.lapses_at is not None and seconds < held.lapses_at:
+                    held.lapses_at = deadline - 1
     _extended.at = now  # NOTE: only once due and pushed: a beat in between (every second) never moves it on
 
 
@@ -314,10 +327,14 @@ async def _hold_again(organization_id: int, holds: list[tuple[str, Held]]) -> in
     """`counters.restore_reservations` for the calls of one organisation this process serves (`holds`): once held
     again, each is no longer left to the next reconcile (`_Repair.unheld`), and its progress is recorded again by this
     beat (`_record_progress`: lost with its reservation). Returns how many it held again."""
-    held_again = await counters.restore_reservations(organization_id, [held.reservation for _, held in holds])
+    now = clock.redis_now()
+    held_again = await counters.restore_reservations(organization_id, [held.reservation for _, held in holds],
+                                                     [held.lapses_at for _, held in holds])
     for request_id, held in holds:
         held.progress_recorded = None
         _repair.unheld.discard(request_id)
+        if held.lapses_at is not None and now < held.lapses_at:  # held again (or still), with a new deadline
+            held.lapses_at = max(held.lapses_at, now + settings.BILLING_RESERVATION_TTL_S - 1)
     return held_again
 
 

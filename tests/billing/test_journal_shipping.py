@@ -4,6 +4,7 @@ and the worker replays them from there, each row once."""
 import asyncio
 import dataclasses
 import shutil
+import threading
 import time
 from decimal import Decimal
 
@@ -11,11 +12,14 @@ import boto3
 import psycopg
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import OperationalError, connections
 
 from billing import journal_shipping, usage_writer
 from billing.models import UsageRecord
-from billing.quota import reads, rebuild, sweeper
+from billing.periods import period_containing
+from billing.quota import reads, rebuild, replayed, sweeper
 from billing.usage_journal import REJECTED_NAME, encode
+from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_child, s3_server  # noqa: F401 - fixtures used here
 from tests.billing.conftest import usage_report
@@ -288,3 +292,49 @@ def test_a_counter_rebuilt_while_a_shipped_row_supersedes_a_lost_row_counts_its_
 
     assert UsageRecord.objects.get().cost == Decimal("0.50")
     assert reads.counted_spend(organization_id) == Decimal("0.50")
+
+
+def test_a_shipped_batch_held_up_past_its_registration_never_commits_late_to_be_counted_twice(
+        outage, files_bucket, monkeypatch):  # noqa: F811
+    # Before, the worker's INSERT had no statement timeout: held up (a lock here) past its registration's life, it
+    # committed after it, and a counter rebuilt between its commit and its count read the rows without asking about
+    # them (no registration): the count added them again, $0.60 counted for $0.30.
+    monkeypatch.setattr(replayed, "REGISTRATION_TTL_S", 2)
+    monkeypatch.setattr(replayed, "WRITE_TIMEOUT_S", 1, raising=False)
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    organization_id = endpoint.organization_id
+    reports = [usage_report(endpoint, request_id=f"late-{number}", prompt_tokens=100_000, completion_tokens=0)
+               for number in range(3)]  # $0.10 each
+    _journal_rows_while_down(reports, replay_for_s=0.5)
+    outage.end()
+    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+    assert reads.counted_spend(organization_id) == 0
+
+    count, rebuilds = replayed.count_replayed, []
+
+    def rebuilt_then_counted(request_ids):  # a call rebuilds the counter between the commit and the count
+        get_redis().delete(redis_keys.org_period_key(organization_id, period_containing().key))
+        rebuilds.append(asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"),
+                                            request_id=f"rebuilds-{len(rebuilds)}")))
+        return count(request_ids)
+
+    monkeypatch.setattr(replayed, "count_replayed", rebuilt_then_counted)
+    holder = psycopg.connect(**{name: value for name, value in connections["default"].get_connection_params().items()
+                                if name != "cursor_factory"})
+    holder.execute(f"LOCK TABLE {UsageRecord._meta.db_table} IN SHARE MODE")  # an INSERT waits for it
+    releases = threading.Timer(3.5, holder.rollback)  # past the registration's 2 s
+    releases.start()
+    try:
+        journal_shipping.replay_shipped()
+        cancelled = False
+    except OperationalError:  # by PostgreSQL, past `replayed.WRITE_TIMEOUT_S`: nothing committed, the segment waits
+        cancelled = True
+    finally:
+        releases.join()
+        holder.close()
+    if cancelled:
+        assert not UsageRecord.objects.filter(request_id__startswith="late-").exists()
+        assert journal_shipping.replay_shipped() == len(reports)  # registered again, written, counted
+    assert UsageRecord.objects.filter(request_id__startswith="late-").count() == len(reports)
+    assert reads.counted_spend(organization_id) == Decimal("0.30")
+    assert cancelled

@@ -19,7 +19,7 @@ from billing import periods
 from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage
 from billing.models import BillingAccount, BillingMode, CreditGrant, UsageRecord
-from billing.quota import reads, sweeper
+from billing.quota import counters, reads, sweeper
 from billing.quota.counters import (
     CALL_SETTLED_MARKER_TTL_S,
     QuotaExceeded,
@@ -600,6 +600,26 @@ def test_a_call_the_sweeper_settled_is_not_counted_again_when_its_gateway_settle
     asyncio.run(settle(admitted, cost, fresh_id=True))
 
     assert reads.counted_spend(organization.pk) == cost and reads.reserved_now(organization.pk) == 0
+
+
+def test_a_call_the_sweeper_settled_longer_ago_than_its_marker_lives_is_neither_held_again_nor_counted_again(settings):
+    # Its gateway froze past the call's deadline and past the sweeper's marker (a day). Before, waking, it held the
+    # call again (no marker: as if Redis had lost it) or settled it as any: its cost counted a second time.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    organization, admitted, cost = _served_and_reserved("req_day")
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    assert reads.counted_spend(organization.pk) == cost
+    get_redis().delete(redis_keys.settled_key(organization.pk, "req_day"))  # a day later
+    lapsed_at = time.time() - 1  # its deadline, as its gateway last pushed it, is past on Redis's clock
+
+    assert asyncio.run(counters.restore_reservations(organization.pk, [admitted.reservation], [lapsed_at])) == 0
+    reservation = admitted.reservation
+    asyncio.run(admission.finish(caller=_caller(reservation.organization_id, None), endpoint_id=ENDPOINT,
+                                 admission=admitted, release=None, num_tokens=0, cost=cost, fresh_id=True,
+                                 lapsed_at=lapsed_at))
+    assert reads.counted_spend(organization.pk) is None  # dropped: it cannot tell whether the sweeper counted it
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+    assert reads.counted_spend(organization.pk) == cost  # rebuilt from the ledger: once
 
 
 def test_a_call_that_outlived_its_reservation_still_counts_its_spend(settings):

@@ -1,5 +1,6 @@
 """Faults between client, gateway and replica: nothing lost, nothing counted twice."""
 
+import asyncio
 import contextlib
 import json
 import signal
@@ -374,3 +375,40 @@ def test_a_streamed_event_past_the_largest_the_gateway_relays_ends_the_stream_bi
         events = [e for e in b"".join(response.iter_bytes()).split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]" and len(events) == 3  # two events of ~3 MiB, intact
     assert all(json.loads(e[6:])["choices"][0]["logprobs"]["content"] for e in events[:2])
+
+
+def test_an_organisation_whose_ledger_reads_slower_than_a_rebuild_may_take_gets_503s_then_its_calls(
+        tenant, start_mock_upstream, monkeypatch):
+    # Before, a counter rebuild slower than `REBUILD_MAX_S` never wrote its counter: each call rebuilt it four times,
+    # each too slow, and answered a 500; every later call the same, for as long as the ledger took that long to read.
+    from billing.quota import rebuild
+    from controlplane.asgi import application
+
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    monkeypatch.setattr(rebuild, "REBUILD_MAX_S", 1)
+    read = rebuild.period_spend_and_pending
+
+    def slow_read(*args, **kwargs):  # a large organisation's month of rows: longer than a rebuild's window
+        time.sleep(2.5)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(rebuild, "period_spend_and_pending", slow_read)
+
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as http:
+            return await http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                                   json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5})
+
+    statuses = []
+    for _ in range(4):
+        response = asyncio.run(call())
+        statuses.append(response.status_code)
+        if response.status_code == 200:
+            break
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "service_unavailable"
+        assert int(response.headers["retry-after"]) >= 1
+    # The organisation's counter, then its key's: each written by the rebuild after the one that was too slow.
+    assert statuses == [503, 503, 200]
+    assert UsageRecord.objects.count() == 1

@@ -304,11 +304,11 @@ def test_a_reservation_whose_hold_again_failed_is_held_by_the_next_reconcile(idl
     org = endpoint.organization_id
     restore, failures = counters.restore_reservations, []
 
-    async def failing_once(organization_id, reservations):
+    async def failing_once(organization_id, reservations, lapsed_at=None):
         if not failures:
             failures.append(organization_id)
             raise ConnectionError("Redis timed out")
-        return await restore(organization_id, reservations)
+        return await restore(organization_id, reservations, lapsed_at)
 
     monkeypatch.setattr(counters, "restore_reservations", failing_once)
 

@@ -10,6 +10,7 @@ import pytest
 from billing.ledger import period_spend
 from billing.models import UsageRecord
 from billing.periods import period_containing
+from billing.quota import counters
 from billing.quota.counters import to_units
 from billing.quota.sweeper import sweep_expired_reservations
 from controlplane import redis_keys
@@ -90,35 +91,47 @@ def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sw
     assert _spent_counted(org) == to_units(row.cost)
 
 
+def _frozen_past_its_hold(gateway: str, child, tenant, endpoint, while_frozen=lambda request_id: None):
+    """A stream of 200 tokens (~10 s) whose gateway freezes ~3 s in (some three beats) until the sweeper has swept its
+    call's lapsed hold (and `while_frozen` ran), then wakes and finishes it: its request id, the tokens received, and
+    the sweeper's `gateway_lost` row as it was while the gateway was frozen."""
+    received = 0
+    with _stream(gateway, tenant.key, endpoint.name, max_tokens=200) as response:
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            received += 1
+            if received == 60:
+                child.kill(signal.SIGSTOP)  # a stop-the-world pause, a VM paused: its beats stop
+                try:
+                    wait_until(lambda: sweep_expired_reservations() == 1, 15, interval_s=0.5,
+                               message="the frozen gateway's lapsed hold swept")
+                    lost = UsageRecord.objects.get()
+                    while_frozen(request_id)
+                finally:
+                    child.kill(signal.SIGCONT)
+        # It wakes and finishes the call: its row, then its settlement.
+        wait_until(lambda: UsageRecord.objects.get().status == "ok", 15, message="the woken gateway's row")
+    return request_id, received, lost
+
+
 def test_a_gateway_frozen_past_its_calls_hold_bills_the_whole_call_by_its_own_row_once_it_wakes(
         tenant, start_mock_upstream, tmp_path):
     # Before, the woken gateway's row was refused as a duplicate of the sweeper's: the call stayed gateway_lost, billed
     # from its last beat, and the rest of what it streamed was never billed.
     endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
     org, key = tenant.org.pk, tenant.api_key.pk
-    received = 0
+
+    def swept(request_id):
+        assert _spent_counted(org) == to_units(UsageRecord.objects.get().cost)
+
     try:
-        with _stream(gateway, tenant.key, endpoint.name, max_tokens=200) as response:  # ~10 s
-            request_id = response.headers["x-request-id"]
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                received += 1
-                if received == 60:  # ~3 s in: some three beats
-                    child.kill(signal.SIGSTOP)  # a stop-the-world pause, a VM paused: its beats stop
-                    try:
-                        wait_until(lambda: sweep_expired_reservations() == 1, 15, interval_s=0.5,
-                                   message="the frozen gateway's lapsed hold swept")
-                    finally:
-                        child.kill(signal.SIGCONT)
-                    lost = UsageRecord.objects.get()
-                    assert (lost.status, lost.request_id) == ("gateway_lost", request_id)
-                    assert lost.completion_tokens < 200
-                    assert _spent_counted(org) == to_units(lost.cost)
-            # It wakes and finishes the call: its row, then its settlement.
-            wait_until(lambda: UsageRecord.objects.get().status == "ok", 15, message="the woken gateway's row")
+        request_id, received, lost = _frozen_past_its_hold(gateway, child, tenant, endpoint, swept)
     finally:
         child.stop()
+    assert (lost.status, lost.request_id) == ("gateway_lost", request_id)
+    assert lost.completion_tokens < 200
     assert received >= 200
     row = UsageRecord.objects.get()
     assert (row.request_id, row.completion_tokens, row.api_key_id) == (request_id, 200, key)
@@ -128,6 +141,36 @@ def test_a_gateway_frozen_past_its_calls_hold_bills_the_whole_call_by_its_own_ro
     assert _holds(org, key) == (0, 0, 0, 0)
     assert sweep_expired_reservations(now=redis_time() + 86_400) == 0
     assert _spent_counted(org) == to_units(row.cost)
+
+
+def test_a_gateway_frozen_past_the_sweepers_marker_counts_its_call_once_when_it_wakes(
+        tenant, start_mock_upstream, tmp_path, monkeypatch):
+    # Before, a gateway frozen longer than the sweeper's settled marker lives (a day: 1 s here) held its swept call
+    # again when it woke (its first beat: no marker, so "Redis lost it") or settled it as any: the lost row's cost,
+    # counted by the sweeper, was counted again with the whole row's.
+    monkeypatch.setattr(counters, "SETTLED_MARKER_TTL_S", 1)  # the sweeper's, in this process
+    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
+    org, key = tenant.org.pk, tenant.api_key.pk
+
+    def past_the_marker(request_id):
+        assert _spent_counted(org) == to_units(UsageRecord.objects.get().cost)
+        wait_until(lambda: not get_redis().exists(redis_keys.settled_key(org, request_id)), 5, interval_s=0.2,
+                   message="the sweeper's marker gone")
+
+    try:
+        request_id, received, _ = _frozen_past_its_hold(gateway, child, tenant, endpoint, past_the_marker)
+        row = UsageRecord.objects.get()
+        assert (row.request_id, row.completion_tokens) == (request_id, 200)
+        wait_until(lambda: _holds(org, key)[0] == 0, 5, message="the woken call settled")
+        # Whether its cost was counted, its settlement could not tell: the counter is rebuilt from the ledger.
+        assert _spent_counted(org) in (0, to_units(row.cost))
+        with _stream(gateway, tenant.key, endpoint.name, max_tokens=5) as response:
+            assert sum(line.startswith("data: {") for line in response.iter_lines()) == 5
+    finally:
+        child.stop()
+    assert UsageRecord.objects.count() == 2
+    assert _spent_counted(org) == to_units(period_spend(org, period_containing()))
+    assert _holds(org, key) == (0, 0, 0, 0)
 
 
 def test_a_call_that_ended_normally_leaves_no_progress_and_a_later_sweep_writes_no_second_row(
