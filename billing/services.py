@@ -146,15 +146,16 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
 
 
 def set_invoiced_without_card(actor: Actor, organization, *, allowed: bool) -> BillingAccount:
-    """Staff: let an organisation that pays by bank transfer spend without a payment method on file."""
+    """Staff: let an organisation that pays by bank transfer spend without a payment method on file. Its standing is
+    reviewed once this commits (`_review_can_pay_now_changed`): before, a hold that only the want of a card made was
+    lifted at the beat task's next review, minutes later."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization)
         account.invoiced_without_card = allowed
         account.limits_stale = True
         account.save(update_fields=["invoiced_without_card", "limits_stale"])
         record_audit(actor, organization, "billing.set_invoiced_without_card", account, allowed=allowed)
-    refresh_limits(account)
-    return account
+    return _review_can_pay_now_changed(account)
 
 
 def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) -> BillingAccount | None:
@@ -177,10 +178,21 @@ def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) 
         if flipped:
             record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file)
     if changed:
-        # NOTE: after the commit, from the rows as they are then: the same whatever order Stripe's events come in,
-        # and reviewing twice changes nothing.
-        account = _review_quietly(account)
+        account = _review_can_pay_now_changed(account)
     return account
+
+
+def _review_can_pay_now_changed(account: BillingAccount) -> BillingAccount:
+    """`review_payment_standing` once a change of what `billing.standing.can_pay_now` reads (a card on file, or staff's
+    "invoiced without card") is committed: it decides whether an invoice a deleted customer left unpaid holds the
+    organisation, so the hold is lifted or put back at once, not at the beat task's next review.
+
+    NOTE: after the commit (at once outside a transaction; inside one, such as the Django admin's, when it commits),
+    from the rows as they are then: the same whatever order the changes come in, and reviewing twice changes nothing."""
+    if transaction.get_connection().in_atomic_block:
+        transaction.on_commit(lambda: _review_quietly(account), robust=True)
+        return account
+    return _review_quietly(account)
 
 
 def record_subscription_ended(subscription_id: str) -> BillingAccount | None:

@@ -485,6 +485,28 @@ def test_a_held_organisation_that_adds_a_card_is_served_at_once_without_waiting_
     assert _refusal(billed.org, "0.01").reason == "past_due"
 
 
+def test_a_held_organisation_staff_mark_invoiced_without_card_is_served_at_once_and_held_again_when_unmarked(billed):
+    """Staff's "invoiced without card" (`services.set_invoiced_without_card`, the admin's field) counts as a card does
+    (`billing.standing.can_pay_now`), and at once as a card does. Before, the hold stood until the beat task's next
+    review, minutes later: the organisation staff had just vouched for was refused meanwhile."""
+    old_customer = billed.customer
+    deleted_at = int(time.time()) - 9 * 86400
+    _webhook("customer.deleted", billed.stripe.delete_customer(old_customer), created=deleted_at)
+    _webhook("invoice.payment_failed", {"id": "in_final", "object": "invoice", "customer": old_customer,
+                                        "status": "open", "currency": "usd", "amount_due": 4200, "amount_paid": 0,
+                                        "lines": {"object": "list", "data": []}}, created=deleted_at + 86400)
+    assert services.review_all_payment_standing() == 1  # no card, and the grace ran out: held
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+
+    services.set_invoiced_without_card(SYSTEM, billed.org, allowed=True)  # no review of the beat task's after this
+    _spend(billed.org, "0.01")
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since is None
+
+    services.set_invoiced_without_card(SYSTEM, billed.org, allowed=False)  # held again, at once
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+    assert AuditEvent.objects.filter(action="billing.past_due").count() == 2
+
+
 def test_a_draft_the_deletion_finalised_is_excused_when_its_failure_arrives_before_the_deletions_webhook(billed):
     """Stripe does not order webhooks, and the deletion's may come late (sent again after a 503): the deletion is
     dated by its event, on Stripe's clock, so the failure of a draft it finalised is after it, not before."""
