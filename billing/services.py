@@ -265,9 +265,7 @@ def _pushed_uninvoiced(organization_id: int, customer_id: str, stripe_invoiced_u
     recorded before the customer was kept, `billing/0017`, to whichever it had then) dated after every invoice of it
     that bills its period (`Invoice.objects.billing()`: finalised, not void), mirrored or up to `stripe_invoiced_until`:
     those no invoice bills whole."""
-    events = MeterEventPush.objects.filter(
-        Q(stripe_customer_id=customer_id) | Q(stripe_customer_id=""), rollup__organization_id=organization_id,
-        rollup__billing_mode=BillingMode.POSTPAID, push_generation=F("rollup__push_generation"))
+    events = _events_sent_to(organization_id, customer_id)
     mirrored_until = (Invoice.objects.filter(organization_id=organization_id).billing()
                       .aggregate(until=Max("period_end"))["until"])
     invoiced_until = max((until for until in (mirrored_until, stripe_invoiced_until) if until is not None), default=None)
@@ -275,6 +273,51 @@ def _pushed_uninvoiced(organization_id: int, customer_id: str, stripe_invoiced_u
         events = events.filter(Q(event_at__gte=invoiced_until)
                                | Q(event_at__isnull=True, rollup__hour_start__gte=invoiced_until))
     return UsageRollup.objects.filter(pk__in=events.values("rollup_id"))
+
+
+def _events_sent_to(organization_id: int, customer_id: str):
+    """The events of the organisation's postpaid rollups, of their push generation, that went to `customer_id` (or,
+    recorded before the customer was kept, `billing/0017`, to whichever it had then)."""
+    return MeterEventPush.objects.filter(
+        Q(stripe_customer_id=customer_id) | Q(stripe_customer_id=""), rollup__organization_id=organization_id,
+        rollup__billing_mode=BillingMode.POSTPAID, push_generation=F("rollup__push_generation"))
+
+
+def _dated_within(start: datetime, end: datetime) -> Q:
+    """Meter events dated in [start, end) (by their rollup's hour, for those recorded before their date was kept)."""
+    return (Q(event_at__gte=start, event_at__lt=end)
+            | Q(event_at__isnull=True, rollup__hour_start__gte=start, rollup__hour_start__lt=end))
+
+
+def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, datetime]]) -> int:
+    """Stripe voided `invoice` of a customer deleted since (`DeletedStripeCustomer`): `push_again` the rollups whose
+    events went to that customer dated in its period, unless another of its invoices bills them (`billed_periods`,
+    as Stripe lists them: `stripe_sync.customer_billed_periods`). Their usage goes to the organisation's customer of
+    now, under new identifiers; audited. Returns how many.
+
+    NOTE: the deletion counted that period as billed (its draft finalised, or open), so its usage stayed with the
+    deleted customer; a void invoice is owed by nobody (`BILLING_INVOICE_STATUSES`), and before, that usage was billed
+    by no customer. Only events of their rollup's push generation count: once pushed again, a rollup's events of the
+    next generation went to the next customer, so the void told again (`invoice.voided`, `invoice.updated`) finds
+    nothing more, and nothing is billed twice. Under the account's lock, as the deletion and a push's last check
+    (`stripe_sync.push_rollup`)."""
+    if invoice.status != "void" or invoice.period_start is None or invoice.period_end is None:
+        return 0
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().for_organization(invoice.organization_id)
+        if not DeletedStripeCustomer.objects.filter(stripe_customer_id=invoice.stripe_customer_id or "-",
+                                                    organization_id=invoice.organization_id).exists():
+            return 0
+        events = _events_sent_to(invoice.organization_id, invoice.stripe_customer_id).filter(
+            _dated_within(invoice.period_start, invoice.period_end))
+        for start, end in billed_periods:
+            events = events.exclude(_dated_within(start, end))
+        num_again = push_again(UsageRollup.objects.filter(pk__in=events.values("rollup_id")))
+        if num_again:
+            record_audit(SYSTEM, account.organization, "billing.voided_invoice_pushed_again", account,
+                         invoice=invoice.stripe_invoice_id, customer=invoice.stripe_customer_id,
+                         num_rollups_pushed_again=num_again)
+    return num_again
 
 
 def push_again_uninvoiced(rollups, customer_id: str) -> int:

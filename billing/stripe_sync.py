@@ -332,6 +332,19 @@ def customer_invoiced_until(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -
     return datetime.fromtimestamp(max(ends), tz=UTC) if ends else None
 
 
+def customer_billed_periods(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> list[tuple[datetime, datetime]]:
+    """The periods (start, end) of Stripe's invoices of `customer_id` that bill the usage of their period
+    (`_bills_its_period`), as Stripe has them now. Read for a deleted customer one of whose invoices was voided
+    (`billing.webhooks`): the usage of the void one's period goes again to the next customer unless another of its
+    invoices bills it (`billing.services.push_again_voided`); that invoice's own webhook may not have come yet."""
+    invoices = call_stripe(
+        lambda options: stripe_client().v1.invoices.list(params={"customer": customer_id, "limit": 100}, options=options),
+        what="invoice list", attempts=attempts)
+    return [(datetime.fromtimestamp(invoice.period_start, tz=UTC), datetime.fromtimestamp(invoice.period_end, tz=UTC))
+            for invoice in invoices.auto_paging_iter()
+            if _bills_its_period(invoice) and invoice.period_start is not None and invoice.period_end]
+
+
 def _finalized(invoice_id: str, *, attempts: int):
     """The invoice once finalised, or as Stripe has it if it refuses (finalised already, say).
 

@@ -340,6 +340,71 @@ def test_usage_a_deleted_customers_void_invoice_billed_goes_again_to_the_next(fa
     assert fake_stripe.invoiced_usage(new_customer) == costs == _cost_pushed(fake_stripe, new_customer)
 
 
+def test_usage_of_a_deleted_customers_invoice_voided_after_its_deletion_goes_again_to_the_next_once(fake_stripe):
+    """The deletion finalised the draft that billed the 7th hour, so that hour stayed with the deleted customer. Before,
+    once that invoice was voided (in the Dashboard: no card charges it), nobody owed the 7th hour, and no customer was
+    billed it. It goes again to the organisation's customer of now, once, however often the void is told; audited."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+    [draft] = fake_stripe.invoices.values()
+    _use_and_push(endpoint, num_hours_ago=5)
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+    assert stripe_sync.push_pending_rollups() == 1  # the 5th hour's again, not the 7th's: its invoice bills it
+
+    voided = fake_stripe.void_invoice(draft["id"])
+    fake_stripe.fail_next("500", path="/v1/invoices", method="GET")  # one try: Stripe sends the event again
+    body = json.dumps({"id": "evt_voided", "object": "event", "type": "invoice.voided", "created": int(time.time()),
+                       "data": {"object": voided}}).encode()
+    refused = APIClient().post(WEBHOOK, body, content_type="application/json",
+                               HTTP_STRIPE_SIGNATURE=sign_webhook(body, "whsec_test_secret"))
+    assert refused.status_code == 503
+    _webhook("invoice.voided", voided, event_id="evt_voided")
+    _webhook("invoice.updated", voided)  # Stripe tells it twice
+    assert stripe_sync.push_pending_rollups() == 1  # the 7th hour's again
+    assert stripe_sync.push_pending_rollups() == 0
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert _billed_usage(fake_stripe, old_customer) == 0
+    assert _billed_usage(fake_stripe, new_customer) == costs == _cost_pushed(fake_stripe, new_customer)
+    [audited] = AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again")
+    assert audited.details["invoice"] == draft["id"] and audited.details["num_rollups_pushed_again"] == 1
+
+
+def test_a_void_invoice_of_a_deleted_customer_whose_usage_another_of_its_invoices_bills_sends_nothing_again(
+        fake_stripe):
+    # A guard: a subscription cancelled at once after its invoice was voided is followed by one that bills the void
+    # period (`stripe_sync._invoiced_until`); the void told after the customer's deletion sends none of it again.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, first = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    [invoice] = fake_stripe.invoices.values()
+    fake_stripe.finalize_invoice(invoice["id"])
+    voided = fake_stripe.void_invoice(invoice["id"])  # its webhook not sent yet
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    _use_and_push(endpoint, num_hours_ago=5)
+    _, second = _subscribed(endpoint)
+    assert fake_stripe.subscriptions[second]["start_date"] == invoice["period_start"]
+    _invoice_the_rest(fake_stripe, second)
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+
+    _webhook("invoice.voided", voided)
+    assert stripe_sync.push_pending_rollups() == 0
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert _billed_usage(fake_stripe, old_customer) == costs
+    assert not AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again").exists()
+
+
+def _billed_usage(fake_stripe, customer_id: str) -> int:
+    """What the customer's invoices that bill (not void ones) billed, in meter units."""
+    return sum(line["quantity"] for invoice in fake_stripe.invoices.values()
+               if invoice["customer"] == customer_id and invoice["status"] != "void" for line in invoice["lines"]["data"])
+
+
 def test_an_invoice_webhook_that_comes_after_its_customers_deletion_is_mirrored_to_its_organisation_once(fake_stripe):
     """Before, an invoice not mirrored yet was found by its customer's account, which the deletion had cleared: its
     late `invoice.finalized` or `invoice.paid` was dropped, and the organisation's invoices missed it. The deleted
