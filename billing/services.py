@@ -290,33 +290,40 @@ def _dated_within(start: datetime, end: datetime) -> Q:
 
 
 def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, datetime]]) -> int:
-    """Stripe voided `invoice` of a customer deleted since (`DeletedStripeCustomer`): `push_again` the rollups whose
-    events went to that customer dated in its period, unless another of its invoices bills them (`billed_periods`,
-    as Stripe lists them: `stripe_sync.customer_billed_periods`). Their usage goes to the organisation's customer of
-    now, under new identifiers; audited. Returns how many.
+    """Stripe voided `invoice`, and no subscription will bill the usage of its period: its customer was deleted since
+    (`DeletedStripeCustomer`), or is the organisation's and the subscription billing it now began at or after the
+    period's end (the void one's ended, and the next started at its end, the void not known then:
+    `stripe_sync._invoiced_until`). `push_again` the rollups whose events went to that customer dated in its period,
+    unless another of its invoices bills them (`billed_periods`, as Stripe lists them:
+    `stripe_sync.customer_billed_periods`): their usage goes to the organisation's customer of now, under new
+    identifiers; audited. Returns how many.
 
-    NOTE: the deletion counted that period as billed (its draft finalised, or open), so its usage stayed with the
-    deleted customer; a void invoice is owed by nobody (`BILLING_INVOICE_STATUSES`), and before, that usage was billed
-    by no customer. Only events of their rollup's push generation count: once pushed again, a rollup's events of the
-    next generation went to the next customer, so the void told again (`invoice.voided`, `invoice.updated`) finds
-    nothing more, and nothing is billed twice. Under the account's lock, as the deletion and a push's last check
+    NOTE: a void invoice is owed by nobody (`BILLING_INVOICE_STATUSES`). Before, the usage of one voided after its
+    customer's deletion, or after the next subscription began, was billed by no invoice. One of a subscription still
+    billing (its own, or one backdated over its period) sends nothing again: that subscription's next invoices
+    decide. Only events of their rollup's push generation count: once pushed again, a rollup's events of the next
+    generation are dated now, so the void told again (`invoice.voided`, `invoice.updated`) finds nothing more, and
+    nothing is billed twice. Under the account's lock, as the deletion and a push's last check
     (`stripe_sync.push_rollup`)."""
     if invoice.status != "void" or invoice.period_start is None or invoice.period_end is None:
         return 0
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(invoice.organization_id)
-        if not DeletedStripeCustomer.objects.filter(stripe_customer_id=invoice.stripe_customer_id or "-",
-                                                    organization_id=invoice.organization_id).exists():
+        customer_id = invoice.stripe_customer_id or "-"
+        deleted = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id,
+                                                       organization_id=invoice.organization_id).exists()
+        billing_after = (account.stripe_customer_id == customer_id and account.stripe_subscription_started_at is not None
+                         and account.stripe_subscription_started_at >= invoice.period_end)
+        if not (deleted or billing_after):
             return 0
-        events = _events_sent_to(invoice.organization_id, invoice.stripe_customer_id).filter(
+        events = _events_sent_to(invoice.organization_id, customer_id).filter(
             _dated_within(invoice.period_start, invoice.period_end))
         for start, end in billed_periods:
             events = events.exclude(_dated_within(start, end))
         num_again = push_again(UsageRollup.objects.filter(pk__in=events.values("rollup_id")))
         if num_again:
             record_audit(SYSTEM, account.organization, "billing.voided_invoice_pushed_again", account,
-                         invoice=invoice.stripe_invoice_id, customer=invoice.stripe_customer_id,
-                         num_rollups_pushed_again=num_again)
+                         invoice=invoice.stripe_invoice_id, customer=customer_id, num_rollups_pushed_again=num_again)
     return num_again
 
 

@@ -511,14 +511,16 @@ def _invoiced_until(subscription) -> int:
     """Up to when the ended `subscription`'s usage is invoiced: where the next subscription starts, so that each
     meter event is billed by one invoice, neither by none nor by two.
 
-    A subscription that ended at the end of its period (cancelled at the period's end) bills that period's usage in
-    a final invoice then, as Stripe documents: up to its end. One that ended within its period (cancelled at once in
-    the Dashboard or the API, or by Stripe after failed payments) bills what it had not invoiced only if it was
-    cancelled with `invoice_now`, which defaults to false; without it, Stripe discards that usage. So its invoices
-    are read (Stripe makes an `invoice_now` invoice with the cancellation), and it is invoiced up to the latest end
-    of their lines' periods, or, with none, its start (a backdated subscription ended before its first invoice).
-    Before, the next subscription always started at the ended one's end: the usage of the ended period was billed
-    by no invoice.
+    Its invoices are read, and it is invoiced up to the latest end of the lines' periods of those that bill
+    (`_bills_its_period`: not a void one), or, with none, its start (a backdated subscription ended before its first
+    invoice). One that ended within its period (cancelled at once in the Dashboard or the API, or by Stripe after
+    failed payments) bills what it had not invoiced only if it was cancelled with `invoice_now`, which defaults to
+    false (Stripe makes that invoice with the cancellation); without it, Stripe discards that usage. Before, the next
+    subscription always started at the ended one's end: the usage of the ended period was billed by no invoice. One
+    that ended at the end of its period (cancelled at the period's end) bills that period's usage in a final invoice
+    then, as Stripe documents: up to its end, unless that invoice is void (before, it was not read, and the usage of a
+    void final invoice was billed by none), or not made yet when read: then up to its end, as Stripe will make it (one
+    voided after the next subscription began: `billing.services.push_again_voided`).
 
     NOTE: a line's period that ends after the subscription does (a first invoice's line for the period ahead) bills
     no usage of it, and is not counted.
@@ -527,9 +529,10 @@ def _invoiced_until(subscription) -> int:
     if subscription.status not in ENDED_SUBSCRIPTION_STATUSES or not ended_at:
         return 0
     period_ends = [item.current_period_end for item in subscription["items"].data]
-    if subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends)):
-        return ended_at
     invoices = stripe_client().v1.invoices.list(params={"subscription": subscription.id, "limit": 100}).data
+    at_period_end = subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends))
+    if at_period_end and not any(line.period.end >= ended_at for invoice in invoices for line in invoice.lines.data):
+        return ended_at  # its final invoice not made yet
     return max((line.period.end for invoice in invoices if _bills_its_period(invoice)
                 for line in invoice.lines.data if line.period.end <= ended_at),
                default=subscription.start_date)

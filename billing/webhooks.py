@@ -65,7 +65,7 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
         payer = _dispute_payer(event)
     billed_periods = None
     if event["type"] in INVOICE_EVENTS:
-        billed_periods = _voided_by_deleted_customer_billed_periods(event)
+        billed_periods = _void_invoice_billed_periods(event)
     invoiced_until = None
     if event["type"] == "customer.deleted":
         invoiced_until = _deleted_customer_invoiced_until(event)
@@ -189,16 +189,16 @@ def _deleted_customer_invoiced_until(event: dict) -> datetime | None:
     return stripe_sync.customer_invoiced_until(customer_id, attempts=1)
 
 
-def _voided_by_deleted_customer_billed_periods(event: dict) -> list[tuple[datetime, datetime]] | None:
-    """For a void invoice of a customer Stripe deleted (`DeletedStripeCustomer`), the periods its other invoices bill
-    (`stripe_sync.customer_billed_periods`), read with no transaction open, so that the usage of the void one's period
-    goes again to the next customer unless they bill it (`services.push_again_voided`); None when nothing need be
-    read: another invoice, Stripe not configured, or the event applied before. If Stripe cannot answer, this webhook
-    fails and Stripe sends it again."""
+def _void_invoice_billed_periods(event: dict) -> list[tuple[datetime, datetime]] | None:
+    """For a void invoice of a customer of ours (an account's, or one Stripe deleted since), the periods its customer's
+    invoices bill (`stripe_sync.customer_billed_periods`), read with no transaction open, so that the usage of the void
+    one's period that no subscription will bill goes again unless they bill it (`services.push_again_voided`); None
+    when nothing need be read: another invoice, Stripe not configured, or the event applied before. If Stripe cannot
+    answer, this webhook fails and Stripe sends it again."""
     data = event["data"]["object"]
     customer_id = stripe_sync.reference_id(data.get("customer")) or "-"
     if (data.get("status") != "void" or not stripe_sync.is_configured()
-            or not DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id).exists()
+            or _organization_of_customer(customer_id) is None
             or StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()):
         return None
     return stripe_sync.customer_billed_periods(customer_id, attempts=1)

@@ -559,10 +559,11 @@ def test_a_subscription_cancelled_at_once_with_its_usage_invoiced_is_not_billed_
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
 
 
+@pytest.mark.parametrize("final_invoice_made", [True, False])
 def test_a_subscription_cancelled_at_its_period_end_is_followed_by_one_from_that_end_and_usage_is_billed_once(
-        fake_stripe):
+        fake_stripe, final_invoice_made):
     # A guard: cancelled at the period's end, a subscription bills that period's usage in a final invoice then; the
-    # next one starts there (read from the subscription: its final invoice may not be made yet when it is read).
+    # next one starts there, whether that invoice is made already when the ended one's invoices are read or not yet.
     endpoint = EndpointFactory()
     _use_and_push(endpoint, num_hours_ago=6)
     customer, first = _subscribed(endpoint)
@@ -572,10 +573,78 @@ def test_a_subscription_cancelled_at_its_period_end_is_followed_by_one_from_that
 
     ended_at = _end_period_after_what_was_pushed(fake_stripe, first)
     _webhook("customer.subscription.deleted", fake_stripe.subscriptions[first])
+    [final] = fake_stripe.invoices.values()
+    if not final_invoice_made:
+        del fake_stripe.invoices[final["id"]]
     _use_and_push(endpoint, num_hours_ago=4)
+    fake_stripe.invoices[final["id"]] = final
 
     _, second = _subscribed(endpoint)
     assert fake_stripe.subscriptions[first]["ended_at"] == ended_at == fake_stripe.subscriptions[second]["start_date"]
-    assert not fake_stripe.calls_to("/v1/invoices", "GET")
     _invoice_the_rest(fake_stripe, second)
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+
+
+def test_usage_of_a_void_final_invoice_of_a_subscription_cancelled_at_its_period_end_is_billed_by_the_next(
+        fake_stripe):
+    # Before, a subscription cancelled at its period's end was taken to have billed that period, its invoices not
+    # read: the next one started at its end, and the usage of its final invoice, voided, was billed by no invoice.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    _webhook("customer.subscription.updated", fake_stripe.cancel_at_period_end(first))
+    _use_and_push(endpoint, num_hours_ago=5)
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    [final] = fake_stripe.invoices.values()
+    fake_stripe.finalize_invoice(final["id"])
+    fake_stripe.void_invoice(final["id"])  # in the Dashboard; its webhook not sent yet
+
+    _webhook("customer.subscription.deleted", fake_stripe.subscriptions[first])
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    assert fake_stripe.subscriptions[second]["start_date"] == final["period_start"]
+    _invoice_the_rest(fake_stripe, second)
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert _billed_usage(fake_stripe, customer) == costs > 0
+
+
+def test_usage_of_a_final_invoice_voided_after_the_next_subscription_began_goes_again_to_it_once(fake_stripe):
+    # The final invoice billed the period when the next subscription began, at the ended one's end; voided after,
+    # its usage was billed by no invoice. It goes again, once, and is billed by the next subscription.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    _webhook("customer.subscription.updated", fake_stripe.cancel_at_period_end(first))
+    _use_and_push(endpoint, num_hours_ago=5)
+    ended_at = _end_period_after_what_was_pushed(fake_stripe, first)
+    [final] = fake_stripe.invoices.values()
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(final["id"]))
+    _webhook("customer.subscription.deleted", fake_stripe.subscriptions[first])
+    _use_and_push(endpoint, num_hours_ago=4)
+    _, second = _subscribed(endpoint)
+    assert fake_stripe.subscriptions[second]["start_date"] == ended_at
+
+    voided = fake_stripe.void_invoice(final["id"])
+    _webhook("invoice.voided", voided)
+    _webhook("invoice.updated", voided)  # Stripe tells it twice
+    assert stripe_sync.push_pending_rollups() == 2  # the 6th and 5th hours' again
+    assert stripe_sync.push_pending_rollups() == 0
+
+    _invoice_the_rest(fake_stripe, second)
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert _billed_usage(fake_stripe, customer) == costs > 0
+    assert AuditEvent.objects.get(action="billing.voided_invoice_pushed_again").details["num_rollups_pushed_again"] == 2
+
+
+def test_a_void_invoice_of_a_subscription_still_billing_sends_nothing_again(fake_stripe):
+    # A guard: an invoice of the subscription that bills now, voided (forgiven in the Dashboard), is left to Stripe.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    _, first = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    [invoice] = fake_stripe.invoices.values()
+    fake_stripe.finalize_invoice(invoice["id"])
+    _webhook("invoice.voided", fake_stripe.void_invoice(invoice["id"]))
+    assert stripe_sync.push_pending_rollups() == 0
+    assert not AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again").exists()
