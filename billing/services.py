@@ -240,10 +240,11 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
         # NOTE: with its organisation and what its invoices bill, in the transaction that forgets it: an invoice's
         # webhook that comes after this is mirrored to the organisation, and a push that sent usage to it meanwhile
         # decides by it (`push_again_uninvoiced`).
-        DeletedStripeCustomer.objects.get_or_create(stripe_customer_id=customer_id, defaults={
+        deleted, _ = DeletedStripeCustomer.objects.get_or_create(stripe_customer_id=customer_id, defaults={
             "organization_id": account.organization_id, "invoiced_until": invoiced_until,
             "deleted_at": deleted_at or timezone.now()})
-        num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id, invoiced_until))
+        num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id, invoiced_until,
+                                                  deleted_at=deleted.deleted_at))
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""
         account.stripe_subscription_started_at = None
@@ -260,18 +261,27 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
     return account
 
 
-def _pushed_uninvoiced(organization_id: int, customer_id: str, stripe_invoiced_until: datetime | None = None):
+def _pushed_uninvoiced(organization_id: int, customer_id: str, stripe_invoiced_until: datetime | None = None, *,
+                       deleted_at: datetime | None = None):
     """The organisation's postpaid rollups with an event of their push generation that went to `customer_id` (or,
     recorded before the customer was kept, `billing/0017`, to whichever it had then) dated after every invoice of it
-    that bills its period (`Invoice.objects.billing()`: finalised, not void), mirrored or up to `stripe_invoiced_until`:
-    those no invoice bills whole."""
+    that bills its period (`Invoice.objects.billing()`: finalised, not void), mirrored or up to `stripe_invoiced_until`,
+    or that Stripe received a later second than `deleted_at`, the customer's deletion (Stripe dropped it): those no
+    invoice bills whole.
+
+    NOTE: both clocks are Stripe's, in seconds (`MeterEventPush.stripe_created_at`, the deletion event's `created`).
+    Before, an event a push sent after the deletion, dated within the period of an invoice the deletion finalised (an
+    event is dated up to `stripe_sync.LATEST_PERIOD_GRACE` back), counted as billed by it, and was billed by none. One
+    received in the deletion's own second, or whose receipt is not known (refused as a duplicate of an earlier try),
+    counts as received before it: its invoices decide, so that nothing is billed twice."""
     events = _events_sent_to(organization_id, customer_id)
+    after_deletion = Q(stripe_created_at__gt=deleted_at) if deleted_at is not None else Q(pk__in=[])
     mirrored_until = (Invoice.objects.filter(organization_id=organization_id).billing()
                       .aggregate(until=Max("period_end"))["until"])
     invoiced_until = max((until for until in (mirrored_until, stripe_invoiced_until) if until is not None), default=None)
     if invoiced_until is not None:
         events = events.filter(Q(event_at__gte=invoiced_until)
-                               | Q(event_at__isnull=True, rollup__hour_start__gte=invoiced_until))
+                               | Q(event_at__isnull=True, rollup__hour_start__gte=invoiced_until) | after_deletion)
     return UsageRollup.objects.filter(pk__in=events.values("rollup_id"))
 
 
@@ -336,7 +346,8 @@ def push_again_uninvoiced(rollups, customer_id: str) -> int:
     if deleted is None:  # forgotten by nothing we know of: what billed it is not known
         return push_again(rollups)
     return push_again(rollups.filter(
-        pk__in=_pushed_uninvoiced(deleted.organization_id, customer_id, deleted.invoiced_until).values("pk")))
+        pk__in=_pushed_uninvoiced(deleted.organization_id, customer_id, deleted.invoiced_until,
+                                  deleted_at=deleted.deleted_at).values("pk")))
 
 
 def push_again(rollups) -> int:

@@ -718,8 +718,9 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
             refusals.append(isinstance(exc, stripe.StripeError) and _refused_outright(exc))
             raise
 
+    created = None  # when Stripe received it, as it answers: unknown when it refuses it as a duplicate
     try:
-        call_stripe(send, what="meter event", key=key)
+        created = call_stripe(send, what="meter event", key=key).to_dict().get("created")
     except stripe.StripeError as exc:
         if not (isinstance(exc, stripe.InvalidRequestError) and exc.code in DUPLICATE_EVENT_CODES):
             if started_clock and all(refusals):
@@ -730,7 +731,8 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
     MeterEventPush.objects.get_or_create(
         identifier=identifier, defaults={"rollup": rollup, "event_name": meter.event_name, "value": value,
                                          "stripe_customer_id": customer_id, "push_generation": rollup.push_generation,
-                                         "event_at": datetime.fromtimestamp(timestamp, tz=UTC)})
+                                         "event_at": datetime.fromtimestamp(timestamp, tz=UTC),
+                                         "stripe_created_at": datetime.fromtimestamp(created, tz=UTC) if created else None})
     UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=None)  # confirmed: the next one's clock
     return int(key.suffix or 0)
 

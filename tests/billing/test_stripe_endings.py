@@ -275,6 +275,41 @@ def test_usage_pushed_while_its_customers_deletion_is_recorded_goes_again_to_the
     assert fake_stripe.invoiced_usage(account.stripe_customer_id) == costs
 
 
+def test_usage_a_push_sends_after_its_customers_deletion_goes_again_though_dated_in_a_period_it_invoiced(
+        fake_stripe, monkeypatch):
+    """A push read the customer, the customer was deleted (its draft finalised by the webhook, its period ending after
+    the 6th hour's events' date: they are dated up to `LATEST_PERIOD_GRACE` back), then the push sent the 6th hour's
+    events, which Stripe dropped. Before, they counted as billed by that invoice, and no customer was billed them.
+    Stripe's answer says when it received each (`created`), a later second than the deletion: they go again."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)  # its draft bills the 7th hour
+    read_customer = stripe_sync.ensure_customer
+
+    def read_then_deleted(organization_id):
+        customer_id = read_customer(organization_id)
+        if customer_id == old_customer:
+            _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+            time.sleep(1 - time.time() % 1 + 0.01)  # Stripe receives the events a second after the deletion
+        return customer_id
+
+    monkeypatch.setattr(stripe_sync, "ensure_customer", read_then_deleted)
+    assert stripe_sync.push_pending_rollups() == 0  # sent to the deleted customer, and to go again
+    monkeypatch.undo()
+    assert DeletedStripeCustomer.objects.get(stripe_customer_id=old_customer).invoiced_until.timestamp() > max(
+        event["timestamp"] for event in fake_stripe.meter_events.values())
+    assert stripe_sync.push_pending_rollups() == 1
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
+    assert _billed_usage(fake_stripe, old_customer) == costs[0]
+    assert _billed_usage(fake_stripe, new_customer) == costs[1] == _cost_pushed(fake_stripe, new_customer)
+
+
 def test_usage_on_a_draft_invoice_at_its_customers_deletion_is_billed_once_by_that_invoice(fake_stripe):
     """Before, a draft invoice at the deletion counted as billing nothing, and the 7th hour on it went again to the
     next customer: Stripe keeps a deleted customer's invoices and finalises its subscription's drafts (it cannot
