@@ -485,10 +485,15 @@ def test_a_held_organisation_that_adds_a_card_is_served_at_once_without_waiting_
     assert _refusal(billed.org, "0.01").reason == "past_due"
 
 
-def test_a_held_organisation_staff_mark_invoiced_without_card_is_served_at_once_and_held_again_when_unmarked(billed):
-    """Staff's "invoiced without card" (`services.set_invoiced_without_card`, the admin's field) counts as a card does
+def test_a_held_organisation_staff_mark_invoiced_without_card_is_served_at_once_and_held_again_when_unmarked(
+        billed, client):
+    """Staff's "invoiced without card" (the admin's field, `services.set_invoiced_without_card`) counts as a card does
     (`billing.standing.can_pay_now`), and at once as a card does. Before, the hold stood until the beat task's next
     review, minutes later: the organisation staff had just vouched for was refused meanwhile."""
+    from django.contrib.auth import get_user_model
+
+    from tests.factories import sign_in_staff
+
     old_customer = billed.customer
     deleted_at = int(time.time()) - 9 * 86400
     _webhook("customer.deleted", billed.stripe.delete_customer(old_customer), created=deleted_at)
@@ -498,7 +503,12 @@ def test_a_held_organisation_staff_mark_invoiced_without_card_is_served_at_once_
     assert services.review_all_payment_standing() == 1  # no card, and the grace ran out: held
     assert _refusal(billed.org, "0.01").reason == "past_due"
 
-    services.set_invoiced_without_card(SYSTEM, billed.org, allowed=True)  # no review of the beat task's after this
+    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
+    sign_in_staff(client, staff)
+    account = BillingAccount.objects.get(organization=billed.org)
+    changed = client.post(f"/django-admin/billing/billingaccount/{account.pk}/change/",
+                          {"mode": account.mode, "spend_cap": account.spend_cap or "", "invoiced_without_card": "on"})
+    assert changed.status_code == 302  # in the admin's transaction; no review of the beat task's after this
     _spend(billed.org, "0.01")
     assert BillingAccount.objects.get(organization=billed.org).past_due_since is None
 
