@@ -457,10 +457,9 @@ def test_an_invoice_past_due_or_uncollectible_before_its_customer_was_deleted_ho
     _spend(billed.org, "0.01")
 
 
-def test_a_held_organisation_that_adds_a_card_is_served_at_once_without_waiting_for_the_review(billed):
-    """A card lifts a hold that only the want of one made (`billing.standing.can_pay_now`). Before, the card was
-    recorded and the hold stood until the beat task's next review, minutes later: the customer who had just added it
-    was refused meanwhile. Its removal puts the hold back at once, and a late, older reading changes nothing."""
+def _held_for_an_invoice_its_deleted_customer_left(billed) -> None:
+    """The organisation's customer deleted nine days ago left an invoice whose payment failed the day after, and it has
+    no card: held (by the beat task's review)."""
     old_customer = billed.customer
     deleted_at = int(time.time()) - 9 * 86400
     _webhook("customer.deleted", billed.stripe.delete_customer(old_customer), created=deleted_at)
@@ -469,6 +468,13 @@ def test_a_held_organisation_that_adds_a_card_is_served_at_once_without_waiting_
                                         "lines": {"object": "list", "data": []}}, created=deleted_at + 86400)
     assert services.review_all_payment_standing() == 1  # no card, and the grace ran out: held
     assert _refusal(billed.org, "0.01").reason == "past_due"
+
+
+def test_a_held_organisation_that_adds_a_card_is_served_at_once_without_waiting_for_the_review(billed):
+    """A card lifts a hold that only the want of one made (`billing.standing.can_pay_now`). Before, the card was
+    recorded and the hold stood until the beat task's next review, minutes later: the customer who had just added it
+    was refused meanwhile. Its removal puts the hold back at once, and a late, older reading changes nothing."""
+    _held_for_an_invoice_its_deleted_customer_left(billed)
 
     billed.customer = stripe_sync.ensure_customer(billed.org.pk)
     observed_before_card_ms = time.time_ns() // 1_000_000
@@ -494,14 +500,7 @@ def test_a_held_organisation_staff_mark_invoiced_without_card_is_served_at_once_
 
     from tests.factories import sign_in_staff
 
-    old_customer = billed.customer
-    deleted_at = int(time.time()) - 9 * 86400
-    _webhook("customer.deleted", billed.stripe.delete_customer(old_customer), created=deleted_at)
-    _webhook("invoice.payment_failed", {"id": "in_final", "object": "invoice", "customer": old_customer,
-                                        "status": "open", "currency": "usd", "amount_due": 4200, "amount_paid": 0,
-                                        "lines": {"object": "list", "data": []}}, created=deleted_at + 86400)
-    assert services.review_all_payment_standing() == 1  # no card, and the grace ran out: held
-    assert _refusal(billed.org, "0.01").reason == "past_due"
+    _held_for_an_invoice_its_deleted_customer_left(billed)
 
     staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
     sign_in_staff(client, staff)

@@ -557,9 +557,7 @@ def test_usage_of_a_void_invoice_of_a_subscription_cancelled_at_once_is_billed_b
     _, second = _subscribed(endpoint)
     assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoice["period_start"]
     _invoice_the_rest(fake_stripe, second)
-    billed = sum(line["quantity"] for each in fake_stripe.invoices.values()
-                 if each["customer"] == customer and each["status"] != "void" for line in each["lines"]["data"])
-    assert billed == _cost_pushed(fake_stripe, customer) > 0
+    assert _billed_usage(fake_stripe, customer) == _cost_pushed(fake_stripe, customer) > 0
 
 
 def test_a_subscription_cancelled_before_its_first_invoice_is_followed_by_one_from_its_start(fake_stripe):
@@ -625,12 +623,7 @@ def test_usage_of_a_void_final_invoice_of_a_subscription_cancelled_at_its_period
     # Before, a subscription cancelled at its period's end was taken to have billed that period, its invoices not
     # read: the next one started at its end, and the usage of its final invoice, voided, was billed by no invoice.
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=6)
-    customer, first = _subscribed(endpoint)
-    _webhook("customer.subscription.updated", fake_stripe.cancel_at_period_end(first))
-    _use_and_push(endpoint, num_hours_ago=5)
-    _end_period_after_what_was_pushed(fake_stripe, first)
-    [final] = fake_stripe.invoices.values()
+    customer, first, _, final = _cancelled_at_its_period_end(fake_stripe, endpoint)
     fake_stripe.finalize_invoice(final["id"])
     fake_stripe.void_invoice(final["id"])  # in the Dashboard; its webhook not sent yet
 
@@ -648,12 +641,7 @@ def test_usage_of_a_final_invoice_voided_after_the_next_subscription_began_goes_
     # The final invoice billed the period when the next subscription began, at the ended one's end; voided after,
     # its usage was billed by no invoice. It goes again, once, and is billed by the next subscription.
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=6)
-    customer, first = _subscribed(endpoint)
-    _webhook("customer.subscription.updated", fake_stripe.cancel_at_period_end(first))
-    _use_and_push(endpoint, num_hours_ago=5)
-    ended_at = _end_period_after_what_was_pushed(fake_stripe, first)
-    [final] = fake_stripe.invoices.values()
+    customer, first, ended_at, final = _cancelled_at_its_period_end(fake_stripe, endpoint)
     _webhook("invoice.finalized", fake_stripe.finalize_invoice(final["id"]))
     _webhook("customer.subscription.deleted", fake_stripe.subscriptions[first])
     _use_and_push(endpoint, num_hours_ago=4)
@@ -670,6 +658,18 @@ def test_usage_of_a_final_invoice_voided_after_the_next_subscription_began_goes_
     costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
     assert _billed_usage(fake_stripe, customer) == costs > 0
     assert AuditEvent.objects.get(action="billing.voided_invoice_pushed_again").details["num_rollups_pushed_again"] == 2
+
+
+def _cancelled_at_its_period_end(fake_stripe, endpoint) -> tuple[str, str, int, dict]:
+    """The 6th and 5th hours pushed to a subscription cancelled at its period's end, which then ends, its final invoice
+    made (a draft): its customer, its id, its end and that invoice."""
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, subscription = _subscribed(endpoint)
+    _webhook("customer.subscription.updated", fake_stripe.cancel_at_period_end(subscription))
+    _use_and_push(endpoint, num_hours_ago=5)
+    ended_at = _end_period_after_what_was_pushed(fake_stripe, subscription)
+    [final] = fake_stripe.invoices.values()
+    return customer, subscription, ended_at, final
 
 
 def test_a_void_invoice_of_a_subscription_still_billing_sends_nothing_again(fake_stripe):
