@@ -334,9 +334,9 @@ def customer_invoiced_until(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -
 
 def customer_billed_periods(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> list[tuple[datetime, datetime]]:
     """The periods (start, end) of Stripe's invoices of `customer_id` that bill the usage of their period
-    (`_bills_its_period`), as Stripe has them now. Read for a deleted customer one of whose invoices was voided
-    (`billing.webhooks`): the usage of the void one's period goes again to the next customer unless another of its
-    invoices bills it (`billing.services.push_again_voided`); that invoice's own webhook may not have come yet."""
+    (`_bills_its_period`), as Stripe has them now. Read for a customer one of whose invoices was voided
+    (`billing.webhooks`): the usage of the void one's period that no subscription will bill goes again unless another
+    of its invoices bills it (`billing.services.push_again_voided`); that invoice's own webhook may not have come yet."""
     invoices = call_stripe(
         lambda options: stripe_client().v1.invoices.list(params={"customer": customer_id, "limit": 100}, options=options),
         what="invoice list", attempts=attempts)
