@@ -221,10 +221,7 @@ def test_usage_a_deleted_customers_invoice_billed_is_not_pushed_again_when_the_i
     customer was deleted, its `invoice.finalized` late, billed the 7th hour, and the 7th hour went again to the next
     customer, billed twice. Stripe's own invoices of the deleted customer say what they billed."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [invoice] = fake_stripe.invoices.values()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
     finalized = fake_stripe.finalize_invoice(invoice["id"])  # its webhook not sent yet
     _use_and_push(endpoint, num_hours_ago=5)
 
@@ -315,10 +312,7 @@ def test_usage_on_a_draft_invoice_at_its_customers_deletion_is_billed_once_by_th
     next customer: Stripe keeps a deleted customer's invoices and finalises its subscription's drafts (it cannot
     delete them), so the 7th hour was billed twice. The deletion's webhook finalises the draft, which bills it."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [draft] = fake_stripe.invoices.values()
+    old_customer, old_subscription, draft = _invoiced_the_7th_hour(fake_stripe, endpoint)
     _use_and_push(endpoint, num_hours_ago=5)
 
     _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
@@ -337,10 +331,7 @@ def test_a_draft_stripe_refuses_to_finalise_bills_its_usage_only_if_stripe_advan
     """A draft Stripe will finalise itself an hour after making it (`auto_advance`) bills its period; one it leaves
     for us to finalise, refused, bills nothing, and its usage goes again to the next customer."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [draft] = fake_stripe.invoices.values()
+    old_customer, old_subscription, draft = _invoiced_the_7th_hour(fake_stripe, endpoint)
     draft["auto_advance"] = advanced_by_stripe
     fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
 
@@ -355,10 +346,7 @@ def test_usage_a_deleted_customers_void_invoice_billed_goes_again_to_the_next(fa
     counted its period as billed, mirrored or as Stripe lists it, and its 7th hour went to no customer: never billed.
     It goes again, with the 5th, to the next customer, whether its webhooks came before the deletion or not yet."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [invoice] = fake_stripe.invoices.values()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
     finalized = fake_stripe.finalize_invoice(invoice["id"])
     voided = fake_stripe.void_invoice(invoice["id"])
     if mirrored:
@@ -380,10 +368,7 @@ def test_usage_of_a_deleted_customers_invoice_voided_after_its_deletion_goes_aga
     once that invoice was voided (in the Dashboard: no card charges it), nobody owed the 7th hour, and no customer was
     billed it. It goes again to the organisation's customer of now, once, however often the void is told; audited."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [draft] = fake_stripe.invoices.values()
+    old_customer, old_subscription, draft = _invoiced_the_7th_hour(fake_stripe, endpoint)
     _use_and_push(endpoint, num_hours_ago=5)
     _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
     assert stripe_sync.push_pending_rollups() == 1  # the 5th hour's again, not the 7th's: its invoice bills it
@@ -414,10 +399,7 @@ def test_a_void_invoice_of_a_deleted_customer_whose_usage_another_of_its_invoice
     # A guard: a subscription cancelled at once after its invoice was voided is followed by one that bills the void
     # period (`stripe_sync._invoiced_until`); the void told after the customer's deletion sends none of it again.
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, first = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, first)
-    [invoice] = fake_stripe.invoices.values()
+    old_customer, first, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
     fake_stripe.finalize_invoice(invoice["id"])
     voided = fake_stripe.void_invoice(invoice["id"])  # its webhook not sent yet
     _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
@@ -445,10 +427,7 @@ def test_an_invoice_webhook_that_comes_after_its_customers_deletion_is_mirrored_
     late `invoice.finalized` or `invoice.paid` was dropped, and the organisation's invoices missed it. The deleted
     customer keeps its organisation (`DeletedStripeCustomer`)."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [invoice] = fake_stripe.invoices.values()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
     fake_stripe.finalize_invoice(invoice["id"])
     _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
 
@@ -509,6 +488,16 @@ def _end_period_after_what_was_pushed(fake_stripe, subscription_id: str) -> int:
     while int(time.time() - stripe_sync.LATEST_PERIOD_GRACE.total_seconds()) < end:
         time.sleep(0.05)
     return end
+
+
+def _invoiced_the_7th_hour(fake_stripe, endpoint) -> tuple[str, str, dict]:
+    """The 7th hour pushed, and its subscription's period ended just after it: its customer, its subscription and the
+    invoice of that period (a draft)."""
+    _use_and_push(endpoint, num_hours_ago=7)
+    customer, subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, subscription)
+    [invoice] = fake_stripe.invoices.values()
+    return customer, subscription, invoice
 
 
 def _subscribed(endpoint) -> tuple[str, str]:
