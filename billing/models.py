@@ -384,6 +384,10 @@ class MeterEventPush(models.Model):
     stripe_customer_id = models.CharField(max_length=64, blank=True, default="", db_default="")
     event_at = models.DateTimeField(null=True, blank=True)
     push_generation = models.PositiveIntegerField(default=0, db_default=0)  # its rollup's when it was pushed
+    # When Stripe received it (its answer's `created`, on Stripe's clock, in seconds): one received after its customer's
+    # deletion was dropped, whatever invoice's period it is dated in (`billing.services._pushed_uninvoiced`). Null: not
+    # known (Stripe refused it as a duplicate of an earlier try, or recorded before `billing/0022`).
+    stripe_created_at = models.DateTimeField(null=True, blank=True)
 
 
 class StripeEvent(models.Model):

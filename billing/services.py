@@ -146,15 +146,16 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
 
 
 def set_invoiced_without_card(actor: Actor, organization, *, allowed: bool) -> BillingAccount:
-    """Staff: let an organisation that pays by bank transfer spend without a payment method on file."""
+    """Staff: let an organisation that pays by bank transfer spend without a payment method on file. Its standing is
+    reviewed once this commits (`_review_can_pay_now_changed`): before, a hold that only the want of a card made was
+    lifted at the beat task's next review, minutes later."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization)
         account.invoiced_without_card = allowed
         account.limits_stale = True
         account.save(update_fields=["invoiced_without_card", "limits_stale"])
         record_audit(actor, organization, "billing.set_invoiced_without_card", account, allowed=allowed)
-    refresh_limits(account)
-    return account
+    return _review_can_pay_now_changed(account)
 
 
 def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) -> BillingAccount | None:
@@ -177,10 +178,21 @@ def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) 
         if flipped:
             record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file)
     if changed:
-        # NOTE: after the commit, from the rows as they are then: the same whatever order Stripe's events come in,
-        # and reviewing twice changes nothing.
-        account = _review_quietly(account)
+        account = _review_can_pay_now_changed(account)
     return account
+
+
+def _review_can_pay_now_changed(account: BillingAccount) -> BillingAccount:
+    """`review_payment_standing` once a change of what `billing.standing.can_pay_now` reads (a card on file, or staff's
+    "invoiced without card") is committed: it decides whether an invoice a deleted customer left unpaid holds the
+    organisation, so the hold is lifted or put back at once, not at the beat task's next review.
+
+    NOTE: after the commit (at once outside a transaction; inside one, such as the Django admin's, when it commits),
+    from the rows as they are then: the same whatever order the changes come in, and reviewing twice changes nothing."""
+    if transaction.get_connection().in_atomic_block:
+        transaction.on_commit(lambda: _review_quietly(account), robust=True)
+        return account
+    return _review_quietly(account)
 
 
 def record_subscription_ended(subscription_id: str) -> BillingAccount | None:
@@ -228,10 +240,11 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
         # NOTE: with its organisation and what its invoices bill, in the transaction that forgets it: an invoice's
         # webhook that comes after this is mirrored to the organisation, and a push that sent usage to it meanwhile
         # decides by it (`push_again_uninvoiced`).
-        DeletedStripeCustomer.objects.get_or_create(stripe_customer_id=customer_id, defaults={
+        deleted, _ = DeletedStripeCustomer.objects.get_or_create(stripe_customer_id=customer_id, defaults={
             "organization_id": account.organization_id, "invoiced_until": invoiced_until,
             "deleted_at": deleted_at or timezone.now()})
-        num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id, invoiced_until))
+        num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id, invoiced_until,
+                                                  deleted_at=deleted.deleted_at))
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""
         account.stripe_subscription_started_at = None
@@ -248,21 +261,80 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
     return account
 
 
-def _pushed_uninvoiced(organization_id: int, customer_id: str, stripe_invoiced_until: datetime | None = None):
+def _pushed_uninvoiced(organization_id: int, customer_id: str, stripe_invoiced_until: datetime | None = None, *,
+                       deleted_at: datetime | None = None):
     """The organisation's postpaid rollups with an event of their push generation that went to `customer_id` (or,
     recorded before the customer was kept, `billing/0017`, to whichever it had then) dated after every invoice of it
-    that bills its period (`Invoice.objects.billing()`: finalised, not void), mirrored or up to `stripe_invoiced_until`:
-    those no invoice bills whole."""
-    events = MeterEventPush.objects.filter(
-        Q(stripe_customer_id=customer_id) | Q(stripe_customer_id=""), rollup__organization_id=organization_id,
-        rollup__billing_mode=BillingMode.POSTPAID, push_generation=F("rollup__push_generation"))
+    that bills its period (`Invoice.objects.billing()`: finalised, not void), mirrored or up to `stripe_invoiced_until`,
+    or that Stripe received a later second than `deleted_at`, the customer's deletion (Stripe dropped it): those no
+    invoice bills whole.
+
+    NOTE: both clocks are Stripe's, in seconds (`MeterEventPush.stripe_created_at`, the deletion event's `created`).
+    Before, an event a push sent after the deletion, dated within the period of an invoice the deletion finalised (an
+    event is dated up to `stripe_sync.LATEST_PERIOD_GRACE` back), counted as billed by it, and was billed by none. One
+    received in the deletion's own second, or whose receipt is not known (refused as a duplicate of an earlier try),
+    counts as received before it: its invoices decide, so that nothing is billed twice."""
+    events = _events_sent_to(organization_id, customer_id)
+    after_deletion = Q(stripe_created_at__gt=deleted_at) if deleted_at is not None else Q(pk__in=[])
     mirrored_until = (Invoice.objects.filter(organization_id=organization_id).billing()
                       .aggregate(until=Max("period_end"))["until"])
     invoiced_until = max((until for until in (mirrored_until, stripe_invoiced_until) if until is not None), default=None)
     if invoiced_until is not None:
         events = events.filter(Q(event_at__gte=invoiced_until)
-                               | Q(event_at__isnull=True, rollup__hour_start__gte=invoiced_until))
+                               | Q(event_at__isnull=True, rollup__hour_start__gte=invoiced_until) | after_deletion)
     return UsageRollup.objects.filter(pk__in=events.values("rollup_id"))
+
+
+def _events_sent_to(organization_id: int, customer_id: str):
+    """The events of the organisation's postpaid rollups, of their push generation, that went to `customer_id` (or,
+    recorded before the customer was kept, `billing/0017`, to whichever it had then)."""
+    return MeterEventPush.objects.filter(
+        Q(stripe_customer_id=customer_id) | Q(stripe_customer_id=""), rollup__organization_id=organization_id,
+        rollup__billing_mode=BillingMode.POSTPAID, push_generation=F("rollup__push_generation"))
+
+
+def _dated_within(start: datetime, end: datetime) -> Q:
+    """Meter events dated in [start, end) (by their rollup's hour, for those recorded before their date was kept)."""
+    return (Q(event_at__gte=start, event_at__lt=end)
+            | Q(event_at__isnull=True, rollup__hour_start__gte=start, rollup__hour_start__lt=end))
+
+
+def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, datetime]]) -> int:
+    """Stripe voided `invoice`, and no subscription will bill the usage of its period: its customer was deleted since
+    (`DeletedStripeCustomer`), or is the organisation's and the subscription billing it now began at or after the
+    period's end (the void one's ended, and the next started at its end, the void not known then:
+    `stripe_sync._invoiced_until`). `push_again` the rollups whose events went to that customer dated in its period,
+    unless another of its invoices bills them (`billed_periods`, as Stripe lists them:
+    `stripe_sync.customer_billed_periods`): their usage goes to the organisation's customer of now, under new
+    identifiers; audited. Returns how many.
+
+    NOTE: a void invoice is owed by nobody (`BILLING_INVOICE_STATUSES`). Before, the usage of one voided after its
+    customer's deletion, or after the next subscription began, was billed by no invoice. One of a subscription still
+    billing (its own, or one backdated over its period) sends nothing again: that subscription's next invoices
+    decide. Only events of their rollup's push generation count: once pushed again, a rollup's events of the next
+    generation are dated now, so the void told again (`invoice.voided`, `invoice.updated`) finds nothing more, and
+    nothing is billed twice. Under the account's lock, as the deletion and a push's last check
+    (`stripe_sync.push_rollup`)."""
+    if invoice.status != "void" or invoice.period_start is None or invoice.period_end is None:
+        return 0
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().for_organization(invoice.organization_id)
+        customer_id = invoice.stripe_customer_id or "-"
+        deleted = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id,
+                                                       organization_id=invoice.organization_id).exists()
+        billing_after = (account.stripe_customer_id == customer_id and account.stripe_subscription_started_at is not None
+                         and account.stripe_subscription_started_at >= invoice.period_end)
+        if not (deleted or billing_after):
+            return 0
+        events = _events_sent_to(invoice.organization_id, customer_id).filter(
+            _dated_within(invoice.period_start, invoice.period_end))
+        for start, end in billed_periods:
+            events = events.exclude(_dated_within(start, end))
+        num_again = push_again(UsageRollup.objects.filter(pk__in=events.values("rollup_id")))
+        if num_again:
+            record_audit(SYSTEM, account.organization, "billing.voided_invoice_pushed_again", account,
+                         invoice=invoice.stripe_invoice_id, customer=customer_id, num_rollups_pushed_again=num_again)
+    return num_again
 
 
 def push_again_uninvoiced(rollups, customer_id: str) -> int:
@@ -274,7 +346,8 @@ def push_again_uninvoiced(rollups, customer_id: str) -> int:
     if deleted is None:  # forgotten by nothing we know of: what billed it is not known
         return push_again(rollups)
     return push_again(rollups.filter(
-        pk__in=_pushed_uninvoiced(deleted.organization_id, customer_id, deleted.invoiced_until).values("pk")))
+        pk__in=_pushed_uninvoiced(deleted.organization_id, customer_id, deleted.invoiced_until,
+                                  deleted_at=deleted.deleted_at).values("pk")))
 
 
 def push_again(rollups) -> int:

@@ -332,6 +332,19 @@ def customer_invoiced_until(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -
     return datetime.fromtimestamp(max(ends), tz=UTC) if ends else None
 
 
+def customer_billed_periods(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> list[tuple[datetime, datetime]]:
+    """The periods (start, end) of Stripe's invoices of `customer_id` that bill the usage of their period
+    (`_bills_its_period`), as Stripe has them now. Read for a customer one of whose invoices was voided
+    (`billing.webhooks`): the usage of the void one's period that no subscription will bill goes again unless another
+    of its invoices bills it (`billing.services.push_again_voided`); that invoice's own webhook may not have come yet."""
+    invoices = call_stripe(
+        lambda options: stripe_client().v1.invoices.list(params={"customer": customer_id, "limit": 100}, options=options),
+        what="invoice list", attempts=attempts)
+    return [(datetime.fromtimestamp(invoice.period_start, tz=UTC), datetime.fromtimestamp(invoice.period_end, tz=UTC))
+            for invoice in invoices.auto_paging_iter()
+            if _bills_its_period(invoice) and invoice.period_start is not None and invoice.period_end]
+
+
 def _finalized(invoice_id: str, *, attempts: int):
     """The invoice once finalised, or as Stripe has it if it refuses (finalised already, say).
 
@@ -498,14 +511,16 @@ def _invoiced_until(subscription) -> int:
     """Up to when the ended `subscription`'s usage is invoiced: where the next subscription starts, so that each
     meter event is billed by one invoice, neither by none nor by two.
 
-    A subscription that ended at the end of its period (cancelled at the period's end) bills that period's usage in
-    a final invoice then, as Stripe documents: up to its end. One that ended within its period (cancelled at once in
-    the Dashboard or the API, or by Stripe after failed payments) bills what it had not invoiced only if it was
-    cancelled with `invoice_now`, which defaults to false; without it, Stripe discards that usage. So its invoices
-    are read (Stripe makes an `invoice_now` invoice with the cancellation), and it is invoiced up to the latest end
-    of their lines' periods, or, with none, its start (a backdated subscription ended before its first invoice).
-    Before, the next subscription always started at the ended one's end: the usage of the ended period was billed
-    by no invoice.
+    Its invoices are read, and it is invoiced up to the latest end of the lines' periods of those that bill
+    (`_bills_its_period`: not a void one), or, with none, its start (a backdated subscription ended before its first
+    invoice). One that ended within its period (cancelled at once in the Dashboard or the API, or by Stripe after
+    failed payments) bills what it had not invoiced only if it was cancelled with `invoice_now`, which defaults to
+    false (Stripe makes that invoice with the cancellation); without it, Stripe discards that usage. Before, the next
+    subscription always started at the ended one's end: the usage of the ended period was billed by no invoice. One
+    that ended at the end of its period (cancelled at the period's end) bills that period's usage in a final invoice
+    then, as Stripe documents: up to its end, unless that invoice is void (before, it was not read, and the usage of a
+    void final invoice was billed by none), or not made yet when read: then up to its end, as Stripe will make it (one
+    voided after the next subscription began: `billing.services.push_again_voided`).
 
     NOTE: a line's period that ends after the subscription does (a first invoice's line for the period ahead) bills
     no usage of it, and is not counted.
@@ -514,9 +529,10 @@ def _invoiced_until(subscription) -> int:
     if subscription.status not in ENDED_SUBSCRIPTION_STATUSES or not ended_at:
         return 0
     period_ends = [item.current_period_end for item in subscription["items"].data]
-    if subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends)):
-        return ended_at
     invoices = stripe_client().v1.invoices.list(params={"subscription": subscription.id, "limit": 100}).data
+    at_period_end = subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends))
+    if at_period_end and not any(line.period.end >= ended_at for invoice in invoices for line in invoice.lines.data):
+        return ended_at  # its final invoice not made yet
     return max((line.period.end for invoice in invoices if _bills_its_period(invoice)
                 for line in invoice.lines.data if line.period.end <= ended_at),
                default=subscription.start_date)
@@ -702,8 +718,9 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
             refusals.append(isinstance(exc, stripe.StripeError) and _refused_outright(exc))
             raise
 
+    created = None  # when Stripe received it, as it answers: unknown when it refuses it as a duplicate
     try:
-        call_stripe(send, what="meter event", key=key)
+        created = call_stripe(send, what="meter event", key=key).to_dict().get("created")
     except stripe.StripeError as exc:
         if not (isinstance(exc, stripe.InvalidRequestError) and exc.code in DUPLICATE_EVENT_CODES):
             if started_clock and all(refusals):
@@ -714,7 +731,8 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
     MeterEventPush.objects.get_or_create(
         identifier=identifier, defaults={"rollup": rollup, "event_name": meter.event_name, "value": value,
                                          "stripe_customer_id": customer_id, "push_generation": rollup.push_generation,
-                                         "event_at": datetime.fromtimestamp(timestamp, tz=UTC)})
+                                         "event_at": datetime.fromtimestamp(timestamp, tz=UTC),
+                                         "stripe_created_at": datetime.fromtimestamp(created, tz=UTC) if created else None})
     UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=None)  # confirmed: the next one's clock
     return int(key.suffix or 0)
 

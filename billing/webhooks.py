@@ -63,6 +63,9 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
     payer = ("", "")
     if event["type"] in DISPUTE_EVENTS:
         payer = _dispute_payer(event)
+    billed_periods = None
+    if event["type"] in INVOICE_EVENTS:
+        billed_periods = _void_invoice_billed_periods(event)
     invoiced_until = None
     if event["type"] == "customer.deleted":
         invoiced_until = _deleted_customer_invoiced_until(event)
@@ -73,6 +76,8 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
         if event["type"] in INVOICE_EVENTS:
             invoice = mirror_invoice(event["data"]["object"], event_type=event["type"], event_created=event.get("created", 0))
             if invoice is not None:
+                if billed_periods is not None:
+                    services.push_again_voided(invoice, billed_periods=billed_periods)
                 organization_id = invoice.organization_id
                 transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
         elif event["type"] in DISPUTE_EVENTS:
@@ -182,6 +187,21 @@ def _deleted_customer_invoiced_until(event: dict) -> datetime | None:
             or not BillingAccount.objects.filter(stripe_customer_id=customer_id).exists()):
         return None
     return stripe_sync.customer_invoiced_until(customer_id, attempts=1)
+
+
+def _void_invoice_billed_periods(event: dict) -> list[tuple[datetime, datetime]] | None:
+    """For a void invoice of a customer of ours (an account's, or one Stripe deleted since), the periods its customer's
+    invoices bill (`stripe_sync.customer_billed_periods`), read with no transaction open, so that the usage of the void
+    one's period that no subscription will bill goes again unless they bill it (`services.push_again_voided`); None
+    when nothing need be read: another invoice, Stripe not configured, or the event applied before. If Stripe cannot
+    answer, this webhook fails and Stripe sends it again."""
+    data = event["data"]["object"]
+    customer_id = stripe_sync.reference_id(data.get("customer")) or "-"
+    if (data.get("status") != "void" or not stripe_sync.is_configured()
+            or _organization_of_customer(customer_id) is None
+            or StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()):
+        return None
+    return stripe_sync.customer_billed_periods(customer_id, attempts=1)
 
 
 def mirror_dispute(data: dict, *, payer: tuple[str, str], event_created: int) -> Dispute | None:

@@ -457,10 +457,9 @@ def test_an_invoice_past_due_or_uncollectible_before_its_customer_was_deleted_ho
     _spend(billed.org, "0.01")
 
 
-def test_a_held_organisation_that_adds_a_card_is_served_at_once_without_waiting_for_the_review(billed):
-    """A card lifts a hold that only the want of one made (`billing.standing.can_pay_now`). Before, the card was
-    recorded and the hold stood until the beat task's next review, minutes later: the customer who had just added it
-    was refused meanwhile. Its removal puts the hold back at once, and a late, older reading changes nothing."""
+def _held_for_an_invoice_its_deleted_customer_left(billed) -> None:
+    """The organisation's customer deleted nine days ago left an invoice whose payment failed the day after, and it has
+    no card: held (by the beat task's review)."""
     old_customer = billed.customer
     deleted_at = int(time.time()) - 9 * 86400
     _webhook("customer.deleted", billed.stripe.delete_customer(old_customer), created=deleted_at)
@@ -469,6 +468,13 @@ def test_a_held_organisation_that_adds_a_card_is_served_at_once_without_waiting_
                                         "lines": {"object": "list", "data": []}}, created=deleted_at + 86400)
     assert services.review_all_payment_standing() == 1  # no card, and the grace ran out: held
     assert _refusal(billed.org, "0.01").reason == "past_due"
+
+
+def test_a_held_organisation_that_adds_a_card_is_served_at_once_without_waiting_for_the_review(billed):
+    """A card lifts a hold that only the want of one made (`billing.standing.can_pay_now`). Before, the card was
+    recorded and the hold stood until the beat task's next review, minutes later: the customer who had just added it
+    was refused meanwhile. Its removal puts the hold back at once, and a late, older reading changes nothing."""
+    _held_for_an_invoice_its_deleted_customer_left(billed)
 
     billed.customer = stripe_sync.ensure_customer(billed.org.pk)
     observed_before_card_ms = time.time_ns() // 1_000_000
@@ -483,6 +489,31 @@ def test_a_held_organisation_that_adds_a_card_is_served_at_once_without_waiting_
 
     _customer_event(billed, None)  # the card removed: held again, at once
     assert _refusal(billed.org, "0.01").reason == "past_due"
+
+
+def test_a_held_organisation_staff_mark_invoiced_without_card_is_served_at_once_and_held_again_when_unmarked(
+        billed, client):
+    """Staff's "invoiced without card" (the admin's field, `services.set_invoiced_without_card`) counts as a card does
+    (`billing.standing.can_pay_now`), and at once as a card does. Before, the hold stood until the beat task's next
+    review, minutes later: the organisation staff had just vouched for was refused meanwhile."""
+    from django.contrib.auth import get_user_model
+
+    from tests.factories import sign_in_staff
+
+    _held_for_an_invoice_its_deleted_customer_left(billed)
+
+    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
+    sign_in_staff(client, staff)
+    account = BillingAccount.objects.get(organization=billed.org)
+    changed = client.post(f"/django-admin/billing/billingaccount/{account.pk}/change/",
+                          {"mode": account.mode, "spend_cap": account.spend_cap or "", "invoiced_without_card": "on"})
+    assert changed.status_code == 302  # in the admin's transaction; no review of the beat task's after this
+    _spend(billed.org, "0.01")
+    assert BillingAccount.objects.get(organization=billed.org).past_due_since is None
+
+    services.set_invoiced_without_card(SYSTEM, billed.org, allowed=False)  # held again, at once
+    assert _refusal(billed.org, "0.01").reason == "past_due"
+    assert AuditEvent.objects.filter(action="billing.past_due").count() == 2
 
 
 def test_a_draft_the_deletion_finalised_is_excused_when_its_failure_arrives_before_the_deletions_webhook(billed):

@@ -221,10 +221,7 @@ def test_usage_a_deleted_customers_invoice_billed_is_not_pushed_again_when_the_i
     customer was deleted, its `invoice.finalized` late, billed the 7th hour, and the 7th hour went again to the next
     customer, billed twice. Stripe's own invoices of the deleted customer say what they billed."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [invoice] = fake_stripe.invoices.values()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
     finalized = fake_stripe.finalize_invoice(invoice["id"])  # its webhook not sent yet
     _use_and_push(endpoint, num_hours_ago=5)
 
@@ -275,15 +272,47 @@ def test_usage_pushed_while_its_customers_deletion_is_recorded_goes_again_to_the
     assert fake_stripe.invoiced_usage(account.stripe_customer_id) == costs
 
 
+def test_usage_a_push_sends_after_its_customers_deletion_goes_again_though_dated_in_a_period_it_invoiced(
+        fake_stripe, monkeypatch):
+    """A push read the customer, the customer was deleted (its draft finalised by the webhook, its period ending after
+    the 6th hour's events' date: they are dated up to `LATEST_PERIOD_GRACE` back), then the push sent the 6th hour's
+    events, which Stripe dropped. Before, they counted as billed by that invoice, and no customer was billed them.
+    Stripe's answer says when it received each (`created`), a later second than the deletion: they go again."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)  # its draft bills the 7th hour
+    read_customer = stripe_sync.ensure_customer
+
+    def read_then_deleted(organization_id):
+        customer_id = read_customer(organization_id)
+        if customer_id == old_customer:
+            _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+            time.sleep(1 - time.time() % 1 + 0.01)  # Stripe receives the events a second after the deletion
+        return customer_id
+
+    monkeypatch.setattr(stripe_sync, "ensure_customer", read_then_deleted)
+    assert stripe_sync.push_pending_rollups() == 0  # sent to the deleted customer, and to go again
+    monkeypatch.undo()
+    assert DeletedStripeCustomer.objects.get(stripe_customer_id=old_customer).invoiced_until.timestamp() > max(
+        event["timestamp"] for event in fake_stripe.meter_events.values())
+    assert stripe_sync.push_pending_rollups() == 1
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
+    assert _billed_usage(fake_stripe, old_customer) == costs[0]
+    assert _billed_usage(fake_stripe, new_customer) == costs[1] == _cost_pushed(fake_stripe, new_customer)
+
+
 def test_usage_on_a_draft_invoice_at_its_customers_deletion_is_billed_once_by_that_invoice(fake_stripe):
     """Before, a draft invoice at the deletion counted as billing nothing, and the 7th hour on it went again to the
     next customer: Stripe keeps a deleted customer's invoices and finalises its subscription's drafts (it cannot
     delete them), so the 7th hour was billed twice. The deletion's webhook finalises the draft, which bills it."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [draft] = fake_stripe.invoices.values()
+    old_customer, old_subscription, draft = _invoiced_the_7th_hour(fake_stripe, endpoint)
     _use_and_push(endpoint, num_hours_ago=5)
 
     _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
@@ -302,10 +331,7 @@ def test_a_draft_stripe_refuses_to_finalise_bills_its_usage_only_if_stripe_advan
     """A draft Stripe will finalise itself an hour after making it (`auto_advance`) bills its period; one it leaves
     for us to finalise, refused, bills nothing, and its usage goes again to the next customer."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [draft] = fake_stripe.invoices.values()
+    old_customer, old_subscription, draft = _invoiced_the_7th_hour(fake_stripe, endpoint)
     draft["auto_advance"] = advanced_by_stripe
     fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
 
@@ -320,10 +346,7 @@ def test_usage_a_deleted_customers_void_invoice_billed_goes_again_to_the_next(fa
     counted its period as billed, mirrored or as Stripe lists it, and its 7th hour went to no customer: never billed.
     It goes again, with the 5th, to the next customer, whether its webhooks came before the deletion or not yet."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [invoice] = fake_stripe.invoices.values()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
     finalized = fake_stripe.finalize_invoice(invoice["id"])
     voided = fake_stripe.void_invoice(invoice["id"])
     if mirrored:
@@ -340,15 +363,71 @@ def test_usage_a_deleted_customers_void_invoice_billed_goes_again_to_the_next(fa
     assert fake_stripe.invoiced_usage(new_customer) == costs == _cost_pushed(fake_stripe, new_customer)
 
 
+def test_usage_of_a_deleted_customers_invoice_voided_after_its_deletion_goes_again_to_the_next_once(fake_stripe):
+    """The deletion finalised the draft that billed the 7th hour, so that hour stayed with the deleted customer. Before,
+    once that invoice was voided (in the Dashboard: no card charges it), nobody owed the 7th hour, and no customer was
+    billed it. It goes again to the organisation's customer of now, once, however often the void is told; audited."""
+    endpoint = EndpointFactory()
+    old_customer, old_subscription, draft = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    _use_and_push(endpoint, num_hours_ago=5)
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+    assert stripe_sync.push_pending_rollups() == 1  # the 5th hour's again, not the 7th's: its invoice bills it
+
+    voided = fake_stripe.void_invoice(draft["id"])
+    fake_stripe.fail_next("500", path="/v1/invoices", method="GET")  # one try: Stripe sends the event again
+    body = json.dumps({"id": "evt_voided", "object": "event", "type": "invoice.voided", "created": int(time.time()),
+                       "data": {"object": voided}}).encode()
+    refused = APIClient().post(WEBHOOK, body, content_type="application/json",
+                               HTTP_STRIPE_SIGNATURE=sign_webhook(body, "whsec_test_secret"))
+    assert refused.status_code == 503
+    _webhook("invoice.voided", voided, event_id="evt_voided")
+    _webhook("invoice.updated", voided)  # Stripe tells it twice
+    assert stripe_sync.push_pending_rollups() == 1  # the 7th hour's again
+    assert stripe_sync.push_pending_rollups() == 0
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert _billed_usage(fake_stripe, old_customer) == 0
+    assert _billed_usage(fake_stripe, new_customer) == costs == _cost_pushed(fake_stripe, new_customer)
+    [audited] = AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again")
+    assert audited.details["invoice"] == draft["id"] and audited.details["num_rollups_pushed_again"] == 1
+
+
+def test_a_void_invoice_of_a_deleted_customer_whose_usage_another_of_its_invoices_bills_sends_nothing_again(
+        fake_stripe):
+    # A guard: a subscription cancelled at once after its invoice was voided is followed by one that bills the void
+    # period (`stripe_sync._invoiced_until`); the void told after the customer's deletion sends none of it again.
+    endpoint = EndpointFactory()
+    old_customer, first, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    fake_stripe.finalize_invoice(invoice["id"])
+    voided = fake_stripe.void_invoice(invoice["id"])  # its webhook not sent yet
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    _use_and_push(endpoint, num_hours_ago=5)
+    _, second = _subscribed(endpoint)
+    assert fake_stripe.subscriptions[second]["start_date"] == invoice["period_start"]
+    _invoice_the_rest(fake_stripe, second)
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+
+    _webhook("invoice.voided", voided)
+    assert stripe_sync.push_pending_rollups() == 0
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert _billed_usage(fake_stripe, old_customer) == costs
+    assert not AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again").exists()
+
+
+def _billed_usage(fake_stripe, customer_id: str) -> int:
+    """What the customer's invoices that bill (not void ones) billed, in meter units."""
+    return sum(line["quantity"] for invoice in fake_stripe.invoices.values()
+               if invoice["customer"] == customer_id and invoice["status"] != "void" for line in invoice["lines"]["data"])
+
+
 def test_an_invoice_webhook_that_comes_after_its_customers_deletion_is_mirrored_to_its_organisation_once(fake_stripe):
     """Before, an invoice not mirrored yet was found by its customer's account, which the deletion had cleared: its
     late `invoice.finalized` or `invoice.paid` was dropped, and the organisation's invoices missed it. The deleted
     customer keeps its organisation (`DeletedStripeCustomer`)."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
-    [invoice] = fake_stripe.invoices.values()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
     fake_stripe.finalize_invoice(invoice["id"])
     _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
 
@@ -411,6 +490,16 @@ def _end_period_after_what_was_pushed(fake_stripe, subscription_id: str) -> int:
     return end
 
 
+def _invoiced_the_7th_hour(fake_stripe, endpoint) -> tuple[str, str, dict]:
+    """The 7th hour pushed, and its subscription's period ended just after it: its customer, its subscription and the
+    invoice of that period (a draft)."""
+    _use_and_push(endpoint, num_hours_ago=7)
+    customer, subscription = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, subscription)
+    [invoice] = fake_stripe.invoices.values()
+    return customer, subscription, invoice
+
+
 def _subscribed(endpoint) -> tuple[str, str]:
     account = BillingAccount.objects.get(organization=endpoint.organization)
     return account.stripe_customer_id, account.stripe_subscription_id
@@ -457,9 +546,7 @@ def test_usage_of_a_void_invoice_of_a_subscription_cancelled_at_once_is_billed_b
     _, second = _subscribed(endpoint)
     assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoice["period_start"]
     _invoice_the_rest(fake_stripe, second)
-    billed = sum(line["quantity"] for each in fake_stripe.invoices.values()
-                 if each["customer"] == customer and each["status"] != "void" for line in each["lines"]["data"])
-    assert billed == _cost_pushed(fake_stripe, customer) > 0
+    assert _billed_usage(fake_stripe, customer) == _cost_pushed(fake_stripe, customer) > 0
 
 
 def test_a_subscription_cancelled_before_its_first_invoice_is_followed_by_one_from_its_start(fake_stripe):
@@ -494,10 +581,11 @@ def test_a_subscription_cancelled_at_once_with_its_usage_invoiced_is_not_billed_
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
 
 
+@pytest.mark.parametrize("final_invoice_made", [True, False])
 def test_a_subscription_cancelled_at_its_period_end_is_followed_by_one_from_that_end_and_usage_is_billed_once(
-        fake_stripe):
+        fake_stripe, final_invoice_made):
     # A guard: cancelled at the period's end, a subscription bills that period's usage in a final invoice then; the
-    # next one starts there (read from the subscription: its final invoice may not be made yet when it is read).
+    # next one starts there, whether that invoice is made already when the ended one's invoices are read or not yet.
     endpoint = EndpointFactory()
     _use_and_push(endpoint, num_hours_ago=6)
     customer, first = _subscribed(endpoint)
@@ -507,10 +595,80 @@ def test_a_subscription_cancelled_at_its_period_end_is_followed_by_one_from_that
 
     ended_at = _end_period_after_what_was_pushed(fake_stripe, first)
     _webhook("customer.subscription.deleted", fake_stripe.subscriptions[first])
+    [final] = fake_stripe.invoices.values()
+    if not final_invoice_made:
+        del fake_stripe.invoices[final["id"]]
     _use_and_push(endpoint, num_hours_ago=4)
+    fake_stripe.invoices[final["id"]] = final
 
     _, second = _subscribed(endpoint)
     assert fake_stripe.subscriptions[first]["ended_at"] == ended_at == fake_stripe.subscriptions[second]["start_date"]
-    assert not fake_stripe.calls_to("/v1/invoices", "GET")
     _invoice_the_rest(fake_stripe, second)
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+
+
+def test_usage_of_a_void_final_invoice_of_a_subscription_cancelled_at_its_period_end_is_billed_by_the_next(
+        fake_stripe):
+    # Before, a subscription cancelled at its period's end was taken to have billed that period, its invoices not
+    # read: the next one started at its end, and the usage of its final invoice, voided, was billed by no invoice.
+    endpoint = EndpointFactory()
+    customer, first, _, final = _cancelled_at_its_period_end(fake_stripe, endpoint)
+    fake_stripe.finalize_invoice(final["id"])
+    fake_stripe.void_invoice(final["id"])  # in the Dashboard; its webhook not sent yet
+
+    _webhook("customer.subscription.deleted", fake_stripe.subscriptions[first])
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    assert fake_stripe.subscriptions[second]["start_date"] == final["period_start"]
+    _invoice_the_rest(fake_stripe, second)
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert _billed_usage(fake_stripe, customer) == costs > 0
+
+
+def test_usage_of_a_final_invoice_voided_after_the_next_subscription_began_goes_again_to_it_once(fake_stripe):
+    # The final invoice billed the period when the next subscription began, at the ended one's end; voided after,
+    # its usage was billed by no invoice. It goes again, once, and is billed by the next subscription.
+    endpoint = EndpointFactory()
+    customer, first, ended_at, final = _cancelled_at_its_period_end(fake_stripe, endpoint)
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(final["id"]))
+    _webhook("customer.subscription.deleted", fake_stripe.subscriptions[first])
+    _use_and_push(endpoint, num_hours_ago=4)
+    _, second = _subscribed(endpoint)
+    assert fake_stripe.subscriptions[second]["start_date"] == ended_at
+
+    voided = fake_stripe.void_invoice(final["id"])
+    _webhook("invoice.voided", voided)
+    _webhook("invoice.updated", voided)  # Stripe tells it twice
+    assert stripe_sync.push_pending_rollups() == 2  # the 6th and 5th hours' again
+    assert stripe_sync.push_pending_rollups() == 0
+
+    _invoice_the_rest(fake_stripe, second)
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert _billed_usage(fake_stripe, customer) == costs > 0
+    assert AuditEvent.objects.get(action="billing.voided_invoice_pushed_again").details["num_rollups_pushed_again"] == 2
+
+
+def _cancelled_at_its_period_end(fake_stripe, endpoint) -> tuple[str, str, int, dict]:
+    """The 6th and 5th hours pushed to a subscription cancelled at its period's end, which then ends, its final invoice
+    made (a draft): its customer, its id, its end and that invoice."""
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, subscription = _subscribed(endpoint)
+    _webhook("customer.subscription.updated", fake_stripe.cancel_at_period_end(subscription))
+    _use_and_push(endpoint, num_hours_ago=5)
+    ended_at = _end_period_after_what_was_pushed(fake_stripe, subscription)
+    [final] = fake_stripe.invoices.values()
+    return customer, subscription, ended_at, final
+
+
+def test_a_void_invoice_of_a_subscription_still_billing_sends_nothing_again(fake_stripe):
+    # A guard: an invoice of the subscription that bills now, voided (forgiven in the Dashboard), is left to Stripe.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    _, first = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    [invoice] = fake_stripe.invoices.values()
+    fake_stripe.finalize_invoice(invoice["id"])
+    _webhook("invoice.voided", fake_stripe.void_invoice(invoice["id"]))
+    assert stripe_sync.push_pending_rollups() == 0
+    assert not AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again").exists()
