@@ -69,17 +69,29 @@ def py_spy_bin(given: str | None) -> str:
     return str(beside) if beside.exists() else (shutil.which("py-spy") or str(beside))
 
 
-def comm_cpu_s(names: tuple[str, ...]) -> float:
-    """CPU seconds of every live process whose command name is one of `names` (Redis, PostgreSQL's backends)."""
-    total = 0.0
+def tree_cpu_s(pid: int | None) -> float:
+    """CPU seconds of `pid` (with its reaped children: `cpu_s`) and of its live children: a server and its workers.
+
+    NOTE: by process tree, not by command name: other engineers' test suites run their own `postgres` and
+    `redis-server` on the same machine, and a count by name added their work to the bench's (found in round 18)."""
+    if pid is None:
+        return 0.0
+    total = cpu_s(pid)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            text = stat.read_text()
+            fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if text[text.index("(") + 1:text.rindex(")")] in names:
-            total += sum(int(v) for v in text.rsplit(")", 1)[1].split()[11:13]) / os.sysconf("SC_CLK_TCK")
+        if int(fields[1]) == pid:  # ppid
+            total += sum(int(value) for value in fields[11:13]) / os.sysconf("SC_CLK_TCK")
     return total
+
+
+def own_servers() -> tuple[int | None, int | None]:
+    """The pids of the bench's embedded Redis and PostgreSQL (its postmaster)."""
+    postmaster = bench.DATA_DIR / "postgres" / "postmaster.pid"
+    return (bench.embedded.redis_pid(bench.DATA_DIR),
+            int(postmaster.read_text().split()[0]) if postmaster.exists() else None)
 
 
 def machine_busy_s() -> float:
@@ -90,7 +102,8 @@ def machine_busy_s() -> float:
 
 def snapshot(pid: int) -> dict:
     children = os.times()
-    return {"server": cpu_s(pid), "redis": comm_cpu_s(("redis-server",)), "postgres": comm_cpu_s(("postgres",)),
+    redis_pid, postgres_pid = own_servers()
+    return {"server": cpu_s(pid), "redis": tree_cpu_s(redis_pid), "postgres": tree_cpu_s(postgres_pid),
             "mock": cpu_s(MOCK_PID[0]) if MOCK_PID else 0.0, "wrk": children.children_user + children.children_system,
             "machine": machine_busy_s()}
 
