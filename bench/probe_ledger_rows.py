@@ -3,7 +3,7 @@
 Writes synthetic rows of the bench organisation's endpoint (`bench_gateway.seed`) through the usage writer's own
 path (`billing.usage_writer`'s connection, `ledger.record_usage_batch_on`: the prepared INSERT, autocommit, a commit a
 batch) and reads the CPU of the bench's PostgreSQL from `/proc` (its postmaster, reaped and live backends:
-`profile_gateway.tree_cpu_s`) and of this process (the writer's side: the JSON, psycopg).
+`bench.proc_cpu.tree_cpu_s`) and of this process (the writer's side: the JSON, psycopg).
 
     .venv/bin/python bench/probe_ledger_rows.py [--batches 5,15,50,150] [--rows 6000] [--rounds 3]
     .venv/bin/python bench/probe_ledger_rows.py --without on-conflict,indexes,foreign-keys
@@ -29,14 +29,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import bench_gateway as bench  # noqa: E402 - sets the benchmark's environment first
-from bench.profile_gateway import own_servers, tree_cpu_s  # noqa: E402
+from bench.proc_cpu import server_pids, tree_cpu_s  # noqa: E402
 
 _SECONDARY_INDEXES = ("usage_org_finished", "usage_org_endpoint_finished", "usage_key_finished")
 _FOREIGN_KEYS = ("organization_id", "api_key_id", "endpoint_id")
 
 
 def postgres_cpu_s() -> float:
-    return tree_cpu_s(own_servers()[1])
+    return tree_cpu_s(server_pids(bench.DATA_DIR)[1])
 
 
 def reports(num: int, organization_id: int, api_key_id: int, endpoint_id: str) -> list:

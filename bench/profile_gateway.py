@@ -32,15 +32,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import bench_gateway as bench  # noqa: E402 - sets the benchmark's environment first
+from bench.proc_cpu import cpu_s, machine_busy_s, server_pids, tree_cpu_s  # noqa: E402
 
 CONCURRENCY = 16
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of `pid` and its threads (and its reaped children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def serve_args(server: str, app: str, port: int, granian_args: tuple[str, ...] = ()) -> list[str]:
@@ -69,40 +63,9 @@ def py_spy_bin(given: str | None) -> str:
     return str(beside) if beside.exists() else (shutil.which("py-spy") or str(beside))
 
 
-def tree_cpu_s(pid: int | None) -> float:
-    """CPU seconds of `pid` (with its reaped children: `cpu_s`) and of its live children: a server and its workers.
-
-    NOTE: by process tree, not by command name: other engineers' test suites run their own `postgres` and
-    `redis-server` on the same machine, and a count by name added their work to the bench's (found in round 18)."""
-    if pid is None:
-        return 0.0
-    total = cpu_s(pid)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:  # ppid
-            total += sum(int(value) for value in fields[11:13]) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def own_servers() -> tuple[int | None, int | None]:
-    """The pids of the bench's embedded Redis and PostgreSQL (its postmaster)."""
-    postmaster = bench.DATA_DIR / "postgres" / "postmaster.pid"
-    return (bench.embedded.redis_pid(bench.DATA_DIR),
-            int(postmaster.read_text().split()[0]) if postmaster.exists() else None)
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine spent busy (all cores: /proc/stat less idle and iowait)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
 def snapshot(pid: int) -> dict:
     children = os.times()
-    redis_pid, postgres_pid = own_servers()
+    redis_pid, postgres_pid = server_pids(bench.DATA_DIR)
     return {"server": cpu_s(pid), "redis": tree_cpu_s(redis_pid), "postgres": tree_cpu_s(postgres_pid),
             "mock": cpu_s(MOCK_PID[0]) if MOCK_PID else 0.0, "wrk": children.children_user + children.children_system,
             "machine": machine_busy_s()}
