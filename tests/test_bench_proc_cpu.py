@@ -1,0 +1,99 @@
+"""The benchmarks' CPU accounting (`bench/proc_cpu.py`): a server's CPU is its own process tree's (its workers, live
+or ended), never that of another process with the same command name: other engineers' test servers share the machine
+(bench/results/gateway_profile.md, round 18)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.proc_cpu import cpu_s, server_pids, tree_cpu_s
+
+# A "server": starts workers running `program`, reaps them on a first line on stdin, ends on a second.
+SERVER = """
+import subprocess, sys
+workers = [subprocess.Popen([sys.executable, "-c", sys.argv[1]]) for _ in range(int(sys.argv[2]))]
+print("started", flush=True)
+sys.stdin.readline()
+for worker in workers:
+    worker.wait()
+print("reaped", flush=True)
+sys.stdin.readline()
+"""
+
+
+def burn(seconds: float) -> str:
+    return f"import time\nend = time.process_time() + {seconds}\nwhile time.process_time() < end: pass"
+
+
+def _server(program: str, num_workers: int) -> subprocess.Popen:
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER, program, str(num_workers)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdout.readline().strip() == "started"
+    return server
+
+
+def _until(condition, timeout_s: float = 20) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_servers_cpu_counts_its_live_workers():
+    server = _server(burn(0.6), 1)
+    try:
+        before = tree_cpu_s(server.pid)
+        assert _until(lambda: tree_cpu_s(server.pid) - before >= 0.3)
+    finally:
+        server.communicate("\n\n", timeout=30)
+
+
+def test_another_process_with_the_same_command_name_is_not_counted():
+    server = _server("import time\ntime.sleep(30)", 1)
+    stranger = subprocess.Popen([sys.executable, "-c", burn(1.0)])  # a python too, not the server's
+    try:
+        time.sleep(0.3)  # the worker's start-up is over
+        before = tree_cpu_s(server.pid)
+        assert _until(lambda: cpu_s(stranger.pid) >= 0.4)
+        assert tree_cpu_s(server.pid) - before < 0.1
+    finally:
+        stranger.kill()
+        stranger.wait()
+        for worker in Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split():
+            os.kill(int(worker), signal.SIGKILL)  # the sleeping worker, by its pid: the server then reaps it
+        server.communicate("\n\n", timeout=30)
+
+
+def test_a_worker_that_ended_and_was_reaped_mid_run_still_counts():
+    server = _server(burn(0.3), 2)
+    try:
+        before = tree_cpu_s(server.pid)
+        server.stdin.write("\n")
+        server.stdin.flush()
+        assert server.stdout.readline().strip() == "reaped"
+        after = tree_cpu_s(server.pid)
+        # both workers' 0.3 s moved into the server's reaped children's figure: the count never falls
+        assert after >= before
+        assert after >= 0.55
+    finally:
+        server.communicate("\n", timeout=30)
+
+
+def test_server_pids_reads_an_embedded_data_folders_pid_files(tmp_path):
+    assert server_pids(tmp_path) == (None, None)
+    (tmp_path / "redis").mkdir()
+    (tmp_path / "redis" / "redis.pid").write_text("4242\n")
+    (tmp_path / "postgres").mkdir()
+    (tmp_path / "postgres" / "postmaster.pid").write_text("5151\n/data/postgres\n1733300000\n5432\n")
+    assert server_pids(tmp_path) == (4242, 5151)
