@@ -187,6 +187,45 @@ def test_a_put_back_that_keeps_failing_leaves_the_rest_of_the_beat_to_go_on(monk
     assert len(pushed) == 2 and presence._repair.due
 
 
+def test_one_organisations_failed_put_back_stops_no_other_and_is_tried_again_by_the_next_beat(monkeypatch, caplog):
+    """Before, one organisation's put-back that failed (its Redis Cluster node failing over, a timeout) failed the whole
+    reconcile: every other organisation's calls stayed without their reservations until the next beat, and for as long
+    as that one kept failing."""
+    failing, other = OrganizationFactory().pk, OrganizationFactory().pk
+    admitted = {org: asyncio.run(reserve(organization_id=org, api_key_id=None, amount=Decimal("0.02"),
+                                         request_id=f"call-{org}")) for org in (failing, other)}
+    restore, failures = presence._RESTORE_REQUESTS, []
+
+    async def failing_once(**kwargs):
+        if kwargs["keys"][0] == traffic.gateway_requests_key(failing) and not failures:
+            failures.append(failing)
+            raise ConnectionError("its Redis node is failing over")
+        return await restore(**kwargs)
+
+    monkeypatch.setattr(presence, "_RESTORE_REQUESTS", failing_once)
+    monkeypatch.setattr(presence, "serving", {})
+    monkeypatch.setattr(presence, "unfinished", set())
+    monkeypatch.setattr(presence, "_repair", presence._Repair())
+    monkeypatch.setattr(traffic, "_registered", (os.getpid(), set()))
+    for org in (failing, other):
+        presence.track(f"call-{org}", org, f"e-{org}", None, admitted[org].reservation)
+    redis = get_redis()
+    redis.flushdb()
+
+    def put_back(org) -> bool:
+        return (redis.zscore(redis_keys.inflight_key(org, f"e-{org}"), f"call-{org}") is not None
+                and redis.hexists(redis_keys.reservations_key(org), f"call-{org}")
+                and int(redis.get(redis_keys.org_reserved_key(org)) or 0) == to_units(Decimal("0.02")))
+
+    with caplog.at_level("WARNING", logger="inferplane.gateway"):
+        asyncio.run(presence.beat())
+    assert failures == [failing]
+    assert put_back(other) and not put_back(failing)  # the other's in the same reconcile
+    assert f"organisation {failing}'s requests" in caplog.text and presence._repair.due
+    asyncio.run(presence.beat())
+    assert put_back(failing) and put_back(other) and not presence._repair.due
+
+
 # --- Redis back a moment in the past (an append-only file fsynced every second, a replica promoted with lag) ---
 
 def redis_state() -> list:
@@ -488,6 +527,38 @@ def test_a_stalled_stream_whose_admission_redis_lost_has_its_progress_put_back_w
     admitted = asyncio.run(scenario())
 
     assert redis.hexists(redis_keys.reservations_key(org), "stalled")
+    assert redis.hexists(redis_keys.progress_key(org), "stalled")
+    asyncio.run(finish(caller, endpoint, replica, "stalled", admitted))
+    assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # its own end deletes it
+
+
+def test_a_calls_progress_lost_while_its_reservation_was_kept_is_recorded_again_by_the_next_reconcile(
+        idle_endpoint_call):
+    """Before, progress Redis lost while it kept the call's reservation (back a moment in the past, the progress
+    written after its admission) was recorded again only once the call's tokens grew: a stalled stream's gateway then
+    lost had what it delivered unbilled."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+    redis = get_redis()
+
+    async def scenario():
+        await presence.beat(web=True)
+        admitted = await admit(caller, endpoint, replica, "stalled")
+        state = redis_state()  # its admission and reservation kept
+        report = dataclasses.replace(usage_report(endpoint, request_id="stalled", prompt_tokens=100,
+                                                  completion_tokens=20), status="gateway_lost",
+                                     max_cost=admitted.reservation.amount, billing_mode=admitted.billing_mode)
+        tokens = (report.prompt_tokens, report.cached_tokens, report.completion_tokens)
+        presence.serving["stalled"].progress = lambda recorded: None if recorded == tokens else report
+        await presence.beat(web=True)
+        assert redis.hexists(redis_keys.progress_key(org), "stalled")
+        come_back_as(state)  # its progress lost; it streams nothing more
+        assert redis.hexists(redis_keys.reservations_key(org), "stalled")
+        assert not redis.hexists(redis_keys.progress_key(org), "stalled")
+        await reconciled(1)
+        return admitted
+    admitted = asyncio.run(scenario())
+
     assert redis.hexists(redis_keys.progress_key(org), "stalled")
     asyncio.run(finish(caller, endpoint, replica, "stalled", admitted))
     assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # its own end deletes it
