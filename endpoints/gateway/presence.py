@@ -454,16 +454,21 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     # again holds it at most once (the script leaves a reservation still there, or one whose call settled).
     _repair.unheld.intersection_update(serving)
     _repair.unheld.update(request_id for holds in to_hold.values() for request_id, _ in holds)
-    held_again = await asyncio.gather(*(_hold_again(organization_id, holds) for organization_id, holds in to_hold.items()))
+    held_again = await asyncio.gather(*(_hold_again(organization_id, holds) for organization_id, holds in to_hold.items()),
+                                      return_exceptions=True)
+    hold_failed = {organization_id for organization_id, result in zip(to_hold, held_again, strict=True)
+                   if _failed(result, gateway, f"organisation {organization_id}'s reservations")}
+    num_held_again = sum(result for organization_id, result in zip(to_hold, held_again, strict=True)
+                         if organization_id not in hold_failed)
     confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
     released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
     _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed} | {
         item: value for item, value in _repair.unserved.items() if item[0] in failed}
     _repair.empty = empty - await _forget_idle(empty & _repair.empty)
-    if restored or sum(held_again) or released:
+    if restored or num_held_again or released:
         logger.warning("gateway %s: put back %d request(s) and %d reservation(s) Redis had lost, released %d it had "
-                       "kept after they ended", gateway, restored, sum(held_again), released)
-    return not failed and not idle_failed
+                       "kept after they ended", gateway, restored, num_held_again, released)
+    return not failed and not idle_failed and not hold_failed
 
 
 def _failed(result, gateway: str, what: str) -> bool:

@@ -199,15 +199,27 @@ def test_a_put_back_that_keeps_failing_leaves_the_rest_of_the_beat_to_go_on(monk
     assert len(pushed) == 2 and presence._repair.due
 
 
+@pytest.mark.parametrize("part", ["requests", "reservations"])
 def test_one_organisations_failed_put_back_stops_no_other_and_is_tried_again_by_the_next_beat(monkeypatch, caplog,
-                                                                                               gateway_alone):
+                                                                                               gateway_alone, part):
     """Before, one organisation's put-back that failed (its Redis Cluster node failing over, a timeout) failed the whole
     reconcile: every other organisation's calls stayed without their reservations until the next beat, and for as long
     as that one kept failing."""
     failing, other = OrganizationFactory().pk, OrganizationFactory().pk
     admitted = {org: asyncio.run(reserve(organization_id=org, api_key_id=None, amount=Decimal("0.02"),
                                          request_id=f"call-{org}")) for org in (failing, other)}
-    failures = restore_failing_once(monkeypatch, failing)  # its Redis Cluster node failing over
+    if part == "requests":  # its Redis Cluster node failing over
+        failures = restore_failing_once(monkeypatch, failing)
+    else:  # the same, once its requests were put back
+        restore, failures = counters.restore_reservations, []
+
+        async def failing_once(organization_id, reservations):
+            if organization_id == failing and not failures:
+                failures.append(failing)
+                raise ConnectionError("Redis went away again")
+            return await restore(organization_id, reservations)
+
+        monkeypatch.setattr(counters, "restore_reservations", failing_once)
     for org in (failing, other):
         presence.track(f"call-{org}", org, f"e-{org}", None, admitted[org].reservation)
     redis = get_redis()
@@ -222,7 +234,7 @@ def test_one_organisations_failed_put_back_stops_no_other_and_is_tried_again_by_
         asyncio.run(presence.beat())
     assert failures == [failing]
     assert put_back(other) and not put_back(failing)  # the other's in the same reconcile
-    assert f"organisation {failing}'s requests" in caplog.text and presence._repair.due
+    assert f"organisation {failing}'s {part}" in caplog.text and presence._repair.due
     asyncio.run(presence.beat())
     assert put_back(failing) and put_back(other) and not presence._repair.due
 
