@@ -129,6 +129,11 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
             redis.hdel(redis_keys.reservations_key(organization_id), f"held-{organization_id}")
         await presence.beat()  # puts them back, and records their progress
         assert redis.hlen(redis_keys.progress_key(with_key.pk)) == redis.hlen(redis_keys.progress_key(without_key.pk)) == 1
+        for organization_id in (with_key.pk, without_key.pk):  # Redis lost their progress alone
+            redis.hdel(redis_keys.progress_key(organization_id), f"held-{organization_id}")
+        presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS
+        await presence.beat()  # a reconcile finds it lost, and the beat records it again
+        assert redis.hlen(redis_keys.progress_key(with_key.pk)) == redis.hlen(redis_keys.progress_key(without_key.pk)) == 1
         for organization_id in (with_key.pk, without_key.pk):
             presence.end_later(organization_id, f"held-{organization_id}")
         await presence.beat()  # ends them

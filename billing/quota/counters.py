@@ -377,6 +377,29 @@ async def record_progress(organization_id: int, reports: list[UsageReport]) -> i
     return await _RECORD_PROGRESS(keys=[reservations_key(organization_id), progress_key(organization_id)], args=args)
 
 
+# The calls of one organisation whose progress Redis no longer holds while it still holds their reservation: back a
+# moment in the past (`endpoints.gateway.presence`), it kept the reservation and lost the progress written after.
+# KEYS: the reservations, the progress. ARGV: request ids.
+_PROGRESS_LOST = Script("""
+local lost = {}
+for i = 1, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 and redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+""")
+
+
+async def progress_lost(organization_id: int, request_ids: list[str]) -> list[str]:
+    """Those of one organisation's running calls (`request_ids`, each with its progress recorded) that are still
+    reserved and whose progress Redis lost: their gateway records it again (`record_progress`)."""
+    if not request_ids:
+        return []
+    return await _PROGRESS_LOST(keys=[reservations_key(organization_id), progress_key(organization_id)],
+                                args=request_ids)
+
+
 def refusal(status: str, detail: str) -> QuotaExceeded | None:
     """What an answer of `quota_reserve` means for the caller: None when the reservation holds."""
     if status == "ok":

@@ -13,6 +13,9 @@ from django.utils import timezone
 from endpoints.batches.text import storable
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
+# An upload whose row is older than this and still not stored died with its process: swept by the batch tick
+# (`services.sweep_abandoned_uploads`). The longest an upload may take: one of a row with no lease counts until then.
+UPLOAD_ABANDONED_AFTER = timedelta(hours=1)
 # The paths a batch line may call (OpenAI's `endpoint`), and the gateway's kind of each.
 BATCH_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
@@ -44,8 +47,14 @@ class FileQuerySet(NamedQuerySet):
 
     def held_by(self, organization_id: int):
         """What counts against the organisation's storage quota: its files not deleted, and its uploads in progress
-        while their lease is live (`File.upload_lease_until`)."""
-        return self.filter(models.Q(stored_at__isnull=False) | models.Q(upload_lease_until__gt=Now()),
+        while their lease is live (`File.upload_lease_until`), or, with no lease, for `UPLOAD_ABANDONED_AFTER` from
+        their start.
+
+        NOTE: a row with no lease is an upload started by code older than leases (a rolling deploy), which never
+        renews one: it counts as that code counted it, until the sweep's age. Counted only once stored, a second
+        upload was let in beside it past the quota, and older code stores without checking again."""
+        return self.filter(models.Q(stored_at__isnull=False) | models.Q(upload_lease_until__gt=Now())
+                           | models.Q(upload_lease_until__isnull=True, created_at__gt=Now() - UPLOAD_ABANDONED_AFTER),
                            organization_id=organization_id, deleted_at__isnull=True)
 
 
@@ -64,7 +73,8 @@ class File(models.Model):
     # An upload in progress counts against the storage quota until then (PostgreSQL's clock), a lease renewed while
     # its process works on it (`services.upload_held`). NOTE: the row of an upload whose process died counted its whole
     # declared size until the hourly sweep (`services.sweep_abandoned_uploads`), which still removes it; now it
-    # stops counting once its lease lapses.
+    # stops counting once its lease lapses. None: older code's upload (`FileQuerySet.held_by`), or a batch's output
+    # file being written (0 bytes until the batch ends).
     upload_lease_until = models.DateTimeField(null=True, blank=True)
 
     objects = FileQuerySet.as_manager()

@@ -39,6 +39,7 @@ from endpoints.batches.models import (
     BATCH_PATHS,
     COMPLETION_WINDOWS,
     FINAL_STATES,
+    UPLOAD_ABANDONED_AFTER,
     Batch,
     BatchStatus,
     File,
@@ -55,8 +56,6 @@ from gpu_agent.protocol import ReplicaState
 logger = logging.getLogger("inferplane.batches")
 
 RUN_BATCH_TASK = "batches.run_batch"
-# An upload whose row is older than this and still not stored died with its process: swept by `tick`.
-UPLOAD_ABANDONED_AFTER = timedelta(hours=1)
 MAX_DISPATCHED_PER_TICK = 500
 # How long a queued run of a batch stands for it (`dispatch`): no other is queued meanwhile, and one not started by
 # then is dropped by the worker that takes it (`expires`). NOTE: it stood for the lease's 30 s only: a batch waiting

@@ -42,12 +42,12 @@ def pool_shape(pool: NodePool) -> NodeShape:
 
 
 def pool_counts(pool: NodePool) -> PoolCounts:
-    """The pool's live, booting and empty machines (empty: `spare_launches`)."""
+    """The pool's live, booting, empty (`spare_launches`) and unusable (`unusable_launches`) machines."""
     totals = NodeLaunch.objects.filter(pool=pool, state__in=COUNTED_STATES).aggregate(
         num_live=Count("pk"), num_booting=Count("pk", filter=Q(state__in=BOOTING_STATES)))
     return PoolCounts(min_nodes=pool.min_nodes, max_nodes=pool.max_nodes, warm_nodes=pool.warm_nodes,
                       num_live=totals["num_live"], num_booting=totals["num_booting"],
-                      num_empty=len(spare_launches(pool)))
+                      num_empty=len(spare_launches(pool)), num_unusable=len(unusable_launches(pool)))
 
 
 def spare_launches(pool: NodePool) -> list[NodeLaunch]:
@@ -61,6 +61,16 @@ def spare_launches(pool: NodePool) -> list[NodeLaunch]:
     empty = NodeLaunch.objects.filter(pool=pool, state=LaunchState.JOINED, node__state=NodeState.READY).exclude(
         node_id__in=busy_nodes).select_related("node")
     return [launch for launch in empty if not launch.node.host_problem()]
+
+
+def unusable_launches(pool: NodePool) -> list[NodeLaunch]:
+    """The pool's joined machines placement never gives a replica: a registered host the gateway refuses
+    (`Node.host_problem`), busy or not.
+
+    NOTE: counted toward `min_nodes`, such a machine was the pool's minimum until its idle timeout released it: no
+    usable one was launched meanwhile (`pool_plan.plan_launches` launches one at once now)."""
+    joined = NodeLaunch.objects.filter(pool=pool, state=LaunchState.JOINED, node__isnull=False).select_related("node")
+    return [launch for launch in joined if launch.node.host_problem()]
 
 
 def choose_pool(need: Need, pools: Iterable[tuple[NodePool, PoolCounts]]) -> NodePool | None:

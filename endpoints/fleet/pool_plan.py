@@ -69,12 +69,21 @@ class PoolCounts:
     num_live: int  # REQUESTED + LAUNCHING + JOINED (not RELEASING / finished)
     num_booting: int  # REQUESTED + LAUNCHING (capacity on its way: fill it before launching more)
     num_empty: int  # JOINED with no active replica, not cordoned
+    # JOINED whose registered host the gateway refuses: placement never gives them a replica, so they are neither the
+    # pool's minimum nor its warm machines (not in `num_empty`), only machines paid for (within `max_nodes`).
+    num_unusable: int = 0
 
     def __post_init__(self):
-        if min(self.min_nodes, self.max_nodes, self.warm_nodes, self.num_live, self.num_booting, self.num_empty) < 0:
+        if min(self.min_nodes, self.max_nodes, self.warm_nodes, self.num_live, self.num_booting, self.num_empty,
+               self.num_unusable) < 0:
             raise ValueError("pool counts are never negative")
-        if self.num_booting + self.num_empty > self.num_live:
-            raise ValueError("booting and empty nodes are live nodes")
+        if self.num_booting + self.num_empty + self.num_unusable > self.num_live:
+            raise ValueError("booting, empty and unusable nodes are live nodes")
+
+    @property
+    def num_usable(self) -> int:
+        """The live machines placement may use (booting ones included): what `min_nodes` and `warm_nodes` count."""
+        return self.num_live - self.num_unusable
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,8 +105,8 @@ def plan_launches(needs: Sequence[Need], shape: NodeShape, counts: PoolCounts) -
     # NOTE: booting machines nobody needs will join empty: they count as warm already.
     num_for_warm = max(0, counts.warm_nodes - counts.num_empty - num_booting_unused)
     # NOTE: min nodes run, warm nodes more wait empty: the same floor `nodes_to_release` keeps, so
-    # the two never undo each other.
-    num_for_min = max(0, counts.min_nodes + counts.warm_nodes - counts.num_live)
+    # the two never undo each other. A machine placement never uses is not one of them: replaced at once.
+    num_for_min = max(0, counts.min_nodes + counts.warm_nodes - counts.num_usable)
     wanted = max(num_for_needs + num_for_warm, num_for_min)
     headroom = max(0, counts.max_nodes - counts.num_live)
     num_launch = min(wanted, headroom)
@@ -173,15 +182,16 @@ def nodes_to_release(idle: Sequence[IdleNode], counts: PoolCounts, idle_timeout_
     """Launch ids of nodes empty for `idle_timeout_s`, longest idle first, keeping `min_nodes`
     plus `warm_nodes` live, and `warm_nodes` empty (the most recently idle stay warm).
 
-    A node placement never uses is released once timed out whatever min and warm say: it is neither,
-    and the plan launches a usable one in its place."""
+    A node placement never uses (one of `counts.num_unusable`) is released once timed out whatever min and warm say:
+    it is neither, and the plan launches a usable one in its place. NOTE: it never keeps the minimum either: counted
+    live, a usable node timed out went while it was not, and the minimum was a machine placement never uses."""
     if idle_timeout_s < 0:
         raise ValueError("an idle timeout is never negative")
     timed_out = sorted((node for node in idle if now - node.idle_since >= idle_timeout_s),
                        key=lambda node: (node.idle_since, node.launch_id))
     unusable = [node.launch_id for node in timed_out if not node.placeable]
-    num_live = counts.num_live - len(unusable)
-    num_releasable = max(0, min(num_live - counts.min_nodes - counts.warm_nodes, counts.num_empty - counts.warm_nodes))
+    num_releasable = max(0, min(counts.num_usable - counts.min_nodes - counts.warm_nodes,
+                                counts.num_empty - counts.warm_nodes))
     return unusable + [node.launch_id for node in timed_out if node.placeable][:num_releasable]
 
 

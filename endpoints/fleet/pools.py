@@ -196,7 +196,7 @@ def settled_counts(pool: NodePool, joined_after: datetime) -> PoolCounts:
                     for launch in spare_launches(pool))
     return PoolCounts(min_nodes=counts.min_nodes, max_nodes=counts.max_nodes, warm_nodes=counts.warm_nodes,
                       num_live=counts.num_live, num_booting=counts.num_booting + num_fresh,
-                      num_empty=counts.num_empty - num_fresh)
+                      num_empty=counts.num_empty - num_fresh, num_unusable=counts.num_unusable)
 
 
 def create_launch(pool: NodePool, provider: Provider, now: datetime, reason: str) -> tuple[NodeLaunch, str]:

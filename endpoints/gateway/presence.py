@@ -323,6 +323,16 @@ async def _restore_requests(organization_id: int, snapshot: list[tuple[str, Held
     return await _RESTORE_REQUESTS(keys=keys, args=args)
 
 
+async def _restore_organization(organization_id: int, snapshot: list[tuple[str, Held]]
+                                ) -> tuple[tuple[list[str], list[str]], list[str]]:
+    """`_restore_requests`, and the calls whose progress Redis lost while it kept their reservations
+    (`counters.progress_lost`), both sent at once."""
+    recorded = [request_id for request_id, held in snapshot if held.progress_recorded is not None]
+    restored, lost = await asyncio.gather(_restore_requests(organization_id, snapshot),
+                                          counters.progress_lost(organization_id, recorded))
+    return restored, lost
+
+
 async def _hold_again(organization_id: int, holds: list[tuple[str, Held]]) -> int:
     """`counters.restore_reservations` for the calls of one organisation this process serves (`holds`): once held
     again, each is no longer left to the next reconcile (`_Repair.unheld`), and its progress is recorded again by this
@@ -370,15 +380,21 @@ async def _forget_idle(empty: set[int]) -> set[int]:
     return forgotten
 
 
-async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
+async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     """Make what Redis holds for this gateway what it serves: put back the requests it still serves that Redis does
     not hold (each in flight on its endpoint and outstanding on its replica, and its reservation against the caps and
-    credit, with its progress: `_record_progress`), list its requests hashes again in `GATEWAYS_KEY`, and release the
-    requests Redis holds that it no longer serves. One script per organisation it serves and a read of each other
-    hash it registered, all sent at once (a round trip, and one more per organisation whose reservations it holds
-    again). `forgotten`: Redis forgot this gateway's alive key, so every reservation of what it serves is held again
-    where missing, not only those of the requests put back; and a reservation a reconcile failed to hold again (a Redis
-    error, a timeout, after its request was put back) is held again by the next (`_Repair.unheld`).
+    credit, with its progress: `_record_progress`), record again the progress Redis lost of a call whose reservation it
+    kept, list its requests hashes again in `GATEWAYS_KEY`, and release the requests Redis holds that it no longer
+    serves. Two scripts per organisation it serves and a read of each other hash it registered, all sent at once (a
+    round trip, and one more per organisation whose reservations it holds again). `forgotten`: Redis forgot this
+    gateway's alive key, so every reservation of what it serves is held again where missing, not only those of the
+    requests put back; and a reservation a reconcile failed to hold again (a Redis error, a timeout, after its request
+    was put back) is held again by the next (`_Repair.unheld`). Returns False when a part failed (logged): the next
+    beat reconciles again.
+
+    NOTE: one organisation's failure (its Redis Cluster node failing over, a timeout) stops no other's: the whole
+    reconcile failed with it, so every other organisation's reservations put back waited for the next beat, and so
+    did one that failed the same way every time.
 
     NOTE: what it reads is bounded by what it serves: an organisation it serves nothing for, whose requests hash two
     reconciles found empty, is forgotten (`traffic.unregister_requests_key`, registered again by its next call). Every
@@ -396,7 +412,9 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
     hour, the endpoint never scaled to zero); one admitted in it and still running counts nowhere (the autoscaler could
     drain its replica under it), its reservation is gone (new calls were admitted against what it holds), and so is
     its progress (recorded again only once its tokens grew: a stream stalled across the loss, its gateway then lost,
-    had what it delivered unbilled).
+    had what it delivered unbilled). Its progress alone may be lost too (written after its reservation, and after the
+    moment Redis came back to): each reconcile asks which of the calls whose progress it recorded lost it while their
+    reservations stayed (`counters.progress_lost`), and the beat records it again.
 
     NOTE: races with calls that start or end meanwhile. A call's hash entry is written by its admission before this
     process tracks it, and its end untracks it before its finish removes the entry: an entry not served is released
@@ -412,14 +430,25 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
     registered = traffic.registered_organizations()
     idle = [organization_id for organization_id in registered if organization_id not in by_organization]
     *results, idle_entries = await asyncio.gather(
-        *(_restore_requests(organization_id, snapshot) for organization_id, snapshot in by_organization.items()),
-        _read_idle(registered, idle))
+        *(_restore_organization(organization_id, snapshot) for organization_id, snapshot in by_organization.items()),
+        _read_idle(registered, idle), return_exceptions=True)
+    failed = {organization_id for organization_id, result in zip(by_organization, results, strict=True)
+              if _failed(result, gateway, f"organisation {organization_id}'s requests")}
+    idle_failed = _failed(idle_entries, gateway, "the requests of organisations it serves nothing for")
+    if idle_failed:
+        idle, idle_entries = [], []
     unserved: dict[tuple[int, str], str] = {}
     ended: dict[tuple[int, str], str] = {}
     to_hold: dict[int, list[tuple[str, Held]]] = {}
     restored = 0
-    for (organization_id, snapshot), (put_back, found) in zip(by_organization.items(), results, strict=True):
+    for (organization_id, snapshot), result in zip(by_organization.items(), results, strict=True):
+        if organization_id in failed:
+            continue
+        (put_back, found), progress_lost = result
         restored += len(put_back)
+        for request_id in progress_lost:  # recorded again by this beat (`_record_progress`)
+            if (held := serving.get(request_id)) is not None:
+                held.progress_recorded = None
         for request_id, value in zip(found[::2], found[1::2], strict=True):
             unserved[(organization_id, request_id)] = value
         for request_id, held in snapshot:
@@ -442,14 +471,31 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> None:
     # again holds it at most once (the script leaves a reservation still there, or one whose call settled).
     _repair.unheld.intersection_update(serving)
     _repair.unheld.update(request_id for holds in to_hold.values() for request_id, _ in holds)
-    held_again = await asyncio.gather(*(_hold_again(organization_id, holds) for organization_id, holds in to_hold.items()))
+    held_again = await asyncio.gather(*(_hold_again(organization_id, holds) for organization_id, holds in to_hold.items()),
+                                      return_exceptions=True)
+    hold_failed = {organization_id for organization_id, result in zip(to_hold, held_again, strict=True)
+                   if _failed(result, gateway, f"organisation {organization_id}'s reservations")}
+    num_held_again = sum(result for organization_id, result in zip(to_hold, held_again, strict=True)
+                         if organization_id not in hold_failed)
     confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
     released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
-    _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed}
+    _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed} | {
+        item: value for item, value in _repair.unserved.items() if item[0] in failed}
     _repair.empty = empty - await _forget_idle(empty & _repair.empty)
-    if restored or sum(held_again) or released:
+    if restored or num_held_again or released:
         logger.warning("gateway %s: put back %d request(s) and %d reservation(s) Redis had lost, released %d it had "
-                       "kept after they ended", gateway, restored, sum(held_again), released)
+                       "kept after they ended", gateway, restored, num_held_again, released)
+    return not failed and not idle_failed and not hold_failed
+
+
+def _failed(result, gateway: str, what: str) -> bool:
+    """Whether one part of a reconcile failed (logged: the next beat reconciles again); a cancellation is raised."""
+    if not isinstance(result, BaseException):
+        return False
+    if not isinstance(result, Exception):
+        raise result
+    logger.warning("gateway %s: could not put back %s Redis forgot; trying again next beat: %r", gateway, what, result)
+    return True
 
 
 async def beat(*, web: bool = False) -> None:
@@ -483,8 +529,8 @@ async def beat(*, web: bool = False) -> None:
         # NOTE: a reconcile that fails leaves the rest of the beat to go on (deadlines pushed on, ends released): one
         # failing the same way every time stopped the long calls' deadlines, and the sweeper released live holds.
         try:
-            await _reconcile(gateway, forgotten=_repair.due)
-            _repair.due, _repair.num_beats = False, 0
+            if await _reconcile(gateway, forgotten=_repair.due):
+                _repair.due, _repair.num_beats = False, 0
         except Exception as exc:  # noqa: BLE001 - tried again by the next beat
             logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
     try:

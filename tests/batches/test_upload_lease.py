@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import io
 import time
+from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.utils import timezone
 
 from controlplane.accounts.models import Plan
 from endpoints.batches import services, storage, uploads
 from endpoints.batches.models import File
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -139,3 +143,49 @@ def test_an_upload_whose_lease_lapsed_is_stored_while_the_quota_has_room(files_b
     stored = services.finish_upload(late, size=len(LINES))
     assert set(File.objects.for_org(tenant.org.pk)) == {stored, other}
     assert storage.read_bytes(stored.s3_key) == LINES
+
+
+def test_an_upload_older_code_started_without_a_lease_counts_until_the_sweeps_age(files_bucket, tenant):
+    """Before, the row of an upload started by code older than leases (a rolling deploy) counted only once stored: a
+    second upload was let in beside it past the quota (older code stores without checking again). It counts as that
+    code counted it, until the abandoned-upload sweep's age."""
+    _on_plan(tenant.org, max_file_bytes=len(LINES))
+    older = File.objects.create(organization=tenant.org, purpose="batch", filename="older.jsonl", bytes=len(LINES),
+                                s3_key=f"files/{tenant.org.pk}/file-older", stored_at=None)  # no lease
+    with pytest.raises(services.Refused) as refused:
+        services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
+                             stream=io.BytesIO(LINES), size=len(LINES))
+    assert refused.value.code == "storage_quota_exceeded"
+
+    File.objects.filter(pk=older.pk).update(
+        created_at=timezone.now() - services.UPLOAD_ABANDONED_AFTER - timedelta(seconds=1))
+    stored = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
+                                  stream=io.BytesIO(LINES), size=len(LINES))  # its process died long ago
+    assert list(File.objects.for_org(tenant.org.pk)) == [stored]
+
+
+def _num_connections() -> int:
+    """The database's connections now (this test's own among them)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.parametrize("ending", ["finish", "abandon"])
+def test_the_renewal_threads_own_database_connection_is_closed_when_its_upload_ends(files_bucket, tenant, short_lease,
+                                                                                     ending):
+    """The thread renewing an upload's lease opens a database connection of its own (an upload longer than a third
+    of the lease, 10 s): it must be closed with the thread, or every such upload leaves one behind."""
+    _on_plan(tenant.org, max_file_bytes=len(LINES))
+    before = _num_connections()
+    storing = uploads.StreamToStorage(None, organization_id=tenant.org.pk, reserved=len(LINES))
+    storing.new_file(uploads.FILE_FIELD, "slow.jsonl", "application/jsonl", len(LINES))
+    storing.receive_data_chunk(LINES, 0)
+    wait_until(lambda: _num_connections() == before + 1, 5, message="the renewal thread's connection")
+    time.sleep(LEASE_S)  # renewed a few times on it
+    assert _num_connections() == before + 1
+    if ending == "finish":
+        storing.finish()
+    else:
+        storing.abandon()
+    wait_until(lambda: _num_connections() == before, 5, message="the renewal thread's connection closed")

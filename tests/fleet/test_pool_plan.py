@@ -156,6 +156,21 @@ def test_release_keeps_min_and_warm_and_takes_the_longest_idle_first(idle_since,
     assert all(by_id[launch_id].idle_since <= node.idle_since for launch_id in released for node in kept_timed_out)
 
 
+def test_a_node_whose_host_is_refused_is_never_the_pools_minimum():
+    """Before, a machine placement never uses (its host refused) met `min_nodes`: nothing was launched in its place
+    until its idle timeout released it, and while it had not timed out a usable machine that had went in its stead."""
+    shape = NodeShape(num_gpus=0, gpu_memory_mb=8192)
+    pool = counts(min_nodes=1, num_live=2, num_empty=1, num_unusable=1)
+    idle = [IdleNode("usable", 0.0), IdleNode("refused", 90.0, placeable=False)]
+    assert nodes_to_release(idle, pool, idle_timeout_s=30, now=100.0) == []  # the usable one is the minimum
+    assert nodes_to_release(idle, pool, idle_timeout_s=5, now=100.0) == ["refused"]
+    alone = counts(min_nodes=1, num_live=1, num_unusable=1)
+    assert plan_launches([], shape, alone).num_launch == 1  # replaced at once
+    assert plan_launches([], shape, counts(min_nodes=1, max_nodes=1, num_live=1, num_unusable=1)).num_launch == 0
+    with pytest.raises(ValueError):
+        counts(num_live=1, num_empty=1, num_unusable=1)
+
+
 def test_an_idle_node_goes_after_its_timeout_down_to_min_plus_warm():
     idle = [IdleNode("old", 0.0), IdleNode("newer", 50.0), IdleNode("fresh", 95.0)]
     pool = counts(min_nodes=1, warm_nodes=1, num_live=3, num_empty=3)

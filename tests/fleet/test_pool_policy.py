@@ -93,13 +93,13 @@ def waiting_endpoint(**fields):
     return endpoint
 
 
-def join(launch: NodeLaunch, *, memory_mb: int = 8192) -> Node:
-    """The launch's agent registers (as `register_node` would: with the launch's join token)."""
+def join(launch: NodeLaunch, *, memory_mb: int = 8192, host: str = "127.0.0.1") -> Node:
+    """The launch's agent registers (as `register_node` would: with the launch's join token), advertising `host`."""
     issued = tokens.issue_token(Node.SECRET_KIND)
     return Node.objects.create(
         name=f"node-{str(launch.pk)[:8]}", gpu_type="cpu", num_gpus=0, gpu_memory_mb=memory_mb, quantizations=["none"],
         secret_lookup=issued.lookup, secret_digest=issued.digest, join_token=launch.join_token,
-        last_heartbeat_at=timezone.now(),
+        last_heartbeat_at=timezone.now(), advertise_host=host,
     )
 
 
@@ -315,6 +315,31 @@ def test_a_pool_at_its_maximum_releases_an_idle_node_whose_host_the_gateway_refu
     assert provider.terminated == [launch.provider_id]
     assert tick(provider, now=timezone.now() + timedelta(seconds=62)) == 1
     assert NodeLaunch.objects.exclude(pk=launch.pk).get(pool=pool).state == LaunchState.LAUNCHING
+
+
+@pytest.mark.django_db
+def test_a_node_whose_host_the_gateway_refuses_is_not_the_pools_minimum_and_is_replaced_at_once(settings):
+    """Before, a refused node met `min_nodes` until its idle timeout released it: for that long the pool's minimum was
+    a machine placement never uses, and no usable one was launched."""
+    pool, provider = make_pool(min_nodes=1, idle_timeout_s=60), RecordingProvider()
+    start = timezone.now()
+    assert tick(provider, now=start) == 1
+    refused = NodeLaunch.objects.get(pool=pool)
+    join(refused)  # on loopback, the default host
+    tick(provider, now=start)
+    settings.ALLOW_LOOPBACK_NODES = False  # then the deployment refused it
+    assert tick(provider, now=start + timedelta(seconds=10)) == 1  # at once, not at its idle timeout
+    replacement = NodeLaunch.objects.exclude(pk=refused.pk).get(pool=pool)
+    assert replacement.state == LaunchState.LAUNCHING
+    join(replacement, host="10.0.0.7")
+    assert tick(provider, now=start + timedelta(seconds=20)) == 0
+    assert NodeLaunch.objects.get(pk=refused.pk).state == LaunchState.JOINED  # released per the pool's rules: idle 60 s
+    assert tick(provider, now=start + timedelta(seconds=90)) == 0
+    refused.refresh_from_db()
+    replacement.refresh_from_db()
+    assert refused.state == LaunchState.TERMINATED and "the gateway refuses its registered host" in refused.reason
+    assert replacement.state == LaunchState.JOINED  # the minimum now, kept though idle as long
+    assert provider.terminated == [refused.provider_id]
 
 
 @pytest.mark.django_db

@@ -138,23 +138,35 @@ def test_a_live_gateway_holds_its_calls_reservations_again_after_redis_forgets_t
         child.stop()
 
 
-def test_a_put_back_that_failed_is_tried_again_by_the_next_beat(monkeypatch):
-    """Before, the beat that found its alive key gone wrote it first: if putting its requests back then failed (Redis
-    down again), no later beat tried, and the requests and reservations stayed lost until they ended."""
-    org = OrganizationFactory().pk
-    admitted = asyncio.run(reserve(organization_id=org, api_key_id=None, amount=Decimal("0.02"), request_id="kept"))
+@pytest.fixture
+def gateway_alone(monkeypatch):
+    """This process's gateway, serving nothing yet, with no organisation of another test's."""
+    monkeypatch.setattr(presence, "serving", {})
+    monkeypatch.setattr(presence, "unfinished", set())
+    monkeypatch.setattr(presence, "_repair", presence._Repair())
+    monkeypatch.setattr(traffic, "_registered", (os.getpid(), set()))
+
+
+def restore_failing_once(monkeypatch, organization_id: int | None = None) -> list[int]:
+    """The put-back script fails its first call (for `organization_id`'s requests, or any); returns its failures."""
     restore, failures = presence._RESTORE_REQUESTS, []
 
     async def failing_once(**kwargs):
-        if not failures:
-            failures.append(1)
+        if not failures and organization_id in (None, redis_keys.organization_of_key(kwargs["keys"][0])):
+            failures.append(organization_id)
             raise ConnectionError("Redis went away again")
         return await restore(**kwargs)
 
     monkeypatch.setattr(presence, "_RESTORE_REQUESTS", failing_once)
-    monkeypatch.setattr(presence, "serving", {})
-    monkeypatch.setattr(presence, "unfinished", set())
-    monkeypatch.setattr(presence, "_repair", presence._Repair())
+    return failures
+
+
+def test_a_put_back_that_failed_is_tried_again_by_the_next_beat(monkeypatch, gateway_alone):
+    """Before, the beat that found its alive key gone wrote it first: if putting its requests back then failed (Redis
+    down again), no later beat tried, and the requests and reservations stayed lost until they ended."""
+    org = OrganizationFactory().pk
+    admitted = asyncio.run(reserve(organization_id=org, api_key_id=None, amount=Decimal("0.02"), request_id="kept"))
+    failures = restore_failing_once(monkeypatch)
     presence.track("kept", org, "e-kept", None, admitted.reservation)
     redis = get_redis()
     redis.flushdb()
@@ -187,6 +199,46 @@ def test_a_put_back_that_keeps_failing_leaves_the_rest_of_the_beat_to_go_on(monk
     assert len(pushed) == 2 and presence._repair.due
 
 
+@pytest.mark.parametrize("part", ["requests", "reservations"])
+def test_one_organisations_failed_put_back_stops_no_other_and_is_tried_again_by_the_next_beat(monkeypatch, caplog,
+                                                                                               gateway_alone, part):
+    """Before, one organisation's put-back that failed (its Redis Cluster node failing over, a timeout) failed the whole
+    reconcile: every other organisation's calls stayed without their reservations until the next beat, and for as long
+    as that one kept failing."""
+    failing, other = OrganizationFactory().pk, OrganizationFactory().pk
+    admitted = {org: asyncio.run(reserve(organization_id=org, api_key_id=None, amount=Decimal("0.02"),
+                                         request_id=f"call-{org}")) for org in (failing, other)}
+    if part == "requests":  # its Redis Cluster node failing over
+        failures = restore_failing_once(monkeypatch, failing)
+    else:  # the same, once its requests were put back
+        restore, failures = counters.restore_reservations, []
+
+        async def failing_once(organization_id, reservations):
+            if organization_id == failing and not failures:
+                failures.append(failing)
+                raise ConnectionError("Redis went away again")
+            return await restore(organization_id, reservations)
+
+        monkeypatch.setattr(counters, "restore_reservations", failing_once)
+    for org in (failing, other):
+        presence.track(f"call-{org}", org, f"e-{org}", None, admitted[org].reservation)
+    redis = get_redis()
+    redis.flushdb()
+
+    def put_back(org) -> bool:
+        return (redis.zscore(redis_keys.inflight_key(org, f"e-{org}"), f"call-{org}") is not None
+                and redis.hexists(redis_keys.reservations_key(org), f"call-{org}")
+                and int(redis.get(redis_keys.org_reserved_key(org)) or 0) == to_units(Decimal("0.02")))
+
+    with caplog.at_level("WARNING", logger="inferplane.gateway"):
+        asyncio.run(presence.beat())
+    assert failures == [failing]
+    assert put_back(other) and not put_back(failing)  # the other's in the same reconcile
+    assert f"organisation {failing}'s {part}" in caplog.text and presence._repair.due
+    asyncio.run(presence.beat())
+    assert put_back(failing) and put_back(other) and not presence._repair.due
+
+
 # --- Redis back a moment in the past (an append-only file fsynced every second, a replica promoted with lag) ---
 
 def redis_state() -> list:
@@ -205,12 +257,8 @@ def come_back_as(state: list) -> None:
 
 
 @pytest.fixture
-def idle_endpoint_call(monkeypatch):
+def idle_endpoint_call(gateway_alone):
     """An endpoint with one READY replica, no minimum, idle after 5 min; a caller; this process's gateway alone."""
-    monkeypatch.setattr(presence, "serving", {})
-    monkeypatch.setattr(presence, "unfinished", set())
-    monkeypatch.setattr(presence, "_repair", presence._Repair())
-    monkeypatch.setattr(traffic, "_registered", (os.getpid(), set()))  # no organisation of another test's
     organization = OrganizationFactory()
     endpoint = serve_endpoint(organization, f"http://127.0.0.1:{free_port()}", min_replicas=0, idle_timeout_s=300)
     caller = Caller(organization_id=organization.pk, api_key_id=None, user_id=1, can_infer=True,
@@ -460,20 +508,21 @@ def test_an_organisation_is_kept_while_an_admission_writes_its_requests_hash(idl
     asyncio.run(scenario())
 
 
-def test_a_stalled_stream_whose_admission_redis_lost_has_its_progress_put_back_with_its_reservation(
-        idle_endpoint_call):
+@pytest.mark.parametrize("lost", ["its admission", "its progress alone"])
+def test_a_stalled_streams_progress_redis_lost_is_recorded_again_by_the_next_reconcile(idle_endpoint_call, lost):
     """Before, a call's progress (its would-be usage row, for the sweeper if its gateway is lost) was recorded again
     only once its tokens grew: a stream stalled across Redis coming back a moment in the past (a long prefill, a slow
     upstream) had its reservation put back but no progress, and its delivered tokens went unbilled if its gateway
-    then died."""
+    then died. So too when Redis kept its reservation and lost only its progress, written after."""
     endpoint, replica, caller = idle_endpoint_call
     org = endpoint.organization_id
     redis = get_redis()
 
     async def scenario():
         await presence.beat(web=True)
-        state = redis_state()
+        state = redis_state() if lost == "its admission" else None
         admitted = await admit(caller, endpoint, replica, "stalled")
+        state = state or redis_state()  # its admission and reservation kept
         report = dataclasses.replace(usage_report(endpoint, request_id="stalled", prompt_tokens=100,
                                                   completion_tokens=20), status="gateway_lost",
                                      max_cost=admitted.reservation.amount, billing_mode=admitted.billing_mode)
@@ -482,7 +531,9 @@ def test_a_stalled_stream_whose_admission_redis_lost_has_its_progress_put_back_w
         presence.serving["stalled"].progress = lambda recorded: None if recorded == tokens else report
         await presence.beat(web=True)
         assert redis.hexists(redis_keys.progress_key(org), "stalled")
-        come_back_as(state)  # its admission, reservation and progress lost; it streams nothing more
+        come_back_as(state)  # what was written after `state` lost; it streams nothing more
+        assert not redis.hexists(redis_keys.progress_key(org), "stalled")
+        assert redis.hexists(redis_keys.reservations_key(org), "stalled") == (lost == "its progress alone")
         await reconciled(1)
         return admitted
     admitted = asyncio.run(scenario())
