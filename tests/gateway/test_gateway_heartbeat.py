@@ -213,11 +213,11 @@ def test_one_organisations_failed_put_back_stops_no_other_and_is_tried_again_by_
     else:  # the same, once its requests were put back
         restore, failures = counters.restore_reservations, []
 
-        async def failing_once(organization_id, reservations):
+        async def failing_once(organization_id, reservations, lapsed_at=None):
             if organization_id == failing and not failures:
                 failures.append(failing)
                 raise ConnectionError("Redis went away again")
-            return await restore(organization_id, reservations)
+            return await restore(organization_id, reservations, lapsed_at)
 
         monkeypatch.setattr(counters, "restore_reservations", failing_once)
     for org in (failing, other):
