@@ -448,8 +448,9 @@ def diagnose(root: Path) -> dict:
 
     opened = child("--opened", "{}")
     report = {"opened": opened}
-    policy = sandbox.engine_policy(
-        sandbox.SandboxMode.REQUIRED, model_dirs=[folders["model"], folders["adapters"]],
+    policy = sandbox.engine_policy(  # NOTE: best-effort where namespaces are refused, as in `run_engine`
+        sandbox.SandboxMode.BEST_EFFORT if sandbox.namespaces_missing() else sandbox.SandboxMode.REQUIRED,
+        model_dirs=[folders["model"], folders["adapters"]],
         own_dirs=[folders["scratch"], folders["cache"]], shared_read=[folders["shared"] / "modelinfos"],
     )  # fmt: skip
     report["policy"] = json.loads(policy.to_json())
