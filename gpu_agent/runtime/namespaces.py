@@ -52,7 +52,7 @@ class NamespacesUnavailable(Exception):
 
 
 class NamespacesBroken(Exception):
-    """The set-up failed half done, after it worked in a child: this process must not go on."""
+    """The set-up failed half done: this process must not go on."""
 
 
 class _CapHeader(ctypes.Structure):
@@ -123,25 +123,28 @@ def unavailable_reason() -> str:
     lines = done.stderr.strip().splitlines()
     if not lines:
         return f"the test of namespaces exited with {done.returncode}"
-    return lines[-1].removeprefix("gpu_agent.runtime.namespaces.NamespacesUnavailable: ")
+    why = lines[-1]
+    for name in ("NamespacesUnavailable", "NamespacesBroken"):
+        why = why.removeprefix(f"gpu_agent.runtime.namespaces.{name}: ")
+    return why
 
 
-def enter(max_bytes: int | None) -> str:
+def enter(max_bytes: int | None, *, tested: bool = False) -> str:
     """Move this process's future into new user, PID and mount namespaces (see the module's docstring); returns, in
     the engine (PID 2 inside, no capabilities), what isolates it. `max_bytes`: the size of its /dev/shm (None: the
     kernel's default, half the memory).
 
-    NOTE: the process must be single-threaded (a fresh interpreter, or a fork's child). The whole set-up is tried first
-    in a child that then exits (`_tried_in_a_child`): raises NamespacesUnavailable, with nothing changed here, where
-    it failed; a process half set up (a PID namespace whose init is gone cannot fork) never goes on. Raises
-    NamespacesBroken where it fails here after that (the process must then end)."""
-    why = _tried_in_a_child()
-    if why:
-        raise NamespacesUnavailable(why)
-    try:
-        return _split(max_bytes)
-    except NamespacesUnavailable as exc:
-        raise NamespacesBroken(str(exc)) from None
+    NOTE: the process must be single-threaded (a fresh interpreter, or a fork's child). Raises NamespacesUnavailable
+    where the kernel refuses them, with nothing changed here. Unless the agent `tested` them on this node already
+    (`unavailable_reason`), the whole set-up is tried first in a child that then exits (`_tried_in_a_child`: ~8 ms in a
+    fresh interpreter, ~150 ms in a zygote's fork, whose every fork copies vLLM's memory map; the set-up itself took 48
+    ms there). Raises NamespacesBroken where it fails half done (a process left in a PID namespace whose init is gone
+    cannot fork): this process must then end."""
+    if not tested:
+        why = _tried_in_a_child()
+        if why:
+            raise NamespacesUnavailable(why)
+    return _split(max_bytes)
 
 
 def _tried_in_a_child() -> str:
@@ -154,7 +157,7 @@ def _tried_in_a_child() -> str:
         os.close(read_end)
         try:
             _split(4096)
-        except NamespacesUnavailable as exc:
+        except (NamespacesUnavailable, NamespacesBroken) as exc:
             os.write(write_end, str(exc).encode())
         except BaseException as exc:  # noqa: BLE001 - whatever stops it is the reason, and this child must end here
             os.write(write_end, repr(exc).encode())
@@ -167,7 +170,8 @@ def _tried_in_a_child() -> str:
 
 
 def _split(max_bytes: int | None) -> str:
-    """Unshare, map the user, fork the init (which forks the engine); wait here as the outer process."""
+    """Unshare, map the user, fork the init (which forks the engine); wait here as the outer process. Raises
+    NamespacesUnavailable where `unshare` is refused (nothing changed), NamespacesBroken on a later failure."""
     libc = _libc()
     uid, gid = os.getuid(), os.getgid()
     previous = {signum: signal.getsignal(signum) for signum in FORWARDED_SIGNALS}
@@ -180,7 +184,7 @@ def _split(max_bytes: int | None) -> str:
         _write("/proc/self/uid_map", f"{uid} {uid} 1")
         _write("/proc/self/gid_map", f"{gid} {gid} 1")
     except OSError as exc:
-        raise NamespacesUnavailable(f"mapping the user failed ({exc.strerror})") from None
+        raise NamespacesBroken(f"mapping the user failed ({exc.strerror})") from None
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -193,7 +197,7 @@ def _split(max_bytes: int | None) -> str:
         why = answer.read().decode(errors="replace")
     if why:  # the init stopped before the engine
         os.waitpid(init_pid, 0)
-        raise NamespacesUnavailable(why)
+        raise NamespacesBroken(why)
     _wait_forwarding(init_pid)
 
 

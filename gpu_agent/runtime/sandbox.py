@@ -226,6 +226,9 @@ class SandboxPolicy:
     proc_writable: bool = False  # an engine with GPUs: CUDA writes its threads' names (`PROC_WRITE`)
     # The size of the engine's own /dev/shm (`namespaces.enter`): the node's bound for one engine; None: the kernel's.
     shared_memory_max_bytes: int | None = None
+    # What the agent found of namespaces on its node (`namespaces_missing`): "" they work, else why not; None: the
+    # agent did not say, and the engine tries them in a child first.
+    namespaces_missing: str | None = None
 
     def __post_init__(self) -> None:
         for path in (*self.read_execute, *self.read, *self.read_write, *self.devices, self.shared_memory):
@@ -239,6 +242,7 @@ class SandboxPolicy:
             "mode": self.mode.value, "read_execute": self.read_execute, "read": self.read,
             "read_write": self.read_write, "devices": self.devices, "shared_memory": self.shared_memory,
             "proc_writable": self.proc_writable, "shared_memory_max_bytes": self.shared_memory_max_bytes,
+            "namespaces_missing": self.namespaces_missing,
         })  # fmt: skip
 
     @classmethod
@@ -250,6 +254,7 @@ class SandboxPolicy:
             shared_memory=data["shared_memory"],
             proc_writable=bool(data.get("proc_writable", False)),
             shared_memory_max_bytes=data.get("shared_memory_max_bytes"),
+            namespaces_missing=data.get("namespaces_missing"),
         )
 
 
@@ -279,10 +284,12 @@ def device_nodes() -> list[str]:
     return found
 
 
-def engine_policy(mode: SandboxMode, *, model_dirs, own_dirs, shared_read=(), shared_memory_max_bytes=None) -> SandboxPolicy:
+def engine_policy(
+    mode: SandboxMode, *, model_dirs, own_dirs, shared_read=(), shared_memory_max_bytes=None, namespaces_missing=None
+) -> SandboxPolicy:
     """The policy of one engine: its model folders (`model_dirs`: model, draft, adapters) and shared read-only
-    caches to read, its own folders (`own_dirs`) to write, its own /dev/shm's size, and what every engine needs of
-    the system."""
+    caches to read, its own folders (`own_dirs`) to write, its own /dev/shm's size and whether its namespaces work
+    here (`namespaces_missing`, None: the engine tries), and what every engine needs of the system."""
     devices = tuple(_unique(device_nodes()))
     return SandboxPolicy(
         mode=mode,
@@ -292,6 +299,7 @@ def engine_policy(mode: SandboxMode, *, model_dirs, own_dirs, shared_read=(), sh
         devices=devices,
         proc_writable=has_nvidia_gpu(devices),
         shared_memory_max_bytes=shared_memory_max_bytes,
+        namespaces_missing=namespaces_missing,
     )
 
 
@@ -408,7 +416,9 @@ def apply_from_environment() -> None:
         return  # not an engine the agent confines (sandbox off, or a command it did not build)
     policy = SandboxPolicy.from_json(text)
     try:
-        isolated_by = namespaces.enter(policy.shared_memory_max_bytes)
+        if policy.namespaces_missing:  # the agent found them refused on this node: not tried again
+            raise namespaces.NamespacesUnavailable(policy.namespaces_missing)
+        isolated_by = namespaces.enter(policy.shared_memory_max_bytes, tested=policy.namespaces_missing == "")
     except namespaces.NamespacesUnavailable as exc:
         if policy.mode == SandboxMode.REQUIRED:
             _refuse(f"no namespaces: {exc}")

@@ -543,6 +543,7 @@ class Supervisor:
         policy = sandbox.engine_policy(
             self.sandbox_mode, model_dirs=model_dirs, own_dirs=[scratch_dir, cache_dir],
             shared_read=[shared_cache / "modelinfos"], shared_memory_max_bytes=self.disk_bounds.engine_max_bytes,
+            namespaces_missing=sandbox.namespaces_missing(),
         )  # fmt: skip
         env = {**command.env, **sandbox.engine_folder_env(scratch_dir, cache_dir, self.sandbox_mode), sandbox.POLICY_ENV: policy.to_json()}
         return dataclasses.replace(command, env=env)

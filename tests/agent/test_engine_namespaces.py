@@ -236,31 +236,55 @@ REFUSALS = {
 }
 
 
+def confine(mode: sandbox.SandboxMode, refused: str | None, namespaces_missing: str | None = None):
+    """An engine's start (`apply_from_environment`) where the kernel refuses namespaces as `refused` says, under a
+    policy that says what the agent found (`namespaces_missing`); it then starts a child, as vLLM would."""
+    script = "import ctypes, os\nfrom gpu_agent.runtime import namespaces, sandbox\n"
+    script += textwrap.dedent(REFUSALS[refused][0] if refused else "") + textwrap.dedent("""
+        sandbox.apply_from_environment()
+        # NOTE: never half set up: a process left in a PID namespace whose init is gone could not start a child.
+        child = os.fork() or os._exit(7)
+        print("vLLM would start now, a child exited", os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+    """)
+    policy = sandbox.SandboxPolicy(mode=mode, namespaces_missing=namespaces_missing)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, sandbox.POLICY_ENV: policy.to_json()}, cwd=Path(__file__).parents[2])  # fmt: skip
+
+
 @pytest.mark.parametrize("refused", sorted(REFUSALS))
 def test_where_namespaces_are_refused_the_sandbox_mode_decides_and_says_so(refused):
-    def confine(mode):
-        script = "import ctypes, os\nfrom gpu_agent.runtime import namespaces, sandbox\n"
-        script += textwrap.dedent(REFUSALS[refused][0]) + textwrap.dedent("""
-            sandbox.apply_from_environment()
-            # NOTE: never half set up: a process left in a PID namespace whose init is gone could not start a child.
-            child = os.fork() or os._exit(7)
-            print("vLLM would start now, a child exited", os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
-        """)
-        env = {**os.environ, sandbox.POLICY_ENV: sandbox.SandboxPolicy(mode=mode).to_json()}
-        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60,
-                              cwd=Path(__file__).parents[2])  # fmt: skip
-
     why = REFUSALS[refused][1]
-    required = confine(sandbox.SandboxMode.REQUIRED)
+    required = confine(sandbox.SandboxMode.REQUIRED, refused)
     assert required.returncode == 78 and "vLLM would start now" not in required.stdout
     assert (
         f"{sandbox.APPLIED_LINE} none: {why}; INFERPLANE_ENGINE_SANDBOX=required: not starting"
         in required.stderr
     )
-    best_effort = confine(sandbox.SandboxMode.BEST_EFFORT)
+    best_effort = confine(sandbox.SandboxMode.BEST_EFFORT, refused)
     assert best_effort.returncode == 0, best_effort.stderr
     assert "vLLM would start now, a child exited 7" in best_effort.stdout
     assert f"{why} (INFERPLANE_ENGINE_SANDBOX=best-effort: sharing /proc and /dev/shm)" in best_effort.stderr
+
+
+def test_an_engine_goes_by_what_the_agent_found_and_never_on_half_set_up():
+    # Refused on this node, as the agent found: not tried again; the mode decides.
+    best_effort = confine(sandbox.SandboxMode.BEST_EFFORT, None, namespaces_missing="unshare refused (EPERM)")
+    assert "vLLM would start now, a child exited 7" in best_effort.stdout
+    assert (
+        "no namespaces: unshare refused (EPERM) (INFERPLANE_ENGINE_SANDBOX=best-effort" in best_effort.stderr
+    )
+    assert (
+        confine(sandbox.SandboxMode.REQUIRED, None, namespaces_missing="unshare refused (EPERM)").returncode
+        == 78
+    )
+    # Found working, so entered at once (no trial in a child): where that fails half done, the engine never starts.
+    assert "own pid, mount and user namespaces" in confine(sandbox.SandboxMode.REQUIRED, None, "").stderr
+    half = confine(sandbox.SandboxMode.BEST_EFFORT, "mount", namespaces_missing="")
+    assert half.returncode == 78 and "vLLM would start now" not in half.stdout
+    assert (
+        f"{sandbox.APPLIED_LINE} none: namespaces half set up: mounting /proc: Operation not permitted; "
+        "whatever the mode: not starting" in half.stderr
+    )
 
 
 def test_the_node_says_its_engines_have_namespaces_of_their_own():
