@@ -10,11 +10,11 @@ hostile tenant's code in them could do to a neighbour (`fake_engine.py --try-nei
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import psutil
@@ -77,7 +77,7 @@ def logged(replica, prefix: str) -> str:
     return line[-1].removeprefix(prefix)
 
 
-def tried(supervisor: Supervisor, replica_id: str, tmp_path: Path, *, neighbour: dict | None = None) -> dict:
+def tried(supervisor: Supervisor, replica_id: str, tmp_path: Path) -> dict:
     """What a fake engine started now could do (`fake_engine.py --try-neighbour`), as it logged it."""
     return json.loads(logged(start(supervisor, replica_id, tmp_path), "==> tried "))
 
@@ -118,21 +118,20 @@ def test_an_engine_cannot_open_a_neighbours_shared_memory_and_its_own_is_bounded
 
 @pytest.mark.parametrize("under_reaper", [False, True])
 def test_the_agent_stops_and_kills_an_engine_in_its_namespaces_and_every_process_of_it(
-    make_supervisor, tmp_path, under_reaper
+    make_supervisor, tmp_path, under_reaper, caplog
 ):
+    caplog.set_level(logging.INFO, logger="gpu_agent.runtime.supervisor")
     supervisor = make_supervisor("agent", {"r-kill": ["--ignore-sigterm"]}, under_reaper=under_reaper)
-    for replica_id, within_s in (
-        ("r-stop", 0.9),
-        ("r-kill", 5.0),
-    ):  # SIGTERM reaches the engine; SIGKILL after 1 s
+    # SIGTERM reaches the engine through its outer process and init (PID 1 gets only what it handles); one that
+    # ignores it is SIGKILLed after the grace.
+    for replica_id, how in (("r-stop", "its own exit, code 0"), ("r-kill", "killed, code")):
         start(supervisor, replica_id, tmp_path)
         processes = processes_with_marker(replica_id)
         assert len(processes) >= 4  # outer, init, engine, its worker (and the reaper)
-        drained_at = time.monotonic()
         supervisor.drain(replica_id)
         wait_for_state(supervisor, replica_id, ReplicaState.STOPPED, timeout_s=20, step_s=0.05)
         wait_until(lambda rid=replica_id: not processes_with_marker(rid), timeout_s=5, step_s=0.05)
-        assert time.monotonic() - drained_at < within_s
+        assert f"replica {replica_id} STOPPED" in caplog.text and f"({how}" in caplog.text
         assert not [
             found for found in processes if found.is_running() and found.status() != psutil.STATUS_ZOMBIE
         ]
