@@ -13,7 +13,8 @@ captured and replayed, a Triton kernel compiled (its cache in the endpoint's fol
 its compile workers), a spawned child using CUDA and answering through a queue (vLLM's EngineCore is one),
 a CUDA tensor shared with a spawned child (CUDA IPC), NCCL with one rank over TCP (vLLM starts it for one GPU
 too), NVML read as vLLM reads it; and, confined, that another tenant's folder, the agent's data and /etc's
-agent settings stay out of reach. Also the agent's own hardware report (`hardware.gpu_statuses`) against
+agent settings stay out of reach, and that the engine runs in namespaces of its own (`namespaces.py`: PID 2 of
+its own /proc, which still has /proc/driver/nvidia, and a /dev/shm of its own). Also the agent's own hardware report (`hardware.gpu_statuses`) against
 PyTorch's view. On a machine with no GPU the CUDA steps SKIP and the rest runs on the CPU. Exit status 0 when
 no step failed.
 """
@@ -229,7 +230,7 @@ def engine_workload(outside: list[str], quick: bool) -> list[dict]:
         if confined and read:
             raise AssertionError(f"a confined engine read {read}")
         residual = ""
-        parent = os.getppid()
+        parent = int(os.environ["INFERPLANE_CHECK_AGENT_PID"])  # NOTE: its outer pid; in namespaces, none inside
         try:  # the residual the sandbox's NOTE names: a neighbour's oom_score_adj raised (here: to what it was)
             current = Path(f"/proc/{parent}/oom_score_adj").read_text().strip()
             Path(f"/proc/{parent}/oom_score_adj").write_text(current)
@@ -240,10 +241,24 @@ def engine_workload(outside: list[str], quick: bool) -> list[dict]:
             return f"unconfined: read {len(read)} of {len(outside)} (expected: nothing stops it){residual}"
         return f"refused all {len(outside)}: another tenant's model, the agent's data, /etc's agent settings{residual}"
 
+    def own_namespaces():
+        """In its own PID and mount namespaces (`namespaces.py`): it sees only its processes (the agent's side is not
+        in its /proc), NVIDIA's driver still shows in its fresh /proc, and its /dev/shm is its own tmpfs."""
+        if os.environ.get("INFERPLANE_CHECK_NAMESPACES") != "1":
+            return "SKIP:no namespaces of its own (unconfined, or refused here: see the machine's report)"
+        pids = sorted(int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+        if os.getpid() != 2 or int(os.environ["INFERPLANE_CHECK_AGENT_PID"]) in pids:
+            raise AssertionError(f"not in namespaces of its own: pid {os.getpid()}, /proc lists {pids[:20]}")
+        if cuda and not os.path.isdir("/proc/driver/nvidia"):
+            raise AssertionError("its /proc has no driver/nvidia")
+        shm = os.statvfs("/dev/shm")
+        return (f"pid 2 of {len(pids)} it sees; /proc/driver/nvidia {'present' if cuda else 'not checked (no CUDA)'};"
+                f" /dev/shm {shm.f_blocks * shm.f_frsize / 2**30:.1f} GiB, {shm.f_bfree * shm.f_frsize / 2**30:.1f} free")
+
     for name, function in (("cuda-visible", visible), ("matmul", matmul), ("cuda-graph", cuda_graph),
                            ("triton-kernel", triton_kernel), ("torch-compile", compiled),
                            ("spawned-child", spawned_child), ("cuda-ipc", cuda_ipc), ("nccl-one-rank", nccl_one_rank),
-                           ("nvml", nvml), ("out-of-reach", out_of_reach)):
+                           ("nvml", nvml), ("out-of-reach", out_of_reach), ("own-namespaces", own_namespaces)):
         _step(name, results, function)
     return results
 
@@ -282,20 +297,23 @@ def run_engine(mode: str, root: Path, quick: bool) -> dict:
     outside = [str(folders["other_model"] / "config.json"), str(folders["data"] / "state.json")]
     if os.path.isdir("/etc/inferplane"):
         outside += [str(path) for path in Path("/etc/inferplane").iterdir() if path.is_file()]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "INFERPLANE_CHECK_AGENT_PID": str(os.getpid()),
            "INFERPLANE_CHECK_EXPECT_CUDA": "1" if _nvidia_smi_lists_a_gpu() else "0"}
     env.pop(sandbox.POLICY_ENV, None)
     if mode == "confined":
-        # NOTE: where the kernel has no Landlock (gVisor), `required` would stop the engine at once: best-effort
-        # runs it unconfined and says so, as a node set so would.
+        # NOTE: where the kernel has no Landlock (gVisor) or refuses namespaces (a container's seccomp), `required`
+        # would stop the engine at once: best-effort runs it without and says so, as a node set so would.
         confinable = sandbox.landlock_abi()[0] > 0
         policy = sandbox.engine_policy(
-            sandbox.SandboxMode.REQUIRED if confinable else sandbox.SandboxMode.BEST_EFFORT, model_dirs=[folders["model"], folders["adapters"]],
+            sandbox.SandboxMode.REQUIRED if confinable and not sandbox.namespaces_missing()
+            else sandbox.SandboxMode.BEST_EFFORT, model_dirs=[folders["model"], folders["adapters"]],
             own_dirs=[folders["scratch"], folders["cache"]], shared_read=[folders["shared"] / "modelinfos"],
+            shared_memory_max_bytes=20 * 10**9,  # the agent's default bound for one engine (`engine_disk`)
         )  # fmt: skip
         env.update(sandbox.engine_folder_env(folders["scratch"], folders["cache"], policy.mode))
         env[sandbox.POLICY_ENV] = policy.to_json()
         env["INFERPLANE_CHECK_CONFINED"] = "1" if confinable else "0"
+        env["INFERPLANE_CHECK_NAMESPACES"] = "0" if sandbox.namespaces_missing() else "1"
     else:
         env.update(sandbox.engine_folder_env(folders["scratch"], folders["cache"], sandbox.SandboxMode.OFF))
     command = [sys.executable, str(script), "--engine", json.dumps(outside)]
@@ -430,8 +448,9 @@ def diagnose(root: Path) -> dict:
 
     opened = child("--opened", "{}")
     report = {"opened": opened}
-    policy = sandbox.engine_policy(
-        sandbox.SandboxMode.REQUIRED, model_dirs=[folders["model"], folders["adapters"]],
+    policy = sandbox.engine_policy(  # NOTE: best-effort where namespaces are refused, as in `run_engine`
+        sandbox.SandboxMode.BEST_EFFORT if sandbox.namespaces_missing() else sandbox.SandboxMode.REQUIRED,
+        model_dirs=[folders["model"], folders["adapters"]],
         own_dirs=[folders["scratch"], folders["cache"]], shared_read=[folders["shared"] / "modelinfos"],
     )  # fmt: skip
     report["policy"] = json.loads(policy.to_json())
@@ -505,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     abi, why = sandbox.landlock_abi()
     report = {"machine": {"kernel": platform.release(), "python": platform.python_version(),
-                          "landlock_abi": abi, "landlock": why or f"abi {abi}"},
+                          "landlock_abi": abi, "landlock": why or f"abi {abi}",
+                          "namespaces": sandbox.namespaces_missing() or "available"},
               "hardware": hardware_report()}
     print(json.dumps(report["machine"]), flush=True)
     print(json.dumps({"hardware": report["hardware"]}), flush=True)

@@ -292,7 +292,8 @@ class RegisterRequest(Message):
     # Each GPU (index, UUID, memory, MIG slices): placement assigns replicas to them. Empty from CPU
     # nodes and agents older than per-GPU placement, whose GPU memory placement treats as one pool.
     gpus: list[GpuStatus] = field(default_factory=list)
-    # What confines each engine on the node: "landlock abi 6", or "none: <why>" (`runtime.sandbox.node_fact`).
+    # What confines each engine on the node: "landlock abi 6; own pid, mount and user namespaces", or "none: <why>"
+    # and "no namespaces: <why>" for either part (`runtime.sandbox.node_fact`).
     # Empty from agents older than the engine sandbox.
     engine_sandbox: str = ""
 

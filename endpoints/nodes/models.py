@@ -163,7 +163,8 @@ class Node(models.Model):
     state_before_offline = models.CharField(max_length=16, blank=True, default="")
     agent_version = models.CharField(max_length=MAX_VERSION_CHARS, blank=True)
     engine_version = models.CharField(max_length=MAX_VERSION_CHARS, blank=True)
-    # What confines each engine on the node, as its agent found it: "landlock abi 6", or "none: <why>".
+    # What confines each engine on the node, as its agent found it: "landlock abi 6; own pid, mount and user
+    # namespaces", or "none: <why>" and "no namespaces: <why>" for either part.
     engine_sandbox = models.CharField(max_length=200, blank=True)
     secret_lookup = models.CharField(max_length=tokens.LOOKUP_LENGTH, unique=True)
     secret_digest = models.CharField(max_length=64)

@@ -93,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
         "--engine-sandbox",
         default=os.environ.get(MODE_ENV, DEFAULT_MODE.value),
         type=_sandbox_mode,
-        help="confine each engine with Landlock: required (a replica fails where the kernel cannot), best-effort"
-        " (engines run unconfined there, as the node's facts say) or off",
+        help="confine each engine with Landlock, in its own user, PID and mount namespaces: required (a replica fails"
+        " where the kernel cannot), best-effort (engines run without there, as the node's facts say) or off",
     )
     run.add_argument(
         "--engine-disk-gb",

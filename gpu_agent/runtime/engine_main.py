@@ -3,8 +3,9 @@
     python -m gpu_agent.runtime.engine_main --model … (vLLM's OpenAI server arguments)
 
 The agent starts every plainly launched engine this way (`engine.build_engine_command`, under the reaper).
-A fresh interpreter is single-threaded, as `landlock_restrict_self` needs, and has read nothing of the
-tenant's yet. vLLM's server module then runs as `__main__`, as `python -m` would run it, with the same
+A fresh interpreter is single-threaded, as `landlock_restrict_self` and `unshare(CLONE_NEWUSER)` need (the engine's
+own namespaces, `namespaces.py`: this process stays, as their outer process, and vLLM runs in its child's child), and
+has read nothing of the tenant's yet. vLLM's server module then runs as `__main__`, as `python -m` would run it, with the same
 arguments, and every process it starts (EngineCore, workers) inherits the confinement.
 
 NOTE: in process, not by `execve` (a Landlock domain would outlive it too): the agent's package stays

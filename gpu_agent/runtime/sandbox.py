@@ -7,6 +7,8 @@ one engine may touch (`engine_policy`) and hands it to the engine in its environ
 engine applies it to itself (`apply_from_environment`) before vLLM reads anything of the tenant's: in
 `engine_main` (a plain launch) and in `standby_process.become_engine` (a standby's handoff, a zygote's fork).
 vLLM's own children (EngineCore, workers) inherit it. No root is needed; Landlock only ever takes rights away.
+First, the engine moves into user, PID and mount namespaces of its own (`namespaces.py`): its own /proc, in which it
+sees only its own processes, and its own /dev/shm, bounded by the node's bound for one engine.
 
 What an engine may do (`rules`):
 - read and execute the system (/usr, /lib*, /bin, /sbin, /opt), Python's prefixes and the venv, and the agent's
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import glob
 import hashlib
 import json
@@ -57,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gpu_agent
+from gpu_agent.runtime import namespaces
 
 MODE_ENV = "INFERPLANE_ENGINE_SANDBOX"  # the agent's setting: a `SandboxMode`
 POLICY_ENV = "INFERPLANE_ENGINE_SANDBOX_POLICY"  # one engine's `SandboxPolicy` as JSON, set by the agent
@@ -126,9 +130,10 @@ SHARED_MEMORY = READ_FILE | WRITE_FILE | MAKE_REG | REMOVE_FILE | TRUNCATE
 # H200 (`bench/gpu_sandbox_check.py`), where every engine confined with /proc read-only ran without its GPU. A
 # rule names a path, and /proc/self resolves when the rule is made, to the process that makes it, never to
 # vLLM's EngineCore and workers it spawns later: so an engine with GPUs may write files in /proc (never create or
-# remove: /proc has no such thing). What that leaves, on another dumpable process of the same user (another
+# remove: /proc has no such thing). What that left, on another dumpable process of the same user (another
 # engine's; the agent is not dumpable, its /proc files are root's): raising (never lowering) its `oom_score_adj`,
 # its `coredump_filter` and `clear_refs`, and renicing its autogroup (CPU, where engines share the root cpu cgroup).
+# In its own PID namespace (`namespaces.py`) an engine's /proc holds only its own processes: that reaches no other.
 PROC_WRITE = READ_FILE | WRITE_FILE | TRUNCATE
 
 
@@ -180,11 +185,20 @@ def landlock_abi() -> tuple[int, str]:
 
 
 def node_fact(mode: SandboxMode) -> str:
-    """What confines this node's engines, for the node's facts: "landlock abi 6", or "none: <reason>"."""
+    """What confines this node's engines, for the node's facts: "landlock abi 6; own pid, mount and user namespaces",
+    or "none: <reason>" for either part."""
     if mode == SandboxMode.OFF:
         return f"none: {MODE_ENV}=off"
     abi, why = landlock_abi()
-    return f"landlock abi {abi}" if abi else f"none: {why}"
+    missing = namespaces_missing()
+    return "; ".join([f"landlock abi {abi}" if abi else f"none: {why}",
+                      f"no namespaces: {missing}" if missing else namespaces.DESCRIPTION])  # fmt: skip
+
+
+@functools.cache
+def namespaces_missing() -> str:
+    """Why engines here cannot have namespaces of their own (`namespaces.py`), "" if they can: tested once."""
+    return namespaces.unavailable_reason()
 
 
 # --- What one engine may touch ------------------------------------------------------------------------------
@@ -210,17 +224,25 @@ class SandboxPolicy:
     devices: tuple[str, ...] = ()
     shared_memory: str = SHARED_MEMORY_DIR
     proc_writable: bool = False  # an engine with GPUs: CUDA writes its threads' names (`PROC_WRITE`)
+    # The size of the engine's own /dev/shm (`namespaces.enter`): the node's bound for one engine; None: the kernel's.
+    shared_memory_max_bytes: int | None = None
+    # What the agent found of namespaces on its node (`namespaces_missing`): "" they work, else why not; None: the
+    # agent did not say, and the engine tries them in a child first.
+    namespaces_missing: str | None = None
 
     def __post_init__(self) -> None:
         for path in (*self.read_execute, *self.read, *self.read_write, *self.devices, self.shared_memory):
             if not os.path.isabs(path):
                 raise ValueError(f"a sandbox path must be absolute, not {path!r}")
+        if self.shared_memory_max_bytes is not None and self.shared_memory_max_bytes < 1:
+            raise ValueError(f"shared_memory_max_bytes must be positive or None, not {self.shared_memory_max_bytes}")
 
     def to_json(self) -> str:
         return json.dumps({
             "mode": self.mode.value, "read_execute": self.read_execute, "read": self.read,
             "read_write": self.read_write, "devices": self.devices, "shared_memory": self.shared_memory,
-            "proc_writable": self.proc_writable,
+            "proc_writable": self.proc_writable, "shared_memory_max_bytes": self.shared_memory_max_bytes,
+            "namespaces_missing": self.namespaces_missing,
         })  # fmt: skip
 
     @classmethod
@@ -231,6 +253,8 @@ class SandboxPolicy:
             **{name: tuple(data[name]) for name in ("read_execute", "read", "read_write", "devices")},
             shared_memory=data["shared_memory"],
             proc_writable=bool(data.get("proc_writable", False)),
+            shared_memory_max_bytes=data.get("shared_memory_max_bytes"),
+            namespaces_missing=data.get("namespaces_missing"),
         )
 
 
@@ -260,9 +284,12 @@ def device_nodes() -> list[str]:
     return found
 
 
-def engine_policy(mode: SandboxMode, *, model_dirs, own_dirs, shared_read=()) -> SandboxPolicy:
+def engine_policy(
+    mode: SandboxMode, *, model_dirs, own_dirs, shared_read=(), shared_memory_max_bytes=None, namespaces_missing=None
+) -> SandboxPolicy:
     """The policy of one engine: its model folders (`model_dirs`: model, draft, adapters) and shared read-only
-    caches to read, its own folders (`own_dirs`) to write, and what every engine needs of the system."""
+    caches to read, its own folders (`own_dirs`) to write, its own /dev/shm's size and whether its namespaces work
+    here (`namespaces_missing`, None: the engine tries), and what every engine needs of the system."""
     devices = tuple(_unique(device_nodes()))
     return SandboxPolicy(
         mode=mode,
@@ -271,6 +298,8 @@ def engine_policy(mode: SandboxMode, *, model_dirs, own_dirs, shared_read=()) ->
         read_write=tuple(_unique(map(str, own_dirs))),
         devices=devices,
         proc_writable=has_nvidia_gpu(devices),
+        shared_memory_max_bytes=shared_memory_max_bytes,
+        namespaces_missing=namespaces_missing,
     )
 
 
@@ -375,31 +404,45 @@ def apply(policy: SandboxPolicy) -> str:
 
 
 def apply_from_environment() -> None:
-    """In an engine, before vLLM reads anything of the tenant's: apply the policy the agent set in `POLICY_ENV`.
+    """In an engine, before vLLM reads anything of the tenant's: give it namespaces of its own (`namespaces.enter`:
+    its own /proc and /dev/shm; this process then returns only in the engine), then apply the policy the agent set in
+    `POLICY_ENV`.
 
-    Writes one line saying what confines the engine (`APPLIED_LINE`). Where Landlock cannot confine it, a
-    `required` policy ends the process with the reason (the replica fails with it); `best-effort` goes on.
+    Writes one line saying what confines the engine (`APPLIED_LINE`). Where Landlock or the namespaces cannot be had,
+    a `required` policy ends the process with the reason (the replica fails with it); `best-effort` goes on without.
     """
     text = os.environ.pop(POLICY_ENV, None)
     if not text:
         return  # not an engine the agent confines (sandbox off, or a command it did not build)
     policy = SandboxPolicy.from_json(text)
     try:
+        if policy.namespaces_missing:  # the agent found them refused on this node: not tried again
+            raise namespaces.NamespacesUnavailable(policy.namespaces_missing)
+        isolated_by = namespaces.enter(policy.shared_memory_max_bytes, tested=policy.namespaces_missing == "")
+    except namespaces.NamespacesUnavailable as exc:
+        if policy.mode == SandboxMode.REQUIRED:
+            _refuse(f"no namespaces: {exc}")
+        isolated_by = f"no namespaces: {exc} ({MODE_ENV}=best-effort: sharing /proc and /dev/shm)"
+    except namespaces.NamespacesBroken as exc:  # whatever the mode: this process cannot start vLLM's processes
+        _refuse(f"namespaces half set up: {exc}", "whatever the mode")
+    try:
         confined_by = apply(policy)
     except SandboxUnavailable as exc:
         if policy.mode == SandboxMode.REQUIRED:
-            print(
-                f"{APPLIED_LINE} none: {exc}; {MODE_ENV}=required: not starting", file=sys.stderr, flush=True
-            )
-            sys.stderr.flush()
-            os._exit(78)
+            _refuse(str(exc))
         print(
-            f"{APPLIED_LINE} none: {exc} ({MODE_ENV}=best-effort: running unconfined)",
+            f"{APPLIED_LINE} none: {exc} ({MODE_ENV}=best-effort: running unconfined); {isolated_by}",
             file=sys.stderr,
             flush=True,
         )
         return
-    print(f"{APPLIED_LINE} {confined_by}", file=sys.stderr, flush=True)
+    print(f"{APPLIED_LINE} {confined_by}; {isolated_by}", file=sys.stderr, flush=True)
+
+
+def _refuse(why: str, because: str = f"{MODE_ENV}=required") -> None:
+    print(f"{APPLIED_LINE} none: {why}; {because}: not starting", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    os._exit(78)
 
 
 # --- An engine's own folders ----------------------------------------------------------------------------------

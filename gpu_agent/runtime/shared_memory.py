@@ -19,11 +19,25 @@ SHARED_MEMORY_DIR = Path("/dev/shm")
 SHARED_MEMORY_PREFIX = "psm_"  # multiprocessing.shared_memory's names; vLLM's ring buffers use them
 
 
+def in_own_mount_namespace(pid: int) -> bool:
+    """Whether the process sees the file system as this one does: a path it names is the same file here.
+
+    NOTE: an engine in namespaces of its own (`namespaces.py`) has its own /dev/shm, a tmpfs that goes with its last
+    process: a name it holds there is not the file of that name here, which may be anyone's."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return False
+
+
 def segments_of(pids) -> set[Path]:
-    """The `/dev/shm/psm_*` segments these processes have mapped or open."""
+    """The `/dev/shm/psm_*` segments these processes have mapped or open (those of processes that see this /dev/shm:
+    `in_own_mount_namespace`)."""
     found = set()
     for pid in set(pids):
         paths = []
+        if not in_own_mount_namespace(pid):
+            continue
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
                 paths += [line.split(maxsplit=5)[5].strip() for line in maps if "/dev/shm/" in line and line.count(" ") >= 5]
@@ -96,7 +110,10 @@ def process_tree(pid: int) -> set[int]:
 
 
 def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
-    """What `pids` hold open or mapped in `folder` (files directly in it: an engine may make no folder there)."""
+    """What `pids` hold open or mapped in `folder` (files directly in it: an engine may make no folder there).
+
+    A process in a mount namespace of its own (`namespaces.py`) holds files of its own `folder`: they are counted
+    (read through `/proc/<pid>/root`), and their names are not returned, which name other files here."""
     sizes: dict[tuple[int, int], int] = {}
     mapped: dict[tuple[int, int], int] = {}  # unlinked files known only by their mappings: the largest
     paths = set()
@@ -104,6 +121,8 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     prefix = f"{folder}/"
     for pid in set(pids):
         fd_dir = f"/proc/{pid}/fd"
+        own_view = in_own_mount_namespace(pid)
+        root = "" if own_view else f"/proc/{pid}/root"
         try:
             fds = os.listdir(fd_dir)
         except PermissionError:
@@ -120,7 +139,7 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
             except OSError:
                 continue
             sizes[(info.st_dev, info.st_ino)] = info.st_blocks * 512
-            if not target.endswith(" (deleted)"):
+            if own_view and not target.endswith(" (deleted)"):
                 paths.add(Path(target))
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
@@ -142,12 +161,13 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
                 continue
             if not path.endswith(" (deleted)"):
                 try:
-                    info = os.stat(path)
+                    info = os.stat(root + path, follow_symlinks=False)
                 except OSError:
                     info = None
                 if info is not None and (info.st_dev, info.st_ino) == inode:
                     sizes[inode] = info.st_blocks * 512
-                    paths.add(Path(path))
+                    if own_view:
+                        paths.add(Path(path))
                     continue
             mapped[inode] = max(mapped.get(inode, 0), end - start)
     num_bytes = sum(sizes.values()) + sum(size for inode, size in mapped.items() if inode not in sizes)

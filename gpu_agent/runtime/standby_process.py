@@ -758,8 +758,9 @@ def become_engine(handoff: Handoff, device: str, started_at: float) -> int:
     if refusal is not None:
         print(f"standby: {refusal}", flush=True)
         return EXIT_CUDA_INITIALISED
-    # NOTE: confined here, before vLLM reads anything of the tenant's (`sandbox.py`); a zygote's child is
-    # single-threaded this soon after its fork, as Landlock needs, and a one-shot standby forks one.
+    # NOTE: confined here, before vLLM reads anything of the tenant's (`sandbox.py`, in namespaces of its own first:
+    # `namespaces.py`, whose outer process keeps this pid); a zygote's child is single-threaded this soon after its
+    # fork, as Landlock and `unshare(CLONE_NEWUSER)` need, and a one-shot standby forks one.
     if _engine_environ is None and os.environ.get(sandbox.POLICY_ENV) and sandbox.num_threads() > 1:
         _go_on_in_a_child()
     sandbox.apply_from_environment()

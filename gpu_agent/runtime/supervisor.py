@@ -542,7 +542,8 @@ class Supervisor:
             model_dirs.append(spec.speculative.draft_source)  # NOTE: the cached copy (`speculative.with_local_draft`)
         policy = sandbox.engine_policy(
             self.sandbox_mode, model_dirs=model_dirs, own_dirs=[scratch_dir, cache_dir],
-            shared_read=[shared_cache / "modelinfos"],
+            shared_read=[shared_cache / "modelinfos"], shared_memory_max_bytes=self.disk_bounds.engine_max_bytes,
+            namespaces_missing=sandbox.namespaces_missing(),
         )  # fmt: skip
         env = {**command.env, **sandbox.engine_folder_env(scratch_dir, cache_dir, self.sandbox_mode), sandbox.POLICY_ENV: policy.to_json()}
         return dataclasses.replace(command, env=env)
@@ -722,6 +723,10 @@ class Supervisor:
         spec = replica.spec
         if self.sandbox_mode == sandbox.SandboxMode.REQUIRED and not self.sandbox_abi:
             self._fail(replica, f"the engine cannot be confined ({sandbox.MODE_ENV}=required): {self.sandbox_missing}")
+            return
+        if self.sandbox_mode == sandbox.SandboxMode.REQUIRED and sandbox.namespaces_missing():
+            self._fail(replica, f"the engine cannot have namespaces of its own ({sandbox.MODE_ENV}=required): "
+                                f"{sandbox.namespaces_missing()}")  # fmt: skip
             return
         command = self._prepared.pop(spec.replica_id, None)  # sent to the zygote ahead (`_send_due_to_zygote`)
         if command is None:

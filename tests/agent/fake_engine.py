@@ -36,8 +36,15 @@ parser.add_argument("--fill-scratch-bytes", type=int, default=0, help="write thi
 parser.add_argument("--fill-shm-bytes", type=int, default=0, help="write and hold (open, mapped) a file this big in --shm-dir")
 parser.add_argument("--shm-dir", default="/dev/shm")
 parser.add_argument("--shm-unlinked", action="store_true", help="then remove its name: only the mapping holds it")
+parser.add_argument("--confine", action="store_true", help="confine itself first, as an engine does (`sandbox.py`)")
+parser.add_argument("--try-neighbour", default="", help="JSON {pid, shm}: log what it could do to that engine's process")
+parser.add_argument("--try-shm-bytes", type=int, default=0, help="log how much of this it could write in /dev/shm")
 args, _ = parser.parse_known_args()
 
+if args.confine:
+    from gpu_agent.runtime import sandbox
+
+    sandbox.apply_from_environment()
 started_at = time.monotonic()
 sleeping_level = 0
 num_tokenize_calls = 0
@@ -158,6 +165,40 @@ if args.fill_shm_bytes:  # what vLLM's ring buffers and NCCL's segments take, in
     print(f"==> shared memory {shm_path}", flush=True)
 for line in args.log_line:
     print(line, flush=True)
+
+
+def attempt(call):
+    try:
+        return call()
+    except OSError as exc:
+        return f"refused: {exc.strerror}"
+
+
+def write_shm(num_bytes: int) -> int:
+    """How many bytes of a file in /dev/shm it could write, 1 MiB at a time."""
+    written = 0
+    with open(f"/dev/shm/inferplane-try-{os.getpid()}", "wb", buffering=0) as shm_file:
+        try:
+            while written < num_bytes:
+                written += shm_file.write(b"x" * min(1 << 20, num_bytes - written))
+        except OSError:
+            pass
+    os.unlink(f"/dev/shm/inferplane-try-{os.getpid()}")
+    return written
+
+
+if args.try_neighbour or args.try_shm_bytes:  # what a hostile tenant's code in an engine would try
+    neighbour = json.loads(args.try_neighbour or "{}")
+    pid, shm = neighbour.get("pid"), neighbour.get("shm")
+    seen = {"own_pid": os.getpid(), "pids": sorted(int(entry) for entry in os.listdir("/proc") if entry.isdigit())}
+    if pid:
+        seen["oom_score_adj"] = attempt(lambda: open(f"/proc/{pid}/oom_score_adj", "w").write("1000"))
+    if shm:
+        seen["shm_listing"] = attempt(lambda: os.listdir("/dev/shm"))
+        seen["shm_open"] = attempt(lambda: open(shm, "r+b").write(b"x" * 4096))  # never creates it
+    if args.try_shm_bytes:
+        seen["shm_written"] = write_shm(args.try_shm_bytes)
+    print(f"==> tried {json.dumps(seen)}", flush=True)
 
 
 def crash():

@@ -101,7 +101,10 @@ def test_a_policy_travels_as_json_and_a_bad_mode_is_refused_with_the_choices():
 def test_the_node_says_what_confines_its_engines_when_it_registers():
     assert sandbox.node_fact(SandboxMode.OFF).startswith("none: ")
     fact = sandbox.node_fact(SandboxMode.BEST_EFFORT)
-    assert fact == f"landlock abi {LANDLOCK_ABI}" if LANDLOCK_ABI else fact.startswith("none: ")
+    landlock, isolation = fact.split("; ")
+    assert landlock == f"landlock abi {LANDLOCK_ABI}" if LANDLOCK_ABI else landlock.startswith("none: ")
+    missing = sandbox.namespaces_missing()
+    assert isolation == (f"no namespaces: {missing}" if missing else "own pid, mount and user namespaces")
     request = RegisterRequest(
         join_token="t",
         name="n",

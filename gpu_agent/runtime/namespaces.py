@@ -1,0 +1,265 @@
+"""Each engine in its own user, PID and mount namespaces: its own /proc, and its own /dev/shm.
+
+Engines on a node run as one Unix user and, before, shared /proc and /dev/shm. On a GPU node the sandbox lets an
+engine write files in /proc (`sandbox.PROC_WRITE`: CUDA's driver names its threads there), so an engine could raise
+a neighbour's `oom_score_adj` or renice its autogroup; and a neighbour that read a segment's name in
+`/proc/<pid>/maps` could open and grow it in the shared /dev/shm, where it counted against its holder's bound.
+
+`enter` runs in the engine's process (`sandbox.apply_from_environment`, before Landlock), single-threaded as
+`unshare(CLONE_NEWUSER)` needs, and splits it in three:
+
+    outer (the pid the agent knows)   new user + mount namespaces; waits for the init, forwards SIGTERM/SIGINT,
+      |                               exits with its code
+      init (PID 1 inside)             mounts a fresh procfs on /proc and a tmpfs of `max_bytes` on /dev/shm, then
+        |                             reaps, forwards SIGTERM/SIGINT to the engine, exits with the engine's code
+        engine (PID 2 inside)         returns from `enter` with no capabilities, and runs vLLM
+
+The outer uid and gid map to themselves (not root). PID 1 gets only the signals it has a handler for, hence the
+init; its exit makes the kernel kill everything left in the namespace (vLLM's EngineCore and workers), and with the
+last process the namespace's /dev/shm and its memory go. The agent still sees every process by its outer pid (its
+/proc is the host's), so its signals, its process-tree kill, its guards and a next agent's adoption work as before.
+The init dies with the outer process (PR_SET_PDEATHSIG), so no namespace outlives the pid the agent holds.
+
+Standard library only (the reaper and a zygote's child import it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import signal
+import subprocess
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_CAPBSET_DROP = 24
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_CAPABILITY_VERSION_3 = 0x20080522
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DESCRIPTION = "own pid, mount and user namespaces"  # what the engine's log and the node's facts say
+# The init's exit code when it could not set the namespaces up (the outer process then goes on without them).
+EXIT_NOT_STARTED = 78
+
+
+class NamespacesUnavailable(Exception):
+    """The engine cannot have namespaces of its own here; the message says why."""
+
+
+class NamespacesBroken(Exception):
+    """The set-up failed half done: this process must not go on."""
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result < 0:
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+
+
+def _mount(libc, source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(
+        libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, ctypes.c_ulong(flags),
+                   data.encode() if data else None),
+        f"mounting {target}",
+    )  # fmt: skip
+
+
+def drop_capabilities() -> None:
+    """Give up every capability (those of the new user namespace): what runs next cannot unmount its /proc to find
+    the host's below it, nor mount anything else; and an `execve` gains none back (empty bounding set)."""
+    libc = _libc()
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as handle:
+            last = int(handle.read())
+    except (OSError, ValueError):
+        last = 63
+    for cap in range(last + 1):
+        # NOTE: fails only for a capability the kernel does not know
+        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    data = (_CapData * 2)()
+    _check(libc.capset(ctypes.byref(_CapHeader(_CAPABILITY_VERSION_3, 0)), data), "capset")
+
+
+def unavailable_reason() -> str:
+    """Why this machine cannot give an engine namespaces of its own, "" if it can (a test in a child process)."""
+    if not sys.platform.startswith("linux"):
+        return f"not Linux ({sys.platform})"
+    if platform.machine() not in ("x86_64", "aarch64"):
+        return f"not known here for {platform.machine()}"
+    script = "from gpu_agent.runtime import namespaces; namespaces.enter(4096); print('ok', flush=True)"
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"the test of namespaces did not run ({exc})"
+    if done.returncode == 0 and done.stdout.strip() == "ok":
+        return ""
+    lines = done.stderr.strip().splitlines()
+    if not lines:
+        return f"the test of namespaces exited with {done.returncode}"
+    why = lines[-1]
+    for name in ("NamespacesUnavailable", "NamespacesBroken"):
+        why = why.removeprefix(f"gpu_agent.runtime.namespaces.{name}: ")
+    return why
+
+
+def enter(max_bytes: int | None, *, tested: bool = False) -> str:
+    """Move this process's future into new user, PID and mount namespaces (see the module's docstring); returns, in
+    the engine (PID 2 inside, no capabilities), what isolates it. `max_bytes`: the size of its /dev/shm (None: the
+    kernel's default, half the memory).
+
+    NOTE: the process must be single-threaded (a fresh interpreter, or a fork's child). Raises NamespacesUnavailable
+    where the kernel refuses them, with nothing changed here. Unless the agent `tested` them on this node already
+    (`unavailable_reason`), the whole set-up is tried first in a child that then exits (`_tried_in_a_child`: ~8 ms in a
+    fresh interpreter, ~150 ms in a zygote's fork, whose every fork copies vLLM's memory map; the set-up itself took 48
+    ms there). Raises NamespacesBroken where it fails half done (a process left in a PID namespace whose init is gone
+    cannot fork): this process must then end."""
+    if not tested:
+        why = _tried_in_a_child()
+        if why:
+            raise NamespacesUnavailable(why)
+    return _split(max_bytes)
+
+
+def _tried_in_a_child() -> str:
+    """Why `_split` fails here, "" if it works: tried in a child (and its own init and engine) that exit at once."""
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            _split(4096)
+        except (NamespacesUnavailable, NamespacesBroken) as exc:
+            os.write(write_end, str(exc).encode())
+        except BaseException as exc:  # noqa: BLE001 - whatever stops it is the reason, and this child must end here
+            os.write(write_end, repr(exc).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as answer:
+        why = answer.read().decode(errors="replace")
+    os.waitpid(pid, 0)
+    return why
+
+
+def _split(max_bytes: int | None) -> str:
+    """Unshare, map the user, fork the init (which forks the engine); wait here as the outer process. Raises
+    NamespacesUnavailable where `unshare` is refused (nothing changed), NamespacesBroken on a later failure."""
+    libc = _libc()
+    uid, gid = os.getuid(), os.getgid()
+    previous = {signum: signal.getsignal(signum) for signum in FORWARDED_SIGNALS}
+    # NOTE: the outer process and the init run only this module's code, and never gain a privilege either.
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS) < 0:
+        raise NamespacesUnavailable(f"unshare refused ({os.strerror(ctypes.get_errno())})")
+    try:
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    except OSError as exc:
+        raise NamespacesBroken(f"mapping the user failed ({exc.strerror})") from None
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    init_pid = os.fork()
+    if init_pid == 0:
+        os.close(read_end)
+        return _run_init(libc, write_end, max_bytes, previous)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as answer:
+        why = answer.read().decode(errors="replace")
+    if why:  # the init stopped before the engine
+        os.waitpid(init_pid, 0)
+        raise NamespacesBroken(why)
+    _wait_forwarding(init_pid)
+
+
+def _run_init(libc, answer_fd: int, max_bytes: int | None, previous) -> str:
+    """PID 1 inside: mount, start the engine, then reap and forward until the engine exits. Returns in the engine."""
+    # NOTE: armed while the outer process is alive: it waits for this process's answer.
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    try:
+        _mount(libc, "none", "/", None, _MS_REC | _MS_PRIVATE)
+        _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        size = f"size={max_bytes}," if max_bytes else ""
+        _mount(libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"{size}mode=1777")
+    except OSError as exc:
+        os.write(answer_fd, str(exc.strerror).encode())
+        os._exit(EXIT_NOT_STARTED)
+    engine = {"pid": None, "pending": []}
+
+    def forward(signum, _frame):
+        if engine["pid"] is None:
+            engine["pending"].append(signum)
+            return
+        try:
+            os.kill(engine["pid"], signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, forward)
+    pid = os.fork()
+    if pid == 0:
+        os.close(answer_fd)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        drop_capabilities()
+        return DESCRIPTION
+    engine["pid"] = pid
+    os.close(answer_fd)  # nothing written: the engine runs
+    for signum in engine["pending"]:
+        forward(signum, None)
+    while True:
+        try:
+            reaped, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(1)
+        if reaped == pid:
+            code = os.waitstatus_to_exitcode(status)
+            # NOTE: PID 1's exit makes the kernel kill whatever is left in the namespace.
+            os._exit(code if code >= 0 else 128 - code)
+
+
+def _wait_forwarding(init_pid: int) -> None:
+    """The outer process: forward SIGTERM and SIGINT to the init (the agent's, or the reaper's), exit with its code."""
+
+    def forward(signum, _frame):
+        try:
+            os.kill(init_pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, forward)
+    while True:
+        _, status = os.waitpid(init_pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(code if code >= 0 else 128 - code)

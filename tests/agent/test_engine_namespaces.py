@@ -1,0 +1,290 @@
+"""Each engine runs in its own user, PID and mount namespaces: its own /proc and its own /dev/shm.
+
+Before, engines on a node shared /proc and /dev/shm. On a GPU node the sandbox lets an engine write files in /proc
+(`sandbox.PROC_WRITE`), so one engine raised a neighbour's `oom_score_adj`; and one that read a neighbour's segment
+name opened and grew it in the shared /dev/shm, where it counted against its holder. Fake engines confine themselves
+through the real entry (`sandbox.apply_from_environment`, as `engine_main` and `become_engine` do) and log what a
+hostile tenant's code in them could do to a neighbour (`fake_engine.py --try-neighbour`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime import namespaces, process, sandbox, shared_memory
+from gpu_agent.runtime.engine import DEVICE_CPU, DEVICE_CUDA
+from gpu_agent.runtime.engine_disk import EngineDiskBounds
+from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+
+from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_for_state, wait_until
+
+MB = 1024 * 1024
+NAMESPACES_MISSING = namespaces.unavailable_reason()
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_MISSING), reason=NAMESPACES_MISSING or "-")
+
+
+@pytest.fixture
+def make_supervisor(tmp_path, monkeypatch):
+    """Supervisors of confined fake engines, each with its own data dir and the fake's arguments given per replica
+    (`extra`); as on a GPU node, the policy lets engines write in /proc. Whatever they started goes after the test."""
+    monkeypatch.setattr(
+        sandbox, "device_nodes", lambda: [*sandbox.DEVICE_NODES, "/dev/nvidia0", "/dev/nvidiactl"]
+    )
+    made = []
+
+    def make(
+        name: str,
+        extra: dict[str, list[str]],
+        *,
+        under_reaper: bool = False,
+        device: str = DEVICE_CPU,
+        **bounds,
+    ) -> Supervisor:
+        def factory(spec, model_path, port):
+            args = ["--confine", *extra.get(spec.replica_id, [])]
+            return fake_engine_factory(*args, under_reaper=under_reaper)(spec, model_path, port)
+
+        made.append(Supervisor(tmp_path / name, command_factory=factory, device=device, sandbox_mode=sandbox.SandboxMode.REQUIRED,
+                               policy=SupervisorPolicy(stop_timeout_s=5),
+                               disk_bounds=EngineDiskBounds(**{"check_interval_s": 3600, **bounds})))  # fmt: skip
+        return made[-1]
+
+    yield make
+    for supervisor in made:
+        supervisor.shutdown(timeout_s=5)
+        process.kill_orphans(supervisor.data_dir, set())
+
+
+def start(supervisor: Supervisor, replica_id: str, tmp_path: Path):
+    supervisor.start(make_spec(replica_id, endpoint_id=f"e-{replica_id}"), tmp_path)
+    wait_for_state(supervisor, replica_id, ReplicaState.READY, timeout_s=30)
+    return supervisor.get(replica_id)
+
+
+def logged(replica, prefix: str) -> str:
+    line = wait_until(lambda: [line for line in replica.log_path.read_text().splitlines() if line.startswith(prefix)],
+                      timeout_s=10)  # fmt: skip
+    return line[-1].removeprefix(prefix)
+
+
+def tried(supervisor: Supervisor, replica_id: str, tmp_path: Path) -> dict:
+    """What a fake engine started now could do (`fake_engine.py --try-neighbour`), as it logged it."""
+    return json.loads(logged(start(supervisor, replica_id, tmp_path), "==> tried "))
+
+
+def neighbour_with_shared_memory(make_supervisor, tmp_path) -> tuple[object, str]:
+    """Another tenant's engine, holding a segment of 64 KiB in /dev/shm; and that segment's path."""
+    neighbours = make_supervisor("neighbour", {"r-b": ["--fill-shm-bytes", str(64 * 1024)]})
+    replica = start(neighbours, "r-b", tmp_path)
+    return replica, logged(replica, "==> shared memory ")
+
+
+def test_an_engine_sees_only_its_own_processes_and_cannot_raise_a_neighbours_oom_score(
+    make_supervisor, tmp_path
+):
+    neighbour, _segment = neighbour_with_shared_memory(make_supervisor, tmp_path)
+    hostile = make_supervisor("hostile", {"r-a": ["--try-neighbour", json.dumps({"pid": neighbour.pid})]})
+    seen = tried(hostile, "r-a", tmp_path)
+    assert neighbour.pid not in seen["pids"] and len(seen["pids"]) <= 4  # its init, itself, its worker, `ls`
+    assert seen["own_pid"] == 2  # below its init, PID 1
+    assert seen["oom_score_adj"] == "refused: No such file or directory"
+    assert Path(f"/proc/{neighbour.pid}/oom_score_adj").read_text().strip() == "0"
+    assert "own pid, mount and user namespaces" in logged(hostile.get("r-a"), sandbox.APPLIED_LINE)
+
+
+def test_an_engine_cannot_open_a_neighbours_shared_memory_and_its_own_is_bounded(make_supervisor, tmp_path):
+    neighbour, segment = neighbour_with_shared_memory(make_supervisor, tmp_path)
+    hostile = make_supervisor("hostile", {"r-a": ["--try-neighbour", json.dumps({"shm": segment}),
+                                                  "--try-shm-bytes", str(16 * MB)]},
+                              engine_max_bytes=4 * MB)  # fmt: skip
+    seen = tried(hostile, "r-a", tmp_path)
+    assert seen["shm_open"] == "refused: No such file or directory"
+    assert Path(segment).name not in str(seen["shm_listing"])
+    assert seen["shm_written"] == 4 * MB  # its /dev/shm is a tmpfs of its bound: the kernel stops it there
+    # The agent still counts what the neighbour holds in its own /dev/shm, and names none of it outside.
+    held = shared_memory.held_by(shared_memory.process_tree(neighbour.pid))
+    assert held.num_bytes >= 64 * 1024 and not held.paths and not held.hidden
+
+
+@pytest.mark.parametrize("under_reaper", [False, True])
+def test_the_agent_stops_and_kills_an_engine_in_its_namespaces_and_every_process_of_it(
+    make_supervisor, tmp_path, under_reaper, caplog
+):
+    caplog.set_level(logging.INFO, logger="gpu_agent.runtime.supervisor")
+    supervisor = make_supervisor("agent", {"r-kill": ["--ignore-sigterm"]}, under_reaper=under_reaper)
+    # SIGTERM reaches the engine through its outer process and init (PID 1 gets only what it handles); one that
+    # ignores it is SIGKILLed after the grace.
+    for replica_id, how in (("r-stop", "its own exit, code 0"), ("r-kill", "killed, code")):
+        start(supervisor, replica_id, tmp_path)
+        processes = processes_with_marker(replica_id)
+        assert len(processes) >= 4  # outer, init, engine, its worker (and the reaper)
+        supervisor.drain(replica_id)
+        wait_for_state(supervisor, replica_id, ReplicaState.STOPPED, timeout_s=20, step_s=0.05)
+        wait_until(lambda rid=replica_id: not processes_with_marker(rid), timeout_s=5, step_s=0.05)
+        assert f"replica {replica_id} STOPPED" in caplog.text and f"({how}" in caplog.text
+        assert not [
+            found for found in processes if found.is_running() and found.status() != psutil.STATUS_ZOMBIE
+        ]
+
+
+def test_a_crashed_engine_takes_its_namespace_with_it(make_supervisor, tmp_path):
+    supervisor = make_supervisor("agent", {"r-crash": ["--exit-after-s", "1"]})
+    replica = start(supervisor, "r-crash", tmp_path)
+    worker = [
+        found
+        for found in psutil.Process(replica.pid).children(recursive=True)
+        if "sleep" in " ".join(found.cmdline())
+    ]
+    assert len(worker) == 1
+    # PID 1 exits with the engine, and the kernel kills what is left in its namespace: the worker, at once.
+    wait_until(lambda: "fake engine exits" in replica.log_path.read_text(), timeout_s=10)
+    worker[0].wait(timeout=2)
+
+
+def test_a_new_agent_reaps_the_engines_an_agent_left(make_supervisor, tmp_path):
+    old_agent = make_supervisor("agent", {})
+    orphan = start(old_agent, "r-orphan", tmp_path)
+    below = psutil.Process(orphan.pid).children(recursive=True)
+    assert len(below) >= 2  # its init, the engine and its worker, seen by their outer pids
+    # The agent that started it is gone without stopping it; the next one finds it by its marker and kills it.
+    process.kill_orphans(old_agent.data_dir, set())
+    wait_until(lambda: not processes_with_marker("r-orphan"), timeout_s=5)
+    assert not [found for found in below if found.is_running() and found.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_new_agent_adopts_an_engine_in_its_namespaces_sleeps_and_wakes_it_and_kills_the_one_it_does_not_want(
+    make_supervisor, tmp_path
+):
+    sleepy = {replica_id: ["--sleep-mode"] for replica_id in ("r-kept", "r-gone")}
+    first = make_supervisor("agent", sleepy, under_reaper=True, device=DEVICE_CUDA)
+    for replica_id in ("r-kept", "r-gone"):
+        first.start(make_spec(replica_id, endpoint_id=f"e-{replica_id}", sleep_mode=True), tmp_path)
+        wait_for_state(first, replica_id, ReplicaState.READY, timeout_s=30)
+    pid = first.get("r-kept").pid
+    first._probe.close()  # the old agent vanishes without stopping its engines
+    first._replicas.clear()
+
+    second = make_supervisor("agent", sleepy, under_reaper=True, device=DEVICE_CUDA)
+    kept = make_spec("r-kept", endpoint_id="e-r-kept", sleep_mode=True)
+    assert second.recover({"r-kept": kept}) == (["r-kept"], ["r-gone"])
+    wait_until(lambda: not processes_with_marker("r-gone"), timeout_s=5)
+    assert second.get("r-kept").pid == pid
+    second.sleep("r-kept")
+    wait_until(lambda: second.get("r-kept").state == ReplicaState.SLEEPING, timeout_s=10, poll=second.poll)
+    second.wake("r-kept")
+    wait_until(lambda: second.get("r-kept").state == ReplicaState.READY, timeout_s=10, poll=second.poll)
+    log = second.get("r-kept").log_path.read_text()
+    assert "fake engine sleeps (level 1)" in log and "fake engine wakes" in log
+
+
+def test_an_engine_past_its_bound_fails_and_the_names_it_held_in_its_own_shared_memory_remove_nothing_outside(
+    make_supervisor, tmp_path
+):
+    supervisor = make_supervisor("agent", {"r-shm": ["--fill-shm-bytes", str(64 * 1024), "--fill-scratch-bytes",
+                                                     str(2 * MB)]}, engine_max_bytes=MB, check_interval_s=0)  # fmt: skip
+    replica = start(supervisor, "r-shm", tmp_path)
+    segment = Path(logged(replica, "==> shared memory "))
+    segment.write_bytes(b"the agent's own")  # the same name in the node's /dev/shm, outside its namespace
+    try:
+        supervisor.check_disk()
+        assert supervisor.get("r-shm").state == ReplicaState.FAILED
+        assert "to its own folders and /dev/shm" in supervisor.get("r-shm").failure_reason
+        wait_until(lambda: not processes_with_marker("r-shm"), timeout_s=10)
+        assert segment.read_bytes() == b"the agent's own"
+    finally:
+        segment.unlink(missing_ok=True)
+
+
+REFUSALS = {
+    # A container runtime's seccomp, or user namespaces turned off: the kernel refuses at once.
+    "unshare": (
+        """
+        real = namespaces._libc()
+        class Refusing:
+            def __getattr__(self, name):
+                return getattr(real, name)
+            def unshare(self, flags):
+                ctypes.set_errno(1)
+                return -1
+        namespaces._libc = Refusing
+    """,
+        "no namespaces: unshare refused (Operation not permitted)",
+    ),
+    # A /proc with masked parts (a container's): a fresh procfs is refused after the PID namespace exists.
+    "mount": (
+        """
+        mount = namespaces._mount
+        def refusing(libc, source, target, *rest):
+            if target == "/proc":
+                raise OSError(1, "mounting /proc: Operation not permitted")
+            return mount(libc, source, target, *rest)
+        namespaces._mount = refusing
+    """,
+        "no namespaces: mounting /proc: Operation not permitted",
+    ),
+}
+
+
+def confine(mode: sandbox.SandboxMode, refused: str | None, namespaces_missing: str | None = None):
+    """An engine's start (`apply_from_environment`) where the kernel refuses namespaces as `refused` says, under a
+    policy that says what the agent found (`namespaces_missing`); it then starts a child, as vLLM would."""
+    script = "import ctypes, os\nfrom gpu_agent.runtime import namespaces, sandbox\n"
+    script += textwrap.dedent(REFUSALS[refused][0] if refused else "") + textwrap.dedent("""
+        sandbox.apply_from_environment()
+        # NOTE: never half set up: a process left in a PID namespace whose init is gone could not start a child.
+        child = os.fork() or os._exit(7)
+        print("vLLM would start now, a child exited", os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+    """)
+    policy = sandbox.SandboxPolicy(mode=mode, namespaces_missing=namespaces_missing)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, sandbox.POLICY_ENV: policy.to_json()}, cwd=Path(__file__).parents[2])  # fmt: skip
+
+
+@pytest.mark.parametrize("refused", sorted(REFUSALS))
+def test_where_namespaces_are_refused_the_sandbox_mode_decides_and_says_so(refused):
+    why = REFUSALS[refused][1]
+    required = confine(sandbox.SandboxMode.REQUIRED, refused)
+    assert required.returncode == 78 and "vLLM would start now" not in required.stdout
+    assert (
+        f"{sandbox.APPLIED_LINE} none: {why}; INFERPLANE_ENGINE_SANDBOX=required: not starting"
+        in required.stderr
+    )
+    best_effort = confine(sandbox.SandboxMode.BEST_EFFORT, refused)
+    assert best_effort.returncode == 0, best_effort.stderr
+    assert "vLLM would start now, a child exited 7" in best_effort.stdout
+    assert f"{why} (INFERPLANE_ENGINE_SANDBOX=best-effort: sharing /proc and /dev/shm)" in best_effort.stderr
+
+
+def test_an_engine_goes_by_what_the_agent_found_and_never_on_half_set_up():
+    # Refused on this node, as the agent found: not tried again; the mode decides.
+    best_effort = confine(sandbox.SandboxMode.BEST_EFFORT, None, namespaces_missing="unshare refused (EPERM)")
+    assert "vLLM would start now, a child exited 7" in best_effort.stdout
+    assert (
+        "no namespaces: unshare refused (EPERM) (INFERPLANE_ENGINE_SANDBOX=best-effort" in best_effort.stderr
+    )
+    assert (
+        confine(sandbox.SandboxMode.REQUIRED, None, namespaces_missing="unshare refused (EPERM)").returncode
+        == 78
+    )
+    # Found working, so entered at once (no trial in a child): where that fails half done, the engine never starts.
+    assert "own pid, mount and user namespaces" in confine(sandbox.SandboxMode.REQUIRED, None, "").stderr
+    half = confine(sandbox.SandboxMode.BEST_EFFORT, "mount", namespaces_missing="")
+    assert half.returncode == 78 and "vLLM would start now" not in half.stdout
+    assert (
+        f"{sandbox.APPLIED_LINE} none: namespaces half set up: mounting /proc: Operation not permitted; "
+        "whatever the mode: not starting" in half.stderr
+    )
+
+
+def test_the_node_says_its_engines_have_namespaces_of_their_own():
+    assert sandbox.node_fact(sandbox.SandboxMode.BEST_EFFORT).endswith("; own pid, mount and user namespaces")
