@@ -212,8 +212,8 @@ def count_superseded(lost_costs: Mapping[str, Decimal]) -> int:
     difference is still to come), writing it marked; a count that finds the counter missing while it is rebuilt leaves
     it the difference, which it adds unless its snapshot held the row superseded. This count drops the registration.
 
-    NOTE: left open, a window of one round trip: a sweeper that settles the row after the superseding commit and before
-    this count settles the call's own cost, and this adds the difference again."""
+    NOTE: the sweeper leaves a registered row's call to this count (`sweeper._counted_later`): settled after the
+    superseding commit and before this count, it counted the call's whole cost, and this added the difference again."""
     if not lost_costs:
         return 0
     close_old_connections()
