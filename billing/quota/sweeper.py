@@ -114,13 +114,15 @@ def _release(client, organization_id: int, expired: list[str], now: float) -> in
     if missing := [request_id for request_id in expired if request_id not in rows]:
         if _record_lost_calls(client, organization_id, missing):
             rows = _rows(organization_id, expired)
-    counted_later = _counted_later(client, organization_id, list(rows), now)
+    counted_later, lapsed = _registered(client, organization_id, list(rows), now)
     for request_id in expired:
         payload = client.hget(reservations_key(organization_id), request_id)
         held = json.loads(payload) if payload else None
         if request_id in counted_later:
             continue
         if held is not None and request_id in rows:
+            if request_id in lapsed:
+                client.hdel(replaying_key(organization_id), request_id)
             cost, finished_at, billing_mode = rows[request_id]
             reservation = counters.Reservation(request_id, organization_id, held["k"], Decimal(0), held["p"])
             _SETTLE_SERVED.run_sync(quota_settle=counters.settle_keys_and_args(
@@ -135,24 +137,28 @@ def _release(client, organization_id: int, expired: list[str], now: float) -> in
     return released
 
 
-def _counted_later(client, organization_id: int, request_ids: list[str], now: float) -> set[str]:
-    """Of `request_ids` (calls whose row the ledger has, read before), those whose count is still to come: a replay
-    registered its row (`billing.quota.replayed`: before its INSERT, or before a supersede), committed it, and has not
-    counted it yet. Their holds are left to that count: it counts the row once, whole while the hold is there (a
-    replayed row sets the call's settled marker; a superseding one counts its whole cost and sets it), and the next
-    sweep only releases the hold.
+def _registered(client, organization_id: int, request_ids: list[str], now: float) -> tuple[set[str], set[str]]:
+    """Of `request_ids` (calls whose row the ledger has, read before), those a replay registered and has not counted
+    (`billing.quota.replayed`: before its INSERT, or before a supersede): whose registration lasts, and lapsed.
 
-    NOTE: settled here, in the round trip between the commit and the count, the row's cost was counted twice: the
-    sweeper's settlement (the whole row, read after the commit) and the count (the row again, or the difference from the
-    lost row it superseded, as the hold was gone): $1.00 or $0.86 counted for $0.50
-    (`tests/billing/test_lost_row_superseded.py`). A registration read after the row: one dropped meanwhile was
-    counted, and the count set the marker the settlement then finds. Only while the registration lasts
-    (`replayed.REGISTRATION_TTL_S`): one a replay left (a row it did not write now) holds no call past it."""
+    A call whose registration lasts is left to its count: it counts the row once, whole while the hold is there (a
+    replayed row sets the call's settled marker; a superseding one counts its whole cost and sets it), and the next
+    sweep only releases the hold. NOTE: settled in the round trip between the commit and the count, the row's cost was
+    counted twice: the sweeper's settlement (the whole row, read after the commit) and the count (the row again, or the
+    difference from the lost row it superseded, as the hold was gone): $1.00 or $0.86 counted for $0.50
+    (`tests/billing/test_lost_row_superseded.py`). Read after the row: a registration dropped meanwhile was counted,
+    and the count set the marker the settlement then finds.
+
+    A lapsed one (its replay killed between its commit and its count, or one whose INSERT failed) is dropped before
+    the call is settled: the next replay of its rows finds it no longer owed and counts nothing more
+    (`replayed.count_replayed`), or, dropping it first, counts the row and sets the marker the settlement finds."""
     if not request_ids:
-        return set()
+        return set(), set()
     registrations = client.hmget(replaying_key(organization_id), request_ids)
-    return {request_id for request_id, until_s in zip(request_ids, registrations, strict=True)
-            if until_s is not None and float(until_s) >= now}
+    registered = {request_id: float(until_s) for request_id, until_s in zip(request_ids, registrations, strict=True)
+                  if until_s is not None}
+    lasting = {request_id for request_id, until_s in registered.items() if until_s >= now}
+    return lasting, registered.keys() - lasting
 
 
 def _rows(organization_id: int, request_ids: list[str]) -> dict[str, tuple]:

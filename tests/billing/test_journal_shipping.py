@@ -14,7 +14,7 @@ from asgiref.sync import sync_to_async
 
 from billing import journal_shipping, usage_writer
 from billing.models import UsageRecord
-from billing.quota import reads, rebuild, sweeper
+from billing.quota import reads, rebuild, replayed, sweeper
 from billing.usage_journal import REJECTED_NAME, encode
 from controlplane.redis_client import get_redis
 from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_child, s3_server  # noqa: F401 - fixtures used here
@@ -288,3 +288,34 @@ def test_a_counter_rebuilt_while_a_shipped_row_supersedes_a_lost_row_counts_its_
 
     assert UsageRecord.objects.get().cost == Decimal("0.50")
     assert reads.counted_spend(organization_id) == Decimal("0.50")
+
+
+class _Killed(Exception):
+    """The worker dies (an OOM kill, a node lost) right after its INSERT committed."""
+
+
+def test_shipped_rows_whose_worker_was_killed_before_their_count_are_counted_by_its_next_run(
+        outage, files_bucket, monkeypatch):  # noqa: F811
+    # Before, the next run wrote nothing and so counted nothing: the rows stayed out of the counters that existed.
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    organization_id = endpoint.organization_id
+    reports = [usage_report(endpoint, request_id=f"spent-{number}", prompt_tokens=100_000, completion_tokens=0)
+               for number in range(3)]  # $0.10 each
+    _journal_rows_while_down(reports, replay_for_s=0.5)
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX)
+    outage.end()
+    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+    assert reads.counted_spend(organization_id) == 0
+
+    def killed(*args, **kwargs):
+        raise _Killed()
+
+    monkeypatch.setattr(replayed, "count_replayed", killed)
+    with pytest.raises(_Killed):
+        journal_shipping.replay_shipped()
+    monkeypatch.undo()
+    assert UsageRecord.objects.count() == len(reports)  # committed, not counted; the segment still in the bucket
+
+    assert journal_shipping.replay_shipped() == 0  # nothing written now
+    assert reads.counted_spend(organization_id) == Decimal("0.30")
+    assert journal_shipping.replay_shipped() == 0 and reads.counted_spend(organization_id) == Decimal("0.30")

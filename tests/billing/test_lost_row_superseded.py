@@ -433,10 +433,10 @@ def test_the_sweeper_between_a_commit_and_its_count_leaves_the_call_to_the_count
     counter = "_count_replayed" if path == "a replayed row" else "_count_superseded"
     count, swept = getattr(usage_writer, counter), []
 
-    async def sweep_then_count(request_ids):
+    async def sweep_then_count(request_ids, **kwargs):
         if request_ids:
             swept.append(await sync_to_async(sweeper.sweep_expired_reservations)(now=time.time() + 2, batch_size=1))
-        await count(request_ids)
+        await count(request_ids, **kwargs)
 
     monkeypatch.setattr(usage_writer, counter, sweep_then_count)
     if path == "a woken gateway's row over a lost row":
