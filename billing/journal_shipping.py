@@ -129,8 +129,9 @@ def _replay_one(key: str) -> int:
     num_written, rejected = 0, []
     for first in range(0, len(reports), REPLAY_BATCH):
         batch = reports[first:first + REPLAY_BATCH]
+        owed: dict[str, float] = {}
         try:
-            replayed.register_replaying_sync(batch)
+            owed = replayed.register_replaying_sync(batch)
         except Exception as exc:  # noqa: BLE001 - the ledger comes first: a counter rebuilt meanwhile may count one twice
             logger.warning("usage journal: %d shipped row(s) replayed unregistered (%r)", len(batch), exc)
         try:
@@ -146,7 +147,8 @@ def _replay_one(key: str) -> int:
             rejected += batch
             continue
         num_written += len(written)
-        replayed.count_replayed(written)  # NOTE: as the gateway's replay (`usage_writer`): only what was written now
+        # NOTE: as the gateway's replay (`usage_writer`): what was written now, and what a killed replay left owed
+        replayed.count_replayed(written, batch=batch, owed=owed)
         replayed.count_superseded(supersede_lost_rows(batch, written))
     if rejected:
         _set_aside(key, b"".join(encode(report) for report in rejected))

@@ -224,7 +224,10 @@ class UsageWriter:
         await _register_replaying(candidates)
         if self._connection is None or self._connection.closed:
             self._connection = await _connect()
-        return await supersede_lost_rows_on(self._connection, candidates)
+        superseded = await supersede_lost_rows_on(self._connection, candidates)
+        # NOTE: a registration left would be taken for a killed replay's, owed a count (`replayed.count_replayed`).
+        await _drop_registrations([report for report in candidates if report.request_id not in superseded])
+        return superseded
 
     async def _journal(self, reports: list[UsageReport]) -> list[Recorded]:
         await asyncio.to_thread(journal().append, reports)
@@ -306,7 +309,7 @@ class UsageWriter:
                 rejected = []
                 for first in range(0, len(reports), self.max_batch):
                     batch = reports[first:first + self.max_batch]
-                    await _register_replaying(batch)
+                    owed = await _register_replaying(batch)
                     try:
                         written, refused, _ = await asyncio.wait_for(self._write_rows(batch, supersede=False),
                                                                      WRITE_TIMEOUT_S)
@@ -319,7 +322,7 @@ class UsageWriter:
                         rejected += batch
                         continue
                     rejected += [report for report in batch if report.request_id in refused]
-                    await _count_replayed(written)
+                    await _count_replayed(written, batch=batch, owed=owed)
                     # NOTE: the rows written now are counted before the lost rows are superseded, never after both: a
                     # supersede that failed once the insert had committed left them uncounted for good (their retry
                     # writes nothing new; found by this stop's review). The segment waits, and its retry supersedes.
@@ -368,18 +371,30 @@ async def _count_superseded(lost_costs: dict[str, Decimal]) -> None:
                        len(lost_costs), exc)
 
 
-async def _register_replaying(reports: list[UsageReport]) -> None:
-    """Before a replay writes `reports`: a counter rebuilt meanwhile counts each once (`billing.quota.replayed`)."""
+async def _register_replaying(reports: list[UsageReport]) -> dict[str, float]:
+    """Before a replay writes `reports`: a counter rebuilt meanwhile counts each once (`billing.quota.replayed`).
+    Returns the request ids a replay before this one registered and has not counted (`replayed.count_replayed`)."""
     try:
-        await replayed.register_replaying(reports)
+        return await replayed.register_replaying(reports)
     except Exception as exc:  # noqa: BLE001 - the ledger comes first: a counter rebuilt meanwhile may count one twice
         logger.warning("usage journal: %d row(s) replayed unregistered (%r)", len(reports), exc)
+        return {}
 
 
-async def _count_replayed(request_ids: set[str]) -> None:
-    """The rows a replay wrote now, counted in the quota counters rebuilt without them (`billing.quota.replayed`)."""
+async def _drop_registrations(reports: list[UsageReport]) -> None:
+    if not reports:
+        return
     try:
-        await sync_to_async(replayed.count_replayed)(request_ids)
+        await replayed.drop_registrations(reports)
+    except Exception as exc:  # noqa: BLE001 - left, they lapse (`replayed.REGISTRATION_KEPT_S`)
+        logger.warning("usage writer: %d registration(s) not dropped (%r)", len(reports), exc)
+
+
+async def _count_replayed(request_ids: set[str], *, batch: list[UsageReport], owed: dict[str, float]) -> None:
+    """The rows a replay wrote now, and those of its `batch` a killed replay before it wrote and left `owed`, counted
+    in the quota counters rebuilt without them (`billing.quota.replayed`)."""
+    try:
+        await sync_to_async(replayed.count_replayed)(request_ids, batch=batch, owed=owed)
     except Exception as exc:  # noqa: BLE001 - the rows are in the ledger: a counter rebuilt from it later counts them
         logger.warning("usage journal: %d replayed row(s) not counted in the quota counters: %r", len(request_ids), exc)
 

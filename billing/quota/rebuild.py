@@ -83,8 +83,9 @@ end
 # The rows replayed from the journal, as a rebuilt counter must count them (`replayed`): its ledger snapshot has each
 # of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, a superseded one only as such:
 # `_held`); one whose count is still to come
-# (registered, its registration live) is marked as counted (`marks`, under `mark_prefix`), so the count drops the
-# mark and adds nothing, unless `left` (its cost left to its settlement). Returns the costs of the rows whose count
+# (registered, its registration there: lapsed too, a killed replay's, which the next replay counts, `replayed`) is
+# marked as counted (`marks`, under `mark_prefix`), so the count drops the mark and adds nothing, unless `left` (its
+# cost left to its settlement). Returns the costs of the rows whose count
 # found the counter missing while it was rebuilt and the snapshot lacks: the caller adds them. Those are dropped.
 REPLAYED_ROWS_LUA = """
 local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrations, now, A, first, num_present, left)
@@ -93,7 +94,7 @@ local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrati
     local request_id = A[i]
     present[request_id] = true
     local until_s = redis.call('HGET', registrations, request_id)
-    if not left[request_id] and until_s and tonumber(until_s) >= now then
+    if not left[request_id] and until_s then
       redis.call('HSET', marks, mark_prefix .. request_id, '1')
     end
   end

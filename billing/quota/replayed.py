@@ -34,10 +34,14 @@ asgiref's one thread for sync code, which every other sync call of the gateway p
 Each INSERT is bounded well inside a registration's life (`REGISTRATION_TTL_S`): the gateway's gives up after
 `usage_writer.WRITE_TIMEOUT_S`, the worker's is cancelled by PostgreSQL after `WRITE_TIMEOUT_S` (`record_registered_batch`).
 
-NOTE: left open, a replayer killed between its commit and its count (or an INSERT cut short by the gateway's timeout
-that commits after): its rows are counted in no counter that existed then, until each is next rebuilt (a counter rebuilt
-while their registration lasts counts them, marked). A count later than the registration (its process frozen minutes
-between its commit and its count) may count a row twice in a counter rebuilt after the registration lapsed.
+A replay killed between its commit and its count (or one whose INSERT, cut short by its timeout, committed after)
+leaves its rows' registrations, kept a day past their time (`REGISTRATION_KEPT_S`), and its segment in the journal: the
+next replay of it writes nothing, finds those rows registered already (`register_replaying`) and counts each the
+ledger has as that replay wrote it, once (`count_replayed`'s `owed`); a rebuild meanwhile marks each held row still
+registered, lapsed or not (`billing.quota.rebuild`); the sweeper, settling a call whose registration lapsed, drops it.
+Before, its rows were counted in no counter that existed then, until each was next rebuilt. Left open: two replays of
+the same rows at once (a segment both shipped and replayed here, in the same moment) may count a row twice, and a
+killed supersede's difference is counted by none.
 """
 
 from __future__ import annotations
@@ -50,10 +54,10 @@ from decimal import Decimal
 from django.db import close_old_connections, connection, transaction
 
 from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch
-from billing.models import BillingMode, UsageRecord
+from billing.models import BillingMode, UsageRecord, UsageStatus
 from billing.periods import period_containing
 from billing.quota.counters import SETTLED_MARKER_TTL_S, to_units
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
     credit_key,
@@ -74,20 +78,38 @@ REGISTRATION_TTL_S = 300
 # The longest each statement of the worker's replay INSERT may run (`record_registered_batch`), PostgreSQL's own bound:
 # the batch commits well inside its registration's life, or not at all (the segment waits for the next run).
 WRITE_TIMEOUT_S = 30
+# How long past that one a replay did not count (killed between its commit and its count) waits for the next replay of
+# its rows, which counts it (`owed`): the journal's segment stays until a replay of it is done.
+REGISTRATION_KEPT_S = SETTLED_MARKER_TTL_S
 MISSED_PREFIX = "m:"  # `rebuilding_key`'s fields of costs counts could not add: m:<counter key>|<request id>
 REBUILDING_PREFIX = "c:"  # and of rebuilds under way: c:<counter key> -> until when
 
-# KEYS: the organisation's registrations; ARGV: their ttl (s), then each request id.
+# KEYS: the organisation's registrations; ARGV: their ttl (s), how long the hash is kept (s), then each request id.
+# Returns the request ids registered already, each followed by the deadline it had: a replay's that has not counted
+# them (`count_replayed`'s `owed`), or one under way.
 _REGISTER = Script("""
 local deadline = tonumber(redis.call('TIME')[1]) + tonumber(ARGV[1])
-for i = 2, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], deadline) end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return #ARGV - 1
+local owed = {}
+for i = 3, #ARGV do
+  local before = redis.call('HGET', KEYS[1], ARGV[i])
+  if before then
+    owed[#owed + 1] = ARGV[i]
+    owed[#owed + 1] = before
+  end
+  redis.call('HSET', KEYS[1], ARGV[i], deadline)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return owed
 """)
+# How far PostgreSQL's clock (a row's `recorded_at`) may be behind Redis's (a registration's) for `count_replayed` to
+# take a row written by the replay that registered it as such.
+CLOCKS_APART_S = 1.0
 
 # KEYS: the credit figure, the journaled calls the figure counted, the rebuilds under way, the registrations, then per
 # row: its settled marker, its org period counter, its key period counter (the no-key placeholder without a key);
-# ARGV: marker ttl, then per row: request id, cost (units), has key (1/0), draws credit (1/0). Returns the rows.
+# ARGV: marker ttl, the number of rows, then per row: request id, cost (units), has key (1/0), draws credit (1/0), owed
+# (1/0: counted only if its registration is still there, which this drops), then the request ids whose registration
+# is dropped uncounted. Returns the rows counted.
 _COUNT_REPLAYED = Script("""
 local now = tonumber(redis.call('TIME')[1])
 local function missed(counter, request_id, cost)
@@ -100,22 +122,26 @@ local function count(counter, request_id, cost)
   if redis.call('EXISTS', counter) == 0 then return missed(counter, request_id, cost) end
   if redis.call('HDEL', counter, 'j:' .. request_id) == 0 then redis.call('HINCRBY', counter, 'spent', cost) end
 end
-local num_rows = (#ARGV - 1) / 4
+local num_rows = tonumber(ARGV[2])
+local num_counted = 0
 for n = 0, num_rows - 1 do
-  local request_id, cost = ARGV[2 + 4 * n], ARGV[3 + 4 * n]
-  redis.call('SET', KEYS[5 + 3 * n], '1', 'NX', 'EX', ARGV[1])
-  count(KEYS[6 + 3 * n], request_id, cost)
-  if ARGV[4 + 4 * n] == '1' then count(KEYS[7 + 3 * n], request_id, cost) end
-  if ARGV[5 + 4 * n] == '1' then
-    if redis.call('EXISTS', KEYS[1]) == 0 then
-      missed(KEYS[1], request_id, cost)
-    elseif redis.call('HDEL', KEYS[2], request_id) == 0 then
-      redis.call('DECRBY', KEYS[1], cost)
+  local request_id, cost = ARGV[3 + 5 * n], ARGV[4 + 5 * n]
+  if redis.call('HDEL', KEYS[4], request_id) == 1 or ARGV[7 + 5 * n] ~= '1' then
+    redis.call('SET', KEYS[5 + 3 * n], '1', 'NX', 'EX', ARGV[1])
+    count(KEYS[6 + 3 * n], request_id, cost)
+    if ARGV[5 + 5 * n] == '1' then count(KEYS[7 + 3 * n], request_id, cost) end
+    if ARGV[6 + 5 * n] == '1' then
+      if redis.call('EXISTS', KEYS[1]) == 0 then
+        missed(KEYS[1], request_id, cost)
+      elseif redis.call('HDEL', KEYS[2], request_id) == 0 then
+        redis.call('DECRBY', KEYS[1], cost)
+      end
     end
+    num_counted = num_counted + 1
   end
-  redis.call('HDEL', KEYS[4], request_id)
 end
-return num_rows
+for i = 3 + 5 * num_rows, #ARGV do redis.call('HDEL', KEYS[4], ARGV[i]) end
+return num_counted
 """)
 
 
@@ -124,21 +150,27 @@ def _registrations(reports: Iterable[UsageReport]) -> list[tuple[list[str], list
     by_organization: dict[int, list[str]] = defaultdict(list)
     for report in reports:
         by_organization[report.organization_id].append(report.request_id)
-    return [([replaying_key(organization_id)], [str(REGISTRATION_TTL_S), *request_ids])
+    kept_s = str(REGISTRATION_TTL_S + REGISTRATION_KEPT_S)
+    return [([replaying_key(organization_id)], [str(REGISTRATION_TTL_S), kept_s, *request_ids])
             for organization_id, request_ids in by_organization.items()]
 
 
-async def register_replaying(reports: Collection[UsageReport]) -> None:
+async def register_replaying(reports: Collection[UsageReport]) -> dict[str, float]:
     """Step 1 of a replay, before `reports` are written into the ledger (see the module's docstring); so too before a
-    write's rows not written now may supersede lost rows (`count_superseded`)."""
+    write's rows not written now may supersede lost rows (`count_superseded`). Returns the request ids registered
+    already, each with when (Redis's clock, s): `count_replayed`'s `owed`."""
+    owed: dict[str, float] = {}
     for keys, args in _registrations(reports):
-        await _REGISTER(keys=keys, args=args)
+        owed |= _registered_at(await _REGISTER(keys=keys, args=args))
+    return owed
 
 
-def register_replaying_sync(reports: Collection[UsageReport]) -> None:
+def register_replaying_sync(reports: Collection[UsageReport]) -> dict[str, float]:
     """`register_replaying` from synchronous code (the worker's replay of shipped segments)."""
+    owed: dict[str, float] = {}
     for keys, args in _registrations(reports):
-        _REGISTER.run_sync(keys=keys, args=args)
+        owed |= _registered_at(_REGISTER.run_sync(keys=keys, args=args))
+    return owed
 
 
 def record_registered_batch(reports: list[UsageReport]) -> set[str]:
@@ -160,27 +192,76 @@ def record_registered_batch(reports: list[UsageReport]) -> set[str]:
     raise refused
 
 
-def count_replayed(request_ids: Collection[str]) -> int:
+
+def _registered_at(answer: list) -> dict[str, float]:
+    return {_text(answer[i]): float(answer[i + 1]) - REGISTRATION_TTL_S for i in range(0, len(answer), 2)}
+
+
+def count_replayed(request_ids: Collection[str], *, batch: Collection[UsageReport] = (),
+                   owed: Mapping[str, float] | None = None) -> int:
     """Count the rows of `request_ids`, just written into the ledger by a replay of the journal, in the quota counters
-    that lack them; returns how many rows. One query, and one script per organisation. Blocking I/O (the ORM, Redis)."""
-    if not request_ids:
+    that lack them; returns how many rows. One query, and one script per organisation. Blocking I/O (the ORM, Redis).
+
+    `batch`: the reports this replay registered (`register_replaying`); `owed`: those of them registered already then,
+    with when (what `register_replaying` returned). A replay killed between its commit and its count left its rows in
+    the ledger, uncounted, their registrations there (kept `REGISTRATION_KEPT_S`) and its segment in the journal: the
+    next replay writes nothing of it, and counts each owed row the ledger has as that replay wrote it (recorded since
+    it was registered, as the journal has it: not a `gateway_lost` row, nor one superseded, whose `finished_at` is the
+    lost row's) if it drops its registration: once, whichever replay comes first. A row recorded before (a write cut
+    short by its timeout that committed: its call's settlement counted it) is not. The registration of every other row
+    of the batch is dropped uncounted, but a `gateway_lost` row's: its supersede, to come, drops it
+    (`count_superseded`).
+
+    NOTE: before, the next replay counted only what it wrote now, nothing: the rows stayed out of every counter that
+    existed then (spend past a cap, the credit) until each was rebuilt."""
+    owed = owed or {}
+    owed_at = {report.request_id: report.finished_at for report in batch
+               if report.request_id in owed and report.request_id not in request_ids}
+    if not request_ids and not batch:
         return 0
     close_old_connections()
-    rows = UsageRecord.objects.filter(request_id__in=list(request_ids)).values_list(
-        "request_id", "organization_id", "api_key_id", "cost", "finished_at", "billing_mode")
+    rows = UsageRecord.objects.filter(request_id__in=list({*request_ids, *(r.request_id for r in batch)})).values_list(
+        "request_id", "organization_id", "api_key_id", "cost", "finished_at", "billing_mode", "status", "recorded_at")
     calls: dict[int, tuple[list[str], list[str]]] = {}
-    for request_id, organization_id, api_key_id, cost, finished_at, billing_mode in rows:
+
+    def call(organization_id: int) -> tuple[list[str], list[str]]:
         if organization_id not in calls:
             calls[organization_id] = ([credit_key(organization_id), credit_journaled_key(organization_id),
-                                       rebuilding_key(organization_id), replaying_key(organization_id)],
-                                      [str(SETTLED_MARKER_TTL_S)])
-        keys, args = calls[organization_id]
+                                       rebuilding_key(organization_id), replaying_key(organization_id)], [])
+        return calls[organization_id]
+
+    lost = set()
+    for request_id, organization_id, api_key_id, cost, finished_at, billing_mode, status, recorded_at in rows:
+        if status == UsageStatus.GATEWAY_LOST:
+            lost.add(request_id)
+        if request_id not in request_ids and (
+                request_id not in owed_at or status == UsageStatus.GATEWAY_LOST or finished_at != owed_at[request_id]
+                or recorded_at.timestamp() < owed[request_id] - CLOCKS_APART_S):
+            continue
+        keys, args = call(organization_id)
         period_key = period_containing(finished_at).key
         keys += [settled_key(organization_id, request_id), org_period_key(organization_id, period_key),
                  key_period_key(organization_id, api_key_id, period_key)]
         args += [request_id, str(to_units(cost)), "1" if api_key_id is not None else "0",
-                 "1" if billing_mode == BillingMode.PREPAID else "0"]
-    return sum(_COUNT_REPLAYED.run_sync(keys=keys, args=args) for keys, args in calls.values())
+                 "1" if billing_mode == BillingMode.PREPAID else "0", "1" if request_id in owed_at else "0"]
+    dropped: dict[int, list[str]] = defaultdict(list)
+    for report in batch:
+        if report.request_id not in lost and report.request_id not in request_ids:
+            call(report.organization_id)
+            dropped[report.organization_id].append(report.request_id)
+    return sum(_COUNT_REPLAYED.run_sync(keys=keys, args=[str(SETTLED_MARKER_TTL_S), str(len(args) // 5), *args,
+                                                         *dropped[organization_id]])
+               for organization_id, (keys, args) in calls.items())
+
+
+async def drop_registrations(reports: Collection[UsageReport]) -> None:
+    """Drop the registrations of `reports`, registered before a write's supersede that did not supersede them (rows
+    written before, not lost): no count is to come."""
+    by_organization: dict[int, list[str]] = defaultdict(list)
+    for report in reports:
+        by_organization[report.organization_id].append(report.request_id)
+    for organization_id, request_ids in by_organization.items():
+        await get_async_redis().hdel(replaying_key(organization_id), *request_ids)
 
 
 # KEYS: the settled marker, the org period counter, the key period counter, the credit figure, the journaled calls the
@@ -237,8 +318,8 @@ def count_superseded(lost_costs: Mapping[str, Decimal]) -> int:
     difference is still to come), writing it marked; a count that finds the counter missing while it is rebuilt leaves
     it the difference, which it adds unless its snapshot held the row superseded. This count drops the registration.
 
-    NOTE: left open, a window of one round trip: a sweeper that settles the row after the superseding commit and before
-    this count settles the call's own cost, and this adds the difference again."""
+    NOTE: the sweeper leaves a registered row's call to this count (`sweeper._registered`): settled after the
+    superseding commit and before this count, it counted the call's whole cost, and this added the difference again."""
     if not lost_costs:
         return 0
     close_old_connections()

@@ -312,11 +312,11 @@ def test_a_shipped_batch_held_up_past_its_registration_never_commits_late_to_be_
 
     count, rebuilds = replayed.count_replayed, []
 
-    def rebuilt_then_counted(request_ids):  # a call rebuilds the counter between the commit and the count
+    def rebuilt_then_counted(request_ids, **kwargs):  # a call rebuilds the counter between the commit and the count
         get_redis().delete(redis_keys.org_period_key(organization_id, period_containing().key))
         rebuilds.append(asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"),
                                             request_id=f"rebuilds-{len(rebuilds)}")))
-        return count(request_ids)
+        return count(request_ids, **kwargs)
 
     monkeypatch.setattr(replayed, "count_replayed", rebuilt_then_counted)
     holder = psycopg.connect(**{name: value for name, value in connections["default"].get_connection_params().items()
@@ -338,3 +338,34 @@ def test_a_shipped_batch_held_up_past_its_registration_never_commits_late_to_be_
     assert UsageRecord.objects.filter(request_id__startswith="late-").count() == len(reports)
     assert reads.counted_spend(organization_id) == Decimal("0.30")
     assert cancelled
+
+
+class _Killed(Exception):
+    """The worker dies (an OOM kill, a node lost) right after its INSERT committed."""
+
+
+def test_shipped_rows_whose_worker_was_killed_before_their_count_are_counted_by_its_next_run(
+        outage, files_bucket, monkeypatch):  # noqa: F811
+    # Before, the next run wrote nothing and so counted nothing: the rows stayed out of the counters that existed.
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    organization_id = endpoint.organization_id
+    reports = [usage_report(endpoint, request_id=f"spent-{number}", prompt_tokens=100_000, completion_tokens=0)
+               for number in range(3)]  # $0.10 each
+    _journal_rows_while_down(reports, replay_for_s=0.5)
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX)
+    outage.end()
+    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+    assert reads.counted_spend(organization_id) == 0
+
+    def killed(*args, **kwargs):
+        raise _Killed()
+
+    monkeypatch.setattr(replayed, "count_replayed", killed)
+    with pytest.raises(_Killed):
+        journal_shipping.replay_shipped()
+    monkeypatch.undo()
+    assert UsageRecord.objects.count() == len(reports)  # committed, not counted; the segment still in the bucket
+
+    assert journal_shipping.replay_shipped() == 0  # nothing written now
+    assert reads.counted_spend(organization_id) == Decimal("0.30")
+    assert journal_shipping.replay_shipped() == 0 and reads.counted_spend(organization_id) == Decimal("0.30")

@@ -5,15 +5,18 @@ ledger without it (`billing.quota.replayed`)."""
 import asyncio
 import dataclasses
 import threading
+import time
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.db.models import F
 
 from billing import periods, usage_writer
 from billing.credits import grant_credits
 from billing.ledger import record_usage_batch
 from billing.models import BillingMode, UsageRecord
-from billing.quota import reads, rebuild, replayed
+from billing.quota import reads, rebuild, replayed, sweeper
 from billing.quota.counters import QuotaExceeded, from_units
 from billing.services import set_billing_mode
 from billing.usage_writer import Recorded
@@ -316,4 +319,100 @@ def test_a_row_replayed_while_its_call_is_still_reserved_counts_once_when_a_rebu
     _replay()
     _settle(admitted, recorded)
 
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
+
+
+# --- a replayer killed between its commit and its count ----------------------------------------------------------------
+# Found, left open last stop: the INSERT committed, the count never came, and the next replay of the segment (another
+# gateway's at its start, the worker's of a shipped copy) wrote nothing and so counted nothing: the row stayed out of
+# every counter that existed then, spend past the cap, until each was rebuilt.
+KILLED_REPLAYS = ["replayed again", "rebuilt after its registration lapsed, then replayed again"]
+
+
+class _Killed(Exception):
+    """The replaying process dies (SIGKILL, an OOM kill) right after its INSERT committed."""
+
+
+@pytest.mark.parametrize("then", KILLED_REPLAYS)
+def test_a_row_whose_replayer_was_killed_before_its_count_is_counted_once_by_the_next_replay(monkeypatch, then):
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    _cap(organization, "1.00")
+    admitted, recorded = _served_in_a_ledger_outage(endpoint, "journaled", api_key=key)
+    _settle(admitted, recorded)
+    get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key),
+                       redis_keys.key_period_key(organization.pk, key.pk, periods.period_containing().key))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"), request_id="first"))
+    assert reads.counted_spend(organization.pk) == 0  # rebuilt from a ledger without the row
+
+    async def killed(*args, **kwargs):
+        raise _Killed()
+
+    monkeypatch.setattr(usage_writer, "_count_replayed", killed)
+    with pytest.raises(_Killed):
+        _replay()
+    monkeypatch.undo()
+    assert UsageRecord.objects.filter(request_id="journaled").exists()  # committed, not counted
+    if then == "rebuilt after its registration lapsed, then replayed again":
+        get_redis().hset(redis_keys.replaying_key(organization.pk), "journaled", 1)  # its deadline long past
+        get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key),
+                           redis_keys.key_period_key(organization.pk, key.pk, periods.period_containing().key))
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"),
+                            request_id="second"))  # its snapshot holds the row
+    _replay()  # the segment was left: the next replay takes it
+
+    assert reads.counted_spend(organization.pk) == Decimal("0.60") == _key_spend(organization.pk, key.pk)
+    with pytest.raises(QuotaExceeded):  # $0.60 spent and $0.01 or $0.02 held of a $1.00 cap
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.80"),
+                            request_id="over-the-cap"))
+    _replay()  # nothing left: nothing counted again
+    assert reads.counted_spend(organization.pk) == Decimal("0.60") == _key_spend(organization.pk, key.pk)
+
+
+def test_a_call_the_sweeper_settles_after_its_killed_replays_registration_lapsed_is_not_counted_again(monkeypatch,
+                                                                                                      settings):
+    # Its gateway died after journaling its row, before settling; the replay was killed after its INSERT; the sweeper
+    # settles the hold with the row's cost once the registration lapsed, and drops it: the next replay counts nothing.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    _served_in_a_ledger_outage(endpoint, "journaled")  # never settled
+
+    async def killed(*args, **kwargs):
+        raise _Killed()
+
+    monkeypatch.setattr(usage_writer, "_count_replayed", killed)
+    with pytest.raises(_Killed):
+        _replay()
+    monkeypatch.undo()
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1  # the registration's 300 s are past
+    assert reads.counted_spend(organization.pk) == Decimal("0.60") and reads.reserved_now(organization.pk) == 0
+
+    _replay()
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
+
+
+def test_a_row_written_before_its_replay_registered_it_is_not_taken_for_a_killed_replays():
+    # The gateway's own INSERT was cut short by its timeout and committed all the same (its row journaled, its call
+    # settled as such); the counter was rebuilt from a ledger with the row; a replay registered it and failed (the
+    # ledger down again); the next replay finds it registered and in the ledger, recorded before: not owed.
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.70"),
+                                   request_id="journaled"))
+    report = dataclasses.replace(usage_report(endpoint, request_id="journaled", prompt_tokens=600_000,
+                                              completion_tokens=0), max_cost=Decimal("0.70"),
+                                 billing_mode=admitted.billing_mode)
+    with database_refusing_connections():
+        assert asyncio.run(usage_writer.arecord_usage(report)) is Recorded.JOURNALED
+    _settle(admitted, Recorded.JOURNALED)
+    assert record_usage_batch([report]) == {"journaled"}  # the INSERT cut short, committed (5 s before its journal)
+    UsageRecord.objects.update(recorded_at=F("recorded_at") - timedelta(seconds=10))
+    get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")  # rebuilt with the row
+    replayed.register_replaying_sync([report])  # a replay that failed after it registered it
+
+    _replay()
     assert reads.counted_spend(organization.pk) == Decimal("0.60")

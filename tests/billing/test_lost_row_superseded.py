@@ -13,6 +13,7 @@ from decimal import Decimal
 
 import psycopg
 import pytest
+from asgiref.sync import sync_to_async
 from django.db.models import Sum
 from django.utils import timezone
 
@@ -407,3 +408,46 @@ def test_a_credit_figure_rebuilt_while_a_lost_row_is_superseded_draws_its_differ
     assert UsageRecord.objects.get(request_id="streamed").cost == Decimal("0.50")
     # $2.00 granted, $0.50 spent (the rebuilding call's $0.01 held apart)
     assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("1.50")
+
+
+# --- the sweeper between a replay's or a supersede's commit and its count ------------------------------------------
+# Found, left open last stop: the sweeper read the row as committed (whole, or superseded) and settled the call's hold
+# with its cost in the round trip before the count, which then added it (or its difference) again: $0.86 or $1.00
+# counted for $0.50.
+SWEPT_BEFORE_THE_COUNT = ["a replayed row", "a replayed row over a lost row", "a woken gateway's row over a lost row"]
+
+
+@pytest.mark.parametrize("path", SWEPT_BEFORE_THE_COUNT)
+def test_the_sweeper_between_a_commit_and_its_count_leaves_the_call_to_the_count(settings, monkeypatch, path):
+    settings.BILLING_RESERVATION_TTL_S = 0  # its hold lapses a second after it is taken (Redis's clock)
+    endpoint = _prepaid_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    if path == "a woken gateway's row over a lost row":
+        admitted, whole = _streaming_with_progress(endpoint, "streamed", api_key=key)
+    else:
+        _killed_after_its_journal_append(endpoint, "streamed", api_key=key)
+    credit_before = int(get_redis().get(redis_keys.credit_key(organization.pk)))
+    if path != "a replayed row":  # the sweeper wrote the lost row and was stopped before it settled the hold
+        assert sweeper._record_lost_calls(get_redis(), organization.pk, ["streamed"]) == 1
+    counter = "_count_replayed" if path == "a replayed row" else "_count_superseded"
+    count, swept = getattr(usage_writer, counter), []
+
+    async def sweep_then_count(request_ids, **kwargs):
+        if request_ids:
+            swept.append(await sync_to_async(sweeper.sweep_expired_reservations)(now=time.time() + 2, batch_size=1))
+        await count(request_ids, **kwargs)
+
+    monkeypatch.setattr(usage_writer, counter, sweep_then_count)
+    if path == "a woken gateway's row over a lost row":
+        assert _wakes_and_finishes(admitted, whole) is Recorded.WRITTEN
+    else:
+        _replay()
+    monkeypatch.undo()
+    sweeper.sweep_expired_reservations(now=time.time() + 2)  # its next run releases what is left
+
+    assert UsageRecord.objects.get().cost == Decimal("0.50")
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+    assert reads.reserved_now(organization.pk) == 0
+    assert int(get_redis().get(redis_keys.credit_key(organization.pk))) == credit_before - to_units(Decimal("0.50"))
+    assert swept == [0]  # the sweep in the round trip left the call to its count
