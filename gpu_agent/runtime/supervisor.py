@@ -550,7 +550,7 @@ class Supervisor:
                 self._prepared[replica.spec.replica_id] = command
 
     def _ports_in_use(self) -> set[int]:
-        """Ports of running engines and of commands already sent to the zygote (their engines not started yet)."""
+        """Ports of running engines and of commands being built, built or sent to the zygote (engines not started yet)."""
         in_use = {other.command.port for other in self._replicas.values() if other.command and other.pid}
         built = {command.port for _, command in self._built.values() if isinstance(command, EngineCommand)}
         return in_use | {command.port for command in self._prepared.values()} | built | set(self._ports_held.values())
