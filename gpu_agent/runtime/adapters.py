@@ -153,6 +153,14 @@ def adapter_problem(path: str | Path, max_lora_rank: int) -> str:
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
         return "adapter_config.json declares no rank (r)"
+    # NOTE: vLLM (`PEFTHelper.validate_legal`) refuses the largest of `r` and the per-module ranks of `rank_pattern`
+    # past max_lora_rank; `alpha_pattern` scales, it sizes nothing. Checked here, or a load it refuses costs a slot.
+    rank_pattern = config.get("rank_pattern") or {}
+    if not isinstance(rank_pattern, dict) or not all(
+        isinstance(value, int) and value >= 1 for value in rank_pattern.values()
+    ):
+        return "rank_pattern in adapter_config.json is not a map of module names to ranks"
+    rank = max([rank, *rank_pattern.values()])
     if rank > max_lora_rank:
         return f"the adapter's rank {rank} is above the endpoint's max_lora_rank {max_lora_rank}"
     return weights_formats.adapter_problem(path)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gpu_agent.protocol import ModelTask, ReplicaSpec
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
-from gpu_agent.runtime.model_info import kv_cache_bytes_per_token, model_task, read_model_info
+from gpu_agent.runtime.model_info import kv_cache_bytes_per_token, model_task, read_config_info
 from gpu_agent.runtime.reaper import REAPER_MODULE
 from gpu_agent.runtime.sleep_mode import sleep_mode_flags
 from gpu_agent.runtime.speculative import speculative_args
@@ -321,7 +321,7 @@ def cpu_kv_cache_bytes(
     if "VLLM_CPU_KVCACHE_SPACE" in os.environ or spec.speculative is not None or task == ModelTask.EMBED:
         return None
     bytes_per_token = kv_cache_bytes_per_token(model_path, dtype)
-    info = read_model_info(model_path)
+    info = read_config_info(model_path)  # NOTE: config.json alone: no safetensors header is parsed here
     max_model_len = spec.max_model_len or (info.max_model_len if info else None)
     if bytes_per_token is None or not max_model_len:
         return None

@@ -156,6 +156,9 @@ class Supervisor:
         self.engine_ports = engine_ports
         self._replicas: dict[str, ManagedReplica] = {}
         self._prepared: dict[str, EngineCommand] = {}  # replica id -> command already sent to the zygote
+        # Replica id -> (the replica, its command or why none could be built): built outside the lock (`_build_due`).
+        self._built: dict[str, tuple[ManagedReplica, EngineCommand | Exception]] = {}
+        self._ports_held: dict[str, int] = {}  # replica id -> the port of its command being built
         self._lock = threading.RLock()
         self._probe = EngineProbe(self.policy.health_timeout_s)
         self._monitor: threading.Thread | None = None
@@ -444,6 +447,7 @@ class Supervisor:
             self._disk_monitor = None
 
     def poll(self) -> None:
+        self._build_due()
         with self._lock:
             replicas = list(self._replicas.values())
             self._send_due_to_zygote(replicas)
@@ -459,8 +463,44 @@ class Supervisor:
                 if orphan is not None:
                     process.kill_group(orphan.pid, None, replica_id, self.data_dir, signal.SIGKILL)
                 self._drop_scratch(replica_id)
+            for replica_id, (replica, _) in list(self._built.items()):  # built, then stopped or replaced: no launch
+                if self._replicas.get(replica_id) is not replica or replica.is_final or replica.pid is not None:
+                    del self._built[replica_id]
             if self.standby is not None:
                 self._step_standby(replicas)
+
+    def _build_due(self) -> None:
+        """Build the command of every replica due to launch, outside the lock; its `_launch` takes it.
+
+        NOTE: a command reads the tenant's model files (`engine.build_engine_command`: its config.json), and every
+        heartbeat waits on the lock (`statuses`): a launch that read them under it held heartbeats up for seconds,
+        and a node whose heartbeats stop goes offline with every tenant's replicas. Each command's port is chosen
+        under the lock and held (`_ports_in_use`) until its engine runs or its replica goes.
+        """
+        with self._lock:
+            now = time.monotonic()
+            in_use = self._ports_in_use()
+            due = []
+            for replica_id, replica in self._replicas.items():
+                if (replica.is_final or replica.pid is not None or not replica.launch_at or now < replica.launch_at
+                        or replica_id in self._built or replica_id in self._prepared or replica_id in self._ports_held):
+                    continue
+                try:
+                    port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
+                except Exception as exc:  # noqa: BLE001 - its `_launch` fails the replica with it
+                    self._built[replica_id] = (replica, exc)
+                    continue
+                in_use.add(port)
+                self._ports_held[replica_id] = port
+                due.append((replica, port))
+        for replica, port in due:
+            try:
+                built = self.command_factory(replica.spec, replica.model_path, port)
+            except Exception as exc:  # noqa: BLE001 - its `_launch` fails the replica with it
+                built = exc
+            with self._lock:
+                del self._ports_held[replica.spec.replica_id]
+                self._built[replica.spec.replica_id] = (replica, built)
 
     def _step_standby(self, replicas: list[ManagedReplica]) -> None:
         """Keep one standby: refill it once no engine is starting (imports would slow that start).
@@ -494,24 +534,26 @@ class Supervisor:
         ]  # fmt: skip
         if len(due) < 2:
             return
-        in_use = self._ports_in_use()
         for replica in due:
+            built = self._built.get(replica.spec.replica_id)
+            if built is None or built[0] is not replica or isinstance(built[1], Exception):
+                continue  # not built yet (the next poll), or its `_launch` fails it
             try:
-                port = engine.free_port_in_range(*self.engine_ports, exclude=in_use)
-                command = self._confined(replica, self.command_factory(replica.spec, replica.model_path, port))
+                command = self._confined(replica, built[1])
             except Exception:  # noqa: BLE001 - one bad replica must not stop the poll: its `_launch` fails it
                 logger.exception("replica %s: preparing its command failed", replica.spec.replica_id)
                 continue
             if self.standby.send_ahead(
                 replica.spec.replica_id, command, self._handoff_env(command), replica.log_path
             ):
-                in_use.add(port)
+                del self._built[replica.spec.replica_id]
                 self._prepared[replica.spec.replica_id] = command
 
     def _ports_in_use(self) -> set[int]:
-        """Ports of running engines and of commands already sent to the zygote (their engines not started yet)."""
+        """Ports of running engines and of commands being built, built or sent to the zygote (engines not started yet)."""
         in_use = {other.command.port for other in self._replicas.values() if other.command and other.pid}
-        return in_use | {command.port for command in self._prepared.values()}
+        built = {command.port for _, command in self._built.values() if isinstance(command, EngineCommand)}
+        return in_use | {command.port for command in self._prepared.values()} | built | set(self._ports_held.values())
 
     def _handoff_env(self, command: EngineCommand) -> dict[str, str]:
         return {**command.env, DATA_DIR_ENV_MARKER: str(self.data_dir)}
@@ -729,9 +771,15 @@ class Supervisor:
                                 f"{sandbox.namespaces_missing()}")  # fmt: skip
             return
         command = self._prepared.pop(spec.replica_id, None)  # sent to the zygote ahead (`_send_due_to_zygote`)
+        built = None
         if command is None:
-            port = engine.free_port_in_range(*self.engine_ports, exclude=self._ports_in_use())
-            command = self._confined(replica, self.command_factory(spec, replica.model_path, port))
+            built = self._built.get(spec.replica_id)
+            if built is None or built[0] is not replica:
+                return  # NOTE: due since this poll built commands: the next poll builds it (`_build_due`), then launches
+            if isinstance(built[1], Exception):
+                del self._built[spec.replica_id]
+                raise built[1]
+            command = built[1]
         port = command.port
         if self.standby is not None and not replica.avoid_standby and server_args(command) is not None:
             if self.standby.process is None:
@@ -741,7 +789,10 @@ class Supervisor:
                 self.standby.ensure()
             if self.standby.warming and time.monotonic() - self.standby.spawned_at < self.policy.standby_wait_s:
                 replica.progress = f"starting engine ({self.standby.label})"
-                return  # launch_at stays due: the next poll tries again
+                return  # launch_at stays due, and its built command: the next poll tries again
+        if built is not None:
+            del self._built[spec.replica_id]
+            command = self._confined(replica, command)
         # NOTE: never the agent's own environment: it holds the fleet's credentials (`engine_environment`).
         env = {**engine_environment(), **command.env, REPLICA_ENV_MARKER: spec.replica_id,
                DATA_DIR_ENV_MARKER: str(self.data_dir)}

@@ -42,6 +42,20 @@ def test_an_adapter_above_the_rank_limit_or_without_a_peft_config_is_refused_bef
     assert "adapter_config.json" in adapter_problem(tmp_path / "empty", 16)
 
 
+def test_an_adapter_whose_rank_pattern_passes_the_rank_limit_is_refused_before_loading(tmp_path):
+    """vLLM refuses the largest of `r` and `rank_pattern`'s ranks past max_lora_rank: before, only `r` was checked,
+    and the load it then refused had unloaded the endpoint's least recently used adapter first."""
+    adapter = build_tiny_lora_adapter(tmp_path / "patterned", rank=8)
+    config_path = adapter / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "rank_pattern": {"q_proj": 4096}, "alpha_pattern": {"q_proj": 9999}}))
+    assert adapter_problem(adapter, 16) == "the adapter's rank 4096 is above the endpoint's max_lora_rank 16"
+    config_path.write_text(json.dumps({**config, "rank_pattern": {"q_proj": 16}, "alpha_pattern": {"q_proj": 9999}}))
+    assert adapter_problem(adapter, 16) == ""
+    config_path.write_text(json.dumps({**config, "rank_pattern": {"q_proj": "4096"}}))
+    assert adapter_problem(adapter, 16) == "rank_pattern in adapter_config.json is not a map of module names to ranks"
+
+
 def test_an_adapter_whose_weights_are_a_pickle_is_refused_before_loading(tmp_path):
     """Before, a folder with `adapter_model.bin` and no safetensors went to the engine, whose adapter loader reads
     it with torch.load (a pickle can run code when it is read)."""

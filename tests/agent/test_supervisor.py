@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -366,5 +367,35 @@ def test_a_replica_whose_command_cannot_be_built_fails_alone_and_the_poll_goes_o
         assert state_of(supervisor, "r-bad") == ReplicaState.FAILED
         assert "not iterable" in supervisor.get("r-bad").failure_reason
         wait_until(lambda: state_of(supervisor, "r-good") == ReplicaState.READY, 10, poll=supervisor.poll)
+    finally:
+        supervisor.shutdown(timeout_s=1)
+
+
+def test_building_a_command_holds_up_no_heartbeat_and_the_replica_still_launches_in_that_poll(tmp_path):
+    """A command reads the tenant's model files (its config.json); every heartbeat's `statuses()` waits on the lock
+    that each launch held while it built its command, for seconds with a hostile file: the node went offline."""
+    fake_engine = fake_engine_factory()
+    building = threading.Event()
+
+    def slow_factory(spec, model_path, port):
+        building.set()
+        time.sleep(2)  # a slow read of the tenant's files
+        return fake_engine(spec, model_path, port)
+
+    supervisor = Supervisor(tmp_path / "agent", command_factory=slow_factory, policy=FAST)
+    try:
+        supervisor.start(make_spec("r-1"), "/models/x")
+        supervisor.start(make_spec("r-2"), "/models/x")
+        poller = threading.Thread(target=supervisor.poll)
+        poller.start()
+        assert building.wait(5)
+        started = time.monotonic()
+        supervisor.statuses()  # what every heartbeat calls (`Reconciler.replica_statuses`)
+        waited_s = time.monotonic() - started
+        poller.join()
+        assert waited_s < 0.5, f"the heartbeat's statuses() waited {waited_s:.1f}s for a command to be built"
+        statuses = supervisor.statuses()
+        assert all(status.pid is not None for status in statuses)
+        assert len({supervisor.get(status.replica_id).command.port for status in statuses}) == 2
     finally:
         supervisor.shutdown(timeout_s=1)

@@ -1,0 +1,127 @@
+"""A tenant's safetensors headers cost the agent time and memory in proportion to the tensors they describe, never
+more, and no launch parses one: a header of `[0,0,…]` or `[{},{},…]` within every byte bound stalled the node's
+heartbeats (parsed again under the supervisor's lock at each launch) until it went offline with every replica."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import threading
+import time
+
+from gpu_agent.protocol import ModelTask
+from gpu_agent.runtime import engine
+from gpu_agent.runtime.model_info import read_model
+from gpu_agent.runtime.supervisor import Supervisor
+
+from .conftest import fake_engine_factory, make_spec, with_peak_memory
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096}
+
+
+def write_model(folder, header: bytes, config: dict = CONFIG):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    with open(folder / "model.safetensors", "wb") as handle:
+        handle.write(struct.pack("<Q", len(header)) + header)
+    return folder
+
+
+def list_header(element: bytes, num_bytes: int) -> bytes:
+    """`{"x":[e,e,…]}` of `num_bytes`: within every byte bound of a model's headers."""
+    return b'{"x":[' + b",".join([element] * (num_bytes // (len(element) + 1))) + b"]}"
+
+
+def many_tensors_header(num_tensors: int) -> bytes:
+    """A real header's shape: a big mixture of experts' tensors, an FP8 weight and its scale each."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for index in range(num_tensors // 2):
+        name = f"model.layers.{index // 256}.mlp.experts.{index % 256}.down_proj"
+        header[f"{name}.weight"] = {"dtype": "F8_E4M3", "shape": [7168, 2048], "data_offsets": [offset, offset]}
+        header[f"{name}.weight_scale_inv"] = {"dtype": "F32", "shape": [56, 16], "data_offsets": [offset, offset]}
+    return json.dumps(header).encode()
+
+
+def test_an_engines_command_reads_no_safetensors_header(tmp_path):
+    """Before, the default task (AUTO) and a CPU engine's KV cache each parsed every header again (15 M integers,
+    a Python call each: seconds per launch, under the lock every heartbeat waits on)."""
+    model = write_model(tmp_path / "model", list_header(b"0", 12 * 1024 * 1024))
+    spec = make_spec(model_source=str(model), task=ModelTask.AUTO, max_model_len=None)
+    for device in (engine.DEVICE_CUDA, engine.DEVICE_CPU):
+        started = time.monotonic()
+        command = engine.build_engine_command(spec, model, port=8001, device=device)
+        took_s = time.monotonic() - started
+        assert took_s < 0.5, f"building the {device} command took {took_s:.1f}s"
+        assert "--runner" not in command.argv  # its config.json's architecture: a generative model
+    # What the command needs still comes from config.json: an embedding architecture, the CPU cache from its context.
+    write_model(tmp_path / "embedder", b"{}", {"architectures": ["BertModel"], "max_position_embeddings": 512})
+    command = engine.build_engine_command(
+        make_spec(task=ModelTask.AUTO), tmp_path / "embedder", port=8001, device=engine.DEVICE_CPU
+    )
+    assert "--runner" in command.argv
+
+
+def test_a_launch_does_not_hold_up_the_heartbeats_statuses(tmp_path):
+    model = write_model(tmp_path / "model", list_header(b"0", 12 * 1024 * 1024))
+    fake = fake_engine_factory()
+
+    def factory(spec, model_path, port):  # the agent's own factory's work, then a fake engine to run
+        engine.build_engine_command(spec, model_path, port=port, device=engine.DEVICE_CPU)
+        return fake(spec, model_path, port)
+
+    supervisor = Supervisor(tmp_path / "agent", command_factory=factory)
+    try:
+        supervisor.start(make_spec("r-1", model_source=str(model), task=ModelTask.AUTO, max_model_len=None), model)
+        poller = threading.Thread(target=supervisor.poll)
+        poller.start()
+        time.sleep(0.05)
+        started = time.monotonic()
+        supervisor.statuses()  # what every heartbeat calls (`Reconciler.replica_statuses`)
+        waited_s = time.monotonic() - started
+        poller.join()
+        assert waited_s < 0.5, f"the heartbeat's statuses() waited {waited_s:.1f}s for one launch"
+        assert supervisor.statuses()[0].pid is not None
+    finally:
+        supervisor.shutdown(timeout_s=1)
+
+
+def test_a_header_of_more_values_than_its_tensors_can_hold_is_refused_unparsed(tmp_path):
+    """`[0,0,…]` took a Python call per integer (seconds, holding the GIL), `[{},{},…]` ~25 times its size."""
+    for element, name in ((b"0", "zeros"), (b"{}", "objects"), (b"[]", "lists")):
+        model = write_model(tmp_path / name, list_header(element, 12 * 1024 * 1024))
+        started = time.monotonic()
+        reading, peak = with_peak_memory(lambda model=model: read_model(model))
+        took_s = time.monotonic() - started
+        assert reading.info is None
+        assert reading.problem == (
+            "the model's files cannot be served: the safetensors header of model.safetensors holds more values than "
+            "its tensors (0 in the model's headers so far) can have"
+        )
+        assert took_s < 1, f"refusing the header of {name} took {took_s:.1f}s"
+        assert peak < 2 * 12 * 1024 * 1024  # the header's bytes, read once: nothing parsed
+
+
+def test_a_header_padded_with_tensor_keys_is_still_bounded(tmp_path):
+    """Each `"data_offsets"` a header holds buys its values; one that holds more per key than a tensor can is refused."""
+    per_tensor = b'{"data_offsets":[' + b",".join([b"0"] * 40) + b"]}"
+    header = b'{"x":[' + b",".join([per_tensor] * 20_000) + b"]}"
+    reading = read_model(write_model(tmp_path / "padded", header))
+    assert "holds more values than its tensors" in reading.problem
+
+
+def test_real_headers_of_many_tensors_and_tiny_models_are_still_counted(tmp_path, tiny_model_dir):
+    header = many_tensors_header(90_000)  # DeepSeek-V3's count: ~12 MB of headers
+    model = write_model(tmp_path / "big", header)
+    started = time.monotonic()
+    reading = read_model(model)
+    assert reading.problem == ""
+    assert reading.info.num_params == 45_000 * (7168 * 2048 + 56 * 16)
+    assert time.monotonic() - started < 5
+    # A tiny model split in two files (the budget is the model's, over all its headers), and as it is.
+    assert read_model(tiny_model_dir).info.num_params > 0
+    split = shutil.copytree(tiny_model_dir, tmp_path / "split")
+    write_model(split, many_tensors_header(10), json.loads((tiny_model_dir / "config.json").read_text()))
+    (split / "model.safetensors").rename(split / "model-00002-of-00002.safetensors")
+    shutil.copy(tiny_model_dir / "model.safetensors", split / "model-00001-of-00002.safetensors")
+    assert read_model(split).info.num_params == read_model(tiny_model_dir).info.num_params + 5 * (7168 * 2048 + 56 * 16)
