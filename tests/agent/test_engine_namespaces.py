@@ -256,10 +256,11 @@ os.execv(sys.argv[1], sys.argv[1:])
 """
 
 
+@pytest.mark.parametrize("under_reaper", [False, True])
 def test_namespaces_refused_after_the_agent_found_them_working_fail_the_launch_and_are_tested_again(
-    make_supervisor, tmp_path, monkeypatch
+    make_supervisor, tmp_path, monkeypatch, under_reaper
 ):
-    supervisor = make_supervisor("agent", {})
+    supervisor = make_supervisor("agent", {}, under_reaper=under_reaper)
     factory = supervisor.command_factory
 
     def exhausted(spec, model_path, port):
