@@ -243,7 +243,9 @@ def engine_workload(outside: list[str], quick: bool) -> list[dict]:
 
     def own_namespaces():
         """In its own PID and mount namespaces (`namespaces.py`): it sees only its processes (the agent's side is not
-        in its /proc), NVIDIA's driver still shows in its fresh /proc, and its /dev/shm is its own tmpfs."""
+        in its /proc), NVIDIA's driver still shows in its fresh /proc, its /dev/shm is its own tmpfs of few files
+        (`sandbox.SHARED_MEMORY_MAX_FILES`: after CUDA's, NCCL's and Triton's steps above), and it can make no user
+        namespace (its namespace's limits are 0)."""
         if os.environ.get("INFERPLANE_CHECK_NAMESPACES") != "1":
             return "SKIP:no namespaces of its own (unconfined, or refused here: see the machine's report)"
         pids = sorted(int(entry) for entry in os.listdir("/proc") if entry.isdigit())
@@ -252,8 +254,16 @@ def engine_workload(outside: list[str], quick: bool) -> list[dict]:
         if cuda and not os.path.isdir("/proc/driver/nvidia"):
             raise AssertionError("its /proc has no driver/nvidia")
         shm = os.statvfs("/dev/shm")
+        if shm.f_files > sandbox.SHARED_MEMORY_MAX_FILES:
+            raise AssertionError(f"its /dev/shm holds up to {shm.f_files} files")
+        nested = subprocess.run([sys.executable, "-c", "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+                                 "print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))"],
+                                capture_output=True, text=True, timeout=60).stdout.strip()  # fmt: skip
+        if not nested.startswith("-1 "):
+            raise AssertionError(f"it made a user namespace of its own: {nested}")
         return (f"pid 2 of {len(pids)} it sees; /proc/driver/nvidia {'present' if cuda else 'not checked (no CUDA)'};"
-                f" /dev/shm {shm.f_blocks * shm.f_frsize / 2**30:.1f} GiB, {shm.f_bfree * shm.f_frsize / 2**30:.1f} free")
+                f" /dev/shm {shm.f_blocks * shm.f_frsize / 2**30:.1f} GiB, {shm.f_bfree * shm.f_frsize / 2**30:.1f} free,"
+                f" {shm.f_files - shm.f_ffree} of {shm.f_files} files; a user namespace refused ({nested[3:]})")
 
     for name, function in (("cuda-visible", visible), ("matmul", matmul), ("cuda-graph", cuda_graph),
                            ("triton-kernel", triton_kernel), ("torch-compile", compiled),

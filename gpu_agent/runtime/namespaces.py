@@ -10,8 +10,9 @@ a neighbour's `oom_score_adj` or renice its autogroup; and a neighbour that read
 
     outer (the pid the agent knows)   new user + mount namespaces; waits for the init, forwards SIGTERM/SIGINT,
       |                               exits with its code
-      init (PID 1 inside)             mounts a fresh procfs on /proc and a tmpfs of `max_bytes` on /dev/shm, then
-        |                             reaps, forwards SIGTERM/SIGINT to the engine, exits with the engine's code
+      init (PID 1 inside)             mounts a fresh procfs on /proc and a tmpfs of `max_bytes` and `max_files` on
+        |                             /dev/shm, sets its namespace's `max_*_namespaces` to 0, then reaps, forwards
+        |                             SIGTERM/SIGINT to the engine, exits with the engine's code
         engine (PID 2 inside)         returns from `enter` with no capabilities, and runs vLLM
 
 The outer uid and gid map to themselves (not root). PID 1 gets only the signals it has a handler for, hence the
@@ -19,6 +20,13 @@ init; its exit makes the kernel kill everything left in the namespace (vLLM's En
 last process the namespace's /dev/shm and its memory go. The agent still sees every process by its outer pid (its
 /proc is the host's), so its signals, its process-tree kill, its guards and a next agent's adoption work as before.
 The init dies with the outer process (PR_SET_PDEATHSIG), so no namespace outlives the pid the agent holds.
+
+The engine, without capabilities, could still make user namespaces of its own (nested in its own: no capability is
+needed), each counted against the node's `user.max_user_namespaces` of the one uid the agent and every engine share:
+~7,000 a second, and then every next engine's `unshare` failed (ENOSPC). The init sets its user namespace's
+`max_*_namespaces` to 0 (`NAMESPACE_LIMITS`; the engine cannot set them back, it has no CAP_SYS_RESOURCE), so the
+engine makes none; and the tmpfs's `nr_inodes` bounds its files (300,000 empty files were ~300 MiB of the kernel's
+memory that no byte bound counted).
 
 Standard library only (the reaper and a zygote's child import it).
 """
@@ -45,6 +53,10 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DESCRIPTION = "own pid, mount and user namespaces"  # what the engine's log and the node's facts say
 # The init's exit code when it could not set the namespaces up (the outer process then goes on without them).
 EXIT_NOT_STARTED = 78
+# The init's user namespace may make no namespaces below it: `max_<kind>_namespaces` of each kind set to 0. "user" must
+# hold (the others need a capability the engine has not, or a user namespace first); a kernel without one (time
+# before 5.6) lacks its file.
+NAMESPACE_LIMITS = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time")
 
 
 class NamespacesUnavailable(Exception):
@@ -129,10 +141,10 @@ def unavailable_reason() -> str:
     return why
 
 
-def enter(max_bytes: int | None, *, tested: bool = False) -> str:
+def enter(max_bytes: int | None, *, max_files: int | None = None, tested: bool = False) -> str:
     """Move this process's future into new user, PID and mount namespaces (see the module's docstring); returns, in
-    the engine (PID 2 inside, no capabilities), what isolates it. `max_bytes`: the size of its /dev/shm (None: the
-    kernel's default, half the memory).
+    the engine (PID 2 inside, no capabilities), what isolates it. `max_bytes` and `max_files`: the size of its
+    /dev/shm and how many files it holds (None: the kernel's default, half the memory and half its pages).
 
     NOTE: the process must be single-threaded (a fresh interpreter, or a fork's child). Raises NamespacesUnavailable
     where the kernel refuses them, with nothing changed here. Unless the agent `tested` them on this node already
@@ -144,7 +156,7 @@ def enter(max_bytes: int | None, *, tested: bool = False) -> str:
         why = _tried_in_a_child()
         if why:
             raise NamespacesUnavailable(why)
-    return _split(max_bytes)
+    return _split(max_bytes, max_files)
 
 
 def _tried_in_a_child() -> str:
@@ -156,7 +168,7 @@ def _tried_in_a_child() -> str:
     if pid == 0:
         os.close(read_end)
         try:
-            _split(4096)
+            _split(4096, 16)
         except (NamespacesUnavailable, NamespacesBroken) as exc:
             os.write(write_end, str(exc).encode())
         except BaseException as exc:  # noqa: BLE001 - whatever stops it is the reason, and this child must end here
@@ -169,7 +181,7 @@ def _tried_in_a_child() -> str:
     return why
 
 
-def _split(max_bytes: int | None) -> str:
+def _split(max_bytes: int | None, max_files: int | None) -> str:
     """Unshare, map the user, fork the init (which forks the engine); wait here as the outer process. Raises
     NamespacesUnavailable where `unshare` is refused (nothing changed), NamespacesBroken on a later failure."""
     libc = _libc()
@@ -191,7 +203,7 @@ def _split(max_bytes: int | None) -> str:
     init_pid = os.fork()
     if init_pid == 0:
         os.close(read_end)
-        return _run_init(libc, write_end, max_bytes, previous)
+        return _run_init(libc, write_end, max_bytes, max_files, previous)
     os.close(write_end)
     with os.fdopen(read_end, "rb") as answer:
         why = answer.read().decode(errors="replace")
@@ -201,7 +213,7 @@ def _split(max_bytes: int | None) -> str:
     _wait_forwarding(init_pid)
 
 
-def _run_init(libc, answer_fd: int, max_bytes: int | None, previous) -> str:
+def _run_init(libc, answer_fd: int, max_bytes: int | None, max_files: int | None, previous) -> str:
     """PID 1 inside: mount, start the engine, then reap and forward until the engine exits. Returns in the engine."""
     # NOTE: armed while the outer process is alive: it waits for this process's answer.
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -209,7 +221,9 @@ def _run_init(libc, answer_fd: int, max_bytes: int | None, previous) -> str:
         _mount(libc, "none", "/", None, _MS_REC | _MS_PRIVATE)
         _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
         size = f"size={max_bytes}," if max_bytes else ""
+        size += f"nr_inodes={max_files}," if max_files else ""
         _mount(libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"{size}mode=1777")
+        _forbid_namespaces()
     except OSError as exc:
         os.write(answer_fd, str(exc.strerror).encode())
         os._exit(EXIT_NOT_STARTED)
@@ -246,6 +260,17 @@ def _run_init(libc, answer_fd: int, max_bytes: int | None, previous) -> str:
             code = os.waitstatus_to_exitcode(status)
             # NOTE: PID 1's exit makes the kernel kill whatever is left in the namespace.
             os._exit(code if code >= 0 else 128 - code)
+
+
+def _forbid_namespaces() -> None:
+    """In the init (capable in its user namespace): no process below may make namespaces (`NAMESPACE_LIMITS`)."""
+    for kind in NAMESPACE_LIMITS:
+        try:
+            _write(f"/proc/sys/user/max_{kind}_namespaces", "0")
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and kind != "user":
+                continue
+            raise OSError(exc.errno, f"limiting {kind} namespaces: {exc.strerror}") from None
 
 
 def _wait_forwarding(init_pid: int) -> None:

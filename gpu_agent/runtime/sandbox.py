@@ -65,6 +65,8 @@ from gpu_agent.runtime import namespaces
 MODE_ENV = "INFERPLANE_ENGINE_SANDBOX"  # the agent's setting: a `SandboxMode`
 POLICY_ENV = "INFERPLANE_ENGINE_SANDBOX_POLICY"  # one engine's `SandboxPolicy` as JSON, set by the agent
 APPLIED_LINE = "inferplane: engine sandbox:"  # how the engine's log says what confines it
+EXIT_REFUSED = 78  # an engine that would not start unconfined (`apply_from_environment`)
+EXIT_NAMESPACES_REFUSED = 79  # ... refused namespaces the agent had found working: the agent tests them again
 
 
 class SandboxMode(str, enum.Enum):  # noqa: UP042 - str() and format() of members stay as they are
@@ -197,8 +199,15 @@ def node_fact(mode: SandboxMode) -> str:
 
 @functools.cache
 def namespaces_missing() -> str:
-    """Why engines here cannot have namespaces of their own (`namespaces.py`), "" if they can: tested once."""
+    """Why engines here cannot have namespaces of their own (`namespaces.py`), "" if they can: tested once, and again
+    after an engine found them refused (`retest_namespaces`)."""
     return namespaces.unavailable_reason()
+
+
+def retest_namespaces() -> str:
+    """`namespaces_missing` tested again: an engine's were refused where the agent had found them working."""
+    namespaces_missing.cache_clear()
+    return namespaces_missing()
 
 
 # --- What one engine may touch ------------------------------------------------------------------------------
@@ -211,6 +220,9 @@ DEVICE_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/uran
 DEVICE_GLOBS = ("/dev/nvidia*",)
 DEVICE_FOLDERS = ("/dev/nvidia-caps", "/dev/dri", "/dev/infiniband")
 SHARED_MEMORY_DIR = "/dev/shm"
+# The files an engine's own /dev/shm holds at most (`namespaces.enter`: its tmpfs's `nr_inodes`; each costs the kernel
+# ~1 KiB that no byte bound counts): vLLM's ring buffers and NCCL's segments are tens.
+SHARED_MEMORY_MAX_FILES = 4096
 
 
 @dataclass(slots=True, frozen=True)
@@ -226,6 +238,8 @@ class SandboxPolicy:
     proc_writable: bool = False  # an engine with GPUs: CUDA writes its threads' names (`PROC_WRITE`)
     # The size of the engine's own /dev/shm (`namespaces.enter`): the node's bound for one engine; None: the kernel's.
     shared_memory_max_bytes: int | None = None
+    # How many files its own /dev/shm holds (`SHARED_MEMORY_MAX_FILES` at most); None: the kernel's default.
+    shared_memory_max_files: int | None = None
     # What the agent found of namespaces on its node (`namespaces_missing`): "" they work, else why not; None: the
     # agent did not say, and the engine tries them in a child first.
     namespaces_missing: str | None = None
@@ -234,15 +248,16 @@ class SandboxPolicy:
         for path in (*self.read_execute, *self.read, *self.read_write, *self.devices, self.shared_memory):
             if not os.path.isabs(path):
                 raise ValueError(f"a sandbox path must be absolute, not {path!r}")
-        if self.shared_memory_max_bytes is not None and self.shared_memory_max_bytes < 1:
-            raise ValueError(f"shared_memory_max_bytes must be positive or None, not {self.shared_memory_max_bytes}")
+        for name in ("shared_memory_max_bytes", "shared_memory_max_files"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive or None, not {getattr(self, name)}")
 
     def to_json(self) -> str:
         return json.dumps({
             "mode": self.mode.value, "read_execute": self.read_execute, "read": self.read,
             "read_write": self.read_write, "devices": self.devices, "shared_memory": self.shared_memory,
             "proc_writable": self.proc_writable, "shared_memory_max_bytes": self.shared_memory_max_bytes,
-            "namespaces_missing": self.namespaces_missing,
+            "shared_memory_max_files": self.shared_memory_max_files, "namespaces_missing": self.namespaces_missing,
         })  # fmt: skip
 
     @classmethod
@@ -254,6 +269,7 @@ class SandboxPolicy:
             shared_memory=data["shared_memory"],
             proc_writable=bool(data.get("proc_writable", False)),
             shared_memory_max_bytes=data.get("shared_memory_max_bytes"),
+            shared_memory_max_files=data.get("shared_memory_max_files"),
             namespaces_missing=data.get("namespaces_missing"),
         )
 
@@ -285,11 +301,13 @@ def device_nodes() -> list[str]:
 
 
 def engine_policy(
-    mode: SandboxMode, *, model_dirs, own_dirs, shared_read=(), shared_memory_max_bytes=None, namespaces_missing=None
+    mode: SandboxMode, *, model_dirs, own_dirs, shared_read=(), shared_memory_max_bytes=None,
+    shared_memory_max_files=None, namespaces_missing=None,
 ) -> SandboxPolicy:
     """The policy of one engine: its model folders (`model_dirs`: model, draft, adapters) and shared read-only
-    caches to read, its own folders (`own_dirs`) to write, its own /dev/shm's size and whether its namespaces work
-    here (`namespaces_missing`, None: the engine tries), and what every engine needs of the system."""
+    caches to read, its own folders (`own_dirs`) to write, its own /dev/shm's size and files (at most
+    `SHARED_MEMORY_MAX_FILES`) and whether its namespaces work here (`namespaces_missing`, None: the engine tries),
+    and what every engine needs of the system."""
     devices = tuple(_unique(device_nodes()))
     return SandboxPolicy(
         mode=mode,
@@ -299,6 +317,7 @@ def engine_policy(
         devices=devices,
         proc_writable=has_nvidia_gpu(devices),
         shared_memory_max_bytes=shared_memory_max_bytes,
+        shared_memory_max_files=min(shared_memory_max_files or SHARED_MEMORY_MAX_FILES, SHARED_MEMORY_MAX_FILES),
         namespaces_missing=namespaces_missing,
     )
 
@@ -409,7 +428,10 @@ def apply_from_environment() -> None:
     `POLICY_ENV`.
 
     Writes one line saying what confines the engine (`APPLIED_LINE`). Where Landlock or the namespaces cannot be had,
-    a `required` policy ends the process with the reason (the replica fails with it); `best-effort` goes on without.
+    a `required` policy ends the process with the reason (the replica fails with it); `best-effort` goes on without,
+    unless the agent found namespaces working on this node: their refusal now (a node's user namespaces exhausted)
+    ends the process whatever the mode (`EXIT_NAMESPACES_REFUSED`: the agent tests them again), never a silent start
+    without them.
     """
     text = os.environ.pop(POLICY_ENV, None)
     if not text:
@@ -418,8 +440,12 @@ def apply_from_environment() -> None:
     try:
         if policy.namespaces_missing:  # the agent found them refused on this node: not tried again
             raise namespaces.NamespacesUnavailable(policy.namespaces_missing)
-        isolated_by = namespaces.enter(policy.shared_memory_max_bytes, tested=policy.namespaces_missing == "")
+        isolated_by = namespaces.enter(policy.shared_memory_max_bytes, max_files=policy.shared_memory_max_files,
+                                       tested=policy.namespaces_missing == "")  # fmt: skip
     except namespaces.NamespacesUnavailable as exc:
+        if policy.namespaces_missing == "":
+            _refuse(f"no namespaces: {exc}", "though the agent found them working here, whatever the mode",
+                    EXIT_NAMESPACES_REFUSED)  # fmt: skip
         if policy.mode == SandboxMode.REQUIRED:
             _refuse(f"no namespaces: {exc}")
         isolated_by = f"no namespaces: {exc} ({MODE_ENV}=best-effort: sharing /proc and /dev/shm)"
@@ -439,10 +465,10 @@ def apply_from_environment() -> None:
     print(f"{APPLIED_LINE} {confined_by}; {isolated_by}", file=sys.stderr, flush=True)
 
 
-def _refuse(why: str, because: str = f"{MODE_ENV}=required") -> None:
+def _refuse(why: str, because: str = f"{MODE_ENV}=required", exit_code: int = EXIT_REFUSED) -> None:
     print(f"{APPLIED_LINE} none: {why}; {because}: not starting", file=sys.stderr, flush=True)
     sys.stderr.flush()
-    os._exit(78)
+    os._exit(exit_code)
 
 
 # --- An engine's own folders ----------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ def unlink(segments) -> None:
 # list it: RAM (tmpfs), outside its folders' disk bound, until the machine rebooted. The agent, unconfined, reads
 # what each engine's processes hold open (`/proc/<pid>/fd`) or map (`/proc/<pid>/maps`, a file unlinked but still
 # mapped included) and counts it in that engine's bound (`Supervisor.check_disk`); a file no process holds goes
-# after a grace period (`remove_orphans`).
+# after a grace period (`remove_orphans`). An engine in namespaces of its own has a /dev/shm of its own: all of it is
+# counted (`statvfs` through `/proc/<pid>/root`: what it closed too, which it kept for its whole life before).
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,6 +80,7 @@ class HeldMemory:
     """What some processes hold in the shared-memory folder."""
 
     num_bytes: int  # each file once: its blocks, or for one unlinked and only mapped, its largest mapping
+    num_files: int  # the files of their own /dev/shm (namespaces of their own), held or not; 0 for the node's
     paths: frozenset[Path]  # the names they hold that still exist (removed when their engine is stopped)
     inodes: frozenset[tuple[int, int]]  # (device, inode) of every file they hold
     hidden: bool  # a process of theirs would not show its files (not dumpable): what it holds is unknown
@@ -112,8 +114,15 @@ def process_tree(pid: int) -> set[int]:
 def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     """What `pids` hold open or mapped in `folder` (files directly in it: an engine may make no folder there).
 
-    A process in a mount namespace of its own (`namespaces.py`) holds files of its own `folder`: they are counted
-    (read through `/proc/<pid>/root`), and their names are not returned, which name other files here."""
+    A process in a mount namespace of its own (`namespaces.py`) has a `folder` of its own, a tmpfs: all of it is
+    counted, held or not (its blocks and files: `statvfs` through `/proc/<pid>/root`), and the names of its files are
+    not returned, which name other files here."""
+    own_folders: dict[int, tuple[int, int]] = {}  # device -> (bytes, files) of the processes' own `folder`s
+    try:
+        # NOTE: a process's new mount namespace holds the node's `folder` until its init mounts its own there
+        node_device = os.stat(folder).st_dev
+    except OSError:
+        node_device = None
     sizes: dict[tuple[int, int], int] = {}
     mapped: dict[tuple[int, int], int] = {}  # unlinked files known only by their mappings: the largest
     paths = set()
@@ -123,6 +132,18 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
         fd_dir = f"/proc/{pid}/fd"
         own_view = in_own_mount_namespace(pid)
         root = "" if own_view else f"/proc/{pid}/root"
+        if not own_view:
+            try:
+                device = os.stat(f"{root}{folder}").st_dev
+                if device != node_device and device not in own_folders:
+                    usage = os.statvfs(f"{root}{folder}")
+                    own_folders[device] = ((usage.f_blocks - usage.f_bfree) * usage.f_frsize,
+                                           max(0, usage.f_files - usage.f_ffree - 1))  # fmt: skip  # less its root
+            except PermissionError:
+                hidden = True
+                continue
+            except OSError:
+                pass  # gone, or no such folder: what it holds is counted below
         try:
             fds = os.listdir(fd_dir)
         except PermissionError:
@@ -170,8 +191,11 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
                         paths.add(Path(path))
                     continue
             mapped[inode] = max(mapped.get(inode, 0), end - start)
-    num_bytes = sum(sizes.values()) + sum(size for inode, size in mapped.items() if inode not in sizes)
-    return HeldMemory(num_bytes, frozenset(paths), frozenset(sizes) | frozenset(mapped), hidden)
+    counted = {**mapped, **sizes}  # each file once, by its blocks where known
+    num_bytes = sum(size for (device, _), size in counted.items() if device not in own_folders)
+    num_bytes += sum(num_bytes for num_bytes, _ in own_folders.values())
+    num_files = sum(num_files for _, num_files in own_folders.values())
+    return HeldMemory(num_bytes, num_files, frozenset(paths), frozenset(sizes) | frozenset(mapped), hidden)
 
 
 def remove_orphans(

@@ -585,7 +585,7 @@ class Supervisor:
         policy = sandbox.engine_policy(
             self.sandbox_mode, model_dirs=model_dirs, own_dirs=[scratch_dir, cache_dir],
             shared_read=[shared_cache / "modelinfos"], shared_memory_max_bytes=self.disk_bounds.engine_max_bytes,
-            namespaces_missing=sandbox.namespaces_missing(),
+            shared_memory_max_files=self.disk_bounds.engine_max_files, namespaces_missing=sandbox.namespaces_missing(),
         )  # fmt: skip
         env = {**command.env, **sandbox.engine_folder_env(scratch_dir, cache_dir, self.sandbox_mode), sandbox.POLICY_ENV: policy.to_json()}
         return dataclasses.replace(command, env=env)
@@ -636,9 +636,11 @@ class Supervisor:
         for replica, folders in due:
             walk_started = time.monotonic()
             usage = engine_disk.measure(folders, max_bytes=bounds.engine_max_bytes, max_files=bounds.engine_max_files)
-            # NOTE: what its processes hold in /dev/shm is RAM it may write but not list (`sandbox.SHARED_MEMORY`).
+            # NOTE: what its processes hold in /dev/shm is RAM it may write but not list (`sandbox.SHARED_MEMORY`); in
+            # namespaces of its own, the whole of its own /dev/shm, closed files too.
             held = shared_memory.held_by(shared_memory.process_tree(replica.pid), self.shared_memory_dir)
-            usage = engine_disk.DiskUsage(usage.num_bytes + held.num_bytes, usage.num_files, usage.complete)
+            usage = engine_disk.DiskUsage(usage.num_bytes + held.num_bytes, usage.num_files + held.num_files,
+                                          usage.complete)  # fmt: skip
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
             if held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
                 over.append((replica, "its engine hid the files it holds from the agent (a process not dumpable): "
@@ -835,6 +837,9 @@ class Supervisor:
                 self.on_stopped(replica.spec.replica_id)
             return
         replica.exited()
+        if exit_code == sandbox.EXIT_NAMESPACES_REFUSED and self.sandbox_mode != sandbox.SandboxMode.OFF:
+            self._namespaces_refused(replica)
+            return
         reason = replica.crashed(exit_code)
         if replica.num_consecutive_crashes >= self.policy.max_consecutive_crashes:
             log_tail = process.log_tail(replica.log_path, self.policy.num_log_lines_in_reason)
@@ -844,6 +849,17 @@ class Supervisor:
         replica.restart_after_crash(reason, backoff, time.monotonic())
         logger.warning("replica %s: %s; restart %d in %.1fs", replica.spec.replica_id, reason, replica.num_restarts, backoff)
         self._save_state()
+
+    def _namespaces_refused(self, replica: ManagedReplica) -> None:
+        """Its engine found namespaces refused that this agent had found working (`sandbox.EXIT_NAMESPACES_REFUSED`):
+        the replica fails with the engine's reason, not restarted into the same refusal, and the node's fact is tested
+        again (the next launches go by it, and the next registration reports it)."""
+        missing = sandbox.retest_namespaces()
+        found = f"tested again, refused: {missing}" if missing else "tested again, they work"
+        log_tail = process.log_tail(replica.log_path, self.policy.num_log_lines_in_reason)
+        logger.warning("replica %s: its engine's namespaces were refused; %s", replica.spec.replica_id, found)
+        self._fail(replica, f"its engine's namespaces were refused where this agent had found them working ({found}):"
+                            f"\n{log_tail}")  # fmt: skip
 
     def _fail(self, replica: ManagedReplica, reason: str) -> None:
         self._kill_group(replica, signal.SIGKILL)

@@ -5,7 +5,7 @@ Serves /health, /metrics (running requests read from --running-file),
 --wake-fails answers `/wake_up` with 500, as an engine whose GPU memory was taken meanwhile); like a real engine under `EngineKeyGuard`, everything but /health needs the
 replica's key from INFERPLANE_ENGINE_API_KEY; with --fill-cache-bytes/--fill-scratch-bytes writes that much into its
 cache folder (XDG_CACHE_HOME) and scratch folder (TMPDIR) before it answers /health (with --fill-shm-bytes holds a file that
-big in /dev/shm, open and mapped, or with --shm-unlinked only mapped); spawns a worker child like vLLM's EngineCore so that tests see
+big in /dev/shm, open and mapped, or with --shm-unlinked only mapped, or with --shm-closed neither); spawns a worker child like vLLM's EngineCore so that tests see
 whether the whole process group goes away.
 """
 
@@ -36,9 +36,12 @@ parser.add_argument("--fill-scratch-bytes", type=int, default=0, help="write thi
 parser.add_argument("--fill-shm-bytes", type=int, default=0, help="write and hold (open, mapped) a file this big in --shm-dir")
 parser.add_argument("--shm-dir", default="/dev/shm")
 parser.add_argument("--shm-unlinked", action="store_true", help="then remove its name: only the mapping holds it")
+parser.add_argument("--shm-closed", action="store_true", help="then close and unmap it: only its name keeps it")
 parser.add_argument("--confine", action="store_true", help="confine itself first, as an engine does (`sandbox.py`)")
 parser.add_argument("--try-neighbour", default="", help="JSON {pid, shm}: log what it could do to that engine's process")
 parser.add_argument("--try-shm-bytes", type=int, default=0, help="log how much of this it could write in /dev/shm")
+parser.add_argument("--try-shm-files", type=int, default=0, help="log how many of these empty files it could make there")
+parser.add_argument("--try-namespaces", action="store_true", help="log whether it could make a user namespace")
 args, _ = parser.parse_known_args()
 
 if args.confine:
@@ -158,7 +161,10 @@ if args.fill_shm_bytes:  # what vLLM's ring buffers and NCCL's segments take, in
     shm_fd = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(os.dup(shm_fd), "wb") as shm_file:
         shm_file.write(os.urandom(args.fill_shm_bytes))
-    held_shm.append(mmap.mmap(shm_fd, args.fill_shm_bytes))
+    if args.shm_closed:
+        os.close(shm_fd)
+    else:
+        held_shm.append(mmap.mmap(shm_fd, args.fill_shm_bytes))
     if args.shm_unlinked:
         os.close(shm_fd)
         os.unlink(shm_path)
@@ -187,7 +193,33 @@ def write_shm(num_bytes: int) -> int:
     return written
 
 
-if args.try_neighbour or args.try_shm_bytes:  # what a hostile tenant's code in an engine would try
+def make_shm_files(num_files: int) -> int:
+    """How many empty files it could make in /dev/shm (kept: closed, never mapped)."""
+    for made in range(num_files):
+        try:
+            os.close(os.open(f"/dev/shm/inferplane-try-{made}", os.O_CREAT | os.O_WRONLY, 0o600))
+        except OSError:
+            return made
+    return num_files
+
+
+def make_user_namespace() -> dict:
+    """In a child: whether it could make a user namespace, and lift its namespace's limit on them."""
+    import ctypes
+
+    read_end, write_end = os.pipe()
+    if os.fork() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        lifted = attempt(lambda: open("/proc/sys/user/max_user_namespaces", "w").write("100"))
+        made = "made" if libc.unshare(0x10000000) == 0 else f"refused: {os.strerror(ctypes.get_errno())}"
+        os.write(write_end, json.dumps({"unshare_user": made, "lift_limit": lifted}).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as answer:
+        return json.loads(answer.read())
+
+
+if args.try_neighbour or args.try_shm_bytes or args.try_shm_files or args.try_namespaces:  # a hostile tenant's tries
     neighbour = json.loads(args.try_neighbour or "{}")
     pid, shm = neighbour.get("pid"), neighbour.get("shm")
     seen = {"own_pid": os.getpid(), "pids": sorted(int(entry) for entry in os.listdir("/proc") if entry.isdigit())}
@@ -198,6 +230,10 @@ if args.try_neighbour or args.try_shm_bytes:  # what a hostile tenant's code in 
         seen["shm_open"] = attempt(lambda: open(shm, "r+b").write(b"x" * 4096))  # never creates it
     if args.try_shm_bytes:
         seen["shm_written"] = write_shm(args.try_shm_bytes)
+    if args.try_shm_files:
+        seen["shm_files_made"] = make_shm_files(args.try_shm_files)
+    if args.try_namespaces:
+        seen.update(make_user_namespace())
     print(f"==> tried {json.dumps(seen)}", flush=True)
 
 

@@ -9,6 +9,7 @@ hostile tenant's code in them could do to a neighbour (`fake_engine.py --try-nei
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -205,6 +206,79 @@ def test_an_engine_past_its_bound_fails_and_the_names_it_held_in_its_own_shared_
         segment.unlink(missing_ok=True)
 
 
+def test_an_engine_can_make_no_namespaces_of_its_own(make_supervisor, tmp_path):
+    # Nested user namespaces need no capability, and each counted against the node's per-uid limit, which every
+    # engine and the agent share: one engine exhausted it and the next engines' namespaces were refused.
+    seen = tried(make_supervisor("hostile", {"r-a": ["--try-namespaces"]}), "r-a", tmp_path)
+    assert seen["unshare_user"] == "refused: No space left on device"
+    assert seen["lift_limit"] == "refused: Permission denied"
+    assert namespaces.unavailable_reason() == ""  # the agent's, as before
+
+
+def test_an_engines_own_shared_memory_holds_few_files_and_the_agent_counts_them(make_supervisor, tmp_path):
+    # Empty files cost the kernel ~1 KiB each and no byte: 300,000 of them were ~300 MiB of its memory, counted 0.
+    supervisor = make_supervisor("agent", {"r-a": ["--try-shm-files", "1000"]}, engine_max_files=300,
+                                 check_interval_s=0)  # fmt: skip
+    seen = tried(supervisor, "r-a", tmp_path)
+    assert 250 < seen["shm_files_made"] < 300  # its tmpfs's nr_inodes: the engine's bound of files, its root is one
+    assert shared_memory.held_by(shared_memory.process_tree(supervisor.get("r-a").pid)).num_files == seen[
+        "shm_files_made"
+    ]
+    supervisor.check_disk()  # with its folders' files, past its bound
+    assert supervisor.get("r-a").state == ReplicaState.FAILED
+    assert "more than 300 files and folders" in supervisor.get("r-a").failure_reason
+
+
+def test_what_an_engine_closed_in_its_own_shared_memory_counts_in_its_bound(make_supervisor, tmp_path):
+    # Closed and unmapped, a file still holds its RAM for the engine's whole life; the agent counted only what its
+    # processes held.
+    supervisor = make_supervisor("agent", {"r-a": ["--fill-shm-bytes", str(768 * 1024), "--shm-closed",
+                                                   "--fill-scratch-bytes", str(512 * 1024)]},
+                                 engine_max_bytes=MB, check_interval_s=0)  # fmt: skip
+    replica = start(supervisor, "r-a", tmp_path)
+    logged(replica, "==> shared memory ")
+    assert shared_memory.held_by(shared_memory.process_tree(replica.pid)).num_bytes >= 768 * 1024
+    supervisor.check_disk()
+    assert supervisor.get("r-a").state == ReplicaState.FAILED
+    assert "to its own folders and /dev/shm" in supervisor.get("r-a").failure_reason
+
+
+# Runs the engine in a user namespace that may make none below it: as on a node whose user namespaces are exhausted.
+EXHAUSTED = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+uid, gid = os.getuid(), os.getgid()
+assert libc.unshare(0x10000000) == 0
+for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+    open(f"/proc/self/{name}", "w").write(text)
+open("/proc/sys/user/max_user_namespaces", "w").write("0")
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("under_reaper", [False, True])
+def test_namespaces_refused_after_the_agent_found_them_working_fail_the_launch_and_are_tested_again(
+    make_supervisor, tmp_path, monkeypatch, under_reaper
+):
+    supervisor = make_supervisor("agent", {}, under_reaper=under_reaper)
+    factory = supervisor.command_factory
+
+    def exhausted(spec, model_path, port):
+        command = factory(spec, model_path, port)
+        return dataclasses.replace(command, argv=[sys.executable, "-c", EXHAUSTED, *command.argv])
+
+    monkeypatch.setattr(supervisor, "command_factory", exhausted)
+    supervisor.start(make_spec("r-a", endpoint_id="e-r-a"), tmp_path)
+    wait_for_state(supervisor, "r-a", ReplicaState.FAILED, timeout_s=30)
+    replica = supervisor.get("r-a")
+    # At once, never restarted into the same refusal; the agent's fact tested again (here they work: only that
+    # engine's namespace was exhausted).
+    assert replica.num_restarts == 0
+    reason = replica.failure_reason
+    assert "namespaces were refused where this agent had found them working (tested again, they work)" in reason
+    assert "unshare refused (No space left on device)" in reason
+
+
 REFUSALS = {
     # A container runtime's seccomp, or user namespaces turned off: the kernel refuses at once.
     "unshare": (
@@ -276,6 +350,14 @@ def test_an_engine_goes_by_what_the_agent_found_and_never_on_half_set_up():
         confine(sandbox.SandboxMode.REQUIRED, None, namespaces_missing="unshare refused (EPERM)").returncode
         == 78
     )
+    # Found working, then refused (the node's user namespaces exhausted): never a start without them, whatever the mode.
+    for mode in (sandbox.SandboxMode.BEST_EFFORT, sandbox.SandboxMode.REQUIRED):
+        refused = confine(mode, "unshare", namespaces_missing="")
+        assert "vLLM would start now" not in refused.stdout and refused.returncode == sandbox.EXIT_NAMESPACES_REFUSED
+        assert (
+            f"{sandbox.APPLIED_LINE} none: no namespaces: unshare refused (Operation not permitted); though the agent "
+            "found them working here, whatever the mode: not starting" in refused.stderr
+        )
     # Found working, so entered at once (no trial in a child): where that fails half done, the engine never starts.
     assert "own pid, mount and user namespaces" in confine(sandbox.SandboxMode.REQUIRED, None, "").stderr
     half = confine(sandbox.SandboxMode.BEST_EFFORT, "mount", namespaces_missing="")
