@@ -3,8 +3,9 @@
 A gateway process beats every second (`presence.beat`) and every `RECONCILE_EVERY_BEATS` beats compares what Redis
 holds for it with what it serves (`presence._reconcile`). Measured on the embedded Redis of the data folder
 (`INFERPLANE_DATA_DIR`, default `.data/bench`; its database is flushed), the process acting as one gateway:
-  * in flight: N organisations with one call each, tracked and held in Redis: a reconcile, and a beat that does not
-    reconcile (the calls' progress asked for, unchanged since the last beat, as a stalled stream's);
+  * in flight: N organisations with one call each, tracked and held in Redis with its reservation and its progress
+    recorded (so a reconcile also asks what Redis lost of them: `counters.holds_lost`): a reconcile, and a beat that
+    does not reconcile (the calls' progress asked for, unchanged since the last beat, as a stalled stream's);
   * idle: N organisations this process served once and serves nothing for now, nothing of theirs in Redis: the first
     reconcile after they went idle, and a later one (once two reconciles found nothing of theirs, they are no longer
     read; before, every one of them was read by every reconcile, forever).
@@ -25,6 +26,7 @@ import statistics
 import sys
 import time
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +58,8 @@ async def _timed(call, repeat: int) -> list[float]:
 
 
 async def in_flight(num_organizations: int, repeat: int) -> dict:
+    from billing.quota.counters import Reservation
+    from controlplane import redis_keys
     from controlplane.redis_client import get_async_redis
     from endpoints.gateway import presence, traffic
 
@@ -65,13 +69,21 @@ async def in_flight(num_organizations: int, repeat: int) -> dict:
     await presence.beat()
     async with redis.pipeline(transaction=False) as pipe:
         for organization_id in range(FIRST_ORGANIZATION, FIRST_ORGANIZATION + num_organizations):
-            held = presence.track(f"call-{organization_id}", organization_id, f"endpoint-{organization_id}", None,
+            request_id = f"call-{organization_id}"
+            reservation = Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
+            held = presence.track(request_id, organization_id, f"endpoint-{organization_id}", None, reservation,
                                   progress=lambda recorded: None)  # nothing new since the last beat
+            held.progress_recorded = (100, 0, 20)
             traffic._registered[1].add(organization_id)
-            pipe.hset(traffic.gateway_requests_key(organization_id), f"call-{organization_id}", held.value())
+            pipe.hset(traffic.gateway_requests_key(organization_id), request_id, held.value())
+            pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")  # as its admission held it
+            pipe.hset(redis_keys.progress_key(organization_id), request_id, "{}")  # as a beat recorded it
         await pipe.execute()
     reconcile = await _timed(lambda: presence._reconcile(gateway), repeat)
-    presence._repair.num_beats = -10 * repeat  # the beats below do not reconcile
+    # NOTE: the reconciles above may outlast the alive key (`ALIVE_TTL_S`): written again, so that the beats below do not
+    # reconcile (a beat that finds it gone does, forgotten, and so may each after it while one outlasts the key).
+    await redis.set(redis_keys.gateway_alive_key(gateway), "1", ex=presence.ALIVE_TTL_S)
+    presence._repair.num_beats = -10 * repeat
     beat = await _timed(presence.beat, repeat)
     _reset(presence, traffic)
     return {"num_organizations": num_organizations, "state": "in flight",

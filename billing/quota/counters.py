@@ -377,27 +377,39 @@ async def record_progress(organization_id: int, reports: list[UsageReport]) -> i
     return await _RECORD_PROGRESS(keys=[reservations_key(organization_id), progress_key(organization_id)], args=args)
 
 
-# The calls of one organisation whose progress Redis no longer holds while it still holds their reservation: back a
-# moment in the past (`endpoints.gateway.presence`), it kept the reservation and lost the progress written after.
-# KEYS: the reservations, the progress. ARGV: request ids.
-_PROGRESS_LOST = Script("""
-local lost = {}
-for i = 1, #ARGV do
-  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 and redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
-    lost[#lost + 1] = ARGV[i]
+# What Redis lost of one organisation's running calls, in one script (`endpoints.gateway.presence`'s reconcile): the
+# calls whose reservation it no longer holds, and of the others those whose progress it lost (back a moment in the
+# past, it kept the reservation and lost the progress written after). KEYS: the reservations, the progress. ARGV: per
+# call: request id, whether its progress was recorded (1/0).
+# NOTE: a reservation is found missing here, not only where its gateway put back its request: the put-back's reply
+# could be lost (a timeout; redis-py's retry running it again and finding nothing to put back), and Redis could come
+# back a moment in the past between the put-back and the hold again (two scripts, a round trip apart). Each left the
+# call's entry there, and no later reconcile held its reservation again: it ran unheld against the caps and prepaid
+# credit, with no deadline for the sweeper should its gateway die, for as long as it ran (up to 6 h).
+_HOLDS_LOST = Script("""
+local unreserved, unrecorded = {}, {}
+for i = 1, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then
+    unreserved[#unreserved + 1] = ARGV[i]
+  elseif ARGV[i + 1] == '1' and redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
+    unrecorded[#unrecorded + 1] = ARGV[i]
   end
 end
-return lost
+return {unreserved, unrecorded}
 """)
 
 
-async def progress_lost(organization_id: int, request_ids: list[str]) -> list[str]:
-    """Those of one organisation's running calls (`request_ids`, each with its progress recorded) that are still
-    reserved and whose progress Redis lost: their gateway records it again (`record_progress`)."""
-    if not request_ids:
-        return []
-    return await _PROGRESS_LOST(keys=[reservations_key(organization_id), progress_key(organization_id)],
-                                args=request_ids)
+async def holds_lost(organization_id: int, calls: list[tuple[str, bool]]) -> tuple[list[str], list[str]]:
+    """Of one organisation's running calls (`calls`: request id, whether its progress was recorded), those whose
+    reservation Redis lost (their gateway holds them again: `restore_reservations`, which leaves one settled or past
+    its deadline), and those still reserved whose recorded progress it lost (their gateway records it again:
+    `record_progress`)."""
+    if not calls:
+        return [], []
+    args = [item for request_id, recorded in calls for item in (request_id, "1" if recorded else "0")]
+    unreserved, unrecorded = await _HOLDS_LOST(keys=[reservations_key(organization_id), progress_key(organization_id)],
+                                               args=args)
+    return list(unreserved), list(unrecorded)
 
 
 def refusal(status: str, detail: str) -> QuotaExceeded | None:

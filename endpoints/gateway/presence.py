@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from django.conf import settings
+from redis.exceptions import RedisError
 
 from billing.ledger import UsageReport
 from billing.quota import counters
@@ -324,13 +325,14 @@ async def _restore_requests(organization_id: int, snapshot: list[tuple[str, Held
 
 
 async def _restore_organization(organization_id: int, snapshot: list[tuple[str, Held]]
-                                ) -> tuple[tuple[list[str], list[str]], list[str]]:
-    """`_restore_requests`, and the calls whose progress Redis lost while it kept their reservations
-    (`counters.progress_lost`), both sent at once."""
-    recorded = [request_id for request_id, held in snapshot if held.progress_recorded is not None]
-    restored, lost = await asyncio.gather(_restore_requests(organization_id, snapshot),
-                                          counters.progress_lost(organization_id, recorded))
-    return restored, lost
+                                ) -> list[tuple[list[str], list[str]] | BaseException]:
+    """`_restore_requests`, and what Redis lost of the reservations and progress of the calls that hold one
+    (`counters.holds_lost`), both sent at once; each part's result or its error (one's failure loses no result of the
+    other's: the reservations of requests put back are held again all the same)."""
+    calls = [(request_id, held.progress_recorded is not None) for request_id, held in snapshot
+             if held.reservation is not None]
+    return await asyncio.gather(_restore_requests(organization_id, snapshot),
+                                counters.holds_lost(organization_id, calls), return_exceptions=True)
 
 
 async def _hold_again(organization_id: int, holds: list[tuple[str, Held]]) -> int:
@@ -383,14 +385,22 @@ async def _forget_idle(empty: set[int]) -> set[int]:
 async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     """Make what Redis holds for this gateway what it serves: put back the requests it still serves that Redis does
     not hold (each in flight on its endpoint and outstanding on its replica, and its reservation against the caps and
-    credit, with its progress: `_record_progress`), record again the progress Redis lost of a call whose reservation it
-    kept, list its requests hashes again in `GATEWAYS_KEY`, and release the requests Redis holds that it no longer
-    serves. Two scripts per organisation it serves and a read of each other hash it registered, all sent at once (a
-    round trip, and one more per organisation whose reservations it holds again). `forgotten`: Redis forgot this
-    gateway's alive key, so every reservation of what it serves is held again where missing, not only those of the
-    requests put back; and a reservation a reconcile failed to hold again (a Redis error, a timeout, after its request
-    was put back) is held again by the next (`_Repair.unheld`). Returns False when a part failed (logged): the next
-    beat reconciles again.
+    credit, with its progress: `_record_progress`), hold again the reservation Redis lost of any call it serves and
+    record again the progress it lost of one whose reservation it kept (`counters.holds_lost`), list its requests
+    hashes again in `GATEWAYS_KEY`, and release the requests Redis holds that it no longer serves. Two scripts per
+    organisation it serves and a read of each other hash it registered, all sent at once (a round trip, and one more
+    per organisation whose reservations it holds again). `forgotten`: Redis forgot this gateway's alive key, so every
+    reservation of what it serves is held again where missing, not only those found missing; and a reservation a
+    reconcile failed to hold again (a Redis error, a timeout, after its request was put back) is held again by the next
+    (`_Repair.unheld`). Returns False when a part failed (Redis's or the network's error, logged in one line: the next
+    beat reconciles again); any other error is raised.
+
+    NOTE: a reservation is held again where Redis is found to have lost it (`counters.holds_lost`), not only where this
+    reconcile put its request back: a put-back whose result never reached it (the other part of its organisation
+    failed and discarded it; its reply lost; redis-py's one retry after a dropped connection ran it again and found
+    nothing to put back) or Redis coming back a moment in the past between the put-back and the hold again left the
+    call's entry there, and no later reconcile held it: the call ran unheld against the caps and credit, with no
+    deadline or progress for the sweeper, up to `GATEWAY_MAX_ANSWER_WAIT_S` (6 h).
 
     NOTE: one organisation's failure (its Redis Cluster node failing over, a timeout) stops no other's: the whole
     reconcile failed with it, so every other organisation's reservations put back waited for the next beat, and so
@@ -414,7 +424,7 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     its progress (recorded again only once its tokens grew: a stream stalled across the loss, its gateway then lost,
     had what it delivered unbilled). Its progress alone may be lost too (written after its reservation, and after the
     moment Redis came back to): each reconcile asks which of the calls whose progress it recorded lost it while their
-    reservations stayed (`counters.progress_lost`), and the beat records it again.
+    reservations stayed (`counters.holds_lost`), and the beat records it again.
 
     NOTE: races with calls that start or end meanwhile. A call's hash entry is written by its admission before this
     process tracks it, and its end untracks it before its finish removes the entry: an entry not served is released
@@ -432,19 +442,26 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     *results, idle_entries = await asyncio.gather(
         *(_restore_organization(organization_id, snapshot) for organization_id, snapshot in by_organization.items()),
         _read_idle(registered, idle), return_exceptions=True)
-    failed = {organization_id for organization_id, result in zip(by_organization, results, strict=True)
-              if _failed(result, gateway, f"organisation {organization_id}'s requests")}
-    idle_failed = _failed(idle_entries, gateway, "the requests of organisations it serves nothing for")
-    if idle_failed:
+    failures = _Failures()
+    failed: set[int] = set()  # the organisations whose requests were not compared
+    parts: list[tuple] = []  # per organisation: (ids put back, the hash's other entries), (unreserved, progress lost)
+    for organization_id, result in zip(by_organization, results, strict=True):
+        restored_part, lost_part = (result, ([], [])) if isinstance(result, BaseException) else result
+        if failures.failed(restored_part, f"organisation {organization_id}'s requests"):
+            failed.add(organization_id)
+            restored_part = ([], [])
+        if failures.failed(lost_part, f"organisation {organization_id}'s reservations and progress"):
+            lost_part = ([], [])
+        parts.append((restored_part, lost_part))
+    if failures.failed(idle_entries, "the requests of organisations it serves nothing for"):
         idle, idle_entries = [], []
     unserved: dict[tuple[int, str], str] = {}
     ended: dict[tuple[int, str], str] = {}
     to_hold: dict[int, list[tuple[str, Held]]] = {}
     restored = 0
-    for (organization_id, snapshot), result in zip(by_organization.items(), results, strict=True):
-        if organization_id in failed:
-            continue
-        (put_back, found), progress_lost = result
+    now = clock.redis_now()
+    for (organization_id, snapshot), ((put_back, found), (unreserved, progress_lost)) in zip(
+            by_organization.items(), parts, strict=True):
         restored += len(put_back)
         for request_id in progress_lost:  # recorded again by this beat (`_record_progress`)
             if (held := serving.get(request_id)) is not None:
@@ -455,7 +472,9 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
             if request_id not in serving:
                 if request_id in put_back:  # it ended after the snapshot: its own end found nothing to release
                     ended[(organization_id, request_id)] = held.value()
-            elif held.reservation is not None and (forgotten or request_id in put_back or request_id in _repair.unheld):
+            elif held.reservation is not None and (
+                    forgotten or request_id in put_back or request_id in _repair.unheld
+                    or (request_id in unreserved and (held.lapses_at is None or now < held.lapses_at))):
                 to_hold.setdefault(organization_id, []).append((request_id, held))
     empty: set[int] = set()
     for organization_id, entries in zip(idle, idle_entries, strict=True):
@@ -465,18 +484,16 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
             unserved[(organization_id, request_id)] = value
     if ended:
         await asyncio.to_thread(_release_unserved, ended)
-    # NOTE: remembered before they are tried: its entry is back, so a later reconcile no longer finds it missing; a
-    # restore that failed (a Redis error, a timeout) left the call in flight holding nothing against the caps and
-    # credit (new calls admitted against what it held; no hold for the sweeper should its gateway die). Trying one
+    # NOTE: remembered before they are tried: its entry is back, so a later reconcile no longer finds its request
+    # missing; a restore that failed (a Redis error, a timeout) left the call in flight holding nothing against the caps
+    # and credit (new calls admitted against what it held; no hold for the sweeper should its gateway die). Trying one
     # again holds it at most once (the script leaves a reservation still there, or one whose call settled).
     _repair.unheld.intersection_update(serving)
     _repair.unheld.update(request_id for holds in to_hold.values() for request_id, _ in holds)
     held_again = await asyncio.gather(*(_hold_again(organization_id, holds) for organization_id, holds in to_hold.items()),
                                       return_exceptions=True)
-    hold_failed = {organization_id for organization_id, result in zip(to_hold, held_again, strict=True)
-                   if _failed(result, gateway, f"organisation {organization_id}'s reservations")}
     num_held_again = sum(result for organization_id, result in zip(to_hold, held_again, strict=True)
-                         if organization_id not in hold_failed)
+                         if not failures.failed(result, f"organisation {organization_id}'s reservations"))
     confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
     released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
     _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed} | {
@@ -485,17 +502,42 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     if restored or num_held_again or released:
         logger.warning("gateway %s: put back %d request(s) and %d reservation(s) Redis had lost, released %d it had "
                        "kept after they ended", gateway, restored, num_held_again, released)
-    return not failed and not idle_failed and not hold_failed
+    failures.log(gateway)
+    return not failures.parts
 
 
-def _failed(result, gateway: str, what: str) -> bool:
-    """Whether one part of a reconcile failed (logged: the next beat reconciles again); a cancellation is raised."""
-    if not isinstance(result, BaseException):
-        return False
-    if not isinstance(result, Exception):
-        raise result
-    logger.warning("gateway %s: could not put back %s Redis forgot; trying again next beat: %r", gateway, what, result)
-    return True
+# A reconcile's failed parts named in its log line: the first few (one line per beat, whatever the number).
+FAILURES_NAMED = 5
+
+
+@dataclass(slots=True)
+class _Failures:
+    """The parts of one reconcile that failed (Redis or the network: the next beat reconciles again), logged as one
+    line (`log`).
+
+    NOTE: one warning per part flooded the log during a Redis Cluster failover (thousands a second: one per
+    organisation served, every beat), and every error counted as Redis's: a programming error (a TypeError) was logged
+    as "trying again next beat", without its traceback, and reconciled again every beat for good."""
+
+    parts: list[str] = field(default_factory=list)
+    first: BaseException | None = None
+
+    def failed(self, result, what: str) -> bool:
+        """Whether `result` (one part's, from `asyncio.gather(..., return_exceptions=True)`) is Redis's or the network's
+        error (noted); any other error, or a cancellation, is raised."""
+        if not isinstance(result, BaseException):
+            return False
+        if not isinstance(result, RedisError | OSError):  # NOTE: OSError holds ConnectionError, TimeoutError
+            raise result
+        self.parts.append(what)
+        self.first = self.first or result
+        return True
+
+    def log(self, gateway: str) -> None:
+        if self.parts:
+            named = ", ".join(self.parts[:FAILURES_NAMED]) + (", ..." if len(self.parts) > FAILURES_NAMED else "")
+            logger.warning("gateway %s: could not put back %d part(s) of what Redis forgot (%s); trying again next "
+                           "beat: %r", gateway, len(self.parts), named, self.first)
 
 
 async def beat(*, web: bool = False) -> None:
@@ -531,8 +573,13 @@ async def beat(*, web: bool = False) -> None:
         try:
             if await _reconcile(gateway, forgotten=_repair.due):
                 _repair.due, _repair.num_beats = False, 0
-        except Exception as exc:  # noqa: BLE001 - tried again by the next beat
+        except (RedisError, OSError) as exc:  # tried again by the next beat
             logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
+        except Exception:  # noqa: BLE001 - a bug, not Redis: logged with its traceback
+            # NOTE: tried again at the reconcile's own pace, not every beat (a traceback a second, for good): what Redis
+            # forgot is found all the same then (a missing reservation: `counters.holds_lost`).
+            logger.exception("gateway %s: its reconcile failed", gateway)
+            _repair.due, _repair.num_beats = False, 0
     try:
         await _push_deadlines_on(redis)
     except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on

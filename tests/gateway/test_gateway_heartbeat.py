@@ -542,3 +542,164 @@ def test_a_stalled_streams_progress_redis_lost_is_recorded_again_by_the_next_rec
     assert redis.hexists(redis_keys.progress_key(org), "stalled")
     asyncio.run(finish(caller, endpoint, replica, "stalled", admitted))
     assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # its own end deletes it
+
+
+# --- a put-back whose result the reconcile never learned, and a reconcile that fails -----------------------------
+
+def stalled_stream_with_progress(caller, endpoint, replica) -> tuple[admission.Admission, list]:
+    """Admit a call ("stalled"), record its progress by a beat (it streams nothing more); returns its admission and
+    what Redis held before it (`redis_state`)."""
+    async def admitted_and_recorded():
+        await presence.beat(web=True)
+        state = redis_state()
+        admitted = await admit(caller, endpoint, replica, "stalled")
+        report = dataclasses.replace(usage_report(endpoint, request_id="stalled", prompt_tokens=100,
+                                                  completion_tokens=20), status="gateway_lost",
+                                     max_cost=admitted.reservation.amount, billing_mode=admitted.billing_mode)
+        tokens = (report.prompt_tokens, report.cached_tokens, report.completion_tokens)
+        # As `InferenceCall.progress`: nothing new since the last beat recorded it.
+        presence.serving["stalled"].progress = lambda recorded: None if recorded == tokens else report
+        await presence.beat(web=True)
+        assert get_redis().hexists(redis_keys.progress_key(endpoint.organization_id), "stalled")
+        return admitted, state
+    return asyncio.run(admitted_and_recorded())
+
+
+def assert_held_and_settled_once(caller, endpoint, replica, admitted: admission.Admission, reserved: bytes) -> None:
+    org = endpoint.organization_id
+    redis = get_redis()
+    assert redis.hexists(redis_keys.reservations_key(org), "stalled"), "its reservation was never held again"
+    assert redis.get(redis_keys.org_reserved_key(org)) == reserved and int(reserved) > 0
+    assert redis.zscore(redis_keys.deadlines_key(org), "stalled") is not None  # a hold the sweeper can lapse
+    assert redis.hexists(redis_keys.progress_key(org), "stalled")  # what it delivered, should its gateway die
+    asyncio.run(finish(caller, endpoint, replica, "stalled", admitted))
+    assert counts(endpoint, replica) == (0, 0)
+    assert int(redis.get(redis_keys.org_reserved_key(org)) or 0) == 0
+
+
+@pytest.mark.parametrize("fault", ["the progress check beside it failed", "its reply was lost",
+                                   "a retry ran it again"])
+def test_a_reservation_is_held_again_when_the_reconcile_never_learned_its_call_was_put_back(
+        idle_endpoint_call, monkeypatch, fault):
+    """Before, a reconcile held a reservation again only if it learned that it had put its call back (or Redis forgot
+    its alive key). The put-back script ran but its result was lost: the progress check sent beside it failed and the
+    organisation was marked failed, discarding it; its reply was lost (a timeout); redis-py's one retry after a dropped
+    connection ran it again and got "nothing put back". Every later reconcile found the call's entry there: it ran
+    holding nothing against the caps and credit, with no deadline or progress for the sweeper, until it ended."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+    failures = []
+    if fault == "the progress check beside it failed":
+        check = counters.holds_lost
+
+        async def failing_once(organization_id, calls):
+            if calls and not failures:
+                failures.append(organization_id)
+                await asyncio.sleep(0.05)  # the put-back ran meanwhile
+                raise ConnectionError("Redis went away mid-reconcile")
+            return await check(organization_id, calls)
+
+        monkeypatch.setattr(counters, "holds_lost", failing_once)
+    else:
+        restore = presence._restore_requests
+
+        async def answer_lost_once(organization_id, snapshot):
+            result = await restore(organization_id, snapshot)  # it ran in Redis
+            if failures or not result[0]:
+                return result
+            failures.append(organization_id)
+            if fault == "its reply was lost":
+                raise TimeoutError("Timeout reading from socket")
+            return await restore(organization_id, snapshot)  # the retry's answer: nothing put back
+
+        monkeypatch.setattr(presence, "_restore_requests", answer_lost_once)
+    admitted, before = stalled_stream_with_progress(caller, endpoint, replica)
+    reserved = get_redis().get(redis_keys.org_reserved_key(org))
+    come_back_as(before)  # its admission, reservation and progress lost; the alive key kept
+
+    async def reconciling():
+        await reconciled(1)
+        assert failures == [org]
+        assert get_redis().hexists(traffic.gateway_requests_key(org), "stalled")  # its entry is back
+        await reconciled(2)
+    asyncio.run(reconciling())
+
+    assert_held_and_settled_once(caller, endpoint, replica, admitted, reserved)
+
+
+def test_a_reservation_is_held_again_when_redis_came_back_to_before_its_hold_again(idle_endpoint_call, monkeypatch):
+    """Before, Redis coming back a moment in the past (no error anywhere) between the reconcile's put-back script and
+    its hold again (two scripts, a round trip apart) kept the call's entry and lost its reservation: no later
+    reconcile held it again."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+    restore, between = counters.restore_reservations, []
+
+    async def capture(organization_id, reservations, lapsed_at=None):
+        if not between:
+            between.append(redis_state())  # the put-back is in, the hold again not yet
+        return await restore(organization_id, reservations, lapsed_at)
+
+    monkeypatch.setattr(counters, "restore_reservations", capture)
+    admitted, before = stalled_stream_with_progress(caller, endpoint, replica)
+    reserved = get_redis().get(redis_keys.org_reserved_key(org))
+    come_back_as(before)
+
+    async def reconciling():
+        await reconciled(1)
+        assert between and get_redis().hexists(redis_keys.reservations_key(org), "stalled")
+        come_back_as(between[0])  # the hold again lost, the put-back kept
+        assert get_redis().hexists(traffic.gateway_requests_key(org), "stalled")
+        assert not get_redis().hexists(redis_keys.reservations_key(org), "stalled")
+        await reconciled(1)
+    asyncio.run(reconciling())
+
+    assert_held_and_settled_once(caller, endpoint, replica, admitted, reserved)
+
+
+def test_a_reconcile_that_hits_a_bug_logs_its_traceback_and_is_not_run_every_beat(monkeypatch, caplog, gateway_alone):
+    """Before, any error of a reconcile's part (a TypeError: a bug, not Redis) was logged as "Redis forgot; trying
+    again next beat", without its traceback, and the reconcile ran again on every beat for good."""
+    calls = []
+
+    async def buggy(organization_id, snapshot):
+        calls.append(organization_id)
+        raise TypeError("unsupported operand type(s)")
+
+    pushed = []
+
+    async def push(redis, now=None):
+        pushed.append(now)
+
+    monkeypatch.setattr(presence, "_restore_requests", buggy)
+    monkeypatch.setattr(presence, "_push_deadlines_on", push)
+    presence.track("call", OrganizationFactory().pk, "e-call", None)
+    presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS
+    with caplog.at_level("WARNING", logger="inferplane.gateway"):
+        for _ in range(3):
+            asyncio.run(presence.beat())
+    assert len(pushed) == 3  # the beat went on
+    assert len(calls) == 1  # then at the reconcile's own pace, not every beat
+    assert "trying again next beat" not in caplog.text
+    bugs = [record for record in caplog.records if record.exc_info and record.exc_info[0] is TypeError]
+    assert len(bugs) == 1 and bugs[0].levelname == "ERROR"
+
+
+def test_a_reconcile_whose_organisations_all_fail_logs_one_line(monkeypatch, caplog, gateway_alone):
+    """Before, each organisation whose part failed logged its own warning, on every beat while it failed: thousands a
+    second from each gateway during a Redis Cluster failover."""
+    async def failing(**kwargs):
+        raise ConnectionError("CLUSTERDOWN The cluster is down")
+
+    monkeypatch.setattr(presence, "_RESTORE_REQUESTS", failing)
+    organizations = [9_100_000 + number for number in range(30)]
+    for organization_id in organizations:
+        presence.track(f"call-{organization_id}", organization_id, f"e-{organization_id}", None)
+    presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS
+    with caplog.at_level("WARNING", logger="inferplane.gateway"):
+        asyncio.run(presence.beat())
+    failed = [record.getMessage() for record in caplog.records if "could not put back" in record.getMessage()]
+    assert len(failed) == 1, failed
+    assert "30 part(s)" in failed[0] and "CLUSTERDOWN" in failed[0]
+    assert sum(f"organisation {organization_id}'s" in failed[0] for organization_id in organizations) == 5
+    assert presence._repair.num_beats == presence.RECONCILE_EVERY_BEATS + 1  # the next beat reconciles again
