@@ -32,7 +32,8 @@ One script per organisation (one Redis Cluster slot) and batch, each step: a rep
 asgiref's one thread for sync code, which every other sync call of the gateway process waited behind.
 
 Each INSERT is bounded well inside a registration's life (`REGISTRATION_TTL_S`): the gateway's gives up after
-`usage_writer.WRITE_TIMEOUT_S`, the worker's is cancelled by PostgreSQL after `WRITE_TIMEOUT_S` (`record_registered_batch`).
+`usage_writer.WRITE_TIMEOUT_S`, the worker's is cancelled by PostgreSQL after `WRITE_TIMEOUT_S` (`bounded_write`), and
+so is the worker's supersede of lost rows after it.
 
 A replay killed between its commit and its count (or one whose INSERT, cut short by its timeout, committed after)
 leaves its rows' registrations, kept a day past their time (`REGISTRATION_KEPT_S`), and its segment in the journal: the
@@ -49,6 +50,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
+from contextlib import contextmanager
 from decimal import Decimal
 
 from django.db import close_old_connections, connection, transaction
@@ -182,14 +184,28 @@ def record_registered_batch(reports: list[UsageReport]) -> set[str]:
     disk) committed after its registration lapsed; a counter rebuilt then read the rows without asking about them, and
     their count added them again."""
     refused = None
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute(f"SET LOCAL statement_timeout = {int(WRITE_TIMEOUT_S * 1000)}")
+    with bounded_write():
         try:
             return record_usage_batch(reports)
         except UnknownEndpointError as exc:  # the others are written: committed with the transaction
             refused = exc
     raise refused
+
+
+@contextmanager
+def bounded_write():
+    """A transaction whose statements PostgreSQL cancels past `WRITE_TIMEOUT_S` (`statement_timeout`, raising
+    `OperationalError`): each write of the worker's replay between its registration and its count, its INSERT
+    (`record_registered_batch`) and its supersede (`billing.ledger.supersede_lost_rows`), commits well inside the
+    registration's life, or not at all.
+
+    NOTE: the supersede ran on Django's connection in autocommit: held up past the registration (a lock on the lost
+    row), it committed after it; a counter rebuilt then read the whole cost, and `count_superseded` added the
+    difference again."""
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET LOCAL statement_timeout = {int(WRITE_TIMEOUT_S * 1000)}")
+        yield
 
 
 
