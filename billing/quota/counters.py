@@ -172,11 +172,13 @@ end
 #   for a resend of the same finish script (a client retrying after a lost reply) and for the sweeper racing
 #   the call's own settlement. A call that outlived its reservation's deadline had its hold released by the
 #   sweeper without a marker, so its late settlement counts its spend.
-# A settlement that finds its hold gone, no marker, and its deadline past (`lapsed_at`: its gateway froze past it,
-# and longer than any marker lives) cannot tell whether the sweeper released the hold (nothing counted) or settled it
-# (counted, its marker expired since): it counts nothing and drops the counters it would have counted in, which the
-# next call rebuilds from the ledger (its row is there, once; a journaled one is counted by its replay).
-# NOTE: it counted its cost, again after the sweeper's settlement, once a gateway woke from a freeze over a day.
+# A settlement that finds its hold gone and no marker more than a sweeper's marker lives past its deadline (`lapsed_at`
+# plus `SETTLED_MARKER_TTL_S`: its gateway froze that long) cannot tell whether the sweeper released the hold (nothing
+# counted) or settled it (counted, its marker expired since): it counts nothing and drops the counters it would have
+# counted in, which the next call rebuilds from the ledger (its row is there, once; a journaled one is counted by its
+# replay). Before that, no marker means the sweeper released the hold unbilled: it counts as any settlement.
+# NOTE: it counted its cost, again after the sweeper's settlement, once a gateway woke from a freeze over a day; and
+#   then (past its deadline alone) counted nothing for a call the sweeper had released unbilled minutes before.
 #   NOTE: a day's marker per call was ~86 million keys (~9–11 GB of Redis) a day at 1,000 requests a second,
 #   each also in every snapshot and append-only rewrite; minutes' is ~300,000.
 # - none (a ttl of 0) for a try that recorded nothing (no ledger row: never served, or a batch line's try that
@@ -238,7 +240,7 @@ SETTLE = ScriptPart(
     keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
           "key reserved", "credit", "credit journaled", "progress"),
     args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "draws credit (1/0)", "journaled (1/0)",
-          "when its hold may have lapsed (Redis's clock, s; empty: not known)"),
+          "when it can no longer tell whether the sweeper counted it (Redis's clock, s; empty: not known)"),
     lua=SETTLE_LUA)
 
 # KEYS: a hash; ARGV: field/value pairs. Changes the hash only if it exists.
@@ -290,20 +292,22 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # a flush, a failover: `endpoints.gateway.presence`), as `RESERVE` held them. KEYS: the reservations, the deadlines,
 # the organisation's reserved sum, then per call: its key's reserved sum (the organisation's again for a call without
 # a key) and its settled marker. ARGV: the seconds a reservation holds (its deadline: Redis's clock plus these), then
-# per call: request id, amount (units), has key (1/0), payload, when its hold may have lapsed (Redis's clock, s; empty:
-# not known).
-# A reservation still there (Redis forgot only the gateway's own keys), one whose call settled meanwhile, or one past
-# its deadline (its gateway froze past it: the sweeper released or settled it, `SETTLE_LUA`) is left.
+# per call: request id, amount (units), has key (1/0), payload, when it can no longer tell whether the sweeper counted
+# it (Redis's clock, s; empty: not known).
+# A reservation still there (Redis forgot only the gateway's own keys), one whose call settled meanwhile (its marker:
+# the sweeper's settlement too, a day), or one past that (its gateway froze longer than the sweeper's marker lives,
+# `SETTLE_LUA`) is left. One the sweeper released unbilled (no marker) is held again: its call still runs.
 # NOTE: a gateway woken from a freeze longer than the sweeper's marker lives held its swept calls again, and their
-# settlement then counted their cost a second time.
+# settlement then counted their cost a second time; and, kept from holding any call past its deadline, it ran one the
+# sweeper had released minutes before unheld: a second call was admitted past the cap beside it.
 _RESTORE_RESERVATIONS = Script("""
 local restored = 0
 local now = tonumber(redis.call('TIME')[1])
 local deadline = now + 1 + tonumber(ARGV[1])
 for i = 2, #ARGV, 5 do
   local n = (i - 2) / 5
-  local lapsed = ARGV[i + 4] ~= '' and now > tonumber(ARGV[i + 4])
-  if not lapsed and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[5 + 2 * n]) == 0 then
+  local untold = ARGV[i + 4] ~= '' and now > tonumber(ARGV[i + 4])
+  if not untold and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[5 + 2 * n]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3])
     redis.call('ZADD', KEYS[2], deadline, ARGV[i])
     redis.call('INCRBY', KEYS[3], ARGV[i + 1])
@@ -319,7 +323,8 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
                                lapsed_at: list[float | None] | None = None) -> int:
     """Hold again the reservations of one organisation's calls that are still running, which Redis lost; returns how
     many it held again. Each is held as its admission held it (its amount, its key, its period), with a new deadline,
-    unless past `lapsed_at` (each one's, Redis's clock: when its hold may have lapsed; None: not known).
+    unless its marker says it was settled, or more than a marker lives past `lapsed_at` (each one's, Redis's clock:
+    when its hold may have lapsed; None: not known): `told_until`.
 
     NOTE: without this, a flushed or restarted Redis rebuilt the organisation's counters from the ledger with nothing
     reserved, while its calls then running went on: until they ended, new calls were admitted against the caps and
@@ -337,7 +342,7 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
         keys += [key_reserved_key(organization_id, api_key_id) if api_key_id is not None else keys[2],
                  settled_key(organization_id, reservation.request_id)]
         args += [reservation.request_id, str(units), "1" if api_key_id is not None else "0",
-                 f"{payload_before}{units}{payload_after}", "" if lapses is None else str(int(lapses))]
+                 f"{payload_before}{units}{payload_after}", _told_until(lapses)]
     return await _RESTORE_RESERVATIONS(keys=keys, args=args)
 
 
@@ -420,7 +425,8 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_
     `journaled`: its row went to the usage journal, not the ledger (`billing.usage_writer.Recorded.JOURNALED`): the
     counters it is added to are marked as counting it, for its replay (`billing.quota.replayed`). `lapsed_at`: from when
     (Redis's clock) its hold may have lapsed, as its gateway last pushed its deadline (`Held.lapses_at`): a settlement
-    past it that finds its hold gone and no marker drops its counters rather than count (see `SETTLE_LUA`).
+    more than a marker lives past it (`told_until`) that finds its hold gone and no marker drops its counters rather
+    than count (see `SETTLE_LUA`).
 
     NOTE: the ledger bills a row in the period of its `finished_at` (`billing.ledger.period_spend`), and the
     counters are rebuilt from it: a call reserved on the 31st before midnight and finished after spends in the
@@ -437,7 +443,19 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_
     marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id and not journaled else SETTLED_MARKER_TTL_S
     draws_credit = "1" if billing_mode == BillingMode.PREPAID else "0"
     return keys, [reservation.request_id, str(to_units(actual)), has_key, str(marker_ttl_s), draws_credit,
-                  "1" if journaled and recorded else "0", "" if lapsed_at is None else str(int(lapsed_at))]
+                  "1" if journaled and recorded else "0", _told_until(lapsed_at)]
+
+
+def told_until(lapsed_at: float) -> float:
+    """Until when (Redis's clock, s) a call whose hold may have lapsed at `lapsed_at` can tell from its settled marker
+    whether the sweeper counted it: the sweeper's marker lives a day from its settlement, after the deadline. Before,
+    no marker means the sweeper released its hold unbilled: it is held again and counted as any call; after, it is
+    neither (`SETTLE_LUA`, `_RESTORE_RESERVATIONS`)."""
+    return lapsed_at + SETTLED_MARKER_TTL_S
+
+
+def _told_until(lapsed_at: float | None) -> str:
+    return "" if lapsed_at is None else str(int(told_until(lapsed_at)))
 
 
 def limits_version() -> str:

@@ -648,7 +648,7 @@ def test_a_call_the_sweeper_settled_longer_ago_than_its_marker_lives_is_neither_
     assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
     assert reads.counted_spend(organization.pk) == cost
     get_redis().delete(redis_keys.settled_key(organization.pk, "req_day"))  # a day later
-    lapsed_at = time.time() - 1  # its deadline, as its gateway last pushed it, is past on Redis's clock
+    lapsed_at = time.time() - counters.SETTLED_MARKER_TTL_S - 1  # its deadline, as its gateway last pushed it
 
     assert asyncio.run(counters.restore_reservations(organization.pk, [admitted.reservation], [lapsed_at])) == 0
     reservation = admitted.reservation
@@ -659,6 +659,52 @@ def test_a_call_the_sweeper_settled_longer_ago_than_its_marker_lives_is_neither_
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
     assert reads.counted_spend(organization.pk) == cost  # rebuilt from the ledger: once
 
+
+def test_a_call_the_sweeper_released_unbilled_minutes_ago_is_held_again_and_counted_once(settings):
+    # Its gateway froze 11 minutes before the call had any progress: the sweeper released the hold, billed nothing, left
+    # no marker. Before, the woken gateway held nothing again for a call past its deadline (as if a day had passed):
+    # the call ran unheld and a second one was admitted beside it past the $1.00 cap; and its settlement dropped the
+    # counters it could have counted in.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_frozen"))
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    assert not get_redis().exists(redis_keys.settled_key(organization.pk, "req_frozen"))
+    lapsed_at = time.time() - 1  # its deadline, as its gateway last pushed it, is past on Redis's clock
+
+    assert asyncio.run(counters.restore_reservations(organization.pk, [admitted.reservation], [lapsed_at])) == 1
+    assert reads.reserved_now(organization.pk) == Decimal("0.50")
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.60"),
+                            request_id="req_beside"))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_frozen"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="req_frozen").cost
+    reservation = admitted.reservation
+    asyncio.run(admission.finish(caller=_caller(reservation.organization_id, None), endpoint_id=ENDPOINT,
+                                 admission=admitted, release=None, num_tokens=0, cost=cost, fresh_id=True,
+                                 lapsed_at=lapsed_at))
+    assert reads.counted_spend(organization.pk) == cost and reads.reserved_now(organization.pk) == 0
+
+
+def test_a_call_released_unbilled_and_not_held_again_counts_its_spend_at_its_settlement(settings):
+    # As above, its gateway settling before any beat held it again: no marker, so nothing counted it.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_woke"))
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    assert reads.counted_spend(organization.pk) == 0
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_woke"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="req_woke").cost
+    reservation = admitted.reservation
+    asyncio.run(admission.finish(caller=_caller(reservation.organization_id, None), endpoint_id=ENDPOINT,
+                                 admission=admitted, release=None, num_tokens=0, cost=cost, fresh_id=True,
+                                 lapsed_at=time.time() - 1))
+    assert reads.counted_spend(organization.pk) == cost
 
 def test_a_call_that_outlived_its_reservation_still_counts_its_spend(settings):
     # A stream longer than the reservation's deadline: the sweeper found no usage row yet and released the hold
