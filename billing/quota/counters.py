@@ -33,6 +33,7 @@ from controlplane.redis_keys import (
     org_period_key,
     org_reserved_key,
     progress_key,
+    rebuilding_key,
     reservations_key,
     settled_key,
 )
@@ -160,6 +161,20 @@ local function quota_unreserve(key, amount)
 end
 """
 
+# A count that found a counter missing while it is rebuilt (the rebuilds under way have `c:<counter>`, until when: the
+# rebuild's window, `rebuild._BEGIN_REBUILD`) leaves the rebuild its cost as `m:<counter>|<request id>`: the rebuild
+# adds it unless its snapshot of the ledger has the row (`rebuild.REPLAYED_ROWS_LUA`). Used by `SETTLE` and the
+# journal's replays (`replayed`). NOTE: a call settled while its counter was rebuilt, its row committed after the
+# rebuild's snapshot, was counted nowhere: spend past the cap and the prepaid credit.
+MISSED_LUA = """
+local function quota_missed(rebuilding, counter, request_id, cost)
+  local until_s = redis.call('HGET', rebuilding, 'c:' .. counter)
+  if until_s and tonumber(until_s) >= tonumber(redis.call('TIME')[1]) then
+    redis.call('HSET', rebuilding, 'm:' .. counter .. '|' .. request_id, cost)
+  end
+end
+"""
+
 # Replaces a reservation by the real cost, never more than the reservation, once per request id: the first
 # settlement leaves a settled marker (`settled_key`); one that finds it releases its hold and adds no spend.
 # The hold is released from the reserved sums (one per organisation and key, for every period); the spend goes to the
@@ -187,7 +202,7 @@ end
 #   organisation's spend in Redis (its ledger row was written): caps and prepaid credit lagged the ledger.
 # - a day, whatever its id, for a call whose row went to the usage journal (`journaled`): its replay, which may come
 #   after minutes of outage, finds it (`billing.quota.replayed`).
-SETTLE_LUA = UNRESERVE_LUA + """
+SETTLE_LUA = UNRESERVE_LUA + MISSED_LUA + """
 local function quota_settle(K, A)
   local first = true
   if A[4] ~= '0' then first = redis.call('SET', K[3], '1', 'NX', 'EX', A[4]) end
@@ -211,17 +226,23 @@ local function quota_settle(K, A)
     return 2
   end
   -- A missing counter is rebuilt from the ledger, which has this call's row (written before); one rebuilt while the
-  -- call was still reserved and unsettled left its cost out for this settlement to add (`rebuild`). A row in the
-  -- journal is in no ledger yet: each counter this adds it to says so (`replayed`), its replay adds it to the others.
+  -- call was still reserved and unsettled left its cost out for this settlement to add (`rebuild`). One being rebuilt
+  -- now may have read its snapshot before the row: it is told the cost (`quota_missed`), and adds it unless its
+  -- snapshot has the row. A row in the journal is in no ledger yet: each counter this adds it to says so
+  -- (`replayed`), its replay adds it to the others (and tells a rebuild under way).
   local journaled = A[6] == '1'
   local field = 'j:' .. A[1]
   if redis.call('EXISTS', K[4]) == 1 then
     redis.call('HINCRBY', K[4], 'spent', actual)
     if journaled then redis.call('HSET', K[4], field, '1') end
+  elseif not journaled then
+    quota_missed(K[11], K[4], A[1], actual)
   end
   if has_key and redis.call('EXISTS', K[6]) == 1 then
     redis.call('HINCRBY', K[6], 'spent', actual)
     if journaled then redis.call('HSET', K[6], field, '1') end
+  elseif has_key and not journaled then
+    quota_missed(K[11], K[6], A[1], actual)
   end
   if A[5] == '1' and redis.call('EXISTS', K[8]) == 1 then
     redis.call('DECRBY', K[8], actual)
@@ -230,6 +251,8 @@ local function quota_settle(K, A)
       local ttl = redis.call('PTTL', K[8])
       if ttl > 0 then redis.call('PEXPIRE', K[9], ttl) end
     end
+  elseif A[5] == '1' and not journaled then
+    quota_missed(K[11], K[8], A[1], actual)
   end
   return 1
 end
@@ -238,7 +261,7 @@ end
 SETTLE = ScriptPart(
     "quota_settle",
     keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
-          "key reserved", "credit", "credit journaled", "progress"),
+          "key reserved", "credit", "credit journaled", "progress", "rebuilds under way"),
     args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "draws credit (1/0)", "journaled (1/0)",
           "when it can no longer tell whether the sweeper counted it (Redis's clock, s; empty: not known)"),
     lua=SETTLE_LUA)
@@ -270,6 +293,7 @@ def _prepared(organization_id: int, api_key_id: int | None, period_key: str) -> 
         org_period_key(organization_id, period_key), org_reserved_key(organization_id),
         key_period_key(organization_id, api_key_id, period_key), key_reserved_key(organization_id, api_key_id),
         credit_key(organization_id), credit_journaled_key(organization_id), progress_key(organization_id),
+        rebuilding_key(organization_id),
     )
     before, _, after = json.dumps({"o": organization_id, "k": api_key_id, "a": "#", "p": period_key}).partition('"#"')
     return reserve, settle, before + '"', '"' + after

@@ -58,7 +58,7 @@ from django.db import close_old_connections, connection, transaction
 from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch
 from billing.models import BillingMode, UsageRecord, UsageStatus
 from billing.periods import period_containing
-from billing.quota.counters import SETTLED_MARKER_TTL_S, to_units
+from billing.quota.counters import MISSED_LUA, SETTLED_MARKER_TTL_S, to_units
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
@@ -112,13 +112,9 @@ CLOCKS_APART_S = 1.0
 # ARGV: marker ttl, the number of rows, then per row: request id, cost (units), has key (1/0), draws credit (1/0), owed
 # (1/0: counted only if its registration is still there, which this drops), then the request ids whose registration
 # is dropped uncounted. Returns the rows counted.
-_COUNT_REPLAYED = Script("""
-local now = tonumber(redis.call('TIME')[1])
+_COUNT_REPLAYED = Script(MISSED_LUA + """
 local function missed(counter, request_id, cost)
-  local until_s = redis.call('HGET', KEYS[3], 'c:' .. counter)
-  if until_s and tonumber(until_s) >= now then
-    redis.call('HSET', KEYS[3], 'm:' .. counter .. '|' .. request_id, cost)
-  end
+  quota_missed(KEYS[3], counter, request_id, cost)
 end
 local function count(counter, request_id, cost)
   if redis.call('EXISTS', counter) == 0 then return missed(counter, request_id, cost) end
@@ -285,17 +281,13 @@ async def drop_registrations(reports: Collection[UsageReport]) -> None:
 # difference from the lost row's cost (units), has key (1/0), draws credit (1/0), marker ttl. A counter missing is
 # left the difference if it is being rebuilt (as `_COUNT_REPLAYED` leaves the cost): its rebuild's snapshot has the
 # row as lost or whole, so the difference is all it may lack.
-_COUNT_SUPERSEDED = Script("""
-local now = tonumber(redis.call('TIME')[1])
+_COUNT_SUPERSEDED = Script(MISSED_LUA + """
 local amount = ARGV[3]
 if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 and redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[6]) then
   amount = ARGV[2]
 end
 local function missed(counter)
-  local until_s = redis.call('HGET', KEYS[7], 'c:' .. counter)
-  if until_s and tonumber(until_s) >= now then
-    redis.call('HSET', KEYS[7], 'm:' .. counter .. '|' .. ARGV[1], ARGV[3])
-  end
+  quota_missed(KEYS[7], counter, ARGV[1], ARGV[3])
 end
 local field = 'j:' .. ARGV[1]
 local function count(counter)
