@@ -149,7 +149,9 @@ def _replay_one(key: str) -> int:
         num_written += len(written)
         # NOTE: as the gateway's replay (`usage_writer`): what was written now, and what a killed replay left owed
         replayed.count_replayed(written, batch=batch, owed=owed)
-        replayed.count_superseded(supersede_lost_rows(batch, written))
+        with replayed.bounded_write():  # raises past its timeout: the segment waits, registered again next run
+            lost_costs = supersede_lost_rows(batch, written)
+        replayed.count_superseded(lost_costs)
     if rejected:
         _set_aside(key, b"".join(encode(report) for report in rejected))
         logger.error("usage journal: %d shipped report(s) refused by the ledger kept in %s", len(rejected),

@@ -404,6 +404,12 @@ class StripeEvent(models.Model):
 # owed (Stripe takes a payment of it, and its hold stands: `billing.standing`): billed, as an open one. A draft bills
 # its period once finalised (`billing.stripe_sync.customer_invoiced_until`).
 BILLING_INVOICE_STATUSES = ("open", "paid", "uncollectible")
+# A void invoice of a customer still live (of any of its subscriptions, the one billing now or an earlier one) is a
+# staff write-off: its period's usage is forgiven, audited, and billed by no other invoice: never pushed again, nor
+# billed by the next subscription, which starts where the ended one's invoices stopped, a void one's too
+# (`billing.stripe_sync._invoiced_until`). Only a deleted customer's void invoices send their period's usage again,
+# to the organisation's customer of now (`billing.services.push_again_voided`): nobody forgave it.
+WRITTEN_OFF_INVOICE_STATUS = "void"
 
 
 class InvoiceQuerySet(models.QuerySet):

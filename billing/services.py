@@ -13,6 +13,7 @@ from django.utils import timezone
 from billing import alerts, standing
 from billing.models import (
     SET_MODE_AUDIT_ACTION,
+    WRITTEN_OFF_INVOICE_STATUS,
     ApiKeySpendCap,
     BillingAccount,
     BillingMode,
@@ -25,7 +26,7 @@ from billing.models import (
 from billing.quota.counters import refresh_limits
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
-from controlplane.accounts.models import Role, Scope
+from controlplane.accounts.models import AuditEvent, Role, Scope
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 
 logger = logging.getLogger(__name__)
@@ -299,32 +300,37 @@ def _dated_within(start: datetime, end: datetime) -> Q:
             | Q(event_at__isnull=True, rollup__hour_start__gte=start, rollup__hour_start__lt=end))
 
 
-def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, datetime]]) -> int:
-    """Stripe voided `invoice`, and no subscription will bill the usage of its period: its customer was deleted since
-    (`DeletedStripeCustomer`), or is the organisation's and the subscription billing it now began at or after the
-    period's end (the void one's ended, and the next started at its end, the void not known then:
-    `stripe_sync._invoiced_until`). `push_again` the rollups whose events went to that customer dated in its period,
-    unless another of its invoices bills them (`billed_periods`, as Stripe lists them:
-    `stripe_sync.customer_billed_periods`): their usage goes to the organisation's customer of now, under new
-    identifiers; audited. Returns how many.
+# A live customer's void invoice, forgiven (`push_again_voided`): one audit event per invoice.
+WRITTEN_OFF_AUDIT_ACTION = "billing.voided_invoice_written_off"
 
-    NOTE: a void invoice is owed by nobody (`BILLING_INVOICE_STATUSES`). Before, the usage of one voided after its
-    customer's deletion, or after the next subscription began, was billed by no invoice. One of a subscription still
-    billing (its own, or one backdated over its period) sends nothing again: that subscription's next invoices
-    decide. Only events of their rollup's push generation count: once pushed again, a rollup's events of the next
-    generation are dated now, so the void told again (`invoice.voided`, `invoice.updated`) finds nothing more, and
-    nothing is billed twice. Under the account's lock, as the deletion and a push's last check
+
+def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, datetime]] | None) -> int:
+    """Stripe voided `invoice`. Of a customer deleted since (`DeletedStripeCustomer`): `push_again` the rollups whose
+    events went to that customer dated in its period, unless another of its invoices bills them (`billed_periods`, as
+    Stripe lists them: `stripe_sync.customer_billed_periods`): their usage goes to the organisation's customer of now,
+    under new identifiers; audited. Of a live customer (any of its subscriptions): written off, its usage forgiven
+    (`billing.models.WRITTEN_OFF_INVOICE_STATUS`), audited once, nothing pushed again. Returns how many rollups went
+    again.
+
+    NOTE: a deleted customer's void invoice is owed by nobody: before, the usage of one voided after the deletion was
+    billed by no invoice. Only events of their rollup's push generation count: once pushed again, a rollup's events of
+    the next generation are dated now, so the void told again (`invoice.voided`, `invoice.updated`) finds nothing more,
+    and nothing is billed twice. Under the account's lock, as the deletion and a push's last check
     (`stripe_sync.push_rollup`)."""
-    if invoice.status != "void" or invoice.period_start is None or invoice.period_end is None:
+    if (invoice.status != WRITTEN_OFF_INVOICE_STATUS or invoice.period_start is None
+            or invoice.period_end is None):
         return 0
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(invoice.organization_id)
         customer_id = invoice.stripe_customer_id or "-"
-        deleted = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id,
-                                                       organization_id=invoice.organization_id).exists()
-        billing_after = (account.stripe_customer_id == customer_id and account.stripe_subscription_started_at is not None
-                         and account.stripe_subscription_started_at >= invoice.period_end)
-        if not (deleted or billing_after):
+        if not DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id,
+                                                    organization_id=invoice.organization_id).exists():
+            if not AuditEvent.objects.filter(action=WRITTEN_OFF_AUDIT_ACTION,
+                                             details__invoice=invoice.stripe_invoice_id).exists():
+                record_audit(SYSTEM, account.organization, WRITTEN_OFF_AUDIT_ACTION, account,
+                             invoice=invoice.stripe_invoice_id, customer=customer_id)
+            return 0
+        if billed_periods is None:
             return 0
         events = _events_sent_to(invoice.organization_id, customer_id).filter(
             _dated_within(invoice.period_start, invoice.period_end))

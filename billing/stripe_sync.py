@@ -49,6 +49,7 @@ from django.utils import timezone
 from billing import services, standing
 from billing.models import (
     BILLING_INVOICE_STATUSES,
+    WRITTEN_OFF_INVOICE_STATUS,
     BillingAccount,
     BillingMode,
     MeterEventPush,
@@ -334,9 +335,9 @@ def customer_invoiced_until(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -
 
 def customer_billed_periods(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> list[tuple[datetime, datetime]]:
     """The periods (start, end) of Stripe's invoices of `customer_id` that bill the usage of their period
-    (`_bills_its_period`), as Stripe has them now. Read for a customer one of whose invoices was voided
-    (`billing.webhooks`): the usage of the void one's period that no subscription will bill goes again unless another
-    of its invoices bills it (`billing.services.push_again_voided`); that invoice's own webhook may not have come yet."""
+    (`_bills_its_period`), as Stripe has them now. Read for a deleted customer one of whose invoices was voided
+    (`billing.webhooks`): the usage of the void one's period goes again unless another of its invoices bills it
+    (`billing.services.push_again_voided`); that invoice's own webhook may not have come yet."""
     invoices = call_stripe(
         lambda options: stripe_client().v1.invoices.list(params={"customer": customer_id, "limit": 100}, options=options),
         what="invoice list", attempts=attempts)
@@ -511,16 +512,15 @@ def _invoiced_until(subscription) -> int:
     """Up to when the ended `subscription`'s usage is invoiced: where the next subscription starts, so that each
     meter event is billed by one invoice, neither by none nor by two.
 
-    Its invoices are read, and it is invoiced up to the latest end of the lines' periods of those that bill
-    (`_bills_its_period`: not a void one), or, with none, its start (a backdated subscription ended before its first
-    invoice). One that ended within its period (cancelled at once in the Dashboard or the API, or by Stripe after
-    failed payments) bills what it had not invoiced only if it was cancelled with `invoice_now`, which defaults to
-    false (Stripe makes that invoice with the cancellation); without it, Stripe discards that usage. Before, the next
-    subscription always started at the ended one's end: the usage of the ended period was billed by no invoice. One
-    that ended at the end of its period (cancelled at the period's end) bills that period's usage in a final invoice
-    then, as Stripe documents: up to its end, unless that invoice is void (before, it was not read, and the usage of a
-    void final invoice was billed by none), or not made yet when read: then up to its end, as Stripe will make it (one
-    voided after the next subscription began: `billing.services.push_again_voided`).
+    One that ended at the end of its period (cancelled at the period's end) bills that period's usage in a final
+    invoice then, as Stripe documents: up to its end, whether that invoice is made yet or not, and void or not (a void
+    one of a live customer is written off: `billing.models.WRITTEN_OFF_INVOICE_STATUS`). One that ended within its
+    period (cancelled at once in the Dashboard or the API, or by Stripe after failed payments) bills what it had not
+    invoiced only if it was cancelled with `invoice_now`, which defaults to false (Stripe makes that invoice with the
+    cancellation); without it, Stripe discards that usage. So its invoices are read, and it is invoiced up to the
+    latest end of the lines' periods of those that settle their period (`_settles_its_period`: they bill it, or are
+    written off), or, with none, its start (a backdated subscription ended before its first invoice). Before, the next
+    subscription always started at the ended one's end: the usage of the ended period was billed by no invoice.
 
     NOTE: a line's period that ends after the subscription does (a first invoice's line for the period ahead) bills
     no usage of it, and is not counted.
@@ -529,13 +529,19 @@ def _invoiced_until(subscription) -> int:
     if subscription.status not in ENDED_SUBSCRIPTION_STATUSES or not ended_at:
         return 0
     period_ends = [item.current_period_end for item in subscription["items"].data]
+    if subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends)):
+        return ended_at
     invoices = stripe_client().v1.invoices.list(params={"subscription": subscription.id, "limit": 100}).data
-    at_period_end = subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends))
-    if at_period_end and not any(line.period.end >= ended_at for invoice in invoices for line in invoice.lines.data):
-        return ended_at  # its final invoice not made yet
-    return max((line.period.end for invoice in invoices if _bills_its_period(invoice)
+    return max((line.period.end for invoice in invoices if _settles_its_period(invoice)
                 for line in invoice.lines.data if line.period.end <= ended_at),
                default=subscription.start_date)
+
+
+def _settles_its_period(invoice) -> bool:
+    """Whether Stripe's `invoice` of a live customer settles the usage of its period: it bills it
+    (`_bills_its_period`), or is void, written off (`billing.models.WRITTEN_OFF_INVOICE_STATUS`). A deleted customer's
+    void invoice settles nothing: its usage goes again (`billing.services.push_again_voided`)."""
+    return _bills_its_period(invoice) or invoice.status == WRITTEN_OFF_INVOICE_STATUS
 
 
 def _bills_its_period(invoice) -> bool:

@@ -76,8 +76,7 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
         if event["type"] in INVOICE_EVENTS:
             invoice = mirror_invoice(event["data"]["object"], event_type=event["type"], event_created=event.get("created", 0))
             if invoice is not None:
-                if billed_periods is not None:
-                    services.push_again_voided(invoice, billed_periods=billed_periods)
+                services.push_again_voided(invoice, billed_periods=billed_periods)
                 organization_id = invoice.organization_id
                 transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
         elif event["type"] in DISPUTE_EVENTS:
@@ -190,15 +189,15 @@ def _deleted_customer_invoiced_until(event: dict) -> datetime | None:
 
 
 def _void_invoice_billed_periods(event: dict) -> list[tuple[datetime, datetime]] | None:
-    """For a void invoice of a customer of ours (an account's, or one Stripe deleted since), the periods its customer's
-    invoices bill (`stripe_sync.customer_billed_periods`), read with no transaction open, so that the usage of the void
-    one's period that no subscription will bill goes again unless they bill it (`services.push_again_voided`); None
-    when nothing need be read: another invoice, Stripe not configured, or the event applied before. If Stripe cannot
-    answer, this webhook fails and Stripe sends it again."""
+    """For a void invoice of a customer Stripe deleted (`DeletedStripeCustomer`), the periods its other invoices bill
+    (`stripe_sync.customer_billed_periods`), read with no transaction open, so that the usage of the void one's period
+    goes again to the next customer unless they bill it (`services.push_again_voided`); None when nothing need be
+    read: another invoice, a live customer's (written off: `billing.models.WRITTEN_OFF_INVOICE_STATUS`), Stripe not
+    configured, or the event applied before. If Stripe cannot answer, this webhook fails and Stripe sends it again."""
     data = event["data"]["object"]
     customer_id = stripe_sync.reference_id(data.get("customer")) or "-"
     if (data.get("status") != "void" or not stripe_sync.is_configured()
-            or _organization_of_customer(customer_id) is None
+            or not DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id).exists()
             or StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()):
         return None
     return stripe_sync.customer_billed_periods(customer_id, attempts=1)

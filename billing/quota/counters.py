@@ -33,6 +33,7 @@ from controlplane.redis_keys import (
     org_period_key,
     org_reserved_key,
     progress_key,
+    rebuilding_key,
     reservations_key,
     settled_key,
 )
@@ -160,6 +161,20 @@ local function quota_unreserve(key, amount)
 end
 """
 
+# A count that found a counter missing while it is rebuilt (the rebuilds under way have `c:<counter>`, until when: the
+# rebuild's window, `rebuild._BEGIN_REBUILD`) leaves the rebuild its cost as `m:<counter>|<request id>`: the rebuild
+# adds it unless its snapshot of the ledger has the row (`rebuild.REPLAYED_ROWS_LUA`). Used by `SETTLE` and the
+# journal's replays (`replayed`). NOTE: a call settled while its counter was rebuilt, its row committed after the
+# rebuild's snapshot, was counted nowhere: spend past the cap and the prepaid credit.
+MISSED_LUA = """
+local function quota_missed(rebuilding, counter, request_id, cost)
+  local until_s = redis.call('HGET', rebuilding, 'c:' .. counter)
+  if until_s and tonumber(until_s) >= tonumber(redis.call('TIME')[1]) then
+    redis.call('HSET', rebuilding, 'm:' .. counter .. '|' .. request_id, cost)
+  end
+end
+"""
+
 # Replaces a reservation by the real cost, never more than the reservation, once per request id: the first
 # settlement leaves a settled marker (`settled_key`); one that finds it releases its hold and adds no spend.
 # The hold is released from the reserved sums (one per organisation and key, for every period); the spend goes to the
@@ -172,11 +187,13 @@ end
 #   for a resend of the same finish script (a client retrying after a lost reply) and for the sweeper racing
 #   the call's own settlement. A call that outlived its reservation's deadline had its hold released by the
 #   sweeper without a marker, so its late settlement counts its spend.
-# A settlement that finds its hold gone, no marker, and its deadline past (`lapsed_at`: its gateway froze past it,
-# and longer than any marker lives) cannot tell whether the sweeper released the hold (nothing counted) or settled it
-# (counted, its marker expired since): it counts nothing and drops the counters it would have counted in, which the
-# next call rebuilds from the ledger (its row is there, once; a journaled one is counted by its replay).
-# NOTE: it counted its cost, again after the sweeper's settlement, once a gateway woke from a freeze over a day.
+# A settlement that finds its hold gone and no marker more than a sweeper's marker lives past its deadline (`lapsed_at`
+# plus `SETTLED_MARKER_TTL_S`: its gateway froze that long) cannot tell whether the sweeper released the hold (nothing
+# counted) or settled it (counted, its marker expired since): it counts nothing and drops the counters it would have
+# counted in, which the next call rebuilds from the ledger (its row is there, once; a journaled one is counted by its
+# replay). Before that, no marker means the sweeper released the hold unbilled: it counts as any settlement.
+# NOTE: it counted its cost, again after the sweeper's settlement, once a gateway woke from a freeze over a day; and
+#   then (past its deadline alone) counted nothing for a call the sweeper had released unbilled minutes before.
 #   NOTE: a day's marker per call was ~86 million keys (~9–11 GB of Redis) a day at 1,000 requests a second,
 #   each also in every snapshot and append-only rewrite; minutes' is ~300,000.
 # - none (a ttl of 0) for a try that recorded nothing (no ledger row: never served, or a batch line's try that
@@ -185,7 +202,7 @@ end
 #   organisation's spend in Redis (its ledger row was written): caps and prepaid credit lagged the ledger.
 # - a day, whatever its id, for a call whose row went to the usage journal (`journaled`): its replay, which may come
 #   after minutes of outage, finds it (`billing.quota.replayed`).
-SETTLE_LUA = UNRESERVE_LUA + """
+SETTLE_LUA = UNRESERVE_LUA + MISSED_LUA + """
 local function quota_settle(K, A)
   local first = true
   if A[4] ~= '0' then first = redis.call('SET', K[3], '1', 'NX', 'EX', A[4]) end
@@ -209,17 +226,23 @@ local function quota_settle(K, A)
     return 2
   end
   -- A missing counter is rebuilt from the ledger, which has this call's row (written before); one rebuilt while the
-  -- call was still reserved and unsettled left its cost out for this settlement to add (`rebuild`). A row in the
-  -- journal is in no ledger yet: each counter this adds it to says so (`replayed`), its replay adds it to the others.
+  -- call was still reserved and unsettled left its cost out for this settlement to add (`rebuild`). One being rebuilt
+  -- now may have read its snapshot before the row: it is told the cost (`quota_missed`), and adds it unless its
+  -- snapshot has the row. A row in the journal is in no ledger yet: each counter this adds it to says so
+  -- (`replayed`), its replay adds it to the others (and tells a rebuild under way).
   local journaled = A[6] == '1'
   local field = 'j:' .. A[1]
   if redis.call('EXISTS', K[4]) == 1 then
     redis.call('HINCRBY', K[4], 'spent', actual)
     if journaled then redis.call('HSET', K[4], field, '1') end
+  elseif not journaled then
+    quota_missed(K[11], K[4], A[1], actual)
   end
   if has_key and redis.call('EXISTS', K[6]) == 1 then
     redis.call('HINCRBY', K[6], 'spent', actual)
     if journaled then redis.call('HSET', K[6], field, '1') end
+  elseif has_key and not journaled then
+    quota_missed(K[11], K[6], A[1], actual)
   end
   if A[5] == '1' and redis.call('EXISTS', K[8]) == 1 then
     redis.call('DECRBY', K[8], actual)
@@ -228,6 +251,8 @@ local function quota_settle(K, A)
       local ttl = redis.call('PTTL', K[8])
       if ttl > 0 then redis.call('PEXPIRE', K[9], ttl) end
     end
+  elseif A[5] == '1' and not journaled then
+    quota_missed(K[11], K[8], A[1], actual)
   end
   return 1
 end
@@ -236,9 +261,9 @@ end
 SETTLE = ScriptPart(
     "quota_settle",
     keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
-          "key reserved", "credit", "credit journaled", "progress"),
+          "key reserved", "credit", "credit journaled", "progress", "rebuilds under way"),
     args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "draws credit (1/0)", "journaled (1/0)",
-          "when its hold may have lapsed (Redis's clock, s; empty: not known)"),
+          "when it can no longer tell whether the sweeper counted it (Redis's clock, s; empty: not known)"),
     lua=SETTLE_LUA)
 
 # KEYS: a hash; ARGV: field/value pairs. Changes the hash only if it exists.
@@ -268,6 +293,7 @@ def _prepared(organization_id: int, api_key_id: int | None, period_key: str) -> 
         org_period_key(organization_id, period_key), org_reserved_key(organization_id),
         key_period_key(organization_id, api_key_id, period_key), key_reserved_key(organization_id, api_key_id),
         credit_key(organization_id), credit_journaled_key(organization_id), progress_key(organization_id),
+        rebuilding_key(organization_id),
     )
     before, _, after = json.dumps({"o": organization_id, "k": api_key_id, "a": "#", "p": period_key}).partition('"#"')
     return reserve, settle, before + '"', '"' + after
@@ -290,20 +316,22 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # a flush, a failover: `endpoints.gateway.presence`), as `RESERVE` held them. KEYS: the reservations, the deadlines,
 # the organisation's reserved sum, then per call: its key's reserved sum (the organisation's again for a call without
 # a key) and its settled marker. ARGV: the seconds a reservation holds (its deadline: Redis's clock plus these), then
-# per call: request id, amount (units), has key (1/0), payload, when its hold may have lapsed (Redis's clock, s; empty:
-# not known).
-# A reservation still there (Redis forgot only the gateway's own keys), one whose call settled meanwhile, or one past
-# its deadline (its gateway froze past it: the sweeper released or settled it, `SETTLE_LUA`) is left.
+# per call: request id, amount (units), has key (1/0), payload, when it can no longer tell whether the sweeper counted
+# it (Redis's clock, s; empty: not known).
+# A reservation still there (Redis forgot only the gateway's own keys), one whose call settled meanwhile (its marker:
+# the sweeper's settlement too, a day), or one past that (its gateway froze longer than the sweeper's marker lives,
+# `SETTLE_LUA`) is left. One the sweeper released unbilled (no marker) is held again: its call still runs.
 # NOTE: a gateway woken from a freeze longer than the sweeper's marker lives held its swept calls again, and their
-# settlement then counted their cost a second time.
+# settlement then counted their cost a second time; and, kept from holding any call past its deadline, it ran one the
+# sweeper had released minutes before unheld: a second call was admitted past the cap beside it.
 _RESTORE_RESERVATIONS = Script("""
 local restored = 0
 local now = tonumber(redis.call('TIME')[1])
 local deadline = now + 1 + tonumber(ARGV[1])
 for i = 2, #ARGV, 5 do
   local n = (i - 2) / 5
-  local lapsed = ARGV[i + 4] ~= '' and now > tonumber(ARGV[i + 4])
-  if not lapsed and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[5 + 2 * n]) == 0 then
+  local untold = ARGV[i + 4] ~= '' and now > tonumber(ARGV[i + 4])
+  if not untold and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[5 + 2 * n]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3])
     redis.call('ZADD', KEYS[2], deadline, ARGV[i])
     redis.call('INCRBY', KEYS[3], ARGV[i + 1])
@@ -319,7 +347,8 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
                                lapsed_at: list[float | None] | None = None) -> int:
     """Hold again the reservations of one organisation's calls that are still running, which Redis lost; returns how
     many it held again. Each is held as its admission held it (its amount, its key, its period), with a new deadline,
-    unless past `lapsed_at` (each one's, Redis's clock: when its hold may have lapsed; None: not known).
+    unless its marker says it was settled, or more than a marker lives past `lapsed_at` (each one's, Redis's clock:
+    when its hold may have lapsed; None: not known): `told_until`.
 
     NOTE: without this, a flushed or restarted Redis rebuilt the organisation's counters from the ledger with nothing
     reserved, while its calls then running went on: until they ended, new calls were admitted against the caps and
@@ -337,7 +366,7 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
         keys += [key_reserved_key(organization_id, api_key_id) if api_key_id is not None else keys[2],
                  settled_key(organization_id, reservation.request_id)]
         args += [reservation.request_id, str(units), "1" if api_key_id is not None else "0",
-                 f"{payload_before}{units}{payload_after}", "" if lapses is None else str(int(lapses))]
+                 f"{payload_before}{units}{payload_after}", _told_until(lapses)]
     return await _RESTORE_RESERVATIONS(keys=keys, args=args)
 
 
@@ -432,7 +461,8 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_
     `journaled`: its row went to the usage journal, not the ledger (`billing.usage_writer.Recorded.JOURNALED`): the
     counters it is added to are marked as counting it, for its replay (`billing.quota.replayed`). `lapsed_at`: from when
     (Redis's clock) its hold may have lapsed, as its gateway last pushed its deadline (`Held.lapses_at`): a settlement
-    past it that finds its hold gone and no marker drops its counters rather than count (see `SETTLE_LUA`).
+    more than a marker lives past it (`told_until`) that finds its hold gone and no marker drops its counters rather
+    than count (see `SETTLE_LUA`).
 
     NOTE: the ledger bills a row in the period of its `finished_at` (`billing.ledger.period_spend`), and the
     counters are rebuilt from it: a call reserved on the 31st before midnight and finished after spends in the
@@ -449,7 +479,19 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_
     marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id and not journaled else SETTLED_MARKER_TTL_S
     draws_credit = "1" if billing_mode == BillingMode.PREPAID else "0"
     return keys, [reservation.request_id, str(to_units(actual)), has_key, str(marker_ttl_s), draws_credit,
-                  "1" if journaled and recorded else "0", "" if lapsed_at is None else str(int(lapsed_at))]
+                  "1" if journaled and recorded else "0", _told_until(lapsed_at)]
+
+
+def told_until(lapsed_at: float) -> float:
+    """Until when (Redis's clock, s) a call whose hold may have lapsed at `lapsed_at` can tell from its settled marker
+    whether the sweeper counted it: the sweeper's marker lives a day from its settlement, after the deadline. Before,
+    no marker means the sweeper released its hold unbilled: it is held again and counted as any call; after, it is
+    neither (`SETTLE_LUA`, `_RESTORE_RESERVATIONS`)."""
+    return lapsed_at + SETTLED_MARKER_TTL_S
+
+
+def _told_until(lapsed_at: float | None) -> str:
+    return "" if lapsed_at is None else str(int(told_until(lapsed_at)))
 
 
 def limits_version() -> str:

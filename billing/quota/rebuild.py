@@ -85,8 +85,9 @@ end
 # `_held`); one whose count is still to come
 # (registered, its registration there: lapsed too, a killed replay's, which the next replay counts, `replayed`) is
 # marked as counted (`marks`, under `mark_prefix`), so the count drops the mark and adds nothing, unless `left` (its
-# cost left to its settlement). Returns the costs of the rows whose count
-# found the counter missing while it was rebuilt and the snapshot lacks: the caller adds them. Those are dropped.
+# cost left to its settlement). Returns the costs of the rows whose count (a replay's, or a call's settlement:
+# `counters.MISSED_LUA`) found the counter missing while it was rebuilt and the snapshot lacks: the caller adds them.
+# Those are dropped.
 REPLAYED_ROWS_LUA = """
 local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrations, now, A, first, num_present, left)
   local present = {}
@@ -183,7 +184,8 @@ class _Rebuild:
     ttl_s: int
     # request id -> cost (units) of the rows in it whose calls were still reserved (`_INIT_SPEND`, `_INIT_CREDIT`)
     pending: dict[str, int] = field(default_factory=dict)
-    # the rows replayed from the journal it was asked about and holds (`replayed.replays_to_ask_about`)
+    # the rows replayed from the journal it was asked about and holds (`replayed.replays_to_ask_about`), and those of
+    # the calls reserved when it began: a call settled while it is under way tells it its cost (`counters.MISSED_LUA`)
     present: tuple[str, ...] = ()
 
 
@@ -202,7 +204,7 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
                                                     api_key_id=api_key_id if what == "key" else None)
             held = _held(organization_id, asked)
         pending = {request_id: cost for request_id, cost in costs.items() if request_id in reserved_ids}
-        present = tuple(request_id for request_id in costs if request_id in held)
+        present = tuple(request_id for request_id in costs if request_id in held or request_id in reserved_ids)
     if what == "org":
         return _Rebuild(counter, {"spent": str(to_units(spent))} | limit_fields(account), None, PERIOD_TTL_S,
                         _units(pending), present)
@@ -275,6 +277,7 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
                                                    ).values_list("request_id", flat=True)) if asked else ()
         grants = list(CreditGrant.objects.filter(organization_id=organization_id))
         undrawn, pending = undrawn_prepaid_spend_and_pending(account, reserved_ids)
+        present = (*present, *(request_id for request_id in pending if request_id not in present))
         # NOTE: what expired after the usage not drawn yet began pays first for it, as the draw will take it
         # (`CreditGrantQuerySet.paying_for`), and never for anything more.
         since = undrawn_usage_began(account) or now

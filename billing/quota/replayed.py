@@ -32,7 +32,8 @@ One script per organisation (one Redis Cluster slot) and batch, each step: a rep
 asgiref's one thread for sync code, which every other sync call of the gateway process waited behind.
 
 Each INSERT is bounded well inside a registration's life (`REGISTRATION_TTL_S`): the gateway's gives up after
-`usage_writer.WRITE_TIMEOUT_S`, the worker's is cancelled by PostgreSQL after `WRITE_TIMEOUT_S` (`record_registered_batch`).
+`usage_writer.WRITE_TIMEOUT_S`, the worker's is cancelled by PostgreSQL after `WRITE_TIMEOUT_S` (`bounded_write`), and
+so is the worker's supersede of lost rows after it.
 
 A replay killed between its commit and its count (or one whose INSERT, cut short by its timeout, committed after)
 leaves its rows' registrations, kept a day past their time (`REGISTRATION_KEPT_S`), and its segment in the journal: the
@@ -49,6 +50,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
+from contextlib import contextmanager
 from decimal import Decimal
 
 from django.db import close_old_connections, connection, transaction
@@ -56,7 +58,7 @@ from django.db import close_old_connections, connection, transaction
 from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch
 from billing.models import BillingMode, UsageRecord, UsageStatus
 from billing.periods import period_containing
-from billing.quota.counters import SETTLED_MARKER_TTL_S, to_units
+from billing.quota.counters import MISSED_LUA, SETTLED_MARKER_TTL_S, to_units
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
@@ -110,13 +112,9 @@ CLOCKS_APART_S = 1.0
 # ARGV: marker ttl, the number of rows, then per row: request id, cost (units), has key (1/0), draws credit (1/0), owed
 # (1/0: counted only if its registration is still there, which this drops), then the request ids whose registration
 # is dropped uncounted. Returns the rows counted.
-_COUNT_REPLAYED = Script("""
-local now = tonumber(redis.call('TIME')[1])
+_COUNT_REPLAYED = Script(MISSED_LUA + """
 local function missed(counter, request_id, cost)
-  local until_s = redis.call('HGET', KEYS[3], 'c:' .. counter)
-  if until_s and tonumber(until_s) >= now then
-    redis.call('HSET', KEYS[3], 'm:' .. counter .. '|' .. request_id, cost)
-  end
+  quota_missed(KEYS[3], counter, request_id, cost)
 end
 local function count(counter, request_id, cost)
   if redis.call('EXISTS', counter) == 0 then return missed(counter, request_id, cost) end
@@ -182,14 +180,28 @@ def record_registered_batch(reports: list[UsageReport]) -> set[str]:
     disk) committed after its registration lapsed; a counter rebuilt then read the rows without asking about them, and
     their count added them again."""
     refused = None
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute(f"SET LOCAL statement_timeout = {int(WRITE_TIMEOUT_S * 1000)}")
+    with bounded_write():
         try:
             return record_usage_batch(reports)
         except UnknownEndpointError as exc:  # the others are written: committed with the transaction
             refused = exc
     raise refused
+
+
+@contextmanager
+def bounded_write():
+    """A transaction whose statements PostgreSQL cancels past `WRITE_TIMEOUT_S` (`statement_timeout`, raising
+    `OperationalError`): each write of the worker's replay between its registration and its count, its INSERT
+    (`record_registered_batch`) and its supersede (`billing.ledger.supersede_lost_rows`), commits well inside the
+    registration's life, or not at all.
+
+    NOTE: the supersede ran on Django's connection in autocommit: held up past the registration (a lock on the lost
+    row), it committed after it; a counter rebuilt then read the whole cost, and `count_superseded` added the
+    difference again."""
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET LOCAL statement_timeout = {int(WRITE_TIMEOUT_S * 1000)}")
+        yield
 
 
 
@@ -269,17 +281,13 @@ async def drop_registrations(reports: Collection[UsageReport]) -> None:
 # difference from the lost row's cost (units), has key (1/0), draws credit (1/0), marker ttl. A counter missing is
 # left the difference if it is being rebuilt (as `_COUNT_REPLAYED` leaves the cost): its rebuild's snapshot has the
 # row as lost or whole, so the difference is all it may lack.
-_COUNT_SUPERSEDED = Script("""
-local now = tonumber(redis.call('TIME')[1])
+_COUNT_SUPERSEDED = Script(MISSED_LUA + """
 local amount = ARGV[3]
 if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 and redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[6]) then
   amount = ARGV[2]
 end
 local function missed(counter)
-  local until_s = redis.call('HGET', KEYS[7], 'c:' .. counter)
-  if until_s and tonumber(until_s) >= now then
-    redis.call('HSET', KEYS[7], 'm:' .. counter .. '|' .. ARGV[1], ARGV[3])
-  end
+  quota_missed(KEYS[7], counter, ARGV[1], ARGV[3])
 end
 local field = 'j:' .. ARGV[1]
 local function count(counter)

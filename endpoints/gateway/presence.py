@@ -133,7 +133,8 @@ class Held:
     since: float = field(default_factory=time.monotonic)  # when this process began serving it
     reservation: counters.Reservation | None = None  # what it holds against the caps and credit
     # From when (Redis's clock, s) its reservation may have lapsed: a second before the deadline its admission, or the
-    # last beat that pushed it on, set. Past it, the sweeper may have swept the hold, so it is not held again
+    # last beat that pushed it on, set. Past it, the sweeper may have swept the hold: its settled marker tells whether
+    # it counted the call, for as long as it lives (`counters.told_until`); after that, it is not held again
     # (`_hold_again`) and its settlement drops what it cannot tell it counted (`counters.SETTLE_LUA`).
     lapses_at: float | None = None
     # Its usage row as it would be written if this process were lost now (None while it has none to bill), and the
@@ -345,7 +346,8 @@ async def _hold_again(organization_id: int, holds: list[tuple[str, Held]]) -> in
     for request_id, held in holds:
         held.progress_recorded = None
         _repair.unheld.discard(request_id)
-        if held.lapses_at is not None and now < held.lapses_at:  # held again (or still), with a new deadline
+        # held again (or still), with a new deadline; or settled by the sweeper (its marker: its settlement adds nothing)
+        if held.lapses_at is not None and now < counters.told_until(held.lapses_at):
             held.lapses_at = max(held.lapses_at, now + settings.BILLING_RESERVATION_TTL_S - 1)
     return held_again
 

@@ -340,6 +340,47 @@ def test_a_shipped_batch_held_up_past_its_registration_never_commits_late_to_be_
     assert cancelled
 
 
+def test_a_shipped_rows_supersede_held_up_past_its_registration_never_commits_late_to_count_its_difference_twice(
+        outage, files_bucket, settings, monkeypatch):  # noqa: F811
+    # Before, the worker's supersede UPDATE ran in autocommit with no statement timeout: held up (a lock on the lost
+    # row) past its registration's life, it committed after it. A counter rebuilt then still asks about the lapsed
+    # registration (kept a day, `replayed.REGISTRATION_KEPT_S`), so the difference is counted once either way; bounded
+    # as the INSERT is, it commits inside the registration's life or not at all (the segment waits, and its next run
+    # supersedes and counts).
+    monkeypatch.setattr(replayed, "REGISTRATION_TTL_S", 2)
+    monkeypatch.setattr(replayed, "WRITE_TIMEOUT_S", 1)
+    organization_id = _shipped_then_billed_lost(outage, files_bucket, settings)
+    assert reads.counted_spend(organization_id) == Decimal("0.14")
+    count = replayed.count_superseded
+
+    def rebuilt_then_counted(lost_costs):  # a call rebuilds the counter between the supersede's commit and its count
+        get_redis().delete(redis_keys.org_period_key(organization_id, period_containing().key))
+        asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"),
+                            request_id=f"rebuilds-{len(lost_costs)}"))
+        return count(lost_costs)
+
+    monkeypatch.setattr(replayed, "count_superseded", rebuilt_then_counted)
+    holder = psycopg.connect(**{name: value for name, value in connections["default"].get_connection_params().items()
+                                if name != "cursor_factory"})
+    holder.execute(f"SELECT id FROM {UsageRecord._meta.db_table} WHERE request_id = 'shipped' FOR UPDATE")
+    releases = threading.Timer(3.5, holder.rollback)  # past the registration's 2 s
+    releases.start()
+    try:
+        journal_shipping.replay_shipped()
+        cancelled = False
+    except OperationalError:  # by PostgreSQL, past `replayed.WRITE_TIMEOUT_S`: nothing superseded, the segment waits
+        cancelled = True
+    finally:
+        releases.join()
+        holder.close()
+    if cancelled:
+        assert UsageRecord.objects.get(request_id="shipped").status == "gateway_lost"
+        assert journal_shipping.replay_shipped() == 0  # registered again, superseded, its difference counted once
+    assert UsageRecord.objects.get(request_id="shipped").cost == Decimal("0.50")
+    assert reads.counted_spend(organization_id) == Decimal("0.50")
+    assert cancelled
+
+
 class _Killed(Exception):
     """The worker dies (an OOM kill, a node lost) right after its INSERT committed."""
 

@@ -19,7 +19,7 @@ from billing import periods
 from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage
 from billing.models import BillingAccount, BillingMode, CreditGrant, UsageRecord
-from billing.quota import counters, reads, sweeper
+from billing.quota import counters, reads, rebuild, sweeper
 from billing.quota.counters import (
     CALL_SETTLED_MARKER_TTL_S,
     QuotaExceeded,
@@ -533,7 +533,8 @@ def test_a_reservations_prepared_keys_and_payload_are_those_built_in_full():
                 redis_keys.reservations_key(3), redis_keys.deadlines_key(3), redis_keys.settled_key(3, "req_x"),
                 redis_keys.org_period_key(3, period), redis_keys.org_reserved_key(3),
                 redis_keys.key_period_key(3, api_key_id, period), redis_keys.key_reserved_key(3, api_key_id),
-                redis_keys.credit_key(3), redis_keys.credit_journaled_key(3), redis_keys.progress_key(3)]
+                redis_keys.credit_key(3), redis_keys.credit_journaled_key(3), redis_keys.progress_key(3),
+                redis_keys.rebuilding_key(3)]
 
 
 def test_a_request_id_settled_before_releases_its_new_hold_and_adds_no_spend(settings):
@@ -648,7 +649,7 @@ def test_a_call_the_sweeper_settled_longer_ago_than_its_marker_lives_is_neither_
     assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
     assert reads.counted_spend(organization.pk) == cost
     get_redis().delete(redis_keys.settled_key(organization.pk, "req_day"))  # a day later
-    lapsed_at = time.time() - 1  # its deadline, as its gateway last pushed it, is past on Redis's clock
+    lapsed_at = time.time() - counters.SETTLED_MARKER_TTL_S - 1  # its deadline, as its gateway last pushed it
 
     assert asyncio.run(counters.restore_reservations(organization.pk, [admitted.reservation], [lapsed_at])) == 0
     reservation = admitted.reservation
@@ -659,6 +660,52 @@ def test_a_call_the_sweeper_settled_longer_ago_than_its_marker_lives_is_neither_
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
     assert reads.counted_spend(organization.pk) == cost  # rebuilt from the ledger: once
 
+
+def test_a_call_the_sweeper_released_unbilled_minutes_ago_is_held_again_and_counted_once(settings):
+    # Its gateway froze 11 minutes before the call had any progress: the sweeper released the hold, billed nothing, left
+    # no marker. Before, the woken gateway held nothing again for a call past its deadline (as if a day had passed):
+    # the call ran unheld and a second one was admitted beside it past the $1.00 cap; and its settlement dropped the
+    # counters it could have counted in.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_frozen"))
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    assert not get_redis().exists(redis_keys.settled_key(organization.pk, "req_frozen"))
+    lapsed_at = time.time() - 1  # its deadline, as its gateway last pushed it, is past on Redis's clock
+
+    assert asyncio.run(counters.restore_reservations(organization.pk, [admitted.reservation], [lapsed_at])) == 1
+    assert reads.reserved_now(organization.pk) == Decimal("0.50")
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.60"),
+                            request_id="req_beside"))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_frozen"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="req_frozen").cost
+    reservation = admitted.reservation
+    asyncio.run(admission.finish(caller=_caller(reservation.organization_id, None), endpoint_id=ENDPOINT,
+                                 admission=admitted, release=None, num_tokens=0, cost=cost, fresh_id=True,
+                                 lapsed_at=lapsed_at))
+    assert reads.counted_spend(organization.pk) == cost and reads.reserved_now(organization.pk) == 0
+
+
+def test_a_call_released_unbilled_and_not_held_again_counts_its_spend_at_its_settlement(settings):
+    # As above, its gateway settling before any beat held it again: no marker, so nothing counted it.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_woke"))
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    assert reads.counted_spend(organization.pk) == 0
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_woke"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="req_woke").cost
+    reservation = admitted.reservation
+    asyncio.run(admission.finish(caller=_caller(reservation.organization_id, None), endpoint_id=ENDPOINT,
+                                 admission=admitted, release=None, num_tokens=0, cost=cost, fresh_id=True,
+                                 lapsed_at=time.time() - 1))
+    assert reads.counted_spend(organization.pk) == cost
 
 def test_a_call_that_outlived_its_reservation_still_counts_its_spend(settings):
     # A stream longer than the reservation's deadline: the sweeper found no usage row yet and released the hold
@@ -830,3 +877,70 @@ def test_a_credit_figure_rebuilt_between_a_calls_row_and_its_settlement_counts_i
     credit = from_units(int(get_redis().get(redis_keys.credit_key(organization.pk))))
     assert credit == Decimal("5.00") - row.cost
     assert credit_available(organization.pk)[0] == Decimal("5.00") - row.cost
+
+
+def _finishes_during_the_rebuild(monkeypatch, read_name: str, endpoint, admitted, *, before_the_snapshot: bool,
+                                 **report_fields):
+    """The call `admitted` is running when its counter's rebuild begins; on another gateway, it ends while the rebuild
+    reads the ledger (`rebuild.<read_name>`): its row, written before the rebuild's snapshot (`before_the_snapshot`)
+    or after it, then its settlement, before the rebuild writes the counter."""
+    report = dataclasses.replace(usage_report(endpoint, request_id=admitted.reservation.request_id, **report_fields),
+                                 max_cost=admitted.reservation.amount, billing_mode=admitted.billing_mode)
+    if before_the_snapshot:
+        record_usage(report)
+    read = getattr(rebuild, read_name)
+
+    def finish():
+        record_usage(report)
+        asyncio.run(settle(admitted, UsageRecord.objects.get(request_id=report.request_id).cost, fresh_id=True))
+
+    def reads_then_finishes(*args, **kwargs):
+        result = read(*args, **kwargs)
+        _in_another_connection(finish)
+        return result
+
+    monkeypatch.setattr(rebuild, read_name, reads_then_finishes)
+
+
+@pytest.mark.parametrize("before_the_snapshot", [False, True], ids=["row after the snapshot", "row in the snapshot"])
+def test_a_call_that_settles_while_its_counter_is_rebuilt_is_counted_once(monkeypatch, before_the_snapshot):
+    # Before, a call still running when its counter's rebuild began, its row written after the rebuild's snapshot and
+    # its settlement before the rebuild's write, was counted nowhere: its settlement found the counter missing and
+    # added nothing, and the snapshot lacked its row (spend past the hard cap). Its settlement now tells the rebuild
+    # under way its cost, which the rebuild adds unless its snapshot has the row.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    running = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                  request_id="req_running"))
+    get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key))  # dropped, or lost
+    _finishes_during_the_rebuild(monkeypatch, "period_spend_and_pending", endpoint, running,
+                                 before_the_snapshot=before_the_snapshot)
+
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    assert reads.counted_spend(organization.pk) == UsageRecord.objects.get(request_id="req_running").cost > 0
+    assert not [field for field in get_redis().hkeys(redis_keys.rebuilding_key(organization.pk))
+                if field.startswith("m:")]  # told, added once, dropped
+
+
+@pytest.mark.parametrize("before_the_snapshot", [False, True], ids=["row after the snapshot", "row in the snapshot"])
+def test_a_prepaid_call_that_settles_while_the_credit_figure_is_rebuilt_draws_its_cost_once(monkeypatch,
+                                                                                            before_the_snapshot):
+    # As above, for the credit figure: before, the call's cost was drawn from no figure, and the account could spend it
+    # again past its prepaid credit.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    running = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                  request_id="req_running"))
+    get_redis().delete(redis_keys.credit_key(organization.pk))  # a grant changed, or its hour ran out
+    _finishes_during_the_rebuild(monkeypatch, "undrawn_prepaid_spend_and_pending", endpoint, running,
+                                 before_the_snapshot=before_the_snapshot, prompt_tokens=100_000)
+
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    cost = UsageRecord.objects.get(request_id="req_running").cost
+    assert cost > 0
+    assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("2.00") - cost

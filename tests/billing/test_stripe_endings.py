@@ -394,28 +394,6 @@ def test_usage_of_a_deleted_customers_invoice_voided_after_its_deletion_goes_aga
     assert audited.details["invoice"] == draft["id"] and audited.details["num_rollups_pushed_again"] == 1
 
 
-def test_a_void_invoice_of_a_deleted_customer_whose_usage_another_of_its_invoices_bills_sends_nothing_again(
-        fake_stripe):
-    # A guard: a subscription cancelled at once after its invoice was voided is followed by one that bills the void
-    # period (`stripe_sync._invoiced_until`); the void told after the customer's deletion sends none of it again.
-    endpoint = EndpointFactory()
-    old_customer, first, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
-    fake_stripe.finalize_invoice(invoice["id"])
-    voided = fake_stripe.void_invoice(invoice["id"])  # its webhook not sent yet
-    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
-    _use_and_push(endpoint, num_hours_ago=5)
-    _, second = _subscribed(endpoint)
-    assert fake_stripe.subscriptions[second]["start_date"] == invoice["period_start"]
-    _invoice_the_rest(fake_stripe, second)
-    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
-
-    _webhook("invoice.voided", voided)
-    assert stripe_sync.push_pending_rollups() == 0
-    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
-    assert _billed_usage(fake_stripe, old_customer) == costs
-    assert not AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again").exists()
-
-
 def _billed_usage(fake_stripe, customer_id: str) -> int:
     """What the customer's invoices that bill (not void ones) billed, in meter units."""
     return sum(line["quantity"] for invoice in fake_stripe.invoices.values()
@@ -528,13 +506,21 @@ def test_usage_of_a_period_cancelled_at_once_without_an_invoice_is_billed_by_the
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
 
 
-def test_usage_of_a_void_invoice_of_a_subscription_cancelled_at_once_is_billed_by_the_next_subscription(fake_stripe):
-    # A void invoice bills nothing (`billing.models.BILLING_INVOICE_STATUSES`). Before, its lines counted where the
-    # ended subscription's invoices stopped: the next one started after its period, whose usage no invoice billed.
+def _written_off_once(fake_stripe, customer_id: str) -> None:
+    """Every unit of usage pushed to the customer is on one of its invoices, once; a void one's (some) are forgiven."""
+    assert fake_stripe.invoiced_usage(customer_id) == _cost_pushed(fake_stripe, customer_id)
+    assert 0 < _billed_usage(fake_stripe, customer_id) < _cost_pushed(fake_stripe, customer_id)
+
+
+def test_usage_of_a_void_invoice_of_a_subscription_cancelled_at_once_is_written_off_not_billed_by_the_next(
+        fake_stripe):
+    # A live customer's void invoice is a staff write-off (`billing.models.WRITTEN_OFF_INVOICE_STATUS`): its lines count
+    # where the ended subscription's invoices stopped. Before, the next subscription started at its period's start,
+    # and billed again the usage staff had forgiven.
     endpoint = EndpointFactory()
     _use_and_push(endpoint, num_hours_ago=6)
     customer, first = _subscribed(endpoint)
-    _end_period_after_what_was_pushed(fake_stripe, first)
+    invoiced_until = _end_period_after_what_was_pushed(fake_stripe, first)
     [invoice] = [invoice for invoice in fake_stripe.invoices.values() if invoice["customer"] == customer]
     fake_stripe.finalize_invoice(invoice["id"])
     fake_stripe.void_invoice(invoice["id"])  # in the Dashboard
@@ -544,9 +530,9 @@ def test_usage_of_a_void_invoice_of_a_subscription_cancelled_at_once_is_billed_b
     _use_and_push(endpoint, num_hours_ago=4)
 
     _, second = _subscribed(endpoint)
-    assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoice["period_start"]
+    assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoiced_until
     _invoice_the_rest(fake_stripe, second)
-    assert _billed_usage(fake_stripe, customer) == _cost_pushed(fake_stripe, customer) > 0
+    _written_off_once(fake_stripe, customer)
 
 
 def test_a_subscription_cancelled_before_its_first_invoice_is_followed_by_one_from_its_start(fake_stripe):
@@ -607,12 +593,11 @@ def test_a_subscription_cancelled_at_its_period_end_is_followed_by_one_from_that
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
 
 
-def test_usage_of_a_void_final_invoice_of_a_subscription_cancelled_at_its_period_end_is_billed_by_the_next(
-        fake_stripe):
-    # Before, a subscription cancelled at its period's end was taken to have billed that period, its invoices not
-    # read: the next one started at its end, and the usage of its final invoice, voided, was billed by no invoice.
+def test_usage_of_a_void_final_invoice_of_a_subscription_cancelled_at_its_period_end_is_written_off(fake_stripe):
+    # A live customer's void final invoice is a staff write-off: the next subscription starts at the ended one's end.
+    # Before (fix-stripe6), it started at the void invoice's start, and billed again the usage staff had forgiven.
     endpoint = EndpointFactory()
-    customer, first, _, final = _cancelled_at_its_period_end(fake_stripe, endpoint)
+    customer, first, ended_at, final = _cancelled_at_its_period_end(fake_stripe, endpoint)
     fake_stripe.finalize_invoice(final["id"])
     fake_stripe.void_invoice(final["id"])  # in the Dashboard; its webhook not sent yet
 
@@ -620,15 +605,15 @@ def test_usage_of_a_void_final_invoice_of_a_subscription_cancelled_at_its_period
     _use_and_push(endpoint, num_hours_ago=4)
 
     _, second = _subscribed(endpoint)
-    assert fake_stripe.subscriptions[second]["start_date"] == final["period_start"]
+    assert fake_stripe.subscriptions[second]["start_date"] == ended_at
     _invoice_the_rest(fake_stripe, second)
-    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
-    assert _billed_usage(fake_stripe, customer) == costs > 0
+    _written_off_once(fake_stripe, customer)
 
 
-def test_usage_of_a_final_invoice_voided_after_the_next_subscription_began_goes_again_to_it_once(fake_stripe):
-    # The final invoice billed the period when the next subscription began, at the ended one's end; voided after,
-    # its usage was billed by no invoice. It goes again, once, and is billed by the next subscription.
+def test_a_final_invoice_voided_after_the_next_subscription_began_is_written_off_once(fake_stripe):
+    # A live customer's void invoice, of an earlier subscription too, is a staff write-off: forgiven, audited once
+    # however often Stripe tells the void, nothing pushed again. Before (fix-stripe6), its usage went again to the next
+    # subscription, which billed what staff had forgiven.
     endpoint = EndpointFactory()
     customer, first, ended_at, final = _cancelled_at_its_period_end(fake_stripe, endpoint)
     _webhook("invoice.finalized", fake_stripe.finalize_invoice(final["id"]))
@@ -640,13 +625,13 @@ def test_usage_of_a_final_invoice_voided_after_the_next_subscription_began_goes_
     voided = fake_stripe.void_invoice(final["id"])
     _webhook("invoice.voided", voided)
     _webhook("invoice.updated", voided)  # Stripe tells it twice
-    assert stripe_sync.push_pending_rollups() == 2  # the 6th and 5th hours' again
     assert stripe_sync.push_pending_rollups() == 0
 
     _invoice_the_rest(fake_stripe, second)
-    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
-    assert _billed_usage(fake_stripe, customer) == costs > 0
-    assert AuditEvent.objects.get(action="billing.voided_invoice_pushed_again").details["num_rollups_pushed_again"] == 2
+    _written_off_once(fake_stripe, customer)
+    assert not AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again").exists()
+    [audited] = AuditEvent.objects.filter(action="billing.voided_invoice_written_off")
+    assert audited.details == {"invoice": final["id"], "customer": customer}
 
 
 def _cancelled_at_its_period_end(fake_stripe, endpoint) -> tuple[str, str, int, dict]:
@@ -672,3 +657,4 @@ def test_a_void_invoice_of_a_subscription_still_billing_sends_nothing_again(fake
     _webhook("invoice.voided", fake_stripe.void_invoice(invoice["id"]))
     assert stripe_sync.push_pending_rollups() == 0
     assert not AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again").exists()
+    assert AuditEvent.objects.filter(action="billing.voided_invoice_written_off").count() == 1

@@ -10,7 +10,6 @@ import pytest
 from billing.ledger import period_spend
 from billing.models import UsageRecord
 from billing.periods import period_containing
-from billing.quota import counters
 from billing.quota.counters import to_units
 from billing.quota.sweeper import sweep_expired_reservations
 from controlplane import redis_keys
@@ -141,36 +140,6 @@ def test_a_gateway_frozen_past_its_calls_hold_bills_the_whole_call_by_its_own_ro
     assert _holds(org, key) == (0, 0, 0, 0)
     assert sweep_expired_reservations(now=redis_time() + 86_400) == 0
     assert _spent_counted(org) == to_units(row.cost)
-
-
-def test_a_gateway_frozen_past_the_sweepers_marker_counts_its_call_once_when_it_wakes(
-        tenant, start_mock_upstream, tmp_path, monkeypatch):
-    # Before, a gateway frozen longer than the sweeper's settled marker lives (a day: 1 s here) held its swept call
-    # again when it woke (its first beat: no marker, so "Redis lost it") or settled it as any: the lost row's cost,
-    # counted by the sweeper, was counted again with the whole row's.
-    monkeypatch.setattr(counters, "SETTLED_MARKER_TTL_S", 1)  # the sweeper's, in this process
-    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
-    org, key = tenant.org.pk, tenant.api_key.pk
-
-    def past_the_marker(request_id):
-        assert _spent_counted(org) == to_units(UsageRecord.objects.get().cost)
-        wait_until(lambda: not get_redis().exists(redis_keys.settled_key(org, request_id)), 5, interval_s=0.2,
-                   message="the sweeper's marker gone")
-
-    try:
-        request_id, received, _ = _frozen_past_its_hold(gateway, child, tenant, endpoint, past_the_marker)
-        row = UsageRecord.objects.get()
-        assert (row.request_id, row.completion_tokens) == (request_id, 200)
-        wait_until(lambda: _holds(org, key)[0] == 0, 5, message="the woken call settled")
-        # Whether its cost was counted, its settlement could not tell: the counter is rebuilt from the ledger.
-        assert _spent_counted(org) in (0, to_units(row.cost))
-        with _stream(gateway, tenant.key, endpoint.name, max_tokens=5) as response:
-            assert sum(line.startswith("data: {") for line in response.iter_lines()) == 5
-    finally:
-        child.stop()
-    assert UsageRecord.objects.count() == 2
-    assert _spent_counted(org) == to_units(period_spend(org, period_containing()))
-    assert _holds(org, key) == (0, 0, 0, 0)
 
 
 def test_a_call_that_ended_normally_leaves_no_progress_and_a_later_sweep_writes_no_second_row(
