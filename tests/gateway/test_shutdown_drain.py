@@ -53,6 +53,17 @@ def _not_ready(gateway: str) -> bool:
         return False
 
 
+def _post_once_more_if_dropped(url: str, **kwargs) -> httpx.Response:
+    """A POST to a pod that is draining. Its other gateway process, with nothing in flight, stops at once, and a
+    connection it accepted just before closing is closed unanswered. In production the preStop pause keeps new
+    connections away until then; here the test's client sends again, as HTTP clients do when a request was never
+    read (failed once under load in a fresh clone's run)."""
+    try:
+        return httpx.post(url, **kwargs)
+    except httpx.RemoteProtocolError:
+        return httpx.post(url, **kwargs)
+
+
 def test_a_non_streamed_call_in_flight_at_sigterm_completes_and_is_recorded_once(
     tenant, start_mock_upstream, tmp_path
 ):
@@ -76,7 +87,7 @@ def test_a_non_streamed_call_in_flight_at_sigterm_completes_and_is_recorded_once
         child.process.send_signal(signal.SIGTERM)  # to the supervisor alone, as the kubelet sends it
 
         wait_until(lambda: _not_ready(gateway), 10, message="/readyz to say not ready while the call drains")
-        refused = httpx.post(
+        refused = _post_once_more_if_dropped(
             f"{gateway}/v1/chat/completions",
             headers={"Authorization": f"Bearer {tenant.key}"},
             json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 2},
