@@ -102,7 +102,8 @@ class WeightsCache:
         self._downloads: dict[str, Download] = {}
         self._readings: dict[Path, ModelReading] = {}  # model directory -> what its files say
         self._reads_in_flight: dict[Path, threading.Event] = {}  # set when that directory's reading is made
-        self._to_read: dict[Path, None] = {}  # directories a heartbeat found unread, for the background reader
+        # directories a heartbeat found unread, in order, for the background reader
+        self._to_read: dict[Path, None] = {}
         self._background_reader: threading.Thread | None = None
         # local sources served here, reported like cached ones: (source, scope) -> directory
         self._local_models: dict[tuple[str, str], Path] = {}

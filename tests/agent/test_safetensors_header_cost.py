@@ -11,7 +11,7 @@ import threading
 import time
 
 from gpu_agent.protocol import ModelTask
-from gpu_agent.runtime import engine
+from gpu_agent.runtime import engine, safetensors_headers
 from gpu_agent.runtime.model_info import read_model
 from gpu_agent.runtime.supervisor import Supervisor
 from gpu_agent.runtime.weights import WeightsCache
@@ -47,7 +47,7 @@ def many_tensors_header(num_tensors: int) -> bytes:
 def padded_with_tensor_keys(num_bytes: int) -> bytes:
     """A header that buys its budget with repeated `"data_offsets"` keys in `__metadata__`, then spends it on `[]`s:
     parsed in full, ~2 s of the GIL for 16 MiB."""
-    num_lists = num_bytes // 4
+    num_lists = num_bytes * 3 // 26  # `[],` and a third of `"data_offsets":0,` each
     keys = b",".join([b'"data_offsets":0'] * (num_lists // 3 + 1))
     lists = b",".join([b"[]"] * num_lists)
     return b'{"__metadata__":{' + keys + b'},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"z":[' + lists + b"]}}"
@@ -76,6 +76,48 @@ def test_a_heartbeat_after_a_restart_reads_no_tenants_headers(tmp_path):
     assert plain.model_info.num_params == 5 * (7168 * 2048 + 56 * 16)
     # A pull asking for a model the background reader is reading waits for that reading: one parse per model.
     assert cache.read_model(models[0]) is cache.read_model(models[0])
+
+
+def test_a_header_that_buys_its_budget_with_tensor_keys_never_stalls_the_agents_threads(tmp_path):
+    """Before, 16 MiB of `[]`s, their budget bought with repeated `"data_offsets"` keys, were parsed in the agent:
+    ~2 s holding the GIL, every thread (heartbeats, the gateway's calls) stalled. Now the child process parses them."""
+    model = write_model(tmp_path / "padded", padded_with_tensor_keys(16 * 1024 * 1024 - 4096))
+    gaps, done = [], threading.Event()
+
+    def tick():
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        reading, peak = with_peak_memory(lambda: read_model(model))
+    finally:
+        done.set()
+        ticker.join()
+    assert max(gaps) < 0.5, f"another thread of the agent stalled {max(gaps):.1f}s"
+    assert reading.problem == "" and peak < 16 * 1024 * 1024  # the child parsed it (~160 MB before)
+
+
+def test_headers_past_the_readers_limits_refuse_their_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(safetensors_headers, "MAX_READER_MEMORY_BYTES", 160 * 1024 * 1024)
+    reading = read_model(write_model(tmp_path / "padded", padded_with_tensor_keys(16 * 1024 * 1024 - 4096)))
+    assert reading.info is None
+    assert reading.problem == (
+        "the model's files cannot be served: its safetensors headers take more than the node's reader may spend "
+        "(20 s of CPU, 160 MiB of memory)"
+    )
+    assert read_model(write_model(tmp_path / "plain", many_tensors_header(10))).info.num_params > 0
+
+
+def test_a_trillion_parameter_mixture_of_experts_is_counted(tmp_path):
+    """Kimi-K2's 140,544 tensors take ~17 MB of headers: past the 16 MiB cap the count was unknown (None)."""
+    reading = read_model(write_model(tmp_path / "kimi", many_tensors_header(140_544)))
+    assert reading.problem == "" and reading.info.num_params == 70_272 * (7168 * 2048 + 56 * 16)
 
 
 def test_an_engines_command_reads_no_safetensors_header(tmp_path):
