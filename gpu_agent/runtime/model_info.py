@@ -22,10 +22,8 @@ without Django).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +38,7 @@ from gpu_agent.protocol import (
     task_of_architecture,
 )
 from gpu_agent.runtime.model_json import ModelJsonTooLarge, read_model_json
+from gpu_agent.runtime.safetensors_headers import read_headers
 
 logger = logging.getLogger(__name__)
 
@@ -50,22 +49,6 @@ CONTEXT_LENGTH_KEYS = (
 )
 # RoPE scalings whose factor is already part of max_position_embeddings (as vLLM treats them).
 ROPE_TYPES_WITHOUT_EXTENSION = ("su", "longrope", "llama3", "mrope", "default")
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-# All of a model's safetensors headers together: past this the parameter count is unknown (None), nothing parsed.
-# A tensor's entry takes ~100-150 bytes (its name, dtype, shape, offsets): Llama 3.1 405B's ~1,100 tensors
-# ~150 KB, Qwen3-235B-A22B's ~37,000 ~5 MB, DeepSeek-V3's ~91,000 (FP8 weights and their scales) ~12 MB.
-MAX_HEADERS_BYTES_PER_MODEL = 16 * 1024 * 1024
-# JSON values a tensor's entry may hold (counted as the bytes `,` `[` `{` before a header is parsed): its three
-# keys, a shape of up to 20 dimensions, two offsets; and containers (`[` `{`): its object, shape and offsets.
-# Each tensor is counted by its `"data_offsets"` key. A model's headers get `HEADER_VALUES_SPARE` more of
-# each besides (the top objects, `__metadata__`'s strings).
-MAX_HEADER_VALUES_PER_TENSOR = 32
-MAX_HEADER_CONTAINERS_PER_TENSOR = 3
-HEADER_VALUES_SPARE = 4096
-# A tensor size in a safetensors header is a u64 (which safetensors itself checks).
-MAX_HEADER_SIZE = 2**64 - 1
-# Parameters are counted to here at most (past the control plane's `MAX_MODEL_NUM_PARAMS`, which clamps them).
-PARAMS_COUNTED_TO = 2**63
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
@@ -420,85 +403,17 @@ def kv_cache_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
     return 2 * values["num_hidden_layers"] * values["num_key_value_heads"] * head_dim * element_bytes
 
 
-class _HeaderBudget:
-    """What a model's safetensors headers may hold before they are parsed: values and containers per tensor.
-
-    NOTE: a header of `[0,0,…]` or `[{},{},…]` passed every byte bound: parsed, it took a Python call per
-    integer (a check of its digits: ~11 s for 60 MB, holding the GIL) or 1.5 GB of empty objects. Counting its
-    bytes takes ~4 ms a MB; integers are parsed by `json` alone and the sizes checked after (`MAX_HEADER_SIZE`).
-    """
-
-    def __init__(self) -> None:
-        self.num_tensors = self.num_values = self.num_containers = 0
-
-    def check(self, name: str, data: bytes) -> None:
-        """Count `data` (one file's header) in; raise `MalformedModel` when the model's headers pass the budget."""
-        self.num_tensors += data.count(b'"data_offsets"')
-        num_containers = data.count(b"[") + data.count(b"{")
-        self.num_containers += num_containers
-        self.num_values += num_containers + data.count(b",")
-        if (
-            self.num_values > MAX_HEADER_VALUES_PER_TENSOR * self.num_tensors + HEADER_VALUES_SPARE
-            or self.num_containers > MAX_HEADER_CONTAINERS_PER_TENSOR * self.num_tensors + HEADER_VALUES_SPARE
-        ):
-            raise MalformedModel(
-                f"the safetensors header of {name} holds more values than its tensors "
-                f"({self.num_tensors} in the model's headers so far) can have"
-            )
-
-
 def count_parameters(model_dir: Path) -> int | None:
-    """Parameters in the model's safetensors files, from their headers alone (no tensor is read), counted up to
-    `PARAMS_COUNTED_TO`.
-
-    None when a header cannot be read; `MalformedModel` when one is not what safetensors would load.
+    """Parameters in the model's safetensors files, from their headers alone, counted in a child process within
+    its limits (`safetensors_headers.read_headers`). None when unknown; `MalformedModel` when they are refused.
 
     NOTE: a tenant's header is read once, when its weights are cached (`WeightsCache.read_model`), never by a launch
-    (`read_config_info`). A shape of a few hundred 4,000-digit sizes was multiplied out in full (`math.prod`,
-    quadratic, holding the GIL: a 4 MB header froze every thread of the agent for a minute, its node went offline);
-    sizes past a u64 are refused before any product, and a product stops growing at the cap. A header holding more
-    values than its tensors can (`_HeaderBudget`) is refused before it is parsed.
+    (`read_config_info`) nor in the agent's own process.
     """
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        return None
-    total, header_bytes = 0, 0
-    budget = _HeaderBudget()
-    for path in files:
-        try:
-            with open(path, "rb") as handle:
-                (header_len,) = struct.unpack("<Q", handle.read(8))
-                header_bytes += header_len
-                if header_len > MAX_HEADER_BYTES or header_bytes > MAX_HEADERS_BYTES_PER_MODEL:
-                    return None
-                data = handle.read(header_len)
-            budget.check(path.name, data)
-            header = json.loads(data)
-        except MalformedModel:
-            raise
-        except (OSError, ValueError, RecursionError, struct.error):
-            logger.warning("could not read the safetensors header of %s", path.name)
-            return None
-        if not isinstance(header, dict):
-            raise MalformedModel(f"the safetensors header of {path.name} is not a JSON object")
-        for name, tensor in header.items():
-            if name == "__metadata__" or not isinstance(tensor, dict):
-                continue
-            shape = tensor.get("shape", [])
-            if not isinstance(shape, list) or not all(_is_count(size) and size >= 0 for size in shape):
-                raise MalformedModel(f"a tensor in {path.name} has a shape that is not a list of sizes")
-            if any(size > MAX_HEADER_SIZE for size in shape):
-                raise MalformedModel(f"the safetensors header of {path.name} has a number too large for safetensors")
-            total = min(total + _num_elements(shape), PARAMS_COUNTED_TO)
-    return total
-
-
-def _num_elements(shape: list[int]) -> int:
-    """The product of `shape`'s sizes, or `PARAMS_COUNTED_TO` when it would pass it."""
-    count = 1
-    for size in shape:
-        count = min(count * size, PARAMS_COUNTED_TO)
-    return count
+    reading = read_headers(model_dir)
+    if reading.problem:
+        raise MalformedModel(reading.problem)
+    return reading.num_params
 
 
 def _is_count(value) -> bool:

@@ -5,7 +5,7 @@ config.json) and before each launch. `json.loads` of a whole file took memory an
 tens of times its size for a config of empty objects: 30 MB took ~760 MB, a GB stalled the heartbeat for
 minutes (the node went offline with every tenant's replicas), ten GB got the agent killed. A file past
 `MAX_MODEL_JSON_BYTES` is refused before it is read, and no more than that is ever read, as the safetensors
-headers are capped (`model_info.MAX_HEADER_BYTES`).
+headers are capped (`safetensors_headers.MAX_HEADER_BYTES`).
 
 NOTE: imports nothing but the standard library (the agent ships without Django).
 """

@@ -101,6 +101,10 @@ class WeightsCache:
         self._pins: dict[str, int] = {}  # cache key -> number of users (never evicted)
         self._downloads: dict[str, Download] = {}
         self._readings: dict[Path, ModelReading] = {}  # model directory -> what its files say
+        self._reads_in_flight: dict[Path, threading.Event] = {}  # set when that directory's reading is made
+        # directories a heartbeat found unread, in order, for the background reader
+        self._to_read: dict[Path, None] = {}
+        self._background_reader: threading.Thread | None = None
         # local sources served here, reported like cached ones: (source, scope) -> directory
         self._local_models: dict[tuple[str, str], Path] = {}
         self._remove_stale_partials()
@@ -242,43 +246,101 @@ class WeightsCache:
 
     def read_model(self, model_dir: str | Path) -> ModelReading:
         """What a fetched model's files say, or why it is refused (read once per directory; a cached model
-        never changes, and a malformed one is not read again at every heartbeat)."""
+        never changes, and a malformed one is not read again at every heartbeat).
+
+        NOTE: single-flight: a caller that finds the directory being read (by the background reader, another
+        pull) waits for that reading instead of parsing the tenant's files again.
+        """
         model_dir = Path(model_dir)
-        with self._mutex:
-            if model_dir in self._readings:
-                return self._readings[model_dir]
-        reading = read_model(model_dir)
-        with self._mutex:
-            self._readings[model_dir] = reading
+        while True:
+            with self._mutex:
+                if model_dir in self._readings:
+                    return self._readings[model_dir]
+                in_flight = self._reads_in_flight.get(model_dir)
+                if in_flight is None:
+                    done = self._reads_in_flight[model_dir] = threading.Event()
+                    break
+            in_flight.wait()
+        reading = None
+        try:
+            reading = read_model(model_dir)
+        finally:
+            with self._mutex:
+                if reading is not None:
+                    self._readings[model_dir] = reading
+                del self._reads_in_flight[model_dir]
+            done.set()
         return reading
 
     def model_info(self, model_dir: str | Path) -> ModelInfo | None:
         return self.read_model(model_dir).info
 
+    def reading_made(self, model_dir: str | Path) -> ModelReading | None:
+        """The reading of `model_dir` if one was made, else None ("not read yet"), and a read is queued for the
+        background reader. Never reads a tenant's files itself.
+
+        NOTE: for the heartbeat thread (`statuses`): after an agent restart every cached model is unread, and
+        parsing their headers there (seconds each for a hostile one) outlasted the heartbeat grace: the node went
+        offline with every tenant's replicas.
+        """
+        model_dir = Path(model_dir)
+        with self._mutex:
+            reading = self._readings.get(model_dir)
+            if reading is not None:
+                return reading
+            self._to_read[model_dir] = None
+            if self._background_reader is None:
+                self._background_reader = threading.Thread(
+                    target=self._read_in_background, name="weights-reader", daemon=True
+                )
+                self._background_reader.start()
+        return None
+
+    def _read_in_background(self) -> None:
+        """Read what heartbeats found unread, one directory at a time, until none is left."""
+        while True:
+            with self._mutex:
+                if not self._to_read:
+                    self._background_reader = None
+                    return
+                model_dir = next(iter(self._to_read))
+                del self._to_read[model_dir]
+            try:
+                self.read_model(model_dir)
+            except Exception:  # noqa: BLE001 - NOTE: `read_model` never raises; the reader must outlive a bug
+                logger.exception("reading model %s in the background failed", model_dir.name)
+
     def statuses(self) -> list[WeightsStatus]:
-        """Complete models (with what their configs say) and downloads in progress, for heartbeats."""
-        statuses = [
-            WeightsStatus(
+        """Complete models (with what their files say, once read) and downloads in progress, for heartbeats.
+
+        NOTE: never reads a tenant's files: a copy not read yet is reported with `model_info=None` and read in the
+        background (`reading_made`); only the copies the heartbeat carries are queued.
+        """
+        directories: dict[str, Path] = {}  # cache key -> the complete copy's directory
+        statuses = []
+        for entry in self._index.entries():
+            status = WeightsStatus(
                 source=entry["source"],
                 cache_key=entry["cache_key"],
                 size_bytes=entry["size_bytes"],
                 downloaded_bytes=entry["size_bytes"],
                 complete=True,
                 last_used_at=entry["last_used_at"],
-                model_info=self.model_info(self.root / entry["cache_key"]),
                 scope=entry.get("scope", ""),
             )
-            for entry in self._index.entries()
-        ]
+            directories[status.cache_key] = self.root / entry["cache_key"]
+            statuses.append(status)
         with self._mutex:
             downloads = list(self._downloads.values())
             local_models = list(self._local_models.items())
         for (source, scope), path in local_models:
             size_bytes = _local_size(path)
-            statuses.append(WeightsStatus(
+            status = WeightsStatus(
                 source=source, cache_key=f"local-{digest(str(path))}", size_bytes=size_bytes,
-                downloaded_bytes=size_bytes, complete=True, model_info=self.model_info(path), scope=scope,
-            ))
+                downloaded_bytes=size_bytes, complete=True, scope=scope,
+            )
+            directories[status.cache_key] = path
+            statuses.append(status)
         statuses += [
             WeightsStatus(
                 source=download.source,
@@ -294,6 +356,10 @@ class WeightsCache:
             # fetched and the local models first, then the most recently used copies.
             statuses.sort(key=lambda status: (status.last_used_at is not None, -(status.last_used_at or 0.0)))
             del statuses[MAX_WEIGHTS_REPORTS:]
+        for status in statuses:
+            if status.complete:
+                reading = self.reading_made(directories[status.cache_key])
+                status.model_info = reading.info if reading is not None else None
         return statuses
 
     # -- disk -------------------------------------------------------------------

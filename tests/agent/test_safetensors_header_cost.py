@@ -11,9 +11,10 @@ import threading
 import time
 
 from gpu_agent.protocol import ModelTask
-from gpu_agent.runtime import engine
+from gpu_agent.runtime import engine, safetensors_headers
 from gpu_agent.runtime.model_info import read_model
 from gpu_agent.runtime.supervisor import Supervisor
+from gpu_agent.runtime.weights import WeightsCache
 
 from .conftest import fake_engine_factory, make_spec, with_peak_memory
 
@@ -41,6 +42,82 @@ def many_tensors_header(num_tensors: int) -> bytes:
         header[f"{name}.weight"] = {"dtype": "F8_E4M3", "shape": [7168, 2048], "data_offsets": [offset, offset]}
         header[f"{name}.weight_scale_inv"] = {"dtype": "F32", "shape": [56, 16], "data_offsets": [offset, offset]}
     return json.dumps(header).encode()
+
+
+def padded_with_tensor_keys(num_bytes: int) -> bytes:
+    """A header that buys its budget with repeated `"data_offsets"` keys in `__metadata__`, then spends it on `[]`s:
+    parsed in full, ~2 s of the GIL for 16 MiB."""
+    num_lists = num_bytes * 3 // 26  # `[],` and a third of `"data_offsets":0,` each
+    keys = b",".join([b'"data_offsets":0'] * (num_lists // 3 + 1))
+    lists = b",".join([b"[]"] * num_lists)
+    return b'{"__metadata__":{' + keys + b'},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"z":[' + lists + b"]}}"
+
+
+def test_a_heartbeat_after_a_restart_reads_no_tenants_headers(tmp_path):
+    """Before, the first heartbeat after an agent restart parsed every cached model's headers on its own thread
+    (readings are kept in memory only): 8 hostile models took ~15 s, ~16 passed the heartbeat grace and the node went
+    offline with every tenant's replicas. Now it reports what was read (nothing yet) and the readings follow."""
+    header = padded_with_tensor_keys(4 * 1024 * 1024)
+    models = [write_model(tmp_path / f"hostile-{index}", header) for index in range(6)]
+    models.append(write_model(tmp_path / "plain", many_tensors_header(10)))
+    cache = WeightsCache(tmp_path / "weights")  # a restarted agent: nothing read yet
+    for model in models:
+        cache.fetch(str(model))
+    started = time.monotonic()
+    statuses = cache.statuses()  # what `Agent.build_heartbeat` calls on the heartbeat thread
+    took_s = time.monotonic() - started
+    assert took_s < 0.5, f"the heartbeat's weights took {took_s:.1f}s"
+    assert len(statuses) == len(models) and all(status.model_info is None for status in statuses)
+    deadline = time.monotonic() + 60
+    while any(status.model_info is None for status in cache.statuses() if status.source == str(models[-1])):
+        assert time.monotonic() < deadline, "the background reader never read the model"
+        time.sleep(0.05)
+    [plain] = [status for status in cache.statuses() if status.source == str(models[-1])]
+    assert plain.model_info.num_params == 5 * (7168 * 2048 + 56 * 16)
+    # A pull asking for a model the background reader is reading waits for that reading: one parse per model.
+    assert cache.read_model(models[0]) is cache.read_model(models[0])
+
+
+def test_a_header_that_buys_its_budget_with_tensor_keys_never_stalls_the_agents_threads(tmp_path):
+    """Before, 16 MiB of `[]`s, their budget bought with repeated `"data_offsets"` keys, were parsed in the agent:
+    ~2 s holding the GIL, every thread (heartbeats, the gateway's calls) stalled. Now the child process parses them."""
+    model = write_model(tmp_path / "padded", padded_with_tensor_keys(16 * 1024 * 1024 - 4096))
+    gaps, done = [], threading.Event()
+
+    def tick():
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        reading, peak = with_peak_memory(lambda: read_model(model))
+    finally:
+        done.set()
+        ticker.join()
+    assert max(gaps) < 0.5, f"another thread of the agent stalled {max(gaps):.1f}s"
+    assert reading.problem == "" and peak < 16 * 1024 * 1024  # the child parsed it (~160 MB before)
+
+
+def test_headers_past_the_readers_limits_refuse_their_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(safetensors_headers, "MAX_READER_MEMORY_BYTES", 160 * 1024 * 1024)
+    reading = read_model(write_model(tmp_path / "padded", padded_with_tensor_keys(16 * 1024 * 1024 - 4096)))
+    assert reading.info is None
+    assert reading.problem == (
+        "the model's files cannot be served: its safetensors headers take more than the node's reader may spend "
+        "(20 s of CPU, 160 MiB of memory)"
+    )
+    assert read_model(write_model(tmp_path / "plain", many_tensors_header(10))).info.num_params > 0
+
+
+def test_a_trillion_parameter_mixture_of_experts_is_counted(tmp_path):
+    """Kimi-K2's 140,544 tensors take ~17 MB of headers: past the 16 MiB cap the count was unknown (None)."""
+    reading = read_model(write_model(tmp_path / "kimi", many_tensors_header(140_544)))
+    assert reading.problem == "" and reading.info.num_params == 70_272 * (7168 * 2048 + 56 * 16)
 
 
 def test_an_engines_command_reads_no_safetensors_header(tmp_path):
