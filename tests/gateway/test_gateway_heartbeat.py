@@ -798,3 +798,40 @@ def test_a_gateway_whose_loop_stalls_past_its_alive_key_is_swept_and_puts_its_ca
 
     asyncio.run(scenario())
     assert counts(endpoint, replica) == (0, 0)
+
+
+def test_redis_forgetting_the_gateway_during_a_long_reconcile_has_the_next_one_run_as_forgotten(
+        idle_endpoint_call, short_lived_alive_key, monkeypatch):
+    """The reconcile runs beside the beats: a beat that finds the alive key gone while one runs (begun before Redis
+    forgot) must leave the next to run as forgotten, not be cleared by the one that began before (its call would stay
+    uncounted, its reservation unheld, until a reconcile found them missing)."""
+    endpoint, replica, caller = idle_endpoint_call
+    redis = get_redis()
+    org = caller.organization_id
+    restore, reconcile, forgotten_modes = presence._restore_organization, presence._reconcile, []
+
+    async def slow_first(organization_id, snapshot):
+        if len(forgotten_modes) == 1:
+            await asyncio.sleep(1.0)
+        return await restore(organization_id, snapshot)
+
+    async def noting_its_mode(gateway, *, forgotten=False):
+        forgotten_modes.append(forgotten)
+        return await reconcile(gateway, forgotten=forgotten)
+
+    async def scenario():
+        admitted = await admit(caller, endpoint, replica, "kept")
+        await presence.beat(web=True)
+        monkeypatch.setattr(presence, "_restore_organization", slow_first)
+        monkeypatch.setattr(presence, "_reconcile", noting_its_mode)
+        presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS
+        beating = asyncio.get_running_loop().create_task(beat_until(time.monotonic() + 2.5))
+        await asyncio.sleep(0.5)  # the slow reconcile runs
+        redis.flushdb()  # Redis restarted without persistence
+        await beating
+        assert forgotten_modes[:2] == [False, True]
+        assert counts(endpoint, replica) == (1, 1) and redis.hexists(redis_keys.reservations_key(org), "kept")
+        await finish(caller, endpoint, replica, "kept", admitted)
+
+    asyncio.run(scenario())
+    assert counts(endpoint, replica) == (0, 0)
