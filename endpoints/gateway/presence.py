@@ -38,7 +38,8 @@ as much again admitted against the same credit. Only a gateway that stops beatin
 deadline) has its calls' holds lapse; a call is pushed on for `GATEWAY_MAX_ANSWER_WAIT_S` (6 h) at most, so
 its hold lasts that plus one deadline, and the call is cut off a third of a deadline before that (`endpoints.gateway.delivery`).
 
-NOTE: a gateway that only froze past `ALIVE_TTL_S` (a stalled event loop) is swept like a dead one;
+NOTE: a gateway that only froze past `ALIVE_TTL_S` (a stalled event loop; not a long reconcile, which runs beside the
+beats: `_reconcile_beside`) is swept like a dead one;
 when it beats again it finds its key gone and puts its requests back, so its counts come back and
 are released once, by the request's own end. The sweeper reads the alive key just before each
 organisation's release script, not inside it (another slot on Redis Cluster): a gateway that resumes
@@ -164,6 +165,7 @@ unfinished_journaled: set[tuple[int, str]] = set()
 @dataclass(slots=True)
 class _Beating:
     task: asyncio.Task | None = None  # this loop's heartbeat
+    reconcile: asyncio.Task | None = None  # its reconcile, while one runs (`_reconcile_beside`)
 
 
 _beats: PerLoop[_Beating] = PerLoop(_Beating)
@@ -288,6 +290,7 @@ RECONCILE_EVERY_BEATS = 5
 @dataclass(slots=True)
 class _Repair:
     due: bool = False  # Redis forgot this gateway, and what it serves is not all put back yet
+    num_forgotten: int = 0  # beats that found its alive key gone (`_reconcile_done`)
     num_beats: int = 0  # beats since the last reconcile
     # What the last reconcile found in this gateway's requests hashes that it does not serve ((organisation id,
     # request id) -> hash value): released if the next one finds it still there, unchanged.
@@ -465,7 +468,7 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     for (organization_id, snapshot), ((put_back, found), (unreserved, progress_lost)) in zip(
             by_organization.items(), parts, strict=True):
         restored += len(put_back)
-        for request_id in progress_lost:  # recorded again by this beat (`_record_progress`)
+        for request_id in progress_lost:  # recorded again by the beat (`_record_progress`)
             if (held := serving.get(request_id)) is not None:
                 held.progress_recorded = None
         for request_id, value in zip(found[::2], found[1::2], strict=True):
@@ -543,9 +546,9 @@ class _Failures:
 
 
 async def beat(*, web: bool = False) -> None:
-    """One heartbeat: stay alive, reconcile what Redis holds for this gateway with what it serves (`_reconcile`), end
-    what could not be ended, and push on the reservation deadlines of long calls; a web process's (`web`) also counts
-    for the web tier (`WEB_BEATS_KEY`)."""
+    """One heartbeat: stay alive, reconcile what Redis holds for this gateway with what it serves (`_reconcile`, beside
+    the beats once it takes longer than one: `_reconcile_beside`), end what could not be ended, and push on the
+    reservation deadlines of long calls; a web process's (`web`) also counts for the web tier (`WEB_BEATS_KEY`)."""
     redis = get_async_redis()
     gateway = traffic.gateway_id()
     recent = traffic.take_recent()
@@ -568,20 +571,10 @@ async def beat(*, web: bool = False) -> None:
         logger.warning("gateway %s: could not read Redis's clock: %r", gateway, exc)
     if was_alive is None:
         _repair.due = True
+        _repair.num_forgotten += 1
     _repair.num_beats += 1
     if _repair.due or _repair.num_beats >= RECONCILE_EVERY_BEATS:
-        # NOTE: a reconcile that fails leaves the rest of the beat to go on (deadlines pushed on, ends released): one
-        # failing the same way every time stopped the long calls' deadlines, and the sweeper released live holds.
-        try:
-            if await _reconcile(gateway, forgotten=_repair.due):
-                _repair.due, _repair.num_beats = False, 0
-        except (RedisError, OSError) as exc:  # tried again by the next beat
-            logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
-        except Exception:  # noqa: BLE001 - a bug, not Redis: logged with its traceback
-            # NOTE: tried again at the reconcile's own pace, not every beat (a traceback a second, for good): what Redis
-            # forgot is found all the same then (a missing reservation: `counters.holds_lost`).
-            logger.exception("gateway %s: its reconcile failed", gateway)
-            _repair.due, _repair.num_beats = False, 0
+        await _reconcile_beside(gateway)
     try:
         await _push_deadlines_on(redis)
     except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on
@@ -600,6 +593,48 @@ async def beat(*, web: bool = False) -> None:
                 await redis.hdel(redis_keys.progress_key(organization_id), *journaled)
         unfinished.difference_update(ended)
         unfinished_journaled.difference_update(ended)
+
+
+async def _reconcile_beside(gateway: str) -> None:
+    """Start a reconcile as its own task (one at a time per loop), and wait for it up to `BEAT_S`: one that takes
+    longer goes on beside the beats, which keep this gateway's alive key while it runs.
+
+    NOTE: run inside the beat, a reconcile that outlasted `ALIVE_TTL_S` (10,000 organisations in flight on a loaded
+    machine: 2-4.4 s; the first after Redis forgot them: 8-10 s) let the alive key of a live gateway lapse: the sweeper
+    released its requests and billed its live calls as lost (`billing.quota.sweeper`), and the next beat, finding the
+    key gone, reconciled again as if Redis had forgotten it, beat after beat. A gateway whose loop is stalled still
+    beats not at all, and is swept like a dead one."""
+    beating = _beats.get()
+    if beating.reconcile is not None and not beating.reconcile.done():
+        return  # the next beat after it ends starts another if one is still due
+    beating.reconcile = asyncio.get_running_loop().create_task(_reconcile_once(gateway))
+    await asyncio.wait({beating.reconcile}, timeout=BEAT_S)
+
+
+async def _reconcile_once(gateway: str) -> None:
+    """`_reconcile`, in forgotten mode while `_Repair.due`; its outcome noted in `_repair` (a Redis error: the next beat
+    reconciles again)."""
+    num_forgotten = _repair.num_forgotten
+    # NOTE: a reconcile that fails leaves the beats to go on (deadlines pushed on, ends released): one failing the same
+    # way every time stopped the long calls' deadlines, and the sweeper released live holds.
+    try:
+        if await _reconcile(gateway, forgotten=_repair.due):
+            _reconcile_done(num_forgotten)
+    except (RedisError, OSError) as exc:  # tried again by the next beat
+        logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
+    except Exception:  # noqa: BLE001 - a bug, not Redis: logged with its traceback
+        # NOTE: tried again at the reconcile's own pace, not every beat (a traceback a second, for good): what Redis
+        # forgot is found all the same then (a missing reservation: `counters.holds_lost`).
+        logger.exception("gateway %s: its reconcile failed", gateway)
+        _reconcile_done(num_forgotten)
+
+
+def _reconcile_done(num_forgotten: int) -> None:
+    """The next reconcile is due `RECONCILE_EVERY_BEATS` beats from now, unless a beat found the alive key gone since
+    this one began (`num_forgotten`): what it put back may be gone again, so the next beat reconciles as forgotten."""
+    _repair.num_beats = 0
+    if _repair.num_forgotten == num_forgotten:
+        _repair.due = False
 
 
 async def _beat_forever(*, web: bool = False) -> None:

@@ -703,3 +703,135 @@ def test_a_reconcile_whose_organisations_all_fail_logs_one_line(monkeypatch, cap
     assert "30 part(s)" in failed[0] and "CLUSTERDOWN" in failed[0]
     assert sum(f"organisation {organization_id}'s" in failed[0] for organization_id in organizations) == 5
     assert presence._repair.num_beats == presence.RECONCILE_EVERY_BEATS + 1  # the next beat reconciles again
+
+
+# --- the alive key, and a reconcile that outlasts it ------------------------------------------------------------
+
+@pytest.fixture
+def short_lived_alive_key(monkeypatch):
+    """A 2 s alive key and a beat every 0.2 s: the same ratio, sooner."""
+    monkeypatch.setattr(presence, "ALIVE_TTL_S", 2)
+    monkeypatch.setattr(presence, "BEAT_S", 0.2)
+
+
+async def beat_until(deadline: float) -> None:
+    """Beat every `BEAT_S` as `presence._beat_forever` does, until `deadline` (monotonic)."""
+    while time.monotonic() < deadline:
+        await presence.beat(web=True)
+        await asyncio.sleep(presence.BEAT_S)
+
+
+async def beating_for(seconds: float, watch) -> None:
+    """This gateway beating on this loop for `seconds`, `watch()` called from a thread every 0.1 s meanwhile."""
+    deadline = time.monotonic() + seconds
+    beating = asyncio.get_running_loop().create_task(beat_until(deadline))
+    while time.monotonic() < deadline:
+        await asyncio.to_thread(watch)
+        await asyncio.sleep(0.1)
+    await beating
+
+
+def test_a_live_gateway_keeps_its_alive_key_through_a_reconcile_that_outlasts_it(
+        idle_endpoint_call, short_lived_alive_key, monkeypatch):
+    """Before, the reconcile ran inside the beat: one longer than `ALIVE_TTL_S` (10,000 organisations in flight on a
+    loaded machine, 2-4.4 s; the first after Redis forgot them, 8-10 s) let the live gateway's alive key lapse. The
+    sweeper released its running calls (their lost-gateway billing next), and the next beat, finding the key gone,
+    reconciled again as if Redis had forgotten it, beat after beat."""
+    endpoint, replica, caller = idle_endpoint_call
+    redis = get_redis()
+    alive = redis_keys.gateway_alive_key(traffic.gateway_id())
+    restore, reconciles = presence._restore_organization, []
+    reconcile, forgotten_modes = presence._reconcile, []
+
+    async def slow_first(organization_id, snapshot):
+        reconciles.append(time.monotonic())
+        if len(reconciles) == 1:
+            await asyncio.sleep(presence.ALIVE_TTL_S + 1.5)  # past the alive key's life
+        return await restore(organization_id, snapshot)
+
+    async def noting_its_mode(gateway, *, forgotten=False):
+        forgotten_modes.append(forgotten)
+        return await reconcile(gateway, forgotten=forgotten)
+
+    seen = {"lapsed": 0, "released": 0}
+
+    def watch():
+        seen["lapsed"] += not redis.exists(alive)
+        seen["released"] += presence.sweep_dead_gateways()
+
+    async def scenario():
+        admitted = await admit(caller, endpoint, replica, "live")
+        await presence.beat(web=True)  # alive, and reconciled at once
+        monkeypatch.setattr(presence, "_restore_organization", slow_first)
+        monkeypatch.setattr(presence, "_reconcile", noting_its_mode)
+        presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS
+        await beating_for(presence.ALIVE_TTL_S + 2.5, watch)
+        assert seen == {"lapsed": 0, "released": 0}
+        assert counts(endpoint, replica) == (1, 1)  # still in flight, one outstanding
+        assert True not in forgotten_modes and not presence._repair.due  # never taken for forgotten by Redis
+        assert len(reconciles) >= 2  # the slow one ended, and the next came at its own pace
+        await finish(caller, endpoint, replica, "live", admitted)
+
+    asyncio.run(scenario())
+    assert counts(endpoint, replica) == (0, 0)
+
+
+def test_a_gateway_whose_loop_stalls_past_its_alive_key_is_swept_and_puts_its_call_back(
+        idle_endpoint_call, short_lived_alive_key):
+    """A guard (passes before and after): the reconcile beside the beats keeps no stalled gateway alive. Its loop
+    blocked past `ALIVE_TTL_S`, the sweeper releases its call as a dead gateway's; once it beats again it puts it back."""
+    endpoint, replica, caller = idle_endpoint_call
+    redis = get_redis()
+    alive = redis_keys.gateway_alive_key(traffic.gateway_id())
+
+    async def scenario():
+        admitted = await admit(caller, endpoint, replica, "frozen")
+        beating = asyncio.get_running_loop().create_task(beat_until(time.monotonic() + presence.ALIVE_TTL_S + 2.5))
+        await asyncio.sleep(0.5)
+        assert redis.exists(alive)
+        time.sleep(presence.ALIVE_TTL_S + 0.5)  # the loop stalled: no beat runs
+        assert not redis.exists(alive)
+        assert presence.sweep_dead_gateways() == 1 and counts(endpoint, replica) == (0, 0)
+        await beating  # it beats again for a second and a half, finds its key gone and puts its call back
+        assert counts(endpoint, replica) == (1, 1)
+        await finish(caller, endpoint, replica, "frozen", admitted)
+
+    asyncio.run(scenario())
+    assert counts(endpoint, replica) == (0, 0)
+
+
+def test_redis_forgetting_the_gateway_during_a_long_reconcile_has_the_next_one_run_as_forgotten(
+        idle_endpoint_call, short_lived_alive_key, monkeypatch):
+    """The reconcile runs beside the beats: a beat that finds the alive key gone while one runs (begun before Redis
+    forgot) must leave the next to run as forgotten, not be cleared by the one that began before (its call would stay
+    uncounted, its reservation unheld, until a reconcile found them missing)."""
+    endpoint, replica, caller = idle_endpoint_call
+    redis = get_redis()
+    org = caller.organization_id
+    restore, reconcile, forgotten_modes = presence._restore_organization, presence._reconcile, []
+
+    async def slow_first(organization_id, snapshot):
+        if len(forgotten_modes) == 1:
+            await asyncio.sleep(1.0)
+        return await restore(organization_id, snapshot)
+
+    async def noting_its_mode(gateway, *, forgotten=False):
+        forgotten_modes.append(forgotten)
+        return await reconcile(gateway, forgotten=forgotten)
+
+    async def scenario():
+        admitted = await admit(caller, endpoint, replica, "kept")
+        await presence.beat(web=True)
+        monkeypatch.setattr(presence, "_restore_organization", slow_first)
+        monkeypatch.setattr(presence, "_reconcile", noting_its_mode)
+        presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS
+        beating = asyncio.get_running_loop().create_task(beat_until(time.monotonic() + 2.5))
+        await asyncio.sleep(0.5)  # the slow reconcile runs
+        redis.flushdb()  # Redis restarted without persistence
+        await beating
+        assert forgotten_modes[:2] == [False, True]
+        assert counts(endpoint, replica) == (1, 1) and redis.hexists(redis_keys.reservations_key(org), "kept")
+        await finish(caller, endpoint, replica, "kept", admitted)
+
+    asyncio.run(scenario())
+    assert counts(endpoint, replica) == (0, 0)
