@@ -294,6 +294,25 @@ def test_a_counter_rebuilt_while_a_shipped_row_supersedes_a_lost_row_counts_its_
     assert reads.counted_spend(organization_id) == Decimal("0.50")
 
 
+def _replay_held_up(lock_sql: str) -> bool:
+    """Replays the shipped segments while another connection holds `lock_sql`'s lock for 3.5 s (past a registration
+    of 2 s); True when PostgreSQL cancelled the replay's write (past `replayed.WRITE_TIMEOUT_S`: nothing committed,
+    the segment waits for the next run)."""
+    holder = psycopg.connect(**{name: value for name, value in connections["default"].get_connection_params().items()
+                                if name != "cursor_factory"})
+    holder.execute(lock_sql)
+    releases = threading.Timer(3.5, holder.rollback)
+    releases.start()
+    try:
+        journal_shipping.replay_shipped()
+        return False
+    except OperationalError:
+        return True
+    finally:
+        releases.join()
+        holder.close()
+
+
 def test_a_shipped_batch_held_up_past_its_registration_never_commits_late_to_be_counted_twice(
         outage, files_bucket, monkeypatch):  # noqa: F811
     # Before, the worker's INSERT had no statement timeout: held up (a lock here) past its registration's life, it
@@ -319,19 +338,7 @@ def test_a_shipped_batch_held_up_past_its_registration_never_commits_late_to_be_
         return count(request_ids, **kwargs)
 
     monkeypatch.setattr(replayed, "count_replayed", rebuilt_then_counted)
-    holder = psycopg.connect(**{name: value for name, value in connections["default"].get_connection_params().items()
-                                if name != "cursor_factory"})
-    holder.execute(f"LOCK TABLE {UsageRecord._meta.db_table} IN SHARE MODE")  # an INSERT waits for it
-    releases = threading.Timer(3.5, holder.rollback)  # past the registration's 2 s
-    releases.start()
-    try:
-        journal_shipping.replay_shipped()
-        cancelled = False
-    except OperationalError:  # by PostgreSQL, past `replayed.WRITE_TIMEOUT_S`: nothing committed, the segment waits
-        cancelled = True
-    finally:
-        releases.join()
-        holder.close()
+    cancelled = _replay_held_up(f"LOCK TABLE {UsageRecord._meta.db_table} IN SHARE MODE")  # an INSERT waits for it
     if cancelled:
         assert not UsageRecord.objects.filter(request_id__startswith="late-").exists()
         assert journal_shipping.replay_shipped() == len(reports)  # registered again, written, counted
@@ -360,19 +367,7 @@ def test_a_shipped_rows_supersede_held_up_past_its_registration_never_commits_la
         return count(lost_costs)
 
     monkeypatch.setattr(replayed, "count_superseded", rebuilt_then_counted)
-    holder = psycopg.connect(**{name: value for name, value in connections["default"].get_connection_params().items()
-                                if name != "cursor_factory"})
-    holder.execute(f"SELECT id FROM {UsageRecord._meta.db_table} WHERE request_id = 'shipped' FOR UPDATE")
-    releases = threading.Timer(3.5, holder.rollback)  # past the registration's 2 s
-    releases.start()
-    try:
-        journal_shipping.replay_shipped()
-        cancelled = False
-    except OperationalError:  # by PostgreSQL, past `replayed.WRITE_TIMEOUT_S`: nothing superseded, the segment waits
-        cancelled = True
-    finally:
-        releases.join()
-        holder.close()
+    cancelled = _replay_held_up(f"SELECT id FROM {UsageRecord._meta.db_table} WHERE request_id = 'shipped' FOR UPDATE")
     if cancelled:
         assert UsageRecord.objects.get(request_id="shipped").status == "gateway_lost"
         assert journal_shipping.replay_shipped() == 0  # registered again, superseded, its difference counted once
