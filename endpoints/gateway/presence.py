@@ -56,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from billing.ledger import UsageReport
 from billing.quota import counters
@@ -71,6 +71,11 @@ logger = logging.getLogger("inferplane.gateway")
 BEAT_S = 1.0
 ALIVE_TTL_S = 5
 SWEEP_BATCH = 200
+# The errors that are Redis's or the network's, not a bug: a reconcile that meets one tries again next beat.
+# NOTE: redis-py's Redis Cluster errors (`SlotNotCoveredError`, a node's slots moving) are no `RedisError`: one was
+# raised as a bug, aborting every organisation's part of the reconcile, and clearing `_Repair.due` (found by review).
+# OSError holds ConnectionError and TimeoutError.
+REDIS_FAILURES = (RedisError, RedisClusterException, OSError)
 
 # One organisation's keys per call (one Redis Cluster slot). KEYS: the gateway's requests hash of the
 # organisation, the no-replica placeholder, then per request: in-flight set, waiting set, the
@@ -532,7 +537,7 @@ class _Failures:
         error (noted); any other error, or a cancellation, is raised."""
         if not isinstance(result, BaseException):
             return False
-        if not isinstance(result, RedisError | OSError):  # NOTE: OSError holds ConnectionError, TimeoutError
+        if not isinstance(result, REDIS_FAILURES):
             raise result
         self.parts.append(what)
         self.first = self.first or result
@@ -620,7 +625,7 @@ async def _reconcile_once(gateway: str) -> None:
     try:
         if await _reconcile(gateway, forgotten=_repair.due):
             _reconcile_done(num_forgotten)
-    except (RedisError, OSError) as exc:  # tried again by the next beat
+    except REDIS_FAILURES as exc:  # tried again by the next beat
         logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
     except Exception:  # noqa: BLE001 - a bug, not Redis: logged with its traceback
         # NOTE: tried again at the reconcile's own pace, not every beat (a traceback a second, for good): what Redis
