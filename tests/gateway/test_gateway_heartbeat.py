@@ -13,6 +13,7 @@ import httpx
 import pytest
 from django.conf import settings
 from redis import Redis
+from redis.exceptions import SlotNotCoveredError
 
 from billing.ledger import period_spend
 from billing.periods import period_containing
@@ -705,6 +706,33 @@ def test_a_reconcile_whose_organisations_all_fail_logs_one_line(monkeypatch, cap
     assert presence._repair.num_beats == presence.RECONCILE_EVERY_BEATS + 1  # the next beat reconciles again
 
 
+def test_a_redis_cluster_error_in_one_organisation_stops_no_other_and_the_next_beat_reconciles_again(
+        monkeypatch, gateway_alone):
+    """Before, redis-py's Redis Cluster errors (`SlotNotCoveredError`: no `RedisError`) were taken for a bug: one
+    organisation's aborted every other's part of the reconcile, was logged with a traceback, and cleared
+    `_Repair.due`, so what Redis forgot waited for the reconcile's own pace."""
+    failing, other = OrganizationFactory().pk, OrganizationFactory().pk
+    admitted = {organization_id: asyncio.run(reserve(organization_id=organization_id, api_key_id=None,
+                                                     amount=Decimal("0.02"), request_id=f"call-{organization_id}"))
+                for organization_id in (failing, other)}
+    holds_lost = counters.holds_lost
+
+    async def slot_not_covered(organization_id, calls):
+        if organization_id == failing:
+            raise SlotNotCoveredError('Slot "1234" is not covered by the cluster.')
+        return await holds_lost(organization_id, calls)
+
+    monkeypatch.setattr(counters, "holds_lost", slot_not_covered)
+    for organization_id in (failing, other):
+        presence.track(f"call-{organization_id}", organization_id, f"e-{organization_id}", None,
+                       admitted[organization_id].reservation)
+    redis = get_redis()
+    redis.flushdb()  # Redis restarted without persistence
+    asyncio.run(presence.beat())
+    assert redis.hexists(redis_keys.reservations_key(other), f"call-{other}")  # held again
+    assert presence._repair.due  # the next beat reconciles again, as forgotten
+
+
 # --- the alive key, and a reconcile that outlasts it ------------------------------------------------------------
 
 @pytest.fixture
@@ -835,3 +863,64 @@ def test_redis_forgetting_the_gateway_during_a_long_reconcile_has_the_next_one_r
 
     asyncio.run(scenario())
     assert counts(endpoint, replica) == (0, 0)
+
+
+def test_a_large_forgotten_reconcile_never_stalls_the_loop_past_the_alive_key(gateway_alone):
+    """Before, the reconcile gathered every organisation's parts at once: after a flush, 20,000 organisations in flight
+    stalled the event loop for up to 3.7 s at a time (measured here on 2 loaded cores), long enough for the alive key to
+    lapse beside the beats and the sweeper to take the live gateway for dead. Now in chunks (`RECONCILE_CHUNK`), the
+    loop runs between them."""
+    redis = get_redis()
+    alive = redis_keys.gateway_alive_key(traffic.gateway_id())
+    first = 9_400_000
+    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    for organization_id in range(first, first + 20_000):
+        reservation = counters.Reservation(f"call-{organization_id}", organization_id, None, Decimal("0.01"), "2026-12")
+        presence.track(f"call-{organization_id}", organization_id, f"e-{organization_id}", None, reservation)
+        traffic._registered[1].add(organization_id)
+    seen = {"lapsed": 0, "watched": 0}
+    gaps = []
+
+    def watch():
+        while not done.is_set():
+            seen["lapsed"] += not redis.exists(alive)
+            seen["watched"] += 1
+            time.sleep(0.1)
+
+    async def ticking():
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.02)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    done = threading.Event()
+
+    async def scenario():
+        redis.flushdb()  # Redis restarted without persistence
+        ticker = asyncio.get_running_loop().create_task(ticking())
+        beating = asyncio.get_running_loop().create_task(presence._beat_forever(web=True))
+        while not redis.exists(alive):  # its first beat after the flush writes it again
+            await asyncio.sleep(0.01)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and (presence._repair.due or presence._repair.num_forgotten < 2):
+                await asyncio.sleep(0.2)
+        finally:
+            done.set()
+            await asyncio.to_thread(watcher.join)
+            ticker.cancel()
+            beating.cancel()
+            await asyncio.gather(ticker, beating, return_exceptions=True)
+            reconciling = presence._beats.get().reconcile
+            if reconciling is not None:
+                reconciling.cancel()
+                await asyncio.gather(reconciling, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert max(gaps) < 1.0, f"the loop stalled {max(gaps):.2f} s"
+    assert seen["watched"] and seen["lapsed"] == 0
+    assert presence._repair.num_forgotten == 2 and not presence._repair.due  # put back and held again, once
+    assert redis.hexists(redis_keys.reservations_key(first), f"call-{first}")
