@@ -314,8 +314,8 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 
 # Puts back the reservations of calls a live gateway still serves after Redis lost them (a restart without persistence,
 # a flush, a failover: `endpoints.gateway.presence`), as `RESERVE` held them. KEYS: the reservations, the deadlines,
-# the organisation's reserved sum, then per call: its key's reserved sum (the organisation's again for a call without
-# a key) and its settled marker. ARGV: the seconds a reservation holds (its deadline: Redis's clock plus these), then
+# the organisation's reserved sum, the rebuilds under way, then per call: its key's reserved sum (the organisation's
+# again for a call without a key) and its settled marker. ARGV: the seconds a reservation holds (its deadline: Redis's clock plus these), then
 # per call: request id, amount (units), has key (1/0), payload, when it can no longer tell whether the sweeper counted
 # it (Redis's clock, s; empty: not known).
 # A reservation still there (Redis forgot only the gateway's own keys), one whose call settled meanwhile (its marker:
@@ -324,19 +324,33 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # NOTE: a gateway woken from a freeze longer than the sweeper's marker lives held its swept calls again, and their
 # settlement then counted their cost a second time; and, kept from holding any call past its deadline, it ran one the
 # sweeper had released minutes before unheld: a second call was admitted past the cap beside it.
+# A call held again while a counter of its organisation is rebuilt (`c:<counter>` in the rebuilds under way, within its
+# window) is marked for that rebuild, `h:<counter>|<request id>`: it was not among the calls reserved when the rebuild
+# began, and its row may be in the rebuild's snapshot (`rebuild.HELD_AGAIN_LUA`).
 _RESTORE_RESERVATIONS = Script("""
 local restored = 0
 local now = tonumber(redis.call('TIME')[1])
 local deadline = now + 1 + tonumber(ARGV[1])
+local rebuilt
 for i = 2, #ARGV, 5 do
   local n = (i - 2) / 5
   local untold = ARGV[i + 4] ~= '' and now > tonumber(ARGV[i + 4])
-  if not untold and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[5 + 2 * n]) == 0 then
+  if not untold and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[6 + 2 * n]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3])
     redis.call('ZADD', KEYS[2], deadline, ARGV[i])
     redis.call('INCRBY', KEYS[3], ARGV[i + 1])
-    if ARGV[i + 2] == '1' then redis.call('INCRBY', KEYS[4 + 2 * n], ARGV[i + 1]) end
+    if ARGV[i + 2] == '1' then redis.call('INCRBY', KEYS[5 + 2 * n], ARGV[i + 1]) end
     restored = restored + 1
+    if not rebuilt then
+      rebuilt = {}
+      local fields = redis.call('HGETALL', KEYS[4])
+      for j = 1, #fields, 2 do
+        if string.sub(fields[j], 1, 2) == 'c:' and tonumber(fields[j + 1]) >= now then
+          rebuilt[#rebuilt + 1] = string.sub(fields[j], 3)
+        end
+      end
+    end
+    for _, counter in ipairs(rebuilt) do redis.call('HSET', KEYS[4], 'h:' .. counter .. '|' .. ARGV[i], '1') end
   end
 end
 return restored
@@ -355,7 +369,8 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
     prepaid credit those calls still held (a long stream: up to `GATEWAY_MAX_ANSWER_WAIT_S`)."""
     if not reservations:
         return 0
-    keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id)]
+    keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id),
+            rebuilding_key(organization_id)]
     args = [str(math.ceil(settings.BILLING_RESERVATION_TTL_S))]
     for reservation, lapses in zip(reservations, lapsed_at or [None] * len(reservations), strict=True):
         if reservation.organization_id != organization_id:

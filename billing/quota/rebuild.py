@@ -18,7 +18,7 @@ from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, CreditGr
 from billing.periods import Period, period_containing
 from billing.quota import replayed
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
-from controlplane.redis_client import get_async_redis
+from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
     credit_key,
@@ -112,20 +112,54 @@ local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrati
 end
 """
 
+# The calls held again while the rebuild of `counter` was under way (`h:<counter>|<request id>` in the rebuilds under
+# way, `counters._RESTORE_RESERVATIONS`): none was reserved when it began, and a row of one may be in its snapshot. Each
+# asked about (`asked`: A[first..first+num-1], read once its snapshot began) counts as a call reserved when it began
+# (`_rebuild_from_database`); one held again since it read them (not asked) leaves it unable to tell: false, and the
+# rebuild writes nothing (`HELD_AGAIN_MEANWHILE`: it begins again, and reads it). True drops the marks.
+# NOTE: a call held again after a rebuild began, its row in the snapshot, was counted twice: its settlement added its
+# cost to the counter written without leaving it out, or left it as `m:` (`counters.MISSED_LUA`) to a rebuild that
+# asked nothing about it (for a sweeper's `gateway_lost` row, one that asked about it: `_held`).
+HELD_AGAIN_LUA = """
+local function held_again_asked(rebuilding, counter, A, first, num)
+  local asked = {}
+  for i = first, first + num - 1 do asked[A[i]] = true end
+  local prefix = 'h:' .. counter .. '|'
+  local marks = {}
+  for _, field in ipairs(redis.call('HKEYS', rebuilding)) do
+    if string.sub(field, 1, #prefix) == prefix then
+      if not asked[string.sub(field, #prefix + 1)] then return false end
+      marks[#marks + 1] = field
+    end
+  end
+  for _, field in ipairs(marks) do redis.call('HDEL', rebuilding, field) end
+  return true
+end
+"""
+HELD_AGAIN_MEANWHILE = -2
+HELD_AGAIN_PREFIX = "h:"
+# How many times a rebuild begins again for calls held again meanwhile (`HELD_AGAIN_MEANWHILE`) before it leaves the
+# counter to the caller's next attempt.
+REBUILD_TRIES = 3
+
 # KEYS: a period counter (a hash), the organisation's reservations, the rebuilds under way, the replays' registrations,
 # then the settled marker of each pending call; ARGV: ttl, the rebuild's start and window (`_BEGIN_REBUILD`),
-# `REBUILD_LONGEST_S`, the number of replayed rows present, their request ids, then each pending call's request id, then each one's cost
-# (units, > 0), then the hash's field/value pairs. Writes the hash only if nobody did meanwhile (0) and the rebuild is
-# not too old (-1), its spend less the cost of each pending call still reserved and not settled, whose own settlement
-# (`counters.SETTLE`) adds it once the counter exists, and with the journal's replayed rows counted once
-# (`REPLAYED_ROWS_LUA`).
-_INIT_SPEND = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + """
+# `REBUILD_LONGEST_S`, the number of calls held again it asked about, their request ids (`HELD_AGAIN_LUA`), the number
+# of replayed rows present, their request ids, then each pending call's request id, then each one's cost
+# (units, > 0), then the hash's field/value pairs. Writes the hash only if nobody did meanwhile (0), the rebuild is
+# not too old (-1) and no call was held again since it read them (-2), its spend less the cost of each pending call
+# still reserved and not settled, whose own settlement (`counters.SETTLE`) adds it once the counter exists, and with
+# the journal's replayed rows counted once (`REPLAYED_ROWS_LUA`).
+_INIT_SPEND = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + HELD_AGAIN_LUA + """
 local now = tonumber(redis.call('TIME')[1])
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if now > tonumber(ARGV[2]) + tonumber(ARGV[3]) then return too_slow(KEYS[3], KEYS[1], now - tonumber(ARGV[2]), ARGV[4]) end
+local num_asked = tonumber(ARGV[5])
+if not held_again_asked(KEYS[3], KEYS[1], ARGV, 6, num_asked) then return -2 end
+local present_at = 7 + num_asked
 local pending = #KEYS - 4
-local num_present = tonumber(ARGV[5])
-local ids_at = 6 + num_present
+local num_present = tonumber(ARGV[present_at - 1])
+local ids_at = present_at + num_present
 redis.call('HSET', KEYS[1], unpack(ARGV, ids_at + 2 * pending))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 local left = {}
@@ -136,7 +170,7 @@ for i = 1, pending do
     left[request_id] = true
   end
 end
-for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[1], 'j:', KEYS[3], KEYS[4], now, ARGV, 6, num_present, left)) do
+for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[1], 'j:', KEYS[3], KEYS[4], now, ARGV, present_at, num_present, left)) do
   redis.call('HINCRBY', KEYS[1], 'spent', cost)
 end
 return 1
@@ -145,21 +179,25 @@ return 1
 
 # KEYS: the credit figure, the organisation's reservations, the journaled calls the figure counted, the rebuilds under
 # way, the replays' registrations, then the settled marker of each pending call; ARGV: ttl, the figure (units), the
-# rebuild's start and window, `REBUILD_LONGEST_S`, the number of replayed rows present, their request ids, then each pending call's
-# request id, then each one's cost (units, > 0). Writes the figure only if nobody did meanwhile (0) and the rebuild is
-# not too old (-1), with the cost of each pending call still reserved and not settled given back: its own settlement
-# (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure counted it, then the settlement took it again:
+# rebuild's start and window, `REBUILD_LONGEST_S`, the number of calls held again it asked about, their request ids,
+# the number of replayed rows present, their request ids, then each pending call's request id, then each one's cost
+# (units, > 0). Writes the figure only if nobody did meanwhile (0), the rebuild is not too old (-1) and no call was held
+# again since it read them (-2), with the cost of each pending call still reserved and not settled given back: its own
+# settlement (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure counted it, then the settlement took it again:
 # a prepaid account refused (402) early for up to an hour after any grant or mode change. A new figure has counted no
 # journaled call but the replayed rows it marks (`REPLAYED_ROWS_LUA`): what the last one had is dropped.
-_INIT_CREDIT = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + """
+_INIT_CREDIT = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + HELD_AGAIN_LUA + """
 local now = tonumber(redis.call('TIME')[1])
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if now > tonumber(ARGV[3]) + tonumber(ARGV[4]) then return too_slow(KEYS[4], KEYS[1], now - tonumber(ARGV[3]), ARGV[5]) end
+local num_asked = tonumber(ARGV[6])
+if not held_again_asked(KEYS[4], KEYS[1], ARGV, 7, num_asked) then return -2 end
+local present_at = 8 + num_asked
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
 redis.call('DEL', KEYS[3])
 local pending = #KEYS - 5
-local num_present = tonumber(ARGV[6])
-local ids_at = 7 + num_present
+local num_present = tonumber(ARGV[present_at - 1])
+local ids_at = present_at + num_present
 local left = {}
 for i = 1, pending do
   local request_id = ARGV[ids_at + i - 1]
@@ -168,7 +206,7 @@ for i = 1, pending do
     left[request_id] = true
   end
 end
-for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[3], '', KEYS[4], KEYS[5], now, ARGV, 7, num_present, left)) do
+for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[3], '', KEYS[4], KEYS[5], now, ARGV, present_at, num_present, left)) do
   redis.call('DECRBY', KEYS[1], cost)
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[1]) end
@@ -187,12 +225,15 @@ class _Rebuild:
     # the rows replayed from the journal it was asked about and holds (`replayed.replays_to_ask_about`), and those of
     # the calls reserved when it began: a call settled while it is under way tells it its cost (`counters.MISSED_LUA`)
     present: tuple[str, ...] = ()
+    # the calls held again since it began that it asked about, as reserved then (`HELD_AGAIN_LUA`)
+    held_again: tuple[str, ...] = ()
 
 
 def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period,
                            reserved_ids: Collection[str] = ()) -> _Rebuild:
     """The counter `what` as PostgreSQL has it; `reserved_ids`: the organisation's reservations (read before),
-    whose calls may have a row in the period's spend and settle after the counter is written."""
+    whose calls may have a row in the period's spend and settle after the counter is written, as may those held again
+    since (`_held_again`)."""
     close_old_connections()  # NOTE: runs in a worker thread whose connection may have gone stale
     counter = _counter_key(what, organization_id, api_key_id, period)
     if what in ("org", "key"):
@@ -200,21 +241,25 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
         account = BillingAccount.objects.for_organization(organization_id) if what == "org" else None
         with _one_snapshot():
             asked = _replays_in_snapshot(organization_id, counter)
-            spent, costs = period_spend_and_pending(organization_id, period, {*reserved_ids, *asked},
+            held_again = _held_again(organization_id, counter)
+            reserved = {*reserved_ids, *held_again}
+            spent, costs = period_spend_and_pending(organization_id, period, {*reserved, *asked},
                                                     api_key_id=api_key_id if what == "key" else None)
             held = _held(organization_id, asked)
-        pending = {request_id: cost for request_id, cost in costs.items() if request_id in reserved_ids}
-        present = tuple(request_id for request_id in costs if request_id in held or request_id in reserved_ids)
+        pending = {request_id: cost for request_id, cost in costs.items() if request_id in reserved}
+        present = tuple(request_id for request_id in costs if request_id in held or request_id in reserved)
     if what == "org":
         return _Rebuild(counter, {"spent": str(to_units(spent))} | limit_fields(account), None, PERIOD_TTL_S,
-                        _units(pending), present)
+                        _units(pending), present, held_again)
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
         fields = {"spent": str(to_units(spent)), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
-        return _Rebuild(counter, fields, None, PERIOD_TTL_S, _units(pending), present)
+        return _Rebuild(counter, fields, None, PERIOD_TTL_S, _units(pending), present, held_again)
     if what == "credit":
-        available, ttl_s, pending, present = _credit_and_pending(organization_id, reserved_ids, counter=counter)
-        return _Rebuild(counter, None, str(to_units(available, ROUND_HALF_UP)), ttl_s, _units(pending), present)
+        available, ttl_s, pending, present, held_again = _credit_and_pending(organization_id, reserved_ids,
+                                                                             counter=counter)
+        return _Rebuild(counter, None, str(to_units(available, ROUND_HALF_UP)), ttl_s, _units(pending), present,
+                        held_again)
     raise ValueError(what)
 
 
@@ -238,6 +283,16 @@ def _replays_in_snapshot(organization_id: int, counter: str) -> set[str]:
     return replayed.replays_to_ask_about(organization_id, counter)
 
 
+def _held_again(organization_id: int, counter: str) -> tuple[str, ...]:
+    """The calls held again since the rebuild of `counter` began (`HELD_AGAIN_LUA`), read once its snapshot began: a
+    call's row committed before the snapshot, its hold put back after this read, leaves the rebuild's write undone
+    (`HELD_AGAIN_MEANWHILE`). Blocking I/O (Redis)."""
+    prefix = f"{HELD_AGAIN_PREFIX}{counter}|"
+    fields = (field.decode() if isinstance(field, bytes) else field
+              for field in get_redis().hkeys(rebuilding_key(organization_id)))
+    return tuple(field[len(prefix):] for field in fields if field.startswith(prefix))
+
+
 def _held(organization_id: int, asked: set[str]) -> set[str]:
     """Of the rows `asked` about, those the snapshot holds as their replay or supersede counts them: a `gateway_lost`
     row is not held, since a replay's row that supersedes it (`replayed.count_superseded`) counts the difference its
@@ -255,14 +310,15 @@ def _units(pending: dict[str, Decimal]) -> dict[str, int]:
 def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
     """Prepaid credit left now (active grants less usage not yet drawn from them), and for how many
     seconds that figure holds before a grant starts or expires."""
-    available, ttl_s, _, _ = _credit_and_pending(organization_id, (), now=now)
+    available, ttl_s, _, _, _ = _credit_and_pending(organization_id, (), now=now)
     return available, ttl_s
 
 
-def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, now=None,
-                        counter: str | None = None) -> tuple[Decimal, int, dict[str, Decimal], tuple[str, ...]]:
-    """`credit_available`, the cost of each prepaid row in it whose call is one of `reserved_ids`, and, to rebuild the
-    figure (`counter`), the journal's replayed prepaid rows it holds (`_replays_in_snapshot`)."""
+def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, now=None, counter: str | None = None
+                        ) -> tuple[Decimal, int, dict[str, Decimal], tuple[str, ...], tuple[str, ...]]:
+    """`credit_available`, the cost of each prepaid row in it whose call is one of `reserved_ids` or held again since
+    (`_held_again`), and, to rebuild the figure (`counter`), the journal's replayed prepaid rows it holds
+    (`_replays_in_snapshot`) and the calls held again it asked about."""
     now = now or timezone.now()
     BillingAccount.objects.for_organization(organization_id)  # made first if need be: the snapshot only reads
     with _one_snapshot():
@@ -272,11 +328,12 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
         # to the figure's TTL.
         account = BillingAccount.objects.get(organization_id=organization_id)
         asked = _replays_in_snapshot(organization_id, counter) if counter is not None else set()
+        held_again = _held_again(organization_id, counter) if counter is not None else ()
         present = tuple(UsageRecord.objects.filter(organization_id=organization_id, billing_mode=BillingMode.PREPAID,
                                                    request_id__in=_held(organization_id, asked)
                                                    ).values_list("request_id", flat=True)) if asked else ()
         grants = list(CreditGrant.objects.filter(organization_id=organization_id))
-        undrawn, pending = undrawn_prepaid_spend_and_pending(account, reserved_ids)
+        undrawn, pending = undrawn_prepaid_spend_and_pending(account, {*reserved_ids, *held_again})
         present = (*present, *(request_id for request_id in pending if request_id not in present))
         # NOTE: what expired after the usage not drawn yet began pays first for it, as the draw will take it
         # (`CreditGrantQuerySet.paying_for`), and never for anything more.
@@ -290,7 +347,7 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
     ttl_s = CREDIT_FIGURE_MAX_TTL_S
     if changes:
         ttl_s = max(1, min(ttl_s, int((min(changes) - now).total_seconds()) + 1))
-    return available, ttl_s, pending, present
+    return available, ttl_s, pending, present, held_again
 
 
 @contextmanager
@@ -310,12 +367,14 @@ def _one_snapshot():
 
 
 async def _write_rebuild(rebuild: _Rebuild, organization_id: int, started_at: int, window_s: int) -> int:
-    """1 when written, 0 when another wrote the counter first, -1 when the rebuild is older than its window."""
+    """1 when written, 0 when another wrote the counter first, -1 when the rebuild is older than its window,
+    `HELD_AGAIN_MEANWHILE` when a call was held again since it read those (`_held_again`)."""
     request_ids = list(rebuild.pending)
     markers = [settled_key(organization_id, request_id) for request_id in request_ids]
     costs = [rebuild.pending[request_id] for request_id in request_ids]
     replays = [rebuilding_key(organization_id), replaying_key(organization_id)]
-    began = [started_at, window_s, REBUILD_LONGEST_S, len(rebuild.present), *rebuild.present]
+    began = [started_at, window_s, REBUILD_LONGEST_S, len(rebuild.held_again), *rebuild.held_again,
+             len(rebuild.present), *rebuild.present]
     if rebuild.fields is not None:
         return await _INIT_SPEND(keys=[rebuild.key, reservations_key(organization_id), *replays, *markers],
                                  args=[rebuild.ttl_s, *began, *request_ids, *costs,
@@ -345,14 +404,19 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
         # NOTE: read before the ledger. A call reserved then whose row the ledger has may settle after the counter is
         # written (the row is written first; a call reserved in the last month spends in this one when it finishes
         # in it), and adds its cost then: the counter is written without it (`_INIT_SPEND`). A call reserved since
-        # found this counter missing (its own rebuild wrote it first, or ours does) and reserved nothing.
+        # found this counter missing (its own rebuild wrote it first, or ours does) and reserved nothing; one held again
+        # since (its hold put back after Redis lost it) is marked for this rebuild (`_held_again`).
         counter = _counter_key(what, organization_id, reservation.api_key_id, period)
-        started_at, window_s, reserved_ids = await _BEGIN_REBUILD(
-            keys=[rebuilding_key(organization_id), reservations_key(organization_id)],
-            args=[counter, REBUILD_MAX_S, REBUILD_LONGEST_S])
-        rebuild = await sync_to_async(_rebuild_from_database)(what, organization_id, reservation.api_key_id,
-                                                              period, reserved_ids)
-        if await _write_rebuild(rebuild, organization_id, int(started_at), int(window_s)) < 0:
+        for _try in range(REBUILD_TRIES):  # again while calls are held again meanwhile (after Redis lost them)
+            started_at, window_s, reserved_ids = await _BEGIN_REBUILD(
+                keys=[rebuilding_key(organization_id), reservations_key(organization_id)],
+                args=[counter, REBUILD_MAX_S, REBUILD_LONGEST_S])
+            rebuild = await sync_to_async(_rebuild_from_database)(what, organization_id, reservation.api_key_id,
+                                                                  period, reserved_ids)
+            written = await _write_rebuild(rebuild, organization_id, int(started_at), int(window_s))
+            if written != HELD_AGAIN_MEANWHILE:
+                break
+        if written == -1:
             logger.warning("organisation %s: its %s counter's rebuild took over %d s; not written (the next is given "
                            "longer)", organization_id, what, window_s)
             raise RebuildTooSlow(f"the {what} counter's rebuild took over {window_s} s")

@@ -944,3 +944,144 @@ def test_a_prepaid_call_that_settles_while_the_credit_figure_is_rebuilt_draws_it
     cost = UsageRecord.objects.get(request_id="req_running").cost
     assert cost > 0
     assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("2.00") - cost
+
+
+def _holds_and_counter_lost(organization_id: int) -> None:
+    """Redis lost the organisation's counter of this month and its calls' holds (a flush: its gateways' next beat
+    holds them again, `presence._hold_again`)."""
+    get_redis().delete(redis_keys.org_period_key(organization_id, periods.period_containing().key),
+                       redis_keys.reservations_key(organization_id), redis_keys.org_reserved_key(organization_id),
+                       redis_keys.deadlines_key(organization_id))
+
+
+def _hold_again(admitted) -> None:
+    """Its gateway holds the call again, as its reconcile does after Redis lost it."""
+    reservation = admitted.reservation
+    assert asyncio.run(counters.restore_reservations(reservation.organization_id, [reservation],
+                                                     [time.time() + 600])) == 1
+
+
+def _marks_left(organization_id: int, counter: str) -> list[str]:
+    """What calls held again or settled while `counter` was rebuilt left its rebuild (`rebuild.HELD_AGAIN_LUA`,
+    `counters.MISSED_LUA`): dropped once it is written."""
+    return [field for field in get_redis().hkeys(redis_keys.rebuilding_key(organization_id))
+            if field.startswith((f"h:{counter}|", f"m:{counter}|"))]
+
+
+@pytest.mark.parametrize("settled", ["before its write", "after its write"])
+@pytest.mark.parametrize("held_again", ["before its snapshot", "while it reads the ledger"])
+def test_a_call_held_again_after_its_counters_rebuild_began_is_counted_once(monkeypatch, held_again, settled):
+    # Redis lost the counter and the call's hold after its row was written and before its settlement; a call rebuilds
+    # the counter, and the call's gateway holds it again after the rebuild read the reservations. Before, its row was
+    # in the snapshot and its settlement counted it again: it added its cost to the counter written without leaving it
+    # out, or left it to the rebuild (`m:`), which added it. Held again after the rebuild read which calls were held
+    # again (while it reads the ledger), the rebuild writes nothing and begins again.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    running = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                  request_id="req_running"))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_running"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="req_running").cost
+    _holds_and_counter_lost(organization.pk)
+    build, read, write, writes = rebuild._rebuild_from_database, rebuild.period_spend_and_pending, rebuild._write_rebuild, []
+
+    def held_again_then_build(*args):
+        if held_again == "before its snapshot" and not writes:
+            _hold_again(running)
+        return build(*args)
+
+    def read_then_held_again(*args, **kwargs):
+        result = read(*args, **kwargs)
+        if held_again == "while it reads the ledger" and not writes:
+            _in_another_connection(_hold_again, running)
+        return result
+
+    async def settled_then_write(*args):
+        if settled == "before its write" and not writes:
+            await settle(running, cost, fresh_id=True)
+        writes.append(await write(*args))
+        return writes[-1]
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", held_again_then_build)
+    monkeypatch.setattr(rebuild, "period_spend_and_pending", read_then_held_again)
+    monkeypatch.setattr(rebuild, "_write_rebuild", settled_then_write)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+    if settled == "after its write":
+        asyncio.run(settle(running, cost, fresh_id=True))
+
+    assert reads.counted_spend(organization.pk) == cost > 0
+    assert reads.reserved_now(organization.pk) == Decimal("0.01")
+    assert not _marks_left(organization.pk, redis_keys.org_period_key(organization.pk, periods.period_containing().key))
+    assert writes == ([1] if held_again == "before its snapshot" else [rebuild.HELD_AGAIN_MEANWHILE, 1])
+
+
+def test_a_lost_row_the_sweeper_settles_while_a_rebuild_that_holds_it_is_under_way_is_counted_once(settings,
+                                                                                                   monkeypatch):
+    # A stream whose hold Redis lost (with its counter) was held again by its gateway after a rebuild of the counter
+    # began; the gateway was then lost, and the sweeper wrote the call's `gateway_lost` row from its progress before the
+    # rebuild's snapshot, and settled it before the rebuild's write. Before, the rebuild, asking its snapshot about the
+    # cost the settlement left it (`m:`), did not take the lost row as held (a replay's supersede counts its
+    # difference) and added the cost again: $0.000032 counted for $0.000016.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    streaming = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                    request_id="req_streaming"))
+    _progress(streaming, endpoint, prompt_tokens=100, completion_tokens=20)
+    _holds_and_counter_lost(organization.pk)
+    build = rebuild._rebuild_from_database
+
+    def held_again_and_swept_then_build(*args):
+        _hold_again(streaming)
+        assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1  # its hold lapsed
+        return build(*args)
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database",
+                        lambda *args: _in_another_connection(held_again_and_swept_then_build, *args))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    row = UsageRecord.objects.get(request_id="req_streaming")
+    assert row.status == "gateway_lost" and row.cost > 0
+    assert reads.counted_spend(organization.pk) == row.cost
+    assert not _marks_left(organization.pk, redis_keys.org_period_key(organization.pk, periods.period_containing().key))
+
+
+def test_a_prepaid_call_held_again_while_the_credit_figure_is_rebuilt_draws_its_cost_once(monkeypatch):
+    # As above, for the credit figure (a grant changed, or its hour ran out, as Redis lost the call's hold), held again
+    # while the rebuild reads the ledger and settled before its write: before, its cost was taken from the figure twice
+    # (a prepaid account refused early for up to an hour).
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    running = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                  request_id="req_running"))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_running", prompt_tokens=100_000),
+                                     max_cost=Decimal("0.50"), billing_mode=running.billing_mode))
+    cost = UsageRecord.objects.get(request_id="req_running").cost
+    get_redis().delete(redis_keys.credit_key(organization.pk), redis_keys.reservations_key(organization.pk),
+                       redis_keys.org_reserved_key(organization.pk), redis_keys.deadlines_key(organization.pk))
+    read, write, writes = rebuild.undrawn_prepaid_spend_and_pending, rebuild._write_rebuild, []
+
+    def read_then_held_again(*args, **kwargs):
+        result = read(*args, **kwargs)
+        if not writes:
+            _in_another_connection(_hold_again, running)
+        return result
+
+    async def settled_then_write(*args):
+        if not writes:
+            await settle(running, cost, fresh_id=True)
+        writes.append(await write(*args))
+        return writes[-1]
+
+    monkeypatch.setattr(rebuild, "undrawn_prepaid_spend_and_pending", read_then_held_again)
+    monkeypatch.setattr(rebuild, "_write_rebuild", settled_then_write)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    assert cost > 0
+    assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("2.00") - cost
+    assert not _marks_left(organization.pk, redis_keys.credit_key(organization.pk))
+    assert writes == [rebuild.HELD_AGAIN_MEANWHILE, 1]
