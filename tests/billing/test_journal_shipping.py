@@ -409,8 +409,8 @@ def test_shipped_rows_whose_worker_was_killed_before_their_count_are_counted_by_
 
 
 def _paused_at(monkeypatch, name: str):
-    """`replayed.<name>` held, in a thread (`paused_replay`) and only there, until `go` is set: the worker paused (a
-    long GC, a stopped process, a redelivered task's first run) between its commit and its count."""
+    """`replayed.<name>` held, in the thread of `_replay_in_a_thread` and only there, until `go` is set: a worker paused
+    at that seam (a long GC, a stopped process, a redelivered task's first run). Returns (`paused`, `go`)."""
     paused, go, seam = threading.Event(), threading.Event(), getattr(replayed, name)
 
     def held(*args, **kwargs):
@@ -435,17 +435,24 @@ def _replay_in_a_thread() -> threading.Thread:
     return thread
 
 
+def _three_rows_shipped(outage, prefix: str) -> tuple[int, list]:
+    """Three rows ($0.10 each) journaled and shipped in an outage, PostgreSQL back, the counter built by a call.
+    Returns their organisation and the rows."""
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    organization_id = endpoint.organization_id
+    reports = [usage_report(endpoint, request_id=f"{prefix}-{number}", prompt_tokens=100_000, completion_tokens=0)
+               for number in range(3)]
+    _journal_rows_while_down(reports, replay_for_s=0.5)
+    outage.end()
+    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+    return organization_id, reports
+
+
 def test_two_replays_of_a_segment_at_once_count_each_row_once(outage, files_bucket, monkeypatch):  # noqa: F811
     # Two workers (or a task Celery redelivered while its first run still ran) replay the same segment: the first
     # wrote the rows and paused before its count; the second wrote nothing, found the rows registered by a replay that
     # had not counted them (`owed`) and counted them; the first then counted them again: $0.60 counted for $0.30.
-    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
-    organization_id = endpoint.organization_id
-    reports = [usage_report(endpoint, request_id=f"both-{number}", prompt_tokens=100_000, completion_tokens=0)
-               for number in range(3)]  # $0.10 each
-    _journal_rows_while_down(reports, replay_for_s=0.5)
-    outage.end()
-    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+    organization_id, reports = _three_rows_shipped(outage, "both")
     paused, go = _paused_at(monkeypatch, "count_replayed")
 
     first = _replay_in_a_thread()
@@ -454,6 +461,7 @@ def test_two_replays_of_a_segment_at_once_count_each_row_once(outage, files_buck
     assert journal_shipping.replay_shipped() == 0  # the second: nothing written now
     go.set()
     first.join(30)
+    assert not first.is_alive()
 
     assert reads.counted_spend(organization_id) == Decimal("0.30")
     assert journal_shipping.replay_shipped() == 0 and reads.counted_spend(organization_id) == Decimal("0.30")
@@ -464,13 +472,7 @@ def test_two_replays_registering_in_turn_count_the_rows_the_second_wrote_once(ou
     # wrote them and paused before its count; the first, writing nothing, dropped their registrations uncounted; a
     # counter rebuilt then read the rows without asking about them, and the second's count added them again: $0.60
     # counted for $0.30.
-    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
-    organization_id = endpoint.organization_id
-    reports = [usage_report(endpoint, request_id=f"turn-{number}", prompt_tokens=100_000, completion_tokens=0)
-               for number in range(3)]  # $0.10 each
-    _journal_rows_while_down(reports, replay_for_s=0.5)
-    outage.end()
-    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+    organization_id, reports = _three_rows_shipped(outage, "turn")
     paused, go = _paused_at(monkeypatch, "record_registered_batch")
     count, counted = replayed.count_replayed, threading.Event()
 
@@ -492,6 +494,7 @@ def test_two_replays_registering_in_turn_count_the_rows_the_second_wrote_once(ou
     assert paused.wait(30)
     assert journal_shipping.replay_shipped() == len(reports)  # the second wrote them
     first.join(30)
+    assert not first.is_alive()
 
     assert reads.counted_spend(organization_id) == Decimal("0.30")
 
@@ -527,6 +530,7 @@ def test_a_shipped_rows_supersede_paused_before_its_count_while_another_run_repl
     assert journal_shipping.replay_shipped() == 0  # the second: counts what the first left
     go.set()
     first.join(30)
+    assert not first.is_alive()
 
     assert UsageRecord.objects.get(request_id="shipped").cost == Decimal("0.50")
     assert reads.counted_spend(organization_id) == Decimal("0.50")
