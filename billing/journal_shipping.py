@@ -129,9 +129,9 @@ def _replay_one(key: str) -> int:
     num_written, rejected = 0, []
     for first in range(0, len(reports), REPLAY_BATCH):
         batch = reports[first:first + REPLAY_BATCH]
-        owed: dict[str, float] = {}
+        registration = None
         try:
-            owed = replayed.register_replaying_sync(batch)
+            registration = replayed.register_replaying_sync(batch)
         except Exception as exc:  # noqa: BLE001 - the ledger comes first: a counter rebuilt meanwhile may count one twice
             logger.warning("usage journal: %d shipped row(s) replayed unregistered (%r)", len(batch), exc)
         try:
@@ -148,10 +148,10 @@ def _replay_one(key: str) -> int:
             continue
         num_written += len(written)
         # NOTE: as the gateway's replay (`usage_writer`): what was written now, and what a killed replay left owed
-        replayed.count_replayed(written, batch=batch, owed=owed)
+        replayed.count_replayed(written, batch=batch, registration=registration)
         with replayed.bounded_write():  # raises past its timeout: the segment waits, registered again next run
             lost_costs = supersede_lost_rows(batch, written)
-        replayed.count_superseded(lost_costs)
+        replayed.count_superseded(lost_costs, registered=registration is not None)
     if rejected:
         _set_aside(key, b"".join(encode(report) for report in rejected))
         logger.error("usage journal: %d shipped report(s) refused by the ledger kept in %s", len(rejected),

@@ -251,11 +251,12 @@ RETURNING request_id
 # (`billing.quota.replayed.count_superseded`, the rollups: `recorded_at` is now). Only a `gateway_lost` row, only by a
 # row that is not one, and only once: the row is no longer `gateway_lost` after it (concurrent writes: PostgreSQL
 # rechecks the condition on the row it locked).
-# `lost` is the row as the statement found it: its cost, already counted.
+# `lost` is the row as the statement found it: its cost, already counted, kept as `lost_cost` (a replay finishes the
+# count of a supersede killed before it: `billing.quota.replayed.count_replayed`).
 _SUPERSEDE_SQL = f"""
 UPDATE {_TABLE} u
 SET prompt_tokens = p.prompt_tokens, cached_tokens = p.cached_tokens, completion_tokens = p.completion_tokens,
-    cost = p.cost, status = p.status, recorded_at = now()
+    cost = p.cost, status = p.status, recorded_at = now(), lost_cost = lost.cost
 FROM ({_PRICED_SQL}) p, {_TABLE} lost
 WHERE u.request_id = p.request_id AND u.organization_id = p.organization_id AND u.endpoint_id = p.endpoint_id
   AND lost.id = u.id AND u.status = '{UsageStatus.GATEWAY_LOST}' AND p.status <> '{UsageStatus.GATEWAY_LOST}'

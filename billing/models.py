@@ -79,6 +79,10 @@ class UsageRecord(models.Model):
     adapter = models.CharField(max_length=63, blank=True, default="")
     # When the row reached the ledger: rollups find late rows by it.
     recorded_at = models.DateTimeField(default=timezone.now)
+    # The cost the row had as the sweeper's `gateway_lost` row, for one the call's own row superseded since
+    # (`billing.ledger.supersede_lost_rows`): counted already, so the supersede's count adds the difference, and a
+    # replay finishes the count of one killed between its commit and its count (`billing.quota.replayed`).
+    lost_cost = MoneyField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["request_id"], name="usage_record_unique_request_id")]

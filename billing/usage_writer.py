@@ -213,20 +213,25 @@ class UsageWriter:
             written, refused = exc.written_ids, dict.fromkeys(exc.refused_ids, exc)
         return written, refused, await self._supersede(reports, written) if supersede else {}
 
-    async def _supersede(self, reports: list[UsageReport], written: set[str]) -> dict[str, Decimal]:
-        """The cost of each `gateway_lost` row that the rows of `reports` not written now superseded.
+    async def _supersede(self, reports: list[UsageReport], written: set[str], *,
+                         registered: bool = False) -> dict[str, Decimal]:
+        """The cost of each `gateway_lost` row that the rows of `reports` not written now superseded; `registered`: a
+        replay's batch, registered before its INSERT.
 
         NOTE: each row that may supersede one is registered first, as a replay registers its rows (`replayed`): a
-        counter rebuilt between the supersede and its count then counts the difference once (a replay's rows were
-        registered before its INSERT; again here, cheap: only rows not written now)."""
+        counter rebuilt between the supersede and its count then counts the difference once (cheap: only rows not
+        written now). Not again for a replay's: registered again and dropped here, a row another replay of the same
+        segment wrote at once lost the registration its count goes by (`replayed.Registration`)."""
         if not (candidates := superseding(reports, written)):
             return {}
-        await _register_replaying(candidates)
+        if not registered:
+            await _register_replaying(candidates)
         if self._connection is None or self._connection.closed:
             self._connection = await _connect()
         superseded = await supersede_lost_rows_on(self._connection, candidates)
-        # NOTE: a registration left would be taken for a killed replay's, owed a count (`replayed.count_replayed`).
-        await _drop_registrations([report for report in candidates if report.request_id not in superseded])
+        if not registered:
+            # NOTE: a registration left would be taken for a killed replay's, owed a count (`replayed.count_replayed`).
+            await _drop_registrations([report for report in candidates if report.request_id not in superseded])
         return superseded
 
     async def _journal(self, reports: list[UsageReport]) -> list[Recorded]:
@@ -309,7 +314,7 @@ class UsageWriter:
                 rejected = []
                 for first in range(0, len(reports), self.max_batch):
                     batch = reports[first:first + self.max_batch]
-                    owed = await _register_replaying(batch)
+                    registration = await _register_replaying(batch)
                     try:
                         written, refused, _ = await asyncio.wait_for(self._write_rows(batch, supersede=False),
                                                                      WRITE_TIMEOUT_S)
@@ -322,19 +327,20 @@ class UsageWriter:
                         rejected += batch
                         continue
                     rejected += [report for report in batch if report.request_id in refused]
-                    await _count_replayed(written, batch=batch, owed=owed)
+                    await _count_replayed(written, batch=batch, registration=registration)
                     # NOTE: the rows written now are counted before the lost rows are superseded, never after both: a
                     # supersede that failed once the insert had committed left them uncounted for good (their retry
                     # writes nothing new; found by this stop's review). The segment waits, and its retry supersedes.
                     try:
-                        superseded = await asyncio.wait_for(self._supersede(batch, written), WRITE_TIMEOUT_S)
+                        superseded = await asyncio.wait_for(
+                            self._supersede(batch, written, registered=registration is not None), WRITE_TIMEOUT_S)
                     except psycopg.DatabaseError as exc:
                         self.close_now()
                         if not _about_the_rows(exc):
                             _raise_outage(exc)
                         logger.error("usage journal: a batch's lost rows not superseded (%r): billed as lost", exc)
                         continue
-                    await _count_superseded(superseded)
+                    await _count_superseded(superseded, registered=registration is not None)
                 await asyncio.to_thread(usage_journal.done, path, rejected)
                 logger.info("usage journal: %d report(s) replayed from %s", len(reports) - len(rejected), path.name)
         return num_left
@@ -359,26 +365,26 @@ def _raise_outage(exc: psycopg.DatabaseError) -> None:
     raise outage from exc
 
 
-async def _count_superseded(lost_costs: dict[str, Decimal]) -> None:
+async def _count_superseded(lost_costs: dict[str, Decimal], *, registered: bool = False) -> None:
     """The `gateway_lost` rows a write or a replay superseded now, their difference counted
-    (`replayed.count_superseded`)."""
+    (`replayed.count_superseded`; `registered`: by a replay that registered them)."""
     if not lost_costs:
         return
     try:
-        await sync_to_async(replayed.count_superseded)(lost_costs)
+        await sync_to_async(replayed.count_superseded)(lost_costs, registered=registered)
     except Exception as exc:  # noqa: BLE001 - as `_count_replayed`: a counter rebuilt from the ledger later counts them
         logger.warning("usage writer: %d superseded lost row(s) not counted in the quota counters: %r",
                        len(lost_costs), exc)
 
 
-async def _register_replaying(reports: list[UsageReport]) -> dict[str, float]:
+async def _register_replaying(reports: list[UsageReport]) -> replayed.Registration | None:
     """Before a replay writes `reports`: a counter rebuilt meanwhile counts each once (`billing.quota.replayed`).
-    Returns the request ids a replay before this one registered and has not counted (`replayed.count_replayed`)."""
+    Returns what it registered (`replayed.count_replayed`), None if it could not."""
     try:
         return await replayed.register_replaying(reports)
     except Exception as exc:  # noqa: BLE001 - the ledger comes first: a counter rebuilt meanwhile may count one twice
         logger.warning("usage journal: %d row(s) replayed unregistered (%r)", len(reports), exc)
-        return {}
+        return None
 
 
 async def _drop_registrations(reports: list[UsageReport]) -> None:
@@ -390,11 +396,12 @@ async def _drop_registrations(reports: list[UsageReport]) -> None:
         logger.warning("usage writer: %d registration(s) not dropped (%r)", len(reports), exc)
 
 
-async def _count_replayed(request_ids: set[str], *, batch: list[UsageReport], owed: dict[str, float]) -> None:
-    """The rows a replay wrote now, and those of its `batch` a killed replay before it wrote and left `owed`, counted
+async def _count_replayed(request_ids: set[str], *, batch: list[UsageReport],
+                         registration: replayed.Registration | None) -> None:
+    """The rows a replay wrote now, and those of its `batch` a killed replay before it wrote and left owed, counted
     in the quota counters rebuilt without them (`billing.quota.replayed`)."""
     try:
-        await sync_to_async(replayed.count_replayed)(request_ids, batch=batch, owed=owed)
+        await sync_to_async(replayed.count_replayed)(request_ids, batch=batch, registration=registration)
     except Exception as exc:  # noqa: BLE001 - the rows are in the ledger: a counter rebuilt from it later counts them
         logger.warning("usage journal: %d replayed row(s) not counted in the quota counters: %r", len(request_ids), exc)
 

@@ -82,7 +82,8 @@ def credit_journaled_key(organization_id: int) -> str:
 
 def replaying_key(organization_id: int) -> str:
     """Hash: request id -> until when (Redis's clock, seconds) a replay of the journal, or a write that may supersede a
-    lost row, may still commit its row and count it (`billing.quota.replayed`)."""
+    lost row, may still commit its row and count it, then `.` and the replay's token (`<deadline>.<token>`, a number:
+    `billing.quota.replayed.Registration`)."""
     return f"billing:{org_tag(organization_id)}:replaying"
 
 

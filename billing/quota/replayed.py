@@ -40,17 +40,22 @@ leaves its rows' registrations, kept a day past their time (`REGISTRATION_KEPT_S
 next replay of it writes nothing, finds those rows registered already (`register_replaying`) and counts each the
 ledger has as that replay wrote it, once (`count_replayed`'s `owed`); a rebuild meanwhile marks each held row still
 registered, lapsed or not (`billing.quota.rebuild`); the sweeper, settling a call whose registration lapsed, drops it.
-Before, its rows were counted in no counter that existed then, until each was next rebuilt. Left open: two replays of
-the same rows at once (a segment both shipped and replayed here, in the same moment) may count a row twice, and a
-killed supersede's difference is counted by none.
+Before, its rows were counted in no counter that existed then, until each was next rebuilt. A supersede killed so is
+finished the same way: the row keeps the lost row's cost (`lost_cost`), and the next replay counts the difference.
+
+Two replays of the same rows at once (two workers, a task delivered again while its first run still runs, a segment
+both shipped and replayed here) share each row's one registration: whoever drops it counts the row, and a replay drops
+uncounted only a registration still its own (`Registration`).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from decimal import Decimal
 
 from django.db import close_old_connections, connection, transaction
@@ -86,19 +91,20 @@ REGISTRATION_KEPT_S = SETTLED_MARKER_TTL_S
 MISSED_PREFIX = "m:"  # `rebuilding_key`'s fields of costs counts could not add: m:<counter key>|<request id>
 REBUILDING_PREFIX = "c:"  # and of rebuilds under way: c:<counter key> -> until when
 
-# KEYS: the organisation's registrations; ARGV: their ttl (s), how long the hash is kept (s), then each request id.
-# Returns the request ids registered already, each followed by the deadline it had: a replay's that has not counted
-# them (`count_replayed`'s `owed`), or one under way.
+# KEYS: the organisation's registrations; ARGV: their ttl (s), how long the hash is kept (s), the replay's token
+# (digits), then each request id. Each registration is `<deadline>.<token>` (a number still, for the rebuild and the
+# sweeper). Returns the request ids registered already, each followed by the registration it had: a replay's that has
+# not counted them (`count_replayed`'s `owed`), or one under way.
 _REGISTER = Script("""
-local deadline = tonumber(redis.call('TIME')[1]) + tonumber(ARGV[1])
+local registration = (tonumber(redis.call('TIME')[1]) + tonumber(ARGV[1])) .. '.' .. ARGV[3]
 local owed = {}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local before = redis.call('HGET', KEYS[1], ARGV[i])
   if before then
     owed[#owed + 1] = ARGV[i]
     owed[#owed + 1] = before
   end
-  redis.call('HSET', KEYS[1], ARGV[i], deadline)
+  redis.call('HSET', KEYS[1], ARGV[i], registration)
 end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return owed
@@ -109,9 +115,10 @@ CLOCKS_APART_S = 1.0
 
 # KEYS: the credit figure, the journaled calls the figure counted, the rebuilds under way, the registrations, then per
 # row: its settled marker, its org period counter, its key period counter (the no-key placeholder without a key);
-# ARGV: marker ttl, the number of rows, then per row: request id, cost (units), has key (1/0), draws credit (1/0), owed
-# (1/0: counted only if its registration is still there, which this drops), then the request ids whose registration
-# is dropped uncounted. Returns the rows counted.
+# ARGV: marker ttl, the number of rows, the replay's token (empty: it registered nothing), then per row: request id,
+# cost (units), has key (1/0), draws credit (1/0), owed (1/0), then the request ids whose registration is dropped
+# uncounted if it is still this replay's (its token). A row is counted only by whoever drops its registration: owed,
+# or written now by a replay that registered it. Returns the rows counted.
 _COUNT_REPLAYED = Script(MISSED_LUA + """
 local function missed(counter, request_id, cost)
   quota_missed(KEYS[3], counter, request_id, cost)
@@ -121,14 +128,15 @@ local function count(counter, request_id, cost)
   if redis.call('HDEL', counter, 'j:' .. request_id) == 0 then redis.call('HINCRBY', counter, 'spent', cost) end
 end
 local num_rows = tonumber(ARGV[2])
+local unregistered = ARGV[3] == ''
 local num_counted = 0
 for n = 0, num_rows - 1 do
-  local request_id, cost = ARGV[3 + 5 * n], ARGV[4 + 5 * n]
-  if redis.call('HDEL', KEYS[4], request_id) == 1 or ARGV[7 + 5 * n] ~= '1' then
+  local request_id, cost = ARGV[4 + 5 * n], ARGV[5 + 5 * n]
+  if redis.call('HDEL', KEYS[4], request_id) == 1 or (unregistered and ARGV[8 + 5 * n] ~= '1') then
     redis.call('SET', KEYS[5 + 3 * n], '1', 'NX', 'EX', ARGV[1])
     count(KEYS[6 + 3 * n], request_id, cost)
-    if ARGV[5 + 5 * n] == '1' then count(KEYS[7 + 3 * n], request_id, cost) end
-    if ARGV[6 + 5 * n] == '1' then
+    if ARGV[6 + 5 * n] == '1' then count(KEYS[7 + 3 * n], request_id, cost) end
+    if ARGV[7 + 5 * n] == '1' then
       if redis.call('EXISTS', KEYS[1]) == 0 then
         missed(KEYS[1], request_id, cost)
       elseif redis.call('HDEL', KEYS[2], request_id) == 0 then
@@ -138,37 +146,66 @@ for n = 0, num_rows - 1 do
     num_counted = num_counted + 1
   end
 end
-for i = 3 + 5 * num_rows, #ARGV do redis.call('HDEL', KEYS[4], ARGV[i]) end
+local own = '.' .. ARGV[3]
+for i = 4 + 5 * num_rows, #ARGV do
+  local registration = redis.call('HGET', KEYS[4], ARGV[i])
+  if not unregistered and registration and string.sub(registration, -#own) == own then
+    redis.call('HDEL', KEYS[4], ARGV[i])
+  end
+end
 return num_counted
 """)
 
 
-def _registrations(reports: Iterable[UsageReport]) -> list[tuple[list[str], list[str]]]:
+@dataclass(slots=True, frozen=True)
+class Registration:
+    """What `register_replaying` registered: `token`, the part of each registration's value that is this replay's own
+    (`_REGISTER`), and `owed`, the request ids registered already then, each with when (Redis's clock, s).
+
+    NOTE: two replays of the same rows at once (two workers, or a task Celery delivered again while its first run still
+    ran) share each row's one registration. Before, the one that wrote a row counted it whatever, and the other one
+    counted it too if it found it owed and dropped the registration first ($0.60 counted for $0.30), or dropped it
+    uncounted first, and a counter rebuilt then read the row without asking about it, which the count added again.
+    Now whoever drops a registration counts its row, and a replay drops uncounted only a registration still its own."""
+
+    token: str
+    owed: dict[str, float]
+
+    def __post_init__(self) -> None:
+        if not self.token.isdigit():
+            raise ValueError("a registration's token is digits: its value stays a number")
+
+
+def _registrations(reports: Iterable[UsageReport], token: str) -> list[tuple[list[str], list[str]]]:
     """`_REGISTER`'s keys and arguments, one call per organisation."""
     by_organization: dict[int, list[str]] = defaultdict(list)
     for report in reports:
         by_organization[report.organization_id].append(report.request_id)
     kept_s = str(REGISTRATION_TTL_S + REGISTRATION_KEPT_S)
-    return [([replaying_key(organization_id)], [str(REGISTRATION_TTL_S), kept_s, *request_ids])
+    return [([replaying_key(organization_id)], [str(REGISTRATION_TTL_S), kept_s, token, *request_ids])
             for organization_id, request_ids in by_organization.items()]
 
 
-async def register_replaying(reports: Collection[UsageReport]) -> dict[str, float]:
+def _new_token() -> str:
+    return f"{secrets.randbelow(10**9):09d}"
+
+
+async def register_replaying(reports: Collection[UsageReport]) -> Registration:
     """Step 1 of a replay, before `reports` are written into the ledger (see the module's docstring); so too before a
-    write's rows not written now may supersede lost rows (`count_superseded`). Returns the request ids registered
-    already, each with when (Redis's clock, s): `count_replayed`'s `owed`."""
-    owed: dict[str, float] = {}
-    for keys, args in _registrations(reports):
+    write's rows not written now may supersede lost rows (`count_superseded`). Returns what it registered:
+    `count_replayed`'s `registration`."""
+    token, owed = _new_token(), {}
+    for keys, args in _registrations(reports, token):
         owed |= _registered_at(await _REGISTER(keys=keys, args=args))
-    return owed
+    return Registration(token, owed)
 
 
-def register_replaying_sync(reports: Collection[UsageReport]) -> dict[str, float]:
+def register_replaying_sync(reports: Collection[UsageReport]) -> Registration:
     """`register_replaying` from synchronous code (the worker's replay of shipped segments)."""
-    owed: dict[str, float] = {}
-    for keys, args in _registrations(reports):
+    token, owed = _new_token(), {}
+    for keys, args in _registrations(reports, token):
         owed |= _registered_at(_REGISTER.run_sync(keys=keys, args=args))
-    return owed
+    return Registration(token, owed)
 
 
 def record_registered_batch(reports: list[UsageReport]) -> set[str]:
@@ -206,34 +243,40 @@ def bounded_write():
 
 
 def _registered_at(answer: list) -> dict[str, float]:
-    return {_text(answer[i]): float(answer[i + 1]) - REGISTRATION_TTL_S for i in range(0, len(answer), 2)}
+    """`_REGISTER`'s answer: each request id registered already, with when (its deadline less `REGISTRATION_TTL_S`)."""
+    return {_text(answer[i]): float(_text(answer[i + 1]).partition(".")[0]) - REGISTRATION_TTL_S
+            for i in range(0, len(answer), 2)}
 
 
 def count_replayed(request_ids: Collection[str], *, batch: Collection[UsageReport] = (),
-                   owed: Mapping[str, float] | None = None) -> int:
+                   registration: Registration | None = None) -> int:
     """Count the rows of `request_ids`, just written into the ledger by a replay of the journal, in the quota counters
     that lack them; returns how many rows. One query, and one script per organisation. Blocking I/O (the ORM, Redis).
 
-    `batch`: the reports this replay registered (`register_replaying`); `owed`: those of them registered already then,
-    with when (what `register_replaying` returned). A replay killed between its commit and its count left its rows in
-    the ledger, uncounted, their registrations there (kept `REGISTRATION_KEPT_S`) and its segment in the journal: the
-    next replay writes nothing of it, and counts each owed row the ledger has as that replay wrote it (recorded since
-    it was registered, as the journal has it: not a `gateway_lost` row, nor one superseded, whose `finished_at` is the
-    lost row's) if it drops its registration: once, whichever replay comes first. A row recorded before (a write cut
-    short by its timeout that committed: its call's settlement counted it) is not. The registration of every other row
-    of the batch is dropped uncounted, but a `gateway_lost` row's: its supersede, to come, drops it
-    (`count_superseded`).
+    `batch`: the reports this replay registered; `registration`: what `register_replaying` registered of them (None:
+    nothing, it failed: each row written now is counted). A row is counted by whoever drops its registration: this
+    replay, or another one of the same rows at once (`Registration`). A replay killed between its commit and its count
+    left its rows in the ledger, uncounted, their registrations there (kept `REGISTRATION_KEPT_S`) and its segment in
+    the journal: the next replay writes nothing of it, and counts each owed row the ledger has as that replay wrote it
+    (recorded since it was registered, as the journal has it: not a `gateway_lost` row, nor one superseded, whose
+    `finished_at` is the lost row's) if it drops its registration: once, whichever replay comes first. A row recorded
+    before (a write cut short by its timeout that committed: its call's settlement counted it) is not. So too a lost row
+    the killed replay superseded (`count_superseded`, its difference from `lost_cost`). The registration of every other
+    row of the batch is dropped uncounted if it is still this replay's, but a `gateway_lost` row's: its supersede, to
+    come, drops it (`count_superseded`).
 
     NOTE: before, the next replay counted only what it wrote now, nothing: the rows stayed out of every counter that
-    existed then (spend past a cap, the credit) until each was rebuilt."""
-    owed = owed or {}
+    existed then (spend past a cap, the credit) until each was rebuilt; and a supersede killed before its count left
+    its difference counted by none."""
+    owed = registration.owed if registration is not None else {}
     owed_at = {report.request_id: report.finished_at for report in batch
                if report.request_id in owed and report.request_id not in request_ids}
     if not request_ids and not batch:
         return 0
     close_old_connections()
     rows = UsageRecord.objects.filter(request_id__in=list({*request_ids, *(r.request_id for r in batch)})).values_list(
-        "request_id", "organization_id", "api_key_id", "cost", "finished_at", "billing_mode", "status", "recorded_at")
+        "request_id", "organization_id", "api_key_id", "cost", "finished_at", "billing_mode", "status", "recorded_at",
+        "lost_cost")
     calls: dict[int, tuple[list[str], list[str]]] = {}
 
     def call(organization_id: int) -> tuple[list[str], list[str]]:
@@ -242,13 +285,19 @@ def count_replayed(request_ids: Collection[str], *, batch: Collection[UsageRepor
                                        rebuilding_key(organization_id), replaying_key(organization_id)], [])
         return calls[organization_id]
 
-    lost = set()
-    for request_id, organization_id, api_key_id, cost, finished_at, billing_mode, status, recorded_at in rows:
+    lost, superseded = set(), {}
+    for (request_id, organization_id, api_key_id, cost, finished_at, billing_mode, status, recorded_at,
+         lost_cost) in rows:
         if status == UsageStatus.GATEWAY_LOST:
             lost.add(request_id)
         if request_id not in request_ids and (
-                request_id not in owed_at or status == UsageStatus.GATEWAY_LOST or finished_at != owed_at[request_id]
+                request_id not in owed_at or status == UsageStatus.GATEWAY_LOST
                 or recorded_at.timestamp() < owed[request_id] - CLOCKS_APART_S):
+            continue
+        if lost_cost is not None:  # superseded since the killed replay registered it: its difference
+            superseded[request_id] = lost_cost
+            continue
+        if request_id not in request_ids and finished_at != owed_at[request_id]:
             continue
         keys, args = call(organization_id)
         period_key = period_containing(finished_at).key
@@ -257,13 +306,18 @@ def count_replayed(request_ids: Collection[str], *, batch: Collection[UsageRepor
         args += [request_id, str(to_units(cost)), "1" if api_key_id is not None else "0",
                  "1" if billing_mode == BillingMode.PREPAID else "0", "1" if request_id in owed_at else "0"]
     dropped: dict[int, list[str]] = defaultdict(list)
+    counts_to_come = lost | set(request_ids) | superseded.keys()
     for report in batch:
-        if report.request_id not in lost and report.request_id not in request_ids:
+        if report.request_id not in counts_to_come:
             call(report.organization_id)
             dropped[report.organization_id].append(report.request_id)
-    return sum(_COUNT_REPLAYED.run_sync(keys=keys, args=[str(SETTLED_MARKER_TTL_S), str(len(args) // 5), *args,
-                                                         *dropped[organization_id]])
-               for organization_id, (keys, args) in calls.items())
+    token = registration.token if registration is not None else ""
+    num_counted = sum(_COUNT_REPLAYED.run_sync(keys=keys, args=[str(SETTLED_MARKER_TTL_S), str(len(args) // 5), token,
+                                                                *args, *dropped[organization_id]])
+                      for organization_id, (keys, args) in calls.items())
+    if superseded:
+        num_counted += count_superseded(superseded, registered=True)
+    return num_counted
 
 
 async def drop_registrations(reports: Collection[UsageReport]) -> None:
@@ -278,10 +332,12 @@ async def drop_registrations(reports: Collection[UsageReport]) -> None:
 
 # KEYS: the settled marker, the org period counter, the key period counter, the credit figure, the journaled calls the
 # figure counted, the reservations, the rebuilds under way, the registrations; ARGV: request id, cost (units), the
-# difference from the lost row's cost (units), has key (1/0), draws credit (1/0), marker ttl. A counter missing is
+# difference from the lost row's cost (units), has key (1/0), draws credit (1/0), marker ttl, registered (1/0: counted
+# only if its registration is still there, which this drops). Returns 1 if it counted. A counter missing is
 # left the difference if it is being rebuilt (as `_COUNT_REPLAYED` leaves the cost): its rebuild's snapshot has the
 # row as lost or whole, so the difference is all it may lack.
 _COUNT_SUPERSEDED = Script(MISSED_LUA + """
+if redis.call('HDEL', KEYS[8], ARGV[1]) == 0 and ARGV[7] == '1' then return 0 end
 local amount = ARGV[3]
 if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 and redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[6]) then
   amount = ARGV[2]
@@ -303,12 +359,11 @@ if ARGV[5] == '1' then
     redis.call('DECRBY', KEYS[4], amount)
   end
 end
-redis.call('HDEL', KEYS[8], ARGV[1])
 return 1
 """)
 
 
-def count_superseded(lost_costs: Mapping[str, Decimal]) -> int:
+def count_superseded(lost_costs: Mapping[str, Decimal], *, registered: bool = False) -> int:
     """Count the rows a replay of the journal, or a gateway woken from a freeze past its call's hold, wrote over the
     sweeper's `gateway_lost` rows of the same calls (`billing.ledger.supersede_lost_rows`; `lost_costs`: each request
     id's cost as the lost row had it) in the quota counters, once; returns how many rows. Blocking I/O (the ORM, Redis).
@@ -325,6 +380,10 @@ def count_superseded(lost_costs: Mapping[str, Decimal]) -> int:
     rebuild asks its snapshot about it and holds it only as superseded (a `gateway_lost` row is not held: its
     difference is still to come), writing it marked; a count that finds the counter missing while it is rebuilt leaves
     it the difference, which it adds unless its snapshot held the row superseded. This count drops the registration.
+    `registered`: a replay's rows, each registered by it (`register_replaying`): counted only by whoever drops its
+    registration, this count or the next replay's, which finishes the count of a supersede killed before it
+    (`count_replayed`). NOTE: before, such a supersede's difference was counted by none: the lost row was gone, and
+    the counters under-read (spend past the cap and the prepaid credit) until each was rebuilt.
 
     NOTE: the sweeper leaves a registered row's call to this count (`sweeper._registered`): settled after the
     superseding commit and before this count, it counted the call's whole cost, and this added the difference again."""
@@ -337,15 +396,14 @@ def count_superseded(lost_costs: Mapping[str, Decimal]) -> int:
     for request_id, organization_id, api_key_id, cost, finished_at, billing_mode in rows:
         period_key = period_containing(finished_at).key
         units = to_units(cost)
-        _COUNT_SUPERSEDED.run_sync(
+        num_counted += _COUNT_SUPERSEDED.run_sync(
             keys=[settled_key(organization_id, request_id), org_period_key(organization_id, period_key),
                   key_period_key(organization_id, api_key_id, period_key), credit_key(organization_id),
                   credit_journaled_key(organization_id), reservations_key(organization_id),
                   rebuilding_key(organization_id), replaying_key(organization_id)],
             args=[request_id, str(units), str(units - to_units(lost_costs[request_id])),
                   "1" if api_key_id is not None else "0", "1" if billing_mode == BillingMode.PREPAID else "0",
-                  str(SETTLED_MARKER_TTL_S)])
-        num_counted += 1
+                  str(SETTLED_MARKER_TTL_S), "1" if registered else "0"])
     return num_counted
 
 

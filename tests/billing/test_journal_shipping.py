@@ -360,11 +360,12 @@ def test_a_shipped_rows_supersede_held_up_past_its_registration_never_commits_la
     assert reads.counted_spend(organization_id) == Decimal("0.14")
     count = replayed.count_superseded
 
-    def rebuilt_then_counted(lost_costs):  # a call rebuilds the counter between the supersede's commit and its count
+    # A call rebuilds the counter between the supersede's commit and its count.
+    def rebuilt_then_counted(lost_costs, **kwargs):
         get_redis().delete(redis_keys.org_period_key(organization_id, period_containing().key))
         asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"),
                             request_id=f"rebuilds-{len(lost_costs)}"))
-        return count(lost_costs)
+        return count(lost_costs, **kwargs)
 
     monkeypatch.setattr(replayed, "count_superseded", rebuilt_then_counted)
     cancelled = _replay_held_up(f"SELECT id FROM {UsageRecord._meta.db_table} WHERE request_id = 'shipped' FOR UPDATE")
@@ -405,3 +406,131 @@ def test_shipped_rows_whose_worker_was_killed_before_their_count_are_counted_by_
     assert journal_shipping.replay_shipped() == 0  # nothing written now
     assert reads.counted_spend(organization_id) == Decimal("0.30")
     assert journal_shipping.replay_shipped() == 0 and reads.counted_spend(organization_id) == Decimal("0.30")
+
+
+def _paused_at(monkeypatch, name: str):
+    """`replayed.<name>` held, in the thread of `_replay_in_a_thread` and only there, until `go` is set: a worker paused
+    at that seam (a long GC, a stopped process, a redelivered task's first run). Returns (`paused`, `go`)."""
+    paused, go, seam = threading.Event(), threading.Event(), getattr(replayed, name)
+
+    def held(*args, **kwargs):
+        if threading.current_thread().name == "paused replay" and args[0]:  # rows to write or count
+            paused.set()
+            assert go.wait(30)
+        return seam(*args, **kwargs)
+
+    monkeypatch.setattr(replayed, name, held)
+    return paused, go
+
+
+def _replay_in_a_thread() -> threading.Thread:
+    def replay():
+        try:
+            journal_shipping.replay_shipped()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=replay, name="paused replay")
+    thread.start()
+    return thread
+
+
+def _three_rows_shipped(outage, prefix: str) -> tuple[int, list]:
+    """Three rows ($0.10 each) journaled and shipped in an outage, PostgreSQL back, the counter built by a call.
+    Returns their organisation and the rows."""
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    organization_id = endpoint.organization_id
+    reports = [usage_report(endpoint, request_id=f"{prefix}-{number}", prompt_tokens=100_000, completion_tokens=0)
+               for number in range(3)]
+    _journal_rows_while_down(reports, replay_for_s=0.5)
+    outage.end()
+    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+    return organization_id, reports
+
+
+def test_two_replays_of_a_segment_at_once_count_each_row_once(outage, files_bucket, monkeypatch):  # noqa: F811
+    # Two workers (or a task Celery redelivered while its first run still ran) replay the same segment: the first
+    # wrote the rows and paused before its count; the second wrote nothing, found the rows registered by a replay that
+    # had not counted them (`owed`) and counted them; the first then counted them again: $0.60 counted for $0.30.
+    organization_id, reports = _three_rows_shipped(outage, "both")
+    paused, go = _paused_at(monkeypatch, "count_replayed")
+
+    first = _replay_in_a_thread()
+    assert paused.wait(30)
+    assert UsageRecord.objects.filter(request_id__startswith="both-").count() == len(reports)  # committed, not counted
+    assert journal_shipping.replay_shipped() == 0  # the second: nothing written now
+    go.set()
+    first.join(30)
+    assert not first.is_alive()
+
+    assert reads.counted_spend(organization_id) == Decimal("0.30")
+    assert journal_shipping.replay_shipped() == 0 and reads.counted_spend(organization_id) == Decimal("0.30")
+
+
+def test_two_replays_registering_in_turn_count_the_rows_the_second_wrote_once(outage, files_bucket, monkeypatch):  # noqa: F811
+    # The other order: the first registered the rows and paused before its INSERT; the second registered them too,
+    # wrote them and paused before its count; the first, writing nothing, dropped their registrations uncounted; a
+    # counter rebuilt then read the rows without asking about them, and the second's count added them again: $0.60
+    # counted for $0.30.
+    organization_id, reports = _three_rows_shipped(outage, "turn")
+    paused, go = _paused_at(monkeypatch, "record_registered_batch")
+    count, counted = replayed.count_replayed, threading.Event()
+
+    def counted_after_the_first(request_ids, **kwargs):  # the second's count, once the first's is done
+        if threading.current_thread().name != "paused replay":
+            go.set()
+            assert counted.wait(30)
+            get_redis().delete(redis_keys.org_period_key(organization_id, period_containing().key))
+            asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"),
+                                request_id="rebuilds"))
+            return count(request_ids, **kwargs)
+        try:
+            return count(request_ids, **kwargs)
+        finally:
+            counted.set()
+
+    monkeypatch.setattr(replayed, "count_replayed", counted_after_the_first)
+    first = _replay_in_a_thread()
+    assert paused.wait(30)
+    assert journal_shipping.replay_shipped() == len(reports)  # the second wrote them
+    first.join(30)
+    assert not first.is_alive()
+
+    assert reads.counted_spend(organization_id) == Decimal("0.30")
+
+
+def test_a_shipped_rows_supersede_killed_before_its_count_is_counted_by_the_next_run(
+        outage, files_bucket, settings, monkeypatch):  # noqa: F811
+    # Before, the next run found no lost row left to supersede and counted nothing: $0.14 counted for $0.50 (spend
+    # past the cap, or past the prepaid credit, until the counter was next rebuilt).
+    organization_id = _shipped_then_billed_lost(outage, files_bucket, settings)
+    assert reads.counted_spend(organization_id) == Decimal("0.14")
+
+    def killed(*args, **kwargs):
+        raise _Killed()
+
+    monkeypatch.setattr(replayed, "count_superseded", killed)
+    with pytest.raises(_Killed):
+        journal_shipping.replay_shipped()
+    monkeypatch.undo()
+    assert UsageRecord.objects.get(request_id="shipped").cost == Decimal("0.50")  # superseded, not counted
+
+    assert journal_shipping.replay_shipped() == 0
+    assert reads.counted_spend(organization_id) == Decimal("0.50")
+    assert journal_shipping.replay_shipped() == 0 and reads.counted_spend(organization_id) == Decimal("0.50")
+
+
+def test_a_shipped_rows_supersede_paused_before_its_count_while_another_run_replays_it_counts_its_difference_once(
+        outage, files_bucket, settings, monkeypatch):  # noqa: F811
+    organization_id = _shipped_then_billed_lost(outage, files_bucket, settings)
+    paused, go = _paused_at(monkeypatch, "count_superseded")
+
+    first = _replay_in_a_thread()
+    assert paused.wait(30)
+    assert journal_shipping.replay_shipped() == 0  # the second: counts what the first left
+    go.set()
+    first.join(30)
+    assert not first.is_alive()
+
+    assert UsageRecord.objects.get(request_id="shipped").cost == Decimal("0.50")
+    assert reads.counted_spend(organization_id) == Decimal("0.50")

@@ -328,29 +328,30 @@ def _rebuilt_during(monkeypatch, interleaving: str, supersede, organization_id: 
     if interleaving == "rebuilt before the supersede":
         original = usage_writer.UsageWriter._supersede
 
-        async def rebuild_then_supersede(self, reports, written):
+        async def rebuild_then_supersede(self, reports, written, **kwargs):
             await rebuilds()
-            return await original(self, reports, written)
+            return await original(self, reports, written, **kwargs)
 
         monkeypatch.setattr(usage_writer.UsageWriter, "_supersede", rebuild_then_supersede)
     elif interleaving == "rebuilt between the supersede and its count":
         count = usage_writer._count_superseded
 
-        async def rebuild_then_count(lost_costs):
+        async def rebuild_then_count(lost_costs, **kwargs):
             await rebuilds()
-            await count(lost_costs)
+            await count(lost_costs, **kwargs)
 
         monkeypatch.setattr(usage_writer, "_count_superseded", rebuild_then_count)
     elif interleaving == "read after the supersede, written after its count":
         count, write, counts = usage_writer._count_superseded, rebuild._write_rebuild, []
 
-        async def rebuild_before_the_count(lost_costs):
-            counts.append(lost_costs)
+        async def rebuild_before_the_count(lost_costs, **kwargs):
+            counts.append((lost_costs, kwargs))
             await rebuilds()
 
         async def count_then_write(rebuilt, *args, **kwargs):
             if rebuilt.key == counter and counts:  # its rebuild read the row superseded; the count finds it missing
-                await count(counts.pop())
+                lost_costs, how = counts.pop()
+                await count(lost_costs, **how)
             return await write(rebuilt, *args, **kwargs)
 
         monkeypatch.setattr(usage_writer, "_count_superseded", rebuild_before_the_count)
@@ -451,3 +452,34 @@ def test_the_sweeper_between_a_commit_and_its_count_leaves_the_call_to_the_count
     assert reads.reserved_now(organization.pk) == 0
     assert int(get_redis().get(redis_keys.credit_key(organization.pk))) == credit_before - to_units(Decimal("0.50"))
     assert swept == [0]  # the sweep in the round trip left the call to its count
+
+
+class _Killed(Exception):
+    """The gateway dies (an OOM kill, a node lost) right after its replay's supersede committed."""
+
+
+def test_a_replays_supersede_killed_before_its_count_is_counted_by_the_next_replay(settings, monkeypatch):
+    # Before, the next replay found no lost row left to supersede and counted nothing: $0.14 counted for $0.50, spend
+    # past the cap and the prepaid credit until the counters were next rebuilt.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _prepaid_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    _killed_after_its_journal_append(endpoint, "streamed", api_key=key)
+    _sweep_after_the_hold_lapsed()
+    assert reads.counted_spend(organization.pk) == Decimal("0.14")
+
+    async def killed(*args, **kwargs):
+        raise _Killed()
+
+    monkeypatch.setattr(usage_writer, "_count_superseded", killed)
+    with pytest.raises(_Killed):
+        _replay()
+    monkeypatch.undo()
+    assert UsageRecord.objects.get().cost == Decimal("0.50")  # superseded, not counted; the segment still there
+
+    _replay()
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+    assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("1.50")  # $2 - $0.50
+    _replay()  # nothing left: nothing counted again
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
