@@ -772,3 +772,27 @@ def test_usage_of_an_invoice_voided_after_its_customers_deletion_goes_again_thou
     assert _billed_usage(fake_stripe, new_customer) == costs[0] == _cost_pushed(fake_stripe, new_customer)
     [audited] = AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again")
     assert audited.details["invoice"] == first["id"] and audited.details["num_rollups_pushed_again"] == 1
+
+
+def test_events_of_the_deletions_second_that_its_invoices_cannot_place_count_as_received_before_it(fake_stripe):
+    # A guard: the draft whose period the 6th hour's events are dated in cannot be finalised (Stripe refuses, and still
+    # advances it itself): what it bills is not final, so the events Stripe received in the deletion's second cannot be
+    # placed. They count as received before the deletion, as before: never billed twice; the deletion's audit says so.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)
+    [draft] = fake_stripe.invoices.values()  # the 7th hour's, and the 6th's date
+    second = fake_stripe.frozen_s = int(time.time()) + 2
+    gone = fake_stripe.delete_customer(old_customer)
+    assert stripe_sync.push_pending_rollups() == 1  # received after the deletion, in its second
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _webhook("customer.deleted", gone, created=second)
+    fake_stripe.frozen_s = None
+
+    assert draft["status"] == "draft" and stripe_sync.push_pending_rollups() == 0
+    [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
+    assert (deletion.details["num_events_dropped_in_its_second"],
+            deletion.details["num_events_undecided_in_its_second"]) == (0, 1)
