@@ -7,6 +7,7 @@ which is also the unit of the Redis counters in `billing.quota`.
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 
 from django.conf import settings
@@ -284,6 +285,10 @@ class DeletedStripeCustomer(models.Model):
     # Stripe's `created` of the deletion's event (or when it was recorded, if the event had none), on the clock that
     # dates its invoices' failures: one that failed before it keeps holding (`billing.standing.past_due_since`).
     deleted_at = models.DateTimeField(default=timezone.now)
+    # [start, end, quantity] of each of its invoices that bill their period, finalised, as read with the deletion's
+    # webhook (Stripe's seconds; units of `BILLED_METER_EVENT_NAME`, null where not final): which of the events Stripe
+    # received in the deletion's own second it billed, and which it dropped (`billing.services._pushed_uninvoiced`).
+    billed_periods = models.JSONField(default=list, blank=True)
 
     def __str__(self) -> str:
         return self.stripe_customer_id
@@ -394,6 +399,11 @@ class MeterEventPush(models.Model):
     stripe_created_at = models.DateTimeField(null=True, blank=True)
 
 
+# The meter Stripe bills by (`billing.stripe_sync.COST_METER`): its events' values are what an invoice's `quantity`
+# counts, in micro-dollars.
+BILLED_METER_EVENT_NAME = "inferplane_usage_cost"
+
+
 class StripeEvent(models.Model):
     """A webhook event we processed (idempotency by Stripe's event id)."""
 
@@ -406,14 +416,24 @@ class StripeEvent(models.Model):
 # NOTE: not void: Stripe's void is a deletion that keeps a paper trail, owed by nobody, so it bills nothing and the
 # usage of its period goes to the next invoice that can (`billing.services.push_again`). An uncollectible one is still
 # owed (Stripe takes a payment of it, and its hold stands: `billing.standing`): billed, as an open one. A draft bills
-# its period once finalised (`billing.stripe_sync.customer_invoiced_until`).
+# its period once finalised (`billing.stripe_sync.deleted_customer_invoices`).
 BILLING_INVOICE_STATUSES = ("open", "paid", "uncollectible")
 # A void invoice of a customer still live (of any of its subscriptions, the one billing now or an earlier one) is a
 # staff write-off: its period's usage is forgiven, audited, and billed by no other invoice: never pushed again, nor
 # billed by the next subscription, which starts where the ended one's invoices stopped, a void one's too
-# (`billing.stripe_sync._invoiced_until`). Only a deleted customer's void invoices send their period's usage again,
-# to the organisation's customer of now (`billing.services.push_again_voided`): nobody forgave it.
+# (`billing.stripe_sync._invoiced_until`), nor by the next customer once its customer is deleted. Only an invoice
+# voided after its customer's deletion (`Invoice.voided_at`, Stripe's clock) sends its period's usage again, to the
+# organisation's customer of now (`billing.services.push_again_voided`): nobody forgave it.
 WRITTEN_OFF_INVOICE_STATUS = "void"
+
+
+def voided_after_deletion(voided_at: datetime | None, deleted_at: datetime) -> bool:
+    """Whether an invoice voided at `voided_at` (Stripe's clock, in seconds) was voided after its customer's deletion
+    at `deleted_at` (the deletion event's `created`): its usage goes again; else it is a write-off.
+
+    NOTE: one voided in the deletion's own second, or at a time not told, counts as voided before it: a write-off, so
+    that usage staff may have forgiven is never billed (Stripe's clock cannot order the two within a second)."""
+    return voided_at is not None and voided_at > deleted_at
 
 
 class InvoiceQuerySet(models.QuerySet):
@@ -423,6 +443,11 @@ class InvoiceQuerySet(models.QuerySet):
     def billing(self):
         """Those that bill the usage of their period (`BILLING_INVOICE_STATUSES`)."""
         return self.filter(status__in=BILLING_INVOICE_STATUSES)
+
+    def written_off(self, deleted_at: datetime):
+        """The void ones not voided after their customer's deletion at `deleted_at` (`voided_after_deletion`)."""
+        return self.filter(models.Q(voided_at__isnull=True) | models.Q(voided_at__lte=deleted_at),
+                           status=WRITTEN_OFF_INVOICE_STATUS)
 
 
 class Invoice(models.Model):
@@ -446,6 +471,10 @@ class Invoice(models.Model):
     # When Stripe first marked it uncollectible (its event's `created`; before `billing/0021`, its failure or last
     # change): one owed before its customer was deleted keeps holding (`billing.standing.past_due_since`).
     uncollectible_at = models.DateTimeField(null=True, blank=True)
+    # When Stripe voided it (`status_transitions.voided_at`, Stripe's clock, in seconds; null: not void, or not told):
+    # a void before its customer's deletion, or in its second, is a write-off; only one after it sends its usage again
+    # (`billing.services.push_again_voided`).
+    voided_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
     # Stripe's `created` of the newest event applied: an older event never overwrites a newer one.
     stripe_event_created = models.BigIntegerField(default=0)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from decimal import Decimal
 
 from django.db import transaction
-from django.db.models import F, Max, Q
+from django.db.models import F, Max, Q, QuerySet
 from django.utils import timezone
 
 from billing import alerts, standing
 from billing.models import (
+    BILLED_METER_EVENT_NAME,
     SET_MODE_AUDIT_ACTION,
     WRITTEN_OFF_INVOICE_STATUS,
     ApiKeySpendCap,
@@ -22,6 +25,7 @@ from billing.models import (
     Invoice,
     MeterEventPush,
     UsageRollup,
+    voided_after_deletion,
 )
 from billing.quota.counters import refresh_limits
 from controlplane.accounts import keys
@@ -219,6 +223,8 @@ def record_subscription_ended(subscription_id: str) -> BillingAccount | None:
 
 
 def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None = None,
+                            billed_periods: Sequence[tuple[int, int, int | None]] | None = None,
+                            written_off: Sequence[str] = (),
                             deleted_at: datetime | None = None) -> BillingAccount | None:
     """Stripe's customer `customer_id` was deleted (its subscriptions end with it): the account forgets
     both, has no payment method from now (`billing.standing`: the limit without one applies, at once in
@@ -227,10 +233,14 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
 
     The usage pushed to it that its invoices did not bill goes again, to the next customer (`push_again`): Stripe
     cancels the subscriptions of a deleted customer without a final invoice, and drops the events sent to it since.
-    What its invoices billed is known by those mirrored and by `invoiced_until`, the end of the latest one Stripe
-    has finalised (`stripe_sync.customer_invoiced_until`, read before): an invoice's webhook may come after the
-    deletion's, and the usage it billed, pushed again, was billed twice. `deleted_at` is Stripe's time of the
-    deletion (its event's `created`; now if none), the clock that dates its invoices' failures (`billing.standing`).
+    What its invoices settle is known by those mirrored and by `invoiced_until`, the end of the latest one Stripe
+    has finalised or that staff wrote off (`written_off`: voided before the deletion), with what each finalised one
+    billed (`billed_periods`; None: not read), all as read before (`stripe_sync.deleted_customer_invoices`): an
+    invoice's webhook may come after the deletion's, and the usage it billed, pushed again, was billed twice. The usage
+    of an invoice voided after the deletion, told before it, goes again too (`push_again_voided`). `deleted_at` is Stripe's time
+    of the deletion (its event's `created`; now if none), the clock that dates its invoices' failures
+    (`billing.standing`), their voids and the receipt of meter events. Audited with the write-offs it kept and its
+    decisions on the events Stripe received in its own second (`_pushed_uninvoiced`).
 
     NOTE: a deleted customer never comes back: safe in any order, and only for the customer it names.
     """
@@ -243,9 +253,19 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
         # decides by it (`push_again_uninvoiced`).
         deleted, _ = DeletedStripeCustomer.objects.get_or_create(stripe_customer_id=customer_id, defaults={
             "organization_id": account.organization_id, "invoiced_until": invoiced_until,
+            "billed_periods": [list(period) for period in billed_periods or ()],
             "deleted_at": deleted_at or timezone.now()})
-        num_again = push_again(_pushed_uninvoiced(account.organization_id, customer_id, invoiced_until,
-                                                  deleted_at=deleted.deleted_at))
+        uninvoiced = _pushed_uninvoiced(account.organization_id, customer_id, deleted)
+        num_again = push_again(uninvoiced.rollups)
+        if billed_periods is not None:
+            # NOTE: an invoice voided after the deletion whose void's webhook came before it was taken for a write-off
+            # (the deletion not known yet): its usage goes again now, unless another of its invoices bills it.
+            for voided in Invoice.objects.filter(
+                    organization_id=account.organization_id, stripe_customer_id=customer_id,
+                    status=WRITTEN_OFF_INVOICE_STATUS, voided_at__gt=deleted.deleted_at,
+                    period_start__isnull=False, period_end__isnull=False):
+                num_again += _push_again_voided_period(
+                    account, voided, [(_epoch(start), _epoch(end)) for start, end, _ in billed_periods])
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""
         account.stripe_subscription_started_at = None
@@ -257,33 +277,104 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
                                     "payment_method_on_file",
                                     "payment_method_observed_ms", "stripe_key_generation", "limits_stale"])
         record_audit(SYSTEM, account.organization, "billing.customer_deleted", account, customer=customer_id,
-                     num_rollups_pushed_again=num_again)
+                     num_rollups_pushed_again=num_again, invoices_written_off=list(written_off),
+                     num_events_dropped_in_its_second=len(uninvoiced.dropped_in_its_second),
+                     num_events_undecided_in_its_second=uninvoiced.num_undecided_in_its_second)
     _refresh_quietly(account)
     return account
 
 
-def _pushed_uninvoiced(organization_id: int, customer_id: str, stripe_invoiced_until: datetime | None = None, *,
-                       deleted_at: datetime | None = None):
+@dataclass(slots=True, frozen=True)
+class _Uninvoiced:
+    """What `_pushed_uninvoiced` found: the rollups to push again, and how many events of the deletion's own second it
+    found dropped, and could not decide (counted as received before it)."""
+
+    rollups: QuerySet
+    dropped_in_its_second: list[int]  # the ids of the billed meter's events (`MeterEventPush`)
+    num_undecided_in_its_second: int
+
+
+def _pushed_uninvoiced(organization_id: int, customer_id: str, deleted: DeletedStripeCustomer) -> _Uninvoiced:
     """The organisation's postpaid rollups with an event of their push generation that went to `customer_id` (or,
-    recorded before the customer was kept, `billing/0017`, to whichever it had then) dated after every invoice of it
-    that bills its period (`Invoice.objects.billing()`: finalised, not void), mirrored or up to `stripe_invoiced_until`,
-    or that Stripe received a later second than `deleted_at`, the customer's deletion (Stripe dropped it): those no
-    invoice bills whole.
+    recorded before the customer was kept, `billing/0017`, to whichever it had then), `deleted`, dated after every
+    invoice of it that settles its period: bills it (`Invoice.objects.billing()`: finalised, not void) or was written
+    off (void before the deletion: `Invoice.objects.written_off`), mirrored or up to `deleted.invoiced_until`; or that
+    Stripe received after the deletion (Stripe dropped it): those no invoice bills whole.
 
     NOTE: both clocks are Stripe's, in seconds (`MeterEventPush.stripe_created_at`, the deletion event's `created`).
     Before, an event a push sent after the deletion, dated within the period of an invoice the deletion finalised (an
     event is dated up to `stripe_sync.LATEST_PERIOD_GRACE` back), counted as billed by it, and was billed by none. One
-    received in the deletion's own second, or whose receipt is not known (refused as a duplicate of an earlier try),
-    counts as received before it: its invoices decide, so that nothing is billed twice."""
+    received in the deletion's own second is on the side its invoice says (`_dropped_in_its_second`); one whose receipt
+    is not known (refused as a duplicate of an earlier try), or of that second that the invoices cannot place, counts as
+    received before it: its invoices decide, so that nothing is billed twice."""
+    deleted_at = deleted.deleted_at
     events = _events_sent_to(organization_id, customer_id)
-    after_deletion = Q(stripe_created_at__gt=deleted_at) if deleted_at is not None else Q(pk__in=[])
-    mirrored_until = (Invoice.objects.filter(organization_id=organization_id).billing()
-                      .aggregate(until=Max("period_end"))["until"])
-    invoiced_until = max((until for until in (mirrored_until, stripe_invoiced_until) if until is not None), default=None)
+    dropped, num_undecided = _dropped_in_its_second(organization_id, customer_id, deleted)
+    after_deletion = Q(stripe_created_at__gt=deleted_at) | Q(pk__in=dropped)
+    mirrored = Invoice.objects.filter(organization_id=organization_id)
+    settled = mirrored.billing() | mirrored.filter(stripe_customer_id=customer_id).written_off(deleted_at)
+    mirrored_until = settled.aggregate(until=Max("period_end"))["until"]
+    invoiced_until = max((until for until in (mirrored_until, deleted.invoiced_until) if until is not None), default=None)
     if invoiced_until is not None:
         events = events.filter(Q(event_at__gte=invoiced_until)
                                | Q(event_at__isnull=True, rollup__hour_start__gte=invoiced_until) | after_deletion)
-    return UsageRollup.objects.filter(pk__in=events.values("rollup_id"))
+    return _Uninvoiced(UsageRollup.objects.filter(pk__in=events.values("rollup_id")), dropped, num_undecided)
+
+
+def _dropped_in_its_second(organization_id: int, customer_id: str,
+                           deleted: DeletedStripeCustomer) -> tuple[list[int], int]:
+    """The ids of the billed meter's events (`billing.models.BILLED_METER_EVENT_NAME`) sent to `customer_id` that
+    Stripe received in the second of its deletion but after it (dropped), and how many of that second it cannot place.
+
+    Stripe's clock says only the second; its invoices of the customer, final once it is deleted (the deletion
+    finalises the drafts), say which: each one's `quantity` (`DeletedStripeCustomer.billed_periods`) is what Stripe
+    received before the deletion of the events dated in its period. What it lacks of those sent, less those received a
+    later second, was dropped in the deletion's own second: the last of that second's events, as they are sent one at a
+    time and recorded in order (a push run at a time: `stripe_sync.push_pending_rollups`), whose values (never 0) add
+    up to it; none when it lacks nothing. Where no such last events add up to it (an event not yet recorded, or two
+    pushes at once), or what it lacks may be of an event whose receipt is not known (a duplicate's refusal), that
+    second's events of the period are undecided: they count as received before the deletion, so never billed twice,
+    logged, and counted in the audit."""
+    dropped, num_undecided = [], 0
+    for start, end, quantity in deleted.billed_periods:
+        in_period = MeterEventPush.objects.filter(
+            rollup__organization_id=organization_id, stripe_customer_id=customer_id,
+            event_name=BILLED_METER_EVENT_NAME).filter(_dated_within(_epoch(start), _epoch(end)))
+        sent = list(in_period.order_by("pk").values_list("pk", "value", "stripe_created_at"))
+        of_its_second = [(pk, value) for pk, value, received_at in sent if received_at == deleted.deleted_at]
+        if not of_its_second:
+            continue
+        num_missing = None if quantity is None else (
+            sum(value for _, value, _ in sent) - quantity
+            - sum(value for _, value, received_at in sent if received_at is not None and received_at > deleted.deleted_at))
+        if num_missing and any(received_at is None for _, _, received_at in sent):
+            num_missing = None  # NOTE: part of what it lacks may be an event whose receipt is not known
+        last = _last_adding_up_to(of_its_second, num_missing)
+        if last is None:
+            logger.warning("%d meter events sent to the deleted customer %s in its deletion's second cannot be placed "
+                           "by its invoice's quantity (%s of %s): counted as received before it", len(of_its_second),
+                           customer_id, quantity, sum(value for _, value, _ in sent))
+            num_undecided += len(of_its_second)
+        else:
+            dropped += [pk for pk, _ in last]
+    return dropped, num_undecided
+
+
+def _last_adding_up_to(events: list[tuple[int, int]], total: int | None) -> list[tuple[int, int]] | None:
+    """The last of `events` (id, value) whose values add up to `total` (none for 0); None if no such run ends them."""
+    if total is None or total < 0:
+        return None
+    added = 0
+    for index in range(len(events), -1, -1):
+        if added == total:
+            return events[index:]
+        if index:
+            added += events[index - 1][1]
+    return None
+
+
+def _epoch(seconds: int) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)
 
 
 def _events_sent_to(organization_id: int, customer_id: str):
@@ -305,12 +396,14 @@ WRITTEN_OFF_AUDIT_ACTION = "billing.voided_invoice_written_off"
 
 
 def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, datetime]] | None) -> int:
-    """Stripe voided `invoice`. Of a customer deleted since (`DeletedStripeCustomer`): `push_again` the rollups whose
-    events went to that customer dated in its period, unless another of its invoices bills them (`billed_periods`, as
-    Stripe lists them: `stripe_sync.customer_billed_periods`): their usage goes to the organisation's customer of now,
-    under new identifiers; audited. Of a live customer (any of its subscriptions): written off, its usage forgiven
-    (`billing.models.WRITTEN_OFF_INVOICE_STATUS`), audited once, nothing pushed again. Returns how many rollups went
-    again.
+    """Stripe voided `invoice`. After its customer's deletion (`DeletedStripeCustomer`, by Stripe's clock:
+    `billing.models.voided_after_deletion`): `push_again` the rollups whose events went to that customer dated in its
+    period, unless another of its invoices bills them (`billed_periods`, as Stripe lists them:
+    `stripe_sync.customer_billed_periods`): their usage goes to the organisation's customer of now, under new
+    identifiers; audited. While its customer was live (any of its subscriptions; deleted since or not): written off,
+    its usage forgiven (`billing.models.WRITTEN_OFF_INVOICE_STATUS`), audited once, nothing pushed again. Before, a
+    write-off whose customer was deleted since, its void told after the deletion, went again. Returns how many rollups
+    went again.
 
     NOTE: a deleted customer's void invoice is owed by nobody: before, the usage of one voided after the deletion was
     billed by no invoice. Only events of their rollup's push generation count: once pushed again, a rollup's events of
@@ -323,8 +416,9 @@ def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, 
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(invoice.organization_id)
         customer_id = invoice.stripe_customer_id or "-"
-        if not DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id,
-                                                    organization_id=invoice.organization_id).exists():
+        deleted = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id,
+                                                       organization_id=invoice.organization_id).first()
+        if deleted is None or not voided_after_deletion(invoice.voided_at, deleted.deleted_at):
             if not AuditEvent.objects.filter(action=WRITTEN_OFF_AUDIT_ACTION,
                                              details__invoice=invoice.stripe_invoice_id).exists():
                 record_audit(SYSTEM, account.organization, WRITTEN_OFF_AUDIT_ACTION, account,
@@ -332,28 +426,42 @@ def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, 
             return 0
         if billed_periods is None:
             return 0
-        events = _events_sent_to(invoice.organization_id, customer_id).filter(
-            _dated_within(invoice.period_start, invoice.period_end))
-        for start, end in billed_periods:
-            events = events.exclude(_dated_within(start, end))
-        num_again = push_again(UsageRollup.objects.filter(pk__in=events.values("rollup_id")))
-        if num_again:
-            record_audit(SYSTEM, account.organization, "billing.voided_invoice_pushed_again", account,
-                         invoice=invoice.stripe_invoice_id, customer=customer_id, num_rollups_pushed_again=num_again)
+        return _push_again_voided_period(account, invoice, billed_periods)
+
+
+def _push_again_voided_period(account: BillingAccount, invoice: Invoice,
+                              billed_periods: Sequence[tuple[datetime, datetime]]) -> int:
+    """`push_again` the rollups whose events went to the void `invoice`'s customer, deleted before the void, dated in
+    its period and in none of `billed_periods`; audited. Under the account's lock."""
+    events = _events_sent_to(invoice.organization_id, invoice.stripe_customer_id or "-").filter(
+        _dated_within(invoice.period_start, invoice.period_end))
+    for start, end in billed_periods:
+        events = events.exclude(_dated_within(start, end))
+    num_again = push_again(UsageRollup.objects.filter(pk__in=events.values("rollup_id")))
+    if num_again:
+        record_audit(SYSTEM, account.organization, "billing.voided_invoice_pushed_again", account,
+                     invoice=invoice.stripe_invoice_id, customer=invoice.stripe_customer_id or "-",
+                     num_rollups_pushed_again=num_again)
     return num_again
 
 
 def push_again_uninvoiced(rollups, customer_id: str) -> int:
     """`push_again` those of `rollups` whose events went to `customer_id`, deleted since, and that none of its
-    invoices bills (as `record_customer_deleted` found them: `DeletedStripeCustomer.invoiced_until`, with those
-    mirrored). For a push that sent its events before the deletion was recorded and found the customer gone once
-    done (`stripe_sync.push_rollup`, under the account's lock, which the deletion takes too). Returns how many."""
+    invoices bills (as `record_customer_deleted` found them: `DeletedStripeCustomer.invoiced_until` and
+    `billed_periods`, with those mirrored: `_pushed_uninvoiced`). For a push that sent its events before the deletion
+    was recorded and found the customer gone once done (`stripe_sync.push_rollup`, under the account's lock, which the
+    deletion takes too). Audited when it places events of the deletion's own second. Returns how many."""
     deleted = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id).first()
     if deleted is None:  # forgotten by nothing we know of: what billed it is not known
         return push_again(rollups)
-    return push_again(rollups.filter(
-        pk__in=_pushed_uninvoiced(deleted.organization_id, customer_id, deleted.invoiced_until,
-                                  deleted_at=deleted.deleted_at).values("pk")))
+    uninvoiced = _pushed_uninvoiced(deleted.organization_id, customer_id, deleted)
+    num_dropped = MeterEventPush.objects.filter(pk__in=uninvoiced.dropped_in_its_second, rollup__in=rollups).count()
+    num_again = push_again(rollups.filter(pk__in=uninvoiced.rollups.values("pk")))
+    if num_dropped or uninvoiced.num_undecided_in_its_second:
+        record_audit(SYSTEM, deleted.organization, "billing.pushed_to_deleted_customer", deleted, customer=customer_id,
+                     num_rollups_pushed_again=num_again, num_events_dropped_in_its_second=num_dropped,
+                     num_events_undecided_in_its_second=uninvoiced.num_undecided_in_its_second)
+    return num_again
 
 
 def push_again(rollups) -> int:

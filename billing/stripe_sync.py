@@ -48,6 +48,7 @@ from django.utils import timezone
 
 from billing import services, standing
 from billing.models import (
+    BILLED_METER_EVENT_NAME,
     BILLING_INVOICE_STATUSES,
     WRITTEN_OFF_INVOICE_STATUS,
     BillingAccount,
@@ -55,6 +56,7 @@ from billing.models import (
     MeterEventPush,
     StripeMeter,
     UsageRollup,
+    voided_after_deletion,
 )
 from controlplane.accounts.models import Organization
 from controlplane.redis_client import held_alone
@@ -79,7 +81,7 @@ METERS = (
     Meter("inferplane_input_tokens", "Input tokens", "input_tokens"),
     Meter("inferplane_cached_input_tokens", "Cached input tokens", "cached_tokens"),
     Meter("inferplane_output_tokens", "Output tokens", "completion_tokens"),
-    Meter("inferplane_usage_cost", "Usage (micro-dollars)", "cost_micro_dollars"),
+    Meter(BILLED_METER_EVENT_NAME, "Usage (micro-dollars)", "cost_micro_dollars"),
 )
 COST_METER = METERS[-1]
 # The one price Stripe bills by: a micro-dollar of cost meter is 0.0001 cent.
@@ -305,32 +307,67 @@ def charge_payer(charge_id: str, *, attempts: int = MAX_ATTEMPTS) -> tuple[str, 
     return reference_id(charge.get("customer")), reference_id(charge.get("invoice"))
 
 
-def customer_invoiced_until(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> datetime | None:
-    """The latest end of the periods of Stripe's invoices of `customer_id` that bill the usage of their period
-    (`billing.models.BILLING_INVOICE_STATUSES`: finalised, not void), or None, once its drafts are finalised. Before, a
-    void one counted too, though it bills nothing: its usage went to no customer, never billed. Read for a customer just deleted
-    (`billing.webhooks`): its invoices' own webhooks may come after its deletion's, and the usage they bill must not
-    go again to the next customer.
+@dataclass(slots=True, frozen=True)
+class DeletedCustomerInvoices:
+    """What Stripe's invoices of a customer just deleted settle, its drafts finalised (`deleted_customer_invoices`)."""
+
+    invoiced_until: datetime | None  # the latest end of the periods they settle: billed, or written off; None: none
+    # (start, end, quantity) of those that bill their period: Stripe's seconds, and what they billed in units of the
+    # billed meter (`billing.models.BILLED_METER_EVENT_NAME`), None where it is not final (a draft still advancing).
+    billed_periods: list[tuple[int, int, int | None]] | None  # None: not read
+    written_off: list[str]  # the ids of the void ones voided before the deletion (or in its second): staff write-offs
+
+
+def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
+                              attempts: int = MAX_ATTEMPTS) -> DeletedCustomerInvoices:
+    """What Stripe's invoices of `customer_id`, deleted at `deleted_at` (the deletion event's `created`), settle, once
+    its drafts are finalised: those that bill the usage of their period (`billing.models.BILLING_INVOICE_STATUSES`),
+    and the void ones voided at or before the deletion (`status_transitions.voided_at`): a live customer's void is a
+    staff write-off (`billing.models.WRITTEN_OFF_INVOICE_STATUS`). Before, a void one counted as billing nothing
+    whenever it was voided, and the usage staff had forgiven went to the next customer. One voided after the deletion
+    settles nothing (no card charges it): its usage goes again (`billing.services.push_again_voided`). Read for a
+    customer just deleted (`billing.webhooks`): its invoices' own webhooks may come after its deletion's, and the usage
+    they settle must not go again to the next customer.
 
     NOTE: Stripe keeps a deleted customer's invoices (it cancels its subscriptions, without a final invoice, and
     voids nothing), and a subscription's draft cannot be deleted, only finalised: Stripe finalises it itself an hour
     after making it (`auto_advance`), with the usage of its period. Counted as billing nothing, as before, its usage
     went again to the next customer and was billed twice. So each draft is finalised now: it bills its period, and no
     usage of that period goes again. A draft Stripe refuses to finalise counts as it is read then: billed if Stripe
-    still advances it itself, else not (logged)."""
+    still advances it itself, else not (logged). Each finalised one's `quantity` (its lines': the subscription's one
+    price) is what it billed of the events Stripe received before the deletion: which of those received in the
+    deletion's own second it dropped (`billing.services._pushed_uninvoiced`)."""
     invoices = call_stripe(
         lambda options: stripe_client().v1.invoices.list(params={"customer": customer_id, "limit": 100}, options=options),
         what="invoice list", attempts=attempts)
-    ends = []
+    ends, billed_periods, written_off = [], [], []
     for invoice in invoices.auto_paging_iter():
         if invoice.status == "draft":
             invoice = _finalized(invoice.id, attempts=attempts)
         if _bills_its_period(invoice) and invoice.period_end:
             ends.append(invoice.period_end)
+            final = invoice.status in BILLING_INVOICE_STATUSES
+            billed_periods.append((invoice.period_start, invoice.period_end, _quantity(invoice) if final else None))
+        elif invoice.status == WRITTEN_OFF_INVOICE_STATUS and not voided_after_deletion(_voided_at(invoice), deleted_at):
+            written_off.append(invoice.id)
+            if invoice.period_end:
+                ends.append(invoice.period_end)
         elif invoice.status == "draft":
             logger.warning("the draft invoice %s of the deleted customer %s cannot be finalised and is not advanced "
                            "by Stripe: the usage of its period goes again to the next customer", invoice.id, customer_id)
-    return datetime.fromtimestamp(max(ends), tz=UTC) if ends else None
+    return DeletedCustomerInvoices(datetime.fromtimestamp(max(ends), tz=UTC) if ends else None, billed_periods,
+                                   written_off)
+
+
+def _quantity(invoice) -> int:
+    """What Stripe's `invoice` billed of the usage price's meter: its lines' quantities (a subscription of one price)."""
+    return sum(line.to_dict().get("quantity") or 0 for line in invoice.lines.data)
+
+
+def _voided_at(invoice) -> datetime | None:
+    """When Stripe voided `invoice` (`status_transitions.voided_at`), None if not told."""
+    voided_at = (invoice.to_dict().get("status_transitions") or {}).get("voided_at")
+    return datetime.fromtimestamp(voided_at, tz=UTC) if voided_at else None
 
 
 def customer_billed_periods(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> list[tuple[datetime, datetime]]:

@@ -66,9 +66,9 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
     billed_periods = None
     if event["type"] in INVOICE_EVENTS:
         billed_periods = _void_invoice_billed_periods(event)
-    invoiced_until = None
+    deleted_invoices = None
     if event["type"] == "customer.deleted":
-        invoiced_until = _deleted_customer_invoiced_until(event)
+        deleted_invoices = _deleted_customer_invoices(event)
     with transaction.atomic():
         _, created = StripeEvent.objects.get_or_create(stripe_event_id=event["id"], defaults={"type": event["type"]})
         if not created:
@@ -91,8 +91,10 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
                     subscription.get("status") in stripe_sync.ENDED_SUBSCRIPTION_STATUSES):
                 services.record_subscription_ended(subscription["id"])
         elif event["type"] == "customer.deleted":
-            services.record_customer_deleted(event["data"]["object"]["id"], invoiced_until=invoiced_until,
-                                             deleted_at=_moment(event.get("created")))
+            found = deleted_invoices or stripe_sync.DeletedCustomerInvoices(None, None, [])
+            services.record_customer_deleted(
+                event["data"]["object"]["id"], invoiced_until=found.invoiced_until, billed_periods=found.billed_periods,
+                written_off=found.written_off, deleted_at=_moment(event.get("created")))
     return True
 
 
@@ -143,6 +145,10 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
         invoice.payment_failed_at = None
     if invoice.status == "uncollectible":
         invoice.uncollectible_at = invoice.uncollectible_at or _moment(event_created) or timezone.now()
+    # NOTE: Stripe's own time of the void, not the event's: a void's webhook may come after its customer's deletion's,
+    # and a void before the deletion is a write-off all the same (`services.push_again_voided`).
+    invoice.voided_at = ((_moment((data.get("status_transitions") or {}).get("voided_at")) or invoice.voided_at)
+                         if status == "void" else None)
     invoice.save()
     lines = (data.get("lines") or {}).get("data") or []
     invoice.lines.all().delete()
@@ -176,16 +182,17 @@ def _dispute_payer(event: dict) -> tuple[str, str]:
     return stripe_sync.charge_payer(charge_id, attempts=1)
 
 
-def _deleted_customer_invoiced_until(event: dict) -> datetime | None:
-    """Up to when Stripe's finalised invoices of the deleted customer bill its usage (`stripe_sync.
-    customer_invoiced_until`), read with no transaction open; None when it need not be read: the event was applied
+def _deleted_customer_invoices(event: dict) -> stripe_sync.DeletedCustomerInvoices | None:
+    """What Stripe's invoices of the deleted customer settle, its drafts finalised (`stripe_sync.
+    deleted_customer_invoices`), read with no transaction open; None when it need not be read: the event was applied
     before, or the customer is not an account's. If Stripe cannot answer, this webhook fails and Stripe sends it
     again."""
     customer_id = event["data"]["object"].get("id") or "-"
     if (not stripe_sync.is_configured() or StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()
             or not BillingAccount.objects.filter(stripe_customer_id=customer_id).exists()):
         return None
-    return stripe_sync.customer_invoiced_until(customer_id, attempts=1)
+    return stripe_sync.deleted_customer_invoices(customer_id, deleted_at=_moment(event.get("created")) or timezone.now(),
+                                                 attempts=1)
 
 
 def _void_invoice_billed_periods(event: dict) -> list[tuple[datetime, datetime]] | None:

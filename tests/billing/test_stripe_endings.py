@@ -18,7 +18,14 @@ from rest_framework.test import APIClient
 
 from billing import stripe_sync
 from billing.ledger import record_usage
-from billing.models import BillingAccount, DeletedStripeCustomer, Invoice, StripeEvent, UsageRollup
+from billing.models import (
+    BillingAccount,
+    DeletedStripeCustomer,
+    Invoice,
+    MeterEventPush,
+    StripeEvent,
+    UsageRollup,
+)
 from billing.quota.counters import QuotaExceeded
 from billing.rollups import rollup_usage
 from controlplane.accounts.models import AuditEvent
@@ -33,9 +40,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 WEBHOOK = "/api/v1/billing/stripe/webhook"
 
 
-def _webhook(kind: str, data: dict, *, event_id: str | None = None) -> dict:
+def _webhook(kind: str, data: dict, *, event_id: str | None = None, created: int | None = None) -> dict:
     body = json.dumps({"id": event_id or f"evt_{time.time_ns()}", "object": "event", "type": kind,
-                       "created": int(time.time()), "data": {"object": data}}).encode()
+                       "created": created or int(time.time()), "data": {"object": data}}).encode()
     response = APIClient().post(WEBHOOK, body, content_type="application/json",
                                 HTTP_STRIPE_SIGNATURE=sign_webhook(body, "whsec_test_secret"))
     assert response.status_code == 200, response.content
@@ -253,15 +260,8 @@ def test_usage_pushed_while_its_customers_deletion_is_recorded_goes_again_to_the
     old_customer = account.stripe_customer_id
     record_usage(usage_report(endpoint, finished_at=_hour(4) + timedelta(minutes=5)))
     rollup_usage()
-    read_customer = stripe_sync.ensure_customer
-
-    def read_then_deleted(organization_id):
-        customer_id = read_customer(organization_id)
-        if customer_id == old_customer:
-            _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
-        return customer_id
-
-    monkeypatch.setattr(stripe_sync, "ensure_customer", read_then_deleted)
+    _deleted_once_read(monkeypatch, old_customer,
+                       lambda: _webhook("customer.deleted", fake_stripe.delete_customer(old_customer)))
     assert stripe_sync.push_pending_rollups() == 0
     monkeypatch.undo()
     assert stripe_sync.push_pending_rollups() == 2  # the 4th hour's, and the 5th hour's found by the deletion
@@ -284,16 +284,11 @@ def test_usage_a_push_sends_after_its_customers_deletion_goes_again_though_dated
     record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
     rollup_usage()
     fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)  # its draft bills the 7th hour
-    read_customer = stripe_sync.ensure_customer
+    def deleted() -> None:
+        _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
+        time.sleep(1 - time.time() % 1 + 0.01)  # Stripe receives the events a second after the deletion
 
-    def read_then_deleted(organization_id):
-        customer_id = read_customer(organization_id)
-        if customer_id == old_customer:
-            _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
-            time.sleep(1 - time.time() % 1 + 0.01)  # Stripe receives the events a second after the deletion
-        return customer_id
-
-    monkeypatch.setattr(stripe_sync, "ensure_customer", read_then_deleted)
+    _deleted_once_read(monkeypatch, old_customer, deleted)
     assert stripe_sync.push_pending_rollups() == 0  # sent to the deleted customer, and to go again
     monkeypatch.undo()
     assert DeletedStripeCustomer.objects.get(stripe_customer_id=old_customer).invoiced_until.timestamp() > max(
@@ -341,26 +336,38 @@ def test_a_draft_stripe_refuses_to_finalise_bills_its_usage_only_if_stripe_advan
 
 
 @pytest.mark.parametrize("mirrored", [True, False])
-def test_usage_a_deleted_customers_void_invoice_billed_goes_again_to_the_next(fake_stripe, mirrored):
-    """A void invoice bills nothing (Stripe's void is a deletion that keeps a paper trail). Before, the deletion
-    counted its period as billed, mirrored or as Stripe lists it, and its 7th hour went to no customer: never billed.
-    It goes again, with the 5th, to the next customer, whether its webhooks came before the deletion or not yet."""
+def test_a_live_customers_void_invoice_stays_written_off_once_the_customer_is_deleted(fake_stripe, mirrored):
+    """A void invoice of a live customer is a staff write-off (`billing.models.WRITTEN_OFF_INVOICE_STATUS`). Before, once
+    the customer was deleted, its 7th hour went again to the next customer, by the deletion (a void invoice counted as
+    billing nothing) or by its void's webhook coming after the deletion: billed after staff forgave it. Stripe's
+    `status_transitions.voided_at`, before the deletion, says it was written off; only the 5th hour goes again."""
     endpoint = EndpointFactory()
     old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
     finalized = fake_stripe.finalize_invoice(invoice["id"])
-    voided = fake_stripe.void_invoice(invoice["id"])
+    voided = fake_stripe.void_invoice(invoice["id"])  # in the Dashboard, the customer live
     if mirrored:
         _webhook("invoice.finalized", finalized)
         _webhook("invoice.voided", voided)
     _use_and_push(endpoint, num_hours_ago=5)
+    time.sleep(1 - time.time() % 1 + 0.01)  # deleted a later second than the void
 
     _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
-    assert stripe_sync.push_pending_rollups() == 2  # the 7th and the 5th hours' again
+    if not mirrored:  # the void's webhooks come after the deletion's
+        _webhook("invoice.finalized", finalized)
+        _webhook("invoice.voided", voided)
+    _webhook("invoice.updated", voided)  # Stripe tells it again
+    assert stripe_sync.push_pending_rollups() == 1  # the 5th hour's again, not the 7th's
 
     new_customer, new_subscription = _subscribed(endpoint)
     _invoice_the_rest(fake_stripe, new_subscription)
-    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
-    assert fake_stripe.invoiced_usage(new_customer) == costs == _cost_pushed(fake_stripe, new_customer)
+    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
+    assert _billed_usage(fake_stripe, old_customer) == 0 and fake_stripe.invoiced_usage(old_customer) == costs[0]
+    assert _billed_usage(fake_stripe, new_customer) == costs[1] == _cost_pushed(fake_stripe, new_customer)
+    assert not AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again").exists()
+    [audited] = AuditEvent.objects.filter(action="billing.voided_invoice_written_off")
+    assert audited.details == {"invoice": invoice["id"], "customer": old_customer}
+    [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
+    assert deletion.details["invoices_written_off"] == [invoice["id"]]
 
 
 def test_usage_of_a_deleted_customers_invoice_voided_after_its_deletion_goes_again_to_the_next_once(fake_stripe):
@@ -373,6 +380,7 @@ def test_usage_of_a_deleted_customers_invoice_voided_after_its_deletion_goes_aga
     _webhook("customer.deleted", fake_stripe.delete_customer(old_customer))
     assert stripe_sync.push_pending_rollups() == 1  # the 5th hour's again, not the 7th's: its invoice bills it
 
+    time.sleep(1 - time.time() % 1 + 0.01)  # voided a later second than the deletion
     voided = fake_stripe.void_invoice(draft["id"])
     fake_stripe.fail_next("500", path="/v1/invoices", method="GET")  # one try: Stripe sends the event again
     body = json.dumps({"id": "evt_voided", "object": "event", "type": "invoice.voided", "created": int(time.time()),
@@ -451,6 +459,19 @@ def test_a_push_that_raced_its_customers_deletion_is_not_billed_again_when_the_d
     costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
     assert fake_stripe.invoiced_usage(old_customer) == costs
     assert list(fake_stripe.customers) == []  # no next customer, billed nothing
+
+
+def _deleted_once_read(monkeypatch, customer_id: str, delete) -> None:
+    """Stripe deletes `customer_id` (`delete()`) once a push has read it, before it sends its events."""
+    read_customer = stripe_sync.ensure_customer
+
+    def read_then_deleted(organization_id):
+        read = read_customer(organization_id)
+        if read == customer_id:
+            delete()
+        return read
+
+    monkeypatch.setattr(stripe_sync, "ensure_customer", read_then_deleted)
 
 
 def _cost_pushed(fake_stripe, customer_id: str) -> int:
@@ -658,3 +679,120 @@ def test_a_void_invoice_of_a_subscription_still_billing_sends_nothing_again(fake
     assert stripe_sync.push_pending_rollups() == 0
     assert not AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again").exists()
     assert AuditEvent.objects.filter(action="billing.voided_invoice_written_off").count() == 1
+
+
+@pytest.mark.parametrize(("received", "deletion_applied"), [("before_the_deletion", "after_the_push"),
+                                                             ("after_the_deletion", "after_the_push"),
+                                                             ("after_the_deletion", "during_the_push")])
+def test_usage_stripe_received_in_its_customers_deletions_own_second_is_billed_once(
+        fake_stripe, monkeypatch, received, deletion_applied):
+    """Stripe's clock says only the second: the 6th hour's events and the customer's deletion share one, and the events
+    are dated within the period of the draft that the deletion finalises. Received before the deletion, that invoice
+    bills them; after it, Stripe dropped them. Before, they counted as received before whatever: after the deletion,
+    billed by no customer. The deleted customer's invoices, as Stripe finalised them, say which (`quantity`): they go
+    again only if dropped, so neither billed twice nor lost."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)  # its draft bills the 7th hour, and the 6th's date
+    second = int(time.time()) + 2
+    fake_stripe.frozen_s = second  # the deletion and the 6th hour's events in one second of Stripe's clock
+
+    def deleted() -> None:
+        _webhook("customer.deleted", fake_stripe.delete_customer(old_customer), created=second)
+
+    if deletion_applied == "during_the_push":
+        _deleted_once_read(monkeypatch, old_customer, deleted)
+        assert stripe_sync.push_pending_rollups() == 0  # sent to the deleted customer, and to go again
+        monkeypatch.undo()
+    else:
+        if received == "after_the_deletion":
+            gone = fake_stripe.delete_customer(old_customer)
+            assert stripe_sync.push_pending_rollups() == 1  # its webhook not come yet
+            _webhook("customer.deleted", gone, created=second)
+        else:
+            assert stripe_sync.push_pending_rollups() == 1
+            deleted()
+    fake_stripe.frozen_s = None
+    assert {push.stripe_created_at.timestamp() for push in MeterEventPush.objects.filter(
+        rollup__hour_start=_hour(6))} == {second}
+    assert DeletedStripeCustomer.objects.get(stripe_customer_id=old_customer).invoiced_until.timestamp() > max(
+        event["timestamp"] for event in fake_stripe.meter_events.values())
+
+    assert stripe_sync.push_pending_rollups() == (1 if received == "after_the_deletion" else 0)
+    assert stripe_sync.push_pending_rollups() == 0
+    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
+    new_customer, new_subscription = _subscribed(endpoint)
+    if received == "after_the_deletion":
+        _invoice_the_rest(fake_stripe, new_subscription)
+        assert _billed_usage(fake_stripe, old_customer) == costs[0]
+        assert _billed_usage(fake_stripe, new_customer) == costs[1] == _cost_pushed(fake_stripe, new_customer)
+    else:
+        assert _billed_usage(fake_stripe, old_customer) == sum(costs) and new_customer == ""
+    [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
+    placed_by_the_push = AuditEvent.objects.filter(action="billing.pushed_to_deleted_customer")
+    if deletion_applied == "during_the_push":
+        assert [audited.details["num_events_dropped_in_its_second"] for audited in placed_by_the_push] == [1]
+    else:
+        assert deletion.details["num_events_dropped_in_its_second"] == (1 if received == "after_the_deletion" else 0)
+        assert not placed_by_the_push.exists()
+    assert deletion.details["num_events_undecided_in_its_second"] == 0
+
+
+def test_usage_of_an_invoice_voided_after_its_customers_deletion_goes_again_though_the_void_was_told_first(
+        fake_stripe):
+    """Stripe deleted the customer, then its invoice of the 7th hour was voided, and the void's webhook came before the
+    deletion's: taken then for a live customer's write-off. Before, the deletion counted the 7th hour billed, as the
+    later invoice of the 5th hour ends after it: billed by no customer. Stripe's clock dates the void after the
+    deletion (`voided_at`): the deletion sends the 7th hour again, once."""
+    endpoint = EndpointFactory()
+    old_customer, old_subscription, first = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(first["id"]))
+    _use_and_push(endpoint, num_hours_ago=5)
+    _end_period_after_what_was_pushed(fake_stripe, old_subscription)
+    [second] = [invoice for invoice in fake_stripe.invoices.values() if invoice["id"] != first["id"]]
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(second["id"]))  # it bills the 5th hour
+
+    deleted_at = fake_stripe.frozen_s = int(time.time())
+    gone = fake_stripe.delete_customer(old_customer)
+    fake_stripe.frozen_s = None
+    while int(time.time()) <= deleted_at:  # voided a later second
+        time.sleep(0.05)
+    _webhook("invoice.voided", fake_stripe.void_invoice(first["id"]))
+    _webhook("customer.deleted", gone, created=deleted_at)
+    assert stripe_sync.push_pending_rollups() == 1  # the 7th hour's again
+    assert stripe_sync.push_pending_rollups() == 0
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
+    assert _billed_usage(fake_stripe, old_customer) == costs[1]
+    assert _billed_usage(fake_stripe, new_customer) == costs[0] == _cost_pushed(fake_stripe, new_customer)
+    [audited] = AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again")
+    assert audited.details["invoice"] == first["id"] and audited.details["num_rollups_pushed_again"] == 1
+
+
+def test_events_of_the_deletions_second_that_its_invoices_cannot_place_count_as_received_before_it(fake_stripe):
+    # A guard: the draft whose period the 6th hour's events are dated in cannot be finalised (Stripe refuses, and still
+    # advances it itself): what it bills is not final, so the events Stripe received in the deletion's second cannot be
+    # placed. They count as received before the deletion, as before: never billed twice; the deletion's audit says so.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)
+    [draft] = fake_stripe.invoices.values()  # the 7th hour's, and the 6th's date
+    second = fake_stripe.frozen_s = int(time.time()) + 2
+    gone = fake_stripe.delete_customer(old_customer)
+    assert stripe_sync.push_pending_rollups() == 1  # received after the deletion, in its second
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _webhook("customer.deleted", gone, created=second)
+    fake_stripe.frozen_s = None
+
+    assert draft["status"] == "draft" and stripe_sync.push_pending_rollups() == 0
+    [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
+    assert (deletion.details["num_events_dropped_in_its_second"],
+            deletion.details["num_events_undecided_in_its_second"]) == (0, 1)

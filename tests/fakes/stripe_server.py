@@ -8,6 +8,7 @@
     fake.cancel_at_period_end(id), fake.end_period(id, at=...)   # a cancellation scheduled, a period's end and invoice
     fake.finalize_invoice(id)                                 # an invoice finalised (a draft for its first hour)
     fake.void_invoice(id)                                     # a finalised invoice voided in the Dashboard
+    fake.frozen_s = second                                    # Stripe's clock held at one second (None: runs)
     fake.invoices[id]["auto_advance"] = False                 # a draft Stripe leaves for us to finalise
     fake.invoiced_usage(customer id)                          # what the subscriptions' invoices billed, in meter units
     fake.cancel_in_portal(session id, subscription id)        # the customer's click, as the session's configuration says
@@ -20,7 +21,10 @@ does for 24 h; a key sent again with other parameters is refused), refuses a met
 identifier is taken again, as a second event), and bills as Stripe documents a subscription to a metered price
 does: each invoice of a subscription bills the sum of its price's meter events for the customer dated from where
 the last one stopped (from the subscription's `start_date` for the first, which may be backdated) to the end of the
-period it closes (`end_period`). A subscription cancelled at once bills what it has not invoiced yet only with
+period it closes (`end_period`), received until it is finalised (a draft takes usage of its period during Stripe's
+finalization grace) and, for a deleted customer, before its deletion (Stripe drops the events it receives after: it
+orders them by their receipt, within a second too, though its clock says only the second). Invoices carry
+`status_transitions` (`finalized_at`, `voided_at`, ...) as Stripe's do. A subscription cancelled at once bills what it has not invoiced yet only with
 `invoice_now` (Stripe's default is not to: that usage is discarded); one cancelled at its period's end bills it in a
 final invoice then. A Customer Portal session uses the configuration it names, or else the account's default one
 (`default_portal_features`: cancellation at once, the case this models), and `cancel_in_portal` does what that
@@ -45,6 +49,7 @@ configuration lets the customer do. It can be told to fail:
 from __future__ import annotations
 
 import calendar
+import copy
 import hashlib
 import hmac
 import json
@@ -110,12 +115,25 @@ class FakeStripe:
         "subscription_pause": {"enabled": False}, "subscription_update": {"enabled": False}})
     num_duplicate_identifiers: int = 0
     unexpected: list[str] = field(default_factory=list)
+    # Stripe's clock held at this second (`created` of what it makes, the times of its transitions): to order events
+    # within one second, which Stripe's clock cannot tell apart. None: the clock runs.
+    frozen_s: int | None = None
 
     def __post_init__(self):
         self._lock = threading.Lock()
         self._idempotent: dict[str, tuple[dict, int, dict]] = {}  # key -> (params, status, payload)
         self._failures: deque[_Failure] = deque()
         self._server: ThreadingHTTPServer | None = None
+        self._num_happenings = 0  # what Stripe did, in the order it did it: meter events received, customers deleted
+        self._received_as: dict[int, int] = {}  # id() of a meter event -> its place in that order
+        self._deleted_as: dict[str, int] = {}  # customer id -> its deletion's place in that order
+
+    def _now(self) -> int:
+        return int(time.time()) if self.frozen_s is None else self.frozen_s
+
+    def _happened(self) -> int:
+        self._num_happenings += 1
+        return self._num_happenings
 
     # --- control ---------------------------------------------------------------------------------
     def start(self) -> FakeStripe:
@@ -157,7 +175,7 @@ class FakeStripe:
         object). Its usage not invoiced yet is invoiced now only with `invoice_now` (Stripe's default is false)."""
         with self._lock:
             subscription = self.subscriptions[subscription_id]
-            at = int(time.time()) if at is None else at
+            at = self._now() if at is None else at
             if invoice_now:
                 self._invoice(subscription, at)
             subscription.update(status="canceled", canceled_at=at, ended_at=at)
@@ -168,7 +186,7 @@ class FakeStripe:
         ends when its period does (`end_period`). The subscription as it is now."""
         with self._lock:
             subscription = self.subscriptions[subscription_id]
-            subscription.update(cancel_at_period_end=True, canceled_at=int(time.time()))
+            subscription.update(cancel_at_period_end=True, canceled_at=self._now())
             return dict(subscription)
 
     def end_period(self, subscription_id: str, *, at: int | None = None) -> dict:
@@ -192,16 +210,17 @@ class FakeStripe:
         as it is now (its `invoice.finalized` webhook's object)."""
         with self._lock:
             invoice = self.invoices[invoice_id]
-            invoice["status"] = "open"
-            return dict(invoice)
+            self._finalize(invoice)
+            return copy.deepcopy(invoice)
 
     def void_invoice(self, invoice_id: str) -> dict:
         """What an operator's "Void invoice" in the Dashboard does to a finalised invoice: void, owed by nobody (its
-        `invoice.voided` webhook's object)."""
+        `invoice.voided` webhook's object), `status_transitions.voided_at` now."""
         with self._lock:
             invoice = self.invoices[invoice_id]
             invoice["status"] = "void"
-            return dict(invoice)
+            invoice["status_transitions"]["voided_at"] = self._now()
+            return copy.deepcopy(invoice)
 
     def cancel_in_portal(self, session_id: str, subscription_id: str) -> dict:
         """What the customer's "Cancel" in the Customer Portal session `session_id` does, as its configuration's
@@ -221,7 +240,8 @@ class FakeStripe:
         with self._lock:
             customer = self.customers.pop(customer_id)
             self.deleted_customers.add(customer_id)
-            now = int(time.time())
+            self._deleted_as[customer_id] = self._happened()
+            now = self._now()
             for subscription in self.subscriptions.values():
                 if subscription["customer"] == customer_id and subscription["status"] != "canceled":
                     subscription.update(status="canceled", canceled_at=now, ended_at=now)
@@ -364,7 +384,7 @@ class FakeStripe:
         return None
 
     def _route(self, method: str, path: str, params: dict) -> tuple[int, dict]:
-        now = int(time.time())
+        now = self._now()
         if (method, path) == ("POST", "/v1/customers"):
             customer = {"id": _id("cus"), "object": "customer", "created": now, "name": params.get("name"),
                         "metadata": params.get("metadata", {}), "livemode": False, "default_source": None,
@@ -423,7 +443,7 @@ class FakeStripe:
                 if invoice["status"] != "draft":
                     return 400, _error("invalid_request_error", "This invoice is already finalized",
                                        code="invoice_not_editable")
-                invoice["status"] = "open"
+                self._finalize(invoice)
             return 200, invoice
         if path.startswith("/v1/billing_portal/configurations"):
             return self._portal_configuration(method, path.removeprefix("/v1/billing_portal/configurations"),
@@ -484,23 +504,42 @@ class FakeStripe:
         """The subscription's invoice of its price's usage from where its last invoice stopped (its start for the
         first) to `end`: the sum of the customer's meter events dated in that time."""
         [item] = subscription["items"]["data"]
-        event_name = self.meters[item["price"]["recurring"]["meter"]]["event_name"]
         invoiced = [invoice["lines"]["data"][0]["period"]["end"] for invoice in self.invoices.values()
                     if invoice["parent"]["subscription_details"]["subscription"] == subscription["id"]]
         start = max(invoiced, default=subscription["start_date"])
-        quantity = sum(int(event["payload"]["value"]) for event in self.meter_events.values()
-                       if event["event_name"] == event_name
-                       and event["payload"]["stripe_customer_id"] == subscription["customer"]
-                       and start <= event["timestamp"] < end)
-        line = {"id": _id("il"), "object": "line_item", "quantity": quantity, "period": {"start": start, "end": end},
-                "amount": round(quantity * float(item["price"]["unit_amount_decimal"]))}
-        invoice = {"id": _id("in"), "object": "invoice", "created": int(time.time()), "status": "draft", "auto_advance": True,
+        line = {"id": _id("il"), "object": "line_item", "quantity": 0, "period": {"start": start, "end": end},
+                "amount": 0, "price": item["price"]}
+        invoice = {"id": _id("in"), "object": "invoice", "created": self._now(), "status": "draft", "auto_advance": True,
                    "customer": subscription["customer"], "period_start": start, "period_end": end,
                    "parent": {"type": "subscription_details", "subscription_details": {"subscription": subscription["id"]}},
-                   "amount_due": line["amount"], "lines": {"object": "list", "data": [line], "has_more": False},
+                   "amount_due": 0, "lines": {"object": "list", "data": [line], "has_more": False},
+                   "status_transitions": {"finalized_at": None, "marked_uncollectible_at": None, "paid_at": None,
+                                          "voided_at": None},
                    "livemode": False}
+        self._count_usage(invoice)
         self.invoices[invoice["id"]] = invoice
         return invoice
+
+    def _count_usage(self, invoice: dict) -> None:
+        """The draft `invoice`'s lines bill their price's meter events for its customer dated in their period, received
+        so far and, for a deleted customer, before its deletion."""
+        deleted_as = self._deleted_as.get(invoice["customer"])
+        for line in invoice["lines"]["data"]:
+            event_name = self.meters[line["price"]["recurring"]["meter"]]["event_name"]
+            line["quantity"] = sum(
+                int(event["payload"]["value"]) for event in self.meter_events.values()
+                if event["event_name"] == event_name and event["payload"]["stripe_customer_id"] == invoice["customer"]
+                and line["period"]["start"] <= event["timestamp"] < line["period"]["end"]
+                and (deleted_as is None or self._received_as.get(id(event), 0) < deleted_as))
+            line["amount"] = round(line["quantity"] * float(line["price"]["unit_amount_decimal"]))
+        invoice["amount_due"] = sum(line["amount"] for line in invoice["lines"]["data"])
+
+    def _finalize(self, invoice: dict) -> None:
+        """A draft finalised: its usage counted a last time (what Stripe received during its finalization grace),
+        open."""
+        self._count_usage(invoice)
+        invoice["status"] = "open"
+        invoice["status_transitions"]["finalized_at"] = self._now()
 
     def _meter_event(self, params: dict, now: int) -> tuple[int, dict]:
         if params.get("event_name") not in {meter["event_name"] for meter in self.meters.values()}:
@@ -523,6 +562,7 @@ class FakeStripe:
                  "identifier": identifier, "payload": payload, "timestamp": int(params.get("timestamp") or now),
                  "livemode": False}
         self.meter_events[identifier] = event
+        self._received_as[id(event)] = self._happened()
         return 200, event
 
     def _price(self, params: dict, now: int) -> tuple[int, dict]:
