@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('billing', '0022_meter_event_push_stripe_created_at'),
+        ('billing', '0023_usage_record_lost_cost'),
     ]
 
     operations = [
