@@ -102,7 +102,7 @@ for i = 3, #ARGV do
 end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return owed
-""")
+""", once=True)
 # How far PostgreSQL's clock (a row's `recorded_at`) may be behind Redis's (a registration's) for `count_replayed` to
 # take a row written by the replay that registered it as such.
 CLOCKS_APART_S = 1.0
@@ -140,7 +140,7 @@ for n = 0, num_rows - 1 do
 end
 for i = 3 + 5 * num_rows, #ARGV do redis.call('HDEL', KEYS[4], ARGV[i]) end
 return num_counted
-""")
+""", once=True)
 
 
 def _registrations(reports: Iterable[UsageReport]) -> list[tuple[list[str], list[str]]]:
@@ -305,7 +305,7 @@ if ARGV[5] == '1' then
 end
 redis.call('HDEL', KEYS[8], ARGV[1])
 return 1
-""")
+""", once=True)
 
 
 def count_superseded(lost_costs: Mapping[str, Decimal]) -> int:
