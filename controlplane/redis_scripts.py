@@ -81,8 +81,8 @@ def says_unavailable(message: str) -> bool:
 # connection, each bounded by `REDIS_TIMEOUT_S`).
 ONCE_TTL_S = 300
 
-# A `once` script: its source as a function, run unless the call's token (its last key) says it ran; the reply
-# (an integer, a string, or an array of them) kept in the token.
+# A `once` script: its source as a function, run unless the call's token (its last key) says it ran; the reply kept in
+# the token as JSON (strings, arrays, integers of up to 14 digits: cjson's precision).
 _ONCE_LUA = """
 local once = KEYS[#KEYS]
 local ran = redis.call('GET', once)
