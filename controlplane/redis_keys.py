@@ -29,6 +29,15 @@ def org_tag(organization_id: int) -> str:
     return f"{{org:{int(organization_id)}}}"
 
 
+def once_key(slot_of: str, token: str) -> str:
+    """A script call's one-shot token (`controlplane.redis_scripts.Script`'s `once`), in the slot of `slot_of`: its
+    hash tag's (every key a script takes together has one), or the whole of a key without braces."""
+    start = slot_of.find("{")
+    end = slot_of.find("}", start + 1) if start >= 0 else -1
+    tag = slot_of[start:end + 1] if end > start + 1 else f"{{{slot_of}}}"
+    return f"once:{tag}:{token}"
+
+
 def key_slot(key: str) -> int:
     """The Redis Cluster slot of `key` (CRC16 of its hash tag, or of the whole key without one)."""
     return redis.crc.key_slot(key.encode())

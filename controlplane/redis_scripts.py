@@ -22,6 +22,13 @@ NOTE: every call has a deadline (`REDIS_TIMEOUT_S`, connecting included). Replie
 one overdue reply means the connection is stuck (a frozen or partitioned Redis): a watchdog then
 drops the connection, failing every call waiting on it with `RedisTimeout` at once, and the next
 call opens a new one. A request never hangs on a silent Redis.
+
+NOTE: redis-py's clients retry a command once after a connection error (`controlplane.redis_client`; its
+cluster clients on a timeout too), and cannot tell a command that never reached Redis from one whose
+reply was lost: the retry may run a script a second time. A script that a second run would change more
+(one that adds a cost, unguarded) is made with `once=True`: each call carries a token of its own
+(`redis_keys.once_key`, in the slot of its first key), and a second run of the same call finds the
+token and answers the first run's reply, changing nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import secrets
 import ssl
 from collections import deque
 from urllib.parse import unquote, urlparse
@@ -38,6 +46,7 @@ from django.conf import settings
 
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
+from controlplane.redis_keys import once_key
 
 
 class RedisError(Exception):
@@ -68,15 +77,42 @@ def says_unavailable(message: str) -> bool:
         message.startswith(_IN_SCRIPT) and any(marker in message for marker in _UNAVAILABLE_IN_SCRIPT))
 
 
-class Script:
-    """A Lua script, run with `await script(keys=[...], args=[...])` on this loop's connection."""
+# How long a call's token outlives its first run: far longer than redis-py takes to send it again (at once, on a new
+# connection, each bounded by `REDIS_TIMEOUT_S`).
+ONCE_TTL_S = 300
 
-    def __init__(self, source: str):
+# A `once` script: its source as a function, run unless the call's token (its last key) says it ran; the reply kept in
+# the token as JSON (strings, arrays, integers of up to 14 digits: cjson's precision).
+_ONCE_LUA = """
+local once = KEYS[#KEYS]
+local ran = redis.call('GET', once)
+if ran then return cjson.decode(ran)[1] end
+local function run()
+%s
+end
+local reply = run()
+redis.call('SET', once, cjson.encode({reply}), 'EX', %d)
+return reply
+"""
+
+
+class Script:
+    """A Lua script, run with `await script(keys=[...], args=[...])` on this loop's connection.
+
+    `once`: a call that a client sends again runs once (see the module's docstring); the script reads its own keys
+    by position from `KEYS[1]` (the token is the last)."""
+
+    def __init__(self, source: str, *, once: bool = False):
+        self.once = once
+        if once:
+            source = _ONCE_LUA % (source, ONCE_TTL_S)
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
         self._evalsha = _bulk(b"EVALSHA") + _bulk(self.sha.encode())  # every call's first two parts, in RESP
 
     async def __call__(self, *, keys: list, args: list):
+        if self.once:
+            keys = [*keys, once_key(keys[0], secrets.token_hex(8))]
         if settings.REDIS_CLUSTER:
             return await self._run_on_cluster(keys, args)
         connection = _connections.get()
@@ -97,6 +133,8 @@ class Script:
     def run_sync(self, *, keys: list, args: list):
         """The same script from synchronous code (tasks, the control plane), on the process's shared
         client (`controlplane.redis_client.get_redis`); raises redis-py's exceptions."""
+        if self.once:
+            keys = [*keys, once_key(keys[0], secrets.token_hex(8))]
         client = get_redis()
         try:
             return client.evalsha(self.sha, len(keys), *keys, *args)

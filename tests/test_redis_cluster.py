@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from billing.quota import reads, sweeper
-from controlplane import pubsub, redis_client, redis_keys
+from controlplane import pubsub, redis_client, redis_keys, redis_scripts
 from controlplane.accounts import throttle
 from controlplane.redis_keys import key_slot
 from endpoints import autoscaler
@@ -113,6 +113,20 @@ def test_the_cluster_clients_route_by_slot_and_the_organisations_fall_on_differe
     owners = {on_cluster.nodes_manager.get_node_from_slot(key_slot(redis_keys.inflight_key(org, "e"))).port
               for org in range(1, 40)}
     assert len(owners) == NUM_NODES  # the test really spans the three nodes
+
+
+def test_a_once_script_sent_again_runs_once_on_a_redis_cluster(on_cluster, monkeypatch):
+    # redis-py's cluster clients retry a command after a connection error or a timeout: the same call, its token too.
+    monkeypatch.setattr(redis_scripts.secrets, "token_hex", lambda num_bytes: "the-same-call")
+    counted = redis_scripts.Script("return redis.call('INCR', KEYS[1])", once=True)
+    key = redis_keys.org_reserved_key(41)
+
+    async def twice():
+        return [await counted(keys=[key], args=[]), await counted(keys=[key], args=[])]
+
+    assert [counted.run_sync(keys=[key], args=[]), counted.run_sync(keys=[key], args=[])] == [1, 1]
+    assert asyncio.run(twice()) == [1, 1]
+    assert on_cluster.get(key) == "1"
 
 
 def test_admission_and_finish_count_exactly_on_a_redis_cluster(on_cluster):

@@ -190,3 +190,9 @@ def test_keys_of_different_organisations_carry_different_tags():
     assert redis_keys.key_slot(redis_keys.inflight_key(7, "e")) == redis_keys.key_slot(redis_keys.credit_key(7))
     assert redis_keys.organization_of_key(traffic.gateway_requests_key(31, "gw-1")) == 31
     assert redis_keys.gateway_of_requests_key(traffic.gateway_requests_key(31, "host-1-ab:cd")) == "host-1-ab:cd"
+
+
+def test_a_once_scripts_token_is_in_the_slot_of_its_first_key():
+    # `Script(once=True)` adds the call's token as its last key (`controlplane.redis_scripts`).
+    for key in (redis_keys.credit_key(7), redis_keys.replaying_key(7), redis_keys.settled_key(7, "r{1}"), "plain"):
+        assert redis_keys.key_slot(redis_keys.once_key(key, "token")) == redis_keys.key_slot(key)

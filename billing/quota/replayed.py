@@ -108,7 +108,7 @@ for i = 4, #ARGV do
 end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return owed
-""")
+""", once=True)
 # How far PostgreSQL's clock (a row's `recorded_at`) may be behind Redis's (a registration's) for `count_replayed` to
 # take a row written by the replay that registered it as such.
 CLOCKS_APART_S = 1.0
@@ -154,7 +154,7 @@ for i = 4 + 5 * num_rows, #ARGV do
   end
 end
 return num_counted
-""")
+""", once=True)
 
 
 @dataclass(slots=True, frozen=True)
@@ -360,7 +360,7 @@ if ARGV[5] == '1' then
   end
 end
 return 1
-""")
+""", once=True)
 
 
 def count_superseded(lost_costs: Mapping[str, Decimal], *, registered: bool = False) -> int:

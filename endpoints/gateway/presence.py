@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -578,9 +579,14 @@ async def beat(*, web: bool = False) -> None:
     redis = get_async_redis()
     gateway = traffic.gateway_id()
     recent = traffic.take_recent()
+    # NOTE: each beat writes a value of its own: redis-py's retry after a lost reply sends the pipeline again, whose SET
+    # then reads this beat's value back. Read as alive, a key Redis had forgotten put nothing back until the next
+    # reconcile at its own pace; what the first SET read is unknown, so it is taken as forgotten (a reconcile that
+    # holds again only what is missing).
+    beat_value = secrets.token_hex(8)
     try:
         async with redis.pipeline(transaction=False) as pipe:
-            pipe.set(redis_keys.gateway_alive_key(gateway), "1", ex=ALIVE_TTL_S, get=True)
+            pipe.set(redis_keys.gateway_alive_key(gateway), beat_value, ex=ALIVE_TTL_S, get=True)
             if web:  # NOTE: not a batch worker's: its lines say nothing of who hears the agents
                 pipe.incr(redis_keys.WEB_BEATS_KEY)  # the web tier is up (`scheduler.web_tier_silent`)
             if recent:
@@ -595,7 +601,7 @@ async def beat(*, web: bool = False) -> None:
         await clock.record_offset(redis)  # for `/metrics`, once a minute
     except Exception as exc:  # noqa: BLE001 - the offset last read stands until the next beat reads it
         logger.warning("gateway %s: could not read Redis's clock: %r", gateway, exc)
-    if was_alive is None:
+    if was_alive is None or was_alive == beat_value:
         _repair.due = True
         _repair.num_forgotten += 1
     _repair.num_beats += 1
