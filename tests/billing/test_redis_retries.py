@@ -94,11 +94,11 @@ def test_a_killed_replays_row_is_owed_to_the_next_replay_whose_registration_repl
     UsageRecord.objects.filter(request_id="killed").update(recorded_at=timezone.now() - timedelta(seconds=10))
 
     lost = _reply_lost_once(monkeypatch, replayed._REGISTER)
-    owed = replayed.register_replaying_sync([report])
+    registration = replayed.register_replaying_sync([report])
     assert lost
     monkeypatch.undo()
-    assert owed == {"killed": registered_at}
-    assert replayed.count_replayed([], batch=[report], owed=owed) == 1
+    assert registration.owed == {"killed": registered_at}
+    assert replayed.count_replayed([], batch=[report], registration=registration) == 1
 
     assert reads.counted_spend(organization_id) == cost > 0
 
