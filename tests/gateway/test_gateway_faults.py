@@ -401,7 +401,7 @@ def test_an_organisation_whose_ledger_reads_slower_than_a_rebuild_may_take_gets_
                                    json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5})
 
     async def calls() -> list[httpx.Response]:
-        # NOTE: one event loop for every call, as a gateway process has (a loop each once hung a fresh clone's run)
+        # NOTE: one event loop for every call, as a gateway process has
         responses = []
         for _ in range(4):
             responses.append(await asyncio.wait_for(call(), 120))

@@ -924,3 +924,30 @@ def test_a_large_forgotten_reconcile_never_stalls_the_loop_past_the_alive_key(ga
     assert seen["watched"] and seen["lapsed"] == 0
     assert presence._repair.num_forgotten == 2 and not presence._repair.due  # put back and held again, once
     assert redis.hexists(redis_keys.reservations_key(first), f"call-{first}")
+
+
+def test_a_heartbeat_cancelled_as_one_of_its_redis_writes_finishes_still_ends(gateway_alone):
+    """A loop's end (`asyncio.run`: a batch run's slice, a test; the server's shutdown) cancels its tasks once and waits
+    for them. Before, a cancellation that came as one of the beat's Redis writes finished was dropped (Python 3.11's
+    `asyncio.wait_for`, which redis-py writes through): the beat went on every second, and the loop's end waited for it
+    for good (a whole-suite run hung 600 s at the end of the slow-rebuild test's second `asyncio.run`). Each moment of
+    the first beats is tried, the beat cancelled once at it, as a loop's end does."""
+    survived = []
+
+    async def scenario():
+        for num_steps in range(150):
+            presence.ensure_started()
+            beating = presence._beats.get().task
+            for _ in range(num_steps):
+                await asyncio.sleep(0)
+            beating.cancel()
+            done, _ = await asyncio.wait({beating}, timeout=3 * presence.BEAT_S)
+            if not done:
+                survived.append(num_steps)
+                while not beating.done():  # not left beating into the next test
+                    beating.cancel()
+                    await asyncio.wait({beating}, timeout=presence.BEAT_S)
+                return
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert not survived, f"the beat went on after its cancellation {survived[0]} steps in"
