@@ -56,12 +56,19 @@ class MalformedModel(ValueError):
     """A model's own files say what no engine of this node may run; the message is the replica's reason."""
 
 
+class ReadingUnsettled(Exception):
+    """The files could not be read this time (the header reader past its wall time, or killed): nothing is known of
+    them, nothing refused; the message says why."""
+
+
 @dataclass(slots=True, frozen=True)
 class ModelReading:
-    """What a model directory's files say, read once: its figures, or why no engine may start on it."""
+    """What a model directory's files say, read once: its figures, or why no engine may start on it; or, in
+    `unsettled`, why they could not be read this time (not kept: read again later, `WeightsCache.read_model`)."""
 
     info: ModelInfo | None = None  # None: no readable config.json, or a `problem`
     problem: str = ""  # the replica's failure reason; "" when nothing in the files is refused
+    unsettled: str = ""
 
 
 def read_model(model_dir: str | Path) -> ModelReading:
@@ -92,6 +99,9 @@ def read_model(model_dir: str | Path) -> ModelReading:
     except MalformedModel as exc:
         logger.warning("model %s refused: %s", model_dir.name, exc)
         return ModelReading(problem=f"the model's files cannot be served: {exc}")
+    except ReadingUnsettled as exc:
+        logger.warning("model %s not read this time: %s", model_dir.name, exc)
+        return ModelReading(unsettled=str(exc))
     except Exception:  # noqa: BLE001 - NOTE: a reader's bug must not stop the heartbeat: the replica fails instead
         logger.exception("reading the files of model %s failed", model_dir.name)
         return ModelReading(problem="the model's files could not be read (the node's log has details)")
@@ -405,12 +415,15 @@ def kv_cache_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:
 
 def count_parameters(model_dir: Path) -> int | None:
     """Parameters in the model's safetensors files, from their headers alone, counted in a child process within
-    its limits (`safetensors_headers.read_headers`). None when unknown; `MalformedModel` when they are refused.
+    its limits (`safetensors_headers.read_headers`). None when unknown; `MalformedModel` when they are refused;
+    `ReadingUnsettled` when the reader gave no answer this time.
 
     NOTE: a tenant's header is read once, when its weights are cached (`WeightsCache.read_model`), never by a launch
     (`read_config_info`) nor in the agent's own process.
     """
     reading = read_headers(model_dir)
+    if reading.unsettled:
+        raise ReadingUnsettled(reading.unsettled)
     if reading.problem:
         raise MalformedModel(reading.problem)
     return reading.num_params

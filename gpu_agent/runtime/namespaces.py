@@ -34,11 +34,14 @@ Standard library only (the reaper and a zygote's child import it).
 from __future__ import annotations
 
 import ctypes
+import errno
+import json
 import os
 import platform
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
@@ -57,6 +60,12 @@ EXIT_NOT_STARTED = 78
 # hold (the others need a capability the engine has not, or a user namespace first); a kernel without one (time
 # before 5.6) lacks its file.
 NAMESPACE_LIMITS = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time")
+# `unshare`'s errors that refuse namespaces here (not allowed, not built in, the user's count of them reached); any
+# other (ENOMEM) says nothing of them.
+REFUSING_ERRNOS = frozenset({errno.EPERM, errno.EINVAL, errno.ENOSPC, errno.EUSERS})
+TEST_TIMEOUT_S = 30  # the agent's test (`find`): past it, nothing is known
+# How a tried set-up's child answers (`_tried_in_a_child`): the kernel refused, or something else stopped it.
+_REFUSED, _NOT_KNOWN = b"R", b"U"
 
 
 class NamespacesUnavailable(Exception):
@@ -118,27 +127,45 @@ def drop_capabilities() -> None:
     _check(libc.capset(ctypes.byref(_CapHeader(_CAPABILITY_VERSION_3, 0)), data), "capset")
 
 
-def unavailable_reason() -> str:
-    """Why this machine cannot give an engine namespaces of its own, "" if it can (a test in a child process)."""
+@dataclass(slots=True, frozen=True)
+class Finding:
+    """What one test of namespaces here found: `missing` "" where they work, else why not; `known` False where the test
+    itself could not answer (its process not started, killed, past its time, a fork refused for want of pids or
+    memory): nothing is learnt of the kernel's answer then."""
+
+    missing: str = ""
+    known: bool = True
+
+
+def find() -> Finding:
+    """Whether this machine can give an engine namespaces of its own (the whole set-up, tried in a child process).
+
+    A refusal is known only where the kernel said so (`unshare` refused, the user's maps or a mount refused:
+    `NamespacesUnavailable`, `NamespacesBroken`); a spawn error, a timeout, or any other error of the test (EAGAIN on
+    a fork under a node's pid pressure) is not a refusal: `known` is False."""
     if not sys.platform.startswith("linux"):
-        return f"not Linux ({sys.platform})"
+        return Finding(f"not Linux ({sys.platform})")
     if platform.machine() not in ("x86_64", "aarch64"):
-        return f"not known here for {platform.machine()}"
-    script = "from gpu_agent.runtime import namespaces; namespaces.enter(4096); print('ok', flush=True)"
+        return Finding(f"not known here for {platform.machine()}")
+    script = "from gpu_agent.runtime import namespaces; namespaces._answer_test()"
     try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TEST_TIMEOUT_S,
                               cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # fmt: skip
     except (OSError, subprocess.SubprocessError) as exc:
-        return f"the test of namespaces did not run ({exc})"
-    if done.returncode == 0 and done.stdout.strip() == "ok":
-        return ""
-    lines = done.stderr.strip().splitlines()
-    if not lines:
-        return f"the test of namespaces exited with {done.returncode}"
-    why = lines[-1]
-    for name in ("NamespacesUnavailable", "NamespacesBroken"):
-        why = why.removeprefix(f"gpu_agent.runtime.namespaces.{name}: ")
-    return why
+        return Finding(f"the test of namespaces did not run ({exc})", known=False)
+    try:
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
+        return Finding(str(answer["missing"]), known=bool(answer["known"]))
+    except (IndexError, ValueError, KeyError, TypeError):
+        lines = done.stderr.strip().splitlines()
+        why = lines[-1] if lines else f"exited with {done.returncode}"
+        return Finding(f"the test of namespaces did not answer ({why})", known=False)
+
+
+def _answer_test() -> None:
+    """The test's child process (`find`): one line of JSON, its `Finding`."""
+    finding = _tried_in_a_child()
+    print(json.dumps({"missing": finding.missing, "known": finding.known}), flush=True)
 
 
 def enter(max_bytes: int | None, *, max_files: int | None = None, tested: bool = False) -> str:
@@ -148,19 +175,20 @@ def enter(max_bytes: int | None, *, max_files: int | None = None, tested: bool =
 
     NOTE: the process must be single-threaded (a fresh interpreter, or a fork's child). Raises NamespacesUnavailable
     where the kernel refuses them, with nothing changed here. Unless the agent `tested` them on this node already
-    (`unavailable_reason`), the whole set-up is tried first in a child that then exits (`_tried_in_a_child`: ~8 ms in a
+    (`find`), the whole set-up is tried first in a child that then exits (`_tried_in_a_child`: ~8 ms in a
     fresh interpreter, ~150 ms in a zygote's fork, whose every fork copies vLLM's memory map; the set-up itself took 48
     ms there). Raises NamespacesBroken where it fails half done (a process left in a PID namespace whose init is gone
     cannot fork): this process must then end."""
     if not tested:
-        why = _tried_in_a_child()
+        why = _tried_in_a_child().missing
         if why:
             raise NamespacesUnavailable(why)
     return _split(max_bytes, max_files)
 
 
-def _tried_in_a_child() -> str:
-    """Why `_split` fails here, "" if it works: tried in a child (and its own init and engine) that exit at once."""
+def _tried_in_a_child() -> Finding:
+    """Whether `_split` works here: tried in a child (and its own init and engine) that exit at once. The kernel's
+    refusals (`NamespacesUnavailable`, `NamespacesBroken`) are known; any other error (a fork refused) is not."""
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -170,15 +198,17 @@ def _tried_in_a_child() -> str:
         try:
             _split(4096, 16)
         except (NamespacesUnavailable, NamespacesBroken) as exc:
-            os.write(write_end, str(exc).encode())
+            os.write(write_end, _REFUSED + str(exc).encode())
         except BaseException as exc:  # noqa: BLE001 - whatever stops it is the reason, and this child must end here
-            os.write(write_end, repr(exc).encode())
+            os.write(write_end, _NOT_KNOWN + repr(exc).encode())
         os._exit(0)
     os.close(write_end)
     with os.fdopen(read_end, "rb") as answer:
-        why = answer.read().decode(errors="replace")
+        why = answer.read()
     os.waitpid(pid, 0)
-    return why
+    if not why:
+        return Finding()
+    return Finding(why[1:].decode(errors="replace"), known=why[:1] == _REFUSED)
 
 
 def _split(max_bytes: int | None, max_files: int | None) -> str:
@@ -190,7 +220,10 @@ def _split(max_bytes: int | None, max_files: int | None) -> str:
     # NOTE: the outer process and the init run only this module's code, and never gain a privilege either.
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS) < 0:
-        raise NamespacesUnavailable(f"unshare refused ({os.strerror(ctypes.get_errno())})")
+        code = ctypes.get_errno()
+        if code not in REFUSING_ERRNOS:  # short of memory: not the kernel's answer about namespaces
+            raise OSError(code, f"unshare failed ({os.strerror(code)})")
+        raise NamespacesUnavailable(f"unshare refused ({os.strerror(code)})")
     try:
         _write("/proc/self/setgroups", "deny")
         _write("/proc/self/uid_map", f"{uid} {uid} 1")

@@ -26,7 +26,7 @@ from gpu_agent.protocol import (
     ReplicaStatus,
 )
 from gpu_agent.runtime.adapters import ReplicaAdapters
-from gpu_agent.runtime.model_info import spec_problem
+from gpu_agent.runtime.model_info import ModelReading, spec_problem
 from gpu_agent.runtime.speculative import draft_problem, needs_draft, with_local_draft
 from gpu_agent.runtime.supervisor import Supervisor
 from gpu_agent.runtime.weights import WeightsCache
@@ -208,14 +208,24 @@ class Reconciler:
             return
         # NOTE: checked before launching: vLLM would refuse the same spec only after loading for a
         # minute; the replica fails now, with a reason the endpoint shows, and no engine is started.
+        reading = None
         try:
-            reading = self.weights.read_model(path)
+            reading = self._read_model(pull, path)
             problem = reading.problem or spec_problem(spec, reading.info) or (
                 draft_problem(path, Path(spec.speculative.draft_source)) if needs_draft(spec) else ""
             )
         except Exception:  # NOTE: whatever the tenant's files hold, the pull ends: pins released, replica reported
             logger.exception("replica %s: checking the model failed", spec.replica_id)
             problem = "checking the model's files failed (the node's log has details)"
+        if reading is not None and reading.unsettled:  # not refused: another try (the control plane's) may read them
+            if not pull.stop.is_set():  # else drained meanwhile
+                logger.warning("replica %s: not starting: %s", spec.replica_id, reading.unsettled)
+                pull.failure_reason = (f"the model's files could not be checked on this node ({reading.unsettled}; "
+                                       f"tried {1 + len(self.weights.unsettled_retry_s)} times)")  # fmt: skip
+            self._unpin(pinned)
+            pull.done = True
+            self._wake.set()
+            return
         if problem:
             logger.warning("replica %s: not starting: %s", spec.replica_id, problem)
             self._unpin(pinned)
@@ -240,6 +250,24 @@ class Reconciler:
             self.supervisor.start(spec, path).download_s = pull.download_s
             del self._pulls[spec.replica_id]
         self._wake.set()  # report STARTING now: the console and held requests show "starting engine"
+
+    def _read_model(self, pull: _Pull, path: Path) -> ModelReading:
+        """What the model's files say; where a reading gives no answer (`ModelReading.unsettled`: the header reader
+        past its wall time on a loaded node, or killed), read again after each of `WeightsCache.unsettled_retry_s`,
+        the replica STARTING with the reason in its progress, until the pull is stopped.
+
+        NOTE: before, such a reading refused the model (`failure_permanent`) for the agent's life on that node."""
+        reading = self.weights.read_model(path)
+        for delay_s in self.weights.unsettled_retry_s:
+            if not reading.unsettled:
+                break
+            pull.progress = f"checking the model's files again in {delay_s:.0f} s ({reading.unsettled})"
+            self._wake.set()
+            if pull.stop.wait(delay_s):
+                break
+            pull.progress = "checking the model's files"
+            reading = self.weights.read_model(path)
+        return reading
 
     def _drain(self, replica_id: str, spec: ReplicaSpec | None) -> None:
         with self._lock:

@@ -58,16 +58,22 @@ class HeadersRefused(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class HeadersReading:
-    """What the reader child found: the parameter count (None: unknown), or why the headers are refused."""
+    """What the reader child found: the parameter count (None: unknown), or why the headers are refused; or, in
+    `unsettled`, why it gave no answer this time (past its wall time, killed from outside, not started): nothing is
+    known of the headers then, nothing refused, and they are read again later."""
 
     num_params: int | None = None
     problem: str = ""
+    unsettled: str = ""
 
 
 def read_headers(model_dir: Path) -> HeadersReading:
     """The parameters in the model's safetensors files, counted by a child process within the reader's limits.
 
-    Never raises; an agent that cannot start the child (no memory to fork) knows no count, and refuses nothing.
+    Never raises. Only the reader's own limits refuse a model (its CPU: SIGXCPU; its memory: `OUT_OF_MEMORY_EXIT`):
+    a child past its wall time or killed from outside (the OOM killer, an operator) on a loaded node, or one that could
+    not start, says nothing of the headers (`HeadersReading.unsettled`); before, each refused a legitimate model on
+    that node for the agent's life.
     """
     # NOTE: the child imports this same agent (its folder first on the path), wherever the agent was started.
     package_root = Path(__file__).resolve().parents[2]
@@ -80,16 +86,18 @@ def read_headers(model_dir: Path) -> HeadersReading:
             cwd=package_root, stdin=subprocess.DEVNULL, capture_output=True, timeout=READER_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        return HeadersReading(problem=f"its safetensors headers took more than {READER_TIMEOUT_S} s to read")
-    except OSError:
+        return HeadersReading(unsettled=f"its safetensors headers took more than {READER_TIMEOUT_S} s to read")
+    except OSError as exc:
         logger.exception("could not start the safetensors header reader for %s", model_dir.name)
-        return HeadersReading()
+        return HeadersReading(unsettled=f"the safetensors header reader could not start ({exc.strerror or 'error'})")
     if finished.returncode != 0:
         logger.warning(
             "the safetensors header reader for %s ended with %s: %s",
             model_dir.name, finished.returncode, finished.stderr[-2000:].decode(errors="replace"),
         )
-        if finished.returncode not in (-signal.SIGXCPU, -signal.SIGKILL, OUT_OF_MEMORY_EXIT):
+        if finished.returncode == -signal.SIGKILL:
+            return HeadersReading(unsettled="the safetensors header reader was killed (the node short of memory?)")
+        if finished.returncode not in (-signal.SIGXCPU, OUT_OF_MEMORY_EXIT):
             return HeadersReading()  # the reader's own bug (its traceback is logged): nothing refused
         return HeadersReading(
             problem=f"its safetensors headers take more than the node's reader may spend ({MAX_READER_CPU_S} s of "

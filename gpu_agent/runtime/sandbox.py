@@ -46,21 +46,25 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import functools
 import glob
 import hashlib
 import json
+import logging
 import os
 import platform
 import re
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import gpu_agent
 from gpu_agent.runtime import namespaces
+
+logger = logging.getLogger(__name__)
 
 MODE_ENV = "INFERPLANE_ENGINE_SANDBOX"  # the agent's setting: a `SandboxMode`
 POLICY_ENV = "INFERPLANE_ENGINE_SANDBOX_POLICY"  # one engine's `SandboxPolicy` as JSON, set by the agent
@@ -197,17 +201,96 @@ def node_fact(mode: SandboxMode) -> str:
                       f"no namespaces: {missing}" if missing else namespaces.DESCRIPTION])  # fmt: skip
 
 
-@functools.cache
+class NamespacesFact:
+    """What this agent knows of namespaces on its node (`namespaces.find`): "" they work, else why not.
+
+    Tested once, at first use; then again off every lock (`retest_when_due`, a thread of its own: a test takes up to
+    `namespaces.TEST_TIMEOUT_S` per attempt), when an engine found them refused (`engine_refused`) at most once per
+    `retest_interval_s`, and every `recheck_missing_s` while they are missing, so a node recovers.
+
+    NOTE: an engine's exit 79 is the tenant's to forge (its code runs in the engine), and it chose when the one re-test
+    ran (under pid pressure it made itself: the fork refused, the fact became "missing" for the agent's life: `required`
+    failed every launch, `best-effort` ran engines on the node's /proc and /dev/shm). Now a refusal replaces a working
+    fact only when every one of `num_attempts` tests says the kernel refused; a test that could not answer (a spawn
+    error, a timeout, a fork refused) keeps the last known answer.
+    """
+
+    def __init__(self, *, num_attempts: int = 3, attempt_pause_s: float = 1.0, retest_interval_s: float = 60.0,
+                 recheck_missing_s: float = 300.0) -> None:  # fmt: skip
+        self.num_attempts = num_attempts
+        self.attempt_pause_s = attempt_pause_s
+        self.retest_interval_s = retest_interval_s
+        self.recheck_missing_s = recheck_missing_s
+        self.num_retests = 0
+        self._missing: str | None = None  # None: not tested yet
+        self._tested_at = 0.0
+        self._wanted = False  # an engine found them refused since the last test
+        self._lock = threading.Lock()  # the first test, and the fields below
+        self._retest: threading.Thread | None = None
+
+    def missing(self) -> str:
+        """The last known answer; tested here the first time."""
+        with self._lock:
+            if self._missing is None:
+                self._missing = self._test(None)
+                self._tested_at = time.monotonic()
+            return self._missing
+
+    def engine_refused(self) -> None:
+        """An engine's namespaces were refused where this agent had found them working: test again, when due."""
+        with self._lock:
+            self._wanted = True
+
+    def retest_when_due(self) -> bool:
+        """Start a re-test on its own thread if one is due and none runs; whether one runs now."""
+        with self._lock:
+            if self._retest is not None and self._retest.is_alive():
+                return True
+            since = time.monotonic() - self._tested_at
+            due = self._missing is not None and (
+                (self._wanted and since >= self.retest_interval_s)
+                or (bool(self._missing) and since >= self.recheck_missing_s)
+            )
+            if not due:
+                return False
+            self._wanted = False
+            self._retest = threading.Thread(target=self.retest, name="namespaces-retest", daemon=True)
+            self._retest.start()
+            return True
+
+    def retest(self) -> str:
+        """Test again (on the calling thread) and keep what is known; returns the fact."""
+        with self._lock:
+            last = self._missing
+        found = self._test(last)
+        with self._lock:
+            self._missing, self._tested_at = found, time.monotonic()
+            self.num_retests += 1
+        logger.warning("namespaces tested again: %s", f"missing: {found}" if found else "they work")
+        return found
+
+    def _test(self, last: str | None) -> str:
+        """`num_attempts` tests: "" as soon as one finds them working; a refusal only where every one found it; `last`
+        where one could not answer (with nothing known yet, None: its reason, until a re-test)."""
+        for attempt in range(self.num_attempts):
+            if attempt:
+                time.sleep(self.attempt_pause_s)
+            finding = namespaces.find()
+            if not finding.missing:
+                return ""
+            if not finding.known:
+                logger.warning("the test of namespaces could not answer (%s): keeping %r", finding.missing, last)
+                return finding.missing if last is None else last
+        return finding.missing
+
+
+NAMESPACES = NamespacesFact()  # this agent's, for every engine it starts
+
+
 def namespaces_missing() -> str:
-    """Why engines here cannot have namespaces of their own (`namespaces.py`), "" if they can: tested once, and again
-    after an engine found them refused (`retest_namespaces`)."""
-    return namespaces.unavailable_reason()
-
-
-def retest_namespaces() -> str:
-    """`namespaces_missing` tested again: an engine's were refused where the agent had found them working."""
-    namespaces_missing.cache_clear()
-    return namespaces_missing()
+    """Why engines here cannot have namespaces of their own (`namespaces.py`), "" if they can: the agent's last
+    known answer (`NamespacesFact`)."""
+    return NAMESPACES.missing()
 
 
 # --- What one engine may touch ------------------------------------------------------------------------------

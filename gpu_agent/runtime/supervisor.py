@@ -447,6 +447,8 @@ class Supervisor:
             self._disk_monitor = None
 
     def poll(self) -> None:
+        if self.sandbox_mode != sandbox.SandboxMode.OFF:
+            sandbox.NAMESPACES.retest_when_due()  # NOTE: on its own thread: a test takes up to 30 s per attempt
         self._build_due()
         with self._lock:
             replicas = list(self._replicas.values())
@@ -853,13 +855,16 @@ class Supervisor:
     def _namespaces_refused(self, replica: ManagedReplica) -> None:
         """Its engine found namespaces refused that this agent had found working (`sandbox.EXIT_NAMESPACES_REFUSED`):
         the replica fails with the engine's reason, not restarted into the same refusal, and the node's fact is tested
-        again (the next launches go by it, and the next registration reports it)."""
-        missing = sandbox.retest_namespaces()
-        found = f"tested again, refused: {missing}" if missing else "tested again, they work"
+        again, off the lock and when due (`sandbox.NamespacesFact`): the next launches go by it, and the next
+        registration reports it.
+
+        NOTE: the exit is the tenant's to forge: it fails this replica (its engine cannot be trusted either way), and
+        changes the node's fact only where the agent's own tests find the kernel refusing."""
+        sandbox.NAMESPACES.engine_refused()
         log_tail = process.log_tail(replica.log_path, self.policy.num_log_lines_in_reason)
-        logger.warning("replica %s: its engine's namespaces were refused; %s", replica.spec.replica_id, found)
-        self._fail(replica, f"its engine's namespaces were refused where this agent had found them working ({found}):"
-                            f"\n{log_tail}")  # fmt: skip
+        logger.warning("replica %s: its engine's namespaces were refused; the agent tests them again", replica.spec.replica_id)
+        self._fail(replica, "its engine's namespaces were refused where this agent had found them working (the agent "
+                            f"tests them again):\n{log_tail}")  # fmt: skip
 
     def _fail(self, replica: ManagedReplica, reason: str) -> None:
         self._kill_group(replica, signal.SIGKILL)

@@ -58,6 +58,10 @@ ADAPTER_KIND = "adapter"
 # An organisation's cached adapters on a node take at most this many times the bound for one: its next adapter evicts
 # its own least recently used ones first (`_keep_adapters_within_share`).
 ADAPTER_SHARE = 4
+# A model whose files could not be read this time (`ModelReading.unsettled`: the header reader past its wall time on a
+# loaded node, or killed) is read again after each of these in turn (the last one repeats for heartbeats' reads); a
+# replica waiting on it fails, not permanently, after the last (`Reconciler`).
+UNSETTLED_RETRY_S = (10.0, 60.0, 300.0)
 
 
 class AdapterTooLarge(ModelTooLarge):
@@ -101,6 +105,9 @@ class WeightsCache:
         self._pins: dict[str, int] = {}  # cache key -> number of users (never evicted)
         self._downloads: dict[str, Download] = {}
         self._readings: dict[Path, ModelReading] = {}  # model directory -> what its files say
+        # model directory -> (readings in a row that gave no answer, when a heartbeat's may read it again)
+        self._unsettled: dict[Path, tuple[int, float]] = {}
+        self.unsettled_retry_s = UNSETTLED_RETRY_S
         self._reads_in_flight: dict[Path, threading.Event] = {}  # set when that directory's reading is made
         # directories a heartbeat found unread, in order, for the background reader
         self._to_read: dict[Path, None] = {}
@@ -246,7 +253,9 @@ class WeightsCache:
 
     def read_model(self, model_dir: str | Path) -> ModelReading:
         """What a fetched model's files say, or why it is refused (read once per directory; a cached model
-        never changes, and a malformed one is not read again at every heartbeat).
+        never changes, and a malformed one is not read again at every heartbeat). A reading that gave no answer
+        (`ModelReading.unsettled`) is not kept: read again by the next call, and by heartbeats' reads after
+        `unsettled_retry_s`.
 
         NOTE: single-flight: a caller that finds the directory being read (by the background reader, another
         pull) waits for that reading instead of parsing the tenant's files again.
@@ -266,8 +275,13 @@ class WeightsCache:
             reading = read_model(model_dir)
         finally:
             with self._mutex:
-                if reading is not None:
+                if reading is not None and reading.unsettled:
+                    num_tries = self._unsettled.get(model_dir, (0, 0.0))[0] + 1
+                    delay = self.unsettled_retry_s[min(num_tries, len(self.unsettled_retry_s)) - 1]
+                    self._unsettled[model_dir] = (num_tries, time.monotonic() + delay)
+                elif reading is not None:
                     self._readings[model_dir] = reading
+                    self._unsettled.pop(model_dir, None)
                 del self._reads_in_flight[model_dir]
             done.set()
         return reading
@@ -288,6 +302,8 @@ class WeightsCache:
             reading = self._readings.get(model_dir)
             if reading is not None:
                 return reading
+            if time.monotonic() < self._unsettled.get(model_dir, (0, 0.0))[1]:
+                return None  # not read this time: read again once its back-off is over
             self._to_read[model_dir] = None
             if self._background_reader is None:
                 self._background_reader = threading.Thread(

@@ -30,7 +30,7 @@ from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_for_state, wait_until
 
 MB = 1024 * 1024
-NAMESPACES_MISSING = namespaces.unavailable_reason()
+NAMESPACES_MISSING = namespaces.find().missing
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_MISSING), reason=NAMESPACES_MISSING or "-")
 
 
@@ -226,7 +226,7 @@ def test_an_engine_can_make_no_namespaces_of_its_own(make_supervisor, tmp_path):
     seen = tried(make_supervisor("hostile", {"r-a": ["--try-namespaces"]}), "r-a", tmp_path)
     assert seen["unshare_user"] == "refused: No space left on device"
     assert seen["lift_limit"] == "refused: Permission denied"
-    assert namespaces.unavailable_reason() == ""  # the agent's, as before
+    assert namespaces.find().missing == ""  # the agent's, as before
 
 
 def test_an_engines_own_shared_memory_holds_few_files_and_the_agent_counts_them(make_supervisor, tmp_path):
@@ -275,6 +275,9 @@ def test_namespaces_refused_after_the_agent_found_them_working_fail_the_launch_a
     make_supervisor, tmp_path, monkeypatch, under_reaper
 ):
     supervisor = make_supervisor("agent", {}, under_reaper=under_reaper)
+    fact = sandbox.NamespacesFact(attempt_pause_s=0.05, retest_interval_s=0.0)
+    monkeypatch.setattr(sandbox, "NAMESPACES", fact)
+    assert fact.missing() == ""
     factory = supervisor.command_factory
 
     def exhausted(spec, model_path, port):
@@ -285,12 +288,14 @@ def test_namespaces_refused_after_the_agent_found_them_working_fail_the_launch_a
     supervisor.start(make_spec("r-a", endpoint_id="e-r-a"), tmp_path)
     wait_for_state(supervisor, "r-a", ReplicaState.FAILED, timeout_s=30)
     replica = supervisor.get("r-a")
-    # At once, never restarted into the same refusal; the agent's fact tested again (here they work: only that
-    # engine's namespace was exhausted).
+    # At once, never restarted into the same refusal; the agent's fact tested again, off the lock (here they work:
+    # only that engine's namespace was exhausted).
     assert replica.num_restarts == 0
     reason = replica.failure_reason
-    assert "namespaces were refused where this agent had found them working (tested again, they work)" in reason
+    assert "namespaces were refused where this agent had found them working (the agent tests them again)" in reason
     assert "unshare refused (No space left on device)" in reason
+    wait_until(lambda: fact.num_retests, timeout_s=30, poll=supervisor.poll)
+    assert sandbox.namespaces_missing() == ""
 
 
 REFUSALS = {

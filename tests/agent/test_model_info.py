@@ -6,11 +6,13 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import time
 
 import pytest
 
 from gpu_agent.protocol import MAX_MODEL_CONTEXT_TOKENS, MAX_MODEL_NUM_PARAMS, ModelInfo, ReplicaState
+from gpu_agent.runtime import safetensors_headers, weights
 from gpu_agent.runtime.model_info import context_length, kv_cache_bytes_per_token, read_model, read_model_info
 from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
 from gpu_agent.runtime.tiny_model import MAX_POSITION_EMBEDDINGS
@@ -24,6 +26,7 @@ from .conftest import (
     write_json_of_empty_objects,
 )
 from .test_agent_loop import control_plane, running_agent  # noqa: F401  (fixtures)
+from .test_safetensors_header_cost import readers_answering
 from .test_weights_agent import reported
 from .test_weights_cache import s3, s3_endpoint  # noqa: F401  (fixtures)
 
@@ -253,3 +256,42 @@ def test_a_speculators_checkpoint_fails_its_replica_before_launch(control_plane,
     status = reported(control_plane, "r-speculator", ReplicaState.FAILED)
     assert status.failure_permanent and "speculators checkpoint" in status.failure_reason
     assert processes_with_marker("r-speculator") == []
+
+
+def test_a_header_reader_past_its_wall_time_delays_the_replica_and_never_refuses_the_model(
+    control_plane,  # noqa: F811
+    running_agent,  # noqa: F811
+    tiny_model_dir,
+    monkeypatch,
+):
+    # A loaded node: the reader's first run passes its wall time. Before, the model was refused on that node for
+    # the agent's life (`failure_permanent`); now the replica waits, says why, and starts once the files are read.
+    monkeypatch.setattr(weights, "UNSETTLED_RETRY_S", (1.0,))
+    started = readers_answering(monkeypatch, subprocess.TimeoutExpired("reader", 60))
+    control_plane.desired = [make_spec("r-slow-reader", model_source=str(tiny_model_dir), max_model_len=None)]
+    running_agent()
+    waiting = reported(control_plane, "r-slow-reader", ReplicaState.STARTING)
+    assert reported(control_plane, "r-slow-reader", ReplicaState.READY).address
+    assert len(started) == 2
+    with control_plane.lock:
+        progress = [status.progress for beat in control_plane.heartbeats for status in beat.replicas]
+    assert waiting and "checking the model's files again in 1 s (its safetensors headers took more than" in str(progress)
+
+
+def test_a_header_reader_that_never_answers_fails_its_replica_but_not_permanently(
+    control_plane,  # noqa: F811
+    running_agent,  # noqa: F811
+    tiny_model_dir,
+    monkeypatch,
+):
+    monkeypatch.setattr(weights, "UNSETTLED_RETRY_S", (0.2, 0.2))
+    monkeypatch.setattr(safetensors_headers, "READER_TIMEOUT_S", 0.001)  # a real timeout, every time
+    control_plane.desired = [make_spec("r-no-answer", model_source=str(tiny_model_dir), max_model_len=None)]
+    running_agent()
+    status = reported(control_plane, "r-no-answer", ReplicaState.FAILED)
+    assert not status.failure_permanent  # the control plane may try again, here or on another node
+    assert status.failure_reason == (
+        "the model's files could not be checked on this node (its safetensors headers took more than 0.001 s to "
+        "read; tried 3 times)"
+    )
+    assert processes_with_marker("r-no-answer") == []

@@ -4,9 +4,12 @@ heartbeats (parsed again under the supervisor's lock at each launch) until it we
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
+import signal
 import struct
+import subprocess
 import threading
 import time
 
@@ -202,3 +205,57 @@ def test_real_headers_of_many_tensors_and_tiny_models_are_still_counted(tmp_path
     (split / "model.safetensors").rename(split / "model-00002-of-00002.safetensors")
     shutil.copy(tiny_model_dir / "model.safetensors", split / "model-00001-of-00002.safetensors")
     assert read_model(split).info.num_params == read_model(tiny_model_dir).info.num_params + 5 * (7168 * 2048 + 56 * 16)
+
+
+def readers_answering(monkeypatch, *answers):
+    """The header reader's child processes, the first ones answered by `answers` in turn (an exception is raised, a
+    return code ends the child without output), the rest run as they are; the number of readers started."""
+    real, queue, started = subprocess.run, list(answers), []
+
+    def run(argv, *args, **kwargs):
+        if safetensors_headers.__name__ not in argv:
+            return real(argv, *args, **kwargs)
+        started.append(1)
+        if not queue:
+            return real(argv, *args, **kwargs)
+        answer = queue.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return subprocess.CompletedProcess(argv, answer, b"", b"")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return started
+
+
+def test_a_reader_past_its_wall_time_or_killed_from_outside_refuses_nothing(tmp_path, monkeypatch):
+    """The wall time is reachable on a loaded node and the OOM killer picks any child: before, either refused a
+    legitimate model on that node for the agent's life. Only the reader's own limits refuse."""
+    model = write_model(tmp_path / "plain", many_tensors_header(10))
+    monkeypatch.setattr(safetensors_headers, "READER_TIMEOUT_S", 0.001)  # a real timeout, as under load
+    reading = read_model(model)
+    assert reading.problem == "" and reading.info is None
+    assert reading.unsettled == "its safetensors headers took more than 0.001 s to read"
+    monkeypatch.setattr(safetensors_headers, "READER_TIMEOUT_S", 60)
+    readers_answering(monkeypatch, -signal.SIGKILL, OSError(errno.ENOMEM, "Cannot allocate memory"), -signal.SIGXCPU,
+                      safetensors_headers.OUT_OF_MEMORY_EXIT)  # fmt: skip
+    killed = read_model(model)
+    assert killed.problem == "" and killed.unsettled.startswith("the safetensors header reader was killed")
+    not_started = read_model(model)
+    assert not_started.problem == "" and not_started.unsettled.endswith("could not start (Cannot allocate memory)")
+    for _ in range(2):  # its CPU, its memory: refused
+        assert read_model(model).problem.startswith("the model's files cannot be served: its safetensors headers take")
+    assert read_model(model).info.num_params > 0
+
+
+def test_the_cache_keeps_no_reading_that_gave_no_answer_and_heartbeats_read_it_again_after_a_back_off(
+    tmp_path, monkeypatch
+):
+    model = write_model(tmp_path / "plain", many_tensors_header(10))
+    cache = WeightsCache(tmp_path / "cache")
+    cache.unsettled_retry_s = (0.5,)
+    started = readers_answering(monkeypatch, subprocess.TimeoutExpired("reader", 60))
+    assert cache.read_model(model).unsettled and cache.reading_made(model) is None
+    time.sleep(0.2)
+    assert cache.reading_made(model) is None and len(started) == 1  # within its back-off: not read again
+    assert cache.read_model(model).info.num_params > 0  # a pull's own read: read again, and kept
+    assert cache.reading_made(model).info.num_params > 0 and len(started) == 2
