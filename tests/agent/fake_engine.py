@@ -38,6 +38,9 @@ parser.add_argument("--shm-dir", default="/dev/shm")
 parser.add_argument("--shm-unlinked", action="store_true", help="then remove its name: only the mapping holds it")
 parser.add_argument("--shm-closed", action="store_true", help="then close and unmap it: only its name keeps it")
 parser.add_argument("--confine", action="store_true", help="confine itself first, as an engine does (`sandbox.py`)")
+parser.add_argument("--give-shm-fd", default="", help="folder variable: pass a file of /dev/shm over a socket made there")
+parser.add_argument("--keep-shm-fds", action="store_true", help="keep the files every such socket (/proc/net/unix) passes")
+parser.add_argument("--keep-mapped", action="store_true", help="... mapped, their descriptors closed")
 parser.add_argument("--try-neighbour", default="", help="JSON {pid, shm}: log what it could do to that engine's process")
 parser.add_argument("--try-shm-bytes", type=int, default=0, help="log how much of this it could write in /dev/shm")
 parser.add_argument("--try-shm-files", type=int, default=0, help="log how many of these empty files it could make there")
@@ -171,6 +174,50 @@ if args.fill_shm_bytes:  # what vLLM's ring buffers and NCCL's segments take, in
     print(f"==> shared memory {shm_path}", flush=True)
 for line in args.log_line:
     print(line, flush=True)
+PASS_SOCKET = "inferplane-pass.sock"  # a hostile tenant's two replicas: one passes the other a file of its /dev/shm
+
+
+def give_shm_fd(folder: str) -> None:
+    """Make a 1-byte file in its /dev/shm, and pass it to whoever connects to a socket it makes in `folder` (a FIFO
+    is tried there too). Logs what the sandbox let it make."""
+    import socket
+
+    shm_fd = os.open(f"/dev/shm/inferplane-tiny-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(shm_fd, b"x")
+    server = socket.socket(socket.AF_UNIX)
+    made = {"socket": attempt(lambda: server.bind(os.path.join(folder, PASS_SOCKET)) or "made")}
+    made["fifo"] = attempt(lambda: os.mkfifo(os.path.join(folder, "inferplane-pass.fifo")) or "made")
+    print(f"==> give {json.dumps(made)}", flush=True)
+    if made["socket"] == "made":
+        server.listen(8)
+        while True:
+            client, _ = server.accept()
+            socket.send_fds(client, [b"x"], [shm_fd])
+            client.close()
+
+
+def keep_shm_fds(mapped: bool) -> None:
+    """Connect to every socket named `PASS_SOCKET` that /proc/net/unix lists, keeping the files passed."""
+    import socket
+
+    kept, done = [], set()
+    while True:
+        with open("/proc/net/unix") as sockets:
+            found = {line.split()[-1] for line in sockets if line.rstrip().endswith("/" + PASS_SOCKET)}
+        for path in found - done:
+            try:
+                with socket.socket(socket.AF_UNIX) as client:
+                    client.connect(path)
+                    _, fds, _, _ = socket.recv_fds(client, 1, 1)
+            except OSError:
+                continue  # removed meanwhile
+            done.add(path)
+            for fd in fds:
+                kept.append(mmap.mmap(fd, 1) if mapped else fd)
+                if mapped:
+                    os.close(fd)
+            print(f"==> kept {len(kept)}", flush=True)
+        time.sleep(0.2)
 
 
 def attempt(call):
@@ -178,6 +225,12 @@ def attempt(call):
         return call()
     except OSError as exc:
         return f"refused: {exc.strerror}"
+
+
+if args.give_shm_fd:
+    threading.Thread(target=give_shm_fd, args=(os.environ[args.give_shm_fd],), daemon=True).start()
+if args.keep_shm_fds:
+    threading.Thread(target=keep_shm_fds, args=(args.keep_mapped,), daemon=True).start()
 
 
 def write_shm(num_bytes: int) -> int:
