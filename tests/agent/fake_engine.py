@@ -6,7 +6,8 @@ Serves /health, /metrics (running requests read from --running-file),
 replica's key from INFERPLANE_ENGINE_API_KEY; with --fill-cache-bytes/--fill-scratch-bytes writes that much into its
 cache folder (XDG_CACHE_HOME) and scratch folder (TMPDIR) before it answers /health (with --fill-shm-bytes holds a file that
 big in /dev/shm, open and mapped, or with --shm-unlinked only mapped, or with --shm-closed neither); spawns a worker child like vLLM's EngineCore so that tests see
-whether the whole process group goes away.
+whether the whole process group goes away. With --give-shm-fd and --keep-shm-fds, one engine passes another a file
+of its /dev/shm over a Unix socket, as a hostile tenant's two replicas would.
 """
 
 import argparse
@@ -38,8 +39,8 @@ parser.add_argument("--shm-dir", default="/dev/shm")
 parser.add_argument("--shm-unlinked", action="store_true", help="then remove its name: only the mapping holds it")
 parser.add_argument("--shm-closed", action="store_true", help="then close and unmap it: only its name keeps it")
 parser.add_argument("--confine", action="store_true", help="confine itself first, as an engine does (`sandbox.py`)")
-parser.add_argument("--give-shm-fd", default="", help="folder variable: pass a file of /dev/shm over a socket made there")
-parser.add_argument("--keep-shm-fds", action="store_true", help="keep the files every such socket (/proc/net/unix) passes")
+parser.add_argument("--give-shm-fd", action="append", default=[], help="a folder's variable: pass a /dev/shm file on a socket there")
+parser.add_argument("--keep-shm-fds", action="store_true", help="keep what every such socket passes")
 parser.add_argument("--keep-mapped", action="store_true", help="... mapped, their descriptors closed")
 parser.add_argument("--try-neighbour", default="", help="JSON {pid, shm}: log what it could do to that engine's process")
 parser.add_argument("--try-shm-bytes", type=int, default=0, help="log how much of this it could write in /dev/shm")
@@ -174,7 +175,8 @@ if args.fill_shm_bytes:  # what vLLM's ring buffers and NCCL's segments take, in
     print(f"==> shared memory {shm_path}", flush=True)
 for line in args.log_line:
     print(line, flush=True)
-PASS_SOCKET = "inferplane-pass.sock"  # a hostile tenant's two replicas: one passes the other a file of its /dev/shm
+# A hostile tenant's two replicas: one passes the other a file of its /dev/shm.
+PASS_SOCKET = "inferplane-pass.sock"
 
 
 def give_shm_fd(folder: str) -> None:
@@ -182,10 +184,12 @@ def give_shm_fd(folder: str) -> None:
     is tried there too). Logs what the sandbox let it make."""
     import socket
 
-    shm_fd = os.open(f"/dev/shm/inferplane-tiny-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o600)
+    shm_path = f"/dev/shm/inferplane-tiny-{os.getpid()}-{os.urandom(4).hex()}"
+    shm_fd = os.open(shm_path, os.O_RDWR | os.O_CREAT, 0o600)
     os.write(shm_fd, b"x")
+    os.unlink(shm_path)  # the descriptor alone holds it
     server = socket.socket(socket.AF_UNIX)
-    made = {"socket": attempt(lambda: server.bind(os.path.join(folder, PASS_SOCKET)) or "made")}
+    made = {"folder": folder, "socket": attempt(lambda: server.bind(os.path.join(folder, PASS_SOCKET)) or "made")}
     made["fifo"] = attempt(lambda: os.mkfifo(os.path.join(folder, "inferplane-pass.fifo")) or "made")
     print(f"==> give {json.dumps(made)}", flush=True)
     if made["socket"] == "made":
@@ -227,8 +231,8 @@ def attempt(call):
         return f"refused: {exc.strerror}"
 
 
-if args.give_shm_fd:
-    threading.Thread(target=give_shm_fd, args=(os.environ[args.give_shm_fd],), daemon=True).start()
+for folder_env in args.give_shm_fd:
+    threading.Thread(target=give_shm_fd, args=(os.environ[folder_env],), daemon=True).start()
 if args.keep_shm_fds:
     threading.Thread(target=keep_shm_fds, args=(args.keep_mapped,), daemon=True).start()
 
