@@ -77,15 +77,17 @@ def unlink(segments) -> None:
 # NOTE: a file of another engine's /dev/shm, passed over a Unix socket (SCM_RIGHTS), keeps that engine's whole tmpfs
 # (every file, closed ones too) for as long as one process holds it, after that engine is gone; its path then names
 # nothing here (`/tiny`, not `/dev/shm/tiny`). Any file an engine's processes hold open or mapped on a tmpfs the agent
-# does not see mounted (another engine's own /dev/shm, live or gone) counts that whole tmpfs once (`_private_tmpfs`).
+# does not see mounted (another engine's own /dev/shm, live or gone) counts that whole tmpfs once (`_PrivateTmpfs`).
 
 
 @dataclass(slots=True, frozen=True)
 class HeldMemory:
     """What some processes hold in the shared-memory folder."""
 
-    num_bytes: int  # each file once: its blocks, or for one unlinked and only mapped, its largest mapping
-    num_files: int  # the files of their own /dev/shm (namespaces of their own), held or not; 0 for the node's
+    # each file once: its blocks, or for one unlinked and only mapped, its largest mapping; and each tmpfs not mounted
+    # here (their own /dev/shm, another engine's they hold a file of) whole, once
+    num_bytes: int
+    num_files: int  # the files of those tmpfs, held or not; 0 for the node's /dev/shm
     paths: frozenset[Path]  # the names they hold that still exist (removed when their engine is stopped)
     inodes: frozenset[tuple[int, int]]  # (device, inode) of every file they hold
     hidden: bool  # a process of theirs would not show its files (not dumpable): what it holds is unknown
