@@ -39,7 +39,7 @@ parser.add_argument("--shm-dir", default="/dev/shm")
 parser.add_argument("--shm-unlinked", action="store_true", help="then remove its name: only the mapping holds it")
 parser.add_argument("--shm-closed", action="store_true", help="then close and unmap it: only its name keeps it")
 parser.add_argument("--confine", action="store_true", help="confine itself first, as an engine does (`sandbox.py`)")
-parser.add_argument("--give-shm-fd", action="append", default=[], help="a folder's variable: pass a /dev/shm file on a socket there")
+parser.add_argument("--give-shm-fd", action="append", default=[], help="pass a /dev/shm file on a socket there")
 parser.add_argument("--keep-shm-fds", action="store_true", help="keep what every such socket passes")
 parser.add_argument("--keep-mapped", action="store_true", help="... mapped, their descriptors closed")
 parser.add_argument("--try-neighbour", default="", help="JSON {pid, shm}: log what it could do to that engine's process")
@@ -189,7 +189,8 @@ def give_shm_fd(folder: str) -> None:
     os.write(shm_fd, b"x")
     os.unlink(shm_path)  # the descriptor alone holds it
     server = socket.socket(socket.AF_UNIX)
-    made = {"folder": folder, "socket": attempt(lambda: server.bind(os.path.join(folder, PASS_SOCKET)) or "made")}
+    socket_path = os.path.join(folder, PASS_SOCKET)
+    made = {"folder": folder, "socket": attempt(lambda: server.bind(socket_path) or "made")}
     made["fifo"] = attempt(lambda: os.mkfifo(os.path.join(folder, "inferplane-pass.fifo")) or "made")
     print(f"==> give {json.dumps(made)}", flush=True)
     if made["socket"] == "made":

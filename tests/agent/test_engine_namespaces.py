@@ -257,7 +257,7 @@ def test_what_an_engine_closed_in_its_own_shared_memory_counts_in_its_bound(make
     assert "to its own folders and /dev/shm" in supervisor.get("r-a").failure_reason
 
 
-MAP_FILES = pytest.mark.skipif(os.geteuid() != 0, reason="only an agent with CAP_CHECKPOINT_RESTORE reads map_files")
+MAP_FILES = pytest.mark.skipif(os.geteuid() != 0, reason="map_files needs CAP_CHECKPOINT_RESTORE")
 
 
 @pytest.mark.parametrize("mapped", [False, pytest.param(True, marks=MAP_FILES)])
