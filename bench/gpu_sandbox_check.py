@@ -317,7 +317,7 @@ def run_engine(mode: str, root: Path, quick: bool) -> dict:
         policy = sandbox.engine_policy(
             sandbox.SandboxMode.REQUIRED if confinable and not sandbox.namespaces_missing()
             else sandbox.SandboxMode.BEST_EFFORT, model_dirs=[folders["model"], folders["adapters"]],
-            own_dirs=[folders["scratch"], folders["cache"]], shared_read=[folders["shared"] / "modelinfos"],
+            own_dirs=[folders["scratch"]], shared_dirs=[folders["cache"]], shared_read=[folders["shared"] / "modelinfos"],
             shared_memory_max_bytes=20 * 10**9,  # the agent's default bound for one engine (`engine_disk`)
         )  # fmt: skip
         env.update(sandbox.engine_folder_env(folders["scratch"], folders["cache"], policy.mode))
@@ -461,7 +461,7 @@ def diagnose(root: Path) -> dict:
     policy = sandbox.engine_policy(  # NOTE: best-effort where namespaces are refused, as in `run_engine`
         sandbox.SandboxMode.BEST_EFFORT if sandbox.namespaces_missing() else sandbox.SandboxMode.REQUIRED,
         model_dirs=[folders["model"], folders["adapters"]],
-        own_dirs=[folders["scratch"], folders["cache"]], shared_read=[folders["shared"] / "modelinfos"],
+        own_dirs=[folders["scratch"]], shared_dirs=[folders["cache"]], shared_read=[folders["shared"] / "modelinfos"],
     )  # fmt: skip
     report["policy"] = json.loads(policy.to_json())
     paths = opened.get("paths", [])

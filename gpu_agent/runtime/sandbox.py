@@ -15,7 +15,8 @@ What an engine may do (`rules`):
   own package; read /proc and /sys, and each entry of /etc but the agent's settings (`ETC_LEFT_OUT`);
 - read its model's folder, its draft model's, and the folder its LoRA adapters are staged in;
 - read and write its own folders: a scratch folder made for each launch (HOME, TMPDIR) and its endpoint's cache
-  folder (`engine_folder_env`);
+  folder (`engine_folder_env`), which the endpoint's replicas on the node share, and where none makes a socket or a
+  FIFO (`SHARED_READ_WRITE`);
 - read, write and ioctl the device nodes a GPU needs (`DEVICE_NODES`, `DEVICE_FOLDERS`), and create, open
   and remove files in /dev/shm, which it cannot list: the names there are random, so another engine's
   segments are out of reach without a listing;
@@ -128,6 +129,10 @@ READ_WRITE = (
     READ | WRITE_FILE | REMOVE_DIR | REMOVE_FILE | MAKE_DIR | MAKE_REG | MAKE_SOCK | MAKE_FIFO | MAKE_SYM
     | REFER | TRUNCATE
 )  # fmt: skip
+# NOTE: an endpoint's cache folder, which its replicas on a node share: no socket nor FIFO (vLLM's and torch's caches
+# are files). Landlock does not govern connecting to a socket bound to a path, so replicas that met on one passed each
+# other files of their own /dev/shm (SCM_RIGHTS), each keeping a stopped engine's whole tmpfs (`shared_memory.py`).
+SHARED_READ_WRITE = READ_WRITE & ~(MAKE_SOCK | MAKE_FIFO)
 DEVICE = READ_FILE | WRITE_FILE | IOCTL_DEV
 # NOTE: no READ_DIR: an engine creates and opens its segments by name, and never learns another engine's.
 SHARED_MEMORY = READ_FILE | WRITE_FILE | MAKE_REG | REMOVE_FILE | TRUNCATE
@@ -316,6 +321,7 @@ class SandboxPolicy:
     read_execute: tuple[str, ...] = ()
     read: tuple[str, ...] = ()
     read_write: tuple[str, ...] = ()
+    shared_read_write: tuple[str, ...] = ()  # written by other engines too: no socket nor FIFO there
     devices: tuple[str, ...] = ()
     shared_memory: str = SHARED_MEMORY_DIR
     proc_writable: bool = False  # an engine with GPUs: CUDA writes its threads' names (`PROC_WRITE`)
@@ -328,7 +334,8 @@ class SandboxPolicy:
     namespaces_missing: str | None = None
 
     def __post_init__(self) -> None:
-        for path in (*self.read_execute, *self.read, *self.read_write, *self.devices, self.shared_memory):
+        for path in (*self.read_execute, *self.read, *self.read_write, *self.shared_read_write, *self.devices,
+                     self.shared_memory):  # fmt: skip
             if not os.path.isabs(path):
                 raise ValueError(f"a sandbox path must be absolute, not {path!r}")
         for name in ("shared_memory_max_bytes", "shared_memory_max_files"):
@@ -338,7 +345,8 @@ class SandboxPolicy:
     def to_json(self) -> str:
         return json.dumps({
             "mode": self.mode.value, "read_execute": self.read_execute, "read": self.read,
-            "read_write": self.read_write, "devices": self.devices, "shared_memory": self.shared_memory,
+            "read_write": self.read_write, "shared_read_write": self.shared_read_write, "devices": self.devices,
+            "shared_memory": self.shared_memory,
             "proc_writable": self.proc_writable, "shared_memory_max_bytes": self.shared_memory_max_bytes,
             "shared_memory_max_files": self.shared_memory_max_files, "namespaces_missing": self.namespaces_missing,
         })  # fmt: skip
@@ -349,6 +357,7 @@ class SandboxPolicy:
         return cls(
             mode=SandboxMode(data["mode"]),
             **{name: tuple(data[name]) for name in ("read_execute", "read", "read_write", "devices")},
+            shared_read_write=tuple(data.get("shared_read_write", ())),
             shared_memory=data["shared_memory"],
             proc_writable=bool(data.get("proc_writable", False)),
             shared_memory_max_bytes=data.get("shared_memory_max_bytes"),
@@ -384,11 +393,12 @@ def device_nodes() -> list[str]:
 
 
 def engine_policy(
-    mode: SandboxMode, *, model_dirs, own_dirs, shared_read=(), shared_memory_max_bytes=None,
-    shared_memory_max_files=None, namespaces_missing=None,
+    mode: SandboxMode, *, model_dirs, own_dirs, shared_dirs=(), shared_read=(),
+    shared_memory_max_bytes=None, shared_memory_max_files=None, namespaces_missing=None,
 ) -> SandboxPolicy:
     """The policy of one engine: its model folders (`model_dirs`: model, draft, adapters) and shared read-only
-    caches to read, its own folders (`own_dirs`) to write, its own /dev/shm's size and files (at most
+    caches to read, its own folders (`own_dirs`) to write, folders it writes with other engines (`shared_dirs`: its
+    endpoint's cache) without a socket or FIFO there, its own /dev/shm's size and files (at most
     `SHARED_MEMORY_MAX_FILES`) and whether its namespaces work here (`namespaces_missing`, None: the engine tries),
     and what every engine needs of the system."""
     devices = tuple(_unique(device_nodes()))
@@ -397,6 +407,7 @@ def engine_policy(
         read_execute=tuple(_unique(system_read_execute())),
         read=tuple(_unique([*system_read(), *map(str, model_dirs), *map(str, shared_read)])),
         read_write=tuple(_unique(map(str, own_dirs))),
+        shared_read_write=tuple(_unique(map(str, shared_dirs))),
         devices=devices,
         proc_writable=has_nvidia_gpu(devices),
         shared_memory_max_bytes=shared_memory_max_bytes,
@@ -433,6 +444,7 @@ def rules(policy: SandboxPolicy, abi: int) -> Ruleset:
         *((path, READ_EXECUTE) for path in policy.read_execute),
         *((path, READ) for path in policy.read),
         *((path, READ_WRITE) for path in policy.read_write),
+        *((path, SHARED_READ_WRITE) for path in policy.shared_read_write),
         *((path, DEVICE) for path in policy.devices),
         (policy.shared_memory, SHARED_MEMORY),
         *((("/proc", PROC_WRITE),) if policy.proc_writable else ()),

@@ -9,6 +9,7 @@ segments its processes hold first and unlinks them after. Standard library only:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 import time
@@ -73,14 +74,20 @@ def unlink(segments) -> None:
 # mapped included) and counts it in that engine's bound (`Supervisor.check_disk`); a file no process holds goes
 # after a grace period (`remove_orphans`). An engine in namespaces of its own has a /dev/shm of its own: all of it is
 # counted (`statvfs` through `/proc/<pid>/root`: what it closed too, which it kept for its whole life before).
+# NOTE: a file of another engine's /dev/shm, passed over a Unix socket (SCM_RIGHTS), keeps that engine's whole tmpfs
+# (every file, closed ones too) for as long as one process holds it, after that engine is gone; its path then names
+# nothing here (`/tiny`, not `/dev/shm/tiny`). Any file an engine's processes hold open or mapped on a tmpfs the agent
+# does not see mounted (another engine's own /dev/shm, live or gone) counts that whole tmpfs once (`_PrivateTmpfs`).
 
 
 @dataclass(slots=True, frozen=True)
 class HeldMemory:
     """What some processes hold in the shared-memory folder."""
 
-    num_bytes: int  # each file once: its blocks, or for one unlinked and only mapped, its largest mapping
-    num_files: int  # the files of their own /dev/shm (namespaces of their own), held or not; 0 for the node's
+    # each file once: its blocks, or for one unlinked and only mapped, its largest mapping; and each tmpfs not mounted
+    # here (their own /dev/shm, another engine's they hold a file of) whole, once
+    num_bytes: int
+    num_files: int  # the files of those tmpfs, held or not; 0 for the node's /dev/shm
     paths: frozenset[Path]  # the names they hold that still exist (removed when their engine is stopped)
     inodes: frozenset[tuple[int, int]]  # (device, inode) of every file they hold
     hidden: bool  # a process of theirs would not show its files (not dumpable): what it holds is unknown
@@ -111,13 +118,72 @@ def process_tree(pid: int) -> set[int]:
     return found | group
 
 
+_TMPFS_MAGIC = 0x01021994  # `statfs`'s f_type of a tmpfs (linux/magic.h)
+
+
+def _mounted_devices() -> set[int]:
+    """The devices of the file systems mounted where this process sees them (`/proc/self/mountinfo`)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mountinfo:
+            numbers = [line.split(maxsplit=3)[2].split(":") for line in mountinfo]
+    except OSError:
+        return set()
+    return {os.makedev(int(major), int(minor)) for major, minor in numbers}
+
+
+def _usage(path: str) -> tuple[int, int]:
+    """Bytes and files used on the file system of `path`, less its root folder."""
+    usage = os.statvfs(path)
+    return (usage.f_blocks - usage.f_bfree) * usage.f_frsize, max(0, usage.f_files - usage.f_ffree - 1)
+
+
+def _tmpfs_usage(path: str) -> tuple[int, int] | None:
+    """`_usage` of the tmpfs `path` is on (a `/proc/<pid>/fd/<n>` or `map_files` link: the open file itself); None
+    for another file system or a tmpfs of no size (the kernel's own: memfd's, SysV's, counted as memory)."""
+    found = ctypes.create_string_buffer(256)  # a `struct statfs`, its f_type (a C long) first
+    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), found) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error), path)
+    if ctypes.c_long.from_buffer(found).value & 0xFFFFFFFF != _TMPFS_MAGIC:
+        return None
+    usage = _usage(path)
+    return usage if os.statvfs(path).f_blocks else None
+
+
+class _PrivateTmpfs:
+    """The tmpfs file systems some processes hold files of that the agent does not see mounted: engines' own
+    /dev/shm (`namespaces.py`), theirs or one another engine passed them a file of. Each device is asked once."""
+
+    def __init__(self) -> None:
+        self.mounted = _mounted_devices()
+        self.usage: dict[int, tuple[int, int]] = {}  # device -> (bytes, files)
+        self.unknown: set[int] = set()  # not a tmpfs, or not measurable (`map_files` refused)
+
+    def measure(self, device: int, link: str) -> None:
+        """Note `device` through `link`, a file of it, unless it is a device mounted here or known already."""
+        if device in self.mounted or device in self.usage or device in self.unknown or os.major(device) != 0:
+            return  # NOTE: a tmpfs has an anonymous device (major 0)
+        try:
+            usage = _tmpfs_usage(link)
+        except OSError:  # gone meanwhile, or `map_files` refused (it needs CAP_CHECKPOINT_RESTORE)
+            usage = None
+        if usage is None:
+            self.unknown.add(device)
+        else:
+            self.usage[device] = usage
+
+
 def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     """What `pids` hold open or mapped in `folder` (files directly in it: an engine may make no folder there).
 
     A process in a mount namespace of its own (`namespaces.py`) has a `folder` of its own, a tmpfs: all of it is
     counted, held or not (its blocks and files: `statvfs` through `/proc/<pid>/root`), and the names of its files are
-    not returned, which name other files here."""
+    not returned, which name other files here. So is, once, every other tmpfs not mounted here that `pids` hold a
+    file of, whatever its path (another engine's /dev/shm: `_PrivateTmpfs`), measured through the open file itself
+    (`/proc/<pid>/fd/<n>`, and `/proc/<pid>/map_files/<range>` for a file only mapped, which the kernel shows only
+    to an agent with CAP_CHECKPOINT_RESTORE: without, a file only mapped counts only by its path, as in `folder`)."""
     own_folders: dict[int, tuple[int, int]] = {}  # device -> (bytes, files) of the processes' own `folder`s
+    private = _PrivateTmpfs()
     try:
         # NOTE: a process's new mount namespace holds the node's `folder` until its init mounts its own there
         node_device = os.stat(folder).st_dev
@@ -136,9 +202,7 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
             try:
                 device = os.stat(f"{root}{folder}").st_dev
                 if device != node_device and device not in own_folders:
-                    usage = os.statvfs(f"{root}{folder}")
-                    own_folders[device] = ((usage.f_blocks - usage.f_bfree) * usage.f_frsize,
-                                           max(0, usage.f_files - usage.f_ffree - 1))  # fmt: skip  # less its root
+                    own_folders[device] = _usage(f"{root}{folder}")
             except PermissionError:
                 hidden = True
                 continue
@@ -154,29 +218,34 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
         for fd in fds:
             try:
                 target = os.readlink(f"{fd_dir}/{fd}")
-                if not target.startswith(prefix):
-                    continue
+                if not target.startswith("/"):
+                    continue  # a socket, a pipe, an anonymous inode
                 info = os.stat(f"{fd_dir}/{fd}")  # the open file itself, unlinked or not
             except OSError:
+                continue
+            private.measure(info.st_dev, f"{fd_dir}/{fd}")
+            if not target.startswith(prefix):
                 continue
             sizes[(info.st_dev, info.st_ino)] = info.st_blocks * 512
             if own_view and not target.endswith(" (deleted)"):
                 paths.add(Path(target))
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
-                lines = [line for line in maps if prefix in line]
+                # a file of `folder`, or of a file system with an anonymous device (a tmpfs's: `_PrivateTmpfs`)
+                lines = [parts for parts in (line.split(maxsplit=5) for line in maps)
+                         if len(parts) == 6 and parts[4] != "0" and (parts[3].startswith("00:") or prefix in parts[5])]  # fmt: skip
         except PermissionError:
             hidden = True
             continue
         except OSError:
             continue
-        for line in lines:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or not parts[5].startswith(prefix):
-                continue
+        for parts in lines:
             start, end = (int(value, 16) for value in parts[0].split("-"))
             major, minor = (int(value, 16) for value in parts[3].split(":"))
             inode = (os.makedev(major, minor), int(parts[4]))
+            private.measure(inode[0], f"/proc/{pid}/map_files/{start:x}-{end:x}")
+            if not parts[5].startswith(prefix):
+                continue
             path = parts[5].rstrip("\n")
             if inode in sizes:
                 continue
@@ -191,10 +260,13 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
                         paths.add(Path(path))
                     continue
             mapped[inode] = max(mapped.get(inode, 0), end - start)
-    counted = {**mapped, **sizes}  # each file once, by its blocks where known
-    num_bytes = sum(size for (device, _), size in counted.items() if device not in own_folders)
-    num_bytes += sum(num_bytes for num_bytes, _ in own_folders.values())
-    num_files = sum(num_files for _, num_files in own_folders.values())
+    # each file once, by its blocks where known; each tmpfs not mounted here whole, once
+    counted = {**mapped, **sizes}
+    whole = {**{device: usage for device, usage in private.usage.items() if device not in own_folders},
+             **own_folders}  # fmt: skip
+    num_bytes = sum(size for (device, _), size in counted.items() if device not in whole)
+    num_bytes += sum(num_bytes for num_bytes, _ in whole.values())
+    num_files = sum(num_files for _, num_files in whole.values())
     return HeldMemory(num_bytes, num_files, frozenset(paths), frozenset(sizes) | frozenset(mapped), hidden)
 
 

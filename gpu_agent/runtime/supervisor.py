@@ -585,7 +585,7 @@ class Supervisor:
         if spec.speculative is not None and os.path.isabs(spec.speculative.draft_source):
             model_dirs.append(spec.speculative.draft_source)  # NOTE: the cached copy (`speculative.with_local_draft`)
         policy = sandbox.engine_policy(
-            self.sandbox_mode, model_dirs=model_dirs, own_dirs=[scratch_dir, cache_dir],
+            self.sandbox_mode, model_dirs=model_dirs, own_dirs=[scratch_dir], shared_dirs=[cache_dir],
             shared_read=[shared_cache / "modelinfos"], shared_memory_max_bytes=self.disk_bounds.engine_max_bytes,
             shared_memory_max_files=self.disk_bounds.engine_max_files, namespaces_missing=sandbox.namespaces_missing(),
         )  # fmt: skip

@@ -6,7 +6,8 @@ Serves /health, /metrics (running requests read from --running-file),
 replica's key from INFERPLANE_ENGINE_API_KEY; with --fill-cache-bytes/--fill-scratch-bytes writes that much into its
 cache folder (XDG_CACHE_HOME) and scratch folder (TMPDIR) before it answers /health (with --fill-shm-bytes holds a file that
 big in /dev/shm, open and mapped, or with --shm-unlinked only mapped, or with --shm-closed neither); spawns a worker child like vLLM's EngineCore so that tests see
-whether the whole process group goes away.
+whether the whole process group goes away. With --give-shm-fd and --keep-shm-fds, one engine passes another a file
+of its /dev/shm over a Unix socket, as a hostile tenant's two replicas would.
 """
 
 import argparse
@@ -38,6 +39,9 @@ parser.add_argument("--shm-dir", default="/dev/shm")
 parser.add_argument("--shm-unlinked", action="store_true", help="then remove its name: only the mapping holds it")
 parser.add_argument("--shm-closed", action="store_true", help="then close and unmap it: only its name keeps it")
 parser.add_argument("--confine", action="store_true", help="confine itself first, as an engine does (`sandbox.py`)")
+parser.add_argument("--give-shm-fd", action="append", default=[], help="pass a /dev/shm file on a socket there")
+parser.add_argument("--keep-shm-fds", action="store_true", help="keep what every such socket passes")
+parser.add_argument("--keep-mapped", action="store_true", help="... mapped, their descriptors closed")
 parser.add_argument("--try-neighbour", default="", help="JSON {pid, shm}: log what it could do to that engine's process")
 parser.add_argument("--try-shm-bytes", type=int, default=0, help="log how much of this it could write in /dev/shm")
 parser.add_argument("--try-shm-files", type=int, default=0, help="log how many of these empty files it could make there")
@@ -171,6 +175,54 @@ if args.fill_shm_bytes:  # what vLLM's ring buffers and NCCL's segments take, in
     print(f"==> shared memory {shm_path}", flush=True)
 for line in args.log_line:
     print(line, flush=True)
+# A hostile tenant's two replicas: one passes the other a file of its /dev/shm.
+PASS_SOCKET = "inferplane-pass.sock"
+
+
+def give_shm_fd(folder: str) -> None:
+    """Make a 1-byte file in its /dev/shm, and pass it to whoever connects to a socket it makes in `folder` (a FIFO
+    is tried there too). Logs what the sandbox let it make."""
+    import socket
+
+    shm_path = f"/dev/shm/inferplane-tiny-{os.getpid()}-{os.urandom(4).hex()}"
+    shm_fd = os.open(shm_path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(shm_fd, b"x")
+    os.unlink(shm_path)  # the descriptor alone holds it
+    server = socket.socket(socket.AF_UNIX)
+    socket_path = os.path.join(folder, PASS_SOCKET)
+    made = {"folder": folder, "socket": attempt(lambda: server.bind(socket_path) or "made")}
+    made["fifo"] = attempt(lambda: os.mkfifo(os.path.join(folder, "inferplane-pass.fifo")) or "made")
+    print(f"==> give {json.dumps(made)}", flush=True)
+    if made["socket"] == "made":
+        server.listen(8)
+        while True:
+            client, _ = server.accept()
+            socket.send_fds(client, [b"x"], [shm_fd])
+            client.close()
+
+
+def keep_shm_fds(mapped: bool) -> None:
+    """Connect to every socket named `PASS_SOCKET` that /proc/net/unix lists, keeping the files passed."""
+    import socket
+
+    kept, done = [], set()
+    while True:
+        with open("/proc/net/unix") as sockets:
+            found = {line.split()[-1] for line in sockets if line.rstrip().endswith("/" + PASS_SOCKET)}
+        for path in found - done:
+            try:
+                with socket.socket(socket.AF_UNIX) as client:
+                    client.connect(path)
+                    _, fds, _, _ = socket.recv_fds(client, 1, 1)
+            except OSError:
+                continue  # removed meanwhile
+            done.add(path)
+            for fd in fds:
+                kept.append(mmap.mmap(fd, 1) if mapped else fd)
+                if mapped:
+                    os.close(fd)
+            print(f"==> kept {len(kept)}", flush=True)
+        time.sleep(0.2)
 
 
 def attempt(call):
@@ -178,6 +230,12 @@ def attempt(call):
         return call()
     except OSError as exc:
         return f"refused: {exc.strerror}"
+
+
+for folder_env in args.give_shm_fd:
+    threading.Thread(target=give_shm_fd, args=(os.environ[folder_env],), daemon=True).start()
+if args.keep_shm_fds:
+    threading.Thread(target=keep_shm_fds, args=(args.keep_mapped,), daemon=True).start()
 
 
 def write_shm(num_bytes: int) -> int:

@@ -257,6 +257,39 @@ def test_what_an_engine_closed_in_its_own_shared_memory_counts_in_its_bound(make
     assert "to its own folders and /dev/shm" in supervisor.get("r-a").failure_reason
 
 
+MAP_FILES = pytest.mark.skipif(os.geteuid() != 0, reason="map_files needs CAP_CHECKPOINT_RESTORE")
+
+
+@pytest.mark.parametrize("mapped", [False, pytest.param(True, marks=MAP_FILES)])
+def test_an_engine_holding_files_of_stopped_engines_shared_memory_is_charged_their_whole_tmpfs_and_stopped(
+    make_supervisor, tmp_path, mapped
+):
+    # Two replicas of one tenant's endpoint: each giver writes 48 MiB in its own /dev/shm, closes it, and passes a
+    # 1-byte file of it over a Unix socket to the keeper, then stops. That file keeps the giver's whole tmpfs; in the
+    # keeper its path names nothing under /dev/shm, so the agent counted it 0: each giver's bound of RAM pinned for
+    # good, in pages no RSS shows (the review of the sandbox). The socket is in the giver's scratch folder, whose path
+    # /proc/net/unix lists: the endpoint's shared cache folder, where they met first, makes none since.
+    keeper_args = ["--keep-shm-fds", *(["--keep-mapped"] if mapped else [])]
+    giver_args = ["--fill-shm-bytes", str(48 * MB), "--shm-closed", "--give-shm-fd", "TMPDIR"]
+    supervisor = make_supervisor("agent", {"r-b": keeper_args, "r-a1": giver_args, "r-a2": giver_args},
+                                 engine_max_bytes=64 * MB, check_interval_s=0)  # fmt: skip
+    for replica_id in ("r-b", "r-a1", "r-a2"):
+        supervisor.start(make_spec(replica_id, endpoint_id="e-same"), tmp_path)
+        wait_for_state(supervisor, replica_id, ReplicaState.READY, timeout_s=30)
+        if replica_id == "r-b":
+            continue
+        assert json.loads(logged(supervisor.get(replica_id), "==> give "))["socket"] == "made"
+        logged(supervisor.get("r-b"), f"==> kept {replica_id[-1]}")
+        supervisor.drain(replica_id)
+        wait_for_state(supervisor, replica_id, ReplicaState.STOPPED, timeout_s=20)
+    keeper = supervisor.get("r-b")
+    assert keeper.state == ReplicaState.READY  # each giver's 48 MiB alone is within the keeper's bound
+    assert shared_memory.held_by(shared_memory.process_tree(keeper.pid)).num_bytes >= 96 * MB
+    supervisor.check_disk()
+    assert supervisor.get("r-b").state == ReplicaState.FAILED
+    assert "to its own folders and /dev/shm" in supervisor.get("r-b").failure_reason
+
+
 # Runs the engine in a user namespace that may make none below it: as on a node whose user namespaces are exhausted.
 EXHAUSTED = """
 import ctypes, os, sys

@@ -90,7 +90,9 @@ def test_no_rule_reaches_the_agents_data_another_models_folder_or_its_settings(t
 
 
 def test_a_policy_travels_as_json_and_a_bad_mode_is_refused_with_the_choices():
-    policy = SandboxPolicy(mode=SandboxMode.BEST_EFFORT, read=("/a",), read_write=("/b",))
+    policy = SandboxPolicy(
+        mode=SandboxMode.BEST_EFFORT, read=("/a",), read_write=("/b",), shared_read_write=("/c",)
+    )
     assert SandboxPolicy.from_json(policy.to_json()) == policy
     with pytest.raises(ValueError, match="required, best-effort, off"):
         sandbox.parse_mode("strict")
@@ -401,6 +403,34 @@ def test_an_engine_gets_its_own_folders_and_policy_and_they_go_with_it(make_supe
     assert not [path for path in policy.read + policy.read_write if Path(path) == supervisor.data_dir]
     supervisor.shutdown(timeout_s=5)
     assert not scratch.exists()
+
+
+@needs_landlock
+def test_an_engine_makes_no_socket_nor_fifo_in_its_endpoints_shared_cache_folder_and_does_in_its_scratch(
+    make_supervisor, tmp_path
+):
+    # An endpoint's replicas on a node share its cache folder. Two of a hostile tenant's met on a socket there and
+    # passed each other files of their own /dev/shm (Landlock does not govern connecting to a socket bound to a path),
+    # each file keeping a stopped engine's whole tmpfs; vLLM's and torch's caches there are files.
+    supervisor = make_supervisor()
+    supervisor.command_factory = fake_engine_factory("--confine", "--give-shm-fd", "XDG_CACHE_HOME",
+                                                     "--give-shm-fd", "TMPDIR")  # fmt: skip
+    supervisor.start(make_spec("r-pass"), tmp_path / "model")
+    wait_for_state(supervisor, "r-pass", ReplicaState.READY, timeout_s=30)
+    replica = supervisor.get("r-pass")
+
+    def logged_makes() -> dict:  # folder -> what it could make there, as the engine logged it
+        lines = [line for line in replica.log_path.read_text().splitlines() if line.startswith("==> give ")]
+        entries = [json.loads(line.removeprefix("==> give ")) for line in lines]
+        return {entry.pop("folder"): entry for entry in entries}
+
+    made = wait_until(lambda: len(logged_makes()) == 2 and logged_makes(), timeout_s=10)
+    cache, scratch = replica.command.env["XDG_CACHE_HOME"], replica.command.env["TMPDIR"]
+    assert made[cache] == {"socket": "refused: Permission denied", "fifo": "refused: Permission denied"}
+    # its own processes' (vLLM's below Landlock ABI 6)
+    assert made[scratch] == {"socket": "made", "fifo": "made"}
+    assert str(scratch) in SandboxPolicy.from_json(replica.command.env[sandbox.POLICY_ENV]).read_write
+    supervisor.shutdown(timeout_s=5)
 
 
 def test_an_endpoint_id_that_is_not_a_plain_name_makes_its_cache_folder_inside_the_caches_folder(
