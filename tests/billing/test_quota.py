@@ -17,9 +17,9 @@ from django.utils import timezone
 
 from billing import periods
 from billing.credits import draw_credits, grant_credits
-from billing.ledger import record_usage
+from billing.ledger import record_usage, supersede_lost_rows
 from billing.models import BillingAccount, BillingMode, CreditGrant, UsageRecord
-from billing.quota import counters, reads, rebuild, sweeper
+from billing.quota import counters, reads, rebuild, replayed, sweeper
 from billing.quota.counters import (
     CALL_SETTLED_MARKER_TTL_S,
     QuotaExceeded,
@@ -626,8 +626,47 @@ def test_the_sweeper_settling_a_reservation_its_call_settled_meanwhile_counts_no
     asyncio.run(settle(admitted, cost, fresh_id=True))
     get_redis().delete(redis_keys.settled_key(organization.pk, "req_race"))  # past the call's marker, the worst case
 
-    assert sweeper._SETTLE_SERVED.run_sync(quota_settle=settle_keys_and_args(read_by_the_sweeper, cost)) == 0
+    assert sweeper._SETTLE_SERVED.run_sync(
+        deadline_passed=([redis_keys.deadlines_key(organization.pk)], ["req_race", str(time.time() + 601)]),
+        quota_settle=settle_keys_and_args(read_by_the_sweeper, cost)) == 0
     assert reads.counted_spend(organization.pk) == cost and reads.reserved_now(organization.pk) == 0
+
+
+def test_a_call_whose_gateway_woke_and_pushed_its_deadline_on_after_the_sweeper_read_it_is_left_held(settings,
+                                                                                                     monkeypatch):
+    # Found by a review: the sweeper read a stream's deadline as passed (its gateway frozen past it), then the gateway
+    # woke, its beat pushed the deadline on and its reconcile kept the hold, then the sweeper wrote the call's lost row
+    # from its progress and settled it. Before, the call ran on unheld (calls beside it passed the cap) and the day's
+    # marker kept it from being held again. The sweeper's script now checks the deadline too: the call stays held and
+    # its own end bills it, whole, once.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    streaming = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                    request_id="req_woken"))
+    _progress(streaming, endpoint, prompt_tokens=100, completion_tokens=20)
+    swept_at = time.time() + 601
+    release = sweeper._release
+
+    def woken_then_release(client, organization_id, expired, now):
+        # its gateway's beat, on the clock the sweep reads: `presence._push_deadlines_on`
+        get_redis().zadd(redis_keys.deadlines_key(organization_id), {"req_woken": int(swept_at) + 601}, xx=True, gt=True)
+        return release(client, organization_id, expired, now)
+
+    monkeypatch.setattr(sweeper, "_release", woken_then_release)
+    sweeper.sweep_expired_reservations(now=swept_at)
+
+    assert reads.reserved_now(organization.pk) == Decimal("0.50") and reads.counted_spend(organization.pk) == 0
+    assert not get_redis().exists(redis_keys.settled_key(organization.pk, "req_woken"))
+    # It ends: its own row supersedes the lost one, counted whole while it is held, and its settlement adds nothing more.
+    report = dataclasses.replace(usage_report(endpoint, request_id="req_woken", prompt_tokens=100,
+                                              completion_tokens=200), max_cost=Decimal("0.50"))
+    replayed.count_superseded(supersede_lost_rows([report]))
+    row = UsageRecord.objects.get(request_id="req_woken")
+    assert row.status != "gateway_lost" and row.completion_tokens == 200
+    asyncio.run(settle(streaming, row.cost, fresh_id=True))
+    assert reads.counted_spend(organization.pk) == row.cost > 0 and reads.reserved_now(organization.pk) == 0
 
 
 def test_a_call_the_sweeper_settled_is_not_counted_again_when_its_gateway_settles_late(settings):
