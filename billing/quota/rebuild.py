@@ -57,17 +57,25 @@ class RebuildTooSlow(TimeoutError):
 
 # KEYS: the rebuilds under way, the organisation's reservations; ARGV: the counter's key, `REBUILD_MAX_S`,
 # `REBUILD_LONGEST_S`. Says a rebuild of the counter is under way for its window (a replay's count that finds it missing
-# leaves it the cost: `replayed`), and returns Redis's clock (s), the window (s) and the calls reserved now, read before
-# the ledger.
+# leaves it the cost: `replayed`), and returns Redis's clock (s), the window (s), the calls reserved now, read before
+# the ledger, and the run of rebuilds it joins (`r:<counter>`: Redis's clock (s.µs) when the first of the rebuilds
+# under way began; `LOST_LUA`).
 _BEGIN_REBUILD = Script("""
-local now = tonumber(redis.call('TIME')[1])
+local time = redis.call('TIME')
+local now = tonumber(time[1])
 local field = 'c:' .. ARGV[1]
+local under_way = tonumber(redis.call('HGET', KEYS[1], field) or '0')
+local run = redis.call('HGET', KEYS[1], 'r:' .. ARGV[1])
+if under_way < now or not run then
+  run = time[1] .. '.' .. time[2]
+  redis.call('HSET', KEYS[1], 'r:' .. ARGV[1], run)
+end
 local took = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[1]) or '0')
 local window = math.min(math.max(tonumber(ARGV[2]), 2 * took), tonumber(ARGV[3]))
 local until_s = now + window
-if tonumber(redis.call('HGET', KEYS[1], field) or '0') < until_s then redis.call('HSET', KEYS[1], field, until_s) end
+if under_way < until_s then redis.call('HSET', KEYS[1], field, until_s) end
 if redis.call('TTL', KEYS[1]) < 2 * window then redis.call('EXPIRE', KEYS[1], 2 * window) end
-return {now, window, redis.call('HKEYS', KEYS[2])}
+return {now, window, redis.call('HKEYS', KEYS[2]), run}
 """)
 
 # A rebuild older than its window (`_BEGIN_REBUILD`): how long it took is kept for the counter's next rebuild, in the
@@ -138,25 +146,44 @@ end
 """
 HELD_AGAIN_MEANWHILE = -2
 HELD_AGAIN_PREFIX = "h:"
-# How many times a rebuild begins again for calls held again meanwhile (`HELD_AGAIN_MEANWHILE`) before it leaves the
-# counter to the caller's next attempt.
+# How many times a rebuild begins again for calls held again meanwhile (`HELD_AGAIN_MEANWHILE`), or for Redis losing
+# its run (`LOST_MEANWHILE`), before it leaves the counter to the caller's next attempt.
 REBUILD_TRIES = 3
+
+# Whether Redis lost what a rebuild of `counter` begun at `run` (`_BEGIN_REBUILD`) relies on since it began (a flush,
+# a restart without persistence, a failover to a replica without the recent writes): its run (`r:<counter>`), or its
+# window (`c:<counter>`, at least `until_s`), and with them the costs that counts left it (`m:`, `counters.MISSED_LUA`)
+# and the calls held again it asks about (`h:`, `HELD_AGAIN_LUA`). A count that found the counter missing while `c:` was
+# gone left it nothing: true, and the rebuild writes nothing (`LOST_MEANWHILE`: it begins again, with a snapshot that
+# has the row).
+# NOTE: a call whose row was committed after the snapshot and settled after Redis lost `c:` was counted nowhere: the
+# settlement found no counter and no rebuild under way, and the rebuild wrote the counter without it (spend past the
+# hard cap and the prepaid credit for the rest of the period).
+LOST_LUA = """
+local function rebuild_lost(rebuilding, counter, run, until_s)
+  if redis.call('HGET', rebuilding, 'r:' .. counter) ~= run then return true end
+  return tonumber(redis.call('HGET', rebuilding, 'c:' .. counter) or '0') < tonumber(until_s)
+end
+"""
+LOST_MEANWHILE = -3
 
 # KEYS: a period counter (a hash), the organisation's reservations, the rebuilds under way, the replays' registrations,
 # then the settled marker of each pending call; ARGV: ttl, the rebuild's start and window (`_BEGIN_REBUILD`),
-# `REBUILD_LONGEST_S`, the number of calls held again it asked about, their request ids (`HELD_AGAIN_LUA`), the number
+# `REBUILD_LONGEST_S`, its run (`LOST_LUA`), the number of calls held again it asked about, their request ids (`HELD_AGAIN_LUA`), the number
 # of replayed rows present, their request ids, then each pending call's request id, then each one's cost
 # (units, > 0), then the hash's field/value pairs. Writes the hash only if nobody did meanwhile (0), the rebuild is
-# not too old (-1) and no call was held again since it read them (-2), its spend less the cost of each pending call
+# not too old (-1), Redis lost nothing it relies on since it began (-3: `LOST_LUA`) and no call was held again since
+# it read them (-2), its spend less the cost of each pending call
 # still reserved and not settled, whose own settlement (`counters.SETTLE`) adds it once the counter exists, and with
 # the journal's replayed rows counted once (`REPLAYED_ROWS_LUA`).
-_INIT_SPEND = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + HELD_AGAIN_LUA + """
+_INIT_SPEND = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + HELD_AGAIN_LUA + LOST_LUA + """
 local now = tonumber(redis.call('TIME')[1])
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if now > tonumber(ARGV[2]) + tonumber(ARGV[3]) then return too_slow(KEYS[3], KEYS[1], now - tonumber(ARGV[2]), ARGV[4]) end
-local num_asked = tonumber(ARGV[5])
-if not held_again_asked(KEYS[3], KEYS[1], ARGV, 6, num_asked) then return -2 end
-local present_at = 7 + num_asked
+if rebuild_lost(KEYS[3], KEYS[1], ARGV[5], tonumber(ARGV[2]) + tonumber(ARGV[3])) then return -3 end
+local num_asked = tonumber(ARGV[6])
+if not held_again_asked(KEYS[3], KEYS[1], ARGV, 7, num_asked) then return -2 end
+local present_at = 8 + num_asked
 local pending = #KEYS - 4
 local num_present = tonumber(ARGV[present_at - 1])
 local ids_at = present_at + num_present
@@ -179,20 +206,22 @@ return 1
 
 # KEYS: the credit figure, the organisation's reservations, the journaled calls the figure counted, the rebuilds under
 # way, the replays' registrations, then the settled marker of each pending call; ARGV: ttl, the figure (units), the
-# rebuild's start and window, `REBUILD_LONGEST_S`, the number of calls held again it asked about, their request ids,
+# rebuild's start and window, `REBUILD_LONGEST_S`, its run, the number of calls held again it asked about, their
+# request ids,
 # the number of replayed rows present, their request ids, then each pending call's request id, then each one's cost
-# (units, > 0). Writes the figure only if nobody did meanwhile (0), the rebuild is not too old (-1) and no call was held
-# again since it read them (-2), with the cost of each pending call still reserved and not settled given back: its own
+# (units, > 0). Writes the figure only if nobody did meanwhile (0), the rebuild is not too old (-1), Redis lost nothing
+# it relies on since it began (-3) and no call was held again since it read them (-2), with the cost of each pending call still reserved and not settled given back: its own
 # settlement (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure counted it, then the settlement took it again:
 # a prepaid account refused (402) early for up to an hour after any grant or mode change. A new figure has counted no
 # journaled call but the replayed rows it marks (`REPLAYED_ROWS_LUA`): what the last one had is dropped.
-_INIT_CREDIT = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + HELD_AGAIN_LUA + """
+_INIT_CREDIT = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + HELD_AGAIN_LUA + LOST_LUA + """
 local now = tonumber(redis.call('TIME')[1])
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if now > tonumber(ARGV[3]) + tonumber(ARGV[4]) then return too_slow(KEYS[4], KEYS[1], now - tonumber(ARGV[3]), ARGV[5]) end
-local num_asked = tonumber(ARGV[6])
-if not held_again_asked(KEYS[4], KEYS[1], ARGV, 7, num_asked) then return -2 end
-local present_at = 8 + num_asked
+if rebuild_lost(KEYS[4], KEYS[1], ARGV[6], tonumber(ARGV[3]) + tonumber(ARGV[4])) then return -3 end
+local num_asked = tonumber(ARGV[7])
+if not held_again_asked(KEYS[4], KEYS[1], ARGV, 8, num_asked) then return -2 end
+local present_at = 9 + num_asked
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
 redis.call('DEL', KEYS[3])
 local pending = #KEYS - 5
@@ -366,14 +395,15 @@ def _one_snapshot():
         yield
 
 
-async def _write_rebuild(rebuild: _Rebuild, organization_id: int, started_at: int, window_s: int) -> int:
+async def _write_rebuild(rebuild: _Rebuild, organization_id: int, started_at: int, window_s: int, run: str) -> int:
     """1 when written, 0 when another wrote the counter first, -1 when the rebuild is older than its window,
-    `HELD_AGAIN_MEANWHILE` when a call was held again since it read those (`_held_again`)."""
+    `LOST_MEANWHILE` when Redis lost its run since it began (`LOST_LUA`), `HELD_AGAIN_MEANWHILE` when a call was held
+    again since it read those (`_held_again`)."""
     request_ids = list(rebuild.pending)
     markers = [settled_key(organization_id, request_id) for request_id in request_ids]
     costs = [rebuild.pending[request_id] for request_id in request_ids]
     replays = [rebuilding_key(organization_id), replaying_key(organization_id)]
-    began = [started_at, window_s, REBUILD_LONGEST_S, len(rebuild.held_again), *rebuild.held_again,
+    began = [started_at, window_s, REBUILD_LONGEST_S, run, len(rebuild.held_again), *rebuild.held_again,
              len(rebuild.present), *rebuild.present]
     if rebuild.fields is not None:
         return await _INIT_SPEND(keys=[rebuild.key, reservations_key(organization_id), *replays, *markers],
@@ -407,14 +437,14 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
         # found this counter missing (its own rebuild wrote it first, or ours does) and reserved nothing; one held again
         # since (its hold put back after Redis lost it) is marked for this rebuild (`_held_again`).
         counter = _counter_key(what, organization_id, reservation.api_key_id, period)
-        for _try in range(REBUILD_TRIES):  # again while calls are held again meanwhile (after Redis lost them)
-            started_at, window_s, reserved_ids = await _BEGIN_REBUILD(
+        for _try in range(REBUILD_TRIES):  # again while calls are held again meanwhile, or Redis lost its run
+            started_at, window_s, reserved_ids, run = await _BEGIN_REBUILD(
                 keys=[rebuilding_key(organization_id), reservations_key(organization_id)],
                 args=[counter, REBUILD_MAX_S, REBUILD_LONGEST_S])
             rebuild = await sync_to_async(_rebuild_from_database)(what, organization_id, reservation.api_key_id,
                                                                   period, reserved_ids)
-            written = await _write_rebuild(rebuild, organization_id, int(started_at), int(window_s))
-            if written != HELD_AGAIN_MEANWHILE:
+            written = await _write_rebuild(rebuild, organization_id, int(started_at), int(window_s), run)
+            if written not in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
                 break
         if written == -1:
             logger.warning("organisation %s: its %s counter's rebuild took over %d s; not written (the next is given "

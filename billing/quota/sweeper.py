@@ -44,7 +44,7 @@ from controlplane.redis_keys import (
     reservations_key,
 )
 from controlplane.redis_scripts import Script
-from controlplane.script_parts import ComposedScript
+from controlplane.script_parts import ComposedScript, ScriptPart
 
 # KEYS: reservations, deadlines, org reserved, key reserved, progress; ARGV: request id, has key, now
 _RELEASE_EXPIRED = Script(counters.UNRESERVE_LUA + """
@@ -63,9 +63,23 @@ return 1
 """)
 
 
-# The reservation is checked again in the script: its call may have settled it since the sweeper read it (the
-# call's own marker stops a second count too, but only for minutes).
-_SETTLE_SERVED = ComposedScript([counters.SETTLE], glue="""
+# Whether a reservation's deadline passed at the sweep's `now`, read in the script that settles it.
+DEADLINE_PASSED = ScriptPart(
+    "deadline_passed", keys=("deadlines",), args=("request id", "now (Redis's clock, s)"), lua="""
+local function deadline_passed(K, A)
+  local deadline = redis.call('ZSCORE', K[1], A[1])
+  return deadline and tonumber(deadline) <= tonumber(A[2])
+end
+""")
+
+# The reservation and its deadline are checked again in the script: its call may have settled it since the sweeper read
+# it (the call's own marker stops a second count too, but only for minutes), or its gateway, woken from a freeze, pushed
+# its deadline on (its beat, `presence._push_deadlines_on`) and kept its hold (its reconcile): the call runs on, held,
+# and settles itself. NOTE: the sweeper settled such a call (with a lost row from its progress, and a day's marker):
+# it ran on unheld to its end (up to `GATEWAY_MAX_ANSWER_WAIT_S`), calls beside it were admitted past the cap and the
+# prepaid credit it no longer held, and the marker kept it from being held again.
+_SETTLE_SERVED = ComposedScript([DEADLINE_PASSED, counters.SETTLE], glue="""
+if not deadline_passed(deadline_passed_K, deadline_passed_A) then return 0 end
 if redis.call('HEXISTS', quota_settle_K[1], quota_settle_A[1]) == 0 then return 0 end
 return quota_settle(quota_settle_K, quota_settle_A)
 """)
@@ -126,8 +140,10 @@ def _release(client, organization_id: int, expired: list[str], now: float) -> in
                 client.hdel(replaying_key(organization_id), request_id)
             cost, finished_at, billing_mode = rows[request_id]
             reservation = counters.Reservation(request_id, organization_id, held["k"], Decimal(0), held["p"])
-            _SETTLE_SERVED.run_sync(quota_settle=counters.settle_keys_and_args(
-                reservation, cost, finished_at=finished_at, billing_mode=billing_mode))
+            _SETTLE_SERVED.run_sync(
+                deadline_passed=([deadlines_key(organization_id)], [request_id, f"{now:.3f}"]),
+                quota_settle=counters.settle_keys_and_args(reservation, cost, finished_at=finished_at,
+                                                           billing_mode=billing_mode))
             released += 1
             continue
         api_key_id = held["k"] if held else None

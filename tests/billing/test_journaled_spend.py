@@ -261,6 +261,33 @@ def test_a_credit_figure_rebuilt_during_a_replay_draws_its_row_once(monkeypatch,
     assert _credit_left(organization.pk) == Decimal("0.40")  # $1.00 granted, $0.60 spent ($0.01 held apart)
 
 
+def test_a_row_replayed_after_redis_lost_the_rebuild_under_way_is_counted_once(monkeypatch):
+    # A rebuild read the ledger before the replay's commit; Redis then lost the rebuilds under way (a failover to a
+    # replica without them), and the replay's count found the counter missing and no rebuild under way to tell. Before,
+    # the rebuild wrote the counter anyway, from a snapshot without the row: counted nowhere. It now begins again.
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    admitted, recorded = _served_in_a_ledger_outage(endpoint, "journaled")
+    _settle(admitted, recorded)
+    get_redis().flushdb()  # Redis lost its counters while the row waited in the journal
+    write, writes = rebuild._write_rebuild, []
+
+    async def lost_and_replayed_then_write(*args, **kwargs):
+        if journal_segments():
+            get_redis().delete(redis_keys.rebuilding_key(organization.pk))
+            await usage_writer.writer_for_this_loop().replay()
+        writes.append(await write(*args, **kwargs))
+        return writes[-1]
+
+    monkeypatch.setattr(rebuild, "_write_rebuild", lost_and_replayed_then_write)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"),
+                        request_id="rebuilds"))
+
+    assert not journal_segments() and UsageRecord.objects.filter(request_id="journaled").exists()
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
+    assert writes == [rebuild.LOST_MEANWHILE, 1]
+
+
 def test_a_row_an_older_pod_settled_unmarked_is_counted_by_its_replay_never_left_out():
     # A pod from before the marks settles its journaled calls as any (no `j:` marks); its rows replayed by a newer
     # one are counted again where it counted them (the platform errs toward refusing, as with a call's worst case), and

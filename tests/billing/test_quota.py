@@ -17,9 +17,9 @@ from django.utils import timezone
 
 from billing import periods
 from billing.credits import draw_credits, grant_credits
-from billing.ledger import record_usage
+from billing.ledger import record_usage, supersede_lost_rows
 from billing.models import BillingAccount, BillingMode, CreditGrant, UsageRecord
-from billing.quota import counters, reads, rebuild, sweeper
+from billing.quota import counters, reads, rebuild, replayed, sweeper
 from billing.quota.counters import (
     CALL_SETTLED_MARKER_TTL_S,
     QuotaExceeded,
@@ -626,8 +626,47 @@ def test_the_sweeper_settling_a_reservation_its_call_settled_meanwhile_counts_no
     asyncio.run(settle(admitted, cost, fresh_id=True))
     get_redis().delete(redis_keys.settled_key(organization.pk, "req_race"))  # past the call's marker, the worst case
 
-    assert sweeper._SETTLE_SERVED.run_sync(quota_settle=settle_keys_and_args(read_by_the_sweeper, cost)) == 0
+    assert sweeper._SETTLE_SERVED.run_sync(
+        deadline_passed=([redis_keys.deadlines_key(organization.pk)], ["req_race", str(time.time() + 601)]),
+        quota_settle=settle_keys_and_args(read_by_the_sweeper, cost)) == 0
     assert reads.counted_spend(organization.pk) == cost and reads.reserved_now(organization.pk) == 0
+
+
+def test_a_call_whose_gateway_woke_and_pushed_its_deadline_on_after_the_sweeper_read_it_is_left_held(settings,
+                                                                                                     monkeypatch):
+    # Found by a review: the sweeper read a stream's deadline as passed (its gateway frozen past it), then the gateway
+    # woke, its beat pushed the deadline on and its reconcile kept the hold, then the sweeper wrote the call's lost row
+    # from its progress and settled it. Before, the call ran on unheld (calls beside it passed the cap) and the day's
+    # marker kept it from being held again. The sweeper's script now checks the deadline too: the call stays held and
+    # its own end bills it, whole, once.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    streaming = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                    request_id="req_woken"))
+    _progress(streaming, endpoint, prompt_tokens=100, completion_tokens=20)
+    swept_at = time.time() + 601
+    release = sweeper._release
+
+    def woken_then_release(client, organization_id, expired, now):
+        # its gateway's beat, on the clock the sweep reads: `presence._push_deadlines_on`
+        get_redis().zadd(redis_keys.deadlines_key(organization_id), {"req_woken": int(swept_at) + 601}, xx=True, gt=True)
+        return release(client, organization_id, expired, now)
+
+    monkeypatch.setattr(sweeper, "_release", woken_then_release)
+    sweeper.sweep_expired_reservations(now=swept_at)
+
+    assert reads.reserved_now(organization.pk) == Decimal("0.50") and reads.counted_spend(organization.pk) == 0
+    assert not get_redis().exists(redis_keys.settled_key(organization.pk, "req_woken"))
+    # It ends: its own row supersedes the lost one, counted whole while it is held, and its settlement adds nothing more.
+    report = dataclasses.replace(usage_report(endpoint, request_id="req_woken", prompt_tokens=100,
+                                              completion_tokens=200), max_cost=Decimal("0.50"))
+    replayed.count_superseded(supersede_lost_rows([report]))
+    row = UsageRecord.objects.get(request_id="req_woken")
+    assert row.status != "gateway_lost" and row.completion_tokens == 200
+    asyncio.run(settle(streaming, row.cost, fresh_id=True))
+    assert reads.counted_spend(organization.pk) == row.cost > 0 and reads.reserved_now(organization.pk) == 0
 
 
 def test_a_call_the_sweeper_settled_is_not_counted_again_when_its_gateway_settles_late(settings):
@@ -944,6 +983,88 @@ def test_a_prepaid_call_that_settles_while_the_credit_figure_is_rebuilt_draws_it
     cost = UsageRecord.objects.get(request_id="req_running").cost
     assert cost > 0
     assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("2.00") - cost
+
+
+def _redis_loses_its_memory(organization_id: int, what: str) -> None:
+    """Redis loses its memory (a restart without persistence: `flushall`), or the organisation's rebuilds under way (a
+    failover to a replica that lacks the recent writes)."""
+    if what == "flushall":
+        get_redis().flushdb()
+    else:
+        get_redis().delete(redis_keys.rebuilding_key(organization_id))
+
+
+def _finishes_after_redis_lost_its_memory(monkeypatch, read_name: str, endpoint, admitted, what: str) -> list[int]:
+    """The call `admitted` is running when its counter's rebuild begins; Redis loses its memory (`what`) while the
+    rebuild reads the ledger (`rebuild.<read_name>`), and the call then ends on another gateway: its row, committed after
+    the snapshot, then its settlement, before the rebuild writes. Returns what each of the rebuild's writes returned."""
+    report = dataclasses.replace(usage_report(endpoint, request_id=admitted.reservation.request_id,
+                                              prompt_tokens=100_000),
+                                 max_cost=admitted.reservation.amount, billing_mode=admitted.billing_mode)
+    read, write, writes = getattr(rebuild, read_name), rebuild._write_rebuild, []
+
+    def finish():
+        _redis_loses_its_memory(admitted.reservation.organization_id, what)
+        record_usage(report)
+        asyncio.run(settle(admitted, UsageRecord.objects.get(request_id=report.request_id).cost, fresh_id=True))
+
+    def reads_then_finishes(*args, **kwargs):
+        result = read(*args, **kwargs)
+        if not writes:
+            _in_another_connection(finish)
+        return result
+
+    async def write_once(*args):
+        writes.append(await write(*args))
+        return writes[-1]
+
+    monkeypatch.setattr(rebuild, read_name, reads_then_finishes)
+    monkeypatch.setattr(rebuild, "_write_rebuild", write_once)
+    return writes
+
+
+@pytest.mark.parametrize("what", ["flushall", "rebuilds under way lost"])
+def test_a_call_settled_after_redis_lost_its_memory_during_its_counters_rebuild_is_counted(monkeypatch, what):
+    # Found by a review: Redis lost its memory while a rebuild read the ledger, and a running call then wrote its row
+    # (after the snapshot) and settled. Before, it was counted nowhere (spend past the hard cap for the month): its
+    # settlement found no counter and no rebuild under way (`c:` gone) to leave its cost to, and the rebuild wrote the
+    # counter anyway, from a snapshot without the row. The rebuild now writes nothing and begins again.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    running = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                  request_id="req_running"))
+    get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key))  # dropped, or lost
+    writes = _finishes_after_redis_lost_its_memory(monkeypatch, "period_spend_and_pending", endpoint, running, what)
+
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    assert reads.counted_spend(organization.pk) == UsageRecord.objects.get(request_id="req_running").cost > 0
+    assert reads.reserved_now(organization.pk) == Decimal("0.01")
+    assert writes == [rebuild.LOST_MEANWHILE, 1]
+
+
+@pytest.mark.parametrize("what", ["flushall", "rebuilds under way lost"])
+def test_a_prepaid_call_settled_after_redis_lost_its_memory_during_the_credit_figures_rebuild_draws_its_cost(
+        monkeypatch, what):
+    # As above, for the credit figure: before, the call's cost was drawn from no figure, and the account could spend it
+    # again past its prepaid credit (for up to the figure's hour).
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    running = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                  request_id="req_running"))
+    get_redis().delete(redis_keys.credit_key(organization.pk))  # a grant changed, or its hour ran out
+    writes = _finishes_after_redis_lost_its_memory(monkeypatch, "undrawn_prepaid_spend_and_pending", endpoint,
+                                                   running, what)
+
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    cost = UsageRecord.objects.get(request_id="req_running").cost
+    assert cost > 0
+    assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("2.00") - cost
+    assert writes[:2] == [rebuild.LOST_MEANWHILE, 1]  # then, after a flush, the organisation counter's rebuild
 
 
 def _holds_and_counter_lost(organization_id: int) -> None:
