@@ -5,7 +5,9 @@ flags as `bench/bench_gateway.py`, whose seeding and wrk runner it reuses), then
 (non-streaming chat, concurrency 16) against the floor and the gateway. For each run it reads the
 server process's CPU time (user + system, from /proc) before and after: CPU µs per request is that
 difference over the requests wrk counted. With `--py-spy` one more gateway run is sampled by
-py-spy, and the functions with the most samples (self and total) are printed.
+py-spy (and with `--compare-with`, one of the older gateway right after), and the functions with the most
+samples (self and total) are printed. With `--machine-cpu`, each run also prints the server's user and system
+time a request and how often its loop was preempted: Python's cost apart from the kernel's.
 
     .venv/bin/python bench/profile_gateway.py [--duration-s 5] [--rounds 2] [--py-spy] [--server uvicorn|granian]
         [--compare-server granian|uvicorn-access-log [--granian-args "--runtime-mode st"]]
