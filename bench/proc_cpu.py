@@ -21,6 +21,22 @@ def cpu_s(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def user_system_s(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of `pid` and its threads, apart: Python's work against the kernel's (a socket write
+    to a process on the same machine wakes it from inside the writer's system call)."""
+    fields = _stat_fields(pid)
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
+
+
+def preemptions(pid: int) -> int:
+    """How often `pid`'s main thread (a gateway's event loop) was taken off its core while it could run on
+    (`nonvoluntary_ctxt_switches`): another process woken, often by this one's own writes, ran first."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("nonvoluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    return 0
+
+
 def tree_cpu_s(pid: int | None) -> float:
     """CPU seconds of `pid` (with its reaped children: `cpu_s`) and of its live children: a server and its workers
     (PostgreSQL's postmaster and backends, Redis and a rewrite it forked), 0 for None.

@@ -5,7 +5,9 @@ flags as `bench/bench_gateway.py`, whose seeding and wrk runner it reuses), then
 (non-streaming chat, concurrency 16) against the floor and the gateway. For each run it reads the
 server process's CPU time (user + system, from /proc) before and after: CPU µs per request is that
 difference over the requests wrk counted. With `--py-spy` one more gateway run is sampled by
-py-spy, and the functions with the most samples (self and total) are printed.
+py-spy (and with `--compare-with`, one of the older gateway right after), and the functions with the most
+samples (self and total) are printed. With `--machine-cpu`, each run also prints the server's user and system
+time a request and how often its loop was preempted: Python's cost apart from the kernel's.
 
     .venv/bin/python bench/profile_gateway.py [--duration-s 5] [--rounds 2] [--py-spy] [--server uvicorn|granian]
         [--compare-server granian|uvicorn-access-log [--granian-args "--runtime-mode st"]]
@@ -32,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import bench_gateway as bench  # noqa: E402 - sets the benchmark's environment first
-from bench.proc_cpu import cpu_s, machine_busy_s, server_pids, tree_cpu_s  # noqa: E402
+from bench.proc_cpu import cpu_s, machine_busy_s, preemptions, server_pids, tree_cpu_s, user_system_s  # noqa: E402
 
 CONCURRENCY = 16
 
@@ -75,11 +77,15 @@ MOCK_PID: list[int] = []  # the fast mock's pid, once started
 
 
 def measure(url: str, key: str, pid: int, duration_s: float) -> dict:
-    before = snapshot(pid)
+    before, split_before, preempted_before = snapshot(pid), user_system_s(pid), preemptions(pid)
     run = bench.run_wrk(url + "/v1/chat/completions", key, "mock", CONCURRENCY, duration_s, None)
-    after = snapshot(pid)
+    after, split_after, preempted_after = snapshot(pid), user_system_s(pid), preemptions(pid)
     per = max(1, run["requests"])
     run["cpu_us_per_request"] = round((after["server"] - before["server"]) / per * 1e6, 1)
+    # The server process's own CPU as user and system time, and how often a request's loop was preempted.
+    run["server_split"] = {"user": round((split_after[0] - split_before[0]) / per * 1e6),
+                           "system": round((split_after[1] - split_before[1]) / per * 1e6),
+                           "preempted": round((preempted_after - preempted_before) / per, 2)}
     # Where the rest of the machine's CPU went, per request: Redis, PostgreSQL, the mock upstream, wrk, and all of it.
     run["others_us_per_request"] = {name: round((after[name] - before[name]) / per * 1e6) for name in after if name != "server"}
     # NOTE: "bench" is this run's own processes (the server, Redis, PostgreSQL, the mock, wrk): on a machine other
@@ -239,13 +245,13 @@ def main() -> int:
             if before_url:
                 older = older or measure(before_url, key, before_pid, args.duration_s)
                 if args.machine_cpu:
-                    print(f"  µs per request elsewhere: before {older['others_us_per_request']}", flush=True)
+                    print(f"  µs per request elsewhere: before {older['others_us_per_request']} {older['server_split']}", flush=True)
                 print(f"before {older['requests_per_s']}/s {older['cpu_us_per_request']} µs/req p50 {older['p50_ms']} "
                       f"p99 {older['p99_ms']} ms errors {older['errors']} | "
                       f"ratio {older['requests_per_s'] / floor['requests_per_s']:.1%}", flush=True)
             if args.machine_cpu:
-                print(f"  µs per request elsewhere: floor {floor['others_us_per_request']} | gateway {through['others_us_per_request']}",
-                      flush=True)
+                print(f"  µs per request elsewhere: floor {floor['others_us_per_request']} {floor['server_split']} | "
+                      f"gateway {through['others_us_per_request']} {through['server_split']}", flush=True)
             print(f"floor {floor['requests_per_s']}/s {floor['cpu_us_per_request']} µs/req p50 {floor['p50_ms']} ms | "
                   f"gateway {through['requests_per_s']}/s {through['cpu_us_per_request']} µs/req p50 {through['p50_ms']} "
                   f"p99 {through['p99_ms']} ms errors {through['errors']} | "
@@ -283,17 +289,24 @@ def main() -> int:
                 print(line, flush=True)
         if args.py_spy:
             raw = Path(args.py_spy_output or logs / "gateway.raw")
-            spy = subprocess.Popen([py_spy_bin(args.py_spy_bin), "record", "--pid", str(gateway_pid), "--format", "raw", "--rate", "200",
-                                    "--nonblocking", "--output", str(raw), "--duration", str(int(args.duration_s) + 1)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            time.sleep(0.5)
-            if args.skip_wrk and args.stream_concurrency:  # sample a streaming run
-                bench.asyncio.run(bench.run_streams(gateway_url + "/v1/chat/completions", key, stream_model, int(args.stream_concurrency.split(",")[0]),
-                                                    args.duration_s, 16))
-            else:
-                bench.run_wrk(gateway_url + "/v1/chat/completions", key, "mock", CONCURRENCY, args.duration_s, None)
-            spy.wait(timeout=60)
-            print(top_functions(raw) if raw.exists() else f"py-spy wrote nothing: {spy.stderr.read().decode()[-2000:]}")
+            # With `--compare-with`, the older gateway is sampled too, right after, under the same load (its stacks
+            # beside this tree's, with `.before` added to the name).
+            spied = [(gateway_url, gateway_pid, raw)]
+            if before_url:
+                spied.append((before_url, before_pid, raw.with_name(raw.name + ".before")))
+            for url, pid, path in spied:
+                spy = subprocess.Popen([py_spy_bin(args.py_spy_bin), "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+                                        "--nonblocking", "--output", str(path), "--duration", str(int(args.duration_s) + 1)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                time.sleep(0.5)
+                if args.skip_wrk and args.stream_concurrency:  # sample a streaming run
+                    bench.asyncio.run(bench.run_streams(url + "/v1/chat/completions", key, stream_model,
+                                                        int(args.stream_concurrency.split(",")[0]), args.duration_s, 16))
+                else:
+                    bench.run_wrk(url + "/v1/chat/completions", key, "mock", CONCURRENCY, args.duration_s, None)
+                spy.wait(timeout=60)
+                print(f"py-spy of {'this tree' if pid == gateway_pid else 'the compared tree'}:")
+                print(top_functions(path) if path.exists() else f"py-spy wrote nothing: {spy.stderr.read().decode()[-2000:]}")
         if not args.skip_wrk and not through["requests"]:
             print(gateway.log_tail())
     finally:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.proc_cpu import cpu_s, server_pids, tree_cpu_s
+from bench.proc_cpu import cpu_s, preemptions, server_pids, tree_cpu_s, user_system_s
 
 # A "server": starts workers running `program`, reaps them on a first line on stdin, ends on a second.
 SERVER = """
@@ -97,3 +97,49 @@ def test_server_pids_reads_an_embedded_data_folders_pid_files(tmp_path):
     (tmp_path / "postgres").mkdir()
     (tmp_path / "postgres" / "postmaster.pid").write_text("5151\n/data/postgres\n1733300000\n5432\n")
     assert server_pids(tmp_path) == (4242, 5151)
+
+
+def _run_until_done(program: str, **popen) -> subprocess.Popen:
+    """`program`, then a line on stdout, then it waits for stdin to close (so its figures can be read)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", program + "\nprint('done', flush=True)\nimport sys\nsys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def test_user_and_system_time_are_told_apart():
+    # user time: arithmetic only (`burn` reads the process's CPU clock, a system call on some machines)
+    burner = _run_until_done("total = 0\nfor number in range(8_000_000): total += number")
+    # system time: reading the kernel's zeros a megabyte at a time (each read a copy done in the kernel)
+    reader = _run_until_done(
+        "import os, time\nfd = os.open('/dev/zero', os.O_RDONLY)\nend = time.process_time() + 0.4\n"
+        "while time.process_time() < end: os.read(fd, 1 << 20)"
+    )
+    try:
+        assert burner.stdout.readline().strip() == "done" and reader.stdout.readline().strip() == "done"
+        burner_user, burner_system = user_system_s(burner.pid)
+        reader_user, reader_system = user_system_s(reader.pid)
+        assert burner_user >= 0.2 and burner_system < burner_user / 4
+        assert reader_system > reader_user
+        assert abs(burner_user + burner_system - cpu_s(burner.pid)) < 0.02  # the same ticks, split
+    finally:
+        for process in (burner, reader):
+            process.communicate("", timeout=30)
+
+
+def test_preemptions_count_a_loop_taken_off_its_core_by_another_process():
+    one_core = {min(os.sched_getaffinity(0))}
+    spin = "import time\nend = time.monotonic() + 0.6\nwhile time.monotonic() < end: pass"
+    first = _run_until_done(spin, preexec_fn=lambda: os.sched_setaffinity(0, one_core))
+    second = _run_until_done(spin, preexec_fn=lambda: os.sched_setaffinity(0, one_core))
+    try:
+        for process in (first, second):
+            assert process.stdout.readline().strip() == "done"
+        # two busy processes on one core take turns (a few ms each): each was preempted many times
+        assert preemptions(first.pid) >= 10 and preemptions(second.pid) >= 10
+    finally:
+        for process in (first, second):
+            process.communicate("", timeout=30)
