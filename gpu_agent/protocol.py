@@ -225,6 +225,23 @@ MAX_ADAPTER_FAILURE_CHARS = 300  # `Adapter.status_message`
 MAX_GPUS_PER_NODE = 64
 
 
+def engine_sandbox_fact(text: str) -> str:
+    """A node's `engine_sandbox` fact as it may be sent: printable, at most `MAX_ENGINE_SANDBOX_CHARS` (the agent's
+    reasons quote the kernel's and its own errors)."""
+    return _printable(text)[:MAX_ENGINE_SANDBOX_CHARS]
+
+
+# What a node's `engine_sandbox` fact says of a part that confines nothing (`runtime.sandbox.node_fact`): Landlock
+# (or the whole sandbox, turned off) "none: <why>", the engine's namespaces "no namespaces: <why>".
+ENGINE_SANDBOX_GAPS = ("none: ", "no namespaces: ")
+
+
+def engine_sandbox_weakened(before: str, after: str) -> bool:
+    """Whether a node's sandbox fact `after` lacks a part of the confinement `before` had (or that an older agent, which
+    said nothing, may have had)."""
+    return any(gap in after and gap not in before for gap in ENGINE_SANDBOX_GAPS)
+
+
 @dataclass(slots=True)
 class MigSlice(Message):
     """One MIG instance of a GPU, as `nvidia-smi -L` lists it."""
@@ -300,7 +317,7 @@ class RegisterRequest(Message):
     def __post_init__(self) -> None:
         _require(bool(self.join_token), "join_token is required")
         _require(isinstance(self.engine_sandbox, str), "engine_sandbox must be a string")
-        self.engine_sandbox = _printable(self.engine_sandbox)[:MAX_ENGINE_SANDBOX_CHARS]
+        self.engine_sandbox = engine_sandbox_fact(self.engine_sandbox)
         _require_length(self.join_token, "join_token", 200)
         _require_length(self.agent_version, "agent_version", MAX_VERSION_CHARS)
         _require_length(self.engine_version, "engine_version", MAX_VERSION_CHARS)
@@ -536,8 +553,17 @@ class Heartbeat(Message):
     weights: list[WeightsStatus] = field(default_factory=list)
     disk_free_mb: int | None = None
     standby_ready: bool = False  # a pre-imported engine process waits for a model
+    # What confines the node's engines now, as registered (`RegisterRequest.engine_sandbox`): it changes while the agent
+    # runs (`runtime.sandbox.NamespacesFact`). None from agents older than this field: the registered fact stands.
+    # NOTE: refused, not cut, past `MAX_ENGINE_SANDBOX_CHARS` or with a control character: the agent sends it through
+    # `engine_sandbox_fact`, so only a made-up heartbeat (a stolen node secret) carries such a one.
+    engine_sandbox: str | None = None
 
     def __post_init__(self) -> None:
+        if self.engine_sandbox is not None:
+            _require(isinstance(self.engine_sandbox, str), "engine_sandbox must be a string")
+            _require_length(self.engine_sandbox, "engine_sandbox", MAX_ENGINE_SANDBOX_CHARS)
+            _require(self.engine_sandbox.isprintable(), "engine_sandbox must hold no control characters")
         _require_distinct_gpus(self.gpus)
         _require_few_reports(self.replicas)
         del self.weights[MAX_WEIGHTS_REPORTS:]

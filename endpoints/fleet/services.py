@@ -198,6 +198,7 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     reported_ids = _reported_replica_ids(heartbeat.replicas)
     status = heartbeat.to_dict()
     status.pop("replicas", None)
+    status.pop("engine_sandbox", None)  # kept in its own column, below
     with transaction.atomic():
         authenticated_digest = node.secret_digest
         node = Node.objects.select_for_update().get(pk=node.pk)
@@ -224,6 +225,12 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
                 node.gpus = inventory
                 fields.append("gpus")
         newly_ignored = ignored and ignored != previous_status.get(GPUS_IGNORED)
+        # NOTE: written only when it changed (a fact is stable for hours); None from an agent older than the field.
+        sandbox_before = node.engine_sandbox
+        sandbox_changed = heartbeat.engine_sandbox is not None and heartbeat.engine_sandbox != sandbox_before
+        if sandbox_changed:
+            node.engine_sandbox = heartbeat.engine_sandbox
+            fields.append("engine_sandbox")
         if ignored:
             status[GPUS_IGNORED] = ignored
         if came_back:
@@ -240,6 +247,8 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     if newly_ignored:
         logger.warning("node %s: its heartbeat's GPUs past its registration were ignored: %s", node.name, ignored)
         record_audit(SYSTEM, None, "node.gpus_ignored", node, reason=ignored)
+    if sandbox_changed:
+        _record_sandbox_change(node, sandbox_before)
     record_model_facts(node, heartbeat.weights)
     live = set(Replica.objects.filter(node=node, pk__in=reported_ids).exclude(state__in=FINAL_REPLICA_STATES)
                .values_list("pk", flat=True)) if reported_ids else set()
@@ -255,6 +264,15 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S,
         desired=desired_replicas(node),
     )
+
+
+def _record_sandbox_change(node: Node, before: str) -> None:
+    """Say that a node's engine sandbox changed; audited (`node.sandbox_weakened`) when it lost a part of it."""
+    if protocol.engine_sandbox_weakened(before, node.engine_sandbox):
+        logger.warning("node %s: its engine sandbox weakened: %r (was %r)", node.name, node.engine_sandbox, before)
+        record_audit(SYSTEM, None, "node.sandbox_weakened", node, engine_sandbox=node.engine_sandbox, before=before)
+    else:
+        logger.info("node %s: its engine sandbox is now %r (was %r)", node.name, node.engine_sandbox, before)
 
 
 def _reported_replica_ids(reports: list[protocol.ReplicaStatus]) -> list[uuid.UUID]:

@@ -17,8 +17,8 @@ import time
 
 import httpx
 
-from gpu_agent.protocol import Heartbeat, HeartbeatResponse
-from gpu_agent.runtime import engine, hardware
+from gpu_agent.protocol import Heartbeat, HeartbeatResponse, engine_sandbox_fact
+from gpu_agent.runtime import engine, hardware, sandbox
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.control_plane import AGENT_VERSION, ControlPlaneClient, RegistrationRefused
 from gpu_agent.runtime.reconciler import Reconciler
@@ -108,6 +108,9 @@ class Agent:
             weights=self.weights.statuses(),
             disk_free_mb=usage.disk_free_mb,
             standby_ready=self.supervisor.standby_ready,
+            # NOTE: every beat, not only at registration: the namespaces' fact changes while the agent runs (an
+            # engine's exit 79 re-tests them), and operators read the node's fact on the control plane.
+            engine_sandbox=engine_sandbox_fact(sandbox.node_fact(self.config.engine_sandbox)),
         )
 
     def heartbeat_once(self) -> HeartbeatResponse:

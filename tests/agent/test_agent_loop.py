@@ -203,6 +203,7 @@ def test_registers_then_heartbeats_with_its_node_secret(control_plane, running_a
     assert "fp8_per_channel" in registration.supported_quantizations
     beat = control_plane.heartbeats[-1]
     assert beat.memory_mb == registration.memory_mb and 0 < beat.memory_used_mb < beat.memory_mb
+    assert beat.engine_sandbox == registration.engine_sandbox != ""  # every beat says what confines its engines now
     # A restarted agent is the same node: it re-uses the stored secret instead of registering again.
     stop.set()
     thread.join(timeout=10)

@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from gpu_agent.protocol import RegisterRequest, ReplicaState
+from gpu_agent.protocol import RegisterRequest, ReplicaState, engine_sandbox_weakened
 from gpu_agent.runtime import process, sandbox
 from gpu_agent.runtime.adapters import AdapterLoadError, AdapterSlots
 from gpu_agent.runtime.engine import build_engine_command
@@ -119,6 +119,17 @@ def test_the_node_says_what_confines_its_engines_when_it_registers():
         engine_sandbox=fact + "\x00" * 3 + "x" * 300,
     )
     assert "\x00" not in request.engine_sandbox and len(request.engine_sandbox) == 200
+
+
+def test_a_nodes_fact_weakens_when_it_gains_a_part_that_confines_nothing():
+    confined = "landlock abi 7; own pid, mount and user namespaces"
+    shared = "landlock abi 7; no namespaces: unshare refused (EPERM)"
+    assert engine_sandbox_weakened(confined, shared)
+    assert engine_sandbox_weakened(confined, sandbox.node_fact(SandboxMode.OFF))
+    assert engine_sandbox_weakened("", "none: the kernel has no Landlock (ENOSYS); own pid, mount and user namespaces")
+    assert not engine_sandbox_weakened(shared, "landlock abi 7; no namespaces: unshare refused (ENOSPC)")
+    assert not engine_sandbox_weakened(shared, confined)  # a node that recovered
+    assert not engine_sandbox_weakened("", confined)  # a node first heard of from an older agent's registration
 
 
 # --- A confined process -----------------------------------------------------------------------------------
