@@ -339,6 +339,17 @@ class _Repair:
     # The requests put back whose reservations are not yet held again (`counters.restore_reservations` failed, or has
     # not answered yet): the next reconcile holds them again while they are served (`_hold_again`).
     unheld: set[str] = field(default_factory=set)
+    # The organisations a part of the last reconcile failed for (Redis's or the network's error), the others' done: the
+    # next beats reconcile them alone (as forgotten while `due`) until they pass, the others at their own pace.
+    retry: set[int] = field(default_factory=set)
+    # `num_forgotten` when the last whole reconcile began: a beat that found the alive key gone since has the next whole.
+    num_forgotten_compared: int = 0
+
+    def whole_due(self) -> bool:
+        """Whether the next reconcile compares every organisation: at its own pace, and once Redis forgot this gateway
+        since the last whole one began (or one did not end, `_reconcile_once`); else only `retry`, if any."""
+        return self.num_beats >= RECONCILE_EVERY_BEATS or self.due and (
+            self.num_forgotten != self.num_forgotten_compared or not self.retry)
 
 
 _repair = _Repair()
@@ -425,7 +436,7 @@ async def _forget_idle(empty: set[int]) -> set[int]:
     return forgotten
 
 
-async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
+async def _reconcile(gateway: str, *, forgotten: bool = False, only: set[int] | None = None) -> set[int] | None:
     """Make what Redis holds for this gateway what it serves: put back the requests it still serves that Redis does
     not hold (each in flight on its endpoint and outstanding on its replica, and its reservation against the caps and
     credit, with its progress: `_record_progress`), hold again the reservation Redis lost of any call it serves and
@@ -436,8 +447,13 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     chunks. `forgotten`: Redis forgot this gateway's alive key, so every
     reservation of what it serves is held again where missing, not only those found missing; and a reservation a
     reconcile failed to hold again (a Redis error, a timeout, after its request was put back) is held again by the next
-    (`_Repair.unheld`). Returns False when a part failed (Redis's or the network's error, logged in one line: the next
-    beat reconciles again); any other error is raised.
+    (`_Repair.unheld`). `only`: these organisations alone (those whose parts failed: `_Repair.retry`), neither the
+    hashes of the idle ones read nor any it no longer serves released (left to the next whole reconcile). Returns the
+    organisations whose part failed (Redis's or the network's error, logged in one line: the next beat reconciles them
+    again), None when a part of the whole failed (the next reconcile is whole); any other error is raised.
+
+    NOTE: a part that failed for one organisation had every organisation reconciled again on every beat until it passed
+    (a Redis Cluster node failing over: each beat the whole reconcile, seconds of it with thousands served).
 
     NOTE: a reservation is held again where Redis is found to have lost it (`counters.holds_lost`), not only where this
     reconcile put its request back: a put-back whose result never reached it (the other part of its organisation
@@ -480,11 +496,13 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     does a call's that ended in the lost moment."""
     by_organization: dict[int, list[tuple[str, Held]]] = {}
     for request_id, held in list(serving.items()):
-        by_organization.setdefault(held.organization_id, []).append((request_id, held))
-    registered = traffic.registered_organizations()
+        if only is None or held.organization_id in only:
+            by_organization.setdefault(held.organization_id, []).append((request_id, held))
+    registered = traffic.registered_organizations() if only is None else []
     idle = [organization_id for organization_id in registered if organization_id not in by_organization]
     failures = _Failures()
     failed: set[int] = set()  # the organisations whose requests were not compared
+    retry: set[int] = set()  # those and the organisations whose other parts failed
     parts: list[tuple] = []  # per organisation: (ids put back, the hash's other entries), (unreserved, progress lost)
     idle_read = asyncio.ensure_future(_read_idle(registered, idle))
     organizations = list(by_organization.items())
@@ -496,13 +514,15 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
                 failed.add(organization_id)
                 restored_part = ([], [])
             if failures.failed(lost_part, f"organisation {organization_id}'s reservations and progress"):
+                retry.add(organization_id)
                 lost_part = ([], [])
             parts.append((restored_part, lost_part))
     except BaseException:
         idle_read.cancel()
         raise
     idle_entries = (await asyncio.gather(idle_read, return_exceptions=True))[0]
-    if failures.failed(idle_entries, "the requests of organisations it serves nothing for"):
+    whole_failed = failures.failed(idle_entries, "the requests of organisations it serves nothing for")
+    if whole_failed:
         idle, idle_entries = [], []
     unserved: dict[tuple[int, str], str] = {}
     ended: dict[tuple[int, str], str] = {}
@@ -543,18 +563,24 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     _repair.unheld.update(request_id for holds in to_hold.values() for request_id, _ in holds)
     holding = list(to_hold.items())
     held_again = await _by_chunks(_hold_again, holding)
-    num_held_again = sum(result for (organization_id, _), result in zip(holding, held_again, strict=True)
-                         if not failures.failed(result, f"organisation {organization_id}'s reservations"))
-    confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
-    released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
-    _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed} | {
-        item: value for item, value in _repair.unserved.items() if item[0] in failed}
-    _repair.empty = empty - await _forget_idle(empty & _repair.empty)
+    num_held_again = 0
+    for (organization_id, _), result in zip(holding, held_again, strict=True):
+        if failures.failed(result, f"organisation {organization_id}'s reservations"):
+            retry.add(organization_id)
+        else:
+            num_held_again += result
+    released = 0
+    if only is None:
+        confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
+        released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
+        _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed} | {
+            item: value for item, value in _repair.unserved.items() if item[0] in failed}
+        _repair.empty = empty - await _forget_idle(empty & _repair.empty)
     if restored or num_held_again or released:
         logger.warning("gateway %s: put back %d request(s) and %d reservation(s) Redis had lost, released %d it had "
                        "kept after they ended", gateway, restored, num_held_again, released)
     failures.log(gateway)
-    return not failures.parts
+    return None if whole_failed else retry | failed
 
 
 # A reconcile's failed parts named in its log line: the first few (one line per beat, whatever the number).
@@ -619,8 +645,10 @@ async def beat(*, web: bool = False) -> None:
         _repair.due = True
         _repair.num_forgotten += 1
     _repair.num_beats += 1
-    if _repair.due or _repair.num_beats >= RECONCILE_EVERY_BEATS:
-        await _reconcile_beside(gateway)
+    if _repair.whole_due():
+        await _reconcile_beside(gateway, None)
+    elif _repair.retry:
+        await _reconcile_beside(gateway, set(_repair.retry))
     try:
         await _push_deadlines_on(redis)
     except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on
@@ -641,8 +669,8 @@ async def beat(*, web: bool = False) -> None:
         unfinished_journaled.difference_update(ended)
 
 
-async def _reconcile_beside(gateway: str) -> None:
-    """Start a reconcile as its own task (one at a time per loop), and wait for it up to `BEAT_S`: one that takes
+async def _reconcile_beside(gateway: str, only: set[int] | None) -> None:
+    """Start a reconcile (of `only`'s organisations, or all) as its own task (one at a time per loop), and wait for it up to `BEAT_S`: one that takes
     longer goes on beside the beats, which keep this gateway's alive key while it runs.
 
     NOTE: run inside the beat, a reconcile that outlasted `ALIVE_TTL_S` (10,000 organisations in flight on a loaded
@@ -653,33 +681,39 @@ async def _reconcile_beside(gateway: str) -> None:
     beating = _beats.get()
     if beating.reconcile is not None and not beating.reconcile.done():
         return  # the next beat after it ends starts another if one is still due
-    beating.reconcile = asyncio.get_running_loop().create_task(_reconcile_once(gateway))
+    beating.reconcile = asyncio.get_running_loop().create_task(_reconcile_once(gateway, only))
     await asyncio.wait({beating.reconcile}, timeout=BEAT_S)
 
 
-async def _reconcile_once(gateway: str) -> None:
+async def _reconcile_once(gateway: str, only: set[int] | None) -> None:
     """`_reconcile`, in forgotten mode while `_Repair.due`; its outcome noted in `_repair` (a Redis error: the next beat
-    reconciles again)."""
+    reconciles again, the organisations that failed alone when the others were done)."""
     num_forgotten = _repair.num_forgotten
     # NOTE: a reconcile that fails leaves the beats to go on (deadlines pushed on, ends released): one failing the same
     # way every time stopped the long calls' deadlines, and the sweeper released live holds.
     try:
-        if await _reconcile(gateway, forgotten=_repair.due):
-            _reconcile_done(num_forgotten)
+        retry = await _reconcile(gateway, forgotten=_repair.due, only=only)
     except REDIS_FAILURES as exc:  # tried again by the next beat
         logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
+        return
     except Exception:  # noqa: BLE001 - a bug, not Redis: logged with its traceback
         # NOTE: tried again at the reconcile's own pace, not every beat (a traceback a second, for good): what Redis
         # forgot is found all the same then (a missing reservation: `counters.holds_lost`).
         logger.exception("gateway %s: its reconcile failed", gateway)
-        _reconcile_done(num_forgotten)
+        retry = set()
+    if retry is not None:
+        _reconcile_done(num_forgotten, retry, whole=only is None)
 
 
-def _reconcile_done(num_forgotten: int) -> None:
-    """The next reconcile is due `RECONCILE_EVERY_BEATS` beats from now, unless a beat found the alive key gone since
-    this one began (`num_forgotten`): what it put back may be gone again, so the next beat reconciles as forgotten."""
-    _repair.num_beats = 0
-    if _repair.num_forgotten == num_forgotten:
+def _reconcile_done(num_forgotten: int, retry: set[int], *, whole: bool) -> None:
+    """The organisations whose part failed (`retry`) are reconciled again by the next beat; the next whole reconcile is
+    due `RECONCILE_EVERY_BEATS` beats after the last (`whole`), and at once if a beat found the alive key gone since
+    it began (`num_forgotten`): what it put back may be gone again, so the next beat reconciles all as forgotten."""
+    if whole:
+        _repair.num_beats = 0
+        _repair.num_forgotten_compared = num_forgotten
+    _repair.retry = retry
+    if not retry and _repair.num_forgotten == _repair.num_forgotten_compared:
         _repair.due = False
 
 

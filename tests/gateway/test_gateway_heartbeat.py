@@ -243,6 +243,40 @@ def test_one_organisations_failed_put_back_stops_no_other_and_is_tried_again_by_
     assert put_back(failing) and put_back(other) and not presence._repair.due
 
 
+def test_after_one_organisations_part_fails_the_next_beats_reconcile_it_alone_and_the_others_at_their_own_pace(
+        monkeypatch, caplog, gateway_alone):
+    """Before, a reconcile that failed for one organisation (its Redis Cluster node failing over, a timeout) had every
+    organisation reconciled again on every beat until it passed: thousands of scripts a second, each beat a whole
+    reconcile, for as long as one node failed."""
+    organizations = [9_300_000 + number for number in range(20)]
+    failing = organizations[0]
+    restore, reconciled_per_beat, fails = presence._restore_organization, [], {"on": True}
+
+    async def counting(organization_id, snapshot):
+        reconciled_per_beat[-1].append(organization_id)
+        if organization_id == failing and fails["on"]:
+            raise ConnectionError("CLUSTERDOWN Hash slot not served")
+        return await restore(organization_id, snapshot)
+
+    monkeypatch.setattr(presence, "_restore_organization", counting)
+    for organization_id in organizations:
+        presence.track(f"call-{organization_id}", organization_id, f"e-{organization_id}", None)
+    presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS  # a reconcile is due
+    redis = get_redis()
+    with caplog.at_level("WARNING", logger="inferplane.gateway"):
+        for beat in range(9):
+            if beat == 7:
+                fails["on"] = False  # its node back
+            reconciled_per_beat.append([])
+            asyncio.run(presence.beat(web=True))
+    assert [len(organizations) for organizations in reconciled_per_beat] == [20, 1, 1, 1, 1, 20, 1, 1, 0]
+    assert all(organizations == [failing] for organizations in reconciled_per_beat[1:5])
+    assert not presence._repair.retry and not presence._repair.due
+    assert all(redis.zscore(redis_keys.inflight_key(organization_id, f"e-{organization_id}"),
+                            f"call-{organization_id}") is not None for organization_id in organizations)
+    assert caplog.text.count(f"organisation {failing}'s requests") == 7  # one line a beat while it failed
+
+
 # --- Redis back a moment in the past (an append-only file fsynced every second, a replica promoted with lag) ---
 
 def redis_state() -> list:
@@ -706,7 +740,7 @@ def test_a_reconcile_whose_organisations_all_fail_logs_one_line(monkeypatch, cap
     assert len(failed) == 1, failed
     assert "30 part(s)" in failed[0] and "CLUSTERDOWN" in failed[0]
     assert sum(f"organisation {organization_id}'s" in failed[0] for organization_id in organizations) == 5
-    assert presence._repair.num_beats == presence.RECONCILE_EVERY_BEATS + 1  # the next beat reconciles again
+    assert presence._repair.retry == set(organizations)  # the next beat reconciles them again
 
 
 def test_a_redis_cluster_error_in_one_organisation_stops_no_other_and_the_next_beat_reconciles_again(
@@ -780,9 +814,9 @@ def test_a_live_gateway_keeps_its_alive_key_through_a_reconcile_that_outlasts_it
             await asyncio.sleep(presence.ALIVE_TTL_S + 1.5)  # past the alive key's life
         return await restore(organization_id, snapshot)
 
-    async def noting_its_mode(gateway, *, forgotten=False):
+    async def noting_its_mode(gateway, *, forgotten=False, only=None):
         forgotten_modes.append(forgotten)
-        return await reconcile(gateway, forgotten=forgotten)
+        return await reconcile(gateway, forgotten=forgotten, only=only)
 
     seen = {"lapsed": 0, "released": 0}
 
@@ -846,9 +880,9 @@ def test_redis_forgetting_the_gateway_during_a_long_reconcile_has_the_next_one_r
             await asyncio.sleep(1.0)
         return await restore(organization_id, snapshot)
 
-    async def noting_its_mode(gateway, *, forgotten=False):
+    async def noting_its_mode(gateway, *, forgotten=False, only=None):
         forgotten_modes.append(forgotten)
-        return await reconcile(gateway, forgotten=forgotten)
+        return await reconcile(gateway, forgotten=forgotten, only=only)
 
     async def scenario():
         admitted = await admit(caller, endpoint, replica, "kept")
