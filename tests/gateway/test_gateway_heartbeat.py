@@ -1033,3 +1033,87 @@ def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_nor
     assert seen["watched"] and seen["lapsed"] == 0
     assert all(held.progress_recorded is not None for held in presence.serving.values())  # every stream's
     assert redis.hexists(redis_keys.progress_key(first + num_organizations - 1), f"call-{first + num_organizations - 1}")
+
+
+async def finish_billed(caller, endpoint, replica, request_id: str, admitted: admission.Admission) -> None:
+    """The call's own end, billed (its settlement leaves its marker: `counters.told_until`)."""
+    presence.untrack(request_id)
+    await admission.finish(caller=caller, endpoint_id=str(endpoint.pk), admission=admitted, release=str(replica.pk),
+                           num_tokens=0, cost=Decimal("0.004"), fresh_id=True, recorded=True)
+
+
+def test_calls_that_end_and_record_progress_beside_a_long_reconcile_leave_every_count_and_hold_exact(
+        idle_endpoint_call, short_lived_alive_key, monkeypatch):
+    """A guard (passes before and after): the deadline push, the progress recorded and the ends run beside a reconcile
+    that takes many beats (paused before its organisation's put-back, then before its holds again), after Redis forgot
+    everything. A call ending before its put-back, one whose end could not reach Redis, one ending between its put-back
+    and its hold again: each released once and held by nothing; the two still running in flight, outstanding, held
+    once each, with their progress and deadlines; nothing left once they end."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = caller.organization_id
+    redis = get_redis()
+    restore, hold_again = presence._restore_organization, presence._hold_again
+    paused = {"put back": asyncio.Event, "held again": asyncio.Event}
+    reached = {}
+
+    def pausing(step: str, part):
+        async def paused_part(organization_id, *args):
+            if organization_id == org:
+                reached[step].set()
+                await paused[step].wait()
+            return await part(organization_id, *args)
+        return paused_part
+
+    def reserved() -> int:
+        return int(redis.get(redis_keys.org_reserved_key(org)) or 0)
+
+    async def beats(number: int) -> None:
+        for _ in range(number):
+            await presence.beat(web=True)
+            await asyncio.sleep(presence.BEAT_S)
+
+    async def scenario():
+        for step in list(paused):
+            paused[step], reached[step] = asyncio.Event(), asyncio.Event()
+        names = ["ends first", "unfinished", "ends put back", "running", "running too"]
+        admitted = {name: await admit(caller, endpoint, replica, name) for name in names}
+        for name in ("running", "running too"):
+            presence.serving[name].progress = growing_stream(org, name)
+        await presence.beat(web=True)  # their progress recorded
+        assert counts(endpoint, replica) == (5, 5) and reserved() == 5 * to_units(Decimal("0.01"))
+        monkeypatch.setattr(presence, "_restore_organization", pausing("put back", restore))
+        monkeypatch.setattr(presence, "_hold_again", pausing("held again", hold_again))
+        redis.flushdb()  # Redis restarted without persistence: the next beat reconciles, as forgotten
+        await presence.beat(web=True)
+        await asyncio.wait_for(reached["put back"].wait(), 10)
+        await finish_billed(caller, endpoint, replica, "ends first", admitted["ends first"])
+        presence.end_later(org, "unfinished", row_journaled=True)  # its settlement did not reach Redis
+        monkeypatch.setattr(presence, "_extended", presence._Extended())  # a push of the deadlines is due
+        for name in ("running", "running too"):
+            presence.serving[name].since -= 120
+        await beats(3)
+        paused["put back"].set()
+        await asyncio.wait_for(reached["held again"].wait(), 10)
+        await finish_billed(caller, endpoint, replica, "ends put back", admitted["ends put back"])
+        await beats(3)
+        paused["held again"].set()
+        await beats(3)
+        reconciling = presence._beats.get().reconcile
+        await asyncio.wait_for(reconciling, 10)
+        await reconciled(2)
+        running = {"running", "running too"}
+        assert counts(endpoint, replica) == (2, 2)
+        assert set(redis.hkeys(traffic.gateway_requests_key(org))) == running
+        assert set(redis.hkeys(redis_keys.reservations_key(org))) == running
+        assert reserved() == 2 * to_units(Decimal("0.01"))
+        assert set(redis.hkeys(redis_keys.progress_key(org))) == running
+        assert all(redis.zscore(redis_keys.deadlines_key(org), name) is not None for name in running)
+        assert not presence._repair.due and not presence._repair.retry and not presence.unfinished
+        for name in ("running", "running too"):
+            await finish_billed(caller, endpoint, replica, name, admitted[name])
+        await reconciled(2)
+
+    asyncio.run(scenario())
+    assert counts(endpoint, replica) == (0, 0)
+    assert not redis.hlen(traffic.gateway_requests_key(org)) and not redis.hlen(redis_keys.reservations_key(org))
+    assert reserved() == 0 and not redis.hlen(redis_keys.progress_key(org))
