@@ -22,13 +22,15 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
   `RECONCILE_EVERY_BEATS` beats the gateway compares what Redis holds for it with what it serves
   (`_reconcile`): it puts back what is missing, as above, and releases what it no longer serves
   (a call that ended in the lost moment, back in flight) once two reconciles found it unchanged. It reads
-  the organisations it serves, and those it served until two reconciles found nothing of theirs.
+  the organisations it serves, and those it served until two reconciles found nothing of theirs. The organisations
+  whose part failed are reconciled again, alone, by the next beats (`_Repair.retry`).
 
 Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat.
 
 A beat also records, next to each call's reservation, the usage its stream has been answered so far (`_record_progress`,
 `billing.quota.counters.record_progress`): a gateway killed mid-stream (SIGKILL, OOM) then leaves what it delivered,
 which the sweeper bills when the call's hold lapses (`billing.quota.sweeper`), less what was answered after its last beat.
+Like the reconcile, it runs beside the beats (`_record_progress_beside`), `CHUNK` organisations at once (`_by_chunks`).
 
 A beat also pushes on the spend reservation deadlines (`billing.quota.sweeper`) of the requests this process
 has served for a while: a live gateway's long call (a stream of many tokens, a non-streamed answer waited for
