@@ -8,9 +8,12 @@ holds for it with what it serves (`presence._reconcile`). Measured on the embedd
     does not reconcile (the calls' progress asked for, unchanged since the last beat, as a stalled stream's);
   * idle: N organisations this process served once and serves nothing for now, nothing of theirs in Redis: the first
     reconcile after they went idle, and a later one (once two reconciles found nothing of theirs, they are no longer
-    read; before, every one of them was read by every reconcile, forever).
+    read; before, every one of them was read by every reconcile, forever);
+  * progress due: N organisations with one stream each whose tokens grew since the last beat: the beat's recording of
+    their progress (`presence._record_progress`), and the event loop's largest stall meanwhile (a task ticking every
+    5 ms), which the beats beside it wait for.
 
-    .venv/bin/python bench/bench_presence.py [--organizations 100,1000,10000] [--repeat 7]
+    .venv/bin/python bench/bench_presence.py [--organizations 100,1000,10000] [--repeat 7] [--progress-only]
 
 Prints a markdown table (µs per call, and per organisation) and writes `bench/results/presence.json`.
 """
@@ -105,10 +108,62 @@ async def idle(num_organizations: int, repeat: int) -> dict:
             "first_reconcile_us": round(first[0]), "later_reconcile_us": round(statistics.median(later))}
 
 
+async def progress_due(num_organizations: int, repeat: int) -> dict:
+    from billing.ledger import UsageReport
+    from billing.quota.counters import Reservation
+    from controlplane import redis_keys
+    from controlplane.redis_client import get_async_redis
+    from endpoints.gateway import presence, traffic
+
+    _reset(presence, traffic)
+    started_at = datetime.now(UTC)
+
+    def growing(organization_id: int, request_id: str):
+        def progress(recorded):  # a token more since the last beat recorded it, the row built as a stream's
+            return UsageReport(request_id=request_id, organization_id=organization_id, api_key_id=None,
+                               endpoint_id=f"endpoint-{organization_id}", replica_id="replica", prompt_tokens=100,
+                               cached_tokens=0, completion_tokens=(recorded[2] if recorded else 0) + 1,
+                               started_at=started_at, first_token_at=started_at, finished_at=datetime.now(UTC),
+                               status="gateway_lost", cold_start_s=0.0)
+        return progress
+
+    redis = get_async_redis()
+    async with redis.pipeline(transaction=False) as pipe:
+        for organization_id in range(FIRST_ORGANIZATION, FIRST_ORGANIZATION + num_organizations):
+            request_id = f"call-{organization_id}"
+            reservation = Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
+            presence.track(request_id, organization_id, f"endpoint-{organization_id}", None, reservation,
+                           progress=growing(organization_id, request_id))
+            pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")  # as its admission held it
+        await pipe.execute()
+    gaps: list[float] = []
+
+    async def ticking():
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    ticker = asyncio.get_running_loop().create_task(ticking())
+    recording, stalls = [], []
+    for _ in range(repeat):
+        gaps.clear()
+        await asyncio.sleep(0.05)
+        recording += await _timed(presence._record_progress, 1)
+        stalls.append(max(gaps))
+    ticker.cancel()
+    _reset(presence, traffic)
+    return {"num_organizations": num_organizations, "state": "progress due",
+            "record_progress_us": round(statistics.median(recording)),
+            "largest_stall_us": round(max(stalls) * 1e6)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--organizations", default="100,1000,10000")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--progress-only", action="store_true", help="measure the progress recorded alone")
     parser.add_argument("--output", default=str(REPO / "bench" / "results" / "presence.json"))
     args = parser.parse_args()
     import django
@@ -122,17 +177,21 @@ def main() -> int:
     async def run() -> list[dict]:
         results = []
         for num_organizations in levels:
-            results.append(await in_flight(num_organizations, args.repeat))
-            print(results[-1], flush=True)
-            results.append(await idle(num_organizations, args.repeat))
-            print(results[-1], flush=True)
+            parts = [progress_due] if args.progress_only else [in_flight, idle, progress_due]
+            for part in parts:
+                results.append(await part(num_organizations, args.repeat))
+                print(results[-1], flush=True)
         return results
 
     results = asyncio.run(run())
+    output = Path(args.output)
+    if args.progress_only and output.exists():  # the other rows kept, as measured before
+        kept = [result for result in json.loads(output.read_text())["results"] if result["state"] != "progress due"]
+        results = kept + results
     document = {"benchmark": "presence", "date": datetime.now(UTC).isoformat(timespec="seconds"),
                 "machine": platform.platform(), "num_cpus": os.cpu_count(),
-                "note": "embedded Redis on the same cores; medians of --repeat calls", "results": results}
-    output = Path(args.output)
+                "note": "embedded Redis on the same cores; medians of --repeat calls; largest_stall_us: the largest "
+                        "of --repeat recordings", "results": results}
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2) + "\n")
 
@@ -140,7 +199,10 @@ def main() -> int:
     print("|---:|---|---:|---:|---:|---:|")
     for result in results:
         n = result["num_organizations"]
-        if result["state"] == "in flight":
+        if result["state"] == "progress due":
+            print(f"| {n:,} | progress due | recorded in {result['record_progress_us']:,} | "
+                  f"largest stall {result['largest_stall_us']:,} | | |")
+        elif result["state"] == "in flight":
             print(f"| {n:,} | in flight | {result['reconcile_us']:,} | {result['reconcile_us'] / n:.1f} "
                   f"| {result['beat_us']:,} | |")
         else:

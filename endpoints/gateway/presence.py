@@ -22,13 +22,15 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
   `RECONCILE_EVERY_BEATS` beats the gateway compares what Redis holds for it with what it serves
   (`_reconcile`): it puts back what is missing, as above, and releases what it no longer serves
   (a call that ended in the lost moment, back in flight) once two reconciles found it unchanged. It reads
-  the organisations it serves, and those it served until two reconciles found nothing of theirs.
+  the organisations it serves, and those it served until two reconciles found nothing of theirs. The organisations
+  whose part failed are reconciled again, alone, by the next beats (`_Repair.retry`).
 
 Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat.
 
 A beat also records, next to each call's reservation, the usage its stream has been answered so far (`_record_progress`,
 `billing.quota.counters.record_progress`): a gateway killed mid-stream (SIGKILL, OOM) then leaves what it delivered,
 which the sweeper bills when the call's hold lapses (`billing.quota.sweeper`), less what was answered after its last beat.
+Like the reconcile, it runs beside the beats (`_record_progress_beside`), `CHUNK` organisations at once (`_by_chunks`).
 
 A beat also pushes on the spend reservation deadlines (`billing.quota.sweeper`) of the requests this process
 has served for a while: a live gateway's long call (a stream of many tokens, a non-streamed answer waited for
@@ -53,8 +55,9 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from django.conf import settings
 from redis.exceptions import RedisClusterException, RedisError
@@ -68,6 +71,7 @@ from controlplane.redis_scripts import Script
 from endpoints.gateway import traffic
 
 logger = logging.getLogger("inferplane.gateway")
+T = TypeVar("T")
 
 BEAT_S = 1.0
 ALIVE_TTL_S = 5
@@ -77,8 +81,9 @@ SWEEP_BATCH = 200
 # raised as a bug, aborting every organisation's part of the reconcile, and clearing `_Repair.due` (found by review).
 # OSError holds ConnectionError and TimeoutError.
 REDIS_FAILURES = (RedisError, RedisClusterException, OSError)
-# Organisations a reconcile compares at once (`_reconcile`): between chunks it lets the loop run.
-RECONCILE_CHUNK = 250
+# Organisations a beat's parts send to Redis at once (`_by_chunks`: a reconcile's, the progress recorded): between
+# chunks the loop runs.
+CHUNK = 250
 
 # One organisation's keys per call (one Redis Cluster slot). KEYS: the gateway's requests hash of the
 # organisation, the no-replica placeholder, then per request: in-flight set, waiting set, the
@@ -174,6 +179,7 @@ unfinished_journaled: set[tuple[int, str]] = set()
 class _Beating:
     task: asyncio.Task | None = None  # this loop's heartbeat
     reconcile: asyncio.Task | None = None  # its reconcile, while one runs (`_reconcile_beside`)
+    progress: asyncio.Task | None = None  # its calls' progress being recorded (`_record_progress_beside`)
 
 
 _beats: PerLoop[_Beating] = PerLoop(_Beating)
@@ -263,15 +269,45 @@ async def _push_deadlines_on(redis, now: float | None = None) -> None:
     _extended.at = now  # NOTE: only once due and pushed: a beat in between (every second) never moves it on
 
 
+async def _by_chunks(part: Callable[..., Awaitable[T]], items: list[tuple]) -> list[T | BaseException]:
+    """`part(*item)` for each of `items`, `CHUNK` at once, the loop let run between chunks: each part's result or its
+    error, in order (one's failure loses no other's).
+
+    NOTE: one gather of every organisation's parts stalled the loop for seconds (20,000 organisations: the reconcile's
+    up to 3.7 s, the progress recorded 1.7-2.2 s), the alive key missing to the sweeper beside the beats."""
+    results: list[T | BaseException] = []
+    for first in range(0, len(items), CHUNK):
+        results += await asyncio.gather(*(part(*item) for item in items[first:first + CHUNK]), return_exceptions=True)
+        await asyncio.sleep(0)
+    return results
+
+
 async def _record_progress() -> int:
     """Record, next to their reservations, the usage so far of the calls this process serves whose tokens grew since
-    the last beat recorded them (`counters.record_progress`): one script per organisation, all on one connection in one
-    round trip. Returns how many were recorded.
+    the last beat recorded them (`counters.record_progress`): one script per organisation, `CHUNK` organisations at
+    once (`_by_chunks`). Returns how many were recorded; an organisation's Redis error stops no other's (its calls are
+    recorded by the next beat), and is raised once the others are done.
 
     NOTE: on the beat, never per chunk: a stream's chunks cost no Redis write. What a call is answered after the last
     beat before its gateway is lost (a second's worth, `BEAT_S`) is not billed."""
-    due: dict[int, list[tuple[Held, tuple[int, int, int], UsageReport]]] = {}
+    by_organization: dict[int, list[Held]] = {}
     for held in list(serving.values()):
+        if held.progress is not None:
+            by_organization.setdefault(held.organization_id, []).append(held)
+    failures = _Failures()
+    counts = await _by_chunks(_record_organization_progress, list(by_organization.items()))
+    recorded = sum(count for (organization_id, _), count in zip(by_organization.items(), counts, strict=True)
+                   if not failures.failed(count, f"organisation {organization_id}'s"))
+    if failures.first is not None:
+        raise failures.first
+    return recorded
+
+
+async def _record_organization_progress(organization_id: int, calls: list[Held]) -> int:
+    """`_record_progress` for one organisation's calls: their rows built here, in their organisation's chunk (~110 µs
+    each: built all at once, they too stalled the loop)."""
+    due: list[tuple[Held, tuple[int, int, int], UsageReport]] = []
+    for held in calls:
         try:
             if held.progress is None or (report := held.progress(held.progress_recorded)) is None:
                 continue
@@ -279,15 +315,13 @@ async def _record_progress() -> int:
             continue
         tokens = (report.prompt_tokens, report.cached_tokens, report.completion_tokens)
         if tokens != held.progress_recorded:
-            due.setdefault(held.organization_id, []).append((held, tokens, report))
+            due.append((held, tokens, report))
     if not due:
         return 0
-    counts = await asyncio.gather(*(counters.record_progress(organization_id, [report for _, _, report in calls])
-                                    for organization_id, calls in due.items()))
-    for calls in due.values():
-        for held, tokens, _ in calls:
-            held.progress_recorded = tokens
-    return sum(counts)
+    count = await counters.record_progress(organization_id, [report for _, _, report in due])
+    for held, tokens, _ in due:
+        held.progress_recorded = tokens
+    return count
 
 
 # A beat compares what Redis holds for this gateway with what it serves every this many beats (and at once when Redis
@@ -309,6 +343,17 @@ class _Repair:
     # The requests put back whose reservations are not yet held again (`counters.restore_reservations` failed, or has
     # not answered yet): the next reconcile holds them again while they are served (`_hold_again`).
     unheld: set[str] = field(default_factory=set)
+    # The organisations a part of the last reconcile failed for (Redis's or the network's error), the others' done: the
+    # next beats reconcile them alone (as forgotten while `due`) until they pass, the others at their own pace.
+    retry: set[int] = field(default_factory=set)
+    # `num_forgotten` when the last whole reconcile began: a beat that found the alive key gone since has the next whole.
+    num_forgotten_compared: int = 0
+
+    def whole_due(self) -> bool:
+        """Whether the next reconcile compares every organisation: at its own pace, and once Redis forgot this gateway
+        since the last whole one began (or one did not end, `_reconcile_once`); else only `retry`, if any."""
+        return self.num_beats >= RECONCILE_EVERY_BEATS or self.due and (
+            self.num_forgotten != self.num_forgotten_compared or not self.retry)
 
 
 _repair = _Repair()
@@ -395,19 +440,24 @@ async def _forget_idle(empty: set[int]) -> set[int]:
     return forgotten
 
 
-async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
+async def _reconcile(gateway: str, *, forgotten: bool = False, only: set[int] | None = None) -> set[int] | None:
     """Make what Redis holds for this gateway what it serves: put back the requests it still serves that Redis does
     not hold (each in flight on its endpoint and outstanding on its replica, and its reservation against the caps and
     credit, with its progress: `_record_progress`), hold again the reservation Redis lost of any call it serves and
     record again the progress it lost of one whose reservation it kept (`counters.holds_lost`), list its requests
     hashes again in `GATEWAYS_KEY`, and release the requests Redis holds that it no longer serves. Two scripts per
-    organisation it serves and a read of each other hash it registered, sent `RECONCILE_CHUNK` organisations at once
+    organisation it serves and a read of each other hash it registered, sent `CHUNK` organisations at once (`_by_chunks`)
     (a round trip a chunk, and one more per organisation whose reservations it holds again), the loop let run between
     chunks. `forgotten`: Redis forgot this gateway's alive key, so every
     reservation of what it serves is held again where missing, not only those found missing; and a reservation a
     reconcile failed to hold again (a Redis error, a timeout, after its request was put back) is held again by the next
-    (`_Repair.unheld`). Returns False when a part failed (Redis's or the network's error, logged in one line: the next
-    beat reconciles again); any other error is raised.
+    (`_Repair.unheld`). `only`: these organisations alone (those whose parts failed: `_Repair.retry`), neither the
+    hashes of the idle ones read nor any it no longer serves released (left to the next whole reconcile). Returns the
+    organisations whose part failed (Redis's or the network's error, logged in one line: the next beat reconciles them
+    again), None when a part of the whole failed (the next reconcile is whole); any other error is raised.
+
+    NOTE: a part that failed for one organisation had every organisation reconciled again on every beat until it passed
+    (a Redis Cluster node failing over: each beat the whole reconcile, seconds of it with thousands served).
 
     NOTE: a reservation is held again where Redis is found to have lost it (`counters.holds_lost`), not only where this
     reconcile put its request back: a put-back whose result never reached it (the other part of its organisation
@@ -450,35 +500,33 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     does a call's that ended in the lost moment."""
     by_organization: dict[int, list[tuple[str, Held]]] = {}
     for request_id, held in list(serving.items()):
-        by_organization.setdefault(held.organization_id, []).append((request_id, held))
-    registered = traffic.registered_organizations()
+        if only is None or held.organization_id in only:
+            by_organization.setdefault(held.organization_id, []).append((request_id, held))
+    registered = traffic.registered_organizations() if only is None else []
     idle = [organization_id for organization_id in registered if organization_id not in by_organization]
     failures = _Failures()
     failed: set[int] = set()  # the organisations whose requests were not compared
+    retry: set[int] = set()  # those and the organisations whose other parts failed
     parts: list[tuple] = []  # per organisation: (ids put back, the hash's other entries), (unreserved, progress lost)
-    # NOTE: in chunks (`RECONCILE_CHUNK`), the loop let run between them: one gather of every organisation's parts
-    # stalled the loop for seconds (20,000 organisations: up to 3.7 s), its alive key missing to the sweeper.
     idle_read = asyncio.ensure_future(_read_idle(registered, idle))
     organizations = list(by_organization.items())
     try:
-        for first in range(0, len(organizations), RECONCILE_CHUNK):
-            chunk = organizations[first:first + RECONCILE_CHUNK]
-            results = await asyncio.gather(*(_restore_organization(organization_id, snapshot)
-                                             for organization_id, snapshot in chunk), return_exceptions=True)
-            for (organization_id, _), result in zip(chunk, results, strict=True):
-                restored_part, lost_part = (result, ([], [])) if isinstance(result, BaseException) else result
-                if failures.failed(restored_part, f"organisation {organization_id}'s requests"):
-                    failed.add(organization_id)
-                    restored_part = ([], [])
-                if failures.failed(lost_part, f"organisation {organization_id}'s reservations and progress"):
-                    lost_part = ([], [])
-                parts.append((restored_part, lost_part))
-            await asyncio.sleep(0)
+        results = await _by_chunks(_restore_organization, organizations)
+        for (organization_id, _), result in zip(organizations, results, strict=True):
+            restored_part, lost_part = (result, ([], [])) if isinstance(result, BaseException) else result
+            if failures.failed(restored_part, f"organisation {organization_id}'s requests"):
+                failed.add(organization_id)
+                restored_part = ([], [])
+            if failures.failed(lost_part, f"organisation {organization_id}'s reservations and progress"):
+                retry.add(organization_id)
+                lost_part = ([], [])
+            parts.append((restored_part, lost_part))
     except BaseException:
         idle_read.cancel()
         raise
     idle_entries = (await asyncio.gather(idle_read, return_exceptions=True))[0]
-    if failures.failed(idle_entries, "the requests of organisations it serves nothing for"):
+    whole_failed = failures.failed(idle_entries, "the requests of organisations it serves nothing for")
+    if whole_failed:
         idle, idle_entries = [], []
     unserved: dict[tuple[int, str], str] = {}
     ended: dict[tuple[int, str], str] = {}
@@ -487,7 +535,7 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     now = clock.redis_now()
     for num, ((organization_id, snapshot), ((put_back, found), (unreserved, progress_lost))) in enumerate(zip(
             organizations, parts, strict=True)):
-        if num and not num % RECONCILE_CHUNK:
+        if num and not num % CHUNK:
             await asyncio.sleep(0)
         restored += len(put_back)
         for request_id in progress_lost:  # recorded again by the beat (`_record_progress`)
@@ -517,25 +565,26 @@ async def _reconcile(gateway: str, *, forgotten: bool = False) -> bool:
     # again holds it at most once (the script leaves a reservation still there, or one whose call settled).
     _repair.unheld.intersection_update(serving)
     _repair.unheld.update(request_id for holds in to_hold.values() for request_id, _ in holds)
-    num_held_again = 0
     holding = list(to_hold.items())
-    for first in range(0, len(holding), RECONCILE_CHUNK):
-        chunk = holding[first:first + RECONCILE_CHUNK]
-        held_again = await asyncio.gather(*(_hold_again(organization_id, holds) for organization_id, holds in chunk),
-                                          return_exceptions=True)
-        num_held_again += sum(result for (organization_id, _), result in zip(chunk, held_again, strict=True)
-                              if not failures.failed(result, f"organisation {organization_id}'s reservations"))
-        await asyncio.sleep(0)
-    confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
-    released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
-    _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed} | {
-        item: value for item, value in _repair.unserved.items() if item[0] in failed}
-    _repair.empty = empty - await _forget_idle(empty & _repair.empty)
+    held_again = await _by_chunks(_hold_again, holding)
+    num_held_again = 0
+    for (organization_id, _), result in zip(holding, held_again, strict=True):
+        if failures.failed(result, f"organisation {organization_id}'s reservations"):
+            retry.add(organization_id)
+        else:
+            num_held_again += result
+    released = 0
+    if only is None:
+        confirmed = {item: value for item, value in unserved.items() if _repair.unserved.get(item) == value}
+        released = await asyncio.to_thread(_release_unserved, confirmed) if confirmed else 0
+        _repair.unserved = {item: value for item, value in unserved.items() if item not in confirmed} | {
+            item: value for item, value in _repair.unserved.items() if item[0] in failed}
+        _repair.empty = empty - await _forget_idle(empty & _repair.empty)
     if restored or num_held_again or released:
         logger.warning("gateway %s: put back %d request(s) and %d reservation(s) Redis had lost, released %d it had "
                        "kept after they ended", gateway, restored, num_held_again, released)
     failures.log(gateway)
-    return not failures.parts
+    return None if whole_failed else retry | failed
 
 
 # A reconcile's failed parts named in its log line: the first few (one line per beat, whatever the number).
@@ -574,8 +623,9 @@ class _Failures:
 
 async def beat(*, web: bool = False) -> None:
     """One heartbeat: stay alive, reconcile what Redis holds for this gateway with what it serves (`_reconcile`, beside
-    the beats once it takes longer than one: `_reconcile_beside`), end what could not be ended, and push on the
-    reservation deadlines of long calls; a web process's (`web`) also counts for the web tier (`WEB_BEATS_KEY`)."""
+    the beats once it takes longer than one: `_reconcile_beside`), push on the reservation deadlines of long calls, end
+    what could not be ended and record the calls' progress (beside the beats too: `_record_progress_beside`); a web
+    process's (`web`) also counts for the web tier (`WEB_BEATS_KEY`)."""
     redis = get_async_redis()
     gateway = traffic.gateway_id()
     recent = traffic.take_recent()
@@ -605,30 +655,60 @@ async def beat(*, web: bool = False) -> None:
         _repair.due = True
         _repair.num_forgotten += 1
     _repair.num_beats += 1
-    if _repair.due or _repair.num_beats >= RECONCILE_EVERY_BEATS:
-        await _reconcile_beside(gateway)
+    if _repair.whole_due():
+        await _reconcile_beside(gateway, None)
+    elif _repair.retry:
+        await _reconcile_beside(gateway, set(_repair.retry))
     try:
         await _push_deadlines_on(redis)
     except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on
         logger.warning("gateway %s: could not push on its calls' reservation deadlines: %r", gateway, exc)
+    await _record_progress_beside(gateway, redis)
+
+
+async def _record_progress_beside(gateway: str, redis) -> None:
+    """End what could not be ended (`end_later`), then record the calls' progress (`_record_progress`) as its own task
+    (one at a time per loop), waited for up to `BEAT_S`: one that takes longer goes on beside the beats.
+
+    NOTE: as the reconcile (`_reconcile_beside`): inside the beat, 20,000 organisations' streams recorded in chunks
+    (2-3 s, longer under load) spaced the beats past the alive key's life, though the loop ran between chunks.
+    NOTE: the ends only while no recording runs: a journaled call's progress, dropped by its end, would otherwise be
+    written again by a recording that read it before (the sweeper then billing it from that progress)."""
+    beating = _beats.get()
+    if beating.progress is not None and not beating.progress.done():
+        return  # the next beat after it ends ends what waits, and records again
+    try:
+        await _end_unfinished(redis, gateway)
+    finally:
+        beating.progress = asyncio.get_running_loop().create_task(_record_progress_once(gateway))
+    await asyncio.wait({beating.progress}, timeout=BEAT_S)
+
+
+async def _record_progress_once(gateway: str) -> None:
     try:
         await _record_progress()
     except Exception as exc:  # noqa: BLE001 - the next beat records it; the calls' own ends bill them whole
         logger.warning("gateway %s: could not record its calls' progress: %r", gateway, exc)
-    if unfinished:
-        ended = list(unfinished)
-        for organization_id in {organization_id for organization_id, _ in ended}:
-            ids = [request_id for org, request_id in ended if org == organization_id]
-            await asyncio.to_thread(release_requests, traffic.gateway_requests_key(organization_id, gateway), ids,
-                                    only_if_dead=False)
-            if journaled := [request_id for request_id in ids if (organization_id, request_id) in unfinished_journaled]:
-                await redis.hdel(redis_keys.progress_key(organization_id), *journaled)
-        unfinished.difference_update(ended)
-        unfinished_journaled.difference_update(ended)
 
 
-async def _reconcile_beside(gateway: str) -> None:
-    """Start a reconcile as its own task (one at a time per loop), and wait for it up to `BEAT_S`: one that takes
+async def _end_unfinished(redis, gateway: str) -> None:
+    """Release the requests whose end could not reach Redis (`end_later`), and drop the progress of those whose usage
+    row waits in this process's journal."""
+    if not unfinished:
+        return
+    ended = list(unfinished)
+    for organization_id in {organization_id for organization_id, _ in ended}:
+        ids = [request_id for org, request_id in ended if org == organization_id]
+        await asyncio.to_thread(release_requests, traffic.gateway_requests_key(organization_id, gateway), ids,
+                                only_if_dead=False)
+        if journaled := [request_id for request_id in ids if (organization_id, request_id) in unfinished_journaled]:
+            await redis.hdel(redis_keys.progress_key(organization_id), *journaled)
+    unfinished.difference_update(ended)
+    unfinished_journaled.difference_update(ended)
+
+
+async def _reconcile_beside(gateway: str, only: set[int] | None) -> None:
+    """Start a reconcile (of `only`'s organisations, or all) as its own task (one at a time per loop), and wait for it up to `BEAT_S`: one that takes
     longer goes on beside the beats, which keep this gateway's alive key while it runs.
 
     NOTE: run inside the beat, a reconcile that outlasted `ALIVE_TTL_S` (10,000 organisations in flight on a loaded
@@ -639,33 +719,39 @@ async def _reconcile_beside(gateway: str) -> None:
     beating = _beats.get()
     if beating.reconcile is not None and not beating.reconcile.done():
         return  # the next beat after it ends starts another if one is still due
-    beating.reconcile = asyncio.get_running_loop().create_task(_reconcile_once(gateway))
+    beating.reconcile = asyncio.get_running_loop().create_task(_reconcile_once(gateway, only))
     await asyncio.wait({beating.reconcile}, timeout=BEAT_S)
 
 
-async def _reconcile_once(gateway: str) -> None:
+async def _reconcile_once(gateway: str, only: set[int] | None) -> None:
     """`_reconcile`, in forgotten mode while `_Repair.due`; its outcome noted in `_repair` (a Redis error: the next beat
-    reconciles again)."""
+    reconciles again, the organisations that failed alone when the others were done)."""
     num_forgotten = _repair.num_forgotten
     # NOTE: a reconcile that fails leaves the beats to go on (deadlines pushed on, ends released): one failing the same
     # way every time stopped the long calls' deadlines, and the sweeper released live holds.
     try:
-        if await _reconcile(gateway, forgotten=_repair.due):
-            _reconcile_done(num_forgotten)
+        retry = await _reconcile(gateway, forgotten=_repair.due, only=only)
     except REDIS_FAILURES as exc:  # tried again by the next beat
         logger.warning("gateway %s: could not put back what Redis forgot: %r", gateway, exc)
+        return
     except Exception:  # noqa: BLE001 - a bug, not Redis: logged with its traceback
         # NOTE: tried again at the reconcile's own pace, not every beat (a traceback a second, for good): what Redis
         # forgot is found all the same then (a missing reservation: `counters.holds_lost`).
         logger.exception("gateway %s: its reconcile failed", gateway)
-        _reconcile_done(num_forgotten)
+        retry = set()
+    if retry is not None:
+        _reconcile_done(num_forgotten, retry, whole=only is None)
 
 
-def _reconcile_done(num_forgotten: int) -> None:
-    """The next reconcile is due `RECONCILE_EVERY_BEATS` beats from now, unless a beat found the alive key gone since
-    this one began (`num_forgotten`): what it put back may be gone again, so the next beat reconciles as forgotten."""
-    _repair.num_beats = 0
-    if _repair.num_forgotten == num_forgotten:
+def _reconcile_done(num_forgotten: int, retry: set[int], *, whole: bool) -> None:
+    """The organisations whose part failed (`retry`) are reconciled again by the next beat; the next whole reconcile is
+    due `RECONCILE_EVERY_BEATS` beats after the last (`whole`), and at once if a beat found the alive key gone since
+    it began (`num_forgotten`): what it put back may be gone again, so the next beat reconciles all as forgotten."""
+    if whole:
+        _repair.num_beats = 0
+        _repair.num_forgotten_compared = num_forgotten
+    _repair.retry = retry
+    if not retry and _repair.num_forgotten == _repair.num_forgotten_compared:
         _repair.due = False
 
 

@@ -7,15 +7,18 @@ import dataclasses
 import os
 import threading
 import time
+from datetime import timedelta
 from decimal import Decimal
 
 import httpx
 import pytest
 from django.conf import settings
+from django.utils import timezone
 from redis import Redis
 from redis.exceptions import SlotNotCoveredError
 
-from billing.ledger import period_spend
+from billing.ledger import UsageReport, period_spend
+from billing.models import UsageStatus
 from billing.periods import period_containing
 from billing.quota import counters
 from billing.quota.counters import QuotaExceeded, from_units, to_units
@@ -238,6 +241,40 @@ def test_one_organisations_failed_put_back_stops_no_other_and_is_tried_again_by_
     assert f"organisation {failing}'s {part}" in caplog.text and presence._repair.due
     asyncio.run(presence.beat())
     assert put_back(failing) and put_back(other) and not presence._repair.due
+
+
+def test_after_one_organisations_part_fails_the_next_beats_reconcile_it_alone_and_the_others_at_their_own_pace(
+        monkeypatch, caplog, gateway_alone):
+    """Before, a reconcile that failed for one organisation (its Redis Cluster node failing over, a timeout) had every
+    organisation reconciled again on every beat until it passed: thousands of scripts a second, each beat a whole
+    reconcile, for as long as one node failed."""
+    organizations = [9_300_000 + number for number in range(20)]
+    failing = organizations[0]
+    restore, reconciled_per_beat, fails = presence._restore_organization, [], {"on": True}
+
+    async def counting(organization_id, snapshot):
+        reconciled_per_beat[-1].append(organization_id)
+        if organization_id == failing and fails["on"]:
+            raise ConnectionError("CLUSTERDOWN Hash slot not served")
+        return await restore(organization_id, snapshot)
+
+    monkeypatch.setattr(presence, "_restore_organization", counting)
+    for organization_id in organizations:
+        presence.track(f"call-{organization_id}", organization_id, f"e-{organization_id}", None)
+    presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS  # a reconcile is due
+    redis = get_redis()
+    with caplog.at_level("WARNING", logger="inferplane.gateway"):
+        for beat in range(9):
+            if beat == 7:
+                fails["on"] = False  # its node back
+            reconciled_per_beat.append([])
+            asyncio.run(presence.beat(web=True))
+    assert [len(organizations) for organizations in reconciled_per_beat] == [20, 1, 1, 1, 1, 20, 1, 1, 0]
+    assert all(organizations == [failing] for organizations in reconciled_per_beat[1:5])
+    assert not presence._repair.retry and not presence._repair.due
+    assert all(redis.zscore(redis_keys.inflight_key(organization_id, f"e-{organization_id}"),
+                            f"call-{organization_id}") is not None for organization_id in organizations)
+    assert caplog.text.count(f"organisation {failing}'s requests") == 7  # one line a beat while it failed
 
 
 # --- Redis back a moment in the past (an append-only file fsynced every second, a replica promoted with lag) ---
@@ -703,7 +740,7 @@ def test_a_reconcile_whose_organisations_all_fail_logs_one_line(monkeypatch, cap
     assert len(failed) == 1, failed
     assert "30 part(s)" in failed[0] and "CLUSTERDOWN" in failed[0]
     assert sum(f"organisation {organization_id}'s" in failed[0] for organization_id in organizations) == 5
-    assert presence._repair.num_beats == presence.RECONCILE_EVERY_BEATS + 1  # the next beat reconciles again
+    assert presence._repair.retry == set(organizations)  # the next beat reconciles them again
 
 
 def test_a_redis_cluster_error_in_one_organisation_stops_no_other_and_the_next_beat_reconciles_again(
@@ -777,9 +814,9 @@ def test_a_live_gateway_keeps_its_alive_key_through_a_reconcile_that_outlasts_it
             await asyncio.sleep(presence.ALIVE_TTL_S + 1.5)  # past the alive key's life
         return await restore(organization_id, snapshot)
 
-    async def noting_its_mode(gateway, *, forgotten=False):
+    async def noting_its_mode(gateway, *, forgotten=False, only=None):
         forgotten_modes.append(forgotten)
-        return await reconcile(gateway, forgotten=forgotten)
+        return await reconcile(gateway, forgotten=forgotten, only=only)
 
     seen = {"lapsed": 0, "released": 0}
 
@@ -843,9 +880,9 @@ def test_redis_forgetting_the_gateway_during_a_long_reconcile_has_the_next_one_r
             await asyncio.sleep(1.0)
         return await restore(organization_id, snapshot)
 
-    async def noting_its_mode(gateway, *, forgotten=False):
+    async def noting_its_mode(gateway, *, forgotten=False, only=None):
         forgotten_modes.append(forgotten)
-        return await reconcile(gateway, forgotten=forgotten)
+        return await reconcile(gateway, forgotten=forgotten, only=only)
 
     async def scenario():
         admitted = await admit(caller, endpoint, replica, "kept")
@@ -865,21 +902,13 @@ def test_redis_forgetting_the_gateway_during_a_long_reconcile_has_the_next_one_r
     assert counts(endpoint, replica) == (0, 0)
 
 
-def test_a_large_forgotten_reconcile_never_stalls_the_loop_past_the_alive_key(gateway_alone):
-    """Before, the reconcile gathered every organisation's parts at once: after a flush, 20,000 organisations in flight
-    stalled the event loop for up to 3.7 s at a time (measured here on 2 loaded cores), long enough for the alive key to
-    lapse beside the beats and the sweeper to take the live gateway for dead. Now in chunks (`RECONCILE_CHUNK`), the
-    loop runs between them."""
+async def beating_watched(until, *, at_least_s: float = 0.0, limit_s: float) -> tuple[float, dict[str, int]]:
+    """This gateway beating on this loop (`presence._beat_forever`) until `until()` (`at_least_s` at least, `limit_s` at
+    most), its alive key watched from a thread every 0.1 s once written: the loop's largest stall (a task ticking every
+    20 ms), and how many times the key was watched and found missing."""
     redis = get_redis()
     alive = redis_keys.gateway_alive_key(traffic.gateway_id())
-    first = 9_400_000
-    asyncio.run(presence.beat(web=True))  # alive, serving nothing
-    for organization_id in range(first, first + 20_000):
-        reservation = counters.Reservation(f"call-{organization_id}", organization_id, None, Decimal("0.01"), "2026-12")
-        presence.track(f"call-{organization_id}", organization_id, f"e-{organization_id}", None, reservation)
-        traffic._registered[1].add(organization_id)
-    seen = {"lapsed": 0, "watched": 0}
-    gaps = []
+    seen, gaps, done = {"lapsed": 0, "watched": 0}, [], threading.Event()
 
     def watch():
         while not done.is_set():
@@ -894,33 +923,43 @@ def test_a_large_forgotten_reconcile_never_stalls_the_loop_past_the_alive_key(ga
             gaps.append(time.monotonic() - last)
             last = time.monotonic()
 
-    done = threading.Event()
+    ticker = asyncio.get_running_loop().create_task(ticking())
+    beating = asyncio.get_running_loop().create_task(presence._beat_forever(web=True))
+    written_by = time.monotonic() + 30
+    while not redis.exists(alive) and time.monotonic() < written_by:  # its first beat writes it (again, after a flush)
+        await asyncio.sleep(0.01)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        started = time.monotonic()
+        while time.monotonic() < started + limit_s and (time.monotonic() < started + at_least_s or not until()):
+            await asyncio.sleep(0.2)
+    finally:
+        done.set()
+        await asyncio.to_thread(watcher.join)
+        beside = [presence._beats.get().reconcile, presence._beats.get().progress]
+        for task in [ticker, beating, *[task for task in beside if task is not None]]:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return max(gaps), seen
 
-    async def scenario():
-        redis.flushdb()  # Redis restarted without persistence
-        ticker = asyncio.get_running_loop().create_task(ticking())
-        beating = asyncio.get_running_loop().create_task(presence._beat_forever(web=True))
-        while not redis.exists(alive):  # its first beat after the flush writes it again
-            await asyncio.sleep(0.01)
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and (presence._repair.due or presence._repair.num_forgotten < 2):
-                await asyncio.sleep(0.2)
-        finally:
-            done.set()
-            await asyncio.to_thread(watcher.join)
-            ticker.cancel()
-            beating.cancel()
-            await asyncio.gather(ticker, beating, return_exceptions=True)
-            reconciling = presence._beats.get().reconcile
-            if reconciling is not None:
-                reconciling.cancel()
-                await asyncio.gather(reconciling, return_exceptions=True)
 
-    asyncio.run(scenario())
-    assert max(gaps) < 1.0, f"the loop stalled {max(gaps):.2f} s"
+def test_a_large_forgotten_reconcile_never_stalls_the_loop_past_the_alive_key(gateway_alone):
+    """Before, the reconcile gathered every organisation's parts at once: after a flush, 20,000 organisations in flight
+    stalled the event loop for up to 3.7 s at a time (measured here on 2 loaded cores), long enough for the alive key to
+    lapse beside the beats and the sweeper to take the live gateway for dead. Now in chunks (`RECONCILE_CHUNK`), the
+    loop runs between them."""
+    redis = get_redis()
+    first = 9_400_000
+    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    for organization_id in range(first, first + 20_000):
+        reservation = counters.Reservation(f"call-{organization_id}", organization_id, None, Decimal("0.01"), "2026-12")
+        presence.track(f"call-{organization_id}", organization_id, f"e-{organization_id}", None, reservation)
+        traffic._registered[1].add(organization_id)
+    redis.flushdb()  # Redis restarted without persistence
+    stall, seen = asyncio.run(beating_watched(
+        lambda: not presence._repair.due and presence._repair.num_forgotten >= 2, limit_s=30))
+    assert stall < 1.0, f"the loop stalled {stall:.2f} s"
     assert seen["watched"] and seen["lapsed"] == 0
     assert presence._repair.num_forgotten == 2 and not presence._repair.due  # put back and held again, once
     assert redis.hexists(redis_keys.reservations_key(first), f"call-{first}")
@@ -951,3 +990,126 @@ def test_a_heartbeat_cancelled_as_one_of_its_redis_writes_finishes_still_ends(ga
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
     assert not survived, f"the beat went on after its cancellation {survived[0]} steps in"
+
+
+def growing_stream(organization_id: int, request_id: str):
+    """A stream's progress (`InferenceCall.progress`) that has grown by a token since each beat recorded it."""
+    def progress(recorded: tuple[int, int, int] | None) -> UsageReport:
+        now = timezone.now()
+        return UsageReport(request_id=request_id, organization_id=organization_id, api_key_id=None,
+                           endpoint_id=f"e-{organization_id}", replica_id="replica-1", prompt_tokens=100,
+                           cached_tokens=0, completion_tokens=(recorded[2] if recorded else 0) + 1,
+                           started_at=now - timedelta(seconds=2), first_token_at=now - timedelta(seconds=1),
+                           finished_at=now, status=UsageStatus.GATEWAY_LOST, cold_start_s=0.0)
+    return progress
+
+
+def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_nor_lets_the_alive_key_lapse(
+        gateway_alone):
+    """Before, a beat recorded the progress of every organisation's streams in one gather (each row built, then every
+    script sent, on the loop at once): 20,000 organisations whose streams grew stalled the event loop for 1.7-2.2 s at
+    each beat (unloaded), longer under load: the reconcile beside the beats and every call's chunks waited, and the
+    alive key came near its end. Now in chunks (`CHUNK`), the loop runs between them."""
+    redis = get_redis()
+    first, num_organizations = 9_500_000, 20_000
+    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    with redis.pipeline(transaction=False) as pipe:
+        for organization_id in range(first, first + num_organizations):
+            request_id = f"call-{organization_id}"
+            reservation = counters.Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
+            presence.track(request_id, organization_id, f"e-{organization_id}", None, reservation,
+                           progress=growing_stream(organization_id, request_id))
+            pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")  # as its admission held it
+        pipe.execute()
+    presence._repair.num_beats = -100  # no reconcile: the progress alone
+    stall, seen = asyncio.run(beating_watched(  # six seconds, and until every stream's was recorded (loaded: seconds)
+        lambda: all(held.progress_recorded is not None for held in presence.serving.values()), at_least_s=6,
+        limit_s=60))
+    assert stall < 1.0, f"the loop stalled {stall:.2f} s"
+    assert seen["watched"] and seen["lapsed"] == 0
+    assert all(held.progress_recorded is not None for held in presence.serving.values())  # every stream's
+    assert redis.hexists(redis_keys.progress_key(first + num_organizations - 1), f"call-{first + num_organizations - 1}")
+
+
+async def finish_billed(caller, endpoint, replica, request_id: str, admitted: admission.Admission) -> None:
+    """The call's own end, billed (its settlement leaves its marker: `counters.told_until`)."""
+    presence.untrack(request_id)
+    await admission.finish(caller=caller, endpoint_id=str(endpoint.pk), admission=admitted, release=str(replica.pk),
+                           num_tokens=0, cost=Decimal("0.004"), fresh_id=True, recorded=True)
+
+
+def test_calls_that_end_and_record_progress_beside_a_long_reconcile_leave_every_count_and_hold_exact(
+        idle_endpoint_call, short_lived_alive_key, monkeypatch):
+    """A guard (passes before and after): the deadline push, the progress recorded and the ends run beside a reconcile
+    that takes many beats (paused before its organisation's put-back, then before its holds again), after Redis forgot
+    everything. A call ending before its put-back, one whose end could not reach Redis, one ending between its put-back
+    and its hold again: each released once and held by nothing; the two still running in flight, outstanding, held
+    once each, with their progress and deadlines; nothing left once they end."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = caller.organization_id
+    redis = get_redis()
+    restore, hold_again = presence._restore_organization, presence._hold_again
+    paused = {"put back": asyncio.Event, "held again": asyncio.Event}
+    reached = {}
+
+    def pausing(step: str, part):
+        async def paused_part(organization_id, *args):
+            if organization_id == org:
+                reached[step].set()
+                await paused[step].wait()
+            return await part(organization_id, *args)
+        return paused_part
+
+    def reserved() -> int:
+        return int(redis.get(redis_keys.org_reserved_key(org)) or 0)
+
+    async def beats(number: int) -> None:
+        for _ in range(number):
+            await presence.beat(web=True)
+            await asyncio.sleep(presence.BEAT_S)
+
+    async def scenario():
+        for step in list(paused):
+            paused[step], reached[step] = asyncio.Event(), asyncio.Event()
+        names = ["ends first", "unfinished", "ends put back", "running", "running too"]
+        admitted = {name: await admit(caller, endpoint, replica, name) for name in names}
+        for name in ("running", "running too"):
+            presence.serving[name].progress = growing_stream(org, name)
+        await presence.beat(web=True)  # their progress recorded
+        assert counts(endpoint, replica) == (5, 5) and reserved() == 5 * to_units(Decimal("0.01"))
+        monkeypatch.setattr(presence, "_restore_organization", pausing("put back", restore))
+        monkeypatch.setattr(presence, "_hold_again", pausing("held again", hold_again))
+        redis.flushdb()  # Redis restarted without persistence: the next beat reconciles, as forgotten
+        await presence.beat(web=True)
+        await asyncio.wait_for(reached["put back"].wait(), 10)
+        await finish_billed(caller, endpoint, replica, "ends first", admitted["ends first"])
+        presence.end_later(org, "unfinished", row_journaled=True)  # its settlement did not reach Redis
+        monkeypatch.setattr(presence, "_extended", presence._Extended())  # a push of the deadlines is due
+        for name in ("running", "running too"):
+            presence.serving[name].since -= 120
+        await beats(3)
+        paused["put back"].set()
+        await asyncio.wait_for(reached["held again"].wait(), 10)
+        await finish_billed(caller, endpoint, replica, "ends put back", admitted["ends put back"])
+        await beats(3)
+        paused["held again"].set()
+        await beats(3)
+        reconciling = presence._beats.get().reconcile
+        await asyncio.wait_for(reconciling, 10)
+        await reconciled(2)
+        running = {"running", "running too"}
+        assert counts(endpoint, replica) == (2, 2)
+        assert set(redis.hkeys(traffic.gateway_requests_key(org))) == running
+        assert set(redis.hkeys(redis_keys.reservations_key(org))) == running
+        assert reserved() == 2 * to_units(Decimal("0.01"))
+        assert set(redis.hkeys(redis_keys.progress_key(org))) == running
+        assert all(redis.zscore(redis_keys.deadlines_key(org), name) is not None for name in running)
+        assert not presence._repair.due and not presence._repair.retry and not presence.unfinished
+        for name in ("running", "running too"):
+            await finish_billed(caller, endpoint, replica, name, admitted[name])
+        await reconciled(2)
+
+    asyncio.run(scenario())
+    assert counts(endpoint, replica) == (0, 0)
+    assert not redis.hlen(traffic.gateway_requests_key(org)) and not redis.hlen(redis_keys.reservations_key(org))
+    assert reserved() == 0 and not redis.hlen(redis_keys.progress_key(org))
