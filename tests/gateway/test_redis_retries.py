@@ -33,9 +33,9 @@ def test_a_beat_whose_reply_is_lost_after_redis_forgot_its_alive_key_reconciles_
     alive = redis_keys.gateway_alive_key(traffic.gateway_id())
     reconcile, modes = presence._reconcile, []
 
-    async def noting_its_mode(gateway, *, forgotten=False):
+    async def noting_its_mode(gateway, *, forgotten=False, **others):
         modes.append(forgotten)
-        return await reconcile(gateway, forgotten=forgotten)
+        return await reconcile(gateway, forgotten=forgotten, **others)
 
     monkeypatch.setattr(presence, "_reconcile", noting_its_mode)
     get_redis().delete(alive)
