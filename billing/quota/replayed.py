@@ -89,6 +89,7 @@ WRITE_TIMEOUT_S = 30
 # its rows, which counts it (`owed`): the journal's segment stays until a replay of it is done.
 REGISTRATION_KEPT_S = SETTLED_MARKER_TTL_S
 MISSED_PREFIX = "m:"  # `rebuilding_key`'s fields of costs counts could not add: m:<counter key>|<request id>
+DIFFERENCE_PREFIX = "d:"  # and of superseded rows' differences: d:<counter key>|<request id>
 REBUILDING_PREFIX = "c:"  # and of rebuilds under way: c:<counter key> -> until when
 
 # KEYS: the organisation's registrations; ARGV: their ttl (s), how long the hash is kept (s), the replay's token
@@ -334,8 +335,9 @@ async def drop_registrations(reports: Collection[UsageReport]) -> None:
 # figure counted, the reservations, the rebuilds under way, the registrations; ARGV: request id, cost (units), the
 # difference from the lost row's cost (units), has key (1/0), draws credit (1/0), marker ttl, registered (1/0: counted
 # only if its registration is still there, which this drops). Returns 1 if it counted. A counter missing is
-# left the difference if it is being rebuilt (as `_COUNT_REPLAYED` leaves the cost): its rebuild's snapshot has the
-# row as lost or whole, so the difference is all it may lack.
+# left the difference if it is being rebuilt (as `_COUNT_REPLAYED` leaves the cost, but as `d:`: the lost row's
+# settlement may leave its own `m:` to the same rebuild): its rebuild's snapshot has the row as lost or whole, so the
+# difference is all it may lack.
 _COUNT_SUPERSEDED = Script(MISSED_LUA + """
 if redis.call('HDEL', KEYS[8], ARGV[1]) == 0 and ARGV[7] == '1' then return 0 end
 local amount = ARGV[3]
@@ -343,7 +345,7 @@ if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 and redis.call('SET', KEYS[1], '
   amount = ARGV[2]
 end
 local function missed(counter)
-  quota_missed(KEYS[7], counter, ARGV[1], ARGV[3])
+  quota_missed(KEYS[7], counter, ARGV[1], ARGV[3], 'd:')
 end
 local field = 'j:' .. ARGV[1]
 local function count(counter)
@@ -415,9 +417,9 @@ def replays_to_ask_about(organization_id: int, counter_key: str) -> set[str]:
     pipeline.hkeys(replaying_key(organization_id))
     pipeline.hkeys(rebuilding_key(organization_id))
     registered, rebuilding = pipeline.execute()
-    prefix = f"{MISSED_PREFIX}{counter_key}|"
+    prefixes = (f"{MISSED_PREFIX}{counter_key}|", f"{DIFFERENCE_PREFIX}{counter_key}|")
     return {_text(request_id) for request_id in registered} | {
-        _text(field)[len(prefix):] for field in rebuilding if _text(field).startswith(prefix)}
+        _text(field).partition("|")[2] for field in rebuilding if _text(field).startswith(prefixes)}
 
 
 def _text(value: bytes | str) -> str:
