@@ -41,7 +41,9 @@ next replay of it writes nothing, finds those rows registered already (`register
 ledger has as that replay wrote it, once (`count_replayed`'s `owed`); a rebuild meanwhile marks each held row still
 registered, lapsed or not (`billing.quota.rebuild`); the sweeper, settling a call whose registration lapsed, drops it.
 Before, its rows were counted in no counter that existed then, until each was next rebuilt. A supersede killed so is
-finished the same way: the row keeps the lost row's cost (`lost_cost`), and the next replay counts the difference.
+finished the same way: the row keeps the lost row's cost (`lost_cost`), and the next replay counts the difference; a
+woken gateway's own write, which leaves no segment, is finished by the sweeper once its registration lapsed
+(`count_lapsed_supersedes`).
 
 Two replays of the same rows at once (two workers, a task delivered again while its first run still runs, a segment
 both shipped and replayed here) share each row's one registration: whoever drops it counts the row, and a replay drops
@@ -382,9 +384,9 @@ def count_superseded(lost_costs: Mapping[str, Decimal], *, registered: bool = Fa
     rebuild asks its snapshot about it and holds it only as superseded (a `gateway_lost` row is not held: its
     difference is still to come), writing it marked; a count that finds the counter missing while it is rebuilt leaves
     it the difference, which it adds unless its snapshot held the row superseded. This count drops the registration.
-    `registered`: a replay's rows, each registered by it (`register_replaying`): counted only by whoever drops its
-    registration, this count or the next replay's, which finishes the count of a supersede killed before it
-    (`count_replayed`). NOTE: before, such a supersede's difference was counted by none: the lost row was gone, and
+    `registered`: rows each registered by their writer (`register_replaying`: a replay, or a live write before its
+    supersede): counted only by whoever drops its registration, this count, the next replay's (`count_replayed`) or the
+    sweeper's (`count_lapsed_supersedes`), which finish the count of a supersede killed before it. NOTE: before, such a supersede's difference was counted by none: the lost row was gone, and
     the counters under-read (spend past the cap and the prepaid credit) until each was rebuilt.
 
     NOTE: the sweeper leaves a registered row's call to this count (`sweeper._registered`): settled after the
@@ -407,6 +409,32 @@ def count_superseded(lost_costs: Mapping[str, Decimal], *, registered: bool = Fa
                   "1" if api_key_id is not None else "0", "1" if billing_mode == BillingMode.PREPAID else "0",
                   str(SETTLED_MARKER_TTL_S), "1" if registered else "0"])
     return num_counted
+
+
+def count_lapsed_supersedes(organization_id: int, registrations: Mapping[str, str | bytes], now: float) -> int:
+    """Count the superseded rows whose writer died between its supersede and its count; returns how many. Of the
+    organisation's registrations (`registrations`: request id -> `<deadline>.<token>`, as read from `replaying_key`),
+    those past their deadline at `now` (Redis's clock) whose row was superseded since it was registered (`lost_cost`
+    set, `recorded_at` after the registration: not a row superseded and counted before, registered again by a later
+    replay) are counted by `count_superseded(registered=True)`: once, whoever drops the registration, this or the next
+    replay of a journal's rows (`count_replayed`). Run by the sweeper (`billing.quota.sweeper`). Blocking I/O.
+
+    NOTE: a woken gateway's own write (`billing.usage_writer`) killed between its supersede and its count has no
+    journal segment for a replay to finish it: its difference was counted by none until each counter was next rebuilt
+    (spend past the cap and the prepaid credit)."""
+    registered_at = {}
+    for request_id, registration in registrations.items():
+        deadline = float(_text(registration).partition(".")[0])
+        if deadline < now:
+            registered_at[_text(request_id)] = deadline - REGISTRATION_TTL_S
+    if not registered_at:
+        return 0
+    close_old_connections()
+    rows = UsageRecord.objects.filter(organization_id=organization_id, request_id__in=list(registered_at),
+                                      lost_cost__isnull=False).values_list("request_id", "lost_cost", "recorded_at")
+    return count_superseded({request_id: lost_cost for request_id, lost_cost, recorded_at in rows
+                             if recorded_at.timestamp() >= registered_at[request_id] - CLOCKS_APART_S},
+                            registered=True)
 
 
 def replays_to_ask_about(organization_id: int, counter_key: str) -> set[str]:

@@ -532,3 +532,55 @@ def test_a_lost_rows_settlement_and_its_supersede_during_one_rebuild_are_both_co
     assert not [field for field in get_redis().hkeys(redis_keys.rebuilding_key(organization.pk))
                 if field.startswith(("m:", "d:"))]
 
+
+def test_a_woken_gateways_supersede_killed_before_its_count_is_counted_by_the_sweeper(settings, monkeypatch):
+    # Before, no journal segment was left to replay: $0.14 counted for $0.50 until the counters were next rebuilt.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _prepaid_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    admitted, whole = _streaming_with_progress(endpoint, "frozen", api_key=key)
+    _sweep_after_the_hold_lapsed()
+    assert reads.counted_spend(organization.pk) == Decimal("0.14")
+
+    async def killed(*args, **kwargs):
+        raise _Killed()
+
+    monkeypatch.setattr(usage_writer, "_count_superseded", killed)
+    with pytest.raises(_Killed):
+        asyncio.run(usage_writer.arecord_usage(whole))
+    monkeypatch.undo()
+    assert UsageRecord.objects.get().cost == Decimal("0.50")  # superseded, not counted
+    sweeper.sweep_expired_reservations(now=time.time())  # its registration still lasts: its writer may count yet
+    assert reads.counted_spend(organization.pk) == Decimal("0.14")
+
+    sweeper.sweep_expired_reservations(now=time.time() + replayed.REGISTRATION_TTL_S + 1)
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+    assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("1.50")  # $2 - $0.50
+    sweeper.sweep_expired_reservations(now=time.time() + replayed.REGISTRATION_TTL_S + 1)  # again: nothing more
+    asyncio.run(settle(admitted, Decimal("0.50"), fresh_id=True))  # a second freeze's gateway wakes, ends its call
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+
+
+def test_a_woken_gateway_frozen_past_its_registration_before_its_count_adds_nothing_the_sweeper_counted(settings,
+                                                                                                        monkeypatch):
+    # The sweeper counts a supersede whose registration lapsed (`replayed.count_lapsed_supersedes`); the live write's
+    # own count, coming after it, counts only if it drops the registration (with it counting whatever: $0.86 for $0.50).
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    admitted, whole = _streaming_with_progress(endpoint, "frozen")
+    _sweep_after_the_hold_lapsed()
+    count, swept = usage_writer._count_superseded, []
+
+    async def frozen_again_then_count(lost_costs, **kwargs):
+        await sync_to_async(sweeper.sweep_expired_reservations)(now=time.time() + replayed.REGISTRATION_TTL_S + 1)
+        swept.append(reads.counted_spend(organization.pk))
+        await count(lost_costs, **kwargs)
+
+    monkeypatch.setattr(usage_writer, "_count_superseded", frozen_again_then_count)
+    assert _wakes_and_finishes(admitted, whole) is Recorded.WRITTEN
+    monkeypatch.undo()
+
+    assert swept == [Decimal("0.50")]  # the sweeper counted it
+    assert reads.counted_spend(organization.pk) == Decimal("0.50")
