@@ -386,8 +386,9 @@ def count_superseded(lost_costs: Mapping[str, Decimal], *, registered: bool = Fa
     it the difference, which it adds unless its snapshot held the row superseded. This count drops the registration.
     `registered`: rows each registered by their writer (`register_replaying`: a replay, or a live write before its
     supersede): counted only by whoever drops its registration, this count, the next replay's (`count_replayed`) or the
-    sweeper's (`count_lapsed_supersedes`), which finish the count of a supersede killed before it. NOTE: before, such a supersede's difference was counted by none: the lost row was gone, and
-    the counters under-read (spend past the cap and the prepaid credit) until each was rebuilt.
+    sweeper's (`count_lapsed_supersedes`), which finish the count of a supersede killed before it. NOTE: before, such
+    a supersede's difference was counted by none: the lost row was gone, and the counters under-read (spend past the
+    cap and the prepaid credit) until each was rebuilt.
 
     NOTE: the sweeper leaves a registered row's call to this count (`sweeper._registered`): settled after the
     superseding commit and before this count, it counted the call's whole cost, and this added the difference again."""
