@@ -183,7 +183,8 @@ class UsageWriter:
 
     async def _write_once(self, reports: list[UsageReport]) -> list[Recorded | Exception]:
         try:
-            written, refused, superseded = await asyncio.wait_for(self._write_rows(reports), WRITE_TIMEOUT_S)
+            written, refused, (superseded, registered) = await asyncio.wait_for(self._write_rows(reports),
+                                                                                WRITE_TIMEOUT_S)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             # NOTE: a statement cut short by the timeout may still commit; its replay is then a no-op.
             self.close_now()  # the next write starts on a new connection
@@ -193,14 +194,16 @@ class UsageWriter:
             raise
         # NOTE: counted before its caller settles: a lost row the sweeper has not settled yet is counted whole here,
         # and the call's settlement then finds the marker set and only releases its hold (`replayed.count_superseded`).
-        await _count_superseded(superseded)
+        # Registered, it counts only if it drops the registration: the sweeper counts one whose writer died before
+        # (`replayed.count_lapsed_supersedes`), and this one, frozen past it, then adds nothing again.
+        await _count_superseded(superseded, registered=registered)
         return _outcomes(reports, written | superseded.keys(), refused)
 
     async def _write_rows(self, reports: list[UsageReport], *, supersede: bool = True,
-                          ) -> tuple[set[str], dict[str, Exception], dict[str, Decimal]]:
+                          ) -> tuple[set[str], dict[str, Exception], tuple[dict[str, Decimal], bool]]:
         """A batch into the ledger, a call's own or a journal's: the request ids written now, those refused
         (`UnknownEndpointError`), and the cost of each `gateway_lost` row it superseded
-        (`billing.ledger.supersede_lost_rows`).
+        (`billing.ledger.supersede_lost_rows`) with whether they were registered (`_supersede`).
 
         NOTE: a call's own row supersedes the sweeper's as a replayed one does: a gateway that froze (a long pause, a
         VM paused, cut from Redis and PostgreSQL) past its call's hold, then woke and finished the call, had its row
@@ -211,28 +214,29 @@ class UsageWriter:
             written, refused = await record_usage_batch_on(self._connection, reports), {}
         except UnknownEndpointError as exc:
             written, refused = exc.written_ids, dict.fromkeys(exc.refused_ids, exc)
-        return written, refused, await self._supersede(reports, written) if supersede else {}
+        return written, refused, await self._supersede(reports, written) if supersede else ({}, False)
 
     async def _supersede(self, reports: list[UsageReport], written: set[str], *,
-                         registered: bool = False) -> dict[str, Decimal]:
-        """The cost of each `gateway_lost` row that the rows of `reports` not written now superseded; `registered`: a
-        replay's batch, registered before its INSERT.
+                         registered: bool = False) -> tuple[dict[str, Decimal], bool]:
+        """The cost of each `gateway_lost` row that the rows of `reports` not written now superseded, and whether they
+        were registered (here, or `registered`: a replay's batch, registered before its INSERT).
 
         NOTE: each row that may supersede one is registered first, as a replay registers its rows (`replayed`): a
         counter rebuilt between the supersede and its count then counts the difference once (cheap: only rows not
         written now). Not again for a replay's: registered again and dropped here, a row another replay of the same
         segment wrote at once lost the registration its count goes by (`replayed.Registration`)."""
         if not (candidates := superseding(reports, written)):
-            return {}
+            return {}, registered
+        registration = None
         if not registered:
-            await _register_replaying(candidates)
+            registration = await _register_replaying(candidates)
         if self._connection is None or self._connection.closed:
             self._connection = await _connect()
         superseded = await supersede_lost_rows_on(self._connection, candidates)
         if not registered:
             # NOTE: a registration left would be taken for a killed replay's, owed a count (`replayed.count_replayed`).
             await _drop_registrations([report for report in candidates if report.request_id not in superseded])
-        return superseded
+        return superseded, registered or registration is not None
 
     async def _journal(self, reports: list[UsageReport]) -> list[Recorded]:
         await asyncio.to_thread(journal().append, reports)
@@ -332,7 +336,7 @@ class UsageWriter:
                     # supersede that failed once the insert had committed left them uncounted for good (their retry
                     # writes nothing new; found by this stop's review). The segment waits, and its retry supersedes.
                     try:
-                        superseded = await asyncio.wait_for(
+                        superseded, _ = await asyncio.wait_for(
                             self._supersede(batch, written, registered=registration is not None), WRITE_TIMEOUT_S)
                     except psycopg.DatabaseError as exc:
                         self.close_now()

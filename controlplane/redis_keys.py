@@ -98,8 +98,9 @@ def replaying_key(organization_id: int) -> str:
 
 def rebuilding_key(organization_id: int) -> str:
     """Hash: `c:<counter key>` -> until when a rebuild of that counter may write it, `m:<counter key>|<request
-    id>` -> the cost (a superseded row's difference) a replay's count could not add to it, missing then, and
-    `h:<counter key>|<request id>` for a call held again while it was rebuilt (`billing.quota.rebuild`)."""
+    id>` -> the cost a settlement or a replay's count could not add to it, missing then, `d:<counter key>|<request
+    id>` -> a superseded row's difference so left, and `h:<counter key>|<request id>` for a call held again while it
+    was rebuilt (`billing.quota.rebuild`)."""
     return f"billing:{org_tag(organization_id)}:rebuilding"
 
 

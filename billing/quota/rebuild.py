@@ -89,31 +89,36 @@ end
 """
 
 # The rows replayed from the journal, as a rebuilt counter must count them (`replayed`): its ledger snapshot has each
-# of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, a superseded one only as such:
-# `_held`); one whose count is still to come
-# (registered, its registration there: lapsed too, a killed replay's, which the next replay counts, `replayed`) is
-# marked as counted (`marks`, under `mark_prefix`), so the count drops the mark and adds nothing, unless `left` (its
-# cost left to its settlement). Returns the costs of the rows whose count (a replay's, or a call's settlement:
-# `counters.MISSED_LUA`) found the counter missing while it was rebuilt and the snapshot lacks: the caller adds them.
-# Those are dropped.
+# of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, and those of the calls reserved
+# when it began) and holds as their count counts them each of `held` (A[h_first..h_first+h_num-1]: the rows asked about
+# and held, a superseded one only as such: `_held`); one of `held` whose count is still to come (registered, its
+# registration there: lapsed too, a killed replay's, which the next replay counts, `replayed`) is marked as counted
+# (`marks`, under `mark_prefix`), so the count drops the mark and adds nothing, unless `left` (its cost left to its
+# settlement). Returns the costs of the rows whose count (a replay's, or a call's settlement: `counters.MISSED_LUA`)
+# found the counter missing while it was rebuilt and that are not `present`, and the differences (`d:`) of rows
+# superseded meanwhile that are not `held` (the snapshot has the lost row, or none): the caller adds them. Those are
+# dropped. NOTE: a lost row's call reserved when the rebuild began, settled meanwhile (its `m:`) and superseded (its
+# `d:`, overwriting the same field before), was `present` for both, and marked: the difference was counted by none.
 REPLAYED_ROWS_LUA = """
-local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrations, now, A, first, num_present, left)
-  local present = {}
-  for i = first, first + num_present - 1 do
+local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrations, now, A, first, num_present, left,
+                             h_first, h_num)
+  local present, held = {}, {}
+  for i = first, first + num_present - 1 do present[A[i]] = true end
+  for i = h_first, h_first + h_num - 1 do
     local request_id = A[i]
-    present[request_id] = true
-    local until_s = redis.call('HGET', registrations, request_id)
-    if not left[request_id] and until_s then
+    held[request_id] = true
+    if not left[request_id] and redis.call('HEXISTS', registrations, request_id) == 1 then
       redis.call('HSET', marks, mark_prefix .. request_id, '1')
     end
   end
-  local prefix = 'm:' .. counter .. '|'
   local missed = {}
   local fields = redis.call('HGETALL', rebuilding)
-  for i = 1, #fields, 2 do
-    if string.sub(fields[i], 1, #prefix) == prefix then
-      if not present[string.sub(fields[i], #prefix + 1)] then missed[#missed + 1] = fields[i + 1] end
-      redis.call('HDEL', rebuilding, fields[i])
+  for prefix, counted in pairs({['m:' .. counter .. '|'] = present, ['d:' .. counter .. '|'] = held}) do
+    for i = 1, #fields, 2 do
+      if string.sub(fields[i], 1, #prefix) == prefix then
+        if not counted[string.sub(fields[i], #prefix + 1)] then missed[#missed + 1] = fields[i + 1] end
+        redis.call('HDEL', rebuilding, fields[i])
+      end
     end
   end
   return missed
@@ -169,8 +174,9 @@ LOST_MEANWHILE = -3
 
 # KEYS: a period counter (a hash), the organisation's reservations, the rebuilds under way, the replays' registrations,
 # then the settled marker of each pending call; ARGV: ttl, the rebuild's start and window (`_BEGIN_REBUILD`),
-# `REBUILD_LONGEST_S`, its run (`LOST_LUA`), the number of calls held again it asked about, their request ids (`HELD_AGAIN_LUA`), the number
-# of replayed rows present, their request ids, then each pending call's request id, then each one's cost
+# `REBUILD_LONGEST_S`, its run (`LOST_LUA`), the number of calls held again it asked about, their request ids
+# (`HELD_AGAIN_LUA`), the number of replayed rows present, their request ids, the number of those held (`_held`),
+# their request ids, then each pending call's request id, then each one's cost
 # (units, > 0), then the hash's field/value pairs. Writes the hash only if nobody did meanwhile (0), the rebuild is
 # not too old (-1), Redis lost nothing it relies on since it began (-3: `LOST_LUA`) and no call was held again since
 # it read them (-2), its spend less the cost of each pending call
@@ -186,7 +192,9 @@ if not held_again_asked(KEYS[3], KEYS[1], ARGV, 7, num_asked) then return -2 end
 local present_at = 8 + num_asked
 local pending = #KEYS - 4
 local num_present = tonumber(ARGV[present_at - 1])
-local ids_at = present_at + num_present
+local held_at = present_at + num_present + 1
+local num_held = tonumber(ARGV[held_at - 1])
+local ids_at = held_at + num_held
 redis.call('HSET', KEYS[1], unpack(ARGV, ids_at + 2 * pending))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 local left = {}
@@ -197,7 +205,8 @@ for i = 1, pending do
     left[request_id] = true
   end
 end
-for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[1], 'j:', KEYS[3], KEYS[4], now, ARGV, present_at, num_present, left)) do
+for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[1], 'j:', KEYS[3], KEYS[4], now, ARGV, present_at, num_present, left,
+                                    held_at, num_held)) do
   redis.call('HINCRBY', KEYS[1], 'spent', cost)
 end
 return 1
@@ -207,10 +216,11 @@ return 1
 # KEYS: the credit figure, the organisation's reservations, the journaled calls the figure counted, the rebuilds under
 # way, the replays' registrations, then the settled marker of each pending call; ARGV: ttl, the figure (units), the
 # rebuild's start and window, `REBUILD_LONGEST_S`, its run, the number of calls held again it asked about, their
-# request ids,
-# the number of replayed rows present, their request ids, then each pending call's request id, then each one's cost
-# (units, > 0). Writes the figure only if nobody did meanwhile (0), the rebuild is not too old (-1), Redis lost nothing
-# it relies on since it began (-3) and no call was held again since it read them (-2), with the cost of each pending call still reserved and not settled given back: its own
+# request ids, the number of replayed rows present, their request ids, the number of those held (`_held`), their
+# request ids, then each pending call's request id, then each one's cost (units, > 0). Writes the figure only if
+# nobody did meanwhile (0), the rebuild is not too old (-1), Redis lost nothing it relies on since it began (-3) and
+# no call was held again since it read them (-2), with the cost of each pending call still reserved and not settled
+# given back: its own
 # settlement (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure counted it, then the settlement took it again:
 # a prepaid account refused (402) early for up to an hour after any grant or mode change. A new figure has counted no
 # journaled call but the replayed rows it marks (`REPLAYED_ROWS_LUA`): what the last one had is dropped.
@@ -226,7 +236,9 @@ redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
 redis.call('DEL', KEYS[3])
 local pending = #KEYS - 5
 local num_present = tonumber(ARGV[present_at - 1])
-local ids_at = present_at + num_present
+local held_at = present_at + num_present + 1
+local num_held = tonumber(ARGV[held_at - 1])
+local ids_at = held_at + num_held
 local left = {}
 for i = 1, pending do
   local request_id = ARGV[ids_at + i - 1]
@@ -235,7 +247,8 @@ for i = 1, pending do
     left[request_id] = true
   end
 end
-for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[3], '', KEYS[4], KEYS[5], now, ARGV, present_at, num_present, left)) do
+for _, cost in ipairs(replayed_rows(KEYS[1], KEYS[3], '', KEYS[4], KEYS[5], now, ARGV, present_at, num_present, left,
+                                    held_at, num_held)) do
   redis.call('DECRBY', KEYS[1], cost)
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[1]) end
@@ -256,6 +269,8 @@ class _Rebuild:
     present: tuple[str, ...] = ()
     # the calls held again since it began that it asked about, as reserved then (`HELD_AGAIN_LUA`)
     held_again: tuple[str, ...] = ()
+    # of `present`, the rows it was asked about and holds as their count counts them (`_held`, `REPLAYED_ROWS_LUA`)
+    held: tuple[str, ...] = ()
 
 
 def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period,
@@ -277,18 +292,19 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
             held = _held(organization_id, asked)
         pending = {request_id: cost for request_id, cost in costs.items() if request_id in reserved}
         present = tuple(request_id for request_id in costs if request_id in held or request_id in reserved)
+        held = tuple(request_id for request_id in costs if request_id in held)
     if what == "org":
         return _Rebuild(counter, {"spent": str(to_units(spent))} | limit_fields(account), None, PERIOD_TTL_S,
-                        _units(pending), present, held_again)
+                        _units(pending), present, held_again, held)
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
         fields = {"spent": str(to_units(spent)), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
-        return _Rebuild(counter, fields, None, PERIOD_TTL_S, _units(pending), present, held_again)
+        return _Rebuild(counter, fields, None, PERIOD_TTL_S, _units(pending), present, held_again, held)
     if what == "credit":
-        available, ttl_s, pending, present, held_again = _credit_and_pending(organization_id, reserved_ids,
-                                                                             counter=counter)
+        available, ttl_s, pending, present, held_again, held = _credit_and_pending(
+            organization_id, reserved_ids, counter=counter)
         return _Rebuild(counter, None, str(to_units(available, ROUND_HALF_UP)), ttl_s, _units(pending), present,
-                        held_again)
+                        held_again, held)
     raise ValueError(what)
 
 
@@ -339,15 +355,15 @@ def _units(pending: dict[str, Decimal]) -> dict[str, int]:
 def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
     """Prepaid credit left now (active grants less usage not yet drawn from them), and for how many
     seconds that figure holds before a grant starts or expires."""
-    available, ttl_s, _, _, _ = _credit_and_pending(organization_id, (), now=now)
+    available, ttl_s, *_ = _credit_and_pending(organization_id, (), now=now)
     return available, ttl_s
 
 
 def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, now=None, counter: str | None = None
-                        ) -> tuple[Decimal, int, dict[str, Decimal], tuple[str, ...], tuple[str, ...]]:
+                        ) -> tuple[Decimal, int, dict[str, Decimal], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """`credit_available`, the cost of each prepaid row in it whose call is one of `reserved_ids` or held again since
     (`_held_again`), and, to rebuild the figure (`counter`), the journal's replayed prepaid rows it holds
-    (`_replays_in_snapshot`) and the calls held again it asked about."""
+    (`_replays_in_snapshot`), the calls held again it asked about, and of the first those it holds (`_held`)."""
     now = now or timezone.now()
     BillingAccount.objects.for_organization(organization_id)  # made first if need be: the snapshot only reads
     with _one_snapshot():
@@ -361,6 +377,7 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
         present = tuple(UsageRecord.objects.filter(organization_id=organization_id, billing_mode=BillingMode.PREPAID,
                                                    request_id__in=_held(organization_id, asked)
                                                    ).values_list("request_id", flat=True)) if asked else ()
+        held = present
         grants = list(CreditGrant.objects.filter(organization_id=organization_id))
         undrawn, pending = undrawn_prepaid_spend_and_pending(account, {*reserved_ids, *held_again})
         present = (*present, *(request_id for request_id in pending if request_id not in present))
@@ -376,7 +393,7 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
     ttl_s = CREDIT_FIGURE_MAX_TTL_S
     if changes:
         ttl_s = max(1, min(ttl_s, int((min(changes) - now).total_seconds()) + 1))
-    return available, ttl_s, pending, present, held_again
+    return available, ttl_s, pending, present, held_again, held
 
 
 @contextmanager
@@ -404,7 +421,7 @@ async def _write_rebuild(rebuild: _Rebuild, organization_id: int, started_at: in
     costs = [rebuild.pending[request_id] for request_id in request_ids]
     replays = [rebuilding_key(organization_id), replaying_key(organization_id)]
     began = [started_at, window_s, REBUILD_LONGEST_S, run, len(rebuild.held_again), *rebuild.held_again,
-             len(rebuild.present), *rebuild.present]
+             len(rebuild.present), *rebuild.present, len(rebuild.held), *rebuild.held]
     if rebuild.fields is not None:
         return await _INIT_SPEND(keys=[rebuild.key, reservations_key(organization_id), *replays, *markers],
                                  args=[rebuild.ttl_s, *began, *request_ids, *costs,

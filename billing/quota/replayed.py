@@ -41,7 +41,9 @@ next replay of it writes nothing, finds those rows registered already (`register
 ledger has as that replay wrote it, once (`count_replayed`'s `owed`); a rebuild meanwhile marks each held row still
 registered, lapsed or not (`billing.quota.rebuild`); the sweeper, settling a call whose registration lapsed, drops it.
 Before, its rows were counted in no counter that existed then, until each was next rebuilt. A supersede killed so is
-finished the same way: the row keeps the lost row's cost (`lost_cost`), and the next replay counts the difference.
+finished the same way: the row keeps the lost row's cost (`lost_cost`), and the next replay counts the difference; a
+woken gateway's own write, which leaves no segment, is finished by the sweeper once its registration lapsed
+(`count_lapsed_supersedes`).
 
 Two replays of the same rows at once (two workers, a task delivered again while its first run still runs, a segment
 both shipped and replayed here) share each row's one registration: whoever drops it counts the row, and a replay drops
@@ -89,6 +91,7 @@ WRITE_TIMEOUT_S = 30
 # its rows, which counts it (`owed`): the journal's segment stays until a replay of it is done.
 REGISTRATION_KEPT_S = SETTLED_MARKER_TTL_S
 MISSED_PREFIX = "m:"  # `rebuilding_key`'s fields of costs counts could not add: m:<counter key>|<request id>
+DIFFERENCE_PREFIX = "d:"  # and of superseded rows' differences: d:<counter key>|<request id>
 REBUILDING_PREFIX = "c:"  # and of rebuilds under way: c:<counter key> -> until when
 
 # KEYS: the organisation's registrations; ARGV: their ttl (s), how long the hash is kept (s), the replay's token
@@ -334,8 +337,9 @@ async def drop_registrations(reports: Collection[UsageReport]) -> None:
 # figure counted, the reservations, the rebuilds under way, the registrations; ARGV: request id, cost (units), the
 # difference from the lost row's cost (units), has key (1/0), draws credit (1/0), marker ttl, registered (1/0: counted
 # only if its registration is still there, which this drops). Returns 1 if it counted. A counter missing is
-# left the difference if it is being rebuilt (as `_COUNT_REPLAYED` leaves the cost): its rebuild's snapshot has the
-# row as lost or whole, so the difference is all it may lack.
+# left the difference if it is being rebuilt (as `_COUNT_REPLAYED` leaves the cost, but as `d:`: the lost row's
+# settlement may leave its own `m:` to the same rebuild): its rebuild's snapshot has the row as lost or whole, so the
+# difference is all it may lack.
 _COUNT_SUPERSEDED = Script(MISSED_LUA + """
 if redis.call('HDEL', KEYS[8], ARGV[1]) == 0 and ARGV[7] == '1' then return 0 end
 local amount = ARGV[3]
@@ -343,7 +347,7 @@ if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 and redis.call('SET', KEYS[1], '
   amount = ARGV[2]
 end
 local function missed(counter)
-  quota_missed(KEYS[7], counter, ARGV[1], ARGV[3])
+  quota_missed(KEYS[7], counter, ARGV[1], ARGV[3], 'd:')
 end
 local field = 'j:' .. ARGV[1]
 local function count(counter)
@@ -380,10 +384,11 @@ def count_superseded(lost_costs: Mapping[str, Decimal], *, registered: bool = Fa
     rebuild asks its snapshot about it and holds it only as superseded (a `gateway_lost` row is not held: its
     difference is still to come), writing it marked; a count that finds the counter missing while it is rebuilt leaves
     it the difference, which it adds unless its snapshot held the row superseded. This count drops the registration.
-    `registered`: a replay's rows, each registered by it (`register_replaying`): counted only by whoever drops its
-    registration, this count or the next replay's, which finishes the count of a supersede killed before it
-    (`count_replayed`). NOTE: before, such a supersede's difference was counted by none: the lost row was gone, and
-    the counters under-read (spend past the cap and the prepaid credit) until each was rebuilt.
+    `registered`: rows each registered by their writer (`register_replaying`: a replay, or a live write before its
+    supersede): counted only by whoever drops its registration, this count, the next replay's (`count_replayed`) or the
+    sweeper's (`count_lapsed_supersedes`), which finish the count of a supersede killed before it. NOTE: before, such
+    a supersede's difference was counted by none: the lost row was gone, and the counters under-read (spend past the
+    cap and the prepaid credit) until each was rebuilt.
 
     NOTE: the sweeper leaves a registered row's call to this count (`sweeper._registered`): settled after the
     superseding commit and before this count, it counted the call's whole cost, and this added the difference again."""
@@ -407,6 +412,32 @@ def count_superseded(lost_costs: Mapping[str, Decimal], *, registered: bool = Fa
     return num_counted
 
 
+def count_lapsed_supersedes(organization_id: int, registrations: Mapping[str, str | bytes], now: float) -> int:
+    """Count the superseded rows whose writer died between its supersede and its count; returns how many. Of the
+    organisation's registrations (`registrations`: request id -> `<deadline>.<token>`, as read from `replaying_key`),
+    those past their deadline at `now` (Redis's clock) whose row was superseded since it was registered (`lost_cost`
+    set, `recorded_at` after the registration: not a row superseded and counted before, registered again by a later
+    replay) are counted by `count_superseded(registered=True)`: once, whoever drops the registration, this or the next
+    replay of a journal's rows (`count_replayed`). Run by the sweeper (`billing.quota.sweeper`). Blocking I/O.
+
+    NOTE: a woken gateway's own write (`billing.usage_writer`) killed between its supersede and its count has no
+    journal segment for a replay to finish it: its difference was counted by none until each counter was next rebuilt
+    (spend past the cap and the prepaid credit)."""
+    registered_at = {}
+    for request_id, registration in registrations.items():
+        deadline = float(_text(registration).partition(".")[0])
+        if deadline < now:
+            registered_at[_text(request_id)] = deadline - REGISTRATION_TTL_S
+    if not registered_at:
+        return 0
+    close_old_connections()
+    rows = UsageRecord.objects.filter(organization_id=organization_id, request_id__in=list(registered_at),
+                                      lost_cost__isnull=False).values_list("request_id", "lost_cost", "recorded_at")
+    return count_superseded({request_id: lost_cost for request_id, lost_cost, recorded_at in rows
+                             if recorded_at.timestamp() >= registered_at[request_id] - CLOCKS_APART_S},
+                            registered=True)
+
+
 def replays_to_ask_about(organization_id: int, counter_key: str) -> set[str]:
     """The request ids a rebuild of `counter_key` must ask its ledger snapshot about, read after it took it: the rows
     a replay registered (written, or about to be, and not counted yet), and those whose count found the counter
@@ -415,9 +446,9 @@ def replays_to_ask_about(organization_id: int, counter_key: str) -> set[str]:
     pipeline.hkeys(replaying_key(organization_id))
     pipeline.hkeys(rebuilding_key(organization_id))
     registered, rebuilding = pipeline.execute()
-    prefix = f"{MISSED_PREFIX}{counter_key}|"
+    prefixes = (f"{MISSED_PREFIX}{counter_key}|", f"{DIFFERENCE_PREFIX}{counter_key}|")
     return {_text(request_id) for request_id in registered} | {
-        _text(field)[len(prefix):] for field in rebuilding if _text(field).startswith(prefix)}
+        _text(field).partition("|")[2] for field in rebuilding if _text(field).startswith(prefixes)}
 
 
 def _text(value: bytes | str) -> str:

@@ -18,8 +18,11 @@ settlement finds it, and releases nothing twice; one woken after the marker expi
 counted it, rebuilt from the ledger: `counters.SETTLE_LUA`). Before, such a call was billed nothing for what it had streamed
 (up to `GATEWAY_MAX_ANSWER_WAIT_S`). What was answered after the gateway's last beat is not billed.
 
+A superseded row whose writer died between its supersede and its count (a woken gateway's own write has no journal
+segment to replay) is counted once its registration lapsed (`replayed.count_lapsed_supersedes`).
+
 Reservations live per organisation (in its Redis Cluster slot), so the sweep reads each
-organisation's deadlines, `ORGS_PER_PIPELINE` organisations per round trip."""
+organisation's deadlines and registrations, `ORGS_PER_PIPELINE` organisations per round trip."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from django.db import DataError, IntegrityError, transaction
 
 from billing.ledger import UnknownEndpointError, record_usage_batch
 from billing.models import UsageRecord
-from billing.quota import counters
+from billing.quota import counters, replayed
 from billing.usage_journal import decode
 from controlplane.accounts.models import Organization
 from controlplane.redis_client import get_redis, redis_time
@@ -112,14 +115,18 @@ def _sweep_organizations(organization_ids: list[int], now: float, batch_size: in
     pipe = client.pipeline(transaction=False)
     for organization_id in organization_ids:
         pipe.zrangebyscore(deadlines_key(organization_id), "-inf", now, start=0, num=batch_size)
+        pipe.hgetall(replaying_key(organization_id))
+    answers = pipe.execute()
     released = 0
-    for organization_id, expired in zip(organization_ids, pipe.execute(), strict=True):
+    for organization_id, expired, registrations in zip(organization_ids, answers[::2], answers[1::2], strict=True):
         while expired:
             released_now = _release(client, organization_id, expired, now)
             released += released_now
             if len(expired) < batch_size or not released_now:  # a batch all left to their counts is read again next run
                 break
             expired = client.zrangebyscore(deadlines_key(organization_id), "-inf", now, start=0, num=batch_size)
+        if registrations:  # a registration the release dropped meanwhile (`_registered`) counts nothing here
+            replayed.count_lapsed_supersedes(organization_id, registrations, now)
     return released
 
 

@@ -483,3 +483,104 @@ def test_a_replays_supersede_killed_before_its_count_is_counted_by_the_next_repl
     assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("1.50")  # $2 - $0.50
     _replay()  # nothing left: nothing counted again
     assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+
+
+# --- the lost row's settlement and its supersede in one rebuild ------------------------------------------------------
+# Found, left open last stop: both told the rebuild their cost in one field (`m:<counter>|<id>`), the second overwriting
+# the first: $0.36 counted for $0.50 (the lost row after the snapshot), or $0.14 (before it: the call reserved when the
+# rebuild began, its notes were all taken for rows its snapshot held).
+@pytest.mark.parametrize("its_count", ["before the rebuild's write", "after the rebuild's write"])
+@pytest.mark.parametrize("lost_row", ["written before the snapshot", "written after the snapshot"])
+def test_a_lost_rows_settlement_and_its_supersede_during_one_rebuild_are_both_counted(settings, monkeypatch, lost_row,
+                                                                                       its_count):
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    admitted, whole = _streaming_with_progress(endpoint, "frozen", api_key=key)
+    if lost_row == "written before the snapshot":  # the sweeper wrote it and was stopped before it settled the hold
+        assert sweeper._record_lost_calls(get_redis(), organization.pk, ["frozen"]) == 1
+    period_key = periods.period_containing().key
+    counter = redis_keys.org_period_key(organization.pk, period_key)
+    get_redis().delete(counter, redis_keys.key_period_key(organization.pk, key.pk, period_key))
+    write, done = rebuild._write_rebuild, []
+
+    async def settled_and_superseded_then_write(rebuilt, *args, **kwargs):
+        if rebuilt.key == counter and not done:  # its snapshot read; the sweeper settles, then the gateway wakes
+            await sync_to_async(_sweep_after_the_hold_lapsed)()
+            done.append(await usage_writer.arecord_usage(whole))
+            await settle(admitted, Decimal("0.50"), fresh_id=True)  # its cost, as it priced its row
+        return await write(rebuilt, *args, **kwargs)
+
+    monkeypatch.setattr(rebuild, "_write_rebuild", settled_and_superseded_then_write)
+    count, counts = usage_writer._count_superseded, []
+    if its_count == "after the rebuild's write":  # the woken gateway froze again between its supersede and its count
+
+        async def frozen_before_the_count(lost_costs, **kwargs):
+            counts.append((lost_costs, kwargs))
+
+        monkeypatch.setattr(usage_writer, "_count_superseded", frozen_before_the_count)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"),
+                        request_id="rebuilds"))
+    monkeypatch.undo()
+    for lost_costs, kwargs in counts:
+        asyncio.run(count(lost_costs, **kwargs))
+
+    assert done == [Recorded.WRITTEN]
+    assert UsageRecord.objects.get(request_id="frozen").cost == Decimal("0.50")
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+    assert not [field for field in get_redis().hkeys(redis_keys.rebuilding_key(organization.pk))
+                if field.startswith(("m:", "d:"))]
+
+
+def test_a_woken_gateways_supersede_killed_before_its_count_is_counted_by_the_sweeper(settings, monkeypatch):
+    # Before, no journal segment was left to replay: $0.14 counted for $0.50 until the counters were next rebuilt.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _prepaid_endpoint()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    admitted, whole = _streaming_with_progress(endpoint, "frozen", api_key=key)
+    _sweep_after_the_hold_lapsed()
+    assert reads.counted_spend(organization.pk) == Decimal("0.14")
+
+    async def killed(*args, **kwargs):
+        raise _Killed()
+
+    monkeypatch.setattr(usage_writer, "_count_superseded", killed)
+    with pytest.raises(_Killed):
+        asyncio.run(usage_writer.arecord_usage(whole))
+    monkeypatch.undo()
+    assert UsageRecord.objects.get().cost == Decimal("0.50")  # superseded, not counted
+    sweeper.sweep_expired_reservations(now=time.time())  # its registration still lasts: its writer may count yet
+    assert reads.counted_spend(organization.pk) == Decimal("0.14")
+
+    sweeper.sweep_expired_reservations(now=time.time() + replayed.REGISTRATION_TTL_S + 1)
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+    assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("1.50")  # $2 - $0.50
+    sweeper.sweep_expired_reservations(now=time.time() + replayed.REGISTRATION_TTL_S + 1)  # again: nothing more
+    asyncio.run(settle(admitted, Decimal("0.50"), fresh_id=True))  # a second freeze's gateway wakes, ends its call
+    assert reads.counted_spend(organization.pk) == Decimal("0.50") == _key_spend(organization.pk, key.pk)
+
+
+def test_a_woken_gateway_frozen_past_its_registration_before_its_count_adds_nothing_the_sweeper_counted(settings,
+                                                                                                        monkeypatch):
+    # The sweeper counts a supersede whose registration lapsed (`replayed.count_lapsed_supersedes`); the live write's
+    # own count, coming after it, counts only if it drops the registration (with it counting whatever: $0.86 for $0.50).
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = _priced_endpoint()
+    organization = endpoint.organization
+    admitted, whole = _streaming_with_progress(endpoint, "frozen")
+    _sweep_after_the_hold_lapsed()
+    count, swept = usage_writer._count_superseded, []
+
+    async def frozen_again_then_count(lost_costs, **kwargs):
+        await sync_to_async(sweeper.sweep_expired_reservations)(now=time.time() + replayed.REGISTRATION_TTL_S + 1)
+        swept.append(reads.counted_spend(organization.pk))
+        await count(lost_costs, **kwargs)
+
+    monkeypatch.setattr(usage_writer, "_count_superseded", frozen_again_then_count)
+    assert _wakes_and_finishes(admitted, whole) is Recorded.WRITTEN
+    monkeypatch.undo()
+
+    assert swept == [Decimal("0.50")]  # the sweeper counted it
+    assert reads.counted_spend(organization.pk) == Decimal("0.50")
