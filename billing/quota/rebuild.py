@@ -51,7 +51,12 @@ REBUILD_LONGEST_S = 3600
 TOO_SLOW_PREFIX = "s:"
 
 
-class RebuildTooSlow(TimeoutError):
+class RebuildUnfinished(TimeoutError):
+    """A counter's rebuild wrote nothing this time (its tries all began again: `REBUILD_TRIES`), or the counters kept
+    vanishing while a call was admitted: the call is answered as in an outage (503, retry), never a 500."""
+
+
+class RebuildTooSlow(RebuildUnfinished):
     """A counter's rebuild took longer than its window and wrote nothing: the call is answered as in an outage (503,
     retry), and the counter's next rebuild is given twice as long as this one took."""
 
@@ -143,7 +148,9 @@ end
 """
 HELD_AGAIN_MEANWHILE = -2
 # How many times a rebuild begins again for calls held again meanwhile (`HELD_AGAIN_MEANWHILE`), or for Redis losing
-# its run (`LOST_MEANWHILE`), before it leaves the counter to the caller's next attempt.
+# its run (`LOST_MEANWHILE`), before it gives up (`RebuildUnfinished`: the call is a 503, and its retry rebuilds again).
+# NOTE: it left the counter to the caller's next attempt, which rebuilt it as often (`admission.MAX_REBUILDS` times
+# this, each a read of the organisation's month), then failed the call with a 500.
 REBUILD_TRIES = 3
 
 # Whether Redis lost what a rebuild of `counter` begun at `run` (`_BEGIN_REBUILD`) relies on since it began (a flush,
@@ -441,6 +448,10 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
             written = await _write_rebuild(rebuild, organization_id, int(started_at), int(window_s), run)
             if written not in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
                 break
+        if written in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
+            logger.warning("organisation %s: its %s counter's rebuild began again %d times (calls held again, or Redis "
+                           "lost its run, meanwhile); not written", organization_id, what, REBUILD_TRIES)
+            raise RebuildUnfinished(f"the {what} counter's rebuild began again {REBUILD_TRIES} times")
         if written == -1:
             logger.warning("organisation %s: its %s counter's rebuild took over %d s; not written (the next is given "
                            "longer)", organization_id, what, window_s)
