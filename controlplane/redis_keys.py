@@ -99,9 +99,15 @@ def replaying_key(organization_id: int) -> str:
 def rebuilding_key(organization_id: int) -> str:
     """Hash: `c:<counter key>` -> until when a rebuild of that counter may write it, `m:<counter key>|<request
     id>` -> the cost a settlement or a replay's count could not add to it, missing then, `d:<counter key>|<request
-    id>` -> a superseded row's difference so left, and `h:<counter key>|<request id>` for a call held again while it
-    was rebuilt (`billing.quota.rebuild`)."""
+    id>` -> a superseded row's difference so left (`billing.quota.rebuild`); the calls held again meanwhile are in each
+    counter's own set, `held_again_key`."""
     return f"billing:{org_tag(organization_id)}:rebuilding"
+
+
+def held_again_key(counter_key: str) -> str:
+    """Set: the request ids of the calls held again while the counter `counter_key` was rebuilt, only those that count
+    in it (`billing.quota.rebuild.HELD_AGAIN_LUA`); in the counter's slot, as it carries its organisation's tag."""
+    return f"{counter_key}:held_again"
 
 
 def limits_refreshed_key(organization_id: int) -> str:

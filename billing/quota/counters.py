@@ -28,6 +28,7 @@ from controlplane.redis_keys import (
     credit_journaled_key,
     credit_key,
     deadlines_key,
+    held_again_key,
     key_period_key,
     key_reserved_key,
     org_period_key,
@@ -318,44 +319,59 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 
 # Puts back the reservations of calls a live gateway still serves after Redis lost them (a restart without persistence,
 # a flush, a failover: `endpoints.gateway.presence`), as `RESERVE` held them. KEYS: the reservations, the deadlines,
-# the organisation's reserved sum, the rebuilds under way, then per call: its key's reserved sum (the organisation's
-# again for a call without a key) and its settled marker. ARGV: the seconds a reservation holds (its deadline: Redis's clock plus these), then
-# per call: request id, amount (units), has key (1/0), payload, when it can no longer tell whether the sweeper counted
-# it (Redis's clock, s; empty: not known).
+# the organisation's reserved sum, the rebuilds under way, the calls held again while the organisation counter was
+# rebuilt, those while the credit figure was (`held_again_key`), then per call: its key's reserved sum (the
+# organisation's again for a call without a key), its settled marker and the calls held again while its key's counter
+# was rebuilt (the organisation counter's again without a key). ARGV: the seconds a reservation holds (its deadline:
+# Redis's clock plus these), the organisation counter and the credit figure (the month's: what the calls' settlements
+# count in), then per call: request id, amount (units), has key (1/0), payload, when it can no longer tell whether the
+# sweeper counted it (Redis's clock, s; empty: not known), its key's counter (empty without a key).
 # A reservation still there (Redis forgot only the gateway's own keys), one whose call settled meanwhile (its marker:
 # the sweeper's settlement too, a day), or one past that (its gateway froze longer than the sweeper's marker lives,
 # `SETTLE_LUA`) is left. One the sweeper released unbilled (no marker) is held again: its call still runs.
 # NOTE: a gateway woken from a freeze longer than the sweeper's marker lives held its swept calls again, and their
 # settlement then counted their cost a second time; and, kept from holding any call past its deadline, it ran one the
 # sweeper had released minutes before unheld: a second call was admitted past the cap beside it.
-# A call held again while a counter of its organisation is rebuilt (`c:<counter>` in the rebuilds under way, within its
-# window) is marked for that rebuild, `h:<counter>|<request id>`: it was not among the calls reserved when the rebuild
-# began, and its row may be in the rebuild's snapshot (`rebuild.HELD_AGAIN_LUA`).
+# A call held again while a counter it counts in is rebuilt (`c:<counter>` in the rebuilds under way, within its
+# window) is marked for that rebuild, in the counter's set (`held_again_key`): it was not among the calls reserved when
+# the rebuild began, and its row may be in the rebuild's snapshot (`rebuild.HELD_AGAIN_LUA`). The sets last as long as
+# the rebuilds under way.
+# NOTE: each call was marked, in the rebuilds' hash, for every counter of its organisation being rebuilt, other keys'
+# too, and each rebuild's write read that whole hash: after a flush, 5,000 calls in flight under 20 keys wrote 110,000
+# fields in one script, and each write scanned them all (seconds, Redis blocked for every tenant; rebuilds past their
+# window, 503s, then 500s).
 _RESTORE_RESERVATIONS = Script("""
 local restored = 0
 local now = tonumber(redis.call('TIME')[1])
 local deadline = now + 1 + tonumber(ARGV[1])
-local rebuilt
-for i = 2, #ARGV, 5 do
-  local n = (i - 2) / 5
+local rebuilt, marked = {}, {}
+local function mark(counter, marks, request_id)
+  if counter == '' then return end
+  if rebuilt[counter] == nil then
+    rebuilt[counter] = tonumber(redis.call('HGET', KEYS[4], 'c:' .. counter) or '0') >= now
+  end
+  if rebuilt[counter] then
+    redis.call('SADD', marks, request_id)
+    marked[marks] = true
+  end
+end
+for i = 4, #ARGV, 6 do
+  local n = (i - 4) / 6
   local untold = ARGV[i + 4] ~= '' and now > tonumber(ARGV[i + 4])
-  if not untold and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[6 + 2 * n]) == 0 then
+  if not untold and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[8 + 3 * n]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3])
     redis.call('ZADD', KEYS[2], deadline, ARGV[i])
     redis.call('INCRBY', KEYS[3], ARGV[i + 1])
-    if ARGV[i + 2] == '1' then redis.call('INCRBY', KEYS[5 + 2 * n], ARGV[i + 1]) end
+    if ARGV[i + 2] == '1' then redis.call('INCRBY', KEYS[7 + 3 * n], ARGV[i + 1]) end
     restored = restored + 1
-    if not rebuilt then
-      rebuilt = {}
-      local fields = redis.call('HGETALL', KEYS[4])
-      for j = 1, #fields, 2 do
-        if string.sub(fields[j], 1, 2) == 'c:' and tonumber(fields[j + 1]) >= now then
-          rebuilt[#rebuilt + 1] = string.sub(fields[j], 3)
-        end
-      end
-    end
-    for _, counter in ipairs(rebuilt) do redis.call('HSET', KEYS[4], 'h:' .. counter .. '|' .. ARGV[i], '1') end
+    mark(ARGV[2], KEYS[5], ARGV[i])
+    mark(ARGV[3], KEYS[6], ARGV[i])
+    mark(ARGV[i + 5], KEYS[9 + 3 * n], ARGV[i])
   end
+end
+local ttl = redis.call('TTL', KEYS[4])
+for marks in pairs(marked) do
+  if ttl > 0 then redis.call('EXPIRE', marks, ttl) end
 end
 return restored
 """)
@@ -373,19 +389,24 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
     prepaid credit those calls still held (a long stream: up to `GATEWAY_MAX_ANSWER_WAIT_S`)."""
     if not reservations:
         return 0
+    period_key = period_containing().key  # NOTE: a call still running settles in this month's counters, not its own
+    org_counter = org_period_key(organization_id, period_key)
     keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id),
-            rebuilding_key(organization_id)]
-    args = [str(math.ceil(settings.BILLING_RESERVATION_TTL_S))]
+            rebuilding_key(organization_id), held_again_key(org_counter),
+            held_again_key(credit_key(organization_id))]
+    args = [str(math.ceil(settings.BILLING_RESERVATION_TTL_S)), org_counter, credit_key(organization_id)]
     for reservation, lapses in zip(reservations, lapsed_at or [None] * len(reservations), strict=True):
         if reservation.organization_id != organization_id:
             raise ValueError("one organisation's reservations at a time (one Redis Cluster slot)")
         api_key_id = reservation.api_key_id
         units = to_units(reservation.amount, ROUND_CEILING)
         _, _, payload_before, payload_after = _prepared(organization_id, api_key_id, reservation.period_key)
+        key_counter = key_period_key(organization_id, api_key_id, period_key) if api_key_id is not None else ""
         keys += [key_reserved_key(organization_id, api_key_id) if api_key_id is not None else keys[2],
-                 settled_key(organization_id, reservation.request_id)]
+                 settled_key(organization_id, reservation.request_id),
+                 held_again_key(key_counter) if key_counter else keys[4]]
         args += [reservation.request_id, str(units), "1" if api_key_id is not None else "0",
-                 f"{payload_before}{units}{payload_after}", _told_until(lapses)]
+                 f"{payload_before}{units}{payload_after}", _told_until(lapses), key_counter]
     return await _RESTORE_RESERVATIONS(keys=keys, args=args)
 
 

@@ -22,6 +22,7 @@ from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
     credit_key,
+    held_again_key,
     key_period_key,
     limits_refreshed_key,
     org_period_key,
@@ -50,7 +51,12 @@ REBUILD_LONGEST_S = 3600
 TOO_SLOW_PREFIX = "s:"
 
 
-class RebuildTooSlow(TimeoutError):
+class RebuildUnfinished(TimeoutError):
+    """A counter's rebuild wrote nothing this time (its tries all began again: `REBUILD_TRIES`), or the counters kept
+    vanishing while a call was admitted: the call is answered as in an outage (503, retry), never a 500."""
+
+
+class RebuildTooSlow(RebuildUnfinished):
     """A counter's rebuild took longer than its window and wrote nothing: the call is answered as in an outage (503,
     retry), and the counter's next rebuild is given twice as long as this one took."""
 
@@ -125,40 +131,37 @@ local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrati
 end
 """
 
-# The calls held again while the rebuild of `counter` was under way (`h:<counter>|<request id>` in the rebuilds under
-# way, `counters._RESTORE_RESERVATIONS`): none was reserved when it began, and a row of one may be in its snapshot. Each
+# The calls held again while the rebuild of a counter was under way (`marks`, its set: `held_again_key`, written by
+# `counters._RESTORE_RESERVATIONS`): none was reserved when it began, and a row of one may be in its snapshot. Each
 # asked about (`asked`: A[first..first+num-1], read once its snapshot began) counts as a call reserved when it began
 # (`_rebuild_from_database`); one held again since it read them (not asked) leaves it unable to tell: false, and the
-# rebuild writes nothing (`HELD_AGAIN_MEANWHILE`: it begins again, and reads it). True drops the marks.
+# rebuild writes nothing (`HELD_AGAIN_MEANWHILE`: it begins again, and reads it). True drops the marks. Reads only the
+# counter's own marks (its calls, each looked up once).
 # NOTE: a call held again after a rebuild began, its row in the snapshot, was counted twice: its settlement added its
 # cost to the counter written without leaving it out, or left it as `m:` (`counters.MISSED_LUA`) to a rebuild that
 # asked nothing about it (for a sweeper's `gateway_lost` row, one that asked about it: `_held`).
 HELD_AGAIN_LUA = """
-local function held_again_asked(rebuilding, counter, A, first, num)
-  local asked = {}
-  for i = first, first + num - 1 do asked[A[i]] = true end
-  local prefix = 'h:' .. counter .. '|'
-  local marks = {}
-  for _, field in ipairs(redis.call('HKEYS', rebuilding)) do
-    if string.sub(field, 1, #prefix) == prefix then
-      if not asked[string.sub(field, #prefix + 1)] then return false end
-      marks[#marks + 1] = field
-    end
-  end
-  for _, field in ipairs(marks) do redis.call('HDEL', rebuilding, field) end
+local function held_again_asked(marks, A, first, num)
+  local num_marked = redis.call('SCARD', marks)
+  if num_marked == 0 then return true end
+  local num_asked_marked = 0
+  for i = first, first + num - 1 do num_asked_marked = num_asked_marked + redis.call('SISMEMBER', marks, A[i]) end
+  if num_asked_marked < num_marked then return false end
+  redis.call('DEL', marks)
   return true
 end
 """
 HELD_AGAIN_MEANWHILE = -2
-HELD_AGAIN_PREFIX = "h:"
 # How many times a rebuild begins again for calls held again meanwhile (`HELD_AGAIN_MEANWHILE`), or for Redis losing
-# its run (`LOST_MEANWHILE`), before it leaves the counter to the caller's next attempt.
+# its run (`LOST_MEANWHILE`), before it gives up (`RebuildUnfinished`: the call is a 503, and its retry rebuilds again).
+# NOTE: it left the counter to the caller's next attempt, which rebuilt it as often (`admission.MAX_REBUILDS` times
+# this, each a read of the organisation's month), then failed the call with a 500.
 REBUILD_TRIES = 3
 
 # Whether Redis lost what a rebuild of `counter` begun at `run` (`_BEGIN_REBUILD`) relies on since it began (a flush,
 # a restart without persistence, a failover to a replica without the recent writes): its run (`r:<counter>`), or its
 # window (`c:<counter>`, at least `until_s`), and with them the costs that counts left it (`m:`, `counters.MISSED_LUA`)
-# and the calls held again it asks about (`h:`, `HELD_AGAIN_LUA`). A count that found the counter missing while `c:` was
+# and the calls held again it asks about (`HELD_AGAIN_LUA`). A count that found the counter missing while `c:` was
 # gone left it nothing: true, and the rebuild writes nothing (`LOST_MEANWHILE`: it begins again, with a snapshot that
 # has the row).
 # NOTE: a call whose row was committed after the snapshot and settled after Redis lost `c:` was counted nowhere: the
@@ -173,10 +176,11 @@ end
 LOST_MEANWHILE = -3
 
 # KEYS: a period counter (a hash), the organisation's reservations, the rebuilds under way, the replays' registrations,
-# then the settled marker of each pending call; ARGV: ttl, the rebuild's start and window (`_BEGIN_REBUILD`),
-# `REBUILD_LONGEST_S`, its run (`LOST_LUA`), the number of calls held again it asked about, their request ids
-# (`HELD_AGAIN_LUA`), the number of replayed rows present, their request ids, the number of those held (`_held`),
-# their request ids, then each pending call's request id, then each one's cost
+# the calls held again while it was rebuilt (`held_again_key`), then the settled marker of each pending call; ARGV:
+# ttl, the rebuild's start and window (`_BEGIN_REBUILD`), `REBUILD_LONGEST_S`, its run (`LOST_LUA`), the number of
+# calls held again it asked about, their request ids (`HELD_AGAIN_LUA`), the number of replayed rows present, their
+# request ids, the number of those held (`_held`), their request ids, then each pending call's request id, then each
+# one's cost
 # (units, > 0), then the hash's field/value pairs. Writes the hash only if nobody did meanwhile (0), the rebuild is
 # not too old (-1), Redis lost nothing it relies on since it began (-3: `LOST_LUA`) and no call was held again since
 # it read them (-2), its spend less the cost of each pending call
@@ -188,9 +192,9 @@ if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if now > tonumber(ARGV[2]) + tonumber(ARGV[3]) then return too_slow(KEYS[3], KEYS[1], now - tonumber(ARGV[2]), ARGV[4]) end
 if rebuild_lost(KEYS[3], KEYS[1], ARGV[5], tonumber(ARGV[2]) + tonumber(ARGV[3])) then return -3 end
 local num_asked = tonumber(ARGV[6])
-if not held_again_asked(KEYS[3], KEYS[1], ARGV, 7, num_asked) then return -2 end
+if not held_again_asked(KEYS[5], ARGV, 7, num_asked) then return -2 end
 local present_at = 8 + num_asked
-local pending = #KEYS - 4
+local pending = #KEYS - 5
 local num_present = tonumber(ARGV[present_at - 1])
 local held_at = present_at + num_present + 1
 local num_held = tonumber(ARGV[held_at - 1])
@@ -200,7 +204,7 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 local left = {}
 for i = 1, pending do
   local request_id = ARGV[ids_at + i - 1]
-  if redis.call('HEXISTS', KEYS[2], request_id) == 1 and redis.call('EXISTS', KEYS[4 + i]) == 0 then
+  if redis.call('HEXISTS', KEYS[2], request_id) == 1 and redis.call('EXISTS', KEYS[5 + i]) == 0 then
     redis.call('HINCRBY', KEYS[1], 'spent', '-' .. ARGV[ids_at + pending + i - 1])
     left[request_id] = true
   end
@@ -214,7 +218,8 @@ return 1
 
 
 # KEYS: the credit figure, the organisation's reservations, the journaled calls the figure counted, the rebuilds under
-# way, the replays' registrations, then the settled marker of each pending call; ARGV: ttl, the figure (units), the
+# way, the replays' registrations, the calls held again while it was rebuilt (`held_again_key`), then the settled
+# marker of each pending call; ARGV: ttl, the figure (units), the
 # rebuild's start and window, `REBUILD_LONGEST_S`, its run, the number of calls held again it asked about, their
 # request ids, the number of replayed rows present, their request ids, the number of those held (`_held`), their
 # request ids, then each pending call's request id, then each one's cost (units, > 0). Writes the figure only if
@@ -230,11 +235,11 @@ if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if now > tonumber(ARGV[3]) + tonumber(ARGV[4]) then return too_slow(KEYS[4], KEYS[1], now - tonumber(ARGV[3]), ARGV[5]) end
 if rebuild_lost(KEYS[4], KEYS[1], ARGV[6], tonumber(ARGV[3]) + tonumber(ARGV[4])) then return -3 end
 local num_asked = tonumber(ARGV[7])
-if not held_again_asked(KEYS[4], KEYS[1], ARGV, 8, num_asked) then return -2 end
+if not held_again_asked(KEYS[6], ARGV, 8, num_asked) then return -2 end
 local present_at = 9 + num_asked
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
 redis.call('DEL', KEYS[3])
-local pending = #KEYS - 5
+local pending = #KEYS - 6
 local num_present = tonumber(ARGV[present_at - 1])
 local held_at = present_at + num_present + 1
 local num_held = tonumber(ARGV[held_at - 1])
@@ -242,7 +247,7 @@ local ids_at = held_at + num_held
 local left = {}
 for i = 1, pending do
   local request_id = ARGV[ids_at + i - 1]
-  if redis.call('HEXISTS', KEYS[2], request_id) == 1 and redis.call('EXISTS', KEYS[5 + i]) == 0 then
+  if redis.call('HEXISTS', KEYS[2], request_id) == 1 and redis.call('EXISTS', KEYS[6 + i]) == 0 then
     redis.call('INCRBY', KEYS[1], ARGV[ids_at + pending + i - 1])
     left[request_id] = true
   end
@@ -285,7 +290,7 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
         account = BillingAccount.objects.for_organization(organization_id) if what == "org" else None
         with _one_snapshot():
             asked = _replays_in_snapshot(organization_id, counter)
-            held_again = _held_again(organization_id, counter)
+            held_again = _held_again(counter)
             reserved = {*reserved_ids, *held_again}
             spent, costs = period_spend_and_pending(organization_id, period, {*reserved, *asked},
                                                     api_key_id=api_key_id if what == "key" else None)
@@ -328,14 +333,12 @@ def _replays_in_snapshot(organization_id: int, counter: str) -> set[str]:
     return replayed.replays_to_ask_about(organization_id, counter)
 
 
-def _held_again(organization_id: int, counter: str) -> tuple[str, ...]:
+def _held_again(counter: str) -> tuple[str, ...]:
     """The calls held again since the rebuild of `counter` began (`HELD_AGAIN_LUA`), read once its snapshot began: a
     call's row committed before the snapshot, its hold put back after this read, leaves the rebuild's write undone
     (`HELD_AGAIN_MEANWHILE`). Blocking I/O (Redis)."""
-    prefix = f"{HELD_AGAIN_PREFIX}{counter}|"
-    fields = (field.decode() if isinstance(field, bytes) else field
-              for field in get_redis().hkeys(rebuilding_key(organization_id)))
-    return tuple(field[len(prefix):] for field in fields if field.startswith(prefix))
+    return tuple(member.decode() if isinstance(member, bytes) else member
+                 for member in get_redis().smembers(held_again_key(counter)))
 
 
 def _held(organization_id: int, asked: set[str]) -> set[str]:
@@ -373,7 +376,7 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
         # to the figure's TTL.
         account = BillingAccount.objects.get(organization_id=organization_id)
         asked = _replays_in_snapshot(organization_id, counter) if counter is not None else set()
-        held_again = _held_again(organization_id, counter) if counter is not None else ()
+        held_again = _held_again(counter) if counter is not None else ()
         present = tuple(UsageRecord.objects.filter(organization_id=organization_id, billing_mode=BillingMode.PREPAID,
                                                    request_id__in=_held(organization_id, asked)
                                                    ).values_list("request_id", flat=True)) if asked else ()
@@ -419,15 +422,15 @@ async def _write_rebuild(rebuild: _Rebuild, organization_id: int, started_at: in
     request_ids = list(rebuild.pending)
     markers = [settled_key(organization_id, request_id) for request_id in request_ids]
     costs = [rebuild.pending[request_id] for request_id in request_ids]
-    replays = [rebuilding_key(organization_id), replaying_key(organization_id)]
+    under_way = [rebuilding_key(organization_id), replaying_key(organization_id), held_again_key(rebuild.key)]
     began = [started_at, window_s, REBUILD_LONGEST_S, run, len(rebuild.held_again), *rebuild.held_again,
              len(rebuild.present), *rebuild.present, len(rebuild.held), *rebuild.held]
     if rebuild.fields is not None:
-        return await _INIT_SPEND(keys=[rebuild.key, reservations_key(organization_id), *replays, *markers],
+        return await _INIT_SPEND(keys=[rebuild.key, reservations_key(organization_id), *under_way, *markers],
                                  args=[rebuild.ttl_s, *began, *request_ids, *costs,
                                        *[item for pair in rebuild.fields.items() for item in pair]])
     return await _INIT_CREDIT(keys=[rebuild.key, reservations_key(organization_id),
-                                    credit_journaled_key(organization_id), *replays, *markers],
+                                    credit_journaled_key(organization_id), *under_way, *markers],
                               args=[rebuild.ttl_s, rebuild.value, *began, *request_ids, *costs])
 
 
@@ -463,6 +466,10 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
             written = await _write_rebuild(rebuild, organization_id, int(started_at), int(window_s), run)
             if written not in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
                 break
+        if written in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
+            logger.warning("organisation %s: its %s counter's rebuild began again %d times (calls held again, or Redis "
+                           "lost its run, meanwhile); not written", organization_id, what, REBUILD_TRIES)
+            raise RebuildUnfinished(f"the {what} counter's rebuild began again {REBUILD_TRIES} times")
         if written == -1:
             logger.warning("organisation %s: its %s counter's rebuild took over %d s; not written (the next is given "
                            "longer)", organization_id, what, window_s)

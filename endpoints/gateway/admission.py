@@ -129,7 +129,7 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
                 raise refused
             traffic.note_recent(endpoint_id)
             return Admission(reservation, int(detail) - 1 if candidates else None, window, prefix_key, *admitted_under)
-        raise RuntimeError("billing counters kept vanishing while admitting a request")
+        raise rebuild.RebuildUnfinished("billing counters kept vanishing while admitting a request")  # a 503
     finally:
         traffic.admitted(caller.organization_id)
 

@@ -1085,8 +1085,8 @@ def _hold_again(admitted) -> None:
 def _marks_left(organization_id: int, counter: str) -> list[str]:
     """What calls held again or settled while `counter` was rebuilt left its rebuild (`rebuild.HELD_AGAIN_LUA`,
     `counters.MISSED_LUA`): dropped once it is written."""
-    return [field for field in get_redis().hkeys(redis_keys.rebuilding_key(organization_id))
-            if field.startswith((f"h:{counter}|", f"m:{counter}|"))]
+    return [*(field for field in get_redis().hkeys(redis_keys.rebuilding_key(organization_id))
+              if field.startswith(f"m:{counter}|")), *get_redis().smembers(redis_keys.held_again_key(counter))]
 
 
 @pytest.mark.parametrize("settled", ["before its write", "after its write"])
@@ -1135,6 +1135,53 @@ def test_a_call_held_again_after_its_counters_rebuild_began_is_counted_once(monk
     assert reads.reserved_now(organization.pk) == Decimal("0.01")
     assert not _marks_left(organization.pk, redis_keys.org_period_key(organization.pk, periods.period_containing().key))
     assert writes == ([1] if held_again == "before its snapshot" else [rebuild.HELD_AGAIN_MEANWHILE, 1])
+
+
+def test_calls_held_again_while_many_counters_are_rebuilt_mark_only_theirs_and_a_write_reads_only_its_own(
+        monkeypatch):
+    # Redis flushed while a large prepaid organisation has 5,000 calls in flight under 20 keys; admissions rebuild its
+    # counter, its credit figure and each key's counter, and its gateway holds the calls again. Before, each call was
+    # marked for all 22 counters (110,000 fields in the rebuilds' hash, one script), and each counter's write read the
+    # whole hash (seconds inside Redis, every tenant blocked; rebuilds past their window, then 500s).
+    organization = OrganizationFactory()
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    api_key_ids = list(range(9_001, 9_021))
+    period_key = periods.period_containing().key
+    org_counter = redis_keys.org_period_key(organization.pk, period_key)
+    key_counters = {api_key_id: redis_keys.key_period_key(organization.pk, api_key_id, period_key)
+                    for api_key_id in api_key_ids}
+    counters_rebuilt = [org_counter, redis_keys.credit_key(organization.pk), *key_counters.values()]
+    for counter in counters_rebuilt:  # each rebuild under way: begun, reading the ledger
+        asyncio.run(rebuild._BEGIN_REBUILD(keys=[redis_keys.rebuilding_key(organization.pk),
+                                                 redis_keys.reservations_key(organization.pk)],
+                                           args=[counter, rebuild.REBUILD_MAX_S, rebuild.REBUILD_LONGEST_S]))
+    in_flight = [counters.Reservation(f"req_{n}", organization.pk, api_key_ids[n % 20], Decimal("0.01"), period_key)
+                 for n in range(5_000)]
+    redis = get_redis()
+    num_begun_fields = redis.hlen(redis_keys.rebuilding_key(organization.pk))
+
+    assert asyncio.run(counters.restore_reservations(organization.pk, in_flight)) == 5_000
+
+    num_hash_fields = redis.hlen(redis_keys.rebuilding_key(organization.pk))
+    marks = {counter: redis.smembers(redis_keys.held_again_key(counter)) for counter in counters_rebuilt}
+    assert num_hash_fields - num_begun_fields + sum(len(held) for held in marks.values()) <= 3 * 5_000
+    assert num_hash_fields <= 3 * len(counters_rebuilt)  # what every write reads whole: `c:`, `r:`, `s:` per counter
+    assert len(marks[org_counter]) == 5_000
+    assert marks[key_counters[9_001]] == {f"req_{n}" for n in range(0, 5_000, 20)}  # its own key's calls only
+
+    # A key counter's rebuild: its write reads the hash above and its own 250 marks, asks about them, and drops them.
+    writes, write = [], rebuild._write_rebuild
+
+    async def write_counted(*args):
+        writes.append(await write(*args))
+        return writes[-1]
+
+    monkeypatch.setattr(rebuild, "_write_rebuild", write_counted)
+    asyncio.run(rebuild.rebuild_missing("key", counters.Reservation("next", organization.pk, 9_001, Decimal("0.01"),
+                                                                    period_key)))
+    assert writes == [1]
+    assert redis.exists(key_counters[9_001]) and not _marks_left(organization.pk, key_counters[9_001])
+    assert len(redis.smembers(redis_keys.held_again_key(key_counters[9_002]))) == 250  # another's, still under way
 
 
 def test_a_lost_row_the_sweeper_settles_while_a_rebuild_that_holds_it_is_under_way_is_counted_once(settings,

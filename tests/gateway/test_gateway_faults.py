@@ -5,6 +5,7 @@ import contextlib
 import json
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 
 import httpx
@@ -375,6 +376,48 @@ def test_a_streamed_event_past_the_largest_the_gateway_relays_ends_the_stream_bi
         events = [e for e in b"".join(response.iter_bytes()).split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]" and len(events) == 3  # two events of ~3 MiB, intact
     assert all(json.loads(e[6:])["choices"][0]["logprobs"]["content"] for e in events[:2])
+
+
+def test_a_call_whose_counters_rebuild_keeps_beginning_again_gets_a_503_never_a_500(tenant, start_mock_upstream,
+                                                                                   monkeypatch):
+    # Its organisation's gateways hold calls again (after Redis lost them) faster than the counter's rebuild can read
+    # the ledger: each try finds one held again since it read them, and begins again. Before, the admission rebuilt it
+    # `MAX_REBUILDS` x `REBUILD_TRIES` times, then failed with a RuntimeError: a 500.
+    from billing.periods import period_containing
+    from billing.quota import counters, rebuild
+    from controlplane.asgi import application
+
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    build, held_again = rebuild._rebuild_from_database, []
+
+    def hold_another_call_again() -> None:
+        held_again.append(counters.Reservation(f"req_held_{len(held_again)}", tenant.org.pk, None, Decimal("0.01"),
+                                               period_containing().key))
+        assert asyncio.run(counters.restore_reservations(tenant.org.pk, held_again[-1:])) == 1
+
+    def build_then_another_held_again(*args):
+        rebuilt = build(*args)
+        with ThreadPoolExecutor(max_workers=1) as pool:  # its own event loop: another gateway's beat
+            pool.submit(hold_another_call_again).result(timeout=30)
+        return rebuilt
+
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as http:
+            return await http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                                   json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5})
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", build_then_another_held_again)
+    response = asyncio.run(asyncio.wait_for(call(), 120))
+
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "service_unavailable"
+    assert int(response.headers["retry-after"]) >= 1
+    assert len(held_again) == rebuild.REBUILD_TRIES  # one rebuild's tries, not four admissions' worth
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", build)  # the beats have put every call back: its retry
+    assert asyncio.run(asyncio.wait_for(call(), 120)).status_code == 200
+    assert UsageRecord.objects.count() == 1
 
 
 def test_an_organisation_whose_ledger_reads_slower_than_a_rebuild_may_take_gets_503s_then_its_calls(
