@@ -19,6 +19,7 @@ from rest_framework.test import APIClient
 from billing import stripe_sync
 from billing.ledger import record_usage
 from billing.models import (
+    BILLED_METER_EVENT_NAME,
     BillingAccount,
     DeletedStripeCustomer,
     Invoice,
@@ -403,9 +404,10 @@ def test_usage_of_a_deleted_customers_invoice_voided_after_its_deletion_goes_aga
 
 
 def _billed_usage(fake_stripe, customer_id: str) -> int:
-    """What the customer's invoices that bill (not void ones) billed, in meter units."""
+    """What the customer's invoices that bill (not void ones) billed, in units of the billed meter."""
     return sum(line["quantity"] for invoice in fake_stripe.invoices.values()
-               if invoice["customer"] == customer_id and invoice["status"] != "void" for line in invoice["lines"]["data"])
+               if invoice["customer"] == customer_id and invoice["status"] != "void" for line in invoice["lines"]["data"]
+               if fake_stripe.meter_of(line) == BILLED_METER_EVENT_NAME)
 
 
 def test_an_invoice_webhook_that_comes_after_its_customers_deletion_is_mirrored_to_its_organisation_once(fake_stripe):
