@@ -286,8 +286,9 @@ class DeletedStripeCustomer(models.Model):
     # dates its invoices' failures: one that failed before it keeps holding (`billing.standing.past_due_since`).
     deleted_at = models.DateTimeField(default=timezone.now)
     # [start, end, quantity] of each of its invoices that bill their period, finalised, as read with the deletion's
-    # webhook (Stripe's seconds; units of `BILLED_METER_EVENT_NAME`, null where not final): which of the events Stripe
-    # received in the deletion's own second it billed, and which it dropped (`billing.services._pushed_uninvoiced`).
+    # webhook (Stripe's seconds; units of `BILLED_METER_EVENT_NAME`, of the usage price's lines alone, null where not
+    # final or not known: `billing.stripe_sync._quantity`): which of the events Stripe received in the deletion's own
+    # second it billed, and which it dropped (`billing.services._pushed_uninvoiced`).
     billed_periods = models.JSONField(default=list, blank=True)
 
     def __str__(self) -> str:

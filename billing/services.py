@@ -332,9 +332,9 @@ def _dropped_in_its_second(organization_id: int, customer_id: str,
     later second, was dropped in the deletion's own second: the last of that second's events, as they are sent one at a
     time and recorded in order (a push run at a time: `stripe_sync.push_pending_rollups`), whose values (never 0) add
     up to it; none when it lacks nothing. Where no such last events add up to it (an event not yet recorded, or two
-    pushes at once), or what it lacks may be of an event whose receipt is not known (a duplicate's refusal), that
-    second's events of the period are undecided: they count as received before the deletion, so never billed twice,
-    logged, and counted in the audit."""
+    pushes at once), or the quantity is not known (None: `billing.stripe_sync._quantity`), or what it lacks may be of
+    an event whose receipt is not known (a duplicate's refusal), that second's events of the period are undecided:
+    they count as received before the deletion, so never billed twice, logged, and counted in the audit."""
     dropped, num_undecided = [], 0
     for start, end, quantity in deleted.billed_periods:
         in_period = MeterEventPush.objects.filter(

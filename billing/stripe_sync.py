@@ -313,7 +313,8 @@ class DeletedCustomerInvoices:
 
     invoiced_until: datetime | None  # the latest end of the periods they settle: billed, or written off; None: none
     # (start, end, quantity) of those that bill their period: Stripe's seconds, and what they billed in units of the
-    # billed meter (`billing.models.BILLED_METER_EVENT_NAME`), None where it is not final (a draft still advancing).
+    # billed meter (`billing.models.BILLED_METER_EVENT_NAME`), None where it is not final (a draft still advancing) or
+    # not known (`_quantity`).
     billed_periods: list[tuple[int, int, int | None]] | None  # None: not read
     written_off: list[str]  # the ids of the void ones voided before the deletion (or in its second): staff write-offs
 
@@ -334,9 +335,11 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
     after making it (`auto_advance`), with the usage of its period. Counted as billing nothing, as before, its usage
     went again to the next customer and was billed twice. So each draft is finalised now: it bills its period, and no
     usage of that period goes again. A draft Stripe refuses to finalise counts as it is read then: billed if Stripe
-    still advances it itself, else not (logged). Each finalised one's `quantity` (its lines': the subscription's one
-    price) is what it billed of the events Stripe received before the deletion: which of those received in the
-    deletion's own second it dropped (`billing.services._pushed_uninvoiced`)."""
+    still advances it itself, else not (logged). Each finalised one's quantity of the usage price (`_quantity`) is
+    what it billed of the events Stripe received before the deletion: which of those received in the deletion's own
+    second it dropped (`billing.services._pushed_uninvoiced`)."""
+    usage_price_id = StripeMeter.objects.filter(event_name=COST_METER.event_name).values_list(
+        "stripe_price_id", flat=True).first() or ""
     invoices = call_stripe(
         lambda options: stripe_client().v1.invoices.list(params={"customer": customer_id, "limit": 100}, options=options),
         what="invoice list", attempts=attempts)
@@ -347,7 +350,8 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
         if _bills_its_period(invoice) and invoice.period_end:
             ends.append(invoice.period_end)
             final = invoice.status in BILLING_INVOICE_STATUSES
-            billed_periods.append((invoice.period_start, invoice.period_end, _quantity(invoice) if final else None))
+            billed_periods.append((invoice.period_start, invoice.period_end,
+                                   _quantity(invoice, usage_price_id, attempts=attempts) if final else None))
         elif invoice.status == WRITTEN_OFF_INVOICE_STATUS and not voided_after_deletion(_voided_at(invoice), deleted_at):
             written_off.append(invoice.id)
             if invoice.period_end:
@@ -359,9 +363,44 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
                                    written_off)
 
 
-def _quantity(invoice) -> int:
-    """What Stripe's `invoice` billed of the usage price's meter: its lines' quantities (a subscription of one price)."""
-    return sum(line.to_dict().get("quantity") or 0 for line in invoice.lines.data)
+def _quantity(invoice, usage_price_id: str, *, attempts: int) -> int | None:
+    """What Stripe's `invoice` billed of the usage price's meter (`usage_price_id`): the quantities of its lines of that
+    price, all of them (`_lines`). None where that cannot be told: the price not known, or a line whose price or
+    quantity Stripe does not say (it may be of the usage price).
+
+    NOTE: not every line's quantity, as before: a line of another price (a one-off invoice item, a second price staff
+    put on the subscription) is in units of something else, and the events of the deletion's own second it made
+    too many could not be placed (billed by no customer); nor only the lines the invoice shows (its first 10): with
+    the usage price's line among the others, what it billed was too little, and events Stripe had billed were taken
+    for dropped and billed again to the next customer."""
+    if not usage_price_id:
+        return None
+    quantity = 0
+    for line in _lines(invoice, attempts=attempts):
+        line = line.to_dict()
+        price_id = reference_id(((line.get("pricing") or {}).get("price_details") or {}).get("price")
+                                or line.get("price"))  # NOTE: `price` as API versions before 2025-03-31 show it
+        if price_id and price_id != usage_price_id:
+            continue
+        if not price_id or line.get("quantity") is None:
+            logger.warning("the invoice %s has a line (%s) whose price or quantity Stripe does not say: what it billed "
+                           "of the usage price is not known", invoice.id, line.get("id"))
+            return None
+        quantity += line["quantity"]
+    return quantity
+
+
+def _lines(invoice, *, attempts: int) -> list:
+    """All the lines of Stripe's `invoice`: those it shows (the first 10), and the rest read page by page."""
+    lines = list(invoice.lines.data)
+    more = getattr(invoice.lines, "has_more", False)
+    while more:
+        page = call_stripe(lambda options, after=lines[-1].id: stripe_client().v1.invoices.line_items.list(
+            invoice.id, params={"limit": 100, "starting_after": after}, options=options),
+            what="invoice lines read", attempts=attempts)
+        lines += page.data
+        more = page.has_more and bool(page.data)
+    return lines
 
 
 def _voided_at(invoice) -> datetime | None:

@@ -19,11 +19,13 @@ from rest_framework.test import APIClient
 from billing import stripe_sync
 from billing.ledger import record_usage
 from billing.models import (
+    BILLED_METER_EVENT_NAME,
     BillingAccount,
     DeletedStripeCustomer,
     Invoice,
     MeterEventPush,
     StripeEvent,
+    StripeMeter,
     UsageRollup,
 )
 from billing.quota.counters import QuotaExceeded
@@ -403,9 +405,10 @@ def test_usage_of_a_deleted_customers_invoice_voided_after_its_deletion_goes_aga
 
 
 def _billed_usage(fake_stripe, customer_id: str) -> int:
-    """What the customer's invoices that bill (not void ones) billed, in meter units."""
+    """What the customer's invoices that bill (not void ones) billed, in units of the billed meter."""
     return sum(line["quantity"] for invoice in fake_stripe.invoices.values()
-               if invoice["customer"] == customer_id and invoice["status"] != "void" for line in invoice["lines"]["data"])
+               if invoice["customer"] == customer_id and invoice["status"] != "void" for line in invoice["lines"]["data"]
+               if fake_stripe.meter_of(line) == BILLED_METER_EVENT_NAME)
 
 
 def test_an_invoice_webhook_that_comes_after_its_customers_deletion_is_mirrored_to_its_organisation_once(fake_stripe):
@@ -721,16 +724,7 @@ def test_usage_stripe_received_in_its_customers_deletions_own_second_is_billed_o
     assert DeletedStripeCustomer.objects.get(stripe_customer_id=old_customer).invoiced_until.timestamp() > max(
         event["timestamp"] for event in fake_stripe.meter_events.values())
 
-    assert stripe_sync.push_pending_rollups() == (1 if received == "after_the_deletion" else 0)
-    assert stripe_sync.push_pending_rollups() == 0
-    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
-    new_customer, new_subscription = _subscribed(endpoint)
-    if received == "after_the_deletion":
-        _invoice_the_rest(fake_stripe, new_subscription)
-        assert _billed_usage(fake_stripe, old_customer) == costs[0]
-        assert _billed_usage(fake_stripe, new_customer) == costs[1] == _cost_pushed(fake_stripe, new_customer)
-    else:
-        assert _billed_usage(fake_stripe, old_customer) == sum(costs) and new_customer == ""
+    _billed_once(fake_stripe, endpoint, old_customer, dropped=received == "after_the_deletion")
     [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
     placed_by_the_push = AuditEvent.objects.filter(action="billing.pushed_to_deleted_customer")
     if deletion_applied == "during_the_push":
@@ -739,6 +733,21 @@ def test_usage_stripe_received_in_its_customers_deletions_own_second_is_billed_o
         assert deletion.details["num_events_dropped_in_its_second"] == (1 if received == "after_the_deletion" else 0)
         assert not placed_by_the_push.exists()
     assert deletion.details["num_events_undecided_in_its_second"] == 0
+
+
+def _billed_once(fake_stripe, endpoint, old_customer: str, *, dropped: bool) -> None:
+    """The 7th and 6th hours billed once: by the deleted customer's invoice, or the 6th, `dropped` by Stripe in the
+    deletion's second, sent again and billed by the next customer."""
+    assert stripe_sync.push_pending_rollups() == (1 if dropped else 0)
+    assert stripe_sync.push_pending_rollups() == 0
+    costs = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.order_by("hour_start")]
+    new_customer, new_subscription = _subscribed(endpoint)
+    if dropped:
+        _invoice_the_rest(fake_stripe, new_subscription)
+        assert _billed_usage(fake_stripe, old_customer) == costs[0]
+        assert _billed_usage(fake_stripe, new_customer) == costs[1] == _cost_pushed(fake_stripe, new_customer)
+    else:
+        assert _billed_usage(fake_stripe, old_customer) == sum(costs) and new_customer == ""
 
 
 def test_usage_of_an_invoice_voided_after_its_customers_deletion_goes_again_though_the_void_was_told_first(
@@ -774,10 +783,14 @@ def test_usage_of_an_invoice_voided_after_its_customers_deletion_goes_again_thou
     assert audited.details["invoice"] == first["id"] and audited.details["num_rollups_pushed_again"] == 1
 
 
-def test_events_of_the_deletions_second_that_its_invoices_cannot_place_count_as_received_before_it(fake_stripe):
+@pytest.mark.parametrize("cannot_place", ["a_draft_stripe_still_advances", "the_usage_price_not_known"])
+def test_events_of_the_deletions_second_that_its_invoices_cannot_place_count_as_received_before_it(
+        fake_stripe, cannot_place):
     # A guard: the draft whose period the 6th hour's events are dated in cannot be finalised (Stripe refuses, and still
     # advances it itself): what it bills is not final, so the events Stripe received in the deletion's second cannot be
     # placed. They count as received before the deletion, as before: never billed twice; the deletion's audit says so.
+    # So too where the usage price is not known here (its id not kept): which of the invoice's lines bill the usage
+    # cannot be told (`stripe_sync._quantity`).
     endpoint = EndpointFactory()
     _use_and_push(endpoint, num_hours_ago=7)
     old_customer, old_subscription = _subscribed(endpoint)
@@ -788,11 +801,58 @@ def test_events_of_the_deletions_second_that_its_invoices_cannot_place_count_as_
     second = fake_stripe.frozen_s = int(time.time()) + 2
     gone = fake_stripe.delete_customer(old_customer)
     assert stripe_sync.push_pending_rollups() == 1  # received after the deletion, in its second
-    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    if cannot_place == "a_draft_stripe_still_advances":
+        fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    else:
+        StripeMeter.objects.filter(event_name=BILLED_METER_EVENT_NAME).update(stripe_price_id="")
     _webhook("customer.deleted", gone, created=second)
     fake_stripe.frozen_s = None
 
-    assert draft["status"] == "draft" and stripe_sync.push_pending_rollups() == 0
+    assert draft["status"] == ("draft" if cannot_place == "a_draft_stripe_still_advances" else "open")
+    assert stripe_sync.push_pending_rollups() == 0
     [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
     assert (deletion.details["num_events_dropped_in_its_second"],
             deletion.details["num_events_undecided_in_its_second"]) == (0, 1)
+
+
+@pytest.mark.parametrize("received", ["before_the_deletion", "after_the_deletion"])
+@pytest.mark.parametrize("other_lines", ["a_second_price", "ten_invoice_items_ahead"])
+def test_events_of_the_deletions_second_are_placed_by_the_usage_prices_lines_alone_and_all_of_them(
+        fake_stripe, received, other_lines):
+    """The draft the deletion finalises has other lines than the usage price's: a second price staff put on the
+    subscription ($0, on the input-tokens meter, to show tokens on the invoice), or ten one-off invoice items pulled in
+    ahead of it, which puts the usage price's line 11th, past the 10 an invoice shows. Before, its quantity was every
+    line's, of those it shows: too much (its tokens too) or too little (ten items, and no usage), so the 6th hour's
+    events, received in the deletion's second, could not be placed: dropped by Stripe, they were billed by no customer.
+    Only the usage price's lines count now, all of them read."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    if other_lines == "a_second_price":
+        fake_stripe.add_subscription_item(old_subscription, meter="inferplane_input_tokens")
+    else:
+        for _ in range(10):
+            fake_stripe.add_invoice_item(old_customer, amount=500)
+    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)  # its draft bills the 7th hour, and the 6th's date
+    [draft] = fake_stripe.invoices.values()
+    second = fake_stripe.frozen_s = int(time.time()) + 2
+    if received == "after_the_deletion":
+        gone = fake_stripe.delete_customer(old_customer)
+        assert stripe_sync.push_pending_rollups() == 1  # dropped: its webhook not come yet
+    else:
+        assert stripe_sync.push_pending_rollups() == 1
+        gone = fake_stripe.delete_customer(old_customer)
+    _webhook("customer.deleted", gone, created=second)
+    fake_stripe.frozen_s = None
+    usage_lines = [line for line in draft["lines"]["data"] if fake_stripe.meter_of(line) == BILLED_METER_EVENT_NAME]
+    assert draft["status"] == "open" and len(draft["lines"]["data"]) == (2 if other_lines == "a_second_price" else 11)
+    assert usage_lines == draft["lines"]["data"][-1:]  # Stripe orders invoice items and newer items first
+
+    _billed_once(fake_stripe, endpoint, old_customer, dropped=received == "after_the_deletion")
+    [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
+    assert (deletion.details["num_events_dropped_in_its_second"],
+            deletion.details["num_events_undecided_in_its_second"]) == (1 if received == "after_the_deletion" else 0, 0)
+    if other_lines == "ten_invoice_items_ahead":
+        assert fake_stripe.calls_to(f"/v1/invoices/{draft['id']}/lines", method="GET")  # read past the first 10

@@ -11,6 +11,8 @@
     fake.frozen_s = second                                    # Stripe's clock held at one second (None: runs)
     fake.invoices[id]["auto_advance"] = False                 # a draft Stripe leaves for us to finalise
     fake.invoiced_usage(customer id)                          # what the subscriptions' invoices billed, in meter units
+    fake.add_subscription_item(id, meter=event name)          # a second price on a subscription, as staff add one
+    fake.add_invoice_item(customer id, amount=500)            # a one-off charge, pulled into its next invoice
     fake.cancel_in_portal(session id, subscription id)        # the customer's click, as the session's configuration says
     fake.charge(customer id), fake.dispute(charge id), fake.close_dispute(id, "won")   # a payment, and its chargeback
     fake.revoke_key(key), fake.restore_key(key)              # a secret key rolled or revoked: 401 to every call
@@ -24,7 +26,10 @@ the last one stopped (from the subscription's `start_date` for the first, which 
 period it closes (`end_period`), received until it is finalised (a draft takes usage of its period during Stripe's
 finalization grace) and, for a deleted customer, before its deletion (Stripe drops the events it receives after: it
 orders them by their receipt, within a second too, though its clock says only the second). Invoices carry
-`status_transitions` (`finalized_at`, `voided_at`, ...) as Stripe's do. A subscription cancelled at once bills what it has not invoiced yet only with
+`status_transitions` (`finalized_at`, `voided_at`, ...) as Stripe's do, and their lines as Stripe's current API shapes
+them (`pricing.price_details.price`, a price's id; `parent`), in Stripe's order (pending invoice items first, then
+one line per subscription item, the newest first): an invoice shows its first 10 (`lines.has_more`), and `GET /v1/invoices/{id}/lines`
+pages through all of them (`starting_after`). A subscription cancelled at once bills what it has not invoiced yet only with
 `invoice_now` (Stripe's default is not to: that usage is discarded); one cancelled at its period's end bills it in a
 final invoice then. A Customer Portal session uses the configuration it names, or else the account's default one
 (`default_portal_features`: cancellation at once, the case this models), and `cancel_in_portal` does what that
@@ -105,7 +110,8 @@ class FakeStripe:
     charges: dict[str, dict] = field(default_factory=dict)
     disputes: dict[str, dict] = field(default_factory=dict)
     revoked_keys: set[str] = field(default_factory=set)
-    invoices: dict[str, dict] = field(default_factory=dict)
+    invoices: dict[str, dict] = field(default_factory=dict)  # with all their lines (an answer shows the first 10)
+    pending_invoice_items: dict[str, dict] = field(default_factory=dict)  # not invoiced yet, by id
     portal_configurations: dict[str, dict] = field(default_factory=dict)
     portal_sessions: dict[str, dict] = field(default_factory=dict)
     # What the account's default portal configuration (set in the Dashboard) lets a customer do.
@@ -195,15 +201,49 @@ class FakeStripe:
         its end. The subscription as it is now (its webhook's object)."""
         with self._lock:
             subscription = self.subscriptions[subscription_id]
-            [item] = subscription["items"]["data"]
-            at = item["current_period_end"] if at is None else at
+            items = subscription["items"]["data"]
+            at = items[0]["current_period_end"] if at is None else at
             self._invoice(subscription, at)
+            for item in items:
+                if subscription["cancel_at_period_end"]:
+                    item["current_period_end"] = at
+                else:
+                    item.update(current_period_start=at, current_period_end=_month_after(at))
             if subscription["cancel_at_period_end"]:
-                item["current_period_end"] = at
                 subscription.update(status="canceled", ended_at=at)
-            else:
-                item.update(current_period_start=at, current_period_end=_month_after(at))
             return dict(subscription)
+
+    def add_subscription_item(self, subscription_id: str, *, meter: str, unit_amount_decimal: str = "0") -> dict:
+        """What staff adding a metered price on the meter of event name `meter` to the subscription in the Dashboard
+        does (a $0 one, to show a meter's count on the invoice): its next invoice has a line for it. The new item."""
+        with self._lock:
+            subscription = self.subscriptions[subscription_id]
+            [meter_id] = [found["id"] for found in self.meters.values() if found["event_name"] == meter]
+            price = {"id": _id("price"), "object": "price", "created": self._now(), "active": True, "currency": "usd",
+                     "unit_amount_decimal": unit_amount_decimal,
+                     "recurring": {"interval": "month", "usage_type": "metered", "meter": meter_id},
+                     "lookup_key": None, "product": _id("prod"), "livemode": False}
+            self.prices[price["id"]] = price
+            first = subscription["items"]["data"][0]
+            item = {"id": _id("si"), "object": "subscription_item", "price": price,
+                    "current_period_start": first["current_period_start"],
+                    "current_period_end": first["current_period_end"]}
+            subscription["items"]["data"].append(item)
+            return dict(item)
+
+    def add_invoice_item(self, customer_id: str, *, amount: int = 500) -> dict:
+        """What a one-off charge made in the Dashboard does (an invoice item of `amount` cents, on a price of its
+        own): pending, it is pulled into the customer's next subscription invoice, ahead of its subscription's
+        lines. The invoice item."""
+        with self._lock:
+            price = {"id": _id("price"), "object": "price", "created": self._now(), "active": False, "currency": "usd",
+                     "unit_amount_decimal": str(amount), "recurring": None, "lookup_key": None, "product": _id("prod"),
+                     "livemode": False}
+            self.prices[price["id"]] = price
+            item = {"id": _id("ii"), "object": "invoiceitem", "customer": customer_id, "amount": amount,
+                    "quantity": 1, "date": self._now(), "price": price["id"], "invoice": None, "livemode": False}
+            self.pending_invoice_items[item["id"]] = item
+            return dict(item)
 
     def finalize_invoice(self, invoice_id: str) -> dict:
         """What Stripe does an hour after it made a subscription's invoice (a draft until then): the invoice, open,
@@ -309,11 +349,16 @@ class FakeStripe:
                 totals[key] = totals.get(key, 0) + int(event["payload"]["value"])
         return totals
 
-    def invoiced_usage(self, customer_id: str) -> int:
-        """What the invoices of the customer's subscriptions billed, in units of their price's meter."""
+    def invoiced_usage(self, customer_id: str, *, meter: str = "inferplane_usage_cost") -> int:
+        """What the invoices of the customer's subscriptions billed of the meter of event name `meter`, in its units."""
         with self._lock:
             return sum(line["quantity"] for invoice in self.invoices.values() if invoice["customer"] == customer_id
-                       for line in invoice["lines"]["data"])
+                       for line in invoice["lines"]["data"] if self.meter_of(line) == meter)
+
+    def meter_of(self, line: dict) -> str | None:
+        """The event name of the meter an invoice line's price is on; None for a line of no meter's price."""
+        price = self.prices[line["pricing"]["price_details"]["price"]]
+        return self.meters[price["recurring"]["meter"]]["event_name"] if (price["recurring"] or {}).get("meter") else None
 
     def calls_to(self, path: str, method: str = "POST") -> list[Call]:
         with self._lock:
@@ -433,18 +478,21 @@ class FakeStripe:
             found = [invoice for invoice in reversed(self.invoices.values())  # newest first
                      if params.get("customer") in (None, invoice["customer"])
                      and params.get("subscription") in (None, invoice["parent"]["subscription_details"]["subscription"])]
-            return 200, {"object": "list", "data": found[:int(params.get("limit") or 10)], "has_more": False, "url": path}
+            return 200, {"object": "list", "data": [_shown(invoice) for invoice in found[:int(params.get("limit") or 10)]],
+                         "has_more": False, "url": path}
         if path.startswith("/v1/invoices/"):
             invoice_id, _, action = path.removeprefix("/v1/invoices/").partition("/")
             invoice = self.invoices.get(invoice_id)
-            if invoice is None or (method, action) not in (("GET", ""), ("POST", "finalize")):
+            if invoice is None or (method, action) not in (("GET", ""), ("POST", "finalize"), ("GET", "lines")):
                 return 404, _error("invalid_request_error", "No such invoice", code="resource_missing")
+            if action == "lines":
+                return 200, _page(invoice["lines"]["data"], params, url=path)
             if action == "finalize":  # NOTE: a deleted customer's too: Stripe keeps its invoices
                 if invoice["status"] != "draft":
                     return 400, _error("invalid_request_error", "This invoice is already finalized",
                                        code="invoice_not_editable")
                 self._finalize(invoice)
-            return 200, invoice
+            return 200, _shown(invoice)
         if path.startswith("/v1/billing_portal/configurations"):
             return self._portal_configuration(method, path.removeprefix("/v1/billing_portal/configurations"),
                                               _typed(params), now)
@@ -501,18 +549,34 @@ class FakeStripe:
         return default["id"]
 
     def _invoice(self, subscription: dict, end: int) -> dict:
-        """The subscription's invoice of its price's usage from where its last invoice stopped (its start for the
-        first) to `end`: the sum of the customer's meter events dated in that time."""
-        [item] = subscription["items"]["data"]
-        invoiced = [invoice["lines"]["data"][0]["period"]["end"] for invoice in self.invoices.values()
+        """The subscription's invoice of its prices' usage from where its last invoice stopped (its start for the
+        first) to `end`: for each item, the sum of the customer's meter events of its price's meter dated in that time;
+        the customer's pending invoice items ahead of them, as Stripe orders an invoice's lines."""
+        invoiced = [invoice["period_end"] for invoice in self.invoices.values()
                     if invoice["parent"]["subscription_details"]["subscription"] == subscription["id"]]
         start = max(invoiced, default=subscription["start_date"])
-        line = {"id": _id("il"), "object": "line_item", "quantity": 0, "period": {"start": start, "end": end},
-                "amount": 0, "price": item["price"]}
-        invoice = {"id": _id("in"), "object": "invoice", "created": self._now(), "status": "draft", "auto_advance": True,
+        invoice_id = _id("in")
+        pending = [item for item in self.pending_invoice_items.values() if item["customer"] == subscription["customer"]]
+        lines = [{"id": _id("il"), "object": "line_item", "invoice": invoice_id, "quantity": item["quantity"],
+                  "amount": item["amount"], "period": {"start": item["date"], "end": item["date"]},
+                  "pricing": _pricing(self.prices[item["price"]]),
+                  "parent": {"type": "invoice_item_details",
+                             "invoice_item_details": {"invoice_item": item["id"], "subscription": None}}}
+                 for item in pending]
+        for item in pending:
+            item["invoice"] = invoice_id
+            del self.pending_invoice_items[item["id"]]
+        lines += [{"id": _id("il"), "object": "line_item", "invoice": invoice_id, "quantity": 0, "amount": 0,
+                   "period": {"start": start, "end": end}, "pricing": _pricing(item["price"]),
+                   "parent": {"type": "subscription_item_details",
+                              "subscription_item_details": {"subscription": subscription["id"],
+                                                            "subscription_item": item["id"]}}}
+                  for item in reversed(subscription["items"]["data"])]  # the newest item's first, as Stripe
+        invoice = {"id": invoice_id, "object": "invoice", "created": self._now(), "status": "draft", "auto_advance": True,
                    "customer": subscription["customer"], "period_start": start, "period_end": end,
                    "parent": {"type": "subscription_details", "subscription_details": {"subscription": subscription["id"]}},
-                   "amount_due": 0, "lines": {"object": "list", "data": [line], "has_more": False},
+                   "amount_due": 0, "lines": {"object": "list", "data": lines, "has_more": False,
+                                              "url": f"/v1/invoices/{invoice_id}/lines"},
                    "status_transitions": {"finalized_at": None, "marked_uncollectible_at": None, "paid_at": None,
                                           "voided_at": None},
                    "livemode": False}
@@ -525,13 +589,15 @@ class FakeStripe:
         so far and, for a deleted customer, before its deletion."""
         deleted_as = self._deleted_as.get(invoice["customer"])
         for line in invoice["lines"]["data"]:
-            event_name = self.meters[line["price"]["recurring"]["meter"]]["event_name"]
+            event_name = self.meter_of(line)
+            if event_name is None:  # an invoice item: a fixed amount
+                continue
             line["quantity"] = sum(
                 int(event["payload"]["value"]) for event in self.meter_events.values()
                 if event["event_name"] == event_name and event["payload"]["stripe_customer_id"] == invoice["customer"]
                 and line["period"]["start"] <= event["timestamp"] < line["period"]["end"]
                 and (deleted_as is None or self._received_as.get(id(event), 0) < deleted_as))
-            line["amount"] = round(line["quantity"] * float(line["price"]["unit_amount_decimal"]))
+            line["amount"] = round(line["quantity"] * float(line["pricing"]["unit_amount_decimal"]))
         invoice["amount_due"] = sum(line["amount"] for line in invoice["lines"]["data"])
 
     def _finalize(self, invoice: dict) -> None:
@@ -627,6 +693,31 @@ class FakeStripe:
             request.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client gave up (a timeout): Stripe's work stands all the same
+
+
+# How many lines an invoice shows (Stripe's "first handful"): the rest are read from its `lines` list's `url`.
+INVOICE_LINES_SHOWN = 10
+
+
+def _shown(invoice: dict) -> dict:
+    """`invoice` as Stripe answers it: its first `INVOICE_LINES_SHOWN` lines, `has_more` if it has others."""
+    lines = invoice["lines"]["data"]
+    return {**invoice, "lines": {**invoice["lines"], "data": lines[:INVOICE_LINES_SHOWN],
+                                 "has_more": len(lines) > INVOICE_LINES_SHOWN}}
+
+
+def _page(found: list[dict], params: dict, *, url: str) -> dict:
+    """A page of a list as Stripe answers it: `limit` (10 by default) after `starting_after`'s id."""
+    after = params.get("starting_after")
+    start = next((index + 1 for index, item in enumerate(found) if item["id"] == after), 0) if after else 0
+    limit = int(params.get("limit") or 10)
+    return {"object": "list", "data": found[start:start + limit], "has_more": start + limit < len(found), "url": url}
+
+
+def _pricing(price: dict) -> dict:
+    """An invoice line's `pricing` (Stripe's API since 2025-03-31: the price by id, no `price` object)."""
+    return {"type": "price_details", "price_details": {"price": price["id"], "product": price["product"]},
+            "unit_amount_decimal": price["unit_amount_decimal"]}
 
 
 def _wait_for_hang_up(request: BaseHTTPRequestHandler, limit_s: float) -> None:
