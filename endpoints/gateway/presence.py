@@ -318,10 +318,15 @@ async def _record_organization_progress(organization_id: int, calls: list[Held])
             due.append((held, tokens, report))
     if not due:
         return 0
-    count = await counters.record_progress(organization_id, [report for _, _, report in due])
-    for held, tokens, _ in due:
-        held.progress_recorded = tokens
-    return count
+    # NOTE: only the calls the script recorded (still reserved): one whose reservation Redis had lost was marked
+    # recorded all the same when `_hold_again` held it again (and reset its mark) before this reply came, and a stream
+    # stalled since then had no progress for the sweeper until the next reconcile (found by fix-beat's author), its
+    # gateway's loss then unbilled.
+    recorded = set(await counters.record_progress(organization_id, [report for _, _, report in due]))
+    for held, tokens, report in due:
+        if report.request_id in recorded:
+            held.progress_recorded = tokens
+    return len(recorded)
 
 
 # A beat compares what Redis holds for this gateway with what it serves every this many beats (and at once when Redis

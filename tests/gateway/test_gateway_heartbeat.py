@@ -582,6 +582,55 @@ def test_a_stalled_streams_progress_redis_lost_is_recorded_again_by_the_next_rec
     assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # its own end deletes it
 
 
+def test_a_streams_progress_whose_write_found_no_reservation_is_recorded_by_the_next_beat(idle_endpoint_call,
+                                                                                          monkeypatch):
+    """Before, a beat's progress write that found the call's reservation gone (Redis came back a moment in the past)
+    wrote nothing, but its reply, coming after the reconcile had held the reservation again (and reset the call's
+    mark), marked the call recorded all the same: a stream stalled since had no progress for the sweeper until the next
+    whole reconcile (~5 s), and went unbilled if its gateway died meanwhile. Only the calls written are marked now."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+    redis = get_redis()
+    record, reached, paused = counters.record_progress, [], []
+
+    async def reply_late(organization_id, reports):
+        recorded = await record(organization_id, reports)  # it ran in Redis
+        reached[0].set()
+        await paused[0].wait()  # its reply is late
+        return recorded
+
+    async def scenario():
+        reached.append(asyncio.Event())
+        paused.append(asyncio.Event())
+        await presence.beat(web=True)
+        state = redis_state()
+        admitted = await admit(caller, endpoint, replica, "stalled")
+        report = dataclasses.replace(usage_report(endpoint, request_id="stalled", prompt_tokens=100,
+                                                  completion_tokens=20), status="gateway_lost",
+                                     max_cost=admitted.reservation.amount, billing_mode=admitted.billing_mode)
+        tokens = (report.prompt_tokens, report.cached_tokens, report.completion_tokens)
+        # As `InferenceCall.progress`: it streams nothing more once a beat recorded it.
+        presence.serving["stalled"].progress = lambda recorded: None if recorded == tokens else report
+        come_back_as(state)  # its admission and reservation lost, the alive key kept
+        presence._repair.num_beats = -100  # no reconcile but the one below
+        monkeypatch.setattr(counters, "record_progress", reply_late)
+        recording = asyncio.get_running_loop().create_task(presence._record_progress())
+        await asyncio.wait_for(reached[0].wait(), 10)
+        assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # no reservation: nothing written
+        await presence._reconcile(traffic.gateway_id())  # its request put back, its reservation held again
+        assert redis.hexists(redis_keys.reservations_key(org), "stalled")
+        paused[0].set()
+        assert await recording == 0
+        monkeypatch.setattr(counters, "record_progress", record)
+        await presence.beat(web=True)  # the next beat, no reconcile
+        assert redis.hexists(redis_keys.progress_key(org), "stalled"), "its progress was never written"
+        await finish(caller, endpoint, replica, "stalled", admitted)
+        assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # its own end deletes it
+
+    asyncio.run(scenario())
+    assert counts(endpoint, replica) == (0, 0)
+
+
 # --- a put-back whose result the reconcile never learned, and a reconcile that fails -----------------------------
 
 def stalled_stream_with_progress(caller, endpoint, replica) -> tuple[admission.Admission, list]:
