@@ -417,14 +417,14 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
 # NOTE: only for a call still reserved: a beat's write that reaches Redis after its call's settlement (which deletes
 # its progress, `SETTLE_LUA`) writes nothing, so a call that ended leaves no progress behind.
 _RECORD_PROGRESS = Script("""
-local recorded = 0
+local recorded = {}
 for i = 2, #ARGV, 2 do
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
     redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
-    recorded = recorded + 1
+    recorded[#recorded + 1] = ARGV[i]
   end
 end
-if recorded > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+if #recorded > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
 return recorded
 """)
 
@@ -433,17 +433,18 @@ return recorded
 PROGRESS_TTL_S = 86_400
 
 
-async def record_progress(organization_id: int, reports: list[UsageReport]) -> int:
+async def record_progress(organization_id: int, reports: list[UsageReport]) -> list[str]:
     """Record the usage so far (`reports`, as their rows would be written now) of one organisation's calls still
-    running; returns how many were still reserved, and so recorded. Their settlement deletes them."""
+    running; returns the request ids of those still reserved, and so recorded. Their settlement deletes them."""
     if not reports:
-        return 0
+        return []
     args = [str(PROGRESS_TTL_S)]
     for report in reports:
         if report.organization_id != organization_id:
             raise ValueError("one organisation's calls at a time (one Redis Cluster slot)")
         args += [report.request_id, encode(report).rstrip(b"\n")]
-    return await _RECORD_PROGRESS(keys=[reservations_key(organization_id), progress_key(organization_id)], args=args)
+    return list(await _RECORD_PROGRESS(keys=[reservations_key(organization_id), progress_key(organization_id)],
+                                       args=args))
 
 
 # What Redis lost of one organisation's running calls, in one script (`endpoints.gateway.presence`'s reconcile): the

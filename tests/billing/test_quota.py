@@ -208,7 +208,7 @@ def _progress(admitted: admission.Admission, endpoint, **fields) -> None:
     report = dataclasses.replace(usage_report(endpoint, request_id=admitted.reservation.request_id, **fields),
                                  status="gateway_lost", max_cost=admitted.reservation.amount,
                                  billing_mode=admitted.billing_mode)
-    assert asyncio.run(record_progress(report.organization_id, [report])) == 1
+    assert asyncio.run(record_progress(report.organization_id, [report])) == [report.request_id]
 
 
 def test_a_lost_gateways_call_is_billed_from_its_progress_in_the_mode_it_was_admitted_under(settings):
@@ -250,7 +250,7 @@ def test_a_lost_calls_row_that_postgresql_refuses_is_left_unbilled_and_the_sweep
     report = dataclasses.replace(usage_report(endpoint, request_id="refused", prompt_tokens=100, completion_tokens=20),
                                  status="gateway_lost", max_cost=Decimal("0.50"), billing_mode=refused.billing_mode,
                                  api_key_id=987654321)
-    assert asyncio.run(record_progress(report.organization_id, [report])) == 1
+    assert asyncio.run(record_progress(report.organization_id, [report])) == [report.request_id]
     for request_id, at in (("kept", endpoint), ("next-organisation", elsewhere)):
         admitted = asyncio.run(reserve(organization_id=at.organization_id, api_key_id=None, amount=Decimal("0.50"),
                                        request_id=request_id))
@@ -324,7 +324,7 @@ def test_a_progress_recorded_after_its_call_settled_is_not_written():
     asyncio.run(settle(admitted, Decimal("0.01"), fresh_id=True))
     assert not get_redis().hlen(redis_keys.progress_key(organization.pk))  # deleted by its settlement
     report = usage_report(endpoint, request_id="ended", status="gateway_lost")
-    assert asyncio.run(record_progress(organization.pk, [report])) == 0
+    assert asyncio.run(record_progress(organization.pk, [report])) == []
     assert not get_redis().hlen(redis_keys.progress_key(organization.pk))
 
 

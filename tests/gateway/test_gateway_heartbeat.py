@@ -582,6 +582,55 @@ def test_a_stalled_streams_progress_redis_lost_is_recorded_again_by_the_next_rec
     assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # its own end deletes it
 
 
+def test_a_streams_progress_whose_write_found_no_reservation_is_recorded_by_the_next_beat(idle_endpoint_call,
+                                                                                          monkeypatch):
+    """Before, a beat's progress write that found the call's reservation gone (Redis came back a moment in the past)
+    wrote nothing, but its reply, coming after the reconcile had held the reservation again (and reset the call's
+    mark), marked the call recorded all the same: a stream stalled since had no progress for the sweeper until the next
+    whole reconcile (~5 s), and went unbilled if its gateway died meanwhile. Only the calls written are marked now."""
+    endpoint, replica, caller = idle_endpoint_call
+    org = endpoint.organization_id
+    redis = get_redis()
+    record, reached, paused = counters.record_progress, [], []
+
+    async def reply_late(organization_id, reports):
+        recorded = await record(organization_id, reports)  # it ran in Redis
+        reached[0].set()
+        await paused[0].wait()  # its reply is late
+        return recorded
+
+    async def scenario():
+        reached.append(asyncio.Event())
+        paused.append(asyncio.Event())
+        await presence.beat(web=True)
+        state = redis_state()
+        admitted = await admit(caller, endpoint, replica, "stalled")
+        report = dataclasses.replace(usage_report(endpoint, request_id="stalled", prompt_tokens=100,
+                                                  completion_tokens=20), status="gateway_lost",
+                                     max_cost=admitted.reservation.amount, billing_mode=admitted.billing_mode)
+        tokens = (report.prompt_tokens, report.cached_tokens, report.completion_tokens)
+        # As `InferenceCall.progress`: it streams nothing more once a beat recorded it.
+        presence.serving["stalled"].progress = lambda recorded: None if recorded == tokens else report
+        come_back_as(state)  # its admission and reservation lost, the alive key kept
+        presence._repair.num_beats = -100  # no reconcile but the one below
+        monkeypatch.setattr(counters, "record_progress", reply_late)
+        recording = asyncio.get_running_loop().create_task(presence._record_progress())
+        await asyncio.wait_for(reached[0].wait(), 10)
+        assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # no reservation: nothing written
+        await presence._reconcile(traffic.gateway_id())  # its request put back, its reservation held again
+        assert redis.hexists(redis_keys.reservations_key(org), "stalled")
+        paused[0].set()
+        assert await recording == 0
+        monkeypatch.setattr(counters, "record_progress", record)
+        await presence.beat(web=True)  # the next beat, no reconcile
+        assert redis.hexists(redis_keys.progress_key(org), "stalled"), "its progress was never written"
+        await finish(caller, endpoint, replica, "stalled", admitted)
+        assert not redis.hexists(redis_keys.progress_key(org), "stalled")  # its own end deletes it
+
+    asyncio.run(scenario())
+    assert counts(endpoint, replica) == (0, 0)
+
+
 # --- a put-back whose result the reconcile never learned, and a reconcile that fails -----------------------------
 
 def stalled_stream_with_progress(caller, endpoint, replica) -> tuple[admission.Admission, list]:
@@ -1113,3 +1162,55 @@ def test_calls_that_end_and_record_progress_beside_a_long_reconcile_leave_every_
     assert counts(endpoint, replica) == (0, 0)
     assert not redis.hlen(traffic.gateway_requests_key(org)) and not redis.hlen(redis_keys.reservations_key(org))
     assert reserved() == 0 and not redis.hlen(redis_keys.progress_key(org))
+
+
+def one_organisations_calls(organization_id: int, num_calls: int, *, reserved: bool, streaming: bool) -> None:
+    """`num_calls` calls of one organisation served by this gateway (their reservations in Redis if `reserved`, as
+    their admission held them; each stream growing by a token a beat if `streaming`)."""
+    redis = get_redis()
+    with redis.pipeline(transaction=False) as pipe:
+        for num in range(num_calls):
+            request_id = f"call-{num}"
+            reservation = counters.Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
+            presence.track(request_id, organization_id, f"e-{organization_id}", None, reservation,
+                           progress=growing_stream(organization_id, request_id) if streaming else None)
+            if reserved:
+                pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")
+        pipe.execute()
+
+
+def test_one_large_organisations_calls_that_redis_lost_are_put_back_without_stalling_the_loop(gateway_alone):
+    """Before, the reconcile tested each call of an organisation against the lists of its ids put back and of those
+    unreserved: one organisation's 20,000 calls that Redis lost (their entries and reservations; the alive key kept, so
+    not as forgotten) stalled the event loop 4-7 s in one go, past the alive key's life: the sweeper took the live
+    gateway for dead and billed its calls as lost."""
+    redis = get_redis()
+    org, num_calls = 9_600_000, 20_000
+    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    num_forgotten = presence._repair.num_forgotten
+    one_organisations_calls(org, num_calls, reserved=False, streaming=False)
+    traffic._registered[1].add(org)
+    presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS  # the next beat reconciles, not as forgotten
+    stall, seen = asyncio.run(beating_watched(
+        lambda: redis.hlen(redis_keys.reservations_key(org)) == num_calls and not presence._repair.unheld, limit_s=60))
+    assert stall < 2.0, f"the loop stalled {stall:.2f} s"
+    assert seen["watched"] and seen["lapsed"] == 0
+    assert presence._repair.num_forgotten == num_forgotten  # never taken for forgotten
+    assert redis.hlen(traffic.gateway_requests_key(org)) == num_calls  # each put back once
+    assert redis.hlen(redis_keys.reservations_key(org)) == num_calls  # and held again once
+
+
+def test_one_large_organisations_streams_progress_is_recorded_without_stalling_the_loop(gateway_alone):
+    """Before, a beat built and encoded the progress rows of one organisation's streams all at once: one organisation's
+    40,000 growing streams stalled the event loop 2-3 s at every beat (on 2 loaded cores)."""
+    redis = get_redis()
+    org, num_calls = 9_700_000, 40_000
+    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    one_organisations_calls(org, num_calls, reserved=True, streaming=True)
+    presence._repair.num_beats = -100  # no reconcile: the progress alone
+    stall, seen = asyncio.run(beating_watched(
+        lambda: all(held.progress_recorded is not None for held in presence.serving.values()), at_least_s=4,
+        limit_s=60))
+    assert stall < 1.0, f"the loop stalled {stall:.2f} s"
+    assert seen["watched"] and seen["lapsed"] == 0
+    assert redis.hlen(redis_keys.progress_key(org)) == num_calls
