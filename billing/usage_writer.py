@@ -47,6 +47,7 @@ from billing.ledger import (
 )
 from billing.quota import replayed
 from billing.usage_journal import UsageJournal, read_segment
+from controlplane.cancellation import end_if_cancelled
 from controlplane.per_loop import PerLoop
 
 logger = logging.getLogger("inferplane.billing")
@@ -278,12 +279,17 @@ class UsageWriter:
         return self._replayer
 
     async def _replay_until_empty(self) -> None:
+        """NOTE: a cancellation that came as one of the replay's Redis writes finished was dropped
+        (`controlplane.cancellation`): the replay caught the outage and tried again for as long as the database was
+        down, and a loop's end (`replay_before_the_loop_ends`, a gateway's shutdown) waited for it."""
         delay_s = OUTAGE_PROBE_S
         refused_since = None
         while True:
+            end_if_cancelled()
             try:
                 await self.replay()
             except OUTAGES as exc:
+                end_if_cancelled()
                 logger.info("usage journal replay waits for the database: %r", exc)
                 self.close_now()
                 refused_since = time.monotonic() if refused_since is None else refused_since

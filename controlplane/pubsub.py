@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio
 from django.conf import settings
 
+from controlplane.cancellation import end_if_cancelled
 from controlplane.per_loop import PerLoop
 
 logger = logging.getLogger("inferplane.pubsub")
@@ -107,6 +108,7 @@ class Listener:
 
     async def _read(self) -> None:
         while True:
+            end_if_cancelled()  # NOTE: a cancellation a read dropped as its answer came: the loop's end waited for good
             if not self._waiters or self._pubsub is None or not self._pubsub.subscribed:
                 self._has_channels.clear()
                 await self._has_channels.wait()

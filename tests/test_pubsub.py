@@ -6,6 +6,7 @@ import time
 
 from django.conf import settings
 
+from controlplane import pubsub as pubsub_module
 from controlplane.pubsub import Listener
 from controlplane.redis_client import get_redis
 
@@ -62,3 +63,40 @@ def test_a_lost_connection_comes_back_subscribed():
             return await signal.wait(10)
 
     assert asyncio.run(scenario()) is True
+
+
+def test_a_reader_cancelled_as_one_of_its_reads_finishes_still_ends():
+    """A loop's end (`asyncio.run`: a batch run's slice, a test; the server's shutdown) cancels the reader once and
+    waits for it. Before, a cancellation that came as a read's answer came was dropped (Python 3.11's
+    `asyncio.wait_for`, which redis-py reads through): the reader read on, and the loop's end waited for it for good."""
+    dropped = []
+
+    async def scenario() -> bool:
+        reading = asyncio.Event()
+        listener = Listener(settings.REDIS_URL)
+        async with listener.subscribe("test:cancelled"):
+            await _until(lambda: _num_subscribers("test:cancelled") == 1)
+            pubsub, reader = listener._pubsub, listener._reader
+            read = pubsub.get_message
+
+            async def read_dropping_a_cancellation(**kwargs):
+                if not dropped:
+                    reading.set()
+                    try:
+                        await asyncio.sleep(10)  # the read's answer on its way as the loop ends
+                    except asyncio.CancelledError:
+                        dropped.append(True)  # as 3.11's `wait_for` does when what it waits for is done
+                        return None
+                return await read(**kwargs)
+
+            pubsub.get_message = read_dropping_a_cancellation
+            await asyncio.wait_for(reading.wait(), pubsub_module.READ_TIMEOUT_S + 10)  # its read under way ends first
+            reader.cancel()
+            done, _ = await asyncio.wait({reader}, timeout=3)
+            while not reader.done():  # not left reading into the next test
+                reader.cancel()
+                await asyncio.wait({reader}, timeout=1)
+            return bool(done)
+
+    assert asyncio.run(scenario()), "the reader went on after its cancellation"
+    assert dropped

@@ -3,14 +3,15 @@ PostgreSQL: spend is the ledger's sum, credit what the grants leave after it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 
-from asgiref.sync import sync_to_async
-from django.db import DatabaseError, close_old_connections, connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_usage_began
@@ -18,6 +19,8 @@ from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, CreditGr
 from billing.periods import Period, period_containing
 from billing.quota import replayed
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
+from controlplane.credential_lookups import LookupSlots
+from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
@@ -32,6 +35,7 @@ from controlplane.redis_keys import (
     settled_key,
 )
 from controlplane.redis_scripts import Script
+from controlplane.worker_threads import in_worker_thread
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -49,6 +53,18 @@ LIMITS_REFRESH_INTERVAL_S = 10
 REBUILD_MAX_S = 60
 REBUILD_LONGEST_S = 3600
 TOO_SLOW_PREFIX = "s:"
+
+# How many of a process's rebuilds read PostgreSQL at once, each on a thread of its own with its own connection; the
+# rest wait their turn before their window begins (`_BEGIN_REBUILD`), and a counter's callers in one event loop share
+# its one rebuild (`_under_way`). NOTE: they ran on asgiref's one shared thread (the gateway's `/v1` path sets up no
+# request context): one organisation's minute-long ledger read queued every other organisation's rebuild behind it,
+# and after a Redis flush they all ran past their windows (503, `RebuildTooSlow`). A pool without a bound would instead
+# take a connection per organisation rebuilding at once, up to PostgreSQL's `max_connections`; one rebuild per call
+# would let one organisation's many calls take every thread.
+REBUILD_THREADS = 4
+_rebuild_threads = ThreadPoolExecutor(REBUILD_THREADS, thread_name_prefix="quota-rebuild")
+_rebuild_slots = LookupSlots(REBUILD_THREADS)
+_under_way: PerLoop[dict[str, asyncio.Task]] = PerLoop(dict)  # counter key -> its rebuild, in this event loop
 
 
 class RebuildUnfinished(TimeoutError):
@@ -283,7 +299,6 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
     """The counter `what` as PostgreSQL has it; `reserved_ids`: the organisation's reservations (read before),
     whose calls may have a row in the period's spend and settle after the counter is written, as may those held again
     since (`_held_again`)."""
-    close_old_connections()  # NOTE: runs in a worker thread whose connection may have gone stale
     counter = _counter_key(what, organization_id, api_key_id, period)
     if what in ("org", "key"):
         # made first if need be: the snapshot only reads
@@ -450,36 +465,56 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
             limits_refreshed_key(reservation.organization_id), "1", nx=True, ex=LIMITS_REFRESH_INTERVAL_S):
         return True
     if what != "limits":  # 'limits': the counter exists, its spend stands; only its limits are written again
-        organization_id = reservation.organization_id
+        counter = _counter_key(what, reservation.organization_id, reservation.api_key_id, period)
+        under_way = _under_way.get()
+        rebuilding = under_way.get(counter)
+        if rebuilding is None:
+            rebuilding = under_way[counter] = asyncio.ensure_future(
+                _rebuild_counter(what, counter, reservation.organization_id, reservation.api_key_id, period))
+            rebuilding.add_done_callback(lambda done: _rebuilt(under_way, counter, done))
+        # NOTE: a caller gone (a client's disconnect) leaves the rebuild to the others that wait for it.
+        await asyncio.shield(rebuilding)
+    if what in ("org", "limits"):
+        # NOTE: the limits read (again) after the counter exists, under the account's lock: a change committed
+        # between the rebuild's read and its write refreshed nothing (no counter yet), and would otherwise stay
+        # unseen for the month.
+        await in_worker_thread(_limits_again, executor=_rebuild_threads)(reservation.organization_id)
+    return False
+
+
+async def _rebuild_counter(what: str, counter: str, organization_id: int, api_key_id: int | None,
+                           period: Period) -> None:
+    """Rebuild `counter` once a thread is free for it (`REBUILD_THREADS`); raises `RebuildUnfinished` (`RebuildTooSlow`)."""
+    async with _rebuild_slots.held_async():
         # NOTE: read before the ledger. A call reserved then whose row the ledger has may settle after the counter is
         # written (the row is written first; a call reserved in the last month spends in this one when it finishes
         # in it), and adds its cost then: the counter is written without it (`_INIT_SPEND`). A call reserved since
         # found this counter missing (its own rebuild wrote it first, or ours does) and reserved nothing; one held again
         # since (its hold put back after Redis lost it) is marked for this rebuild (`_held_again`).
-        counter = _counter_key(what, organization_id, reservation.api_key_id, period)
         for _try in range(REBUILD_TRIES):  # again while calls are held again meanwhile, or Redis lost its run
             started_at, window_s, reserved_ids, run = await _BEGIN_REBUILD(
                 keys=[rebuilding_key(organization_id), reservations_key(organization_id)],
                 args=[counter, REBUILD_MAX_S, REBUILD_LONGEST_S])
-            rebuild = await sync_to_async(_rebuild_from_database)(what, organization_id, reservation.api_key_id,
-                                                                  period, reserved_ids)
+            rebuild = await in_worker_thread(_rebuild_from_database, executor=_rebuild_threads)(
+                what, organization_id, api_key_id, period, reserved_ids)
             written = await _write_rebuild(rebuild, organization_id, int(started_at), int(window_s), run)
             if written not in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
                 break
-        if written in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
-            logger.warning("organisation %s: its %s counter's rebuild began again %d times (calls held again, or Redis "
-                           "lost its run, meanwhile); not written", organization_id, what, REBUILD_TRIES)
-            raise RebuildUnfinished(f"the {what} counter's rebuild began again {REBUILD_TRIES} times")
-        if written == -1:
-            logger.warning("organisation %s: its %s counter's rebuild took over %d s; not written (the next is given "
-                           "longer)", organization_id, what, window_s)
-            raise RebuildTooSlow(f"the {what} counter's rebuild took over {window_s} s")
-    if what in ("org", "limits"):
-        # NOTE: the limits read (again) after the counter exists, under the account's lock: a change committed
-        # between the rebuild's read and its write refreshed nothing (no counter yet), and would otherwise stay
-        # unseen for the month.
-        await sync_to_async(_limits_again)(reservation.organization_id)
-    return False
+    if written in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
+        logger.warning("organisation %s: its %s counter's rebuild began again %d times (calls held again, or Redis "
+                       "lost its run, meanwhile); not written", organization_id, what, REBUILD_TRIES)
+        raise RebuildUnfinished(f"the {what} counter's rebuild began again {REBUILD_TRIES} times")
+    if written == -1:
+        logger.warning("organisation %s: its %s counter's rebuild took over %d s; not written (the next is given "
+                       "longer)", organization_id, what, window_s)
+        raise RebuildTooSlow(f"the {what} counter's rebuild took over {window_s} s")
+
+
+def _rebuilt(under_way: dict[str, asyncio.Task], counter: str, done: asyncio.Task) -> None:
+    if under_way.get(counter) is done:
+        del under_way[counter]
+    if not done.cancelled():
+        done.exception()  # NOTE: its callers raise it; one whose callers all left is not logged as never retrieved
 
 
 def _limits_again(organization_id: int) -> None:
@@ -487,7 +522,6 @@ def _limits_again(organization_id: int) -> None:
     refresh's row lock: the limits just rebuilt from it stand, as good as it can tell, and the call goes on. It raised
     `InternalError` (read-only transaction), not an outage: every call that found its counter missing was a 500 for
     the rest of the outage."""
-    close_old_connections()
     try:
         refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
     except DatabaseError as exc:

@@ -36,12 +36,12 @@ from django.conf import settings
 from billing import usage_writer
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import outstanding_key
+from controlplane.worker_threads import in_worker_thread
 from endpoints.batches import answer_bytes, scheduling, spool
 from endpoints.batches.validation import Line
 from endpoints.gateway import directory, errors, presence, upstream
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.call import InferenceCall
-from endpoints.gateway.memo import in_worker_thread
 from endpoints.gateway.request import InferenceRequest
 
 logger = logging.getLogger("inferplane.batches")

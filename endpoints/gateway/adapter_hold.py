@@ -13,9 +13,9 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from controlplane.worker_threads import in_worker_thread
 from endpoints.adapters import split_model_name, want_adapter
 from endpoints.gateway import directory, errors
-from endpoints.gateway.memo import in_worker_thread
 
 POLL_S = 0.25
 

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from endpoints.gateway.memo import in_worker_thread
+from controlplane.worker_threads import in_worker_thread
 from endpoints.models import Replica
 from gpu_agent.protocol import MAX_MEASURED_S, ReplicaState
 

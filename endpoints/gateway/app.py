@@ -28,6 +28,7 @@ from billing.usage_writer import replay_before_the_loop_ends, usage_recordable, 
 from controlplane import access_log
 from controlplane.access_log import log_answer
 from controlplane.accounts.models import Role
+from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import (
     admission,
     anatomy,
@@ -42,7 +43,6 @@ from endpoints.gateway import (
     upstream,
 )
 from endpoints.gateway.call import InferenceCall, finish_pending
-from endpoints.gateway.memo import in_worker_thread
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import MAX_BODY_BYTES, InferenceRequest, is_model_name, new_request_id
 from endpoints.gateway.upload_places import REFUSAL_SCOPE_KEY, Place, UploadPlaces

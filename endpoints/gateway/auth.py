@@ -33,8 +33,9 @@ from controlplane.accounts.models import Scope, email_is_verified
 from controlplane.accounts.tenancy import SESSION_KEY as ORG_SESSION_KEY
 from controlplane.accounts.tenancy import memberships_of
 from controlplane.credential_lookups import CredentialLookups, LookupsBusy
+from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import errors
-from endpoints.gateway.memo import Memo, in_worker_thread
+from endpoints.gateway.memo import Memo
 
 KNOWN_KEYS_MAX = 10_000
 # API keys looked up in PostgreSQL at once, per gateway process: anyone may send well-formed keys never seen before,

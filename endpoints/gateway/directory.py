@@ -18,8 +18,9 @@ from decimal import Decimal
 from django.conf import settings
 
 from controlplane.credential_lookups import ExpiringSet
+from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import errors
-from endpoints.gateway.memo import Memo, in_worker_thread
+from endpoints.gateway.memo import Memo
 from endpoints.models import Adapter, Endpoint, Replica
 from endpoints.nodes.models import database_time_ago
 from gpu_agent.protocol import NodeState, ReplicaState

@@ -19,34 +19,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from asgiref.sync import sync_to_async
-from django.db import close_old_connections
-
 from controlplane.credential_lookups import LookupSlots
+from controlplane.worker_threads import in_worker_thread
 
 logger = logging.getLogger("inferplane.gateway")
 
 STALE_FOR_S = 5.0
-
-
-def in_worker_thread(function: Callable) -> Callable:
-    """`function` (which uses the ORM) as a coroutine run in a worker thread that treats each call as
-    Django treats a request: stale or broken connections (a PostgreSQL restart, a terminated backend)
-    are dropped before and after, so a broken one never serves the next call.
-
-    NOTE: Django cleans connections only around HTTP requests; these threads never see one. (Django
-    keys connections by context, and each gateway lookup runs in a fresh one, so today a broken
-    connection is mostly left behind rather than reused; this keeps it so if that changes.)
-    """
-
-    def call(*args, **kwargs):
-        close_old_connections()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            close_old_connections()
-
-    return sync_to_async(call, thread_sensitive=False)
 
 
 class Memo:

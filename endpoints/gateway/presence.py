@@ -65,6 +65,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from billing.ledger import UsageReport
 from billing.quota import counters
 from controlplane import clock, redis_keys
+from controlplane.cancellation import end_if_cancelled
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_scripts import Script
@@ -782,19 +783,15 @@ def _reconcile_done(num_forgotten: int, retry: set[int], *, whole: bool) -> None
 async def _beat_forever(*, web: bool = False) -> None:
     """Beat every `BEAT_S` until cancelled.
 
-    NOTE: Python 3.11's `asyncio.wait_for`, cancelled just as what it waits for finishes, returns its result and drops
-    the CancelledError (fixed in 3.12), and redis-py writes every command through it: a loop's end (`asyncio.run`: a
-    batch run's slice, a test; the server's shutdown) cancelled the beat once, the beat went on, and the loop waited
-    for it for good (a whole-suite run hung 600 s in the slow-rebuild test's second `asyncio.run`). A cancellation
-    still asked of the task (`cancelling()`; one handled, as by `asyncio.timeout`, is taken back) ends it here."""
-    task = asyncio.current_task()
+    NOTE: a cancellation that came as one of its Redis writes finished was dropped (`controlplane.cancellation`): a
+    loop's end cancelled the beat once, the beat went on, and the loop waited for it for good (a whole-suite run hung
+    600 s in the slow-rebuild test's second `asyncio.run`)."""
     while True:
         try:
             await beat(web=web)
         except Exception as exc:  # noqa: BLE001 - Redis down: beat again, the requests are still served
             logger.warning("gateway heartbeat failed: %r", exc)
-        if task.cancelling():
-            raise asyncio.CancelledError()
+        end_if_cancelled()
         await asyncio.sleep(BEAT_S)
 
 

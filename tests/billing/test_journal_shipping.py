@@ -11,7 +11,6 @@ from decimal import Decimal
 import boto3
 import psycopg
 import pytest
-from asgiref.sync import sync_to_async
 from django.db import OperationalError, connections
 
 from billing import journal_shipping, usage_writer
@@ -21,6 +20,7 @@ from billing.quota import reads, rebuild, replayed, sweeper
 from billing.usage_journal import REJECTED_NAME, encode
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis
+from controlplane.worker_threads import in_worker_thread
 from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_child, s3_server  # noqa: F401 - fixtures used here
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import _progress, reserve
@@ -282,8 +282,8 @@ def test_a_counter_rebuilt_while_a_shipped_row_supersedes_a_lost_row_counts_its_
         write, done = rebuild._write_rebuild, []
 
         async def replay_then_write(*args, **kwargs):
-            if not done:  # the organisation counter's rebuild read the lost row
-                done.append(await sync_to_async(journal_shipping.replay_shipped)())
+            if not done:  # the organisation counter's rebuild read the lost row (as a worker's task: its own connection)
+                done.append(await in_worker_thread(journal_shipping.replay_shipped)())
             return await write(*args, **kwargs)
 
         monkeypatch.setattr(rebuild, "_write_rebuild", replay_then_write)

@@ -13,7 +13,6 @@ from decimal import Decimal
 
 import psycopg
 import pytest
-from asgiref.sync import sync_to_async
 from django.db.models import Sum
 from django.utils import timezone
 
@@ -29,6 +28,7 @@ from controlplane import redis_keys
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
+from controlplane.worker_threads import in_worker_thread
 from tests.billing.conftest import usage_report
 from tests.billing.test_journaled_spend import _key_spend, _replay, journal_dir  # noqa: F401 - a fixture used here
 from tests.billing.test_quota import _progress, reserve, settle
@@ -436,7 +436,7 @@ def test_the_sweeper_between_a_commit_and_its_count_leaves_the_call_to_the_count
 
     async def sweep_then_count(request_ids, **kwargs):
         if request_ids:
-            swept.append(await sync_to_async(sweeper.sweep_expired_reservations)(now=time.time() + 2, batch_size=1))
+            swept.append(await in_worker_thread(sweeper.sweep_expired_reservations)(now=time.time() + 2, batch_size=1))
         await count(request_ids, **kwargs)
 
     monkeypatch.setattr(usage_writer, counter, sweep_then_count)

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -170,6 +171,88 @@ def test_a_counter_rebuilt_while_postgresql_refuses_writes_admits_the_call():
             asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"),
                                 request_id="over"))
     assert reads.counted_spend(organization.pk) == Decimal("7")
+
+
+def _num_database_connections() -> int:
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+        return cursor.fetchone()[0]
+
+
+def test_an_organisations_slow_counter_rebuild_never_holds_up_another_organisations(monkeypatch):
+    # Redis lost every counter (a flush), and one organisation's ledger takes long to read (a huge tenant, a slow
+    # PostgreSQL). Before, every rebuild of a gateway process ran on asgiref's one shared thread: the other
+    # organisation's call waited until the slow read ended, and after a flush every organisation's ran past its window
+    # behind it (503, `RebuildTooSlow`); with a thread per call, the slow organisation's own calls took them all.
+    slow, fast = OrganizationFactory(), OrganizationFactory()
+    _cap(slow, "10.00")
+    _cap(fast, "10.00")
+    get_redis().flushdb()
+    read, reading, paused = rebuild.period_spend_and_pending, threading.Event(), threading.Event()
+
+    def slow_read(organization_id, *args, **kwargs):
+        if organization_id == slow.pk:
+            reading.set()
+            paused.wait(30)
+        return read(organization_id, *args, **kwargs)
+
+    monkeypatch.setattr(rebuild, "period_spend_and_pending", slow_read)
+
+    async def scenario() -> bool:
+        # its many calls at once (each finds the counter missing): one rebuild, not one per call on every thread
+        slow_calls = asyncio.gather(*(reserve(organization_id=slow.pk, api_key_id=None, amount=Decimal("1"),
+                                              request_id=f"slow-{number}") for number in range(2 * rebuild.REBUILD_THREADS)))
+        try:
+            assert await asyncio.to_thread(reading.wait, 10)
+            await asyncio.sleep(0.5)
+            fast_call = asyncio.ensure_future(reserve(organization_id=fast.pk, api_key_id=None, amount=Decimal("1"),
+                                                      request_id="fast"))
+            done, _ = await asyncio.wait({fast_call}, timeout=5)
+            paused.set()
+            await fast_call
+            return bool(done)
+        finally:
+            paused.set()
+            await slow_calls
+
+    assert asyncio.run(scenario()), "the fast organisation's call waited for the slow one's rebuild"
+    assert reads.reserved_now(fast.pk) == Decimal("1")
+    assert reads.reserved_now(slow.pk) == 2 * rebuild.REBUILD_THREADS
+
+
+def test_fifty_organisations_rebuilding_at_once_hold_a_few_database_connections(monkeypatch):
+    # A Redis flush: every organisation's next call rebuilds its counter at once. Each read holds a thread and a
+    # PostgreSQL connection while it runs: a pool as large as the callers (asgiref's own, without the shared thread)
+    # would take one per organisation, and a large fleet of them PostgreSQL's `max_connections`.
+    organizations = [OrganizationFactory() for _ in range(50)]
+    get_redis().flushdb()
+    connections.close_all()
+    num_before = _num_database_connections()
+    read, lock, in_flight, peaks = rebuild.period_spend_and_pending, threading.Lock(), [0], {"reads": 0, "open": 0}
+
+    def counted_read(*args, **kwargs):
+        with lock:
+            in_flight[0] += 1
+            peaks["reads"] = max(peaks["reads"], in_flight[0])
+        try:
+            time.sleep(0.05)
+            peaks["open"] = max(peaks["open"], _num_database_connections())
+            return read(*args, **kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(rebuild, "period_spend_and_pending", counted_read)
+
+    async def scenario():
+        await asyncio.gather(*(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"),
+                                       request_id=f"call-{organization.pk}") for organization in organizations))
+
+    asyncio.run(scenario())
+    assert all(reads.reserved_now(organization.pk) == Decimal("0.01") for organization in organizations)
+    assert peaks["reads"] <= rebuild.REBUILD_THREADS
+    assert peaks["open"] - num_before <= rebuild.REBUILD_THREADS + 1, peaks  # + this test's own
+    assert _num_database_connections() - num_before <= rebuild.REBUILD_THREADS + 1
 
 
 def test_a_reservation_whose_gateway_died_is_released_after_its_deadline(settings):

@@ -260,3 +260,56 @@ def test_a_new_segments_hidden_file_left_by_a_dead_process_is_cleared_and_a_live
 
     assert not left.exists() and young.exists()
     assert [path.name.startswith(".") for path in writer.segments()] == [False]
+
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_shutdown_whose_cancellation_a_replays_redis_write_dropped_still_ends(settings, tmp_path, monkeypatch):
+    """PostgreSQL refuses writes (a demoted primary) and the journal waits for it; the gateway shuts down and cancels
+    the replay once its time is up (`replay_before_the_loop_ends`). Before, a cancellation that came as one of the
+    replay's Redis writes (its registration) finished was dropped (Python 3.11's `asyncio.wait_for`, which redis-py
+    writes through): the replay caught the outage and tried again for as long as the database stayed down, and the
+    shutdown waited for it."""
+    from billing import usage_writer
+    from billing.quota import replayed
+
+    endpoint = EndpointFactory()
+    settings.USAGE_JOURNAL_DIR = str(tmp_path / "journal")
+    settings.USAGE_JOURNAL_SHIP = False
+    usage_writer.journal.cache_clear()
+    monkeypatch.setattr(usage_writer, "OUTAGE_PROBE_S", 0.01)
+    monkeypatch.setattr(usage_writer, "REPLAY_RETRY_MAX_S", 0.01)
+    insert, register, database_back, dropped = usage_writer.record_usage_batch_on, replayed.register_replaying, [], []
+
+    async def insert_unless_read_only(connection, batch):
+        if not database_back:
+            raise psycopg.errors.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction")
+        return await insert(connection, batch)
+
+    async def register_dropping_a_cancellation(reports):
+        registration = await register(reports)
+        if not dropped:
+            try:
+                await asyncio.sleep(10)  # the write's answer on its way as the shutdown's time is up
+            except asyncio.CancelledError:
+                dropped.append(True)  # as 3.11's `wait_for` does when what it waits for is done: its result returned
+        return registration
+
+    monkeypatch.setattr(usage_writer, "record_usage_batch_on", insert_unless_read_only)
+    monkeypatch.setattr(replayed, "register_replaying", register_dropping_a_cancellation)
+
+    async def shutdown() -> bool:
+        writer = usage_writer.writer_for_this_loop()
+        assert await writer.write(usage_report(endpoint, request_id="down")) is usage_writer.Recorded.JOURNALED
+        stopping = asyncio.ensure_future(usage_writer.replay_before_the_loop_ends(0.2))
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        database_back.append(True)  # the loop before ends once its journal is replayed: not left to the next test
+        await stopping
+        return bool(done)
+
+    try:
+        ended = asyncio.run(shutdown())
+    finally:
+        usage_writer.journal.cache_clear()
+    assert dropped
+    assert ended, "the shutdown waited for the replay for as long as the database refused writes"

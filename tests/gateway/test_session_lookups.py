@@ -15,9 +15,9 @@ from django.test import Client
 
 from controlplane.accounts.models import EmailVerification, Role
 from controlplane.credential_lookups import CredentialLookups
+from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import auth
 from endpoints.gateway.errors import OpenAIError
-from endpoints.gateway.memo import in_worker_thread
 from tests.factories import MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
