@@ -507,7 +507,7 @@ def test_a_lost_rows_settlement_and_its_supersede_during_one_rebuild_are_both_co
 
     async def settled_and_superseded_then_write(rebuilt, *args, **kwargs):
         if rebuilt.key == counter and not done:  # its snapshot read; the sweeper settles, then the gateway wakes
-            await sync_to_async(_sweep_after_the_hold_lapsed)()
+            await in_worker_thread(_sweep_after_the_hold_lapsed)()
             done.append(await usage_writer.arecord_usage(whole))
             await settle(admitted, Decimal("0.50"), fresh_id=True)  # its cost, as it priced its row
         return await write(rebuilt, *args, **kwargs)
@@ -574,7 +574,7 @@ def test_a_woken_gateway_frozen_past_its_registration_before_its_count_adds_noth
     count, swept = usage_writer._count_superseded, []
 
     async def frozen_again_then_count(lost_costs, **kwargs):
-        await sync_to_async(sweeper.sweep_expired_reservations)(now=time.time() + replayed.REGISTRATION_TTL_S + 1)
+        await in_worker_thread(sweeper.sweep_expired_reservations)(now=time.time() + replayed.REGISTRATION_TTL_S + 1)
         swept.append(reads.counted_spend(organization.pk))
         await count(lost_costs, **kwargs)
 
