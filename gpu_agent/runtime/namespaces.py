@@ -60,8 +60,8 @@ EXIT_NOT_STARTED = 78
 # hold (the others need a capability the engine has not, or a user namespace first); a kernel without one (time
 # before 5.6) lacks its file.
 NAMESPACE_LIMITS = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time")
-# `unshare`'s errors that refuse namespaces here (not allowed, not built in, the user's count of them reached); any
-# other (ENOMEM) says nothing of them.
+# The errors that refuse namespaces here (not allowed, not built in, the user's count of them reached), from `unshare`,
+# the user's maps or the init's mounts and limits; any other (ENOMEM, EAGAIN) says nothing of them.
 REFUSING_ERRNOS = frozenset({errno.EPERM, errno.EINVAL, errno.ENOSPC, errno.EUSERS})
 TEST_TIMEOUT_S = 30  # the agent's test (`find`): past it, nothing is known
 # How a tried set-up's child answers (`_tried_in_a_child`): the kernel refused, or something else stopped it.
@@ -73,7 +73,16 @@ class NamespacesUnavailable(Exception):
 
 
 class NamespacesBroken(Exception):
-    """The set-up failed half done: this process must not go on."""
+    """The set-up failed half done: this process must not go on. `code`: the kernel's errno (None where not known); a
+    refusal of namespaces only where it is one of `REFUSING_ERRNOS`."""
+
+    def __init__(self, why: str, code: int | None) -> None:
+        super().__init__(why)
+        self.code = code
+
+    @property
+    def refused(self) -> bool:
+        return self.code in REFUSING_ERRNOS
 
 
 class _CapHeader(ctypes.Structure):
@@ -140,9 +149,9 @@ class Finding:
 def find() -> Finding:
     """Whether this machine can give an engine namespaces of its own (the whole set-up, tried in a child process).
 
-    A refusal is known only where the kernel said so (`unshare` refused, the user's maps or a mount refused:
-    `NamespacesUnavailable`, `NamespacesBroken`); a spawn error, a timeout, or any other error of the test (EAGAIN on
-    a fork under a node's pid pressure) is not a refusal: `known` is False."""
+    A refusal is known only where the kernel said so (`unshare`, the user's maps or a mount refused with one of
+    `REFUSING_ERRNOS`); a spawn error, a timeout, or any other error of the test (EAGAIN on a fork under a node's pid
+    pressure, ENOMEM on a map write or a mount under its memory pressure) is not a refusal: `known` is False."""
     if not sys.platform.startswith("linux"):
         return Finding(f"not Linux ({sys.platform})")
     if platform.machine() not in ("x86_64", "aarch64"):
@@ -188,7 +197,8 @@ def enter(max_bytes: int | None, *, max_files: int | None = None, tested: bool =
 
 def _tried_in_a_child() -> Finding:
     """Whether `_split` works here: tried in a child (and its own init and engine) that exit at once. The kernel's
-    refusals (`NamespacesUnavailable`, `NamespacesBroken`) are known; any other error (a fork refused) is not."""
+    refusals (`NamespacesUnavailable`, `NamespacesBroken.refused`) are known; any other error (a fork refused, a map
+    write or a mount short of memory) is not."""
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -197,8 +207,10 @@ def _tried_in_a_child() -> Finding:
         os.close(read_end)
         try:
             _split(4096, 16)
-        except (NamespacesUnavailable, NamespacesBroken) as exc:
+        except NamespacesUnavailable as exc:
             os.write(write_end, _REFUSED + str(exc).encode())
+        except NamespacesBroken as exc:
+            os.write(write_end, (_REFUSED if exc.refused else _NOT_KNOWN) + str(exc).encode())
         except BaseException as exc:  # noqa: BLE001 - whatever stops it is the reason, and this child must end here
             os.write(write_end, _NOT_KNOWN + repr(exc).encode())
         os._exit(0)
@@ -229,7 +241,7 @@ def _split(max_bytes: int | None, max_files: int | None) -> str:
         _write("/proc/self/uid_map", f"{uid} {uid} 1")
         _write("/proc/self/gid_map", f"{gid} {gid} 1")
     except OSError as exc:
-        raise NamespacesBroken(f"mapping the user failed ({exc.strerror})") from None
+        raise NamespacesBroken(f"mapping the user failed ({exc.strerror})", exc.errno) from None
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -240,9 +252,10 @@ def _split(max_bytes: int | None, max_files: int | None) -> str:
     os.close(write_end)
     with os.fdopen(read_end, "rb") as answer:
         why = answer.read().decode(errors="replace")
-    if why:  # the init stopped before the engine
+    if why:  # the init stopped before the engine: "<errno> <why>"
         os.waitpid(init_pid, 0)
-        raise NamespacesBroken(why)
+        code, _, message = why.partition(" ")
+        raise NamespacesBroken(message, int(code) if code.isdigit() else None)
     _wait_forwarding(init_pid)
 
 
@@ -258,7 +271,7 @@ def _run_init(libc, answer_fd: int, max_bytes: int | None, max_files: int | None
         _mount(libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"{size}mode=1777")
         _forbid_namespaces()
     except OSError as exc:
-        os.write(answer_fd, str(exc.strerror).encode())
+        os.write(answer_fd, f"{exc.errno or 0} {exc.strerror}".encode())
         os._exit(EXIT_NOT_STARTED)
     engine = {"pid": None, "pending": []}
 

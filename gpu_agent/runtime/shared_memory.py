@@ -157,18 +157,22 @@ class _PrivateTmpfs:
     def __init__(self) -> None:
         self.mounted = _mounted_devices()
         self.usage: dict[int, tuple[int, int]] = {}  # device -> (bytes, files)
-        self.unknown: set[int] = set()  # not a tmpfs, or not measurable (`map_files` refused)
+        self.uncounted: set[int] = set()  # not a tmpfs, or one of no size
 
     def measure(self, device: int, link: str) -> None:
-        """Note `device` through `link`, a file of it, unless it is a device mounted here or known already."""
-        if device in self.mounted or device in self.usage or device in self.unknown or os.major(device) != 0:
+        """Note `device` through `link`, a file of it, unless it is a device mounted here or known already.
+
+        NOTE: only an answer about the device is kept; a link that fails (gone meanwhile, or a `map_files` link
+        refused to an agent without CAP_CHECKPOINT_RESTORE) says nothing of it: the next link of it is asked. Kept,
+        one refused mapping walked first hid a file of that tmpfs held open elsewhere, and the whole tmpfs counted 0."""
+        if device in self.mounted or device in self.usage or device in self.uncounted or os.major(device) != 0:
             return  # NOTE: a tmpfs has an anonymous device (major 0)
         try:
             usage = _tmpfs_usage(link)
-        except OSError:  # gone meanwhile, or `map_files` refused (it needs CAP_CHECKPOINT_RESTORE)
-            usage = None
+        except OSError:
+            return
         if usage is None:
-            self.unknown.add(device)
+            self.uncounted.add(device)
         else:
             self.usage[device] = usage
 

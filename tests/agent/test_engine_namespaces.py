@@ -358,6 +358,18 @@ REFUSALS = {
     """,
         "no namespaces: mounting /proc: Operation not permitted",
     ),
+    # The node short of memory: not the kernel's answer about namespaces, but no start half set up either.
+    "mount short of memory": (
+        """
+        mount = namespaces._mount
+        def short(libc, source, target, *rest):
+            if target == "/dev/shm":
+                raise OSError(12, "mounting /dev/shm: Cannot allocate memory")
+            return mount(libc, source, target, *rest)
+        namespaces._mount = short
+    """,
+        "no namespaces: mounting /dev/shm: Cannot allocate memory",
+    ),
 }
 
 
@@ -418,6 +430,9 @@ def test_an_engine_goes_by_what_the_agent_found_and_never_on_half_set_up():
         f"{sandbox.APPLIED_LINE} none: namespaces half set up: mounting /proc: Operation not permitted; "
         "whatever the mode: not starting" in half.stderr
     )
+    short = confine(sandbox.SandboxMode.BEST_EFFORT, "mount short of memory", namespaces_missing="")
+    assert short.returncode == 78 and "vLLM would start now" not in short.stdout
+    assert "namespaces half set up: mounting /dev/shm: Cannot allocate memory" in short.stderr
 
 
 def test_the_node_says_its_engines_have_namespaces_of_their_own():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import subprocess
 import sys
 import threading
@@ -209,3 +210,64 @@ def test_a_fork_refused_in_the_test_is_not_the_kernel_refusing_namespaces(monkey
     assert not found.known and "Resource temporarily unavailable" in found.missing
     monkeypatch.setattr(namespaces.os, "fork", real)
     assert namespaces._tried_in_a_child() == namespaces.Finding()
+
+
+# The test's set-up whose first mount fails as under the node's memory pressure (a tenant's to make), the rest real.
+SHORT_OF_MEMORY = """
+import errno
+from gpu_agent.runtime import namespaces
+mount, num_mounts = namespaces._mount, []
+def short(*args, **kwargs):
+    num_mounts.append(1)
+    if len(num_mounts) == 1:
+        raise OSError(errno.ENOMEM, "mounting /: Cannot allocate memory")
+    return mount(*args, **kwargs)
+namespaces._mount = short
+"""
+
+
+def test_a_mount_short_of_memory_in_every_re_test_is_not_the_kernel_refusing_namespaces(monkeypatch):
+    fact = sandbox.NamespacesFact(attempt_pause_s=0)
+    assert fact.missing() == ""
+    real, calls = subprocess.run, []
+
+    def run(argv, *args, **kwargs):  # each of the agent's tests (its own process) short of memory once
+        if isinstance(argv, list) and argv[-1].startswith("from gpu_agent.runtime import namespaces"):
+            calls.append(1)
+            argv = [*argv[:-1], SHORT_OF_MEMORY + argv[-1]]
+        return real(argv, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    # Before: three "refusals", the fact missing, every next engine on the node's /proc and /dev/shm.
+    assert fact.retest() == ""
+    assert namespaces.find() == namespaces.Finding("mounting /: Cannot allocate memory", known=False)
+    assert len(calls) == 2  # the re-test's first attempt could not answer: the last known answer kept
+
+
+@pytest.mark.parametrize(
+    ("fails", "code", "known"),
+    [
+        ("mount", errno.ENOMEM, False),
+        ("mount", errno.EAGAIN, False),
+        ("uid_map", errno.ENOMEM, False),
+        ("mount", errno.EPERM, True),  # a container's masked /proc: the kernel's answer
+        ("uid_map", errno.EPERM, True),
+    ],
+)
+def test_only_the_kernels_refusals_in_the_map_writes_and_mounts_are_known(monkeypatch, fails, code, known):
+    mount, write = namespaces._mount, namespaces._write
+
+    def failing_mount(libc, source, target, *rest):
+        if fails == "mount" and target == "/dev/shm":
+            raise OSError(code, f"mounting /dev/shm: {os.strerror(code)}")
+        return mount(libc, source, target, *rest)
+
+    def failing_write(path, text):
+        if fails == "uid_map" and path.endswith("/uid_map"):
+            raise OSError(code, os.strerror(code))
+        return write(path, text)
+
+    monkeypatch.setattr(namespaces, "_mount", failing_mount)
+    monkeypatch.setattr(namespaces, "_write", failing_write)
+    found = namespaces._tried_in_a_child()  # its fork, and its init's, fail as patched here
+    assert found.known is known and os.strerror(code) in found.missing

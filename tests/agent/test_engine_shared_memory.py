@@ -7,10 +7,13 @@ busy node. The engine here is a real process group doing what vLLM's does: a par
 process, each holding a segment it created.
 """
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from multiprocessing import shared_memory
@@ -202,3 +205,84 @@ def test_files_no_process_holds_go_after_the_grace_period_whatever_their_times_a
     finally:
         holder.kill()
         holder.wait()
+
+
+# As an agent without CAP_CHECKPOINT_RESTORE (the systemd unit's): engine A's own tmpfs (not mounted in the agent's
+# view) holds 48 MiB it wrote and closed, and a 1-byte file of it passed to engine B; B holds its fd, and a process of
+# B maps it with no fd kept. Prints the bytes `held_by` counts for B alone, then for B and that process, the mapping
+# walked first (whose `map_files` link the kernel refuses to this agent).
+FOREIGN_TMPFS = """
+import ctypes, json, os, socket, sys, time
+from gpu_agent.runtime import shared_memory
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+folder = sys.argv[1]
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+if os.fork() == 0:  # engine A, in namespaces of its own
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(0x10000000 | 0x00020000) != 0:
+        b.send(b"no user namespaces")
+        os._exit(0)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        open(f"/proc/self/{name}", "w").write(text)
+    assert libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0, ctypes.get_errno()
+    assert libc.mount(b"tmpfs", folder.encode(), b"tmpfs", 0, b"size=128m") == 0, ctypes.get_errno()
+    with open(f"{folder}/big", "wb") as big:
+        big.write(b"x" * 48 * 1024 * 1024)
+    fd = os.open(f"{folder}/tiny", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(fd, b"x")
+    socket.send_fds(b, [b"fd"], [fd])
+    os._exit(0)  # A is gone: only B's fd keeps its tmpfs
+message, fds, _, _ = socket.recv_fds(a, 100, 1)
+os.wait()
+if not fds:
+    print(json.dumps({"skip": message.decode()}))
+    sys.exit()
+fd, holder, mappers = fds[0], os.getpid(), []
+fd_only = shared_memory.held_by({holder}).num_bytes
+for _ in range(64):  # until a set of the two walks the mapper first
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        assert libc.mmap(None, 4096, 1, 1, fd, 0) not in (None, ctypes.c_void_p(-1).value)  # read, shared
+        os.close(fd)
+        os.write(write_end, b"k")
+        time.sleep(60)
+        os._exit(0)
+    os.read(read_end, 1)
+    mappers.append(pid)
+    if next(iter({holder, pid})) == pid:
+        break
+fd_and_map = shared_memory.held_by({holder, pid}).num_bytes
+for pid in mappers:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+print(json.dumps({"fd_only": fd_only, "fd_and_map": fd_and_map, "mapper_first": next(iter({holder, pid})) == pid}))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user"
+)
+def test_a_foreign_tmpfs_held_by_fd_counts_whole_though_a_mapping_of_it_walked_first_is_refused_to_the_agent():
+    # Before, the refused mapping's `map_files` link marked the device unknown, and the fd that needs no capability was
+    # never asked: the 48 MiB counted 0, the engine's bound blind to them.
+    folder = Path(tempfile.mkdtemp(prefix="inferplane-foreign-tmpfs-"))
+    folder.chmod(0o755)
+    try:
+        done = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+             sys.executable, "-c", FOREIGN_TMPFS, str(folder)],
+            capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
+        )  # fmt: skip
+    finally:
+        folder.rmdir()
+    assert done.returncode == 0, done.stderr
+    counted = json.loads(done.stdout.splitlines()[-1])
+    if "skip" in counted:
+        pytest.skip(counted["skip"])
+    assert counted["mapper_first"]
+    assert counted["fd_only"] >= 48 * 1024 * 1024
+    assert counted["fd_and_map"] >= 48 * 1024 * 1024
