@@ -365,7 +365,7 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
 
 def _quantity(invoice, usage_price_id: str, *, attempts: int) -> int | None:
     """What Stripe's `invoice` billed of the usage price's meter (`usage_price_id`): the quantities of its lines of that
-    price, all of them (`_lines`). None where that cannot be told: the price not known, or a line whose price or
+    price, all of them (`invoice_lines`). None where that cannot be told: the price not known, or a line whose price or
     quantity Stripe does not say (it may be of the usage price).
 
     NOTE: not every line's quantity, as before: a line of another price (a one-off invoice item, a second price staff
@@ -376,10 +376,8 @@ def _quantity(invoice, usage_price_id: str, *, attempts: int) -> int | None:
     if not usage_price_id:
         return None
     quantity = 0
-    for line in _lines(invoice, attempts=attempts):
-        line = line.to_dict()
-        price_id = reference_id(((line.get("pricing") or {}).get("price_details") or {}).get("price")
-                                or line.get("price"))  # NOTE: `price` as API versions before 2025-03-31 show it
+    for line in invoice_lines(invoice.to_dict(), attempts=attempts):
+        price_id = price_of(line)
         if price_id and price_id != usage_price_id:
             continue
         if not price_id or line.get("quantity") is None:
@@ -390,17 +388,24 @@ def _quantity(invoice, usage_price_id: str, *, attempts: int) -> int | None:
     return quantity
 
 
-def _lines(invoice, *, attempts: int) -> list:
-    """All the lines of Stripe's `invoice`: those it shows (the first 10), and the rest read page by page."""
-    lines = list(invoice.lines.data)
-    more = getattr(invoice.lines, "has_more", False)
+def invoice_lines(invoice: dict, *, attempts: int) -> list[dict]:
+    """All the lines of Stripe's `invoice` (as a dict: a webhook's, or `to_dict()`): those it shows (the first 10), and
+    the rest read page by page (`lines.has_more`), each page retried as other reads."""
+    lines = list((invoice.get("lines") or {}).get("data") or [])
+    more = bool((invoice.get("lines") or {}).get("has_more")) and bool(lines)
     while more:
-        page = call_stripe(lambda options, after=lines[-1].id: stripe_client().v1.invoices.line_items.list(
-            invoice.id, params={"limit": 100, "starting_after": after}, options=options),
+        page = call_stripe(lambda options, after=lines[-1]["id"]: stripe_client().v1.invoices.line_items.list(
+            invoice["id"], params={"limit": 100, "starting_after": after}, options=options),
             what="invoice lines read", attempts=attempts)
-        lines += page.data
+        lines += [line.to_dict() for line in page.data]
         more = page.has_more and bool(page.data)
     return lines
+
+
+def price_of(line: dict) -> str:
+    """The id of the price of Stripe's invoice `line`, "" where Stripe does not say it."""
+    # NOTE: `pricing.price_details.price`, or `price` as API versions before 2025-03-31 show it (an object).
+    return reference_id(((line.get("pricing") or {}).get("price_details") or {}).get("price") or line.get("price"))
 
 
 def _voided_at(invoice) -> datetime | None:
@@ -559,7 +564,7 @@ def ensure_subscription(organization_id: int) -> str:
         if live:
             return live[0]  # the newest: Stripe lists newest first
         params = {"customer": customer_id, "items": [{"price": price_id}], "metadata": {"organization_id": str(organization_id)}}
-        invoiced_until = max((_invoiced_until(subscription) for subscription in subscriptions), default=0)
+        invoiced_until = max((_invoiced_until(subscription, price_id) for subscription in subscriptions), default=0)
         if invoiced_until:
             # After an ended subscription, from where its invoices stopped (`_invoiced_until`): what it invoiced is
             # not billed twice, and what it did not is billed. NOTE: not from the day of the usage pushed now, as
@@ -584,7 +589,7 @@ def ensure_subscription(organization_id: int) -> str:
     return BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(pk=account.pk)
 
 
-def _invoiced_until(subscription) -> int:
+def _invoiced_until(subscription, usage_price_id: str) -> int:
     """Up to when the ended `subscription`'s usage is invoiced: where the next subscription starts, so that each
     meter event is billed by one invoice, neither by none nor by two.
 
@@ -594,12 +599,16 @@ def _invoiced_until(subscription) -> int:
     period (cancelled at once in the Dashboard or the API, or by Stripe after failed payments) bills what it had not
     invoiced only if it was cancelled with `invoice_now`, which defaults to false (Stripe makes that invoice with the
     cancellation); without it, Stripe discards that usage. So its invoices are read, and it is invoiced up to the
-    latest end of the lines' periods of those that settle their period (`_settles_its_period`: they bill it, or are
-    written off), or, with none, its start (a backdated subscription ended before its first invoice). Before, the next
-    subscription always started at the ended one's end: the usage of the ended period was billed by no invoice.
+    latest end of the periods of the usage price's lines (`usage_price_id`), all of them (`invoice_lines`), of those
+    that settle their period (`_settles_its_period`: they bill it, or are written off), or, with none, its start (a
+    backdated subscription ended before its first invoice). Before, the next subscription always started at the ended
+    one's end: the usage of the ended period was billed by no invoice.
 
     NOTE: a line's period that ends after the subscription does (a first invoice's line for the period ahead) bills
-    no usage of it, and is not counted.
+    no usage of it, and is not counted. Nor is a line of another price: a one-off invoice item's period is the moment
+    it was made, and one made after the period's usage started the next subscription then, the usage in between
+    billed by no invoice; nor only the lines an invoice shows (its first 10), which may not hold the usage line at all.
+    Each read is tried once (`attempts=1`): it runs within the subscription's create, which `call_stripe` retries whole.
     """
     ended_at = subscription.ended_at or 0
     if subscription.status not in ENDED_SUBSCRIPTION_STATUSES or not ended_at:
@@ -608,8 +617,9 @@ def _invoiced_until(subscription) -> int:
     if subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends)):
         return ended_at
     invoices = stripe_client().v1.invoices.list(params={"subscription": subscription.id, "limit": 100}).data
-    return max((line.period.end for invoice in invoices if _settles_its_period(invoice)
-                for line in invoice.lines.data if line.period.end <= ended_at),
+    return max((line["period"]["end"] for invoice in invoices if _settles_its_period(invoice)
+                for line in invoice_lines(invoice.to_dict(), attempts=1)
+                if price_of(line) == usage_price_id and line["period"]["end"] <= ended_at),
                default=subscription.start_date)
 
 

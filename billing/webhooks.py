@@ -1,4 +1,4 @@
-"""Stripe webhooks: verified by signature, applied once per event id, mirroring invoices, disputed payments
+"""Stripe webhooks: verified by signature, applied once per event id, mirroring invoices (all their lines), disputed payments
 and whether a customer has a payment method (`billing.standing`), and forgetting subscriptions and customers
 that Stripe ended (`billing.services.record_subscription_ended`, `record_customer_deleted`).
 
@@ -63,9 +63,10 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
     payer = ("", "")
     if event["type"] in DISPUTE_EVENTS:
         payer = _dispute_payer(event)
-    billed_periods = None
+    billed_periods = lines = None
     if event["type"] in INVOICE_EVENTS:
         billed_periods = _void_invoice_billed_periods(event)
+        lines = _invoice_lines(event)
     deleted_invoices = None
     if event["type"] == "customer.deleted":
         deleted_invoices = _deleted_customer_invoices(event)
@@ -74,7 +75,8 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
         if not created:
             return False
         if event["type"] in INVOICE_EVENTS:
-            invoice = mirror_invoice(event["data"]["object"], event_type=event["type"], event_created=event.get("created", 0))
+            invoice = mirror_invoice(event["data"]["object"], event_type=event["type"], event_created=event.get("created", 0),
+                                     lines=lines)
             if invoice is not None:
                 services.push_again_voided(invoice, billed_periods=billed_periods)
                 organization_id = invoice.organization_id
@@ -102,7 +104,9 @@ def _moment(epoch: int | None) -> datetime | None:
     return datetime.fromtimestamp(epoch, tz=UTC) if epoch else None
 
 
-def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoice | None:
+def mirror_invoice(data: dict, *, event_type: str, event_created: int, lines: list[dict] | None = None) -> Invoice | None:
+    """Mirror the invoice of an `invoice.*` event with its `lines`, all of them (`_invoice_lines`; None: those `data`
+    shows), in place of those mirrored before."""
     # NOTE: an invoice already mirrored is found by its own id first: once its customer was deleted in Stripe (the
     # account's customer id cleared), its later events (paid, voided, uncollectible) were dropped, and an invoice left
     # open with a failed payment held its organisation for ever. Only a new invoice needs the account.
@@ -150,12 +154,14 @@ def mirror_invoice(data: dict, *, event_type: str, event_created: int) -> Invoic
     invoice.voided_at = ((_moment((data.get("status_transitions") or {}).get("voided_at")) or invoice.voided_at)
                          if status == "void" else None)
     invoice.save()
-    lines = (data.get("lines") or {}).get("data") or []
+    if lines is None:
+        lines = (data.get("lines") or {}).get("data") or []
     invoice.lines.all().delete()
+    # NOTE: once per line id (`invoice_line_unique`), were a line both shown and read.
     InvoiceLine.objects.bulk_create([
         InvoiceLine(invoice=invoice, stripe_line_id=line["id"], description=(line.get("description") or "")[:500],
                     quantity=line.get("quantity"), amount=line.get("amount") or 0)
-        for line in lines
+        for line in {line["id"]: line for line in lines}.values()
     ])
     return invoice
 
@@ -193,6 +199,18 @@ def _deleted_customer_invoices(event: dict) -> stripe_sync.DeletedCustomerInvoic
         return None
     return stripe_sync.deleted_customer_invoices(customer_id, deleted_at=_moment(event.get("created")) or timezone.now(),
                                                  attempts=1)
+
+
+def _invoice_lines(event: dict) -> list[dict] | None:
+    """All the lines of the event's invoice (`stripe_sync.invoice_lines`), read with no transaction open when the
+    webhook shows only some (its first 10, `lines.has_more`); None when nothing need be read: it shows them all, Stripe
+    not configured, or the event applied before. Before, only the lines shown were mirrored. If Stripe cannot answer,
+    this webhook fails and Stripe sends it again."""
+    data = event["data"]["object"]
+    if (not (data.get("lines") or {}).get("has_more") or not stripe_sync.is_configured()
+            or StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()):
+        return None
+    return stripe_sync.invoice_lines(data, attempts=1)
 
 
 def _void_invoice_billed_periods(event: dict) -> list[tuple[datetime, datetime]] | None:

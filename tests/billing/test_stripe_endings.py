@@ -530,6 +530,34 @@ def test_usage_of_a_period_cancelled_at_once_without_an_invoice_is_billed_by_the
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
 
 
+@pytest.mark.parametrize("num_invoice_items", [1, 10])
+def test_a_subscription_cancelled_at_once_is_followed_from_its_usage_line_whatever_its_invoice_items(
+        fake_stripe, num_invoice_items):
+    # One-off invoice items made after the period's usage (now, hours after it) are pulled into its invoice, ahead of
+    # the usage price's line: each line's period is its item's creation. Before, every line shown counted, so the next
+    # subscription started at the items' creation (or, with ten of them, the usage line 11th and not shown, at nothing
+    # of the usage at all): the usage between the period's end and then was billed by no invoice. Only the usage
+    # price's lines count now, all of them read.
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    for _ in range(num_invoice_items):
+        fake_stripe.add_invoice_item(customer, amount=500)
+    invoiced_until = _end_period_after_what_was_pushed(fake_stripe, first)
+    [invoice] = fake_stripe.invoices.values()
+    assert len(invoice["lines"]["data"]) == num_invoice_items + 1
+    assert all(line["period"]["end"] > invoiced_until for line in invoice["lines"]["data"][:-1])
+    _use_and_push(endpoint, num_hours_ago=5)  # in the period the cancellation cuts short
+
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoiced_until
+    _invoice_the_rest(fake_stripe, second)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+
+
 def _written_off_once(fake_stripe, customer_id: str) -> None:
     """Every unit of usage pushed to the customer is on one of its invoices, once; a void one's (some) are forgiven."""
     assert fake_stripe.invoiced_usage(customer_id) == _cost_pushed(fake_stripe, customer_id)

@@ -10,6 +10,7 @@ from django.apps import apps
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from billing import stripe_sync
 from billing.models import BillingAccount, DeletedStripeCustomer, Invoice, InvoiceLine, StripeEvent
 from controlplane.accounts.services import SYSTEM, record_audit
 from tests.factories import OrganizationFactory
@@ -58,6 +59,34 @@ def test_a_signed_invoice_event_mirrors_the_invoice_with_its_lines(customer):
     invoice = Invoice.objects.get()
     assert (invoice.organization_id, invoice.number, invoice.status, invoice.amount_due) == (customer.organization_id, "INF-0001", "open", 1234)
     assert list(invoice.lines.values_list("description", "amount")) == [("Output tokens × 0", 600), ("Output tokens × 1", 601)]
+
+
+def test_an_invoice_with_more_lines_than_its_webhook_shows_is_mirrored_with_all_of_them_once(fake_stripe):
+    # Stripe's webhook shows an invoice's first 10 lines (`lines.has_more`): here 11 one-off invoice items pulled in
+    # ahead of the usage line. Before, only those 10 were mirrored; the rest are read from Stripe now (a read that
+    # fails is a 503, and Stripe sends the event again), and neither the same event delivered twice nor a later event
+    # of the invoice writes a line twice.
+    organization = OrganizationFactory()
+    subscription_id = stripe_sync.ensure_subscription(organization.pk)
+    customer_id = BillingAccount.objects.for_organization(organization.pk).stripe_customer_id
+    for _ in range(11):
+        fake_stripe.add_invoice_item(customer_id, amount=500)
+    made = fake_stripe.end_period(subscription_id, at=int(time.time()))
+    [invoice_id] = fake_stripe.invoices
+    shown = json.loads(str(stripe_sync.stripe_client().v1.invoices.retrieve(invoice_id)))  # as Stripe sends it
+    assert made["id"] == subscription_id and len(shown["lines"]["data"]) == 10 and shown["lines"]["has_more"]
+    every_line = [line["id"] for line in fake_stripe.invoices[invoice_id]["lines"]["data"]]
+    finalized = {"id": "evt_lines", "object": "event", "type": "invoice.finalized", "created": int(time.time()),
+                 "data": {"object": shown}}
+
+    fake_stripe.fail_next("500", path=f"/v1/invoices/{invoice_id}/lines", method="GET")  # one try: sent again
+    assert _post(finalized).status_code == 503 and not Invoice.objects.exists()
+
+    for event in (finalized, finalized, {**finalized, "id": "evt_lines_again", "type": "invoice.updated"}):
+        assert _post(event).status_code == 200
+        mirrored = Invoice.objects.get(stripe_invoice_id=invoice_id)
+        assert list(mirrored.lines.values_list("stripe_line_id", flat=True)) == every_line
+    assert len(every_line) == 12
 
 
 def test_a_webhook_with_a_bad_signature_is_a_400_and_changes_nothing(customer):
