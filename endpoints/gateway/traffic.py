@@ -104,13 +104,16 @@ local function traffic_pick(K, A)
   return best
 end
 -- The 1-based index among the candidates' counters (`PICK`'s keys after the hint) of the one a request's entry in its
--- gateway's requests hash holds ("<endpoint>|<counter>"); 0 when it holds none of them (waiting for a cold start).
-local function traffic_held_index(K, entry)
-  local held = string.sub(entry, (string.find(entry, '|', 1, true) or 0) + 1)
+-- gateway's requests hash holds ("<endpoint>|<counter>"), 0 for an entry that holds none where there are no candidates
+-- (waiting for a cold start); nil when the entry is another endpoint's or holds no candidate's counter.
+local function traffic_held_index(K, entry, endpoint)
+  if string.sub(entry, 1, #endpoint + 1) ~= endpoint .. '|' then return nil end
+  local held = string.sub(entry, #endpoint + 2)
+  if held == '' then return #K == 1 and 0 or nil end
   for i = 2, #K do
     if K[i] == held then return i - 1 end
   end
-  return 0
+  return nil
 end
 local function traffic_release(K)
   local value = redis.call('DECR', K[1])
@@ -153,10 +156,8 @@ _PICK_LEAST_OUTSTANDING = Script(TRAFFIC_LUA + """
 local candidates = {}
 for i = 2, #KEYS do candidates[#candidates + 1] = KEYS[i] end
 local entry = redis.call('HGET', KEYS[1], ARGV[2])
-if entry and entry ~= ARGV[3] .. '|' then
-  local held = traffic_held_index(candidates, entry)
-  if held > 0 then return held end
-end
+local held = entry and traffic_held_index(candidates, entry, ARGV[3])
+if held then return held end
 local best = traffic_pick(candidates, {ARGV[1], '', '0', '0'})
 traffic_hold({KEYS[1]}, {ARGV[2], ARGV[3], candidates[best + 1]})
 return best
