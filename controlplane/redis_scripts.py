@@ -28,7 +28,9 @@ cluster clients on a timeout too), and cannot tell a command that never reached 
 reply was lost: the retry may run a script a second time. A script that a second run would change more
 (one that adds a cost, unguarded) is made with `once=True`: each call carries a token of its own
 (`redis_keys.once_key`, in the slot of its first key), and a second run of the same call finds the
-token and answers the first run's reply, changing nothing.
+token and answers the first run's reply, changing nothing. The gateway's two scripts a request, and its replica pick
+and place in line, need no token: each finds what its first run wrote (the request's entry in its gateway's requests
+hash, its place) and answers from it (`endpoints.gateway.admission`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import types
 from decimal import Decimal
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from controlplane import pubsub, redis_client, redis_keys, redis_scripts
 from controlplane.accounts import throttle
 from controlplane.redis_keys import key_slot
 from endpoints import autoscaler
-from endpoints.gateway import admission, errors, presence, traffic
+from endpoints.gateway import admission, cold_start, errors, presence, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
@@ -127,6 +128,83 @@ def test_a_once_script_sent_again_runs_once_on_a_redis_cluster(on_cluster, monke
     assert [counted.run_sync(keys=[key], args=[]), counted.run_sync(keys=[key], args=[])] == [1, 1]
     assert asyncio.run(twice()) == [1, 1]
     assert on_cluster.get(key) == "1"
+
+
+class _SentTwice:
+    """The async cluster client as it is after a lost reply: every script call runs, its reply is dropped, and the
+    client sends it again (redis-py's cluster client retries a timeout), answering the second run's reply."""
+
+    def __init__(self, client):
+        self.client = client
+
+    async def evalsha(self, *parts):
+        await self.client.evalsha(*parts)
+        return await self.client.evalsha(*parts)
+
+    async def eval(self, *parts):
+        await self.client.eval(*parts)
+        return await self.client.eval(*parts)
+
+
+@pytest.fixture
+def replies_lost(on_cluster, monkeypatch):
+    """Every script's call (`redis_scripts.Script` on the cluster) sent twice, as a cluster client's retry sends it."""
+    real = redis_scripts.get_async_redis
+    monkeypatch.setattr(redis_scripts, "get_async_redis", lambda: _SentTwice(real()))
+    return on_cluster
+
+
+def test_admission_and_finish_sent_again_count_once_on_a_redis_cluster(replies_lost):
+    # ADMIT sent again took the rate limits again and picked a second replica; FINISH gave the tokens back twice.
+    organization = OrganizationFactory()
+    endpoint = str(EndpointFactory(organization=organization).pk)
+    org = organization.pk
+    caller = Caller(organization_id=org, api_key_id=None, user_id=9, can_infer=True, requests_per_minute=100,
+                    tokens_per_minute=10_000)
+    replicas = ["replica-a", "replica-b"]
+
+    async def scenario():
+        admitted = await admission.admit(caller=caller, endpoint_id=endpoint, request_id="again",
+                                         amount=Decimal("0.01"), num_tokens=300, candidates=replicas)
+        during = (replies_lost.get(admitted.window.requests_key), replies_lost.get(admitted.window.tokens_key),
+                  [int(replies_lost.get(redis_keys.outstanding_key(org, r)) or 0) for r in replicas])
+        await admission.finish(caller=caller, endpoint_id=endpoint, admission=admitted,
+                               release=replicas[admitted.picked], num_tokens=100, cost=Decimal("0.001"))
+        return admitted, during
+
+    admitted, during = asyncio.run(scenario())
+
+    outstanding = [0, 0]
+    outstanding[admitted.picked] = 1
+    assert during == ("1", "300", outstanding)  # one request, its tokens once, on the replica it was told
+    assert replies_lost.get(admitted.window.tokens_key) == "100"  # the 200 unused given back once
+    assert [int(replies_lost.get(redis_keys.outstanding_key(org, r)) or 0) for r in replicas] == [0, 0]
+    assert reads.reserved_now(org) == Decimal("0") and reads.counted_spend(org) == Decimal("0.001")
+
+
+def test_a_replica_pick_and_a_place_in_line_sent_again_count_once_on_a_redis_cluster(replies_lost):
+    organization = OrganizationFactory()
+    endpoint = str(EndpointFactory(organization=organization).pk)
+    org = organization.pk
+    replicas = ["replica-a", "replica-b"]
+    info = types.SimpleNamespace(id=endpoint, name="m", organization_id=org, cold_start_timeout_s=60,
+                                 max_held_requests=1)
+
+    async def scenario():
+        place = await cold_start.take_place(info, org, "held")  # the quota's one place, its own: never "full"
+        await admission.admit(caller=_caller(org, None), endpoint_id=endpoint, request_id="held",
+                              amount=Decimal("0.01"), num_tokens=0, candidates=[])
+        picked = await traffic.pick_replica(org, replicas, request_id="held", endpoint_id=endpoint)
+        counted = [int(replies_lost.get(redis_keys.outstanding_key(org, r)) or 0) for r in replicas]
+        await traffic.release_replica(org, replicas[picked], request_id="held", endpoint_id=endpoint)
+        await cold_start.give_up(place)
+        return picked, counted
+
+    picked, counted = asyncio.run(scenario())
+
+    assert counted[picked] == 1 and sum(counted) == 1  # the replica it was told, counted once
+    assert [int(replies_lost.get(redis_keys.outstanding_key(org, r)) or 0) for r in replicas] == [0, 0]
+    assert replies_lost.zcard(redis_keys.held_key(org)) == 0
 
 
 def test_admission_and_finish_count_exactly_on_a_redis_cluster(on_cluster):

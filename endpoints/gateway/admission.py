@@ -33,8 +33,18 @@ from endpoints.gateway.ratelimit_headers import RateLimitReport
 # by this minute's request and token counts as the script left them (the rate-limit headers).
 # NOTE: on the pipelined connection of `controlplane.redis_scripts`, not redis-py's pool: these two
 # calls are most of a request's Redis time.
+# NOTE: redis-py's cluster client sends a call again after a timeout (`controlplane.redis_scripts`): a request this
+# gateway's requests hash holds already, on this endpoint and one of these candidates (or waiting, without any), was
+# admitted by that first run, so the second answers from its entry, taking no limit and no replica again.
 _ADMIT = ComposedScript([limits.CHECK, counters.RESERVE, traffic.BEGIN, traffic.PICK], glue="""
 local used = limits_read(limits_check_K)
+local admitted = redis.call('HGET', traffic_begin_K[3], traffic_begin_A[1])
+admitted = admitted and traffic_held_index(traffic_pick_K, admitted, traffic_begin_A[2])
+if admitted then
+  local reserved = quota_reserve(quota_reserve_K, quota_reserve_A)
+  if reserved[1] ~= 'ok' then return {reserved[1], reserved[2], used[1], used[2]} end
+  return {'ok', tostring(admitted), used[1], used[2], reserved[3]}
+end
 local verdict = limits_check(limits_check_K, limits_check_A, used)
 if verdict ~= 0 then return {'rate_limited', tostring(verdict), used[1], used[2]} end
 local reserved = quota_reserve(quota_reserve_K, quota_reserve_A)
@@ -50,9 +60,10 @@ traffic_begin(traffic_begin_K, traffic_begin_A, held)
 return {'ok', tostring(picked), used[1], used[2], reserved[3]}
 """)
 
+# NOTE: the unused tokens go back only with the request's entry in this gateway's requests hash, which the first run
+# removes: a second run of the same call (a cluster client's retry) gives none back again.
 _FINISH = ComposedScript([traffic.END, limits.GIVE_BACK, routing.LEARN, counters.SETTLE], glue="""
-traffic_end(traffic_end_K, traffic_end_A)
-limits_give_back(limits_give_back_K, limits_give_back_A)
+if traffic_end(traffic_end_K, traffic_end_A) then limits_give_back(limits_give_back_K, limits_give_back_A) end
 routing_learn(routing_learn_K, routing_learn_A)
 return quota_settle(quota_settle_K, quota_settle_A)
 """)

@@ -41,9 +41,13 @@ PLACE_GRACE_S = 30
 # K: the organisation's held set (request id scored by the time its place lapses, Redis's clock: every gateway's
 # places are judged by one clock, so one whose clock ran ahead never read the others' as lapsed and held past the quota).
 # A: request id, seconds the place lasts, quota. Returns 1 when the place is taken, 0 when the quota is full.
+# NOTE: a place the request holds already (this call sent again by a cluster client's retry) is counted among the
+# quota's: it is its own, never a reason to answer full.
 _TAKE_PLACE = Script("""
 local now = tonumber(redis.call('TIME')[1])
-if redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf') >= tonumber(ARGV[3]) then return 0 end
+local own = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not (own and tonumber(own) > now)
+    and redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf') >= tonumber(ARGV[3]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])))

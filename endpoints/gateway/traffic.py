@@ -103,6 +103,18 @@ local function traffic_pick(K, A)
   redis.call('EXPIRE', K[best + 1], A[1])
   return best
 end
+-- The 1-based index among the candidates' counters (`PICK`'s keys after the hint) of the one a request's entry in its
+-- gateway's requests hash holds ("<endpoint>|<counter>"), 0 for an entry that holds none where there are no candidates
+-- (waiting for a cold start); nil when the entry is another endpoint's or holds no candidate's counter.
+local function traffic_held_index(K, entry, endpoint)
+  if string.sub(entry, 1, #endpoint + 1) ~= endpoint .. '|' then return nil end
+  local held = string.sub(entry, #endpoint + 2)
+  if held == '' then return #K == 1 and 0 or nil end
+  for i = 2, #K do
+    if K[i] == held then return i - 1 end
+  end
+  return nil
+end
 local function traffic_release(K)
   local value = redis.call('DECR', K[1])
   if value >= 0 then return value end
@@ -115,8 +127,10 @@ local function traffic_end(K, A)
   local _, now = traffic_now()
   redis.call('SET', K[3], now)
   local held = redis.call('HGET', K[5], A[1])
+  if not held then return false end
   redis.call('HDEL', K[5], A[1])
-  if A[2] == '1' and held and string.sub(held, -string.len(K[4]) - 1) == '|' .. K[4] then traffic_release({K[4]}) end
+  if A[2] == '1' and string.sub(held, -string.len(K[4]) - 1) == '|' .. K[4] then traffic_release({K[4]}) end
+  return true
 end
 """
 BEGIN = ScriptPart("traffic_begin",
@@ -136,10 +150,14 @@ END = ScriptPart("traffic_end",
                  args=("request id", "release (1: drop the counter by one)"), lua=TRAFFIC_LUA)
 
 # KEYS: this gateway's requests hash, a hint placeholder, then the candidates' counters; ARGV: TTL,
-# request id, endpoint id.
+# request id, endpoint id. A request that holds one of them already (this call sent again: the caller released the
+# one it held before picking) is answered that one, counted once.
 _PICK_LEAST_OUTSTANDING = Script(TRAFFIC_LUA + """
 local candidates = {}
 for i = 2, #KEYS do candidates[#candidates + 1] = KEYS[i] end
+local entry = redis.call('HGET', KEYS[1], ARGV[2])
+local held = entry and traffic_held_index(candidates, entry, ARGV[3])
+if held then return held end
 local best = traffic_pick(candidates, {ARGV[1], '', '0', '0'})
 traffic_hold({KEYS[1]}, {ARGV[2], ARGV[3], candidates[best + 1]})
 return best
