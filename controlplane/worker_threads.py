@@ -12,13 +12,17 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from django.db import close_old_connections, connections
 
 
 def in_worker_thread(function: Callable, *, executor: Executor | None = None) -> Callable:
     """`function` (which uses the ORM) as a coroutine run in a worker thread (of `executor`, if given) that treats
     each call as Django treats a request: stale or broken connections (a PostgreSQL restart, a terminated backend)
-    are dropped before and after, so a broken one never serves the next call.
+    are dropped before and after, so a broken one never serves the next call. A call on `executor`'s threads closes its
+    connections after it: those threads are few and long-lived, and work there (a rebuild) comes in bursts.
+
+    NOTE: `CONN_MAX_AGE` is checked only when a thread's next call begins: the rebuild pool's four threads each kept a
+    PostgreSQL session open and idle for good after a burst of rebuilds.
 
     NOTE: Django cleans connections only around HTTP requests; these threads never see one. (Django
     keys connections by context, and each gateway lookup runs in a fresh one, so today a broken
@@ -30,6 +34,9 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
         try:
             return function(*args, **kwargs)
         finally:
-            close_old_connections()
+            if executor is None:
+                close_old_connections()
+            else:
+                connections.close_all()
 
     return sync_to_async(call, thread_sensitive=False, executor=executor)

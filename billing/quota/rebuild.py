@@ -464,27 +464,26 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
     if what == "limits" and not await get_async_redis().set(
             limits_refreshed_key(reservation.organization_id), "1", nx=True, ex=LIMITS_REFRESH_INTERVAL_S):
         return True
-    if what != "limits":  # 'limits': the counter exists, its spend stands; only its limits are written again
-        counter = _counter_key(what, reservation.organization_id, reservation.api_key_id, period)
-        under_way = _under_way.get()
-        rebuilding = under_way.get(counter)
-        if rebuilding is None:
-            rebuilding = under_way[counter] = asyncio.ensure_future(
-                _rebuild_counter(what, counter, reservation.organization_id, reservation.api_key_id, period))
-            rebuilding.add_done_callback(lambda done: _rebuilt(under_way, counter, done))
-        # NOTE: a caller gone (a client's disconnect) leaves the rebuild to the others that wait for it.
-        await asyncio.shield(rebuilding)
-    if what in ("org", "limits"):
-        # NOTE: the limits read (again) after the counter exists, under the account's lock: a change committed
-        # between the rebuild's read and its write refreshed nothing (no counter yet), and would otherwise stay
-        # unseen for the month.
-        await in_worker_thread(_limits_again, executor=_rebuild_threads)(reservation.organization_id)
+    if what == "limits":  # the counter exists, its spend stands; only its limits are written again
+        async with _rebuild_slots.held_async():
+            await in_worker_thread(_limits_again, executor=_rebuild_threads)(reservation.organization_id)
+        return False
+    counter = _counter_key(what, reservation.organization_id, reservation.api_key_id, period)
+    under_way = _under_way.get()
+    rebuilding = under_way.get(counter)
+    if rebuilding is None:
+        rebuilding = under_way[counter] = asyncio.ensure_future(
+            _rebuild_counter(what, counter, reservation.organization_id, reservation.api_key_id, period))
+        rebuilding.add_done_callback(lambda done: _rebuilt(under_way, counter, done))
+    # NOTE: a caller gone (a client's disconnect) leaves the rebuild to the others that wait for it.
+    await asyncio.shield(rebuilding)
     return False
 
 
 async def _rebuild_counter(what: str, counter: str, organization_id: int, api_key_id: int | None,
                            period: Period) -> None:
-    """Rebuild `counter` once a thread is free for it (`REBUILD_THREADS`); raises `RebuildUnfinished` (`RebuildTooSlow`)."""
+    """Rebuild `counter` once a thread is free for it (`REBUILD_THREADS`), and an organisation counter's limits read
+    again (`_limits_again`); raises `RebuildUnfinished` (`RebuildTooSlow`)."""
     async with _rebuild_slots.held_async():
         # NOTE: read before the ledger. A call reserved then whose row the ledger has may settle after the counter is
         # written (the row is written first; a call reserved in the last month spends in this one when it finishes
@@ -500,6 +499,13 @@ async def _rebuild_counter(what: str, counter: str, organization_id: int, api_ke
             written = await _write_rebuild(rebuild, organization_id, int(started_at), int(window_s), run)
             if written not in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
                 break
+        if what == "org" and written in (0, 1):
+            # NOTE: the limits read (again) after the counter exists, under the account's lock: a change committed
+            # between the rebuild's read and its write refreshed nothing (no counter yet), and would otherwise stay
+            # unseen for the month. Once per rebuild, in its slot: read once per waiting call, outside the slots,
+            # one organisation's 400 calls after a flush queued another's rebuild behind 400 refreshes (2 s; ~11,000
+            # calls: past its window, a 503).
+            await in_worker_thread(_limits_again, executor=_rebuild_threads)(organization_id)
     if written in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
         logger.warning("organisation %s: its %s counter's rebuild began again %d times (calls held again, or Redis "
                        "lost its run, meanwhile); not written", organization_id, what, REBUILD_TRIES)

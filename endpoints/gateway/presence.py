@@ -690,24 +690,27 @@ async def beat(*, web: bool = False) -> None:
 
 
 async def _record_progress_beside(gateway: str, redis) -> None:
-    """End what could not be ended (`end_later`), then record the calls' progress (`_record_progress`) as its own task
-    (one at a time per loop), waited for up to `BEAT_S`: one that takes longer goes on beside the beats.
+    """End what could not be ended (`end_later`), then record the calls' progress (`_record_progress`), as one task of
+    its own (one at a time per loop), waited for up to `BEAT_S`: one that takes longer goes on beside the beats.
 
     NOTE: as the reconcile (`_reconcile_beside`): inside the beat, 20,000 organisations' streams recorded in chunks
-    (2-3 s, longer under load) spaced the beats past the alive key's life, though the loop ran between chunks.
-    NOTE: the ends only while no recording runs: a journaled call's progress, dropped by its end, would otherwise be
-    written again by a recording that read it before (the sweeper then billing it from that progress)."""
+    (2-3 s, longer under load) spaced the beats past the alive key's life, though the loop ran between chunks; so did
+    the ends of 9,000 organisations' calls after a Redis blip (7 s, a thread hop each), and the sweeper released the
+    live gateway's calls. NOTE: the ends only while no recording runs, just before the next: a journaled call's
+    progress, dropped by its end, would otherwise be written again by a recording that read it before (the sweeper
+    then billing it from that progress)."""
     beating = _beats.get()
     if beating.progress is not None and not beating.progress.done():
         return  # the next beat after it ends ends what waits, and records again
-    try:
-        await _end_unfinished(redis, gateway)
-    finally:
-        beating.progress = asyncio.get_running_loop().create_task(_record_progress_once(gateway))
+    beating.progress = asyncio.get_running_loop().create_task(_end_and_record_once(gateway, redis))
     await asyncio.wait({beating.progress}, timeout=BEAT_S)
 
 
-async def _record_progress_once(gateway: str) -> None:
+async def _end_and_record_once(gateway: str, redis) -> None:
+    try:
+        await _end_unfinished(redis, gateway)
+    except Exception as exc:  # noqa: BLE001 - those not ended are ended by the next beat; the progress is recorded
+        logger.warning("gateway %s: could not end the calls whose end did not reach Redis: %r", gateway, exc)
     try:
         await _record_progress()
     except Exception as exc:  # noqa: BLE001 - the next beat records it; the calls' own ends bill them whole
@@ -716,20 +719,33 @@ async def _record_progress_once(gateway: str) -> None:
 
 async def _end_unfinished(redis, gateway: str) -> None:
     """Release the requests whose end could not reach Redis (`end_later`), and drop the progress of those whose usage
-    row waits in this process's journal."""
+    row waits in this process's journal: `CHUNK` organisations a thread hop and a pipeline, the loop let run between.
+    Those of a chunk that failed stay for the next beat (a release is the end's own: done once)."""
     if not unfinished:
         return
-    ended = list(unfinished)
     by_organization: dict[int, list[str]] = {}
-    for organization_id, request_id in ended:
+    for organization_id, request_id in list(unfinished):
         by_organization.setdefault(organization_id, []).append(request_id)
-    for organization_id, ids in by_organization.items():
-        await asyncio.to_thread(release_requests, traffic.gateway_requests_key(organization_id, gateway), ids,
-                                only_if_dead=False)
-        if journaled := [request_id for request_id in ids if (organization_id, request_id) in unfinished_journaled]:
-            await redis.hdel(redis_keys.progress_key(organization_id), *journaled)
-    unfinished.difference_update(ended)
-    unfinished_journaled.difference_update(ended)
+    organizations = list(by_organization.items())
+    for first in range(0, len(organizations), CHUNK):
+        part = organizations[first:first + CHUNK]
+        await asyncio.to_thread(_release_ended, gateway, part)
+        journaled = [(organization_id, [request_id for request_id in ids
+                                        if (organization_id, request_id) in unfinished_journaled])
+                     for organization_id, ids in part]
+        if journaled := [(organization_id, ids) for organization_id, ids in journaled if ids]:
+            async with redis.pipeline(transaction=False) as pipe:
+                for organization_id, ids in journaled:
+                    pipe.hdel(redis_keys.progress_key(organization_id), *ids)
+                await pipe.execute()
+        ended = [(organization_id, request_id) for organization_id, ids in part for request_id in ids]
+        unfinished.difference_update(ended)
+        unfinished_journaled.difference_update(ended)
+
+
+def _release_ended(gateway: str, organizations: list[tuple[int, list[str]]]) -> None:
+    for organization_id, ids in organizations:
+        release_requests(traffic.gateway_requests_key(organization_id, gateway), ids, only_if_dead=False)
 
 
 async def _reconcile_beside(gateway: str, only: set[int] | None) -> None:

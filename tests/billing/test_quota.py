@@ -255,6 +255,64 @@ def test_fifty_organisations_rebuilding_at_once_hold_a_few_database_connections(
     assert _num_database_connections() - num_before <= rebuild.REBUILD_THREADS + 1
 
 
+def test_one_organisations_many_calls_after_a_flush_read_its_limits_again_once_and_hold_up_no_other(monkeypatch):
+    # Redis lost every counter; one organisation's many calls share its counter's one rebuild (`_under_way`). Before,
+    # each then read its limits again (`_limits_again`, a row-lock transaction) on the rebuild pool, outside its slots:
+    # 400 calls ran it 401 times, and another organisation's rebuild waited behind them all (2.18 s; ~11,000 calls
+    # would push it past its window: a 503). Now once per rebuild, inside its slot.
+    busy, other = OrganizationFactory(), OrganizationFactory()
+    _cap(busy, "100.00")
+    _cap(other, "100.00")
+    get_redis().flushdb()
+    limits_again, entered, reads_again = rebuild._limits_again, threading.Event(), []
+
+    def slow_limits_again(organization_id):
+        reads_again.append(organization_id)
+        entered.set()
+        time.sleep(0.05)
+        limits_again(organization_id)
+
+    monkeypatch.setattr(rebuild, "_limits_again", slow_limits_again)
+    num_calls = 120
+
+    async def scenario() -> float:
+        calls = asyncio.gather(*(reserve(organization_id=busy.pk, api_key_id=None, amount=Decimal("0.01"),
+                                         request_id=f"busy-{number}") for number in range(num_calls)))
+        assert await asyncio.to_thread(entered.wait, 30)
+        started = time.monotonic()
+        await reserve(organization_id=other.pk, api_key_id=None, amount=Decimal("0.01"), request_id="other")
+        waited = time.monotonic() - started
+        await calls
+        return waited
+
+    waited = asyncio.run(scenario())
+    assert reads_again.count(busy.pk) == 1, f"{reads_again.count(busy.pk)} reads again for one rebuild"
+    assert reads_again.count(other.pk) == 1
+    assert reads.reserved_now(busy.pk) == num_calls * Decimal("0.01")
+    assert reads.reserved_now(other.pk) == Decimal("0.01")
+    assert waited < 1.0, f"the other organisation's call waited {waited:.2f} s"  # before: behind 120 reads of 0.05 s
+
+
+def test_the_rebuild_threads_keep_no_database_session_open_after_a_rebuild():
+    # Before, each of the rebuild pool's threads kept its PostgreSQL session open and idle for good (`CONN_MAX_AGE` is
+    # checked only when a thread's next call begins): up to `REBUILD_THREADS` sessions a process, after any rebuild.
+    organizations = [OrganizationFactory() for _ in range(2 * rebuild.REBUILD_THREADS)]
+    connections.close_all()
+    num_before = _num_database_connections()
+    get_redis().flushdb()
+
+    async def scenario():
+        await asyncio.gather(*(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"),
+                                       request_id=f"call-{organization.pk}") for organization in organizations))
+
+    asyncio.run(scenario())
+    assert all(reads.reserved_now(organization.pk) == Decimal("0.01") for organization in organizations)
+    closed_by = time.monotonic() + 5  # a closed session leaves `pg_stat_activity` as its backend exits
+    while _num_database_connections() > num_before and time.monotonic() < closed_by:
+        time.sleep(0.05)
+    assert _num_database_connections() == num_before
+
+
 def test_a_reservation_whose_gateway_died_is_released_after_its_deadline(settings):
     settings.BILLING_RESERVATION_TTL_S = 600
     organization = OrganizationFactory()

@@ -1221,3 +1221,33 @@ def test_one_large_organisations_streams_progress_is_recorded_without_stalling_t
     assert stall < 1.0, f"the loop stalled {stall:.2f} s"
     assert seen["watched"] and seen["lapsed"] == 0
     assert redis.hlen(redis_keys.progress_key(org)) == num_calls
+
+
+def test_the_ends_of_many_organisations_calls_that_missed_redis_never_let_the_alive_key_lapse(
+        gateway_alone, short_lived_alive_key, monkeypatch):
+    """Before, a beat ended the calls whose end Redis missed (`end_later`) inline, one organisation a thread hop: after a
+    Redis blip on a gateway serving many organisations, 9,000 organisations' ends made one beat take 7 s, and its alive
+    key lapsed (the sweeper released the live gateway's calls). Now they are ended beside the beats, `CHUNK`
+    organisations a thread hop, before the progress is recorded: the key stays, and every call is released once."""
+    redis = get_redis()
+    gateway = traffic.gateway_id()
+    first, num_organizations = 9_800_000, 9_000
+    monkeypatch.setattr(presence, "unfinished_journaled", set())
+    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    with redis.pipeline(transaction=False) as pipe:
+        for organization_id in range(first, first + num_organizations):
+            pipe.hset(traffic.gateway_requests_key(organization_id, gateway), "call", f"e-{organization_id}|")
+            pipe.zadd(redis_keys.inflight_key(organization_id, f"e-{organization_id}"), {"call": 1})
+            pipe.hset(redis_keys.progress_key(organization_id), "call", "{}")
+        pipe.execute()
+    for organization_id in range(first, first + num_organizations):  # their ends could not reach Redis
+        presence.end_later(organization_id, "call", row_journaled=True)
+    presence._repair.num_beats = -100  # no reconcile: the ends alone
+    stall, seen = asyncio.run(beating_watched(lambda: not presence.unfinished, at_least_s=3, limit_s=60))
+    assert seen["watched"] and seen["lapsed"] == 0
+    assert stall < 1.0, f"the loop stalled {stall:.2f} s"
+    assert not presence.unfinished and not presence.unfinished_journaled
+    for organization_id in (first, first + num_organizations // 2, first + num_organizations - 1):
+        assert not redis.hlen(traffic.gateway_requests_key(organization_id, gateway))
+        assert not redis.zcard(redis_keys.inflight_key(organization_id, f"e-{organization_id}"))
+        assert not redis.hlen(redis_keys.progress_key(organization_id))
