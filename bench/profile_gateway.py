@@ -14,6 +14,8 @@ time a request and how often its loop was preempted: Python's cost apart from th
 
 `--compare-server` serves the same tree (gateway and floor) a second time under the other server,
 measured in the same rounds, alternating; the summary gives the medians and the paired differences.
+`--tree DIR` serves the gateway from another checkout instead of this one: with `--compare-with`, two older commits
+are paired by this script (round 21: `3d66954` against its parent).
 
 The record of what this showed, before and after each change, is `bench/results/gateway_profile.md`.
 """
@@ -47,6 +49,13 @@ def serve_args(server: str, app: str, port: int, granian_args: tuple[str, ...] =
     access_log = [] if server == "uvicorn-access-log" else ["--no-access-log"]  # the former: as a pod runs it
     return [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), *access_log,
             "--log-level", "info" if access_log == [] else "warning", "--loop", "uvloop", "--http", "httptools"]
+
+
+def in_tree(tree: str, command: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`command` run from another checkout, importing its code (not this tree's)."""
+    tree = str(Path(tree).resolve())
+    python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != REPO]
+    return ["env", "-C", tree, *command], {"PYTHONPATH": os.pathsep.join([tree, *python_path])}
 
 
 def server_pid(child) -> int:
@@ -147,6 +156,9 @@ def main() -> int:
     parser.add_argument("--compare-with", default=None,
                         help="a checkout of older code (e.g. `git archive <commit> | tar -x -C DIR`): its gateway is "
                              "measured too, in the same rounds")
+    parser.add_argument("--tree", default=None,
+                        help="serve the gateway from this checkout instead of this tree's (with --compare-with: two "
+                             "older commits paired by this script)")
     parser.add_argument("--stream-concurrency", default="",
                         help="also streaming runs at these concurrencies (e.g. 32,64): tokens/s direct and through "
                              "the gateway (fast mock, 16 tokens), alternating, and the gateway's CPU µs per token")
@@ -184,7 +196,9 @@ def main() -> int:
             bench.wait_healthy(stream_upstream + "/health", slow, 30)
             upstreams[stream_model] = stream_upstream
         key = bench.seed(upstreams)
-        gateway = bench.Child(serve_args(args.server, "controlplane.asgi:application", gateway_port, granian_args), logs / "gateway.log")
+        gateway_command = serve_args(args.server, "controlplane.asgi:application", gateway_port, granian_args)
+        gateway_command, gateway_env = in_tree(args.tree, gateway_command) if args.tree else (gateway_command, None)
+        gateway = bench.Child(gateway_command, logs / "gateway.log", env=gateway_env)
         children.append(gateway)
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         bench.wait_healthy(gateway_url + "/healthz", gateway, 60)
@@ -196,11 +210,9 @@ def main() -> int:
         before_url = before_pid = None
         if args.compare_with:
             before_port = bench.free_port()
-            tree = str(Path(args.compare_with).resolve())
-            before = bench.Child(["env", "-C", tree, *serve_args(args.server, "controlplane.asgi:application", before_port, granian_args)],
-                                 logs / "before.log", env={"PYTHONPATH": os.pathsep.join(
-                                     [tree, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                              if p and Path(p).resolve() != REPO]])})
+            before_command, before_env = in_tree(args.compare_with, serve_args(
+                args.server, "controlplane.asgi:application", before_port, granian_args))
+            before = bench.Child(before_command, logs / "before.log", env=before_env)
             children.append(before)
             before_url = f"http://127.0.0.1:{before_port}"
             bench.wait_healthy(before_url + "/healthz", before, 60)
