@@ -197,7 +197,9 @@ LOST_MEANWHILE = -3
 # calls held again it asked about, their request ids (`HELD_AGAIN_LUA`), the number of replayed rows present, their
 # request ids, the number of those held (`_held`), their request ids, then each pending call's request id, then each
 # one's cost
-# (units, > 0), then the hash's field/value pairs. Writes the hash only if nobody did meanwhile (0), the rebuild is
+# (units, > 0), then the hash's field/value pairs, and `rb`, its start (a settlement with no hold drops a counter
+# rebuilt since its call was last known held: `counters.SETTLE_LUA`). Writes the hash only if nobody did meanwhile
+# (0), the rebuild is
 # not too old (-1), Redis lost nothing it relies on since it began (-3: `LOST_LUA`) and no call was held again since
 # it read them (-2), its spend less the cost of each pending call
 # still reserved and not settled, whose own settlement (`counters.SETTLE`) adds it once the counter exists, and with
@@ -216,6 +218,7 @@ local held_at = present_at + num_present + 1
 local num_held = tonumber(ARGV[held_at - 1])
 local ids_at = held_at + num_held
 redis.call('HSET', KEYS[1], unpack(ARGV, ids_at + 2 * pending))
+redis.call('HSET', KEYS[1], 'rb', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 local left = {}
 for i = 1, pending do
