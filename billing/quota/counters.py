@@ -219,8 +219,9 @@ end
 #   after minutes of outage, finds it (`billing.quota.replayed`).
 # A settlement with no hold and no marker (Redis lost the hold, or the sweeper released it unbilled) of a row in the
 # ledger cannot tell whether a counter rebuilt since its call was last known held (its `rb`, when its rebuild began, at
-# or after `held since`) has the row in its snapshot: that rebuild did not find the call reserved, so left nothing out
-# for it. It drops that counter rather than add, and the next call rebuilds it from the ledger (the row there, once).
+# or after `held since`; the credit figure's `@rb`, in its journaled calls) has the row in its snapshot: that rebuild
+# did not find the call reserved, so left nothing out for it. It drops that counter rather than add, and the next call
+# rebuilds it from the ledger (the row there, once).
 # While the counter is rebuilt, it marks the call for the rebuild (`quota_missed`).
 # NOTE: such a call settled after the rebuild wrote its counter added its cost to a snapshot that had it: counted
 # twice, until the counter was next lost.
@@ -255,9 +256,9 @@ local function quota_settle(K, A)
   local journaled = A[6] == '1'
   local field = 'j:' .. A[1]
   local unheld = not payload and A[4] ~= '0' and not journaled  -- its row in the ledger, maybe in a rebuild's snapshot
-  local function rebuilt_since_held(counter)
+  local function rebuilt_since_held(counter, field)
     if not unheld or A[8] == '' then return false end
-    local began = redis.call('HGET', counter, 'rb')
+    local began = redis.call('HGET', counter, field or 'rb')
     return began ~= false and tonumber(began) >= tonumber(A[8])
   end
   local unheld_marks = function(marks) if unheld then return marks end end
@@ -277,7 +278,9 @@ local function quota_settle(K, A)
   elseif has_key and not journaled then
     quota_missed(K[11], K[6], A[1], actual, nil, unheld_marks(K[13]))
   end
-  if A[5] == '1' and redis.call('EXISTS', K[8]) == 1 then
+  if A[5] == '1' and rebuilt_since_held(K[9], '@rb') then
+    redis.call('DEL', K[8], K[9])
+  elseif A[5] == '1' and redis.call('EXISTS', K[8]) == 1 then
     redis.call('DECRBY', K[8], actual)
     if journaled then
       redis.call('HSET', K[9], A[1], '1')

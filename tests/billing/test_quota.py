@@ -1309,6 +1309,31 @@ def test_a_call_whose_hold_redis_lost_before_its_counters_rebuild_began_is_count
                       "before its write": [rebuild.HELD_AGAIN_MEANWHILE, 1], "after its write": [1, 1]}[settled]
 
 
+def test_a_prepaid_call_whose_hold_redis_lost_settled_after_the_credit_figures_rebuild_draws_its_cost_once(settings):
+    # As above, for the credit figure, the call settled after the figure was rebuilt from a snapshot that had its row:
+    # before, its cost was taken from the figure twice (a prepaid account refused early for up to an hour).
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    lapses_at = time.time() + settings.BILLING_RESERVATION_TTL_S - 1
+    running = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                  request_id="req_running"))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_running", prompt_tokens=100_000),
+                                     max_cost=Decimal("0.50"), billing_mode=running.billing_mode))
+    cost = UsageRecord.objects.get(request_id="req_running").cost
+    get_redis().delete(redis_keys.credit_key(organization.pk), redis_keys.reservations_key(organization.pk),
+                       redis_keys.org_reserved_key(organization.pk), redis_keys.deadlines_key(organization.pk))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    asyncio.run(settle(running, cost, fresh_id=True, lapsed_at=lapses_at))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="after"))
+
+    assert cost > 0
+    assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("2.00") - cost
+
+
 def test_calls_held_again_while_many_counters_are_rebuilt_mark_only_theirs_and_a_write_reads_only_its_own(
         monkeypatch):
     # Redis flushed while a large prepaid organisation has 5,000 calls in flight under 20 keys; admissions rebuild its
