@@ -171,11 +171,21 @@ end
 # the rebuild adds it unless its snapshot holds the row superseded. NOTE: both were `m:`, and the lost row's
 # settlement and the supersede of the same call in one rebuild wrote one field: the second overwrote the first, and
 # one cost was counted nowhere ($0.36 or $0.14 counted for $0.50).
+# A settlement that found no hold (`marks`: the counter's calls held again, `held_again_key`) also marks its call for
+# the rebuild, as one held again: the rebuild asks its snapshot about it, or begins again if it read the marks before
+# (`rebuild.HELD_AGAIN_LUA`). NOTE: a call whose hold Redis lost before the rebuild began (not among the calls reserved
+# then), its row in the snapshot, settled after the rebuild read which `m:` to ask about: its `m:` was added on top of
+# the snapshot that had the row, counted twice.
 MISSED_LUA = """
-local function quota_missed(rebuilding, counter, request_id, cost, kind)
+local function quota_missed(rebuilding, counter, request_id, cost, kind, marks)
   local until_s = redis.call('HGET', rebuilding, 'c:' .. counter)
   if until_s and tonumber(until_s) >= tonumber(redis.call('TIME')[1]) then
     redis.call('HSET', rebuilding, (kind or 'm:') .. counter .. '|' .. request_id, cost)
+    if marks then
+      redis.call('SADD', marks, request_id)
+      local ttl = redis.call('TTL', rebuilding)
+      if ttl > 0 then redis.call('EXPIRE', marks, ttl) end
+    end
   end
 end
 """
@@ -207,6 +217,14 @@ end
 #   organisation's spend in Redis (its ledger row was written): caps and prepaid credit lagged the ledger.
 # - a day, whatever its id, for a call whose row went to the usage journal (`journaled`): its replay, which may come
 #   after minutes of outage, finds it (`billing.quota.replayed`).
+# A settlement with no hold and no marker (Redis lost the hold, or the sweeper released it unbilled) of a row in the
+# ledger cannot tell whether a counter rebuilt since its call was last known held (its `rb`, when its rebuild began, at
+# or after `held since`; the credit figure's `@rb`, in its journaled calls) has the row in its snapshot: that rebuild
+# did not find the call reserved, so left nothing out for it. It drops that counter rather than add, and the next call
+# rebuilds it from the ledger (the row there, once).
+# While the counter is rebuilt, it marks the call for the rebuild (`quota_missed`).
+# NOTE: such a call settled after the rebuild wrote its counter added its cost to a snapshot that had it: counted
+# twice, until the counter was next lost.
 SETTLE_LUA = UNRESERVE_LUA + MISSED_LUA + """
 local function quota_settle(K, A)
   local first = true
@@ -237,19 +255,32 @@ local function quota_settle(K, A)
   -- (`replayed`), its replay adds it to the others (and tells a rebuild under way).
   local journaled = A[6] == '1'
   local field = 'j:' .. A[1]
-  if redis.call('EXISTS', K[4]) == 1 then
+  local unheld = not payload and A[4] ~= '0' and not journaled  -- its row in the ledger, maybe in a rebuild's snapshot
+  local function rebuilt_since_held(counter, field)
+    if not unheld or A[8] == '' then return false end
+    local began = redis.call('HGET', counter, field or 'rb')
+    return began ~= false and tonumber(began) >= tonumber(A[8])
+  end
+  local unheld_marks = function(marks) if unheld then return marks end end
+  if rebuilt_since_held(K[4]) then
+    redis.call('DEL', K[4])
+  elseif redis.call('EXISTS', K[4]) == 1 then
     redis.call('HINCRBY', K[4], 'spent', actual)
     if journaled then redis.call('HSET', K[4], field, '1') end
   elseif not journaled then
-    quota_missed(K[11], K[4], A[1], actual)
+    quota_missed(K[11], K[4], A[1], actual, nil, unheld_marks(K[12]))
   end
-  if has_key and redis.call('EXISTS', K[6]) == 1 then
+  if has_key and rebuilt_since_held(K[6]) then
+    redis.call('DEL', K[6])
+  elseif has_key and redis.call('EXISTS', K[6]) == 1 then
     redis.call('HINCRBY', K[6], 'spent', actual)
     if journaled then redis.call('HSET', K[6], field, '1') end
   elseif has_key and not journaled then
-    quota_missed(K[11], K[6], A[1], actual)
+    quota_missed(K[11], K[6], A[1], actual, nil, unheld_marks(K[13]))
   end
-  if A[5] == '1' and redis.call('EXISTS', K[8]) == 1 then
+  if A[5] == '1' and rebuilt_since_held(K[9], '@rb') then
+    redis.call('DEL', K[8], K[9])
+  elseif A[5] == '1' and redis.call('EXISTS', K[8]) == 1 then
     redis.call('DECRBY', K[8], actual)
     if journaled then
       redis.call('HSET', K[9], A[1], '1')
@@ -257,7 +288,7 @@ local function quota_settle(K, A)
       if ttl > 0 then redis.call('PEXPIRE', K[9], ttl) end
     end
   elseif A[5] == '1' and not journaled then
-    quota_missed(K[11], K[8], A[1], actual)
+    quota_missed(K[11], K[8], A[1], actual, nil, unheld_marks(K[14]))
   end
   return 1
 end
@@ -266,9 +297,12 @@ end
 SETTLE = ScriptPart(
     "quota_settle",
     keys=("reservations", "deadlines", "settled marker", "org period", "org reserved", "key period",
-          "key reserved", "credit", "credit journaled", "progress", "rebuilds under way"),
+          "key reserved", "credit", "credit journaled", "progress", "rebuilds under way",
+          "calls held again while the org period was rebuilt", "those while the key period was",
+          "those while the credit was"),
     args=("request id", "actual (units)", "has key (1/0)", "marker ttl", "draws credit (1/0)", "journaled (1/0)",
-          "when it can no longer tell whether the sweeper counted it (Redis's clock, s; empty: not known)"),
+          "when it can no longer tell whether the sweeper counted it (Redis's clock, s; empty: not known)",
+          "since when its hold is not known held (Redis's clock, s; empty: not known)"),
     lua=SETTLE_LUA)
 
 # KEYS: a hash; ARGV: field/value pairs. Changes the hash only if it exists.
@@ -298,7 +332,9 @@ def _prepared(organization_id: int, api_key_id: int | None, period_key: str) -> 
         org_period_key(organization_id, period_key), org_reserved_key(organization_id),
         key_period_key(organization_id, api_key_id, period_key), key_reserved_key(organization_id, api_key_id),
         credit_key(organization_id), credit_journaled_key(organization_id), progress_key(organization_id),
-        rebuilding_key(organization_id),
+        rebuilding_key(organization_id), held_again_key(org_period_key(organization_id, period_key)),
+        held_again_key(key_period_key(organization_id, api_key_id, period_key)),
+        held_again_key(credit_key(organization_id)),
     )
     before, _, after = json.dumps({"o": organization_id, "k": api_key_id, "a": "#", "p": period_key}).partition('"#"')
     return reserve, settle, before + '"', '"' + after
@@ -520,7 +556,7 @@ def settle_keys_and_args(reservation: Reservation, actual: Decimal, *, finished_
     marker_ttl_s = 0 if not recorded else CALL_SETTLED_MARKER_TTL_S if fresh_id and not journaled else SETTLED_MARKER_TTL_S
     draws_credit = "1" if billing_mode == BillingMode.PREPAID else "0"
     return keys, [reservation.request_id, str(to_units(actual)), has_key, str(marker_ttl_s), draws_credit,
-                  "1" if journaled and recorded else "0", _told_until(lapsed_at)]
+                  "1" if journaled and recorded else "0", _told_until(lapsed_at), _held_since(lapsed_at)]
 
 
 def told_until(lapsed_at: float) -> float:
@@ -533,6 +569,20 @@ def told_until(lapsed_at: float) -> float:
 
 def _told_until(lapsed_at: float | None) -> str:
     return "" if lapsed_at is None else str(int(told_until(lapsed_at)))
+
+
+# How far the gateway's estimate of Redis's clock (`clock.redis_now`, behind `lapsed_at`) may be off.
+HELD_SINCE_SLACK_S = 2
+
+
+def _held_since(lapsed_at: float | None) -> str:
+    """Since when (Redis's clock, s) a call whose hold may have lapsed at `lapsed_at` is not known held: its admission,
+    or the last beat that pushed its deadline on (`lapsed_at` is a reservation's time after it), less a margin. A
+    counter whose rebuild began before found it reserved, or was written before it was admitted; one begun since may
+    have its row and not it (`SETTLE_LUA`)."""
+    if lapsed_at is None:
+        return ""
+    return str(math.floor(lapsed_at - settings.BILLING_RESERVATION_TTL_S) - HELD_SINCE_SLACK_S)
 
 
 def limits_version() -> str:

@@ -197,7 +197,9 @@ LOST_MEANWHILE = -3
 # calls held again it asked about, their request ids (`HELD_AGAIN_LUA`), the number of replayed rows present, their
 # request ids, the number of those held (`_held`), their request ids, then each pending call's request id, then each
 # one's cost
-# (units, > 0), then the hash's field/value pairs. Writes the hash only if nobody did meanwhile (0), the rebuild is
+# (units, > 0), then the hash's field/value pairs, and `rb`, its start (a settlement with no hold drops a counter
+# rebuilt since its call was last known held: `counters.SETTLE_LUA`). Writes the hash only if nobody did meanwhile
+# (0), the rebuild is
 # not too old (-1), Redis lost nothing it relies on since it began (-3: `LOST_LUA`) and no call was held again since
 # it read them (-2), its spend less the cost of each pending call
 # still reserved and not settled, whose own settlement (`counters.SETTLE`) adds it once the counter exists, and with
@@ -216,6 +218,7 @@ local held_at = present_at + num_present + 1
 local num_held = tonumber(ARGV[held_at - 1])
 local ids_at = held_at + num_held
 redis.call('HSET', KEYS[1], unpack(ARGV, ids_at + 2 * pending))
+redis.call('HSET', KEYS[1], 'rb', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 local left = {}
 for i = 1, pending do
@@ -242,7 +245,9 @@ return 1
 # nobody did meanwhile (0), the rebuild is not too old (-1), Redis lost nothing it relies on since it began (-3) and
 # no call was held again since it read them (-2), with the cost of each pending call still reserved and not settled
 # given back: its own
-# settlement (`counters.SETTLE`) takes it once the figure exists. NOTE: the figure counted it, then the settlement took it again:
+# settlement (`counters.SETTLE`) takes it once the figure exists. Its start is `@rb` in the journaled calls (a plain
+# value has no fields), as `rb` in a period counter (`_INIT_SPEND`).
+# NOTE: the figure counted it, then the settlement took it again:
 # a prepaid account refused (402) early for up to an hour after any grant or mode change. A new figure has counted no
 # journaled call but the replayed rows it marks (`REPLAYED_ROWS_LUA`): what the last one had is dropped.
 _INIT_CREDIT = Script(REPLAYED_ROWS_LUA + TOO_SLOW_LUA + HELD_AGAIN_LUA + LOST_LUA + """
@@ -255,6 +260,7 @@ if not held_again_asked(KEYS[6], ARGV, 8, num_asked) then return -2 end
 local present_at = 9 + num_asked
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
 redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], '@rb', ARGV[3])
 local pending = #KEYS - 6
 local num_present = tonumber(ARGV[present_at - 1])
 local held_at = present_at + num_present + 1

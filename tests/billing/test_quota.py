@@ -63,13 +63,14 @@ async def reserve(*, organization_id: int, api_key_id: int | None, amount: Decim
                                  request_id=request_id, amount=amount, num_tokens=0, candidates=[])
 
 
-async def settle(admitted: admission.Admission, actual: Decimal, *, fresh_id: bool = False, recorded: bool = True) -> None:
+async def settle(admitted: admission.Admission, actual: Decimal, *, fresh_id: bool = False, recorded: bool = True,
+                 lapsed_at: float | None = None) -> None:
     """Replace the reservation by the real cost, as the gateway's finish does (`fresh_id`: for a call of its own,
-    not a batch line; not `recorded`: a try that wrote no usage row)."""
+    not a batch line; not `recorded`: a try that wrote no usage row; `lapsed_at`: its `presence.Held.lapses_at`)."""
     reservation = admitted.reservation
     await admission.finish(caller=_caller(reservation.organization_id, reservation.api_key_id), endpoint_id=ENDPOINT,
                            admission=admitted, release=None, num_tokens=0, cost=actual, fresh_id=fresh_id,
-                           recorded=recorded)
+                           recorded=recorded, lapsed_at=lapsed_at)
 
 
 def _cap(organization, amount: str | None):
@@ -675,7 +676,9 @@ def test_a_reservations_prepared_keys_and_payload_are_those_built_in_full():
                 redis_keys.org_period_key(3, period), redis_keys.org_reserved_key(3),
                 redis_keys.key_period_key(3, api_key_id, period), redis_keys.key_reserved_key(3, api_key_id),
                 redis_keys.credit_key(3), redis_keys.credit_journaled_key(3), redis_keys.progress_key(3),
-                redis_keys.rebuilding_key(3)]
+                redis_keys.rebuilding_key(3), redis_keys.held_again_key(redis_keys.org_period_key(3, period)),
+                redis_keys.held_again_key(redis_keys.key_period_key(3, api_key_id, period)),
+                redis_keys.held_again_key(redis_keys.credit_key(3))]
 
 
 def test_a_request_id_settled_before_releases_its_new_hold_and_adds_no_spend(settings):
@@ -871,7 +874,10 @@ def test_a_call_the_sweeper_released_unbilled_minutes_ago_is_held_again_and_coun
 
 
 def test_a_call_released_unbilled_and_not_held_again_counts_its_spend_at_its_settlement(settings):
-    # As above, its gateway settling before any beat held it again: no marker, so nothing counted it.
+    # As above, its gateway settling before any beat held it again: no marker, so nothing counted it. Its counter was
+    # rebuilt after it was admitted (here as the sweeper's clock runs ahead, in production a counter lost and rebuilt
+    # meanwhile), so the settlement cannot tell whether that rebuild's snapshot has its row: it drops the counter, and
+    # the next call rebuilds it from the ledger, which counts it once.
     settings.BILLING_RESERVATION_TTL_S = 600
     endpoint = EndpointFactory()
     organization = endpoint.organization
@@ -885,7 +891,31 @@ def test_a_call_released_unbilled_and_not_held_again_counts_its_spend_at_its_set
     asyncio.run(admission.finish(caller=_caller(reservation.organization_id, None), endpoint_id=ENDPOINT,
                                  admission=admitted, release=None, num_tokens=0, cost=cost, fresh_id=True,
                                  lapsed_at=time.time() - 1))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
     assert reads.counted_spend(organization.pk) == cost
+
+def test_a_call_released_unbilled_whose_counter_was_rebuilt_between_its_row_and_its_settlement_counts_once(settings):
+    # The sweeper released a frozen gateway's call unbilled; its row was written, Redis lost the counter and a call
+    # rebuilt it (its snapshot has the row, the call not reserved), then the call settled. Before, the settlement added
+    # its cost to the counter rebuilt with it: counted twice.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_woke"))
+    lapses_at = time.time() + settings.BILLING_RESERVATION_TTL_S - 1
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_woke"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="req_woke").cost
+    get_redis().delete(redis_keys.org_period_key(organization.pk, periods.period_containing().key))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+    assert reads.counted_spend(organization.pk) == cost > 0  # its snapshot has the row
+
+    asyncio.run(settle(admitted, cost, fresh_id=True, lapsed_at=lapses_at))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="after"))
+
+    assert reads.counted_spend(organization.pk) == cost
+
 
 def test_a_call_that_outlived_its_reservation_still_counts_its_spend(settings):
     # A stream longer than the reservation's deadline: the sweeper found no usage row yet and released the hold
@@ -1276,6 +1306,90 @@ def test_a_call_held_again_after_its_counters_rebuild_began_is_counted_once(monk
     assert reads.reserved_now(organization.pk) == Decimal("0.01")
     assert not _marks_left(organization.pk, redis_keys.org_period_key(organization.pk, periods.period_containing().key))
     assert writes == ([1] if held_again == "before its snapshot" else [rebuild.HELD_AGAIN_MEANWHILE, 1])
+
+
+@pytest.mark.parametrize("settled", ["before its snapshot", "while it reads the ledger", "before its write",
+                                     "after its write"])
+def test_a_call_whose_hold_redis_lost_before_its_counters_rebuild_began_is_counted_once(settings, monkeypatch, settled):
+    # Redis lost the counter and the call's hold after its row was written (a flush: its gateway holds it again at its
+    # next beat); a call rebuilds the counter, whose reservations read lacks the call and whose snapshot has its row;
+    # the call settles before its gateway holds it again, with no hold and no marker. Before, it was counted twice: its
+    # settlement left its cost to the rebuild (`m:`), which added it on top of the snapshot, or (after the write) added
+    # it to the counter written from that snapshot. Now a settlement within the rebuild's window marks the call for it,
+    # as one held again (asked about, or the rebuild begins again), and one after a write begun since the call was
+    # held drops the counter, which the next call rebuilds from the ledger (the row there, once).
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    lapses_at = time.time() + settings.BILLING_RESERVATION_TTL_S - 1  # as its gateway's `presence.track` sets it
+    running = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                  request_id="req_running"))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_running"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="req_running").cost
+    _holds_and_counter_lost(organization.pk)
+    build, read, write = rebuild._rebuild_from_database, rebuild.period_spend_and_pending, rebuild._write_rebuild
+    writes = []
+
+    def settles():
+        asyncio.run(settle(running, cost, fresh_id=True, lapsed_at=lapses_at))
+
+    def settled_then_build(*args):
+        if settled == "before its snapshot" and not writes:
+            _in_another_connection(settles)
+        return build(*args)
+
+    def read_then_settled(*args, **kwargs):
+        result = read(*args, **kwargs)
+        if settled == "while it reads the ledger" and not writes:
+            _in_another_connection(settles)
+        return result
+
+    async def settled_then_write(*args):
+        if settled == "before its write" and not writes:
+            await settle(running, cost, fresh_id=True, lapsed_at=lapses_at)
+        writes.append(await write(*args))
+        return writes[-1]
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", settled_then_build)
+    monkeypatch.setattr(rebuild, "period_spend_and_pending", read_then_settled)
+    monkeypatch.setattr(rebuild, "_write_rebuild", settled_then_write)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+    if settled == "after its write":
+        settles()
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"),
+                            request_id="after"))  # its counter rebuilt again, from the ledger
+
+    assert cost > 0
+    assert reads.counted_spend(organization.pk) == cost
+    assert not _marks_left(organization.pk, redis_keys.org_period_key(organization.pk, periods.period_containing().key))
+    assert writes == {"before its snapshot": [1], "while it reads the ledger": [rebuild.HELD_AGAIN_MEANWHILE, 1],
+                      "before its write": [rebuild.HELD_AGAIN_MEANWHILE, 1], "after its write": [1, 1]}[settled]
+
+
+def test_a_prepaid_call_whose_hold_redis_lost_settled_after_the_credit_figures_rebuild_draws_its_cost_once(settings):
+    # As above, for the credit figure, the call settled after the figure was rebuilt from a snapshot that had its row:
+    # before, its cost was taken from the figure twice (a prepaid account refused early for up to an hour).
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    lapses_at = time.time() + settings.BILLING_RESERVATION_TTL_S - 1
+    running = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                  request_id="req_running"))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_running", prompt_tokens=100_000),
+                                     max_cost=Decimal("0.50"), billing_mode=running.billing_mode))
+    cost = UsageRecord.objects.get(request_id="req_running").cost
+    get_redis().delete(redis_keys.credit_key(organization.pk), redis_keys.reservations_key(organization.pk),
+                       redis_keys.org_reserved_key(organization.pk), redis_keys.deadlines_key(organization.pk))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    asyncio.run(settle(running, cost, fresh_id=True, lapsed_at=lapses_at))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="after"))
+
+    assert cost > 0
+    assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("2.00") - cost
 
 
 def test_calls_held_again_while_many_counters_are_rebuilt_mark_only_theirs_and_a_write_reads_only_its_own(
