@@ -7,6 +7,7 @@ test process's engine node (`tests.engines`).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from concurrent.futures import Future
@@ -21,6 +22,7 @@ from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Role, Scope
 from controlplane.accounts.services import Actor
 from controlplane.redis_client import get_redis
+from endpoints.gateway import presence, traffic
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
 from endpoints.nodes.notify import endpoint_ready_channel
@@ -158,3 +160,11 @@ def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = 
             Replica.objects.filter(pk=replica.pk).update(encrypted_engine_key=secrets_at_rest.encrypt(engine_key))
     return endpoint
 
+
+@pytest.fixture
+def gateway_alone(monkeypatch):
+    """This process's gateway, serving nothing yet, with no organisation of another test's."""
+    monkeypatch.setattr(presence, "serving", {})
+    monkeypatch.setattr(presence, "unfinished", set())
+    monkeypatch.setattr(presence, "_repair", presence._Repair())
+    monkeypatch.setattr(traffic, "_registered", (os.getpid(), set()))

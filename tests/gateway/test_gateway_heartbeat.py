@@ -4,7 +4,6 @@ what Redis forgot."""
 import asyncio
 import contextlib
 import dataclasses
-import os
 import threading
 import time
 from datetime import timedelta
@@ -140,15 +139,6 @@ def test_a_live_gateway_holds_its_calls_reservations_again_after_redis_forgets_t
         assert int(spent) == to_units(period_spend(org, period_containing())) > 0  # each call's cost counted once
     finally:
         child.stop()
-
-
-@pytest.fixture
-def gateway_alone(monkeypatch):
-    """This process's gateway, serving nothing yet, with no organisation of another test's."""
-    monkeypatch.setattr(presence, "serving", {})
-    monkeypatch.setattr(presence, "unfinished", set())
-    monkeypatch.setattr(presence, "_repair", presence._Repair())
-    monkeypatch.setattr(traffic, "_registered", (os.getpid(), set()))
 
 
 def restore_failing_once(monkeypatch, organization_id: int | None = None) -> list[int]:

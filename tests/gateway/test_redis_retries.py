@@ -6,7 +6,6 @@ alive key then read the first run's write: a key Redis had forgotten read as ali
 """
 
 import asyncio
-import os
 
 import pytest
 import redis.asyncio.client
@@ -17,15 +16,6 @@ from controlplane.redis_client import get_redis
 from endpoints.gateway import presence, traffic
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def gateway_alone(monkeypatch):
-    """This process's gateway, serving nothing, with no organisation of another test's."""
-    monkeypatch.setattr(presence, "serving", {})
-    monkeypatch.setattr(presence, "unfinished", set())
-    monkeypatch.setattr(presence, "_repair", presence._Repair())
-    monkeypatch.setattr(traffic, "_registered", (os.getpid(), set()))
 
 
 def test_a_beat_whose_reply_is_lost_after_redis_forgot_its_alive_key_reconciles_as_forgotten(
