@@ -19,7 +19,6 @@ from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, CreditGr
 from billing.periods import Period, period_containing
 from billing.quota import replayed
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
-from controlplane.credential_lookups import LookupSlots
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import (
@@ -35,7 +34,7 @@ from controlplane.redis_keys import (
     settled_key,
 )
 from controlplane.redis_scripts import Script
-from controlplane.worker_threads import in_worker_thread
+from controlplane.worker_threads import FairSlots, in_worker_thread
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -62,8 +61,13 @@ TOO_SLOW_PREFIX = "s:"
 # take a connection per organisation rebuilding at once, up to PostgreSQL's `max_connections`; one rebuild per call
 # would let one organisation's many calls take every thread.
 REBUILD_THREADS = 4
+# How many of those one organisation's rebuilds may hold at once (its other counters wait in its own queue, and a thread
+# that frees goes first to the organisation holding fewest: `FairSlots`). NOTE: one organisation's four slow counters
+# at once (four keys with huge ledgers, or a ledger made slow on purpose) took all four threads, and every other
+# organisation's rebuild waited behind them, its calls held at the rebuild window or answered 503 (`RebuildTooSlow`).
+REBUILD_THREADS_PER_ORGANIZATION = 2
 _rebuild_threads = ThreadPoolExecutor(REBUILD_THREADS, thread_name_prefix="quota-rebuild")
-_rebuild_slots = LookupSlots(REBUILD_THREADS)
+_rebuild_slots = FairSlots(REBUILD_THREADS, per_owner=REBUILD_THREADS_PER_ORGANIZATION)
 _under_way: PerLoop[dict[str, asyncio.Task]] = PerLoop(dict)  # counter key -> its rebuild, in this event loop
 
 
@@ -471,7 +475,7 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
             limits_refreshed_key(reservation.organization_id), "1", nx=True, ex=LIMITS_REFRESH_INTERVAL_S):
         return True
     if what == "limits":  # the counter exists, its spend stands; only its limits are written again
-        async with _rebuild_slots.held_async():
+        async with _rebuild_slots.held(reservation.organization_id):
             await in_worker_thread(_limits_again, executor=_rebuild_threads)(reservation.organization_id)
         return False
     counter = _counter_key(what, reservation.organization_id, reservation.api_key_id, period)
@@ -488,9 +492,14 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
 
 async def _rebuild_counter(what: str, counter: str, organization_id: int, api_key_id: int | None,
                            period: Period) -> None:
-    """Rebuild `counter` once a thread is free for it (`REBUILD_THREADS`), and an organisation counter's limits read
-    again (`_limits_again`); raises `RebuildUnfinished` (`RebuildTooSlow`)."""
-    async with _rebuild_slots.held_async():
+    """Rebuild `counter` once a thread is free for it and its organisation's turn came (`REBUILD_THREADS`,
+    `REBUILD_THREADS_PER_ORGANIZATION`), and an organisation counter's limits read again (`_limits_again`); raises
+    `RebuildUnfinished` (`RebuildTooSlow`).
+
+    NOTE: nothing in its slot waits for another rebuild (an admission rebuilds its counters one after another, each
+    outside the slots: `endpoints.gateway.admission.admit`), so an organisation's counters queued behind its own
+    never wait for each other."""
+    async with _rebuild_slots.held(organization_id):
         # NOTE: read before the ledger. A call reserved then whose row the ledger has may settle after the counter is
         # written (the row is written first; a call reserved in the last month spends in this one when it finishes
         # in it), and adds its cost then: the counter is written without it (`_INIT_SPEND`). A call reserved since
