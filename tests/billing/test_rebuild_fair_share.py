@@ -1,5 +1,5 @@
 """The counter rebuild threads shared fairly between organisations: one organisation's slow rebuilds hold at most
-`REBUILD_THREADS_PER_ORGANIZATION` of them.
+`REBUILD_THREADS_PER_ORGANIZATION` of them, and each read gives up at its rebuild's window.
 
 A rebuild is slowed by a real lock: the test holds a PostgreSQL advisory lock, and the slow organisation's key counter
 reads wait for it in their snapshot (a test-only wrapper around the ledger read), as a read held up by a huge ledger or
@@ -14,7 +14,10 @@ import psycopg
 import pytest
 from django.db import connection
 
+from billing.periods import period_containing
 from billing.quota import reads, rebuild
+from billing.quota.rebuild import RebuildTooSlow
+from controlplane import redis_keys
 from controlplane.accounts.models import ApiKey
 from controlplane.redis_client import get_redis
 from controlplane.worker_threads import FairSlots
@@ -129,6 +132,35 @@ def test_one_organisations_slow_key_counters_leave_other_organisations_rebuilds_
     assert reads.reserved_now(other.pk) == Decimal("0.01")
     # its queued counters all rebuilt in turn
     assert reads.reserved_now(slow.pk) == len(keys) * Decimal("0.01")
+
+
+def test_a_rebuild_read_held_up_past_its_window_is_cancelled_and_its_next_rebuild_is_given_longer(
+    monkeypatch,
+):
+    # Before, a read held up (a lock, a huge ledger) held its rebuild thread and connection until it ended, however
+    # long past the window that made its rebuild write nothing; its call waited all that while.
+    organization = OrganizationFactory()
+    (key,) = _keys(organization, 1)
+    asyncio.run(_reserve(organization.pk, key.pk, "first"))  # every counter built
+    counter = redis_keys.key_period_key(organization.pk, key.pk, period_containing().key)
+    get_redis().delete(counter)
+    monkeypatch.setattr(rebuild, "REBUILD_MAX_S", 1)
+
+    async def held_up_call(num_waiting) -> BaseException | None:
+        call = asyncio.ensure_future(_reserve(organization.pk, key.pk, "held-up"))
+        done, _ = await asyncio.wait({call}, timeout=WAIT_S)
+        assert done, "the held-up read was not cancelled at its window"
+        assert num_waiting() == 0  # its thread's read is gone from PostgreSQL
+        return call.exception()
+
+    with _ledger_locked(organization, monkeypatch) as (num_waiting, _release):
+        refused = asyncio.run(held_up_call(num_waiting))
+
+    assert isinstance(refused, RebuildTooSlow)  # a 503 with Retry-After, as a rebuild that read to the end
+    took = get_redis().hget(redis_keys.rebuilding_key(organization.pk), f"{rebuild.TOO_SLOW_PREFIX}{counter}")
+    assert took is not None and int(took) >= 1  # its next window: twice that
+    asyncio.run(_reserve(organization.pk, key.pk, "after"))  # the lock gone, the next rebuild writes it
+    assert reads.reserved_now(organization.pk) == Decimal("0.02")
 
 
 def test_a_freed_slot_goes_to_the_organisation_holding_fewest_before_a_busy_ones_next():
