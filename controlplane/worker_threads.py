@@ -3,16 +3,22 @@
 asgiref's default (`thread_sensitive=True`) runs every such call of a process without a request's own context (the
 gateway's `/v1` path sets none up) on ONE thread, one after another: one slow call queued every other behind it. So
 each runs apart (`thread_sensitive=False`), in asgiref's pool or in a small pool of its own (`executor`) where many
-calls may come at once and each holds a PostgreSQL connection while it runs (`billing.quota.rebuild`).
+calls may come at once and each holds a PostgreSQL connection while it runs (`billing.quota.rebuild`); `FairSlots`
+shares such a pool's threads among its callers' owners (organisations), so none takes them all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections import deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
+from contextlib import asynccontextmanager
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections, connections
+
+from controlplane.per_loop import PerLoop
 
 
 def in_worker_thread(function: Callable, *, executor: Executor | None = None) -> Callable:
@@ -40,3 +46,93 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
                 connections.close_all()
 
     return sync_to_async(call, thread_sensitive=False, executor=executor)
+
+
+class FairSlots:
+    """At most `total` holders at once per event loop (a pool's threads: `held`), at most `per_owner` of them one
+    owner's (an organisation's). The rest wait as coroutines (no thread) in their owner's own queue, first come first
+    served; a slot that frees goes to the waiting owner that holds fewest now (among equals, the one that waited
+    longest since its last turn), never to one at its `per_owner`. So one owner's many slow holders take `per_owner`
+    slots, and another owner waits at most for one holder's turn.
+
+    NOTE: a holder must never wait for another slot of the same slots (a nested `held`): an owner's `per_owner`
+    holders waiting for their own owner's next turn would wait for each other for good.
+    """
+
+    def __init__(self, total: int, *, per_owner: int):
+        if not 1 <= per_owner <= total:
+            raise ValueError(f"per_owner must be between 1 and total ({total}), not {per_owner}")
+        self.total = total
+        self.per_owner = per_owner
+        self._per_loop = PerLoop(_FairQueue)
+
+    def num_held(self, owner: Hashable) -> int:
+        """How many slots `owner` holds now in the running event loop."""
+        return self._per_loop.get().num_held_by.get(owner, 0)
+
+    @asynccontextmanager
+    async def held(self, owner: Hashable):
+        queue = self._per_loop.get()
+        await queue.acquire(owner, total=self.total, per_owner=self.per_owner)
+        try:
+            yield
+        finally:
+            queue.release(owner, total=self.total, per_owner=self.per_owner)
+
+
+class _FairQueue:
+    """One event loop's `FairSlots`. NOTE (invariant, after every call): no waiting owner could take a free slot."""
+
+    def __init__(self):
+        self.num_held = 0
+        self.num_held_by: dict[Hashable, int] = {}
+        # owner -> its waiters, first come first; the dict's order is the owners' turn order (one served goes last)
+        self.waiting: dict[Hashable, deque[asyncio.Future]] = {}
+
+    async def acquire(self, owner: Hashable, *, total: int, per_owner: int) -> None:
+        if owner not in self.waiting and self.num_held < total and self.num_held_by.get(owner, 0) < per_owner:
+            self._take(owner)
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(owner, deque()).append(granted)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            # given a slot, then cancelled before it ran: it passes the slot on
+            if granted.done() and not granted.cancelled():
+                self.release(owner, total=total, per_owner=per_owner)
+            else:
+                waiters = self.waiting.get(owner)
+                if waiters is not None and granted in waiters:
+                    waiters.remove(granted)
+                    if not waiters:
+                        del self.waiting[owner]
+            raise
+
+    def release(self, owner: Hashable, *, total: int, per_owner: int) -> None:
+        self.num_held -= 1
+        if self.num_held_by[owner] == 1:
+            del self.num_held_by[owner]
+        else:
+            self.num_held_by[owner] -= 1
+        self._grant(total=total, per_owner=per_owner)
+
+    def _take(self, owner: Hashable) -> None:
+        self.num_held += 1
+        self.num_held_by[owner] = self.num_held_by.get(owner, 0) + 1
+
+    def _grant(self, *, total: int, per_owner: int) -> None:
+        while self.num_held < total:
+            eligible = [owner for owner in self.waiting if self.num_held_by.get(owner, 0) < per_owner]
+            if not eligible:
+                return
+            # the first (in turn order) of those holding fewest
+            owner = min(eligible, key=lambda candidate: self.num_held_by.get(candidate, 0))
+            waiters = self.waiting.pop(owner)
+            granted = waiters.popleft()
+            if waiters:
+                self.waiting[owner] = waiters  # its next waits behind every other owner's
+            if granted.done():  # NOTE: cancelled, its waiter not resumed yet to take it out: it takes no slot
+                continue
+            self._take(owner)
+            granted.set_result(None)

@@ -3,7 +3,7 @@
 The real code paths run here (on the test run's plain Redis) with every script call recorded: the
 gateway's admission and finish (with and without an API key, in flight and waiting), the balancer's
 pick and release, an unknown model's count, cold-start places, the heartbeat's restore (requests and reservations) and release,
-the dead-gateway sweep, the reservation sweep, the journal replay's registration and count, counter rebuilds and refreshes, and the autoscaler's
+the dead-gateway sweep, the reservation sweep, the journal replay's registration and count, counter rebuilds (one cancelled at its window) and refreshes, and the autoscaler's
 load read, for two organisations at once. Each call's keys must hash to one slot, and every script the
 project defines must have been called.
 """
@@ -18,6 +18,7 @@ import uuid
 from decimal import Decimal
 
 import pytest
+from django.db import connection
 
 from billing.ledger import record_usage, supersede_lost_rows
 from billing.models import BillingAccount, UsageRecord
@@ -111,6 +112,11 @@ async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api
                           amount=Decimal("0.01"), num_tokens=10, candidates=[])
 
 
+def _read_past_the_window(*args, **kwargs):
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_sleep(10)")
+
+
 def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_called(script_calls):
     with_key, without_key = OrganizationFactory(), OrganizationFactory()
     endpoints = [EndpointFactory(organization=with_key), EndpointFactory(organization=without_key)]
@@ -147,6 +153,15 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         await rebuild.rebuild_missing("limits", counters.Reservation("r-lv", with_key.pk, None, Decimal(0), period_key))
         # a credit figure rebuilt (prepaid accounts: after a grant or mode change), calls still reserved given back
         redis.delete(redis_keys.credit_key(with_key.pk))
+        await rebuild.rebuild_missing("credit", counters.Reservation("r-credit", with_key.pk, None, Decimal(0), period_key))
+        # one whose read PostgreSQL cancels at its window: kept as too slow (a 503), then rebuilt given longer
+        redis.delete(redis_keys.credit_key(with_key.pk))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(rebuild, "REBUILD_MAX_S", 1)
+            patch.setattr(rebuild, "undrawn_prepaid_spend_and_pending", _read_past_the_window)
+            with pytest.raises(rebuild.RebuildTooSlow):
+                await rebuild.rebuild_missing("credit", counters.Reservation("r-slow", with_key.pk, None, Decimal(0),
+                                                                             period_key))
         await rebuild.rebuild_missing("credit", counters.Reservation("r-credit", with_key.pk, None, Decimal(0), period_key))
 
     try:

@@ -11,15 +11,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, OperationalError, connection, transaction
 from django.utils import timezone
+from psycopg.errors import QueryCanceled
 
 from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_usage_began
 from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, CreditGrant, UsageRecord, UsageStatus
 from billing.periods import Period, period_containing
 from billing.quota import replayed
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
-from controlplane.credential_lookups import LookupSlots
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import (
@@ -35,7 +35,7 @@ from controlplane.redis_keys import (
     settled_key,
 )
 from controlplane.redis_scripts import Script
-from controlplane.worker_threads import in_worker_thread
+from controlplane.worker_threads import FairSlots, in_worker_thread
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -62,8 +62,13 @@ TOO_SLOW_PREFIX = "s:"
 # take a connection per organisation rebuilding at once, up to PostgreSQL's `max_connections`; one rebuild per call
 # would let one organisation's many calls take every thread.
 REBUILD_THREADS = 4
+# How many of those one organisation's rebuilds may hold at once (its other counters wait in its own queue, and a thread
+# that frees goes first to the organisation holding fewest: `FairSlots`). NOTE: one organisation's four slow counters
+# at once (four keys with huge ledgers, or a ledger made slow on purpose) took all four threads, and every other
+# organisation's rebuild waited behind them, its calls held at the rebuild window or answered 503 (`RebuildTooSlow`).
+REBUILD_THREADS_PER_ORGANIZATION = 2
 _rebuild_threads = ThreadPoolExecutor(REBUILD_THREADS, thread_name_prefix="quota-rebuild")
-_rebuild_slots = LookupSlots(REBUILD_THREADS)
+_rebuild_slots = FairSlots(REBUILD_THREADS, per_owner=REBUILD_THREADS_PER_ORGANIZATION)
 _under_way: PerLoop[dict[str, asyncio.Task]] = PerLoop(dict)  # counter key -> its rebuild, in this event loop
 
 
@@ -109,6 +114,13 @@ local function too_slow(rebuilding, counter, took, longest)
   return -1
 end
 """
+# KEYS: the rebuilds under way; ARGV: the counter's key, the rebuild's start and window (`_BEGIN_REBUILD`),
+# `REBUILD_LONGEST_S`. A rebuild whose read PostgreSQL cancelled at its window (`_one_snapshot`'s `timeout_s`): kept as
+# one too slow, as `_INIT_SPEND` keeps one that read to the end, so the counter's next rebuild is given twice as long.
+_CANCELLED_TOO_SLOW = Script(TOO_SLOW_LUA + """
+local took = math.max(tonumber(redis.call('TIME')[1]) - tonumber(ARGV[2]), tonumber(ARGV[3]))
+return too_slow(KEYS[1], ARGV[1], took, ARGV[4])
+""")
 
 # The rows replayed from the journal, as a rebuilt counter must count them (`replayed`): its ledger snapshot has each
 # of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, and those of the calls reserved
@@ -301,15 +313,15 @@ class _Rebuild:
 
 
 def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period,
-                           reserved_ids: Collection[str] = ()) -> _Rebuild:
+                           reserved_ids: Collection[str] = (), timeout_s: float | None = None) -> _Rebuild:
     """The counter `what` as PostgreSQL has it; `reserved_ids`: the organisation's reservations (read before),
     whose calls may have a row in the period's spend and settle after the counter is written, as may those held again
-    since (`_held_again`)."""
+    since (`_held_again`). `timeout_s`: how long each read of its snapshot may take (`_one_snapshot`)."""
     counter = _counter_key(what, organization_id, api_key_id, period)
     if what in ("org", "key"):
         # made first if need be: the snapshot only reads
         account = BillingAccount.objects.for_organization(organization_id) if what == "org" else None
-        with _one_snapshot():
+        with _one_snapshot(timeout_s):
             asked = _replays_in_snapshot(organization_id, counter)
             held_again = _held_again(counter)
             reserved = {*reserved_ids, *held_again}
@@ -328,7 +340,7 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
         return _Rebuild(counter, fields, None, PERIOD_TTL_S, _units(pending), present, held_again, held)
     if what == "credit":
         available, ttl_s, pending, present, held_again, held = _credit_and_pending(
-            organization_id, reserved_ids, counter=counter)
+            organization_id, reserved_ids, counter=counter, timeout_s=timeout_s)
         return _Rebuild(counter, None, str(to_units(available, ROUND_HALF_UP)), ttl_s, _units(pending), present,
                         held_again, held)
     raise ValueError(what)
@@ -383,14 +395,15 @@ def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
     return available, ttl_s
 
 
-def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, now=None, counter: str | None = None
+def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, now=None, counter: str | None = None,
+                        timeout_s: float | None = None,
                         ) -> tuple[Decimal, int, dict[str, Decimal], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """`credit_available`, the cost of each prepaid row in it whose call is one of `reserved_ids` or held again since
     (`_held_again`), and, to rebuild the figure (`counter`), the journal's replayed prepaid rows it holds
     (`_replays_in_snapshot`), the calls held again it asked about, and of the first those it holds (`_held`)."""
     now = now or timezone.now()
     BillingAccount.objects.for_organization(organization_id)  # made first if need be: the snapshot only reads
-    with _one_snapshot():
+    with _one_snapshot(timeout_s):
         # NOTE: one snapshot for the account's `credit_drawn`, the grants and the ledger. A draw (`draw_credits`)
         # committed between two of these reads was counted twice: the grants had taken it while `credit_drawn`
         # still left it undrawn, and a prepaid account near the end of its credit was refused (402) early for up
@@ -421,11 +434,16 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
 
 
 @contextmanager
-def _one_snapshot():
+def _one_snapshot(timeout_s: float | None = None):
     """A read-only transaction whose reads all see the database as it was at the first of them (REPEATABLE READ):
     what others commit meanwhile stays unseen, and nothing is locked. Inside a caller's transaction, its reads are
     that one's. NOTE: `SET LOCAL` (as `SET TRANSACTION`, before the first read) keeps no session state
-    (`DATABASE_POOLER=transaction`)."""
+    (`DATABASE_POOLER=transaction`).
+
+    `timeout_s`: PostgreSQL cancels any of its reads that takes longer (`statement_timeout`, raising
+    `OperationalError`): a rebuild's, its window, since one that reads past it writes nothing anyway (`_INIT_SPEND`).
+    NOTE: a ledger slow to read (huge, or a lock held on it) held a rebuild thread and its connection for as long as
+    the read took, minutes past any use."""
     if connection.in_atomic_block:
         yield
         return
@@ -433,6 +451,8 @@ def _one_snapshot():
         with connection.cursor() as cursor:
             cursor.execute("SET LOCAL transaction_isolation = 'repeatable read'")
             cursor.execute("SET LOCAL transaction_read_only = on")
+            if timeout_s is not None:
+                cursor.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout_s * 1000))}")
         yield
 
 
@@ -471,7 +491,7 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
             limits_refreshed_key(reservation.organization_id), "1", nx=True, ex=LIMITS_REFRESH_INTERVAL_S):
         return True
     if what == "limits":  # the counter exists, its spend stands; only its limits are written again
-        async with _rebuild_slots.held_async():
+        async with _rebuild_slots.held(reservation.organization_id):
             await in_worker_thread(_limits_again, executor=_rebuild_threads)(reservation.organization_id)
         return False
     counter = _counter_key(what, reservation.organization_id, reservation.api_key_id, period)
@@ -488,9 +508,14 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
 
 async def _rebuild_counter(what: str, counter: str, organization_id: int, api_key_id: int | None,
                            period: Period) -> None:
-    """Rebuild `counter` once a thread is free for it (`REBUILD_THREADS`), and an organisation counter's limits read
-    again (`_limits_again`); raises `RebuildUnfinished` (`RebuildTooSlow`)."""
-    async with _rebuild_slots.held_async():
+    """Rebuild `counter` once a thread is free for it and its organisation's turn came (`REBUILD_THREADS`,
+    `REBUILD_THREADS_PER_ORGANIZATION`), and an organisation counter's limits read again (`_limits_again`); raises
+    `RebuildUnfinished` (`RebuildTooSlow`).
+
+    NOTE: nothing in its slot waits for another rebuild (an admission rebuilds its counters one after another, each
+    outside the slots: `endpoints.gateway.admission.admit`), so an organisation's counters queued behind its own
+    never wait for each other."""
+    async with _rebuild_slots.held(organization_id):
         # NOTE: read before the ledger. A call reserved then whose row the ledger has may settle after the counter is
         # written (the row is written first; a call reserved in the last month spends in this one when it finishes
         # in it), and adds its cost then: the counter is written without it (`_INIT_SPEND`). A call reserved since
@@ -500,8 +525,16 @@ async def _rebuild_counter(what: str, counter: str, organization_id: int, api_ke
             started_at, window_s, reserved_ids, run = await _BEGIN_REBUILD(
                 keys=[rebuilding_key(organization_id), reservations_key(organization_id)],
                 args=[counter, REBUILD_MAX_S, REBUILD_LONGEST_S])
-            rebuild = await in_worker_thread(_rebuild_from_database, executor=_rebuild_threads)(
-                what, organization_id, api_key_id, period, reserved_ids)
+            try:
+                rebuild = await in_worker_thread(_rebuild_from_database, executor=_rebuild_threads)(
+                    what, organization_id, api_key_id, period, reserved_ids, int(window_s))
+            except OperationalError as exc:
+                if not isinstance(exc.__cause__, QueryCanceled):
+                    raise
+                # its read outlasted the window (`_one_snapshot`): too slow, as one that read to the end
+                written = await _CANCELLED_TOO_SLOW(keys=[rebuilding_key(organization_id)],
+                                                    args=[counter, started_at, window_s, REBUILD_LONGEST_S])
+                break
             written = await _write_rebuild(rebuild, organization_id, int(started_at), int(window_s), run)
             if written not in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
                 break
