@@ -647,6 +647,11 @@ class Supervisor:
             if held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
                 over.append((replica, "its engine hid the files it holds from the agent (a process not dumpable): "
                                       "stopped, and its folders emptied", held.paths))
+            # a tmpfs only mapped that the agent cannot measure: what it pins is unknown
+            elif held.unmeasured:
+                over.append((replica, "its engine maps memory of a tmpfs not its own that this agent cannot measure "
+                                      f"({', '.join(held.unmeasured)}; the agent has no CAP_CHECKPOINT_RESTORE to read "
+                                      "its mappings): stopped, and its folders emptied", held.paths))  # fmt: skip
             elif why:
                 over.append((replica, f"its engine wrote {why} to its own folders and /dev/shm (its scratch folder, "
                                       "its endpoint's cache and the shared memory its processes hold, this node's "
