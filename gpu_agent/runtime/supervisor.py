@@ -147,6 +147,8 @@ class Supervisor:
         self.logs_dir = self.data_dir / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.data_dir / "replicas.json"
+        # its engines' records, and the agent's readings of its node (`Agent`)
+        self.state = state_file.StateFile(self.state_path)
         self.device = device
         self.policy = policy or SupervisorPolicy()
         self.command_factory = command_factory or self._default_command
@@ -927,7 +929,7 @@ class Supervisor:
         Returns (adopted replica ids, killed replica ids).
         """
         adopted, killed = [], []
-        records = state_file.load(self.state_path)
+        records = self.state.records()
         with self._lock:
             for replica_id, record in records.items():
                 if replica_id in self._replicas:
@@ -979,4 +981,4 @@ class Supervisor:
                 self.standby.stop()
 
     def _save_state(self) -> None:
-        state_file.save(self.state_path, self._replicas.values())
+        self.state.save(self._replicas.values())
