@@ -479,7 +479,10 @@ finally:
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop capabilities")
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root")
+
+
+@AS_ROOT
 def test_an_engine_mapping_a_stopped_engines_shared_memory_fails_with_the_reason_under_an_agent_without_the_capability(
     tmp_path,
 ):
