@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import stat
+import tempfile
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -155,12 +156,15 @@ class StateFile:
         data = dict(self._records)
         if self._readings:
             data[READINGS_KEY] = {"boot_id": boot_id(), **self._readings}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.unlink(missing_ok=True)  # NOTE: never written through a file that someone else made there
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(json.dumps(data, indent=2))
-        os.replace(tmp, self.path)
+        # NOTE: a file of its own each time (0600, O_EXCL): never written through one someone else made there
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(data, indent=2))
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def replica_from_record(replica_id: str, record: dict, logs_dir: Path, desired: dict[str, ReplicaSpec] | None) -> ManagedReplica:
