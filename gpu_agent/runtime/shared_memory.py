@@ -155,6 +155,7 @@ def _tmpfs_usage(path: str) -> tuple[int, int] | None:
 
 
 _kernel_devices_found: frozenset[int] | None = None
+MAX_PATH_CHARS_SHOWN = 200  # of an unmeasured mapping's path (the engine's to name), in its replica's reason
 
 
 def _kernel_devices() -> frozenset[int]:
@@ -210,7 +211,7 @@ class _PrivateTmpfs:
             usage = _tmpfs_usage(link)
         except OSError as exc:
             if mapped_as is not None and exc.errno in (errno.EPERM, errno.EACCES):
-                self.refused.setdefault(device, mapped_as)
+                self.refused.setdefault(device, mapped_as[:MAX_PATH_CHARS_SHOWN])
             return
         if usage is None:
             self.uncounted.add(device)

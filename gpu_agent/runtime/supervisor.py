@@ -652,7 +652,8 @@ class Supervisor:
             # a tmpfs only mapped that the agent cannot measure: what it pins is unknown
             elif held.unmeasured:
                 over.append((replica, "its engine maps memory of a tmpfs not its own that this agent cannot measure "
-                                      f"({', '.join(held.unmeasured)}; the agent has no CAP_CHECKPOINT_RESTORE to read "
+                                      f"({', '.join(held.unmeasured[:3])}{' …' * (len(held.unmeasured) > 3)}; "
+                                      "the agent has no CAP_CHECKPOINT_RESTORE to read "
                                       "its mappings): stopped, and its folders emptied", held.paths))  # fmt: skip
             elif why:
                 over.append((replica, f"its engine wrote {why} to its own folders and /dev/shm (its scratch folder, "
