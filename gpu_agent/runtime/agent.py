@@ -90,9 +90,22 @@ class Agent:
             private_dirs=(config.data_dir,),  # a local model_source never reads the agent's own files
             transfer=TransferSettings(min_bytes_per_s=config.min_download_bytes_per_s),
         )
+        self._keep_readings_across_restarts()
         self.control_plane = ControlPlaneClient(config, self.hardware, device=self.device, transport=transport)
         self.replicas = Reconciler(self.supervisor, self.weights, wake=self._wake)
         self.num_heartbeats = 0
+
+    def _keep_readings_across_restarts(self) -> None:
+        """What this agent reads of its node that a restart must not forget, kept in its state file (`state_file.py`)
+        and taken back from there: a refusal of namespaces the kernel confirmed (`sandbox.NamespacesFact`), and the
+        back-offs of safetensors readings that gave no answer (`WeightsCache.restore_unsettled`). Before, a
+        restarted agent re-learnt both: the refusal tested again, and every back-off back at its first step."""
+        state = self.supervisor.state
+        readings = state.readings()
+        sandbox.NAMESPACES.restore(readings.get("namespaces"))
+        sandbox.NAMESPACES.keep = lambda record: state.save_reading("namespaces", record)
+        self.weights.restore_unsettled(readings.get("unsettled"))
+        self.weights.keep_unsettled = lambda record: state.save_reading("unsettled", record or None)
 
     def build_heartbeat(self) -> Heartbeat:
         usage = hardware.host_usage(str(self.config.data_dir))

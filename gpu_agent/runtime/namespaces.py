@@ -199,28 +199,44 @@ def _tried_in_a_child() -> Finding:
     """Whether `_split` works here: tried in a child (and its own init and engine) that exit at once. The kernel's
     refusals (`NamespacesUnavailable`, `NamespacesBroken.refused`) are known; any other error (a fork refused, a map
     write or a mount short of memory) is not."""
+    pid, pipe_end = _fork_with_pipe()
+    if pid == 0:
+        try:
+            _split(4096, 16)
+        except NamespacesUnavailable as exc:
+            os.write(pipe_end, _REFUSED + str(exc).encode())
+        except NamespacesBroken as exc:
+            os.write(pipe_end, (_REFUSED if exc.refused else _NOT_KNOWN) + str(exc).encode())
+        except BaseException as exc:  # noqa: BLE001 - whatever stops it is the reason, and this child must end here
+            os.write(pipe_end, _NOT_KNOWN + repr(exc).encode())
+        os._exit(0)
+    why = _read_to_end(pipe_end)
+    os.waitpid(pid, 0)
+    if not why:
+        return Finding()
+    return Finding(why[1:].decode(errors="replace"), known=why[:1] == _REFUSED)
+
+
+def _fork_with_pipe() -> tuple[int, int]:
+    """`os.fork` with a pipe from the child to this process, through which the child says why it stopped (nothing
+    written and the pipe closed: it went on). Returns, in the child, 0 and the pipe's write end; here, the child's pid
+    and the read end (`_read_to_end`). NOTE: stdout and stderr are flushed first, else the child writes their buffers
+    again."""
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
-        try:
-            _split(4096, 16)
-        except NamespacesUnavailable as exc:
-            os.write(write_end, _REFUSED + str(exc).encode())
-        except NamespacesBroken as exc:
-            os.write(write_end, (_REFUSED if exc.refused else _NOT_KNOWN) + str(exc).encode())
-        except BaseException as exc:  # noqa: BLE001 - whatever stops it is the reason, and this child must end here
-            os.write(write_end, _NOT_KNOWN + repr(exc).encode())
-        os._exit(0)
+        return 0, write_end
     os.close(write_end)
+    return pid, read_end
+
+
+def _read_to_end(read_end: int) -> bytes:
+    """All the child wrote to `_fork_with_pipe`'s pipe, once every copy of its write end is closed."""
     with os.fdopen(read_end, "rb") as answer:
-        why = answer.read()
-    os.waitpid(pid, 0)
-    if not why:
-        return Finding()
-    return Finding(why[1:].decode(errors="replace"), known=why[:1] == _REFUSED)
+        return answer.read()
 
 
 def _split(max_bytes: int | None, max_files: int | None) -> str:
@@ -242,16 +258,10 @@ def _split(max_bytes: int | None, max_files: int | None) -> str:
         _write("/proc/self/gid_map", f"{gid} {gid} 1")
     except OSError as exc:
         raise NamespacesBroken(f"mapping the user failed ({exc.strerror})", exc.errno) from None
-    read_end, write_end = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    init_pid = os.fork()
+    init_pid, pipe_end = _fork_with_pipe()
     if init_pid == 0:
-        os.close(read_end)
-        return _run_init(libc, write_end, max_bytes, max_files, previous)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as answer:
-        why = answer.read().decode(errors="replace")
+        return _run_init(libc, pipe_end, max_bytes, max_files, previous)
+    why = _read_to_end(pipe_end).decode(errors="replace")
     if why:  # the init stopped before the engine: "<errno> <why>"
         os.waitpid(init_pid, 0)
         code, _, message = why.partition(" ")

@@ -59,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,6 +219,11 @@ class NamespacesFact:
     failed every launch, `best-effort` ran engines on the node's /proc and /dev/shm). Now a refusal replaces a working
     fact only when every one of `num_attempts` tests says the kernel refused; a test that could not answer (a spawn
     error, a timeout, a fork refused) keeps the last known answer.
+
+    A refusal the kernel confirmed is kept across an agent restart (`keep`, `restore`: the agent's state file, with
+    when it was tested): before, the next agent forgot it and tested again at first use, `num_attempts` times. The
+    restored refusal is re-tested on the same schedule, from when it was tested. A working answer is not kept: the
+    next agent's first test finds it at once (one test, ~8 ms).
     """
 
     def __init__(self, *, num_attempts: int = 3, attempt_pause_s: float = 1.0, retest_interval_s: float = 60.0,
@@ -232,14 +238,45 @@ class NamespacesFact:
         self._wanted = False  # an engine found them refused since the last test
         self._lock = threading.Lock()  # the first test, and the fields below
         self._retest: threading.Thread | None = None
+        # Called under the lock with what to keep across a restart after each test the kernel answered: a refusal's
+        # `record`, or None once they work (the agent's state file: `Agent`).
+        self.keep: Callable[[dict | None], None] | None = None
 
     def missing(self) -> str:
         """The last known answer; tested here the first time."""
         with self._lock:
             if self._missing is None:
-                self._missing = self._test(None)
+                self._missing, known = self._test(None)
                 self._tested_at = time.monotonic()
+                self._kept(known)
             return self._missing
+
+    def restore(self, record) -> bool:
+        """Take the refusal a previous agent on this boot of the node kept (`keep`): {"missing": why, "tested_at": its
+        test's time on this boot's monotonic clock}, unless this agent knows an answer already. Whether it was taken;
+        a record not of that shape is ignored with a log line."""
+        if record is None:
+            return False
+        now = time.monotonic()
+        try:
+            missing, tested_at = record["missing"], float(record["tested_at"])
+        except (TypeError, KeyError, ValueError):
+            missing, tested_at = None, -1.0
+        if not isinstance(missing, str) or not missing or len(missing) > 4096 or not 0 <= tested_at <= now:
+            logger.warning("the namespaces' refusal kept by a previous agent is not one: ignored")
+            return False
+        with self._lock:
+            if self._missing is not None:
+                return False
+            self._missing, self._tested_at = missing, tested_at
+        logger.warning("namespaces missing, as a previous agent found %.0f s ago (tested again when due): %s",
+                       now - tested_at, missing)  # fmt: skip
+        return True
+
+    def _kept(self, known: bool) -> None:
+        """Under the lock: hand what a restart must not forget to `keep` (a known answer only)."""
+        if known and self.keep is not None:
+            self.keep({"missing": self._missing, "tested_at": self._tested_at} if self._missing else None)
 
     def engine_refused(self) -> None:
         """An engine's namespaces were refused where this agent had found them working: test again, when due."""
@@ -267,26 +304,28 @@ class NamespacesFact:
         """Test again (on the calling thread) and keep what is known; returns the fact."""
         with self._lock:
             last = self._missing
-        found = self._test(last)
+        found, known = self._test(last)
         with self._lock:
             self._missing, self._tested_at = found, time.monotonic()
             self.num_retests += 1
+            self._kept(known)
         logger.warning("namespaces tested again: %s", f"missing: {found}" if found else "they work")
         return found
 
-    def _test(self, last: str | None) -> str:
+    def _test(self, last: str | None) -> tuple[str, bool]:
         """`num_attempts` tests: "" as soon as one finds them working; a refusal only where every one found it; `last`
-        where one could not answer (with nothing known yet, None: its reason, until a re-test)."""
+        where one could not answer (with nothing known yet, None: its reason, until a re-test). And whether the kernel
+        answered."""
         for attempt in range(self.num_attempts):
             if attempt:
                 time.sleep(self.attempt_pause_s)
             finding = namespaces.find()
             if not finding.missing:
-                return ""
+                return "", True
             if not finding.known:
                 logger.warning("the test of namespaces could not answer (%s): keeping %r", finding.missing, last)
-                return finding.missing if last is None else last
-        return finding.missing
+                return (finding.missing if last is None else last), False
+        return finding.missing, True
 
 
 NAMESPACES = NamespacesFact()  # this agent's, for every engine it starts

@@ -10,6 +10,7 @@ segments its processes hold first and unlinks them after. Standard library only:
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 import time
@@ -91,6 +92,9 @@ class HeldMemory:
     paths: frozenset[Path]  # the names they hold that still exist (removed when their engine is stopped)
     inodes: frozenset[tuple[int, int]]  # (device, inode) of every file they hold
     hidden: bool  # a process of theirs would not show its files (not dumpable): what it holds is unknown
+    # "<path> (device <major>:<minor>)" of each tmpfs not mounted here they hold only mapped, which the agent could not
+    # measure (its `map_files` link refused: no CAP_CHECKPOINT_RESTORE): what it pins is unknown, not 0
+    unmeasured: tuple[str, ...] = ()
 
 
 def process_tree(pid: int) -> set[int]:
@@ -150,6 +154,30 @@ def _tmpfs_usage(path: str) -> tuple[int, int] | None:
     return usage if os.statvfs(path).f_blocks else None
 
 
+_kernel_devices_found: frozenset[int] | None = None
+MAX_PATH_CHARS_SHOWN = 200  # of an unmeasured mapping's path (the engine's to name), in its replica's reason
+
+
+def _kernel_devices() -> frozenset[int]:
+    """The devices of the kernel's own internal file systems, mounted nowhere: its tmpfs of no size (every memfd,
+    shared anonymous mapping and SysV segment is a file of it, counted as memory) and that of anonymous inodes. Asked
+    once, of a memfd and an eventfd of this process's own."""
+    global _kernel_devices_found
+    if _kernel_devices_found is None:
+        found = set()
+        for make in (lambda: os.memfd_create("inferplane-probe"), lambda: os.eventfd(0)):
+            try:
+                fd = make()
+            except (OSError, AttributeError):
+                continue
+            try:
+                found.add(os.fstat(fd).st_dev)
+            finally:
+                os.close(fd)
+        _kernel_devices_found = frozenset(found)
+    return _kernel_devices_found
+
+
 class _PrivateTmpfs:
     """The tmpfs file systems some processes hold files of that the agent does not see mounted: engines' own
     /dev/shm (`namespaces.py`), theirs or one another engine passed them a file of. Each device is asked once."""
@@ -158,18 +186,32 @@ class _PrivateTmpfs:
         self.mounted = _mounted_devices()
         self.usage: dict[int, tuple[int, int]] = {}  # device -> (bytes, files)
         self.uncounted: set[int] = set()  # not a tmpfs, or one of no size
+        # device -> the path of a mapping of it whose `map_files` link was refused
+        self.refused: dict[int, str] = {}
 
-    def measure(self, device: int, link: str) -> None:
+    def unmeasured(self, known) -> tuple[str, ...]:
+        """The mappings of devices that no link answered for, less `known` ones (measured another way) and the
+        kernel's own (`_kernel_devices`): "<path> (device <major>:<minor>)"."""
+        return tuple(sorted(f"{path} (device {os.major(device)}:{os.minor(device)})"
+                            for device, path in self.refused.items()
+                            if device not in self.usage and device not in self.uncounted and device not in known
+                            and device not in _kernel_devices()))  # fmt: skip
+
+    def measure(self, device: int, link: str, *, mapped_as: str | None = None) -> None:
         """Note `device` through `link`, a file of it, unless it is a device mounted here or known already.
 
         NOTE: only an answer about the device is kept; a link that fails (gone meanwhile, or a `map_files` link
         refused to an agent without CAP_CHECKPOINT_RESTORE) says nothing of it: the next link of it is asked. Kept,
-        one refused mapping walked first hid a file of that tmpfs held open elsewhere, and the whole tmpfs counted 0."""
+        one refused mapping walked first hid a file of that tmpfs held open elsewhere, and the whole tmpfs counted 0.
+        A mapping's link refused (`mapped_as`, its path) is noted in `refused`: unless another link answers, that
+        tmpfs is unmeasured (`unmeasured`), which stops its engine; before, it counted 0."""
         if device in self.mounted or device in self.usage or device in self.uncounted or os.major(device) != 0:
             return  # NOTE: a tmpfs has an anonymous device (major 0)
         try:
             usage = _tmpfs_usage(link)
-        except OSError:
+        except OSError as exc:
+            if mapped_as is not None and exc.errno in (errno.EPERM, errno.EACCES):
+                self.refused.setdefault(device, mapped_as[:MAX_PATH_CHARS_SHOWN])
             return
         if usage is None:
             self.uncounted.add(device)
@@ -185,7 +227,8 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     not returned, which name other files here. So is, once, every other tmpfs not mounted here that `pids` hold a
     file of, whatever its path (another engine's /dev/shm: `_PrivateTmpfs`), measured through the open file itself
     (`/proc/<pid>/fd/<n>`, and `/proc/<pid>/map_files/<range>` for a file only mapped, which the kernel shows only
-    to an agent with CAP_CHECKPOINT_RESTORE: without, a file only mapped counts only by its path, as in `folder`)."""
+    to an agent with CAP_CHECKPOINT_RESTORE: without, a file only mapped counts only by its path, as in `folder`,
+    and one of another tmpfs that no link of theirs measures is `unmeasured`)."""
     own_folders: dict[int, tuple[int, int]] = {}  # device -> (bytes, files) of the processes' own `folder`s
     private = _PrivateTmpfs()
     try:
@@ -247,7 +290,8 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
             start, end = (int(value, 16) for value in parts[0].split("-"))
             major, minor = (int(value, 16) for value in parts[3].split(":"))
             inode = (os.makedev(major, minor), int(parts[4]))
-            private.measure(inode[0], f"/proc/{pid}/map_files/{start:x}-{end:x}")
+            link = f"/proc/{pid}/map_files/{start:x}-{end:x}"
+            private.measure(inode[0], link, mapped_as=parts[5].rstrip("\n"))
             if not parts[5].startswith(prefix):
                 continue
             path = parts[5].rstrip("\n")
@@ -271,7 +315,8 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     num_bytes = sum(size for (device, _), size in counted.items() if device not in whole)
     num_bytes += sum(num_bytes for num_bytes, _ in whole.values())
     num_files = sum(num_files for _, num_files in whole.values())
-    return HeldMemory(num_bytes, num_files, frozenset(paths), frozenset(sizes) | frozenset(mapped), hidden)
+    return HeldMemory(num_bytes, num_files, frozenset(paths), frozenset(sizes) | frozenset(mapped), hidden,
+                      private.unmeasured(known=own_folders))  # fmt: skip
 
 
 def remove_orphans(

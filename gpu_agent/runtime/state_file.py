@@ -1,14 +1,26 @@
-"""`<data-dir>/replicas.json`: the engines this agent runs, so the next agent on the data dir can adopt them.
+"""`<data-dir>/replicas.json`: the engines this agent runs, so the next agent on the data dir can adopt them, and what
+it read of its node that a restart must not forget.
 
 Written atomically (a temporary file, then a rename) with mode 0600 after every launch, exit and
-failure; read once, by `Supervisor.recover`. Only replicas with a live engine are recorded.
+failure, and when a reading kept here changes; read once (`StateFile.records`, by `Supervisor.recover`;
+`StateFile.readings`, by `Agent`). Only replicas with a live engine are recorded.
+
+The readings (`StateFile.save_reading`: a confirmed refusal of namespaces, the safetensors readers' back-offs) are
+stamped with the node's boot, their times on its monotonic clock: those of another boot are ignored. NOTE: a file
+this agent did not write is trusted for nothing (not adopted from, no reading taken): not a regular file of the
+agent's own user, writable by another (group or others), or not what it writes; each is ignored with a log line. An
+engine cannot write it (Landlock: `tests/agent/test_engine_sandbox.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import stat
+import tempfile
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,8 +28,25 @@ from gpu_agent.protocol import ReplicaSpec, ReplicaState
 from gpu_agent.runtime.engine import EngineCommand
 from gpu_agent.runtime.replica_state import ManagedReplica
 
+logger = logging.getLogger(__name__)
 
-def save(path: Path, replicas: Iterable[ManagedReplica]) -> None:
+# NOTE: the readings' key beside the replicas' records: no replica has an empty id (`ReplicaSpec`), and an older
+# agent skips a record it cannot read and adopts the others.
+READINGS_KEY = ""
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+MAX_STATE_BYTES = 64 * 1024 * 1024  # past this the file is no state this agent wrote
+
+
+def boot_id() -> str:
+    """This boot of the node ("" where unknown): monotonic times of another boot mean nothing here."""
+    try:
+        with open(BOOT_ID_PATH, encoding="ascii") as handle:
+            return handle.read().strip()
+    except (OSError, ValueError):
+        return ""
+
+
+def _records(replicas: Iterable[ManagedReplica]) -> dict[str, dict]:
     records = {}
     for replica in replicas:
         if replica.pid is None or replica.command is None:
@@ -36,19 +65,106 @@ def save(path: Path, replicas: Iterable[ManagedReplica]) -> None:
             "num_restarts": replica.num_restarts,
             "sleeping": replica.state == ReplicaState.SLEEPING,
         }
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps(records, indent=2))
-    os.replace(tmp, path)
+    return records
 
 
-def load(path: Path) -> dict[str, dict]:
-    """The records by replica id; none when the file is missing or unreadable."""
+def _read_own(path: Path) -> dict | None:
+    """The file's JSON object, if this agent's user wrote it and no one else can (None, logged, otherwise)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        logger.warning("the agent's state file %s cannot be opened (%s): ignored", path, exc.strerror)
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+            logger.warning("the agent's state file %s is not this agent's own (uid %d, mode %o): ignored", path,
+                           info.st_uid, stat.S_IMODE(info.st_mode))  # fmt: skip
+            return None
+        try:
+            data = json.loads(handle.read(MAX_STATE_BYTES + 1))
+        except (OSError, ValueError) as exc:
+            logger.warning("the agent's state file %s cannot be read (%s): ignored", path, exc)
+            return None
+    if not isinstance(data, dict):
+        logger.warning("the agent's state file %s holds no records: ignored", path)
+        return None
+    return data
+
+
+class StateFile:
+    """The agent's state file: its engines' records and its readings of the node, read once, written whole."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()  # a leaf: nothing is called under it
+        self._records: dict[str, dict] | None = None  # None: not read yet
+        self._readings: dict[str, object] = {}
+
+    def records(self) -> dict[str, dict]:
+        """The records by replica id, as read from the file; none when it is missing, unreadable or not the agent's
+        own."""
+        with self._lock:
+            self._read_once()
+            return dict(self._records)
+
+    def readings(self) -> dict[str, object]:
+        """The readings kept on this boot, by name; those of another boot (or none known) are ignored."""
+        with self._lock:
+            self._read_once()
+            return dict(self._readings)
+
+    def save(self, replicas: Iterable[ManagedReplica]) -> None:
+        """Record the replicas with a live engine (the readings kept as they are)."""
+        records = _records(replicas)
+        with self._lock:
+            self._read_once()
+            self._records = records
+            self._write()
+
+    def save_reading(self, name: str, value) -> None:
+        """Keep a reading (JSON) across restarts, or forget it (None). Never raises: a reading not written (the disk
+        full) is logged, and its owner goes on as it would have."""
+        with self._lock:
+            self._read_once()
+            if value is None:
+                self._readings.pop(name, None)
+            else:
+                self._readings[name] = value
+            try:
+                self._write()
+            except OSError as exc:
+                logger.warning("the agent's state file %s could not be written (%s)", self.path, exc.strerror)
+
+    def _read_once(self) -> None:
+        if self._records is not None:
+            return
+        data = _read_own(self.path) or {}
+        readings = data.pop(READINGS_KEY, None)
+        self._records = {key: record for key, record in data.items() if isinstance(record, dict)}
+        if readings is None:
+            return
+        this_boot = boot_id()
+        if not isinstance(readings, dict) or not this_boot or readings.get("boot_id") != this_boot:
+            logger.info("the agent's state file %s holds readings of another boot: ignored", self.path)
+            return
+        self._readings = {name: value for name, value in readings.items() if name != "boot_id"}
+
+    def _write(self) -> None:
+        data = dict(self._records)
+        if self._readings:
+            data[READINGS_KEY] = {"boot_id": boot_id(), **self._readings}
+        # NOTE: a file of its own each time (0600, O_EXCL): never written through one someone else made there
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(data, indent=2))
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def replica_from_record(replica_id: str, record: dict, logs_dir: Path, desired: dict[str, ReplicaSpec] | None) -> ManagedReplica:

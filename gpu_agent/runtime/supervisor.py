@@ -147,6 +147,8 @@ class Supervisor:
         self.logs_dir = self.data_dir / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.data_dir / "replicas.json"
+        # its engines' records, and the agent's readings of its node (`Agent`)
+        self.state = state_file.StateFile(self.state_path)
         self.device = device
         self.policy = policy or SupervisorPolicy()
         self.command_factory = command_factory or self._default_command
@@ -647,6 +649,12 @@ class Supervisor:
             if held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
                 over.append((replica, "its engine hid the files it holds from the agent (a process not dumpable): "
                                       "stopped, and its folders emptied", held.paths))
+            # a tmpfs only mapped that the agent cannot measure: what it pins is unknown
+            elif held.unmeasured:
+                over.append((replica, "its engine maps memory of a tmpfs not its own that this agent cannot measure "
+                                      f"({', '.join(held.unmeasured[:3])}{' …' * (len(held.unmeasured) > 3)}; "
+                                      "the agent has no CAP_CHECKPOINT_RESTORE to read "
+                                      "its mappings): stopped, and its folders emptied", held.paths))  # fmt: skip
             elif why:
                 over.append((replica, f"its engine wrote {why} to its own folders and /dev/shm (its scratch folder, "
                                       "its endpoint's cache and the shared memory its processes hold, this node's "
@@ -922,7 +930,7 @@ class Supervisor:
         Returns (adopted replica ids, killed replica ids).
         """
         adopted, killed = [], []
-        records = state_file.load(self.state_path)
+        records = self.state.records()
         with self._lock:
             for replica_id, record in records.items():
                 if replica_id in self._replicas:
@@ -974,4 +982,4 @@ class Supervisor:
                 self.standby.stop()
 
     def _save_state(self) -> None:
-        state_file.save(self.state_path, self._replicas.values())
+        self.state.save(self._replicas.values())

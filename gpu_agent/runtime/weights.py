@@ -26,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gpu_agent.protocol import MAX_WEIGHTS_REPORTS, ModelInfo, WeightsStatus
@@ -108,6 +109,9 @@ class WeightsCache:
         # model directory -> (readings in a row that gave no answer, when a heartbeat's may read it again)
         self._unsettled: dict[Path, tuple[int, float]] = {}
         self.unsettled_retry_s = UNSETTLED_RETRY_S
+        # Called under the lock with `_unsettled` as JSON whenever it changes, to keep it across a restart (the
+        # agent's state file: `Agent`, `restore_unsettled`).
+        self.keep_unsettled: Callable[[dict], None] | None = None
         self._reads_in_flight: dict[Path, threading.Event] = {}  # set when that directory's reading is made
         # directories a heartbeat found unread, in order, for the background reader
         self._to_read: dict[Path, None] = {}
@@ -279,12 +283,43 @@ class WeightsCache:
                     num_tries = self._unsettled.get(model_dir, (0, 0.0))[0] + 1
                     delay = self.unsettled_retry_s[min(num_tries, len(self.unsettled_retry_s)) - 1]
                     self._unsettled[model_dir] = (num_tries, time.monotonic() + delay)
+                    self._keep_unsettled()
                 elif reading is not None:
                     self._readings[model_dir] = reading
-                    self._unsettled.pop(model_dir, None)
+                    if self._unsettled.pop(model_dir, None) is not None:
+                        self._keep_unsettled()
                 del self._reads_in_flight[model_dir]
             done.set()
         return reading
+
+    def restore_unsettled(self, record) -> int:
+        """Take the back-offs of readings that gave no answer that a previous agent on this boot of the node kept
+        (`keep_unsettled`): {model directory: [readings in a row that gave no answer, when a heartbeat's may read it
+        again on this boot's monotonic clock]}. Before, a restarted agent read them all again at once, its back-off
+        back at the first step. Returns how many were taken; an entry not of that shape is ignored with a log line."""
+        if not isinstance(record, dict):
+            return 0
+        latest = time.monotonic() + max(self.unsettled_retry_s)
+        taken = {}
+        for path, entry in record.items():
+            try:
+                num_tries, retry_at = int(entry[0]), float(entry[1])
+            except (TypeError, ValueError, IndexError, KeyError):
+                num_tries, retry_at = 0, 0.0
+            if not isinstance(path, str) or not os.path.isabs(path) or not 1 <= num_tries <= 1000:
+                logger.warning("a back-off kept by a previous agent is not one: ignored")
+                continue
+            # NOTE: never longer than the schedule's longest
+            taken[Path(path)] = (num_tries, min(retry_at, latest))
+        with self._mutex:
+            for path, entry in taken.items():
+                self._unsettled.setdefault(path, entry)
+        return len(taken)
+
+    def _keep_unsettled(self) -> None:
+        """Under the mutex: hand `_unsettled` to `keep_unsettled`."""
+        if self.keep_unsettled is not None:
+            self.keep_unsettled({str(path): list(entry) for path, entry in self._unsettled.items()})
 
     def model_info(self, model_dir: str | Path) -> ModelInfo | None:
         return self.read_model(model_dir).info

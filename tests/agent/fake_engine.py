@@ -205,8 +205,23 @@ def give_shm_fd(folder: str) -> None:
             client.close()
 
 
+def map_only(fd: int) -> int:
+    """Map the file (shared, read) and close `fd`: only the mapping holds it. NOTE: not `mmap.mmap`, which keeps a
+    descriptor of its own (a duplicate), through which the agent measures the file as if it were open."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
+    address = libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    os.close(fd)
+    return address
+
+
 def keep_shm_fds(mapped: bool) -> None:
-    """Connect to every socket named `PASS_SOCKET` that /proc/net/unix lists, keeping the files passed."""
+    """Connect to every socket named `PASS_SOCKET` that /proc/net/unix lists, keeping the files passed (`mapped`: only
+    mapped, `map_only`)."""
     import socket
 
     kept, done = [], set()
@@ -222,9 +237,7 @@ def keep_shm_fds(mapped: bool) -> None:
                 continue  # removed meanwhile
             done.add(path)
             for fd in fds:
-                kept.append(mmap.mmap(fd, 1) if mapped else fd)
-                if mapped:
-                    os.close(fd)
+                kept.append(map_only(fd) if mapped else fd)
             print(f"==> kept {len(kept)}", flush=True)
         time.sleep(0.2)
 

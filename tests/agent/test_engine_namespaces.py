@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -437,3 +438,64 @@ def test_an_engine_goes_by_what_the_agent_found_and_never_on_half_set_up():
 
 def test_the_node_says_its_engines_have_namespaces_of_their_own():
     assert sandbox.node_fact(sandbox.SandboxMode.BEST_EFFORT).endswith("; own pid, mount and user namespaces")
+
+
+# The scenario above, mapped, under an agent without CAP_CHECKPOINT_RESTORE (the systemd unit's): prints the keeper's
+# state and reason after the agent's check.
+KEEPER_WITHOUT_THE_CAPABILITY = """
+import json, sys
+from pathlib import Path
+from gpu_agent.protocol import ReplicaState
+from gpu_agent.runtime import process, sandbox
+from gpu_agent.runtime.engine_disk import EngineDiskBounds
+from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+from tests.agent.conftest import fake_engine_factory, make_spec, wait_for_state
+
+MB = 1_000_000
+args = {"r-b": ["--keep-shm-fds", "--keep-mapped"],
+        "r-a1": ["--fill-shm-bytes", str(48 * MB), "--shm-closed", "--give-shm-fd", "TMPDIR"]}
+factory = lambda spec, path, port: fake_engine_factory("--confine", *args[spec.replica_id])(spec, path, port)
+supervisor = Supervisor(Path(sys.argv[1]), command_factory=factory, sandbox_mode=sandbox.SandboxMode.REQUIRED,
+                        policy=SupervisorPolicy(stop_timeout_s=5),
+                        disk_bounds=EngineDiskBounds(engine_max_bytes=64 * MB, check_interval_s=0))
+try:
+    for replica_id in ("r-b", "r-a1"):
+        supervisor.start(make_spec(replica_id, endpoint_id="e-same"), Path(sys.argv[1]))
+        wait_for_state(supervisor, replica_id, ReplicaState.READY, timeout_s=30)
+    log = supervisor.get("r-b").log_path
+    wait_for_state(supervisor, "r-a1", ReplicaState.READY, timeout_s=1)
+    import time
+    deadline = time.monotonic() + 20
+    while "==> kept 1" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    supervisor.drain("r-a1")
+    wait_for_state(supervisor, "r-a1", ReplicaState.STOPPED, timeout_s=20)
+    supervisor.check_disk()
+    keeper = supervisor.get("r-b")
+    print(json.dumps({"state": keeper.state.value, "reason": keeper.failure_reason or ""}))
+finally:
+    supervisor.shutdown(timeout_s=5)
+    process.kill_orphans(supervisor.data_dir, set())
+"""
+
+
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root")
+
+
+@AS_ROOT
+def test_an_engine_mapping_a_stopped_engines_shared_memory_fails_with_the_reason_under_an_agent_without_the_capability(
+    tmp_path,
+):
+    # Before, the keeper's mapping (its fd closed) was refused to this agent and counted 0: READY, 48 MiB pinned.
+    # NOTE: the agent keeps its user (root here: this interpreter may lie where no other user reads) and every
+    # capability but CAP_SETFCAP (which root needs to map itself in its engines' user namespaces) goes, CAP_SYS_ADMIN
+    # and CAP_CHECKPOINT_RESTORE among them.
+    done = subprocess.run(
+        ["setpriv", "--inh-caps=-all", "--bounding-set=-all,+setfcap",
+         sys.executable, "-c", KEEPER_WITHOUT_THE_CAPABILITY, str(tmp_path / "agent")],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    keeper = json.loads(done.stdout.splitlines()[-1])
+    assert keeper["state"] == ReplicaState.FAILED.value, keeper
+    assert "maps memory of a tmpfs not its own that this agent cannot measure (/" in keeper["reason"]

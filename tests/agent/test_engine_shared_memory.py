@@ -208,10 +208,9 @@ def test_files_no_process_holds_go_after_the_grace_period_whatever_their_times_a
 
 
 # As an agent without CAP_CHECKPOINT_RESTORE (the systemd unit's): engine A's own tmpfs (not mounted in the agent's
-# view) holds 48 MiB it wrote and closed, and a 1-byte file of it passed to engine B; B holds its fd, and a process of
-# B maps it with no fd kept. Prints the bytes `held_by` counts for B alone, then for B and that process, the mapping
-# walked first (whose `map_files` link the kernel refuses to this agent).
-FOREIGN_TMPFS = """
+# view) holds 48 MiB it wrote and closed, and a 1-byte file of it passed to engine B (`fd`); `child` makes a process of
+# B holding it by its fd, or mapping it with no fd kept.
+FOREIGN_FILE = """
 import ctypes, json, os, socket, sys, time
 from gpu_agent.runtime import shared_memory
 
@@ -256,8 +255,10 @@ def child(maps: bool) -> int:  # a process of B holding the passed file: by its 
     os.read(read_end, 1)
     children.append(pid)
     return pid
-
-
+"""
+# B holds the file's fd, and a process of B maps it with no fd kept. Prints the bytes `held_by` counts for B alone, then
+# for B and that process, the mapping walked first (whose `map_files` link the kernel refuses to this agent).
+FOREIGN_TMPFS = (FOREIGN_FILE + """
 # NOTE: a set of two pids walks them in the order of their hashes' low bits: a holder whose pid ends in 0 there comes
 # first with any mapper; another holder is made then (before, one run in eight found no order with the mapper first).
 for _ in range(16):
@@ -274,7 +275,7 @@ for each in children:
     os.kill(each, 9)
     os.waitpid(each, 0)
 print(json.dumps({"fd_only": fd_only, "fd_and_map": fd_and_map, "mapper_first": next(iter({holder, pid})) == pid}))
-"""
+""")  # fmt: skip
 
 
 @pytest.mark.skipif(
@@ -300,3 +301,72 @@ def test_a_foreign_tmpfs_held_by_fd_counts_whole_though_a_mapping_of_it_walked_f
     assert counted["mapper_first"]
     assert counted["fd_only"] >= 48 * 1024 * 1024
     assert counted["fd_and_map"] >= 48 * 1024 * 1024
+
+
+# Only a process of B maps the file: B keeps no fd of it, and engine A is gone. Prints what `held_by` finds for that
+# process; then for a process mapping only the kernel's own tmpfs (a memfd, a shared anonymous mapping), as vLLM's do.
+MAPPED_ONLY = (FOREIGN_FILE + """
+mapper = child(maps=True)
+os.close(fd)  # nothing but the mapping holds A's tmpfs now
+held = shared_memory.held_by({mapper})
+read_end, write_end = os.pipe()
+kernel_own = os.fork()
+if kernel_own == 0:
+    import mmap
+    memfd = os.memfd_create("ring")
+    os.ftruncate(memfd, 4096)
+    kept = [mmap.mmap(memfd, 4096), mmap.mmap(-1, 4096, flags=mmap.MAP_SHARED)]
+    os.close(memfd)
+    os.write(write_end, b"k")
+    time.sleep(60)
+    os._exit(0)
+os.read(read_end, 1)
+children.append(kernel_own)
+plain = shared_memory.held_by({kernel_own})
+for each in children:
+    os.kill(each, 9)
+    os.waitpid(each, 0)
+print(json.dumps({"bytes": held.num_bytes, "unmeasured": list(getattr(held, "unmeasured", ())),
+                  "kernel_own_bytes": plain.num_bytes, "kernel_own_unmeasured": list(getattr(plain, "unmeasured", ()))}))
+""")  # fmt: skip
+
+
+def _run_without_the_capability(script: str) -> dict:
+    """`script`'s last line of JSON, run as another user with no capability (the systemd unit's agent has neither
+    CAP_CHECKPOINT_RESTORE nor CAP_SYS_ADMIN), its argument a folder for engine A's own tmpfs."""
+    folder = Path(tempfile.mkdtemp(prefix="inferplane-foreign-tmpfs-"))
+    folder.chmod(0o755)
+    try:
+        done = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+             sys.executable, "-c", script, str(folder)],
+            capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
+        )  # fmt: skip
+    finally:
+        folder.rmdir()
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout.splitlines()[-1])
+    if "skip" in answer:
+        pytest.skip(answer["skip"])
+    return answer
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user"
+)
+def test_a_foreign_tmpfs_held_only_by_a_mapping_is_unmeasured_with_its_path_not_counted_zero():
+    # Before, the mapping's `map_files` link (refused without the capability) was the only way to it: the 48 MiB of
+    # the gone engine's tmpfs counted 0 and nothing said so.
+    answer = _run_without_the_capability(MAPPED_ONLY)
+    assert [why for why in answer["unmeasured"] if why.startswith("/tiny (device 0:")], answer
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user"
+)
+def test_the_kernel_s_own_shared_memory_mapped_without_the_capability_is_not_unmeasured():
+    # Guard (passes before and after): a memfd or a shared anonymous mapping (vLLM's, the kernel's own tmpfs of no
+    # size, counted as memory) is no foreign tmpfs and stops no engine.
+    answer = _run_without_the_capability(MAPPED_ONLY)
+    assert answer["kernel_own_unmeasured"] == []
+    assert answer["kernel_own_bytes"] == 0
