@@ -365,8 +365,8 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
 
 def _quantity(invoice, usage_price_id: str, *, attempts: int) -> int | None:
     """What Stripe's `invoice` billed of the usage price's meter (`usage_price_id`): the quantities of its lines of that
-    price, all of them (`invoice_lines`). None where that cannot be told: the price not known, or a line whose price or
-    quantity Stripe does not say (it may be of the usage price).
+    price, all of them (`usage_price_lines`). None where that cannot be told: the price not known, a line whose price
+    cannot be told, or a usage line whose quantity Stripe does not say.
 
     NOTE: not every line's quantity, as before: a line of another price (a one-off invoice item, a second price staff
     put on the subscription) is in units of something else, and the events of the deletion's own second it made
@@ -375,17 +375,59 @@ def _quantity(invoice, usage_price_id: str, *, attempts: int) -> int | None:
     for dropped and billed again to the next customer."""
     if not usage_price_id:
         return None
-    quantity = 0
-    for line in invoice_lines(invoice.to_dict(), attempts=attempts):
+    lines = usage_price_lines(invoice.to_dict(), usage_price_id, attempts=attempts)
+    if lines is None or any(line.get("quantity") is None for line in lines):
+        logger.warning("the invoice %s has a line whose price or quantity cannot be told: what it billed of the usage "
+                       "price is not known", invoice.id)
+        return None
+    return sum(line["quantity"] for line in lines)
+
+
+def usage_price_lines(invoice: dict, usage_price_id: str, *, attempts: int, subscription=None) -> list[dict] | None:
+    """The lines of Stripe's `invoice` (a dict) that bill the usage price (`usage_price_id`), all of them
+    (`invoice_lines`); None where a line's price cannot be told.
+
+    A line's price is the one it states (`price_of`); where it states none (its `pricing` or `pricing.price_details`
+    is null: Stripe's API allows both, and gives pricing of other kinds, rate cards, as another `pricing.type`), its
+    `parent` says what made it: a subscription item, whose price the subscription says (`subscription`, read from
+    Stripe when needed and not given), or an invoice item, whose price is one-time (Stripe refuses a recurring price for
+    an invoice item), so it never bills a meter. NOTE: before, such a line was skipped: with the usage line priced so,
+    an ended subscription counted as having invoiced nothing, and the next one, started at its start, billed its usage
+    twice; and what a deleted customer's invoice billed was not known."""
+    item_prices = None
+    found = []
+    for line in invoice_lines(invoice, attempts=attempts):
         price_id = price_of(line)
-        if price_id and price_id != usage_price_id:
-            continue
-        if not price_id or line.get("quantity") is None:
-            logger.warning("the invoice %s has a line (%s) whose price or quantity Stripe does not say: what it billed "
-                           "of the usage price is not known", invoice.id, line.get("id"))
-            return None
-        quantity += line["quantity"]
-    return quantity
+        if not price_id:
+            parent = line.get("parent") or {}
+            if parent.get("type") == "invoice_item_details" or line.get("type") == "invoiceitem":
+                continue
+            item_id = ((parent.get("subscription_item_details") or {}).get("subscription_item")
+                       or reference_id(line.get("subscription_item")))
+            if item_id and item_prices is None:
+                if subscription is None:
+                    subscription = _subscription_of(invoice, line, attempts=attempts)
+                item_prices = {} if subscription is None else {
+                    item["id"]: reference_id(item["price"]) for item in subscription["items"]["data"]}
+            price_id = (item_prices or {}).get(item_id or "", "")
+            if not price_id:
+                logger.warning("the invoice %s has a line (%s) whose price Stripe does not say", invoice.get("id"),
+                               line.get("id"))
+                return None
+        if price_id == usage_price_id:
+            found.append(line)
+    return found
+
+
+def _subscription_of(invoice: dict, line: dict, *, attempts: int):
+    """The subscription (a dict) that made `line` of `invoice`, read from Stripe; None if neither names one."""
+    subscription_id = (((line.get("parent") or {}).get("subscription_item_details") or {}).get("subscription")
+                       or (((invoice.get("parent") or {}).get("subscription_details") or {}).get("subscription"))
+                       or reference_id(invoice.get("subscription")))
+    if not subscription_id:
+        return None
+    return call_stripe(lambda options: stripe_client().v1.subscriptions.retrieve(subscription_id, options=options),
+                       what="subscription read", attempts=attempts).to_dict()
 
 
 def invoice_lines(invoice: dict, *, attempts: int) -> list[dict]:
@@ -599,7 +641,8 @@ def _invoiced_until(subscription, usage_price_id: str) -> int:
     period (cancelled at once in the Dashboard or the API, or by Stripe after failed payments) bills what it had not
     invoiced only if it was cancelled with `invoice_now`, which defaults to false (Stripe makes that invoice with the
     cancellation); without it, Stripe discards that usage. So its invoices are read, and it is invoiced up to the
-    latest end of the periods of the usage price's lines (`usage_price_id`), all of them (`invoice_lines`), of those
+    latest end of the periods of the usage price's lines (`usage_price_id`), all of them (`usage_price_lines`: a line
+    that states no price is placed by the subscription item or invoice item that made it), of those
     that settle their period (`_settles_its_period`: they bill it, or are written off), or, with none, its start (a
     backdated subscription ended before its first invoice). Before, the next subscription always started at the ended
     one's end: the usage of the ended period was billed by no invoice.
@@ -617,10 +660,21 @@ def _invoiced_until(subscription, usage_price_id: str) -> int:
     if subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends)):
         return ended_at
     invoices = stripe_client().v1.invoices.list(params={"subscription": subscription.id, "limit": 100}).data
-    return max((line["period"]["end"] for invoice in invoices if _settles_its_period(invoice)
-                for line in invoice_lines(invoice.to_dict(), attempts=1)
-                if price_of(line) == usage_price_id and line["period"]["end"] <= ended_at),
-               default=subscription.start_date)
+    ends = []
+    for invoice in invoices:
+        if not _settles_its_period(invoice):
+            continue
+        lines = usage_price_lines(invoice.to_dict(), usage_price_id, attempts=1, subscription=subscription.to_dict())
+        if lines is None:  # NOTE: a guess either way bills usage twice or never: the push fails, visibly, and retries
+            raise UnknownInvoiceLines(f"invoice {invoice.id} has a line whose price cannot be told: where its "
+                                      f"subscription {subscription.id}'s invoices stopped is not known")
+        ends += [line["period"]["end"] for line in lines if line["period"]["end"] <= ended_at]
+    return max(ends, default=subscription.start_date)
+
+
+class UnknownInvoiceLines(Exception):
+    """An ended subscription's invoice has a line whose price Stripe does not say, nor its parent
+    (`usage_price_lines`): the next subscription is not made until it can be told."""
 
 
 def _settles_its_period(invoice) -> bool:

@@ -558,6 +558,31 @@ def test_a_subscription_cancelled_at_once_is_followed_from_its_usage_line_whatev
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
 
 
+def test_a_subscription_cancelled_at_once_is_followed_from_its_usage_line_when_its_lines_state_no_price(fake_stripe):
+    """Stripe's invoice line may state no price (its `pricing` is null; pricing of other kinds, rate cards, comes as
+    another `pricing.type`): its `parent` names the subscription item or invoice item that made it. Before, such a line
+    was skipped: the ended subscription counted as having invoiced nothing, the next one began at its start, and the
+    6th hour, billed by the first's invoice, was billed again by the next. The usage line is placed by its subscription
+    item now, and a one-off invoice item's line (made after the period, pulled in ahead of it) counts for nothing."""
+    endpoint = EndpointFactory()
+    fake_stripe.line_prices_shown = False
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    fake_stripe.add_invoice_item(customer, amount=500)
+    invoiced_until = _end_period_after_what_was_pushed(fake_stripe, first)
+    [invoice] = fake_stripe.invoices.values()
+    assert [line["pricing"] is None for line in invoice["lines"]["data"]] == [False, True]
+    _use_and_push(endpoint, num_hours_ago=5)  # in the period the cancellation cuts short
+
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, second)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+    assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoiced_until
+
+
 def _written_off_once(fake_stripe, customer_id: str) -> None:
     """Every unit of usage pushed to the customer is on one of its invoices, once; a void one's (some) are forgiven."""
     assert fake_stripe.invoiced_usage(customer_id) == _cost_pushed(fake_stripe, customer_id)
@@ -844,7 +869,7 @@ def test_events_of_the_deletions_second_that_its_invoices_cannot_place_count_as_
 
 
 @pytest.mark.parametrize("received", ["before_the_deletion", "after_the_deletion"])
-@pytest.mark.parametrize("other_lines", ["a_second_price", "ten_invoice_items_ahead"])
+@pytest.mark.parametrize("other_lines", ["a_second_price", "ten_invoice_items_ahead", "none_but_no_price_stated"])
 def test_events_of_the_deletions_second_are_placed_by_the_usage_prices_lines_alone_and_all_of_them(
         fake_stripe, received, other_lines):
     """The draft the deletion finalises has other lines than the usage price's: a second price staff put on the
@@ -852,7 +877,8 @@ def test_events_of_the_deletions_second_are_placed_by_the_usage_prices_lines_alo
     ahead of it, which puts the usage price's line 11th, past the 10 an invoice shows. Before, its quantity was every
     line's, of those it shows: too much (its tokens too) or too little (ten items, and no usage), so the 6th hour's
     events, received in the deletion's second, could not be placed: dropped by Stripe, they were billed by no customer.
-    Only the usage price's lines count now, all of them read."""
+    Only the usage price's lines count now, all of them read; and one that states no price (`pricing` null), whose
+    quantity was not known before (the 6th hour, dropped, billed by no customer), is placed by its subscription item."""
     endpoint = EndpointFactory()
     _use_and_push(endpoint, num_hours_ago=7)
     old_customer, old_subscription = _subscribed(endpoint)
@@ -860,6 +886,8 @@ def test_events_of_the_deletions_second_are_placed_by_the_usage_prices_lines_alo
     rollup_usage()
     if other_lines == "a_second_price":
         fake_stripe.add_subscription_item(old_subscription, meter="inferplane_input_tokens")
+    elif other_lines == "none_but_no_price_stated":  # its usage line's `pricing` null: placed by its subscription item
+        fake_stripe.line_prices_shown = False
     else:
         for _ in range(10):
             fake_stripe.add_invoice_item(old_customer, amount=500)
@@ -875,7 +903,8 @@ def test_events_of_the_deletions_second_are_placed_by_the_usage_prices_lines_alo
     _webhook("customer.deleted", gone, created=second)
     fake_stripe.frozen_s = None
     usage_lines = [line for line in draft["lines"]["data"] if fake_stripe.meter_of(line) == BILLED_METER_EVENT_NAME]
-    assert draft["status"] == "open" and len(draft["lines"]["data"]) == (2 if other_lines == "a_second_price" else 11)
+    assert draft["status"] == "open" and len(draft["lines"]["data"]) == {
+        "a_second_price": 2, "ten_invoice_items_ahead": 11, "none_but_no_price_stated": 1}[other_lines]
     assert usage_lines == draft["lines"]["data"][-1:]  # Stripe orders invoice items and newer items first
 
     _billed_once(fake_stripe, endpoint, old_customer, dropped=received == "after_the_deletion")
