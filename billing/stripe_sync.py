@@ -37,7 +37,7 @@ import random
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import stripe
@@ -57,6 +57,7 @@ from billing.models import (
     StripeMeter,
     UsageRollup,
     voided_after_deletion,
+    voided_in_deletions_second,
 )
 from controlplane.accounts.models import Organization
 from controlplane.redis_client import held_alone
@@ -312,19 +313,24 @@ class DeletedCustomerInvoices:
     """What Stripe's invoices of a customer just deleted settle, its drafts finalised (`deleted_customer_invoices`)."""
 
     invoiced_until: datetime | None  # the latest end of the periods they settle: billed, or written off; None: none
-    # (start, end, quantity) of those that bill their period: Stripe's seconds, and what they billed in units of the
-    # billed meter (`billing.models.BILLED_METER_EVENT_NAME`), None where it is not final (a draft still advancing) or
-    # not known (`_quantity`).
-    billed_periods: list[tuple[int, int, int | None]] | None  # None: not read
-    written_off: list[str]  # the ids of the void ones voided before the deletion (or in its second): staff write-offs
+    # (start, end, quantity, invoice id) of those that bill their period: Stripe's seconds, and what they billed in
+    # units of the billed meter (`billing.models.BILLED_METER_EVENT_NAME`), None where it is not final (a draft still
+    # advancing) or not known (`_quantity`).
+    billed_periods: list[tuple[int, int, int | None, str]] | None  # None: not read
+    written_off: list[str]  # the ids of the void ones voided a second before the deletion: staff write-offs
+    # (invoice id, start, end) of the void ones Stripe's clock cannot order against the deletion
+    # (`billing.models.voided_in_deletions_second`): their usage is held for an operator.
+    voided_in_its_second: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
                               attempts: int = MAX_ATTEMPTS) -> DeletedCustomerInvoices:
     """What Stripe's invoices of `customer_id`, deleted at `deleted_at` (the deletion event's `created`), settle, once
     its drafts are finalised: those that bill the usage of their period (`billing.models.BILLING_INVOICE_STATUSES`),
-    and the void ones voided at or before the deletion (`status_transitions.voided_at`): a live customer's void is a
-    staff write-off (`billing.models.WRITTEN_OFF_INVOICE_STATUS`). Before, a void one counted as billing nothing
+    and the void ones voided before the deletion (`status_transitions.voided_at`): a live customer's void is a
+    staff write-off; one voided in the deletion's own second is neither known billed nor written off: its usage is held
+    for an operator (`voided_in_its_second`). NOTE: the invoices read here, after the deletion, and not void then were
+    voided after it if voided since, whatever the second (`billed_periods`' ids) (`billing.models.WRITTEN_OFF_INVOICE_STATUS`). Before, a void one counted as billing nothing
     whenever it was voided, and the usage staff had forgiven went to the next customer. One voided after the deletion
     settles nothing (no card charges it): its usage goes again (`billing.services.push_again_voided`). Read for a
     customer just deleted (`billing.webhooks`): its invoices' own webhooks may come after its deletion's, and the usage
@@ -343,7 +349,7 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
     invoices = call_stripe(
         lambda options: stripe_client().v1.invoices.list(params={"customer": customer_id, "limit": 100}, options=options),
         what="invoice list", attempts=attempts)
-    ends, billed_periods, written_off = [], [], []
+    ends, billed_periods, written_off, voided_in_its_second = [], [], [], []
     for invoice in invoices.auto_paging_iter():
         if invoice.status == "draft":
             invoice = _finalized(invoice.id, attempts=attempts)
@@ -351,16 +357,21 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
             ends.append(invoice.period_end)
             final = invoice.status in BILLING_INVOICE_STATUSES
             billed_periods.append((invoice.period_start, invoice.period_end,
-                                   _quantity(invoice, usage_price_id, attempts=attempts) if final else None))
+                                   _quantity(invoice, usage_price_id, attempts=attempts) if final else None, invoice.id))
         elif invoice.status == WRITTEN_OFF_INVOICE_STATUS and not voided_after_deletion(_voided_at(invoice), deleted_at):
-            written_off.append(invoice.id)
+            # NOTE: one of the deletion's own second settles its period too, but is no write-off by rule: held.
+            if voided_in_deletions_second(_voided_at(invoice), deleted_at):
+                if invoice.period_start is not None and invoice.period_end:
+                    voided_in_its_second.append((invoice.id, invoice.period_start, invoice.period_end))
+            else:
+                written_off.append(invoice.id)
             if invoice.period_end:
                 ends.append(invoice.period_end)
         elif invoice.status == "draft":
             logger.warning("the draft invoice %s of the deleted customer %s cannot be finalised and is not advanced "
                            "by Stripe: the usage of its period goes again to the next customer", invoice.id, customer_id)
     return DeletedCustomerInvoices(datetime.fromtimestamp(max(ends), tz=UTC) if ends else None, billed_periods,
-                                   written_off)
+                                   written_off, voided_in_its_second)
 
 
 def _quantity(invoice, usage_price_id: str, *, attempts: int) -> int | None:

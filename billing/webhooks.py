@@ -96,7 +96,8 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
             found = deleted_invoices or stripe_sync.DeletedCustomerInvoices(None, None, [])
             services.record_customer_deleted(
                 event["data"]["object"]["id"], invoiced_until=found.invoiced_until, billed_periods=found.billed_periods,
-                written_off=found.written_off, deleted_at=_moment(event.get("created")))
+                written_off=found.written_off, voided_in_its_second=found.voided_in_its_second,
+                deleted_at=_moment(event.get("created")))
     return True
 
 

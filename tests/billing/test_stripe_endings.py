@@ -13,10 +13,11 @@ from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from billing import stripe_sync
+from billing import services, stripe_sync
 from billing.ledger import record_usage
 from billing.models import (
     BILLED_METER_EVENT_NAME,
@@ -31,9 +32,10 @@ from billing.models import (
 from billing.quota.counters import QuotaExceeded
 from billing.rollups import rollup_usage
 from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.services import Actor
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import reserve
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, sign_in_staff
 from tests.fakes.stripe_server import sign_webhook
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
@@ -836,14 +838,94 @@ def test_usage_of_an_invoice_voided_after_its_customers_deletion_goes_again_thou
     assert audited.details["invoice"] == first["id"] and audited.details["num_rollups_pushed_again"] == 1
 
 
+def test_an_invoice_voided_in_its_customers_deletions_second_that_the_deletion_saw_billing_goes_again(fake_stripe):
+    """Stripe deleted the customer, then its invoice of the 7th hour was voided in the same second of Stripe's clock.
+    Before, a void in the deletion's own second was a write-off by rule: the 7th hour, voided after the deletion, was
+    billed by no customer. The deletion's webhook read that invoice after the deletion and saw it open: it was voided
+    after, whatever the second; its usage goes again, once, to the next customer."""
+    endpoint = EndpointFactory()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(invoice["id"]))
+    _use_and_push(endpoint, num_hours_ago=5)  # after the invoice: goes again by the deletion
+
+    deleted_at = fake_stripe.frozen_s = int(time.time())
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer), created=deleted_at)
+    voided = fake_stripe.void_invoice(invoice["id"])
+    fake_stripe.frozen_s = None
+    assert voided["status_transitions"]["voided_at"] == deleted_at
+    _webhook("invoice.voided", voided)
+    _webhook("invoice.updated", voided)  # told twice
+    assert stripe_sync.push_pending_rollups() == 2  # the 5th hour's and the 7th's again
+    assert stripe_sync.push_pending_rollups() == 0
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert _billed_usage(fake_stripe, new_customer) == costs == _cost_pushed(fake_stripe, new_customer)
+    assert _billed_usage(fake_stripe, old_customer) == 0
+    assert not AuditEvent.objects.filter(action=services.HELD_AUDIT_ACTION).exists()
+    [audited] = AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again")
+    assert audited.details["invoice"] == invoice["id"]
+
+
+@pytest.mark.parametrize("void_told", ["before_the_deletion", "after_the_deletion"])
+@pytest.mark.parametrize("decided", ["written_off", "voided_after"])
+def test_an_invoice_voided_in_its_customers_deletions_second_that_nothing_orders_is_held_for_an_operator(
+        fake_stripe, void_told, decided):
+    """The invoice of the 7th hour was voided and its customer deleted in one second of Stripe's clock, and the
+    deletion's read saw it void: nothing Stripe keeps orders the two. Before, it was a write-off by rule, silently: had
+    the void come after the deletion, the 7th hour was billed by no customer. Its usage is held for an operator now
+    (audited, listed in the admin), who decides: written off (nothing billed) or voided after (billed once, by the
+    next customer). Told again, the void holds nothing more."""
+    endpoint = EndpointFactory()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(invoice["id"]))
+
+    deleted_at = fake_stripe.frozen_s = int(time.time())
+    voided = fake_stripe.void_invoice(invoice["id"])
+    gone = fake_stripe.delete_customer(old_customer)
+    fake_stripe.frozen_s = None
+    if void_told == "before_the_deletion":
+        _webhook("invoice.voided", voided)
+    _webhook("customer.deleted", gone, created=deleted_at)
+    _webhook("invoice.updated" if void_told == "before_the_deletion" else "invoice.voided", voided)
+    assert stripe_sync.push_pending_rollups() == 0
+
+    [held] = UsageRollup.objects.filter(push_held_at__isnull=False)
+    assert held.hour_start == _hour(7) and invoice["id"] in held.push_error
+    [audited] = AuditEvent.objects.filter(action=services.HELD_AUDIT_ACTION)
+    assert audited.details["invoice"] == invoice["id"] and audited.details["rollups"] == [held.pk]
+    [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
+    assert deletion.details["invoices_held"] == [invoice["id"]] and deletion.details["invoices_written_off"] == []
+
+    operator = Actor(user=get_user_model().objects.create_superuser("ops@example.test", "ops@example.test",
+                                                                    "a long passphrase"))
+    if decided == "written_off":
+        assert services.keep_held(operator, UsageRollup.objects.all()) == 1
+    else:
+        assert services.send_held_again(operator, UsageRollup.objects.all()) == 1
+    _webhook("invoice.updated", voided)  # told again: the decision stands
+    assert stripe_sync.push_pending_rollups() == (1 if decided == "voided_after" else 0)
+    assert not UsageRollup.objects.filter(push_held_at__isnull=False).exists()
+    new_customer, new_subscription = _subscribed(endpoint)
+    [cost] = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.all()]
+    assert _billed_usage(fake_stripe, old_customer) == 0
+    if decided == "voided_after":
+        _invoice_the_rest(fake_stripe, new_subscription)
+        assert _billed_usage(fake_stripe, new_customer) == cost == _cost_pushed(fake_stripe, new_customer)
+    else:
+        assert new_customer == ""
+
+
 @pytest.mark.parametrize("cannot_place", ["a_draft_stripe_still_advances", "the_usage_price_not_known"])
-def test_events_of_the_deletions_second_that_its_invoices_cannot_place_count_as_received_before_it(
-        fake_stripe, cannot_place):
-    # A guard: the draft whose period the 6th hour's events are dated in cannot be finalised (Stripe refuses, and still
-    # advances it itself): what it bills is not final, so the events Stripe received in the deletion's second cannot be
-    # placed. They count as received before the deletion, as before: never billed twice; the deletion's audit says so.
-    # So too where the usage price is not known here (its id not kept): which of the invoice's lines bill the usage
-    # cannot be told (`stripe_sync._quantity`).
+def test_events_of_the_deletions_second_that_its_invoices_cannot_place_are_held_for_an_operator(
+        fake_stripe, client, cannot_place):
+    """The draft whose period the 6th hour's events are dated in cannot be finalised (Stripe refuses, and still
+    advances it itself): what it bills is not final, so the events Stripe received in the deletion's second cannot be
+    placed; nor where the usage price is not known here (its id not kept: which lines bill the usage cannot be told).
+    Stripe received them after the deletion and dropped them. Before, they counted as received before it, silently:
+    the 6th hour was billed by no customer. They are held for an operator now (audited, listed in the admin), neither
+    sent again by rule (billed twice, had Stripe billed them) nor lost: sent again from the admin, billed once."""
     endpoint = EndpointFactory()
     _use_and_push(endpoint, num_hours_ago=7)
     old_customer, old_subscription = _subscribed(endpoint)
@@ -863,9 +945,24 @@ def test_events_of_the_deletions_second_that_its_invoices_cannot_place_count_as_
 
     assert draft["status"] == ("draft" if cannot_place == "a_draft_stripe_still_advances" else "open")
     assert stripe_sync.push_pending_rollups() == 0
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    assert held.push_held_at is not None and "deletion's second" in held.push_error
     [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
     assert (deletion.details["num_events_dropped_in_its_second"],
-            deletion.details["num_events_undecided_in_its_second"]) == (0, 1)
+            deletion.details["num_events_undecided_in_its_second"], deletion.details["num_rollups_held"]) == (0, 1, 1)
+    [audited] = AuditEvent.objects.filter(action=services.HELD_AUDIT_ACTION)
+    assert audited.details["rollups"] == [held.pk] and audited.details["customer"] == old_customer
+
+    # A superuser finds in Stripe that no invoice of the deleted customer billed it, and sends it again.
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test",
+                                                                    "a long passphrase"))
+    listed = client.get("/django-admin/billing/usagerollup/", {"push_held_at__isnull": "False"})
+    assert listed.status_code == 200 and "held for an operator" in listed.content.decode()
+    sent = client.post("/django-admin/billing/usagerollup/", {"action": "send_held_again",
+                                                               "_selected_action": [held.pk]})
+    assert sent.status_code == 302
+    assert AuditEvent.objects.filter(action="billing.held_usage_pushed_again", details__rollups=[held.pk]).exists()
+    _billed_once(fake_stripe, endpoint, old_customer, dropped=True)
 
 
 @pytest.mark.parametrize("received", ["before_the_deletion", "after_the_deletion"])
