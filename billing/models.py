@@ -287,7 +287,7 @@ class DeletedStripeCustomer(models.Model):
     deleted_at = models.DateTimeField(default=timezone.now)
     # [start, end, quantity, invoice id] of each of its invoices that bill their period, finalised, as read with the
     # deletion's webhook (Stripe's seconds; units of `BILLED_METER_EVENT_NAME`, of the usage price's lines alone, null
-    # where not final or not known: `billing.stripe_sync._quantity`; no id in those kept before it was): which of the
+    # where not final or not known: `billing.stripe_sync.usage_quantity`; no id in those kept before it was): which of the
     # events Stripe received in the deletion's own second it billed, and which it dropped
     # (`billing.services._pushed_uninvoiced`); and, read after the deletion, which invoices were not void then
     # (`billing_invoice_ids`).

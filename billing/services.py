@@ -357,7 +357,7 @@ def _dropped_in_its_second(organization_id: int, customer_id: str,
     later second, was dropped in the deletion's own second: the last of that second's events, as they are sent one at a
     time and recorded in order (a push run at a time: `stripe_sync.push_pending_rollups`), whose values (never 0) add
     up to it; none when it lacks nothing. Where no such last events add up to it (an event not yet recorded, or two
-    pushes at once), or the quantity is not known (None: `billing.stripe_sync._quantity`), or what it lacks may be of
+    pushes at once), or the quantity is not known (None: `billing.stripe_sync.usage_quantity`), or what it lacks may be of
     an event whose receipt is not known (a duplicate's refusal), that second's events of the period are undecided:
     held for an operator (`hold_for_operator`): neither sent again by rule (billed twice if Stripe billed them) nor
     counted as received before the deletion (before, one Stripe had dropped was billed by no customer)."""
@@ -560,6 +560,48 @@ def keep_held(actor: Actor, rollups) -> int:
             num_kept += UsageRollup.objects.filter(pk__in=rollup_ids).update(push_held_at=None, push_error="")
             record_audit(actor, account.organization, "billing.held_usage_kept", account, rollups=rollup_ids)
     return num_kept
+
+
+def decide_held_by_final_invoice(customer_id: str, invoice_id: str, quantity: int | None) -> int:
+    """Stripe finalised the invoice `invoice_id` of the deleted `customer_id` after the deletion read it (a draft Stripe
+    advances itself, which the deletion could not finalise): what it billed of the usage price, `quantity`
+    (`stripe_sync.usage_quantity`), is final now. It is kept with the deletion (`DeletedStripeCustomer.billed_periods`),
+    and the events of the deletion's second held for an operator for want of it (`hold_for_operator`) are decided by
+    it as the deletion decides (`_dropped_in_its_second`): those Stripe dropped go again, those it billed are kept;
+    audited as `billing.held_usage_decided`. Once: a quantity already known is never replaced. Under the account's
+    lock. Returns how many rollups went again."""
+    if quantity is None:
+        return 0
+    organization_id = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id).values_list(
+        "organization_id", flat=True).first()
+    if organization_id is None:
+        return 0
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().for_organization(organization_id)
+        deleted = DeletedStripeCustomer.objects.select_for_update().get(stripe_customer_id=customer_id)
+        periods = [list(period) for period in deleted.billed_periods]
+        unknown = [period for period in periods if period[3:4] == [invoice_id] and period[2] is None]
+        if not unknown:
+            return 0
+        for period in unknown:
+            period[2] = quantity
+        deleted.billed_periods = periods
+        deleted.save(update_fields=["billed_periods"])
+        dropped, undecided = _dropped_in_its_second(organization_id, customer_id, deleted)
+        held_ids = [pk for audited in AuditEvent.objects.filter(action=HELD_AUDIT_ACTION, details__customer=customer_id,
+                                                                 details__invoice="")
+                    for pk in audited.details.get("rollups") or []]
+        held = _held_for_operator(UsageRollup.objects.filter(pk__in=held_ids))
+        again_ids = list(held.filter(meter_events__pk__in=dropped).values_list("pk", flat=True).distinct())
+        kept_ids = list(held.exclude(pk__in=again_ids).exclude(meter_events__pk__in=undecided)
+                        .values_list("pk", flat=True))
+        num_again = push_again(UsageRollup.objects.filter(pk__in=again_ids))
+        UsageRollup.objects.filter(pk__in=kept_ids).update(push_held_at=None, push_error="")
+        if again_ids or kept_ids:
+            record_audit(SYSTEM, account.organization, "billing.held_usage_decided", deleted, customer=customer_id,
+                         invoice=invoice_id, quantity=quantity, rollups_pushed_again=sorted(again_ids),
+                         rollups_kept=sorted(kept_ids))
+    return num_again
 
 
 def push_again_uninvoiced(rollups, customer_id: str) -> int:

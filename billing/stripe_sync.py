@@ -315,7 +315,7 @@ class DeletedCustomerInvoices:
     invoiced_until: datetime | None  # the latest end of the periods they settle: billed, or written off; None: none
     # (start, end, quantity, invoice id) of those that bill their period: Stripe's seconds, and what they billed in
     # units of the billed meter (`billing.models.BILLED_METER_EVENT_NAME`), None where it is not final (a draft still
-    # advancing) or not known (`_quantity`).
+    # advancing) or not known (`usage_quantity`).
     billed_periods: list[tuple[int, int, int | None, str]] | None  # None: not read
     written_off: list[str]  # the ids of the void ones voided a second before the deletion: staff write-offs
     # (invoice id, start, end) of the void ones Stripe's clock cannot order against the deletion
@@ -341,7 +341,7 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
     after making it (`auto_advance`), with the usage of its period. Counted as billing nothing, as before, its usage
     went again to the next customer and was billed twice. So each draft is finalised now: it bills its period, and no
     usage of that period goes again. A draft Stripe refuses to finalise counts as it is read then: billed if Stripe
-    still advances it itself, else not (logged). Each finalised one's quantity of the usage price (`_quantity`) is
+    still advances it itself, else not (logged). Each finalised one's quantity of the usage price (`usage_quantity`) is
     what it billed of the events Stripe received before the deletion: which of those received in the deletion's own
     second it dropped (`billing.services._pushed_uninvoiced`)."""
     usage_price_id = StripeMeter.objects.filter(event_name=COST_METER.event_name).values_list(
@@ -357,7 +357,8 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
             ends.append(invoice.period_end)
             final = invoice.status in BILLING_INVOICE_STATUSES
             billed_periods.append((invoice.period_start, invoice.period_end,
-                                   _quantity(invoice, usage_price_id, attempts=attempts) if final else None, invoice.id))
+                                   usage_quantity(invoice.to_dict(), attempts=attempts, usage_price_id=usage_price_id)
+                                   if final else None, invoice.id))
         elif invoice.status == WRITTEN_OFF_INVOICE_STATUS and not voided_after_deletion(_voided_at(invoice), deleted_at):
             # NOTE: one of the deletion's own second settles its period too, but is no write-off by rule: held.
             if voided_in_deletions_second(_voided_at(invoice), deleted_at):
@@ -374,22 +375,25 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
                                    written_off, voided_in_its_second)
 
 
-def _quantity(invoice, usage_price_id: str, *, attempts: int) -> int | None:
-    """What Stripe's `invoice` billed of the usage price's meter (`usage_price_id`): the quantities of its lines of that
-    price, all of them (`usage_price_lines`). None where that cannot be told: the price not known, a line whose price
-    cannot be told, or a usage line whose quantity Stripe does not say.
+def usage_quantity(invoice: dict, *, attempts: int, usage_price_id: str | None = None) -> int | None:
+    """What Stripe's `invoice` (a dict) billed of the usage price's meter (`usage_price_id`, the one kept if not given):
+    the quantities of its lines of that price, all of them (`usage_price_lines`). None where that cannot be told: the
+    price not known, a line whose price cannot be told, or a usage line whose quantity Stripe does not say.
 
     NOTE: not every line's quantity, as before: a line of another price (a one-off invoice item, a second price staff
     put on the subscription) is in units of something else, and the events of the deletion's own second it made
     too many could not be placed (billed by no customer); nor only the lines the invoice shows (its first 10): with
     the usage price's line among the others, what it billed was too little, and events Stripe had billed were taken
     for dropped and billed again to the next customer."""
+    if usage_price_id is None:
+        usage_price_id = StripeMeter.objects.filter(event_name=COST_METER.event_name).values_list(
+            "stripe_price_id", flat=True).first() or ""
     if not usage_price_id:
         return None
-    lines = usage_price_lines(invoice.to_dict(), usage_price_id, attempts=attempts)
+    lines = usage_price_lines(invoice, usage_price_id, attempts=attempts)
     if lines is None or any(line.get("quantity") is None for line in lines):
         logger.warning("the invoice %s has a line whose price or quantity cannot be told: what it billed of the usage "
-                       "price is not known", invoice.id)
+                       "price is not known", invoice.get("id"))
         return None
     return sum(line["quantity"] for line in lines)
 

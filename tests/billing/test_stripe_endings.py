@@ -966,6 +966,43 @@ def test_events_of_the_deletions_second_that_its_invoices_cannot_place_are_held_
 
 
 @pytest.mark.parametrize("received", ["before_the_deletion", "after_the_deletion"])
+def test_events_of_the_deletions_second_held_for_a_draft_are_decided_once_stripe_finalises_it(fake_stripe, received):
+    """The draft whose period the 6th hour's events are dated in could not be finalised by the deletion (Stripe
+    refused, and advances it itself): its events of the deletion's second were held for want of its final quantity.
+    Before, they stayed undecided for good (counted as received before the deletion: dropped, billed by no customer).
+    Stripe's own record decides them once it finalises that draft (`invoice.finalized`, its usage line's quantity):
+    dropped, they go again, billed once by the next customer; billed by it, their hold is lifted, nothing sent."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)
+    [draft] = fake_stripe.invoices.values()  # the 7th hour's, and the 6th's date
+    second = fake_stripe.frozen_s = int(time.time()) + 2
+    if received == "after_the_deletion":
+        gone = fake_stripe.delete_customer(old_customer)
+        assert stripe_sync.push_pending_rollups() == 1
+    else:
+        assert stripe_sync.push_pending_rollups() == 1
+        gone = fake_stripe.delete_customer(old_customer)
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _webhook("customer.deleted", gone, created=second)
+    fake_stripe.frozen_s = None
+    assert draft["status"] == "draft" and UsageRollup.objects.get(hour_start=_hour(6)).push_held_at is not None
+
+    finalized = fake_stripe.finalize_invoice(draft["id"])  # an hour on, by Stripe
+    _webhook("invoice.finalized", finalized)
+    _webhook("invoice.finalized", finalized)  # delivered twice
+    assert not UsageRollup.objects.filter(push_held_at__isnull=False).exists()
+    [decided] = AuditEvent.objects.filter(action="billing.held_usage_decided")
+    held_pk = UsageRollup.objects.get(hour_start=_hour(6)).pk
+    assert (decided.details["rollups_pushed_again"], decided.details["rollups_kept"]) == (
+        ([held_pk], []) if received == "after_the_deletion" else ([], [held_pk]))
+    _billed_once(fake_stripe, endpoint, old_customer, dropped=received == "after_the_deletion")
+
+
+@pytest.mark.parametrize("received", ["before_the_deletion", "after_the_deletion"])
 @pytest.mark.parametrize("other_lines", ["a_second_price", "ten_invoice_items_ahead", "none_but_no_price_stated"])
 def test_events_of_the_deletions_second_are_placed_by_the_usage_prices_lines_alone_and_all_of_them(
         fake_stripe, received, other_lines):
