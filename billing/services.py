@@ -275,10 +275,13 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
             # (the deletion not known yet): its usage goes again now, unless another of its invoices bills it.
             for invoice in voided.filter(status=WRITTEN_OFF_INVOICE_STATUS, voided_at__gt=deleted.deleted_at):
                 num_again += _push_again_voided_period(account, invoice, billed)
-            # NOTE: one voided in its second, as read now (after the deletion) or mirrored: held, not written off.
-            in_its_second = {invoice_id: (_epoch(start), _epoch(end)) for invoice_id, start, end in voided_in_its_second}
-            in_its_second |= {invoice.stripe_invoice_id: (invoice.period_start, invoice.period_end)
-                              for invoice in voided.voided_in_deletions_second(deleted.deleted_at)}
+            # NOTE: one voided in its second, as read now (after the deletion) or mirrored: held, not written off. The
+            # read is Stripe's word: a void mirrored without its time (before `billing/0024`) that it dates earlier is
+            # a write-off.
+            in_its_second = {invoice.stripe_invoice_id: (invoice.period_start, invoice.period_end)
+                             for invoice in voided.voided_in_deletions_second(deleted.deleted_at)
+                             .exclude(stripe_invoice_id__in=written_off)}
+            in_its_second |= {invoice_id: (_epoch(start), _epoch(end)) for invoice_id, start, end in voided_in_its_second}
             for invoice_id, (start, end) in sorted(in_its_second.items()):
                 if _hold_voided_period(account, invoice_id, customer_id, start, end, billed):
                     held_invoices.append(invoice_id)

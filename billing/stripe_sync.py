@@ -947,7 +947,7 @@ def _push_claimable(*, limit: int, budget_s: float) -> int:
             # minute. The next run tries again with the key it is configured with then.
             logger.exception("Stripe refused the API key pushing rollup %s; this run pushes no more", rollup_id)
             break
-        except stripe.StripeError:
+        except (stripe.StripeError, UnknownInvoiceLines):
             logger.exception("could not push rollup %s; the next run retries it", rollup_id)
     return num_pushed
 

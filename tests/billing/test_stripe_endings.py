@@ -585,6 +585,29 @@ def test_a_subscription_cancelled_at_once_is_followed_from_its_usage_line_when_i
     assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoiced_until
 
 
+def test_a_line_whose_price_nothing_tells_holds_back_the_next_subscription_and_no_other_organisations_push(
+        fake_stripe):
+    # A guard: a line of the ended subscription's invoice that states no price and no parent cannot be placed: a guess
+    # bills its usage twice or never, so the next subscription is not made, the push fails visibly and is retried,
+    # and the run goes on with other organisations' rollups.
+    endpoint, other = EndpointFactory(), EndpointFactory()
+    fake_stripe.line_prices_shown = False
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    [invoice] = fake_stripe.invoices.values()
+    invoice["lines"]["data"][0]["parent"] = None
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=5)))
+    record_usage(usage_report(other, finished_at=_hour(5) + timedelta(minutes=5)))
+    rollup_usage()
+
+    assert stripe_sync.push_pending_rollups() == 1  # the other organisation's
+    stuck = UsageRollup.objects.get(organization=endpoint.organization, hour_start=_hour(5))
+    assert stuck.pushed_at is None and invoice["id"] in stuck.push_error
+    assert _subscribed(endpoint) == (customer, "")
+
+
 def _written_off_once(fake_stripe, customer_id: str) -> None:
     """Every unit of usage pushed to the customer is on one of its invoices, once; a void one's (some) are forgiven."""
     assert fake_stripe.invoiced_usage(customer_id) == _cost_pushed(fake_stripe, customer_id)
