@@ -315,10 +315,12 @@ class _Uninvoiced:
 
 
 def _not_again(uninvoiced: _Uninvoiced, event_ids: list[int]) -> QuerySet:
-    """The rollups of the events `event_ids` that `uninvoiced` does not push again (its rollups, read now: pushed
-    again, their events are of an older generation)."""
+    """The rollups of the events `event_ids`, of their push generation (one pushed again since is the next customer's),
+    that `uninvoiced` does not push again (its rollups, read now: pushed again, their events are of an older
+    generation)."""
     again = list(uninvoiced.rollups.values_list("pk", flat=True))
-    return UsageRollup.objects.filter(meter_events__pk__in=event_ids).exclude(pk__in=again).distinct()
+    return UsageRollup.objects.filter(meter_events__pk__in=event_ids,
+                                      meter_events__push_generation=F("push_generation")).exclude(pk__in=again).distinct()
 
 
 def _pushed_uninvoiced(organization_id: int, customer_id: str, deleted: DeletedStripeCustomer) -> _Uninvoiced:
@@ -540,29 +542,28 @@ def send_held_again(actor: Actor, rollups) -> int:
     """Staff: the usage of these rollups held for an operator (`hold_for_operator`) was billed by none of the deleted
     customer's invoices (Stripe dropped it, or voided its invoice after the deletion): `push_again`, to the
     organisation's customer of now; audited. Returns how many."""
-    num_again = 0
-    for organization_id in sorted(set(_held_for_operator(rollups).values_list("organization_id", flat=True))):
-        with transaction.atomic():
-            account = BillingAccount.objects.select_for_update().for_organization(organization_id)
-            held = _held_for_operator(rollups.filter(organization_id=organization_id))
-            rollup_ids = list(held.values_list("pk", flat=True))
-            num_again += push_again(UsageRollup.objects.filter(pk__in=rollup_ids))
-            record_audit(actor, account.organization, "billing.held_usage_pushed_again", account, rollups=rollup_ids)
-    return num_again
+    return _decide_held(actor, rollups, "billing.held_usage_pushed_again", push_again)
 
 
 def keep_held(actor: Actor, rollups) -> int:
     """Staff: the usage of these rollups held for an operator (`hold_for_operator`) was billed by the deleted
     customer's invoice, or written off by staff: the hold is lifted and nothing is sent; audited. Returns how many."""
-    num_kept = 0
+    return _decide_held(actor, rollups, "billing.held_usage_kept",
+                        lambda held: held.update(push_held_at=None, push_error=""))
+
+
+def _decide_held(actor: Actor, rollups, action: str, decide) -> int:
+    """`decide` (held rollups → how many) those of `rollups` held for an operator, an organisation at a time under its
+    account's lock (as the deletion and a push's last check); audited as `action`. Returns how many."""
+    num_decided = 0
     for organization_id in sorted(set(_held_for_operator(rollups).values_list("organization_id", flat=True))):
         with transaction.atomic():
             account = BillingAccount.objects.select_for_update().for_organization(organization_id)
-            held = _held_for_operator(rollups.filter(organization_id=organization_id))
-            rollup_ids = list(held.values_list("pk", flat=True))
-            num_kept += UsageRollup.objects.filter(pk__in=rollup_ids).update(push_held_at=None, push_error="")
-            record_audit(actor, account.organization, "billing.held_usage_kept", account, rollups=rollup_ids)
-    return num_kept
+            rollup_ids = list(_held_for_operator(rollups.filter(organization_id=organization_id))
+                              .values_list("pk", flat=True))
+            num_decided += decide(UsageRollup.objects.filter(pk__in=rollup_ids))
+            record_audit(actor, account.organization, action, account, rollups=rollup_ids)
+    return num_decided
 
 
 def decide_held_by_final_invoice(customer_id: str, invoice_id: str, quantity: int | None) -> int:

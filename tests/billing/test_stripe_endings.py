@@ -940,6 +940,26 @@ def test_an_invoice_voided_in_its_customers_deletions_second_that_nothing_orders
         assert new_customer == ""
 
 
+def _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, *, received: str) -> tuple[str, dict, dict, int]:
+    """The 7th hour pushed and on a draft whose period the 6th hour's date is in too; the 6th hour pushed in the second
+    its customer is deleted in Stripe, `received` before or after the deletion; Stripe's clock held at that second.
+    The customer, the draft, the deletion's webhook object and its second."""
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)
+    [draft] = fake_stripe.invoices.values()
+    second = fake_stripe.frozen_s = int(time.time()) + 2
+    if received == "after_the_deletion":
+        gone = fake_stripe.delete_customer(old_customer)
+        assert stripe_sync.push_pending_rollups() == 1  # accepted, and dropped
+    else:
+        assert stripe_sync.push_pending_rollups() == 1
+        gone = fake_stripe.delete_customer(old_customer)
+    return old_customer, draft, gone, second
+
+
 @pytest.mark.parametrize("cannot_place", ["a_draft_stripe_still_advances", "the_usage_price_not_known"])
 def test_events_of_the_deletions_second_that_its_invoices_cannot_place_are_held_for_an_operator(
         fake_stripe, client, cannot_place):
@@ -950,15 +970,8 @@ def test_events_of_the_deletions_second_that_its_invoices_cannot_place_are_held_
     the 6th hour was billed by no customer. They are held for an operator now (audited, listed in the admin), neither
     sent again by rule (billed twice, had Stripe billed them) nor lost: sent again from the admin, billed once."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
-    rollup_usage()
-    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)
-    [draft] = fake_stripe.invoices.values()  # the 7th hour's, and the 6th's date
-    second = fake_stripe.frozen_s = int(time.time()) + 2
-    gone = fake_stripe.delete_customer(old_customer)
-    assert stripe_sync.push_pending_rollups() == 1  # received after the deletion, in its second
+    old_customer, draft, gone, second = _the_6th_hour_in_the_deletions_second(
+        fake_stripe, endpoint, received="after_the_deletion")
     if cannot_place == "a_draft_stripe_still_advances":
         fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
     else:
@@ -996,19 +1009,7 @@ def test_events_of_the_deletions_second_held_for_a_draft_are_decided_once_stripe
     Stripe's own record decides them once it finalises that draft (`invoice.finalized`, its usage line's quantity):
     dropped, they go again, billed once by the next customer; billed by it, their hold is lifted, nothing sent."""
     endpoint = EndpointFactory()
-    _use_and_push(endpoint, num_hours_ago=7)
-    old_customer, old_subscription = _subscribed(endpoint)
-    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
-    rollup_usage()
-    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)
-    [draft] = fake_stripe.invoices.values()  # the 7th hour's, and the 6th's date
-    second = fake_stripe.frozen_s = int(time.time()) + 2
-    if received == "after_the_deletion":
-        gone = fake_stripe.delete_customer(old_customer)
-        assert stripe_sync.push_pending_rollups() == 1
-    else:
-        assert stripe_sync.push_pending_rollups() == 1
-        gone = fake_stripe.delete_customer(old_customer)
+    old_customer, draft, gone, second = _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, received=received)
     fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
     _webhook("customer.deleted", gone, created=second)
     fake_stripe.frozen_s = None
