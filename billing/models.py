@@ -496,7 +496,8 @@ class Invoice(models.Model):
     # change): one owed before its customer was deleted keeps holding (`billing.standing.past_due_since`).
     uncollectible_at = models.DateTimeField(null=True, blank=True)
     # When Stripe voided it (`status_transitions.voided_at`, Stripe's clock, in seconds; null: not void, or not told):
-    # a void before its customer's deletion, or in its second, is a write-off; only one after it sends its usage again
+    # a void before its customer's deletion is a write-off, one in its second is held for an operator unless the
+    # deletion's read orders it; only one after it sends its usage again
     # (`billing.services.push_again_voided`).
     voided_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
