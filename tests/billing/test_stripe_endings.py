@@ -1001,6 +1001,36 @@ def test_events_of_the_deletions_second_that_its_invoices_cannot_place_are_held_
     _billed_once(fake_stripe, endpoint, old_customer, dropped=True)
 
 
+def test_events_a_push_sent_in_its_customers_deletions_second_that_nothing_places_are_held_by_the_push(
+        fake_stripe, monkeypatch):
+    """The customer is deleted (its webhook applied) once a push has read it, and the push sends the 6th hour's events
+    in the deletion's second; the draft of their period cannot be finalised (Stripe advances it itself). Before, the
+    push's end counted them as received before the deletion: dropped, billed by no customer. It holds them for an
+    operator, audited."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)
+    [draft] = fake_stripe.invoices.values()
+    second = fake_stripe.frozen_s = int(time.time()) + 2
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _deleted_once_read(monkeypatch, old_customer,
+                       lambda: _webhook("customer.deleted", fake_stripe.delete_customer(old_customer), created=second))
+    assert stripe_sync.push_pending_rollups() == 0
+    monkeypatch.undo()
+    fake_stripe.frozen_s = None
+
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    assert held.push_held_at is not None and held.pushed_at is not None
+    assert stripe_sync.push_pending_rollups() == 0
+    [by_the_push] = AuditEvent.objects.filter(action="billing.pushed_to_deleted_customer")
+    assert (by_the_push.details["num_events_undecided_in_its_second"], by_the_push.details["num_rollups_held"]) == (1, 1)
+    [audited] = AuditEvent.objects.filter(action=services.HELD_AUDIT_ACTION)
+    assert audited.details["rollups"] == [held.pk]
+
+
 @pytest.mark.parametrize("received", ["before_the_deletion", "after_the_deletion"])
 def test_events_of_the_deletions_second_held_for_a_draft_are_decided_once_stripe_finalises_it(fake_stripe, received):
     """The draft whose period the 6th hour's events are dated in could not be finalised by the deletion (Stripe
