@@ -82,7 +82,7 @@ class UsageRollupAdmin(admin.ModelAdmin):
     list_display = ["organization", "endpoint", "hour_start", "billing_mode", "sequence", "kind", "num_requests", "cost",
                     "closed_at", "pushed_at", "push_held_at", "push_error"]
     list_filter = ["kind", "billing_mode", ("push_held_at", admin.EmptyFieldListFilter)]
-    actions = ["release_held", "confirm_held"]
+    actions = ["release_held", "confirm_held", "send_held_again", "keep_held"]
 
     def has_add_permission(self, request):
         return False  # NOTE: made by the rollups alone; one added here was pushed to Stripe and billed
@@ -107,6 +107,18 @@ class UsageRollupAdmin(admin.ModelAdmin):
             self.log_change(request, rollup, "Confirmed a held Stripe meter event as in Stripe")
         self.message_user(request, f"Confirmed the held event of {stripe_sync.confirm_held(queryset)} rollup(s).",
                           messages.SUCCESS)
+
+    @admin.action(description="Held for an operator (its customer deleted): NOT billed by that customer's invoices: "
+                              "send it to the organisation's customer of now", permissions=["release_held"])
+    def send_held_again(self, request, queryset):
+        num_again = services.send_held_again(Actor.from_request(request), queryset)
+        self.message_user(request, f"Sent {num_again} held rollup(s) again.", messages.SUCCESS)
+
+    @admin.action(description="Held for an operator (its customer deleted): billed by that customer's invoices, or "
+                              "written off by staff: keep it, send nothing", permissions=["release_held"])
+    def keep_held(self, request, queryset):
+        num_kept = services.keep_held(Actor.from_request(request), queryset)
+        self.message_user(request, f"Kept {num_kept} held rollup(s) as billed.", messages.SUCCESS)
 
     def has_release_held_permission(self, request):
         return request.user.is_superuser

@@ -285,14 +285,22 @@ class DeletedStripeCustomer(models.Model):
     # Stripe's `created` of the deletion's event (or when it was recorded, if the event had none), on the clock that
     # dates its invoices' failures: one that failed before it keeps holding (`billing.standing.past_due_since`).
     deleted_at = models.DateTimeField(default=timezone.now)
-    # [start, end, quantity] of each of its invoices that bill their period, finalised, as read with the deletion's
-    # webhook (Stripe's seconds; units of `BILLED_METER_EVENT_NAME`, of the usage price's lines alone, null where not
-    # final or not known: `billing.stripe_sync._quantity`): which of the events Stripe received in the deletion's own
-    # second it billed, and which it dropped (`billing.services._pushed_uninvoiced`).
+    # [start, end, quantity, invoice id] of each of its invoices that bill their period, finalised, as read with the
+    # deletion's webhook (Stripe's seconds; units of `BILLED_METER_EVENT_NAME`, of the usage price's lines alone, null
+    # where not final or not known: `billing.stripe_sync.usage_quantity`; no id in those kept before it was): which of the
+    # events Stripe received in the deletion's own second it billed, and which it dropped
+    # (`billing.services._pushed_uninvoiced`); and, read after the deletion, which invoices were not void then
+    # (`billing_invoice_ids`).
     billed_periods = models.JSONField(default=list, blank=True)
 
     def __str__(self) -> str:
         return self.stripe_customer_id
+
+    @property
+    def billing_invoice_ids(self) -> set[str]:
+        """The invoices that billed their period when read with the deletion's webhook, after the deletion: one of them
+        voided since was voided after the deletion, whatever the second Stripe's clock gives the void."""
+        return {period[3] for period in self.billed_periods if len(period) > 3}
 
 
 class ApiKeySpendCap(models.Model):
@@ -429,12 +437,20 @@ WRITTEN_OFF_INVOICE_STATUS = "void"
 
 
 def voided_after_deletion(voided_at: datetime | None, deleted_at: datetime) -> bool:
-    """Whether an invoice voided at `voided_at` (Stripe's clock, in seconds) was voided after its customer's deletion
-    at `deleted_at` (the deletion event's `created`): its usage goes again; else it is a write-off.
+    """Whether an invoice voided at `voided_at` (Stripe's clock, in seconds) was voided a later second than its
+    customer's deletion at `deleted_at` (the deletion event's `created`): its usage goes again.
 
-    NOTE: one voided in the deletion's own second, or at a time not told, counts as voided before it: a write-off, so
-    that usage staff may have forgiven is never billed (Stripe's clock cannot order the two within a second)."""
+    NOTE: Stripe's clock cannot order a void in the deletion's own second, or at a time not told
+    (`voided_in_deletions_second`): not a write-off by rule, as before (the usage was never billed if voided after):
+    the deletion's own read of the invoices may order it (`DeletedStripeCustomer.billing_invoice_ids`), else an
+    operator decides (`billing.services.push_again_voided`)."""
     return voided_at is not None and voided_at > deleted_at
+
+
+def voided_in_deletions_second(voided_at: datetime | None, deleted_at: datetime) -> bool:
+    """Whether Stripe's clock cannot order a void at `voided_at` against its customer's deletion at `deleted_at`: the
+    same second, or a void whose time Stripe does not tell (`voided_after_deletion`)."""
+    return voided_at is None or voided_at == deleted_at
 
 
 class InvoiceQuerySet(models.QuerySet):
@@ -446,8 +462,15 @@ class InvoiceQuerySet(models.QuerySet):
         return self.filter(status__in=BILLING_INVOICE_STATUSES)
 
     def written_off(self, deleted_at: datetime):
-        """The void ones not voided after their customer's deletion at `deleted_at` (`voided_after_deletion`)."""
+        """The void ones not voided after their customer's deletion at `deleted_at` (`voided_after_deletion`): voided
+        before it, written off, or in its second (`voided_in_deletions_second`: their usage is held for an operator,
+        never sent again by rule)."""
         return self.filter(models.Q(voided_at__isnull=True) | models.Q(voided_at__lte=deleted_at),
+                           status=WRITTEN_OFF_INVOICE_STATUS)
+
+    def voided_in_deletions_second(self, deleted_at: datetime):
+        """The void ones whose void Stripe's clock cannot order against their customer's deletion at `deleted_at`."""
+        return self.filter(models.Q(voided_at__isnull=True) | models.Q(voided_at=deleted_at),
                            status=WRITTEN_OFF_INVOICE_STATUS)
 
 
@@ -473,7 +496,8 @@ class Invoice(models.Model):
     # change): one owed before its customer was deleted keeps holding (`billing.standing.past_due_since`).
     uncollectible_at = models.DateTimeField(null=True, blank=True)
     # When Stripe voided it (`status_transitions.voided_at`, Stripe's clock, in seconds; null: not void, or not told):
-    # a void before its customer's deletion, or in its second, is a write-off; only one after it sends its usage again
+    # a void before its customer's deletion is a write-off, one in its second is held for an operator unless the
+    # deletion's read orders it; only one after it sends its usage again
     # (`billing.services.push_again_voided`).
     voided_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)

@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 from django.db import transaction
-from django.db.models import F, Max, Q, QuerySet
+from django.db.models import F, Max, Q, QuerySet, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from billing import alerts, standing
@@ -26,6 +27,7 @@ from billing.models import (
     MeterEventPush,
     UsageRollup,
     voided_after_deletion,
+    voided_in_deletions_second,
 )
 from billing.quota.counters import refresh_limits
 from controlplane.accounts import keys
@@ -223,8 +225,9 @@ def record_subscription_ended(subscription_id: str) -> BillingAccount | None:
 
 
 def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None = None,
-                            billed_periods: Sequence[tuple[int, int, int | None]] | None = None,
+                            billed_periods: Sequence[tuple[int, int, int | None, str]] | None = None,
                             written_off: Sequence[str] = (),
+                            voided_in_its_second: Sequence[tuple[str, int, int]] = (),
                             deleted_at: datetime | None = None) -> BillingAccount | None:
     """Stripe's customer `customer_id` was deleted (its subscriptions end with it): the account forgets
     both, has no payment method from now (`billing.standing`: the limit without one applies, at once in
@@ -240,7 +243,10 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
     of an invoice voided after the deletion, told before it, goes again too (`push_again_voided`). `deleted_at` is Stripe's time
     of the deletion (its event's `created`; now if none), the clock that dates its invoices' failures
     (`billing.standing`), their voids and the receipt of meter events. Audited with the write-offs it kept and its
-    decisions on the events Stripe received in its own second (`_pushed_uninvoiced`).
+    decisions on the events Stripe received in its own second (`_pushed_uninvoiced`). The usage that Stripe's records
+    cannot place, of an invoice voided in the deletion's own second (`voided_in_its_second`, as read, and those
+    mirrored) or of that second's events, is held for an operator (`hold_for_operator`), never sent again nor
+    written off by rule.
 
     NOTE: a deleted customer never comes back: safe in any order, and only for the customer it names.
     """
@@ -256,16 +262,29 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
             "billed_periods": [list(period) for period in billed_periods or ()],
             "deleted_at": deleted_at or timezone.now()})
         uninvoiced = _pushed_uninvoiced(account.organization_id, customer_id, deleted)
+        undecided = _not_again(uninvoiced, uninvoiced.undecided_in_its_second)
         num_again = push_again(uninvoiced.rollups)
+        num_held = hold_for_operator(account, undecided, customer_id=customer_id, invoice="",
+                                     reason=f"events of {customer_id}'s deletion's second its invoices cannot place")
+        held_invoices = []
         if billed_periods is not None:
+            billed = [(_epoch(start), _epoch(end)) for start, end, *_ in billed_periods]
+            voided = Invoice.objects.filter(organization_id=account.organization_id, stripe_customer_id=customer_id,
+                                            period_start__isnull=False, period_end__isnull=False)
             # NOTE: an invoice voided after the deletion whose void's webhook came before it was taken for a write-off
             # (the deletion not known yet): its usage goes again now, unless another of its invoices bills it.
-            for voided in Invoice.objects.filter(
-                    organization_id=account.organization_id, stripe_customer_id=customer_id,
-                    status=WRITTEN_OFF_INVOICE_STATUS, voided_at__gt=deleted.deleted_at,
-                    period_start__isnull=False, period_end__isnull=False):
-                num_again += _push_again_voided_period(
-                    account, voided, [(_epoch(start), _epoch(end)) for start, end, _ in billed_periods])
+            for invoice in voided.filter(status=WRITTEN_OFF_INVOICE_STATUS, voided_at__gt=deleted.deleted_at):
+                num_again += _push_again_voided_period(account, invoice, billed)
+            # NOTE: one voided in its second, as read now (after the deletion) or mirrored: held, not written off. The
+            # read is Stripe's word: a void mirrored without its time (before `billing/0024`) that it dates earlier is
+            # a write-off.
+            in_its_second = {invoice.stripe_invoice_id: (invoice.period_start, invoice.period_end)
+                             for invoice in voided.voided_in_deletions_second(deleted.deleted_at)
+                             .exclude(stripe_invoice_id__in=written_off)}
+            in_its_second |= {invoice_id: (_epoch(start), _epoch(end)) for invoice_id, start, end in voided_in_its_second}
+            for invoice_id, (start, end) in sorted(in_its_second.items()):
+                if _hold_voided_period(account, invoice_id, customer_id, start, end, billed):
+                    held_invoices.append(invoice_id)
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""
         account.stripe_subscription_started_at = None
@@ -279,19 +298,29 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
         record_audit(SYSTEM, account.organization, "billing.customer_deleted", account, customer=customer_id,
                      num_rollups_pushed_again=num_again, invoices_written_off=list(written_off),
                      num_events_dropped_in_its_second=len(uninvoiced.dropped_in_its_second),
-                     num_events_undecided_in_its_second=uninvoiced.num_undecided_in_its_second)
+                     num_events_undecided_in_its_second=len(uninvoiced.undecided_in_its_second),
+                     num_rollups_held=num_held, invoices_held=held_invoices)
     _refresh_quietly(account)
     return account
 
 
 @dataclass(slots=True, frozen=True)
 class _Uninvoiced:
-    """What `_pushed_uninvoiced` found: the rollups to push again, and how many events of the deletion's own second it
-    found dropped, and could not decide (counted as received before it)."""
+    """What `_pushed_uninvoiced` found: the rollups to push again, and which events of the deletion's own second it
+    found dropped, and could not place (held for an operator: `hold_for_operator`)."""
 
     rollups: QuerySet
     dropped_in_its_second: list[int]  # the ids of the billed meter's events (`MeterEventPush`)
-    num_undecided_in_its_second: int
+    undecided_in_its_second: list[int]  # the same, of events neither known billed nor known dropped
+
+
+def _not_again(uninvoiced: _Uninvoiced, event_ids: list[int]) -> QuerySet:
+    """The rollups of the events `event_ids`, of their push generation (one pushed again since is the next customer's),
+    that `uninvoiced` does not push again (its rollups, read now: pushed again, their events are of an older
+    generation)."""
+    again = list(uninvoiced.rollups.values_list("pk", flat=True))
+    return UsageRollup.objects.filter(meter_events__pk__in=event_ids,
+                                      meter_events__push_generation=F("push_generation")).exclude(pk__in=again).distinct()
 
 
 def _pushed_uninvoiced(organization_id: int, customer_id: str, deleted: DeletedStripeCustomer) -> _Uninvoiced:
@@ -305,11 +334,12 @@ def _pushed_uninvoiced(organization_id: int, customer_id: str, deleted: DeletedS
     Before, an event a push sent after the deletion, dated within the period of an invoice the deletion finalised (an
     event is dated up to `stripe_sync.LATEST_PERIOD_GRACE` back), counted as billed by it, and was billed by none. One
     received in the deletion's own second is on the side its invoice says (`_dropped_in_its_second`); one whose receipt
-    is not known (refused as a duplicate of an earlier try), or of that second that the invoices cannot place, counts as
-    received before it: its invoices decide, so that nothing is billed twice."""
+    is not known (refused as a duplicate of an earlier try) counts as received before it: its invoices decide, so that
+    nothing is billed twice; one of that second that the invoices cannot place is not pushed again here, but held for
+    an operator by the caller (`undecided_in_its_second`)."""
     deleted_at = deleted.deleted_at
     events = _events_sent_to(organization_id, customer_id)
-    dropped, num_undecided = _dropped_in_its_second(organization_id, customer_id, deleted)
+    dropped, undecided = _dropped_in_its_second(organization_id, customer_id, deleted)
     after_deletion = Q(stripe_created_at__gt=deleted_at) | Q(pk__in=dropped)
     mirrored = Invoice.objects.filter(organization_id=organization_id)
     settled = mirrored.billing() | mirrored.filter(stripe_customer_id=customer_id).written_off(deleted_at)
@@ -318,13 +348,13 @@ def _pushed_uninvoiced(organization_id: int, customer_id: str, deleted: DeletedS
     if invoiced_until is not None:
         events = events.filter(Q(event_at__gte=invoiced_until)
                                | Q(event_at__isnull=True, rollup__hour_start__gte=invoiced_until) | after_deletion)
-    return _Uninvoiced(UsageRollup.objects.filter(pk__in=events.values("rollup_id")), dropped, num_undecided)
+    return _Uninvoiced(UsageRollup.objects.filter(pk__in=events.values("rollup_id")), dropped, undecided)
 
 
 def _dropped_in_its_second(organization_id: int, customer_id: str,
-                           deleted: DeletedStripeCustomer) -> tuple[list[int], int]:
+                           deleted: DeletedStripeCustomer) -> tuple[list[int], list[int]]:
     """The ids of the billed meter's events (`billing.models.BILLED_METER_EVENT_NAME`) sent to `customer_id` that
-    Stripe received in the second of its deletion but after it (dropped), and how many of that second it cannot place.
+    Stripe received in the second of its deletion but after it (dropped), and those of that second it cannot place.
 
     Stripe's clock says only the second; its invoices of the customer, final once it is deleted (the deletion
     finalises the drafts), say which: each one's `quantity` (`DeletedStripeCustomer.billed_periods`) is what Stripe
@@ -332,11 +362,12 @@ def _dropped_in_its_second(organization_id: int, customer_id: str,
     later second, was dropped in the deletion's own second: the last of that second's events, as they are sent one at a
     time and recorded in order (a push run at a time: `stripe_sync.push_pending_rollups`), whose values (never 0) add
     up to it; none when it lacks nothing. Where no such last events add up to it (an event not yet recorded, or two
-    pushes at once), or the quantity is not known (None: `billing.stripe_sync._quantity`), or what it lacks may be of
+    pushes at once), or the quantity is not known (None: `billing.stripe_sync.usage_quantity`), or what it lacks may be of
     an event whose receipt is not known (a duplicate's refusal), that second's events of the period are undecided:
-    they count as received before the deletion, so never billed twice, logged, and counted in the audit."""
-    dropped, num_undecided = [], 0
-    for start, end, quantity in deleted.billed_periods:
+    held for an operator (`hold_for_operator`): neither sent again by rule (billed twice if Stripe billed them) nor
+    counted as received before the deletion (before, one Stripe had dropped was billed by no customer)."""
+    dropped, undecided = [], []
+    for start, end, quantity, *_ in deleted.billed_periods:
         in_period = MeterEventPush.objects.filter(
             rollup__organization_id=organization_id, stripe_customer_id=customer_id,
             event_name=BILLED_METER_EVENT_NAME).filter(_dated_within(_epoch(start), _epoch(end)))
@@ -352,12 +383,12 @@ def _dropped_in_its_second(organization_id: int, customer_id: str,
         last = _last_adding_up_to(of_its_second, num_missing)
         if last is None:
             logger.warning("%d meter events sent to the deleted customer %s in its deletion's second cannot be placed "
-                           "by its invoice's quantity (%s of %s): counted as received before it", len(of_its_second),
+                           "by its invoice's quantity (%s of %s): held for an operator", len(of_its_second),
                            customer_id, quantity, sum(value for _, value, _ in sent))
-            num_undecided += len(of_its_second)
+            undecided += [pk for pk, _ in of_its_second]
         else:
             dropped += [pk for pk, _ in last]
-    return dropped, num_undecided
+    return dropped, undecided
 
 
 def _last_adding_up_to(events: list[tuple[int, int]], total: int | None) -> list[tuple[int, int]] | None:
@@ -402,8 +433,11 @@ def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, 
     `stripe_sync.customer_billed_periods`): their usage goes to the organisation's customer of now, under new
     identifiers; audited. While its customer was live (any of its subscriptions; deleted since or not): written off,
     its usage forgiven (`billing.models.WRITTEN_OFF_INVOICE_STATUS`), audited once, nothing pushed again. Before, a
-    write-off whose customer was deleted since, its void told after the deletion, went again. Returns how many rollups
-    went again.
+    write-off whose customer was deleted since, its void told after the deletion, went again. Voided in the deletion's
+    own second (`billing.models.voided_in_deletions_second`: Stripe's clock cannot order the two): after it if the
+    deletion's read of the invoices, made after it, saw this one not void (`DeletedStripeCustomer.billing_invoice_ids`);
+    else held for an operator (`_hold_voided_period`; before, written off by rule, and a void after the deletion left
+    its usage billed by nobody). Returns how many rollups went again.
 
     NOTE: a deleted customer's void invoice is owed by nobody: before, the usage of one voided after the deletion was
     billed by no invoice. Only events of their rollup's push generation count: once pushed again, a rollup's events of
@@ -418,13 +452,22 @@ def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, 
         customer_id = invoice.stripe_customer_id or "-"
         deleted = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id,
                                                        organization_id=invoice.organization_id).first()
-        if deleted is None or not voided_after_deletion(invoice.voided_at, deleted.deleted_at):
+        in_its_second = deleted is not None and voided_in_deletions_second(invoice.voided_at, deleted.deleted_at)
+        # NOTE: the deletion's read of its invoices, made after it, saw this one not void: voided after it.
+        voided_after = deleted is not None and (
+            voided_after_deletion(invoice.voided_at, deleted.deleted_at)
+            or (in_its_second and invoice.stripe_invoice_id in deleted.billing_invoice_ids))
+        if not voided_after and not in_its_second:
             if not AuditEvent.objects.filter(action=WRITTEN_OFF_AUDIT_ACTION,
                                              details__invoice=invoice.stripe_invoice_id).exists():
                 record_audit(SYSTEM, account.organization, WRITTEN_OFF_AUDIT_ACTION, account,
                              invoice=invoice.stripe_invoice_id, customer=customer_id)
             return 0
         if billed_periods is None:
+            return 0
+        if not voided_after:
+            _hold_voided_period(account, invoice.stripe_invoice_id, customer_id, invoice.period_start,
+                                invoice.period_end, billed_periods)
             return 0
         return _push_again_voided_period(account, invoice, billed_periods)
 
@@ -433,15 +476,135 @@ def _push_again_voided_period(account: BillingAccount, invoice: Invoice,
                               billed_periods: Sequence[tuple[datetime, datetime]]) -> int:
     """`push_again` the rollups whose events went to the void `invoice`'s customer, deleted before the void, dated in
     its period and in none of `billed_periods`; audited. Under the account's lock."""
-    events = _events_sent_to(invoice.organization_id, invoice.stripe_customer_id or "-").filter(
-        _dated_within(invoice.period_start, invoice.period_end))
-    for start, end in billed_periods:
-        events = events.exclude(_dated_within(start, end))
-    num_again = push_again(UsageRollup.objects.filter(pk__in=events.values("rollup_id")))
+    num_again = push_again(_voided_period_rollups(account.organization_id, invoice.stripe_customer_id or "-",
+                                                  invoice.period_start, invoice.period_end, billed_periods))
     if num_again:
         record_audit(SYSTEM, account.organization, "billing.voided_invoice_pushed_again", account,
                      invoice=invoice.stripe_invoice_id, customer=invoice.stripe_customer_id or "-",
                      num_rollups_pushed_again=num_again)
+    return num_again
+
+
+def _voided_period_rollups(organization_id: int, customer_id: str, start: datetime, end: datetime,
+                           billed_periods: Sequence[tuple[datetime, datetime]]) -> QuerySet:
+    """The rollups whose events of their push generation went to `customer_id` dated in a void invoice's period
+    [`start`, `end`) and in none of `billed_periods`: the usage that invoice alone settled."""
+    events = _events_sent_to(organization_id, customer_id).filter(_dated_within(start, end))
+    for billed_start, billed_end in billed_periods:
+        events = events.exclude(_dated_within(billed_start, billed_end))
+    return UsageRollup.objects.filter(pk__in=events.values("rollup_id"))
+
+
+# Usage sent to a deleted customer that Stripe's records cannot say was billed: held for an operator.
+HELD_AUDIT_ACTION = "billing.usage_held_for_operator"
+
+
+def _hold_voided_period(account: BillingAccount, invoice_id: str, customer_id: str, start: datetime, end: datetime,
+                        billed_periods: Sequence[tuple[datetime, datetime]]) -> int:
+    """Hold for an operator the usage that the void invoice `invoice_id` of the deleted `customer_id` alone settled
+    (`_voided_period_rollups`), its void in the deletion's own second (`billing.models.voided_in_deletions_second`):
+    a write-off if voided before the deletion, billed by nobody if after. Once per invoice, however often its void is
+    told (an operator's decision stands). Under the account's lock. Returns how many rollups it held."""
+    if AuditEvent.objects.filter(action=HELD_AUDIT_ACTION, details__invoice=invoice_id).exists():
+        return 0
+    return hold_for_operator(account, _voided_period_rollups(account.organization_id, customer_id, start, end,
+                                                             billed_periods),
+                             customer_id=customer_id, invoice=invoice_id,
+                             reason=f"{invoice_id} of {customer_id} voided in its deletion's second: written off, or "
+                                    "voided after (billed by nobody)?")
+
+
+def hold_for_operator(account: BillingAccount, rollups, *, customer_id: str, invoice: str, reason: str) -> int:
+    """Hold `rollups`, whose events went to `customer_id`, deleted since, where Stripe's records cannot say whether
+    their usage was billed (or written off by staff) or not: neither sent again by rule (billed twice) nor left as
+    billed (lost). Each is marked pushed and held (`push_held_at`, `push_error` says why): an ERROR log line, an audit
+    event (`HELD_AUDIT_ACTION`) and the usage rollups' admin list (filter "push held at"), where a superuser sends it
+    again (`send_held_again`) or keeps it (`keep_held`). Under the account's lock. Returns how many it held."""
+    rollup_ids = list(rollups.filter(push_held_at__isnull=True).values_list("pk", flat=True))
+    if not rollup_ids:
+        return 0
+    now = timezone.now()
+    UsageRollup.objects.filter(pk__in=rollup_ids).update(
+        pushed_at=Coalesce(F("pushed_at"), Value(now)), push_held_at=now, push_claimed_at=None,
+        push_error=f"held for an operator: {reason}"[:300])
+    logger.error("rollups %s held: %s; decide in the admin (usage rollups: send again, or keep)", rollup_ids, reason)
+    record_audit(SYSTEM, account.organization, HELD_AUDIT_ACTION, account, customer=customer_id, invoice=invoice,
+                 reason=reason, rollups=rollup_ids)
+    return len(rollup_ids)
+
+
+def _held_for_operator(rollups) -> QuerySet:
+    """Those of `rollups` held by `hold_for_operator` (pushed and held; a push held before it is sent is not)."""
+    return rollups.filter(push_held_at__isnull=False, pushed_at__isnull=False)
+
+
+def send_held_again(actor: Actor, rollups) -> int:
+    """Staff: the usage of these rollups held for an operator (`hold_for_operator`) was billed by none of the deleted
+    customer's invoices (Stripe dropped it, or voided its invoice after the deletion): `push_again`, to the
+    organisation's customer of now; audited. Returns how many."""
+    return _decide_held(actor, rollups, "billing.held_usage_pushed_again", push_again)
+
+
+def keep_held(actor: Actor, rollups) -> int:
+    """Staff: the usage of these rollups held for an operator (`hold_for_operator`) was billed by the deleted
+    customer's invoice, or written off by staff: the hold is lifted and nothing is sent; audited. Returns how many."""
+    return _decide_held(actor, rollups, "billing.held_usage_kept",
+                        lambda held: held.update(push_held_at=None, push_error=""))
+
+
+def _decide_held(actor: Actor, rollups, action: str, decide) -> int:
+    """`decide` (held rollups → how many) those of `rollups` held for an operator, an organisation at a time under its
+    account's lock (as the deletion and a push's last check); audited as `action`. Returns how many."""
+    num_decided = 0
+    for organization_id in sorted(set(_held_for_operator(rollups).values_list("organization_id", flat=True))):
+        with transaction.atomic():
+            account = BillingAccount.objects.select_for_update().for_organization(organization_id)
+            rollup_ids = list(_held_for_operator(rollups.filter(organization_id=organization_id))
+                              .values_list("pk", flat=True))
+            num_decided += decide(UsageRollup.objects.filter(pk__in=rollup_ids))
+            record_audit(actor, account.organization, action, account, rollups=rollup_ids)
+    return num_decided
+
+
+def decide_held_by_final_invoice(customer_id: str, invoice_id: str, quantity: int | None) -> int:
+    """Stripe finalised the invoice `invoice_id` of the deleted `customer_id` after the deletion read it (a draft Stripe
+    advances itself, which the deletion could not finalise): what it billed of the usage price, `quantity`
+    (`stripe_sync.usage_quantity`), is final now. It is kept with the deletion (`DeletedStripeCustomer.billed_periods`),
+    and the events of the deletion's second held for an operator for want of it (`hold_for_operator`) are decided by
+    it as the deletion decides (`_dropped_in_its_second`): those Stripe dropped go again, those it billed are kept;
+    audited as `billing.held_usage_decided`. Once: a quantity already known is never replaced. Under the account's
+    lock. Returns how many rollups went again."""
+    if quantity is None:
+        return 0
+    organization_id = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id).values_list(
+        "organization_id", flat=True).first()
+    if organization_id is None:
+        return 0
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().for_organization(organization_id)
+        deleted = DeletedStripeCustomer.objects.select_for_update().get(stripe_customer_id=customer_id)
+        periods = [list(period) for period in deleted.billed_periods]
+        unknown = [period for period in periods if period[3:4] == [invoice_id] and period[2] is None]
+        if not unknown:
+            return 0
+        for period in unknown:
+            period[2] = quantity
+        deleted.billed_periods = periods
+        deleted.save(update_fields=["billed_periods"])
+        dropped, undecided = _dropped_in_its_second(organization_id, customer_id, deleted)
+        held_ids = [pk for audited in AuditEvent.objects.filter(action=HELD_AUDIT_ACTION, details__customer=customer_id,
+                                                                 details__invoice="")
+                    for pk in audited.details.get("rollups") or []]
+        held = _held_for_operator(UsageRollup.objects.filter(pk__in=held_ids))
+        again_ids = list(held.filter(meter_events__pk__in=dropped).values_list("pk", flat=True).distinct())
+        kept_ids = list(held.exclude(pk__in=again_ids).exclude(meter_events__pk__in=undecided)
+                        .values_list("pk", flat=True))
+        num_again = push_again(UsageRollup.objects.filter(pk__in=again_ids))
+        UsageRollup.objects.filter(pk__in=kept_ids).update(push_held_at=None, push_error="")
+        if again_ids or kept_ids:
+            record_audit(SYSTEM, account.organization, "billing.held_usage_decided", deleted, customer=customer_id,
+                         invoice=invoice_id, quantity=quantity, rollups_pushed_again=sorted(again_ids),
+                         rollups_kept=sorted(kept_ids))
     return num_again
 
 
@@ -456,11 +619,16 @@ def push_again_uninvoiced(rollups, customer_id: str) -> int:
         return push_again(rollups)
     uninvoiced = _pushed_uninvoiced(deleted.organization_id, customer_id, deleted)
     num_dropped = MeterEventPush.objects.filter(pk__in=uninvoiced.dropped_in_its_second, rollup__in=rollups).count()
+    undecided = _not_again(uninvoiced, uninvoiced.undecided_in_its_second).filter(pk__in=rollups.values("pk"))
     num_again = push_again(rollups.filter(pk__in=uninvoiced.rollups.values("pk")))
-    if num_dropped or uninvoiced.num_undecided_in_its_second:
+    num_held = hold_for_operator(
+        BillingAccount.objects.for_organization(deleted.organization_id), undecided, customer_id=customer_id,
+        invoice="", reason=f"events of {customer_id}'s deletion's second its invoices cannot place")
+    if num_dropped or num_held:
         record_audit(SYSTEM, deleted.organization, "billing.pushed_to_deleted_customer", deleted, customer=customer_id,
                      num_rollups_pushed_again=num_again, num_events_dropped_in_its_second=num_dropped,
-                     num_events_undecided_in_its_second=uninvoiced.num_undecided_in_its_second)
+                     num_events_undecided_in_its_second=len(uninvoiced.undecided_in_its_second),
+                     num_rollups_held=num_held)
     return num_again
 
 

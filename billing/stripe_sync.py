@@ -37,7 +37,7 @@ import random
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import stripe
@@ -57,6 +57,7 @@ from billing.models import (
     StripeMeter,
     UsageRollup,
     voided_after_deletion,
+    voided_in_deletions_second,
 )
 from controlplane.accounts.models import Organization
 from controlplane.redis_client import held_alone
@@ -312,19 +313,24 @@ class DeletedCustomerInvoices:
     """What Stripe's invoices of a customer just deleted settle, its drafts finalised (`deleted_customer_invoices`)."""
 
     invoiced_until: datetime | None  # the latest end of the periods they settle: billed, or written off; None: none
-    # (start, end, quantity) of those that bill their period: Stripe's seconds, and what they billed in units of the
-    # billed meter (`billing.models.BILLED_METER_EVENT_NAME`), None where it is not final (a draft still advancing) or
-    # not known (`_quantity`).
-    billed_periods: list[tuple[int, int, int | None]] | None  # None: not read
-    written_off: list[str]  # the ids of the void ones voided before the deletion (or in its second): staff write-offs
+    # (start, end, quantity, invoice id) of those that bill their period: Stripe's seconds, and what they billed in
+    # units of the billed meter (`billing.models.BILLED_METER_EVENT_NAME`), None where it is not final (a draft still
+    # advancing) or not known (`usage_quantity`).
+    billed_periods: list[tuple[int, int, int | None, str]] | None  # None: not read
+    written_off: list[str]  # the ids of the void ones voided a second before the deletion: staff write-offs
+    # (invoice id, start, end) of the void ones Stripe's clock cannot order against the deletion
+    # (`billing.models.voided_in_deletions_second`): their usage is held for an operator.
+    voided_in_its_second: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
                               attempts: int = MAX_ATTEMPTS) -> DeletedCustomerInvoices:
     """What Stripe's invoices of `customer_id`, deleted at `deleted_at` (the deletion event's `created`), settle, once
     its drafts are finalised: those that bill the usage of their period (`billing.models.BILLING_INVOICE_STATUSES`),
-    and the void ones voided at or before the deletion (`status_transitions.voided_at`): a live customer's void is a
-    staff write-off (`billing.models.WRITTEN_OFF_INVOICE_STATUS`). Before, a void one counted as billing nothing
+    and the void ones voided before the deletion (`status_transitions.voided_at`): a live customer's void is a
+    staff write-off; one voided in the deletion's own second is neither known billed nor written off: its usage is held
+    for an operator (`voided_in_its_second`). NOTE: the invoices read here, after the deletion, and not void then were
+    voided after it if voided since, whatever the second (`billed_periods`' ids) (`billing.models.WRITTEN_OFF_INVOICE_STATUS`). Before, a void one counted as billing nothing
     whenever it was voided, and the usage staff had forgiven went to the next customer. One voided after the deletion
     settles nothing (no card charges it): its usage goes again (`billing.services.push_again_voided`). Read for a
     customer just deleted (`billing.webhooks`): its invoices' own webhooks may come after its deletion's, and the usage
@@ -335,7 +341,7 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
     after making it (`auto_advance`), with the usage of its period. Counted as billing nothing, as before, its usage
     went again to the next customer and was billed twice. So each draft is finalised now: it bills its period, and no
     usage of that period goes again. A draft Stripe refuses to finalise counts as it is read then: billed if Stripe
-    still advances it itself, else not (logged). Each finalised one's quantity of the usage price (`_quantity`) is
+    still advances it itself, else not (logged). Each finalised one's quantity of the usage price (`usage_quantity`) is
     what it billed of the events Stripe received before the deletion: which of those received in the deletion's own
     second it dropped (`billing.services._pushed_uninvoiced`)."""
     usage_price_id = StripeMeter.objects.filter(event_name=COST_METER.event_name).values_list(
@@ -343,7 +349,7 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
     invoices = call_stripe(
         lambda options: stripe_client().v1.invoices.list(params={"customer": customer_id, "limit": 100}, options=options),
         what="invoice list", attempts=attempts)
-    ends, billed_periods, written_off = [], [], []
+    ends, billed_periods, written_off, voided_in_its_second = [], [], [], []
     for invoice in invoices.auto_paging_iter():
         if invoice.status == "draft":
             invoice = _finalized(invoice.id, attempts=attempts)
@@ -351,41 +357,92 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
             ends.append(invoice.period_end)
             final = invoice.status in BILLING_INVOICE_STATUSES
             billed_periods.append((invoice.period_start, invoice.period_end,
-                                   _quantity(invoice, usage_price_id, attempts=attempts) if final else None))
+                                   usage_quantity(invoice.to_dict(), attempts=attempts, usage_price_id=usage_price_id)
+                                   if final else None, invoice.id))
         elif invoice.status == WRITTEN_OFF_INVOICE_STATUS and not voided_after_deletion(_voided_at(invoice), deleted_at):
-            written_off.append(invoice.id)
+            # NOTE: one of the deletion's own second settles its period too, but is no write-off by rule: held.
+            if voided_in_deletions_second(_voided_at(invoice), deleted_at):
+                if invoice.period_start is not None and invoice.period_end:
+                    voided_in_its_second.append((invoice.id, invoice.period_start, invoice.period_end))
+            else:
+                written_off.append(invoice.id)
             if invoice.period_end:
                 ends.append(invoice.period_end)
         elif invoice.status == "draft":
             logger.warning("the draft invoice %s of the deleted customer %s cannot be finalised and is not advanced "
                            "by Stripe: the usage of its period goes again to the next customer", invoice.id, customer_id)
     return DeletedCustomerInvoices(datetime.fromtimestamp(max(ends), tz=UTC) if ends else None, billed_periods,
-                                   written_off)
+                                   written_off, voided_in_its_second)
 
 
-def _quantity(invoice, usage_price_id: str, *, attempts: int) -> int | None:
-    """What Stripe's `invoice` billed of the usage price's meter (`usage_price_id`): the quantities of its lines of that
-    price, all of them (`invoice_lines`). None where that cannot be told: the price not known, or a line whose price or
-    quantity Stripe does not say (it may be of the usage price).
+def usage_quantity(invoice: dict, *, attempts: int, usage_price_id: str | None = None) -> int | None:
+    """What Stripe's `invoice` (a dict) billed of the usage price's meter (`usage_price_id`, the one kept if not given):
+    the quantities of its lines of that price, all of them (`usage_price_lines`). None where that cannot be told: the
+    price not known, a line whose price cannot be told, or a usage line whose quantity Stripe does not say.
 
     NOTE: not every line's quantity, as before: a line of another price (a one-off invoice item, a second price staff
     put on the subscription) is in units of something else, and the events of the deletion's own second it made
     too many could not be placed (billed by no customer); nor only the lines the invoice shows (its first 10): with
     the usage price's line among the others, what it billed was too little, and events Stripe had billed were taken
     for dropped and billed again to the next customer."""
+    if usage_price_id is None:
+        usage_price_id = StripeMeter.objects.filter(event_name=COST_METER.event_name).values_list(
+            "stripe_price_id", flat=True).first() or ""
     if not usage_price_id:
         return None
-    quantity = 0
-    for line in invoice_lines(invoice.to_dict(), attempts=attempts):
+    lines = usage_price_lines(invoice, usage_price_id, attempts=attempts)
+    if lines is None or any(line.get("quantity") is None for line in lines):
+        logger.warning("the invoice %s has a line whose price or quantity cannot be told: what it billed of the usage "
+                       "price is not known", invoice.get("id"))
+        return None
+    return sum(line["quantity"] for line in lines)
+
+
+def usage_price_lines(invoice: dict, usage_price_id: str, *, attempts: int, subscription=None) -> list[dict] | None:
+    """The lines of Stripe's `invoice` (a dict) that bill the usage price (`usage_price_id`), all of them
+    (`invoice_lines`); None where a line's price cannot be told.
+
+    A line's price is the one it states (`price_of`); where it states none (its `pricing` or `pricing.price_details`
+    is null: Stripe's API allows both, and gives pricing of other kinds, rate cards, as another `pricing.type`), its
+    `parent` says what made it: a subscription item, whose price the subscription says (`subscription`, read from
+    Stripe when needed and not given), or an invoice item, whose price is one-time (Stripe refuses a recurring price for
+    an invoice item), so it never bills a meter. NOTE: before, such a line was skipped: with the usage line priced so,
+    an ended subscription counted as having invoiced nothing, and the next one, started at its start, billed its usage
+    twice; and what a deleted customer's invoice billed was not known."""
+    item_prices = None
+    found = []
+    for line in invoice_lines(invoice, attempts=attempts):
         price_id = price_of(line)
-        if price_id and price_id != usage_price_id:
-            continue
-        if not price_id or line.get("quantity") is None:
-            logger.warning("the invoice %s has a line (%s) whose price or quantity Stripe does not say: what it billed "
-                           "of the usage price is not known", invoice.id, line.get("id"))
-            return None
-        quantity += line["quantity"]
-    return quantity
+        if not price_id:
+            parent = line.get("parent") or {}
+            if parent.get("type") == "invoice_item_details" or line.get("type") == "invoiceitem":
+                continue
+            item_id = ((parent.get("subscription_item_details") or {}).get("subscription_item")
+                       or reference_id(line.get("subscription_item")))
+            if item_id and item_prices is None:
+                if subscription is None:
+                    subscription = _subscription_of(invoice, line, attempts=attempts)
+                item_prices = {} if subscription is None else {
+                    item["id"]: reference_id(item["price"]) for item in subscription["items"]["data"]}
+            price_id = (item_prices or {}).get(item_id or "", "")
+            if not price_id:
+                logger.warning("the invoice %s has a line (%s) whose price Stripe does not say", invoice.get("id"),
+                               line.get("id"))
+                return None
+        if price_id == usage_price_id:
+            found.append(line)
+    return found
+
+
+def _subscription_of(invoice: dict, line: dict, *, attempts: int):
+    """The subscription (a dict) that made `line` of `invoice`, read from Stripe; None if neither names one."""
+    subscription_id = (((line.get("parent") or {}).get("subscription_item_details") or {}).get("subscription")
+                       or (((invoice.get("parent") or {}).get("subscription_details") or {}).get("subscription"))
+                       or reference_id(invoice.get("subscription")))
+    if not subscription_id:
+        return None
+    return call_stripe(lambda options: stripe_client().v1.subscriptions.retrieve(subscription_id, options=options),
+                       what="subscription read", attempts=attempts).to_dict()
 
 
 def invoice_lines(invoice: dict, *, attempts: int) -> list[dict]:
@@ -599,7 +656,8 @@ def _invoiced_until(subscription, usage_price_id: str) -> int:
     period (cancelled at once in the Dashboard or the API, or by Stripe after failed payments) bills what it had not
     invoiced only if it was cancelled with `invoice_now`, which defaults to false (Stripe makes that invoice with the
     cancellation); without it, Stripe discards that usage. So its invoices are read, and it is invoiced up to the
-    latest end of the periods of the usage price's lines (`usage_price_id`), all of them (`invoice_lines`), of those
+    latest end of the periods of the usage price's lines (`usage_price_id`), all of them (`usage_price_lines`: a line
+    that states no price is placed by the subscription item or invoice item that made it), of those
     that settle their period (`_settles_its_period`: they bill it, or are written off), or, with none, its start (a
     backdated subscription ended before its first invoice). Before, the next subscription always started at the ended
     one's end: the usage of the ended period was billed by no invoice.
@@ -617,10 +675,21 @@ def _invoiced_until(subscription, usage_price_id: str) -> int:
     if subscription.cancel_at_period_end or (period_ends and ended_at >= max(period_ends)):
         return ended_at
     invoices = stripe_client().v1.invoices.list(params={"subscription": subscription.id, "limit": 100}).data
-    return max((line["period"]["end"] for invoice in invoices if _settles_its_period(invoice)
-                for line in invoice_lines(invoice.to_dict(), attempts=1)
-                if price_of(line) == usage_price_id and line["period"]["end"] <= ended_at),
-               default=subscription.start_date)
+    ends = []
+    for invoice in invoices:
+        if not _settles_its_period(invoice):
+            continue
+        lines = usage_price_lines(invoice.to_dict(), usage_price_id, attempts=1, subscription=subscription.to_dict())
+        if lines is None:  # NOTE: a guess either way bills usage twice or never: the push fails, visibly, and retries
+            raise UnknownInvoiceLines(f"invoice {invoice.id} has a line whose price cannot be told: where its "
+                                      f"subscription {subscription.id}'s invoices stopped is not known")
+        ends += [line["period"]["end"] for line in lines if line["period"]["end"] <= ended_at]
+    return max(ends, default=subscription.start_date)
+
+
+class UnknownInvoiceLines(Exception):
+    """An ended subscription's invoice has a line whose price Stripe does not say, nor its parent
+    (`usage_price_lines`): the next subscription is not made until it can be told."""
 
 
 def _settles_its_period(invoice) -> bool:
@@ -878,7 +947,7 @@ def _push_claimable(*, limit: int, budget_s: float) -> int:
             # minute. The next run tries again with the key it is configured with then.
             logger.exception("Stripe refused the API key pushing rollup %s; this run pushes no more", rollup_id)
             break
-        except stripe.StripeError:
+        except (stripe.StripeError, UnknownInvoiceLines):
             logger.exception("could not push rollup %s; the next run retries it", rollup_id)
     return num_pushed
 

@@ -17,7 +17,15 @@ from django.db import transaction
 from django.utils import timezone
 
 from billing import services, stripe_sync
-from billing.models import BillingAccount, DeletedStripeCustomer, Dispute, Invoice, InvoiceLine, StripeEvent
+from billing.models import (
+    BILLING_INVOICE_STATUSES,
+    BillingAccount,
+    DeletedStripeCustomer,
+    Dispute,
+    Invoice,
+    InvoiceLine,
+    StripeEvent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +71,11 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
     payer = ("", "")
     if event["type"] in DISPUTE_EVENTS:
         payer = _dispute_payer(event)
-    billed_periods = lines = None
+    billed_periods = lines = final_quantity = None
     if event["type"] in INVOICE_EVENTS:
         billed_periods = _void_invoice_billed_periods(event)
         lines = _invoice_lines(event)
+        final_quantity = _late_final_quantity(event)
     deleted_invoices = None
     if event["type"] == "customer.deleted":
         deleted_invoices = _deleted_customer_invoices(event)
@@ -79,6 +88,9 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
                                      lines=lines)
             if invoice is not None:
                 services.push_again_voided(invoice, billed_periods=billed_periods)
+                if final_quantity is not None:
+                    services.decide_held_by_final_invoice(invoice.stripe_customer_id, invoice.stripe_invoice_id,
+                                                          final_quantity)
                 organization_id = invoice.organization_id
                 transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
         elif event["type"] in DISPUTE_EVENTS:
@@ -96,7 +108,8 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
             found = deleted_invoices or stripe_sync.DeletedCustomerInvoices(None, None, [])
             services.record_customer_deleted(
                 event["data"]["object"]["id"], invoiced_until=found.invoiced_until, billed_periods=found.billed_periods,
-                written_off=found.written_off, deleted_at=_moment(event.get("created")))
+                written_off=found.written_off, voided_in_its_second=found.voided_in_its_second,
+                deleted_at=_moment(event.get("created")))
     return True
 
 
@@ -211,6 +224,26 @@ def _invoice_lines(event: dict) -> list[dict] | None:
             or StripeEvent.objects.filter(stripe_event_id=event["id"]).exists()):
         return None
     return stripe_sync.invoice_lines(data, attempts=1)
+
+
+def _late_final_quantity(event: dict) -> int | None:
+    """What the event's invoice, of a customer Stripe deleted, billed of the usage price (`stripe_sync.usage_quantity`),
+    read with no transaction open, when it is final now and was not when the deletion read it (a draft Stripe advances
+    itself): the events of the deletion's second held for want of it are decided by it
+    (`services.decide_held_by_final_invoice`). None when nothing need be read: another invoice, not final, known
+    already, Stripe not configured, or the event applied before. If Stripe cannot answer, this webhook fails and Stripe
+    sends it again."""
+    data = event["data"]["object"]
+    customer_id = stripe_sync.reference_id(data.get("customer")) or "-"
+    if data.get("status") not in BILLING_INVOICE_STATUSES or not stripe_sync.is_configured():
+        return None
+    deleted = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id).first()
+    if deleted is None or not any(period[3:4] == [data.get("id")] and period[2] is None
+                                  for period in deleted.billed_periods):
+        return None
+    if StripeEvent.objects.filter(stripe_event_id=event["id"]).exists():
+        return None
+    return stripe_sync.usage_quantity(data, attempts=1)
 
 
 def _void_invoice_billed_periods(event: dict) -> list[tuple[datetime, datetime]] | None:

@@ -13,10 +13,11 @@ from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from billing import stripe_sync
+from billing import services, stripe_sync
 from billing.ledger import record_usage
 from billing.models import (
     BILLED_METER_EVENT_NAME,
@@ -31,9 +32,10 @@ from billing.models import (
 from billing.quota.counters import QuotaExceeded
 from billing.rollups import rollup_usage
 from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.services import Actor
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import reserve
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, sign_in_staff
 from tests.fakes.stripe_server import sign_webhook
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
@@ -558,6 +560,54 @@ def test_a_subscription_cancelled_at_once_is_followed_from_its_usage_line_whatev
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
 
 
+def test_a_subscription_cancelled_at_once_is_followed_from_its_usage_line_when_its_lines_state_no_price(fake_stripe):
+    """Stripe's invoice line may state no price (its `pricing` is null; pricing of other kinds, rate cards, comes as
+    another `pricing.type`): its `parent` names the subscription item or invoice item that made it. Before, such a line
+    was skipped: the ended subscription counted as having invoiced nothing, the next one began at its start, and the
+    6th hour, billed by the first's invoice, was billed again by the next. The usage line is placed by its subscription
+    item now, and a one-off invoice item's line (made after the period, pulled in ahead of it) counts for nothing."""
+    endpoint = EndpointFactory()
+    fake_stripe.line_prices_shown = False
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    fake_stripe.add_invoice_item(customer, amount=500)
+    invoiced_until = _end_period_after_what_was_pushed(fake_stripe, first)
+    [invoice] = fake_stripe.invoices.values()
+    assert [line["pricing"] is None for line in invoice["lines"]["data"]] == [False, True]
+    _use_and_push(endpoint, num_hours_ago=5)  # in the period the cancellation cuts short
+
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, second)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+    assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoiced_until
+
+
+def test_a_line_whose_price_nothing_tells_holds_back_the_next_subscription_and_no_other_organisations_push(
+        fake_stripe):
+    # A guard: a line of the ended subscription's invoice that states no price and no parent cannot be placed: a guess
+    # bills its usage twice or never, so the next subscription is not made, the push fails visibly and is retried,
+    # and the run goes on with other organisations' rollups.
+    endpoint, other = EndpointFactory(), EndpointFactory()
+    fake_stripe.line_prices_shown = False
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    [invoice] = fake_stripe.invoices.values()
+    invoice["lines"]["data"][0]["parent"] = None
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=5)))
+    record_usage(usage_report(other, finished_at=_hour(5) + timedelta(minutes=5)))
+    rollup_usage()
+
+    assert stripe_sync.push_pending_rollups() == 1  # the other organisation's
+    stuck = UsageRollup.objects.get(organization=endpoint.organization, hour_start=_hour(5))
+    assert stuck.pushed_at is None and invoice["id"] in stuck.push_error
+    assert _subscribed(endpoint) == (customer, "")
+
+
 def _written_off_once(fake_stripe, customer_id: str) -> None:
     """Every unit of usage pushed to the customer is on one of its invoices, once; a void one's (some) are forgiven."""
     assert fake_stripe.invoiced_usage(customer_id) == _cost_pushed(fake_stripe, customer_id)
@@ -811,24 +861,117 @@ def test_usage_of_an_invoice_voided_after_its_customers_deletion_goes_again_thou
     assert audited.details["invoice"] == first["id"] and audited.details["num_rollups_pushed_again"] == 1
 
 
-@pytest.mark.parametrize("cannot_place", ["a_draft_stripe_still_advances", "the_usage_price_not_known"])
-def test_events_of_the_deletions_second_that_its_invoices_cannot_place_count_as_received_before_it(
-        fake_stripe, cannot_place):
-    # A guard: the draft whose period the 6th hour's events are dated in cannot be finalised (Stripe refuses, and still
-    # advances it itself): what it bills is not final, so the events Stripe received in the deletion's second cannot be
-    # placed. They count as received before the deletion, as before: never billed twice; the deletion's audit says so.
-    # So too where the usage price is not known here (its id not kept): which of the invoice's lines bill the usage
-    # cannot be told (`stripe_sync._quantity`).
+def test_an_invoice_voided_in_its_customers_deletions_second_that_the_deletion_saw_billing_goes_again(fake_stripe):
+    """Stripe deleted the customer, then its invoice of the 7th hour was voided in the same second of Stripe's clock.
+    Before, a void in the deletion's own second was a write-off by rule: the 7th hour, voided after the deletion, was
+    billed by no customer. The deletion's webhook read that invoice after the deletion and saw it open: it was voided
+    after, whatever the second; its usage goes again, once, to the next customer."""
     endpoint = EndpointFactory()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(invoice["id"]))
+    _use_and_push(endpoint, num_hours_ago=5)  # after the invoice: goes again by the deletion
+
+    deleted_at = fake_stripe.frozen_s = int(time.time())
+    _webhook("customer.deleted", fake_stripe.delete_customer(old_customer), created=deleted_at)
+    voided = fake_stripe.void_invoice(invoice["id"])
+    fake_stripe.frozen_s = None
+    assert voided["status_transitions"]["voided_at"] == deleted_at
+    _webhook("invoice.voided", voided)
+    _webhook("invoice.updated", voided)  # told twice
+    assert stripe_sync.push_pending_rollups() == 2  # the 5th hour's and the 7th's again
+    assert stripe_sync.push_pending_rollups() == 0
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    costs = sum(rollup.cost_micro_dollars for rollup in UsageRollup.objects.all())
+    assert _billed_usage(fake_stripe, new_customer) == costs == _cost_pushed(fake_stripe, new_customer)
+    assert _billed_usage(fake_stripe, old_customer) == 0
+    assert not AuditEvent.objects.filter(action=services.HELD_AUDIT_ACTION).exists()
+    [audited] = AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again")
+    assert audited.details["invoice"] == invoice["id"]
+
+
+@pytest.mark.parametrize("void_told", ["before_the_deletion", "after_the_deletion"])
+@pytest.mark.parametrize("decided", ["written_off", "voided_after"])
+def test_an_invoice_voided_in_its_customers_deletions_second_that_nothing_orders_is_held_for_an_operator(
+        fake_stripe, void_told, decided):
+    """The invoice of the 7th hour was voided and its customer deleted in one second of Stripe's clock, and the
+    deletion's read saw it void: nothing Stripe keeps orders the two. Before, it was a write-off by rule, silently: had
+    the void come after the deletion, the 7th hour was billed by no customer. Its usage is held for an operator now
+    (audited, listed in the admin), who decides: written off (nothing billed) or voided after (billed once, by the
+    next customer). Told again, the void holds nothing more."""
+    endpoint = EndpointFactory()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(invoice["id"]))
+
+    deleted_at = fake_stripe.frozen_s = int(time.time())
+    voided = fake_stripe.void_invoice(invoice["id"])
+    gone = fake_stripe.delete_customer(old_customer)
+    fake_stripe.frozen_s = None
+    if void_told == "before_the_deletion":
+        _webhook("invoice.voided", voided)
+    _webhook("customer.deleted", gone, created=deleted_at)
+    _webhook("invoice.updated" if void_told == "before_the_deletion" else "invoice.voided", voided)
+    assert stripe_sync.push_pending_rollups() == 0
+
+    [held] = UsageRollup.objects.filter(push_held_at__isnull=False)
+    assert held.hour_start == _hour(7) and invoice["id"] in held.push_error
+    [audited] = AuditEvent.objects.filter(action=services.HELD_AUDIT_ACTION)
+    assert audited.details["invoice"] == invoice["id"] and audited.details["rollups"] == [held.pk]
+    [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
+    assert deletion.details["invoices_held"] == [invoice["id"]] and deletion.details["invoices_written_off"] == []
+
+    operator = Actor(user=get_user_model().objects.create_superuser("ops@example.test", "ops@example.test",
+                                                                    "a long passphrase"))
+    if decided == "written_off":
+        assert services.keep_held(operator, UsageRollup.objects.all()) == 1
+    else:
+        assert services.send_held_again(operator, UsageRollup.objects.all()) == 1
+    _webhook("invoice.updated", voided)  # told again: the decision stands
+    assert stripe_sync.push_pending_rollups() == (1 if decided == "voided_after" else 0)
+    assert not UsageRollup.objects.filter(push_held_at__isnull=False).exists()
+    new_customer, new_subscription = _subscribed(endpoint)
+    [cost] = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.all()]
+    assert _billed_usage(fake_stripe, old_customer) == 0
+    if decided == "voided_after":
+        _invoice_the_rest(fake_stripe, new_subscription)
+        assert _billed_usage(fake_stripe, new_customer) == cost == _cost_pushed(fake_stripe, new_customer)
+    else:
+        assert new_customer == ""
+
+
+def _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, *, received: str) -> tuple[str, dict, dict, int]:
+    """The 7th hour pushed and on a draft whose period the 6th hour's date is in too; the 6th hour pushed in the second
+    its customer is deleted in Stripe, `received` before or after the deletion; Stripe's clock held at that second.
+    The customer, the draft, the deletion's webhook object and its second."""
     _use_and_push(endpoint, num_hours_ago=7)
     old_customer, old_subscription = _subscribed(endpoint)
     record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
     rollup_usage()
     fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)
-    [draft] = fake_stripe.invoices.values()  # the 7th hour's, and the 6th's date
+    [draft] = fake_stripe.invoices.values()
     second = fake_stripe.frozen_s = int(time.time()) + 2
-    gone = fake_stripe.delete_customer(old_customer)
-    assert stripe_sync.push_pending_rollups() == 1  # received after the deletion, in its second
+    if received == "after_the_deletion":
+        gone = fake_stripe.delete_customer(old_customer)
+        assert stripe_sync.push_pending_rollups() == 1  # accepted, and dropped
+    else:
+        assert stripe_sync.push_pending_rollups() == 1
+        gone = fake_stripe.delete_customer(old_customer)
+    return old_customer, draft, gone, second
+
+
+@pytest.mark.parametrize("cannot_place", ["a_draft_stripe_still_advances", "the_usage_price_not_known"])
+def test_events_of_the_deletions_second_that_its_invoices_cannot_place_are_held_for_an_operator(
+        fake_stripe, client, cannot_place):
+    """The draft whose period the 6th hour's events are dated in cannot be finalised (Stripe refuses, and still
+    advances it itself): what it bills is not final, so the events Stripe received in the deletion's second cannot be
+    placed; nor where the usage price is not known here (its id not kept: which lines bill the usage cannot be told).
+    Stripe received them after the deletion and dropped them. Before, they counted as received before it, silently:
+    the 6th hour was billed by no customer. They are held for an operator now (audited, listed in the admin), neither
+    sent again by rule (billed twice, had Stripe billed them) nor lost: sent again from the admin, billed once."""
+    endpoint = EndpointFactory()
+    old_customer, draft, gone, second = _the_6th_hour_in_the_deletions_second(
+        fake_stripe, endpoint, received="after_the_deletion")
     if cannot_place == "a_draft_stripe_still_advances":
         fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
     else:
@@ -838,13 +981,83 @@ def test_events_of_the_deletions_second_that_its_invoices_cannot_place_count_as_
 
     assert draft["status"] == ("draft" if cannot_place == "a_draft_stripe_still_advances" else "open")
     assert stripe_sync.push_pending_rollups() == 0
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    assert held.push_held_at is not None and "deletion's second" in held.push_error
     [deletion] = AuditEvent.objects.filter(action="billing.customer_deleted")
     assert (deletion.details["num_events_dropped_in_its_second"],
-            deletion.details["num_events_undecided_in_its_second"]) == (0, 1)
+            deletion.details["num_events_undecided_in_its_second"], deletion.details["num_rollups_held"]) == (0, 1, 1)
+    [audited] = AuditEvent.objects.filter(action=services.HELD_AUDIT_ACTION)
+    assert audited.details["rollups"] == [held.pk] and audited.details["customer"] == old_customer
+
+    # A superuser finds in Stripe that no invoice of the deleted customer billed it, and sends it again.
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test",
+                                                                    "a long passphrase"))
+    listed = client.get("/django-admin/billing/usagerollup/", {"push_held_at__isnull": "False"})
+    assert listed.status_code == 200 and "held for an operator" in listed.content.decode()
+    sent = client.post("/django-admin/billing/usagerollup/", {"action": "send_held_again",
+                                                               "_selected_action": [held.pk]})
+    assert sent.status_code == 302
+    assert AuditEvent.objects.filter(action="billing.held_usage_pushed_again", details__rollups=[held.pk]).exists()
+    _billed_once(fake_stripe, endpoint, old_customer, dropped=True)
+
+
+def test_events_a_push_sent_in_its_customers_deletions_second_that_nothing_places_are_held_by_the_push(
+        fake_stripe, monkeypatch):
+    """The customer is deleted (its webhook applied) once a push has read it, and the push sends the 6th hour's events
+    in the deletion's second; the draft of their period cannot be finalised (Stripe advances it itself). Before, the
+    push's end counted them as received before the deletion: dropped, billed by no customer. It holds them for an
+    operator, audited."""
+    endpoint = EndpointFactory()
+    _use_and_push(endpoint, num_hours_ago=7)
+    old_customer, old_subscription = _subscribed(endpoint)
+    record_usage(usage_report(endpoint, finished_at=_hour(6) + timedelta(minutes=5)))
+    rollup_usage()
+    fake_stripe.end_period(old_subscription, at=int(time.time()) + 60)
+    [draft] = fake_stripe.invoices.values()
+    second = fake_stripe.frozen_s = int(time.time()) + 2
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _deleted_once_read(monkeypatch, old_customer,
+                       lambda: _webhook("customer.deleted", fake_stripe.delete_customer(old_customer), created=second))
+    assert stripe_sync.push_pending_rollups() == 0
+    monkeypatch.undo()
+    fake_stripe.frozen_s = None
+
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    assert held.push_held_at is not None and held.pushed_at is not None
+    assert stripe_sync.push_pending_rollups() == 0
+    [by_the_push] = AuditEvent.objects.filter(action="billing.pushed_to_deleted_customer")
+    assert (by_the_push.details["num_events_undecided_in_its_second"], by_the_push.details["num_rollups_held"]) == (1, 1)
+    [audited] = AuditEvent.objects.filter(action=services.HELD_AUDIT_ACTION)
+    assert audited.details["rollups"] == [held.pk]
 
 
 @pytest.mark.parametrize("received", ["before_the_deletion", "after_the_deletion"])
-@pytest.mark.parametrize("other_lines", ["a_second_price", "ten_invoice_items_ahead"])
+def test_events_of_the_deletions_second_held_for_a_draft_are_decided_once_stripe_finalises_it(fake_stripe, received):
+    """The draft whose period the 6th hour's events are dated in could not be finalised by the deletion (Stripe
+    refused, and advances it itself): its events of the deletion's second were held for want of its final quantity.
+    Before, they stayed undecided for good (counted as received before the deletion: dropped, billed by no customer).
+    Stripe's own record decides them once it finalises that draft (`invoice.finalized`, its usage line's quantity):
+    dropped, they go again, billed once by the next customer; billed by it, their hold is lifted, nothing sent."""
+    endpoint = EndpointFactory()
+    old_customer, draft, gone, second = _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, received=received)
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _webhook("customer.deleted", gone, created=second)
+    fake_stripe.frozen_s = None
+    assert draft["status"] == "draft" and UsageRollup.objects.get(hour_start=_hour(6)).push_held_at is not None
+
+    finalized = fake_stripe.finalize_invoice(draft["id"])  # an hour on, by Stripe
+    _webhook("invoice.finalized", finalized)
+    _webhook("invoice.finalized", finalized)  # delivered twice
+    assert not UsageRollup.objects.filter(push_held_at__isnull=False).exists()
+    [decided] = AuditEvent.objects.filter(action="billing.held_usage_decided")
+    held_pk = UsageRollup.objects.get(hour_start=_hour(6)).pk
+    assert (decided.details["rollups_pushed_again"], decided.details["rollups_kept"]) == (
+        ([held_pk], []) if received == "after_the_deletion" else ([], [held_pk]))
+    _billed_once(fake_stripe, endpoint, old_customer, dropped=received == "after_the_deletion")
+
+
+@pytest.mark.parametrize("received", ["before_the_deletion", "after_the_deletion"])
+@pytest.mark.parametrize("other_lines", ["a_second_price", "ten_invoice_items_ahead", "none_but_no_price_stated"])
 def test_events_of_the_deletions_second_are_placed_by_the_usage_prices_lines_alone_and_all_of_them(
         fake_stripe, received, other_lines):
     """The draft the deletion finalises has other lines than the usage price's: a second price staff put on the
@@ -852,7 +1065,8 @@ def test_events_of_the_deletions_second_are_placed_by_the_usage_prices_lines_alo
     ahead of it, which puts the usage price's line 11th, past the 10 an invoice shows. Before, its quantity was every
     line's, of those it shows: too much (its tokens too) or too little (ten items, and no usage), so the 6th hour's
     events, received in the deletion's second, could not be placed: dropped by Stripe, they were billed by no customer.
-    Only the usage price's lines count now, all of them read."""
+    Only the usage price's lines count now, all of them read; and one that states no price (`pricing` null), whose
+    quantity was not known before (the 6th hour, dropped, billed by no customer), is placed by its subscription item."""
     endpoint = EndpointFactory()
     _use_and_push(endpoint, num_hours_ago=7)
     old_customer, old_subscription = _subscribed(endpoint)
@@ -860,6 +1074,8 @@ def test_events_of_the_deletions_second_are_placed_by_the_usage_prices_lines_alo
     rollup_usage()
     if other_lines == "a_second_price":
         fake_stripe.add_subscription_item(old_subscription, meter="inferplane_input_tokens")
+    elif other_lines == "none_but_no_price_stated":  # its usage line's `pricing` null: placed by its subscription item
+        fake_stripe.line_prices_shown = False
     else:
         for _ in range(10):
             fake_stripe.add_invoice_item(old_customer, amount=500)
@@ -875,7 +1091,8 @@ def test_events_of_the_deletions_second_are_placed_by_the_usage_prices_lines_alo
     _webhook("customer.deleted", gone, created=second)
     fake_stripe.frozen_s = None
     usage_lines = [line for line in draft["lines"]["data"] if fake_stripe.meter_of(line) == BILLED_METER_EVENT_NAME]
-    assert draft["status"] == "open" and len(draft["lines"]["data"]) == (2 if other_lines == "a_second_price" else 11)
+    assert draft["status"] == "open" and len(draft["lines"]["data"]) == {
+        "a_second_price": 2, "ten_invoice_items_ahead": 11, "none_but_no_price_stated": 1}[other_lines]
     assert usage_lines == draft["lines"]["data"][-1:]  # Stripe orders invoice items and newer items first
 
     _billed_once(fake_stripe, endpoint, old_customer, dropped=received == "after_the_deletion")

@@ -13,6 +13,7 @@
     fake.invoiced_usage(customer id)                          # what the subscriptions' invoices billed, in meter units
     fake.add_subscription_item(id, meter=event name)          # a second price on a subscription, as staff add one
     fake.add_invoice_item(customer id, amount=500)            # a one-off charge, pulled into its next invoice
+    fake.line_prices_shown = False                            # subscription items' lines state no price (`pricing` null)
     fake.cancel_in_portal(session id, subscription id)        # the customer's click, as the session's configuration says
     fake.charge(customer id), fake.dispute(charge id), fake.close_dispute(id, "won")   # a payment, and its chargeback
     fake.revoke_key(key), fake.restore_key(key)              # a secret key rolled or revoked: 401 to every call
@@ -124,6 +125,10 @@ class FakeStripe:
     # Stripe's clock held at this second (`created` of what it makes, the times of its transitions): to order events
     # within one second, which Stripe's clock cannot tell apart. None: the clock runs.
     frozen_s: int | None = None
+    # Whether an invoice line of a subscription item states its price (`pricing.price_details.price`). False: its
+    # `pricing` is null, as Stripe's API allows (the line's `parent` names its subscription item, whose price the
+    # subscription says), and as it shows pricing of other kinds (rate cards) under another `pricing.type`.
+    line_prices_shown: bool = True
 
     def __post_init__(self):
         self._lock = threading.Lock()
@@ -357,8 +362,16 @@ class FakeStripe:
 
     def meter_of(self, line: dict) -> str | None:
         """The event name of the meter an invoice line's price is on; None for a line of no meter's price."""
-        price = self.prices[line["pricing"]["price_details"]["price"]]
+        price = self.prices[self._price_id_of(line)]
         return self.meters[price["recurring"]["meter"]]["event_name"] if (price["recurring"] or {}).get("meter") else None
+
+    def _price_id_of(self, line: dict) -> str:
+        """The price of an invoice line: the one it states, or else its subscription item's."""
+        if line["pricing"] is not None:
+            return line["pricing"]["price_details"]["price"]
+        item_id = line["parent"]["subscription_item_details"]["subscription_item"]
+        return next(item["price"]["id"] for subscription in self.subscriptions.values()
+                    for item in subscription["items"]["data"] if item["id"] == item_id)
 
     def calls_to(self, path: str, method: str = "POST") -> list[Call]:
         with self._lock:
@@ -567,7 +580,8 @@ class FakeStripe:
             item["invoice"] = invoice_id
             del self.pending_invoice_items[item["id"]]
         lines += [{"id": _id("il"), "object": "line_item", "invoice": invoice_id, "quantity": 0, "amount": 0,
-                   "period": {"start": start, "end": end}, "pricing": _pricing(item["price"]),
+                   "period": {"start": start, "end": end},
+                   "pricing": _pricing(item["price"]) if self.line_prices_shown else None,
                    "parent": {"type": "subscription_item_details",
                               "subscription_item_details": {"subscription": subscription["id"],
                                                             "subscription_item": item["id"]}}}
@@ -597,7 +611,7 @@ class FakeStripe:
                 if event["event_name"] == event_name and event["payload"]["stripe_customer_id"] == invoice["customer"]
                 and line["period"]["start"] <= event["timestamp"] < line["period"]["end"]
                 and (deleted_as is None or self._received_as.get(id(event), 0) < deleted_as))
-            line["amount"] = round(line["quantity"] * float(line["pricing"]["unit_amount_decimal"]))
+            line["amount"] = round(line["quantity"] * float(self.prices[self._price_id_of(line)]["unit_amount_decimal"]))
         invoice["amount_due"] = sum(line["amount"] for line in invoice["lines"]["data"])
 
     def _finalize(self, invoice: dict) -> None:
