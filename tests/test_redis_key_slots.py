@@ -88,9 +88,9 @@ async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api
     admitted = await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"in-flight-{organization_id}",
                                      amount=Decimal("0.01"), num_tokens=10, candidates=replicas)
     await traffic.release_replica(organization_id, replicas[admitted.picked], request_id=f"in-flight-{organization_id}",
-                                  endpoint_id=endpoint_id)
+                                  endpoint_id=endpoint_id, call_token=admitted.call_token)
     picked = await traffic.pick_replica(organization_id, replicas, request_id=f"in-flight-{organization_id}",
-                                        endpoint_id=endpoint_id)
+                                        endpoint_id=endpoint_id, call_token=admitted.call_token)
     await admission.finish(caller=caller, endpoint_id=endpoint_id, admission=admitted, release=replicas[picked],
                            num_tokens=5, cost=Decimal("0.001"))
     # waiting for a cold start, with a place in line
@@ -135,7 +135,7 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         await presence.beat()  # a reconcile finds it lost, and the beat records it again
         assert redis.hlen(redis_keys.progress_key(with_key.pk)) == redis.hlen(redis_keys.progress_key(without_key.pk)) == 1
         for organization_id in (with_key.pk, without_key.pk):
-            presence.end_later(organization_id, f"held-{organization_id}")
+            presence.end_later(organization_id, f"held-{organization_id}", call_token="")  # tracked without one
         await presence.beat()  # ends them
         # a call naming no model of its organisation: its key's limits read before the lookup, then counted
         with pytest.raises(errors.OpenAIError):
