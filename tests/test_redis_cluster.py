@@ -216,13 +216,20 @@ def test_a_finish_whose_entry_the_sweeper_released_counts_the_tokens_it_used_onc
     entries.check_swept_then_finished(entries.swept_then_finished())
 
 
-def test_a_finish_whose_admission_redis_lost_counts_the_tokens_it_used_put_back_or_not_on_a_redis_cluster(
-        on_cluster, gateway_alone):
+@pytest.mark.usefixtures("gateway_alone")
+def test_a_finish_whose_admission_redis_lost_counts_the_tokens_it_used_put_back_or_not_on_a_redis_cluster(on_cluster):
     entries.check_lost_with_redis_memory_then_finished(entries.lost_with_redis_memory_then_finished())
 
 
+@pytest.mark.usefixtures("gateway_alone")
+def test_a_finish_that_missed_redis_has_its_unused_tokens_given_back_once_by_the_next_beat_on_a_redis_cluster(
+        on_cluster):
+    entries.check_finishes_that_missed_redis(entries.finishes_that_missed_redis())
+
+
+@pytest.mark.usefixtures("gateway_alone")
 def test_a_new_call_under_an_earlier_tries_request_id_counts_on_its_own_and_keeps_its_slot_on_a_redis_cluster(
-        replies_lost, gateway_alone):
+        replies_lost):
     # every script sent twice: the second try's admission, the leftover's release, each call's finish
     entries.check_request_id_used_again(entries.request_id_used_again())
 

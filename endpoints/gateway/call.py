@@ -696,6 +696,7 @@ class InferenceCall:
                 self._note_usage_past_reservation(actual)
             actual = self.reserved
         journaled = False
+        num_tokens = usage.prompt_tokens + usage.completion_tokens if recorded else 0
         try:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
@@ -708,14 +709,15 @@ class InferenceCall:
                 # NOTE: also releases the replica that served it (or was picked when the client left).
                 await admission.finish(caller=self.caller, endpoint_id=self.endpoint.id, admission=admitted,
                                        release=self.outstanding_replica_id,
-                                       num_tokens=usage.prompt_tokens + usage.completion_tokens if recorded else 0,
+                                       num_tokens=num_tokens,
                                        cost=actual, served_by=self.replica.id if self.replica else None,
                                        cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id, recorded=recorded,
                                        finished_at=finished_at, journaled=journaled, lapsed_at=self.held.lapses_at)
             except asyncio.CancelledError:
                 # as below: its loop is ending
                 presence.end_later(self.caller.organization_id, self.request_id, call_token=self.call_token,
-                                   row_journaled=journaled)
+                                   row_journaled=journaled,
+                                   give_back=admitted.window.give_back_keys_and_args(num_tokens, self.call_token))
                 raise
             except Exception as exc:
                 if not errors.is_outage(exc):
@@ -724,7 +726,8 @@ class InferenceCall:
                 # later, and the reservation expires (`billing.quota.sweeper`).
                 logger.warning("request %s: could not end it in Redis now: %r", self.request_id, exc)
                 presence.end_later(self.caller.organization_id, self.request_id, call_token=self.call_token,
-                                   row_journaled=journaled)
+                                   row_journaled=journaled,
+                                   give_back=admitted.window.give_back_keys_and_args(num_tokens, self.call_token))
             finally:
                 self._observe(outcome=self.status if self.served else "not_served")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from controlplane import clock, redis_keys
-from controlplane.script_parts import ScriptPart
+from controlplane.script_parts import ComposedScript, ScriptPart
 from endpoints.gateway import errors
 
 WINDOW_TTL_S = 120
@@ -98,6 +98,16 @@ CHECK = ScriptPart("limits_check", keys=("this minute's request counter", "this 
 GIVE_BACK = ScriptPart("limits_give_back", keys=("the token counter of the minute it was admitted in",
                                                  "that minute's reservations"),
                        args=("tokens per minute", "tokens used", "the call's token"), lua=LIMITS_LUA)
+
+
+# A call's give-back alone: its finish did not reach Redis, and its gateway's beat ends it (`presence.end_later`).
+_GIVE_BACK_ALONE = ComposedScript([GIVE_BACK], glue="limits_give_back(limits_give_back_K, limits_give_back_A)")
+
+
+def give_back_alone(keys_and_args: tuple[list[str], list]) -> None:
+    """`Window.give_back_keys_and_args`'s give-back, without the rest of the call's finish (synchronous: a worker
+    thread's). Once, however often it runs, and not again after the finish's own."""
+    _GIVE_BACK_ALONE.run_sync(limits_give_back=keys_and_args)
 
 
 @functools.lru_cache(maxsize=4096)

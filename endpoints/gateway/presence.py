@@ -69,7 +69,7 @@ from controlplane.cancellation import end_if_cancelled
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_scripts import Script
-from endpoints.gateway import traffic
+from endpoints.gateway import limits, traffic
 
 logger = logging.getLogger("inferplane.gateway")
 T = TypeVar("T")
@@ -168,10 +168,19 @@ class Held:
         return redis_keys.outstanding_key(self.organization_id, self.replica_id)
 
 
+@dataclass(slots=True, frozen=True)
+class Unfinished:
+    """A call whose end did not reach Redis: its token (only its entry is released, never a later try's under its
+    request id) and its tokens' give-back (`limits.Window.give_back_keys_and_args`), if it has one."""
+
+    call_token: str
+    give_back: tuple[list[str], list] | None = None
+
+
 # The requests this process serves (request id -> Held), and those whose end did not reach Redis
-# ((organisation id, request id) -> its call's token: only that call's entry is released, never a later try's).
+# ((organisation id, request id) -> `Unfinished`).
 serving: dict[str, Held] = {}
-unfinished: dict[tuple[int, str], str] = {}
+unfinished: dict[tuple[int, str], Unfinished] = {}
 # Those of them whose usage row waits in this process's journal (the ledger refused it): their progress is dropped
 # with their end, so the sweeper never bills them from it (`end_later`).
 unfinished_journaled: set[tuple[int, str]] = set()
@@ -210,17 +219,19 @@ def _let_go(held: Held | None) -> None:
         held.progress = None
 
 
-def end_later(organization_id: int, request_id: str, *, call_token: str, row_journaled: bool = False) -> None:
+def end_later(organization_id: int, request_id: str, *, call_token: str, row_journaled: bool = False,
+              give_back: tuple[list[str], list] | None = None) -> None:
     """The end of the request's call of `call_token` could not reach Redis: a later beat releases its entry (as a
-    sweeper would), never another call's under the same id; `row_journaled`: its usage row is in this process's
-    journal, and that beat also drops its progress.
+    sweeper would), never another call's under the same id, and gives back the tokens it did not use (`give_back`:
+    `limits.Window.give_back_keys_and_args`; once, should its finish have run after all, its reply lost);
+    `row_journaled`: its usage row is in this process's journal, and that beat also drops its progress.
 
     NOTE: its reservation is left to lapse, and the sweeper bills a lapsed hold with no ledger row from its progress
     (`billing.quota.sweeper`): a stream whose row waited in the journal (PostgreSQL down) when its settlement failed
     was billed from its last beat's progress, and the journal's replay of its whole row, coming after, was refused
     as a duplicate (found by the review of the lost-gateway billing). Its row is the one that bills it."""
     _let_go(serving.pop(request_id, None))
-    unfinished[(organization_id, request_id)] = call_token
+    unfinished[(organization_id, request_id)] = Unfinished(call_token, give_back)
     if row_journaled:
         unfinished_journaled.add((organization_id, request_id))
 
@@ -726,9 +737,9 @@ async def _end_unfinished(redis, gateway: str) -> None:
     Those of a chunk that failed stay for the next beat (a release is the end's own: done once)."""
     if not unfinished:
         return
-    by_organization: dict[int, list[tuple[str, str]]] = {}
-    for (organization_id, request_id), call_token in list(unfinished.items()):
-        by_organization.setdefault(organization_id, []).append((request_id, call_token))
+    by_organization: dict[int, list[tuple[str, Unfinished]]] = {}
+    for (organization_id, request_id), call in list(unfinished.items()):
+        by_organization.setdefault(organization_id, []).append((request_id, call))
     organizations = list(by_organization.items())
     for first in range(0, len(organizations), CHUNK):
         part = organizations[first:first + CHUNK]
@@ -742,18 +753,21 @@ async def _end_unfinished(redis, gateway: str) -> None:
                     pipe.hdel(redis_keys.progress_key(organization_id), *ids)
                 await pipe.execute()
         for organization_id, calls in part:
-            for request_id, call_token in calls:
+            for request_id, call in calls:
                 # NOTE: only the try whose end this was: one ended again meanwhile under its id stays to be released
-                if unfinished.get((organization_id, request_id)) == call_token:
+                if unfinished.get((organization_id, request_id)) is call:
                     del unfinished[(organization_id, request_id)]
                     unfinished_journaled.discard((organization_id, request_id))
 
 
-def _release_ended(gateway: str, organizations: list[tuple[int, list[tuple[str, str]]]]) -> None:
-    """Release the entries of the calls whose end did not reach Redis ((request id, call token) per organisation)."""
+def _release_ended(gateway: str, organizations: list[tuple[int, list[tuple[str, Unfinished]]]]) -> None:
+    """Release the entries of the calls whose end did not reach Redis, and give back their unused tokens."""
     for organization_id, calls in organizations:
         release_requests(traffic.gateway_requests_key(organization_id, gateway), [request_id for request_id, _ in calls],
-                         only_if_dead=False, call_tokens=dict(calls))
+                         only_if_dead=False, call_tokens={request_id: call.call_token for request_id, call in calls})
+        for _, call in calls:
+            if call.give_back is not None:
+                limits.give_back_alone(call.give_back)
 
 
 async def _reconcile_beside(gateway: str, only: set[int] | None) -> None:

@@ -1,7 +1,8 @@
 """A call's entry in its gateway's requests hash, and what its finish gives back without it.
 
 A finish whose entry is gone (released by the sweeper, or lost with Redis's memory, put back or not) leaves the
-minute's token counter at what the call used, never more or less, and gives back once however often it is sent; a new
+minute's token counter at what the call used, never more or less, and gives back once however often it is sent (or
+ended by its gateway's beat, its finish having missed Redis); a new
 call under an earlier try's request id (a batch line tried again) is admitted or refused on its own merits, and the
 earlier try's end frees none of its slot. The scenarios run on the suite's Redis here, and on a Redis Cluster in
 tests/test_redis_cluster.py."""
@@ -140,6 +141,27 @@ def lost_with_redis_memory_then_finished() -> dict:
     return asyncio.run(scenario())
 
 
+def finishes_that_missed_redis() -> dict:
+    """Two calls whose finish failed (Redis unreachable): one whose finish never ran, one whose finish ran and whose
+    reply was lost; their gateway's next beat ends both."""
+    caller, endpoint = a_caller()
+    org = caller.organization_id
+
+    async def scenario():
+        await presence.beat(web=True)
+        missed, lost_reply = await admit(caller, endpoint, "missed"), await admit(caller, endpoint, "reply-lost")
+        await finish(caller, endpoint, lost_reply)
+        for request_id, admitted in (("missed", missed), ("reply-lost", lost_reply)):
+            presence.end_later(org, request_id, call_token=admitted.call_token,
+                               give_back=admitted.window.give_back_keys_and_args(USED, admitted.call_token))
+        during = counted(missed.window)
+        await presence.beat(web=True)
+        return {"during": during, "after": counted(missed.window), "outstanding": outstanding(org),
+                "in_flight": in_flight(org, endpoint), "unfinished": dict(presence.unfinished)}
+
+    return asyncio.run(scenario())
+
+
 def request_id_used_again() -> dict:
     """A batch line's try admitted, its end not reaching Redis (its entry left); its next try, under the same request
     id, admitted; then the first try's end is retried, and finally the second ends."""
@@ -147,17 +169,17 @@ def request_id_used_again() -> dict:
     org = caller.organization_id
 
     async def scenario():
+        await presence.beat(web=True)
         first = await admit(caller, endpoint, "batch-line-7")
         presence.end_later(org, "batch-line-7", call_token=first.call_token)  # its finish met Redis down
         second = await admit(caller, endpoint, "batch-line-7")
         during = {"counted": counted(second.window), "outstanding": sum(outstanding(org)),
                   "in_flight": in_flight(org, endpoint)}
         await finish(caller, endpoint, first)  # the first try's finish after all (its retry, late)
-        presence._release_ended(traffic.gateway_id(), [(org, [("batch-line-7", first.call_token)])])
-        presence.unfinished.clear()
+        await presence.beat(web=True)  # and its end, as the beat ends a call whose finish missed Redis
         mine = get_redis().hget(traffic.gateway_requests_key(org), "batch-line-7")
         after_first = {"counted": counted(second.window), "outstanding": outstanding(org),
-                       "in_flight": in_flight(org, endpoint), "entry": mine}
+                       "in_flight": in_flight(org, endpoint), "entry": mine, "unfinished": dict(presence.unfinished)}
         await finish(caller, endpoint, second)
         return {"first": first, "second": second, "during": during, "after_first": after_first,
                 "after": counted(second.window), "outstanding": outstanding(org),
@@ -198,6 +220,12 @@ def check_lost_with_redis_memory_then_finished(seen: dict) -> None:
     assert seen["outstanding"] == [0, 0] and seen["in_flight"] == 0
 
 
+def check_finishes_that_missed_redis(seen: dict) -> None:
+    assert seen["during"] == (2, RESERVED + USED)
+    assert seen["after"] == (2, 2 * USED)  # each reservation replaced by its use, once
+    assert seen["outstanding"] == [0, 0] and seen["in_flight"] == 0 and seen["unfinished"] == {}
+
+
 def check_request_id_used_again(seen: dict) -> None:
     assert seen["first"].call_token != seen["second"].call_token
     # the second try counted as a call of its own; the first's leftover released as it was let go, and its
@@ -206,6 +234,7 @@ def check_request_id_used_again(seen: dict) -> None:
     after_first = seen["after_first"]
     assert after_first["counted"] == (2, USED + RESERVED)  # the first's reservation replaced by its use, once
     assert sum(after_first["outstanding"]) == 1 and after_first["in_flight"] == 1  # the second's slot still its own
+    assert after_first["unfinished"] == {}
     assert after_first["entry"] is not None and after_first["entry"].endswith(f"|{seen['second'].call_token}")
     assert seen["after"] == (2, 2 * USED)
     assert seen["outstanding"] == [0, 0] and seen["in_flight"] == 0
@@ -217,6 +246,10 @@ def test_a_finish_whose_entry_the_sweeper_released_counts_the_tokens_it_used_onc
 
 def test_a_finish_whose_admission_redis_lost_counts_the_tokens_it_used_put_back_or_not(gateway_alone):
     check_lost_with_redis_memory_then_finished(lost_with_redis_memory_then_finished())
+
+
+def test_a_finish_that_missed_redis_has_its_unused_tokens_given_back_once_by_the_next_beat(gateway_alone):
+    check_finishes_that_missed_redis(finishes_that_missed_redis())
 
 
 def test_a_new_call_under_an_earlier_tries_request_id_counts_on_its_own_and_keeps_its_slot(gateway_alone):
