@@ -25,7 +25,8 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
   the organisations it serves, and those it served until two reconciles found nothing of theirs. The organisations
   whose part failed are reconciled again, alone, by the next beats (`_Repair.retry`).
 
-Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat.
+Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat: their entries released
+(only their own call's, by its token: `traffic.new_call_token`) and their unused tokens given back (`end_later`).
 
 A beat also records, next to each call's reservation, the usage its stream has been answered so far (`_record_progress`,
 `billing.quota.counters.record_progress`): a gateway killed mid-stream (SIGKILL, OOM) then leaves what it delivered,
