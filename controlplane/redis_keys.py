@@ -53,6 +53,11 @@ def tokens_window_key(organization_id: int, subject: str, minute: int) -> str:
     return f"rl:{org_tag(organization_id)}:tok:{subject}:{minute}"
 
 
+def tokens_reserved_key(organization_id: int, subject: str, minute: int) -> str:
+    """The tokens each call reserved in the minute (call token -> tokens; '-' once given back)."""
+    return f"rl:{org_tag(organization_id)}:tokres:{subject}:{minute}"
+
+
 # --- spend quota (`billing.quota`) -------------------------------------------------------------------
 
 def org_period_key(organization_id: int, period_key: str) -> str:

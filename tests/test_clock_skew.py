@@ -257,7 +257,7 @@ def gateways(monkeypatch):
     """Gateway processes taking turns in this one (`_turn_of_gateway`), each beating as its turn begins: it reads its
     offset to Redis's clock, as a process does when it starts and on every beat after."""
     monkeypatch.setattr(presence, "serving", {})
-    monkeypatch.setattr(presence, "unfinished", set())
+    monkeypatch.setattr(presence, "unfinished", {})
     monkeypatch.setattr(presence, "_repair", presence._Repair())
     yield
     asyncio.run(presence.beat())  # NOTE: this process's offset read again on its own clock, for the tests after

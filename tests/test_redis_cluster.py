@@ -25,6 +25,8 @@ from endpoints.gateway.auth import Caller
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory, OrganizationFactory
+from tests.gateway import test_call_entries as entries
+from tests.gateway.conftest import gateway_alone  # noqa: F401 - the fixture, for the scenarios that track calls
 from tests.processes import ChildProcess, free_port, wait_until
 from tests.test_placement import make_node
 
@@ -192,11 +194,13 @@ def test_a_replica_pick_and_a_place_in_line_sent_again_count_once_on_a_redis_clu
 
     async def scenario():
         place = await cold_start.take_place(info, org, "held")  # the quota's one place, its own: never "full"
-        await admission.admit(caller=_caller(org, None), endpoint_id=endpoint, request_id="held",
-                              amount=Decimal("0.01"), num_tokens=0, candidates=[])
-        picked = await traffic.pick_replica(org, replicas, request_id="held", endpoint_id=endpoint)
+        admitted = await admission.admit(caller=_caller(org, None), endpoint_id=endpoint, request_id="held",
+                                         amount=Decimal("0.01"), num_tokens=0, candidates=[])
+        picked = await traffic.pick_replica(org, replicas, request_id="held", endpoint_id=endpoint,
+                                            call_token=admitted.call_token)
         counted = [int(replies_lost.get(redis_keys.outstanding_key(org, r)) or 0) for r in replicas]
-        await traffic.release_replica(org, replicas[picked], request_id="held", endpoint_id=endpoint)
+        await traffic.release_replica(org, replicas[picked], request_id="held", endpoint_id=endpoint,
+                                      call_token=admitted.call_token)
         await cold_start.give_up(place)
         return picked, counted
 
@@ -205,6 +209,33 @@ def test_a_replica_pick_and_a_place_in_line_sent_again_count_once_on_a_redis_clu
     assert counted[picked] == 1 and sum(counted) == 1  # the replica it was told, counted once
     assert [int(replies_lost.get(redis_keys.outstanding_key(org, r)) or 0) for r in replicas] == [0, 0]
     assert replies_lost.zcard(redis_keys.held_key(org)) == 0
+
+
+def test_a_finish_whose_entry_the_sweeper_released_counts_the_tokens_it_used_once_on_a_redis_cluster(replies_lost):
+    # the finish sent twice by the cluster client's retry, and once more by the test
+    entries.check_swept_then_finished(entries.swept_then_finished())
+
+
+@pytest.mark.usefixtures("gateway_alone")
+def test_a_finish_whose_admission_redis_lost_counts_the_tokens_it_used_put_back_or_not_on_a_redis_cluster(on_cluster):
+    entries.check_lost_with_redis_memory_then_finished(entries.lost_with_redis_memory_then_finished())
+
+
+@pytest.mark.usefixtures("gateway_alone")
+def test_a_finish_that_missed_redis_has_its_unused_tokens_given_back_once_by_the_next_beat_on_a_redis_cluster(
+        on_cluster):
+    entries.check_finishes_that_missed_redis(entries.finishes_that_missed_redis())
+
+
+@pytest.mark.usefixtures("gateway_alone")
+def test_a_new_call_under_an_earlier_tries_request_id_counts_on_its_own_and_keeps_its_slot_on_a_redis_cluster(
+        replies_lost):
+    # every script sent twice: the second try's admission, the leftover's release, each call's finish
+    entries.check_request_id_used_again(entries.request_id_used_again())
+
+
+def test_a_new_call_under_an_earlier_tries_request_id_is_refused_past_the_limit_on_a_redis_cluster(replies_lost):
+    assert entries.request_id_used_again_past_the_limit().startswith("429 Rate limit reached: 1 requests per minute")
 
 
 def test_admission_and_finish_count_exactly_on_a_redis_cluster(on_cluster):

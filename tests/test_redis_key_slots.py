@@ -80,7 +80,7 @@ def _caller(organization_id: int, api_key_id: int | None) -> Caller:
 
 
 async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api_key_id: int | None,
-                                     progress=None) -> None:
+                                     progress=None) -> admission.Admission:
     caller = _caller(organization_id, api_key_id)
     replicas = [str(uuid.uuid4()), str(uuid.uuid4())]
     info = types.SimpleNamespace(id=endpoint_id, name="m", organization_id=organization_id, cold_start_timeout_s=60,
@@ -89,9 +89,9 @@ async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api
     admitted = await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"in-flight-{organization_id}",
                                      amount=Decimal("0.01"), num_tokens=10, candidates=replicas)
     await traffic.release_replica(organization_id, replicas[admitted.picked], request_id=f"in-flight-{organization_id}",
-                                  endpoint_id=endpoint_id)
+                                  endpoint_id=endpoint_id, call_token=admitted.call_token)
     picked = await traffic.pick_replica(organization_id, replicas, request_id=f"in-flight-{organization_id}",
-                                        endpoint_id=endpoint_id)
+                                        endpoint_id=endpoint_id, call_token=admitted.call_token)
     await admission.finish(caller=caller, endpoint_id=endpoint_id, admission=admitted, release=replicas[picked],
                            num_tokens=5, cost=Decimal("0.001"))
     # waiting for a cold start, with a place in line
@@ -106,10 +106,11 @@ async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api
     held = await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"held-{organization_id}",
                                  amount=Decimal("0.01"), num_tokens=10, candidates=replicas)
     presence.track(f"held-{organization_id}", organization_id, endpoint_id, replicas[0], held.reservation,
-                   progress=progress)
+                   progress=progress, call_token=held.call_token)
     # one whose gateway dies: its reservation is swept after its deadline
     await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"orphan-{organization_id}",
                           amount=Decimal("0.01"), num_tokens=10, candidates=[])
+    return held
 
 
 def _read_past_the_window(*args, **kwargs):
@@ -125,10 +126,12 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
     presence.unfinished.clear()
 
     async def scenario():
+        held = {}
         for organization, endpoint, api_key_id in ((with_key, endpoints[0], 4242), (without_key, endpoints[1], None)):
             report = usage_report(endpoint, request_id=f"held-{organization.pk}", status="gateway_lost")
-            await _one_organisations_traffic(organization.pk, str(endpoint.pk), api_key_id=api_key_id,
-                                             progress=lambda recorded, report=report: report)
+            held[organization.pk] = await _one_organisations_traffic(organization.pk, str(endpoint.pk),
+                                                                     api_key_id=api_key_id,
+                                                                     progress=lambda recorded, report=report: report)
         redis.delete(redis_keys.gateway_alive_key(traffic.gateway_id()))
         for organization_id in (with_key.pk, without_key.pk):
             redis.delete(traffic.gateway_requests_key(organization_id))  # Redis forgot them
@@ -141,8 +144,10 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         await presence.beat()  # a reconcile finds it lost, and the beat records it again
         assert redis.hlen(redis_keys.progress_key(with_key.pk)) == redis.hlen(redis_keys.progress_key(without_key.pk)) == 1
         for organization_id in (with_key.pk, without_key.pk):
-            presence.end_later(organization_id, f"held-{organization_id}")
-        await presence.beat()  # ends them
+            presence.end_later(organization_id, f"held-{organization_id}", call_token=held[organization_id].call_token,
+                               give_back=held[organization_id].window.give_back_keys_and_args(
+                                   5, held[organization_id].call_token))
+        await presence.beat()  # ends them, and gives back their unused tokens
         # a call naming no model of its organisation: its key's limits read before the lookup, then counted
         with pytest.raises(errors.OpenAIError):
             await admission.resolve_model(caller=_caller(with_key.pk, 4242), model=f"no-such-model-{uuid.uuid4()}",

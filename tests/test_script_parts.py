@@ -65,7 +65,7 @@ def test_only_the_last_part_may_take_any_number_of_keys_and_names_are_unique_lua
 
 
 def test_the_gateways_scripts_lay_out_their_parts_as_each_declares():
-    assert admission._ADMIT.offsets == {"limits_check": (1, 1), "quota_reserve": (3, 4), "traffic_begin": (10, 10),
-                                        "traffic_pick": (13, 12)}
-    assert admission._FINISH.offsets == {"traffic_end": (1, 1), "limits_give_back": (6, 3), "routing_learn": (7, 6),
-                                         "quota_settle": (8, 9)}
+    assert admission._ADMIT.offsets == {"limits_check": (1, 1), "quota_reserve": (4, 5), "traffic_begin": (11, 11),
+                                        "traffic_pick": (14, 14)}
+    assert admission._FINISH.offsets == {"traffic_end": (1, 1), "limits_give_back": (6, 4), "routing_learn": (8, 7),
+                                         "quota_settle": (9, 10)}

@@ -23,23 +23,27 @@ from billing.models import BillingMode
 from billing.quota import counters, rebuild
 from controlplane.redis_keys import outstanding_key
 from controlplane.script_parts import ComposedScript
-from endpoints.gateway import adapter_hold, directory, errors, limits, routing, traffic
+from endpoints.gateway import adapter_hold, directory, errors, limits, presence, routing, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 
 # Returns {'ok', index of the candidate picked (1-based; 0 without candidates)} (followed, after the counts, by the
 # billing mode it is admitted under: `counters.RESERVE_LUA`),
-# {'rate_limited', '1'|'2'|'3'}, {'refused', reason} or {'missing', counter to rebuild}, each followed
-# by this minute's request and token counts as the script left them (the rate-limit headers).
+# {'rate_limited', '1'|'2'|'3'}, {'refused', reason}, {'missing', counter to rebuild} or {'leftover', the entry an
+# earlier try under the request's id left}, each followed by this minute's request and token counts as the script left
+# them (the rate-limit headers).
 # NOTE: on the pipelined connection of `controlplane.redis_scripts`, not redis-py's pool: these two
 # calls are most of a request's Redis time.
-# NOTE: redis-py's cluster client sends a call again after a timeout (`controlplane.redis_scripts`): a request this
-# gateway's requests hash holds already, on this endpoint and one of these candidates (or waiting, without any), was
-# admitted by that first run, so the second answers from its entry, taking no limit and no replica again.
+# NOTE: redis-py's cluster client sends a call again after a timeout (`controlplane.redis_scripts`): a call this
+# gateway's requests hash holds already (under its token), on this endpoint and one of these candidates (or waiting,
+# without any), was admitted by that first run, so the second answers from its entry, taking no limit and no replica
+# again. An entry under the request's id with another token is an earlier try's (a batch line tried again, its end
+# not yet in Redis): never this call's admission; `admit` releases it as its end would, and admits this call on its own.
 _ADMIT = ComposedScript([limits.CHECK, counters.RESERVE, traffic.BEGIN, traffic.PICK], glue="""
 local used = limits_read(limits_check_K)
-local admitted = redis.call('HGET', traffic_begin_K[3], traffic_begin_A[1])
-admitted = admitted and traffic_held_index(traffic_pick_K, admitted, traffic_begin_A[2])
+local entry = redis.call('HGET', traffic_begin_K[3], traffic_begin_A[1])
+if entry and not traffic_is_call(entry, traffic_begin_A[3]) then return {'leftover', entry, used[1], used[2]} end
+local admitted = entry and traffic_held_index(traffic_pick_K, entry, traffic_begin_A[2], traffic_begin_A[3])
 if admitted then
   local reserved = quota_reserve(quota_reserve_K, quota_reserve_A)
   if reserved[1] ~= 'ok' then return {reserved[1], reserved[2], used[1], used[2]} end
@@ -60,10 +64,12 @@ traffic_begin(traffic_begin_K, traffic_begin_A, held)
 return {'ok', tostring(picked), used[1], used[2], reserved[3]}
 """)
 
-# NOTE: the unused tokens go back only with the request's entry in this gateway's requests hash, which the first run
-# removes: a second run of the same call (a cluster client's retry) gives none back again.
+# NOTE: the unused tokens go back against the call's reservation as noted in its minute (`limits`), whatever became of
+# its entry (released by the sweeper, lost with Redis's memory, put back): a second run of the same call (a cluster
+# client's retry) finds it given back, and ends only the call's own entry (`traffic_end`).
 _FINISH = ComposedScript([traffic.END, limits.GIVE_BACK, routing.LEARN, counters.SETTLE], glue="""
-if traffic_end(traffic_end_K, traffic_end_A) then limits_give_back(limits_give_back_K, limits_give_back_A) end
+traffic_end(traffic_end_K, traffic_end_A)
+limits_give_back(limits_give_back_K, limits_give_back_A)
 routing_learn(routing_learn_K, routing_learn_A)
 return quota_settle(quota_settle_K, quota_settle_A)
 """)
@@ -95,11 +101,12 @@ class Admission:
     prefix_key: str | None = None  # the prompt's prefix (`routing.prefix_key`), learned from at the finish
     # The billing mode it was admitted under (`BillingMode`'s value): its usage row is billed in it.
     billing_mode: str = BillingMode.POSTPAID
+    call_token: str = ""  # its entry's and its reservation's in its minute (`traffic.new_call_token`)
 
 
 async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: Decimal, num_tokens: int,
                 candidates: list[str], report: RateLimitReport | None = None, prefix_key: str | None = None,
-                margin: int = 0, prefer: frozenset[str] = frozenset()) -> Admission:
+                margin: int = 0, prefer: frozenset[str] = frozenset(), call_token: str | None = None) -> Admission:
     """Admit a request, or raise the OpenAIError (429) or QuotaExceeded that refuses it.
 
     `report` (the answer's rate-limit headers) gets the counters as the script left them, admitted or not.
@@ -109,7 +116,12 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
     one picked; without, it is counted as waiting for a cold start. The pick prefers, within `margin`
     outstanding requests of the least loaded, the replicas in `prefer` (e.g. an adapter's holders),
     then the one that last served `prefix_key` from its cache, then `prefix_key`'s rendezvous order.
+
+    `call_token` (`traffic.new_call_token`, a new one when None) is this call's, and its end's: an entry an earlier try
+    under `request_id` left in this gateway's requests hash is released as that try's end would, never taken as this
+    call's.
     """
+    call_token = call_token or traffic.new_call_token()
     # NOTE: every key below carries the caller's organisation's hash tag (`controlplane.redis_keys`);
     # the endpoint and its replicas are the caller's organisation's, so both scripts run on Redis Cluster.
     await traffic.register_requests_key(caller.organization_id)  # its requests hash listed before the script writes it
@@ -122,10 +134,10 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
                 organization_id=caller.organization_id, api_key_id=caller.api_key_id, amount=amount,
                 request_id=request_id, any_limits=any_limits)
             status, detail, num_requests, num_tokens_counted, *admitted_under = await _ADMIT(
-                limits_check=window.check_keys_and_args(),
+                limits_check=window.check_keys_and_args(call_token),
                 quota_reserve=(reserve_keys, reserve_args),
                 traffic_begin=traffic.begin_keys_and_args(caller.organization_id, endpoint_id, request_id,
-                                                          waiting=not candidates),
+                                                          waiting=not candidates, call_token=call_token),
                 traffic_pick=traffic.pick_keys_and_args(caller.organization_id, candidates, routing.route(
                     caller.organization_id, endpoint_id, prefix_key, candidates, margin=margin, prefer=prefer)),
             )
@@ -134,12 +146,16 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
             if status == "missing":
                 any_limits = await rebuild.rebuild_missing(detail, reservation) or any_limits
                 continue
+            if status == "leftover":
+                await presence.release_leftover(caller.organization_id, request_id, detail)
+                continue
             if status == "rate_limited":
                 raise window.refusal(int(detail))
             if (refused := counters.refusal(status, detail)) is not None:
                 raise refused
             traffic.note_recent(endpoint_id)
-            return Admission(reservation, int(detail) - 1 if candidates else None, window, prefix_key, *admitted_under)
+            return Admission(reservation, int(detail) - 1 if candidates else None, window, prefix_key, *admitted_under,
+                             call_token=call_token)
         raise rebuild.RebuildUnfinished("billing counters kept vanishing while admitting a request")  # a 503
     finally:
         traffic.admitted(caller.organization_id)
@@ -160,8 +176,8 @@ async def finish(*, caller: Caller, endpoint_id: str, admission: Admission, rele
     when its hold may have lapsed (`presence.Held.lapses_at`)."""
     await _FINISH(
         traffic_end=traffic.end_keys_and_args(caller.organization_id, endpoint_id, admission.reservation.request_id,
-                                              release=release),
-        limits_give_back=admission.window.give_back_keys_and_args(num_tokens),
+                                              release=release, call_token=admission.call_token),
+        limits_give_back=admission.window.give_back_keys_and_args(num_tokens, admission.call_token),
         routing_learn=routing.learn_keys_and_args(
             caller.organization_id, endpoint_id, admission.prefix_key,
             outstanding_key(caller.organization_id, served_by) if served_by else None, cached_tokens),

@@ -144,6 +144,9 @@ class InferenceCall:
     # counted after it was sent, until its result is stored).
     answer_holding: delivery.AnswerHolding | None = None
     _holding: delivery.AnswerHolding | None = None  # the one counting this call's answer
+    # Its entry's in its gateway's requests hash and its tokens' in its minute: a batch line's request id recurs on every
+    # try, this is this try's alone (`traffic.new_call_token`).
+    call_token: str = field(default_factory=traffic.new_call_token)
 
     async def run(self) -> None:
         delivery.refuse_if_over(self.caller.organization_id)
@@ -171,7 +174,8 @@ class InferenceCall:
                 caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=self.reserved,
                 num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas], report=self.ratelimit,
                 prefix_key=routing.prefix_key(self.request.kind, self.request.payload),
-                margin=self.endpoint.target_concurrency, prefer=self._adapter_preference(replicas))
+                margin=self.endpoint.target_concurrency, prefer=self._adapter_preference(replicas),
+                call_token=self.call_token)
         except QuotaExceeded as exc:
             await cold_start.give_up(place)
             raise errors.insufficient_quota(str(exc)) from None
@@ -180,7 +184,7 @@ class InferenceCall:
                 raise
             await cold_start.give_up(place)
             # the script may have run before its reply was lost
-            presence.end_later(self.caller.organization_id, self.request_id)
+            presence.end_later(self.caller.organization_id, self.request_id, call_token=self.call_token)
             raise
         except BaseException:
             await cold_start.give_up(place)
@@ -191,7 +195,8 @@ class InferenceCall:
                                    self.outstanding_replica_id, admitted.reservation,
                                    # a batch line has none (`progress`): no callback to call every beat
                                    progress=None if self.batch_id else functools.partial(self.progress,
-                                                                                          admitted.billing_mode))
+                                                                                          admitted.billing_mode),
+                                   call_token=self.call_token)
         # NOTE: a client that disconnects cancels this task wherever it waits, unless it is a non-streamed call
         # already sent to a replica (see `_watch_disconnect`); watched from `WATCH_DISCONNECT_AFTER_S` on: most
         # calls end sooner, and a timer costs a fraction of the task that watches (its steps, its cancellation).
@@ -273,7 +278,8 @@ class InferenceCall:
         holding = await adapter_hold.holders(self.endpoint, self.adapter, replicas, self.endpoint.cold_start_timeout_s)
         if self.outstanding_replica_id is not None and self.outstanding_replica_id not in {r.id for r in holding}:
             await traffic.release_replica(self.caller.organization_id, self.outstanding_replica_id,
-                                          request_id=self.request_id, endpoint_id=self.endpoint.id)
+                                          request_id=self.request_id, endpoint_id=self.endpoint.id,
+                                          call_token=self.call_token)
             self.outstanding_replica_id = self.held.replica_id = None
         return holding
 
@@ -296,7 +302,8 @@ class InferenceCall:
             else:
                 replica = candidates[await traffic.pick_replica(self.caller.organization_id, [r.id for r in candidates],
                                                                 request_id=self.request_id,
-                                                                endpoint_id=self.endpoint.id)]
+                                                                endpoint_id=self.endpoint.id,
+                                                                call_token=self.call_token)]
                 self.outstanding_replica_id = self.held.replica_id = replica.id
             tried.add((replica.id, replica.address))
             self.metrics.inflight.inc()
@@ -307,7 +314,7 @@ class InferenceCall:
                 logger.warning("request %s: replica %s unavailable before first byte: %s", self.request_id, replica.id, exc)
                 directory.forget_replica(self.endpoint.id, replica.id)
                 await traffic.release_replica(self.caller.organization_id, replica.id, request_id=self.request_id,
-                                              endpoint_id=self.endpoint.id)
+                                              endpoint_id=self.endpoint.id, call_token=self.call_token)
                 self.outstanding_replica_id = self.held.replica_id = None
             finally:
                 self.metrics.inflight.dec()
@@ -674,7 +681,7 @@ class InferenceCall:
             # NOTE: cancelled (a loop that ends: a batch run's) before its settlement: a later beat of this process
             # ends it in Redis (`presence.end_later`), and its beat no longer holds its reservation, which the sweeper
             # then releases.
-            presence.end_later(self.caller.organization_id, self.request_id)
+            presence.end_later(self.caller.organization_id, self.request_id, call_token=self.call_token)
             raise
         # NOTE: a batch line's id is the same on its every try (exactly-once usage): a try that failed after its
         # replica answered, with nothing counted (the body cut off), wrote an empty usage row, and the retry that
@@ -689,6 +696,7 @@ class InferenceCall:
                 self._note_usage_past_reservation(actual)
             actual = self.reserved
         journaled = False
+        num_tokens = usage.prompt_tokens + usage.completion_tokens if recorded else 0
         try:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
@@ -701,13 +709,15 @@ class InferenceCall:
                 # NOTE: also releases the replica that served it (or was picked when the client left).
                 await admission.finish(caller=self.caller, endpoint_id=self.endpoint.id, admission=admitted,
                                        release=self.outstanding_replica_id,
-                                       num_tokens=usage.prompt_tokens + usage.completion_tokens if recorded else 0,
+                                       num_tokens=num_tokens,
                                        cost=actual, served_by=self.replica.id if self.replica else None,
                                        cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id, recorded=recorded,
                                        finished_at=finished_at, journaled=journaled, lapsed_at=self.held.lapses_at)
             except asyncio.CancelledError:
                 # as below: its loop is ending
-                presence.end_later(self.caller.organization_id, self.request_id, row_journaled=journaled)
+                presence.end_later(self.caller.organization_id, self.request_id, call_token=self.call_token,
+                                   row_journaled=journaled,
+                                   give_back=admitted.window.give_back_keys_and_args(num_tokens, self.call_token))
                 raise
             except Exception as exc:
                 if not errors.is_outage(exc):
@@ -715,7 +725,9 @@ class InferenceCall:
                 # NOTE: the answer is given and its usage row written; the heartbeat ends it in Redis
                 # later, and the reservation expires (`billing.quota.sweeper`).
                 logger.warning("request %s: could not end it in Redis now: %r", self.request_id, exc)
-                presence.end_later(self.caller.organization_id, self.request_id, row_journaled=journaled)
+                presence.end_later(self.caller.organization_id, self.request_id, call_token=self.call_token,
+                                   row_journaled=journaled,
+                                   give_back=admitted.window.give_back_keys_and_args(num_tokens, self.call_token))
             finally:
                 self._observe(outcome=self.status if self.served else "not_served")
 

@@ -25,7 +25,8 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
   the organisations it serves, and those it served until two reconciles found nothing of theirs. The organisations
   whose part failed are reconciled again, alone, by the next beats (`_Repair.retry`).
 
-Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat.
+Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat: their entries released
+(only their own call's, by its token: `traffic.new_call_token`) and their unused tokens given back (`end_later`).
 
 A beat also records, next to each call's reservation, the usage its stream has been answered so far (`_record_progress`,
 `billing.quota.counters.record_progress`): a gateway killed mid-stream (SIGKILL, OOM) then leaves what it delivered,
@@ -69,7 +70,7 @@ from controlplane.cancellation import end_if_cancelled
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_scripts import Script
-from endpoints.gateway import traffic
+from endpoints.gateway import limits, traffic
 
 logger = logging.getLogger("inferplane.gateway")
 T = TypeVar("T")
@@ -156,10 +157,11 @@ class Held:
     # tokens (prompt, cached, completion) of the last one a beat recorded (`_record_progress`).
     progress: Callable[[tuple[int, int, int] | None], UsageReport | None] | None = None
     progress_recorded: tuple[int, int, int] | None = None
+    call_token: str = ""  # its call's (`traffic.new_call_token`): its entry is put back as its own
 
     def value(self) -> str:
         counter = redis_keys.outstanding_key(self.organization_id, self.replica_id) if self.replica_id else ""
-        return f"{self.endpoint_id}|{counter}"
+        return f"{self.endpoint_id}|{counter}|{self.call_token}"
 
     def counter(self) -> str:
         if self.replica_id is None:
@@ -167,10 +169,19 @@ class Held:
         return redis_keys.outstanding_key(self.organization_id, self.replica_id)
 
 
+@dataclass(slots=True, frozen=True)
+class Unfinished:
+    """A call whose end did not reach Redis: its token (only its entry is released, never a later try's under its
+    request id) and its tokens' give-back (`limits.Window.give_back_keys_and_args`), if it has one."""
+
+    call_token: str
+    give_back: tuple[list[str], list] | None = None
+
+
 # The requests this process serves (request id -> Held), and those whose end did not reach Redis
-# ((organisation id, request id)).
+# ((organisation id, request id) -> `Unfinished`).
 serving: dict[str, Held] = {}
-unfinished: set[tuple[int, str]] = set()
+unfinished: dict[tuple[int, str], Unfinished] = {}
 # Those of them whose usage row waits in this process's journal (the ledger refused it): their progress is dropped
 # with their end, so the sweeper never bills them from it (`end_later`).
 unfinished_journaled: set[tuple[int, str]] = set()
@@ -188,9 +199,10 @@ _beats: PerLoop[_Beating] = PerLoop(_Beating)
 
 def track(request_id: str, organization_id: int, endpoint_id: str, replica_id: str | None,
           reservation: counters.Reservation | None = None,
-          progress: Callable[[tuple[int, int, int] | None], UsageReport | None] | None = None) -> Held:
+          progress: Callable[[tuple[int, int, int] | None], UsageReport | None] | None = None,
+          call_token: str = "") -> Held:
     held = serving[request_id] = Held(organization_id, endpoint_id, replica_id, reservation=reservation,
-                                      progress=progress)
+                                      progress=progress, call_token=call_token)
     if reservation is not None:
         held.lapses_at = clock.redis_now() + settings.BILLING_RESERVATION_TTL_S - 1
     return held
@@ -208,16 +220,19 @@ def _let_go(held: Held | None) -> None:
         held.progress = None
 
 
-def end_later(organization_id: int, request_id: str, *, row_journaled: bool = False) -> None:
-    """The request's end could not reach Redis: a later beat releases it (as a sweeper would); `row_journaled`: its
-    usage row is in this process's journal, and that beat also drops its progress.
+def end_later(organization_id: int, request_id: str, *, call_token: str, row_journaled: bool = False,
+              give_back: tuple[list[str], list] | None = None) -> None:
+    """The end of the request's call of `call_token` could not reach Redis: a later beat releases its entry (as a
+    sweeper would), never another call's under the same id, and gives back the tokens it did not use (`give_back`:
+    `limits.Window.give_back_keys_and_args`; once, should its finish have run after all, its reply lost);
+    `row_journaled`: its usage row is in this process's journal, and that beat also drops its progress.
 
     NOTE: its reservation is left to lapse, and the sweeper bills a lapsed hold with no ledger row from its progress
     (`billing.quota.sweeper`): a stream whose row waited in the journal (PostgreSQL down) when its settlement failed
     was billed from its last beat's progress, and the journal's replay of its whole row, coming after, was refused
     as a duplicate (found by the review of the lost-gateway billing). Its row is the one that bills it."""
     _let_go(serving.pop(request_id, None))
-    unfinished.add((organization_id, request_id))
+    unfinished[(organization_id, request_id)] = Unfinished(call_token, give_back)
     if row_journaled:
         unfinished_journaled.add((organization_id, request_id))
 
@@ -452,7 +467,7 @@ async def _forget_idle(empty: set[int]) -> set[int]:
     NOTE: a call admitted for one of them meanwhile lists its hash again (`traffic.register_requests_key`); should that reach Redis
     before this takes it out (another pooled connection), the next reconcile lists it again (`_read_idle`)."""
     busy = {held.organization_id for held in list(serving.values())} | {
-        organization_id for organization_id, _ in unfinished}
+        organization_id for organization_id, _ in list(unfinished)}
     forgotten = {organization_id for organization_id in empty - busy
                  if traffic.unregister_requests_key(organization_id)}
     if forgotten:
@@ -723,29 +738,37 @@ async def _end_unfinished(redis, gateway: str) -> None:
     Those of a chunk that failed stay for the next beat (a release is the end's own: done once)."""
     if not unfinished:
         return
-    by_organization: dict[int, list[str]] = {}
-    for organization_id, request_id in list(unfinished):
-        by_organization.setdefault(organization_id, []).append(request_id)
+    by_organization: dict[int, list[tuple[str, Unfinished]]] = {}
+    for (organization_id, request_id), call in list(unfinished.items()):
+        by_organization.setdefault(organization_id, []).append((request_id, call))
     organizations = list(by_organization.items())
     for first in range(0, len(organizations), CHUNK):
         part = organizations[first:first + CHUNK]
         await asyncio.to_thread(_release_ended, gateway, part)
-        journaled = [(organization_id, [request_id for request_id in ids
+        journaled = [(organization_id, [request_id for request_id, _ in calls
                                         if (organization_id, request_id) in unfinished_journaled])
-                     for organization_id, ids in part]
+                     for organization_id, calls in part]
         if journaled := [(organization_id, ids) for organization_id, ids in journaled if ids]:
             async with redis.pipeline(transaction=False) as pipe:
                 for organization_id, ids in journaled:
                     pipe.hdel(redis_keys.progress_key(organization_id), *ids)
                 await pipe.execute()
-        ended = [(organization_id, request_id) for organization_id, ids in part for request_id in ids]
-        unfinished.difference_update(ended)
-        unfinished_journaled.difference_update(ended)
+        for organization_id, calls in part:
+            for request_id, call in calls:
+                # NOTE: only the try whose end this was: one ended again meanwhile under its id stays to be released
+                if unfinished.get((organization_id, request_id)) is call:
+                    del unfinished[(organization_id, request_id)]
+                    unfinished_journaled.discard((organization_id, request_id))
 
 
-def _release_ended(gateway: str, organizations: list[tuple[int, list[str]]]) -> None:
-    for organization_id, ids in organizations:
-        release_requests(traffic.gateway_requests_key(organization_id, gateway), ids, only_if_dead=False)
+def _release_ended(gateway: str, organizations: list[tuple[int, list[tuple[str, Unfinished]]]]) -> None:
+    """Release the entries of the calls whose end did not reach Redis, and give back their unused tokens."""
+    for organization_id, calls in organizations:
+        release_requests(traffic.gateway_requests_key(organization_id, gateway), [request_id for request_id, _ in calls],
+                         only_if_dead=False, call_tokens={request_id: call.call_token for request_id, call in calls})
+        for _, call in calls:
+            if call.give_back is not None:
+                limits.give_back_alone(call.give_back)
 
 
 async def _reconcile_beside(gateway: str, only: set[int] | None) -> None:
@@ -833,26 +856,42 @@ def ensure_started() -> None:
 
 # --- the sweeper (control plane side) -------------------------------------------------------------
 
-def release_requests(requests_key: str, request_ids: list[str] | None = None, *, only_if_dead: bool) -> int:
+def _release_keys_and_args(requests_key: str, items: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """`_RELEASE_REQUESTS`'s keys and arguments for entries (request id, value) of one requests hash."""
+    organization_id = redis_keys.organization_of_key(requests_key)
+    placeholder = redis_keys.no_replica_placeholder(organization_id)
+    keys, args = [requests_key, placeholder], []
+    for request_id, value in items:
+        endpoint_id = value.partition("|")[0]
+        keys += [redis_keys.inflight_key(organization_id, endpoint_id), redis_keys.waiting_key(organization_id, endpoint_id),
+                 traffic.entry_counter(value) or placeholder]
+        args += [request_id, value]
+    return keys, args
+
+
+async def release_leftover(organization_id: int, request_id: str, entry: str) -> None:
+    """Release the entry an earlier try under `request_id` left in this gateway's requests hash (its end did not reach
+    Redis), as its end would, if it is still `entry`: a new call under the id is admitted in its place."""
+    keys, args = _release_keys_and_args(traffic.gateway_requests_key(organization_id), [(request_id, entry)])
+    await _RELEASE_REQUESTS(keys=keys, args=args)
+
+
+def release_requests(requests_key: str, request_ids: list[str] | None = None, *, only_if_dead: bool,
+                     call_tokens: dict[str, str] | None = None) -> int:
     """Release the requests (all, or `request_ids`) of a gateway's requests hash of one organisation as
-    their own end would; -1 if `only_if_dead` and the gateway is alive."""
+    their own end would; -1 if `only_if_dead` and the gateway is alive. `call_tokens` (request id -> call token): only
+    those calls' entries, not another try's under the same id."""
     client = get_redis()
     gateway = redis_keys.gateway_of_requests_key(requests_key)
-    organization_id = redis_keys.organization_of_key(requests_key)
     entries = client.hgetall(requests_key) if request_ids is None else dict(
         zip(request_ids, client.hmget(requests_key, request_ids), strict=True))
-    items = [(request_id, value) for request_id, value in entries.items() if value is not None]
-    placeholder = redis_keys.no_replica_placeholder(organization_id)
+    items = [(request_id, value) for request_id, value in entries.items() if value is not None and (
+        call_tokens is None or traffic.entry_is_call(value, call_tokens[request_id]))]
     released, num_left = 0, len(items)
     for first in range(0, len(items), SWEEP_BATCH):
         if only_if_dead and client.exists(redis_keys.gateway_alive_key(gateway)):
             return -1
-        keys, args = [requests_key, placeholder], []
-        for request_id, value in items[first:first + SWEEP_BATCH]:
-            endpoint_id, _, counter = value.partition("|")
-            keys += [redis_keys.inflight_key(organization_id, endpoint_id), redis_keys.waiting_key(organization_id, endpoint_id),
-                     counter or placeholder]
-            args += [request_id, value]
+        keys, args = _release_keys_and_args(requests_key, items[first:first + SWEEP_BATCH])
         count, num_left = _RELEASE_REQUESTS.run_sync(keys=keys, args=args)
         released += count
     if only_if_dead and not num_left and not client.hlen(requests_key):

@@ -7,12 +7,16 @@
   ignore entries older than `STALE_AFTER_S`;
 - the time of each endpoint's last request (scale to zero measures idleness from it);
 - each gateway process's own requests, one hash per organisation (`gw:{org:<id>}:requests:<gateway>`,
-  request id -> "<endpoint>|<the outstanding counter it holds>"), so that a dead gateway's entries are
+  request id -> "<endpoint>|<the outstanding counter it holds>|<the call's token>"), so that a dead gateway's entries are
   released by `endpoints.gateway.presence` within seconds, and a live one can put them back after
   Redis lost them. A gateway lists each of its hashes in `gw:gateways` before it first writes one, and takes
   it out once it holds nothing there (`endpoints.gateway.presence`);
 - the endpoints with a recent request (`gw:recent_endpoints`, for the autoscaler tick), written by
   the heartbeat from what this process served since its last beat (`note_recent`).
+
+A call's token (`new_call_token`, one per admission) tells its own entry from an earlier try's under the same request
+id (a batch line tried again, whose end has not reached Redis yet): only the call that wrote an entry answers from it,
+moves it or ends it (`endpoints.gateway.admission`).
 
 Every key a script here touches carries its organisation's hash tag (`controlplane.redis_keys`): an
 endpoint, its replicas and its callers belong to one organisation, so the scripts run on Redis Cluster.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import socket
 import uuid
 
@@ -51,7 +56,8 @@ OUTSTANDING_TTL_S = 3600
 
 # Lua functions shared by the scripts below, the gateway's admission and finish scripts (admission.py)
 # and `endpoints.gateway.presence`; their keys and arguments are `BEGIN`'s, `PICK`'s, `END`'s below, and:
-# traffic_hold     K: this gateway's requests hash; A: request id, endpoint id, the outstanding counter held
+# traffic_hold     K: this gateway's requests hash; A: request id, endpoint id, the outstanding counter held, the call's
+#                  token
 # traffic_release  K: an outstanding counter (dropped by one, never below zero)
 # NOTE: a counter is released only by whoever removes the request from its gateway's hash, so the
 # request's own end and a sweeper releasing a dead gateway's entries never both release it.
@@ -68,10 +74,14 @@ local function traffic_begin(K, A, held)
   local seconds, now = traffic_now()
   redis.call('ZADD', K[1], seconds, A[1])
   redis.call('SET', K[2], now)
-  redis.call('HSET', K[3], A[1], A[2] .. '|' .. held)
+  redis.call('HSET', K[3], A[1], A[2] .. '|' .. held .. '|' .. A[3])
 end
 local function traffic_hold(K, A)
-  redis.call('HSET', K[1], A[1], A[2] .. '|' .. A[3])
+  redis.call('HSET', K[1], A[1], A[2] .. '|' .. A[3] .. '|' .. A[4])
+end
+-- Whether a request's entry ("<endpoint>|<counter>|<call's token>") is the call's of `token`.
+local function traffic_is_call(entry, token)
+  return string.sub(entry, -#token - 1) == '|' .. token
 end
 local function traffic_pick(K, A)
   local values = redis.call('MGET', unpack(K))
@@ -103,12 +113,13 @@ local function traffic_pick(K, A)
   redis.call('EXPIRE', K[best + 1], A[1])
   return best
 end
--- The 1-based index among the candidates' counters (`PICK`'s keys after the hint) of the one a request's entry in its
--- gateway's requests hash holds ("<endpoint>|<counter>"), 0 for an entry that holds none where there are no candidates
--- (waiting for a cold start); nil when the entry is another endpoint's or holds no candidate's counter.
-local function traffic_held_index(K, entry, endpoint)
-  if string.sub(entry, 1, #endpoint + 1) ~= endpoint .. '|' then return nil end
-  local held = string.sub(entry, #endpoint + 2)
+-- The 1-based index among the candidates' counters (`PICK`'s keys after the hint) of the one a call's entry in its
+-- gateway's requests hash holds ("<endpoint>|<counter>|<token>"), 0 for an entry that holds none where there are no
+-- candidates (waiting for a cold start); nil when the entry is another call's or endpoint's, or holds no candidate's
+-- counter.
+local function traffic_held_index(K, entry, endpoint, token)
+  if string.sub(entry, 1, #endpoint + 1) ~= endpoint .. '|' or not traffic_is_call(entry, token) then return nil end
+  local held = string.sub(entry, #endpoint + 2, -#token - 2)
   if held == '' then return #K == 1 and 0 or nil end
   for i = 2, #K do
     if K[i] == held then return i - 1 end
@@ -121,22 +132,24 @@ local function traffic_release(K)
   redis.call('DEL', K[1])  -- never below zero: a counter at zero, or one Redis lost, is no key (TTL-less otherwise)
   return 0
 end
+-- NOTE: an entry of another call under the request's id (a new try admitted after this one's end missed Redis) is that
+-- call's: it stays, counted in flight under the same id, holding its counter.
 local function traffic_end(K, A)
+  local held = redis.call('HGET', K[5], A[1])
+  if held and not traffic_is_call(held, A[3]) then return end
   redis.call('ZREM', K[1], A[1])
   redis.call('ZREM', K[2], A[1])
   local _, now = traffic_now()
   redis.call('SET', K[3], now)
-  local held = redis.call('HGET', K[5], A[1])
-  if not held then return false end
+  if not held then return end
   redis.call('HDEL', K[5], A[1])
-  if A[2] == '1' and string.sub(held, -string.len(K[4]) - 1) == '|' .. K[4] then traffic_release({K[4]}) end
-  return true
+  if A[2] == '1' and string.sub(held, -#K[4] - #A[3] - 2) == '|' .. K[4] .. '|' .. A[3] then traffic_release({K[4]}) end
 end
 """
 BEGIN = ScriptPart("traffic_begin",
                    keys=("the endpoint's in-flight (or waiting) set", "its last-request key",
                          "this gateway's requests hash (of the endpoint's organisation)"),
-                   args=("request id", "endpoint id"), lua=TRAFFIC_LUA)
+                   args=("request id", "endpoint id", "the call's token"), lua=TRAFFIC_LUA)
 # Counts one more on the candidate chosen (`endpoints.gateway.routing`: the first in the order of
 # preference, the hinted one moved first, whose count is within the margin of the least loaded; else the
 # least loaded) and returns its 1-based index among the candidates' counters (the keys after the hint).
@@ -147,26 +160,26 @@ PICK = ScriptPart("traffic_pick", keys=("the prefix's hint key (or a placeholder
 END = ScriptPart("traffic_end",
                  keys=("the endpoint's in-flight set", "its waiting set", "its last-request key",
                        "the outstanding counter held (or a placeholder)", "this gateway's requests hash"),
-                 args=("request id", "release (1: drop the counter by one)"), lua=TRAFFIC_LUA)
+                 args=("request id", "release (1: drop the counter by one)", "the call's token"), lua=TRAFFIC_LUA)
 
 # KEYS: this gateway's requests hash, a hint placeholder, then the candidates' counters; ARGV: TTL,
-# request id, endpoint id. A request that holds one of them already (this call sent again: the caller released the
-# one it held before picking) is answered that one, counted once.
+# request id, endpoint id, the call's token. A call that holds one of them already (this call sent again: the caller
+# released the one it held before picking) is answered that one, counted once.
 _PICK_LEAST_OUTSTANDING = Script(TRAFFIC_LUA + """
 local candidates = {}
 for i = 2, #KEYS do candidates[#candidates + 1] = KEYS[i] end
 local entry = redis.call('HGET', KEYS[1], ARGV[2])
-local held = entry and traffic_held_index(candidates, entry, ARGV[3])
+local held = entry and traffic_held_index(candidates, entry, ARGV[3], ARGV[4])
 if held then return held end
 local best = traffic_pick(candidates, {ARGV[1], '', '0', '0'})
-traffic_hold({KEYS[1]}, {ARGV[2], ARGV[3], candidates[best + 1]})
+traffic_hold({KEYS[1]}, {ARGV[2], ARGV[3], candidates[best + 1], ARGV[4]})
 return best
 """)
-# KEYS: this gateway's requests hash, the counter; ARGV: request id, endpoint id. Releases the counter
-# only if this request holds it.
+# KEYS: this gateway's requests hash, the counter; ARGV: request id, endpoint id, the call's token. Releases the
+# counter only if this call holds it.
 _RELEASE = Script(TRAFFIC_LUA + """
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] .. '|' .. KEYS[2] then return 0 end
-traffic_hold({KEYS[1]}, {ARGV[1], ARGV[2], ''})
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] .. '|' .. KEYS[2] .. '|' .. ARGV[3] then return 0 end
+traffic_hold({KEYS[1]}, {ARGV[1], ARGV[2], '', ARGV[3]})
 return traffic_release({KEYS[2]})
 """)
 # KEYS: the endpoint's waiting set, its in-flight set; ARGV: request id. A held request got a replica.
@@ -187,6 +200,22 @@ _gateway_id: tuple[int, str] = (0, "")
 _registered: tuple[int, set[int]] = (0, set())
 _admitting: tuple[int, dict[int, int]] = (0, {})
 _recent: tuple[int, dict[str, float]] = (0, {})
+
+
+def new_call_token() -> str:
+    """A call's token: its entry in its gateway's requests hash and its tokens reserved in its minute
+    (`endpoints.gateway.limits`) are its own, never an earlier try's under the same request id."""
+    return secrets.token_hex(8)
+
+
+def entry_counter(entry: str) -> str:
+    """The outstanding counter a request's entry holds ('' for none)."""
+    return entry.split("|", 2)[1] if "|" in entry else ""
+
+
+def entry_is_call(entry: str, call_token: str) -> bool:
+    """Whether a request's entry is the call's of `call_token`."""
+    return entry.endswith(f"|{call_token}")
 
 
 def gateway_id() -> str:
@@ -272,17 +301,21 @@ def take_recent() -> dict[str, float]:
     return recent if pid == os.getpid() else {}
 
 
-async def pick_replica(organization_id: int, replica_ids: list[str], *, request_id: str, endpoint_id: str) -> int:
+async def pick_replica(organization_id: int, replica_ids: list[str], *, request_id: str, endpoint_id: str,
+                       call_token: str) -> int:
     """Index of the replica with the fewest outstanding requests, already counted as one more (held by
-    `request_id` in this gateway's requests). The retry after a replica failed: no prefix preference."""
+    `request_id`'s call of `call_token` in this gateway's requests). The retry after a replica failed: no prefix
+    preference."""
     keys = [gateway_requests_key(organization_id), routing.hint_key(organization_id, "-", None)] + [
         outstanding_key(organization_id, r) for r in replica_ids]
-    return int(await _PICK_LEAST_OUTSTANDING(keys=keys, args=[OUTSTANDING_TTL_S, request_id, endpoint_id])) - 1
+    return int(await _PICK_LEAST_OUTSTANDING(keys=keys, args=[OUTSTANDING_TTL_S, request_id, endpoint_id,
+                                                              call_token])) - 1
 
 
-async def release_replica(organization_id: int, replica_id: str, *, request_id: str, endpoint_id: str) -> None:
+async def release_replica(organization_id: int, replica_id: str, *, request_id: str, endpoint_id: str,
+                          call_token: str) -> None:
     await _RELEASE(keys=[gateway_requests_key(organization_id), outstanding_key(organization_id, replica_id)],
-                   args=[request_id, endpoint_id])
+                   args=[request_id, endpoint_id, call_token])
 
 
 # NOTE: an endpoint's keys (and a set of candidates' counters) are the same from one request to the
@@ -309,17 +342,17 @@ def _outstanding_keys(organization_id: int, replica_ids: tuple[str, ...]) -> tup
     return tuple(outstanding_key(organization_id, r) for r in replica_ids)
 
 
-def begin_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *,
-                        waiting: bool) -> tuple[tuple[str, ...], list]:
-    """`BEGIN`'s keys and arguments: the request counted in flight, or waiting for a cold start."""
-    return _begin_keys(organization_id, endpoint_id, waiting, gateway_id()), [request_id, endpoint_id]
+def begin_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *, waiting: bool,
+                        call_token: str) -> tuple[tuple[str, ...], list]:
+    """`BEGIN`'s keys and arguments: the request's call counted in flight, or waiting for a cold start."""
+    return _begin_keys(organization_id, endpoint_id, waiting, gateway_id()), [request_id, endpoint_id, call_token]
 
 
-def end_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *,
-                      release: str | None) -> tuple[tuple[str, ...], list]:
+def end_keys_and_args(organization_id: int, endpoint_id: str, request_id: str, *, release: str | None,
+                      call_token: str) -> tuple[tuple[str, ...], list]:
     """`END`'s keys and arguments; with `release`, that replica's outstanding count drops too."""
     return (_end_keys(organization_id, endpoint_id, release, gateway_id()),
-            [request_id, "1" if release is not None else "0"])
+            [request_id, "1" if release is not None else "0", call_token])
 
 
 def pick_keys_and_args(organization_id: int, replica_ids: list[str],

@@ -440,7 +440,7 @@ def test_a_stream_whose_row_waits_in_the_journal_when_its_settlement_fails_is_bi
     _progress(admitted, endpoint, prompt_tokens=100, completion_tokens=20)
     whole = dataclasses.replace(usage_report(endpoint, request_id="journaled", prompt_tokens=100, completion_tokens=500),
                                 max_cost=Decimal("0.50"), billing_mode=admitted.billing_mode)
-    presence.end_later(organization.pk, "journaled", row_journaled=True)  # its settlement met Redis down
+    presence.end_later(organization.pk, "journaled", call_token="", row_journaled=True)  # its settlement met Redis down
     try:
         asyncio.run(presence.beat())  # Redis back: the beat ends it
     finally:

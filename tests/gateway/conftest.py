@@ -165,6 +165,6 @@ def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = 
 def gateway_alone(monkeypatch):
     """This process's gateway, serving nothing yet, with no organisation of another test's."""
     monkeypatch.setattr(presence, "serving", {})
-    monkeypatch.setattr(presence, "unfinished", set())
+    monkeypatch.setattr(presence, "unfinished", {})
     monkeypatch.setattr(presence, "_repair", presence._Repair())
     monkeypatch.setattr(traffic, "_registered", (os.getpid(), set()))

@@ -186,7 +186,7 @@ def test_a_put_back_that_keeps_failing_leaves_the_rest_of_the_beat_to_go_on(monk
     monkeypatch.setattr(presence, "_RESTORE_REQUESTS", failing)
     monkeypatch.setattr(presence, "_push_deadlines_on", push)
     monkeypatch.setattr(presence, "serving", {"long": presence.Held(OrganizationFactory().pk, "e-long")})
-    monkeypatch.setattr(presence, "unfinished", set())
+    monkeypatch.setattr(presence, "unfinished", {})
     monkeypatch.setattr(presence, "_repair", presence._Repair(due=True))
     for _ in range(2):
         asyncio.run(presence.beat())
@@ -297,7 +297,8 @@ def idle_endpoint_call(gateway_alone):
 async def admit(caller, endpoint, replica, request_id: str) -> admission.Admission:
     admitted = await admission.admit(caller=caller, endpoint_id=str(endpoint.pk), request_id=request_id,
                                      amount=Decimal("0.01"), num_tokens=0, candidates=[str(replica.pk)])
-    presence.track(request_id, caller.organization_id, str(endpoint.pk), str(replica.pk), admitted.reservation)
+    presence.track(request_id, caller.organization_id, str(endpoint.pk), str(replica.pk), admitted.reservation,
+                   call_token=admitted.call_token)
     return admitted
 
 
@@ -448,7 +449,8 @@ def test_a_call_admitted_but_not_yet_tracked_is_not_released(idle_endpoint_call)
         admitted = await admission.admit(caller=caller, endpoint_id=str(endpoint.pk), request_id="starting",
                                          amount=Decimal("0.01"), num_tokens=0, candidates=[str(replica.pk)])
         await reconciled(1)  # between the admission's reply and its tracking
-        presence.track("starting", caller.organization_id, str(endpoint.pk), str(replica.pk), admitted.reservation)
+        presence.track("starting", caller.organization_id, str(endpoint.pk), str(replica.pk), admitted.reservation,
+                       call_token=admitted.call_token)
         await reconciled(2)
         assert counts(endpoint, replica) == (1, 1)
         await finish(caller, endpoint, replica, "starting", admitted)
@@ -1129,7 +1131,7 @@ def test_calls_that_end_and_record_progress_beside_a_long_reconcile_leave_every_
         await presence.beat(web=True)
         await asyncio.wait_for(reached["put back"].wait(), 10)
         await finish_billed(caller, endpoint, replica, "ends first", admitted["ends first"])
-        presence.end_later(org, "unfinished", row_journaled=True)  # its settlement did not reach Redis
+        presence.end_later(org, "unfinished", call_token=admitted["unfinished"].call_token, row_journaled=True)  # its settlement did not reach Redis
         monkeypatch.setattr(presence, "_extended", presence._Extended())  # a push of the deadlines is due
         for name in ("running", "running too"):
             presence.serving[name].since -= 120
@@ -1231,7 +1233,7 @@ def test_the_ends_of_many_organisations_calls_that_missed_redis_never_let_the_al
             pipe.hset(redis_keys.progress_key(organization_id), "call", "{}")
         pipe.execute()
     for organization_id in range(first, first + num_organizations):  # their ends could not reach Redis
-        presence.end_later(organization_id, "call", row_journaled=True)
+        presence.end_later(organization_id, "call", call_token="", row_journaled=True)
     presence._repair.num_beats = -100  # no reconcile: the ends alone
     stall, seen = asyncio.run(beating_watched(lambda: not presence.unfinished, at_least_s=3, limit_s=60))
     assert seen["watched"] and seen["lapsed"] == 0
