@@ -1,0 +1,134 @@
+"""Spend counters rebuilt while Redis loses a call's hold more than once: each call counted once.
+
+A counter Redis lost is rebuilt from the ledger (`billing.quota.rebuild`) and told what was settled meanwhile; these
+tests drive a rebuild step by step against real Redis and PostgreSQL, with the hold lost, held again and lost again
+around it, as a flush, a restart or a failover leaves it."""
+
+import asyncio
+import dataclasses
+from decimal import Decimal
+
+import pytest
+
+from billing.ledger import record_usage
+from billing.models import UsageRecord
+from billing.quota import reads
+from controlplane import redis_keys
+from controlplane.redis_client import get_async_redis, get_redis
+from endpoints.gateway import presence
+from tests.billing.conftest import usage_report
+from tests.billing.test_quota import _cap, _holds_and_counter_lost, reserve, settle
+from tests.factories import EndpointFactory
+
+# NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def gateway(monkeypatch, settings):
+    """This process's gateway, serving nothing yet; a reservation holds ten minutes."""
+    settings.BILLING_RESERVATION_TTL_S = 600
+    monkeypatch.setattr(presence, "serving", {})
+    monkeypatch.setattr(presence, "_repair", presence._Repair())
+    monkeypatch.setattr(presence, "_extended", presence._Extended())
+
+
+def _running_with_its_row(endpoint, request_id: str):
+    """A call admitted and tracked by this gateway, served a while, its usage row written and not settled yet: its
+    admission, its `presence.Held` and its cost."""
+    admitted = asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id=request_id))
+    held = presence.track(request_id, endpoint.organization_id, str(endpoint.pk), None,
+                          reservation=admitted.reservation)
+    held.since -= 120  # served two minutes: its beat pushes its deadline on
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id=request_id), max_cost=Decimal("0.50")))
+    return admitted, held, UsageRecord.objects.get(request_id=request_id).cost
+
+
+class _Later:
+    """Redis as the gateway's beat finds it `seconds` later (its clock read then)."""
+
+    def __init__(self, redis, seconds: int):
+        self._redis, self._seconds = redis, seconds
+
+    async def time(self):
+        seconds, microseconds = await self._redis.time()
+        return seconds + self._seconds, microseconds
+
+    def pipeline(self, **kwargs):
+        return self._redis.pipeline(**kwargs)
+
+
+def _beat_pushes_deadlines_on(seconds_later: int) -> None:
+    async def beat():
+        await presence._push_deadlines_on(_Later(get_async_redis(), seconds_later))
+
+    asyncio.run(beat())
+
+
+def _held_again(organization_id: int, request_id: str, held) -> None:
+    """Its gateway's reconcile holds the call again after Redis lost its hold (`presence._hold_again`)."""
+    assert asyncio.run(presence._hold_again(organization_id, [(request_id, held)])) == 1
+
+
+def test_a_call_whose_hold_was_lost_again_after_it_was_held_again_its_deadline_pushed_after_a_rebuild_counts_once(
+        gateway):
+    # Found by a review: Redis lost the call's hold (a flush), its gateway held it again, Redis lost it again; a call
+    # rebuilt the counter (its snapshot has the row, the call not reserved), then the gateway's beat pushed the call's
+    # deadline on (a minute later, here 10 s) and the call settled with no hold. Before, the push took the call as held
+    # though nothing was pushed (ZADD XX found no deadline), so the counter rebuilt before it was not dropped and the
+    # settlement added the cost on top of the snapshot: counted twice.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    running, held, cost = _running_with_its_row(endpoint, "req_running")
+    _holds_and_counter_lost(organization.pk)
+    _held_again(organization.pk, "req_running", held)
+    _holds_and_counter_lost(organization.pk)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+    assert reads.counted_spend(organization.pk) == cost > 0  # the rebuild's snapshot has the row
+
+    _beat_pushes_deadlines_on(10)
+    asyncio.run(settle(running, cost, fresh_id=True, lapsed_at=held.lapses_at))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="after"))
+
+    assert reads.counted_spend(organization.pk) == cost
+    assert reads.reserved_now(organization.pk) == Decimal("0.02")
+
+
+def test_a_beat_takes_a_call_as_held_only_where_its_deadline_was_pushed_on(gateway):
+    # A guard of the push itself: a call still held has its deadline pushed on and is taken as held from then; one whose
+    # hold Redis lost keeps the time it was last known held.
+    endpoint = EndpointFactory()
+    kept, kept_held, _ = _running_with_its_row(endpoint, "req_kept")
+    lost, lost_held, _ = _running_with_its_row(endpoint, "req_lost")
+    get_redis().hdel(redis_keys.reservations_key(endpoint.organization_id), "req_lost")
+    get_redis().zrem(redis_keys.deadlines_key(endpoint.organization_id), "req_lost")
+    lost_before, kept_before = lost_held.lapses_at, kept_held.lapses_at
+
+    _beat_pushes_deadlines_on(10)
+
+    assert kept_held.lapses_at >= kept_before + 9
+    assert lost_held.lapses_at == lost_before
+
+
+def test_a_call_held_again_after_its_counters_rebuild_was_written_counts_once(gateway):
+    # Redis lost the counter and the call's hold after its row was written; a call rebuilt the counter at once (its
+    # snapshot has the row, the call not reserved) and wrote it; then the call's gateway held it again and the call
+    # settled, its hold found. Before, the settlement added its cost to the counter that had it: counted twice. Now the
+    # hold again drops a counter rebuilt since its call was last known held, and the next call rebuilds it, the call
+    # reserved then.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    running, held, cost = _running_with_its_row(endpoint, "req_running")
+    _holds_and_counter_lost(organization.pk)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+    assert reads.counted_spend(organization.pk) == cost > 0
+
+    _held_again(organization.pk, "req_running", held)
+    asyncio.run(settle(running, cost, fresh_id=True, lapsed_at=held.lapses_at))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="after"))
+
+    assert reads.counted_spend(organization.pk) == cost
+    assert reads.reserved_now(organization.pk) == Decimal("0.02")
