@@ -111,8 +111,8 @@ end
 """
 
 # The rows replayed from the journal, as a rebuilt counter must count them (`replayed`): its ledger snapshot has each
-# of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, and those of the calls reserved
-# when it began) and holds as their count counts them each of `held` (A[h_first..h_first+h_num-1]: the rows asked about
+# of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, a `gateway_lost` one too, and
+# those of the calls reserved when it began) and holds as their count counts them each of `held` (A[h_first..h_first+h_num-1]: the rows asked about
 # and held, a superseded one only as such: `_held`); one of `held` whose count is still to come (registered, its
 # registration there: lapsed too, a killed replay's, which the next replay counts, `replayed`) is marked as counted
 # (`marks`, under `mark_prefix`), so the count drops the mark and adds nothing, unless `left` (its cost left to its
@@ -121,6 +121,9 @@ end
 # superseded meanwhile that are not `held` (the snapshot has the lost row, or none): the caller adds them. Those are
 # dropped. NOTE: a lost row's call reserved when the rebuild began, settled meanwhile (its `m:`) and superseded (its
 # `d:`, overwriting the same field before), was `present` for both, and marked: the difference was counted by none.
+# NOTE: an `m:` whose row the snapshot has as `gateway_lost` (the sweeper's settlement of a lost call, while the counter
+# was missing within an earlier rebuild's window), the call not reserved when this rebuild began, was not `present`
+# (a lost row is not `held`) and was added on top of the snapshot: counted twice.
 REPLAYED_ROWS_LUA = """
 local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrations, now, A, first, num_present, left,
                              h_first, h_num)
@@ -291,8 +294,8 @@ class _Rebuild:
     ttl_s: int
     # request id -> cost (units) of the rows in it whose calls were still reserved (`_INIT_SPEND`, `_INIT_CREDIT`)
     pending: dict[str, int] = field(default_factory=dict)
-    # the rows replayed from the journal it was asked about and holds (`replayed.replays_to_ask_about`), and those of
-    # the calls reserved when it began: a call settled while it is under way tells it its cost (`counters.MISSED_LUA`)
+    # the rows it was asked about and holds, as lost or whole (`replayed.replays_to_ask_about`), and those of the calls
+    # reserved when it began: a call settled while it is under way tells it its cost (`counters.MISSED_LUA`)
     present: tuple[str, ...] = ()
     # the calls held again since it began that it asked about, as reserved then (`HELD_AGAIN_LUA`)
     held_again: tuple[str, ...] = ()
@@ -317,7 +320,7 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
                                                     api_key_id=api_key_id if what == "key" else None)
             held = _held(organization_id, asked)
         pending = {request_id: cost for request_id, cost in costs.items() if request_id in reserved}
-        present = tuple(request_id for request_id in costs if request_id in held or request_id in reserved)
+        present = tuple(costs)  # NOTE: a `gateway_lost` row too (`_held`, `REPLAYED_ROWS_LUA`)
         held = tuple(request_id for request_id in costs if request_id in held)
     if what == "org":
         return _Rebuild(counter, {"spent": str(to_units(spent))} | limit_fields(account), None, PERIOD_TTL_S,
@@ -399,9 +402,10 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
         asked = _replays_in_snapshot(organization_id, counter) if counter is not None else set()
         held_again = _held_again(counter) if counter is not None else ()
         present = tuple(UsageRecord.objects.filter(organization_id=organization_id, billing_mode=BillingMode.PREPAID,
-                                                   request_id__in=_held(organization_id, asked)
-                                                   ).values_list("request_id", flat=True)) if asked else ()
-        held = present
+                                                   request_id__in=asked).values_list("request_id", flat=True)
+                        ) if asked else ()
+        held_ids = _held(organization_id, set(present))
+        held = tuple(request_id for request_id in present if request_id in held_ids)
         grants = list(CreditGrant.objects.filter(organization_id=organization_id))
         undrawn, pending = undrawn_prepaid_spend_and_pending(account, {*reserved_ids, *held_again})
         present = (*present, *(request_id for request_id in pending if request_id not in present))

@@ -6,18 +6,20 @@ around it, as a flush, a restart or a failover leaves it."""
 
 import asyncio
 import dataclasses
+import time
 from decimal import Decimal
 
 import pytest
 
+from billing import periods
 from billing.ledger import record_usage
 from billing.models import UsageRecord
-from billing.quota import reads
+from billing.quota import reads, rebuild, sweeper
 from controlplane import redis_keys
 from controlplane.redis_client import get_async_redis, get_redis
 from endpoints.gateway import presence
 from tests.billing.conftest import usage_report
-from tests.billing.test_quota import _cap, _holds_and_counter_lost, reserve, settle
+from tests.billing.test_quota import _cap, _holds_and_counter_lost, _progress, reserve, settle
 from tests.factories import EndpointFactory
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
@@ -132,3 +134,29 @@ def test_a_call_held_again_after_its_counters_rebuild_was_written_counts_once(ga
 
     assert reads.counted_spend(organization.pk) == cost
     assert reads.reserved_now(organization.pk) == Decimal("0.02")
+
+
+def test_a_lost_row_swept_while_its_counter_is_missing_is_counted_once_by_a_rebuild_begun_after(gateway):
+    # A rebuild of the counter began and its gateway was killed before its write (its window still open); the sweeper
+    # then wrote a lost gateway's call's `gateway_lost` row from its progress and settled it, leaving its cost to the
+    # rebuild (`m:`); the next call's rebuild began after (the call no longer reserved) with the row in its snapshot.
+    # Before, the rebuild did not take a `gateway_lost` row as one its snapshot has for that note, and added the cost on
+    # top of it: counted twice.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    streaming = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                    request_id="req_streaming"))
+    _progress(streaming, endpoint, prompt_tokens=100, completion_tokens=20)
+    counter = redis_keys.org_period_key(organization.pk, periods.period_containing().key)
+    get_redis().delete(counter)
+    rebuild._BEGIN_REBUILD.run_sync(keys=[redis_keys.rebuilding_key(organization.pk),
+                                          redis_keys.reservations_key(organization.pk)],
+                                    args=[counter, rebuild.REBUILD_MAX_S, rebuild.REBUILD_LONGEST_S])
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1
+    row = UsageRecord.objects.get(request_id="req_streaming")
+    assert row.status == "gateway_lost" and row.cost > 0
+
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    assert reads.counted_spend(organization.pk) == row.cost
