@@ -77,19 +77,30 @@ class RebuildTooSlow(RebuildUnfinished):
     retry), and the counter's next rebuild is given twice as long as this one took."""
 
 
+# The replication id of the Redis a script runs on (`INFO replication`'s `master_replid`): a replica promoted by a
+# failover takes a new one, and so does a Redis restarted without its data. A rebuild's run carries the one it began on
+# (`r:<counter>` is `<s.µs>@<id>`, `_BEGIN_REBUILD`), and one that finds another since writes nothing (`LOST_LUA`).
+SERVER_LUA = """
+local function server_id()
+  return string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+end
+"""
+
 # KEYS: the rebuilds under way, the organisation's reservations; ARGV: the counter's key, `REBUILD_MAX_S`,
 # `REBUILD_LONGEST_S`. Says a rebuild of the counter is under way for its window (a replay's count that finds it missing
 # leaves it the cost: `replayed`), and returns Redis's clock (s), the window (s), the calls reserved now, read before
 # the ledger, and the run of rebuilds it joins (`r:<counter>`: Redis's clock (s.µs) when the first of the rebuilds
-# under way began; `LOST_LUA`).
-_BEGIN_REBUILD = Script("""
+# under way began, and the replication id of the Redis it began on, `SERVER_LUA`; `LOST_LUA`). A run begun on another
+# Redis (kept by a replica promoted since) is not joined: a new one begins.
+_BEGIN_REBUILD = Script(SERVER_LUA + """
 local time = redis.call('TIME')
 local now = tonumber(time[1])
 local field = 'c:' .. ARGV[1]
 local under_way = tonumber(redis.call('HGET', KEYS[1], field) or '0')
 local run = redis.call('HGET', KEYS[1], 'r:' .. ARGV[1])
-if under_way < now or not run then
-  run = time[1] .. '.' .. time[2]
+local server = server_id()
+if under_way < now or not run or string.match(run, '@(%w*)$') ~= server then
+  run = time[1] .. '.' .. time[2] .. '@' .. server
   redis.call('HSET', KEYS[1], 'r:' .. ARGV[1], run)
 end
 local took = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[1]) or '0')
@@ -186,9 +197,14 @@ REBUILD_TRIES = 3
 # NOTE: a call whose row was committed after the snapshot and settled after Redis lost `c:` was counted nowhere: the
 # settlement found no counter and no rebuild under way, and the rebuild wrote the counter without it (spend past the
 # hard cap and the prepaid credit for the rest of the period).
-LOST_LUA = """
+# A failover to a replica behind by some writes keeps the run (`r:`, `c:`, written before) and lacks what was written
+# after: a count's `m:` (with a settlement with no hold, its mark and settled marker: nothing of the call left), which no
+# field tells apart. The Redis it runs on does: a replica promoted takes a new replication id (`SERVER_LUA`), and a run
+# begun on another is lost. NOTE: such a rebuild wrote the counter without the call's cost, counted nowhere.
+LOST_LUA = SERVER_LUA + """
 local function rebuild_lost(rebuilding, counter, run, until_s)
   if redis.call('HGET', rebuilding, 'r:' .. counter) ~= run then return true end
+  if string.match(run, '@(%w*)$') ~= server_id() then return true end
   return tonumber(redis.call('HGET', rebuilding, 'c:' .. counter) or '0') < tonumber(until_s)
 end
 """

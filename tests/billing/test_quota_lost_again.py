@@ -19,7 +19,14 @@ from controlplane import redis_keys
 from controlplane.redis_client import get_async_redis, get_redis
 from endpoints.gateway import presence
 from tests.billing.conftest import usage_report
-from tests.billing.test_quota import _cap, _holds_and_counter_lost, _progress, reserve, settle
+from tests.billing.test_quota import (
+    _cap,
+    _holds_and_counter_lost,
+    _in_another_connection,
+    _progress,
+    reserve,
+    settle,
+)
 from tests.factories import EndpointFactory
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
@@ -160,3 +167,75 @@ def test_a_lost_row_swept_while_its_counter_is_missing_is_counted_once_by_a_rebu
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
 
     assert reads.counted_spend(organization.pk) == row.cost
+
+
+OLD_PRIMARY = "0" * 39 + "1"  # the replication id of the primary a rebuild began on, before a failover
+
+
+def _begun_on_the_old_primary(monkeypatch) -> None:
+    """The first rebuild began on a primary since failed over: its run (`r:<counter>`, kept by the replica) carries
+    that primary's replication id, not the one the replica took when promoted (every later rebuild: this Redis's)."""
+    begin = rebuild._BEGIN_REBUILD
+
+    class _OnTheOldPrimary:
+        first = True
+
+        async def __call__(self, *, keys, args):
+            now, window_s, reserved, run = await begin(keys=keys, args=args)
+            if self.first:
+                self.first = False
+                run = f"{_text(run).partition('@')[0]}@{OLD_PRIMARY}"
+                await get_async_redis().hset(keys[0], f"r:{args[0]}", run)
+            return now, window_s, reserved, run
+
+    monkeypatch.setattr(rebuild, "_BEGIN_REBUILD", _OnTheOldPrimary())
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def test_a_rebuild_whose_redis_failed_over_to_a_replica_without_a_settlements_note_begins_again(gateway, monkeypatch):
+    # Redis lost the call's hold (a flush); a call began rebuilding the counter; the call then wrote its row (after the
+    # snapshot) and settled with no hold, leaving its cost to the rebuild (`m:`, its mark, its settled marker); Redis
+    # then failed over to a replica behind by those writes, which keeps the run (`r:`, `c:`, written before). Before,
+    # the rebuild wrote the counter without the call's cost, and nothing counted it: spend past the cap for the month.
+    # Now a run carries the replication id of the Redis it began on, and a rebuild that finds another writes nothing and
+    # begins again, with a snapshot that has the row.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_running"))
+    held = presence.track("req_running", organization.pk, str(endpoint.pk), None, reservation=admitted.reservation)
+    _holds_and_counter_lost(organization.pk)
+    counter = redis_keys.org_period_key(organization.pk, periods.period_containing().key)
+    _begun_on_the_old_primary(monkeypatch)
+    read, write, writes = rebuild.period_spend_and_pending, rebuild._write_rebuild, []
+
+    def ends():
+        record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_running"), max_cost=Decimal("0.50")))
+        asyncio.run(settle(admitted, UsageRecord.objects.get(request_id="req_running").cost, fresh_id=True,
+                           lapsed_at=held.lapses_at))
+        # the failover: the replica lacks the settlement's writes
+        redis = get_redis()
+        assert redis.hdel(redis_keys.rebuilding_key(organization.pk), f"m:{counter}|req_running") == 1
+        assert redis.srem(redis_keys.held_again_key(counter), "req_running") == 1
+        assert redis.delete(redis_keys.settled_key(organization.pk, "req_running")) == 1
+
+    def read_then_ends(*args, **kwargs):
+        result = read(*args, **kwargs)
+        if not writes:
+            _in_another_connection(ends)
+        return result
+
+    async def write_once(*args):
+        writes.append(await write(*args))
+        return writes[-1]
+
+    monkeypatch.setattr(rebuild, "period_spend_and_pending", read_then_ends)
+    monkeypatch.setattr(rebuild, "_write_rebuild", write_once)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    assert reads.counted_spend(organization.pk) == UsageRecord.objects.get(request_id="req_running").cost > 0
+    assert writes == [rebuild.LOST_MEANWHILE, 1]
