@@ -362,7 +362,7 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # rebuilt and that counter (the organisation counter's, and the organisation counter, without a key). ARGV: the seconds
 # a reservation holds (its deadline: Redis's clock plus these), then per call: request id, amount (units), has key
 # (1/0), payload, when it can no longer tell whether the sweeper counted it (Redis's clock, s; empty: not known), since
-# when it is not known held (`_held_since`; empty: not known).
+# when it is not known held (`_held_since`; empty: not known, or no row of it may be in the ledger yet).
 # A reservation still there (Redis forgot only the gateway's own keys), one whose call settled meanwhile (its marker:
 # the sweeper's settlement too, a day), or one past that (its gateway froze longer than the sweeper's marker lives,
 # `SETTLE_LUA`) is left. One the sweeper released unbilled (no marker) is held again: its call still runs.
@@ -373,10 +373,12 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # window) is marked for that rebuild, in the counter's set (`held_again_key`): it was not among the calls reserved when
 # the rebuild began, and its row may be in the rebuild's snapshot (`rebuild.HELD_AGAIN_LUA`). The sets last as long as
 # the rebuilds under way.
-# A counter it counts in that was rebuilt since the call was last known held and is written already (its `rb`, the
-# credit figure's `@rb`: `rebuild._INIT_SPEND`) is dropped, as a settlement with no hold drops it (`SETTLE_LUA`): that
-# rebuild did not find the call reserved and may have its row, and the call, held again, settles as one that held all
-# along. The next call rebuilds it, with the call reserved. NOTE: its settlement added its cost to a counter whose
+# For a call whose usage row may be in the ledger (its gateway is writing it: "since when" given), a counter it counts
+# in that was rebuilt since the call was last known held and is written already (its `rb`, the credit figure's `@rb`:
+# `rebuild._INIT_SPEND`) is dropped, as a settlement with no hold drops it (`SETTLE_LUA`): that rebuild did not find the
+# call reserved and may have its row, and the call, held again, settles as one that held all along. The next call
+# rebuilds it, with the call reserved. (A call still running has no row in that snapshot: nothing is dropped for it,
+# so a flush does not have every counter rebuilt twice.) NOTE: its settlement added its cost to a counter whose
 # snapshot had its row (Redis lost the hold after the row was written, a rebuild wrote the counter before the gateway's
 # next beat held the call again): counted twice.
 # NOTE: each call was marked, in the rebuilds' hash, for every counter of its organisation being rebuilt, other keys'
@@ -430,12 +432,15 @@ return restored
 
 
 async def restore_reservations(organization_id: int, reservations: list[Reservation],
-                               lapsed_at: list[float | None] | None = None) -> int:
+                               lapsed_at: list[float | None] | None = None,
+                               rows_written: list[bool] | None = None) -> int:
     """Hold again the reservations of one organisation's calls that are still running, which Redis lost; returns how
     many it held again. Each is held as its admission held it (its amount, its key, its period), with a new deadline,
     unless its marker says it was settled, or more than a marker lives past `lapsed_at` (each one's, Redis's clock:
-    when its hold may have lapsed; None: not known): `told_until`. A counter it counts in rebuilt since it was last known
-    held (`lapsed_at` less a reservation's time) is dropped, rebuilt by the next call with it reserved.
+    when its hold may have lapsed; None: not known): `told_until`. For a call whose usage row may be in the ledger
+    already (`rows_written`, each one's: its gateway is writing it), a counter it counts in rebuilt since it was last
+    known held (`lapsed_at` less a reservation's time) is dropped, rebuilt by the next call with it reserved; a call
+    still running has no row in that rebuild's snapshot, and its settlement adds its cost as any.
 
     NOTE: without this, a flushed or restarted Redis rebuilt the organisation's counters from the ledger with nothing
     reserved, while its calls then running went on: until they ended, new calls were admitted against the caps and
@@ -448,7 +453,8 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
             rebuilding_key(organization_id), held_again_key(org_counter), held_again_key(credit_key(organization_id)),
             org_counter, credit_key(organization_id), credit_journaled_key(organization_id)]
     args = [str(math.ceil(settings.BILLING_RESERVATION_TTL_S))]
-    for reservation, lapses in zip(reservations, lapsed_at or [None] * len(reservations), strict=True):
+    for reservation, lapses, row_written in zip(reservations, lapsed_at or [None] * len(reservations),
+                                                rows_written or [False] * len(reservations), strict=True):
         if reservation.organization_id != organization_id:
             raise ValueError("one organisation's reservations at a time (one Redis Cluster slot)")
         api_key_id = reservation.api_key_id
@@ -458,7 +464,8 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
         keys += [key_reserved_key(organization_id, api_key_id) if api_key_id is not None else keys[2],
                  settled_key(organization_id, reservation.request_id), held_again_key(key_counter), key_counter]
         args += [reservation.request_id, str(units), "1" if api_key_id is not None else "0",
-                 f"{payload_before}{units}{payload_after}", _told_until(lapses), _held_since(lapses)]
+                 f"{payload_before}{units}{payload_after}", _told_until(lapses),
+                 _held_since(lapses) if row_written else ""]
     return await _RESTORE_RESERVATIONS(keys=keys, args=args)
 
 

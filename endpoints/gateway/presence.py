@@ -156,6 +156,9 @@ class Held:
     # tokens (prompt, cached, completion) of the last one a beat recorded (`_record_progress`).
     progress: Callable[[tuple[int, int, int] | None], UsageReport | None] | None = None
     progress_recorded: tuple[int, int, int] | None = None
+    # Its usage row is being written (it may be in the ledger): a hold again drops the counters rebuilt since it was
+    # last known held, whose snapshot may have it (`counters.restore_reservations`).
+    writes_row: bool = False
 
     def value(self) -> str:
         counter = redis_keys.outstanding_key(self.organization_id, self.replica_id) if self.replica_id else ""
@@ -425,7 +428,8 @@ async def _hold_again(organization_id: int, holds: list[tuple[str, Held]]) -> in
         part = holds[first:first + CHUNK]
         now = clock.redis_now()
         held_again += await counters.restore_reservations(organization_id, [held.reservation for _, held in part],
-                                                          [held.lapses_at for _, held in part])
+                                                          [held.lapses_at for _, held in part],
+                                                          [held.writes_row for _, held in part])
         for request_id, held in part:
             held.progress_recorded = None
             _repair.unheld.discard(request_id)

@@ -50,6 +50,7 @@ def _running_with_its_row(endpoint, request_id: str):
     held = presence.track(request_id, endpoint.organization_id, str(endpoint.pk), None,
                           reservation=admitted.reservation)
     held.since -= 120  # served two minutes: its beat pushes its deadline on
+    held.writes_row = True  # as its gateway does before its row's write (the call tracked until it returns)
     record_usage(dataclasses.replace(usage_report(endpoint, request_id=request_id), max_cost=Decimal("0.50")))
     return admitted, held, UsageRecord.objects.get(request_id=request_id).cost
 
@@ -141,6 +142,32 @@ def test_a_call_held_again_after_its_counters_rebuild_was_written_counts_once(ga
 
     assert reads.counted_spend(organization.pk) == cost
     assert reads.reserved_now(organization.pk) == Decimal("0.02")
+
+
+def test_a_running_call_held_again_after_its_counters_rebuild_leaves_the_counter_and_counts_once(gateway):
+    # A guard (passes either way): after a flush, a call still streaming (no row yet) is held again after a rebuild
+    # wrote the counter; that snapshot cannot have its row, so the counter is kept (no second rebuild of every
+    # organisation's counters after a flush) and the call's settlement adds its cost once.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_streaming"))
+    held = presence.track("req_streaming", organization.pk, str(endpoint.pk), None, reservation=admitted.reservation)
+    _holds_and_counter_lost(organization.pk)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+    counter = redis_keys.org_period_key(organization.pk, periods.period_containing().key)
+    rebuilt_at = get_redis().hget(counter, "rb")
+
+    _held_again(organization.pk, "req_streaming", held)
+    assert get_redis().hget(counter, "rb") == rebuilt_at  # kept
+    held.writes_row = True
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_streaming"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="req_streaming").cost
+    asyncio.run(settle(admitted, cost, fresh_id=True, lapsed_at=held.lapses_at))
+
+    assert reads.counted_spend(organization.pk) == cost > 0
+    assert reads.reserved_now(organization.pk) == Decimal("0.01")
 
 
 def test_a_lost_row_swept_while_its_counter_is_missing_is_counted_once_by_a_rebuild_begun_after(gateway):
