@@ -7,15 +7,21 @@ around it, as a flush, a restart or a failover leaves it."""
 import asyncio
 import dataclasses
 import time
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
 from billing import periods
+from billing.credits import grant_credits
 from billing.ledger import record_usage
-from billing.models import UsageRecord
+from billing.models import BillingMode, UsageRecord
 from billing.quota import reads, rebuild, sweeper
+from billing.quota.counters import from_units
+from billing.services import set_billing_mode
 from controlplane import redis_keys
+from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_async_redis, get_redis
 from endpoints.gateway import presence
 from tests.billing.conftest import usage_report
@@ -170,19 +176,24 @@ def test_a_running_call_held_again_after_its_counters_rebuild_leaves_the_counter
     assert reads.reserved_now(organization.pk) == Decimal("0.01")
 
 
-def test_a_lost_row_swept_while_its_counter_is_missing_is_counted_once_by_a_rebuild_begun_after(gateway):
-    # A rebuild of the counter began and its gateway was killed before its write (its window still open); the sweeper
-    # then wrote a lost gateway's call's `gateway_lost` row from its progress and settled it, leaving its cost to the
-    # rebuild (`m:`); the next call's rebuild began after (the call no longer reserved) with the row in its snapshot.
-    # Before, the rebuild did not take a `gateway_lost` row as one its snapshot has for that note, and added the cost on
-    # top of it: counted twice.
+@pytest.mark.parametrize("what", ["org", "credit"])
+def test_a_lost_row_swept_while_its_counter_is_missing_is_counted_once_by_a_rebuild_begun_after(gateway, what):
+    # A rebuild of the counter (or of the credit figure) began and its gateway was killed before its write (its window
+    # still open); the sweeper then wrote a lost gateway's call's `gateway_lost` row from its progress and settled it,
+    # leaving its cost to the rebuild (`m:`); the next call's rebuild began after (the call no longer reserved) with the
+    # row in its snapshot. Before, the rebuild did not take a `gateway_lost` row as one its snapshot has for that note,
+    # and added the cost on top of it: counted twice (drawn twice from the credit).
     endpoint = EndpointFactory()
     organization = endpoint.organization
     _cap(organization, "1.00")
+    if what == "credit":
+        set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+        grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
     streaming = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
                                     request_id="req_streaming"))
     _progress(streaming, endpoint, prompt_tokens=100, completion_tokens=20)
-    counter = redis_keys.org_period_key(organization.pk, periods.period_containing().key)
+    counter = (redis_keys.org_period_key(organization.pk, periods.period_containing().key) if what == "org"
+               else redis_keys.credit_key(organization.pk))
     get_redis().delete(counter)
     rebuild._BEGIN_REBUILD.run_sync(keys=[redis_keys.rebuilding_key(organization.pk),
                                           redis_keys.reservations_key(organization.pk)],
@@ -194,6 +205,8 @@ def test_a_lost_row_swept_while_its_counter_is_missing_is_counted_once_by_a_rebu
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
 
     assert reads.counted_spend(organization.pk) == row.cost
+    if what == "credit":
+        assert from_units(int(get_redis().get(counter))) == Decimal("2.00") - row.cost
 
 
 OLD_PRIMARY = "0" * 39 + "1"  # the replication id of the primary a rebuild began on, before a failover
