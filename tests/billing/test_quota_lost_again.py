@@ -19,8 +19,9 @@ from billing.ledger import record_usage
 from billing.models import BillingMode, UsageRecord
 from billing.quota import reads, rebuild, sweeper
 from billing.quota.counters import from_units
-from billing.services import set_billing_mode
+from billing.services import set_billing_mode, set_key_spend_cap
 from controlplane import redis_keys
+from controlplane.accounts.models import ApiKey
 from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_async_redis, get_redis
 from endpoints.gateway import presence
@@ -148,6 +149,49 @@ def test_a_call_held_again_after_its_counters_rebuild_was_written_counts_once(ga
 
     assert reads.counted_spend(organization.pk) == cost
     assert reads.reserved_now(organization.pk) == Decimal("0.02")
+
+
+@pytest.mark.parametrize("what", ["key", "credit"])
+def test_a_call_held_again_after_its_key_counter_or_credit_figure_was_rebuilt_counts_once(gateway, what):
+    # As above, for its key's counter and for the credit figure (a prepaid call): before, the settlement added its cost
+    # to the key's counter, or took it from the figure, rebuilt from a snapshot that had its row: counted twice.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    key = None
+    if what == "key":
+        key = ApiKey.objects.create(organization=organization, name="k", lookup="heldagain", digest="x")
+        set_key_spend_cap(SYSTEM, key, spend_cap=Decimal("1.00"))
+    else:
+        set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+        grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    api_key_id = key.pk if key else None
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=api_key_id, amount=Decimal("0.50"),
+                                   request_id="req_running"))
+    held = presence.track("req_running", organization.pk, str(endpoint.pk), None, reservation=admitted.reservation)
+    held.writes_row = True
+    record_usage(dataclasses.replace(usage_report(endpoint, api_key=key, request_id="req_running"),
+                                     max_cost=Decimal("0.50"), billing_mode=admitted.billing_mode))
+    cost = UsageRecord.objects.get(request_id="req_running").cost
+    counter = (redis_keys.key_period_key(organization.pk, api_key_id, periods.period_containing().key) if key
+               else redis_keys.credit_key(organization.pk))
+    get_redis().delete(counter, redis_keys.reservations_key(organization.pk), redis_keys.deadlines_key(organization.pk),
+                       redis_keys.org_reserved_key(organization.pk),
+                       *([redis_keys.key_reserved_key(organization.pk, api_key_id)] if key else []))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=api_key_id, amount=Decimal("0.01"),
+                        request_id="next"))  # its rebuild's snapshot has the row, the call not reserved
+
+    _held_again(organization.pk, "req_running", held)
+    asyncio.run(settle(admitted, cost, fresh_id=True, lapsed_at=held.lapses_at))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=api_key_id, amount=Decimal("0.01"),
+                        request_id="after"))
+
+    assert cost > 0
+    assert reads.counted_spend(organization.pk) == cost
+    if key:
+        assert from_units(int(get_redis().hget(counter, "spent"))) == cost
+    else:
+        assert from_units(int(get_redis().get(counter))) == Decimal("2.00") - cost
 
 
 def test_a_running_call_held_again_after_its_counters_rebuild_leaves_the_counter_and_counts_once(gateway):
