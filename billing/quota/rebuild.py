@@ -123,18 +123,19 @@ end
 
 # The rows replayed from the journal, as a rebuilt counter must count them (`replayed`): its ledger snapshot has each
 # of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, a `gateway_lost` one too, and
-# those of the calls reserved when it began) and holds as their count counts them each of `held` (A[h_first..h_first+h_num-1]: the rows asked about
-# and held, a superseded one only as such: `_held`); one of `held` whose count is still to come (registered, its
-# registration there: lapsed too, a killed replay's, which the next replay counts, `replayed`) is marked as counted
-# (`marks`, under `mark_prefix`), so the count drops the mark and adds nothing, unless `left` (its cost left to its
-# settlement). Returns the costs of the rows whose count (a replay's, or a call's settlement: `counters.MISSED_LUA`)
-# found the counter missing while it was rebuilt and that are not `present`, and the differences (`d:`) of rows
-# superseded meanwhile that are not `held` (the snapshot has the lost row, or none): the caller adds them. Those are
-# dropped. NOTE: a lost row's call reserved when the rebuild began, settled meanwhile (its `m:`) and superseded (its
-# `d:`, overwriting the same field before), was `present` for both, and marked: the difference was counted by none.
-# NOTE: an `m:` whose row the snapshot has as `gateway_lost` (the sweeper's settlement of a lost call, while the counter
-# was missing within an earlier rebuild's window), the call not reserved when this rebuild began, was not `present`
-# (a lost row is not `held`) and was added on top of the snapshot: counted twice.
+# those of the calls reserved when it began) and holds as their count counts them each of `held`
+# (A[h_first..h_first+h_num-1]: the rows asked about and held, a superseded one only as such: `_held`); one of `held`
+# whose count is still to come (registered, its registration there: lapsed too, a killed replay's, which the next
+# replay counts, `replayed`) is marked as counted (`marks`, under `mark_prefix`), so the count drops the mark and adds
+# nothing, unless `left` (its cost left to its settlement). Returns the costs of the rows whose count (a replay's, or
+# a call's settlement: `counters.MISSED_LUA`) found the counter missing while it was rebuilt and that are not
+# `present`, and the differences (`d:`) of rows superseded meanwhile that are not `held` (the snapshot has the lost
+# row, or none): the caller adds them. Those are dropped. NOTE: a lost row's call reserved when the rebuild began,
+# settled meanwhile (its `m:`) and superseded (its `d:`, overwriting the same field before), was `present` for both,
+# and marked: the difference was counted by none.
+# NOTE: an `m:` whose row the snapshot has as `gateway_lost` (the sweeper's settlement of a lost call, while the
+# counter was missing within an earlier rebuild's window), the call not reserved when this rebuild began, was not
+# `present` (a lost row is not `held`) and was added on top of the snapshot: counted twice.
 REPLAYED_ROWS_LUA = """
 local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrations, now, A, first, num_present, left,
                              h_first, h_num)
@@ -198,9 +199,9 @@ REBUILD_TRIES = 3
 # settlement found no counter and no rebuild under way, and the rebuild wrote the counter without it (spend past the
 # hard cap and the prepaid credit for the rest of the period).
 # A failover to a replica behind by some writes keeps the run (`r:`, `c:`, written before) and lacks what was written
-# after: a count's `m:` (with a settlement with no hold, its mark and settled marker: nothing of the call left), which no
-# field tells apart. The Redis it runs on does: a replica promoted takes a new replication id (`SERVER_LUA`), and a run
-# begun on another is lost. NOTE: such a rebuild wrote the counter without the call's cost, counted nowhere.
+# after: a count's `m:` (with a settlement with no hold, its mark and settled marker: nothing of the call left), which
+# no field tells apart. The Redis it runs on does: a replica promoted takes a new replication id (`SERVER_LUA`), and a
+# run begun on another is lost. NOTE: such a rebuild wrote the counter without the call's cost, counted nowhere.
 LOST_LUA = SERVER_LUA + """
 local function rebuild_lost(rebuilding, counter, run, until_s)
   if redis.call('HGET', rebuilding, 'r:' .. counter) ~= run then return true end

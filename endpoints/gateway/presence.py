@@ -257,8 +257,8 @@ async def _push_deadlines_on(redis, now: float | None = None) -> None:
         # NOTE: Redis's clock, as the admission's own deadline and the sweeper's (`billing.quota.sweeper`).
         seconds, _ = await redis.time()
         deadline = int(seconds) + 1 + math.ceil(settings.BILLING_RESERVATION_TTL_S)
-        # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never earlier (GT);
-        # each read back in the same round trip: a call is known held only where its deadline is there.
+        # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never earlier
+        # (GT); each read back in the same round trip: a call is known held only where its deadline is there.
         async with redis.pipeline(transaction=False) as pipe:
             for organization_id, request_ids in due.items():
                 pipe.zadd(redis_keys.deadlines_key(organization_id), dict.fromkeys(request_ids, deadline), xx=True,
