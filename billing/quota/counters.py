@@ -356,12 +356,13 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # Puts back the reservations of calls a live gateway still serves after Redis lost them (a restart without persistence,
 # a flush, a failover: `endpoints.gateway.presence`), as `RESERVE` held them. KEYS: the reservations, the deadlines,
 # the organisation's reserved sum, the rebuilds under way, the calls held again while the organisation counter was
-# rebuilt, those while the credit figure was (`held_again_key`), then per call: its key's reserved sum (the
-# organisation's again for a call without a key), its settled marker and the calls held again while its key's counter
-# was rebuilt (the organisation counter's again without a key). ARGV: the seconds a reservation holds (its deadline:
-# Redis's clock plus these), the organisation counter and the credit figure (the month's: what the calls' settlements
-# count in), then per call: request id, amount (units), has key (1/0), payload, when it can no longer tell whether the
-# sweeper counted it (Redis's clock, s; empty: not known), its key's counter (empty without a key).
+# rebuilt, those while the credit figure was (`held_again_key`), the organisation counter (the month's: what the calls'
+# settlements count in), the credit figure, its journaled calls, then per call: its key's reserved sum (the
+# organisation's again for a call without a key), its settled marker, the calls held again while its key's counter was
+# rebuilt and that counter (the organisation counter's, and the organisation counter, without a key). ARGV: the seconds
+# a reservation holds (its deadline: Redis's clock plus these), then per call: request id, amount (units), has key
+# (1/0), payload, when it can no longer tell whether the sweeper counted it (Redis's clock, s; empty: not known), since
+# when it is not known held (`_held_since`; empty: not known, or no row of it may be in the ledger yet).
 # A reservation still there (Redis forgot only the gateway's own keys), one whose call settled meanwhile (its marker:
 # the sweeper's settlement too, a day), or one past that (its gateway froze longer than the sweeper's marker lives,
 # `SETTLE_LUA`) is left. One the sweeper released unbilled (no marker) is held again: its call still runs.
@@ -372,6 +373,14 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # window) is marked for that rebuild, in the counter's set (`held_again_key`): it was not among the calls reserved when
 # the rebuild began, and its row may be in the rebuild's snapshot (`rebuild.HELD_AGAIN_LUA`). The sets last as long as
 # the rebuilds under way.
+# For a call whose usage row may be in the ledger (its gateway is writing it: "since when" given), a counter it counts
+# in that was rebuilt since the call was last known held and is written already (its `rb`, the credit figure's `@rb`:
+# `rebuild._INIT_SPEND`) is dropped, as a settlement with no hold drops it (`SETTLE_LUA`): that rebuild did not find the
+# call reserved and may have its row, and the call, held again, settles as one that held all along. The next call
+# rebuilds it, with the call reserved. (A call still running has no row in that snapshot: nothing is dropped for it,
+# so a flush does not have every counter rebuilt twice.) NOTE: its settlement added its cost to a counter whose
+# snapshot had its row (Redis lost the hold after the row was written, a rebuild wrote the counter before the gateway's
+# next beat held the call again): counted twice.
 # NOTE: each call was marked, in the rebuilds' hash, for every counter of its organisation being rebuilt, other keys'
 # too, and each rebuild's write read that whole hash: after a flush, 5,000 calls in flight under 20 keys wrote 110,000
 # fields in one script, and each write scanned them all (seconds, Redis blocked for every tenant; rebuilds past their
@@ -382,7 +391,6 @@ local now = tonumber(redis.call('TIME')[1])
 local deadline = now + 1 + tonumber(ARGV[1])
 local rebuilt, marked = {}, {}
 local function mark(counter, marks, request_id)
-  if counter == '' then return end
   if rebuilt[counter] == nil then
     rebuilt[counter] = tonumber(redis.call('HGET', KEYS[4], 'c:' .. counter) or '0') >= now
   end
@@ -391,18 +399,28 @@ local function mark(counter, marks, request_id)
     marked[marks] = true
   end
 end
-for i = 4, #ARGV, 6 do
-  local n = (i - 4) / 6
+local function drop_rebuilt_since(since, began_in, began_field, ...)
+  if since == '' then return end
+  local began = redis.call('HGET', began_in, began_field)
+  if began and tonumber(began) >= tonumber(since) then redis.call('DEL', ...) end
+end
+for i = 2, #ARGV, 6 do
+  local n = (i - 2) / 6
   local untold = ARGV[i + 4] ~= '' and now > tonumber(ARGV[i + 4])
-  if not untold and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[8 + 3 * n]) == 0 then
+  if not untold and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[11 + 4 * n]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3])
     redis.call('ZADD', KEYS[2], deadline, ARGV[i])
     redis.call('INCRBY', KEYS[3], ARGV[i + 1])
-    if ARGV[i + 2] == '1' then redis.call('INCRBY', KEYS[7 + 3 * n], ARGV[i + 1]) end
+    if ARGV[i + 2] == '1' then redis.call('INCRBY', KEYS[10 + 4 * n], ARGV[i + 1]) end
     restored = restored + 1
-    mark(ARGV[2], KEYS[5], ARGV[i])
-    mark(ARGV[3], KEYS[6], ARGV[i])
-    mark(ARGV[i + 5], KEYS[9 + 3 * n], ARGV[i])
+    mark(KEYS[7], KEYS[5], ARGV[i])
+    mark(KEYS[8], KEYS[6], ARGV[i])
+    drop_rebuilt_since(ARGV[i + 5], KEYS[7], 'rb', KEYS[7])
+    drop_rebuilt_since(ARGV[i + 5], KEYS[9], '@rb', KEYS[8], KEYS[9])
+    if ARGV[i + 2] == '1' then
+      mark(KEYS[13 + 4 * n], KEYS[12 + 4 * n], ARGV[i])
+      drop_rebuilt_since(ARGV[i + 5], KEYS[13 + 4 * n], 'rb', KEYS[13 + 4 * n])
+    end
   end
 end
 local ttl = redis.call('TTL', KEYS[4])
@@ -414,11 +432,15 @@ return restored
 
 
 async def restore_reservations(organization_id: int, reservations: list[Reservation],
-                               lapsed_at: list[float | None] | None = None) -> int:
+                               lapsed_at: list[float | None] | None = None,
+                               rows_written: list[bool] | None = None) -> int:
     """Hold again the reservations of one organisation's calls that are still running, which Redis lost; returns how
     many it held again. Each is held as its admission held it (its amount, its key, its period), with a new deadline,
     unless its marker says it was settled, or more than a marker lives past `lapsed_at` (each one's, Redis's clock:
-    when its hold may have lapsed; None: not known): `told_until`.
+    when its hold may have lapsed; None: not known): `told_until`. For a call whose usage row may be in the ledger
+    already (`rows_written`, each one's: its gateway is writing it), a counter it counts in rebuilt since it was last
+    known held (`lapsed_at` less a reservation's time) is dropped, rebuilt by the next call with it reserved; a call
+    still running has no row in that rebuild's snapshot, and its settlement adds its cost as any.
 
     NOTE: without this, a flushed or restarted Redis rebuilt the organisation's counters from the ledger with nothing
     reserved, while its calls then running went on: until they ended, new calls were admitted against the caps and
@@ -428,21 +450,22 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
     period_key = period_containing().key  # NOTE: a call still running settles in this month's counters, not its own
     org_counter = org_period_key(organization_id, period_key)
     keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id),
-            rebuilding_key(organization_id), held_again_key(org_counter),
-            held_again_key(credit_key(organization_id))]
-    args = [str(math.ceil(settings.BILLING_RESERVATION_TTL_S)), org_counter, credit_key(organization_id)]
-    for reservation, lapses in zip(reservations, lapsed_at or [None] * len(reservations), strict=True):
+            rebuilding_key(organization_id), held_again_key(org_counter), held_again_key(credit_key(organization_id)),
+            org_counter, credit_key(organization_id), credit_journaled_key(organization_id)]
+    args = [str(math.ceil(settings.BILLING_RESERVATION_TTL_S))]
+    for reservation, lapses, row_written in zip(reservations, lapsed_at or [None] * len(reservations),
+                                                rows_written or [False] * len(reservations), strict=True):
         if reservation.organization_id != organization_id:
             raise ValueError("one organisation's reservations at a time (one Redis Cluster slot)")
         api_key_id = reservation.api_key_id
         units = to_units(reservation.amount, ROUND_CEILING)
         _, _, payload_before, payload_after = _prepared(organization_id, api_key_id, reservation.period_key)
-        key_counter = key_period_key(organization_id, api_key_id, period_key) if api_key_id is not None else ""
+        key_counter = key_period_key(organization_id, api_key_id, period_key) if api_key_id is not None else org_counter
         keys += [key_reserved_key(organization_id, api_key_id) if api_key_id is not None else keys[2],
-                 settled_key(organization_id, reservation.request_id),
-                 held_again_key(key_counter) if key_counter else keys[4]]
+                 settled_key(organization_id, reservation.request_id), held_again_key(key_counter), key_counter]
         args += [reservation.request_id, str(units), "1" if api_key_id is not None else "0",
-                 f"{payload_before}{units}{payload_after}", _told_until(lapses), key_counter]
+                 f"{payload_before}{units}{payload_after}", _told_until(lapses),
+                 _held_since(lapses) if row_written else ""]
     return await _RESTORE_RESERVATIONS(keys=keys, args=args)
 
 

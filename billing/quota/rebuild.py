@@ -82,19 +82,30 @@ class RebuildTooSlow(RebuildUnfinished):
     retry), and the counter's next rebuild is given twice as long as this one took."""
 
 
+# The replication id of the Redis a script runs on (`INFO replication`'s `master_replid`): a replica promoted by a
+# failover takes a new one, and so does a Redis restarted without its data. A rebuild's run carries the one it began on
+# (`r:<counter>` is `<s.µs>@<id>`, `_BEGIN_REBUILD`), and one that finds another since writes nothing (`LOST_LUA`).
+SERVER_LUA = """
+local function server_id()
+  return string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+end
+"""
+
 # KEYS: the rebuilds under way, the organisation's reservations; ARGV: the counter's key, `REBUILD_MAX_S`,
 # `REBUILD_LONGEST_S`. Says a rebuild of the counter is under way for its window (a replay's count that finds it missing
 # leaves it the cost: `replayed`), and returns Redis's clock (s), the window (s), the calls reserved now, read before
 # the ledger, and the run of rebuilds it joins (`r:<counter>`: Redis's clock (s.µs) when the first of the rebuilds
-# under way began; `LOST_LUA`).
-_BEGIN_REBUILD = Script("""
+# under way began, and the replication id of the Redis it began on, `SERVER_LUA`; `LOST_LUA`). A run begun on another
+# Redis (kept by a replica promoted since) is not joined: a new one begins.
+_BEGIN_REBUILD = Script(SERVER_LUA + """
 local time = redis.call('TIME')
 local now = tonumber(time[1])
 local field = 'c:' .. ARGV[1]
 local under_way = tonumber(redis.call('HGET', KEYS[1], field) or '0')
 local run = redis.call('HGET', KEYS[1], 'r:' .. ARGV[1])
-if under_way < now or not run then
-  run = time[1] .. '.' .. time[2]
+local server = server_id()
+if under_way < now or not run or string.match(run, '@(%w*)$') ~= server then
+  run = time[1] .. '.' .. time[2] .. '@' .. server
   redis.call('HSET', KEYS[1], 'r:' .. ARGV[1], run)
 end
 local took = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[1]) or '0')
@@ -123,16 +134,20 @@ return too_slow(KEYS[1], ARGV[1], took, ARGV[4])
 """)
 
 # The rows replayed from the journal, as a rebuilt counter must count them (`replayed`): its ledger snapshot has each
-# of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, and those of the calls reserved
-# when it began) and holds as their count counts them each of `held` (A[h_first..h_first+h_num-1]: the rows asked about
-# and held, a superseded one only as such: `_held`); one of `held` whose count is still to come (registered, its
-# registration there: lapsed too, a killed replay's, which the next replay counts, `replayed`) is marked as counted
-# (`marks`, under `mark_prefix`), so the count drops the mark and adds nothing, unless `left` (its cost left to its
-# settlement). Returns the costs of the rows whose count (a replay's, or a call's settlement: `counters.MISSED_LUA`)
-# found the counter missing while it was rebuilt and that are not `present`, and the differences (`d:`) of rows
-# superseded meanwhile that are not `held` (the snapshot has the lost row, or none): the caller adds them. Those are
-# dropped. NOTE: a lost row's call reserved when the rebuild began, settled meanwhile (its `m:`) and superseded (its
-# `d:`, overwriting the same field before), was `present` for both, and marked: the difference was counted by none.
+# of `present` (A[first..first+num_present-1]: the rows it was asked about and holds, a `gateway_lost` one too, and
+# those of the calls reserved when it began) and holds as their count counts them each of `held`
+# (A[h_first..h_first+h_num-1]: the rows asked about and held, a superseded one only as such: `_held`); one of `held`
+# whose count is still to come (registered, its registration there: lapsed too, a killed replay's, which the next
+# replay counts, `replayed`) is marked as counted (`marks`, under `mark_prefix`), so the count drops the mark and adds
+# nothing, unless `left` (its cost left to its settlement). Returns the costs of the rows whose count (a replay's, or
+# a call's settlement: `counters.MISSED_LUA`) found the counter missing while it was rebuilt and that are not
+# `present`, and the differences (`d:`) of rows superseded meanwhile that are not `held` (the snapshot has the lost
+# row, or none): the caller adds them. Those are dropped. NOTE: a lost row's call reserved when the rebuild began,
+# settled meanwhile (its `m:`) and superseded (its `d:`, overwriting the same field before), was `present` for both,
+# and marked: the difference was counted by none.
+# NOTE: an `m:` whose row the snapshot has as `gateway_lost` (the sweeper's settlement of a lost call, while the
+# counter was missing within an earlier rebuild's window), the call not reserved when this rebuild began, was not
+# `present` (a lost row is not `held`) and was added on top of the snapshot: counted twice.
 REPLAYED_ROWS_LUA = """
 local function replayed_rows(counter, marks, mark_prefix, rebuilding, registrations, now, A, first, num_present, left,
                              h_first, h_num)
@@ -195,9 +210,14 @@ REBUILD_TRIES = 3
 # NOTE: a call whose row was committed after the snapshot and settled after Redis lost `c:` was counted nowhere: the
 # settlement found no counter and no rebuild under way, and the rebuild wrote the counter without it (spend past the
 # hard cap and the prepaid credit for the rest of the period).
-LOST_LUA = """
+# A failover to a replica behind by some writes keeps the run (`r:`, `c:`, written before) and lacks what was written
+# after: a count's `m:` (with a settlement with no hold, its mark and settled marker: nothing of the call left), which
+# no field tells apart. The Redis it runs on does: a replica promoted takes a new replication id (`SERVER_LUA`), and a
+# run begun on another is lost. NOTE: such a rebuild wrote the counter without the call's cost, counted nowhere.
+LOST_LUA = SERVER_LUA + """
 local function rebuild_lost(rebuilding, counter, run, until_s)
   if redis.call('HGET', rebuilding, 'r:' .. counter) ~= run then return true end
+  if string.match(run, '@(%w*)$') ~= server_id() then return true end
   return tonumber(redis.call('HGET', rebuilding, 'c:' .. counter) or '0') < tonumber(until_s)
 end
 """
@@ -303,8 +323,8 @@ class _Rebuild:
     ttl_s: int
     # request id -> cost (units) of the rows in it whose calls were still reserved (`_INIT_SPEND`, `_INIT_CREDIT`)
     pending: dict[str, int] = field(default_factory=dict)
-    # the rows replayed from the journal it was asked about and holds (`replayed.replays_to_ask_about`), and those of
-    # the calls reserved when it began: a call settled while it is under way tells it its cost (`counters.MISSED_LUA`)
+    # the rows it was asked about and holds, as lost or whole (`replayed.replays_to_ask_about`), and those of the calls
+    # reserved when it began: a call settled while it is under way tells it its cost (`counters.MISSED_LUA`)
     present: tuple[str, ...] = ()
     # the calls held again since it began that it asked about, as reserved then (`HELD_AGAIN_LUA`)
     held_again: tuple[str, ...] = ()
@@ -329,7 +349,7 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
                                                     api_key_id=api_key_id if what == "key" else None)
             held = _held(organization_id, asked)
         pending = {request_id: cost for request_id, cost in costs.items() if request_id in reserved}
-        present = tuple(request_id for request_id in costs if request_id in held or request_id in reserved)
+        present = tuple(costs)  # NOTE: a `gateway_lost` row too (`_held`, `REPLAYED_ROWS_LUA`)
         held = tuple(request_id for request_id in costs if request_id in held)
     if what == "org":
         return _Rebuild(counter, {"spent": str(to_units(spent))} | limit_fields(account), None, PERIOD_TTL_S,
@@ -412,9 +432,10 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
         asked = _replays_in_snapshot(organization_id, counter) if counter is not None else set()
         held_again = _held_again(counter) if counter is not None else ()
         present = tuple(UsageRecord.objects.filter(organization_id=organization_id, billing_mode=BillingMode.PREPAID,
-                                                   request_id__in=_held(organization_id, asked)
-                                                   ).values_list("request_id", flat=True)) if asked else ()
-        held = present
+                                                   request_id__in=asked).values_list("request_id", flat=True)
+                        ) if asked else ()
+        held_ids = _held(organization_id, set(present))
+        held = tuple(request_id for request_id in present if request_id in held_ids)
         grants = list(CreditGrant.objects.filter(organization_id=organization_id))
         undrawn, pending = undrawn_prepaid_spend_and_pending(account, {*reserved_ids, *held_again})
         present = (*present, *(request_id for request_id in pending if request_id not in present))

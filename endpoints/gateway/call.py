@@ -701,6 +701,7 @@ class InferenceCall:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
             if recorded:
+                self.held.writes_row = True
                 journaled = usage_writer.Recorded.JOURNALED == await usage_writer.arecord_usage(
                     self.usage_report(finished_at=finished_at, status=self.status, billing_mode=admitted.billing_mode))
         finally:

@@ -158,6 +158,9 @@ class Held:
     progress: Callable[[tuple[int, int, int] | None], UsageReport | None] | None = None
     progress_recorded: tuple[int, int, int] | None = None
     call_token: str = ""  # its call's (`traffic.new_call_token`): its entry is put back as its own
+    # Its usage row is being written (it may be in the ledger): a hold again drops the counters rebuilt since it was
+    # last known held, whose snapshot may have it (`counters.restore_reservations`).
+    writes_row: bool = False
 
     def value(self) -> str:
         counter = redis_keys.outstanding_key(self.organization_id, self.replica_id) if self.replica_id else ""
@@ -269,18 +272,25 @@ async def _push_deadlines_on(redis, now: float | None = None) -> None:
         # NOTE: Redis's clock, as the admission's own deadline and the sweeper's (`billing.quota.sweeper`).
         seconds, _ = await redis.time()
         deadline = int(seconds) + 1 + math.ceil(settings.BILLING_RESERVATION_TTL_S)
-        # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never earlier (GT).
+        # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never earlier
+        # (GT); each read back in the same round trip: a call is known held only where its deadline is there.
         async with redis.pipeline(transaction=False) as pipe:
             for organization_id, request_ids in due.items():
                 pipe.zadd(redis_keys.deadlines_key(organization_id), dict.fromkeys(request_ids, deadline), xx=True,
                           gt=True)
-            await pipe.execute()
+                pipe.zmscore(redis_keys.deadlines_key(organization_id), request_ids)
+            answers = await pipe.execute()
         # NOTE: only a hold that had not lapsed when pushed is known to be there still (the sweeper takes one only past
         # its deadline): a push after a freeze past it (XX) made nothing again, and its call must not think it holds.
-        for request_ids in due.values():
-            for request_id in request_ids:
+        # Nor one whose hold Redis lost (a flush, a failover): XX pushed nothing, and its settlement's "held since"
+        # (`counters.SETTLE_LUA`) must stay when it was last known held. NOTE: it moved on all the same, and a counter
+        # rebuilt after the loss and before the push (its snapshot with the row, the call not reserved) was not dropped
+        # by the call's settlement, which added its cost again.
+        for request_ids, scores in zip(due.values(), answers[1::2], strict=True):
+            for request_id, score in zip(request_ids, scores, strict=True):
                 held = serving.get(request_id)
-                if held is not None and held.lapses_at is not None and seconds < held.lapses_at:
+                if (held is not None and held.lapses_at is not None and seconds < held.lapses_at
+                        and score is not None and score >= deadline):
                     held.lapses_at = deadline - 1
     _extended.at = now  # NOTE: only once due and pushed: a beat in between (every second) never moves it on
 
@@ -433,7 +443,8 @@ async def _hold_again(organization_id: int, holds: list[tuple[str, Held]]) -> in
         part = holds[first:first + CHUNK]
         now = clock.redis_now()
         held_again += await counters.restore_reservations(organization_id, [held.reservation for _, held in part],
-                                                          [held.lapses_at for _, held in part])
+                                                          [held.lapses_at for _, held in part],
+                                                          [held.writes_row for _, held in part])
         for request_id, held in part:
             held.progress_recorded = None
             _repair.unheld.discard(request_id)

@@ -111,6 +111,7 @@ def test_a_question_the_database_has_not_answered_is_waited_on_not_asked_again(m
 class _Pipeline:
     def __init__(self, pushed: list):
         self.pushed = pushed
+        self.answers: list = []
 
     async def __aenter__(self):
         return self
@@ -120,9 +121,13 @@ class _Pipeline:
 
     def zadd(self, key, mapping, xx=False, gt=False):
         self.pushed.append((key, dict(mapping), xx, gt))
+        self.answers.append(0)
+
+    def zmscore(self, key, members):
+        self.answers.append([self.pushed[-1][1][member] for member in members])  # each still held, as pushed
 
     async def execute(self):
-        return []
+        return self.answers
 
 
 class _Redis:

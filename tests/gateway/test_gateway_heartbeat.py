@@ -207,11 +207,11 @@ def test_one_organisations_failed_put_back_stops_no_other_and_is_tried_again_by_
     else:  # the same, once its requests were put back
         restore, failures = counters.restore_reservations, []
 
-        async def failing_once(organization_id, reservations, lapsed_at=None):
+        async def failing_once(organization_id, reservations, lapsed_at=None, rows_written=None):
             if organization_id == failing and not failures:
                 failures.append(failing)
                 raise ConnectionError("Redis went away again")
-            return await restore(organization_id, reservations, lapsed_at)
+            return await restore(organization_id, reservations, lapsed_at, rows_written)
 
         monkeypatch.setattr(counters, "restore_reservations", failing_once)
     for org in (failing, other):
@@ -381,11 +381,11 @@ def test_a_reservation_whose_hold_again_failed_is_held_by_the_next_reconcile(idl
     org = endpoint.organization_id
     restore, failures = counters.restore_reservations, []
 
-    async def failing_once(organization_id, reservations, lapsed_at=None):
+    async def failing_once(organization_id, reservations, lapsed_at=None, rows_written=None):
         if not failures:
             failures.append(organization_id)
             raise ConnectionError("Redis timed out")
-        return await restore(organization_id, reservations, lapsed_at)
+        return await restore(organization_id, reservations, lapsed_at, rows_written)
 
     monkeypatch.setattr(counters, "restore_reservations", failing_once)
 
@@ -714,10 +714,10 @@ def test_a_reservation_is_held_again_when_redis_came_back_to_before_its_hold_aga
     org = endpoint.organization_id
     restore, between = counters.restore_reservations, []
 
-    async def capture(organization_id, reservations, lapsed_at=None):
+    async def capture(organization_id, reservations, lapsed_at=None, rows_written=None):
         if not between:
             between.append(redis_state())  # the put-back is in, the hold again not yet
-        return await restore(organization_id, reservations, lapsed_at)
+        return await restore(organization_id, reservations, lapsed_at, rows_written)
 
     monkeypatch.setattr(counters, "restore_reservations", capture)
     admitted, before = stalled_stream_with_progress(caller, endpoint, replica)
