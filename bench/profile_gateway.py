@@ -7,9 +7,12 @@ server process's CPU time (user + system, from /proc) before and after: CPU µs 
 difference over the requests wrk counted. With `--py-spy` one more gateway run is sampled by
 py-spy (and with `--compare-with`, one of the older gateway right after), and the functions with the most
 samples (self and total) are printed. With `--machine-cpu`, each run also prints the server's user and system
-time a request and how often its loop was preempted: Python's cost apart from the kernel's.
+time a request and how often its loop was preempted: Python's cost apart from the kernel's. With `--perf`, the
+same sampled runs go to Linux `perf record` (cpu-clock, so it works where the VM has no hardware counters) instead
+of py-spy: native symbols, so CPython's own C functions (attribute look-ups, the interpreter loop) and compiled
+modules show, which py-spy's Python frames hide (round 22).
 
-    .venv/bin/python bench/profile_gateway.py [--duration-s 5] [--rounds 2] [--py-spy] [--server uvicorn|granian]
+    .venv/bin/python bench/profile_gateway.py [--duration-s 5] [--rounds 2] [--py-spy|--perf] [--server uvicorn|granian]
         [--compare-server granian|uvicorn-access-log [--granian-args "--runtime-mode st"]]
 
 `--compare-server` serves the same tree (gateway and floor) a second time under the other server,
@@ -125,6 +128,14 @@ def top_functions(raw_path: Path, num: int = 25) -> str:
     return "\n".join(lines)
 
 
+def top_symbols(perf_data: Path, num: int = 30) -> str:
+    """The native functions (shared object and symbol) with the most of perf's samples, self time only."""
+    report = subprocess.run(["perf", "report", "-i", str(perf_data), "--no-children", "-g", "none", "--sort", "dso,sym", "-n",
+                             "--percent-limit", "0.3"], capture_output=True, text=True).stdout
+    lines = [line for line in report.splitlines() if line.strip() and not line.startswith("#")]
+    return "\n".join(lines[:num])
+
+
 def compare_summary(server: str, other: str, rows: list[tuple]) -> str:
     """Medians of each column and of the paired differences (other server's gateway − this one's), as a table."""
     import statistics
@@ -150,6 +161,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--py-spy", action="store_true")
     parser.add_argument("--py-spy-output", default=None, help="keep py-spy's raw (collapsed) stacks here")
+    parser.add_argument("--perf", action="store_true",
+                        help="sample with Linux perf (native symbols, cpu-clock) instead of py-spy; the output keeps "
+                             "perf's data file next to --py-spy-output's name, with `.perf` added")
     parser.add_argument("--py-spy-bin", default=None,
                         help="py-spy's executable (default: next to this Python, else on PATH); e.g. a virtualenv "
                              "under .data/, never the project's")
@@ -299,7 +313,7 @@ def main() -> int:
                              f"{used / max(1, third['tokens_per_s'] * args.duration_s) * 1e6:.1f} µs CPU per token, "
                              f"errors {third['errors']}")
                 print(line, flush=True)
-        if args.py_spy:
+        if args.py_spy or args.perf:
             raw = Path(args.py_spy_output or logs / "gateway.raw")
             # With `--compare-with`, the older gateway is sampled too, right after, under the same load (its stacks
             # beside this tree's, with `.before` added to the name).
@@ -307,9 +321,15 @@ def main() -> int:
             if before_url:
                 spied.append((before_url, before_pid, raw.with_name(raw.name + ".before")))
             for url, pid, path in spied:
-                spy = subprocess.Popen([py_spy_bin(args.py_spy_bin), "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
-                                        "--nonblocking", "--output", str(path), "--duration", str(int(args.duration_s) + 1)],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                if args.perf:
+                    path = path.with_name(path.name + ".perf")
+                    spy = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "1999", "-g", "-p", str(pid), "-o", str(path),
+                                            "--", "sleep", str(int(args.duration_s) + 1)],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                else:
+                    spy = subprocess.Popen([py_spy_bin(args.py_spy_bin), "record", "--pid", str(pid), "--format", "raw", "--rate",
+                                            "200", "--nonblocking", "--output", str(path), "--duration",
+                                            str(int(args.duration_s) + 1)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 time.sleep(0.5)
                 if args.skip_wrk and args.stream_concurrency:  # sample a streaming run
                     bench.asyncio.run(bench.run_streams(url + "/v1/chat/completions", key, stream_model,
@@ -317,8 +337,13 @@ def main() -> int:
                 else:
                     bench.run_wrk(url + "/v1/chat/completions", key, "mock", CONCURRENCY, args.duration_s, None)
                 spy.wait(timeout=60)
-                print(f"py-spy of {'this tree' if pid == gateway_pid else 'the compared tree'}:")
-                print(top_functions(path) if path.exists() else f"py-spy wrote nothing: {spy.stderr.read().decode()[-2000:]}")
+                print(f"{'perf' if args.perf else 'py-spy'} of {'this tree' if pid == gateway_pid else 'the compared tree'}:")
+                if not path.exists():
+                    print(f"{'perf' if args.perf else 'py-spy'} wrote nothing: {spy.stderr.read().decode()[-2000:]}")
+                elif args.perf:
+                    print(top_symbols(path))
+                else:
+                    print(top_functions(path))
         if not args.skip_wrk and not through["requests"]:
             print(gateway.log_tail())
     finally:
