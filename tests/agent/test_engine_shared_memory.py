@@ -435,3 +435,45 @@ def test_what_an_engine_maps_of_its_own_mounts_is_measured_or_not_memory_and_not
     answer = _run_without_the_capability(OWN_MOUNTS)
     assert answer["unmeasured"] == []
     assert answer["bytes"] >= 48 * 1024 * 1024  # its own tmpfs counted whole, the file it closed too
+
+
+# A process mapping a hugetlbfs memfd (`MFD_HUGETLB`: the huge page pool, its own), its fd closed. Prints what
+# `held_by` finds for it, as an agent without CAP_CHECKPOINT_RESTORE.
+HUGE_PAGES = """
+import ctypes, json, os, time
+from gpu_agent.runtime import shared_memory
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+read_end, write_end = os.pipe()
+mapper = os.fork()
+if mapper == 0:
+    memfd = os.memfd_create("ring", os.MFD_HUGETLB)
+    size = 2 * 1024 * 1024
+    os.ftruncate(memfd, size)
+    assert libc.mmap(None, size, 3, 1, memfd, 0) not in (None, ctypes.c_void_p(-1).value)  # read and write, shared
+    os.close(memfd)
+    os.write(write_end, b"k")
+    time.sleep(60)
+    os._exit(0)
+os.read(read_end, 1)
+held = shared_memory.held_by({mapper})
+os.kill(mapper, 9)
+os.waitpid(mapper, 0)
+print(json.dumps({"unmeasured": list(held.unmeasured)}))
+"""
+
+
+def _free_huge_pages() -> int:
+    with open("/proc/meminfo") as meminfo:
+        return next((int(line.split()[1]) for line in meminfo if line.startswith("HugePages_Free:")), 0)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or _free_huge_pages() == 0,
+    reason="needs root to drop to another user, and a free huge page",
+)
+def test_a_hugetlbfs_memfd_mapped_without_the_capability_is_not_unmeasured():
+    # Before, its device (the kernel's hugetlbfs of that page size, mounted nowhere) was unmeasured: FAILED.
+    assert _run_without_the_capability(HUGE_PAGES)["unmeasured"] == []
