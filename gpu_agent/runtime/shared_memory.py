@@ -101,8 +101,9 @@ class HeldMemory:
     paths: frozenset[Path]  # the names they hold that still exist (removed when their engine is stopped)
     inodes: frozenset[tuple[int, int]]  # (device, inode) of every file they hold
     hidden: bool  # a process of theirs would not show its files (not dumpable): what it holds is unknown
-    # "<path> (device <major>:<minor>)" of each tmpfs not mounted here they hold only mapped, which the agent could not
-    # measure (its `map_files` link refused: no CAP_CHECKPOINT_RESTORE): what it pins is unknown, not 0
+    # "<path> (device <major>:<minor>)" of each device of memory mounted neither here nor where the process mapping it
+    # sees it, that they hold only mapped, which the agent could not measure (its `map_files` link refused: no
+    # CAP_CHECKPOINT_RESTORE): what it pins is unknown, not 0
     unmeasured: tuple[str, ...] = ()
 
 
@@ -339,7 +340,7 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     file of, whatever its path (another engine's /dev/shm: `_PrivateTmpfs`), measured through the open file itself
     (`/proc/<pid>/fd/<n>`, and `/proc/<pid>/map_files/<range>` for a file only mapped, which the kernel shows only
     to an agent with CAP_CHECKPOINT_RESTORE: without, a file only mapped counts only by its path, as in `folder`,
-    and one of another tmpfs that no link of theirs measures is `unmeasured`)."""
+    and one of another tmpfs that no link of theirs measures, mounted nowhere they see, is `unmeasured`)."""
     own_folders: dict[int, tuple[int, int]] = {}  # device -> (bytes, files) of the processes' own `folder`s
     private = _PrivateTmpfs()
     try:
