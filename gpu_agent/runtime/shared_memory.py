@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass
@@ -42,7 +43,11 @@ def segments_of(pids) -> set[Path]:
             continue
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
-                paths += [line.split(maxsplit=5)[5].strip() for line in maps if "/dev/shm/" in line and line.count(" ") >= 5]
+                paths += [
+                    line.split(maxsplit=5)[5].strip()
+                    for line in maps
+                    if "/dev/shm/" in line and line.count(" ") >= 5
+                ]
             fd_dir = f"/proc/{pid}/fd"
             for fd in os.listdir(fd_dir):
                 try:
@@ -53,7 +58,11 @@ def segments_of(pids) -> set[Path]:
             continue
         for path in map(Path, paths):
             # NOTE: " (deleted)" marks a segment already unlinked.
-            if path.parent == SHARED_MEMORY_DIR and path.name.startswith(SHARED_MEMORY_PREFIX) and " " not in path.name:
+            if (
+                path.parent == SHARED_MEMORY_DIR
+                and path.name.startswith(SHARED_MEMORY_PREFIX)
+                and " " not in path.name
+            ):
                 found.add(path)
     return found
 
@@ -92,8 +101,9 @@ class HeldMemory:
     paths: frozenset[Path]  # the names they hold that still exist (removed when their engine is stopped)
     inodes: frozenset[tuple[int, int]]  # (device, inode) of every file they hold
     hidden: bool  # a process of theirs would not show its files (not dumpable): what it holds is unknown
-    # "<path> (device <major>:<minor>)" of each tmpfs not mounted here they hold only mapped, which the agent could not
-    # measure (its `map_files` link refused: no CAP_CHECKPOINT_RESTORE): what it pins is unknown, not 0
+    # "<path> (device <major>:<minor>)" of each device of memory mounted neither here nor where the process mapping it
+    # sees it, that they hold only mapped, which the agent could not measure (its `map_files` link refused: no
+    # CAP_CHECKPOINT_RESTORE): what it pins is unknown, not 0
     unmeasured: tuple[str, ...] = ()
 
 
@@ -123,6 +133,11 @@ def process_tree(pid: int) -> set[int]:
 
 
 _TMPFS_MAGIC = 0x01021994  # `statfs`'s f_type of a tmpfs (linux/magic.h)
+# of the kernel's dma-buf file system, mounted nowhere (buffers a GPU driver exports)
+_DMA_BUF_MAGIC = 0x444D4142
+# NOTE: what a mount of these types holds is memory; a mount of any other type (ext4, overlay, fuse, proc, ...) holds
+# files whose pages the kernel may drop or write back, no memory of a tmpfs (`_PrivateTmpfs.measure`).
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "shm", "ramfs", "hugetlbfs", "devtmpfs"})
 
 
 def _mounted_devices() -> set[int]:
@@ -141,31 +156,65 @@ def _usage(path: str) -> tuple[int, int]:
     return (usage.f_blocks - usage.f_bfree) * usage.f_frsize, max(0, usage.f_files - usage.f_ffree - 1)
 
 
-def _tmpfs_usage(path: str) -> tuple[int, int] | None:
-    """`_usage` of the tmpfs `path` is on (a `/proc/<pid>/fd/<n>` or `map_files` link: the open file itself); None
-    for another file system or a tmpfs of no size (the kernel's own: memfd's, SysV's, counted as memory)."""
+def _file_system_type(path: str) -> int:
+    """`statfs`'s f_type of the file system `path` is on."""
     found = ctypes.create_string_buffer(256)  # a `struct statfs`, its f_type (a C long) first
     if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), found) != 0:
         error = ctypes.get_errno()
         raise OSError(error, os.strerror(error), path)
-    if ctypes.c_long.from_buffer(found).value & 0xFFFFFFFF != _TMPFS_MAGIC:
+    return ctypes.c_long.from_buffer(found).value & 0xFFFFFFFF
+
+
+def _tmpfs_usage(path: str) -> tuple[int, int] | None:
+    """`_usage` of the tmpfs `path` is on (a `/proc/<pid>/fd/<n>` or `map_files` link: the open file itself); None
+    for another file system or a tmpfs of no size (the kernel's own: memfd's, SysV's, counted as memory)."""
+    file_system = _file_system_type(path)
+    if file_system == _DMA_BUF_MAGIC:
+        _learn_kernel_device(os.stat(path).st_dev)
+    if file_system != _TMPFS_MAGIC:
         return None
     usage = _usage(path)
     return usage if os.statvfs(path).f_blocks else None
 
 
 _kernel_devices_found: frozenset[int] | None = None
+# dma-buf's, from a link that answered (no file of it can be made here)
+_kernel_devices_learned: set[int] = set()
+
+
+def _learn_kernel_device(device: int) -> None:
+    """Note `device` as one of the kernel's own (`_kernel_devices`), for every later check."""
+    global _kernel_devices_found
+    _kernel_devices_learned.add(device)
+    if _kernel_devices_found is not None:
+        _kernel_devices_found |= {device}
+
+
 MAX_PATH_CHARS_SHOWN = 200  # of an unmeasured mapping's path (the engine's to name), in its replica's reason
+
+
+def _huge_page_flags() -> list[int]:
+    """`memfd_create`'s flags for a hugetlbfs memfd of each huge page size this kernel has (`MFD_HUGE_SHIFT`)."""
+    try:
+        sizes = [int(entry.removeprefix("hugepages-").removesuffix("kB")) * 1024
+                 for entry in os.listdir("/sys/kernel/mm/hugepages")]  # fmt: skip
+    except (OSError, ValueError):
+        return []
+    return [os.MFD_HUGETLB | ((size.bit_length() - 1) << 26) for size in sizes if size & (size - 1) == 0]
 
 
 def _kernel_devices() -> frozenset[int]:
     """The devices of the kernel's own internal file systems, mounted nowhere: its tmpfs of no size (every memfd,
-    shared anonymous mapping and SysV segment is a file of it, counted as memory) and that of anonymous inodes. Asked
-    once, of a memfd and an eventfd of this process's own."""
+    shared anonymous mapping and SysV segment is a file of it, counted as memory), its hugetlbfs of each huge page
+    size (a `MFD_HUGETLB` memfd's, from the huge page pool: the process's own, gone with it), that of anonymous inodes
+    and dma-buf's once seen (`_learn_kernel_device`). Asked once, of a memfd of each kind and an eventfd of this
+    process's own (a hugetlbfs memfd costs no page until written)."""
     global _kernel_devices_found
     if _kernel_devices_found is None:
-        found = set()
-        for make in (lambda: os.memfd_create("inferplane-probe"), lambda: os.eventfd(0)):
+        found = set(_kernel_devices_learned)
+        hugetlb = [lambda flags=flags: os.memfd_create("inferplane-probe", flags)
+                   for flags in _huge_page_flags()]  # fmt: skip
+        for make in (lambda: os.memfd_create("inferplane-probe"), lambda: os.eventfd(0), *hugetlb):
             try:
                 fd = make()
             except (OSError, AttributeError):
@@ -188,6 +237,7 @@ class _PrivateTmpfs:
         self.uncounted: set[int] = set()  # not a tmpfs, or one of no size
         # device -> the path of a mapping of it whose `map_files` link was refused
         self.refused: dict[int, str] = {}
+        self.mounts_of: dict[int, dict[int, tuple[str, str]]] = {}  # pid -> its `_mounts`, read once
 
     def unmeasured(self, known) -> tuple[str, ...]:
         """The mappings of devices that no link answered for, less `known` ones (measured another way) and the
@@ -197,26 +247,88 @@ class _PrivateTmpfs:
                             if device not in self.usage and device not in self.uncounted and device not in known
                             and device not in _kernel_devices()))  # fmt: skip
 
-    def measure(self, device: int, link: str, *, mapped_as: str | None = None) -> None:
+    def measure(
+        self, device: int, link: str, *, mapped_as: str | None = None, pid: int | None = None
+    ) -> None:
         """Note `device` through `link`, a file of it, unless it is a device mounted here or known already.
 
         NOTE: only an answer about the device is kept; a link that fails (gone meanwhile, or a `map_files` link
         refused to an agent without CAP_CHECKPOINT_RESTORE) says nothing of it: the next link of it is asked. Kept,
         one refused mapping walked first hid a file of that tmpfs held open elsewhere, and the whole tmpfs counted 0.
-        A mapping's link refused (`mapped_as`, its path) is noted in `refused`: unless another link answers, that
-        tmpfs is unmeasured (`unmeasured`), which stops its engine; before, it counted 0."""
-        if device in self.mounted or device in self.usage or device in self.uncounted or os.major(device) != 0:
+        A mapping's link refused (`mapped_as`, its path) is asked of the mounts of `pid`, the process mapping it
+        (`_measure_mounted`); a device mounted nowhere it sees is noted in `refused`: unless another link answers,
+        that tmpfs is unmeasured (`unmeasured`), which stops its engine; before, it counted 0."""
+        if (
+            device in self.mounted
+            or device in self.usage
+            or device in self.uncounted
+            or os.major(device) != 0
+        ):
             return  # NOTE: a tmpfs has an anonymous device (major 0)
         try:
             usage = _tmpfs_usage(link)
         except OSError as exc:
             if mapped_as is not None and exc.errno in (errno.EPERM, errno.EACCES):
-                self.refused.setdefault(device, mapped_as[:MAX_PATH_CHARS_SHOWN])
+                if pid is None or not self._measure_mounted(device, pid):
+                    self.refused.setdefault(device, mapped_as[:MAX_PATH_CHARS_SHOWN])
             return
         if usage is None:
             self.uncounted.add(device)
         else:
             self.usage[device] = usage
+
+    def _measure_mounted(self, device: int, pid: int) -> bool:
+        """Whether `device`, mapped by `pid` through a link refused to this agent, is known from what `pid` sees
+        mounted (`/proc/<pid>/mountinfo`, which needs no capability): a file system of another type than
+        `MEMORY_FILE_SYSTEMS` holds no memory (not counted); a tmpfs is measured whole through its mount point there
+        (`/proc/<pid>/root/<mount point>`, opened once, and counted only if that is the device: a mount stacked over
+        it, or a path its engine swapped meanwhile, names another). A device mounted nowhere `pid` sees (a file
+        passed by fd from another engine's tmpfs), or a memory file system not measured so, is not known: False."""
+        if pid not in self.mounts_of:
+            self.mounts_of[pid] = _mounts(pid)
+        fstype, mount_point = self.mounts_of[pid].get(device, ("", ""))
+        if not fstype:
+            return False
+        if fstype.split(".", 1)[0] not in MEMORY_FILE_SYSTEMS:
+            self.uncounted.add(device)
+            return True
+        try:
+            opened = os.open(f"/proc/{pid}/root{mount_point}", os.O_PATH | os.O_DIRECTORY)
+        except OSError:
+            return False
+        try:
+            usage = _tmpfs_usage(f"/proc/self/fd/{opened}") if os.fstat(opened).st_dev == device else None
+        except OSError:
+            usage = None
+        finally:
+            os.close(opened)
+        if usage is not None:
+            self.usage[device] = usage
+        return usage is not None
+
+
+def _mounts(pid: int) -> dict[int, tuple[str, str]]:
+    """The devices mounted where `pid` sees them: device -> (file system type, mount point in its root); {} if
+    unreadable. NOTE: a device mounted at several points keeps its first."""
+    found: dict[int, tuple[str, str]] = {}
+    try:
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as mountinfo:
+            lines = mountinfo.readlines()
+    except OSError:
+        return found
+    for line in lines:
+        mount, separator, source = line.partition(" - ")
+        fields = mount.split()
+        if not separator or len(fields) < 5 or not source.split():
+            continue
+        major, _, minor = fields[2].partition(":")
+        # NOTE: the kernel writes a space, tab, newline or backslash of a mount point as an octal escape
+        mount_point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape[1], 8)), fields[4])
+        try:
+            found.setdefault(os.makedev(int(major), int(minor)), (source.split()[0], mount_point))
+        except ValueError:
+            continue
+    return found
 
 
 def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
@@ -228,7 +340,7 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     file of, whatever its path (another engine's /dev/shm: `_PrivateTmpfs`), measured through the open file itself
     (`/proc/<pid>/fd/<n>`, and `/proc/<pid>/map_files/<range>` for a file only mapped, which the kernel shows only
     to an agent with CAP_CHECKPOINT_RESTORE: without, a file only mapped counts only by its path, as in `folder`,
-    and one of another tmpfs that no link of theirs measures is `unmeasured`)."""
+    and one of another tmpfs that no link of theirs measures, mounted nowhere they see, is `unmeasured`)."""
     own_folders: dict[int, tuple[int, int]] = {}  # device -> (bytes, files) of the processes' own `folder`s
     private = _PrivateTmpfs()
     try:
@@ -291,7 +403,7 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
             major, minor = (int(value, 16) for value in parts[3].split(":"))
             inode = (os.makedev(major, minor), int(parts[4]))
             link = f"/proc/{pid}/map_files/{start:x}-{end:x}"
-            private.measure(inode[0], link, mapped_as=parts[5].rstrip("\n"))
+            private.measure(inode[0], link, mapped_as=parts[5].rstrip("\n"), pid=pid)
             if not parts[5].startswith(prefix):
                 continue
             path = parts[5].rstrip("\n")

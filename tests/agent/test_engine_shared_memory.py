@@ -333,9 +333,10 @@ print(json.dumps({"bytes": held.num_bytes, "unmeasured": list(getattr(held, "unm
 
 def _run_without_the_capability(script: str) -> dict:
     """`script`'s last line of JSON, run as another user with no capability (the systemd unit's agent has neither
-    CAP_CHECKPOINT_RESTORE nor CAP_SYS_ADMIN), its argument a folder for engine A's own tmpfs."""
+    CAP_CHECKPOINT_RESTORE nor CAP_SYS_ADMIN), its argument a folder of that user's for engine A's own tmpfs."""
     folder = Path(tempfile.mkdtemp(prefix="inferplane-foreign-tmpfs-"))
     folder.chmod(0o755)
+    os.chown(folder, 65534, 65534)
     try:
         done = subprocess.run(
             ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
@@ -343,7 +344,7 @@ def _run_without_the_capability(script: str) -> dict:
             capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
         )  # fmt: skip
     finally:
-        folder.rmdir()
+        shutil.rmtree(folder)
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout.splitlines()[-1])
     if "skip" in answer:
@@ -370,3 +371,109 @@ def test_the_kernel_s_own_shared_memory_mapped_without_the_capability_is_not_unm
     answer = _run_without_the_capability(MAPPED_ONLY)
     assert answer["kernel_own_unmeasured"] == []
     assert answer["kernel_own_bytes"] == 0
+
+
+# An engine in namespaces of its own maps files of what it mounted there (a file system with an anonymous device that
+# the agent does not see mounted): an overlay (no memory: its pages are the disk's) and a tmpfs of its own beside its
+# /dev/shm holding 48 MiB it wrote and closed, their fds closed; and a file of the node's disk (the overlay's lower
+# folder). Prints what `held_by` finds for it, as an agent without CAP_CHECKPOINT_RESTORE (each mapping's `map_files` link refused).
+OWN_MOUNTS = """
+import ctypes, json, os, sys, time
+from gpu_agent.runtime import shared_memory
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+base = sys.argv[1]
+for name in ("lower", "upper", "work", "merged", "tmpfs"):
+    os.mkdir(f"{base}/{name}")
+with open(f"{base}/lower/weights", "wb") as weights:
+    weights.write(b"x" * 4096)
+read_end, write_end = os.pipe()
+engine = os.fork()
+if engine == 0:
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(0x10000000 | 0x00020000) != 0:
+        os.write(write_end, b"no user namespaces")
+        os._exit(0)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        open(f"/proc/self/{name}", "w").write(text)
+    assert libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0, ctypes.get_errno()
+    options = f"lowerdir={base}/lower,upperdir={base}/upper,workdir={base}/work".encode()
+    if libc.mount(b"overlay", f"{base}/merged".encode(), b"overlay", 0, options) != 0:
+        os.write(write_end, b"no overlay in a user namespace")
+        os._exit(0)
+    assert libc.mount(b"tmpfs", f"{base}/tmpfs".encode(), b"tmpfs", 0, b"size=128m") == 0, ctypes.get_errno()
+    with open(f"{base}/tmpfs/big", "wb") as big:
+        big.write(b"x" * 48 * 1024 * 1024)
+    for path in (f"{base}/merged/weights", f"{base}/tmpfs/big", f"{base}/lower/weights"):
+        fd = os.open(path, os.O_RDONLY)
+        # NOTE: libc's, not Python's `mmap`, which keeps a copy of the fd
+        assert libc.mmap(None, 4096, 1, 1, fd, 0) not in (None, ctypes.c_void_p(-1).value)  # read, shared
+        os.close(fd)  # held by its mapping alone
+    os.write(write_end, b"mapped")
+    time.sleep(60)
+    os._exit(0)
+said = os.read(read_end, 100).decode()
+if said != "mapped":
+    os.waitpid(engine, 0)
+    print(json.dumps({"skip": said}))
+    sys.exit()
+held = shared_memory.held_by({engine})
+os.kill(engine, 9)
+os.waitpid(engine, 0)
+print(json.dumps({"bytes": held.num_bytes, "unmeasured": list(held.unmeasured)}))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user"
+)
+def test_what_an_engine_maps_of_its_own_mounts_is_measured_or_not_memory_and_not_unmeasured():
+    # Before, every mapping of a device the agent does not see mounted, refused to it, was unmeasured and failed its
+    # engine: an overlay (no memory) or a tmpfs the engine mounted (memory it can measure through the engine's root).
+    answer = _run_without_the_capability(OWN_MOUNTS)
+    assert answer["unmeasured"] == []
+    assert answer["bytes"] >= 48 * 1024 * 1024  # its own tmpfs counted whole, the file it closed too
+
+
+# A process mapping a hugetlbfs memfd (`MFD_HUGETLB`: the huge page pool, its own), its fd closed. Prints what
+# `held_by` finds for it, as an agent without CAP_CHECKPOINT_RESTORE.
+HUGE_PAGES = """
+import ctypes, json, os, time
+from gpu_agent.runtime import shared_memory
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+read_end, write_end = os.pipe()
+mapper = os.fork()
+if mapper == 0:
+    memfd = os.memfd_create("ring", os.MFD_HUGETLB)
+    size = 2 * 1024 * 1024
+    os.ftruncate(memfd, size)
+    assert libc.mmap(None, size, 3, 1, memfd, 0) not in (None, ctypes.c_void_p(-1).value)  # read and write, shared
+    os.close(memfd)
+    os.write(write_end, b"k")
+    time.sleep(60)
+    os._exit(0)
+os.read(read_end, 1)
+held = shared_memory.held_by({mapper})
+os.kill(mapper, 9)
+os.waitpid(mapper, 0)
+print(json.dumps({"unmeasured": list(held.unmeasured)}))
+"""
+
+
+def _free_huge_pages() -> int:
+    with open("/proc/meminfo") as meminfo:
+        return next((int(line.split()[1]) for line in meminfo if line.startswith("HugePages_Free:")), 0)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or _free_huge_pages() == 0,
+    reason="needs root to drop to another user, and a free huge page",
+)
+def test_a_hugetlbfs_memfd_mapped_without_the_capability_is_not_unmeasured():
+    # Before, its device (the kernel's hugetlbfs of that page size, mounted nowhere) was unmeasured: FAILED.
+    assert _run_without_the_capability(HUGE_PAGES)["unmeasured"] == []
