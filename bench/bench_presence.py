@@ -11,7 +11,8 @@ holds for it with what it serves (`presence._reconcile`). Measured on the embedd
     read; before, every one of them was read by every reconcile, forever);
   * progress due: N organisations with one stream each whose tokens grew since the last beat: the beat's recording of
     their progress (`presence._record_progress`), and the event loop's largest stall meanwhile (a task ticking every
-    5 ms), which the beats beside it wait for.
+    5 ms), which the beats beside it wait for; the loop thread's CPU per recording (`time.thread_time`) and the
+    garbage collector's collections meanwhile (`gc.callbacks`: how many were full, the longest).
 
     .venv/bin/python bench/bench_presence.py [--organizations 100,1000,10000] [--repeat 7] [--progress-only]
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import json
 import os
 import platform
@@ -146,17 +149,42 @@ async def progress_due(num_organizations: int, repeat: int) -> dict:
             last = time.monotonic()
 
     ticker = asyncio.get_running_loop().create_task(ticking())
-    recording, stalls = [], []
-    for _ in range(repeat):
-        gaps.clear()
-        await asyncio.sleep(0.05)
-        recording += await _timed(presence._record_progress, 1)
-        stalls.append(max(gaps))
+    recording, stalls, loop_cpu = [], [], []
+    with _collections_watched() as collections:
+        for _ in range(repeat):
+            gaps.clear()
+            await asyncio.sleep(0.05)
+            cpu_before = time.thread_time()
+            recording += await _timed(presence._record_progress, 1)
+            loop_cpu.append(time.thread_time() - cpu_before)
+            stalls.append(max(gaps))
     ticker.cancel()
     _reset(presence, traffic)
     return {"num_organizations": num_organizations, "state": "progress due",
             "record_progress_us": round(statistics.median(recording)),
-            "largest_stall_us": round(max(stalls) * 1e6)}
+            "largest_stall_us": round(max(stalls) * 1e6),
+            "loop_cpu_us": round(statistics.median(loop_cpu) * 1e6),
+            "num_full_collections": sum(1 for generation, _ in collections if generation == 2),
+            "largest_collection_us": round(max((pause for _, pause in collections), default=0) * 1e6)}
+
+
+@contextlib.contextmanager
+def _collections_watched():
+    """The garbage collector's collections meanwhile (`gc.callbacks`): (generation, seconds) each."""
+    collections: list[tuple[int, float]] = []
+    started = [0.0]
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - started[0]))
+
+    gc.callbacks.append(watch)
+    try:
+        yield collections
+    finally:
+        gc.callbacks.remove(watch)
 
 
 def main() -> int:
@@ -201,7 +229,9 @@ def main() -> int:
         n = result["num_organizations"]
         if result["state"] == "progress due":
             print(f"| {n:,} | progress due | recorded in {result['record_progress_us']:,} | "
-                  f"largest stall {result['largest_stall_us']:,} | | |")
+                  f"largest stall {result['largest_stall_us']:,} | loop CPU {result.get('loop_cpu_us', 0):,} | "
+                  f"{result.get('num_full_collections', 0)} full collections, largest "
+                  f"{result.get('largest_collection_us', 0):,} |")
         elif result["state"] == "in flight":
             print(f"| {n:,} | in flight | {result['reconcile_us']:,} | {result['reconcile_us'] / n:.1f} "
                   f"| {result['beat_us']:,} | |")
