@@ -1282,13 +1282,14 @@ class _PipelinesWatched:
 
 
 def test_many_organisations_deadlines_are_pushed_in_bounded_pipelines_the_first_to_lapse_first_each_before_it_lapses(
-        gateway_alone, settings):
+        gateway_alone, settings, monkeypatch):
     """Before, a beat pushed on the reservation deadlines of every organisation's long calls in one pipeline a minute:
     with 20,000 organisations in flight, one 20,000-command pipeline packed on the event loop and answered by Redis at
     once (a stall of both). Now `CHUNK` organisations a pipeline, the loop let run between, the holds that lapse first
     pushed first, every one of them in the same push: each deadline is still there, not lapsed, when its push reaches
     Redis, and is pushed on a reservation's time."""
     settings.BILLING_RESERVATION_TTL_S = 900.0
+    monkeypatch.setattr(presence, "_extended", presence._Extended())  # a push is due
     redis = get_redis()
     first, num_organizations = 9_400_000, 5_000
     now = redis_time()
