@@ -63,11 +63,11 @@ from django.conf import settings
 from redis.exceptions import RedisClusterException, RedisError
 
 from billing.ledger import UsageReport
-from billing.quota import counters
+from billing.quota import counters, sweep_index
 from controlplane import clock, redis_keys
 from controlplane.cancellation import end_if_cancelled
 from controlplane.per_loop import PerLoop
-from controlplane.redis_client import get_async_redis, get_redis
+from controlplane.redis_client import get_async_redis, get_redis, redis_time
 from controlplane.redis_scripts import Script
 from endpoints.gateway import traffic
 
@@ -181,6 +181,9 @@ unfinished: set[tuple[int, str]] = set()
 # Those of them whose usage row waits in this process's journal (the ledger refused it): their progress is dropped
 # with their end, so the sweeper never bills them from it (`end_later`).
 unfinished_journaled: set[tuple[int, str]] = set()
+# The organisations of the calls tracked or held again since the last beat, with when the first of those holds may
+# lapse (Redis's clock): the beat lists them in the sweeper's index (`billing.quota.sweep_index`, `_list_due`).
+to_list: dict[int, float] = {}
 
 
 @dataclass(slots=True)
@@ -201,7 +204,31 @@ def track(request_id: str, organization_id: int, endpoint_id: str, replica_id: s
                                       progress=progress)
     if reservation is not None:
         held.lapses_at = clock.redis_now() + settings.BILLING_RESERVATION_TTL_S - 1
+        _list_later(organization_id, held.lapses_at)
     return held
+
+
+def _list_later(organization_id: int, lapses_at: float) -> None:
+    if lapses_at < to_list.get(organization_id, math.inf):
+        to_list[organization_id] = lapses_at
+
+
+async def _list_due(gateway: str) -> None:
+    """List in the sweeper's index the organisations of the calls tracked or held again since the last beat (`to_list`):
+    their holds lapse at their deadlines only if a sweep reads them then. Those not listed (Redis) are by the next beat.
+
+    NOTE: a second at most after their admission wrote their deadlines (15 minutes away); a gateway killed before has its
+    requests released by the dead-gateway sweep, which lists their organisations (`sweep_dead_gateways`)."""
+    if not to_list:
+        return
+    due = dict(to_list)
+    to_list.clear()
+    try:
+        await sweep_index.list_due_async(due)
+    except Exception as exc:  # noqa: BLE001 - listed by the next beat
+        for organization_id, lapses_at in due.items():
+            _list_later(organization_id, lapses_at)
+        logger.warning("gateway %s: could not list its calls' organisations for the sweeper: %r", gateway, exc)
 
 
 def untrack(request_id: str) -> None:
@@ -462,6 +489,8 @@ async def _hold_again(organization_id: int, holds: list[tuple[str, Held]]) -> in
             # nothing)
             if held.lapses_at is not None and now < counters.told_until(held.lapses_at):
                 held.lapses_at = max(held.lapses_at, now + settings.BILLING_RESERVATION_TTL_S - 1)
+        # NOTE: its deadline is new (Redis lost it, and the sweeper's index with it, likely): listed by the next beat
+        _list_later(organization_id, now + settings.BILLING_RESERVATION_TTL_S - 1)
     return held_again
 
 
@@ -713,6 +742,7 @@ async def beat(*, web: bool = False) -> None:
     if was_alive is None or was_alive == beat_value:
         _repair.due = True
         _repair.num_forgotten += 1
+    await _list_due(gateway)
     _repair.num_beats += 1
     if _repair.whole_due():
         await _reconcile_beside(gateway, None)
@@ -921,6 +951,10 @@ def sweep_dead_gateways() -> int:
             continue
         count = release_requests(requests_key, only_if_dead=True)
         if count > 0:
+            # NOTE: a gateway killed before its beat listed its calls' organisations for the reservation sweeper
+            # (`_list_due`): their holds would never lapse. Listed due now, they are read by the next sweep and listed
+            # again by their first deadline.
+            sweep_index.list_due(client, {redis_keys.organization_of_key(requests_key): redis_time(client)})
             logger.warning("gateway %s stopped beating: released %d of its request(s)", gateway, count)
             released += count
     return released
