@@ -4,6 +4,7 @@ what Redis forgot."""
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import threading
 import time
 from datetime import timedelta
@@ -1363,3 +1364,46 @@ def test_a_lapsed_calls_progress_is_built_and_sent_once_per_change_not_at_every_
     assert asyncio.run(beats(2)) == [1, 0]
     assert (len(built), len(sent)) == (3, 3)
     assert redis.hexists(redis_keys.progress_key(org), "lapsed")
+
+
+def test_a_beat_recording_many_streams_progress_runs_no_full_collection_under_the_gateways_collector(gateway_alone):
+    """A guard (passes before and after): the review's 0.3-0.5 s stalls inside one 250-organisation step of the
+    progress recorded were, measured with `gc.callbacks` in bench/bench_presence.py, full collections of the bench's
+    own process (0.22-0.30 s each, 6 in 5 recordings of 10,000 organisations), which kept CPython's collector
+    defaults: a young collection every 700 allocations promoted each beat's rows, and a full one walked every object
+    of startup and of the calls. The gateway freezes its startup objects and raises the young threshold
+    (`app._freeze_startup_objects`, at its lifespan's start): under it, the recordings run no full collection."""
+    from endpoints.gateway import app
+
+    threshold = gc.get_threshold()
+    app._freeze_startup_objects()  # as the gateway's startup, before its calls
+    full: list[int] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            full.append(info["collected"])
+
+    try:
+        redis = get_redis()
+        first, num_organizations = 9_300_000, 10_000
+        with redis.pipeline(transaction=False) as pipe:
+            for organization_id in range(first, first + num_organizations):
+                request_id = f"call-{organization_id}"
+                reservation = counters.Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
+                presence.track(request_id, organization_id, f"e-{organization_id}", None, reservation,
+                               progress=growing_stream(organization_id, request_id))
+                pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")
+            pipe.execute()
+
+        async def recordings() -> list[int]:
+            return [await presence._record_progress() for _ in range(3)]
+
+        gc.callbacks.append(watch)
+        recorded = asyncio.run(recordings())
+    finally:
+        if watch in gc.callbacks:
+            gc.callbacks.remove(watch)
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+    assert recorded == [num_organizations] * 3  # each stream grew by a token a recording
+    assert full == [], f"{len(full)} full collection(s)"
