@@ -113,11 +113,13 @@ def audit(client, all_organization_ids) -> bool:
             after = part[-1]
         client.set(SWEEP_DUE_BUILT_KEY, "1")
         return True
+    if AUDIT_PER_RUN <= 0:
+        return False
     after = int(client.get(SWEEP_AUDIT_CURSOR_KEY) or 0)
     part = list(all_organization_ids(after, AUDIT_PER_RUN))
     if part:
         list_due(client, held(client, part))
-    client.set(SWEEP_AUDIT_CURSOR_KEY, part[-1] if len(part) == AUDIT_PER_RUN else 0)
+    client.set(SWEEP_AUDIT_CURSOR_KEY, part[-1] if len(part) == AUDIT_PER_RUN else 0)  # from the start when done
     return False
 
 

@@ -253,6 +253,9 @@ def end_later(organization_id: int, request_id: str, *, row_journaled: bool = Fa
     as a duplicate (found by the review of the lost-gateway billing). Its row is the one that bills it."""
     _let_go(serving.pop(request_id, None))
     unfinished.add((organization_id, request_id))
+    # NOTE: its hold, if any, is left to lapse: listed due now for the sweeper (`_list_due`), which lists it again by its
+    # deadline. An admission whose reply was lost (`InferenceCall`) may have held one its process never tracked.
+    _list_later(organization_id, clock.redis_now())
     if row_journaled:
         unfinished_journaled.add((organization_id, request_id))
 

@@ -30,6 +30,12 @@ def _short_holds(settings):
     settings.BILLING_RESERVATION_TTL_S = TTL_S
 
 
+@pytest.fixture
+def no_audit(monkeypatch):
+    """No rolling audit: an organisation is read only if its listing says it is due."""
+    monkeypatch.setattr(sweep_index, "AUDIT_PER_RUN", 0)
+
+
 def _organizations(num: int) -> list[int]:
     Organization.objects.bulk_create([Organization(name=f"Idle {num}", slug=f"idle-{num}") for num in range(num)])
     return list(Organization.objects.order_by("pk").values_list("pk", flat=True))
@@ -94,7 +100,7 @@ def test_an_organisation_left_out_of_the_index_is_found_by_the_rolling_audit(mon
     assert sum(released) == 1 and reads.reserved_now(organization_ids[-1]) == 0
 
 
-def test_a_gateway_killed_before_its_beat_listed_its_calls_has_their_holds_lapse():
+def test_a_gateway_killed_before_its_beat_listed_its_calls_has_their_holds_lapse(no_audit):
     """A guard: a gateway's beat lists the organisations of the calls it began (`presence._list_due`); killed before
     that, its requests are released by the dead-gateway sweep, which lists their organisations."""
     organization_id = OrganizationFactory().pk
@@ -109,7 +115,7 @@ def test_a_gateway_killed_before_its_beat_listed_its_calls_has_their_holds_lapse
 
 
 @pytest.mark.usefixtures("gateway_alone")
-def test_a_beat_lists_the_organisations_of_the_calls_it_began_and_their_holds_lapse_once_it_stops():
+def test_a_beat_lists_the_organisations_of_the_calls_it_began_and_their_holds_lapse_once_it_stops(no_audit):
     """A guard: the calls a gateway tracks are listed by its next beat, read by the sweep once their deadline passed."""
     organization_id = OrganizationFactory().pk
     assert sweeper.sweep_expired_reservations() == 0
@@ -154,3 +160,17 @@ def test_a_reservation_made_while_the_index_is_built_is_not_lost():
     sweep_index.list_due(get_redis(), {organization_id: redis_time() + 10 * TTL_S})  # a later listing: no later
     assert get_redis().zscore(redis_keys.SWEEP_DUE_KEY, str(organization_id)) <= redis_time() + TTL_S
     assert sweeper.sweep_expired_reservations(now=redis_time() + TTL_S + 2) == 1
+
+
+@pytest.mark.usefixtures("gateway_alone")
+def test_an_admission_whose_reply_was_lost_has_its_hold_lapse(no_audit):
+    """The admission script ran and its reply was lost (a timeout): the call is never tracked, its end left to a later
+    beat (`presence.end_later`), which lists its organisation, so the hold it may have made lapses at its deadline."""
+    organization_id = OrganizationFactory().pk
+    assert sweeper.sweep_expired_reservations() == 0  # the index built before the call
+    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="lost"))
+    presence.end_later(organization_id, "lost")  # as `InferenceCall` does when the admission's reply is lost
+    asyncio.run(presence.beat())
+
+    assert sweeper.sweep_expired_reservations(now=redis_time() + TTL_S + 2) == 1
+    assert reads.reserved_now(organization_id) == 0
