@@ -59,6 +59,15 @@ def _reset(presence, traffic) -> None:
     traffic._registered = (os.getpid(), set())
 
 
+async def _ticking(gaps: list[float]) -> None:
+    """A task ticking every 5 ms until cancelled, each gap between its ticks noted in `gaps`: the loop's stalls."""
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(0.005)
+        gaps.append(time.monotonic() - last)
+        last = time.monotonic()
+
+
 async def _timed(call, repeat: int) -> list[float]:
     """Microseconds of each of `repeat` awaits of `call()`."""
     times = []
@@ -146,15 +155,7 @@ async def progress_due(num_organizations: int, repeat: int) -> dict:
             pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")  # as its admission held it
         await pipe.execute()
     gaps: list[float] = []
-
-    async def ticking():
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.005)
-            gaps.append(time.monotonic() - last)
-            last = time.monotonic()
-
-    ticker = asyncio.get_running_loop().create_task(ticking())
+    ticker = asyncio.get_running_loop().create_task(_ticking(gaps))
     recording, stalls, loop_cpu = [], [], []
     with _collections_watched() as collections:
         for _ in range(repeat):
@@ -209,15 +210,7 @@ async def deadlines_due(num_organizations: int, repeat: int) -> dict:
             return pipe
 
     gaps: list[float] = []
-
-    async def ticking():
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.005)
-            gaps.append(time.monotonic() - last)
-            last = time.monotonic()
-
-    ticker = asyncio.get_running_loop().create_task(ticking())
+    ticker = asyncio.get_running_loop().create_task(_ticking(gaps))
     pushes, stalls = [], []
     for _ in range(repeat):
         presence._extended = presence._Extended()  # due

@@ -1051,6 +1051,19 @@ def growing_stream(organization_id: int, request_id: str):
     return progress
 
 
+def organisations_streaming(first: int, num_organizations: int) -> None:
+    """`num_organizations` organisations from `first`, one stream each served by this gateway, held as its admission
+    held it, growing by a token a beat (`growing_stream`)."""
+    with get_redis().pipeline(transaction=False) as pipe:
+        for organization_id in range(first, first + num_organizations):
+            request_id = f"call-{organization_id}"
+            reservation = counters.Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
+            presence.track(request_id, organization_id, f"e-{organization_id}", None, reservation,
+                           progress=growing_stream(organization_id, request_id))
+            pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")  # as its admission held it
+        pipe.execute()
+
+
 def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_nor_lets_the_alive_key_lapse(
         gateway_alone):
     """Before, a beat recorded the progress of every organisation's streams in one gather (each row built, then every
@@ -1060,14 +1073,7 @@ def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_nor
     redis = get_redis()
     first, num_organizations = 9_500_000, 20_000
     asyncio.run(presence.beat(web=True))  # alive, serving nothing
-    with redis.pipeline(transaction=False) as pipe:
-        for organization_id in range(first, first + num_organizations):
-            request_id = f"call-{organization_id}"
-            reservation = counters.Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
-            presence.track(request_id, organization_id, f"e-{organization_id}", None, reservation,
-                           progress=growing_stream(organization_id, request_id))
-            pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")  # as its admission held it
-        pipe.execute()
+    organisations_streaming(first, num_organizations)
     presence._repair.num_beats = -100  # no reconcile: the progress alone
     stall, seen = asyncio.run(beating_watched(  # six seconds, and until every stream's was recorded (loaded: seconds)
         lambda: all(held.progress_recorded is not None for held in presence.serving.values()), at_least_s=6,
@@ -1384,16 +1390,8 @@ def test_a_beat_recording_many_streams_progress_runs_no_full_collection_under_th
             full.append(info["collected"])
 
     try:
-        redis = get_redis()
-        first, num_organizations = 9_300_000, 10_000
-        with redis.pipeline(transaction=False) as pipe:
-            for organization_id in range(first, first + num_organizations):
-                request_id = f"call-{organization_id}"
-                reservation = counters.Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
-                presence.track(request_id, organization_id, f"e-{organization_id}", None, reservation,
-                               progress=growing_stream(organization_id, request_id))
-                pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")
-            pipe.execute()
+        num_organizations = 10_000
+        organisations_streaming(9_300_000, num_organizations)
 
         async def recordings() -> list[int]:
             return [await presence._record_progress() for _ in range(3)]
