@@ -8,7 +8,9 @@ with the number of organisations, not with the work due (the review of presence 
 An organisation's score is never later than any of its deadlines or registrations (lowered only: `ZADD LT`). Who
 writes a deadline or a registration lists its organisation after it:
 - a gateway's beat, for the organisations of the calls it began tracking or held again since the last beat
-  (`endpoints.gateway.presence`), a second at most after the admission wrote the deadline (15 minutes away);
+  (`endpoints.gateway.presence`), a second at most after the admission wrote the deadline (15 minutes away), and
+  due at once for a call whose end could not reach Redis (`presence.end_later`: an admission whose reply was lost
+  may have held one its process never tracked);
 - the dead-gateway sweep, for each organisation whose requests it released (a gateway killed before its beat listed
   them: `presence.sweep_dead_gateways`), due at once;
 - a replay, after registering its rows (`replayed.register_replaying`), before it writes them.
@@ -40,7 +42,7 @@ from controlplane.redis_keys import (
 
 # Organisations a round trip reads or lists (one pipeline).
 ORGS_PER_PIPELINE = 1000
-# Organisations the rolling audit reads each sweep, after the due ones.
+# Organisations the rolling audit reads each sweep, before it takes the due ones.
 AUDIT_PER_RUN = 1000
 # Organisations a sweep takes from the index at most; those left are due at the next.
 CLAIMED_PER_RUN = 20 * ORGS_PER_PIPELINE
@@ -48,7 +50,7 @@ CLAIMED_PER_RUN = 20 * ORGS_PER_PIPELINE
 
 def _chunks(items: list, size: int) -> Iterable[list]:
     for first in range(0, len(items), size):
-        yield items[first:first + size]
+        yield items[first : first + size]
 
 
 def list_due(client, due: Mapping[int, float]) -> None:
@@ -64,7 +66,9 @@ async def list_due_async(due: Mapping[int, float]) -> None:
     redis = get_async_redis()
     items = list(due.items())
     for part in _chunks(items, ORGS_PER_PIPELINE):
-        await redis.zadd(SWEEP_DUE_KEY, {str(organization_id): when for organization_id, when in part}, lt=True)
+        await redis.zadd(
+            SWEEP_DUE_KEY, {str(organization_id): when for organization_id, when in part}, lt=True
+        )
 
 
 def claim_due(client, now: float) -> list[int]:
@@ -89,8 +93,11 @@ def held(client, organization_ids: list[int], *, lapsed_before: float | None = N
         answers = pipe.execute()
         for organization_id, first, registrations in zip(part, answers[::2], answers[1::2], strict=True):
             times = [score for _, score in first]
-            times += [until for until in (_registered_until(value) for value in registrations)
-                      if lapsed_before is None or until >= lapsed_before]
+            times += [
+                until
+                for until in (_registered_until(value) for value in registrations)
+                if lapsed_before is None or until >= lapsed_before
+            ]
             if times:
                 due[organization_id] = min(times)
     return due
@@ -119,7 +126,9 @@ def audit(client, all_organization_ids) -> bool:
     part = list(all_organization_ids(after, AUDIT_PER_RUN))
     if part:
         list_due(client, held(client, part))
-    client.set(SWEEP_AUDIT_CURSOR_KEY, part[-1] if len(part) == AUDIT_PER_RUN else 0)  # from the start when done
+    client.set(
+        SWEEP_AUDIT_CURSOR_KEY, part[-1] if len(part) == AUDIT_PER_RUN else 0
+    )  # from the start when done
     return False
 
 

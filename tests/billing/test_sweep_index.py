@@ -37,34 +37,54 @@ def no_audit(monkeypatch):
 
 
 def _organizations(num: int) -> list[int]:
-    Organization.objects.bulk_create([Organization(name=f"Idle {num}", slug=f"idle-{num}") for num in range(num)])
+    Organization.objects.bulk_create(
+        [Organization(name=f"Idle {num}", slug=f"idle-{num}") for num in range(num)]
+    )
     return list(Organization.objects.order_by("pk").values_list("pk", flat=True))
 
 
 def _held(organization_id: int, request_id: str) -> None:
     """A call held as its admission holds it, its organisation listed as its gateway's beat lists it."""
-    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"),
-                        request_id=request_id))
-    sweep_index.list_due(get_redis(), {organization_id: redis_time() + settings.BILLING_RESERVATION_TTL_S - 1})
+    asyncio.run(
+        reserve(
+            organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id=request_id
+        )
+    )
+    sweep_index.list_due(
+        get_redis(), {organization_id: redis_time() + settings.BILLING_RESERVATION_TTL_S - 1}
+    )
 
 
 def _organisations_read(commands: list[str]) -> set[int]:
-    return {int(organization_id) for command in commands for organization_id in re.findall(r"\{org:(\d+)\}", command)}
+    return {
+        int(organization_id)
+        for command in commands
+        for organization_id in re.findall(r"\{org:(\d+)\}", command)
+    }
 
 
-def test_a_sweep_reads_only_the_organisations_with_something_due_not_every_organisation(monkeypatch, settings):
+def test_a_sweep_reads_only_the_organisations_with_something_due_not_every_organisation(
+    monkeypatch, settings
+):
     """Before, each sweep (every 30 s) read the deadlines and registrations of every organisation in the database:
     500 organisations, 500 of each a run, whatever was due. Now the due ones, and `AUDIT_PER_RUN` more in turn."""
     monkeypatch.setattr(sweep_index, "AUDIT_PER_RUN", 10)
     organization_ids = _organizations(500)
     lapsing, later = organization_ids[100], organization_ids[200]
     _held(lapsing, "lapsing")
-    assert sweeper.sweep_expired_reservations() == 0  # the first builds the index: every organisation read once
+    assert (
+        sweeper.sweep_expired_reservations() == 0
+    )  # the first builds the index: every organisation read once
     settings.BILLING_RESERVATION_TTL_S = 10 * TTL_S
     _held(later, "later")  # held ten times as long
 
-    with commands_naming(":reservation_deadlines") as deadlines, commands_naming(":replaying") as registrations:
-        assert sweeper.sweep_expired_reservations(now=redis_time() + TTL_S + 2) == 1  # its gateway died: lapsed
+    with (
+        commands_naming(":reservation_deadlines") as deadlines,
+        commands_naming(":replaying") as registrations,
+    ):
+        assert (
+            sweeper.sweep_expired_reservations(now=redis_time() + TTL_S + 2) == 1
+        )  # its gateway died: lapsed
 
     read = _organisations_read(deadlines) | _organisations_read(registrations)
     assert lapsing in read and later not in read
@@ -93,10 +113,18 @@ def test_an_organisation_left_out_of_the_index_is_found_by_the_rolling_audit(mon
     monkeypatch.setattr(sweep_index, "AUDIT_PER_RUN", 2)
     organization_ids = [OrganizationFactory().pk for _ in range(5)]
     assert sweeper.sweep_expired_reservations() == 0  # built, nothing held
-    asyncio.run(reserve(organization_id=organization_ids[-1], api_key_id=None, amount=Decimal("0.01"),
-                        request_id="unlisted"))  # its listing lost
+    asyncio.run(
+        reserve(
+            organization_id=organization_ids[-1],
+            api_key_id=None,
+            amount=Decimal("0.01"),
+            request_id="unlisted",
+        )
+    )  # its listing lost
     lapsed_at = redis_time() + TTL_S + 2
-    released = [sweeper.sweep_expired_reservations(now=lapsed_at) for _ in range(3)]  # 2 + 2 + 1 organisations read
+    released = [
+        sweeper.sweep_expired_reservations(now=lapsed_at) for _ in range(3)
+    ]  # 2 + 2 + 1 organisations read
     assert sum(released) == 1 and reads.reserved_now(organization_ids[-1]) == 0
 
 
@@ -106,7 +134,9 @@ def test_a_gateway_killed_before_its_beat_listed_its_calls_has_their_holds_lapse
     organization_id = OrganizationFactory().pk
     assert sweeper.sweep_expired_reservations() == 0  # the index built before the call
     # admitted by this process's gateway, which never beat (no alive key): killed before its first beat
-    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="cut"))
+    asyncio.run(
+        reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="cut")
+    )
 
     assert presence.sweep_dead_gateways() == 1
     assert sweeper.sweep_expired_reservations() == 0  # not yet lapsed
@@ -119,8 +149,9 @@ def test_a_beat_lists_the_organisations_of_the_calls_it_began_and_their_holds_la
     """A guard: the calls a gateway tracks are listed by its next beat, read by the sweep once their deadline passed."""
     organization_id = OrganizationFactory().pk
     assert sweeper.sweep_expired_reservations() == 0
-    admitted = asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"),
-                                   request_id="long"))
+    admitted = asyncio.run(
+        reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="long")
+    )
     presence.track("long", organization_id, "e-long", None, admitted.reservation)
     asyncio.run(presence.beat())
     assert get_redis().zscore(redis_keys.SWEEP_DUE_KEY, str(organization_id)) <= redis_time() + TTL_S
@@ -141,8 +172,11 @@ def test_a_lapsed_registration_is_read_when_it_lapses_and_not_at_every_sweep_aft
     replayed.register_replaying_sync([usage_report(endpoint, request_id="replayed")])
     assert sweeper.sweep_expired_reservations() == 0
     counted = []
-    monkeypatch.setattr(replayed, "count_lapsed_supersedes",
-                        lambda organization, registrations, now: counted.append(organization) or 0)
+    monkeypatch.setattr(
+        replayed,
+        "count_lapsed_supersedes",
+        lambda organization, registrations, now: counted.append(organization) or 0,
+    )
     lapsed_at = redis_time() + replayed.REGISTRATION_TTL_S + 1
     assert sweeper.sweep_expired_reservations(now=lapsed_at) == 0  # read as it lapsed
     assert counted == [organization_id]
@@ -157,7 +191,9 @@ def test_a_reservation_made_while_the_index_is_built_is_not_lost():
     organization_id = OrganizationFactory().pk
     _held(organization_id, "first")
     assert sweeper.sweep_expired_reservations() == 0
-    sweep_index.list_due(get_redis(), {organization_id: redis_time() + 10 * TTL_S})  # a later listing: no later
+    sweep_index.list_due(
+        get_redis(), {organization_id: redis_time() + 10 * TTL_S}
+    )  # a later listing: no later
     assert get_redis().zscore(redis_keys.SWEEP_DUE_KEY, str(organization_id)) <= redis_time() + TTL_S
     assert sweeper.sweep_expired_reservations(now=redis_time() + TTL_S + 2) == 1
 
@@ -168,7 +204,9 @@ def test_an_admission_whose_reply_was_lost_has_its_hold_lapse(no_audit):
     beat (`presence.end_later`), which lists its organisation, so the hold it may have made lapses at its deadline."""
     organization_id = OrganizationFactory().pk
     assert sweeper.sweep_expired_reservations() == 0  # the index built before the call
-    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="lost"))
+    asyncio.run(
+        reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="lost")
+    )
     presence.end_later(organization_id, "lost")  # as `InferenceCall` does when the admission's reply is lost
     asyncio.run(presence.beat())
 
