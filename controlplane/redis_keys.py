@@ -139,6 +139,14 @@ def progress_key(organization_id: int) -> str:
     return f"billing:{org_tag(organization_id)}:progress"
 
 
+# The reservation sweeper's index (`billing.quota.sweep_index`): organisation id scored by when its first reservation
+# deadline or replay registration may fall due (Redis's clock, s); the marker that it was built whole (lost with it:
+# one slot); the next organisation its rolling audit reads.
+SWEEP_DUE_KEY = "billing:{sweep}:due"
+SWEEP_DUE_BUILT_KEY = "billing:{sweep}:due-built"
+SWEEP_AUDIT_CURSOR_KEY = "billing:{sweep}:audit-cursor"
+
+
 def deadlines_key(organization_id: int) -> str:
     """Sorted set: request id scored by the time its reservation lapses."""
     return f"billing:{org_tag(organization_id)}:reservation_deadlines"

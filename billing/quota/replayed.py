@@ -65,8 +65,9 @@ from django.db import close_old_connections, connection, transaction
 from billing.ledger import UnknownEndpointError, UsageReport, record_usage_batch
 from billing.models import BillingMode, UsageRecord, UsageStatus
 from billing.periods import period_containing
+from billing.quota import sweep_index
 from billing.quota.counters import MISSED_LUA, SETTLED_MARKER_TTL_S, to_units
-from controlplane.redis_client import get_async_redis, get_redis
+from controlplane.redis_client import get_async_redis, get_redis, redis_time
 from controlplane.redis_keys import (
     credit_journaled_key,
     credit_key,
@@ -196,19 +197,29 @@ def _new_token() -> str:
 async def register_replaying(reports: Collection[UsageReport]) -> Registration:
     """Step 1 of a replay, before `reports` are written into the ledger (see the module's docstring); so too before a
     write's rows not written now may supersede lost rows (`count_superseded`). Returns what it registered:
-    `count_replayed`'s `registration`."""
+    `count_replayed`'s `registration`. Their organisations are listed in the sweeper's index by when the registrations
+    lapse (`sweep_index`: `count_lapsed_supersedes` reads them then)."""
     token, owed = _new_token(), {}
+    seconds, _ = await get_async_redis().time()
+    lapse_at = seconds + REGISTRATION_TTL_S  # no later than the script's own (Redis's clock read after)
     for keys, args in _registrations(reports, token):
         owed |= _registered_at(await _REGISTER(keys=keys, args=args))
+    await sweep_index.list_due_async(dict.fromkeys(_organizations(reports), lapse_at))
     return Registration(token, owed)
 
 
 def register_replaying_sync(reports: Collection[UsageReport]) -> Registration:
     """`register_replaying` from synchronous code (the worker's replay of shipped segments)."""
     token, owed = _new_token(), {}
+    lapse_at = int(redis_time()) + REGISTRATION_TTL_S  # no later than the script's own (Redis's clock read after)
     for keys, args in _registrations(reports, token):
         owed |= _registered_at(_REGISTER.run_sync(keys=keys, args=args))
+    sweep_index.list_due(get_redis(), dict.fromkeys(_organizations(reports), lapse_at))
     return Registration(token, owed)
+
+
+def _organizations(reports: Iterable[UsageReport]) -> set[int]:
+    return {report.organization_id for report in reports}
 
 
 def record_registered_batch(reports: list[UsageReport]) -> set[str]:

@@ -21,8 +21,10 @@ counted it, rebuilt from the ledger: `counters.SETTLE_LUA`). Before, such a call
 A superseded row whose writer died between its supersede and its count (a woken gateway's own write has no journal
 segment to replay) is counted once its registration lapsed (`replayed.count_lapsed_supersedes`).
 
-Reservations live per organisation (in its Redis Cluster slot), so the sweep reads each
-organisation's deadlines and registrations, `ORGS_PER_PIPELINE` organisations per round trip."""
+Reservations live per organisation (in its Redis Cluster slot), so the sweep reads each organisation's deadlines and
+registrations, `ORGS_PER_PIPELINE` organisations per round trip: only those the index says are due
+(`billing.quota.sweep_index`), and `sweep_index.AUDIT_PER_RUN` more in turn; every organisation only when the index
+was lost. Before, every organisation in the database was read every run."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from django.db import DataError, IntegrityError, transaction
 
 from billing.ledger import UnknownEndpointError, record_usage_batch
 from billing.models import UsageRecord
-from billing.quota import counters, replayed
+from billing.quota import counters, replayed, sweep_index
 from billing.usage_journal import decode
 from controlplane.accounts.models import Organization
 from controlplane.redis_client import get_redis, redis_time
@@ -87,7 +89,7 @@ if redis.call('HEXISTS', quota_settle_K[1], quota_settle_A[1]) == 0 then return 
 return quota_settle(quota_settle_K, quota_settle_A)
 """)
 
-ORGS_PER_PIPELINE = 1000
+ORGS_PER_PIPELINE = sweep_index.ORGS_PER_PIPELINE
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -95,19 +97,24 @@ logger = logging.getLogger("inferplane.billing")
 def sweep_expired_reservations(now: float | None = None, *, batch_size: int = 1000) -> int:
     """Release reservations whose deadline passed (their gateway died mid-request) at `now`, Redis's clock (read here
     when None), which the deadlines are set on: a worker whose own clock ran a deadline's 15 minutes ahead released the
-    holds of calls still running. Returns how many."""
+    holds of calls still running. Reads the organisations the index says are due (`sweep_index.claim_due`), after its
+    audit (the whole index rebuilt if it was lost), and lists each again by what it still holds. Returns how many."""
     now = redis_time() if now is None else now
-    organization_ids = Organization.objects.order_by("pk").values_list("pk", flat=True)
+    client = get_redis()
+    sweep_index.audit(client, _organization_ids)
+    due = sweep_index.claim_due(client, now)
     released = 0
-    batch: list[int] = []
-    for organization_id in organization_ids.iterator(chunk_size=ORGS_PER_PIPELINE):
-        batch.append(organization_id)
-        if len(batch) == ORGS_PER_PIPELINE:
+    for first in range(0, len(due), ORGS_PER_PIPELINE):
+        batch = due[first:first + ORGS_PER_PIPELINE]
+        try:
             released += _sweep_organizations(batch, now, batch_size)
-            batch = []
-    if batch:
-        released += _sweep_organizations(batch, now, batch_size)
+        finally:  # NOTE: listed again whatever happened: one claimed and not listed waited for the rolling audit
+            sweep_index.list_next(client, batch, now)
     return released
+
+
+def _organization_ids(after: int, limit: int) -> list[int]:
+    return list(Organization.objects.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True)[:limit])
 
 
 def _sweep_organizations(organization_ids: list[int], now: float, batch_size: int) -> int:

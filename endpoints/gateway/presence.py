@@ -64,11 +64,11 @@ from django.conf import settings
 from redis.exceptions import RedisClusterException, RedisError
 
 from billing.ledger import UsageReport
-from billing.quota import counters
+from billing.quota import counters, sweep_index
 from controlplane import clock, redis_keys
 from controlplane.cancellation import end_if_cancelled
 from controlplane.per_loop import PerLoop
-from controlplane.redis_client import get_async_redis, get_redis
+from controlplane.redis_client import get_async_redis, get_redis, redis_time
 from controlplane.redis_scripts import Script
 from endpoints.gateway import limits, traffic
 
@@ -153,14 +153,17 @@ class Held:
     # it counted the call, for as long as it lives (`counters.told_until`); after that, it is not held again
     # (`_hold_again`) and its settlement drops what it cannot tell it counted (`counters.SETTLE_LUA`).
     lapses_at: float | None = None
-    # Its usage row as it would be written if this process were lost now (None while it has none to bill), and the
-    # tokens (prompt, cached, completion) of the last one a beat recorded (`_record_progress`).
+    # Its usage row as it would be written if this process were lost now (None while it has none to bill), the
+    # tokens (prompt, cached, completion) of the last one a beat recorded (`_record_progress`), and of the last one a
+    # beat sent, recorded or not: one the script did not record (its reservation lapsed and not held again) is built
+    # and sent again only once its tokens change, or once it is held again (`record_again`).
     progress: Callable[[tuple[int, int, int] | None], UsageReport | None] | None = None
     progress_recorded: tuple[int, int, int] | None = None
     call_token: str = ""  # its call's (`traffic.new_call_token`): its entry is put back as its own
     # Its usage row is being written (it may be in the ledger): a hold again drops the counters rebuilt since it was
     # last known held, whose snapshot may have it (`counters.restore_reservations`).
     writes_row: bool = False
+    progress_sent: tuple[int, int, int] | None = None
 
     def value(self) -> str:
         counter = redis_keys.outstanding_key(self.organization_id, self.replica_id) if self.replica_id else ""
@@ -170,6 +173,10 @@ class Held:
         if self.replica_id is None:
             return redis_keys.no_replica_placeholder(self.organization_id)
         return redis_keys.outstanding_key(self.organization_id, self.replica_id)
+
+    def record_again(self) -> None:
+        """Its progress is to be recorded by the next beat whatever its tokens (Redis lost it, or it is held again)."""
+        self.progress_recorded = self.progress_sent = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -188,6 +195,9 @@ unfinished: dict[tuple[int, str], Unfinished] = {}
 # Those of them whose usage row waits in this process's journal (the ledger refused it): their progress is dropped
 # with their end, so the sweeper never bills them from it (`end_later`).
 unfinished_journaled: set[tuple[int, str]] = set()
+# The organisations of the calls tracked or held again since the last beat, with when the first of those holds may
+# lapse (Redis's clock): the beat lists them in the sweeper's index (`billing.quota.sweep_index`, `_list_due`).
+to_list: dict[int, float] = {}
 
 
 @dataclass(slots=True)
@@ -195,6 +205,7 @@ class _Beating:
     task: asyncio.Task | None = None  # this loop's heartbeat
     reconcile: asyncio.Task | None = None  # its reconcile, while one runs (`_reconcile_beside`)
     progress: asyncio.Task | None = None  # its calls' progress being recorded (`_record_progress_beside`)
+    deadlines: asyncio.Task | None = None  # its calls' reservation deadlines being pushed on (`_push_deadlines_beside`)
 
 
 _beats: PerLoop[_Beating] = PerLoop(_Beating)
@@ -208,7 +219,31 @@ def track(request_id: str, organization_id: int, endpoint_id: str, replica_id: s
                                       progress=progress, call_token=call_token)
     if reservation is not None:
         held.lapses_at = clock.redis_now() + settings.BILLING_RESERVATION_TTL_S - 1
+        _list_later(organization_id, held.lapses_at)
     return held
+
+
+def _list_later(organization_id: int, lapses_at: float) -> None:
+    if lapses_at < to_list.get(organization_id, math.inf):
+        to_list[organization_id] = lapses_at
+
+
+async def _list_due(gateway: str) -> None:
+    """List in the sweeper's index the organisations of the calls tracked or held again since the last beat (`to_list`):
+    their holds lapse at their deadlines only if a sweep reads them then. Those not listed (Redis) are by the next beat.
+
+    NOTE: a second at most after their admission wrote their deadlines (15 minutes away); a gateway killed before has its
+    requests released by the dead-gateway sweep, which lists their organisations (`sweep_dead_gateways`)."""
+    if not to_list:
+        return
+    due = dict(to_list)
+    to_list.clear()
+    try:
+        await sweep_index.list_due_async(due)
+    except Exception as exc:  # noqa: BLE001 - listed by the next beat
+        for organization_id, lapses_at in due.items():
+            _list_later(organization_id, lapses_at)
+        logger.warning("gateway %s: could not list its calls' organisations for the sweeper: %r", gateway, exc)
 
 
 def untrack(request_id: str) -> None:
@@ -236,6 +271,9 @@ def end_later(organization_id: int, request_id: str, *, call_token: str, row_jou
     as a duplicate (found by the review of the lost-gateway billing). Its row is the one that bills it."""
     _let_go(serving.pop(request_id, None))
     unfinished[(organization_id, request_id)] = Unfinished(call_token, give_back)
+    # NOTE: its hold, if any, is left to lapse: listed due now for the sweeper (`_list_due`), which lists it again by its
+    # deadline. An admission whose reply was lost (`InferenceCall`) may have held one its process never tracked.
+    _list_later(organization_id, clock.redis_now())
     if row_journaled:
         unfinished_journaled.add((organization_id, request_id))
 
@@ -248,22 +286,34 @@ class _Extended:
 _extended = _Extended()
 
 
-def _deadlines_due(now: float) -> dict[int, list[str]] | None:
-    """The requests whose reservation deadlines to push on now (organisation -> request ids), every third of the
+def _deadlines_due(now: float) -> list[tuple[int, list[str]]] | None:
+    """The requests whose reservation deadlines to push on now (organisation, request ids), every third of the
     reservation's time (a minute at most): those served at least that long, and no longer than the longest a call is
-    waited for (`GATEWAY_MAX_ANSWER_WAIT_S`): one left here by a bug never holds a caller's credit for good."""
+    waited for (`GATEWAY_MAX_ANSWER_WAIT_S`): one left here by a bug never holds a caller's credit for good. The
+    organisations whose holds lapse first come first (`Held.lapses_at`)."""
     every_s = min(60.0, settings.BILLING_RESERVATION_TTL_S / 3)
     if now - _extended.at < every_s:
         return None  # not yet: the last push stands
     oldest = now - settings.GATEWAY_MAX_ANSWER_WAIT_S
     due: dict[int, list[str]] = {}
+    first_lapse: dict[int, float] = {}
     for request_id, held in list(serving.items()):
         if oldest <= held.since <= now - every_s:
             due.setdefault(held.organization_id, []).append(request_id)
-    return due
+            lapses_at = math.inf if held.lapses_at is None else held.lapses_at
+            first_lapse[held.organization_id] = min(first_lapse.get(held.organization_id, math.inf), lapses_at)
+    return sorted(due.items(), key=lambda item: first_lapse[item[0]])
 
 
 async def _push_deadlines_on(redis, now: float | None = None) -> None:
+    """Push on the reservation deadlines due (`_deadlines_due`): `CHUNK` organisations a pipeline, the loop let run
+    between, the first to lapse first; all of them now, one chunk after another, so none waits for a later push.
+
+    NOTE: one pipeline of every organisation's push, once a minute: 20,000 organisations with calls in flight were one
+    20,000-command pipeline, packed on the loop and answered by Redis at once (a stall of both; the review of presence
+    at scale). Each chunk's deadline is the one read before the first (so never later than a whole push's would be:
+    the chunks after it give a call no less time than one pipeline did) and a hold is taken as still there only if
+    Redis's clock after its chunk's push is still before its lapse (`Held.lapses_at`)."""
     now = time.monotonic() if now is None else now
     due = _deadlines_due(now)
     if due is None:
@@ -272,26 +322,30 @@ async def _push_deadlines_on(redis, now: float | None = None) -> None:
         # NOTE: Redis's clock, as the admission's own deadline and the sweeper's (`billing.quota.sweeper`).
         seconds, _ = await redis.time()
         deadline = int(seconds) + 1 + math.ceil(settings.BILLING_RESERVATION_TTL_S)
-        # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never earlier
-        # (GT); each read back in the same round trip: a call is known held only where its deadline is there.
-        async with redis.pipeline(transaction=False) as pipe:
-            for organization_id, request_ids in due.items():
-                pipe.zadd(redis_keys.deadlines_key(organization_id), dict.fromkeys(request_ids, deadline), xx=True,
-                          gt=True)
-                pipe.zmscore(redis_keys.deadlines_key(organization_id), request_ids)
-            answers = await pipe.execute()
-        # NOTE: only a hold that had not lapsed when pushed is known to be there still (the sweeper takes one only past
-        # its deadline): a push after a freeze past it (XX) made nothing again, and its call must not think it holds.
-        # Nor one whose hold Redis lost (a flush, a failover): XX pushed nothing, and its settlement's "held since"
-        # (`counters.SETTLE_LUA`) must stay when it was last known held. NOTE: it moved on all the same, and a counter
-        # rebuilt after the loss and before the push (its snapshot with the row, the call not reserved) was not dropped
-        # by the call's settlement, which added its cost again.
-        for request_ids, scores in zip(due.values(), answers[1::2], strict=True):
-            for request_id, score in zip(request_ids, scores, strict=True):
-                held = serving.get(request_id)
-                if (held is not None and held.lapses_at is not None and seconds < held.lapses_at
-                        and score is not None and score >= deadline):
-                    held.lapses_at = deadline - 1
+        for first in range(0, len(due), CHUNK):
+            part = due[first:first + CHUNK]
+            # NOTE: only a deadline still there (XX: a settled or released reservation is not made again), never
+            # earlier (GT); each read back in the same round trip: a call is known held only where its deadline is there.
+            async with redis.pipeline(transaction=False) as pipe:
+                for organization_id, request_ids in part:
+                    pipe.zadd(redis_keys.deadlines_key(organization_id), dict.fromkeys(request_ids, deadline),
+                              xx=True, gt=True)
+                    pipe.zmscore(redis_keys.deadlines_key(organization_id), request_ids)
+                answers = await pipe.execute()
+            pushed_by, _ = await redis.time()
+            # NOTE: only a hold that had not lapsed when pushed is known to be there still (the sweeper takes one only
+            # past its deadline): a push after a freeze past it (XX) made nothing again, and its call must not think it
+            # holds. Nor one whose hold Redis lost (a flush, a failover): XX pushed nothing, and its settlement's "held
+            # since" (`counters.SETTLE_LUA`) must stay when it was last known held. NOTE: it moved on all the same, and
+            # a counter rebuilt after the loss and before the push (its snapshot with the row, the call not reserved)
+            # was not dropped by the call's settlement, which added its cost again.
+            for (_, request_ids), scores in zip(part, answers[1::2], strict=True):
+                for request_id, score in zip(request_ids, scores, strict=True):
+                    held = serving.get(request_id)
+                    if (held is not None and held.lapses_at is not None and pushed_by < held.lapses_at
+                            and score is not None and score >= deadline):
+                        held.lapses_at = deadline - 1
+            await asyncio.sleep(0)
     _extended.at = now  # NOTE: only once due and pushed: a beat in between (every second) never moves it on
 
 
@@ -337,12 +391,12 @@ async def _record_organization_progress(organization_id: int, calls: list[Held])
         if num and not num % CHUNK:
             await asyncio.sleep(0)  # one organisation's 20,000 streams: 0.2-0.4 s of rows built at once
         try:
-            if held.progress is None or (report := held.progress(held.progress_recorded)) is None:
+            if held.progress is None or (report := held.progress(held.progress_sent)) is None:
                 continue
         except ValueError:  # NOTE: one odd call (the wall clock stepped back past its start) stops no other's
             continue
         tokens = (report.prompt_tokens, report.cached_tokens, report.completion_tokens)
-        if tokens != held.progress_recorded:
+        if tokens != held.progress_sent:
             due.append((held, tokens, report))
     if not due:
         return 0
@@ -351,11 +405,21 @@ async def _record_organization_progress(organization_id: int, calls: list[Held])
     num_recorded = 0
     for first in range(0, len(due), CHUNK):
         part = due[first:first + CHUNK]
+        # NOTE: marked sent before the reply: one the script refuses (its reservation lapsed, not held again) is not
+        # built and sent again each beat while its tokens stay (~110 µs each, for as long as it runs: the review of
+        # presence at scale); one held again meanwhile (`_hold_again`: `record_again`) is sent again by the next beat.
+        for held, tokens, _ in part:
+            held.progress_sent = tokens
+        try:
+            recorded = set(await counters.record_progress(organization_id, [report for _, _, report in part]))
+        except BaseException:
+            for held, _, _ in part:
+                held.progress_sent = None  # sent again by the next beat
+            raise
         # NOTE: only the calls the script recorded (still reserved): one whose reservation Redis had lost was marked
         # recorded all the same when `_hold_again` held it again (and reset its mark) before this reply came, and a
         # stream stalled since then had no progress for the sweeper until the next reconcile (found by fix-beat's
         # author), its gateway's loss then unbilled.
-        recorded = set(await counters.record_progress(organization_id, [report for _, _, report in part]))
         for held, tokens, report in part:
             if report.request_id in recorded:
                 held.progress_recorded = tokens
@@ -446,12 +510,14 @@ async def _hold_again(organization_id: int, holds: list[tuple[str, Held]]) -> in
                                                           [held.lapses_at for _, held in part],
                                                           [held.writes_row for _, held in part])
         for request_id, held in part:
-            held.progress_recorded = None
+            held.record_again()
             _repair.unheld.discard(request_id)
             # held again (or still), with a new deadline; or settled by the sweeper (its marker: its settlement adds
             # nothing)
             if held.lapses_at is not None and now < counters.told_until(held.lapses_at):
                 held.lapses_at = max(held.lapses_at, now + settings.BILLING_RESERVATION_TTL_S - 1)
+        # NOTE: its deadline is new (Redis lost it, and the sweeper's index with it, likely): listed by the next beat
+        _list_later(organization_id, now + settings.BILLING_RESERVATION_TTL_S - 1)
     return held_again
 
 
@@ -589,7 +655,7 @@ async def _reconcile(gateway: str, *, forgotten: bool = False, only: set[int] | 
         put_back, unreserved = set(put_back), set(unreserved)
         for request_id in progress_lost:  # recorded again by the beat (`_record_progress`)
             if (held := serving.get(request_id)) is not None:
-                held.progress_recorded = None
+                held.record_again()
         for request_id, value in zip(found[::2], found[1::2], strict=True):
             unserved[(organization_id, request_id)] = value
         for request_id, held in snapshot:
@@ -703,16 +769,32 @@ async def beat(*, web: bool = False) -> None:
     if was_alive is None or was_alive == beat_value:
         _repair.due = True
         _repair.num_forgotten += 1
+    await _list_due(gateway)
     _repair.num_beats += 1
     if _repair.whole_due():
         await _reconcile_beside(gateway, None)
     elif _repair.retry:
         await _reconcile_beside(gateway, set(_repair.retry))
+    await _push_deadlines_beside(gateway, redis)
+    await _record_progress_beside(gateway, redis)
+
+
+async def _push_deadlines_beside(gateway: str, redis) -> None:
+    """Push on the calls' reservation deadlines (`_push_deadlines_on`) as a task of its own (one at a time per loop),
+    waited for up to `BEAT_S`: one that takes longer (many organisations' chunks, a loaded Redis) goes on beside the
+    beats, which keep the alive key meanwhile; a push that fails is tried again by the next beat."""
+    beating = _beats.get()
+    if beating.deadlines is not None and not beating.deadlines.done():
+        return
+    beating.deadlines = asyncio.get_running_loop().create_task(_push_deadlines_once(gateway, redis))
+    await asyncio.wait({beating.deadlines}, timeout=BEAT_S)
+
+
+async def _push_deadlines_once(gateway: str, redis) -> None:
     try:
         await _push_deadlines_on(redis)
     except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on
         logger.warning("gateway %s: could not push on its calls' reservation deadlines: %r", gateway, exc)
-    await _record_progress_beside(gateway, redis)
 
 
 async def _record_progress_beside(gateway: str, redis) -> None:
@@ -920,6 +1002,10 @@ def sweep_dead_gateways() -> int:
             continue
         count = release_requests(requests_key, only_if_dead=True)
         if count > 0:
+            # NOTE: a gateway killed before its beat listed its calls' organisations for the reservation sweeper
+            # (`_list_due`): their holds would never lapse. Listed due now, they are read by the next sweep and listed
+            # again by their first deadline.
+            sweep_index.list_due(client, {redis_keys.organization_of_key(requests_key): redis_time(client)})
             logger.warning("gateway %s stopped beating: released %d of its request(s)", gateway, count)
             released += count
     return released

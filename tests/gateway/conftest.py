@@ -167,4 +167,5 @@ def gateway_alone(monkeypatch):
     monkeypatch.setattr(presence, "serving", {})
     monkeypatch.setattr(presence, "unfinished", {})
     monkeypatch.setattr(presence, "_repair", presence._Repair())
+    monkeypatch.setattr(presence, "to_list", {})  # no organisation of another test's listed for the sweeper
     monkeypatch.setattr(traffic, "_registered", (os.getpid(), set()))

@@ -4,6 +4,7 @@ what Redis forgot."""
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import threading
 import time
 from datetime import timedelta
@@ -24,7 +25,7 @@ from billing.quota.counters import QuotaExceeded, from_units, to_units
 from billing.services import set_spend_cap
 from controlplane import redis_keys
 from controlplane.accounts.services import SYSTEM
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import get_async_redis, get_redis, redis_time
 from endpoints import scheduler
 from endpoints.gateway import admission, presence, traffic
 from endpoints.gateway.auth import Caller
@@ -1052,6 +1053,19 @@ def growing_stream(organization_id: int, request_id: str):
     return progress
 
 
+def organisations_streaming(first: int, num_organizations: int) -> None:
+    """`num_organizations` organisations from `first`, one stream each served by this gateway, held as its admission
+    held it, growing by a token a beat (`growing_stream`)."""
+    with get_redis().pipeline(transaction=False) as pipe:
+        for organization_id in range(first, first + num_organizations):
+            request_id = f"call-{organization_id}"
+            reservation = counters.Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
+            presence.track(request_id, organization_id, f"e-{organization_id}", None, reservation,
+                           progress=growing_stream(organization_id, request_id))
+            pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")  # as its admission held it
+        pipe.execute()
+
+
 def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_nor_lets_the_alive_key_lapse(
         gateway_alone):
     """Before, a beat recorded the progress of every organisation's streams in one gather (each row built, then every
@@ -1061,14 +1075,7 @@ def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_nor
     redis = get_redis()
     first, num_organizations = 9_500_000, 20_000
     asyncio.run(presence.beat(web=True))  # alive, serving nothing
-    with redis.pipeline(transaction=False) as pipe:
-        for organization_id in range(first, first + num_organizations):
-            request_id = f"call-{organization_id}"
-            reservation = counters.Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
-            presence.track(request_id, organization_id, f"e-{organization_id}", None, reservation,
-                           progress=growing_stream(organization_id, request_id))
-            pipe.hset(redis_keys.reservations_key(organization_id), request_id, "{}")  # as its admission held it
-        pipe.execute()
+    organisations_streaming(first, num_organizations)
     presence._repair.num_beats = -100  # no reconcile: the progress alone
     stall, seen = asyncio.run(beating_watched(  # six seconds, and until every stream's was recorded (loaded: seconds)
         lambda: all(held.progress_recorded is not None for held in presence.serving.values()), at_least_s=6,
@@ -1243,3 +1250,160 @@ def test_the_ends_of_many_organisations_calls_that_missed_redis_never_let_the_al
         assert not redis.hlen(traffic.gateway_requests_key(organization_id, gateway))
         assert not redis.zcard(redis_keys.inflight_key(organization_id, f"e-{organization_id}"))
         assert not redis.hlen(redis_keys.progress_key(organization_id))
+
+
+class _PipelinesWatched:
+    """The gateway's async Redis client, its pipelines watched: each one's number of commands, and the deadlines it
+    pushes on, each checked still ahead of Redis's clock (not lapsed) just before its pipeline is sent."""
+
+    def __init__(self, redis):
+        self.redis = redis
+        self.sizes: list[int] = []
+        self.pushed: list[list[str]] = []  # the request ids each pipeline pushed on, in order
+        self.lapsed: list[str] = []  # those whose deadline had passed when their pipeline was sent
+
+    async def time(self):
+        return await self.redis.time()
+
+    def pipeline(self, transaction=True):
+        watched, pipe, pushing = self, self.redis.pipeline(transaction=transaction), []
+
+        class Pipeline:
+            async def __aenter__(self):
+                await pipe.__aenter__()
+                return self
+
+            async def __aexit__(self, *exc):
+                return await pipe.__aexit__(*exc)
+
+            def zadd(self, key, mapping, **flags):
+                pushing.extend((key, request_id) for request_id in mapping)
+                pipe.zadd(key, mapping, **flags)
+
+            async def execute(self):
+                now, sync = redis_time(), get_redis()
+                watched.lapsed += [request_id for key, request_id in pushing
+                                   if (sync.zscore(key, request_id) or 0) <= now]
+                watched.sizes.append(len(pipe.command_stack))
+                watched.pushed.append([request_id for _, request_id in pushing])
+                return await pipe.execute()
+        return Pipeline()
+
+
+def test_many_organisations_deadlines_are_pushed_in_bounded_pipelines_the_first_to_lapse_first_each_before_it_lapses(
+        gateway_alone, settings, monkeypatch):
+    """Before, a beat pushed on the reservation deadlines of every organisation's long calls in one pipeline a minute:
+    with 20,000 organisations in flight, one 20,000-command pipeline packed on the event loop and answered by Redis at
+    once (a stall of both). Now `CHUNK` organisations a pipeline, the loop let run between, the holds that lapse first
+    pushed first, every one of them in the same push: each deadline is still there, not lapsed, when its push reaches
+    Redis, and is pushed on a reservation's time."""
+    settings.BILLING_RESERVATION_TTL_S = 900.0
+    monkeypatch.setattr(presence, "_extended", presence._Extended())  # a push is due
+    redis = get_redis()
+    first, num_organizations = 9_400_000, 5_000
+    now = redis_time()
+    with redis.pipeline(transaction=False) as pipe:
+        for num, organization_id in enumerate(range(first, first + num_organizations)):
+            request_id = f"call-{organization_id}"
+            reservation = counters.Reservation(request_id, organization_id, None, Decimal("0.01"), "2026-12")
+            held = presence.track(request_id, organization_id, f"e-{organization_id}", None, reservation)
+            held.since -= 120  # served two minutes: its push is due
+            # the organisations listed last lapse first: 3 s from now for the last, 53 s for the first
+            held.lapses_at = now + 3 + (num_organizations - 1 - num) * 0.01
+            pipe.zadd(redis_keys.deadlines_key(organization_id), {request_id: held.lapses_at + 1})
+        pipe.execute()
+    lapses_at = {request_id: held.lapses_at for request_id, held in presence.serving.items()}
+
+    async def push() -> _PipelinesWatched:
+        watched = _PipelinesWatched(get_async_redis())
+        await presence._push_deadlines_on(watched)
+        return watched
+
+    watched = asyncio.run(push())
+
+    assert max(watched.sizes) <= presence.CHUNK, f"pipelines of {max(watched.sizes)} commands"
+    assert sum(len(pushed) for pushed in watched.pushed) == num_organizations  # every one, once, in the same push
+    order = [lapses_at[request_id] for pushed in watched.pushed for request_id in pushed]
+    assert order == sorted(order)  # the first to lapse first
+    assert watched.lapsed == []
+    deadline_at_least = now + settings.BILLING_RESERVATION_TTL_S
+    for organization_id in range(first, first + num_organizations):
+        request_id = f"call-{organization_id}"
+        assert redis.zscore(redis_keys.deadlines_key(organization_id), request_id) >= deadline_at_least
+        assert presence.serving[request_id].lapses_at >= deadline_at_least - 1  # its call knows it holds
+
+
+def test_a_lapsed_calls_progress_is_built_and_sent_once_per_change_not_at_every_beat(gateway_alone, monkeypatch):
+    """Before, a call whose reservation lapsed and was not held again (its gateway frozen past its hold) had its
+    progress row built (~110 µs) and sent to Redis, which recorded nothing, at every beat for as long as it ran. Now
+    once per change of its tokens, and again once it is held again, which records it."""
+    redis = get_redis()
+    org = 9_350_000
+    tokens = [100, 0, 20]
+    built = []
+
+    def progress(recorded):  # as `InferenceCall.progress`: nothing while its tokens are those of `recorded`
+        if recorded == tuple(tokens):
+            return None
+        built.append(tuple(tokens))
+        return dataclasses.replace(growing_stream(org, "lapsed")(None), prompt_tokens=tokens[0],
+                                   completion_tokens=tokens[2])
+
+    reservation = counters.Reservation("lapsed", org, None, Decimal("0.01"), "2026-12")
+    held_call = presence.track("lapsed", org, f"e-{org}", None, reservation, progress=progress)
+    sent = []
+    record = counters.record_progress
+
+    async def counted(organization_id, reports):
+        sent.append([report.request_id for report in reports])
+        return await record(organization_id, reports)
+
+    monkeypatch.setattr(counters, "record_progress", counted)
+
+    async def beats(num: int) -> list[int]:
+        return [await presence._record_progress() for _ in range(num)]
+
+    assert asyncio.run(beats(3)) == [0, 0, 0]  # its reservation is gone: nothing recorded
+    assert (len(built), len(sent)) == (1, 1)
+    tokens[2] = 21  # it streamed a token more
+    assert asyncio.run(beats(3)) == [0, 0, 0]
+    assert (len(built), len(sent)) == (2, 2)
+    assert asyncio.run(presence._hold_again(org, [("lapsed", held_call)])) == 1  # a reconcile held it again
+    assert asyncio.run(beats(2)) == [1, 0]
+    assert (len(built), len(sent)) == (3, 3)
+    assert redis.hexists(redis_keys.progress_key(org), "lapsed")
+
+
+def test_a_beat_recording_many_streams_progress_runs_no_full_collection_under_the_gateways_collector(gateway_alone):
+    """A guard (passes before and after): the review's 0.3-0.5 s stalls inside one 250-organisation step of the
+    progress recorded were, measured with `gc.callbacks` in bench/bench_presence.py, full collections of the bench's
+    own process (0.22-0.30 s each, 6 in 5 recordings of 10,000 organisations), which kept CPython's collector
+    defaults: a young collection every 700 allocations promoted each beat's rows, and a full one walked every object
+    of startup and of the calls. The gateway freezes its startup objects and raises the young threshold
+    (`app._freeze_startup_objects`, at its lifespan's start): under it, the recordings run no full collection."""
+    from endpoints.gateway import app
+
+    threshold = gc.get_threshold()
+    app._freeze_startup_objects()  # as the gateway's startup, before its calls
+    full: list[int] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            full.append(info["collected"])
+
+    try:
+        num_organizations = 10_000
+        organisations_streaming(9_300_000, num_organizations)
+
+        async def recordings() -> list[int]:
+            return [await presence._record_progress() for _ in range(3)]
+
+        gc.callbacks.append(watch)
+        recorded = asyncio.run(recordings())
+    finally:
+        if watch in gc.callbacks:
+            gc.callbacks.remove(watch)
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+    assert recorded == [num_organizations] * 3  # each stream grew by a token a recording
+    assert full == [], f"{len(full)} full collection(s)"
