@@ -207,7 +207,7 @@ def test_an_admission_whose_reply_was_lost_has_its_hold_lapse(no_audit):
     asyncio.run(
         reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="lost")
     )
-    presence.end_later(organization_id, "lost")  # as `InferenceCall` does when the admission's reply is lost
+    presence.end_later(organization_id, "lost", call_token="lost-token")  # as `InferenceCall` does when the admission's reply is lost
     asyncio.run(presence.beat())
 
     assert sweeper.sweep_expired_reservations(now=redis_time() + TTL_S + 2) == 1
