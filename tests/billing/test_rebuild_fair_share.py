@@ -1,5 +1,6 @@
 """The counter rebuild threads shared fairly between organisations: one organisation's slow rebuilds hold at most
-`REBUILD_THREADS_PER_ORGANIZATION` of them, and each read gives up at its rebuild's window.
+`REBUILD_THREADS_PER_ORGANIZATION` of them, the last free one is kept for an organisation holding none, and each
+read gives up at its rebuild's window.
 
 A rebuild is slowed by a real lock: the test holds a PostgreSQL advisory lock, and the slow organisation's key counter
 reads wait for it in their snapshot (a test-only wrapper around the ledger read), as a read held up by a huge ledger or
@@ -61,21 +62,29 @@ def _keys(organization, number: int) -> list[ApiKey]:
     ]
 
 
+def _connection_params() -> dict:
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    return params
+
+
 @contextlib.contextmanager
-def _ledger_locked(organization, monkeypatch):
-    """While it lasts, each of `organization`'s key counter reads waits (in its snapshot, on its rebuild thread's own
-    connection) for an advisory lock this test holds; yields how many wait now."""
+def _ledger_locked(organizations, monkeypatch):
+    """While it lasts, each key counter read of `organizations` (one or several) waits (in its snapshot, on its
+    rebuild thread's own connection) for an advisory lock this test holds; yields how many wait now, and the lock's
+    release."""
     read = rebuild.period_spend_and_pending
+    if not isinstance(organizations, list):
+        organizations = [organizations]
+    held_up = {organization.pk for organization in organizations}
 
     def held_up_read(organization_id, *args, api_key_id=None, **kwargs):
-        if organization_id == organization.pk and api_key_id is not None:
+        if organization_id in held_up and api_key_id is not None:
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_advisory_xact_lock_shared(%s)", [LEDGER_LOCK])
         return read(organization_id, *args, api_key_id=api_key_id, **kwargs)
 
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    with psycopg.connect(**params, autocommit=True) as holder:
+    with psycopg.connect(**_connection_params(), autocommit=True) as holder:
         holder.execute("SELECT pg_advisory_lock(%s)", [LEDGER_LOCK])
         monkeypatch.setattr(rebuild, "period_spend_and_pending", held_up_read)
 
@@ -164,7 +173,7 @@ def test_a_rebuild_read_held_up_past_its_window_is_cancelled_and_its_next_rebuil
 
 
 def test_a_freed_slot_goes_to_the_organisation_holding_fewest_before_a_busy_ones_next():
-    slots = FairSlots(2, per_owner=2)
+    slots = FairSlots(3, per_owner=2)
     order = []
 
     async def scenario():
@@ -177,14 +186,42 @@ def test_a_freed_slot_goes_to_the_organisation_holding_fewest_before_a_busy_ones
 
         busy = [asyncio.ensure_future(hold("busy", f"busy-{n}")) for n in range(4)]
         await asyncio.sleep(0)
+        light = asyncio.ensure_future(hold("light", "light"))
+        await asyncio.sleep(0)
         other = asyncio.ensure_future(hold("other", "other"))
         await asyncio.sleep(0)
-        assert order == ["busy-0", "busy-1"]  # the pool is full: both wait, in their own queues
+        # the pool is full: busy and other wait, in their own queues
+        assert order == ["busy-0", "busy-1", "light"]
         release.set()
-        await asyncio.gather(*busy, other)
+        await asyncio.gather(*busy, light, other)
 
     asyncio.run(scenario())
-    assert order == ["busy-0", "busy-1", "other", "busy-2", "busy-3"]
+    assert order == ["busy-0", "busy-1", "light", "other", "busy-2", "busy-3"]
+
+
+def test_an_organisation_already_holding_a_slot_leaves_the_last_free_one_to_an_organisation_holding_none():
+    slots = FairSlots(4, per_owner=2)
+
+    async def scenario() -> list[str]:
+        release, entered = asyncio.Event(), []
+
+        async def hold(owner):
+            async with slots.held(owner):
+                entered.append(owner)
+                await release.wait()
+
+        hostile = [asyncio.ensure_future(hold(owner)) for owner in ("a1", "a1", "a1", "a2", "a2", "a2")]
+        await asyncio.sleep(0)
+        victim = asyncio.ensure_future(hold("victim"))
+        await asyncio.sleep(0)
+        holders = list(entered)
+        release.set()
+        await asyncio.gather(*hostile, victim)
+        assert sorted(entered) == ["a1", "a1", "a1", "a2", "a2", "a2", "victim"]
+        return holders
+
+    # before, a1 and a2 (a stranger can make a second organisation) held all four and the victim waited behind them
+    assert asyncio.run(scenario()) == ["a1", "a1", "a2", "victim"]
 
 
 def test_a_waiter_cancelled_after_it_was_given_a_slot_passes_the_slot_on():
@@ -206,3 +243,36 @@ def test_a_waiter_cancelled_after_it_was_given_a_slot_passes_the_slot_on():
         return entered
 
     assert asyncio.run(scenario()) == ["c"]
+
+
+def test_two_organisations_slow_key_counters_leave_a_third_organisations_rebuild_a_thread(monkeypatch):
+    # Before, two organisations' slow counters (a stranger can make a second organisation) took two threads each, all
+    # four, and a third organisation's rebuild waited behind them.
+    slow, also_slow, other = OrganizationFactory(), OrganizationFactory(), OrganizationFactory()
+    keys = _keys(slow, 3) + _keys(also_slow, 3)
+    get_redis().flushdb()
+
+    async def scenario(num_waiting, release) -> tuple[bool, int]:
+        slow_calls = asyncio.gather(
+            *(_reserve(key.organization_id, key.pk, f"slow-{key.pk}") for key in keys)
+        )
+        try:
+            assert await _until(lambda: num_waiting() >= rebuild.REBUILD_THREADS - 1)
+            other_call = asyncio.ensure_future(_reserve(other.pk, None, "other"))
+            done, _ = await asyncio.wait({other_call}, timeout=WAIT_S)
+            num_held_up = num_waiting()
+            release()
+            await other_call
+            return bool(done), num_held_up
+        finally:
+            release()
+            await slow_calls
+
+    with _ledger_locked([slow, also_slow], monkeypatch) as (num_waiting, release):
+        other_rebuilt, num_held_up = asyncio.run(scenario(num_waiting, release))
+
+    assert other_rebuilt, "the third organisation's rebuild waited for the two slow organisations'"
+    # the last thread was kept for an organisation holding none
+    assert num_held_up == rebuild.REBUILD_THREADS - 1
+    assert reads.reserved_now(other.pk) == Decimal("0.01")
+    assert reads.reserved_now(slow.pk) == reads.reserved_now(also_slow.pk) == 3 * Decimal("0.01")
