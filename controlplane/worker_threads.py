@@ -50,10 +50,14 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
 
 class FairSlots:
     """At most `total` holders at once per event loop (a pool's threads: `held`), at most `per_owner` of them one
-    owner's (an organisation's). The rest wait as coroutines (no thread) in their owner's own queue, first come first
-    served; a slot that frees goes to the waiting owner that holds fewest now (among equals, the one that waited
-    longest since its last turn), never to one at its `per_owner`. So one owner's many slow holders take `per_owner`
-    slots, and another owner waits at most for one holder's turn.
+    owner's (an organisation's), and the last free slot only ever an owner's that holds none. The rest wait as
+    coroutines (no thread) in their owner's own queue, first come first served; a slot that frees goes to the waiting
+    owner that holds fewest now (among equals, the one that waited longest since its last turn), never to one at its
+    `per_owner`. So one owner's many slow holders take `per_owner` slots, and an owner holding none waits at most for
+    one holder's turn (a holder's time is its caller's to bound: `billing.quota.rebuild`'s window).
+
+    NOTE: without the last slot kept, two owners (a stranger can make a second organisation) each took `per_owner`
+    of four, and every other owner waited behind them.
 
     NOTE: a holder must never wait for another slot of the same slots (a nested `held`): an owner's `per_owner`
     holders waiting for their own owner's next turn would wait for each other for good.
@@ -90,7 +94,7 @@ class _FairQueue:
         self.waiting: dict[Hashable, deque[asyncio.Future]] = {}
 
     async def acquire(self, owner: Hashable, *, total: int, per_owner: int) -> None:
-        if owner not in self.waiting and self.num_held < total and self.num_held_by.get(owner, 0) < per_owner:
+        if owner not in self.waiting and self._may_take(owner, total=total, per_owner=per_owner):
             self._take(owner)
             return
         granted = asyncio.get_running_loop().create_future()
@@ -117,13 +121,21 @@ class _FairQueue:
             self.num_held_by[owner] -= 1
         self._grant(total=total, per_owner=per_owner)
 
+    def _may_take(self, owner: Hashable, *, total: int, per_owner: int) -> bool:
+        num_free = total - self.num_held
+        num_held_by_owner = self.num_held_by.get(owner, 0)
+        # the last free slot is kept for an owner that holds none
+        return num_free > 0 and num_held_by_owner < per_owner and (num_held_by_owner == 0 or num_free > 1)
+
     def _take(self, owner: Hashable) -> None:
         self.num_held += 1
         self.num_held_by[owner] = self.num_held_by.get(owner, 0) + 1
 
     def _grant(self, *, total: int, per_owner: int) -> None:
         while self.num_held < total:
-            eligible = [owner for owner in self.waiting if self.num_held_by.get(owner, 0) < per_owner]
+            eligible = [
+                owner for owner in self.waiting if self._may_take(owner, total=total, per_owner=per_owner)
+            ]
             if not eligible:
                 return
             # the first (in turn order) of those holding fewest

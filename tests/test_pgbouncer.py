@@ -10,13 +10,16 @@ import pwd
 import re
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import psycopg
 import pytest
-from django.db import connection, connections
+from django.db import OperationalError, connection, connections
 
 from billing import tasks as billing_tasks
+from billing.quota import rebuild
 from endpoints import autoscaler, scheduler
 from endpoints.models import Endpoint
 from tests.conftest import REPO_ROOT
@@ -135,3 +138,36 @@ def test_the_api_a_locked_reconcile_and_task_bodies_work_through_pgbouncer_in_tr
     assert billing_tasks.sweep_expired_reservations() == 0
     assert isinstance(billing_tasks.rollup_usage(), dict)
     assert client.get("/api/v1/endpoints/").status_code == 200
+
+
+def test_a_rebuilds_deadline_leaves_no_statement_timeout_on_a_pooled_server_connection(through_pgbouncer):
+    # A rebuild's reads are given the time left to its window (`SET LOCAL statement_timeout`), those outside a
+    # transaction in one of their own: a timeout set for the session would stay on the server connection, and cancel
+    # another client's statement that PgBouncer runs on it.
+    seen = []
+
+    def client(number: int) -> None:
+        try:
+            if number % 2 == 0:
+                with rebuild._until(time.monotonic() + 0.1), connection.cursor() as cursor:
+                    try:
+                        cursor.execute("SELECT pg_sleep(0.5)")  # autocommit: in a transaction of its own
+                    except OperationalError:
+                        seen.append("cancelled")
+            for _ in range(5):
+                with connection.cursor() as cursor:
+                    cursor.execute("SHOW statement_timeout")
+                    seen.append(cursor.fetchone()[0])
+                    cursor.execute("SELECT pg_sleep(0.15)")  # cancelled, if a 100 ms timeout were left
+        except Exception as exc:  # any error is the finding
+            seen.append(repr(exc))
+        finally:
+            connections.close_all()
+
+    clients = [threading.Thread(target=client, args=(number,)) for number in range(6)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join()
+    assert sorted(set(seen)) == ["0", "cancelled"], seen
+    assert seen.count("cancelled") == 3

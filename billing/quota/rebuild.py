@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 
@@ -42,6 +44,8 @@ logger = logging.getLogger("inferplane.billing")
 CREDIT_FIGURE_MAX_TTL_S = 3600
 # At most one rewrite of an organisation counter's limits for a version mismatch in this long (`rebuild_missing`).
 LIMITS_REFRESH_INTERVAL_S = 10
+# The longest reading an organisation counter's limits again after its rebuild may take (`_limits_again`).
+LIMITS_AGAIN_MAX_S = 2
 
 # The longest a rebuild may take from its start (`_BEGIN_REBUILD`) to its write, its window: one slower writes nothing,
 # so the counts that found its counter missing meanwhile were all told to it (`replayed`: they are, while a rebuild's
@@ -126,10 +130,12 @@ local function too_slow(rebuilding, counter, took, longest)
 end
 """
 # KEYS: the rebuilds under way; ARGV: the counter's key, the rebuild's start and window (`_BEGIN_REBUILD`),
-# `REBUILD_LONGEST_S`. A rebuild whose read PostgreSQL cancelled at its window (`_one_snapshot`'s `timeout_s`): kept as
-# one too slow, as `_INIT_SPEND` keeps one that read to the end, so the counter's next rebuild is given twice as long.
+# `REBUILD_LONGEST_S`. A rebuild whose read PostgreSQL cancelled at its window (`_until`): kept as one too slow, as
+# `_INIT_SPEND` keeps one that read to the end, as if it took twice its window (how long it would have taken is not
+# known), so the counter's next rebuild is given four times as long. NOTE: kept as taking its window, a ledger that
+# takes 3.5 windows to read was answered 503 twice (windows 1, 2, then 4) where one that read to the end was once.
 _CANCELLED_TOO_SLOW = Script(TOO_SLOW_LUA + """
-local took = math.max(tonumber(redis.call('TIME')[1]) - tonumber(ARGV[2]), tonumber(ARGV[3]))
+local took = math.max(tonumber(redis.call('TIME')[1]) - tonumber(ARGV[2]), 2 * tonumber(ARGV[3]))
 return too_slow(KEYS[1], ARGV[1], took, ARGV[4])
 """)
 
@@ -333,15 +339,22 @@ class _Rebuild:
 
 
 def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period,
-                           reserved_ids: Collection[str] = (), timeout_s: float | None = None) -> _Rebuild:
+                           reserved_ids: Collection[str] = (), deadline: float | None = None) -> _Rebuild:
     """The counter `what` as PostgreSQL has it; `reserved_ids`: the organisation's reservations (read before),
     whose calls may have a row in the period's spend and settle after the counter is written, as may those held again
-    since (`_held_again`). `timeout_s`: how long each read of its snapshot may take (`_one_snapshot`)."""
+    since (`_held_again`). `deadline` (`time.monotonic()`): when its window ends, and PostgreSQL cancels whichever of
+    its reads runs then (`_until`)."""
+    with _until(deadline) if deadline is not None else nullcontext():
+        return _read_rebuild(what, organization_id, api_key_id, period, reserved_ids)
+
+
+def _read_rebuild(what: str, organization_id: int, api_key_id: int | None, period: Period,
+                  reserved_ids: Collection[str]) -> _Rebuild:
     counter = _counter_key(what, organization_id, api_key_id, period)
     if what in ("org", "key"):
         # made first if need be: the snapshot only reads
         account = BillingAccount.objects.for_organization(organization_id) if what == "org" else None
-        with _one_snapshot(timeout_s):
+        with _one_snapshot():
             asked = _replays_in_snapshot(organization_id, counter)
             held_again = _held_again(counter)
             reserved = {*reserved_ids, *held_again}
@@ -360,7 +373,7 @@ def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | No
         return _Rebuild(counter, fields, None, PERIOD_TTL_S, _units(pending), present, held_again, held)
     if what == "credit":
         available, ttl_s, pending, present, held_again, held = _credit_and_pending(
-            organization_id, reserved_ids, counter=counter, timeout_s=timeout_s)
+            organization_id, reserved_ids, counter=counter)
         return _Rebuild(counter, None, str(to_units(available, ROUND_HALF_UP)), ttl_s, _units(pending), present,
                         held_again, held)
     raise ValueError(what)
@@ -416,14 +429,13 @@ def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
 
 
 def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, now=None, counter: str | None = None,
-                        timeout_s: float | None = None,
                         ) -> tuple[Decimal, int, dict[str, Decimal], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """`credit_available`, the cost of each prepaid row in it whose call is one of `reserved_ids` or held again since
     (`_held_again`), and, to rebuild the figure (`counter`), the journal's replayed prepaid rows it holds
     (`_replays_in_snapshot`), the calls held again it asked about, and of the first those it holds (`_held`)."""
     now = now or timezone.now()
     BillingAccount.objects.for_organization(organization_id)  # made first if need be: the snapshot only reads
-    with _one_snapshot(timeout_s):
+    with _one_snapshot():
         # NOTE: one snapshot for the account's `credit_drawn`, the grants and the ledger. A draw (`draw_credits`)
         # committed between two of these reads was counted twice: the grants had taken it while `credit_drawn`
         # still left it undrawn, and a prepaid account near the end of its credit was refused (402) early for up
@@ -455,16 +467,11 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
 
 
 @contextmanager
-def _one_snapshot(timeout_s: float | None = None):
+def _one_snapshot():
     """A read-only transaction whose reads all see the database as it was at the first of them (REPEATABLE READ):
     what others commit meanwhile stays unseen, and nothing is locked. Inside a caller's transaction, its reads are
     that one's. NOTE: `SET LOCAL` (as `SET TRANSACTION`, before the first read) keeps no session state
-    (`DATABASE_POOLER=transaction`).
-
-    `timeout_s`: PostgreSQL cancels any of its reads that takes longer (`statement_timeout`, raising
-    `OperationalError`): a rebuild's, its window, since one that reads past it writes nothing anyway (`_INIT_SPEND`).
-    NOTE: a ledger slow to read (huge, or a lock held on it) held a rebuild thread and its connection for as long as
-    the read took, minutes past any use."""
+    (`DATABASE_POOLER=transaction`)."""
     if connection.in_atomic_block:
         yield
         return
@@ -472,8 +479,33 @@ def _one_snapshot(timeout_s: float | None = None):
         with connection.cursor() as cursor:
             cursor.execute("SET LOCAL transaction_isolation = 'repeatable read'")
             cursor.execute("SET LOCAL transaction_read_only = on")
-            if timeout_s is not None:
-                cursor.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout_s * 1000))}")
+        yield
+
+
+@contextmanager
+def _until(deadline: float):
+    """While it lasts, PostgreSQL cancels any statement of this thread's connection still running at `deadline`
+    (`time.monotonic()`; `QueryCanceled`, in an `OperationalError`), a wait for a lock or a row lock included: each is
+    given the time left (`SET LOCAL statement_timeout`, at least 1 ms), and one outside a transaction runs in one of
+    its own, so the setting keeps no session state (`DATABASE_POOLER=transaction`). A rebuild's reads all end by its
+    window, since one that reads past it writes nothing anyway (`_INIT_SPEND`).
+
+    NOTE: a ledger slow to read (huge, or a lock held on it) held a rebuild thread and its connection for as long as
+    the read took, minutes past any use; then, the window given to each read of its snapshot, three reads each just
+    under it held the thread three windows, and the reads outside the snapshot (the account, a key's cap) none."""
+
+    def bounded(execute, sql, params, many, context):
+        if not connection.in_atomic_block:
+            with transaction.atomic():
+                return bounded(execute, sql, params, many, context)
+        time_left_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000))
+        # NOTE: a SET takes no snapshot, so `_one_snapshot`'s isolation level may still be set after it; on the
+        # driver's own cursor, past these wrappers, its errors Django's as the statement's own are
+        with connection.wrap_database_errors:
+            context["cursor"].cursor.execute(f"SET LOCAL statement_timeout = {time_left_ms}")
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(bounded):
         yield
 
 
@@ -546,13 +578,21 @@ async def _rebuild_counter(what: str, counter: str, organization_id: int, api_ke
             started_at, window_s, reserved_ids, run = await _BEGIN_REBUILD(
                 keys=[rebuilding_key(organization_id), reservations_key(organization_id)],
                 args=[counter, REBUILD_MAX_S, REBUILD_LONGEST_S])
+            # NOTE: at or after the window's end in Redis's clock (its start is a whole second, at or before now)
+            deadline = time.monotonic() + int(window_s)
             try:
                 rebuild = await in_worker_thread(_rebuild_from_database, executor=_rebuild_threads)(
-                    what, organization_id, api_key_id, period, reserved_ids, int(window_s))
+                    what, organization_id, api_key_id, period, reserved_ids, deadline)
             except OperationalError as exc:
                 if not isinstance(exc.__cause__, QueryCanceled):
                     raise
-                # its read outlasted the window (`_one_snapshot`): too slow, as one that read to the end
+                if time.monotonic() < deadline:
+                    # NOTE: cancelled by another (an operator's `pg_cancel_backend`), not at its window: it was
+                    # answered 503, logged as taking over the window, and the next window doubled
+                    logger.warning("organisation %s: its %s counter's rebuild was cancelled before its window ended; "
+                                   "not written", organization_id, what)
+                    raise RebuildUnfinished(f"the {what} counter's rebuild was cancelled") from exc
+                # its reads outlasted the window (`_until`): too slow, as one that read to the end
                 written = await _CANCELLED_TOO_SLOW(keys=[rebuilding_key(organization_id)],
                                                     args=[counter, started_at, window_s, REBUILD_LONGEST_S])
                 break
@@ -587,9 +627,12 @@ def _limits_again(organization_id: int) -> None:
     """NOTE: a database that serves reads and refuses writes (a failover's demoted primary, a full disk) refuses the
     refresh's row lock: the limits just rebuilt from it stand, as good as it can tell, and the call goes on. It raised
     `InternalError` (read-only transaction), not an outage: every call that found its counter missing was a 500 for
-    the rest of the outage."""
+    the rest of the outage. So does one that waits for the lock longer than `LIMITS_AGAIN_MAX_S` (`_until`): a
+    transaction holding the account's row (a webhook's, a migration's) held the refresh, its rebuild thread, its slot
+    and its callers for as long as it lasted; the change it commits is refreshed after it (`refresh_limits`)."""
     try:
-        refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
+        with _until(time.monotonic() + LIMITS_AGAIN_MAX_S):
+            refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
     except DatabaseError as exc:
         logger.warning("organisation %s: its limits are not read again under its lock (%s); the rebuilt ones stand",
                        organization_id, type(exc).__name__)
