@@ -64,7 +64,7 @@ from django.conf import settings
 from redis.exceptions import RedisClusterException, RedisError
 
 from billing.ledger import UsageReport
-from billing.quota import counters
+from billing.quota import counters, server_change
 from controlplane import clock, redis_keys
 from controlplane.cancellation import end_if_cancelled
 from controlplane.per_loop import PerLoop
@@ -195,6 +195,7 @@ class _Beating:
     task: asyncio.Task | None = None  # this loop's heartbeat
     reconcile: asyncio.Task | None = None  # its reconcile, while one runs (`_reconcile_beside`)
     progress: asyncio.Task | None = None  # its calls' progress being recorded (`_record_progress_beside`)
+    server: asyncio.Task | None = None  # its check of which Redis server it is, and a drop of counters (`_check_server`)
 
 
 _beats: PerLoop[_Beating] = PerLoop(_Beating)
@@ -704,6 +705,7 @@ async def beat(*, web: bool = False) -> None:
         _repair.due = True
         _repair.num_forgotten += 1
     _repair.num_beats += 1
+    await _check_server_beside(redis)
     if _repair.whole_due():
         await _reconcile_beside(gateway, None)
     elif _repair.retry:
@@ -713,6 +715,24 @@ async def beat(*, web: bool = False) -> None:
     except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on
         logger.warning("gateway %s: could not push on its calls' reservation deadlines: %r", gateway, exc)
     await _record_progress_beside(gateway, redis)
+
+
+async def _check_server_beside(redis) -> None:
+    """Drop the spend counters once Redis is another server than the one they were counted on (a replica promoted, a
+    restart that may have lost the last writes: `billing.quota.server_change`), as its own task (one at a time per
+    loop), waited for up to `BEAT_S`: a drop (a scan of the keyspace) that takes longer goes on beside the beats."""
+    beating = _beats.get()
+    if beating.server is not None and not beating.server.done():
+        return
+    beating.server = asyncio.get_running_loop().create_task(_check_server(redis))
+    await asyncio.wait({beating.server}, timeout=BEAT_S)
+
+
+async def _check_server(redis) -> None:
+    try:
+        await server_change.check_server(redis)
+    except Exception as exc:  # noqa: BLE001 - the next beat checks again (a drop's lease lapses if this one held it)
+        logger.warning("could not check which Redis server the spend counters were counted on: %r", exc)
 
 
 async def _record_progress_beside(gateway: str, redis) -> None:
