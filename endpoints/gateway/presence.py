@@ -25,6 +25,10 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
   the organisations it serves, and those it served until two reconciles found nothing of theirs. The organisations
   whose part failed are reconciled again, alone, by the next beats (`_Repair.retry`).
 
+- **Redis is another server** (a replica promoted, a restart from its files) that may lack the last counts added to
+  spend counters that still exist: the beat drops them, each rebuilt from the ledger by its next call
+  (`billing.quota.server_change`, `_check_server_beside`).
+
 Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat: their entries released
 (only their own call's, by its token: `traffic.new_call_token`) and their unused tokens given back (`end_later`).
 
