@@ -116,9 +116,9 @@ def held_again_key(counter_key: str) -> str:
 
 
 # The Redis server the spend counters were counted on (`run_id/master_replid2`), and the lease of the beat dropping
-# them once Redis is another (`billing.quota.server_change`).
-TRUSTED_SERVER_KEY = "billing:trusted-server"
-DROPPING_COUNTERS_KEY = "billing:dropping-counters"
+# them once Redis is another (`billing.quota.server_change`), in one slot (one script takes both).
+TRUSTED_SERVER_KEY = "billing:{server}:trusted"
+DROPPING_COUNTERS_KEY = "billing:{server}:dropping-counters"
 
 
 def limits_refreshed_key(organization_id: int) -> str:
