@@ -12,7 +12,7 @@ import redis
 from billing import periods
 from billing.ledger import record_usage
 from billing.models import UsageRecord
-from billing.quota import reads, server_change
+from billing.quota import reads, replayed, server_change
 from controlplane import redis_client, redis_keys
 from controlplane.redis_client import get_async_redis, get_redis
 from endpoints.gateway import presence
@@ -133,9 +133,42 @@ def test_a_count_a_lagging_replica_lacked_is_counted_once_the_beat_finds_it_prom
     assert reads.reserved_now(organization_id) == Decimal("0.01")
 
 
-def test_a_count_a_restart_from_a_snapshot_lost_is_counted_once_the_server_is_checked(servers):
-    # Redis restarted from its last snapshot (killed; here `SAVE` then a call, as `save 60 1` or an append-only file
-    # fsynced every second on a machine's crash leaves it): the counter it loads lacks the call after the snapshot.
+def _settled_without_its_hold(endpoint, request_id: str):
+    """A call admitted, its row written, whose hold Redis lost (a flush, its gateway not holding it again yet); returns
+    what settles it later, which adds its cost to the counter that exists."""
+    admitted = asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id=request_id))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id=request_id), max_cost=Decimal("0.50")))
+    for key in (redis_keys.reservations_key(endpoint.organization_id), redis_keys.deadlines_key(endpoint.organization_id)):
+        get_redis().delete(key)
+    get_redis().delete(redis_keys.org_reserved_key(endpoint.organization_id))
+    cost = UsageRecord.objects.get(request_id=request_id).cost
+
+    def settled() -> Decimal:
+        asyncio.run(settle(admitted, cost, fresh_id=True))
+        return cost
+
+    return settled
+
+
+def _replayed(endpoint, request_id: str):
+    """A journaled row registered by its replay; returns what writes and counts it later."""
+    report = usage_report(endpoint, request_id=request_id)
+    registration = replayed.register_replaying_sync([report])
+
+    def counted() -> Decimal:
+        record_usage(report)
+        assert replayed.count_replayed([request_id], batch=[report], registration=registration) == 1
+        return UsageRecord.objects.get(request_id=request_id).cost
+
+    return counted
+
+
+@pytest.mark.parametrize("lost", ["a whole call", "a settlement with no hold", "a journal replay's count"])
+def test_a_count_a_restart_from_a_snapshot_lost_is_counted_once_the_server_is_checked(servers, lost):
+    # Redis restarted from its last snapshot (killed; here `SAVE` then the count, as `save 60 1` or an append-only file
+    # fsynced every second on a machine's crash leaves it): the counter it loads lacks the count after the snapshot; a
+    # replay's registration comes back, and nothing counts its row again. Before, the counter stayed short by it.
     server = servers("restarted")
     servers.use(server)
     endpoint = EndpointFactory()
@@ -143,18 +176,21 @@ def test_a_count_a_restart_from_a_snapshot_lost_is_counted_once_the_server_is_ch
     _cap(endpoint.organization, "1.00")
     assert _check_server() is None
     first = _call(endpoint, "req_first")
+    later = {"a whole call": lambda: lambda: _call(endpoint, "req_lost"),
+             "a settlement with no hold": lambda: _settled_without_its_hold(endpoint, "req_lost"),
+             "a journal replay's count": lambda: _replayed(endpoint, "req_lost")}[lost]()
     server.client().save()
-    lost = _call(endpoint, "req_lost")
+    lost_cost = later()
     server.crash()
     server.start()
     redis_client.get_redis.cache_clear()
-    assert reads.counted_spend(organization_id) == first > 0  # short by the lost call's cost
+    assert reads.counted_spend(organization_id) == first > 0  # short by the lost count
 
     dropped = _check_server()
     asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
 
-    assert lost > 0
-    assert reads.counted_spend(organization_id) == first + lost
+    assert lost_cost > 0
+    assert reads.counted_spend(organization_id) == first + lost_cost
     assert (dropped, _check_server()) == (1, None)  # dropped once, then trusted
 
 
