@@ -115,6 +115,12 @@ def held_again_key(counter_key: str) -> str:
     return f"{counter_key}:held_again"
 
 
+# The Redis server the spend counters were counted on (`run_id/master_replid2`), and the lease of the beat dropping
+# them once Redis is another (`billing.quota.server_change`), in one slot (one script takes both).
+TRUSTED_SERVER_KEY = "billing:{server}:trusted"
+DROPPING_COUNTERS_KEY = "billing:{server}:dropping-counters"
+
+
 def limits_refreshed_key(organization_id: int) -> str:
     """Set for a few seconds after a gateway wrote the organisation counter's limits for a version mismatch."""
     return f"billing:{org_tag(organization_id)}:limits_refreshed"

@@ -3,7 +3,7 @@
 The real code paths run here (on the test run's plain Redis) with every script call recorded: the
 gateway's admission and finish (with and without an API key, in flight and waiting), the balancer's
 pick and release, an unknown model's count, cold-start places, the heartbeat's restore (requests and reservations) and release,
-the dead-gateway sweep, the reservation sweep, the journal replay's registration and count, counter rebuilds (one cancelled at its window) and refreshes, and the autoscaler's
+the dead-gateway sweep, the reservation sweep, the journal replay's registration and count, counter rebuilds (one cancelled at its window) and refreshes, the counters' drop once Redis is another server, and the autoscaler's
 load read, for two organisations at once. Each call's keys must hash to one slot, and every script the
 project defines must have been called.
 """
@@ -23,9 +23,9 @@ from django.db import connection
 from billing.ledger import record_usage, supersede_lost_rows
 from billing.models import BillingAccount, UsageRecord
 from billing.periods import period_containing
-from billing.quota import counters, rebuild, replayed, sweeper
+from billing.quota import counters, rebuild, replayed, server_change, sweeper
 from controlplane import redis_keys
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_scripts import Script
 from controlplane.script_parts import ComposedScript
 from endpoints import autoscaler
@@ -168,6 +168,9 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
                 await rebuild.rebuild_missing("credit", counters.Reservation("r-slow", with_key.pk, None, Decimal(0),
                                                                              period_key))
         await rebuild.rebuild_missing("credit", counters.Reservation("r-credit", with_key.pk, None, Decimal(0), period_key))
+        # Redis is another server than the counters were counted on (a promoted replica, a restart): dropped, trusted
+        redis.set(redis_keys.TRUSTED_SERVER_KEY, "another/server")
+        assert await server_change.check_server(get_async_redis()) >= 1
 
     try:
         asyncio.run(scenario())

@@ -12,6 +12,8 @@ any number of gateway processes can never overshoot a cap.
 - `rebuild`: a missing counter rebuilt from PostgreSQL (the ledger's spend, the credit left);
 - `sweeper`: reservations whose gateway died, released after their deadline (a call with progress billed from it);
 - `replayed`: usage rows replayed from the journal, counted in the counters rebuilt without them;
+- `server_change`: every counter dropped once Redis is another server (a promoted replica, a restart) that may lack
+  the last counts;
 - `reads`: what Redis counts now (for the console and tests).
 
 Redis holds, in nano-dollars (integers, exact in Lua's doubles up to $9M):

