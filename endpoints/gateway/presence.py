@@ -776,24 +776,34 @@ async def beat(*, web: bool = False) -> None:
         _repair.num_forgotten += 1
     await _list_due(gateway)
     _repair.num_beats += 1
-    await _check_server_beside(redis)
+    # NOTE: the parts beside the beat share one wait of `BEAT_S` (`_waited_for`): each waited up to `BEAT_S` of its
+    # own, four slow ones (a loaded Redis) kept a beat 4 s from the next, and with the sleep between beats the alive key
+    # (`ALIVE_TTL_S`) lapsed on a live gateway, whose calls the sweeper then released and billed as lost.
+    until = asyncio.get_running_loop().time() + BEAT_S
+    await _check_server_beside(redis, until)
     if _repair.whole_due():
-        await _reconcile_beside(gateway, None)
+        await _reconcile_beside(gateway, None, until)
     elif _repair.retry:
-        await _reconcile_beside(gateway, set(_repair.retry))
-    await _push_deadlines_beside(gateway, redis)
-    await _record_progress_beside(gateway, redis)
+        await _reconcile_beside(gateway, set(_repair.retry), until)
+    await _push_deadlines_beside(gateway, redis, until)
+    await _record_progress_beside(gateway, redis, until)
 
 
-async def _push_deadlines_beside(gateway: str, redis) -> None:
+async def _waited_for(task: asyncio.Task, until: float) -> None:
+    """Wait for `task` (a part of the beat run beside it) until the loop's time `until`, at most: one not done by
+    then goes on beside the beats."""
+    await asyncio.wait({task}, timeout=max(0.0, until - asyncio.get_running_loop().time()))
+
+
+async def _push_deadlines_beside(gateway: str, redis, until: float) -> None:
     """Push on the calls' reservation deadlines (`_push_deadlines_on`) as a task of its own (one at a time per loop),
-    waited for up to `BEAT_S`: one that takes longer (many organisations' chunks, a loaded Redis) goes on beside the
+    waited for within the beat's `BEAT_S`: one that takes longer (many organisations' chunks, a loaded Redis) goes on beside the
     beats, which keep the alive key meanwhile; a push that fails is tried again by the next beat."""
     beating = _beats.get()
     if beating.deadlines is not None and not beating.deadlines.done():
         return
     beating.deadlines = asyncio.get_running_loop().create_task(_push_deadlines_once(gateway, redis))
-    await asyncio.wait({beating.deadlines}, timeout=BEAT_S)
+    await _waited_for(beating.deadlines, until)
 
 
 async def _push_deadlines_once(gateway: str, redis) -> None:
@@ -803,15 +813,15 @@ async def _push_deadlines_once(gateway: str, redis) -> None:
         logger.warning("gateway %s: could not push on its calls' reservation deadlines: %r", gateway, exc)
 
 
-async def _check_server_beside(redis) -> None:
+async def _check_server_beside(redis, until: float) -> None:
     """Drop the spend counters once Redis is another server than the one they were counted on (a replica promoted, a
     restart that may have lost the last writes: `billing.quota.server_change`), as its own task (one at a time per
-    loop), waited for up to `BEAT_S`: a drop (a scan of the keyspace) that takes longer goes on beside the beats."""
+    loop), waited for within the beat's `BEAT_S`: a drop (a scan of the keyspace) that takes longer goes on beside the beats."""
     beating = _beats.get()
     if beating.server is not None and not beating.server.done():
         return
     beating.server = asyncio.get_running_loop().create_task(_check_server(redis))
-    await asyncio.wait({beating.server}, timeout=BEAT_S)
+    await _waited_for(beating.server, until)
 
 
 async def _check_server(redis) -> None:
@@ -821,9 +831,9 @@ async def _check_server(redis) -> None:
         logger.warning("could not check which Redis server the spend counters were counted on: %r", exc)
 
 
-async def _record_progress_beside(gateway: str, redis) -> None:
+async def _record_progress_beside(gateway: str, redis, until: float) -> None:
     """End what could not be ended (`end_later`), then record the calls' progress (`_record_progress`), as one task of
-    its own (one at a time per loop), waited for up to `BEAT_S`: one that takes longer goes on beside the beats.
+    its own (one at a time per loop), waited for within the beat's `BEAT_S`: one that takes longer goes on beside the beats.
 
     NOTE: as the reconcile (`_reconcile_beside`): inside the beat, 20,000 organisations' streams recorded in chunks
     (2-3 s, longer under load) spaced the beats past the alive key's life, though the loop ran between chunks; so did
@@ -835,7 +845,7 @@ async def _record_progress_beside(gateway: str, redis) -> None:
     if beating.progress is not None and not beating.progress.done():
         return  # the next beat after it ends ends what waits, and records again
     beating.progress = asyncio.get_running_loop().create_task(_end_and_record_once(gateway, redis))
-    await asyncio.wait({beating.progress}, timeout=BEAT_S)
+    await _waited_for(beating.progress, until)
 
 
 async def _end_and_record_once(gateway: str, redis) -> None:
@@ -888,8 +898,8 @@ def _release_ended(gateway: str, organizations: list[tuple[int, list[tuple[str, 
                 limits.give_back_alone(call.give_back)
 
 
-async def _reconcile_beside(gateway: str, only: set[int] | None) -> None:
-    """Start a reconcile (of `only`'s organisations, or all) as its own task (one at a time per loop), and wait for it up to `BEAT_S`: one that takes
+async def _reconcile_beside(gateway: str, only: set[int] | None, until: float) -> None:
+    """Start a reconcile (of `only`'s organisations, or all) as its own task (one at a time per loop), and wait for it within the beat's `BEAT_S`: one that takes
     longer goes on beside the beats, which keep this gateway's alive key while it runs.
 
     NOTE: run inside the beat, a reconcile that outlasted `ALIVE_TTL_S` (10,000 organisations in flight on a loaded
@@ -901,7 +911,7 @@ async def _reconcile_beside(gateway: str, only: set[int] | None) -> None:
     if beating.reconcile is not None and not beating.reconcile.done():
         return  # the next beat after it ends starts another if one is still due
     beating.reconcile = asyncio.get_running_loop().create_task(_reconcile_once(gateway, only))
-    await asyncio.wait({beating.reconcile}, timeout=BEAT_S)
+    await _waited_for(beating.reconcile, until)
 
 
 async def _reconcile_once(gateway: str, only: set[int] | None) -> None:

@@ -1411,3 +1411,33 @@ def test_a_beat_recording_many_streams_progress_runs_no_full_collection_under_th
         gc.set_threshold(*threshold)
     assert recorded == [num_organizations] * 3  # each stream grew by a token a recording
     assert full == [], f"{len(full)} full collection(s)"
+
+
+def test_a_beat_whose_parts_beside_it_are_all_slow_waits_for_them_one_beat_in_all_not_one_each(
+        gateway_alone, monkeypatch):
+    """Before, each part of the beat run beside it (the server check, the reconcile, the deadline push, the ends and
+    the progress) was waited for up to `BEAT_S` of its own: with a loaded Redis all four slow, a beat took 4 s, and with
+    the second between beats the alive key (`ALIVE_TTL_S`, 5 s) lapsed on a live gateway, whose calls the sweeper then
+    released and billed as lost. Now they share one `BEAT_S`: the beat ends within it, and they go on beside it."""
+    started: list[str] = []
+
+    def slow(name):
+        async def part(*args, **kwargs):
+            started.append(name)
+            await asyncio.sleep(60)
+        return part
+
+    monkeypatch.setattr(presence.server_change, "check_server", slow("server"))
+    monkeypatch.setattr(presence, "_reconcile", slow("reconcile"))
+    monkeypatch.setattr(presence, "_push_deadlines_on", slow("deadlines"))
+    monkeypatch.setattr(presence, "_end_unfinished", slow("ends"))
+
+    async def scenario():
+        presence._repair.due = True  # a whole reconcile due
+        began = time.monotonic()
+        await presence.beat(web=True)
+        took = time.monotonic() - began
+        assert sorted(started) == ["deadlines", "ends", "reconcile", "server"]  # every part started, none waited out
+        assert took < presence.ALIVE_TTL_S - 2 * presence.BEAT_S, f"one beat took {took:.1f} s"
+
+    asyncio.run(scenario())
