@@ -10,6 +10,7 @@ tests/test_redis_cluster.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 from decimal import Decimal
 
 import pytest
@@ -258,3 +259,19 @@ def test_a_new_call_under_an_earlier_tries_request_id_counts_on_its_own_and_keep
 
 def test_a_new_call_under_an_earlier_tries_request_id_is_refused_past_the_limit():
     assert request_id_used_again_past_the_limit().startswith("429 Rate limit reached: 1 requests per minute")
+
+
+def test_each_call_has_a_token_of_its_own_and_a_forked_gateways_calls_never_take_its_parents():
+    tokens = [traffic.new_call_token() for _ in range(10_000)]
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # a gateway process forked from this one (`controlplane.serve`'s workers)
+        os.write(write, traffic.new_call_token().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    childs_first = os.read(read, 100).decode()
+    os.close(read)
+    parents_next = traffic.new_call_token()
+    assert len(set(tokens)) == len(tokens) and not any("|" in token for token in tokens)  # entries split on '|'
+    assert childs_first and childs_first != parents_next and childs_first not in tokens
