@@ -316,7 +316,8 @@ class DeletedCustomerInvoices:
     # (start, end, quantity, invoice id) of those that bill their period: Stripe's seconds, and what they billed in
     # units of the billed meter (`billing.models.BILLED_METER_EVENT_NAME`), None where it is not final (a draft still
     # advancing) or not known (`usage_quantity`).
-    billed_periods: list[tuple[int, int, int | None, str]] | None  # None: not read
+    # And whether it is final: a draft Stripe still advances (quantity None until its webhook says it) is not.
+    billed_periods: list[tuple[int, int, int | None, str, bool]] | None  # None: not read
     written_off: list[str]  # the ids of the void ones voided a second before the deletion: staff write-offs
     # (invoice id, start, end) of the void ones Stripe's clock cannot order against the deletion
     # (`billing.models.voided_in_deletions_second`): their usage is held for an operator.
@@ -358,7 +359,7 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
             final = invoice.status in BILLING_INVOICE_STATUSES
             billed_periods.append((invoice.period_start, invoice.period_end,
                                    usage_quantity(invoice.to_dict(), attempts=attempts, usage_price_id=usage_price_id)
-                                   if final else None, invoice.id))
+                                   if final else None, invoice.id, final))
         elif invoice.status == WRITTEN_OFF_INVOICE_STATUS and not voided_after_deletion(_voided_at(invoice), deleted_at):
             # NOTE: one of the deletion's own second settles its period too, but is no write-off by rule: held.
             if voided_in_deletions_second(_voided_at(invoice), deleted_at):
