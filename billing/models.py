@@ -147,6 +147,9 @@ class UsageRollup(models.Model):
     # confirmed whose first try is older than Stripe's duplicate window (`stripe_sync.IDENTIFIER_TRUSTED_FOR`).
     push_first_tried_at = models.DateTimeField(null=True, blank=True)
     push_held_at = models.DateTimeField(null=True, blank=True)
+    # Push runs failed for an ended subscription's invoice line whose price cannot be told: held for an operator at
+    # `stripe_sync.UNKNOWN_LINES_HOLD_AFTER` (before, it failed every run for ever).
+    num_unknown_lines_failures = models.PositiveIntegerField(default=0, db_default=0)
     # What its meter events' `identifier`s are made of (`stripe_sync.meter_event_identifier`): what the rollup is
     # (`push_uid_of`: its endpoint, a random UUID, its hour, billing mode and sequence), never the row's id, which
     # PostgreSQL hands out again after a point-in-time restore or a failover to a replica that was behind (another

@@ -610,6 +610,63 @@ def test_a_line_whose_price_nothing_tells_holds_back_the_next_subscription_and_n
     assert _subscribed(endpoint) == (customer, "")
 
 
+def test_a_subscription_cancelled_at_once_is_followed_from_its_usage_line_past_its_first_ten_items(fake_stripe):
+    """The ended subscription has 11 items (staff added metered prices) and its invoice's lines state no price: each is
+    placed by its subscription item's price. Stripe's subscription shows its first 10 items (`items.has_more`). Before,
+    only those were read: the 11th item's line could not be placed, and the next subscription was never made, the
+    push failing every run. The items are listed page by page now."""
+    endpoint = EndpointFactory()
+    fake_stripe.line_prices_shown = False
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    for _ in range(10):
+        fake_stripe.add_subscription_item(first, meter="inferplane_input_tokens")
+    invoiced_until = _end_period_after_what_was_pushed(fake_stripe, first)
+    _use_and_push(endpoint, num_hours_ago=5)  # in the period the cancellation cuts short
+
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, second)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+    assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoiced_until
+    assert fake_stripe.calls_to("/v1/subscription_items", method="GET")
+
+
+def test_a_line_of_an_item_deleted_since_is_held_for_an_operator_after_some_runs_not_retried_for_ever(
+        fake_stripe, client):
+    """The ended subscription's invoice has a line that states no price, of an item staff deleted since (a price
+    swapped): Stripe answers 404 for it, and no list has it, so where its invoices stopped cannot be told. Before, the
+    push failed every run for ever (an ERROR line each). After `UNKNOWN_LINES_HOLD_AFTER` runs the rollup is held for an
+    operator: audited, listed in the admin, and tried no more until sent again from there."""
+    endpoint = EndpointFactory()
+    fake_stripe.line_prices_shown = False
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    swapped = fake_stripe.add_subscription_item(first, meter="inferplane_input_tokens")
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    fake_stripe.remove_subscription_item(first, swapped["id"])
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=5)))
+    rollup_usage()
+
+    for _ in range(stripe_sync.UNKNOWN_LINES_HOLD_AFTER):
+        assert stripe_sync.push_pending_rollups() == 0
+    stuck = UsageRollup.objects.get(hour_start=_hour(5))
+    assert stuck.pushed_at is None and stuck.push_held_at is not None and "held for an operator" in stuck.push_error
+    [audited] = AuditEvent.objects.filter(action="billing.push_held_unknown_invoice_lines")
+    assert audited.details["rollups"] == [stuck.pk]
+    num_calls = len(fake_stripe.calls)
+    assert stripe_sync.push_pending_rollups() == 0
+    assert len(fake_stripe.calls) == num_calls  # held: not tried again
+
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test",
+                                                                    "a long passphrase"))
+    listed = client.get("/django-admin/billing/usagerollup/", {"push_held_at__isnull": "False"})
+    assert listed.status_code == 200 and "held for an operator" in listed.content.decode()
+
+
 def _written_off_once(fake_stripe, customer_id: str) -> None:
     """Every unit of usage pushed to the customer is on one of its invoices, once; a void one's (some) are forgiven."""
     assert fake_stripe.invoiced_usage(customer_id) == _cost_pushed(fake_stripe, customer_id)
