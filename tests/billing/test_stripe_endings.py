@@ -7,12 +7,14 @@ subscription cancelled at once, which bills none of its unfinished period's usag
 was followed by one starting at its end: that usage was billed by no invoice."""
 
 import asyncio
+import importlib
 import json
 import time
 from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.apps import apps
 from django.contrib.auth import get_user_model
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
@@ -30,11 +32,12 @@ from billing.models import (
     StripeEvent,
     StripeMeter,
     UsageRollup,
+    VoidedInvoiceMark,
 )
 from billing.quota.counters import QuotaExceeded
 from billing.rollups import rollup_usage
 from controlplane.accounts.models import AuditEvent
-from controlplane.accounts.services import Actor
+from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import reserve
 from tests.factories import EndpointFactory, sign_in_staff
@@ -1208,6 +1211,28 @@ def test_a_void_told_again_finds_what_was_done_with_it_without_scanning_the_audi
             if audit_table in query["sql"] and query["sql"].lstrip().upper().startswith("SELECT")] == []
     [written_off] = AuditEvent.objects.filter(action=services.WRITTEN_OFF_AUDIT_ACTION)
     assert written_off.details["invoice"] == invoice["id"]
+
+
+def test_voids_written_off_or_held_before_their_marks_were_kept_are_marked_from_the_audit_log(fake_stripe):
+    """`billing/0025` takes the marks of the voids written off or held before it from their audit events, so that a
+    void told again after it is neither audited nor held a second time."""
+    migration = importlib.import_module("billing.migrations.0025_voided_invoice_mark")
+    endpoint = EndpointFactory()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(invoice["id"]))
+    voided = fake_stripe.void_invoice(invoice["id"])
+    _webhook("invoice.voided", voided)
+    VoidedInvoiceMark.objects.all().delete()  # as before billing/0025: its audit event alone
+    record_audit(SYSTEM, endpoint.organization, services.HELD_AUDIT_ACTION, None, invoice="in_held", rollups=[1])
+    record_audit(SYSTEM, endpoint.organization, services.HELD_AUDIT_ACTION, None, invoice="", rollups=[2])
+
+    migration.mark_from_the_audit_log(apps, None)
+    migration.mark_from_the_audit_log(apps, None)  # a second run changes nothing
+
+    assert set(VoidedInvoiceMark.objects.values_list("stripe_invoice_id", "kind")) == {
+        (invoice["id"], VoidedInvoiceMark.Kind.WRITTEN_OFF), ("in_held", VoidedInvoiceMark.Kind.HELD)}
+    _webhook("invoice.updated", voided)
+    assert AuditEvent.objects.filter(action=services.WRITTEN_OFF_AUDIT_ACTION).count() == 1
 
 
 @pytest.mark.parametrize("received", ["before_the_deletion", "after_the_deletion"])
