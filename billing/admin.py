@@ -111,7 +111,11 @@ class UsageRollupAdmin(admin.ModelAdmin):
     @admin.action(description="Held for an operator (its customer deleted): NOT billed by that customer's invoices: "
                               "send it to the organisation's customer of now", permissions=["release_held"])
     def send_held_again(self, request, queryset):
-        num_again = services.send_held_again(Actor.from_request(request), queryset)
+        try:
+            num_again = services.send_held_again(Actor.from_request(request), queryset)
+        except services.WaitingForFinalInvoice as refused:
+            self.message_user(request, str(refused), messages.ERROR)
+            return
         self.message_user(request, f"Sent {num_again} held rollup(s) again.", messages.SUCCESS)
 
     @admin.action(description="Held for an operator (its customer deleted): billed by that customer's invoices, or "

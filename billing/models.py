@@ -147,6 +147,9 @@ class UsageRollup(models.Model):
     # confirmed whose first try is older than Stripe's duplicate window (`stripe_sync.IDENTIFIER_TRUSTED_FOR`).
     push_first_tried_at = models.DateTimeField(null=True, blank=True)
     push_held_at = models.DateTimeField(null=True, blank=True)
+    # Push runs failed for an ended subscription's invoice line whose price cannot be told: held for an operator at
+    # `stripe_sync.UNKNOWN_LINES_HOLD_AFTER` (before, it failed every run for ever).
+    num_unknown_lines_failures = models.PositiveIntegerField(default=0, db_default=0)
     # What its meter events' `identifier`s are made of (`stripe_sync.meter_event_identifier`): what the rollup is
     # (`push_uid_of`: its endpoint, a random UUID, its hour, billing mode and sequence), never the row's id, which
     # PostgreSQL hands out again after a point-in-time restore or a failover to a replica that was behind (another
@@ -285,9 +288,10 @@ class DeletedStripeCustomer(models.Model):
     # Stripe's `created` of the deletion's event (or when it was recorded, if the event had none), on the clock that
     # dates its invoices' failures: one that failed before it keeps holding (`billing.standing.past_due_since`).
     deleted_at = models.DateTimeField(default=timezone.now)
-    # [start, end, quantity, invoice id] of each of its invoices that bill their period, finalised, as read with the
+    # [start, end, quantity, invoice id, final] of each of its invoices that bill their period, as read with the
     # deletion's webhook (Stripe's seconds; units of `BILLED_METER_EVENT_NAME`, of the usage price's lines alone, null
-    # where not final or not known: `billing.stripe_sync.usage_quantity`; no id in those kept before it was): which of the
+    # where not final or not known: `billing.stripe_sync.usage_quantity`; final: false for a draft Stripe still
+    # advances, until its webhook tells its quantity; no id, nor final, in those kept before they were): which of the
     # events Stripe received in the deletion's own second it billed, and which it dropped
     # (`billing.services._pushed_uninvoiced`); and, read after the deletion, which invoices were not void then
     # (`billing_invoice_ids`).
@@ -301,6 +305,35 @@ class DeletedStripeCustomer(models.Model):
         """The invoices that billed their period when read with the deletion's webhook, after the deletion: one of them
         voided since was voided after the deletion, whatever the second Stripe's clock gives the void."""
         return {period[3] for period in self.billed_periods if len(period) > 3}
+
+
+class VoidedInvoiceMark(models.Model):
+    """What was done once with a void invoice, whatever how often its void is told (`invoice.voided`,
+    `invoice.updated`) or in which order with its customer's deletion (`billing.services.push_again_voided`): written
+    off (a live customer's: audited once) or held for an operator (one voided in its customer's deletion's second).
+
+    NOTE: a unique row, found by its index: before, every void's webhook looked for an audit event by a key of its
+    JSON details, a scan of the whole audit log."""
+
+    class Kind(models.TextChoices):
+        WRITTEN_OFF = "written_off"
+        HELD = "held"
+
+    stripe_invoice_id = models.CharField(max_length=64)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["stripe_invoice_id", "kind"], name="voided_invoice_mark_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.stripe_invoice_id} {self.kind}"
+
+    @classmethod
+    def mark(cls, stripe_invoice_id: str, kind: str) -> bool:
+        """Mark the invoice `kind`; False if it was already (nothing to do again)."""
+        _, created = cls.objects.get_or_create(stripe_invoice_id=stripe_invoice_id, kind=kind)
+        return created
 
 
 class ApiKeySpendCap(models.Model):

@@ -26,6 +26,7 @@ from billing.models import (
     Invoice,
     MeterEventPush,
     UsageRollup,
+    VoidedInvoiceMark,
     voided_after_deletion,
     voided_in_deletions_second,
 )
@@ -268,19 +269,29 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
                                      reason=f"events of {customer_id}'s deletion's second its invoices cannot place")
         held_invoices = []
         if billed_periods is not None:
-            billed = [(_epoch(start), _epoch(end)) for start, end, *_ in billed_periods]
             voided = Invoice.objects.filter(organization_id=account.organization_id, stripe_customer_id=customer_id,
-                                            period_start__isnull=False, period_end__isnull=False)
-            # NOTE: an invoice voided after the deletion whose void's webhook came before it was taken for a write-off
-            # (the deletion not known yet): its usage goes again now, unless another of its invoices bills it.
-            for invoice in voided.filter(status=WRITTEN_OFF_INVOICE_STATUS, voided_at__gt=deleted.deleted_at):
+                                            period_start__isnull=False, period_end__isnull=False,
+                                            status=WRITTEN_OFF_INVOICE_STATUS)
+            # NOTE: the read came before this transaction: an invoice it saw billing may be void by now (staff voided
+            # it after the read, and its void's webhook came first). Its period is billed by no invoice: before, it
+            # counted as billed as read, and its usage was billed by no customer (a review's finding).
+            void_ids = set(voided.values_list("stripe_invoice_id", flat=True))
+            billed = [(_epoch(period[0]), _epoch(period[1])) for period in deleted.billed_periods
+                      if period[3:4] == [] or period[3] not in void_ids]
+            # NOTE: voided after the deletion: a later second on Stripe's clock, or one the read (after the deletion)
+            # saw not void. One whose void's webhook came before this was taken for a write-off (the deletion not
+            # known yet): its usage goes again now, unless another of its invoices bills it; the write-off overruled.
+            voided_after = voided.filter(Q(voided_at__gt=deleted.deleted_at)
+                                         | Q(stripe_invoice_id__in=deleted.billing_invoice_ids))
+            for invoice in voided_after:
                 num_again += _push_again_voided_period(account, invoice, billed)
-            # NOTE: one voided in its second, as read now (after the deletion) or mirrored: held, not written off. The
-            # read is Stripe's word: a void mirrored without its time (before `billing/0024`) that it dates earlier is
-            # a write-off.
+            # NOTE: one voided in its second, as read now (after the deletion) or mirrored, that nothing orders: held,
+            # not written off. The read is Stripe's word: a void mirrored without its time (before `billing/0024`)
+            # that it dates earlier is a write-off.
             in_its_second = {invoice.stripe_invoice_id: (invoice.period_start, invoice.period_end)
                              for invoice in voided.voided_in_deletions_second(deleted.deleted_at)
-                             .exclude(stripe_invoice_id__in=written_off)}
+                             .exclude(stripe_invoice_id__in=written_off)
+                             .exclude(stripe_invoice_id__in=deleted.billing_invoice_ids)}
             in_its_second |= {invoice_id: (_epoch(start), _epoch(end)) for invoice_id, start, end in voided_in_its_second}
             for invoice_id, (start, end) in sorted(in_its_second.items()):
                 if _hold_voided_period(account, invoice_id, customer_id, start, end, billed):
@@ -458,8 +469,7 @@ def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, 
             voided_after_deletion(invoice.voided_at, deleted.deleted_at)
             or (in_its_second and invoice.stripe_invoice_id in deleted.billing_invoice_ids))
         if not voided_after and not in_its_second:
-            if not AuditEvent.objects.filter(action=WRITTEN_OFF_AUDIT_ACTION,
-                                             details__invoice=invoice.stripe_invoice_id).exists():
+            if VoidedInvoiceMark.mark(invoice.stripe_invoice_id, VoidedInvoiceMark.Kind.WRITTEN_OFF):
                 record_audit(SYSTEM, account.organization, WRITTEN_OFF_AUDIT_ACTION, account,
                              invoice=invoice.stripe_invoice_id, customer=customer_id)
             return 0
@@ -472,6 +482,11 @@ def push_again_voided(invoice: Invoice, *, billed_periods: list[tuple[datetime, 
         return _push_again_voided_period(account, invoice, billed_periods)
 
 
+def _was_written_off(invoice_id: str) -> bool:
+    """Whether the void invoice `invoice_id` was taken for a live customer's write-off (`push_again_voided`)."""
+    return VoidedInvoiceMark.objects.filter(stripe_invoice_id=invoice_id, kind=VoidedInvoiceMark.Kind.WRITTEN_OFF).exists()
+
+
 def _push_again_voided_period(account: BillingAccount, invoice: Invoice,
                               billed_periods: Sequence[tuple[datetime, datetime]]) -> int:
     """`push_again` the rollups whose events went to the void `invoice`'s customer, deleted before the void, dated in
@@ -479,9 +494,11 @@ def _push_again_voided_period(account: BillingAccount, invoice: Invoice,
     num_again = push_again(_voided_period_rollups(account.organization_id, invoice.stripe_customer_id or "-",
                                                   invoice.period_start, invoice.period_end, billed_periods))
     if num_again:
+        # NOTE: its void's webhook may have come before the deletion was recorded, and taken it for a write-off.
         record_audit(SYSTEM, account.organization, "billing.voided_invoice_pushed_again", account,
                      invoice=invoice.stripe_invoice_id, customer=invoice.stripe_customer_id or "-",
-                     num_rollups_pushed_again=num_again)
+                     num_rollups_pushed_again=num_again,
+                     write_off_overruled=_was_written_off(invoice.stripe_invoice_id))
     return num_again
 
 
@@ -505,13 +522,16 @@ def _hold_voided_period(account: BillingAccount, invoice_id: str, customer_id: s
     (`_voided_period_rollups`), its void in the deletion's own second (`billing.models.voided_in_deletions_second`):
     a write-off if voided before the deletion, billed by nobody if after. Once per invoice, however often its void is
     told (an operator's decision stands). Under the account's lock. Returns how many rollups it held."""
-    if AuditEvent.objects.filter(action=HELD_AUDIT_ACTION, details__invoice=invoice_id).exists():
+    if VoidedInvoiceMark.objects.filter(stripe_invoice_id=invoice_id, kind=VoidedInvoiceMark.Kind.HELD).exists():
         return 0
-    return hold_for_operator(account, _voided_period_rollups(account.organization_id, customer_id, start, end,
-                                                             billed_periods),
-                             customer_id=customer_id, invoice=invoice_id,
-                             reason=f"{invoice_id} of {customer_id} voided in its deletion's second: written off, or "
-                                    "voided after (billed by nobody)?")
+    num_held = hold_for_operator(account, _voided_period_rollups(account.organization_id, customer_id, start, end,
+                                                                 billed_periods),
+                                 customer_id=customer_id, invoice=invoice_id,
+                                 reason=f"{invoice_id} of {customer_id} voided in its deletion's second: written off, "
+                                        "or voided after (billed by nobody)?")
+    if num_held:
+        VoidedInvoiceMark.mark(invoice_id, VoidedInvoiceMark.Kind.HELD)
+    return num_held
 
 
 def hold_for_operator(account: BillingAccount, rollups, *, customer_id: str, invoice: str, reason: str) -> int:
@@ -538,11 +558,40 @@ def _held_for_operator(rollups) -> QuerySet:
     return rollups.filter(push_held_at__isnull=False, pushed_at__isnull=False)
 
 
+class WaitingForFinalInvoice(Exception):
+    """Held usage that Stripe's own record decides once it finalises a draft (`decide_held_by_final_invoice`)."""
+
+
 def send_held_again(actor: Actor, rollups) -> int:
     """Staff: the usage of these rollups held for an operator (`hold_for_operator`) was billed by none of the deleted
     customer's invoices (Stripe dropped it, or voided its invoice after the deletion): `push_again`, to the
-    organisation's customer of now; audited. Returns how many."""
+    organisation's customer of now; audited. Returns how many.
+
+    Raises `WaitingForFinalInvoice`, sending nothing, where some are dated in the period of a draft of that customer
+    that Stripe still advances (its quantity not told yet): that draft, once final, may bill them, and they are decided
+    by it. Before, sent again then, they were billed twice when it did.
+
+    NOTE: a draft's quantity, once told, is never taken back: one found final here stays final; one finalised after
+    this check decides its held rollups itself, and those are no longer held when `_decide_held` reads them."""
+    waiting = _waiting_for_final_invoice(_held_for_operator(rollups))
+    if waiting:
+        raise WaitingForFinalInvoice(
+            f"Rollups {waiting} are dated in a draft invoice of the deleted customer that Stripe has not finalised yet: "
+            "it may bill them, and decides them itself when Stripe finalises it. Nothing was sent.")
     return _decide_held(actor, rollups, "billing.held_usage_pushed_again", push_again)
+
+
+def _waiting_for_final_invoice(rollups) -> list[int]:
+    """The ids of `rollups` with an event that went to a deleted customer dated in the period of its draft that Stripe
+    still advances, its quantity not told yet (`DeletedStripeCustomer.billed_periods`: final false, quantity None)."""
+    waiting = set()
+    for deleted in DeletedStripeCustomer.objects.filter(organization_id__in=rollups.values("organization_id")):
+        for period in deleted.billed_periods:
+            if len(period) > 4 and not period[4] and period[2] is None:
+                waiting |= set(_events_sent_to(deleted.organization_id, deleted.stripe_customer_id)
+                               .filter(rollup__in=rollups).filter(_dated_within(_epoch(period[0]), _epoch(period[1])))
+                               .values_list("rollup_id", flat=True))
+    return sorted(waiting)
 
 
 def keep_held(actor: Actor, rollups) -> int:
@@ -588,7 +637,7 @@ def decide_held_by_final_invoice(customer_id: str, invoice_id: str, quantity: in
         if not unknown:
             return 0
         for period in unknown:
-            period[2] = quantity
+            period[2:5] = [quantity, invoice_id, True]  # final now
         deleted.billed_periods = periods
         deleted.save(update_fields=["billed_periods"])
         dropped, undecided = _dropped_in_its_second(organization_id, customer_id, deleted)

@@ -43,7 +43,7 @@ from datetime import UTC, datetime, timedelta
 import stripe
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Case, IntegerField, Q, Value, When
+from django.db.models import Case, F, IntegerField, Q, Value, When
 from django.utils import timezone
 
 from billing import services, standing
@@ -60,6 +60,7 @@ from billing.models import (
     voided_in_deletions_second,
 )
 from controlplane.accounts.models import Organization
+from controlplane.accounts.services import SYSTEM, record_audit
 from controlplane.redis_client import held_alone
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 
@@ -316,7 +317,8 @@ class DeletedCustomerInvoices:
     # (start, end, quantity, invoice id) of those that bill their period: Stripe's seconds, and what they billed in
     # units of the billed meter (`billing.models.BILLED_METER_EVENT_NAME`), None where it is not final (a draft still
     # advancing) or not known (`usage_quantity`).
-    billed_periods: list[tuple[int, int, int | None, str]] | None  # None: not read
+    # And whether it is final: a draft Stripe still advances (quantity None until its webhook says it) is not.
+    billed_periods: list[tuple[int, int, int | None, str, bool]] | None  # None: not read
     written_off: list[str]  # the ids of the void ones voided a second before the deletion: staff write-offs
     # (invoice id, start, end) of the void ones Stripe's clock cannot order against the deletion
     # (`billing.models.voided_in_deletions_second`): their usage is held for an operator.
@@ -358,7 +360,7 @@ def deleted_customer_invoices(customer_id: str, *, deleted_at: datetime,
             final = invoice.status in BILLING_INVOICE_STATUSES
             billed_periods.append((invoice.period_start, invoice.period_end,
                                    usage_quantity(invoice.to_dict(), attempts=attempts, usage_price_id=usage_price_id)
-                                   if final else None, invoice.id))
+                                   if final else None, invoice.id, final))
         elif invoice.status == WRITTEN_OFF_INVOICE_STATUS and not voided_after_deletion(_voided_at(invoice), deleted_at):
             # NOTE: one of the deletion's own second settles its period too, but is no write-off by rule: held.
             if voided_in_deletions_second(_voided_at(invoice), deleted_at):
@@ -422,8 +424,7 @@ def usage_price_lines(invoice: dict, usage_price_id: str, *, attempts: int, subs
             if item_id and item_prices is None:
                 if subscription is None:
                     subscription = _subscription_of(invoice, line, attempts=attempts)
-                item_prices = {} if subscription is None else {
-                    item["id"]: reference_id(item["price"]) for item in subscription["items"]["data"]}
+                item_prices = {} if subscription is None else _item_prices(subscription, attempts=attempts)
             price_id = (item_prices or {}).get(item_id or "", "")
             if not price_id:
                 logger.warning("the invoice %s has a line (%s) whose price Stripe does not say", invoice.get("id"),
@@ -432,6 +433,22 @@ def usage_price_lines(invoice: dict, usage_price_id: str, *, attempts: int, subs
         if price_id == usage_price_id:
             found.append(line)
     return found
+
+
+def _item_prices(subscription: dict, *, attempts: int) -> dict[str, str]:
+    """The price of each item of Stripe's `subscription` (a dict), by item id: all of them, read page by page where it
+    shows only some (its first 10, `items.has_more`). NOTE: before, only those shown: a line of an item past them could
+    not be placed, and the next subscription was never made. An item deleted since (a price swapped) is in no list,
+    and Stripe answers 404 for it: its lines cannot be placed (`UNKNOWN_LINES_HOLD_AFTER`)."""
+    items = subscription.get("items") or {}
+    prices = {item["id"]: reference_id(item["price"]) for item in items.get("data") or []}
+    if items.get("has_more"):
+        listed = call_stripe(lambda options: stripe_client().v1.subscription_items.list(
+            params={"subscription": subscription["id"], "limit": 100}, options=options),
+            what="subscription items read", attempts=attempts)
+        prices |= {item["id"]: reference_id(item["price"])
+                   for item in (listed_item.to_dict() for listed_item in listed.auto_paging_iter())}
+    return prices
 
 
 def _subscription_of(invoice: dict, line: dict, *, attempts: int):
@@ -808,7 +825,7 @@ def release_held(rollups) -> int:
     """Push these held rollups on: Stripe does not have the event each was held for (it is sent again, its
     duplicate window begins anew)."""
     return rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True).update(
-        push_held_at=None, push_first_tried_at=None, push_error="")
+        push_held_at=None, push_first_tried_at=None, push_error="", num_unknown_lines_failures=0)
 
 
 def confirm_held(rollups) -> int:
@@ -947,9 +964,36 @@ def _push_claimable(*, limit: int, budget_s: float) -> int:
             # minute. The next run tries again with the key it is configured with then.
             logger.exception("Stripe refused the API key pushing rollup %s; this run pushes no more", rollup_id)
             break
-        except (stripe.StripeError, UnknownInvoiceLines):
+        except UnknownInvoiceLines as exc:
+            _count_unknown_lines(rollup_id, exc)
+        except stripe.StripeError:
             logger.exception("could not push rollup %s; the next run retries it", rollup_id)
     return num_pushed
+
+
+# Push runs (a minute apart) a rollup may fail for an invoice line whose price cannot be told before it is held.
+UNKNOWN_LINES_HOLD_AFTER = 10
+
+
+def _count_unknown_lines(rollup_id: int, exc: UnknownInvoiceLines) -> None:
+    """One more push run that `rollup_id` failed for an ended subscription's invoice line whose price cannot be told
+    (`UnknownInvoiceLines`); the `UNKNOWN_LINES_HOLD_AFTER`th holds it for an operator: `push_held_at`, its
+    `push_error` says why, an ERROR log line and an audit event; the usage rollups' admin list (filter "push held
+    at") shows it, and "send it again" (`release_held`) retries it once Stripe can tell. NOTE: before, it failed
+    every run for ever, with only an ERROR line per rollup per run (an item deleted since, say, by a price swap)."""
+    UsageRollup.objects.filter(pk=rollup_id).update(num_unknown_lines_failures=F("num_unknown_lines_failures") + 1)
+    held = UsageRollup.objects.filter(pk=rollup_id, push_held_at__isnull=True, pushed_at__isnull=True,
+                                      num_unknown_lines_failures__gte=UNKNOWN_LINES_HOLD_AFTER).update(
+        push_held_at=timezone.now(), push_claimed_at=None,
+        push_error=f"held for an operator after {UNKNOWN_LINES_HOLD_AFTER} runs: {exc}"[:300])
+    if not held:
+        logger.exception("could not push rollup %s; the next run retries it", rollup_id)
+        return
+    organization_id = UsageRollup.objects.values_list("organization_id", flat=True).get(pk=rollup_id)
+    logger.error("rollup %s held after %d push runs: %s; look in Stripe, then send it again in the admin (usage "
+                 "rollups, push held at)", rollup_id, UNKNOWN_LINES_HOLD_AFTER, exc)
+    record_audit(SYSTEM, Organization.objects.get(pk=organization_id), "billing.push_held_unknown_invoice_lines",
+                 None, rollups=[rollup_id], reason=str(exc)[:300])
 
 
 # --- links for the console ----------------------------------------------------------------------------

@@ -7,13 +7,17 @@ subscription cancelled at once, which bills none of its unfinished period's usag
 was followed by one starting at its end: that usage was billed by no invoice."""
 
 import asyncio
+import importlib
 import json
 import time
 from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.apps import apps
 from django.contrib.auth import get_user_model
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -28,11 +32,12 @@ from billing.models import (
     StripeEvent,
     StripeMeter,
     UsageRollup,
+    VoidedInvoiceMark,
 )
 from billing.quota.counters import QuotaExceeded
 from billing.rollups import rollup_usage
 from controlplane.accounts.models import AuditEvent
-from controlplane.accounts.services import Actor
+from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import reserve
 from tests.factories import EndpointFactory, sign_in_staff
@@ -608,6 +613,63 @@ def test_a_line_whose_price_nothing_tells_holds_back_the_next_subscription_and_n
     assert _subscribed(endpoint) == (customer, "")
 
 
+def test_a_subscription_cancelled_at_once_is_followed_from_its_usage_line_past_its_first_ten_items(fake_stripe):
+    """The ended subscription has 11 items (staff added metered prices) and its invoice's lines state no price: each is
+    placed by its subscription item's price. Stripe's subscription shows its first 10 items (`items.has_more`). Before,
+    only those were read: the 11th item's line could not be placed, and the next subscription was never made, the
+    push failing every run. The items are listed page by page now."""
+    endpoint = EndpointFactory()
+    fake_stripe.line_prices_shown = False
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    for _ in range(10):
+        fake_stripe.add_subscription_item(first, meter="inferplane_input_tokens")
+    invoiced_until = _end_period_after_what_was_pushed(fake_stripe, first)
+    _use_and_push(endpoint, num_hours_ago=5)  # in the period the cancellation cuts short
+
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    _use_and_push(endpoint, num_hours_ago=4)
+
+    _, second = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, second)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+    assert second != first and fake_stripe.subscriptions[second]["start_date"] == invoiced_until
+    assert fake_stripe.calls_to("/v1/subscription_items", method="GET")
+
+
+def test_a_line_of_an_item_deleted_since_is_held_for_an_operator_after_some_runs_not_retried_for_ever(
+        fake_stripe, client):
+    """The ended subscription's invoice has a line that states no price, of an item staff deleted since (a price
+    swapped): Stripe answers 404 for it, and no list has it, so where its invoices stopped cannot be told. Before, the
+    push failed every run for ever (an ERROR line each). After `UNKNOWN_LINES_HOLD_AFTER` runs the rollup is held for an
+    operator: audited, listed in the admin, and tried no more until sent again from there."""
+    endpoint = EndpointFactory()
+    fake_stripe.line_prices_shown = False
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    swapped = fake_stripe.add_subscription_item(first, meter="inferplane_input_tokens")
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    fake_stripe.remove_subscription_item(first, swapped["id"])
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=5)))
+    rollup_usage()
+
+    for _ in range(stripe_sync.UNKNOWN_LINES_HOLD_AFTER):
+        assert stripe_sync.push_pending_rollups() == 0
+    stuck = UsageRollup.objects.get(hour_start=_hour(5))
+    assert stuck.pushed_at is None and stuck.push_held_at is not None and "held for an operator" in stuck.push_error
+    [audited] = AuditEvent.objects.filter(action="billing.push_held_unknown_invoice_lines")
+    assert audited.details["rollups"] == [stuck.pk]
+    num_calls = len(fake_stripe.calls)
+    assert stripe_sync.push_pending_rollups() == 0
+    assert len(fake_stripe.calls) == num_calls  # held: not tried again
+
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test",
+                                                                    "a long passphrase"))
+    listed = client.get("/django-admin/billing/usagerollup/", {"push_held_at__isnull": "False"})
+    assert listed.status_code == 200 and "held for an operator" in listed.content.decode()
+
+
 def _written_off_once(fake_stripe, customer_id: str) -> None:
     """Every unit of usage pushed to the customer is on one of its invoices, once; a void one's (some) are forgiven."""
     assert fake_stripe.invoiced_usage(customer_id) == _cost_pushed(fake_stripe, customer_id)
@@ -940,6 +1002,48 @@ def test_an_invoice_voided_in_its_customers_deletions_second_that_nothing_orders
         assert new_customer == ""
 
 
+@pytest.mark.parametrize("voided", ["in_the_deletions_second", "a_later_second"])
+def test_an_invoice_voided_between_the_deletions_read_and_its_record_goes_again_once(fake_stripe, monkeypatch, voided):
+    """The deletion's webhook read the customer's invoices (after the deletion: the 7th hour's open), then staff voided
+    that invoice, and the void's webhook was applied before the deletion's transaction: taken then for a live
+    customer's write-off (no deletion recorded yet). Before, the deletion counted the 7th hour billed by that invoice,
+    as read, so neither its "voided after" nor its "voided in its second" path sent it: billed by no customer (a
+    review's proof). Voided after the deletion's read, it was voided after the deletion: the 7th hour goes again once,
+    to the next customer, and the write-off is overruled, audited."""
+    endpoint = EndpointFactory()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(invoice["id"]))
+
+    deleted_at = fake_stripe.frozen_s = int(time.time())
+    gone = fake_stripe.delete_customer(old_customer)
+    read = stripe_sync.deleted_customer_invoices
+
+    def read_then_voided(customer_id, **kwargs):
+        found = read(customer_id, **kwargs)  # the invoice open, after the deletion
+        if voided == "a_later_second":
+            fake_stripe.frozen_s = deleted_at + 1
+        voided_invoice = fake_stripe.void_invoice(invoice["id"])
+        _webhook("invoice.voided", voided_invoice)  # applied before the deletion's transaction
+        return found
+
+    monkeypatch.setattr(stripe_sync, "deleted_customer_invoices", read_then_voided)
+    _webhook("customer.deleted", gone, created=deleted_at)
+    monkeypatch.undo()
+    fake_stripe.frozen_s = None
+    assert stripe_sync.push_pending_rollups() == 1  # the 7th hour's again, by the deletion
+    _webhook("invoice.updated", fake_stripe.invoices[invoice["id"]])  # the void told again: nothing more
+    assert stripe_sync.push_pending_rollups() == 0
+    assert not UsageRollup.objects.filter(push_held_at__isnull=False).exists()
+
+    new_customer, new_subscription = _subscribed(endpoint)
+    _invoice_the_rest(fake_stripe, new_subscription)
+    [cost] = [rollup.cost_micro_dollars for rollup in UsageRollup.objects.all()]
+    assert _billed_usage(fake_stripe, old_customer) == 0
+    assert _billed_usage(fake_stripe, new_customer) == cost == _cost_pushed(fake_stripe, new_customer)
+    [audited] = AuditEvent.objects.filter(action="billing.voided_invoice_pushed_again")
+    assert audited.details["invoice"] == invoice["id"] and audited.details["write_off_overruled"] is True
+
+
 def _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, *, received: str) -> tuple[str, dict, dict, int]:
     """The 7th hour pushed and on a draft whose period the 6th hour's date is in too; the 6th hour pushed in the second
     its customer is deleted in Stripe, `received` before or after the deletion; Stripe's clock held at that second.
@@ -968,7 +1072,8 @@ def test_events_of_the_deletions_second_that_its_invoices_cannot_place_are_held_
     placed; nor where the usage price is not known here (its id not kept: which lines bill the usage cannot be told).
     Stripe received them after the deletion and dropped them. Before, they counted as received before it, silently:
     the 6th hour was billed by no customer. They are held for an operator now (audited, listed in the admin), neither
-    sent again by rule (billed twice, had Stripe billed them) nor lost: sent again from the admin, billed once."""
+    sent again by rule (billed twice, had Stripe billed them) nor lost: sent again from the admin, billed once; or, for
+    the draft, decided by it once Stripe finalises it (the admin refuses to send them before)."""
     endpoint = EndpointFactory()
     old_customer, draft, gone, second = _the_6th_hour_in_the_deletions_second(
         fake_stripe, endpoint, received="after_the_deletion")
@@ -995,9 +1100,14 @@ def test_events_of_the_deletions_second_that_its_invoices_cannot_place_are_held_
     listed = client.get("/django-admin/billing/usagerollup/", {"push_held_at__isnull": "False"})
     assert listed.status_code == 200 and "held for an operator" in listed.content.decode()
     sent = client.post("/django-admin/billing/usagerollup/", {"action": "send_held_again",
-                                                               "_selected_action": [held.pk]})
-    assert sent.status_code == 302
-    assert AuditEvent.objects.filter(action="billing.held_usage_pushed_again", details__rollups=[held.pk]).exists()
+                                                               "_selected_action": [held.pk]}, follow=True)
+    if cannot_place == "a_draft_stripe_still_advances":
+        # Refused while the draft is not final (it may bill them); Stripe's own record decides them once it is.
+        assert "has not finalised yet" in sent.content.decode()
+        _webhook("invoice.finalized", fake_stripe.finalize_invoice(draft["id"]))
+        assert AuditEvent.objects.filter(action="billing.held_usage_decided").exists()
+    else:
+        assert AuditEvent.objects.filter(action="billing.held_usage_pushed_again", details__rollups=[held.pk]).exists()
     _billed_once(fake_stripe, endpoint, old_customer, dropped=True)
 
 
@@ -1054,6 +1164,75 @@ def test_events_of_the_deletions_second_held_for_a_draft_are_decided_once_stripe
     assert (decided.details["rollups_pushed_again"], decided.details["rollups_kept"]) == (
         ([held_pk], []) if received == "after_the_deletion" else ([], [held_pk]))
     _billed_once(fake_stripe, endpoint, old_customer, dropped=received == "after_the_deletion")
+
+
+def test_usage_held_for_a_draft_stripe_has_not_finalised_cannot_be_sent_again_from_the_admin(fake_stripe, client):
+    """The 6th hour's events, received in the deletion's second before the deletion, were held for want of the final
+    quantity of the draft their period is in (Stripe refused to finalise it, and advances it itself). Before, a
+    superuser's "send it again" sent them to the next customer at once, and the draft, once Stripe finalised it, billed
+    them too: billed twice. The admin refuses it, with a message, while that draft is not final; Stripe's own record
+    decides them once it finalises it."""
+    endpoint = EndpointFactory()
+    old_customer, draft, gone, second = _the_6th_hour_in_the_deletions_second(
+        fake_stripe, endpoint, received="before_the_deletion")
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _webhook("customer.deleted", gone, created=second)
+    fake_stripe.frozen_s = None
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    assert held.push_held_at is not None
+
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test",
+                                                                    "a long passphrase"))
+    sent = client.post("/django-admin/billing/usagerollup/", {"action": "send_held_again",
+                                                               "_selected_action": [held.pk]}, follow=True)
+    assert sent.status_code == 200 and "has not finalised yet" in sent.content.decode()
+    assert UsageRollup.objects.get(pk=held.pk).push_held_at is not None
+    assert not AuditEvent.objects.filter(action="billing.held_usage_pushed_again").exists()
+    assert stripe_sync.push_pending_rollups() == 0
+
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(draft["id"]))  # an hour on, by Stripe: it billed them
+    assert not UsageRollup.objects.filter(push_held_at__isnull=False).exists()
+    _billed_once(fake_stripe, endpoint, old_customer, dropped=False)
+
+
+def test_a_void_told_again_finds_what_was_done_with_it_without_scanning_the_audit_log(fake_stripe):
+    """A live customer's void invoice is written off once, however often its void is told. Before, every void's
+    webhook looked for an audit event by a key of its JSON details (`details__invoice`): a scan of the whole audit log,
+    on every `invoice.voided` and `invoice.updated`. It finds a unique mark by its index now."""
+    endpoint = EndpointFactory()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(invoice["id"]))
+    voided = fake_stripe.void_invoice(invoice["id"])
+    with CaptureQueriesContext(connection) as queries:
+        _webhook("invoice.voided", voided)
+        _webhook("invoice.updated", voided)
+    audit_table = AuditEvent._meta.db_table
+    assert [query["sql"] for query in queries.captured_queries
+            if audit_table in query["sql"] and query["sql"].lstrip().upper().startswith("SELECT")] == []
+    [written_off] = AuditEvent.objects.filter(action=services.WRITTEN_OFF_AUDIT_ACTION)
+    assert written_off.details["invoice"] == invoice["id"]
+
+
+def test_voids_written_off_or_held_before_their_marks_were_kept_are_marked_from_the_audit_log(fake_stripe):
+    """`billing/0025` takes the marks of the voids written off or held before it from their audit events, so that a
+    void told again after it is neither audited nor held a second time."""
+    migration = importlib.import_module("billing.migrations.0025_voided_invoice_mark")
+    endpoint = EndpointFactory()
+    old_customer, old_subscription, invoice = _invoiced_the_7th_hour(fake_stripe, endpoint)
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(invoice["id"]))
+    voided = fake_stripe.void_invoice(invoice["id"])
+    _webhook("invoice.voided", voided)
+    VoidedInvoiceMark.objects.all().delete()  # as before billing/0025: its audit event alone
+    record_audit(SYSTEM, endpoint.organization, services.HELD_AUDIT_ACTION, None, invoice="in_held", rollups=[1])
+    record_audit(SYSTEM, endpoint.organization, services.HELD_AUDIT_ACTION, None, invoice="", rollups=[2])
+
+    migration.mark_from_the_audit_log(apps, None)
+    migration.mark_from_the_audit_log(apps, None)  # a second run changes nothing
+
+    assert set(VoidedInvoiceMark.objects.values_list("stripe_invoice_id", "kind")) == {
+        (invoice["id"], VoidedInvoiceMark.Kind.WRITTEN_OFF), ("in_held", VoidedInvoiceMark.Kind.HELD)}
+    _webhook("invoice.updated", voided)
+    assert AuditEvent.objects.filter(action=services.WRITTEN_OFF_AUDIT_ACTION).count() == 1
 
 
 @pytest.mark.parametrize("received", ["before_the_deletion", "after_the_deletion"])

@@ -12,6 +12,7 @@
     fake.invoices[id]["auto_advance"] = False                 # a draft Stripe leaves for us to finalise
     fake.invoiced_usage(customer id)                          # what the subscriptions' invoices billed, in meter units
     fake.add_subscription_item(id, meter=event name)          # a second price on a subscription, as staff add one
+    fake.remove_subscription_item(id, item id)                # an item deleted (a price swapped), its lines kept
     fake.add_invoice_item(customer id, amount=500)            # a one-off charge, pulled into its next invoice
     fake.line_prices_shown = False                            # subscription items' lines state no price (`pricing` null)
     fake.cancel_in_portal(session id, subscription id)        # the customer's click, as the session's configuration says
@@ -113,6 +114,7 @@ class FakeStripe:
     revoked_keys: set[str] = field(default_factory=set)
     invoices: dict[str, dict] = field(default_factory=dict)  # with all their lines (an answer shows the first 10)
     pending_invoice_items: dict[str, dict] = field(default_factory=dict)  # not invoiced yet, by id
+    removed_subscription_items: dict[str, dict] = field(default_factory=dict)  # deleted from their subscription, by id
     portal_configurations: dict[str, dict] = field(default_factory=dict)
     portal_sessions: dict[str, dict] = field(default_factory=dict)
     # What the account's default portal configuration (set in the Dashboard) lets a customer do.
@@ -235,6 +237,15 @@ class FakeStripe:
                     "current_period_end": first["current_period_end"]}
             subscription["items"]["data"].append(item)
             return dict(item)
+
+    def remove_subscription_item(self, subscription_id: str, item_id: str) -> None:
+        """What deleting a subscription item does (staff swapping a price in the Dashboard): gone from the subscription
+        and its item list, and `GET /v1/subscription_items/{id}` answers 404; lines of invoices made before keep its id."""
+        with self._lock:
+            items = self.subscriptions[subscription_id]["items"]["data"]
+            [item] = [item for item in items if item["id"] == item_id]
+            items.remove(item)
+            self.removed_subscription_items[item_id] = item
 
     def add_invoice_item(self, customer_id: str, *, amount: int = 500) -> dict:
         """What a one-off charge made in the Dashboard does (an invoice item of `amount` cents, on a price of its
@@ -370,6 +381,8 @@ class FakeStripe:
         if line["pricing"] is not None:
             return line["pricing"]["price_details"]["price"]
         item_id = line["parent"]["subscription_item_details"]["subscription_item"]
+        if item_id in self.removed_subscription_items:
+            return self.removed_subscription_items[item_id]["price"]["id"]
         return next(item["price"]["id"] for subscription in self.subscriptions.values()
                     for item in subscription["items"]["data"] if item["id"] == item_id)
 
@@ -481,12 +494,30 @@ class FakeStripe:
         if (method, path) == ("POST", "/v1/subscriptions"):
             return self._subscription(params, now)
         if (method, path) == ("GET", "/v1/subscriptions"):
-            return 200, {"object": "list", "data": self._list_subscriptions(params), "has_more": False, "url": path}
+            return 200, {"object": "list", "data": [_shown_subscription(found) for found in self._list_subscriptions(params)],
+                         "has_more": False, "url": path}
         if method == "GET" and path.startswith("/v1/subscriptions/"):
             subscription = self.subscriptions.get(path.removeprefix("/v1/subscriptions/"))
             if subscription is None:
                 return 404, _error("invalid_request_error", "No such subscription", code="resource_missing")
-            return 200, subscription
+            return 200, _shown_subscription(subscription)
+        if (method, path) == ("GET", "/v1/subscription_items"):
+            subscription = self.subscriptions.get(params.get("subscription") or "")
+            if subscription is None:
+                return 404, _error("invalid_request_error", "No such subscription", code="resource_missing")
+            items = subscription["items"]["data"]
+            after = params.get("starting_after")
+            start = next((index + 1 for index, item in enumerate(items) if item["id"] == after), 0) if after else 0
+            limit = int(params.get("limit") or 10)
+            return 200, {"object": "list", "data": items[start:start + limit], "has_more": start + limit < len(items),
+                         "url": path}
+        if method == "GET" and path.startswith("/v1/subscription_items/"):
+            item_id = path.removeprefix("/v1/subscription_items/")
+            found = [item for subscription in self.subscriptions.values() for item in subscription["items"]["data"]
+                     if item["id"] == item_id]
+            if not found:  # NOTE: a deleted item too
+                return 404, _error("invalid_request_error", "No such subscription item", code="resource_missing")
+            return 200, found[0]
         if (method, path) == ("GET", "/v1/invoices"):
             found = [invoice for invoice in reversed(self.invoices.values())  # newest first
                      if params.get("customer") in (None, invoice["customer"])
@@ -678,7 +709,7 @@ class FakeStripe:
             "livemode": False,
         }
         self.subscriptions[subscription["id"]] = subscription
-        return 200, subscription
+        return 200, _shown_subscription(subscription)
 
     def _list_subscriptions(self, params: dict) -> list[dict]:
         status = params.get("status")
@@ -711,6 +742,14 @@ class FakeStripe:
 
 # How many lines an invoice shows (Stripe's "first handful"): the rest are read from its `lines` list's `url`.
 INVOICE_LINES_SHOWN = 10
+
+
+def _shown_subscription(subscription: dict) -> dict:
+    """A subscription as Stripe's answers show it: its first 10 items (`items.has_more`; the rest are listed by
+    `GET /v1/subscription_items?subscription=`)."""
+    items = subscription["items"]["data"]
+    return {**subscription, "items": {"object": "list", "data": items[:10], "has_more": len(items) > 10,
+                                      "url": f"/v1/subscription_items?subscription={subscription['id']}"}}
 
 
 def _shown(invoice: dict) -> dict:
