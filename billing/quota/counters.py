@@ -362,7 +362,7 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # rebuilt and that counter (the organisation counter's, and the organisation counter, without a key). ARGV: the seconds
 # a reservation holds (its deadline: Redis's clock plus these), then per call: request id, amount (units), has key
 # (1/0), payload, when it can no longer tell whether the sweeper counted it (Redis's clock, s; empty: not known), since
-# when it is not known held (`_held_since`; empty: not known, or no row of it may be in the ledger yet).
+# when it is not known held (`_held_since`; empty: not known), whether its gateway is writing its usage row (1/0).
 # A reservation still there (Redis forgot only the gateway's own keys), one whose call settled meanwhile (its marker:
 # the sweeper's settlement too, a day), or one past that (its gateway froze longer than the sweeper's marker lives,
 # `SETTLE_LUA`) is left. One the sweeper released unbilled (no marker) is held again: its call still runs.
@@ -373,14 +373,23 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
 # window) is marked for that rebuild, in the counter's set (`held_again_key`): it was not among the calls reserved when
 # the rebuild began, and its row may be in the rebuild's snapshot (`rebuild.HELD_AGAIN_LUA`). The sets last as long as
 # the rebuilds under way.
-# For a call whose usage row may be in the ledger (its gateway is writing it: "since when" given), a counter it counts
-# in that was rebuilt since the call was last known held and is written already (its `rb`, the credit figure's `@rb`:
-# `rebuild._INIT_SPEND`) is dropped, as a settlement with no hold drops it (`SETTLE_LUA`): that rebuild did not find the
-# call reserved and may have its row, and the call, held again, settles as one that held all along. The next call
-# rebuilds it, with the call reserved. (A call still running has no row in that snapshot: nothing is dropped for it,
-# so a flush does not have every counter rebuilt twice.) NOTE: its settlement added its cost to a counter whose
+# For a call whose usage row may be in the ledger (its gateway is writing it; or its hold may have lapsed: Redis's clock
+# is past a reservation's time after "since when", and the sweeper may have written a `gateway_lost` row for it), a
+# counter it counts in that was rebuilt since the call was last known held and is written already (its `rb`, the
+# credit figure's `@rb`: `rebuild._INIT_SPEND`) is dropped, as a settlement with no hold drops it (`SETTLE_LUA`): that
+# rebuild did not find the call reserved and may have its row, and the call, held again, settles as one that held all
+# along. The next call rebuilds it, with the call reserved. (A call still running within its deadline has no row in
+# that snapshot: nothing is dropped for it, so a flush does not have every counter rebuilt twice. One past it that the
+# sweeper did not sweep costs an extra rebuild, never money.) NOTE: "may have lapsed" is read on Redis's clock, in the
+# script: from "since when" plus a reservation's time, `lapses_at` less `HELD_SINCE_SLACK_S` at most; the sweeper
+# takes a hold only once Redis's clock reaches its deadline, a second after `lapses_at` as the gateway's estimate of
+# Redis's clock set it, so a swept call is always taken as lapsed while that estimate was off by under 3 s (a skew
+# past 2 s is an ERROR: `controlplane.clock`). NOTE: its settlement added its cost to a counter whose
 # snapshot had its row (Redis lost the hold after the row was written, a rebuild wrote the counter before the gateway's
-# next beat held the call again): counted twice.
+# next beat held the call again): counted twice. NOTE: so too a call whose gateway froze past its deadline, swept (a
+# `gateway_lost` row, settled), then Redis flushed (the sweeper's marker with it) and a rebuild read that row before
+# the woken gateway held the call again (not writing its row yet): its own row superseded the lost one and its
+# settlement, finding its hold, added its whole cost to a counter that had the lost row's: 0.000041 for 0.000025.
 # NOTE: each call was marked, in the rebuilds' hash, for every counter of its organisation being rebuilt, other keys'
 # too, and each rebuild's write read that whole hash: after a flush, 5,000 calls in flight under 20 keys wrote 110,000
 # fields in one script, and each write scanned them all (seconds, Redis blocked for every tenant; rebuilds past their
@@ -404,8 +413,8 @@ local function drop_rebuilt_since(since, began_in, began_field, ...)
   local began = redis.call('HGET', began_in, began_field)
   if began and tonumber(began) >= tonumber(since) then redis.call('DEL', ...) end
 end
-for i = 2, #ARGV, 6 do
-  local n = (i - 2) / 6
+for i = 2, #ARGV, 7 do
+  local n = (i - 2) / 7
   local untold = ARGV[i + 4] ~= '' and now > tonumber(ARGV[i + 4])
   if not untold and redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('EXISTS', KEYS[11 + 4 * n]) == 0 then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3])
@@ -415,11 +424,13 @@ for i = 2, #ARGV, 6 do
     restored = restored + 1
     mark(KEYS[7], KEYS[5], ARGV[i])
     mark(KEYS[8], KEYS[6], ARGV[i])
-    drop_rebuilt_since(ARGV[i + 5], KEYS[7], 'rb', KEYS[7])
-    drop_rebuilt_since(ARGV[i + 5], KEYS[9], '@rb', KEYS[8], KEYS[9])
+    local since = ARGV[i + 5]
+    if since ~= '' and ARGV[i + 6] ~= '1' and now < tonumber(since) + tonumber(ARGV[1]) then since = '' end
+    drop_rebuilt_since(since, KEYS[7], 'rb', KEYS[7])
+    drop_rebuilt_since(since, KEYS[9], '@rb', KEYS[8], KEYS[9])
     if ARGV[i + 2] == '1' then
       mark(KEYS[13 + 4 * n], KEYS[12 + 4 * n], ARGV[i])
-      drop_rebuilt_since(ARGV[i + 5], KEYS[13 + 4 * n], 'rb', KEYS[13 + 4 * n])
+      drop_rebuilt_since(since, KEYS[13 + 4 * n], 'rb', KEYS[13 + 4 * n])
     end
   end
 end
@@ -438,9 +449,10 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
     many it held again. Each is held as its admission held it (its amount, its key, its period), with a new deadline,
     unless its marker says it was settled, or more than a marker lives past `lapsed_at` (each one's, Redis's clock:
     when its hold may have lapsed; None: not known): `told_until`. For a call whose usage row may be in the ledger
-    already (`rows_written`, each one's: its gateway is writing it), a counter it counts in rebuilt since it was last
-    known held (`lapsed_at` less a reservation's time) is dropped, rebuilt by the next call with it reserved; a call
-    still running has no row in that rebuild's snapshot, and its settlement adds its cost as any.
+    already (`rows_written`, each one's: its gateway is writing it; or, Redis's clock past its `lapsed_at`, the
+    sweeper's `gateway_lost` row), a counter it counts in rebuilt since it was last known held (`lapsed_at` less a
+    reservation's time) is dropped, rebuilt by the next call with it reserved; a call still running within its
+    deadline has no row in that rebuild's snapshot, and its settlement adds its cost as any.
 
     NOTE: without this, a flushed or restarted Redis rebuilt the organisation's counters from the ledger with nothing
     reserved, while its calls then running went on: until they ended, new calls were admitted against the caps and
@@ -465,7 +477,7 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
                  settled_key(organization_id, reservation.request_id), held_again_key(key_counter), key_counter]
         args += [reservation.request_id, str(units), "1" if api_key_id is not None else "0",
                  f"{payload_before}{units}{payload_after}", _told_until(lapses),
-                 _held_since(lapses) if row_written else ""]
+                 _held_since(lapses), "1" if row_written else "0"]
     return await _RESTORE_RESERVATIONS(keys=keys, args=args)
 
 

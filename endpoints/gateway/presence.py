@@ -165,7 +165,8 @@ class Held:
     progress_recorded: tuple[int, int, int] | None = None
     call_token: str = ""  # its call's (`traffic.new_call_token`): its entry is put back as its own
     # Its usage row is being written (it may be in the ledger): a hold again drops the counters rebuilt since it was
-    # last known held, whose snapshot may have it (`counters.restore_reservations`).
+    # last known held, whose snapshot may have it (`counters.restore_reservations`; so too, whatever this says, for a
+    # call past its `lapses_at` on Redis's clock: the sweeper's `gateway_lost` row may be there).
     writes_row: bool = False
     progress_sent: tuple[int, int, int] | None = None
 

@@ -13,12 +13,12 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from billing import periods
+from billing import periods, usage_writer
 from billing.credits import grant_credits
 from billing.ledger import record_usage
 from billing.models import BillingMode, UsageRecord
 from billing.quota import reads, rebuild, sweeper
-from billing.quota.counters import from_units
+from billing.quota.counters import from_units, record_progress
 from billing.services import set_billing_mode, set_key_spend_cap
 from controlplane import redis_keys
 from controlplane.accounts.models import ApiKey
@@ -251,6 +251,88 @@ def test_a_lost_row_swept_while_its_counter_is_missing_is_counted_once_by_a_rebu
     assert reads.counted_spend(organization.pk) == row.cost
     if what == "credit":
         assert from_units(int(get_redis().get(counter))) == Decimal("2.00") - row.cost
+
+
+@pytest.mark.parametrize("what", ["org", "key", "credit"])
+def test_a_frozen_gateways_call_swept_then_flushed_then_held_again_counts_once(gateway, what):
+    # Found by a review: a call admitted, its progress recorded; its gateway froze past the deadline and the sweeper
+    # wrote its `gateway_lost` row and settled it; Redis was flushed (counters, holds, the sweeper's marker); the next
+    # call rebuilt the counters (the lost row in the snapshot, the call not reserved); the gateway woke and its
+    # reconcile held the call again (no marker, within `told_until`; not writing its row yet, it streams on); its own
+    # row superseded the lost one and its settlement found its hold. Before, nothing was dropped for a call not
+    # writing its row: the settlement added its whole cost on top of the lost row's (0.000041 for 0.000025), on the
+    # organisation counter, its key's counter and the credit figure alike.
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    key = None
+    if what == "key":
+        key = ApiKey.objects.create(organization=organization, name="k", lookup="sweptheld", digest="x")
+        set_key_spend_cap(SYSTEM, key, spend_cap=Decimal("1.00"))
+    elif what == "credit":
+        set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+        grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    api_key_id = key.pk if key else None
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=api_key_id, amount=Decimal("0.50"),
+                                   request_id="req_frozen"))
+    held = presence.track("req_frozen", organization.pk, str(endpoint.pk), None, reservation=admitted.reservation)
+    report = dataclasses.replace(usage_report(endpoint, api_key=key, request_id="req_frozen", prompt_tokens=100,
+                                              completion_tokens=20),
+                                 status="gateway_lost", max_cost=Decimal("0.50"), billing_mode=admitted.billing_mode)
+    assert asyncio.run(record_progress(organization.pk, [report])) == ["req_frozen"]
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 1  # its gateway frozen past the deadline
+    lost = UsageRecord.objects.get(request_id="req_frozen")
+    assert lost.status == "gateway_lost" and lost.cost > 0
+    held.lapses_at = time.time() - 5  # as its gateway, woken past its deadline, last pushed it
+    get_redis().flushdb()
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=api_key_id, amount=Decimal("0.01"),
+                        request_id="next"))  # its rebuild's snapshot has the lost row, the call not reserved
+
+    _held_again(organization.pk, "req_frozen", held)
+    held.writes_row = True
+    asyncio.run(usage_writer.arecord_usage(dataclasses.replace(  # as its gateway writes it: it supersedes the lost row
+        usage_report(endpoint, api_key=key, request_id="req_frozen"), max_cost=Decimal("0.50"),
+        billing_mode=admitted.billing_mode)))
+    row = UsageRecord.objects.get(request_id="req_frozen")
+    asyncio.run(settle(admitted, row.cost, fresh_id=True, lapsed_at=held.lapses_at))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=api_key_id, amount=Decimal("0.01"),
+                        request_id="after"))
+
+    assert row.cost > lost.cost  # its own row superseded the lost one
+    if what == "key":
+        counter = redis_keys.key_period_key(organization.pk, api_key_id, periods.period_containing().key)
+        assert from_units(int(get_redis().hget(counter, "spent"))) == row.cost
+    elif what == "credit":
+        assert from_units(int(get_redis().get(redis_keys.credit_key(organization.pk)))) == Decimal("2.00") - row.cost
+    assert reads.counted_spend(organization.pk) == row.cost
+
+
+def test_a_call_past_its_deadline_not_swept_held_again_after_a_flush_costs_a_rebuild_and_counts_once(gateway):
+    # A call whose hold may have lapsed but that the sweeper did not sweep (no row in the ledger) is held again after a
+    # flush and a rebuild; the rebuilt counter is dropped (it may have had a sweeper's row) and rebuilt by the next
+    # call with the call reserved: one more rebuild, its cost counted once. (Before, the counter was kept: its cost
+    # counted once all the same.)
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    _cap(organization, "1.00")
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.50"),
+                                   request_id="req_late"))
+    held = presence.track("req_late", organization.pk, str(endpoint.pk), None, reservation=admitted.reservation)
+    held.lapses_at = time.time() - 5  # as its gateway, woken past its deadline, last pushed it
+    get_redis().flushdb()
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+
+    _held_again(organization.pk, "req_late", held)
+    counter = redis_keys.org_period_key(organization.pk, periods.period_containing().key)
+    assert not get_redis().exists(counter)  # dropped: rebuilt by the next call
+    held.writes_row = True
+    record_usage(dataclasses.replace(usage_report(endpoint, request_id="req_late"), max_cost=Decimal("0.50")))
+    cost = UsageRecord.objects.get(request_id="req_late").cost
+    asyncio.run(settle(admitted, cost, fresh_id=True, lapsed_at=held.lapses_at))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="after"))
+
+    assert reads.counted_spend(organization.pk) == cost > 0
+    assert reads.reserved_now(organization.pk) == Decimal("0.02")
 
 
 OLD_PRIMARY = "0" * 39 + "1"  # the replication id of the primary a rebuild began on, before a failover
