@@ -766,7 +766,7 @@ async def _end_unfinished(redis, gateway: str) -> None:
     for first in range(0, len(organizations), CHUNK):
         part = organizations[first:first + CHUNK]
         await asyncio.to_thread(_release_ended, gateway, part)
-        journaled = [(organization_id, [request_id for request_id, _ in calls
+        journaled = [(organization_id, [request_id for request_id, call in calls
                                         if (organization_id, request_id, call.call_token) in unfinished_journaled])
                      for organization_id, calls in part]
         if journaled := [(organization_id, ids) for organization_id, ids in journaled if ids]:
