@@ -257,6 +257,12 @@ def test_an_admission_whose_reply_was_lost_gives_its_reservation_back_at_the_nex
     entries.check_admission_whose_reply_was_lost(entries.admission_whose_reply_was_lost(monkeypatch))
 
 
+@pytest.mark.usefixtures("gateway_alone")
+def test_a_call_cancelled_before_its_settlement_gives_back_its_unused_tokens_at_the_next_beat_on_a_redis_cluster(
+        replies_lost):
+    entries.check_call_cancelled_before_its_settlement(entries.call_cancelled_before_its_settlement())
+
+
 def test_two_tries_of_one_request_id_never_share_a_place_waiting_for_a_cold_start_on_a_redis_cluster(replies_lost):
     entries.check_two_tries_waiting_for_a_cold_start(entries.two_tries_waiting_for_a_cold_start())
 

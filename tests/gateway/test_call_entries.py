@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import types
+from datetime import UTC, datetime
 from decimal import Decimal
 
 import pytest
@@ -24,6 +25,8 @@ from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from endpoints.gateway import admission, cold_start, errors, limits, presence, traffic
 from endpoints.gateway.auth import Caller
+from endpoints.gateway.call import InferenceCall
+from endpoints.gateway.tally import UsageTally
 from tests.factories import EndpointFactory, OrganizationFactory
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
@@ -283,6 +286,34 @@ def admission_whose_reply_was_lost(monkeypatch) -> dict:
     return asyncio.run(scenario())
 
 
+def call_cancelled_before_its_settlement() -> dict:
+    """A stream that used `USED` tokens, cancelled as it ends (its loop ending: a batch run's) before its settlement;
+    its gateway's next beat ends it."""
+    caller, endpoint = a_caller()
+    org = caller.organization_id
+
+    async def cancelled_send(message):
+        raise asyncio.CancelledError
+
+    async def scenario():
+        await presence.beat(web=True)
+        admitted = await admit(caller, endpoint, "cancelled")
+        usage = UsageTally()
+        usage.take_totals({"prompt_tokens": USED - 10, "completion_tokens": 10})
+        call = InferenceCall(request_id="cancelled", request=types.SimpleNamespace(stream=True, progress=False),
+                             caller=caller, endpoint=types.SimpleNamespace(id=endpoint), client=None, receive=None,
+                             send=cancelled_send, started_at=datetime.now(UTC), usage=usage, response_started=True,
+                             call_token=admitted.call_token)
+        with pytest.raises(asyncio.CancelledError):
+            await call._finish(admitted)
+        during = counted(admitted.window)
+        await presence.beat(web=True)
+        return {"during": during, "after": counted(admitted.window), "outstanding": outstanding(org),
+                "in_flight": in_flight(org, endpoint), "unfinished": dict(presence.unfinished)}
+
+    return asyncio.run(scenario())
+
+
 def two_tries_waiting_for_a_cold_start() -> dict:
     """Two tries of one request id (a batch line's) waiting for a cold start, under a quota of one held request."""
     organization = OrganizationFactory()
@@ -359,6 +390,12 @@ def check_admission_whose_reply_was_lost(seen: dict) -> None:
     assert seen["next_try"] == (2, USED)
 
 
+def check_call_cancelled_before_its_settlement(seen: dict) -> None:
+    assert seen["during"] == (1, RESERVED)
+    assert seen["after"] == (1, USED)  # its reservation replaced by what it used
+    assert seen["outstanding"] == [0, 0] and seen["in_flight"] == 0 and seen["unfinished"] == {}
+
+
 def check_two_tries_waiting_for_a_cold_start(seen: dict) -> None:
     assert seen["second"] == 429  # a place of its own, and the quota's one is taken
     assert seen["after_first_gave_up"] == 0
@@ -394,6 +431,10 @@ def test_two_tries_whose_ends_missed_redis_before_a_beat_each_give_back_their_un
 
 def test_an_admission_whose_reply_was_lost_gives_its_reservation_back_at_the_next_beat(gateway_alone, monkeypatch):
     check_admission_whose_reply_was_lost(admission_whose_reply_was_lost(monkeypatch))
+
+
+def test_a_call_cancelled_before_its_settlement_gives_back_its_unused_tokens_at_the_next_beat(gateway_alone):
+    check_call_cancelled_before_its_settlement(call_cancelled_before_its_settlement())
 
 
 def test_two_tries_of_one_request_id_never_share_a_place_waiting_for_a_cold_start():
