@@ -439,3 +439,22 @@ def test_a_call_cancelled_before_its_settlement_gives_back_its_unused_tokens_at_
 
 def test_two_tries_of_one_request_id_never_share_a_place_waiting_for_a_cold_start():
     check_two_tries_waiting_for_a_cold_start(two_tries_waiting_for_a_cold_start())
+
+
+def test_the_beat_drops_the_progress_of_the_ended_calls_whose_row_is_journaled_and_only_theirs(gateway_alone, monkeypatch):
+    monkeypatch.setattr(presence, "unfinished_journaled", set())
+    caller, endpoint = a_caller()
+    org = caller.organization_id
+    progress_key = redis_keys.progress_key(org)
+
+    async def scenario():
+        await presence.beat(web=True)
+        for request_id, journaled in (("journaled", True), ("billed-from-progress", False)):
+            admitted = await admit(caller, endpoint, request_id)
+            get_redis().hset(progress_key, request_id, "{}")  # as its beats recorded it
+            presence.end_later(org, request_id, call_token=admitted.call_token, row_journaled=journaled)
+        await presence.beat(web=True)
+        return sorted(get_redis().hkeys(progress_key))
+
+    # the journaled row bills its call; the other's progress is the sweeper's to bill from
+    assert asyncio.run(scenario()) == ["billed-from-progress"]
