@@ -193,7 +193,7 @@ def test_a_replica_pick_and_a_place_in_line_sent_again_count_once_on_a_redis_clu
                                  max_held_requests=1)
 
     async def scenario():
-        place = await cold_start.take_place(info, org, "held")  # the quota's one place, its own: never "full"
+        place = await cold_start.take_place(info, org, "held", call_token="c1")  # the quota's one place, its own: never "full"
         admitted = await admission.admit(caller=_caller(org, None), endpoint_id=endpoint, request_id="held",
                                          amount=Decimal("0.01"), num_tokens=0, candidates=[])
         picked = await traffic.pick_replica(org, replicas, request_id="held", endpoint_id=endpoint,
@@ -234,8 +234,37 @@ def test_a_new_call_under_an_earlier_tries_request_id_counts_on_its_own_and_keep
     entries.check_request_id_used_again(entries.request_id_used_again())
 
 
+@pytest.mark.usefixtures("gateway_alone")
 def test_a_new_call_under_an_earlier_tries_request_id_is_refused_past_the_limit_on_a_redis_cluster(replies_lost):
     assert entries.request_id_used_again_past_the_limit().startswith("429 Rate limit reached: 1 requests per minute")
+
+
+@pytest.mark.usefixtures("gateway_alone")
+def test_a_new_call_under_a_live_calls_request_id_is_refused_and_frees_none_of_its_slot_on_a_redis_cluster(
+        replies_lost):
+    entries.check_two_live_calls_under_one_request_id(entries.two_live_calls_under_one_request_id())
+
+
+@pytest.mark.usefixtures("gateway_alone")
+def test_two_tries_whose_ends_missed_redis_before_a_beat_each_give_back_their_unused_tokens_on_a_redis_cluster(
+        replies_lost):
+    entries.check_two_tries_whose_ends_missed_redis_before_a_beat(entries.two_tries_whose_ends_missed_redis_before_a_beat())
+
+
+@pytest.mark.usefixtures("gateway_alone")
+def test_an_admission_whose_reply_was_lost_gives_its_reservation_back_at_the_next_beat_on_a_redis_cluster(
+        replies_lost, monkeypatch):
+    entries.check_admission_whose_reply_was_lost(entries.admission_whose_reply_was_lost(monkeypatch))
+
+
+@pytest.mark.usefixtures("gateway_alone")
+def test_a_call_cancelled_before_its_settlement_gives_back_its_unused_tokens_at_the_next_beat_on_a_redis_cluster(
+        replies_lost):
+    entries.check_call_cancelled_before_its_settlement(entries.call_cancelled_before_its_settlement())
+
+
+def test_two_tries_of_one_request_id_never_share_a_place_waiting_for_a_cold_start_on_a_redis_cluster(replies_lost):
+    entries.check_two_tries_waiting_for_a_cold_start(entries.two_tries_waiting_for_a_cold_start())
 
 
 def test_admission_and_finish_count_exactly_on_a_redis_cluster(on_cluster):

@@ -95,7 +95,7 @@ async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api
     await admission.finish(caller=caller, endpoint_id=endpoint_id, admission=admitted, release=replicas[picked],
                            num_tokens=5, cost=Decimal("0.001"))
     # waiting for a cold start, with a place in line
-    place = await cold_start.take_place(info, organization_id, f"waiting-{organization_id}")
+    place = await cold_start.take_place(info, organization_id, f"waiting-{organization_id}", call_token="c1")
     waiting = await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"waiting-{organization_id}",
                                     amount=Decimal("0.01"), num_tokens=10, candidates=[])
     await cold_start.give_up(place)

@@ -14,6 +14,7 @@ computes where each part's keys and arguments sit).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -37,8 +38,11 @@ from endpoints.gateway.ratelimit_headers import RateLimitReport
 # NOTE: redis-py's cluster client sends a call again after a timeout (`controlplane.redis_scripts`): a call this
 # gateway's requests hash holds already (under its token), on this endpoint and one of these candidates (or waiting,
 # without any), was admitted by that first run, so the second answers from its entry, taking no limit and no replica
-# again. An entry under the request's id with another token is an earlier try's (a batch line tried again, its end
-# not yet in Redis): never this call's admission; `admit` releases it as its end would, and admits this call on its own.
+# again. An entry under the request's id with another token is another call's: never this call's admission. `admit`
+# releases it as its end would only if this process knows that call ended (`presence.ended_unreleased`: a batch line
+# tried again, the earlier try's end not yet in Redis), and admits this call on its own; a live one's (its end not
+# known) keeps its place, and this call is refused (`errors.request_in_progress`). The hash is this gateway process's
+# own (`traffic.gateway_id`): another gateway's tries are in its hash, and a dead one's are the sweeper's.
 _ADMIT = ComposedScript([limits.CHECK, counters.RESERVE, traffic.BEGIN, traffic.PICK], glue="""
 local used = limits_read(limits_check_K)
 local entry = redis.call('HGET', traffic_begin_K[3], traffic_begin_A[1])
@@ -118,8 +122,11 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
     then the one that last served `prefix_key` from its cache, then `prefix_key`'s rendezvous order.
 
     `call_token` (`traffic.new_call_token`, a new one when None) is this call's, and its end's: an entry an earlier try
-    under `request_id` left in this gateway's requests hash is released as that try's end would, never taken as this
-    call's.
+    under `request_id` left in this gateway's requests hash, whose end this process knows, is released as that try's
+    end would, never taken as this call's; a live try's refuses this call (503, `errors.request_in_progress`).
+
+    A reply lost to an outage or a cancellation (the script may have run) leaves the call's end to a later beat
+    (`presence.end_later`), with its whole reservation given back.
     """
     call_token = call_token or traffic.new_call_token()
     # NOTE: every key below carries the caller's organisation's hash tag (`controlplane.redis_keys`);
@@ -133,20 +140,30 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
             reservation, reserve_keys, reserve_args = counters.prepare_reservation(
                 organization_id=caller.organization_id, api_key_id=caller.api_key_id, amount=amount,
                 request_id=request_id, any_limits=any_limits)
-            status, detail, num_requests, num_tokens_counted, *admitted_under = await _ADMIT(
-                limits_check=window.check_keys_and_args(call_token),
-                quota_reserve=(reserve_keys, reserve_args),
-                traffic_begin=traffic.begin_keys_and_args(caller.organization_id, endpoint_id, request_id,
-                                                          waiting=not candidates, call_token=call_token),
-                traffic_pick=traffic.pick_keys_and_args(caller.organization_id, candidates, routing.route(
-                    caller.organization_id, endpoint_id, prefix_key, candidates, margin=margin, prefer=prefer)),
-            )
+            try:
+                status, detail, num_requests, num_tokens_counted, *admitted_under = await _ADMIT(
+                    limits_check=window.check_keys_and_args(call_token),
+                    quota_reserve=(reserve_keys, reserve_args),
+                    traffic_begin=traffic.begin_keys_and_args(caller.organization_id, endpoint_id, request_id,
+                                                              waiting=not candidates, call_token=call_token),
+                    traffic_pick=traffic.pick_keys_and_args(caller.organization_id, candidates, routing.route(
+                        caller.organization_id, endpoint_id, prefix_key, candidates, margin=margin, prefer=prefer)),
+                )
+            except BaseException as exc:
+                # NOTE: the script may have run before its reply was lost: its entry is released and its reservation
+                # given back whole by a later beat (no note in the minute: nothing changes).
+                if isinstance(exc, asyncio.CancelledError) or errors.is_outage(exc):
+                    presence.end_later(caller.organization_id, request_id, call_token=call_token,
+                                       give_back=window.give_back_keys_and_args(0, call_token))
+                raise
             if report is not None:
                 report.counted(window, num_requests, num_tokens_counted)
             if status == "missing":
                 any_limits = await rebuild.rebuild_missing(detail, reservation) or any_limits
                 continue
             if status == "leftover":
+                if not presence.ended_unreleased(caller.organization_id, request_id, traffic.entry_call_token(detail)):
+                    raise errors.request_in_progress()
                 await presence.release_leftover(caller.organization_id, request_id, detail)
                 continue
             if status == "rate_limited":

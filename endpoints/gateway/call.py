@@ -165,7 +165,7 @@ class InferenceCall:
         # NOTE: a cold start's place in line (bounded per process, endpoint and organisation) comes
         # first; `cold_start.hold` gives it up, or the refusal below.
         place = None if replicas else await cold_start.take_place(self.endpoint, self.caller.organization_id,
-                                                                  self.request_id)
+                                                                  self.request_id, call_token=self.call_token)
         presence.ensure_started()
         try:
             # NOTE: one round trip checks the rate limits, reserves the largest cost, counts the
@@ -179,14 +179,10 @@ class InferenceCall:
         except QuotaExceeded as exc:
             await cold_start.give_up(place)
             raise errors.insufficient_quota(str(exc)) from None
-        except Exception as exc:
-            if not errors.is_outage(exc):
-                raise
-            await cold_start.give_up(place)
-            # the script may have run before its reply was lost
-            presence.end_later(self.caller.organization_id, self.request_id, call_token=self.call_token)
-            raise
         except BaseException:
+            # NOTE: every refusal gives its place up (a 429, a request in progress: before, only an outage did, and a
+            # refused call's place stayed counted until it lapsed); the call's end, should the script have run before
+            # its reply was lost, is `admit`'s to leave.
             await cold_start.give_up(place)
             raise
         if admitted.picked is not None:
@@ -681,7 +677,10 @@ class InferenceCall:
             # NOTE: cancelled (a loop that ends: a batch run's) before its settlement: a later beat of this process
             # ends it in Redis (`presence.end_later`), and its beat no longer holds its reservation, which the sweeper
             # then releases.
-            presence.end_later(self.caller.organization_id, self.request_id, call_token=self.call_token)
+            usage = self.usage
+            presence.end_later(self.caller.organization_id, self.request_id, call_token=self.call_token,
+                               give_back=admitted.window.give_back_keys_and_args(
+                                   usage.prompt_tokens + usage.completion_tokens, self.call_token))
             raise
         # NOTE: a batch line's id is the same on its every try (exactly-once usage): a try that failed after its
         # replica answered, with nothing counted (the body cut off), wrote an empty usage row, and the retry that

@@ -38,11 +38,14 @@ MAX_WAITING_PER_ENDPOINT = 256
 # A place outlives its hold's deadline by this much before it stops counting (its gateway died).
 PLACE_GRACE_S = 30
 
-# K: the organisation's held set (request id scored by the time its place lapses, Redis's clock: every gateway's
-# places are judged by one clock, so one whose clock ran ahead never read the others' as lapsed and held past the quota).
-# A: request id, seconds the place lasts, quota. Returns 1 when the place is taken, 0 when the quota is full.
-# NOTE: a place the request holds already (this call sent again by a cluster client's retry) is counted among the
-# quota's: it is its own, never a reason to answer full.
+# K: the organisation's held set (a call's "<request id>|<call token>" scored by the time its place lapses, Redis's clock:
+# every gateway's places are judged by one clock, so one whose clock ran ahead never read the others' as lapsed and held
+# past the quota). A: that member, seconds the place lasts, quota. Returns 1 when the place is taken, 0 when the quota is
+# full.
+# NOTE: a place the call holds already (this call sent again by a cluster client's retry) is counted among the
+# quota's: it is its own, never a reason to answer full. Another try under the same request id (a batch line tried
+# again while its earlier try still waits) is another call: keyed by the request id alone, the two shared one place,
+# and the first's give-up freed it while the second waited (two waiting on a quota of one).
 _TAKE_PLACE = Script("""
 local now = tonumber(redis.call('TIME')[1])
 local own = redis.call('ZSCORE', KEYS[1], ARGV[1])
@@ -65,27 +68,29 @@ def num_held_here() -> int:
 @dataclass(slots=True)
 class Place:
     organization_id: int
-    request_id: str
+    member: str  # its call's in the organisation's held set: "<request id>|<call token>"
     taken: bool = True
 
 
-async def take_place(endpoint: EndpointInfo, organization_id: int, request_id: str) -> Place:
-    """A place in line for a cold start, or the 503/429 that refuses it."""
+async def take_place(endpoint: EndpointInfo, organization_id: int, request_id: str, *, call_token: str) -> Place:
+    """A place in line for a cold start for the request's call of `call_token` (`traffic.new_call_token`), or the
+    503/429 that refuses it."""
     global _num_held_here
     if await traffic.num_waiting(endpoint.organization_id, endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
         raise errors.no_capacity(f"Too many requests are waiting for '{endpoint.name}' to start.", 10)
+    member = f"{request_id}|{call_token}"
     if not int(await _TAKE_PLACE(keys=[held_key(organization_id)],
-                                 args=[request_id, endpoint.cold_start_timeout_s + PLACE_GRACE_S,
+                                 args=[member, endpoint.cold_start_timeout_s + PLACE_GRACE_S,
                                        endpoint.max_held_requests])):
         raise errors.OpenAIError(
             429, f"Your organisation already has {endpoint.max_held_requests} requests waiting for cold starts "
                  "(quota max_held_requests); retry when they are served.",
             type="requests", code="rate_limit_exceeded", headers={"retry-after": "5"})
-    place = Place(organization_id, request_id)
+    place = Place(organization_id, member)
     # NOTE: checked and counted with no await in between, so concurrent requests see each other.
     if _num_held_here >= settings.MAX_HELD_REQUESTS_PER_PROCESS:
         place.taken = False
-        await _LEAVE_PLACE(keys=[held_key(organization_id)], args=[request_id])
+        await _LEAVE_PLACE(keys=[held_key(organization_id)], args=[member])
         raise errors.no_capacity("This gateway is holding too many requests for cold starts; please retry.", 5)
     _num_held_here += 1
     return place
@@ -98,7 +103,7 @@ async def give_up(place: Place | None) -> None:
         return
     place.taken = False
     _num_held_here -= 1
-    await _LEAVE_PLACE(keys=[held_key(place.organization_id)], args=[place.request_id])
+    await _LEAVE_PLACE(keys=[held_key(place.organization_id)], args=[place.member])
 
 
 class HeldCall(Protocol):

@@ -84,6 +84,16 @@ def no_capacity(message: str, retry_after_s: int = 5) -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="no_capacity", headers={"retry-after": str(retry_after_s)})
 
 
+REQUEST_IN_PROGRESS_RETRY_AFTER_S = 5
+
+
+def request_in_progress() -> OpenAIError:
+    """A call under the id of a request still being served in this gateway process (a batch line's earlier try, still
+    running): refused, never let free the running one's place; retried once that one has ended."""
+    return OpenAIError(503, "A request with this id is still in progress; retry when it has ended.", type="server_error",
+                       code="request_in_progress", headers={"retry-after": str(REQUEST_IN_PROGRESS_RETRY_AFTER_S)})
+
+
 def upstream_failed(message: str = "The model's replica failed; please retry.") -> OpenAIError:
     return OpenAIError(502, message, type="server_error", code="upstream_error")
 

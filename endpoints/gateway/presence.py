@@ -193,13 +193,16 @@ class Unfinished:
     give_back: tuple[list[str], list] | None = None
 
 
-# The requests this process serves (request id -> Held), and those whose end did not reach Redis
-# ((organisation id, request id) -> `Unfinished`).
+# The requests this process serves (request id -> Held), and the calls whose end did not reach Redis
+# ((organisation id, request id, call token) -> `Unfinished`).
+# NOTE: keyed by the call's token too: two tries of one request id (a batch line) whose ends both missed Redis before a
+# beat are two calls to end; keyed by the request id alone, the second's end replaced the first's, and the first's
+# unused tokens were never given back.
 serving: dict[str, Held] = {}
-unfinished: dict[tuple[int, str], Unfinished] = {}
+unfinished: dict[tuple[int, str, str], Unfinished] = {}
 # Those of them whose usage row waits in this process's journal (the ledger refused it): their progress is dropped
 # with their end, so the sweeper never bills them from it (`end_later`).
-unfinished_journaled: set[tuple[int, str]] = set()
+unfinished_journaled: set[tuple[int, str, str]] = set()
 # The organisations of the calls tracked or held again since the last beat, with when the first of those holds may
 # lapse (Redis's clock): the beat lists them in the sweeper's index (`billing.quota.sweep_index`, `_list_due`).
 to_list: dict[int, float] = {}
@@ -275,13 +278,20 @@ def end_later(organization_id: int, request_id: str, *, call_token: str, row_jou
     (`billing.quota.sweeper`): a stream whose row waited in the journal (PostgreSQL down) when its settlement failed
     was billed from its last beat's progress, and the journal's replay of its whole row, coming after, was refused
     as a duplicate (found by the review of the lost-gateway billing). Its row is the one that bills it."""
-    _let_go(serving.pop(request_id, None))
-    unfinished[(organization_id, request_id)] = Unfinished(call_token, give_back)
+    held = serving.get(request_id)
+    if held is not None and held.call_token == call_token:  # never another live call's under the id
+        _let_go(serving.pop(request_id, None))
+    unfinished[(organization_id, request_id, call_token)] = Unfinished(call_token, give_back)
     # NOTE: its hold, if any, is left to lapse: listed due now for the sweeper (`_list_due`), which lists it again by its
-    # deadline. An admission whose reply was lost (`InferenceCall`) may have held one its process never tracked.
+    # deadline. An admission whose reply was lost (`admission.admit`) may have held one its process never tracked.
     _list_later(organization_id, clock.redis_now())
     if row_journaled:
-        unfinished_journaled.add((organization_id, request_id))
+        unfinished_journaled.add((organization_id, request_id, call_token))
+
+
+def ended_unreleased(organization_id: int, request_id: str, call_token: str) -> bool:
+    """Whether this process knows the request's call of `call_token` ended, its end not yet in Redis (`end_later`)."""
+    return (organization_id, request_id, call_token) in unfinished
 
 
 @dataclass(slots=True)
@@ -550,7 +560,7 @@ async def _forget_idle(empty: set[int]) -> set[int]:
     NOTE: a call admitted for one of them meanwhile lists its hash again (`traffic.register_requests_key`); should that reach Redis
     before this takes it out (another pooled connection), the next reconcile lists it again (`_read_idle`)."""
     busy = {held.organization_id for held in list(serving.values())} | {
-        organization_id for organization_id, _ in list(unfinished)}
+        organization_id for organization_id, _, _ in list(unfinished)}
     forgotten = {organization_id for organization_id in empty - busy
                  if traffic.unregister_requests_key(organization_id)}
     if forgotten:
@@ -867,14 +877,14 @@ async def _end_unfinished(redis, gateway: str) -> None:
     if not unfinished:
         return
     by_organization: dict[int, list[tuple[str, Unfinished]]] = {}
-    for (organization_id, request_id), call in list(unfinished.items()):
+    for (organization_id, request_id, _), call in list(unfinished.items()):
         by_organization.setdefault(organization_id, []).append((request_id, call))
     organizations = list(by_organization.items())
     for first in range(0, len(organizations), CHUNK):
         part = organizations[first:first + CHUNK]
         await asyncio.to_thread(_release_ended, gateway, part)
-        journaled = [(organization_id, [request_id for request_id, _ in calls
-                                        if (organization_id, request_id) in unfinished_journaled])
+        journaled = [(organization_id, [request_id for request_id, call in calls
+                                        if (organization_id, request_id, call.call_token) in unfinished_journaled])
                      for organization_id, calls in part]
         if journaled := [(organization_id, ids) for organization_id, ids in journaled if ids]:
             async with redis.pipeline(transaction=False) as pipe:
@@ -883,17 +893,20 @@ async def _end_unfinished(redis, gateway: str) -> None:
                 await pipe.execute()
         for organization_id, calls in part:
             for request_id, call in calls:
-                # NOTE: only the try whose end this was: one ended again meanwhile under its id stays to be released
-                if unfinished.get((organization_id, request_id)) is call:
-                    del unfinished[(organization_id, request_id)]
-                    unfinished_journaled.discard((organization_id, request_id))
+                key = (organization_id, request_id, call.call_token)
+                if unfinished.get(key) is call:
+                    del unfinished[key]
+                    unfinished_journaled.discard(key)
 
 
 def _release_ended(gateway: str, organizations: list[tuple[int, list[tuple[str, Unfinished]]]]) -> None:
     """Release the entries of the calls whose end did not reach Redis, and give back their unused tokens."""
     for organization_id, calls in organizations:
-        release_requests(traffic.gateway_requests_key(organization_id, gateway), [request_id for request_id, _ in calls],
-                         only_if_dead=False, call_tokens={request_id: call.call_token for request_id, call in calls})
+        call_tokens: dict[str, set[str]] = {}
+        for request_id, call in calls:
+            call_tokens.setdefault(request_id, set()).add(call.call_token)
+        release_requests(traffic.gateway_requests_key(organization_id, gateway), list(call_tokens), only_if_dead=False,
+                         call_tokens=call_tokens)
         for _, call in calls:
             if call.give_back is not None:
                 limits.give_back_alone(call.give_back)
@@ -998,23 +1011,24 @@ def _release_keys_and_args(requests_key: str, items: list[tuple[str, str]]) -> t
 
 
 async def release_leftover(organization_id: int, request_id: str, entry: str) -> None:
-    """Release the entry an earlier try under `request_id` left in this gateway's requests hash (its end did not reach
-    Redis), as its end would, if it is still `entry`: a new call under the id is admitted in its place."""
+    """Release the entry an earlier try under `request_id` left in this gateway's requests hash, whose end this process
+    knows and has not yet taken to Redis (`ended_unreleased`), as its end would, if it is still `entry`: a new call under
+    the id is admitted in its place."""
     keys, args = _release_keys_and_args(traffic.gateway_requests_key(organization_id), [(request_id, entry)])
     await _RELEASE_REQUESTS(keys=keys, args=args)
 
 
 def release_requests(requests_key: str, request_ids: list[str] | None = None, *, only_if_dead: bool,
-                     call_tokens: dict[str, str] | None = None) -> int:
+                     call_tokens: dict[str, set[str]] | None = None) -> int:
     """Release the requests (all, or `request_ids`) of a gateway's requests hash of one organisation as
-    their own end would; -1 if `only_if_dead` and the gateway is alive. `call_tokens` (request id -> call token): only
+    their own end would; -1 if `only_if_dead` and the gateway is alive. `call_tokens` (request id -> call tokens): only
     those calls' entries, not another try's under the same id."""
     client = get_redis()
     gateway = redis_keys.gateway_of_requests_key(requests_key)
     entries = client.hgetall(requests_key) if request_ids is None else dict(
         zip(request_ids, client.hmget(requests_key, request_ids), strict=True))
     items = [(request_id, value) for request_id, value in entries.items() if value is not None and (
-        call_tokens is None or traffic.entry_is_call(value, call_tokens[request_id]))]
+        call_tokens is None or traffic.entry_call_token(value) in call_tokens[request_id])]
     released, num_left = 0, len(items)
     for first in range(0, len(items), SWEEP_BATCH):
         if only_if_dead and client.exists(redis_keys.gateway_alive_key(gateway)):

@@ -230,9 +230,9 @@ def entry_counter(entry: str) -> str:
     return entry.split("|", 2)[1] if "|" in entry else ""
 
 
-def entry_is_call(entry: str, call_token: str) -> bool:
-    """Whether a request's entry is the call's of `call_token`."""
-    return entry.endswith(f"|{call_token}")
+def entry_call_token(entry: str) -> str:
+    """The token of the call whose entry this is ('' for an entry without one)."""
+    return entry.rsplit("|", 1)[1] if entry.count("|") >= 2 else ""
 
 
 def gateway_id() -> str:

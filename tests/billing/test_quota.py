@@ -37,7 +37,7 @@ from controlplane import redis_keys
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
-from endpoints.gateway import admission
+from endpoints.gateway import admission, presence
 from endpoints.gateway.auth import Caller
 from tests.billing.conftest import usage_report
 from tests.conftest import wait_until
@@ -114,6 +114,31 @@ def test_settling_replaces_the_reservation_by_the_real_cost_once():
 
     assert reads.counted_spend(organization.pk) == Decimal("0.10")
     assert reads.reserved_now(organization.pk) == Decimal("0.50")
+
+
+def test_a_batch_lines_retry_under_its_earlier_tries_live_hold_spends_no_more_than_that_hold(monkeypatch):
+    # The hold is the request id's, as its usage row is (exactly once per id): a retry admitted under the earlier try's
+    # hold (its end missed Redis) takes no second hold, and its settlement spends at most that hold, which the cap
+    # admitted; another request is refused as before. Passes before and after the per-call tokens' review (a guard).
+    monkeypatch.setattr(presence, "unfinished", {})
+    organization = OrganizationFactory()
+    _cap(organization, "1.00")
+
+    async def scenario():
+        first = await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.60"),
+                              request_id="batch-line-1")
+        presence.end_later(organization.pk, "batch-line-1", call_token=first.call_token)  # its end missed Redis
+        second = await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.60"),
+                               request_id="batch-line-1")
+        during = reads.reserved_now(organization.pk)
+        with pytest.raises(QuotaExceeded):
+            await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.60"), request_id="other")
+        await settle(second, Decimal("0.70"))  # never more than the hold
+        return during
+
+    assert asyncio.run(scenario()) == Decimal("0.60")
+    assert reads.counted_spend(organization.pk) == Decimal("0.60")
+    assert reads.reserved_now(organization.pk) == Decimal("0")
 
 
 def test_an_exhausted_cap_refuses_with_insufficient_quota_and_raising_it_lets_calls_through():
@@ -430,7 +455,6 @@ def test_a_stream_whose_row_waits_in_the_journal_when_its_settlement_fails_is_bi
     # duplicate (found by the review of the lost-gateway billing). The beat that ends it drops its progress now.
     from billing.ledger import record_usage_batch
     from billing.quota import replayed
-    from endpoints.gateway import presence
 
     settings.BILLING_RESERVATION_TTL_S = 600
     endpoint = EndpointFactory()
