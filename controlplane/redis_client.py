@@ -145,3 +145,9 @@ def redis_time(client=None) -> float:
     """
     seconds, microseconds = (client or get_redis()).time()
     return seconds + microseconds / 1_000_000
+
+
+def as_text(value: bytes | str) -> str:
+    """A Redis reply's string as text: the clients here answer bytes (no `decode_responses`), and scripts' replies
+    and tests' stand-ins may be either."""
+    return value.decode() if isinstance(value, bytes) else value

@@ -23,7 +23,7 @@ from billing.periods import Period, period_containing
 from billing.quota import replayed
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
 from controlplane.per_loop import PerLoop
-from controlplane.redis_client import get_async_redis, get_redis
+from controlplane.redis_client import as_text, get_async_redis, get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
     credit_key,
@@ -403,8 +403,7 @@ def _held_again(counter: str) -> tuple[str, ...]:
     """The calls held again since the rebuild of `counter` began (`HELD_AGAIN_LUA`), read once its snapshot began: a
     call's row committed before the snapshot, its hold put back after this read, leaves the rebuild's write undone
     (`HELD_AGAIN_MEANWHILE`). Blocking I/O (Redis)."""
-    return tuple(member.decode() if isinstance(member, bytes) else member
-                 for member in get_redis().smembers(held_again_key(counter)))
+    return tuple(as_text(member) for member in get_redis().smembers(held_again_key(counter)))
 
 
 def _held(organization_id: int, asked: set[str]) -> set[str]:

@@ -67,7 +67,7 @@ from billing.models import BillingMode, UsageRecord, UsageStatus
 from billing.periods import period_containing
 from billing.quota import sweep_index
 from billing.quota.counters import MISSED_LUA, SETTLED_MARKER_TTL_S, to_units
-from controlplane.redis_client import get_async_redis, get_redis, redis_time
+from controlplane.redis_client import as_text, get_async_redis, get_redis, redis_time
 from controlplane.redis_keys import (
     credit_journaled_key,
     credit_key,
@@ -258,7 +258,7 @@ def bounded_write():
 
 def _registered_at(answer: list) -> dict[str, float]:
     """`_REGISTER`'s answer: each request id registered already, with when (its deadline less `REGISTRATION_TTL_S`)."""
-    return {_text(answer[i]): float(_text(answer[i + 1]).partition(".")[0]) - REGISTRATION_TTL_S
+    return {as_text(answer[i]): float(as_text(answer[i + 1]).partition(".")[0]) - REGISTRATION_TTL_S
             for i in range(0, len(answer), 2)}
 
 
@@ -436,9 +436,9 @@ def count_lapsed_supersedes(organization_id: int, registrations: Mapping[str, st
     (spend past the cap and the prepaid credit)."""
     registered_at = {}
     for request_id, registration in registrations.items():
-        deadline = float(_text(registration).partition(".")[0])
+        deadline = float(as_text(registration).partition(".")[0])
         if deadline < now:
-            registered_at[_text(request_id)] = deadline - REGISTRATION_TTL_S
+            registered_at[as_text(request_id)] = deadline - REGISTRATION_TTL_S
     if not registered_at:
         return 0
     close_old_connections()
@@ -458,9 +458,5 @@ def replays_to_ask_about(organization_id: int, counter_key: str) -> set[str]:
     pipeline.hkeys(rebuilding_key(organization_id))
     registered, rebuilding = pipeline.execute()
     prefixes = (f"{MISSED_PREFIX}{counter_key}|", f"{DIFFERENCE_PREFIX}{counter_key}|")
-    return {_text(request_id) for request_id in registered} | {
-        _text(field).partition("|")[2] for field in rebuilding if _text(field).startswith(prefixes)}
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return {as_text(request_id) for request_id in registered} | {
+        as_text(field).partition("|")[2] for field in rebuilding if as_text(field).startswith(prefixes)}

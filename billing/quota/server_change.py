@@ -26,6 +26,7 @@ import secrets
 
 from django.conf import settings
 
+from controlplane.redis_client import as_text
 from controlplane.redis_keys import (
     DROPPING_COUNTERS_KEY,
     TRUSTED_SERVER_KEY,
@@ -94,7 +95,7 @@ async def check_server(redis) -> int | None:
     if settings.REDIS_CLUSTER:
         return None
     token = secrets.token_hex(8)
-    status, server = (_text(part) for part in await _CHECK(keys=[TRUSTED_SERVER_KEY, DROPPING_COUNTERS_KEY],
+    status, server = (as_text(part) for part in await _CHECK(keys=[TRUSTED_SERVER_KEY, DROPPING_COUNTERS_KEY],
                                                            args=[DROP_LEASE_S, token]))
     if status != "drop":
         return None
@@ -127,7 +128,3 @@ async def _unlink(redis, keys: list[str]) -> int:
             else:
                 pipe.unlink(key)
         return len([answer for answer in await pipe.execute() if answer])
-
-
-def _text(part) -> str:
-    return part.decode() if isinstance(part, bytes) else part

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from controlplane.redis_client import get_async_redis
+from controlplane.redis_client import as_text, get_async_redis
 from controlplane.redis_keys import (
     SWEEP_AUDIT_CURSOR_KEY,
     SWEEP_DUE_BUILT_KEY,
@@ -134,5 +134,4 @@ def audit(client, all_organization_ids) -> bool:
 
 def _registered_until(value: bytes | str) -> float:
     """A registration's deadline (`<deadline>.<token>`: `billing.quota.replayed`)."""
-    text = value.decode() if isinstance(value, bytes) else value
-    return float(text.partition(".")[0])
+    return float(as_text(value).partition(".")[0])
