@@ -26,7 +26,7 @@ from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime import process
 from gpu_agent.runtime import shared_memory as engine_shared_memory
 from gpu_agent.runtime.engine_disk import EngineDiskBounds
-from gpu_agent.runtime.supervisor import Supervisor
+from gpu_agent.runtime.supervisor import MAX_INCOMPLETE_SHM_WALKS, Supervisor
 
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
 
@@ -102,11 +102,13 @@ def test_a_gentle_signal_unlinks_nothing(tmp_path):
 @pytest.fixture
 def make_supervisor(tmp_path):
     """Supervisors of fake engines: those of replica "r-shm" hold 3 MB in /dev/shm (open and mapped), those of
-    "r-unlinked" 3 MB only mapped, its name removed; whatever they started is gone after the test."""
+    "r-unlinked" 3 MB only mapped, its name removed; those of "r-relay" relay a process (fork and exit
+    each millisecond); whatever they started is gone after the test."""
     made = []
     factories = {
         "r-shm": fake_engine_factory("--fill-shm-bytes", str(3 * MB)),
         "r-unlinked": fake_engine_factory("--fill-shm-bytes", str(3 * MB), "--shm-unlinked"),
+        "r-relay": fake_engine_factory("--relay-processes"),
     }
     plain = fake_engine_factory()
 
@@ -162,6 +164,26 @@ def test_an_engine_holding_shared_memory_within_its_bound_runs_on(make_superviso
     assert supervisor.get("r-shm").state == ReplicaState.READY and held.exists()
     usage = engine_shared_memory.held_by(engine_shared_memory.process_tree(supervisor.get("r-shm").pid))
     assert usage.num_bytes >= 3 * MB and held in usage.paths and not usage.hidden
+
+
+def test_an_engine_whose_processes_exit_during_each_walk_in_a_row_fails_and_a_quiet_one_runs_on(make_supervisor):
+    # Before, a walk that a process of the engine exited during (a mapping relayed from process to process) was taken
+    # as complete: its engine ran on, what it held never counted (`test_a_mapping_relayed_from_process_to_process...`).
+    supervisor = make_supervisor(check_interval_s=0, sweep_interval_s=3600)
+    supervisor.start(make_spec("r-relay", endpoint_id="e-relay"), Path("/nonexistent"))
+    supervisor.start(make_spec("r-quiet", endpoint_id="e-quiet"), Path("/nonexistent"))
+    wait_until(lambda: {s.state for s in supervisor.statuses()} == {ReplicaState.READY}, 30, poll=supervisor.poll)
+
+    for _ in range(MAX_INCOMPLETE_SHM_WALKS - 1):
+        supervisor.check_disk()
+    assert supervisor.get("r-relay").state == ReplicaState.READY  # a process may exit during a walk now and then
+    supervisor.check_disk()
+
+    status = next(status for status in supervisor.statuses() if status.replica_id == "r-relay")
+    assert status.state == ReplicaState.FAILED
+    assert "exited during each of 3 walks in a row" in status.failure_reason
+    wait_until(lambda: processes_with_marker("r-relay") == [], 10)
+    assert supervisor.get("r-quiet").state == ReplicaState.READY
 
 
 HOLDER = """
