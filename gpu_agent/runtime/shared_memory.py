@@ -110,6 +110,7 @@ class HeldMemory:
     incomplete: bool = False
 
 
+MAX_TREE_WALKS = 3  # of one engine's tree by `held_by_tree`, until one is complete
 MAX_PROCESS_LISTINGS = 8  # of /proc by one `process_tree`: new processes each time (a fork storm) leave it incomplete
 
 
@@ -126,7 +127,7 @@ def _scan_tree(pid: int) -> tuple[set[int], bool]:
 
     NOTE: read once, a process that forked and exited between the listing and the reading of its parent's line was
     not found, nor was its child, born after the listing: a mapping relayed from process to process that way was on no
-    process of the tree in 7 walks of 40."""
+    process of the tree in 7 walks of 40 that were taken as complete."""
     parent_of: dict[int, int] = {}
     group = set()
     gone: set[int] = set()
@@ -497,13 +498,17 @@ def held_by_tree(pid: int, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     """`held_by` the processes of `pid`'s tree (`process_tree`: an engine's), `incomplete` too when the tree has a
     process after the walk that it did not have before: one born meanwhile, which may hold what one walked gave it.
 
+    Walked again, up to `MAX_TREE_WALKS` times, until a walk is complete: a compiler a JIT runs now and then is born
+    or exits during one walk, not during each of them.
+
     NOTE: a mapping relayed by fork and exit every millisecond was on a process gone by the time the walk asked it, or
-    born after the tree was listed: 56 walks in 64 found neither its memory nor anything unmeasured."""
-    tree, complete = _scan_tree(pid)
-    held = held_by(tree, folder)
-    after, complete_after = _scan_tree(pid)
-    if held.incomplete or (complete and complete_after and not after - tree):
-        return held
+    born after the tree was listed: 31 walks in 40 found neither its memory nor anything unmeasured."""
+    for _ in range(MAX_TREE_WALKS):
+        tree, complete = _scan_tree(pid)
+        held = held_by(tree, folder)
+        after, complete_after = _scan_tree(pid)
+        if not held.incomplete and complete and complete_after and not after - tree:
+            return held
     return replace(held, incomplete=True)
 
 

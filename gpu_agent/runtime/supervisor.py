@@ -87,9 +87,9 @@ CommandFactory = Callable[[ReplicaSpec, Path, int], EngineCommand]
 # are not a replica's.
 KEPT_ENDED_LOGS = 50
 STANDING_LOGS = frozenset({"standby.log", "zygote.log"})
-# Walks of an engine's shared memory in a row that a process of it exited during (`shared_memory.HeldMemory.incomplete`)
-# before it is stopped as one hiding what it holds: a process exits during one walk now and then, not during each.
-MAX_INCOMPLETE_SHM_WALKS = 3
+# Checks of an engine's shared memory in a row whose every walk a process of it was born or exited during
+# (`shared_memory.held_by_tree`) before it is stopped as one hiding what it holds.
+MAX_INCOMPLETE_SHM_CHECKS = 3
 
 
 @dataclass(slots=True)
@@ -649,14 +649,15 @@ class Supervisor:
             usage = engine_disk.DiskUsage(usage.num_bytes + held.num_bytes, usage.num_files + held.num_files,
                                           usage.complete)  # fmt: skip
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
-            # NOTE: a process now and then exits during a walk; one each walk in a row may be relaying a mapping
-            replica.num_incomplete_shm_walks = replica.num_incomplete_shm_walks + 1 if held.incomplete else 0
+            # NOTE: a process is born or exits during a walk now and then; during each, it may be relaying a mapping
+            replica.num_incomplete_shm_checks = replica.num_incomplete_shm_checks + 1 if held.incomplete else 0
             if held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
                 over.append((replica, "its engine hid the files it holds from the agent (a process not dumpable): "
                                       "stopped, and its folders emptied", held.paths))
-            elif replica.num_incomplete_shm_walks >= MAX_INCOMPLETE_SHM_WALKS:
-                over.append((replica, "its engine hid the shared memory it holds from the agent (a process of it "
-                                      f"exited during each of {replica.num_incomplete_shm_walks} walks in a row): "
+            elif replica.num_incomplete_shm_checks >= MAX_INCOMPLETE_SHM_CHECKS:
+                over.append((replica, "its engine hid the shared memory it holds from the agent (processes of it "
+                                      "were born or exited during every walk of "
+                                      f"{replica.num_incomplete_shm_checks} checks in a row): "
                                       "stopped, and its folders emptied", held.paths))
             # a tmpfs only mapped that the agent cannot measure: what it pins is unknown
             elif held.unmeasured:
