@@ -111,7 +111,8 @@ class HeldMemory:
 
 
 MAX_TREE_WALKS = 3  # of one engine's tree by `held_by_tree`, until one is complete
-MAX_PROCESS_LISTINGS = 8  # of /proc by one `process_tree`: new processes each time (a fork storm) leave it incomplete
+# of /proc by one `process_tree`: new processes at each (a fork storm) leave it incomplete
+MAX_PROCESS_LISTINGS = 8
 
 
 def process_tree(pid: int) -> set[int]:

@@ -650,7 +650,7 @@ class Supervisor:
                                           usage.complete)  # fmt: skip
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
             # NOTE: a process is born or exits during a walk now and then; during each, it may be relaying a mapping
-            replica.num_incomplete_shm_checks = replica.num_incomplete_shm_checks + 1 if held.incomplete else 0
+            replica.num_incomplete_shm_checks = replica.num_incomplete_shm_checks + 1 if held.incomplete else 0  # fmt: skip
             if held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
                 over.append((replica, "its engine hid the files it holds from the agent (a process not dumpable): "
                                       "stopped, and its folders emptied", held.paths))
@@ -658,7 +658,7 @@ class Supervisor:
                 over.append((replica, "its engine hid the shared memory it holds from the agent (processes of it "
                                       "were born or exited during every walk of "
                                       f"{replica.num_incomplete_shm_checks} checks in a row): "
-                                      "stopped, and its folders emptied", held.paths))
+                                      "stopped, and its folders emptied", held.paths))  # fmt: skip
             # a tmpfs only mapped that the agent cannot measure: what it pins is unknown
             elif held.unmeasured:
                 over.append((replica, "its engine maps memory of a tmpfs not its own that this agent cannot measure "

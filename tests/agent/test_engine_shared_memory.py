@@ -177,7 +177,8 @@ def test_an_engine_whose_processes_come_and_go_during_every_walk_of_checks_in_a_
     wait_until(lambda: {s.state for s in supervisor.statuses()} == {ReplicaState.READY}, 30, poll=supervisor.poll)
 
     def check_when_due() -> None:  # NOTE: never sooner than its last walk's cost allows (`next_check_in_s`)
-        wait_until(lambda: (supervisor.get("r-relay").disk_check_due_at or 0) <= time.monotonic(), 10, step_s=0.01)
+        replica = supervisor.get("r-relay")
+        wait_until(lambda: (replica.disk_check_due_at or 0) <= time.monotonic(), 10, step_s=0.01)
         supervisor.check_disk()
 
     # NOTE: a walk that fits between two of its forks (the relay not scheduled meanwhile) is complete, and true: it
@@ -464,7 +465,8 @@ def test_what_an_engine_maps_of_its_own_tmpfs_is_measured_and_only_its_overlay_i
     # A tmpfs the engine mounted is memory measured through the engine's root, not unmeasured; the overlay (whose
     # upper folder could as well be a tmpfs: `test_an_overlay_an_engine_mounted_over_a_tmpfs_is_unmeasured...`) is.
     answer = _run_without_the_capability(OWN_MOUNTS)
-    assert [why.split(" (device ")[0].rsplit("/", 2)[-2:] for why in answer["unmeasured"]] == [["merged", "weights"]]
+    unmeasured = [why.split(" (device ")[0] for why in answer["unmeasured"]]
+    assert [path.rsplit("/", 2)[-2:] for path in unmeasured] == [["merged", "weights"]]
     assert answer["bytes"] >= 48 * 1024 * 1024  # its own tmpfs counted whole, the file it closed too
 
 
@@ -656,7 +658,9 @@ def test_a_mapping_relayed_from_process_to_process_makes_every_walk_incomplete_a
     assert _run_without_the_capability(RELAYED_MAPPING)["num_missed"] == 0
 
 
-def test_a_file_swapped_onto_an_fd_while_it_is_asked_is_not_learned_as_the_kernel_s_own(tmp_path, monkeypatch):
+def test_a_file_swapped_onto_an_fd_while_it_is_asked_is_not_learned_as_the_kernel_s_own(
+    tmp_path, monkeypatch
+):
     # An engine `dup2`s a file of a tmpfs onto the fd of a dma-buf (a GPU driver's: none on a CPU node, so the file
     # system of a plain file stands in for dma-buf's here) while the agent asks that fd's link. Before, the type came
     # from one lookup of the link and the device from a second: the tmpfs's device was learned as the kernel's own
