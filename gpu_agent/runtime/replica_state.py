@@ -57,6 +57,8 @@ class ManagedReplica:
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     metrics_scraped_at: float | None = None
     disk_check_due_at: float | None = None  # its engine's folders measured next (monotonic; `Supervisor.check_disk`)
+    # its engine's shared memory checks in a row whose walks were all incomplete (`Supervisor.check_disk`)
+    num_incomplete_shm_checks: int = 0
     tokens_per_s: float = 0.0
     from_standby: bool = False  # the running engine is a standby that took this replica
     avoid_standby: bool = False  # a standby start never got READY: launch naively from now on

@@ -15,7 +15,7 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SHARED_MEMORY_DIR = Path("/dev/shm")
@@ -105,39 +105,75 @@ class HeldMemory:
     # sees it, that they hold only mapped, which the agent could not measure (its `map_files` link refused: no
     # CAP_CHECKPOINT_RESTORE): what it pins is unknown, not 0
     unmeasured: tuple[str, ...] = ()
+    # a process of theirs exited (or a mapping of it went) while the walk asked it, and some of theirs live on: what
+    # it held may have passed to one not walked (a mapping relayed by fork and exit), so the figures may miss it
+    incomplete: bool = False
+
+
+MAX_TREE_WALKS = 3  # of one engine's tree by `held_by_tree`, until one is complete
+# of /proc by one `process_tree`: new processes at each (a fork storm) leave it incomplete
+MAX_PROCESS_LISTINGS = 8
 
 
 def process_tree(pid: int) -> set[int]:
     """`pid`, every process below it and every process of its group: an engine's processes (its reaper is a
-    subreaper, so what its children orphan stays below it). One pass over /proc."""
-    parents: dict[int, list[int]] = {}
+    subreaper, so what its children orphan stays below it). `_scan_tree`'s processes."""
+    return _scan_tree(pid)[0]
+
+
+def _scan_tree(pid: int) -> tuple[set[int], bool]:
+    """`process_tree`'s processes, and whether the scan is complete: /proc is listed again for the processes born
+    since it was last listed, and those whose parent exited meanwhile are asked again (their new parent, the reaper),
+    until one listing finds none (at most `MAX_PROCESS_LISTINGS`).
+
+    NOTE: read once, a process that forked and exited between the listing and the reading of its parent's line was
+    not found, nor was its child, born after the listing: a mapping relayed from process to process that way was on no
+    process of the tree in 7 walks of 40 that were taken as complete."""
+    parent_of: dict[int, int] = {}
     group = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat_file:
-                fields = stat_file.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        parents.setdefault(int(fields[1]), []).append(int(entry))
-        if int(fields[2]) == pid:
-            group.add(int(entry))
+    gone: set[int] = set()
+    complete = False
+    for _ in range(MAX_PROCESS_LISTINGS):
+        listed = {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
+        asked = {each for each in listed if each not in parent_of and each not in gone}
+        asked |= {child for child, parent in parent_of.items() if parent in gone}  # reparented meanwhile
+        if not asked:
+            complete = True
+            break
+        for each in sorted(asked):
+            try:
+                with open(f"/proc/{each}/stat", "rb") as stat_file:
+                    fields = stat_file.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                gone.add(each)  # gone meanwhile
+                parent_of.pop(each, None)
+                continue
+            parent_of[each] = int(fields[1])
+            if int(fields[2]) == pid:
+                group.add(each)
+    children: dict[int, list[int]] = {}
+    for child, parent in parent_of.items():
+        children.setdefault(parent, []).append(child)
     found, pending = {pid}, [pid]
     while pending:
-        for child in parents.get(pending.pop(), ()):
+        for child in children.get(pending.pop(), ()):
             if child not in found:
                 found.add(child)
                 pending.append(child)
-    return found | group
+    return found | group, complete
 
 
 _TMPFS_MAGIC = 0x01021994  # `statfs`'s f_type of a tmpfs (linux/magic.h)
 # of the kernel's dma-buf file system, mounted nowhere (buffers a GPU driver exports)
 _DMA_BUF_MAGIC = 0x444D4142
-# NOTE: what a mount of these types holds is memory; a mount of any other type (ext4, overlay, fuse, proc, ...) holds
-# files whose pages the kernel may drop or write back, no memory of a tmpfs (`_PrivateTmpfs.measure`).
+# NOTE: what a mount of these types holds is memory, measured whole through its mount point (`_measure_mounted`).
 MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "shm", "ramfs", "hugetlbfs", "devtmpfs"})
+# NOTE: fail closed: only a mount of these types is known to hold files whose pages the kernel may drop or write back
+# to a disk (not counted). Any other (overlay, whose upper folder may be a tmpfs; fuse.*, whose server may keep its
+# files in memory; a type unknown here) is unmeasured where no link measures it.
+DISK_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "jfs", "reiserfs", "vfat", "exfat",
+                               "ntfs", "ntfs3", "zfs", "nfs", "nfs4", "cifs", "smb3", "ceph", "squashfs", "erofs",
+                               "iso9660"})  # fmt: skip
 
 
 def _mounted_devices() -> set[int]:
@@ -150,31 +186,40 @@ def _mounted_devices() -> set[int]:
     return {os.makedev(int(major), int(minor)) for major, minor in numbers}
 
 
-def _usage(path: str) -> tuple[int, int]:
-    """Bytes and files used on the file system of `path`, less its root folder."""
+def _usage(path: str | int) -> tuple[int, int]:
+    """Bytes and files used on the file system of `path` (or of the open file `path`), less its root folder."""
     usage = os.statvfs(path)
     return (usage.f_blocks - usage.f_bfree) * usage.f_frsize, max(0, usage.f_files - usage.f_ffree - 1)
 
 
-def _file_system_type(path: str) -> int:
-    """`statfs`'s f_type of the file system `path` is on."""
+def _file_system_type(fd: int) -> int:
+    """`fstatfs`'s f_type of the file system of the open file `fd` (an `O_PATH` one too)."""
     found = ctypes.create_string_buffer(256)  # a `struct statfs`, its f_type (a C long) first
-    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), found) != 0:
+    if ctypes.CDLL(None, use_errno=True).fstatfs(fd, found) != 0:
         error = ctypes.get_errno()
-        raise OSError(error, os.strerror(error), path)
+        raise OSError(error, os.strerror(error))
     return ctypes.c_long.from_buffer(found).value & 0xFFFFFFFF
 
 
-def _tmpfs_usage(path: str) -> tuple[int, int] | None:
-    """`_usage` of the tmpfs `path` is on (a `/proc/<pid>/fd/<n>` or `map_files` link: the open file itself); None
-    for another file system or a tmpfs of no size (the kernel's own: memfd's, SysV's, counted as memory)."""
-    file_system = _file_system_type(path)
-    if file_system == _DMA_BUF_MAGIC:
-        _learn_kernel_device(os.stat(path).st_dev)
-    if file_system != _TMPFS_MAGIC:
-        return None
-    usage = _usage(path)
-    return usage if os.statvfs(path).f_blocks else None
+def _tmpfs_usage(path: str) -> tuple[int, tuple[int, int] | None]:
+    """The device of the file `path` names (a `/proc/<pid>/fd/<n>` or `map_files` link: the open file itself) and
+    `_usage` of it if a tmpfs; None for another file system or a tmpfs of no size (the kernel's own: memfd's, SysV's,
+    counted as memory).
+
+    NOTE: the link is opened once and every question asked of that one open file: asked of the path twice, an engine
+    could `dup2` another file onto its fd between the answers (a tmpfs of another engine's, its device then learned as
+    dma-buf's, kernel-own, for the agent's life)."""
+    opened = os.open(path, os.O_PATH)
+    try:
+        device = os.fstat(opened).st_dev
+        file_system = _file_system_type(opened)
+        if file_system == _DMA_BUF_MAGIC:
+            _learn_kernel_device(device)
+        if file_system != _TMPFS_MAGIC:
+            return device, None
+        return device, _usage(opened) if os.statvfs(opened).f_blocks else None
+    finally:
+        os.close(opened)
 
 
 _kernel_devices_found: frozenset[int] | None = None
@@ -208,21 +253,29 @@ def _kernel_devices() -> frozenset[int]:
     shared anonymous mapping and SysV segment is a file of it, counted as memory), its hugetlbfs of each huge page
     size (a `MFD_HUGETLB` memfd's, from the huge page pool: the process's own, gone with it), that of anonymous inodes
     and dma-buf's once seen (`_learn_kernel_device`). Asked once, of a memfd of each kind and an eventfd of this
-    process's own (a hugetlbfs memfd costs no page until written)."""
+    process's own (a hugetlbfs memfd costs no page until written).
+
+    NOTE: kept only when every probe answered: one refused (no fd left, no memory, a seccomp filter) is asked again at
+    the next call. Kept, one failed probe at the agent's start made every engine's shared anonymous mapping
+    (`/dev/zero (deleted)`, vLLM's) unmeasured, and stopped every engine at each sweep until the agent restarted."""
     global _kernel_devices_found
     if _kernel_devices_found is None:
         found = set(_kernel_devices_learned)
         hugetlb = [lambda flags=flags: os.memfd_create("inferplane-probe", flags)
                    for flags in _huge_page_flags()]  # fmt: skip
+        complete = True
         for make in (lambda: os.memfd_create("inferplane-probe"), lambda: os.eventfd(0), *hugetlb):
             try:
                 fd = make()
             except (OSError, AttributeError):
+                complete = False
                 continue
             try:
                 found.add(os.fstat(fd).st_dev)
             finally:
                 os.close(fd)
+        if not complete:
+            return frozenset(found)
         _kernel_devices_found = frozenset(found)
     return _kernel_devices_found
 
@@ -238,6 +291,8 @@ class _PrivateTmpfs:
         # device -> the path of a mapping of it whose `map_files` link was refused
         self.refused: dict[int, str] = {}
         self.mounts_of: dict[int, dict[int, tuple[str, str]]] = {}  # pid -> its `_mounts`, read once
+        # a link asked was gone (its process exited, its file unmapped) or named another file than a moment before
+        self.vanished = False
 
     def unmeasured(self, known) -> tuple[str, ...]:
         """The mappings of devices that no link answered for, less `known` ones (measured another way) and the
@@ -266,11 +321,16 @@ class _PrivateTmpfs:
         ):
             return  # NOTE: a tmpfs has an anonymous device (major 0)
         try:
-            usage = _tmpfs_usage(link)
+            opened_device, usage = _tmpfs_usage(link)
         except OSError as exc:
             if mapped_as is not None and exc.errno in (errno.EPERM, errno.EACCES):
                 if pid is None or not self._measure_mounted(device, pid):
                     self.refused.setdefault(device, mapped_as[:MAX_PATH_CHARS_SHOWN])
+            elif exc.errno in (errno.ENOENT, errno.ESRCH):
+                self.vanished = True
+            return
+        if opened_device != device:
+            self.vanished = True  # the link names another file than a moment ago: `device` is asked again
             return
         if usage is None:
             self.uncounted.add(device)
@@ -280,28 +340,27 @@ class _PrivateTmpfs:
     def _measure_mounted(self, device: int, pid: int) -> bool:
         """Whether `device`, mapped by `pid` through a link refused to this agent, is known from what `pid` sees
         mounted (`/proc/<pid>/mountinfo`, which needs no capability): a file system of another type than
-        `MEMORY_FILE_SYSTEMS` holds no memory (not counted); a tmpfs is measured whole through its mount point there
+        `DISK_FILE_SYSTEMS` holds no memory (not counted); a tmpfs is measured whole through its mount point there
         (`/proc/<pid>/root/<mount point>`, opened once, and counted only if that is the device: a mount stacked over
         it, or a path its engine swapped meanwhile, names another). A device mounted nowhere `pid` sees (a file
-        passed by fd from another engine's tmpfs), or a memory file system not measured so, is not known: False."""
+        passed by fd from another engine's tmpfs), one of another type (overlay, fuse.*, unknown), or a memory file
+        system not measured so, is not known: False."""
         if pid not in self.mounts_of:
             self.mounts_of[pid] = _mounts(pid)
         fstype, mount_point = self.mounts_of[pid].get(device, ("", ""))
         if not fstype:
             return False
-        if fstype.split(".", 1)[0] not in MEMORY_FILE_SYSTEMS:
+        if fstype in DISK_FILE_SYSTEMS:
             self.uncounted.add(device)
             return True
+        if fstype not in MEMORY_FILE_SYSTEMS:
+            return False  # overlay, fuse.*, or unknown: it may hold memory (`DISK_FILE_SYSTEMS`)
         try:
-            opened = os.open(f"/proc/{pid}/root{mount_point}", os.O_PATH | os.O_DIRECTORY)
+            opened_device, usage = _tmpfs_usage(f"/proc/{pid}/root{mount_point}")
         except OSError:
             return False
-        try:
-            usage = _tmpfs_usage(f"/proc/self/fd/{opened}") if os.fstat(opened).st_dev == device else None
-        except OSError:
+        if opened_device != device:
             usage = None
-        finally:
-            os.close(opened)
         if usage is not None:
             self.usage[device] = usage
         return usage is not None
@@ -352,6 +411,7 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     mapped: dict[tuple[int, int], int] = {}  # unlinked files known only by their mappings: the largest
     paths = set()
     hidden = False
+    vanished = False  # a process gone while it was asked
     prefix = f"{folder}/"
     for pid in set(pids):
         fd_dir = f"/proc/{pid}/fd"
@@ -373,7 +433,8 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
             hidden = True
             continue
         except OSError:
-            continue  # gone
+            vanished = True  # gone
+            continue
         for fd in fds:
             try:
                 target = os.readlink(f"{fd_dir}/{fd}")
@@ -397,6 +458,7 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
             hidden = True
             continue
         except OSError:
+            vanished = True  # gone
             continue
         for parts in lines:
             start, end = (int(value, 16) for value in parts[0].split("-"))
@@ -427,8 +489,28 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     num_bytes = sum(size for (device, _), size in counted.items() if device not in whole)
     num_bytes += sum(num_bytes for num_bytes, _ in whole.values())
     num_files = sum(num_files for _, num_files in whole.values())
+    # NOTE: a whole tree gone meanwhile (its engine exited) holds nothing; one living on may hold what the gone held
+    incomplete = (vanished or private.vanished) and any(os.path.exists(f"/proc/{pid}") for pid in set(pids))
     return HeldMemory(num_bytes, num_files, frozenset(paths), frozenset(sizes) | frozenset(mapped), hidden,
-                      private.unmeasured(known=own_folders))  # fmt: skip
+                      private.unmeasured(known=own_folders), incomplete)  # fmt: skip
+
+
+def held_by_tree(pid: int, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
+    """`held_by` the processes of `pid`'s tree (`process_tree`: an engine's), `incomplete` too when the tree has a
+    process after the walk that it did not have before: one born meanwhile, which may hold what one walked gave it.
+
+    Walked again, up to `MAX_TREE_WALKS` times, until a walk is complete: a compiler a JIT runs now and then is born
+    or exits during one walk, not during each of them.
+
+    NOTE: a mapping relayed by fork and exit every millisecond was on a process gone by the time the walk asked it, or
+    born after the tree was listed: 31 walks in 40 found neither its memory nor anything unmeasured."""
+    for _ in range(MAX_TREE_WALKS):
+        tree, complete = _scan_tree(pid)
+        held = held_by(tree, folder)
+        after, complete_after = _scan_tree(pid)
+        if not held.incomplete and complete and complete_after and not after - tree:
+            return held
+    return replace(held, incomplete=True)
 
 
 def remove_orphans(

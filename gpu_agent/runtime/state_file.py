@@ -9,7 +9,14 @@ The readings (`StateFile.save_reading`: a confirmed refusal of namespaces, the s
 stamped with the node's boot, their times on its monotonic clock: those of another boot are ignored. NOTE: a file
 this agent did not write is trusted for nothing (not adopted from, no reading taken): not a regular file of the
 agent's own user, writable by another (group or others), or not what it writes; each is ignored with a log line. An
-engine cannot write it (Landlock: `tests/agent/test_engine_sandbox.py`).
+engine confined with Landlock cannot write it (`tests/agent/test_engine_sandbox.py`). NOTE: an engine runs as the
+agent's own user: under `best-effort` on a kernel without Landlock it runs unconfined and can write this file (plant
+records and readings: a refusal of namespaces, which then start its next engines without them), which no check of the
+file's owner or mode can tell from the agent's; only `required` (no engine unconfined) rules that out.
+
+NOTE: one-way: an agent from before the readings takes the key `""` for a replica's record it cannot read: it logs
+a traceback and "killed replicas left by a previous agent: ['']" (no process carries an empty replica id: none is
+killed for it), then rewrites the file without it at the end of its recovery, the readings forgotten.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from gpu_agent.runtime.replica_state import ManagedReplica
 logger = logging.getLogger(__name__)
 
 # NOTE: the readings' key beside the replicas' records: no replica has an empty id (`ReplicaSpec`), and an older
-# agent skips a record it cannot read and adopts the others.
+# agent skips a record it cannot read (with a traceback) and adopts the others (the module's docstring).
 READINGS_KEY = ""
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 MAX_STATE_BYTES = 64 * 1024 * 1024  # past this the file is no state this agent wrote

@@ -87,6 +87,9 @@ CommandFactory = Callable[[ReplicaSpec, Path, int], EngineCommand]
 # are not a replica's.
 KEPT_ENDED_LOGS = 50
 STANDING_LOGS = frozenset({"standby.log", "zygote.log"})
+# Checks of an engine's shared memory in a row whose every walk a process of it was born or exited during
+# (`shared_memory.held_by_tree`) before it is stopped as one hiding what it holds.
+MAX_INCOMPLETE_SHM_CHECKS = 3
 
 
 @dataclass(slots=True)
@@ -642,13 +645,20 @@ class Supervisor:
             usage = engine_disk.measure(folders, max_bytes=bounds.engine_max_bytes, max_files=bounds.engine_max_files)
             # NOTE: what its processes hold in /dev/shm is RAM it may write but not list (`sandbox.SHARED_MEMORY`); in
             # namespaces of its own, the whole of its own /dev/shm, closed files too.
-            held = shared_memory.held_by(shared_memory.process_tree(replica.pid), self.shared_memory_dir)
+            held = shared_memory.held_by_tree(replica.pid, self.shared_memory_dir)
             usage = engine_disk.DiskUsage(usage.num_bytes + held.num_bytes, usage.num_files + held.num_files,
                                           usage.complete)  # fmt: skip
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
+            # NOTE: a process is born or exits during a walk now and then; during each, it may be relaying a mapping
+            replica.num_incomplete_shm_checks = replica.num_incomplete_shm_checks + 1 if held.incomplete else 0  # fmt: skip
             if held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
                 over.append((replica, "its engine hid the files it holds from the agent (a process not dumpable): "
                                       "stopped, and its folders emptied", held.paths))
+            elif replica.num_incomplete_shm_checks >= MAX_INCOMPLETE_SHM_CHECKS:
+                over.append((replica, "its engine hid the shared memory it holds from the agent (processes of it "
+                                      "were born or exited during every walk of "
+                                      f"{replica.num_incomplete_shm_checks} checks in a row): "
+                                      "stopped, and its folders emptied", held.paths))  # fmt: skip
             # a tmpfs only mapped that the agent cannot measure: what it pins is unknown
             elif held.unmeasured:
                 over.append((replica, "its engine maps memory of a tmpfs not its own that this agent cannot measure "

@@ -46,6 +46,7 @@ parser.add_argument("--try-neighbour", default="", help="JSON {pid, shm}: log wh
 parser.add_argument("--try-shm-bytes", type=int, default=0, help="log how much of this it could write in /dev/shm")
 parser.add_argument("--try-shm-files", type=int, default=0, help="log how many of these empty files it could make there")
 parser.add_argument("--try-namespaces", action="store_true", help="log whether it could make a user namespace")
+parser.add_argument("--relay-processes", action="store_true", help="a process forking and exiting, its child too")
 args, _ = parser.parse_known_args()
 
 if args.confine:
@@ -173,6 +174,26 @@ if args.fill_shm_bytes:  # what vLLM's ring buffers and NCCL's segments take, in
         os.close(shm_fd)
         os.unlink(shm_path)
     print(f"==> shared memory {shm_path}", flush=True)
+if args.relay_processes:  # a hostile engine's way to keep what it holds on no process the agent's walk asks
+    import ctypes
+
+    # PR_SET_CHILD_SUBREAPER, as the engine's reaper: the relay stays below
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
+    if os.fork() == 0:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # NOTE: as fast as it can: a walk must never fit between two forks
+            if os.fork() != 0:
+                os._exit(0)
+        os._exit(0)
+
+    def reap() -> None:
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                time.sleep(0.01)
+
+    threading.Thread(target=reap, daemon=True).start()
 for line in args.log_line:
     print(line, flush=True)
 # A hostile tenant's two replicas: one passes the other a file of its /dev/shm.

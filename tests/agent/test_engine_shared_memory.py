@@ -7,6 +7,7 @@ busy node. The engine here is a real process group doing what vLLM's does: a par
 process, each holding a segment it created.
 """
 
+import ctypes
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime import process
 from gpu_agent.runtime import shared_memory as engine_shared_memory
 from gpu_agent.runtime.engine_disk import EngineDiskBounds
-from gpu_agent.runtime.supervisor import Supervisor
+from gpu_agent.runtime.supervisor import MAX_INCOMPLETE_SHM_CHECKS, Supervisor
 
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
 
@@ -101,11 +102,13 @@ def test_a_gentle_signal_unlinks_nothing(tmp_path):
 @pytest.fixture
 def make_supervisor(tmp_path):
     """Supervisors of fake engines: those of replica "r-shm" hold 3 MB in /dev/shm (open and mapped), those of
-    "r-unlinked" 3 MB only mapped, its name removed; whatever they started is gone after the test."""
+    "r-unlinked" 3 MB only mapped, its name removed; those of "r-relay" relay a process (fork and exit,
+    again and again); whatever they started is gone after the test."""
     made = []
     factories = {
         "r-shm": fake_engine_factory("--fill-shm-bytes", str(3 * MB)),
         "r-unlinked": fake_engine_factory("--fill-shm-bytes", str(3 * MB), "--shm-unlinked"),
+        "r-relay": fake_engine_factory("--relay-processes"),
     }
     plain = fake_engine_factory()
 
@@ -161,6 +164,35 @@ def test_an_engine_holding_shared_memory_within_its_bound_runs_on(make_superviso
     assert supervisor.get("r-shm").state == ReplicaState.READY and held.exists()
     usage = engine_shared_memory.held_by(engine_shared_memory.process_tree(supervisor.get("r-shm").pid))
     assert usage.num_bytes >= 3 * MB and held in usage.paths and not usage.hidden
+
+
+def test_an_engine_whose_processes_come_and_go_during_every_walk_of_checks_in_a_row_fails_and_a_quiet_one_runs_on(
+    make_supervisor,
+):
+    # Before, a walk that a process of the engine was born or exited during (a mapping relayed from process to process)
+    # was taken as complete: its engine ran on, what it held never counted (`test_a_mapping_relayed_from_process...`).
+    supervisor = make_supervisor(check_interval_s=0, sweep_interval_s=3600)
+    supervisor.start(make_spec("r-relay", endpoint_id="e-relay"), Path("/nonexistent"))
+    supervisor.start(make_spec("r-quiet", endpoint_id="e-quiet"), Path("/nonexistent"))
+    wait_until(lambda: {s.state for s in supervisor.statuses()} == {ReplicaState.READY}, 30, poll=supervisor.poll)
+
+    def check_when_due() -> None:  # NOTE: never sooner than its last walk's cost allows (`next_check_in_s`)
+        replica = supervisor.get("r-relay")
+        wait_until(lambda: (replica.disk_check_due_at or 0) <= time.monotonic(), 10, step_s=0.01)
+        supervisor.check_disk()
+
+    # NOTE: a walk that fits between two of its forks (the relay not scheduled meanwhile) is complete, and true: it
+    # resets the count; nearly every check is incomplete (3 walks each), so 3 in a row come within a few checks
+    for _ in range(10 * MAX_INCOMPLETE_SHM_CHECKS):
+        check_when_due()
+        if supervisor.get("r-relay").state != ReplicaState.READY:
+            break
+
+    status = next(status for status in supervisor.statuses() if status.replica_id == "r-relay")
+    assert status.state == ReplicaState.FAILED
+    assert "were born or exited during every walk of 3 checks in a row" in status.failure_reason
+    wait_until(lambda: processes_with_marker("r-relay") == [], 10)
+    assert supervisor.get("r-quiet").state == ReplicaState.READY
 
 
 HOLDER = """
@@ -429,12 +461,73 @@ print(json.dumps({"bytes": held.num_bytes, "unmeasured": list(held.unmeasured)})
 @pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user"
 )
-def test_what_an_engine_maps_of_its_own_mounts_is_measured_or_not_memory_and_not_unmeasured():
-    # Before, every mapping of a device the agent does not see mounted, refused to it, was unmeasured and failed its
-    # engine: an overlay (no memory) or a tmpfs the engine mounted (memory it can measure through the engine's root).
+def test_what_an_engine_maps_of_its_own_tmpfs_is_measured_and_only_its_overlay_is_unmeasured():
+    # A tmpfs the engine mounted is memory measured through the engine's root, not unmeasured; the overlay (whose
+    # upper folder could as well be a tmpfs: `test_an_overlay_an_engine_mounted_over_a_tmpfs_is_unmeasured...`) is.
     answer = _run_without_the_capability(OWN_MOUNTS)
-    assert answer["unmeasured"] == []
+    unmeasured = [why.split(" (device ")[0] for why in answer["unmeasured"]]
+    assert [path.rsplit("/", 2)[-2:] for path in unmeasured] == [["merged", "weights"]]
     assert answer["bytes"] >= 48 * 1024 * 1024  # its own tmpfs counted whole, the file it closed too
+
+
+# An engine able to mount (not under the production sandbox, which leaves it no capability: the code must not rely on
+# that) maps a file of an overlay whose upper folder is on a tmpfs it mounted: 96 MiB of memory the maps show on the
+# overlay's device, the tmpfs itself mapped by nothing.
+OVERLAY_OVER_TMPFS = """
+import ctypes, json, os, sys, time
+from gpu_agent.runtime import shared_memory
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+base = sys.argv[1]
+for name in ("lower", "memory", "merged"):
+    os.mkdir(f"{base}/{name}")
+read_end, write_end = os.pipe()
+engine = os.fork()
+if engine == 0:
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(0x10000000 | 0x00020000) != 0:
+        os.write(write_end, b"no user namespaces")
+        os._exit(0)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        open(f"/proc/self/{name}", "w").write(text)
+    assert libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0, ctypes.get_errno()
+    assert libc.mount(b"tmpfs", f"{base}/memory".encode(), b"tmpfs", 0, b"size=256m") == 0, ctypes.get_errno()
+    os.mkdir(f"{base}/memory/upper")
+    os.mkdir(f"{base}/memory/work")
+    options = f"lowerdir={base}/lower,upperdir={base}/memory/upper,workdir={base}/memory/work".encode()
+    if libc.mount(b"overlay", f"{base}/merged".encode(), b"overlay", 0, options) != 0:
+        os.write(write_end, b"no overlay in a user namespace")
+        os._exit(0)
+    with open(f"{base}/merged/big", "wb") as big:
+        big.write(b"x" * 96 * 1024 * 1024)
+    fd = os.open(f"{base}/merged/big", os.O_RDONLY)
+    assert libc.mmap(None, 4096, 1, 1, fd, 0) not in (None, ctypes.c_void_p(-1).value)  # read, shared
+    os.close(fd)
+    os.write(write_end, b"mapped")
+    time.sleep(60)
+    os._exit(0)
+said = os.read(read_end, 100).decode()
+if said != "mapped":
+    os.waitpid(engine, 0)
+    print(json.dumps({"skip": said}))
+    sys.exit()
+held = shared_memory.held_by({engine})
+os.kill(engine, 9)
+os.waitpid(engine, 0)
+print(json.dumps({"bytes": held.num_bytes, "unmeasured": list(held.unmeasured)}))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user"
+)
+def test_an_overlay_an_engine_mounted_over_a_tmpfs_is_unmeasured_not_counted_zero():
+    # Before, an overlay was taken for a file system of no memory: 96 MiB counted 0 and nothing said so. A device is
+    # "not memory" only when its type is a disk's (`shared_memory.DISK_FILE_SYSTEMS`).
+    answer = _run_without_the_capability(OVERLAY_OVER_TMPFS)
+    assert [why for why in answer["unmeasured"] if why.split(" (device ")[0].endswith("/merged/big")], answer
 
 
 # A process mapping a hugetlbfs memfd (`MFD_HUGETLB`: the huge page pool, its own), its fd closed. Prints what
@@ -477,3 +570,123 @@ def _free_huge_pages() -> int:
 def test_a_hugetlbfs_memfd_mapped_without_the_capability_is_not_unmeasured():
     # Before, its device (the kernel's hugetlbfs of that page size, mounted nowhere) was unmeasured: FAILED.
     assert _run_without_the_capability(HUGE_PAGES)["unmeasured"] == []
+
+
+# The agent's first probe of the kernel's own devices fails (no fd left: the fd limit reached; as ENOMEM or a seccomp
+# filter would), then a process maps shared anonymous memory (`/dev/zero (deleted)`, as vLLM does). Prints what the
+# next walk finds for it, as an agent without CAP_CHECKPOINT_RESTORE.
+PROBE_FAILED_ONCE = """
+import json, mmap, os, resource, time
+from gpu_agent.runtime import shared_memory
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+filler = []
+try:
+    while True:
+        filler.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+at_the_limit = shared_memory._kernel_devices()
+for fd in filler:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+read_end, write_end = os.pipe()
+mapper = os.fork()
+if mapper == 0:
+    kept = mmap.mmap(-1, 4096, flags=mmap.MAP_SHARED)  # no fd: only its mapping shows it
+    os.write(write_end, b"k")
+    time.sleep(60)
+    os._exit(0)
+os.read(read_end, 1)
+held = shared_memory.held_by({mapper})
+os.kill(mapper, 9)
+os.waitpid(mapper, 0)
+print(json.dumps({"probed_at_the_limit": len(at_the_limit), "unmeasured": list(held.unmeasured)}))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user"
+)
+def test_a_probe_that_failed_once_is_asked_again_and_the_kernel_s_own_memory_is_not_unmeasured():
+    # Before, the failed probe's empty answer was kept for the agent's life: every engine's shared anonymous mapping
+    # was unmeasured ("/dev/zero (deleted) (device 0:1)") and every engine stopped at each sweep.
+    answer = _run_without_the_capability(PROBE_FAILED_ONCE)
+    assert answer["probed_at_the_limit"] == 0  # the probe did fail
+    assert answer["unmeasured"] == []
+
+
+# A process of B maps the file passed from A's tmpfs (no fd kept), then relays the mapping: it forks and exits every
+# millisecond, each child doing the same (B reaps them, as an engine's init does). Prints how many of 40 walks of B's
+# tree (`held_by_tree`, as `Supervisor.check_disk` walks an engine's) neither counted A's tmpfs, nor found it
+# unmeasured, nor said they were incomplete.
+RELAYED_MAPPING = (FOREIGN_FILE + """
+import signal
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the relay's orphans stay below B
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+relay = os.fork()
+if relay == 0:
+    os.setpgid(0, 0)
+    assert libc.mmap(None, 4096, 1, 1, fd, 0) not in (None, ctypes.c_void_p(-1).value)  # read, shared
+    os.close(fd)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.fork() != 0:
+            os._exit(0)
+        time.sleep(0.001)
+    os._exit(0)
+os.close(fd)
+walk = getattr(shared_memory, "held_by_tree", None) or (lambda pid: shared_memory.held_by(shared_memory.process_tree(pid)))
+num_missed = 0
+for _ in range(40):
+    held = walk(os.getpid())
+    if not (held.num_bytes >= 48 * 1024 * 1024 or held.unmeasured or getattr(held, "incomplete", False)):
+        num_missed += 1
+os.killpg(relay, 9)
+print(json.dumps({"num_missed": num_missed}))
+""")  # fmt: skip
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user"
+)
+def test_a_mapping_relayed_from_process_to_process_makes_every_walk_incomplete_and_none_misses_it():
+    # Before, each process the walk asked was gone (ENOENT: nothing noted) or born after the tree was listed: most walks
+    # counted 0 bytes and nothing unmeasured. `Supervisor.check_disk` stops an engine whose walks are incomplete
+    # `MAX_INCOMPLETE_SHM_CHECKS` times in a row.
+    assert _run_without_the_capability(RELAYED_MAPPING)["num_missed"] == 0
+
+
+def test_a_file_swapped_onto_an_fd_while_it_is_asked_is_not_learned_as_the_kernel_s_own(
+    tmp_path, monkeypatch
+):
+    # An engine `dup2`s a file of a tmpfs onto the fd of a dma-buf (a GPU driver's: none on a CPU node, so the file
+    # system of a plain file stands in for dma-buf's here) while the agent asks that fd's link. Before, the type came
+    # from one lookup of the link and the device from a second: the tmpfs's device was learned as the kernel's own
+    # and that tmpfs never measured again for the agent's life.
+    plain = os.open(tmp_path / "stands-for-a-dma-buf", os.O_RDWR | os.O_CREAT, 0o600)
+    tmpfs_file = shared_memory.SharedMemory(create=True, size=4096)
+    held = os.dup(plain)
+    asked = engine_shared_memory._file_system_type
+
+    def swapped_once_asked(file):
+        answer = asked(file)
+        os.dup2(tmpfs_file._fd, held)  # the engine's move, between the agent's questions
+        return answer
+
+    try:
+        statfs = ctypes.create_string_buffer(256)  # a `struct statfs`, its f_type (a C long) first
+        assert ctypes.CDLL(None).fstatfs(plain, statfs) == 0
+        monkeypatch.setattr(engine_shared_memory, "_DMA_BUF_MAGIC", ctypes.c_long.from_buffer(statfs).value & 0xFFFFFFFF)
+        monkeypatch.setattr(engine_shared_memory, "_file_system_type", swapped_once_asked)
+        monkeypatch.setattr(engine_shared_memory, "_kernel_devices_learned", set())
+        monkeypatch.setattr(engine_shared_memory, "_kernel_devices_found", None)
+        engine_shared_memory._tmpfs_usage(f"/proc/self/fd/{held}")
+        assert os.fstat(tmpfs_file._fd).st_dev not in engine_shared_memory._kernel_devices_learned
+        assert engine_shared_memory._kernel_devices_learned == {os.fstat(plain).st_dev}
+    finally:
+        os.close(held)
+        os.close(plain)
+        tmpfs_file.close()
+        tmpfs_file.unlink()
