@@ -59,6 +59,7 @@ class ManagedReplica:
     disk_check_due_at: float | None = None  # its engine's folders measured next (monotonic; `Supervisor.check_disk`)
     # its engine's shared memory checks in a row whose walks were all incomplete (`Supervisor.check_disk`)
     num_incomplete_shm_checks: int = 0
+    incomplete_shm_since: float | None = None  # the first of those checks (monotonic)
     tokens_per_s: float = 0.0
     from_standby: bool = False  # the running engine is a standby that took this replica
     avoid_standby: bool = False  # a standby start never got READY: launch naively from now on

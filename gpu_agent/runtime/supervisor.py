@@ -88,8 +88,12 @@ CommandFactory = Callable[[ReplicaSpec, Path, int], EngineCommand]
 KEPT_ENDED_LOGS = 50
 STANDING_LOGS = frozenset({"standby.log", "zygote.log"})
 # Checks of an engine's shared memory in a row whose every walk a process of it was born or exited during
-# (`shared_memory.held_by_tree`) before it is stopped as one hiding what it holds.
+# (`shared_memory.held_by_tree`) before it is stopped as one hiding what it holds, and for how long at least: a check
+# comes as often as every second near a disk bound (`engine_disk.next_check_in_s`), and an engine compiling (Triton,
+# inductor: a compiler process started and ended many times a second) may make three checks in a row incomplete
+# though it hides nothing; a relaying engine is incomplete at every check, for as long as it relays.
 MAX_INCOMPLETE_SHM_CHECKS = 3
+MIN_INCOMPLETE_SHM_S = 120.0
 
 
 @dataclass(slots=True)
@@ -651,13 +655,19 @@ class Supervisor:
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
             # NOTE: a process is born or exits during a walk now and then; during each, it may be relaying a mapping
             replica.num_incomplete_shm_checks = replica.num_incomplete_shm_checks + 1 if held.incomplete else 0  # fmt: skip
+            if not held.incomplete:
+                replica.incomplete_shm_since = None
+            elif replica.incomplete_shm_since is None:
+                replica.incomplete_shm_since = now
             if held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
                 over.append((replica, "its engine hid the files it holds from the agent (a process not dumpable): "
                                       "stopped, and its folders emptied", held.paths))
-            elif replica.num_incomplete_shm_checks >= MAX_INCOMPLETE_SHM_CHECKS:
+            elif (replica.num_incomplete_shm_checks >= MAX_INCOMPLETE_SHM_CHECKS
+                  and now - replica.incomplete_shm_since >= MIN_INCOMPLETE_SHM_S):
                 over.append((replica, "its engine hid the shared memory it holds from the agent (processes of it "
                                       "were born or exited during every walk of "
-                                      f"{replica.num_incomplete_shm_checks} checks in a row): "
+                                      f"{replica.num_incomplete_shm_checks} checks in a row, "
+                                      f"{now - replica.incomplete_shm_since:.0f} s): "
                                       "stopped, and its folders emptied", held.paths))  # fmt: skip
             # a tmpfs only mapped that the agent cannot measure: what it pins is unknown
             elif held.unmeasured:
