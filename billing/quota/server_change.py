@@ -10,8 +10,9 @@ every start, and `master_replid2`, the replication id a promoted replica took ov
 failed over and back keeps its `run_id`). The first beat to find another than the one the counters were trusted on
 (`TRUSTED_SERVER_KEY`) takes the drop (`DROPPING_KEY`, for `DROP_LEASE_S`, renewed at each scan batch; a drop that
 fails gives it back at once, one killed leaves it to the first beat after `DROP_LEASE_S`) and drops every
-organisation's period counters and credit figure, as a flush drops them: the next call of each rebuilds it from the ledger (`billing.quota.rebuild`), which has every row, once. Nothing per call: one script per
-beat and process, and the drop once per failover or restart (a scan of the keyspace).
+organisation's period counters and credit figure, as a flush drops them: the next call of each rebuilds it from the
+ledger (`billing.quota.rebuild`), which has every row, once. Nothing per call: one script per beat and process, and
+the drop once per failover or restart (a scan of the keyspace).
 
 NOTE: `master_replid` is not taken: a primary takes a new one when a replica first attaches (Redis 6.2 creates its
 backlog), which loses nothing. A Redis with no trusted server yet (a new one, one restarted without persistence or
@@ -44,13 +45,20 @@ DROP_LEASE_S = 10
 # Keys read per SCAN step and dropped per round trip.
 DROP_BATCH = 1000
 
-# Which server a script runs on: `run_id` (new at every start) and `master_replid2` (the id a promoted replica took
-# over from its primary; all zeros on one never promoted).
+# Which server a script runs on (the one definition: `billing.quota.rebuild` takes it too): `run_id` (new at every
+# start) and `master_replid2` (the id a promoted replica took over from its primary; all zeros on one never promoted,
+# and again once a primary with no replica frees its backlog, after `repl-backlog-ttl`: it lost nothing, so
+# `same_server` takes `<run_id>/000…` for the server `<run_id>/<any>` was).
 SERVER_LUA = """
 local function server_identity()
   local server = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
   local previous = string.match(redis.call('INFO', 'replication'), 'master_replid2:(%w+)') or ''
   return server .. '/' .. previous
+end
+local function same_server(known, server)
+  if known == server then return true end
+  local run_id = string.match(server, '^(%w+)/0+$')
+  return run_id ~= nil and string.match(known or '', '^(%w+)/') == run_id
 end
 """
 
@@ -64,7 +72,7 @@ if not trusted then
   redis.call('SET', KEYS[1], server)
   return {'same', server}
 end
-if trusted == server then return {'same', server} end
+if same_server(trusted, server) then return {'same', server} end
 local lease = redis.call('GET', KEYS[2])
 if lease == ARGV[2] or not lease then
   redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[1])
@@ -85,7 +93,7 @@ return 1
 # Trusts it if the script still runs on it (a failover meanwhile leaves the next beat another drop); returns 1 when
 # trusted. Run again, it changes nothing more.
 _TRUSTED = Script(SERVER_LUA + """
-if server_identity() ~= ARGV[1] then return 0 end
+if not same_server(ARGV[1], server_identity()) then return 0 end
 redis.call('SET', KEYS[1], ARGV[1])
 if redis.call('GET', KEYS[2]) == ARGV[2] then redis.call('DEL', KEYS[2]) end
 return 1

@@ -259,3 +259,27 @@ def test_a_drop_renews_its_lease_at_each_scan_batch(servers, monkeypatch):
     assert _check_server() == batches * server_change.DROP_BATCH
     assert len(ttls) == batches and all(ttl > 2 for ttl in ttls)
     assert get_redis().exists(redis_keys.DROPPING_COUNTERS_KEY) == 0
+
+
+def test_a_promoted_server_that_frees_its_backlog_is_the_same_server_and_drops_nothing(servers):
+    # With no replica for `repl-backlog-ttl` (an hour by default; 1 s here), a promoted primary frees its backlog and
+    # its `master_replid2` is all zeros again: nothing was lost. Before, the beat took it for another server and
+    # dropped every counter again (a rebuild storm for nothing).
+    primary, replica = servers("primary"), servers("replica")
+    servers.use(primary)
+    replica.client().replicaof("127.0.0.1", primary.port)
+    endpoint = EndpointFactory()
+    _cap(endpoint.organization, "1.00")
+    assert _check_server() is None
+    _call(endpoint, "req_first")
+    wait_until(lambda: primary.client().execute_command("WAIT", 1, 1000) == 1, 30, message="the replica to sync")
+    primary.crash()
+    replica.client().replicaof("NO", "ONE")
+    servers.use(replica)
+    assert (_check_server(), _check_server()) == (1, None)  # the failover's drop, once
+
+    replica.client().config_set("repl-backlog-ttl", 1)
+    wait_until(lambda: str(replica.client().info("replication")["master_replid2"]).strip("0") == "", 30,
+               message="the backlog to be freed")
+
+    assert _check_server() is None
