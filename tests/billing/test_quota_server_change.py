@@ -13,9 +13,10 @@ from redis import exceptions as redis_lib_errors
 from billing import periods
 from billing.ledger import record_usage
 from billing.models import UsageRecord
-from billing.quota import reads, replayed, server_change
+from billing.quota import reads, rebuild, replayed, server_change
 from controlplane import redis_client, redis_keys
 from controlplane.redis_client import get_async_redis, get_redis
+from controlplane.redis_scripts import Script
 from endpoints.gateway import presence
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import _cap, reserve, settle
@@ -283,3 +284,28 @@ def test_a_promoted_server_that_frees_its_backlog_is_the_same_server_and_drops_n
                message="the backlog to be freed")
 
     assert _check_server() is None
+
+
+def test_a_rebuild_under_way_when_a_first_replica_attaches_is_not_lost(servers):
+    # A primary takes a new `master_replid` when its first replica attaches (nothing lost). Before, a rebuild's run
+    # carried that id: every rebuild under way then was taken as lost and began again; now it carries the server's
+    # identity (`server_change.SERVER_LUA`), as the beat's check does.
+    primary, replica = servers("primary"), servers("replica")
+    servers.use(primary)
+    organization_id = 1
+    counter = _counter(organization_id)
+    keys = [redis_keys.rebuilding_key(organization_id), redis_keys.reservations_key(organization_id)]
+    now, window_s, _, run = asyncio.run(rebuild._BEGIN_REBUILD(keys=keys, args=[counter, 5, 60]))
+    lost = Script(rebuild.LOST_LUA + "return rebuild_lost(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) and 1 or 0")
+
+    def lost_now() -> int:
+        return asyncio.run(lost(keys=keys[:1], args=[counter, run, int(now) + int(window_s)]))
+
+    assert lost_now() == 0
+    replid = primary.client().info("replication")["master_replid"]
+    replica.client().replicaof("127.0.0.1", primary.port)
+    wait_until(lambda: primary.client().execute_command("WAIT", 1, 1000) == 1, 30, message="the replica to sync")
+    assert primary.client().info("replication")["master_replid"] != replid
+
+    assert lost_now() == 0
+    assert asyncio.run(rebuild._BEGIN_REBUILD(keys=keys, args=[counter, 5, 60]))[3] == run
