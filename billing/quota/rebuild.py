@@ -22,6 +22,7 @@ from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, CreditGr
 from billing.periods import Period, period_containing
 from billing.quota import replayed
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
+from billing.quota.server_change import SERVER_LUA
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import as_text, get_async_redis, get_redis
 from controlplane.redis_keys import (
@@ -86,12 +87,13 @@ class RebuildTooSlow(RebuildUnfinished):
     retry), and the counter's next rebuild is given twice as long as this one took."""
 
 
-# The replication id of the Redis a script runs on (`INFO replication`'s `master_replid`): a replica promoted by a
-# failover takes a new one, and so does a Redis restarted without its data. A rebuild's run carries the one it began on
-# (`r:<counter>` is `<s.µs>@<id>`, `_BEGIN_REBUILD`), and one that finds another since writes nothing (`LOST_LUA`).
-SERVER_LUA = """
-local function server_id()
-  return string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+# Which Redis a script runs on: `server_change.SERVER_LUA`'s identity (`<run_id>/<master_replid2>`: new at every start
+# and every promotion, not when a replica attaches). A rebuild's run carries the one it began on (`r:<counter>` is
+# `<s.µs>@<identity>`, `_BEGIN_REBUILD`), and one that finds another since (not `same_server`) writes nothing
+# (`LOST_LUA`).
+RUN_SERVER_LUA = SERVER_LUA + """
+local function run_server(run)
+  return string.match(run, '@([%w/]*)$')
 end
 """
 
@@ -101,14 +103,14 @@ end
 # the ledger, and the run of rebuilds it joins (`r:<counter>`: Redis's clock (s.µs) when the first of the rebuilds
 # under way began, and the replication id of the Redis it began on, `SERVER_LUA`; `LOST_LUA`). A run begun on another
 # Redis (kept by a replica promoted since) is not joined: a new one begins.
-_BEGIN_REBUILD = Script(SERVER_LUA + """
+_BEGIN_REBUILD = Script(RUN_SERVER_LUA + """
 local time = redis.call('TIME')
 local now = tonumber(time[1])
 local field = 'c:' .. ARGV[1]
 local under_way = tonumber(redis.call('HGET', KEYS[1], field) or '0')
 local run = redis.call('HGET', KEYS[1], 'r:' .. ARGV[1])
-local server = server_id()
-if under_way < now or not run or string.match(run, '@(%w*)$') ~= server then
+local server = server_identity()
+if under_way < now or not run or not same_server(run_server(run), server) then
   run = time[1] .. '.' .. time[2] .. '@' .. server
   redis.call('HSET', KEYS[1], 'r:' .. ARGV[1], run)
 end
@@ -218,12 +220,12 @@ REBUILD_TRIES = 3
 # hard cap and the prepaid credit for the rest of the period).
 # A failover to a replica behind by some writes keeps the run (`r:`, `c:`, written before) and lacks what was written
 # after: a count's `m:` (with a settlement with no hold, its mark and settled marker: nothing of the call left), which
-# no field tells apart. The Redis it runs on does: a replica promoted takes a new replication id (`SERVER_LUA`), and a
+# no field tells apart. The Redis it runs on does: a replica promoted takes a new identity (`SERVER_LUA`), and a
 # run begun on another is lost. NOTE: such a rebuild wrote the counter without the call's cost, counted nowhere.
-LOST_LUA = SERVER_LUA + """
+LOST_LUA = RUN_SERVER_LUA + """
 local function rebuild_lost(rebuilding, counter, run, until_s)
   if redis.call('HGET', rebuilding, 'r:' .. counter) ~= run then return true end
-  if string.match(run, '@(%w*)$') ~= server_id() then return true end
+  if not same_server(run_server(run), server_identity()) then return true end
   return tonumber(redis.call('HGET', rebuilding, 'c:' .. counter) or '0') < tonumber(until_s)
 end
 """

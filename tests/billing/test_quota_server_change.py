@@ -8,13 +8,15 @@ from decimal import Decimal
 
 import pytest
 import redis
+from redis import exceptions as redis_lib_errors
 
 from billing import periods
 from billing.ledger import record_usage
 from billing.models import UsageRecord
-from billing.quota import reads, replayed, server_change
+from billing.quota import reads, rebuild, replayed, server_change
 from controlplane import redis_client, redis_keys
 from controlplane.redis_client import get_async_redis, get_redis
+from controlplane.redis_scripts import Script
 from endpoints.gateway import presence
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import _cap, reserve, settle
@@ -206,3 +208,104 @@ def test_the_same_server_checked_again_drops_nothing_and_rebuilds_nothing():
 
     assert reads.counted_spend(organization_id) == first > 0
     assert get_redis().hget(_counter(organization_id), "rb") == rebuilt_at is not None
+
+
+def test_a_drop_that_fails_gives_its_lease_back_and_the_next_beat_drops(servers, monkeypatch):
+    # The scan of a drop fails (a timeout, the gateway stopping it). Before, its lease held every other drop off for
+    # 60 s (the next beats answered None, the counter short by the lost count all the while).
+    server = servers("restarted")
+    servers.use(server)
+    endpoint = EndpointFactory()
+    organization_id = endpoint.organization_id
+    _cap(endpoint.organization, "1.00")
+    assert _check_server() is None
+    first = _call(endpoint, "req_first")
+    server.client().save()
+    lost_cost = _call(endpoint, "req_lost")
+    server.crash()
+    server.start()
+    redis_client.get_redis.cache_clear()
+
+    async def fails(*args):
+        raise redis_lib_errors.ConnectionError("SCAN timed out")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(server_change, "_drop_counters", fails)
+        with pytest.raises(redis_lib_errors.ConnectionError):
+            _check_server()
+    assert get_redis().exists(redis_keys.DROPPING_COUNTERS_KEY) == 0
+
+    assert (_check_server(), _check_server()) == (1, None)
+    asyncio.run(reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="next"))
+    assert reads.counted_spend(organization_id) == first + lost_cost
+
+
+def test_a_drop_renews_its_lease_at_each_scan_batch(servers, monkeypatch):
+    # A drop longer than the lease (a large keyspace) keeps it: no second beat drops beside it. Here each batch leaves
+    # the lease 2 s; the next batch finds it renewed. Before, it was never renewed (the next batches found 2 s or less).
+    server = servers("restarted")
+    servers.use(server)
+    get_redis().set(redis_keys.TRUSTED_SERVER_KEY, "another/0")
+    batches = 3
+    server.client().mset({f"billing:{{org:{n}}}:period:1": 1 for n in range(batches * server_change.DROP_BATCH)})
+    ttls = []
+    real = server_change._unlink
+
+    async def unlink(redis, keys):
+        ttls.append(get_redis().ttl(redis_keys.DROPPING_COUNTERS_KEY))
+        get_redis().expire(redis_keys.DROPPING_COUNTERS_KEY, 2)
+        return await real(redis, keys)
+
+    monkeypatch.setattr(server_change, "_unlink", unlink)
+    assert _check_server() == batches * server_change.DROP_BATCH
+    assert len(ttls) == batches and all(ttl > 2 for ttl in ttls)
+    assert get_redis().exists(redis_keys.DROPPING_COUNTERS_KEY) == 0
+
+
+def test_a_promoted_server_that_frees_its_backlog_is_the_same_server_and_drops_nothing(servers):
+    # With no replica for `repl-backlog-ttl` (an hour by default; 1 s here), a promoted primary frees its backlog and
+    # its `master_replid2` is all zeros again: nothing was lost. Before, the beat took it for another server and
+    # dropped every counter again (a rebuild storm for nothing).
+    primary, replica = servers("primary"), servers("replica")
+    servers.use(primary)
+    replica.client().replicaof("127.0.0.1", primary.port)
+    endpoint = EndpointFactory()
+    _cap(endpoint.organization, "1.00")
+    assert _check_server() is None
+    _call(endpoint, "req_first")
+    wait_until(lambda: primary.client().execute_command("WAIT", 1, 1000) == 1, 30, message="the replica to sync")
+    primary.crash()
+    replica.client().replicaof("NO", "ONE")
+    servers.use(replica)
+    assert (_check_server(), _check_server()) == (1, None)  # the failover's drop, once
+
+    replica.client().config_set("repl-backlog-ttl", 1)
+    wait_until(lambda: str(replica.client().info("replication")["master_replid2"]).strip("0") == "", 30,
+               message="the backlog to be freed")
+
+    assert _check_server() is None
+
+
+def test_a_rebuild_under_way_when_a_first_replica_attaches_is_not_lost(servers):
+    # A primary takes a new `master_replid` when its first replica attaches (nothing lost). Before, a rebuild's run
+    # carried that id: every rebuild under way then was taken as lost and began again; now it carries the server's
+    # identity (`server_change.SERVER_LUA`), as the beat's check does.
+    primary, replica = servers("primary"), servers("replica")
+    servers.use(primary)
+    organization_id = 1
+    counter = _counter(organization_id)
+    keys = [redis_keys.rebuilding_key(organization_id), redis_keys.reservations_key(organization_id)]
+    now, window_s, _, run = asyncio.run(rebuild._BEGIN_REBUILD(keys=keys, args=[counter, 5, 60]))
+    lost = Script(rebuild.LOST_LUA + "return rebuild_lost(KEYS[1], ARGV[1], ARGV[2], ARGV[3]) and 1 or 0")
+
+    def lost_now() -> int:
+        return asyncio.run(lost(keys=keys[:1], args=[counter, run, int(now) + int(window_s)]))
+
+    assert lost_now() == 0
+    replid = primary.client().info("replication")["master_replid"]
+    replica.client().replicaof("127.0.0.1", primary.port)
+    wait_until(lambda: primary.client().execute_command("WAIT", 1, 1000) == 1, 30, message="the replica to sync")
+    assert primary.client().info("replication")["master_replid"] != replid
+
+    assert lost_now() == 0
+    assert asyncio.run(rebuild._BEGIN_REBUILD(keys=keys, args=[counter, 5, 60]))[3] == run
