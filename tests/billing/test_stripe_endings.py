@@ -21,7 +21,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from billing import services, stripe_sync
+from billing import services, stripe_sync, webhooks
 from billing.ledger import record_usage
 from billing.models import (
     BILLED_METER_EVENT_NAME,
@@ -1193,6 +1193,50 @@ def test_usage_held_for_a_draft_stripe_has_not_finalised_cannot_be_sent_again_fr
     _webhook("invoice.finalized", fake_stripe.finalize_invoice(draft["id"]))  # an hour on, by Stripe: it billed them
     assert not UsageRollup.objects.filter(push_held_at__isnull=False).exists()
     _billed_once(fake_stripe, endpoint, old_customer, dropped=False)
+
+
+def test_usage_held_for_a_draft_finalised_with_a_quantity_nothing_tells_is_left_to_the_operator(fake_stripe):
+    """Stripe finalised the draft the 6th hour's held events are dated in, but what it billed of the usage price
+    cannot be told (the price not kept, or a line whose price nothing says). Before, the draft's entry stayed "not
+    final", and "send it again" was refused for ever: held usage billed by nobody. Now the draft is final, its
+    quantity unknown, and the operator decides: send it again goes."""
+    endpoint = EndpointFactory()
+    _, draft, gone, second = _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, received="before_the_deletion")
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _webhook("customer.deleted", gone, created=second)
+    fake_stripe.frozen_s = None
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    StripeMeter.objects.filter(event_name=BILLED_METER_EVENT_NAME).update(stripe_price_id="")
+
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(draft["id"]))
+    assert UsageRollup.objects.get(pk=held.pk).push_held_at is not None  # nothing decided it: still held
+    assert DeletedStripeCustomer.objects.get().billed_periods[0][2:] == [None, draft["id"], True]
+    assert services.send_held_again(SYSTEM, UsageRollup.objects.filter(pk=held.pk)) == 1
+    assert UsageRollup.objects.get(pk=held.pk).push_held_at is None
+
+
+def test_usage_held_for_a_draft_finalised_before_the_deletion_was_recorded_can_be_sent_again(fake_stripe, monkeypatch):
+    """Stripe finalised the draft, and its `invoice.finalized` was handled, between the deletion's read of its
+    invoices and its record: the deletion's entry says "draft, not final", the mirrored invoice says open. Before,
+    "send it again" waited on that entry for ever; a draft mirrored past draft is final, and the operator decides."""
+    endpoint = EndpointFactory()
+    _, draft, gone, second = _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, received="before_the_deletion")
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    read_invoices = webhooks._deleted_customer_invoices
+
+    def read_then_stripe_finalises(event):
+        found = read_invoices(event)
+        fake_stripe.frozen_s = None
+        _webhook("invoice.finalized", fake_stripe.finalize_invoice(draft["id"]))
+        return found
+
+    monkeypatch.setattr(webhooks, "_deleted_customer_invoices", read_then_stripe_finalises)
+    _webhook("customer.deleted", gone, created=second)
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    assert held.push_held_at is not None
+    assert Invoice.objects.get(stripe_invoice_id=draft["id"]).status == "open"
+    assert services.send_held_again(SYSTEM, UsageRollup.objects.filter(pk=held.pk)) == 1
+    assert UsageRollup.objects.get(pk=held.pk).push_held_at is None
 
 
 def test_a_void_told_again_finds_what_was_done_with_it_without_scanning_the_audit_log(fake_stripe):
