@@ -699,7 +699,7 @@ def push_again(rollups) -> int:
     23 h hold is for an answer that never came to an identifier of its own). For usage whose events went to a
     customer deleted since; the next push sends it to the account's customer of then. Returns how many."""
     return rollups.update(push_generation=F("push_generation") + 1, pushed_at=None, push_claimed_at=None,
-                          push_first_tried_at=None, push_held_at=None, push_error="")
+                          push_first_tried_at=None, push_held_at=None, push_error="", num_unknown_lines_failures=0)
 
 
 def _refresh_quietly(account: BillingAccount, *, credit: bool = False) -> None:

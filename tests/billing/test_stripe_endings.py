@@ -41,6 +41,7 @@ from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import reserve
 from tests.factories import EndpointFactory, sign_in_staff
+from tests.fakes import stripe_server
 from tests.fakes.stripe_server import sign_webhook
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
@@ -668,6 +669,69 @@ def test_a_line_of_an_item_deleted_since_is_held_for_an_operator_after_some_runs
                                                                     "a long passphrase"))
     listed = client.get("/django-admin/billing/usagerollup/", {"push_held_at__isnull": "False"})
     assert listed.status_code == 200 and "held for an operator" in listed.content.decode()
+
+
+def _held_for_unknown_invoice_lines(fake_stripe, endpoint, *, num_runs: int) -> tuple[UsageRollup, dict]:
+    """The 5th hour's rollup after `num_runs` push runs that failed for a line of the ended subscription's invoice
+    whose price cannot be told (an item deleted since), and that item."""
+    fake_stripe.line_prices_shown = False
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    swapped = fake_stripe.add_subscription_item(first, meter="inferplane_input_tokens")
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    fake_stripe.remove_subscription_item(first, swapped["id"])
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=5)))
+    rollup_usage()
+    for _ in range(num_runs):
+        assert stripe_sync.push_pending_rollups() == 0
+    return UsageRollup.objects.get(hour_start=_hour(5)), swapped
+
+
+def _lines_state_their_prices(fake_stripe, deleted_item: dict) -> None:
+    """Every invoice line states its price again (Stripe tells what it could not)."""
+    prices = {deleted_item["id"]: deleted_item["price"]} | {
+        item["id"]: item["price"] for subscription in fake_stripe.subscriptions.values()
+        for item in subscription["items"]["data"]}
+    for invoice in fake_stripe.invoices.values():
+        for line in invoice["lines"]["data"]:
+            if line["pricing"] is None:
+                item_id = line["parent"]["subscription_item_details"]["subscription_item"]
+                line["pricing"] = stripe_server._pricing(prices[item_id])
+
+
+def test_a_rollup_held_for_unknown_invoice_lines_cannot_be_confirmed_as_in_stripe(fake_stripe, client):
+    """Held for an invoice line whose price cannot be told, a rollup sent Stripe nothing. Before, the admin's "Stripe
+    HAS the meter event" confirmed it: an event Stripe never received was recorded as accepted (usage billed by
+    nobody), and its failure count, kept, held it again after one more run. Now it is skipped, with a message."""
+    endpoint = EndpointFactory()
+    stuck, _ = _held_for_unknown_invoice_lines(fake_stripe, endpoint, num_runs=stripe_sync.UNKNOWN_LINES_HOLD_AFTER)
+    assert stuck.push_held_at is not None
+
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test",
+                                                                    "a long passphrase"))
+    confirmed = client.post("/django-admin/billing/usagerollup/", {"action": "confirm_held",
+                                                                    "_selected_action": [stuck.pk]}, follow=True)
+    assert not MeterEventPush.objects.filter(rollup=stuck).exists()  # nothing recorded as in Stripe
+    assert UsageRollup.objects.get(pk=stuck.pk).push_held_at is not None
+    assert confirmed.status_code == 200 and "were not confirmed" in confirmed.content.decode()
+
+
+def test_failures_for_unknown_invoice_lines_count_in_a_row(fake_stripe):
+    """A rollup is held for an operator after `UNKNOWN_LINES_HOLD_AFTER` runs in a row that failed for an invoice
+    line whose price cannot be told. Before, the count never started again: a rollup sent again (`push_again`)
+    after some such failures was held at its first failure since."""
+    endpoint = EndpointFactory()
+    rollup, deleted_item = _held_for_unknown_invoice_lines(fake_stripe, endpoint,
+                                                           num_runs=stripe_sync.UNKNOWN_LINES_HOLD_AFTER - 1)
+    assert rollup.push_held_at is None
+    services.push_again(UsageRollup.objects.filter(pk=rollup.pk))
+    assert stripe_sync.push_pending_rollups() == 0
+    assert UsageRollup.objects.get(pk=rollup.pk).push_held_at is None  # one failure since: not held
+
+    _lines_state_their_prices(fake_stripe, deleted_item)
+    assert stripe_sync.push_pending_rollups() == 1
+    assert UsageRollup.objects.get(pk=rollup.pk).num_unknown_lines_failures == 0
 
 
 def _written_off_once(fake_stripe, customer_id: str) -> None:
