@@ -583,15 +583,18 @@ def send_held_again(actor: Actor, rollups) -> int:
 
 def _waiting_for_final_invoice(rollups) -> list[int]:
     """The ids of `rollups` with an event that went to a deleted customer dated in the period of its draft that Stripe
-    still advances, its quantity not told yet (`DeletedStripeCustomer.billed_periods`: final false, quantity None)."""
+    still advances, its quantity not told yet (`DeletedStripeCustomer.billed_periods`: final false or not kept,
+    quantity None), unless its mirrored `Invoice` is past draft."""
     waiting = set()
     for deleted in DeletedStripeCustomer.objects.filter(organization_id__in=rollups.values("organization_id")):
         past_draft = set(Invoice.objects.filter(stripe_invoice_id__in=deleted.billing_invoice_ids)
                          .exclude(status="draft").values_list("stripe_invoice_id", flat=True))
         for period in deleted.billed_periods:
             # NOTE: a draft mirrored past draft is final whatever this entry says (its finalisation handled before the
-            # deletion was saved): waiting on it was waiting for ever.
-            if len(period) > 4 and not period[4] and period[2] is None and period[3] not in past_draft:
+            # deletion was saved): waiting on it was waiting for ever. An entry kept before drafts were told apart
+            # (four elements, no "final") with no quantity may be a draft: it waits too, unless mirrored past draft.
+            maybe_draft = len(period) == 4 or (len(period) > 4 and not period[4])
+            if maybe_draft and period[2] is None and period[3] not in past_draft:
                 waiting |= set(_events_sent_to(deleted.organization_id, deleted.stripe_customer_id)
                                .filter(rollup__in=rollups).filter(_dated_within(_epoch(period[0]), _epoch(period[1])))
                                .values_list("rollup_id", flat=True))

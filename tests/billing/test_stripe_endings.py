@@ -1303,6 +1303,26 @@ def test_usage_held_for_a_draft_finalised_before_the_deletion_was_recorded_can_b
     assert UsageRollup.objects.get(pk=held.pk).push_held_at is None
 
 
+def test_usage_held_for_a_draft_recorded_before_drafts_were_told_apart_waits_for_it_too(fake_stripe):
+    """A deletion recorded before drafts were told apart keeps four elements a period, no "final": one with no
+    quantity may be a draft Stripe still advances. Before, "send it again" sent its held usage at once, and the
+    draft, once final, billed it too. Now it waits, as for a draft, until that invoice is final."""
+    endpoint = EndpointFactory()
+    _, draft, gone, second = _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, received="before_the_deletion")
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _webhook("customer.deleted", gone, created=second)
+    fake_stripe.frozen_s = None
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    deleted = DeletedStripeCustomer.objects.get()
+    deleted.billed_periods = [period[:4] for period in deleted.billed_periods]  # as kept before the deploy
+    deleted.save(update_fields=["billed_periods"])
+
+    with pytest.raises(services.WaitingForFinalInvoice):
+        services.send_held_again(SYSTEM, UsageRollup.objects.filter(pk=held.pk))
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(draft["id"]))  # it billed them
+    assert not UsageRollup.objects.filter(push_held_at__isnull=False).exists()
+
+
 def test_a_void_told_again_finds_what_was_done_with_it_without_scanning_the_audit_log(fake_stripe):
     """A live customer's void invoice is written off once, however often its void is told. Before, every void's
     webhook looked for an audit event by a key of its JSON details (`details__invoice`): a scan of the whole audit log,
