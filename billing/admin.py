@@ -103,10 +103,19 @@ class UsageRollupAdmin(admin.ModelAdmin):
     @admin.action(description="Held: Stripe HAS the meter event named in its push error: record it, push the rest",
                   permissions=["confirm_held"])
     def confirm_held(self, request, queryset):
-        for rollup in queryset.filter(push_held_at__isnull=False):
-            self.log_change(request, rollup, "Confirmed a held Stripe meter event as in Stripe")
-        self.message_user(request, f"Confirmed the held event of {stripe_sync.confirm_held(queryset)} rollup(s).",
-                          messages.SUCCESS)
+        held = list(queryset.filter(push_held_at__isnull=False, pushed_at__isnull=True))
+        num_confirmed = stripe_sync.confirm_held(queryset)
+        confirmed = set(queryset.filter(pk__in=[rollup.pk for rollup in held], push_held_at__isnull=True)
+                        .values_list("pk", flat=True))
+        for rollup in held:
+            if rollup.pk in confirmed:
+                self.log_change(request, rollup, "Confirmed a held Stripe meter event as in Stripe")
+        self.message_user(request, f"Confirmed the held event of {num_confirmed} rollup(s).", messages.SUCCESS)
+        skipped = sorted(rollup.pk for rollup in held if rollup.pk not in confirmed)
+        if skipped:
+            self.message_user(request, f"Rollups {skipped} were not confirmed: their push error names no meter event "
+                                       "Stripe may have (held for an invoice line whose price cannot be told). Nothing "
+                                       "of them was sent; send them again once Stripe can tell.", messages.ERROR)
 
     @admin.action(description="Held for an operator (its customer deleted): NOT billed by that customer's invoices: "
                               "send it to the organisation's customer of now", permissions=["release_held"])

@@ -583,11 +583,18 @@ def send_held_again(actor: Actor, rollups) -> int:
 
 def _waiting_for_final_invoice(rollups) -> list[int]:
     """The ids of `rollups` with an event that went to a deleted customer dated in the period of its draft that Stripe
-    still advances, its quantity not told yet (`DeletedStripeCustomer.billed_periods`: final false, quantity None)."""
+    still advances, its quantity not told yet (`DeletedStripeCustomer.billed_periods`: final false or not kept,
+    quantity None), unless its mirrored `Invoice` is past draft."""
     waiting = set()
     for deleted in DeletedStripeCustomer.objects.filter(organization_id__in=rollups.values("organization_id")):
+        past_draft = set(Invoice.objects.filter(stripe_invoice_id__in=deleted.billing_invoice_ids)
+                         .exclude(status="draft").values_list("stripe_invoice_id", flat=True))
         for period in deleted.billed_periods:
-            if len(period) > 4 and not period[4] and period[2] is None:
+            # NOTE: a draft mirrored past draft is final whatever this entry says (its finalisation handled before the
+            # deletion was saved): waiting on it was waiting for ever. An entry kept before drafts were told apart
+            # (four elements, no "final") with no quantity may be a draft: it waits too, unless mirrored past draft.
+            maybe_draft = len(period) == 4 or (len(period) > 4 and not period[4])
+            if maybe_draft and period[2] is None and period[3] not in past_draft:
                 waiting |= set(_events_sent_to(deleted.organization_id, deleted.stripe_customer_id)
                                .filter(rollup__in=rollups).filter(_dated_within(_epoch(period[0]), _epoch(period[1])))
                                .values_list("rollup_id", flat=True))
@@ -622,9 +629,10 @@ def decide_held_by_final_invoice(customer_id: str, invoice_id: str, quantity: in
     and the events of the deletion's second held for an operator for want of it (`hold_for_operator`) are decided by
     it as the deletion decides (`_dropped_in_its_second`): those Stripe dropped go again, those it billed are kept;
     audited as `billing.held_usage_decided`. Once: a quantity already known is never replaced. Under the account's
-    lock. Returns how many rollups went again."""
-    if quantity is None:
-        return 0
+    lock. Returns how many rollups went again.
+
+    With `quantity` None (what it billed cannot be told) the draft is only marked final: its held rollups stay held,
+    for an operator to decide (`send_held_again`, `keep_held`), no longer refused as waiting on a draft."""
     organization_id = DeletedStripeCustomer.objects.filter(stripe_customer_id=customer_id).values_list(
         "organization_id", flat=True).first()
     if organization_id is None:
@@ -634,6 +642,13 @@ def decide_held_by_final_invoice(customer_id: str, invoice_id: str, quantity: in
         deleted = DeletedStripeCustomer.objects.select_for_update().get(stripe_customer_id=customer_id)
         periods = [list(period) for period in deleted.billed_periods]
         unknown = [period for period in periods if period[3:4] == [invoice_id] and period[2] is None]
+        if quantity is None:
+            for period in unknown:
+                period[4:5] = [True]  # final, its quantity not known: the operator decides
+            if unknown:
+                deleted.billed_periods = periods
+                deleted.save(update_fields=["billed_periods"])
+            return 0
         if not unknown:
             return 0
         for period in unknown:
@@ -687,7 +702,7 @@ def push_again(rollups) -> int:
     23 h hold is for an answer that never came to an identifier of its own). For usage whose events went to a
     customer deleted since; the next push sends it to the account's customer of then. Returns how many."""
     return rollups.update(push_generation=F("push_generation") + 1, pushed_at=None, push_claimed_at=None,
-                          push_first_tried_at=None, push_held_at=None, push_error="")
+                          push_first_tried_at=None, push_held_at=None, push_error="", num_unknown_lines_failures=0)
 
 
 def _refresh_quietly(account: BillingAccount, *, credit: bool = False) -> None:

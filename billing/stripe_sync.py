@@ -804,8 +804,10 @@ def push_rollup(rollup_id: int) -> bool:
         if (current.values_list("stripe_customer_id", flat=True).first() != customer_id
                 and services.push_again_uninvoiced(this_push, customer_id)):
             return False
+        # NOTE: failures for unknown invoice lines count in a row (`_count_unknown_lines`): a push that got through
+        # starts the count again.
         return this_push.filter(pushed_at__isnull=True).update(
-            pushed_at=timezone.now(), push_claimed_at=None, push_error="") == 1
+            pushed_at=timezone.now(), push_claimed_at=None, push_error="", num_unknown_lines_failures=0) == 1
 
 
 def hold_for_review(rollup: UsageRollup, unknown: Meter) -> None:
@@ -830,10 +832,18 @@ def release_held(rollups) -> int:
 
 def confirm_held(rollups) -> int:
     """Push these held rollups on: Stripe has the event each was held for (recorded as accepted; the rollup's
-    later events, never sent, go at the next push)."""
+    later events, never sent, go at the next push). Only a rollup held for want of Stripe's answer to an event
+    (`hold_for_review`: its `push_error` names that event's identifier); one held for an invoice line whose price
+    cannot be told (`_count_unknown_lines`) sent nothing to confirm, and is skipped (`release_held` retries it).
+
+    NOTE: before, such a rollup was confirmed too: a meter event Stripe never received was recorded as accepted (its
+    usage billed by nobody), and its failure counter, kept, held it again after one more run."""
     num_confirmed = 0
-    for rollup in rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True):
+    for rollup in rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True,
+                                 num_unknown_lines_failures__lt=UNKNOWN_LINES_HOLD_AFTER):
         due = _unconfirmed(rollup)
+        if due and meter_event_identifier(rollup, due[0].event_name) not in rollup.push_error:
+            continue  # not held for an answer to this event: nothing of it is known to be in Stripe
         if due:
             MeterEventPush.objects.get_or_create(
                 identifier=meter_event_identifier(rollup, due[0].event_name),
@@ -842,7 +852,7 @@ def confirm_held(rollups) -> int:
                           "stripe_customer_id": BillingAccount.objects.filter(organization_id=rollup.organization_id)
                           .values_list("stripe_customer_id", flat=True).first() or ""})
         num_confirmed += UsageRollup.objects.filter(pk=rollup.pk, push_held_at__isnull=False).update(
-            push_held_at=None, push_first_tried_at=None, push_error="")
+            push_held_at=None, push_first_tried_at=None, push_error="", num_unknown_lines_failures=0)
     return num_confirmed
 
 

@@ -88,7 +88,7 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
                                      lines=lines)
             if invoice is not None:
                 services.push_again_voided(invoice, billed_periods=billed_periods)
-                if final_quantity is not None:
+                if invoice.status in BILLING_INVOICE_STATUSES:  # final: its quantity decides, or else the operator
                     services.decide_held_by_final_invoice(invoice.stripe_customer_id, invoice.stripe_invoice_id,
                                                           final_quantity)
                 organization_id = invoice.organization_id

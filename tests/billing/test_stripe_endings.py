@@ -21,7 +21,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from billing import services, stripe_sync
+from billing import services, stripe_sync, webhooks
 from billing.ledger import record_usage
 from billing.models import (
     BILLED_METER_EVENT_NAME,
@@ -41,6 +41,7 @@ from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import reserve
 from tests.factories import EndpointFactory, sign_in_staff
+from tests.fakes import stripe_server
 from tests.fakes.stripe_server import sign_webhook
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
@@ -670,6 +671,69 @@ def test_a_line_of_an_item_deleted_since_is_held_for_an_operator_after_some_runs
     assert listed.status_code == 200 and "held for an operator" in listed.content.decode()
 
 
+def _held_for_unknown_invoice_lines(fake_stripe, endpoint, *, num_runs: int) -> tuple[UsageRollup, dict]:
+    """The 5th hour's rollup after `num_runs` push runs that failed for a line of the ended subscription's invoice
+    whose price cannot be told (an item deleted since), and that item."""
+    fake_stripe.line_prices_shown = False
+    _use_and_push(endpoint, num_hours_ago=6)
+    customer, first = _subscribed(endpoint)
+    swapped = fake_stripe.add_subscription_item(first, meter="inferplane_input_tokens")
+    _end_period_after_what_was_pushed(fake_stripe, first)
+    fake_stripe.remove_subscription_item(first, swapped["id"])
+    _webhook("customer.subscription.deleted", fake_stripe.cancel_subscription(first))
+    record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=5)))
+    rollup_usage()
+    for _ in range(num_runs):
+        assert stripe_sync.push_pending_rollups() == 0
+    return UsageRollup.objects.get(hour_start=_hour(5)), swapped
+
+
+def _lines_state_their_prices(fake_stripe, deleted_item: dict) -> None:
+    """Every invoice line states its price again (Stripe tells what it could not)."""
+    prices = {deleted_item["id"]: deleted_item["price"]} | {
+        item["id"]: item["price"] for subscription in fake_stripe.subscriptions.values()
+        for item in subscription["items"]["data"]}
+    for invoice in fake_stripe.invoices.values():
+        for line in invoice["lines"]["data"]:
+            if line["pricing"] is None:
+                item_id = line["parent"]["subscription_item_details"]["subscription_item"]
+                line["pricing"] = stripe_server._pricing(prices[item_id])
+
+
+def test_a_rollup_held_for_unknown_invoice_lines_cannot_be_confirmed_as_in_stripe(fake_stripe, client):
+    """Held for an invoice line whose price cannot be told, a rollup sent Stripe nothing. Before, the admin's "Stripe
+    HAS the meter event" confirmed it: an event Stripe never received was recorded as accepted (usage billed by
+    nobody), and its failure count, kept, held it again after one more run. Now it is skipped, with a message."""
+    endpoint = EndpointFactory()
+    stuck, _ = _held_for_unknown_invoice_lines(fake_stripe, endpoint, num_runs=stripe_sync.UNKNOWN_LINES_HOLD_AFTER)
+    assert stuck.push_held_at is not None
+
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test",
+                                                                    "a long passphrase"))
+    confirmed = client.post("/django-admin/billing/usagerollup/", {"action": "confirm_held",
+                                                                    "_selected_action": [stuck.pk]}, follow=True)
+    assert not MeterEventPush.objects.filter(rollup=stuck).exists()  # nothing recorded as in Stripe
+    assert UsageRollup.objects.get(pk=stuck.pk).push_held_at is not None
+    assert confirmed.status_code == 200 and "were not confirmed" in confirmed.content.decode()
+
+
+def test_failures_for_unknown_invoice_lines_count_in_a_row(fake_stripe):
+    """A rollup is held for an operator after `UNKNOWN_LINES_HOLD_AFTER` runs in a row that failed for an invoice
+    line whose price cannot be told. Before, the count never started again: a rollup sent again (`push_again`)
+    after some such failures was held at its first failure since."""
+    endpoint = EndpointFactory()
+    rollup, deleted_item = _held_for_unknown_invoice_lines(fake_stripe, endpoint,
+                                                           num_runs=stripe_sync.UNKNOWN_LINES_HOLD_AFTER - 1)
+    assert rollup.push_held_at is None
+    services.push_again(UsageRollup.objects.filter(pk=rollup.pk))
+    assert stripe_sync.push_pending_rollups() == 0
+    assert UsageRollup.objects.get(pk=rollup.pk).push_held_at is None  # one failure since: not held
+
+    _lines_state_their_prices(fake_stripe, deleted_item)
+    assert stripe_sync.push_pending_rollups() == 1
+    assert UsageRollup.objects.get(pk=rollup.pk).num_unknown_lines_failures == 0
+
+
 def _written_off_once(fake_stripe, customer_id: str) -> None:
     """Every unit of usage pushed to the customer is on one of its invoices, once; a void one's (some) are forgiven."""
     assert fake_stripe.invoiced_usage(customer_id) == _cost_pushed(fake_stripe, customer_id)
@@ -1193,6 +1257,70 @@ def test_usage_held_for_a_draft_stripe_has_not_finalised_cannot_be_sent_again_fr
     _webhook("invoice.finalized", fake_stripe.finalize_invoice(draft["id"]))  # an hour on, by Stripe: it billed them
     assert not UsageRollup.objects.filter(push_held_at__isnull=False).exists()
     _billed_once(fake_stripe, endpoint, old_customer, dropped=False)
+
+
+def test_usage_held_for_a_draft_finalised_with_a_quantity_nothing_tells_is_left_to_the_operator(fake_stripe):
+    """Stripe finalised the draft the 6th hour's held events are dated in, but what it billed of the usage price
+    cannot be told (the price not kept, or a line whose price nothing says). Before, the draft's entry stayed "not
+    final", and "send it again" was refused for ever: held usage billed by nobody. Now the draft is final, its
+    quantity unknown, and the operator decides: send it again goes."""
+    endpoint = EndpointFactory()
+    _, draft, gone, second = _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, received="before_the_deletion")
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _webhook("customer.deleted", gone, created=second)
+    fake_stripe.frozen_s = None
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    StripeMeter.objects.filter(event_name=BILLED_METER_EVENT_NAME).update(stripe_price_id="")
+
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(draft["id"]))
+    assert UsageRollup.objects.get(pk=held.pk).push_held_at is not None  # nothing decided it: still held
+    assert DeletedStripeCustomer.objects.get().billed_periods[0][2:] == [None, draft["id"], True]
+    assert services.send_held_again(SYSTEM, UsageRollup.objects.filter(pk=held.pk)) == 1
+    assert UsageRollup.objects.get(pk=held.pk).push_held_at is None
+
+
+def test_usage_held_for_a_draft_finalised_before_the_deletion_was_recorded_can_be_sent_again(fake_stripe, monkeypatch):
+    """Stripe finalised the draft, and its `invoice.finalized` was handled, between the deletion's read of its
+    invoices and its record: the deletion's entry says "draft, not final", the mirrored invoice says open. Before,
+    "send it again" waited on that entry for ever; a draft mirrored past draft is final, and the operator decides."""
+    endpoint = EndpointFactory()
+    _, draft, gone, second = _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, received="before_the_deletion")
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    read_invoices = webhooks._deleted_customer_invoices
+
+    def read_then_stripe_finalises(event):
+        found = read_invoices(event)
+        fake_stripe.frozen_s = None
+        _webhook("invoice.finalized", fake_stripe.finalize_invoice(draft["id"]))
+        return found
+
+    monkeypatch.setattr(webhooks, "_deleted_customer_invoices", read_then_stripe_finalises)
+    _webhook("customer.deleted", gone, created=second)
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    assert held.push_held_at is not None
+    assert Invoice.objects.get(stripe_invoice_id=draft["id"]).status == "open"
+    assert services.send_held_again(SYSTEM, UsageRollup.objects.filter(pk=held.pk)) == 1
+    assert UsageRollup.objects.get(pk=held.pk).push_held_at is None
+
+
+def test_usage_held_for_a_draft_recorded_before_drafts_were_told_apart_waits_for_it_too(fake_stripe):
+    """A deletion recorded before drafts were told apart keeps four elements a period, no "final": one with no
+    quantity may be a draft Stripe still advances. Before, "send it again" sent its held usage at once, and the
+    draft, once final, billed it too. Now it waits, as for a draft, until that invoice is final."""
+    endpoint = EndpointFactory()
+    _, draft, gone, second = _the_6th_hour_in_the_deletions_second(fake_stripe, endpoint, received="before_the_deletion")
+    fake_stripe.fail_next("400", path=f"/v1/invoices/{draft['id']}/finalize")
+    _webhook("customer.deleted", gone, created=second)
+    fake_stripe.frozen_s = None
+    held = UsageRollup.objects.get(hour_start=_hour(6))
+    deleted = DeletedStripeCustomer.objects.get()
+    deleted.billed_periods = [period[:4] for period in deleted.billed_periods]  # as kept before the deploy
+    deleted.save(update_fields=["billed_periods"])
+
+    with pytest.raises(services.WaitingForFinalInvoice):
+        services.send_held_again(SYSTEM, UsageRollup.objects.filter(pk=held.pk))
+    _webhook("invoice.finalized", fake_stripe.finalize_invoice(draft["id"]))  # it billed them
+    assert not UsageRollup.objects.filter(push_held_at__isnull=False).exists()
 
 
 def test_a_void_told_again_finds_what_was_done_with_it_without_scanning_the_audit_log(fake_stripe):
