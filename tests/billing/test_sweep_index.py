@@ -8,6 +8,7 @@ from decimal import Decimal
 
 import pytest
 from django.conf import settings
+from django.db import OperationalError
 
 from billing.quota import reads, replayed, sweep_index, sweeper
 from controlplane import redis_keys
@@ -212,3 +213,58 @@ def test_an_admission_whose_reply_was_lost_has_its_hold_lapse(no_audit):
 
     assert sweeper.sweep_expired_reservations(now=redis_time() + TTL_S + 2) == 1
     assert reads.reserved_now(organization_id) == 0
+
+
+class Killed(BaseException):
+    """The process dies here (an OOM kill, a deploy)."""
+
+
+def test_a_sweep_that_raises_part_way_lists_every_organisation_it_claimed_and_did_not_read(
+    monkeypatch, no_audit
+):
+    """PostgreSQL restarting under the first of three organisations' reads: before, the two claimed after it were
+    never listed again and held for good (found by the review of the sweeper's index)."""
+    monkeypatch.setattr(sweep_index, "ORGS_PER_PIPELINE", 1)
+    monkeypatch.setattr(sweeper, "ORGS_PER_PIPELINE", 1)
+    organization_ids = _organizations(3)
+    for organization_id in organization_ids:
+        _held(organization_id, f"call-{organization_id}")
+    assert sweeper.sweep_expired_reservations() == 0  # builds the index
+    later = redis_time() + TTL_S + 5
+    real_rows = sweeper._rows
+    num_reads = []
+
+    def rows_once_refused(organization_id, request_ids):
+        num_reads.append(organization_id)
+        if len(num_reads) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return real_rows(organization_id, request_ids)
+
+    monkeypatch.setattr(sweeper, "_rows", rows_once_refused)
+    with pytest.raises(OperationalError):
+        sweeper.sweep_expired_reservations(later)
+    assert sweeper.sweep_expired_reservations(later + 30) == 3
+    assert [reads.reserved_now(organization_id) for organization_id in organization_ids] == [0, 0, 0]
+
+
+def test_a_lapsed_registration_whose_count_failed_is_read_again_by_the_next_sweep(monkeypatch, no_audit):
+    """Before, the sweep listed it again past its lapse only (`list_next`), as if counted: never read again."""
+    (organization_id,) = _organizations(1)
+    client = get_redis()
+    assert sweeper.sweep_expired_reservations() == 0  # builds the index
+    until = int(redis_time()) + 5
+    client.hset(redis_keys.replaying_key(organization_id), "replayed", f"{until}.1")  # as a replay registers it
+    sweep_index.list_due(client, {organization_id: until})
+    counted = []
+
+    def count_once_refused(organization, registrations, now):
+        counted.append(organization)
+        if len(counted) == 1:
+            raise OperationalError("terminating connection due to administrator command")
+        return 0
+
+    monkeypatch.setattr(replayed, "count_lapsed_supersedes", count_once_refused)
+    with pytest.raises(OperationalError):
+        sweeper.sweep_expired_reservations(until + 10)
+    sweeper.sweep_expired_reservations(until + 40)
+    assert counted == [organization_id, organization_id]
