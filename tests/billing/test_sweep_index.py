@@ -268,3 +268,29 @@ def test_a_lapsed_registration_whose_count_failed_is_read_again_by_the_next_swee
         sweeper.sweep_expired_reservations(until + 10)
     sweeper.sweep_expired_reservations(until + 40)
     assert counted == [organization_id, organization_id]
+
+
+def _killed_after(monkeypatch, script) -> None:
+    """`script` runs, then the process dies (an OOM kill, a deploy) before its caller's next step."""
+    real = script.run_sync
+
+    def run_then_killed(*, keys, args):
+        real(keys=keys, args=args)
+        raise Killed()
+
+    monkeypatch.setattr(script, "run_sync", run_then_killed)
+
+
+def test_a_dead_gateway_sweep_killed_once_it_released_leaves_its_organisation_listed(monkeypatch, no_audit):
+    """Before, it listed the organisation after releasing its requests: killed between the two, the hold its
+    gateway's beat never listed was never read (the release had dropped what would list it again)."""
+    organization_id = OrganizationFactory().pk
+    assert sweeper.sweep_expired_reservations() == 0  # builds the index
+    asyncio.run(
+        reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="cut")
+    )  # its gateway killed before its beat listed it
+    _killed_after(monkeypatch, presence._RELEASE_REQUESTS)
+    with pytest.raises(Killed):
+        presence.sweep_dead_gateways()
+    assert sweeper.sweep_expired_reservations(redis_time() + TTL_S + 2) == 1
+    assert reads.reserved_now(organization_id) == 0
