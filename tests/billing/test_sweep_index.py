@@ -294,3 +294,21 @@ def test_a_dead_gateway_sweep_killed_once_it_released_leaves_its_organisation_li
         presence.sweep_dead_gateways()
     assert sweeper.sweep_expired_reservations(redis_time() + TTL_S + 2) == 1
     assert reads.reserved_now(organization_id) == 0
+
+
+def test_a_replay_killed_once_it_registered_leaves_its_organisation_listed(monkeypatch, no_audit):
+    """Before, it listed the organisation after registering its rows: killed between the two, the registration was
+    never read once it lapsed."""
+    endpoint = EndpointFactory()
+    assert sweeper.sweep_expired_reservations() == 0  # builds the index
+    _killed_after(monkeypatch, replayed._REGISTER)
+    with pytest.raises(Killed):
+        replayed.register_replaying_sync([usage_report(endpoint, request_id="replayed")])
+    counted = []
+    monkeypatch.setattr(
+        replayed,
+        "count_lapsed_supersedes",
+        lambda organization, registrations, now: counted.append(organization) or 0,
+    )
+    sweeper.sweep_expired_reservations(redis_time() + replayed.REGISTRATION_TTL_S + 1)
+    assert counted == [endpoint.organization_id]
