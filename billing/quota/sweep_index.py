@@ -11,12 +11,15 @@ writes a deadline or a registration lists its organisation after it:
   (`endpoints.gateway.presence`), a second at most after the admission wrote the deadline (15 minutes away), and
   due at once for a call whose end could not reach Redis (`presence.end_later`: an admission whose reply was lost
   may have held one its process never tracked);
-- the dead-gateway sweep, for each organisation whose requests it released (a gateway killed before its beat listed
-  them: `presence.sweep_dead_gateways`), due at once;
-- a replay, after registering its rows (`replayed.register_replaying`), before it writes them.
+- the dead-gateway sweep, for each organisation whose requests it releases (a gateway killed before its beat listed
+  them: `presence.sweep_dead_gateways`), due at once, before it releases them;
+- a replay, before registering its rows (`replayed.register_replaying`), by when they lapse.
+The last two list first: one killed between its write and its listing left a hold or a registration the index never
+named (found only by the rolling audit).
 A deadline pushed on by a beat only moves later, so its score stays early enough. The sweeper takes the organisations
 due out of the index (`claim_due`) before it reads them, then lists each again by what it still holds (`list_next`):
-a deadline written after its read was listed after its claim by its writer, so none is lost between the two.
+a deadline written after its read was listed after its claim by its writer, so none is lost between the two. A
+sweep that raises lists every organisation it claimed and did not read through due at once (`sweeper`).
 
 A lost index is rebuilt (`audit`): the marker `SWEEP_DUE_BUILT_KEY` lives in the index's slot (one Redis Cluster node)
 and is set once a whole pass over every organisation listed them all; a sweep that finds it missing (Redis lost its
@@ -104,8 +107,9 @@ def held(client, organization_ids: list[int], *, lapsed_before: float | None = N
 
 
 def list_next(client, organization_ids: list[int], now: float) -> None:
-    """List again the organisations a sweep at `now` read (`claim_due`), by what they still hold: a deadline passed
-    but left (to its count) is due at the next sweep, a registration that lapsed before `now` was read by this one."""
+    """List again the organisations a sweep at `now` read through (`claim_due`), by what they still hold: a deadline
+    passed but left (to its count) is due at the next sweep, a registration that lapsed before `now` was read by this
+    one. Only once their read finished: one that raised is listed due at once (`sweeper`)."""
     list_due(client, held(client, organization_ids, lapsed_before=now))
 
 

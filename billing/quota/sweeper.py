@@ -108,8 +108,13 @@ def sweep_expired_reservations(now: float | None = None, *, batch_size: int = 10
         batch = due[first:first + ORGS_PER_PIPELINE]
         try:
             released += _sweep_organizations(batch, now, batch_size)
-        finally:  # NOTE: listed again whatever happened: one claimed and not listed waited for the rolling audit
             sweep_index.list_next(client, batch, now)
+        except BaseException:
+            # NOTE: every organisation claimed and not read through (this batch and those after it) is due again at
+            # once: listed by `list_next` only the batch was, those after it waited for the rolling audit (held for
+            # good with none), and a registration that lapsed before `now`, its count failed, was never read again.
+            sweep_index.list_due(client, dict.fromkeys(due[first:], now))
+            raise
     return released
 
 

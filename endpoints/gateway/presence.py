@@ -1049,12 +1049,12 @@ def sweep_dead_gateways() -> int:
         gateway = redis_keys.gateway_of_requests_key(requests_key)
         if client.exists(redis_keys.gateway_alive_key(gateway)):
             continue
+        # NOTE: a gateway killed before its beat listed its calls' organisations for the reservation sweeper
+        # (`_list_due`): their holds would never lapse. Listed due now, they are read by the next sweep and listed
+        # again by their first deadline; listed before the release: a sweep killed between the two left them unlisted.
+        sweep_index.list_due(client, {redis_keys.organization_of_key(requests_key): redis_time(client)})
         count = release_requests(requests_key, only_if_dead=True)
         if count > 0:
-            # NOTE: a gateway killed before its beat listed its calls' organisations for the reservation sweeper
-            # (`_list_due`): their holds would never lapse. Listed due now, they are read by the next sweep and listed
-            # again by their first deadline.
-            sweep_index.list_due(client, {redis_keys.organization_of_key(requests_key): redis_time(client)})
             logger.warning("gateway %s stopped beating: released %d of its request(s)", gateway, count)
             released += count
     return released

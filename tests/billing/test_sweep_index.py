@@ -8,6 +8,7 @@ from decimal import Decimal
 
 import pytest
 from django.conf import settings
+from django.db import OperationalError
 
 from billing.quota import reads, replayed, sweep_index, sweeper
 from controlplane import redis_keys
@@ -212,3 +213,102 @@ def test_an_admission_whose_reply_was_lost_has_its_hold_lapse(no_audit):
 
     assert sweeper.sweep_expired_reservations(now=redis_time() + TTL_S + 2) == 1
     assert reads.reserved_now(organization_id) == 0
+
+
+class Killed(BaseException):
+    """The process dies here (an OOM kill, a deploy)."""
+
+
+def test_a_sweep_that_raises_part_way_lists_every_organisation_it_claimed_and_did_not_read(
+    monkeypatch, no_audit
+):
+    """PostgreSQL restarting under the first of three organisations' reads: before, the two claimed after it were
+    never listed again and held for good (found by the review of the sweeper's index)."""
+    monkeypatch.setattr(sweep_index, "ORGS_PER_PIPELINE", 1)
+    monkeypatch.setattr(sweeper, "ORGS_PER_PIPELINE", 1)
+    organization_ids = _organizations(3)
+    for organization_id in organization_ids:
+        _held(organization_id, f"call-{organization_id}")
+    assert sweeper.sweep_expired_reservations() == 0  # builds the index
+    later = redis_time() + TTL_S + 5
+    real_rows = sweeper._rows
+    num_reads = []
+
+    def rows_once_refused(organization_id, request_ids):
+        num_reads.append(organization_id)
+        if len(num_reads) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return real_rows(organization_id, request_ids)
+
+    monkeypatch.setattr(sweeper, "_rows", rows_once_refused)
+    with pytest.raises(OperationalError):
+        sweeper.sweep_expired_reservations(later)
+    assert sweeper.sweep_expired_reservations(later + 30) == 3
+    assert [reads.reserved_now(organization_id) for organization_id in organization_ids] == [0, 0, 0]
+
+
+def test_a_lapsed_registration_whose_count_failed_is_read_again_by_the_next_sweep(monkeypatch, no_audit):
+    """Before, the sweep listed it again past its lapse only (`list_next`), as if counted: never read again."""
+    (organization_id,) = _organizations(1)
+    client = get_redis()
+    assert sweeper.sweep_expired_reservations() == 0  # builds the index
+    until = int(redis_time()) + 5
+    client.hset(redis_keys.replaying_key(organization_id), "replayed", f"{until}.1")  # as a replay registers it
+    sweep_index.list_due(client, {organization_id: until})
+    counted = []
+
+    def count_once_refused(organization, registrations, now):
+        counted.append(organization)
+        if len(counted) == 1:
+            raise OperationalError("terminating connection due to administrator command")
+        return 0
+
+    monkeypatch.setattr(replayed, "count_lapsed_supersedes", count_once_refused)
+    with pytest.raises(OperationalError):
+        sweeper.sweep_expired_reservations(until + 10)
+    sweeper.sweep_expired_reservations(until + 40)
+    assert counted == [organization_id, organization_id]
+
+
+def _killed_after(monkeypatch, script) -> None:
+    """`script` runs, then the process dies (an OOM kill, a deploy) before its caller's next step."""
+    real = script.run_sync
+
+    def run_then_killed(*, keys, args):
+        real(keys=keys, args=args)
+        raise Killed()
+
+    monkeypatch.setattr(script, "run_sync", run_then_killed)
+
+
+def test_a_dead_gateway_sweep_killed_once_it_released_leaves_its_organisation_listed(monkeypatch, no_audit):
+    """Before, it listed the organisation after releasing its requests: killed between the two, the hold its
+    gateway's beat never listed was never read (the release had dropped what would list it again)."""
+    organization_id = OrganizationFactory().pk
+    assert sweeper.sweep_expired_reservations() == 0  # builds the index
+    asyncio.run(
+        reserve(organization_id=organization_id, api_key_id=None, amount=Decimal("0.01"), request_id="cut")
+    )  # its gateway killed before its beat listed it
+    _killed_after(monkeypatch, presence._RELEASE_REQUESTS)
+    with pytest.raises(Killed):
+        presence.sweep_dead_gateways()
+    assert sweeper.sweep_expired_reservations(redis_time() + TTL_S + 2) == 1
+    assert reads.reserved_now(organization_id) == 0
+
+
+def test_a_replay_killed_once_it_registered_leaves_its_organisation_listed(monkeypatch, no_audit):
+    """Before, it listed the organisation after registering its rows: killed between the two, the registration was
+    never read once it lapsed."""
+    endpoint = EndpointFactory()
+    assert sweeper.sweep_expired_reservations() == 0  # builds the index
+    _killed_after(monkeypatch, replayed._REGISTER)
+    with pytest.raises(Killed):
+        replayed.register_replaying_sync([usage_report(endpoint, request_id="replayed")])
+    counted = []
+    monkeypatch.setattr(
+        replayed,
+        "count_lapsed_supersedes",
+        lambda organization, registrations, now: counted.append(organization) or 0,
+    )
+    sweeper.sweep_expired_reservations(redis_time() + replayed.REGISTRATION_TTL_S + 1)
+    assert counted == [endpoint.organization_id]
