@@ -416,8 +416,8 @@ async def _count_replayed(request_ids: set[str], *, batch: list[UsageReport],
         logger.warning("usage journal: %d replayed row(s) not counted in the quota counters: %r", len(request_ids), exc)
 
 
-# NOTE: a loop that closes (asyncio.run in a script or a test) takes its writer's connection along.
-_writers: PerLoop[UsageWriter] = PerLoop(UsageWriter, on_loop_gone=UsageWriter.close_now)
+# NOTE: a loop that ends (asyncio.run in a batch run, a script or a test) closes its writer's connection.
+_writers: PerLoop[UsageWriter] = PerLoop(UsageWriter, close=UsageWriter.close, on_loop_gone=UsageWriter.close_now)
 
 
 def writer_for_this_loop() -> UsageWriter:

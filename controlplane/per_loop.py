@@ -5,25 +5,100 @@ usage writer's PostgreSQL connection) belongs to the loop that opened it, so eac
 loop, on first use there. A process normally runs one loop (the gateway's); tests and scripts run
 several in turn (`asyncio.run`), and each gets its own.
 
-NOTE: loops are held weakly: a loop that is gone takes its entry along (after `on_loop_gone`, if
-given), and a new loop that happens to reuse a dead one's id never gets the dead one's object.
+NOTE: an object that holds connections is closed as its loop ends (`close`), while the loop still runs: a
+loop ended by `asyncio.run` (or asgiref's, or uvicorn's) closes its unfinished async generators, and each
+loop has one here whose `finally` closes that loop's objects and forgets them. Before, nothing closed them:
+each object (a connection's reader) held its loop, so the weakly held loop never went, and every ended
+loop (a batch slice's `asyncio.run` in the worker, a test's) kept its Redis and PostgreSQL sockets open
+until the process ran out of file descriptors.
+
+Loops are held weakly: a loop that is gone takes its entry along (after `on_loop_gone`, if given: a loop
+closed without closing its async generators), and a new loop that happens to reuse a dead one's id never
+gets the dead one's object.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
+import logging
+import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
+
+# loop -> what runs as it ends (each registry's forgetting of its objects), and the generator that runs it
+_at_end: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[list[Callable], AsyncIterator]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _ending(steps: list[Callable]) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        while steps:
+            try:
+                done = steps.pop()()
+                if inspect.isawaitable(done):
+                    await done
+            except Exception:
+                logger.warning("closing an object of an ending event loop failed", exc_info=True)
+
+
+def at_loop_end(loop: asyncio.AbstractEventLoop, step: Callable) -> None:
+    """Run `step()` (awaited if it returns an awaitable) as the running `loop` ends, the last added first.
+
+    NOTE: the loop closes its async generators as it ends (`shutdown_asyncgens`), after it cancelled its
+    tasks; the generator here is started at once (run up to its `yield`), in the running loop, so that the
+    loop's first-iteration hook registers it. One generator per loop; neither it nor a step may hold the loop
+    (it would never go). A loop closed without closing its generators drops its steps as it goes, and ends its
+    generator then (left to the collector, it would be handed to the closed loop to close)."""
+    entry = _at_end.get(loop)
+    if entry is None:
+        steps: list[Callable] = []
+        ending = _ending(steps)
+        # NOTE: registered by the loop's own first-iteration hook, but with a finalizer of its own: the loop's (its
+        # bound method) would make the generator, held here, hold the loop for ever.
+        firstiter, finalizer = sys.get_asyncgen_hooks()
+        sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=_left)
+        try:
+            ending.__anext__().send(None)
+        except StopIteration:
+            pass
+        finally:
+            sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=finalizer)
+        entry = _at_end[loop] = (steps, ending)
+        weakref.finalize(loop, _drop, steps, ending)
+    entry[0].append(step)
+
+
+def _left(ending: AsyncIterator) -> None:
+    """An ending generator collected unfinished: nothing to run (`_drop` ends each before)."""
+
+
+def _drop(steps: list[Callable], ending: AsyncIterator) -> None:
+    steps.clear()
+    try:
+        ending.aclose().send(None)  # nothing left to await: its `finally` ends at once
+    except (StopIteration, RuntimeError):
+        pass
 
 
 class PerLoop(Generic[T]):
     """`get()` returns the running loop's object, made by `factory()` on its first use there."""
 
-    def __init__(self, factory: Callable[[], T], *, on_loop_gone: Callable[[T], None] | None = None):
+    def __init__(self, factory: Callable[[], T], *, close: Callable[[T], object] | None = None,
+                 on_loop_gone: Callable[[T], None] | None = None):
+        """`close(obj)` (awaited if it returns an awaitable) closes a loop's object as that loop ends;
+        `on_loop_gone(obj)` once the loop itself is gone, for a loop that ended without closing it."""
         self._factory = factory
+        self._close = close
         self._on_loop_gone = on_loop_gone
         self._objects: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, T] = weakref.WeakKeyDictionary()
         # NOTE: the last loop asked about and its object: the gateway's one loop, without a weak-dict lookup.
@@ -37,13 +112,25 @@ class PerLoop(Generic[T]):
         current = self._objects.get(loop)
         if current is None:
             current = self._objects[loop] = self._factory()
-            if self._on_loop_gone is not None:
-                weakref.finalize(loop, self._on_loop_gone, current)
+            gone = None if self._on_loop_gone is None else weakref.finalize(loop, self._on_loop_gone, current)
+            at_loop_end(loop, functools.partial(self._forget, weakref.ref(loop), current, gone))
         self._latest = (weakref.ref(loop), current)
         return current
 
+    def _forget(self, loop_ref: weakref.ref, current: T, gone: weakref.finalize | None):
+        """The ending loop's object let go (so that nothing keeps the loop), and closed."""
+        if gone is not None:
+            gone.detach()
+        loop = loop_ref()
+        if loop is not None and self._objects.get(loop) is current:
+            del self._objects[loop]
+        if self._latest[1] is current:
+            self._latest = (lambda: None, None)
+        return None if self._close is None else self._close(current)
+
     def all(self) -> list[T]:
-        """Every loop's object still held (a closed loop's last one too, until another loop asks)."""
+        """Every loop's object still held (one of a loop closed without ending its generators too, until another
+        loop asks)."""
         objects = list(self._objects.values())
         latest = self._latest[1]
         if latest is not None and not any(latest is existing for existing in objects):

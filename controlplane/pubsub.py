@@ -127,6 +127,14 @@ class Listener:
             if not waiters:  # a waiter left without its UNSUBSCRIBE getting through
                 asyncio.ensure_future(self._change("unsubscribe", message["channel"]))
 
+    async def close(self) -> None:
+        """Its connection closed (its loop is ending: its reader was cancelled with the loop's tasks)."""
+        if self._reader is not None:
+            self._reader.cancel()
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            await pubsub.aclose()
+
     async def _reconnect(self) -> None:
         await asyncio.sleep(RECONNECT_DELAY_S)
         async with self._changes:
@@ -145,8 +153,8 @@ class Listener:
                 signal._set()
 
 
-# NOTE: one per event loop: an asyncio connection belongs to the loop that made it.
-_listeners: PerLoop[Listener] = PerLoop(lambda: Listener(settings.REDIS_URL))
+# NOTE: one per event loop: an asyncio connection belongs to the loop that made it, and is closed as it ends.
+_listeners: PerLoop[Listener] = PerLoop(lambda: Listener(settings.REDIS_URL), close=Listener.close)
 
 
 def subscribe(channel: str) -> contextlib.AbstractAsyncContextManager[Signal]:

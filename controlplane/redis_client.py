@@ -86,8 +86,16 @@ def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisClus
     return redis.asyncio.Redis(connection_pool=pool)
 
 
-# NOTE: an asyncio connection pool belongs to the loop that created it.
-_async_clients: PerLoop[redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster] = PerLoop(_new_async_client)
+async def _close_async_client(client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster) -> None:
+    if isinstance(client, redis.asyncio.Redis):
+        await client.aclose(close_connection_pool=True)  # its pool is its own (`_new_async_client`)
+    else:
+        await client.aclose()
+
+
+# NOTE: an asyncio connection pool belongs to the loop that created it, and is closed as that loop ends.
+_async_clients: PerLoop[redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster] = PerLoop(
+    _new_async_client, close=_close_async_client)
 
 
 def get_async_redis() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster:

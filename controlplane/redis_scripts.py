@@ -368,4 +368,5 @@ class _Connection:
             self._protocol.transport.close()
 
 
-_connections: PerLoop[_Connection] = PerLoop(lambda: _Connection(settings.REDIS_URL, settings.REDIS_TIMEOUT_S))
+_connections: PerLoop[_Connection] = PerLoop(lambda: _Connection(settings.REDIS_URL, settings.REDIS_TIMEOUT_S),
+                                             close=_Connection.close)

@@ -1,9 +1,17 @@
-"""The per-event-loop registry: one object per loop, a new one for a new loop, released with its loop."""
+"""The per-event-loop registry: one object per loop, a new one for a new loop, closed as its loop ends."""
 
 import asyncio
+import contextlib
 import gc
+import os
 
+import pytest
+
+from billing import usage_writer
+from controlplane import pubsub
 from controlplane.per_loop import PerLoop
+from controlplane.redis_client import get_async_redis, get_redis
+from controlplane.redis_scripts import Script
 
 
 class _Thing:
@@ -40,3 +48,36 @@ def test_a_loop_that_is_gone_takes_its_object_along():
     assert registry.all() == [thing]  # the last one asked for, until another loop asks
     asyncio.run(take())
     assert thing not in registry.all()
+
+
+def _sockets() -> int:
+    """This process's open sockets."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+@pytest.mark.django_db(transaction=True)
+def test_loops_that_end_close_their_redis_and_postgresql_connections():
+    # Before, each ended loop's objects held the loop (a connection's reader), so the weakly held loop never went and
+    # nothing closed them: 20 loops (a worker's batch slices) kept 80 sockets open, and the suite ran out of fds.
+    ping = Script("return 1")
+
+    async def use_each():
+        await get_async_redis().ping()
+        assert await ping(keys=["x"], args=[]) == 1
+        async with pubsub.subscribe("per-loop-test"):
+            pass
+        writer = usage_writer.writer_for_this_loop()
+        writer._connection = await usage_writer._connect()  # as its first write opens it
+
+    asyncio.run(use_each())
+    gc.collect()
+    sockets, clients = _sockets(), len(get_redis().client_list())
+    for _ in range(20):
+        asyncio.run(use_each())
+    gc.collect()
+    assert _sockets() <= sockets
+    assert len(get_redis().client_list()) <= clients
