@@ -75,9 +75,10 @@ def _answer_of(connection: socket.socket, *, drip_every_s: float | None, within_
     body sent every `drip_every_s` (None: nothing more sent)."""
     started = time.monotonic()
     received = b""
+    poller = select.poll()  # NOTE: not select(): it fails on an fd past 1,024
+    poller.register(connection, select.POLLIN)
     while time.monotonic() - started < within_s:
-        readable, _, _ = select.select([connection], [], [], drip_every_s or 0.2)
-        if readable:
+        if poller.poll((drip_every_s or 0.2) * 1000):
             chunk = connection.recv(65536)
             if not chunk:
                 break
