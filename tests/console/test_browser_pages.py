@@ -134,9 +134,12 @@ def test_a_customer_signs_up_creates_a_key_deploys_and_reads_every_page(page):
     # The deploy wizard: an invalid spec shows the serializer's errors inline, then a valid one deploys.
     nav(page, "Endpoints")
     page.get_by_role("link", name="New endpoint").first.click()
+    # NOTE: htmx (a deferred script) listens once the page has loaded: a click before it swaps nothing.
+    page.wait_for_load_state("load")
     page.get_by_label("Endpoint name").fill("Support Chat")
     page.get_by_label("Model source", exact=True).fill("github.com/some/model")
     page.locator("label[for=gpu-cpu]").click()
+    expect(page.locator("#gpu-cpu")).to_be_checked()
     # htmx swaps in the quantizations a CPU engine supports.
     expect(page.locator("#id_quantization option[value=int8]")).to_have_count(1)
     expect(page.locator("#id_quantization option[value=awq]")).to_have_count(0)
