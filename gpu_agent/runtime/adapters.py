@@ -56,6 +56,11 @@ class AdapterSlots:
         self.failures: dict[str, str] = {}  # adapter name -> why the engine refused it
         self._retry_at: dict[str, float] = {}  # adapter name -> when a failure for want of an answer is tried again
 
+    def close(self) -> None:
+        """Close its connections to the engine. NOTE: an httpx client let go is freed only by the cycle collector:
+        each engine that restarted or ended kept its sockets open (and the engine's side of them) until then."""
+        self._http.close()
+
     def names(self) -> list[str]:
         """Loaded adapters, most recently used first."""
         return list(reversed(self._loaded))
@@ -199,6 +204,8 @@ class ReplicaAdapters:
                 return
             current = self._slots.get(spec.replica_id)
             if current is None or current[0] != engine:
+                if current is not None:
+                    current[1].close()  # its engine restarted: no sync uses them (`_syncing`)
                 current = (engine, AdapterSlots(address, spec.engine_api_key, spec.max_loras))
                 self._slots[spec.replica_id] = current
             slots = current[1]
@@ -226,13 +233,18 @@ class ReplicaAdapters:
         finally:
             with self._lock:
                 self._syncing.discard(spec.replica_id)
+                current = self._slots.get(spec.replica_id)
+                if current is None or current[1] is not slots:
+                    slots.close()  # its replica ended meanwhile (`report`)
             if self._wake is not None:
                 self._wake.set()  # report the loaded adapters now: held calls wait for them
 
     def report(self, statuses: list[ReplicaStatus]) -> None:
         with self._lock:
             for replica_id in [r for r in self._slots if r not in {s.replica_id for s in statuses}]:
-                del self._slots[replica_id]
+                _, slots = self._slots.pop(replica_id)
+                if replica_id not in self._syncing:  # else that sync closes them when it ends (`_run`)
+                    slots.close()
             for status in statuses:
                 current = self._slots.get(status.replica_id)
                 if current is not None and status.state == ReplicaState.READY:

@@ -159,6 +159,20 @@ def log_tail(log_path: Path, num_lines: int) -> str:
     return "\n".join(lines[-num_lines:])
 
 
+def keep_log_within(log_path: Path, max_bytes: int) -> None:
+    """Start `log_path` afresh once it is past `max_bytes`, its previous content kept as `<name>.1` (the one
+    before that goes). For a log appended to by process after process of the agent's life (the standby's, the
+    zygote's), called before the next one opens it.
+
+    NOTE: the standby's log took a header and what each standby wrote while importing, one standby per cold
+    start, and nothing ever removed or rotated it: it grew for as long as the node ran."""
+    try:
+        if log_path.stat().st_size > max_bytes:
+            os.replace(log_path, log_path.with_name(f"{log_path.name}.1"))
+    except OSError:  # none yet, or it cannot be moved: appended to as before
+        pass
+
+
 def timestamp() -> str:
     """The wall-clock time written before each launch in an engine's log."""
     return time.strftime("%Y-%m-%d %H:%M:%S")

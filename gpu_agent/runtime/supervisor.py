@@ -473,6 +473,7 @@ class Supervisor:
                 orphan = self.standby.hand_off(replica_id, command, self._handoff_env(command), os.devnull)
                 if orphan is not None:
                     process.kill_group(orphan.pid, None, replica_id, self.data_dir, signal.SIGKILL)
+                    self.standby.forget(orphan.pid)
                 self._drop_scratch(replica_id)
             for replica_id, (replica, _) in list(self._built.items()):  # built, then stopped or replaced: no launch
                 if self._replicas.get(replica_id) is not replica or replica.is_final or replica.pid is not None:

@@ -316,6 +316,14 @@ class WeightsCache:
                 self._unsettled.setdefault(path, entry)
         return len(taken)
 
+    def _forget_reading(self, model_dir: Path) -> None:
+        """Drop what was read of a directory the cache removed. NOTE: kept before, one reading (and any back-off, in
+        the state file too) for every model the node ever evicted, for the agent's life."""
+        with self._mutex:
+            self._readings.pop(model_dir, None)
+            if self._unsettled.pop(model_dir, None) is not None:
+                self._keep_unsettled()
+
     def _keep_unsettled(self) -> None:
         """Under the mutex: hand `_unsettled` to `keep_unsettled`."""
         if self.keep_unsettled is not None:
@@ -518,6 +526,7 @@ class WeightsCache:
                 continue
             with lock:
                 self._index.remove(key)
+            self._forget_reading(self.root / key)
             freed += _charged(entry)
             evicted.append(key)
             logger.info("evicted weights %s (%s)", key, entry.get("source"))

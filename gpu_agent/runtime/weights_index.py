@@ -3,7 +3,9 @@
 Layout: `<root>/<cache_key>/` holds one complete model and `<root>/<cache_key>.json` its manifest
 (written last, atomically; its mtime is the last use), so a model without a manifest is never
 complete. One lock per cache key (a thread lock plus an `flock` on `<root>/.locks/<key>.lock`)
-serialises everyone who downloads, reads or evicts that model, across threads and processes.
+serialises everyone who downloads, reads or evicts that model, across threads and processes. Both last only
+while someone holds or waits for them: every cache key ever fetched left its lock file and thread lock behind
+before, one more for each model pulled (a new content is a new key) for the agent's life.
 
 A cache key covers the source, its content, the store's endpoint and the replica's `weights_scope`
 (`cache_key`); the manifest keeps only a digest of the endpoint, which may carry user info. What to
@@ -29,7 +31,8 @@ class CacheIndex:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._mutex = threading.Lock()
-        self._key_locks: dict[str, threading.Lock] = {}
+        # key -> its thread lock and how many threads hold or wait for it (dropped at none)
+        self._key_locks: dict[str, tuple[threading.Lock, int]] = {}
 
     def manifest_path(self, key: str) -> Path:
         return self.root / f"{key}.json"
@@ -84,29 +87,58 @@ class CacheIndex:
     def key_lock(self, key: str, *, blocking: bool = True):
         """A context manager holding the key's thread and file locks (None if not blocking and busy)."""
         with self._mutex:
-            thread_lock = self._key_locks.setdefault(key, threading.Lock())
-        if not thread_lock.acquire(blocking=blocking):
-            return None
+            thread_lock, num_users = self._key_locks.get(key, (None, 0))
+            thread_lock = thread_lock or threading.Lock()
+            self._key_locks[key] = (thread_lock, num_users + 1)
         stack = contextlib.ExitStack()
+        stack.callback(self._leave_key_lock, key)
+        if not thread_lock.acquire(blocking=blocking):
+            stack.close()
+            return None
         stack.callback(thread_lock.release)
-        acquired = stack.enter_context(self._file_lock(key, blocking=blocking))
+        try:
+            acquired = stack.enter_context(self._file_lock(key, blocking=blocking))
+        except BaseException:
+            stack.close()
+            raise
         if not acquired:
             stack.close()
             return None
         return stack
 
+    def _leave_key_lock(self, key: str) -> None:
+        with self._mutex:
+            thread_lock, num_users = self._key_locks[key]
+            if num_users <= 1:
+                del self._key_locks[key]
+            else:
+                self._key_locks[key] = (thread_lock, num_users - 1)
+
     @contextlib.contextmanager
     def _file_lock(self, key: str, *, blocking: bool):
-        with open(self.root / ".locks" / f"{key}.lock", "a+") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
+        """The `flock` of the key's lock file, which its holder removes on release.
+
+        NOTE: a process that opened the file before it was removed gets the lock of a file no longer there: it
+        checks that what it locked is what the path names, and tries again if not, so two never hold the key."""
+        path = self.root / ".locks" / f"{key}.lock"
+        while True:
+            with open(path, "a+") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                except BlockingIOError:
+                    yield False
+                    return
+                try:
+                    if os.stat(path).st_ino != os.fstat(handle.fileno()).st_ino:
+                        continue  # removed (and maybe made again) while we waited: lock the one there now
+                except FileNotFoundError:
+                    continue
+                try:
+                    yield True
+                finally:
+                    path.unlink(missing_ok=True)  # NOTE: while still held, so no waiter keeps a lock on it
+                    fcntl.flock(handle, fcntl.LOCK_UN)
                 return
-            try:
-                yield True
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def cache_key(source: str, fingerprint: str, *, scope: str = "", endpoint: str = "") -> str:

@@ -121,11 +121,23 @@ class Zygote(Standby):
         self.started: dict[str, int] = {}  # `started` lines read and not yet asked about: replica id -> pid
         self.sent_ahead: set[str] = set()  # replicas whose handoff line went out before their `hand_off`
         self.num_sent_ahead = 0
+        self._unasked: set[int] = set()  # children nobody will ask about (`forget`): their exits are not kept
 
     def _spawn(self) -> None:
         super()._spawn()
         self.started.clear()
         self.sent_ahead.clear()
+        self._unasked.clear()
+
+    def forget(self, pid: int) -> None:
+        """Keep no exit code for this child: nobody will ask about it (an engine forked for a replica whose launch
+        then failed, killed at once by the supervisor).
+
+        NOTE: kept, each such exit stayed in `exit_codes` for the zygote's life, and a later engine forked under the
+        same pid (pids wrap) read it as its own exit: the supervisor killed that healthy engine as crashed."""
+        self.read_events()
+        if self.exit_codes.pop(pid, None) is None:
+            self._unasked.add(pid)
 
     def ensure(self) -> None:
         super().ensure()
@@ -142,7 +154,10 @@ class Zygote(Standby):
         for line in self._read_lines():
             if line.startswith(EXITED_WORD + " "):
                 _, pid, code = line.split()
-                self.exit_codes[int(pid)] = int(code)
+                if int(pid) in self._unasked:
+                    self._unasked.discard(int(pid))
+                else:
+                    self.exit_codes[int(pid)] = int(code)
             elif line.startswith(STARTED_WORD + " "):
                 _, replica_id, pid = line.split()
                 self.started[replica_id] = int(pid)

@@ -12,6 +12,7 @@ import psutil
 
 from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime import engine
+from gpu_agent.runtime import standby as standby_module
 from gpu_agent.runtime.standby import SERVER_MODULE, STANDBY_MARKER_VALUE, server_args
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 
@@ -180,3 +181,21 @@ def test_a_replica_due_while_no_standby_is_kept_spawns_one_and_waits_for_it(tmp_
         assert replica.pid is None and replica.launch_at and replica.progress == "starting engine (warm standby)"
     finally:
         supervisor.shutdown(timeout_s=1)
+
+
+def test_the_standbys_log_is_started_afresh_past_its_bound_keeping_only_the_previous_one(tmp_path, monkeypatch):
+    """One standby spawns per cold start, each appending to one log that nothing removed or rotated: it grew for
+    as long as the node ran."""
+    monkeypatch.setattr(standby_module, "MAX_LOG_BYTES", 1000, raising=False)
+    standby = standby_module.Standby(tmp_path, device=engine.DEVICE_CPU)
+    for _ in range(3):  # each past the bound by what it wrote (a standby's imports print some)
+        standby.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(standby.log_path, "ab") as log:
+            log.write(b"x" * 1500)
+        standby.ensure()
+        assert standby.process is not None
+        standby.stop()
+    logs = sorted(path.name for path in standby.log_path.parent.iterdir())
+    assert logs == ["standby.log", "standby.log.1"]
+    assert standby.log_path.stat().st_size < 1000  # this spawn's header (and what it wrote before it was stopped)
+    assert 1500 <= (standby.log_path.parent / "standby.log.1").stat().st_size < 2500  # the previous, not all three

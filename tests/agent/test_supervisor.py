@@ -21,7 +21,7 @@ from gpu_agent.runtime import supervisor as supervisor_module
 from gpu_agent.runtime.control_plane import heartbeat_interval
 from gpu_agent.runtime.probes import parse_engine_metrics
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
-from gpu_agent.runtime.zygote import Zygote
+from gpu_agent.runtime.zygote import ForkedEngine, Zygote
 
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
 
@@ -399,3 +399,48 @@ def test_building_a_command_holds_up_no_heartbeat_and_the_replica_still_launches
         assert len({supervisor.get(status.replica_id).command.port for status in statuses}) == 2
     finally:
         supervisor.shutdown(timeout_s=1)
+
+
+class _StatusPipe:
+    """A zygote process's status pipe alone (`exited <pid> <code>` lines), the zygote itself never started."""
+
+    def __init__(self) -> None:
+        read_end, self._write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        self.stdout = os.fdopen(read_end, "rb", buffering=0)
+        self.pid = None
+
+    def say(self, line: str) -> None:
+        os.write(self._write_end, f"{line}\n".encode())
+
+    def poll(self):
+        return None
+
+    def close(self) -> None:
+        self.stdout.close()
+        os.close(self._write_end)
+
+
+def test_a_later_engine_under_the_pid_of_one_the_supervisor_killed_unasked_is_not_taken_for_exited(tmp_path):
+    """The supervisor kills a forked engine whose launch failed without ever asking its exit (`Zygote.forget`). Kept,
+    that exit stayed for the zygote's life, one per such engine, and the next engine forked under the same pid (pids
+    wrap) read it as its own: killed as crashed while healthy."""
+    zygote = Zygote(tmp_path / "agent", device="cpu")
+    status = zygote.process = _StatusPipe()
+    zygote.ready = True
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # alive under a "reused" pid
+    try:
+        zygote.forget(later.pid)  # before its exit line came
+        status.say(f"exited {later.pid} -9")
+        status.say(f"exited {os.getpid()} -9")  # ... and one whose line came first
+        zygote.read_events()
+        zygote.forget(os.getpid())
+        status.say("exited 12345678 3")  # an engine the supervisor will ask about
+        zygote.read_events()
+        assert ForkedEngine(later.pid, zygote).poll() is None
+        assert ForkedEngine(os.getpid(), zygote).poll() is None
+        assert zygote.exit_codes == {12345678: 3}
+    finally:
+        later.kill()
+        later.wait()
+        status.close()

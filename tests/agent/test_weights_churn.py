@@ -1,0 +1,79 @@
+"""A node pulls model after model all day (scale to zero, new versions): the cache keeps nothing of what it let go.
+
+Each new content is a new cache key. Before, every key ever fetched left its lock file in `.locks` and its thread
+lock in memory, and every model evicted left what was read of its files (and any back-off, in the state file too),
+one more of each per pull for the agent's life."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from gpu_agent.runtime.weights import WeightsCache
+from gpu_agent.runtime.weights_index import CacheIndex
+
+from .conftest import wait_until
+from .test_weights_cache import s3, s3_endpoint  # noqa: F401  (fixtures)
+from .test_weights_disk import put_models
+
+NUM_PULLS = 12
+
+
+def test_pulling_model_after_model_keeps_no_lock_nor_reading_of_the_models_let_go(s3, s3_endpoint, tmp_path):  # noqa: F811
+    names = tuple(f"m{index}" for index in range(NUM_PULLS))
+    put_models(s3, "churn", names)
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=25_000, s3_endpoint_url=s3_endpoint)
+    cache.keep_unsettled = lambda record: None
+    for name in names:
+        path = cache.fetch(f"s3://churn/{name}")
+        cache.read_model(path)
+        cache._unsettled[path] = (1, time.monotonic())  # as a reading that gave no answer leaves it
+
+    kept = {entry["cache_key"] for entry in cache._index.entries()}
+    assert len(kept) == 2 and cache.num_downloads == NUM_PULLS  # the budget holds two
+    assert list((cache.root / ".locks").iterdir()) == []  # had one file per model ever pulled
+    assert cache._index._key_locks == {}
+    assert {path.name for path in cache._readings} == kept  # had one reading per model ever pulled
+    assert {path.name for path in cache._unsettled} == kept
+
+
+def test_a_key_lock_waited_on_in_another_process_is_still_held_by_one_at_a_time(tmp_path):
+    """Its holder removes the lock file on release: one who waited on that file locks the new one instead."""
+    (tmp_path / ".locks").mkdir()
+    # three indexes of one folder, as three processes have
+    holder, waiter, latecomer = CacheIndex(tmp_path), CacheIndex(tmp_path), CacheIndex(tmp_path)
+    lock_file = tmp_path / ".locks" / "k.lock"
+    held = holder.key_lock("k")
+    waited = {}
+    release_waiter = threading.Event()
+
+    def wait_for_the_lock():
+        with waiter.key_lock("k"):
+            waited["file"] = lock_file.exists()
+            waited["latecomer"] = latecomer.key_lock("k", blocking=False)
+            release_waiter.wait(10)
+
+    thread = threading.Thread(target=wait_for_the_lock)
+    thread.start()
+    wait_until(lambda: _num_open(lock_file) == 2, 10)  # the waiter has the file open, blocked on its flock
+    held.close()
+    thread_done = wait_until(lambda: "latecomer" in waited, 10)
+    release_waiter.set()
+    thread.join(10)
+    assert thread_done and waited == {"file": True, "latecomer": None}
+    assert not lock_file.exists()
+    free = latecomer.key_lock("k", blocking=False)
+    assert free is not None
+    free.close()
+
+
+def _num_open(path: Path) -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+        except OSError:
+            continue
+    return count
