@@ -158,7 +158,12 @@ def active_endpoint_ids(now: float | None = None) -> list[str]:
     with_floor = Endpoint.objects.live().filter(
         Q(min_replicas__gt=0) | ~Q(prewarm_windows=[]), paused_at__isnull=True, failed_at__isnull=True,
     ).order_by().values_list("pk", flat=True)
-    recent = get_redis().zrangebyscore(redis_keys.RECENT_ENDPOINTS_KEY, now - traffic.RECENT_WINDOW_S, "+inf")
+    # NOTE: the endpoints whose last request is older than the window are taken out as they are read: the gateways'
+    # beats only add, and the set kept every endpoint ever called (deleted ones too) for the life of Redis.
+    with get_redis().pipeline(transaction=False) as pipe:
+        pipe.zremrangebyscore(redis_keys.RECENT_ENDPOINTS_KEY, "-inf", f"({now - traffic.RECENT_WINDOW_S}")
+        pipe.zrangebyscore(redis_keys.RECENT_ENDPOINTS_KEY, now - traffic.RECENT_WINDOW_S, "+inf")
+        recent = pipe.execute()[1]
     with_batch_work = read_demand().keys()  # a sleeping endpoint may have to wake for a batch's deadline
     ids = {str(pk) for pk in with_replicas} | {str(pk) for pk in with_floor} | set(recent) | set(with_batch_work)
     return sorted(ids)
