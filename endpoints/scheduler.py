@@ -26,6 +26,7 @@ from django.utils import timezone
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis, held_alone, redis_time
 from controlplane.redis_keys import FLEET_SILENT_SINCE_KEY, LISTENING_SINCE_KEY, TICK_LOCK_KEY
+from controlplane.redis_scripts import Script
 from endpoints import autoscaler, quotas
 from endpoints.batches.demand import read_demand
 from endpoints.events import record_event, record_event_once
@@ -158,10 +159,47 @@ def active_endpoint_ids(now: float | None = None) -> list[str]:
     with_floor = Endpoint.objects.live().filter(
         Q(min_replicas__gt=0) | ~Q(prewarm_windows=[]), paused_at__isnull=True, failed_at__isnull=True,
     ).order_by().values_list("pk", flat=True)
+    forget_past_recent_endpoints(now)
     recent = get_redis().zrangebyscore(redis_keys.RECENT_ENDPOINTS_KEY, now - traffic.RECENT_WINDOW_S, "+inf")
     with_batch_work = read_demand().keys()  # a sleeping endpoint may have to wake for a batch's deadline
     ids = {str(pk) for pk in with_replicas} | {str(pk) for pk in with_floor} | set(recent) | set(with_batch_work)
     return sorted(ids)
+
+
+# How many endpoints past the recent window one tick takes out of `RECENT_ENDPOINTS_KEY` (the first tick after a long
+# time without may find every endpoint ever called there).
+FORGET_PAST_RECENT_BATCH = 1000
+
+# KEYS: `RECENT_ENDPOINTS_KEY`; ARGV: the window's start (Redis's clock), how many at most. Takes out and returns the
+# endpoints whose last request came before the window's start. NOTE: in one script: a beat's newer time for one of them
+# (ZADD GT) comes before or after, never between its read and its removal.
+_TAKE_PAST_RECENT = Script("""
+local past = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+if #past > 0 then redis.call('ZREM', KEYS[1], unpack(past)) end
+return past
+""")
+
+
+def forget_past_recent_endpoints(now: float) -> int:
+    """Take the endpoints whose last request is older than the recent window out of `RECENT_ENDPOINTS_KEY`, and a
+    deleted one's last-request time with it; how many were taken out.
+
+    NOTE: the gateways' beats only add to the set (no TTL: it is written at every beat), and the gateways' scripts set
+    an endpoint's last request without one: before, both kept every endpoint ever called, deleted ones too, for the
+    life of Redis. A live endpoint keeps its last request (its replicas' idle deadlines are read from it)."""
+    past = _TAKE_PAST_RECENT.run_sync(keys=[redis_keys.RECENT_ENDPOINTS_KEY],
+                                      args=[now - traffic.RECENT_WINDOW_S, FORGET_PAST_RECENT_BATCH])
+    if not past:
+        return 0
+    deleted = Endpoint.objects.filter(pk__in=past, deleted_at__isnull=False).order_by().values_list(
+        "pk", "organization_id")
+    keys = [redis_keys.last_request_key(organization_id, str(pk)) for pk, organization_id in deleted]
+    if keys:
+        with get_redis().pipeline(transaction=False) as pipe:
+            for key in keys:  # NOTE: one command per key: an organisation's keys are in its own cluster slot
+                pipe.delete(key)
+            pipe.execute()
+    return len(past)
 
 
 def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.Load], *,

@@ -14,15 +14,16 @@ from pathlib import Path
 
 import pytest
 import redis
+from django.utils import timezone
 
 from billing.quota import reads, sweeper
 from controlplane import pubsub, redis_client, redis_keys, redis_scripts
 from controlplane.accounts import throttle
 from controlplane.redis_keys import key_slot
-from endpoints import autoscaler
+from endpoints import autoscaler, scheduler
 from endpoints.gateway import admission, cold_start, errors, presence, traffic
 from endpoints.gateway.auth import Caller
-from endpoints.models import Replica
+from endpoints.models import Endpoint, Replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory, OrganizationFactory
 from tests.gateway import test_call_entries as entries
@@ -304,6 +305,11 @@ def test_admission_and_finish_count_exactly_on_a_redis_cluster(on_cluster):
     assert on_cluster.zscore(redis_keys.RECENT_ENDPOINTS_KEY, endpoint) is not None
     load = autoscaler.read_load([endpoint], record=False)[endpoint]
     assert (load.num_inflight, load.num_waiting) == (0, 0) and load.last_request_at is not None
+    # deleted, then a tick a day later: the endpoint and its last request forgotten
+    Endpoint.objects.filter(pk=endpoint).update(deleted_at=timezone.now())
+    scheduler.forget_past_recent_endpoints(redis_client.redis_time() + traffic.RECENT_WINDOW_S + 10)
+    assert on_cluster.zscore(redis_keys.RECENT_ENDPOINTS_KEY, endpoint) is None
+    assert not on_cluster.exists(redis_keys.last_request_key(org, endpoint))
 
 
 def test_the_autoscaler_bounds_each_engine_report_by_its_replicas_count_in_its_own_slot_on_a_redis_cluster(on_cluster):

@@ -28,7 +28,7 @@ from controlplane import redis_keys
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_scripts import Script
 from controlplane.script_parts import ComposedScript
-from endpoints import autoscaler
+from endpoints import autoscaler, scheduler
 from endpoints.gateway import admission, cold_start, errors, presence, traffic
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.ratelimit_headers import RateLimitReport
@@ -198,6 +198,7 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         counters.refresh_limits(BillingAccount.objects.for_organization(with_key.pk))
         counters.refresh_key_limit(with_key.pk, 4242, Decimal("5"))
         autoscaler.read_load([str(e.pk) for e in endpoints])
+        scheduler.forget_past_recent_endpoints(time.time() + traffic.RECENT_WINDOW_S + 10)  # a tick a day later
     finally:
         presence.serving.clear()
         presence.unfinished.clear()
