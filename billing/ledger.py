@@ -38,6 +38,7 @@ from django.db.models import (
 )
 from django.db.models.aggregates import Aggregate
 from django.db.models.functions import Cast, Coalesce, Extract, TruncDate
+from django.utils import timezone
 
 from billing.models import (
     MONEY_PLACES,
@@ -100,7 +101,7 @@ class UsageReport:
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
             raise ValueError("request_id must be 1 to 128 characters")
-        if self.cached_tokens < 0 or self.completion_tokens < 0 or self.prompt_tokens < 0:
+        if min(self.prompt_tokens, self.cached_tokens, self.completion_tokens) < 0:
             raise ValueError("token counts cannot be negative")
         if self.cached_tokens > self.prompt_tokens:
             raise ValueError("cached_tokens cannot exceed prompt_tokens")
@@ -110,14 +111,11 @@ class UsageReport:
             raise ValueError(f"billing_mode must be one of {BillingMode.values}, not {self.billing_mode!r}")
         if self.mode_when_started and self.billing_mode is not None:
             raise ValueError("a report with its billing_mode is billed in it, not in the mode when it started")
-        # NOTE: naive first (an aware time and a naive one cannot be compared); `utcoffset()` is what
-        # `timezone.is_naive` asks, called here directly: a gateway builds a report for every call.
-        if self.started_at.utcoffset() is None:
-            raise ValueError("started_at must be timezone-aware")
-        if self.finished_at.utcoffset() is None:
-            raise ValueError("finished_at must be timezone-aware")
-        if self.first_token_at is not None and self.first_token_at.utcoffset() is None:
-            raise ValueError("first_token_at must be timezone-aware")
+        # NOTE: naive times first: a naive time and an aware one cannot be compared (a TypeError, not this ValueError).
+        for name in ("started_at", "finished_at", "first_token_at"):
+            moment = getattr(self, name)
+            if moment is not None and timezone.is_naive(moment):
+                raise ValueError(f"{name} must be timezone-aware")
         if self.finished_at < self.started_at:
             raise ValueError("finished_at is before started_at")
 
