@@ -142,15 +142,11 @@ async def _connect() -> psycopg.AsyncConnection:
 
 
 def _outcomes(reports: list[UsageReport], written: set[str], refused: dict[str, Exception]) -> list[Recorded | Exception]:
-    # every id written, none twice (`written` holds only ids of `reports`): the batch of a healthy ledger
-    if not refused and len(written) == len(reports):
-        return [Recorded.WRITTEN] * len(reports)
     outcomes: list[Recorded | Exception] = []
     seen = set()
     for report in reports:  # NOTE: a request id twice in one batch: only the first caller wrote it
         outcomes.append(refused.get(report.request_id)
-                        or (Recorded.WRITTEN if report.request_id in written and report.request_id not in seen
-                            else Recorded.DUPLICATE))
+                        or Recorded(report.request_id in written and report.request_id not in seen))
         seen.add(report.request_id)
     return outcomes
 
@@ -188,9 +184,8 @@ class UsageWriter:
 
     async def _write_once(self, reports: list[UsageReport]) -> list[Recorded | Exception]:
         try:
-            # NOTE: a timeout in this task, not `wait_for`'s: that wrapped every batch in a task of its own.
-            async with asyncio.timeout(WRITE_TIMEOUT_S):
-                written, refused, (superseded, registered) = await self._write_rows(reports)
+            written, refused, (superseded, registered) = await asyncio.wait_for(self._write_rows(reports),
+                                                                                WRITE_TIMEOUT_S)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             # NOTE: a statement cut short by the timeout may still commit; its replay is then a no-op.
             self.close_now()  # the next write starts on a new connection
@@ -231,8 +226,7 @@ class UsageWriter:
         counter rebuilt between the supersede and its count then counts the difference once (cheap: only rows not
         written now). Not again for a replay's: registered again and dropped here, a row another replay of the same
         segment wrote at once lost the registration its count goes by (`replayed.Registration`)."""
-        # NOTE: `written` holds ids of `reports` only: as many as the reports, every one was written now.
-        if len(written) == len(reports) or not (candidates := superseding(reports, written)):
+        if not (candidates := superseding(reports, written)):
             return {}, registered
         registration = None
         if not registered:
