@@ -17,7 +17,7 @@ batch there, so compare those figures only with each other. The record: `bench/r
 and futures) and awaited, `--batches` callers at a time, the process's CPU µs a row with its garbage collection set
 as the gateway sets it (`_freeze_startup_objects`). With `--compare-with DIR`, the same measure runs in two long-lived
 processes, one importing this tree's code and one DIR's (a `git archive` of another commit), taking turns round by
-round (which goes first alternates), and prints the paired differences:
+round (which goes first alternates), and prints the paired differences (`--tree DIR`: DIR's code as "this"):
 
     .venv/bin/python bench/probe_ledger_rows.py --writer --batches 15 --rounds 16 --compare-with $D/head
 """
@@ -167,10 +167,11 @@ async def writer_per_row_us(batch: int, num_rows: int, caller: tuple) -> float:
         await writer.close()
 
 
-def compare_writers(other_tree: str, batch: int, num_rows: int, num_rounds: int, caller: tuple) -> None:
-    """`writer_per_row_us` in this tree and `other_tree`, a process each, taking turns; the paired differences."""
+def compare_writers(this_tree: str, other_tree: str, batch: int, num_rows: int, num_rounds: int, caller: tuple,
+                    ) -> None:
+    """`writer_per_row_us` in `this_tree` and `other_tree`, a process each, taking turns; the paired differences."""
     children = {}
-    for name, tree in (("this", str(REPO)), ("other", str(Path(other_tree).resolve()))):
+    for name, tree in (("this", str(Path(this_tree).resolve())), ("other", str(Path(other_tree).resolve()))):
         children[name] = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), WRITER_CHILD, str(batch), str(num_rows),
              *map(str, caller)], cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -207,6 +208,7 @@ def main() -> int:
     parser.add_argument("--without", default="", help="on-conflict, indexes, foreign-keys (comma-separated)")
     parser.add_argument("--writer", action="store_true", help="the gateway's CPU a row through the usage writer")
     parser.add_argument("--compare-with", default=None, help="with --writer: another tree, measured in turns")
+    parser.add_argument("--tree", default=str(REPO), help="with --compare-with: the tree measured as this one")
     args = parser.parse_args()
     bench.setup_django()
     from endpoints.models import Endpoint
@@ -223,7 +225,7 @@ def main() -> int:
 
             for batch in [int(b) for b in args.batches.split(",")]:
                 if args.compare_with:
-                    compare_writers(args.compare_with, batch, args.rows, args.rounds, caller)
+                    compare_writers(args.tree, args.compare_with, batch, args.rows, args.rounds, caller)
                     continue
                 runs = [uvloop.run(writer_per_row_us(batch, args.rows, caller)) for _ in range(args.rounds)]
                 print(f"batches of {batch}: the writer's path, µs a row {[round(r, 1) for r in runs]}", flush=True)
