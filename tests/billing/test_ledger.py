@@ -110,6 +110,15 @@ def test_a_report_with_impossible_numbers_is_rejected_before_the_database():
         usage_report(endpoint, status="fine")
 
 
+@pytest.mark.parametrize("name", ["started_at", "first_token_at", "finished_at"])
+def test_a_report_with_a_naive_time_is_rejected_naming_that_time(name):
+    report = usage_report(EndpointFactory())
+    naive = getattr(report, name).replace(tzinfo=None)
+
+    with pytest.raises(ValueError, match=f"{name} must be timezone-aware"):
+        dataclasses.replace(report, **{name: naive})
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_async_variant_writes_exactly_once_too():
     endpoint = EndpointFactory()
