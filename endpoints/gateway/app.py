@@ -42,7 +42,7 @@ from endpoints.gateway import (
     standing,
     upstream,
 )
-from endpoints.gateway.call import InferenceCall, finish_pending
+from endpoints.gateway.call import ClientGone, InferenceCall, finish_pending
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import MAX_BODY_BYTES, InferenceRequest, is_model_name, new_request_id
 from endpoints.gateway.upload_places import REFUSAL_SCOPE_KEY, Place, UploadPlaces
@@ -58,6 +58,8 @@ FILES_PREFIX = "/v1/files"
 # The largest body of the Files and Batch APIs but an upload (`_files_and_batches`): a batch's creation, its metadata
 # at most 16 pairs of 64 + 512 characters.
 DJANGO_V1_MAX_BODY_BYTES = 1024 * 1024
+# The access log's status of a request whose client left before it was answered (as nginx logs one).
+CLIENT_GONE_STATUS = 499
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 
 
@@ -350,6 +352,10 @@ class Gateway:
                 receive=receive, send=send, started_at=datetime.now(UTC), ratelimit=ratelimit, adapter=adapter,
             )
             await call.run()
+        except ClientGone:  # its body stopped with the client's going: nobody to answer
+            # NOTE: it was a CancelledError, which uvicorn logs with its traceback as an error: a client could write
+            # ~20 lines of ERROR per call it left mid-body (found by the gateway's soak).
+            log_answer(scope, CLIENT_GONE_STATUS, started, request_id)
         except errors.OpenAIError as exc:
             await ratelimit.read_counts()
             await _respond(send, exc.status, exc.body(), headers=exc.headers | {"x-request-id": request_id},
@@ -441,7 +447,7 @@ async def _read_body(receive) -> bytes:
         if body.cut is not None:
             raise body.cut
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError()
+            raise ClientGone()
         chunks.append(message.get("body", b""))
         if not message.get("more_body"):
             return b"".join(chunks)
@@ -560,7 +566,7 @@ async def _discard_body(receive) -> None:
         except TimeoutError:
             return
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError()
+            raise ClientGone()
         size += len(message.get("body", b""))
         if not message.get("more_body"):
             return

@@ -18,6 +18,7 @@ from django.db import connection
 
 from controlplane.accounts.models import ApiKey
 from controlplane.redis_client import get_redis
+from endpoints.nodes.notify import endpoint_ready_channel
 from tests.conftest import free_port, start_web_server, wait_until
 from tests.factories import EndpointFactory
 from tests.gateway.conftest import new_tenant, serve_endpoint
@@ -90,6 +91,21 @@ def test_a_body_that_stops_coming_mid_way_is_cut_with_a_408_and_its_connection_c
     assert all(b'"code": "upload_too_slow"' in answer for answer in answers), answers[0][-300:]
 
 
+def test_clients_that_leave_mid_body_are_logged_as_gone_not_as_errors(soak_gateway, tenant):
+    child, base_url = soak_gateway
+    for key in (tenant.key, "ip_000000000000_wrong"):  # a body kept, and a refused caller's body read to be dropped
+        for _ in range(10):
+            _raw_post(base_url, key, b'{"model": "m", "messages": []}', num_bytes_sent=5).close()
+
+    def num_logged(text: str) -> int:
+        return child.log_text().count(text)
+
+    wait_until(lambda: num_logged('" 499 ') + num_logged("Exception in ASGI application") == 20, 15,
+               message="the gateway to see the 20 clients go")
+    # before: each was a CancelledError, logged by uvicorn as an error with its traceback
+    assert num_logged("Exception in ASGI application") == 0
+
+
 def _num_subscribes(redis) -> int:
     return redis.info("commandstats").get("cmdstat_subscribe", {}).get("calls", 0)
 
@@ -101,11 +117,11 @@ def test_a_call_held_for_a_cold_start_subscribes_to_its_endpoints_ready_channel_
 
     for endpoint in at_zero:  # each call wakes its endpoint (`wake.wake_endpoint`), is held, then its caller leaves
         body = json.dumps({"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5, "stream": True}).encode()
-        with _raw_post(gateway, tenant.key, body) as sock:
-            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")  # held: its headers and a progress comment came
+        with _raw_post(gateway, tenant.key, body):
+            channel = endpoint_ready_channel(endpoint.pk)
+            wait_until(lambda: redis.pubsub_numsub(channel)[0][1] == 1, 15, message="the call to be held")  # noqa: B023
     # a wake is queued once its sender has subscribed to its result, if it does
     wait_until(lambda: redis.llen("celery") >= num_queued + len(at_zero), 15, message="the wakes to be queued")
-    wait_until(lambda: _num_subscribes(redis) >= num_subscribes + len(at_zero), 15, message="the calls to be held")
 
     # before: one more each, to the wake's result (`celery-task-meta-...`), on a pub/sub connection per worker thread
     # that nothing read
