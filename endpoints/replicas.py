@@ -26,12 +26,12 @@ import logging
 import re
 from datetime import timedelta
 
-from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
 
+from controlplane.tasks import send_task
 from endpoints.events import record_event
 from endpoints.models import (
     ACTIVE_REPLICA_STATES,
@@ -75,7 +75,7 @@ def request_reconcile(endpoint_id) -> None:
     endpoint_id = str(endpoint_id)
     # NOTE: robust: a hint, the autoscaler's tick reconciles every endpoint anyway. A broker out of reach raised
     # here after the request's writes had committed: a 500 for an endpoint created, changed or deleted.
-    transaction.on_commit(lambda: current_app.send_task(RECONCILE_TASK, args=[endpoint_id]), robust=True)
+    transaction.on_commit(lambda: send_task(RECONCILE_TASK, args=[endpoint_id]), robust=True)
 
 
 def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from celery import current_app
 from django.db import transaction
 from django.db.models import Count, Q
 
+from controlplane.tasks import send_task
 from endpoints.events import record_event, record_event_once
 from endpoints.fleet.pool_plan import Need, NodeShape, PoolCounts
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, EventKind, Replica
@@ -98,7 +98,7 @@ def provisioning_pool(endpoint: Endpoint) -> NodePool | None:
 
 def request_provisioning() -> None:
     """Run the pool tick once the current transaction commits, rather than at the next beat."""
-    transaction.on_commit(lambda: current_app.send_task(PROVISION_TASK, expires=60), robust=True)  # the beat's tick too
+    transaction.on_commit(lambda: send_task(PROVISION_TASK, expires=60), robust=True)  # the beat's tick too
 
 
 def tell_endpoints(endpoint_ids: Iterable[str], message: str, *, once: bool = False) -> None:

@@ -42,7 +42,7 @@ from endpoints.gateway import (
     standing,
     upstream,
 )
-from endpoints.gateway.call import InferenceCall, finish_pending
+from endpoints.gateway.call import ClientGone, InferenceCall, finish_pending
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import MAX_BODY_BYTES, InferenceRequest, is_model_name, new_request_id
 from endpoints.gateway.upload_places import REFUSAL_SCOPE_KEY, Place, UploadPlaces
@@ -58,6 +58,8 @@ FILES_PREFIX = "/v1/files"
 # The largest body of the Files and Batch APIs but an upload (`_files_and_batches`): a batch's creation, its metadata
 # at most 16 pairs of 64 + 512 characters.
 DJANGO_V1_MAX_BODY_BYTES = 1024 * 1024
+# The access log's status of a request whose client left before it was answered (as nginx logs one).
+CLIENT_GONE_STATUS = 499
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 
 
@@ -350,6 +352,10 @@ class Gateway:
                 receive=receive, send=send, started_at=datetime.now(UTC), ratelimit=ratelimit, adapter=adapter,
             )
             await call.run()
+        except ClientGone:  # its body stopped with the client's going: nobody to answer
+            # NOTE: it was a CancelledError, which uvicorn logs with its traceback as an error: a client could write
+            # ~20 lines of ERROR per call it left mid-body (found by the gateway's soak).
+            log_answer(scope, CLIENT_GONE_STATUS, started, request_id)
         except errors.OpenAIError as exc:
             await ratelimit.read_counts()
             await _respond(send, exc.status, exc.body(), headers=exc.headers | {"x-request-id": request_id},
@@ -427,16 +433,22 @@ def _headers_of(scope) -> dict[str, str]:
 
 
 async def _read_body(receive) -> bytes:
-    chunks, size = [], 0
+    """An authenticated caller's body, whole: cut past `MAX_BODY_BYTES` (413), or when it comes too slowly (408
+    `upload_too_slow`), as an upload's is (`_BodyCut`); the connection closes after either answer.
+
+    NOTE: it had no deadline: a body that stopped coming mid-way (its client stalled, or gone without a FIN) held its
+    connection, its request's task and a place the drain waits for, for ever: 50 such kept 50 tasks and sockets open
+    in a soak (found by the gateway's soak)."""
+    body = _BodyCut(receive, MAX_BODY_BYTES, idle_s=settings.FILES_UPLOAD_IDLE_S,
+                    min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what="request body")
+    chunks = []
     while True:
-        message = await receive()
+        message = await body.receive()
+        if body.cut is not None:
+            raise body.cut
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise errors.OpenAIError(413, f"Request body larger than {MAX_BODY_BYTES} bytes.")
-        chunks.append(chunk)
+            raise ClientGone()
+        chunks.append(message.get("body", b""))
         if not message.get("more_body"):
             return b"".join(chunks)
 
@@ -473,13 +485,14 @@ class _BodyCut:
         except TimeoutError:
             self.cut = errors.OpenAIError(
                 408, f"The {self._what} came too slowly: a body must come at {self._min_bytes_per_s} bytes a second or "
-                f"more, with no pause of {self._idle_s:g} s. Send it again.", param=self._param, code="upload_too_slow")
+                f"more, with no pause of {self._idle_s:g} s. Send it again.", param=self._param, code="upload_too_slow",
+                headers={"connection": "close"})
             return {"type": "http.disconnect"}
         if message["type"] == "http.request":
             self.num_bytes += len(message.get("body", b""))
             if self.num_bytes > self._max_bytes:
                 self.cut = errors.OpenAIError(413, f"The {self._what} is larger than {self._max_bytes} bytes.",
-                                              param=self._param)
+                                              param=self._param, headers={"connection": "close"})
                 return {"type": "http.disconnect"}
             self._ended = not message.get("more_body")
         return message
@@ -553,7 +566,7 @@ async def _discard_body(receive) -> None:
         except TimeoutError:
             return
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError()
+            raise ClientGone()
         size += len(message.get("body", b""))
         if not message.get("more_body"):
             return

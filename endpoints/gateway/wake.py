@@ -1,10 +1,10 @@
 """Waking an endpoint's autoscaler at once when a request arrives to no READY replica."""
 
 from asgiref.sync import sync_to_async
-from celery import current_app
 
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import wake_key
+from controlplane.tasks import send_task
 
 WAKE_DEDUPE_S = 2
 # NOTE: sent by name: the task (`endpoints.tasks`) calls the scheduler, which reads the gateway's
@@ -13,7 +13,7 @@ WAKE_TASK = "endpoints.wake_endpoint"
 
 
 def _send_wake(endpoint_id: str) -> None:
-    current_app.send_task(WAKE_TASK, args=[endpoint_id])
+    send_task(WAKE_TASK, args=[endpoint_id])
 
 
 async def wake_endpoint(endpoint_id: str) -> None:
