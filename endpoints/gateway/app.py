@@ -439,18 +439,8 @@ async def _read_body(receive) -> bytes:
     NOTE: it had no deadline: a body that stopped coming mid-way (its client stalled, or gone without a FIN) held its
     connection, its request's task and a place the drain waits for, for ever: 50 such kept 50 tasks and sockets open
     in a soak (found by the gateway's soak)."""
-    body = _BodyCut(receive, MAX_BODY_BYTES, idle_s=settings.FILES_UPLOAD_IDLE_S,
-                    min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what="request body")
-    chunks = []
-    while True:
-        message = await body.receive()
-        if body.cut is not None:
-            raise body.cut
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
+    return await _BodyCut(receive, MAX_BODY_BYTES, idle_s=settings.FILES_UPLOAD_IDLE_S,
+                          min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what="request body").whole()
 
 
 class _BodyCut:
@@ -474,6 +464,16 @@ class _BodyCut:
     def _deadline(self, now: float) -> float:
         return min(now + self._idle_s, self._started + self._idle_s + self.num_bytes / self._min_bytes_per_s)
 
+    def _too_slow(self) -> errors.OpenAIError:
+        return errors.OpenAIError(
+            408, f"The {self._what} came too slowly: a body must come at {self._min_bytes_per_s} bytes a second or "
+            f"more, with no pause of {self._idle_s:g} s. Send it again.", param=self._param, code="upload_too_slow",
+            headers={"connection": "close"})
+
+    def _too_large(self) -> errors.OpenAIError:
+        return errors.OpenAIError(413, f"The {self._what} is larger than {self._max_bytes} bytes.", param=self._param,
+                                  headers={"connection": "close"})
+
     async def receive(self):
         if self.cut is not None:
             return {"type": "http.disconnect"}
@@ -483,19 +483,39 @@ class _BodyCut:
         try:
             message = await asyncio.wait_for(self._receive(), max(0.0, self._deadline(now) - now))
         except TimeoutError:
-            self.cut = errors.OpenAIError(
-                408, f"The {self._what} came too slowly: a body must come at {self._min_bytes_per_s} bytes a second or "
-                f"more, with no pause of {self._idle_s:g} s. Send it again.", param=self._param, code="upload_too_slow",
-                headers={"connection": "close"})
+            self.cut = self._too_slow()
             return {"type": "http.disconnect"}
         if message["type"] == "http.request":
             self.num_bytes += len(message.get("body", b""))
             if self.num_bytes > self._max_bytes:
-                self.cut = errors.OpenAIError(413, f"The {self._what} is larger than {self._max_bytes} bytes.",
-                                              param=self._param, headers={"connection": "close"})
+                self.cut = self._too_large()
                 return {"type": "http.disconnect"}
             self._ended = not message.get("more_body")
         return message
+
+    async def whole(self) -> bytes:
+        """The body whole, its cut raised (`ClientGone` for a client gone): what the gateway reads itself, on every
+        call's warm path, under one timer moved on at each message (`wait_for` per message runs a task each: ~5.5 µs
+        against ~4 for the timer, timed alone)."""
+        loop = asyncio.get_running_loop()
+        chunks = []
+        try:
+            async with asyncio.timeout(self._idle_s) as timer:  # the first message's deadline (`_deadline`)
+                while True:
+                    message = await self._receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone()
+                    chunk = message.get("body", b"")
+                    self.num_bytes += len(chunk)
+                    if self.num_bytes > self._max_bytes:
+                        raise self._too_large()
+                    chunks.append(chunk)
+                    if not message.get("more_body"):
+                        return b"".join(chunks)
+                    now = time.monotonic()
+                    timer.reschedule(loop.time() + max(0.0, self._deadline(now) - now))
+        except TimeoutError:
+            raise self._too_slow() from None
 
 
 def _django_body_bytes() -> int:
