@@ -12,9 +12,9 @@ each object (a connection's reader) held its loop, so the weakly held loop never
 loop (a batch slice's `asyncio.run` in the worker, a test's) kept its Redis and PostgreSQL sockets open
 until the process ran out of file descriptors.
 
-Loops are held weakly: a loop that is gone takes its entry along (after `on_loop_gone`, if given: a loop
-closed without closing its async generators), and a new loop that happens to reuse a dead one's id never
-gets the dead one's object.
+Loops are held weakly: a loop that is gone takes its entry along (after `on_loop_gone`, if given: for an
+object that does not hold its loop, of a loop closed without closing its async generators), and a new loop
+that happens to reuse a dead one's id never gets the dead one's object.
 """
 
 from __future__ import annotations
@@ -32,60 +32,78 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# loop -> what runs as it ends (each registry's forgetting of its objects), and the generator that runs it
-_at_end: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[list[Callable], AsyncIterator]] = (
-    weakref.WeakKeyDictionary()
-)
+STEP_TIMEOUT_S = 5.0  # one closing step at most: a loop's end never hangs on a connection that does not answer
 
 
-async def _ending(steps: list[Callable]) -> AsyncIterator[None]:
+class _LoopEnd:
+    """What runs as one loop ends (each registry's closing of its objects), and the generator that runs it."""
+
+    __slots__ = ("steps", "began", "generator", "__weakref__")
+
+    def __init__(self) -> None:
+        self.steps: list[Callable] = []
+        self.began = False  # the loop's end has begun running the steps: none may be added (nothing would run it)
+        self.generator: AsyncIterator | None = None
+
+
+# loop -> its `_LoopEnd`
+_at_end: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopEnd] = weakref.WeakKeyDictionary()
+
+
+async def _ending(end: _LoopEnd) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        while steps:
+        end.began = True
+        while end.steps:
             try:
-                done = steps.pop()()
+                done = end.steps.pop()()
                 if inspect.isawaitable(done):
-                    await done
-            except Exception:
+                    await asyncio.wait_for(done, STEP_TIMEOUT_S)
+            except (Exception, asyncio.CancelledError):  # NOTE: one step's failure never skips the others
                 logger.warning("closing an object of an ending event loop failed", exc_info=True)
 
 
-def at_loop_end(loop: asyncio.AbstractEventLoop, step: Callable) -> None:
-    """Run `step()` (awaited if it returns an awaitable) as the running `loop` ends, the last added first.
+def at_loop_end(loop: asyncio.AbstractEventLoop, step: Callable) -> bool:
+    """Run `step()` (awaited, at most `STEP_TIMEOUT_S`, if it returns an awaitable) as the running `loop` ends, the
+    last added first; False (and nothing added) once the loop's end has begun: nothing would run it then.
 
     NOTE: the loop closes its async generators as it ends (`shutdown_asyncgens`), after it cancelled its
     tasks; the generator here is started at once (run up to its `yield`), in the running loop, so that the
     loop's first-iteration hook registers it. One generator per loop; neither it nor a step may hold the loop
-    (it would never go). A loop closed without closing its generators drops its steps as it goes, and ends its
-    generator then (left to the collector, it would be handed to the closed loop to close)."""
-    entry = _at_end.get(loop)
-    if entry is None:
-        steps: list[Callable] = []
-        ending = _ending(steps)
+    (it would never go). A loop closed without closing its generators (`run_until_complete` and `close` by hand: no
+    path here ends one so) runs no step: its objects stay open, and an object that holds its loop keeps it."""
+    end = _at_end.get(loop)
+    if end is None:
+        if getattr(loop, "_asyncgens_shutdown_called", False):
+            return False
+        end = _at_end[loop] = _LoopEnd()
+        end.generator = _ending(end)
         # NOTE: registered by the loop's own first-iteration hook, but with a finalizer of its own: the loop's (its
         # bound method) would make the generator, held here, hold the loop for ever.
         firstiter, finalizer = sys.get_asyncgen_hooks()
         sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=_left)
         try:
-            ending.__anext__().send(None)
+            end.generator.__anext__().send(None)
         except StopIteration:
             pass
         finally:
             sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=finalizer)
-        entry = _at_end[loop] = (steps, ending)
-        weakref.finalize(loop, _drop, steps, ending)
-    entry[0].append(step)
+        weakref.finalize(loop, _drop, end)
+    if end.began:
+        return False
+    end.steps.append(step)
+    return True
 
 
 def _left(ending: AsyncIterator) -> None:
     """An ending generator collected unfinished: nothing to run (`_drop` ends each before)."""
 
 
-def _drop(steps: list[Callable], ending: AsyncIterator) -> None:
-    steps.clear()
+def _drop(end: _LoopEnd) -> None:
+    end.steps.clear()
     try:
-        ending.aclose().send(None)  # nothing left to await: its `finally` ends at once
+        end.generator.aclose().send(None)  # nothing left to await: its `finally` ends at once
     except (StopIteration, RuntimeError):
         pass
 
@@ -111,9 +129,13 @@ class PerLoop(Generic[T]):
             return latest
         current = self._objects.get(loop)
         if current is None:
-            current = self._objects[loop] = self._factory()
+            current = self._factory()
             gone = None if self._on_loop_gone is None else weakref.finalize(loop, self._on_loop_gone, current)
-            at_loop_end(loop, functools.partial(self._forget, weakref.ref(loop), current, gone))
+            if not at_loop_end(loop, functools.partial(self._forget, weakref.ref(loop), current, gone)):
+                # NOTE: first asked for as the loop ends (in a generator's `finally`): not kept, so that it never keeps
+                # the loop; it goes with its caller's last reference (and `on_loop_gone` with the loop).
+                return current
+            self._objects[loop] = current
         self._latest = (weakref.ref(loop), current)
         return current
 

@@ -88,7 +88,9 @@ def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisClus
 
 async def _close_async_client(client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster) -> None:
     if isinstance(client, redis.asyncio.Redis):
-        await client.aclose(close_connection_pool=True)  # its pool is its own (`_new_async_client`)
+        # NOTE: its pool is its own (`_new_async_client`); a connection still in use is left to its command (closed
+        # under it, the command would be sent again on a new one by the retry: run twice).
+        await client.connection_pool.disconnect(inuse_connections=False)
     else:
         await client.aclose()
 

@@ -4,11 +4,12 @@ import asyncio
 import contextlib
 import gc
 import os
+import weakref
 
 import pytest
 
 from billing import usage_writer
-from controlplane import pubsub
+from controlplane import per_loop, pubsub
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_scripts import Script
@@ -81,3 +82,57 @@ def test_loops_that_end_close_their_redis_and_postgresql_connections():
     gc.collect()
     assert _sockets() <= sockets
     assert len(get_redis().client_list()) <= clients
+
+
+class _HoldsItsLoop:
+    """As a connected client does (its reader holds the loop)."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+
+
+def test_an_object_first_asked_for_as_its_loop_ends_never_keeps_the_loop():
+    # Before, it was kept in the registry and its closing step added after the loop's end had run its steps: closed
+    # by no one, it kept its loop (and its connections) for ever: 5 loops of 5 kept.
+    registry = PerLoop(_HoldsItsLoop, close=lambda thing: None)
+    loops, generators = [], []
+
+    async def asks_as_it_ends():
+        try:
+            yield
+        finally:
+            registry.get()
+
+    async def main():
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        generator = asks_as_it_ends()
+        await generator.__anext__()
+        generators.append(generator)
+
+    for _ in range(5):
+        asyncio.run(main())
+    generators.clear()
+    gc.collect()
+    assert [loop for loop in loops if loop() is not None] == []
+
+
+def test_a_closing_step_that_fails_or_hangs_never_stops_the_others_nor_the_loop_s_end(monkeypatch):
+    # Before, a step raising CancelledError skipped every step after it (its loop kept), and one that never returned
+    # hung `asyncio.run` for ever.
+    monkeypatch.setattr(per_loop, "STEP_TIMEOUT_S", 0.2)
+    closed = []
+
+    def cancelled(thing):
+        raise asyncio.CancelledError()
+
+    async def hangs(thing):
+        await asyncio.Event().wait()
+
+    first = PerLoop(_HoldsItsLoop, close=closed.append)
+    registries = [first, PerLoop(_HoldsItsLoop, close=hangs), PerLoop(_HoldsItsLoop, close=cancelled)]
+
+    async def main():
+        return [registry.get() for registry in registries]
+
+    made = asyncio.run(main())
+    assert closed == [made[0]]  # the first registered, closed last
