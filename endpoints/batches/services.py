@@ -21,7 +21,6 @@ import time
 from collections.abc import Container, Iterable, Iterator
 from datetime import timedelta
 
-from celery import current_app
 from django.conf import settings
 from django.db import DatabaseError, transaction
 from django.db.models import BigIntegerField, DateTimeField, F, Func, Q, Sum, Window
@@ -34,6 +33,7 @@ from controlplane.accounts import keys
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
+from controlplane.tasks import send_task
 from endpoints.batches import idempotency, renewal, runner, scheduling, storage
 from endpoints.batches.models import (
     BATCH_PATHS,
@@ -381,7 +381,7 @@ def dispatch(batch_id: str) -> bool:
     if not get_redis().set(key, "1", nx=True, ex=DISPATCH_HELD_S):
         return False
     try:
-        current_app.send_task(RUN_BATCH_TASK, args=[batch_id], expires=DISPATCH_HELD_S)
+        send_task(RUN_BATCH_TASK, args=[batch_id], expires=DISPATCH_HELD_S)
     except Exception:
         # NOTE: the key stands for a run in the queue: left with none there, it kept the tick from queueing the batch
         # for `DISPATCH_HELD_S`.

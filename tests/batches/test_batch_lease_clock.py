@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from controlplane import tasks as controlplane_tasks
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
 from endpoints.batches import services
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def batch(files_bucket, monkeypatch):
-    monkeypatch.setattr(services.current_app, "send_task", lambda name, **kwargs: None)
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
     endpoint = EndpointFactory(max_model_len=2048)
     line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}}
@@ -54,7 +55,7 @@ def test_a_tick_whose_clock_is_ahead_leaves_a_live_runs_batch_alone(batch, monke
     token = services._claim(batch.pk)
     get_redis().set(batch_dispatch_key(batch.pk), "1", ex=services.DISPATCH_HELD_S)  # the run that holds it
     sent = []
-    monkeypatch.setattr(services.current_app, "send_task", lambda name, **kwargs: sent.append(kwargs["args"]))
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: sent.append(kwargs["args"]))
 
     _clock_ahead(monkeypatch, 60)
     services.tick()

@@ -18,6 +18,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
+from controlplane import tasks as controlplane_tasks
 from controlplane.accounts.models import Role
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
@@ -48,7 +49,7 @@ class _RedisDown:
 
 def _break(monkeypatch, failure: str) -> None:
     if failure == "broker":
-        monkeypatch.setattr(services.current_app, "send_task", _broker_down)
+        monkeypatch.setattr(controlplane_tasks.current_app, "send_task", _broker_down)
     else:
         monkeypatch.setattr(services, "get_redis", lambda: _RedisDown())
 
@@ -57,7 +58,7 @@ def _mend(monkeypatch) -> list:
     """The broker and Redis back: the runs queued from now on."""
     monkeypatch.setattr(services, "get_redis", get_redis)
     sent = []
-    monkeypatch.setattr(services.current_app, "send_task", lambda name, **kwargs: sent.append(kwargs["args"]))
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: sent.append(kwargs["args"]))
     return sent
 
 
@@ -81,7 +82,7 @@ def test_a_batch_whose_run_could_not_be_queued_is_created_once_and_queued_by_the
 
 def test_a_cancel_whose_run_could_not_be_queued_is_answered_and_queued_by_the_tick(monkeypatch):
     tenant = new_tenant()
-    monkeypatch.setattr(services.current_app, "send_task", lambda name, **kwargs: None)
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
     batch = services.create_batch(organization_id=tenant.org.pk, api_key_id=tenant.api_key.pk, user_id=None,
                                   input_file_id=_input_file(tenant.org.pk).pk, request_path="/v1/chat/completions",
                                   completion_window="24h", metadata=None)

@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from controlplane import tasks as controlplane_tasks
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key, outstanding_key
 from endpoints.batches import runner, services, storage
@@ -34,7 +35,7 @@ def _input(model: str, num_lines: int = 2) -> bytes:
 @pytest.fixture
 def queued(monkeypatch):
     sent = []
-    monkeypatch.setattr(services.current_app, "send_task", lambda name, **kwargs: sent.append(kwargs))
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: sent.append(kwargs))
     return sent
 
 
