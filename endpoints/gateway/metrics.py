@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import enum
 import glob
 import hmac
@@ -113,13 +114,14 @@ class Tally:
         that the exposition is the one `observe` gives, so a prometheus_client that stores them otherwise fails there.
         """
         if not any(self.counts):
-            return
+            return False
         for index, count in enumerate(self.counts):
             if count:
                 child._buckets[index].inc(count)
                 self.counts[index] = 0
         child._sum.inc(self.total)
         self.total = 0.0
+        return True
 
 
 class Level:
@@ -162,6 +164,7 @@ class EndpointMetrics:
     tokens: list[int] = field(default_factory=lambda: [0, 0, 0])  # prompt, cached, completion, since the last fold
     outcomes: dict[str, int] = field(default_factory=dict)  # requests by outcome, since the last fold
     outcome_children: dict = field(default_factory=dict)  # `requests_total`'s child of each outcome seen
+    idle_folds: int = 0  # folds in a row that found nothing counted, in flight or waiting (`fold`)
 
     def observe_request(self, outcome: str, duration_s: float, prompt: int, cached: int, completion: int) -> None:
         outcomes = self.outcomes
@@ -172,10 +175,11 @@ class EndpointMetrics:
         tokens[1] += cached
         tokens[2] += completion
 
-    def fold(self) -> None:
+    def fold(self) -> bool:
+        """Whether the endpoint was in use: something counted since the last fold, in flight or waiting."""
         self.inflight.fold_into(self.inflight_child)
-        self.request_duration.fold_into(self.duration_child)
-        self.time_to_first_token.fold_into(self.ttft_child)
+        used = self.request_duration.fold_into(self.duration_child)
+        used = self.time_to_first_token.fold_into(self.ttft_child) or used
         for outcome, count in self.outcomes.items():
             if count:
                 child = self.outcome_children.get(outcome)
@@ -183,10 +187,24 @@ class EndpointMetrics:
                     child = self.outcome_children[outcome] = requests_total.labels(*self.labels, outcome)
                 child.inc(count)
                 self.outcomes[outcome] = 0
+                used = True
         for index, child in enumerate(self.token_children):
             if self.tokens[index]:
                 child.inc(self.tokens[index])
                 self.tokens[index] = 0
+                used = True
+        return used or self.inflight.value != 0 or self.waiting._value.get() != 0
+
+    def remove(self) -> None:
+        """Its series taken out of this process's registry (in multiprocess mode their values stay in the process's
+        files, and a child made again later reads them back)."""
+        for metric, labels in ((request_duration, self.labels), (time_to_first_token, self.labels),
+                               (inflight, self.labels), (waiting, self.labels), (cold_start, self.labels),
+                               (usage_past_reservation, self.labels),
+                               *((requests_total, (*self.labels, outcome)) for outcome in self.outcome_children),
+                               *((tokens_total, (*self.labels, kind)) for kind in ("prompt", "cached", "completion"))):
+            with contextlib.suppress(KeyError):
+                metric.remove(*labels)
 
 
 _by_endpoint: dict[str, EndpointMetrics] = {}
@@ -204,11 +222,26 @@ def of_endpoint(endpoint_id: str, organization_id: int) -> EndpointMetrics:
     return found
 
 
+# An endpoint unused (nothing counted, in flight or waiting) for this many folds in a row is forgotten by this
+# process: its counts and series (`EndpointMetrics.remove`), made again at its next call.
+FORGET_AFTER_IDLE_FOLDS = 3600
+
+
 def fold() -> None:
     """Publish every endpoint's counts since the last fold to prometheus_client (this process's values,
-    or its files in multiprocess mode). Run on the event loop that counts them."""
-    for endpoint_metrics in list(_by_endpoint.values()):
-        endpoint_metrics.fold()
+    or its files in multiprocess mode). Run on the event loop that counts them.
+
+    NOTE: endpoints unused for `FORGET_AFTER_IDLE_FOLDS` folds are forgotten: before, every endpoint a process ever
+    served (deleted ones too) kept ~17 KB of series and was folded every second for the process's life (found by the
+    worker's soak: its batch lines count here too)."""
+    for endpoint_id, endpoint_metrics in list(_by_endpoint.items()):
+        if endpoint_metrics.fold():
+            endpoint_metrics.idle_folds = 0
+            continue
+        endpoint_metrics.idle_folds += 1
+        if endpoint_metrics.idle_folds >= FORGET_AFTER_IDLE_FOLDS:
+            del _by_endpoint[endpoint_id]
+            endpoint_metrics.remove()
 
 
 async def fold_every_second() -> None:

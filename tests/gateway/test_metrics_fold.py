@@ -40,7 +40,7 @@ def test_a_folded_tally_exposes_what_observing_each_value_gives():
     assert _samples(folded_registry)[("latency_count", (("endpoint_id", "e"),))] == len(OBSERVATIONS)
 
 
-def test_an_endpoints_requests_tokens_and_in_flight_are_published_once(monkeypatch):
+def _fresh_metrics(monkeypatch) -> CollectorRegistry:
     registry = CollectorRegistry()
     fresh = {
         "requests_total": Counter("requests", "", ["endpoint_id", "organization_id", "status"], registry=registry),
@@ -52,10 +52,16 @@ def test_an_endpoints_requests_tokens_and_in_flight_are_published_once(monkeypat
         "inflight": Gauge("inflight", "", ["endpoint_id", "organization_id"], registry=registry),
         "waiting": Gauge("waiting", "", ["endpoint_id", "organization_id"], registry=registry),
         "cold_start": Histogram("cold", "", ["endpoint_id", "organization_id"], registry=registry),
+        "usage_past_reservation": Counter("past", "", ["endpoint_id", "organization_id"], registry=registry),
     }
     for name, metric in fresh.items():
         monkeypatch.setattr(metrics, name, metric)
     monkeypatch.setattr(metrics, "_by_endpoint", {})
+    return registry
+
+
+def test_an_endpoints_requests_tokens_and_in_flight_are_published_once(monkeypatch):
+    registry = _fresh_metrics(monkeypatch)
     endpoint = metrics.of_endpoint("e1", 7)
     labels = (("endpoint_id", "e1"), ("organization_id", "7"))
 
@@ -87,3 +93,24 @@ def test_an_endpoints_requests_tokens_and_in_flight_are_published_once(monkeypat
     assert samples[("requests_total", (*labels, ("status", "ok")))] == 2
     assert samples[("duration_count", labels)] == 3
     assert samples[("inflight", labels)] == 0
+
+
+def test_an_endpoint_unused_for_a_while_is_forgotten_with_its_series_and_one_in_use_is_kept(monkeypatch):
+    # Before, every endpoint a process ever served kept its counts and series (~17 KB) and was folded every second for
+    # the process's life, deleted ones too: 50 endpoints served once were all still held.
+    registry = _fresh_metrics(monkeypatch)
+    monkeypatch.setattr(metrics, "FORGET_AFTER_IDLE_FOLDS", 3)
+    for number in range(50):
+        metrics.of_endpoint(f"old{number}", 7).observe_request("ok", 0.1, 1, 0, 1)
+    streaming, held = metrics.of_endpoint("streaming", 7), metrics.of_endpoint("held", 7)
+    streaming.inflight.inc()  # a call in flight, nothing counted since
+    held.waiting.inc()  # a call held for a cold start
+    for _ in range(4):
+        metrics.fold()
+    assert sorted(metrics._by_endpoint) == ["held", "streaming"]
+    assert not [key for key in _samples(registry) if ("endpoint_id", "old1") in key[1]]
+    again = metrics.of_endpoint("old1", 7)  # called again: counted afresh
+    again.observe_request("ok", 0.1, 1, 0, 1)
+    metrics.fold()
+    assert _samples(registry)[("requests_total", (("endpoint_id", "old1"), ("organization_id", "7"),
+                                                  ("status", "ok")))] == 1
