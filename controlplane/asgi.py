@@ -7,11 +7,36 @@ with its line in the access log (`controlplane.access_log`).
 
 import os
 
-from django.core.asgi import get_asgi_application
+import django
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
+from django.core.handlers.asgi import ASGIHandler
+from django.db import connections
 from django.urls import reverse
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-django_application = get_asgi_application()
+django.setup(set_prefix=False)
+
+
+class RequestThreadsClosingConnections(ASGIHandler):
+    """Django's ASGI handler, with the connections a request's thread opened closed as the request ends.
+
+    NOTE: Django runs a request's synchronous code (middleware, views) in a thread of the request's own
+    (`ThreadSensitiveContext`), which ends with it; a connection it opened is never used again. Before,
+    `CONN_MAX_AGE` kept each open past its thread's end, until the garbage collector happened on it (a full
+    collection, every few hundred requests): a web process held one idle PostgreSQL session per request since
+    (`tests/test_web_process_leaks.py`). The context entered here is the request's (Django's own, nested, adds
+    none), so the closing runs in that same thread, after the view (and a cancelled request's view) is done.
+    """
+
+    async def __call__(self, scope, receive, send):
+        async with ThreadSensitiveContext():
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await sync_to_async(connections.close_all)()
+
+
+django_application = RequestThreadsClosingConnections()
 
 from controlplane.access_log import AccessLog  # noqa: E402
 from endpoints.batches.api import refuse_upload_before_its_body  # noqa: E402

@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 import io
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 
 import boto3
+from asgiref.sync import sync_to_async
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import ClientError
@@ -31,6 +32,8 @@ RESULT_DIGITS = 7
 INPUT_PART_BYTES = 8 * 1024 * 1024
 # An upload streams to S3 in parts of this size as it is parsed (`StreamedUpload`; S3's parts but the last are >= 5 MiB).
 UPLOAD_PART_BYTES = 8 * 1024 * 1024
+# A download is read from S3 and sent on in chunks of this size (`open_stream`).
+DOWNLOAD_CHUNK_BYTES = 64 * 1024
 FILES_PREFIX = "files/"  # every file's key (`file_key`)
 READ_THREADS = 16  # within the client's connection pool (32)
 # The most bytes of line results a batch's finalize reads ahead of the one it writes (`result_bodies`), with at least
@@ -185,9 +188,23 @@ def read_parts(key: str, *, part_bytes: int | None = None) -> Iterator[bytes]:
             return
 
 
-def open_stream(key: str):
-    """The object's body as a stream of chunks (for a download)."""
-    return _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)["Body"].iter_chunks(64 * 1024)
+def open_stream(key: str) -> AsyncIterator[bytes]:
+    """The object's body as an asynchronous stream of chunks (for a download); the object is opened here, so that a
+    missing one fails before the answer begins.
+
+    NOTE: asynchronous, each chunk read in a worker thread: Django under ASGI reads a synchronous iterator whole into
+    a list before it sends the first byte (`StreamingHttpResponse.__aiter__`), so a download held its whole file in
+    the web process's memory (`tests/batches/test_file_downloads.py`)."""
+    return _chunks_of(_client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)["Body"])
+
+
+async def _chunks_of(body) -> AsyncIterator[bytes]:
+    chunks = body.iter_chunks(DOWNLOAD_CHUNK_BYTES)
+    try:
+        while chunk := await sync_to_async(next, thread_sensitive=False)(chunks, b""):
+            yield chunk
+    finally:
+        body.close()  # a download cut off: its S3 connection closed now, not whenever the collector finds it
 
 
 def delete(key: str) -> None:

@@ -1,0 +1,76 @@
+"""A file's download (`/v1/files/<id>/content`, the console's download link) streams from S3 a chunk at a time through
+the web process: never the whole file in its memory, whatever the file's size."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pytest
+
+from controlplane.asgi import application
+from endpoints.batches import services
+from tests.batches.conftest import peak_bytes_while
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MiB = 1024 * 1024
+LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": []}}\n'
+
+
+async def _download(path: str, key: str) -> tuple[int, int]:
+    """The status and the number of body bytes the ASGI application answers `path` with (none of them kept)."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"testserver"), (b"authorization", f"Bearer {key}".encode())],
+        "client": ("10.1.2.3", 40000),
+        "server": ("testserver", 80),
+    }
+    requests = [{"type": "http.request", "body": b"", "more_body": False}]
+    answer = {"status": 0, "num_bytes": 0}
+
+    async def receive():
+        if requests:
+            return requests.pop()
+        await asyncio.Event().wait()  # the client stays until the answer ends
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            answer["status"] = message["status"]
+        else:
+            answer["num_bytes"] += len(message.get("body", b""))
+
+    await application(scope, receive, send)
+    return answer["status"], answer["num_bytes"]
+
+
+def test_a_files_download_never_holds_the_whole_file_in_memory(tenant, files_bucket):
+    """Before, Django read the whole object into a list before its first byte went out (a synchronous iterator under
+    ASGI): a download of an 8 MB file took the process's memory up by 180 MB, to 450 MB (glibc kept each request
+    thread's arena), and a few large output files downloaded at once took the pod past its memory limit."""
+    data = (LINE * (16 * MiB // len(LINE) + 1))[: 16 * MiB]
+    file = services.create_file(
+        organization_id=tenant.org.pk,
+        purpose="batch",
+        filename="in.jsonl",
+        stream=io.BytesIO(data),
+        size=len(data),
+    )
+    answered = {}
+
+    def download():
+        answered["status"], answered["num_bytes"] = asyncio.run(
+            _download(f"/v1/files/{file.pk}/content", tenant.key)
+        )
+
+    peak_bytes = peak_bytes_while(download)
+    assert answered == {"status": 200, "num_bytes": len(data)}
+    assert peak_bytes < 4 * MiB, peak_bytes
