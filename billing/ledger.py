@@ -15,9 +15,10 @@ drawn from credit, and the hourly totals the rollups are made of.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
@@ -57,6 +58,11 @@ PER_MILLION = Decimal("0.000001")
 # every request's report.
 _USAGE_STATUSES = frozenset(UsageStatus.values)
 _BILLING_MODES = frozenset(BillingMode.values)
+# A report's fields that JSON carries as text (`UsageReport.as_json_row`): times, and money (exact).
+REPORT_TIMES = ("started_at", "first_token_at", "finished_at")
+REPORT_MONEY = ("max_cost", "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
+                "price_fraction")
+_MINUTE = timedelta(minutes=1)
 
 
 @dataclass(slots=True)
@@ -112,12 +118,36 @@ class UsageReport:
         if self.mode_when_started and self.billing_mode is not None:
             raise ValueError("a report with its billing_mode is billed in it, not in the mode when it started")
         # NOTE: naive times first: a naive time and an aware one cannot be compared (a TypeError, not this ValueError).
-        for name in ("started_at", "finished_at", "first_token_at"):
+        for name in REPORT_TIMES:
             moment = getattr(self, name)
-            if moment is not None and timezone.is_naive(moment):
+            if moment is None:
+                continue
+            if timezone.is_naive(moment):
                 raise ValueError(f"{name} must be timezone-aware")
+            # NOTE: msgspec writes an offset to the minute (`_rows`): one with seconds (a zone's local mean time, as
+            # Amsterdam's before 1937) moved the row's times by them (28 s for +00:19:32). The same moment in UTC.
+            if moment.tzinfo is not UTC and moment.utcoffset() % _MINUTE:
+                setattr(self, name, moment.astimezone(UTC))
         if self.finished_at < self.started_at:
             raise ValueError("finished_at is before started_at")
+
+    def as_json_row(self) -> dict:
+        """The report as a dict of JSON's types, a key per field: times in ISO 8601 with their offset, money and the
+        endpoint id as text (exact). A journal's line (`billing.usage_journal.encode`), and the ledger's rows when
+        msgspec cannot encode them (`_rows`)."""
+        # NOTE: a shallow dict, not `dataclasses.asdict`: its deep copy of every value (each Decimal, each datetime) made
+        # a row ~86 µs, and a gateway's beat encodes one for every call whose progress changed since the last
+        # (`billing.quota.counters.record_progress`); ~16 µs so. Nothing of the report is changed in place.
+        row = {name: getattr(self, name) for name in REPORT_FIELDS}
+        for name in REPORT_TIMES:
+            row[name] = row[name].isoformat() if row[name] is not None else None
+        row["endpoint_id"] = str(row["endpoint_id"])
+        for name in REPORT_MONEY:
+            row[name] = str(row[name]) if row[name] is not None else None
+        return row
+
+
+REPORT_FIELDS = tuple(field.name for field in fields(UsageReport))
 
 
 class UnknownEndpointError(LookupError):
@@ -195,6 +225,31 @@ def _price_ratios(*prices) -> tuple[tuple[int, ...], int]:
 
 _TABLE = UsageRecord._meta.db_table
 
+# The rows' columns as `json_to_recordset` reads them, each by its name from a row's key: a report's field.
+_RECORDSET_COLUMNS = {
+    "request_id": "text", "organization_id": "bigint", "api_key_id": "bigint", "endpoint_id": "uuid",
+    "replica_id": "text", "prompt_tokens": "integer", "cached_tokens": "integer", "completion_tokens": "integer",
+    "started_at": "timestamptz", "first_token_at": "timestamptz", "finished_at": "timestamptz", "status": "text",
+    "cold_start_s": "float8", "max_cost": "numeric", "batch_id": "text", "cold_start_ms": "integer",
+    "cold_start_phases": "json", "adapter": "text", "price_input_per_million": "numeric",
+    "price_cached_input_per_million": "numeric", "price_output_per_million": "numeric", "price_fraction": "numeric",
+    "billing_mode": "text", "mode_when_started": "boolean",
+}
+
+
+def check_recordset_columns(columns: Collection[str]) -> None:
+    """Raise unless every column is a field of `UsageReport`.
+
+    NOTE: `json_to_recordset` makes a column no row has a key for NULL, without a word: one renamed on either side would
+    be NULL in every row, and a NULL price is the endpoint's price now (`coalesce`), not the call's. Checked once, when
+    this module is imported."""
+    if unknown := sorted(set(columns) - set(REPORT_FIELDS)):
+        raise TypeError(f"the ledger's recordset columns {unknown} are not fields of UsageReport")
+
+
+check_recordset_columns(_RECORDSET_COLUMNS)
+_RECORDSET = ", ".join(f"{name} {kind}" for name, kind in _RECORDSET_COLUMNS.items())
+
 
 # NOTE: a row is billed in the mode its call was admitted under (the report's), so each call is in one billing path,
 # never both and never neither. A journal's report without one (`mode_when_started`, written before reports carried
@@ -222,13 +277,7 @@ SELECT r.request_id, r.organization_id, r.api_key_id, e.id AS endpoint_id, coale
                 a.mode, '{BillingMode.POSTPAID}') AS billing_mode,
        r.started_at, r.first_token_at, r.finished_at, r.status, r.cold_start_s, now(), r.batch_id,
        r.cold_start_ms, r.cold_start_phases::jsonb, r.adapter
-FROM json_to_recordset(%s::json)
-     AS r(request_id text, organization_id bigint, api_key_id bigint, endpoint_id uuid, replica_id text,
-          prompt_tokens integer, cached_tokens integer, completion_tokens integer, started_at timestamptz,
-          first_token_at timestamptz, finished_at timestamptz, status text, cold_start_s float8, max_cost numeric,
-          batch_id text, cold_start_ms integer, cold_start_phases json, adapter text, price_input_per_million numeric,
-          price_cached_input_per_million numeric, price_output_per_million numeric, price_fraction numeric,
-          billing_mode text, mode_when_started boolean)
+FROM json_to_recordset(%s::json) AS r({_RECORDSET})
 JOIN endpoints_endpoint e ON e.id = r.endpoint_id AND e.organization_id = r.organization_id
 LEFT JOIN endpoints_adapter ad ON ad.endpoint_id = e.id AND ad.name = r.adapter AND r.adapter <> ''
 LEFT JOIN {BillingAccount._meta.db_table} a ON a.organization_id = r.organization_id
@@ -268,7 +317,8 @@ RETURNING u.request_id, lost.cost
 # NOTE: the reports themselves, encoded by msgspec's C encoder straight from their slots: no dict per row, no
 # `isoformat` or `str` per value in Python (a row ~1 µs, against ~8 µs for the dicts through the json module:
 # bench/results/gateway_profile.md, round 24). Money goes as text (exact), times as RFC 3339 with their offset ("Z" for
-# UTC), a UUID as its canonical text; `json_to_recordset` takes each field by its name and ignores any it does not list.
+# UTC; to the minute: `UsageReport` keeps no other), a UUID as its canonical text; `json_to_recordset` takes each field
+# by its name and ignores any it does not list.
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -278,7 +328,15 @@ def _rows(reports: list[UsageReport]) -> list[str]:
     NOTE: one string, encoded in C and parsed by PostgreSQL, rather than eighteen arrays bound value by value: binding
     arrays in psycopg is Python code per element, and it was most of the gateway's CPU spent on a usage row.
     """
-    return [_ENCODER.encode(reports).decode()]
+    try:
+        return [_ENCODER.encode(reports).decode()]
+    except (TypeError, ValueError):
+        # NOTE: a value msgspec cannot encode (a lone surrogate: UnicodeEncodeError; a subclass of str, int, Decimal or
+        # datetime: TypeError) raised here, before PostgreSQL saw the batch; the journal's replays and the sweeper set
+        # aside only a batch PostgreSQL refuses for what its rows hold (SQLSTATE 22, 23), so the replay failed on every
+        # try until the journal was full. Through the json module, as a journal's lines: PostgreSQL takes a subclass's
+        # value and refuses a lone surrogate (escaped, `\ud800`) with a `DataError`, which each of them handles.
+        return [json.dumps([report.as_json_row() for report in reports], separators=(",", ":"))]
 
 
 def record_usage_batch(reports: list[UsageReport]) -> set[str]:

@@ -44,12 +44,11 @@ import os
 import socket
 import threading
 import time
-from dataclasses import fields
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 
-from billing.ledger import UsageReport
+from billing.ledger import REPORT_FIELDS, REPORT_MONEY, REPORT_TIMES, UsageReport
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -65,25 +64,11 @@ MAX_SEGMENT_BYTES = 64 * 1024 * 1024
 # the calls a pod's processes may have in flight many times over (tests/infra/test_manifests.py holds the web pod's
 # volume to `INFERPLANE_USAGE_JOURNAL_MAX_BYTES` plus this).
 ADMITTED_HEADROOM_BYTES = 64 * 1024 * 1024
-_TIMES = ("started_at", "first_token_at", "finished_at")
-_NAMES = tuple(f.name for f in fields(UsageReport))
-_FIELDS = frozenset(_NAMES)
-# NOTE: exact money: a string in the journal, a Decimal again on replay.
-_MONEY = ("max_cost", "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
-          "price_fraction")
+_FIELDS = frozenset(REPORT_FIELDS)
 
 
 def encode(report: UsageReport) -> bytes:
-    # NOTE: a shallow dict, not `dataclasses.asdict`: its deep copy of every value (each Decimal, each datetime) made a
-    # row ~86 µs, and a gateway's beat encodes one for every call whose progress changed since the last
-    # (`billing.quota.counters.record_progress`); ~16 µs so. The same bytes: nothing here is changed in place.
-    row = {name: getattr(report, name) for name in _NAMES}
-    for name in _TIMES:
-        row[name] = row[name].isoformat() if row[name] is not None else None
-    row["endpoint_id"] = str(row["endpoint_id"])
-    for name in _MONEY:
-        row[name] = str(row[name]) if row[name] is not None else None
-    return json.dumps(row, separators=(",", ":")).encode() + b"\n"
+    return json.dumps(report.as_json_row(), separators=(",", ":")).encode() + b"\n"
 
 
 def decode(line: bytes) -> UsageReport:
@@ -91,9 +76,9 @@ def decode(line: bytes) -> UsageReport:
     # NOTE: every journal line is a gateway call's, admitted under a billing mode; one that does not say it was written
     # before reports carried it, and is billed in the mode in effect when its call started (`UsageReport`).
     row["mode_when_started"] = row.get("billing_mode") is None
-    for name in _TIMES:
+    for name in REPORT_TIMES:
         row[name] = datetime.fromisoformat(row[name]) if row.get(name) else None
-    for name in _MONEY:
+    for name in REPORT_MONEY:  # NOTE: exact money: text in the journal, a Decimal again on replay
         if row.get(name) is not None:
             row[name] = Decimal(row[name])
     return UsageReport(**row)

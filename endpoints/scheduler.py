@@ -170,13 +170,17 @@ def active_endpoint_ids(now: float | None = None) -> list[str]:
 # time without may find every endpoint ever called there).
 FORGET_PAST_RECENT_BATCH = 1000
 
-# KEYS: `RECENT_ENDPOINTS_KEY`; ARGV: the window's start (Redis's clock), how many at most. Takes out and returns the
-# endpoints whose last request came before the window's start. NOTE: in one script: a beat's newer time for one of them
-# (ZADD GT) comes before or after, never between its read and its removal.
+# KEYS: `RECENT_ENDPOINTS_KEY`; ARGV: the window's start (Redis's clock), then endpoints read past it. Takes out those
+# still past it; how many. NOTE: in one script: a beat's newer time for one of them (ZADD GT) comes before or after,
+# never between its check and its removal, and keeps it.
 _TAKE_PAST_RECENT = Script("""
-local past = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+local past = {}
+for index = 2, #ARGV do
+    local score = redis.call('ZSCORE', KEYS[1], ARGV[index])
+    if score and tonumber(score) < tonumber(ARGV[1]) then past[#past + 1] = ARGV[index] end
+end
 if #past > 0 then redis.call('ZREM', KEYS[1], unpack(past)) end
-return past
+return #past
 """)
 
 
@@ -186,20 +190,25 @@ def forget_past_recent_endpoints(now: float) -> int:
 
     NOTE: the gateways' beats only add to the set (no TTL: it is written at every beat), and the gateways' scripts set
     an endpoint's last request without one: before, both kept every endpoint ever called, deleted ones too, for the
-    life of Redis. A live endpoint keeps its last request (its replicas' idle deadlines are read from it)."""
-    past = _TAKE_PAST_RECENT.run_sync(keys=[redis_keys.RECENT_ENDPOINTS_KEY],
-                                      args=[now - traffic.RECENT_WINDOW_S, FORGET_PAST_RECENT_BATCH])
+    life of Redis. A live endpoint keeps its last request (its replicas' idle deadlines are read from it).
+    NOTE: read, then the deleted ones' last requests dropped, then taken out of the set: a tick cut before the end
+    leaves them in the set, and the next tick finds them again; taken out first, a tick cut before the deletes left
+    their last requests for ever (found by the review of the tick's forgetting)."""
+    start = now - traffic.RECENT_WINDOW_S
+    redis = get_redis()
+    past = redis.zrangebyscore(redis_keys.RECENT_ENDPOINTS_KEY, "-inf", f"({start!r}", start=0,
+                               num=FORGET_PAST_RECENT_BATCH)
     if not past:
         return 0
     deleted = Endpoint.objects.filter(pk__in=past, deleted_at__isnull=False).order_by().values_list(
         "pk", "organization_id")
     keys = [redis_keys.last_request_key(organization_id, str(pk)) for pk, organization_id in deleted]
     if keys:
-        with get_redis().pipeline(transaction=False) as pipe:
+        with redis.pipeline(transaction=False) as pipe:
             for key in keys:  # NOTE: one command per key: an organisation's keys are in its own cluster slot
                 pipe.delete(key)
             pipe.execute()
-    return len(past)
+    return _TAKE_PAST_RECENT.run_sync(keys=[redis_keys.RECENT_ENDPOINTS_KEY], args=[start, *past])
 
 
 def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.Load], *,

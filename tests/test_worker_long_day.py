@@ -8,12 +8,14 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from django.db import OperationalError
 from django.utils import timezone
 
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis, redis_time
 from endpoints import scheduler
 from endpoints.gateway import traffic
+from endpoints.models import Endpoint
 from tests.factories import EndpointFactory
 
 pytestmark = pytest.mark.django_db
@@ -61,3 +63,45 @@ def test_a_tick_takes_out_a_bounded_number_of_endpoints_past_the_window(monkeypa
 
     assert [scheduler.forget_past_recent_endpoints(now) for _ in range(4)] == [20, 20, 10, 0]
     assert redis.zcard(redis_keys.RECENT_ENDPOINTS_KEY) == 0
+
+
+def test_a_tick_cut_before_it_dropped_a_deleted_endpoints_last_request_leaves_it_to_the_next_tick(
+    monkeypatch,
+):
+    # Before, the endpoint was taken out of the set first: a tick cut before the deletes (here PostgreSQL gone when
+    # asked which endpoints were deleted) left the deleted endpoint's last request in Redis for ever, no TTL.
+    redis, now = get_redis(), redis_time()
+    gone = EndpointFactory(deleted_at=timezone.now())
+    key = redis_keys.last_request_key(gone.organization_id, str(gone.pk))
+    redis.set(key, now - 2 * 86400)
+    redis.zadd(redis_keys.RECENT_ENDPOINTS_KEY, {str(gone.pk): now - 2 * 86400})
+
+    with monkeypatch.context() as patch:
+
+        def cut(*args, **kwargs):
+            raise OperationalError("server closed the connection unexpectedly")
+
+        patch.setattr(Endpoint.objects, "filter", cut)
+        with pytest.raises(OperationalError):
+            scheduler.forget_past_recent_endpoints(now)
+    scheduler.autoscale_tick()
+
+    assert redis.zscore(redis_keys.RECENT_ENDPOINTS_KEY, str(gone.pk)) is None
+    assert not redis.exists(key)
+
+
+def test_an_endpoint_called_again_between_the_read_and_the_removal_stays_in_the_set():
+    # The set is read first, then taken out of in a script that checks each one's time again: a beat's newer time
+    # (ZADD GT) in between keeps the endpoint.
+    redis, now = get_redis(), redis_time()
+    called_again, quiet = str(uuid.uuid4()), str(uuid.uuid4())
+    redis.zadd(redis_keys.RECENT_ENDPOINTS_KEY, {called_again: now - 2 * 86400, quiet: now - 2 * 86400})
+    redis.zadd(redis_keys.RECENT_ENDPOINTS_KEY, {called_again: now}, gt=True)
+
+    assert (
+        scheduler._TAKE_PAST_RECENT.run_sync(
+            keys=[redis_keys.RECENT_ENDPOINTS_KEY], args=[now - traffic.RECENT_WINDOW_S, called_again, quiet]
+        )
+        == 1
+    )
+    assert redis.zrange(redis_keys.RECENT_ENDPOINTS_KEY, 0, -1) == [called_again]

@@ -3,13 +3,23 @@
 import asyncio
 import dataclasses
 import random
+import re
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
+from django.db import DataError, transaction
 
-from billing.ledger import CostCeiling, UnknownEndpointError, cost_of, record_usage, record_usage_batch
+from billing import ledger
+from billing.ledger import (
+    CostCeiling,
+    UnknownEndpointError,
+    UsageReport,
+    cost_of,
+    record_usage,
+    record_usage_batch,
+)
 from billing.models import UsageRecord
 from billing.usage_writer import Recorded, arecord_usage, writer_for_this_loop
 from tests.billing.conftest import usage_report
@@ -246,3 +256,64 @@ def test_a_rows_prices_and_batch_fraction_are_the_ones_its_call_was_admitted_at(
     record_usage(admitted)
     row = UsageRecord.objects.get(request_id="line-1")
     assert row.cost == (1000 * Decimal("1") + 1000 * Decimal("2")) / 10**6 * Decimal("0.5")
+
+
+class _Text(str):
+    """A str subclass (as Django's SafeString): msgspec refuses to encode it, the json module takes it."""
+
+
+class _Price(Decimal):
+    pass
+
+
+def test_a_report_msgspec_cannot_encode_is_written_as_the_json_module_writes_it():
+    # Before, msgspec's TypeError on a subclass of str or Decimal raised before PostgreSQL saw the batch: a row the
+    # json module wrote before (found by the review of the ledger's msgspec rows).
+    endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("1"))
+    report = dataclasses.replace(usage_report(endpoint, prompt_tokens=1000, completion_tokens=1000),
+                                 replica_id=_Text("replica-7"), price_input_per_million=_Price("2"))
+
+    assert record_usage_batch([report]) == {report.request_id}
+
+    row = UsageRecord.objects.get(request_id=report.request_id)
+    assert (row.replica_id, row.cost) == ("replica-7", Decimal("0.003"))  # 1000 at the call's 2 + 1000 at 1, per million
+
+
+def test_a_report_with_a_lone_surrogate_is_refused_by_postgresql_for_what_it_holds():
+    # Before, msgspec's UnicodeEncodeError raised in Python: not the DataError (SQLSTATE 22) that the journal's
+    # replays and the sweeper set aside, so a journal replay failed on every try until the journal was full.
+    endpoint = EndpointFactory()
+    report = dataclasses.replace(usage_report(endpoint), replica_id="r\ud800")
+
+    with pytest.raises(DataError), transaction.atomic():
+        record_usage_batch([report])
+    assert not UsageRecord.objects.exists()
+
+
+def test_a_time_whose_offset_has_seconds_is_written_at_its_moment():
+    # A zone's local mean time (Amsterdam's before 1937: +00:19:32); msgspec wrote it to the minute, and the row's times
+    # moved 28 s.
+    endpoint = EndpointFactory()
+    local_mean_time = timezone(timedelta(minutes=19, seconds=32))
+    started_at = datetime(2026, 3, 2, 12, 0, 0, tzinfo=local_mean_time)
+    report = dataclasses.replace(usage_report(endpoint), started_at=started_at,
+                                 first_token_at=started_at + timedelta(seconds=1),
+                                 finished_at=started_at + timedelta(seconds=5))
+
+    record_usage(report)
+
+    row = UsageRecord.objects.get(request_id=report.request_id)
+    assert (row.started_at, row.first_token_at, row.finished_at) == (
+        started_at, started_at + timedelta(seconds=1), started_at + timedelta(seconds=5))
+
+
+def test_every_column_the_ledger_reads_from_a_row_is_a_field_of_the_report():
+    # `json_to_recordset` makes a column no row names NULL: a renamed price column would price every row at the
+    # endpoint's price now (`coalesce`). The module checks its columns when imported, and refuses one not a field.
+    declared = re.search(r"json_to_recordset\(%s::json\)\s+AS r\((.*?)\)\s+JOIN", ledger._PRICED_SQL, re.S).group(1)
+    columns = [column.split()[0] for column in declared.split(",")]
+
+    assert len(columns) == len(dataclasses.fields(UsageReport))
+    assert set(columns) <= {field.name for field in dataclasses.fields(UsageReport)}
+    with pytest.raises(TypeError, match="price_input"):
+        ledger.check_recordset_columns([*columns, "price_input"])

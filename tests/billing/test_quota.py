@@ -429,6 +429,27 @@ def test_a_lost_calls_row_that_postgresql_refuses_is_left_unbilled_and_the_sweep
     assert reads.reserved_now(endpoint.organization_id) == reads.reserved_now(elsewhere.organization_id) == 0
 
 
+def test_a_lost_calls_row_with_a_lone_surrogate_is_left_unbilled_and_the_others_are_written(settings):
+    # Its progress holds a lone surrogate (escaped in JSON): msgspec raised UnicodeEncodeError in Python, not the
+    # DataError the sweeper sets aside, so the batch of the organisation's lost calls was not written, on every run.
+    settings.BILLING_RESERVATION_TTL_S = 600
+    endpoint = EndpointFactory()
+    for request_id in ("refused", "kept"):
+        admitted = asyncio.run(reserve(organization_id=endpoint.organization_id, api_key_id=None, amount=Decimal("0.50"),
+                                       request_id=request_id))
+        report = dataclasses.replace(usage_report(endpoint, request_id=request_id, prompt_tokens=100,
+                                                  completion_tokens=20),
+                                     status="gateway_lost", max_cost=admitted.reservation.amount,
+                                     billing_mode=admitted.billing_mode,
+                                     replica_id="r\ud800" if request_id == "refused" else "replica-1")
+        assert asyncio.run(record_progress(report.organization_id, [report])) == [request_id]
+
+    assert sweeper.sweep_expired_reservations(now=time.time() + 601) == 2
+
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["kept"]
+    assert reads.reserved_now(endpoint.organization_id) == 0
+
+
 def test_a_call_with_a_usage_row_and_a_progress_is_billed_by_its_row_only(settings):
     # Its gateway wrote its row, then died before settling: the sweeper settles it with the row's cost, and its
     # progress (fewer tokens, from the last beat) writes nothing.

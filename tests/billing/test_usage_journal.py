@@ -113,6 +113,34 @@ def test_a_journal_replayed_after_switches_of_mode_bills_each_call_in_the_mode_i
         "after-the-switches": BillingMode.PREPAID, "says-its-mode": BillingMode.POSTPAID}
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_journal_line_postgresql_refuses_for_a_lone_surrogate_is_set_aside_and_the_next_segment_replayed(
+        settings, tmp_path):
+    """Before, msgspec raised UnicodeEncodeError on the line in Python, not the DataError the replay sets aside: the
+    replay failed on every try, the journal grew until full, then the gateway refused calls."""
+    from billing import usage_writer
+
+    endpoint = EndpointFactory()
+    refused = dataclasses.replace(usage_report(endpoint, request_id="refused"), replica_id="r\ud800")
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    (journal_dir / "gone-1-1.jsonl").write_bytes(encode(refused))
+    (journal_dir / "gone-1-2.jsonl").write_bytes(encode(usage_report(endpoint, request_id="next")))
+    settings.USAGE_JOURNAL_DIR = str(journal_dir)
+    usage_writer.journal.cache_clear()
+
+    async def replay():
+        return await asyncio.wait_for(usage_writer.writer_for_this_loop().replay(), 10)
+
+    try:
+        assert asyncio.run(replay()) == 0  # none left
+    finally:
+        usage_writer.journal.cache_clear()
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["next"]
+    assert sorted(path.name for path in journal_dir.iterdir()) == [REJECTED_NAME]
+    assert [report.request_id for report in read_segment((journal_dir / REJECTED_NAME).open("rb"))] == ["refused"]
+
+
 def _segment_bytes(directory: Path) -> int:
     return sum(path.stat().st_size for path in directory.glob("*.jsonl") if path.name != REJECTED_NAME)
 
