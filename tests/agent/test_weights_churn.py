@@ -2,10 +2,12 @@
 
 Each new content is a new cache key. Before, every key ever fetched left its lock file in `.locks` and its thread
 lock in memory, and every model evicted left what was read of its files (and any back-off, in the state file too),
-one more of each per pull for the agent's life."""
+one more of each per pull for the agent's life. What it lets go never comes back as a reading of a folder that is
+gone."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -67,6 +69,50 @@ def test_a_key_lock_waited_on_in_another_process_is_still_held_by_one_at_a_time(
     free = latecomer.key_lock("k", blocking=False)
     assert free is not None
     free.close()
+
+
+def test_a_model_evicted_after_a_heartbeat_listed_it_is_checked_when_fetched_again(s3, s3_endpoint, tmp_path):  # noqa: F811
+    """A heartbeat lists the cache, a pull evicts a model, then the heartbeat asks for that model's reading. Before,
+    the background reader read the removed folder and kept an empty reading, which the same content fetched again
+    (same key, same folder) reused: a speculators checkpoint naming another tenant's weights as its verifier passed
+    every check for the agent's life."""
+    s3.create_bucket(Bucket="evicted")
+    for key in ("redirect/config.json", "other/config.json"):
+        s3.put_object(Bucket="evicted", Key=key, Body=json.dumps(REDIRECTING_CONFIG), ACL="public-read")
+    for key in ("redirect/model.safetensors", "other/model.safetensors"):
+        s3.put_object(Bucket="evicted", Key=key, Body=os.urandom(10_000), ACL="public-read")
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=15_000, s3_endpoint_url=s3_endpoint)
+    redirect = cache.fetch("s3://evicted/redirect")
+    assert cache.read_model(redirect).problem.startswith(REFUSAL)
+    listed = [cache.root / entry["cache_key"] for entry in cache._index.entries()]  # the heartbeat's listing
+
+    cache.fetch("s3://evicted/other")  # the budget holds one: the redirecting model goes
+    assert listed == [redirect] and not redirect.exists()
+    # the heartbeat asks for the reading of what it listed: read in the background
+    assert cache.reading_made(redirect) is None
+    wait_until(lambda: cache._background_reader is None, 10)
+
+    assert cache.fetch("s3://evicted/redirect") == redirect
+    assert cache.read_model(redirect).problem.startswith(REFUSAL)
+
+
+def test_a_read_a_heartbeat_queued_goes_with_the_model_evicted_before_it(s3, s3_endpoint, tmp_path):  # noqa: F811
+    put_models(s3, "queued", ("one", "two"))
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=15_000, s3_endpoint_url=s3_endpoint)
+    one = cache.fetch("s3://queued/one")
+    # the background reader busy with other models: this read waits in its queue
+    cache._background_reader = threading.current_thread()
+    assert cache.reading_made(one) is None and one in cache._to_read
+    cache.fetch("s3://queued/two")
+    assert not one.exists() and one not in cache._to_read
+
+
+REDIRECTING_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "max_position_embeddings": 4096,
+    "speculators_config": {"verifier": {"name_or_path": "/var/lib/inferplane/weights/OTHER_TENANTS_KEY"}},
+}
+REFUSAL = "the model's files cannot be served: its config.json is a speculators checkpoint"
 
 
 def _num_open(path: Path) -> int:
