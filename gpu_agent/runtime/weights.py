@@ -119,6 +119,7 @@ class WeightsCache:
         # local sources served here, reported like cached ones: (source, scope) -> directory
         self._local_models: dict[tuple[str, str], Path] = {}
         self._remove_stale_partials()
+        self._index.remove_stale_lock_files()  # an agent killed -9 mid-download left its lock file
 
     # -- public ---------------------------------------------------------------
 
