@@ -75,8 +75,11 @@ def read_model(model_dir: str | Path) -> ModelReading:
     """The model's context length, architecture, parameter count and checkpoint quantization, or its problem.
 
     Never raises: a directory without a readable config.json has neither (the engine says what is wrong).
+    NOTE: a directory that is not there is refused: nothing of it was checked (see `WeightsCache._still_cached`).
     """
     model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return ModelReading(problem="the model's files are not on this node (its folder is gone)")
     try:
         config = load_config(model_dir)
         refuse_paths_outside_model(model_dir)

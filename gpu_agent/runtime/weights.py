@@ -119,6 +119,7 @@ class WeightsCache:
         # local sources served here, reported like cached ones: (source, scope) -> directory
         self._local_models: dict[tuple[str, str], Path] = {}
         self._remove_stale_partials()
+        self._index.remove_stale_lock_files()  # an agent killed -9 mid-download left its lock file
 
     # -- public ---------------------------------------------------------------
 
@@ -279,12 +280,14 @@ class WeightsCache:
             reading = read_model(model_dir)
         finally:
             with self._mutex:
-                if reading is not None and reading.unsettled:
+                if reading is None or not self._still_cached(model_dir):
+                    pass  # returned to this caller, never kept
+                elif reading.unsettled:
                     num_tries = self._unsettled.get(model_dir, (0, 0.0))[0] + 1
                     delay = self.unsettled_retry_s[min(num_tries, len(self.unsettled_retry_s)) - 1]
                     self._unsettled[model_dir] = (num_tries, time.monotonic() + delay)
                     self._keep_unsettled()
-                elif reading is not None:
+                else:
                     self._readings[model_dir] = reading
                     if self._unsettled.pop(model_dir, None) is not None:
                         self._keep_unsettled()
@@ -316,11 +319,26 @@ class WeightsCache:
                 self._unsettled.setdefault(path, entry)
         return len(taken)
 
+    def _still_cached(self, model_dir: Path) -> bool:
+        """Under the mutex, once a reading is made: whether it may be kept (or its back-off), i.e. the directory is
+        still a complete copy (or a local model directory still there).
+
+        NOTE: a model evicted while it was read (a heartbeat queued it, a pull evicted it, then the background reader
+        read the removed directory) left an empty reading behind `_forget_reading`; the same content fetched again
+        (same key, same directory) then reused it, and its checks (`model_info.read_model`) were skipped for the
+        agent's life. The manifest goes first on eviction (`CacheIndex.remove`) and comes last on a download, so a
+        reading finished before it went was of the whole copy."""
+        if model_dir.parent == self.root:
+            return self._index.is_complete(model_dir.name)
+        return model_dir.is_dir()
+
     def _forget_reading(self, model_dir: Path) -> None:
-        """Drop what was read of a directory the cache removed. NOTE: kept before, one reading (and any back-off, in
-        the state file too) for every model the node ever evicted, for the agent's life."""
+        """Drop what was read of a directory the cache removed, and any read of it queued by a heartbeat. NOTE: kept
+        before, one reading (and any back-off, in the state file too) for every model the node ever evicted, for the
+        agent's life."""
         with self._mutex:
             self._readings.pop(model_dir, None)
+            self._to_read.pop(model_dir, None)
             if self._unsettled.pop(model_dir, None) is not None:
                 self._keep_unsettled()
 

@@ -5,7 +5,8 @@ Layout: `<root>/<cache_key>/` holds one complete model and `<root>/<cache_key>.j
 complete. One lock per cache key (a thread lock plus an `flock` on `<root>/.locks/<key>.lock`)
 serialises everyone who downloads, reads or evicts that model, across threads and processes. Both last only
 while someone holds or waits for them: every cache key ever fetched left its lock file and thread lock behind
-before, one more for each model pulled (a new content is a new key) for the agent's life.
+before, one more for each model pulled (a new content is a new key) for the agent's life. A lock file whose holder
+was killed -9 goes when the next cache opens (`remove_stale_lock_files`); a `.locks` removed is made again.
 
 A cache key covers the source, its content, the store's endpoint and the replica's `weights_scope`
 (`cache_key`); the manifest keeps only a digest of the endpoint, which may carry user info. What to
@@ -106,6 +107,14 @@ class CacheIndex:
             return None
         return stack
 
+    def remove_stale_lock_files(self) -> None:
+        """Remove the lock files nobody holds (their holder was killed before it released them: the file stays, its
+        `flock` goes with the process). Each is taken and released, and its holder's release removes it."""
+        for lock_file in (self.root / ".locks").glob("*.lock"):
+            lock = self.key_lock(lock_file.stem, blocking=False)
+            if lock is not None:
+                lock.close()
+
     def _leave_key_lock(self, key: str) -> None:
         with self._mutex:
             thread_lock, num_users = self._key_locks[key]
@@ -122,7 +131,14 @@ class CacheIndex:
         checks that what it locked is what the path names, and tries again if not, so two never hold the key."""
         path = self.root / ".locks" / f"{key}.lock"
         while True:
-            with open(path, "a+") as handle:
+            try:
+                handle = open(path, "a+")
+            except FileNotFoundError:
+                # NOTE: `.locks` removed (by hand, by a tmp cleaner: it is empty while nobody holds a lock): made
+                # again. Before, every fetch and eviction failed until the agent restarted.
+                path.parent.mkdir(exist_ok=True)
+                continue
+            with handle:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
                 except BlockingIOError:

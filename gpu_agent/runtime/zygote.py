@@ -84,8 +84,14 @@ class ForkedEngine:
         self._zygote.read_events()
         code = self._zygote.exit_codes.pop(self.pid, None)
         if code is None and not _running(self.pid):
+            # NOTE: gone (or a zombie the zygote reaps within `ZYGOTE_REAP_INTERVAL_S`) before its `exited` line came:
+            # that line, when it comes, is nobody's. Kept, a later engine forked under the same pid read it as its
+            # own exit and was killed as crashed (`kill_group` polls a killed engine every 50 ms: the common case).
             self._zygote.read_events()
-            code = self._zygote.exit_codes.pop(self.pid, -1)
+            code = self._zygote.exit_codes.pop(self.pid, None)
+            if code is None:
+                code = -1
+                self._zygote.forget(self.pid)
         self.returncode = code
         return code
 
@@ -125,13 +131,16 @@ class Zygote(Standby):
 
     def _spawn(self) -> None:
         super()._spawn()
+        # NOTE: what a dead zygote said of its children is of no child of this one (pids wrap): its engines died with
+        # it (the reaper), and their polls read -1 from the process table.
+        self.exit_codes.clear()
         self.started.clear()
         self.sent_ahead.clear()
         self._unasked.clear()
 
     def forget(self, pid: int) -> None:
         """Keep no exit code for this child: nobody will ask about it (an engine forked for a replica whose launch
-        then failed, killed at once by the supervisor).
+        then failed, killed at once by the supervisor; one `ForkedEngine.poll` found gone before its `exited` line).
 
         NOTE: kept, each such exit stayed in `exit_codes` for the zygote's life, and a later engine forked under the
         same pid (pids wrap) read it as its own exit: the supervisor killed that healthy engine as crashed."""

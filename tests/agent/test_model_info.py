@@ -77,6 +77,13 @@ def test_a_directory_without_a_config_has_no_model_info(tmp_path):
     assert read_model_info(tmp_path) is None
 
 
+def test_a_model_folder_that_is_not_there_is_refused_not_passed_unchecked(tmp_path):
+    """Before, it read as a model without a config (no figures, no problem): every check of its files passed."""
+    reading = read_model(tmp_path / "gone")
+    assert reading.problem == "the model's files are not on this node (its folder is gone)"
+    assert reading.info is None
+
+
 def test_a_spec_past_the_models_context_fails_before_any_engine_starts_and_the_heartbeat_reports_the_model(
     control_plane,  # noqa: F811
     running_agent,  # noqa: F811

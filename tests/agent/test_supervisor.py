@@ -18,8 +18,10 @@ import pytest
 
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from gpu_agent.runtime import supervisor as supervisor_module
+from gpu_agent.runtime import zygote as zygote_module
 from gpu_agent.runtime.control_plane import heartbeat_interval
 from gpu_agent.runtime.probes import parse_engine_metrics
+from gpu_agent.runtime.process import kill_group
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 from gpu_agent.runtime.zygote import ForkedEngine, Zygote
 
@@ -441,6 +443,56 @@ def test_a_later_engine_under_the_pid_of_one_the_supervisor_killed_unasked_is_no
         assert ForkedEngine(os.getpid(), zygote).poll() is None
         assert zygote.exit_codes == {12345678: 3}
     finally:
+        later.kill()
+        later.wait()
+        status.close()
+
+
+def test_an_engine_killed_before_the_zygote_reaped_it_leaves_no_exit_for_a_later_engine_under_its_pid(
+    tmp_path, monkeypatch
+):
+    """The supervisor kills an engine (a failed launch, a drain, a startup timeout) and polls it every 50 ms; it is a
+    zombie until the zygote reaps it (`ZYGOTE_REAP_INTERVAL_S`), so the poll settles on -1 before its `exited` line
+    comes. Before, that line was kept for the zygote's life, and a healthy engine forked later under the same pid
+    read it as its own exit: killed as crashed."""
+    zygote = Zygote(tmp_path / "agent", device="cpu")
+    status = zygote.process = _StatusPipe()
+    zygote.ready = True
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:  # `engine` stands in for the zygote's child: ours, a zombie until we reap it
+        forked = ForkedEngine(engine.pid, zygote)
+        kill_group(engine.pid, forked, "r-1", zygote.data_dir, signal.SIGKILL)
+        assert forked.returncode == -1
+        status.say(f"exited {engine.pid} {engine.wait()}")  # the zygote reaps it and says so
+        zygote.read_events()
+
+        monkeypatch.setattr(zygote_module, "_running", lambda pid: True)  # pids wrap: a later engine under it
+        assert ForkedEngine(engine.pid, zygote).poll() is None
+        assert zygote.exit_codes == {}
+    finally:
+        engine.kill()
+        engine.wait()
+        status.close()
+
+
+def test_a_respawned_zygote_keeps_no_exit_its_dead_predecessor_reported(tmp_path):
+    """Exits a zygote reported of children nobody asked about (their replicas gone) stayed after it died, and a child
+    of the next zygote forked under one of their pids read that exit as its own."""
+    zygote = Zygote(tmp_path / "agent", device="cpu")
+    status = zygote.process = _StatusPipe()
+    zygote.ready = True
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a child of the next one
+    try:
+        status.say(f"exited {later.pid} -9")  # a dead zygote's child under the same pid (pids wrap)
+        zygote.read_events()
+        zygote.process, zygote.ready = None, False  # that zygote died (as `Standby._on_death` leaves it)
+
+        zygote.ensure()  # the next one
+
+        assert zygote.process is not None
+        assert ForkedEngine(later.pid, zygote).poll() is None
+    finally:
+        zygote.stop()
         later.kill()
         later.wait()
         status.close()

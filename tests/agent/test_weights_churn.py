@@ -2,11 +2,17 @@
 
 Each new content is a new cache key. Before, every key ever fetched left its lock file in `.locks` and its thread
 lock in memory, and every model evicted left what was read of its files (and any back-off, in the state file too),
-one more of each per pull for the agent's life."""
+one more of each per pull for the agent's life. What it lets go never comes back as a reading of a folder that is
+gone, and its lock files neither outlive a holder killed -9 nor stop the cache when their folder is removed."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -67,6 +73,90 @@ def test_a_key_lock_waited_on_in_another_process_is_still_held_by_one_at_a_time(
     free = latecomer.key_lock("k", blocking=False)
     assert free is not None
     free.close()
+
+
+def test_a_model_evicted_after_a_heartbeat_listed_it_is_checked_when_fetched_again(s3, s3_endpoint, tmp_path):  # noqa: F811
+    """A heartbeat lists the cache, a pull evicts a model, then the heartbeat asks for that model's reading. Before,
+    the background reader read the removed folder and kept an empty reading, which the same content fetched again
+    (same key, same folder) reused: a speculators checkpoint naming another tenant's weights as its verifier passed
+    every check for the agent's life."""
+    s3.create_bucket(Bucket="evicted")
+    for key in ("redirect/config.json", "other/config.json"):
+        s3.put_object(Bucket="evicted", Key=key, Body=json.dumps(REDIRECTING_CONFIG), ACL="public-read")
+    for key in ("redirect/model.safetensors", "other/model.safetensors"):
+        s3.put_object(Bucket="evicted", Key=key, Body=os.urandom(10_000), ACL="public-read")
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=15_000, s3_endpoint_url=s3_endpoint)
+    redirect = cache.fetch("s3://evicted/redirect")
+    assert cache.read_model(redirect).problem.startswith(REFUSAL)
+    listed = [cache.root / entry["cache_key"] for entry in cache._index.entries()]  # the heartbeat's listing
+
+    cache.fetch("s3://evicted/other")  # the budget holds one: the redirecting model goes
+    assert listed == [redirect] and not redirect.exists()
+    # the heartbeat asks for the reading of what it listed: read in the background
+    assert cache.reading_made(redirect) is None
+    wait_until(lambda: cache._background_reader is None, 10)
+
+    assert cache.fetch("s3://evicted/redirect") == redirect
+    assert cache.read_model(redirect).problem.startswith(REFUSAL)
+
+
+def test_a_read_a_heartbeat_queued_goes_with_the_model_evicted_before_it(s3, s3_endpoint, tmp_path):  # noqa: F811
+    put_models(s3, "queued", ("one", "two"))
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=15_000, s3_endpoint_url=s3_endpoint)
+    one = cache.fetch("s3://queued/one")
+    # the background reader busy with other models: this read waits in its queue
+    cache._background_reader = threading.current_thread()
+    assert cache.reading_made(one) is None and one in cache._to_read
+    cache.fetch("s3://queued/two")
+    assert not one.exists() and one not in cache._to_read
+
+
+def test_fetches_and_evictions_work_again_after_the_locks_folder_is_removed(s3, s3_endpoint, tmp_path):  # noqa: F811
+    """It is empty while nobody holds a lock, and a tmp cleaner (or an operator) may remove it. Before, every fetch
+    and eviction failed (`FileNotFoundError`) until the agent restarted."""
+    put_models(s3, "unlocked", ("one", "two"))
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=15_000, s3_endpoint_url=s3_endpoint)
+    one = cache.fetch("s3://unlocked/one")
+    shutil.rmtree(cache.root / ".locks")
+
+    two = cache.fetch("s3://unlocked/two")  # evicts one on the way
+    assert two.is_dir() and not one.exists() and cache.num_downloads == 2
+    assert list((cache.root / ".locks").iterdir()) == []
+
+
+def test_a_lock_file_left_by_a_holder_killed_mid_download_goes_when_the_next_cache_opens(tmp_path):
+    root = tmp_path / "weights"
+    WeightsCache(root)
+    holder = subprocess.Popen([sys.executable, "-c", KEY_LOCK_HOLDER, str(root)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        WeightsCache(root)
+        assert (root / ".locks" / "k.lock").exists()  # held: kept
+    finally:
+        holder.send_signal(signal.SIGKILL)  # the agent killed mid-download
+        holder.wait()
+        holder.stdout.close()
+
+    WeightsCache(root)  # the next agent
+
+    assert list((root / ".locks").iterdir()) == []
+
+
+REDIRECTING_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "max_position_embeddings": 4096,
+    "speculators_config": {"verifier": {"name_or_path": "/var/lib/inferplane/weights/OTHER_TENANTS_KEY"}},
+}
+REFUSAL = "the model's files cannot be served: its config.json is a speculators checkpoint"
+# A process holding a cache key's lock until it is killed (a download in flight).
+KEY_LOCK_HOLDER = """
+import sys, time
+from pathlib import Path
+from gpu_agent.runtime.weights_index import CacheIndex
+lock = CacheIndex(Path(sys.argv[1])).key_lock("k")
+print("held", flush=True)
+time.sleep(60)
+"""
 
 
 def _num_open(path: Path) -> int:
