@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import re
 
+import msgspec
+
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
@@ -87,6 +89,7 @@ def find_usage(data: bytes) -> tuple[dict | None, int, int]:
 
 
 _scan_object = json.JSONDecoder().raw_decode
+_fast_decode = msgspec.json.Decoder().decode
 
 
 def _object_of(text: bytes) -> object:
@@ -95,7 +98,15 @@ def _object_of(text: bytes) -> object:
     (the bytes' encoding guessed, the whitespace around the value matched) were a third of its time.
 
     NOTE: the same answer or the same refusal (a ValueError) as `json.loads`: an object ended before the last byte is
-    extra data there; bytes that could be UTF-16 or UTF-32 to its guess (a NUL byte) go to it."""
+    extra data there; bytes that could be UTF-16 or UTF-32 to its guess (a NUL byte) go to it. msgspec's decoder goes
+    first, faster still (round 25): what it decodes, `json.loads` decodes the same; what it refuses (NaN, a float past
+    its range, a lone surrogate) goes on to the json module, whose answer stands."""
+    # NOTE: bounded by braces, as `_object_end` bounds it: msgspec takes whitespace around an object, the scanner not
+    if text.startswith(b"{") and text.endswith(b"}"):
+        try:
+            return _fast_decode(text)
+        except (msgspec.DecodeError, RecursionError):
+            pass
     if b"\x00" in text:
         return json.loads(text)
     decoded = text.decode("utf-8", "surrogatepass")

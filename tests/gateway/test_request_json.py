@@ -1,0 +1,123 @@
+"""A `/v1` body's JSON reads as the json module read it before msgspec decoded it (round 25 of
+`bench/results/gateway_profile.md`): the same value, or the same refusal with the same message.
+
+msgspec takes integers past 64 bits and refuses NaN, floats past their range, lone surrogates and a
+UTF-8 byte-order mark, each with a message of its own; the gateway must answer all of them as before.
+"""
+
+import json
+
+import pytest
+
+from endpoints.gateway import request
+from endpoints.gateway.errors import OpenAIError
+from endpoints.gateway.request import InferenceRequest, parse_payload
+
+NOT_PARSED = "We could not parse the JSON body of your request."
+
+
+def _chat(rest: bytes) -> bytes:
+    return b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]' + rest + b"}"
+
+
+def _refusal(body: bytes) -> str:
+    with pytest.raises(OpenAIError) as refused:
+        parse_payload(body, "chat")
+    assert refused.value.status == 400 and refused.value.type == "invalid_request_error"
+    return refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("rest", "message"),
+    [
+        (b', "seed": 9223372036854775808', "an integer does not fit in 64 bits"),
+        (b', "seed": -9223372036854775809', "an integer does not fit in 64 bits"),
+        (b', "seed": 18446744073709551615', "an integer does not fit in 64 bits"),
+        (b', "seed": 18446744073709551616', "an integer does not fit in 64 bits"),
+        (b', "seed": 1' + b"0" * 400, "an integer does not fit in 64 bits"),
+        (b', "x": [1, 123456789012345678901234]', "an integer does not fit in 64 bits"),
+        (b', "temperature": NaN', "NaN is not JSON"),
+        (b', "temperature": Infinity', "Infinity is not JSON"),
+        (b', "temperature": -Infinity', "-Infinity is not JSON"),
+        (b', "top_p": 1e999', "a number is too large"),
+        (b', "top_p": -1.8e308', "a number is too large"),
+    ],
+    ids=lambda value: value.decode()[:40] if isinstance(value, bytes) else None,
+)
+def test_a_number_json_cannot_carry_exactly_is_refused_naming_why(rest, message):
+    assert _refusal(_chat(rest)) == f"We could not parse the JSON body of your request: {message}."
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xef\xbb\xbf" + _chat(b""),  # a UTF-8 byte-order mark
+        _chat(b', "user": "\xff"'),  # not UTF-8
+        _chat(b', "user": "\xed\xa0\x80"'),  # a surrogate written as UTF-8
+        _chat(b', "user": "a\tb"'),  # a control character inside a string
+        _chat(b', "user": "\\x"'),
+        b"\x0c" + _chat(b""),  # whitespace JSON does not name
+        _chat(b"") + b" x",
+        _chat(b","),
+        _chat(b', "x": ' + b"[" * 5000 + b"]" * 5000),
+    ],
+    ids=[
+        "bom",
+        "not utf-8",
+        "utf-8 surrogate",
+        "control character",
+        "bad escape",
+        "form feed",
+        "extra data",
+        "trailing comma",
+        "nested 5000 deep",
+    ],
+)
+def test_malformed_json_is_refused_with_the_same_message(body):
+    assert _refusal(body) == NOT_PARSED
+
+
+@pytest.mark.parametrize(
+    ("rest", "name", "value"),
+    [
+        (b', "seed": 9223372036854775807', "seed", 2**63 - 1),
+        (b', "seed": -9223372036854775808', "seed", -(2**63)),
+        (b', "seed": 1234567890123456789', "seed", 1234567890123456789),
+        (b', "user": "\\ud800"', "user", "\ud800"),  # a lone surrogate, escaped: JSON carries it
+        (b', "user": "\\udc00\\ud800"', "user", "\udc00\ud800"),
+        (b', "user": "\\ud83d\\ude00 \xc3\xa9"', "user", "\U0001f600 \u00e9"),
+        (b', "user": "a", "user": "b"', "user", "b"),  # a key named twice: the last one
+        (b', "response_format": {"type": "json_schema", "json_schema": {"x": 1e-400}}', "x", 0.0),
+        (b', "response_format": {"type": "json_schema", "json_schema": {"x": -0.0}}', "x", -0.0),
+        (
+            b', "response_format": {"type": "json_schema", "json_schema": {"x": 12345678901234567890.5}}',
+            "x",
+            12345678901234567890.5,
+        ),
+    ],
+    ids=lambda value: value.decode()[:40] if isinstance(value, bytes) else None,
+)
+def test_a_body_json_can_carry_reads_as_the_json_module_reads_it(rest, name, value):
+    payload = parse_payload(_chat(rest), "chat")
+    payload = payload if name in payload else payload["response_format"]["json_schema"]
+    assert repr(payload[name]) == repr(value) and type(payload[name]) is type(value)
+
+
+def test_the_body_an_engine_gets_carries_what_the_client_sent_lone_surrogates_included():
+    body = _chat(
+        b', "stream": true, "user": "\\ud800 \xc3\xa9 \\u2028", "temperature": 1e-07, "seed": -9223372036854775808'
+    )
+    sent = InferenceRequest.parse(body, kind="chat", path="/v1/chat/completions")
+    forwarded = json.loads(sent.upstream_body("org:1"))
+    assert forwarded == sent.payload | {
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}
+    }
+    assert forwarded["user"] == "\ud800 \u00e9 \u2028"
+
+
+def test_a_body_without_a_lone_surrogate_reaches_the_engine_as_utf_8():
+    sent = InferenceRequest.parse(
+        _chat(b', "stream": true, "user": "\xc3\xa9"'), kind="chat", path="/v1/chat/completions"
+    )
+    assert "\u00e9".encode() in sent.upstream_body("org:1")
+    assert request.parse_payload(sent.upstream_body("org:1"), "chat")["user"] == "\u00e9"
