@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q
@@ -27,6 +26,7 @@ from controlplane import redis_keys
 from controlplane.redis_client import get_redis, held_alone, redis_time
 from controlplane.redis_keys import FLEET_SILENT_SINCE_KEY, LISTENING_SINCE_KEY, TICK_LOCK_KEY
 from controlplane.redis_scripts import Script
+from controlplane.tasks import send_task
 from endpoints import autoscaler, quotas
 from endpoints.batches.demand import read_demand
 from endpoints.events import record_event, record_event_once
@@ -286,8 +286,8 @@ def schedule_idle_deadlines(idle_deadlines: dict[str, float], now: float) -> int
     for (endpoint_id, deadline), first in zip(due.items(), claimed, strict=True):
         if first:
             # NOTE: a hair after the deadline, so that the reconcile reads the timeout as passed.
-            current_app.send_task(RECONCILE_TASK, args=[endpoint_id], countdown=max(0.0, deadline - now) + IDLE_DEADLINE_MARGIN_S,
-                                  expires=deadline - now + settings.AUTOSCALER_TICK_S * 2 + 60)
+            send_task(RECONCILE_TASK, args=[endpoint_id], countdown=max(0.0, deadline - now) + IDLE_DEADLINE_MARGIN_S,
+                      expires=deadline - now + settings.AUTOSCALER_TICK_S * 2 + 60)
             scheduled += 1
     return scheduled
 

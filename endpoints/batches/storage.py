@@ -11,6 +11,7 @@ skips what is already done.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import io
 from collections import deque
@@ -200,11 +201,24 @@ def open_stream(key: str) -> AsyncIterator[bytes]:
 
 async def _chunks_of(body) -> AsyncIterator[bytes]:
     chunks = body.iter_chunks(DOWNLOAD_CHUNK_BYTES)
+    read_whole = False
     try:
         while chunk := await sync_to_async(next, thread_sensitive=False)(chunks, b""):
             yield chunk
+        read_whole = True
     finally:
-        body.close()  # a download cut off: its S3 connection closed now, not whenever the collector finds it
+        # NOTE: a download cut off: its S3 connection closed now, not whenever the collector finds it. Cut mid-read, a
+        # worker thread may still be in `next`, holding the socket's reader lock: closing the body here waited for that
+        # read (up to botocore's 60 s on a stalled S3) with the event loop, every request of the process, blocked
+        # (found by the review of the web's soak). Its read is cut first (urllib3's `shutdown`, made to be called from
+        # another thread), the body then closed off the loop.
+        if read_whole:
+            body.close()
+        else:
+            raw = getattr(body, "_raw_stream", None)
+            if raw is not None and hasattr(raw, "shutdown"):
+                raw.shutdown()
+            asyncio.get_running_loop().run_in_executor(None, body.close)
 
 
 def delete(key: str) -> None:

@@ -13,6 +13,7 @@ A call whose usage row could not be recorded (the usage journal at its limit: `u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -92,24 +93,34 @@ class Gateway:
         if scope["type"] == "lifespan":
             return await self._lifespan(receive, send)
         if scope["type"] == "http":
-            path = scope["path"]
-            if path.startswith(DJANGO_V1_PREFIXES):
-                # NOTE: a stopping process waits for these too (`drain`): a 200 MB upload or a batch's output read
-                # had only uvicorn's graceful wait after the drain, 10 s (the review of the drain).
-                with drain.handling():
-                    if scope["method"] == "POST" and path.startswith(FILES_PREFIX):
-                        return await self._upload(scope, receive, send)
-                    return await self._files_and_batches(scope, receive, send)
-            if path.startswith("/v1/") or path == "/v1":
-                with drain.handling():  # a stopping process waits for it (`drain`)
-                    return await self._handle(scope, receive, send)
-            if path == "/metrics":
-                return await self._metrics(scope, receive, send)
-            if path in self._console_uploads and scope["method"] == "POST":
-                with drain.handling():
-                    return await self._console_upload(scope, receive, send)
-            return await self._to_django_in_memory(scope, receive, send)
+            started = time.monotonic()
+            try:
+                return await self._http(scope, receive, send)
+            except ClientGone:  # a body that stopped with its client's going, on any path: nobody to answer
+                # NOTE: raised past here, uvicorn logs it with its traceback as an error: ~20 lines of ERROR a
+                # connection, for anyone, without a key (a refused upload's body is read to its end, `_discard_body`).
+                log_answer(scope, CLIENT_GONE_STATUS, started)
+                return None
         return await self.fallback(scope, receive, send)
+
+    async def _http(self, scope, receive, send):
+        path = scope["path"]
+        if path.startswith(DJANGO_V1_PREFIXES):
+            # NOTE: a stopping process waits for these too (`drain`): a 200 MB upload or a batch's output read
+            # had only uvicorn's graceful wait after the drain, 10 s (the review of the drain).
+            with drain.handling():
+                if scope["method"] == "POST" and path.startswith(FILES_PREFIX):
+                    return await self._upload(scope, receive, send)
+                return await self._files_and_batches(scope, receive, send)
+        if path.startswith("/v1/") or path == "/v1":
+            with drain.handling():  # a stopping process waits for it (`drain`)
+                return await self._handle(scope, receive, send)
+        if path == "/metrics":
+            return await self._metrics(scope, receive, send)
+        if path in self._console_uploads and scope["method"] == "POST":
+            with drain.handling():
+                return await self._console_upload(scope, receive, send)
+        return await self._to_django_in_memory(scope, receive, send)
 
     async def _to_django_in_memory(self, scope, receive, send) -> None:
         """Any other request for Django (the console, `/api/`, the agents' API, the admin, Stripe's webhooks, a page
@@ -493,8 +504,9 @@ class _BodyCut:
             self._ended = not message.get("more_body")
         return message
 
-    async def whole(self) -> bytes:
-        """The body whole, its cut raised (`ClientGone` for a client gone): what the gateway reads itself, on every
+    async def whole(self, *, keep: bool = True) -> bytes:
+        """The body whole (or none of it, not `keep`), its cut raised (`ClientGone` for a client gone): what the gateway
+        reads itself, on every
         call's warm path, under one timer moved on at each message (`wait_for` per message runs a task each: ~5.5 µs
         against ~4 for the timer, timed alone)."""
         loop = asyncio.get_running_loop()
@@ -509,7 +521,8 @@ class _BodyCut:
                     self.num_bytes += len(chunk)
                     if self.num_bytes > self._max_bytes:
                         raise self._too_large()
-                    chunks.append(chunk)
+                    if keep:
+                        chunks.append(chunk)
                     if not message.get("more_body"):
                         return b"".join(chunks)
                     now = time.monotonic()
@@ -577,19 +590,13 @@ async def _discard_body(receive) -> None:
     a connection reset mid-upload; past `MAX_BODY_BYTES` the answer goes and the server closes the connection.
 
     NOTE: the key is checked before the body is kept: a caller without one held up to 8 MiB per connection. A body
-    that pauses for `FILES_UPLOAD_IDLE_S` is read no further (the answer goes, the connection closes): a client that
-    sent a few bytes and then nothing held its connection for as long as it liked."""
-    size = 0
-    while size <= MAX_BODY_BYTES:
-        try:
-            message = await asyncio.wait_for(receive(), settings.FILES_UPLOAD_IDLE_S)
-        except TimeoutError:
-            return
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        size += len(message.get("body", b""))
-        if not message.get("more_body"):
-            return
+    that pauses for `FILES_UPLOAD_IDLE_S`, or comes slower than an upload may (`_BodyCut`), is read no further (the
+    answer goes, the connection closes): a client that sent a few bytes and then nothing held its connection for as
+    long as it liked, and one that dripped a byte every 29 s did still (found by the review of the gateway's soak)."""
+    body = _BodyCut(receive, MAX_BODY_BYTES, idle_s=settings.FILES_UPLOAD_IDLE_S,
+                    min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what="request body")
+    with contextlib.suppress(errors.OpenAIError):  # cut (too slow, too large): the answer goes, the connection closes
+        await body.whole(keep=False)
 
 
 async def _respond(send, status: int, body: bytes, *, content_type: str = "application/json", headers: dict | None = None,

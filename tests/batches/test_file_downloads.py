@@ -4,12 +4,18 @@ the web process: never the whole file in its memory, whatever the file's size.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import socket
+import threading
+import time
 
 import pytest
+import urllib3
+from botocore.response import StreamingBody
 
 from controlplane.asgi import application
-from endpoints.batches import services
+from endpoints.batches import services, storage
 from tests.batches.conftest import peak_bytes_while
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -74,3 +80,51 @@ def test_a_files_download_never_holds_the_whole_file_in_memory(tenant, files_buc
     peak_bytes = peak_bytes_while(download)
     assert answered == {"status": 200, "num_bytes": len(data)}
     assert peak_bytes < 4 * MiB, peak_bytes
+
+
+def test_a_download_cut_while_s3_stalls_never_blocks_the_event_loop():
+    # Before, the cut download's body was closed on the event loop while a worker thread was still in its read,
+    # holding the socket's reader lock: the loop (every request of the process) stood still until S3 answered or
+    # botocore's read timeout (60 s) passed: 29.5 s here, for a stall of 30 s.
+    listener = socket.create_server(("127.0.0.1", 0))
+    stalled = threading.Event()
+
+    def stalling_s3() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10000000\r\n\r\n" + b"x" * 70_000)
+            stalled.wait(30)  # an object that stops coming mid-way
+
+    threading.Thread(target=stalling_s3, daemon=True).start()
+    raw = urllib3.PoolManager().request("GET", f"http://127.0.0.1:{listener.getsockname()[1]}/k",
+                                        preload_content=False, timeout=urllib3.Timeout(read=60))
+    body = StreamingBody(raw, 10_000_000)
+
+    async def cut_mid_read() -> float:
+        gaps, last = [], time.monotonic()
+
+        async def beat() -> None:
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.05)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        beating = asyncio.create_task(beat())
+        chunks = storage._chunks_of(body)
+        await chunks.__anext__()
+        reading = asyncio.create_task(chunks.__anext__())  # its read stalls in a worker thread
+        await asyncio.sleep(0.5)
+        reading.cancel()  # the client left: Django cancels the answer's task
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+        await asyncio.sleep(0.3)
+        beating.cancel()
+        return max(gaps)
+
+    try:
+        assert asyncio.run(cut_mid_read()) < 2
+    finally:
+        stalled.set()
+        listener.close()
