@@ -72,7 +72,8 @@ def at_loop_end(loop: asyncio.AbstractEventLoop, step: Callable) -> bool:
     tasks; the generator here is started at once (run up to its `yield`), in the running loop, so that the
     loop's first-iteration hook registers it. One generator per loop; neither it nor a step may hold the loop
     (it would never go). A loop closed without closing its generators (`run_until_complete` and `close` by hand: no
-    path here ends one so) runs no step: its objects stay open, and an object that holds its loop keeps it."""
+    path here ends one so) runs no step: its objects stay open, and an object that holds its loop keeps it. uvloop does
+    not say whether its end has begun: an object first asked for then (only at the gateway's exit) is kept."""
     end = _at_end.get(loop)
     if end is None:
         if getattr(loop, "_asyncgens_shutdown_called", False):

@@ -13,10 +13,12 @@ scripts need their keys in one slot: `controlplane.redis_keys` names them so.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import redis
@@ -86,11 +88,20 @@ def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisClus
     return redis.asyncio.Redis(connection_pool=pool)
 
 
+IN_USE_WAIT_S = 1.0  # how long a loop's end waits for its Redis connections in use
+
+
 async def _close_async_client(client: redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster) -> None:
     if isinstance(client, redis.asyncio.Redis):
         # NOTE: its pool is its own (`_new_async_client`); a connection still in use is left to its command (closed
-        # under it, the command would be sent again on a new one by the retry: run twice).
-        await client.connection_pool.disconnect(inuse_connections=False)
+        # under it, the command would be sent again on a new one by the retry: run twice), and closed once it is
+        # back, for at most `IN_USE_WAIT_S` (the review of the per-loop close).
+        pool = client.connection_pool
+        await pool.disconnect(inuse_connections=False)
+        waited_until = time.monotonic() + IN_USE_WAIT_S
+        while getattr(pool, "_in_use_connections", None) and time.monotonic() < waited_until:
+            await asyncio.sleep(0.05)
+            await pool.disconnect(inuse_connections=False)
     else:
         await client.aclose()
 

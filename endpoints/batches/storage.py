@@ -12,8 +12,10 @@ skips what is already done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import io
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +28,8 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import ClientError
 from django.conf import settings
+
+logger = logging.getLogger(__name__)
 
 RESULT_DIGITS = 7
 # A batch's input is read in ranged parts of this size (`read_parts`): never whole in memory, and no connection
@@ -217,8 +221,16 @@ async def _chunks_of(body) -> AsyncIterator[bytes]:
         else:
             raw = getattr(body, "_raw_stream", None)
             if raw is not None and hasattr(raw, "shutdown"):
-                raw.shutdown()
-            asyncio.get_running_loop().run_in_executor(None, body.close)
+                # NOTE: cut after its last bytes were read (and its connection went back to the pool), urllib3 refuses
+                with contextlib.suppress(ValueError, RuntimeError, OSError):
+                    raw.shutdown()
+            closing = asyncio.get_running_loop().run_in_executor(None, body.close)
+            closing.add_done_callback(_closed)
+
+
+def _closed(closing: asyncio.Future) -> None:
+    if not closing.cancelled() and (error := closing.exception()) is not None:
+        logger.warning("closing a cut download's S3 body failed: %r", error)
 
 
 def delete(key: str) -> None:

@@ -212,7 +212,11 @@ _by_endpoint: dict[str, EndpointMetrics] = {}
 
 def of_endpoint(endpoint_id: str, organization_id: int) -> EndpointMetrics:
     found = _by_endpoint.get(endpoint_id)
-    if found is None:
+    if found is not None:
+        # NOTE: a call holds it from here to its end, through awaits where nothing shows it in use (its admission, its
+        # settlement): taken, it is not forgotten for `FORGET_AFTER_IDLE_FOLDS` more folds (the review of the forget).
+        found.idle_folds = 0
+    else:
         labels = (str(endpoint_id), str(organization_id))
         found = _by_endpoint[endpoint_id] = EndpointMetrics(
             labels=labels, inflight_child=inflight.labels(*labels), duration_child=request_duration.labels(*labels),
@@ -222,8 +226,9 @@ def of_endpoint(endpoint_id: str, organization_id: int) -> EndpointMetrics:
     return found
 
 
-# An endpoint unused (nothing counted, in flight or waiting) for this many folds in a row is forgotten by this
-# process: its counts and series (`EndpointMetrics.remove`), made again at its next call.
+# An endpoint unused (nothing counted, in flight or waiting, not taken by a call) for this many folds in a row is
+# forgotten by this process: its counts, and its series out of one process's registry (`EndpointMetrics.remove`),
+# made again at its next call.
 FORGET_AFTER_IDLE_FOLDS = 3600
 
 
@@ -241,7 +246,10 @@ def fold() -> None:
         endpoint_metrics.idle_folds += 1
         if endpoint_metrics.idle_folds >= FORGET_AFTER_IDLE_FOLDS:
             del _by_endpoint[endpoint_id]
-            endpoint_metrics.remove()
+            if MULTIPROCESS_DIR is None:
+                # NOTE: in multiprocess mode prometheus_client cannot remove a series (its values stay in the process's
+                # files), and a child made again shares their key: the children stay, only the counts here go.
+                endpoint_metrics.remove()
 
 
 async def fold_every_second() -> None:

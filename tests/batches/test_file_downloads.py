@@ -128,3 +128,32 @@ def test_a_download_cut_while_s3_stalls_never_blocks_the_event_loop():
     finally:
         stalled.set()
         listener.close()
+
+
+def test_a_download_cut_as_its_last_chunk_went_closes_quietly():
+    # Before, urllib3 had already given the connection back to its pool, and cutting the read raised RuntimeError in
+    # the stream's `finally` (a traceback for each such download, in place of the client's going).
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def s3() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789")
+            connection.recv(10)
+
+    threading.Thread(target=s3, daemon=True).start()
+    raw = urllib3.PoolManager().request("GET", f"http://127.0.0.1:{listener.getsockname()[1]}/k",
+                                        preload_content=False)
+    body = StreamingBody(raw, 10)
+
+    async def cut_after_the_last_chunk() -> bytes:
+        chunks = storage._chunks_of(body)
+        first = await chunks.__anext__()  # the whole object
+        await chunks.aclose()  # the client left as it went
+        return first
+
+    try:
+        assert asyncio.run(cut_after_the_last_chunk()) == b"0123456789"
+    finally:
+        listener.close()

@@ -114,3 +114,20 @@ def test_an_endpoint_unused_for_a_while_is_forgotten_with_its_series_and_one_in_
     metrics.fold()
     assert _samples(registry)[("requests_total", (("endpoint_id", "old1"), ("organization_id", "7"),
                                                   ("status", "ok")))] == 1
+
+
+def test_an_endpoint_a_call_took_is_not_forgotten_under_it(monkeypatch):
+    # Before, a call that took the endpoint's metrics after it had been idle, and counted nothing while a fold ran (its
+    # admission, its settlement: awaits with nothing in flight), had them forgotten under it: its outcome and tokens
+    # went to an object no fold read again (none published).
+    registry = _fresh_metrics(monkeypatch)
+    monkeypatch.setattr(metrics, "FORGET_AFTER_IDLE_FOLDS", 2)
+    metrics.of_endpoint("e1", 7).observe_request("ok", 0.1, 1, 0, 1)
+    metrics.fold()
+    metrics.fold()  # idle since: one fold short of its forget
+    taken = metrics.of_endpoint("e1", 7)  # a call begins
+    metrics.fold()  # ... and awaits, nothing counted yet
+    taken.observe_request("ok", 0.2, 100, 0, 50)
+    metrics.fold()
+    assert _samples(registry)[("requests_total", (("endpoint_id", "e1"), ("organization_id", "7"),
+                                                  ("status", "ok")))] == 2
