@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from django.utils import timezone
 
-from billing import usage_journal
+from billing import usage_journal, usage_writer
 from billing.ledger import UsageReport
 from billing.models import BillingMode, UsageRecord
 from billing.usage_journal import REJECTED_NAME, UsageJournal, decode, encode, read_segment
@@ -70,13 +70,26 @@ def _without_mode(line: bytes) -> bytes:
     return json.dumps(row).encode() + b"\n"
 
 
+def _replayed(settings, journal_dir: Path) -> int:
+    """A replay of the journal in `journal_dir` by this loop's writer: how many lines it left."""
+    settings.USAGE_JOURNAL_DIR = str(journal_dir)
+    usage_writer.journal.cache_clear()
+
+    async def replay():
+        return await asyncio.wait_for(usage_writer.writer_for_this_loop().replay(), 10)
+
+    try:
+        return asyncio.run(replay())
+    finally:
+        usage_writer.journal.cache_clear()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_journal_replayed_after_switches_of_mode_bills_each_call_in_the_mode_it_was_admitted_under(
         settings, tmp_path):
     """Before, a line without the mode (a journal of gateways before reports carried it) took the mode of the replay:
     a call admitted postpaid before a switch to prepaid was drawn from credit and never invoiced. It takes the mode in
     effect when the call started, from the switches' audit; a line that says its mode keeps it."""
-    from billing import usage_writer
     from billing.services import set_billing_mode
     from controlplane.accounts.services import SYSTEM
 
@@ -98,16 +111,7 @@ def test_a_journal_replayed_after_switches_of_mode_bills_each_call_in_the_mode_i
     journal_dir.mkdir()
     (journal_dir / "gone-1-1.jsonl").write_bytes(
         b"".join(_without_mode(encode(report)) for report in (before, between, after)) + encode(said))
-    settings.USAGE_JOURNAL_DIR = str(journal_dir)
-    usage_writer.journal.cache_clear()
-
-    async def replay():
-        return await asyncio.wait_for(usage_writer.writer_for_this_loop().replay(), 10)
-
-    try:
-        assert asyncio.run(replay()) == 0  # none left
-    finally:
-        usage_writer.journal.cache_clear()
+    assert _replayed(settings, journal_dir) == 0  # none left
     assert dict(UsageRecord.objects.values_list("request_id", "billing_mode")) == {
         "before-the-switches": BillingMode.POSTPAID, "between-the-switches": BillingMode.PREPAID,
         "after-the-switches": BillingMode.PREPAID, "says-its-mode": BillingMode.POSTPAID}
@@ -118,24 +122,13 @@ def test_a_journal_line_postgresql_refuses_for_a_lone_surrogate_is_set_aside_and
         settings, tmp_path):
     """Before, msgspec raised UnicodeEncodeError on the line in Python, not the DataError the replay sets aside: the
     replay failed on every try, the journal grew until full, then the gateway refused calls."""
-    from billing import usage_writer
-
     endpoint = EndpointFactory()
     refused = dataclasses.replace(usage_report(endpoint, request_id="refused"), replica_id="r\ud800")
     journal_dir = tmp_path / "journal"
     journal_dir.mkdir()
     (journal_dir / "gone-1-1.jsonl").write_bytes(encode(refused))
     (journal_dir / "gone-1-2.jsonl").write_bytes(encode(usage_report(endpoint, request_id="next")))
-    settings.USAGE_JOURNAL_DIR = str(journal_dir)
-    usage_writer.journal.cache_clear()
-
-    async def replay():
-        return await asyncio.wait_for(usage_writer.writer_for_this_loop().replay(), 10)
-
-    try:
-        assert asyncio.run(replay()) == 0  # none left
-    finally:
-        usage_writer.journal.cache_clear()
+    assert _replayed(settings, journal_dir) == 0  # none left
     assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["next"]
     assert sorted(path.name for path in journal_dir.iterdir()) == [REJECTED_NAME]
     assert [report.request_id for report in read_segment((journal_dir / REJECTED_NAME).open("rb"))] == ["refused"]

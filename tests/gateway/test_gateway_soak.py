@@ -93,19 +93,26 @@ def test_a_body_that_stops_coming_mid_way_is_cut_with_a_408_and_its_connection_c
     assert all(b'"code": "upload_too_slow"' in answer for answer in answers), answers[0][-300:]
 
 
+def _num_logged_as_errors_once_seen(child, num_gone: int) -> int:
+    """How many of `num_gone` clients that left mid-body the gateway logged as an error (with a traceback), once it has
+    logged each, as gone (499) or as an error."""
+
+    def num_logged(text: str) -> int:
+        return child.log_text().count(text)
+
+    wait_until(lambda: num_logged('" 499 ') + num_logged("Exception in ASGI application") == num_gone, 15,
+               message=f"the gateway to see the {num_gone} clients go")
+    return num_logged("Exception in ASGI application")
+
+
 def test_clients_that_leave_mid_body_are_logged_as_gone_not_as_errors(soak_gateway, tenant):
     child, base_url = soak_gateway
     for key in (tenant.key, "ip_000000000000_wrong"):  # a body kept, and a refused caller's body read to be dropped
         for _ in range(10):
             _raw_post(base_url, key, b'{"model": "m", "messages": []}', num_bytes_sent=5).close()
 
-    def num_logged(text: str) -> int:
-        return child.log_text().count(text)
-
-    wait_until(lambda: num_logged('" 499 ') + num_logged("Exception in ASGI application") == 20, 15,
-               message="the gateway to see the 20 clients go")
     # before: each was a CancelledError, logged by uvicorn as an error with its traceback
-    assert num_logged("Exception in ASGI application") == 0
+    assert _num_logged_as_errors_once_seen(child, 20) == 0
 
 
 def test_clients_that_leave_mid_body_on_the_files_and_batch_apis_are_logged_as_gone_not_as_errors(soak_gateway):
@@ -115,12 +122,7 @@ def test_clients_that_leave_mid_body_on_the_files_and_batch_apis_are_logged_as_g
     for path in ("/v1/files", "/v1/batches", "/v1/files", "/v1/batches"):
         _raw_post(base_url, "ip_000000000000_wrong", b'{"purpose": "batch"}' * 50, num_bytes_sent=5, path=path).close()
 
-    def num_logged(text: str) -> int:
-        return child.log_text().count(text)
-
-    wait_until(lambda: num_logged('" 499 ') + num_logged("Exception in ASGI application") == 4, 15,
-               message="the gateway to see the 4 clients go")
-    assert num_logged("Exception in ASGI application") == 0
+    assert _num_logged_as_errors_once_seen(child, 4) == 0
 
 
 def test_a_refused_caller_that_drips_its_body_is_answered_and_cut_off(soak_gateway):
