@@ -175,7 +175,7 @@ class WeightsCache:
         with contextlib.ExitStack() as stack:
             try:
                 if parsed.kind == "s3":
-                    client = s3_client(access, source, default_endpoint_url=self.s3_endpoint_url)
+                    client = stack.enter_context(s3_client(access, source, default_endpoint_url=self.s3_endpoint_url))
                     files = select(weights_sources.s3_listing(client, parsed, source, stop=stop))
                     fingerprint = json.dumps(sorted((f.location, f.size_bytes, f.etag) for f in files))
                 else:  # a branch moves: key by the commit it points at now
