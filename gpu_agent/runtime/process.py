@@ -147,30 +147,73 @@ def is_replica_process(pid: int, replica_id: str) -> bool:
         return False
 
 
+# What one log of an engine, the standby or the zygote takes on the disk (`keep_log_within`), and how much of the end
+# of a log `log_tail` looks at for a failure's last lines.
+MAX_LOG_BYTES = 8 * 1024 * 1024
+TAIL_BYTES = 64 * 1024
+
+
 def log_tail(log_path: Path, num_lines: int) -> str:
-    """The last lines an engine wrote, for a failure's reason."""
-    try:
-        with open(log_path, "rb") as log:
-            log.seek(0, os.SEEK_END)
-            log.seek(max(0, log.tell() - 64 * 1024))
-            lines = log.read().decode(errors="replace").splitlines()
-    except OSError:
+    """The last lines an engine wrote, for a failure's reason: from its log, and from the end of the part kept aside
+    (`<name>.1`) when the log was started afresh only a little while ago."""
+    data = _last_bytes(log_path, TAIL_BYTES)
+    if data is None:
         return ""
+    if len(data) < TAIL_BYTES:
+        data = (_last_bytes(_kept_aside(log_path), TAIL_BYTES - len(data)) or b"") + data
+    lines = data.decode(errors="replace").splitlines()
     return "\n".join(lines[-num_lines:])
 
 
-def keep_log_within(log_path: Path, max_bytes: int) -> None:
-    """Start `log_path` afresh once it is past `max_bytes`, its previous content kept as `<name>.1` (the one
-    before that goes). For a log appended to by process after process of the agent's life (the standby's, the
-    zygote's), called before the next one opens it.
+def _last_bytes(path: Path, num_bytes: int) -> bytes | None:
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - num_bytes))
+            return log.read(num_bytes)
+    except OSError:
+        return None
+
+
+def _kept_aside(log_path: Path) -> Path:
+    return log_path.with_name(f"{log_path.name}.1")
+
+
+def keep_log_within(log_path: Path, max_bytes: int = MAX_LOG_BYTES) -> None:
+    """Start `log_path` afresh once it is past `max_bytes`, its last `max_bytes` (from a line's start) kept as
+    `<name>.1` (the one before that goes). Called before a standby or zygote spawns, and every second for each live
+    engine's log and theirs (`Supervisor.keep_logs_within`).
+
+    The log may be written meanwhile: every writer appends (O_APPEND: `spawn`'s log, the standby's and a handed-off
+    engine's `os.open`), so the file is cut to nothing in place, never renamed, and the writer's next line lands at its
+    new start. The writer writes to the file itself, never through a pipe the agent must drain, so it never waits on
+    the agent; what it appends between the read of the end and the cut (microseconds) is lost.
 
     NOTE: the standby's log took a header and what each standby wrote while importing, one standby per cold
-    start, and nothing ever removed or rotated it: it grew for as long as the node ran."""
+    start, and nothing ever removed or rotated it: it grew for as long as the node ran. A replica's log, written by
+    its engine for as long as it ran (a chatty engine, a tenant's model printing at every request), grew until the
+    replica ended."""
     try:
-        if log_path.stat().st_size > max_bytes:
-            os.replace(log_path, log_path.with_name(f"{log_path.name}.1"))
-    except OSError:  # none yet, or it cannot be moved: appended to as before
-        pass
+        if log_path.stat().st_size <= max_bytes:
+            return
+        with open(log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            start = max(0, log.tell() - max_bytes)
+            log.seek(start)
+            # NOTE: at most twice the bound: a writer as fast as this read never keeps it reading
+            data = log.read(2 * max_bytes)[-max_bytes:]
+            os.truncate(log_path, 0)  # at once after the read: what comes between is lost
+    except OSError:  # none yet, or it cannot be read or cut: appended to as before
+        return
+    if start or len(data) == max_bytes:
+        first_line_end = data.find(b"\n")
+        data = data[first_line_end + 1 :] if 0 <= first_line_end < len(data) - 1 else data
+    aside = log_path.with_name(f"{log_path.name}.1.partial")
+    try:
+        aside.write_bytes(data)
+        os.replace(aside, _kept_aside(log_path))
+    except OSError:  # a full disk: the log was cut all the same, which is what frees it
+        aside.unlink(missing_ok=True)
 
 
 def timestamp() -> str:

@@ -162,18 +162,19 @@ class Reconciler:
                 pull.progress = f"loading weights {pull.progress_percent:.0f}%"
 
         fetch_from = time.monotonic()
-        pinned: list[Path] = []  # unpinned again if the engine does not start
+        # Unpinned again if the engine does not start. NOTE: each fetch pins its copy before it returns (`pin=True`):
+        # pinned here after it, a copy could be evicted in between by another pull making room.
+        pinned: list[Path] = []
         try:
             path = self.weights.fetch(
-                spec.model_source, access=SourceAccess.for_replica(spec), on_progress=on_progress, stop=pull.stop
+                spec.model_source, access=SourceAccess.for_replica(spec), on_progress=on_progress, stop=pull.stop,
+                pin=True,
             )
-            self.weights.pin(path)
             pinned.append(path)
             if needs_draft(spec):  # fetched like the weights, with the same access rules
                 draft = self.weights.fetch(
-                    spec.speculative.draft_source, access=SourceAccess.for_draft(spec), stop=pull.stop
+                    spec.speculative.draft_source, access=SourceAccess.for_draft(spec), stop=pull.stop, pin=True
                 )
-                self.weights.pin(draft)
                 pinned.append(draft)
                 spec = with_local_draft(spec, draft)
             pull.download_s = round(time.monotonic() - fetch_from, 3)

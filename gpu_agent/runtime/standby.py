@@ -62,7 +62,7 @@ from gpu_agent.runtime.engine import (
 )
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.engine_main import SERVER_MODULE
-from gpu_agent.runtime.process import keep_log_within
+from gpu_agent.runtime.process import MAX_LOG_BYTES, keep_log_within
 from gpu_agent.runtime.reaper import REAPER_MODULE, runs_under_reaper
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,6 @@ STANDBY_MODULE = "gpu_agent.runtime.standby_process"
 # Reserved width of the replica marker in a standby's environment block.
 MARKER_WIDTH = 128
 STANDBY_MARKER_VALUE = "standby".ljust(MARKER_WIDTH, "_")
-# Its log (the zygote's too) is started afresh past this, the previous one kept (`process.keep_log_within`).
-MAX_LOG_BYTES = 8 * 1024 * 1024
 READY_LINE = b"ready\n"  # what the standby process writes on its stdout once warm
 REFUSED_PREFIX = b"refused: "  # ... or, followed by the reason, when it may not become an engine
 EXIT_CUDA_INITIALISED = 78  # its exit status then (EX_CONFIG): CUDA was initialised before the handoff

@@ -5,7 +5,8 @@ never blocks for long: launch, health check (STARTING -> READY), metrics scrape,
 restart after a crash with exponential backoff, FAILED after too many crashes,
 drain (DRAINING -> SIGTERM -> SIGKILL -> STOPPED). The monitor thread calls
 `poll()` about once a second, ten times a second while an engine starts or is being stopped. A second
-thread bounds what engines keep on the disk (`check_disk`, `engine_disk.py`), away from the health checks.
+thread bounds what engines keep on the disk (`check_disk`, `engine_disk.py`; their logs, `keep_logs_within`), away
+from the health checks.
 
 Scale to zero is on the clock (issue #17: zero replicas within the idle timeout + 5 s), so a drain
 acts at once (`drain` wakes the monitor), an idle engine is stopped without a drain wait: SIGTERM
@@ -120,6 +121,9 @@ class SupervisorPolicy:
     sleep_call_timeout_s: float = 120.0
     kill_children_on_agent_death: bool = True  # PR_SET_PDEATHSIG on Linux
     num_log_lines_in_reason: int = 20
+    # Each log an engine (or the standby, or the zygote) appends to is started afresh past this, its last part kept
+    # as `<name>.1` (`process.keep_log_within`, every `start_monitor` interval).
+    max_log_bytes: int = process.MAX_LOG_BYTES
     # A used standby is replaced once no engine has been starting for this long.
     standby_refill_quiet_s: float = 2.0
     # A replica due while the standby is still importing waits for it (it is ready sooner than a
@@ -373,6 +377,7 @@ class Supervisor:
                             and path.name not in STANDING_LOGS), key=lambda path: path.stat().st_mtime, reverse=True)
             for path in ended[KEPT_ENDED_LOGS:]:
                 path.unlink(missing_ok=True)
+                path.with_name(f"{path.name}.1").unlink(missing_ok=True)  # its part kept aside (`keep_logs_within`)
         except OSError:
             logger.warning("could not prune the engines' logs", exc_info=True)
 
@@ -424,10 +429,11 @@ class Supervisor:
         def check_disk_loop() -> None:
             # NOTE: its own thread: a walk of many files must never hold up the health checks of engines starting.
             while not self._stop_monitor.wait(interval_s):
-                try:
-                    self.check_disk()
-                except Exception:
-                    logger.exception("supervisor disk check failed")
+                for check in (self.keep_logs_within, self.check_disk):
+                    try:
+                        check()
+                    except Exception:
+                        logger.exception("supervisor disk check failed")
 
         self._monitor = threading.Thread(target=loop, name="supervisor", daemon=True)
         self._monitor.start()
@@ -616,6 +622,16 @@ class Supervisor:
         launch holds: what it does not name now, no engine uses until that lock is let go."""
         return {sandbox.folder_name(replica.spec.endpoint_id) for replica in self._replicas.values()
                 if not replica.is_final}  # fmt: skip
+
+    def keep_logs_within(self) -> None:
+        """Bound the logs being written now: each live engine's, the standby's and the zygote's
+        (`SupervisorPolicy.max_log_bytes`, `process.keep_log_within`). A log is cut outside the lock (a copy of its end
+        to `<name>.1`), from the disk thread: an engine writing fast takes at most the bound twice, and what it
+        writes in one interval of that thread, on the node's disk."""
+        with self._lock:
+            live = [replica.log_path for replica in self._replicas.values() if replica.pid is not None]
+        for log_path in [*live, *(self.logs_dir / name for name in sorted(STANDING_LOGS))]:
+            process.keep_log_within(log_path, self.policy.max_log_bytes)
 
     def check_disk(self) -> None:
         """Bound what engines keep on the node's disk (`engine_disk.py`), every second on a thread of its own.

@@ -124,7 +124,8 @@ class WeightsCache:
     # -- public ---------------------------------------------------------------
 
     def fetch(
-        self, source: str, *, access: SourceAccess | None = None, on_progress=None, stop: threading.Event | None = None
+        self, source: str, *, access: SourceAccess | None = None, on_progress=None, stop: threading.Event | None = None,
+        pin: bool = False,
     ) -> Path:
         """Return a local directory holding the model, downloading it if needed.
 
@@ -132,8 +133,13 @@ class WeightsCache:
         anonymous, shared). `on_progress(downloaded_bytes, size_bytes)` is called while downloading;
         once `stop` is set the download ends with `FetchStopped` and its disk reservation is released.
         Failures a customer may see are `WeightsError`s, whose messages carry no secrets.
+
+        With `pin` the copy comes back pinned (`unpin` it once its engine is gone or its launch abandoned): pinned
+        under its key's lock, which eviction needs too, so no eviction comes between the fetch and the pin; a fetch
+        that raises holds no pin. NOTE: pinned by the caller after the fetch returned, a copy was evicted in between
+        by another pull making room, and its replica's launch failed on the removed folder.
         """
-        return self._fetch(source, access or SourceAccess(), weights_formats.fetched, "", on_progress, stop)
+        return self._fetch(source, access or SourceAccess(), weights_formats.fetched, "", on_progress, stop, pin)
 
     def fetch_adapter(
         self, source: str, *, access: SourceAccess | None = None, stop: threading.Event | None = None
@@ -159,13 +165,30 @@ class WeightsCache:
 
         return self._fetch(source, access or SourceAccess(), select, ADAPTER_KIND, None, stop)
 
-    def _fetch(self, source: str, access: SourceAccess, select, kind: str, on_progress, stop) -> Path:
+    def _fetch(self, source: str, access: SourceAccess, select, kind: str, on_progress, stop, pin: bool = False) -> Path:
         """`fetch` for the files `select` keeps of a listing; `kind` ("" for a model) keeps each kind's copies apart."""
+        pins: list[Path] | None = [] if pin else None
+        try:
+            return self._fetch_pinning(source, access, select, kind, on_progress, stop, pins)
+        except BaseException:
+            for path in pins or ():  # pinned, then failed on the way out: no pin outlives a failed fetch
+                self.unpin(path)
+            raise
+
+    def _pin_for(self, pins: list[Path] | None, path: Path) -> None:
+        """Pin `path` for a fetch asked to (`pins` is None otherwise), noting it for `_fetch` to undo on a failure."""
+        if pins is not None:
+            self.pin(path)
+            pins.append(path)
+
+    def _fetch_pinning(self, source: str, access: SourceAccess, select, kind: str, on_progress, stop,
+                       pins: list[Path] | None) -> Path:
         parsed = ModelSource.parse(source)
         if parsed.kind == "local":
             path = check_local_model_dir(parsed.location, self.private_dirs)
             with self._mutex:
                 self._local_models[(source, access.scope)] = path
+            self._pin_for(pins, path)  # never evicted, but pinned all the same: its caller unpins what it fetched
             return path
         if parsed.kind == "s3":
             endpoint = s3_endpoint_for(access, self.s3_endpoint_url)
@@ -175,7 +198,7 @@ class WeightsCache:
         with contextlib.ExitStack() as stack:
             try:
                 if parsed.kind == "s3":
-                    client = s3_client(access, source, default_endpoint_url=self.s3_endpoint_url)
+                    client = stack.enter_context(s3_client(access, source, default_endpoint_url=self.s3_endpoint_url))
                     files = select(weights_sources.s3_listing(client, parsed, source, stop=stop))
                     fingerprint = json.dumps(sorted((f.location, f.size_bytes, f.etag) for f in files))
                 else:  # a branch moves: key by the commit it points at now
@@ -188,8 +211,12 @@ class WeightsCache:
                 cached = self._index.newest(source, access.scope, endpoint_digest, kind=kind)
                 if cached is None:
                     raise
-                logger.warning("cannot reach the store of %s; using the cached copy %s", source, cached.name)
-                self._index.touch(cached.name)
+                with self._index.key_lock(cached.name):
+                    if not self._index.is_complete(cached.name):  # evicted since it was found
+                        raise
+                    logger.warning("cannot reach the store of %s; using the cached copy %s", source, cached.name)
+                    self._index.touch(cached.name)
+                    self._pin_for(pins, cached)
                 with self._mutex:
                     self.num_hits += 1
                 return cached
@@ -200,6 +227,7 @@ class WeightsCache:
                 path = self.root / key
                 if self._index.is_complete(key):
                     self._index.touch(key)
+                    self._pin_for(pins, path)
                     with self._mutex:
                         self.num_hits += 1
                     return path
@@ -227,6 +255,7 @@ class WeightsCache:
                     if kind:
                         manifest["kind"] = kind
                     self._index.write_manifest(key, manifest)
+                    self._pin_for(pins, path)  # NOTE: before the key's lock goes: eviction takes it first
                     with self._mutex:
                         self.num_downloads += 1
                 finally:

@@ -43,7 +43,7 @@ _ROLE_SESSION_NAME = "inferplane-weights"
 # that starts on a cached client never runs out of time.
 _ROLE_CLIENT_LIFETIME_S = 15 * 60
 _MAX_CLIENTS = 64
-_clients: OrderedDict[tuple, tuple[object, float]] = OrderedDict()
+_clients: OrderedDict[tuple, _CachedClient] = OrderedDict()
 _clients_lock = threading.Lock()
 # The node's own AWS account by the access key id of its credentials (STS GetCallerIdentity, asked once per key).
 _MAX_NODE_ACCOUNTS = 16
@@ -157,32 +157,67 @@ def s3_endpoint_for(access: SourceAccess, default_endpoint_url: str | None) -> s
     ) or default_endpoint_url
 
 
-def s3_client(access: SourceAccess, source: str, *, default_endpoint_url: str | None):
-    """The process's client for exactly the credentials `access` allows (made once, then shared).
+@contextlib.contextmanager
+def s3_client(access: SourceAccess, source: str, *, default_endpoint_url: str | None) -> Iterator[object]:
+    """The process's client for exactly the credentials `access` allows (made once, then shared), lent for the
+    `with` block.
 
     boto3 clients are thread-safe and hold the connection pool, so every fetch and every download
     thread reading with the same credentials from the same store shares one. Clients are keyed by
     a digest of the credentials (never the secrets themselves); a client signed with an assumed
-    role's temporary keys is replaced before those expire.
+    role's temporary keys is replaced before those expire. A client dropped from the cache (past
+    `_MAX_CLIENTS`, or replaced) is closed at once, or by the last block still using it.
+
+    NOTE: dropped and left to the garbage collector (a boto3 client is a web of cycles), its pooled
+    connections stayed open, a socket each, for as long as the collector took to find it.
     """
     credentials = access.credentials_of_kind("s3", source)
     endpoint_url = s3_endpoint_for(access, default_endpoint_url)
     region = (credentials.region if credentials else "") or None
     identity = _client_identity(access, credentials, endpoint_url, region)
     with _clients_lock:
-        cached = _clients.get(identity)
-        if cached is not None and cached[1] > time.monotonic():
+        lent = _clients.get(identity)
+        if lent is not None and lent.expires_at > time.monotonic():
             _clients.move_to_end(identity)
-            return cached[0]
-    if credentials is not None and credentials.endpoint_url and credentials.endpoint_url != default_endpoint_url:
-        check_store_address(credentials.endpoint_url, source)  # the node's own store is the operator's
-    client, lifetime_s = _new_s3_client(access, credentials, endpoint_url, region, source)
-    with _clients_lock:
-        _clients[identity] = (client, time.monotonic() + lifetime_s)
-        _clients.move_to_end(identity)
-        while len(_clients) > _MAX_CLIENTS:  # dropped, not closed: a download may still be using it
-            _clients.popitem(last=False)
-    return client
+            lent.num_users += 1
+        else:
+            lent = None
+    if lent is None:
+        if credentials is not None and credentials.endpoint_url and credentials.endpoint_url != default_endpoint_url:
+            check_store_address(credentials.endpoint_url, source)  # the node's own store is the operator's
+        client, lifetime_s = _new_s3_client(access, credentials, endpoint_url, region, source)
+        lent = _CachedClient(client, time.monotonic() + lifetime_s, num_users=1)
+        with _clients_lock:
+            dropped = [_clients.pop(identity, None)]
+            _clients[identity] = lent
+            while len(_clients) > _MAX_CLIENTS:
+                dropped.append(_clients.popitem(last=False)[1])
+            to_close = [old for old in dropped if old is not None and old.drop()]
+        for old in to_close:
+            old.client.close()
+    try:
+        yield lent.client
+    finally:
+        with _clients_lock:
+            lent.num_users -= 1
+            close = lent.dropped and lent.num_users == 0
+        if close:
+            lent.client.close()
+
+
+@dataclass(slots=True)
+class _CachedClient:
+    """One cached S3 client, how many `with` blocks use it now, and whether the cache has let it go."""
+
+    client: object
+    expires_at: float
+    num_users: int = 0
+    dropped: bool = False
+
+    def drop(self) -> bool:
+        """Under `_clients_lock`: let it go; True when nobody uses it, so the caller closes it now."""
+        self.dropped = True
+        return self.num_users == 0
 
 
 def _client_identity(access: SourceAccess, credentials, endpoint_url, region) -> tuple:

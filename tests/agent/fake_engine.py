@@ -46,6 +46,8 @@ parser.add_argument("--try-neighbour", default="", help="JSON {pid, shm}: log wh
 parser.add_argument("--try-shm-bytes", type=int, default=0, help="log how much of this it could write in /dev/shm")
 parser.add_argument("--try-shm-files", type=int, default=0, help="log how many of these empty files it could make there")
 parser.add_argument("--try-namespaces", action="store_true", help="log whether it could make a user namespace")
+parser.add_argument("--chatter-bytes", type=int, default=0, help="write this many bytes of numbered log lines")
+parser.add_argument("--chatter-bytes-per-s", type=int, default=0, help="... at this rate (0: as fast as it can)")
 parser.add_argument("--relay-processes", action="store_true", help="a process forking and exiting, its child too")
 args, _ = parser.parse_known_args()
 
@@ -196,6 +198,27 @@ if args.relay_processes:  # a hostile engine's way to keep what it holds on no p
     threading.Thread(target=reap, daemon=True).start()
 for line in args.log_line:
     print(line, flush=True)
+
+
+def chatter() -> None:
+    """A chatty engine: numbered lines straight to its stdout (the log the agent gave it), then how long its slowest
+    write took (a write blocked on a reader that does not keep up shows there)."""
+    written, number, slowest_s, began = 0, 0, 0.0, time.monotonic()
+    while written < args.chatter_bytes:
+        batch = b"".join(f"chatter line {number + index:09d} {'.' * 72}\n".encode() for index in range(256))
+        number += 256
+        before = time.monotonic()
+        os.write(1, batch)
+        slowest_s = max(slowest_s, time.monotonic() - before)
+        written += len(batch)
+        if args.chatter_bytes_per_s:
+            time.sleep(max(0.0, began + written / args.chatter_bytes_per_s - time.monotonic()))
+    os.write(1, f"chatter done: {written} bytes in {number} lines, {time.monotonic() - began:.2f} s, "
+                f"slowest write {slowest_s * 1000:.1f} ms\n".encode())
+
+
+if args.chatter_bytes:
+    threading.Thread(target=chatter, daemon=True).start()
 # A hostile tenant's two replicas: one passes the other a file of its /dev/shm.
 PASS_SOCKET = "inferplane-pass.sock"
 

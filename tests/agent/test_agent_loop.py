@@ -382,7 +382,7 @@ def test_reports_weight_loading_progress_while_fetching(control_plane, running_a
     release = threading.Event()
     agent, _stop, _thread = running_agent()
 
-    def slow_fetch(source, *, access=None, on_progress=None, stop=None):
+    def slow_fetch(source, *, access=None, on_progress=None, stop=None, pin=False):
         on_progress(40, 100)
         release.wait(20)
         return model

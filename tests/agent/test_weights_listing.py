@@ -111,9 +111,9 @@ def test_a_listing_whose_headers_drip_is_refused_at_its_deadline(store):
     # Before, the deadline was looked at between the body's reads only: headers a byte a second (each read well inside
     # botocore's 60 s read timeout) held the listing for as long as the store went on.
     fake = store(lambda _: (_page(), 1.0), drip_headers=True)
-    client = s3_client(SourceAccess(), "s3://b/m", default_endpoint_url=fake.url)
     started = time.monotonic()
-    with pytest.raises(SourceUnreadable, match="cannot list s3://b/m: listing it took longer than 1 s"):
+    with (s3_client(SourceAccess(), "s3://b/m", default_endpoint_url=fake.url) as client,
+          pytest.raises(SourceUnreadable, match="cannot list s3://b/m: listing it took longer than 1 s")):
         weights_sources.s3_listing(client, ModelSource.parse("s3://b/m"), "s3://b/m", timeout_s=1.0)
     assert time.monotonic() - started < 5
 

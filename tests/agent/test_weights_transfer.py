@@ -47,7 +47,8 @@ def upload_multipart(s3, bucket: str, key: str, body: bytes, part_size: int = 5 
 
 def shared_client(endpoint: str):
     """The client every anonymous fetch from `endpoint` in this process uses."""
-    return weights_access.s3_client(SourceAccess(), "s3://any", default_endpoint_url=endpoint)
+    with weights_access.s3_client(SourceAccess(), "s3://any", default_endpoint_url=endpoint) as client:
+        return client  # NOTE: still cached after the block: the fetches that follow are lent the same one
 
 
 class GetCounter:
@@ -192,9 +193,10 @@ def test_one_client_per_process_and_credentials_serves_every_fetch(s3_endpoint):
     anonymous = shared_client(s3_endpoint)
     assert shared_client(s3_endpoint) is anonymous
     creds = SourceCredentials(kind="s3", access_key_id="AKIAEXAMPLE", secret_access_key="s3cr3t-value")
-    signed = weights_access.s3_client(SourceAccess(credentials=creds), "s3://b", default_endpoint_url=s3_endpoint)
-    assert signed is not anonymous
-    assert weights_access.s3_client(SourceAccess(credentials=creds), "s3://c", default_endpoint_url=s3_endpoint) is signed
+    with weights_access.s3_client(SourceAccess(credentials=creds), "s3://b", default_endpoint_url=s3_endpoint) as signed:
+        assert signed is not anonymous
+    with weights_access.s3_client(SourceAccess(credentials=creds), "s3://c", default_endpoint_url=s3_endpoint) as again:
+        assert again is signed
     assert "s3cr3t-value" not in repr(list(weights_access._clients))  # keyed by a digest, never the secret
 
 
