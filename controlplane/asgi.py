@@ -13,7 +13,10 @@ from django.core.handlers.asgi import ASGIHandler
 from django.db import connections
 from django.urls import reverse
 
+from controlplane import database_pool
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+database_pool.use_in_this_process()  # NOTE: before the settings are read: the web process pools its connections
 django.setup(set_prefix=False)
 
 
@@ -26,6 +29,7 @@ class RequestThreadsClosingConnections(ASGIHandler):
     collection, every few hundred requests): a web process held one idle PostgreSQL session per request since
     (`tests/test_web_process_leaks.py`). The context entered here is the request's (Django's own, nested, adds
     none), so the closing runs in that same thread, after the view (and a cancelled request's view) is done.
+    With the pool (`controlplane.database_pool`), closing hands the connection back to it, open, for the next request.
     """
 
     async def __call__(self, scope, receive, send):

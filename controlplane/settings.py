@@ -21,7 +21,7 @@ from pathlib import Path
 from cryptography.fernet import Fernet
 from kombu import Exchange, Queue
 
-from controlplane import embedded
+from controlplane import database_pool, embedded
 from controlplane.env import (
     ImproperlyConfiguredEnv,
     env_aws_account_ids,
@@ -176,7 +176,21 @@ TEMPLATES = [
 # --- state of record and broker ------------------------------------------------
 DATABASES = {"default": parse_database_url(DATABASE_URL)}
 DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
+# With the pool: each connection is checked as the pool hands it out.
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# The web process's pool (`controlplane.database_pool`; no other process pools). NOTE: per web process (each of
+# `WEB_CONCURRENCY`): `DATABASE_POOL_MAX_SIZE` x processes x replicas must fit PostgreSQL's `max_connections` (or
+# PgBouncer's `max_client_conn`) beside the workers'. A request that finds every connection taken for
+# `DATABASE_POOL_TIMEOUT_S` is answered 503 (`database_pool.server_error`). 0 turns the pool off.
+DATABASE_POOL = database_pool.pool_options(
+    min_size=env_int("DATABASE_POOL_MIN_SIZE", 2, minimum=0, maximum=100),
+    max_size=env_int("DATABASE_POOL_MAX_SIZE", 20, minimum=0, maximum=500),
+    max_idle_s=env_float("DATABASE_POOL_MAX_IDLE_S", 300.0, minimum=1.0),
+    timeout_s=env_float("DATABASE_POOL_TIMEOUT_S", 5.0, minimum=0.1),
+)
+if DATABASE_POOL is not None:
+    DATABASES["default"]["CONN_MAX_AGE"] = 0  # NOTE: Django refuses a pool with persistent connections
+    DATABASES["default"]["OPTIONS"]["pool"] = DATABASE_POOL
 # DATABASE_POOLER=transaction: DATABASE_URL points at PgBouncer in transaction mode, where each
 # transaction may run on another server connection. So no server-side prepared statements (psycopg's
 # `prepare_threshold` None, Django's default, made explicit and not overridable) and no server-side

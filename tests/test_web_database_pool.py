@@ -1,0 +1,264 @@
+"""The web process's PostgreSQL connections come from a pool (`controlplane.database_pool`): requests reuse a few open
+connections instead of each opening its own, a connection PostgreSQL cut is replaced before a request gets it, a
+request that fails mid-transaction hands its connection back clean, and a request that finds every connection taken
+is refused with a 503 soon instead of waiting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from django.db import connection
+
+from controlplane.accounts.models import Role
+from controlplane.accounts.services import SYSTEM
+from endpoints.fleet.services import create_join_token
+from gpu_agent.protocol import Heartbeat
+from tests.conftest import start_web_server, wait_until
+from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
+from tests.outages import terminate_backends
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+POOL_MAX_SIZE = 3
+POOL_ENV = {"DATABASE_POOL_MIN_SIZE": "1", "DATABASE_POOL_MAX_SIZE": str(POOL_MAX_SIZE)}
+NUM_REQUESTS = 30
+REGISTRATION = {
+    "name": "gpu-1",
+    "gpu_type": "cpu",
+    "num_gpus": 0,
+    "gpu_memory_mb": 8192,
+    "num_cpus": 2,
+    "memory_mb": 24000,
+    "agent_version": "0.1.0",
+    "supported_quantizations": ["none"],
+}
+# What production needs to start with debug mode off: then a refused request gets the project's error handlers
+# (`handler500`), not Django's debug page.
+PRODUCTION_ENV = {
+    "DJANGO_DEBUG": "0",
+    "DJANGO_SECRET_KEY": "k3y-" + "x9Q!z" * 12,
+    "INFERPLANE_ENCRYPTION_KEYS": "YnVpbGQtdGltZS1wbGFjZWhvbGRlci1uZXZlci11c2U=",
+    "ALLOWED_HOSTS": "127.0.0.1",
+    "SECURE_SSL_REDIRECT": "0",
+}
+
+
+def sessions_opened() -> int:
+    """Sessions PostgreSQL has started on the test database so far (each a backend forked for a connect)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute("SELECT sessions FROM pg_stat_database WHERE datname = current_database()")
+        return cursor.fetchone()[0]
+
+
+def sessions_in(state: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = %s "
+            "AND pid <> pg_backend_pid()",
+            [state],
+        )
+        return cursor.fetchone()[0]
+
+
+def sessions_waiting_for_a_lock() -> list[int]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return [row[0] for row in cursor.fetchall()]
+
+
+def table_locked_by_another_session(model) -> psycopg.Connection:
+    """A session of its own holding `model`'s table locked (ACCESS EXCLUSIVE: no read gets past) until closed."""
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    holder = psycopg.connect(**params)
+    holder.execute(f'LOCK TABLE "{model._meta.db_table}" IN ACCESS EXCLUSIVE MODE')
+    return holder
+
+
+@pytest.fixture
+def pooled_web(tmp_path):
+    child, base_url = start_web_server(tmp_path, extra_env=POOL_ENV)
+    yield base_url
+    child.stop()
+
+
+@pytest.fixture
+def console(client):
+    """A signed-in owner's cookies and one endpoint of theirs."""
+    organization = OrganizationFactory()
+    user = UserFactory()
+    MembershipFactory(organization=organization, user=user, role=Role.OWNER)
+    endpoint = EndpointFactory(organization=organization, name="mine")
+    client.force_login(user)
+    return {name: morsel.value for name, morsel in client.cookies.items()}, endpoint
+
+
+def test_sequential_console_api_and_agent_requests_open_no_more_connections_than_the_pool_holds(
+    pooled_web, console, owner_client
+):
+    """Before, each request's thread opened a connection of its own (a PostgreSQL backend forked, authenticated, closed
+    as the request ended): 30 requests opened 30 sessions and more."""
+    cookies, endpoint = console
+    token = create_join_token(SYSTEM, name="pool").plain
+    secret = httpx.post(f"{pooled_web}/agent/v1/register", json=REGISTRATION | {"join_token": token}).json()[
+        "node_secret"
+    ]
+    beat = Heartbeat(
+        agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000, replicas=[]
+    ).to_dict()
+    opened_before = sessions_opened()
+
+    for _ in range(NUM_REQUESTS // 3):
+        with httpx.Client(base_url=pooled_web, cookies=cookies) as browser:
+            assert browser.get(f"/console/endpoints/{endpoint.pk}/").status_code == 200
+        listed = httpx.get(
+            f"{pooled_web}/api/v1/endpoints/", headers={"authorization": f"Bearer {owner_client.plain_key}"}
+        )
+        assert listed.status_code == 200, listed.text
+        answer = httpx.post(
+            f"{pooled_web}/agent/v1/heartbeat", json=beat, headers={"authorization": f"Bearer {secret}"}
+        )
+        assert answer.status_code == 200, answer.text
+
+    assert sessions_opened() - opened_before <= POOL_MAX_SIZE
+
+
+def test_after_postgresql_cuts_every_session_the_next_requests_are_answered(pooled_web, owner_client):
+    """The pool checks a connection before it hands it out (`CONN_HEALTH_CHECKS`): one PostgreSQL cut (a restart, a
+    failover, an idle timeout) is replaced, so not even the first request after the cut fails."""
+    headers = {"authorization": f"Bearer {owner_client.plain_key}"}
+    for _ in range(POOL_MAX_SIZE):
+        assert httpx.get(f"{pooled_web}/api/v1/endpoints/", headers=headers).status_code == 200
+
+    assert terminate_backends() >= 1
+
+    statuses = [httpx.get(f"{pooled_web}/api/v1/endpoints/", headers=headers).status_code for _ in range(10)]
+    assert statuses == [200] * 10
+
+
+def test_a_request_that_fails_mid_transaction_hands_its_connection_back_clean(pooled_web, owner_client):
+    """A key's creation (its row and its audit event, one transaction) cancelled by PostgreSQL half-way: the request
+    fails, and its connection goes back to the pool rolled back, never left idle in its transaction."""
+    from controlplane.accounts.models import AuditEvent
+
+    headers = {"authorization": f"Bearer {owner_client.plain_key}"}
+    holder = table_locked_by_another_session(AuditEvent)
+    answers = []
+    creating = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                f"{pooled_web}/api/v1/keys/",
+                json={"name": "half-way", "scopes": ["inference"]},
+                headers=headers,
+                timeout=30,
+            )
+        )
+    )
+    creating.start()
+    try:
+        wait_until(
+            lambda: sessions_waiting_for_a_lock(),
+            20,
+            message="the key's creation to wait for the audit table",
+        )
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_cancel_backend(%s)", [sessions_waiting_for_a_lock()[0]])
+    finally:
+        holder.close()  # NOTE: at once: the debug error page reads the tables its frames' querysets name
+        creating.join(30)
+    assert answers and answers[0].status_code == 500
+
+    assert sessions_in("idle in transaction") == 0
+    assert sessions_in("idle in transaction (aborted)") == 0
+    listed = httpx.get(f"{pooled_web}/api/v1/keys/", headers=headers)
+    assert listed.status_code == 200
+    assert "half-way" not in listed.text  # rolled back
+
+
+def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_path, owner_client):
+    """Before, every request opened a connection of its own, however many were open: a request behind a stuck one
+    waited with it (here until the client gave up), and a burst could take PostgreSQL's `max_connections`."""
+    from endpoints.models import Endpoint
+
+    child, web = start_web_server(
+        tmp_path,
+        extra_env=PRODUCTION_ENV
+        | {"DATABASE_POOL_MIN_SIZE": "1", "DATABASE_POOL_MAX_SIZE": "1", "DATABASE_POOL_TIMEOUT_S": "1"},
+    )
+    headers = {"authorization": f"Bearer {owner_client.plain_key}"}
+    holder = table_locked_by_another_session(Endpoint)
+    answers = []
+    stuck = threading.Thread(
+        target=lambda: answers.append(httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=30))
+    )
+    stuck.start()
+    try:
+        wait_until(
+            lambda: sessions_waiting_for_a_lock(),
+            20,
+            message="the first request to hold the pool's connection",
+        )
+        refused = httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=10)
+    finally:
+        holder.close()
+        stuck.join(30)
+        child.stop()
+
+    assert refused.status_code == 503
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json() == {"detail": "The database is busy: try again shortly."}
+    assert answers[0].status_code == 200
+
+
+def _database_settings_of(entry: str, env: dict[str, str]) -> str:
+    """The default database's pool options, `CONN_MAX_AGE` and the pool's connection arguments as a process started
+    through `entry` (a module imported first) sees them, with production's settings and `env`."""
+    script = (
+        f"import {entry}\nimport django\ndjango.setup()\nfrom django.db import connection\n"
+        "pool = connection.pool\n"
+        "print(repr((connection.settings_dict['OPTIONS'].get('pool'), connection.settings_dict['CONN_MAX_AGE'], "
+        "pool and pool.kwargs.get('prepare_threshold', 'unset'))))"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG"}}
+    production = {k: v for k, v in PRODUCTION_ENV.items() if k != "SECURE_SSL_REDIRECT"} | {
+        "DATABASE_URL": "postgresql://u:p@db.internal:5432/inferplane",
+        "REDIS_URL": "redis://redis.internal:6379/0",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean | production | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"},
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_only_the_web_process_pools_its_connections():
+    """A Celery prefork worker forks its children, and a pool must never be shared across a fork; beat and
+    `manage.py` keep `CONN_MAX_AGE` too."""
+    pool = "{'name': 'web', 'min_size': 2, 'max_size': 20, 'max_idle': 300.0, 'timeout': 5.0}"
+    assert _database_settings_of("controlplane.asgi", {}) == f"({pool}, 0, None)"
+    assert _database_settings_of("controlplane.celery_app", {}) == "(None, 60, None)"
+    assert _database_settings_of("os", {"DATABASE_POOL_MAX_SIZE": "5"}) == "(None, 60, None)"
+    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "0"}) == "(None, 60, None)"
+
+
+def test_behind_pgbouncer_in_transaction_mode_the_pools_connections_prepare_no_statements():
+    settings_seen = _database_settings_of("controlplane.asgi", {"DATABASE_POOLER": "transaction"})
+    assert settings_seen.startswith("({'name': 'web'")
+    assert settings_seen.endswith(", 0, None)")  # prepare_threshold None, not psycopg's default of 5
