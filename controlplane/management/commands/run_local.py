@@ -120,6 +120,9 @@ class Command(BaseCommand):
         agents = (f"none (--no-agent); start one with: python -m gpu_agent run --cpu --control-plane {base_url} "
                   "--join-token <join_token in .data/demo.json>" if no_agent else
                   f"{settings.LOCAL_POOL_DIR}/<launch id>.log (started by the local node pool)")
+        # The sign-up page says "We sent a mail": without SMTP it is the web log that holds the link.
+        mail = (f"sent through {settings.EMAIL_HOST}" if settings.EMAIL_HOST else
+                f"printed to {logs_dir}/web.log (sign-up links, invitations; set EMAIL_HOST to send)")
         where = ("It waits for capacity until an agent registers." if no_agent else
                  "The `local` node pool launches a CPU agent for it within\na few seconds (Fleet page); "
                  "its replica is READY once that agent has started vLLM.")
@@ -132,6 +135,7 @@ Inferplane is running.
   API key     {demo.api_key}
   Logs        {logs_dir}/{{web,worker,beat}}.log
   Agent logs  {agents}
+  Mail        {mail}
 
   curl -H "Authorization: Bearer {demo.api_key}" {base_url}/api/v1/endpoints/
 
