@@ -18,6 +18,7 @@ from pathlib import Path
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
+from django.utils import timezone
 from django_otp.oath import TOTP
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
@@ -25,7 +26,9 @@ from controlplane.accounts.keys import find_api_key
 from controlplane.accounts.models import ApiKey, Organization
 from controlplane.accounts.services import SYSTEM
 from controlplane.accounts.signup import bootstrap_organization
+from endpoints.fleet.pool_release import release_stopped_machines
 from endpoints.fleet.pool_services import create_node_pool, update_node_pool
+from endpoints.fleet.providers import get_provider
 from endpoints.fleet.services import create_join_token
 from endpoints.models import Endpoint
 from endpoints.nodes.models import JoinToken, NodePool, PoolProvider
@@ -82,13 +85,19 @@ def host_engine_memory_mb() -> int:
 
 
 def seed_local_pool(*, enabled: bool) -> NodePool:
-    """The `local` pool, whose policy starts this machine's CPU agent; disabled (max 0) for `--no-agent`."""
+    """The `local` pool, whose policy starts this machine's CPU agent; disabled (max 0) for `--no-agent`.
+
+    Agents `make stop` stopped leave at once, their replicas replaced: their nodes were READY on record, and the
+    printed curl got 502 for about two minutes, until the sweeper judged them silent."""
     limits = DEMO_POOL_LIMITS if enabled else {"min_nodes": 0, "max_nodes": 0, "warm_nodes": 0}
     pool = NodePool.objects.filter(name=DEMO_POOL).first()
     if pool is None:
         return create_node_pool(SYSTEM, name=DEMO_POOL, gpu_type="cpu", provider=PoolProvider.LOCAL, template={},
                                 gpu_memory_mb=host_engine_memory_mb(), join_deadline_s=300, hourly_price=0, **limits)
-    return update_node_pool(SYSTEM, pool, **limits)
+    pool = update_node_pool(SYSTEM, pool, **limits)
+    release_stopped_machines(pool, get_provider(pool.provider), "its agent is not running (stopped by make stop?)",
+                             timezone.now())
+    return pool
 
 
 def seed_demo(data_dir: Path, *, local_pool: bool = True) -> DemoSecrets:

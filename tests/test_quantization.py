@@ -1,6 +1,8 @@
 """Quantization on the control plane: what each GPU type offers, the checkpoint a value needs (API and
 console), the weight memory placement reserves, and the engine's own report checked against it."""
 
+import re
+
 import pytest
 
 from controlplane.accounts.services import SYSTEM
@@ -21,6 +23,8 @@ from gpu_agent.protocol import (
     WeightsStatus,
     quantizations_for,
 )
+from gpu_agent.runtime.engine import QUANTIZATION_PLANS, device_kind
+from tests.conftest import REPO_ROOT
 from tests.factories import EndpointFactory
 from tests.test_agent_api import register
 
@@ -36,13 +40,37 @@ GIB = 1024
 def test_each_gpu_types_quantizations_follow_from_its_generation():
     for gpu in GPU_TYPES.values():
         assert gpu.quantizations == quantizations_for(gpu.compute_capability)
-    assert GPU_TYPES["cpu"].quantizations == ("none", "fp8_per_channel", "int8")
+    assert GPU_TYPES["cpu"].quantizations == ("none", "fp8_per_channel")
     # FP8 on the Ampere cards is weight-only (Marlin); Ada and Hopper quantize activations too.
     assert GPU_TYPES["a10g"].quantization_mode("fp8") == GPU_TYPES["a100-80gb"].quantization_mode("fp8") == "weight-only"
     assert GPU_TYPES["l4"].quantization_mode("fp8") == GPU_TYPES["h100-80gb"].quantization_mode("fp8") == "weights and activations"
-    # int8 is weight-only everywhere (no online W8A8 int8 for dense layers in vLLM 0.32).
-    assert {gpu.quantization_mode("int8") for gpu in GPU_TYPES.values()} == {"weight-only"}
+    # int8 is weight-only on every GPU (no online W8A8 int8 for dense layers in vLLM 0.32).
+    assert {gpu.quantization_mode("int8") for gpu in GPU_TYPES.values() if gpu.name != "cpu"} == {"weight-only"}
     assert QUANTIZATIONS["int8"] == QUANTIZATION_FACTS["int8"].summary and "W8A8" not in QUANTIZATIONS["int8"]
+
+
+# The engine each GPU type's agents are installed with (`make install`, the agent image): its lock.
+ENGINE_LOCKS = {"cpu": ["cpu.txt"], "cuda": ["cuda.txt", "agent.txt"]}
+
+
+def test_every_quantization_a_gpu_type_offers_runs_with_the_engine_its_agents_install():
+    # An offered value whose engine module no agent of that type installs is accepted, then waits for capacity for
+    # ever ("no cpu node supports quantization int8"), and a node pool launches machines that cannot take it either.
+    for gpu in GPU_TYPES.values():
+        device = device_kind(gpu.name)
+        for quantization in gpu.quantizations:
+            module = QUANTIZATION_PLANS[device][quantization].requires_module
+            for lock in ENGINE_LOCKS[device] if module else ():
+                pinned = (REPO_ROOT / "infra" / "python" / lock).read_text()
+                # NOTE: the module's distribution has its name (torchao).
+                assert re.search(rf"^{re.escape(module)}==", pinned, re.MULTILINE), (gpu.name, quantization, lock)
+
+
+def test_int8_on_a_cpu_is_refused_with_a_field_error_since_no_cpu_agent_can_run_it(owner_client):
+    spec = {"name": "tiny-int8", "model_source": "/models/tiny", "gpu_type": "cpu", "quantization": "int8"}
+    refused = owner_client.post("/api/v1/endpoints/", spec, format="json")
+    assert refused.status_code == 400
+    assert refused.json()["quantization"] == ["'int8' is not available on cpu; choose one of: none, fp8_per_channel."]
 
 
 @pytest.fixture
@@ -133,7 +161,7 @@ def test_the_wizard_says_what_each_quantization_means_on_the_chosen_gpu(console_
     hopper = console_client.get("/console/endpoints/quantizations/", {"gpu_type": "h100-80gb"}).content.decode()
     assert "fp8 — weight-only here." in ampere and "fp8 — weights and activations here." in hopper
     cpu = console_client.get("/console/endpoints/quantizations/", {"gpu_type": "cpu"}).content.decode()
-    assert 'value="awq"' not in cpu and 'value="int8"' in cpu
+    assert 'value="awq"' not in cpu and 'value="int8"' not in cpu and 'value="fp8_per_channel"' in cpu
 
 
 def test_the_console_form_shows_the_checkpoint_refusal_on_the_quantization_field(console_client):
@@ -170,9 +198,9 @@ def test_a_reported_awq_checkpoint_is_counted_as_stored_and_its_kv_cache_as_the_
 
 def test_an_unquantized_model_on_a_cpu_engine_reserves_its_float32_weights():
     endpoint = EndpointFactory(model_source="hf:org/model-1B", gpu_type="cpu", quantization="none")
-    int8 = EndpointFactory(model_source="hf:org/model-1B", gpu_type="cpu", quantization="int8")
+    fp8 = EndpointFactory(model_source="hf:org/model-1B", gpu_type="cpu", quantization="fp8_per_channel")
     assert estimated_weights_mb(endpoint) == pytest.approx(1e9 * 2 / 2**20 * 2, abs=1)
-    assert estimated_weights_mb(int8) == pytest.approx(1e9 * 2 / 2**20 * 0.5, abs=1)
+    assert estimated_weights_mb(fp8) == pytest.approx(1e9 * 2 / 2**20 * 0.5, abs=1)
 
 
 # --- the engine's own report -----------------------------------------------------------------------

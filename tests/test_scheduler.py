@@ -193,6 +193,21 @@ def test_a_silent_node_goes_offline_and_its_replicas_fail_and_are_replaced_elsew
     assert desired_replicas(silent) == []
 
 
+def test_the_event_log_names_a_failed_replicas_state_as_the_console_shows_it(settings, django_capture_on_commit_callbacks):
+    # Seen on `make run` after `make stop`: "Replica 8611126e ReplicaState.FAILED: its node stopped sending heartbeats".
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1)
+    silent = make_node(memory_mb=80_000)
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    replica = Replica.objects.get(endpoint=endpoint)
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.READY)
+    Node.objects.filter(pk=silent.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=31))
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    [event] = EndpointEvent.objects.filter(endpoint=endpoint, kind="failure")
+    assert event.message == f"Replica {str(replica.pk)[:8]} FAILED: its node stopped sending heartbeats"
+
+
 def test_a_node_whose_host_the_gateway_now_refuses_takes_no_replicas_and_its_replicas_move(
         settings, django_capture_on_commit_callbacks):
     # Registered on loopback where the local stack allowed it (or before the rule); the deployment now refuses it,

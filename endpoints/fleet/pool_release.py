@@ -10,7 +10,8 @@ node then goes OFFLINE with its secret void and the launch TERMINATED. A RELEASI
 termination failed is tried again every tick.
 
 A joined node OFFLINE past another heartbeat grace period (the machine died) is terminated and
-finished the same way, the reason saying so; its demand, if any, brings a replacement.
+finished the same way, the reason saying so; its demand, if any, brings a replacement. `make run`
+releases the local pool's machines whose agent `make stop` stopped at once (`release_stopped_machines`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,20 @@ def cordon_for_release(pool: NodePool, launch_id: str) -> bool:
         launches.start_release(launch, reason)
         record_audit(SYSTEM, None, "node_launch.release", launch, pool=pool.name, node=node.name, reason=reason)
     return True
+
+
+def release_stopped_machines(pool: NodePool, provider: Provider, reason: str, now: datetime) -> list[str]:
+    """Joined launches whose machine the provider no longer runs are terminated, their nodes retired and their
+    replicas replaced now, not two heartbeat grace periods later.
+
+    NOTE: only where `provider.list` is the truth of this moment: the local provider at `make run`'s start (its
+    agents are this machine's processes, and `make stop` stops them). A cloud's list may lag its machines; their
+    silence is judged by heartbeats (`release_idle`)."""
+    running = {machine.launch_id for machine in provider.list(pool_spec(pool))}
+    for launch in NodeLaunch.objects.filter(pool=pool, state=LaunchState.JOINED):
+        if str(launch.pk) not in running and launches.start_release(launch, reason):
+            record_audit(SYSTEM, None, "node_launch.dead", launch, pool=pool.name, reason=reason)
+    return finish_releases(pool, provider, now)
 
 
 def finish_releases(pool: NodePool, provider: Provider, now: datetime) -> list[str]:

@@ -141,7 +141,7 @@ def test_a_customer_signs_up_creates_a_key_deploys_and_reads_every_page(page):
     page.locator("label[for=gpu-cpu]").click()
     expect(page.locator("#gpu-cpu")).to_be_checked()
     # htmx swaps in the quantizations a CPU engine supports.
-    expect(page.locator("#id_quantization option[value=int8]")).to_have_count(1)
+    expect(page.locator("#id_quantization option[value=fp8_per_channel]")).to_have_count(1)
     expect(page.locator("#id_quantization option[value=awq]")).to_have_count(0)
     page.get_by_label("Maximum replicas").fill("0")
     page.get_by_role("button", name="Deploy endpoint").click()

@@ -531,6 +531,29 @@ def test_make_runs_demo_pool_starts_the_local_agent_and_no_agent_turns_it_off():
 
 
 @pytest.mark.django_db
+def test_make_run_retires_the_local_agents_make_stop_stopped_and_replaces_their_replicas_at_once(settings, tmp_path):
+    # Seen on `make stop` then `make run`: the stopped agent's node was still READY on record, and the printed curl
+    # got 502 upstream_error for 2 min 24 s, until the sweeper judged it silent and the pool started a new agent.
+    settings.LOCAL_POOL_DIR = str(tmp_path)  # no agent runs: `make stop` stopped it
+    pool = seed_local_pool(enabled=True)
+    launch = NodeLaunch.objects.create(pool=pool, state=LaunchState.JOINED, provider_id="gone", deadline_at=timezone.now(),
+                                       joined_at=timezone.now() - timedelta(minutes=20))
+    node = join(launch)
+    NodeLaunch.objects.filter(pk=launch.pk).update(node=node)
+    endpoint = EndpointFactory(gpu_type="cpu", model_source=TINY, quantization="none", min_replicas=1)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+
+    seed_local_pool(enabled=True)  # what `make run` does before it starts the control plane
+
+    node.refresh_from_db()
+    replica.refresh_from_db()
+    launch.refresh_from_db()
+    assert node.state == NodeState.OFFLINE and replica.state == ReplicaState.FAILED
+    assert launch.state == LaunchState.TERMINATED and launch.reason == "its agent is not running (stopped by make stop?)"
+    assert tick(RecordingProvider()) == 1  # a new agent for the endpoint's replica, at the first tick
+
+
+@pytest.mark.django_db
 def test_a_pool_machine_that_registers_more_than_its_pool_is_held_to_the_pools_shape(client):
     """The launch's join token sits on the machine: whatever its agent says of itself at registration (four GPUs of
     80 GB on a pool of one-L4 machines), placement sees what staff made the pool (before, what it registered stood

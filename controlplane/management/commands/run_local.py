@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 import httpx
 from django.conf import settings
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from controlplane import embedded
 from controlplane.demo import DEMO_EMAIL, DEMO_ENDPOINT, seed_demo
@@ -31,11 +32,14 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default=os.environ.get("INFERPLANE_HOST", "127.0.0.1"))
-        parser.add_argument("--port", type=int, default=int(os.environ.get("INFERPLANE_PORT", "8000")))
+        # NOTE: a string default goes through `type`: a bad INFERPLANE_PORT is argparse's one-line error, not a traceback.
+        parser.add_argument("--port", type=int, default=os.environ.get("INFERPLANE_PORT", "8000"))
         parser.add_argument("--no-agent", action="store_true",
                             help="no local GPU agent: the demo's local node pool launches no machine")
 
     def handle(self, *args, host: str, port: int, no_agent: bool, **options):
+        if problem := port_problem(host, port):
+            raise CommandError(problem)
         data_dir = embedded.data_dir()
         logs_dir = data_dir / "logs"
         logs_dir.mkdir(exist_ok=True)
@@ -116,6 +120,9 @@ class Command(BaseCommand):
         agents = (f"none (--no-agent); start one with: python -m gpu_agent run --cpu --control-plane {base_url} "
                   "--join-token <join_token in .data/demo.json>" if no_agent else
                   f"{settings.LOCAL_POOL_DIR}/<launch id>.log (started by the local node pool)")
+        # The sign-up page says "We sent a mail": without SMTP it is the web log that holds the link.
+        mail = (f"sent through {settings.EMAIL_HOST}" if settings.EMAIL_HOST else
+                f"printed to {logs_dir}/web.log (sign-up links, invitations; set EMAIL_HOST to send)")
         where = ("It waits for capacity until an agent registers." if no_agent else
                  "The `local` node pool launches a CPU agent for it within\na few seconds (Fleet page); "
                  "its replica is READY once that agent has started vLLM.")
@@ -128,6 +135,7 @@ Inferplane is running.
   API key     {demo.api_key}
   Logs        {logs_dir}/{{web,worker,beat}}.log
   Agent logs  {agents}
+  Mail        {mail}
 
   curl -H "Authorization: Bearer {demo.api_key}" {base_url}/api/v1/endpoints/
 
@@ -139,6 +147,19 @@ The demo endpoint '{DEMO_ENDPOINT}' serves a tiny randomly initialised Llama bui
 (its answers are gibberish by design). {where}
 Ctrl-C stops the control plane; `make stop` also stops the pool's agents.
 """))
+
+
+def port_problem(host: str, port: int) -> str:
+    """Why the web server could not listen on host:port ("" if it can), with the way out. Checked before
+    migrating and seeding: else the web server died at its start and the banner said only "see web.log"."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            return (f"cannot listen on {host}:{port} ({error.strerror}). Choose another port: "
+                    f"INFERPLANE_PORT={port + 1} make run")
+    return ""
 
 
 def _signal_group(child: subprocess.Popen, sig: int) -> None:

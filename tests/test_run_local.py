@@ -1,0 +1,37 @@
+"""`make run`'s command (`manage.py run_local`) as a new user meets it when this machine's port is taken."""
+
+import socket
+from io import StringIO
+from types import SimpleNamespace
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from controlplane.management.commands.run_local import Command
+
+
+def test_a_taken_port_stops_make_run_at_once_and_names_the_variable_that_picks_another(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERPLANE_DATA_DIR", str(tmp_path))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(CommandError) as refused:
+            call_command("run_local", "--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in str(refused.value)
+    assert f"INFERPLANE_PORT={port + 1} make run" in str(refused.value)
+    assert not (tmp_path / "logs").exists()  # nothing migrated, seeded or started first
+
+
+def test_a_bad_port_variable_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv("INFERPLANE_PORT", "80OO")
+    with pytest.raises(CommandError, match="argument --port: invalid int value: '80OO'"):
+        call_command("run_local")
+
+
+def test_the_banner_says_where_the_mail_a_new_user_waits_for_is(settings, tmp_path):
+    settings.EMAIL_HOST = None
+    out = StringIO()
+    demo = SimpleNamespace(password="pw", api_key="ip_key")
+    Command(stdout=out)._print_banner("http://127.0.0.1:8000", demo, tmp_path / "logs", no_agent=False)
+    assert f"Mail        printed to {tmp_path / 'logs'}/web.log (sign-up links, invitations" in out.getvalue()
