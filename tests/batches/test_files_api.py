@@ -136,6 +136,20 @@ def test_files_and_batches_answers_carry_the_callers_rate_limit_headers(web, ten
     assert anonymous.status_code == 401 and "x-ratelimit-limit-requests" in anonymous.headers
 
 
+def test_files_and_batches_answers_name_their_request_as_every_v1_answer_does(web, tenant):
+    """`x-request-id`, which the openai client keeps as `_request_id` (what a support ticket quotes): before, only the
+    gateway's own refusals on these paths carried one, never Django's answers."""
+    client = tenant.client(web)
+    created = client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch")
+    answers = [client.files.with_raw_response.list(), client.files.with_raw_response.retrieve(created.id),
+               client.batches.with_raw_response.list(),
+               httpx.get(f"{web}/v1/batches/batch_nope", headers={"Authorization": f"Bearer {tenant.key}"}),
+               httpx.get(f"{web}/v1/files")]  # refused by the gateway itself, as before
+    request_ids = [created._request_id] + [answer.headers.get("x-request-id") for answer in answers]
+    assert all(request_id and request_id.startswith("req_") for request_id in request_ids), request_ids
+    assert len(set(request_ids)) == len(request_ids)
+
+
 def test_paths_under_files_and_batches_that_nothing_serves_are_openais_404(web, tenant):
     """Before, Django's HTML page, where the gateway answers every other unknown `/v1` path `unknown_url`."""
     headers = {"authorization": f"Bearer {tenant.key}"}
