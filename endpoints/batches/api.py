@@ -32,7 +32,8 @@ from endpoints.gateway.ratelimit_headers import RateLimitReport
 
 logger = logging.getLogger("inferplane.batches")
 
-MAX_LIST = 100
+MAX_LIST = 100  # rows in one page of a list
+MAX_FILES_LIMIT = 10_000  # the largest `limit` OpenAI's files list takes (its batches list takes 100)
 
 
 def _error(exc: errors.OpenAIError) -> HttpResponse:
@@ -100,18 +101,26 @@ def _query(request, name: str) -> str:
     return value
 
 
-def _page(queryset, request, *, default_limit: int) -> dict:
-    """A cursor page as OpenAI lists it (`after` an id, newest first)."""
+def _page(queryset, request, *, default_limit: int, max_limit: int = MAX_LIST, cursors=None) -> dict:
+    """A cursor page as OpenAI lists it (`after` an id, newest first, or oldest first with `order=asc`): `limit` rows
+    at most, and never more than `MAX_LIST` whatever `limit` (1 to `max_limit`, OpenAI's range) asks; `has_more` says
+    more follow. `after` is looked up among `cursors` (default: `queryset`), so a row that left the list since it was
+    read (a deleted file) still marks where its page ended.
+
+    NOTE: the `after` of a file deleted since its page was read was taken for no cursor, and the list started over:
+    a client deleting files as it listed them (the openai client's pages follow `last_id`) was given the first page
+    again. And `files.list(limit=1000)`, within OpenAI's 1 to 10,000, was a 400."""
     try:
         limit = int(request.GET.get("limit", default_limit))
     except ValueError:
         raise errors.invalid_request("limit must be an integer.", param="limit") from None
-    if not 1 <= limit <= MAX_LIST:
-        raise errors.invalid_request(f"limit must be between 1 and {MAX_LIST}.", param="limit")
+    if not 1 <= limit <= max_limit:
+        raise errors.invalid_request(f"limit must be between 1 and {max_limit}.", param="limit")
+    limit = min(limit, MAX_LIST)
     ascending = request.GET.get("order") == "asc"
     queryset = queryset.order_by(*(("created_at", "id") if ascending else ("-created_at", "-id")))
     if after := _query(request, "after"):
-        anchor = queryset.filter(pk=after).first()
+        anchor = (queryset if cursors is None else cursors).filter(pk=after).first()
         if anchor is not None:
             if ascending:
                 queryset = queryset.filter(created_at__gte=anchor.created_at).exclude(created_at=anchor.created_at, id__lte=anchor.id)
@@ -211,7 +220,9 @@ def files(request, caller: Caller):
     queryset = File.objects.for_org(caller.organization_id)
     if purpose := _query(request, "purpose"):
         queryset = queryset.filter(purpose=purpose)
-    return JsonResponse(_page(queryset, request, default_limit=MAX_LIST))
+    # NOTE: a deleted file's row stays (`services.delete_file`): still a cursor, never listed
+    return JsonResponse(_page(queryset, request, default_limit=MAX_LIST, max_limit=MAX_FILES_LIMIT,
+                              cursors=File.objects.filter(organization_id=caller.organization_id)))
 
 
 def _file_of(caller: Caller, file_id: str) -> File:

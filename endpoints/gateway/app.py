@@ -147,11 +147,13 @@ class Gateway:
         """An upload to `/v1/files`, handed to Django once `_upload_may_start` lets it, counted until Django answers;
         its body cut at `FILES_MAX_BYTES` whatever it declared (a chunked one declares nothing), with a 413, and when
         it comes too slowly (`_BodyCut`), with a 408."""
-        place = await self._upload_may_start(scope, receive, send)
+        request_id = new_request_id()
+        place = await self._upload_may_start(scope, receive, send, request_id)
         if place is None:
             return
         try:
-            await self._to_django(scope, receive, send, settings.FILES_MAX_BYTES, place=place)  # endpoints.batches.api
+            await self._to_django(scope, receive, send, settings.FILES_MAX_BYTES, place=place,  # endpoints.batches.api
+                                  request_id=request_id)
         finally:
             # Django has closed the body's temporary file: its bytes are off the disk.
             self.upload_places.give_back(place)
@@ -197,10 +199,12 @@ class Gateway:
             self.upload_places.give_back(place)
 
     async def _to_django(self, scope, receive, send, max_bytes: int, *, what: str = "file",
-                         place: Place | None = None) -> None:
+                         place: Place | None = None, request_id: str = "") -> None:
         """Hand a request of the Files or Batch API to Django, its body cut past `max_bytes` (413) or when it comes too
         slowly (408, `_BodyCut`); the upload's `place`, if any, marked answered as the answer's last byte goes
-        (`UploadPlaces.take`)."""
+        (`UploadPlaces.take`); its answer named `request_id`, if any, as every other `/v1` answer is (`x-request-id`)."""
+        if request_id:
+            send = _naming_request(send, request_id)
         if place is not None:
             send = self._marking_answered(send, place)
         body = _BodyCut(receive, max_bytes, idle_s=settings.FILES_UPLOAD_IDLE_S,
@@ -241,9 +245,9 @@ class Gateway:
                 raise
             logger.warning("gateway %s %s: %r", scope["method"], request_id, exc)
             return await _refuse(scope, receive, send, errors.service_unavailable(), started, request_id)
-        await self._to_django(scope, receive, send, DJANGO_V1_MAX_BODY_BYTES, what="request body")
+        await self._to_django(scope, receive, send, DJANGO_V1_MAX_BODY_BYTES, what="request body", request_id=request_id)
 
-    async def _upload_may_start(self, scope, receive, send) -> Place | None:
+    async def _upload_may_start(self, scope, receive, send, request_id: str) -> Place | None:
         """The place of an upload to `/v1/files` that may go on to Django: its caller's key is valid, its
         declared size within `FILES_MAX_BYTES` and what its organisation's storage quota has left, its
         `Idempotency-Key` if any one the view would take (`refuse_upload`),
@@ -257,7 +261,7 @@ class Gateway:
         cut. At most `FILES_UPLOADS_PER_PROCESS` bodies per process are on the disk at once
         (tests/infra/test_manifests.py holds the volume to it). NOTE: a bad `Idempotency-Key` too was refused only
         by the view, once Django had spooled the whole body."""
-        started, request_id = time.monotonic(), new_request_id()
+        started = time.monotonic()
         headers = _headers_of(scope)
         try:
             caller = await auth.authenticate(headers)
@@ -557,6 +561,20 @@ async def _refuse(scope, receive, send, refusal: errors.OpenAIError, started: fl
     await _respond(send, refusal.status, refusal.body(), headers=refusal.headers | {"x-request-id": request_id},
                    raw_headers=RateLimitReport.unauthenticated().headers())
     log_answer(scope, refusal.status, started, request_id)
+
+
+def _naming_request(send, request_id: str):
+    """`send` whose answer carries `x-request-id` (what the openai client reads as `_request_id`).
+
+    NOTE: the Files and Batch APIs' answers, Django's, carried none: only the gateway's own refusals of them did."""
+    header = (b"x-request-id", request_id.encode())
+
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = message | {"headers": [*message.get("headers", ()), header]}
+        await send(message)
+
+    return sending
 
 
 def _without_body(scope, refusal: errors.OpenAIError | None) -> dict:

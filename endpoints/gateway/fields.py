@@ -68,9 +68,16 @@ REFUSED_WITH_REASON: dict[str, str] = {
     "length_penalty": "applies only to beam search, which is not supported",
     "chat_template": "is not supported: each model is served with its own chat template",
     "prompt_embeds": "is not supported: send text or token ids",
-    "messages": "is not supported by /v1/embeddings: send the text as 'input'",
     "audio": "is not supported: models here answer in text",
     "web_search_options": "is not supported: models here do not search the web",
+}
+
+# A prompt's field of one kind of call sent to another (kind, field): the reason says where it goes.
+# NOTE: one reason for every kind told a completions call sending `messages` to send 'input' to /v1/embeddings.
+REFUSED_ON_PATH: dict[tuple[str, str], str] = {
+    ("embedding", "messages"): "is not supported by /v1/embeddings: send the text as 'input'",
+    ("completion", "messages"): "is not supported by /v1/completions: send the text as 'prompt', or the messages to "
+                                "/v1/chat/completions",
 }
 
 
@@ -80,7 +87,7 @@ def check(payload: dict, kind: str) -> None:
     for name in payload:
         if name in accepted:
             continue
-        reason = REFUSED_WITH_REASON.get(name)
+        reason = REFUSED_ON_PATH.get((kind, name)) or REFUSED_WITH_REASON.get(name)
         if reason is not None:
             raise errors.invalid_request(f"'{name}' {reason}.", param=name, code="unsupported_parameter")
         raise errors.invalid_request(f"Unrecognized request argument supplied: {printable(name)}", param=printable(name),

@@ -153,6 +153,12 @@ def parse_payload(body: bytes, kind: str) -> dict:
         value = payload.get(name)
         if value is not None:
             check(value, name)
+    if payload.get("stream_options") and not payload.get("stream"):
+        # NOTE: as OpenAI and vLLM (whose rule this is, to the letter) refuse it. The engine refused it only once the
+        # call was admitted and counted; and a batch line with it passed validation, then every such line failed as
+        # it ran.
+        raise errors.invalid_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                                     param="stream_options", code="invalid_value")
     return payload
 
 

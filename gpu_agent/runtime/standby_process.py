@@ -717,6 +717,23 @@ def _go_on_in_a_child() -> None:
         os._exit(code if code >= 0 else 128 - code)
 
 
+def _follow_the_engines_temporary_folder() -> None:
+    """Point what torch fixed under the zygote's temporary folder when imported at the engine's own (`tempfile` must
+    answer the engine's TMPDIR first), as a plain launch, which imports torch with that TMPDIR, has it.
+
+    NOTE: torch's inductor keeps its precompiled C++ headers in `codecache._HEADER_DIR`, under `gettempdir()` at
+    import: in a zygote's child, the zygote's /tmp, where a confined engine may not write. The first kernel torch
+    compiled for the CPU there (vLLM's sampler ranks each token with one for `logprobs`) raised a PermissionError in
+    the EngineCore, which died, and the engine with it: one call asking for logprobs stopped a CPU replica."""
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is None or not hasattr(codecache, "_HEADER_DIR"):
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    codecache._HEADER_DIR = os.path.join(default_cache_dir(), "precompiled_headers")
+    codecache._HEADER_LOCK_DIR = os.path.join(codecache._HEADER_DIR, "locks")
+
+
 def become_engine(handoff: Handoff, device: str, started_at: float) -> int:
     """Take the replica's identity and run its engine in this process (a standby, or a zygote's child)."""
     if not rewrite_environ_block(REPLICA_ENV_MARKER, handoff.replica_id):
@@ -739,6 +756,7 @@ def become_engine(handoff: Handoff, device: str, started_at: float) -> int:
     # NOTE: `tempfile` keeps the first answer of `gettempdir()`, the zygote's: the engine's TMPDIR is its own
     # folder (`sandbox.engine_folder_env`), where vLLM's rendezvous file and sockets must go.
     tempfile.tempdir = None
+    _follow_the_engines_temporary_folder()
     sys.stdout.flush()
     sys.stderr.flush()
     log_fd = os.open(handoff.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

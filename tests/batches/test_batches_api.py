@@ -240,3 +240,25 @@ def test_a_batch_line_setting_priority_is_refused_before_any_line_runs():
     assert [(error.line, error.code, error.param) for error in checked.errors] == [
         (1, "priority_not_allowed", "body.priority"), (2, "priority_not_allowed", "body.priority")]
     assert "batch priority" in checked.errors[0].message and not checked.num_lines
+
+
+def test_a_batch_line_with_stream_options_but_no_stream_is_refused_before_any_line_runs():
+    """OpenAI's rule, and the engine's: `stream_options` only with `stream`. Before, such a line passed validation,
+    then every one failed as it ran (the engine's 400); an interactive call was refused only once admitted."""
+    from endpoints.batches.validation import parse_lines
+    from endpoints.gateway.errors import OpenAIError
+    from endpoints.gateway.request import parse_payload
+
+    body = _chat_line("usage", "m")["body"]
+    lines = [_chat_line("usage", "m") | {"body": body | {"stream_options": {"include_usage": True}}},
+             _chat_line("empty", "m") | {"body": body | {"stream_options": {}}},  # vLLM takes an empty one
+             _chat_line("plain", "m")]
+    checked = parse_lines([_jsonl(lines).getvalue()], request_path="/v1/chat/completions", kind="chat", max_lines=10)
+    assert [(error.line, error.param) for error in checked.errors] == [(1, "body.stream_options")]
+    assert "'stream' is enabled" in checked.errors[0].message
+    with pytest.raises(OpenAIError) as refused:
+        parse_payload(json.dumps({"model": "m", "prompt": "hi", "stream_options": {"include_usage": True}}).encode(),
+                      "completion")
+    assert (refused.value.status, refused.value.param) == (400, "stream_options")
+    streamed = {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}
+    assert parse_payload(json.dumps(streamed).encode(), "completion") == streamed

@@ -136,6 +136,20 @@ def test_files_and_batches_answers_carry_the_callers_rate_limit_headers(web, ten
     assert anonymous.status_code == 401 and "x-ratelimit-limit-requests" in anonymous.headers
 
 
+def test_files_and_batches_answers_name_their_request_as_every_v1_answer_does(web, tenant):
+    """`x-request-id`, which the openai client keeps as `_request_id` (what a support ticket quotes): before, only the
+    gateway's own refusals on these paths carried one, never Django's answers."""
+    client = tenant.client(web)
+    created = client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch")
+    answers = [client.files.with_raw_response.list(), client.files.with_raw_response.retrieve(created.id),
+               client.batches.with_raw_response.list(),
+               httpx.get(f"{web}/v1/batches/batch_nope", headers={"Authorization": f"Bearer {tenant.key}"}),
+               httpx.get(f"{web}/v1/files")]  # refused by the gateway itself, as before
+    request_ids = [created._request_id] + [answer.headers.get("x-request-id") for answer in answers]
+    assert all(request_id and request_id.startswith("req_") for request_id in request_ids), request_ids
+    assert len(set(request_ids)) == len(request_ids)
+
+
 def test_paths_under_files_and_batches_that_nothing_serves_are_openais_404(web, tenant):
     """Before, Django's HTML page, where the gateway answers every other unknown `/v1` path `unknown_url`."""
     headers = {"authorization": f"Bearer {tenant.key}"}
@@ -147,6 +161,54 @@ def test_paths_under_files_and_batches_that_nothing_serves_are_openais_404(web, 
                                           "param": None, "code": "unknown_url"}
         assert "x-ratelimit-limit-requests" in answer.headers
     assert httpx.get(f"{web}/v1/files/", headers={"authorization": "Bearer ip_nope"}).status_code == 401
+
+
+def test_a_client_deleting_files_as_it_lists_them_sees_each_file_once(web, tenant):
+    """The openai client asks for each next page `after` the last file of the one before. Before, a file deleted since
+    was taken for no cursor and the list started over: the client was given its first page again."""
+    client = tenant.client(web)
+    uploaded = [client.files.create(file=(f"r{n}.jsonl", io.BytesIO(LINES)), purpose="batch").id for n in range(4)]
+    newest_first = uploaded[::-1]
+
+    first = client.files.list(limit=2)
+    assert [f.id for f in first.data] == newest_first[:2] and first.has_more
+    client.files.delete(first.data[-1].id)
+    assert [f.id for f in client.files.list(limit=2, after=first.data[-1].id).data] == newest_first[2:]
+
+    client.files.create(file=("r4.jsonl", io.BytesIO(LINES)), purpose="batch")
+    seen = []
+    for file in client.files.list(limit=2):  # every second file deleted as it goes, the pages' last ones
+        seen.append(file.id)
+        if len(seen) % 2 == 0:
+            client.files.delete(file.id)
+    assert len(seen) == len(set(seen)) == 4
+
+
+def test_a_files_list_takes_openais_limits_and_answers_pages_of_at_most_100(web, tenant):
+    """OpenAI's files list takes a `limit` from 1 to 10,000: before, anything past 100 was a 400."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from endpoints.batches.models import File
+
+    started = timezone.now()
+    File.objects.bulk_create(File(organization=tenant.org, purpose="batch", filename=f"r{n}.jsonl", bytes=1,
+                                  s3_key=f"files/{tenant.org.pk}/r{n}", created_at=started + timedelta(seconds=n))
+                             for n in range(101))
+    client = tenant.client(web)
+
+    page = client.files.list(limit=10_000)
+    assert len(page.data) == 100 and page.has_more
+    rest = client.files.list(limit=10_000, after=page.data[-1].id)
+    assert [f.filename for f in rest.data] == ["r0.jsonl"] and not rest.has_more
+    assert len(list(client.files.list(limit=1000))) == 101  # the client's own paging
+    for limit in (0, 10_001):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.files.list(limit=limit)
+        assert refused.value.param == "limit"
+    with pytest.raises(openai.BadRequestError):
+        client.batches.list(limit=101)  # OpenAI's batches list takes 100 at most
 
 
 def _on_plan(organization, *, max_file_bytes: int) -> None:

@@ -5,6 +5,7 @@ import openai
 import pytest
 
 from tests.factories import EndpointFactory
+from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -39,3 +40,19 @@ def test_retrieving_a_name_no_model_could_bear_is_openais_model_not_found(gatewa
         answer = client.get(path)
     assert answer.status_code == 404, answer.text
     assert answer.json()["error"]["code"] == "model_not_found"
+
+
+def test_an_endpoints_name_with_a_colon_and_no_adapter_is_openais_model_not_found(gateway, tenant, start_mock_upstream):
+    """`"<endpoint>:<adapter>"` names an adapter; `"support-chat:"` names none. Before, it was served as the endpoint
+    (a 200 from `models.retrieve`, with another id; a call reached the engine, which knows no such name)."""
+    upstream = start_mock_upstream()
+    serve_endpoint(tenant.org, upstream, name="support-chat")
+    client = tenant.client(gateway)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("support-chat:")
+    assert caught.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="support-chat:", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert caught.value.code == "model_not_found"
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0  # nothing reached the engine
+    assert client.models.retrieve("support-chat").id == "support-chat"

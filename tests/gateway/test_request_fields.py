@@ -60,6 +60,16 @@ def test_a_field_the_engine_would_take_but_the_reservation_cannot_bound_is_a_400
     assert refusal.code in {"unsupported_parameter", "unknown_parameter"}
 
 
+def test_messages_sent_to_completions_are_refused_saying_where_the_text_goes():
+    """Before, the refusal told a completions call to send its text as 'input' to /v1/embeddings."""
+    refusal = _refusal(COMPLETION | {"messages": CHAT["messages"]}, "completion")
+
+    assert (refusal.status, refusal.param, refusal.code) == (400, "messages", "unsupported_parameter")
+    assert "/v1/completions" in refusal.message and "'prompt'" in refusal.message
+    assert "embeddings" not in refusal.message and "'input'" not in refusal.message
+    assert "/v1/embeddings" in _refusal(EMBEDDING | {"messages": CHAT["messages"]}, "embedding").message
+
+
 def test_an_unknown_field_is_refused_as_openai_refuses_an_unrecognised_argument():
     refusal = _refusal(CHAT | {"temprature": 0.5}, "chat")
 

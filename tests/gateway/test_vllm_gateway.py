@@ -145,6 +145,28 @@ def test_a_prefix_cache_hit_is_reported_and_billed_at_the_cached_price(engine, g
     assert second.cost < rows[0].cost  # same length, same output: the hit is cheaper
 
 
+# --- logprobs --------------------------------------------------------------------------------------
+
+def test_a_call_asking_for_logprobs_is_answered_with_them_and_the_engine_lives_on(engine, gateway, tenant, endpoint):
+    """vLLM's sampler ranks each sampled token among the logprobs with a kernel torch compiles on its first use. In an
+    engine forked from its node's zygote, torch's folder of precompiled C++ headers was the zygote's (under its /tmp,
+    fixed when torch was imported), where a confined engine may not write: the first call asking for logprobs killed
+    the EngineCore, and the engine with it (found by the review of `/v1` with OpenAI's clients)."""
+    with _client(gateway, tenant.key) as client:
+        chat = client.post("/v1/chat/completions", json={
+            "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+            "top_logprobs": 2})
+        assert chat.status_code == 200, chat.text
+        tokens = chat.json()["choices"][0]["logprobs"]["content"]
+        assert len(tokens) == 2 and all(len(token["top_logprobs"]) == 2 for token in tokens)
+        completion = client.post("/v1/completions", json={"model": NAME, "prompt": "Once upon a time", "max_tokens": 1,
+                                                          "echo": True, "logprobs": 1})
+        assert completion.status_code == 200, completion.text
+        assert len(completion.json()["choices"][0]["logprobs"]["tokens"]) > 1  # the prompt's, echoed, and the answer's
+    with _client(engine, ENGINE_KEY) as direct:
+        assert direct.get("/health").status_code == 200
+
+
 # --- priorities ------------------------------------------------------------------------------------
 
 def test_the_engine_runs_a_chat_call_at_the_priority_its_key_allows(engine, gateway, tenant, endpoint):
