@@ -16,7 +16,10 @@ from controlplane.schema_view import CachedSchemaView
 from endpoints import api as endpoints_api
 from endpoints.fleet import pool_api
 
+# NOTE: no `.json` format-suffix routes: the schema documents none, and each custom action (`pause`, `revoke`, `events`,
+# a member's PATCH, ...) answered one with a 500, its method taking no `format` argument. `?format=` still chooses.
 router = DefaultRouter(trailing_slash=True)
+router.include_format_suffixes = False
 router.register("endpoints", endpoints_api.EndpointViewSet, basename="endpoint")
 router.register("credentials", endpoints_api.CredentialViewSet, basename="credential")
 router.register("keys", accounts_api.ApiKeyViewSet, basename="api-key")
