@@ -39,10 +39,10 @@ METHODS = ("get", "post", "put", "patch", "delete")
 NOT_OBJECT_ROUTES = ("verify-email/", "invitations/<str:token>/", "reset/", "django-admin/")
 
 
-def _routes(patterns, prefix: str = ""):
+def routes_of(patterns, prefix: str = ""):
     for pattern in patterns:
         if isinstance(pattern, URLResolver):
-            yield from _routes(pattern.url_patterns, prefix + str(pattern.pattern).lstrip("^"))
+            yield from routes_of(pattern.url_patterns, prefix + str(pattern.pattern).lstrip("^"))
         elif isinstance(pattern, URLPattern):
             yield prefix + str(pattern.pattern).lstrip("^")
 
@@ -50,7 +50,7 @@ def _routes(patterns, prefix: str = ""):
 PARAMETER = re.compile(r"<(?:\w+:)?(?P<angle>\w+)>|\(\?P<(?P<group>\w+)>[^)]*\)")
 
 
-def _concrete(route: str, ids: dict[str, str]) -> str:
+def concrete_path(route: str, ids: dict[str, str]) -> str:
     """`route` (path() and re_path() parts joined) with each parameter replaced by its id for this route."""
     path = route.replace("$", "").replace("\\.", ".").replace("/?", "/")
     return "/" + PARAMETER.sub(lambda m: ids[_kind(route, m.group("angle") or m.group("group"))], path)
@@ -91,11 +91,11 @@ def _kind(route: str, name: str) -> str:
 
 
 def object_routes() -> list[str]:
-    routes = [r for r in _routes(get_resolver().url_patterns) if PARAMETER.search(r) and ".*" not in r]
+    routes = [r for r in routes_of(get_resolver().url_patterns) if PARAMETER.search(r) and ".*" not in r]
     return [r for r in routes if not r.startswith(NOT_OBJECT_ROUTES)]
 
 
-def _seed(organization) -> dict[str, str]:
+def seed_organisation(organization) -> dict[str, str]:
     """One object of each kind in `organization`; their ids by kind."""
     owner = UserFactory()
     MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
@@ -141,7 +141,7 @@ def _seed(organization) -> dict[str, str]:
     }
 
 
-def _fleet() -> dict[str, str]:
+def seed_fleet() -> dict[str, str]:
     """The fleet's objects: nobody's but staff's."""
     pool = NodePool.objects.create(name="pool", gpu_type="l4", provider="local", max_nodes=1)
     node = Node.objects.create(
@@ -167,7 +167,7 @@ NOWHERE = {
 }
 
 
-def _state(organization) -> list:
+def state_of(organization) -> list:
     """What a caller from elsewhere must never change."""
     return [
         list(
@@ -193,7 +193,7 @@ def _state(organization) -> list:
     ]
 
 
-def _caller(organization, role: str, *, with_key: bool) -> APIClient:
+def caller_of(organization, role: str, *, with_key: bool) -> APIClient:
     """A client of `organization` with `role`: signed in (a session), or with an API key of both scopes."""
     user = UserFactory()
     membership = MembershipFactory(organization=organization, user=user, role=Role.OWNER)
@@ -242,11 +242,11 @@ def test_another_organisations_object_answers_as_an_id_that_matches_nothing_on_e
 ):
     settings.DEBUG = False
     theirs = OrganizationFactory()
-    their_ids = _seed(theirs) | _fleet()
+    their_ids = seed_organisation(theirs) | seed_fleet()
     ours = OrganizationFactory()
-    _seed(ours)
-    client = _caller(ours, role, with_key=with_key)
-    before = _state(theirs)
+    seed_organisation(ours)
+    client = caller_of(ours, role, with_key=with_key)
+    before = state_of(theirs)
     differences, leaks = {}, {}
 
     # NOTE: the console takes no API key (a key's call is sent to the log-in page, whatever the id).
@@ -254,8 +254,8 @@ def test_another_organisations_object_answers_as_an_id_that_matches_nothing_on_e
         object_routes() if not with_key else [r for r in object_routes() if not r.startswith("console/")]
     ):
         for method in METHODS:
-            foreign = _answer(client, method, _concrete(route, their_ids), their_ids)
-            nowhere = _answer(client, method, _concrete(route, NOWHERE), NOWHERE)
+            foreign = _answer(client, method, concrete_path(route, their_ids), their_ids)
+            nowhere = _answer(client, method, concrete_path(route, NOWHERE), NOWHERE)
             if foreign != nowhere:
                 differences[f"{method.upper()} {route}"] = (foreign, nowhere)
             if 200 <= foreign[0] < 300 or foreign[0] >= 500:
@@ -263,4 +263,4 @@ def test_another_organisations_object_answers_as_an_id_that_matches_nothing_on_e
 
     assert leaks == {}
     assert differences == {}
-    assert _state(theirs) == before
+    assert state_of(theirs) == before
