@@ -49,6 +49,9 @@ def spreadsheet_cell(value):
 
 class UsageView(OrganizationScopedMixin, GenericAPIView):
     serializer_class = UsageQuerySerializer
+    # NOTE: one answer, not a page. With the default paginator, the browsable API (a browser following the usage
+    # page's JSON link) took `{"results": …}` for a list to filter and asked for a queryset this view has not: a 500.
+    pagination_class = None
 
     def _results(self, request) -> tuple[str, list[dict]]:
         query = UsageQuerySerializer(data=request.query_params)

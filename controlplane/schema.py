@@ -5,7 +5,8 @@ from DRF's machinery around the view (parsing, authentication, permissions, look
 so they are added here once, from what the view is made of, rather than by hand on every view:
 
 - 400 `ValidationError` where the operation reads a body or a query string (besides pagination);
-- 401 `Error` where it accepts credentials (a missing, malformed, revoked or expired key);
+- 401 `Error` where it accepts credentials (a missing, malformed, revoked or expired key), and there 503 `Error`
+  with `Retry-After` too (every key-lookup slot taken by a flood of new keys: `authentication.KeyLookupsBusy`);
 - 403 `Error` where a permission may refuse (a role or a key's scope too small);
 - 404 `Error` where a path parameter names an object (absent, or another organisation's), and on
   every operation of a staff-only view (`staff_only = True`: anyone else gets a 404);
@@ -59,7 +60,11 @@ class AutoSchema(openapi.AutoSchema):
             return None
         responses = operation["responses"]
         for status, description, headers in self._error_responses(operation):
-            responses.setdefault(status, {"description": description} | ({"headers": headers} if headers else {}))
+            if status in responses and headers:  # the view's own answer (the portal's 503), and this one too
+                responses[status]["description"] = f"{responses[status]['description']} Or: {description}"
+                responses[status]["headers"] = responses[status].get("headers", {}) | headers
+            else:
+                responses.setdefault(status, {"description": description} | ({"headers": headers} if headers else {}))
         for status, response in responses.items():
             if status.startswith(("4", "5")) and "content" not in response:
                 response["content"] = {"application/json": {"schema": self._error_schema(status)}}
@@ -71,7 +76,8 @@ class AutoSchema(openapi.AutoSchema):
         reads_body = "requestBody" in operation
         if reads_body or any(p.get("in") == "query" and p["name"] not in PAGINATION_PARAMETERS for p in parameters):
             yield "400", "The request is invalid: see each field's messages.", None
-        if any(requirement for requirement in operation.get("security", [])):
+        accepts_credentials = any(requirement for requirement in operation.get("security", []))
+        if accepts_credentials:
             yield "401", "No credentials, or an invalid, expired or revoked API key.", None
         if not all(isinstance(permission, AllowAny) for permission in self.view.get_permissions()):
             yield "403", "The caller's role, or its API key's scopes, do not allow this.", None
@@ -83,6 +89,9 @@ class AutoSchema(openapi.AutoSchema):
             yield "415", "The body's content type is not one this operation reads.", None
         if self.view.get_throttles():
             yield "429", "Too many requests: wait `Retry-After` seconds.", RETRY_AFTER
+        if accepts_credentials:
+            # NOTE: any operation that takes a key answers this while a flood of made-up keys holds every lookup.
+            yield "503", "Too many API keys are being checked at once: wait `Retry-After` seconds.", RETRY_AFTER
 
     def _error_schema(self, status: str) -> dict:
         if status != "400":

@@ -16,7 +16,13 @@ from controlplane.schema_view import CachedSchemaView
 from endpoints import api as endpoints_api
 from endpoints.fleet import pool_api
 
+# NOTE: no `.json` format-suffix routes: the schema documents none, and each custom action (`pause`, `revoke`, `events`,
+# a member's PATCH, ...) answered one with a 500, its method taking no `format` argument. `?format=` still chooses.
+# NOTE: and no root view (`/api/v1/`), which the schema does not document either: it listed every registered route to
+# any key, the staff-only `fleet/pools` included, which answers everyone else a 404 as if it did not exist.
 router = DefaultRouter(trailing_slash=True)
+router.include_format_suffixes = False
+router.include_root_view = False
 router.register("endpoints", endpoints_api.EndpointViewSet, basename="endpoint")
 router.register("credentials", endpoints_api.CredentialViewSet, basename="credential")
 router.register("keys", accounts_api.ApiKeyViewSet, basename="api-key")

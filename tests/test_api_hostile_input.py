@@ -114,11 +114,12 @@ def test_the_schema_documents_each_operations_error_answers_with_their_bodies(ow
     def codes(path, method):
         return set(paths[path][method]["responses"])
 
-    assert codes("/api/v1/endpoints/", "post") == {"201", "400", "401", "403", "415"}
-    assert codes("/api/v1/endpoints/{id}/", "get") == {"200", "401", "403", "404"}
-    assert codes("/api/v1/endpoints/", "get") == {"200", "401", "403"}  # a bad limit is clamped, not a 400
-    assert codes("/api/v1/usage/", "get") == {"200", "400", "401", "403"}
-    assert codes("/api/v1/members/{id}/", "delete") == {"204", "400", "401", "403", "404"}
+    # 503: every key lookup busy (`authentication.KeyLookupsBusy`)
+    assert codes("/api/v1/endpoints/", "post") == {"201", "400", "401", "403", "415", "503"}
+    assert codes("/api/v1/endpoints/{id}/", "get") == {"200", "401", "403", "404", "503"}
+    assert codes("/api/v1/endpoints/", "get") == {"200", "401", "403", "503"}  # a bad limit is clamped, not a 400
+    assert codes("/api/v1/usage/", "get") == {"200", "400", "401", "403", "503"}
+    assert codes("/api/v1/members/{id}/", "delete") == {"204", "400", "401", "403", "404", "503"}
     assert codes("/api/v1/billing/portal/", "post") == {"200", "401", "403", "503"}
     not_found = paths["/api/v1/keys/{id}/"]["get"]["responses"]["404"]["content"]["application/json"]["schema"]
     invalid = paths["/api/v1/keys/"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
@@ -178,3 +179,41 @@ def test_an_organisation_name_with_a_line_break_is_refused_at_sign_up(client):
     response = client.post("/signup/", {"email": "new@example.test", "password": "a long passphrase 1",
                                         "organization_name": "Acme\nBcc: victim@example.test"})
     assert response.status_code == 200 and "letters, digits, spaces and punctuation" in response.content.decode()
+
+
+def test_a_format_suffix_on_an_api_path_is_the_apis_json_404_never_a_500(owner_client, settings):
+    """`/api/v1/endpoints/{id}/pause.json/` and the like were DRF's format-suffix routes, which no schema documents:
+    every custom action (and a member's PATCH) answered them with a 500, its method taking no `format` argument."""
+    settings.DEBUG = False
+    owner_client.raise_request_exception = False
+    endpoint = EndpointFactory(organization=owner_client.organization)
+    member = MembershipFactory(organization=owner_client.organization, role=Role.MEMBER)
+    key_id = owner_client.get("/api/v1/keys/").json()["results"][0]["id"]
+    calls = [("post", f"/api/v1/endpoints/{endpoint.pk}/pause.json/"), ("get", f"/api/v1/endpoints/{endpoint.pk}/events.json/"),
+             ("get", f"/api/v1/endpoints/{endpoint.pk}/stats.json"), ("post", f"/api/v1/keys/{key_id}/revoke.json/"),
+             ("patch", f"/api/v1/members/{member.pk}.json/"), ("get", "/api/v1/endpoints.json")]
+
+    answers = {path: getattr(owner_client, method)(path, {"role": "viewer"}, format="json") for method, path in calls}
+
+    assert {path: response.status_code for path, response in answers.items()} == {path: 404 for _, path in calls}
+    assert all(response.json() == {"detail": "Not found."} for response in answers.values())
+    assert owner_client.get(f"/api/v1/endpoints/{endpoint.pk}/", {"format": "json"}).status_code == 200
+
+
+def test_a_body_nested_too_deeply_is_a_400_on_every_operation_that_reads_one(owner_client, settings):
+    """`[[[…]]]` 5,000 levels deep (10 KB) raised a RecursionError in the JSON parser: a 500 on every body."""
+    settings.DEBUG = False
+    owner_client.raise_request_exception = False
+    endpoint = EndpointFactory(organization=owner_client.organization)
+    member = MembershipFactory(organization=owner_client.organization, role=Role.MEMBER)
+    key_id = owner_client.get("/api/v1/keys/").json()["results"][0]["id"]
+    nested = b"[" * 5000 + b"]" * 5000
+    calls = [("post", "/api/v1/endpoints/"), ("patch", f"/api/v1/endpoints/{endpoint.pk}/"), ("post", "/api/v1/keys/"),
+             ("post", "/api/v1/credentials/"), ("post", f"/api/v1/endpoints/{endpoint.pk}/adapters/"),
+             ("post", "/api/v1/invitations/"), ("patch", f"/api/v1/members/{member.pk}/"), ("patch", "/api/v1/billing/"),
+             ("patch", f"/api/v1/billing/keys/{key_id}/")]
+
+    answers = {path: getattr(owner_client, method)(path, nested, content_type="application/json") for method, path in calls}
+
+    assert {path: response.status_code for path, response in answers.items()} == {path: 400 for _, path in calls}
+    assert all("nested too deeply" in response.json()["detail"] for response in answers.values())

@@ -73,3 +73,15 @@ def test_a_key_waits_briefly_for_a_lookup_slot_then_gets_a_503_that_says_when_to
     assert response.status_code == 503
     assert response["Retry-After"] == "1"
     assert "retry" in response.json()["detail"]
+
+
+def test_every_operation_that_takes_a_key_documents_the_503_a_busy_lookup_answers(owner_client):
+    """The answer above is any keyed operation's while a flood holds the lookups: the schema said none could be a 503."""
+    paths = owner_client.get("/api/schema/", {"format": "json"}).json()["paths"]
+    keyed = {f"{method.upper()} {path}": operation for path, operations in paths.items()
+             for method, operation in operations.items() if any(operation.get("security", []))}
+
+    undocumented = [name for name, operation in keyed.items()
+                    if "Retry-After" not in operation["responses"].get("503", {}).get("headers", {})]
+
+    assert len(keyed) > 30 and undocumented == []

@@ -31,6 +31,17 @@ def test_the_public_schema_leaves_out_the_staff_only_pools(fresh_schema):
     assert "NodePool" not in response.content.decode()
 
 
+def test_the_api_root_lists_no_route_and_so_not_the_staff_only_pools(owner_client, settings):
+    """`/api/v1/` was DRF's root view, in no schema, which listed every registered route to any key, the staff-only
+    `fleet/pools` (a 404 to everyone else, as if it did not exist) included."""
+    settings.DEBUG = False
+
+    response = owner_client.get("/api/v1/")
+
+    assert response.status_code == 404 and response.json() == {"detail": "Not found."}
+    assert owner_client.get("/api/v1/endpoints/").status_code == 200
+
+
 def test_the_schema_is_built_once_whatever_is_asked(fresh_schema, monkeypatch):
     """Before, every fetch built the schema again (about a second of CPU), and `?version=` or `?lang=` could not be
     cached: anyone could keep the web processes busy."""

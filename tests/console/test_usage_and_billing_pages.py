@@ -41,6 +41,21 @@ def test_usage_date_range_and_grouping(owner):
     assert response.context["totals"]["requests"] == 1 and response.context["group_by"] == "day"
 
 
+def test_the_usage_pages_json_link_opened_in_the_browser_shows_the_numbers_not_a_500(owner, settings):
+    """The page links its numbers as JSON (`/api/v1/usage/?…`); a browser asks for HTML, which the API's browsable
+    renderer answers. It took the usage view for a list to filter, and asked it for a queryset it has not: a 500."""
+    settings.DEBUG = False
+    owner.raise_request_exception = False
+    usage_row(EndpointFactory(organization=owner.organization, name="alpha"), started_at=timezone.now(),
+              prompt=100, completion=50)
+    api_url = owner.get(reverse("console:usage")).context["api_url"]
+
+    followed = owner.get(api_url, HTTP_ACCEPT="text/html,application/xhtml+xml")
+
+    assert followed.status_code == 200 and followed["Content-Type"].startswith("text/html")
+    assert "alpha" in followed.content.decode()
+
+
 def test_usage_page_reports_a_bad_date(owner):
     page = owner.get(reverse("console:usage"), {"start": "yesterday"}).content.decode()
     assert "The start date is not a date" in page
