@@ -38,6 +38,7 @@ from django.db.models import F, OuterRef, Subquery
 from django.utils import timezone
 
 from billing.models import BillingAccount, DeletedStripeCustomer, Dispute, Invoice
+from controlplane.hot_settings import hot
 
 # Invoice states that still owe money (Stripe's `status`).
 UNPAID_STATUSES = ("open", "uncollectible")
@@ -59,7 +60,7 @@ class SpendLimit:
 
 
 def bills_through_stripe() -> bool:
-    return bool(settings.STRIPE_SECRET_KEY)
+    return bool(hot.STRIPE_SECRET_KEY)
 
 
 def limit_without_payment_method_applies() -> bool:

@@ -46,6 +46,7 @@ from urllib.parse import unquote, urlparse
 import redis.exceptions
 from django.conf import settings
 
+from controlplane.hot_settings import hot
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import once_key
@@ -115,7 +116,7 @@ class Script:
     async def __call__(self, *, keys: list, args: list):
         if self.once:
             keys = [*keys, once_key(keys[0], secrets.token_hex(8))]
-        if settings.REDIS_CLUSTER:
+        if hot.REDIS_CLUSTER:
             return await self._run_on_cluster(keys, args)
         connection = _connections.get()
         try:

@@ -23,6 +23,7 @@ from billing.periods import period_containing
 from billing.standing import bills_through_stripe, hold_reason, spend_limit
 from billing.usage_journal import encode
 from controlplane.accounts.models import ApiKey
+from controlplane.hot_settings import hot
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
@@ -348,7 +349,7 @@ def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount:
     reservation = Reservation(request_id, organization_id, api_key_id, amount, period.key)
     units = to_units(amount, ROUND_CEILING)
     keys, _, payload_before, payload_after = _prepared(organization_id, api_key_id, period.key)
-    args = [request_id, str(units), str(math.ceil(settings.BILLING_RESERVATION_TTL_S)), "1" if api_key_id is not None else "0",
+    args = [request_id, str(units), str(math.ceil(hot.BILLING_RESERVATION_TTL_S)), "1" if api_key_id is not None else "0",
             f"{payload_before}{units}{payload_after}", "*" if any_limits else limits_version()]
     return reservation, keys, args
 
@@ -617,13 +618,13 @@ def _held_since(lapsed_at: float | None) -> str:
     have its row and not it (`SETTLE_LUA`)."""
     if lapsed_at is None:
         return ""
-    return str(math.floor(lapsed_at - settings.BILLING_RESERVATION_TTL_S) - HELD_SINCE_SLACK_S)
+    return str(math.floor(lapsed_at - hot.BILLING_RESERVATION_TTL_S) - HELD_SINCE_SLACK_S)
 
 
 def limits_version() -> str:
     """What the organisation counters' limits were worked out under, beyond the account: this code's
     fields and the settings of payment standing. A counter of another version is rebuilt."""
-    return f"2:{settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD}:{int(bills_through_stripe())}"
+    return f"2:{hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD}:{int(bills_through_stripe())}"
 
 
 def limit_fields(account: BillingAccount) -> dict[str, str]:

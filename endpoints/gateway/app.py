@@ -29,6 +29,7 @@ from billing.usage_writer import replay_before_the_loop_ends, usage_recordable, 
 from controlplane import access_log
 from controlplane.access_log import log_answer
 from controlplane.accounts.models import Role
+from controlplane.hot_settings import hot
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import (
     admission,
@@ -454,8 +455,8 @@ async def _read_body(receive) -> bytes:
     NOTE: it had no deadline: a body that stopped coming mid-way (its client stalled, or gone without a FIN) held its
     connection, its request's task and a place the drain waits for, for ever: 50 such kept 50 tasks and sockets open
     in a soak (found by the gateway's soak)."""
-    return await _BodyCut(receive, MAX_BODY_BYTES, idle_s=settings.FILES_UPLOAD_IDLE_S,
-                          min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what="request body").whole()
+    return await _BodyCut(receive, MAX_BODY_BYTES, idle_s=hot.FILES_UPLOAD_IDLE_S,
+                          min_bytes_per_s=hot.FILES_UPLOAD_MIN_BYTES_PER_S, what="request body").whole()
 
 
 class _BodyCut:

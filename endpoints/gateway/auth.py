@@ -33,6 +33,7 @@ from controlplane.accounts.models import Scope, email_is_verified
 from controlplane.accounts.tenancy import SESSION_KEY as ORG_SESSION_KEY
 from controlplane.accounts.tenancy import memberships_of
 from controlplane.credential_lookups import CredentialLookups, LookupsBusy
+from controlplane.hot_settings import hot
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import errors
 from endpoints.gateway.memo import Memo
@@ -84,7 +85,7 @@ def _lookup_key(plain: str) -> Caller | None:
     )
 
 
-_callers_by_key = Memo(_lookup_key, lambda: settings.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX,
+_callers_by_key = Memo(_lookup_key, lambda: hot.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX,
                        max_concurrent_loads=MAX_KEY_LOOKUPS)
 _refused_keys = API_KEY_LOOKUPS.refused
 _session_lookups = CredentialLookups(max_concurrent=MAX_SESSION_LOOKUPS, refused_for_s=REFUSED_SESSIONS_FOR_S)

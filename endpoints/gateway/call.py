@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -45,6 +46,9 @@ from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.tally import UsageTally
 
 logger = logging.getLogger("inferplane.requests")
+# The request log's line: one a call, at its end (`InferenceCall._observe`).
+REQUEST_LINE = ("request_id=%s org=%s key=%s endpoint=%s replica=%s status=%s prompt=%d cached=%d completion=%d "
+                "cold_start_s=%.3f duration_s=%.3f")
 
 # A client that leaves is noticed from this long after its call was admitted on (before: its call runs on).
 WATCH_DISCONNECT_AFTER_S = 0.05
@@ -781,13 +785,20 @@ class InferenceCall:
         duration_s = time.monotonic() - self._started_monotonic
         usage = self.usage
         self.metrics.observe_request(outcome, duration_s, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
-        logger.info(
-            "request_id=%s org=%s key=%s endpoint=%s replica=%s status=%s prompt=%d cached=%d completion=%d "
-            "cold_start_s=%.3f duration_s=%.3f",
-            self.request_id, self.caller.organization_id, self.caller.api_key_id, self.endpoint.name,
-            self.replica.id if self.replica else "-", outcome, usage.prompt_tokens, usage.cached_tokens,
-            usage.completion_tokens, self.cold_start_s, duration_s,
-        )
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        args = (self.request_id, self.caller.organization_id, self.caller.api_key_id, self.endpoint.name,
+                self.replica.id if self.replica else "-", outcome, usage.prompt_tokens, usage.cached_tokens,
+                usage.completion_tokens, self.cold_start_s, duration_s)
+        # NOTE: the record `logger.info` makes, file, line and function included, named here: `Logger.findCaller`
+        # walked the stack for them (~2.4 µs of the line's ~13, timed alone). The frame is never held in a local: a
+        # frame that holds itself is a cycle, which kept each call until the collector ran.
+        logger.handle(logger.makeRecord(logger.name, logging.INFO, _OBSERVED_AT.co_filename, sys._getframe().f_lineno,
+                                        REQUEST_LINE, args, None, _OBSERVED_AT.co_name))
+
+
+# The request line's call site: its file and function (`InferenceCall._observe`).
+_OBSERVED_AT = InferenceCall._observe.__code__
 
 
 def _retrieve(future: asyncio.Future) -> None:

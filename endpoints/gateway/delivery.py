@@ -47,8 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from django.conf import settings
-
+from controlplane.hot_settings import hot
 from controlplane.per_loop import PerLoop
 from endpoints.gateway import errors, upstream
 
@@ -92,9 +91,9 @@ class _Share:
         if not parked:
             return None
         first = parked[0]
-        if self.held < settings.GATEWAY_ANSWER_BYTES_PER_ORG or first is self.reader:
+        if self.held < hot.GATEWAY_ANSWER_BYTES_PER_ORG or first is self.reader:
             return first
-        if self.reader is None and self.held - self.reading < settings.GATEWAY_ANSWER_BYTES_PER_ORG:
+        if self.reader is None and self.held - self.reading < hot.GATEWAY_ANSWER_BYTES_PER_ORG:
             return first
         return None
 
@@ -113,7 +112,7 @@ class _Process:
     num_orgs: int = 0  # organisations with an answer open (`refuse_if_over`'s equal share)
 
     def over(self) -> bool:
-        return self.held >= settings.GATEWAY_ANSWER_BYTES_PER_PROCESS
+        return self.held >= hot.GATEWAY_ANSWER_BYTES_PER_PROCESS
 
     def resume_one(self) -> None:
         """The next organisation in line whose own bound lets one of its paused answers read on resumes that one, if
@@ -123,7 +122,7 @@ class _Process:
         NOTE: one at a time: resuming all at once had each read a piece before parking again, every time a slot
         freed, and those pieces piled up past the bound (437 MiB against 8 in a review's simulation)."""
         over = self.over()
-        if over and (self.reader is not None or self.waiting >= settings.GATEWAY_ANSWER_BYTES_PER_PROCESS):
+        if over and (self.reader is not None or self.waiting >= hot.GATEWAY_ANSWER_BYTES_PER_PROCESS):
             return
         line = self.line
         while line:
@@ -141,7 +140,7 @@ class _Process:
             self.num_parked -= 1
             # NOTE: the slots are taken now, not at its next piece: another answer reading could take one first, and
             # this one would read a piece and park again.
-            if share.held >= settings.GATEWAY_ANSWER_BYTES_PER_ORG:
+            if share.held >= hot.GATEWAY_ANSWER_BYTES_PER_ORG:
                 share.reader = holding
             if over:
                 self.reader = holding
@@ -167,17 +166,17 @@ def refuse_if_over(organization_id: int) -> None:
     share = outbox.shares.get(organization_id)
     if share is None or not share.held:
         return
-    if share.held >= settings.GATEWAY_ANSWER_BYTES_PER_ORG:
+    if share.held >= hot.GATEWAY_ANSWER_BYTES_PER_ORG:
         raise errors.OpenAIError(
             429, f"This organisation's answers hold {share.held // 2**20} MiB on this server, answers its clients have "
-                 f"not read yet included (at most {settings.GATEWAY_ANSWER_BYTES_PER_ORG // 2**20} MiB): read them, or "
+                 f"not read yet included (at most {hot.GATEWAY_ANSWER_BYTES_PER_ORG // 2**20} MiB): read them, or "
                  "close their connections, before sending more.", type="requests", code=UNREAD_ANSWERS,
             headers={"retry-after": "5"})
     process = outbox.process
     if process.over() and share.held * process.num_orgs >= process.held:
         raise errors.OpenAIError(
             429, f"This server holds {process.held // 2**20} MiB of answers (at most "
-                 f"{settings.GATEWAY_ANSWER_BYTES_PER_PROCESS // 2**20} MiB), and this organisation's, "
+                 f"{hot.GATEWAY_ANSWER_BYTES_PER_PROCESS // 2**20} MiB), and this organisation's, "
                  f"{share.held // 2**20} MiB with those its clients have not read yet, are an equal share of it or "
                  "more: read them, or close their connections, before sending more.", type="requests",
             code=UNREAD_ANSWERS, headers={"retry-after": "5"})
@@ -251,8 +250,8 @@ class Holding:
         share.reading += num_bytes
         process.held += num_bytes
         self.num_bytes += num_bytes
-        if (share.held < settings.GATEWAY_ANSWER_BYTES_PER_ORG
-                and process.held < settings.GATEWAY_ANSWER_BYTES_PER_PROCESS):
+        if (share.held < hot.GATEWAY_ANSWER_BYTES_PER_ORG
+                and process.held < hot.GATEWAY_ANSWER_BYTES_PER_PROCESS):
             if process.num_parked:
                 _settle(share, process)  # NOTE: under the bounds again: the paused go on one by one, each as one reads
             return False
@@ -263,15 +262,15 @@ class Holding:
             return True
         share = self._share
         process = self._process
-        if (share.held >= settings.GATEWAY_ANSWER_BYTES_PER_ORG and share.reader is not self
+        if (share.held >= hot.GATEWAY_ANSWER_BYTES_PER_ORG and share.reader is not self
                 and process.reader is not self):
-            if share.reader is None and share.held - share.reading < settings.GATEWAY_ANSWER_BYTES_PER_ORG:
+            if share.reader is None and share.held - share.reading < hot.GATEWAY_ANSWER_BYTES_PER_ORG:
                 share.reader = self
             else:
                 self._park(connection, first=False)
                 return True
         if process.over() and process.reader is not self:
-            if process.reader is None and process.waiting < settings.GATEWAY_ANSWER_BYTES_PER_PROCESS:
+            if process.reader is None and process.waiting < hot.GATEWAY_ANSWER_BYTES_PER_PROCESS:
                 process.reader = self
             else:
                 # NOTE: its organisation's reader goes first when its turn comes: no other of its answers may read.
@@ -378,13 +377,13 @@ async def _sweep(outbox: _Outbox) -> None:
 
 
 def _why_cut(call: Sending, now: float) -> str | None:
-    if call.sending_since is not None and now - call.sending_since > settings.GATEWAY_SEND_TIMEOUT_S:
+    if call.sending_since is not None and now - call.sending_since > hot.GATEWAY_SEND_TIMEOUT_S:
         return f"its client took none of its answer for {now - call.sending_since:.0f} s"
     # NOTE: the gateway holds a call's reservation up to `GATEWAY_MAX_ANSWER_WAIT_S` from its start, and it lapses one
     # reservation time later (`presence`): a call still answering a client that reads just fast enough would go on
     # with nothing held against the caps and credit. A third of that time is left for sending a whole answer that
     # came at the longest wait, and for the call's end.
-    if now - call.started_monotonic > settings.GATEWAY_MAX_ANSWER_WAIT_S + settings.BILLING_RESERVATION_TTL_S / 3:
+    if now - call.started_monotonic > hot.GATEWAY_MAX_ANSWER_WAIT_S + hot.BILLING_RESERVATION_TTL_S / 3:
         return f"it ran for {now - call.started_monotonic:.0f} s, the longest a call may"
     return None
 

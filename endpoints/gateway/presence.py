@@ -71,6 +71,7 @@ from billing.ledger import UsageReport
 from billing.quota import counters, server_change, sweep_index
 from controlplane import clock, redis_keys
 from controlplane.cancellation import end_if_cancelled
+from controlplane.hot_settings import hot
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import get_async_redis, get_redis, redis_time
 from controlplane.redis_scripts import Script
@@ -227,7 +228,7 @@ def track(request_id: str, organization_id: int, endpoint_id: str, replica_id: s
     held = serving[request_id] = Held(organization_id, endpoint_id, replica_id, reservation=reservation,
                                       progress=progress, call_token=call_token)
     if reservation is not None:
-        held.lapses_at = clock.redis_now() + settings.BILLING_RESERVATION_TTL_S - 1
+        held.lapses_at = clock.redis_now() + hot.BILLING_RESERVATION_TTL_S - 1
         _list_later(organization_id, held.lapses_at)
     return held
 
