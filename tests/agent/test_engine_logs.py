@@ -236,3 +236,60 @@ def test_the_engine_memory_a_replica_reports_survives_a_cut_between_its_memory_l
 
     assert log_path.stat().st_size == 0
     assert read_engine_memory(log_path) == before == EngineMemory(weights_mb=14848, kv_cache_mb=51200)
+
+
+def test_what_an_agent_killed_mid_cut_left_goes_at_the_next_agents_start(tmp_path):
+    logs_dir = tmp_path / "agent" / "logs"
+    logs_dir.mkdir(parents=True)
+    for name in ("r-old.log", "r-old.log.1", "r-old.log.1.partial", "standby.log", "standby.log.1.partial"):
+        logs_dir.joinpath(name).write_bytes(b"x" * 1000)
+
+    Supervisor(tmp_path / "agent")
+
+    assert sorted(path.name for path in logs_dir.iterdir()) == ["r-old.log", "r-old.log.1", "standby.log"]
+
+
+def test_what_a_cut_left_beside_a_pruned_replicas_log_goes_with_it(tmp_path, monkeypatch):
+    from gpu_agent.runtime import supervisor as supervisor_module
+
+    monkeypatch.setattr(supervisor_module, "KEPT_ENDED_LOGS", 0)
+    supervisor = Supervisor(
+        tmp_path / "agent",
+        command_factory=fake_engine_factory("--exit-after-s", "0"),
+        policy=SupervisorPolicy(max_consecutive_crashes=1),
+    )
+    try:
+        supervisor.start(make_spec("r-ended"), "/nonexistent")
+        wait_for_state(supervisor, "r-ended", ReplicaState.FAILED, timeout_s=60)
+        supervisor.logs_dir.joinpath("r-ended.log.1.partial").write_bytes(
+            b"being kept aside\n"
+        )  # agent killed mid-cut
+        supervisor.forget("r-ended")
+        assert list(supervisor.logs_dir.iterdir()) == []
+    finally:
+        supervisor.shutdown(timeout_s=1)
+
+
+def test_the_logs_stay_within_their_bound_while_a_walk_of_the_engines_folders_takes_long(
+    tmp_path, monkeypatch
+):
+    """An engine may slow the disk check's walk on purpose (200k files in its scratch took 1.7 s a walk): the logs are
+    bounded all the same. Here the walk never ends while the test runs."""
+    supervisor = Supervisor(tmp_path / "agent", policy=SupervisorPolicy(max_log_bytes=BOUND))
+    walking, walk_may_end = threading.Event(), threading.Event()
+
+    def endless_walk():
+        walking.set()
+        walk_may_end.wait(120)
+
+    monkeypatch.setattr(supervisor, "check_disk", endless_walk)
+    supervisor.start_monitor(interval_s=0.2)
+    try:
+        assert walking.wait(30)
+        log_path = supervisor.logs_dir / "standby.log"
+        crash_log(log_path, "standby")  # written while the walk goes on
+        wait_until(lambda: sizes_of(log_path)[0] <= BOUND, timeout_s=30)
+        assert 0 < sizes_of(log_path)[1] <= BOUND
+    finally:
+        walk_may_end.set()
+        supervisor.shutdown(timeout_s=1)
