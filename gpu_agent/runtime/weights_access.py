@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import ipaddress
+import logging
 import os
 import socket
 import threading
@@ -34,6 +35,8 @@ from botocore.config import Config
 
 from gpu_agent.protocol import ReplicaSpec, SourceCredentials, role_account
 from gpu_agent.runtime.weights_watchdog import guard_s3_connections
+
+logger = logging.getLogger(__name__)
 
 # Statuses and codes that mean "the store is down or busy", not "you may not read this".
 _TRANSIENT_S3_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"}
@@ -194,7 +197,7 @@ def s3_client(access: SourceAccess, source: str, *, default_endpoint_url: str | 
                 dropped.append(_clients.popitem(last=False)[1])
             to_close = [old for old in dropped if old is not None and old.drop()]
         for old in to_close:
-            old.client.close()
+            old.close()
     try:
         yield lent.client
     finally:
@@ -202,7 +205,7 @@ def s3_client(access: SourceAccess, source: str, *, default_endpoint_url: str | 
             lent.num_users -= 1
             close = lent.dropped and lent.num_users == 0
         if close:
-            lent.client.close()
+            lent.close()
 
 
 @dataclass(slots=True)
@@ -218,6 +221,15 @@ class _CachedClient:
         """Under `_clients_lock`: let it go; True when nobody uses it, so the caller closes it now."""
         self.dropped = True
         return self.num_users == 0
+
+    def close(self) -> None:
+        """Close its connections; a failure is logged, never raised. NOTE: raised, one dropped client's failing close
+        failed the unrelated fetch that dropped it, before that fetch's own client was ever handed back: its use
+        count never came down, and the cache never closed it."""
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - whatever botocore raises, the lender's caller must not see it
+            logger.warning("closing a dropped S3 client failed", exc_info=True)
 
 
 def _client_identity(access: SourceAccess, credentials, endpoint_url, region) -> tuple:

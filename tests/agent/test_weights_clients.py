@@ -107,3 +107,26 @@ def test_an_expired_client_replaced_by_a_new_one_is_closed(store, one_client_cac
         assert second is not first
 
     assert connections_to(store) == before
+
+
+def test_a_dropped_client_whose_close_fails_neither_fails_the_fetch_that_dropped_it_nor_keeps_its_client_open(
+    store, one_client_cached, caplog
+):
+    with s3_client(SourceAccess(), "s3://b/m", default_endpoint_url=store) as failing:
+        pass
+
+    def close_fails():
+        raise RuntimeError("close failed")
+
+    failing.close = close_fails  # as a botocore close may raise
+    before = connections_to(store)
+
+    # the next credentials drop the failing client
+    with s3_client(signed_access("OTHER"), "s3://b/m", default_endpoint_url=store) as client:
+        assert list_with(client) == 1
+    assert connections_to(store) == before + 1
+    with s3_client(signed_access("THIRD"), "s3://b/m", default_endpoint_url=store):
+        pass  # drops OTHER's client, which nobody uses any more: closed at once
+
+    assert connections_to(store) == before
+    assert "closing a dropped S3 client failed" in caplog.text

@@ -110,3 +110,38 @@ def test_a_fetch_that_fails_or_a_pull_abandoned_after_its_fetch_holds_no_pin(nod
     weights.unpin(path)
     weights.budget_bytes = 0
     assert weights.evict() == [path.name]  # nothing pinned is left
+
+
+def test_a_copy_a_fetch_pins_while_an_eviction_waits_for_its_lock_is_never_evicted(
+    s3,  # noqa: F811
+    s3_endpoint,  # noqa: F811
+    tiny_model_dir,
+    tmp_path,
+    monkeypatch,
+):
+    """The eviction checks the pins, then takes the key's lock: a pull's fetch(pin=True) of the same cached model runs
+    whole in between (the interpreter may switch threads there), as forced here from inside the eviction's lock call."""
+    upload_tiny_model(s3, "pin-gap", tiny_model_dir)
+    weights = WeightsCache(tmp_path / "weights", budget_bytes=None, s3_endpoint_url=s3_endpoint)
+    source = "s3://pin-gap/m"
+    cached = weights.fetch(source)  # cached and unpinned: the replica that used it ended
+    index = weights._index
+    real_key_lock = index.key_lock
+    pinned = []
+
+    def key_lock_after_a_pull(key, *, blocking=True):
+        if not blocking and key == cached.name and not pinned:  # the eviction, past its check of the pins
+            pull = threading.Thread(target=lambda: pinned.append(weights.fetch(source, pin=True)))
+            pull.start()
+            pull.join()
+        return real_key_lock(key, blocking=blocking)
+
+    monkeypatch.setattr(index, "key_lock", key_lock_after_a_pull)
+    evicted = weights._evict_lru(index.entries(), 1)  # another pull making room
+    monkeypatch.setattr(index, "key_lock", real_key_lock)
+
+    assert pinned == [cached]
+    assert evicted == []
+    assert cached.is_dir() and index.is_complete(cached.name)
+    weights.unpin(cached)
+    assert weights._evict_lru(index.entries(), 1) == [cached.name]  # unpinned, it goes as before
