@@ -61,10 +61,17 @@ class ExpiringSet:
 
     def add(self, member: Hashable) -> None:
         ttl_s = self._ttl_s() if callable(self._ttl_s) else self._ttl_s
+        now = time.monotonic()
         with self._lock:
-            self._expires_at[member] = time.monotonic() + ttl_s
+            self._expires_at[member] = now + ttl_s
             self._expires_at.move_to_end(member)
-            while len(self._expires_at) > self.max_entries:
+            # NOTE: the oldest added first, so those whose time is up are dropped here: before, they stayed until
+            # `max_entries` newer ones pushed them out, and a trickle of made-up credentials (~200 bytes each) grew a
+            # web process for a day or more, to ~20 MB a kind, rather than holding the last TTL's worth.
+            while self._expires_at:
+                oldest_expires_at = next(iter(self._expires_at.values()))
+                if oldest_expires_at >= now and len(self._expires_at) <= self.max_entries:
+                    break
                 self._expires_at.popitem(last=False)
 
     def discard(self, member: Hashable) -> None:

@@ -114,16 +114,18 @@ def child_env() -> dict[str, str]:
 
 
 def start_web_server(tmp_dir: Path, *, name: str = "web", extra_env: dict | None = None, workers: int = 1,
-                     server_args: tuple[str, ...] = (), zygote: WebZygote | None = None) -> tuple[ChildProcess, str]:
-    """A web server on the test database: one uvicorn process, or with `workers` > 1 the production
+                     server_args: tuple[str, ...] = (), zygote: WebZygote | None = None,
+                     launcher: bool = False) -> tuple[ChildProcess, str]:
+    """A web server on the test database: one uvicorn process, or with `workers` > 1 (or `launcher`) the production
     launcher (`controlplane.serve`) running that many gateway processes on one port. With `zygote`
     (and nothing but the session's environment) the process is forked from it, imports done."""
     port = free_port()
     env = child_env() | (extra_env or {})
-    if zygote is not None and zygote.serves(env) and workers == 1 and not server_args:
+    if zygote is not None and zygote.serves(env) and workers == 1 and not server_args and not launcher:
         child = zygote.fork(port, tmp_dir / f"{name}.log")
     else:
-        server = ["uvicorn", "controlplane.asgi:application"] if workers == 1 else ["controlplane.serve", "--workers", str(workers)]
+        launched = workers > 1 or launcher
+        server = ["controlplane.serve", "--workers", str(workers)] if launched else ["uvicorn", "controlplane.asgi:application"]
         child = ChildProcess(
             [sys.executable, "-m", *server, "--host", "127.0.0.1", "--port", str(port),
              "--no-access-log", "--log-level", "warning", *server_args],

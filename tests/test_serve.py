@@ -88,3 +88,10 @@ def test_uvicorns_graceful_wait_is_bounded_unless_given(monkeypatch, given, expe
     # so the image's own command (which passes no bound) waited for an upload or a console request until SIGKILL.
     args = _uvicorn_args(monkeypatch, given)
     assert [arg for arg in args if arg.startswith("--timeout-graceful-shutdown")] == [expected]
+
+
+def test_an_operators_malloc_arena_max_is_left_as_it_is():
+    # glibc read it as the process started, and the workers inherit it.
+    environ = {"MALLOC_ARENA_MAX": "8"}
+    serve.limit_malloc_arenas(environ)
+    assert environ == {"MALLOC_ARENA_MAX": "8"}

@@ -5,11 +5,13 @@ with the request (asgiref's `ThreadSensitiveContext`), so anything such a thread
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from django.db import connection
 
+from controlplane import serve
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import SYSTEM
 from endpoints.fleet.services import create_join_token
@@ -33,6 +35,30 @@ REGISTRATION = {
     "agent_version": "0.1.0",
     "supported_quantizations": ["none"],
 }
+
+# glibc maps each malloc arena but the main one as a heap of this size, aligned to it (HEAP_MAX_SIZE on 64 bits).
+MALLOC_HEAP_BYTES = 64 * 1024 * 1024
+NUM_CONCURRENT_REQUESTS = 24
+
+
+def malloc_arenas(pid: int) -> int:
+    """glibc malloc arenas of process `pid`: its main one and each heap it mapped for the others (from its maps:
+    anonymous, aligned, a written part and the reserved rest, 64 MiB together)."""
+    mappings = []
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(address, 16) for address in fields[0].split("-"))
+            mappings.append((low, high, fields[1], len(fields) > 5))
+    num_heaps = 0
+    for index, (low, high, permissions, named) in enumerate(mappings):
+        if named or low % MALLOC_HEAP_BYTES or not permissions.startswith("rw"):
+            continue
+        following = mappings[index + 1] if index + 1 < len(mappings) else None
+        if following and following[0] == high and following[2].startswith("---") and not following[3]:
+            high = following[1]
+        num_heaps += high - low == MALLOC_HEAP_BYTES
+    return 1 + num_heaps
 
 
 def others_sessions() -> int:
@@ -84,3 +110,20 @@ def test_the_web_process_holds_no_postgresql_session_once_its_requests_are_answe
     # long-lived threads (the loop's default executor: its beat, look-ups) keep theirs by design (`CONN_MAX_AGE`).
     wait_until(lambda: others_sessions() <= LONG_LIVED_SESSIONS, 10,
                message="the web process to close its requests' PostgreSQL sessions")
+
+
+def test_the_web_process_serves_its_request_threads_from_a_bounded_number_of_malloc_arenas(tmp_path, monkeypatch):
+    """Before, glibc gave each new request thread an arena of its own while fewer than 8 per core existed, each
+    keeping the free space of its busiest moment: the process's RSS climbed over its first ~12,000 requests and settled
+    higher the more cores it had. The launcher now limits them (`serve.limit_malloc_arenas`)."""
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    child, base_url = start_web_server(tmp_path, launcher=True)
+    try:
+        with ThreadPoolExecutor(NUM_CONCURRENT_REQUESTS) as clients:
+            for _ in range(3):
+                answers = list(clients.map(lambda _: httpx.get(f"{base_url}/healthz", timeout=30),
+                                           range(NUM_CONCURRENT_REQUESTS)))
+                assert {answer.status_code for answer in answers} == {200}
+        assert malloc_arenas(child.process.pid) <= serve.MALLOC_ARENA_MAX
+    finally:
+        child.stop()
