@@ -26,6 +26,9 @@ logger = logging.getLogger("inferplane.access")
 
 # URL parameters whose value is a secret: a link mailed to one person.
 SECRET_PATH_PARAMETERS = frozenset({"token"})
+# The scope key under which the gateway names a request it hands to Django (the Files and Batch APIs), so that its
+# access line carries the id its answer's `x-request-id` does.
+REQUEST_ID_SCOPE_KEY = "inferplane.request_id"
 _PARAMETER = re.compile(r"<(?:\w+:)?(\w+)>|\(\?P<(\w+)>")
 
 
@@ -106,4 +109,4 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_noting_status)
         finally:
-            log_answer(scope, status, started)
+            log_answer(scope, status, started, scope.get(REQUEST_ID_SCOPE_KEY, ""))

@@ -100,3 +100,26 @@ def test_paths_without_a_token_are_logged_as_they_came(caplog):
     asyncio.run(_answer(application, _scope("GET", "/verify-email/resend/")))
     asyncio.run(_answer(application, _scope("GET", "/invitations/")))
     assert [line.split('"')[1] for line in _lines(caplog)] == ["GET /verify-email/resend/", "GET /invitations/"]
+
+
+def test_a_files_api_answer_leaves_a_line_with_the_request_id_its_answer_names(caplog, org, member_client_factory):
+    """The gateway names each Files and Batch API answer it hands to Django (`x-request-id`): its access line names the
+    same id, so the one a support ticket quotes is found in the log (before: the header only, no id in any line)."""
+    key = member_client_factory(org).plain_key
+    caplog.set_level(logging.INFO, logger="inferplane.access")
+
+    async def answer() -> dict:
+        communicator = ApplicationCommunicator(application, _scope("GET", "/v1/files/file-nope",
+                                                                   [(b"authorization", f"Bearer {key}".encode())]))
+        await communicator.send_input({"type": "http.request", "body": b"", "more_body": False})
+        start = await communicator.receive_output(30)
+        while (await communicator.receive_output(30)).get("more_body"):
+            pass
+        await communicator.wait(30)
+        return start
+
+    start = asyncio.run(answer())
+    assert start["status"] == 404
+    (request_id,) = [value.decode() for name, value in start["headers"] if name == b"x-request-id"]
+    (line,) = _lines(caplog)
+    assert '"GET /v1/files/file-nope" 404 ' in line and line.endswith(f" request_id={request_id}")

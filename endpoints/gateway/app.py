@@ -27,7 +27,7 @@ from django.conf import settings
 
 from billing.usage_writer import replay_before_the_loop_ends, usage_recordable, writer_for_this_loop
 from controlplane import access_log
-from controlplane.access_log import log_answer
+from controlplane.access_log import REQUEST_ID_SCOPE_KEY, log_answer
 from controlplane.accounts.models import Role
 from controlplane.hot_settings import hot
 from controlplane.worker_threads import in_worker_thread
@@ -206,6 +206,7 @@ class Gateway:
         (`UploadPlaces.take`); its answer named `request_id`, if any, as every other `/v1` answer is (`x-request-id`)."""
         if request_id:
             send = _naming_request(send, request_id)
+            scope = scope | {REQUEST_ID_SCOPE_KEY: request_id}  # its access line names it too (`AccessLog`)
         if place is not None:
             send = self._marking_answered(send, place)
         body = _BodyCut(receive, max_bytes, idle_s=settings.FILES_UPLOAD_IDLE_S,
