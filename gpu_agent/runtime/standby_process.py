@@ -718,19 +718,24 @@ def _go_on_in_a_child() -> None:
 
 
 def _follow_the_engines_temporary_folder() -> None:
-    """Point what torch fixed under the zygote's temporary folder when imported at the engine's own (`tempfile` must
-    answer the engine's TMPDIR first), as a plain launch, which imports torch with that TMPDIR, has it.
+    """Point what torch fixed under the zygote's temporary folder when imported at a folder of the engine's own: its
+    precompiled C++ headers under inductor's cache (`TORCHINDUCTOR_CACHE_DIR`, the endpoint's cache on this node:
+    `sandbox.engine_folder_env`), else under the engine's temporary folder (`tempfile` must answer the engine's TMPDIR
+    first), as a plain launch, which imports torch with that TMPDIR, has it.
 
     NOTE: torch's inductor keeps its precompiled C++ headers in `codecache._HEADER_DIR`, under `gettempdir()` at
     import: in a zygote's child, the zygote's /tmp, where a confined engine may not write. The first kernel torch
     compiled for the CPU there (vLLM's sampler ranks each token with one for `logprobs`) raised a PermissionError in
-    the EngineCore, which died, and the engine with it: one call asking for logprobs stopped a CPU replica."""
+    the EngineCore, which died, and the engine with it: one call asking for logprobs stopped a CPU replica. Under the
+    engine's temporary folder each replica built the header again (~60 s on 2 cores, every call on the replica held
+    behind its first call asking for logprobs, a review found); under the endpoint's cache it is built once a node
+    (its name is a hash of its content and flags; inductor's lock serialises two replicas building it)."""
     codecache = sys.modules.get("torch._inductor.codecache")
     if codecache is None or not hasattr(codecache, "_HEADER_DIR"):
         return
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    codecache._HEADER_DIR = os.path.join(default_cache_dir(), "precompiled_headers")
+    codecache._HEADER_DIR = os.path.join(cache_dir(), "precompiled_headers")
     codecache._HEADER_LOCK_DIR = os.path.join(codecache._HEADER_DIR, "locks")
 
 
